@@ -1,0 +1,1 @@
+"""Built-in checkpoint loaders, one module per format (registered as ``pgconvert.loaders``)."""

@@ -1,0 +1,296 @@
+"""Loader for Megatron-LM per-rank checkpoints (``mp_rank_*/model_optim_rng.pt``)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pgconvert.config import ModelConfig
+from pgconvert.errors import CheckpointError, LayoutError
+from pgconvert.formats import Loader, LoadOptions
+from pgconvert.grid import RankCoord, build_converter_process_groups, iter_ranks
+from pgconvert.layout import ParallelLayout
+from pgconvert.megatron_format import (
+    ITERATION_DIR_RE,
+    RANK_DIR_RE,
+    RANK_FILE,
+    TRACKER_FILE,
+    config_from_args,
+    iteration_dir_name,
+    layout_from_args,
+    rank_dir_name,
+    safe_torch_load,
+)
+from pgconvert.provider import LAYER_PREFIX, TensorSpec, canonical_layer, canonical_names, provide
+from pgconvert.rules import ReplicaMismatchError
+from pgconvert.stream import CanonicalSource, ExtraState, TensorMeta
+
+log = logging.getLogger(__name__)
+
+EXTRA_STATE_SUFFIX = "._extra_state"
+# Rotary frequencies are recomputed from the config by every framework; they are not weights.
+IGNORED_SUFFIXES = (".inv_freq",)
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """Where one rank's piece of a canonical tensor lives."""
+
+    coord: RankCoord
+    spec: TensorSpec
+
+
+class MegatronLoader(Loader):
+    name = "megatron"
+
+    def detect(self, path: Path) -> bool:
+        if not path.is_dir():
+            return False
+        if (path / TRACKER_FILE).is_file() or (path / "release").is_dir():
+            return True
+        if any(ITERATION_DIR_RE.match(child.name) for child in path.iterdir() if child.is_dir()):
+            return True
+        return any(RANK_DIR_RE.match(child.name) for child in path.iterdir() if child.is_dir())
+
+    def open(self, path: Path, options: LoadOptions) -> MegatronSource:
+        iteration_dir, iteration, release = resolve_iteration_dir(path, options.iteration)
+        return MegatronSource(iteration_dir, iteration, release, options)
+
+
+def resolve_iteration_dir(root: Path, iteration: int | None) -> tuple[Path, int | None, bool]:
+    """The iteration directory to read: ``--iteration``, else the tracker file, else the only one."""
+    if any(RANK_DIR_RE.match(child.name) for child in root.iterdir() if child.is_dir()):
+        match = ITERATION_DIR_RE.match(root.name)
+        return root, int(match.group(1)) if match else None, root.name == "release"
+    present = sorted(
+        int(m.group(1)) for child in root.iterdir()
+        if child.is_dir() and (m := ITERATION_DIR_RE.match(child.name))
+    )
+    has_release = (root / "release").is_dir()
+    if iteration is not None:
+        directory = root / iteration_dir_name(iteration, release=False)
+        if not directory.is_dir():
+            raise CheckpointError(
+                f"{root}: --iteration {iteration}: {directory.name} does not exist "
+                f"(present: {', '.join(map(str, present)) or 'none'})"
+            )
+        return directory, iteration, False
+    tracker = root / TRACKER_FILE
+    if tracker.is_file():
+        text = tracker.read_text().strip()
+        if text == "release":
+            if not has_release:
+                raise CheckpointError(f"{tracker}: names 'release' but {root / 'release'} is missing")
+            return root / "release", None, True
+        if not text.isdigit():
+            raise CheckpointError(f"{tracker}: expected an iteration number or 'release', found {text!r}")
+        directory = root / iteration_dir_name(int(text), release=False)
+        if not directory.is_dir():
+            raise CheckpointError(
+                f"{tracker}: names iteration {int(text)} but {directory.name} is missing "
+                f"(present: {', '.join(map(str, present)) or 'none'})"
+            )
+        return directory, int(text), False
+    if has_release and not present:
+        return root / "release", None, True
+    if len(present) == 1 and not has_release:
+        return root / iteration_dir_name(present[0], release=False), present[0], False
+    if not present:
+        raise CheckpointError(f"{root}: no {TRACKER_FILE}, iter_* or release directory")
+    raise CheckpointError(
+        f"{root}: no {TRACKER_FILE} and several iterations ({', '.join(map(str, present))}"
+        f"{', release' if has_release else ''}); choose one with --iteration"
+    )
+
+
+def _detect_impl(model: dict[str, Any]) -> str:
+    if any(key.endswith(".layer_norm_weight") or key.endswith(EXTRA_STATE_SUFFIX) for key in model):
+        return "transformer_engine"
+    return "local"
+
+
+class MegatronSource(CanonicalSource):
+    """All rank files of one iteration, memory-mapped; tensors are merged on demand."""
+
+    format_name = "megatron"
+
+    def __init__(self, iteration_dir: Path, iteration: int | None, release: bool, options: LoadOptions) -> None:
+        self.directory = iteration_dir
+        rank_dirs = {
+            child.name: child for child in sorted(iteration_dir.iterdir())
+            if child.is_dir() and RANK_DIR_RE.match(child.name)
+        }
+        if not rank_dirs:
+            raise CheckpointError(f"{iteration_dir}: no mp_rank_* directories")
+        first_name = min(rank_dirs)
+        first_file = rank_dirs[first_name] / RANK_FILE
+        if not first_file.is_file():
+            raise CheckpointError(f"{first_file}: missing rank file")
+        first_state = safe_torch_load(first_file)
+        args = first_state.get("args")
+        if not isinstance(args, argparse.Namespace):
+            raise CheckpointError(f"{first_file}: no 'args' namespace; cannot determine the model and layout")
+        layout = layout_from_args(args, first_file)
+        self.layout = layout
+        self._check_user_layout(options, layout, first_file)
+        expected = {
+            rank_dir_name(c.tp, c.pp, c.ep, layout.pp, layout.ep): c for c in iter_ranks(layout)
+        }
+        missing = sorted(set(expected) - set(rank_dirs))
+        unexpected = sorted(set(rank_dirs) - set(expected))
+        if missing:
+            raise CheckpointError(
+                f"{iteration_dir}: missing rank files for {layout.describe()} (from args): "
+                + ", ".join(f"{name}/{RANK_FILE}" for name in missing)
+            )
+        if unexpected:
+            raise CheckpointError(
+                f"{iteration_dir}: unexpected rank directories for {layout.describe()} (from args): "
+                + ", ".join(unexpected)
+            )
+        self.files: dict[RankCoord, Path] = {}
+        models: dict[RankCoord, dict[str, Any]] = {}
+        for name, coord in expected.items():
+            path = rank_dirs[name] / RANK_FILE
+            if not path.is_file():
+                raise CheckpointError(f"{path}: missing rank file")
+            state = first_state if name == first_name else safe_torch_load(path)
+            if "model" not in state:
+                if any(key.startswith("model") and key[5:].isdigit() for key in state):
+                    raise CheckpointError(f"{path}: holds virtual-pipeline chunks (model0, …); not supported yet")
+                raise CheckpointError(f"{path}: no 'model' state dict")
+            self.files[coord] = path
+            models[coord] = state["model"]
+        impl = _detect_impl(models[RankCoord(0, 0)])
+        config = config_from_args(args, first_file, impl, options.true_vocab_size)
+        layout.validate(config, "src")
+        padded = getattr(args, "padded_vocab_size", None)
+        if not isinstance(padded, int):
+            embedding = models[RankCoord(0, 0)].get("embedding.word_embeddings.weight")
+            if not isinstance(embedding, torch.Tensor):
+                raise CheckpointError(f"{first_file}: no args.padded_vocab_size and no word embeddings")
+            padded = embedding.shape[0] * layout.tp
+        if config.vocab_size is not None and config.vocab_size > padded:
+            raise CheckpointError(
+                f"{first_file}: true vocab size {config.vocab_size} exceeds the padded vocab {padded}"
+            )
+        super().__init__(config, padded, iteration, release, megatron_args=args)
+        self._models = models
+        self._pieces: dict[str, list[_Piece]] = defaultdict(list)
+        self._extra: dict[str, ExtraState] = {}
+        self._index(padded)
+        self._order = canonical_names(config)
+        uncovered = sorted(set(self._order) - set(self._pieces))
+        if uncovered:
+            raise CheckpointError(f"{iteration_dir}: no rank holds {uncovered}")
+
+    @staticmethod
+    def _check_user_layout(options: LoadOptions, layout: ParallelLayout, path: Path) -> None:
+        for flag, given, found in (("--src-tp", options.src_tp, layout.tp), ("--src-pp", options.src_pp, layout.pp)):
+            if given is not None and given != found:
+                raise LayoutError(f"{flag} {given}: the checkpoint's args say {found} ({path})")
+
+    def _index(self, padded: int) -> None:
+        groups = build_converter_process_groups(self.layout)
+        for coord, path in self.files.items():
+            groups.set_coord(coord)
+            shard = provide(self.config, groups, padded_vocab_size=padded)
+            model = self._models[coord]
+            specs = shard.by_local_name()
+            unexpected = []
+            for key, value in model.items():
+                if key.endswith(EXTRA_STATE_SUFFIX):
+                    canonical = _to_global(key, shard.layers.start)
+                    extra = self._extra.setdefault(canonical, ExtraState(tp_size=self.layout.tp))
+                    extra.by_tp_rank[coord.tp] = value
+                    continue
+                if key.endswith(IGNORED_SUFFIXES):
+                    log.info("%s: skipping %s (recomputed buffer, not a weight)", path, key)
+                    continue
+                spec = specs.get(key)
+                if spec is None:
+                    unexpected.append(key)
+                    continue
+                if not isinstance(value, torch.Tensor):
+                    raise CheckpointError(f"{path}: {key} is a {type(value).__name__}, expected a tensor")
+                if tuple(value.shape) != spec.local_shape:
+                    raise CheckpointError(
+                        f"{path}: {key} has shape {list(value.shape)}, expected {list(spec.local_shape)} "
+                        f"for tp={self.layout.tp} (global {list(spec.global_shape)} from the checkpoint's args)"
+                    )
+                self._pieces[spec.canonical].append(_Piece(coord, spec))
+            missing = sorted(set(specs) - set(model))
+            if missing or unexpected:
+                raise CheckpointError(
+                    f"{path}: state dict does not match the model described by its args "
+                    f"(transformer_impl={self.config.transformer_impl}); "
+                    f"missing: {missing}; unexpected: {sorted(unexpected)}"
+                )
+        for name, pieces in self._pieces.items():
+            dtypes = {self._tensor(p).dtype for p in pieces}
+            if len(dtypes) > 1:
+                raise CheckpointError(f"{name}: ranks disagree on dtype ({sorted(map(str, dtypes))})")
+
+    def _tensor(self, piece: _Piece) -> torch.Tensor:
+        return self._models[piece.coord][piece.spec.local_name]
+
+    def names(self) -> list[str]:
+        return list(self._order)
+
+    def meta(self, name: str) -> TensorMeta:
+        piece = self._pieces[name][0]
+        shape = list(piece.spec.global_shape)
+        return TensorMeta(tuple(shape), self._tensor(piece).dtype)
+
+    def load(self, name: str) -> torch.Tensor:
+        pieces = self._pieces.get(name)
+        if not pieces:
+            raise KeyError(name)
+        by_stage: dict[tuple[int, str], list[_Piece]] = defaultdict(list)
+        for piece in pieces:
+            by_stage[(piece.coord.pp, piece.spec.local_name)].append(piece)
+        merged: torch.Tensor | None = None
+        merged_from: Path | None = None
+        for stage_pieces in by_stage.values():
+            stage_pieces.sort(key=lambda p: p.coord.tp)
+            rule = stage_pieces[0].spec.rule
+            tensors = [self._tensor(p) for p in stage_pieces]
+            try:
+                full = rule.merge(tensors)
+            except ReplicaMismatchError as exc:
+                first, second = (self.files[stage_pieces[i].coord] for i in exc.ranks)
+                raise CheckpointError(
+                    f"{name}: replicated tensor differs between ranks ({stage_pieces[0].spec.local_name} "
+                    f"in {first} and {second})"
+                ) from exc
+            if merged is None:
+                merged, merged_from = full, self.files[stage_pieces[0].coord]
+            elif not torch.equal(merged, full):
+                # The tied output-layer copy on the last stage must equal the first stage's embedding.
+                raise CheckpointError(
+                    f"{name}: the copies in {merged_from} and {self.files[stage_pieces[0].coord]} "
+                    f"({stage_pieces[0].spec.local_name}) differ"
+                )
+        assert merged is not None
+        return merged
+
+    def extra_states(self) -> dict[str, ExtraState]:
+        return dict(self._extra)
+
+    def close(self) -> None:
+        self._models.clear()
+        self._pieces.clear()
+
+
+def _to_global(local_key: str, layer_offset: int) -> str:
+    parsed = canonical_layer(local_key)
+    if parsed is None:
+        return local_key
+    index, rest = parsed
+    return f"{LAYER_PREFIX}{index + layer_offset}.{rest}"

@@ -1,0 +1,227 @@
+"""Orchestration: detect the source, plan the destination, write it completely or not at all."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pgconvert.errors import DestinationError
+from pgconvert.formats import DTYPE_CHOICES, LoadOptions, PlannedFile, Saver, SaveOptions
+from pgconvert.layout import ParallelLayout
+from pgconvert.registry import detect_format, get_loader, get_saver
+from pgconvert.stream import CanonicalSource
+
+log = logging.getLogger(__name__)
+
+PARTIAL_MARKER = ".pgconvert-partial-"
+
+
+@dataclass(frozen=True)
+class ConvertRequest:
+    """One conversion as the user asked for it; ``None`` fields are detected or kept from the source."""
+
+    src: Path
+    dst: Path
+    src_format: str | None = None
+    dst_format: str | None = None
+    dst_tp: int | None = None
+    dst_pp: int | None = None
+    dst_first_stage_layers: int | None = None
+    dst_last_stage_layers: int | None = None
+    src_tp: int | None = None
+    src_pp: int | None = None
+    iteration: int | None = None
+    true_vocab_size: int | None = None
+    dtype: str = "keep"
+    overwrite: bool = False
+
+
+@dataclass
+class Plan:
+    """What a conversion will do, computed from the source's metadata before anything is written."""
+
+    request: ConvertRequest
+    src_format: str
+    dst_format: str
+    source: CanonicalSource
+    src_layout: ParallelLayout | None
+    saver: Saver
+    save_options: SaveOptions
+    files: list[PlannedFile]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(item.nbytes for item in self.files)
+
+
+@dataclass
+class Report:
+    """What a conversion did."""
+
+    src: Path
+    dst: Path
+    src_format: str
+    dst_format: str
+    src_layout: str | None
+    dst_layout: str
+    files: list[PlannedFile] = field(default_factory=list)
+    notices: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(item.nbytes for item in self.files)
+
+
+def _is_within(path: Path, parent: Path) -> bool:
+    try:
+        path.relative_to(parent)
+    except ValueError:
+        return False
+    return True
+
+
+def check_destination(dst: Path, overwrite: bool, src: Path | None = None) -> None:
+    """Refuse destinations that would destroy the source or an unrelated directory."""
+    dst_real = dst.resolve()
+    if src is not None:
+        src_real = src.resolve()
+        if _is_within(dst_real, src_real):
+            raise DestinationError(f"DST {dst} is inside SRC {src}; choose a destination outside the source")
+        if _is_within(src_real, dst_real):
+            raise DestinationError(f"DST {dst} contains SRC {src}; choose a destination outside the source")
+    if dst.exists() and not dst.is_dir():
+        raise DestinationError(f"DST {dst} exists and is not a directory")
+    if dst.is_dir() and any(dst.iterdir()) and not overwrite:
+        raise DestinationError(f"DST {dst} exists and is not empty; pass --overwrite to replace it")
+    parent = dst_real.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise DestinationError(f"DST {dst}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise DestinationError(f"DST {dst}: parent directory {parent} is not writable")
+
+
+def _dst_layout(request: ConvertRequest, src_layout: ParallelLayout | None) -> ParallelLayout:
+    base = src_layout or ParallelLayout()
+    pp = request.dst_pp if request.dst_pp is not None else base.pp
+    keep_stages = request.dst_pp is None or request.dst_pp == base.pp
+    first = request.dst_first_stage_layers
+    last = request.dst_last_stage_layers
+    if first is None and last is None and keep_stages:
+        first, last = base.first_stage_layers, base.last_stage_layers
+    return ParallelLayout(
+        tp=request.dst_tp if request.dst_tp is not None else base.tp,
+        pp=pp,
+        first_stage_layers=first,
+        last_stage_layers=last,
+    )
+
+
+def plan(request: ConvertRequest) -> Plan:
+    """Open the source and compute every destination file; validates everything, writes nothing."""
+    src = request.src
+    if not src.exists():
+        raise DestinationError(f"SRC {src} does not exist")
+    check_destination(request.dst, request.overwrite, src)
+    src_format = request.src_format or detect_format(src)
+    dst_format = request.dst_format or src_format
+    loader = get_loader(src_format)
+    saver = get_saver(dst_format)
+    if request.dtype not in DTYPE_CHOICES:
+        raise DestinationError(f"--dtype {request.dtype}: must be one of {', '.join(DTYPE_CHOICES)}")
+    source = loader.open(src, LoadOptions(
+        iteration=request.iteration,
+        src_tp=request.src_tp,
+        src_pp=request.src_pp,
+        true_vocab_size=request.true_vocab_size,
+    ))
+    try:
+        src_layout = getattr(source, "layout", None)
+        save_options = SaveOptions(layout=_dst_layout(request, src_layout), dtype=DTYPE_CHOICES[request.dtype])
+        saver.validate(source, save_options)
+        files = saver.plan(source, save_options)
+    except BaseException:
+        source.close()
+        raise
+    return Plan(request, src_format, dst_format, source, src_layout, saver, save_options, files)
+
+
+@contextmanager
+def staged_output(dst: Path, overwrite: bool) -> Iterator[Path]:
+    """A temporary sibling of ``dst`` that becomes ``dst`` only if the body finishes.
+
+    On any failure, Ctrl-C included, the sibling is removed, so no directory is left that looks
+    like a finished checkpoint; a process killed outright leaves only a hidden ``.pgconvert-partial``
+    directory, never ``dst``.
+    """
+    dst = dst.absolute()
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    staging = dst.parent / f".{dst.name}{PARTIAL_MARKER}{uuid.uuid4().hex[:12]}"
+    staging.mkdir()
+    try:
+        yield staging
+        _fsync_dir(staging)
+        if dst.exists():
+            if any(dst.iterdir()) and not overwrite:
+                raise DestinationError(f"DST {dst} appeared during the conversion and is not empty")
+            retired = dst.parent / f".{dst.name}.pgconvert-old-{uuid.uuid4().hex[:12]}"
+            dst.rename(retired)
+            staging.rename(dst)
+            shutil.rmtree(retired)
+        else:
+            staging.rename(dst)
+        _fsync_dir(dst.parent)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def execute(conversion: Plan, progress: Callable[[int], None] | None = None) -> Report:
+    """Write the planned destination; the source is closed afterwards."""
+    request = conversion.request
+    started = time.perf_counter()
+    try:
+        with staged_output(request.dst, request.overwrite) as staging:
+            result = conversion.saver.save(
+                conversion.source, staging, conversion.save_options, progress or (lambda nbytes: None)
+            )
+    finally:
+        conversion.source.close()
+    notices = list(conversion.source.notices) + result.notices
+    for notice in notices:
+        log.info("%s", notice)
+    return Report(
+        src=request.src,
+        dst=request.dst,
+        src_format=conversion.src_format,
+        dst_format=conversion.dst_format,
+        src_layout=conversion.src_layout.describe() if conversion.src_layout else None,
+        dst_layout=conversion.save_options.layout.describe(),
+        files=result.files,
+        notices=notices,
+        seconds=time.perf_counter() - started,
+    )
+
+
+def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], **options: object) -> Report:
+    """Convert the checkpoint at ``src`` into ``dst``; options are the fields of ``ConvertRequest``."""
+    request = ConvertRequest(src=Path(src), dst=Path(dst), **options)  # type: ignore[arg-type]
+    return execute(plan(request))
+

@@ -1,0 +1,44 @@
+"""The one error family of pgconvert.
+
+Library code raises these and never prints or exits; the CLI maps them to exit codes:
+``ValidationError`` (a request that cannot be honoured: bad layout, bad destination) exits 2,
+every other ``PgconvertError`` (a source that is broken, a failed write) exits 1.
+"""
+
+from __future__ import annotations
+
+
+class PgconvertError(ValueError):
+    """Base class of every error pgconvert raises on purpose."""
+
+    exit_code: int = 1
+
+
+class ValidationError(PgconvertError):
+    """The request is impossible: detected before any file is written."""
+
+    exit_code = 2
+
+
+class ConfigError(ValidationError):
+    """A model configuration field is missing or violates a constraint."""
+
+
+class LayoutError(ValidationError):
+    """A parallel layout does not fit the model (divisibility, stage sizes)."""
+
+
+class DestinationError(ValidationError):
+    """The destination path cannot be used (exists, inside the source, not writable)."""
+
+
+class CheckpointError(PgconvertError):
+    """A source checkpoint is missing files, corrupt, or inconsistent."""
+
+
+class UnsafePickleError(CheckpointError):
+    """A pickle in the source refers to a global outside the allowlist."""
+
+
+class PluginError(PgconvertError):
+    """A loader or saver plugin is unknown or failed to import."""

@@ -1,0 +1,82 @@
+"""The contract between the orchestrator and format plugins (loaders and savers)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from pgconvert.layout import ParallelLayout
+from pgconvert.stream import CanonicalSource
+
+DTYPE_CHOICES: dict[str, torch.dtype | None] = {
+    "keep": None,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp32": torch.float32,
+}
+
+Progress = Callable[[int], None]
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """What the user told us about the source; ``None`` means "detect it"."""
+
+    iteration: int | None = None
+    src_tp: int | None = None
+    src_pp: int | None = None
+    true_vocab_size: int | None = None
+
+
+@dataclass(frozen=True)
+class SaveOptions:
+    """How the destination is written."""
+
+    layout: ParallelLayout
+    dtype: torch.dtype | None = None
+
+
+@dataclass(frozen=True)
+class PlannedFile:
+    """One destination file: its path relative to the output root, tensor count and size."""
+
+    relpath: str
+    tensors: int
+    nbytes: int
+
+
+@dataclass
+class SaveResult:
+    files: list[PlannedFile] = field(default_factory=list)
+    notices: list[str] = field(default_factory=list)
+
+
+class Loader:
+    """A source format. Subclasses set ``name`` and implement ``detect`` and ``open``."""
+
+    name: str = "?"
+
+    def detect(self, path: Path) -> bool:
+        raise NotImplementedError
+
+    def open(self, path: Path, options: LoadOptions) -> CanonicalSource:
+        raise NotImplementedError
+
+
+class Saver:
+    """A destination format. ``plan`` must not write anything; ``save`` writes under ``out_dir``."""
+
+    name: str = "?"
+
+    def validate(self, source: CanonicalSource, options: SaveOptions) -> None:
+        """Raise a ValidationError when the target cannot be produced from this source."""
+
+    def plan(self, source: CanonicalSource, options: SaveOptions) -> list[PlannedFile]:
+        raise NotImplementedError
+
+    def save(self, source: CanonicalSource, out_dir: Path, options: SaveOptions,
+             progress: Progress) -> SaveResult:
+        raise NotImplementedError

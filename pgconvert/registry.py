@@ -1,0 +1,76 @@
+"""Format plugins: built-in ones by name, third-party ones through entry points.
+
+Third-party packages register ``pgconvert.loaders`` / ``pgconvert.savers`` entry points naming a
+``Loader`` / ``Saver`` subclass. An import error in a plugin is reported, never swallowed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from importlib.metadata import entry_points
+from pathlib import Path
+
+from pgconvert.errors import CheckpointError, PluginError
+from pgconvert.formats import Loader, Saver
+
+log = logging.getLogger(__name__)
+
+BUILTIN_LOADERS: dict[str, str] = {"megatron": "loaders.megatron:MegatronLoader"}
+BUILTIN_SAVERS: dict[str, str] = {"megatron": "savers.megatron:MegatronSaver"}
+
+
+def _targets(group: str, builtins: dict[str, str]) -> dict[str, str]:
+    targets = dict(builtins)
+    for entry in entry_points(group=group):
+        targets.setdefault(entry.name, entry.value)
+    return targets
+
+
+def loader_names() -> list[str]:
+    return sorted(_targets("pgconvert.loaders", BUILTIN_LOADERS))
+
+
+def saver_names() -> list[str]:
+    return sorted(_targets("pgconvert.savers", BUILTIN_SAVERS))
+
+
+def _instantiate(kind: str, name: str, target: str) -> object:
+    module_name, _, attr = target.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+        factory = getattr(module, attr)
+    except Exception as exc:  # a broken plugin must be visible, whatever it raised
+        raise PluginError(f"{kind} {name!r} ({target}) failed to import: {type(exc).__name__}: {exc}") from exc
+    return factory()
+
+
+def get_loader(name: str) -> Loader:
+    targets = _targets("pgconvert.loaders", BUILTIN_LOADERS)
+    if name not in targets:
+        raise PluginError(f"source format {name!r}: unknown; known formats: {', '.join(sorted(targets))}")
+    loader = _instantiate("loader", name, targets[name])
+    assert isinstance(loader, Loader), f"{targets[name]} is not a pgconvert Loader"
+    return loader
+
+
+def get_saver(name: str) -> Saver:
+    targets = _targets("pgconvert.savers", BUILTIN_SAVERS)
+    if name not in targets:
+        raise PluginError(f"destination format {name!r}: unknown; known formats: {', '.join(sorted(targets))}")
+    saver = _instantiate("saver", name, targets[name])
+    assert isinstance(saver, Saver), f"{targets[name]} is not a pgconvert Saver"
+    return saver
+
+
+def detect_format(path: Path) -> str:
+    """The name of the one loader that recognises ``path``."""
+    found = [name for name in loader_names() if get_loader(name).detect(path)]
+    if not found:
+        raise CheckpointError(
+            f"{path}: not a checkpoint of any known format ({', '.join(loader_names())}); "
+            "expected e.g. latest_checkpointed_iteration.txt or iter_*/mp_rank_*/model_optim_rng.pt"
+        )
+    if len(found) > 1:
+        raise CheckpointError(f"{path}: matches several formats ({', '.join(found)}); pass --src-format")
+    return found[0]

@@ -1,0 +1,118 @@
+"""The canonical stream: global tensors by canonical name, in layer order, produced lazily.
+
+A loader turns a checkpoint into a ``CanonicalSource``; a saver consumes one. Neither knows the
+other's format. Sources load one tensor at a time, so no step needs the whole model in memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from pgconvert.config import ModelConfig
+from pgconvert.errors import CheckpointError
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Shape and dtype of a global tensor, known without loading it."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        count = 1
+        for dim in self.shape:
+            count *= dim
+        return count * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass
+class ExtraState:
+    """Opaque per-rank module state (Transformer Engine's FP8 metadata): meaningful only at the
+    TP size it was saved with, so it is carried per TP rank and never merged."""
+
+    tp_size: int
+    by_tp_rank: dict[int, object] = field(default_factory=dict)
+
+
+class CanonicalSource:
+    """Base of every loaded checkpoint: names, metadata and lazy tensors in canonical form.
+
+    ``vocab_rows`` is the row count of the vocab tables in this stream: the source's padded table
+    (padding rows are kept so same-size targets stay bit-exact) or the true vocab size.
+    """
+
+    format_name: str = "?"
+
+    def __init__(self, config: ModelConfig, vocab_rows: int, iteration: int | None = None,
+                 release: bool = False, megatron_args: argparse.Namespace | None = None) -> None:
+        self.config = config
+        self.vocab_rows = vocab_rows
+        self.iteration = iteration
+        self.release = release
+        self.megatron_args = megatron_args
+        self.notices: list[str] = []
+
+    def names(self) -> list[str]:
+        raise NotImplementedError
+
+    def meta(self, name: str) -> TensorMeta:
+        raise NotImplementedError
+
+    def load(self, name: str) -> torch.Tensor:
+        raise NotImplementedError
+
+    def extra_states(self) -> dict[str, ExtraState]:
+        """Opaque ``_extra_state`` entries by canonical name (empty for formats without them)."""
+        return {}
+
+    def total_bytes(self) -> int:
+        return sum(self.meta(name).nbytes for name in self.names())
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name in self.names():
+            yield name, self.load(name)
+
+    def close(self) -> None:
+        """Release files and mappings; the source is unusable afterwards."""
+
+    def __enter__(self) -> CanonicalSource:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class InMemorySource(CanonicalSource):
+    """A canonical source over tensors already in memory (examples, tests, small models)."""
+
+    format_name = "memory"
+
+    def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor], vocab_rows: int | None = None,
+                 iteration: int | None = None, release: bool = False) -> None:
+        from pgconvert.provider import canonical_names
+
+        expected = canonical_names(config)
+        missing = sorted(set(expected) - set(tensors))
+        unexpected = sorted(set(tensors) - set(expected))
+        if missing or unexpected:
+            raise CheckpointError(f"in-memory model: missing {missing}, unexpected {unexpected}")
+        rows = tensors["embedding.word_embeddings.weight"].shape[0]
+        super().__init__(config, vocab_rows if vocab_rows is not None else rows, iteration, release)
+        self._order = expected
+        self._tensors = tensors
+
+    def names(self) -> list[str]:
+        return list(self._order)
+
+    def meta(self, name: str) -> TensorMeta:
+        tensor = self._tensors[name]
+        return TensorMeta(tuple(tensor.shape), tensor.dtype)
+
+    def load(self, name: str) -> torch.Tensor:
+        return self._tensors[name]

@@ -1,0 +1,1 @@
+"""Built-in checkpoint savers, one module per format (registered as ``pgconvert.savers``)."""

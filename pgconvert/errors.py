@@ -32,6 +32,10 @@ class DestinationError(ValidationError):
     """The destination path cannot be used (exists, inside the source, not writable)."""
 
 
+class NotACheckpointError(ValidationError):
+    """SRC is not a checkpoint of any known format: a wrong argument, not a broken file."""
+
+
 class CheckpointError(PgconvertError):
     """A source checkpoint is missing files, corrupt, or inconsistent."""
 

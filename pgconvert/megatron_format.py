@@ -129,10 +129,7 @@ def safe_torch_load(path: Path) -> dict[str, Any]:
 
 
 def _unsafe_global(message: str) -> str | None:
-    match = re.search(r"Unsupported global: GLOBAL ([\w.]+)", message)
-    if match:
-        return f"global {match.group(1)}"
-    match = re.search(r"(?:Unsupported operand|Unsupported class) ([\w.]+)", message)
+    match = re.search(r"GLOBAL ([\w.]+)", message)
     return f"global {match.group(1)}" if match else None
 
 

@@ -11,7 +11,7 @@ import logging
 from importlib.metadata import entry_points
 from pathlib import Path
 
-from pgconvert.errors import CheckpointError, PluginError
+from pgconvert.errors import CheckpointError, NotACheckpointError, PluginError
 from pgconvert.formats import Loader, Saver
 
 log = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ def detect_format(path: Path) -> str:
     """The name of the one loader that recognises ``path``."""
     found = [name for name in loader_names() if get_loader(name).detect(path)]
     if not found:
-        raise CheckpointError(
+        raise NotACheckpointError(
             f"{path}: not a checkpoint of any known format ({', '.join(loader_names())}); "
             "expected e.g. latest_checkpointed_iteration.txt or iter_*/mp_rank_*/model_optim_rng.pt"
         )

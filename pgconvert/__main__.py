@@ -1,0 +1,5 @@
+"""``python -m pgconvert`` runs the CLI."""
+
+from pgconvert.cli import main
+
+main()

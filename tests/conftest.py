@@ -1,0 +1,36 @@
+"""Shared fixtures: tiny models covering the architecture matrix of the design."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from megatron_fixtures import TinyModel
+
+# GQA + SwiGLU + RMSNorm + RoPE + untied + padded vocab (1000 -> 1024 at every tp <= 8).
+GQA_SWIGLU = TinyModel(
+    num_layers=4, hidden_size=64, num_attention_heads=16, num_query_groups=8, kv_channels=4,
+    ffn_hidden_size=128, vocab_size=1000, swiglu=True, normalization="RMSNorm",
+    add_bias_linear=False, add_qkv_bias=False, qk_layernorm=False, tied_embeddings=False,
+    position_embedding_type="rope",
+)
+# MHA + GELU + LayerNorm + biases + tied + learned absolute positions.
+MHA_GELU_TIED = TinyModel(
+    num_layers=4, hidden_size=64, num_attention_heads=8, num_query_groups=8, kv_channels=8,
+    ffn_hidden_size=128, vocab_size=1000, swiglu=False, normalization="LayerNorm",
+    add_bias_linear=True, add_qkv_bias=False, qk_layernorm=False, tied_embeddings=True,
+    position_embedding_type="learned_absolute", max_position_embeddings=32,
+)
+# qk-layernorm + QKV-only bias, Transformer-Engine-spec key names, bf16.
+QK_NORM_TE = TinyModel(
+    num_layers=4, hidden_size=64, num_attention_heads=16, num_query_groups=8, kv_channels=4,
+    ffn_hidden_size=128, vocab_size=1000, swiglu=True, normalization="RMSNorm",
+    add_bias_linear=False, add_qkv_bias=True, qk_layernorm=True, tied_embeddings=False,
+    position_embedding_type="rope", transformer_impl="transformer_engine", dtype=torch.bfloat16,
+)
+
+MODELS = {"gqa_swiglu_untied": GQA_SWIGLU, "mha_gelu_tied": MHA_GELU_TIED, "qknorm_te_bf16": QK_NORM_TE}
+
+
+@pytest.fixture(params=sorted(MODELS), ids=sorted(MODELS))
+def tiny_model(request: pytest.FixtureRequest) -> TinyModel:
+    return MODELS[request.param]

@@ -1,0 +1,80 @@
+"""Sharding rules: split/merge are inverse, and cut exactly where Megatron cuts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pgconvert.rules import COLUMN, GATED, REPLICATED, ROW, VOCAB, ReplicaMismatchError, fit_vocab_rows
+
+
+def filled(*shape: int) -> torch.Tensor:
+    return torch.arange(torch.Size(shape).numel(), dtype=torch.float32).reshape(shape)
+
+
+@pytest.mark.parametrize("size", [1, 2, 4])
+@pytest.mark.parametrize("rule", [COLUMN, ROW, GATED, VOCAB], ids=["column", "row", "gated", "vocab"])
+def test_merge_of_split_is_identity(rule: object, size: int) -> None:
+    full = filled(16, 8) + torch.randn(16, 8, generator=torch.Generator().manual_seed(size))
+
+    shards = rule.split(full, size)
+
+    assert len(shards) == size
+    assert all(tuple(s.shape) == rule.local_shape(full.shape, size) for s in shards)
+    assert torch.equal(rule.merge(shards), full)
+
+
+@pytest.mark.parametrize("size", [1, 2, 4])
+def test_shard_equals_the_matching_piece_of_split(size: int) -> None:
+    full = filled(16, 8)
+    for rule in (COLUMN, ROW, GATED):
+        pieces = rule.split(full, size)
+        for rank in range(size):
+            assert torch.equal(rule.shard(full, size, rank), pieces[rank])
+
+
+def test_gated_rank_holds_its_gate_rows_then_its_up_rows() -> None:
+    gate = filled(8, 2)
+    up = filled(8, 2) + 1000
+    full = torch.cat([gate, up])
+
+    shards = GATED.split(full, 2)
+
+    assert torch.equal(shards[0], torch.cat([gate[:4], up[:4]]))
+    assert torch.equal(shards[1], torch.cat([gate[4:], up[4:]]))
+    # A plain concat of the shards is not the full tensor: the rule is what makes it right.
+    assert not torch.equal(torch.cat(shards), full)
+
+
+def test_row_rule_cuts_columns() -> None:
+    full = filled(4, 6)
+
+    shards = ROW.split(full, 3)
+
+    assert [tuple(s.shape) for s in shards] == [(4, 2)] * 3
+    assert torch.equal(shards[2], full[:, 4:])
+
+
+def test_replicated_merge_checks_every_replica() -> None:
+    full = filled(5)
+    replicas = [full.clone(), full.clone(), full.clone()]
+    replicas[2][1] += 1
+
+    with pytest.raises(ReplicaMismatchError) as caught:
+        REPLICATED.merge(replicas)
+
+    assert caught.value.ranks == (0, 2)
+    assert torch.equal(REPLICATED.merge([full, full.clone()]), full)
+
+
+def test_fit_vocab_rows_keeps_rows_that_fit_and_zero_fills_the_rest() -> None:
+    table = filled(6, 2) + 1
+
+    grown = fit_vocab_rows(table, 8, true_rows=5)
+    shrunk = fit_vocab_rows(table, 5, true_rows=5)
+
+    assert torch.equal(grown[:6], table) and torch.equal(grown[6:], torch.zeros(2, 2))
+    assert torch.equal(shrunk, table[:5])
+    assert fit_vocab_rows(table, 6, true_rows=5) is table
+    with pytest.raises(ValueError, match="smaller than the true vocab"):
+        fit_vocab_rows(table, 4, true_rows=5)

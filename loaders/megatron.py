@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ from pgconvert.megatron_format import (
     RANK_DIR_RE,
     RANK_FILE,
     TRACKER_FILE,
+    check_megatron_layout,
     config_from_args,
     iteration_dir_name,
     layout_from_args,
@@ -34,6 +36,7 @@ from pgconvert.stream import CanonicalSource, ExtraState, TensorMeta
 log = logging.getLogger(__name__)
 
 EXTRA_STATE_SUFFIX = "._extra_state"
+GROUPED_EXPERT_RE = re.compile(r"\.mlp\.experts\.linear_fc[12]\.weight\d+$")
 # Rotary frequencies are recomputed from the config by every framework; they are not weights.
 IGNORED_SUFFIXES = (".inv_freq",)
 
@@ -43,6 +46,7 @@ class _Piece:
     """Where one rank's piece of a canonical tensor lives."""
 
     coord: RankCoord
+    chunk: str
     spec: TensorSpec
 
 
@@ -115,6 +119,17 @@ def _detect_impl(model: dict[str, Any]) -> str:
     return "local"
 
 
+def _detect_grouped_gemm(model: dict[str, Any]) -> bool:
+    return any(GROUPED_EXPERT_RE.search(key) for key in model)
+
+
+def _chunk_keys(layout: ParallelLayout) -> list[str]:
+    """Megatron's model keys in a rank file: ``model``, or ``model0…`` with a virtual pipeline."""
+    if layout.has_virtual_chunks:
+        return [f"model{index}" for index in range(layout.virtual_size)]
+    return ["model"]
+
+
 class MegatronSource(CanonicalSource):
     """All rank files of one iteration, memory-mapped; tensors are merged on demand."""
 
@@ -137,6 +152,7 @@ class MegatronSource(CanonicalSource):
         if not isinstance(args, argparse.Namespace):
             raise CheckpointError(f"{first_file}: no 'args' namespace; cannot determine the model and layout")
         layout = layout_from_args(args, first_file)
+        check_megatron_layout(layout, "src", first_file)
         self.layout = layout
         self._check_user_layout(options, layout, first_file)
         expected = {
@@ -154,25 +170,32 @@ class MegatronSource(CanonicalSource):
                 f"{iteration_dir}: unexpected rank directories for {layout.describe()} (from args): "
                 + ", ".join(unexpected)
             )
+        chunk_keys = _chunk_keys(layout)
         self.files: dict[RankCoord, Path] = {}
-        models: dict[RankCoord, dict[str, Any]] = {}
+        models: dict[tuple[RankCoord, str], dict[str, Any]] = {}
         for name, coord in expected.items():
             path = rank_dirs[name] / RANK_FILE
             if not path.is_file():
                 raise CheckpointError(f"{path}: missing rank file")
             state = first_state if name == first_name else safe_torch_load(path)
-            if "model" not in state:
-                if any(key.startswith("model") and key[5:].isdigit() for key in state):
-                    raise CheckpointError(f"{path}: holds virtual-pipeline chunks (model0, …); not supported yet")
-                raise CheckpointError(f"{path}: no 'model' state dict")
+            present = sorted(key for key in state if key == "model" or (key.startswith("model") and key[5:].isdigit()))
+            if present != sorted(chunk_keys):
+                raise CheckpointError(
+                    f"{path}: model chunks {present or 'none'} do not match the layout {layout.describe()} "
+                    f"from args (expected {chunk_keys})"
+                )
             self.files[coord] = path
-            models[coord] = state["model"]
-        impl = _detect_impl(models[RankCoord(0, 0)])
-        config = config_from_args(args, first_file, impl, options.true_vocab_size)
+            for chunk_key in chunk_keys:
+                models[(coord, chunk_key)] = state[chunk_key]
+        first_model = models[(RankCoord(0, 0), chunk_keys[0])]
+        all_first_keys = [key for (coord, _), model in models.items() if coord.tp == 0 for key in model]
+        impl = _detect_impl(first_model)
+        config = config_from_args(args, first_file, impl, options.true_vocab_size,
+                                  grouped_gemm=_detect_grouped_gemm(dict.fromkeys(all_first_keys)))
         layout.validate(config, "src")
         padded = getattr(args, "padded_vocab_size", None)
         if not isinstance(padded, int):
-            embedding = models[RankCoord(0, 0)].get("embedding.word_embeddings.weight")
+            embedding = first_model.get("embedding.word_embeddings.weight")
             if not isinstance(embedding, torch.Tensor):
                 raise CheckpointError(f"{first_file}: no args.padded_vocab_size and no word embeddings")
             padded = embedding.shape[0] * layout.tp
@@ -184,7 +207,7 @@ class MegatronSource(CanonicalSource):
         self._models = models
         self._pieces: dict[str, list[_Piece]] = defaultdict(list)
         self._extra: dict[str, ExtraState] = {}
-        self._index(padded)
+        self._index(padded, chunk_keys)
         self._order = canonical_names(config)
         uncovered = sorted(set(self._order) - set(self._pieces))
         if uncovered:
@@ -192,90 +215,98 @@ class MegatronSource(CanonicalSource):
 
     @staticmethod
     def _check_user_layout(options: LoadOptions, layout: ParallelLayout, path: Path) -> None:
-        for flag, given, found in (("--src-tp", options.src_tp, layout.tp), ("--src-pp", options.src_pp, layout.pp)):
+        for flag, given, found in (("--src-tp", options.src_tp, layout.tp), ("--src-pp", options.src_pp, layout.pp),
+                                   ("--src-ep", options.src_ep, layout.ep)):
             if given is not None and given != found:
                 raise LayoutError(f"{flag} {given}: the checkpoint's args say {found} ({path})")
 
-    def _index(self, padded: int) -> None:
+    def _index(self, padded: int, chunk_keys: list[str]) -> None:
         groups = build_converter_process_groups(self.layout)
+        chunked = self.layout.has_virtual_chunks
         for coord, path in self.files.items():
             groups.set_coord(coord)
-            shard = provide(self.config, groups, padded_vocab_size=padded)
-            model = self._models[coord]
-            specs = shard.by_local_name()
-            unexpected = []
-            for key, value in model.items():
-                if key.endswith(EXTRA_STATE_SUFFIX):
-                    canonical = _to_global(key, shard.layers.start)
-                    extra = self._extra.setdefault(canonical, ExtraState(tp_size=self.layout.tp))
-                    extra.by_tp_rank[coord.tp] = value
-                    continue
-                if key.endswith(IGNORED_SUFFIXES):
-                    log.info("%s: skipping %s (recomputed buffer, not a weight)", path, key)
-                    continue
-                spec = specs.get(key)
-                if spec is None:
-                    unexpected.append(key)
-                    continue
-                if not isinstance(value, torch.Tensor):
-                    raise CheckpointError(f"{path}: {key} is a {type(value).__name__}, expected a tensor")
-                if tuple(value.shape) != spec.local_shape:
-                    raise CheckpointError(
-                        f"{path}: {key} has shape {list(value.shape)}, expected {list(spec.local_shape)} "
-                        f"for tp={self.layout.tp} (global {list(spec.global_shape)} from the checkpoint's args)"
-                    )
-                self._pieces[spec.canonical].append(_Piece(coord, spec))
-            missing = sorted(set(specs) - set(model))
-            if missing or unexpected:
-                raise CheckpointError(
-                    f"{path}: state dict does not match the model described by its args "
-                    f"(transformer_impl={self.config.transformer_impl}); "
-                    f"missing: {missing}; unexpected: {sorted(unexpected)}"
-                )
+            for chunk_index, chunk_key in enumerate(chunk_keys):
+                shard = provide(self.config, groups, padded_vocab_size=padded,
+                                chunk=chunk_index if chunked else None)
+                where = f"{path} [{chunk_key}]" if chunked else str(path)
+                self._index_chunk(coord, chunk_key, shard.by_local_name(), shard.layers, where)
         for name, pieces in self._pieces.items():
             dtypes = {self._tensor(p).dtype for p in pieces}
             if len(dtypes) > 1:
                 raise CheckpointError(f"{name}: ranks disagree on dtype ({sorted(map(str, dtypes))})")
 
+    def _index_chunk(self, coord: RankCoord, chunk_key: str, specs: dict[str, TensorSpec], layers: range,
+                     where: str) -> None:
+        model = self._models[(coord, chunk_key)]
+        unexpected = []
+        for key, value in model.items():
+            if key.endswith(EXTRA_STATE_SUFFIX):
+                canonical = _to_global(key, layers.start)
+                extra = self._extra.setdefault(canonical, ExtraState(tp_size=self.layout.tp, ep_size=self.layout.ep))
+                extra.by_rank[(coord.tp, coord.ep)] = value
+                continue
+            if key.endswith(IGNORED_SUFFIXES):
+                log.info("%s: skipping %s (recomputed buffer, not a weight)", where, key)
+                continue
+            spec = specs.get(key)
+            if spec is None:
+                unexpected.append(key)
+                continue
+            if not isinstance(value, torch.Tensor):
+                raise CheckpointError(f"{where}: {key} is a {type(value).__name__}, expected a tensor")
+            if tuple(value.shape) != spec.local_shape:
+                raise CheckpointError(
+                    f"{where}: {key} has shape {list(value.shape)}, expected {list(spec.local_shape)} "
+                    f"for {self.layout.describe()} (global {list(spec.global_shape)} from the checkpoint's args)"
+                )
+            self._pieces[spec.canonical].append(_Piece(coord, chunk_key, spec))
+        missing = sorted(set(specs) - set(model))
+        if missing or unexpected:
+            raise CheckpointError(
+                f"{where}: state dict does not match the model described by its args "
+                f"(transformer_impl={self.config.transformer_impl}"
+                f"{', grouped-gemm experts' if self.config.moe_grouped_gemm else ''}); "
+                f"missing: {missing}; unexpected: {sorted(unexpected)}"
+            )
+
     def _tensor(self, piece: _Piece) -> torch.Tensor:
-        return self._models[piece.coord][piece.spec.local_name]
+        return self._models[(piece.coord, piece.chunk)][piece.spec.local_name]
 
     def names(self) -> list[str]:
         return list(self._order)
 
     def meta(self, name: str) -> TensorMeta:
         piece = self._pieces[name][0]
-        shape = list(piece.spec.global_shape)
-        return TensorMeta(tuple(shape), self._tensor(piece).dtype)
+        return TensorMeta(tuple(piece.spec.global_shape), self._tensor(piece).dtype)
 
     def load(self, name: str) -> torch.Tensor:
         pieces = self._pieces.get(name)
         if not pieces:
             raise KeyError(name)
-        by_stage: dict[tuple[int, str], list[_Piece]] = defaultdict(list)
+        # One tensor-parallel group of pieces per (stage, chunk, expert rank, local name): each group
+        # merges to a full copy, and every copy (EP replicas, the tied output layer) must agree.
+        copies: dict[tuple[int, str, int, str], list[_Piece]] = defaultdict(list)
         for piece in pieces:
-            by_stage[(piece.coord.pp, piece.spec.local_name)].append(piece)
+            copies[(piece.coord.pp, piece.chunk, piece.coord.ep, piece.spec.local_name)].append(piece)
         merged: torch.Tensor | None = None
         merged_from: Path | None = None
-        for stage_pieces in by_stage.values():
-            stage_pieces.sort(key=lambda p: p.coord.tp)
-            rule = stage_pieces[0].spec.rule
-            tensors = [self._tensor(p) for p in stage_pieces]
+        for group in copies.values():
+            group.sort(key=lambda p: p.coord.tp)
+            rule = group[0].spec.rule
             try:
-                full = rule.merge(tensors)
+                full = rule.merge([self._tensor(p) for p in group])
             except ReplicaMismatchError as exc:
-                first, second = (self.files[stage_pieces[i].coord] for i in exc.ranks)
+                first, second = (self.files[group[i].coord] for i in exc.ranks)
                 raise CheckpointError(
-                    f"{name}: replicated tensor differs between ranks ({stage_pieces[0].spec.local_name} "
+                    f"{name}: replicated tensor differs between ranks ({group[0].spec.local_name} "
                     f"in {first} and {second})"
                 ) from exc
             if merged is None:
-                merged, merged_from = full, self.files[stage_pieces[0].coord]
+                merged, merged_from = full, self.files[group[0].coord]
             elif not torch.equal(merged, full):
-                # The tied output-layer copy on the last stage must equal the first stage's embedding.
                 raise CheckpointError(
-                    f"{name}: the copies in {merged_from} and {self.files[stage_pieces[0].coord]} "
-                    f"({stage_pieces[0].spec.local_name}) differ"
+                    f"{name}: the copies in {merged_from} and {self.files[group[0].coord]} "
+                    f"({group[0].spec.local_name}) differ"
                 )
         assert merged is not None
         return merged

@@ -88,6 +88,12 @@ def _layout_option(name: str, help_text: str) -> Any:
               help="Layers on the first pipeline stage (uneven PP); the rest split evenly.")
 @click.option("--dst-decoder-last-pipeline-num-layers", type=click.IntRange(min=0), default=None,
               help="Layers on the last pipeline stage (uneven PP); the rest split evenly.")
+@_layout_option("--src-ep", "Expected source expert-parallel size (checked against the checkpoint).")
+@_layout_option("--dst-ep", "Destination expert-parallel size: EP rank r holds experts [r·E/ep, (r+1)·E/ep).")
+@_layout_option("--dst-expert-tp", "Destination expert tensor-parallel size [default: --dst-tp].")
+@_layout_option("--dst-vpp", "Destination virtual pipeline size: model chunks per stage (model0, model1, …).")
+@click.option("--dst-pipeline-layout", default=None, metavar="LAYOUT",
+              help="Destination pipeline_model_parallel_layout string, e.g. 'Ettt|tttt|tttt|tttL'.")
 @click.option("--iteration", type=click.IntRange(min=0), default=None,
               help="Source iteration to convert [default: latest_checkpointed_iteration.txt].")
 @click.option("--true-vocab-size", type=click.IntRange(min=1), default=None,
@@ -101,7 +107,9 @@ def _layout_option(name: str, help_text: str) -> Any:
 def convert_command(src: Path, dst: Path, src_format: str, dst_format: str, src_tp: int | None,
                     src_pp: int | None, dst_tp: int | None, dst_pp: int | None,
                     dst_decoder_first_pipeline_num_layers: int | None,
-                    dst_decoder_last_pipeline_num_layers: int | None, iteration: int | None,
+                    dst_decoder_last_pipeline_num_layers: int | None, src_ep: int | None,
+                    dst_ep: int | None, dst_expert_tp: int | None, dst_vpp: int | None,
+                    dst_pipeline_layout: str | None, iteration: int | None,
                     true_vocab_size: int | None, dtype: str, dry_run: bool, overwrite: bool,
                     quiet: bool, verbose: bool) -> None:
     """Convert SRC into DST (the default command)."""
@@ -113,6 +121,8 @@ def convert_command(src: Path, dst: Path, src_format: str, dst_format: str, src_
         src_tp=src_tp, src_pp=src_pp, dst_tp=dst_tp, dst_pp=dst_pp,
         dst_first_stage_layers=dst_decoder_first_pipeline_num_layers,
         dst_last_stage_layers=dst_decoder_last_pipeline_num_layers,
+        src_ep=src_ep, dst_ep=dst_ep, dst_expert_tp=dst_expert_tp, dst_vpp=dst_vpp,
+        dst_pipeline_layout=dst_pipeline_layout,
         iteration=iteration, true_vocab_size=true_vocab_size, dtype=dtype, overwrite=overwrite,
     )
     try:

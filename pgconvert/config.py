@@ -45,7 +45,16 @@ class ModelConfig:
     rotary_base: float = 10000.0
     params_dtype: str = "bfloat16"
     transformer_impl: str = "local"
+    # Mixture of experts (megatron-core's TransformerConfig names, ``moe_`` prefix kept).
     num_experts: int | None = None
+    moe_ffn_hidden_size: int | None = None
+    moe_layer_freq: int | tuple[int, ...] = 1
+    moe_router_topk: int = 2
+    moe_shared_expert_intermediate_size: int | None = None
+    moe_shared_expert_gate: bool = False
+    moe_router_enable_expert_bias: bool = False
+    # Only key names: grouped GEMM (``experts.linear_fc1.weight{j}``) vs SequentialMLP.
+    moe_grouped_gemm: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
@@ -81,9 +90,24 @@ class ModelConfig:
                 )
             _require_positive("max_position_embeddings", self.max_position_embeddings)
         if self.num_experts is not None:
-            raise ConfigError(
-                f"num_experts={self.num_experts}: mixture-of-experts models are not supported yet"
-            )
+            _require_positive("num_experts", self.num_experts)
+            if self.moe_ffn_hidden_size is not None:
+                _require_positive("moe_ffn_hidden_size", self.moe_ffn_hidden_size)
+            if self.moe_shared_expert_intermediate_size is not None:
+                _require_positive("moe_shared_expert_intermediate_size", self.moe_shared_expert_intermediate_size)
+            _require_positive("moe_router_topk", self.moe_router_topk)
+            if self.add_bias_linear:
+                raise ConfigError("add_bias_linear=True: biases on expert linears are not supported")
+            if isinstance(self.moe_layer_freq, list):
+                object.__setattr__(self, "moe_layer_freq", tuple(self.moe_layer_freq))
+            if isinstance(self.moe_layer_freq, tuple):
+                if len(self.moe_layer_freq) != self.num_layers or set(self.moe_layer_freq) - {0, 1}:
+                    raise ConfigError(
+                        f"moe_layer_freq={list(self.moe_layer_freq)}: must list 0 or 1 for each of the "
+                        f"{self.num_layers} layers"
+                    )
+            else:
+                _require_positive("moe_layer_freq", self.moe_layer_freq)
 
     @property
     def query_groups(self) -> int:
@@ -109,6 +133,19 @@ class ModelConfig:
     @property
     def fc1_rows(self) -> int:
         return self.ffn_hidden_size * (2 if self.gated_linear_unit else 1)
+
+    @property
+    def expert_ffn_size(self) -> int:
+        """FFN size of one routed expert (``moe_ffn_hidden_size``, defaulting to ``ffn_hidden_size``)."""
+        return self.moe_ffn_hidden_size or self.ffn_hidden_size
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """megatron-core's ``moe_layer_freq``: every k-th layer (int) or a 0/1 pattern (list)."""
+        if self.num_experts is None:
+            return False
+        if isinstance(self.moe_layer_freq, tuple):
+            return self.moe_layer_freq[layer] == 1
+        return layer % self.moe_layer_freq == 0
 
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)

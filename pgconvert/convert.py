@@ -35,8 +35,13 @@ class ConvertRequest:
     dst_pp: int | None = None
     dst_first_stage_layers: int | None = None
     dst_last_stage_layers: int | None = None
+    dst_ep: int | None = None
+    dst_expert_tp: int | None = None
+    dst_vpp: int | None = None
+    dst_pipeline_layout: str | None = None
     src_tp: int | None = None
     src_pp: int | None = None
+    src_ep: int | None = None
     iteration: int | None = None
     true_vocab_size: int | None = None
     dtype: str = "keep"
@@ -111,18 +116,26 @@ def check_destination(dst: Path, overwrite: bool, src: Path | None = None) -> No
 
 
 def _dst_layout(request: ConvertRequest, src_layout: ParallelLayout | None) -> ParallelLayout:
+    """The destination layout: what the user gave, the rest kept from the source where it still fits."""
     base = src_layout or ParallelLayout()
     pp = request.dst_pp if request.dst_pp is not None else base.pp
-    keep_stages = request.dst_pp is None or request.dst_pp == base.pp
-    first = request.dst_first_stage_layers
-    last = request.dst_last_stage_layers
-    if first is None and last is None and keep_stages:
-        first, last = base.first_stage_layers, base.last_stage_layers
+    stages_given = any(value is not None for value in (
+        request.dst_first_stage_layers, request.dst_last_stage_layers, request.dst_vpp, request.dst_pipeline_layout))
+    # Stage assignments only carry over when the pipeline is unchanged and nothing new was asked.
+    keep_stages = pp == base.pp and not stages_given
+    tp = request.dst_tp if request.dst_tp is not None else base.tp
+    expert_tp = request.dst_expert_tp
+    if expert_tp is None and request.dst_tp is None:
+        expert_tp = base.expert_tp
     return ParallelLayout(
-        tp=request.dst_tp if request.dst_tp is not None else base.tp,
+        tp=tp,
         pp=pp,
-        first_stage_layers=first,
-        last_stage_layers=last,
+        ep=request.dst_ep if request.dst_ep is not None else base.ep,
+        first_stage_layers=base.first_stage_layers if keep_stages else request.dst_first_stage_layers,
+        last_stage_layers=base.last_stage_layers if keep_stages else request.dst_last_stage_layers,
+        vpp=base.vpp if keep_stages else request.dst_vpp,
+        expert_tp=None if expert_tp == tp else expert_tp,
+        pipeline_layout=base.pipeline_layout if keep_stages else request.dst_pipeline_layout,
     )
 
 
@@ -142,6 +155,7 @@ def plan(request: ConvertRequest) -> Plan:
         iteration=request.iteration,
         src_tp=request.src_tp,
         src_pp=request.src_pp,
+        src_ep=request.src_ep,
         true_vocab_size=request.true_vocab_size,
     ))
     try:

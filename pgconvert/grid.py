@@ -64,13 +64,16 @@ class ProcessGroupCollection:
     # The layout the groups were built for; the provider reads stage boundaries from it.
     layout: ParallelLayout | None = None
 
-    def set_ranks(self, tp: int | None = None, pp: int | None = None, ep: int | None = None) -> None:
+    def set_ranks(self, tp: int | None = None, pp: int | None = None, ep: int | None = None,
+                  expt_tp: int | None = None) -> None:
         """Move this collection to another rank of the grid; unset groups keep their rank."""
         if tp is not None:
             self.tp.set_rank(tp)
-            # Without an expert-TP size of its own, expert TP follows dense TP.
-            if self.expt_tp.size() == self.tp.size():
+            # With no expert-TP rank of its own, expert TP follows dense TP where the sizes agree.
+            if expt_tp is None and self.expt_tp.size() == self.tp.size():
                 self.expt_tp.set_rank(tp)
+        if expt_tp is not None:
+            self.expt_tp.set_rank(expt_tp)
         if pp is not None:
             self.pp.set_rank(pp)
         if ep is not None:
@@ -97,7 +100,7 @@ def build_converter_process_groups(layout: ParallelLayout) -> ProcessGroupCollec
         tp=FakeProcessGroup("tp", layout.tp),
         pp=FakeProcessGroup("pp", layout.pp),
         ep=FakeProcessGroup("ep", layout.ep),
-        expt_tp=FakeProcessGroup("expt_tp", layout.tp),
+        expt_tp=FakeProcessGroup("expt_tp", layout.expert_tp_size),
         dp=FakeProcessGroup("dp", 1),
         cp=FakeProcessGroup("cp", 1),
         layout=layout,

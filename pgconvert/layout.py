@@ -2,20 +2,43 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from pgconvert.config import ModelConfig
 from pgconvert.errors import LayoutError
 
+# Megatron's pipeline_model_parallel_layout characters (megatron/core/transformer/
+# pipeline_parallel_layer_layout.py): E embedding, L loss (final norm + output layer), t decoder layer.
+_LAYOUT_CHARS = {"E", "L", "t"}
+
+
+def parse_pipeline_layout(text: str) -> list[str]:
+    """Expand a layout string such as ``"Et*3|(tt|)*2,L"`` into one string per virtual stage."""
+    expanded = text.replace(",", "")
+    expanded = re.sub(r"\(([^)]+)\)\*(\d+)", lambda m: m.group(1) * int(m.group(2)), expanded)
+    expanded = re.sub(r"(.)\*(\d+)", lambda m: m.group(1) * int(m.group(2)), expanded)
+    stages = expanded.split("|")
+    for stage in stages:
+        unknown = sorted(set(stage) - _LAYOUT_CHARS)
+        if unknown:
+            raise LayoutError(
+                f"pipeline layout {text!r}: unsupported layer characters {unknown} "
+                "(E embedding, t decoder layer, L loss; MTP layers are not supported)"
+            )
+    return stages
+
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """Tensor, pipeline and expert parallel sizes, and how layers fall on pipeline stages.
+    """Tensor, pipeline, expert and virtual-pipeline sizes, and how layers fall on stages.
 
     ``first_stage_layers`` / ``last_stage_layers`` are Megatron's
     ``decoder_first_pipeline_num_layers`` / ``decoder_last_pipeline_num_layers``: the remaining
-    layers are split evenly over the remaining stages.
+    layers are split evenly over the remaining stages. ``pipeline_layout`` is Megatron's
+    ``pipeline_model_parallel_layout`` string; it fixes every virtual stage's layers.
+    ``expert_tp`` (expert tensor parallel size) defaults to ``tp``.
     """
 
     tp: int = 1
@@ -23,31 +46,66 @@ class ParallelLayout:
     ep: int = 1
     first_stage_layers: int | None = None
     last_stage_layers: int | None = None
+    vpp: int | None = None
+    expert_tp: int | None = None
+    pipeline_layout: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "ep"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise LayoutError(f"{name}={value!r}: must be an integer >= 1")
+            _require_size(name, getattr(self, name))
+        for name in ("vpp", "expert_tp"):
+            if getattr(self, name) is not None:
+                _require_size(name, getattr(self, name))
         for name in ("first_stage_layers", "last_stage_layers"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 0):
                 raise LayoutError(f"{name}={value!r}: must be an integer >= 0")
         if self.pp == 1 and (self.first_stage_layers is not None or self.last_stage_layers is not None):
-            raise LayoutError(
-                "first/last pipeline stage layers: only meaningful with pp > 1 (pp=1 here)"
-            )
-        if self.ep != 1:
-            raise LayoutError(f"ep={self.ep}: expert parallelism is not supported yet")
+            raise LayoutError("first/last pipeline stage layers: only meaningful with pp > 1 (pp=1 here)")
+        if self.pipeline_layout is not None:
+            if self.first_stage_layers is not None or self.last_stage_layers is not None:
+                raise LayoutError("pipeline layout: cannot be combined with first/last stage layer counts")
+            stages = parse_pipeline_layout(self.pipeline_layout)
+            if len(stages) % self.pp:
+                raise LayoutError(
+                    f"pipeline layout {self.pipeline_layout!r}: {len(stages)} stages is not a multiple of pp={self.pp}"
+                )
+            if self.vpp is not None and len(stages) != self.pp * self.vpp:
+                raise LayoutError(
+                    f"pipeline layout {self.pipeline_layout!r}: {len(stages)} stages, but pp×vpp = "
+                    f"{self.pp * self.vpp}"
+                )
+
+    @property
+    def virtual_size(self) -> int:
+        """Model chunks per pipeline stage (1 without a virtual pipeline)."""
+        if self.pipeline_layout is not None:
+            return len(parse_pipeline_layout(self.pipeline_layout)) // self.pp
+        return self.vpp or 1
+
+    @property
+    def expert_tp_size(self) -> int:
+        return self.expert_tp if self.expert_tp is not None else self.tp
+
+    @property
+    def has_virtual_chunks(self) -> bool:
+        """Whether rank files hold ``model0…`` chunks rather than one ``model``."""
+        return self.vpp is not None or (self.pipeline_layout is not None and self.virtual_size > 1)
 
     def describe(self) -> str:
         text = f"tp={self.tp},pp={self.pp}"
         if self.ep != 1:
             text += f",ep={self.ep}"
+        if self.expert_tp is not None and self.expert_tp != self.tp:
+            text += f",expert_tp={self.expert_tp}"
+        if self.vpp is not None:
+            text += f",vpp={self.vpp}"
         if self.first_stage_layers is not None:
             text += f",first={self.first_stage_layers}"
         if self.last_stage_layers is not None:
             text += f",last={self.last_stage_layers}"
+        if self.pipeline_layout is not None:
+            text += f",layout={self.pipeline_layout}"
         return text
 
     @property
@@ -59,11 +117,45 @@ class ParallelLayout:
         multiple = divisible_by * self.tp
         return -(-vocab_rows // multiple) * multiple
 
+    def virtual_stage_index(self, pp_rank: int, chunk: int) -> int:
+        """Chunk ``c`` of stage ``p`` is virtual stage ``c·pp + p`` (Megatron's interleaving)."""
+        return chunk * self.pp + pp_rank
+
+    def virtual_stage_layers(self, num_layers: int, flag_prefix: str = "") -> list[range]:
+        """Global layers of every virtual stage, indexed by ``virtual_stage_index``."""
+        counts = self._virtual_stage_counts(num_layers, flag_prefix)
+        ranges: list[range] = []
+        start = 0
+        for count in counts:
+            ranges.append(range(start, start + count))
+            start += count
+        if start != num_layers:
+            opt = _flag_namer(flag_prefix)
+            raise LayoutError(f"{opt('pp', self.pp)}: the stages hold {start} layers, but num_layers={num_layers}")
+        return ranges
+
     def stage_layers(self, num_layers: int, flag_prefix: str = "") -> list[range]:
-        """Global layer indices held by each pipeline stage, as megatron-core assigns them."""
+        """Global layers of each pipeline stage (only without a virtual pipeline)."""
+        if self.virtual_size != 1:
+            raise LayoutError("stage_layers: this layout has virtual pipeline chunks; use virtual_stage_layers")
+        return self.virtual_stage_layers(num_layers, flag_prefix)
+
+    def chunk_layers(self, num_layers: int, pp_rank: int, chunk: int) -> range:
+        return self.virtual_stage_layers(num_layers)[self.virtual_stage_index(pp_rank, chunk)]
+
+    def _virtual_stage_counts(self, num_layers: int, flag_prefix: str) -> list[int]:
         opt = _flag_namer(flag_prefix)
-        if self.pp == 1:
-            return [range(num_layers)]
+        if self.pipeline_layout is not None:
+            stages = parse_pipeline_layout(self.pipeline_layout)
+            flat = "".join(stages)
+            if not stages[0].startswith("E") or flat.count("E") != 1:
+                raise LayoutError(f"pipeline layout {self.pipeline_layout!r}: E (embedding) must open the first stage, once")
+            if not stages[-1].endswith("L") or flat.count("L") != 1:
+                raise LayoutError(f"pipeline layout {self.pipeline_layout!r}: L (loss) must close the last stage, once")
+            return [stage.count("t") for stage in stages]
+        vpp = self.vpp or 1
+        if self.pp == 1 and vpp == 1:
+            return [num_layers]
         first, last = self.first_stage_layers, self.last_stage_layers
         middle_stages = self.pp - (first is not None) - (last is not None)
         middle_layers = num_layers - (first or 0) - (last or 0)
@@ -72,54 +164,69 @@ class ParallelLayout:
                 f"{opt('decoder-first-pipeline-num-layers', first)}, "
                 f"{opt('decoder-last-pipeline-num-layers', last)}: more than num_layers={num_layers}"
             )
-        if middle_stages == 0:
-            if middle_layers:
-                raise LayoutError(
-                    f"{opt('pp', self.pp)}: first ({first}) + last ({last}) stage layers must "
-                    f"add up to num_layers={num_layers}"
-                )
-            per_stage = 0
-        else:
-            if middle_layers % middle_stages:
-                if first is None and last is None:
-                    raise LayoutError(
-                        f"{opt('pp', self.pp)}: num_layers={num_layers} is not divisible by {self.pp}"
-                        " (give the first/last stage layer counts for uneven stages)"
-                    )
-                raise LayoutError(
-                    f"{opt('pp', self.pp)}: the {middle_layers} layers left after the first/last "
-                    f"stages do not divide evenly over {middle_stages} stages"
-                )
-            per_stage = middle_layers // middle_stages
-        sizes = [per_stage] * self.pp
+        if middle_stages == 0 and middle_layers:
+            raise LayoutError(
+                f"{opt('pp', self.pp)}: first ({first}) + last ({last}) stage layers must "
+                f"add up to num_layers={num_layers}"
+            )
+        if first is None and last is None and num_layers % (self.pp * vpp):
+            what = f"{opt('pp', self.pp)}" + (f" × {opt('vpp', vpp)}" if vpp > 1 else "")
+            raise LayoutError(
+                f"{what}: num_layers={num_layers} is not divisible by {self.pp * vpp}"
+                + (" (give the first/last stage layer counts for uneven stages)" if vpp == 1 else "")
+            )
+        if middle_stages and middle_layers % (middle_stages * vpp):
+            raise LayoutError(
+                f"{opt('pp', self.pp)}: the {middle_layers} layers left after the first/last "
+                f"stages do not divide evenly over {middle_stages} stages"
+                + (f" × {vpp} virtual chunks" if vpp > 1 else "")
+            )
+        for name, value in (("decoder-first-pipeline-num-layers", first), ("decoder-last-pipeline-num-layers", last)):
+            if value is not None and value % vpp:
+                raise LayoutError(f"{opt(name, value)}: not divisible by {opt('vpp', vpp)}")
+        per_middle = middle_layers // (middle_stages * vpp) if middle_stages else 0
+        per_stage = [per_middle] * self.pp
         if first is not None:
-            sizes[0] = first
+            per_stage[0] = first // vpp
         if last is not None:
-            sizes[-1] = last
-        ranges: list[range] = []
-        start = 0
-        for size in sizes:
-            ranges.append(range(start, start + size))
-            start += size
-        return ranges
+            per_stage[-1] = last // vpp
+        return [per_stage[p] for _ in range(vpp) for p in range(self.pp)]
 
     def validate(self, config: ModelConfig, flag_prefix: str = "") -> None:
         """Raise LayoutError naming the flag and the constraint when the model cannot take this layout."""
         opt = _flag_namer(flag_prefix)
         tp = self.tp
-        checks = (
+        checks = [
             ("num_attention_heads", config.num_attention_heads),
             ("num_query_groups", config.query_groups),
             ("ffn_hidden_size", config.ffn_hidden_size),
-        )
+        ]
+        if config.moe_shared_expert_intermediate_size is not None:
+            checks.append(("moe_shared_expert_intermediate_size", config.moe_shared_expert_intermediate_size))
         for field, value in checks:
             if value % tp:
                 raise LayoutError(f"{opt('tp', tp)}: {field}={value} is not divisible by {tp}")
-        if self.pp > config.num_layers:
+        if config.num_experts is None:
+            if self.ep != 1:
+                raise LayoutError(f"{opt('ep', self.ep)}: the model has no experts")
+        else:
+            if config.num_experts % self.ep:
+                raise LayoutError(f"{opt('ep', self.ep)}: num_experts={config.num_experts} is not divisible by {self.ep}")
+            if config.expert_ffn_size % self.expert_tp_size:
+                raise LayoutError(
+                    f"{opt('expert-tp', self.expert_tp_size)}: moe_ffn_hidden_size={config.expert_ffn_size} "
+                    f"is not divisible by {self.expert_tp_size}"
+                )
+        if self.pp * self.virtual_size > config.num_layers and self.pipeline_layout is None:
             raise LayoutError(
                 f"{opt('pp', self.pp)}: more pipeline stages than num_layers={config.num_layers}"
             )
-        self.stage_layers(config.num_layers, flag_prefix)
+        self.virtual_stage_layers(config.num_layers, flag_prefix)
+
+
+def _require_size(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise LayoutError(f"{name}={value!r}: must be an integer >= 1")
 
 
 def _flag_namer(prefix: str) -> Callable[[str, object], str]:

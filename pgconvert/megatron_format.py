@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from pgconvert.config import ModelConfig
-from pgconvert.errors import CheckpointError, UnsafePickleError
+from pgconvert.errors import CheckpointError, LayoutError, UnsafePickleError
 from pgconvert.layout import ParallelLayout
 
 log = logging.getLogger(__name__)
@@ -95,6 +95,8 @@ _FRAMEWORK_GLOBALS = [
     _opaque("megatron.core.rerun_state_machine.RerunDiagnostic"),
     _opaque("megatron.core.rerun_state_machine.RerunMode"),
     _opaque("megatron.core.rerun_state_machine.RerunState"),
+    _opaque("megatron.core.transformer.enums.LayerType"),
+    _opaque("megatron.core.transformer.pipeline_parallel_layer_layout.PipelineParallelLayerLayout"),
 ]
 SAFE_GLOBALS: list[Any] = [
     argparse.Namespace,
@@ -156,7 +158,7 @@ def _dtype_name(args: argparse.Namespace) -> str:
 
 
 def config_from_args(args: argparse.Namespace, path: Path, transformer_impl: str,
-                     true_vocab_size: int | None) -> ModelConfig:
+                     true_vocab_size: int | None, grouped_gemm: bool = False) -> ModelConfig:
     """The ModelConfig a Megatron run's ``args`` describe (megatron-LM's argument defaults apply)."""
 
     def required(name: str) -> Any:
@@ -200,6 +202,26 @@ def config_from_args(args: argparse.Namespace, path: Path, transformer_impl: str
         params_dtype=_dtype_name(args),
         transformer_impl=transformer_impl,
         num_experts=getattr(args, "num_experts", None) or None,
+        moe_ffn_hidden_size=getattr(args, "moe_ffn_hidden_size", None),
+        moe_layer_freq=_moe_layer_freq(getattr(args, "moe_layer_freq", None), path),
+        moe_router_topk=getattr(args, "moe_router_topk", None) or 2,
+        moe_shared_expert_intermediate_size=getattr(args, "moe_shared_expert_intermediate_size", None),
+        moe_shared_expert_gate=bool(getattr(args, "moe_shared_expert_gate", False)),
+        moe_router_enable_expert_bias=bool(getattr(args, "moe_router_enable_expert_bias", False)),
+        moe_grouped_gemm=grouped_gemm,
+    )
+
+
+def _layout_string(value: Any, path: Path) -> str | None:
+    """``args.pipeline_model_parallel_layout``: a string, or megatron-core's parsed layout object."""
+    if value is None or isinstance(value, str):
+        return value or None
+    if isinstance(value, OpaqueGlobal) and isinstance(value.state, dict):
+        text = value.state.get("input_data")
+        if isinstance(text, str):
+            return text
+    raise CheckpointError(
+        f"{path}: args.pipeline_model_parallel_layout={value!r} is not a layout string pgconvert can read"
     )
 
 
@@ -208,19 +230,43 @@ def layout_from_args(args: argparse.Namespace, path: Path) -> ParallelLayout:
         value = getattr(args, name, None)
         return 1 if value is None else int(value)
 
-    if getattr(args, "virtual_pipeline_model_parallel_size", None) not in (None, 1):
-        raise CheckpointError(
-            f"{path}: args.virtual_pipeline_model_parallel_size="
-            f"{args.virtual_pipeline_model_parallel_size}: virtual pipelines are not supported yet"
-        )
     pp = size("pipeline_model_parallel_size")
+    tp = size("tensor_model_parallel_size")
+    pipeline_layout = _layout_string(getattr(args, "pipeline_model_parallel_layout", None), path) if pp > 1 else None
+    vpp = getattr(args, "virtual_pipeline_model_parallel_size", None)
+    expert_tp = getattr(args, "expert_tensor_parallel_size", None)
     return ParallelLayout(
-        tp=size("tensor_model_parallel_size"),
+        tp=tp,
         pp=pp,
         ep=size("expert_model_parallel_size"),
-        first_stage_layers=getattr(args, "decoder_first_pipeline_num_layers", None) if pp > 1 else None,
-        last_stage_layers=getattr(args, "decoder_last_pipeline_num_layers", None) if pp > 1 else None,
+        first_stage_layers=getattr(args, "decoder_first_pipeline_num_layers", None) if pp > 1 and not pipeline_layout else None,
+        last_stage_layers=getattr(args, "decoder_last_pipeline_num_layers", None) if pp > 1 and not pipeline_layout else None,
+        vpp=int(vpp) if vpp is not None else None,
+        expert_tp=int(expert_tp) if expert_tp is not None and int(expert_tp) != tp else None,
+        pipeline_layout=pipeline_layout,
     )
+
+
+def check_megatron_layout(layout: ParallelLayout, flag_prefix: str, path: Path | None = None) -> None:
+    """Constraints of the per-rank file format itself (beyond what the model allows)."""
+    if layout.expert_tp is not None and layout.expert_tp != layout.tp:
+        where = f"{path}: " if path else ""
+        flag = f"--{flag_prefix}-expert-tp" if flag_prefix else "expert_tp"
+        raise LayoutError(
+            f"{where}{flag} {layout.expert_tp}: the megatron per-rank format stores one file per "
+            f"(tp rank, ep rank) and needs expert tensor parallel size == tp ({layout.tp}); "
+            "use the torch_dist format for a different expert TP"
+        )
+
+
+def _moe_layer_freq(value: Any, path: Path) -> int | tuple[int, ...]:
+    if value is None:
+        return 1
+    if isinstance(value, int):
+        return value
+    if isinstance(value, (list, tuple)) and all(isinstance(item, int) for item in value):
+        return tuple(value)
+    raise CheckpointError(f"{path}: args.moe_layer_freq={value!r}: expected an int or a list of 0/1")
 
 
 def args_for_target(config: ModelConfig, layout: ParallelLayout, padded_vocab_size: int,
@@ -257,8 +303,10 @@ def args_for_target(config: ModelConfig, layout: ParallelLayout, padded_vocab_si
         "expert_model_parallel_size": layout.ep,
         "decoder_first_pipeline_num_layers": layout.first_stage_layers,
         "decoder_last_pipeline_num_layers": layout.last_stage_layers,
-        "virtual_pipeline_model_parallel_size": None,
-        "num_layers_per_virtual_pipeline_stage": None,
+        "expert_tensor_parallel_size": layout.expert_tp_size,
+        "virtual_pipeline_model_parallel_size": layout.virtual_size if layout.has_virtual_chunks else None,
+        "num_layers_per_virtual_pipeline_stage": _layers_per_virtual_stage(config, layout),
+        "pipeline_model_parallel_layout": layout.pipeline_layout,
         "padded_vocab_size": padded_vocab_size,
         "params_dtype": dtype,
         "bf16": dtype_name == "bfloat16",
@@ -268,8 +316,29 @@ def args_for_target(config: ModelConfig, layout: ParallelLayout, padded_vocab_si
     }
     if config.vocab_size is not None:
         values["vocab_size"] = config.vocab_size
+    if config.num_experts is not None:
+        values.update({
+            "num_experts": config.num_experts,
+            "moe_ffn_hidden_size": config.expert_ffn_size,
+            "moe_layer_freq": list(config.moe_layer_freq) if isinstance(config.moe_layer_freq, tuple)
+            else config.moe_layer_freq,
+            "moe_router_topk": config.moe_router_topk,
+            "moe_shared_expert_intermediate_size": config.moe_shared_expert_intermediate_size,
+            "moe_shared_expert_gate": config.moe_shared_expert_gate,
+            "moe_router_enable_expert_bias": config.moe_router_enable_expert_bias,
+            "moe_grouped_gemm": config.moe_grouped_gemm,
+        })
     if base is None:
         values["world_size"] = layout.world_size
     for key, value in values.items():
         setattr(args, key, value)
     return args, replaced
+
+
+def _layers_per_virtual_stage(config: ModelConfig, layout: ParallelLayout) -> int | None:
+    """Megatron's ``num_layers_per_virtual_pipeline_stage`` (even interleaving only)."""
+    if not layout.has_virtual_chunks or layout.pipeline_layout is not None:
+        return None
+    if layout.first_stage_layers is not None or layout.last_stage_layers is not None:
+        return None
+    return config.num_layers // (layout.pp * layout.virtual_size)

@@ -1,16 +1,15 @@
 """The model provider: which tensors, of which shapes, live on one rank.
 
 ``provide(config, groups)`` answers for the rank the collection is set to. Every tensor of a GPT
-decoder is one row of ``LAYER_TENSORS`` or ``MODEL_TENSORS``: canonical (global) name pattern, the
-Transformer-Engine-spec local name where it differs, global shape, TP rule and when it exists.
+layer is a row of ``ATTENTION_TENSORS`` plus ``DENSE_MLP_TENSORS`` or (MoE layers) ``MOE_TENSORS`` and
+``EXPERT_TENSORS`` per routed expert: canonical (global) name, the Transformer-Engine-spec local name
+where it differs, global shape, TP rule and when it exists.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-
-import torch
 
 from pgconvert.config import ModelConfig
 from pgconvert.errors import LayoutError
@@ -61,6 +60,7 @@ class TensorKind:
     rule: ShardRule | Callable[[ModelConfig], ShardRule]
     exists: Condition = _always
     te_name: str | None = None
+    keep_dtype: bool = False
 
     def rule_for(self, config: ModelConfig) -> ShardRule:
         return self.rule if isinstance(self.rule, ShardRule) else self.rule(config)
@@ -79,9 +79,34 @@ def _head_dim(c: ModelConfig) -> tuple[int, ...]:
     return (c.head_dim,)
 
 
+def _fc1_shape(c: ModelConfig) -> tuple[int, ...]:
+    return (c.fc1_rows, c.hidden_size)
+
+
+def _shared_fc1_rule(config: ModelConfig) -> ShardRule:
+    return GATED if config.gated_linear_unit else COLUMN
+
+
+def _shared_experts(config: ModelConfig) -> bool:
+    return config.moe_shared_expert_intermediate_size is not None
+
+
+def _shared_gate(config: ModelConfig) -> bool:
+    return _shared_experts(config) and config.moe_shared_expert_gate
+
+
+def _expert_bias(config: ModelConfig) -> bool:
+    return config.moe_router_enable_expert_bias
+
+
+def _shared_rows(c: ModelConfig) -> int:
+    assert c.moe_shared_expert_intermediate_size is not None
+    return c.moe_shared_expert_intermediate_size * (2 if c.gated_linear_unit else 1)
+
+
 # Per-layer tensors, names relative to ``decoder.layers.{L}.``; the TE spec fuses the input and
 # pre-MLP norms into the following linear (``layer_norm_weight``), megatron-core's local spec keeps them.
-LAYER_TENSORS: tuple[TensorKind, ...] = (
+ATTENTION_TENSORS: tuple[TensorKind, ...] = (
     TensorKind("input_layernorm.weight", _hidden, REPLICATED,
                te_name="self_attention.linear_qkv.layer_norm_weight"),
     TensorKind("input_layernorm.bias", _hidden, REPLICATED, _layernorm,
@@ -95,15 +120,38 @@ LAYER_TENSORS: tuple[TensorKind, ...] = (
     TensorKind("self_attention.linear_proj.weight",
                lambda c: (c.hidden_size, c.num_attention_heads * c.head_dim), ROW),
     TensorKind("self_attention.linear_proj.bias", _hidden, REPLICATED, _bias),
+)
+DENSE_MLP_TENSORS: tuple[TensorKind, ...] = (
     TensorKind("pre_mlp_layernorm.weight", _hidden, REPLICATED,
                te_name="mlp.linear_fc1.layer_norm_weight"),
     TensorKind("pre_mlp_layernorm.bias", _hidden, REPLICATED, _layernorm,
                te_name="mlp.linear_fc1.layer_norm_bias"),
-    TensorKind("mlp.linear_fc1.weight", lambda c: (c.fc1_rows, c.hidden_size), _fc1_rule),
+    TensorKind("mlp.linear_fc1.weight", _fc1_shape, _fc1_rule),
     TensorKind("mlp.linear_fc1.bias", lambda c: (c.fc1_rows,), _fc1_rule, _bias),
     TensorKind("mlp.linear_fc2.weight", lambda c: (c.hidden_size, c.ffn_hidden_size), ROW),
     TensorKind("mlp.linear_fc2.bias", _hidden, REPLICATED, _bias),
 )
+# An MoE layer's pre-MLP norm is a separate module in both specs (nothing to fuse it into). The
+# router and its expert bias stay in their own dtype (float32 in megatron-core) whatever --dtype says.
+MOE_TENSORS: tuple[TensorKind, ...] = (
+    TensorKind("pre_mlp_layernorm.weight", _hidden, REPLICATED),
+    TensorKind("pre_mlp_layernorm.bias", _hidden, REPLICATED, _layernorm),
+    TensorKind("mlp.router.weight", lambda c: (c.num_experts or 0, c.hidden_size), REPLICATED, keep_dtype=True),
+    TensorKind("mlp.router.expert_bias", lambda c: (c.num_experts or 0,), REPLICATED, _expert_bias,
+               keep_dtype=True),
+    TensorKind("mlp.shared_experts.linear_fc1.weight", lambda c: (_shared_rows(c), c.hidden_size),
+               _shared_fc1_rule, _shared_experts),
+    TensorKind("mlp.shared_experts.linear_fc2.weight",
+               lambda c: (c.hidden_size, c.moe_shared_expert_intermediate_size or 0), ROW, _shared_experts),
+    TensorKind("mlp.shared_experts.gate_weight", lambda c: (1, c.hidden_size), REPLICATED, _shared_gate),
+)
+# One routed expert, relative to ``mlp.experts.local_experts.{E}.`` (E global in canonical names).
+EXPERT_TENSORS: tuple[TensorKind, ...] = (
+    TensorKind("linear_fc1.weight",
+               lambda c: (c.expert_ffn_size * (2 if c.gated_linear_unit else 1), c.hidden_size), _fc1_rule),
+    TensorKind("linear_fc2.weight", lambda c: (c.hidden_size, c.expert_ffn_size), ROW),
+)
+EXPERT_PREFIX = "mlp.experts.local_experts."
 
 WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
 POSITION_EMBEDDINGS = "embedding.position_embeddings.weight"
@@ -114,7 +162,11 @@ FINAL_NORM_BIAS = "decoder.final_layernorm.bias"
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """One tensor a rank holds: its name in the rank's file, the global tensor it is cut from, and how."""
+    """One tensor a rank holds: its name in the rank's file, the global tensor it is cut from, and how.
+
+    ``tp_size``/``tp_rank`` are those of the group the rule cuts along: the expert-TP group for
+    routed experts, the TP group otherwise.
+    """
 
     local_name: str
     canonical: str
@@ -123,6 +175,7 @@ class TensorSpec:
     rule: ShardRule
     tp_rank: int
     tp_size: int
+    keep_dtype: bool = False
 
     @property
     def numel(self) -> int:
@@ -134,27 +187,48 @@ class TensorSpec:
 
 @dataclass
 class ModelShard:
-    """Everything one rank holds, in file order."""
+    """Everything one rank (one model chunk of it, with a virtual pipeline) holds, in file order."""
 
     tp_rank: int
     pp_rank: int
     layers: range
+    ep_rank: int = 0
+    chunk: int | None = None
     specs: list[TensorSpec] = field(default_factory=list)
 
     def by_local_name(self) -> dict[str, TensorSpec]:
         return {spec.local_name: spec for spec in self.specs}
 
-    def bytes(self, itemsize: int) -> int:
-        return sum(spec.numel for spec in self.specs) * itemsize
+
+@dataclass(frozen=True)
+class LayerTensor:
+    """One tensor of one layer: its canonical name, table row, and routed-expert index if any."""
+
+    canonical: str
+    kind: TensorKind
+    expert: int | None = None
+
+
+def layer_tensors(config: ModelConfig, layer: int) -> list[LayerTensor]:
+    """Canonical tensors of one layer with their table rows, in file order."""
+    prefix = f"{LAYER_PREFIX}{layer}."
+    kinds = ATTENTION_TENSORS + (MOE_TENSORS if config.is_moe_layer(layer) else DENSE_MLP_TENSORS)
+    tensors = [LayerTensor(prefix + kind.canonical, kind) for kind in kinds if kind.exists(config)]
+    if config.is_moe_layer(layer):
+        assert config.num_experts is not None
+        router_end = 1 + max(i for i, t in enumerate(tensors) if ".mlp.router." in t.canonical)
+        experts = [
+            LayerTensor(f"{prefix}{EXPERT_PREFIX}{expert}.{kind.canonical}", kind, expert)
+            for expert in range(config.num_experts)
+            for kind in EXPERT_TENSORS
+        ]
+        tensors[router_end:router_end] = experts
+    return tensors
 
 
 def global_layer_names(config: ModelConfig, layer: int) -> list[tuple[str, TensorKind]]:
     """Canonical names of one layer's tensors with their table rows, in file order."""
-    return [
-        (f"{LAYER_PREFIX}{layer}.{kind.canonical}", kind)
-        for kind in LAYER_TENSORS
-        if kind.exists(config)
-    ]
+    return [(tensor.canonical, tensor.kind) for tensor in layer_tensors(config, layer)]
 
 
 def canonical_names(config: ModelConfig) -> list[str]:
@@ -163,7 +237,7 @@ def canonical_names(config: ModelConfig) -> list[str]:
     if config.position_embedding_type == "learned_absolute":
         names.append(POSITION_EMBEDDINGS)
     for layer in range(config.num_layers):
-        names.extend(name for name, _ in global_layer_names(config, layer))
+        names.extend(tensor.canonical for tensor in layer_tensors(config, layer))
     names.append(FINAL_NORM_WEIGHT)
     if config.normalization == "LayerNorm":
         names.append(FINAL_NORM_BIAS)
@@ -172,57 +246,97 @@ def canonical_names(config: ModelConfig) -> list[str]:
     return names
 
 
+def keep_dtype_names(config: ModelConfig) -> set[str]:
+    """Canonical tensors whose dtype is never changed by ``--dtype`` (router weights, expert bias)."""
+    return {
+        tensor.canonical
+        for layer in range(config.num_layers)
+        for tensor in layer_tensors(config, layer)
+        if tensor.kind.keep_dtype
+    }
+
+
+def _expert_local_name(config: ModelConfig, local_layer: int, local_expert: int, kind: TensorKind) -> str:
+    if config.moe_grouped_gemm:
+        # TEGroupedMLP registers one parameter per local expert: ``linear_fc1.weight0``, ….
+        module, _, param = kind.canonical.rpartition(".")
+        return f"{LAYER_PREFIX}{local_layer}.mlp.experts.{module}.{param}{local_expert}"
+    return f"{LAYER_PREFIX}{local_layer}.{EXPERT_PREFIX}{local_expert}.{kind.canonical}"
+
+
 def provide(
     config: ModelConfig,
     groups: ProcessGroupCollection,
     padded_vocab_size: int | None = None,
+    chunk: int | None = None,
 ) -> ModelShard:
-    """Every tensor held by the rank ``groups`` is set to.
+    """Every tensor held by the rank ``groups`` is set to (by model chunk ``chunk`` with a virtual pipeline).
 
     ``padded_vocab_size`` is the global row count of the vocab tables at this layout; by default
     Megatron's padding of ``config.vocab_size``.
     """
-    layout = groups.layout or ParallelLayout(tp=groups.tp.size(), pp=groups.pp.size())
+    layout = groups.layout or ParallelLayout(tp=groups.tp.size(), pp=groups.pp.size(), ep=groups.ep.size())
     tp_size, tp_rank = groups.tp.size(), groups.tp.rank()
+    etp_size, etp_rank = groups.expt_tp.size(), groups.expt_tp.rank()
     pp_size, pp_rank = groups.pp.size(), groups.pp.rank()
+    ep_size, ep_rank = groups.ep.size(), groups.ep.rank()
+    chunks = layout.virtual_size
+    if chunk is None:
+        if chunks != 1:
+            raise LayoutError(f"provide: the layout has {chunks} model chunks per stage; pass chunk=")
+        chunk_index = 0
+    else:
+        chunk_index = chunk
     if padded_vocab_size is None:
         if config.vocab_size is None:
             raise LayoutError("vocab_size: unknown, and no padded vocab size was given")
         padded_vocab_size = layout.padded_vocab_size(config.vocab_size, config.make_vocab_size_divisible_by)
     if padded_vocab_size % tp_size:
         raise LayoutError(f"tp={tp_size}: padded vocab size {padded_vocab_size} is not divisible by {tp_size}")
-    layers = layout.stage_layers(config.num_layers)[pp_rank]
-    shard = ModelShard(tp_rank=tp_rank, pp_rank=pp_rank, layers=layers)
+    layers = layout.chunk_layers(config.num_layers, pp_rank, chunk_index)
+    shard = ModelShard(tp_rank=tp_rank, pp_rank=pp_rank, layers=layers, ep_rank=ep_rank, chunk=chunk)
+    pre_process = pp_rank == 0 and chunk_index == 0
+    post_process = pp_rank == pp_size - 1 and chunk_index == chunks - 1
 
-    def add(local_name: str, canonical: str, global_shape: tuple[int, ...], rule: ShardRule) -> None:
+    def add(local_name: str, canonical: str, global_shape: tuple[int, ...], rule: ShardRule,
+            keep_dtype: bool = False, expert: bool = False) -> None:
+        size, rank = (etp_size, etp_rank) if expert else (tp_size, tp_rank)
         shard.specs.append(TensorSpec(
             local_name=local_name,
             canonical=canonical,
             global_shape=global_shape,
-            local_shape=rule.local_shape(global_shape, tp_size),
+            local_shape=rule.local_shape(global_shape, size),
             rule=rule,
-            tp_rank=tp_rank,
-            tp_size=tp_size,
+            tp_rank=rank,
+            tp_size=size,
+            keep_dtype=keep_dtype,
         ))
 
     vocab_shape = (padded_vocab_size, config.hidden_size)
-    if pp_rank == 0:
+    if pre_process:
         add(WORD_EMBEDDINGS, WORD_EMBEDDINGS, vocab_shape, VOCAB)
         if config.position_embedding_type == "learned_absolute":
             assert config.max_position_embeddings is not None
             add(POSITION_EMBEDDINGS, POSITION_EMBEDDINGS,
                 (config.max_position_embeddings, config.hidden_size), REPLICATED)
+    experts_per_rank = (config.num_experts or 0) // ep_size
+    local_experts = range(ep_rank * experts_per_rank, (ep_rank + 1) * experts_per_rank)
     for local_index, layer in enumerate(layers):
-        for canonical, kind in global_layer_names(config, layer):
-            local = f"{LAYER_PREFIX}{local_index}.{kind.local_name(config)}"
-            add(local, canonical, kind.shape(config), kind.rule_for(config))
-    if pp_rank == pp_size - 1:
+        for tensor in layer_tensors(config, layer):
+            kind = tensor.kind
+            if tensor.expert is None:
+                local = f"{LAYER_PREFIX}{local_index}.{kind.local_name(config)}"
+                add(local, tensor.canonical, kind.shape(config), kind.rule_for(config), kind.keep_dtype)
+            elif tensor.expert in local_experts:
+                local = _expert_local_name(config, local_index, tensor.expert - local_experts.start, kind)
+                add(local, tensor.canonical, kind.shape(config), kind.rule_for(config), expert=True)
+    if post_process:
         add(FINAL_NORM_WEIGHT, FINAL_NORM_WEIGHT, (config.hidden_size,), REPLICATED)
         if config.normalization == "LayerNorm":
             add(FINAL_NORM_BIAS, FINAL_NORM_BIAS, (config.hidden_size,), REPLICATED)
         if not config.tie_embeddings:
             add(OUTPUT_LAYER, OUTPUT_LAYER, vocab_shape, VOCAB)
-        elif pp_size > 1:
+        elif not pre_process:
             # megatron-core allocates its own output weight on the last stage and keeps it equal to
             # the first stage's embedding (the tied gradients are all-reduced between the two).
             add(OUTPUT_LAYER, WORD_EMBEDDINGS, vocab_shape, VOCAB)
@@ -237,10 +351,6 @@ def canonical_layer(name: str) -> tuple[int, str] | None:
     if not index.isdigit() or not rest:
         return None
     return int(index), rest
-
-
-def dtype_itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def target_vocab_rows(config: ModelConfig, source_rows: int, layout: ParallelLayout,

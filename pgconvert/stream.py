@@ -34,10 +34,11 @@ class TensorMeta:
 @dataclass
 class ExtraState:
     """Opaque per-rank module state (Transformer Engine's FP8 metadata): meaningful only at the
-    TP size it was saved with, so it is carried per TP rank and never merged."""
+    TP and EP sizes it was saved with, so it is carried per (tp rank, ep rank) and never merged."""
 
     tp_size: int
-    by_tp_rank: dict[int, object] = field(default_factory=dict)
+    ep_size: int = 1
+    by_rank: dict[tuple[int, int], object] = field(default_factory=dict)
 
 
 class CanonicalSource:

@@ -9,18 +9,21 @@ from __future__ import annotations
 import logging
 import os
 from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from pgconvert.formats import PlannedFile, Progress, Saver, SaveOptions, SaveResult
-from pgconvert.grid import build_converter_process_groups, iter_ranks
+from pgconvert.grid import RankCoord, build_converter_process_groups, iter_ranks
+from pgconvert.layout import ParallelLayout
 from pgconvert.megatron_format import (
     CHECKPOINT_VERSION,
     RANK_FILE,
     TRACKER_FILE,
     args_for_target,
+    check_megatron_layout,
     iteration_dir_name,
     rank_dir_name,
 )
@@ -38,12 +41,6 @@ from pgconvert.stream import CanonicalSource, ExtraState
 log = logging.getLogger(__name__)
 
 
-def _cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    if dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:
-        return tensor.to(dtype)
-    return tensor
-
-
 def _owned(tensor: torch.Tensor) -> torch.Tensor:
     """A contiguous tensor with storage of its own: torch.save writes a view's whole storage."""
     return tensor.clone(memory_format=torch.contiguous_format)
@@ -54,46 +51,69 @@ def fsync_file(path: Path) -> None:
         os.fsync(handle.fileno())
 
 
+@dataclass
+class _RankPlan:
+    """One destination rank file: its path and the shard of each model chunk it holds."""
+
+    relpath: str
+    coord: RankCoord
+    chunks: list[tuple[str, ModelShard]]
+
+
 class MegatronSaver(Saver):
     name = "megatron"
 
     def validate(self, source: CanonicalSource, options: SaveOptions) -> None:
+        check_megatron_layout(options.layout, "dst")
         options.layout.validate(source.config, "dst")
         target_vocab_rows(source.config, source.vocab_rows, options.layout)
 
-    def _shards(self, source: CanonicalSource, options: SaveOptions) -> list[tuple[str, ModelShard]]:
+    def _ranks(self, source: CanonicalSource, options: SaveOptions) -> list[_RankPlan]:
         layout = options.layout
         padded = target_vocab_rows(source.config, source.vocab_rows, layout)
         groups = build_converter_process_groups(layout)
-        shards = []
+        chunked = layout.has_virtual_chunks
+        chunk_keys = [f"model{i}" for i in range(layout.virtual_size)] if chunked else ["model"]
+        ranks = []
         for coord in iter_ranks(layout):
             groups.set_coord(coord)
             relpath = f"{rank_dir_name(coord.tp, coord.pp, coord.ep, layout.pp, layout.ep)}/{RANK_FILE}"
-            shards.append((relpath, provide(source.config, groups, padded_vocab_size=padded)))
-        return shards
+            chunks = [
+                (key, provide(source.config, groups, padded_vocab_size=padded, chunk=index if chunked else None))
+                for index, key in enumerate(chunk_keys)
+            ]
+            ranks.append(_RankPlan(relpath, coord, chunks))
+        return ranks
 
     def _extra_keys(self, source: CanonicalSource, shard: ModelShard) -> list[tuple[str, str]]:
-        """(local key, canonical key) of the opaque extra states this rank carries."""
+        """(local key, canonical key) of the opaque extra states this chunk carries."""
         keys = []
         for canonical in source.extra_states():
             parsed = canonical_layer(canonical)
             if parsed is None:
-                keys.append((canonical, canonical))
+                if shard.chunk in (None, 0) and shard.pp_rank == 0:
+                    keys.append((canonical, canonical))
             elif parsed[0] in shard.layers:
                 keys.append((f"{LAYER_PREFIX}{parsed[0] - shard.layers.start}.{parsed[1]}", canonical))
         return keys
 
+    def _dtype(self, source: CanonicalSource, spec: TensorSpec, dtype: torch.dtype | None) -> torch.dtype:
+        source_dtype = source.meta(spec.canonical).dtype
+        if dtype is None or spec.keep_dtype or not source_dtype.is_floating_point:
+            return source_dtype
+        return dtype
+
     def plan(self, source: CanonicalSource, options: SaveOptions) -> list[PlannedFile]:
-        iteration_dir = iteration_dir_name(source.iteration, source.release) if (
-            source.iteration is not None or source.release) else iteration_dir_name(0, False)
+        iteration_dir = iteration_dir_name(source.iteration or 0, source.release)
         planned = []
-        for relpath, shard in self._shards(source, options):
+        for rank in self._ranks(source, options):
             nbytes = 0
-            for spec in shard.specs:
-                dtype = options.dtype or source.meta(spec.canonical).dtype
-                nbytes += spec.numel * torch.empty((), dtype=dtype).element_size()
-            count = len(shard.specs) + len(self._extra_keys(source, shard))
-            planned.append(PlannedFile(f"{iteration_dir}/{relpath}", count, nbytes))
+            count = 0
+            for _, shard in rank.chunks:
+                for spec in shard.specs:
+                    nbytes += spec.numel * torch.empty((), dtype=self._dtype(source, spec, options.dtype)).element_size()
+                count += len(shard.specs) + len(self._extra_keys(source, shard))
+            planned.append(PlannedFile(f"{iteration_dir}/{rank.relpath}", count, nbytes))
         return planned
 
     def save(self, source: CanonicalSource, out_dir: Path, options: SaveOptions,
@@ -116,39 +136,39 @@ class MegatronSaver(Saver):
             )
         extra_states = source.extra_states()
         dropped_extra = False
-        for relpath, shard in self._shards(source, options):
-            model: OrderedDict[str, Any] = OrderedDict()
+        for rank in self._ranks(source, options):
+            state: dict[str, Any] = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration}
             nbytes = 0
-            for spec in shard.specs:
-                piece = self._cut(source, spec, padded)
-                piece = _owned(_cast(piece, options.dtype))
-                model[spec.local_name] = piece
-                nbytes += piece.numel() * piece.element_size()
-            for local, canonical in self._extra_keys(source, shard):
-                value, carried = _extra_for(extra_states[canonical], layout.tp, shard.tp_rank)
-                dropped_extra |= not carried
-                model[local] = value
-            state = {
-                "args": args,
-                "checkpoint_version": CHECKPOINT_VERSION,
-                "iteration": iteration,
-                "model": model,
-            }
-            path = iteration_dir / relpath
+            count = 0
+            for chunk_key, shard in rank.chunks:
+                model: OrderedDict[str, Any] = OrderedDict()
+                for spec in shard.specs:
+                    piece = self._cut(source, spec, padded)
+                    piece = _owned(piece.to(self._dtype(source, spec, options.dtype)))
+                    model[spec.local_name] = piece
+                    nbytes += piece.numel() * piece.element_size()
+                for local, canonical in self._extra_keys(source, shard):
+                    value, carried = _extra_for(extra_states[canonical], layout, rank.coord)
+                    dropped_extra |= not carried
+                    model[local] = value
+                state[chunk_key] = model
+                count += len(model)
+            path = iteration_dir / rank.relpath
             path.parent.mkdir(parents=True, exist_ok=True)
             torch.save(state, path)
             fsync_file(path)
-            result.files.append(PlannedFile(str(path.relative_to(out_dir)), len(model), nbytes))
-            del model, state
+            result.files.append(PlannedFile(str(path.relative_to(out_dir)), count, nbytes))
+            del state
             progress(nbytes)
         tracker = out_dir / TRACKER_FILE
         tracker.write_text("release" if release else str(iteration))
         fsync_file(tracker)
         if dropped_extra:
+            first = next(iter(extra_states.values()))
             result.notices.append(
-                "Transformer Engine _extra_state (FP8 scaling metadata) is only valid at the TP size it "
-                f"was saved with ({next(iter(extra_states.values())).tp_size}); written empty (None) for "
-                f"tp={layout.tp}: FP8 runs re-derive it in their first steps"
+                "Transformer Engine _extra_state (FP8 scaling metadata) is only valid at the TP/EP sizes it "
+                f"was saved with (tp={first.tp_size}, ep={first.ep_size}); written empty (None) for "
+                f"tp={layout.tp}, ep={layout.ep}: FP8 runs re-derive it in their first steps"
             )
         result.notices.append(
             "optimizer, scheduler and RNG state are not carried: resume with --no-load-optim "
@@ -164,7 +184,8 @@ class MegatronSaver(Saver):
         return spec.rule.shard(full, spec.tp_size, spec.tp_rank)
 
 
-def _extra_for(extra: ExtraState, tp_size: int, tp_rank: int) -> tuple[object, bool]:
-    if extra.tp_size == tp_size and tp_rank in extra.by_tp_rank:
-        return extra.by_tp_rank[tp_rank], True
+def _extra_for(extra: ExtraState, layout: ParallelLayout, coord: RankCoord) -> tuple[object, bool]:
+    key = (coord.tp, coord.ep)
+    if extra.tp_size == layout.tp and extra.ep_size == layout.ep and key in extra.by_rank:
+        return extra.by_rank[key], True
     return None, False

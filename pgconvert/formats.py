@@ -28,6 +28,7 @@ class LoadOptions:
     iteration: int | None = None
     src_tp: int | None = None
     src_pp: int | None = None
+    src_ep: int | None = None
     true_vocab_size: int | None = None
 
 
@@ -37,6 +38,11 @@ class SaveOptions:
 
     layout: ParallelLayout
     dtype: torch.dtype | None = None
+    # Largest file a saver that splits its output writes, in bytes; None: the format's default
+    # (hf: 5 GB, as transformers' save_pretrained).
+    max_shard_size: int | None = None
+    # A config.json to write instead of one built from the model (hf); it must describe the model.
+    hf_config: Path | None = None
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,8 @@ from pgconvert.megatron_format import (
     safe_torch_load,
 )
 from pgconvert.provider import LAYER_PREFIX, TensorSpec, canonical_layer, canonical_names, provide
-from pgconvert.rules import ReplicaMismatchError
+from pgconvert.memory import release_mapped_pages
+from pgconvert.rules import Replicated, ShardRule, VocabParallel
 from pgconvert.stream import CanonicalSource, ExtraState, TensorMeta
 
 log = logging.getLogger(__name__)
@@ -207,6 +208,7 @@ class MegatronSource(CanonicalSource):
         self._models = models
         self._pieces: dict[str, list[_Piece]] = defaultdict(list)
         self._extra: dict[str, ExtraState] = {}
+        self._verified: set[str] = set()
         self._index(padded, chunk_keys)
         self._order = canonical_names(config)
         uncovered = sorted(set(self._order) - set(self._pieces))
@@ -279,37 +281,61 @@ class MegatronSource(CanonicalSource):
         piece = self._pieces[name][0]
         return TensorMeta(tuple(piece.spec.global_shape), self._tensor(piece).dtype)
 
-    def load(self, name: str) -> torch.Tensor:
+    def _copies(self, name: str) -> list[list[_Piece]]:
+        """The full copies of a canonical tensor, each a TP-ordered list of pieces.
+
+        One copy per (stage, chunk, expert rank, local name): EP ranks each hold the dense tensors,
+        and with tied embeddings the last stage holds the output-layer copy of the embedding.
+        """
         pieces = self._pieces.get(name)
         if not pieces:
             raise KeyError(name)
-        # One tensor-parallel group of pieces per (stage, chunk, expert rank, local name): each group
-        # merges to a full copy, and every copy (EP replicas, the tied output layer) must agree.
         copies: dict[tuple[int, str, int, str], list[_Piece]] = defaultdict(list)
         for piece in pieces:
             copies[(piece.coord.pp, piece.chunk, piece.coord.ep, piece.spec.local_name)].append(piece)
-        merged: torch.Tensor | None = None
-        merged_from: Path | None = None
-        for group in copies.values():
-            group.sort(key=lambda p: p.coord.tp)
-            rule = group[0].spec.rule
-            try:
-                full = rule.merge([self._tensor(p) for p in group])
-            except ReplicaMismatchError as exc:
-                first, second = (self.files[group[i].coord] for i in exc.ranks)
-                raise CheckpointError(
-                    f"{name}: replicated tensor differs between ranks ({group[0].spec.local_name} "
-                    f"in {first} and {second})"
-                ) from exc
-            if merged is None:
-                merged, merged_from = full, self.files[group[0].coord]
-            elif not torch.equal(merged, full):
-                raise CheckpointError(
-                    f"{name}: the copies in {merged_from} and {self.files[group[0].coord]} "
-                    f"({group[0].spec.local_name}) differ"
-                )
-        assert merged is not None
-        return merged
+        return [sorted(group, key=lambda p: p.coord.tp) for group in copies.values()]
+
+    def _verify(self, name: str, copies: list[list[_Piece]]) -> None:
+        """Once per tensor: every replica and every copy must be bit-identical."""
+        if name in self._verified:
+            return
+        reference = copies[0]
+        for group in copies:
+            if isinstance(group[0].spec.rule, Replicated):
+                for piece in group[1:]:
+                    if not torch.equal(self._tensor(piece), self._tensor(group[0])):
+                        raise CheckpointError(
+                            f"{name}: replicated tensor differs between ranks ({group[0].spec.local_name} "
+                            f"in {self.files[group[0].coord]} and {self.files[piece.coord]})"
+                        )
+            if group is reference:
+                continue
+            for mine, theirs in zip(group, reference, strict=True):
+                if not torch.equal(self._tensor(mine), self._tensor(theirs)):
+                    raise CheckpointError(
+                        f"{name}: the copies in {self.files[theirs.coord]} and {self.files[mine.coord]} "
+                        f"({mine.spec.local_name}) differ"
+                    )
+            release_mapped_pages(self._tensor(piece) for piece in group)
+        self._verified.add(name)
+
+    def load(self, name: str) -> torch.Tensor:
+        copies = self._copies(name)
+        self._verify(name, copies)
+        group = copies[0]
+        return group[0].spec.rule.merge([self._tensor(p) for p in group])
+
+    def load_shard(self, name: str, rule: ShardRule, size: int, rank: int,
+                   rows: int | None = None) -> torch.Tensor:
+        copies = self._copies(name)
+        self._verify(name, copies)
+        tensors = [self._tensor(p) for p in copies[0]]
+        if rows is not None and isinstance(rule, VocabParallel):
+            piece = rule.reshard_rows(tensors, rows, self.config.vocab_size, size, rank)
+        else:
+            piece = rule.reshard(tensors, size, rank)
+        release_mapped_pages(tensors)
+        return piece
 
     def extra_states(self) -> dict[str, ExtraState]:
         return dict(self._extra)

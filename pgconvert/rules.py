@@ -42,6 +42,14 @@ class ShardRule:
         """(dim, count): the tensor's ``dim`` must be divisible by ``count`` for this size."""
         return (0, 1)
 
+    def reshard(self, shards: Sequence[torch.Tensor], size: int, rank: int) -> torch.Tensor:
+        """Piece ``rank`` of ``size`` cut straight from the pieces of another split, in one copy.
+
+        Equal to ``shard(merge(shards), size, rank)`` but never builds the full tensor; the result
+        always owns its memory.
+        """
+        return _owned(self.shard(self.merge(shards), size, rank))
+
 
 @dataclass(frozen=True)
 class Replicated(ShardRule):
@@ -59,6 +67,9 @@ class Replicated(ShardRule):
 
     def shard(self, full: torch.Tensor, size: int, rank: int) -> torch.Tensor:
         return full
+
+    def reshard(self, shards: Sequence[torch.Tensor], size: int, rank: int) -> torch.Tensor:
+        return _owned(self.merge(shards))
 
     def merge(self, shards: Sequence[torch.Tensor]) -> torch.Tensor:
         first = shards[0]
@@ -103,6 +114,9 @@ class Chunked(ShardRule):
             return shards[0]
         return torch.cat(list(shards), dim=self.dim)
 
+    def reshard(self, shards: Sequence[torch.Tensor], size: int, rank: int) -> torch.Tensor:
+        return _concat(_window(shards, self.dim, 0, shards[0].shape[self.dim], size, rank), self.dim)
+
 
 @dataclass(frozen=True)
 class GatedChunked(ShardRule):
@@ -141,6 +155,41 @@ class GatedChunked(ShardRule):
         halves = [shard.chunk(2, dim=0) for shard in shards]
         return torch.cat([half[0] for half in halves] + [half[1] for half in halves], dim=0)
 
+    def reshard(self, shards: Sequence[torch.Tensor], size: int, rank: int) -> torch.Tensor:
+        half = shards[0].shape[0] // 2
+        gates = _window(shards, 0, 0, half, size, rank)
+        ups = _window(shards, 0, half, half, size, rank)
+        return _concat(gates + ups, 0)
+
+
+def _window(shards: Sequence[torch.Tensor], dim: int, offset: int, length: int, size: int,
+            rank: int) -> list[torch.Tensor]:
+    """Views of the rows a destination piece needs, taken from each source piece.
+
+    Each source piece contributes its rows ``[offset, offset + length)`` along ``dim``; concatenated
+    over the source pieces they form the global tensor, of which destination ``rank`` of ``size``
+    takes an equal contiguous slice.
+    """
+    total = length * len(shards)
+    step = total // size
+    start, end = rank * step, (rank + 1) * step
+    views = []
+    for index, shard in enumerate(shards):
+        lo, hi = max(start, index * length), min(end, (index + 1) * length)
+        if lo < hi:
+            views.append(shard.narrow(dim, offset + lo - index * length, hi - lo))
+    return views
+
+
+def _concat(views: list[torch.Tensor], dim: int) -> torch.Tensor:
+    if len(views) == 1:
+        return _owned(views[0])
+    return torch.cat(views, dim=dim)
+
+
+def _owned(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.clone(memory_format=torch.contiguous_format)
+
 
 REPLICATED = Replicated()
 COLUMN = Chunked(dim=0)
@@ -157,6 +206,30 @@ class VocabParallel(Chunked):
     """
 
     name = "vocab"
+
+    def reshard_rows(self, shards: Sequence[torch.Tensor], rows: int, true_rows: int | None, size: int,
+                     rank: int) -> torch.Tensor:
+        """``reshard`` of the table fitted to ``rows`` padded rows (see ``fit_vocab_rows``), in one copy.
+
+        Destination piece ``rank`` takes global rows ``[rank·rows/size, (rank+1)·rows/size)`` from
+        the source pieces; rows past the source table are zeros.
+        """
+        have = sum(shard.shape[0] for shard in shards)
+        if true_rows is not None and rows < true_rows:
+            raise ValueError(f"padded size {rows} is smaller than the true vocab {true_rows}")
+        step = rows // size
+        start, end = rank * step, (rank + 1) * step
+        views: list[torch.Tensor] = []
+        offset = 0
+        for shard in shards:
+            lo, hi = max(start, offset), min(end, offset + shard.shape[0])
+            if lo < hi:
+                views.append(shard.narrow(0, lo - offset, hi - lo))
+            offset += shard.shape[0]
+        covered = max(0, min(end, have) - start)
+        if covered < step:
+            views.append(shards[0].new_zeros((step - covered, *shards[0].shape[1:])))
+        return _concat(views, 0)
 
 
 # Vocab-parallel tables are column-parallel over the padded table; padding is fitted by the provider.

@@ -14,6 +14,7 @@ import torch
 
 from pgconvert.config import ModelConfig
 from pgconvert.errors import CheckpointError
+from pgconvert.rules import ShardRule, VocabParallel
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,18 @@ class CanonicalSource:
 
     def load(self, name: str) -> torch.Tensor:
         raise NotImplementedError
+
+    def load_shard(self, name: str, rule: ShardRule, size: int, rank: int,
+                   rows: int | None = None) -> torch.Tensor:
+        """Piece ``rank`` of ``size`` of a canonical tensor under ``rule``, owning its memory.
+
+        ``rows`` fits a vocab table to a padded row count first. Formats stored in pieces override
+        this to cut the piece straight from their own pieces without building the full tensor.
+        """
+        full = self.load(name)
+        if rows is not None and isinstance(rule, VocabParallel):
+            return rule.reshard_rows([full], rows, self.config.vocab_size, size, rank)
+        return rule.reshard([full], size, rank)
 
     def extra_states(self) -> dict[str, ExtraState]:
         """Opaque ``_extra_state`` entries by canonical name (empty for formats without them)."""

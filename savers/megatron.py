@@ -35,15 +35,10 @@ from pgconvert.provider import (
     provide,
     target_vocab_rows,
 )
-from pgconvert.rules import VocabParallel, fit_vocab_rows
+from pgconvert.rules import VocabParallel
 from pgconvert.stream import CanonicalSource, ExtraState
 
 log = logging.getLogger(__name__)
-
-
-def _owned(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor with storage of its own: torch.save writes a view's whole storage."""
-    return tensor.clone(memory_format=torch.contiguous_format)
 
 
 def fsync_file(path: Path) -> None:
@@ -143,8 +138,9 @@ class MegatronSaver(Saver):
             for chunk_key, shard in rank.chunks:
                 model: OrderedDict[str, Any] = OrderedDict()
                 for spec in shard.specs:
-                    piece = self._cut(source, spec, padded)
-                    piece = _owned(piece.to(self._dtype(source, spec, options.dtype)))
+                    rows = padded if isinstance(spec.rule, VocabParallel) else None
+                    piece = source.load_shard(spec.canonical, spec.rule, spec.tp_size, spec.tp_rank, rows)
+                    piece = piece.to(self._dtype(source, spec, options.dtype))
                     model[spec.local_name] = piece
                     nbytes += piece.numel() * piece.element_size()
                 for local, canonical in self._extra_keys(source, shard):
@@ -175,13 +171,6 @@ class MegatronSaver(Saver):
             "--no-load-rng (or --finetune)"
         )
         return result
-
-    @staticmethod
-    def _cut(source: CanonicalSource, spec: TensorSpec, padded: int) -> torch.Tensor:
-        full = source.load(spec.canonical)
-        if isinstance(spec.rule, VocabParallel):
-            full = fit_vocab_rows(full, padded, source.config.vocab_size)
-        return spec.rule.shard(full, spec.tp_size, spec.tp_rank)
 
 
 def _extra_for(extra: ExtraState, layout: ParallelLayout, coord: RankCoord) -> tuple[object, bool]:

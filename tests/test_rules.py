@@ -78,3 +78,31 @@ def test_fit_vocab_rows_keeps_rows_that_fit_and_zero_fills_the_rest() -> None:
     assert fit_vocab_rows(table, 6, true_rows=5) is table
     with pytest.raises(ValueError, match="smaller than the true vocab"):
         fit_vocab_rows(table, 4, true_rows=5)
+
+
+@pytest.mark.parametrize("src_size", [1, 2, 4, 8])
+@pytest.mark.parametrize("dst_size", [1, 2, 4, 8])
+@pytest.mark.parametrize("rule", [COLUMN, ROW, GATED, REPLICATED], ids=["column", "row", "gated", "replicated"])
+def test_reshard_equals_shard_of_merge_without_aliasing(rule: object, src_size: int, dst_size: int) -> None:
+    full = filled(32, 16)
+    pieces = [piece.clone() for piece in rule.split(full, src_size)]
+
+    for rank in range(dst_size):
+        direct = rule.reshard(pieces, dst_size, rank)
+
+        assert torch.equal(direct, rule.shard(full, dst_size, rank).contiguous())
+        assert direct.is_contiguous()
+        assert all(direct.untyped_storage().data_ptr() != p.untyped_storage().data_ptr() for p in pieces)
+
+
+@pytest.mark.parametrize("rows", [12, 16, 24])
+@pytest.mark.parametrize(("src_size", "dst_size"), [(1, 4), (4, 2), (2, 4), (4, 4)])
+def test_vocab_reshard_rows_equals_fit_then_shard(rows: int, src_size: int, dst_size: int) -> None:
+    table = filled(16, 3) + 1
+    pieces = [piece.clone() for piece in VOCAB.split(table, src_size)]
+
+    for rank in range(dst_size):
+        direct = VOCAB.reshard_rows(pieces, rows, 10, dst_size, rank)
+
+        expected = VOCAB.shard(fit_vocab_rows(table, rows, true_rows=10), dst_size, rank)
+        assert torch.equal(direct, expected)

@@ -29,7 +29,14 @@ from pgconvert.megatron_format import (
     rank_dir_name,
     safe_torch_load,
 )
-from pgconvert.provider import LAYER_PREFIX, TensorSpec, canonical_layer, canonical_names, provide
+from pgconvert.provider import (
+    LAYER_PREFIX,
+    TensorSpec,
+    canonical_layer,
+    canonical_names,
+    non_layer_chunk,
+    provide,
+)
 from pgconvert.memory import release_mapped_pages
 from pgconvert.rules import Replicated, ShardRule, VocabParallel
 from pgconvert.stream import CanonicalSource, ExtraState, TensorMeta
@@ -114,10 +121,14 @@ def resolve_iteration_dir(root: Path, iteration: int | None) -> tuple[Path, int 
     )
 
 
-def _detect_impl(model: dict[str, Any]) -> str:
-    if any(key.endswith(".layer_norm_weight") or key.endswith(EXTRA_STATE_SUFFIX) for key in model):
+def _detect_impl(model: dict[str, Any], args: argparse.Namespace) -> str:
+    # Only the fused norm names tell the specs apart: megatron-core's local-spec linears write
+    # ``_extra_state`` entries (None) too.
+    if any(key.endswith(".layer_norm_weight") for key in model):
         return "transformer_engine"
-    return "local"
+    if any(key.endswith(".input_layernorm.weight") for key in model):
+        return "local"
+    return "transformer_engine" if getattr(args, "transformer_impl", "local") == "transformer_engine" else "local"
 
 
 def _detect_grouped_gemm(model: dict[str, Any]) -> bool:
@@ -190,7 +201,7 @@ class MegatronSource(CanonicalSource):
                 models[(coord, chunk_key)] = state[chunk_key]
         first_model = models[(RankCoord(0, 0), chunk_keys[0])]
         all_first_keys = [key for (coord, _), model in models.items() if coord.tp == 0 for key in model]
-        impl = _detect_impl(first_model)
+        impl = _detect_impl(dict.fromkeys(all_first_keys), args)
         config = config_from_args(args, first_file, impl, options.true_vocab_size,
                                   grouped_gemm=_detect_grouped_gemm(dict.fromkeys(all_first_keys)))
         layout.validate(config, "src")
@@ -244,6 +255,9 @@ class MegatronSource(CanonicalSource):
         for key, value in model.items():
             if key.endswith(EXTRA_STATE_SUFFIX):
                 canonical = _to_global(key, layers.start)
+                if canonical_layer(canonical) is None and non_layer_chunk(canonical) is None:
+                    unexpected.append(key)
+                    continue
                 extra = self._extra.setdefault(canonical, ExtraState(tp_size=self.layout.tp, ep_size=self.layout.ep))
                 extra.by_rank[(coord.tp, coord.ep)] = value
                 continue

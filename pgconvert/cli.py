@@ -14,7 +14,7 @@ import click
 from pgconvert import __version__
 from pgconvert.convert import ConvertRequest, Plan, execute, plan
 from pgconvert.errors import PgconvertError
-from pgconvert.formats import DTYPE_CHOICES
+from pgconvert.formats import DTYPE_CHOICES, EXPERT_LAYOUTS
 from pgconvert.registry import loader_names, saver_names
 
 
@@ -94,6 +94,10 @@ def _layout_option(name: str, help_text: str) -> Any:
 @_layout_option("--dst-vpp", "Destination virtual pipeline size: model chunks per stage (model0, model1, …).")
 @click.option("--dst-pipeline-layout", default=None, metavar="LAYOUT",
               help="Destination pipeline_model_parallel_layout string, e.g. 'Ettt|tttt|tttt|tttL'.")
+@click.option("--dst-transformer-impl", type=click.Choice(["local", "transformer_engine"]), default=None,
+              help="Megatron key naming of DST: local spec or Transformer-Engine spec [default: the source's].")
+@click.option("--dst-expert-layout", type=click.Choice(list(EXPERT_LAYOUTS)), default=None,
+              help="Expert key layout of DST: SequentialMLP (local_experts.{j}) or grouped GEMM (weight{j}).")
 @click.option("--iteration", type=click.IntRange(min=0), default=None,
               help="Source iteration to convert [default: latest_checkpointed_iteration.txt].")
 @click.option("--true-vocab-size", type=click.IntRange(min=1), default=None,
@@ -109,7 +113,8 @@ def convert_command(src: Path, dst: Path, src_format: str, dst_format: str, src_
                     dst_decoder_first_pipeline_num_layers: int | None,
                     dst_decoder_last_pipeline_num_layers: int | None, src_ep: int | None,
                     dst_ep: int | None, dst_expert_tp: int | None, dst_vpp: int | None,
-                    dst_pipeline_layout: str | None, iteration: int | None,
+                    dst_pipeline_layout: str | None, dst_transformer_impl: str | None,
+                    dst_expert_layout: str | None, iteration: int | None,
                     true_vocab_size: int | None, dtype: str, dry_run: bool, overwrite: bool,
                     quiet: bool, verbose: bool) -> None:
     """Convert SRC into DST (the default command)."""
@@ -123,6 +128,7 @@ def convert_command(src: Path, dst: Path, src_format: str, dst_format: str, src_
         dst_last_stage_layers=dst_decoder_last_pipeline_num_layers,
         src_ep=src_ep, dst_ep=dst_ep, dst_expert_tp=dst_expert_tp, dst_vpp=dst_vpp,
         dst_pipeline_layout=dst_pipeline_layout,
+        dst_transformer_impl=dst_transformer_impl, dst_expert_layout=dst_expert_layout,
         iteration=iteration, true_vocab_size=true_vocab_size, dtype=dtype, overwrite=overwrite,
     )
     try:

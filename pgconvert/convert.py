@@ -39,6 +39,8 @@ class ConvertRequest:
     dst_expert_tp: int | None = None
     dst_vpp: int | None = None
     dst_pipeline_layout: str | None = None
+    dst_transformer_impl: str | None = None
+    dst_expert_layout: str | None = None
     src_tp: int | None = None
     src_pp: int | None = None
     src_ep: int | None = None
@@ -160,7 +162,12 @@ def plan(request: ConvertRequest) -> Plan:
     ))
     try:
         src_layout = getattr(source, "layout", None)
-        save_options = SaveOptions(layout=_dst_layout(request, src_layout), dtype=DTYPE_CHOICES[request.dtype])
+        save_options = SaveOptions(
+            layout=_dst_layout(request, src_layout),
+            dtype=DTYPE_CHOICES[request.dtype],
+            transformer_impl=request.dst_transformer_impl,
+            expert_layout=request.dst_expert_layout,
+        )
         saver.validate(source, save_options)
         files = saver.plan(source, save_options)
     except BaseException:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from pgconvert.config import ModelConfig
 from pgconvert.layout import ParallelLayout
 from pgconvert.stream import CanonicalSource
 
@@ -38,11 +39,27 @@ class SaveOptions:
 
     layout: ParallelLayout
     dtype: torch.dtype | None = None
+    # Key naming of the target where the format has a choice; None keeps the source's.
+    transformer_impl: str | None = None
+    expert_layout: str | None = None
     # Largest file a saver that splits its output writes, in bytes; None: the format's default
     # (hf: 5 GB, as transformers' save_pretrained).
     max_shard_size: int | None = None
     # A config.json to write instead of one built from the model (hf); it must describe the model.
     hf_config: Path | None = None
+
+
+EXPERT_LAYOUTS = ("sequential", "grouped")
+
+
+def target_config(config: ModelConfig, options: SaveOptions) -> ModelConfig:
+    """The source's architecture with the target's key-naming choices applied."""
+    changes: dict[str, object] = {}
+    if options.transformer_impl is not None:
+        changes["transformer_impl"] = options.transformer_impl
+    if options.expert_layout is not None:
+        changes["moe_grouped_gemm"] = options.expert_layout == "grouped"
+    return config.replace(**changes) if changes else config
 
 
 @dataclass(frozen=True)

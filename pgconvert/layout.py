@@ -218,6 +218,11 @@ class ParallelLayout:
                     f"is not divisible by {self.expert_tp_size}"
                 )
         if self.pp * self.virtual_size > config.num_layers and self.pipeline_layout is None:
+            if self.virtual_size > 1:
+                raise LayoutError(
+                    f"{opt('pp', self.pp)} × {opt('vpp', self.virtual_size)}: {self.pp * self.virtual_size} "
+                    f"virtual pipeline stages, more than num_layers={config.num_layers}"
+                )
             raise LayoutError(
                 f"{opt('pp', self.pp)}: more pipeline stages than num_layers={config.num_layers}"
             )

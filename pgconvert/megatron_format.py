@@ -329,7 +329,16 @@ def args_for_target(config: ModelConfig, layout: ParallelLayout, padded_vocab_si
             "moe_grouped_gemm": config.moe_grouped_gemm,
         })
     if base is None:
-        values["world_size"] = layout.world_size
+        # What megatron-LM's check_checkpoint_args and its own HF importers expect of args that
+        # did not come from a training run.
+        values.update({
+            "world_size": layout.world_size,
+            "add_position_embedding": config.position_embedding_type == "learned_absolute",
+            "use_rotary_position_embeddings": config.position_embedding_type == "rope",
+            "layernorm_epsilon": config.norm_epsilon,
+            "tokenizer_type": "HuggingFaceTokenizer",
+            "seq_length": config.max_position_embeddings,
+        })
     for key, value in values.items():
         setattr(args, key, value)
     return args, replaced

@@ -343,6 +343,55 @@ def provide(
     return shard
 
 
+# Transformer Engine modules of each layer carry an ``_extra_state`` entry (FP8 metadata) in their
+# state dict; a TE-spec target made from a source without them gets empty (None) entries.
+TE_DENSE_EXTRA_STATES = (
+    "self_attention.core_attention._extra_state",
+    "self_attention.linear_proj._extra_state",
+    "self_attention.linear_qkv._extra_state",
+    "mlp.linear_fc1._extra_state",
+    "mlp.linear_fc2._extra_state",
+)
+TE_MOE_EXTRA_STATES = TE_DENSE_EXTRA_STATES[:3]
+TE_SHARED_EXPERT_EXTRA_STATES = (
+    "mlp.shared_experts.linear_fc1._extra_state",
+    "mlp.shared_experts.linear_fc2._extra_state",
+)
+
+
+def te_extra_state_names(config: ModelConfig, layers: range, local_experts: int) -> list[str]:
+    """``_extra_state`` keys (global layer, local expert index) a TE-spec model chunk holds."""
+    names = []
+    for layer in layers:
+        prefix = f"{LAYER_PREFIX}{layer}."
+        if not config.is_moe_layer(layer):
+            names += [prefix + suffix for suffix in TE_DENSE_EXTRA_STATES]
+            continue
+        names += [prefix + suffix for suffix in TE_MOE_EXTRA_STATES]
+        if config.moe_grouped_gemm:
+            names += [f"{prefix}mlp.experts.linear_fc1._extra_state", f"{prefix}mlp.experts.linear_fc2._extra_state"]
+        else:
+            names += [f"{prefix}{EXPERT_PREFIX}{j}.{fc}._extra_state"
+                      for j in range(local_experts) for fc in ("linear_fc1", "linear_fc2")]
+        if _shared_experts(config):
+            names += [prefix + suffix for suffix in TE_SHARED_EXPERT_EXTRA_STATES]
+    return names
+
+
+# Where a non-layer module lives: its entries go to the first or the last pipeline chunk.
+_FIRST_CHUNK_PREFIXES = ("embedding.",)
+_LAST_CHUNK_PREFIXES = ("output_layer.", "decoder.final_layernorm.")
+
+
+def non_layer_chunk(name: str) -> str | None:
+    """``"first"`` or ``"last"``: the chunk that owns a non-layer entry; None for an unknown module."""
+    if name.startswith(_FIRST_CHUNK_PREFIXES):
+        return "first"
+    if name.startswith(_LAST_CHUNK_PREFIXES):
+        return "last"
+    return None
+
+
 def canonical_layer(name: str) -> tuple[int, str] | None:
     """``decoder.layers.{L}.rest`` → (L, rest); None for non-layer names."""
     if not name.startswith(LAYER_PREFIX):

@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from pgconvert.formats import PlannedFile, Progress, Saver, SaveOptions, SaveResult
+from pgconvert.config import ModelConfig
+from pgconvert.formats import PlannedFile, Progress, Saver, SaveOptions, SaveResult, target_config
 from pgconvert.grid import RankCoord, build_converter_process_groups, iter_ranks
 from pgconvert.layout import ParallelLayout
 from pgconvert.megatron_format import (
@@ -32,8 +33,10 @@ from pgconvert.provider import (
     ModelShard,
     TensorSpec,
     canonical_layer,
+    non_layer_chunk,
     provide,
     target_vocab_rows,
+    te_extra_state_names,
 )
 from pgconvert.rules import VocabParallel
 from pgconvert.stream import CanonicalSource, ExtraState
@@ -60,12 +63,14 @@ class MegatronSaver(Saver):
 
     def validate(self, source: CanonicalSource, options: SaveOptions) -> None:
         check_megatron_layout(options.layout, "dst")
-        options.layout.validate(source.config, "dst")
-        target_vocab_rows(source.config, source.vocab_rows, options.layout)
+        config = target_config(source.config, options)
+        options.layout.validate(config, "dst")
+        target_vocab_rows(config, source.vocab_rows, options.layout)
 
     def _ranks(self, source: CanonicalSource, options: SaveOptions) -> list[_RankPlan]:
         layout = options.layout
-        padded = target_vocab_rows(source.config, source.vocab_rows, layout)
+        config = target_config(source.config, options)
+        padded = target_vocab_rows(config, source.vocab_rows, layout)
         groups = build_converter_process_groups(layout)
         chunked = layout.has_virtual_chunks
         chunk_keys = [f"model{i}" for i in range(layout.virtual_size)] if chunked else ["model"]
@@ -74,19 +79,34 @@ class MegatronSaver(Saver):
             groups.set_coord(coord)
             relpath = f"{rank_dir_name(coord.tp, coord.pp, coord.ep, layout.pp, layout.ep)}/{RANK_FILE}"
             chunks = [
-                (key, provide(source.config, groups, padded_vocab_size=padded, chunk=index if chunked else None))
+                (key, provide(config, groups, padded_vocab_size=padded, chunk=index if chunked else None))
                 for index, key in enumerate(chunk_keys)
             ]
             ranks.append(_RankPlan(relpath, coord, chunks))
         return ranks
 
-    def _extra_keys(self, source: CanonicalSource, shard: ModelShard) -> list[tuple[str, str]]:
-        """(local key, canonical key) of the opaque extra states this chunk carries."""
+    def _extra_keys(self, source: CanonicalSource, shard: ModelShard, config: ModelConfig,
+                    layout: ParallelLayout) -> list[tuple[str, str]]:
+        """(local key, canonical key) of the opaque extra states this chunk carries.
+
+        Under the source's own naming the source's entries are kept (they name exactly the modules
+        of the framework version that wrote them). A switch to the TE spec gets TE's standard set;
+        a switch to the local spec gets none (megatron-core fills its own in on load).
+        """
+        if config.transformer_impl == source.config.transformer_impl:
+            names = list(source.extra_states())
+        elif config.transformer_impl == "transformer_engine":
+            names = te_extra_state_names(config, shard.layers, (config.num_experts or 0) // layout.ep)
+        else:
+            return []
+        first = shard.pp_rank == 0 and shard.chunk in (None, 0)
+        last = shard.pp_rank == layout.pp - 1 and shard.chunk in (None, layout.virtual_size - 1)
         keys = []
-        for canonical in source.extra_states():
+        for canonical in names:
             parsed = canonical_layer(canonical)
             if parsed is None:
-                if shard.chunk in (None, 0) and shard.pp_rank == 0:
+                owner = non_layer_chunk(canonical)
+                if (owner == "first" and first) or (owner == "last" and last):
                     keys.append((canonical, canonical))
             elif parsed[0] in shard.layers:
                 keys.append((f"{LAYER_PREFIX}{parsed[0] - shard.layers.start}.{parsed[1]}", canonical))
@@ -99,6 +119,7 @@ class MegatronSaver(Saver):
         return dtype
 
     def plan(self, source: CanonicalSource, options: SaveOptions) -> list[PlannedFile]:
+        config = target_config(source.config, options)
         iteration_dir = iteration_dir_name(source.iteration or 0, source.release)
         planned = []
         for rank in self._ranks(source, options):
@@ -107,14 +128,14 @@ class MegatronSaver(Saver):
             for _, shard in rank.chunks:
                 for spec in shard.specs:
                     nbytes += spec.numel * torch.empty((), dtype=self._dtype(source, spec, options.dtype)).element_size()
-                count += len(shard.specs) + len(self._extra_keys(source, shard))
+                count += len(shard.specs) + len(self._extra_keys(source, shard, config, options.layout))
             planned.append(PlannedFile(f"{iteration_dir}/{rank.relpath}", count, nbytes))
         return planned
 
     def save(self, source: CanonicalSource, out_dir: Path, options: SaveOptions,
              progress: Progress) -> SaveResult:
         layout = options.layout
-        config = source.config
+        config = target_config(source.config, options)
         result = SaveResult()
         iteration = source.iteration if source.iteration is not None else 0
         release = source.release
@@ -143,9 +164,9 @@ class MegatronSaver(Saver):
                     piece = piece.to(self._dtype(source, spec, options.dtype))
                     model[spec.local_name] = piece
                     nbytes += piece.numel() * piece.element_size()
-                for local, canonical in self._extra_keys(source, shard):
-                    value, carried = _extra_for(extra_states[canonical], layout, rank.coord)
-                    dropped_extra |= not carried
+                for local, canonical in self._extra_keys(source, shard, config, layout):
+                    value, carried = _extra_for(extra_states.get(canonical), layout, rank.coord)
+                    dropped_extra |= not carried and _holds_state(extra_states.get(canonical))
                     model[local] = value
                 state[chunk_key] = model
                 count += len(model)
@@ -159,6 +180,12 @@ class MegatronSaver(Saver):
         tracker = out_dir / TRACKER_FILE
         tracker.write_text("release" if release else str(iteration))
         fsync_file(tracker)
+        dropped = [name for name, extra in extra_states.items() if _holds_state(extra)]
+        if dropped and config.transformer_impl != source.config.transformer_impl:
+            result.notices.append(
+                f"the target uses {config.transformer_impl}-spec names: {len(dropped)} non-empty "
+                "_extra_state entries of the source's spec were dropped"
+            )
         if dropped_extra:
             first = next(iter(extra_states.values()))
             result.notices.append(
@@ -173,8 +200,23 @@ class MegatronSaver(Saver):
         return result
 
 
-def _extra_for(extra: ExtraState, layout: ParallelLayout, coord: RankCoord) -> tuple[object, bool]:
+def _holds_state(extra: ExtraState | None) -> bool:
+    """Whether any rank's entry carries something (TE FP8 metadata), not just None or empty bytes."""
+    if extra is None:
+        return False
+    for value in extra.by_rank.values():
+        if value is None:
+            continue
+        if isinstance(value, torch.Tensor) and value.numel() == 0:
+            continue
+        if hasattr(value, "getbuffer") and len(value.getbuffer()) == 0:
+            continue
+        return True
+    return False
+
+
+def _extra_for(extra: ExtraState | None, layout: ParallelLayout, coord: RankCoord) -> tuple[object, bool]:
     key = (coord.tp, coord.ep)
-    if extra.tp_size == layout.tp and extra.ep_size == layout.ep and key in extra.by_rank:
+    if extra is not None and extra.tp_size == layout.tp and extra.ep_size == layout.ep and key in extra.by_rank:
         return extra.by_rank[key], True
     return None, False

@@ -38,6 +38,8 @@ from pgconvert.provider import (
     provide,
 )
 from pgconvert.memory import release_mapped_pages
+from pgconvert.paths import ensure_within
+from pgconvert.strict import fallback
 from pgconvert.rules import Replicated, ShardRule, VocabParallel
 from pgconvert.stream import CanonicalSource, ExtraState, TensorMeta
 
@@ -72,7 +74,7 @@ class MegatronLoader(Loader):
 
     def open(self, path: Path, options: LoadOptions) -> MegatronSource:
         iteration_dir, iteration, release = resolve_iteration_dir(path, options.iteration)
-        return MegatronSource(iteration_dir, iteration, release, options)
+        return MegatronSource(iteration_dir, iteration, release, options, root=path)
 
 
 def resolve_iteration_dir(root: Path, iteration: int | None) -> tuple[Path, int | None, bool]:
@@ -147,8 +149,12 @@ class MegatronSource(CanonicalSource):
 
     format_name = "megatron"
 
-    def __init__(self, iteration_dir: Path, iteration: int | None, release: bool, options: LoadOptions) -> None:
+    def __init__(self, iteration_dir: Path, iteration: int | None, release: bool, options: LoadOptions,
+                 root: Path | None = None) -> None:
         self.directory = iteration_dir
+        self.root = root or iteration_dir
+        self._early_notices: list[str] = []
+        ensure_within(self.root, iteration_dir)
         rank_dirs = {
             child.name: child for child in sorted(iteration_dir.iterdir())
             if child.is_dir() and RANK_DIR_RE.match(child.name)
@@ -159,6 +165,7 @@ class MegatronSource(CanonicalSource):
         first_file = rank_dirs[first_name] / RANK_FILE
         if not first_file.is_file():
             raise CheckpointError(f"{first_file}: missing rank file")
+        ensure_within(self.root, first_file)
         first_state = safe_torch_load(first_file)
         args = first_state.get("args")
         if not isinstance(args, argparse.Namespace):
@@ -189,6 +196,7 @@ class MegatronSource(CanonicalSource):
             path = rank_dirs[name] / RANK_FILE
             if not path.is_file():
                 raise CheckpointError(f"{path}: missing rank file")
+            ensure_within(self.root, path)
             state = first_state if name == first_name else safe_torch_load(path)
             present = sorted(key for key in state if key == "model" or (key.startswith("model") and key[5:].isdigit()))
             if present != sorted(chunk_keys):
@@ -202,6 +210,9 @@ class MegatronSource(CanonicalSource):
         first_model = models[(RankCoord(0, 0), chunk_keys[0])]
         all_first_keys = [key for (coord, _), model in models.items() if coord.tp == 0 for key in model]
         impl = _detect_impl(dict.fromkeys(all_first_keys), args)
+        if not any(k.endswith((".layer_norm_weight", ".input_layernorm.weight")) for k in all_first_keys):
+            fallback(f"{first_file}: no norm keys tell the layer spec apart; assuming "
+                     f"transformer_impl={impl!r} from args", options.strict, self._early_notices)
         config = config_from_args(args, first_file, impl, options.true_vocab_size,
                                   grouped_gemm=_detect_grouped_gemm(dict.fromkeys(all_first_keys)))
         layout.validate(config, "src")
@@ -215,11 +226,17 @@ class MegatronSource(CanonicalSource):
             raise CheckpointError(
                 f"{first_file}: true vocab size {config.vocab_size} exceeds the padded vocab {padded}"
             )
+        if config.vocab_size is None:
+            fallback(f"{first_file}: the true vocab size is unknown (no args.vocab_size, no --true-vocab-size); "
+                     f"keeping the padded table of {padded} rows as the vocabulary", options.strict,
+                     self._early_notices)
         super().__init__(config, padded, iteration, release, megatron_args=args)
+        self.notices.extend(self._early_notices)
         self._models = models
         self._pieces: dict[str, list[_Piece]] = defaultdict(list)
         self._extra: dict[str, ExtraState] = {}
         self._verified: set[str] = set()
+        self._last_loaded: list[torch.Tensor] = []
         self._index(padded, chunk_keys)
         self._order = canonical_names(config)
         uncovered = sorted(set(self._order) - set(self._pieces))
@@ -333,14 +350,21 @@ class MegatronSource(CanonicalSource):
             release_mapped_pages(self._tensor(piece) for piece in group)
         self._verified.add(name)
 
-    def load(self, name: str) -> torch.Tensor:
+    def describe(self) -> str:
+        return str(self.directory)
+
+    def _load(self, name: str) -> torch.Tensor:
         copies = self._copies(name)
         self._verify(name, copies)
-        group = copies[0]
-        return group[0].spec.rule.merge([self._tensor(p) for p in group])
+        tensors = [self._tensor(p) for p in copies[0]]
+        # The result may alias the mapped pieces, so their pages are handed back one call later,
+        # once a streaming consumer has written it (a late reader would just fault them in again).
+        release_mapped_pages(self._last_loaded)
+        self._last_loaded = tensors
+        return copies[0][0].spec.rule.merge(tensors)
 
-    def load_shard(self, name: str, rule: ShardRule, size: int, rank: int,
-                   rows: int | None = None) -> torch.Tensor:
+    def _load_shard(self, name: str, rule: ShardRule, size: int, rank: int,
+                    rows: int | None) -> torch.Tensor:
         copies = self._copies(name)
         self._verify(name, copies)
         tensors = [self._tensor(p) for p in copies[0]]
@@ -355,6 +379,7 @@ class MegatronSource(CanonicalSource):
         return dict(self._extra)
 
     def close(self) -> None:
+        self._last_loaded = []
         self._models.clear()
         self._pieces.clear()
 

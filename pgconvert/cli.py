@@ -35,6 +35,30 @@ def _format_bytes(count: int) -> str:
     raise AssertionError("unreachable")
 
 
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+class ByteSize(click.ParamType):
+    """A byte count such as ``5GB`` (decimal, as transformers counts), ``2GiB`` or ``1000000``."""
+
+    name = "size"
+
+    def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, int):
+            return value
+        text = str(value).strip().upper().replace(" ", "")
+        number = text.rstrip("KMGTIB")
+        unit = text[len(number):]
+        try:
+            count = float(number) * _SIZE_UNITS[unit]
+        except (ValueError, KeyError):
+            self.fail(f"{value!r} is not a size (e.g. 5GB, 500MB, 2GiB, 1000000)", param, ctx)
+        if count < 1:
+            self.fail(f"{value!r} must be at least one byte", param, ctx)
+        return int(count)
+
+
 class ConvertByDefault(click.Group):
     """``pgconvert SRC DST`` runs ``convert``; ``pgconvert example …`` runs a subcommand."""
 
@@ -104,6 +128,16 @@ def _layout_option(name: str, help_text: str) -> Any:
               help="Tokenizer vocab size, to strip padding rows and re-pad for the target.")
 @click.option("--dtype", type=click.Choice(list(DTYPE_CHOICES)), default="keep", show_default=True,
               help="Cast floating-point tensors.")
+@click.option("--max-shard-size", type=ByteSize(), default=None, metavar="SIZE",
+              help="Largest safetensors shard of an hf DST, e.g. 5GB (default), 500MB, 2GiB.")
+@click.option("--hf-config", type=click.Path(path_type=Path, exists=True, dir_okay=False), default=None,
+              help="config.json to write into an hf DST instead of one built from the model.")
+@click.option("--strict", is_flag=True,
+              help="Refuse wherever pgconvert would otherwise guess (unknown true vocab, dropped "
+                   "_extra_state, a lossy --dtype, …); without it each guess is a warning.")
+@click.option("--check-finite", "finite_mode", flag_value="error",
+              help="Refuse tensors holding NaN or Inf (by default they are converted with a warning).")
+@click.option("--skip-finite-check", "finite_mode", flag_value="off", help="Do not scan tensors for NaN/Inf.")
 @click.option("--dry-run", is_flag=True, help="Print the plan (each destination file, tensors, bytes); write nothing.")
 @click.option("--overwrite", is_flag=True, help="Replace a non-empty DST (only once the new one is complete).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar and no notices.")
@@ -115,7 +149,9 @@ def convert_command(src: Path, dst: Path, src_format: str, dst_format: str, src_
                     dst_ep: int | None, dst_expert_tp: int | None, dst_vpp: int | None,
                     dst_pipeline_layout: str | None, dst_transformer_impl: str | None,
                     dst_expert_layout: str | None, iteration: int | None,
-                    true_vocab_size: int | None, dtype: str, dry_run: bool, overwrite: bool,
+                    true_vocab_size: int | None, dtype: str, max_shard_size: int | None,
+                    hf_config: Path | None, strict: bool, finite_mode: str | None,
+                    dry_run: bool, overwrite: bool,
                     quiet: bool, verbose: bool) -> None:
     """Convert SRC into DST (the default command)."""
     _configure_logging(quiet, verbose)
@@ -130,6 +166,8 @@ def convert_command(src: Path, dst: Path, src_format: str, dst_format: str, src_
         dst_pipeline_layout=dst_pipeline_layout,
         dst_transformer_impl=dst_transformer_impl, dst_expert_layout=dst_expert_layout,
         iteration=iteration, true_vocab_size=true_vocab_size, dtype=dtype, overwrite=overwrite,
+        strict=strict, check_finite=finite_mode or "warn",
+        max_shard_size=max_shard_size, hf_config=hf_config,
     )
     try:
         conversion = plan(request)

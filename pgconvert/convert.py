@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import shutil
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -12,15 +14,19 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pgconvert.errors import DestinationError
+from pgconvert.errors import ConversionError, DestinationError
 from pgconvert.formats import DTYPE_CHOICES, LoadOptions, PlannedFile, Saver, SaveOptions
 from pgconvert.layout import ParallelLayout
+from pgconvert.layout_spec import LayoutSpec
+from pgconvert.manifest import Manifest, record_files, write_manifest
 from pgconvert.registry import detect_format, get_loader, get_saver
 from pgconvert.stream import CanonicalSource
+from pgconvert.strict import fallback
 
 log = logging.getLogger(__name__)
 
 PARTIAL_MARKER = ".pgconvert-partial-"
+CHECK_FINITE_CHOICES = ("warn", "error", "off")
 
 
 @dataclass(frozen=True)
@@ -48,6 +54,10 @@ class ConvertRequest:
     true_vocab_size: int | None = None
     dtype: str = "keep"
     overwrite: bool = False
+    strict: bool = False
+    check_finite: str = "warn"
+    max_shard_size: int | None = None
+    hf_config: Path | None = None
 
 
 @dataclass
@@ -113,8 +123,12 @@ def check_destination(dst: Path, overwrite: bool, src: Path | None = None) -> No
         parent = parent.parent
     if not parent.is_dir():
         raise DestinationError(f"DST {dst}: {parent} is not a directory")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise DestinationError(f"DST {dst}: parent directory {parent} is not writable")
+    # A real write, not os.access: root passes access checks even on a read-only mount.
+    try:
+        with tempfile.TemporaryFile(dir=parent):
+            pass
+    except OSError as exc:
+        raise DestinationError(f"DST {dst}: parent directory {parent} is not writable ({exc.strerror})") from None
 
 
 def _dst_layout(request: ConvertRequest, src_layout: ParallelLayout | None) -> ParallelLayout:
@@ -141,6 +155,11 @@ def _dst_layout(request: ConvertRequest, src_layout: ParallelLayout | None) -> P
     )
 
 
+def destination_layout(request: ConvertRequest, src_layout: ParallelLayout | None) -> ParallelLayout:
+    """The layout ``request`` produces from a source laid out as ``src_layout`` (None: unsharded)."""
+    return _dst_layout(request, src_layout)
+
+
 def plan(request: ConvertRequest) -> Plan:
     """Open the source and compute every destination file; validates everything, writes nothing."""
     src = request.src
@@ -159,21 +178,76 @@ def plan(request: ConvertRequest) -> Plan:
         src_pp=request.src_pp,
         src_ep=request.src_ep,
         true_vocab_size=request.true_vocab_size,
+        strict=request.strict,
     ))
     try:
+        if request.check_finite not in CHECK_FINITE_CHOICES:
+            raise DestinationError(
+                f"--check-finite {request.check_finite}: must be one of {', '.join(CHECK_FINITE_CHOICES)}")
+        source.check_finite = request.check_finite
         src_layout = getattr(source, "layout", None)
+        # A format without parallel layouts (hf) starts from an unsharded layout, not the source's.
+        layout_base = src_layout if getattr(saver, "parallel", True) else None
         save_options = SaveOptions(
-            layout=_dst_layout(request, src_layout),
+            layout=_dst_layout(request, layout_base),
             dtype=DTYPE_CHOICES[request.dtype],
             transformer_impl=request.dst_transformer_impl,
             expert_layout=request.dst_expert_layout,
+            strict=request.strict,
+            max_shard_size=request.max_shard_size,
+            hf_config=Path(request.hf_config) if request.hf_config is not None else None,
         )
+        _note_dtype_change(source, save_options)
         saver.validate(source, save_options)
         files = saver.plan(source, save_options)
     except BaseException:
         source.close()
         raise
     return Plan(request, src_format, dst_format, source, src_layout, saver, save_options, files)
+
+
+def _note_dtype_change(source: CanonicalSource, options: SaveOptions) -> None:
+    """A cast to another floating dtype can lose precision or range: a guess under --strict."""
+    if options.dtype is None:
+        return
+    changed = sorted({str(meta.dtype).removeprefix("torch.") for meta in map(source.meta, source.names())
+                      if meta.dtype.is_floating_point and meta.dtype != options.dtype})
+    if changed:
+        target = str(options.dtype).removeprefix("torch.")
+        fallback(f"--dtype casts {', '.join(changed)} tensors to {target}", options.strict, source.notices)
+
+
+@contextmanager
+def _destination_lock(dst: Path) -> Iterator[None]:
+    """One conversion per destination at a time: a second one fails at once, nothing is touched."""
+    lock_path = dst.parent / f".{dst.name}.pgconvert.lock"
+    handle = open(lock_path, "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        owner = handle.read().strip() or "?"
+        handle.close()
+        raise DestinationError(
+            f"DST {dst} is being written by another pgconvert process (pid {owner}, lock {lock_path})"
+        ) from None
+    try:
+        handle.seek(0)
+        handle.truncate()
+        handle.write(str(os.getpid()))
+        handle.flush()
+        yield
+    finally:
+        # Unlinked while still held, so a waiting run never locks a file that is about to vanish.
+        lock_path.unlink(missing_ok=True)
+        handle.close()
+
+
+def _remove_stale_partials(dst: Path) -> None:
+    """Partial outputs of killed runs (we hold the lock, so no live run owns them)."""
+    for stale in dst.parent.glob(f".{dst.name}{PARTIAL_MARKER}*"):
+        log.warning("removing %s, left by an interrupted conversion", stale)
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 @contextmanager
@@ -186,10 +260,18 @@ def staged_output(dst: Path, overwrite: bool) -> Iterator[Path]:
     """
     dst = dst.absolute()
     dst.parent.mkdir(parents=True, exist_ok=True)
-    staging = dst.parent / f".{dst.name}{PARTIAL_MARKER}{uuid.uuid4().hex[:12]}"
-    staging.mkdir()
+    with _destination_lock(dst):
+        _remove_stale_partials(dst)
+        staging = dst.parent / f".{dst.name}{PARTIAL_MARKER}{uuid.uuid4().hex[:12]}"
+        staging.mkdir()
+        with _promoted_on_success(staging, dst, overwrite):
+            yield staging
+
+
+@contextmanager
+def _promoted_on_success(staging: Path, dst: Path, overwrite: bool) -> Iterator[None]:
     try:
-        yield staging
+        yield
         _fsync_dir(staging)
         if dst.exists():
             if any(dst.iterdir()) and not overwrite:
@@ -223,6 +305,13 @@ def execute(conversion: Plan, progress: Callable[[int], None] | None = None) -> 
             result = conversion.saver.save(
                 conversion.source, staging, conversion.save_options, progress or (lambda nbytes: None)
             )
+            # Inside the staging directory: only an output that is complete ever has a manifest.
+            write_manifest(staging, Manifest.for_conversion(conversion, record_files(staging)))
+    except OSError as exc:
+        where = f" ({exc.filename})" if exc.filename else ""
+        raise ConversionError(
+            f"writing DST {request.dst} failed: {exc.strerror or exc}{where}; nothing was left behind"
+        ) from exc
     finally:
         conversion.source.close()
     notices = list(conversion.source.notices) + result.notices
@@ -241,8 +330,40 @@ def execute(conversion: Plan, progress: Callable[[int], None] | None = None) -> 
     )
 
 
-def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], **options: object) -> Report:
-    """Convert the checkpoint at ``src`` into ``dst``; options are the fields of ``ConvertRequest``."""
-    request = ConvertRequest(src=Path(src), dst=Path(dst), **options)  # type: ignore[arg-type]
-    return execute(plan(request))
+_DST_LAYOUT_FIELDS = tuple(f"dst_{name}" for name in LayoutSpec.__dataclass_fields__)
 
+
+def convert_request(src: str | os.PathLike[str], dst: str | os.PathLike[str],
+                    dst_layout: ParallelLayout | LayoutSpec | str | None = None,
+                    **options: object) -> ConvertRequest:
+    """The ``ConvertRequest`` for ``convert``'s arguments.
+
+    ``dst_layout`` is a shorthand for the ``dst_*`` layout fields: a ``ParallelLayout`` names its
+    tp, pp and ep (and any stage field it sets), a text such as ``"tp=2,pp=4,ep=8"`` only the keys
+    it lists; what is not named is kept from the source. Giving a field both ways is refused.
+    """
+    unknown = sorted(set(options) - set(ConvertRequest.__dataclass_fields__))
+    if unknown:
+        raise ValidationError(f"convert: unknown options {unknown}; the options are the fields of ConvertRequest")
+    fields = dict(options)
+    if dst_layout is not None:
+        given = LayoutSpec.coerce(dst_layout).request_fields()
+        both = sorted(name for name in _DST_LAYOUT_FIELDS if name in given and fields.get(name) is not None)
+        if both:
+            raise ValidationError(f"dst_layout {dst_layout!r}: {', '.join(both)} also given as keyword arguments")
+        fields.update(given)
+    return ConvertRequest(src=Path(src), dst=Path(dst), **fields)  # type: ignore[arg-type]
+
+
+def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str],
+            dst_layout: ParallelLayout | LayoutSpec | str | None = None,
+            dst_format: str | None = None, **options: object) -> Report:
+    """Convert the checkpoint at ``src`` into ``dst``, written complete (with its manifest) or not at all.
+
+    ``dst_layout``: the target layout, a ``ParallelLayout`` or text such as ``"tp=2,pp=4,ep=8"``
+    (see ``convert_request``); ``dst_format``: the target format (default: the source's);
+    ``options``: any other field of ``ConvertRequest`` (``dst_tp=2``, ``iteration=1000``,
+    ``dtype="bf16"``, ``overwrite=True``, …). Raises ``PgconvertError`` subclasses.
+    """
+    request = convert_request(src, dst, dst_layout, dst_format=dst_format, **options)
+    return execute(plan(request))

@@ -32,6 +32,14 @@ class DestinationError(ValidationError):
     """The destination path cannot be used (exists, inside the source, not writable)."""
 
 
+class StrictModeError(ValidationError):
+    """``--strict`` was given and the conversion would have had to guess."""
+
+
+class ConversionError(PgconvertError):
+    """Writing the destination failed (disk full, I/O error, interrupted)."""
+
+
 class NotACheckpointError(ValidationError):
     """SRC is not a checkpoint of any known format: a wrong argument, not a broken file."""
 

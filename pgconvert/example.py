@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from pgconvert.config import ModelConfig
-from pgconvert.provider import canonical_names, global_layer_names
+from pgconvert.provider import canonical_names, canonical_shapes
 from pgconvert.stream import InMemorySource
 
 
@@ -32,7 +32,7 @@ def example_source(config: ModelConfig | None = None, seed: int = 0, iteration: 
     config = config or example_config()
     generator = torch.Generator().manual_seed(seed)
     dtype = getattr(torch, config.params_dtype)
-    shapes = _global_shapes(config)
+    shapes = canonical_shapes(config)
     tensors = {}
     for name in canonical_names(config):
         tensor = torch.randn(shapes[name], generator=generator) * 0.02
@@ -40,19 +40,3 @@ def example_source(config: ModelConfig | None = None, seed: int = 0, iteration: 
             tensor += 1.0
         tensors[name] = tensor.to(dtype)
     return InMemorySource(config, tensors, iteration=iteration)
-
-
-def _global_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    assert config.vocab_size is not None
-    shapes: dict[str, tuple[int, ...]] = {
-        "embedding.word_embeddings.weight": (config.vocab_size, config.hidden_size),
-        "decoder.final_layernorm.weight": (config.hidden_size,),
-        "decoder.final_layernorm.bias": (config.hidden_size,),
-        "output_layer.weight": (config.vocab_size, config.hidden_size),
-    }
-    if config.max_position_embeddings is not None:
-        shapes["embedding.position_embeddings.weight"] = (config.max_position_embeddings, config.hidden_size)
-    for layer in range(config.num_layers):
-        for name, kind in global_layer_names(config, layer):
-            shapes[name] = kind.shape(config)
-    return shapes

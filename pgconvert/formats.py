@@ -31,6 +31,8 @@ class LoadOptions:
     src_pp: int | None = None
     src_ep: int | None = None
     true_vocab_size: int | None = None
+    # Refuse instead of guessing (see pgconvert.strict).
+    strict: bool = False
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,7 @@ class SaveOptions:
     # Key naming of the target where the format has a choice; None keeps the source's.
     transformer_impl: str | None = None
     expert_layout: str | None = None
+    strict: bool = False
     # Largest file a saver that splits its output writes, in bytes; None: the format's default
     # (hf: 5 GB, as transformers' save_pretrained).
     max_shard_size: int | None = None

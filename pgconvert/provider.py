@@ -246,6 +246,27 @@ def canonical_names(config: ModelConfig) -> list[str]:
     return names
 
 
+def canonical_shapes(config: ModelConfig, vocab_rows: int | None = None) -> dict[str, tuple[int, ...]]:
+    """Global shape of every canonical tensor, in stream order; vocab tables get ``vocab_rows``
+    rows (by default the true vocab size)."""
+    rows = vocab_rows if vocab_rows is not None else config.vocab_size
+    if rows is None:
+        raise LayoutError("vocab_size: unknown; the true vocab size is needed (pass --true-vocab-size)")
+    hidden = config.hidden_size
+    shapes: dict[str, tuple[int, ...]] = {
+        WORD_EMBEDDINGS: (rows, hidden),
+        OUTPUT_LAYER: (rows, hidden),
+        FINAL_NORM_WEIGHT: (hidden,),
+        FINAL_NORM_BIAS: (hidden,),
+    }
+    if config.max_position_embeddings is not None:
+        shapes[POSITION_EMBEDDINGS] = (config.max_position_embeddings, hidden)
+    for layer in range(config.num_layers):
+        for tensor in layer_tensors(config, layer):
+            shapes[tensor.canonical] = tensor.kind.shape(config)
+    return {name: shapes[name] for name in canonical_names(config)}
+
+
 def keep_dtype_names(config: ModelConfig) -> set[str]:
     """Canonical tensors whose dtype is never changed by ``--dtype`` (router weights, expert bias)."""
     return {

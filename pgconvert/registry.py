@@ -16,8 +16,8 @@ from pgconvert.formats import Loader, Saver
 
 log = logging.getLogger(__name__)
 
-BUILTIN_LOADERS: dict[str, str] = {"megatron": "loaders.megatron:MegatronLoader"}
-BUILTIN_SAVERS: dict[str, str] = {"megatron": "savers.megatron:MegatronSaver"}
+BUILTIN_LOADERS: dict[str, str] = {"megatron": "loaders.megatron:MegatronLoader", "hf": "loaders.hf:HFLoader"}
+BUILTIN_SAVERS: dict[str, str] = {"megatron": "savers.megatron:MegatronSaver", "hf": "savers.hf:HFSaver"}
 
 
 def _targets(group: str, builtins: dict[str, str]) -> dict[str, str]:
@@ -69,7 +69,8 @@ def detect_format(path: Path) -> str:
     if not found:
         raise NotACheckpointError(
             f"{path}: not a checkpoint of any known format ({', '.join(loader_names())}); "
-            "expected e.g. latest_checkpointed_iteration.txt or iter_*/mp_rank_*/model_optim_rng.pt"
+            "expected e.g. latest_checkpointed_iteration.txt with iter_*/mp_rank_*/model_optim_rng.pt "
+            "(megatron), or config.json with model.safetensors[.index.json] (hf)"
         )
     if len(found) > 1:
         raise CheckpointError(f"{path}: matches several formats ({', '.join(found)}); pass --src-format")

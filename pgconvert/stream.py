@@ -7,6 +7,7 @@ other's format. Sources load one tensor at a time, so no step needs the whole mo
 from __future__ import annotations
 
 import argparse
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -15,6 +16,8 @@ import torch
 from pgconvert.config import ModelConfig
 from pgconvert.errors import CheckpointError
 from pgconvert.rules import ShardRule, VocabParallel
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,8 @@ class CanonicalSource:
         self.release = release
         self.megatron_args = megatron_args
         self.notices: list[str] = []
+        self.check_finite = "warn"
+        self._nonfinite_seen: set[str] = set()
 
     def names(self) -> list[str]:
         raise NotImplementedError
@@ -67,19 +72,47 @@ class CanonicalSource:
         raise NotImplementedError
 
     def load(self, name: str) -> torch.Tensor:
-        raise NotImplementedError
+        """The full canonical tensor (it may alias the source's memory: do not modify it)."""
+        return self._checked(name, self._load(name))
 
     def load_shard(self, name: str, rule: ShardRule, size: int, rank: int,
                    rows: int | None = None) -> torch.Tensor:
         """Piece ``rank`` of ``size`` of a canonical tensor under ``rule``, owning its memory.
 
-        ``rows`` fits a vocab table to a padded row count first. Formats stored in pieces override
-        this to cut the piece straight from their own pieces without building the full tensor.
+        ``rows`` fits a vocab table to a padded row count first.
         """
-        full = self.load(name)
+        return self._checked(name, self._load_shard(name, rule, size, rank, rows))
+
+    def _load(self, name: str) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _load_shard(self, name: str, rule: ShardRule, size: int, rank: int,
+                    rows: int | None) -> torch.Tensor:
+        # Formats stored in pieces override this to cut the piece straight from their own pieces.
+        full = self._load(name)
         if rows is not None and isinstance(rule, VocabParallel):
             return rule.reshard_rows([full], rows, self.config.vocab_size, size, rank)
         return rule.reshard([full], size, rank)
+
+    def _checked(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """NaN/Inf are reported once per tensor (``check_finite="warn"``) or refused (``"error"``)."""
+        if self.check_finite == "off" or not tensor.is_floating_point() or name in self._nonfinite_seen:
+            return tensor
+        finite = torch.isfinite(tensor)
+        if bool(finite.all()):
+            return tensor
+        count = int(finite.numel() - finite.sum())
+        message = f"{name}: {count} of {tensor.numel()} values are NaN or Inf in {self.describe()}"
+        if self.check_finite == "error":
+            raise CheckpointError(f"{message} (refused by --check-finite)")
+        self._nonfinite_seen.add(name)
+        log.warning("%s", message)
+        self.notices.append(message)
+        return tensor
+
+    def describe(self) -> str:
+        """Where this source comes from, for messages."""
+        return self.format_name
 
     def extra_states(self) -> dict[str, ExtraState]:
         """Opaque ``_extra_state`` entries by canonical name (empty for formats without them)."""
@@ -128,5 +161,5 @@ class InMemorySource(CanonicalSource):
         tensor = self._tensors[name]
         return TensorMeta(tuple(tensor.shape), tensor.dtype)
 
-    def load(self, name: str) -> torch.Tensor:
+    def _load(self, name: str) -> torch.Tensor:
         return self._tensors[name]

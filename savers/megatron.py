@@ -25,6 +25,7 @@ from pgconvert.megatron_format import (
     TRACKER_FILE,
     args_for_target,
     check_megatron_layout,
+    plain_args,
     iteration_dir_name,
     rank_dir_name,
 )
@@ -39,6 +40,7 @@ from pgconvert.provider import (
     te_extra_state_names,
 )
 from pgconvert.rules import VocabParallel
+from pgconvert.strict import fallback
 from pgconvert.stream import CanonicalSource, ExtraState
 
 log = logging.getLogger(__name__)
@@ -46,6 +48,22 @@ log = logging.getLogger(__name__)
 
 def fsync_file(path: Path) -> None:
     with open(path, "rb") as handle:
+        os.fsync(handle.fileno())
+
+
+def save_durably(state: dict[str, Any], path: Path) -> None:
+    """``torch.save`` into ``path`` and fsync it; a failed write surfaces as the OSError behind it."""
+    with open(path, "wb") as handle:
+        try:
+            torch.save(state, handle)
+        except RuntimeError as exc:
+            # torch's zip writer reports a failed write (ENOSPC, EIO) as "unexpected pos"; the
+            # file object's OSError is the real cause.
+            if isinstance(exc.__context__, OSError):
+                cause = exc.__context__
+                raise OSError(cause.errno, cause.strerror, str(path)) from exc
+            raise
+        handle.flush()
         os.fsync(handle.fileno())
 
 
@@ -66,6 +84,25 @@ class MegatronSaver(Saver):
         config = target_config(source.config, options)
         options.layout.validate(config, "dst")
         target_vocab_rows(config, source.vocab_rows, options.layout)
+        if options.strict:
+            self._refuse_guesses(source, options, config)
+
+    @staticmethod
+    def _refuse_guesses(source: CanonicalSource, options: SaveOptions, config: ModelConfig) -> None:
+        """Under --strict, the guesses ``save`` would make are refused before anything is written."""
+        if source.megatron_args is not None:
+            replaced = plain_args(source.megatron_args)[1]
+            if replaced:
+                fallback("args naming framework classes would be written as plain values: "
+                         + ", ".join(replaced), strict=True)
+        layout = options.layout
+        for name, extra in source.extra_states().items():
+            if not _holds_state(extra):
+                continue
+            if config.transformer_impl != source.config.transformer_impl or (
+                    extra.tp_size, extra.ep_size) != (layout.tp, layout.ep):
+                fallback(f"{name}: Transformer Engine _extra_state would be dropped (saved at tp="
+                         f"{extra.tp_size}, ep={extra.ep_size})", strict=True)
 
     def _ranks(self, source: CanonicalSource, options: SaveOptions) -> list[_RankPlan]:
         layout = options.layout
@@ -147,9 +184,8 @@ class MegatronSaver(Saver):
         dtype = options.dtype or source.meta(names[0]).dtype
         args, replaced = args_for_target(config, layout, padded, dtype, iteration, source.megatron_args)
         if replaced:
-            result.notices.append(
-                "args naming framework classes were written as plain values: " + ", ".join(replaced)
-            )
+            fallback("args naming framework classes (not importable here) are written as their plain "
+                     "values: " + ", ".join(replaced), options.strict, result.notices)
         extra_states = source.extra_states()
         dropped_extra = False
         for rank in self._ranks(source, options):
@@ -172,8 +208,7 @@ class MegatronSaver(Saver):
                 count += len(model)
             path = iteration_dir / rank.relpath
             path.parent.mkdir(parents=True, exist_ok=True)
-            torch.save(state, path)
-            fsync_file(path)
+            save_durably(state, path)
             result.files.append(PlannedFile(str(path.relative_to(out_dir)), count, nbytes))
             del state
             progress(nbytes)
@@ -182,16 +217,15 @@ class MegatronSaver(Saver):
         fsync_file(tracker)
         dropped = [name for name, extra in extra_states.items() if _holds_state(extra)]
         if dropped and config.transformer_impl != source.config.transformer_impl:
-            result.notices.append(
-                f"the target uses {config.transformer_impl}-spec names: {len(dropped)} non-empty "
-                "_extra_state entries of the source's spec were dropped"
-            )
+            fallback(f"the target uses {config.transformer_impl}-spec names: {len(dropped)} non-empty "
+                     "_extra_state entries of the source's spec were dropped", options.strict, result.notices)
         if dropped_extra:
             first = next(iter(extra_states.values()))
-            result.notices.append(
+            fallback(
                 "Transformer Engine _extra_state (FP8 scaling metadata) is only valid at the TP/EP sizes it "
                 f"was saved with (tp={first.tp_size}, ep={first.ep_size}); written empty (None) for "
-                f"tp={layout.tp}, ep={layout.ep}: FP8 runs re-derive it in their first steps"
+                f"tp={layout.tp}, ep={layout.ep}: FP8 runs re-derive it in their first steps",
+                options.strict, result.notices,
             )
         result.notices.append(
             "optimizer, scheduler and RNG state are not carried: resume with --no-load-optim "

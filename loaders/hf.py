@@ -1,0 +1,204 @@
+"""Loader for Hugging Face safetensors checkpoints (``config.json`` + ``model*.safetensors``).
+
+Nothing but headers is read when the source is opened; each tensor is read on demand through
+its own ``safe_open``, and fused into its canonical form by the family table's transform.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from pgconvert.config import ModelConfig
+from pgconvert.errors import CheckpointError, ConfigError, LayoutError, ValidationError
+from pgconvert.families import Family, TensorMapping
+from pgconvert.formats import Loader, LoadOptions
+from pgconvert.hf_format import (
+    CONFIG_FILE,
+    INDEX_FILE,
+    SINGLE_FILE,
+    HFOrigin,
+    canonical_shapes,
+    family_of,
+    model_config_from_hf,
+    parse_index,
+    read_header,
+    read_json_object,
+    read_tensor,
+    resolve_inside,
+)
+from pgconvert.provider import OUTPUT_LAYER, WORD_EMBEDDINGS, canonical_names
+from pgconvert.stream import CanonicalSource, TensorMeta
+
+log = logging.getLogger(__name__)
+
+
+class HFLoader(Loader):
+    name = "hf"
+
+    def detect(self, path: Path) -> bool:
+        return path.is_dir() and (path / CONFIG_FILE).is_file() and (
+            (path / SINGLE_FILE).is_file() or (path / INDEX_FILE).is_file()
+        )
+
+    def open(self, path: Path, options: LoadOptions) -> HFSource:
+        return HFSource(path, options)
+
+
+def _locate_tensors(directory: Path) -> tuple[dict[str, Path], dict[str, TensorMeta]]:
+    """Every stored tensor's file and metadata; the index, when there is one, must match the headers."""
+    single = directory / SINGLE_FILE
+    if single.is_file():
+        # transformers prefers the single file too when both exist.
+        path = resolve_inside(directory, SINGLE_FILE, directory)
+        single_metas = read_header(path)
+        return {name: path for name in single_metas}, single_metas
+    index_path = directory / INDEX_FILE
+    weight_map = parse_index(index_path)
+    files: dict[str, Path] = {}
+    metas: dict[str, TensorMeta] = {}
+    for shard in sorted(set(weight_map.values())):
+        path = resolve_inside(directory, shard, index_path)
+        if not path.is_file():
+            raise CheckpointError(f"{index_path}: names shard {shard}, which is missing from {directory}")
+        for name, meta in read_header(path).items():
+            if name in files:
+                raise CheckpointError(f"{name}: stored twice, in {files[name].name} and {shard}")
+            listed = weight_map.get(name)
+            if listed != shard:
+                where = f"lists it in {listed}" if listed else "does not list it"
+                raise CheckpointError(f"{path}: holds {name}, but {index_path.name} {where}")
+            files[name] = path
+            metas[name] = meta
+    absent = sorted(set(weight_map) - set(files))
+    if absent:
+        raise CheckpointError(
+            f"{index_path}: lists tensors that are not in their shards: "
+            + ", ".join(f"{name} ({weight_map[name]})" for name in absent)
+        )
+    return files, metas
+
+
+class HFSource(CanonicalSource):
+    """An HF checkpoint seen as the canonical stream; it has no parallel layout."""
+
+    format_name = "hf"
+
+    def __init__(self, directory: Path, options: LoadOptions) -> None:
+        self.directory = directory
+        self.layout = None
+        config_path = directory / CONFIG_FILE
+        doc = read_json_object(config_path)
+        family = family_of(doc, config_path)
+        self._files, stored = _locate_tensors(directory)
+        embedding = family.tensors.to_hf(WORD_EMBEDDINGS)
+        stored_dtype = stored[embedding[1][0]].dtype if embedding and embedding[1][0] in stored else None
+        family, config, notices = model_config_from_hf(doc, config_path, stored_dtype)
+        _check_options(options, config, config_path)
+        assert config.vocab_size is not None
+        super().__init__(config, vocab_rows=config.vocab_size, iteration=None)
+        self.notices.extend(notices)
+        self.family = family
+        self.hf_origin = HFOrigin(directory=directory, config_json=doc, family=family)
+        self._order = canonical_names(config)
+        self._rows: dict[str, tuple[TensorMapping, tuple[str, ...]]] = {}
+        self._metas: dict[str, TensorMeta] = {}
+        self._tied_copy: str | None = None
+        self._index(family, config, stored)
+
+    def _index(self, family: Family, config: ModelConfig, stored: dict[str, TensorMeta]) -> None:
+        table = family.tensors
+        unfilled = []
+        for canonical in self._order:
+            found = table.to_hf(canonical)
+            if found is None:
+                unfilled.append(canonical)
+            else:
+                self._rows[canonical] = found
+        if unfilled:
+            raise CheckpointError(
+                f"{self.directory}: {family.architecture}'s table has no HF tensor for {sorted(unfilled)}"
+            )
+        # The loader's direction is the table inverted over the tensors this config needs.
+        expected = {hf: canonical for canonical, (_, names) in self._rows.items() for hf in names}
+        if config.tie_embeddings:
+            # Some tied checkpoints also store the output weight; it must be a copy of the embedding.
+            output = table.to_hf(OUTPUT_LAYER)
+            if output is not None and output[1][0] in stored:
+                self._tied_copy = output[1][0]
+        dropped = sorted(name for name in stored if name not in expected and table.is_dropped(name))
+        missing = sorted(set(expected) - set(stored))
+        unexpected = sorted(set(stored) - set(expected) - set(dropped) - {self._tied_copy})
+        if missing or unexpected:
+            raise CheckpointError(
+                f"{self.directory}: tensors do not match {family.architecture} as config.json describes it; "
+                f"missing: {missing}; unexpected: {unexpected}"
+            )
+        if dropped:
+            log.info("%s: skipping %d recomputed rotary buffers (%s, …)", self.directory, len(dropped), dropped[0])
+        shapes = canonical_shapes(config)
+        for canonical, (row, names) in self._rows.items():
+            part_shapes = row.transform.part_shapes(shapes[canonical], config)
+            for name, shape in zip(names, part_shapes, strict=True):
+                found_shape = stored[name].shape
+                if found_shape != shape:
+                    raise CheckpointError(
+                        f"{self._files[name]}: {name} has shape {list(found_shape)}, expected {list(shape)} "
+                        "from config.json"
+                    )
+            dtypes = {stored[name].dtype for name in names}
+            if len(dtypes) > 1:
+                raise CheckpointError(
+                    f"{self.directory}: {', '.join(names)} are fused into {canonical} but have different "
+                    f"dtypes ({', '.join(sorted(map(str, dtypes)))})"
+                )
+            self._metas[canonical] = TensorMeta(shapes[canonical], dtypes.pop())
+        if self._tied_copy is not None:
+            embedding_name = self._rows[WORD_EMBEDDINGS][1][0]
+            if stored[self._tied_copy] != stored[embedding_name]:
+                raise CheckpointError(
+                    f"{self._files[self._tied_copy]}: {self._tied_copy} {stored[self._tied_copy]} does not "
+                    f"match the tied {embedding_name} {stored[embedding_name]}"
+                )
+
+    def names(self) -> list[str]:
+        return list(self._order)
+
+    def meta(self, name: str) -> TensorMeta:
+        return self._metas[name]
+
+    def describe(self) -> str:
+        return str(self.directory)
+
+    def _load(self, name: str) -> torch.Tensor:
+        row, hf_names = self._rows[name]
+        parts = [read_tensor(self._files[hf], hf) for hf in hf_names]
+        full = row.transform.fuse(parts, self.config)
+        if name == WORD_EMBEDDINGS and self._tied_copy is not None:
+            copy = read_tensor(self._files[self._tied_copy], self._tied_copy)
+            if not torch.equal(copy, full):
+                raise CheckpointError(
+                    f"{self._files[self._tied_copy]}: {self._tied_copy} differs from {hf_names[0]}, but "
+                    "config.json ties them (tie_word_embeddings=true)"
+                )
+            self._tied_copy = None
+        return full
+
+    def close(self) -> None:
+        self._files.clear()
+        self._rows.clear()
+
+
+def _check_options(options: LoadOptions, config: ModelConfig, config_path: Path) -> None:
+    if options.true_vocab_size is not None and options.true_vocab_size != config.vocab_size:
+        raise ConfigError(
+            f"--true-vocab-size {options.true_vocab_size}: {config_path} says vocab_size={config.vocab_size}; "
+            "an hf checkpoint's vocab tables have exactly vocab_size rows"
+        )
+    for flag, given in (("--src-tp", options.src_tp), ("--src-pp", options.src_pp), ("--src-ep", options.src_ep)):
+        if given is not None and given != 1:
+            raise LayoutError(f"{flag} {given}: an hf checkpoint is not sharded (tp=1, pp=1, ep=1) ({config_path})")
+    if options.iteration is not None:
+        raise ValidationError(f"--iteration {options.iteration}: an hf checkpoint has no iterations ({config_path})")

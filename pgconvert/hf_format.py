@@ -1,0 +1,370 @@
+"""Facts of the Hugging Face safetensors format shared by its loader and saver.
+
+Layout on disk (transformers' ``save_pretrained``)::
+
+    DIR/config.json
+    DIR/model.safetensors                          one file, or
+    DIR/model.safetensors.index.json               {"metadata": {"total_size": N}, "weight_map": {name: file}}
+    DIR/model-00001-of-00003.safetensors …
+    DIR/tokenizer.json, tokenizer_config.json, … (copied along, never interpreted)
+
+The index is untrusted input: a shard name must be a plain ``*.safetensors`` file name inside
+DIR, so a crafted index cannot make pgconvert read anything else.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from pgconvert.config import DTYPES, ModelConfig
+from pgconvert.errors import CheckpointError, ConfigError, PgconvertError
+from pgconvert.families import FAMILIES, INFERENCE_ORDER, REQUIRED, ConfigField, Family, supported_architectures
+from pgconvert.provider import OUTPUT_LAYER, WORD_EMBEDDINGS
+from pgconvert.provider import canonical_shapes as provider_shapes
+from pgconvert.stream import TensorMeta
+
+log = logging.getLogger(__name__)
+
+CONFIG_FILE = "config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+SHARD_SUFFIX = ".safetensors"
+# transformers' default max_shard_size="5GB" (decimal units).
+DEFAULT_MAX_SHARD_SIZE = 5_000_000_000
+# Files beside the weights that a consumer of the checkpoint needs and pgconvert never interprets.
+TOKENIZER_FILES: tuple[str, ...] = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "generation_config.json",
+)
+# The HF-sourced model's Megatron-only settings: the local layer spec and Megatron's default padding.
+LOADED_DEFAULTS: dict[str, object] = {"transformer_impl": "local", "make_vocab_size_divisible_by": 128}
+# transformers 5 writes "dtype"; 4.x wrote "torch_dtype".
+DTYPE_KEYS: tuple[str, ...] = ("dtype", "torch_dtype")
+VOCAB_TABLES: frozenset[str] = frozenset({WORD_EMBEDDINGS, OUTPUT_LAYER})
+
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+def shard_file_name(index: int, count: int) -> str:
+    """transformers' shard names: ``model-00001-of-00003.safetensors`` (1-based)."""
+    return f"model-{index:05d}-of-{count:05d}{SHARD_SUFFIX}"
+
+
+@dataclass(frozen=True)
+class HFOrigin:
+    """Where an HF source came from: the saver copies its config and tokenizer files."""
+
+    directory: Path
+    config_json: dict[str, Any]
+    family: Family
+
+
+# --- config.json -----------------------------------------------------------------------------
+
+def read_json_object(path: Path, error: type[PgconvertError] = CheckpointError) -> dict[str, Any]:
+    if not path.is_file():
+        raise error(f"{path}: missing")
+    try:
+        loaded = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise error(f"{path}: not valid JSON ({exc})") from exc
+    if not isinstance(loaded, dict):
+        raise error(f"{path}: expected a JSON object at the top level, found {type(loaded).__name__}")
+    return loaded
+
+
+def family_of(doc: dict[str, Any], path: Path, error: type[PgconvertError] = CheckpointError) -> Family:
+    """The family named by ``architectures[0]``."""
+    architectures = doc.get("architectures")
+    supported = ", ".join(supported_architectures())
+    if not isinstance(architectures, list) or not architectures or not isinstance(architectures[0], str):
+        raise error(f"{path}: architectures={architectures!r}: expected a list naming one of {supported}")
+    family = FAMILIES.get(architectures[0])
+    if family is None:
+        raise error(f"{path}: architectures[0]={architectures[0]!r} is not supported; supported: {supported}")
+    return family
+
+
+_MISSING = object()
+
+
+def _get_path(doc: dict[str, Any], path: tuple[str, ...]) -> object:
+    node: object = doc
+    for key in path:
+        if not isinstance(node, dict) or key not in node:
+            return _MISSING
+        node = node[key]
+    return node
+
+
+def _set_path(doc: dict[str, Any], path: tuple[str, ...], value: object) -> None:
+    node = doc
+    for key in path[:-1]:
+        node = node.setdefault(key, {})
+    node[path[-1]] = value
+
+
+def _read_field(doc: dict[str, Any], spec: ConfigField, path: Path, error: type[PgconvertError]) -> object:
+    for where in (spec.path, *spec.legacy):
+        value = _get_path(doc, where)
+        if value is not _MISSING:
+            break
+    else:
+        if spec.default is REQUIRED:
+            raise error(f"{path}: {spec.key} is missing")
+        return spec.default
+    if value is None and spec.default is not REQUIRED:
+        return spec.default
+    key = ".".join(where)
+    if spec.kind is bool:
+        if not isinstance(value, bool):
+            raise error(f"{path}: {key}={value!r}: expected true or false")
+        return value
+    if spec.kind is int:
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise error(f"{path}: {key}={value!r}: expected an integer")
+        return value
+    if spec.kind is float:
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise error(f"{path}: {key}={value!r}: expected a number")
+        return float(value)
+    raise AssertionError(f"config field kind {spec.kind!r}")
+
+
+def model_config_from_hf(doc: dict[str, Any], path: Path, stored_dtype: torch.dtype | None = None,
+                         error: type[PgconvertError] = CheckpointError) -> tuple[Family, ModelConfig, list[str]]:
+    """The family, the ModelConfig and notices (settings ModelConfig cannot carry) of a config.json."""
+    family = family_of(doc, path, error)
+    for key, expected in family.hf_fixed.items():
+        value = doc.get(key, expected)
+        if value != expected:
+            raise error(
+                f"{path}: {key}={value!r}: {family.architecture} is converted only with {key}={expected!r}"
+            )
+    values: dict[str, object] = dict(family.fixed)
+    read_from: dict[str, str] = {}
+    for spec in family.fields:
+        value = _read_field(doc, spec, path, error)
+        if spec.model_field in values and values[spec.model_field] != value:
+            raise error(
+                f"{path}: {read_from[spec.model_field]}={values[spec.model_field]!r} and "
+                f"{spec.key}={value!r}: Megatron has one setting ({spec.model_field}) for both; they must agree"
+            )
+        values[spec.model_field] = value
+        read_from.setdefault(spec.model_field, spec.key)
+    values["params_dtype"] = _config_dtype(doc, stored_dtype)
+    values.update(LOADED_DEFAULTS)
+    try:
+        config = ModelConfig(**values)  # type: ignore[arg-type]
+    except ConfigError as exc:
+        raise error(f"{path}: describes an impossible model: {exc}") from exc
+    notices = []
+    rope_type = _get_path(doc, ("rope_parameters", "rope_type"))
+    if rope_type is _MISSING:
+        scaling = doc.get("rope_scaling")
+        rope_type = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else "default"
+    if rope_type not in ("default", None):
+        notices.append(
+            f"{path}: rope_type={rope_type!r} (RoPE scaling) has no ModelConfig field: a megatron target "
+            "does not carry it (set the rope scaling flags of your Megatron run); an hf target keeps config.json"
+        )
+    return family, config, notices
+
+
+def _config_dtype(doc: dict[str, Any], stored_dtype: torch.dtype | None) -> str:
+    for key in DTYPE_KEYS:
+        value = doc.get(key)
+        if isinstance(value, str) and value in DTYPES:
+            return value
+    if stored_dtype is not None and str(stored_dtype).removeprefix("torch.") in DTYPES:
+        return str(stored_dtype).removeprefix("torch.")
+    return "float32"
+
+
+def family_mismatches(family: Family, config: ModelConfig) -> list[str]:
+    """Why ``config`` cannot be written as ``family`` (empty when it can)."""
+    return [
+        f"{name}={getattr(config, name)!r} (needs {expected!r})"
+        for name, expected in family.fixed.items()
+        if getattr(config, name) != expected
+    ]
+
+
+def infer_family(config: ModelConfig) -> Family:
+    """The family to write for a model that names none: the first in INFERENCE_ORDER that fits."""
+    reasons = []
+    for architecture in INFERENCE_ORDER:
+        family = FAMILIES[architecture]
+        mismatches = family_mismatches(family, config)
+        if not mismatches:
+            return family
+        reasons.append(f"{architecture}: {', '.join(mismatches)}")
+    raise ConfigError(
+        "hf: the model fits none of the supported families "
+        f"({', '.join(supported_architectures())}): " + "; ".join(reasons)
+    )
+
+
+def require_family_fits(family: Family, config: ModelConfig, where: str) -> None:
+    mismatches = family_mismatches(family, config)
+    if mismatches:
+        raise ConfigError(f"{where}: the model cannot be written as {family.architecture}: {', '.join(mismatches)}")
+
+
+def hf_config_from_model(family: Family, config: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
+    """A config.json for ``config`` built from the family table alone."""
+    doc: dict[str, Any] = {"architectures": [family.architecture], "model_type": family.model_type}
+    doc.update(copy.deepcopy(dict(family.hf_scratch)))
+    doc.update(copy.deepcopy(dict(family.hf_fixed)))
+    for spec in family.fields:
+        value = getattr(config, spec.model_field)
+        if value is None:
+            continue
+        for where in (spec.path, *spec.legacy):
+            _set_path(doc, where, value)
+    doc["dtype"] = str(dtype).removeprefix("torch.")
+    return doc
+
+
+def config_disagreements(doc: dict[str, Any], path: Path, config: ModelConfig) -> tuple[Family, list[str]]:
+    """The family a given config.json names and where it disagrees with ``config``."""
+    family, described, _ = model_config_from_hf(doc, path, error=ConfigError)
+    fields = {spec.model_field for spec in family.fields}
+    differences = [
+        f"{name}: {getattr(described, name)!r} in the file, {getattr(config, name)!r} in the model"
+        for name in sorted(fields)
+        if getattr(described, name) != getattr(config, name)
+    ]
+    return family, differences
+
+
+def with_dtype(doc: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
+    """A copy of ``doc`` whose dtype entry says ``dtype`` (the tensors' dtype after any cast)."""
+    updated = copy.deepcopy(doc)
+    name = str(dtype).removeprefix("torch.")
+    written = False
+    for key in DTYPE_KEYS:
+        if key in updated:
+            updated[key] = name
+            written = True
+    if not written:
+        updated["dtype"] = name
+    return updated
+
+
+# --- tensors ---------------------------------------------------------------------------------
+
+def canonical_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Global shape of every canonical tensor, with the true vocab (an HF model has no padding)."""
+    if config.vocab_size is None:
+        raise ConfigError("vocab_size: unknown; the true vocab size is needed (pass --true-vocab-size)")
+    return provider_shapes(config)
+
+
+def validate_shard_name(name: object, index_path: Path) -> str:
+    """A shard name from an index: a plain ``*.safetensors`` file name, nothing else."""
+    problem = None
+    if not isinstance(name, str) or not name:
+        problem = "is not a file name"
+    elif "\x00" in name:
+        problem = "contains a NUL byte"
+    elif name.startswith("/") or Path(name).is_absolute():
+        problem = "is an absolute path"
+    elif ".." in name:
+        problem = "contains '..'"
+    elif "/" in name or "\\" in name:
+        problem = "contains a path separator"
+    elif not name.endswith(SHARD_SUFFIX):
+        problem = f"does not end in {SHARD_SUFFIX}"
+    if problem is not None:
+        raise CheckpointError(
+            f"{index_path}: shard name {name!r} {problem}; shards must be plain *{SHARD_SUFFIX} "
+            "file names inside the checkpoint directory"
+        )
+    assert isinstance(name, str)
+    return name
+
+
+def resolve_inside(directory: Path, name: str, referrer: Path) -> Path:
+    """``directory / name`` if it resolves inside ``directory`` (a symlink may point elsewhere)."""
+    root = directory.resolve()
+    resolved = (directory / name).resolve()
+    if resolved.parent != root and root not in resolved.parents:
+        raise CheckpointError(
+            f"{referrer}: {name!r} resolves to {resolved}, outside the checkpoint directory {root}; "
+            "refusing to read it"
+        )
+    return resolved
+
+
+def parse_index(index_path: Path) -> dict[str, str]:
+    """tensor name -> shard file name, from an index that has been checked entry by entry."""
+    doc = read_json_object(index_path)
+    weight_map = doc.get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{index_path}: weight_map is missing or empty")
+    checked: dict[str, str] = {}
+    for tensor, shard in weight_map.items():
+        if not isinstance(tensor, str):
+            raise CheckpointError(f"{index_path}: weight_map key {tensor!r} is not a tensor name")
+        checked[tensor] = validate_shard_name(shard, index_path)
+    metadata = doc.get("metadata", {})
+    total = metadata.get("total_size") if isinstance(metadata, dict) else None
+    if total is not None and (not isinstance(total, int) or isinstance(total, bool) or total < 0):
+        raise CheckpointError(f"{index_path}: metadata.total_size={total!r}: expected a byte count")
+    return checked
+
+
+def read_header(path: Path) -> dict[str, TensorMeta]:
+    """Shape and dtype of every tensor in a safetensors file, from its header alone."""
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            metas = {}
+            for name in handle.keys():
+                piece = handle.get_slice(name)
+                dtype_name = piece.get_dtype()
+                dtype = SAFETENSORS_DTYPES.get(dtype_name)
+                if dtype is None:
+                    raise CheckpointError(f"{path}: {name} has dtype {dtype_name}, which pgconvert does not convert")
+                metas[name] = TensorMeta(tuple(piece.get_shape()), dtype)
+    except SafetensorError as exc:
+        raise CheckpointError(f"{path}: not a readable safetensors file (corrupt header?): {exc}") from exc
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot be read: {exc}") from exc
+    return metas
+
+
+def read_tensor(path: Path, name: str) -> torch.Tensor:
+    """One tensor, read through its own ``safe_open``: nothing else of the file stays mapped."""
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            tensor: torch.Tensor = handle.get_tensor(name)
+            return tensor
+    except SafetensorError as exc:
+        raise CheckpointError(f"{path}: cannot read {name}: {exc}") from exc

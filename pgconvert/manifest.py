@@ -1,0 +1,241 @@
+"""``pgconvert.json``: what a conversion wrote, from what, and the size and sha256 of every file.
+
+The manifest is written into the staging directory after the saver finishes and before the final
+rename, so it exists only in a complete output: its presence means "pgconvert finished this", and
+its file list lets ``verify`` and ``batch`` notice a file changed, truncated or removed afterwards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pgconvert.errors import CheckpointError
+from pgconvert.formats import target_config
+from pgconvert.layout import ParallelLayout
+
+if TYPE_CHECKING:
+    from pgconvert.convert import Plan
+
+MANIFEST_FILE = "pgconvert.json"
+MANIFEST_VERSION = 1
+# Large enough that hashing runs at disk speed, small enough to stay out of the memory budget.
+HASH_CHUNK_BYTES = 8 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    """One written file: its path relative to the output root (POSIX separators), size and sha256."""
+
+    path: str
+    size: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """The contents of ``pgconvert.json``; layouts are ``ParallelLayout`` fields as a dict."""
+
+    tool_version: str
+    created: str
+    source_path: str
+    source_format: str
+    source_layout: dict[str, Any] | None
+    source_iteration: int | None
+    source_release: bool
+    requested_iteration: int | None
+    target_format: str
+    target_layout: dict[str, Any]
+    dtype: str
+    dst_transformer_impl: str | None
+    dst_expert_layout: str | None
+    true_vocab_size: int | None
+    model_config: dict[str, Any]
+    files: tuple[FileRecord, ...]
+
+    @classmethod
+    def for_conversion(cls, conversion: Plan, files: list[FileRecord]) -> Manifest:
+        from pgconvert import __version__
+
+        request = conversion.request
+        source = conversion.source
+        return cls(
+            tool_version=__version__,
+            created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            source_path=str(request.src.resolve()),
+            source_format=conversion.src_format,
+            source_layout=dataclasses.asdict(conversion.src_layout) if conversion.src_layout else None,
+            source_iteration=source.iteration,
+            source_release=source.release,
+            requested_iteration=request.iteration,
+            target_format=conversion.dst_format,
+            target_layout=dataclasses.asdict(conversion.save_options.layout),
+            dtype=request.dtype,
+            dst_transformer_impl=request.dst_transformer_impl,
+            dst_expert_layout=request.dst_expert_layout,
+            true_vocab_size=request.true_vocab_size,
+            model_config=target_config(source.config, conversion.save_options).to_dict(),
+            files=tuple(files),
+        )
+
+    @property
+    def source_parallel_layout(self) -> ParallelLayout | None:
+        return ParallelLayout(**self.source_layout) if self.source_layout is not None else None
+
+    @property
+    def target_parallel_layout(self) -> ParallelLayout:
+        return ParallelLayout(**self.target_layout)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "manifest_version": MANIFEST_VERSION,
+            "tool": "pgconvert",
+            "tool_version": self.tool_version,
+            "created": self.created,
+            "source": {
+                "path": self.source_path,
+                "format": self.source_format,
+                "layout": self.source_layout,
+                "iteration": self.source_iteration,
+                "release": self.source_release,
+                "requested_iteration": self.requested_iteration,
+            },
+            "target": {"format": self.target_format, "layout": self.target_layout},
+            "options": {
+                "dtype": self.dtype,
+                "dst_transformer_impl": self.dst_transformer_impl,
+                "dst_expert_layout": self.dst_expert_layout,
+                "true_vocab_size": self.true_vocab_size,
+            },
+            "model_config": self.model_config,
+            "files": [dataclasses.asdict(record) for record in self.files],
+        }
+
+    @classmethod
+    def from_dict(cls, doc: Any, where: Path) -> Manifest:
+        reader = _Reader(where)
+        if not isinstance(doc, dict):
+            raise CheckpointError(f"{where}: expected a JSON object, found {type(doc).__name__}")
+        version = reader.get(doc, "manifest_version", int)
+        if version != MANIFEST_VERSION:
+            raise CheckpointError(f"{where}: manifest_version {version} is not supported (expected {MANIFEST_VERSION})")
+        source = reader.get(doc, "source", dict)
+        target = reader.get(doc, "target", dict)
+        options = reader.get(doc, "options", dict)
+        files = []
+        for index, item in enumerate(reader.get(doc, "files", list)):
+            if not isinstance(item, dict):
+                raise CheckpointError(f"{where}: files[{index}] is not an object")
+            files.append(FileRecord(
+                path=reader.get(item, "path", str, f"files[{index}]."),
+                size=reader.get(item, "size", int, f"files[{index}]."),
+                sha256=reader.get(item, "sha256", str, f"files[{index}]."),
+            ))
+        return cls(
+            tool_version=reader.get(doc, "tool_version", str),
+            created=reader.get(doc, "created", str),
+            source_path=reader.get(source, "path", str, "source."),
+            source_format=reader.get(source, "format", str, "source."),
+            source_layout=reader.get(source, "layout", (dict, type(None)), "source."),
+            source_iteration=reader.get(source, "iteration", (int, type(None)), "source."),
+            source_release=reader.get(source, "release", bool, "source."),
+            requested_iteration=reader.get(source, "requested_iteration", (int, type(None)), "source."),
+            target_format=reader.get(target, "format", str, "target."),
+            target_layout=reader.get(target, "layout", dict, "target."),
+            dtype=reader.get(options, "dtype", str, "options."),
+            dst_transformer_impl=reader.get(options, "dst_transformer_impl", (str, type(None)), "options."),
+            dst_expert_layout=reader.get(options, "dst_expert_layout", (str, type(None)), "options."),
+            true_vocab_size=reader.get(options, "true_vocab_size", (int, type(None)), "options."),
+            model_config=reader.get(doc, "model_config", dict),
+            files=tuple(files),
+        )
+
+
+@dataclass(frozen=True)
+class _Reader:
+    where: Path
+
+    def get(self, doc: dict[str, Any], key: str, kind: type | tuple[type, ...], prefix: str = "") -> Any:
+        if key not in doc:
+            raise CheckpointError(f"{self.where}: {prefix}{key} is missing")
+        value = doc[key]
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        # JSON has no int/bool distinction in Python's eyes: True is an int, and is refused as one.
+        if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+            names = " or ".join("null" if k is type(None) else k.__name__ for k in kinds)
+            raise CheckpointError(f"{self.where}: {prefix}{key}={value!r} must be {names}")
+        return value
+
+
+def hash_file(path: Path, relpath: str) -> FileRecord:
+    """Size and sha256 of ``path`` in one streaming pass (constant memory, any file size)."""
+    digest = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as handle:
+        while chunk := handle.read(HASH_CHUNK_BYTES):
+            digest.update(chunk)
+            size += len(chunk)
+    return FileRecord(relpath, size, digest.hexdigest())
+
+
+def record_files(root: Path) -> list[FileRecord]:
+    """Every regular file under ``root`` (but the manifest itself), sorted by relative path."""
+    records = []
+    for directory, subdirs, names in os.walk(root):
+        subdirs.sort()
+        for name in sorted(names):
+            path = Path(directory) / name
+            relpath = path.relative_to(root).as_posix()
+            if relpath == MANIFEST_FILE or not path.is_file():
+                continue
+            records.append(hash_file(path, relpath))
+    return records
+
+
+def write_manifest(root: Path, manifest: Manifest) -> Path:
+    path = root / MANIFEST_FILE
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(manifest.to_dict(), handle, indent=2, sort_keys=False)
+        handle.write("\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+    return path
+
+
+def read_manifest(root: Path) -> Manifest | None:
+    """The manifest of the output at ``root``; None when it has none (not a pgconvert output)."""
+    path = root / MANIFEST_FILE
+    if not path.is_file():
+        return None
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise CheckpointError(f"{path}: unreadable manifest: {error}") from error
+    return Manifest.from_dict(doc, path)
+
+
+def file_problems(root: Path, manifest: Manifest, hashes: bool = True) -> list[str]:
+    """Every listed file that is missing, of another size, or (with ``hashes``) of another sha256."""
+    problems = []
+    for record in manifest.files:
+        path = root / record.path
+        if not path.is_file():
+            problems.append(f"{record.path}: listed in {MANIFEST_FILE} but missing")
+            continue
+        size = path.stat().st_size
+        if size != record.size:
+            problems.append(f"{record.path}: {size} bytes, {MANIFEST_FILE} records {record.size}")
+            continue
+        if hashes:
+            actual = hash_file(path, record.path).sha256
+            if actual != record.sha256:
+                problems.append(
+                    f"{record.path}: sha256 {actual[:16]}… differs from the {record.sha256[:16]}… in {MANIFEST_FILE}"
+                )
+    return problems

@@ -1,0 +1,318 @@
+"""Saver for Hugging Face safetensors checkpoints, loadable with transformers' ``from_pretrained``.
+
+Shards are written one at a time, each bounded by ``max_shard_size``; the parts of one canonical
+tensor (q/k/v, gate/up) always land in the same shard, so every source tensor is read once. Each
+shard is streamed: its header is computed from shapes and dtypes known in advance, then tensors
+are written as they are produced, so only one canonical tensor is in memory, not a whole shard.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any, BinaryIO
+
+import torch
+
+from pgconvert.errors import CheckpointError, ConfigError, LayoutError, PgconvertError
+from pgconvert.families import Family, TensorMapping
+from pgconvert.formats import PlannedFile, Progress, SaveOptions, Saver, SaveResult
+from pgconvert.hf_format import (
+    CONFIG_FILE,
+    DEFAULT_MAX_SHARD_SIZE,
+    INDEX_FILE,
+    SAFETENSORS_DTYPES,
+    SINGLE_FILE,
+    TOKENIZER_FILES,
+    VOCAB_TABLES,
+    HFOrigin,
+    config_disagreements,
+    hf_config_from_model,
+    infer_family,
+    read_json_object,
+    require_family_fits,
+    resolve_inside,
+    shard_file_name,
+    with_dtype,
+)
+from pgconvert.layout import ParallelLayout
+from pgconvert.provider import WORD_EMBEDDINGS
+from pgconvert.stream import CanonicalSource
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Unit:
+    """One canonical tensor and the HF tensors it becomes (their shapes and dtype as written)."""
+
+    canonical: str
+    row: TensorMapping
+    hf_names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return sum(_numel(shape) for shape in self.shapes) * _itemsize(self.dtype)
+
+
+@dataclass
+class _Shard:
+    units: list[_Unit] = field(default_factory=list)
+    nbytes: int = 0
+
+    @property
+    def tensors(self) -> int:
+        return sum(len(unit.hf_names) for unit in self.units)
+
+
+def _origin(source: CanonicalSource) -> HFOrigin | None:
+    origin = getattr(source, "hf_origin", None)
+    return origin if isinstance(origin, HFOrigin) else None
+
+
+def _out_dtype(dtype: torch.dtype, options: SaveOptions) -> torch.dtype:
+    return options.dtype if options.dtype is not None and dtype.is_floating_point else dtype
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    count = 1
+    for dim in shape:
+        count *= dim
+    return count
+
+
+_SAFETENSORS_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
+
+
+class _SafetensorsWriter:
+    """One safetensors file written tensor by tensor, in the order its header lists them.
+
+    The format is an 8-byte little-endian header length, a JSON header (name -> dtype, shape,
+    ``data_offsets`` into the data that follows; padded with spaces to 8 bytes as safetensors does),
+    then the raw little-endian bytes of every tensor, back to back.
+    """
+
+    def __init__(self, path: Path, entries: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> None:
+        if sys.byteorder != "little":
+            raise PgconvertError("safetensors files are little-endian; this big-endian host cannot write them")
+        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for name, dtype, shape in entries:
+            nbytes = _numel(shape) * _itemsize(dtype)
+            header[name] = {"dtype": _SAFETENSORS_NAMES[dtype], "shape": list(shape),
+                            "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+        encoded = json.dumps(header, separators=(",", ":")).encode("utf-8")
+        encoded += b" " * (-len(encoded) % 8)
+        self.path = path
+        self.nbytes = offset
+        self._pending = list(entries)
+        self._handle: BinaryIO = open(path, "wb")
+        self._handle.write(len(encoded).to_bytes(8, "little"))
+        self._handle.write(encoded)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        expected_name, dtype, shape = self._pending.pop(0)
+        if (name, tensor.dtype, tuple(tensor.shape)) != (expected_name, dtype, shape):
+            raise CheckpointError(
+                f"{self.path}: the source gave {name} as {tensor.dtype} {list(tensor.shape)}, its metadata said "
+                f"{expected_name} {dtype} {list(shape)}"
+            )
+        if tensor.numel():
+            flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+            self._handle.write(flat.numpy().data)
+
+    def __enter__(self) -> _SafetensorsWriter:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 trace: TracebackType | None) -> None:
+        try:
+            if kind is None:
+                if self._pending:
+                    raise AssertionError(f"{self.path}: never written: {[entry[0] for entry in self._pending]}")
+                self._handle.flush()
+                os.fsync(self._handle.fileno())
+        finally:
+            self._handle.close()
+
+
+def _fsync(path: Path) -> None:
+    with open(path, "rb") as handle:
+        os.fsync(handle.fileno())
+
+
+def _write_json(path: Path, doc: dict[str, Any]) -> None:
+    path.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    _fsync(path)
+
+
+class HFSaver(Saver):
+    name = "hf"
+    # One unsharded model: the destination never takes a parallel layout.
+    parallel = False
+
+    def validate(self, source: CanonicalSource, options: SaveOptions) -> None:
+        layout = options.layout
+        if layout.describe() != ParallelLayout().describe():
+            raise LayoutError(
+                f"dst layout {layout.describe()}: the hf format holds one unsharded model; pass --dst-tp 1 "
+                "--dst-pp 1 (and --dst-ep 1 for experts): by default the source's layout is kept"
+            )
+        if source.config.vocab_size is None:
+            raise ConfigError(
+                f"hf: the source's true vocab size is unknown (its vocab tables have {source.vocab_rows} "
+                "padded rows); pass --true-vocab-size so the padding can be stripped"
+            )
+        if source.vocab_rows < source.config.vocab_size:
+            raise ConfigError(
+                f"--true-vocab-size {source.config.vocab_size}: larger than the source's "
+                f"{source.vocab_rows} vocab rows"
+            )
+        if options.max_shard_size is not None and options.max_shard_size < 1:
+            raise ConfigError(f"max_shard_size={options.max_shard_size}: must be a positive byte count")
+        self._target(source, options)
+        self._units(source, options)
+        self._side_files(source)
+
+    def _target(self, source: CanonicalSource, options: SaveOptions) -> tuple[Family, dict[str, Any] | None]:
+        """The family to write and the config.json to start from (None: build it from the model)."""
+        config = source.config
+        origin = _origin(source)
+        if options.hf_config is not None:
+            doc = read_json_object(options.hf_config, error=ConfigError)
+            family, differences = config_disagreements(doc, options.hf_config, config)
+            where = str(options.hf_config)
+        elif origin is not None:
+            doc = origin.config_json
+            family, differences = config_disagreements(doc, origin.directory / CONFIG_FILE, config)
+            where = str(origin.directory / CONFIG_FILE)
+        else:
+            return infer_family(config), None
+        if differences:
+            raise ConfigError(f"{where}: does not describe the source model: {'; '.join(differences)}")
+        require_family_fits(family, config, where)
+        return family, doc
+
+    def _units(self, source: CanonicalSource, options: SaveOptions) -> list[_Unit]:
+        family, _ = self._target(source, options)
+        config = source.config
+        assert config.vocab_size is not None
+        units = []
+        unmapped = []
+        for name in source.names():
+            found = family.tensors.to_hf(name)
+            if found is None:
+                unmapped.append(name)
+                continue
+            meta = source.meta(name)
+            shape = (config.vocab_size, *meta.shape[1:]) if name in VOCAB_TABLES else meta.shape
+            row, hf_names = found
+            shapes = tuple(row.transform.part_shapes(tuple(shape), config))
+            units.append(_Unit(name, row, hf_names, shapes, _out_dtype(meta.dtype, options)))
+        if unmapped:
+            raise ConfigError(f"hf: {family.architecture} has no HF name for {sorted(unmapped)}")
+        return units
+
+    def _shards(self, source: CanonicalSource, options: SaveOptions) -> list[_Shard]:
+        """transformers' greedy packing, by canonical tensor: a new shard when the next would overflow."""
+        limit = options.max_shard_size or DEFAULT_MAX_SHARD_SIZE
+        shards = [_Shard()]
+        for unit in self._units(source, options):
+            if shards[-1].units and shards[-1].nbytes + unit.nbytes > limit:
+                shards.append(_Shard())
+            shards[-1].units.append(unit)
+            shards[-1].nbytes += unit.nbytes
+        return shards
+
+    @staticmethod
+    def _file_names(count: int) -> list[str]:
+        return [SINGLE_FILE] if count == 1 else [shard_file_name(i + 1, count) for i in range(count)]
+
+    def plan(self, source: CanonicalSource, options: SaveOptions) -> list[PlannedFile]:
+        shards = self._shards(source, options)
+        return [
+            PlannedFile(name, shard.tensors, shard.nbytes)
+            for name, shard in zip(self._file_names(len(shards)), shards, strict=True)
+        ]
+
+    def save(self, source: CanonicalSource, out_dir: Path, options: SaveOptions,
+             progress: Progress) -> SaveResult:
+        config = source.config
+        assert config.vocab_size is not None
+        family, base = self._target(source, options)
+        shards = self._shards(source, options)
+        result = SaveResult()
+        weight_map: dict[str, str] = {}
+        total = 0
+        for file_name, shard in zip(self._file_names(len(shards)), shards, strict=True):
+            entries = [
+                (hf_name, unit.dtype, shape)
+                for unit in shard.units
+                for hf_name, shape in zip(unit.hf_names, unit.shapes, strict=True)
+            ]
+            with _SafetensorsWriter(out_dir / file_name, entries) as writer:
+                for unit in shard.units:
+                    full = source.load(unit.canonical)
+                    if unit.canonical in VOCAB_TABLES:
+                        # Megatron's padding rows are not part of the model.
+                        full = full.narrow(0, 0, config.vocab_size)
+                    for hf_name, piece in zip(unit.hf_names, unit.row.transform.split(full, config), strict=True):
+                        writer.write(hf_name, piece.to(unit.dtype))
+                    del full
+            weight_map.update({entry[0]: file_name for entry in entries})
+            total += writer.nbytes
+            result.files.append(PlannedFile(file_name, len(entries), writer.nbytes))
+            progress(writer.nbytes)
+        if len(shards) > 1:
+            _write_json(out_dir / INDEX_FILE, {
+                "metadata": {"total_size": total},
+                "weight_map": dict(sorted(weight_map.items())),
+            })
+        dtype = _out_dtype(source.meta(WORD_EMBEDDINGS).dtype, options)
+        doc = with_dtype(base, dtype) if base is not None else hf_config_from_model(family, config, dtype)
+        _write_json(out_dir / CONFIG_FILE, doc)
+        if base is None:
+            result.notices.append(
+                f"config.json was built from the model as {family.architecture}; settings Megatron does not "
+                "record (token ids, RoPE scaling, sliding window) take transformers' defaults"
+            )
+        result.notices.extend(self._copy_side_files(source, out_dir))
+        if source.extra_states():
+            result.notices.append("Transformer Engine _extra_state (FP8 metadata) has no hf equivalent; dropped")
+        return result
+
+    @staticmethod
+    def _side_files(source: CanonicalSource) -> list[tuple[str, Path]]:
+        """The tokenizer and generation files beside an HF source, each checked to lie inside it."""
+        origin = _origin(source)
+        if origin is None:
+            return []
+        return [
+            (name, resolve_inside(origin.directory, name, origin.directory))
+            for name in TOKENIZER_FILES
+            if (origin.directory / name).is_file()
+        ]
+
+    def _copy_side_files(self, source: CanonicalSource, out_dir: Path) -> list[str]:
+        if _origin(source) is None:
+            return [f"no tokenizer files written: the {source.format_name} source has none; copy them into the output"]
+        copied = []
+        for name, path in self._side_files(source):
+            shutil.copyfile(path, out_dir / name)
+            _fsync(out_dir / name)
+            copied.append(name)
+        log.info("copied %s", ", ".join(copied) or "no tokenizer files")
+        return []

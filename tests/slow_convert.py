@@ -1,0 +1,30 @@
+"""Test-only entry point: the real CLI with each rank-file write slowed down, for signal tests.
+
+Run as ``python tests/slow_convert.py SECONDS [pgconvert args...]``; nothing here is used by pgconvert.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+
+def main() -> None:
+    delay = float(sys.argv[1])
+    real_save = torch.save
+
+    def slow_save(obj: object, path: object, *args: object, **kwargs: object) -> None:
+        real_save(obj, path, *args, **kwargs)
+        time.sleep(delay)
+
+    torch.save = slow_save  # type: ignore[assignment]
+    from pgconvert.cli import main as cli_main
+
+    sys.argv = ["pgconvert", *sys.argv[2:]]
+    cli_main()
+
+
+if __name__ == "__main__":
+    main()

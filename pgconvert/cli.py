@@ -132,6 +132,14 @@ def _layout_option(name: str, help_text: str) -> Any:
               help="Largest safetensors shard of an hf DST, e.g. 5GB (default), 500MB, 2GiB.")
 @click.option("--hf-config", type=click.Path(path_type=Path, exists=True, dir_okay=False), default=None,
               help="config.json to write into an hf DST instead of one built from the model.")
+@click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Worker processes writing independent destination files (megatron DST).")
+@click.option("--max-memory", type=ByteSize(), default=None, metavar="SIZE",
+              help="With --workers: bytes of destination files held in memory at once, e.g. 8GB.")
+@click.option("--shard-index", type=click.IntRange(min=0), default=None,
+              help="Write only share I of --num-shards (a Slurm array task, a script); the last "
+                   "share to finish renames the output into place. Under torchrun, RANK is used.")
+@click.option("--num-shards", type=click.IntRange(min=1), default=None, help="Number of shares; see --shard-index.")
 @click.option("--strict", is_flag=True,
               help="Refuse wherever pgconvert would otherwise guess (unknown true vocab, dropped "
                    "_extra_state, a lossy --dtype, …); without it each guess is a warning.")
@@ -150,7 +158,8 @@ def convert_command(src: Path, dst: Path, src_format: str, dst_format: str, src_
                     dst_pipeline_layout: str | None, dst_transformer_impl: str | None,
                     dst_expert_layout: str | None, iteration: int | None,
                     true_vocab_size: int | None, dtype: str, max_shard_size: int | None,
-                    hf_config: Path | None, strict: bool, finite_mode: str | None,
+                    hf_config: Path | None, workers: int, max_memory: int | None,
+                    shard_index: int | None, num_shards: int | None, strict: bool, finite_mode: str | None,
                     dry_run: bool, overwrite: bool,
                     quiet: bool, verbose: bool) -> None:
     """Convert SRC into DST (the default command)."""
@@ -167,9 +176,13 @@ def convert_command(src: Path, dst: Path, src_format: str, dst_format: str, src_
         dst_transformer_impl=dst_transformer_impl, dst_expert_layout=dst_expert_layout,
         iteration=iteration, true_vocab_size=true_vocab_size, dtype=dtype, overwrite=overwrite,
         strict=strict, check_finite=finite_mode or "warn",
-        max_shard_size=max_shard_size, hf_config=hf_config,
+        max_shard_size=max_shard_size, hf_config=hf_config, workers=workers, max_memory=max_memory,
     )
     try:
+        shard = _shard_of_this_process(shard_index, num_shards)
+        if shard is not None and not dry_run:
+            _run_shard(request, *shard, quiet=quiet)
+            return
         conversion = plan(request)
         if dry_run:
             conversion.source.close()
@@ -178,6 +191,33 @@ def convert_command(src: Path, dst: Path, src_format: str, dst_format: str, src_
         _run_with_progress(conversion, quiet)
     except PgconvertError as error:
         raise PgconvertClickError(error) from error
+
+
+def _shard_of_this_process(shard_index: int | None, num_shards: int | None) -> tuple[int, int, str] | None:
+    """(index, count, coordinator) for a sharded run; None for an ordinary one."""
+    from pgconvert.errors import ValidationError
+    from pgconvert.parallel import launcher_shard
+
+    if (shard_index is None) != (num_shards is None):
+        raise ValidationError("--shard-index and --num-shards: give both or neither")
+    if shard_index is not None and num_shards is not None:
+        return shard_index, num_shards, "files"
+    launched = launcher_shard()
+    return (launched[0], launched[1], "store") if launched else None
+
+
+def _run_shard(request: ConvertRequest, index: int, count: int, coordinator: str, quiet: bool) -> None:
+    from pgconvert.parallel import convert_shard
+
+    outcome = convert_shard(request, index, count, coordinator)
+    written = sum(item.nbytes for item in outcome.result.files)
+    click.echo(f"shard {index}/{count}: wrote {len(outcome.result.files)} files, {_format_bytes(written)}")
+    if outcome.finalized:
+        if not quiet:
+            for notice in dict.fromkeys(outcome.conversion.source.notices + outcome.result.notices):
+                click.echo(f"note: {notice}", err=True)
+        click.echo(f"wrote {request.dst} ({outcome.conversion.dst_format} "
+                   f"{outcome.conversion.save_options.layout.describe()}): every share is complete")
 
 
 def _print_plan(conversion: Plan) -> None:
@@ -249,3 +289,168 @@ def example_command(out: Path, tp: int, pp: int, seed: int, overwrite: bool) -> 
     except PgconvertError as error:
         raise PgconvertClickError(error) from error
     click.echo(f"wrote example megatron checkpoint {out} (tp={tp}, pp={pp}): {len(result.files)} rank files")
+
+
+class LayoutParamType(click.ParamType):
+    """``tp=2,pp=4,ep=8`` as a ``LayoutSpec``; a malformed value fails with the value quoted."""
+
+    name = "layout"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        from pgconvert.layout_spec import LayoutSpec
+
+        if isinstance(value, LayoutSpec):
+            return value
+        try:
+            return LayoutSpec.parse(value)
+        except PgconvertError as error:
+            self.fail(str(error), param, ctx)
+
+
+LAYOUT = LayoutParamType()
+
+
+def _echo_json(doc: object) -> None:
+    import json
+
+    click.echo(json.dumps(doc, indent=2))
+
+
+@main.command("inspect")
+@click.argument("ckpt", type=click.Path(path_type=Path, exists=True))
+@click.option("--iteration", type=click.IntRange(min=0), default=None,
+              help="Iteration to open [default: latest_checkpointed_iteration.txt].")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def inspect_command(ckpt: Path, iteration: int | None, as_json: bool) -> None:
+    """Describe CKPT: format, layout, model, iterations, tensors, and problems (exit 1 on an error)."""
+    from pgconvert.inspection import inspect
+
+    info = inspect(ckpt, iteration)
+    if as_json:
+        _echo_json(info.to_dict())
+    else:
+        _print_info(info)
+    if not info.ok:
+        sys.exit(1)
+
+
+def _print_info(info: Any) -> None:
+    import textwrap
+
+    rows = [("checkpoint", info.path), ("format", info.format or "unknown")]
+    if info.iterations:
+        opened = "release" if info.release else info.iteration
+        rows.append(("iterations", ", ".join(map(str, info.iterations))
+                     + (f" (opened: {opened})" if info.model_config is not None else "")))
+    if info.model_config is not None:
+        rows.append(("layout", info.layout_text or "none (unsharded)"))
+        rows.append(("tensors", f"{info.tensor_count}, {_format_bytes(info.total_bytes)}"))
+        rows.append(("dtypes", ", ".join(f"{dtype}: {count}" for dtype, count in info.dtypes.items())))
+        rows.append(("vocab", f"{info.vocab_rows} rows, true vocab "
+                     f"{info.true_vocab_size if info.true_vocab_size is not None else 'unknown'}"))
+        model = " ".join(f"{key}={value}" for key, value in info.model_config.items())
+        rows.append(("model", textwrap.fill(model, width=100, subsequent_indent=" " * 12)))
+    if info.manifest is not None:
+        rows.append(("manifest", f"pgconvert {info.manifest['tool_version']}, {info.manifest['created']}, "
+                     f"from {info.manifest['source_path']} ({info.manifest['files']} files)"))
+    for key, value in rows:
+        click.echo(f"{key:<11} {value}")
+    for notice in info.notices:
+        click.echo(f"note: {notice}")
+    if info.problems:
+        click.echo("problems:")
+        for problem in info.problems:
+            click.echo(f"  {problem.severity}: {problem.message}")
+
+
+@main.command("verify")
+@click.argument("a", type=click.Path(path_type=Path, exists=True))
+@click.argument("b", type=click.Path(path_type=Path, exists=True))
+@click.option("--rtol", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="Relative tolerance (0 with --atol 0: bit-exact).")
+@click.option("--atol", type=click.FloatRange(min=0), default=0.0, show_default=True, help="Absolute tolerance.")
+@click.option("--iteration-a", type=click.IntRange(min=0), default=None, help="Iteration of A to compare.")
+@click.option("--iteration-b", type=click.IntRange(min=0), default=None, help="Iteration of B to compare.")
+@click.option("--true-vocab-size", type=click.IntRange(min=1), default=None,
+              help="Tokenizer vocab size, when the checkpoints do not record it (vocab rows beyond it are padding).")
+@click.option("--max-listed", type=click.IntRange(min=1), default=10, show_default=True,
+              help="Differences listed in the text output.")
+@click.option("--json", "as_json", is_flag=True, help="Print the full report as JSON.")
+def verify_command(a: Path, b: Path, rtol: float, atol: float, iteration_a: int | None, iteration_b: int | None,
+                   true_vocab_size: int | None, max_listed: int, as_json: bool) -> None:
+    """Compare checkpoints A and B tensor by tensor in canonical form (any formats and layouts).
+
+    Exit 0 when equal, 1 when a tensor or a file listed in a pgconvert.json manifest differs.
+    """
+    from pgconvert.verification import verify
+
+    try:
+        report = verify(a, b, rtol, atol, iteration_a=iteration_a, iteration_b=iteration_b,
+                        true_vocab_size=true_vocab_size)
+    except PgconvertError as error:
+        raise PgconvertClickError(error) from error
+    if as_json:
+        _echo_json(report.to_dict())
+    else:
+        _print_verify(report, max_listed)
+    if not report.equal:
+        sys.exit(1)
+
+
+def _print_verify(report: Any, max_listed: int) -> None:
+    click.echo(f"A: {report.a} ({report.format_a} {report.layout_a or 'unsharded'})")
+    click.echo(f"B: {report.b} ({report.format_b} {report.layout_b or 'unsharded'})")
+    for note in report.notes:
+        click.echo(f"note: {note}")
+    for problem in report.file_problems:
+        click.echo(f"file differs: {problem}")
+    for difference in report.differences[:max_listed]:
+        click.echo(f"differs: {difference.name}: {difference.message}")
+    if len(report.differences) > max_listed:
+        click.echo(f"… and {len(report.differences) - max_listed} more differences (--json lists all)")
+    for difference in report.padding_differences:
+        click.echo(f"padding only (not a failure): {difference.name}: {difference.message}")
+    tolerance = "bit-exact" if report.rtol == 0 and report.atol == 0 else f"rtol={report.rtol}, atol={report.atol}"
+    verdict = "equal" if report.equal else f"NOT equal: {len(report.differences)} tensor differences, " \
+        f"{len(report.file_problems)} file problems"
+    click.echo(f"{report.compared} tensors compared ({tolerance}): {verdict}")
+
+
+@main.command("batch")
+@click.argument("plan_file", metavar="PLAN", type=click.Path(path_type=Path, exists=True, dir_okay=False))
+@click.option("-j", "--jobs", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Conversions run at once, each in its own process.")
+@click.option("--force", is_flag=True, help="Convert entries whose output is already complete, replacing it.")
+@click.option("--verify-hashes", is_flag=True,
+              help="Before skipping a complete output, check the sha256 of its files too (not only sizes).")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+def batch_command(plan_file: Path, jobs: int, force: bool, verify_hashes: bool, as_json: bool) -> None:
+    """Run the conversions of a TOML PLAN ([defaults] and [[convert]] entries); exit 1 if any failed.
+
+    Entries whose destination already holds a matching pgconvert.json are skipped unless --force.
+    """
+    from pgconvert.batch import run_batch
+
+    def progress(result: Any) -> None:
+        click.echo(f"{result.status:<7} {result.label}: {result.dst}"
+                   + (f": {result.error}" if result.error else ""), err=True)
+
+    try:
+        report = run_batch(plan_file, jobs=jobs, force=force, verify_hashes=verify_hashes, on_result=progress)
+    except PgconvertError as error:
+        raise PgconvertClickError(error) from error
+    if as_json:
+        _echo_json(report.to_dict())
+    else:
+        _print_batch(report)
+    if not report.ok:
+        sys.exit(1)
+
+
+def _print_batch(report: Any) -> None:
+    header = ("entry", "src", "dst", "status", "seconds", "error")
+    rows = [(r.label, r.src, r.dst, r.status, f"{r.seconds:.1f}", r.error or "") for r in report.results]
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header) - 1)]
+    for row in [header, *rows]:
+        click.echo("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[-1])
+    click.echo(f"{report.count('ok')} ok, {report.count('failed')} failed, {report.count('skipped')} skipped")

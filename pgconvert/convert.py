@@ -14,8 +14,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pgconvert.errors import ConversionError, DestinationError
-from pgconvert.formats import DTYPE_CHOICES, LoadOptions, PlannedFile, Saver, SaveOptions
+from pgconvert.errors import ConversionError, DestinationError, ValidationError
+from pgconvert.formats import DTYPE_CHOICES, LoadOptions, PlannedFile, Saver, SaveOptions, SaveResult
 from pgconvert.layout import ParallelLayout
 from pgconvert.layout_spec import LayoutSpec
 from pgconvert.manifest import Manifest, record_files, write_manifest
@@ -58,6 +58,10 @@ class ConvertRequest:
     check_finite: str = "warn"
     max_shard_size: int | None = None
     hf_config: Path | None = None
+    # Local worker processes over independent destination files, and the bytes of destination
+    # files they may hold in memory at once.
+    workers: int = 1
+    max_memory: int | None = None
 
 
 @dataclass
@@ -160,12 +164,16 @@ def destination_layout(request: ConvertRequest, src_layout: ParallelLayout | Non
     return _dst_layout(request, src_layout)
 
 
-def plan(request: ConvertRequest) -> Plan:
-    """Open the source and compute every destination file; validates everything, writes nothing."""
+def plan(request: ConvertRequest, check_dst: bool = True) -> Plan:
+    """Open the source and compute every destination file; validates everything, writes nothing.
+
+    ``check_dst=False`` is for the worker processes of a conversion that already checked it.
+    """
     src = request.src
     if not src.exists():
         raise DestinationError(f"SRC {src} does not exist")
-    check_destination(request.dst, request.overwrite, src)
+    if check_dst:
+        check_destination(request.dst, request.overwrite, src)
     src_format = request.src_format or detect_format(src)
     dst_format = request.dst_format or src_format
     loader = get_loader(src_format)
@@ -272,20 +280,25 @@ def staged_output(dst: Path, overwrite: bool) -> Iterator[Path]:
 def _promoted_on_success(staging: Path, dst: Path, overwrite: bool) -> Iterator[None]:
     try:
         yield
-        _fsync_dir(staging)
-        if dst.exists():
-            if any(dst.iterdir()) and not overwrite:
-                raise DestinationError(f"DST {dst} appeared during the conversion and is not empty")
-            retired = dst.parent / f".{dst.name}.pgconvert-old-{uuid.uuid4().hex[:12]}"
-            dst.rename(retired)
-            staging.rename(dst)
-            shutil.rmtree(retired)
-        else:
-            staging.rename(dst)
-        _fsync_dir(dst.parent)
+        promote(staging, dst, overwrite)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def promote(staging: Path, dst: Path, overwrite: bool) -> None:
+    """Make a complete staging directory the destination: fsync, then one rename."""
+    _fsync_dir(staging)
+    if dst.exists():
+        if any(dst.iterdir()) and not overwrite:
+            raise DestinationError(f"DST {dst} appeared during the conversion and is not empty")
+        retired = dst.parent / f".{dst.name}.pgconvert-old-{uuid.uuid4().hex[:12]}"
+        dst.rename(retired)
+        staging.rename(dst)
+        shutil.rmtree(retired)
+    else:
+        staging.rename(dst)
+    _fsync_dir(dst.parent)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -296,15 +309,22 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _save(conversion: Plan, staging: Path, progress: Callable[[int], None]) -> SaveResult:
+    request = conversion.request
+    if request.workers > 1:
+        from pgconvert.parallel import save_with_workers
+
+        return save_with_workers(conversion, staging, request.workers, request.max_memory, progress)
+    return conversion.saver.save(conversion.source, staging, conversion.save_options, progress)
+
+
 def execute(conversion: Plan, progress: Callable[[int], None] | None = None) -> Report:
     """Write the planned destination; the source is closed afterwards."""
     request = conversion.request
     started = time.perf_counter()
     try:
         with staged_output(request.dst, request.overwrite) as staging:
-            result = conversion.saver.save(
-                conversion.source, staging, conversion.save_options, progress or (lambda nbytes: None)
-            )
+            result = _save(conversion, staging, progress or (lambda nbytes: None))
             # Inside the staging directory: only an output that is complete ever has a manifest.
             write_manifest(staging, Manifest.for_conversion(conversion, record_files(staging)))
     except OSError as exc:

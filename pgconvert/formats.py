@@ -103,6 +103,14 @@ class Saver:
     def plan(self, source: CanonicalSource, options: SaveOptions) -> list[PlannedFile]:
         raise NotImplementedError
 
+    # Savers that can write any subset of their planned files (``save(only=...)``) and then
+    # ``finalize`` the shared metadata support --workers and sharded (multi-process) runs.
+    supports_partial: bool = False
+
     def save(self, source: CanonicalSource, out_dir: Path, options: SaveOptions,
              progress: Progress) -> SaveResult:
+        raise NotImplementedError
+
+    def finalize(self, source: CanonicalSource, out_dir: Path, options: SaveOptions) -> list[str]:
+        """Write what depends on every file being there (trackers, indexes); returns notices."""
         raise NotImplementedError

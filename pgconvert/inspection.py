@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pgconvert.errors import PgconvertError
 from pgconvert.formats import LoadOptions
-from pgconvert.manifest import MANIFEST_FILE, file_problems, read_manifest
+from pgconvert.manifest import file_problems, read_manifest
 from pgconvert.megatron_format import ITERATION_DIR_RE
 from pgconvert.registry import detect_format, get_loader
 from pgconvert.stream import CanonicalSource
@@ -165,4 +165,4 @@ def _check_manifest(path: Path, info: CheckpointInfo) -> None:
         "files": len(manifest.files),
     }
     for problem in file_problems(path, manifest, hashes=False):
-        info.problems.append(Problem("error", "manifest", f"{MANIFEST_FILE}: {problem}"))
+        info.problems.append(Problem("error", "manifest", problem))

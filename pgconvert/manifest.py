@@ -16,14 +16,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pgconvert.config import ModelConfig
 from pgconvert.errors import CheckpointError
 from pgconvert.formats import target_config
 from pgconvert.layout import ParallelLayout
 
 if TYPE_CHECKING:
-    from pgconvert.convert import Plan
+    from pgconvert.convert import ConvertRequest, Plan
 
 MANIFEST_FILE = "pgconvert.json"
+# The request's options that change what is written (beyond format and layout), recorded so a
+# re-run can tell whether an existing output is the one it would write.
+OUTPUT_OPTIONS = ("dtype", "dst_transformer_impl", "dst_expert_layout", "true_vocab_size", "max_shard_size",
+                  "hf_config")
 MANIFEST_VERSION = 1
 # Large enough that hashing runs at disk speed, small enough to stay out of the memory budget.
 HASH_CHUNK_BYTES = 8 * 1024 * 1024
@@ -52,10 +57,7 @@ class Manifest:
     requested_iteration: int | None
     target_format: str
     target_layout: dict[str, Any]
-    dtype: str
-    dst_transformer_impl: str | None
-    dst_expert_layout: str | None
-    true_vocab_size: int | None
+    options: dict[str, Any]
     model_config: dict[str, Any]
     files: tuple[FileRecord, ...]
 
@@ -76,11 +78,8 @@ class Manifest:
             requested_iteration=request.iteration,
             target_format=conversion.dst_format,
             target_layout=dataclasses.asdict(conversion.save_options.layout),
-            dtype=request.dtype,
-            dst_transformer_impl=request.dst_transformer_impl,
-            dst_expert_layout=request.dst_expert_layout,
-            true_vocab_size=request.true_vocab_size,
-            model_config=target_config(source.config, conversion.save_options).to_dict(),
+            options=output_options(request),
+            model_config=_written_config(conversion).to_dict(),
             files=tuple(files),
         )
 
@@ -107,12 +106,7 @@ class Manifest:
                 "requested_iteration": self.requested_iteration,
             },
             "target": {"format": self.target_format, "layout": self.target_layout},
-            "options": {
-                "dtype": self.dtype,
-                "dst_transformer_impl": self.dst_transformer_impl,
-                "dst_expert_layout": self.dst_expert_layout,
-                "true_vocab_size": self.true_vocab_size,
-            },
+            "options": self.options,
             "model_config": self.model_config,
             "files": [dataclasses.asdict(record) for record in self.files],
         }
@@ -127,7 +121,6 @@ class Manifest:
             raise CheckpointError(f"{where}: manifest_version {version} is not supported (expected {MANIFEST_VERSION})")
         source = reader.get(doc, "source", dict)
         target = reader.get(doc, "target", dict)
-        options = reader.get(doc, "options", dict)
         files = []
         for index, item in enumerate(reader.get(doc, "files", list)):
             if not isinstance(item, dict):
@@ -148,13 +141,28 @@ class Manifest:
             requested_iteration=reader.get(source, "requested_iteration", (int, type(None)), "source."),
             target_format=reader.get(target, "format", str, "target."),
             target_layout=reader.get(target, "layout", dict, "target."),
-            dtype=reader.get(options, "dtype", str, "options."),
-            dst_transformer_impl=reader.get(options, "dst_transformer_impl", (str, type(None)), "options."),
-            dst_expert_layout=reader.get(options, "dst_expert_layout", (str, type(None)), "options."),
-            true_vocab_size=reader.get(options, "true_vocab_size", (int, type(None)), "options."),
+            options=reader.get(doc, "options", dict),
             model_config=reader.get(doc, "model_config", dict),
             files=tuple(files),
         )
+
+
+def _written_config(conversion: Plan) -> ModelConfig:
+    """The model as written: the target's key naming, and the cast dtype when ``dtype`` was given."""
+    options = conversion.save_options
+    config = target_config(conversion.source.config, options)
+    if options.dtype is not None:
+        config = config.replace(params_dtype=str(options.dtype).removeprefix("torch."))
+    return config
+
+
+def output_options(request: ConvertRequest) -> dict[str, Any]:
+    """``OUTPUT_OPTIONS`` of a request as JSON values (paths absolute)."""
+    values: dict[str, Any] = {}
+    for name in OUTPUT_OPTIONS:
+        value = getattr(request, name, None)
+        values[name] = str(Path(value).resolve()) if isinstance(value, os.PathLike) else value
+    return values
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 from collections import OrderedDict
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -169,16 +170,16 @@ class MegatronSaver(Saver):
             planned.append(PlannedFile(f"{iteration_dir}/{rank.relpath}", count, nbytes))
         return planned
 
+    supports_partial = True
+
     def save(self, source: CanonicalSource, out_dir: Path, options: SaveOptions,
-             progress: Progress) -> SaveResult:
+             progress: Progress, only: Collection[str] | None = None) -> SaveResult:
+        """Write every rank file (or those of ``only``, relative paths as ``plan`` names them)."""
         layout = options.layout
         config = target_config(source.config, options)
         result = SaveResult()
-        iteration = source.iteration if source.iteration is not None else 0
-        release = source.release
-        if source.iteration is None and not release:
-            result.notices.append("the source has no iteration number; writing iteration 0")
-        iteration_dir = out_dir / iteration_dir_name(iteration, release)
+        iteration, release = self._iteration(source)
+        iteration_dir_relpath = iteration_dir_name(iteration, release)
         padded = target_vocab_rows(config, source.vocab_rows, layout)
         names = source.names()
         dtype = options.dtype or source.meta(names[0]).dtype
@@ -189,6 +190,9 @@ class MegatronSaver(Saver):
         extra_states = source.extra_states()
         dropped_extra = False
         for rank in self._ranks(source, options):
+            relpath = f"{iteration_dir_relpath}/{rank.relpath}"
+            if only is not None and relpath not in only:
+                continue
             state: dict[str, Any] = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration}
             nbytes = 0
             count = 0
@@ -206,15 +210,12 @@ class MegatronSaver(Saver):
                     model[local] = value
                 state[chunk_key] = model
                 count += len(model)
-            path = iteration_dir / rank.relpath
+            path = out_dir / relpath
             path.parent.mkdir(parents=True, exist_ok=True)
             save_durably(state, path)
-            result.files.append(PlannedFile(str(path.relative_to(out_dir)), count, nbytes))
+            result.files.append(PlannedFile(relpath, count, nbytes))
             del state
             progress(nbytes)
-        tracker = out_dir / TRACKER_FILE
-        tracker.write_text("release" if release else str(iteration))
-        fsync_file(tracker)
         dropped = [name for name, extra in extra_states.items() if _holds_state(extra)]
         if dropped and config.transformer_impl != source.config.transformer_impl:
             fallback(f"the target uses {config.transformer_impl}-spec names: {len(dropped)} non-empty "
@@ -227,11 +228,27 @@ class MegatronSaver(Saver):
                 f"tp={layout.tp}, ep={layout.ep}: FP8 runs re-derive it in their first steps",
                 options.strict, result.notices,
             )
-        result.notices.append(
+        if only is None:
+            result.notices += self.finalize(source, out_dir, options)
+        return result
+
+    def finalize(self, source: CanonicalSource, out_dir: Path, options: SaveOptions) -> list[str]:
+        """What is written once all rank files are: the tracker file Megatron starts from."""
+        iteration, release = self._iteration(source)
+        tracker = out_dir / TRACKER_FILE
+        tracker.write_text("release" if release else str(iteration))
+        fsync_file(tracker)
+        notices = [
             "optimizer, scheduler and RNG state are not carried: resume with --no-load-optim "
             "--no-load-rng (or --finetune)"
-        )
-        return result
+        ]
+        if source.iteration is None and not release:
+            notices.insert(0, "the source has no iteration number; writing iteration 0")
+        return notices
+
+    @staticmethod
+    def _iteration(source: CanonicalSource) -> tuple[int, bool]:
+        return (source.iteration if source.iteration is not None else 0), source.release
 
 
 def _holds_state(extra: ExtraState | None) -> bool:

@@ -5,6 +5,7 @@ Run as ``python tests/slow_convert.py SECONDS [pgconvert args...]``; nothing her
 
 from __future__ import annotations
 
+import signal
 import sys
 import time
 
@@ -12,6 +13,8 @@ import torch
 
 
 def main() -> None:
+    # A CI runner may start us with SIGINT ignored (as a background job); a user's Ctrl-C is not.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     delay = float(sys.argv[1])
     real_save = torch.save
 

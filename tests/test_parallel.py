@@ -1,0 +1,159 @@
+"""One conversion over several processes: --workers, torchrun, and --shard-index/--num-shards."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from conftest import GQA_SWIGLU, MOE
+from megatron_fixtures import make_full_model, write_megatron_checkpoint
+
+from pgconvert.cli import main
+from pgconvert.formats import PlannedFile
+from pgconvert.parallel import balanced_shares
+
+TESTS = Path(__file__).parent
+
+
+def same_files(actual: Path, expected: Path) -> None:
+    """Byte-identical rank files and tracker: the shares add up to the single-process output."""
+    names = sorted(str(p.relative_to(expected)) for p in expected.rglob("*") if p.is_file() and p.name != "pgconvert.json")
+    assert sorted(str(p.relative_to(actual)) for p in actual.rglob("*")
+                  if p.is_file() and p.name != "pgconvert.json") == names
+    for name in names:
+        assert (actual / name).read_bytes() == (expected / name).read_bytes(), name
+
+
+@pytest.fixture
+def src(tmp_path: Path) -> Path:
+    return write_megatron_checkpoint(tmp_path / "src", MOE, make_full_model(MOE), 2, 1, ep=2)
+
+
+@pytest.fixture
+def reference(src: Path, tmp_path: Path) -> Path:
+    result = CliRunner().invoke(main, ["-q", "--dst-tp", "1", "--dst-pp", "2", "--dst-ep", "4", str(src),
+                                       str(tmp_path / "reference")])
+    assert result.exit_code == 0, result.output
+    return tmp_path / "reference"
+
+
+FLAGS = ["--dst-tp", "1", "--dst-pp", "2", "--dst-ep", "4"]
+
+
+def test_balanced_shares_split_by_bytes_deterministically() -> None:
+    files = [PlannedFile(f"f{i}", 1, size) for i, size in enumerate([100, 60, 50, 40, 30, 20, 10, 5])]
+
+    shares = balanced_shares(files, 3)
+
+    totals = [sum(next(f.nbytes for f in files if f.relpath == name) for name in share) for share in shares]
+    assert sorted(name for share in shares for name in share) == sorted(f.relpath for f in files)
+    assert max(totals) - min(totals) <= 20
+    assert shares == balanced_shares(list(reversed(files)), 3)
+
+
+def test_workers_give_the_single_process_output(src: Path, reference: Path, tmp_path: Path) -> None:
+    result = CliRunner().invoke(main, ["-q", "--workers", "2", *FLAGS, str(src), str(tmp_path / "workers")])
+
+    assert result.exit_code == 0, result.output
+    same_files(tmp_path / "workers", reference)
+    assert (tmp_path / "workers" / "pgconvert.json").is_file()
+
+
+def test_a_memory_budget_below_one_file_still_converts_one_file_at_a_time(src: Path, reference: Path,
+                                                                          tmp_path: Path) -> None:
+    result = CliRunner().invoke(main, ["-q", "--workers", "2", "--max-memory", "1KB", *FLAGS, str(src),
+                                       str(tmp_path / "budget")])
+
+    assert result.exit_code == 0, result.output
+    same_files(tmp_path / "budget", reference)
+
+
+def test_workers_need_a_format_that_can_be_split(tmp_path: Path) -> None:
+    src = write_megatron_checkpoint(tmp_path / "src", GQA_SWIGLU, make_full_model(GQA_SWIGLU), 2, 1)
+
+    result = CliRunner().invoke(main, ["--workers", "2", "--dst-format", "hf", str(src), str(tmp_path / "hf")])
+
+    assert result.exit_code == 2
+    assert "the hf saver writes its files in one pass" in result.output
+    assert not (tmp_path / "hf").exists()
+
+
+def test_shards_run_separately_rename_only_when_the_last_one_finishes(src: Path, reference: Path,
+                                                                      tmp_path: Path) -> None:
+    dst = tmp_path / "sharded"
+    runner = CliRunner()
+
+    second = runner.invoke(main, ["--shard-index", "1", "--num-shards", "3", *FLAGS, str(src), str(dst)])
+    assert second.exit_code == 0, second.output
+    assert not dst.exists()
+    first = runner.invoke(main, ["--shard-index", "0", "--num-shards", "3", *FLAGS, str(src), str(dst)])
+    assert not dst.exists()
+    last = runner.invoke(main, ["--shard-index", "2", "--num-shards", "3", *FLAGS, str(src), str(dst)])
+
+    assert first.exit_code == 0 and last.exit_code == 0, last.output
+    assert "every share is complete" in last.output and "every share is complete" not in first.output
+    same_files(dst, reference)
+    assert list(tmp_path.glob(".sharded.pgconvert-partial-*")) == []
+
+
+def test_a_failed_shard_keeps_the_output_unrenamed_and_a_rerun_of_it_completes(src: Path, reference: Path,
+                                                                              tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    dst = tmp_path / "sharded"
+    runner = CliRunner()
+    real_save = torch.save
+
+    def broken(obj: object, path: object, *args: object, **kwargs: object) -> None:
+        raise OSError(28, "No space left on device", str(path))
+
+    monkeypatch.setattr(torch, "save", broken)
+    failed = runner.invoke(main, ["--shard-index", "0", "--num-shards", "2", *FLAGS, str(src), str(dst)])
+    monkeypatch.setattr(torch, "save", real_save)
+    other = runner.invoke(main, ["--shard-index", "1", "--num-shards", "2", *FLAGS, str(src), str(dst)])
+
+    assert failed.exit_code == 1 and "No space left on device" in failed.output
+    assert other.exit_code == 0
+    assert not dst.exists()
+
+    rerun = runner.invoke(main, ["--shard-index", "0", "--num-shards", "2", *FLAGS, str(src), str(dst)])
+
+    assert rerun.exit_code == 0, rerun.output
+    same_files(dst, reference)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _torchrun(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+         "--master-port", str(_free_port()), *args],
+        capture_output=True, text=True, timeout=300,
+    )
+
+
+def test_two_process_torchrun_gives_the_single_process_output(src: Path, reference: Path, tmp_path: Path) -> None:
+    done = _torchrun("-m", "pgconvert", "-q", *FLAGS, str(src), str(tmp_path / "torchrun"))
+
+    assert done.returncode == 0, done.stderr
+    assert "every share is complete" in done.stdout
+    same_files(tmp_path / "torchrun", reference)
+
+
+def test_a_failing_torchrun_process_fails_the_run_and_nothing_is_renamed(src: Path, tmp_path: Path) -> None:
+    dst = tmp_path / "torchrun"
+
+    done = _torchrun(str(TESTS / "failing_rank_convert.py"), "1", "-q", *FLAGS, str(src), str(dst))
+
+    assert done.returncode != 0
+    assert "Input/output error (injected)" in done.stdout + done.stderr
+    assert not dst.exists()

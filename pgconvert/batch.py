@@ -15,7 +15,8 @@ A plan is a ``[defaults]`` table and ``[[convert]]`` entries::
 An entry takes ``src``, ``dst``, an optional ``name``, ``dst_layout`` (text as in ``tp=2,pp=4``),
 ``iterations`` (``"all"`` or a list of numbers) and any ``ConvertRequest`` field, spelled as the
 field (``dst_tp``) or as the convert command's option (``dst-tp``, ``dst-decoder-first-pipeline-num-layers``).
-Relative paths are relative to the plan file. ``{iteration}`` (or ``{iteration:07d}``) in src/dst
+Relative paths (src, dst and path options such as ``hf_config``) are relative to the plan file;
+``src-format = "auto"`` and ``dst-format = "same"`` mean "not given". ``{iteration}`` (or ``{iteration:07d}``) in src/dst
 is replaced by the iteration. Each entry runs as one ``pgconvert.convert`` call in a worker process.
 
 An entry whose destination holds a ``pgconvert.json`` matching the request (same source path and
@@ -26,6 +27,7 @@ recorded size, and its sha256 too when asked) is skipped, so re-running a plan o
 from __future__ import annotations
 
 import multiprocessing
+import os
 import re
 import time
 import tomllib
@@ -95,6 +97,8 @@ class BatchEntry:
 
 @dataclass
 class EntryResult:
+    """What became of one entry; ``error`` is set when it failed."""
+
     label: str
     src: str
     dst: str
@@ -105,6 +109,8 @@ class EntryResult:
 
 @dataclass
 class BatchReport:
+    """Every entry's result, in plan order; ``ok`` when none failed."""
+
     plan: str
     results: list[EntryResult] = field(default_factory=list)
 
@@ -226,8 +232,13 @@ def _check_item(where: str, item: PlanItem) -> None:
         raise PlanError(f"{where}: iterations = \"all\" lists the iterations under src, which cannot hold {{iteration}}")
     has_iteration = item.iterations is not None or item.options.get("iteration") is not None
     for key in ("src", "dst"):
-        if ITERATION_PLACEHOLDER.search(getattr(item, key)) and not has_iteration:
+        template = getattr(item, key)
+        if ITERATION_PLACEHOLDER.search(template) and not has_iteration:
             raise PlanError(f"{where}: {key} has an {{iteration}} placeholder but no iteration or iterations is given")
+        try:
+            _fill(template, 0)
+        except ValueError as error:
+            raise PlanError(f"{where}: {key} = {template!r}: {error}") from error
     if isinstance(item.iterations, tuple) or item.iterations == "all":
         if not ITERATION_PLACEHOLDER.search(item.dst):
             raise PlanError(f"{where}: several iterations need an {{iteration}} placeholder in dst")
@@ -350,6 +361,13 @@ def skip_reason(request: ConvertRequest, verify_hashes: bool) -> tuple[bool, str
     return (mismatch is None), mismatch or "complete"
 
 
+def _share_cpus(threads: int) -> None:
+    """Worker initializer: jobs running side by side split the cores instead of each taking all."""
+    import torch
+
+    torch.set_num_threads(threads)
+
+
 def _run_conversion(request: ConvertRequest) -> tuple[float, str | None]:
     """One entry, in a worker process: seconds taken and the error, if any (never raises)."""
     import pgconvert
@@ -394,7 +412,10 @@ def run_plan(items: list[PlanItem], jobs: int = 1, force: bool = False, verify_h
             notify(results[index])
     if pending:
         context = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(max_workers=min(jobs, len(pending)), mp_context=context) as pool:
+        workers = min(jobs, len(pending))
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        with ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=_share_cpus,
+                                 initargs=(threads,)) as pool:
             futures = {pool.submit(_run_conversion, request): index for index, (request, _) in pending.items()}
             try:
                 for future in as_completed(futures):

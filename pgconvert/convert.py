@@ -326,7 +326,7 @@ def execute(conversion: Plan, progress: Callable[[int], None] | None = None) -> 
         with staged_output(request.dst, request.overwrite) as staging:
             result = _save(conversion, staging, progress or (lambda nbytes: None))
             # Inside the staging directory: only an output that is complete ever has a manifest.
-            write_manifest(staging, Manifest.for_conversion(conversion, record_files(staging)))
+            write_manifest(staging, Manifest.for_conversion(conversion, record_files(staging, result.files)))
     except OSError as exc:
         where = f" ({exc.filename})" if exc.filename else ""
         raise ConversionError(

@@ -72,6 +72,10 @@ class PlannedFile:
     relpath: str
     tensors: int
     nbytes: int
+    # Filled in by savers for files they wrote: the size on disk and sha256, so the manifest
+    # need not read the file again.
+    sha256: str | None = None
+    size: int | None = None
 
 
 @dataclass

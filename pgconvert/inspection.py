@@ -68,8 +68,8 @@ class CheckpointInfo:
 
 def _megatron_iterations(path: Path) -> list[int | str]:
     """Every ``iter_*`` directory (ascending), then ``release``; a path that is one of them is itself."""
-    if ITERATION_DIR_RE.match(path.name):
-        return [int(ITERATION_DIR_RE.match(path.name).group(1))]  # type: ignore[union-attr]
+    if match := ITERATION_DIR_RE.match(path.name):
+        return [int(match.group(1))]
     if path.name == RELEASE:
         return [RELEASE]
     numbered = sorted(

@@ -48,6 +48,19 @@ class LayoutSpec:
     last_stage_layers: int | None = None
     pipeline_layout: str | None = None
 
+    def __post_init__(self) -> None:
+        for item in dataclasses.fields(self):
+            value = getattr(self, item.name)
+            if value is None:
+                continue
+            if item.name == _TRAILING_FIELD:
+                if not isinstance(value, str) or not value:
+                    raise LayoutError(f"{item.name}={value!r}: must be a non-empty pipeline layout string")
+                continue
+            minimum = _MINIMUM.get(item.name, 1)
+            if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+                raise LayoutError(f"{item.name}={value!r}: must be an integer >= {minimum}")
+
     @classmethod
     def parse(cls, text: str) -> LayoutSpec:
         """``"tp=2,pp=4,ep=8"`` → the spec; a malformed text is a LayoutError quoting it."""
@@ -68,6 +81,8 @@ class LayoutSpec:
                 raise LayoutError(f"layout {text!r}: {key!r} given twice")
             if field == _TRAILING_FIELD:
                 values[field] = remaining.partition("=")[2].strip()
+                if "=" in values[field]:
+                    raise LayoutError(f"layout {text!r}: {key}=… must come last (its value may contain commas)")
                 break
             value = value.strip()
             if not value.isdigit() or int(value) < _MINIMUM.get(field, 1):

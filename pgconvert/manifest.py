@@ -12,13 +12,14 @@ import datetime
 import hashlib
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pgconvert.config import ModelConfig
 from pgconvert.errors import CheckpointError
-from pgconvert.formats import target_config
+from pgconvert.formats import PlannedFile, target_config
 from pgconvert.layout import ParallelLayout
 
 if TYPE_CHECKING:
@@ -192,8 +193,13 @@ def hash_file(path: Path, relpath: str) -> FileRecord:
     return FileRecord(relpath, size, digest.hexdigest())
 
 
-def record_files(root: Path) -> list[FileRecord]:
-    """Every regular file under ``root`` (but the manifest itself), sorted by relative path."""
+def record_files(root: Path, written: Sequence[PlannedFile] = ()) -> list[FileRecord]:
+    """Every regular file under ``root`` (but the manifest itself), sorted by relative path.
+
+    Files a saver hashed while writing them (``written`` entries with a sha256 and the same size
+    on disk) are not read again.
+    """
+    known = {item.relpath: item for item in written if item.sha256 is not None and item.size is not None}
     records = []
     for directory, subdirs, names in os.walk(root):
         subdirs.sort()
@@ -202,7 +208,12 @@ def record_files(root: Path) -> list[FileRecord]:
             relpath = path.relative_to(root).as_posix()
             if relpath == MANIFEST_FILE or not path.is_file():
                 continue
-            records.append(hash_file(path, relpath))
+            item = known.get(relpath)
+            if item is not None and item.size == path.stat().st_size:
+                assert item.sha256 is not None and item.size is not None
+                records.append(FileRecord(relpath, item.size, item.sha256))
+            else:
+                records.append(hash_file(path, relpath))
     return records
 
 

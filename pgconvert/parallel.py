@@ -287,7 +287,7 @@ def convert_shard(request: ConvertRequest, index: int, count: int, coordinator_k
     from pgconvert.manifest import Manifest, record_files, write_manifest
 
     def finish(conversion: Plan, staging: Path, result: SaveResult) -> None:
-        write_manifest(staging, Manifest.for_conversion(conversion, record_files(staging)))
+        write_manifest(staging, Manifest.for_conversion(conversion, record_files(staging, result.files)))
 
     try:
         return run_shard(request, index, count, coordinator_kind, finish=finish)

@@ -6,15 +6,18 @@ One destination rank is built and written at a time: the format needs a whole ra
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from collections import OrderedDict
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
+import torch.utils.serialization
 
 from pgconvert.config import ModelConfig
 from pgconvert.formats import PlannedFile, Progress, Saver, SaveOptions, SaveResult, target_config
@@ -52,11 +55,31 @@ def fsync_file(path: Path) -> None:
         os.fsync(handle.fileno())
 
 
-def save_durably(state: dict[str, Any], path: Path) -> None:
-    """``torch.save`` into ``path`` and fsync it; a failed write surfaces as the OSError behind it."""
-    with open(path, "wb") as handle:
+class _HashingWriter:
+    """A binary file that hashes what goes through it, so the manifest needs no second read."""
+
+    def __init__(self, handle: BinaryIO) -> None:
+        self.handle = handle
+        self.digest = hashlib.sha256()
+
+    def write(self, data: bytes) -> int:
+        self.digest.update(data)
+        return self.handle.write(data)
+
+    def flush(self) -> None:
+        self.handle.flush()
+
+
+def save_durably(state: dict[str, Any], path: Path) -> str:
+    """``torch.save`` into ``path`` and fsync it; returns the file's sha256.
+
+    A failed write surfaces as the OSError behind it. The zip CRC32 torch would compute is skipped:
+    no reader of these files checks it, and the sha256 recorded in the manifest covers the file.
+    """
+    with open(path, "wb") as handle, _without_zip_crc():
+        writer = _HashingWriter(handle)
         try:
-            torch.save(state, handle)
+            torch.save(state, writer)  # type: ignore[arg-type]
         except RuntimeError as exc:
             # torch's zip writer reports a failed write (ENOSPC, EIO) as "unexpected pos"; the
             # file object's OSError is the real cause.
@@ -64,8 +87,22 @@ def save_durably(state: dict[str, Any], path: Path) -> None:
                 cause = exc.__context__
                 raise OSError(cause.errno, cause.strerror, str(path)) from exc
             raise
+        except OSError as exc:
+            raise OSError(exc.errno, exc.strerror, str(path)) from exc
         handle.flush()
         os.fsync(handle.fileno())
+    return writer.digest.hexdigest()
+
+
+@contextmanager
+def _without_zip_crc() -> Iterator[None]:
+    config = torch.utils.serialization.config.save
+    previous = config.compute_crc32
+    config.compute_crc32 = False
+    try:
+        yield
+    finally:
+        config.compute_crc32 = previous
 
 
 @dataclass
@@ -212,8 +249,8 @@ class MegatronSaver(Saver):
                 count += len(model)
             path = out_dir / relpath
             path.parent.mkdir(parents=True, exist_ok=True)
-            save_durably(state, path)
-            result.files.append(PlannedFile(relpath, count, nbytes))
+            digest = save_durably(state, path)
+            result.files.append(PlannedFile(relpath, count, nbytes, sha256=digest, size=path.stat().st_size))
             del state
             progress(nbytes)
         dropped = [name for name, extra in extra_states.items() if _holds_state(extra)]

@@ -78,7 +78,8 @@ def test_layout_text_parses_back_to_the_layout_it_describes(layout: pgconvert.Pa
     ("tp=2,xp=4", r"layout 'tp=2,xp=4': unknown key 'xp'"),
     ("tp=2,pp", r"layout 'tp=2,pp': 'pp' is not key=value"),
     ("tp=2,tp=4", r"layout 'tp=2,tp=4': 'tp' given twice"),
-], ids=["not-a-number", "zero", "unknown-key", "no-value", "repeated"])
+    ("layout=Et|tL,pp=2", r"layout 'layout=Et\|tL,pp=2': layout=… must come last"),
+], ids=["not-a-number", "zero", "unknown-key", "no-value", "repeated", "layout-not-last"])
 def test_layout_param_type_fails_quoting_the_bad_value(text: str, message: str) -> None:
     @click.command()
     @click.option("--dst-layout", type=LAYOUT)
@@ -93,6 +94,14 @@ def test_layout_param_type_fails_quoting_the_bad_value(text: str, message: str) 
     assert "Invalid value for '--dst-layout'" in bad.output
     with pytest.raises(LayoutError, match=message):
         pgconvert.LayoutSpec.parse(text)
+
+
+def test_a_layout_spec_is_validated_on_construction() -> None:
+    with pytest.raises(LayoutError, match=r"tp=0: must be an integer >= 1"):
+        pgconvert.LayoutSpec(tp=0)
+    with pytest.raises(LayoutError, match=r"first_stage_layers=-1: must be an integer >= 0"):
+        pgconvert.LayoutSpec(first_stage_layers=-1)
+    assert pgconvert.LayoutSpec(pp=4, first_stage_layers=0).describe() == "pp=4,first=0"
 
 
 @pytest.mark.parametrize("dst_layout", [pgconvert.ParallelLayout(tp=2, pp=2), "tp=2,pp=2",
@@ -472,25 +481,33 @@ def test_batch_without_overwrite_explains_why_an_existing_output_was_not_skipped
     assert "not skipped: target layout tp=4,pp=1, not tp=2,pp=1" in (report.results[0].error or "")
 
 
-def test_plan_accepts_every_convert_option_by_its_cli_name(tmp_path: Path) -> None:
+def test_plan_accepts_every_convert_option_that_sets_a_request_field_by_its_cli_name(tmp_path: Path) -> None:
     hints = typing.get_type_hints(ConvertRequest)
     samples = {int: 1, str: "keep", bool: True, Path: "config.json"}
-    # Flags whose click parameter is not a request field: check_finite takes "warn"/"error"/"off" in a plan.
-    flags_without_field = {"finite_mode"}
+    renamed = {"dst_decoder_first_pipeline_num_layers": "dst_first_stage_layers",
+               "dst_decoder_last_pipeline_num_layers": "dst_last_stage_layers"}
     options = [param for param in main.commands["convert"].params
-               if isinstance(param, click.Option) and param.name not in (*CLI_ONLY_OPTIONS, *flags_without_field)]
-    assert options
+               if isinstance(param, click.Option) and renamed.get(param.name or "", param.name) in hints]
+    assert {"dst_tp", "dst_decoder_first_pipeline_num_layers", "dtype", "iteration"} <= {p.name for p in options}
     for param in options:
         flag = max(param.opts, key=len).removeprefix("--")
-        plan = tmp_path / f"{flag}.toml"
-        field = {"dst-decoder-first-pipeline-num-layers": "dst_first_stage_layers",
-                 "dst-decoder-last-pipeline-num-layers": "dst_last_stage_layers"}.get(flag, param.name)
+        field = renamed.get(param.name or "", param.name or "")
         kind = next(k for k in typing.get_args(hints[field]) or (hints[field],) if k is not type(None))
+        plan = tmp_path / f"{flag}.toml"
         plan.write_text(f'[[convert]]\nsrc = "a"\ndst = "b"\n"{flag}" = {json.dumps(samples[kind])}\n')
 
         (item,) = read_plan(plan)
 
         assert field in item.options, flag
+
+
+@pytest.mark.parametrize("flag", [f"{name.replace('_', '-')}" for name in CLI_ONLY_OPTIONS])
+def test_plan_refuses_options_that_steer_the_command_rather_than_the_conversion(tmp_path: Path, flag: str) -> None:
+    plan = tmp_path / "plan.toml"
+    plan.write_text(f'[[convert]]\nsrc = "a"\ndst = "b"\n{flag} = true\n')
+
+    with pytest.raises(PlanError, match=f"'{flag}' is an option of the convert command, not of a conversion"):
+        read_plan(plan)
 
 
 @pytest.mark.parametrize(("body", "message"), [
@@ -519,6 +536,19 @@ def test_a_malformed_plan_is_refused_before_anything_runs(tmp_path: Path, body: 
     with pytest.raises(PlanError, match=message):
         pgconvert.run_batch(plan)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "plan.toml"]
+
+
+def test_the_readme_plan_example_is_a_valid_plan(tmp_path: Path) -> None:
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    plan = tmp_path / "plan.toml"
+    plan.write_text(readme.split("```toml\n", 1)[1].split("```", 1)[0])
+
+    items = read_plan(plan)
+
+    assert [item.label for item in items] == ["tp2", "every-iteration", "hf"]
+    assert items[1].iterations == "all" and items[1].options["dst_first_stage_layers"] == 6
+    assert all(item.options["dtype"] == "bf16" for item in items)
+    assert items[0].src == str(tmp_path / "runs" / "llama")
 
 
 def test_iterations_all_over_a_source_without_iterations_fails_that_entry_only(

@@ -132,9 +132,11 @@ class HFSource(CanonicalSource):
         missing = sorted(set(expected) - set(stored))
         unexpected = sorted(set(stored) - set(expected) - set(dropped) - {self._tied_copy})
         if missing or unexpected:
+            needed_by = sorted({expected[name] for name in missing})
             raise CheckpointError(
                 f"{self.directory}: tensors do not match {family.architecture} as config.json describes it; "
                 f"missing: {missing}; unexpected: {unexpected}"
+                + (f"; the missing tensors make up {needed_by}" if needed_by else "")
             )
         if dropped:
             log.info("%s: skipping %d recomputed rotary buffers (%s, …)", self.directory, len(dropped), dropped[0])

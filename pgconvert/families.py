@@ -1,21 +1,23 @@
 """Model families as data: Hugging Face tensor names and config.json keys <-> canonical ones.
 
 A family is one ``Family`` value: a ``TensorTable`` (HF name patterns <-> canonical name patterns,
-each with the pure transform that relates them) and the config.json fields it maps onto
-``ModelConfig``. Both directions are derived from the same rows: the saver reads a row
-canonical -> HF, the loader inverts the rows it expects for a config. Adding a family is a new
-``Family`` value (plus a fixture and a test), never a branch in a loader or saver.
+each with the pure transform that relates them), the config.json fields it maps onto
+``ModelConfig`` and, where a setting is not one key for one field (Qwen-MoE's sparse step and
+dense-layer list against megatron-core's ``moe_layer_freq``), a ``ConfigRule`` of pure functions.
+Both directions are derived from the same rows: the saver reads a row canonical -> HF, the loader
+inverts the rows it expects for a config. Adding a family is a new ``Family`` value (plus a fixture
+and a test), never a branch in a loader or saver.
 
-``{}`` in a pattern is a slot (a layer or expert index); a row's patterns are checked when the
-table is built to have the same number of slots on both sides. A row with ``canonical=None``
-names an HF tensor that is dropped on purpose (rotary ``inv_freq`` buffers).
+``{}`` in a pattern is a slot (a layer index, then a global expert index); a row's patterns are
+checked when the table is built to have the same number of slots on both sides. A row with
+``canonical=None`` names an HF tensor that is dropped on purpose (rotary ``inv_freq`` buffers).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -222,6 +224,9 @@ class ConfigField:
 
     ``path`` is where transformers writes it today; ``legacy`` paths are older spellings that are
     read when ``path`` is absent and written too, so older transformers read the same value.
+    ``written`` gives the value to write where the field may be unset and mean another field's
+    value (megatron-core's ``moe_ffn_hidden_size`` defaults to ``ffn_hidden_size``); by default the
+    field itself.
     """
 
     path: tuple[str, ...]
@@ -229,13 +234,44 @@ class ConfigField:
     kind: type
     default: object = REQUIRED
     legacy: tuple[tuple[str, ...], ...] = ()
+    written: Callable[[ModelConfig], object] | None = None
 
     @property
     def key(self) -> str:
         return ".".join(self.path)
 
+    def value_of(self, config: ModelConfig) -> object:
+        """What config.json holds for ``config``."""
+        return self.written(config) if self.written is not None else getattr(config, self.model_field)
+
+
+def _always_writable(config: ModelConfig) -> str | None:
+    return None
+
+
+@dataclass(frozen=True)
+class ConfigRule:
+    """config.json keys <-> ``ModelConfig`` fields that do not map one to one, as three pure functions.
+
+    ``read(present, model)`` gets the values of ``keys`` that config.json holds (a null counts as
+    absent) and the ``ModelConfig`` values its ``ConfigField``s gave, and returns a value for each of
+    ``model_fields``; a bad value raises ``ValueError`` naming the key. ``write(config)`` gives the
+    values of ``keys`` for a model. ``refuses(config)`` says why a model cannot be written as the
+    family (``field=value (needs …)``), None when it can.
+    """
+
+    keys: tuple[str, ...]
+    model_fields: tuple[str, ...]
+    read: Callable[[Mapping[str, object], Mapping[str, object]], Mapping[str, object]]
+    write: Callable[[ModelConfig], Mapping[str, object]]
+    refuses: Callable[[ModelConfig], str | None] = _always_writable
+
 
 _MODEL_FIELDS = frozenset(f.name for f in dataclasses.fields(ModelConfig))
+
+
+def _repeated(items: Sequence[str]) -> list[str]:
+    return sorted({item for item in items if items.count(item) > 1})
 
 
 @dataclass(frozen=True)
@@ -243,9 +279,12 @@ class Family:
     """One HF architecture.
 
     ``fixed`` are the ``ModelConfig`` values every model of the family has (a config that differs
-    cannot be written as this family); ``hf_fixed`` are the config.json values the table assumes
-    (a source that differs is refused, a target gets them written); ``hf_scratch`` are extra keys
-    written when config.json is built from a ``ModelConfig`` alone.
+    cannot be written as this family); ``rules`` map what ``fields`` cannot map one to one;
+    ``hf_fixed`` are the config.json values the table assumes (a source that differs is refused, a
+    target gets them written); ``hf_assumed`` are config.json settings Megatron has no field for,
+    with the value a Megatron model behaves as (a source that differs converts with a notice, a
+    config.json built from a ``ModelConfig`` gets them); ``hf_scratch`` are extra keys written when
+    config.json is built from a ``ModelConfig`` alone.
     """
 
     architecture: str
@@ -255,28 +294,36 @@ class Family:
     fixed: Mapping[str, object]
     hf_fixed: Mapping[str, object] = field(default_factory=dict)
     hf_scratch: Mapping[str, object] = field(default_factory=dict)
+    rules: tuple[ConfigRule, ...] = ()
+    hf_assumed: Mapping[str, object] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "fixed", MappingProxyType(dict(self.fixed)))
-        object.__setattr__(self, "hf_fixed", MappingProxyType(dict(self.hf_fixed)))
-        object.__setattr__(self, "hf_scratch", MappingProxyType(dict(self.hf_scratch)))
+        for name in ("fixed", "hf_fixed", "hf_scratch", "hf_assumed"):
+            object.__setattr__(self, name, MappingProxyType(dict(getattr(self, name))))
         mapped = {f.model_field for f in self.fields}
-        unknown = sorted((mapped | set(self.fixed)) - _MODEL_FIELDS)
+        ruled = [name for rule in self.rules for name in rule.model_fields]
+        unknown = sorted((mapped | set(ruled) | set(self.fixed)) - _MODEL_FIELDS)
         if unknown:
             raise ValueError(f"family {self.architecture}: not ModelConfig fields: {unknown}")
-        both = sorted(mapped & set(self.fixed))
+        both = sorted((mapped | set(ruled)) & set(self.fixed))
         if both:
             raise ValueError(f"family {self.architecture}: fields both fixed and read from config.json: {both}")
-        keys = [f.key for f in self.fields]
-        repeated = sorted({k for k in keys if keys.count(k) > 1} | (set(keys) & set(self.hf_fixed)))
+        twice = sorted(set(_repeated(ruled)) | (set(ruled) & mapped))
+        if twice:
+            raise ValueError(f"family {self.architecture}: fields read by more than one rule or field: {twice}")
+        keys = [f.key for f in self.fields] + [key for rule in self.rules for key in rule.keys]
+        repeated = _repeated(keys + [*self.hf_fixed, *self.hf_assumed])
         if repeated:
             raise ValueError(f"family {self.architecture}: config.json keys mapped twice: {repeated}")
 
 
-# Every family here names its tensors the way transformers' LlamaForCausalLM does; which rows a
-# model uses follows from its ModelConfig (biases, qk-norm, tied output) through canonical_names.
-DECODER_TENSORS = TensorTable((
+# Every family here names its attention tensors the way transformers' LlamaForCausalLM does; which
+# rows a model uses follows from its ModelConfig (biases, qk-norm, tied output, which layers are
+# MoE) through canonical_names.
+_EMBEDDING_ROWS = (
     TensorMapping("embedding.word_embeddings.weight", ("model.embed_tokens.weight",)),
+)
+_ATTENTION_ROWS = (
     TensorMapping("decoder.layers.{}.input_layernorm.weight", ("model.layers.{}.input_layernorm.weight",)),
     TensorMapping("decoder.layers.{}.self_attention.linear_qkv.weight", (
         "model.layers.{}.self_attn.q_proj.weight",
@@ -292,8 +339,11 @@ DECODER_TENSORS = TensorTable((
     TensorMapping("decoder.layers.{}.self_attention.k_layernorm.weight", ("model.layers.{}.self_attn.k_norm.weight",)),
     TensorMapping("decoder.layers.{}.self_attention.linear_proj.weight", ("model.layers.{}.self_attn.o_proj.weight",)),
     TensorMapping("decoder.layers.{}.self_attention.linear_proj.bias", ("model.layers.{}.self_attn.o_proj.bias",)),
+    # Dense and MoE layers alike: megatron-core's pre-MLP norm is HF's post-attention norm.
     TensorMapping("decoder.layers.{}.pre_mlp_layernorm.weight",
                   ("model.layers.{}.post_attention_layernorm.weight",)),
+)
+_DENSE_MLP_ROWS = (
     TensorMapping("decoder.layers.{}.mlp.linear_fc1.weight", (
         "model.layers.{}.mlp.gate_proj.weight",
         "model.layers.{}.mlp.up_proj.weight",
@@ -304,26 +354,55 @@ DECODER_TENSORS = TensorTable((
     ), GATE_UP),
     TensorMapping("decoder.layers.{}.mlp.linear_fc2.weight", ("model.layers.{}.mlp.down_proj.weight",)),
     TensorMapping("decoder.layers.{}.mlp.linear_fc2.bias", ("model.layers.{}.mlp.down_proj.bias",)),
+)
+_FINAL_ROWS = (
     TensorMapping("decoder.final_layernorm.weight", ("model.norm.weight",)),
     TensorMapping("output_layer.weight", ("lm_head.weight",)),
     # Rotary frequencies are recomputed from the config; old transformers versions saved them.
     TensorMapping(None, ("model.layers.{}.self_attn.rotary_emb.inv_freq",), DROPPED),
     TensorMapping(None, ("model.rotary_emb.inv_freq",), DROPPED),
-))
+)
+# Routed experts: the second slot is the expert's global index. transformers 5 fuses the experts
+# of a layer in memory (gate_up_proj) but save_pretrained writes, and from_pretrained reads, one
+# tensor per expert and projection, as below.
+_MIXTRAL_MOE_ROWS = (
+    TensorMapping("decoder.layers.{}.mlp.router.weight", ("model.layers.{}.block_sparse_moe.gate.weight",)),
+    TensorMapping("decoder.layers.{}.mlp.experts.local_experts.{}.linear_fc1.weight", (
+        "model.layers.{}.block_sparse_moe.experts.{}.w1.weight",
+        "model.layers.{}.block_sparse_moe.experts.{}.w3.weight",
+    ), GATE_UP),
+    TensorMapping("decoder.layers.{}.mlp.experts.local_experts.{}.linear_fc2.weight",
+                  ("model.layers.{}.block_sparse_moe.experts.{}.w2.weight",)),
+)
+_QWEN_MOE_ROWS = (
+    TensorMapping("decoder.layers.{}.mlp.router.weight", ("model.layers.{}.mlp.gate.weight",)),
+    TensorMapping("decoder.layers.{}.mlp.experts.local_experts.{}.linear_fc1.weight", (
+        "model.layers.{}.mlp.experts.{}.gate_proj.weight",
+        "model.layers.{}.mlp.experts.{}.up_proj.weight",
+    ), GATE_UP),
+    TensorMapping("decoder.layers.{}.mlp.experts.local_experts.{}.linear_fc2.weight",
+                  ("model.layers.{}.mlp.experts.{}.down_proj.weight",)),
+)
+
+DECODER_TENSORS = TensorTable((*_EMBEDDING_ROWS, *_ATTENTION_ROWS, *_DENSE_MLP_ROWS, *_FINAL_ROWS))
+MIXTRAL_TENSORS = TensorTable((*_EMBEDDING_ROWS, *_ATTENTION_ROWS, *_MIXTRAL_MOE_ROWS, *_FINAL_ROWS))
+QWEN3_MOE_TENSORS = TensorTable((*_EMBEDDING_ROWS, *_ATTENTION_ROWS, *_DENSE_MLP_ROWS, *_QWEN_MOE_ROWS,
+                                 *_FINAL_ROWS))
 
 
-def _decoder_fields(max_position_embeddings: int) -> tuple[ConfigField, ...]:
-    """The config.json fields of a Llama-style decoder; defaults are transformers' class defaults."""
+def _decoder_fields(max_position_embeddings: int, norm_epsilon: float = 1e-6,
+                    rotary_base: float = 10000.0) -> tuple[ConfigField, ...]:
+    """The config.json fields of a Llama-style decoder but its FFN size; defaults are transformers'
+    class defaults."""
     return (
         ConfigField(("hidden_size",), "hidden_size", int),
-        ConfigField(("intermediate_size",), "ffn_hidden_size", int),
         ConfigField(("num_hidden_layers",), "num_layers", int),
         ConfigField(("num_attention_heads",), "num_attention_heads", int),
         ConfigField(("num_key_value_heads",), "num_query_groups", int, default=None),
         ConfigField(("head_dim",), "kv_channels", int, default=None),
-        ConfigField(("rms_norm_eps",), "norm_epsilon", float, default=1e-6),
+        ConfigField(("rms_norm_eps",), "norm_epsilon", float, default=norm_epsilon),
         # transformers 5 keeps the base under rope_parameters; 4.x had a top-level rope_theta.
-        ConfigField(("rope_parameters", "rope_theta"), "rotary_base", float, default=10000.0,
+        ConfigField(("rope_parameters", "rope_theta"), "rotary_base", float, default=rotary_base,
                     legacy=(("rope_theta",),)),
         ConfigField(("max_position_embeddings",), "max_position_embeddings", int,
                     default=max_position_embeddings),
@@ -332,13 +411,78 @@ def _decoder_fields(max_position_embeddings: int) -> tuple[ConfigField, ...]:
     )
 
 
-# What every family below is, in Megatron terms: dense (no experts), SwiGLU MLP, RMSNorm, RoPE.
+_DENSE_FFN = ConfigField(("intermediate_size",), "ffn_hidden_size", int)
+
+
+def _expert_ffn_size(config: ModelConfig) -> int:
+    return config.expert_ffn_size
+
+
+def _moe_layer_freq_text(config: ModelConfig) -> str:
+    freq = config.moe_layer_freq
+    return repr(list(freq) if isinstance(freq, tuple) else freq)
+
+
+def _dense_layers(config: ModelConfig) -> list[int]:
+    return [layer for layer in range(config.num_layers) if not config.is_moe_layer(layer)]
+
+
+def _every_layer_moe(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
+    # Every Mixtral layer is MoE and intermediate_size is the experts' FFN; Megatron still wants a
+    # dense FFN size, and the experts' is the one Mixtral checkpoints converted by Megatron carry.
+    return {"ffn_hidden_size": model["moe_ffn_hidden_size"], "moe_layer_freq": 1}
+
+
+def _no_keys(config: ModelConfig) -> Mapping[str, object]:
+    return {}
+
+
+def _refuses_dense_layers(config: ModelConfig) -> str | None:
+    if config.num_experts is None:
+        return "num_experts=None (needs routed experts)"
+    dense = _dense_layers(config)
+    if dense:
+        return f"moe_layer_freq={_moe_layer_freq_text(config)} (needs every layer MoE; dense layers: {dense})"
+    return None
+
+
+def _layers_from_sparse_step(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
+    """transformers' Qwen-MoE rule: layer i is MoE iff i is not in mlp_only_layers and
+    (i + 1) % decoder_sparse_step == 0; megatron-core's int moe_layer_freq k means i % k == 0, so
+    anything but "every layer" becomes a 0/1 pattern."""
+    step = present.get("decoder_sparse_step", 1)
+    if not isinstance(step, int) or isinstance(step, bool) or step < 1:
+        raise ValueError(f"decoder_sparse_step={step!r}: expected a positive integer")
+    dense = present.get("mlp_only_layers", [])
+    if not isinstance(dense, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in dense):
+        raise ValueError(f"mlp_only_layers={dense!r}: expected a list of layer indices")
+    layers = model["num_layers"]
+    assert isinstance(layers, int)
+    pattern = tuple(int(layer not in dense and (layer + 1) % step == 0) for layer in range(layers))
+    return {"moe_layer_freq": 1 if all(pattern) else pattern}
+
+
+def _sparse_step_from_layers(config: ModelConfig) -> Mapping[str, object]:
+    return {"decoder_sparse_step": 1, "mlp_only_layers": _dense_layers(config)}
+
+
+def _refuses_dense_model(config: ModelConfig) -> str | None:
+    return None if config.num_experts is not None else "num_experts=None (needs routed experts)"
+
+
+# What every family below is, in Megatron terms: SwiGLU MLP, RMSNorm, RoPE; the dense ones have no
+# experts, the MoE ones routed experts only (no shared experts, no router expert bias).
 _SWIGLU_RMS_ROPE: dict[str, object] = {
-    "num_experts": None,
     "gated_linear_unit": True,
     "activation": "silu",
     "normalization": "RMSNorm",
     "position_embedding_type": "rope",
+}
+_DENSE: dict[str, object] = {**_SWIGLU_RMS_ROPE, "num_experts": None}
+_ROUTED_EXPERTS_ONLY: dict[str, object] = {
+    **_SWIGLU_RMS_ROPE,
+    "moe_shared_expert_intermediate_size": None,
+    "moe_router_enable_expert_bias": False,
 }
 _HF_SILU: dict[str, object] = {"hidden_act": "silu"}
 _ROPE_DEFAULT: dict[str, object] = {"rope_parameters": {"rope_type": "default"}}
@@ -349,12 +493,13 @@ LLAMA = Family(
     tensors=DECODER_TENSORS,
     fields=(
         *_decoder_fields(max_position_embeddings=2048),
+        _DENSE_FFN,
         # Llama's attention_bias covers q, k, v and o; mlp_bias covers gate, up and down. Megatron
         # has one switch for all linears, so a model is representable only when the two agree.
         ConfigField(("attention_bias",), "add_bias_linear", bool, default=False),
         ConfigField(("mlp_bias",), "add_bias_linear", bool, default=False),
     ),
-    fixed={**_SWIGLU_RMS_ROPE, "qk_layernorm": False, "add_qkv_bias": False},
+    fixed={**_DENSE, "qk_layernorm": False, "add_qkv_bias": False},
     hf_fixed=_HF_SILU,
     hf_scratch=_ROPE_DEFAULT,
 )
@@ -363,8 +508,8 @@ MISTRAL = Family(
     architecture="MistralForCausalLM",
     model_type="mistral",
     tensors=DECODER_TENSORS,
-    fields=_decoder_fields(max_position_embeddings=131072),
-    fixed={**_SWIGLU_RMS_ROPE, "qk_layernorm": False, "add_qkv_bias": False, "add_bias_linear": False},
+    fields=(*_decoder_fields(max_position_embeddings=131072), _DENSE_FFN),
+    fixed={**_DENSE, "qk_layernorm": False, "add_qkv_bias": False, "add_bias_linear": False},
     hf_fixed=_HF_SILU,
     hf_scratch=_ROPE_DEFAULT,
 )
@@ -373,9 +518,9 @@ QWEN2 = Family(
     architecture="Qwen2ForCausalLM",
     model_type="qwen2",
     tensors=DECODER_TENSORS,
-    fields=_decoder_fields(max_position_embeddings=32768),
+    fields=(*_decoder_fields(max_position_embeddings=32768), _DENSE_FFN),
     # Qwen2 always has q/k/v biases and nothing else.
-    fixed={**_SWIGLU_RMS_ROPE, "qk_layernorm": False, "add_qkv_bias": True, "add_bias_linear": False},
+    fixed={**_DENSE, "qk_layernorm": False, "add_qkv_bias": True, "add_bias_linear": False},
     hf_fixed=_HF_SILU,
     hf_scratch={**_ROPE_DEFAULT, "use_sliding_window": False},
 )
@@ -384,21 +529,66 @@ QWEN3 = Family(
     architecture="Qwen3ForCausalLM",
     model_type="qwen3",
     tensors=DECODER_TENSORS,
-    fields=_decoder_fields(max_position_embeddings=32768),
-    fixed={**_SWIGLU_RMS_ROPE, "qk_layernorm": True, "add_qkv_bias": False, "add_bias_linear": False},
+    fields=(*_decoder_fields(max_position_embeddings=32768), _DENSE_FFN),
+    fixed={**_DENSE, "qk_layernorm": True, "add_qkv_bias": False, "add_bias_linear": False},
     # attention_bias=True would bias q, k, v and o but not the MLP: no Megatron equivalent.
     hf_fixed={**_HF_SILU, "attention_bias": False},
     hf_scratch={**_ROPE_DEFAULT, "use_sliding_window": False},
 )
 
-# Mixture-of-experts families (Mixtral, Qwen3-MoE) go here as further Family values: expert rows
-# use two slots, e.g. "decoder.layers.{}.mlp.experts.local_experts.{}.linear_fc2.weight".
-FAMILIES: dict[str, Family] = {family.architecture: family for family in (LLAMA, MISTRAL, QWEN2, QWEN3)}
+MIXTRAL = Family(
+    architecture="MixtralForCausalLM",
+    model_type="mixtral",
+    tensors=MIXTRAL_TENSORS,
+    fields=(
+        *_decoder_fields(max_position_embeddings=131072, norm_epsilon=1e-5, rotary_base=1e6),
+        ConfigField(("intermediate_size",), "moe_ffn_hidden_size", int, written=_expert_ffn_size),
+        ConfigField(("num_local_experts",), "num_experts", int, default=8),
+        ConfigField(("num_experts_per_tok",), "moe_router_topk", int, default=2),
+    ),
+    rules=(ConfigRule(keys=(), model_fields=("ffn_hidden_size", "moe_layer_freq"), read=_every_layer_moe,
+                      write=_no_keys, refuses=_refuses_dense_layers),),
+    fixed={**_ROUTED_EXPERTS_ONLY, "qk_layernorm": False, "add_qkv_bias": False, "add_bias_linear": False},
+    hf_fixed=_HF_SILU,
+    hf_scratch=_ROPE_DEFAULT,
+    # Megatron records no attention window.
+    hf_assumed={"sliding_window": None},
+)
+
+QWEN3_MOE = Family(
+    architecture="Qwen3MoeForCausalLM",
+    model_type="qwen3_moe",
+    tensors=QWEN3_MOE_TENSORS,
+    fields=(
+        *_decoder_fields(max_position_embeddings=32768),
+        _DENSE_FFN,
+        ConfigField(("moe_intermediate_size",), "moe_ffn_hidden_size", int, default=768, written=_expert_ffn_size),
+        # transformers 5 writes num_experts as num_local_experts (its attribute_map); 4.x as num_experts.
+        ConfigField(("num_local_experts",), "num_experts", int, default=128, legacy=(("num_experts",),)),
+        ConfigField(("num_experts_per_tok",), "moe_router_topk", int, default=8),
+    ),
+    rules=(ConfigRule(keys=("decoder_sparse_step", "mlp_only_layers"), model_fields=("moe_layer_freq",),
+                      read=_layers_from_sparse_step, write=_sparse_step_from_layers,
+                      refuses=_refuses_dense_model),),
+    fixed={**_ROUTED_EXPERTS_ONLY, "qk_layernorm": True, "add_qkv_bias": False, "add_bias_linear": False},
+    hf_fixed={**_HF_SILU, "attention_bias": False},
+    hf_scratch=_ROPE_DEFAULT,
+    # megatron-core's default router takes the top k logits, then softmax over them: the top-k
+    # probabilities renormalized (norm_topk_prob=true); it has no attention window.
+    hf_assumed={"norm_topk_prob": True, "use_sliding_window": False},
+)
+
+FAMILIES: dict[str, Family] = {
+    family.architecture: family for family in (LLAMA, MISTRAL, QWEN2, QWEN3, MIXTRAL, QWEN3_MOE)
+}
 
 # The family written for a source that carries no HF architecture (a Megatron checkpoint): the
-# first whose fixed values the model has. Mistral is Llama's tensors and config with a sliding
-# window that a Megatron model does not describe, so it is never guessed.
-INFERENCE_ORDER: tuple[str, ...] = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM")
+# first whose fixed values and rules the model satisfies. Mistral is Llama's tensors and config
+# with a sliding window that a Megatron model does not describe, so it is never guessed. Dense
+# families need num_experts=None and the MoE ones routed experts, so at most one kind fits.
+INFERENCE_ORDER: tuple[str, ...] = (
+    "Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM",
+)
 
 
 def supported_architectures() -> list[str]:

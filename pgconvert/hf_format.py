@@ -178,13 +178,26 @@ def model_config_from_hf(doc: dict[str, Any], path: Path, stored_dtype: torch.dt
             )
         values[spec.model_field] = value
         read_from.setdefault(spec.model_field, spec.key)
+    for rule in family.rules:
+        present = {key: doc[key] for key in rule.keys if doc.get(key) is not None}
+        try:
+            ruled = dict(rule.read(present, dict(values)))
+        except ValueError as exc:
+            raise error(f"{path}: {exc}") from exc
+        assert sorted(ruled) == sorted(rule.model_fields), (family.architecture, sorted(ruled))
+        values.update(ruled)
     values["params_dtype"] = _config_dtype(doc, stored_dtype)
     values.update(LOADED_DEFAULTS)
     try:
         config = ModelConfig(**values)  # type: ignore[arg-type]
     except ConfigError as exc:
         raise error(f"{path}: describes an impossible model: {exc}") from exc
-    notices = []
+    notices = [
+        f"{path}: {key}={doc[key]!r} has no Megatron setting: a megatron target is a model that behaves as "
+        f"{key}={assumed!r} unless the Megatron run is set to match; an hf target keeps config.json"
+        for key, assumed in family.hf_assumed.items()
+        if key in doc and doc[key] != assumed
+    ]
     rope_type = _get_path(doc, ("rope_parameters", "rope_type"))
     if rope_type is _MISSING:
         scaling = doc.get("rope_scaling")
@@ -209,11 +222,13 @@ def _config_dtype(doc: dict[str, Any], stored_dtype: torch.dtype | None) -> str:
 
 def family_mismatches(family: Family, config: ModelConfig) -> list[str]:
     """Why ``config`` cannot be written as ``family`` (empty when it can)."""
-    return [
+    mismatches = [
         f"{name}={getattr(config, name)!r} (needs {expected!r})"
         for name, expected in family.fixed.items()
         if getattr(config, name) != expected
     ]
+    refusals = (rule.refuses(config) for rule in family.rules)
+    return mismatches + [refusal for refusal in refusals if refusal is not None]
 
 
 def infer_family(config: ModelConfig) -> Family:
@@ -241,13 +256,16 @@ def hf_config_from_model(family: Family, config: ModelConfig, dtype: torch.dtype
     """A config.json for ``config`` built from the family table alone."""
     doc: dict[str, Any] = {"architectures": [family.architecture], "model_type": family.model_type}
     doc.update(copy.deepcopy(dict(family.hf_scratch)))
+    doc.update(copy.deepcopy(dict(family.hf_assumed)))
     doc.update(copy.deepcopy(dict(family.hf_fixed)))
     for spec in family.fields:
-        value = getattr(config, spec.model_field)
+        value = spec.value_of(config)
         if value is None:
             continue
         for where in (spec.path, *spec.legacy):
             _set_path(doc, where, value)
+    for rule in family.rules:
+        doc.update(copy.deepcopy(dict(rule.write(config))))
     doc["dtype"] = str(dtype).removeprefix("torch.")
     return doc
 
@@ -255,12 +273,20 @@ def hf_config_from_model(family: Family, config: ModelConfig, dtype: torch.dtype
 def config_disagreements(doc: dict[str, Any], path: Path, config: ModelConfig) -> tuple[Family, list[str]]:
     """The family a given config.json names and where it disagrees with ``config``."""
     family, described, _ = model_config_from_hf(doc, path, error=ConfigError)
-    fields = {spec.model_field for spec in family.fields}
+    # Compared as config.json would hold them: a field the model leaves unset may mean a value.
+    fields = {spec.model_field: spec for spec in family.fields}
     differences = [
-        f"{name}: {getattr(described, name)!r} in the file, {getattr(config, name)!r} in the model"
+        f"{name}: {fields[name].value_of(described)!r} in the file, {fields[name].value_of(config)!r} in the model"
         for name in sorted(fields)
-        if getattr(described, name) != getattr(config, name)
+        if fields[name].value_of(described) != fields[name].value_of(config)
     ]
+    for rule in family.rules:
+        in_file, in_model = rule.write(described), rule.write(config)
+        differences += [
+            f"{key}: {in_file[key]!r} in the file, {in_model[key]!r} in the model"
+            for key in rule.keys
+            if in_file[key] != in_model[key]
+        ]
     return family, differences
 
 

@@ -42,7 +42,7 @@ from pgconvert.hf_format import (
     with_dtype,
 )
 from pgconvert.layout import ParallelLayout
-from pgconvert.provider import WORD_EMBEDDINGS
+from pgconvert.provider import WORD_EMBEDDINGS, keep_dtype_names
 from pgconvert.stream import CanonicalSource
 
 log = logging.getLogger(__name__)
@@ -210,6 +210,8 @@ class HFSaver(Saver):
         family, _ = self._target(source, options)
         config = source.config
         assert config.vocab_size is not None
+        # Routers keep their dtype (float32 in megatron-core) whatever --dtype says, as on a megatron target.
+        kept = keep_dtype_names(config)
         units = []
         unmapped = []
         for name in source.names():
@@ -221,7 +223,8 @@ class HFSaver(Saver):
             shape = (config.vocab_size, *meta.shape[1:]) if name in VOCAB_TABLES else meta.shape
             row, hf_names = found
             shapes = tuple(row.transform.part_shapes(tuple(shape), config))
-            units.append(_Unit(name, row, hf_names, shapes, _out_dtype(meta.dtype, options)))
+            dtype = meta.dtype if name in kept else _out_dtype(meta.dtype, options)
+            units.append(_Unit(name, row, hf_names, shapes, dtype))
         if unmapped:
             raise ConfigError(f"hf: {family.architecture} has no HF name for {sorted(unmapped)}")
         return units
@@ -285,9 +288,11 @@ class HFSaver(Saver):
         doc = with_dtype(base, dtype) if base is not None else hf_config_from_model(family, config, dtype)
         _write_json(out_dir / CONFIG_FILE, doc)
         if base is None:
+            assumed = ", ".join(f"{key}={value!r}" for key, value in family.hf_assumed.items())
             result.notices.append(
                 f"config.json was built from the model as {family.architecture}; settings Megatron does not "
                 "record (token ids, RoPE scaling, sliding window) take transformers' defaults"
+                + (f", except {assumed}: how megatron-core behaves" if assumed else "")
             )
         result.notices.extend(self._copy_side_files(source, out_dir))
         if source.extra_states():

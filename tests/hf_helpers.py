@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,12 +22,16 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     PretrainedConfig,
     PreTrainedModel,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 _COMMON: dict[str, Any] = dict(
@@ -57,7 +62,18 @@ FAMILY_MODELS: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel], di
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(
         _COMMON, intermediate_size=128, vocab_size=1000, head_dim=16, tie_word_embeddings=False,
     )),
+    # Every layer MoE; intermediate_size is the experts' FFN.
+    "mixtral": (MixtralConfig, MixtralForCausalLM, dict(
+        _COMMON, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, vocab_size=1000,
+        tie_word_embeddings=False,
+    )),
+    # Layer 1 dense (mlp_only_layers), layers 0, 2, 3 MoE; norm_topk_prob as megatron-core's router.
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, dict(
+        _COMMON, intermediate_size=96, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+        mlp_only_layers=[1], norm_topk_prob=True, head_dim=16, vocab_size=1030, tie_word_embeddings=False,
+    )),
 }
+MOE_FAMILIES: tuple[str, ...] = ("mixtral", "qwen3_moe")
 # What a Megatron checkpoint made from each comes back as: Mistral's tensors and config are
 # Llama's plus a sliding window Megatron does not record, so it returns as Llama.
 ARCHITECTURE_AFTER_MEGATRON: dict[str, str] = {
@@ -66,7 +82,11 @@ ARCHITECTURE_AFTER_MEGATRON: dict[str, str] = {
     "mistral": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
+# Router weights: transformers' MoE routers are Linear modules named "gate" of the MoE block.
+ROUTER_PARAMETERS = re.compile(r"model\.layers\.\d+\.(block_sparse_moe|mlp)\.gate\.weight")
 TOKENIZER_CONTENT: dict[str, str] = {
     "tokenizer.json": '{"version": "1.0", "model": {"type": "BPE"}}\n',
     "tokenizer_config.json": '{"model_max_length": 256}\n',
@@ -87,6 +107,9 @@ def build_hf_model(name: str, seed: int = 0, **overrides: Any) -> PreTrainedMode
             noise = torch.randn(param.shape, generator=generator)
             if module_name.endswith("norm") and param_name.endswith("weight"):
                 param.copy_(1.0 + 0.1 * noise)
+            elif ROUTER_PARAMETERS.fullmatch(param_name):
+                # Well-separated router logits: fp32 and fp64 forward passes pick the same experts.
+                param.copy_(noise)
             else:
                 param.copy_(0.05 * noise)
     return model
@@ -149,18 +172,65 @@ def input_ids(vocab_size: int, batch: int = 2, seq: int = 12, seed: int = 7) -> 
 
 # --- an independent tensor-parallel forward pass over Megatron rank files ---------------------
 
+def _load_rank(path: Path) -> dict[str, Any]:
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+
+# Expert keys inside a rank file, with the rank-local expert index: SequentialMLP's and TEGroupedMLP's.
+_SEQUENTIAL_EXPERT = re.compile(r"(decoder\.layers\.\d+\.mlp\.experts\.)local_experts\.(\d+)\.(.+)")
+_GROUPED_EXPERT = re.compile(r"(decoder\.layers\.\d+\.mlp\.experts\.)(linear_fc[12])\.weight(\d+)")
+
+
+def _global_expert_key(key: str, ep_rank: int, experts_per_rank: int) -> str | None:
+    """``…local_experts.{global}.rest`` for an expert key of EP rank ``ep_rank``; None for other keys."""
+    sequential = _SEQUENTIAL_EXPERT.fullmatch(key)
+    if sequential:
+        prefix, local, rest = sequential.groups()
+    else:
+        grouped = _GROUPED_EXPERT.fullmatch(key)
+        if not grouped:
+            return None
+        prefix, module, local = grouped.groups()
+        rest = f"{module}.weight"
+    return f"{prefix}local_experts.{ep_rank * experts_per_rank + int(local)}.{rest}"
+
+
 def read_megatron_tp_ranks(root: Path) -> list[dict[str, torch.Tensor]]:
-    """The ``model`` dicts of a PP=1 Megatron checkpoint, by TP rank."""
+    """The ``model`` dicts of a PP=1 Megatron checkpoint, by TP rank, float64.
+
+    With expert parallelism the EP ranks of one TP rank are joined into one dict: every non-expert
+    tensor must be the same on all of them, and expert keys get the global index (EP rank r holds
+    experts [r·E/ep, (r+1)·E/ep)), in SequentialMLP naming whatever the file used.
+    """
     iteration = (root / "latest_checkpointed_iteration.txt").read_text().strip()
     iteration_dir = root / ("release" if iteration == "release" else f"iter_{int(iteration):07d}")
     rank_dirs = sorted(iteration_dir.glob("mp_rank_*"))
+    args = _load_rank(rank_dirs[0] / "model_optim_rng.pt")["args"]
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    ep = getattr(args, "expert_model_parallel_size", 1) or 1
+    assert pp == 1, f"{root}: pp={pp}; the reference forward pass reads PP=1 checkpoints"
+    experts_per_rank = (getattr(args, "num_experts", None) or 0) // ep
+    expected_dirs = [f"mp_rank_{t:02d}" + (f"_{e:03d}" if ep > 1 else "") for t in range(tp) for e in range(ep)]
+    assert [d.name for d in rank_dirs] == sorted(expected_dirs), iteration_dir
     models = []
-    for tp_rank, rank_dir in enumerate(rank_dirs):
-        assert rank_dir.name == f"mp_rank_{tp_rank:02d}", rank_dir
-        with torch.serialization.safe_globals([argparse.Namespace]):
-            state = torch.load(rank_dir / "model_optim_rng.pt", map_location="cpu", weights_only=True)
-        # TE's _extra_state entries are not weights.
-        models.append({k: v.to(torch.float64) for k, v in state["model"].items() if isinstance(v, torch.Tensor)})
+    for tp_rank in range(tp):
+        joined: dict[str, torch.Tensor] = {}
+        for ep_rank in range(ep):
+            rank_dir = iteration_dir / (f"mp_rank_{tp_rank:02d}" + (f"_{ep_rank:03d}" if ep > 1 else ""))
+            state = _load_rank(rank_dir / "model_optim_rng.pt")
+            # TE's _extra_state entries are not weights.
+            for key, value in state["model"].items():
+                if not isinstance(value, torch.Tensor) or key.endswith("._extra_state"):
+                    continue
+                expert_key = _global_expert_key(key, ep_rank, experts_per_rank)
+                name = expert_key if expert_key is not None else key
+                if expert_key is None and name in joined:
+                    assert torch.equal(joined[name], value.to(torch.float64)), f"{key}: differs between EP ranks"
+                else:
+                    assert name not in joined, f"{rank_dir}: {key} is {name}, already read"
+                joined[name] = value.to(torch.float64)
+        models.append(joined)
     return models
 
 
@@ -192,6 +262,27 @@ def _layer_norm_weight(models: list[dict[str, torch.Tensor]], prefix: str, local
     return _replicated(models, key if key in models[0] else prefix + _TE_NORM_NAMES[local_name])
 
 
+def _moe_mlp(models: list[dict[str, torch.Tensor]], prefix: str, h: torch.Tensor,
+             hf_config: dict[str, Any]) -> torch.Tensor:
+    """A routed-experts MLP over TP ranks: softmax over the replicated router's logits, the top k
+    (renormalized unless norm_topk_prob is false), each expert TP-split like a dense SwiGLU MLP."""
+    experts = hf_config.get("num_local_experts") or hf_config["num_experts"]
+    router = _replicated(models, prefix + "mlp.router.weight")
+    assert router.shape[0] == experts, f"{prefix}mlp.router.weight: {router.shape[0]} rows, {experts} experts"
+    probs = (h @ router.T).softmax(dim=-1)
+    top, chosen = probs.topk(hf_config["num_experts_per_tok"], dim=-1)
+    if hf_config.get("norm_topk_prob", True):
+        top = top / top.sum(dim=-1, keepdim=True)
+    out = torch.zeros_like(h)
+    for expert in range(experts):
+        weight = (top * (chosen == expert)).sum(dim=-1, keepdim=True)
+        key = f"{prefix}mlp.experts.local_experts.{expert}."
+        for model in models:
+            gate, up = (h @ model[key + "linear_fc1.weight"].T).chunk(2, dim=-1)
+            out += weight * ((torch.nn.functional.silu(gate) * up) @ model[key + "linear_fc2.weight"].T)
+    return out
+
+
 def megatron_tp_logits(models: list[dict[str, torch.Tensor]], hf_config: dict[str, Any],
                        ids: torch.Tensor) -> torch.Tensor:
     """Logits computed rank by rank from TP-sharded tensors, all-reduces done as sums (float64)."""
@@ -203,7 +294,7 @@ def megatron_tp_logits(models: list[dict[str, torch.Tensor]], hf_config: dict[st
     eps = hf_config["rms_norm_eps"]
     theta = hf_config["rope_parameters"]["rope_theta"]
     vocab = hf_config["vocab_size"]
-    qk_norm = hf_config["architectures"][0] == "Qwen3ForCausalLM"
+    qk_norm = hf_config["architectures"][0] in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
     per_group = heads // groups
     local_groups = groups // tp
     batch, seq = ids.shape
@@ -254,6 +345,9 @@ def megatron_tp_logits(models: list[dict[str, torch.Tensor]], hf_config: dict[st
         x = x + attention
 
         h = _rms_norm(x, _layer_norm_weight(models, prefix, "pre_mlp_layernorm.weight"), eps)
+        if prefix + "mlp.router.weight" in models[0]:
+            x = x + _moe_mlp(models, prefix, h, hf_config)
+            continue
         mlp = torch.zeros_like(x)
         for model in models:
             fc1 = h @ model[prefix + "mlp.linear_fc1.weight"].T

@@ -16,7 +16,8 @@ import pgconvert
 from pgconvert.cli import main
 from pgconvert.errors import CheckpointError, ConfigError, LayoutError
 
-SUPPORTED = "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"
+SUPPORTED = ("LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
+             "Qwen3MoeForCausalLM")
 
 
 @pytest.fixture(scope="module")

@@ -83,9 +83,11 @@ def save_durably(state: dict[str, Any], path: Path) -> str:
         except RuntimeError as exc:
             # torch's zip writer reports a failed write (ENOSPC, EIO) as "unexpected pos"; the
             # file object's OSError is the real cause.
-            if isinstance(exc.__context__, OSError):
-                cause = exc.__context__
+            cause = exc.__context__
+            if isinstance(cause, OSError):
                 raise OSError(cause.errno, cause.strerror, str(path)) from exc
+            if isinstance(cause, KeyboardInterrupt):
+                raise KeyboardInterrupt from exc
             raise
         except OSError as exc:
             raise OSError(exc.errno, exc.strerror, str(path)) from exc

@@ -32,6 +32,7 @@ from pgconvert.registry import get_saver, saver_names
 @dataclass
 class Case:
     name: str
+    workers: int
     seconds: float
     bytes_written: int
     peak_rss_bytes: int
@@ -89,7 +90,8 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=None, help="where to write (default: a temp dir)")
     parser.add_argument("--json", action="store_true", help="print results as JSON")
     parser.add_argument("--keep", action="store_true", help="keep the checkpoints afterwards")
-    parser.add_argument("--workers", type=int, default=None, help="pass --workers N to conversions")
+    parser.add_argument("--workers", type=int, default=2,
+                        help="also run the Megatron-output cases with --workers N (1: skip those rows)")
     options = parser.parse_args()
 
     workdir = options.workdir or Path(tempfile.mkdtemp(prefix="pgconvert-bench-"))
@@ -111,30 +113,33 @@ def main() -> None:
         cases: list[Case] = []
 
         seconds, rss = run_child(["cp", "-r", str(src), str(workdir / "floor_copy")])
-        floor = Case("floor (cp -r)", seconds, src_bytes, rss)
+        floor = Case("floor (cp -r)", 1, seconds, src_bytes, rss)
         cases.append(floor)
 
         cli = [sys.executable, "-m", "pgconvert", "--quiet"]
-        if options.workers:
-            cli += ["--workers", str(options.workers)]
-        plan: list[tuple[str, list[str], Path]] = [
-            ("TP8 -> TP2", ["--dst-tp", "2", str(src)], workdir / "tp2"),
-            ("TP8/PP1 -> TP2/PP2", ["--dst-tp", "2", "--dst-pp", "2", str(src)], workdir / "tp2pp2"),
+        # (name, args, destination, workers): HF output is one pass, so it has no --workers row.
+        plan: list[tuple[str, list[str], Path, int]] = [
+            ("TP8 -> TP2", ["--dst-tp", "2", str(src)], workdir / "tp2", 1),
+            ("TP8/PP1 -> TP2/PP2", ["--dst-tp", "2", "--dst-pp", "2", str(src)], workdir / "tp2pp2", 1),
         ]
         has_hf = "hf" in saver_names()
         if has_hf:
             plan += [
-                ("TP8 -> HF", ["--dst-format", "hf", str(src)], workdir / "hf"),
-                ("HF -> TP4", ["--dst-format", "megatron", "--dst-tp", "4", str(workdir / "hf")], workdir / "hf_tp4"),
+                ("TP8 -> HF", ["--dst-format", "hf", str(src)], workdir / "hf", 1),
+                ("HF -> TP4", ["--dst-format", "megatron", "--dst-tp", "4", str(workdir / "hf")], workdir / "hf_tp4", 1),
             ]
-        for name, args, dst in plan:
+        if options.workers > 1:
+            plan += [(name, args, dst.with_name(dst.name + "_workers"), options.workers)
+                     for name, args, dst, _ in list(plan) if name != "TP8 -> HF"]
+        for name, args, dst, workers in plan:
             if dst.exists():
                 shutil.rmtree(dst)
-            seconds, rss = run_child([*cli, *args, str(dst)])
+            extra = ["--workers", str(workers)] if workers > 1 else []
+            seconds, rss = run_child([*cli, *extra, *args, str(dst)])
             written, largest = dir_bytes(dst)
-            cases.append(Case(name, seconds, written, rss, seconds / floor.seconds, largest, largest_tensor))
+            cases.append(Case(name, workers, seconds, written, rss, seconds / floor.seconds, largest, largest_tensor))
         if not has_hf:
-            cases.append(Case("TP8 -> HF / HF -> TP4", 0, 0, 0, skipped="the hf format is not installed"))
+            cases.append(Case("TP8 -> HF / HF -> TP4", 1, 0, 0, 0, skipped="the hf format is not installed"))
     finally:
         if not options.keep and options.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
@@ -148,7 +153,8 @@ def main() -> None:
         return
     print(f"model: hidden {config.hidden_size}, {config.num_layers} layers, ffn {config.ffn_hidden_size}, "
           f"vocab {config.vocab_size}, ~{params / 1e9:.2f} B params, source {src_bytes / 2**30:.2f} GiB (TP8, bf16)")
-    header = f"{'case':<22} {'wall s':>8} {'MiB/s':>8} {'peak RSS MiB':>13} {'x floor':>8} {'RSS/largest file':>17}"
+    header = (f"{'case':<22} {'workers':>7} {'wall s':>8} {'MiB/s':>8} {'peak RSS MiB':>13} {'x floor':>8} "
+              f"{'RSS/largest file':>17} {'RSS/largest tensor':>19}")
     print(header)
     print("-" * len(header))
     for case in cases:
@@ -157,8 +163,10 @@ def main() -> None:
             continue
         ratio = f"{case.ratio_to_floor:.2f}" if case.ratio_to_floor is not None else "1.00"
         rss_ratio = f"{case.peak_rss_bytes / case.largest_output_file:.2f}" if case.largest_output_file else "-"
-        print(f"{case.name:<22} {case.seconds:>8.2f} {case.bytes_per_second / 2**20:>8.1f} "
-              f"{case.peak_rss_bytes / 2**20:>13.1f} {ratio:>8} {rss_ratio:>17}")
+        tensor_ratio = f"{case.peak_rss_bytes / case.largest_tensor:.2f}" if case.largest_tensor else "-"
+        print(f"{case.name:<22} {case.workers:>7} {case.seconds:>8.2f} {case.bytes_per_second / 2**20:>8.1f} "
+              f"{case.peak_rss_bytes / 2**20:>13.1f} {ratio:>8} {rss_ratio:>17} {tensor_ratio:>19}")
+    print("(peak RSS of a --workers row is the largest of the parent and its worker processes)")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import torch
 
 from pgconvert.config import ModelConfig
 from pgconvert.errors import CheckpointError, ConfigError, LayoutError, ValidationError
-from pgconvert.families import Family, TensorMapping
+from pgconvert.families import GATE_UP, IDENTITY, QKV, Family, TensorMapping
 from pgconvert.formats import Loader, LoadOptions
 from pgconvert.hf_format import (
     CONFIG_FILE,
@@ -27,9 +27,11 @@ from pgconvert.hf_format import (
     read_header,
     read_json_object,
     read_tensor,
+    read_tensor_range,
     resolve_inside,
 )
 from pgconvert.provider import OUTPUT_LAYER, WORD_EMBEDDINGS, canonical_names
+from pgconvert.rules import Chunked, GatedChunked, ShardRule, VocabParallel
 from pgconvert.stream import CanonicalSource, TensorMeta
 
 log = logging.getLogger(__name__)
@@ -187,6 +189,47 @@ class HFSource(CanonicalSource):
                 )
             self._tied_copy = None
         return full
+
+    def _load_shard(self, name: str, rule: ShardRule, size: int, rank: int, rows: int | None) -> torch.Tensor:
+        """A TP piece read straight from the HF tensors' byte ranges where the transform allows.
+
+        Identity tensors cut along the rule's dimension, fused QKV by the query groups of the
+        piece, gated fc1 by the piece's gate and up rows; anything else goes through the full tensor.
+        """
+        row, hf_names = self._rows[name]
+        if name == WORD_EMBEDDINGS and self._tied_copy is not None:
+            self._load(name)  # checks the stored tied copy once
+        if isinstance(rule, VocabParallel) and row.transform is IDENTITY:
+            return self._vocab_piece(hf_names[0], rows if rows is not None else self.vocab_rows, size, rank)
+        if type(rule) is Chunked and row.transform is IDENTITY:
+            shape = self._metas[name].shape
+            step = shape[rule.dim] // size
+            return read_tensor_range(self._files[hf_names[0]], hf_names[0], rule.dim, rank * step, (rank + 1) * step)
+        if type(rule) is Chunked and rule.dim == 0 and row.transform is QKV:
+            groups = self.config.query_groups // size
+            heads_per_group = self.config.num_attention_heads // self.config.query_groups
+            q_rows, kv_rows = groups * heads_per_group * self.config.head_dim, groups * self.config.head_dim
+            parts = [
+                read_tensor_range(self._files[hf], hf, 0, rank * step, (rank + 1) * step)
+                for hf, step in zip(hf_names, (q_rows, kv_rows, kv_rows), strict=True)
+            ]
+            return row.transform.fuse(parts, self.config.replace(num_query_groups=groups,
+                                                                 num_attention_heads=groups * heads_per_group))
+        if isinstance(rule, GatedChunked) and row.transform is GATE_UP:
+            step = self._metas[name].shape[0] // 2 // size
+            gate, up = (read_tensor_range(self._files[hf], hf, 0, rank * step, (rank + 1) * step) for hf in hf_names)
+            return torch.cat([gate, up], dim=0)
+        return super()._load_shard(name, rule, size, rank, rows)
+
+    def _vocab_piece(self, hf_name: str, rows: int, size: int, rank: int) -> torch.Tensor:
+        true_rows = self._metas[WORD_EMBEDDINGS].shape[0]
+        step = rows // size
+        start, stop = rank * step, (rank + 1) * step
+        stored = read_tensor_range(self._files[hf_name], hf_name, 0, min(start, true_rows), min(stop, true_rows))
+        if stored.shape[0] == step:
+            return stored
+        padding = stored.new_zeros((step - stored.shape[0], *stored.shape[1:]))
+        return torch.cat([stored, padding], dim=0)
 
     def close(self) -> None:
         self._files.clear()

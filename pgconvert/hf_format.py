@@ -394,3 +394,14 @@ def read_tensor(path: Path, name: str) -> torch.Tensor:
             return tensor
     except SafetensorError as exc:
         raise CheckpointError(f"{path}: cannot read {name}: {exc}") from exc
+
+
+def read_tensor_range(path: Path, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+    """Indices ``[start, stop)`` of ``dim`` of one tensor, reading only those bytes (dim 0 or 1)."""
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            piece = handle.get_slice(name)
+            window: torch.Tensor = piece[start:stop] if dim == 0 else piece[:, start:stop]
+            return window.contiguous()
+    except SafetensorError as exc:
+        raise CheckpointError(f"{path}: cannot read {name}: {exc}") from exc

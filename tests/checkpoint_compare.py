@@ -5,25 +5,38 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from megatron_fixtures import read_megatron_checkpoint
+from megatron_fixtures import read_megatron_checkpoint_ranks
+
+_LAYOUT_ARGS = (
+    "tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
+    "virtual_pipeline_model_parallel_size", "decoder_first_pipeline_num_layers",
+    "decoder_last_pipeline_num_layers", "num_layers", "num_experts", "padded_vocab_size",
+)
 
 
-def assert_same_megatron_checkpoint(actual: Path, expected: Path) -> None:
-    """Same rank files, same keys in each, every tensor ``torch.equal`` (and same dtype)."""
-    actual_args, actual_ranks = read_megatron_checkpoint(actual)
-    expected_args, expected_ranks = read_megatron_checkpoint(expected)
+def assert_same_ranks(actual: Path, expected: Path) -> None:
+    """Same (tp, pp, ep) files and chunks, same keys, every tensor ``torch.equal`` with the same dtype.
+
+    Key order is not part of the format (load_state_dict matches by name), so keys compare as sets.
+    """
+    actual_args, actual_ranks = read_megatron_checkpoint_ranks(actual)
+    expected_args, expected_ranks = read_megatron_checkpoint_ranks(expected)
     assert sorted(actual_ranks) == sorted(expected_ranks)
-    for field in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "padded_vocab_size",
-                  "num_layers", "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"):
-        assert getattr(actual_args, field) == getattr(expected_args, field), field
-    for coord, expected_model in expected_ranks.items():
-        actual_model = actual_ranks[coord]
-        # Key order is not part of the format (load_state_dict matches by name).
-        assert sorted(actual_model) == sorted(expected_model), f"rank {coord}: key set differs"
-        for key, expected_value in expected_model.items():
-            actual_value = actual_model[key]
-            if expected_value is None:
-                assert actual_value is None, f"rank {coord} {key}"
-                continue
-            assert actual_value.dtype == expected_value.dtype, f"rank {coord} {key}"
-            assert torch.equal(actual_value, expected_value), f"rank {coord} {key} differs"
+    for field in _LAYOUT_ARGS:
+        assert getattr(actual_args, field, None) == getattr(expected_args, field, None), field
+    for coord, expected_chunks in expected_ranks.items():
+        actual_chunks = actual_ranks[coord]
+        assert sorted(actual_chunks) == sorted(expected_chunks), coord
+        for chunk, expected_model in expected_chunks.items():
+            actual_model = actual_chunks[chunk]
+            assert sorted(actual_model) == sorted(expected_model), (coord, chunk)
+            for key, value in expected_model.items():
+                if value is None:
+                    assert actual_model[key] is None, (coord, chunk, key)
+                    continue
+                assert actual_model[key].dtype == value.dtype, (coord, chunk, key)
+                assert torch.equal(actual_model[key], value), (coord, chunk, key)
+
+
+# The dense-model tests' name for the same comparison.
+assert_same_megatron_checkpoint = assert_same_ranks

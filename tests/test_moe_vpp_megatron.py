@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from checkpoint_compare import assert_same_ranks
 from click.testing import CliRunner
 from conftest import GQA_SWIGLU, MOE, MOE_GROUPED_TE
 from megatron_fixtures import (
@@ -20,28 +21,6 @@ import pgconvert
 from pgconvert.cli import main
 
 MOE_MODELS = {"moe_sequential_local": MOE, "moe_grouped_te_tied": MOE_GROUPED_TE}
-
-
-def assert_same_ranks(actual: Path, expected: Path) -> None:
-    """Same (tp, pp, ep) files, same chunk keys, same tensor keys, every tensor torch.equal."""
-    actual_args, actual_ranks = read_megatron_checkpoint_ranks(actual)
-    expected_args, expected_ranks = read_megatron_checkpoint_ranks(expected)
-    assert sorted(actual_ranks) == sorted(expected_ranks)
-    for field in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
-                  "virtual_pipeline_model_parallel_size", "num_experts", "padded_vocab_size"):
-        assert getattr(actual_args, field) == getattr(expected_args, field), field
-    for coord, expected_chunks in expected_ranks.items():
-        actual_chunks = actual_ranks[coord]
-        assert sorted(actual_chunks) == sorted(expected_chunks), coord
-        for chunk, expected_model in expected_chunks.items():
-            actual_model = actual_chunks[chunk]
-            assert sorted(actual_model) == sorted(expected_model), (coord, chunk)
-            for key, value in expected_model.items():
-                if value is None:
-                    assert actual_model[key] is None, (coord, chunk, key)
-                    continue
-                assert actual_model[key].dtype == value.dtype, (coord, chunk, key)
-                assert torch.equal(actual_model[key], value), (coord, chunk, key)
 
 
 # (tp, pp, ep, vpp) hops.

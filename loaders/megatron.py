@@ -66,6 +66,8 @@ class MegatronLoader(Loader):
     def detect(self, path: Path) -> bool:
         if not path.is_dir():
             return False
+        if _is_distributed_checkpoint(path):
+            return False
         if (path / TRACKER_FILE).is_file() or (path / "release").is_dir():
             return True
         if any(ITERATION_DIR_RE.match(child.name) for child in path.iterdir() if child.is_dir()):
@@ -75,6 +77,16 @@ class MegatronLoader(Loader):
     def open(self, path: Path, options: LoadOptions) -> MegatronSource:
         iteration_dir, iteration, release = resolve_iteration_dir(path, options.iteration)
         return MegatronSource(iteration_dir, iteration, release, options, root=path)
+
+
+def _is_distributed_checkpoint(path: Path) -> bool:
+    """Megatron's torch_dist layout shares the tracker file and iter_* names but has no rank dirs."""
+    candidates = [path, *(child for child in path.iterdir()
+                          if child.is_dir() and (child.name == "release" or ITERATION_DIR_RE.match(child.name)))]
+    if not any((candidate / "metadata.json").is_file() for candidate in candidates):
+        return False
+    return not any(RANK_DIR_RE.match(grandchild.name)
+                   for candidate in candidates for grandchild in candidate.iterdir() if grandchild.is_dir())
 
 
 def resolve_iteration_dir(root: Path, iteration: int | None) -> tuple[Path, int | None, bool]:

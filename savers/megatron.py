@@ -34,6 +34,7 @@ from pgconvert.megatron_format import (
     rank_dir_name,
 )
 from pgconvert.provider import (
+    EXPERT_PREFIX,
     LAYER_PREFIX,
     ModelShard,
     TensorSpec,
@@ -172,6 +173,16 @@ class MegatronSaver(Saver):
         """
         if config.transformer_impl == source.config.transformer_impl:
             names = list(source.extra_states())
+            source_ep = {extra.ep_size for extra in source.extra_states().values()}
+            had_expert_entries = any(EXPERT_PREFIX in name for name in names)
+            if had_expert_entries and source_ep != {layout.ep}:
+                # Routed-expert entries are named by local expert index, which means other experts
+                # (and another count of them) once EP changes: name them for this layout instead.
+                local_experts = (config.num_experts or 0) // layout.ep
+                names = [name for name in names if EXPERT_PREFIX not in name] + [
+                    name for name in te_extra_state_names(config, shard.layers, local_experts)
+                    if EXPERT_PREFIX in name
+                ]
         elif config.transformer_impl == "transformer_engine":
             names = te_extra_state_names(config, shard.layers, (config.num_experts or 0) // layout.ep)
         else:

@@ -221,3 +221,13 @@ def test_vpp_that_does_not_fit_the_layers_is_refused(tmp_path: Path, layers: int
 
     assert code == 2
     assert message in output
+
+
+def test_sequential_expert_extra_states_follow_the_target_ep(tmp_path: Path) -> None:
+    model = replace(MOE, transformer_impl="transformer_engine")
+    full = make_full_model(model)
+    src = write_megatron_checkpoint(tmp_path / "src", model, full, 1, 1, ep=4)
+
+    pgconvert.convert(src, tmp_path / "ep2", dst_ep=2)
+
+    assert_same_ranks(tmp_path / "ep2", write_megatron_checkpoint(tmp_path / "expected", model, full, 1, 1, ep=2))

@@ -1,0 +1,368 @@
+"""Facts of Megatron's distributed checkpoint format (``torch_dist``) shared by its loader and saver.
+
+Layout on disk (megatron/training/checkpointing.py, megatron/core/dist_checkpointing, 0.16.1)::
+
+    ROOT/latest_checkpointed_iteration.txt        "1000" or "release"
+    ROOT/iter_0001000/ or ROOT/release/
+        metadata.json     {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+                           "common_backend": "torch", "common_backend_version": 1}, written last
+        common.pt         torch.save of what is not sharded: args, checkpoint_version, iteration and
+                          content_metadata (the sharded_state_dict metadata the tensors were cut with)
+        .metadata         torch.distributed.checkpoint's Metadata, a pickle: per key its global shape,
+                          dtype and chunks; per chunk the file, byte offset and length
+        __R_T.distcp      the chunks written by rank R, writer thread T (each a torch.save'd tensor)
+
+The tensors are global: megatron-core's ``sharded_state_dict()`` names every tensor by a global key
+and places each rank's piece at an offset, so the files carry no layout; the layout a checkpoint was
+saved with lives only in ``common.pt``'s args. Keys, as megatron-core 0.16.1 builds them for
+``GPTModel`` with ``singleton_local_shards=False`` (what Megatron-LM saves):
+
+- ``embedding.word_embeddings.weight`` [padded vocab, hidden], ``embedding.position_embeddings.weight``,
+  ``decoder.final_layernorm.weight``/``.bias``, ``output_layer.weight`` (absent with tied embeddings:
+  the last stage's copy is saved as a non-main replica of the embedding).
+- Layers: when all layers hold the same tensors, stacked along a leading layer axis
+  (``decoder.layers.self_attention.linear_qkv.weight`` [num_layers, qkv rows, hidden]); with
+  ``moe_layer_freq`` a list or > 1, one key per layer with its global index (``decoder.layers.3.…``).
+- Norms under the Transformer-Engine spec's fused names in both specs (see ``FUSED_NORM_NAMES``).
+- Routed experts stacked along an expert axis after the layer axis:
+  ``decoder.layers.mlp.experts.experts.linear_fc1.weight`` [num_layers, num_experts, rows, hidden]
+  (SequentialMLP, TEGroupedMLP and the legacy GroupedMLP all save this naming).
+- A SwiGLU ``linear_fc1`` is ``[gate; up]`` globally, the canonical layout: megatron-core saves each
+  rank's gate and up halves as two chunks of the same key.
+- Each linear's ``_extra_state`` is a bytes entry ``<key>._extra_state/shard_<offsets>_<shape>``
+  holding ``torch.save([state])``: one per layer (and expert), replicated over TP, never per rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import pickle
+import warnings
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata
+
+from pgconvert.config import ModelConfig
+from pgconvert.errors import CheckpointError, UnsafePickleError
+from pgconvert.megatron_format import ITERATION_DIR_RE, TRACKER_FILE, iteration_dir_name
+from pgconvert.provider import LAYER_PREFIX, canonical_names, layer_tensors
+
+CHECKPOINT_CONFIG_FILE = "metadata.json"
+COMMON_FILE = "common.pt"
+DCP_METADATA_FILE = ".metadata"
+SHARDED_BACKEND = "torch_dist"
+# megatron-core's CheckpointingConfig (dist_checkpointing/core.py) as save_config writes it.
+CHECKPOINT_CONFIG: dict[str, Any] = {
+    "sharded_backend": SHARDED_BACKEND,
+    "sharded_backend_version": 1,
+    "common_backend": "torch",
+    "common_backend_version": 1,
+}
+# What Megatron-LM (>= core 0.14) passes to sharded_state_dict and stores as common.pt's
+# content_metadata; a loader rebuilds the model's sharded_state_dict with it.
+CONTENT_METADATA: dict[str, Any] = {
+    "distrib_optim_sharding_type": "dp_reshardable",
+    "singleton_local_shards": False,
+    "chained_optim_avoid_prefix": True,
+}
+EXTRA_STATE_SUFFIX = "._extra_state"
+# Entries of a training checkpoint that are not model weights: optimizer state (ShardedTensors and
+# objects, ``chained_N.`` before chained_optim_avoid_prefix), RNG and rerun-machine state.
+TRAINING_STATE_PREFIXES = ("optimizer.", "chained_", "rng_state", "rerun_state_machine_state")
+# Keys of the model's own entries (anything else is refused as unknown).
+MODEL_KEY_PREFIXES = ("embedding.", "decoder.", "output_layer.")
+
+# The local spec's ``sharded_state_dict_keys_map`` (gpt_layer_specs.get_gpt_layer_local_spec) renames
+# its norms to the names the TE spec's fused LayerNormLinear modules give them, so both specs' dense
+# layers save identical keys. The local spec applies the map to MoE layers too, where the separate
+# pre-MLP norm becomes ``mlp.linear_fc1.layer_norm_*``; TE-spec MoE layers keep ``pre_mlp_layernorm.*``.
+FUSED_NORM_NAMES: tuple[tuple[str, str], ...] = (
+    ("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
+    ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"),
+)
+EXPERTS_KEY = "mlp.experts.experts."
+
+# Modules whose ``_extra_state`` megatron-core saves, relative to a layer. TE's core attention saves
+# none (TEDotProductAttention.sharded_state_dict) and GPTModel drops ``output_layer._extra_state``.
+DENSE_EXTRA_STATE_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj",
+                             "mlp.linear_fc1", "mlp.linear_fc2")
+MOE_EXTRA_STATE_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj")
+SHARED_EXPERT_EXTRA_STATE_MODULES = ("mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2")
+EXPERT_EXTRA_STATE_MODULES = (f"{EXPERTS_KEY}linear_fc1", f"{EXPERTS_KEY}linear_fc2")
+
+
+@dataclass(frozen=True)
+class DistLocation:
+    """Where a canonical tensor lives: a global key and its index on the key's leading stacked axes.
+
+    ``stack`` holds the sizes of those axes (layers, experts); the key's global shape is ``stack``
+    followed by the canonical tensor's shape.
+    """
+
+    key: str
+    index: tuple[int, ...] = ()
+    stack: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if len(self.index) != len(self.stack) or not all(0 <= i < n for i, n in zip(self.index, self.stack)):
+            raise ValueError(f"{self.key}: index {self.index} does not fit the stacked axes {self.stack}")
+
+    def global_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        return self.stack + tuple(shape)
+
+    def chunk(self, starts: tuple[int, ...], lengths: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(offsets, sizes) in the key's global tensor of a region of the canonical tensor."""
+        return self.index + tuple(starts), (1,) * len(self.index) + tuple(lengths)
+
+
+def stacked_layers(config: ModelConfig) -> bool:
+    """megatron-core's rule (TransformerBlock.sharded_state_dict): layers share stacked keys unless
+    they may differ, which it infers from ``moe_layer_freq`` being a list or greater than 1."""
+    return not isinstance(config.moe_layer_freq, tuple) and config.moe_layer_freq == 1
+
+
+def _dist_layer_name(rest: str, moe_layer: bool, transformer_impl: str) -> str:
+    for local, fused in FUSED_NORM_NAMES:
+        if rest.startswith(local):
+            if moe_layer and local == "pre_mlp_layernorm." and transformer_impl == "transformer_engine":
+                return rest
+            return fused + rest[len(local):]
+    return rest
+
+
+def tensor_locations(config: ModelConfig) -> dict[str, DistLocation]:
+    """Every canonical tensor's location, in stream order."""
+    stacked = stacked_layers(config)
+    layers = config.num_layers
+    experts = config.num_experts or 0
+    locations: dict[str, DistLocation] = {}
+    for layer in range(layers):
+        prefix = f"{LAYER_PREFIX}{layer}."
+        key_prefix = LAYER_PREFIX if stacked else prefix
+        layer_axis = ((layer,), (layers,)) if stacked else ((), ())
+        for tensor in layer_tensors(config, layer):
+            if tensor.expert is not None:
+                locations[tensor.canonical] = DistLocation(
+                    key_prefix + EXPERTS_KEY + tensor.kind.canonical,
+                    layer_axis[0] + (tensor.expert,), layer_axis[1] + (experts,))
+                continue
+            rest = _dist_layer_name(tensor.canonical[len(prefix):], config.is_moe_layer(layer),
+                                    config.transformer_impl)
+            locations[tensor.canonical] = DistLocation(key_prefix + rest, *layer_axis)
+    return {name: locations.get(name, DistLocation(name)) for name in canonical_names(config)}
+
+
+def sharded_object_key(key: str, index: tuple[int, ...], stack: tuple[int, ...]) -> str:
+    """megatron-core's ``ShardedObject.unique_key``; an object on no stacked axis is shard 0 of 1."""
+    offsets, shape = (index, stack) if stack else ((0,), (1,))
+    return f"{key}/shard_{'.'.join(map(str, offsets))}_{'.'.join(map(str, shape))}"
+
+
+def extra_state_keys(config: ModelConfig) -> list[str]:
+    """The ``_extra_state`` entries megatron-core's GPTModel saves for this model, in layer order."""
+    stacked = stacked_layers(config)
+    layers = config.num_layers
+    experts = config.num_experts or 0
+    keys = []
+    for layer in range(layers):
+        key_prefix = LAYER_PREFIX if stacked else f"{LAYER_PREFIX}{layer}."
+        index, stack = ((layer,), (layers,)) if stacked else ((), ())
+        if not config.is_moe_layer(layer):
+            modules = DENSE_EXTRA_STATE_MODULES
+        elif config.moe_shared_expert_intermediate_size is not None:
+            modules = MOE_EXTRA_STATE_MODULES + SHARED_EXPERT_EXTRA_STATE_MODULES
+        else:
+            modules = MOE_EXTRA_STATE_MODULES
+        keys += [sharded_object_key(key_prefix + module + EXTRA_STATE_SUFFIX, index, stack) for module in modules]
+        if config.is_moe_layer(layer):
+            keys += [
+                sharded_object_key(key_prefix + module + EXTRA_STATE_SUFFIX, index + (expert,), stack + (experts,))
+                for expert in range(experts)
+                for module in EXPERT_EXTRA_STATE_MODULES
+            ]
+    return keys
+
+
+def is_extra_state(key: str) -> bool:
+    head, sep, _ = key.partition("/shard_")
+    return bool(sep) and head.endswith(EXTRA_STATE_SUFFIX) and head.startswith(MODEL_KEY_PREFIXES)
+
+
+def is_training_state(key: str) -> bool:
+    return key.startswith(TRAINING_STATE_PREFIXES)
+
+
+def holds_state(values: Iterable[object]) -> bool:
+    """Whether any of a module's ``_extra_state`` values carries something (Transformer Engine's FP8
+    metadata), rather than None or an empty tensor or buffer (the local spec's linears)."""
+    for value in values:
+        if value is None or (isinstance(value, torch.Tensor) and value.numel() == 0):
+            continue
+        if isinstance(value, io.BytesIO) and len(value.getbuffer()) == 0:
+            continue
+        return True
+    return False
+
+
+def empty_extra_state() -> io.BytesIO:
+    """A bytes entry as megatron-core writes it for a module without state (the local spec's
+    linears): the list of the rank's local objects for that key, here the one ``None``."""
+    data = io.BytesIO()
+    torch.save([None], data)
+    data.seek(0)
+    return data
+
+
+# --------------------------------------------------------------------------- torch.distributed.checkpoint calls
+
+
+@contextlib.contextmanager
+def single_process_calls() -> Iterator[None]:
+    """Around ``dcp.save``/``dcp.load`` with ``no_dist=True``: torch warns at every call that it
+    assumes a single process, which is the point here; and whatever failed inside is re-raised as
+    itself, not wrapped in torch's ``CheckpointException`` (a BaseException, so ``except Exception``
+    would not even see it)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+            yield
+    except CheckpointException as exc:
+        for failure in exc.failures.values():
+            inner = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(inner, BaseException):
+                raise inner from None
+        raise
+
+
+# --------------------------------------------------------------------------- metadata.json
+
+
+def read_checkpoint_config(path: Path) -> dict[str, Any]:
+    """``metadata.json``, refused unless it names the torch_dist backend with a torch common part."""
+    try:
+        config = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing; not a Megatron distributed checkpoint") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path}: not readable JSON ({exc})") from exc
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, found {type(config).__name__}")
+    backend = config.get("sharded_backend")
+    if backend != SHARDED_BACKEND:
+        raise CheckpointError(
+            f"{path}: sharded_backend={backend!r}: pgconvert reads Megatron distributed checkpoints "
+            f"of the {SHARDED_BACKEND!r} backend only"
+        )
+    for field, expected in (("sharded_backend_version", 1), ("common_backend", "torch"), ("common_backend_version", 1)):
+        if config.get(field, expected) != expected:
+            raise CheckpointError(f"{path}: {field}={config.get(field)!r}: only {expected!r} is supported")
+    return config
+
+
+def write_checkpoint_config(directory: Path) -> Path:
+    path = directory / CHECKPOINT_CONFIG_FILE
+    path.write_text(json.dumps(CHECKPOINT_CONFIG))
+    return path
+
+
+# --------------------------------------------------------------------------- .metadata
+
+
+# Every global the .metadata pickle of torch 2.13 / megatron-core 0.16.1 names (its SavePlans in
+# megatron-core's ``all_local_plans`` included); torch's FileSystemReader unpickles it unrestricted.
+_DCP_METADATA_GLOBALS = {
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    # StorageMeta.checkpoint_id, when a writer was given a Path rather than a string.
+    ("pathlib", "PosixPath"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.distributed.checkpoint.filesystem", "_StoragePrefix"),
+    *(("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+        "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")),
+    *(("torch.distributed.checkpoint.planner", name) for name in (
+        "SavePlan", "WriteItem", "WriteItemType", "TensorWriteData")),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _DCP_METADATA_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"GLOBAL {module}.{name} is not allowed")
+
+
+def read_dcp_metadata(path: Path) -> Metadata:
+    """torch.distributed.checkpoint's ``.metadata`` through an allowlist of its own classes."""
+    try:
+        with open(path, "rb") as handle:
+            metadata = _MetadataUnpickler(handle).load()
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing; the distributed checkpoint has no tensor index") from None
+    except pickle.UnpicklingError as exc:
+        text = str(exc)
+        if text.startswith("GLOBAL "):
+            raise UnsafePickleError(
+                f"{path}: refuses to unpickle global {text.split(' is not')[0].removeprefix('GLOBAL ')}: it is not on the allowlist of "
+                "torch.distributed.checkpoint metadata classes (nothing from the file was executed)"
+            ) from exc
+        raise CheckpointError(f"{path}: truncated or corrupt checkpoint metadata ({text})") from exc
+    except (EOFError, OSError, AttributeError, TypeError, ValueError, IndexError) as exc:
+        raise CheckpointError(f"{path}: truncated or corrupt checkpoint metadata ({type(exc).__name__}: {exc})") from exc
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(f"{path}: expected torch.distributed.checkpoint Metadata, found {type(metadata).__name__}")
+    return metadata
+
+
+# --------------------------------------------------------------------------- iteration directory
+
+
+def is_iteration_dir(path: Path) -> bool:
+    return (path / CHECKPOINT_CONFIG_FILE).is_file()
+
+
+def resolve_iteration_dir(root: Path, iteration: int | None) -> tuple[Path, int | None, bool]:
+    """The iteration directory to read: ``root`` itself when it holds ``metadata.json``, else
+    ``--iteration``, the tracker file, or the only iteration present (as Megatron-LM resolves it)."""
+    if is_iteration_dir(root):
+        match = ITERATION_DIR_RE.match(root.name)
+        return root, int(match.group(1)) if match else None, root.name == "release"
+    present = sorted(int(m.group(1)) for child in root.iterdir()
+                     if child.is_dir() and (m := ITERATION_DIR_RE.match(child.name)))
+    has_release = (root / "release").is_dir()
+    listing = ", ".join(map(str, present)) or "none"
+    if iteration is not None:
+        directory = root / iteration_dir_name(iteration, release=False)
+        if not directory.is_dir():
+            raise CheckpointError(f"{root}: --iteration {iteration}: {directory.name} does not exist (present: {listing})")
+        return directory, iteration, False
+    tracker = root / TRACKER_FILE
+    if tracker.is_file():
+        text = tracker.read_text().strip()
+        if text == "release":
+            if not has_release:
+                raise CheckpointError(f"{tracker}: names 'release' but {root / 'release'} is missing")
+            return root / "release", None, True
+        if not text.isdigit():
+            raise CheckpointError(f"{tracker}: expected an iteration number or 'release', found {text!r}")
+        directory = root / iteration_dir_name(int(text), release=False)
+        if not directory.is_dir():
+            raise CheckpointError(f"{tracker}: names iteration {int(text)} but {directory.name} is missing (present: {listing})")
+        return directory, int(text), False
+    if has_release and not present:
+        return root / "release", None, True
+    if len(present) == 1 and not has_release:
+        return root / iteration_dir_name(present[0], release=False), present[0], False
+    if not present:
+        raise CheckpointError(f"{root}: no {TRACKER_FILE}, iter_* or release directory")
+    raise CheckpointError(f"{root}: no {TRACKER_FILE} and several iterations ({listing}"
+                          f"{', release' if has_release else ''}); choose one with --iteration")

@@ -1,0 +1,251 @@
+"""Saver for Megatron distributed checkpoints (``torch_dist``), as megatron-core's ``dist_checkpointing.save``
+writes them for a single-rank (TP1, PP1, EP1) job.
+
+The files are written by torch.distributed.checkpoint's own ``FileSystemWriter`` through
+``dcp.save(no_dist=True)``: the plan (keys, global shapes, chunks) is computed from the source's
+metadata alone, and each chunk's data is produced only when the writer asks for it
+(``resolve_data``), so one canonical tensor is in memory at a time: peak memory is the largest
+canonical tensor plus its copy in the target dtype (and, for a vocab table whose padding changes,
+the refitted table), plus the plan (a few hundred bytes per chunk). The format cannot be written in
+several calls (each ``dcp.save`` writes the one ``.metadata`` index of the directory), so there is
+one call, one writer thread and one data file ``__0_0.distcp``; its sha256 is computed by the
+manifest afterwards (torch's writer does the file I/O, so it cannot be hashed on the way). The layout is not in the files: it is the one
+recorded in ``common.pt``'s args (``SaveOptions.layout``), what Megatron-LM reads back as the run's.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter, SavePlan
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+from pgconvert.config import ModelConfig
+from pgconvert.formats import PlannedFile, Progress, Saver, SaveOptions, SaveResult, target_config
+from pgconvert.megatron_format import CHECKPOINT_VERSION, TRACKER_FILE, args_for_target, iteration_dir_name, plain_args
+from pgconvert.provider import (
+    OUTPUT_LAYER,
+    WORD_EMBEDDINGS,
+    canonical_shapes,
+    keep_dtype_names,
+    layer_tensors,
+    target_vocab_rows,
+)
+from pgconvert.rules import GATED, VOCAB
+from pgconvert.strict import fallback
+from pgconvert.stream import CanonicalSource
+from pgconvert.torch_dist_format import (
+    CHECKPOINT_CONFIG_FILE,
+    COMMON_FILE,
+    CONTENT_METADATA,
+    DCP_METADATA_FILE,
+    SHARDED_BACKEND,
+    empty_extra_state,
+    extra_state_keys,
+    holds_state,
+    single_process_calls,
+    tensor_locations,
+    write_checkpoint_config,
+)
+
+log = logging.getLogger(__name__)
+
+# torch.distributed.checkpoint names rank 0's data files __0_<n>.distcp; one writer thread, one file.
+DATA_FILE = "__0_0.distcp"
+VOCAB_TABLES = (WORD_EMBEDDINGS, OUTPUT_LAYER)
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    """One stored chunk: rows ``[row_start, row_start + rows)`` (all rows when None) of a canonical
+    tensor, at ``offsets`` of key ``key`` whose global shape is ``global_shape``."""
+
+    canonical: str
+    key: str
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    global_shape: tuple[int, ...]
+    dtype: torch.dtype
+    row_start: int | None = None
+    rows: int | None = None
+
+    @property
+    def nbytes(self) -> int:
+        count = 1
+        for dim in self.sizes:
+            count *= dim
+        return count * torch.empty((), dtype=self.dtype).element_size()
+
+    def write_item(self) -> WriteItem:
+        offsets, sizes = torch.Size(self.offsets), torch.Size(self.sizes)
+        return WriteItem(
+            index=MetadataIndex(self.key, offsets),
+            type=WriteItemType.SHARD,
+            tensor_data=TensorWriteData(
+                chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes),
+                properties=TensorProperties(dtype=self.dtype),
+                size=torch.Size(self.global_shape),
+            ),
+        )
+
+
+def _gated_names(config: ModelConfig) -> set[str]:
+    return {tensor.canonical for layer in range(config.num_layers) for tensor in layer_tensors(config, layer)
+            if tensor.kind.rule_for(config) is GATED}
+
+
+class _StreamingPlanner(DefaultSavePlanner):
+    """A save plan given up front; each chunk's data is produced when the writer asks for it."""
+
+    def __init__(self, chunks: list[_Chunk], objects: list[str], source: CanonicalSource, vocab_rows: int,
+                 progress: Progress) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self._chunks = {(chunk.key, chunk.offsets): chunk for chunk in chunks}
+        self._items = [chunk.write_item() for chunk in chunks] + [
+            WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO) for key in objects]
+        self._source = source
+        self._vocab_rows = vocab_rows
+        self._progress = progress
+        # The gate and up chunks of a SwiGLU fc1 are consecutive: the second reuses the first's load.
+        self._last: tuple[str, torch.Tensor] | None = None
+
+    def create_local_plan(self) -> SavePlan:
+        self.plan = SavePlan(self._items)
+        return self.plan
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
+        if write_item.type == WriteItemType.BYTE_IO:
+            return empty_extra_state()
+        chunk = self._chunks[(write_item.index.fqn, tuple(write_item.index.offset))]
+        full = self._canonical(chunk.canonical)
+        if chunk.row_start is not None:
+            assert chunk.rows is not None
+            full = full.narrow(0, chunk.row_start, chunk.rows)
+        data = full.to(chunk.dtype).reshape(chunk.sizes)
+        self._progress(chunk.nbytes)
+        return data
+
+    def _canonical(self, name: str) -> torch.Tensor:
+        if self._last is not None and self._last[0] == name:
+            return self._last[1]
+        self._last = None
+        if name in VOCAB_TABLES:
+            tensor = self._source.load_shard(name, VOCAB, 1, 0, rows=self._vocab_rows)
+        else:
+            tensor = self._source.load(name)
+        self._last = (name, tensor)
+        return tensor
+
+
+class TorchDistSaver(Saver):
+    name = "torch_dist"
+
+    def validate(self, source: CanonicalSource, options: SaveOptions) -> None:
+        config = target_config(source.config, options)
+        options.layout.validate(config, "dst")
+        target_vocab_rows(config, source.vocab_rows, options.layout)
+        if not options.strict:
+            return
+        if source.megatron_args is not None and plain_args(source.megatron_args)[1]:
+            fallback("args naming framework classes would be written as plain values: "
+                     + ", ".join(plain_args(source.megatron_args)[1]), strict=True)
+        if any(holds_state(extra.by_rank.values()) for extra in source.extra_states().values()):
+            fallback("the source's Transformer Engine _extra_state would be written empty", strict=True)
+
+    def _dtype(self, source: CanonicalSource, name: str, keep: set[str], dtype: torch.dtype | None) -> torch.dtype:
+        source_dtype = source.meta(name).dtype
+        if dtype is None or name in keep or not source_dtype.is_floating_point:
+            return source_dtype
+        return dtype
+
+    def _chunks(self, source: CanonicalSource, options: SaveOptions) -> tuple[list[_Chunk], list[str], int]:
+        """The data chunks in stream order, the ``_extra_state`` entries, and the padded vocab rows."""
+        config = target_config(source.config, options)
+        rows = target_vocab_rows(config, source.vocab_rows, options.layout)
+        shapes = canonical_shapes(config, rows)
+        keep = keep_dtype_names(config)
+        gated = _gated_names(config)
+        chunks = []
+        for name, location in tensor_locations(config).items():
+            shape = shapes[name]
+            dtype = self._dtype(source, name, keep, options.dtype)
+            global_shape = location.global_shape(shape)
+            # megatron-core's SwiGLU factory saves the gate and up halves as separate chunks.
+            halves = [(0, shape[0] // 2), (shape[0] // 2, shape[0] // 2)] if name in gated else [(None, None)]
+            for start, count in halves:
+                starts = (0,) * len(shape) if start is None else (start, *(0,) * (len(shape) - 1))
+                lengths = shape if count is None else (count, *shape[1:])
+                offsets, sizes = location.chunk(starts, lengths)
+                chunks.append(_Chunk(name, location.key, offsets, sizes, global_shape, dtype, start, count))
+        return chunks, extra_state_keys(config), rows
+
+    def plan(self, source: CanonicalSource, options: SaveOptions) -> list[PlannedFile]:
+        chunks, objects, _ = self._chunks(source, options)
+        return _files(iteration_dir_name(source.iteration or 0, source.release), chunks, objects)
+
+    def save(self, source: CanonicalSource, out_dir: Path, options: SaveOptions,
+             progress: Progress) -> SaveResult:
+        layout = options.layout
+        config = target_config(source.config, options)
+        result = SaveResult()
+        iteration = source.iteration if source.iteration is not None else 0
+        if source.iteration is None and not source.release:
+            result.notices.append("the source has no iteration number; writing iteration 0")
+        iteration_dir = out_dir / iteration_dir_name(iteration, source.release)
+        iteration_dir.mkdir(parents=True, exist_ok=True)
+        chunks, objects, rows = self._chunks(source, options)
+        dtype = options.dtype or source.meta(source.names()[0]).dtype
+        args, replaced = args_for_target(config, layout, rows, dtype, iteration, source.megatron_args)
+        args.ckpt_format = SHARDED_BACKEND
+        if replaced:
+            result.notices.append("args naming framework classes were written as plain values: " + ", ".join(replaced))
+        # megatron-core writes common.pt first and metadata.json last: a directory without
+        # metadata.json is an incomplete checkpoint to every reader.
+        common = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
+                  "content_metadata": dict(CONTENT_METADATA)}
+        common_path = iteration_dir / COMMON_FILE
+        torch.save(common, common_path)
+        _fsync(common_path)
+        planner = _StreamingPlanner(chunks, objects, source, rows, progress)
+        # One thread and no copy-ahead: chunks are produced one by one, in plan order (torch's
+        # overlapping loader would resolve several ahead on a machine with CUDA).
+        writer = FileSystemWriter(str(iteration_dir), single_file_per_rank=True, sync_files=True, thread_count=1,
+                                  per_thread_copy_ahead=0)
+        with single_process_calls():
+            dcp.save({}, storage_writer=writer, planner=planner, no_dist=True)
+        write_checkpoint_config(iteration_dir)
+        _fsync(iteration_dir / CHECKPOINT_CONFIG_FILE)
+        tracker = out_dir / TRACKER_FILE
+        tracker.write_text("release" if source.release else str(iteration))
+        _fsync(tracker)
+        result.files = _files(iteration_dir.relative_to(out_dir).as_posix(), chunks, objects)
+        if any(holds_state(extra.by_rank.values()) for extra in source.extra_states().values()):
+            result.notices.append("Transformer Engine _extra_state (FP8 scaling metadata) of the source is not "
+                                  "carried; written empty: FP8 runs re-derive it in their first steps")
+        result.notices.append(
+            f"torch_dist written with the layout {layout.describe()} recorded in common.pt's args; optimizer, "
+            "scheduler and RNG state are not carried: resume with --no-load-optim --no-load-rng (or --finetune)"
+        )
+        return result
+
+
+def _files(iteration_dir: str, chunks: list[_Chunk], objects: list[str]) -> list[PlannedFile]:
+    """The files of one iteration; the data file holds every chunk and ``_extra_state`` entry."""
+    return [
+        PlannedFile(f"{iteration_dir}/{COMMON_FILE}", 0, 0),
+        PlannedFile(f"{iteration_dir}/{DATA_FILE}", len(chunks) + len(objects), sum(c.nbytes for c in chunks)),
+        PlannedFile(f"{iteration_dir}/{DCP_METADATA_FILE}", 0, 0),
+        PlannedFile(f"{iteration_dir}/{CHECKPOINT_CONFIG_FILE}", 0, 0),
+    ]
+
+
+def _fsync(path: Path) -> None:
+    with open(path, "rb") as handle:
+        os.fsync(handle.fileno())

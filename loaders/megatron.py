@@ -12,7 +12,6 @@ from typing import Any
 
 import torch
 
-from pgconvert.config import ModelConfig
 from pgconvert.errors import CheckpointError, LayoutError
 from pgconvert.formats import Loader, LoadOptions
 from pgconvert.grid import RankCoord, build_converter_process_groups, iter_ranks

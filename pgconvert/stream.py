@@ -96,11 +96,14 @@ class CanonicalSource:
 
     def _checked(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """NaN/Inf are reported once per tensor (``check_finite="warn"``) or refused (``"error"``)."""
-        if self.check_finite == "off" or not tensor.is_floating_point() or name in self._nonfinite_seen:
+        if (self.check_finite == "off" or not tensor.is_floating_point() or tensor.numel() == 0
+                or name in self._nonfinite_seen):
+            return tensor
+        # min and max propagate NaN and reach ±Inf: one pass with no tensor-sized mask.
+        low, high = torch.aminmax(tensor)
+        if bool(torch.isfinite(low)) and bool(torch.isfinite(high)):
             return tensor
         finite = torch.isfinite(tensor)
-        if bool(finite.all()):
-            return tensor
         count = int(finite.numel() - finite.sum())
         message = f"{name}: {count} of {tensor.numel()} values are NaN or Inf in {self.describe()}"
         if self.check_finite == "error":

@@ -247,7 +247,7 @@ def test_verify_of_a_conversion_in_every_format_against_its_source_is_equal(
     equal = pgconvert.verify(converted[name], source, iteration_b=10)
     assert equal.equal, equal.differences[:3]
     assert equal.compared == TENSOR_COUNT
-    assert any(f"checked" in note and MANIFEST_FILE in note for note in equal.notes)
+    assert any("checked" in note and MANIFEST_FILE in note for note in equal.notes)
 
 
 def test_verify_of_tp8_and_tp2_conversions_of_the_same_model_is_equal(source: Path, tmp_path: Path) -> None:

@@ -43,7 +43,6 @@ from megatron_fixtures import (
 )
 
 import pgconvert
-from pgconvert.errors import CheckpointError
 
 # Vocab 200 padded to a multiple of 32·tp: 224 rows at tp1, 256 at tp2 and tp4, so converting
 # from the tp2 source strips and re-pads the vocab tables.

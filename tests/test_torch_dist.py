@@ -28,7 +28,8 @@ from test_moe_vpp_megatron import assert_same_ranks
 from torch.distributed.checkpoint import FileSystemReader, TensorStorageMetadata
 
 import pgconvert
-from loaders.torch_dist import TorchDistLoader, _SafeReader
+from loaders._torch_dist_reader import _SafeReader
+from loaders.torch_dist import TorchDistLoader
 from pgconvert.cli import main
 from pgconvert.errors import CheckpointError, LayoutError, PgconvertError, StrictModeError, UnsafePickleError
 from pgconvert.formats import LoadOptions, SaveOptions

@@ -1,0 +1,381 @@
+"""Reading Megatron distributed checkpoints (``torch_dist``: ``.metadata``, ``*.distcp``, ``common.pt``).
+
+The machinery behind ``loaders/torch_dist.py``, imported only when a torch_dist source is opened:
+torch.distributed.checkpoint is a heavy import that format detection must not pay.
+
+Tensors are read through torch.distributed.checkpoint's own ``FileSystemReader`` with ``no_dist``,
+one canonical tensor (or one destination piece of it) per ``dcp.load`` call into a buffer of
+exactly that size: only the stored chunks overlapping the request are read, so a stacked
+``[num_layers, …]`` key costs one layer at a time. torch's reader loads each overlapping stored
+chunk whole before copying the overlap, so peak memory is the requested piece plus the largest
+stored chunk it overlaps (a per-layer, per-TP-rank piece in megatron-core's own checkpoints; one
+canonical tensor in pgconvert's). Two parts of torch's reader unpickle without
+limits, so both are replaced: ``.metadata`` is read through an allowlist of torch's metadata classes
+(``read_dcp_metadata``) and bytes entries (``_extra_state``) with ``weights_only=True``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import logging
+import math
+import pickle
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import (
+    BytesStorageMetadata,
+    DefaultLoadPlanner,
+    FileSystemReader,
+    LoadPlan,
+    Metadata,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from pgconvert.config import TRANSFORMER_IMPLS, ModelConfig
+from pgconvert.errors import CheckpointError, LayoutError, PgconvertError, UnsafePickleError
+from pgconvert.formats import LoadOptions
+from pgconvert.megatron_format import (
+    SAFE_GLOBALS,
+    config_from_args,
+    layout_from_args,
+    safe_torch_load,
+)
+from pgconvert.paths import ensure_within
+from pgconvert.provider import OUTPUT_LAYER, WORD_EMBEDDINGS, canonical_shapes, te_extra_state_names
+from pgconvert.rules import Chunked, GatedChunked, Replicated, ShardRule, VocabParallel
+from pgconvert.strict import fallback
+from pgconvert.stream import CanonicalSource, ExtraState, TensorMeta
+from pgconvert.torch_dist_format import (
+    CHECKPOINT_CONFIG_FILE,
+    COMMON_FILE,
+    DCP_METADATA_FILE,
+    holds_state,
+    is_extra_state,
+    is_training_state,
+    read_checkpoint_config,
+    read_dcp_metadata,
+    single_process_calls,
+    stacked_layers,
+    tensor_locations,
+)
+
+log = logging.getLogger(__name__)
+
+# Megatron-LM's default --transformer-impl, for args that do not record one.
+DEFAULT_TRANSFORMER_IMPL = "transformer_engine"
+
+
+@dataclass(frozen=True)
+class _Region:
+    """A box of a canonical tensor: ``starts``/``lengths`` per dimension of the canonical shape."""
+
+    starts: tuple[int, ...]
+    lengths: tuple[int, ...]
+
+
+class _SafeReader(FileSystemReader):
+    """torch's reader with the ``.metadata`` pickle read through the allowlist, once."""
+
+    def __init__(self, directory: Path, metadata: Metadata) -> None:
+        super().__init__(directory)
+        self._metadata = metadata
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        return self._metadata
+
+
+class _RegionPlanner(DefaultLoadPlanner):
+    """Reads boxes of global keys into caller-owned buffers, and bytes entries without running code.
+
+    ``regions`` maps a key to ``(offsets, buffer)`` pairs: the box of the key's global tensor at
+    ``offsets`` with the buffer's shape. Every box must be covered exactly once by stored chunks.
+    """
+
+    def __init__(self, regions: dict[str, list[tuple[tuple[int, ...], torch.Tensor]]],
+                 objects: list[str], where: str) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self._regions = regions
+        self._objects = objects
+        self._where = where
+        self._buffers = {(key, offsets): buffer for key, pairs in regions.items() for offsets, buffer in pairs}
+        self.loaded_objects: dict[str, Any] = {}
+
+    def create_local_plan(self) -> LoadPlan:
+        assert self.metadata is not None
+        items: list[ReadItem] = []
+        for key, pairs in self._regions.items():
+            chunks = [ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=buffer.size()) for offsets, buffer in pairs]
+            key_items = create_read_items_for_chunk_list(key, self.metadata.state_dict_metadata[key], chunks)
+            covered: dict[tuple[int, ...], int] = {}
+            for item in key_items:
+                offsets = tuple(item.dest_index.offset)
+                covered[offsets] = covered.get(offsets, 0) + math.prod(item.lengths)
+            for offsets, buffer in pairs:
+                if covered.get(offsets, 0) != buffer.numel():
+                    raise CheckpointError(
+                        f"{self._where}: {key} at offsets {list(offsets)}: the stored chunks cover "
+                        f"{covered.get(offsets, 0)} of its {buffer.numel()} values"
+                    )
+            items += key_items
+        if self._objects:
+            items += create_default_local_load_plan(
+                {key: io.BytesIO() for key in self._objects}, self.metadata, strict=True).items
+        return LoadPlan(items)
+
+    def lookup_tensor(self, index: Any) -> torch.Tensor:
+        return self._buffers[(index.fqn, tuple(index.offset))]
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        key = read_item.dest_index.fqn
+        try:
+            with torch.serialization.safe_globals(SAFE_GLOBALS):
+                self.loaded_objects[key] = torch.load(value, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as exc:
+            raise UnsafePickleError(
+                f"{self._where}: {key}: refuses to unpickle it ({str(exc).strip().splitlines()[0]}); "
+                "nothing from the file was executed"
+            ) from exc
+        except (RuntimeError, EOFError, ValueError) as exc:
+            raise CheckpointError(f"{self._where}: {key}: not a readable object ({exc})") from exc
+
+
+class TorchDistSource(CanonicalSource):
+    """One iteration of a distributed checkpoint: its index is read up front, tensors on demand."""
+
+    format_name = "torch_dist"
+
+    def __init__(self, iteration_dir: Path, iteration: int | None, release: bool, options: LoadOptions,
+                 root: Path | None = None) -> None:
+        self.directory = iteration_dir
+        self.root = root or iteration_dir
+        early_notices: list[str] = []
+        ensure_within(self.root, iteration_dir)
+        read_checkpoint_config(ensure_within(self.root, iteration_dir / CHECKPOINT_CONFIG_FILE))
+        common_path = ensure_within(self.root, iteration_dir / COMMON_FILE)
+        if not common_path.is_file():
+            raise CheckpointError(f"{common_path}: missing; it holds the args that describe the model")
+        common = safe_torch_load(common_path)
+        args = common.get("args")
+        if not isinstance(args, argparse.Namespace):
+            raise CheckpointError(f"{common_path}: no 'args' namespace; cannot determine the model and layout")
+        content = common.get("content_metadata") or {}
+        if isinstance(content, dict) and content.get("singleton_local_shards"):
+            raise CheckpointError(
+                f"{common_path}: saved with singleton_local_shards=True (one key per expert and per gate/up "
+                "half); pgconvert reads the default naming (singleton_local_shards=False) only"
+            )
+        self.layout = layout_from_args(args, common_path)
+        self._check_user_layout(options, common_path)
+        impl = getattr(args, "transformer_impl", None)
+        if impl not in TRANSFORMER_IMPLS:
+            fallback(f"{common_path}: args.transformer_impl={impl!r}; assuming Megatron-LM's default "
+                     f"{DEFAULT_TRANSFORMER_IMPL!r} for the key names", options.strict, early_notices)
+            impl = DEFAULT_TRANSFORMER_IMPL
+        config = config_from_args(args, common_path, impl, options.true_vocab_size,
+                                  grouped_gemm=bool(getattr(args, "moe_grouped_gemm", False)))
+        self.layout.validate(config, "src")
+        metadata_path = ensure_within(self.root, iteration_dir / DCP_METADATA_FILE)
+        self._metadata = read_dcp_metadata(metadata_path)
+        self._locations = tensor_locations(config)
+        rows, training_entries = self._index(config, metadata_path)
+        if config.vocab_size is None:
+            fallback(f"{common_path}: the true vocab size is unknown (no args.vocab_size, no --true-vocab-size); "
+                     f"keeping the padded table of {rows} rows as the vocabulary", options.strict, early_notices)
+        elif config.vocab_size > rows:
+            raise CheckpointError(f"{metadata_path}: true vocab size {config.vocab_size} exceeds the {rows} "
+                                  f"rows of {WORD_EMBEDDINGS}")
+        if iteration is None and isinstance(common.get("iteration"), int) and not release:
+            iteration = common["iteration"]
+        super().__init__(config, rows, iteration, release, megatron_args=args)
+        self.notices.extend(early_notices)
+        self._strict = options.strict
+        self._reader = _SafeReader(iteration_dir, self._metadata)
+        self._shapes = canonical_shapes(config, rows)
+        self._check_extra_states()
+        if training_entries:
+            self.notices.append(f"{training_entries} optimizer/RNG/rerun entries of the source are not converted: "
+                                "resume with --no-load-optim --no-load-rng (or --finetune)")
+
+    def _check_user_layout(self, options: LoadOptions, path: Path) -> None:
+        for flag, given, found in (("--src-tp", options.src_tp, self.layout.tp), ("--src-pp", options.src_pp, self.layout.pp),
+                                   ("--src-ep", options.src_ep, self.layout.ep)):
+            if given is not None and given != found:
+                raise LayoutError(f"{flag} {given}: the checkpoint's args say {found} ({path})")
+
+    def _index(self, config: ModelConfig, metadata_path: Path) -> tuple[int, int]:
+        """Check every key against the model the args describe, and every chunk's file.
+
+        Returns the vocab tables' row count and the number of training-state entries (optimizer,
+        RNG) that are accounted for but not converted.
+        """
+        entries = self._metadata.state_dict_metadata
+        tensors = {key: md for key, md in entries.items() if isinstance(md, TensorStorageMetadata)}
+        embedding = tensors.get(self._locations[WORD_EMBEDDINGS].key)
+        if embedding is None:
+            raise CheckpointError(f"{metadata_path}: no {WORD_EMBEDDINGS}; not a GPT model checkpoint")
+        rows = embedding.size[0]
+        expected: dict[str, tuple[int, ...]] = {}
+        for name, shape in canonical_shapes(config, rows).items():
+            location = self._locations[name]
+            expected.setdefault(location.key, location.global_shape(shape))
+        missing = sorted(set(expected) - set(tensors))
+        training = sorted(key for key in entries if key not in expected and is_training_state(key))
+        self._extra_keys = sorted(key for key, md in entries.items()
+                                  if isinstance(md, BytesStorageMetadata) and is_extra_state(key))
+        unexpected = sorted(set(entries) - set(expected) - set(training) - set(self._extra_keys))
+        if missing or unexpected:
+            raise CheckpointError(
+                f"{metadata_path}: keys do not match the model described by common.pt's args "
+                f"(transformer_impl={config.transformer_impl}, "
+                f"{'layers stacked' if stacked_layers(config) else 'one key per layer'}); "
+                f"missing: {missing}; unexpected: {unexpected}"
+            )
+        vocab_keys = {self._locations[name].key for name in (WORD_EMBEDDINGS, OUTPUT_LAYER) if name in self._locations}
+        for key, shape in expected.items():
+            found = tuple(tensors[key].size)
+            # Vocab tables may have any padded row count; it is checked against the true vocab below.
+            mismatch = found[1:] != shape[1:] if key in vocab_keys else found != shape
+            if mismatch:
+                raise CheckpointError(
+                    f"{metadata_path}: {key} has global shape {list(found)}, expected {list(shape)} "
+                    "for the model described by common.pt's args"
+                )
+        output = self._locations.get(OUTPUT_LAYER)
+        if output is not None and tuple(tensors[output.key].size)[0] != rows:
+            raise CheckpointError(f"{metadata_path}: output_layer.weight has {tensors[output.key].size[0]} rows, "
+                                  f"{WORD_EMBEDDINGS} {rows}")
+        self._check_files(metadata_path)
+        return rows, len(training)
+
+    def _check_files(self, metadata_path: Path) -> None:
+        """Every chunk's file exists inside the checkpoint and is long enough to hold it."""
+        storage = self._metadata.storage_data
+        if not isinstance(storage, dict):
+            raise CheckpointError(f"{metadata_path}: no storage index (storage_data)")
+        needed: dict[str, int] = {}
+        for info in storage.values():
+            relative = getattr(info, "relative_path", None)
+            if not isinstance(relative, str):
+                raise CheckpointError(f"{metadata_path}: a chunk has no file name ({info!r})")
+            needed[relative] = max(needed.get(relative, 0), int(info.offset) + int(info.length))
+        referenced = {key.fqn for key in storage}
+        unstored = sorted(key for key in self._metadata.state_dict_metadata if key not in referenced)
+        if unstored:
+            raise CheckpointError(f"{metadata_path}: no stored data for {unstored}")
+        missing = []
+        for relative, end in sorted(needed.items()):
+            path = ensure_within(self.root, self.directory / relative)
+            if not path.is_file():
+                missing.append(relative)
+            elif path.stat().st_size < end:
+                raise CheckpointError(f"{path}: truncated ({path.stat().st_size} bytes, the index needs {end})")
+        if missing:
+            raise CheckpointError(f"{self.directory}: missing data files named by {DCP_METADATA_FILE}: {', '.join(missing)}")
+
+    def _check_extra_states(self) -> None:
+        """Read every ``_extra_state`` entry (small) so dropped Transformer Engine state is reported."""
+        objects = self._read({}, self._extra_keys)
+        holding = sorted(key for key, value in objects.items()
+                         if holds_state(value if isinstance(value, list) else [value]))
+        if holding:
+            fallback(f"{len(holding)} _extra_state entries hold Transformer Engine state (FP8 scaling "
+                     f"metadata, e.g. {holding[0]}); it is not carried: FP8 runs re-derive it in their first "
+                     "steps", self._strict, self.notices)
+
+    def _read(self, regions: dict[str, list[tuple[tuple[int, ...], torch.Tensor]]],
+              objects: list[str]) -> dict[str, Any]:
+        planner = _RegionPlanner(regions, objects, str(self.directory))
+        try:
+            with single_process_calls():
+                dcp.load({}, storage_reader=self._reader, planner=planner, no_dist=True)
+        except (PgconvertError, OSError):
+            raise
+        except Exception as exc:  # torch's reader on a corrupt chunk: name the checkpoint
+            raise CheckpointError(f"{self.directory}: reading failed: {type(exc).__name__}: {exc}") from exc
+        return planner.loaded_objects
+
+    def _read_boxes(self, name: str, boxes: list[_Region]) -> list[torch.Tensor]:
+        """The given boxes of canonical tensor ``name``, each a fresh tensor."""
+        location = self._locations[name]
+        md = self._metadata.state_dict_metadata[location.key]
+        assert isinstance(md, TensorStorageMetadata)
+        pairs = []
+        for box in boxes:
+            offsets, sizes = location.chunk(box.starts, box.lengths)
+            pairs.append((offsets, torch.empty(sizes, dtype=md.properties.dtype)))
+        self._read({location.key: pairs}, [])
+        return [buffer.view(box.lengths) for (_, buffer), box in zip(pairs, boxes)]
+
+    def names(self) -> list[str]:
+        return list(self._locations)
+
+    def meta(self, name: str) -> TensorMeta:
+        md = self._metadata.state_dict_metadata[self._locations[name].key]
+        assert isinstance(md, TensorStorageMetadata)
+        return TensorMeta(self._shapes[name], md.properties.dtype)
+
+    def describe(self) -> str:
+        return str(self.directory)
+
+    def extra_states(self) -> dict[str, ExtraState]:
+        """The Transformer Engine modules' entries, empty: a distributed checkpoint keeps one
+        ``_extra_state`` per module, not per rank, and it is not carried (``_check_extra_states``);
+        naming the modules gives a TE-spec per-rank target the entries its state dicts require.
+        The local spec's linears need none (megatron-core fills them in on load)."""
+        config = self.config
+        if config.transformer_impl != "transformer_engine":
+            return {}
+        local_experts = (config.num_experts or 0) // self.layout.ep
+        names = te_extra_state_names(config, range(config.num_layers), local_experts)
+        return {name: ExtraState(tp_size=self.layout.tp, ep_size=self.layout.ep) for name in names}
+
+    def _load(self, name: str) -> torch.Tensor:
+        shape = self._shapes[name]
+        return self._read_boxes(name, [_Region((0,) * len(shape), shape)])[0]
+
+    def _load_shard(self, name: str, rule: ShardRule, size: int, rank: int, rows: int | None) -> torch.Tensor:
+        shape = self._shapes[name]
+        if isinstance(rule, VocabParallel):
+            return self._vocab_piece(name, shape, rows if rows is not None else shape[0], size, rank)
+        if isinstance(rule, Replicated) or size == 1:
+            return self._load(name)
+        if isinstance(rule, GatedChunked):
+            # [gate; up] globally, rank r holding [gate_r; up_r].
+            step = shape[0] // 2 // size
+            gate, up = self._read_boxes(name, [_box(shape, 0, rank * step, step),
+                                               _box(shape, 0, shape[0] // 2 + rank * step, step)])
+            return torch.cat([gate, up], dim=0)
+        if isinstance(rule, Chunked):
+            step = shape[rule.dim] // size
+            return self._read_boxes(name, [_box(shape, rule.dim, rank * step, step)])[0]
+        return super()._load_shard(name, rule, size, rank, rows)
+
+    def _vocab_piece(self, name: str, shape: tuple[int, ...], rows: int, size: int, rank: int) -> torch.Tensor:
+        """Rows ``[rank·rows/size, (rank+1)·rows/size)`` of the table fitted to ``rows``: rows past
+        the stored table are zeros (VocabParallel.reshard_rows)."""
+        true_rows = self.config.vocab_size
+        if true_rows is not None and rows < true_rows:
+            raise ValueError(f"padded size {rows} is smaller than the true vocab {true_rows}")
+        step = rows // size
+        start = rank * step
+        stored = max(0, min(step, shape[0] - start))
+        pieces = self._read_boxes(name, [_box(shape, 0, start, stored)]) if stored else []
+        if stored < step:
+            pieces.append(torch.zeros((step - stored, *shape[1:]), dtype=self.meta(name).dtype))
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
+
+
+def _box(shape: tuple[int, ...], dim: int, start: int, length: int) -> _Region:
+    starts = [0] * len(shape)
+    lengths = list(shape)
+    starts[dim], lengths[dim] = start, length
+    return _Region(tuple(starts), tuple(lengths))

@@ -115,6 +115,9 @@ def main() -> None:
         seconds, rss = run_child(["cp", "-r", str(src), str(workdir / "floor_copy")])
         floor = Case("floor (cp -r)", 1, seconds, src_bytes, rss)
         cases.append(floor)
+        # pgconvert fsyncs what it writes; this is the same copy made durable, for comparison.
+        seconds, rss = run_child(["sh", "-c", f"cp -r '{src}' '{workdir / 'floor_copy_synced'}' && sync"])
+        cases.append(Case("cp -r + sync", 1, seconds, src_bytes, rss, seconds / floor.seconds))
 
         cli = [sys.executable, "-m", "pgconvert", "--quiet"]
         # (name, args, destination, workers): HF output is one pass, so it has no --workers row.

@@ -23,9 +23,9 @@ from pgconvert.megatron_format import (
     TRACKER_FILE,
     check_megatron_layout,
     config_from_args,
-    iteration_dir_name,
     layout_from_args,
     rank_dir_name,
+    resolve_megatron_iteration,
     safe_torch_load,
 )
 from pgconvert.provider import (
@@ -88,50 +88,13 @@ def _is_distributed_checkpoint(path: Path) -> bool:
                    for candidate in candidates for grandchild in candidate.iterdir() if grandchild.is_dir())
 
 
+def _holds_rank_dirs(path: Path) -> bool:
+    return any(RANK_DIR_RE.match(child.name) for child in path.iterdir() if child.is_dir())
+
+
 def resolve_iteration_dir(root: Path, iteration: int | None) -> tuple[Path, int | None, bool]:
     """The iteration directory to read: ``--iteration``, else the tracker file, else the only one."""
-    if any(RANK_DIR_RE.match(child.name) for child in root.iterdir() if child.is_dir()):
-        match = ITERATION_DIR_RE.match(root.name)
-        return root, int(match.group(1)) if match else None, root.name == "release"
-    present = sorted(
-        int(m.group(1)) for child in root.iterdir()
-        if child.is_dir() and (m := ITERATION_DIR_RE.match(child.name))
-    )
-    has_release = (root / "release").is_dir()
-    if iteration is not None:
-        directory = root / iteration_dir_name(iteration, release=False)
-        if not directory.is_dir():
-            raise CheckpointError(
-                f"{root}: --iteration {iteration}: {directory.name} does not exist "
-                f"(present: {', '.join(map(str, present)) or 'none'})"
-            )
-        return directory, iteration, False
-    tracker = root / TRACKER_FILE
-    if tracker.is_file():
-        text = tracker.read_text().strip()
-        if text == "release":
-            if not has_release:
-                raise CheckpointError(f"{tracker}: names 'release' but {root / 'release'} is missing")
-            return root / "release", None, True
-        if not text.isdigit():
-            raise CheckpointError(f"{tracker}: expected an iteration number or 'release', found {text!r}")
-        directory = root / iteration_dir_name(int(text), release=False)
-        if not directory.is_dir():
-            raise CheckpointError(
-                f"{tracker}: names iteration {int(text)} but {directory.name} is missing "
-                f"(present: {', '.join(map(str, present)) or 'none'})"
-            )
-        return directory, int(text), False
-    if has_release and not present:
-        return root / "release", None, True
-    if len(present) == 1 and not has_release:
-        return root / iteration_dir_name(present[0], release=False), present[0], False
-    if not present:
-        raise CheckpointError(f"{root}: no {TRACKER_FILE}, iter_* or release directory")
-    raise CheckpointError(
-        f"{root}: no {TRACKER_FILE} and several iterations ({', '.join(map(str, present))}"
-        f"{', release' if has_release else ''}); choose one with --iteration"
-    )
+    return resolve_megatron_iteration(root, iteration, _holds_rank_dirs)
 
 
 def _detect_impl(model: dict[str, Any], args: argparse.Namespace) -> str:

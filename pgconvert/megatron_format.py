@@ -22,6 +22,7 @@ import signal
 import types
 import zipfile
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -351,3 +352,46 @@ def _layers_per_virtual_stage(config: ModelConfig, layout: ParallelLayout) -> in
     if layout.first_stage_layers is not None or layout.last_stage_layers is not None:
         return None
     return config.num_layers // (layout.pp * layout.virtual_size)
+
+
+def resolve_megatron_iteration(root: Path, iteration: int | None,
+                               is_iteration_dir: Callable[[Path], bool]) -> tuple[Path, int | None, bool]:
+    """The iteration directory to read: ``root`` itself when ``is_iteration_dir`` says it is one, else
+    ``--iteration``, the tracker file, or the only iteration present (as Megatron-LM resolves it).
+
+    Both Megatron formats (per-rank and torch_dist) share this layout of ``iter_*``/``release``
+    directories under one tracker file.
+    """
+    if is_iteration_dir(root):
+        match = ITERATION_DIR_RE.match(root.name)
+        return root, int(match.group(1)) if match else None, root.name == "release"
+    present = sorted(int(m.group(1)) for child in root.iterdir()
+                     if child.is_dir() and (m := ITERATION_DIR_RE.match(child.name)))
+    has_release = (root / "release").is_dir()
+    listing = ", ".join(map(str, present)) or "none"
+    if iteration is not None:
+        directory = root / iteration_dir_name(iteration, release=False)
+        if not directory.is_dir():
+            raise CheckpointError(f"{root}: --iteration {iteration}: {directory.name} does not exist (present: {listing})")
+        return directory, iteration, False
+    tracker = root / TRACKER_FILE
+    if tracker.is_file():
+        text = tracker.read_text().strip()
+        if text == "release":
+            if not has_release:
+                raise CheckpointError(f"{tracker}: names 'release' but {root / 'release'} is missing")
+            return root / "release", None, True
+        if not text.isdigit():
+            raise CheckpointError(f"{tracker}: expected an iteration number or 'release', found {text!r}")
+        directory = root / iteration_dir_name(int(text), release=False)
+        if not directory.is_dir():
+            raise CheckpointError(f"{tracker}: names iteration {int(text)} but {directory.name} is missing (present: {listing})")
+        return directory, int(text), False
+    if has_release and not present:
+        return root / "release", None, True
+    if len(present) == 1 and not has_release:
+        return root / iteration_dir_name(present[0], release=False), present[0], False
+    if not present:
+        raise CheckpointError(f"{root}: no {TRACKER_FILE}, iter_* or release directory")
+    raise CheckpointError(f"{root}: no {TRACKER_FILE} and several iterations ({listing}"
+                          f"{', release' if has_release else ''}); choose one with --iteration")

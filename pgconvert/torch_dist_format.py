@@ -51,7 +51,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from pgconvert.config import ModelConfig
 from pgconvert.errors import CheckpointError, UnsafePickleError
-from pgconvert.megatron_format import ITERATION_DIR_RE, TRACKER_FILE, iteration_dir_name
+from pgconvert.megatron_format import resolve_megatron_iteration
 from pgconvert.provider import LAYER_PREFIX, canonical_names, layer_tensors
 
 CHECKPOINT_CONFIG_FILE = "metadata.json"
@@ -331,38 +331,6 @@ def is_iteration_dir(path: Path) -> bool:
 
 
 def resolve_iteration_dir(root: Path, iteration: int | None) -> tuple[Path, int | None, bool]:
-    """The iteration directory to read: ``root`` itself when it holds ``metadata.json``, else
-    ``--iteration``, the tracker file, or the only iteration present (as Megatron-LM resolves it)."""
-    if is_iteration_dir(root):
-        match = ITERATION_DIR_RE.match(root.name)
-        return root, int(match.group(1)) if match else None, root.name == "release"
-    present = sorted(int(m.group(1)) for child in root.iterdir()
-                     if child.is_dir() and (m := ITERATION_DIR_RE.match(child.name)))
-    has_release = (root / "release").is_dir()
-    listing = ", ".join(map(str, present)) or "none"
-    if iteration is not None:
-        directory = root / iteration_dir_name(iteration, release=False)
-        if not directory.is_dir():
-            raise CheckpointError(f"{root}: --iteration {iteration}: {directory.name} does not exist (present: {listing})")
-        return directory, iteration, False
-    tracker = root / TRACKER_FILE
-    if tracker.is_file():
-        text = tracker.read_text().strip()
-        if text == "release":
-            if not has_release:
-                raise CheckpointError(f"{tracker}: names 'release' but {root / 'release'} is missing")
-            return root / "release", None, True
-        if not text.isdigit():
-            raise CheckpointError(f"{tracker}: expected an iteration number or 'release', found {text!r}")
-        directory = root / iteration_dir_name(int(text), release=False)
-        if not directory.is_dir():
-            raise CheckpointError(f"{tracker}: names iteration {int(text)} but {directory.name} is missing (present: {listing})")
-        return directory, int(text), False
-    if has_release and not present:
-        return root / "release", None, True
-    if len(present) == 1 and not has_release:
-        return root / iteration_dir_name(present[0], release=False), present[0], False
-    if not present:
-        raise CheckpointError(f"{root}: no {TRACKER_FILE}, iter_* or release directory")
-    raise CheckpointError(f"{root}: no {TRACKER_FILE} and several iterations ({listing}"
-                          f"{', release' if has_release else ''}); choose one with --iteration")
+    """The iteration directory to read, as Megatron-LM resolves it (``root`` itself when it holds
+    ``metadata.json``)."""
+    return resolve_megatron_iteration(root, iteration, is_iteration_dir)

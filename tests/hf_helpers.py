@@ -363,3 +363,12 @@ def megatron_tp_logits(models: list[dict[str, torch.Tensor]], hf_config: dict[st
     output_key = "output_layer.weight" if "output_layer.weight" in models[0] else "embedding.word_embeddings.weight"
     logits = torch.cat([x @ model[output_key].T for model in models], dim=-1)  # gather over vocab
     return logits[..., :vocab]
+
+
+def assert_same_hf_tensors(expected_dir: Path, actual_dir: Path) -> None:
+    """The same tensor names in both HF directories, each with the same dtype and ``torch.equal``."""
+    expected, actual = load_hf_tensors(expected_dir), load_hf_tensors(actual_dir)
+    assert sorted(actual) == sorted(expected)
+    for name, tensor in expected.items():
+        assert actual[name].dtype == tensor.dtype, name
+        assert torch.equal(actual[name], tensor), name

@@ -19,6 +19,7 @@ import torch.distributed
 from hf_helpers import (
     FAMILY_MODELS,
     MOE_FAMILIES,
+    assert_same_hf_tensors,
     build_hf_model,
     edit_json,
     hf_logits,
@@ -57,14 +58,6 @@ def moe_sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {name: save_hf_model(build_hf_model(name, seed=4), root / name) for name in MOE_FAMILIES}
 
 
-def _assert_same_tensors(expected_dir: Path, actual_dir: Path) -> None:
-    expected, actual = load_hf_tensors(expected_dir), load_hf_tensors(actual_dir)
-    assert sorted(actual) == sorted(expected)
-    for name, tensor in expected.items():
-        assert actual[name].dtype == tensor.dtype, name
-        assert torch.equal(actual[name], tensor), name
-
-
 def _to_megatron(src: Path, dst: Path, layout: tuple[int, int, int, str]) -> pgconvert.Report:
     tp, ep, pp, naming = layout
     return pgconvert.convert(src, dst, dst_format="megatron", dst_tp=tp, dst_ep=ep, dst_pp=pp,
@@ -91,7 +84,7 @@ def test_hf_moe_to_megatron_and_back_is_bit_exact(moe_sources: dict[str, Path], 
 
     assert to_megatron.dst_layout == f"tp={tp},pp={pp}" + (f",ep={ep}" if ep > 1 else "")
     assert (back.src_format, back.dst_format) == ("megatron", "hf")
-    _assert_same_tensors(src, tmp_path / "hf")
+    assert_same_hf_tensors(src, tmp_path / "hf")
     written = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert written["architectures"] == json.loads((src / "config.json").read_text())["architectures"]
     assert not torch.distributed.is_initialized()
@@ -119,7 +112,7 @@ def test_hf_to_hf_keeps_the_moe_config_json(moe_sources: dict[str, Path], tmp_pa
     pgconvert.convert(src, tmp_path / "hf")
 
     assert json.loads((tmp_path / "hf" / "config.json").read_text()) == json.loads((src / "config.json").read_text())
-    _assert_same_tensors(src, tmp_path / "hf")
+    assert_same_hf_tensors(src, tmp_path / "hf")
 
 
 # --- what the Megatron files hold -------------------------------------------------------------------

@@ -14,6 +14,7 @@ from hf_helpers import (
     ARCHITECTURE_AFTER_MEGATRON,
     FAMILY_MODELS,
     TOKENIZER_CONTENT,
+    assert_same_hf_tensors,
     build_hf_model,
     hf_logits,
     input_ids,
@@ -35,14 +36,6 @@ def hf_sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {name: save_hf_model(build_hf_model(name, seed=3), root / name) for name in FAMILIES}
 
 
-def _assert_same_tensors(expected_dir: Path, actual_dir: Path) -> None:
-    expected, actual = load_hf_tensors(expected_dir), load_hf_tensors(actual_dir)
-    assert sorted(actual) == sorted(expected)
-    for name, tensor in expected.items():
-        assert actual[name].dtype == tensor.dtype, name
-        assert torch.equal(actual[name], tensor), name
-
-
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: f"tp{layout[0]}pp{layout[1]}")
 @pytest.mark.parametrize("family", FAMILIES)
 def test_hf_to_megatron_and_back_is_bit_exact(hf_sources: dict[str, Path], tmp_path: Path,
@@ -56,7 +49,7 @@ def test_hf_to_megatron_and_back_is_bit_exact(hf_sources: dict[str, Path], tmp_p
     assert (to_megatron.src_format, to_megatron.dst_format) == ("hf", "megatron")
     assert to_megatron.src_layout is None and to_megatron.dst_layout == f"tp={tp},pp={pp}"
     assert (back.src_format, back.dst_format) == ("megatron", "hf")
-    _assert_same_tensors(src, tmp_path / "hf")
+    assert_same_hf_tensors(src, tmp_path / "hf")
     written = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert written["architectures"] == [ARCHITECTURE_AFTER_MEGATRON[family]]
     assert not torch.distributed.is_initialized()
@@ -91,7 +84,7 @@ def test_hf_to_hf_keeps_config_json_and_copies_tokenizer_files(hf_sources: dict[
     for name, content in TOKENIZER_CONTENT.items():
         assert (tmp_path / "hf" / name).read_text() == content
     assert (tmp_path / "hf" / "generation_config.json").read_bytes() == (src / "generation_config.json").read_bytes()
-    _assert_same_tensors(src, tmp_path / "hf")
+    assert_same_hf_tensors(src, tmp_path / "hf")
 
 
 def test_megatron_source_writes_no_tokenizer_files_and_says_so(hf_sources: dict[str, Path], tmp_path: Path) -> None:
@@ -129,7 +122,7 @@ def test_cli_converts_hf_to_megatron_tp2_and_back(hf_sources: dict[str, Path], t
     assert "wrote" in to_megatron.output and "(megatron tp=2,pp=1): 2 files" in to_megatron.output
     assert back.exit_code == 0, back.output
     assert "(hf tp=1,pp=1)" in back.output
-    _assert_same_tensors(src, tmp_path / "hf")
+    assert_same_hf_tensors(src, tmp_path / "hf")
     assert not torch.distributed.is_initialized()
 
 
@@ -153,4 +146,4 @@ def test_tied_checkpoint_that_also_stores_lm_head_is_accepted(hf_sources: dict[s
     pgconvert.convert(src, tmp_path / "megatron", dst_format="megatron", dst_tp=2)
     pgconvert.convert(tmp_path / "megatron", tmp_path / "hf", dst_format="hf", dst_tp=1)
 
-    _assert_same_tensors(hf_sources["qwen2"], tmp_path / "hf")
+    assert_same_hf_tensors(hf_sources["qwen2"], tmp_path / "hf")

@@ -368,3 +368,64 @@ def test_every_written_file_is_fsynced_before_the_final_rename(src: Path, tmp_pa
     for path in written:
         staged = str(path).replace(str(tmp_path / "dst"), "")
         assert any(s.endswith(staged) and ".pgconvert-partial-" in s for s in synced_before), path
+
+
+# ------------------------------------------------------------------------------------- safetensors
+
+@pytest.fixture
+def hf_src(tmp_path: Path) -> Path:
+    """A small HF checkpoint (one model.safetensors) made by pgconvert from the example model."""
+    mcore = tmp_path / "mcore"
+    assert CliRunner().invoke(main, ["example", str(mcore), "--tp", "1"]).exit_code == 0
+    pgconvert.convert(mcore, tmp_path / "hf", dst_format="hf")
+    return tmp_path / "hf"
+
+
+def _rewrite_safetensors(path: Path, edit: object) -> None:
+    import json
+    import struct
+
+    data = path.read_bytes()
+    length = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8:8 + length])
+    new_header, body, declared = edit(header, data[8 + length:])  # type: ignore[operator]
+    encoded = json.dumps(new_header).encode()
+    path.write_bytes(struct.pack("<Q", declared if declared is not None else len(encoded)) + encoded + body)
+
+
+def _overlap(header: dict, body: bytes) -> tuple[dict, bytes, None]:
+    names = [name for name in header if name != "__metadata__"]
+    first, second = header[names[0]], header[names[1]]
+    second["data_offsets"] = [first["data_offsets"][0], first["data_offsets"][0] + (
+        second["data_offsets"][1] - second["data_offsets"][0])]
+    return header, body, None
+
+
+@pytest.mark.parametrize(("case", "edit"), [
+    ("header length beyond the file", lambda header, body: (header, body, 10**9)),
+    ("header size bomb", lambda header, body: (header, body, 2**62)),
+    ("overlapping offsets", _overlap),
+    ("truncated data", lambda header, body: (header, body[: len(body) // 2], None)),
+])
+def test_corrupt_safetensors_is_named_and_nothing_is_written(hf_src: Path, tmp_path: Path, case: str,
+                                                             edit: object) -> None:
+    path = hf_src / "model.safetensors"
+    _rewrite_safetensors(path, edit)
+
+    result = run_cli(hf_src, tmp_path / "dst", "--dst-format", "megatron")
+
+    assert result.exit_code == 1, (case, result.output)
+    assert str(path) in result.output, case
+    assert "Traceback" not in result.output
+    assert not looks_like_output(tmp_path / "dst")
+
+
+def test_zero_byte_safetensors_is_named(hf_src: Path, tmp_path: Path) -> None:
+    path = hf_src / "model.safetensors"
+    path.write_bytes(b"")
+
+    result = run_cli(hf_src, tmp_path / "dst", "--dst-format", "megatron")
+
+    assert result.exit_code == 1
+    assert f"{path}: not a readable safetensors file" in result.output
+    assert not looks_like_output(tmp_path / "dst")

@@ -680,6 +680,25 @@ def load_rank_file(path: Path) -> dict[str, object]:
         return torch.load(path, map_location="cpu", weights_only=True)
 
 
+def load_for_test(path: Path) -> dict[str, object]:
+    """torch.load a checkpoint file a test wants to inspect or tamper with, weights_only=True.
+
+    Allows argparse.Namespace and io.BytesIO, plus megatron-core's own safe globals when it is
+    installed (files that megatron-core itself wrote carry its enums in ``args``).
+    """
+    import io
+
+    allowed: list[object] = [argparse.Namespace, io.BytesIO]
+    try:
+        from megatron.core.safe_globals import SAFE_GLOBALS
+    except ImportError:
+        pass
+    else:
+        allowed += SAFE_GLOBALS
+    with torch.serialization.safe_globals(allowed):
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+
 def resolve_checkpoint_dir(root: Path) -> Path:
     """The iteration directory named by ``latest_checkpointed_iteration.txt``."""
     root = Path(root)

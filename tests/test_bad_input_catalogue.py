@@ -24,7 +24,7 @@ import pytest
 import torch
 from click.testing import CliRunner, Result
 from conftest import GQA_SWIGLU, QK_NORM_TE
-from megatron_fixtures import make_full_model, merge_megatron_checkpoint, write_megatron_checkpoint
+from megatron_fixtures import load_for_test, make_full_model, merge_megatron_checkpoint, write_megatron_checkpoint
 
 import pgconvert
 from pgconvert.cli import main
@@ -106,7 +106,7 @@ def test_half_written_newer_iteration_is_named_and_older_one_still_converts(tmp_
 
 def _poison(src: Path, value: float) -> str:
     path = rank_file(src, "mp_rank_01")
-    state = torch.load(path, weights_only=False)
+    state = load_for_test(path)
     key = "decoder.layers.3.self_attention.linear_proj.weight"
     state["model"][key][2, 5] = value
     torch.save(state, path)
@@ -137,7 +137,7 @@ def test_unknown_true_vocab_that_a_target_needs_is_refused(tmp_path: Path) -> No
     model = replace(GQA_SWIGLU, vocab_size=1030)
     src = write_megatron_checkpoint(tmp_path / "src", model, make_full_model(model), 1, 1)
     for path in src.glob("iter_*/mp_rank_*/model_optim_rng.pt"):
-        state = torch.load(path, weights_only=False)
+        state = load_for_test(path)
         del state["args"].vocab_size
         torch.save(state, path)
 
@@ -150,7 +150,7 @@ def test_unknown_true_vocab_that_a_target_needs_is_refused(tmp_path: Path) -> No
 
 def test_strict_refuses_an_unknown_true_vocab_size(src: Path, tmp_path: Path) -> None:
     for path in src.glob("iter_*/mp_rank_*/model_optim_rng.pt"):
-        state = torch.load(path, weights_only=False)
+        state = load_for_test(path)
         del state["args"].vocab_size
         torch.save(state, path)
 
@@ -175,7 +175,7 @@ def test_strict_refuses_a_lossy_dtype_change(src: Path, tmp_path: Path) -> None:
 def test_strict_refuses_dropping_transformer_engine_extra_state(tmp_path: Path) -> None:
     src = write_megatron_checkpoint(tmp_path / "src", QK_NORM_TE, make_full_model(QK_NORM_TE), 2, 1)
     for path in src.glob("iter_*/mp_rank_*/model_optim_rng.pt"):
-        state = torch.load(path, weights_only=False)
+        state = load_for_test(path)
         state["model"]["decoder.layers.0.self_attention.linear_qkv._extra_state"] = torch.ones(4, dtype=torch.uint8)
         torch.save(state, path)
 
@@ -193,15 +193,14 @@ def test_extra_state_is_carried_when_the_tp_size_is_unchanged(tmp_path: Path) ->
     marker = {0: torch.full((4,), 7, dtype=torch.uint8), 1: torch.full((4,), 9, dtype=torch.uint8)}
     for tp_rank in (0, 1):
         path = rank_file(src, f"mp_rank_{tp_rank:02d}")
-        state = torch.load(path, weights_only=False)
+        state = load_for_test(path)
         state["model"]["decoder.layers.1.mlp.linear_fc1._extra_state"] = marker[tp_rank]
         torch.save(state, path)
 
     pgconvert.convert(src, tmp_path / "pp2", dst_pp=2, strict=True)
 
     for tp_rank in (0, 1):
-        state = torch.load(tmp_path / "pp2" / "iter_0000100" / f"mp_rank_{tp_rank:02d}_000" / "model_optim_rng.pt",
-                           weights_only=False)
+        state = load_for_test(tmp_path / "pp2" / "iter_0000100" / f"mp_rank_{tp_rank:02d}_000" / "model_optim_rng.pt")
         assert torch.equal(state["model"]["decoder.layers.1.mlp.linear_fc1._extra_state"], marker[tp_rank])
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from click.testing import CliRunner, Result
 from conftest import GQA_SWIGLU, MHA_GELU_TIED
-from megatron_fixtures import make_full_model, write_megatron_checkpoint
+from megatron_fixtures import load_for_test, make_full_model, write_megatron_checkpoint
 
 from pgconvert.cli import main
 
@@ -86,7 +86,7 @@ def test_extra_rank_directory_is_refused(tp2_checkpoint: Path, tmp_path: Path) -
 
 def test_ranks_whose_shapes_disagree_are_refused(tp2_checkpoint: Path, tmp_path: Path) -> None:
     path = rank_file(tp2_checkpoint, "mp_rank_01")
-    state = torch.load(path, weights_only=False)
+    state = load_for_test(path)
     key = "decoder.layers.1.mlp.linear_fc2.weight"
     state["model"][key] = state["model"][key][:, :-1].clone()
     torch.save(state, path)
@@ -100,7 +100,7 @@ def test_ranks_whose_shapes_disagree_are_refused(tp2_checkpoint: Path, tmp_path:
 
 def test_diverged_replicas_name_the_tensor_and_both_files(tp2_checkpoint: Path, tmp_path: Path) -> None:
     path = rank_file(tp2_checkpoint, "mp_rank_01")
-    state = torch.load(path, weights_only=False)
+    state = load_for_test(path)
     state["model"]["decoder.layers.2.input_layernorm.weight"][3] += 1.0
     torch.save(state, path)
 
@@ -115,7 +115,7 @@ def test_diverged_replicas_name_the_tensor_and_both_files(tp2_checkpoint: Path, 
 def test_tied_output_copy_that_differs_from_the_embedding_is_refused(tmp_path: Path) -> None:
     src = write_megatron_checkpoint(tmp_path / "src", MHA_GELU_TIED, make_full_model(MHA_GELU_TIED), 1, 2)
     path = rank_file(src, "mp_rank_00_001")
-    state = torch.load(path, weights_only=False)
+    state = load_for_test(path)
     state["model"]["output_layer.weight"][0, 0] += 1.0
     torch.save(state, path)
 
@@ -149,7 +149,7 @@ class _Exploit:
 def test_pickle_with_a_global_outside_the_allowlist_is_not_executed(tp2_checkpoint: Path, tmp_path: Path) -> None:
     marker = tmp_path / "pwned"
     path = rank_file(tp2_checkpoint, "mp_rank_00")
-    state = torch.load(path, weights_only=False)
+    state = load_for_test(path)
     state["payload"] = _Exploit(marker)
     torch.save(state, path)
 
@@ -257,7 +257,7 @@ def test_tracker_naming_a_missing_iteration_is_refused(tp2_checkpoint: Path, tmp
 
 def test_unknown_key_in_a_rank_file_is_reported_not_dropped(tp2_checkpoint: Path, tmp_path: Path) -> None:
     path = rank_file(tp2_checkpoint, "mp_rank_00")
-    state = torch.load(path, weights_only=False)
+    state = load_for_test(path)
     state["model"]["decoder.layers.0.mlp.router.weight"] = torch.zeros(4, 64)
     torch.save(state, path)
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from conftest import GQA_SWIGLU
-from megatron_fixtures import make_full_model, write_megatron_checkpoint
+from megatron_fixtures import load_for_test, make_full_model, write_megatron_checkpoint
 
 import pgconvert
 from pgconvert.batch import CLI_ONLY_OPTIONS, PlanError, read_plan
@@ -214,7 +214,7 @@ def test_inspect_of_a_checkpoint_missing_a_whole_rank_directory_names_the_rank(
 def test_inspect_reports_an_unknown_true_vocab_as_a_warning(tmp_path: Path) -> None:
     src = write_megatron_checkpoint(tmp_path / "src", GQA_SWIGLU, FULL_MODEL, 2, 1)
     for path in src.glob("iter_*/mp_rank_*/model_optim_rng.pt"):
-        state = torch.load(path, weights_only=False)
+        state = load_for_test(path)
         del state["args"].vocab_size
         torch.save(state, path)
 
@@ -263,7 +263,7 @@ def test_verify_of_tp8_and_tp2_conversions_of_the_same_model_is_equal(source: Pa
 # (format, how to flip one element of one stored file of that format)
 def _flip_megatron(root: Path) -> None:
     rank_file = root / "iter_0000010" / "mp_rank_01_000" / "model_optim_rng.pt"
-    state = torch.load(rank_file, weights_only=False)
+    state = load_for_test(rank_file)
     state["model"][FLIPPED][3, 5] += 1.0
     torch.save(state, rank_file)
 
@@ -287,7 +287,7 @@ def _flip_torch_dist(root: Path) -> None:
     per_rank = root.parent / f"{root.name}-as-megatron"
     pgconvert.convert(root, per_rank, src_format="torch_dist", dst_format="megatron", dst_layout="tp=1,pp=1")
     rank_file = per_rank / "iter_0000010" / "mp_rank_00" / "model_optim_rng.pt"
-    state = torch.load(rank_file, weights_only=False)
+    state = load_for_test(rank_file)
     state["model"][FLIPPED][3, 5] += 1.0
     torch.save(state, rank_file)
     pgconvert.convert(per_rank, root, dst_format="torch_dist", overwrite=True)
@@ -325,7 +325,7 @@ def test_verify_tolerances_accept_a_small_change_and_dtypes_must_match(
         source: Path, converted: dict[str, Path], tmp_path: Path) -> None:
     nudged = _copy(converted["megatron"], tmp_path)
     rank_file = nudged / "iter_0000010" / "mp_rank_01_000" / "model_optim_rng.pt"
-    state = torch.load(rank_file, weights_only=False)
+    state = load_for_test(rank_file)
     state["model"][FLIPPED][3, 5] += 1e-4
     torch.save(state, rank_file)
     (nudged / MANIFEST_FILE).unlink()
@@ -346,7 +346,7 @@ def test_verify_reports_padding_rows_apart_and_compares_only_the_true_vocab(sour
     a = pgconvert.convert(source, tmp_path / "a", iteration=10).dst
     b = _copy(a, tmp_path / "b_parent")
     rank_file = b / "iter_0000010" / "mp_rank_07" / "model_optim_rng.pt"
-    state = torch.load(rank_file, weights_only=False)
+    state = load_for_test(rank_file)
     state["model"]["embedding.word_embeddings.weight"][-1] += 1.0  # row 1023: padding
     torch.save(state, rank_file)
     (b / MANIFEST_FILE).unlink()

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from megatron_fixtures import (
     CHECKPOINT_FILE,
     TinyModel,

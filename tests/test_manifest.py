@@ -12,7 +12,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from conftest import GQA_SWIGLU
-from megatron_fixtures import make_full_model, write_megatron_checkpoint
+from megatron_fixtures import load_for_test, make_full_model, write_megatron_checkpoint
 
 import pgconvert
 from pgconvert.cli import main
@@ -115,7 +115,7 @@ def test_verify_names_a_rewritten_rank_file_and_the_replica_it_broke(source: Pat
     dst = tmp_path / "dst"
     pgconvert.convert(source, dst, dst_tp=4)
     rank_file = dst / "iter_0000100" / "mp_rank_02" / "model_optim_rng.pt"
-    state = torch.load(rank_file, weights_only=False)
+    state = load_for_test(rank_file)
     state["model"]["decoder.final_layernorm.weight"][7] += 1.0
     torch.save(state, rank_file)
 

@@ -11,6 +11,7 @@ from checkpoint_compare import assert_same_ranks
 from click.testing import CliRunner
 from conftest import GQA_SWIGLU, MOE, MOE_GROUPED_TE
 from megatron_fixtures import (
+    load_for_test,
     make_full_model,
     merge_megatron_checkpoint,
     read_megatron_checkpoint_ranks,
@@ -170,7 +171,7 @@ def test_missing_expert_shard_is_named(tmp_path: Path) -> None:
 def test_expert_index_beyond_the_ranks_share_is_refused(tmp_path: Path) -> None:
     src = write_megatron_checkpoint(tmp_path / "src", MOE, make_full_model(MOE), 1, 1, ep=4)
     path = src / "iter_0000100" / "mp_rank_00_001" / "model_optim_rng.pt"
-    state = torch.load(path, weights_only=False)
+    state = load_for_test(path)
     # Rank 1 of ep=4 holds experts 2-3 as local 0-1; a local index 2 duplicates rank 2's first expert.
     prefix = "decoder.layers.0.mlp.experts.local_experts."
     state["model"][prefix + "2.linear_fc1.weight"] = state["model"][prefix + "1.linear_fc1.weight"].clone()
@@ -185,7 +186,7 @@ def test_expert_index_beyond_the_ranks_share_is_refused(tmp_path: Path) -> None:
 def test_dense_tensor_that_differs_between_ep_ranks_is_refused(tmp_path: Path) -> None:
     src = write_megatron_checkpoint(tmp_path / "src", MOE, make_full_model(MOE), 1, 1, ep=2)
     path = src / "iter_0000100" / "mp_rank_00_001" / "model_optim_rng.pt"
-    state = torch.load(path, weights_only=False)
+    state = load_for_test(path)
     state["model"]["decoder.layers.1.mlp.linear_fc1.weight"][0, 0] += 1
     torch.save(state, path)
 
@@ -199,7 +200,7 @@ def test_rank_file_without_the_chunks_its_args_promise_is_refused(tmp_path: Path
     model = replace(GQA_SWIGLU, num_layers=8)
     src = write_megatron_checkpoint(tmp_path / "src", model, make_full_model(model), 1, 2, vpp=2)
     path = src / "iter_0000100" / "mp_rank_00_001" / "model_optim_rng.pt"
-    state = torch.load(path, weights_only=False)
+    state = load_for_test(path)
     del state["model1"]
     torch.save(state, path)
 

@@ -10,6 +10,7 @@ import torch
 from checkpoint_compare import assert_same_megatron_checkpoint
 from megatron_fixtures import (
     TinyModel,
+    load_for_test,
     make_full_model,
     merge_megatron_checkpoint,
     read_megatron_checkpoint,
@@ -58,8 +59,7 @@ def test_pp_change_keeps_iteration_version_and_describes_target_in_args(tmp_path
     assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) == (1, 4)
     assert args.padded_vocab_size == 1024
     assert sorted(ranks) == [(0, 0), (0, 1), (0, 2), (0, 3)]
-    state = torch.load(tmp_path / "dst" / "iter_0001234" / "mp_rank_00_002" / "model_optim_rng.pt",
-                       weights_only=False)
+    state = load_for_test(tmp_path / "dst" / "iter_0001234" / "mp_rank_00_002" / "model_optim_rng.pt")
     assert state["checkpoint_version"] == 3.0
     assert state["iteration"] == 1234
     assert "optimizer" not in state and "rng_state" not in state
@@ -161,7 +161,7 @@ def test_unknown_true_vocab_with_same_padding_keeps_the_padded_table(tmp_path: P
 
 def _drop_vocab_size_from_args(root: Path) -> None:
     for path in root.glob("iter_*/mp_rank_*/model_optim_rng.pt"):
-        state = torch.load(path, weights_only=False)
+        state = load_for_test(path)
         del state["args"].vocab_size
         torch.save(state, path)
 

@@ -23,7 +23,7 @@ import torch.distributed
 import torch.distributed.checkpoint as dcp
 from click.testing import CliRunner
 from conftest import GQA_SWIGLU, MHA_GELU_TIED, MOE, MOE_GROUPED_TE, QK_NORM_TE
-from megatron_fixtures import make_full_model, merge_megatron_checkpoint, write_megatron_checkpoint
+from megatron_fixtures import load_for_test, make_full_model, merge_megatron_checkpoint, write_megatron_checkpoint
 from test_moe_vpp_megatron import assert_same_ranks
 from torch.distributed.checkpoint import FileSystemReader, TensorStorageMetadata
 
@@ -132,7 +132,7 @@ def test_files_are_megatron_cores_and_args_record_the_target_layout(tmp_path: Pa
     assert json.loads((iteration_dir / "metadata.json").read_text()) == {
         "sharded_backend": "torch_dist", "sharded_backend_version": 1,
         "common_backend": "torch", "common_backend_version": 1}
-    common = torch.load(iteration_dir / "common.pt", weights_only=False)
+    common = load_for_test(iteration_dir / "common.pt")
     assert sorted(common) == ["args", "checkpoint_version", "content_metadata", "iteration"]
     assert (common["checkpoint_version"], common["iteration"]) == (3.0, 1234)
     assert common["content_metadata"] == {"distrib_optim_sharding_type": "dp_reshardable",
@@ -308,7 +308,7 @@ def test_virtual_pipeline_source_and_target_round_trip(tmp_path: Path) -> None:
     from_torch_dist(tmp_path / "dist", tmp_path / "pp4", dst_tp=1, dst_pp=4)
     from_torch_dist(tmp_path / "dist", tmp_path / "back")
 
-    args = torch.load(tmp_path / "dist" / ITERATION_DIR / "common.pt", weights_only=False)["args"]
+    args = load_for_test(tmp_path / "dist" / ITERATION_DIR / "common.pt")["args"]
     assert args.virtual_pipeline_model_parallel_size == 2
     assert_same_ranks(tmp_path / "pp4", write_megatron_checkpoint(tmp_path / "expected", model, full, 1, 4))
     assert_same_ranks(tmp_path / "back", src)
@@ -349,7 +349,7 @@ def test_torch_dist_to_torch_dist_keeps_tensors_and_rerecords_the_layout(tmp_pat
     assert tensor_shapes(metadata_a) == tensor_shapes(metadata_b)
     assert byte_keys(metadata_a) == byte_keys(metadata_b)
     assert all(torch.equal(tensors_a[key], tensors_b[key]) for key in tensors_a)
-    args = torch.load(tmp_path / "b" / ITERATION_DIR / "common.pt", weights_only=False)["args"]
+    args = load_for_test(tmp_path / "b" / ITERATION_DIR / "common.pt")["args"]
     assert (args.tensor_model_parallel_size, args.expert_model_parallel_size) == (1, 4)
 
 
@@ -358,7 +358,7 @@ def test_expert_tp_that_the_per_rank_format_refuses_is_recorded(tmp_path: Path) 
 
     to_torch_dist(src, tmp_path / "dist", dst_expert_tp=1)
 
-    args = torch.load(tmp_path / "dist" / ITERATION_DIR / "common.pt", weights_only=False)["args"]
+    args = load_for_test(tmp_path / "dist" / ITERATION_DIR / "common.pt")["args"]
     assert (args.tensor_model_parallel_size, args.expert_tensor_parallel_size) == (2, 1)
     source = TorchDistLoader().open(tmp_path / "dist", LoadOptions())
     assert source.layout.expert_tp == 1
@@ -396,7 +396,7 @@ def test_dtype_option_casts_weights_but_keeps_router_and_expert_bias(tmp_path: P
     assert dtypes["decoder.layers.0.mlp.router.expert_bias"] == torch.float32
     assert dtypes["decoder.layers.0.mlp.experts.experts.linear_fc1.weight"] == torch.float16
     assert torch.equal(tensors["decoder.layers.3.mlp.router.weight"], full["decoder.layers.3.mlp.router.weight"])
-    args = torch.load(tmp_path / "dist" / ITERATION_DIR / "common.pt", weights_only=False)["args"]
+    args = load_for_test(tmp_path / "dist" / ITERATION_DIR / "common.pt")["args"]
     assert args.params_dtype == torch.float16 and args.fp16
 
 
@@ -520,7 +520,7 @@ def test_truncated_data_file_is_refused(dist_checkpoint: Path, tmp_path: Path) -
 
 def test_common_pt_with_a_disallowed_global_is_not_executed(dist_checkpoint: Path, tmp_path: Path) -> None:
     common_path = dist_checkpoint / ITERATION_DIR / "common.pt"
-    common = torch.load(common_path, weights_only=False)
+    common = load_for_test(common_path)
     marker = tmp_path / "pwned"
     common["payload"] = _Exploit(marker)
     torch.save(common, common_path)
@@ -597,7 +597,7 @@ def test_metadata_json_naming_another_backend_is_refused(dist_checkpoint: Path, 
 
 def test_singleton_local_shards_naming_is_refused_by_name(dist_checkpoint: Path, tmp_path: Path) -> None:
     common_path = dist_checkpoint / ITERATION_DIR / "common.pt"
-    common = torch.load(common_path, weights_only=False)
+    common = load_for_test(common_path)
     common["content_metadata"]["singleton_local_shards"] = True
     torch.save(common, common_path)
 
@@ -619,7 +619,7 @@ def test_unknown_tensor_key_is_named_and_training_state_is_reported(dist_checkpo
 
 def test_missing_key_is_named(dist_checkpoint: Path, tmp_path: Path) -> None:
     common_path = dist_checkpoint / ITERATION_DIR / "common.pt"
-    common = torch.load(common_path, weights_only=False)
+    common = load_for_test(common_path)
     common["args"].qk_layernorm = True
     torch.save(common, common_path)
 
@@ -642,7 +642,7 @@ def test_chunk_file_outside_the_checkpoint_is_refused(dist_checkpoint: Path, tmp
 
 def test_strict_mode_refuses_args_without_transformer_impl(dist_checkpoint: Path, tmp_path: Path) -> None:
     common_path = dist_checkpoint / ITERATION_DIR / "common.pt"
-    common = torch.load(common_path, weights_only=False)
+    common = load_for_test(common_path)
     del common["args"].transformer_impl
     torch.save(common, common_path)
 

@@ -70,6 +70,7 @@ from conftest import MOE
 from megatron_fixtures import (
     TinyModel,
     _rank_state_dict,
+    load_for_test,
     make_args,
     make_full_model,
     padded_vocab_size,
@@ -194,7 +195,6 @@ def expected_rank_dict(m: TinyModel, full: dict[str, torch.Tensor], model: GPTMo
 
 def _cpu_only_shims() -> None:
     import megatron.core.dist_checkpointing.strategies.filesystem_async as filesystem_async
-
     from megatron.core import parallel_state
 
     torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
@@ -372,8 +372,8 @@ def test_pgconvert_writes_the_files_megatron_core_writes_for_a_single_rank(tmp_p
     ours = pgconvert_torch_dist(tmp_path, name, seed=4) / ITERATION_DIR
 
     assert json.loads((ours / "metadata.json").read_text()) == json.loads((theirs / "metadata.json").read_text())
-    common_ours = torch.load(ours / "common.pt", weights_only=False)
-    common_theirs = torch.load(theirs / "common.pt", weights_only=False)
+    common_ours = load_for_test(ours / "common.pt")
+    common_theirs = load_for_test(theirs / "common.pt")
     assert sorted(common_ours) == sorted(common_theirs)
     assert common_ours["content_metadata"] == common_theirs["content_metadata"]
     assert read_layout(ours) == read_layout(theirs)
@@ -435,7 +435,7 @@ LOAD_CASES = [
 def test_megatron_core_loads_pgconvert_output_into_another_layout(tmp_path: Path, name: str, recorded_tp: int,
                                                                   tp: int, pp: int, ep: int) -> None:
     dist = pgconvert_torch_dist(tmp_path, name, seed=6, tp=recorded_tp)
-    args = torch.load(dist / ITERATION_DIR / "common.pt", weights_only=False)["args"]
+    args = load_for_test(dist / ITERATION_DIR / "common.pt")["args"]
     assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) == (recorded_tp, 1)
     assert args.padded_vocab_size == padded_vocab_size(MODELS[name], recorded_tp)
 

@@ -52,8 +52,8 @@ from pgconvert.megatron_format import (
 from pgconvert.paths import ensure_within
 from pgconvert.provider import OUTPUT_LAYER, WORD_EMBEDDINGS, canonical_shapes, te_extra_state_names
 from pgconvert.rules import Chunked, GatedChunked, Replicated, ShardRule, VocabParallel
-from pgconvert.strict import fallback
 from pgconvert.stream import CanonicalSource, ExtraState, TensorMeta
+from pgconvert.strict import fallback
 from pgconvert.torch_dist_format import (
     CHECKPOINT_CONFIG_FILE,
     COMMON_FILE,

@@ -28,6 +28,8 @@ from pgconvert.megatron_format import (
     resolve_megatron_iteration,
     safe_torch_load,
 )
+from pgconvert.memory import release_mapped_pages
+from pgconvert.paths import ensure_within
 from pgconvert.provider import (
     LAYER_PREFIX,
     TensorSpec,
@@ -36,11 +38,9 @@ from pgconvert.provider import (
     non_layer_chunk,
     provide,
 )
-from pgconvert.memory import release_mapped_pages
-from pgconvert.paths import ensure_within
-from pgconvert.strict import fallback
 from pgconvert.rules import Replicated, ShardRule, VocabParallel
 from pgconvert.stream import CanonicalSource, ExtraState, TensorMeta
+from pgconvert.strict import fallback
 
 log = logging.getLogger(__name__)
 

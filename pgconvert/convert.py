@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pgconvert.errors import ConversionError, DestinationError, ValidationError
-from pgconvert.formats import DTYPE_CHOICES, LoadOptions, PlannedFile, Saver, SaveOptions, SaveResult
+from pgconvert.formats import DTYPE_CHOICES, LoadOptions, PlannedFile, SaveOptions, Saver, SaveResult
 from pgconvert.layout import ParallelLayout
 from pgconvert.layout_spec import LayoutSpec
 from pgconvert.manifest import Manifest, record_files, write_manifest
@@ -135,8 +135,9 @@ def check_destination(dst: Path, overwrite: bool, src: Path | None = None) -> No
         raise DestinationError(f"DST {dst}: parent directory {parent} is not writable ({exc.strerror})") from None
 
 
-def _dst_layout(request: ConvertRequest, src_layout: ParallelLayout | None) -> ParallelLayout:
-    """The destination layout: what the user gave, the rest kept from the source where it still fits."""
+def destination_layout(request: ConvertRequest, src_layout: ParallelLayout | None) -> ParallelLayout:
+    """The layout ``request`` produces from a source laid out as ``src_layout`` (None: unsharded):
+    what the user gave, the rest kept from the source where it still fits."""
     base = src_layout or ParallelLayout()
     pp = request.dst_pp if request.dst_pp is not None else base.pp
     stages_given = any(value is not None for value in (
@@ -157,11 +158,6 @@ def _dst_layout(request: ConvertRequest, src_layout: ParallelLayout | None) -> P
         expert_tp=None if expert_tp == tp else expert_tp,
         pipeline_layout=base.pipeline_layout if keep_stages else request.dst_pipeline_layout,
     )
-
-
-def destination_layout(request: ConvertRequest, src_layout: ParallelLayout | None) -> ParallelLayout:
-    """The layout ``request`` produces from a source laid out as ``src_layout`` (None: unsharded)."""
-    return _dst_layout(request, src_layout)
 
 
 def plan(request: ConvertRequest, check_dst: bool = True) -> Plan:
@@ -197,7 +193,7 @@ def plan(request: ConvertRequest, check_dst: bool = True) -> Plan:
         # A format without parallel layouts (hf) starts from an unsharded layout, not the source's.
         layout_base = src_layout if getattr(saver, "parallel", True) else None
         save_options = SaveOptions(
-            layout=_dst_layout(request, layout_base),
+            layout=destination_layout(request, layout_base),
             dtype=DTYPE_CHOICES[request.dtype],
             transformer_impl=request.dst_transformer_impl,
             expert_layout=request.dst_expert_layout,

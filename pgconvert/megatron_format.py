@@ -21,8 +21,8 @@ import re
 import signal
 import types
 import zipfile
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch

@@ -226,11 +226,6 @@ def layer_tensors(config: ModelConfig, layer: int) -> list[LayerTensor]:
     return tensors
 
 
-def global_layer_names(config: ModelConfig, layer: int) -> list[tuple[str, TensorKind]]:
-    """Canonical names of one layer's tensors with their table rows, in file order."""
-    return [(tensor.canonical, tensor.kind) for tensor in layer_tensors(config, layer)]
-
-
 def canonical_names(config: ModelConfig) -> list[str]:
     """Every global tensor of the model, in layer order (the canonical stream's order)."""
     names = [WORD_EMBEDDINGS]

@@ -38,10 +38,6 @@ class ShardRule:
     def merge(self, shards: Sequence[torch.Tensor]) -> torch.Tensor:
         raise NotImplementedError
 
-    def divisor(self, size: int) -> tuple[int, int]:
-        """(dim, count): the tensor's ``dim`` must be divisible by ``count`` for this size."""
-        return (0, 1)
-
     def reshard(self, shards: Sequence[torch.Tensor], size: int, rank: int) -> torch.Tensor:
         """Piece ``rank`` of ``size`` cut straight from the pieces of another split, in one copy.
 
@@ -97,9 +93,6 @@ class Chunked(ShardRule):
     dim: int = 0
     name = "chunked"
 
-    def divisor(self, size: int) -> tuple[int, int]:
-        return (self.dim, size)
-
     def local_shape(self, global_shape: Sequence[int], size: int) -> tuple[int, ...]:
         shape = list(global_shape)
         shape[self.dim] //= size
@@ -135,9 +128,6 @@ class GatedChunked(ShardRule):
     """
 
     name = "gated"
-
-    def divisor(self, size: int) -> tuple[int, int]:
-        return (0, 2 * size)
 
     def local_shape(self, global_shape: Sequence[int], size: int) -> tuple[int, ...]:
         return (global_shape[0] // size, *global_shape[1:])

@@ -21,7 +21,7 @@ import torch
 import torch.utils.serialization
 
 from pgconvert.config import ModelConfig
-from pgconvert.formats import PlannedFile, Progress, Saver, SaveOptions, SaveResult, target_config
+from pgconvert.formats import PlannedFile, Progress, SaveOptions, Saver, SaveResult, target_config
 from pgconvert.grid import RankCoord, build_converter_process_groups, iter_ranks
 from pgconvert.layout import ParallelLayout
 from pgconvert.megatron_format import (
@@ -30,8 +30,8 @@ from pgconvert.megatron_format import (
     TRACKER_FILE,
     args_for_target,
     check_megatron_layout,
-    plain_args,
     iteration_dir_name,
+    plain_args,
     rank_dir_name,
 )
 from pgconvert.provider import (
@@ -46,8 +46,8 @@ from pgconvert.provider import (
     te_extra_state_names,
 )
 from pgconvert.rules import VocabParallel
-from pgconvert.strict import fallback
 from pgconvert.stream import CanonicalSource, ExtraState
+from pgconvert.strict import fallback
 
 log = logging.getLogger(__name__)
 

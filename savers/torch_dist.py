@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from pgconvert.config import ModelConfig
-from pgconvert.formats import PlannedFile, Progress, Saver, SaveOptions, SaveResult, target_config
+from pgconvert.formats import PlannedFile, Progress, SaveOptions, Saver, SaveResult, target_config
 from pgconvert.megatron_format import CHECKPOINT_VERSION, TRACKER_FILE, args_for_target, iteration_dir_name, plain_args
 from pgconvert.provider import (
     OUTPUT_LAYER,
@@ -39,8 +39,8 @@ from pgconvert.provider import (
     target_vocab_rows,
 )
 from pgconvert.rules import GATED, VOCAB
-from pgconvert.strict import fallback
 from pgconvert.stream import CanonicalSource
+from pgconvert.strict import fallback
 from pgconvert.torch_dist_format import (
     CHECKPOINT_CONFIG_FILE,
     COMMON_FILE,

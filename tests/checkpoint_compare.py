@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
 from megatron_fixtures import read_megatron_checkpoint_ranks
+from torch.distributed.checkpoint import FileSystemReader, TensorStorageMetadata
 
 _LAYOUT_ARGS = (
     "tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
@@ -40,3 +43,14 @@ def assert_same_ranks(actual: Path, expected: Path) -> None:
 
 # The dense-model tests' name for the same comparison.
 assert_same_megatron_checkpoint = assert_same_ranks
+
+
+def read_dcp(iteration_dir: Path) -> tuple[dcp.Metadata, dict[str, torch.Tensor]]:
+    """Every tensor of a distributed checkpoint, whole, read by torch.distributed.checkpoint alone."""
+    metadata = FileSystemReader(str(iteration_dir)).read_metadata()
+    tensors = {key: torch.empty(tuple(md.size), dtype=md.properties.dtype)
+               for key, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(tensors, storage_reader=FileSystemReader(str(iteration_dir)), no_dist=True)
+    return metadata, tensors

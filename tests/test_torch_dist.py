@@ -21,10 +21,10 @@ import pytest
 import torch
 import torch.distributed
 import torch.distributed.checkpoint as dcp
+from checkpoint_compare import assert_same_ranks, read_dcp
 from click.testing import CliRunner
 from conftest import GQA_SWIGLU, MHA_GELU_TIED, MOE, MOE_GROUPED_TE, QK_NORM_TE
 from megatron_fixtures import load_for_test, make_full_model, merge_megatron_checkpoint, write_megatron_checkpoint
-from test_moe_vpp_megatron import assert_same_ranks
 from torch.distributed.checkpoint import FileSystemReader, TensorStorageMetadata
 
 import pgconvert
@@ -52,17 +52,6 @@ def to_torch_dist(src: Path, dst: Path, src_format: str | None = None, **layout:
 
 def from_torch_dist(src: Path, dst: Path, dst_format: str = "megatron", **layout: object) -> pgconvert.Report:
     return pgconvert.convert(src, dst, src_format="torch_dist", dst_format=dst_format, **layout)
-
-
-def read_dcp(iteration_dir: Path) -> tuple[torch.distributed.checkpoint.Metadata, dict[str, torch.Tensor]]:
-    """Every tensor of a distributed checkpoint, whole, read by torch.distributed.checkpoint alone."""
-    metadata = FileSystemReader(str(iteration_dir)).read_metadata()
-    tensors = {key: torch.empty(tuple(md.size), dtype=md.properties.dtype)
-               for key, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        dcp.load(tensors, storage_reader=FileSystemReader(str(iteration_dir)), no_dist=True)
-    return metadata, tensors
 
 
 def tensor_shapes(metadata: torch.distributed.checkpoint.Metadata) -> dict[str, tuple[int, ...]]:

@@ -66,6 +66,7 @@ with warnings.catch_warnings():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.process_groups_config import ProcessGroupCollection
 
+from checkpoint_compare import assert_same_ranks, read_dcp
 from conftest import MOE
 from megatron_fixtures import (
     TinyModel,
@@ -76,7 +77,6 @@ from megatron_fixtures import (
     padded_vocab_size,
     write_megatron_checkpoint,
 )
-from test_moe_vpp_megatron import assert_same_ranks
 from torch.distributed.checkpoint import FileSystemReader, TensorStorageMetadata
 
 import pgconvert
@@ -377,21 +377,9 @@ def test_pgconvert_writes_the_files_megatron_core_writes_for_a_single_rank(tmp_p
     assert sorted(common_ours) == sorted(common_theirs)
     assert common_ours["content_metadata"] == common_theirs["content_metadata"]
     assert read_layout(ours) == read_layout(theirs)
-    _, ours_tensors = _read_all(ours)
-    _, theirs_tensors = _read_all(theirs)
+    _, ours_tensors = read_dcp(ours)
+    _, theirs_tensors = read_dcp(theirs)
     assert all(torch.equal(ours_tensors[key], theirs_tensors[key]) for key in theirs_tensors)
-
-
-def _read_all(iteration_dir: Path) -> tuple[Any, dict[str, torch.Tensor]]:
-    import torch.distributed.checkpoint as dcp
-
-    metadata = FileSystemReader(str(iteration_dir)).read_metadata()
-    tensors = {key: torch.empty(tuple(md.size), dtype=md.properties.dtype)
-               for key, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        dcp.load(tensors, storage_reader=FileSystemReader(str(iteration_dir)), no_dist=True)
-    return metadata, tensors
 
 
 SAVE_CASES = [("gqa_swiglu_rmsnorm_untied", 2, 2, 1), ("mha_gelu_layernorm_bias_tied", 1, 2, 1),

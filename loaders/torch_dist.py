@@ -13,7 +13,7 @@ from pgconvert.formats import Loader, LoadOptions
 from pgconvert.megatron_format import ITERATION_DIR_RE
 
 if TYPE_CHECKING:
-    from loaders._torch_dist_reader import TorchDistSource
+    from pgconvert.loaders._torch_dist_reader import TorchDistSource
 
 # megatron-core's dist_checkpointing writes this beside .metadata in every iteration directory.
 CHECKPOINT_CONFIG_FILE = "metadata.json"
@@ -35,7 +35,7 @@ class TorchDistLoader(Loader):
                    if child.is_dir() and (child.name == "release" or ITERATION_DIR_RE.match(child.name)))
 
     def open(self, path: Path, options: LoadOptions) -> TorchDistSource:
-        from loaders._torch_dist_reader import TorchDistSource
+        from pgconvert.loaders._torch_dist_reader import TorchDistSource
         from pgconvert.torch_dist_format import resolve_iteration_dir
 
         iteration_dir, iteration, release = resolve_iteration_dir(path, options.iteration)

@@ -16,10 +16,10 @@ from pgconvert.formats import Loader, Saver
 
 log = logging.getLogger(__name__)
 
-BUILTIN_LOADERS: dict[str, str] = {"megatron": "loaders.megatron:MegatronLoader", "hf": "loaders.hf:HFLoader",
-                                   "torch_dist": "loaders.torch_dist:TorchDistLoader"}
-BUILTIN_SAVERS: dict[str, str] = {"megatron": "savers.megatron:MegatronSaver", "hf": "savers.hf:HFSaver",
-                                  "torch_dist": "savers.torch_dist:TorchDistSaver"}
+BUILTIN_LOADERS: dict[str, str] = {"megatron": "pgconvert.loaders.megatron:MegatronLoader", "hf": "pgconvert.loaders.hf:HFLoader",
+                                   "torch_dist": "pgconvert.loaders.torch_dist:TorchDistLoader"}
+BUILTIN_SAVERS: dict[str, str] = {"megatron": "pgconvert.savers.megatron:MegatronSaver", "hf": "pgconvert.savers.hf:HFSaver",
+                                  "torch_dist": "pgconvert.savers.torch_dist:TorchDistSaver"}
 
 
 def _targets(group: str, builtins: dict[str, str]) -> dict[str, str]:

@@ -231,10 +231,10 @@ def test_source_layout_flags_other_than_one_are_refused_for_hf(llama: Path, tmp_
 
 
 def test_saver_refuses_a_user_config_with_an_unknown_architecture(llama: Path, tmp_path: Path) -> None:
-    from loaders.hf import HFLoader
+    from pgconvert.loaders.hf import HFLoader
     from pgconvert.formats import LoadOptions, SaveOptions
     from pgconvert.layout import ParallelLayout
-    from savers.hf import HFSaver
+    from pgconvert.savers.hf import HFSaver
 
     user_config = tmp_path / "user_config.json"
     shutil.copy(llama / "config.json", user_config)

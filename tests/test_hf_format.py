@@ -14,8 +14,8 @@ from hf_helpers import FAMILY_MODELS, build_hf_model, edit_json, load_hf_tensors
 from safetensors import safe_open
 
 import pgconvert
-from loaders.hf import HFLoader
-from loaders.megatron import MegatronLoader
+from pgconvert.loaders.hf import HFLoader
+from pgconvert.loaders.megatron import MegatronLoader
 from pgconvert.config import ModelConfig
 from pgconvert.errors import ConfigError
 from pgconvert.example import example_config, example_source
@@ -35,7 +35,7 @@ from pgconvert.formats import LoadOptions, SaveOptions
 from pgconvert.hf_format import hf_config_from_model, infer_family
 from pgconvert.layout import ParallelLayout
 from pgconvert.provider import canonical_names
-from savers.hf import HFSaver
+from pgconvert.savers.hf import HFSaver
 
 
 @pytest.fixture(scope="module")
@@ -338,7 +338,7 @@ def test_true_vocab_size_that_disagrees_with_config_json_is_refused(hf_sources: 
 def test_streamed_safetensors_file_reads_back_with_safetensors(tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
-    from savers.hf import _SafetensorsWriter
+    from pgconvert.savers.hf import _SafetensorsWriter
 
     tensors = {
         "b.weight": torch.arange(12, dtype=torch.float32).view(3, 4),

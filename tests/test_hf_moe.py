@@ -199,7 +199,7 @@ def test_qwen3_moe_dense_layer_is_a_dense_megatron_mlp(moe_sources: dict[str, Pa
 # --- config.json <-> ModelConfig ----------------------------------------------------------------------
 
 def _loaded_config(path: Path) -> ModelConfig:
-    from loaders.hf import HFLoader
+    from pgconvert.loaders.hf import HFLoader
     from pgconvert.formats import LoadOptions
 
     with HFLoader().open(path, LoadOptions()) as source:

@@ -28,8 +28,8 @@ from megatron_fixtures import load_for_test, make_full_model, merge_megatron_che
 from torch.distributed.checkpoint import FileSystemReader, TensorStorageMetadata
 
 import pgconvert
-from loaders._torch_dist_reader import _SafeReader
-from loaders.torch_dist import TorchDistLoader
+from pgconvert.loaders._torch_dist_reader import _SafeReader
+from pgconvert.loaders.torch_dist import TorchDistLoader
 from pgconvert.cli import main
 from pgconvert.errors import CheckpointError, LayoutError, PgconvertError, StrictModeError, UnsafePickleError
 from pgconvert.formats import LoadOptions, SaveOptions
@@ -37,7 +37,7 @@ from pgconvert.layout import ParallelLayout
 from pgconvert.registry import detect_format, get_loader, loader_names, saver_names
 from pgconvert.rules import COLUMN
 from pgconvert.stream import CanonicalSource, TensorMeta
-from savers.torch_dist import TorchDistSaver
+from pgconvert.savers.torch_dist import TorchDistSaver
 
 ITERATION_DIR = "iter_0000100"
 DENSE_MODELS = {"gqa_swiglu_untied": GQA_SWIGLU, "mha_gelu_tied": MHA_GELU_TIED, "qknorm_te_bf16": QK_NORM_TE}

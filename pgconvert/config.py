@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
 from pgconvert.errors import ConfigError
+from pgconvert.limits import quote
 
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")
 POSITION_EMBEDDINGS = ("rope", "learned_absolute", "none")
@@ -60,6 +62,8 @@ class ModelConfig:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
                      "make_vocab_size_divisible_by"):
             _require_positive(name, getattr(self, name))
+        for name in ("norm_epsilon", "rotary_base"):
+            _require_finite(name, getattr(self, name))
         if self.num_query_groups is None:
             object.__setattr__(self, "num_query_groups", self.num_attention_heads)
         if self.kv_channels is None:
@@ -156,9 +160,14 @@ class ModelConfig:
 
 def _require_positive(name: str, value: object) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ConfigError(f"{name}={value!r}: must be a positive integer")
+        raise ConfigError(f"{name}={quote(value)}: must be a positive integer")
+
+
+def _require_finite(name: str, value: object) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise ConfigError(f"{name}={quote(value)}: must be a finite number")
 
 
 def _require_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
     if value not in choices:
-        raise ConfigError(f"{name}={value!r}: must be one of {', '.join(choices)}")
+        raise ConfigError(f"{name}={quote(value)}: must be one of {', '.join(choices)}")

@@ -24,6 +24,7 @@ from types import MappingProxyType
 import torch
 
 from pgconvert.config import ModelConfig
+from pgconvert.limits import quote
 
 SLOT = "{}"
 
@@ -452,13 +453,14 @@ def _layers_from_sparse_step(present: Mapping[str, object], model: Mapping[str, 
     anything but "every layer" becomes a 0/1 pattern."""
     step = present.get("decoder_sparse_step", 1)
     if not isinstance(step, int) or isinstance(step, bool) or step < 1:
-        raise ValueError(f"decoder_sparse_step={step!r}: expected a positive integer")
+        raise ValueError(f"decoder_sparse_step={quote(step)}: expected a positive integer")
     dense = present.get("mlp_only_layers", [])
     if not isinstance(dense, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in dense):
-        raise ValueError(f"mlp_only_layers={dense!r}: expected a list of layer indices")
+        raise ValueError(f"mlp_only_layers={quote(dense)}: expected a list of layer indices")
     layers = model["num_layers"]
     assert isinstance(layers, int)
-    pattern = tuple(int(layer not in dense and (layer + 1) % step == 0) for layer in range(layers))
+    dense_set = set(dense)
+    pattern = tuple(int(layer not in dense_set and (layer + 1) % step == 0) for layer in range(layers))
     return {"moe_layer_freq": 1 if all(pattern) else pattern}
 
 

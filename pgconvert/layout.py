@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from pgconvert.config import ModelConfig
 from pgconvert.errors import LayoutError
+from pgconvert.limits import quote
 
 # Megatron's pipeline_model_parallel_layout characters (megatron/core/transformer/
 # pipeline_parallel_layer_layout.py): E embedding, L loss (final norm + output layer), t decoder layer.
@@ -59,7 +60,7 @@ class ParallelLayout:
         for name in ("first_stage_layers", "last_stage_layers"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 0):
-                raise LayoutError(f"{name}={value!r}: must be an integer >= 0")
+                raise LayoutError(f"{name}={quote(value)}: must be an integer >= 0")
         if self.pp == 1 and (self.first_stage_layers is not None or self.last_stage_layers is not None):
             raise LayoutError("first/last pipeline stage layers: only meaningful with pp > 1 (pp=1 here)")
         if self.pipeline_layout is not None:
@@ -231,7 +232,7 @@ class ParallelLayout:
 
 def _require_size(name: str, value: object) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise LayoutError(f"{name}={value!r}: must be an integer >= 1")
+        raise LayoutError(f"{name}={quote(value)}: must be an integer >= 1")
 
 
 def _flag_namer(prefix: str) -> Callable[[str, object], str]:

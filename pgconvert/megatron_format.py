@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import io
 import logging
+import math
 import pathlib
 import pickle
 import re
@@ -28,8 +29,10 @@ from typing import Any
 import torch
 
 from pgconvert.config import ModelConfig
-from pgconvert.errors import CheckpointError, LayoutError, UnsafePickleError
+from pgconvert.errors import CheckpointError, ConfigError, LayoutError, UnsafePickleError
 from pgconvert.layout import ParallelLayout
+from pgconvert.limits import quote
+from pgconvert.torch_input import check_torch_file
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +116,9 @@ def safe_torch_load(path: Path) -> dict[str, Any]:
     """``torch.load(weights_only=True, mmap=True)`` with the allowlist; errors name the file."""
     try:
         with torch.serialization.safe_globals(SAFE_GLOBALS):
-            loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            # Structure and limits first (check_torch_file); a legacy file is read whole, without mmap.
+            mappable = check_torch_file(path)
+            loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=mappable)
     except pickle.UnpicklingError as exc:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         detail = _unsafe_global(str(exc))
@@ -122,10 +127,12 @@ def safe_torch_load(path: Path) -> dict[str, Any]:
                 f"{path}: refuses to unpickle {detail}: it is not on the allowlist of safe globals "
                 "(nothing from the file was executed)"
             ) from exc
-        raise CheckpointError(f"{path}: not a readable torch checkpoint ({first_line})") from exc
+        raise CheckpointError(f"{path}: not a readable torch checkpoint ({quote(first_line, 200)})") from exc
     except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as exc:
+        if isinstance(exc, CheckpointError):
+            raise
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CheckpointError(f"{path}: truncated or corrupt torch checkpoint ({first_line})") from exc
+        raise CheckpointError(f"{path}: truncated or corrupt torch checkpoint ({quote(first_line, 200)})") from exc
     if not isinstance(loaded, dict):
         raise CheckpointError(f"{path}: expected a dict at the top level, found {type(loaded).__name__}")
     return loaded
@@ -160,6 +167,15 @@ def _dtype_name(args: argparse.Namespace) -> str:
 
 def config_from_args(args: argparse.Namespace, path: Path, transformer_impl: str,
                      true_vocab_size: int | None, grouped_gemm: bool = False) -> ModelConfig:
+    """The ModelConfig a Megatron run's ``args`` describe; a value it refuses is named with the file."""
+    try:
+        return _config_from_args(args, path, transformer_impl, true_vocab_size, grouped_gemm)
+    except ConfigError as exc:
+        raise CheckpointError(f"{path}: args describe an impossible model: {exc}") from exc
+
+
+def _config_from_args(args: argparse.Namespace, path: Path, transformer_impl: str,
+                      true_vocab_size: int | None, grouped_gemm: bool = False) -> ModelConfig:
     """The ModelConfig a Megatron run's ``args`` describe (megatron-LM's argument defaults apply)."""
 
     def required(name: str) -> Any:
@@ -175,7 +191,7 @@ def config_from_args(args: argparse.Namespace, path: Path, transformer_impl: str
     if position is None:
         position = "rope" if getattr(args, "use_rotary_position_embeddings", False) else "learned_absolute"
     if position not in ("rope", "learned_absolute", "none"):
-        raise CheckpointError(f"{path}: args.position_embedding_type={position!r} is not supported")
+        raise CheckpointError(f"{path}: args.position_embedding_type={quote(position)} is not supported")
     vocab = true_vocab_size
     if vocab is None and isinstance(getattr(args, "vocab_size", None), int):
         vocab = args.vocab_size
@@ -184,7 +200,7 @@ def config_from_args(args: argparse.Namespace, path: Path, transformer_impl: str
         num_layers=required("num_layers"),
         hidden_size=hidden,
         num_attention_heads=heads,
-        ffn_hidden_size=getattr(args, "ffn_hidden_size", None) or 4 * hidden,
+        ffn_hidden_size=getattr(args, "ffn_hidden_size", None) or (4 * hidden if isinstance(hidden, int) else hidden),
         num_query_groups=groups or heads,
         kv_channels=getattr(args, "kv_channels", None) or None,
         vocab_size=vocab,
@@ -192,14 +208,14 @@ def config_from_args(args: argparse.Namespace, path: Path, transformer_impl: str
         gated_linear_unit=swiglu,
         activation="silu" if swiglu else "gelu",
         normalization=getattr(args, "normalization", None) or "LayerNorm",
-        norm_epsilon=float(getattr(args, "norm_epsilon", None) or getattr(args, "layernorm_epsilon", 1e-5)),
+        norm_epsilon=_arg_float(args, ("norm_epsilon", "layernorm_epsilon"), 1e-5, path),
         add_bias_linear=bool(getattr(args, "add_bias_linear", True)),
         add_qkv_bias=bool(getattr(args, "add_qkv_bias", False)),
         qk_layernorm=bool(getattr(args, "qk_layernorm", False)),
         tie_embeddings=not getattr(args, "untie_embeddings_and_output_weights", False),
         position_embedding_type=position,
         max_position_embeddings=getattr(args, "max_position_embeddings", None),
-        rotary_base=float(getattr(args, "rotary_base", 10000)),
+        rotary_base=_arg_float(args, ("rotary_base",), 10000.0, path),
         params_dtype=_dtype_name(args),
         transformer_impl=transformer_impl,
         num_experts=getattr(args, "num_experts", None) or None,
@@ -222,30 +238,63 @@ def _layout_string(value: Any, path: Path) -> str | None:
         if isinstance(text, str):
             return text
     raise CheckpointError(
-        f"{path}: args.pipeline_model_parallel_layout={value!r} is not a layout string pgconvert can read"
+        f"{path}: args.pipeline_model_parallel_layout={quote(value)} is not a layout string pgconvert can read"
     )
 
 
 def layout_from_args(args: argparse.Namespace, path: Path) -> ParallelLayout:
     def size(name: str) -> int:
-        value = getattr(args, name, None)
-        return 1 if value is None else int(value)
+        value = _arg_int(args, name, path, minimum=1)
+        return 1 if value is None else value
 
     pp = size("pipeline_model_parallel_size")
     tp = size("tensor_model_parallel_size")
     pipeline_layout = _layout_string(getattr(args, "pipeline_model_parallel_layout", None), path) if pp > 1 else None
-    vpp = getattr(args, "virtual_pipeline_model_parallel_size", None)
-    expert_tp = getattr(args, "expert_tensor_parallel_size", None)
+    vpp = _arg_int(args, "virtual_pipeline_model_parallel_size", path, minimum=1)
+    expert_tp = _arg_int(args, "expert_tensor_parallel_size", path, minimum=1)
+    try:
+        return _layout(args, tp, pp, size("expert_model_parallel_size"), vpp, expert_tp, pipeline_layout, path)
+    except LayoutError as exc:
+        raise CheckpointError(f"{path}: args describe an impossible layout: {exc}") from exc
+
+
+def _layout(args: argparse.Namespace, tp: int, pp: int, ep: int, vpp: int | None, expert_tp: int | None,
+            pipeline_layout: str | None, path: Path) -> ParallelLayout:
     return ParallelLayout(
         tp=tp,
         pp=pp,
-        ep=size("expert_model_parallel_size"),
-        first_stage_layers=getattr(args, "decoder_first_pipeline_num_layers", None) if pp > 1 and not pipeline_layout else None,
-        last_stage_layers=getattr(args, "decoder_last_pipeline_num_layers", None) if pp > 1 and not pipeline_layout else None,
-        vpp=int(vpp) if vpp is not None else None,
-        expert_tp=int(expert_tp) if expert_tp is not None and int(expert_tp) != tp else None,
+        ep=ep,
+        first_stage_layers=_arg_int(args, "decoder_first_pipeline_num_layers", path, minimum=0)
+        if pp > 1 and not pipeline_layout else None,
+        last_stage_layers=_arg_int(args, "decoder_last_pipeline_num_layers", path, minimum=0)
+        if pp > 1 and not pipeline_layout else None,
+        vpp=vpp,
+        expert_tp=expert_tp if expert_tp is not None and expert_tp != tp else None,
         pipeline_layout=pipeline_layout,
     )
+
+
+def _arg_int(args: argparse.Namespace, name: str, path: Path, minimum: int) -> int | None:
+    """An integer setting of ``args`` (None when absent), refused with the file named unless it is one."""
+    value = getattr(args, name, None)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise CheckpointError(f"{path}: args.{name}={quote(value)}: must be an integer >= {minimum}")
+    return value
+
+
+def _arg_float(args: argparse.Namespace, names: tuple[str, ...], default: float, path: Path) -> float:
+    """The first of ``names`` that ``args`` sets (falsy values fall through, as Megatron-LM reads
+    them), refused with the file named unless it is a finite number."""
+    for name in names:
+        value = getattr(args, name, None)
+        if value is None or value == 0 and isinstance(value, (int, float)) and not isinstance(value, bool):
+            continue
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+            raise CheckpointError(f"{path}: args.{name}={quote(value)}: must be a finite number")
+        return float(value)
+    return default
 
 
 def check_megatron_layout(layout: ParallelLayout, flag_prefix: str, path: Path | None = None) -> None:
@@ -267,7 +316,7 @@ def _moe_layer_freq(value: Any, path: Path) -> int | tuple[int, ...]:
         return value
     if isinstance(value, (list, tuple)) and all(isinstance(item, int) for item in value):
         return tuple(value)
-    raise CheckpointError(f"{path}: args.moe_layer_freq={value!r}: expected an int or a list of 0/1")
+    raise CheckpointError(f"{path}: args.moe_layer_freq={quote(value)}: expected an int or a list of 0/1")
 
 
 def args_for_target(config: ModelConfig, layout: ParallelLayout, padded_vocab_size: int,

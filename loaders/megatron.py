@@ -16,6 +16,7 @@ from pgconvert.errors import CheckpointError, LayoutError
 from pgconvert.formats import Loader, LoadOptions
 from pgconvert.grid import RankCoord, build_converter_process_groups, iter_ranks
 from pgconvert.layout import ParallelLayout
+from pgconvert.limits import MAX_LISTED_MISSING, quote
 from pgconvert.megatron_format import (
     ITERATION_DIR_RE,
     RANK_DIR_RE,
@@ -28,6 +29,7 @@ from pgconvert.megatron_format import (
     resolve_megatron_iteration,
     safe_torch_load,
 )
+from pgconvert.torch_input import mappable
 from pgconvert.memory import release_mapped_pages
 from pgconvert.paths import ensure_within
 from pgconvert.provider import (
@@ -148,6 +150,7 @@ class MegatronSource(CanonicalSource):
         check_megatron_layout(layout, "src", first_file)
         self.layout = layout
         self._check_user_layout(options, layout, first_file)
+        _check_sizes_against_files(layout, len(rank_dirs), len(first_state), first_file)
         expected = {
             rank_dir_name(c.tp, c.pp, c.ep, layout.pp, layout.ep): c for c in iter_ranks(layout)
         }
@@ -165,6 +168,7 @@ class MegatronSource(CanonicalSource):
             )
         chunk_keys = _chunk_keys(layout)
         self.files: dict[RankCoord, Path] = {}
+        self._unmapped: set[RankCoord] = set()
         models: dict[tuple[RankCoord, str], dict[str, Any]] = {}
         for name, coord in expected.items():
             path = rank_dirs[name] / RANK_FILE
@@ -179,8 +183,10 @@ class MegatronSource(CanonicalSource):
                     f"from args (expected {chunk_keys})"
                 )
             self.files[coord] = path
+            if not mappable(path):
+                self._unmapped.add(coord)
             for chunk_key in chunk_keys:
-                models[(coord, chunk_key)] = state[chunk_key]
+                models[(coord, chunk_key)] = _model_dict(state[chunk_key], path, chunk_key)
         first_model = models[(RankCoord(0, 0), chunk_keys[0])]
         all_first_keys = [key for (coord, _), model in models.items() if coord.tp == 0 for key in model]
         impl = _detect_impl(dict.fromkeys(all_first_keys), args)
@@ -189,6 +195,7 @@ class MegatronSource(CanonicalSource):
                      f"transformer_impl={impl!r} from args", options.strict, self._early_notices)
         config = config_from_args(args, first_file, impl, options.true_vocab_size,
                                   grouped_gemm=_detect_grouped_gemm(dict.fromkeys(all_first_keys)))
+        _check_config_against_files(config, sum(len(model) for model in models.values()), first_file)
         layout.validate(config, "src")
         padded = getattr(args, "padded_vocab_size", None)
         if not isinstance(padded, int):
@@ -321,7 +328,7 @@ class MegatronSource(CanonicalSource):
                         f"{name}: the copies in {self.files[theirs.coord]} and {self.files[mine.coord]} "
                         f"({mine.spec.local_name}) differ"
                     )
-            release_mapped_pages(self._tensor(piece) for piece in group)
+            self._release(group)
         self._verified.add(name)
 
     def describe(self) -> str:
@@ -334,7 +341,7 @@ class MegatronSource(CanonicalSource):
         # The result may alias the mapped pieces, so their pages are handed back one call later,
         # once a streaming consumer has written it (a late reader would just fault them in again).
         release_mapped_pages(self._last_loaded)
-        self._last_loaded = tensors
+        self._last_loaded = [] if any(p.coord in self._unmapped for p in copies[0]) else tensors
         return copies[0][0].spec.rule.merge(tensors)
 
     def _load_shard(self, name: str, rule: ShardRule, size: int, rank: int,
@@ -346,8 +353,12 @@ class MegatronSource(CanonicalSource):
             piece = rule.reshard_rows(tensors, rows, self.config.vocab_size, size, rank)
         else:
             piece = rule.reshard(tensors, size, rank)
-        release_mapped_pages(tensors)
+        self._release(copies[0])
         return piece
+
+    def _release(self, pieces: list[_Piece]) -> None:
+        """Hand back the mapped pages of pieces; a legacy file's tensors live in ordinary memory."""
+        release_mapped_pages(self._tensor(piece) for piece in pieces if piece.coord not in self._unmapped)
 
     def extra_states(self) -> dict[str, ExtraState]:
         return dict(self._extra)
@@ -356,6 +367,35 @@ class MegatronSource(CanonicalSource):
         self._last_loaded = []
         self._models.clear()
         self._pieces.clear()
+
+
+def _model_dict(model: object, path: Path, chunk_key: str) -> dict[str, Any]:
+    """A rank file's model chunk: a dict of tensor names (anything else is a broken file)."""
+    if not isinstance(model, dict):
+        raise CheckpointError(f"{path}: {chunk_key!r} is a {type(model).__name__}, expected a dict of tensors")
+    for key in model:
+        if not isinstance(key, str):
+            raise CheckpointError(f"{path}: {chunk_key!r} holds the key {quote(key)}, expected tensor names")
+    return model
+
+
+def _check_sizes_against_files(layout: ParallelLayout, rank_dirs: int, first_entries: int, path: Path) -> None:
+    """Sizes from args, bounded by what is on disk before anything is allocated or looped over."""
+    ranks = layout.tp * layout.pp * layout.ep
+    if ranks > rank_dirs + MAX_LISTED_MISSING:
+        raise CheckpointError(f"{path}: args describe {layout.describe()} ({ranks} rank files), but "
+                              f"{rank_dirs} mp_rank_* directories are present")
+    if layout.has_virtual_chunks and layout.virtual_size > first_entries:
+        raise CheckpointError(f"{path}: args describe {layout.virtual_size} virtual pipeline chunks, but the file "
+                              f"holds {first_entries} entries")
+
+
+def _check_config_against_files(config: Any, tensors: int, path: Path) -> None:
+    """Every layer and expert holds tensors: counts from args beyond the tensors present are refused."""
+    for name in ("num_layers", "num_experts"):
+        value = getattr(config, name)
+        if value is not None and value > tensors:
+            raise CheckpointError(f"{path}: args.{name}={value}, but the rank files hold only {tensors} tensors")
 
 
 def _to_global(local_key: str, layer_offset: int) -> str:

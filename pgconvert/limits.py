@@ -31,22 +31,15 @@ MAX_JSON_DEPTH = 64
 MAX_SAFETENSORS_HEADER_BYTES = 100_000_000
 # The largest tracker file (latest_checkpointed_iteration.txt holds a number or "release").
 MAX_TRACKER_BYTES = 64
+# The most missing rank files a message lists; a layout from args that needs more than this many
+# beyond those present is refused by count before its rank names are enumerated.
+MAX_LISTED_MISSING = 64
 # The most characters of an untrusted value an error message quotes.
 MAX_QUOTED_CHARS = 120
 
-_LIMIT_NAMES = {
-    "MAX_PICKLE_BYTES": MAX_PICKLE_BYTES,
-    "MAX_SMALL_RECORD_BYTES": MAX_SMALL_RECORD_BYTES,
-    "MAX_JSON_BYTES": MAX_JSON_BYTES,
-    "MAX_JSON_DEPTH": MAX_JSON_DEPTH,
-    "MAX_SAFETENSORS_HEADER_BYTES": MAX_SAFETENSORS_HEADER_BYTES,
-    "MAX_TRACKER_BYTES": MAX_TRACKER_BYTES,
-}
-
-
 def over_limit(path: Path | str, what: str, found: int, limit: str) -> CheckpointError:
-    """The refusal of an input past a named limit."""
-    return CheckpointError(f"{path}: {what} is {found}, over pgconvert's limit {limit}={_LIMIT_NAMES[limit]}")
+    """The refusal of an input past the limit of that name (a constant of this module)."""
+    return CheckpointError(f"{path}: {what} is {found}, over pgconvert's limit {limit}={globals()[limit]}")
 
 
 # --------------------------------------------------------------------------- quoting values

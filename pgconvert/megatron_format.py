@@ -31,7 +31,7 @@ import torch
 from pgconvert.config import ModelConfig
 from pgconvert.errors import CheckpointError, ConfigError, LayoutError, UnsafePickleError
 from pgconvert.layout import ParallelLayout
-from pgconvert.limits import quote
+from pgconvert.limits import MAX_TRACKER_BYTES, over_limit, quote
 from pgconvert.torch_input import check_torch_file
 
 log = logging.getLogger(__name__)
@@ -425,13 +425,13 @@ def resolve_megatron_iteration(root: Path, iteration: int | None,
         return directory, iteration, False
     tracker = root / TRACKER_FILE
     if tracker.is_file():
-        text = tracker.read_text().strip()
+        text = _read_tracker(tracker)
         if text == "release":
             if not has_release:
                 raise CheckpointError(f"{tracker}: names 'release' but {root / 'release'} is missing")
             return root / "release", None, True
-        if not text.isdigit():
-            raise CheckpointError(f"{tracker}: expected an iteration number or 'release', found {text!r}")
+        if not re.fullmatch(r"[0-9]+", text):
+            raise CheckpointError(f"{tracker}: expected an iteration number or 'release', found {quote(text)}")
         directory = root / iteration_dir_name(int(text), release=False)
         if not directory.is_dir():
             raise CheckpointError(f"{tracker}: names iteration {int(text)} but {directory.name} is missing (present: {listing})")
@@ -444,3 +444,19 @@ def resolve_megatron_iteration(root: Path, iteration: int | None,
         raise CheckpointError(f"{root}: no {TRACKER_FILE}, iter_* or release directory")
     raise CheckpointError(f"{root}: no {TRACKER_FILE} and several iterations ({listing}"
                           f"{', release' if has_release else ''}); choose one with --iteration")
+
+
+def _read_tracker(tracker: Path) -> str:
+    """The tracker file's text: a few ASCII characters (a number or ``release``), else refused."""
+    try:
+        with open(tracker, "rb") as handle:
+            data = handle.read(MAX_TRACKER_BYTES + 1)
+    except OSError as exc:
+        raise CheckpointError(f"{tracker}: cannot be read: {exc.strerror or exc}") from exc
+    if len(data) > MAX_TRACKER_BYTES:
+        raise over_limit(tracker, "the tracker file's size in bytes", tracker.stat().st_size, "MAX_TRACKER_BYTES")
+    try:
+        return data.decode("ascii").strip()
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{tracker}: expected an iteration number or 'release', found the non-ASCII "
+                              f"bytes {quote(data)}") from None

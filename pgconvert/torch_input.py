@@ -28,7 +28,8 @@ from typing import Any, BinaryIO
 import torch
 
 from pgconvert.errors import CheckpointError
-from pgconvert.limits import MAX_PICKLE_BYTES, MAX_SMALL_RECORD_BYTES, over_limit, quote
+from pgconvert import limits
+from pgconvert.limits import over_limit, quote
 
 _LOCAL_HEADER = struct.Struct("<4s22xHH")
 _LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
@@ -99,9 +100,9 @@ def _check_zip(path: Path, handle: BinaryIO, size: int) -> None:
     prefix = pickles[0][: -len("data.pkl")]
     for name, (_, length) in records.items():
         if name == pickles[0]:
-            if length > MAX_PICKLE_BYTES:
+            if length > limits.MAX_PICKLE_BYTES:
                 raise over_limit(path, "the data.pkl record's size in bytes", length, "MAX_PICKLE_BYTES")
-        elif not name.startswith(prefix + "data/") and length > MAX_SMALL_RECORD_BYTES:
+        elif not name.startswith(prefix + "data/") and length > limits.MAX_SMALL_RECORD_BYTES:
             raise over_limit(path, f"record {quote(name)}'s size in bytes", length, "MAX_SMALL_RECORD_BYTES")
     start, length = records[pickles[0]]
     handle.seek(start)
@@ -128,7 +129,7 @@ def _check_legacy(path: Path, handle: BinaryIO, size: int) -> None:
                               "legacy torch.save file)")
     for _ in range(3):  # protocol version, system info, the object itself
         _unpickle_for_needs(handle, needs)
-    if handle.tell() > MAX_PICKLE_BYTES:
+    if handle.tell() > limits.MAX_PICKLE_BYTES:
         raise over_limit(path, "the legacy file's pickled part in bytes", handle.tell(), "MAX_PICKLE_BYTES")
     keys = _unpickle_for_needs(handle, needs)
     if not isinstance(keys, list) or sorted(map(str, keys)) != sorted(needs.elements):
@@ -175,3 +176,8 @@ def _meta_unpickling(path: Path) -> Iterator[None]:
         raise CheckpointError(f"{path}: truncated or corrupt torch checkpoint "
                               f"({type(exc).__name__}: {quote(str(exc), 200)})") from exc
 
+
+
+def mappable(path: Path) -> bool:
+    """Whether torch.load maps the file's tensors (a zip file) rather than reading them into memory."""
+    return zipfile.is_zipfile(path)

@@ -1,0 +1,207 @@
+"""Hostile and broken input files (issue 13, the reading side): bounded resources, no silent
+corruption, no tracebacks, every message naming the file (and the limit, where one is hit)."""
+
+from __future__ import annotations
+
+import math
+import time
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner, Result
+from conftest import GQA_SWIGLU
+from megatron_fixtures import load_for_test, make_full_model, merge_megatron_checkpoint, write_megatron_checkpoint
+
+from pgconvert import limits
+from pgconvert.cli import main
+
+
+def run_cli(*args: str | Path) -> Result:
+    return CliRunner().invoke(main, [str(arg) for arg in args])
+
+
+def rank_file(root: Path, name: str = "mp_rank_00") -> Path:
+    return root / "iter_0000100" / name / "model_optim_rng.pt"
+
+
+def assert_refused(result: Result, path: Path, *fragments: str, codes: tuple[int, ...] = (1,)) -> None:
+    assert result.exit_code in codes, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+    assert "Traceback" not in result.output
+    assert str(path) in result.output, result.output
+    for fragment in fragments:
+        assert fragment in result.output, result.output
+    assert len(result.output) < 2000, f"unbounded message of {len(result.output)} characters"
+
+
+@pytest.fixture
+def src(tmp_path: Path) -> Path:
+    return write_megatron_checkpoint(tmp_path / "src", GQA_SWIGLU, make_full_model(GQA_SWIGLU), 2, 1)
+
+
+def _rewrite_zip(path: Path, edit: Callable[[str, bytes], tuple[bytes, int]]) -> None:
+    """Rewrite a torch zip file record by record: ``edit(name, data) -> (data, compress_type)``."""
+    with zipfile.ZipFile(path) as archive:
+        records = [(info.filename, archive.read(info.filename)) for info in archive.infolist()]
+    with zipfile.ZipFile(path, "w") as archive:
+        for name, data in records:
+            new, compression = edit(name, data)
+            archive.writestr(zipfile.ZipInfo(name), new, compress_type=compression)
+
+
+def _edit_args(path: Path, **changes: object) -> None:
+    state = load_for_test(path)
+    for key, value in changes.items():
+        setattr(state["args"], key, value)
+    torch.save(state, path)
+
+
+def _edit_all_args(src: Path, **changes: object) -> Path:
+    for path in sorted(src.glob("iter_*/mp_rank_*/model_optim_rng.pt")):
+        _edit_args(path, **changes)
+    return rank_file(src)
+
+
+# ------------------------------------------------------------------------------------ torch zip records
+
+
+def test_deflated_record_is_refused_before_torch_inflates_it(src: Path, tmp_path: Path) -> None:
+    path = rank_file(src)
+    _rewrite_zip(path, lambda name, data: (data, zipfile.ZIP_DEFLATED if name.endswith("data.pkl")
+                                           else zipfile.ZIP_STORED))
+
+    assert_refused(run_cli(src, tmp_path / "dst", "--dst-tp", "1"), path, "data.pkl", "is compressed")
+
+
+def test_data_pkl_over_the_pickle_limit_is_refused_naming_the_limit(src: Path, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(limits, "MAX_PICKLE_BYTES", 100)
+
+    result = run_cli(src, tmp_path / "dst", "--dst-tp", "1")
+
+    assert_refused(result, rank_file(src), "over pgconvert's limit MAX_PICKLE_BYTES=100")
+
+
+def test_storage_record_shorter_than_its_tensor_is_refused(src: Path, tmp_path: Path) -> None:
+    path = rank_file(src, "mp_rank_01")
+    with zipfile.ZipFile(path) as archive:
+        largest = max((info for info in archive.infolist() if "/data/" in info.filename), key=lambda i: i.file_size)
+    _rewrite_zip(path, lambda name, data: (data[:8] if name == largest.filename else data, zipfile.ZIP_STORED))
+
+    result = run_cli(src, tmp_path / "dst", "--dst-tp", "1")
+
+    assert_refused(result, path, f"record data/{largest.filename.rsplit('/', 1)[1]!r} holds 8 bytes, "
+                   f"its tensors need {largest.file_size}")
+    assert not (tmp_path / "dst").exists()
+
+
+def test_legacy_torch_save_files_are_read(src: Path, tmp_path: Path) -> None:
+    for path in src.glob("iter_*/mp_rank_*/model_optim_rng.pt"):
+        torch.save(load_for_test(path), path, _use_new_zipfile_serialization=False)
+        assert not zipfile.is_zipfile(path)
+
+    result = run_cli(src, tmp_path / "dst", "--dst-tp", "1", "--quiet")
+
+    assert result.exit_code == 0, result.output
+    merged = merge_megatron_checkpoint(tmp_path / "dst", GQA_SWIGLU)
+    full = make_full_model(GQA_SWIGLU)
+    assert sorted(merged) == sorted(full)
+    assert all(torch.equal(merged[name], full[name]) for name in full)
+
+
+def test_legacy_file_with_a_short_storage_is_refused(src: Path, tmp_path: Path) -> None:
+    path = rank_file(src, "mp_rank_01")
+    torch.save(load_for_test(path), path, _use_new_zipfile_serialization=False)
+    path.write_bytes(path.read_bytes()[:-100])
+
+    assert_refused(run_cli(src, tmp_path / "dst", "--dst-tp", "1"), path, "truncated or corrupt legacy")
+
+
+def test_legacy_file_with_a_global_outside_the_allowlist_is_refused(src: Path, tmp_path: Path) -> None:
+    path = rank_file(src, "mp_rank_01")
+    state = load_for_test(path)
+    state["evil"] = time.sleep  # any callable outside the allowlist
+    torch.save(state, path, _use_new_zipfile_serialization=False)
+
+    assert_refused(run_cli(src, tmp_path / "dst", "--dst-tp", "1"), path, "refuses to unpickle global time.sleep")
+
+
+# ------------------------------------------------------------------------------------ args and model
+
+
+def _shared_reference_bomb() -> list[object]:
+    """A list of lists whose full repr would be 10**40 characters, pickled in a few KB."""
+    value: list[object] = []
+    for _ in range(40):
+        value = [value] * 10
+    return value
+
+
+def test_shared_reference_value_in_an_error_message_is_quoted_bounded(src: Path, tmp_path: Path) -> None:
+    path = _edit_all_args(src, position_embedding_type=_shared_reference_bomb())
+    assert path.stat().st_size < 1_000_000
+
+    started = time.monotonic()
+    result = run_cli(src, tmp_path / "dst", "--dst-tp", "1")
+
+    assert_refused(result, path, "args.position_embedding_type=[[[[")
+    assert time.monotonic() - started < 30
+
+
+@pytest.mark.parametrize(("changes", "fragment"), [
+    ({"num_layers": 10**9}, "args.num_layers=1000000000, but the rank files hold only"),
+    ({"tensor_model_parallel_size": 10**9, "expert_tensor_parallel_size": None},
+     "(1000000000 rank files), but 2 mp_rank_* directories are present"),
+    ({"tensor_model_parallel_size": "abc"}, "args.tensor_model_parallel_size='abc': must be an integer >= 1"),
+    ({"tensor_model_parallel_size": 0}, "args.tensor_model_parallel_size=0: must be an integer >= 1"),
+    ({"tensor_model_parallel_size": -2}, "args.tensor_model_parallel_size=-2: must be an integer >= 1"),
+    ({"num_attention_heads": 0}, "num_attention_heads=0: must be a positive integer"),
+    ({"hidden_size": "64"}, "hidden_size='64': must be a positive integer"),
+    ({"norm_epsilon": "abc"}, "args.norm_epsilon='abc': must be a finite number"),
+    ({"norm_epsilon": math.nan}, "args.norm_epsilon=nan: must be a finite number"),
+    ({"rotary_base": math.inf}, "args.rotary_base=inf: must be a finite number"),
+], ids=lambda value: str(value)[:40])
+def test_bad_args_values_are_refused_naming_the_file(src: Path, tmp_path: Path, changes: dict[str, object],
+                                                     fragment: str) -> None:
+    path = _edit_all_args(src, **changes)
+
+    started = time.monotonic()
+    result = run_cli(src, tmp_path / "dst", "--dst-tp", "1")
+
+    assert_refused(result, path, fragment, codes=(1, 2))
+    assert time.monotonic() - started < 30
+
+
+def test_rotary_base_none_means_megatrons_default_not_a_crash(src: Path, tmp_path: Path) -> None:
+    _edit_all_args(src, rotary_base=None)
+
+    result = run_cli(src, tmp_path / "dst", "--dst-tp", "1", "--quiet")
+
+    assert result.exit_code == 0, result.output
+    assert load_for_test(rank_file(tmp_path / "dst"))["args"].rotary_base == 10000.0
+
+
+@pytest.mark.parametrize(("model", "fragment"), [
+    ([1, 2, 3], "'model' is a list, expected a dict of tensors"),
+    ({0: torch.zeros(1)}, "'model' holds the key 0, expected tensor names"),
+])
+def test_model_that_is_not_a_dict_of_names_is_refused(src: Path, tmp_path: Path, model: object,
+                                                      fragment: str) -> None:
+    path = rank_file(src, "mp_rank_01")
+    state = load_for_test(path)
+    state["model"] = model
+    torch.save(state, path)
+
+    assert_refused(run_cli(src, tmp_path / "dst", "--dst-tp", "1"), path, fragment)
+
+
+@pytest.mark.parametrize("content", ["²".encode(), "100".encode("utf-16"), b"1" * 1000])
+def test_tracker_that_is_not_an_ascii_number_is_refused(src: Path, tmp_path: Path, content: bytes) -> None:
+    tracker = src / "latest_checkpointed_iteration.txt"
+    tracker.write_bytes(content)
+
+    assert_refused(run_cli(src, tmp_path / "dst", "--dst-tp", "1"), tracker)
+

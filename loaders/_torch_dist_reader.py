@@ -49,6 +49,8 @@ from pgconvert.megatron_format import (
     layout_from_args,
     safe_torch_load,
 )
+from pgconvert.limits import quote
+from pgconvert.torch_input import check_torch_stream
 from pgconvert.paths import ensure_within
 from pgconvert.provider import OUTPUT_LAYER, WORD_EMBEDDINGS, canonical_shapes, te_extra_state_names
 from pgconvert.rules import Chunked, GatedChunked, Replicated, ShardRule, VocabParallel
@@ -138,14 +140,15 @@ class _RegionPlanner(DefaultLoadPlanner):
         key = read_item.dest_index.fqn
         try:
             with torch.serialization.safe_globals(SAFE_GLOBALS):
+                check_torch_stream(value, f"{self._where}: {key}")
                 self.loaded_objects[key] = torch.load(value, map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as exc:
             raise UnsafePickleError(
-                f"{self._where}: {key}: refuses to unpickle it ({str(exc).strip().splitlines()[0]}); "
+                f"{self._where}: {key}: refuses to unpickle it ({quote(str(exc).strip()[:400], 200)}); "
                 "nothing from the file was executed"
             ) from exc
         except (RuntimeError, EOFError, ValueError) as exc:
-            raise CheckpointError(f"{self._where}: {key}: not a readable object ({exc})") from exc
+            raise CheckpointError(f"{self._where}: {key}: not a readable object ({quote(str(exc), 200)})") from exc
 
 
 class TorchDistSource(CanonicalSource):
@@ -185,6 +188,8 @@ class TorchDistSource(CanonicalSource):
         self.layout.validate(config, "src")
         metadata_path = ensure_within(self.root, iteration_dir / DCP_METADATA_FILE)
         self._metadata = read_dcp_metadata(metadata_path)
+        self._check_files(metadata_path)
+        _check_counts(config, self._metadata, metadata_path)
         self._locations = tensor_locations(config)
         rows, training_entries = self._index(config, metadata_path)
         if config.vocab_size is None:
@@ -253,7 +258,6 @@ class TorchDistSource(CanonicalSource):
         if output is not None and tuple(tensors[output.key].size)[0] != rows:
             raise CheckpointError(f"{metadata_path}: output_layer.weight has {tensors[output.key].size[0]} rows, "
                                   f"{WORD_EMBEDDINGS} {rows}")
-        self._check_files(metadata_path)
         return rows, len(training)
 
     def _check_files(self, metadata_path: Path) -> None:
@@ -265,7 +269,7 @@ class TorchDistSource(CanonicalSource):
         for info in storage.values():
             relative = getattr(info, "relative_path", None)
             if not isinstance(relative, str):
-                raise CheckpointError(f"{metadata_path}: a chunk has no file name ({info!r})")
+                raise CheckpointError(f"{metadata_path}: a chunk has no file name ({quote(info)})")
             needed[relative] = max(needed.get(relative, 0), int(info.offset) + int(info.length))
         referenced = {key.fqn for key in storage}
         unstored = sorted(key for key in self._metadata.state_dict_metadata if key not in referenced)
@@ -300,7 +304,7 @@ class TorchDistSource(CanonicalSource):
         except (PgconvertError, OSError):
             raise
         except Exception as exc:  # torch's reader on a corrupt chunk: name the checkpoint
-            raise CheckpointError(f"{self.directory}: reading failed: {type(exc).__name__}: {exc}") from exc
+            raise CheckpointError(f"{self.directory}: reading failed: {type(exc).__name__}: {quote(str(exc), 200)}") from exc
         return planner.loaded_objects
 
     def _read_boxes(self, name: str, boxes: list[_Region]) -> list[torch.Tensor]:
@@ -372,6 +376,19 @@ class TorchDistSource(CanonicalSource):
         if stored < step:
             pieces.append(torch.zeros((step - stored, *shape[1:]), dtype=self.meta(name).dtype))
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
+
+
+def _check_counts(config: ModelConfig, metadata: Metadata, path: Path) -> None:
+    """Layer and expert counts from args, bounded by the stored tensors before anything loops over them:
+    each is a key per layer (or expert) or a stacked axis of a stored tensor."""
+    entries = metadata.state_dict_metadata
+    bound = len(entries) + max((max(md.size, default=0) for md in entries.values()
+                                if isinstance(md, TensorStorageMetadata)), default=0)
+    for name in ("num_layers", "num_experts"):
+        value = getattr(config, name)
+        if value is not None and value > bound:
+            raise CheckpointError(f"{path}: common.pt's args.{name}={value}, more than the {len(entries)} entries "
+                                  "of the checkpoint and their sizes can hold")
 
 
 def _box(shape: tuple[int, ...], dim: int, start: int, length: int) -> _Region:

@@ -38,6 +38,8 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import math
+import os
 import pickle
 import warnings
 from collections.abc import Iterable, Iterator
@@ -47,10 +49,17 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    TensorStorageMetadata,
+)
 
+from pgconvert import limits
 from pgconvert.config import ModelConfig
 from pgconvert.errors import CheckpointError, UnsafePickleError
+from pgconvert.limits import over_limit, quote, read_json
 from pgconvert.megatron_format import resolve_megatron_iteration
 from pgconvert.provider import LAYER_PREFIX, canonical_names, layer_tensors
 
@@ -246,23 +255,20 @@ def single_process_calls() -> Iterator[None]:
 
 def read_checkpoint_config(path: Path) -> dict[str, Any]:
     """``metadata.json``, refused unless it names the torch_dist backend with a torch common part."""
-    try:
-        config = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: missing; not a Megatron distributed checkpoint") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{path}: not readable JSON ({exc})") from exc
+    if not path.exists():
+        raise CheckpointError(f"{path}: missing; not a Megatron distributed checkpoint")
+    config = read_json(path)
     if not isinstance(config, dict):
         raise CheckpointError(f"{path}: expected a JSON object, found {type(config).__name__}")
     backend = config.get("sharded_backend")
     if backend != SHARDED_BACKEND:
         raise CheckpointError(
-            f"{path}: sharded_backend={backend!r}: pgconvert reads Megatron distributed checkpoints "
+            f"{path}: sharded_backend={quote(backend)}: pgconvert reads Megatron distributed checkpoints "
             f"of the {SHARDED_BACKEND!r} backend only"
         )
     for field, expected in (("sharded_backend_version", 1), ("common_backend", "torch"), ("common_backend_version", 1)):
         if config.get(field, expected) != expected:
-            raise CheckpointError(f"{path}: {field}={config.get(field)!r}: only {expected!r} is supported")
+            raise CheckpointError(f"{path}: {field}={quote(config.get(field))}: only {expected!r} is supported")
     return config
 
 
@@ -305,6 +311,9 @@ def read_dcp_metadata(path: Path) -> Metadata:
     """torch.distributed.checkpoint's ``.metadata`` through an allowlist of its own classes."""
     try:
         with open(path, "rb") as handle:
+            size = os.fstat(handle.fileno()).st_size
+            if size > limits.MAX_PICKLE_BYTES:
+                raise over_limit(path, "the metadata pickle's size in bytes", size, "MAX_PICKLE_BYTES")
             metadata = _MetadataUnpickler(handle).load()
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing; the distributed checkpoint has no tensor index") from None
@@ -315,12 +324,74 @@ def read_dcp_metadata(path: Path) -> Metadata:
                 f"{path}: refuses to unpickle global {text.split(' is not')[0].removeprefix('GLOBAL ')}: it is not on the allowlist of "
                 "torch.distributed.checkpoint metadata classes (nothing from the file was executed)"
             ) from exc
-        raise CheckpointError(f"{path}: truncated or corrupt checkpoint metadata ({text})") from exc
-    except (EOFError, OSError, AttributeError, TypeError, ValueError, IndexError) as exc:
-        raise CheckpointError(f"{path}: truncated or corrupt checkpoint metadata ({type(exc).__name__}: {exc})") from exc
+        raise CheckpointError(f"{path}: truncated or corrupt checkpoint metadata ({quote(text, 200)})") from exc
+    except CheckpointError:
+        raise
+    except Exception as exc:  # an allowlisted class called with hostile arguments raises anything
+        raise CheckpointError(f"{path}: truncated or corrupt checkpoint metadata "
+                              f"({type(exc).__name__}: {quote(str(exc), 200)})") from exc
     if not isinstance(metadata, Metadata):
         raise CheckpointError(f"{path}: expected torch.distributed.checkpoint Metadata, found {type(metadata).__name__}")
+    _check_metadata(metadata, path)
     return metadata
+
+
+def _is_index(value: object, length: int | None = None) -> bool:
+    """A shape or offset: a sequence of non-negative ints (of ``length`` entries when given)."""
+    return (isinstance(value, (tuple, list)) and (length is None or len(value) == length)
+            and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value))
+
+
+def _check_metadata(metadata: Metadata, path: Path) -> None:
+    """The structure the reader relies on, checked once: every entry typed, every chunk inside its
+    tensor, every storage entry a file name with an integer extent."""
+    entries = metadata.state_dict_metadata
+    if not isinstance(entries, dict):
+        raise CheckpointError(f"{path}: state_dict_metadata is {type(entries).__name__}, expected a dict")
+    for key, md in entries.items():
+        where = f"{path}: entry {quote(key)}"
+        if not isinstance(key, str):
+            raise CheckpointError(f"{where}: not a key name")
+        if isinstance(md, BytesStorageMetadata):
+            continue
+        if not isinstance(md, TensorStorageMetadata):
+            raise CheckpointError(f"{where}: is a {type(md).__name__}, expected tensor or bytes metadata")
+        if not isinstance(getattr(md.properties, "dtype", None), torch.dtype) or not _is_index(md.size):
+            raise CheckpointError(f"{where}: malformed tensor metadata (dtype {quote(getattr(md.properties, 'dtype', None))}, "
+                                  f"size {quote(md.size)})")
+        if not isinstance(md.chunks, list):
+            raise CheckpointError(f"{where}: chunks is {type(md.chunks).__name__}, expected a list")
+        for chunk in md.chunks:
+            offsets, sizes = getattr(chunk, "offsets", None), getattr(chunk, "sizes", None)
+            if (not isinstance(chunk, ChunkStorageMetadata) or not _is_index(offsets, len(md.size))
+                    or not _is_index(sizes, len(md.size))
+                    or any(o + n > total for o, n, total in zip(offsets, sizes, md.size))):
+                raise CheckpointError(f"{where}: a chunk {quote(offsets)} + {quote(sizes)} does not lie inside "
+                                      f"its tensor of size {list(md.size)}")
+    _check_volumes(metadata, path)
+
+
+def _check_volumes(metadata: Metadata, path: Path) -> None:
+    """Each key's stored bytes hold at least its chunks' values: sizes are bounded by the data."""
+    storage = metadata.storage_data
+    if not isinstance(storage, dict):
+        raise CheckpointError(f"{path}: no storage index (storage_data is {type(storage).__name__})")
+    for index, info in storage.items():
+        fields = [getattr(info, name, None) for name in ("offset", "length")]
+        if (not isinstance(getattr(index, "fqn", None), str) or not isinstance(getattr(info, "relative_path", None), str)
+                or not _is_index(fields)):
+            raise CheckpointError(f"{path}: a storage entry is malformed (file {quote(getattr(info, 'relative_path', None))}, "
+                                  f"offset {quote(fields[0])}, length {quote(fields[1])}); expected a file name "
+                                  "and non-negative integers")
+    stored: dict[str, int] = {}
+    for index, info in storage.items():
+        stored[index.fqn] = stored.get(index.fqn, 0) + info.length
+    for key, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            needed = sum(math.prod(chunk.sizes) for chunk in md.chunks) * torch._utils._element_size(md.properties.dtype)
+            if stored.get(key, 0) < needed:
+                raise CheckpointError(f"{path}: entry {quote(key)}: its chunks hold {needed} bytes of values, but "
+                                      f"its storage entries only {stored.get(key, 0)}")
 
 
 # --------------------------------------------------------------------------- iteration directory

@@ -38,7 +38,7 @@ _LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
 class _Needs:
     """The bytes each storage key's tensors need, collected by a meta-device persistent_load."""
 
-    def __init__(self, path: Path, legacy: bool) -> None:
+    def __init__(self, path: Path | str, legacy: bool) -> None:
         self.path = path
         self.legacy = legacy
         self.bytes: dict[str, int] = {}
@@ -67,7 +67,7 @@ def _unpickle_for_needs(handle: BinaryIO, needs: _Needs) -> Any:
     return unpickler.load()
 
 
-def _zip_records(path: Path, handle: BinaryIO, size: int) -> dict[str, tuple[int, int]]:
+def _zip_records(path: Path | str, handle: BinaryIO, size: int) -> dict[str, tuple[int, int]]:
     """name -> (data offset, length) of every record, each checked to be stored and inside the file."""
     try:
         infos = zipfile.ZipFile(handle).infolist()
@@ -92,7 +92,7 @@ def _zip_records(path: Path, handle: BinaryIO, size: int) -> dict[str, tuple[int
     return records
 
 
-def _check_zip(path: Path, handle: BinaryIO, size: int) -> None:
+def _check_zip(path: Path | str, handle: BinaryIO, size: int) -> None:
     records = _zip_records(path, handle, size)
     pickles = [name for name in records if name.endswith("/data.pkl") and name.count("/") == 1]
     if len(pickles) != 1:
@@ -118,7 +118,7 @@ def _check_zip(path: Path, handle: BinaryIO, size: int) -> None:
                                   f"holds {record[1]} bytes, its tensors need {needed})")
 
 
-def _check_legacy(path: Path, handle: BinaryIO, size: int) -> None:
+def _check_legacy(path: Path | str, handle: BinaryIO, size: int) -> None:
     needs = _Needs(path, legacy=True)
     try:
         magic = _unpickle_for_needs(handle, needs)
@@ -150,20 +150,26 @@ def check_torch_file(path: Path) -> bool:
     """Check a ``torch.save`` file's structure against the limits; True for a zip file (mmap-able),
     False for a legacy one. Raises CheckpointError naming the file and the problem."""
     with open(path, "rb") as handle:
-        size = handle.seek(0, io.SEEK_END)
-        handle.seek(0)
-        is_zip = zipfile.is_zipfile(handle)
-        handle.seek(0)
-        with _meta_unpickling(path):
-            if is_zip:
-                _check_zip(path, handle, size)
-            else:
-                _check_legacy(path, handle, size)
+        return check_torch_stream(handle, path)
+
+
+def check_torch_stream(handle: BinaryIO, path: Path | str) -> bool:
+    """``check_torch_file`` of an open file or buffer (left at its start); ``path`` names it in errors."""
+    size = handle.seek(0, io.SEEK_END)
+    handle.seek(0)
+    is_zip = zipfile.is_zipfile(handle)
+    handle.seek(0)
+    with _meta_unpickling(path):
+        if is_zip:
+            _check_zip(path, handle, size)
+        else:
+            _check_legacy(path, handle, size)
+    handle.seek(0)
     return is_zip
 
 
 @contextmanager
-def _meta_unpickling(path: Path) -> Iterator[None]:
+def _meta_unpickling(path: Path | str) -> Iterator[None]:
     """Failures of the structural unpickling, as torch.load would report them, name the file."""
     try:
         yield

@@ -4,10 +4,13 @@ corruption, no tracebacks, every message naming the file (and the limit, where o
 from __future__ import annotations
 
 import math
+import pickle
+import struct
 import time
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -15,6 +18,7 @@ from click.testing import CliRunner, Result
 from conftest import GQA_SWIGLU
 from megatron_fixtures import load_for_test, make_full_model, merge_megatron_checkpoint, write_megatron_checkpoint
 
+import pgconvert
 from pgconvert import limits
 from pgconvert.cli import main
 
@@ -205,3 +209,86 @@ def test_tracker_that_is_not_an_ascii_number_is_refused(src: Path, tmp_path: Pat
 
     assert_refused(run_cli(src, tmp_path / "dst", "--dst-tp", "1"), tracker)
 
+
+
+# ------------------------------------------------------------------------------------ torch_dist
+
+
+@pytest.fixture
+def dist(src: Path, tmp_path: Path) -> Path:
+    pgconvert.convert(src, tmp_path / "dist", dst_format="torch_dist", dst_tp=1)
+    return tmp_path / "dist"
+
+
+def _metadata_path(dist: Path) -> Path:
+    return dist / "iter_0000100" / ".metadata"
+
+
+def _edit_metadata(dist: Path, edit: Callable[[Any], None]) -> Path:
+    path = _metadata_path(dist)
+    with open(path, "rb") as handle:
+        metadata = pickle.load(handle)  # the test's own fixture, written by pgconvert
+    edit(metadata)
+    with open(path, "wb") as handle:
+        pickle.dump(metadata, handle)
+    return path
+
+
+def _first_storage(metadata: Any) -> Any:
+    """The storage entry of the first tensor (not bytes) entry."""
+    tensors = [key for key, md in metadata.state_dict_metadata.items() if hasattr(md, "chunks")]
+    return next(info for index, info in metadata.storage_data.items() if index.fqn == tensors[0])
+
+
+@pytest.mark.parametrize(("edit", "fragment"), [
+    (lambda md: setattr(md, "state_dict_metadata", None), "state_dict_metadata is NoneType, expected a dict"),
+    (lambda md: setattr(_first_storage(md), "offset", "abc"), "offset 'abc'"),
+    (lambda md: setattr(_first_storage(md), "relative_path", _shared_reference_bomb()), "a storage entry is malformed"),
+    (lambda md: setattr(_first_storage(md), "length", 8), "its chunks hold"),
+], ids=["state_dict_metadata None", "offset abc", "shared-reference bomb", "short storage"])
+def test_malformed_dcp_metadata_is_refused_naming_it(dist: Path, tmp_path: Path, edit: Callable[[Any], None],
+                                                     fragment: str) -> None:
+    path = _edit_metadata(dist, edit)
+
+    assert_refused(run_cli(dist, tmp_path / "dst", "--dst-tp", "1"), path, fragment)
+
+
+def test_allowlisted_global_called_with_a_bad_argument_is_refused(dist: Path, tmp_path: Path) -> None:
+    path = _metadata_path(dist)
+    name = b"torch.bogus_layout"
+    path.write_bytes(b"\x80\x02ctorch.serialization\n_get_layout\nX" + struct.pack("<I", len(name)) + name + b"\x85R.")
+
+    assert_refused(run_cli(dist, tmp_path / "dst", "--dst-tp", "1"), path, "truncated or corrupt checkpoint metadata")
+
+
+def test_dcp_metadata_over_the_pickle_limit_is_refused(dist: Path, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(limits, "MAX_PICKLE_BYTES", 100)
+
+    result = run_cli(dist, tmp_path / "dst", "--dst-tp", "1")
+
+    assert_refused(result, dist / "iter_0000100", "over pgconvert's limit MAX_PICKLE_BYTES=100")
+
+
+def test_num_layers_beyond_the_stored_tensors_is_refused_in_common_pt(dist: Path, tmp_path: Path) -> None:
+    path = dist / "iter_0000100" / "common.pt"
+    common = load_for_test(path)
+    common["args"].num_layers = 10**9
+    torch.save(common, path)
+
+    started = time.monotonic()
+    result = run_cli(dist, tmp_path / "dst", "--dst-tp", "1")
+
+    assert_refused(result, _metadata_path(dist), "args.num_layers=1000000000")
+    assert time.monotonic() - started < 30
+
+
+# ------------------------------------------------------------------------------------ JSON
+
+
+def test_deeply_nested_metadata_json_is_refused_by_depth(dist: Path, tmp_path: Path) -> None:
+    path = dist / "iter_0000100" / "metadata.json"
+    path.write_text("[" * 100_000)
+
+    assert_refused(run_cli(dist, tmp_path / "dst", "--dst-tp", "1"), path,
+                   f"the JSON nesting depth is 100000, over pgconvert's limit MAX_JSON_DEPTH={limits.MAX_JSON_DEPTH}")

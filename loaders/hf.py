@@ -97,7 +97,7 @@ class HFSource(CanonicalSource):
         self._files, stored = _locate_tensors(directory)
         embedding = family.tensors.to_hf(WORD_EMBEDDINGS)
         stored_dtype = stored[embedding[1][0]].dtype if embedding and embedding[1][0] in stored else None
-        family, config, notices = model_config_from_hf(doc, config_path, stored_dtype)
+        family, config, notices = model_config_from_hf(doc, config_path, stored_dtype, stored_tensors=len(stored))
         _check_options(options, config, config_path)
         assert config.vocab_size is not None
         super().__init__(config, vocab_rows=config.vocab_size, iteration=None)

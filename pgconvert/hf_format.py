@@ -15,8 +15,9 @@ DIR, so a crafted index cannot make pgconvert read anything else.
 from __future__ import annotations
 
 import copy
-import json
 import logging
+import math
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from safetensors import SafetensorError, safe_open
 from pgconvert.config import DTYPES, ModelConfig
 from pgconvert.errors import CheckpointError, ConfigError, PgconvertError
 from pgconvert.families import FAMILIES, INFERENCE_ORDER, REQUIRED, ConfigField, Family, supported_architectures
+from pgconvert.limits import MAX_SAFETENSORS_HEADER_BYTES, over_limit, parse_json, quote, read_json
 from pgconvert.provider import OUTPUT_LAYER, WORD_EMBEDDINGS
 from pgconvert.provider import canonical_shapes as provider_shapes
 from pgconvert.stream import TensorMeta
@@ -90,10 +92,7 @@ class HFOrigin:
 def read_json_object(path: Path, error: type[PgconvertError] = CheckpointError) -> dict[str, Any]:
     if not path.is_file():
         raise error(f"{path}: missing")
-    try:
-        loaded = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise error(f"{path}: not valid JSON ({exc})") from exc
+    loaded = read_json(path, error)
     if not isinstance(loaded, dict):
         raise error(f"{path}: expected a JSON object at the top level, found {type(loaded).__name__}")
     return loaded
@@ -104,10 +103,10 @@ def family_of(doc: dict[str, Any], path: Path, error: type[PgconvertError] = Che
     architectures = doc.get("architectures")
     supported = ", ".join(supported_architectures())
     if not isinstance(architectures, list) or not architectures or not isinstance(architectures[0], str):
-        raise error(f"{path}: architectures={architectures!r}: expected a list naming one of {supported}")
+        raise error(f"{path}: architectures={quote(architectures)}: expected a list naming one of {supported}")
     family = FAMILIES.get(architectures[0])
     if family is None:
-        raise error(f"{path}: architectures[0]={architectures[0]!r} is not supported; supported: {supported}")
+        raise error(f"{path}: architectures[0]={quote(architectures[0])} is not supported; supported: {supported}")
     return family
 
 
@@ -144,28 +143,32 @@ def _read_field(doc: dict[str, Any], spec: ConfigField, path: Path, error: type[
     key = ".".join(where)
     if spec.kind is bool:
         if not isinstance(value, bool):
-            raise error(f"{path}: {key}={value!r}: expected true or false")
+            raise error(f"{path}: {key}={quote(value)}: expected true or false")
         return value
     if spec.kind is int:
         if not isinstance(value, int) or isinstance(value, bool):
-            raise error(f"{path}: {key}={value!r}: expected an integer")
+            raise error(f"{path}: {key}={quote(value)}: expected an integer")
         return value
     if spec.kind is float:
-        if not isinstance(value, (int, float)) or isinstance(value, bool):
-            raise error(f"{path}: {key}={value!r}: expected a number")
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+            raise error(f"{path}: {key}={quote(value)}: expected a finite number")
         return float(value)
     raise AssertionError(f"config field kind {spec.kind!r}")
 
 
 def model_config_from_hf(doc: dict[str, Any], path: Path, stored_dtype: torch.dtype | None = None,
-                         error: type[PgconvertError] = CheckpointError) -> tuple[Family, ModelConfig, list[str]]:
-    """The family, the ModelConfig and notices (settings ModelConfig cannot carry) of a config.json."""
+                         error: type[PgconvertError] = CheckpointError,
+                         stored_tensors: int | None = None) -> tuple[Family, ModelConfig, list[str]]:
+    """The family, the ModelConfig and notices (settings ModelConfig cannot carry) of a config.json.
+
+    ``stored_tensors``, the number of tensors the checkpoint holds, bounds the layer and expert
+    counts before anything loops over them (each layer and expert holds tensors)."""
     family = family_of(doc, path, error)
     for key, expected in family.hf_fixed.items():
         value = doc.get(key, expected)
         if value != expected:
             raise error(
-                f"{path}: {key}={value!r}: {family.architecture} is converted only with {key}={expected!r}"
+                f"{path}: {key}={quote(value)}: {family.architecture} is converted only with {key}={expected!r}"
             )
     values: dict[str, object] = dict(family.fixed)
     read_from: dict[str, str] = {}
@@ -173,11 +176,14 @@ def model_config_from_hf(doc: dict[str, Any], path: Path, stored_dtype: torch.dt
         value = _read_field(doc, spec, path, error)
         if spec.model_field in values and values[spec.model_field] != value:
             raise error(
-                f"{path}: {read_from[spec.model_field]}={values[spec.model_field]!r} and "
-                f"{spec.key}={value!r}: Megatron has one setting ({spec.model_field}) for both; they must agree"
+                f"{path}: {read_from[spec.model_field]}={quote(values[spec.model_field])} and "
+                f"{spec.key}={quote(value)}: Megatron has one setting ({spec.model_field}) for both; they must agree"
             )
         values[spec.model_field] = value
         read_from.setdefault(spec.model_field, spec.key)
+        if (stored_tensors is not None and spec.model_field in ("num_layers", "num_experts")
+                and isinstance(value, int) and value > stored_tensors):
+            raise error(f"{path}: {spec.key}={value}, but the checkpoint holds only {stored_tensors} tensors")
     for rule in family.rules:
         present = {key: doc[key] for key in rule.keys if doc.get(key) is not None}
         try:
@@ -193,7 +199,7 @@ def model_config_from_hf(doc: dict[str, Any], path: Path, stored_dtype: torch.dt
     except ConfigError as exc:
         raise error(f"{path}: describes an impossible model: {exc}") from exc
     notices = [
-        f"{path}: {key}={doc[key]!r} has no Megatron setting: a megatron target is a model that behaves as "
+        f"{path}: {key}={quote(doc[key])} has no Megatron setting: a megatron target is a model that behaves as "
         f"{key}={assumed!r} unless the Megatron run is set to match; an hf target keeps config.json"
         for key, assumed in family.hf_assumed.items()
         if key in doc and doc[key] != assumed
@@ -204,7 +210,7 @@ def model_config_from_hf(doc: dict[str, Any], path: Path, stored_dtype: torch.dt
         rope_type = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else "default"
     if rope_type not in ("default", None):
         notices.append(
-            f"{path}: rope_type={rope_type!r} (RoPE scaling) has no ModelConfig field: a megatron target "
+            f"{path}: rope_type={quote(rope_type)} (RoPE scaling) has no ModelConfig field: a megatron target "
             "does not carry it (set the rope scaling flags of your Megatron run); an hf target keeps config.json"
         )
     return family, config, notices
@@ -330,7 +336,7 @@ def validate_shard_name(name: object, index_path: Path) -> str:
         problem = f"does not end in {SHARD_SUFFIX}"
     if problem is not None:
         raise CheckpointError(
-            f"{index_path}: shard name {name!r} {problem}; shards must be plain *{SHARD_SUFFIX} "
+            f"{index_path}: shard name {quote(name)} {problem}; shards must be plain *{SHARD_SUFFIX} "
             "file names inside the checkpoint directory"
         )
     assert isinstance(name, str)
@@ -358,17 +364,36 @@ def parse_index(index_path: Path) -> dict[str, str]:
     checked: dict[str, str] = {}
     for tensor, shard in weight_map.items():
         if not isinstance(tensor, str):
-            raise CheckpointError(f"{index_path}: weight_map key {tensor!r} is not a tensor name")
+            raise CheckpointError(f"{index_path}: weight_map key {quote(tensor)} is not a tensor name")
         checked[tensor] = validate_shard_name(shard, index_path)
     metadata = doc.get("metadata", {})
     total = metadata.get("total_size") if isinstance(metadata, dict) else None
     if total is not None and (not isinstance(total, int) or isinstance(total, bool) or total < 0):
-        raise CheckpointError(f"{index_path}: metadata.total_size={total!r}: expected a byte count")
+        raise CheckpointError(f"{index_path}: metadata.total_size={quote(total)}: expected a byte count")
     return checked
+
+
+def check_header(path: Path) -> None:
+    """A safetensors header read by pgconvert itself before the library parses it: bounded in size
+    and depth, and each tensor named once (the library keeps the last of two same-named entries)."""
+    try:
+        with open(path, "rb") as handle:
+            prefix = handle.read(8)
+            if len(prefix) < 8:
+                return  # the library names the file as not a safetensors file
+            (length,) = struct.unpack("<Q", prefix)
+            if length > MAX_SAFETENSORS_HEADER_BYTES:
+                raise over_limit(path, "the safetensors header's size in bytes", length, "MAX_SAFETENSORS_HEADER_BYTES")
+            header = handle.read(length)
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot be read: {exc.strerror or exc}") from exc
+    if len(header) == length:
+        parse_json(header, f"{path} (safetensors header)")
 
 
 def read_header(path: Path) -> dict[str, TensorMeta]:
     """Shape and dtype of every tensor in a safetensors file, from its header alone."""
+    check_header(path)
     try:
         with safe_open(str(path), framework="pt") as handle:
             metas = {}

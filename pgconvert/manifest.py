@@ -21,6 +21,7 @@ from pgconvert.config import ModelConfig
 from pgconvert.errors import CheckpointError
 from pgconvert.formats import PlannedFile, target_config
 from pgconvert.layout import ParallelLayout
+from pgconvert.limits import read_json
 
 if TYPE_CHECKING:
     from pgconvert.convert import ConvertRequest, Plan
@@ -232,10 +233,7 @@ def read_manifest(root: Path) -> Manifest | None:
     path = root / MANIFEST_FILE
     if not path.is_file():
         return None
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise CheckpointError(f"{path}: unreadable manifest: {error}") from error
+    doc = read_json(path)
     return Manifest.from_dict(doc, path)
 
 

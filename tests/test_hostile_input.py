@@ -3,8 +3,10 @@ corruption, no tracebacks, every message naming the file (and the limit, where o
 
 from __future__ import annotations
 
+import json
 import math
 import pickle
+import shutil
 import struct
 import time
 import zipfile
@@ -292,3 +294,79 @@ def test_deeply_nested_metadata_json_is_refused_by_depth(dist: Path, tmp_path: P
 
     assert_refused(run_cli(dist, tmp_path / "dst", "--dst-tp", "1"), path,
                    f"the JSON nesting depth is 100000, over pgconvert's limit MAX_JSON_DEPTH={limits.MAX_JSON_DEPTH}")
+
+
+# ------------------------------------------------------------------------------------ HF safetensors
+
+
+@pytest.fixture(scope="module")
+def pristine_hf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small HF checkpoint (one model.safetensors) made by pgconvert from the example model."""
+    root = tmp_path_factory.mktemp("hf")
+    assert CliRunner().invoke(main, ["example", str(root / "mcore"), "--tp", "1"]).exit_code == 0
+    pgconvert.convert(root / "mcore", root / "hf", dst_format="hf")
+    return root / "hf"
+
+
+@pytest.fixture
+def hf_src(pristine_hf: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(pristine_hf, tmp_path / "hf"))
+
+
+def test_safetensors_header_naming_a_tensor_twice_is_refused(hf_src: Path, tmp_path: Path) -> None:
+    path = hf_src / "model.safetensors"
+    data = path.read_bytes()
+    length = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8:8 + length])
+    name = next(key for key in header if key != "__metadata__" and header[key]["dtype"] in ("BF16", "F32"))
+    twin = dict(header[name], dtype="F16" if header[name]["dtype"] == "BF16" else "I32")
+    text = json.dumps(header)[:-1] + f", {json.dumps(name)}: {json.dumps(twin)}}}"
+    encoded = text.encode()
+    path.write_bytes(struct.pack("<Q", len(encoded)) + encoded + data[8 + length:])
+
+    result = run_cli(hf_src, tmp_path / "dst", "--dst-format", "megatron")
+
+    assert_refused(result, path, f"the key {name!r} appears twice in one JSON object")
+    assert not (tmp_path / "dst").exists()
+
+
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity"])
+def test_non_finite_number_in_config_json_is_refused(hf_src: Path, tmp_path: Path, value: str) -> None:
+    path = hf_src / "config.json"
+    doc = json.loads(path.read_text())
+    key = "rms_norm_eps" if "rms_norm_eps" in doc else "rope_theta"
+    doc[key] = 0.5
+    path.write_text(json.dumps(doc).replace("0.5", value))
+
+    result = run_cli(hf_src, tmp_path / "dst", "--dst-format", "megatron")
+
+    assert_refused(result, path, f"{key}={value.lower().replace('infinity', 'inf')}: expected a finite number")
+
+
+def test_num_hidden_layers_beyond_the_stored_tensors_is_refused(hf_src: Path, tmp_path: Path) -> None:
+    path = hf_src / "config.json"
+    doc = json.loads(path.read_text())
+    doc["num_hidden_layers"] = 10**9
+    path.write_text(json.dumps(doc))
+
+    started = time.monotonic()
+    result = run_cli(hf_src, tmp_path / "dst", "--dst-format", "megatron")
+
+    assert_refused(result, path, "num_hidden_layers=1000000000, but the checkpoint holds only")
+    assert time.monotonic() - started < 30
+
+
+@pytest.mark.parametrize(("command", "name"), [
+    ("convert", "config.json"),
+    ("inspect", "pgconvert.json"),
+    ("verify", "pgconvert.json"),
+])
+def test_deeply_nested_json_is_refused_by_depth(hf_src: Path, tmp_path: Path, command: str, name: str) -> None:
+    path = hf_src / name
+    path.write_text("[" * 100_000)
+    args = {"convert": [hf_src, tmp_path / "dst", "--dst-format", "megatron"], "inspect": [hf_src],
+            "verify": [hf_src, hf_src]}[command]
+
+    result = run_cli(command, *args)
+
+    assert_refused(result, path, f"over pgconvert's limit MAX_JSON_DEPTH={limits.MAX_JSON_DEPTH}", codes=(1, 2))

@@ -388,7 +388,11 @@ def check_header(path: Path) -> None:
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot be read: {exc.strerror or exc}") from exc
     if len(header) == length:
-        parse_json(header, f"{path} (safetensors header)")
+        try:
+            parse_json(header, path)
+        except CheckpointError as exc:
+            detail = str(exc).removeprefix(f"{path}: ")
+            raise CheckpointError(f"{path}: not a readable safetensors file (corrupt header?): {detail}") from None
 
 
 def read_header(path: Path) -> dict[str, TensorMeta]:

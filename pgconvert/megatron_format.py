@@ -87,6 +87,13 @@ class OpaqueGlobal:
     def __repr__(self) -> str:
         return f"<{self.qualified_name} {self.value!r}>"
 
+    def __eq__(self, other: object) -> bool:
+        return (type(other) is type(self) and self.args == other.args  # type: ignore[attr-defined]
+                and self.state == other.state)  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return hash((self.qualified_name, self.args))
+
     def __reduce__(self) -> tuple[Any, ...]:
         # Pickled back under the framework's own name (see ``FrameworkPickler``): an enum as
         # ``Class(value)``, as Python's Enum pickles itself; any other object as ``Class.__new__``

@@ -20,7 +20,8 @@ from conftest import GQA_SWIGLU
 from megatron_fixtures import make_full_model, read_megatron_checkpoint_ranks, read_megatron_checkpoint, write_megatron_checkpoint
 
 import pgconvert
-from pgconvert.megatron_format import FRAMEWORK_PICKLE, _opaque, safe_torch_load
+from pgconvert import megatron_format
+from pgconvert.megatron_format import _opaque, safe_torch_load
 
 GOLDENS = Path(__file__).parent / "data" / "megatron_lm"
 CONVERT_PY = sorted(GOLDENS.glob("convert_py_core_tp*"))
@@ -192,7 +193,7 @@ def test_training_checkpoint_state_is_read_and_reported_not_carried(tmp_path: Pa
     for tp_rank, path in enumerate(sorted(src.rglob("model_optim_rng.pt"))):
         state = torch.load(path, weights_only=False)
         state.update(_training_state(tp_rank))
-        torch.save(state, path, pickle_module=FRAMEWORK_PICKLE)
+        torch.save(state, path, pickle_module=megatron_format.FRAMEWORK_PICKLE)
         torch.save({"param_state": {0: {"exp_avg": torch.ones(4)}}}, path.parent / "distrib_optim.pt")
     report = pgconvert.convert(src, tmp_path / "dst", dst_tp=1)
     assert any("optimizer" in notice for notice in report.notices)

@@ -13,6 +13,7 @@ ambiguous between PP-only and EP-only: it is resolved from the saved ``args``, n
 from __future__ import annotations
 
 import argparse
+import copyreg
 import io
 import logging
 import math
@@ -26,6 +27,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy
+import numpy.dtypes
 import torch
 
 from pgconvert.config import ModelConfig
@@ -33,6 +36,11 @@ from pgconvert.errors import CheckpointError, ConfigError, LayoutError, UnsafePi
 from pgconvert.layout import ParallelLayout
 from pgconvert.limits import MAX_TRACKER_BYTES, over_limit, quote
 from pgconvert.torch_input import check_torch_file
+
+try:  # numpy >= 2
+    from numpy._core import multiarray as numpy_multiarray
+except ImportError:  # pragma: no cover - numpy 1.x
+    from numpy.core import multiarray as numpy_multiarray
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +89,48 @@ class OpaqueGlobal:
     def __repr__(self) -> str:
         return f"<{self.qualified_name} {self.value!r}>"
 
+    def __eq__(self, other: object) -> bool:
+        return (type(other) is type(self) and self.args == other.args  # type: ignore[attr-defined]
+                and self.state == other.state)  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return hash((self.qualified_name, self.args))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled back under the framework's own name (see ``FrameworkPickler``): an enum as
+        # ``Class(value)``, as Python's Enum pickles itself; any other object as ``Class.__new__``
+        # plus its state, as the default reduction of a plain class does.
+        if self.state is None:
+            return type(self), self.args
+        return copyreg.__newobj__, (type(self), *self.args), self.state
+
+
+class FrameworkPickler(pickle._Pickler):  # type: ignore[name-defined,misc]
+    """A pickler that writes ``OpaqueGlobal`` stand-ins as the framework classes they stand for.
+
+    Megatron-LM's ``validate_args`` wants its own enum classes back in ``args`` (an int fails), and
+    pgconvert does not import Megatron: the stand-in class is written as a reference to the
+    framework's module and qualified name, which only the reader resolves.
+    """
+
+    def save_global(self, obj: Any, name: str | None = None) -> None:
+        if isinstance(obj, type) and issubclass(obj, OpaqueGlobal) and obj is not OpaqueGlobal:
+            module, _, qualname = obj.qualified_name.rpartition(".")
+            if self.proto >= 4:
+                self.save(module)
+                self.save(qualname)
+                self.write(pickle.STACK_GLOBAL)
+            else:
+                self.write(pickle.GLOBAL + f"{module}\n{qualname}\n".encode("utf-8"))
+            self.memoize(obj)
+            return
+        super().save_global(obj, name)
+
+
+# The ``pickle_module`` to hand ``torch.save`` for files holding Megatron ``args``.
+FRAMEWORK_PICKLE = types.ModuleType("pgconvert_framework_pickle")
+FRAMEWORK_PICKLE.Pickler = FrameworkPickler  # type: ignore[attr-defined]
+
 
 def _opaque(qualified_name: str) -> tuple[type, str]:
     stand_in = type(qualified_name.rsplit(".", 1)[-1], (OpaqueGlobal,), {"qualified_name": qualified_name})
@@ -102,12 +152,25 @@ _FRAMEWORK_GLOBALS = [
     _opaque("megatron.core.transformer.enums.LayerType"),
     _opaque("megatron.core.transformer.pipeline_parallel_layer_layout.PipelineParallelLayerLayout"),
 ]
+# What Megatron-LM's ``save_checkpoint`` writes beside the weights, as megatron-core's own
+# ``safe_globals`` list allows it: ``rng_state`` holds ``np.random.get_state()`` (a uint32 array,
+# rebuilt by numpy's ``_reconstruct``; numpy 1.x names it ``numpy.core``, 2.x ``numpy._core``),
+# ``random.getstate()`` (plain tuples) and RNG-tracker states that may be ``torch.Generator``s.
+_RNG_STATE_GLOBALS: list[Any] = [
+    numpy.ndarray,
+    numpy.dtype,
+    numpy.dtypes.UInt32DType,
+    (numpy_multiarray._reconstruct, "numpy._core.multiarray._reconstruct"),
+    (numpy_multiarray._reconstruct, "numpy.core.multiarray._reconstruct"),
+    torch._C.Generator,
+]
 SAFE_GLOBALS: list[Any] = [
     argparse.Namespace,
     types.SimpleNamespace,
     pathlib.PosixPath,
     io.BytesIO,
     signal.Signals,
+    *_RNG_STATE_GLOBALS,
     *_FRAMEWORK_GLOBALS,
 ]
 
@@ -251,7 +314,10 @@ def layout_from_args(args: argparse.Namespace, path: Path) -> ParallelLayout:
     tp = size("tensor_model_parallel_size")
     pipeline_layout = _layout_string(getattr(args, "pipeline_model_parallel_layout", None), path) if pp > 1 else None
     vpp = _arg_int(args, "virtual_pipeline_model_parallel_size", path, minimum=1)
-    expert_tp = _arg_int(args, "expert_tensor_parallel_size", path, minimum=1)
+    # Megatron ignores the expert TP size of a model without experts (tools/checkpoint copies the
+    # source's, e.g. 8, into any dense output), and so does pgconvert.
+    expert_tp = (_arg_int(args, "expert_tensor_parallel_size", path, minimum=1)
+                 if getattr(args, "num_experts", None) else None)
     try:
         return _layout(args, tp, pp, size("expert_model_parallel_size"), vpp, expert_tp, pipeline_layout, path)
     except LayoutError as exc:
@@ -323,10 +389,9 @@ def args_for_target(config: ModelConfig, layout: ParallelLayout, padded_vocab_si
                     dtype: torch.dtype, iteration: int | None,
                     base: argparse.Namespace | None) -> tuple[argparse.Namespace, list[str]]:
     """The ``args`` a destination rank file carries: the source's, re-described for ``layout``."""
-    if base is not None:
-        args, replaced = plain_args(base)
-    else:
-        args, replaced = argparse.Namespace(), []
+    # Framework enums and objects are kept as stand-ins: they are written back as Megatron's own
+    # classes (``FrameworkPickler``), which its validate_args requires.
+    args, replaced = argparse.Namespace(**vars(base)) if base is not None else argparse.Namespace(), []
     dtype_name = str(dtype).removeprefix("torch.")
     values: dict[str, Any] = {
         "num_layers": config.num_layers,
@@ -382,16 +447,34 @@ def args_for_target(config: ModelConfig, layout: ParallelLayout, padded_vocab_si
         # What megatron-LM's check_checkpoint_args and its own HF importers expect of args that
         # did not come from a training run.
         values.update({
-            "world_size": layout.world_size,
             "add_position_embedding": config.position_embedding_type == "learned_absolute",
             "use_rotary_position_embeddings": config.position_embedding_type == "rope",
             "layernorm_epsilon": config.norm_epsilon,
             "tokenizer_type": "HuggingFaceTokenizer",
             "seq_length": config.max_position_embeddings,
         })
+    values.update(_size_fields(layout, base))
     for key, value in values.items():
         setattr(args, key, value)
     return args, replaced
+
+
+def _size_fields(layout: ParallelLayout, base: argparse.Namespace | None) -> dict[str, int]:
+    """``world_size`` and the sizes derived from it, describing ``layout`` (never the source's run).
+
+    The data-parallel size is the smallest that Megatron's expert grid allows: tp * dp * cp must be
+    a multiple of expert_tp * ep. The source's context-parallel size is kept (it shards no weight).
+    """
+    cp = int(getattr(base, "context_parallel_size", None) or 1) if base is not None else 1
+    dense_ranks = layout.tp * cp
+    expert_ranks = layout.expert_tp_size * layout.ep
+    dp = expert_ranks // math.gcd(expert_ranks, dense_ranks)
+    return {
+        "world_size": layout.tp * layout.pp * cp * dp,
+        "data_parallel_size": dp,
+        "context_parallel_size": cp,
+        "transformer_pipeline_model_parallel_size": layout.pp,
+    }
 
 
 def _layers_per_virtual_stage(config: ModelConfig, layout: ParallelLayout) -> int | None:

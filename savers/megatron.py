@@ -28,10 +28,10 @@ from pgconvert.megatron_format import (
     CHECKPOINT_VERSION,
     RANK_FILE,
     TRACKER_FILE,
+    FRAMEWORK_PICKLE,
     args_for_target,
     check_megatron_layout,
     iteration_dir_name,
-    plain_args,
     rank_dir_name,
 )
 from pgconvert.provider import (
@@ -89,7 +89,7 @@ def save_durably(state: dict[str, Any], path: Path) -> str:
     with open(path, "wb") as handle, _without_zip_crc(), ThreadPoolExecutor(1) as hasher:
         writer = _HashingWriter(handle, hasher)
         try:
-            torch.save(state, writer)  # type: ignore[arg-type]
+            torch.save(state, writer, pickle_module=FRAMEWORK_PICKLE)  # type: ignore[arg-type]
         except RuntimeError as exc:
             # torch's zip writer reports a failed write (ENOSPC, EIO) as "unexpected pos"; the
             # file object's OSError is the real cause.
@@ -140,11 +140,6 @@ class MegatronSaver(Saver):
     @staticmethod
     def _refuse_guesses(source: CanonicalSource, options: SaveOptions, config: ModelConfig) -> None:
         """Under --strict, the guesses ``save`` would make are refused before anything is written."""
-        if source.megatron_args is not None:
-            replaced = plain_args(source.megatron_args)[1]
-            if replaced:
-                fallback("args naming framework classes would be written as plain values: "
-                         + ", ".join(replaced), strict=True)
         layout = options.layout
         for name, extra in source.extra_states().items():
             if not _holds_state(extra):

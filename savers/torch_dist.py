@@ -29,7 +29,8 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 
 from pgconvert.config import ModelConfig
 from pgconvert.formats import PlannedFile, Progress, SaveOptions, Saver, SaveResult, target_config
-from pgconvert.megatron_format import CHECKPOINT_VERSION, TRACKER_FILE, args_for_target, iteration_dir_name, plain_args
+from pgconvert.megatron_format import (CHECKPOINT_VERSION, FRAMEWORK_PICKLE, TRACKER_FILE, args_for_target,
+                                       iteration_dir_name)
 from pgconvert.provider import (
     OUTPUT_LAYER,
     WORD_EMBEDDINGS,
@@ -153,9 +154,6 @@ class TorchDistSaver(Saver):
         target_vocab_rows(config, source.vocab_rows, options.layout)
         if not options.strict:
             return
-        if source.megatron_args is not None and plain_args(source.megatron_args)[1]:
-            fallback("args naming framework classes would be written as plain values: "
-                     + ", ".join(plain_args(source.megatron_args)[1]), strict=True)
         if any(holds_state(extra.by_rank.values()) for extra in source.extra_states().values()):
             fallback("the source's Transformer Engine _extra_state would be written empty", strict=True)
 
@@ -211,7 +209,7 @@ class TorchDistSaver(Saver):
         common = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
                   "content_metadata": dict(CONTENT_METADATA)}
         common_path = iteration_dir / COMMON_FILE
-        torch.save(common, common_path)
+        torch.save(common, common_path, pickle_module=FRAMEWORK_PICKLE)
         _fsync(common_path)
         planner = _StreamingPlanner(chunks, objects, source, rows, progress)
         # One thread and no copy-ahead: chunks are produced one by one, in plan order (torch's

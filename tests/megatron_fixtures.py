@@ -675,9 +675,8 @@ _MODEL_CHUNK_RE = re.compile(r"^model(\d+)$")
 
 
 def load_rank_file(path: Path) -> dict[str, object]:
-    """torch.load a rank file with weights_only=True (argparse.Namespace allow-listed)."""
-    with torch.serialization.safe_globals([argparse.Namespace]):
-        return torch.load(path, map_location="cpu", weights_only=True)
+    """torch.load a rank file with weights_only=True (as ``load_for_test``)."""
+    return load_for_test(path)
 
 
 def load_for_test(path: Path) -> dict[str, object]:
@@ -688,7 +687,11 @@ def load_for_test(path: Path) -> dict[str, object]:
     """
     import io
 
-    allowed: list[object] = [argparse.Namespace, io.BytesIO]
+    from pgconvert.megatron_format import SAFE_GLOBALS as PGCONVERT_SAFE_GLOBALS
+
+    # pgconvert's stand-ins first: enums this megatron-core does not have yet (files written by
+    # Megatron-LM's own tools), overridden by megatron-core's real classes where it has them.
+    allowed: list[object] = [argparse.Namespace, io.BytesIO, *PGCONVERT_SAFE_GLOBALS]
     try:
         from megatron.core.safe_globals import SAFE_GLOBALS
     except ImportError:

@@ -1,0 +1,212 @@
+"""Files written by Megatron-LM's own tools (tests/data/megatron_lm/, see its README) are read and
+converted bit-exact; what pgconvert writes for Megatron carries Megatron's enum classes and sizes."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pickletools
+import random
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from checkpoint_compare import assert_same_ranks
+from conftest import GQA_SWIGLU
+from megatron_fixtures import make_full_model, read_megatron_checkpoint_ranks, read_megatron_checkpoint, write_megatron_checkpoint
+
+import pgconvert
+from pgconvert import megatron_format
+from pgconvert.megatron_format import _opaque, safe_torch_load
+
+GOLDENS = Path(__file__).parent / "data" / "megatron_lm"
+CONVERT_PY = sorted(GOLDENS.glob("convert_py_core_tp*"))
+
+
+def _globals_in(path: Path) -> set[str]:
+    """The module.name of every class or function a torch.save'd file's pickle names."""
+    pickled = torch._C.PyTorchFileReader(str(path)).get_record("data.pkl")
+    found = set()
+    for opcode, arg, _ in pickletools.genops(pickled):
+        if opcode.name == "GLOBAL":
+            found.add(arg.replace(" ", "."))
+    return found
+
+
+def _assert_same_model_tensors(actual: Path, expected: Path) -> None:
+    """Same rank files, same tensors (``torch.equal``, same dtype); Megatron-LM's own files also
+    hold ``_extra_state: None`` entries for the local spec, which carry nothing."""
+    _, actual_ranks = read_megatron_checkpoint_ranks(actual)
+    _, expected_ranks = read_megatron_checkpoint_ranks(expected)
+    assert sorted(actual_ranks) == sorted(expected_ranks)
+    for coord, chunks in expected_ranks.items():
+        for chunk, model in chunks.items():
+            tensors = {k: v for k, v in model.items() if v is not None}
+            got = {k: v for k, v in actual_ranks[coord][chunk].items() if v is not None}
+            assert sorted(got) == sorted(tensors), (coord, chunk)
+            for key, value in tensors.items():
+                assert got[key].dtype == value.dtype and torch.equal(got[key], value), (coord, chunk, key)
+
+
+def test_goldens_are_there() -> None:
+    assert [p.name for p in CONVERT_PY] == ["convert_py_core_tp1", "convert_py_core_tp2"]
+
+
+@pytest.mark.parametrize("golden", CONVERT_PY, ids=[p.name for p in CONVERT_PY])
+def test_convert_py_output_round_trips_bit_exact(tmp_path: Path, golden: Path) -> None:
+    args, _ = read_megatron_checkpoint(golden)
+    tp = args.tensor_model_parallel_size
+    # Megatron-LM's saver copies its source's expert TP size (!= tp) into this dense model's args.
+    assert args.num_experts is None and args.expert_tensor_parallel_size != tp
+    pgconvert.convert(golden, tmp_path / "tp2pp2", dst_tp=2, dst_pp=2)
+    pgconvert.convert(tmp_path / "tp2pp2", tmp_path / "back", dst_tp=tp, dst_pp=1)
+    _assert_same_model_tensors(tmp_path / "back", golden)
+
+    pgconvert.convert(golden, tmp_path / "hf", dst_format="hf")
+    pgconvert.convert(tmp_path / "hf", tmp_path / "from_hf", dst_format="megatron", dst_tp=tp,
+                      dst_transformer_impl="local")
+    _assert_same_model_tensors(tmp_path / "from_hf", golden)
+
+    pgconvert.convert(golden, tmp_path / "dist", dst_format="torch_dist", dst_tp=1)
+    pgconvert.convert(tmp_path / "dist", tmp_path / "from_dist", dst_format="megatron", dst_tp=tp)
+    _assert_same_model_tensors(tmp_path / "from_dist", golden)
+
+
+def test_enums_are_written_back_as_megatron_classes(tmp_path: Path) -> None:
+    golden = CONVERT_PY[-1]
+    pgconvert.convert(golden, tmp_path / "out", dst_tp=1, dst_pp=2)
+    written = sorted((tmp_path / "out").rglob("model_optim_rng.pt"))
+    assert len(written) == 2
+    names = _globals_in(written[0])
+    for name in ("megatron.core.enums.ModelType", "megatron.core.transformer.enums.AttnBackend",
+                 "megatron.core.transformer.enums.InferenceCudaGraphScope"):
+        assert name in names
+    source_args = safe_torch_load(next(golden.rglob("model_optim_rng.pt")))["args"]
+    args = safe_torch_load(written[0])["args"]
+    for field in ("model_type", "attention_backend", "inference_cuda_graph_scope"):
+        value = getattr(args, field)
+        assert type(value).qualified_name == type(getattr(source_args, field)).qualified_name
+        assert value.value == getattr(source_args, field).value
+    assert (args.world_size, args.data_parallel_size, args.tensor_model_parallel_size,
+            args.pipeline_model_parallel_size, args.expert_tensor_parallel_size) == (2, 1, 1, 2, 1)
+
+
+def test_enums_unpickle_as_megatron_core_classes(tmp_path: Path) -> None:
+    enums = pytest.importorskip("megatron.core.transformer.enums")
+    from megatron.core.enums import ModelType
+    from pgconvert.megatron_format import SAFE_GLOBALS
+
+    pgconvert.convert(CONVERT_PY[-1], tmp_path / "out", dst_tp=1)
+    # megatron-core's classes where this version has them (a newer Megatron-LM wrote the golden).
+    real = {"megatron.core.enums.ModelType": ModelType, "megatron.core.transformer.enums.AttnBackend": enums.AttnBackend}
+    stand_ins = [g for g in SAFE_GLOBALS if not (isinstance(g, tuple) and g[1] in real)]
+    with torch.serialization.safe_globals([*stand_ins, *real.values()]):
+        state = torch.load(next((tmp_path / "out").rglob("model_optim_rng.pt")), weights_only=True)
+    assert type(state["args"].model_type) is ModelType
+    assert type(state["args"].attention_backend) is enums.AttnBackend
+    assert state["args"].world_size == 1
+
+
+def test_world_size_describes_the_target_not_the_source_run(tmp_path: Path) -> None:
+    model = GQA_SWIGLU
+    src = write_megatron_checkpoint(tmp_path / "src", model, make_full_model(model), 2, 1)
+    raw = next(src.rglob("model_optim_rng.pt"))
+    for path in src.rglob("model_optim_rng.pt"):
+        state = torch.load(path, weights_only=False)
+        state["args"].world_size, state["args"].data_parallel_size = 8, 4
+        torch.save(state, path)
+    pgconvert.convert(src, tmp_path / "dst", dst_tp=4, dst_pp=2)
+    args, _ = read_megatron_checkpoint(tmp_path / "dst")
+    assert (args.world_size, args.data_parallel_size) == (8, 1)
+    pgconvert.convert(src, tmp_path / "dst1", dst_tp=1, dst_pp=1)
+    args, _ = read_megatron_checkpoint(tmp_path / "dst1")
+    assert (args.world_size, args.data_parallel_size) == (1, 1)
+    assert raw.is_file()
+
+
+def test_dense_model_with_a_different_expert_tp_converts(tmp_path: Path) -> None:
+    model = GQA_SWIGLU
+    full = make_full_model(model)
+    src = write_megatron_checkpoint(tmp_path / "src", model, full, 2, 1)
+    for path in src.rglob("model_optim_rng.pt"):
+        state = torch.load(path, weights_only=False)
+        state["args"].expert_tensor_parallel_size = 8
+        torch.save(state, path)
+    pgconvert.convert(src, tmp_path / "dst", dst_tp=1)
+    pgconvert.convert(tmp_path / "dst", tmp_path / "back", dst_tp=2)
+    assert_same_ranks(tmp_path / "back", write_megatron_checkpoint(tmp_path / "expected", model, full, 2, 1))
+
+
+def _training_state(seed: int) -> dict[str, object]:
+    """What save_checkpoint puts beside the model (megatron/training/checkpointing.py)."""
+    random.seed(seed)
+    np.random.seed(seed)
+    generator = torch.Generator().manual_seed(seed)
+    rng = {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+           "torch_rng_state": torch.get_rng_state(), "cuda_rng_state": torch.empty(0, dtype=torch.uint8),
+           "rng_tracker_states": {"model-parallel-rng": generator}}
+    rerun = _opaque("megatron.core.rerun_state_machine.RerunMode")[0]
+    return {"rng_state": [rng], "rerun_state_machine": {"mode": rerun("disabled")},
+            "num_floating_point_operations_so_far": 123.0,
+            "optimizer": {"optimizer": {"state": {0: {"exp_avg": torch.ones(3)}}, "param_groups": [{"lr": 1e-3}]},
+                          "fp32_from_fp16_params": [[torch.zeros(3)]], "grad_scaler": {"scale": 1.0}},
+            "opt_param_scheduler": {"max_lr": 1e-3, "num_steps": 10}}
+
+
+@pytest.mark.parametrize("entry", ["numpy_rng", "python_rng", "torch_generator", "numpy1_reconstruct",
+                                   "uint32_dtype_class"])
+def test_each_new_allowlist_entry_loads(tmp_path: Path, entry: str) -> None:
+    np.random.seed(3)
+    value = {"numpy_rng": np.random.get_state(), "python_rng": random.getstate(),
+             "torch_generator": torch.Generator().manual_seed(5), "numpy1_reconstruct": np.arange(4, dtype=np.uint32),
+             "uint32_dtype_class": type(np.dtype(np.uint32))}[entry]
+    path = tmp_path / "f.pt"
+    torch.save({"value": value}, path)
+    if entry == "numpy1_reconstruct":  # as numpy 1.x names the function
+        _rename_global(path, b"numpy._core.multiarray", b"numpy.core.multiarray")
+        assert "numpy.core.multiarray._reconstruct" in _globals_in(path)
+    loaded = safe_torch_load(path)["value"]
+    if entry == "numpy_rng":
+        assert loaded[0] == value[0] and np.array_equal(loaded[1], value[1]) and loaded[2:] == value[2:]
+    elif entry == "torch_generator":
+        assert torch.equal(loaded.get_state(), value.get_state())
+    elif entry == "numpy1_reconstruct":
+        assert np.array_equal(loaded, value)
+    else:
+        assert loaded == value
+
+
+def _rename_global(path: Path, old: bytes, new: bytes) -> None:
+    with zipfile.ZipFile(path) as archive:
+        entries = [(info, archive.read(info)) for info in archive.infolist()]
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as archive:
+        for info, data in entries:
+            archive.writestr(info.filename, data.replace(old, new) if info.filename.endswith("data.pkl") else data)
+
+
+def test_training_checkpoint_state_is_read_and_reported_not_carried(tmp_path: Path) -> None:
+    model = GQA_SWIGLU
+    full = make_full_model(model)
+    src = write_megatron_checkpoint(tmp_path / "src", model, full, 2, 1)
+    for tp_rank, path in enumerate(sorted(src.rglob("model_optim_rng.pt"))):
+        state = torch.load(path, weights_only=False)
+        state.update(_training_state(tp_rank))
+        torch.save(state, path, pickle_module=megatron_format.FRAMEWORK_PICKLE)
+        torch.save({"param_state": {0: {"exp_avg": torch.ones(4)}}}, path.parent / "distrib_optim.pt")
+    report = pgconvert.convert(src, tmp_path / "dst", dst_tp=1)
+    assert any("optimizer" in notice for notice in report.notices)
+    pgconvert.convert(tmp_path / "dst", tmp_path / "back", dst_tp=2)
+    assert_same_ranks(tmp_path / "back", write_megatron_checkpoint(tmp_path / "expected", model, full, 2, 1))
+
+
+@pytest.mark.skipif(not os.environ.get("PGCONVERT_MEGATRON_LM"),
+                    reason="needs a Megatron-LM source tree in PGCONVERT_MEGATRON_LM (CI cannot fetch Megatron-LM)")
+def test_megatron_lm_accepts_pgconvert_outputs(tmp_path: Path) -> None:
+    script = Path(__file__).parents[1] / "scripts" / "interop_megatron_lm.py"
+    done = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    assert "interop OK" in done.stdout

@@ -184,13 +184,12 @@ class _ZipStream:
         size = len(data)
         full = f"archive/{name}".encode()
         header_offset = self.offset
-        zip64 = b""
-        if size >= _U32 or header_offset >= _U32:
-            fields = struct.pack("<QQ", size, size) if size >= _U32 else b""
-            fields += struct.pack("<Q", header_offset) if header_offset >= _U32 else b""
-            zip64 = struct.pack("<HH", 1, len(fields)) + fields
-        padding = -(header_offset + 30 + len(full) + 4 + len(zip64)) % ALIGNMENT
-        extra = zip64 + struct.pack("<HH", 0x4246, padding) + b"Z" * padding
+        zip64 = size >= _U32 or header_offset >= _U32
+        # The local header's zip64 field has a compressed size of 0 (not known before the data).
+        local64 = _zip64_field(size, 0, header_offset) if zip64 else b""
+        central64 = _zip64_field(size, size, header_offset) if zip64 else b""
+        padding = -(header_offset + 30 + len(full) + 4 + len(local64)) % ALIGNMENT
+        extra = local64 + struct.pack("<HH", 0x4246, padding) + b"Z" * padding
         # An empty record has no data descriptor (and so no bit 3).
         flags = 0x0808 if size else 0x0800
         self._write(struct.pack("<IHHHHHIIIHH", 0x04034B50, 0, flags, 0, 0, 0, 0, 0, 0, len(full), len(extra))
@@ -206,8 +205,8 @@ class _ZipStream:
                         else struct.pack("<IIII", 0x08074B50, crc, size, size))
             self.combined_crc = _hash_combine(self.combined_crc, crc)
         self.central.append(struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 0, 0, flags, 0, 0, 0, crc,
-                                        min(size, _U32), min(size, _U32), len(full), len(zip64), 0, 0, 0, 0,
-                                        min(header_offset, _U32)) + full + zip64)
+                                        min(size, _U32), min(size, _U32), len(full), len(central64), 0, 0, 0, 0,
+                                        min(header_offset, _U32)) + full + central64)
         self.names.append(name)
 
     def serialization_id(self) -> str:
@@ -229,6 +228,13 @@ class _ZipStream:
         self._write(struct.pack("<IIQI", 0x07064B50, 0, end64_offset, 1))
         self._write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, min(count, _U16), min(count, _U16),
                                 min(len(directory), _U32), min(directory_offset, _U32), 0))
+
+
+def _zip64_field(size: int, compressed: int, header_offset: int) -> bytes:
+    """The zip64 extra field: sizes when the record is 4 GiB or more, the offset when it starts there."""
+    fields = struct.pack("<QQ", size, compressed) if size >= _U32 else b""
+    fields += struct.pack("<Q", header_offset) if header_offset >= _U32 else b""
+    return struct.pack("<HH", 1, len(fields)) + fields
 
 
 def _hash_combine(seed: int, value: int) -> int:

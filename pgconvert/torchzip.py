@@ -17,6 +17,7 @@ torch writes with ``compute_crc32`` off (torch's reader then does not check it).
 
 from __future__ import annotations
 
+import io
 import pickle
 import struct
 import sys
@@ -98,7 +99,7 @@ class _Pickler(pickle.Pickler):
 
     def __init__(self, file: Any) -> None:
         super().__init__(file, protocol=PICKLE_PROTOCOL)
-        self.keys: dict[int, str] = {}
+        self.keys: dict[tuple[str, int], str] = {}
         self.storages: list[tuple[str, torch.UntypedStorage | PlannedTensor]] = []
         self.dtypes: dict[int, torch.dtype] = {}
         self.planned: dict[int, _PlannedStorage] = {}
@@ -115,7 +116,7 @@ class _Pickler(pickle.Pickler):
     def persistent_id(self, obj: Any) -> tuple[Any, ...] | None:
         if isinstance(obj, _PlannedStorage):
             planned = obj.planned
-            key = self._key(id(obj), planned)
+            key = self._key(("planned", id(obj)), planned)
             if planned.dtype in _TENSOR_V3_DTYPES:
                 return ("storage", torch.UntypedStorage, key, "cpu", planned.nbytes)
             typed = torch.storage.TypedStorage(dtype=planned.dtype, device="cpu", _internal=True)
@@ -133,9 +134,9 @@ class _Pickler(pickle.Pickler):
             raise ValueError(f"only CPU tensors can be saved here, not {storage.device}")
         if storage.data_ptr() != 0 and self.dtypes.setdefault(storage.data_ptr(), dtype) != dtype:
             raise RuntimeError("Cannot save multiple tensors or storages that view the same data as different types")
-        return ("storage", storage_type, self._key(storage._cdata, storage), "cpu", numel)
+        return ("storage", storage_type, self._key(("storage", storage._cdata), storage), "cpu", numel)
 
-    def _key(self, identity: int, item: torch.UntypedStorage | PlannedTensor) -> str:
+    def _key(self, identity: tuple[str, int], item: torch.UntypedStorage | PlannedTensor) -> str:
         key = self.keys.get(identity)
         if key is None:
             key = self.keys[identity] = str(len(self.keys))
@@ -144,8 +145,6 @@ class _Pickler(pickle.Pickler):
 
 
 def _pickle(obj: Any) -> tuple[bytes, list[tuple[str, torch.UntypedStorage | PlannedTensor]]]:
-    import io
-
     buffer = io.BytesIO()
     pickler = _Pickler(buffer)
     pickler.dump(obj)

@@ -1,10 +1,18 @@
-"""Benchmark pgconvert against the disk's floor (``cp -r``) on a synthetic Llama-shaped checkpoint.
+"""Benchmark pgconvert against the disk's floor on a synthetic Llama-shaped checkpoint.
 
-    python benchmarks/bench_convert.py                 # ~1 B parameters in bf16 (about 2 GB)
-    python benchmarks/bench_convert.py --scale 0.05    # a quick, small run
-    python benchmarks/bench_convert.py --json          # machine-readable results
+    python benchmarks/bench_convert.py                       # ~1 B parameters in bf16 (1.66 GiB)
+    python benchmarks/bench_convert.py --scale 5 --repeat 1  # ~4 B parameters (7.6 GiB)
+    python benchmarks/bench_convert.py --scale 0.05          # a quick, small run
+    python benchmarks/bench_convert.py --cases "TP8 -> TP1" --plan-cases none
+    python benchmarks/bench_convert.py --baseline-python /other/venv/bin/python  # before/after rows
+    python benchmarks/bench_convert.py --json                # machine-readable results
 
-Each case runs as a child process; wall time and that child's peak RSS (``wait4``) are recorded.
+The floor is the durable copy of the same source, ``cp -r SRC X && sync``. Each conversion runs
+``--repeat`` times in alternating pairs with that copy (copy, conversion, copy, conversion, ...),
+each in a child process; the medians are compared, and each run's peak RSS (GNU time) is kept.
+The shape-only cases plan and dry-run a Llama-405B-shaped model at TP8/PP16 and a 256-expert,
+61-layer MoE at EP64/PP16 from metadata alone (no tensor bytes exist) and report time, peak RSS,
+tensor and file counts.
 """
 
 from __future__ import annotations
@@ -13,37 +21,78 @@ import argparse
 import json
 import math
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
 from pgconvert.config import ModelConfig
-from pgconvert.example import example_source
 from pgconvert.formats import SaveOptions
 from pgconvert.layout import ParallelLayout
+from pgconvert.provider import canonical_shapes
 from pgconvert.registry import get_saver, saver_names
+from pgconvert.stream import CanonicalSource, TensorMeta
+
+RSS_ALLOWANCE = 300 * 10**6  # the goal: peak RSS <= 2 x the largest tensor + 300 MB
+PLAN_SECONDS_GOAL = 10.0
+PLAN_RSS_GOAL = 10**9
 
 
 @dataclass
 class Case:
     name: str
+    python: str
     workers: int
-    seconds: float
+    seconds: float  # median over the runs
+    floor_seconds: float  # median of the durable copies paired with them
     bytes_written: int
-    peak_rss_bytes: int
+    peak_rss_bytes: int  # the largest over the runs
     ratio_to_floor: float | None = None
     largest_output_file: int = 0
     largest_tensor: int = 0
+    rss_goal_bytes: int = 0
+    runs: list[float] = field(default_factory=list)
     skipped: str | None = None
 
     @property
     def bytes_per_second(self) -> float:
         return self.bytes_written / self.seconds if self.seconds else 0.0
+
+
+@dataclass
+class PlanCase:
+    name: str
+    layout: str
+    tensors: int
+    files: int
+    planned_bytes: int
+    seconds: float
+    peak_rss_bytes: int
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--scale", type=float, default=1.0, help="parameter count relative to ~1 B (5: 7.6 GiB)")
+    parser.add_argument("--repeat", type=int, default=3, help="alternating (copy, conversion) pairs per case")
+    parser.add_argument("--cases", default="all", help="comma-separated case names to run (default: all)")
+    parser.add_argument("--plan-cases", choices=("all", "none", "only"), default="all",
+                        help="the shape-only planning cases: with the others, skipped, or alone")
+    parser.add_argument("--baseline-python", default=None,
+                        help="also run each conversion with this interpreter (another pgconvert install)")
+    parser.add_argument("--workdir", type=Path, default=None, help="where to write (default: a temp dir)")
+    parser.add_argument("--json", action="store_true", help="print results as JSON")
+    parser.add_argument("--json-out", type=Path, default=None, help="also write the JSON results to this file")
+    parser.add_argument("--keep", action="store_true", help="keep the checkpoints afterwards")
+    parser.add_argument("--workers", type=int, default=2,
+                        help="also run the Megatron-output cases with --workers N (1: skip those rows)")
+    parser.add_argument("--plan-child", default=None, help=argparse.SUPPRESS)
+    return parser.parse_args()
 
 
 def bench_config(scale: float) -> ModelConfig:
@@ -61,6 +110,54 @@ def bench_config(scale: float) -> ModelConfig:
     )
 
 
+class ShapeOnlySource(CanonicalSource):
+    """Names, shapes and dtypes from a config, no bytes: ``load`` fails, planning works."""
+
+    format_name = "shape-only"
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config, config.vocab_size or 0)
+        self._shapes = canonical_shapes(config)
+        self._dtype = getattr(torch, config.params_dtype)
+
+    def names(self) -> list[str]:
+        return list(self._shapes)
+
+    def meta(self, name: str) -> TensorMeta:
+        return TensorMeta(self._shapes[name], self._dtype)
+
+    def _load(self, name: str) -> torch.Tensor:
+        raise RuntimeError(f"{name}: a shape-only source has no tensor bytes")
+
+
+class SeededSource(ShapeOnlySource):
+    """Seeded random bf16 tensors made one at a time (the synthetic benchmark model)."""
+
+    format_name = "synthetic"
+
+    def _load(self, name: str) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(self.names().index(name))
+        shape = self._shapes[name]
+        if name.endswith("layernorm_weight") or name.endswith("norm.weight"):
+            return torch.ones(shape, dtype=self._dtype)
+        return (torch.randn(shape, generator=generator) * 0.02).to(self._dtype)
+
+
+def synthesize(config: ModelConfig, workdir: Path) -> tuple[Path, int, float]:
+    """The TP8 source checkpoint (written as TP1, then converted by pgconvert); its largest tensor."""
+    started = time.perf_counter()
+    tp1, src = workdir / "synth_tp1", workdir / "src_tp8"
+    for path in (tp1, src):
+        shutil.rmtree(path, ignore_errors=True)
+    source = SeededSource(config)
+    get_saver("megatron").save(source, tp1, SaveOptions(layout=ParallelLayout(tp=1)), lambda nbytes: None)
+    largest_tensor = max(source.meta(name).nbytes for name in source.names())
+    subprocess.run([sys.executable, "-m", "pgconvert", "--quiet", "--dst-tp", "8", str(tp1), str(src)], check=True,
+                   stdout=subprocess.DEVNULL)
+    shutil.rmtree(tp1)
+    return src, largest_tensor, time.perf_counter() - started
+
+
 def dir_bytes(path: Path) -> tuple[int, int]:
     sizes = [p.stat().st_size for p in path.rglob("*") if p.is_file()]
     return sum(sizes), max(sizes, default=0)
@@ -70,7 +167,7 @@ def run_child(command: list[str]) -> tuple[float, int]:
     """Wall seconds and peak RSS (bytes) of one child process.
 
     GNU time reports the peak RSS of a freshly exec'd child; a child forked straight from this
-    process would start its ru_maxrss at our own (large) RSS.
+    process would start its ru_maxrss at our own RSS.
     """
     gnu_time = shutil.which("time") or "/usr/bin/time"
     with tempfile.NamedTemporaryFile("r", suffix=".time") as report:
@@ -84,92 +181,188 @@ def run_child(command: list[str]) -> tuple[float, int]:
     return seconds, peak_kib * 1024
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--scale", type=float, default=1.0, help="parameter count relative to ~1 B")
-    parser.add_argument("--workdir", type=Path, default=None, help="where to write (default: a temp dir)")
-    parser.add_argument("--json", action="store_true", help="print results as JSON")
-    parser.add_argument("--keep", action="store_true", help="keep the checkpoints afterwards")
-    parser.add_argument("--workers", type=int, default=2,
-                        help="also run the Megatron-output cases with --workers N (1: skip those rows)")
-    options = parser.parse_args()
+def durable_copy(src: Path, dst: Path) -> list[str]:
+    return ["sh", "-c", f"cp -r '{src}' '{dst}' && sync"]
 
-    workdir = options.workdir or Path(tempfile.mkdtemp(prefix="pgconvert-bench-"))
-    workdir.mkdir(parents=True, exist_ok=True)
-    config = bench_config(options.scale)
-    src = workdir / "src_tp8"
-    try:
-        started = time.perf_counter()
-        source = example_source(config, seed=0)
-        saver = get_saver("megatron")
-        if src.exists():
-            shutil.rmtree(src)
-        saver.save(source, src, SaveOptions(layout=ParallelLayout(tp=8)), lambda nbytes: None)
-        largest_tensor = max(t.numel() * t.element_size() for _, t in source)
-        del source
-        src_bytes, _ = dir_bytes(src)
-        synth_seconds = time.perf_counter() - started
-        params = src_bytes // 2
-        cases: list[Case] = []
 
-        seconds, rss = run_child(["cp", "-r", str(src), str(workdir / "floor_copy")])
-        floor = Case("floor (cp -r)", 1, seconds, src_bytes, rss)
-        cases.append(floor)
-        # pgconvert fsyncs what it writes; this is the same copy made durable, for comparison.
-        seconds, rss = run_child(["sh", "-c", f"cp -r '{src}' '{workdir / 'floor_copy_synced'}' && sync"])
-        cases.append(Case("cp -r + sync", 1, seconds, src_bytes, rss, seconds / floor.seconds))
-
-        cli = [sys.executable, "-m", "pgconvert", "--quiet"]
-        # (name, args, destination, workers): HF output is one pass, so it has no --workers row.
-        plan: list[tuple[str, list[str], Path, int]] = [
-            ("TP8 -> TP2", ["--dst-tp", "2", str(src)], workdir / "tp2", 1),
-            ("TP8/PP1 -> TP2/PP2", ["--dst-tp", "2", "--dst-pp", "2", str(src)], workdir / "tp2pp2", 1),
+def conversion_plan(src: Path, workdir: Path, workers: int) -> list[tuple[str, list[str], Path, int]]:
+    """(name, pgconvert args, destination, workers) of every conversion case."""
+    plan: list[tuple[str, list[str], Path, int]] = [
+        ("TP8 -> TP2", ["--dst-tp", "2", str(src)], workdir / "tp2", 1),
+        ("TP8 -> TP1", ["--dst-tp", "1", str(src)], workdir / "tp1", 1),
+        ("TP8/PP1 -> TP2/PP2", ["--dst-tp", "2", "--dst-pp", "2", str(src)], workdir / "tp2pp2", 1),
+    ]
+    if "hf" in saver_names():
+        plan += [
+            ("TP8 -> HF", ["--dst-format", "hf", str(src)], workdir / "hf", 1),
+            ("HF -> TP4", ["--dst-format", "megatron", "--dst-tp", "4", str(workdir / "hf")], workdir / "hf_tp4", 1),
         ]
-        has_hf = "hf" in saver_names()
-        if has_hf:
-            plan += [
-                ("TP8 -> HF", ["--dst-format", "hf", str(src)], workdir / "hf", 1),
-                ("HF -> TP4", ["--dst-format", "megatron", "--dst-tp", "4", str(workdir / "hf")], workdir / "hf_tp4", 1),
-            ]
-        if options.workers > 1:
-            plan += [(name, args, dst.with_name(dst.name + "_workers"), options.workers)
-                     for name, args, dst, _ in list(plan) if name != "TP8 -> HF"]
-        for name, args, dst, workers in plan:
-            if dst.exists():
-                shutil.rmtree(dst)
-            extra = ["--workers", str(workers)] if workers > 1 else []
-            seconds, rss = run_child([*cli, *extra, *args, str(dst)])
-            written, largest = dir_bytes(dst)
-            cases.append(Case(name, workers, seconds, written, rss, seconds / floor.seconds, largest, largest_tensor))
-        if not has_hf:
-            cases.append(Case("TP8 -> HF / HF -> TP4", 1, 0, 0, 0, skipped="the hf format is not installed"))
-    finally:
-        if not options.keep and options.workdir is None:
-            shutil.rmtree(workdir, ignore_errors=True)
+    if "torch_dist" in saver_names():
+        plan.append(("TP8 -> torch_dist", ["--dst-format", "torch_dist", str(src)], workdir / "dist", 1))
+    if workers > 1:
+        plan += [(name, args, dst.with_name(dst.name + "_workers"), workers)
+                 for name, args, dst, _ in list(plan) if name.endswith(("TP2", "TP1", "PP2", "TP4"))]
+    return plan
 
-    if options.json:
-        print(json.dumps({
-            "config": config.to_dict(), "source_bytes": src_bytes, "parameters": params,
-            "synthesis_seconds": synth_seconds, "torch_threads": torch.get_num_threads(),
-            "cases": [asdict(case) | {"bytes_per_second": case.bytes_per_second} for case in cases],
-        }, indent=2))
-        return
-    print(f"model: hidden {config.hidden_size}, {config.num_layers} layers, ffn {config.ffn_hidden_size}, "
-          f"vocab {config.vocab_size}, ~{params / 1e9:.2f} B params, source {src_bytes / 2**30:.2f} GiB (TP8, bf16)")
-    header = (f"{'case':<22} {'workers':>7} {'wall s':>8} {'MiB/s':>8} {'peak RSS MiB':>13} {'x floor':>8} "
-              f"{'RSS/largest file':>17} {'RSS/largest tensor':>19}")
+
+def measure(name: str, python: str, args: list[str], dst: Path, workers: int, src: Path,
+            repeat: int, largest_tensor: int) -> Case:
+    """Alternating pairs (durable copy, conversion); medians, the largest peak RSS."""
+    floors, runs, peaks = [], [], []
+    extra = ["--workers", str(workers)] if workers > 1 else []
+    for _ in range(repeat):
+        floor_dst = dst.with_name(dst.name + "_floor")
+        shutil.rmtree(floor_dst, ignore_errors=True)
+        floors.append(run_child(durable_copy(src, floor_dst))[0])
+        shutil.rmtree(floor_dst)
+        shutil.rmtree(dst, ignore_errors=True)
+        seconds, rss = run_child([python, "-m", "pgconvert", "--quiet", *extra, *args, str(dst)])
+        runs.append(seconds)
+        peaks.append(rss)
+    written, largest = dir_bytes(dst)
+    case = Case(name, python, workers, statistics.median(runs), statistics.median(floors), written, max(peaks),
+                largest_output_file=largest, largest_tensor=largest_tensor,
+                rss_goal_bytes=2 * largest_tensor + RSS_ALLOWANCE, runs=runs)
+    case.ratio_to_floor = case.seconds / case.floor_seconds
+    return case
+
+
+def run_conversions(options: argparse.Namespace, src: Path, workdir: Path, largest_tensor: int) -> list[Case]:
+    wanted = None if options.cases == "all" else {name.strip() for name in options.cases.split(",")}
+    pythons = [sys.executable] + ([options.baseline_python] if options.baseline_python else [])
+    cases = []
+    for name, args, dst, workers in conversion_plan(src, workdir, options.workers):
+        if wanted is not None and name not in wanted and not (name == "TP8 -> HF" and "HF -> TP4" in wanted):
+            continue
+        for python in pythons:
+            cases.append(measure(name, python, args, dst, workers, src, options.repeat, largest_tensor))
+        if name != "TP8 -> HF":  # HF -> TP4 reads it
+            shutil.rmtree(dst, ignore_errors=True)
+    return cases
+
+
+def plan_models() -> dict[str, tuple[ModelConfig, ParallelLayout]]:
+    """The shape-only cases: models at the sizes and layouts users run."""
+    llama_405b = ModelConfig(
+        num_layers=126, hidden_size=16384, num_attention_heads=128, num_query_groups=8,
+        ffn_hidden_size=53248, vocab_size=128256, rotary_base=500000.0, params_dtype="bfloat16",
+    )
+    moe_256 = ModelConfig(
+        num_layers=61, hidden_size=7168, num_attention_heads=128, num_query_groups=128, kv_channels=128,
+        ffn_hidden_size=18432, vocab_size=129280, params_dtype="bfloat16", num_experts=256,
+        moe_ffn_hidden_size=2048, moe_layer_freq=(0,) * 3 + (1,) * 58, moe_router_topk=8,
+        moe_shared_expert_intermediate_size=2048,
+    )
+    return {
+        "Llama-405B TP8/PP16": (llama_405b, ParallelLayout(tp=8, pp=16, first_stage_layers=7, last_stage_layers=7)),
+        "MoE 256x61 EP64/PP16": (moe_256, ParallelLayout(tp=1, pp=16, ep=64, first_stage_layers=3, last_stage_layers=2)),
+    }
+
+
+def plan_child(name: str, report: Path) -> None:
+    """In a child process: validate, plan and print (as --dry-run does) one shape-only case."""
+    started = time.perf_counter()
+    config, layout = plan_models()[name]
+    source = ShapeOnlySource(config)
+    saver = get_saver("megatron")
+    options = SaveOptions(layout=layout)
+    saver.validate(source, options)
+    files = saver.plan(source, options)
+    for item in files:
+        print(f"  {item.relpath}  {item.tensors} tensors  {item.nbytes} bytes")
+    print(f"total: {len(files)} files, {sum(item.nbytes for item in files)} bytes")
+    report.write_text(json.dumps({
+        "layout": layout.describe(), "tensors": sum(item.tensors for item in files), "files": len(files),
+        "planned_bytes": sum(item.nbytes for item in files), "seconds": time.perf_counter() - started,
+    }))
+
+
+def run_plan_cases() -> list[PlanCase]:
+    cases = []
+    for name in plan_models():
+        with tempfile.NamedTemporaryFile("r", suffix=".json") as report:
+            seconds, rss = run_child([sys.executable, __file__, "--plan-child", name, "--workdir", report.name])
+            found = json.loads(report.read())
+        cases.append(PlanCase(name, found["layout"], found["tensors"], found["files"], found["planned_bytes"],
+                              seconds, rss))
+    return cases
+
+
+def print_cases(cases: list[Case]) -> None:
+    header = (f"{'case':<22} {'python':<8} {'wall s':>7} {'floor s':>8} {'x floor':>8} {'MiB/s':>7} "
+              f"{'peak RSS MiB':>13} {'RSS goal MiB':>13} {'RSS/largest file':>17}")
     print(header)
     print("-" * len(header))
     for case in cases:
-        if case.skipped:
-            print(f"{case.name:<22} skipped: {case.skipped}")
-            continue
-        ratio = f"{case.ratio_to_floor:.2f}" if case.ratio_to_floor is not None else "1.00"
-        rss_ratio = f"{case.peak_rss_bytes / case.largest_output_file:.2f}" if case.largest_output_file else "-"
-        tensor_ratio = f"{case.peak_rss_bytes / case.largest_tensor:.2f}" if case.largest_tensor else "-"
-        print(f"{case.name:<22} {case.workers:>7} {case.seconds:>8.2f} {case.bytes_per_second / 2**20:>8.1f} "
-              f"{case.peak_rss_bytes / 2**20:>13.1f} {ratio:>8} {rss_ratio:>17} {tensor_ratio:>19}")
-    print("(peak RSS of a --workers row is the largest of the parent and its worker processes)")
+        label = "this" if case.python == sys.executable else "baseline"
+        goal = f"{case.rss_goal_bytes / 2**20:.0f}" + (" ok" if case.peak_rss_bytes <= case.rss_goal_bytes else " over")
+        file_ratio = f"{case.peak_rss_bytes / case.largest_output_file:.2f}" if case.largest_output_file else "-"
+        print(f"{case.name:<22} {label:<8} {case.seconds:>7.2f} {case.floor_seconds:>8.2f} "
+              f"{case.ratio_to_floor or 0:>8.2f} {case.bytes_per_second / 2**20:>7.1f} "
+              f"{case.peak_rss_bytes / 2**20:>13.1f} {goal:>13} {file_ratio:>17}")
+
+
+def print_plan_cases(cases: list[PlanCase]) -> None:
+    print(f"{'shape-only plan + dry-run':<24} {'layout':<22} {'tensors':>9} {'files':>6} {'planned GiB':>12} "
+          f"{'wall s':>7} {'peak RSS MiB':>13}")
+    for case in cases:
+        verdict = "ok" if case.seconds < PLAN_SECONDS_GOAL and case.peak_rss_bytes < PLAN_RSS_GOAL else "over"
+        print(f"{case.name:<24} {case.layout:<22} {case.tensors:>9} {case.files:>6} "
+              f"{case.planned_bytes / 2**30:>12.1f} {case.seconds:>7.2f} {case.peak_rss_bytes / 2**20:>13.1f} {verdict}")
+
+
+def report(options: argparse.Namespace, summary: dict[str, object], cases: list[Case],
+           plan_cases: list[PlanCase]) -> None:
+    results = json.dumps(summary | {
+        "cases": [asdict(case) | {"bytes_per_second": case.bytes_per_second} for case in cases],
+        "plan_cases": [asdict(case) for case in plan_cases],
+    }, indent=2)
+    if options.json_out:
+        options.json_out.write_text(results)
+    if options.json:
+        print(results)
+        return
+    if "config" in summary:
+        config = summary["config"]
+        assert isinstance(config, dict)
+        print(f"model: hidden {config['hidden_size']}, {config['num_layers']} layers, ffn {config['ffn_hidden_size']}, "
+              f"vocab {config['vocab_size']}, source {int(summary['source_bytes']) / 2**30:.2f} GiB (TP8, bf16), "
+              f"largest tensor {int(summary['largest_tensor']) / 2**20:.0f} MiB; {options.repeat} pair(s) per case")
+        print_cases(cases)
+    if plan_cases:
+        print_plan_cases(plan_cases)
+
+
+def convert_all(options: argparse.Namespace) -> tuple[dict[str, object], list[Case]]:
+    workdir = options.workdir or Path(tempfile.mkdtemp(prefix="pgconvert-bench-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    config = bench_config(options.scale)
+    try:
+        src, largest_tensor, synth_seconds = synthesize(config, workdir)
+        src_bytes, _ = dir_bytes(src)
+        cases = run_conversions(options, src, workdir, largest_tensor)
+    finally:
+        if not options.keep:
+            for path in workdir.iterdir() if options.workdir else [workdir]:
+                shutil.rmtree(path, ignore_errors=True)
+    summary: dict[str, object] = {
+        "config": config.to_dict(), "source_bytes": src_bytes, "largest_tensor": largest_tensor,
+        "synthesis_seconds": synth_seconds, "torch_threads": torch.get_num_threads(), "repeat": options.repeat,
+    }
+    return summary, cases
+
+
+def main() -> None:
+    options = parse_args()
+    if options.plan_child:
+        plan_child(options.plan_child, options.workdir)
+        return
+    summary: dict[str, object] = {}
+    cases: list[Case] = []
+    if options.plan_cases != "only":
+        summary, cases = convert_all(options)
+    plan_cases = run_plan_cases() if options.plan_cases != "none" else []
+    report(options, summary, cases, plan_cases)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Saver for Megatron-LM per-rank checkpoints (``mp_rank_*/model_optim_rng.pt``).
 
-One destination rank is built and written at a time: the format needs a whole rank in memory for
-``torch.save``, and nothing more is held.
+One destination rank file is written at a time, as a stream (``pgconvert.torchzip``): each tensor
+is cut from the source when its record is written and dropped after, so memory holds one tensor,
+not a rank.
 """
 
 from __future__ import annotations
@@ -10,15 +11,13 @@ import hashlib
 import logging
 import os
 from collections import OrderedDict
-from collections.abc import Collection, Iterator
+from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
-import torch.utils.serialization
 
 from pgconvert.config import ModelConfig
 from pgconvert.formats import PlannedFile, Progress, SaveOptions, Saver, SaveResult, target_config
@@ -28,7 +27,6 @@ from pgconvert.megatron_format import (
     CHECKPOINT_VERSION,
     RANK_FILE,
     TRACKER_FILE,
-    FRAMEWORK_PICKLE,
     args_for_target,
     check_megatron_layout,
     iteration_dir_name,
@@ -48,6 +46,7 @@ from pgconvert.provider import (
 from pgconvert.rules import VocabParallel
 from pgconvert.stream import CanonicalSource, ExtraState
 from pgconvert.strict import fallback
+from pgconvert.torchzip import PlannedTensor, save_stream
 
 log = logging.getLogger(__name__)
 
@@ -81,40 +80,22 @@ class _HashingWriter:
 
 
 def save_durably(state: dict[str, Any], path: Path) -> str:
-    """``torch.save`` into ``path`` and fsync it; returns the file's sha256.
+    """Write ``state`` in torch.save's format into ``path`` and fsync it; returns the file's sha256.
 
-    A failed write surfaces as the OSError behind it. The zip CRC32 torch would compute is skipped:
-    no reader of these files checks it, and the sha256 recorded in the manifest covers the file.
+    ``PlannedTensor`` values are produced one at a time as their records are written, so memory
+    holds one tensor, not the file. A failed write surfaces as the OSError behind it, naming the
+    file. The records' CRC32 is 0, as torch writes with ``compute_crc32`` off: torch's reader does
+    not check it, and the sha256 recorded in the manifest covers the file.
     """
-    with open(path, "wb") as handle, _without_zip_crc(), ThreadPoolExecutor(1) as hasher:
+    with open(path, "wb") as handle, ThreadPoolExecutor(1) as hasher:
         writer = _HashingWriter(handle, hasher)
         try:
-            torch.save(state, writer, pickle_module=FRAMEWORK_PICKLE)  # type: ignore[arg-type]
-        except RuntimeError as exc:
-            # torch's zip writer reports a failed write (ENOSPC, EIO) as "unexpected pos"; the
-            # file object's OSError is the real cause.
-            cause = exc.__context__
-            if isinstance(cause, OSError):
-                raise OSError(cause.errno, cause.strerror, str(path)) from exc
-            if isinstance(cause, KeyboardInterrupt):
-                raise KeyboardInterrupt from exc
-            raise
+            save_stream(state, writer)  # type: ignore[arg-type]
+            handle.flush()
+            os.fsync(handle.fileno())
         except OSError as exc:
             raise OSError(exc.errno, exc.strerror, str(path)) from exc
-        handle.flush()
-        os.fsync(handle.fileno())
     return writer.digest.hexdigest()
-
-
-@contextmanager
-def _without_zip_crc() -> Iterator[None]:
-    config = torch.utils.serialization.config.save
-    previous = config.compute_crc32
-    config.compute_crc32 = False
-    try:
-        yield
-    finally:
-        config.compute_crc32 = previous
 
 
 @dataclass
@@ -253,11 +234,9 @@ class MegatronSaver(Saver):
             for chunk_key, shard in rank.chunks:
                 model: OrderedDict[str, Any] = OrderedDict()
                 for spec in shard.specs:
-                    rows = padded if isinstance(spec.rule, VocabParallel) else None
-                    piece = source.load_shard(spec.canonical, spec.rule, spec.tp_size, spec.tp_rank, rows)
-                    piece = piece.to(self._dtype(source, spec, options.dtype))
-                    model[spec.local_name] = piece
-                    nbytes += piece.numel() * piece.element_size()
+                    planned = _planned_piece(source, spec, padded, self._dtype(source, spec, options.dtype))
+                    model[spec.local_name] = planned
+                    nbytes += planned.nbytes
                 for local, canonical in self._extra_keys(source, shard, config, layout):
                     value, carried = _extra_for(extra_states.get(canonical), layout, rank.coord)
                     dropped_extra |= not carried and _holds_state(extra_states.get(canonical))
@@ -303,6 +282,17 @@ class MegatronSaver(Saver):
     @staticmethod
     def _iteration(source: CanonicalSource) -> tuple[int, bool]:
         return (source.iteration if source.iteration is not None else 0), source.release
+
+
+def _planned_piece(source: CanonicalSource, spec: TensorSpec, padded: int, dtype: torch.dtype) -> PlannedTensor:
+    """The rank's piece of a tensor, cut from the source only when the writer reaches it."""
+    rows = padded if isinstance(spec.rule, VocabParallel) else None
+
+    def produce() -> torch.Tensor:
+        piece = source.load_shard(spec.canonical, spec.rule, spec.tp_size, spec.tp_rank, rows)
+        return piece.to(dtype)
+
+    return PlannedTensor(tuple(spec.local_shape), dtype, produce)
 
 
 def _holds_state(extra: ExtraState | None) -> bool:

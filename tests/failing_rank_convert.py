@@ -8,8 +8,6 @@ from __future__ import annotations
 import os
 import sys
 
-import torch
-
 
 def main() -> None:
     failing_rank = sys.argv[1]
@@ -17,7 +15,9 @@ def main() -> None:
         def broken_save(obj: object, path: object, *args: object, **kwargs: object) -> None:
             raise OSError(5, "Input/output error (injected)", str(path))
 
-        torch.save = broken_save  # type: ignore[assignment]
+        import pgconvert.savers.megatron as megatron_saver  # rank files go through its stream writer
+
+        megatron_saver.save_stream = broken_save  # type: ignore[assignment]
     from pgconvert.cli import main as cli_main
 
     sys.argv = ["pgconvert", *sys.argv[2:]]

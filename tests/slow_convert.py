@@ -9,20 +9,20 @@ import signal
 import sys
 import time
 
-import torch
-
 
 def main() -> None:
     # A CI runner may start us with SIGINT ignored (as a background job); a user's Ctrl-C is not.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     delay = float(sys.argv[1])
-    real_save = torch.save
+    import pgconvert.savers.megatron as megatron_saver  # rank files go through its stream writer
+
+    real_save = megatron_saver.save_stream
 
     def slow_save(obj: object, path: object, *args: object, **kwargs: object) -> None:
         real_save(obj, path, *args, **kwargs)
         time.sleep(delay)
 
-    torch.save = slow_save  # type: ignore[assignment]
+    megatron_saver.save_stream = slow_save  # type: ignore[assignment]
     from pgconvert.cli import main as cli_main
 
     sys.argv = ["pgconvert", *sys.argv[2:]]

@@ -243,16 +243,19 @@ def test_read_only_dst_parent_is_refused_before_writing(src: Path, small_mount: 
 
 def test_write_error_is_a_clear_message_not_a_traceback(src: Path, tmp_path: Path,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    real_save = torch.save
+    import pgconvert.savers.megatron as megatron_saver
+
+    real_save = megatron_saver.save_stream
     calls: list[object] = []
 
-    def failing_save(obj: object, path: object, *args: object, **kwargs: object) -> None:
-        calls.append(path)
+    def failing_save(obj: object, handle: object, *args: object, **kwargs: object) -> None:
+        calls.append(handle)
         if len(calls) == 2:
-            raise OSError(5, "Input/output error", str(path))
-        real_save(obj, path, *args, **kwargs)
+            raise OSError(5, "Input/output error")
+        real_save(obj, handle, *args, **kwargs)
 
-    monkeypatch.setattr(torch, "save", failing_save)
+    # The rank files are written by the streaming writer, not torch.save.
+    monkeypatch.setattr(megatron_saver, "save_stream", failing_save)
 
     result = run_cli(src, tmp_path / "dst", "--dst-tp", "2")
 

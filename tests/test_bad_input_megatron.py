@@ -270,7 +270,9 @@ def test_unknown_key_in_a_rank_file_is_reported_not_dropped(tp2_checkpoint: Path
 def test_failure_while_writing_leaves_no_output(tp2_checkpoint: Path, tmp_path: Path,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
-    real_save = torch.save
+    import pgconvert.savers.megatron as megatron_saver  # rank files go through its stream writer
+
+    real_save = megatron_saver.save_stream
 
     def failing_save(obj: object, path: object, *args: object, **kwargs: object) -> None:
         calls.append(path)
@@ -278,7 +280,7 @@ def test_failure_while_writing_leaves_no_output(tp2_checkpoint: Path, tmp_path: 
             raise OSError(28, "No space left on device")
         real_save(obj, path, *args, **kwargs)
 
-    monkeypatch.setattr(torch, "save", failing_save)
+    monkeypatch.setattr(megatron_saver, "save_stream", failing_save)
 
     result = run_cli(tp2_checkpoint, tmp_path / "dst", "--dst-tp", "2")
 
@@ -289,7 +291,9 @@ def test_failure_while_writing_leaves_no_output(tp2_checkpoint: Path, tmp_path: 
 
 def test_interrupt_while_writing_leaves_no_output(tp2_checkpoint: Path, tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    real_save = torch.save
+    import pgconvert.savers.megatron as megatron_saver  # rank files go through its stream writer
+
+    real_save = megatron_saver.save_stream
     calls = []
 
     def interrupted_save(obj: object, path: object, *args: object, **kwargs: object) -> None:
@@ -298,7 +302,7 @@ def test_interrupt_while_writing_leaves_no_output(tp2_checkpoint: Path, tmp_path
             raise KeyboardInterrupt
         real_save(obj, path, *args, **kwargs)
 
-    monkeypatch.setattr(torch, "save", interrupted_save)
+    monkeypatch.setattr(megatron_saver, "save_stream", interrupted_save)
 
     result = run_cli(tp2_checkpoint, tmp_path / "dst", "--dst-tp", "2")
 

@@ -171,7 +171,9 @@ def test_a_conversion_interrupted_before_the_rename_leaves_no_manifest_anywhere(
 
 def test_a_conversion_failing_in_the_saver_leaves_no_manifest(
         source: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    real_save = torch.save
+    import pgconvert.savers.megatron as megatron_saver  # rank files go through its stream writer
+
+    real_save = megatron_saver.save_stream
     calls: list[object] = []
 
     def failing_save(obj: object, path: object, *args: object, **kwargs: object) -> None:
@@ -180,7 +182,7 @@ def test_a_conversion_failing_in_the_saver_leaves_no_manifest(
             raise OSError(28, "No space left on device", str(path))
         real_save(obj, path, *args, **kwargs)
 
-    monkeypatch.setattr(torch, "save", failing_save)
+    monkeypatch.setattr(megatron_saver, "save_stream", failing_save)
 
     with pytest.raises(pgconvert.PgconvertError, match="No space left on device"):
         pgconvert.convert(source, tmp_path / "dst", dst_tp=4)

@@ -103,18 +103,18 @@ def test_shards_run_separately_rename_only_when_the_last_one_finishes(src: Path,
 def test_a_failed_shard_keeps_the_output_unrenamed_and_a_rerun_of_it_completes(src: Path, reference: Path,
                                                                               tmp_path: Path,
                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    import torch
+    import pgconvert.savers.megatron as megatron_saver  # rank files go through its stream writer
 
     dst = tmp_path / "sharded"
     runner = CliRunner()
-    real_save = torch.save
+    real_save = megatron_saver.save_stream
 
     def broken(obj: object, path: object, *args: object, **kwargs: object) -> None:
         raise OSError(28, "No space left on device", str(path))
 
-    monkeypatch.setattr(torch, "save", broken)
+    monkeypatch.setattr(megatron_saver, "save_stream", broken)
     failed = runner.invoke(main, ["--shard-index", "0", "--num-shards", "2", *FLAGS, str(src), str(dst)])
-    monkeypatch.setattr(torch, "save", real_save)
+    monkeypatch.setattr(megatron_saver, "save_stream", real_save)
     other = runner.invoke(main, ["--shard-index", "1", "--num-shards", "2", *FLAGS, str(src), str(dst)])
 
     assert failed.exit_code == 1 and "No space left on device" in failed.output

@@ -111,6 +111,17 @@ def _detect_grouped_gemm(model: dict[str, Any]) -> bool:
     return any(GROUPED_EXPERT_RE.search(key) for key in model)
 
 
+def _model_chunk(chunk: Any, chunk_key: str, path: Path) -> dict[str, Any]:
+    """A rank file's ``model`` (or ``model{i}``) entry, which must map tensor names to values."""
+    if not isinstance(chunk, dict):
+        raise CheckpointError(f"{path}: '{chunk_key}' is a {type(chunk).__name__}, expected a dict of tensors by name")
+    bad = next((key for key in chunk if not isinstance(key, str)), None)
+    if bad is not None:
+        raise CheckpointError(f"{path}: '{chunk_key}' has a key of type {type(bad).__name__} "
+                              f"({str(bad)[:40]!r}); tensor names are strings")
+    return chunk
+
+
 def _chunk_keys(layout: ParallelLayout) -> list[str]:
     """Megatron's model keys in a rank file: ``model``, or ``model0…`` with a virtual pipeline."""
     if layout.has_virtual_chunks:
@@ -172,7 +183,8 @@ class MegatronSource(CanonicalSource):
                 raise CheckpointError(f"{path}: missing rank file")
             ensure_within(self.root, path)
             state = first_state if name == first_name else safe_torch_load(path)
-            present = sorted(key for key in state if key == "model" or (key.startswith("model") and key[5:].isdigit()))
+            present = sorted(key for key in state if isinstance(key, str)
+                             and (key == "model" or (key.startswith("model") and key[5:].isdigit())))
             if present != sorted(chunk_keys):
                 raise CheckpointError(
                     f"{path}: model chunks {present or 'none'} do not match the layout {layout.describe()} "
@@ -180,7 +192,7 @@ class MegatronSource(CanonicalSource):
                 )
             self.files[coord] = path
             for chunk_key in chunk_keys:
-                models[(coord, chunk_key)] = state[chunk_key]
+                models[(coord, chunk_key)] = _model_chunk(state[chunk_key], chunk_key, path)
         first_model = models[(RankCoord(0, 0), chunk_keys[0])]
         all_first_keys = [key for (coord, _), model in models.items() if coord.tp == 0 for key in model]
         impl = _detect_impl(dict.fromkeys(all_first_keys), args)
@@ -237,7 +249,9 @@ class MegatronSource(CanonicalSource):
         for name, pieces in self._pieces.items():
             dtypes = {self._tensor(p).dtype for p in pieces}
             if len(dtypes) > 1:
-                raise CheckpointError(f"{name}: ranks disagree on dtype ({sorted(map(str, dtypes))})")
+                where = {str(self._tensor(p).dtype): self.files[p.coord] for p in pieces}
+                raise CheckpointError(f"{name}: ranks disagree on dtype ("
+                                      + ", ".join(f"{dtype} in {path}" for dtype, path in sorted(where.items())) + ")")
 
     def _index_chunk(self, coord: RankCoord, chunk_key: str, specs: dict[str, TensorSpec], layers: range,
                      where: str) -> None:

@@ -354,6 +354,23 @@ def _layers_per_virtual_stage(config: ModelConfig, layout: ParallelLayout) -> in
     return config.num_layers // (layout.pp * layout.virtual_size)
 
 
+TRACKER_MAX_BYTES = 64  # an iteration number or "release", and some whitespace
+
+
+def read_tracker(tracker: Path) -> str:
+    """The stripped text of ``latest_checkpointed_iteration.txt``: ASCII, at most TRACKER_MAX_BYTES."""
+    with open(tracker, "rb") as handle:
+        data = handle.read(TRACKER_MAX_BYTES + 1)
+    if len(data) > TRACKER_MAX_BYTES:
+        raise CheckpointError(f"{tracker}: longer than {TRACKER_MAX_BYTES} bytes; expected an iteration number "
+                              f"or 'release', found {data[:40]!r}...")
+    try:
+        return data.decode("ascii").strip()
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{tracker}: not ASCII text; expected an iteration number or 'release', "
+                              f"found {data!r}") from None
+
+
 def resolve_megatron_iteration(root: Path, iteration: int | None,
                                is_iteration_dir: Callable[[Path], bool]) -> tuple[Path, int | None, bool]:
     """The iteration directory to read: ``root`` itself when ``is_iteration_dir`` says it is one, else
@@ -376,13 +393,13 @@ def resolve_megatron_iteration(root: Path, iteration: int | None,
         return directory, iteration, False
     tracker = root / TRACKER_FILE
     if tracker.is_file():
-        text = tracker.read_text().strip()
+        text = read_tracker(tracker)
         if text == "release":
             if not has_release:
                 raise CheckpointError(f"{tracker}: names 'release' but {root / 'release'} is missing")
             return root / "release", None, True
-        if not text.isdigit():
-            raise CheckpointError(f"{tracker}: expected an iteration number or 'release', found {text!r}")
+        if not (text.isascii() and text.isdigit()):
+            raise CheckpointError(f"{tracker}: expected an iteration number or 'release', found {text[:40]!r}")
         directory = root / iteration_dir_name(int(text), release=False)
         if not directory.is_dir():
             raise CheckpointError(f"{tracker}: names iteration {int(text)} but {directory.name} is missing (present: {listing})")

@@ -44,10 +44,10 @@ from hypothesis import strategies as st
 LONG_RUN = os.environ.get("PGCONVERT_FUZZ_EXAMPLES")
 
 
-def budget(ci_examples: int) -> Any:
-    """CI: ``ci_examples``, derandomized; a long run: PGCONVERT_FUZZ_EXAMPLES each, random seed."""
+def budget(ci_examples: int, long_share: int = 1) -> Any:
+    """CI: ``ci_examples``, derandomized; a long run: PGCONVERT_FUZZ_EXAMPLES / ``long_share`` each, random seed."""
     return settings(
-        max_examples=int(LONG_RUN) if LONG_RUN else ci_examples,
+        max_examples=max(int(LONG_RUN) // long_share, 1) if LONG_RUN else ci_examples,
         derandomize=not LONG_RUN,
         deadline=None,
         database=None,
@@ -350,7 +350,7 @@ HEAVY_ARGS = st.sampled_from([("num_layers", 10**9), ("tensor_model_parallel_siz
                               ("pipeline_model_parallel_size", 10**9), ("num_experts", 10**9)])
 
 
-@budget(3)
+@budget(3, long_share=50)  # seconds per example: an interpreter with torch each
 @given(kind=st.sampled_from(["args", "bytes"]), heavy=HEAVY_ARGS, at=FRACTIONS,
        payload=st.binary(min_size=1, max_size=16), target=TARGETS)
 def test_fuzz_memory_and_time_in_a_subprocess(workspace: Workspace, kind: str, heavy: tuple[str, int], at: float,

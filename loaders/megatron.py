@@ -176,7 +176,8 @@ class MegatronSource(CanonicalSource):
                 raise CheckpointError(f"{path}: missing rank file")
             ensure_within(self.root, path)
             state = first_state if name == first_name else safe_torch_load(path)
-            present = sorted(key for key in state if key == "model" or (key.startswith("model") and key[5:].isdigit()))
+            present = sorted(key for key in state if isinstance(key, str)
+                             and (key == "model" or (key.startswith("model") and key[5:].isdigit())))
             if present != sorted(chunk_keys):
                 raise CheckpointError(
                     f"{path}: model chunks {present or 'none'} do not match the layout {layout.describe()} "
@@ -244,7 +245,9 @@ class MegatronSource(CanonicalSource):
         for name, pieces in self._pieces.items():
             dtypes = {self._tensor(p).dtype for p in pieces}
             if len(dtypes) > 1:
-                raise CheckpointError(f"{name}: ranks disagree on dtype ({sorted(map(str, dtypes))})")
+                where = {str(self._tensor(p).dtype): self.files[p.coord] for p in pieces}
+                raise CheckpointError(f"{name}: ranks disagree on dtype ("
+                                      + ", ".join(f"{dtype} in {path}" for dtype, path in sorted(where.items())) + ")")
 
     def _index_chunk(self, coord: RankCoord, chunk_key: str, specs: dict[str, TensorSpec], layers: range,
                      where: str) -> None:

@@ -39,7 +39,9 @@ def test_unreadable_tracker_is_named(src: Path, tmp_path: Path, content: bytes) 
     for command in (["convert", src, tmp_path / "dst", "--dst-tp", "1"], ["inspect", src], ["verify", src, src]):
         result = run_cli(*command)
         _assert_named_failure(result, f"{tracker}: ", tmp_path / "dst")
-        assert "expected an iteration number or 'release'" in result.output
+        # An over-long tracker is refused by its size limit before its text is read.
+        expected = "MAX_TRACKER_BYTES" if len(content) > 64 else "expected an iteration number or 'release'"
+        assert expected in result.output
 
 
 def _rewrite(path: Path, change: object) -> None:
@@ -50,7 +52,7 @@ def _rewrite(path: Path, change: object) -> None:
 
 @pytest.mark.parametrize(("change", "expected"), [
     (lambda state: state.update(model=list(state["model"].values())), "'model' is a list, expected a dict"),
-    (lambda state: state["model"].update({7: torch.zeros(2)}), "'model' has a key of type int"),
+    (lambda state: state["model"].update({7: torch.zeros(2)}), "'model' holds the key 7, expected tensor names"),
 ])
 def test_model_that_is_not_a_dict_of_names_is_named(src: Path, tmp_path: Path, change: object, expected: str) -> None:
     path = src / "iter_0000100" / "mp_rank_01" / "model_optim_rng.pt"

@@ -20,7 +20,7 @@ import io
 import pickle
 import struct
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -35,6 +35,9 @@ _LOCAL_HEADER = struct.Struct("<4s22xHH")
 _LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
 
 
+_REAL_STORAGE_BYTES = 1 << 16
+
+
 class _Needs:
     """The bytes each storage key's tensors need, collected by a meta-device persistent_load."""
 
@@ -43,6 +46,8 @@ class _Needs:
         self.legacy = legacy
         self.bytes: dict[str, int] = {}
         self.elements: dict[str, tuple[int, int]] = {}
+        # Reads a small record's bytes by storage key (None when it is missing or short).
+        self.read_small: Callable[[str, int], bytes | None] | None = None
 
     def __call__(self, saved_id: Any) -> Any:
         if not isinstance(saved_id, tuple) or len(saved_id) != (6 if self.legacy else 5):
@@ -55,8 +60,16 @@ class _Needs:
         nbytes = numel * itemsize
         self.bytes[key] = max(self.bytes.get(key, 0), nbytes)
         self.elements.setdefault(key, (numel, itemsize))
-        return torch.storage.TypedStorage(wrap_storage=torch.UntypedStorage(nbytes, device="meta"),
-                                          dtype=dtype, _internal=True)
+        # Small storages hold their real bytes so that objects rebuilt from them, such as a
+        # torch.Generator from Megatron's RNG state, unpickle; large ones stay on the meta device.
+        data = self.read_small(key, nbytes) if self.read_small and nbytes <= _REAL_STORAGE_BYTES else None
+        if data == b"":
+            storage = torch.UntypedStorage(0)
+        elif data is not None:
+            storage = torch.frombuffer(bytearray(data), dtype=torch.uint8).untyped_storage()
+        else:
+            storage = torch.UntypedStorage(nbytes, device="meta")
+        return torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
 
 
 def _unpickle_for_needs(handle: BinaryIO, needs: _Needs) -> Any:
@@ -106,8 +119,18 @@ def _check_zip(path: Path | str, handle: BinaryIO, size: int) -> None:
             raise over_limit(path, f"record {quote(name)}'s size in bytes", length, "MAX_SMALL_RECORD_BYTES")
     start, length = records[pickles[0]]
     handle.seek(start)
+    pickled = handle.read(length)
     needs = _Needs(path, legacy=False)
-    _unpickle_for_needs(io.BytesIO(handle.read(length)), needs)
+
+    def read_small(key: str, nbytes: int) -> bytes | None:
+        record = records.get(f"{prefix}data/{key}")
+        if record is None or record[1] < nbytes:
+            return None
+        handle.seek(record[0])
+        return handle.read(nbytes)
+
+    needs.read_small = read_small
+    _unpickle_for_needs(io.BytesIO(pickled), needs)
     for key, needed in sorted(needs.bytes.items()):
         record = records.get(f"{prefix}data/{key}")
         if record is None:

@@ -117,7 +117,8 @@ def _checked(directory: Path, name: str, confine: bool, error: type[PgconvertErr
     resolved = path.resolve()
     root = directory.resolve()
     if confine and root not in resolved.parents:
-        raise error(f"{path}: leads outside {directory} (to {resolved}); side files must lie inside it")
+        raise error(f"{path}: resolves to {resolved}, outside {directory}; side files must lie inside the "
+                    "checkpoint directory")
     try:
         info = os.stat(resolved)
     except OSError as exc:
@@ -134,7 +135,8 @@ def _templates(directory: Path, confine: bool, error: type[PgconvertError]) -> l
     if not folder.is_dir():
         return []
     if confine and directory.resolve() not in folder.resolve().parents:
-        raise error(f"{folder}: leads outside {directory}; side files must lie inside it")
+        raise error(f"{folder}: resolves to {folder.resolve()}, outside {directory}; side files must lie inside "
+                    "the checkpoint directory")
     names = sorted(entry.name for entry in os.scandir(folder) if entry.name.endswith(TEMPLATE_SUFFIX))
     if len(names) > MAX_SIDE_TEMPLATES:
         raise error(str(over_limit(folder, "the number of chat templates", len(names), "MAX_SIDE_TEMPLATES")))

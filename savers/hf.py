@@ -189,8 +189,9 @@ class HFSaver(Saver):
         if options.max_shard_size is not None and options.max_shard_size < 1:
             raise ConfigError(f"max_shard_size={options.max_shard_size}: must be a positive byte count")
         _, _, guesses = self._target(source, options)
-        for guess in guesses:
-            fallback(guess, options.strict)
+        if options.strict and guesses:
+            # Refused before anything is written; without --strict, save reports them.
+            fallback(guesses[0], strict=True)
         self._units(source, options)
         target_side_files(source.side_files, options)
 

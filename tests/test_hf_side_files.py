@@ -261,3 +261,15 @@ def test_side_file_over_the_size_limit_is_refused(release: Callable[[str, str], 
     with pytest.raises(CheckpointError, match=f"tokenizer.json: the side file's size in bytes is {size}, over "
                                               f"pgconvert's limit MAX_SIDE_FILE_BYTES={size - 1}"):
         pgconvert.convert(release("qwen3"), tmp_path / "m", dst_format="megatron")
+
+
+def test_hf_config_option_for_a_megatron_target_must_describe_the_model(release: Callable[[str, str], Path],
+                                                                        tmp_path: Path) -> None:
+    src = release("qwen3")
+    other = tmp_path / "config.json"
+    other.write_text(json.dumps({**json.loads((src / "config.json").read_text()), "hidden_size": 128}))
+
+    with pytest.raises(ConfigError, match="does not describe the source model: hidden_size: 128 in the file, 64"):
+        pgconvert.convert(src, tmp_path / "m", dst_format="megatron", hf_config=other)
+
+    assert not (tmp_path / "m").exists()

@@ -34,9 +34,10 @@ from pgconvert.hf_format import (
     family_mismatches,
     infer_family,
     model_config_from_hf,
+    read_json_object,
     require_family_fits,
 )
-from pgconvert.limits import MAX_SIDE_FILE_BYTES, MAX_SIDE_TEMPLATES, over_limit, quote, read_json
+from pgconvert.limits import MAX_SIDE_FILE_BYTES, MAX_SIDE_TEMPLATES, over_limit, quote
 from pgconvert.stream import CanonicalSource
 
 log = logging.getLogger(__name__)
@@ -65,8 +66,9 @@ TOKENIZER_FILES: tuple[str, ...] = (
 )
 # Every file a side set may hold, config.json included (an hf target writes its own from it).
 SIDE_FILES: tuple[str, ...] = (CONFIG_FILE, GENERATION_CONFIG_FILE, *TOKENIZER_FILES)
-# Token ids of generation_config.json: an integer, a list of them, or null.
+# Side files are copied in pieces of this size, never read whole.
 COPY_CHUNK_BYTES = 8 * 2**20
+# Token ids of generation_config.json: an integer, a list of them, or null.
 TOKEN_ID_KEYS: tuple[str, ...] = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
 
 
@@ -92,22 +94,6 @@ class SideFiles:
 
     def get(self, name: str) -> SideFile | None:
         return next((item for item in self.files if item.name == name), None)
-
-    def tokenizer(self) -> list[SideFile]:
-        """The tokenizer's files and chat templates."""
-        return [item for item in self.files if item.name not in (CONFIG_FILE, GENERATION_CONFIG_FILE)]
-
-    def config_json(self) -> dict[str, Any] | None:
-        """The carried config.json as a JSON object; None when there is none."""
-        item = self.get(CONFIG_FILE)
-        return None if item is None else read_json_object(item.path, CheckpointError)
-
-
-def read_json_object(path: Path, error: type[PgconvertError]) -> dict[str, Any]:
-    loaded = read_json(path, error)
-    if not isinstance(loaded, dict):
-        raise error(f"{path}: expected a JSON object at the top level, found {type(loaded).__name__}")
-    return loaded
 
 
 def _checked(directory: Path, name: str, confine: bool, error: type[PgconvertError]) -> SideFile:
@@ -180,7 +166,8 @@ def user_side_files(options: SaveOptions) -> list[SideFile]:
             raise ConfigError(f"--tokenizer {folder}: {'not a directory' if folder.exists() else 'does not exist'}")
         found = find_side_files(folder, TOKENIZER_FILES, confine=False, error=ConfigError)
         if not found.files:
-            raise ConfigError(f"--tokenizer {folder}: holds none of the tokenizer files ({', '.join(TOKENIZER_FILES)})")
+            raise ConfigError(f"--tokenizer {folder}: holds none of the tokenizer files "
+                              f"({', '.join(TOKENIZER_FILES)})")
         given += found.files
     return given
 
@@ -190,7 +177,8 @@ def check_generation_config(doc: dict[str, Any], path: Path) -> None:
         value = doc.get(key)
         ids = value if isinstance(value, list) else [value]
         if value is not None and not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
-            raise ConfigError(f"{path}: {key}={quote(value)}: expected a token id (a non-negative integer) or a list of them")
+            raise ConfigError(f"{path}: {key}={quote(value)}: expected a token id (a non-negative integer) "
+                              "or a list of them")
 
 
 def target_side_files(source_files: SideFiles | None, options: SaveOptions) -> list[SideFile]:

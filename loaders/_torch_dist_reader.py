@@ -202,7 +202,7 @@ class TorchDistSource(CanonicalSource):
         if iteration is None and isinstance(common.get("iteration"), int) and not release:
             iteration = common["iteration"]
         super().__init__(config, rows, iteration, release, megatron_args=args)
-        self.side_files = carried_side_files(self.root)
+        self.side_files = carried_side_files(self.root, iteration_dir)
         self.notices.extend(early_notices)
         self._strict = options.strict
         self._reader = _SafeReader(iteration_dir, self._metadata)

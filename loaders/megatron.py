@@ -214,7 +214,7 @@ class MegatronSource(CanonicalSource):
                      f"keeping the padded table of {padded} rows as the vocabulary", options.strict,
                      self._early_notices)
         super().__init__(config, padded, iteration, release, megatron_args=args)
-        self.side_files = carried_side_files(self.root)
+        self.side_files = carried_side_files(self.root, iteration_dir)
         self.notices.extend(self._early_notices)
         self._models = models
         self._pieces: dict[str, list[_Piece]] = defaultdict(list)

@@ -139,8 +139,14 @@ def find_side_files(directory: Path, names: Iterable[str] = SIDE_FILES, confine:
     return SideFiles(directory, tuple(found))
 
 
-def carried_side_files(root: Path) -> SideFiles | None:
-    """The ``hf/`` folder of a Megatron or torch_dist checkpoint rooted at ``root``; None without one."""
+def carried_side_files(root: Path, iteration_dir: Path | None = None) -> SideFiles | None:
+    """The ``hf/`` folder of a Megatron or torch_dist checkpoint rooted at ``root``; None without one.
+
+    When ``root`` is the iteration directory itself (SRC named ``iter_0000100/``), the folder is
+    looked for beside it, in the checkpoint's root."""
+    if iteration_dir is not None and root.resolve() == iteration_dir.resolve() \
+            and not os.path.lexists(root / SIDE_DIR):
+        root = root.absolute().parent
     folder = root / SIDE_DIR
     if not os.path.lexists(folder):
         return None

@@ -116,6 +116,9 @@ def test_megatron_reshard_and_torch_dist_carry_the_hf_folder(release: Callable[[
         for file_name in ("config.json", *SIDE_FILES):
             assert (tmp_path / step / "hf" / file_name).read_bytes() == (src / file_name).read_bytes(), step
     assert_same_hf_checkpoint(src, tmp_path / "hf")
+    # SRC naming the iteration directory itself: hf/ is found beside it, in the checkpoint's root.
+    pgconvert.convert(tmp_path / "dist" / "iter_0000000", tmp_path / "from_iteration", dst_format="hf")
+    assert_same_hf_checkpoint(src, tmp_path / "from_iteration")
 
 
 def test_options_supply_what_a_bare_megatron_checkpoint_lacks(release: Callable[[str, str], Path],

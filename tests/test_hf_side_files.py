@@ -276,3 +276,12 @@ def test_hf_config_option_for_a_megatron_target_must_describe_the_model(release:
         pgconvert.convert(src, tmp_path / "m", dst_format="megatron", hf_config=other)
 
     assert not (tmp_path / "m").exists()
+
+
+def test_worker_processes_write_the_hf_folder(release: Callable[[str, str], Path], tmp_path: Path) -> None:
+    src = release("llama3.1")
+
+    pgconvert.convert(src, tmp_path / "m", dst_format="megatron", dst_tp=2, workers=2)
+
+    for file_name in ("config.json", *SIDE_FILES):
+        assert (tmp_path / "m" / "hf" / file_name).read_bytes() == (src / file_name).read_bytes()

@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from pgconvert.config import TRANSFORMER_IMPLS, ModelConfig
 from pgconvert.errors import CheckpointError, LayoutError, PgconvertError, UnsafePickleError
 from pgconvert.formats import LoadOptions
+from pgconvert.hf_side import carried_side_files
 from pgconvert.megatron_format import (
     SAFE_GLOBALS,
     config_from_args,
@@ -201,6 +202,7 @@ class TorchDistSource(CanonicalSource):
         if iteration is None and isinstance(common.get("iteration"), int) and not release:
             iteration = common["iteration"]
         super().__init__(config, rows, iteration, release, megatron_args=args)
+        self.side_files = carried_side_files(self.root, iteration_dir)
         self.notices.extend(early_notices)
         self._strict = options.strict
         self._reader = _SafeReader(iteration_dir, self._metadata)

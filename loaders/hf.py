@@ -30,6 +30,7 @@ from pgconvert.hf_format import (
     read_tensor_range,
     resolve_inside,
 )
+from pgconvert.hf_side import find_side_files
 from pgconvert.provider import OUTPUT_LAYER, WORD_EMBEDDINGS, canonical_names
 from pgconvert.rules import Chunked, GatedChunked, ShardRule, VocabParallel
 from pgconvert.stream import CanonicalSource, TensorMeta
@@ -104,6 +105,7 @@ class HFSource(CanonicalSource):
         self.notices.extend(notices)
         self.family = family
         self.hf_origin = HFOrigin(directory=directory, config_json=doc, family=family)
+        self.side_files = find_side_files(directory)
         self._order = canonical_names(config)
         self._rows: dict[str, tuple[TensorMapping, tuple[str, ...]]] = {}
         self._metas: dict[str, TensorMeta] = {}

@@ -15,6 +15,7 @@ import torch
 from pgconvert.errors import CheckpointError, LayoutError
 from pgconvert.formats import Loader, LoadOptions
 from pgconvert.grid import RankCoord, build_converter_process_groups, iter_ranks
+from pgconvert.hf_side import carried_side_files
 from pgconvert.layout import ParallelLayout
 from pgconvert.limits import MAX_LISTED_MISSING, quote
 from pgconvert.megatron_format import (
@@ -213,6 +214,7 @@ class MegatronSource(CanonicalSource):
                      f"keeping the padded table of {padded} rows as the vocabulary", options.strict,
                      self._early_notices)
         super().__init__(config, padded, iteration, release, megatron_args=args)
+        self.side_files = carried_side_files(self.root, iteration_dir)
         self.notices.extend(self._early_notices)
         self._models = models
         self._pieces: dict[str, list[_Piece]] = defaultdict(list)

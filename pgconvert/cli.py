@@ -132,7 +132,12 @@ def _layout_option(name: str, help_text: str) -> Any:
 @click.option("--max-shard-size", type=ByteSize(), default=None, metavar="SIZE",
               help="Largest safetensors shard of an hf DST, e.g. 5GB (default), 500MB, 2GiB.")
 @click.option("--hf-config", type=click.Path(path_type=Path, exists=True, dir_okay=False), default=None,
-              help="config.json to write into an hf DST instead of one built from the model.")
+              help="config.json for DST (megatron/torch_dist: hf/config.json) instead of the carried one "
+                   "or one built from the model; it must describe the model.")
+@click.option("--generation-config", type=click.Path(path_type=Path, exists=True, dir_okay=False), default=None,
+              help="generation_config.json for DST (hf: beside the weights; megatron/torch_dist: in hf/).")
+@click.option("--tokenizer", type=click.Path(path_type=Path, exists=True, file_okay=False), default=None,
+              metavar="DIR", help="Folder whose tokenizer files and chat templates DST gets instead of the source's.")
 @click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True,
               help="Worker processes writing independent destination files (megatron DST).")
 @click.option("--max-memory", type=ByteSize(), default=None, metavar="SIZE",
@@ -159,7 +164,8 @@ def convert_command(src: Path, dst: Path, src_format: str, dst_format: str, src_
                     dst_pipeline_layout: str | None, dst_transformer_impl: str | None,
                     dst_expert_layout: str | None, iteration: int | None,
                     true_vocab_size: int | None, dtype: str, max_shard_size: int | None,
-                    hf_config: Path | None, workers: int, max_memory: int | None,
+                    hf_config: Path | None, generation_config: Path | None, tokenizer: Path | None,
+                    workers: int, max_memory: int | None,
                     shard_index: int | None, num_shards: int | None, strict: bool, finite_mode: str | None,
                     dry_run: bool, overwrite: bool,
                     quiet: bool, verbose: bool) -> None:
@@ -178,6 +184,7 @@ def convert_command(src: Path, dst: Path, src_format: str, dst_format: str, src_
         iteration=iteration, true_vocab_size=true_vocab_size, dtype=dtype, overwrite=overwrite,
         strict=strict, check_finite=finite_mode or "warn",
         max_shard_size=max_shard_size, hf_config=hf_config, workers=workers, max_memory=max_memory,
+        generation_config=generation_config, tokenizer=tokenizer,
     )
     try:
         shard = _shard_of_this_process(shard_index, num_shards)
@@ -351,6 +358,8 @@ def _print_info(info: Any) -> None:
                      f"{info.true_vocab_size if info.true_vocab_size is not None else 'unknown'}"))
         model = " ".join(f"{key}={value}" for key, value in info.model_config.items())
         rows.append(("model", textwrap.fill(model, width=100, subsequent_indent=" " * 12)))
+    if info.side_files:
+        rows.append(("hf files", textwrap.fill(", ".join(info.side_files), width=100, subsequent_indent=" " * 12)))
     if info.manifest is not None:
         rows.append(("manifest", f"pgconvert {info.manifest['tool_version']}, {info.manifest['created']}, "
                      f"from {info.manifest['source_path']} ({info.manifest['files']} files)"))

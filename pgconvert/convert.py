@@ -58,6 +58,9 @@ class ConvertRequest:
     check_finite: str = "warn"
     max_shard_size: int | None = None
     hf_config: Path | None = None
+    # HF side files to write (or carry in hf/) instead of the source's: see pgconvert.hf_side.
+    generation_config: Path | None = None
+    tokenizer: Path | None = None
     # Local worker processes over independent destination files, and the bytes of destination
     # files they may hold in memory at once.
     workers: int = 1
@@ -200,6 +203,8 @@ def plan(request: ConvertRequest, check_dst: bool = True) -> Plan:
             strict=request.strict,
             max_shard_size=request.max_shard_size,
             hf_config=Path(request.hf_config) if request.hf_config is not None else None,
+            generation_config=Path(request.generation_config) if request.generation_config is not None else None,
+            tokenizer=Path(request.tokenizer) if request.tokenizer is not None else None,
         )
         _note_dtype_change(source, save_options)
         saver.validate(source, save_options)

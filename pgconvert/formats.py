@@ -50,6 +50,9 @@ class SaveOptions:
     max_shard_size: int | None = None
     # A config.json to write instead of one built from the model (hf); it must describe the model.
     hf_config: Path | None = None
+    # HF side files the user gives (pgconvert.hf_side): a generation_config.json, a tokenizer folder.
+    generation_config: Path | None = None
+    tokenizer: Path | None = None
 
 
 EXPERT_LAYOUTS = ("sequential", "grouped")

@@ -6,7 +6,7 @@ Layout on disk (transformers' ``save_pretrained``)::
     DIR/model.safetensors                          one file, or
     DIR/model.safetensors.index.json               {"metadata": {"total_size": N}, "weight_map": {name: file}}
     DIR/model-00001-of-00003.safetensors …
-    DIR/tokenizer.json, tokenizer_config.json, … (copied along, never interpreted)
+    DIR/tokenizer.json, tokenizer_config.json, … (side files: pgconvert.hf_side)
 
 The index is untrusted input: a shard name must be a plain ``*.safetensors`` file name inside
 DIR, so a crafted index cannot make pgconvert read anything else.
@@ -41,16 +41,6 @@ INDEX_FILE = "model.safetensors.index.json"
 SHARD_SUFFIX = ".safetensors"
 # transformers' default max_shard_size="5GB" (decimal units).
 DEFAULT_MAX_SHARD_SIZE = 5_000_000_000
-# Files beside the weights that a consumer of the checkpoint needs and pgconvert never interprets.
-TOKENIZER_FILES: tuple[str, ...] = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "generation_config.json",
-)
 # The HF-sourced model's Megatron-only settings: the local layer spec and Megatron's default padding.
 LOADED_DEFAULTS: dict[str, object] = {"transformer_impl": "local", "make_vocab_size_divisible_by": 128}
 # transformers 5 writes "dtype"; 4.x wrote "torch_dtype".

@@ -8,6 +8,7 @@ exception here but a problem in the result, so the caller can show it next to wh
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -52,6 +53,8 @@ class CheckpointInfo:
     total_bytes: int = 0
     dtypes: dict[str, int] = field(default_factory=dict)
     manifest: dict[str, Any] | None = None
+    # The HF side files the checkpoint carries (pgconvert.hf_side), relative to its root.
+    side_files: list[str] = field(default_factory=list)
     notices: list[str] = field(default_factory=list)
     problems: list[Problem] = field(default_factory=list)
 
@@ -133,6 +136,9 @@ def _describe(source: CanonicalSource, info: CheckpointInfo) -> None:
         dtypes[str(meta.dtype).removeprefix("torch.")] += 1
     info.dtypes = dict(sorted(dtypes.items()))
     info.notices = list(source.notices)
+    if source.side_files is not None:
+        prefix = os.path.relpath(source.side_files.directory.absolute(), info.path)
+        info.side_files = [name if prefix == "." else f"{prefix}/{name}" for name in source.side_files.names()]
     if config.vocab_size is None:
         info.problems.append(Problem(
             "warning", "unknown-true-vocab",

@@ -36,6 +36,11 @@ MAX_TRACKER_BYTES = 64
 MAX_LISTED_MISSING = 64
 # The most characters of an untrusted value an error message quotes.
 MAX_QUOTED_CHARS = 120
+# The largest HF side file (tokenizer, chat template, configs) copied along; real tokenizer.json
+# files are tens of MiB at most.
+MAX_SIDE_FILE_BYTES = 512 * 2**20
+# The most named chat templates (additional_chat_templates/*.jinja) taken from one folder.
+MAX_SIDE_TEMPLATES = 256
 
 def over_limit(path: Path | str, what: str, found: int, limit: str) -> CheckpointError:
     """The refusal of an input past the limit of that name (a constant of this module)."""

@@ -10,12 +10,16 @@ import argparse
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from pgconvert.config import ModelConfig
 from pgconvert.errors import CheckpointError
 from pgconvert.rules import ShardRule, VocabParallel
+
+if TYPE_CHECKING:
+    from pgconvert.hf_side import SideFiles
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +65,8 @@ class CanonicalSource:
         self.iteration = iteration
         self.release = release
         self.megatron_args = megatron_args
+        # The HF side files (tokenizer, config.json, …) the source carries; set by its loader.
+        self.side_files: SideFiles | None = None
         self.notices: list[str] = []
         self.check_finite = "warn"
         self._nonfinite_seen: set[str] = set()

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +28,6 @@ from pgconvert.hf_format import (
     INDEX_FILE,
     SAFETENSORS_DTYPES,
     SINGLE_FILE,
-    TOKENIZER_FILES,
     VOCAB_TABLES,
     HFOrigin,
     config_disagreements,
@@ -37,13 +35,20 @@ from pgconvert.hf_format import (
     infer_family,
     read_json_object,
     require_family_fits,
-    resolve_inside,
     shard_file_name,
     with_dtype,
+)
+from pgconvert.hf_side import (
+    GENERATION_CONFIG_FILE,
+    TOKENIZER_FILES,
+    carried_config,
+    copy_side_files,
+    target_side_files,
 )
 from pgconvert.layout import ParallelLayout
 from pgconvert.provider import WORD_EMBEDDINGS, keep_dtype_names
 from pgconvert.stream import CanonicalSource
+from pgconvert.strict import fallback
 
 log = logging.getLogger(__name__)
 
@@ -183,14 +188,20 @@ class HFSaver(Saver):
             )
         if options.max_shard_size is not None and options.max_shard_size < 1:
             raise ConfigError(f"max_shard_size={options.max_shard_size}: must be a positive byte count")
-        self._target(source, options)
+        _, _, guesses = self._target(source, options)
+        if options.strict and guesses:
+            # Refused before anything is written; without --strict, save reports them.
+            fallback(guesses[0], strict=True)
         self._units(source, options)
-        self._side_files(source)
+        target_side_files(source.side_files, options)
 
-    def _target(self, source: CanonicalSource, options: SaveOptions) -> tuple[Family, dict[str, Any] | None]:
-        """The family to write and the config.json to start from (None: build it from the model)."""
+    def _target(self, source: CanonicalSource,
+                options: SaveOptions) -> tuple[Family, dict[str, Any] | None, list[str]]:
+        """The family to write, the config.json to start from (None: build it from the model) and
+        the guesses made choosing them."""
         config = source.config
         origin = _origin(source)
+        carried = source.side_files.get(CONFIG_FILE) if source.side_files is not None else None
         if options.hf_config is not None:
             doc = read_json_object(options.hf_config, error=ConfigError)
             family, differences = config_disagreements(doc, options.hf_config, config)
@@ -199,15 +210,17 @@ class HFSaver(Saver):
             doc = origin.config_json
             family, differences = config_disagreements(doc, origin.directory / CONFIG_FILE, config)
             where = str(origin.directory / CONFIG_FILE)
+        elif carried is not None:
+            return carried_config(read_json_object(carried.path), carried.path, config)
         else:
-            return infer_family(config), None
+            return infer_family(config), None, []
         if differences:
             raise ConfigError(f"{where}: does not describe the source model: {'; '.join(differences)}")
         require_family_fits(family, config, where)
-        return family, doc
+        return family, doc, []
 
     def _units(self, source: CanonicalSource, options: SaveOptions) -> list[_Unit]:
-        family, _ = self._target(source, options)
+        family, _, _ = self._target(source, options)
         config = source.config
         assert config.vocab_size is not None
         # Routers keep their dtype (float32 in megatron-core) whatever --dtype says, as on a megatron target.
@@ -255,9 +268,11 @@ class HFSaver(Saver):
              progress: Progress) -> SaveResult:
         config = source.config
         assert config.vocab_size is not None
-        family, base = self._target(source, options)
+        family, base, guesses = self._target(source, options)
         shards = self._shards(source, options)
         result = SaveResult()
+        for guess in guesses:
+            fallback(guess, options.strict, result.notices)
         weight_map: dict[str, str] = {}
         total = 0
         for file_name, shard in zip(self._file_names(len(shards)), shards, strict=True):
@@ -294,30 +309,22 @@ class HFSaver(Saver):
                 "record (token ids, RoPE scaling, sliding window) take transformers' defaults"
                 + (f", except {assumed}: how megatron-core behaves" if assumed else "")
             )
-        result.notices.extend(self._copy_side_files(source, out_dir))
+        result.notices.extend(self._copy_side_files(source, options, out_dir))
         if source.extra_states():
             result.notices.append("Transformer Engine _extra_state (FP8 metadata) has no hf equivalent; dropped")
         return result
 
     @staticmethod
-    def _side_files(source: CanonicalSource) -> list[tuple[str, Path]]:
-        """The tokenizer and generation files beside an HF source, each checked to lie inside it."""
-        origin = _origin(source)
-        if origin is None:
+    def _copy_side_files(source: CanonicalSource, options: SaveOptions, out_dir: Path) -> list[str]:
+        """The tokenizer, chat templates and generation config of the source (or the user's)."""
+        files = [item for item in target_side_files(source.side_files, options) if item.name != CONFIG_FILE]
+        copy_side_files(files, out_dir)
+        log.info("copied %s", ", ".join(item.name for item in files) or "no side files")
+        names = {item.name for item in files}
+        missing = [what for what, present in (
+            ("no tokenizer files", names & set(TOKENIZER_FILES)),
+            (f"no {GENERATION_CONFIG_FILE}", GENERATION_CONFIG_FILE in names)) if not present]
+        if not missing:
             return []
-        return [
-            (name, resolve_inside(origin.directory, name, origin.directory))
-            for name in TOKENIZER_FILES
-            if (origin.directory / name).is_file()
-        ]
-
-    def _copy_side_files(self, source: CanonicalSource, out_dir: Path) -> list[str]:
-        if _origin(source) is None:
-            return [f"no tokenizer files written: the {source.format_name} source has none; copy them into the output"]
-        copied = []
-        for name, path in self._side_files(source):
-            shutil.copyfile(path, out_dir / name)
-            _fsync(out_dir / name)
-            copied.append(name)
-        log.info("copied %s", ", ".join(copied) or "no tokenizer files")
-        return []
+        return [f"{' and '.join(missing)} written: the {source.format_name} source carries none; pass "
+                "--tokenizer DIR / --generation-config FILE, or copy them into the output"]

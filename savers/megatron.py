@@ -22,6 +22,7 @@ import torch
 from pgconvert.config import ModelConfig
 from pgconvert.formats import PlannedFile, Progress, SaveOptions, Saver, SaveResult, target_config
 from pgconvert.grid import RankCoord, build_converter_process_groups, iter_ranks
+from pgconvert.hf_side import carried_for_target, write_carried
 from pgconvert.layout import ParallelLayout
 from pgconvert.megatron_format import (
     CHECKPOINT_VERSION,
@@ -115,6 +116,7 @@ class MegatronSaver(Saver):
         config = target_config(source.config, options)
         options.layout.validate(config, "dst")
         target_vocab_rows(config, source.vocab_rows, options.layout)
+        carried_for_target(source, options)
         if options.strict:
             self._refuse_guesses(source, options, config)
 
@@ -271,6 +273,7 @@ class MegatronSaver(Saver):
         tracker = out_dir / TRACKER_FILE
         tracker.write_text("release" if release else str(iteration))
         fsync_file(tracker)
+        write_carried(source, options, out_dir)
         notices = [
             "optimizer, scheduler and RNG state are not carried: resume with --no-load-optim "
             "--no-load-rng (or --finetune)"

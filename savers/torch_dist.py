@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 
 from pgconvert.config import ModelConfig
 from pgconvert.formats import PlannedFile, Progress, SaveOptions, Saver, SaveResult, target_config
+from pgconvert.hf_side import carried_for_target, write_carried
 from pgconvert.megatron_format import (CHECKPOINT_VERSION, FRAMEWORK_PICKLE, TRACKER_FILE, args_for_target,
                                        iteration_dir_name)
 from pgconvert.provider import (
@@ -152,6 +153,7 @@ class TorchDistSaver(Saver):
         config = target_config(source.config, options)
         options.layout.validate(config, "dst")
         target_vocab_rows(config, source.vocab_rows, options.layout)
+        carried_for_target(source, options)
         if not options.strict:
             return
         if any(holds_state(extra.by_rank.values()) for extra in source.extra_states().values()):
@@ -224,6 +226,7 @@ class TorchDistSaver(Saver):
         tracker.write_text("release" if source.release else str(iteration))
         _fsync(tracker)
         result.files = _files(iteration_dir.relative_to(out_dir).as_posix(), chunks, objects)
+        write_carried(source, options, out_dir)
         if any(holds_state(extra.by_rank.values()) for extra in source.extra_states().values()):
             result.notices.append("Transformer Engine _extra_state (FP8 scaling metadata) of the source is not "
                                   "carried; written empty: FP8 runs re-derive it in their first steps")

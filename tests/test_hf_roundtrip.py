@@ -89,6 +89,8 @@ def test_hf_to_hf_keeps_config_json_and_copies_tokenizer_files(hf_sources: dict[
 
 def test_megatron_source_writes_no_tokenizer_files_and_says_so(hf_sources: dict[str, Path], tmp_path: Path) -> None:
     pgconvert.convert(hf_sources["llama"], tmp_path / "megatron", dst_format="megatron", dst_tp=2)
+    # A Megatron checkpoint that does not carry the HF side files of its model (not made from one).
+    shutil.rmtree(tmp_path / "megatron" / "hf")
 
     report = pgconvert.convert(tmp_path / "megatron", tmp_path / "hf", dst_format="hf", dst_tp=1)
 

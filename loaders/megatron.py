@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from pgconvert.errors import CheckpointError, LayoutError
-from pgconvert.formats import Loader, LoadOptions
+from pgconvert.formats import Iteration, Loader, LoadOptions
 from pgconvert.grid import RankCoord, build_converter_process_groups, iter_ranks
 from pgconvert.layout import ParallelLayout
 from pgconvert.limits import MAX_LISTED_MISSING, quote
@@ -25,6 +25,7 @@ from pgconvert.megatron_format import (
     check_megatron_layout,
     config_from_args,
     layout_from_args,
+    list_megatron_iterations,
     rank_dir_name,
     resolve_megatron_iteration,
     safe_torch_load,
@@ -78,6 +79,9 @@ class MegatronLoader(Loader):
     def open(self, path: Path, options: LoadOptions) -> MegatronSource:
         iteration_dir, iteration, release = resolve_iteration_dir(path, options.iteration)
         return MegatronSource(iteration_dir, iteration, release, options, root=path)
+
+    def iterations(self, path: Path) -> list[Iteration]:
+        return list_megatron_iterations(path, _holds_rank_dirs)
 
 
 def _is_distributed_checkpoint(path: Path) -> bool:

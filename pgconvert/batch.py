@@ -41,8 +41,7 @@ from typing import Any, Literal
 
 from pgconvert.convert import ConvertRequest, convert_request, destination_layout
 from pgconvert.errors import PgconvertError, ValidationError
-from pgconvert.formats import LoadOptions
-from pgconvert.inspection import RELEASE, saved_iterations
+from pgconvert.formats import RELEASE, LoadOptions
 from pgconvert.manifest import Manifest, file_problems, output_options, read_manifest
 from pgconvert.registry import detect_format, get_loader
 
@@ -258,8 +257,8 @@ def expand(item: PlanItem) -> list[BatchEntry]:
             source_format = item.options.get("src_format") or detect_format(Path(item.src))
         except PgconvertError as error:
             return [BatchEntry(item.label, item.src, item.dst, None, f"iterations = \"all\": {error}")]
-        saved = saved_iterations(Path(item.src), source_format)
-        iterations = [number for number in saved if number != RELEASE]  # type: ignore[misc]
+        saved = get_loader(source_format).iterations(Path(item.src))
+        iterations = [number for number in saved if isinstance(number, int)]
         if not iterations:
             return [BatchEntry(item.label, item.src, item.dst, None,
                                f"iterations = \"all\": {item.src} ({source_format}) has no numbered iterations")]

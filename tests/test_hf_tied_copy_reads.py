@@ -3,7 +3,6 @@ stored copy, so a source answers the same on its second read as on its first."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import functools
 import logging
 import os
 import shutil
@@ -22,6 +23,7 @@ from pgconvert.manifest import Manifest, record_files, write_manifest
 from pgconvert.registry import detect_format, get_loader, get_saver
 from pgconvert.stream import CanonicalSource
 from pgconvert.strict import fallback
+from pgconvert.workers import save_with_workers
 
 log = logging.getLogger(__name__)
 
@@ -308,9 +310,8 @@ def _fsync_dir(path: Path) -> None:
 def _save(conversion: Plan, staging: Path, progress: Callable[[int], None]) -> SaveResult:
     request = conversion.request
     if request.workers > 1:
-        from pgconvert.parallel import save_with_workers
-
-        return save_with_workers(conversion, staging, request.workers, request.max_memory, progress)
+        return save_with_workers(conversion, staging, request.workers, request.max_memory, progress,
+                                 functools.partial(plan, check_dst=False))
     return conversion.saver.save(conversion.source, staging, conversion.save_options, progress)
 
 

@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from pgconvert.convert import ConvertRequest, convert_request, destination_layout
+from pgconvert.convert import ConvertRequest, convert, convert_request, destination_layout
 from pgconvert.errors import PgconvertError, ValidationError
 from pgconvert.formats import RELEASE, LoadOptions
 from pgconvert.manifest import Manifest, file_problems, output_options, read_manifest
@@ -369,12 +369,10 @@ def _share_cpus(threads: int) -> None:
 
 def _run_conversion(request: ConvertRequest) -> tuple[float, str | None]:
     """One entry, in a worker process: seconds taken and the error, if any (never raises)."""
-    import pgconvert
-
     started = time.perf_counter()
     options = {item.name: getattr(request, item.name) for item in fields(request) if item.name not in ("src", "dst")}
     try:
-        pgconvert.convert(request.src, request.dst, **options)
+        convert(request.src, request.dst, **options)
     except PgconvertError as error:
         return time.perf_counter() - started, str(error)
     except Exception as error:  # a bug in one entry must not stop the others

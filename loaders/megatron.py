@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from pgconvert.errors import CheckpointError, LayoutError
+from pgconvert.errors import CheckpointError
 from pgconvert.formats import Iteration, Loader, LoadOptions
 from pgconvert.grid import RankCoord, build_converter_process_groups, iter_ranks
 from pgconvert.layout import ParallelLayout
@@ -153,7 +153,7 @@ class MegatronSource(CanonicalSource):
         layout = layout_from_args(args, first_file)
         check_megatron_layout(layout, "src", first_file)
         self.layout = layout
-        self._check_user_layout(options, layout, first_file)
+        options.check_layout(layout, first_file)
         _check_sizes_against_files(layout, len(rank_dirs), len(first_state), first_file)
         expected = {
             rank_dir_name(c.tp, c.pp, c.ep, layout.pp, layout.ep): c for c in iter_ranks(layout)
@@ -228,13 +228,6 @@ class MegatronSource(CanonicalSource):
         uncovered = sorted(set(self._order) - set(self._pieces))
         if uncovered:
             raise CheckpointError(f"{iteration_dir}: no rank holds {uncovered}")
-
-    @staticmethod
-    def _check_user_layout(options: LoadOptions, layout: ParallelLayout, path: Path) -> None:
-        for flag, given, found in (("--src-tp", options.src_tp, layout.tp), ("--src-pp", options.src_pp, layout.pp),
-                                   ("--src-ep", options.src_ep, layout.ep)):
-            if given is not None and given != found:
-                raise LayoutError(f"{flag} {given}: the checkpoint's args say {found} ({path})")
 
     def _index(self, padded: int, chunk_keys: list[str]) -> None:
         groups = build_converter_process_groups(self.layout)

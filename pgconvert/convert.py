@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pgconvert.durable import fsync_dir
 from pgconvert.errors import ConversionError, DestinationError, ValidationError
 from pgconvert.formats import DTYPE_CHOICES, LoadOptions, PlannedFile, SaveOptions, Saver, SaveResult
 from pgconvert.layout import ParallelLayout
@@ -286,7 +287,7 @@ def _promoted_on_success(staging: Path, dst: Path, overwrite: bool) -> Iterator[
 
 def promote(staging: Path, dst: Path, overwrite: bool) -> None:
     """Make a complete staging directory the destination: fsync, then one rename."""
-    _fsync_dir(staging)
+    fsync_dir(staging)
     if dst.exists():
         if any(dst.iterdir()) and not overwrite:
             raise DestinationError(f"DST {dst} appeared during the conversion and is not empty")
@@ -296,15 +297,7 @@ def promote(staging: Path, dst: Path, overwrite: bool) -> None:
         shutil.rmtree(retired)
     else:
         staging.rename(dst)
-    _fsync_dir(dst.parent)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(dst.parent)
 
 
 def _save(conversion: Plan, staging: Path, progress: Callable[[int], None]) -> SaveResult:

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from pgconvert.config import ModelConfig
+from pgconvert.errors import LayoutError
 from pgconvert.layout import ParallelLayout
 from pgconvert.stream import CanonicalSource
 
@@ -45,6 +46,13 @@ class LoadOptions:
     # Refuse instead of guessing (see pgconvert.strict).
     strict: bool = False
 
+    def check_layout(self, layout: ParallelLayout, path: Path) -> None:
+        """Refuse a ``--src-tp/pp/ep`` the user gave that the checkpoint's own layout contradicts."""
+        for flag, given, found in (("--src-tp", self.src_tp, layout.tp), ("--src-pp", self.src_pp, layout.pp),
+                                   ("--src-ep", self.src_ep, layout.ep)):
+            if given is not None and given != found:
+                raise LayoutError(f"{flag} {given}: the checkpoint's args say {found} ({path})")
+
 
 @dataclass(frozen=True)
 class SaveOptions:
@@ -64,6 +72,14 @@ class SaveOptions:
 
 
 EXPERT_LAYOUTS = ("sequential", "grouped")
+
+
+def target_dtype(source_dtype: torch.dtype, requested: torch.dtype | None, keep: bool = False) -> torch.dtype:
+    """The dtype a saver writes a tensor in: ``requested`` (``--dtype``) for floating-point tensors
+    not ``keep``-ed at their own dtype (e.g. a router's float32 expert bias), else the source's."""
+    if requested is None or keep or not source_dtype.is_floating_point:
+        return source_dtype
+    return requested
 
 
 def target_config(config: ModelConfig, options: SaveOptions) -> ModelConfig:

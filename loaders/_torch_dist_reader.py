@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from pgconvert.config import TRANSFORMER_IMPLS, ModelConfig
-from pgconvert.errors import CheckpointError, LayoutError, PgconvertError, UnsafePickleError
+from pgconvert.errors import CheckpointError, PgconvertError, UnsafePickleError
 from pgconvert.formats import LoadOptions
 from pgconvert.hf_side import carried_side_files
 from pgconvert.megatron_format import (
@@ -55,13 +55,12 @@ from pgconvert.torch_input import check_torch_stream
 from pgconvert.paths import ensure_within
 from pgconvert.provider import OUTPUT_LAYER, WORD_EMBEDDINGS, canonical_shapes, te_extra_state_names
 from pgconvert.rules import Chunked, GatedChunked, Replicated, ShardRule, VocabParallel
-from pgconvert.stream import CanonicalSource, ExtraState, TensorMeta
+from pgconvert.stream import CanonicalSource, ExtraState, TensorMeta, holds_state
 from pgconvert.strict import fallback
 from pgconvert.torch_dist_format import (
     CHECKPOINT_CONFIG_FILE,
     COMMON_FILE,
     DCP_METADATA_FILE,
-    holds_state,
     is_extra_state,
     is_training_state,
     read_checkpoint_config,
@@ -178,7 +177,7 @@ class TorchDistSource(CanonicalSource):
                 "half); pgconvert reads the default naming (singleton_local_shards=False) only"
             )
         self.layout = layout_from_args(args, common_path)
-        self._check_user_layout(options, common_path)
+        options.check_layout(self.layout, common_path)
         impl = getattr(args, "transformer_impl", None)
         if impl not in TRANSFORMER_IMPLS:
             fallback(f"{common_path}: args.transformer_impl={impl!r}; assuming Megatron-LM's default "
@@ -211,12 +210,6 @@ class TorchDistSource(CanonicalSource):
         if training_entries:
             self.notices.append(f"{training_entries} optimizer/RNG/rerun entries of the source are not converted: "
                                 "resume with --no-load-optim --no-load-rng (or --finetune)")
-
-    def _check_user_layout(self, options: LoadOptions, path: Path) -> None:
-        for flag, given, found in (("--src-tp", options.src_tp, self.layout.tp), ("--src-pp", options.src_pp, self.layout.pp),
-                                   ("--src-ep", options.src_ep, self.layout.ep)):
-            if given is not None and given != found:
-                raise LayoutError(f"{flag} {given}: the checkpoint's args say {found} ({path})")
 
     def _index(self, config: ModelConfig, metadata_path: Path) -> tuple[int, int]:
         """Check every key against the model the args describe, and every chunk's file.

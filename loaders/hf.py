@@ -183,14 +183,21 @@ class HFSource(CanonicalSource):
         parts = [read_tensor(self._files[hf], hf) for hf in hf_names]
         full = row.transform.fuse(parts, self.config)
         if name == WORD_EMBEDDINGS and self._tied_copy is not None:
-            copy = read_tensor(self._files[self._tied_copy], self._tied_copy)
-            if not torch.equal(copy, full):
-                raise CheckpointError(
-                    f"{self._files[self._tied_copy]}: {self._tied_copy} differs from {hf_names[0]}, but "
-                    "config.json ties them (tie_word_embeddings=true)"
-                )
-            self._tied_copy = None
+            self._check_tied_copy(full, read_tensor(self._files[self._tied_copy], self._tied_copy), hf_names[0])
         return full
+
+    def _check_tied_copy(self, embedding: torch.Tensor, copy: torch.Tensor, embedding_name: str) -> None:
+        """The stored output weight of a tied model must equal the embedding rows read with it.
+
+        Checked on every read of the embedding (each piece against the same rows of the copy), so
+        a source answers the same however often and in whatever pieces it is read.
+        """
+        if not torch.equal(copy, embedding):
+            assert self._tied_copy is not None
+            raise CheckpointError(
+                f"{self._files[self._tied_copy]}: {self._tied_copy} differs from {embedding_name}, but "
+                "config.json ties them (tie_word_embeddings=true)"
+            )
 
     def _load_shard(self, name: str, rule: ShardRule, size: int, rank: int, rows: int | None) -> torch.Tensor:
         """A TP piece read straight from the HF tensors' byte ranges where the transform allows.
@@ -199,10 +206,14 @@ class HFSource(CanonicalSource):
         piece, gated fc1 by the piece's gate and up rows; anything else goes through the full tensor.
         """
         row, hf_names = self._rows[name]
-        if name == WORD_EMBEDDINGS and self._tied_copy is not None:
-            self._load(name)  # checks the stored tied copy once
         if isinstance(rule, VocabParallel) and row.transform is IDENTITY:
-            return self._vocab_piece(hf_names[0], rows if rows is not None else self.vocab_rows, size, rank)
+            padded = rows if rows is not None else self.vocab_rows
+            piece = self._vocab_piece(hf_names[0], padded, size, rank)
+            if name == WORD_EMBEDDINGS and self._tied_copy is not None:
+                self._check_tied_copy(piece, self._vocab_piece(self._tied_copy, padded, size, rank), hf_names[0])
+            return piece
+        if name == WORD_EMBEDDINGS and self._tied_copy is not None:
+            self._load(name)  # checks the stored tied copy
         if type(rule) is Chunked and row.transform is IDENTITY:
             shape = self._metas[name].shape
             step = shape[rule.dim] // size

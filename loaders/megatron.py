@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from pgconvert.errors import CheckpointError, LayoutError
-from pgconvert.formats import Loader, LoadOptions
+from pgconvert.errors import CheckpointError
+from pgconvert.formats import Iteration, Loader, LoadOptions
 from pgconvert.grid import RankCoord, build_converter_process_groups, iter_ranks
 from pgconvert.hf_side import carried_side_files
 from pgconvert.layout import ParallelLayout
@@ -26,6 +26,7 @@ from pgconvert.megatron_format import (
     check_megatron_layout,
     config_from_args,
     layout_from_args,
+    list_megatron_iterations,
     rank_dir_name,
     resolve_megatron_iteration,
     safe_torch_load,
@@ -79,6 +80,9 @@ class MegatronLoader(Loader):
     def open(self, path: Path, options: LoadOptions) -> MegatronSource:
         iteration_dir, iteration, release = resolve_iteration_dir(path, options.iteration)
         return MegatronSource(iteration_dir, iteration, release, options, root=path)
+
+    def iterations(self, path: Path) -> list[Iteration]:
+        return list_megatron_iterations(path, _holds_rank_dirs)
 
 
 def _is_distributed_checkpoint(path: Path) -> bool:
@@ -150,7 +154,7 @@ class MegatronSource(CanonicalSource):
         layout = layout_from_args(args, first_file)
         check_megatron_layout(layout, "src", first_file)
         self.layout = layout
-        self._check_user_layout(options, layout, first_file)
+        options.check_layout(layout, first_file)
         _check_sizes_against_files(layout, len(rank_dirs), len(first_state), first_file)
         expected = {
             rank_dir_name(c.tp, c.pp, c.ep, layout.pp, layout.ep): c for c in iter_ranks(layout)
@@ -226,13 +230,6 @@ class MegatronSource(CanonicalSource):
         uncovered = sorted(set(self._order) - set(self._pieces))
         if uncovered:
             raise CheckpointError(f"{iteration_dir}: no rank holds {uncovered}")
-
-    @staticmethod
-    def _check_user_layout(options: LoadOptions, layout: ParallelLayout, path: Path) -> None:
-        for flag, given, found in (("--src-tp", options.src_tp, layout.tp), ("--src-pp", options.src_pp, layout.pp),
-                                   ("--src-ep", options.src_ep, layout.ep)):
-            if given is not None and given != found:
-                raise LayoutError(f"{flag} {given}: the checkpoint's args say {found} ({path})")
 
     def _index(self, padded: int, chunk_keys: list[str]) -> None:
         groups = build_converter_process_groups(self.layout)

@@ -9,8 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pgconvert.formats import Loader, LoadOptions
-from pgconvert.megatron_format import ITERATION_DIR_RE
+from pgconvert.formats import Iteration, Loader, LoadOptions
+from pgconvert.megatron_format import ITERATION_DIR_RE, list_megatron_iterations
 
 if TYPE_CHECKING:
     from pgconvert.loaders._torch_dist_reader import TorchDistSource
@@ -40,3 +40,6 @@ class TorchDistLoader(Loader):
 
         iteration_dir, iteration, release = resolve_iteration_dir(path, options.iteration)
         return TorchDistSource(iteration_dir, iteration, release, options, root=path)
+
+    def iterations(self, path: Path) -> list[Iteration]:
+        return list_megatron_iterations(path, _is_iteration_dir)

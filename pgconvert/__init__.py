@@ -1,7 +1,6 @@
 """pgconvert: reshard LLM checkpoints between parallel layouts and formats, on fake process groups."""
 
-__version__ = "0.1.0"
-
+from pgconvert.version import __version__  # noqa: E402
 from pgconvert.batch import BatchReport, EntryResult, read_plan, run_batch, run_plan  # noqa: E402
 from pgconvert.convert import ConvertRequest, Report, convert, convert_request, plan  # noqa: E402
 from pgconvert.errors import PgconvertError  # noqa: E402

@@ -39,10 +39,9 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from pgconvert.convert import ConvertRequest, convert_request, destination_layout
+from pgconvert.convert import ConvertRequest, convert, convert_request, destination_layout
 from pgconvert.errors import PgconvertError, ValidationError
-from pgconvert.formats import LoadOptions
-from pgconvert.inspection import RELEASE, saved_iterations
+from pgconvert.formats import RELEASE, LoadOptions
 from pgconvert.manifest import Manifest, file_problems, output_options, read_manifest
 from pgconvert.registry import detect_format, get_loader
 
@@ -258,8 +257,8 @@ def expand(item: PlanItem) -> list[BatchEntry]:
             source_format = item.options.get("src_format") or detect_format(Path(item.src))
         except PgconvertError as error:
             return [BatchEntry(item.label, item.src, item.dst, None, f"iterations = \"all\": {error}")]
-        saved = saved_iterations(Path(item.src), source_format)
-        iterations = [number for number in saved if number != RELEASE]  # type: ignore[misc]
+        saved = get_loader(source_format).iterations(Path(item.src))
+        iterations = [number for number in saved if isinstance(number, int)]
         if not iterations:
             return [BatchEntry(item.label, item.src, item.dst, None,
                                f"iterations = \"all\": {item.src} ({source_format}) has no numbered iterations")]
@@ -370,12 +369,10 @@ def _share_cpus(threads: int) -> None:
 
 def _run_conversion(request: ConvertRequest) -> tuple[float, str | None]:
     """One entry, in a worker process: seconds taken and the error, if any (never raises)."""
-    import pgconvert
-
     started = time.perf_counter()
     options = {item.name: getattr(request, item.name) for item in fields(request) if item.name not in ("src", "dst")}
     try:
-        pgconvert.convert(request.src, request.dst, **options)
+        convert(request.src, request.dst, **options)
     except PgconvertError as error:
         return time.perf_counter() - started, str(error)
     except Exception as error:  # a bug in one entry must not stop the others

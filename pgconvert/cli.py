@@ -11,7 +11,7 @@ from typing import Any
 
 import click
 
-from pgconvert import __version__
+from pgconvert.version import __version__
 from pgconvert.convert import ConvertRequest, Plan, execute, plan
 from pgconvert.errors import PgconvertError
 from pgconvert.formats import DTYPE_CHOICES, EXPERT_LAYOUTS

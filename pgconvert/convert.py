@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import functools
 import logging
 import os
 import shutil
@@ -14,6 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pgconvert.durable import fsync_dir
 from pgconvert.errors import ConversionError, DestinationError, ValidationError
 from pgconvert.formats import DTYPE_CHOICES, LoadOptions, PlannedFile, SaveOptions, Saver, SaveResult
 from pgconvert.layout import ParallelLayout
@@ -22,6 +24,7 @@ from pgconvert.manifest import Manifest, record_files, write_manifest
 from pgconvert.registry import detect_format, get_loader, get_saver
 from pgconvert.stream import CanonicalSource
 from pgconvert.strict import fallback
+from pgconvert.workers import save_with_workers
 
 log = logging.getLogger(__name__)
 
@@ -289,7 +292,7 @@ def _promoted_on_success(staging: Path, dst: Path, overwrite: bool) -> Iterator[
 
 def promote(staging: Path, dst: Path, overwrite: bool) -> None:
     """Make a complete staging directory the destination: fsync, then one rename."""
-    _fsync_dir(staging)
+    fsync_dir(staging)
     if dst.exists():
         if any(dst.iterdir()) and not overwrite:
             raise DestinationError(f"DST {dst} appeared during the conversion and is not empty")
@@ -299,23 +302,14 @@ def promote(staging: Path, dst: Path, overwrite: bool) -> None:
         shutil.rmtree(retired)
     else:
         staging.rename(dst)
-    _fsync_dir(dst.parent)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(dst.parent)
 
 
 def _save(conversion: Plan, staging: Path, progress: Callable[[int], None]) -> SaveResult:
     request = conversion.request
     if request.workers > 1:
-        from pgconvert.parallel import save_with_workers
-
-        return save_with_workers(conversion, staging, request.workers, request.max_memory, progress)
+        return save_with_workers(conversion, staging, request.workers, request.max_memory, progress,
+                                 functools.partial(plan, check_dst=False))
     return conversion.saver.save(conversion.source, staging, conversion.save_options, progress)
 
 

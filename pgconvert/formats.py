@@ -1,7 +1,14 @@
-"""The contract between the orchestrator and format plugins (loaders and savers)."""
+"""The contract between the orchestrator and format plugins (loaders and savers).
+
+A format plugin subclasses ``Loader`` (a source format) and/or ``Saver`` (a destination format)
+and registers it under the ``pgconvert.loaders`` / ``pgconvert.savers`` entry point group (see
+``pgconvert.registry``). The abstract methods must be implemented; the others have defaults that
+fit a format without that feature (no saved iterations, files written in one pass).
+"""
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -9,6 +16,7 @@ from pathlib import Path
 import torch
 
 from pgconvert.config import ModelConfig
+from pgconvert.errors import LayoutError
 from pgconvert.layout import ParallelLayout
 from pgconvert.stream import CanonicalSource
 
@@ -20,6 +28,10 @@ DTYPE_CHOICES: dict[str, torch.dtype | None] = {
 }
 
 Progress = Callable[[int], None]
+
+# How ``Loader.iterations`` names a checkpoint saved as a release rather than at an iteration number.
+RELEASE = "release"
+Iteration = int | str
 
 
 @dataclass(frozen=True)
@@ -33,6 +45,13 @@ class LoadOptions:
     true_vocab_size: int | None = None
     # Refuse instead of guessing (see pgconvert.strict).
     strict: bool = False
+
+    def check_layout(self, layout: ParallelLayout, path: Path) -> None:
+        """Refuse a ``--src-tp/pp/ep`` the user gave that the checkpoint's own layout contradicts."""
+        for flag, given, found in (("--src-tp", self.src_tp, layout.tp), ("--src-pp", self.src_pp, layout.pp),
+                                   ("--src-ep", self.src_ep, layout.ep)):
+            if given is not None and given != found:
+                raise LayoutError(f"{flag} {given}: the checkpoint's args say {found} ({path})")
 
 
 @dataclass(frozen=True)
@@ -56,6 +75,14 @@ class SaveOptions:
 
 
 EXPERT_LAYOUTS = ("sequential", "grouped")
+
+
+def target_dtype(source_dtype: torch.dtype, requested: torch.dtype | None, keep: bool = False) -> torch.dtype:
+    """The dtype a saver writes a tensor in: ``requested`` (``--dtype``) for floating-point tensors
+    not ``keep``-ed at their own dtype (e.g. a router's float32 expert bias), else the source's."""
+    if requested is None or keep or not source_dtype.is_floating_point:
+        return source_dtype
+    return requested
 
 
 def target_config(config: ModelConfig, options: SaveOptions) -> ModelConfig:
@@ -87,19 +114,31 @@ class SaveResult:
     notices: list[str] = field(default_factory=list)
 
 
-class Loader:
-    """A source format. Subclasses set ``name`` and implement ``detect`` and ``open``."""
+class Loader(ABC):
+    """A source format. Subclasses set ``name`` and implement ``detect`` and ``open``; a format
+    whose checkpoints hold several saved iterations also implements ``iterations``."""
 
     name: str = "?"
 
+    @abstractmethod
     def detect(self, path: Path) -> bool:
-        raise NotImplementedError
+        """Whether ``path`` is a checkpoint of this format (cheap: file names, no tensor data)."""
 
+    @abstractmethod
     def open(self, path: Path, options: LoadOptions) -> CanonicalSource:
-        raise NotImplementedError
+        """The checkpoint at ``path`` as a canonical source (``options.iteration`` picks one)."""
+
+    def iterations(self, path: Path) -> list[Iteration]:
+        """The iterations saved under ``path``: numbers ascending, then ``RELEASE`` if present.
+
+        Each entry (``RELEASE`` aside) is a valid ``LoadOptions.iteration``. A path that is itself
+        one saved iteration lists just that one. ``inspect`` shows this list and batch plans'
+        ``iterations = "all"`` expand it. Default: empty (a format without saved iterations).
+        """
+        return []
 
 
-class Saver:
+class Saver(ABC):
     """A destination format. ``plan`` must not write anything; ``save`` writes under ``out_dir``."""
 
     name: str = "?"
@@ -107,16 +146,18 @@ class Saver:
     def validate(self, source: CanonicalSource, options: SaveOptions) -> None:
         """Raise a ValidationError when the target cannot be produced from this source."""
 
+    @abstractmethod
     def plan(self, source: CanonicalSource, options: SaveOptions) -> list[PlannedFile]:
-        raise NotImplementedError
+        """The files ``save`` will write, without writing anything."""
 
     # Savers that can write any subset of their planned files (``save(only=...)``) and then
     # ``finalize`` the shared metadata support --workers and sharded (multi-process) runs.
     supports_partial: bool = False
 
+    @abstractmethod
     def save(self, source: CanonicalSource, out_dir: Path, options: SaveOptions,
              progress: Progress) -> SaveResult:
-        raise NotImplementedError
+        """Write the planned files under ``out_dir``, calling ``progress`` with bytes written."""
 
     def finalize(self, source: CanonicalSource, out_dir: Path, options: SaveOptions) -> list[str]:
         """Write what depends on every file being there (trackers, indexes); returns notices."""

@@ -10,20 +10,17 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from pgconvert.errors import PgconvertError
-from pgconvert.formats import LoadOptions
+from pgconvert.formats import Iteration, LoadOptions
 from pgconvert.manifest import file_problems, read_manifest
-from pgconvert.megatron_format import ITERATION_DIR_RE
 from pgconvert.registry import detect_format, get_loader
 from pgconvert.stream import CanonicalSource
 
 Severity = Literal["error", "warning"]
-RELEASE = "release"
 
 
 @dataclass(frozen=True)
@@ -41,7 +38,7 @@ class CheckpointInfo:
 
     path: str
     format: str | None = None
-    iterations: list[int | str] = field(default_factory=list)
+    iterations: list[Iteration] = field(default_factory=list)
     iteration: int | None = None
     release: bool = False
     layout: dict[str, Any] | None = None
@@ -69,29 +66,6 @@ class CheckpointInfo:
         return doc
 
 
-def _megatron_iterations(path: Path) -> list[int | str]:
-    """Every ``iter_*`` directory (ascending), then ``release``; a path that is one of them is itself."""
-    if match := ITERATION_DIR_RE.match(path.name):
-        return [int(match.group(1))]
-    if path.name == RELEASE:
-        return [RELEASE]
-    numbered = sorted(
-        int(match.group(1)) for child in path.iterdir()
-        if child.is_dir() and (match := ITERATION_DIR_RE.match(child.name))
-    )
-    return [*numbered, *([RELEASE] if (path / RELEASE).is_dir() else [])]
-
-
-# Formats whose checkpoints hold several saved iterations, and how each lists them.
-ITERATION_LISTERS: dict[str, Callable[[Path], list[int | str]]] = {"megatron": _megatron_iterations}
-
-
-def saved_iterations(path: Path, format_name: str) -> list[int | str]:
-    """The iterations saved under ``path`` (empty for formats without iterations)."""
-    lister = ITERATION_LISTERS.get(format_name)
-    return lister(path) if lister is not None else []
-
-
 def inspect(path: str | Path, iteration: int | None = None) -> CheckpointInfo:
     """Describe the checkpoint at ``path`` (``iteration``: which saved iteration to open).
 
@@ -101,8 +75,9 @@ def inspect(path: str | Path, iteration: int | None = None) -> CheckpointInfo:
     info = CheckpointInfo(path=str(path.absolute()))
     try:
         info.format = detect_format(path)
-        info.iterations = saved_iterations(path, info.format)
-        source = get_loader(info.format).open(path, LoadOptions(iteration=iteration))
+        loader = get_loader(info.format)
+        info.iterations = loader.iterations(path)
+        source = loader.open(path, LoadOptions(iteration=iteration))
     except PgconvertError as error:
         info.problems.append(Problem("error", "unreadable", str(error)))
         _check_manifest(path, info)

@@ -22,6 +22,7 @@ from pgconvert.errors import CheckpointError
 from pgconvert.formats import PlannedFile, target_config
 from pgconvert.layout import ParallelLayout
 from pgconvert.limits import read_json
+from pgconvert.version import __version__
 
 if TYPE_CHECKING:
     from pgconvert.convert import ConvertRequest, Plan
@@ -65,8 +66,6 @@ class Manifest:
 
     @classmethod
     def for_conversion(cls, conversion: Plan, files: list[FileRecord]) -> Manifest:
-        from pgconvert import __version__
-
         request = conversion.request
         source = conversion.source
         return cls(

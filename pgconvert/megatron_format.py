@@ -33,6 +33,7 @@ import torch
 
 from pgconvert.config import ModelConfig
 from pgconvert.errors import CheckpointError, ConfigError, LayoutError, UnsafePickleError
+from pgconvert.formats import RELEASE, Iteration
 from pgconvert.layout import ParallelLayout
 from pgconvert.limits import MAX_TRACKER_BYTES, over_limit, quote
 from pgconvert.torch_input import check_torch_file
@@ -484,6 +485,19 @@ def _layers_per_virtual_stage(config: ModelConfig, layout: ParallelLayout) -> in
     if layout.first_stage_layers is not None or layout.last_stage_layers is not None:
         return None
     return config.num_layers // (layout.pp * layout.virtual_size)
+
+
+def list_megatron_iterations(root: Path, is_iteration_dir: Callable[[Path], bool]) -> list[Iteration]:
+    """Every ``iter_*`` directory under ``root`` (ascending), then ``release``; ``root`` itself when
+    ``is_iteration_dir`` says it is one. The directories ``resolve_megatron_iteration`` can open."""
+    if is_iteration_dir(root):
+        match = ITERATION_DIR_RE.match(root.name)
+        if match:
+            return [int(match.group(1))]
+        return [RELEASE] if root.name == RELEASE else []
+    numbered = sorted(int(match.group(1)) for child in root.iterdir()
+                      if child.is_dir() and (match := ITERATION_DIR_RE.match(child.name)))
+    return [*numbered, *([RELEASE] if (root / RELEASE).is_dir() else [])]
 
 
 def resolve_megatron_iteration(root: Path, iteration: int | None,

@@ -11,108 +11,25 @@ renamed into place only after every share is done.
 from __future__ import annotations
 
 import hashlib
-import heapq
 import json
 import logging
-import multiprocessing
 import os
 import shutil
 import time
-from collections import deque
-from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from collections.abc import Callable
 from dataclasses import astuple, dataclass
 from datetime import timedelta
-from functools import lru_cache
 from pathlib import Path
 from typing import Protocol
 
 from pgconvert.convert import PARTIAL_MARKER, ConvertRequest, Plan, plan, promote
 from pgconvert.errors import ConversionError, ValidationError
-from pgconvert.formats import PlannedFile, SaveResult
+from pgconvert.formats import SaveResult
+from pgconvert.workers import balanced_shares, require_partial
 
 log = logging.getLogger(__name__)
 
 SHARD_MARKERS = ".pgconvert-shards"
-
-
-def balanced_shares(files: Sequence[PlannedFile], count: int) -> list[list[str]]:
-    """Split files into ``count`` shares of nearly equal bytes (largest first onto the lightest).
-
-    Deterministic: ties break by path and share index, so every process computes the same split.
-    """
-    shares: list[list[str]] = [[] for _ in range(count)]
-    heap = [(0, index) for index in range(count)]
-    for item in sorted(files, key=lambda f: (-f.nbytes, f.relpath)):
-        total, index = heapq.heappop(heap)
-        shares[index].append(item.relpath)
-        heapq.heappush(heap, (total + item.nbytes, index))
-    return shares
-
-
-def _require_partial(conversion: Plan) -> None:
-    if not conversion.saver.supports_partial:
-        raise ValidationError(
-            f"the {conversion.dst_format} saver writes its files in one pass; --workers and sharded "
-            "runs need a destination format that can be split (megatron)"
-        )
-
-
-@lru_cache(maxsize=1)
-def _worker_plan(request: ConvertRequest) -> Plan:
-    # One open source per worker process, reused for every file that worker writes.
-    return plan(request, check_dst=False)
-
-
-def write_files(request: ConvertRequest, staging: str, relpaths: Sequence[str]) -> tuple[list[PlannedFile], list[str]]:
-    """Worker entry point: write ``relpaths`` of the planned destination into ``staging``."""
-    conversion = _worker_plan(request)
-    result = conversion.saver.save(conversion.source, Path(staging), conversion.save_options,
-                                   lambda nbytes: None, only=set(relpaths))
-    return result.files, result.notices
-
-
-def save_with_workers(conversion: Plan, staging: Path, workers: int, max_memory: int | None,
-                      progress: Callable[[int], None]) -> SaveResult:
-    """Write the planned files with a pool of ``workers`` processes, then finalize here.
-
-    At most ``max_memory`` bytes of destination files are in flight at once (each Megatron rank
-    file is built whole in memory); a single file larger than the budget runs alone.
-    """
-    _require_partial(conversion)
-    budget = max_memory if max_memory is not None else float("inf")
-    pending = deque(sorted(conversion.files, key=lambda f: (-f.nbytes, f.relpath)))
-    if any(item.nbytes > budget for item in pending):
-        log.warning("a destination file is larger than --max-memory; it is written alone")
-    result = SaveResult()
-    notices: set[str] = set()
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
-        in_flight: dict[Future[tuple[list[PlannedFile], list[str]]], PlannedFile] = {}
-        used = 0
-        try:
-            while pending or in_flight:
-                while pending and len(in_flight) < workers and (not in_flight or used + pending[0].nbytes <= budget):
-                    item = pending.popleft()
-                    in_flight[pool.submit(write_files, conversion.request, str(staging), [item.relpath])] = item
-                    used += item.nbytes
-                done, _ = wait(in_flight, return_when=FIRST_COMPLETED)
-                for future in done:
-                    item = in_flight.pop(future)
-                    used -= item.nbytes
-                    files, file_notices = future.result()
-                    result.files += files
-                    notices.update(file_notices)
-                    progress(item.nbytes)
-        except BaseException:
-            for future in in_flight:
-                future.cancel()
-            raise
-    order = {item.relpath: index for index, item in enumerate(conversion.files)}
-    result.files.sort(key=lambda f: order.get(f.relpath, len(order)))
-    result.notices = sorted(notices)
-    result.notices += conversion.saver.finalize(conversion.source, staging, conversion.save_options)
-    return result
 
 
 class Coordinator(Protocol):
@@ -245,7 +162,7 @@ def run_shard(request: ConvertRequest, index: int, count: int, coordinator_kind:
     if not 0 <= index < count:
         raise ValidationError(f"--shard-index {index}: must be in [0, {count}) for --num-shards {count}")
     conversion = plan(request)
-    _require_partial(conversion)
+    require_partial(conversion)
     dst = request.dst.absolute()
     staging = dst.parent / f".{dst.name}{PARTIAL_MARKER}shared-{run_id(request, count)}"
     staging.mkdir(parents=True, exist_ok=True)

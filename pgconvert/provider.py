@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from pgconvert import sizes
 from pgconvert.config import ModelConfig
 from pgconvert.errors import LayoutError
 from pgconvert.grid import ProcessGroupCollection
@@ -179,10 +180,7 @@ class TensorSpec:
 
     @property
     def numel(self) -> int:
-        count = 1
-        for dim in self.local_shape:
-            count *= dim
-        return count
+        return sizes.numel(self.local_shape)
 
 
 @dataclass

@@ -192,14 +192,15 @@ class VocabParallel(Chunked):
     """Word embeddings and the output layer: column-parallel over the *padded* vocabulary.
 
     The padded row count depends on the layout (a multiple of ``make_vocab_size_divisible_by × tp``),
-    so the table is fitted to the target's padded size before it is cut (see ``fit_vocab_rows``).
+    so the table is fitted to the target's padded size as it is cut (``reshard_rows``).
     """
 
     name = "vocab"
 
     def reshard_rows(self, shards: Sequence[torch.Tensor], rows: int, true_rows: int | None, size: int,
                      rank: int) -> torch.Tensor:
-        """``reshard`` of the table fitted to ``rows`` padded rows (see ``fit_vocab_rows``), in one copy.
+        """``reshard`` of the table fitted to ``rows`` padded rows, in one copy: source rows that fit are
+        kept (padding included, so same-size targets stay bit-exact), rows past the source are zeros.
 
         Destination piece ``rank`` takes global rows ``[rank·rows/size, (rank+1)·rows/size)`` from
         the source pieces; rows past the source table are zeros.
@@ -224,21 +225,3 @@ class VocabParallel(Chunked):
 
 # Vocab-parallel tables are column-parallel over the padded table; padding is fitted by the provider.
 VOCAB = VocabParallel(dim=0)
-
-
-def fit_vocab_rows(table: torch.Tensor, padded_rows: int, true_rows: int | None) -> torch.Tensor:
-    """Resize a vocab table to ``padded_rows``: keep every source row that fits, zero-fill the rest.
-
-    Source padding rows are kept where the target has room for them, so a conversion between two
-    layouts with the same padded size is bit-exact; real rows (``true_rows``) are never cut.
-    """
-    rows = table.shape[0]
-    if rows == padded_rows:
-        return table
-    if true_rows is not None and padded_rows < true_rows:
-        raise ValueError(f"padded size {padded_rows} is smaller than the true vocab {true_rows}")
-    if rows > padded_rows:
-        return table.narrow(0, 0, padded_rows)
-    fitted = table.new_zeros((padded_rows, *table.shape[1:]))
-    fitted[:rows] = table
-    return fitted

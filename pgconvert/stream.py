@@ -7,13 +7,15 @@ other's format. Sources load one tensor at a time, so no step needs the whole mo
 from __future__ import annotations
 
 import argparse
+import io
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
+from pgconvert import sizes
 from pgconvert.config import ModelConfig
 from pgconvert.errors import CheckpointError
 from pgconvert.rules import ShardRule, VocabParallel
@@ -33,10 +35,7 @@ class TensorMeta:
 
     @property
     def nbytes(self) -> int:
-        count = 1
-        for dim in self.shape:
-            count *= dim
-        return count * torch.empty((), dtype=self.dtype).element_size()
+        return sizes.nbytes(self.shape, self.dtype)
 
 
 @dataclass
@@ -47,6 +46,22 @@ class ExtraState:
     tp_size: int
     ep_size: int = 1
     by_rank: dict[tuple[int, int], object] = field(default_factory=dict)
+
+    def holds_state(self) -> bool:
+        """Whether any rank's entry carries something (see ``holds_state``)."""
+        return holds_state(self.by_rank.values())
+
+
+def holds_state(values: Iterable[object]) -> bool:
+    """Whether any of a module's ``_extra_state`` values carries something (Transformer Engine's FP8
+    metadata), rather than None or an empty tensor or buffer (the local spec's linears)."""
+    for value in values:
+        if value is None or (isinstance(value, torch.Tensor) and value.numel() == 0):
+            continue
+        if isinstance(value, io.BytesIO) and len(value.getbuffer()) == 0:
+            continue
+        return True
+    return False
 
 
 class CanonicalSource:

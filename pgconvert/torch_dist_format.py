@@ -42,7 +42,7 @@ import math
 import os
 import pickle
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -206,18 +206,6 @@ def is_extra_state(key: str) -> bool:
 
 def is_training_state(key: str) -> bool:
     return key.startswith(TRAINING_STATE_PREFIXES)
-
-
-def holds_state(values: Iterable[object]) -> bool:
-    """Whether any of a module's ``_extra_state`` values carries something (Transformer Engine's FP8
-    metadata), rather than None or an empty tensor or buffer (the local spec's linears)."""
-    for value in values:
-        if value is None or (isinstance(value, torch.Tensor) and value.numel() == 0):
-            continue
-        if isinstance(value, io.BytesIO) and len(value.getbuffer()) == 0:
-            continue
-        return True
-    return False
 
 
 def empty_extra_state() -> io.BytesIO:

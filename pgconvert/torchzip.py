@@ -29,6 +29,8 @@ from typing import Any, BinaryIO
 
 import torch
 
+from pgconvert import sizes
+
 ALIGNMENT = 64
 FORMAT_VERSION = b"1"
 FILE_VERSION = b"3\n"
@@ -49,10 +51,7 @@ class PlannedTensor:
 
     @property
     def nbytes(self) -> int:
-        count = 1
-        for dim in self.shape:
-            count *= dim
-        return count * torch.empty((), dtype=self.dtype).element_size()
+        return sizes.nbytes(self.shape, self.dtype)
 
     def contiguous_stride(self) -> tuple[int, ...]:
         stride = []

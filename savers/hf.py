@@ -19,9 +19,11 @@ from typing import Any, BinaryIO
 
 import torch
 
+from pgconvert import sizes
+from pgconvert.durable import fsync_file as _fsync
 from pgconvert.errors import CheckpointError, ConfigError, LayoutError, PgconvertError
 from pgconvert.families import Family, TensorMapping
-from pgconvert.formats import PlannedFile, Progress, SaveOptions, Saver, SaveResult
+from pgconvert.formats import PlannedFile, Progress, SaveOptions, Saver, SaveResult, target_dtype
 from pgconvert.hf_format import (
     CONFIG_FILE,
     DEFAULT_MAX_SHARD_SIZE,
@@ -65,7 +67,7 @@ class _Unit:
 
     @property
     def nbytes(self) -> int:
-        return sum(_numel(shape) for shape in self.shapes) * _itemsize(self.dtype)
+        return sum(sizes.nbytes(shape, self.dtype) for shape in self.shapes)
 
 
 @dataclass
@@ -84,18 +86,7 @@ def _origin(source: CanonicalSource) -> HFOrigin | None:
 
 
 def _out_dtype(dtype: torch.dtype, options: SaveOptions) -> torch.dtype:
-    return options.dtype if options.dtype is not None and dtype.is_floating_point else dtype
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    count = 1
-    for dim in shape:
-        count *= dim
-    return count
+    return target_dtype(dtype, options.dtype)
 
 
 _SAFETENSORS_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
@@ -115,7 +106,7 @@ class _SafetensorsWriter:
         header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
         offset = 0
         for name, dtype, shape in entries:
-            nbytes = _numel(shape) * _itemsize(dtype)
+            nbytes = sizes.nbytes(shape, dtype)
             header[name] = {"dtype": _SAFETENSORS_NAMES[dtype], "shape": list(shape),
                             "data_offsets": [offset, offset + nbytes]}
             offset += nbytes
@@ -154,9 +145,6 @@ class _SafetensorsWriter:
             self._handle.close()
 
 
-def _fsync(path: Path) -> None:
-    with open(path, "rb") as handle:
-        os.fsync(handle.fileno())
 
 
 def _write_json(path: Path, doc: dict[str, Any]) -> None:

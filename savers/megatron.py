@@ -20,7 +20,8 @@ from typing import Any, BinaryIO
 import torch
 
 from pgconvert.config import ModelConfig
-from pgconvert.formats import PlannedFile, Progress, SaveOptions, Saver, SaveResult, target_config
+from pgconvert.durable import fsync_file
+from pgconvert.formats import PlannedFile, Progress, SaveOptions, Saver, SaveResult, target_config, target_dtype
 from pgconvert.grid import RankCoord, build_converter_process_groups, iter_ranks
 from pgconvert.hf_side import carried_for_target, write_carried
 from pgconvert.layout import ParallelLayout
@@ -45,16 +46,12 @@ from pgconvert.provider import (
     te_extra_state_names,
 )
 from pgconvert.rules import VocabParallel
+from pgconvert.sizes import itemsize
 from pgconvert.stream import CanonicalSource, ExtraState
 from pgconvert.strict import fallback
 from pgconvert.torchzip import PlannedTensor, save_stream
 
 log = logging.getLogger(__name__)
-
-
-def fsync_file(path: Path) -> None:
-    with open(path, "rb") as handle:
-        os.fsync(handle.fileno())
 
 
 class _HashingWriter:
@@ -125,7 +122,7 @@ class MegatronSaver(Saver):
         """Under --strict, the guesses ``save`` would make are refused before anything is written."""
         layout = options.layout
         for name, extra in source.extra_states().items():
-            if not _holds_state(extra):
+            if not extra.holds_state():
                 continue
             if config.transformer_impl != source.config.transformer_impl or (
                     extra.tp_size, extra.ep_size) != (layout.tp, layout.ep):
@@ -188,10 +185,7 @@ class MegatronSaver(Saver):
         return keys
 
     def _dtype(self, source: CanonicalSource, spec: TensorSpec, dtype: torch.dtype | None) -> torch.dtype:
-        source_dtype = source.meta(spec.canonical).dtype
-        if dtype is None or spec.keep_dtype or not source_dtype.is_floating_point:
-            return source_dtype
-        return dtype
+        return target_dtype(source.meta(spec.canonical).dtype, dtype, spec.keep_dtype)
 
     def plan(self, source: CanonicalSource, options: SaveOptions) -> list[PlannedFile]:
         config = target_config(source.config, options)
@@ -202,7 +196,7 @@ class MegatronSaver(Saver):
             count = 0
             for _, shard in rank.chunks:
                 for spec in shard.specs:
-                    nbytes += spec.numel * torch.empty((), dtype=self._dtype(source, spec, options.dtype)).element_size()
+                    nbytes += spec.numel * itemsize(self._dtype(source, spec, options.dtype))
                 count += len(shard.specs) + len(self._extra_keys(source, shard, config, options.layout))
             planned.append(PlannedFile(f"{iteration_dir}/{rank.relpath}", count, nbytes))
         return planned
@@ -251,7 +245,7 @@ class MegatronSaver(Saver):
             result.files.append(PlannedFile(relpath, count, nbytes, sha256=digest, size=path.stat().st_size))
             del state
             progress(nbytes)
-        dropped = [name for name, extra in extra_states.items() if _holds_state(extra)]
+        dropped = [name for name, extra in extra_states.items() if extra.holds_state()]
         if dropped and config.transformer_impl != source.config.transformer_impl:
             fallback(f"the target uses {config.transformer_impl}-spec names: {len(dropped)} non-empty "
                      "_extra_state entries of the source's spec were dropped", options.strict, result.notices)
@@ -299,18 +293,7 @@ def _planned_piece(source: CanonicalSource, spec: TensorSpec, padded: int, dtype
 
 
 def _holds_state(extra: ExtraState | None) -> bool:
-    """Whether any rank's entry carries something (TE FP8 metadata), not just None or empty bytes."""
-    if extra is None:
-        return False
-    for value in extra.by_rank.values():
-        if value is None:
-            continue
-        if isinstance(value, torch.Tensor) and value.numel() == 0:
-            continue
-        if hasattr(value, "getbuffer") and len(value.getbuffer()) == 0:
-            continue
-        return True
-    return False
+    return extra is not None and extra.holds_state()
 
 
 def _extra_for(extra: ExtraState | None, layout: ParallelLayout, coord: RankCoord) -> tuple[object, bool]:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import io
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,8 +26,10 @@ from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter, S
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
+from pgconvert import sizes
 from pgconvert.config import ModelConfig
-from pgconvert.formats import PlannedFile, Progress, SaveOptions, Saver, SaveResult, target_config
+from pgconvert.durable import fsync_file
+from pgconvert.formats import PlannedFile, Progress, SaveOptions, Saver, SaveResult, target_config, target_dtype
 from pgconvert.hf_side import carried_for_target, write_carried
 from pgconvert.megatron_format import (CHECKPOINT_VERSION, FRAMEWORK_PICKLE, TRACKER_FILE, args_for_target,
                                        iteration_dir_name)
@@ -51,7 +52,6 @@ from pgconvert.torch_dist_format import (
     SHARDED_BACKEND,
     empty_extra_state,
     extra_state_keys,
-    holds_state,
     single_process_calls,
     tensor_locations,
     write_checkpoint_config,
@@ -80,10 +80,7 @@ class _Chunk:
 
     @property
     def nbytes(self) -> int:
-        count = 1
-        for dim in self.sizes:
-            count *= dim
-        return count * torch.empty((), dtype=self.dtype).element_size()
+        return sizes.nbytes(self.sizes, self.dtype)
 
     def write_item(self) -> WriteItem:
         offsets, sizes = torch.Size(self.offsets), torch.Size(self.sizes)
@@ -156,14 +153,8 @@ class TorchDistSaver(Saver):
         carried_for_target(source, options)
         if not options.strict:
             return
-        if any(holds_state(extra.by_rank.values()) for extra in source.extra_states().values()):
+        if any(extra.holds_state() for extra in source.extra_states().values()):
             fallback("the source's Transformer Engine _extra_state would be written empty", strict=True)
-
-    def _dtype(self, source: CanonicalSource, name: str, keep: set[str], dtype: torch.dtype | None) -> torch.dtype:
-        source_dtype = source.meta(name).dtype
-        if dtype is None or name in keep or not source_dtype.is_floating_point:
-            return source_dtype
-        return dtype
 
     def _chunks(self, source: CanonicalSource, options: SaveOptions) -> tuple[list[_Chunk], list[str], int]:
         """The data chunks in stream order, the ``_extra_state`` entries, and the padded vocab rows."""
@@ -175,7 +166,7 @@ class TorchDistSaver(Saver):
         chunks = []
         for name, location in tensor_locations(config).items():
             shape = shapes[name]
-            dtype = self._dtype(source, name, keep, options.dtype)
+            dtype = target_dtype(source.meta(name).dtype, options.dtype, name in keep)
             global_shape = location.global_shape(shape)
             # megatron-core's SwiGLU factory saves the gate and up halves as separate chunks.
             halves = [(0, shape[0] // 2), (shape[0] // 2, shape[0] // 2)] if name in gated else [(None, None)]
@@ -212,7 +203,7 @@ class TorchDistSaver(Saver):
                   "content_metadata": dict(CONTENT_METADATA)}
         common_path = iteration_dir / COMMON_FILE
         torch.save(common, common_path, pickle_module=FRAMEWORK_PICKLE)
-        _fsync(common_path)
+        fsync_file(common_path)
         planner = _StreamingPlanner(chunks, objects, source, rows, progress)
         # One thread and no copy-ahead: chunks are produced one by one, in plan order (torch's
         # overlapping loader would resolve several ahead on a machine with CUDA).
@@ -221,13 +212,13 @@ class TorchDistSaver(Saver):
         with single_process_calls():
             dcp.save({}, storage_writer=writer, planner=planner, no_dist=True)
         write_checkpoint_config(iteration_dir)
-        _fsync(iteration_dir / CHECKPOINT_CONFIG_FILE)
+        fsync_file(iteration_dir / CHECKPOINT_CONFIG_FILE)
         tracker = out_dir / TRACKER_FILE
         tracker.write_text("release" if source.release else str(iteration))
-        _fsync(tracker)
+        fsync_file(tracker)
         result.files = _files(iteration_dir.relative_to(out_dir).as_posix(), chunks, objects)
         write_carried(source, options, out_dir)
-        if any(holds_state(extra.by_rank.values()) for extra in source.extra_states().values()):
+        if any(extra.holds_state() for extra in source.extra_states().values()):
             result.notices.append("Transformer Engine _extra_state (FP8 scaling metadata) of the source is not "
                                   "carried; written empty: FP8 runs re-derive it in their first steps")
         result.notices.append(
@@ -247,6 +238,3 @@ def _files(iteration_dir: str, chunks: list[_Chunk], objects: list[str]) -> list
     ]
 
 
-def _fsync(path: Path) -> None:
-    with open(path, "rb") as handle:
-        os.fsync(handle.fileno())

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pgconvert.rules import COLUMN, GATED, REPLICATED, ROW, VOCAB, ReplicaMismatchError, fit_vocab_rows
+from pgconvert.rules import COLUMN, GATED, REPLICATED, ROW, VOCAB, ReplicaMismatchError
 
 
 def filled(*shape: int) -> torch.Tensor:
@@ -67,19 +67,6 @@ def test_replicated_merge_checks_every_replica() -> None:
     assert torch.equal(REPLICATED.merge([full, full.clone()]), full)
 
 
-def test_fit_vocab_rows_keeps_rows_that_fit_and_zero_fills_the_rest() -> None:
-    table = filled(6, 2) + 1
-
-    grown = fit_vocab_rows(table, 8, true_rows=5)
-    shrunk = fit_vocab_rows(table, 5, true_rows=5)
-
-    assert torch.equal(grown[:6], table) and torch.equal(grown[6:], torch.zeros(2, 2))
-    assert torch.equal(shrunk, table[:5])
-    assert fit_vocab_rows(table, 6, true_rows=5) is table
-    with pytest.raises(ValueError, match="smaller than the true vocab"):
-        fit_vocab_rows(table, 4, true_rows=5)
-
-
 @pytest.mark.parametrize("src_size", [1, 2, 4, 8])
 @pytest.mark.parametrize("dst_size", [1, 2, 4, 8])
 @pytest.mark.parametrize("rule", [COLUMN, ROW, GATED, REPLICATED], ids=["column", "row", "gated", "replicated"])
@@ -97,12 +84,19 @@ def test_reshard_equals_shard_of_merge_without_aliasing(rule: object, src_size: 
 
 @pytest.mark.parametrize("rows", [12, 16, 24])
 @pytest.mark.parametrize(("src_size", "dst_size"), [(1, 4), (4, 2), (2, 4), (4, 4)])
-def test_vocab_reshard_rows_equals_fit_then_shard(rows: int, src_size: int, dst_size: int) -> None:
+def test_vocab_reshard_rows_keeps_rows_that_fit_and_zero_fills_the_rest(rows: int, src_size: int,
+                                                                       dst_size: int) -> None:
     table = filled(16, 3) + 1
     pieces = [piece.clone() for piece in VOCAB.split(table, src_size)]
+    fitted = torch.cat([table[:rows], torch.zeros(max(rows - 16, 0), 3)])
+    step = rows // dst_size
 
     for rank in range(dst_size):
         direct = VOCAB.reshard_rows(pieces, rows, 10, dst_size, rank)
 
-        expected = VOCAB.shard(fit_vocab_rows(table, rows, true_rows=10), dst_size, rank)
-        assert torch.equal(direct, expected)
+        assert torch.equal(direct, fitted[rank * step:(rank + 1) * step])
+
+
+def test_vocab_reshard_rows_refuses_fewer_rows_than_the_true_vocab() -> None:
+    with pytest.raises(ValueError, match="padded size 8 is smaller than the true vocab 10"):
+        VOCAB.reshard_rows([filled(16, 3)], 8, 10, 1, 0)

@@ -1,0 +1,75 @@
+"""pgconvert's modules import each other without cycles among the orchestration modules, and none
+imports the package root (which imports nearly everything): found statically, function-level
+imports included, ``if TYPE_CHECKING:`` blocks excluded."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pgconvert
+
+PACKAGE = Path(pgconvert.__file__).parent
+# Modules of the repository folders installed as pgconvert.loaders / pgconvert.savers.
+FOLDERS = {"pgconvert": PACKAGE, "pgconvert.loaders": PACKAGE.parent / "loaders",
+           "pgconvert.savers": PACKAGE.parent / "savers"}
+ORCHESTRATION = {"pgconvert.convert", "pgconvert.parallel", "pgconvert.workers", "pgconvert.manifest",
+                 "pgconvert.batch", "pgconvert.inspection", "pgconvert.verification", "pgconvert.registry"}
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for package, folder in FOLDERS.items():
+        for path in sorted(folder.glob("*.py")):
+            found[package if path.stem == "__init__" else f"{package}.{path.stem}"] = path
+    return found
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    return isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
+
+
+def _imports(path: Path) -> set[str]:
+    """The pgconvert modules ``path`` imports at run time (``from pgconvert import m`` of a module
+    ``m`` names ``pgconvert.m``; of anything else, the package root)."""
+    names: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names if alias.name.split(".")[0] == "pgconvert")
+        elif isinstance(node, ast.ImportFrom) and node.module == "pgconvert":
+            names.update(f"pgconvert.{alias.name}" if (PACKAGE / f"{alias.name}.py").is_file() else "pgconvert"
+                         for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "pgconvert":
+            names.add(node.module)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text(encoding="utf-8")))
+    return names
+
+
+def test_no_module_inside_the_package_imports_the_package_root() -> None:
+    importers = sorted(name for name, path in _modules().items() if name != "pgconvert" and "pgconvert" in _imports(path))
+
+    assert importers == []
+
+
+def test_the_orchestration_modules_import_each_other_without_cycles() -> None:
+    graph = {name: _imports(path) & ORCHESTRATION for name, path in _modules().items() if name in ORCHESTRATION}
+    cycles = []
+    for start in sorted(graph):
+        stack = [(start, [start])]
+        while stack:
+            node, trail = stack.pop()
+            for target in sorted(graph.get(node, ())):
+                if target == start:
+                    cycles.append(" -> ".join([*trail, target]))
+                elif target not in trail:
+                    stack.append((target, [*trail, target]))
+
+    assert cycles == []

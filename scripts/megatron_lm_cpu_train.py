@@ -12,7 +12,11 @@ training loop and ``save_checkpoint``). Run it with ``PYTHONPATH=<shared CPU shi
 Shims (each announced on stderr with ``[train-shim]``):
 - a ``TorchFunctionMode`` that maps every ``cuda`` device in a torch call (factory functions,
   ``Tensor.to``/``.cuda``) to ``cpu``, so Megatron's ``device='cuda'`` tensors live on the CPU;
-- Megatron's CUDA RNG tracker forks the CPU generator;
+- the device generator is the CPU one: ``torch.cuda`` RNG calls and Megatron's RNG tracker act
+  on the CPU generator. So CPU-side draws that a GPU run keeps apart (a data loader's seed, drawn
+  on tensor-parallel rank 0 only) move the dropout masks of one TP rank: run with
+  ``--hidden-dropout 0 --attention-dropout 0``, or the replicated norm weights drift apart between
+  TP ranks, which never happens on a GPU;
 - ``torch.compile`` disabled (eager functions);
 - ``torch.cuda`` queries answered as for one visible device (``device_count``, ``current_device``,
   ``set_device``, streams, events, ``synchronize``, memory statistics) -- no-ops or zeros.
@@ -128,8 +132,6 @@ def install() -> None:
     cuda.memory_stats = lambda device=None: {}
     cuda.mem_get_info = lambda device=None: (0, 0)
     cuda.set_rng_state = lambda state, device="cuda": None
-    cuda.manual_seed = lambda seed: None
-    cuda.manual_seed_all = lambda seed: None
     cuda.nvtx = types.SimpleNamespace(range_push=lambda *a, **k: None, range_pop=lambda *a, **k: None,
                                       range=lambda *a, **k: contextlib.nullcontext())
     torch.nn.Module.cuda = lambda self, device=None: self
@@ -176,6 +178,7 @@ def install_rng() -> None:
 
     torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
     torch.cuda.set_rng_state = lambda new_state, device="cuda": torch.set_rng_state(new_state)
+    torch.cuda.manual_seed = torch.cuda.manual_seed_all = lambda seed: torch.default_generator.manual_seed(int(seed))
     mrandom._get_cuda_rng_state = get_state
     mrandom._set_cuda_rng_state = set_state
 

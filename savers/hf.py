@@ -44,6 +44,7 @@ from pgconvert.hf_format import (
 from pgconvert.layout import ParallelLayout
 from pgconvert.provider import WORD_EMBEDDINGS, keep_dtype_names
 from pgconvert.stream import CanonicalSource
+from pgconvert.torch_dist_format import holds_state
 
 log = logging.getLogger(__name__)
 
@@ -295,7 +296,8 @@ class HFSaver(Saver):
                 + (f", except {assumed}: how megatron-core behaves" if assumed else "")
             )
         result.notices.extend(self._copy_side_files(source, out_dir))
-        if source.extra_states():
+        # the local spec's entries are None: nothing is dropped (a torch_dist source reports its own)
+        if any(holds_state(state.by_rank.values()) for state in source.extra_states().values()):
             result.notices.append("Transformer Engine _extra_state (FP8 metadata) has no hf equivalent; dropped")
         return result
 

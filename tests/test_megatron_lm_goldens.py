@@ -4,6 +4,7 @@ converted bit-exact; what pgconvert writes for Megatron carries Megatron's enum 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import pickletools
 import random
@@ -341,3 +342,17 @@ def test_torch_dist_without_common_state_is_refused_naming_both_places(tmp_path:
     common.unlink()
     with pytest.raises(pgconvert.PgconvertError, match=r"common.pt: missing, and .metadata has no common_state"):
         pgconvert.convert(tmp_path / "dist", tmp_path / "out", dst_format="hf")
+
+
+def test_hf_output_names_dropped_transformer_engine_state_only_when_there_is_some(tmp_path: Path) -> None:
+    model = dataclasses.replace(GQA_SWIGLU, transformer_impl="transformer_engine")
+    src = write_megatron_checkpoint(tmp_path / "src", model, make_full_model(model), 1, 1)
+    report = pgconvert.convert(src, tmp_path / "none", dst_format="hf")
+    assert not any("_extra_state" in notice for notice in report.notices)
+    for path in src.rglob("model_optim_rng.pt"):
+        state = torch.load(path, weights_only=False)
+        key = next(k for k in state["model"] if k.endswith("._extra_state"))
+        state["model"][key] = torch.ones(4, dtype=torch.uint8)  # FP8 scaling metadata, as TE stores it
+        torch.save(state, path)
+    report = pgconvert.convert(src, tmp_path / "some", dst_format="hf")
+    assert any("_extra_state" in notice for notice in report.notices), report.notices

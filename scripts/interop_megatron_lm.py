@@ -11,9 +11,10 @@ Steps (each must succeed):
 4. pgconvert's TP2/PP2 outputs, per-rank (``torch``) and ``torch_dist``, are loaded by Megatron-LM's
    own ``pretrain_gpt.py`` on 4 CPU ranks (``scripts/megatron_lm_cpu_train.py``): model args from
    the checkpoint (``--use-checkpoint-args``, so Megatron's ``load_args_from_checkpoint`` and
-   ``validate_args`` see what pgconvert wrote), ``load_checkpoint`` with ``--no-load-optim
-   --no-load-rng --finetune``, one training step at learning rate 0, ``save_checkpoint``; pgconvert
-   reads that save back to HF, bit-identical to the source;
+   ``validate_args`` see what pgconvert wrote), ``load_checkpoint`` as a resume (``--no-load-optim
+   --no-load-rng``, no ``--finetune``: its ``check_checkpoint_args`` runs too), one training step
+   at learning rate 0, ``save_checkpoint``; pgconvert reads that save back to HF, bit-identical to
+   the source;
 5. the TP2/PP2 per-rank output also goes through ``convert.py`` to TP1 and back to HF.
 
 Megatron-LM's Python needs: its source, the shims folder (PGCONVERT_MEGATRON_LM_SHIMS, default
@@ -91,7 +92,7 @@ LOAD_FLAGS = [
     "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-swiglu-fusion",
     "--no-bias-dropout-fusion", "--no-persist-layer-norm", "--norm-epsilon", "1e-6",
     "--use-checkpoint-args", "--no-use-tokenizer-model-from-checkpoint-args",
-    "--no-load-optim", "--no-load-rng", "--finetune",
+    "--no-load-optim", "--no-load-rng",
     "--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size", "2",
     "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "256",
     "--lr", "0", "--min-lr", "0", "--train-iters", "1", "--seed", "1234",

@@ -3,7 +3,6 @@ converted bit-exact; what pgconvert writes for Megatron carries Megatron's enum 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import pickletools

@@ -355,3 +355,22 @@ def test_hf_output_names_dropped_transformer_engine_state_only_when_there_is_som
         torch.save(state, path)
     report = pgconvert.convert(src, tmp_path / "some", dst_format="hf")
     assert any("_extra_state" in notice for notice in report.notices), report.notices
+
+
+def test_written_args_hold_the_fields_megatron_lm_loaders_read_unconditionally(tmp_path: Path) -> None:
+    # tools/checkpoint/saver_base.py: margs.sequence_parallel = md.checkpoint_args.sequence_parallel,
+    # and the same for apply_query_key_layer_scaling (no getattr default)
+    hf_src = tmp_path / "hf"
+    pgconvert.convert(CONVERT_PY[0], hf_src, dst_format="hf")
+    pgconvert.convert(hf_src, tmp_path / "tp2pp2", dst_format="megatron", dst_tp=2, dst_pp=2)
+    args, _ = read_megatron_checkpoint(tmp_path / "tp2pp2")
+    assert (args.sequence_parallel, args.apply_query_key_layer_scaling) == (False, False)
+    assert (args.world_size, args.data_parallel_size, args.tensor_model_parallel_size,
+            args.pipeline_model_parallel_size, args.transformer_pipeline_model_parallel_size) == (4, 1, 2, 2, 2)
+    # a source's own values are kept
+    golden = TRAIN_PER_RANK[0]
+    pgconvert.convert(golden, tmp_path / "from_golden", dst_tp=1)
+    args, _ = read_megatron_checkpoint(tmp_path / "from_golden")
+    source = safe_torch_load(next(golden.rglob("model_optim_rng.pt")))["args"]
+    assert args.sequence_parallel == source.sequence_parallel
+    assert args.apply_query_key_layer_scaling == source.apply_query_key_layer_scaling

@@ -60,6 +60,7 @@ from pgconvert.strict import fallback
 from pgconvert.torch_dist_format import (
     CHECKPOINT_CONFIG_FILE,
     COMMON_FILE,
+    COMMON_STATE_KEY,
     DCP_METADATA_FILE,
     is_extra_state,
     is_training_state,
@@ -163,10 +164,11 @@ class TorchDistSource(CanonicalSource):
         early_notices: list[str] = []
         ensure_within(self.root, iteration_dir)
         read_checkpoint_config(ensure_within(self.root, iteration_dir / CHECKPOINT_CONFIG_FILE))
-        common_path = ensure_within(self.root, iteration_dir / COMMON_FILE)
-        if not common_path.is_file():
-            raise CheckpointError(f"{common_path}: missing; it holds the args that describe the model")
-        common = safe_torch_load(common_path)
+        metadata_path = ensure_within(self.root, iteration_dir / DCP_METADATA_FILE)
+        self._metadata = read_dcp_metadata(metadata_path)
+        self._check_files(metadata_path)
+        self._reader = _SafeReader(iteration_dir, self._metadata)
+        common, common_path = self._read_common()
         args = common.get("args")
         if not isinstance(args, argparse.Namespace):
             raise CheckpointError(f"{common_path}: no 'args' namespace; cannot determine the model and layout")
@@ -186,9 +188,6 @@ class TorchDistSource(CanonicalSource):
         config = config_from_args(args, common_path, impl, options.true_vocab_size,
                                   grouped_gemm=bool(getattr(args, "moe_grouped_gemm", False)))
         self.layout.validate(config, "src")
-        metadata_path = ensure_within(self.root, iteration_dir / DCP_METADATA_FILE)
-        self._metadata = read_dcp_metadata(metadata_path)
-        self._check_files(metadata_path)
         _check_counts(config, self._metadata, metadata_path)
         self._locations = tensor_locations(config)
         rows, training_entries = self._index(config, metadata_path)
@@ -204,12 +203,31 @@ class TorchDistSource(CanonicalSource):
         self.side_files = carried_side_files(self.root, iteration_dir)
         self.notices.extend(early_notices)
         self._strict = options.strict
-        self._reader = _SafeReader(iteration_dir, self._metadata)
         self._shapes = canonical_shapes(config, rows)
         self._check_extra_states()
         if training_entries:
             self.notices.append(f"{training_entries} optimizer/RNG/rerun entries of the source are not converted: "
                                 "resume with --no-load-optim --no-load-rng (or --finetune)")
+
+    def _read_common(self) -> tuple[dict[str, Any], Path]:
+        """The checkpoint's common (non-sharded) state: ``common.pt`` (megatron-core before 0.20),
+        or the ``common_state`` object stored inside the checkpoint itself (newer megatron-core
+        ``dist_checkpointing.save`` since then; ``load_common_state_dict`` reads both)."""
+        common_path = ensure_within(self.root, self.directory / COMMON_FILE)
+        if common_path.is_file():
+            common: Any = safe_torch_load(common_path)
+        elif COMMON_STATE_KEY in self._metadata.state_dict_metadata:
+            common_path = self.directory / COMMON_STATE_KEY
+            common = self._read({}, [COMMON_STATE_KEY])[COMMON_STATE_KEY]
+            # saved as the data of a ShardedObject of global shape (1,): a list of one state dict
+            if isinstance(common, list) and len(common) == 1:
+                common = common[0]
+        else:
+            raise CheckpointError(f"{common_path}: missing, and {DCP_METADATA_FILE} has no {COMMON_STATE_KEY} "
+                                  "entry; one of them holds the args that describe the model")
+        if not isinstance(common, dict):
+            raise CheckpointError(f"{common_path}: not a dict of common state ({quote(type(common).__name__)})")
+        return common, common_path
 
     def _index(self, config: ModelConfig, metadata_path: Path) -> tuple[int, int]:
         """Check every key against the model the args describe, and every chunk's file.
@@ -231,7 +249,7 @@ class TorchDistSource(CanonicalSource):
         training = sorted(key for key in entries if key not in expected and is_training_state(key))
         self._extra_keys = sorted(key for key, md in entries.items()
                                   if isinstance(md, BytesStorageMetadata) and is_extra_state(key))
-        unexpected = sorted(set(entries) - set(expected) - set(training) - set(self._extra_keys))
+        unexpected = sorted(set(entries) - set(expected) - set(training) - set(self._extra_keys) - {COMMON_STATE_KEY})
         if missing or unexpected:
             raise CheckpointError(
                 f"{metadata_path}: keys do not match the model described by common.pt's args "

@@ -386,6 +386,10 @@ def _moe_layer_freq(value: Any, path: Path) -> int | tuple[int, ...]:
     raise CheckpointError(f"{path}: args.moe_layer_freq={quote(value)}: expected an int or a list of 0/1")
 
 
+# args fields that Megatron-LM's loaders read without a default (tools/checkpoint/saver_base.py)
+UNCONDITIONAL_ARGS = ("sequence_parallel", "apply_query_key_layer_scaling")
+
+
 def args_for_target(config: ModelConfig, layout: ParallelLayout, padded_vocab_size: int,
                     dtype: torch.dtype, iteration: int | None,
                     base: argparse.Namespace | None) -> tuple[argparse.Namespace, list[str]]:
@@ -455,6 +459,11 @@ def args_for_target(config: ModelConfig, layout: ParallelLayout, padded_vocab_si
             "seq_length": config.max_position_embeddings,
         })
     values.update(_size_fields(layout, base))
+    # Megatron-LM's tools/checkpoint saver_base reads these unconditionally (AttributeError when
+    # absent); neither changes the math. Megatron's defaults, unless the source recorded them.
+    for name in UNCONDITIONAL_ARGS:
+        if not hasattr(args, name):
+            values[name] = False
     for key, value in values.items():
         setattr(args, key, value)
     return args, replaced

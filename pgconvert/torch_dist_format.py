@@ -65,6 +65,9 @@ from pgconvert.provider import LAYER_PREFIX, canonical_names, layer_tensors
 
 CHECKPOINT_CONFIG_FILE = "metadata.json"
 COMMON_FILE = "common.pt"
+# Newer megatron-core (0.20.0 at Megatron-LM d98e8a64; 0.16 still writes common.pt) stores the common state (args, iteration,
+# optimizer param groups, ...) inside the checkpoint as this ShardedObject instead of common.pt.
+COMMON_STATE_KEY = "common_state/shard_0_1"
 DCP_METADATA_FILE = ".metadata"
 SHARDED_BACKEND = "torch_dist"
 # megatron-core's CheckpointingConfig (dist_checkpointing/core.py) as save_config writes it.

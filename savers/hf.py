@@ -298,7 +298,8 @@ class HFSaver(Saver):
                 + (f", except {assumed}: how megatron-core behaves" if assumed else "")
             )
         result.notices.extend(self._copy_side_files(source, options, out_dir))
-        if source.extra_states():
+        # the local spec's entries are None: nothing is dropped (a torch_dist source reports its own)
+        if any(extra.holds_state() for extra in source.extra_states().values()):
             result.notices.append("Transformer Engine _extra_state (FP8 metadata) has no hf equivalent; dropped")
         return result
 

@@ -7,7 +7,15 @@ Steps (each must succeed):
 2. each goes through Megatron-LM's tools/checkpoint/convert.py (loader and saver ``core_cpu`` from
    the CPU shims, which wrap Megatron's ``core`` ones; the loader calls Megatron's
    ``load_checkpoint`` and its ``validate_args`` on the args pgconvert wrote) to TP2 / TP1;
-3. pgconvert reads Megatron's outputs back to HF; every tensor must equal the source's.
+3. pgconvert reads Megatron's outputs back to HF; every tensor must equal the source's;
+4. pgconvert's TP2/PP2 outputs, per-rank (``torch``) and ``torch_dist``, are loaded by Megatron-LM's
+   own ``pretrain_gpt.py`` on 4 CPU ranks (``scripts/megatron_lm_cpu_train.py``): model args from
+   the checkpoint (``--use-checkpoint-args``, so Megatron's ``load_args_from_checkpoint`` and
+   ``validate_args`` see what pgconvert wrote), ``load_checkpoint`` as a resume (``--no-load-optim
+   --no-load-rng``, no ``--finetune``: its ``check_checkpoint_args`` runs too), one training step
+   at learning rate 0, ``save_checkpoint``; pgconvert reads that save back to HF, bit-identical to
+   the source;
+5. the TP2/PP2 per-rank output also goes through ``convert.py`` to TP1 and back to HF.
 
 Megatron-LM's Python needs: its source, the shims folder (PGCONVERT_MEGATRON_LM_SHIMS, default
 /work/shared/megatron_lm_cpu) and a Python with triton (PGCONVERT_MEGATRON_LM_PYTHON).
@@ -77,6 +85,62 @@ def same_tensors(expected: Path, actual: Path) -> None:
     print(f"  {len(a)} tensors bit-identical to the source", flush=True)
 
 
+# The run's own flags (not model args: those come from the checkpoint). The model is HF's tiny
+# Llama, whose RMSNorm epsilon (1e-6) load_args_from_checkpoint does not take from the checkpoint.
+LOAD_FLAGS = [
+    "--distributed-backend", "gloo", "--transformer-impl", "local", "--no-rope-fusion",
+    "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-swiglu-fusion",
+    "--no-bias-dropout-fusion", "--no-persist-layer-norm", "--norm-epsilon", "1e-6",
+    "--use-checkpoint-args", "--no-use-tokenizer-model-from-checkpoint-args",
+    "--no-load-optim", "--no-load-rng",
+    "--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size", "2",
+    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "256",
+    "--lr", "0", "--min-lr", "0", "--train-iters", "1", "--seed", "1234",
+    "--save-interval", "1", "--eval-iters", "0", "--eval-interval", "1000", "--log-interval", "1",
+]
+
+
+def megatron_load_and_train(src: Path, dst: Path, tp: int, pp: int, ckpt_format: str, port: int) -> str:
+    """Megatron-LM's pretrain_gpt.py loads ``src``, trains one step at lr 0 and saves ``dst``."""
+    python, env, source = _megatron_env()
+    env = dict(env, OMP_NUM_THREADS="1")
+    launcher = Path(__file__).resolve().parent / "megatron_lm_cpu_train.py"
+    cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(tp * pp), "--master-port", str(port),
+           str(launcher), str(source), *LOAD_FLAGS, "--tensor-model-parallel-size", str(tp),
+           "--pipeline-model-parallel-size", str(pp), "--ckpt-format", ckpt_format,
+           "--load", str(src), "--save", str(dst)]
+    print("$", " ".join(cmd[1:]), flush=True)
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    log = done.stdout + done.stderr
+    wanted = ("successfully loaded checkpoint from", "successfully saved checkpoint from iteration       1")
+    if done.returncode != 0 or not all(w in log for w in wanted):
+        raise SystemExit(f"Megatron-LM pretrain_gpt.py failed (exit {done.returncode}):\n{log[-6000:]}")
+    for line in log.splitlines():
+        if any(w in line for w in wanted) or "lm loss" in line:
+            print("  megatron:", line.strip()[:160], flush=True)
+    return log
+
+
+def tp2pp2_round_trips(work: Path, hf: Path) -> None:
+    for fmt, name in (("megatron", "torch"), ("torch_dist", "torch_dist")):
+        ours = work / f"pgconvert_tp2pp2_{name}"
+        pgconvert("convert", str(hf), str(ours), "--dst-format", fmt, "--dst-tp", "2", "--dst-pp", "2",
+                  "--dst-transformer-impl", "local", "--overwrite")
+        theirs = work / f"megatron_lm_trained_from_pgconvert_tp2pp2_{name}"
+        megatron_load_and_train(ours, theirs, 2, 2, name, 29650 + len(name))
+        back = work / f"hf_from_megatron_lm_trained_{name}"
+        pgconvert("convert", str(theirs), str(back), "--dst-format", "hf", "--hf-config", str(hf / "config.json"),
+                  "--overwrite")
+        same_tensors(hf, back)
+    tp1 = work / "megatron_lm_tp1_from_pgconvert_tp2pp2"
+    megatron_convert(work / "pgconvert_tp2pp2_torch", tp1, 1, 1)
+    print("  convert.py: saver printed Done! on pgconvert's TP2/PP2 output", flush=True)
+    back = work / "hf_from_megatron_lm_tp1_from_tp2pp2"
+    pgconvert("convert", str(tp1), str(back), "--dst-format", "hf", "--hf-config", str(hf / "config.json"),
+              "--overwrite")
+    same_tensors(hf, back)
+
+
 def main(work: Path) -> int:
     work.mkdir(parents=True, exist_ok=True)
     hf = work / "hf"
@@ -99,6 +163,7 @@ def main(work: Path) -> int:
         pgconvert("convert", str(theirs), str(again), "--dst-tp", str(src_tp), "--overwrite")
         megatron_convert(again, work / f"megatron_lm_tp{dst_tp}_from_pgconvert_again", dst_tp, 1)
         print("  convert.py: saver printed Done! on pgconvert's rewrite of Megatron-LM's output", flush=True)
+    tp2pp2_round_trips(work, hf)
     print("interop OK")
     return 0
 

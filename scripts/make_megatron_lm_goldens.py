@@ -1,23 +1,84 @@
 """Regenerate tests/data/megatron_lm/ with Megatron-LM's own tools (see the README there).
 
     PGCONVERT_MEGATRON_LM=/path/to/Megatron-LM PGCONVERT_MEGATRON_LM_PYTHON=/venv/with/triton/python \
-        python scripts/make_megatron_lm_goldens.py
+        python scripts/make_megatron_lm_goldens.py [convert|train ...]
+
+``convert``: outputs of Megatron-LM's ``tools/checkpoint/convert.py``. ``train``: training
+checkpoints written by Megatron-LM's ``pretrain_gpt.py`` (two iterations on mock data, 4 ranks
+under ``torchrun`` with gloo on the CPU, through ``scripts/megatron_lm_cpu_train.py``), i.e. by
+its own ``save_checkpoint``, with optimizer, scheduler, RNG and rerun state.
 """
 
 from __future__ import annotations
 
 import shutil
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from interop_megatron_lm import make_hf, megatron_convert, pgconvert  # noqa: E402
+from interop_megatron_lm import _megatron_env, make_hf, megatron_convert, pgconvert  # noqa: E402
 
 GOLDENS = Path(__file__).resolve().parents[1] / "tests" / "data" / "megatron_lm"
+LAUNCHER = Path(__file__).resolve().parent / "megatron_lm_cpu_train.py"
+
+# pretrain_gpt.py flags shared by every training golden: the tiny Llama of the convert.py goldens
+# (local spec), mock data, two iterations, a checkpoint at the second. Dropout is 0 (see
+# megatron_lm_cpu_train.py: on the CPU the data loader's seed would move one TP rank's masks).
+MODEL_FLAGS = [
+    "--distributed-backend", "gloo", "--transformer-impl", "local", "--no-rope-fusion",
+    "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-swiglu-fusion",
+    "--no-bias-dropout-fusion", "--no-persist-layer-norm",
+    "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads", "4",
+    "--group-query-attention", "--num-query-groups", "2", "--swiglu", "--normalization", "RMSNorm",
+    "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights", "--disable-bias-linear",
+    "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "1", "--global-batch-size", "2",
+    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "255",
+    "--hidden-dropout", "0", "--attention-dropout", "0",
+    "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "1",
+    "--train-iters", "2", "--seed", "1234", "--save-interval", "2", "--eval-iters", "0", "--eval-interval", "1000",
+    "--log-interval", "1",
+]
+# golden directory -> the flags that make it (all 4 ranks)
+TRAINING_RUNS: dict[str, list[str]] = {
+    "train_tp2pp2_torch": ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                           "--ckpt-format", "torch"],
+    "train_tp2dp2_distopt_bf16_torch": ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "1",
+                                        "--ckpt-format", "torch", "--use-distributed-optimizer", "--bf16"],
+    "train_tp2pp2_bf16_torch_dist": ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                                     "--ckpt-format", "torch_dist", "--bf16"],
+}
 
 
-def main() -> int:
+def megatron_train(save: Path, flags: list[str], port: int) -> str:
+    """Megatron-LM's pretrain_gpt.py on 4 CPU ranks; its save_checkpoint writes ``save``."""
+    python, env, source = _megatron_env()
+    env = dict(env, OMP_NUM_THREADS="1")
+    cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", str(port),
+           str(LAUNCHER), str(source), *MODEL_FLAGS, *flags, "--save", str(save)]
+    print("$", " ".join(cmd[1:]), flush=True)
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    log = done.stdout + done.stderr
+    if done.returncode != 0 or "successfully saved checkpoint from iteration       2" not in log:
+        raise SystemExit(f"Megatron-LM pretrain_gpt.py failed (exit {done.returncode}):\n{log[-6000:]}")
+    return log
+
+
+def make_training_goldens(names: list[str]) -> None:
+    for port, name in enumerate(names, start=29600):
+        target = GOLDENS / name
+        shutil.rmtree(target, ignore_errors=True)
+        log = megatron_train(target, TRAINING_RUNS[name], port)
+        shims = sorted({line.strip() for line in log.splitlines() if "shim]" in line and ":" in line})
+        print(f"  {name}: saved; shims used:\n    " + "\n    ".join(shims), flush=True)
+        # Megatron writes the tokenizer's (empty, NullTokenizer) folder beside a torch_dist iteration
+        for empty in sorted(target.rglob("*"), reverse=True):
+            if empty.is_dir() and not any(empty.iterdir()):
+                empty.rmdir()
+
+
+def make_convert_goldens() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         make_hf(work / "hf")
@@ -28,8 +89,16 @@ def main() -> int:
             target = GOLDENS / f"convert_py_core_tp{dst_tp}"
             shutil.rmtree(target, ignore_errors=True)
             megatron_convert(ours, target, dst_tp, 1)
+
+
+def main(argv: list[str]) -> int:
+    what = argv or ["convert", "train"]
+    if "convert" in what:
+        make_convert_goldens()
+    if "train" in what:
+        make_training_goldens([name for name in TRAINING_RUNS if name in what] or list(TRAINING_RUNS))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -716,6 +716,10 @@ def _size_arg(args: argparse.Namespace, name: str) -> int:
     return 1 if value is None else int(value)
 
 
+def _shared_args(args: argparse.Namespace) -> dict[str, object]:
+    return {k: v for k, v in vars(args).items() if k not in ("rank", "local_rank")}
+
+
 def read_megatron_checkpoint_ranks(
     root: Path,
 ) -> tuple[argparse.Namespace, dict[tuple[int, int, int], dict[str, dict[str, object]]]]:
@@ -766,7 +770,8 @@ def read_megatron_checkpoint_ranks(
     assert set(ranks) == expected, sorted(set(ranks) ^ expected)
     for key, name in dir_names.items():
         assert name == rank_dir_name(key[0], key[1], pp, key[2], ep), (name, pp, ep)
-        assert vars(all_args[key]) == vars(args), f"args of {name} differ from rank (0, 0, 0)"
+        # each process of a Megatron-LM run records its own rank (save_checkpoint keeps them)
+        assert _shared_args(all_args[key]) == _shared_args(args), f"args of {name} differ from rank (0, 0, 0)"
     return args, ranks
 
 

@@ -3,7 +3,7 @@ converted bit-exact; what pgconvert writes for Megatron carries Megatron's enum 
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import os
 import pickletools
 import random
@@ -25,6 +25,12 @@ from pgconvert.megatron_format import _opaque, safe_torch_load
 
 GOLDENS = Path(__file__).parent / "data" / "megatron_lm"
 CONVERT_PY = sorted(GOLDENS.glob("convert_py_core_tp*"))
+# Training checkpoints from Megatron-LM's pretrain_gpt.py / save_checkpoint (see the README there).
+TRAIN_PER_RANK = [GOLDENS / "train_tp2pp2_torch", GOLDENS / "train_tp2dp2_distopt_bf16_torch"]
+TRAIN_TORCH_DIST = GOLDENS / "train_tp2pp2_bf16_torch_dist"
+# what save_checkpoint stores beside the model in a default-flag training run
+TRAINING_KEYS = {"args", "checkpoint_version", "iteration", "optimizer", "opt_param_scheduler",
+                 "num_floating_point_operations_so_far"}
 
 
 def _globals_in(path: Path) -> set[str]:
@@ -37,9 +43,15 @@ def _globals_in(path: Path) -> set[str]:
     return found
 
 
-def _assert_same_model_tensors(actual: Path, expected: Path) -> None:
+VOCAB_TABLES = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def _assert_same_model_tensors(actual: Path, expected: Path, true_vocab: int | None = None) -> None:
     """Same rank files, same tensors (``torch.equal``, same dtype); Megatron-LM's own files also
-    hold ``_extra_state: None`` entries for the local spec, which carry nothing."""
+    hold ``_extra_state: None`` entries for the local spec, which carry nothing.
+
+    ``true_vocab``: ``actual`` came through HF, which keeps the true vocab only: the vocab tables'
+    rows past it (Megatron's padding, trained like any row) are compared as zeros."""
     _, actual_ranks = read_megatron_checkpoint_ranks(actual)
     _, expected_ranks = read_megatron_checkpoint_ranks(expected)
     assert sorted(actual_ranks) == sorted(expected_ranks)
@@ -49,11 +61,122 @@ def _assert_same_model_tensors(actual: Path, expected: Path) -> None:
             got = {k: v for k, v in actual_ranks[coord][chunk].items() if v is not None}
             assert sorted(got) == sorted(tensors), (coord, chunk)
             for key, value in tensors.items():
+                if true_vocab is not None and key.endswith(VOCAB_TABLES):
+                    value = _zero_padding(value, coord[0], true_vocab)
                 assert got[key].dtype == value.dtype and torch.equal(got[key], value), (coord, chunk, key)
+
+
+def _zero_padding(table: torch.Tensor, tp_rank: int, true_vocab: int) -> torch.Tensor:
+    rows = table.shape[0]
+    keep = max(0, min(rows, true_vocab - tp_rank * rows))
+    return torch.cat([table[:keep], torch.zeros_like(table[keep:])])
 
 
 def test_goldens_are_there() -> None:
     assert [p.name for p in CONVERT_PY] == ["convert_py_core_tp1", "convert_py_core_tp2"]
+    assert all(p.is_dir() for p in [*TRAIN_PER_RANK, TRAIN_TORCH_DIST])
+    total = sum(f.stat().st_size for f in (Path(__file__).parent / "data").rglob("*") if f.is_file())
+    assert total < 8_000_000, total
+
+
+def _dcp_entries(iteration_dir: Path) -> dict[str, object]:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return dict(FileSystemReader(str(iteration_dir)).read_metadata().state_dict_metadata)
+
+
+def _dcp_model_tensors(root: Path) -> dict[str, torch.Tensor]:
+    """Every model tensor of a torch_dist checkpoint (global shapes), read by torch's own reader."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import TensorStorageMetadata
+
+    iteration_dir = next(p.parent for p in root.rglob("metadata.json"))
+    wanted = {key: torch.empty(md.size, dtype=md.properties.dtype) for key, md in _dcp_entries(iteration_dir).items()
+              if isinstance(md, TensorStorageMetadata) and key.startswith(("embedding.", "decoder.", "output_layer."))}
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.load(wanted, checkpoint_id=str(iteration_dir), no_dist=True)
+    return wanted
+
+
+def _assert_same_dcp_tensors(actual: Path, expected: Path, true_vocab: int | None = None) -> None:
+    got, want = _dcp_model_tensors(actual), _dcp_model_tensors(expected)
+    assert sorted(got) == sorted(want)
+    for key, value in want.items():
+        if true_vocab is not None and key.endswith(VOCAB_TABLES):  # through HF: see _assert_same_model_tensors
+            value = _zero_padding(value, 0, true_vocab)
+        assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
+
+
+@pytest.mark.parametrize("golden", TRAIN_PER_RANK, ids=[p.name for p in TRAIN_PER_RANK])
+def test_training_golden_holds_what_save_checkpoint_stores(golden: Path) -> None:
+    files = sorted(golden.rglob("model_optim_rng.pt"))
+    assert len(files) == 4 if "pp2" in golden.name else 2
+    for path in files:
+        state = safe_torch_load(path)
+        assert TRAINING_KEYS <= set(state) and state["iteration"] == 2
+        rng = state["rng_state"][0]
+        assert {"random_rng_state", "np_rng_state", "torch_rng_state", "rng_tracker_states"} <= set(rng)
+        distributed = (path.parent / "distrib_optim.pt").is_file()
+        assert distributed == golden.name.startswith("train_tp2dp2_distopt")
+        if distributed:
+            assert safe_torch_load(path.parent / "distrib_optim.pt")
+
+
+@pytest.mark.parametrize("golden", TRAIN_PER_RANK, ids=[p.name for p in TRAIN_PER_RANK])
+def test_training_golden_converts_bit_exact(tmp_path: Path, golden: Path) -> None:
+    args, _ = read_megatron_checkpoint(golden)
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    report = pgconvert.convert(golden, tmp_path / "tp1", dst_tp=1, dst_pp=1)
+    assert any("optimizer" in notice for notice in report.notices)
+    pgconvert.convert(tmp_path / "tp1", tmp_path / "back", dst_tp=tp, dst_pp=pp)
+    _assert_same_model_tensors(tmp_path / "back", golden)
+    assert pgconvert.verify(golden, tmp_path / "tp1").equal
+
+    report = pgconvert.convert(golden, tmp_path / "hf", dst_format="hf")
+    # the local spec's _extra_state entries are None: nothing of Transformer Engine's is dropped
+    assert not any("_extra_state" in notice for notice in report.notices), report.notices
+    pgconvert.convert(tmp_path / "hf", tmp_path / "from_hf", dst_format="megatron", dst_tp=tp, dst_pp=pp,
+                      dst_transformer_impl="local")
+    _assert_same_model_tensors(tmp_path / "from_hf", golden, true_vocab=args.vocab_size)
+
+    pgconvert.convert(golden, tmp_path / "dist", dst_format="torch_dist", dst_tp=1)
+    pgconvert.convert(tmp_path / "dist", tmp_path / "from_dist", dst_format="megatron", dst_tp=tp, dst_pp=pp)
+    _assert_same_model_tensors(tmp_path / "from_dist", golden)
+
+    info = pgconvert.inspect(golden)
+    assert not [p for p in info.problems if p.severity == "error"] and info.iteration == 2
+    assert info.layout is not None and (info.layout["tp"], info.layout["pp"]) == (tp, pp)
+
+
+def test_torch_dist_training_golden_stores_common_state_inside() -> None:
+    iteration = TRAIN_TORCH_DIST / "iter_0000002"
+    entries = _dcp_entries(iteration)
+    # Megatron-LM d98e8a64 writes no common.pt: args & co. are the ShardedObject "common_state"
+    assert not (iteration / "common.pt").exists() and "common_state/shard_0_1" in entries
+    assert any(key.startswith("optimizer.state.fp32_param.") for key in entries)
+    assert any(key.startswith("rng_state/") for key in entries)
+
+
+def test_torch_dist_training_golden_converts_bit_exact(tmp_path: Path) -> None:
+    golden = TRAIN_TORCH_DIST
+    info = pgconvert.inspect(golden)
+    assert not [p for p in info.problems if p.severity == "error"], info.problems
+    assert info.layout is not None and (info.layout["tp"], info.layout["pp"]) == (2, 2)
+    assert info.dtypes == {"bfloat16": info.tensor_count}
+
+    report = pgconvert.convert(golden, tmp_path / "dist", dst_format="torch_dist", dst_tp=1)
+    assert any("optimizer" in notice for notice in report.notices)
+    _assert_same_dcp_tensors(tmp_path / "dist", golden)
+    assert pgconvert.verify(golden, tmp_path / "dist").equal
+
+    pgconvert.convert(golden, tmp_path / "rank", dst_format="megatron", dst_tp=2, dst_pp=2)
+    pgconvert.convert(tmp_path / "rank", tmp_path / "from_rank", dst_format="torch_dist", dst_tp=1)
+    _assert_same_dcp_tensors(tmp_path / "from_rank", golden)
+
+    pgconvert.convert(golden, tmp_path / "hf", dst_format="hf")
+    pgconvert.convert(tmp_path / "hf", tmp_path / "from_hf", dst_format="torch_dist", dst_tp=1,
+                      dst_transformer_impl="local")
+    _assert_same_dcp_tensors(tmp_path / "from_hf", golden, true_vocab=255)
 
 
 @pytest.mark.parametrize("golden", CONVERT_PY, ids=[p.name for p in CONVERT_PY])
@@ -210,3 +333,44 @@ def test_megatron_lm_accepts_pgconvert_outputs(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     assert "interop OK" in done.stdout
+
+
+def test_torch_dist_without_common_state_is_refused_naming_both_places(tmp_path: Path) -> None:
+    pgconvert.convert(CONVERT_PY[0], tmp_path / "dist", dst_format="torch_dist", dst_tp=1)
+    common = next((tmp_path / "dist").rglob("common.pt"))
+    common.unlink()
+    with pytest.raises(pgconvert.PgconvertError, match=r"common.pt: missing, and .metadata has no common_state"):
+        pgconvert.convert(tmp_path / "dist", tmp_path / "out", dst_format="hf")
+
+
+def test_hf_output_names_dropped_transformer_engine_state_only_when_there_is_some(tmp_path: Path) -> None:
+    model = dataclasses.replace(GQA_SWIGLU, transformer_impl="transformer_engine")
+    src = write_megatron_checkpoint(tmp_path / "src", model, make_full_model(model), 1, 1)
+    report = pgconvert.convert(src, tmp_path / "none", dst_format="hf")
+    assert not any("_extra_state" in notice for notice in report.notices)
+    for path in src.rglob("model_optim_rng.pt"):
+        state = torch.load(path, weights_only=False)
+        key = next(k for k in state["model"] if k.endswith("._extra_state"))
+        state["model"][key] = torch.ones(4, dtype=torch.uint8)  # FP8 scaling metadata, as TE stores it
+        torch.save(state, path)
+    report = pgconvert.convert(src, tmp_path / "some", dst_format="hf")
+    assert any("_extra_state" in notice for notice in report.notices), report.notices
+
+
+def test_written_args_hold_the_fields_megatron_lm_loaders_read_unconditionally(tmp_path: Path) -> None:
+    # tools/checkpoint/saver_base.py: margs.sequence_parallel = md.checkpoint_args.sequence_parallel,
+    # and the same for apply_query_key_layer_scaling (no getattr default)
+    hf_src = tmp_path / "hf"
+    pgconvert.convert(CONVERT_PY[0], hf_src, dst_format="hf")
+    pgconvert.convert(hf_src, tmp_path / "tp2pp2", dst_format="megatron", dst_tp=2, dst_pp=2)
+    args, _ = read_megatron_checkpoint(tmp_path / "tp2pp2")
+    assert (args.sequence_parallel, args.apply_query_key_layer_scaling) == (False, False)
+    assert (args.world_size, args.data_parallel_size, args.tensor_model_parallel_size,
+            args.pipeline_model_parallel_size, args.transformer_pipeline_model_parallel_size) == (4, 1, 2, 2, 2)
+    # a source's own values are kept
+    golden = TRAIN_PER_RANK[0]
+    pgconvert.convert(golden, tmp_path / "from_golden", dst_tp=1)
+    args, _ = read_megatron_checkpoint(tmp_path / "from_golden")
+    source = safe_torch_load(next(golden.rglob("model_optim_rng.pt")))["args"]
+    assert args.sequence_parallel == source.sequence_parallel
+    assert args.apply_query_key_layer_scaling == source.apply_query_key_layer_scaling

@@ -1,0 +1,196 @@
+"""Run Megatron-LM's own ``pretrain_gpt.py`` on a CPU-only torch build (one process per rank, gloo).
+
+    torchrun --nproc-per-node 4 scripts/megatron_lm_cpu_train.py MEGATRON_LM_SRC [pretrain_gpt flags]
+
+Used by ``scripts/make_megatron_lm_goldens.py`` to make training checkpoints exactly as
+Megatron-LM's ``save_checkpoint`` writes them. It is a launcher with shims, not a reimplementation:
+after installing the shims below it runs ``MEGATRON_LM_SRC/pretrain_gpt.py`` with ``runpy`` (its
+``__main__``: ``pretrain(...)`` with mock data, the model provider, the optimizer, the scheduler, the
+training loop and ``save_checkpoint``). Run it with ``PYTHONPATH=<shared CPU shims>:MEGATRON_LM_SRC``
+(the shared ``sitecustomize.py`` is then loaded as well) and pass ``--distributed-backend gloo``.
+
+Shims (each announced on stderr with ``[train-shim]``):
+- a ``TorchFunctionMode`` that maps every ``cuda`` device in a torch call (factory functions,
+  ``Tensor.to``/``.cuda``) to ``cpu``, so Megatron's ``device='cuda'`` tensors live on the CPU;
+- the device generator is the CPU one: ``torch.cuda`` RNG calls and Megatron's RNG tracker act
+  on the CPU generator. So CPU-side draws that a GPU run keeps apart (a data loader's seed, drawn
+  on tensor-parallel rank 0 only) move the dropout masks of one TP rank: run with
+  ``--hidden-dropout 0 --attention-dropout 0``, or the replicated norm weights drift apart between
+  TP ranks, which never happens on a GPU;
+- ``torch.compile`` disabled (eager functions);
+- ``torch.cuda`` queries answered as for one visible device (``device_count``, ``current_device``,
+  ``set_device``, streams, events, ``synchronize``, memory statistics) -- no-ops or zeros.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import runpy
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_seen: set[str] = set()
+
+
+def _note(name: str, why: str) -> None:
+    if name not in _seen:
+        _seen.add(name)
+        sys.stderr.write(f"[train-shim] {name}: {why}\n")
+
+
+def _cpu(value: Any) -> Any:
+    if isinstance(value, torch.device) and value.type == "cuda":
+        return torch.device("cpu")
+    if isinstance(value, str) and value.startswith("cuda"):
+        return "cpu"
+    if isinstance(value, int) and not isinstance(value, bool):  # torch.cuda.current_device()
+        return "cpu"
+    return value
+
+
+class CudaToCpu(TorchFunctionMode):
+    """Rewrite ``device=cuda...`` arguments of torch calls to the CPU."""
+
+    def __torch_function__(self, func: Any, types_: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = dict(kwargs or {})
+        if "device" in kwargs:
+            kwargs["device"] = _cpu(kwargs["device"])
+        name = getattr(func, "__name__", "")
+        if name == "cuda":  # Tensor.cuda(...): stays where it is (the CPU)
+            _note("Tensor.cuda", "tensor kept on the CPU")
+            return args[0]
+        if name == "to":
+            args = tuple(_cpu(a) for a in args)
+        if name == "type" and len(args) == 1 and not kwargs:  # clip_grads asserts a cuda type
+            return func(*args).replace("torch.", "torch.cuda.", 1)
+        if name == "pin_memory":
+            return args[0]
+        return func(*args, **kwargs)
+
+
+class _Stream:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, *args: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait_event(self, *args: Any) -> None:
+        pass
+
+    def record_event(self, *args: Any) -> "_Event":
+        return _Event()
+
+
+class _Event:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def record(self, *args: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, *args: Any) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, other: Any) -> float:
+        return 0.0
+
+
+def install() -> None:
+    cuda = torch.cuda
+    _note("torch.cuda", "one fake device; streams/events no-ops; cuda tensors made on the CPU")
+    cuda.device_count = lambda: 1
+    cuda.is_available = lambda: True  # initialize_megatron asserts it
+    cuda.current_device = lambda: 0
+    cuda.set_device = lambda device: None
+    cuda.synchronize = lambda device=None: None
+    cuda.Stream = _Stream
+    cuda.Event = _Event
+    cuda.current_stream = lambda device=None: _Stream()
+    cuda.default_stream = lambda device=None: _Stream()
+    cuda.stream = lambda stream=None: contextlib.nullcontext()
+    cuda.set_stream = lambda stream: None
+    cuda.empty_cache = lambda: None
+    for name in ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved"):
+        setattr(cuda, name, lambda device=None: 0)
+    cuda.reset_peak_memory_stats = lambda device=None: None
+    cuda.memory_stats = lambda device=None: {}
+    cuda.mem_get_info = lambda device=None: (0, 0)
+    cuda.set_rng_state = lambda state, device="cuda": None
+    cuda.nvtx = types.SimpleNamespace(range_push=lambda *a, **k: None, range_pop=lambda *a, **k: None,
+                                      range=lambda *a, **k: contextlib.nullcontext())
+    torch.nn.Module.cuda = lambda self, device=None: self
+    _note("torch.compile", "disabled (the fused-kernel warm-up compiles for a GPU); functions run eagerly")
+    torch._dynamo.config.disable = True
+    CudaToCpu().__enter__()
+
+
+def install_dataset_helpers(source: Path, build: Path) -> None:
+    """Megatron's ``compile_helpers`` runs ``make`` with the system ``python3`` (whose extension
+    suffix may not be this interpreter's) inside the source tree. Build the same ``helpers.cpp``
+    for this interpreter in ``build`` (outside the source tree) and register it as
+    ``megatron.core.datasets.helpers_cpp``; ``compile_helpers`` then has nothing to do."""
+    import importlib.util
+    import subprocess
+    import sysconfig
+
+    out = build / f"helpers_cpp{sysconfig.get_config_var('EXT_SUFFIX')}"
+    if not out.is_file():
+        build.mkdir(parents=True, exist_ok=True)
+        includes = subprocess.run([sys.executable, "-m", "pybind11", "--includes"], check=True,
+                                  capture_output=True, text=True).stdout.split()
+        subprocess.run(["c++", "-O3", "-Wall", "-shared", "-std=c++17", "-fPIC", *includes,
+                        str(source / "megatron/core/datasets/helpers.cpp"), "-o", str(out)], check=True)
+    spec = importlib.util.spec_from_file_location("megatron.core.datasets.helpers_cpp", out)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules["megatron.core.datasets.helpers_cpp"] = module
+    import megatron.core.datasets.utils as dataset_utils
+
+    dataset_utils.compile_helpers = lambda: _note("compile_helpers", f"using {out}")
+
+
+def install_rng() -> None:
+    """Megatron's CUDA RNG tracker forks the device generator; on the CPU, the device is the CPU."""
+    import megatron.core.tensor_parallel.random as mrandom
+
+    def get_state(device: Any = None, clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+        _note("cuda rng state", "Megatron's RNG tracker forks the CPU generator")
+        return torch.get_rng_state()
+
+    def set_state(new_state: torch.Tensor, device: int = -1, graph_safe: bool = False) -> None:
+        torch.set_rng_state(new_state)
+
+    torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    torch.cuda.set_rng_state = lambda new_state, device="cuda": torch.set_rng_state(new_state)
+    torch.cuda.manual_seed = torch.cuda.manual_seed_all = lambda seed: torch.default_generator.manual_seed(int(seed))
+    mrandom._get_cuda_rng_state = get_state
+    mrandom._set_cuda_rng_state = set_state
+
+
+def main() -> None:
+    source = Path(sys.argv[1])
+    install()
+    install_rng()
+    install_dataset_helpers(source, Path(os.environ.get("MLM_HELPERS_BUILD", "/tmp/megatron_lm_helpers")))
+    sys.argv = [str(source / "pretrain_gpt.py"), *sys.argv[2:]]
+    runpy.run_path(str(source / "pretrain_gpt.py"), run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()

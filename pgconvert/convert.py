@@ -21,6 +21,7 @@ from pgconvert.layout_spec import LayoutSpec
 from pgconvert.manifest import Manifest, record_files, write_manifest
 from pgconvert.registry import detect_format, get_loader, get_saver
 from pgconvert.stream import CanonicalSource
+from pgconvert.semantics import check_target
 from pgconvert.strict import fallback
 
 log = logging.getLogger(__name__)
@@ -202,6 +203,7 @@ def plan(request: ConvertRequest, check_dst: bool = True) -> Plan:
             hf_config=Path(request.hf_config) if request.hf_config is not None else None,
         )
         _note_dtype_change(source, save_options)
+        check_target(source, dst_format, request.strict)
         saver.validate(source, save_options)
         files = saver.plan(source, save_options)
     except BaseException:

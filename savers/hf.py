@@ -42,10 +42,14 @@ from pgconvert.hf_format import (
     with_dtype,
 )
 from pgconvert.layout import ParallelLayout
+from pgconvert.semantics import hf_losses, lose
 from pgconvert.provider import WORD_EMBEDDINGS, keep_dtype_names
 from pgconvert.stream import CanonicalSource
 
 log = logging.getLogger(__name__)
+
+# Canonical norm weights (input, pre-MLP, final, q/k), which --apply-layernorm-1p zero-centres.
+ZERO_CENTRED_NORMS = ("layernorm.weight",)
 
 
 @dataclass(frozen=True)
@@ -183,9 +187,20 @@ class HFSaver(Saver):
             )
         if options.max_shard_size is not None and options.max_shard_size < 1:
             raise ConfigError(f"max_shard_size={options.max_shard_size}: must be a positive byte count")
-        self._target(source, options)
+        family, _ = self._target(source, options)
         self._units(source, options)
         self._side_files(source)
+        self._note_semantic_losses(source, options, family)
+
+    @staticmethod
+    def _note_semantic_losses(source: CanonicalSource, options: SaveOptions, family: Family) -> None:
+        """Settings the family cannot express: a notice each, refused under --strict (before writing)."""
+        for message in hf_losses(family.architecture, source.config):
+            lose(message, options.strict, source.notices)
+        dtype = _out_dtype(source.meta(WORD_EMBEDDINGS).dtype, options)
+        if source.config.layernorm_zero_centered_gamma and dtype not in (torch.float32, torch.float64):
+            lose(f"layernorm_zero_centered_gamma=True: the norm weights are written as 1 + gamma, rounded to {dtype}",
+                 options.strict, source.notices)
 
     def _target(self, source: CanonicalSource, options: SaveOptions) -> tuple[Family, dict[str, Any] | None]:
         """The family to write and the config.json to start from (None: build it from the model)."""
@@ -272,6 +287,9 @@ class HFSaver(Saver):
                     if unit.canonical in VOCAB_TABLES:
                         # Megatron's padding rows are not part of the model.
                         full = full.narrow(0, 0, config.vocab_size)
+                    if config.layernorm_zero_centered_gamma and unit.canonical.endswith(ZERO_CENTRED_NORMS):
+                        # megatron-core's norms compute with 1 + gamma (--apply-layernorm-1p); HF's with gamma.
+                        full = full.to(torch.float32) + 1.0
                     for hf_name, piece in zip(unit.hf_names, unit.row.transform.split(full, config), strict=True):
                         writer.write(hf_name, piece.to(unit.dtype))
                     del full
@@ -291,7 +309,7 @@ class HFSaver(Saver):
             assumed = ", ".join(f"{key}={value!r}" for key, value in family.hf_assumed.items())
             result.notices.append(
                 f"config.json was built from the model as {family.architecture}; settings Megatron does not "
-                "record (token ids, RoPE scaling, sliding window) take transformers' defaults"
+                "record (token ids) take transformers' defaults"
                 + (f", except {assumed}: how megatron-core behaves" if assumed else "")
             )
         result.notices.extend(self._copy_side_files(source, out_dir))

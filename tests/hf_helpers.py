@@ -74,12 +74,12 @@ FAMILY_MODELS: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel], di
     )),
 }
 MOE_FAMILIES: tuple[str, ...] = ("mixtral", "qwen3_moe")
-# What a Megatron checkpoint made from each comes back as: Mistral's tensors and config are
-# Llama's plus a sliding window Megatron does not record, so it returns as Llama.
+# What a Megatron checkpoint made from each comes back as: Mistral's sliding window (4096 by
+# default) is carried in args.window_size, so it returns as Mistral.
 ARCHITECTURE_AFTER_MEGATRON: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "llama_bias": "LlamaForCausalLM",
-    "mistral": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "mixtral": "MixtralForCausalLM",

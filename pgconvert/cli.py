@@ -351,6 +351,7 @@ def _print_info(info: Any) -> None:
                      f"{info.true_vocab_size if info.true_vocab_size is not None else 'unknown'}"))
         model = " ".join(f"{key}={value}" for key, value in info.model_config.items())
         rows.append(("model", textwrap.fill(model, width=100, subsequent_indent=" " * 12)))
+        rows += [("semantics" if i == 0 else "", f"{name}: {text}") for i, (name, text) in enumerate(info.semantics.items())]
     if info.manifest is not None:
         rows.append(("manifest", f"pgconvert {info.manifest['tool_version']}, {info.manifest['created']}, "
                      f"from {info.manifest['source_path']} ({info.manifest['files']} files)"))

@@ -534,6 +534,10 @@ def _refuses_partial_window(config: ModelConfig) -> str | None:
     return None
 
 
+# transformers' Qwen2Config/Qwen3Config default.
+QWEN_MAX_WINDOW_LAYERS = 28
+
+
 def _read_qwen_window(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
     """Qwen2, Qwen3: ``use_sliding_window`` turns ``sliding_window`` on for the layers ``layer_types``
     marks ``sliding_attention`` (default: those from ``max_window_layers`` on), as transformers reads it."""
@@ -550,7 +554,7 @@ def _read_qwen_window(present: Mapping[str, object], model: Mapping[str, object]
             raise ValueError(f"layer_types={quote(types)}: expected {layers} of 'sliding_attention'/'full_attention'")
         pattern = tuple(int(kind == "sliding_attention") for kind in types)
     else:
-        first = present.get("max_window_layers", 28)
+        first = present.get("max_window_layers", QWEN_MAX_WINDOW_LAYERS)
         if not isinstance(first, int) or isinstance(first, bool) or first < 0:
             raise ValueError(f"max_window_layers={quote(first)}: expected a layer count")
         pattern = tuple(int(layer >= first) for layer in range(layers))
@@ -561,7 +565,8 @@ def _read_qwen_window(present: Mapping[str, object], model: Mapping[str, object]
 
 def _write_qwen_window(config: ModelConfig) -> Mapping[str, object]:
     pattern = [int(config.is_window_layer(layer)) for layer in range(config.num_layers)]
-    leading_full = pattern.index(1) if 1 in pattern else config.num_layers
+    # Without a window, max_window_layers means nothing: transformers' default is written.
+    leading_full = pattern.index(1) if 1 in pattern else QWEN_MAX_WINDOW_LAYERS
     return {
         "use_sliding_window": config.sliding_window is not None,
         "sliding_window": config.sliding_window,

@@ -107,7 +107,7 @@ SEMANTICS: tuple[Setting, ...] = (
             _ARGS.format("untie_embeddings_and_output_weights"), {ALL_FAMILIES: "tie_word_embeddings"}),
     Setting("max positions", ("max_position_embeddings",), ("max_position_embeddings", "seq_length"),
             _ARGS.format("max_position_embeddings"), {ALL_FAMILIES: "max_position_embeddings"}),
-    Setting("vocab sizes", ("vocab_size", "make_vocab_size_divisible_by"),
+    Setting("vocab sizes", ("vocab_size",),
             ("vocab_size", "padded_vocab_size", "make_vocab_size_divisible_by"),
             _ARGS.format("vocab_size / padded_vocab_size"), {ALL_FAMILIES: "vocab_size (true, unpadded)"}),
     Setting("moe top-k", ("moe_router_topk",), ("moe_router_topk",), _ARGS.format("moe_router_topk"),
@@ -339,8 +339,34 @@ def describe(config: ModelConfig) -> dict[str, Any]:
     return {name: values[name] for name in SEMANTIC_FIELDS}
 
 
-def differences(a: ModelConfig, b: ModelConfig, skip: Callable[[str], bool] = lambda name: False) -> list[str]:
-    """``field: A vs B`` for each table setting on which two models differ."""
+def summary(config: ModelConfig) -> dict[str, str]:
+    """Each table row of ``config`` as text (``inspect``): row name -> ``field=value, …``."""
+    values = config.to_dict()
+    return {row.name: ", ".join(f"{name}={values[name]!r}" for name in row.fields) for row in SEMANTICS}
+
+
+# Settings ``verify`` reports as notes, not failures: training-only ones (the forward pass and the
+# logits do not depend on them) and the dtype, which every tensor's own dtype already compares.
+VERIFY_NOTES_ONLY: frozenset[str] = frozenset({"attention_dropout", "hidden_dropout", "moe_aux_loss_coeff",
+                                               "params_dtype"})
+# Settings a format may leave unrecorded (None): compared only when both checkpoints record them.
+OPTIONAL_SETTINGS: frozenset[str] = frozenset({"max_position_embeddings"})
+# Compared by ``verify`` itself (the true vocab bounds the vocab tables' comparison).
+VERIFIED_APART: frozenset[str] = frozenset({"vocab_size"})
+
+
+def differences(a: ModelConfig, b: ModelConfig) -> tuple[list[tuple[str, str]], list[str]]:
+    """(``(field, "A vs B")`` for each table setting on which the two models compute differently,
+    notes for training-only settings that differ)."""
     in_a, in_b = describe(a), describe(b)
-    return [f"{name}: {in_a[name]!r} in A, {in_b[name]!r} in B"
-            for name in SEMANTIC_FIELDS if not skip(name) and in_a[name] != in_b[name]]
+    failures, notes = [], []
+    for name in SEMANTIC_FIELDS:
+        if (name in VERIFIED_APART or in_a[name] == in_b[name]
+                or (name in OPTIONAL_SETTINGS and None in (in_a[name], in_b[name]))):
+            continue
+        text = f"{name}: {in_a[name]!r} in A, {in_b[name]!r} in B"
+        if name in VERIFY_NOTES_ONLY:
+            notes.append(text)
+        else:
+            failures.append((name, text))
+    return failures, notes

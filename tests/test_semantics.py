@@ -100,6 +100,14 @@ def edit_rank_files(root: Path, change: Callable[[dict[str, Any]], None]) -> Non
         torch.save(state, path)
 
 
+def edited_copy(root: Path, dst: Path, **args: Any) -> Path:
+    """A copy of a Megatron checkpoint with ``args`` changed (its manifest, now stale, removed)."""
+    shutil.copytree(root, dst)
+    (dst / "pgconvert.json").unlink(missing_ok=True)
+    edit_rank_files(dst, set_args(**args))
+    return dst
+
+
 def set_args(**values: Any) -> Callable[[dict[str, Any]], None]:
     def change(state: dict[str, Any]) -> None:
         for key, value in values.items():
@@ -364,9 +372,7 @@ def megatron_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
 ], ids=["interleaved", "partial-rotary", "hidden-dropout"])
 def test_megatron_to_hf_names_what_hf_cannot_express_and_strict_refuses(
         megatron_llama: Path, tmp_path: Path, args: dict[str, Any], named: str) -> None:
-    src = tmp_path / "src"
-    shutil.copytree(megatron_llama, src)
-    edit_rank_files(src, set_args(**args))
+    src = edited_copy(megatron_llama, tmp_path / "src", **args)
 
     strict = run_cli("convert", src, tmp_path / "strict", "--dst-format", "hf", "--dst-tp", "1", "--strict")
     loose = run_cli("convert", src, tmp_path / "loose", "--dst-format", "hf", "--dst-tp", "1")
@@ -385,9 +391,7 @@ def test_megatron_to_hf_names_what_hf_cannot_express_and_strict_refuses(
 ], ids=["sigmoid", "topk-scaling", "pre-softmax-mixtral"])
 def test_megatron_moe_router_settings_hf_cannot_express_are_refused_under_strict(
         megatron_moe: Path, tmp_path: Path, args: dict[str, Any], named: str) -> None:
-    src = tmp_path / "src"
-    shutil.copytree(megatron_moe, src)
-    edit_rank_files(src, set_args(**args))
+    src = edited_copy(megatron_moe, tmp_path / "src", **args)
 
     strict = run_cli("convert", src, tmp_path / "strict", "--dst-format", "hf", "--dst-tp", "1", "--strict")
 
@@ -418,29 +422,26 @@ def test_hf_rope_megatron_cannot_compute_is_named_and_refused_under_strict(
 # --- verify and inspect -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("args,field", [
-    ({"rotary_base": 20000.0}, "rotary_base"),
-    ({"window_size": (3, 0)}, "sliding_window"),
-    ({"use_rope_scaling": True, "rope_scaling_factor": 8.0}, "rope_scaling"),
-])
+@pytest.mark.parametrize("args,fields", [
+    ({"rotary_base": 20000.0}, ["rotary_base"]),
+    ({"window_size": (3, 0)}, ["sliding_window"]),
+    ({"use_rope_scaling": True, "rope_scaling_factor": 8.0}, ["rope_scaling", "rope_scaling_factor"]),
+], ids=["theta", "window", "llama3"])
 def test_verify_fails_on_a_config_only_difference_naming_the_field(
-        megatron_llama: Path, tmp_path: Path, args: dict[str, Any], field: str) -> None:
-    other = tmp_path / "other"
-    shutil.copytree(megatron_llama, other)
-    edit_rank_files(other, set_args(**args))
+        megatron_llama: Path, tmp_path: Path, args: dict[str, Any], fields: list[str]) -> None:
+    other = edited_copy(megatron_llama, tmp_path / "other", **args)
 
     report = pgconvert.verify(megatron_llama, other)
     result = run_cli("verify", megatron_llama, other)
 
-    assert report.compared > 0 and not report.equal
-    assert [d.name for d in report.differences if d.kind == "config"] == [f"model_config.{field}"]
-    assert result.exit_code == 1 and field in result.output
+    assert report.compared > 0 and not report.equal and not report.file_problems
+    assert [d.name for d in report.differences if d.kind == "config"] == [f"model_config.{f}" for f in fields]
+    assert [d.kind for d in report.differences] == ["config"] * len(fields)  # every tensor matches
+    assert result.exit_code == 1 and all(field in result.output for field in fields)
 
 
 def test_verify_reports_training_only_differences_as_notes(megatron_llama: Path, tmp_path: Path) -> None:
-    other = tmp_path / "other"
-    shutil.copytree(megatron_llama, other)
-    edit_rank_files(other, set_args(attention_dropout=0.1))
+    other = edited_copy(megatron_llama, tmp_path / "other", attention_dropout=0.1)
 
     report = pgconvert.verify(megatron_llama, other)
 

@@ -455,7 +455,9 @@ def test_inspect_prints_the_semantic_settings(tmp_path: Path) -> None:
     text = run_cli("inspect", tmp_path / "megatron")
     doc = json.loads(run_cli("inspect", "--json", tmp_path / "megatron").output)
 
+    printed = " ".join(text.output.split())  # the semantics row is wrapped at 100 columns
     assert text.exit_code == 0, text.output
-    assert "sliding window: sliding_window=5, window_layers=(0, 0, 1, 1)" in text.output
-    assert "rope scaling: rope_scaling=None" in text.output
+    assert "semantics rope theta: rotary_base=10000.0;" in printed
+    assert "sliding window: sliding_window=5, window_layers=(0, 0, 1, 1);" in printed
+    assert "rope scaling: rope_scaling=None, rope_scaling_factor=1.0;" in printed
     assert doc["semantics"]["sliding window"] == "sliding_window=5, window_layers=(0, 0, 1, 1)"

@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any

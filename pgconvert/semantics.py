@@ -74,8 +74,9 @@ SEMANTICS: tuple[Setting, ...] = (
             {ALL_FAMILIES: "rope_parameters.partial_rotary_factor (read); no family here computes it"},
             "HF -> Megatron carried; Megatron -> HF with < 1: notice, --strict refuses"),
     Setting("rotary interleaved", ("rotary_interleaved",), ("rotary_interleaved",),
-            _ARGS.format("rotary_interleaved"), {ALL_FAMILIES: "none (rotate-half only)"},
-            "Megatron -> HF with True: notice, --strict refuses"),
+            _ARGS.format("rotary_interleaved"),
+            {ALL_FAMILIES: "none: q/k head rows (and q/k-norm weights) written evens first, then odds"},
+            "HF's rotate-half on the reordered rows is Megatron's interleaved rotary"),
     Setting("sliding window", ("sliding_window", "window_layers"), ("window_size", "window_attn_skip_freq"),
             _ARGS.format("window_size / window_attn_skip_freq"),
             _hf(MistralForCausalLM="sliding_window", MixtralForCausalLM="sliding_window",
@@ -299,8 +300,6 @@ def hf_losses(architecture: str, config: ModelConfig) -> list[str]:
     if config.rotary_percent != 1.0:
         losses.append(f"rotary_percent={config.rotary_percent} (partial rotary): {architecture} rotates the "
                       "whole head")
-    if config.rotary_interleaved:
-        losses.append(f"rotary_interleaved=True: {architecture} rotates halves, not interleaved pairs")
     if config.hidden_dropout != 0.0:
         losses.append(f"hidden_dropout={config.hidden_dropout}: {architecture} has no hidden dropout")
     if config.num_experts is not None:

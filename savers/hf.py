@@ -41,6 +41,7 @@ from pgconvert.hf_format import (
     shard_file_name,
     with_dtype,
 )
+from pgconvert.config import ModelConfig
 from pgconvert.layout import ParallelLayout
 from pgconvert.semantics import hf_losses, lose
 from pgconvert.provider import WORD_EMBEDDINGS, keep_dtype_names
@@ -75,6 +76,31 @@ class _Shard:
     @property
     def tensors(self) -> int:
         return sum(len(unit.hf_names) for unit in self.units)
+
+
+def _rotary_order(config: ModelConfig) -> torch.Tensor:
+    """Within one head: the rotated dims' even then odd indices, then the unrotated ones."""
+    head, rotated = config.head_dim, int(config.head_dim * config.rotary_percent)
+    return torch.cat([torch.arange(0, rotated, 2), torch.arange(1, rotated, 2), torch.arange(rotated, head)])
+
+
+def rotate_half_order(name: str, full: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    """Megatron's interleaved rotary (``--rotary-interleaved``) rotates the dim pairs (2i, 2i+1) of a
+    head; HF's rotate-half rotates (i, i + d/2) at the same frequency. Ordering each query and key
+    head's rows (and their q/k-norm weights) evens first, then odds, gives the same attention."""
+    order = _rotary_order(config)
+    if name.endswith(("self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight")):
+        return full.index_select(0, order)
+    if not name.endswith(("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias")):
+        return full
+    head, per_group = config.head_dim, config.num_attention_heads // config.query_groups
+    index = torch.arange(full.shape[0])
+    for group in range(config.query_groups):
+        # A group's rows: its query heads, one key head (both rotated), one value head (kept).
+        for position in range(per_group + 1):
+            start = (group * (per_group + 2) + position) * head
+            index[start:start + head] = start + order
+    return full.index_select(0, index)
 
 
 def _origin(source: CanonicalSource) -> HFOrigin | None:
@@ -287,6 +313,8 @@ class HFSaver(Saver):
                     if unit.canonical in VOCAB_TABLES:
                         # Megatron's padding rows are not part of the model.
                         full = full.narrow(0, 0, config.vocab_size)
+                    if config.rotary_interleaved:
+                        full = rotate_half_order(unit.canonical, full, config)
                     if config.layernorm_zero_centered_gamma and unit.canonical.endswith(ZERO_CENTRED_NORMS):
                         # megatron-core's norms compute with 1 + gamma (--apply-layernorm-1p); HF's with gamma.
                         full = full.to(torch.float32) + 1.0

@@ -220,7 +220,10 @@ class HFSaver(Saver):
 
     @staticmethod
     def _note_semantic_losses(source: CanonicalSource, options: SaveOptions, family: Family) -> None:
-        """Settings the family cannot express: a notice each, refused under --strict (before writing)."""
+        """Settings the family cannot express: a notice each, refused under --strict (before writing).
+        An HF source's own config.json, kept, already expresses everything its model computes."""
+        if _origin(source) is not None:
+            return
         for message in hf_losses(family.architecture, source.config):
             lose(message, options.strict, source.notices)
         dtype = _out_dtype(source.meta(WORD_EMBEDDINGS).dtype, options)

@@ -328,6 +328,17 @@ def check_target(source: Any, target_format: str, strict: bool) -> None:
         return
     for message in getattr(source, "unrepresentable", []):
         lose(message, strict, source.notices)
+    config = source.config
+    if config.rope_scaling == "llama3" and config.rope_scaling_factor != MEGATRON_DEFAULT_ROPE_SCALING_FACTOR:
+        # Written all the same: megatron-core computes it when it is passed (GPTModel(rope_scaling_factor=)).
+        source.notices.append(
+            f"args.rope_scaling_factor={config.rope_scaling_factor}: Megatron-LM (d98e8a64) builds GPTModel without "
+            "it (gpt_builders.py, gpt_config_from_args), so a run built by Megatron-LM computes factor "
+            f"{MEGATRON_DEFAULT_ROPE_SCALING_FACTOR}; megatron-core given the arg computes {config.rope_scaling_factor}")
+    if config.rope_scaling == "linear":
+        source.notices.append(
+            "args.rotary_seq_len_interpolation_factor: Megatron-LM's gpt_builders.py (d98e8a64) does not pass it "
+            "to GPTModel; its GPTModelBuilder (gpt_config_from_args) does")
 
 
 # --- inspect and verify ------------------------------------------------------------------------

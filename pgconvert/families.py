@@ -550,7 +550,7 @@ def _read_qwen_window(present: Mapping[str, object], model: Mapping[str, object]
     types = present.get("layer_types")
     if types is not None:
         if (not isinstance(types, list) or len(types) != layers
-                or set(types) - {"sliding_attention", "full_attention"}):
+                or not all(kind in ("sliding_attention", "full_attention") for kind in types)):
             raise ValueError(f"layer_types={quote(types)}: expected {layers} of 'sliding_attention'/'full_attention'")
         pattern = tuple(int(kind == "sliding_attention") for kind in types)
     else:

@@ -502,8 +502,10 @@ def _write_rope(config: ModelConfig) -> Mapping[str, object]:
         params["factor"] = config.rope_scaling_factor
     if config.rope_scaling == "llama3":
         params.update(MEGATRON_LLAMA3)
+    # transformers 4.x reads the scaling from rope_scaling (5 prefers it too, so the two agree).
+    legacy = {key: value for key, value in params.items() if key != "rope_theta"} if config.rope_scaling else None
     # Partial rotary is not written: no family here computes it (semantics.hf_losses names it).
-    return {"rope_parameters": params, "rope_scaling": None, "partial_rotary_factor": None}
+    return {"rope_parameters": params, "rope_scaling": legacy, "partial_rotary_factor": None}
 
 
 _ROPE_RULE = ConfigRule(keys=("rope_parameters", "rope_scaling", "partial_rotary_factor"),

@@ -20,8 +20,8 @@ from pgconvert.layout import ParallelLayout
 from pgconvert.layout_spec import LayoutSpec
 from pgconvert.manifest import Manifest, record_files, write_manifest
 from pgconvert.registry import detect_format, get_loader, get_saver
-from pgconvert.stream import CanonicalSource
 from pgconvert.semantics import check_target
+from pgconvert.stream import CanonicalSource
 from pgconvert.strict import fallback
 
 log = logging.getLogger(__name__)

@@ -30,8 +30,8 @@ from pgconvert.errors import CheckpointError, ConfigError, PgconvertError
 from pgconvert.families import FAMILIES, INFERENCE_ORDER, REQUIRED, ConfigField, Family, supported_architectures
 from pgconvert.limits import MAX_SAFETENSORS_HEADER_BYTES, over_limit, parse_json, quote, read_json
 from pgconvert.provider import OUTPUT_LAYER, WORD_EMBEDDINGS
-from pgconvert.semantics import hf_unrepresentable
 from pgconvert.provider import canonical_shapes as provider_shapes
+from pgconvert.semantics import hf_unrepresentable
 from pgconvert.stream import TensorMeta
 
 log = logging.getLogger(__name__)

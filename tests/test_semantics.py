@@ -157,6 +157,23 @@ def test_megatron_arg_names_are_megatron_cores_or_megatron_lms() -> None:
     assert names - core - megatron_lm == set()
 
 
+def test_hf_partial_rotary_and_linear_rope_read_into_megatron_args() -> None:
+    from pgconvert.hf_format import model_config_from_hf
+    from pgconvert.layout import ParallelLayout
+    from pgconvert.megatron_format import args_for_target
+
+    doc = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "intermediate_size": 128, "vocab_size": 256, "hidden_act": "silu", "attention_dropout": 0.0,
+           "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000.0,
+                               "partial_rotary_factor": 0.5}}
+    _, config, notices = model_config_from_hf(doc, Path("config.json"))
+    args, _ = args_for_target(config, ParallelLayout(), 256, torch.float32, None, None)
+
+    assert (config.rotary_percent, config.rope_scaling, config.rope_scaling_factor) == (0.5, "linear", 2.0)
+    assert (args.rotary_percent, args.rotary_seq_len_interpolation_factor, args.rotary_base) == (0.5, 2.0, 1000.0)
+    assert notices == []
+
+
 # --- HF -> Megatron -> HF ------------------------------------------------------------------------------
 
 

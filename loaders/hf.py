@@ -103,6 +103,8 @@ class HFSource(CanonicalSource):
         assert config.vocab_size is not None
         super().__init__(config, vocab_rows=config.vocab_size, iteration=None)
         self.notices.extend(notices)
+        # What a megatron target cannot hold (semantics.check_target; an hf target keeps config.json).
+        self.unrepresentable = list(notices)
         self.family = family
         self.hf_origin = HFOrigin(directory=directory, config_json=doc, family=family)
         self.side_files = find_side_files(directory)

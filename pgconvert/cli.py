@@ -345,6 +345,8 @@ def inspect_command(ckpt: Path, iteration: int | None, as_json: bool) -> None:
 def _print_info(info: Any) -> None:
     import textwrap
 
+    from pgconvert.semantics import SEMANTIC_FIELDS
+
     rows = [("checkpoint", info.path), ("format", info.format or "unknown")]
     if info.iterations:
         opened = "release" if info.release else info.iteration
@@ -356,8 +358,10 @@ def _print_info(info: Any) -> None:
         rows.append(("dtypes", ", ".join(f"{dtype}: {count}" for dtype, count in info.dtypes.items())))
         rows.append(("vocab", f"{info.vocab_rows} rows, true vocab "
                      f"{info.true_vocab_size if info.true_vocab_size is not None else 'unknown'}"))
-        model = " ".join(f"{key}={value}" for key, value in info.model_config.items())
+        model = " ".join(f"{key}={value}" for key, value in info.model_config.items() if key not in SEMANTIC_FIELDS)
         rows.append(("model", textwrap.fill(model, width=100, subsequent_indent=" " * 12)))
+        semantics = "; ".join(f"{name}: {text}" for name, text in info.semantics.items())
+        rows.append(("semantics", textwrap.fill(semantics, width=100, subsequent_indent=" " * 12)))
     if info.side_files:
         rows.append(("hf files", textwrap.fill(", ".join(info.side_files), width=100, subsequent_indent=" " * 12)))
     if info.manifest is not None:

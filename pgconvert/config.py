@@ -16,6 +16,11 @@ ACTIVATIONS = ("silu", "gelu")
 # Megatron's two layer specs name the fused norms differently; pgconvert keeps the source's choice.
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
 DTYPES = ("float32", "bfloat16", "float16")
+# RoPE scalings Megatron expresses: llama3 (``--use-rope-scaling``, low/high frequency factors 1 and
+# 4 and 8192 original positions, as megatron-core hard-codes them) and linear position interpolation
+# (``--rotary-seq-len-interpolation-factor``). None: plain RoPE.
+ROPE_SCALINGS = ("llama3", "linear")
+MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")
 
 
 @dataclass(frozen=True)
@@ -57,8 +62,26 @@ class ModelConfig:
     moe_router_enable_expert_bias: bool = False
     # Only key names: grouped GEMM (``experts.linear_fc1.weight{j}``) vs SequentialMLP.
     moe_grouped_gemm: bool = False
+    # Settings that change the computation but no tensor shape (see pgconvert.semantics, one row
+    # each); the defaults are the model pgconvert described before it carried them.
+    rotary_percent: float = 1.0
+    rotary_interleaved: bool = False
+    rope_scaling: str | None = None
+    rope_scaling_factor: float = 1.0
+    # HF's window: a query attends to itself and the sliding_window - 1 keys before it (Megatron's
+    # window_size (sliding_window - 1, 0)); window_layers, a 0/1 per layer (1: windowed), None: all.
+    sliding_window: int | None = None
+    window_layers: tuple[int, ...] | None = None
+    layernorm_zero_centered_gamma: bool = False
+    attention_dropout: float = 0.0
+    hidden_dropout: float = 0.0
+    moe_router_score_function: str = "softmax"
+    moe_router_pre_softmax: bool = False
+    moe_router_topk_scaling_factor: float | None = None
+    moe_aux_loss_coeff: float = 0.0
 
     def __post_init__(self) -> None:
+        self._check_semantics()
         for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
                      "make_vocab_size_divisible_by"):
             _require_positive(name, getattr(self, name))
@@ -112,6 +135,40 @@ class ModelConfig:
                     )
             else:
                 _require_positive("moe_layer_freq", self.moe_layer_freq)
+
+    def _check_semantics(self) -> None:
+        """The settings of pgconvert.semantics: types and ranges."""
+        for name in ("rotary_percent", "rope_scaling_factor", "attention_dropout", "hidden_dropout",
+                     "moe_aux_loss_coeff"):
+            _require_finite(name, getattr(self, name))
+        if not 0 < self.rotary_percent <= 1:
+            raise ConfigError(f"rotary_percent={quote(self.rotary_percent)}: must be in (0, 1]")
+        for name in ("attention_dropout", "hidden_dropout"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ConfigError(f"{name}={quote(getattr(self, name))}: must be in [0, 1)")
+        if self.rope_scaling is not None:
+            _require_choice("rope_scaling", self.rope_scaling, ROPE_SCALINGS)
+            if self.rope_scaling_factor <= 0:
+                raise ConfigError(f"rope_scaling_factor={quote(self.rope_scaling_factor)}: must be > 0")
+        _require_choice("moe_router_score_function", self.moe_router_score_function, MOE_SCORE_FUNCTIONS)
+        if self.moe_router_topk_scaling_factor is not None:
+            _require_finite("moe_router_topk_scaling_factor", self.moe_router_topk_scaling_factor)
+        if self.sliding_window is not None:
+            _require_positive("sliding_window", self.sliding_window)
+        if isinstance(self.window_layers, list):
+            object.__setattr__(self, "window_layers", tuple(self.window_layers))
+        if self.window_layers is not None:
+            if self.sliding_window is None:
+                raise ConfigError("window_layers: given without a sliding_window")
+            if len(self.window_layers) != self.num_layers or set(self.window_layers) - {0, 1}:
+                raise ConfigError(f"window_layers={quote(list(self.window_layers))}: must list 0 or 1 for "
+                                  f"each of the {self.num_layers} layers")
+
+    def is_window_layer(self, layer: int) -> bool:
+        """Whether ``layer`` (0-based) attends through the sliding window."""
+        if self.sliding_window is None:
+            return False
+        return self.window_layers is None or self.window_layers[layer] == 1
 
     @property
     def query_groups(self) -> int:

@@ -22,6 +22,7 @@ from pgconvert.layout import ParallelLayout
 from pgconvert.layout_spec import LayoutSpec
 from pgconvert.manifest import Manifest, record_files, write_manifest
 from pgconvert.registry import detect_format, get_loader, get_saver
+from pgconvert.semantics import check_target
 from pgconvert.stream import CanonicalSource
 from pgconvert.strict import fallback
 from pgconvert.workers import save_with_workers
@@ -210,6 +211,7 @@ def plan(request: ConvertRequest, check_dst: bool = True) -> Plan:
             tokenizer=Path(request.tokenizer) if request.tokenizer is not None else None,
         )
         _note_dtype_change(source, save_options)
+        check_target(source, dst_format, request.strict)
         saver.validate(source, save_options)
         files = saver.plan(source, save_options)
     except BaseException:

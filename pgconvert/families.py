@@ -16,6 +16,7 @@ checked when the table is built to have the same number of slots on both sides. 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ import torch
 
 from pgconvert.config import ModelConfig
 from pgconvert.limits import quote
+from pgconvert.semantics import MEGATRON_LLAMA3, rope_parameters, rope_type_of
 
 SLOT = "{}"
 
@@ -409,6 +411,7 @@ def _decoder_fields(max_position_embeddings: int, norm_epsilon: float = 1e-6,
                     default=max_position_embeddings),
         ConfigField(("vocab_size",), "vocab_size", int),
         ConfigField(("tie_word_embeddings",), "tie_embeddings", bool, default=False),
+        ConfigField(("attention_dropout",), "attention_dropout", float, default=0.0),
     )
 
 
@@ -472,6 +475,152 @@ def _refuses_dense_model(config: ModelConfig) -> str | None:
     return None if config.num_experts is not None else "num_experts=None (needs routed experts)"
 
 
+# --- the semantic settings of pgconvert.semantics that are not one key for one field -----------
+
+def _unit_number(value: object, key: str, low_open: bool = True) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= (1 if low_open else math.inf):
+        raise ValueError(f"{key}={quote(value)}: expected a number in {'(0, 1]' if low_open else '(0, inf)'}")
+    return float(value)
+
+
+def _read_rope(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
+    """RoPE scaling and partial rotary from ``rope_parameters`` (4.x: ``rope_scaling``); a type
+    Megatron cannot compute reads as plain RoPE (``semantics.hf_unrepresentable`` names it)."""
+    params = rope_parameters(present)
+    partial = params.get("partial_rotary_factor", present.get("partial_rotary_factor"))
+    rotary_percent = 1.0 if partial is None else _unit_number(partial, "partial_rotary_factor")
+    rope_type = rope_type_of(params)
+    if rope_type in ("llama3", "linear"):
+        factor = _unit_number(params.get("factor"), "rope_parameters.factor", low_open=False)
+        return {"rope_scaling": rope_type, "rope_scaling_factor": factor, "rotary_percent": rotary_percent}
+    return {"rope_scaling": None, "rope_scaling_factor": 1.0, "rotary_percent": rotary_percent}
+
+
+def _write_rope(config: ModelConfig) -> Mapping[str, object]:
+    params: dict[str, object] = {"rope_type": config.rope_scaling or "default", "rope_theta": config.rotary_base}
+    if config.rope_scaling is not None:
+        params["factor"] = config.rope_scaling_factor
+    if config.rope_scaling == "llama3":
+        params.update(MEGATRON_LLAMA3)
+    # transformers 4.x reads the scaling from rope_scaling (5 prefers it too, so the two agree).
+    legacy = {key: value for key, value in params.items() if key != "rope_theta"} if config.rope_scaling else None
+    # Partial rotary is not written: no family here computes it (semantics.hf_losses names it).
+    return {"rope_parameters": params, "rope_scaling": legacy, "partial_rotary_factor": None}
+
+
+_ROPE_RULE = ConfigRule(keys=("rope_parameters", "rope_scaling", "partial_rotary_factor"),
+                        model_fields=("rope_scaling", "rope_scaling_factor", "rotary_percent"),
+                        read=_read_rope, write=_write_rope)
+
+
+def _window(value: object, key: str) -> int | None:
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{key}={quote(value)}: expected a positive integer or null")
+    return value
+
+
+def _read_every_layer_window(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
+    """Mistral, Mixtral: ``sliding_window`` applies to every layer (null: none)."""
+    return {"sliding_window": _window(present.get("sliding_window"), "sliding_window"), "window_layers": None}
+
+
+def _write_every_layer_window(config: ModelConfig) -> Mapping[str, object]:
+    return {"sliding_window": config.sliding_window}
+
+
+def _refuses_partial_window(config: ModelConfig) -> str | None:
+    if config.window_layers is not None:
+        return f"window_layers={list(config.window_layers)} (needs every layer windowed or none)"
+    return None
+
+
+# transformers' Qwen2Config/Qwen3Config default.
+QWEN_MAX_WINDOW_LAYERS = 28
+
+
+def _read_qwen_window(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
+    """Qwen2, Qwen3: ``use_sliding_window`` turns ``sliding_window`` on for the layers ``layer_types``
+    marks ``sliding_attention`` (default: those from ``max_window_layers`` on), as transformers reads it."""
+    use = present.get("use_sliding_window", False)
+    if not isinstance(use, bool):
+        raise ValueError(f"use_sliding_window={quote(use)}: expected true or false")
+    window = _window(present.get("sliding_window"), "sliding_window") if use else None
+    layers = model["num_layers"]
+    assert isinstance(layers, int)
+    types = present.get("layer_types")
+    if types is not None:
+        if (not isinstance(types, list) or len(types) != layers
+                or not all(kind in ("sliding_attention", "full_attention") for kind in types)):
+            raise ValueError(f"layer_types={quote(types)}: expected {layers} of 'sliding_attention'/'full_attention'")
+        pattern = tuple(int(kind == "sliding_attention") for kind in types)
+    else:
+        first = present.get("max_window_layers", QWEN_MAX_WINDOW_LAYERS)
+        if not isinstance(first, int) or isinstance(first, bool) or first < 0:
+            raise ValueError(f"max_window_layers={quote(first)}: expected a layer count")
+        pattern = tuple(int(layer >= first) for layer in range(layers))
+    if window is None or not any(pattern):
+        return {"sliding_window": None, "window_layers": None}
+    return {"sliding_window": window, "window_layers": None if all(pattern) else pattern}
+
+
+def _write_qwen_window(config: ModelConfig) -> Mapping[str, object]:
+    pattern = [int(config.is_window_layer(layer)) for layer in range(config.num_layers)]
+    # Without a window, max_window_layers means nothing: transformers' default is written.
+    leading_full = pattern.index(1) if 1 in pattern else QWEN_MAX_WINDOW_LAYERS
+    return {
+        "use_sliding_window": config.sliding_window is not None,
+        "sliding_window": config.sliding_window,
+        "max_window_layers": leading_full,
+        "layer_types": ["sliding_attention" if windowed else "full_attention" for windowed in pattern],
+    }
+
+
+def _read_all_or_none_window(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
+    """Qwen3-MoE: ``use_sliding_window`` windows every layer."""
+    use = present.get("use_sliding_window", False)
+    if not isinstance(use, bool):
+        raise ValueError(f"use_sliding_window={quote(use)}: expected true or false")
+    window = _window(present.get("sliding_window"), "sliding_window") if use else None
+    return {"sliding_window": window, "window_layers": None}
+
+
+def _write_all_or_none_window(config: ModelConfig) -> Mapping[str, object]:
+    return {"use_sliding_window": config.sliding_window is not None, "sliding_window": config.sliding_window}
+
+
+_EVERY_LAYER_WINDOW = ConfigRule(keys=("sliding_window",), model_fields=("sliding_window", "window_layers"),
+                                 read=_read_every_layer_window, write=_write_every_layer_window,
+                                 refuses=_refuses_partial_window)
+_QWEN_WINDOW = ConfigRule(keys=("use_sliding_window", "sliding_window", "max_window_layers", "layer_types"),
+                          model_fields=("sliding_window", "window_layers"),
+                          read=_read_qwen_window, write=_write_qwen_window)
+_QWEN_MOE_WINDOW = ConfigRule(keys=("use_sliding_window", "sliding_window"),
+                              model_fields=("sliding_window", "window_layers"),
+                              read=_read_all_or_none_window, write=_write_all_or_none_window,
+                              refuses=_refuses_partial_window)
+
+
+def _read_norm_topk(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
+    """Qwen3-MoE renormalizes the top-k softmax weights (norm_topk_prob, transformers' default false)
+    as megatron-core's default router does; without it, softmax over all experts first
+    (megatron-core's moe_router_pre_softmax)."""
+    value = present.get("norm_topk_prob", False)
+    if not isinstance(value, bool):
+        raise ValueError(f"norm_topk_prob={quote(value)}: expected true or false")
+    return {"moe_router_pre_softmax": not value}
+
+
+def _write_norm_topk(config: ModelConfig) -> Mapping[str, object]:
+    return {"norm_topk_prob": not config.moe_router_pre_softmax}
+
+
+_NORM_TOPK_RULE = ConfigRule(keys=("norm_topk_prob",), model_fields=("moe_router_pre_softmax",),
+                             read=_read_norm_topk, write=_write_norm_topk)
+_AUX_LOSS = ConfigField(("router_aux_loss_coef",), "moe_aux_loss_coeff", float, default=0.001)
+
+
 # What every family below is, in Megatron terms: SwiGLU MLP, RMSNorm, RoPE; the dense ones have no
 # experts, the MoE ones routed experts only (no shared experts, no router expert bias).
 _SWIGLU_RMS_ROPE: dict[str, object] = {
@@ -501,7 +650,9 @@ LLAMA = Family(
         ConfigField(("attention_bias",), "add_bias_linear", bool, default=False),
         ConfigField(("mlp_bias",), "add_bias_linear", bool, default=False),
     ),
-    fixed={**_DENSE, "qk_layernorm": False, "add_qkv_bias": False},
+    rules=(_ROPE_RULE,),
+    # A windowed model is written as Mistral.
+    fixed={**_DENSE, "qk_layernorm": False, "add_qkv_bias": False, "sliding_window": None},
     hf_fixed=_HF_SILU,
     hf_scratch=_ROPE_DEFAULT,
 )
@@ -511,6 +662,7 @@ MISTRAL = Family(
     model_type="mistral",
     tensors=DECODER_TENSORS,
     fields=(*_decoder_fields(max_position_embeddings=131072), _DENSE_FFN),
+    rules=(_ROPE_RULE, _EVERY_LAYER_WINDOW),
     fixed={**_DENSE, "qk_layernorm": False, "add_qkv_bias": False, "add_bias_linear": False},
     hf_fixed=_HF_SILU,
     hf_scratch=_ROPE_DEFAULT,
@@ -521,10 +673,11 @@ QWEN2 = Family(
     model_type="qwen2",
     tensors=DECODER_TENSORS,
     fields=(*_decoder_fields(max_position_embeddings=32768), _DENSE_FFN),
+    rules=(_ROPE_RULE, _QWEN_WINDOW),
     # Qwen2 always has q/k/v biases and nothing else.
     fixed={**_DENSE, "qk_layernorm": False, "add_qkv_bias": True, "add_bias_linear": False},
     hf_fixed=_HF_SILU,
-    hf_scratch={**_ROPE_DEFAULT, "use_sliding_window": False},
+    hf_scratch=_ROPE_DEFAULT,
 )
 
 QWEN3 = Family(
@@ -532,10 +685,11 @@ QWEN3 = Family(
     model_type="qwen3",
     tensors=DECODER_TENSORS,
     fields=(*_decoder_fields(max_position_embeddings=32768), _DENSE_FFN),
+    rules=(_ROPE_RULE, _QWEN_WINDOW),
     fixed={**_DENSE, "qk_layernorm": True, "add_qkv_bias": False, "add_bias_linear": False},
     # attention_bias=True would bias q, k, v and o but not the MLP: no Megatron equivalent.
     hf_fixed={**_HF_SILU, "attention_bias": False},
-    hf_scratch={**_ROPE_DEFAULT, "use_sliding_window": False},
+    hf_scratch=_ROPE_DEFAULT,
 )
 
 MIXTRAL = Family(
@@ -547,14 +701,13 @@ MIXTRAL = Family(
         ConfigField(("intermediate_size",), "moe_ffn_hidden_size", int, written=_expert_ffn_size),
         ConfigField(("num_local_experts",), "num_experts", int, default=8),
         ConfigField(("num_experts_per_tok",), "moe_router_topk", int, default=2),
+        _AUX_LOSS,
     ),
     rules=(ConfigRule(keys=(), model_fields=("ffn_hidden_size", "moe_layer_freq"), read=_every_layer_moe,
-                      write=_no_keys, refuses=_refuses_dense_layers),),
+                      write=_no_keys, refuses=_refuses_dense_layers), _ROPE_RULE, _EVERY_LAYER_WINDOW),
     fixed={**_ROUTED_EXPERTS_ONLY, "qk_layernorm": False, "add_qkv_bias": False, "add_bias_linear": False},
     hf_fixed=_HF_SILU,
     hf_scratch=_ROPE_DEFAULT,
-    # Megatron records no attention window.
-    hf_assumed={"sliding_window": None},
 )
 
 QWEN3_MOE = Family(
@@ -568,16 +721,14 @@ QWEN3_MOE = Family(
         # transformers 5 writes num_experts as num_local_experts (its attribute_map); 4.x as num_experts.
         ConfigField(("num_local_experts",), "num_experts", int, default=128, legacy=(("num_experts",),)),
         ConfigField(("num_experts_per_tok",), "moe_router_topk", int, default=8),
+        _AUX_LOSS,
     ),
     rules=(ConfigRule(keys=("decoder_sparse_step", "mlp_only_layers"), model_fields=("moe_layer_freq",),
                       read=_layers_from_sparse_step, write=_sparse_step_from_layers,
-                      refuses=_refuses_dense_model),),
+                      refuses=_refuses_dense_model), _ROPE_RULE, _QWEN_MOE_WINDOW, _NORM_TOPK_RULE),
     fixed={**_ROUTED_EXPERTS_ONLY, "qk_layernorm": True, "add_qkv_bias": False, "add_bias_linear": False},
     hf_fixed={**_HF_SILU, "attention_bias": False},
     hf_scratch=_ROPE_DEFAULT,
-    # megatron-core's default router takes the top k logits, then softmax over them: the top-k
-    # probabilities renormalized (norm_topk_prob=true); it has no attention window.
-    hf_assumed={"norm_topk_prob": True, "use_sliding_window": False},
 )
 
 FAMILIES: dict[str, Family] = {
@@ -586,10 +737,11 @@ FAMILIES: dict[str, Family] = {
 
 # The family written for a source that carries no HF architecture (a Megatron checkpoint): the
 # first whose fixed values and rules the model satisfies. Mistral is Llama's tensors and config
-# with a sliding window that a Megatron model does not describe, so it is never guessed. Dense
+# with a sliding window on every layer, so a windowed Llama-like model is written as Mistral. Dense
 # families need num_experts=None and the MoE ones routed experts, so at most one kind fits.
 INFERENCE_ORDER: tuple[str, ...] = (
-    "Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM",
+    "Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
 )
 
 

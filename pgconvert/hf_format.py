@@ -31,6 +31,7 @@ from pgconvert.families import FAMILIES, INFERENCE_ORDER, REQUIRED, ConfigField,
 from pgconvert.limits import MAX_SAFETENSORS_HEADER_BYTES, over_limit, parse_json, quote, read_json
 from pgconvert.provider import OUTPUT_LAYER, WORD_EMBEDDINGS
 from pgconvert.provider import canonical_shapes as provider_shapes
+from pgconvert.semantics import hf_unrepresentable
 from pgconvert.stream import TensorMeta
 
 log = logging.getLogger(__name__)
@@ -194,15 +195,7 @@ def model_config_from_hf(doc: dict[str, Any], path: Path, stored_dtype: torch.dt
         for key, assumed in family.hf_assumed.items()
         if key in doc and doc[key] != assumed
     ]
-    rope_type = _get_path(doc, ("rope_parameters", "rope_type"))
-    if rope_type is _MISSING:
-        scaling = doc.get("rope_scaling")
-        rope_type = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else "default"
-    if rope_type not in ("default", None):
-        notices.append(
-            f"{path}: rope_type={quote(rope_type)} (RoPE scaling) has no ModelConfig field: a megatron target "
-            "does not carry it (set the rope scaling flags of your Megatron run); an hf target keeps config.json"
-        )
+    notices += hf_unrepresentable(doc, path)
     return family, config, notices
 
 

@@ -18,6 +18,7 @@ from pgconvert.errors import PgconvertError
 from pgconvert.formats import Iteration, LoadOptions
 from pgconvert.manifest import file_problems, read_manifest
 from pgconvert.registry import detect_format, get_loader
+from pgconvert.semantics import summary
 from pgconvert.stream import CanonicalSource
 
 Severity = Literal["error", "warning"]
@@ -44,6 +45,8 @@ class CheckpointInfo:
     layout: dict[str, Any] | None = None
     layout_text: str | None = None
     model_config: dict[str, Any] | None = None
+    # The settings that change the computation (pgconvert.semantics), one text per table row.
+    semantics: dict[str, str] = field(default_factory=dict)
     vocab_rows: int | None = None
     true_vocab_size: int | None = None
     tensor_count: int = 0
@@ -101,6 +104,7 @@ def _describe(source: CanonicalSource, info: CheckpointInfo) -> None:
         info.layout_text = layout.describe()
     config = source.config
     info.model_config = config.to_dict()
+    info.semantics = summary(config)
     info.vocab_rows = source.vocab_rows
     info.true_vocab_size = config.vocab_size
     dtypes: Counter[str] = Counter()

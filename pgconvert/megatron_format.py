@@ -36,6 +36,8 @@ from pgconvert.errors import CheckpointError, ConfigError, LayoutError, UnsafePi
 from pgconvert.formats import RELEASE, Iteration
 from pgconvert.layout import ParallelLayout
 from pgconvert.limits import MAX_TRACKER_BYTES, over_limit, quote
+from pgconvert.semantics import from_args as semantics_from_args
+from pgconvert.semantics import to_args as semantics_to_args
 from pgconvert.torch_input import check_torch_file
 
 try:  # numpy >= 2
@@ -290,6 +292,7 @@ def _config_from_args(args: argparse.Namespace, path: Path, transformer_impl: st
         moe_shared_expert_gate=bool(getattr(args, "moe_shared_expert_gate", False)),
         moe_router_enable_expert_bias=bool(getattr(args, "moe_router_enable_expert_bias", False)),
         moe_grouped_gemm=grouped_gemm,
+        **semantics_from_args(args, path),
     )
 
 
@@ -434,6 +437,7 @@ def args_for_target(config: ModelConfig, layout: ParallelLayout, padded_vocab_si
         "iteration": iteration,
         "ckpt_format": "torch",
     }
+    values.update(semantics_to_args(config))
     if config.vocab_size is not None:
         values["vocab_size"] = config.vocab_size
     if config.num_experts is not None:

@@ -21,6 +21,8 @@ from pgconvert.formats import LoadOptions
 from pgconvert.manifest import MANIFEST_FILE, file_problems, read_manifest
 from pgconvert.provider import OUTPUT_LAYER, WORD_EMBEDDINGS
 from pgconvert.registry import detect_format, get_loader
+from pgconvert.semantics import SEMANTIC_FIELDS
+from pgconvert.semantics import differences as semantic_differences
 from pgconvert.stream import CanonicalSource
 
 # Tables with one row per token: Megatron pads them to a multiple of make_vocab_size_divisible_by × tp.
@@ -159,7 +161,15 @@ def _true_vocab(source_a: CanonicalSource, source_b: CanonicalSource, report: Ve
 def _compare_sources(source_a: CanonicalSource, source_b: CanonicalSource, report: VerifyReport,
                      progress: Callable[[str], None]) -> None:
     config_a, config_b = source_a.config.to_dict(), source_b.config.to_dict()
-    changed = sorted(key for key in config_a if key != "vocab_size" and config_a[key] != config_b.get(key))
+    # A setting that changes the computation makes two checkpoints unequal whatever their tensors.
+    failures, training_notes = semantic_differences(source_a.config, source_b.config)
+    for field_name, text in failures:
+        report.differences.append(TensorDifference(f"model_config.{field_name}", "config", text))
+    if training_notes:
+        report.notes.append("training-only settings differ (the forward pass does not use them): "
+                            + "; ".join(training_notes))
+    changed = sorted(key for key in config_a if key not in SEMANTIC_FIELDS and key != "vocab_size"
+                     and config_a[key] != config_b.get(key))
     if changed:
         report.notes.append("model configs differ in " + ", ".join(
             f"{key} ({config_a[key]!r} vs {config_b.get(key)!r})" for key in changed))

@@ -40,6 +40,7 @@ from pgconvert.hf_format import (
     shard_file_name,
     with_dtype,
 )
+from pgconvert.config import ModelConfig
 from pgconvert.hf_side import (
     GENERATION_CONFIG_FILE,
     TOKENIZER_FILES,
@@ -48,11 +49,15 @@ from pgconvert.hf_side import (
     target_side_files,
 )
 from pgconvert.layout import ParallelLayout
+from pgconvert.semantics import hf_losses, lose
 from pgconvert.provider import WORD_EMBEDDINGS, keep_dtype_names
 from pgconvert.stream import CanonicalSource
 from pgconvert.strict import fallback
 
 log = logging.getLogger(__name__)
+
+# Canonical norm weights (input, pre-MLP, final, q/k), which --apply-layernorm-1p zero-centres.
+ZERO_CENTRED_NORMS = ("layernorm.weight",)
 
 
 @dataclass(frozen=True)
@@ -78,6 +83,31 @@ class _Shard:
     @property
     def tensors(self) -> int:
         return sum(len(unit.hf_names) for unit in self.units)
+
+
+def _rotary_order(config: ModelConfig) -> torch.Tensor:
+    """Within one head: the rotated dims' even then odd indices, then the unrotated ones."""
+    head, rotated = config.head_dim, int(config.head_dim * config.rotary_percent)
+    return torch.cat([torch.arange(0, rotated, 2), torch.arange(1, rotated, 2), torch.arange(rotated, head)])
+
+
+def rotate_half_order(name: str, full: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    """Megatron's interleaved rotary (``--rotary-interleaved``) rotates the dim pairs (2i, 2i+1) of a
+    head; HF's rotate-half rotates (i, i + d/2) at the same frequency. Ordering each query and key
+    head's rows (and their q/k-norm weights) evens first, then odds, gives the same attention."""
+    order = _rotary_order(config)
+    if name.endswith(("self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight")):
+        return full.index_select(0, order)
+    if not name.endswith(("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias")):
+        return full
+    head, per_group = config.head_dim, config.num_attention_heads // config.query_groups
+    index = torch.arange(full.shape[0])
+    for group in range(config.query_groups):
+        # A group's rows: its query heads, one key head (both rotated), one value head (kept).
+        for position in range(per_group + 1):
+            start = (group * (per_group + 2) + position) * head
+            index[start:start + head] = start + order
+    return full.index_select(0, index)
 
 
 def _origin(source: CanonicalSource) -> HFOrigin | None:
@@ -176,12 +206,26 @@ class HFSaver(Saver):
             )
         if options.max_shard_size is not None and options.max_shard_size < 1:
             raise ConfigError(f"max_shard_size={options.max_shard_size}: must be a positive byte count")
-        _, _, guesses = self._target(source, options)
+        family, _, guesses = self._target(source, options)
         if options.strict and guesses:
             # Refused before anything is written; without --strict, save reports them.
             fallback(guesses[0], strict=True)
         self._units(source, options)
         target_side_files(source.side_files, options)
+        self._note_semantic_losses(source, options, family)
+
+    @staticmethod
+    def _note_semantic_losses(source: CanonicalSource, options: SaveOptions, family: Family) -> None:
+        """Settings the family cannot express: a notice each, refused under --strict (before writing).
+        An HF source's own config.json, kept, already expresses everything its model computes."""
+        if _origin(source) is not None:
+            return
+        for message in hf_losses(family.architecture, source.config):
+            lose(message, options.strict, source.notices)
+        dtype = _out_dtype(source.meta(WORD_EMBEDDINGS).dtype, options)
+        if source.config.layernorm_zero_centered_gamma and dtype not in (torch.float32, torch.float64):
+            lose(f"layernorm_zero_centered_gamma=True: the norm weights are written as 1 + gamma, rounded to {dtype}",
+                 options.strict, source.notices)
 
     def _target(self, source: CanonicalSource,
                 options: SaveOptions) -> tuple[Family, dict[str, Any] | None, list[str]]:
@@ -275,6 +319,11 @@ class HFSaver(Saver):
                     if unit.canonical in VOCAB_TABLES:
                         # Megatron's padding rows are not part of the model.
                         full = full.narrow(0, 0, config.vocab_size)
+                    if config.rotary_interleaved:
+                        full = rotate_half_order(unit.canonical, full, config)
+                    if config.layernorm_zero_centered_gamma and unit.canonical.endswith(ZERO_CENTRED_NORMS):
+                        # megatron-core's norms compute with 1 + gamma (--apply-layernorm-1p); HF's with gamma.
+                        full = full.to(torch.float32) + 1.0
                     for hf_name, piece in zip(unit.hf_names, unit.row.transform.split(full, config), strict=True):
                         writer.write(hf_name, piece.to(unit.dtype))
                     del full
@@ -294,7 +343,7 @@ class HFSaver(Saver):
             assumed = ", ".join(f"{key}={value!r}" for key, value in family.hf_assumed.items())
             result.notices.append(
                 f"config.json was built from the model as {family.architecture}; settings Megatron does not "
-                "record (token ids, RoPE scaling, sliding window) take transformers' defaults"
+                "record (token ids) take transformers' defaults"
                 + (f", except {assumed}: how megatron-core behaves" if assumed else "")
             )
         result.notices.extend(self._copy_side_files(source, options, out_dir))

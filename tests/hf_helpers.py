@@ -75,7 +75,8 @@ FAMILY_MODELS: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel], di
 }
 MOE_FAMILIES: tuple[str, ...] = ("mixtral", "qwen3_moe")
 # What a Megatron checkpoint made from each comes back as: its own architecture, from the
-# config.json the checkpoint carries in hf/ (pgconvert.hf_side).
+# config.json the checkpoint carries in hf/ (pgconvert.hf_side), and without it from args:
+# Mistral's sliding window (4096 by default) is carried in args.window_size.
 ARCHITECTURE_AFTER_MEGATRON: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "llama_bias": "LlamaForCausalLM",

@@ -275,15 +275,22 @@ def test_qwen3_moe_num_experts_spelled_the_transformers_4_way_is_read(moe_source
     assert _loaded_config(src).num_experts == 4
 
 
-def test_qwen3_moe_source_without_top_k_renormalization_converts_with_a_notice(moe_sources: dict[str, Path],
-                                                                               tmp_path: Path) -> None:
+def test_qwen3_moe_source_without_top_k_renormalization_is_carried_as_pre_softmax(moe_sources: dict[str, Path],
+                                                                                  tmp_path: Path) -> None:
+    """norm_topk_prob=false (softmax over every expert, no renormalization) is megatron-core's
+    moe_router_pre_softmax; it goes into args and comes back (tests/test_semantics.py runs the logits)."""
     src = tmp_path / "src"
     shutil.copytree(moe_sources["qwen3_moe"], src)
     edit_json(src / "config.json", lambda doc: doc.update(norm_topk_prob=False))
 
     report = pgconvert.convert(src, tmp_path / "megatron", dst_format="megatron", dst_ep=2)
+    pgconvert.convert(tmp_path / "megatron", tmp_path / "hf", dst_format="hf", dst_tp=1, dst_pp=1, dst_ep=1)
 
-    assert any("norm_topk_prob=False has no Megatron setting" in notice for notice in report.notices)
+    assert not any("norm_topk_prob" in notice for notice in report.notices)
+    from pgconvert.inspection import inspect
+
+    assert inspect(tmp_path / "megatron").model_config["moe_router_pre_softmax"] is True
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["norm_topk_prob"] is False
 
 
 def test_bad_decoder_sparse_step_is_refused_naming_the_key(moe_sources: dict[str, Path], tmp_path: Path) -> None:

@@ -1,0 +1,382 @@
+"""A model's semantics as data: every setting that changes what the model computes, in one table.
+
+Each ``Setting`` row names the ``ModelConfig`` field(s) that hold it, the Megatron-LM argument(s)
+(``megatron/training/arguments.py`` and megatron-core's ``TransformerConfig``, whose field names
+are the argument names), where a ``torch_dist`` checkpoint keeps it (``common.pt``'s ``args``, the
+same namespace as a per-rank file's) and the config.json key(s) of each HF family.
+
+The table drives what pgconvert does with these settings:
+
+* Megatron args -> ``ModelConfig`` (``from_args``) and back (``to_args``), for both Megatron formats;
+  the config.json side lives in ``pgconvert.families`` (fields and rules), cross-checked by tests;
+* a setting a target cannot express is lost only with a notice naming it, and ``--strict`` refuses
+  it (``lose``): ``hf_losses`` for an HF target, ``hf_unrepresentable`` for config.json settings no
+  Megatron argument holds;
+* ``inspect`` prints ``describe(config)``; ``verify`` reports ``differences(a, b)`` as failures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pgconvert.config import ModelConfig
+from pgconvert.errors import CheckpointError, StrictModeError
+from pgconvert.limits import quote
+
+log = logging.getLogger(__name__)
+
+# megatron-core's llama3 RoPE scaling (RotaryEmbedding._apply_scaling) fixes these three.
+MEGATRON_LLAMA3 = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+# Megatron-LM's argument defaults for settings a run's args may not record.
+MEGATRON_DEFAULT_DROPOUT = 0.1
+MEGATRON_DEFAULT_ROPE_SCALING_FACTOR = 8.0
+
+ALL_FAMILIES = "*"
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One setting that changes the computation, and where each format keeps it."""
+
+    name: str
+    fields: tuple[str, ...]
+    megatron: tuple[str, ...]
+    common_pt: str
+    hf: Mapping[str, str]
+    note: str = ""
+
+
+def _hf(**per_family: str) -> dict[str, str]:
+    """Per-family HF keys; ``ALL`` stands for every other family."""
+    return {ALL_FAMILIES if key == "ALL" else key: value for key, value in per_family.items()}
+
+
+_ARGS = "common.pt['args'].{}"
+_MOE = "Mixtral, Qwen3-MoE"
+
+SEMANTICS: tuple[Setting, ...] = (
+    Setting("rope theta", ("rotary_base",), ("rotary_base",), _ARGS.format("rotary_base"),
+            {ALL_FAMILIES: "rope_parameters.rope_theta (4.x: rope_theta)"}),
+    Setting("rope scaling", ("rope_scaling", "rope_scaling_factor"),
+            ("use_rope_scaling", "rope_scaling_factor", "rotary_seq_len_interpolation_factor"),
+            _ARGS.format("use_rope_scaling / rope_scaling_factor / rotary_seq_len_interpolation_factor"),
+            {ALL_FAMILIES: "rope_parameters.rope_type/factor (4.x: rope_scaling)"},
+            "llama3 with low/high frequency factors 1/4 and 8192 original positions (what megatron-core "
+            "hard-codes) and linear are carried; yarn, dynamic, longrope and other llama3 parameters are "
+            "not (notice; --strict refuses)"),
+    Setting("rotary percent", ("rotary_percent",), ("rotary_percent",), _ARGS.format("rotary_percent"),
+            {ALL_FAMILIES: "rope_parameters.partial_rotary_factor (read); no family here computes it"},
+            "HF -> Megatron carried; Megatron -> HF with < 1: notice, --strict refuses"),
+    Setting("rotary interleaved", ("rotary_interleaved",), ("rotary_interleaved",),
+            _ARGS.format("rotary_interleaved"),
+            {ALL_FAMILIES: "none: q/k head rows (and q/k-norm weights) written evens first, then odds"},
+            "HF's rotate-half on the reordered rows is Megatron's interleaved rotary"),
+    Setting("sliding window", ("sliding_window", "window_layers"), ("window_size", "window_attn_skip_freq"),
+            _ARGS.format("window_size / window_attn_skip_freq"),
+            _hf(MistralForCausalLM="sliding_window", MixtralForCausalLM="sliding_window",
+                Qwen2ForCausalLM="use_sliding_window, sliding_window, max_window_layers, layer_types",
+                Qwen3ForCausalLM="use_sliding_window, sliding_window, max_window_layers, layer_types",
+                Qwen3MoeForCausalLM="use_sliding_window, sliding_window",
+                LlamaForCausalLM="none (a windowed model is written as Mistral)"),
+            "Megatron window_size = (sliding_window - 1, 0); window_attn_skip_freq = 0/1 per layer"),
+    Setting("zero-centred norm gamma", ("layernorm_zero_centered_gamma",),
+            ("layernorm_zero_centered_gamma", "apply_layernorm_1p"),
+            _ARGS.format("layernorm_zero_centered_gamma (older: apply_layernorm_1p)"),
+            {ALL_FAMILIES: "none: norm weights are written as 1 + gamma"}),
+    Setting("norm epsilon", ("norm_epsilon",), ("norm_epsilon", "layernorm_epsilon"),
+            _ARGS.format("norm_epsilon"), {ALL_FAMILIES: "rms_norm_eps"}),
+    Setting("normalization", ("normalization",), ("normalization",), _ARGS.format("normalization"),
+            {ALL_FAMILIES: "RMSNorm (fixed)"}),
+    Setting("activation", ("activation", "gated_linear_unit"), ("swiglu",), _ARGS.format("swiglu"),
+            {ALL_FAMILIES: "hidden_act = silu (fixed)"}),
+    Setting("qk-norm", ("qk_layernorm",), ("qk_layernorm",), _ARGS.format("qk_layernorm"),
+            _hf(Qwen3ForCausalLM="always", Qwen3MoeForCausalLM="always", ALL="never (other families)")),
+    Setting("linear biases", ("add_bias_linear", "add_qkv_bias"), ("add_bias_linear", "add_qkv_bias"),
+            _ARGS.format("add_bias_linear / add_qkv_bias"),
+            _hf(LlamaForCausalLM="attention_bias, mlp_bias", Qwen2ForCausalLM="q/k/v biases (fixed)")),
+    Setting("head dim", ("kv_channels",), ("kv_channels",), _ARGS.format("kv_channels"),
+            {ALL_FAMILIES: "head_dim"}),
+    Setting("query groups", ("num_query_groups",), ("group_query_attention", "num_query_groups"),
+            _ARGS.format("num_query_groups"), {ALL_FAMILIES: "num_key_value_heads"}),
+    Setting("tied embeddings", ("tie_embeddings",), ("untie_embeddings_and_output_weights",),
+            _ARGS.format("untie_embeddings_and_output_weights"), {ALL_FAMILIES: "tie_word_embeddings"}),
+    Setting("max positions", ("max_position_embeddings",), ("max_position_embeddings", "seq_length"),
+            _ARGS.format("max_position_embeddings"), {ALL_FAMILIES: "max_position_embeddings"}),
+    Setting("vocab sizes", ("vocab_size",),
+            ("vocab_size", "padded_vocab_size", "make_vocab_size_divisible_by"),
+            _ARGS.format("vocab_size / padded_vocab_size"), {ALL_FAMILIES: "vocab_size (true, unpadded)"}),
+    Setting("moe top-k", ("moe_router_topk",), ("moe_router_topk",), _ARGS.format("moe_router_topk"),
+            {_MOE: "num_experts_per_tok"}),
+    Setting("moe score function", ("moe_router_score_function",), ("moe_router_score_function",),
+            _ARGS.format("moe_router_score_function"), {_MOE: "softmax only (sigmoid: notice, --strict refuses)"}),
+    Setting("moe pre-softmax", ("moe_router_pre_softmax",), ("moe_router_pre_softmax",),
+            _ARGS.format("moe_router_pre_softmax"),
+            _hf(Qwen3MoeForCausalLM="norm_topk_prob = not pre_softmax",
+                MixtralForCausalLM="none (top-k renormalized: pre_softmax False)")),
+    Setting("moe expert bias", ("moe_router_enable_expert_bias",), ("moe_router_enable_expert_bias",),
+            _ARGS.format("moe_router_enable_expert_bias"), {_MOE: "none (refused)"}),
+    Setting("moe top-k scaling", ("moe_router_topk_scaling_factor",), ("moe_router_topk_scaling_factor",),
+            _ARGS.format("moe_router_topk_scaling_factor"), {_MOE: "none (set: notice, --strict refuses)"}),
+    Setting("moe aux loss", ("moe_aux_loss_coeff",), ("moe_aux_loss_coeff",), _ARGS.format("moe_aux_loss_coeff"),
+            {_MOE: "router_aux_loss_coef"}),
+    Setting("dropout", ("attention_dropout", "hidden_dropout"), ("attention_dropout", "hidden_dropout"),
+            _ARGS.format("attention_dropout / hidden_dropout"),
+            {ALL_FAMILIES: "attention_dropout; no hidden dropout (non-zero: notice, --strict refuses)"},
+            "Megatron's defaults are 0.1; an HF source writes its own values (0.0) explicitly"),
+    Setting("dtype", ("params_dtype",), ("params_dtype", "bf16", "fp16"), _ARGS.format("params_dtype"),
+            {ALL_FAMILIES: "dtype (4.x: torch_dtype)"}),
+)
+
+SEMANTIC_FIELDS: tuple[str, ...] = tuple(dict.fromkeys(name for row in SEMANTICS for name in row.fields))
+
+
+# --- Megatron args -----------------------------------------------------------------------------
+
+def _arg(args: argparse.Namespace, name: str, default: Any) -> Any:
+    value = getattr(args, name, None)
+    return default if value is None else value
+
+
+def _number(args: argparse.Namespace, name: str, default: float, path: Path) -> float:
+    value = _arg(args, name, default)
+    if isinstance(value, (list, tuple)) and len(value) == 1:
+        value = value[0]  # moe_aux_loss_coeff may be one value per load-balancing type
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise CheckpointError(f"{path}: args.{name}={quote(value)}: must be a finite number")
+    return float(value)
+
+
+def _flag(args: argparse.Namespace, name: str, path: Path) -> bool:
+    value = _arg(args, name, False)
+    if not isinstance(value, bool):
+        raise CheckpointError(f"{path}: args.{name}={quote(value)}: expected True or False")
+    return value
+
+
+def _rope_from_args(args: argparse.Namespace, path: Path) -> dict[str, Any]:
+    llama3 = _flag(args, "use_rope_scaling", path)
+    interpolation = getattr(args, "rotary_seq_len_interpolation_factor", None)
+    if interpolation is not None:
+        interpolation = _number(args, "rotary_seq_len_interpolation_factor", 1.0, path)
+    if llama3 and interpolation not in (None, 1.0):
+        raise CheckpointError(f"{path}: args.use_rope_scaling and args.rotary_seq_len_interpolation_factor="
+                              f"{quote(interpolation)} together: no HF RoPE type computes both")
+    if llama3:
+        return {"rope_scaling": "llama3",
+                "rope_scaling_factor": _number(args, "rope_scaling_factor", MEGATRON_DEFAULT_ROPE_SCALING_FACTOR, path)}
+    if interpolation not in (None, 1.0):
+        return {"rope_scaling": "linear", "rope_scaling_factor": interpolation}
+    return {"rope_scaling": None, "rope_scaling_factor": 1.0}
+
+
+def _window_from_args(args: argparse.Namespace, path: Path) -> dict[str, Any]:
+    window = getattr(args, "window_size", None)
+    if window is None or (isinstance(window, (list, tuple)) and tuple(window) == (-1, -1)):
+        return {"sliding_window": None, "window_layers": None}
+    if (not isinstance(window, (list, tuple)) or len(window) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in window)):
+        raise CheckpointError(f"{path}: args.window_size={quote(window)}: expected (left, right) integers")
+    left, right = window
+    if right != 0 or left < 0:
+        raise CheckpointError(f"{path}: args.window_size={quote(window)}: only a causal window (W, 0) with "
+                              "W >= 0 describes a decoder pgconvert converts")
+    layers = args.num_layers if isinstance(getattr(args, "num_layers", None), int) else 0
+    skip = getattr(args, "window_attn_skip_freq", None)
+    if skip is None:
+        pattern = None
+    elif isinstance(skip, int) and not isinstance(skip, bool) and skip > 0:
+        # megatron-core: 1-based layer n is windowed when n % skip != 0.
+        pattern = tuple(int((layer + 1) % skip != 0) for layer in range(layers))
+    elif isinstance(skip, (list, tuple)) and all(v in (0, 1) and not isinstance(v, bool) for v in skip):
+        pattern = tuple(int(v) for v in skip)
+    else:
+        raise CheckpointError(f"{path}: args.window_attn_skip_freq={quote(skip)}: expected an int or a 0/1 list")
+    if pattern is not None and not any(pattern):
+        return {"sliding_window": None, "window_layers": None}
+    if pattern is not None and all(pattern) and len(pattern) == layers:
+        pattern = None
+    return {"sliding_window": left + 1, "window_layers": pattern}
+
+
+def from_args(args: argparse.Namespace, path: Path) -> dict[str, Any]:
+    """The table's ``ModelConfig`` values that Megatron ``args`` give (Megatron-LM's defaults apply)."""
+    values: dict[str, Any] = {
+        "rotary_percent": _number(args, "rotary_percent", 1.0, path),
+        "rotary_interleaved": _flag(args, "rotary_interleaved", path),
+        "layernorm_zero_centered_gamma": (_flag(args, "layernorm_zero_centered_gamma", path)
+                                          or _flag(args, "apply_layernorm_1p", path)),
+        "attention_dropout": _number(args, "attention_dropout", MEGATRON_DEFAULT_DROPOUT, path),
+        "hidden_dropout": _number(args, "hidden_dropout", MEGATRON_DEFAULT_DROPOUT, path),
+        **_rope_from_args(args, path),
+        **_window_from_args(args, path),
+    }
+    if getattr(args, "num_experts", None):
+        scaling = getattr(args, "moe_router_topk_scaling_factor", None)
+        values.update({
+            "moe_router_score_function": _arg(args, "moe_router_score_function", "softmax"),
+            "moe_router_pre_softmax": _flag(args, "moe_router_pre_softmax", path),
+            "moe_router_topk_scaling_factor": None if scaling is None
+            else _number(args, "moe_router_topk_scaling_factor", 1.0, path),
+            "moe_aux_loss_coeff": _number(args, "moe_aux_loss_coeff", 0.0, path),
+        })
+    return values
+
+
+def to_args(config: ModelConfig) -> dict[str, Any]:
+    """The Megatron args of the table's settings (written explicitly, Megatron's defaults differ)."""
+    values: dict[str, Any] = {
+        "rotary_percent": config.rotary_percent,
+        "rotary_interleaved": config.rotary_interleaved,
+        "use_rope_scaling": config.rope_scaling == "llama3",
+        "rope_scaling_factor": config.rope_scaling_factor if config.rope_scaling == "llama3"
+        else MEGATRON_DEFAULT_ROPE_SCALING_FACTOR,
+        "rotary_seq_len_interpolation_factor": config.rope_scaling_factor if config.rope_scaling == "linear" else None,
+        "window_size": None if config.sliding_window is None else (config.sliding_window - 1, 0),
+        "window_attn_skip_freq": None if config.window_layers is None else list(config.window_layers),
+        "layernorm_zero_centered_gamma": config.layernorm_zero_centered_gamma,
+        "apply_layernorm_1p": config.layernorm_zero_centered_gamma,
+        "attention_dropout": config.attention_dropout,
+        "hidden_dropout": config.hidden_dropout,
+    }
+    if config.num_experts is not None:
+        values.update({
+            "moe_router_score_function": config.moe_router_score_function,
+            "moe_router_pre_softmax": config.moe_router_pre_softmax,
+            "moe_router_topk_scaling_factor": config.moe_router_topk_scaling_factor,
+            "moe_aux_loss_coeff": config.moe_aux_loss_coeff,
+        })
+    return values
+
+
+# --- HF config.json ----------------------------------------------------------------------------
+
+def rope_parameters(doc: Mapping[str, Any]) -> dict[str, Any]:
+    """config.json's RoPE parameters: transformers 5's ``rope_parameters`` or 4.x's ``rope_scaling``
+    (which transformers 5 prefers when both are there)."""
+    for key in ("rope_scaling", "rope_parameters"):
+        value = doc.get(key)
+        if isinstance(value, dict):
+            return value
+        if value is not None:
+            raise ValueError(f"{key}={quote(value)}: expected an object")
+    return {}
+
+
+def rope_type_of(params: Mapping[str, Any]) -> str:
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    return rope_type if isinstance(rope_type, str) else quote(rope_type)
+
+
+def hf_unrepresentable(doc: Mapping[str, Any], path: Path) -> list[str]:
+    """config.json settings that no Megatron argument holds (the model then computes differently)."""
+    try:
+        params = rope_parameters(doc)
+    except ValueError:
+        return []  # the family's rule names the bad value
+    rope_type = rope_type_of(params)
+    if rope_type in ("default", "linear"):
+        return []
+    if rope_type == "llama3":
+        odd = {key: params.get(key) for key, expected in MEGATRON_LLAMA3.items() if params.get(key) != expected}
+        if not odd:
+            return []
+        detail = ", ".join(f"{key}={quote(value)}" for key, value in odd.items())
+        return [f"{path}: rope_type='llama3' with {detail}: megatron-core's llama3 scaling fixes "
+                f"{', '.join(f'{k}={v}' for k, v in MEGATRON_LLAMA3.items())}; a megatron target computes "
+                "those instead"]
+    return [f"{path}: rope_type={quote(rope_type)} (RoPE scaling) has no Megatron setting pgconvert writes: a "
+            "megatron target computes plain RoPE"]
+
+
+def hf_losses(architecture: str, config: ModelConfig) -> list[str]:
+    """The settings of ``config`` an HF ``architecture`` written from it cannot express."""
+    losses = []
+    if config.rotary_percent != 1.0:
+        losses.append(f"rotary_percent={config.rotary_percent} (partial rotary): {architecture} rotates the "
+                      "whole head")
+    if config.hidden_dropout != 0.0:
+        losses.append(f"hidden_dropout={config.hidden_dropout}: {architecture} has no hidden dropout")
+    if config.num_experts is not None:
+        if config.moe_router_score_function != "softmax":
+            losses.append(f"moe_router_score_function={config.moe_router_score_function!r}: {architecture} "
+                          "routes with softmax")
+        if config.moe_router_topk_scaling_factor not in (None, 1.0):
+            losses.append(f"moe_router_topk_scaling_factor={config.moe_router_topk_scaling_factor}: "
+                          f"{architecture} does not scale routing weights")
+        if config.moe_router_pre_softmax and architecture != "Qwen3MoeForCausalLM":
+            losses.append(f"moe_router_pre_softmax=True: {architecture} renormalizes the top-k weights")
+    return losses
+
+
+def lose(message: str, strict: bool, notices: list[str]) -> None:
+    """A setting the target cannot express: a notice, or under ``strict`` an error (exit 2)."""
+    if strict:
+        raise StrictModeError(f"--strict: refusing to drop a setting the target cannot express: {message}")
+    log.warning("not carried: %s", message)
+    notices.append(f"not carried: {message}")
+
+
+def check_target(source: Any, target_format: str, strict: bool) -> None:
+    """Settings of an HF source that a Megatron target cannot hold (an hf target keeps config.json)."""
+    if target_format == "hf":
+        return
+    for message in getattr(source, "unrepresentable", []):
+        lose(message, strict, source.notices)
+    config = source.config
+    if config.rope_scaling == "llama3" and config.rope_scaling_factor != MEGATRON_DEFAULT_ROPE_SCALING_FACTOR:
+        # Written all the same: megatron-core computes it when it is passed (GPTModel(rope_scaling_factor=)).
+        source.notices.append(
+            f"args.rope_scaling_factor={config.rope_scaling_factor}: Megatron-LM (d98e8a64) builds GPTModel without "
+            "it (gpt_builders.py, gpt_config_from_args), so a run built by Megatron-LM computes factor "
+            f"{MEGATRON_DEFAULT_ROPE_SCALING_FACTOR}; megatron-core given the arg computes {config.rope_scaling_factor}")
+    if config.rope_scaling == "linear":
+        source.notices.append(
+            "args.rotary_seq_len_interpolation_factor: Megatron-LM's gpt_builders.py (d98e8a64) does not pass it "
+            "to GPTModel; its GPTModelBuilder (gpt_config_from_args) does")
+
+
+# --- inspect and verify ------------------------------------------------------------------------
+
+def describe(config: ModelConfig) -> dict[str, Any]:
+    """Every table setting of ``config``, by field name."""
+    values = config.to_dict()
+    return {name: values[name] for name in SEMANTIC_FIELDS}
+
+
+def summary(config: ModelConfig) -> dict[str, str]:
+    """Each table row of ``config`` as text (``inspect``): row name -> ``field=value, …``."""
+    values = config.to_dict()
+    return {row.name: ", ".join(f"{name}={values[name]!r}" for name in row.fields) for row in SEMANTICS}
+
+
+# Settings ``verify`` reports as notes, not failures: training-only ones (the forward pass and the
+# logits do not depend on them) and the dtype, which every tensor's own dtype already compares.
+VERIFY_NOTES_ONLY: frozenset[str] = frozenset({"attention_dropout", "hidden_dropout", "moe_aux_loss_coeff",
+                                               "params_dtype"})
+# Settings a format may leave unrecorded (None): compared only when both checkpoints record them.
+OPTIONAL_SETTINGS: frozenset[str] = frozenset({"max_position_embeddings"})
+# Compared by ``verify`` itself (the true vocab bounds the vocab tables' comparison).
+VERIFIED_APART: frozenset[str] = frozenset({"vocab_size"})
+
+
+def differences(a: ModelConfig, b: ModelConfig) -> tuple[list[tuple[str, str]], list[str]]:
+    """(``(field, "A vs B")`` for each table setting on which the two models compute differently,
+    notes for training-only settings that differ)."""
+    in_a, in_b = describe(a), describe(b)
+    failures, notes = [], []
+    for name in SEMANTIC_FIELDS:
+        if (name in VERIFIED_APART or in_a[name] == in_b[name]
+                or (name in OPTIONAL_SETTINGS and None in (in_a[name], in_b[name]))):
+            continue
+        text = f"{name}: {in_a[name]!r} in A, {in_b[name]!r} in B"
+        if name in VERIFY_NOTES_ONLY:
+            notes.append(text)
+        else:
+            failures.append((name, text))
+    return failures, notes

@@ -127,7 +127,7 @@ SEMANTICS: tuple[Setting, ...] = (
             {_MOE: "router_aux_loss_coef"}),
     Setting("dropout", ("attention_dropout", "hidden_dropout"), ("attention_dropout", "hidden_dropout"),
             _ARGS.format("attention_dropout / hidden_dropout"),
-            {ALL_FAMILIES: "attention_dropout; no hidden dropout (non-zero: notice, --strict refuses)"},
+            {ALL_FAMILIES: "attention_dropout; no hidden dropout (non-zero: notice; training only, so --strict allows it)"},
             "Megatron's defaults are 0.1; an HF source writes its own values (0.0) explicitly"),
     Setting("dtype", ("params_dtype",), ("params_dtype", "bf16", "fp16"), _ARGS.format("params_dtype"),
             {ALL_FAMILIES: "dtype (4.x: torch_dtype)"}),
@@ -294,14 +294,24 @@ def hf_unrepresentable(doc: Mapping[str, Any], path: Path) -> list[str]:
             "megatron target computes plain RoPE"]
 
 
+def hf_training_notes(architecture: str, config: ModelConfig) -> list[str]:
+    """Training-only settings an HF ``architecture`` cannot hold: named, never refused.
+
+    Dropout changes no output of the trained model (inference runs without it), so ``--strict``
+    does not refuse it; every real Megatron-LM run records hidden_dropout (0.1 by default).
+    """
+    if config.hidden_dropout != 0.0:
+        return [f"not carried (training only): hidden_dropout={config.hidden_dropout}: {architecture} has no "
+                "hidden dropout; set it in your fine-tuning run"]
+    return []
+
+
 def hf_losses(architecture: str, config: ModelConfig) -> list[str]:
     """The settings of ``config`` an HF ``architecture`` written from it cannot express."""
     losses = []
     if config.rotary_percent != 1.0:
         losses.append(f"rotary_percent={config.rotary_percent} (partial rotary): {architecture} rotates the "
                       "whole head")
-    if config.hidden_dropout != 0.0:
-        losses.append(f"hidden_dropout={config.hidden_dropout}: {architecture} has no hidden dropout")
     if config.num_experts is not None:
         if config.moe_router_score_function != "softmax":
             losses.append(f"moe_router_score_function={config.moe_router_score_function!r}: {architecture} "

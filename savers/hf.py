@@ -49,7 +49,7 @@ from pgconvert.hf_side import (
     target_side_files,
 )
 from pgconvert.layout import ParallelLayout
-from pgconvert.semantics import hf_losses, lose
+from pgconvert.semantics import hf_losses, hf_training_notes, lose
 from pgconvert.provider import WORD_EMBEDDINGS, keep_dtype_names
 from pgconvert.stream import CanonicalSource
 from pgconvert.strict import fallback
@@ -222,6 +222,7 @@ class HFSaver(Saver):
             return
         for message in hf_losses(family.architecture, source.config):
             lose(message, options.strict, source.notices)
+        source.notices.extend(hf_training_notes(family.architecture, source.config))
         dtype = _out_dtype(source.meta(WORD_EMBEDDINGS).dtype, options)
         if source.config.layernorm_zero_centered_gamma and dtype not in (torch.float32, torch.float64):
             lose(f"layernorm_zero_centered_gamma=True: the norm weights are written as 1 + gamma, rounded to {dtype}",

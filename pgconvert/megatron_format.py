@@ -367,9 +367,13 @@ def check_megatron_layout(layout: ParallelLayout, flag_prefix: str, path: Path |
     """Constraints of the per-rank file format itself (beyond what the model allows)."""
     if layout.expert_tp is not None and layout.expert_tp != layout.tp:
         where = f"{path}: " if path else ""
-        flag = f"--{flag_prefix}-expert-tp" if flag_prefix else "expert_tp"
+        # A source's layout comes from its args, not from an option (there is no --src-expert-tp).
+        if path is not None:
+            flag = f"args.expert_tensor_parallel_size={layout.expert_tp} with tensor_model_parallel_size={layout.tp}"
+        else:
+            flag = f"--{flag_prefix}-expert-tp {layout.expert_tp}" if flag_prefix else f"expert_tp={layout.expert_tp}"
         raise LayoutError(
-            f"{where}{flag} {layout.expert_tp}: the megatron per-rank format stores one file per "
+            f"{where}{flag}: the megatron per-rank format stores one file per "
             f"(tp rank, ep rank) and needs expert tensor parallel size == tp ({layout.tp}); "
             "use the torch_dist format for a different expert TP"
         )

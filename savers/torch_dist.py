@@ -15,9 +15,12 @@ recorded in ``common.pt``'s args (``SaveOptions.layout``), what Megatron-LM read
 
 from __future__ import annotations
 
+import errno
 import io
 import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +31,8 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from pgconvert.config import ModelConfig
+from pgconvert.errors import ValidationError
+from pgconvert.limits import quote
 from pgconvert.formats import PlannedFile, Progress, SaveOptions, Saver, SaveResult, target_config
 from pgconvert.megatron_format import (CHECKPOINT_VERSION, FRAMEWORK_PICKLE, TRACKER_FILE, args_for_target,
                                        iteration_dir_name)
@@ -182,6 +187,7 @@ class TorchDistSaver(Saver):
                 lengths = shape if count is None else (count, *shape[1:])
                 offsets, sizes = location.chunk(starts, lengths)
                 chunks.append(_Chunk(name, location.key, offsets, sizes, global_shape, dtype, start, count))
+        _check_one_dtype_per_key(chunks, source)
         return chunks, extra_state_keys(config), rows
 
     def plan(self, source: CanonicalSource, options: SaveOptions) -> list[PlannedFile]:
@@ -209,14 +215,18 @@ class TorchDistSaver(Saver):
         common = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
                   "content_metadata": dict(CONTENT_METADATA)}
         common_path = iteration_dir / COMMON_FILE
-        torch.save(common, common_path, pickle_module=FRAMEWORK_PICKLE)
+        # Pickled in memory, written by Python: a full disk is then an OSError naming the file,
+        # not torch's "PytorchStreamWriter failed writing file".
+        buffer = io.BytesIO()
+        torch.save(common, buffer, pickle_module=FRAMEWORK_PICKLE)
+        common_path.write_bytes(buffer.getbuffer())
         _fsync(common_path)
         planner = _StreamingPlanner(chunks, objects, source, rows, progress)
         # One thread and no copy-ahead: chunks are produced one by one, in plan order (torch's
         # overlapping loader would resolve several ahead on a machine with CUDA).
         writer = FileSystemWriter(str(iteration_dir), single_file_per_rank=True, sync_files=True, thread_count=1,
                                   per_thread_copy_ahead=0)
-        with single_process_calls():
+        with _os_errors_of_torch(iteration_dir / DATA_FILE), single_process_calls():
             dcp.save({}, storage_writer=writer, planner=planner, no_dist=True)
         write_checkpoint_config(iteration_dir)
         _fsync(iteration_dir / CHECKPOINT_CONFIG_FILE)
@@ -242,6 +252,38 @@ def _files(iteration_dir: str, chunks: list[_Chunk], objects: list[str]) -> list
         PlannedFile(f"{iteration_dir}/{DCP_METADATA_FILE}", 0, 0),
         PlannedFile(f"{iteration_dir}/{CHECKPOINT_CONFIG_FILE}", 0, 0),
     ]
+
+
+@contextmanager
+def _os_errors_of_torch(path: Path) -> Iterator[None]:
+    """torch's zip writer turns a failed write (a full disk) into ``RuntimeError: unexpected pos``;
+    the ``OSError`` it swallowed is still in the exception's chain: raise that one instead."""
+    try:
+        yield
+    except RuntimeError as exc:
+        cause: BaseException | None = exc
+        seen = set()
+        while cause is not None and id(cause) not in seen and not isinstance(cause, OSError):
+            seen.add(id(cause))
+            cause = cause.__cause__ or cause.__context__
+        if isinstance(cause, OSError):
+            raise OSError(cause.errno, cause.strerror, cause.filename or str(path)) from exc
+        if "unexpected pos" in str(exc) or "failed writing" in str(exc):
+            raise OSError(errno.EIO, f"torch could not write the file ({quote(str(exc), 200)})", str(path)) from exc
+        raise
+
+
+def _check_one_dtype_per_key(chunks: list[_Chunk], source: CanonicalSource) -> None:
+    """A torch_dist key has one dtype, but several canonical tensors may share it (the layers of a
+    stacked key): tensors stored in different dtypes cannot be written faithfully."""
+    first: dict[str, _Chunk] = {}
+    for chunk in chunks:
+        other = first.setdefault(chunk.key, chunk)
+        if other.dtype != chunk.dtype:
+            raise ValidationError(
+                f"{source.describe()}: {other.canonical} is {other.dtype} but {chunk.canonical} is {chunk.dtype}; "
+                f"torch_dist stores both in the one key {chunk.key} of a single dtype: convert to another "
+                "format, or pass --dtype to cast floating tensors to one dtype")
 
 
 def _fsync(path: Path) -> None:

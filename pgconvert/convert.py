@@ -123,7 +123,7 @@ def check_destination(dst: Path, overwrite: bool, src: Path | None = None) -> No
     refuse_unusable_name(dst)
     if siblings(dst.absolute(), RETIRED_MARKER):
         with _destination_lock(dst.absolute()):
-            recover_retired(dst.absolute())
+            _remove_stale_partials(dst.absolute())
     dst_real = dst.resolve()
     if src is not None:
         src_real = src.resolve()

@@ -8,6 +8,7 @@ import errno
 import io
 import json
 import shutil
+import subprocess
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -125,7 +126,8 @@ def test_replicas_that_really_differ_are_still_refused_naming_both_files(src: Pa
 
 @contextmanager
 def _disk_filling_after(nbytes: int) -> Iterator[None]:
-    """Every stream torch.distributed.checkpoint opens fails with ENOSPC after ``nbytes`` bytes."""
+    """Every stream torch.distributed.checkpoint opens fails with ENOSPC once ``nbytes`` bytes are
+    written (so inside torch's zip writer, on a tensor's record, as on a real full disk)."""
     from torch.distributed.checkpoint.filesystem import FileSystem
 
     real = FileSystem.create_stream
@@ -160,11 +162,27 @@ def _disk_filling_after(nbytes: int) -> Iterator[None]:
 
 def test_torch_dist_on_a_full_disk_gives_the_clean_message(src: Path, tmp_path: Path) -> None:
     dst = tmp_path / "dst"
-    with _disk_filling_after(4096):
+    with _disk_filling_after(200_000):
         result = run_cli(src, dst, "--dst-format", "torch_dist")
 
     assert_clean(result, 1, f"writing DST {dst} failed: No space left on device", "nothing was left behind")
     assert sorted(path.name for path in tmp_path.iterdir()) == ["src"]
+
+
+def test_torch_dist_on_a_real_full_tmpfs_gives_the_clean_message(src: Path, tmp_path: Path) -> None:
+    mount_point = tmp_path / "small"
+    mount_point.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount_point)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here to fill a disk: {done.stderr.strip()}")
+    try:
+        result = run_cli(src, mount_point / "dst", "--dst-format", "torch_dist")
+
+        assert_clean(result, 1, f"writing DST {mount_point / 'dst'} failed: No space left on device")
+        assert list(mount_point.iterdir()) == []
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=False)
 
 
 # ------------------------------------------------------------------------------------ manifest paths (item 7)

@@ -23,7 +23,8 @@ from megatron_fixtures import load_for_test, make_full_model, write_megatron_che
 
 import pgconvert
 from pgconvert.cli import main
-from pgconvert.errors import CheckpointError, PgconvertError
+from pgconvert.errors import CheckpointError, LayoutError, PgconvertError
+from pgconvert.layout_spec import LayoutSpec
 from pgconvert.rules import Replicated, ReplicaMismatchError, bitwise_equal
 
 NORM = "decoder.layers.1.input_layernorm.weight"
@@ -277,3 +278,22 @@ def test_one_tensor_in_another_dtype_in_every_rank_file(src: Path, tmp_path: Pat
                  "torch_dist stores both in the one key decoder.layers.self_attention.linear_qkv.layer_norm_weight "
                  "of a single dtype")
     assert not (tmp_path / "torch_dist").exists()
+
+
+# ------------------------------------------------------------------------------------ fuzz find: layout text
+
+
+@pytest.mark.parametrize("value", ["9" * 5000, "²", "1" + "0" * 9])
+def test_layout_text_sizes_are_bounded_ascii_integers(value: str) -> None:
+    with pytest.raises(LayoutError, match=r"must be an integer >= 1 of at most 9 digits"):
+        LayoutSpec.parse(f"tp={value},pp=1")
+
+
+def test_batch_plan_with_a_5000_digit_layout_size_names_the_plan(src: Path, tmp_path: Path) -> None:
+    plan = tmp_path / "plan.toml"
+    plan.write_text(f'[[convert]]\nsrc = "{src}"\ndst = "out/"\ndst_layout = "tp={"9" * 5000}"\n')
+
+    result = run_cli("batch", plan)
+
+    assert_clean(result, 2, f"{plan} [[convert]] #1: layout 'tp=999", "of at most 9 digits")
+    assert len(result.output) < 1000

@@ -297,3 +297,17 @@ def test_batch_plan_with_a_5000_digit_layout_size_names_the_plan(src: Path, tmp_
 
     assert_clean(result, 2, f"{plan} [[convert]] #1: layout 'tp=999", "of at most 9 digits")
     assert len(result.output) < 1000
+
+
+# ------------------------------------------------------------------------------------ fuzz find: args carried
+
+
+@pytest.mark.parametrize("value", ["RMSNorm", [], 0])
+def test_max_position_embeddings_of_a_rope_model_is_checked_before_it_is_carried(src: Path, tmp_path: Path,
+                                                                                  value: object) -> None:
+    edit_every_rank(src, lambda state: setattr(state["args"], "max_position_embeddings", value))
+
+    result = run_cli(src, tmp_path / "dst", "--dst-format", "hf")
+
+    assert_clean(result, 1, str(rank_files(src)[0]), "max_position_embeddings=", "must be a positive integer")
+    assert not (tmp_path / "dst").exists()

@@ -23,7 +23,7 @@ import re
 import signal
 import types
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -215,6 +215,16 @@ def plain_args(args: argparse.Namespace) -> tuple[argparse.Namespace, list[str]]
             values[key] = value.value
             replaced.append(key)
     return argparse.Namespace(**values), sorted(replaced)
+
+
+def params_dtype_for(dtypes: Iterable[torch.dtype], config: ModelConfig) -> torch.dtype:
+    """The ``params_dtype`` a destination's args declare: the dtype of the first tensor stored in
+    one Megatron trains in (float32, bfloat16, float16), else the model's. A stray tensor in another
+    dtype (float64, int32) must not become the args' dtype, which Megatron and pgconvert refuse."""
+    for dtype in dtypes:
+        if dtype in (torch.float32, torch.bfloat16, torch.float16):
+            return dtype
+    return getattr(torch, config.params_dtype)
 
 
 def _dtype_name(args: argparse.Namespace) -> str:

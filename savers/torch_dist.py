@@ -35,7 +35,7 @@ from pgconvert.errors import ValidationError
 from pgconvert.limits import quote
 from pgconvert.formats import PlannedFile, Progress, SaveOptions, Saver, SaveResult, target_config
 from pgconvert.megatron_format import (CHECKPOINT_VERSION, FRAMEWORK_PICKLE, TRACKER_FILE, args_for_target,
-                                       iteration_dir_name)
+                                       iteration_dir_name, params_dtype_for)
 from pgconvert.provider import (
     OUTPUT_LAYER,
     WORD_EMBEDDINGS,
@@ -205,7 +205,7 @@ class TorchDistSaver(Saver):
         iteration_dir = out_dir / iteration_dir_name(iteration, source.release)
         iteration_dir.mkdir(parents=True, exist_ok=True)
         chunks, objects, rows = self._chunks(source, options)
-        dtype = options.dtype or source.meta(source.names()[0]).dtype
+        dtype = options.dtype or params_dtype_for((source.meta(name).dtype for name in source.names()), config)
         args, replaced = args_for_target(config, layout, rows, dtype, iteration, source.megatron_args)
         args.ckpt_format = SHARDED_BACKEND
         if replaced:

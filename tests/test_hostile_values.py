@@ -311,3 +311,19 @@ def test_max_position_embeddings_of_a_rope_model_is_checked_before_it_is_carried
 
     assert_clean(result, 1, str(rank_files(src)[0]), "max_position_embeddings=", "must be a positive integer")
     assert not (tmp_path / "dst").exists()
+
+
+@pytest.mark.parametrize("target", [["--dst-tp", "1"], ["--dst-format", "torch_dist"]])
+def test_a_stray_dtype_on_the_first_tensor_does_not_become_the_args_params_dtype(src: Path, tmp_path: Path,
+                                                                                 target: list[str]) -> None:
+    name = "embedding.word_embeddings.weight"
+    edit_every_rank(src, lambda state: state["model"].update({name: state["model"][name].double()}))
+    dst = tmp_path / "dst"
+
+    converted = run_cli(src, dst, *target)
+    verified = run_cli("verify", src, dst)
+
+    assert_clean(converted, 0)
+    assert_clean(verified, 0, "equal")
+    written = load_for_test(next(dst.glob("iter_*/*.pt")) if "torch_dist" in target else rank_files(dst)[0])
+    assert written["args"].params_dtype == load_for_test(rank_files(src)[0])["args"].params_dtype == torch.float32

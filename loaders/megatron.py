@@ -42,7 +42,7 @@ from pgconvert.provider import (
     non_layer_chunk,
     provide,
 )
-from pgconvert.rules import Replicated, ShardRule, VocabParallel
+from pgconvert.rules import Replicated, ReplicaMismatchError, ShardRule, VocabParallel, bitwise_equal
 from pgconvert.stream import CanonicalSource, ExtraState, TensorMeta
 from pgconvert.strict import fallback
 
@@ -317,15 +317,14 @@ class MegatronSource(CanonicalSource):
         for group in copies:
             if isinstance(group[0].spec.rule, Replicated):
                 for piece in group[1:]:
-                    if not torch.equal(self._tensor(piece), self._tensor(group[0])):
-                        raise CheckpointError(
-                            f"{name}: replicated tensor differs between ranks ({group[0].spec.local_name} "
-                            f"in {self.files[group[0].coord]} and {self.files[piece.coord]})"
-                        )
+                    if not bitwise_equal(self._tensor(piece), self._tensor(group[0])):
+                        raise ReplicaMismatchError(
+                            group[0].coord.tp, piece.coord.tp, name,
+                            (f"{group[0].spec.local_name} in {self.files[group[0].coord]}", str(self.files[piece.coord])))
             if group is reference:
                 continue
             for mine, theirs in zip(group, reference, strict=True):
-                if not torch.equal(self._tensor(mine), self._tensor(theirs)):
+                if not bitwise_equal(self._tensor(mine), self._tensor(theirs)):
                     raise CheckpointError(
                         f"{name}: the copies in {self.files[theirs.coord]} and {self.files[mine.coord]} "
                         f"({mine.spec.local_name}) differ"

@@ -42,6 +42,7 @@ from typing import Any, Literal
 from pgconvert.convert import ConvertRequest, convert, convert_request, destination_layout
 from pgconvert.errors import PgconvertError, ValidationError
 from pgconvert.formats import RELEASE, LoadOptions
+from pgconvert.limits import MAX_PLACEHOLDER_WIDTH, quote
 from pgconvert.manifest import Manifest, file_problems, output_options, read_manifest
 from pgconvert.registry import detect_format, get_loader
 
@@ -246,7 +247,16 @@ def _check_item(where: str, item: PlanItem) -> None:
 def _fill(template: str, iteration: int | None) -> str:
     if iteration is None:
         return template
-    return ITERATION_PLACEHOLDER.sub(lambda match: format(iteration, match.group(1) or ""), template)
+    return ITERATION_PLACEHOLDER.sub(lambda match: _format_iteration(iteration, match.group(1) or ""), template)
+
+
+def _format_iteration(iteration: int, spec: str) -> str:
+    """``format(iteration, spec)``, refusing a width or precision that would build a huge string."""
+    widths = re.findall(r"\d+", spec)
+    if any(len(width) > 3 or int(width) > MAX_PLACEHOLDER_WIDTH for width in widths):
+        raise ValueError(f"the format {quote(spec)} is wider than pgconvert's limit "
+                         f"MAX_PLACEHOLDER_WIDTH={MAX_PLACEHOLDER_WIDTH}")
+    return format(iteration, spec)
 
 
 def expand(item: PlanItem) -> list[BatchEntry]:
@@ -278,15 +288,22 @@ def expand(item: PlanItem) -> list[BatchEntry]:
     return entries
 
 
-def _check_independent(entries: list[BatchEntry]) -> None:
-    """Entries run in parallel and in any order: none may write where another writes or reads."""
+def _check_independent(entries: list[BatchEntry], plan_name: str = "") -> None:
+    """Entries run in parallel and in any order: none may write where another writes or reads,
+    nor inside (or around) another's destination."""
+    where = f"{plan_name}: " if plan_name else ""
     written: dict[Path, str] = {}
     for entry in entries:
         if entry.request is None:
             continue
         dst = entry.request.dst.resolve()
         if dst in written:
-            raise PlanError(f"entries {written[dst]} and {entry.label} both write {entry.dst}")
+            raise PlanError(f"{where}entries {written[dst]} and {entry.label} both write {entry.dst}")
+        for other, label in written.items():
+            if other in dst.parents or dst in other.parents:
+                outer, inner = (other, dst) if other in dst.parents else (dst, other)
+                raise PlanError(f"{where}entries {label} and {entry.label} write nested destinations: {inner} "
+                                f"is inside {outer}; every entry needs a destination of its own")
         written[dst] = entry.label
     for entry in entries:
         if entry.request is None:
@@ -295,7 +312,7 @@ def _check_independent(entries: list[BatchEntry]) -> None:
         for dst, label in written.items():
             if label != entry.label and (src == dst or dst in src.parents or src in dst.parents):
                 raise PlanError(
-                    f"entry {entry.label} reads {entry.src}, which overlaps what entry {label} writes; entries "
+                    f"{where}entry {entry.label} reads {entry.src}, which overlaps what entry {label} writes; entries "
                     "of one plan run independently and in any order: put the second step in another plan"
                 )
 
@@ -391,7 +408,7 @@ def run_plan(items: list[PlanItem], jobs: int = 1, force: bool = False, verify_h
         raise ValidationError(f"jobs={jobs}: must be >= 1")
     notify = on_result or (lambda result: None)
     entries = [entry for item in items for entry in expand(item)]
-    _check_independent(entries)
+    _check_independent(entries, plan_name)
     results: dict[int, EntryResult] = {}
     pending: dict[int, tuple[ConvertRequest, str]] = {}
     for index, entry in enumerate(entries):

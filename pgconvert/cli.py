@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import signal
 import sys
 from pathlib import Path
@@ -54,15 +55,35 @@ class ByteSize(click.ParamType):
             count = float(number) * _SIZE_UNITS[unit]
         except (ValueError, KeyError):
             self.fail(f"{value!r} is not a size (e.g. 5GB, 500MB, 2GiB, 1000000)", param, ctx)
+        if not math.isfinite(count):
+            self.fail(f"{value!r} is not a finite size (e.g. 5GB, 500MB, 2GiB, 1000000)", param, ctx)
         if count < 1:
             self.fail(f"{value!r} must be at least one byte", param, ctx)
         return int(count)
+
+
+class Interrupted(click.ClickException):
+    """Ctrl-C (or SIGTERM) anywhere in a command: one line and exit 130, never a traceback."""
+
+    exit_code = 130
+
+    def __init__(self) -> None:
+        super().__init__("interrupted: no output was left behind")
+
+    def show(self, file: Any = None) -> None:
+        click.echo(self.message, err=True)
 
 
 class ConvertByDefault(click.Group):
     """``pgconvert SRC DST`` runs ``convert``; ``pgconvert example …`` runs a subcommand."""
 
     default_command = "convert"
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            raise Interrupted() from None
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         if args and args[0] not in self.commands and args[0] not in ("--help", "-h", "--version"):
@@ -290,6 +311,8 @@ def example_command(out: Path, tp: int, pp: int, seed: int, overwrite: bool) -> 
         source = example_source(seed=seed)
         saver = get_saver("megatron")
         options = SaveOptions(layout=ParallelLayout(tp=tp, pp=pp))
+        # Named as this command's own options (--tp), not convert's (--dst-tp).
+        options.layout.validate(source.config, "--")
         saver.validate(source, options)
         check_destination(out, overwrite)
         with staged_output(out, overwrite) as staging:

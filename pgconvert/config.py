@@ -115,6 +115,8 @@ class ModelConfig:
                 raise ConfigError(
                     "max_position_embeddings: required when position_embedding_type='learned_absolute'"
                 )
+        # Checked with RoPE too: it is written into every output's config (a fuzz find).
+        if self.max_position_embeddings is not None:
             _require_positive("max_position_embeddings", self.max_position_embeddings)
         if self.num_experts is not None:
             _require_positive("num_experts", self.num_experts)

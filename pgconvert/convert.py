@@ -16,6 +16,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pgconvert.durable import fsync_dir
+from pgconvert.destination import (
+    PARTIAL_MARKER,
+    RETIRED_MARKER,
+    discard,
+    recover_retired,
+    refuse_unusable_name,
+    retire,
+    sibling,
+    siblings,
+)
 from pgconvert.errors import ConversionError, DestinationError, ValidationError
 from pgconvert.formats import DTYPE_CHOICES, LoadOptions, PlannedFile, SaveOptions, Saver, SaveResult
 from pgconvert.layout import ParallelLayout
@@ -29,7 +39,6 @@ from pgconvert.workers import save_with_workers
 
 log = logging.getLogger(__name__)
 
-PARTIAL_MARKER = ".pgconvert-partial-"
 CHECK_FINITE_CHOICES = ("warn", "error", "off")
 
 
@@ -118,6 +127,10 @@ def _is_within(path: Path, parent: Path) -> bool:
 
 def check_destination(dst: Path, overwrite: bool, src: Path | None = None) -> None:
     """Refuse destinations that would destroy the source or an unrelated directory."""
+    refuse_unusable_name(dst)
+    if siblings(dst.absolute(), RETIRED_MARKER):
+        with _destination_lock(dst.absolute()):
+            _remove_stale_partials(dst.absolute())
     dst_real = dst.resolve()
     if src is not None:
         src_real = src.resolve()
@@ -234,18 +247,20 @@ def _note_dtype_change(source: CanonicalSource, options: SaveOptions) -> None:
 @contextmanager
 def _destination_lock(dst: Path) -> Iterator[None]:
     """One conversion per destination at a time: a second one fails at once, nothing is touched."""
-    lock_path = dst.parent / f".{dst.name}.pgconvert.lock"
-    handle = open(lock_path, "a+")
+    lock_path = sibling(dst, ".pgconvert.lock")
+    locked = False
+    handle = None
     try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        handle.seek(0)
-        owner = handle.read().strip() or "?"
-        handle.close()
-        raise DestinationError(
-            f"DST {dst} is being written by another pgconvert process (pid {owner}, lock {lock_path})"
-        ) from None
-    try:
+        handle = open(lock_path, "a+")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            owner = handle.read().strip() or "?"
+            raise DestinationError(
+                f"DST {dst} is being written by another pgconvert process (pid {owner}, lock {lock_path})"
+            ) from None
+        locked = True
         handle.seek(0)
         handle.truncate()
         handle.write(str(os.getpid()))
@@ -253,13 +268,25 @@ def _destination_lock(dst: Path) -> Iterator[None]:
         yield
     finally:
         # Unlinked while still held, so a waiting run never locks a file that is about to vanish.
-        lock_path.unlink(missing_ok=True)
-        handle.close()
+        # Interrupted before the lock was taken: the file is ours to remove only if no one holds it.
+        if handle is not None:
+            if locked or _try_lock(handle):
+                lock_path.unlink(missing_ok=True)
+            handle.close()
+
+
+def _try_lock(handle: object) -> bool:
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)  # type: ignore[arg-type]
+    except OSError:
+        return False
+    return True
 
 
 def _remove_stale_partials(dst: Path) -> None:
     """Partial outputs of killed runs (we hold the lock, so no live run owns them)."""
-    for stale in dst.parent.glob(f".{dst.name}{PARTIAL_MARKER}*"):
+    recover_retired(dst)
+    for stale in siblings(dst, PARTIAL_MARKER):
         log.warning("removing %s, left by an interrupted conversion", stale)
         shutil.rmtree(stale, ignore_errors=True)
 
@@ -276,7 +303,7 @@ def staged_output(dst: Path, overwrite: bool) -> Iterator[Path]:
     dst.parent.mkdir(parents=True, exist_ok=True)
     with _destination_lock(dst):
         _remove_stale_partials(dst)
-        staging = dst.parent / f".{dst.name}{PARTIAL_MARKER}{uuid.uuid4().hex[:12]}"
+        staging = sibling(dst, f"{PARTIAL_MARKER}{uuid.uuid4().hex[:12]}")
         staging.mkdir()
         with _promoted_on_success(staging, dst, overwrite):
             yield staging
@@ -295,13 +322,13 @@ def _promoted_on_success(staging: Path, dst: Path, overwrite: bool) -> Iterator[
 def promote(staging: Path, dst: Path, overwrite: bool) -> None:
     """Make a complete staging directory the destination: fsync, then one rename."""
     fsync_dir(staging)
+    refuse_unusable_name(dst)
     if dst.exists():
         if any(dst.iterdir()) and not overwrite:
             raise DestinationError(f"DST {dst} appeared during the conversion and is not empty")
-        retired = dst.parent / f".{dst.name}.pgconvert-old-{uuid.uuid4().hex[:12]}"
-        dst.rename(retired)
+        retired = retire(dst)
         staging.rename(dst)
-        shutil.rmtree(retired)
+        discard(retired, dst)
     else:
         staging.rename(dst)
     fsync_dir(dst.parent)

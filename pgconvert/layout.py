@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from pgconvert.config import ModelConfig
 from pgconvert.errors import LayoutError
-from pgconvert.limits import quote
+from pgconvert.limits import MAX_PIPELINE_LAYOUT_CHARS, quote
 
 # Megatron's pipeline_model_parallel_layout characters (megatron/core/transformer/
 # pipeline_parallel_layer_layout.py): E embedding, L loss (final norm + output layer), t decoder layer.
@@ -16,19 +16,39 @@ _LAYOUT_CHARS = {"E", "L", "t"}
 
 
 def parse_pipeline_layout(text: str) -> list[str]:
-    """Expand a layout string such as ``"Et*3|(tt|)*2,L"`` into one string per virtual stage."""
+    """Expand a layout string such as ``"Et*3|(tt|)*2,L"`` into one string per virtual stage.
+
+    The expansion is bounded (``MAX_PIPELINE_LAYOUT_CHARS``) before any repeat is built.
+    """
     expanded = text.replace(",", "")
-    expanded = re.sub(r"\(([^)]+)\)\*(\d+)", lambda m: m.group(1) * int(m.group(2)), expanded)
-    expanded = re.sub(r"(.)\*(\d+)", lambda m: m.group(1) * int(m.group(2)), expanded)
+    for pattern in (r"\(([^)]+)\)\*(\d+)", r"(.)\*(\d+)"):
+        budget = [MAX_PIPELINE_LAYOUT_CHARS - len(expanded)]
+        expanded = re.sub(pattern, lambda m: _repeat(text, m.group(1), m.group(2), budget), expanded)
     stages = expanded.split("|")
     for stage in stages:
         unknown = sorted(set(stage) - _LAYOUT_CHARS)
         if unknown:
             raise LayoutError(
-                f"pipeline layout {text!r}: unsupported layer characters {unknown} "
+                f"pipeline layout {quote(text)}: unsupported layer characters {quote(unknown)} "
                 "(E embedding, t decoder layer, L loss; MTP layers are not supported)"
             )
     return stages
+
+
+def _too_long(text: str) -> LayoutError:
+    return LayoutError(f"pipeline layout {quote(text)}: expands to more than {MAX_PIPELINE_LAYOUT_CHARS} "
+                       f"characters, over pgconvert's limit MAX_PIPELINE_LAYOUT_CHARS={MAX_PIPELINE_LAYOUT_CHARS}")
+
+
+def _repeat(text: str, unit: str, count: str, budget: list[int]) -> str:
+    """``unit * count``, refused before it is built when the whole expansion would pass the limit
+    (``budget``: the characters still allowed)."""
+    if len(count) > len(str(MAX_PIPELINE_LAYOUT_CHARS)):
+        raise _too_long(text)
+    budget[0] -= len(unit) * int(count)
+    if budget[0] < 0:
+        raise _too_long(text)
+    return unit * int(count)
 
 
 @dataclass(frozen=True)
@@ -69,11 +89,11 @@ class ParallelLayout:
             stages = parse_pipeline_layout(self.pipeline_layout)
             if len(stages) % self.pp:
                 raise LayoutError(
-                    f"pipeline layout {self.pipeline_layout!r}: {len(stages)} stages is not a multiple of pp={self.pp}"
+                    f"pipeline layout {quote(self.pipeline_layout)}: {len(stages)} stages is not a multiple of pp={self.pp}"
                 )
             if self.vpp is not None and len(stages) != self.pp * self.vpp:
                 raise LayoutError(
-                    f"pipeline layout {self.pipeline_layout!r}: {len(stages)} stages, but pp×vpp = "
+                    f"pipeline layout {quote(self.pipeline_layout)}: {len(stages)} stages, but pp×vpp = "
                     f"{self.pp * self.vpp}"
                 )
 
@@ -150,9 +170,9 @@ class ParallelLayout:
             stages = parse_pipeline_layout(self.pipeline_layout)
             flat = "".join(stages)
             if not stages[0].startswith("E") or flat.count("E") != 1:
-                raise LayoutError(f"pipeline layout {self.pipeline_layout!r}: E (embedding) must open the first stage, once")
+                raise LayoutError(f"pipeline layout {quote(self.pipeline_layout)}: E (embedding) must open the first stage, once")
             if not stages[-1].endswith("L") or flat.count("L") != 1:
-                raise LayoutError(f"pipeline layout {self.pipeline_layout!r}: L (loss) must close the last stage, once")
+                raise LayoutError(f"pipeline layout {quote(self.pipeline_layout)}: L (loss) must close the last stage, once")
             return [stage.count("t") for stage in stages]
         vpp = self.vpp or 1
         if self.pp == 1 and vpp == 1:
@@ -236,9 +256,12 @@ def _require_size(name: str, value: object) -> None:
 
 
 def _flag_namer(prefix: str) -> Callable[[str, object], str]:
-    """Name a setting the way the user gave it: ``--dst-tp 3`` on the CLI, ``tp=3`` in the API."""
+    """Name a setting the way the user gave it: ``--dst-tp 3`` on the CLI (prefix ``dst``; ``--``
+    for a command whose options are bare, ``--tp 3``), ``tp=3`` in the API."""
 
     def name(option: str, value: object) -> str:
+        if prefix == "--":
+            return f"--{option} {value}"
         return f"--{prefix}-{option} {value}" if prefix else f"{option.replace('-', '_')}={value}"
 
     return name

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from pgconvert.errors import LayoutError
 from pgconvert.layout import ParallelLayout
+from pgconvert.limits import quote
 
 # Text key -> ParallelLayout field. The short keys are the ones ParallelLayout.describe() writes,
 # so ``LayoutSpec.parse(layout.describe())`` gives the layout back.
@@ -30,6 +31,7 @@ _KEYS: dict[str, str] = {
 }
 # Stage counts may be zero (an empty first or last stage); every size is at least one.
 _MINIMUM: dict[str, int] = {"first_stage_layers": 0, "last_stage_layers": 0}
+_MAX_DIGITS = 9
 # Megatron pipeline-layout strings contain commas themselves ("Et*3|(tt|)*2,L"): once this key is
 # reached, the rest of the text is its value.
 _TRAILING_FIELD = "pipeline_layout"
@@ -65,7 +67,7 @@ class LayoutSpec:
     def parse(cls, text: str) -> LayoutSpec:
         """``"tp=2,pp=4,ep=8"`` → the spec; a malformed text is a LayoutError quoting it."""
         if not isinstance(text, str) or not text.strip():
-            raise LayoutError(f"layout {text!r}: expected comma-separated key=value pairs such as 'tp=2,pp=4'")
+            raise LayoutError(f"layout {quote(text)}: expected comma-separated key=value pairs such as 'tp=2,pp=4'")
         values: dict[str, int | str] = {}
         remaining = text.strip()
         while remaining:
@@ -73,21 +75,25 @@ class LayoutSpec:
             key, equals, value = part.partition("=")
             key = key.strip()
             if not equals:
-                raise LayoutError(f"layout {text!r}: {part.strip()!r} is not key=value")
+                raise LayoutError(f"layout {quote(text)}: {quote(part.strip())} is not key=value")
             field = _KEYS.get(key)
             if field is None:
-                raise LayoutError(f"layout {text!r}: unknown key {key!r}; known keys: {', '.join(_KEYS)}")
+                raise LayoutError(f"layout {quote(text)}: unknown key {quote(key)}; known keys: {', '.join(_KEYS)}")
             if field in values:
-                raise LayoutError(f"layout {text!r}: {key!r} given twice")
+                raise LayoutError(f"layout {quote(text)}: {key!r} given twice")
             if field == _TRAILING_FIELD:
                 values[field] = remaining.partition("=")[2].strip()
                 if "=" in values[field]:
-                    raise LayoutError(f"layout {text!r}: {key}=… must come last (its value may contain commas)")
+                    raise LayoutError(f"layout {quote(text)}: {key}=… must come last (its value may contain commas)")
                 break
             value = value.strip()
-            if not value.isdigit() or int(value) < _MINIMUM.get(field, 1):
+            # ASCII digits only ("²".isdigit() is true), and few of them: int() of thousands of
+            # digits is refused by Python itself, and no parallel size has ten.
+            if (not (value.isascii() and value.isdigit()) or len(value) > _MAX_DIGITS
+                    or int(value) < _MINIMUM.get(field, 1)):
                 raise LayoutError(
-                    f"layout {text!r}: {key}={value!r} must be an integer >= {_MINIMUM.get(field, 1)}"
+                    f"layout {quote(text)}: {key}={quote(value)} must be an integer >= {_MINIMUM.get(field, 1)} "
+                    f"of at most {_MAX_DIGITS} digits"
                 )
             values[field] = int(value)
             remaining = rest.strip()

@@ -34,6 +34,11 @@ MAX_TRACKER_BYTES = 64
 # The most missing rank files a message lists; a layout from args that needs more than this many
 # beyond those present is refused by count before its rank names are enumerated.
 MAX_LISTED_MISSING = 64
+# The most characters a pipeline layout string (``Et*3|tL``) may expand to: one per layer, stage
+# separator, embedding and loss; a million is far beyond any real model.
+MAX_PIPELINE_LAYOUT_CHARS = 1_000_000
+# The widest field an ``{iteration:...}`` placeholder of a batch plan may format (a path component).
+MAX_PLACEHOLDER_WIDTH = 255
 # The most characters of an untrusted value an error message quotes.
 MAX_QUOTED_CHARS = 120
 # The largest HF side file (tokenizer, chat template, configs) copied along; real tokenizer.json

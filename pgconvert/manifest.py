@@ -14,14 +14,15 @@ import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 from pgconvert.config import ModelConfig
 from pgconvert.errors import CheckpointError
 from pgconvert.formats import PlannedFile, target_config
 from pgconvert.layout import ParallelLayout
-from pgconvert.limits import read_json
+from pgconvert.limits import quote, read_json
+from pgconvert.paths import ensure_within
 from pgconvert.version import __version__
 
 if TYPE_CHECKING:
@@ -127,7 +128,7 @@ class Manifest:
             if not isinstance(item, dict):
                 raise CheckpointError(f"{where}: files[{index}] is not an object")
             files.append(FileRecord(
-                path=reader.get(item, "path", str, f"files[{index}]."),
+                path=_confined(reader.get(item, "path", str, f"files[{index}]."), where, index),
                 size=reader.get(item, "size", int, f"files[{index}]."),
                 sha256=reader.get(item, "sha256", str, f"files[{index}]."),
             ))
@@ -236,11 +237,26 @@ def read_manifest(root: Path) -> Manifest | None:
     return Manifest.from_dict(doc, path)
 
 
+def _confined(relpath: str, where: Path, index: int) -> str:
+    """A manifest path must name a file inside the checkpoint: relative, no ``..``, no ``.``."""
+    parts = relpath.split("/")
+    if not relpath or PurePosixPath(relpath).is_absolute() or "\\" in relpath or any(
+            part in ("", ".", "..") for part in parts):
+        raise CheckpointError(f"{where}: files[{index}].path {quote(relpath)}: must be a relative path inside "
+                              "the checkpoint (no '..', not absolute); refusing to read it")
+    return relpath
+
+
 def file_problems(root: Path, manifest: Manifest, hashes: bool = True) -> list[str]:
-    """Every listed file that is missing, of another size, or (with ``hashes``) of another sha256."""
+    """Every listed file that is missing, of another size, or (with ``hashes``) of another sha256.
+
+    A listed path that leads outside ``root`` (through a symlink) is refused, never read.
+    """
     problems = []
     for record in manifest.files:
         path = root / record.path
+        if path.is_symlink() or path.exists():
+            ensure_within(root, path)
         if not path.is_file():
             problems.append(f"{record.path}: listed in {MANIFEST_FILE} but missing")
             continue

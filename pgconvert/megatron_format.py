@@ -23,7 +23,7 @@ import re
 import signal
 import types
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -220,6 +220,16 @@ def plain_args(args: argparse.Namespace) -> tuple[argparse.Namespace, list[str]]
     return argparse.Namespace(**values), sorted(replaced)
 
 
+def params_dtype_for(dtypes: Iterable[torch.dtype], config: ModelConfig) -> torch.dtype:
+    """The ``params_dtype`` a destination's args declare: the dtype of the first tensor stored in
+    one Megatron trains in (float32, bfloat16, float16), else the model's. A stray tensor in another
+    dtype (float64, int32) must not become the args' dtype, which Megatron and pgconvert refuse."""
+    for dtype in dtypes:
+        if dtype in (torch.float32, torch.bfloat16, torch.float16):
+            return dtype
+    return getattr(torch, config.params_dtype)
+
+
 def _dtype_name(args: argparse.Namespace) -> str:
     params_dtype = getattr(args, "params_dtype", None)
     if isinstance(params_dtype, torch.dtype):
@@ -371,9 +381,13 @@ def check_megatron_layout(layout: ParallelLayout, flag_prefix: str, path: Path |
     """Constraints of the per-rank file format itself (beyond what the model allows)."""
     if layout.expert_tp is not None and layout.expert_tp != layout.tp:
         where = f"{path}: " if path else ""
-        flag = f"--{flag_prefix}-expert-tp" if flag_prefix else "expert_tp"
+        # A source's layout comes from its args, not from an option (there is no --src-expert-tp).
+        if path is not None:
+            flag = f"args.expert_tensor_parallel_size={layout.expert_tp} with tensor_model_parallel_size={layout.tp}"
+        else:
+            flag = f"--{flag_prefix}-expert-tp {layout.expert_tp}" if flag_prefix else f"expert_tp={layout.expert_tp}"
         raise LayoutError(
-            f"{where}{flag} {layout.expert_tp}: the megatron per-rank format stores one file per "
+            f"{where}{flag}: the megatron per-rank format stores one file per "
             f"(tp rank, ep rank) and needs expert tensor parallel size == tp ({layout.tp}); "
             "use the torch_dist format for a different expert TP"
         )

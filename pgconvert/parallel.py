@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Protocol
 
 from pgconvert.convert import PARTIAL_MARKER, ConvertRequest, Plan, plan, promote
+from pgconvert.destination import sibling
 from pgconvert.errors import ConversionError, ValidationError
 from pgconvert.formats import SaveResult
 from pgconvert.workers import balanced_shares, require_partial
@@ -164,7 +165,7 @@ def run_shard(request: ConvertRequest, index: int, count: int, coordinator_kind:
     conversion = plan(request)
     require_partial(conversion)
     dst = request.dst.absolute()
-    staging = dst.parent / f".{dst.name}{PARTIAL_MARKER}shared-{run_id(request, count)}"
+    staging = sibling(dst, f"{PARTIAL_MARKER}shared-{run_id(request, count)}")
     staging.mkdir(parents=True, exist_ok=True)
     coordinator: Coordinator
     if coordinator_kind == "store":

@@ -12,13 +12,33 @@ from dataclasses import dataclass
 
 import torch
 
+from pgconvert.errors import CheckpointError
 
-class ReplicaMismatchError(ValueError):
-    """Two replicas of a replicated tensor differ; ``ranks`` are their indices in the shard list."""
 
-    def __init__(self, first: int, second: int) -> None:
-        super().__init__(f"replica {second} differs from replica {first}")
+class ReplicaMismatchError(CheckpointError):
+    """Two replicas of a replicated tensor differ; ``ranks`` are their indices in the shard list,
+    ``name`` the tensor and ``files`` where the two replicas come from (when the caller knows)."""
+
+    def __init__(self, first: int, second: int, name: str | None = None, files: tuple[str, str] | None = None) -> None:
+        where = f" ({files[0]} and {files[1]})" if files else ""
+        subject = f"{name}: replicated tensor differs between ranks" if name else f"replica {second} differs from replica {first}"
+        super().__init__(f"{subject}{where}")
         self.ranks = (first, second)
+        self.name = name
+        self.files = files
+
+
+def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bytes: unlike ``torch.equal``, an identical NaN is equal to itself
+    (and -0.0 differs from 0.0), which is what "the same replica" means."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(_bytes_of(a), _bytes_of(b))
+
+
+def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
+    flat = tensor.reshape(-1).contiguous()
+    return flat.view(torch.uint8) if flat.numel() else flat.to(torch.uint8)
 
 
 class ShardRule:
@@ -70,7 +90,7 @@ class Replicated(ShardRule):
     def merge(self, shards: Sequence[torch.Tensor]) -> torch.Tensor:
         first = shards[0]
         for index, other in enumerate(shards[1:], start=1):
-            if other.shape != first.shape or not torch.equal(other, first):
+            if not bitwise_equal(other, first):
                 raise ReplicaMismatchError(0, index)
         return first
 

@@ -124,9 +124,10 @@ class CanonicalSource:
         low, high = torch.aminmax(tensor)
         if bool(torch.isfinite(low)) and bool(torch.isfinite(high)):
             return tensor
-        finite = torch.isfinite(tensor)
-        count = int(finite.numel() - finite.sum())
-        message = f"{name}: {count} of {tensor.numel()} values are NaN or Inf in {self.describe()}"
+        nans = int(torch.isnan(tensor).sum())
+        infs = int(torch.isinf(tensor).sum())
+        kinds = " and ".join(f"{count} {kind}" for count, kind in ((nans, "NaN"), (infs, "Inf")) if count)
+        message = f"{name}: {nans + infs} of {tensor.numel()} values are NaN or Inf ({kinds}) in {self.describe()}"
         if self.check_finite == "error":
             raise CheckpointError(f"{message} (refused by --check-finite)")
         self._nonfinite_seen.add(name)

@@ -237,7 +237,9 @@ def single_process_calls() -> Iterator[None]:
         for failure in exc.failures.values():
             inner = failure[0] if isinstance(failure, tuple) else failure
             if isinstance(inner, BaseException):
-                raise inner from None
+                # Keep what inner itself was raised from (a full disk's OSError under torch's
+                # RuntimeError); re-raising it here would otherwise replace that with exc.
+                raise inner from (inner.__cause__ or inner.__context__)
         raise
 
 

@@ -32,6 +32,7 @@ from pgconvert.megatron_format import (
     args_for_target,
     check_megatron_layout,
     iteration_dir_name,
+    params_dtype_for,
     rank_dir_name,
 )
 from pgconvert.provider import (
@@ -213,7 +214,7 @@ class MegatronSaver(Saver):
         iteration_dir_relpath = iteration_dir_name(iteration, release)
         padded = target_vocab_rows(config, source.vocab_rows, layout)
         names = source.names()
-        dtype = options.dtype or source.meta(names[0]).dtype
+        dtype = options.dtype or params_dtype_for((source.meta(name).dtype for name in names), config)
         args, replaced = args_for_target(config, layout, padded, dtype, iteration, source.megatron_args)
         if replaced:
             fallback("args naming framework classes (not importable here) are written as their plain "

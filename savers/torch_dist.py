@@ -15,8 +15,11 @@ recorded in ``common.pt``'s args (``SaveOptions.layout``), what Megatron-LM read
 
 from __future__ import annotations
 
+import errno
 import io
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,10 +32,12 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from pgconvert import sizes
 from pgconvert.config import ModelConfig
 from pgconvert.durable import fsync_file
+from pgconvert.errors import ValidationError
 from pgconvert.formats import PlannedFile, Progress, SaveOptions, Saver, SaveResult, target_config, target_dtype
 from pgconvert.hf_side import carried_for_target, write_carried
+from pgconvert.limits import quote
 from pgconvert.megatron_format import (CHECKPOINT_VERSION, FRAMEWORK_PICKLE, TRACKER_FILE, args_for_target,
-                                       iteration_dir_name)
+                                       iteration_dir_name, params_dtype_for)
 from pgconvert.provider import (
     OUTPUT_LAYER,
     WORD_EMBEDDINGS,
@@ -175,6 +180,7 @@ class TorchDistSaver(Saver):
                 lengths = shape if count is None else (count, *shape[1:])
                 offsets, sizes = location.chunk(starts, lengths)
                 chunks.append(_Chunk(name, location.key, offsets, sizes, global_shape, dtype, start, count))
+        _check_one_dtype_per_key(chunks, source)
         return chunks, extra_state_keys(config), rows
 
     def plan(self, source: CanonicalSource, options: SaveOptions) -> list[PlannedFile]:
@@ -192,7 +198,7 @@ class TorchDistSaver(Saver):
         iteration_dir = out_dir / iteration_dir_name(iteration, source.release)
         iteration_dir.mkdir(parents=True, exist_ok=True)
         chunks, objects, rows = self._chunks(source, options)
-        dtype = options.dtype or source.meta(source.names()[0]).dtype
+        dtype = options.dtype or params_dtype_for((source.meta(name).dtype for name in source.names()), config)
         args, replaced = args_for_target(config, layout, rows, dtype, iteration, source.megatron_args)
         args.ckpt_format = SHARDED_BACKEND
         if replaced:
@@ -202,14 +208,18 @@ class TorchDistSaver(Saver):
         common = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
                   "content_metadata": dict(CONTENT_METADATA)}
         common_path = iteration_dir / COMMON_FILE
-        torch.save(common, common_path, pickle_module=FRAMEWORK_PICKLE)
+        # Pickled in memory, written by Python: a full disk is then an OSError naming the file,
+        # not torch's "PytorchStreamWriter failed writing file".
+        buffer = io.BytesIO()
+        torch.save(common, buffer, pickle_module=FRAMEWORK_PICKLE)
+        common_path.write_bytes(buffer.getbuffer())
         fsync_file(common_path)
         planner = _StreamingPlanner(chunks, objects, source, rows, progress)
         # One thread and no copy-ahead: chunks are produced one by one, in plan order (torch's
         # overlapping loader would resolve several ahead on a machine with CUDA).
         writer = FileSystemWriter(str(iteration_dir), single_file_per_rank=True, sync_files=True, thread_count=1,
                                   per_thread_copy_ahead=0)
-        with single_process_calls():
+        with _os_errors_of_torch(iteration_dir / DATA_FILE), single_process_calls():
             dcp.save({}, storage_writer=writer, planner=planner, no_dist=True)
         write_checkpoint_config(iteration_dir)
         fsync_file(iteration_dir / CHECKPOINT_CONFIG_FILE)
@@ -238,3 +248,33 @@ def _files(iteration_dir: str, chunks: list[_Chunk], objects: list[str]) -> list
     ]
 
 
+@contextmanager
+def _os_errors_of_torch(path: Path) -> Iterator[None]:
+    """torch's zip writer turns a failed write (a full disk) into ``RuntimeError: unexpected pos``;
+    the ``OSError`` it swallowed is still in the exception's chain: raise that one instead."""
+    try:
+        yield
+    except RuntimeError as exc:
+        cause: BaseException | None = exc
+        seen = set()
+        while cause is not None and id(cause) not in seen and not isinstance(cause, OSError):
+            seen.add(id(cause))
+            cause = cause.__cause__ or cause.__context__
+        if isinstance(cause, OSError):
+            raise OSError(cause.errno, cause.strerror, cause.filename or str(path)) from exc
+        if "unexpected pos" in str(exc) or "failed writing" in str(exc):
+            raise OSError(errno.EIO, f"torch could not write the file ({quote(str(exc), 200)})", str(path)) from exc
+        raise
+
+
+def _check_one_dtype_per_key(chunks: list[_Chunk], source: CanonicalSource) -> None:
+    """A torch_dist key has one dtype, but several canonical tensors may share it (the layers of a
+    stacked key): tensors stored in different dtypes cannot be written faithfully."""
+    first: dict[str, _Chunk] = {}
+    for chunk in chunks:
+        other = first.setdefault(chunk.key, chunk)
+        if other.dtype != chunk.dtype:
+            raise ValidationError(
+                f"{source.describe()}: {other.canonical} is {other.dtype} but {chunk.canonical} is {chunk.dtype}; "
+                f"torch_dist stores both in the one key {chunk.key} of a single dtype: convert to another "
+                "format, or pass --dtype to cast floating tensors to one dtype")

@@ -129,7 +129,7 @@ def test_check_finite_refuses_non_finite_values(src: Path, tmp_path: Path) -> No
     result = run_cli(src, tmp_path / "dst", "--dst-tp", "1", "--check-finite")
 
     assert result.exit_code == 1
-    assert f"{name}: 1 of 4096 values are NaN or Inf in {src / 'iter_0000100'} (refused by --check-finite)" in result.output
+    assert f"{name}: 1 of 4096 values are NaN or Inf (1 NaN) in {src / 'iter_0000100'} (refused by --check-finite)" in result.output
     assert not looks_like_output(tmp_path / "dst") and partials(tmp_path / "dst") == []
 
 

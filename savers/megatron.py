@@ -7,7 +7,6 @@ not a rank.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 from collections import OrderedDict
@@ -15,13 +14,14 @@ from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 
 from pgconvert.config import ModelConfig
 from pgconvert.formats import PlannedFile, Progress, SaveOptions, Saver, SaveResult, target_config
 from pgconvert.grid import RankCoord, build_converter_process_groups, iter_ranks
+from pgconvert.hashing import HashingWriter
 from pgconvert.hf_side import carried_for_target, write_carried
 from pgconvert.layout import ParallelLayout
 from pgconvert.megatron_format import (
@@ -57,29 +57,6 @@ def fsync_file(path: Path) -> None:
         os.fsync(handle.fileno())
 
 
-class _HashingWriter:
-    """A binary file that hashes what goes through it, so the manifest needs no second read.
-
-    Each buffer is hashed on a second thread while it is written (hashlib and file writes both
-    release the GIL), so hashing costs no wall time on a machine with a spare core.
-    """
-
-    def __init__(self, handle: BinaryIO, hasher: ThreadPoolExecutor) -> None:
-        self.handle = handle
-        self.digest = hashlib.sha256()
-        self.hasher = hasher
-
-    def write(self, data: bytes) -> int:
-        hashed = self.hasher.submit(self.digest.update, data)
-        try:
-            return self.handle.write(data)
-        finally:
-            hashed.result()
-
-    def flush(self) -> None:
-        self.handle.flush()
-
-
 def save_durably(state: dict[str, Any], path: Path) -> str:
     """Write ``state`` in torch.save's format into ``path`` and fsync it; returns the file's sha256.
 
@@ -89,14 +66,14 @@ def save_durably(state: dict[str, Any], path: Path) -> str:
     not check it, and the sha256 recorded in the manifest covers the file.
     """
     with open(path, "wb") as handle, ThreadPoolExecutor(1) as hasher:
-        writer = _HashingWriter(handle, hasher)
+        writer = HashingWriter(handle, hasher)
         try:
             save_stream(state, writer)  # type: ignore[arg-type]
             handle.flush()
             os.fsync(handle.fileno())
         except OSError as exc:
             raise OSError(exc.errno, exc.strerror, str(path)) from exc
-    return writer.digest.hexdigest()
+    return writer.hexdigest()
 
 
 @dataclass

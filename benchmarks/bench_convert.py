@@ -26,7 +26,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -199,6 +198,8 @@ def conversion_plan(src: Path, workdir: Path, workers: int) -> list[tuple[str, l
         ]
     if "torch_dist" in saver_names():
         plan.append(("TP8 -> torch_dist", ["--dst-format", "torch_dist", str(src)], workdir / "dist", 1))
+        plan.append(("torch_dist -> TP2", ["--dst-format", "megatron", "--dst-tp", "2", str(workdir / "dist")],
+                     workdir / "dist_tp2", 1))
     if workers > 1:
         plan += [(name, args, dst.with_name(dst.name + "_workers"), workers)
                  for name, args, dst, _ in list(plan) if name.endswith(("TP2", "TP1", "PP2", "TP4"))]
@@ -232,11 +233,13 @@ def run_conversions(options: argparse.Namespace, src: Path, workdir: Path, large
     pythons = [sys.executable] + ([options.baseline_python] if options.baseline_python else [])
     cases = []
     for name, args, dst, workers in conversion_plan(src, workdir, options.workers):
-        if wanted is not None and name not in wanted and not (name == "TP8 -> HF" and "HF -> TP4" in wanted):
+        # Each source made by a conversion is kept for the case that reads it.
+        readers = {"TP8 -> HF": "HF -> TP4", "TP8 -> torch_dist": "torch_dist -> TP2"}
+        if wanted is not None and name not in wanted and readers.get(name) not in wanted:
             continue
         for python in pythons:
             cases.append(measure(name, python, args, dst, workers, src, options.repeat, largest_tensor))
-        if name != "TP8 -> HF":  # HF -> TP4 reads it
+        if name not in readers:
             shutil.rmtree(dst, ignore_errors=True)
     return cases
 

@@ -6,7 +6,9 @@ import argparse
 import logging
 import re
 from collections import defaultdict
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +34,7 @@ from pgconvert.megatron_format import (
     safe_torch_load,
 )
 from pgconvert.torch_input import mappable
-from pgconvert.memory import release_mapped_pages
+from pgconvert.memory import concat_releasing, release_mapped_pages
 from pgconvert.paths import ensure_within
 from pgconvert.provider import (
     LAYER_PREFIX,
@@ -42,7 +44,7 @@ from pgconvert.provider import (
     non_layer_chunk,
     provide,
 )
-from pgconvert.rules import Replicated, ReplicaMismatchError, ShardRule, VocabParallel, bitwise_equal
+from pgconvert.rules import Replicated, ReplicaMismatchError, ShardRule, VocabParallel, bitwise_equal, concatenating_with
 from pgconvert.stream import CanonicalSource, ExtraState, TensorMeta
 from pgconvert.strict import fallback
 
@@ -339,23 +341,36 @@ class MegatronSource(CanonicalSource):
         copies = self._copies(name)
         self._verify(name, copies)
         tensors = [self._tensor(p) for p in copies[0]]
-        # The result may alias the mapped pieces, so their pages are handed back one call later,
-        # once a streaming consumer has written it (a late reader would just fault them in again).
         release_mapped_pages(self._last_loaded)
-        self._last_loaded = [] if any(p.coord in self._unmapped for p in copies[0]) else tensors
-        return copies[0][0].spec.rule.merge(tensors)
+        with self._concatenating(copies[0]):
+            merged = copies[0][0].spec.rule.merge(tensors)
+        mapped = not any(p.coord in self._unmapped for p in copies[0])
+        if mapped and not _aliases(merged, tensors):
+            # A merged copy: the pieces' pages are handed back at once, not held while it is written.
+            release_mapped_pages(tensors)
+            mapped = False
+        # A result that aliases the mapped pieces has its pages handed back one call later, once a
+        # streaming consumer has written it (a late reader would just fault them in again).
+        self._last_loaded = tensors if mapped else []
+        return merged
 
     def _load_shard(self, name: str, rule: ShardRule, size: int, rank: int,
                     rows: int | None) -> torch.Tensor:
         copies = self._copies(name)
         self._verify(name, copies)
         tensors = [self._tensor(p) for p in copies[0]]
-        if rows is not None and isinstance(rule, VocabParallel):
-            piece = rule.reshard_rows(tensors, rows, self.config.vocab_size, size, rank)
-        else:
-            piece = rule.reshard(tensors, size, rank)
+        with self._concatenating(copies[0]):
+            if rows is not None and isinstance(rule, VocabParallel):
+                piece = rule.reshard_rows(tensors, rows, self.config.vocab_size, size, rank)
+            else:
+                piece = rule.reshard(tensors, size, rank)
         self._release(copies[0])
         return piece
+
+    def _concatenating(self, pieces: list[_Piece]) -> AbstractContextManager[None]:
+        """Joins of mapped pieces hand each piece's pages back once copied (peak: result + one piece)."""
+        mapped = {self._tensor(p).untyped_storage().data_ptr() for p in pieces if p.coord not in self._unmapped}
+        return concatenating_with(partial(concat_releasing, mapped=mapped))
 
     def _release(self, pieces: list[_Piece]) -> None:
         """Hand back the mapped pages of pieces; a legacy file's tensors live in ordinary memory."""
@@ -368,6 +383,12 @@ class MegatronSource(CanonicalSource):
         self._last_loaded = []
         self._models.clear()
         self._pieces.clear()
+
+
+def _aliases(tensor: torch.Tensor, pieces: list[torch.Tensor]) -> bool:
+    """Whether ``tensor`` shares memory with one of ``pieces`` (a single piece or replica passed through)."""
+    pointer = tensor.untyped_storage().data_ptr()
+    return any(piece.untyped_storage().data_ptr() == pointer for piece in pieces)
 
 
 def _model_dict(model: object, path: Path, chunk_key: str) -> dict[str, Any]:

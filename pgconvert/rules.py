@@ -7,12 +7,35 @@ Pieces returned by ``split``/``shard`` may be views of ``full``; callers that ke
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
 
 from pgconvert.errors import CheckpointError
+
+Concat = Callable[[list[torch.Tensor], int], torch.Tensor]
+# How merges and reshards join pieces: torch.cat, unless a loader whose pieces are file mappings
+# installs one that hands back each piece's pages once copied (``concatenating_with``).
+_CONCAT: ContextVar[Concat | None] = ContextVar("pgconvert_concat", default=None)
+
+
+@contextmanager
+def concatenating_with(concat: Concat) -> Iterator[None]:
+    """Within the block, rules join pieces with ``concat`` (same result as ``torch.cat``)."""
+    token = _CONCAT.set(concat)
+    try:
+        yield
+    finally:
+        _CONCAT.reset(token)
+
+
+def _cat(views: list[torch.Tensor], dim: int) -> torch.Tensor:
+    concat = _CONCAT.get()
+    return torch.cat(views, dim=dim) if concat is None else concat(views, dim)
+
 
 
 class ReplicaMismatchError(CheckpointError):
@@ -125,7 +148,7 @@ class Chunked(ShardRule):
     def merge(self, shards: Sequence[torch.Tensor]) -> torch.Tensor:
         if len(shards) == 1:
             return shards[0]
-        return torch.cat(list(shards), dim=self.dim)
+        return _cat(list(shards), self.dim)
 
     def reshard(self, shards: Sequence[torch.Tensor], size: int, rank: int) -> torch.Tensor:
         return _concat(_window(shards, self.dim, 0, shards[0].shape[self.dim], size, rank), self.dim)
@@ -163,7 +186,7 @@ class GatedChunked(ShardRule):
         if len(shards) == 1:
             return shards[0]
         halves = [shard.chunk(2, dim=0) for shard in shards]
-        return torch.cat([half[0] for half in halves] + [half[1] for half in halves], dim=0)
+        return _cat([half[0] for half in halves] + [half[1] for half in halves], 0)
 
     def reshard(self, shards: Sequence[torch.Tensor], size: int, rank: int) -> torch.Tensor:
         half = shards[0].shape[0] // 2
@@ -194,7 +217,7 @@ def _window(shards: Sequence[torch.Tensor], dim: int, offset: int, length: int, 
 def _concat(views: list[torch.Tensor], dim: int) -> torch.Tensor:
     if len(views) == 1:
         return _owned(views[0])
-    return torch.cat(views, dim=dim)
+    return _cat(views, dim)
 
 
 def _owned(tensor: torch.Tensor) -> torch.Tensor:

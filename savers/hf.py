@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -24,6 +25,7 @@ from pgconvert.durable import fsync_file as _fsync
 from pgconvert.errors import CheckpointError, ConfigError, LayoutError, PgconvertError
 from pgconvert.families import Family, TensorMapping
 from pgconvert.formats import PlannedFile, Progress, SaveOptions, Saver, SaveResult, target_dtype
+from pgconvert.hashing import HashingWriter
 from pgconvert.hf_format import (
     CONFIG_FILE,
     DEFAULT_MAX_SHARD_SIZE,
@@ -144,8 +146,13 @@ class _SafetensorsWriter:
         encoded += b" " * (-len(encoded) % 8)
         self.path = path
         self.nbytes = offset
+        self.sha256: str | None = None
+        self.size: int | None = None
         self._pending = list(entries)
-        self._handle: BinaryIO = open(path, "wb")
+        self._file: BinaryIO = open(path, "wb")
+        # The file is hashed on a second thread as it is written, so the manifest need not read it back.
+        self._hasher = ThreadPoolExecutor(1)
+        self._handle = HashingWriter(self._file, self._hasher)
         self._handle.write(len(encoded).to_bytes(8, "little"))
         self._handle.write(encoded)
 
@@ -169,10 +176,12 @@ class _SafetensorsWriter:
             if kind is None:
                 if self._pending:
                     raise AssertionError(f"{self.path}: never written: {[entry[0] for entry in self._pending]}")
-                self._handle.flush()
-                os.fsync(self._handle.fileno())
+                self._file.flush()
+                os.fsync(self._file.fileno())
+                self.sha256, self.size = self._handle.hexdigest(), self._handle.offset
         finally:
-            self._handle.close()
+            self._file.close()
+            self._hasher.shutdown()
 
 
 
@@ -330,7 +339,8 @@ class HFSaver(Saver):
                     del full
             weight_map.update({entry[0]: file_name for entry in entries})
             total += writer.nbytes
-            result.files.append(PlannedFile(file_name, len(entries), writer.nbytes))
+            result.files.append(PlannedFile(file_name, len(entries), writer.nbytes, sha256=writer.sha256,
+                                            size=writer.size))
             progress(writer.nbytes)
         if len(shards) > 1:
             _write_json(out_dir / INDEX_FILE, {

@@ -7,7 +7,6 @@ not a rank.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 from collections import OrderedDict
@@ -15,7 +14,7 @@ from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 
@@ -23,6 +22,7 @@ from pgconvert.config import ModelConfig
 from pgconvert.durable import fsync_file
 from pgconvert.formats import PlannedFile, Progress, SaveOptions, Saver, SaveResult, target_config, target_dtype
 from pgconvert.grid import RankCoord, build_converter_process_groups, iter_ranks
+from pgconvert.hashing import HashingWriter
 from pgconvert.hf_side import carried_for_target, write_carried
 from pgconvert.layout import ParallelLayout
 from pgconvert.megatron_format import (
@@ -55,27 +55,6 @@ from pgconvert.torchzip import PlannedTensor, save_stream
 log = logging.getLogger(__name__)
 
 
-class _HashingWriter:
-    """A binary file that hashes what goes through it, so the manifest needs no second read.
-
-    Each buffer is hashed on a second thread while it is written (hashlib and file writes both
-    release the GIL), so hashing costs no wall time on a machine with a spare core.
-    """
-
-    def __init__(self, handle: BinaryIO, hasher: ThreadPoolExecutor) -> None:
-        self.handle = handle
-        self.digest = hashlib.sha256()
-        self.hasher = hasher
-
-    def write(self, data: bytes) -> int:
-        hashed = self.hasher.submit(self.digest.update, data)
-        try:
-            return self.handle.write(data)
-        finally:
-            hashed.result()
-
-    def flush(self) -> None:
-        self.handle.flush()
 
 
 def save_durably(state: dict[str, Any], path: Path) -> str:
@@ -87,14 +66,14 @@ def save_durably(state: dict[str, Any], path: Path) -> str:
     not check it, and the sha256 recorded in the manifest covers the file.
     """
     with open(path, "wb") as handle, ThreadPoolExecutor(1) as hasher:
-        writer = _HashingWriter(handle, hasher)
+        writer = HashingWriter(handle, hasher)
         try:
             save_stream(state, writer)  # type: ignore[arg-type]
             handle.flush()
             os.fsync(handle.fileno())
         except OSError as exc:
             raise OSError(exc.errno, exc.strerror, str(path)) from exc
-    return writer.digest.hexdigest()
+    return writer.hexdigest()
 
 
 @dataclass

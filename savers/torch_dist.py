@@ -8,9 +8,16 @@ metadata alone, and each chunk's data is produced only when the writer asks for 
 canonical tensor plus its copy in the target dtype (and, for a vocab table whose padding changes,
 the refitted table), plus the plan (a few hundred bytes per chunk). The format cannot be written in
 several calls (each ``dcp.save`` writes the one ``.metadata`` index of the directory), so there is
-one call, one writer thread and one data file ``__0_0.distcp``; its sha256 is computed by the
-manifest afterwards (torch's writer does the file I/O, so it cannot be hashed on the way). The layout is not in the files: it is the one
-recorded in ``common.pt``'s args (``SaveOptions.layout``), what Megatron-LM reads back as the run's.
+one call and one data file ``__0_0.distcp``.
+
+That file is written by ``_StreamingWriter``, not by torch's ``FileSystemWriter.write_data``: torch's
+loop keeps every tensor it wrote in a dict until the file is closed (one per key, so a stacked
+model's embedding, output layer and one layer of each key stay alive), which made the peak about
+three canonical tensors. The bytes are the same: the items in torch's order (``_write_order``),
+each the ``torch.save`` archive of its chunk (``pgconvert.torchzip``, CRC32s included), and the same
+``WriteResult`` offsets, so torch writes the same ``.metadata``. The file is hashed on the way, so
+the manifest does not read it back. The layout is not in the files: it is the one recorded in
+``common.pt``'s args (``SaveOptions.layout``), what Megatron-LM reads back as the run's.
 """
 
 from __future__ import annotations
@@ -18,22 +25,28 @@ from __future__ import annotations
 import errno
 import io
 import logging
-from collections.abc import Iterator
+import os
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter, SavePlan
+from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter, SavePlan, SavePlanner
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 
 from pgconvert import sizes
 from pgconvert.config import ModelConfig
 from pgconvert.durable import fsync_file
 from pgconvert.errors import ValidationError
 from pgconvert.formats import PlannedFile, Progress, SaveOptions, Saver, SaveResult, target_config, target_dtype
+from pgconvert.hashing import HashingWriter
 from pgconvert.hf_side import carried_for_target, write_carried
 from pgconvert.limits import quote
 from pgconvert.megatron_format import (CHECKPOINT_VERSION, FRAMEWORK_PICKLE, TRACKER_FILE, args_for_target,
@@ -61,6 +74,7 @@ from pgconvert.torch_dist_format import (
     tensor_locations,
     write_checkpoint_config,
 )
+from pgconvert.torchzip import PlannedTensor, save_stream
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +162,59 @@ class _StreamingPlanner(DefaultSavePlanner):
         return tensor
 
 
+def _write_order(items: Sequence[WriteItem]) -> list[WriteItem]:
+    """The order torch's single-threaded writer puts one file's items in: the bytes entries, then
+    the tensors, each in plan order (so the gate and up halves of one fc1 stay next to each other)."""
+    return ([item for item in items if item.type == WriteItemType.BYTE_IO]
+            + [item for item in items if item.type != WriteItemType.BYTE_IO])
+
+
+class _StreamingWriter(FileSystemWriter):
+    """torch's ``FileSystemWriter`` with the data file written here, item by item (see the module
+    docstring): nothing outlives its record, and the file's sha256 is computed on the way."""
+
+    def __init__(self, directory: Path) -> None:
+        super().__init__(str(directory), single_file_per_rank=True, sync_files=True, thread_count=1,
+                         per_thread_copy_ahead=0)
+        self.directory = directory
+        self.sha256: str | None = None
+        self.size: int | None = None
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        file_name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
+        path = self.directory / file_name
+        results = []
+        with open(path, "wb") as handle, ThreadPoolExecutor(1) as hasher:
+            writer = HashingWriter(handle, hasher)
+            try:
+                for item in _write_order(plan.items):
+                    start = writer.offset
+                    _write_item(writer, planner.resolve_data(item))
+                    length = writer.offset - start
+                    results.append(WriteResult(index=item.index, size_in_bytes=length,
+                                               storage_data=_StorageInfo(file_name, start, length)))
+                handle.flush()
+                os.fsync(handle.fileno())
+            except OSError as exc:
+                raise OSError(exc.errno, exc.strerror, str(path)) from exc
+        self.sha256, self.size = writer.hexdigest(), writer.offset
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(results)
+        return future
+
+
+def _write_item(writer: HashingWriter, data: torch.Tensor | io.BytesIO) -> None:
+    """One item as torch's writer writes it: a bytes entry as is, a tensor as ``torch.save`` of a
+    tensor owning exactly its bytes (torch clones a view of a larger storage first; the stream
+    writes the view's bytes with no clone)."""
+    if isinstance(data, io.BytesIO):
+        writer.write(data.getbuffer())
+        return
+    tensor = data.detach().contiguous()
+    save_stream(PlannedTensor(tuple(tensor.shape), tensor.dtype, lambda: tensor), writer,  # type: ignore[arg-type]
+                crc32=True)
+
+
 class TorchDistSaver(Saver):
     name = "torch_dist"
 
@@ -215,10 +282,7 @@ class TorchDistSaver(Saver):
         common_path.write_bytes(buffer.getbuffer())
         fsync_file(common_path)
         planner = _StreamingPlanner(chunks, objects, source, rows, progress)
-        # One thread and no copy-ahead: chunks are produced one by one, in plan order (torch's
-        # overlapping loader would resolve several ahead on a machine with CUDA).
-        writer = FileSystemWriter(str(iteration_dir), single_file_per_rank=True, sync_files=True, thread_count=1,
-                                  per_thread_copy_ahead=0)
+        writer = _StreamingWriter(iteration_dir)
         with _os_errors_of_torch(iteration_dir / DATA_FILE), single_process_calls():
             dcp.save({}, storage_writer=writer, planner=planner, no_dist=True)
         write_checkpoint_config(iteration_dir)
@@ -226,7 +290,8 @@ class TorchDistSaver(Saver):
         tracker = out_dir / TRACKER_FILE
         tracker.write_text("release" if source.release else str(iteration))
         fsync_file(tracker)
-        result.files = _files(iteration_dir.relative_to(out_dir).as_posix(), chunks, objects)
+        result.files = _files(iteration_dir.relative_to(out_dir).as_posix(), chunks, objects, writer.sha256,
+                              writer.size)
         write_carried(source, options, out_dir)
         if any(extra.holds_state() for extra in source.extra_states().values()):
             result.notices.append("Transformer Engine _extra_state (FP8 scaling metadata) of the source is not "
@@ -238,11 +303,14 @@ class TorchDistSaver(Saver):
         return result
 
 
-def _files(iteration_dir: str, chunks: list[_Chunk], objects: list[str]) -> list[PlannedFile]:
-    """The files of one iteration; the data file holds every chunk and ``_extra_state`` entry."""
+def _files(iteration_dir: str, chunks: list[_Chunk], objects: list[str], sha256: str | None = None,
+           size: int | None = None) -> list[PlannedFile]:
+    """The files of one iteration; the data file holds every chunk and ``_extra_state`` entry (its
+    sha256 and size when written)."""
     return [
         PlannedFile(f"{iteration_dir}/{COMMON_FILE}", 0, 0),
-        PlannedFile(f"{iteration_dir}/{DATA_FILE}", len(chunks) + len(objects), sum(c.nbytes for c in chunks)),
+        PlannedFile(f"{iteration_dir}/{DATA_FILE}", len(chunks) + len(objects), sum(c.nbytes for c in chunks),
+                    sha256=sha256, size=size),
         PlannedFile(f"{iteration_dir}/{DCP_METADATA_FILE}", 0, 0),
         PlannedFile(f"{iteration_dir}/{CHECKPOINT_CONFIG_FILE}", 0, 0),
     ]

@@ -12,11 +12,9 @@ test with a random seed; ``PGCONVERT_FUZZ_REPORT=file.jsonl`` records failures t
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import shutil
-import tempfile
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor

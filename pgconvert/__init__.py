@@ -1,14 +1,38 @@
 """pgconvert: reshard LLM checkpoints between parallel layouts and formats, on fake process groups."""
 
-from pgconvert.version import __version__  # noqa: E402
-from pgconvert.batch import BatchReport, EntryResult, read_plan, run_batch, run_plan  # noqa: E402
-from pgconvert.convert import ConvertRequest, Report, convert, convert_request, plan  # noqa: E402
-from pgconvert.errors import PgconvertError  # noqa: E402
-from pgconvert.inspection import CheckpointInfo, Problem, inspect  # noqa: E402
-from pgconvert.layout import ParallelLayout  # noqa: E402
-from pgconvert.layout_spec import LayoutSpec  # noqa: E402
-from pgconvert.manifest import MANIFEST_FILE, Manifest, read_manifest  # noqa: E402
-from pgconvert.verification import TensorDifference, VerifyReport, verify  # noqa: E402
+import importlib
+import os
+import sys
+
+
+def _started_as_command() -> bool:
+    """Whether this import is the start-up of the pgconvert command: its console script, or
+    ``python -m pgconvert`` (while the package is imported for ``-m``, ``sys.argv[0]`` is ``-m``)."""
+    if sys.argv and os.path.basename(sys.argv[0]) == "pgconvert":
+        return True
+    argv = list(getattr(sys, "orig_argv", []))
+    return any(flag == "-m" and name == "pgconvert" for flag, name in zip(argv, argv[1:])) or "-mpgconvert" in argv
+
+
+try:
+    from pgconvert.version import __version__
+    from pgconvert.batch import BatchReport, EntryResult, read_plan, run_batch, run_plan
+    from pgconvert.convert import ConvertRequest, Report, convert, convert_request, plan
+    from pgconvert.errors import PgconvertError
+    from pgconvert.inspection import CheckpointInfo, Problem, inspect
+    from pgconvert.layout import ParallelLayout
+    from pgconvert.layout_spec import LayoutSpec
+    from pgconvert.manifest import MANIFEST_FILE, Manifest, read_manifest
+    from pgconvert.verification import TensorDifference, VerifyReport, verify
+    if _started_as_command():
+        importlib.import_module("pgconvert.cli")  # the command's own start-up, under the same guard
+except KeyboardInterrupt:
+    # Ctrl-C while torch and the rest load: a library user gets the KeyboardInterrupt; the
+    # command gets one line and exit 130 (as everywhere else in it), never a traceback.
+    if not _started_as_command():
+        raise
+    sys.stderr.write("interrupted while starting: nothing was written\n")
+    raise SystemExit(130) from None
 
 __all__ = [
     "MANIFEST_FILE", "BatchReport", "CheckpointInfo", "ConvertRequest", "EntryResult", "LayoutSpec", "Manifest",

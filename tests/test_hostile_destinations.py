@@ -10,28 +10,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner, Result
+from cli_helpers import assert_clean_refusal, run_cli
 from conftest import GQA_SWIGLU
 from megatron_fixtures import make_full_model, merge_megatron_checkpoint, write_megatron_checkpoint
 
 import pgconvert
 import pgconvert.cli
-from pgconvert.cli import main
 from pgconvert.destination import NAME_MAX, RETIRED_MARKER, sibling
 
 convert_module = sys.modules["pgconvert.convert"]  # the package's ``convert`` is the function
-
-
-def run_cli(*args: str | Path) -> Result:
-    return CliRunner().invoke(main, [str(arg) for arg in args])
-
-
-def assert_clean_refusal(result: Result, code: int, *fragments: str) -> None:
-    assert result.exit_code == code, result.output
-    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
-    assert "Traceback" not in result.output
-    for fragment in fragments:
-        assert fragment in result.output, result.output
 
 
 @pytest.fixture(scope="module")

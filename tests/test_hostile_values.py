@@ -17,29 +17,16 @@ from typing import Any
 
 import pytest
 import torch
-from click.testing import CliRunner, Result
+from cli_helpers import assert_clean_refusal, run_cli
 from conftest import GQA_SWIGLU, MOE
 from megatron_fixtures import load_for_test, make_full_model, write_megatron_checkpoint
 
 import pgconvert
-from pgconvert.cli import main
 from pgconvert.errors import CheckpointError, LayoutError, PgconvertError
 from pgconvert.layout_spec import LayoutSpec
 from pgconvert.rules import Replicated, ReplicaMismatchError, bitwise_equal
 
 NORM = "decoder.layers.1.input_layernorm.weight"
-
-
-def run_cli(*args: str | Path) -> Result:
-    return CliRunner().invoke(main, [str(arg) for arg in args])
-
-
-def assert_clean(result: Result, code: int, *fragments: str) -> None:
-    assert result.exit_code == code, result.output
-    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
-    assert "Traceback" not in result.output
-    for fragment in fragments:
-        assert fragment in result.output, result.output
 
 
 @pytest.fixture(scope="module")
@@ -96,8 +83,8 @@ def test_identical_nan_on_every_tp_rank_converts_and_verifies(src: Path, tmp_pat
     converted = run_cli(src, tmp_path / "dst", "--dst-tp", "1")
     verified = run_cli("verify", src, tmp_path / "dst")
 
-    assert_clean(converted, 0, f"{NORM}: 1 of 64 values are NaN or Inf (1 NaN)")
-    assert_clean(verified, 0, "equal")
+    assert_clean_refusal(converted, 0, f"{NORM}: 1 of 64 values are NaN or Inf (1 NaN)")
+    assert_clean_refusal(verified, 0, "equal")
     merged = load_for_test(rank_files(tmp_path / "dst")[0])["model"][NORM]
     assert bitwise_equal(merged, load_for_test(rank_files(src)[0])["model"][NORM])
 
@@ -107,7 +94,7 @@ def test_check_finite_names_the_nan(src: Path, tmp_path: Path) -> None:
 
     result = run_cli(src, tmp_path / "dst", "--dst-tp", "1", "--check-finite")
 
-    assert_clean(result, 1, f"{NORM}: 1 of 64 values are NaN or Inf (1 NaN) in", "refused by --check-finite")
+    assert_clean_refusal(result, 1, f"{NORM}: 1 of 64 values are NaN or Inf (1 NaN) in", "refused by --check-finite")
     assert not (tmp_path / "dst").exists()
 
 
@@ -119,7 +106,7 @@ def test_replicas_that_really_differ_are_still_refused_naming_both_files(src: Pa
 
     result = run_cli(src, tmp_path / "dst", "--dst-tp", "1")
 
-    assert_clean(result, 1, f"{NORM}: replicated tensor differs between ranks", str(rank_files(src)[0]), str(last))
+    assert_clean_refusal(result, 1, f"{NORM}: replicated tensor differs between ranks", str(rank_files(src)[0]), str(last))
 
 
 # ------------------------------------------------------------------------------------ full disk (item 6)
@@ -166,7 +153,7 @@ def test_torch_dist_on_a_full_disk_gives_the_clean_message(src: Path, tmp_path: 
     with _disk_filling_after(200_000):
         result = run_cli(src, dst, "--dst-format", "torch_dist")
 
-    assert_clean(result, 1, f"writing DST {dst} failed: No space left on device", "nothing was left behind")
+    assert_clean_refusal(result, 1, f"writing DST {dst} failed: No space left on device", "nothing was left behind")
     assert sorted(path.name for path in tmp_path.iterdir()) == ["src"]
 
 
@@ -180,7 +167,7 @@ def test_torch_dist_on_a_real_full_tmpfs_gives_the_clean_message(src: Path, tmp_
     try:
         result = run_cli(src, mount_point / "dst", "--dst-format", "torch_dist")
 
-        assert_clean(result, 1, f"writing DST {mount_point / 'dst'} failed: No space left on device")
+        assert_clean_refusal(result, 1, f"writing DST {mount_point / 'dst'} failed: No space left on device")
         assert list(mount_point.iterdir()) == []
     finally:
         subprocess.run(["umount", "-l", str(mount_point)], check=False)
@@ -207,7 +194,7 @@ def test_verify_does_not_read_a_manifest_path_outside_the_checkpoint(src: Path, 
 
     result = run_cli("verify", src, dst)
 
-    assert_clean(result, 1, str(dst))
+    assert_clean_refusal(result, 1, str(dst))
     assert "refusing to read it" in result.output
     assert "sha256" not in result.output  # nothing outside was hashed and shown
 
@@ -220,7 +207,7 @@ def test_verify_does_not_read_a_manifest_path_outside_the_checkpoint(src: Path, 
 def test_infinite_sizes_are_refused(src: Path, tmp_path: Path, option: str, value: str) -> None:
     result = run_cli(src, tmp_path / "dst", "--dst-format", "hf", option, value)
 
-    assert_clean(result, 2, f"'{value}' is not a finite size")
+    assert_clean_refusal(result, 2, f"'{value}' is not a finite size")
 
 
 @pytest.mark.parametrize("layout", ["Et*1200000000|tL", "Et*" + "9" * 5000 + "|tL", "t*999999|" * 50 + "EL"])
@@ -229,7 +216,7 @@ def test_pipeline_layout_repeats_are_bounded_before_expansion(src: Path, tmp_pat
 
     result = run_cli(src, tmp_path / "dst", "--dst-pp", "2", "--dst-pipeline-layout", layout)
 
-    assert_clean(result, 2, "over pgconvert's limit MAX_PIPELINE_LAYOUT_CHARS=1000000")
+    assert_clean_refusal(result, 2, "over pgconvert's limit MAX_PIPELINE_LAYOUT_CHARS=1000000")
     assert time.perf_counter() - started < 10
     assert len(result.output) < 1000
 
@@ -243,7 +230,7 @@ def test_source_expert_tp_is_named_as_its_args_not_as_an_option(tmp_path: Path) 
 
     result = run_cli(src, tmp_path / "dst", "--dst-tp", "1")
 
-    assert_clean(result, 2, f"{rank_files(src)[0]}: args.expert_tensor_parallel_size=1 with "
+    assert_clean_refusal(result, 2, f"{rank_files(src)[0]}: args.expert_tensor_parallel_size=1 with "
                             "tensor_model_parallel_size=2: the megatron per-rank format")
     assert "--src-expert-tp" not in result.output
 
@@ -251,7 +238,7 @@ def test_source_expert_tp_is_named_as_its_args_not_as_an_option(tmp_path: Path) 
 def test_example_names_its_own_tp_option(tmp_path: Path) -> None:
     result = run_cli("example", tmp_path / "out", "--tp", "3")
 
-    assert_clean(result, 2, "--tp 3: num_attention_heads=16 is not divisible by 3")
+    assert_clean_refusal(result, 2, "--tp 3: num_attention_heads=16 is not divisible by 3")
     assert "--dst-tp" not in result.output
 
 
@@ -271,10 +258,10 @@ def test_one_tensor_in_another_dtype_in_every_rank_file(src: Path, tmp_path: Pat
     megatron = run_cli(src, tmp_path / "megatron", "--dst-tp", "1")
     torch_dist = run_cli(src, tmp_path / "torch_dist", "--dst-format", "torch_dist")
 
-    assert_clean(megatron, 0)
-    assert_clean(run_cli("verify", src, tmp_path / "megatron"), 0, "equal")
+    assert_clean_refusal(megatron, 0)
+    assert_clean_refusal(run_cli("verify", src, tmp_path / "megatron"), 0, "equal")
     assert load_for_test(rank_files(tmp_path / "megatron")[0])["model"][NORM].dtype == dtype
-    assert_clean(torch_dist, 2, f"{src}", f"{NORM} is {dtype}",
+    assert_clean_refusal(torch_dist, 2, f"{src}", f"{NORM} is {dtype}",
                  "torch_dist stores both in the one key decoder.layers.self_attention.linear_qkv.layer_norm_weight "
                  "of a single dtype")
     assert not (tmp_path / "torch_dist").exists()
@@ -295,7 +282,7 @@ def test_batch_plan_with_a_5000_digit_layout_size_names_the_plan(src: Path, tmp_
 
     result = run_cli("batch", plan)
 
-    assert_clean(result, 2, f"{plan} [[convert]] #1: layout 'tp=999", "of at most 9 digits")
+    assert_clean_refusal(result, 2, f"{plan} [[convert]] #1: layout 'tp=999", "of at most 9 digits")
     assert len(result.output) < 1000
 
 
@@ -309,7 +296,7 @@ def test_max_position_embeddings_of_a_rope_model_is_checked_before_it_is_carried
 
     result = run_cli(src, tmp_path / "dst", "--dst-format", "hf")
 
-    assert_clean(result, 1, str(rank_files(src)[0]), "max_position_embeddings=", "must be a positive integer")
+    assert_clean_refusal(result, 1, str(rank_files(src)[0]), "max_position_embeddings=", "must be a positive integer")
     assert not (tmp_path / "dst").exists()
 
 
@@ -323,7 +310,7 @@ def test_a_stray_dtype_on_the_first_tensor_does_not_become_the_args_params_dtype
     converted = run_cli(src, dst, *target)
     verified = run_cli("verify", src, dst)
 
-    assert_clean(converted, 0)
-    assert_clean(verified, 0, "equal")
+    assert_clean_refusal(converted, 0)
+    assert_clean_refusal(verified, 0, "equal")
     written = load_for_test(next(dst.glob("iter_*/*.pt")) if "torch_dist" in target else rank_files(dst)[0])
     assert written["args"].params_dtype == load_for_test(rank_files(src)[0])["args"].params_dtype == torch.float32

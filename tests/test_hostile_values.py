@@ -5,7 +5,6 @@ tensors of one torch_dist key stored in different dtypes."""
 from __future__ import annotations
 
 import errno
-import io
 import json
 import shutil
 import subprocess
@@ -114,38 +113,25 @@ def test_replicas_that_really_differ_are_still_refused_naming_both_files(src: Pa
 
 @contextmanager
 def _disk_filling_after(nbytes: int) -> Iterator[None]:
-    """Every stream torch.distributed.checkpoint opens fails with ENOSPC once ``nbytes`` bytes are
-    written (so inside torch's zip writer, on a tensor's record, as on a real full disk)."""
-    from torch.distributed.checkpoint.filesystem import FileSystem
+    """Writes to the checkpoint's data file fail with ENOSPC once ``nbytes`` bytes are written, as
+    on a real full disk (the torch_dist saver streams that file through ``HashingWriter``)."""
+    from pgconvert.hashing import HashingWriter
 
-    real = FileSystem.create_stream
+    real = HashingWriter.write
+    written = 0
 
-    class Full(io.RawIOBase):
-        def __init__(self, inner: Any) -> None:
-            self.inner, self.written = inner, 0
+    def write(self: HashingWriter, data: bytes | bytearray | memoryview) -> int:
+        nonlocal written
+        written += memoryview(data).nbytes
+        if written > nbytes:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, data)
 
-        def writable(self) -> bool:
-            return True
-
-        def write(self, data: Any) -> int:
-            self.written += len(data)
-            if self.written > nbytes:
-                raise OSError(errno.ENOSPC, "No space left on device")
-            return self.inner.write(data)
-
-        def tell(self) -> int:
-            return self.inner.tell()
-
-    @contextmanager
-    def create_stream(self: Any, path: Any, mode: str) -> Iterator[Any]:
-        with real(self, path, mode) as stream:
-            yield Full(stream) if "w" in mode else stream
-
-    FileSystem.create_stream = create_stream  # type: ignore[method-assign]
+    HashingWriter.write = write  # type: ignore[method-assign]
     try:
         yield
     finally:
-        FileSystem.create_stream = real  # type: ignore[method-assign]
+        HashingWriter.write = real  # type: ignore[method-assign]
 
 
 def test_torch_dist_on_a_full_disk_gives_the_clean_message(src: Path, tmp_path: Path) -> None:

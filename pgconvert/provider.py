@@ -157,6 +157,8 @@ EXPERT_PREFIX = "mlp.experts.local_experts."
 WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
 POSITION_EMBEDDINGS = "embedding.position_embeddings.weight"
 OUTPUT_LAYER = "output_layer.weight"
+# Tables with one row per token: Megatron pads them to a multiple of make_vocab_size_divisible_by × tp.
+VOCAB_TABLES: frozenset[str] = frozenset({WORD_EMBEDDINGS, OUTPUT_LAYER})
 FINAL_NORM_WEIGHT = "decoder.final_layernorm.weight"
 FINAL_NORM_BIAS = "decoder.final_layernorm.bias"
 

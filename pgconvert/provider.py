@@ -359,20 +359,16 @@ def provide(
     return shard
 
 
-# Transformer Engine modules of each layer carry an ``_extra_state`` entry (FP8 metadata) in their
-# state dict; a TE-spec target made from a source without them gets empty (None) entries.
-TE_DENSE_EXTRA_STATES = (
-    "self_attention.core_attention._extra_state",
-    "self_attention.linear_proj._extra_state",
-    "self_attention.linear_qkv._extra_state",
-    "mlp.linear_fc1._extra_state",
-    "mlp.linear_fc2._extra_state",
-)
-TE_MOE_EXTRA_STATES = TE_DENSE_EXTRA_STATES[:3]
-TE_SHARED_EXPERT_EXTRA_STATES = (
-    "mlp.shared_experts.linear_fc1._extra_state",
-    "mlp.shared_experts.linear_fc2._extra_state",
-)
+# Modules of a layer whose Transformer Engine state dict carries an ``_extra_state`` entry (FP8
+# metadata), in state-dict order; a TE-spec target made from a source without them gets empty (None)
+# entries. megatron-core's torch_dist checkpoint saves none for the core attention
+# (TEDotProductAttention.sharded_state_dict): see torch_dist_format.extra_state_keys.
+EXTRA_STATE_SUFFIX = "._extra_state"
+TE_CORE_ATTENTION = "self_attention.core_attention"
+TE_ATTENTION_LINEARS = ("self_attention.linear_proj", "self_attention.linear_qkv")
+TE_DENSE_MLP_LINEARS = ("mlp.linear_fc1", "mlp.linear_fc2")
+TE_SHARED_EXPERT_LINEARS = ("mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2")
+TE_EXPERT_LINEARS = ("linear_fc1", "linear_fc2")
 
 
 def te_extra_state_names(config: ModelConfig, layers: range, local_experts: int) -> list[str]:
@@ -380,17 +376,18 @@ def te_extra_state_names(config: ModelConfig, layers: range, local_experts: int)
     names = []
     for layer in layers:
         prefix = f"{LAYER_PREFIX}{layer}."
+        modules = (TE_CORE_ATTENTION, *TE_ATTENTION_LINEARS)
         if not config.is_moe_layer(layer):
-            names += [prefix + suffix for suffix in TE_DENSE_EXTRA_STATES]
+            names += [prefix + module + EXTRA_STATE_SUFFIX for module in modules + TE_DENSE_MLP_LINEARS]
             continue
-        names += [prefix + suffix for suffix in TE_MOE_EXTRA_STATES]
+        names += [prefix + module + EXTRA_STATE_SUFFIX for module in modules]
         if config.moe_grouped_gemm:
-            names += [f"{prefix}mlp.experts.linear_fc1._extra_state", f"{prefix}mlp.experts.linear_fc2._extra_state"]
+            names += [f"{prefix}mlp.experts.{fc}{EXTRA_STATE_SUFFIX}" for fc in TE_EXPERT_LINEARS]
         else:
-            names += [f"{prefix}{EXPERT_PREFIX}{j}.{fc}._extra_state"
-                      for j in range(local_experts) for fc in ("linear_fc1", "linear_fc2")]
+            names += [f"{prefix}{EXPERT_PREFIX}{j}.{fc}{EXTRA_STATE_SUFFIX}"
+                      for j in range(local_experts) for fc in TE_EXPERT_LINEARS]
         if _shared_experts(config):
-            names += [prefix + suffix for suffix in TE_SHARED_EXPERT_EXTRA_STATES]
+            names += [prefix + module + EXTRA_STATE_SUFFIX for module in TE_SHARED_EXPERT_LINEARS]
     return names
 
 

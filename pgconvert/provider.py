@@ -134,18 +134,22 @@ DENSE_MLP_TENSORS: tuple[TensorKind, ...] = (
 )
 # An MoE layer's pre-MLP norm is a separate module in both specs (nothing to fuse it into). The
 # router and its expert bias stay in their own dtype (float32 in megatron-core) whatever --dtype says.
-MOE_TENSORS: tuple[TensorKind, ...] = (
+# An MoE layer's own tensors: those stored before its routed experts (norm, router), then after.
+MOE_TENSORS_BEFORE_EXPERTS: tuple[TensorKind, ...] = (
     TensorKind("pre_mlp_layernorm.weight", _hidden, REPLICATED),
     TensorKind("pre_mlp_layernorm.bias", _hidden, REPLICATED, _layernorm),
     TensorKind("mlp.router.weight", lambda c: (c.num_experts or 0, c.hidden_size), REPLICATED, keep_dtype=True),
     TensorKind("mlp.router.expert_bias", lambda c: (c.num_experts or 0,), REPLICATED, _expert_bias,
                keep_dtype=True),
+)
+MOE_TENSORS_AFTER_EXPERTS: tuple[TensorKind, ...] = (
     TensorKind("mlp.shared_experts.linear_fc1.weight", lambda c: (_shared_rows(c), c.hidden_size),
                _shared_fc1_rule, _shared_experts),
     TensorKind("mlp.shared_experts.linear_fc2.weight",
                lambda c: (c.hidden_size, c.moe_shared_expert_intermediate_size or 0), ROW, _shared_experts),
     TensorKind("mlp.shared_experts.gate_weight", lambda c: (1, c.hidden_size), REPLICATED, _shared_gate),
 )
+MOE_TENSORS = MOE_TENSORS_BEFORE_EXPERTS + MOE_TENSORS_AFTER_EXPERTS
 # One routed expert, relative to ``mlp.experts.local_experts.{E}.`` (E global in canonical names).
 EXPERT_TENSORS: tuple[TensorKind, ...] = (
     TensorKind("linear_fc1.weight",
@@ -212,18 +216,19 @@ class LayerTensor:
 def layer_tensors(config: ModelConfig, layer: int) -> list[LayerTensor]:
     """Canonical tensors of one layer with their table rows, in file order."""
     prefix = f"{LAYER_PREFIX}{layer}."
-    kinds = ATTENTION_TENSORS + (MOE_TENSORS if config.is_moe_layer(layer) else DENSE_MLP_TENSORS)
-    tensors = [LayerTensor(prefix + kind.canonical, kind) for kind in kinds if kind.exists(config)]
-    if config.is_moe_layer(layer):
-        assert config.num_experts is not None
-        router_end = 1 + max(i for i, t in enumerate(tensors) if ".mlp.router." in t.canonical)
-        experts = [
-            LayerTensor(f"{prefix}{EXPERT_PREFIX}{expert}.{kind.canonical}", kind, expert)
-            for expert in range(config.num_experts)
-            for kind in EXPERT_TENSORS
-        ]
-        tensors[router_end:router_end] = experts
-    return tensors
+    if not config.is_moe_layer(layer):
+        return [LayerTensor(prefix + kind.canonical, kind) for kind in ATTENTION_TENSORS + DENSE_MLP_TENSORS
+                if kind.exists(config)]
+    assert config.num_experts is not None
+    before = [LayerTensor(prefix + kind.canonical, kind) for kind in ATTENTION_TENSORS + MOE_TENSORS_BEFORE_EXPERTS
+              if kind.exists(config)]
+    experts = [
+        LayerTensor(f"{prefix}{EXPERT_PREFIX}{expert}.{kind.canonical}", kind, expert)
+        for expert in range(config.num_experts)
+        for kind in EXPERT_TENSORS
+    ]
+    after = [LayerTensor(prefix + kind.canonical, kind) for kind in MOE_TENSORS_AFTER_EXPERTS if kind.exists(config)]
+    return before + experts + after
 
 
 def canonical_names(config: ModelConfig) -> list[str]:

@@ -54,7 +54,7 @@ from pgconvert.limits import quote
 from pgconvert.torch_input import check_torch_stream
 from pgconvert.paths import ensure_within
 from pgconvert.provider import OUTPUT_LAYER, WORD_EMBEDDINGS, canonical_shapes, te_extra_state_names
-from pgconvert.rules import Chunked, GatedChunked, Replicated, ShardRule, VocabParallel
+from pgconvert.rules import ShardRule, assemble
 from pgconvert.stream import CanonicalSource, ExtraState, TensorMeta, holds_state
 from pgconvert.strict import fallback
 from pgconvert.torch_dist_format import (
@@ -360,35 +360,15 @@ class TorchDistSource(CanonicalSource):
         return self._read_boxes(name, [_Region((0,) * len(shape), shape)])[0]
 
     def _load_shard(self, name: str, rule: ShardRule, size: int, rank: int, rows: int | None) -> torch.Tensor:
+        """The piece read as the boxes of the rule's windows (one read), zero windows filled."""
         shape = self._shapes[name]
-        if isinstance(rule, VocabParallel):
-            return self._vocab_piece(name, shape, rows if rows is not None else shape[0], size, rank)
-        if isinstance(rule, Replicated) or size == 1:
+        windows = rule.piece_windows(shape, size, rank, rows, self.config.vocab_size)
+        if not windows:
             return self._load(name)
-        if isinstance(rule, GatedChunked):
-            # [gate; up] globally, rank r holding [gate_r; up_r].
-            step = shape[0] // 2 // size
-            gate, up = self._read_boxes(name, [_box(shape, 0, rank * step, step),
-                                               _box(shape, 0, shape[0] // 2 + rank * step, step)])
-            return torch.cat([gate, up], dim=0)
-        if isinstance(rule, Chunked):
-            step = shape[rule.dim] // size
-            return self._read_boxes(name, [_box(shape, rule.dim, rank * step, step)])[0]
-        return super()._load_shard(name, rule, size, rank, rows)
-
-    def _vocab_piece(self, name: str, shape: tuple[int, ...], rows: int, size: int, rank: int) -> torch.Tensor:
-        """Rows ``[rank·rows/size, (rank+1)·rows/size)`` of the table fitted to ``rows``: rows past
-        the stored table are zeros (VocabParallel.reshard_rows)."""
-        true_rows = self.config.vocab_size
-        if true_rows is not None and rows < true_rows:
-            raise ValueError(f"padded size {rows} is smaller than the true vocab {true_rows}")
-        step = rows // size
-        start = rank * step
-        stored = max(0, min(step, shape[0] - start))
-        pieces = self._read_boxes(name, [_box(shape, 0, start, stored)]) if stored else []
-        if stored < step:
-            pieces.append(torch.zeros((step - stored, *shape[1:]), dtype=self.meta(name).dtype))
-        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
+        stored = [window for window in windows if not window.zeros]
+        boxes = [_box(shape, window.dim, window.start, window.length) for window in stored]
+        read = dict(zip(stored, self._read_boxes(name, boxes) if boxes else [], strict=True))
+        return assemble(windows, read.__getitem__, shape, self.meta(name).dtype)
 
 
 def _check_counts(config: ModelConfig, metadata: Metadata, path: Path) -> None:

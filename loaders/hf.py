@@ -32,7 +32,7 @@ from pgconvert.hf_format import (
 )
 from pgconvert.hf_side import find_side_files
 from pgconvert.provider import OUTPUT_LAYER, WORD_EMBEDDINGS, canonical_names
-from pgconvert.rules import Chunked, GatedChunked, ShardRule, VocabParallel
+from pgconvert.rules import ShardRule, Window, assemble
 from pgconvert.stream import CanonicalSource, TensorMeta
 
 log = logging.getLogger(__name__)
@@ -204,47 +204,60 @@ class HFSource(CanonicalSource):
     def _load_shard(self, name: str, rule: ShardRule, size: int, rank: int, rows: int | None) -> torch.Tensor:
         """A TP piece read straight from the HF tensors' byte ranges where the transform allows.
 
-        Identity tensors cut along the rule's dimension, fused QKV by the query groups of the
-        piece, gated fc1 by the piece's gate and up rows; anything else goes through the full tensor.
+        The rule names the piece's global windows (rows, gated halves, vocab rows with zero fill);
+        tensors whose HF parts are joined row after row (identity, gate/up) read those windows,
+        fused QKV reads the query groups a window covers; anything else goes through the full tensor.
         """
         row, hf_names = self._rows[name]
-        if isinstance(rule, VocabParallel) and row.transform is IDENTITY:
-            padded = rows if rows is not None else self.vocab_rows
-            piece = self._vocab_piece(hf_names[0], padded, size, rank)
+        meta = self._metas[name]
+        windows = rule.piece_windows(meta.shape, size, rank, rows, self.config.vocab_size)
+        joined = row.transform is IDENTITY or (row.transform is GATE_UP and all(w.dim == 0 for w in windows))
+        if windows and joined:
+            piece = self._read_windows(hf_names, windows, meta)
             if name == WORD_EMBEDDINGS and self._tied_copy is not None:
-                self._check_tied_copy(piece, self._vocab_piece(self._tied_copy, padded, size, rank), hf_names[0])
+                self._check_tied_copy(piece, self._read_windows((self._tied_copy,), windows, meta), hf_names[0])
             return piece
         if name == WORD_EMBEDDINGS and self._tied_copy is not None:
             self._load(name)  # checks the stored tied copy
-        if type(rule) is Chunked and row.transform is IDENTITY:
-            shape = self._metas[name].shape
-            step = shape[rule.dim] // size
-            return read_tensor_range(self._files[hf_names[0]], hf_names[0], rule.dim, rank * step, (rank + 1) * step)
-        if type(rule) is Chunked and rule.dim == 0 and row.transform is QKV:
-            groups = self.config.query_groups // size
-            heads_per_group = self.config.num_attention_heads // self.config.query_groups
-            q_rows, kv_rows = groups * heads_per_group * self.config.head_dim, groups * self.config.head_dim
-            parts = [
-                read_tensor_range(self._files[hf], hf, 0, rank * step, (rank + 1) * step)
-                for hf, step in zip(hf_names, (q_rows, kv_rows, kv_rows), strict=True)
-            ]
-            return row.transform.fuse(parts, self.config.replace(num_query_groups=groups,
-                                                                 num_attention_heads=groups * heads_per_group))
-        if isinstance(rule, GatedChunked) and row.transform is GATE_UP:
-            step = self._metas[name].shape[0] // 2 // size
-            gate, up = (read_tensor_range(self._files[hf], hf, 0, rank * step, (rank + 1) * step) for hf in hf_names)
-            return torch.cat([gate, up], dim=0)
+        if row.transform is QKV and len(windows) == 1:
+            piece = self._qkv_piece(hf_names, windows[0])
+            if piece is not None:
+                return piece
         return super()._load_shard(name, rule, size, rank, rows)
 
-    def _vocab_piece(self, hf_name: str, rows: int, size: int, rank: int) -> torch.Tensor:
-        true_rows = self._metas[WORD_EMBEDDINGS].shape[0]
-        step = rows // size
-        start, stop = rank * step, (rank + 1) * step
-        stored = read_tensor_range(self._files[hf_name], hf_name, 0, min(start, true_rows), min(stop, true_rows))
-        if stored.shape[0] == step:
-            return stored
-        padding = stored.new_zeros((step - stored.shape[0], *stored.shape[1:]))
-        return torch.cat([stored, padding], dim=0)
+    def _read_windows(self, hf_names: tuple[str, ...], windows: tuple[Window, ...], meta: TensorMeta) -> torch.Tensor:
+        """The windows of the tensor whose HF parts, joined along dim 0, make ``meta.shape``."""
+        part_rows = meta.shape[0] // len(hf_names)
+
+        def read(window: Window) -> torch.Tensor:
+            if len(hf_names) == 1:
+                hf = hf_names[0]
+                return read_tensor_range(self._files[hf], hf, window.dim, window.start, window.start + window.length)
+            pieces = []
+            for index, hf in enumerate(hf_names):
+                lo = max(window.start, index * part_rows)
+                hi = min(window.start + window.length, (index + 1) * part_rows)
+                if lo < hi:
+                    pieces.append(read_tensor_range(self._files[hf], hf, 0, lo - index * part_rows, hi - index * part_rows))
+            return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
+
+        return assemble(windows, read, meta.shape, meta.dtype)
+
+    def _qkv_piece(self, hf_names: tuple[str, ...], window: Window) -> torch.Tensor | None:
+        """Fused QKV rows of ``window`` read as q/k/v rows of its query groups; None when the window
+        does not fall on group boundaries."""
+        config = self.config
+        heads_per_group = config.num_attention_heads // config.query_groups
+        group_rows = (heads_per_group + 2) * config.head_dim
+        if window.dim != 0 or window.zeros or window.start % group_rows or window.length % group_rows:
+            return None
+        first, groups = window.start // group_rows, window.length // group_rows
+        q_rows, kv_rows = heads_per_group * config.head_dim, config.head_dim
+        parts = [
+            read_tensor_range(self._files[hf], hf, 0, first * step, (first + groups) * step)
+            for hf, step in zip(hf_names, (q_rows, kv_rows, kv_rows), strict=True)
+        ]
+        return QKV.fuse(parts, config.replace(num_query_groups=groups, num_attention_heads=groups * heads_per_group))
 
     def close(self) -> None:
         self._files.clear()

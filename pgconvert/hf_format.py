@@ -29,7 +29,6 @@ from pgconvert.config import DTYPES, ModelConfig
 from pgconvert.errors import CheckpointError, ConfigError, PgconvertError
 from pgconvert.families import FAMILIES, INFERENCE_ORDER, REQUIRED, ConfigField, Family, supported_architectures
 from pgconvert.limits import MAX_SAFETENSORS_HEADER_BYTES, over_limit, parse_json, quote, read_json
-from pgconvert.provider import OUTPUT_LAYER, WORD_EMBEDDINGS
 from pgconvert.provider import canonical_shapes as provider_shapes
 from pgconvert.semantics import hf_unrepresentable
 from pgconvert.stream import TensorMeta
@@ -46,7 +45,6 @@ DEFAULT_MAX_SHARD_SIZE = 5_000_000_000
 LOADED_DEFAULTS: dict[str, object] = {"transformer_impl": "local", "make_vocab_size_divisible_by": 128}
 # transformers 5 writes "dtype"; 4.x wrote "torch_dtype".
 DTYPE_KEYS: tuple[str, ...] = ("dtype", "torch_dtype")
-VOCAB_TABLES: frozenset[str] = frozenset({WORD_EMBEDDINGS, OUTPUT_LAYER})
 
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,

@@ -134,18 +134,22 @@ DENSE_MLP_TENSORS: tuple[TensorKind, ...] = (
 )
 # An MoE layer's pre-MLP norm is a separate module in both specs (nothing to fuse it into). The
 # router and its expert bias stay in their own dtype (float32 in megatron-core) whatever --dtype says.
-MOE_TENSORS: tuple[TensorKind, ...] = (
+# An MoE layer's own tensors: those stored before its routed experts (norm, router), then after.
+MOE_TENSORS_BEFORE_EXPERTS: tuple[TensorKind, ...] = (
     TensorKind("pre_mlp_layernorm.weight", _hidden, REPLICATED),
     TensorKind("pre_mlp_layernorm.bias", _hidden, REPLICATED, _layernorm),
     TensorKind("mlp.router.weight", lambda c: (c.num_experts or 0, c.hidden_size), REPLICATED, keep_dtype=True),
     TensorKind("mlp.router.expert_bias", lambda c: (c.num_experts or 0,), REPLICATED, _expert_bias,
                keep_dtype=True),
+)
+MOE_TENSORS_AFTER_EXPERTS: tuple[TensorKind, ...] = (
     TensorKind("mlp.shared_experts.linear_fc1.weight", lambda c: (_shared_rows(c), c.hidden_size),
                _shared_fc1_rule, _shared_experts),
     TensorKind("mlp.shared_experts.linear_fc2.weight",
                lambda c: (c.hidden_size, c.moe_shared_expert_intermediate_size or 0), ROW, _shared_experts),
     TensorKind("mlp.shared_experts.gate_weight", lambda c: (1, c.hidden_size), REPLICATED, _shared_gate),
 )
+MOE_TENSORS = MOE_TENSORS_BEFORE_EXPERTS + MOE_TENSORS_AFTER_EXPERTS
 # One routed expert, relative to ``mlp.experts.local_experts.{E}.`` (E global in canonical names).
 EXPERT_TENSORS: tuple[TensorKind, ...] = (
     TensorKind("linear_fc1.weight",
@@ -157,6 +161,8 @@ EXPERT_PREFIX = "mlp.experts.local_experts."
 WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
 POSITION_EMBEDDINGS = "embedding.position_embeddings.weight"
 OUTPUT_LAYER = "output_layer.weight"
+# Tables with one row per token: Megatron pads them to a multiple of make_vocab_size_divisible_by × tp.
+VOCAB_TABLES: frozenset[str] = frozenset({WORD_EMBEDDINGS, OUTPUT_LAYER})
 FINAL_NORM_WEIGHT = "decoder.final_layernorm.weight"
 FINAL_NORM_BIAS = "decoder.final_layernorm.bias"
 
@@ -210,18 +216,19 @@ class LayerTensor:
 def layer_tensors(config: ModelConfig, layer: int) -> list[LayerTensor]:
     """Canonical tensors of one layer with their table rows, in file order."""
     prefix = f"{LAYER_PREFIX}{layer}."
-    kinds = ATTENTION_TENSORS + (MOE_TENSORS if config.is_moe_layer(layer) else DENSE_MLP_TENSORS)
-    tensors = [LayerTensor(prefix + kind.canonical, kind) for kind in kinds if kind.exists(config)]
-    if config.is_moe_layer(layer):
-        assert config.num_experts is not None
-        router_end = 1 + max(i for i, t in enumerate(tensors) if ".mlp.router." in t.canonical)
-        experts = [
-            LayerTensor(f"{prefix}{EXPERT_PREFIX}{expert}.{kind.canonical}", kind, expert)
-            for expert in range(config.num_experts)
-            for kind in EXPERT_TENSORS
-        ]
-        tensors[router_end:router_end] = experts
-    return tensors
+    if not config.is_moe_layer(layer):
+        return [LayerTensor(prefix + kind.canonical, kind) for kind in ATTENTION_TENSORS + DENSE_MLP_TENSORS
+                if kind.exists(config)]
+    assert config.num_experts is not None
+    before = [LayerTensor(prefix + kind.canonical, kind) for kind in ATTENTION_TENSORS + MOE_TENSORS_BEFORE_EXPERTS
+              if kind.exists(config)]
+    experts = [
+        LayerTensor(f"{prefix}{EXPERT_PREFIX}{expert}.{kind.canonical}", kind, expert)
+        for expert in range(config.num_experts)
+        for kind in EXPERT_TENSORS
+    ]
+    after = [LayerTensor(prefix + kind.canonical, kind) for kind in MOE_TENSORS_AFTER_EXPERTS if kind.exists(config)]
+    return before + experts + after
 
 
 def canonical_names(config: ModelConfig) -> list[str]:
@@ -357,20 +364,16 @@ def provide(
     return shard
 
 
-# Transformer Engine modules of each layer carry an ``_extra_state`` entry (FP8 metadata) in their
-# state dict; a TE-spec target made from a source without them gets empty (None) entries.
-TE_DENSE_EXTRA_STATES = (
-    "self_attention.core_attention._extra_state",
-    "self_attention.linear_proj._extra_state",
-    "self_attention.linear_qkv._extra_state",
-    "mlp.linear_fc1._extra_state",
-    "mlp.linear_fc2._extra_state",
-)
-TE_MOE_EXTRA_STATES = TE_DENSE_EXTRA_STATES[:3]
-TE_SHARED_EXPERT_EXTRA_STATES = (
-    "mlp.shared_experts.linear_fc1._extra_state",
-    "mlp.shared_experts.linear_fc2._extra_state",
-)
+# Modules of a layer whose Transformer Engine state dict carries an ``_extra_state`` entry (FP8
+# metadata), in state-dict order; a TE-spec target made from a source without them gets empty (None)
+# entries. megatron-core's torch_dist checkpoint saves none for the core attention
+# (TEDotProductAttention.sharded_state_dict): see torch_dist_format.extra_state_keys.
+EXTRA_STATE_SUFFIX = "._extra_state"
+TE_CORE_ATTENTION = "self_attention.core_attention"
+TE_ATTENTION_LINEARS = ("self_attention.linear_proj", "self_attention.linear_qkv")
+TE_DENSE_MLP_LINEARS = ("mlp.linear_fc1", "mlp.linear_fc2")
+TE_SHARED_EXPERT_LINEARS = ("mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2")
+TE_EXPERT_LINEARS = ("linear_fc1", "linear_fc2")
 
 
 def te_extra_state_names(config: ModelConfig, layers: range, local_experts: int) -> list[str]:
@@ -378,17 +381,18 @@ def te_extra_state_names(config: ModelConfig, layers: range, local_experts: int)
     names = []
     for layer in layers:
         prefix = f"{LAYER_PREFIX}{layer}."
+        modules = (TE_CORE_ATTENTION, *TE_ATTENTION_LINEARS)
         if not config.is_moe_layer(layer):
-            names += [prefix + suffix for suffix in TE_DENSE_EXTRA_STATES]
+            names += [prefix + module + EXTRA_STATE_SUFFIX for module in modules + TE_DENSE_MLP_LINEARS]
             continue
-        names += [prefix + suffix for suffix in TE_MOE_EXTRA_STATES]
+        names += [prefix + module + EXTRA_STATE_SUFFIX for module in modules]
         if config.moe_grouped_gemm:
-            names += [f"{prefix}mlp.experts.linear_fc1._extra_state", f"{prefix}mlp.experts.linear_fc2._extra_state"]
+            names += [f"{prefix}mlp.experts.{fc}{EXTRA_STATE_SUFFIX}" for fc in TE_EXPERT_LINEARS]
         else:
-            names += [f"{prefix}{EXPERT_PREFIX}{j}.{fc}._extra_state"
-                      for j in range(local_experts) for fc in ("linear_fc1", "linear_fc2")]
+            names += [f"{prefix}{EXPERT_PREFIX}{j}.{fc}{EXTRA_STATE_SUFFIX}"
+                      for j in range(local_experts) for fc in TE_EXPERT_LINEARS]
         if _shared_experts(config):
-            names += [prefix + suffix for suffix in TE_SHARED_EXPERT_EXTRA_STATES]
+            names += [prefix + module + EXTRA_STATE_SUFFIX for module in TE_SHARED_EXPERT_LINEARS]
     return names
 
 

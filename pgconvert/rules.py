@@ -3,6 +3,10 @@
 Each rule is a small value object with ``split(full, size) -> list``, ``merge(shards) -> full``,
 ``shard(full, size, rank)`` (one piece without building the others) and ``local_shape``.
 Pieces returned by ``split``/``shard`` may be views of ``full``; callers that keep them clone.
+
+``piece_windows`` answers the readers' question "which global windows make up destination piece
+``rank`` of ``size``" (contiguous rows, gated halves, vocab rows with zero fill), so a reader that
+can read a window of the stored tensor cuts any piece without knowing the rule (``assemble``).
 """
 
 from __future__ import annotations
@@ -64,10 +68,43 @@ def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8) if flat.numel() else flat.to(torch.uint8)
 
 
+@dataclass(frozen=True)
+class Window:
+    """Rows ``[start, start + length)`` along ``dim`` of the global tensor; ``zeros``: rows past
+    the stored table, filled with zeros rather than read."""
+
+    dim: int
+    start: int
+    length: int
+    zeros: bool = False
+
+    def shape(self, global_shape: Sequence[int]) -> tuple[int, ...]:
+        shape = list(global_shape)
+        shape[self.dim] = self.length
+        return tuple(shape)
+
+
+def assemble(windows: Sequence[Window], read: Callable[[Window], torch.Tensor], global_shape: Sequence[int],
+             dtype: torch.dtype) -> torch.Tensor:
+    """The piece made of ``windows``: each read with ``read`` (or zeros), joined along their dim."""
+    pieces = [torch.zeros(w.shape(global_shape), dtype=dtype) if w.zeros else read(w) for w in windows]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=windows[0].dim)
+
+
+def _whole(global_shape: Sequence[int], dim: int = 0) -> tuple[Window, ...]:
+    return (Window(dim, 0, global_shape[dim]),) if global_shape else ()
+
+
 class ShardRule:
     """Base of the rules; subclasses define how a tensor is cut along the TP group."""
 
     name: str = "rule"
+
+    def piece_windows(self, global_shape: Sequence[int], size: int, rank: int, rows: int | None = None,
+                      true_rows: int | None = None) -> tuple[Window, ...]:
+        """The global windows that, joined in order, make piece ``rank`` of ``size``; empty for a
+        0-dim tensor (the whole tensor). ``rows``/``true_rows`` matter only to vocab tables."""
+        raise NotImplementedError
 
     def local_shape(self, global_shape: Sequence[int], size: int) -> tuple[int, ...]:
         raise NotImplementedError
@@ -100,6 +137,10 @@ class Replicated(ShardRule):
     """
 
     name = "replicated"
+
+    def piece_windows(self, global_shape: Sequence[int], size: int, rank: int, rows: int | None = None,
+                      true_rows: int | None = None) -> tuple[Window, ...]:
+        return _whole(global_shape)
 
     def local_shape(self, global_shape: Sequence[int], size: int) -> tuple[int, ...]:
         return tuple(global_shape)
@@ -141,9 +182,13 @@ class Chunked(ShardRule):
         shape[self.dim] //= size
         return tuple(shape)
 
+    def piece_windows(self, global_shape: Sequence[int], size: int, rank: int, rows: int | None = None,
+                      true_rows: int | None = None) -> tuple[Window, ...]:
+        step = global_shape[self.dim] // size
+        return (Window(self.dim, rank * step, step),)
+
     def shard(self, full: torch.Tensor, size: int, rank: int) -> torch.Tensor:
-        step = full.shape[self.dim] // size
-        return full.narrow(self.dim, rank * step, step)
+        return _cut(full, self.piece_windows(full.shape, size, rank))
 
     def merge(self, shards: Sequence[torch.Tensor]) -> torch.Tensor:
         if len(shards) == 1:
@@ -151,7 +196,10 @@ class Chunked(ShardRule):
         return _cat(list(shards), self.dim)
 
     def reshard(self, shards: Sequence[torch.Tensor], size: int, rank: int) -> torch.Tensor:
-        return _concat(_window(shards, self.dim, 0, shards[0].shape[self.dim], size, rank), self.dim)
+        shape = list(shards[0].shape)
+        shape[self.dim] *= len(shards)
+        (window,) = self.piece_windows(shape, size, rank)
+        return _concat(_rows_of(shards, window.dim, window.start, window.length), self.dim)
 
 
 @dataclass(frozen=True)
@@ -175,12 +223,15 @@ class GatedChunked(ShardRule):
     def local_shape(self, global_shape: Sequence[int], size: int) -> tuple[int, ...]:
         return (global_shape[0] // size, *global_shape[1:])
 
+    def piece_windows(self, global_shape: Sequence[int], size: int, rank: int, rows: int | None = None,
+                      true_rows: int | None = None) -> tuple[Window, ...]:
+        """``[gate_r; up_r]``: rows ``r·step`` of the gate half and the same rows of the up half."""
+        half = global_shape[0] // 2
+        step = half // size
+        return (Window(0, rank * step, step), Window(0, half + rank * step, step))
+
     def shard(self, full: torch.Tensor, size: int, rank: int) -> torch.Tensor:
-        gate, up = full.chunk(2, dim=0)
-        step = gate.shape[0] // size
-        if size == 1:
-            return full
-        return torch.cat([gate.narrow(0, rank * step, step), up.narrow(0, rank * step, step)], dim=0)
+        return _cut(full, self.piece_windows(full.shape, size, rank))
 
     def merge(self, shards: Sequence[torch.Tensor]) -> torch.Tensor:
         if len(shards) == 1:
@@ -189,28 +240,35 @@ class GatedChunked(ShardRule):
         return _cat([half[0] for half in halves] + [half[1] for half in halves], 0)
 
     def reshard(self, shards: Sequence[torch.Tensor], size: int, rank: int) -> torch.Tensor:
+        # Source piece i is [gate_i; up_i]: the gate halves joined are the global gate, likewise up.
         half = shards[0].shape[0] // 2
-        gates = _window(shards, 0, 0, half, size, rank)
-        ups = _window(shards, 0, half, half, size, rank)
-        return _concat(gates + ups, 0)
+        global_half = half * len(shards)
+        halves = ([shard.narrow(0, 0, half) for shard in shards], [shard.narrow(0, half, half) for shard in shards])
+        views: list[torch.Tensor] = []
+        for window in self.piece_windows((2 * global_half, *shards[0].shape[1:]), size, rank):
+            which = 1 if window.start >= global_half else 0
+            views += _rows_of(halves[which], 0, window.start - which * global_half, window.length)
+        return _concat(views, 0)
 
 
-def _window(shards: Sequence[torch.Tensor], dim: int, offset: int, length: int, size: int,
-            rank: int) -> list[torch.Tensor]:
-    """Views of the rows a destination piece needs, taken from each source piece.
+def _cut(full: torch.Tensor, windows: Sequence[Window]) -> torch.Tensor:
+    """The windows of ``full`` (a view when they are one run of rows)."""
+    if len(windows) > 1 and all(a.dim == b.dim and a.start + a.length == b.start for a, b in zip(windows, windows[1:])):
+        windows = [Window(windows[0].dim, windows[0].start, sum(w.length for w in windows))]
+    views = [full.narrow(w.dim, w.start, w.length) for w in windows]
+    return views[0] if len(views) == 1 else torch.cat(views, dim=windows[0].dim)
 
-    Each source piece contributes its rows ``[offset, offset + length)`` along ``dim``; concatenated
-    over the source pieces they form the global tensor, of which destination ``rank`` of ``size``
-    takes an equal contiguous slice.
-    """
-    total = length * len(shards)
-    step = total // size
-    start, end = rank * step, (rank + 1) * step
+
+def _rows_of(shards: Sequence[torch.Tensor], dim: int, start: int, length: int) -> list[torch.Tensor]:
+    """Views of rows ``[start, start + length)`` along ``dim`` of the pieces joined in order."""
     views = []
-    for index, shard in enumerate(shards):
-        lo, hi = max(start, index * length), min(end, (index + 1) * length)
+    offset = 0
+    for shard in shards:
+        extent = shard.shape[dim]
+        lo, hi = max(start, offset), min(start + length, offset + extent)
         if lo < hi:
-            views.append(shard.narrow(dim, offset + lo - index * length, hi - lo))
+            views.append(shard.narrow(dim, lo - offset, hi - lo))
+        offset += extent
     return views
 
 
@@ -240,29 +298,32 @@ class VocabParallel(Chunked):
 
     name = "vocab"
 
-    def reshard_rows(self, shards: Sequence[torch.Tensor], rows: int, true_rows: int | None, size: int,
-                     rank: int) -> torch.Tensor:
-        """``reshard`` of the table fitted to ``rows`` padded rows, in one copy: source rows that fit are
-        kept (padding included, so same-size targets stay bit-exact), rows past the source are zeros.
-
-        Destination piece ``rank`` takes global rows ``[rank·rows/size, (rank+1)·rows/size)`` from
-        the source pieces; rows past the source table are zeros.
-        """
-        have = sum(shard.shape[0] for shard in shards)
+    def piece_windows(self, global_shape: Sequence[int], size: int, rank: int, rows: int | None = None,
+                      true_rows: int | None = None) -> tuple[Window, ...]:
+        """Rows ``[rank·rows/size, (rank+1)·rows/size)`` of the table fitted to ``rows`` padded rows:
+        the stored rows (``global_shape[0]``) that fall there, then a zero window for the rest."""
+        rows = global_shape[0] if rows is None else rows
         if true_rows is not None and rows < true_rows:
             raise ValueError(f"padded size {rows} is smaller than the true vocab {true_rows}")
         step = rows // size
-        start, end = rank * step, (rank + 1) * step
+        start = rank * step
+        stored = max(0, min(step, global_shape[0] - start))
+        windows = [Window(0, start, stored)] if stored else []
+        if stored < step:
+            windows.append(Window(0, start + stored, step - stored, zeros=True))
+        return tuple(windows)
+
+    def reshard_rows(self, shards: Sequence[torch.Tensor], rows: int, true_rows: int | None, size: int,
+                     rank: int) -> torch.Tensor:
+        """``reshard`` of the table fitted to ``rows`` padded rows, in one copy: source rows that fit are
+        kept (padding included, so same-size targets stay bit-exact), rows past the source are zeros."""
+        have = sum(shard.shape[0] for shard in shards)
         views: list[torch.Tensor] = []
-        offset = 0
-        for shard in shards:
-            lo, hi = max(start, offset), min(end, offset + shard.shape[0])
-            if lo < hi:
-                views.append(shard.narrow(0, lo - offset, hi - lo))
-            offset += shard.shape[0]
-        covered = max(0, min(end, have) - start)
-        if covered < step:
-            views.append(shards[0].new_zeros((step - covered, *shards[0].shape[1:])))
+        for window in self.piece_windows((have, *shards[0].shape[1:]), size, rank, rows, true_rows):
+            if window.zeros:
+                views.append(shards[0].new_zeros(window.shape(shards[0].shape)))
+            else:
+                views += _rows_of(shards, 0, window.start, window.length)
         return _concat(views, 0)
 
 

@@ -61,7 +61,8 @@ from pgconvert.config import ModelConfig
 from pgconvert.errors import CheckpointError, UnsafePickleError
 from pgconvert.limits import over_limit, quote, read_json
 from pgconvert.megatron_format import resolve_megatron_iteration
-from pgconvert.provider import LAYER_PREFIX, canonical_names, layer_tensors
+from pgconvert.provider import (EXTRA_STATE_SUFFIX, LAYER_PREFIX, TE_ATTENTION_LINEARS, TE_DENSE_MLP_LINEARS,
+                                TE_EXPERT_LINEARS, TE_SHARED_EXPERT_LINEARS, canonical_names, layer_tensors)
 
 CHECKPOINT_CONFIG_FILE = "metadata.json"
 COMMON_FILE = "common.pt"
@@ -84,7 +85,6 @@ CONTENT_METADATA: dict[str, Any] = {
     "singleton_local_shards": False,
     "chained_optim_avoid_prefix": True,
 }
-EXTRA_STATE_SUFFIX = "._extra_state"
 # Entries of a training checkpoint that are not model weights: optimizer state (ShardedTensors and
 # objects, ``chained_N.`` before chained_optim_avoid_prefix), RNG and rerun-machine state.
 TRAINING_STATE_PREFIXES = ("optimizer.", "chained_", "rng_state", "rerun_state_machine_state")
@@ -101,13 +101,12 @@ FUSED_NORM_NAMES: tuple[tuple[str, str], ...] = (
 )
 EXPERTS_KEY = "mlp.experts.experts."
 
-# Modules whose ``_extra_state`` megatron-core saves, relative to a layer. TE's core attention saves
-# none (TEDotProductAttention.sharded_state_dict) and GPTModel drops ``output_layer._extra_state``.
-DENSE_EXTRA_STATE_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj",
-                             "mlp.linear_fc1", "mlp.linear_fc2")
-MOE_EXTRA_STATE_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj")
-SHARED_EXPERT_EXTRA_STATE_MODULES = ("mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2")
-EXPERT_EXTRA_STATE_MODULES = (f"{EXPERTS_KEY}linear_fc1", f"{EXPERTS_KEY}linear_fc2")
+# Modules whose ``_extra_state`` megatron-core saves, relative to a layer: provider.py's TE modules
+# less the core attention (TEDotProductAttention.sharded_state_dict saves none); GPTModel drops
+# ``output_layer._extra_state``.
+MOE_EXTRA_STATE_MODULES = TE_ATTENTION_LINEARS
+DENSE_EXTRA_STATE_MODULES = TE_ATTENTION_LINEARS + TE_DENSE_MLP_LINEARS
+EXPERT_EXTRA_STATE_MODULES = tuple(EXPERTS_KEY + fc for fc in TE_EXPERT_LINEARS)
 
 
 @dataclass(frozen=True)
@@ -189,7 +188,7 @@ def extra_state_keys(config: ModelConfig) -> list[str]:
         if not config.is_moe_layer(layer):
             modules = DENSE_EXTRA_STATE_MODULES
         elif config.moe_shared_expert_intermediate_size is not None:
-            modules = MOE_EXTRA_STATE_MODULES + SHARED_EXPERT_EXTRA_STATE_MODULES
+            modules = MOE_EXTRA_STATE_MODULES + TE_SHARED_EXPERT_LINEARS
         else:
             modules = MOE_EXTRA_STATE_MODULES
         keys += [sharded_object_key(key_prefix + module + EXTRA_STATE_SUFFIX, index, stack) for module in modules]

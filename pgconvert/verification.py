@@ -19,14 +19,12 @@ import torch
 from pgconvert.errors import PgconvertError, ValidationError
 from pgconvert.formats import LoadOptions
 from pgconvert.manifest import MANIFEST_FILE, file_problems, read_manifest
-from pgconvert.provider import OUTPUT_LAYER, WORD_EMBEDDINGS
+from pgconvert.provider import VOCAB_TABLES
 from pgconvert.registry import detect_format, get_loader
 from pgconvert.semantics import SEMANTIC_FIELDS
 from pgconvert.semantics import differences as semantic_differences
 from pgconvert.stream import CanonicalSource
 
-# Tables with one row per token: Megatron pads them to a multiple of make_vocab_size_divisible_by × tp.
-VOCAB_TABLES = (WORD_EMBEDDINGS, OUTPUT_LAYER)
 # Elements compared at a time, in float64: 32 MiB per operand.
 COMPARE_BLOCK = 4 * 1024 * 1024
 

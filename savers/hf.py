@@ -32,7 +32,6 @@ from pgconvert.hf_format import (
     INDEX_FILE,
     SAFETENSORS_DTYPES,
     SINGLE_FILE,
-    VOCAB_TABLES,
     HFOrigin,
     config_disagreements,
     hf_config_from_model,
@@ -52,7 +51,7 @@ from pgconvert.hf_side import (
 )
 from pgconvert.layout import ParallelLayout
 from pgconvert.semantics import hf_losses, hf_training_notes, lose
-from pgconvert.provider import WORD_EMBEDDINGS, keep_dtype_names
+from pgconvert.provider import VOCAB_TABLES, WORD_EMBEDDINGS, keep_dtype_names
 from pgconvert.stream import CanonicalSource
 from pgconvert.strict import fallback
 

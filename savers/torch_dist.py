@@ -52,8 +52,7 @@ from pgconvert.limits import quote
 from pgconvert.megatron_format import (CHECKPOINT_VERSION, FRAMEWORK_PICKLE, TRACKER_FILE, args_for_target,
                                        iteration_dir_name, params_dtype_for)
 from pgconvert.provider import (
-    OUTPUT_LAYER,
-    WORD_EMBEDDINGS,
+    VOCAB_TABLES,
     canonical_shapes,
     keep_dtype_names,
     layer_tensors,
@@ -80,7 +79,6 @@ log = logging.getLogger(__name__)
 
 # torch.distributed.checkpoint names rank 0's data files __0_<n>.distcp; one writer thread, one file.
 DATA_FILE = "__0_0.distcp"
-VOCAB_TABLES = (WORD_EMBEDDINGS, OUTPUT_LAYER)
 
 
 @dataclass(frozen=True)

@@ -88,3 +88,19 @@ def test_optional_tensors_follow_the_config() -> None:
     ]
     assert names[:2] == ["embedding.word_embeddings.weight", "embedding.position_embeddings.weight"]
     assert names[-3:] == ["decoder.final_layernorm.weight", "decoder.final_layernorm.bias", "output_layer.weight"]
+
+
+def test_moe_layer_order_is_router_then_experts_then_shared_experts() -> None:
+    """Routed experts sit right after the router (its expert bias included), before the shared experts."""
+    config = ModelConfig(num_layers=1, hidden_size=64, num_attention_heads=16, num_query_groups=8,
+                         kv_channels=4, ffn_hidden_size=128, vocab_size=1000, num_experts=2,
+                         moe_ffn_hidden_size=64, moe_shared_expert_intermediate_size=96,
+                         moe_router_enable_expert_bias=True)
+    names = [name.removeprefix("decoder.layers.0.") for name in canonical_names(config)
+             if name.startswith("decoder.layers.0.mlp.")]
+    assert names == [
+        "mlp.router.weight", "mlp.router.expert_bias",
+        "mlp.experts.local_experts.0.linear_fc1.weight", "mlp.experts.local_experts.0.linear_fc2.weight",
+        "mlp.experts.local_experts.1.linear_fc1.weight", "mlp.experts.local_experts.1.linear_fc2.weight",
+        "mlp.shared_experts.linear_fc1.weight", "mlp.shared_experts.linear_fc2.weight",
+    ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pgconvert.rules import COLUMN, GATED, REPLICATED, ROW, VOCAB, ReplicaMismatchError
+from pgconvert.rules import COLUMN, GATED, REPLICATED, ROW, VOCAB, ReplicaMismatchError, Window, assemble
 
 
 def filled(*shape: int) -> torch.Tensor:
@@ -100,3 +100,38 @@ def test_vocab_reshard_rows_keeps_rows_that_fit_and_zero_fills_the_rest(rows: in
 def test_vocab_reshard_rows_refuses_fewer_rows_than_the_true_vocab() -> None:
     with pytest.raises(ValueError, match="padded size 8 is smaller than the true vocab 10"):
         VOCAB.reshard_rows([filled(16, 3)], 8, 10, 1, 0)
+
+
+# --- piece_windows: the windows the readers cut a destination piece from ---------------------------
+
+def test_piece_windows_chunked_column_and_row() -> None:
+    assert COLUMN.piece_windows((12, 4), 3, 1) == (Window(0, 4, 4),)
+    assert ROW.piece_windows((4, 12), 4, 3) == (Window(1, 9, 3),)
+    assert REPLICATED.piece_windows((5, 2), 4, 2) == (Window(0, 0, 5),)
+
+
+def test_piece_windows_gated_are_gate_r_then_up_r() -> None:
+    # global [gate (8 rows); up (8 rows)], tp 4: rank 2 holds gate rows 4..6 and up rows 12..14
+    assert GATED.piece_windows((16, 3), 4, 2) == (Window(0, 4, 2), Window(0, 12, 2))
+    full = torch.arange(16 * 3).reshape(16, 3)
+    piece = assemble(GATED.piece_windows(full.shape, 4, 2), lambda w: full.narrow(w.dim, w.start, w.length),
+                     full.shape, full.dtype)
+    assert torch.equal(piece, torch.cat([full[4:6], full[12:14]]))
+    assert torch.equal(piece, GATED.shard(full, 4, 2))
+
+
+def test_piece_windows_vocab_zero_fill_past_stored_rows() -> None:
+    # 10 stored rows fitted to 16 padded rows over tp 2: rank 0 reads 0..8, rank 1 reads 8..10, zeros 10..16
+    assert VOCAB.piece_windows((10, 4), 2, 0, rows=16) == (Window(0, 0, 8),)
+    assert VOCAB.piece_windows((10, 4), 2, 1, rows=16) == (Window(0, 8, 2), Window(0, 10, 6, zeros=True))
+    # a rank entirely past the stored rows is all zeros
+    assert VOCAB.piece_windows((10, 4), 4, 3, rows=16) == (Window(0, 12, 4, zeros=True),)
+    # shrinking keeps the first rows (the padding beyond is dropped)
+    assert VOCAB.piece_windows((16, 4), 2, 1, rows=12) == (Window(0, 6, 6),)
+    full = torch.arange(1.0, 41.0).reshape(10, 4)
+    piece = assemble(VOCAB.piece_windows(full.shape, 2, 1, rows=16), lambda w: full.narrow(0, w.start, w.length),
+                     full.shape, full.dtype)
+    assert torch.equal(piece, torch.cat([full[8:10], torch.zeros(6, 4)]))
+    assert torch.equal(piece, VOCAB.reshard_rows([full], 16, 10, 2, 1))
+    with pytest.raises(ValueError, match="smaller than the true vocab"):
+        VOCAB.piece_windows((10, 4), 2, 0, rows=8, true_rows=10)

@@ -189,7 +189,8 @@ class MegatronSource(CanonicalSource):
         config = self._config(models, args, first_file, options)
         layout.validate(config, "src")
         padded = self._padded_rows(args, models[(RankCoord(0, 0), chunk_keys[0])], config, first_file, options)
-        super().__init__(config, padded, iteration, release, megatron_args=args)
+        super().__init__(config, padded, iteration, release)
+        self.megatron_args = args
         self.side_files = carried_side_files(self.root, iteration_dir)
         self.notices.extend(self._early_notices)
         self._models = models

@@ -87,16 +87,16 @@ class CanonicalSource:
 
     format_name: str = "?"
     layout: ParallelLayout | None = None
+    megatron_args: argparse.Namespace | None = None
     hf_origin: HFOrigin | None = None
     unrepresentable: Sequence[str] = ()
 
     def __init__(self, config: ModelConfig, vocab_rows: int, iteration: int | None = None,
-                 release: bool = False, megatron_args: argparse.Namespace | None = None) -> None:
+                 release: bool = False) -> None:
         self.config = config
         self.vocab_rows = vocab_rows
         self.iteration = iteration
         self.release = release
-        self.megatron_args = megatron_args
         # The HF side files (tokenizer, config.json, …) the source carries; set by its loader.
         self.side_files: SideFiles | None = None
         self.notices: list[str] = []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import inspect
 from pathlib import Path
 
 from pgconvert.formats import Saver
@@ -16,6 +17,7 @@ CONTRACT_ATTRIBUTES = {"layout", "hf_origin", "megatron_args", "parallel", "unre
 def test_source_declares_defaults() -> None:
     assert CanonicalSource.layout is None
     assert CanonicalSource.hf_origin is None
+    assert CanonicalSource.megatron_args is None
     assert tuple(CanonicalSource.unrepresentable) == ()
 
 
@@ -36,3 +38,10 @@ def test_contract_attributes_are_not_read_with_getattr() -> None:
                         and isinstance(node.args[1], ast.Constant) and node.args[1].value in CONTRACT_ATTRIBUTES):
                     offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert offenders == []
+
+
+def test_base_constructor_takes_no_format_specific_args() -> None:
+    # Format-specific facts (Megatron args, HF origin) are declared attributes a loader sets,
+    # not parameters of the base every format shares.
+    assert list(inspect.signature(CanonicalSource.__init__).parameters) == [
+        "self", "config", "vocab_rows", "iteration", "release"]

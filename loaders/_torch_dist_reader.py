@@ -199,7 +199,8 @@ class TorchDistSource(CanonicalSource):
                                   f"rows of {WORD_EMBEDDINGS}")
         if iteration is None and isinstance(common.get("iteration"), int) and not release:
             iteration = common["iteration"]
-        super().__init__(config, rows, iteration, release, megatron_args=args)
+        super().__init__(config, rows, iteration, release)
+        self.megatron_args = args
         self.side_files = carried_side_files(self.root, iteration_dir)
         self.notices.extend(early_notices)
         self._strict = options.strict

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from pgconvert.config import ModelConfig
 from pgconvert.errors import CheckpointError
 from pgconvert.formats import Iteration, Loader, LoadOptions
 from pgconvert.grid import RankCoord, build_converter_process_groups, iter_ranks
@@ -127,6 +128,37 @@ def _chunk_keys(layout: ParallelLayout) -> list[str]:
     return ["model"]
 
 
+def _rank_dirs(iteration_dir: Path) -> dict[str, Path]:
+    """The ``mp_rank_*`` directories of one iteration, by name."""
+    rank_dirs = {
+        child.name: child for child in sorted(iteration_dir.iterdir())
+        if child.is_dir() and RANK_DIR_RE.match(child.name)
+    }
+    if not rank_dirs:
+        raise CheckpointError(f"{iteration_dir}: no mp_rank_* directories")
+    return rank_dirs
+
+
+def _expected_ranks(iteration_dir: Path, layout: ParallelLayout, rank_dirs: dict[str, Path]) -> dict[str, RankCoord]:
+    """The rank directory of each rank of ``layout``; refuses missing or unexpected directories."""
+    expected = {
+        rank_dir_name(c.tp, c.pp, c.ep, layout.pp, layout.ep): c for c in iter_ranks(layout)
+    }
+    missing = sorted(set(expected) - set(rank_dirs))
+    unexpected = sorted(set(rank_dirs) - set(expected))
+    if missing:
+        raise CheckpointError(
+            f"{iteration_dir}: missing rank files for {layout.describe()} (from args): "
+            + ", ".join(f"{name}/{RANK_FILE}" for name in missing)
+        )
+    if unexpected:
+        raise CheckpointError(
+            f"{iteration_dir}: unexpected rank directories for {layout.describe()} (from args): "
+            + ", ".join(unexpected)
+        )
+    return expected
+
+
 class MegatronSource(CanonicalSource):
     """All rank files of one iteration, memory-mapped; tensors are merged on demand."""
 
@@ -138,88 +170,27 @@ class MegatronSource(CanonicalSource):
         self.root = root or iteration_dir
         self._early_notices: list[str] = []
         ensure_within(self.root, iteration_dir)
-        rank_dirs = {
-            child.name: child for child in sorted(iteration_dir.iterdir())
-            if child.is_dir() and RANK_DIR_RE.match(child.name)
-        }
-        if not rank_dirs:
-            raise CheckpointError(f"{iteration_dir}: no mp_rank_* directories")
+        rank_dirs = _rank_dirs(iteration_dir)
         first_name = min(rank_dirs)
-        first_file = rank_dirs[first_name] / RANK_FILE
-        if not first_file.is_file():
-            raise CheckpointError(f"{first_file}: missing rank file")
-        ensure_within(self.root, first_file)
-        first_state = safe_torch_load(first_file)
-        args = first_state.get("args")
-        if not isinstance(args, argparse.Namespace):
-            raise CheckpointError(f"{first_file}: no 'args' namespace; cannot determine the model and layout")
+        first_file, first_state, args = self._read_first(rank_dirs[first_name] / RANK_FILE)
         layout = layout_from_args(args, first_file)
         check_megatron_layout(layout, "src", first_file)
         self.layout = layout
         options.check_layout(layout, first_file)
         _check_sizes_against_files(layout, len(rank_dirs), len(first_state), first_file)
-        expected = {
-            rank_dir_name(c.tp, c.pp, c.ep, layout.pp, layout.ep): c for c in iter_ranks(layout)
-        }
-        missing = sorted(set(expected) - set(rank_dirs))
-        unexpected = sorted(set(rank_dirs) - set(expected))
-        if missing:
-            raise CheckpointError(
-                f"{iteration_dir}: missing rank files for {layout.describe()} (from args): "
-                + ", ".join(f"{name}/{RANK_FILE}" for name in missing)
-            )
-        if unexpected:
-            raise CheckpointError(
-                f"{iteration_dir}: unexpected rank directories for {layout.describe()} (from args): "
-                + ", ".join(unexpected)
-            )
+        expected = _expected_ranks(iteration_dir, layout, rank_dirs)
         chunk_keys = _chunk_keys(layout)
         self.files: dict[RankCoord, Path] = {}
         self._unmapped: set[RankCoord] = set()
         models: dict[tuple[RankCoord, str], dict[str, Any]] = {}
         for name, coord in expected.items():
-            path = rank_dirs[name] / RANK_FILE
-            if not path.is_file():
-                raise CheckpointError(f"{path}: missing rank file")
-            ensure_within(self.root, path)
-            state = first_state if name == first_name else safe_torch_load(path)
-            present = sorted(key for key in state if isinstance(key, str)
-                             and (key == "model" or (key.startswith("model") and key[5:].isdigit())))
-            if present != sorted(chunk_keys):
-                raise CheckpointError(
-                    f"{path}: model chunks {present or 'none'} do not match the layout {layout.describe()} "
-                    f"from args (expected {chunk_keys})"
-                )
-            self.files[coord] = path
-            if not mappable(path):
-                self._unmapped.add(coord)
-            for chunk_key in chunk_keys:
-                models[(coord, chunk_key)] = _model_dict(state[chunk_key], path, chunk_key)
-        first_model = models[(RankCoord(0, 0), chunk_keys[0])]
-        all_first_keys = [key for (coord, _), model in models.items() if coord.tp == 0 for key in model]
-        impl = _detect_impl(dict.fromkeys(all_first_keys), args)
-        if not any(k.endswith((".layer_norm_weight", ".input_layernorm.weight")) for k in all_first_keys):
-            fallback(f"{first_file}: no norm keys tell the layer spec apart; assuming "
-                     f"transformer_impl={impl!r} from args", options.strict, self._early_notices)
-        config = config_from_args(args, first_file, impl, options.true_vocab_size,
-                                  grouped_gemm=_detect_grouped_gemm(dict.fromkeys(all_first_keys)))
-        _check_config_against_files(config, sum(len(model) for model in models.values()), first_file)
+            state = first_state if name == first_name else None
+            self._read_rank(rank_dirs[name] / RANK_FILE, coord, state, chunk_keys, models)
+        config = self._config(models, args, first_file, options)
         layout.validate(config, "src")
-        padded = getattr(args, "padded_vocab_size", None)
-        if not isinstance(padded, int):
-            embedding = first_model.get("embedding.word_embeddings.weight")
-            if not isinstance(embedding, torch.Tensor):
-                raise CheckpointError(f"{first_file}: no args.padded_vocab_size and no word embeddings")
-            padded = embedding.shape[0] * layout.tp
-        if config.vocab_size is not None and config.vocab_size > padded:
-            raise CheckpointError(
-                f"{first_file}: true vocab size {config.vocab_size} exceeds the padded vocab {padded}"
-            )
-        if config.vocab_size is None:
-            fallback(f"{first_file}: the true vocab size is unknown (no args.vocab_size, no --true-vocab-size); "
-                     f"keeping the padded table of {padded} rows as the vocabulary", options.strict,
-                     self._early_notices)
-        super().__init__(config, padded, iteration, release, megatron_args=args)
+        padded = self._padded_rows(args, models[(RankCoord(0, 0), chunk_keys[0])], config, first_file, options)
+        super().__init__(config, padded, iteration, release)
+        self.megatron_args = args
         self.side_files = carried_side_files(self.root, iteration_dir)
         self.notices.extend(self._early_notices)
         self._models = models
@@ -232,6 +203,70 @@ class MegatronSource(CanonicalSource):
         uncovered = sorted(set(self._order) - set(self._pieces))
         if uncovered:
             raise CheckpointError(f"{iteration_dir}: no rank holds {uncovered}")
+
+    def _read_first(self, first_file: Path) -> tuple[Path, dict[str, Any], argparse.Namespace]:
+        """The first rank file, its state and the ``args`` namespace it carries."""
+        if not first_file.is_file():
+            raise CheckpointError(f"{first_file}: missing rank file")
+        ensure_within(self.root, first_file)
+        first_state = safe_torch_load(first_file)
+        args = first_state.get("args")
+        if not isinstance(args, argparse.Namespace):
+            raise CheckpointError(f"{first_file}: no 'args' namespace; cannot determine the model and layout")
+        return first_file, first_state, args
+
+    def _read_rank(self, path: Path, coord: RankCoord, state: dict[str, Any] | None, chunk_keys: list[str],
+                   models: dict[tuple[RankCoord, str], dict[str, Any]]) -> None:
+        """Record rank ``coord``'s file and add its model chunks to ``models`` (``state``: already read)."""
+        if not path.is_file():
+            raise CheckpointError(f"{path}: missing rank file")
+        ensure_within(self.root, path)
+        if state is None:
+            state = safe_torch_load(path)
+        present = sorted(key for key in state if isinstance(key, str)
+                         and (key == "model" or (key.startswith("model") and key[5:].isdigit())))
+        if present != sorted(chunk_keys):
+            raise CheckpointError(
+                f"{path}: model chunks {present or 'none'} do not match the layout {self.layout.describe()} "
+                f"from args (expected {chunk_keys})"
+            )
+        self.files[coord] = path
+        if not mappable(path):
+            self._unmapped.add(coord)
+        for chunk_key in chunk_keys:
+            models[(coord, chunk_key)] = _model_dict(state[chunk_key], path, chunk_key)
+
+    def _config(self, models: dict[tuple[RankCoord, str], dict[str, Any]], args: argparse.Namespace,
+                first_file: Path, options: LoadOptions) -> ModelConfig:
+        """The model's config from ``args``, with the layer spec told apart by the TP-rank-0 keys."""
+        all_first_keys = [key for (coord, _), model in models.items() if coord.tp == 0 for key in model]
+        impl = _detect_impl(dict.fromkeys(all_first_keys), args)
+        if not any(k.endswith((".layer_norm_weight", ".input_layernorm.weight")) for k in all_first_keys):
+            fallback(f"{first_file}: no norm keys tell the layer spec apart; assuming "
+                     f"transformer_impl={impl!r} from args", options.strict, self._early_notices)
+        config = config_from_args(args, first_file, impl, options.true_vocab_size,
+                                  grouped_gemm=_detect_grouped_gemm(dict.fromkeys(all_first_keys)))
+        _check_config_against_files(config, sum(len(model) for model in models.values()), first_file)
+        return config
+
+    def _padded_rows(self, args: argparse.Namespace, first_model: dict[str, Any], config: ModelConfig,
+                     first_file: Path, options: LoadOptions) -> int:
+        """The vocab tables' global row count: ``args.padded_vocab_size``, else the embedding's."""
+        padded = getattr(args, "padded_vocab_size", None)
+        if not isinstance(padded, int):
+            embedding = first_model.get("embedding.word_embeddings.weight")
+            if not isinstance(embedding, torch.Tensor):
+                raise CheckpointError(f"{first_file}: no args.padded_vocab_size and no word embeddings")
+            padded = embedding.shape[0] * self.layout.tp
+        if config.vocab_size is not None and config.vocab_size > padded:
+            raise CheckpointError(
+                f"{first_file}: true vocab size {config.vocab_size} exceeds the padded vocab {padded}"
+            )
+        if config.vocab_size is None:
+            fallback(f"{first_file}: the true vocab size is unknown (no args.vocab_size, no --true-vocab-size); "
+                     f"keeping the padded table of {padded} rows as the vocabulary", options.strict,
+                     self._early_notices)
+        return padded
 
     def _index(self, padded: int, chunk_keys: list[str]) -> None:
         groups = build_converter_process_groups(self.layout)

@@ -209,9 +209,8 @@ def plan(request: ConvertRequest, check_dst: bool = True) -> Plan:
             raise DestinationError(
                 f"--check-finite {request.check_finite}: must be one of {', '.join(CHECK_FINITE_CHOICES)}")
         source.check_finite = request.check_finite
-        src_layout = getattr(source, "layout", None)
         # A format without parallel layouts (hf) starts from an unsharded layout, not the source's.
-        layout_base = src_layout if getattr(saver, "parallel", True) else None
+        layout_base = source.layout if saver.parallel else None
         save_options = SaveOptions(
             layout=destination_layout(request, layout_base),
             dtype=DTYPE_CHOICES[request.dtype],
@@ -230,7 +229,7 @@ def plan(request: ConvertRequest, check_dst: bool = True) -> Plan:
     except BaseException:
         source.close()
         raise
-    return Plan(request, src_format, dst_format, source, src_layout, saver, save_options, files)
+    return Plan(request, src_format, dst_format, source, source.layout, saver, save_options, files)
 
 
 def _note_dtype_change(source: CanonicalSource, options: SaveOptions) -> None:

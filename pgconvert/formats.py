@@ -150,6 +150,11 @@ class Saver(ABC):
     def plan(self, source: CanonicalSource, options: SaveOptions) -> list[PlannedFile]:
         """The files ``save`` will write, without writing anything."""
 
+    # Whether the format has parallel layouts whose files are written independently, one per
+    # (tp, pp, ep) rank. A saver of one unsharded model (hf) sets False: the destination layout
+    # then starts unsharded instead of from the source's layout.
+    parallel: bool = True
+
     # Savers that can write any subset of their planned files (``save(only=...)``) and then
     # ``finalize`` the shared metadata support --workers and sharded (multi-process) runs.
     supports_partial: bool = False

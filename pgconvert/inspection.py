@@ -98,7 +98,7 @@ def inspect(path: str | Path, iteration: int | None = None) -> CheckpointInfo:
 def _describe(source: CanonicalSource, info: CheckpointInfo) -> None:
     info.iteration = source.iteration
     info.release = source.release
-    layout = getattr(source, "layout", None)
+    layout = source.layout
     if layout is not None:
         info.layout = dataclasses.asdict(layout)
         info.layout_text = layout.describe()

@@ -414,8 +414,30 @@ def args_for_target(config: ModelConfig, layout: ParallelLayout, padded_vocab_si
     # Framework enums and objects are kept as stand-ins: they are written back as Megatron's own
     # classes (``FrameworkPickler``), which its validate_args requires.
     args, replaced = argparse.Namespace(**vars(base)) if base is not None else argparse.Namespace(), []
-    dtype_name = str(dtype).removeprefix("torch.")
-    values: dict[str, Any] = {
+    values = _model_args(config)
+    values.update(_layout_args(config, layout))
+    values.update(_run_args(padded_vocab_size, dtype, iteration))
+    values.update(semantics_to_args(config))
+    if config.vocab_size is not None:
+        values["vocab_size"] = config.vocab_size
+    if config.num_experts is not None:
+        values.update(_moe_args(config))
+    if base is None:
+        values.update(_fresh_run_args(config))
+    values.update(_size_fields(layout, base))
+    # Megatron-LM's tools/checkpoint saver_base reads these unconditionally (AttributeError when
+    # absent); neither changes the math. Megatron's defaults, unless the source recorded them.
+    for name in UNCONDITIONAL_ARGS:
+        if not hasattr(args, name):
+            values[name] = False
+    for key, value in values.items():
+        setattr(args, key, value)
+    return args, replaced
+
+
+def _model_args(config: ModelConfig) -> dict[str, Any]:
+    """The args describing the model's architecture."""
+    return {
         "num_layers": config.num_layers,
         "hidden_size": config.hidden_size,
         "ffn_hidden_size": config.ffn_hidden_size,
@@ -435,6 +457,12 @@ def args_for_target(config: ModelConfig, layout: ParallelLayout, padded_vocab_si
         "rotary_base": config.rotary_base,
         "make_vocab_size_divisible_by": config.make_vocab_size_divisible_by,
         "transformer_impl": config.transformer_impl,
+    }
+
+
+def _layout_args(config: ModelConfig, layout: ParallelLayout) -> dict[str, Any]:
+    """The args describing the parallel layout (sizes of the run aside: ``_size_fields``)."""
+    return {
         "tensor_model_parallel_size": layout.tp,
         "pipeline_model_parallel_size": layout.pp,
         "expert_model_parallel_size": layout.ep,
@@ -444,6 +472,13 @@ def args_for_target(config: ModelConfig, layout: ParallelLayout, padded_vocab_si
         "virtual_pipeline_model_parallel_size": layout.virtual_size if layout.has_virtual_chunks else None,
         "num_layers_per_virtual_pipeline_stage": _layers_per_virtual_stage(config, layout),
         "pipeline_model_parallel_layout": layout.pipeline_layout,
+    }
+
+
+def _run_args(padded_vocab_size: int, dtype: torch.dtype, iteration: int | None) -> dict[str, Any]:
+    """The vocab padding, dtype flags, iteration and checkpoint format of the written files."""
+    dtype_name = str(dtype).removeprefix("torch.")
+    return {
         "padded_vocab_size": padded_vocab_size,
         "params_dtype": dtype,
         "bf16": dtype_name == "bfloat16",
@@ -451,40 +486,33 @@ def args_for_target(config: ModelConfig, layout: ParallelLayout, padded_vocab_si
         "iteration": iteration,
         "ckpt_format": "torch",
     }
-    values.update(semantics_to_args(config))
-    if config.vocab_size is not None:
-        values["vocab_size"] = config.vocab_size
-    if config.num_experts is not None:
-        values.update({
-            "num_experts": config.num_experts,
-            "moe_ffn_hidden_size": config.expert_ffn_size,
-            "moe_layer_freq": list(config.moe_layer_freq) if isinstance(config.moe_layer_freq, tuple)
-            else config.moe_layer_freq,
-            "moe_router_topk": config.moe_router_topk,
-            "moe_shared_expert_intermediate_size": config.moe_shared_expert_intermediate_size,
-            "moe_shared_expert_gate": config.moe_shared_expert_gate,
-            "moe_router_enable_expert_bias": config.moe_router_enable_expert_bias,
-            "moe_grouped_gemm": config.moe_grouped_gemm,
-        })
-    if base is None:
-        # What megatron-LM's check_checkpoint_args and its own HF importers expect of args that
-        # did not come from a training run.
-        values.update({
-            "add_position_embedding": config.position_embedding_type == "learned_absolute",
-            "use_rotary_position_embeddings": config.position_embedding_type == "rope",
-            "layernorm_epsilon": config.norm_epsilon,
-            "tokenizer_type": "HuggingFaceTokenizer",
-            "seq_length": config.max_position_embeddings,
-        })
-    values.update(_size_fields(layout, base))
-    # Megatron-LM's tools/checkpoint saver_base reads these unconditionally (AttributeError when
-    # absent); neither changes the math. Megatron's defaults, unless the source recorded them.
-    for name in UNCONDITIONAL_ARGS:
-        if not hasattr(args, name):
-            values[name] = False
-    for key, value in values.items():
-        setattr(args, key, value)
-    return args, replaced
+
+
+def _moe_args(config: ModelConfig) -> dict[str, Any]:
+    """The mixture-of-experts args of a model with experts."""
+    return {
+        "num_experts": config.num_experts,
+        "moe_ffn_hidden_size": config.expert_ffn_size,
+        "moe_layer_freq": list(config.moe_layer_freq) if isinstance(config.moe_layer_freq, tuple)
+        else config.moe_layer_freq,
+        "moe_router_topk": config.moe_router_topk,
+        "moe_shared_expert_intermediate_size": config.moe_shared_expert_intermediate_size,
+        "moe_shared_expert_gate": config.moe_shared_expert_gate,
+        "moe_router_enable_expert_bias": config.moe_router_enable_expert_bias,
+        "moe_grouped_gemm": config.moe_grouped_gemm,
+    }
+
+
+def _fresh_run_args(config: ModelConfig) -> dict[str, Any]:
+    """What megatron-LM's check_checkpoint_args and its own HF importers expect of args that did
+    not come from a training run."""
+    return {
+        "add_position_embedding": config.position_embedding_type == "learned_absolute",
+        "use_rotary_position_embeddings": config.position_embedding_type == "rope",
+        "layernorm_epsilon": config.norm_epsilon,
+        "tokenizer_type": "HuggingFaceTokenizer",
+        "seq_length": config.max_position_embeddings,
+    }
 
 
 def _size_fields(layout: ParallelLayout, base: argparse.Namespace | None) -> dict[str, int]:

@@ -297,32 +297,58 @@ def provide(
     Megatron's padding of ``config.vocab_size``.
     """
     layout = groups.layout or ParallelLayout(tp=groups.tp.size(), pp=groups.pp.size(), ep=groups.ep.size())
-    tp_size, tp_rank = groups.tp.size(), groups.tp.rank()
-    etp_size, etp_rank = groups.expt_tp.size(), groups.expt_tp.rank()
     pp_size, pp_rank = groups.pp.size(), groups.pp.rank()
-    ep_size, ep_rank = groups.ep.size(), groups.ep.rank()
     chunks = layout.virtual_size
-    if chunk is None:
-        if chunks != 1:
-            raise LayoutError(f"provide: the layout has {chunks} model chunks per stage; pass chunk=")
-        chunk_index = 0
-    else:
-        chunk_index = chunk
+    chunk_index = _chunk_index(chunks, chunk)
+    padded_vocab_size = _padded_rows(config, layout, padded_vocab_size, groups.tp.size())
+    layers = layout.chunk_layers(config.num_layers, pp_rank, chunk_index)
+    shard = ModelShard(tp_rank=groups.tp.rank(), pp_rank=pp_rank, layers=layers, ep_rank=groups.ep.rank(),
+                       chunk=chunk)
+    pre_process = pp_rank == 0 and chunk_index == 0
+    post_process = pp_rank == pp_size - 1 and chunk_index == chunks - 1
+    specs = _SpecAdder(shard, groups)
+    vocab_shape = (padded_vocab_size, config.hidden_size)
+    if pre_process:
+        _add_embeddings(config, specs, vocab_shape)
+    _add_layers(config, specs, layers, groups.ep.size(), groups.ep.rank())
+    if post_process:
+        _add_final(config, specs, vocab_shape, pre_process)
+    return shard
+
+
+def _chunk_index(chunks: int, chunk: int | None) -> int:
+    """The model chunk asked for; ``None`` only where the layout has one chunk per stage."""
+    if chunk is not None:
+        return chunk
+    if chunks != 1:
+        raise LayoutError(f"provide: the layout has {chunks} model chunks per stage; pass chunk=")
+    return 0
+
+
+def _padded_rows(config: ModelConfig, layout: ParallelLayout, padded_vocab_size: int | None,
+                 tp_size: int) -> int:
+    """The vocab tables' global row count: the one given, else Megatron's padding of the vocab."""
     if padded_vocab_size is None:
         if config.vocab_size is None:
             raise LayoutError("vocab_size: unknown, and no padded vocab size was given")
         padded_vocab_size = layout.padded_vocab_size(config.vocab_size, config.make_vocab_size_divisible_by)
     if padded_vocab_size % tp_size:
         raise LayoutError(f"tp={tp_size}: padded vocab size {padded_vocab_size} is not divisible by {tp_size}")
-    layers = layout.chunk_layers(config.num_layers, pp_rank, chunk_index)
-    shard = ModelShard(tp_rank=tp_rank, pp_rank=pp_rank, layers=layers, ep_rank=ep_rank, chunk=chunk)
-    pre_process = pp_rank == 0 and chunk_index == 0
-    post_process = pp_rank == pp_size - 1 and chunk_index == chunks - 1
+    return padded_vocab_size
 
-    def add(local_name: str, canonical: str, global_shape: tuple[int, ...], rule: ShardRule,
-            keep_dtype: bool = False, expert: bool = False) -> None:
-        size, rank = (etp_size, etp_rank) if expert else (tp_size, tp_rank)
-        shard.specs.append(TensorSpec(
+
+class _SpecAdder:
+    """Appends the ``TensorSpec`` of a tensor to a shard, cut for the rank's TP (or expert TP) group."""
+
+    def __init__(self, shard: ModelShard, groups: ProcessGroupCollection) -> None:
+        self.shard = shard
+        self.tp = (groups.tp.size(), groups.tp.rank())
+        self.expert_tp = (groups.expt_tp.size(), groups.expt_tp.rank())
+
+    def __call__(self, local_name: str, canonical: str, global_shape: tuple[int, ...], rule: ShardRule,
+                 keep_dtype: bool = False, expert: bool = False) -> None:
+        size, rank = self.expert_tp if expert else self.tp
+        self.shard.specs.append(TensorSpec(
             local_name=local_name,
             canonical=canonical,
             global_shape=global_shape,
@@ -333,13 +359,18 @@ def provide(
             keep_dtype=keep_dtype,
         ))
 
-    vocab_shape = (padded_vocab_size, config.hidden_size)
-    if pre_process:
-        add(WORD_EMBEDDINGS, WORD_EMBEDDINGS, vocab_shape, VOCAB)
-        if config.position_embedding_type == "learned_absolute":
-            assert config.max_position_embeddings is not None
-            add(POSITION_EMBEDDINGS, POSITION_EMBEDDINGS,
-                (config.max_position_embeddings, config.hidden_size), REPLICATED)
+
+def _add_embeddings(config: ModelConfig, add: _SpecAdder, vocab_shape: tuple[int, int]) -> None:
+    """The first stage's embeddings."""
+    add(WORD_EMBEDDINGS, WORD_EMBEDDINGS, vocab_shape, VOCAB)
+    if config.position_embedding_type == "learned_absolute":
+        assert config.max_position_embeddings is not None
+        add(POSITION_EMBEDDINGS, POSITION_EMBEDDINGS,
+            (config.max_position_embeddings, config.hidden_size), REPLICATED)
+
+
+def _add_layers(config: ModelConfig, add: _SpecAdder, layers: range, ep_size: int, ep_rank: int) -> None:
+    """The tensors of ``layers``: dense ones, and the experts local to EP rank ``ep_rank``."""
     experts_per_rank = (config.num_experts or 0) // ep_size
     local_experts = range(ep_rank * experts_per_rank, (ep_rank + 1) * experts_per_rank)
     for local_index, layer in enumerate(layers):
@@ -351,17 +382,19 @@ def provide(
             elif tensor.expert in local_experts:
                 local = _expert_local_name(config, local_index, tensor.expert - local_experts.start, kind)
                 add(local, tensor.canonical, kind.shape(config), kind.rule_for(config), expert=True)
-    if post_process:
-        add(FINAL_NORM_WEIGHT, FINAL_NORM_WEIGHT, (config.hidden_size,), REPLICATED)
-        if config.normalization == "LayerNorm":
-            add(FINAL_NORM_BIAS, FINAL_NORM_BIAS, (config.hidden_size,), REPLICATED)
-        if not config.tie_embeddings:
-            add(OUTPUT_LAYER, OUTPUT_LAYER, vocab_shape, VOCAB)
-        elif not pre_process:
-            # megatron-core allocates its own output weight on the last stage and keeps it equal to
-            # the first stage's embedding (the tied gradients are all-reduced between the two).
-            add(OUTPUT_LAYER, WORD_EMBEDDINGS, vocab_shape, VOCAB)
-    return shard
+
+
+def _add_final(config: ModelConfig, add: _SpecAdder, vocab_shape: tuple[int, int], pre_process: bool) -> None:
+    """The last stage's final norm and output layer."""
+    add(FINAL_NORM_WEIGHT, FINAL_NORM_WEIGHT, (config.hidden_size,), REPLICATED)
+    if config.normalization == "LayerNorm":
+        add(FINAL_NORM_BIAS, FINAL_NORM_BIAS, (config.hidden_size,), REPLICATED)
+    if not config.tie_embeddings:
+        add(OUTPUT_LAYER, OUTPUT_LAYER, vocab_shape, VOCAB)
+    elif not pre_process:
+        # megatron-core allocates its own output weight on the last stage and keeps it equal to
+        # the first stage's embedding (the tied gradients are all-reduced between the two).
+        add(OUTPUT_LAYER, WORD_EMBEDDINGS, vocab_shape, VOCAB)
 
 
 # Modules of a layer whose Transformer Engine state dict carries an ``_extra_state`` entry (FP8

@@ -336,7 +336,7 @@ def check_target(source: Any, target_format: str, strict: bool) -> None:
     """Settings of an HF source that a Megatron target cannot hold (an hf target keeps config.json)."""
     if target_format == "hf":
         return
-    for message in getattr(source, "unrepresentable", []):
+    for message in source.unrepresentable:
         lose(message, strict, source.notices)
     config = source.config
     if config.rope_scaling == "llama3" and config.rope_scaling_factor != MEGATRON_DEFAULT_ROPE_SCALING_FACTOR:

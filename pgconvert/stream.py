@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import io
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -21,7 +21,9 @@ from pgconvert.errors import CheckpointError
 from pgconvert.rules import ShardRule, VocabParallel
 
 if TYPE_CHECKING:
+    from pgconvert.hf_format import HFOrigin
     from pgconvert.hf_side import SideFiles
+    from pgconvert.layout import ParallelLayout
 
 log = logging.getLogger(__name__)
 
@@ -69,17 +71,32 @@ class CanonicalSource:
 
     ``vocab_rows`` is the row count of the vocab tables in this stream: the source's padded table
     (padding rows are kept so same-size targets stay bit-exact) or the true vocab size.
+
+    What a source declares beyond its tensors (each has a default for a format without it):
+
+    - ``layout``: the parallel layout the checkpoint was saved with; ``None`` when it is unsharded
+      (hf). A destination of a parallel format starts from it for the sizes the user leaves out.
+    - ``megatron_args``: the Megatron-LM args the checkpoint was saved with, which a Megatron
+      target carries over (settings pgconvert does not model); ``None`` for other formats.
+    - ``hf_origin``: the HF directory, config.json and family the checkpoint came from, which an
+      HF target copies; ``None`` for other formats.
+    - ``side_files``: the HF side files (tokenizer, generation config) the source carries.
+    - ``unrepresentable``: settings of the source a Megatron target cannot hold, each one line
+      (refused under ``--strict``, else a notice); empty for a source that has none.
     """
 
     format_name: str = "?"
+    layout: ParallelLayout | None = None
+    megatron_args: argparse.Namespace | None = None
+    hf_origin: HFOrigin | None = None
+    unrepresentable: Sequence[str] = ()
 
     def __init__(self, config: ModelConfig, vocab_rows: int, iteration: int | None = None,
-                 release: bool = False, megatron_args: argparse.Namespace | None = None) -> None:
+                 release: bool = False) -> None:
         self.config = config
         self.vocab_rows = vocab_rows
         self.iteration = iteration
         self.release = release
-        self.megatron_args = megatron_args
         # The HF side files (tokenizer, config.json, …) the source carries; set by its loader.
         self.side_files: SideFiles | None = None
         self.notices: list[str] = []

@@ -100,7 +100,7 @@ def _open(path: Path, iteration: int | None, true_vocab_size: int | None) -> Can
 
 
 def _layout_text(source: CanonicalSource) -> str | None:
-    layout = getattr(source, "layout", None)
+    layout = source.layout
     return layout.describe() if layout is not None else None
 
 

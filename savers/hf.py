@@ -112,8 +112,7 @@ def rotate_half_order(name: str, full: torch.Tensor, config: ModelConfig) -> tor
 
 
 def _origin(source: CanonicalSource) -> HFOrigin | None:
-    origin = getattr(source, "hf_origin", None)
-    return origin if isinstance(origin, HFOrigin) else None
+    return source.hf_origin
 
 
 def _out_dtype(dtype: torch.dtype, options: SaveOptions) -> torch.dtype:

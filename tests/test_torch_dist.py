@@ -403,7 +403,8 @@ class _CountingSource(CanonicalSource):
     """
 
     def __init__(self, inner: CanonicalSource) -> None:
-        super().__init__(inner.config, inner.vocab_rows, inner.iteration, inner.release, inner.megatron_args)
+        super().__init__(inner.config, inner.vocab_rows, inner.iteration, inner.release)
+        self.megatron_args = inner.megatron_args
         self.inner = inner
         self.alive: list[weakref.ref[object]] = []
         self.most_alive = 0

@@ -1,0 +1,47 @@
+"""The format contract is declared: every built-in source and saver answers its attributes directly."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from pathlib import Path
+
+from pgconvert.formats import Saver
+from pgconvert.registry import get_saver
+from pgconvert.stream import CanonicalSource
+
+ROOT = Path(__file__).resolve().parent.parent
+CONTRACT_ATTRIBUTES = {"layout", "hf_origin", "megatron_args", "parallel", "unrepresentable", "side_files"}
+
+
+def test_source_declares_defaults() -> None:
+    assert CanonicalSource.layout is None
+    assert CanonicalSource.hf_origin is None
+    assert CanonicalSource.megatron_args is None
+    assert tuple(CanonicalSource.unrepresentable) == ()
+
+
+def test_saver_declares_parallel() -> None:
+    assert Saver.parallel is True
+    assert get_saver("hf").parallel is False
+    assert get_saver("megatron").parallel is True
+    assert get_saver("torch_dist").parallel is True
+
+
+def test_contract_attributes_are_not_read_with_getattr() -> None:
+    offenders = []
+    for folder in ("pgconvert", "loaders", "savers"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                        and node.func.id in ("getattr", "hasattr") and len(node.args) >= 2
+                        and isinstance(node.args[1], ast.Constant) and node.args[1].value in CONTRACT_ATTRIBUTES):
+                    offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert offenders == []
+
+
+def test_base_constructor_takes_no_format_specific_args() -> None:
+    # Format-specific facts (Megatron args, HF origin) are declared attributes a loader sets,
+    # not parameters of the base every format shares.
+    assert list(inspect.signature(CanonicalSource.__init__).parameters) == [
+        "self", "config", "vocab_rows", "iteration", "release"]

@@ -17,7 +17,8 @@ import pytest
 import torch
 from checkpoint_compare import assert_same_ranks
 from conftest import GQA_SWIGLU
-from megatron_fixtures import make_full_model, read_megatron_checkpoint_ranks, read_megatron_checkpoint, write_megatron_checkpoint
+from megatron_fixtures import (load_for_test, make_full_model, read_megatron_checkpoint, read_megatron_checkpoint_ranks,
+                               write_megatron_checkpoint)
 
 import pgconvert
 from pgconvert import megatron_format
@@ -239,7 +240,7 @@ def test_world_size_describes_the_target_not_the_source_run(tmp_path: Path) -> N
     src = write_megatron_checkpoint(tmp_path / "src", model, make_full_model(model), 2, 1)
     raw = next(src.rglob("model_optim_rng.pt"))
     for path in src.rglob("model_optim_rng.pt"):
-        state = torch.load(path, weights_only=False)
+        state = load_for_test(path)
         state["args"].world_size, state["args"].data_parallel_size = 8, 4
         torch.save(state, path)
     pgconvert.convert(src, tmp_path / "dst", dst_tp=4, dst_pp=2)
@@ -256,7 +257,7 @@ def test_dense_model_with_a_different_expert_tp_converts(tmp_path: Path) -> None
     full = make_full_model(model)
     src = write_megatron_checkpoint(tmp_path / "src", model, full, 2, 1)
     for path in src.rglob("model_optim_rng.pt"):
-        state = torch.load(path, weights_only=False)
+        state = load_for_test(path)
         state["args"].expert_tensor_parallel_size = 8
         torch.save(state, path)
     pgconvert.convert(src, tmp_path / "dst", dst_tp=1)
@@ -316,7 +317,7 @@ def test_training_checkpoint_state_is_read_and_reported_not_carried(tmp_path: Pa
     full = make_full_model(model)
     src = write_megatron_checkpoint(tmp_path / "src", model, full, 2, 1)
     for tp_rank, path in enumerate(sorted(src.rglob("model_optim_rng.pt"))):
-        state = torch.load(path, weights_only=False)
+        state = load_for_test(path)
         state.update(_training_state(tp_rank))
         torch.save(state, path, pickle_module=megatron_format.FRAMEWORK_PICKLE)
         torch.save({"param_state": {0: {"exp_avg": torch.ones(4)}}}, path.parent / "distrib_optim.pt")
@@ -349,7 +350,7 @@ def test_hf_output_names_dropped_transformer_engine_state_only_when_there_is_som
     report = pgconvert.convert(src, tmp_path / "none", dst_format="hf")
     assert not any("_extra_state" in notice for notice in report.notices)
     for path in src.rglob("model_optim_rng.pt"):
-        state = torch.load(path, weights_only=False)
+        state = load_for_test(path)
         key = next(k for k in state["model"] if k.endswith("._extra_state"))
         state["model"][key] = torch.ones(4, dtype=torch.uint8)  # FP8 scaling metadata, as TE stores it
         torch.save(state, path)

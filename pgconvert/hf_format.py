@@ -99,19 +99,19 @@ def family_of(doc: dict[str, Any], path: Path, error: type[PgconvertError] = Che
     return family
 
 
-_MISSING = object()
+MISSING = object()  # what get_path returns for an absent key
 
 
-def _get_path(doc: dict[str, Any], path: tuple[str, ...]) -> object:
+def get_path(doc: dict[str, Any], path: tuple[str, ...]) -> object:
     node: object = doc
     for key in path:
         if not isinstance(node, dict) or key not in node:
-            return _MISSING
+            return MISSING
         node = node[key]
     return node
 
 
-def _set_path(doc: dict[str, Any], path: tuple[str, ...], value: object) -> None:
+def set_path(doc: dict[str, Any], path: tuple[str, ...], value: object) -> None:
     node = doc
     for key in path[:-1]:
         node = node.setdefault(key, {})
@@ -120,8 +120,8 @@ def _set_path(doc: dict[str, Any], path: tuple[str, ...], value: object) -> None
 
 def _read_field(doc: dict[str, Any], spec: ConfigField, path: Path, error: type[PgconvertError]) -> object:
     for where in (spec.path, *spec.legacy):
-        value = _get_path(doc, where)
-        if value is not _MISSING:
+        value = get_path(doc, where)
+        if value is not MISSING:
             break
     else:
         if spec.default is REQUIRED:
@@ -250,7 +250,7 @@ def hf_config_from_model(family: Family, config: ModelConfig, dtype: torch.dtype
         if value is None:
             continue
         for where in (spec.path, *spec.legacy):
-            _set_path(doc, where, value)
+            set_path(doc, where, value)
     for rule in family.rules:
         doc.update(copy.deepcopy(dict(rule.write(config))))
     doc["dtype"] = str(dtype).removeprefix("torch.")

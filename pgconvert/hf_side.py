@@ -30,8 +30,10 @@ from pgconvert.errors import CheckpointError, ConfigError, PgconvertError
 from pgconvert.families import Family
 from pgconvert.formats import PlannedFile, SaveOptions
 from pgconvert.hf_format import (
+    MISSING,
     config_disagreements,
     family_mismatches,
+    get_path,
     infer_family,
     model_config_from_hf,
     read_json_object,
@@ -267,21 +269,12 @@ def _with_model_values(doc: dict[str, Any], path: Path, family: Family, config: 
         if value == spec.value_of(described):
             continue
         for where in (spec.path, *spec.legacy):
-            if where == spec.path or _holds(updated, where):
+            if where == spec.path or get_path(updated, where) is not MISSING:
                 _put(updated, where, value)
     for rule in family.rules:
         in_file, in_model = rule.write(described), rule.write(config)
         updated.update({key: copy.deepcopy(in_model[key]) for key in rule.keys if in_file[key] != in_model[key]})
     return updated
-
-
-def _holds(doc: dict[str, Any], where: tuple[str, ...]) -> bool:
-    node: object = doc
-    for key in where:
-        if not isinstance(node, dict) or key not in node:
-            return False
-        node = node[key]
-    return True
 
 
 def _put(doc: dict[str, Any], where: tuple[str, ...], value: object) -> None:

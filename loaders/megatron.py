@@ -38,7 +38,9 @@ from pgconvert.torch_input import mappable
 from pgconvert.memory import concat_releasing, release_mapped_pages
 from pgconvert.paths import ensure_within
 from pgconvert.provider import (
+    EXTRA_STATE_SUFFIX,
     LAYER_PREFIX,
+    WORD_EMBEDDINGS,
     TensorSpec,
     canonical_layer,
     canonical_names,
@@ -51,7 +53,6 @@ from pgconvert.strict import fallback
 
 log = logging.getLogger(__name__)
 
-EXTRA_STATE_SUFFIX = "._extra_state"
 GROUPED_EXPERT_RE = re.compile(r"\.mlp\.experts\.linear_fc[12]\.weight\d+$")
 # Rotary frequencies are recomputed from the config by every framework; they are not weights.
 IGNORED_SUFFIXES = (".inv_freq",)
@@ -254,7 +255,7 @@ class MegatronSource(CanonicalSource):
         """The vocab tables' global row count: ``args.padded_vocab_size``, else the embedding's."""
         padded = getattr(args, "padded_vocab_size", None)
         if not isinstance(padded, int):
-            embedding = first_model.get("embedding.word_embeddings.weight")
+            embedding = first_model.get(WORD_EMBEDDINGS)
             if not isinstance(embedding, torch.Tensor):
                 raise CheckpointError(f"{first_file}: no args.padded_vocab_size and no word embeddings")
             padded = embedding.shape[0] * self.layout.tp

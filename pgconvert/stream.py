@@ -184,14 +184,14 @@ class InMemorySource(CanonicalSource):
 
     def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor], vocab_rows: int | None = None,
                  iteration: int | None = None, release: bool = False) -> None:
-        from pgconvert.provider import canonical_names
+        from pgconvert.provider import WORD_EMBEDDINGS, canonical_names
 
         expected = canonical_names(config)
         missing = sorted(set(expected) - set(tensors))
         unexpected = sorted(set(tensors) - set(expected))
         if missing or unexpected:
             raise CheckpointError(f"in-memory model: missing {missing}, unexpected {unexpected}")
-        rows = tensors["embedding.word_embeddings.weight"].shape[0]
+        rows = tensors[WORD_EMBEDDINGS].shape[0]
         super().__init__(config, vocab_rows if vocab_rows is not None else rows, iteration, release)
         self._order = expected
         self._tensors = tensors

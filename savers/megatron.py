@@ -194,10 +194,7 @@ class MegatronSaver(Saver):
         padded = target_vocab_rows(config, source.vocab_rows, layout)
         names = source.names()
         dtype = options.dtype or params_dtype_for((source.meta(name).dtype for name in names), config)
-        args, replaced = args_for_target(config, layout, padded, dtype, iteration, source.megatron_args)
-        if replaced:
-            fallback("args naming framework classes (not importable here) are written as their plain "
-                     "values: " + ", ".join(replaced), options.strict, result.notices)
+        args = args_for_target(config, layout, padded, dtype, iteration, source.megatron_args)
         extra_states = source.extra_states()
         dropped_extra = False
         for rank in self._ranks(source, options):

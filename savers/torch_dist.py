@@ -264,10 +264,8 @@ class TorchDistSaver(Saver):
         iteration_dir.mkdir(parents=True, exist_ok=True)
         chunks, objects, rows = self._chunks(source, options)
         dtype = options.dtype or params_dtype_for((source.meta(name).dtype for name in source.names()), config)
-        args, replaced = args_for_target(config, layout, rows, dtype, iteration, source.megatron_args)
+        args = args_for_target(config, layout, rows, dtype, iteration, source.megatron_args)
         args.ckpt_format = SHARDED_BACKEND
-        if replaced:
-            result.notices.append("args naming framework classes were written as plain values: " + ", ".join(replaced))
         # megatron-core writes common.pt first and metadata.json last: a directory without
         # metadata.json is an incomplete checkpoint to every reader.
         common = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,

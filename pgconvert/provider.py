@@ -105,13 +105,44 @@ def _shared_rows(c: ModelConfig) -> int:
     return c.moe_shared_expert_intermediate_size * (2 if c.gated_linear_unit else 1)
 
 
-# Per-layer tensors, names relative to ``decoder.layers.{L}.``; the TE spec fuses the input and
-# pre-MLP norms into the following linear (``layer_norm_weight``), megatron-core's local spec keeps them.
+# The Transformer Engine spec fuses the input and pre-MLP norms into the following linear
+# (TELayerNormColumnParallelLinear): (local-spec module prefix, the TE spec's fused prefix), relative
+# to a layer. megatron-core's local spec keeps separate norms but saves them under the fused names in
+# a torch_dist checkpoint (its sharded_state_dict_keys_map), MoE layers included; TE-spec MoE layers
+# have no linear to fuse the pre-MLP norm into and keep ``pre_mlp_layernorm.*`` everywhere.
+FUSED_NORM_NAMES: tuple[tuple[str, str], ...] = (
+    ("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
+    ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"),
+)
+
+
+def fused_norm_name(rest: str) -> str | None:
+    """A layer tensor's name (relative to its layer) under the TE spec's fused norm naming; None
+    for a tensor that is not one of the fused norms."""
+    for local, fused in FUSED_NORM_NAMES:
+        if rest.startswith(local):
+            return fused + rest[len(local):]
+    return None
+
+
+def layer_spec_of_key(key: str) -> str | None:
+    """``"transformer_engine"`` for a layer key under a TE fused norm name, ``"local"`` for one under
+    the input norm's separate name (present in every layer of the local spec), else None."""
+    parsed = canonical_layer(key)
+    if parsed is None:
+        return None
+    rest = parsed[1]
+    if any(rest.startswith(fused) for _, fused in FUSED_NORM_NAMES):
+        return "transformer_engine"
+    return "local" if rest.startswith(FUSED_NORM_NAMES[0][0]) else None
+
+
+# Per-layer tensors, names relative to ``decoder.layers.{L}.``; the TE spec's names of the fused
+# norms come from ``FUSED_NORM_NAMES``.
 ATTENTION_TENSORS: tuple[TensorKind, ...] = (
-    TensorKind("input_layernorm.weight", _hidden, REPLICATED,
-               te_name="self_attention.linear_qkv.layer_norm_weight"),
+    TensorKind("input_layernorm.weight", _hidden, REPLICATED, te_name=fused_norm_name("input_layernorm.weight")),
     TensorKind("input_layernorm.bias", _hidden, REPLICATED, _layernorm,
-               te_name="self_attention.linear_qkv.layer_norm_bias"),
+               te_name=fused_norm_name("input_layernorm.bias")),
     TensorKind("self_attention.linear_qkv.weight", lambda c: (c.qkv_rows, c.hidden_size), COLUMN),
     TensorKind("self_attention.linear_qkv.bias", lambda c: (c.qkv_rows,), COLUMN, _qkv_bias),
     TensorKind("self_attention.q_layernorm.weight", _head_dim, REPLICATED, _qk_norm),
@@ -123,10 +154,9 @@ ATTENTION_TENSORS: tuple[TensorKind, ...] = (
     TensorKind("self_attention.linear_proj.bias", _hidden, REPLICATED, _bias),
 )
 DENSE_MLP_TENSORS: tuple[TensorKind, ...] = (
-    TensorKind("pre_mlp_layernorm.weight", _hidden, REPLICATED,
-               te_name="mlp.linear_fc1.layer_norm_weight"),
+    TensorKind("pre_mlp_layernorm.weight", _hidden, REPLICATED, te_name=fused_norm_name("pre_mlp_layernorm.weight")),
     TensorKind("pre_mlp_layernorm.bias", _hidden, REPLICATED, _layernorm,
-               te_name="mlp.linear_fc1.layer_norm_bias"),
+               te_name=fused_norm_name("pre_mlp_layernorm.bias")),
     TensorKind("mlp.linear_fc1.weight", _fc1_shape, _fc1_rule),
     TensorKind("mlp.linear_fc1.bias", lambda c: (c.fc1_rows,), _fc1_rule, _bias),
     TensorKind("mlp.linear_fc2.weight", lambda c: (c.hidden_size, c.ffn_hidden_size), ROW),
@@ -156,7 +186,10 @@ EXPERT_TENSORS: tuple[TensorKind, ...] = (
                lambda c: (c.expert_ffn_size * (2 if c.gated_linear_unit else 1), c.hidden_size), _fc1_rule),
     TensorKind("linear_fc2.weight", lambda c: (c.hidden_size, c.expert_ffn_size), ROW),
 )
-EXPERT_PREFIX = "mlp.experts.local_experts."
+# Every routed expert's module lives under this, relative to a layer: ``local_experts.{E}.`` of
+# SequentialMLP and the grouped-GEMM ``linear_fc1``/``linear_fc2`` of TEGroupedMLP alike.
+EXPERTS_MODULE = "mlp.experts."
+EXPERT_PREFIX = EXPERTS_MODULE + "local_experts."
 
 WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
 POSITION_EMBEDDINGS = "embedding.position_embeddings.weight"
@@ -281,7 +314,7 @@ def _expert_local_name(config: ModelConfig, local_layer: int, local_expert: int,
     if config.moe_grouped_gemm:
         # TEGroupedMLP registers one parameter per local expert: ``linear_fc1.weight0``, ….
         module, _, param = kind.canonical.rpartition(".")
-        return f"{LAYER_PREFIX}{local_layer}.mlp.experts.{module}.{param}{local_expert}"
+        return f"{LAYER_PREFIX}{local_layer}.{EXPERTS_MODULE}{module}.{param}{local_expert}"
     return f"{LAYER_PREFIX}{local_layer}.{EXPERT_PREFIX}{local_expert}.{kind.canonical}"
 
 
@@ -420,7 +453,7 @@ def te_extra_state_names(config: ModelConfig, layers: range, local_experts: int)
             continue
         names += [prefix + module + EXTRA_STATE_SUFFIX for module in modules]
         if config.moe_grouped_gemm:
-            names += [f"{prefix}mlp.experts.{fc}{EXTRA_STATE_SUFFIX}" for fc in TE_EXPERT_LINEARS]
+            names += [f"{prefix}{EXPERTS_MODULE}{fc}{EXTRA_STATE_SUFFIX}" for fc in TE_EXPERT_LINEARS]
         else:
             names += [f"{prefix}{EXPERT_PREFIX}{j}.{fc}{EXTRA_STATE_SUFFIX}"
                       for j in range(local_experts) for fc in TE_EXPERT_LINEARS]
@@ -441,6 +474,13 @@ def non_layer_chunk(name: str) -> str | None:
     if name.startswith(_LAST_CHUNK_PREFIXES):
         return "last"
     return None
+
+
+def is_routed_expert(name: str) -> bool:
+    """Whether a layer name (canonical or rank-local, a weight or an ``_extra_state``) belongs to a
+    routed expert (named by a local expert index in a rank file, so its meaning changes with EP)."""
+    parsed = canonical_layer(name)
+    return parsed is not None and parsed[1].startswith(EXPERTS_MODULE)
 
 
 def canonical_layer(name: str) -> tuple[int, str] | None:

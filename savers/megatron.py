@@ -36,17 +36,16 @@ from pgconvert.megatron_format import (
     rank_dir_name,
 )
 from pgconvert.provider import (
-    EXPERT_PREFIX,
     LAYER_PREFIX,
     ModelShard,
     TensorSpec,
     canonical_layer,
+    is_routed_expert,
     non_layer_chunk,
     provide,
     target_vocab_rows,
     te_extra_state_names,
 )
-from pgconvert.rules import VocabParallel
 from pgconvert.sizes import itemsize
 from pgconvert.stream import CanonicalSource, ExtraState
 from pgconvert.strict import fallback
@@ -138,14 +137,13 @@ class MegatronSaver(Saver):
         if config.transformer_impl == source.config.transformer_impl:
             names = list(source.extra_states())
             source_ep = {extra.ep_size for extra in source.extra_states().values()}
-            had_expert_entries = any(EXPERT_PREFIX in name for name in names)
-            if had_expert_entries and source_ep != {layout.ep}:
+            if any(map(is_routed_expert, names)) and source_ep != {layout.ep}:
                 # Routed-expert entries are named by local expert index, which means other experts
                 # (and another count of them) once EP changes: name them for this layout instead.
                 local_experts = (config.num_experts or 0) // layout.ep
-                names = [name for name in names if EXPERT_PREFIX not in name] + [
+                names = [name for name in names if not is_routed_expert(name)] + [
                     name for name in te_extra_state_names(config, shard.layers, local_experts)
-                    if EXPERT_PREFIX in name
+                    if is_routed_expert(name)
                 ]
         elif config.transformer_impl == "transformer_engine":
             names = te_extra_state_names(config, shard.layers, (config.num_experts or 0) // layout.ep)
@@ -260,7 +258,7 @@ class MegatronSaver(Saver):
 
 def _planned_piece(source: CanonicalSource, spec: TensorSpec, padded: int, dtype: torch.dtype) -> PlannedTensor:
     """The rank's piece of a tensor, cut from the source only when the writer reaches it."""
-    rows = padded if isinstance(spec.rule, VocabParallel) else None
+    rows = padded if spec.rule.fits_rows else None
 
     def produce() -> torch.Tensor:
         piece = source.load_shard(spec.canonical, spec.rule, spec.tp_size, spec.tp_rank, rows)

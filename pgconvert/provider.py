@@ -62,6 +62,11 @@ class TensorKind:
     exists: Condition = _always
     te_name: str | None = None
     keep_dtype: bool = False
+    # A norm's weight (gamma): megatron-core's --apply-layernorm-1p computes with 1 + gamma.
+    norm_weight: bool = False
+    # How the rows carry rotary dims: "head" (the dims of one head: q/k norms) or "qkv" (the fused
+    # q, k and v heads of each query group); None: no rotary rows.
+    rotary: str | None = None
 
     def rule_for(self, config: ModelConfig) -> ShardRule:
         return self.rule if isinstance(self.rule, ShardRule) else self.rule(config)
@@ -140,21 +145,25 @@ def layer_spec_of_key(key: str) -> str | None:
 # Per-layer tensors, names relative to ``decoder.layers.{L}.``; the TE spec's names of the fused
 # norms come from ``FUSED_NORM_NAMES``.
 ATTENTION_TENSORS: tuple[TensorKind, ...] = (
-    TensorKind("input_layernorm.weight", _hidden, REPLICATED, te_name=fused_norm_name("input_layernorm.weight")),
+    TensorKind("input_layernorm.weight", _hidden, REPLICATED, te_name=fused_norm_name("input_layernorm.weight"),
+               norm_weight=True),
     TensorKind("input_layernorm.bias", _hidden, REPLICATED, _layernorm,
                te_name=fused_norm_name("input_layernorm.bias")),
-    TensorKind("self_attention.linear_qkv.weight", lambda c: (c.qkv_rows, c.hidden_size), COLUMN),
-    TensorKind("self_attention.linear_qkv.bias", lambda c: (c.qkv_rows,), COLUMN, _qkv_bias),
-    TensorKind("self_attention.q_layernorm.weight", _head_dim, REPLICATED, _qk_norm),
+    TensorKind("self_attention.linear_qkv.weight", lambda c: (c.qkv_rows, c.hidden_size), COLUMN, rotary="qkv"),
+    TensorKind("self_attention.linear_qkv.bias", lambda c: (c.qkv_rows,), COLUMN, _qkv_bias, rotary="qkv"),
+    TensorKind("self_attention.q_layernorm.weight", _head_dim, REPLICATED, _qk_norm, norm_weight=True,
+               rotary="head"),
     TensorKind("self_attention.q_layernorm.bias", _head_dim, REPLICATED, _qk_norm_bias),
-    TensorKind("self_attention.k_layernorm.weight", _head_dim, REPLICATED, _qk_norm),
+    TensorKind("self_attention.k_layernorm.weight", _head_dim, REPLICATED, _qk_norm, norm_weight=True,
+               rotary="head"),
     TensorKind("self_attention.k_layernorm.bias", _head_dim, REPLICATED, _qk_norm_bias),
     TensorKind("self_attention.linear_proj.weight",
                lambda c: (c.hidden_size, c.num_attention_heads * c.head_dim), ROW),
     TensorKind("self_attention.linear_proj.bias", _hidden, REPLICATED, _bias),
 )
 DENSE_MLP_TENSORS: tuple[TensorKind, ...] = (
-    TensorKind("pre_mlp_layernorm.weight", _hidden, REPLICATED, te_name=fused_norm_name("pre_mlp_layernorm.weight")),
+    TensorKind("pre_mlp_layernorm.weight", _hidden, REPLICATED, te_name=fused_norm_name("pre_mlp_layernorm.weight"),
+               norm_weight=True),
     TensorKind("pre_mlp_layernorm.bias", _hidden, REPLICATED, _layernorm,
                te_name=fused_norm_name("pre_mlp_layernorm.bias")),
     TensorKind("mlp.linear_fc1.weight", _fc1_shape, _fc1_rule),
@@ -166,7 +175,7 @@ DENSE_MLP_TENSORS: tuple[TensorKind, ...] = (
 # router and its expert bias stay in their own dtype (float32 in megatron-core) whatever --dtype says.
 # An MoE layer's own tensors: those stored before its routed experts (norm, router), then after.
 MOE_TENSORS_BEFORE_EXPERTS: tuple[TensorKind, ...] = (
-    TensorKind("pre_mlp_layernorm.weight", _hidden, REPLICATED),
+    TensorKind("pre_mlp_layernorm.weight", _hidden, REPLICATED, norm_weight=True),
     TensorKind("pre_mlp_layernorm.bias", _hidden, REPLICATED, _layernorm),
     TensorKind("mlp.router.weight", lambda c: (c.num_experts or 0, c.hidden_size), REPLICATED, keep_dtype=True),
     TensorKind("mlp.router.expert_bias", lambda c: (c.num_experts or 0,), REPLICATED, _expert_bias,
@@ -302,12 +311,18 @@ def canonical_shapes(config: ModelConfig, vocab_rows: int | None = None) -> dict
 
 def keep_dtype_names(config: ModelConfig) -> set[str]:
     """Canonical tensors whose dtype is never changed by ``--dtype`` (router weights, expert bias)."""
-    return {
-        tensor.canonical
-        for layer in range(config.num_layers)
-        for tensor in layer_tensors(config, layer)
-        if tensor.kind.keep_dtype
-    }
+    return {name for name, kind in layer_kinds(config).items() if kind.keep_dtype}
+
+
+def layer_kinds(config: ModelConfig) -> dict[str, TensorKind]:
+    """Every layer tensor's table row, by canonical name."""
+    return {tensor.canonical: tensor.kind for layer in range(config.num_layers)
+            for tensor in layer_tensors(config, layer)}
+
+
+def norm_weight_names(config: ModelConfig) -> set[str]:
+    """Canonical norm weights (gamma) of the model: the layers' norms and the final norm."""
+    return {name for name, kind in layer_kinds(config).items() if kind.norm_weight} | {FINAL_NORM_WEIGHT}
 
 
 def _expert_local_name(config: ModelConfig, local_layer: int, local_expert: int, kind: TensorKind) -> str:

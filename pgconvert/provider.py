@@ -417,9 +417,14 @@ def _add_embeddings(config: ModelConfig, add: _SpecAdder, vocab_shape: tuple[int
             (config.max_position_embeddings, config.hidden_size), REPLICATED)
 
 
+def local_expert_count(config: ModelConfig, ep_size: int) -> int:
+    """Routed experts per expert-parallel rank (EP rank r holds experts ``[r·n, (r+1)·n)``)."""
+    return (config.num_experts or 0) // ep_size
+
+
 def _add_layers(config: ModelConfig, add: _SpecAdder, layers: range, ep_size: int, ep_rank: int) -> None:
     """The tensors of ``layers``: dense ones, and the experts local to EP rank ``ep_rank``."""
-    experts_per_rank = (config.num_experts or 0) // ep_size
+    experts_per_rank = local_expert_count(config, ep_size)
     local_experts = range(ep_rank * experts_per_rank, (ep_rank + 1) * experts_per_rank)
     for local_index, layer in enumerate(layers):
         for tensor in layer_tensors(config, layer):
@@ -457,8 +462,10 @@ TE_SHARED_EXPERT_LINEARS = ("mlp.shared_experts.linear_fc1", "mlp.shared_experts
 TE_EXPERT_LINEARS = ("linear_fc1", "linear_fc2")
 
 
-def te_extra_state_names(config: ModelConfig, layers: range, local_experts: int) -> list[str]:
-    """``_extra_state`` keys (global layer, local expert index) a TE-spec model chunk holds."""
+def te_extra_state_names(config: ModelConfig, layers: range, ep_size: int) -> list[str]:
+    """``_extra_state`` keys (global layer, local expert index) a TE-spec model chunk holds at
+    expert-parallel size ``ep_size``."""
+    local_experts = local_expert_count(config, ep_size)
     names = []
     for layer in layers:
         prefix = f"{LAYER_PREFIX}{layer}."

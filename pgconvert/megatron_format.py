@@ -269,7 +269,8 @@ def _config_from_args(args: argparse.Namespace, path: Path, transformer_impl: st
         num_query_groups=groups or heads,
         kv_channels=getattr(args, "kv_channels", None) or None,
         vocab_size=vocab,
-        make_vocab_size_divisible_by=getattr(args, "make_vocab_size_divisible_by", None) or 128,
+        make_vocab_size_divisible_by=(getattr(args, "make_vocab_size_divisible_by", None)
+                                      or ModelConfig.make_vocab_size_divisible_by),
         gated_linear_unit=swiglu,
         activation="silu" if swiglu else "gelu",
         normalization=getattr(args, "normalization", None) or "LayerNorm",

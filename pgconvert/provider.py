@@ -484,6 +484,8 @@ def te_extra_state_names(config: ModelConfig, layers: range, ep_size: int) -> li
     return names
 
 
+# GPTModel's top-level modules: every model key starts with one of them.
+MODEL_MODULE_PREFIXES = ("embedding.", "decoder.", "output_layer.")
 # Where a non-layer module lives: its entries go to the first or the last pipeline chunk.
 _FIRST_CHUNK_PREFIXES = ("embedding.",)
 _LAST_CHUNK_PREFIXES = ("output_layer.", "decoder.final_layernorm.")

@@ -61,7 +61,8 @@ from pgconvert.config import ModelConfig
 from pgconvert.errors import CheckpointError, UnsafePickleError
 from pgconvert.limits import over_limit, quote, read_json
 from pgconvert.megatron_format import resolve_megatron_iteration
-from pgconvert.provider import (EXPERTS_MODULE, EXTRA_STATE_SUFFIX, LAYER_PREFIX, TE_ATTENTION_LINEARS,
+from pgconvert.provider import (EXPERTS_MODULE, EXTRA_STATE_SUFFIX, LAYER_PREFIX, MODEL_MODULE_PREFIXES,
+                                TE_ATTENTION_LINEARS,
                                 TE_DENSE_MLP_LINEARS, TE_EXPERT_LINEARS, TE_SHARED_EXPERT_LINEARS, TensorKind,
                                 canonical_names, fused_norm_name, layer_tensors)
 
@@ -89,8 +90,6 @@ CONTENT_METADATA: dict[str, Any] = {
 # Entries of a training checkpoint that are not model weights: optimizer state (ShardedTensors and
 # objects, ``chained_N.`` before chained_optim_avoid_prefix), RNG and rerun-machine state.
 TRAINING_STATE_PREFIXES = ("optimizer.", "chained_", "rng_state", "rerun_state_machine_state")
-# Keys of the model's own entries (anything else is refused as unknown).
-MODEL_KEY_PREFIXES = ("embedding.", "decoder.", "output_layer.")
 
 EXPERTS_KEY = EXPERTS_MODULE + "experts."
 
@@ -195,7 +194,7 @@ def extra_state_keys(config: ModelConfig) -> list[str]:
 
 def is_extra_state(key: str) -> bool:
     head, sep, _ = key.partition("/shard_")
-    return bool(sep) and head.endswith(EXTRA_STATE_SUFFIX) and head.startswith(MODEL_KEY_PREFIXES)
+    return bool(sep) and head.endswith(EXTRA_STATE_SUFFIX) and head.startswith(MODEL_MODULE_PREFIXES)
 
 
 def is_training_state(key: str) -> bool:

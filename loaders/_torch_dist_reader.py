@@ -53,7 +53,7 @@ from pgconvert.megatron_format import (
 from pgconvert.limits import quote
 from pgconvert.torch_input import check_torch_stream
 from pgconvert.paths import ensure_within
-from pgconvert.provider import OUTPUT_LAYER, WORD_EMBEDDINGS, canonical_shapes, te_extra_state_names
+from pgconvert.provider import OUTPUT_LAYER, VOCAB_TABLES, WORD_EMBEDDINGS, canonical_shapes, te_extra_state_names
 from pgconvert.rules import ShardRule, assemble
 from pgconvert.stream import CanonicalSource, ExtraState, TensorMeta, holds_state
 from pgconvert.strict import fallback
@@ -258,7 +258,7 @@ class TorchDistSource(CanonicalSource):
                 f"{'layers stacked' if stacked_layers(config) else 'one key per layer'}); "
                 f"missing: {missing}; unexpected: {unexpected}"
             )
-        vocab_keys = {self._locations[name].key for name in (WORD_EMBEDDINGS, OUTPUT_LAYER) if name in self._locations}
+        vocab_keys = {self._locations[name].key for name in VOCAB_TABLES if name in self._locations}
         for key, shape in expected.items():
             found = tuple(tensors[key].size)
             # Vocab tables may have any padded row count; it is checked against the true vocab below.
@@ -270,7 +270,7 @@ class TorchDistSource(CanonicalSource):
                 )
         output = self._locations.get(OUTPUT_LAYER)
         if output is not None and tuple(tensors[output.key].size)[0] != rows:
-            raise CheckpointError(f"{metadata_path}: output_layer.weight has {tensors[output.key].size[0]} rows, "
+            raise CheckpointError(f"{metadata_path}: {OUTPUT_LAYER} has {tensors[output.key].size[0]} rows, "
                                   f"{WORD_EMBEDDINGS} {rows}")
         return rows, len(training)
 
@@ -352,8 +352,7 @@ class TorchDistSource(CanonicalSource):
         config = self.config
         if config.transformer_impl != "transformer_engine":
             return {}
-        local_experts = (config.num_experts or 0) // self.layout.ep
-        names = te_extra_state_names(config, range(config.num_layers), local_experts)
+        names = te_extra_state_names(config, range(config.num_layers), self.layout.ep)
         return {name: ExtraState(tp_size=self.layout.tp, ep_size=self.layout.ep) for name in names}
 
     def _load(self, name: str) -> torch.Tensor:

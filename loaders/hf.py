@@ -13,7 +13,7 @@ import torch
 
 from pgconvert.config import ModelConfig
 from pgconvert.errors import CheckpointError, ConfigError, LayoutError, ValidationError
-from pgconvert.families import GATE_UP, IDENTITY, QKV, Family, TensorMapping
+from pgconvert.families import Family, PartReader, TensorMapping
 from pgconvert.formats import Loader, LoadOptions
 from pgconvert.hf_format import (
     CONFIG_FILE,
@@ -32,7 +32,7 @@ from pgconvert.hf_format import (
 )
 from pgconvert.hf_side import find_side_files
 from pgconvert.provider import OUTPUT_LAYER, WORD_EMBEDDINGS, canonical_names
-from pgconvert.rules import ShardRule, Window, assemble
+from pgconvert.rules import ShardRule, assemble
 from pgconvert.stream import CanonicalSource, TensorMeta
 
 log = logging.getLogger(__name__)
@@ -205,59 +205,33 @@ class HFSource(CanonicalSource):
         """A TP piece read straight from the HF tensors' byte ranges where the transform allows.
 
         The rule names the piece's global windows (rows, gated halves, vocab rows with zero fill);
-        tensors whose HF parts are joined row after row (identity, gate/up) read those windows,
-        fused QKV reads the query groups a window covers; anything else goes through the full tensor.
+        the row's transform says whether it reads each window from ranges of its HF parts (and
+        reads it); otherwise the piece is cut from the full tensor.
         """
         row, hf_names = self._rows[name]
         meta = self._metas[name]
         windows = rule.piece_windows(meta.shape, size, rank, rows, self.config.vocab_size)
-        joined = row.transform is IDENTITY or (row.transform is GATE_UP and all(w.dim == 0 for w in windows))
-        if windows and joined:
-            piece = self._read_windows(hf_names, windows, meta)
+        transform = row.transform
+        if windows and all(w.zeros or transform.reads_window(w, meta.shape, self.config) for w in windows):
+            read_part = self._part_reader(hf_names)
+            piece = assemble(windows, lambda w: transform.read_window(w, meta.shape, self.config, read_part),
+                             meta.shape, meta.dtype)
             if name == WORD_EMBEDDINGS and self._tied_copy is not None:
-                self._check_tied_copy(piece, self._read_windows((self._tied_copy,), windows, meta), hf_names[0])
+                copy = self._part_reader((self._tied_copy,))
+                stored = assemble(windows, lambda w: copy(0, w.dim, w.start, w.start + w.length), meta.shape, meta.dtype)
+                self._check_tied_copy(piece, stored, hf_names[0])
             return piece
         if name == WORD_EMBEDDINGS and self._tied_copy is not None:
             self._load(name)  # checks the stored tied copy
-        if row.transform is QKV and len(windows) == 1:
-            piece = self._qkv_piece(hf_names, windows[0])
-            if piece is not None:
-                return piece
         return super()._load_shard(name, rule, size, rank, rows)
 
-    def _read_windows(self, hf_names: tuple[str, ...], windows: tuple[Window, ...], meta: TensorMeta) -> torch.Tensor:
-        """The windows of the tensor whose HF parts, joined along dim 0, make ``meta.shape``."""
-        part_rows = meta.shape[0] // len(hf_names)
+    def _part_reader(self, hf_names: tuple[str, ...]) -> PartReader:
+        """Reads rows ``[start, stop)`` along ``dim`` of HF tensor ``hf_names[part]``."""
+        def read(part: int, dim: int, start: int, stop: int) -> torch.Tensor:
+            hf = hf_names[part]
+            return read_tensor_range(self._files[hf], hf, dim, start, stop)
 
-        def read(window: Window) -> torch.Tensor:
-            if len(hf_names) == 1:
-                hf = hf_names[0]
-                return read_tensor_range(self._files[hf], hf, window.dim, window.start, window.start + window.length)
-            pieces = []
-            for index, hf in enumerate(hf_names):
-                lo = max(window.start, index * part_rows)
-                hi = min(window.start + window.length, (index + 1) * part_rows)
-                if lo < hi:
-                    pieces.append(read_tensor_range(self._files[hf], hf, 0, lo - index * part_rows, hi - index * part_rows))
-            return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
-
-        return assemble(windows, read, meta.shape, meta.dtype)
-
-    def _qkv_piece(self, hf_names: tuple[str, ...], window: Window) -> torch.Tensor | None:
-        """Fused QKV rows of ``window`` read as q/k/v rows of its query groups; None when the window
-        does not fall on group boundaries."""
-        config = self.config
-        heads_per_group = config.num_attention_heads // config.query_groups
-        group_rows = (heads_per_group + 2) * config.head_dim
-        if window.dim != 0 or window.zeros or window.start % group_rows or window.length % group_rows:
-            return None
-        first, groups = window.start // group_rows, window.length // group_rows
-        q_rows, kv_rows = heads_per_group * config.head_dim, config.head_dim
-        parts = [
-            read_tensor_range(self._files[hf], hf, 0, first * step, (first + groups) * step)
-            for hf, step in zip(hf_names, (q_rows, kv_rows, kv_rows), strict=True)
-        ]
-        return QKV.fuse(parts, config.replace(num_query_groups=groups, num_attention_heads=groups * heads_per_group))
+        return read
 
     def close(self) -> None:
         self._files.clear()

@@ -38,20 +38,22 @@ from pgconvert.torch_input import mappable
 from pgconvert.memory import concat_releasing, release_mapped_pages
 from pgconvert.paths import ensure_within
 from pgconvert.provider import (
+    EXTRA_STATE_SUFFIX,
     LAYER_PREFIX,
+    WORD_EMBEDDINGS,
     TensorSpec,
     canonical_layer,
     canonical_names,
+    layer_spec_of_key,
     non_layer_chunk,
     provide,
 )
-from pgconvert.rules import Replicated, ReplicaMismatchError, ShardRule, VocabParallel, bitwise_equal, concatenating_with
+from pgconvert.rules import ReplicaMismatchError, ShardRule, bitwise_equal, concatenating_with
 from pgconvert.stream import CanonicalSource, ExtraState, TensorMeta
 from pgconvert.strict import fallback
 
 log = logging.getLogger(__name__)
 
-EXTRA_STATE_SUFFIX = "._extra_state"
 GROUPED_EXPERT_RE = re.compile(r"\.mlp\.experts\.linear_fc[12]\.weight\d+$")
 # Rotary frequencies are recomputed from the config by every framework; they are not weights.
 IGNORED_SUFFIXES = (".inv_freq",)
@@ -110,10 +112,10 @@ def resolve_iteration_dir(root: Path, iteration: int | None) -> tuple[Path, int 
 def _detect_impl(model: dict[str, Any], args: argparse.Namespace) -> str:
     # Only the fused norm names tell the specs apart: megatron-core's local-spec linears write
     # ``_extra_state`` entries (None) too.
-    if any(key.endswith(".layer_norm_weight") for key in model):
-        return "transformer_engine"
-    if any(key.endswith(".input_layernorm.weight") for key in model):
-        return "local"
+    specs = {layer_spec_of_key(key) for key in model}
+    for impl in ("transformer_engine", "local"):
+        if impl in specs:
+            return impl
     return "transformer_engine" if getattr(args, "transformer_impl", "local") == "transformer_engine" else "local"
 
 
@@ -241,7 +243,7 @@ class MegatronSource(CanonicalSource):
         """The model's config from ``args``, with the layer spec told apart by the TP-rank-0 keys."""
         all_first_keys = [key for (coord, _), model in models.items() if coord.tp == 0 for key in model]
         impl = _detect_impl(dict.fromkeys(all_first_keys), args)
-        if not any(k.endswith((".layer_norm_weight", ".input_layernorm.weight")) for k in all_first_keys):
+        if not any(layer_spec_of_key(key) for key in all_first_keys):
             fallback(f"{first_file}: no norm keys tell the layer spec apart; assuming "
                      f"transformer_impl={impl!r} from args", options.strict, self._early_notices)
         config = config_from_args(args, first_file, impl, options.true_vocab_size,
@@ -254,7 +256,7 @@ class MegatronSource(CanonicalSource):
         """The vocab tables' global row count: ``args.padded_vocab_size``, else the embedding's."""
         padded = getattr(args, "padded_vocab_size", None)
         if not isinstance(padded, int):
-            embedding = first_model.get("embedding.word_embeddings.weight")
+            embedding = first_model.get(WORD_EMBEDDINGS)
             if not isinstance(embedding, torch.Tensor):
                 raise CheckpointError(f"{first_file}: no args.padded_vocab_size and no word embeddings")
             padded = embedding.shape[0] * self.layout.tp
@@ -352,7 +354,7 @@ class MegatronSource(CanonicalSource):
             return
         reference = copies[0]
         for group in copies:
-            if isinstance(group[0].spec.rule, Replicated):
+            if group[0].spec.rule.replicated:
                 for piece in group[1:]:
                     if not bitwise_equal(self._tensor(piece), self._tensor(group[0])):
                         raise ReplicaMismatchError(
@@ -395,10 +397,7 @@ class MegatronSource(CanonicalSource):
         self._verify(name, copies)
         tensors = [self._tensor(p) for p in copies[0]]
         with self._concatenating(copies[0]):
-            if rows is not None and isinstance(rule, VocabParallel):
-                piece = rule.reshard_rows(tensors, rows, self.config.vocab_size, size, rank)
-            else:
-                piece = rule.reshard(tensors, size, rank)
+            piece = rule.reshard_rows(tensors, rows, self.config.vocab_size, size, rank)
         self._release(copies[0])
         return piece
 

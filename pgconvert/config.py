@@ -11,7 +11,7 @@ from pgconvert.errors import ConfigError
 from pgconvert.limits import quote
 
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")
-POSITION_EMBEDDINGS = ("rope", "learned_absolute", "none")
+POSITION_EMBEDDING_TYPES = ("rope", "learned_absolute", "none")
 ACTIVATIONS = ("silu", "gelu")
 # Megatron's two layer specs name the fused norms differently; pgconvert keeps the source's choice.
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
@@ -106,7 +106,7 @@ class ModelConfig:
         if self.vocab_size is not None:
             _require_positive("vocab_size", self.vocab_size)
         _require_choice("normalization", self.normalization, NORMALIZATIONS)
-        _require_choice("position_embedding_type", self.position_embedding_type, POSITION_EMBEDDINGS)
+        _require_choice("position_embedding_type", self.position_embedding_type, POSITION_EMBEDDING_TYPES)
         _require_choice("activation", self.activation, ACTIVATIONS)
         _require_choice("transformer_impl", self.transformer_impl, TRANSFORMER_IMPLS)
         _require_choice("params_dtype", self.params_dtype, DTYPES)

@@ -26,9 +26,12 @@ import torch
 
 from pgconvert.config import ModelConfig
 from pgconvert.limits import quote
+from pgconvert.rules import Window
 from pgconvert.semantics import MEGATRON_LLAMA3, rope_parameters, rope_type_of
 
 SLOT = "{}"
+# Rows ``[start, stop)`` along a dim of one HF part of a canonical tensor: (part index, dim, start, stop).
+PartReader = Callable[[int, int, int, int], torch.Tensor]
 
 
 class Transform:
@@ -46,6 +49,19 @@ class Transform:
     def part_shapes(self, shape: tuple[int, ...], config: ModelConfig) -> list[tuple[int, ...]]:
         """Shapes of the HF tensors of a canonical tensor of ``shape``."""
         raise NotImplementedError
+
+    # Whether the canonical tensor is nothing (its HF tensor is dropped on purpose).
+    drops: bool = False
+
+    def reads_window(self, window: Window, shape: tuple[int, ...], config: ModelConfig) -> bool:
+        """Whether ``read_window`` can read ``window`` of the canonical tensor from ranges of the HF
+        parts; otherwise a reader fuses the whole tensor and cuts it."""
+        return False
+
+    def read_window(self, window: Window, shape: tuple[int, ...], config: ModelConfig,
+                    read_part: PartReader) -> torch.Tensor:
+        """``window`` of the canonical tensor of ``shape``, read as ranges of its HF parts."""
+        raise NotImplementedError(f"{self.name} cannot read a window of its parts")
 
     def __repr__(self) -> str:
         return f"<transform {self.name}>"
@@ -66,12 +82,20 @@ class Identity(Transform):
     def part_shapes(self, shape: tuple[int, ...], config: ModelConfig) -> list[tuple[int, ...]]:
         return [shape]
 
+    def reads_window(self, window: Window, shape: tuple[int, ...], config: ModelConfig) -> bool:
+        return True
+
+    def read_window(self, window: Window, shape: tuple[int, ...], config: ModelConfig,
+                    read_part: PartReader) -> torch.Tensor:
+        return read_part(0, window.dim, window.start, window.start + window.length)
+
 
 class Dropped(Transform):
     """An HF tensor that has no canonical counterpart on purpose (a recomputed buffer)."""
 
     name = "dropped"
     parts = 1
+    drops = True
 
 
 class FuseQKVByGroup(Transform):
@@ -124,6 +148,22 @@ class FuseQKVByGroup(Transform):
         rest = tuple(shape[1:])
         return [(groups * q_rows, *rest), (groups * kv_rows, *rest), (groups * kv_rows, *rest)]
 
+    def reads_window(self, window: Window, shape: tuple[int, ...], config: ModelConfig) -> bool:
+        """Rows on query-group boundaries: the q, k and v rows of those groups."""
+        _, q_rows, kv_rows = self._dims(config)
+        group_rows = q_rows + 2 * kv_rows
+        return window.dim == 0 and window.start % group_rows == 0 and window.length % group_rows == 0
+
+    def read_window(self, window: Window, shape: tuple[int, ...], config: ModelConfig,
+                    read_part: PartReader) -> torch.Tensor:
+        groups_total, q_rows, kv_rows = self._dims(config)
+        group_rows = q_rows + 2 * kv_rows
+        first, groups = window.start // group_rows, window.length // group_rows
+        parts = [read_part(index, 0, first * step, (first + groups) * step)
+                 for index, step in enumerate((q_rows, kv_rows, kv_rows))]
+        heads_per_group = config.num_attention_heads // groups_total
+        return self.fuse(parts, config.replace(num_query_groups=groups, num_attention_heads=groups * heads_per_group))
+
 
 class FuseGateUp(Transform):
     """``gate_proj``, ``up_proj`` <-> the gated ``linear_fc1`` = ``[gate; up]`` (gate first)."""
@@ -140,6 +180,24 @@ class FuseGateUp(Transform):
 
     def part_shapes(self, shape: tuple[int, ...], config: ModelConfig) -> list[tuple[int, ...]]:
         return [(shape[0] // 2, *shape[1:])] * 2
+
+    def reads_window(self, window: Window, shape: tuple[int, ...], config: ModelConfig) -> bool:
+        return True
+
+    def read_window(self, window: Window, shape: tuple[int, ...], config: ModelConfig,
+                    read_part: PartReader) -> torch.Tensor:
+        """Rows of ``[gate; up]`` from the parts they fall in; columns from both parts."""
+        if window.dim != 0:
+            return torch.cat([read_part(index, window.dim, window.start, window.start + window.length)
+                              for index in range(self.parts)], dim=0)
+        part_rows = shape[0] // self.parts
+        pieces = []
+        for index in range(self.parts):
+            lo = max(window.start, index * part_rows)
+            hi = min(window.start + window.length, (index + 1) * part_rows)
+            if lo < hi:
+                pieces.append(read_part(index, 0, lo - index * part_rows, hi - index * part_rows))
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
 
 
 IDENTITY = Identity()
@@ -171,7 +229,7 @@ class TensorMapping:
                 f"mapping {self.canonical!r}: transform {self.transform.name} takes "
                 f"{self.transform.parts} HF tensors, {len(self.hf)} given ({list(self.hf)})"
             )
-        if (self.canonical is None) != (self.transform is DROPPED):
+        if (self.canonical is None) != self.transform.drops:
             raise ValueError(f"mapping {self.hf}: canonical=None and the dropped transform go together")
         slots = {pattern.count(SLOT) for pattern in self.hf}
         if self.canonical is not None:

@@ -42,7 +42,8 @@ SHARD_SUFFIX = ".safetensors"
 # transformers' default max_shard_size="5GB" (decimal units).
 DEFAULT_MAX_SHARD_SIZE = 5_000_000_000
 # The HF-sourced model's Megatron-only settings: the local layer spec and Megatron's default padding.
-LOADED_DEFAULTS: dict[str, object] = {"transformer_impl": "local", "make_vocab_size_divisible_by": 128}
+LOADED_DEFAULTS: dict[str, object] = {name: getattr(ModelConfig, name)
+                                      for name in ("transformer_impl", "make_vocab_size_divisible_by")}
 # transformers 5 writes "dtype"; 4.x wrote "torch_dtype".
 DTYPE_KEYS: tuple[str, ...] = ("dtype", "torch_dtype")
 

@@ -209,17 +209,6 @@ def _unsafe_global(message: str) -> str | None:
     return f"global {match.group(1)}" if match else None
 
 
-def plain_args(args: argparse.Namespace) -> tuple[argparse.Namespace, list[str]]:
-    """A copy of ``args`` with framework stand-ins replaced by their plain values, and their names."""
-    values = dict(vars(args))
-    replaced = []
-    for key, value in values.items():
-        if isinstance(value, OpaqueGlobal):
-            values[key] = value.value
-            replaced.append(key)
-    return argparse.Namespace(**values), sorted(replaced)
-
-
 def params_dtype_for(dtypes: Iterable[torch.dtype], config: ModelConfig) -> torch.dtype:
     """The ``params_dtype`` a destination's args declare: the dtype of the first tensor stored in
     one Megatron trains in (float32, bfloat16, float16), else the model's. A stray tensor in another
@@ -280,7 +269,8 @@ def _config_from_args(args: argparse.Namespace, path: Path, transformer_impl: st
         num_query_groups=groups or heads,
         kv_channels=getattr(args, "kv_channels", None) or None,
         vocab_size=vocab,
-        make_vocab_size_divisible_by=getattr(args, "make_vocab_size_divisible_by", None) or 128,
+        make_vocab_size_divisible_by=(getattr(args, "make_vocab_size_divisible_by", None)
+                                      or ModelConfig.make_vocab_size_divisible_by),
         gated_linear_unit=swiglu,
         activation="silu" if swiglu else "gelu",
         normalization=getattr(args, "normalization", None) or "LayerNorm",
@@ -409,11 +399,11 @@ UNCONDITIONAL_ARGS = ("sequence_parallel", "apply_query_key_layer_scaling")
 
 def args_for_target(config: ModelConfig, layout: ParallelLayout, padded_vocab_size: int,
                     dtype: torch.dtype, iteration: int | None,
-                    base: argparse.Namespace | None) -> tuple[argparse.Namespace, list[str]]:
+                    base: argparse.Namespace | None) -> argparse.Namespace:
     """The ``args`` a destination rank file carries: the source's, re-described for ``layout``."""
     # Framework enums and objects are kept as stand-ins: they are written back as Megatron's own
     # classes (``FrameworkPickler``), which its validate_args requires.
-    args, replaced = argparse.Namespace(**vars(base)) if base is not None else argparse.Namespace(), []
+    args = argparse.Namespace(**vars(base)) if base is not None else argparse.Namespace()
     values = _model_args(config)
     values.update(_layout_args(config, layout))
     values.update(_run_args(padded_vocab_size, dtype, iteration))
@@ -432,7 +422,7 @@ def args_for_target(config: ModelConfig, layout: ParallelLayout, padded_vocab_si
             values[name] = False
     for key, value in values.items():
         setattr(args, key, value)
-    return args, replaced
+    return args
 
 
 def _model_args(config: ModelConfig) -> dict[str, Any]:

@@ -62,6 +62,11 @@ class TensorKind:
     exists: Condition = _always
     te_name: str | None = None
     keep_dtype: bool = False
+    # A norm's weight (gamma): megatron-core's --apply-layernorm-1p computes with 1 + gamma.
+    norm_weight: bool = False
+    # How the rows carry rotary dims: "head" (the dims of one head: q/k norms) or "qkv" (the fused
+    # q, k and v heads of each query group); None: no rotary rows.
+    rotary: str | None = None
 
     def rule_for(self, config: ModelConfig) -> ShardRule:
         return self.rule if isinstance(self.rule, ShardRule) else self.rule(config)
@@ -105,28 +110,62 @@ def _shared_rows(c: ModelConfig) -> int:
     return c.moe_shared_expert_intermediate_size * (2 if c.gated_linear_unit else 1)
 
 
-# Per-layer tensors, names relative to ``decoder.layers.{L}.``; the TE spec fuses the input and
-# pre-MLP norms into the following linear (``layer_norm_weight``), megatron-core's local spec keeps them.
+# The Transformer Engine spec fuses the input and pre-MLP norms into the following linear
+# (TELayerNormColumnParallelLinear): (local-spec module prefix, the TE spec's fused prefix), relative
+# to a layer. megatron-core's local spec keeps separate norms but saves them under the fused names in
+# a torch_dist checkpoint (its sharded_state_dict_keys_map), MoE layers included; TE-spec MoE layers
+# have no linear to fuse the pre-MLP norm into and keep ``pre_mlp_layernorm.*`` everywhere.
+FUSED_NORM_NAMES: tuple[tuple[str, str], ...] = (
+    ("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
+    ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"),
+)
+
+
+def fused_norm_name(rest: str) -> str | None:
+    """A layer tensor's name (relative to its layer) under the TE spec's fused norm naming; None
+    for a tensor that is not one of the fused norms."""
+    for local, fused in FUSED_NORM_NAMES:
+        if rest.startswith(local):
+            return fused + rest[len(local):]
+    return None
+
+
+def layer_spec_of_key(key: str) -> str | None:
+    """``"transformer_engine"`` for a layer key under a TE fused norm name, ``"local"`` for one under
+    the input norm's separate name (present in every layer of the local spec), else None."""
+    parsed = canonical_layer(key)
+    if parsed is None:
+        return None
+    rest = parsed[1]
+    if any(rest.startswith(fused) for _, fused in FUSED_NORM_NAMES):
+        return "transformer_engine"
+    return "local" if rest.startswith(FUSED_NORM_NAMES[0][0]) else None
+
+
+# Per-layer tensors, names relative to ``decoder.layers.{L}.``; the TE spec's names of the fused
+# norms come from ``FUSED_NORM_NAMES``.
 ATTENTION_TENSORS: tuple[TensorKind, ...] = (
-    TensorKind("input_layernorm.weight", _hidden, REPLICATED,
-               te_name="self_attention.linear_qkv.layer_norm_weight"),
+    TensorKind("input_layernorm.weight", _hidden, REPLICATED, te_name=fused_norm_name("input_layernorm.weight"),
+               norm_weight=True),
     TensorKind("input_layernorm.bias", _hidden, REPLICATED, _layernorm,
-               te_name="self_attention.linear_qkv.layer_norm_bias"),
-    TensorKind("self_attention.linear_qkv.weight", lambda c: (c.qkv_rows, c.hidden_size), COLUMN),
-    TensorKind("self_attention.linear_qkv.bias", lambda c: (c.qkv_rows,), COLUMN, _qkv_bias),
-    TensorKind("self_attention.q_layernorm.weight", _head_dim, REPLICATED, _qk_norm),
+               te_name=fused_norm_name("input_layernorm.bias")),
+    TensorKind("self_attention.linear_qkv.weight", lambda c: (c.qkv_rows, c.hidden_size), COLUMN, rotary="qkv"),
+    TensorKind("self_attention.linear_qkv.bias", lambda c: (c.qkv_rows,), COLUMN, _qkv_bias, rotary="qkv"),
+    TensorKind("self_attention.q_layernorm.weight", _head_dim, REPLICATED, _qk_norm, norm_weight=True,
+               rotary="head"),
     TensorKind("self_attention.q_layernorm.bias", _head_dim, REPLICATED, _qk_norm_bias),
-    TensorKind("self_attention.k_layernorm.weight", _head_dim, REPLICATED, _qk_norm),
+    TensorKind("self_attention.k_layernorm.weight", _head_dim, REPLICATED, _qk_norm, norm_weight=True,
+               rotary="head"),
     TensorKind("self_attention.k_layernorm.bias", _head_dim, REPLICATED, _qk_norm_bias),
     TensorKind("self_attention.linear_proj.weight",
                lambda c: (c.hidden_size, c.num_attention_heads * c.head_dim), ROW),
     TensorKind("self_attention.linear_proj.bias", _hidden, REPLICATED, _bias),
 )
 DENSE_MLP_TENSORS: tuple[TensorKind, ...] = (
-    TensorKind("pre_mlp_layernorm.weight", _hidden, REPLICATED,
-               te_name="mlp.linear_fc1.layer_norm_weight"),
+    TensorKind("pre_mlp_layernorm.weight", _hidden, REPLICATED, te_name=fused_norm_name("pre_mlp_layernorm.weight"),
+               norm_weight=True),
     TensorKind("pre_mlp_layernorm.bias", _hidden, REPLICATED, _layernorm,
-               te_name="mlp.linear_fc1.layer_norm_bias"),
+               te_name=fused_norm_name("pre_mlp_layernorm.bias")),
     TensorKind("mlp.linear_fc1.weight", _fc1_shape, _fc1_rule),
     TensorKind("mlp.linear_fc1.bias", lambda c: (c.fc1_rows,), _fc1_rule, _bias),
     TensorKind("mlp.linear_fc2.weight", lambda c: (c.hidden_size, c.ffn_hidden_size), ROW),
@@ -136,7 +175,7 @@ DENSE_MLP_TENSORS: tuple[TensorKind, ...] = (
 # router and its expert bias stay in their own dtype (float32 in megatron-core) whatever --dtype says.
 # An MoE layer's own tensors: those stored before its routed experts (norm, router), then after.
 MOE_TENSORS_BEFORE_EXPERTS: tuple[TensorKind, ...] = (
-    TensorKind("pre_mlp_layernorm.weight", _hidden, REPLICATED),
+    TensorKind("pre_mlp_layernorm.weight", _hidden, REPLICATED, norm_weight=True),
     TensorKind("pre_mlp_layernorm.bias", _hidden, REPLICATED, _layernorm),
     TensorKind("mlp.router.weight", lambda c: (c.num_experts or 0, c.hidden_size), REPLICATED, keep_dtype=True),
     TensorKind("mlp.router.expert_bias", lambda c: (c.num_experts or 0,), REPLICATED, _expert_bias,
@@ -156,7 +195,10 @@ EXPERT_TENSORS: tuple[TensorKind, ...] = (
                lambda c: (c.expert_ffn_size * (2 if c.gated_linear_unit else 1), c.hidden_size), _fc1_rule),
     TensorKind("linear_fc2.weight", lambda c: (c.hidden_size, c.expert_ffn_size), ROW),
 )
-EXPERT_PREFIX = "mlp.experts.local_experts."
+# Every routed expert's module lives under this, relative to a layer: ``local_experts.{E}.`` of
+# SequentialMLP and the grouped-GEMM ``linear_fc1``/``linear_fc2`` of TEGroupedMLP alike.
+EXPERTS_MODULE = "mlp.experts."
+EXPERT_PREFIX = EXPERTS_MODULE + "local_experts."
 
 WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
 POSITION_EMBEDDINGS = "embedding.position_embeddings.weight"
@@ -269,19 +311,25 @@ def canonical_shapes(config: ModelConfig, vocab_rows: int | None = None) -> dict
 
 def keep_dtype_names(config: ModelConfig) -> set[str]:
     """Canonical tensors whose dtype is never changed by ``--dtype`` (router weights, expert bias)."""
-    return {
-        tensor.canonical
-        for layer in range(config.num_layers)
-        for tensor in layer_tensors(config, layer)
-        if tensor.kind.keep_dtype
-    }
+    return {name for name, kind in layer_kinds(config).items() if kind.keep_dtype}
+
+
+def layer_kinds(config: ModelConfig) -> dict[str, TensorKind]:
+    """Every layer tensor's table row, by canonical name."""
+    return {tensor.canonical: tensor.kind for layer in range(config.num_layers)
+            for tensor in layer_tensors(config, layer)}
+
+
+def norm_weight_names(config: ModelConfig) -> set[str]:
+    """Canonical norm weights (gamma) of the model: the layers' norms and the final norm."""
+    return {name for name, kind in layer_kinds(config).items() if kind.norm_weight} | {FINAL_NORM_WEIGHT}
 
 
 def _expert_local_name(config: ModelConfig, local_layer: int, local_expert: int, kind: TensorKind) -> str:
     if config.moe_grouped_gemm:
         # TEGroupedMLP registers one parameter per local expert: ``linear_fc1.weight0``, ….
         module, _, param = kind.canonical.rpartition(".")
-        return f"{LAYER_PREFIX}{local_layer}.mlp.experts.{module}.{param}{local_expert}"
+        return f"{LAYER_PREFIX}{local_layer}.{EXPERTS_MODULE}{module}.{param}{local_expert}"
     return f"{LAYER_PREFIX}{local_layer}.{EXPERT_PREFIX}{local_expert}.{kind.canonical}"
 
 
@@ -369,9 +417,14 @@ def _add_embeddings(config: ModelConfig, add: _SpecAdder, vocab_shape: tuple[int
             (config.max_position_embeddings, config.hidden_size), REPLICATED)
 
 
+def local_expert_count(config: ModelConfig, ep_size: int) -> int:
+    """Routed experts per expert-parallel rank (EP rank r holds experts ``[r·n, (r+1)·n)``)."""
+    return (config.num_experts or 0) // ep_size
+
+
 def _add_layers(config: ModelConfig, add: _SpecAdder, layers: range, ep_size: int, ep_rank: int) -> None:
     """The tensors of ``layers``: dense ones, and the experts local to EP rank ``ep_rank``."""
-    experts_per_rank = (config.num_experts or 0) // ep_size
+    experts_per_rank = local_expert_count(config, ep_size)
     local_experts = range(ep_rank * experts_per_rank, (ep_rank + 1) * experts_per_rank)
     for local_index, layer in enumerate(layers):
         for tensor in layer_tensors(config, layer):
@@ -409,8 +462,10 @@ TE_SHARED_EXPERT_LINEARS = ("mlp.shared_experts.linear_fc1", "mlp.shared_experts
 TE_EXPERT_LINEARS = ("linear_fc1", "linear_fc2")
 
 
-def te_extra_state_names(config: ModelConfig, layers: range, local_experts: int) -> list[str]:
-    """``_extra_state`` keys (global layer, local expert index) a TE-spec model chunk holds."""
+def te_extra_state_names(config: ModelConfig, layers: range, ep_size: int) -> list[str]:
+    """``_extra_state`` keys (global layer, local expert index) a TE-spec model chunk holds at
+    expert-parallel size ``ep_size``."""
+    local_experts = local_expert_count(config, ep_size)
     names = []
     for layer in layers:
         prefix = f"{LAYER_PREFIX}{layer}."
@@ -420,7 +475,7 @@ def te_extra_state_names(config: ModelConfig, layers: range, local_experts: int)
             continue
         names += [prefix + module + EXTRA_STATE_SUFFIX for module in modules]
         if config.moe_grouped_gemm:
-            names += [f"{prefix}mlp.experts.{fc}{EXTRA_STATE_SUFFIX}" for fc in TE_EXPERT_LINEARS]
+            names += [f"{prefix}{EXPERTS_MODULE}{fc}{EXTRA_STATE_SUFFIX}" for fc in TE_EXPERT_LINEARS]
         else:
             names += [f"{prefix}{EXPERT_PREFIX}{j}.{fc}{EXTRA_STATE_SUFFIX}"
                       for j in range(local_experts) for fc in TE_EXPERT_LINEARS]
@@ -429,6 +484,8 @@ def te_extra_state_names(config: ModelConfig, layers: range, local_experts: int)
     return names
 
 
+# GPTModel's top-level modules: every model key starts with one of them.
+MODEL_MODULE_PREFIXES = ("embedding.", "decoder.", "output_layer.")
 # Where a non-layer module lives: its entries go to the first or the last pipeline chunk.
 _FIRST_CHUNK_PREFIXES = ("embedding.",)
 _LAST_CHUNK_PREFIXES = ("output_layer.", "decoder.final_layernorm.")
@@ -441,6 +498,13 @@ def non_layer_chunk(name: str) -> str | None:
     if name.startswith(_LAST_CHUNK_PREFIXES):
         return "last"
     return None
+
+
+def is_routed_expert(name: str) -> bool:
+    """Whether a layer name (canonical or rank-local, a weight or an ``_extra_state``) belongs to a
+    routed expert (named by a local expert index in a rank file, so its meaning changes with EP)."""
+    parsed = canonical_layer(name)
+    return parsed is not None and parsed[1].startswith(EXPERTS_MODULE)
 
 
 def canonical_layer(name: str) -> tuple[int, str] | None:

@@ -99,6 +99,11 @@ class ShardRule:
     """Base of the rules; subclasses define how a tensor is cut along the TP group."""
 
     name: str = "rule"
+    # Whether every rank holds the whole tensor, so its copies must be bit-identical.
+    replicated: bool = False
+    # Whether the tensor's rows are a vocabulary padded for the layout: a reader fits the stored
+    # table to the destination's padded row count as it cuts it (``reshard_rows``).
+    fits_rows: bool = False
 
     def piece_windows(self, global_shape: Sequence[int], size: int, rank: int, rows: int | None = None,
                       true_rows: int | None = None) -> tuple[Window, ...]:
@@ -126,6 +131,12 @@ class ShardRule:
         """
         return _owned(self.shard(self.merge(shards), size, rank))
 
+    def reshard_rows(self, shards: Sequence[torch.Tensor], rows: int | None, true_rows: int | None, size: int,
+                     rank: int) -> torch.Tensor:
+        """``reshard`` of the tensor fitted to ``rows`` rows first; only a rule that ``fits_rows``
+        uses ``rows`` (the others' shapes do not depend on the layout's padding)."""
+        return self.reshard(shards, size, rank)
+
 
 @dataclass(frozen=True)
 class Replicated(ShardRule):
@@ -137,6 +148,7 @@ class Replicated(ShardRule):
     """
 
     name = "replicated"
+    replicated = True
 
     def piece_windows(self, global_shape: Sequence[int], size: int, rank: int, rows: int | None = None,
                       true_rows: int | None = None) -> tuple[Window, ...]:
@@ -297,6 +309,7 @@ class VocabParallel(Chunked):
     """
 
     name = "vocab"
+    fits_rows = True
 
     def piece_windows(self, global_shape: Sequence[int], size: int, rank: int, rows: int | None = None,
                       true_rows: int | None = None) -> tuple[Window, ...]:
@@ -313,10 +326,12 @@ class VocabParallel(Chunked):
             windows.append(Window(0, start + stored, step - stored, zeros=True))
         return tuple(windows)
 
-    def reshard_rows(self, shards: Sequence[torch.Tensor], rows: int, true_rows: int | None, size: int,
+    def reshard_rows(self, shards: Sequence[torch.Tensor], rows: int | None, true_rows: int | None, size: int,
                      rank: int) -> torch.Tensor:
         """``reshard`` of the table fitted to ``rows`` padded rows, in one copy: source rows that fit are
         kept (padding included, so same-size targets stay bit-exact), rows past the source are zeros."""
+        if rows is None:
+            return self.reshard(shards, size, rank)
         have = sum(shard.shape[0] for shard in shards)
         views: list[torch.Tensor] = []
         for window in self.piece_windows((have, *shards[0].shape[1:]), size, rank, rows, true_rows):

@@ -18,7 +18,7 @@ import torch
 from pgconvert import sizes
 from pgconvert.config import ModelConfig
 from pgconvert.errors import CheckpointError
-from pgconvert.rules import ShardRule, VocabParallel
+from pgconvert.rules import ShardRule
 
 if TYPE_CHECKING:
     from pgconvert.hf_format import HFOrigin
@@ -127,10 +127,7 @@ class CanonicalSource:
     def _load_shard(self, name: str, rule: ShardRule, size: int, rank: int,
                     rows: int | None) -> torch.Tensor:
         # Formats stored in pieces override this to cut the piece straight from their own pieces.
-        full = self._load(name)
-        if rows is not None and isinstance(rule, VocabParallel):
-            return rule.reshard_rows([full], rows, self.config.vocab_size, size, rank)
-        return rule.reshard([full], size, rank)
+        return rule.reshard_rows([self._load(name)], rows, self.config.vocab_size, size, rank)
 
     def _checked(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """NaN/Inf are reported once per tensor (``check_finite="warn"``) or refused (``"error"``)."""
@@ -184,14 +181,14 @@ class InMemorySource(CanonicalSource):
 
     def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor], vocab_rows: int | None = None,
                  iteration: int | None = None, release: bool = False) -> None:
-        from pgconvert.provider import canonical_names
+        from pgconvert.provider import WORD_EMBEDDINGS, canonical_names
 
         expected = canonical_names(config)
         missing = sorted(set(expected) - set(tensors))
         unexpected = sorted(set(tensors) - set(expected))
         if missing or unexpected:
             raise CheckpointError(f"in-memory model: missing {missing}, unexpected {unexpected}")
-        rows = tensors["embedding.word_embeddings.weight"].shape[0]
+        rows = tensors[WORD_EMBEDDINGS].shape[0]
         super().__init__(config, vocab_rows if vocab_rows is not None else rows, iteration, release)
         self._order = expected
         self._tensors = tensors

@@ -23,7 +23,7 @@ saved with lives only in ``common.pt``'s args. Keys, as megatron-core 0.16.1 bui
 - Layers: when all layers hold the same tensors, stacked along a leading layer axis
   (``decoder.layers.self_attention.linear_qkv.weight`` [num_layers, qkv rows, hidden]); with
   ``moe_layer_freq`` a list or > 1, one key per layer with its global index (``decoder.layers.3.…``).
-- Norms under the Transformer-Engine spec's fused names in both specs (see ``FUSED_NORM_NAMES``).
+- Norms under the Transformer-Engine spec's fused names in both specs (``provider.FUSED_NORM_NAMES``).
 - Routed experts stacked along an expert axis after the layer axis:
   ``decoder.layers.mlp.experts.experts.linear_fc1.weight`` [num_layers, num_experts, rows, hidden]
   (SequentialMLP, TEGroupedMLP and the legacy GroupedMLP all save this naming).
@@ -61,8 +61,10 @@ from pgconvert.config import ModelConfig
 from pgconvert.errors import CheckpointError, UnsafePickleError
 from pgconvert.limits import over_limit, quote, read_json
 from pgconvert.megatron_format import resolve_megatron_iteration
-from pgconvert.provider import (EXTRA_STATE_SUFFIX, LAYER_PREFIX, TE_ATTENTION_LINEARS, TE_DENSE_MLP_LINEARS,
-                                TE_EXPERT_LINEARS, TE_SHARED_EXPERT_LINEARS, canonical_names, layer_tensors)
+from pgconvert.provider import (EXPERTS_MODULE, EXTRA_STATE_SUFFIX, LAYER_PREFIX, MODEL_MODULE_PREFIXES,
+                                TE_ATTENTION_LINEARS,
+                                TE_DENSE_MLP_LINEARS, TE_EXPERT_LINEARS, TE_SHARED_EXPERT_LINEARS, TensorKind,
+                                canonical_names, fused_norm_name, layer_tensors)
 
 CHECKPOINT_CONFIG_FILE = "metadata.json"
 COMMON_FILE = "common.pt"
@@ -88,18 +90,8 @@ CONTENT_METADATA: dict[str, Any] = {
 # Entries of a training checkpoint that are not model weights: optimizer state (ShardedTensors and
 # objects, ``chained_N.`` before chained_optim_avoid_prefix), RNG and rerun-machine state.
 TRAINING_STATE_PREFIXES = ("optimizer.", "chained_", "rng_state", "rerun_state_machine_state")
-# Keys of the model's own entries (anything else is refused as unknown).
-MODEL_KEY_PREFIXES = ("embedding.", "decoder.", "output_layer.")
 
-# The local spec's ``sharded_state_dict_keys_map`` (gpt_layer_specs.get_gpt_layer_local_spec) renames
-# its norms to the names the TE spec's fused LayerNormLinear modules give them, so both specs' dense
-# layers save identical keys. The local spec applies the map to MoE layers too, where the separate
-# pre-MLP norm becomes ``mlp.linear_fc1.layer_norm_*``; TE-spec MoE layers keep ``pre_mlp_layernorm.*``.
-FUSED_NORM_NAMES: tuple[tuple[str, str], ...] = (
-    ("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
-    ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"),
-)
-EXPERTS_KEY = "mlp.experts.experts."
+EXPERTS_KEY = EXPERTS_MODULE + "experts."
 
 # Modules whose ``_extra_state`` megatron-core saves, relative to a layer: provider.py's TE modules
 # less the core attention (TEDotProductAttention.sharded_state_dict saves none); GPTModel drops
@@ -139,13 +131,14 @@ def stacked_layers(config: ModelConfig) -> bool:
     return not isinstance(config.moe_layer_freq, tuple) and config.moe_layer_freq == 1
 
 
-def _dist_layer_name(rest: str, moe_layer: bool, transformer_impl: str) -> str:
-    for local, fused in FUSED_NORM_NAMES:
-        if rest.startswith(local):
-            if moe_layer and local == "pre_mlp_layernorm." and transformer_impl == "transformer_engine":
-                return rest
-            return fused + rest[len(local):]
-    return rest
+def _dist_layer_name(kind: TensorKind, config: ModelConfig) -> str:
+    """A layer tensor's key relative to its layer: the TE spec saves its modules' own names; the
+    local spec's ``sharded_state_dict_keys_map`` (gpt_layer_specs.get_gpt_layer_local_spec) renames
+    its separate norms to the TE spec's fused names (``provider.FUSED_NORM_NAMES``), MoE layers
+    included, so both specs' dense layers save identical keys."""
+    if config.transformer_impl == "transformer_engine":
+        return kind.local_name(config)
+    return fused_norm_name(kind.canonical) or kind.canonical
 
 
 def tensor_locations(config: ModelConfig) -> dict[str, DistLocation]:
@@ -164,9 +157,7 @@ def tensor_locations(config: ModelConfig) -> dict[str, DistLocation]:
                     key_prefix + EXPERTS_KEY + tensor.kind.canonical,
                     layer_axis[0] + (tensor.expert,), layer_axis[1] + (experts,))
                 continue
-            rest = _dist_layer_name(tensor.canonical[len(prefix):], config.is_moe_layer(layer),
-                                    config.transformer_impl)
-            locations[tensor.canonical] = DistLocation(key_prefix + rest, *layer_axis)
+            locations[tensor.canonical] = DistLocation(key_prefix + _dist_layer_name(tensor.kind, config), *layer_axis)
     return {name: locations.get(name, DistLocation(name)) for name in canonical_names(config)}
 
 
@@ -203,7 +194,7 @@ def extra_state_keys(config: ModelConfig) -> list[str]:
 
 def is_extra_state(key: str) -> bool:
     head, sep, _ = key.partition("/shard_")
-    return bool(sep) and head.endswith(EXTRA_STATE_SUFFIX) and head.startswith(MODEL_KEY_PREFIXES)
+    return bool(sep) and head.endswith(EXTRA_STATE_SUFFIX) and head.startswith(MODEL_MODULE_PREFIXES)
 
 
 def is_training_state(key: str) -> bool:

@@ -51,14 +51,13 @@ from pgconvert.hf_side import (
 )
 from pgconvert.layout import ParallelLayout
 from pgconvert.semantics import hf_losses, hf_training_notes, lose
-from pgconvert.provider import VOCAB_TABLES, WORD_EMBEDDINGS, keep_dtype_names
+from pgconvert.provider import (VOCAB_TABLES, WORD_EMBEDDINGS, TensorKind, keep_dtype_names, layer_kinds,
+                                norm_weight_names)
 from pgconvert.stream import CanonicalSource
 from pgconvert.strict import fallback
 
 log = logging.getLogger(__name__)
 
-# Canonical norm weights (input, pre-MLP, final, q/k), which --apply-layernorm-1p zero-centres.
-ZERO_CENTRED_NORMS = ("layernorm.weight",)
 
 
 @dataclass(frozen=True)
@@ -92,14 +91,15 @@ def _rotary_order(config: ModelConfig) -> torch.Tensor:
     return torch.cat([torch.arange(0, rotated, 2), torch.arange(1, rotated, 2), torch.arange(rotated, head)])
 
 
-def rotate_half_order(name: str, full: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+def rotate_half_order(rotary: str | None, full: torch.Tensor, config: ModelConfig) -> torch.Tensor:
     """Megatron's interleaved rotary (``--rotary-interleaved``) rotates the dim pairs (2i, 2i+1) of a
     head; HF's rotate-half rotates (i, i + d/2) at the same frequency. Ordering each query and key
-    head's rows (and their q/k-norm weights) evens first, then odds, gives the same attention."""
+    head's rows (and their q/k-norm weights) evens first, then odds, gives the same attention.
+    ``rotary`` is the tensor kind's (``provider.TensorKind.rotary``)."""
     order = _rotary_order(config)
-    if name.endswith(("self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight")):
+    if rotary == "head":
         return full.index_select(0, order)
-    if not name.endswith(("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias")):
+    if rotary != "qkv":
         return full
     head, per_group = config.head_dim, config.num_attention_heads // config.query_groups
     index = torch.arange(full.shape[0])
@@ -109,6 +109,29 @@ def rotate_half_order(name: str, full: torch.Tensor, config: ModelConfig) -> tor
             start = (group * (per_group + 2) + position) * head
             index[start:start + head] = start + order
     return full.index_select(0, index)
+
+
+@dataclass(frozen=True)
+class _HFKinds:
+    """What the provider says of the model's tensors that changes how HF stores them."""
+
+    layers: dict[str, TensorKind]
+    norm_weights: set[str]
+
+
+def _as_hf(name: str, full: torch.Tensor, config: ModelConfig, kinds: _HFKinds) -> torch.Tensor:
+    """A canonical tensor as HF computes with it: the true vocab rows, rotate-half rotary order,
+    and plain gamma (megatron-core's norms compute with 1 + gamma under --apply-layernorm-1p)."""
+    assert config.vocab_size is not None
+    if name in VOCAB_TABLES:
+        # Megatron's padding rows are not part of the model.
+        full = full.narrow(0, 0, config.vocab_size)
+    if config.rotary_interleaved:
+        kind = kinds.layers.get(name)
+        full = rotate_half_order(kind.rotary if kind is not None else None, full, config)
+    if config.layernorm_zero_centered_gamma and name in kinds.norm_weights:
+        full = full.to(torch.float32) + 1.0
+    return full
 
 
 def _origin(source: CanonicalSource) -> HFOrigin | None:
@@ -315,6 +338,7 @@ class HFSaver(Saver):
             fallback(guess, options.strict, result.notices)
         weight_map: dict[str, str] = {}
         total = 0
+        kinds = _HFKinds(layer_kinds(config), norm_weight_names(config))
         for file_name, shard in zip(self._file_names(len(shards)), shards, strict=True):
             entries = [
                 (hf_name, unit.dtype, shape)
@@ -323,15 +347,7 @@ class HFSaver(Saver):
             ]
             with _SafetensorsWriter(out_dir / file_name, entries) as writer:
                 for unit in shard.units:
-                    full = source.load(unit.canonical)
-                    if unit.canonical in VOCAB_TABLES:
-                        # Megatron's padding rows are not part of the model.
-                        full = full.narrow(0, 0, config.vocab_size)
-                    if config.rotary_interleaved:
-                        full = rotate_half_order(unit.canonical, full, config)
-                    if config.layernorm_zero_centered_gamma and unit.canonical.endswith(ZERO_CENTRED_NORMS):
-                        # megatron-core's norms compute with 1 + gamma (--apply-layernorm-1p); HF's with gamma.
-                        full = full.to(torch.float32) + 1.0
+                    full = _as_hf(unit.canonical, source.load(unit.canonical), config, kinds)
                     for hf_name, piece in zip(unit.hf_names, unit.row.transform.split(full, config), strict=True):
                         writer.write(hf_name, piece.to(unit.dtype))
                     del full

@@ -36,17 +36,16 @@ from pgconvert.megatron_format import (
     rank_dir_name,
 )
 from pgconvert.provider import (
-    EXPERT_PREFIX,
     LAYER_PREFIX,
     ModelShard,
     TensorSpec,
     canonical_layer,
+    is_routed_expert,
     non_layer_chunk,
     provide,
     target_vocab_rows,
     te_extra_state_names,
 )
-from pgconvert.rules import VocabParallel
 from pgconvert.sizes import itemsize
 from pgconvert.stream import CanonicalSource, ExtraState
 from pgconvert.strict import fallback
@@ -105,7 +104,8 @@ class MegatronSaver(Saver):
             if not extra.holds_state():
                 continue
             if config.transformer_impl != source.config.transformer_impl or (
-                    extra.tp_size, extra.ep_size) != (layout.tp, layout.ep):
+                    extra.tp_size, extra.ep_size) != (layout.tp, layout.ep) or (
+                    is_routed_expert(name) and _expert_naming_changes(source, config)):
                 fallback(f"{name}: Transformer Engine _extra_state would be dropped (saved at tp="
                          f"{extra.tp_size}, ep={extra.ep_size})", strict=True)
 
@@ -138,17 +138,17 @@ class MegatronSaver(Saver):
         if config.transformer_impl == source.config.transformer_impl:
             names = list(source.extra_states())
             source_ep = {extra.ep_size for extra in source.extra_states().values()}
-            had_expert_entries = any(EXPERT_PREFIX in name for name in names)
-            if had_expert_entries and source_ep != {layout.ep}:
+            if any(map(is_routed_expert, names)) and (source_ep != {layout.ep}
+                                                      or _expert_naming_changes(source, config)):
                 # Routed-expert entries are named by local expert index, which means other experts
-                # (and another count of them) once EP changes: name them for this layout instead.
-                local_experts = (config.num_experts or 0) // layout.ep
-                names = [name for name in names if EXPERT_PREFIX not in name] + [
-                    name for name in te_extra_state_names(config, shard.layers, local_experts)
-                    if EXPERT_PREFIX in name
+                # (and another count of them) once EP changes, and by module, which differs between
+                # SequentialMLP and grouped GEMM: name them for this layout instead.
+                names = [name for name in names if not is_routed_expert(name)] + [
+                    name for name in te_extra_state_names(config, shard.layers, layout.ep)
+                    if is_routed_expert(name)
                 ]
         elif config.transformer_impl == "transformer_engine":
-            names = te_extra_state_names(config, shard.layers, (config.num_experts or 0) // layout.ep)
+            names = te_extra_state_names(config, shard.layers, layout.ep)
         else:
             return []
         first = shard.pp_rank == 0 and shard.chunk in (None, 0)
@@ -194,10 +194,7 @@ class MegatronSaver(Saver):
         padded = target_vocab_rows(config, source.vocab_rows, layout)
         names = source.names()
         dtype = options.dtype or params_dtype_for((source.meta(name).dtype for name in names), config)
-        args, replaced = args_for_target(config, layout, padded, dtype, iteration, source.megatron_args)
-        if replaced:
-            fallback("args naming framework classes (not importable here) are written as their plain "
-                     "values: " + ", ".join(replaced), options.strict, result.notices)
+        args = args_for_target(config, layout, padded, dtype, iteration, source.megatron_args)
         extra_states = source.extra_states()
         dropped_extra = False
         for rank in self._ranks(source, options):
@@ -225,10 +222,7 @@ class MegatronSaver(Saver):
             result.files.append(PlannedFile(relpath, count, nbytes, sha256=digest, size=path.stat().st_size))
             del state
             progress(nbytes)
-        dropped = [name for name, extra in extra_states.items() if extra.holds_state()]
-        if dropped and config.transformer_impl != source.config.transformer_impl:
-            fallback(f"the target uses {config.transformer_impl}-spec names: {len(dropped)} non-empty "
-                     "_extra_state entries of the source's spec were dropped", options.strict, result.notices)
+        _notice_renamed_extra_states(source, config, options, result.notices)
         if dropped_extra:
             first = next(iter(extra_states.values()))
             fallback(
@@ -261,9 +255,30 @@ class MegatronSaver(Saver):
         return (source.iteration if source.iteration is not None else 0), source.release
 
 
+def _expert_naming_changes(source: CanonicalSource, config: ModelConfig) -> bool:
+    """Whether the routed experts' modules are named otherwise in the target (SequentialMLP's
+    ``local_experts.{j}.linear_fc1`` against grouped GEMM's one ``linear_fc1``)."""
+    return config.moe_grouped_gemm != source.config.moe_grouped_gemm
+
+
+def _notice_renamed_extra_states(source: CanonicalSource, config: ModelConfig, options: SaveOptions,
+                                 notices: list[str]) -> None:
+    """Non-empty ``_extra_state`` entries whose modules the target names otherwise are dropped."""
+    held = [name for name, extra in source.extra_states().items() if extra.holds_state()]
+    if held and config.transformer_impl != source.config.transformer_impl:
+        fallback(f"the target uses {config.transformer_impl}-spec names: {len(held)} non-empty "
+                 "_extra_state entries of the source's spec were dropped", options.strict, notices)
+        return
+    experts = [name for name in held if is_routed_expert(name)]
+    if experts and _expert_naming_changes(source, config):
+        layout = "grouped GEMM" if config.moe_grouped_gemm else "SequentialMLP"
+        fallback(f"the target names its experts as {layout}: {len(experts)} non-empty routed-expert "
+                 "_extra_state entries of the source's expert layout were dropped", options.strict, notices)
+
+
 def _planned_piece(source: CanonicalSource, spec: TensorSpec, padded: int, dtype: torch.dtype) -> PlannedTensor:
     """The rank's piece of a tensor, cut from the source only when the writer reaches it."""
-    rows = padded if isinstance(spec.rule, VocabParallel) else None
+    rows = padded if spec.rule.fits_rows else None
 
     def produce() -> torch.Tensor:
         piece = source.load_shard(spec.canonical, spec.rule, spec.tp_size, spec.tp_rank, rows)

@@ -58,7 +58,7 @@ from pgconvert.provider import (
     layer_tensors,
     target_vocab_rows,
 )
-from pgconvert.rules import GATED, VOCAB
+from pgconvert.rules import VOCAB, ShardRule
 from pgconvert.stream import CanonicalSource
 from pgconvert.strict import fallback
 from pgconvert.torch_dist_format import (
@@ -112,9 +112,20 @@ class _Chunk:
         )
 
 
-def _gated_names(config: ModelConfig) -> set[str]:
-    return {tensor.canonical for layer in range(config.num_layers) for tensor in layer_tensors(config, layer)
-            if tensor.kind.rule_for(config) is GATED}
+def _rules(config: ModelConfig) -> dict[str, ShardRule]:
+    """Each layer tensor's TP rule (the others are whole tensors in one chunk)."""
+    return {tensor.canonical: tensor.kind.rule_for(config)
+            for layer in range(config.num_layers) for tensor in layer_tensors(config, layer)}
+
+
+def _row_runs(rule: ShardRule | None, shape: tuple[int, ...]) -> list[tuple[int | None, int | None]]:
+    """The row runs megatron-core stores a tensor in at TP1: the windows of the rule's one piece
+    (the gate and up halves of a SwiGLU fc1); ``(None, None)``: the whole tensor in one chunk."""
+    windows = rule.piece_windows(shape, 1, 0) if rule is not None else ()
+    if len(windows) < 2:
+        return [(None, None)]
+    assert all(window.dim == 0 and not window.zeros for window in windows)
+    return [(window.start, window.length) for window in windows]
 
 
 class _StreamingPlanner(DefaultSavePlanner):
@@ -232,15 +243,14 @@ class TorchDistSaver(Saver):
         rows = target_vocab_rows(config, source.vocab_rows, options.layout)
         shapes = canonical_shapes(config, rows)
         keep = keep_dtype_names(config)
-        gated = _gated_names(config)
+        rules = _rules(config)
         chunks = []
         for name, location in tensor_locations(config).items():
             shape = shapes[name]
             dtype = target_dtype(source.meta(name).dtype, options.dtype, name in keep)
             global_shape = location.global_shape(shape)
             # megatron-core's SwiGLU factory saves the gate and up halves as separate chunks.
-            halves = [(0, shape[0] // 2), (shape[0] // 2, shape[0] // 2)] if name in gated else [(None, None)]
-            for start, count in halves:
+            for start, count in _row_runs(rules.get(name), shape):
                 starts = (0,) * len(shape) if start is None else (start, *(0,) * (len(shape) - 1))
                 lengths = shape if count is None else (count, *shape[1:])
                 offsets, sizes = location.chunk(starts, lengths)
@@ -264,10 +274,8 @@ class TorchDistSaver(Saver):
         iteration_dir.mkdir(parents=True, exist_ok=True)
         chunks, objects, rows = self._chunks(source, options)
         dtype = options.dtype or params_dtype_for((source.meta(name).dtype for name in source.names()), config)
-        args, replaced = args_for_target(config, layout, rows, dtype, iteration, source.megatron_args)
+        args = args_for_target(config, layout, rows, dtype, iteration, source.megatron_args)
         args.ckpt_format = SHARDED_BACKEND
-        if replaced:
-            result.notices.append("args naming framework classes were written as plain values: " + ", ".join(replaced))
         # megatron-core writes common.pt first and metadata.json last: a directory without
         # metadata.json is an incomplete checkpoint to every reader.
         common = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,

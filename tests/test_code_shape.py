@@ -33,3 +33,113 @@ def test_the_check_sees_a_long_function(tmp_path: Path) -> None:
     body = "".join(f"        x{i} = {i}\n" for i in range(MAX_LINES + 1))
     (tmp_path / "pgconvert" / "long.py").write_text(f"def short() -> None:\n    pass\n\n\nclass A:\n    def long(self) -> None:\n{body}")
     assert long_functions(tmp_path) == [f"pgconvert/long.py:6 long ({MAX_LINES + 1})"]
+
+
+# Where the rules and transforms are defined; everywhere else asks them (``fits_rows``,
+# ``piece_windows``, ``reads_window`` …) and never tests which one it holds.
+DEFINERS = {"pgconvert/rules.py", "pgconvert/families.py"}
+# The one owner of tensor names: whether a name is a routed expert's, a fused norm's, … is asked of it.
+NAME_OWNER = "pgconvert/provider.py"
+PACKAGE_FOLDERS = ("pgconvert", "loaders", "savers")
+
+
+def _rule_and_transform_names() -> set[str]:
+    """The rule and transform classes (their bases aside: being a rule at all is no type test) and
+    their module-level instances."""
+    from pgconvert import families, rules
+
+    names = set()
+    for module, base in ((rules, rules.ShardRule), (families, families.Transform)):
+        for name, value in vars(module).items():
+            if (isinstance(value, type) and issubclass(value, base) and value is not base) or isinstance(value, base):
+                names.add(name)
+    return names
+
+
+def type_tests(root: Path, names: set[str]) -> list[str]:
+    """``path:line code`` of every ``isinstance(x, Rule)`` and ``x is RULE``/``==``/``!=`` comparison
+    (``type(x) is Rule`` included) against a rule or transform outside the modules that define them."""
+    found = []
+    for folder in PACKAGE_FOLDERS:
+        for path in sorted((root / folder).rglob("*.py")):
+            if path.relative_to(root).as_posix() in DEFINERS:
+                continue
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "isinstance":
+                    classes = node.args[1:] and node.args[1]
+                    members = classes.elts if isinstance(classes, ast.Tuple) else [classes]
+                    hit = any(isinstance(m, ast.Name) and m.id in names for m in members)
+                elif isinstance(node, ast.Compare):
+                    sides = [node.left, *node.comparators]
+                    hit = any(isinstance(s, ast.Name) and s.id in names for s in sides)
+                else:
+                    continue
+                if hit:
+                    found.append(f"{path.relative_to(root)}:{node.lineno} {ast.unparse(node)}")
+    return found
+
+
+def test_rules_and_transforms_are_asked_never_typed() -> None:
+    assert type_tests(ROOT, _rule_and_transform_names()) == []
+
+
+def test_the_type_check_sees_a_type_test(tmp_path: Path) -> None:
+    (tmp_path / "loaders").mkdir()
+    (tmp_path / "loaders" / "x.py").write_text(
+        "def f(rule, row):\n    a = isinstance(rule, (int, VocabParallel))\n    b = row.transform is QKV\n"
+        "    c = type(rule) is Chunked\n    return rule is not None and type(rule) is not int\n")
+
+    assert type_tests(tmp_path, {"VocabParallel", "QKV", "Chunked"}) == [
+        "loaders/x.py:2 isinstance(rule, (int, VocabParallel))", "loaders/x.py:3 row.transform is QKV",
+        "loaders/x.py:4 type(rule) is Chunked"]
+
+
+def _provider_name_constants() -> set[str]:
+    """provider.py's name fragments (prefixes and suffixes of tensor names)."""
+    from pgconvert import provider
+
+    return {name for name, value in vars(provider).items()
+            if name.isupper() and isinstance(value, str) and not name.startswith("_")}
+
+
+def name_substring_tests(root: Path, constants: set[str]) -> list[str]:
+    """``path:line code`` of every ``CONSTANT in name`` test of a provider name fragment outside
+    provider.py: whether a name is an expert's (or any kind's) is asked of the provider."""
+    found = []
+    for folder in PACKAGE_FOLDERS:
+        for path in sorted((root / folder).rglob("*.py")):
+            if path.relative_to(root).as_posix() == NAME_OWNER:
+                continue
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if (isinstance(node, ast.Compare) and isinstance(node.left, ast.Name) and node.left.id in constants
+                        and any(isinstance(op, (ast.In, ast.NotIn)) for op in node.ops)):
+                    found.append(f"{path.relative_to(root)}:{node.lineno} {ast.unparse(node)}")
+    return found
+
+
+def test_tensor_names_are_classified_by_the_provider() -> None:
+    assert name_substring_tests(ROOT, _provider_name_constants()) == []
+
+
+def test_the_name_check_sees_a_substring_test(tmp_path: Path) -> None:
+    (tmp_path / "savers").mkdir()
+    (tmp_path / "savers" / "x.py").write_text("def f(name):\n    return EXPERT_PREFIX not in name\n")
+
+    assert name_substring_tests(tmp_path, {"EXPERT_PREFIX"}) == ["savers/x.py:2 EXPERT_PREFIX not in name"]
+
+
+def test_provider_constants_are_defined_once() -> None:
+    """A name fragment of tensor names is imported from provider.py, never restated."""
+    constants = _provider_name_constants() | {"VOCAB_TABLES", "FUSED_NORM_NAMES"}
+    restated = []
+    for folder in PACKAGE_FOLDERS:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            if path.relative_to(ROOT).as_posix() == NAME_OWNER:
+                continue
+            for node in ast.parse(path.read_text()).body:
+                targets = node.targets if isinstance(node, ast.Assign) else (
+                    [node.target] if isinstance(node, ast.AnnAssign) else [])
+                restated += [f"{path.relative_to(ROOT)}:{node.lineno} {t.id}" for t in targets
+                             if isinstance(t, ast.Name) and t.id in constants]
+
+    assert restated == []

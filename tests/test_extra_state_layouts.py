@@ -5,11 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import MOE_GROUPED_TE, QK_NORM_TE
 from megatron_fixtures import load_for_test, make_full_model, write_megatron_checkpoint
 
 import pgconvert
+from pgconvert.errors import PgconvertError
 
 QKV_STATE = "decoder.layers.0.self_attention.linear_qkv._extra_state"
 EXPERT_STATE = "decoder.layers.0.mlp.experts.linear_fc1._extra_state"
@@ -75,3 +77,25 @@ def test_output_layer_extra_state_lands_in_the_last_virtual_chunk(tmp_path: Path
     assert holders == [("mp_rank_00_001", "model1")]
     assert torch.equal(ranks["mp_rank_00_001"]["model1"][OUTPUT_STATE], marker)
     assert "output_layer.weight" in ranks["mp_rank_00_001"]["model1"]
+
+
+def test_grouped_expert_extra_state_is_renamed_for_a_sequential_target_and_dropped_with_a_notice(
+        tmp_path: Path) -> None:
+    src = write_megatron_checkpoint(tmp_path / "src", MOE_GROUPED_TE, make_full_model(MOE_GROUPED_TE), 1, 1, ep=2)
+    for ep_rank, path in enumerate(_rank_files(src)):
+        _set_extra_state(path, "model", EXPERT_STATE, torch.full((6,), 10 + ep_rank, dtype=torch.uint8))
+
+    report = pgconvert.convert(src, tmp_path / "seq", dst_expert_layout="sequential")
+
+    # 8 experts over ep 2: each rank's SequentialMLP holds local experts 0..3, each linear its own state
+    expected = sorted(f"decoder.layers.{layer}.mlp.experts.local_experts.{j}.linear_fc{fc}._extra_state"
+                      for layer in (0, 2) for j in range(4) for fc in (1, 2))
+    for path in _rank_files(tmp_path / "seq"):
+        model = load_for_test(path)["model"]
+        experts = sorted(key for key in model if key.endswith("_extra_state") and ".mlp.experts." in key)
+        assert experts == expected, path
+        assert all(model[key] is None for key in experts)
+    assert any("SequentialMLP" in notice and "routed-expert _extra_state" in notice for notice in report.notices), \
+        report.notices
+    with pytest.raises(PgconvertError, match=r"mlp\.experts\.linear_fc1\._extra_state: .* would be dropped"):
+        pgconvert.convert(src, tmp_path / "strict", dst_expert_layout="sequential", strict=True)

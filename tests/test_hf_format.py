@@ -35,6 +35,7 @@ from pgconvert.formats import LoadOptions, SaveOptions
 from pgconvert.hf_format import hf_config_from_model, infer_family
 from pgconvert.layout import ParallelLayout
 from pgconvert.provider import canonical_names
+from pgconvert.rules import COLUMN, GATED, ROW, Window, assemble
 from pgconvert.savers.hf import HFSaver
 
 
@@ -88,6 +89,41 @@ def test_gate_up_fuse_puts_gate_first_and_split_inverts_it() -> None:
     assert GATE_UP.part_shapes((12, 2), config) == [(6, 2), (6, 2)]
 
 
+@pytest.mark.parametrize("size", [1, 2, 4])
+@pytest.mark.parametrize(("transform", "rule"), [(IDENTITY, COLUMN), (IDENTITY, ROW), (GATE_UP, GATED),
+                                                  (GATE_UP, ROW), (QKV, COLUMN)],
+                         ids=["identity-column", "identity-row", "gate-up-gated", "gate-up-columns", "qkv-column"])
+def test_a_transform_reads_each_window_of_a_piece_from_ranges_of_its_parts(transform: object, rule: object,
+                                                                          size: int) -> None:
+    config = _config(heads=8, groups=4, head_dim=2)
+    parts = [torch.arange(n * 8.0).reshape(n, 8) + 1000 * i
+             for i, n in enumerate({"identity": [16], "fuse-gate-up": [8, 8], "fuse-qkv-by-group": [16, 8, 8]}[
+                 transform.name])]
+    full = transform.fuse(parts, config)
+    reads: list[tuple[int, int, int, int]] = []
+
+    def read_part(part: int, dim: int, start: int, stop: int) -> torch.Tensor:
+        reads.append((part, dim, start, stop))
+        return parts[part].narrow(dim, start, stop - start)
+
+    for rank in range(size):
+        windows = rule.piece_windows(tuple(full.shape), size, rank)
+        assert all(transform.reads_window(w, tuple(full.shape), config) for w in windows)
+        piece = assemble(windows, lambda w: transform.read_window(w, tuple(full.shape), config, read_part),
+                         full.shape, full.dtype)
+        assert torch.equal(piece, rule.shard(full, size, rank))
+    assert sum((stop - start) * parts[part].shape[1 - dim] for part, dim, start, stop in reads) == full.numel()
+
+
+def test_fused_qkv_reads_only_windows_on_query_group_boundaries() -> None:
+    config = _config(heads=8, groups=4, head_dim=2)  # a group is 2 query heads, k and v: 8 rows
+
+    assert QKV.reads_window(Window(0, 8, 16), (32, 6), config)
+    assert not QKV.reads_window(Window(0, 4, 8), (32, 6), config)
+    assert not QKV.reads_window(Window(1, 0, 3), (32, 6), config)
+    assert not DROPPED.reads_window(Window(0, 0, 1), (1,), config)
+
+
 # --- tables -------------------------------------------------------------------------------------
 
 def test_table_rows_with_different_slot_counts_are_refused() -> None:
@@ -114,15 +150,18 @@ def test_family_naming_unknown_model_fields_is_refused() -> None:
 
 def test_table_maps_by_whole_name_with_layer_slots() -> None:
     row, names = DECODER_TENSORS.to_hf("decoder.layers.12.self_attention.linear_qkv.bias")  # type: ignore[misc]
+    config = _config(heads=4, groups=2, head_dim=1)
+    query, key, value = torch.arange(4.0), 10 + torch.arange(2.0), 20 + torch.arange(2.0)
 
-    assert row.transform is QKV
+    assert row.transform.fuse([query, key, value], config).tolist() == [0, 1, 10, 20, 2, 3, 11, 21]
     assert names == ("model.layers.12.self_attn.q_proj.bias", "model.layers.12.self_attn.k_proj.bias",
                      "model.layers.12.self_attn.v_proj.bias")
     assert DECODER_TENSORS.to_hf("decoder.layers.x.self_attention.linear_qkv.bias") is None
     assert DECODER_TENSORS.to_hf("decoder.layers.1.self_attention.linear_qkv.bias.extra") is None
     assert DECODER_TENSORS.is_dropped("model.layers.3.self_attn.rotary_emb.inv_freq")
     assert not DECODER_TENSORS.is_dropped("model.layers.3.self_attn.rotary_emb.inv_freq_copy")
-    assert any(row.transform is DROPPED for row in DECODER_TENSORS.rows)
+    assert [row.hf for row in DECODER_TENSORS.rows if row.transform.drops] == [
+        row.hf for row in DECODER_TENSORS.rows if row.canonical is None] != []
 
 
 # MoE families are covered with MoE configs by tests/test_hf_moe.py.

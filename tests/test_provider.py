@@ -104,3 +104,29 @@ def test_moe_layer_order_is_router_then_experts_then_shared_experts() -> None:
         "mlp.experts.local_experts.1.linear_fc1.weight", "mlp.experts.local_experts.1.linear_fc2.weight",
         "mlp.shared_experts.linear_fc1.weight", "mlp.shared_experts.linear_fc2.weight",
     ]
+
+
+def test_routed_experts_are_told_apart_by_the_provider_in_every_naming() -> None:
+    from pgconvert.provider import is_routed_expert
+
+    assert is_routed_expert("decoder.layers.3.mlp.experts.local_experts.7.linear_fc1.weight")
+    assert is_routed_expert("decoder.layers.0.mlp.experts.local_experts.0.linear_fc2._extra_state")
+    # TEGroupedMLP's one module per layer (weight{j} parameters, one _extra_state per linear)
+    assert is_routed_expert("decoder.layers.1.mlp.experts.linear_fc1._extra_state")
+    assert is_routed_expert("decoder.layers.1.mlp.experts.linear_fc2.weight3")
+    assert not is_routed_expert("decoder.layers.1.mlp.shared_experts.linear_fc1.weight")
+    assert not is_routed_expert("decoder.layers.1.mlp.router.weight")
+    assert not is_routed_expert("mlp.experts.local_experts.0.linear_fc1.weight")  # not a layer name
+
+
+def test_the_layer_spec_is_told_by_the_fused_norm_names() -> None:
+    from pgconvert.provider import fused_norm_name, layer_spec_of_key
+
+    assert fused_norm_name("input_layernorm.bias") == "self_attention.linear_qkv.layer_norm_bias"
+    assert fused_norm_name("pre_mlp_layernorm.weight") == "mlp.linear_fc1.layer_norm_weight"
+    assert fused_norm_name("self_attention.linear_qkv.weight") is None
+    assert layer_spec_of_key("decoder.layers.2.mlp.linear_fc1.layer_norm_weight") == "transformer_engine"
+    assert layer_spec_of_key("decoder.layers.2.input_layernorm.weight") == "local"
+    # a TE-spec MoE layer keeps its separate pre-MLP norm: it tells no spec apart
+    assert layer_spec_of_key("decoder.layers.2.pre_mlp_layernorm.weight") is None
+    assert layer_spec_of_key("decoder.final_layernorm.weight") is None

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import pytest
 import torch
 
-from pgconvert.rules import COLUMN, GATED, REPLICATED, ROW, VOCAB, ReplicaMismatchError, Window, assemble
+from pgconvert.example import example_config, example_source
+from pgconvert.provider import WORD_EMBEDDINGS
+from pgconvert.rules import (COLUMN, GATED, REPLICATED, ROW, VOCAB, Chunked, ReplicaMismatchError, ShardRule, Window,
+                             assemble)
 
 
 def filled(*shape: int) -> torch.Tensor:
@@ -135,3 +141,46 @@ def test_piece_windows_vocab_zero_fill_past_stored_rows() -> None:
     assert torch.equal(piece, VOCAB.reshard_rows([full], 16, 10, 2, 1))
     with pytest.raises(ValueError, match="smaller than the true vocab"):
         VOCAB.piece_windows((10, 4), 2, 0, rows=8, true_rows=10)
+
+
+# --- what the callers ask the rule instead of testing its type -------------------------------------
+
+@pytest.mark.parametrize("rule", [REPLICATED, COLUMN, ROW, GATED], ids=["replicated", "column", "row", "gated"])
+def test_rules_without_padded_rows_reshard_the_same_whatever_rows_are_asked(rule: ShardRule) -> None:
+    full = filled(16, 8)
+    pieces = [piece.clone() for piece in rule.split(full, 2)]
+
+    for rank in range(4):
+        assert torch.equal(rule.reshard_rows(pieces, 24, 10, 4, rank), rule.reshard(pieces, 4, rank))
+    assert not rule.fits_rows
+    assert rule.replicated == (rule is REPLICATED)
+
+
+def test_vocab_reshard_rows_without_rows_is_a_plain_reshard() -> None:
+    table = filled(16, 3)
+
+    assert VOCAB.fits_rows and not VOCAB.replicated
+    assert torch.equal(VOCAB.reshard_rows(VOCAB.split(table, 4), None, 10, 2, 1), table[8:])
+
+
+@dataclass(frozen=True)
+class _PaddedColumn(Chunked):
+    """A plugin's rule outside the VocabParallel family that also fits padded rows."""
+
+    fits_rows = True
+
+    def reshard_rows(self, shards: Sequence[torch.Tensor], rows: int | None, true_rows: int | None, size: int,
+                     rank: int) -> torch.Tensor:
+        return VOCAB.reshard_rows(shards, rows, true_rows, size, rank)
+
+
+def test_a_source_fits_rows_for_any_rule_that_says_it_fits_rows() -> None:
+    config = example_config()
+    source = example_source(config)
+    table = source.load(WORD_EMBEDDINGS)
+    rows = table.shape[0] + 8
+
+    piece = source.load_shard(WORD_EMBEDDINGS, _PaddedColumn(), 2, 1, rows=rows)
+
+    assert piece.shape == (rows // 2, table.shape[1])
+    assert torch.equal(piece, torch.cat([table, torch.zeros(8, table.shape[1], dtype=table.dtype)])[rows // 2:])

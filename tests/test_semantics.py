@@ -167,7 +167,7 @@ def test_hf_partial_rotary_and_linear_rope_read_into_megatron_args() -> None:
            "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000.0,
                                "partial_rotary_factor": 0.5}}
     _, config, notices = model_config_from_hf(doc, Path("config.json"))
-    args, _ = args_for_target(config, ParallelLayout(), 256, torch.float32, None, None)
+    args = args_for_target(config, ParallelLayout(), 256, torch.float32, None, None)
 
     assert (config.rotary_percent, config.rope_scaling, config.rope_scaling_factor) == (0.5, "linear", 2.0)
     assert (args.rotary_percent, args.rotary_seq_len_interpolation_factor, args.rotary_base) == (0.5, 2.0, 1000.0)

@@ -31,6 +31,7 @@ from pgconvert.hf_format import (
     resolve_inside,
 )
 from pgconvert.hf_side import find_side_files
+from pgconvert.quantized import QuantizedTensors
 from pgconvert.provider import OUTPUT_LAYER, WORD_EMBEDDINGS, canonical_names
 from pgconvert.rules import ShardRule, Window, assemble
 from pgconvert.stream import CanonicalSource, TensorMeta
@@ -96,6 +97,9 @@ class HFSource(CanonicalSource):
         doc = read_json_object(config_path)
         family = family_of(doc, config_path)
         self._files, stored = _locate_tensors(directory)
+        # fp8: quantized tensors are seen by their logical names (pgconvert.quantized).
+        self._quantized = QuantizedTensors.find(doc, config_path, self._files, stored, options.keep_quantized)
+        self._files, stored = self._quantized.logical()
         embedding = family.tensors.to_hf(WORD_EMBEDDINGS)
         stored_dtype = stored[embedding[1][0]].dtype if embedding and embedding[1][0] in stored else None
         family, config, notices = model_config_from_hf(doc, config_path, stored_dtype, stored_tensors=len(stored))
@@ -106,7 +110,11 @@ class HFSource(CanonicalSource):
         # What a megatron target cannot hold (semantics.check_target; an hf target keeps config.json).
         self.unrepresentable = list(notices)
         self.family = family
-        self.hf_origin = HFOrigin(directory=directory, config_json=doc, family=family)
+        kept = self._quantized if options.keep_quantized and self._quantized else None
+        self.hf_origin = HFOrigin(directory=directory, config_json=doc, family=family, quantized=kept)
+        quantized_notice = self._quantized.notice(directory)
+        if quantized_notice is not None:
+            self.notices.append(quantized_notice)
         self.side_files = find_side_files(directory)
         self._order = canonical_names(config)
         self._rows: dict[str, tuple[TensorMapping, tuple[str, ...]]] = {}
@@ -182,11 +190,21 @@ class HFSource(CanonicalSource):
 
     def _load(self, name: str) -> torch.Tensor:
         row, hf_names = self._rows[name]
-        parts = [read_tensor(self._files[hf], hf) for hf in hf_names]
+        parts = [self._read(hf) for hf in hf_names]
         full = row.transform.fuse(parts, self.config)
         if name == WORD_EMBEDDINGS and self._tied_copy is not None:
-            self._check_tied_copy(full, read_tensor(self._files[self._tied_copy], self._tied_copy), hf_names[0])
+            self._check_tied_copy(full, self._read(self._tied_copy), hf_names[0])
         return full
+
+    def _read(self, hf: str) -> torch.Tensor:
+        if hf in self._quantized:
+            return self._quantized.read(hf)
+        return read_tensor(self._files[hf], hf)
+
+    def _read_range(self, hf: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        if hf in self._quantized:
+            return self._quantized.read_range(hf, dim, start, stop)
+        return read_tensor_range(self._files[hf], hf, dim, start, stop)
 
     def _check_tied_copy(self, embedding: torch.Tensor, copy: torch.Tensor, embedding_name: str) -> None:
         """The stored output weight of a tied model must equal the embedding rows read with it.
@@ -232,13 +250,13 @@ class HFSource(CanonicalSource):
         def read(window: Window) -> torch.Tensor:
             if len(hf_names) == 1:
                 hf = hf_names[0]
-                return read_tensor_range(self._files[hf], hf, window.dim, window.start, window.start + window.length)
+                return self._read_range(hf, window.dim, window.start, window.start + window.length)
             pieces = []
             for index, hf in enumerate(hf_names):
                 lo = max(window.start, index * part_rows)
                 hi = min(window.start + window.length, (index + 1) * part_rows)
                 if lo < hi:
-                    pieces.append(read_tensor_range(self._files[hf], hf, 0, lo - index * part_rows, hi - index * part_rows))
+                    pieces.append(self._read_range(hf, 0, lo - index * part_rows, hi - index * part_rows))
             return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
 
         return assemble(windows, read, meta.shape, meta.dtype)
@@ -254,7 +272,7 @@ class HFSource(CanonicalSource):
         first, groups = window.start // group_rows, window.length // group_rows
         q_rows, kv_rows = heads_per_group * config.head_dim, config.head_dim
         parts = [
-            read_tensor_range(self._files[hf], hf, 0, first * step, (first + groups) * step)
+            self._read_range(hf, 0, first * step, (first + groups) * step)
             for hf, step in zip(hf_names, (q_rows, kv_rows, kv_rows), strict=True)
         ]
         return QKV.fuse(parts, config.replace(num_query_groups=groups, num_attention_heads=groups * heads_per_group))

@@ -52,7 +52,8 @@ from pgconvert.hf_side import (
 from pgconvert.layout import ParallelLayout
 from pgconvert.semantics import hf_losses, hf_training_notes, lose
 from pgconvert.provider import VOCAB_TABLES, WORD_EMBEDDINGS, keep_dtype_names
-from pgconvert.stream import CanonicalSource
+from pgconvert.quantized import KeepQuantizedError, without_quantization
+from pgconvert.stream import CanonicalSource, TensorMeta
 from pgconvert.strict import fallback
 
 log = logging.getLogger(__name__)
@@ -70,10 +71,20 @@ class _Unit:
     hf_names: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
     dtype: torch.dtype
+    # fp8: HF tensors written as their stored quantized parts (--keep-fp8), by HF name.
+    kept: dict[str, tuple[tuple[str, TensorMeta], ...]] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
-        return sum(sizes.nbytes(shape, self.dtype) for shape in self.shapes)
+        return sum(meta.nbytes for _, meta, _ in self.entries())
+
+    def entries(self) -> list[tuple[str, TensorMeta, str]]:
+        """What the unit writes: (tensor name, shape and dtype, the HF tensor it is or is part of)."""
+        written = []
+        for hf_name, shape in zip(self.hf_names, self.shapes, strict=True):
+            parts = self.kept.get(hf_name, ((hf_name, TensorMeta(shape, self.dtype)),))
+            written += [(name, meta, hf_name) for name, meta in parts]
+        return written
 
 
 @dataclass
@@ -83,7 +94,7 @@ class _Shard:
 
     @property
     def tensors(self) -> int:
-        return sum(len(unit.hf_names) for unit in self.units)
+        return sum(len(unit.entries()) for unit in self.units)
 
 
 def _rotary_order(config: ModelConfig) -> torch.Tensor:
@@ -184,9 +195,68 @@ class _SafetensorsWriter:
 
 
 
+def _write_unit(writer: _SafetensorsWriter, unit: _Unit, source: CanonicalSource) -> None:
+    """One canonical tensor as its HF tensors (kept quantized ones as their stored parts)."""
+    config = source.config
+    assert config.vocab_size is not None
+    if unit.kept.keys() >= set(unit.hf_names):
+        pieces: list[torch.Tensor | None] = [None] * len(unit.hf_names)
+    else:
+        full = source.load(unit.canonical)
+        if unit.canonical in VOCAB_TABLES:
+            # Megatron's padding rows are not part of the model.
+            full = full.narrow(0, 0, config.vocab_size)
+        if config.rotary_interleaved:
+            full = rotate_half_order(unit.canonical, full, config)
+        if config.layernorm_zero_centered_gamma and unit.canonical.endswith(ZERO_CENTRED_NORMS):
+            # megatron-core's norms compute with 1 + gamma (--apply-layernorm-1p); HF's with gamma.
+            full = full.to(torch.float32) + 1.0
+        pieces = list(unit.row.transform.split(full, config))
+        del full
+    for hf_name, piece in zip(unit.hf_names, pieces, strict=True):
+        if hf_name in unit.kept:
+            quantized = source.hf_origin.quantized if source.hf_origin is not None else None
+            assert quantized is not None
+            for part, _ in unit.kept[hf_name]:
+                writer.write(part, quantized.read_stored(part))
+        else:
+            assert piece is not None
+            writer.write(hf_name, piece.to(unit.dtype))
+
+
 def _write_json(path: Path, doc: dict[str, Any]) -> None:
     path.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     _fsync(path)
+
+
+def kept_quantized(source: CanonicalSource, hf_names: tuple[str, ...]) -> dict[str, tuple[tuple[str, TensorMeta], ...]]:
+    """fp8: the HF tensors of ``hf_names`` that --keep-fp8 writes as their stored quantized parts."""
+    quantized = source.hf_origin.quantized if source.hf_origin is not None else None
+    if quantized is None:
+        return {}
+    return {name: quantized.stored_parts(name) for name in hf_names if name in quantized}
+
+
+def check_all_kept(source: CanonicalSource, units: list[_Unit]) -> None:
+    """fp8: --keep-fp8 must find every quantized tensor under the same HF name in the target."""
+    quantized = source.hf_origin.quantized if source.hf_origin is not None else None
+    if quantized is None:
+        return
+    lost = sorted(set(quantized.entries) - {name for unit in units for name in unit.kept})
+    if lost:
+        raise KeepQuantizedError(
+            f"--keep-fp8: the hf target does not write {lost[0]} (and {len(lost) - 1} more) under its source "
+            "name, so its quantized parts cannot be kept; convert without --keep-fp8 to dequantize them")
+
+
+def _quantization_config(doc: dict[str, Any], source: CanonicalSource, notices: list[str]) -> dict[str, Any]:
+    """fp8: config.json keeps quantization_config only when the quantized tensors are kept."""
+    if source.hf_origin is not None and source.hf_origin.quantized is not None:
+        return doc
+    updated, notice = without_quantization(doc, CONFIG_FILE)
+    if notice is not None:
+        notices.append(notice)
+    return updated
 
 
 class HFSaver(Saver):
@@ -217,7 +287,7 @@ class HFSaver(Saver):
         if options.strict and guesses:
             # Refused before anything is written; without --strict, save reports them.
             fallback(guesses[0], strict=True)
-        self._units(source, options)
+        check_all_kept(source, self._units(source, options))
         target_side_files(source.side_files, options)
         self._note_semantic_losses(source, options, family)
 
@@ -277,7 +347,7 @@ class HFSaver(Saver):
             row, hf_names = found
             shapes = tuple(row.transform.part_shapes(tuple(shape), config))
             dtype = meta.dtype if name in kept else _out_dtype(meta.dtype, options)
-            units.append(_Unit(name, row, hf_names, shapes, dtype))
+            units.append(_Unit(name, row, hf_names, shapes, dtype, kept_quantized(source, hf_names)))
         if unmapped:
             raise ConfigError(f"hf: {family.architecture} has no HF name for {sorted(unmapped)}")
         return units
@@ -316,25 +386,10 @@ class HFSaver(Saver):
         weight_map: dict[str, str] = {}
         total = 0
         for file_name, shard in zip(self._file_names(len(shards)), shards, strict=True):
-            entries = [
-                (hf_name, unit.dtype, shape)
-                for unit in shard.units
-                for hf_name, shape in zip(unit.hf_names, unit.shapes, strict=True)
-            ]
+            entries = [(name, meta.dtype, meta.shape) for unit in shard.units for name, meta, _ in unit.entries()]
             with _SafetensorsWriter(out_dir / file_name, entries) as writer:
                 for unit in shard.units:
-                    full = source.load(unit.canonical)
-                    if unit.canonical in VOCAB_TABLES:
-                        # Megatron's padding rows are not part of the model.
-                        full = full.narrow(0, 0, config.vocab_size)
-                    if config.rotary_interleaved:
-                        full = rotate_half_order(unit.canonical, full, config)
-                    if config.layernorm_zero_centered_gamma and unit.canonical.endswith(ZERO_CENTRED_NORMS):
-                        # megatron-core's norms compute with 1 + gamma (--apply-layernorm-1p); HF's with gamma.
-                        full = full.to(torch.float32) + 1.0
-                    for hf_name, piece in zip(unit.hf_names, unit.row.transform.split(full, config), strict=True):
-                        writer.write(hf_name, piece.to(unit.dtype))
-                    del full
+                    _write_unit(writer, unit, source)
             weight_map.update({entry[0]: file_name for entry in entries})
             total += writer.nbytes
             result.files.append(PlannedFile(file_name, len(entries), writer.nbytes, sha256=writer.sha256,
@@ -347,6 +402,7 @@ class HFSaver(Saver):
             })
         dtype = _out_dtype(source.meta(WORD_EMBEDDINGS).dtype, options)
         doc = with_dtype(base, dtype) if base is not None else hf_config_from_model(family, config, dtype)
+        doc = _quantization_config(doc, source, result.notices)
         _write_json(out_dir / CONFIG_FILE, doc)
         if base is None:
             assumed = ", ".join(f"{key}={value!r}" for key, value in family.hf_assumed.items())

@@ -221,3 +221,78 @@ def test_a_block_size_that_is_not_two_positive_ints_is_a_named_error(tmp_path: P
         get_loader("hf").open(tmp_path / "src", LoadOptions())
     result = run_cli("convert", tmp_path / "src", tmp_path / "dst")
     assert_clean_refusal(result, 1, "config.json", "weight_block_size=", "two positive integers")
+
+
+# --- MXFP4 (GPT-OSS) ---------------------------------------------------------------------------
+
+GATE_UP = "model.layers.0.mlp.experts.gate_up_proj"
+DOWN = "model.layers.0.mlp.experts.down_proj"
+
+
+def mxfp4_parts(experts: int, rows: int, groups: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random packed bytes, and E8M0 exponents over their whole finite range (255 is NaN in E8M0)."""
+    generator = torch.Generator().manual_seed(seed)
+    blocks = torch.randint(0, 256, (experts, rows, groups, 16), generator=generator, dtype=torch.uint8)
+    scales = torch.randint(0, 255, (experts, rows, groups), generator=generator, dtype=torch.uint8)
+    scales[0, :2, 0] = torch.tensor([0, 254], dtype=torch.uint8)
+    return blocks, scales
+
+
+def test_mxfp4_decoder_equals_transformers_convert_moe_packed_tensors() -> None:
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    for shape, seed in (((2, 12, 2), 0), ((4, 6, 3), 1), ((1, 64, 1), 2)):
+        blocks, scales = mxfp4_parts(*shape, seed)
+
+        ours = dequantize_mxfp4(blocks, scales)
+        theirs = convert_moe_packed_tensors(blocks.clone(), scales.clone(), dtype=torch.bfloat16)
+
+        assert ours.dtype == theirs.dtype == torch.bfloat16
+        assert ours.shape == theirs.shape == (shape[0], shape[2] * 32, shape[1])
+        assert torch.equal(ours, theirs)
+
+
+def mxfp4_file(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[dict[str, Path], dict]:  # type: ignore[type-arg]
+    save_file(tensors, str(path))
+    return {name: path for name in tensors}, {name: _meta(tensor) for name, tensor in tensors.items()}
+
+
+def test_mxfp4_tensors_of_a_safetensors_file_read_by_their_logical_names(tmp_path: Path) -> None:
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    gate_up, down = mxfp4_parts(4, 16, 2, 5), mxfp4_parts(4, 64, 1, 6)
+    bias = torch.randn(4, 16)
+    files, stored = mxfp4_file(tmp_path / "model.safetensors", {
+        GATE_UP + "_blocks": gate_up[0], GATE_UP + "_scales": gate_up[1], GATE_UP + "_bias": bias,
+        DOWN + "_blocks": down[0], DOWN + "_scales": down[1]})
+    doc = {"quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}}
+
+    quantized = QuantizedTensors.find(doc, tmp_path / "config.json", files, stored)
+    logical_files, metas = quantized.logical()
+
+    assert sorted(metas) == sorted([GATE_UP, GATE_UP + "_bias", DOWN]) == sorted(logical_files)
+    assert metas[GATE_UP].shape == (4, 64, 16) and metas[GATE_UP].dtype == torch.bfloat16
+    for name, (blocks, scales) in ((GATE_UP, gate_up), (DOWN, down)):
+        expected = convert_moe_packed_tensors(blocks.clone(), scales.clone(), dtype=torch.bfloat16)
+        assert torch.equal(quantized.read(name), expected)
+        assert torch.equal(quantized.read_range(name, 0, 1, 3), expected[1:3])
+        assert torch.equal(quantized.read_range(name, 1, 5, 30), expected[:, 5:30])
+    assert [part for part, _ in quantized.stored_parts(DOWN)] == [DOWN + "_blocks", DOWN + "_scales"]
+
+
+@pytest.mark.parametrize("change,error,fragment", [
+    (lambda t: t.pop(DOWN + "_scales"), MissingScaleError, DOWN + "_scales are not in the checkpoint"),
+    (lambda t: t.pop(DOWN + "_blocks"), MissingScaleError, "their blocks " + DOWN + "_blocks"),
+    (lambda t: t.update({DOWN + "_scales": t[DOWN + "_scales"][:, :3].contiguous()}), ScaleShapeError,
+     "has shape [4, 3, 1]"),
+    (lambda t: t.update({DOWN + "_scales": t[DOWN + "_scales"].to(torch.int32)}), ScaleDtypeError, "dtype int32"),
+])
+def test_inconsistent_mxfp4_parts_are_named_errors(tmp_path: Path, change, error, fragment) -> None:  # type: ignore[no-untyped-def]
+    blocks, scales = mxfp4_parts(4, 64, 1, 6)
+    tensors = {DOWN + "_blocks": blocks, DOWN + "_scales": scales}
+    change(tensors)
+    files, stored = mxfp4_file(tmp_path / "model.safetensors", tensors)
+
+    with pytest.raises(error) as raised:
+        QuantizedTensors.find({}, tmp_path / "config.json", files, stored)
+    assert fragment in str(raised.value) and "model.safetensors" in str(raised.value)

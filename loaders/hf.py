@@ -35,6 +35,7 @@ from pgconvert.quantized import QuantizedTensors
 from pgconvert.provider import OUTPUT_LAYER, WORD_EMBEDDINGS, canonical_names
 from pgconvert.rules import ShardRule, Window, assemble
 from pgconvert.stream import CanonicalSource, TensorMeta
+from pgconvert.strict import fallback
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +114,10 @@ class HFSource(CanonicalSource):
         kept = self._quantized if options.keep_quantized and self._quantized else None
         self.hf_origin = HFOrigin(directory=directory, config_json=doc, family=family, quantized=kept)
         quantized_notice = self._quantized.notice(directory)
-        if quantized_notice is not None:
+        if quantized_notice is not None and not options.keep_quantized:
+            # Rounding weight * scale to bf16 changes the values: refused under --strict, as a lossy --dtype is.
+            fallback(quantized_notice, options.strict, self.notices)
+        elif quantized_notice is not None:
             self.notices.append(quantized_notice)
         self.side_files = find_side_files(directory)
         self._order = canonical_names(config)

@@ -327,8 +327,9 @@ class QuantizedTensors:
         what = " and ".join(f"{count} {scheme}" for scheme, count in counts.items() if count)
         if self.keep:
             return f"{where}: {what} quantized tensors are written unchanged with their scales (--keep-fp8)"
-        return (f"{where}: {what} quantized tensors are dequantized to bfloat16 while reading; an hf target's "
-                f"config.json drops {QUANTIZATION_CONFIG} (--keep-fp8 keeps them quantized for an hf target)")
+        return (f"{where}: {what} quantized tensors are dequantized to bfloat16 while reading (each value rounded "
+                f"once from its scaled product); an hf target's config.json drops {QUANTIZATION_CONFIG} "
+                "(--keep-fp8 keeps them quantized for an hf target)")
 
 
 def without_quantization(doc: dict[str, Any], where: str) -> tuple[dict[str, Any], str | None]:

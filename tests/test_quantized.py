@@ -135,8 +135,17 @@ def test_fp8_checkpoint_converts_to_its_bf16_dequantization(tmp_path: Path, bloc
     assert_tensors_equal(expected_dequantized(stored, block), load_hf_tensors(tmp_path / "dst"))
     config = json.loads((tmp_path / "dst" / "config.json").read_text())
     assert "quantization_config" not in config
-    assert any("dequantized to bfloat16" in notice for notice in report.notices)
+    assert any("guess:" in notice and "dequantized to bfloat16" in notice for notice in report.notices)
     assert any("quantization_config (quant_method='fp8') is dropped" in notice for notice in report.notices)
+
+
+def test_dequantizing_is_refused_under_strict(tmp_path: Path) -> None:
+    fp8_checkpoint(tmp_path / "src")
+
+    result = run_cli("convert", tmp_path / "src", tmp_path / "dst", "--strict")
+
+    assert_clean_refusal(result, 2, "--strict", "dequantized to bfloat16", "--keep-fp8")
+    assert run_cli("convert", tmp_path / "src", tmp_path / "dst", "--strict", "--keep-fp8").exit_code == 0
 
 
 def test_fp8_checkpoint_through_megatron_tp2_reads_windows_and_comes_back_dequantized(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,7 @@ from pgconvert.quantized import (
     dequantize_mxfp4,
 )
 from pgconvert.registry import get_loader
+from pgconvert.stream import TensorMeta
 
 QUANTIZED = (".q_proj.weight", ".k_proj.weight", ".v_proj.weight", ".o_proj.weight",
              ".gate_proj.weight", ".up_proj.weight", ".down_proj.weight")
@@ -120,9 +122,7 @@ def test_fp8_dequantization_of_windows_reads_the_blocks_they_cover(tmp_path: Pat
         assert torch.equal(quantized.read_range("w", dim, start, stop), expected.narrow(dim, start, stop - start))
 
 
-def _meta(tensor: torch.Tensor):  # type: ignore[no-untyped-def]
-    from pgconvert.stream import TensorMeta
-
+def _meta(tensor: torch.Tensor) -> TensorMeta:
     return TensorMeta(tuple(tensor.shape), tensor.dtype)
 
 
@@ -195,10 +195,6 @@ def test_keep_fp8_is_refused_for_a_megatron_target(tmp_path: Path) -> None:
     assert not (tmp_path / "dst").exists()
 
 
-def _break(path: Path, change) -> None:  # type: ignore[no-untyped-def]
-    rewrite_as_single_file(path, change)
-
-
 KEY = "model.layers.1.self_attn.k_proj.weight"
 
 
@@ -210,15 +206,25 @@ KEY = "model.layers.1.self_attn.k_proj.weight"
     (lambda t: t.update({KEY + "_scale_inv": t[KEY + "_scale_inv"].to(torch.bfloat16)}), ScaleDtypeError,
      (KEY + "_scale_inv", "dtype bfloat16", "must be float32")),
 ])
-def test_inconsistent_scales_are_named_errors(tmp_path: Path, breakage, error, fragments) -> None:  # type: ignore[no-untyped-def]
+def test_inconsistent_scales_are_named_errors(tmp_path: Path, breakage: Callable[[dict[str, torch.Tensor]], object],
+                                             error: type[Exception], fragments: tuple[str, ...]) -> None:
     fp8_checkpoint(tmp_path / "src")
-    _break(tmp_path / "src", breakage)
+    rewrite_as_single_file(tmp_path / "src", breakage)
 
     with pytest.raises(error) as raised:
         get_loader("hf").open(tmp_path / "src", LoadOptions())
     assert "model.safetensors" in str(raised.value)
     result = run_cli("convert", tmp_path / "src", tmp_path / "dst")
     assert_clean_refusal(result, 1, "model.safetensors", *fragments)
+
+
+def test_another_quant_method_is_a_named_error(tmp_path: Path) -> None:
+    fp8_checkpoint(tmp_path / "src")
+    edit_json(tmp_path / "src" / "config.json", lambda doc: doc["quantization_config"].update(quant_method="gptq"))
+
+    result = run_cli("convert", tmp_path / "src", tmp_path / "dst")
+
+    assert_clean_refusal(result, 1, "config.json", "quant_method='gptq'", "fp8 (block-scaled) and mxfp4")
 
 
 @pytest.mark.parametrize("block", [[128], [0, 128], ["128", 128], [True, 128], None, [128, -1, 3]])
@@ -261,7 +267,7 @@ def test_mxfp4_decoder_equals_transformers_convert_moe_packed_tensors() -> None:
         assert torch.equal(ours, theirs)
 
 
-def mxfp4_file(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[dict[str, Path], dict]:  # type: ignore[type-arg]
+def mxfp4_file(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[dict[str, Path], dict[str, TensorMeta]]:
     save_file(tensors, str(path))
     return {name: path for name in tensors}, {name: _meta(tensor) for name, tensor in tensors.items()}
 
@@ -296,7 +302,8 @@ def test_mxfp4_tensors_of_a_safetensors_file_read_by_their_logical_names(tmp_pat
      "has shape [4, 3, 1]"),
     (lambda t: t.update({DOWN + "_scales": t[DOWN + "_scales"].to(torch.int32)}), ScaleDtypeError, "dtype int32"),
 ])
-def test_inconsistent_mxfp4_parts_are_named_errors(tmp_path: Path, change, error, fragment) -> None:  # type: ignore[no-untyped-def]
+def test_inconsistent_mxfp4_parts_are_named_errors(tmp_path: Path, change: Callable[[dict[str, torch.Tensor]], object],
+                                                   error: type[Exception], fragment: str) -> None:
     blocks, scales = mxfp4_parts(4, 64, 1, 6)
     tensors = {DOWN + "_blocks": blocks, DOWN + "_scales": scales}
     change(tensors)

@@ -13,7 +13,7 @@ import logging
 import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import TracebackType
 from typing import Any, BinaryIO
@@ -237,6 +237,17 @@ def kept_quantized(source: CanonicalSource, hf_names: tuple[str, ...]) -> dict[s
     return {name: quantized.stored_parts(name) for name in hf_names if name in quantized}
 
 
+def kept_once(units: list[_Unit]) -> list[_Unit]:
+    """fp8: an HF tensor that several canonical tensors make up (one stacked tensor of many experts)
+    has its stored parts written once, with the last of them; the others write nothing for it."""
+    last = {name: index for index, unit in enumerate(units) for name in unit.kept}
+    return [
+        replace(unit, kept={name: parts if last[name] == index else () for name, parts in unit.kept.items()})
+        if unit.kept else unit
+        for index, unit in enumerate(units)
+    ]
+
+
 def check_all_kept(source: CanonicalSource, units: list[_Unit]) -> None:
     """fp8: --keep-fp8 must find every quantized tensor under the same HF name in the target."""
     quantized = source.hf_origin.quantized if source.hf_origin is not None else None
@@ -350,7 +361,7 @@ class HFSaver(Saver):
             units.append(_Unit(name, row, hf_names, shapes, dtype, kept_quantized(source, hf_names)))
         if unmapped:
             raise ConfigError(f"hf: {family.architecture} has no HF name for {sorted(unmapped)}")
-        return units
+        return kept_once(units)
 
     def _shards(self, source: CanonicalSource, options: SaveOptions) -> list[_Shard]:
         """transformers' greedy packing, by canonical tensor: a new shard when the next would overflow."""

@@ -312,3 +312,22 @@ def test_inconsistent_mxfp4_parts_are_named_errors(tmp_path: Path, change: Calla
     with pytest.raises(error) as raised:
         QuantizedTensors.find({}, tmp_path / "config.json", files, stored)
     assert fragment in str(raised.value) and "model.safetensors" in str(raised.value)
+
+
+def test_a_kept_tensor_shared_by_several_units_is_written_once_with_the_last() -> None:
+    from savers.hf import _Unit, kept_once
+
+    from pgconvert.families import IDENTITY, TensorMapping
+
+    stacked = "model.layers.0.mlp.experts.down_proj"
+    parts = ((stacked + "_blocks", TensorMeta((2, 8, 1, 16), torch.uint8)),
+             (stacked + "_scales", TensorMeta((2, 8, 1), torch.uint8)))
+    row = TensorMapping("decoder.layers.{}.mlp.experts.local_experts.{}.linear_fc2.weight",
+                        ("model.layers.{}.mlp.experts.{}.down_proj",), IDENTITY)
+    units = [_Unit(f"expert{j}", row, (stacked,), ((8, 32),), torch.bfloat16, {stacked: parts}) for j in range(2)]
+    plain = _Unit("norm", row, ("model.norm.weight",), ((8,),), torch.bfloat16)
+
+    once = kept_once([units[0], plain, units[1]])
+
+    assert [[name for name, _, _ in unit.entries()] for unit in once] == [
+        [], ["model.norm.weight"], [stacked + "_blocks", stacked + "_scales"]]

@@ -331,3 +331,17 @@ def test_a_kept_tensor_shared_by_several_units_is_written_once_with_the_last() -
 
     assert [[name for name, _, _ in unit.entries()] for unit in once] == [
         [], ["model.norm.weight"], [stacked + "_blocks", stacked + "_scales"]]
+
+
+def test_a_batch_rerun_tells_a_kept_fp8_output_from_a_dequantized_one(tmp_path: Path) -> None:
+    from pgconvert.batch import skip_reason
+    from pgconvert.convert import ConvertRequest
+
+    fp8_checkpoint(tmp_path / "src")
+    convert(tmp_path / "src", tmp_path / "dst", keep_fp8=True)
+
+    kept, _ = skip_reason(ConvertRequest(src=tmp_path / "src", dst=tmp_path / "dst", keep_fp8=True), False)
+    dequantized, reason = skip_reason(ConvertRequest(src=tmp_path / "src", dst=tmp_path / "dst"), False)
+
+    assert kept and not dequantized
+    assert "keep_fp8" in reason

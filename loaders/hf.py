@@ -31,9 +31,11 @@ from pgconvert.hf_format import (
     resolve_inside,
 )
 from pgconvert.hf_side import find_side_files
+from pgconvert.quantized import QuantizedTensors
 from pgconvert.provider import OUTPUT_LAYER, WORD_EMBEDDINGS, canonical_names
 from pgconvert.rules import ShardRule, assemble
 from pgconvert.stream import CanonicalSource, TensorMeta
+from pgconvert.strict import fallback
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +98,9 @@ class HFSource(CanonicalSource):
         doc = read_json_object(config_path)
         family = family_of(doc, config_path)
         self._files, stored = _locate_tensors(directory)
+        # fp8: quantized tensors are seen by their logical names (pgconvert.quantized).
+        self._quantized = QuantizedTensors.find(doc, config_path, self._files, stored, options.keep_quantized)
+        self._files, stored = self._quantized.logical()
         embedding = family.tensors.to_hf(WORD_EMBEDDINGS)
         stored_dtype = stored[embedding[1][0]].dtype if embedding and embedding[1][0] in stored else None
         family, config, notices = model_config_from_hf(doc, config_path, stored_dtype, stored_tensors=len(stored))
@@ -106,7 +111,14 @@ class HFSource(CanonicalSource):
         # What a megatron target cannot hold (semantics.check_target; an hf target keeps config.json).
         self.unrepresentable = list(notices)
         self.family = family
-        self.hf_origin = HFOrigin(directory=directory, config_json=doc, family=family)
+        kept = self._quantized if options.keep_quantized and self._quantized else None
+        self.hf_origin = HFOrigin(directory=directory, config_json=doc, family=family, quantized=kept)
+        quantized_notice = self._quantized.notice(directory)
+        if quantized_notice is not None and not options.keep_quantized:
+            # Rounding weight * scale to bf16 changes the values: refused under --strict, as a lossy --dtype is.
+            fallback(quantized_notice, options.strict, self.notices)
+        elif quantized_notice is not None:
+            self.notices.append(quantized_notice)
         self.side_files = find_side_files(directory)
         self._order = canonical_names(config)
         self._rows: dict[str, tuple[TensorMapping, tuple[str, ...]]] = {}
@@ -182,11 +194,21 @@ class HFSource(CanonicalSource):
 
     def _load(self, name: str) -> torch.Tensor:
         row, hf_names = self._rows[name]
-        parts = [read_tensor(self._files[hf], hf) for hf in hf_names]
+        parts = [self._read(hf) for hf in hf_names]
         full = row.transform.fuse(parts, self.config)
         if name == WORD_EMBEDDINGS and self._tied_copy is not None:
-            self._check_tied_copy(full, read_tensor(self._files[self._tied_copy], self._tied_copy), hf_names[0])
+            self._check_tied_copy(full, self._read(self._tied_copy), hf_names[0])
         return full
+
+    def _read(self, hf: str) -> torch.Tensor:
+        if hf in self._quantized:
+            return self._quantized.read(hf)
+        return read_tensor(self._files[hf], hf)
+
+    def _read_range(self, hf: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        if hf in self._quantized:
+            return self._quantized.read_range(hf, dim, start, stop)
+        return read_tensor_range(self._files[hf], hf, dim, start, stop)
 
     def _check_tied_copy(self, embedding: torch.Tensor, copy: torch.Tensor, embedding_name: str) -> None:
         """The stored output weight of a tied model must equal the embedding rows read with it.
@@ -229,7 +251,7 @@ class HFSource(CanonicalSource):
         """Reads rows ``[start, stop)`` along ``dim`` of HF tensor ``hf_names[part]``."""
         def read(part: int, dim: int, start: int, stop: int) -> torch.Tensor:
             hf = hf_names[part]
-            return read_tensor_range(self._files[hf], hf, dim, start, stop)
+            return self._read_range(hf, dim, start, stop)
 
         return read
 

@@ -170,6 +170,9 @@ def _layout_option(name: str, help_text: str) -> Any:
 @click.option("--strict", is_flag=True,
               help="Refuse wherever pgconvert would otherwise guess (unknown true vocab, dropped "
                    "_extra_state, a lossy --dtype, …); without it each guess is a warning.")
+@click.option("--keep-fp8", is_flag=True,
+              help="hf -> hf: write FP8 block-scaled (and MXFP4) weights and their scales unchanged and keep "
+                   "quantization_config (default: dequantize them to bf16).")
 @click.option("--check-finite", "finite_mode", flag_value="error",
               help="Refuse tensors holding NaN or Inf (by default they are converted with a warning).")
 @click.option("--skip-finite-check", "finite_mode", flag_value="off", help="Do not scan tensors for NaN/Inf.")
@@ -189,7 +192,7 @@ def convert_command(src: Path, dst: Path, src_format: str, dst_format: str, src_
                     workers: int, max_memory: int | None,
                     shard_index: int | None, num_shards: int | None, strict: bool, finite_mode: str | None,
                     dry_run: bool, overwrite: bool,
-                    quiet: bool, verbose: bool) -> None:
+                    quiet: bool, verbose: bool, keep_fp8: bool = False) -> None:
     """Convert SRC into DST (the default command)."""
     _configure_logging(quiet, verbose)
     request = ConvertRequest(
@@ -206,6 +209,7 @@ def convert_command(src: Path, dst: Path, src_format: str, dst_format: str, src_
         strict=strict, check_finite=finite_mode or "warn",
         max_shard_size=max_shard_size, hf_config=hf_config, workers=workers, max_memory=max_memory,
         generation_config=generation_config, tokenizer=tokenizer,
+        keep_fp8=keep_fp8,
     )
     try:
         shard = _shard_of_this_process(shard_index, num_shards)

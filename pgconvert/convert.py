@@ -31,6 +31,7 @@ from pgconvert.formats import DTYPE_CHOICES, LoadOptions, PlannedFile, SaveOptio
 from pgconvert.layout import ParallelLayout
 from pgconvert.layout_spec import LayoutSpec
 from pgconvert.manifest import Manifest, record_files, write_manifest
+from pgconvert.quantized import check_keep_fp8
 from pgconvert.registry import detect_format, get_loader, get_saver
 from pgconvert.semantics import check_target
 from pgconvert.stream import CanonicalSource
@@ -78,6 +79,8 @@ class ConvertRequest:
     # files they may hold in memory at once.
     workers: int = 1
     max_memory: int | None = None
+    # fp8: write an hf source's quantized tensors unchanged with their scales (hf -> hf only).
+    keep_fp8: bool = False
 
 
 @dataclass
@@ -192,6 +195,8 @@ def plan(request: ConvertRequest, check_dst: bool = True) -> Plan:
         check_destination(request.dst, request.overwrite, src)
     src_format = request.src_format or detect_format(src)
     dst_format = request.dst_format or src_format
+    if request.keep_fp8:
+        check_keep_fp8(src_format, dst_format)
     loader = get_loader(src_format)
     saver = get_saver(dst_format)
     if request.dtype not in DTYPE_CHOICES:
@@ -203,6 +208,7 @@ def plan(request: ConvertRequest, check_dst: bool = True) -> Plan:
         src_ep=request.src_ep,
         true_vocab_size=request.true_vocab_size,
         strict=request.strict,
+        keep_quantized=request.keep_fp8,
     ))
     try:
         if request.check_finite not in CHECK_FINITE_CHOICES:

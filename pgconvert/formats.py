@@ -45,6 +45,8 @@ class LoadOptions:
     true_vocab_size: int | None = None
     # Refuse instead of guessing (see pgconvert.strict).
     strict: bool = False
+    # fp8: an hf source's quantized tensors are kept as stored for an hf target (--keep-fp8).
+    keep_quantized: bool = False
 
     def check_layout(self, layout: ParallelLayout, path: Path) -> None:
         """Refuse a ``--src-tp/pp/ep`` the user gave that the checkpoint's own layout contradicts."""

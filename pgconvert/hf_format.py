@@ -20,7 +20,7 @@ import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -32,6 +32,9 @@ from pgconvert.limits import MAX_SAFETENSORS_HEADER_BYTES, over_limit, parse_jso
 from pgconvert.provider import canonical_shapes as provider_shapes
 from pgconvert.semantics import hf_unrepresentable
 from pgconvert.stream import TensorMeta
+
+if TYPE_CHECKING:
+    from pgconvert.quantized import QuantizedTensors
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +78,8 @@ class HFOrigin:
     directory: Path
     config_json: dict[str, Any]
     family: Family
+    # fp8: the quantized tensors an hf target writes as stored (--keep-fp8); None: dequantized.
+    quantized: QuantizedTensors | None = None
 
 
 # --- config.json -----------------------------------------------------------------------------

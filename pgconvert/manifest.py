@@ -32,7 +32,8 @@ MANIFEST_FILE = "pgconvert.json"
 # The request's options that change what is written (beyond format and layout), recorded so a
 # re-run can tell whether an existing output is the one it would write.
 OUTPUT_OPTIONS = ("dtype", "dst_transformer_impl", "dst_expert_layout", "true_vocab_size", "max_shard_size",
-                  "hf_config", "generation_config", "tokenizer")
+                  "hf_config", "generation_config", "tokenizer",
+                  "keep_fp8")  # fp8: quantized tensors kept as stored, or dequantized
 MANIFEST_VERSION = 1
 # Large enough that hashing runs at disk speed, small enough to stay out of the memory budget.
 HASH_CHUNK_BYTES = 8 * 1024 * 1024

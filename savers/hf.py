@@ -13,7 +13,7 @@ import logging
 import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import TracebackType
 from typing import Any, BinaryIO
@@ -53,7 +53,8 @@ from pgconvert.layout import ParallelLayout
 from pgconvert.semantics import hf_losses, hf_training_notes, lose
 from pgconvert.provider import (VOCAB_TABLES, WORD_EMBEDDINGS, TensorKind, keep_dtype_names, layer_kinds,
                                 norm_weight_names)
-from pgconvert.stream import CanonicalSource
+from pgconvert.quantized import KeepQuantizedError, without_quantization
+from pgconvert.stream import CanonicalSource, TensorMeta
 from pgconvert.strict import fallback
 
 log = logging.getLogger(__name__)
@@ -69,10 +70,20 @@ class _Unit:
     hf_names: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
     dtype: torch.dtype
+    # fp8: HF tensors written as their stored quantized parts (--keep-fp8), by HF name.
+    kept: dict[str, tuple[tuple[str, TensorMeta], ...]] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
-        return sum(sizes.nbytes(shape, self.dtype) for shape in self.shapes)
+        return sum(meta.nbytes for _, meta, _ in self.entries())
+
+    def entries(self) -> list[tuple[str, TensorMeta, str]]:
+        """What the unit writes: (tensor name, shape and dtype, the HF tensor it is or is part of)."""
+        written = []
+        for hf_name, shape in zip(self.hf_names, self.shapes, strict=True):
+            parts = self.kept.get(hf_name, ((hf_name, TensorMeta(shape, self.dtype)),))
+            written += [(name, meta, hf_name) for name, meta in parts]
+        return written
 
 
 @dataclass
@@ -82,7 +93,7 @@ class _Shard:
 
     @property
     def tensors(self) -> int:
-        return sum(len(unit.hf_names) for unit in self.units)
+        return sum(len(unit.entries()) for unit in self.units)
 
 
 def _rotary_order(config: ModelConfig) -> torch.Tensor:
@@ -207,9 +218,70 @@ class _SafetensorsWriter:
 
 
 
+def _write_unit(writer: _SafetensorsWriter, unit: _Unit, source: CanonicalSource, kinds: _HFKinds) -> None:
+    """One canonical tensor as its HF tensors (kept quantized ones as their stored parts)."""
+    config = source.config
+    if unit.kept.keys() >= set(unit.hf_names):
+        pieces: list[torch.Tensor | None] = [None] * len(unit.hf_names)
+    else:
+        full = _as_hf(unit.canonical, source.load(unit.canonical), config, kinds)
+        pieces = list(unit.row.transform.split(full, config))
+        del full
+    for hf_name, piece in zip(unit.hf_names, pieces, strict=True):
+        if hf_name in unit.kept:
+            quantized = source.hf_origin.quantized if source.hf_origin is not None else None
+            assert quantized is not None
+            for part, _ in unit.kept[hf_name]:
+                writer.write(part, quantized.read_stored(part))
+        else:
+            assert piece is not None
+            writer.write(hf_name, piece.to(unit.dtype))
+
+
 def _write_json(path: Path, doc: dict[str, Any]) -> None:
     path.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     _fsync(path)
+
+
+def kept_quantized(source: CanonicalSource, hf_names: tuple[str, ...]) -> dict[str, tuple[tuple[str, TensorMeta], ...]]:
+    """fp8: the HF tensors of ``hf_names`` that --keep-fp8 writes as their stored quantized parts."""
+    quantized = source.hf_origin.quantized if source.hf_origin is not None else None
+    if quantized is None:
+        return {}
+    return {name: quantized.stored_parts(name) for name in hf_names if name in quantized}
+
+
+def kept_once(units: list[_Unit]) -> list[_Unit]:
+    """fp8: an HF tensor that several canonical tensors make up (one stacked tensor of many experts)
+    has its stored parts written once, with the last of them; the others write nothing for it."""
+    last = {name: index for index, unit in enumerate(units) for name in unit.kept}
+    return [
+        replace(unit, kept={name: parts if last[name] == index else () for name, parts in unit.kept.items()})
+        if unit.kept else unit
+        for index, unit in enumerate(units)
+    ]
+
+
+def check_all_kept(source: CanonicalSource, units: list[_Unit]) -> None:
+    """fp8: --keep-fp8 must find every quantized tensor under the same HF name in the target."""
+    quantized = source.hf_origin.quantized if source.hf_origin is not None else None
+    if quantized is None:
+        return
+    lost = sorted(set(quantized.entries) - {name for unit in units for name in unit.kept})
+    if lost:
+        raise KeepQuantizedError(
+            f"--keep-fp8: the hf target does not write {lost[0]} (and {len(lost) - 1} more) under its source "
+            "name, so its quantized parts cannot be kept; convert without --keep-fp8 to dequantize them")
+
+
+def _quantization_config(doc: dict[str, Any], source: CanonicalSource, notices: list[str]) -> dict[str, Any]:
+    """fp8: config.json keeps quantization_config only when the quantized tensors are kept."""
+    if source.hf_origin is not None and source.hf_origin.quantized is not None:
+        return doc
+    updated, notice = without_quantization(doc, CONFIG_FILE)
+    if notice is not None:
+        notices.append(notice)
+    return updated
 
 
 class HFSaver(Saver):
@@ -240,7 +312,7 @@ class HFSaver(Saver):
         if options.strict and guesses:
             # Refused before anything is written; without --strict, save reports them.
             fallback(guesses[0], strict=True)
-        self._units(source, options)
+        check_all_kept(source, self._units(source, options))
         target_side_files(source.side_files, options)
         self._note_semantic_losses(source, options, family)
 
@@ -300,10 +372,10 @@ class HFSaver(Saver):
             row, hf_names = found
             shapes = tuple(row.transform.part_shapes(tuple(shape), config))
             dtype = meta.dtype if name in kept else _out_dtype(meta.dtype, options)
-            units.append(_Unit(name, row, hf_names, shapes, dtype))
+            units.append(_Unit(name, row, hf_names, shapes, dtype, kept_quantized(source, hf_names)))
         if unmapped:
             raise ConfigError(f"hf: {family.architecture} has no HF name for {sorted(unmapped)}")
-        return units
+        return kept_once(units)
 
     def _shards(self, source: CanonicalSource, options: SaveOptions) -> list[_Shard]:
         """transformers' greedy packing, by canonical tensor: a new shard when the next would overflow."""
@@ -340,17 +412,10 @@ class HFSaver(Saver):
         total = 0
         kinds = _HFKinds(layer_kinds(config), norm_weight_names(config))
         for file_name, shard in zip(self._file_names(len(shards)), shards, strict=True):
-            entries = [
-                (hf_name, unit.dtype, shape)
-                for unit in shard.units
-                for hf_name, shape in zip(unit.hf_names, unit.shapes, strict=True)
-            ]
+            entries = [(name, meta.dtype, meta.shape) for unit in shard.units for name, meta, _ in unit.entries()]
             with _SafetensorsWriter(out_dir / file_name, entries) as writer:
                 for unit in shard.units:
-                    full = _as_hf(unit.canonical, source.load(unit.canonical), config, kinds)
-                    for hf_name, piece in zip(unit.hf_names, unit.row.transform.split(full, config), strict=True):
-                        writer.write(hf_name, piece.to(unit.dtype))
-                    del full
+                    _write_unit(writer, unit, source, kinds)
             weight_map.update({entry[0]: file_name for entry in entries})
             total += writer.nbytes
             result.files.append(PlannedFile(file_name, len(entries), writer.nbytes, sha256=writer.sha256,
@@ -363,6 +428,7 @@ class HFSaver(Saver):
             })
         dtype = _out_dtype(source.meta(WORD_EMBEDDINGS).dtype, options)
         doc = with_dtype(base, dtype) if base is not None else hf_config_from_model(family, config, dtype)
+        doc = _quantization_config(doc, source, result.notices)
         _write_json(out_dir / CONFIG_FILE, doc)
         if base is None:
             assumed = ", ".join(f"{key}={value!r}" for key, value in family.hf_assumed.items())

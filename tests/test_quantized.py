@@ -1,0 +1,360 @@
+"""Quantized HF weights: FP8 block-scaled (DeepSeek-V3) and MXFP4 (GPT-OSS) read dequantized to bf16,
+or kept as stored with ``--keep-fp8``; their inconsistencies are named errors.
+
+The references here are written plainly, block by block, and independently of pgconvert.quantized;
+the MXFP4 reference is transformers' own ``convert_moe_packed_tensors``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from cli_helpers import assert_clean_refusal, run_cli
+from hf_helpers import build_hf_model, edit_json, load_hf_tensors, rewrite_as_single_file, save_hf_model
+from safetensors.torch import save_file
+
+from pgconvert.convert import convert
+from pgconvert.formats import LoadOptions
+from pgconvert.quantized import (
+    BlockSizeError,
+    MissingScaleError,
+    QuantizedTensors,
+    ScaleDtypeError,
+    ScaleShapeError,
+    dequantize_fp8,
+    dequantize_mxfp4,
+)
+from pgconvert.registry import get_loader
+from pgconvert.stream import TensorMeta
+
+QUANTIZED = (".q_proj.weight", ".k_proj.weight", ".v_proj.weight", ".o_proj.weight",
+             ".gate_proj.weight", ".up_proj.weight", ".down_proj.weight")
+
+
+def quantize_fp8(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float8_e4m3fn weight and its float32 block scales (amax / 448 per block), as DeepSeek stores them."""
+    rows, cols = weight.shape
+    scale = torch.empty(math.ceil(rows / block[0]), math.ceil(cols / block[1]), dtype=torch.float32)
+    quantized = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            tile = weight[i * block[0]:(i + 1) * block[0], j * block[1]:(j + 1) * block[1]].float()
+            scale[i, j] = tile.abs().max().clamp(min=1e-12) / 448.0
+            quantized[i * block[0]:(i + 1) * block[0], j * block[1]:(j + 1) * block[1]] = (
+                tile / scale[i, j]).to(torch.float8_e4m3fn)
+    return quantized, scale
+
+
+def reference_dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """weight.float() * scale, block by block, each block cut at the edges, cast to bf16."""
+    out = torch.empty(weight.shape, dtype=torch.float32)
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            rows = slice(i * block[0], (i + 1) * block[0])
+            cols = slice(j * block[1], (j + 1) * block[1])
+            out[rows, cols] = weight[rows, cols].float() * scale[i, j]
+    return out.to(torch.bfloat16)
+
+
+def fp8_checkpoint(path: Path, block: tuple[int, int] = (32, 48), name: str = "llama") -> dict[str, torch.Tensor]:
+    """A tiny bf16 model whose linear weights are stored FP8 block-scaled; returns the stored tensors."""
+    save_hf_model(build_hf_model(name).to(torch.bfloat16), path)
+    stored: dict[str, torch.Tensor] = {}
+
+    def quantize(tensors: dict[str, torch.Tensor]) -> None:
+        for key in sorted(tensors):
+            if key.endswith(QUANTIZED):
+                tensors[key], tensors[key + "_scale_inv"] = quantize_fp8(tensors[key], block)
+        stored.update(tensors)
+
+    rewrite_as_single_file(path, quantize)
+    edit_json(path / "config.json", lambda doc: doc.update(quantization_config={
+        "quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(block), "activation_scheme": "dynamic"}))
+    return stored
+
+
+def expected_dequantized(stored: dict[str, torch.Tensor], block: tuple[int, int]) -> dict[str, torch.Tensor]:
+    expected = {}
+    for key, tensor in stored.items():
+        if key.endswith("_scale_inv"):
+            continue
+        if tensor.dtype == torch.float8_e4m3fn:
+            expected[key] = reference_dequantize(tensor, stored[key + "_scale_inv"], block)
+        else:
+            expected[key] = tensor
+    return expected
+
+
+def assert_tensors_equal(expected: dict[str, torch.Tensor], actual: dict[str, torch.Tensor]) -> None:
+    assert sorted(actual) == sorted(expected)
+    for key, tensor in expected.items():
+        assert actual[key].dtype == tensor.dtype, key
+        assert torch.equal(actual[key], tensor), key
+
+
+@pytest.mark.parametrize("shape,block", [((300, 200), (128, 128)), ((257, 129), (128, 128)), ((70, 45), (16, 32)),
+                                         ((128, 256), (128, 128))])
+def test_fp8_dequantization_equals_the_plain_reference(shape: tuple[int, int], block: tuple[int, int]) -> None:
+    generator = torch.Generator().manual_seed(shape[0])
+    weight, scale = quantize_fp8(torch.randn(shape, generator=generator), block)
+    expected = reference_dequantize(weight, scale, block)
+
+    assert torch.equal(dequantize_fp8(weight, scale, block), expected)
+
+
+def test_fp8_dequantization_of_stacked_experts_scales_each_expert_by_its_own_blocks() -> None:
+    block = (16, 32)
+    generator = torch.Generator().manual_seed(9)
+    pairs = [quantize_fp8(torch.randn(70, 45, generator=generator), block) for _ in range(3)]
+    weight, scale = torch.stack([w.view(torch.uint8) for w, _ in pairs]).view(torch.float8_e4m3fn), torch.stack(
+        [s for _, s in pairs])
+
+    out = dequantize_fp8(weight, scale, block)
+
+    for expert, (w, s) in enumerate(pairs):
+        assert torch.equal(out[expert], reference_dequantize(w, s, block))
+
+
+def test_fp8_dequantization_of_windows_reads_the_blocks_they_cover(tmp_path: Path) -> None:
+    block = (16, 32)
+    weight, scale = quantize_fp8(torch.randn(70, 75, generator=torch.Generator().manual_seed(3)), block)
+    save_file({"w": weight, "w_scale_inv": scale}, str(tmp_path / "model.safetensors"))
+    files = {"w": tmp_path / "model.safetensors", "w_scale_inv": tmp_path / "model.safetensors"}
+    stored = {"w": _meta(weight), "w_scale_inv": _meta(scale)}
+    doc = {"quantization_config": {"quant_method": "fp8", "weight_block_size": list(block)}}
+    quantized = QuantizedTensors.find(doc, tmp_path / "config.json", files, stored)
+    expected = reference_dequantize(weight, scale, block)
+
+    assert torch.equal(quantized.read("w"), expected)
+    for dim, start, stop in ((0, 0, 70), (0, 5, 37), (0, 16, 32), (1, 7, 75), (1, 31, 33), (0, 69, 70)):
+        assert torch.equal(quantized.read_range("w", dim, start, stop), expected.narrow(dim, start, stop - start))
+
+
+def _meta(tensor: torch.Tensor) -> TensorMeta:
+    return TensorMeta(tuple(tensor.shape), tensor.dtype)
+
+
+@pytest.mark.parametrize("block", [(32, 48), (128, 128)])
+def test_fp8_checkpoint_converts_to_its_bf16_dequantization(tmp_path: Path, block: tuple[int, int]) -> None:
+    stored = fp8_checkpoint(tmp_path / "src", block)
+
+    report = convert(tmp_path / "src", tmp_path / "dst", max_shard_size=200_000)
+
+    assert_tensors_equal(expected_dequantized(stored, block), load_hf_tensors(tmp_path / "dst"))
+    config = json.loads((tmp_path / "dst" / "config.json").read_text())
+    assert "quantization_config" not in config
+    assert any("guess:" in notice and "dequantized to bfloat16" in notice for notice in report.notices)
+    assert any("quantization_config (quant_method='fp8') is dropped" in notice for notice in report.notices)
+
+
+def test_dequantizing_is_refused_under_strict(tmp_path: Path) -> None:
+    fp8_checkpoint(tmp_path / "src")
+
+    result = run_cli("convert", tmp_path / "src", tmp_path / "dst", "--strict")
+
+    assert_clean_refusal(result, 2, "--strict", "dequantized to bfloat16", "--keep-fp8")
+    assert run_cli("convert", tmp_path / "src", tmp_path / "dst", "--strict", "--keep-fp8").exit_code == 0
+
+
+def test_fp8_checkpoint_through_megatron_tp2_reads_windows_and_comes_back_dequantized(tmp_path: Path) -> None:
+    block = (32, 48)
+    stored = fp8_checkpoint(tmp_path / "src", block)
+
+    convert(tmp_path / "src", tmp_path / "mg", dst_format="megatron", dst_tp=2)
+    convert(tmp_path / "mg", tmp_path / "back", dst_format="hf", dst_tp=1)
+
+    assert_tensors_equal(expected_dequantized(stored, block), load_hf_tensors(tmp_path / "back"))
+    # The carried config.json still says fp8; the hf target written from bf16 weights drops it.
+    assert "quantization_config" in json.loads((tmp_path / "mg" / "hf" / "config.json").read_text())
+    assert "quantization_config" not in json.loads((tmp_path / "back" / "config.json").read_text())
+
+
+def test_keep_fp8_reshards_the_stored_bytes_and_scales(tmp_path: Path) -> None:
+    block = (32, 48)
+    stored = fp8_checkpoint(tmp_path / "src", block)
+    source_config = json.loads((tmp_path / "src" / "config.json").read_text())
+
+    result = run_cli("convert", tmp_path / "src", tmp_path / "dst", "--keep-fp8", "--max-shard-size", "50KB")
+
+    assert result.exit_code == 0, result.output
+    written = load_hf_tensors(tmp_path / "dst")
+    assert len(list((tmp_path / "dst").glob("model-*.safetensors"))) > 1
+    assert sorted(written) == sorted(stored)
+    for key, tensor in stored.items():
+        assert written[key].dtype == tensor.dtype, key
+        if tensor.dtype == torch.float8_e4m3fn:
+            assert torch.equal(written[key].view(torch.uint8), tensor.view(torch.uint8)), key
+        else:
+            assert torch.equal(written[key], tensor), key
+    config = json.loads((tmp_path / "dst" / "config.json").read_text())
+    assert config["quantization_config"] == source_config["quantization_config"]
+    index = json.loads((tmp_path / "dst" / "model.safetensors.index.json").read_text())
+    # A weight and its scale land in the same shard.
+    assert all(index["weight_map"][key + "_scale_inv"] == index["weight_map"][key]
+               for key in stored if stored[key].dtype == torch.float8_e4m3fn)
+
+
+def test_keep_fp8_is_refused_for_a_megatron_target(tmp_path: Path) -> None:
+    fp8_checkpoint(tmp_path / "src")
+
+    result = run_cli("convert", tmp_path / "src", tmp_path / "dst", "--keep-fp8", "--dst-format", "megatron")
+
+    assert_clean_refusal(result, 2, "--keep-fp8", "hf -> megatron", "hf -> hf")
+    assert not (tmp_path / "dst").exists()
+
+
+KEY = "model.layers.1.self_attn.k_proj.weight"
+
+
+@pytest.mark.parametrize("breakage,error,fragments", [
+    (lambda t: t.update({KEY + "_scale_inv": t[KEY + "_scale_inv"][:, :1].contiguous()}), ScaleShapeError,
+     (KEY + "_scale_inv", "has shape [1, 1]", "[32, 64]", "blocks of [32, 48]", "needs [1, 2]")),
+    (lambda t: t.pop(KEY + "_scale_inv"), MissingScaleError,
+     (KEY, "float8_e4m3fn [32, 64]", KEY + "_scale_inv", "not in the checkpoint")),
+    (lambda t: t.update({KEY + "_scale_inv": t[KEY + "_scale_inv"].to(torch.bfloat16)}), ScaleDtypeError,
+     (KEY + "_scale_inv", "dtype bfloat16", "must be float32")),
+])
+def test_inconsistent_scales_are_named_errors(tmp_path: Path, breakage: Callable[[dict[str, torch.Tensor]], object],
+                                             error: type[Exception], fragments: tuple[str, ...]) -> None:
+    fp8_checkpoint(tmp_path / "src")
+    rewrite_as_single_file(tmp_path / "src", breakage)
+
+    with pytest.raises(error) as raised:
+        get_loader("hf").open(tmp_path / "src", LoadOptions())
+    assert "model.safetensors" in str(raised.value)
+    result = run_cli("convert", tmp_path / "src", tmp_path / "dst")
+    assert_clean_refusal(result, 1, "model.safetensors", *fragments)
+
+
+def test_another_quant_method_is_a_named_error(tmp_path: Path) -> None:
+    fp8_checkpoint(tmp_path / "src")
+    edit_json(tmp_path / "src" / "config.json", lambda doc: doc["quantization_config"].update(quant_method="gptq"))
+
+    result = run_cli("convert", tmp_path / "src", tmp_path / "dst")
+
+    assert_clean_refusal(result, 1, "config.json", "quant_method='gptq'", "fp8 (block-scaled) and mxfp4")
+
+
+@pytest.mark.parametrize("block", [[128], [0, 128], ["128", 128], [True, 128], None, [128, -1, 3]])
+def test_a_block_size_that_is_not_two_positive_ints_is_a_named_error(tmp_path: Path, block: object) -> None:
+    fp8_checkpoint(tmp_path / "src")
+    edit_json(tmp_path / "src" / "config.json", lambda doc: doc["quantization_config"].update(weight_block_size=block))
+
+    with pytest.raises(BlockSizeError, match="weight_block_size"):
+        get_loader("hf").open(tmp_path / "src", LoadOptions())
+    result = run_cli("convert", tmp_path / "src", tmp_path / "dst")
+    assert_clean_refusal(result, 1, "config.json", "weight_block_size=", "two positive integers")
+
+
+# --- MXFP4 (GPT-OSS) ---------------------------------------------------------------------------
+
+GATE_UP = "model.layers.0.mlp.experts.gate_up_proj"
+DOWN = "model.layers.0.mlp.experts.down_proj"
+
+
+def mxfp4_parts(experts: int, rows: int, groups: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random packed bytes, and E8M0 exponents over their whole finite range (255 is NaN in E8M0)."""
+    generator = torch.Generator().manual_seed(seed)
+    blocks = torch.randint(0, 256, (experts, rows, groups, 16), generator=generator, dtype=torch.uint8)
+    scales = torch.randint(0, 255, (experts, rows, groups), generator=generator, dtype=torch.uint8)
+    scales[0, :2, 0] = torch.tensor([0, 254], dtype=torch.uint8)
+    return blocks, scales
+
+
+def test_mxfp4_decoder_equals_transformers_convert_moe_packed_tensors() -> None:
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    for shape, seed in (((2, 12, 2), 0), ((4, 6, 3), 1), ((1, 64, 1), 2)):
+        blocks, scales = mxfp4_parts(*shape, seed)
+
+        ours = dequantize_mxfp4(blocks, scales)
+        theirs = convert_moe_packed_tensors(blocks.clone(), scales.clone(), dtype=torch.bfloat16)
+
+        assert ours.dtype == theirs.dtype == torch.bfloat16
+        assert ours.shape == theirs.shape == (shape[0], shape[2] * 32, shape[1])
+        assert torch.equal(ours, theirs)
+
+
+def mxfp4_file(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[dict[str, Path], dict[str, TensorMeta]]:
+    save_file(tensors, str(path))
+    return {name: path for name in tensors}, {name: _meta(tensor) for name, tensor in tensors.items()}
+
+
+def test_mxfp4_tensors_of_a_safetensors_file_read_by_their_logical_names(tmp_path: Path) -> None:
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    gate_up, down = mxfp4_parts(4, 16, 2, 5), mxfp4_parts(4, 64, 1, 6)
+    bias = torch.randn(4, 16)
+    files, stored = mxfp4_file(tmp_path / "model.safetensors", {
+        GATE_UP + "_blocks": gate_up[0], GATE_UP + "_scales": gate_up[1], GATE_UP + "_bias": bias,
+        DOWN + "_blocks": down[0], DOWN + "_scales": down[1]})
+    doc = {"quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}}
+
+    quantized = QuantizedTensors.find(doc, tmp_path / "config.json", files, stored)
+    logical_files, metas = quantized.logical()
+
+    assert sorted(metas) == sorted([GATE_UP, GATE_UP + "_bias", DOWN]) == sorted(logical_files)
+    assert metas[GATE_UP].shape == (4, 64, 16) and metas[GATE_UP].dtype == torch.bfloat16
+    for name, (blocks, scales) in ((GATE_UP, gate_up), (DOWN, down)):
+        expected = convert_moe_packed_tensors(blocks.clone(), scales.clone(), dtype=torch.bfloat16)
+        assert torch.equal(quantized.read(name), expected)
+        assert torch.equal(quantized.read_range(name, 0, 1, 3), expected[1:3])
+        assert torch.equal(quantized.read_range(name, 1, 5, 30), expected[:, 5:30])
+    assert [part for part, _ in quantized.stored_parts(DOWN)] == [DOWN + "_blocks", DOWN + "_scales"]
+
+
+@pytest.mark.parametrize("change,error,fragment", [
+    (lambda t: t.pop(DOWN + "_scales"), MissingScaleError, DOWN + "_scales are not in the checkpoint"),
+    (lambda t: t.pop(DOWN + "_blocks"), MissingScaleError, "their blocks " + DOWN + "_blocks"),
+    (lambda t: t.update({DOWN + "_scales": t[DOWN + "_scales"][:, :3].contiguous()}), ScaleShapeError,
+     "has shape [4, 3, 1]"),
+    (lambda t: t.update({DOWN + "_scales": t[DOWN + "_scales"].to(torch.int32)}), ScaleDtypeError, "dtype int32"),
+])
+def test_inconsistent_mxfp4_parts_are_named_errors(tmp_path: Path, change: Callable[[dict[str, torch.Tensor]], object],
+                                                   error: type[Exception], fragment: str) -> None:
+    blocks, scales = mxfp4_parts(4, 64, 1, 6)
+    tensors = {DOWN + "_blocks": blocks, DOWN + "_scales": scales}
+    change(tensors)
+    files, stored = mxfp4_file(tmp_path / "model.safetensors", tensors)
+
+    with pytest.raises(error) as raised:
+        QuantizedTensors.find({}, tmp_path / "config.json", files, stored)
+    assert fragment in str(raised.value) and "model.safetensors" in str(raised.value)
+
+
+def test_a_kept_tensor_shared_by_several_units_is_written_once_with_the_last() -> None:
+    from savers.hf import _Unit, kept_once
+
+    from pgconvert.families import IDENTITY, TensorMapping
+
+    stacked = "model.layers.0.mlp.experts.down_proj"
+    parts = ((stacked + "_blocks", TensorMeta((2, 8, 1, 16), torch.uint8)),
+             (stacked + "_scales", TensorMeta((2, 8, 1), torch.uint8)))
+    row = TensorMapping("decoder.layers.{}.mlp.experts.local_experts.{}.linear_fc2.weight",
+                        ("model.layers.{}.mlp.experts.{}.down_proj",), IDENTITY)
+    units = [_Unit(f"expert{j}", row, (stacked,), ((8, 32),), torch.bfloat16, {stacked: parts}) for j in range(2)]
+    plain = _Unit("norm", row, ("model.norm.weight",), ((8,),), torch.bfloat16)
+
+    once = kept_once([units[0], plain, units[1]])
+
+    assert [[name for name, _, _ in unit.entries()] for unit in once] == [
+        [], ["model.norm.weight"], [stacked + "_blocks", stacked + "_scales"]]
+
+
+def test_a_batch_rerun_tells_a_kept_fp8_output_from_a_dequantized_one(tmp_path: Path) -> None:
+    from pgconvert.batch import skip_reason
+    from pgconvert.convert import ConvertRequest
+
+    fp8_checkpoint(tmp_path / "src")
+    convert(tmp_path / "src", tmp_path / "dst", keep_fp8=True)
+
+    kept, _ = skip_reason(ConvertRequest(src=tmp_path / "src", dst=tmp_path / "dst", keep_fp8=True), False)
+    dequantized, reason = skip_reason(ConvertRequest(src=tmp_path / "src", dst=tmp_path / "dst"), False)
+
+    assert kept and not dequantized
+    assert "keep_fp8" in reason

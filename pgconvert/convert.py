@@ -31,6 +31,7 @@ from pgconvert.formats import DTYPE_CHOICES, LoadOptions, PlannedFile, SaveOptio
 from pgconvert.layout import ParallelLayout
 from pgconvert.layout_spec import LayoutSpec
 from pgconvert.manifest import Manifest, record_files, write_manifest
+from pgconvert.optimizer_reshard import carry_training_state, replace_saver_notice
 from pgconvert.registry import detect_format, get_loader, get_saver
 from pgconvert.semantics import check_target
 from pgconvert.stream import CanonicalSource
@@ -78,6 +79,8 @@ class ConvertRequest:
     # files they may hold in memory at once.
     workers: int = 1
     max_memory: int | None = None
+    # opt18: convert the model alone, without the source's optimizer state (pgconvert.optimizer_reshard).
+    skip_optimizer: bool = False
 
 
 @dataclass
@@ -348,6 +351,7 @@ def execute(conversion: Plan, progress: Callable[[int], None] | None = None) -> 
     try:
         with staged_output(request.dst, request.overwrite) as staging:
             result = _save(conversion, staging, progress or (lambda nbytes: None))
+            result.notices = replace_saver_notice(result.notices, carry_training_state(conversion, staging, result.files))
             # Inside the staging directory: only an output that is complete ever has a manifest.
             write_manifest(staging, Manifest.for_conversion(conversion, record_files(staging, result.files)))
     except OSError as exc:

@@ -4,12 +4,17 @@ and the per-rank plain optimizer at a new layout, on goldens written by Megatron
 from __future__ import annotations
 
 import dataclasses
+import json
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
+from click.testing import Result
 from loaders.megatron import MegatronSource
+from megatron_fixtures import load_for_test
 from pgconvert.formats import LoadOptions
 from pgconvert.megatron_format import safe_torch_load
 from pgconvert.optimizer_map import (OptimizerLayoutError, OptimizerRules, UnsupportedOptimizerError,
@@ -64,3 +69,146 @@ def test_the_transformer_engine_spec_and_decoupled_lr_are_refused_naming_the_fie
     args.decoupled_lr = 1e-4
     with pytest.raises(UnsupportedOptimizerError, match="args.decoupled_lr"):
         OptimizerRules.from_args(args, "x")
+
+
+def _convert(src: Path, dst: Path, *flags: str) -> Result:
+    from click.testing import CliRunner
+
+    from pgconvert.cli import main
+
+    return CliRunner().invoke(main, ["convert", str(src), str(dst), "-q", *flags], prog_name="pgconvert")
+
+
+def _rank_states(iteration_dir: Path) -> dict[str, dict[str, object]]:
+    return {path.parent.name: load_for_test(path) for path in sorted(iteration_dir.glob("mp_rank_*/model_optim_rng.pt"))}
+
+
+def _assert_same(a: object, b: object, where: str) -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b), where
+        for key in a:
+            _assert_same(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
+        for index, (x, y) in enumerate(zip(a, b)):
+            _assert_same(x, y, f"{where}[{index}]")
+    else:
+        assert a == b, where
+
+
+def test_tp2pp2_to_tp1pp1_and_back_is_bit_exact_in_every_optimizer_tensor(tmp_path: Path) -> None:
+    one = _convert(PLAIN, tmp_path / "tp1", "--dst-tp", "1", "--dst-pp", "1")
+    assert one.exit_code == 0, one.output
+    back = _convert(tmp_path / "tp1", tmp_path / "back", "--dst-tp", "2", "--dst-pp", "2")
+    assert back.exit_code == 0, back.output
+    merged = _rank_states(tmp_path / "tp1" / "iter_0000002")["mp_rank_00"]
+    assert len(merged["optimizer"]["state"]) == 15
+    assert [len(g["params"]) for g in merged["optimizer"]["param_groups"]] == [10, 5]
+    original, again = _rank_states(PLAIN_ITER), _rank_states(tmp_path / "back" / "iter_0000002")
+    assert set(original) == set(again) and len(original) == 4
+    for rank, state in original.items():
+        for key in ("optimizer", "opt_param_scheduler", "num_floating_point_operations_so_far", "iteration", "model"):
+            _assert_same(state[key], again[rank][key], f"{rank}.{key}")
+        assert again[rank]["args"].consumed_train_samples == state["args"].consumed_train_samples
+        assert "rng_state" not in again[rank]
+
+
+def test_the_merged_state_is_the_tp_pieces_joined_by_the_parameters_rule(tmp_path: Path) -> None:
+    assert _convert(PLAIN, tmp_path / "tp1", "--dst-tp", "1", "--dst-pp", "1").exit_code == 0
+    ranks = _rank_states(PLAIN_ITER)
+    merged = _rank_states(tmp_path / "tp1" / "iter_0000002")["mp_rank_00"]["optimizer"]["state"]
+    # Stage 0, group 0: word embeddings, layer 0 linear_proj (row), linear_qkv (column), fc1 (gated), fc2.
+    pieces = [ranks[f"mp_rank_0{tp}_000"]["optimizer"]["state"] for tp in (0, 1)]
+    assert torch.equal(merged[1]["exp_avg"], torch.cat([pieces[0][1]["exp_avg"], pieces[1][1]["exp_avg"]], dim=1))
+    assert torch.equal(merged[2]["exp_avg_sq"], torch.cat([pieces[0][2]["exp_avg_sq"], pieces[1][2]["exp_avg_sq"]]))
+    gate = [piece[3]["exp_avg"].chunk(2) for piece in pieces]
+    assert torch.equal(merged[3]["exp_avg"], torch.cat([gate[0][0], gate[1][0], gate[0][1], gate[1][1]]))
+
+
+def test_per_parameter_form_is_layout_independent(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from pgconvert.cli import main
+
+    assert _convert(PLAIN, tmp_path / "tp1", "--dst-tp", "1", "--dst-pp", "1").exit_code == 0
+    runner = CliRunner()
+    for name, src in (("a", PLAIN), ("b", tmp_path / "tp1")):
+        result = runner.invoke(main, ["export-optimizer", str(src), str(tmp_path / name)], prog_name="pgconvert")
+        assert result.exit_code == 0, result.output
+    files = sorted(p.name for p in (tmp_path / "a").glob("*.pt"))
+    assert len(files) == 15 and files == sorted(p.name for p in (tmp_path / "b").glob("*.pt"))
+    for name in files:
+        a, b = (torch.load(tmp_path / d / name, weights_only=True) for d in ("a", "b"))
+        assert set(a) == {"param", "exp_avg", "exp_avg_sq", "step"}
+        _assert_same(a, b, name)
+    model = _rank_states(tmp_path / "tp1" / "iter_0000002")["mp_rank_00"]["model"]
+    qkv = torch.load(tmp_path / "a" / "decoder.layers.1.self_attention.linear_qkv.weight.pt", weights_only=True)
+    assert torch.equal(qkv["param"], model["decoder.layers.1.self_attention.linear_qkv.weight"])
+    index = json.loads((tmp_path / "a" / "optimizer.json").read_text())
+    assert index["iteration"] == 2 and index["counters"]["consumed_train_samples"] == 4
+    assert index["parameters"]["decoder.final_layernorm.weight"]["group"] == 1
+
+
+def test_skip_optimizer_converts_the_model_alone(tmp_path: Path) -> None:
+    result = _convert(PLAIN, tmp_path / "out", "--dst-tp", "1", "--dst-pp", "1", "--skip-optimizer")
+    assert result.exit_code == 0, result.output
+    state = _rank_states(tmp_path / "out" / "iter_0000002")["mp_rank_00"]
+    assert "optimizer" not in state and "opt_param_scheduler" not in state
+
+
+def _tamper(root: Path, rank: str, change: Callable[[dict], None]) -> None:
+    from savers.megatron import save_durably
+
+    path = root / "iter_0000002" / rank / "model_optim_rng.pt"
+    state = dict(safe_torch_load(path))
+    change(state)
+    partial = path.with_name("partial.pt")
+    save_durably(state, partial)
+    partial.replace(path)
+
+
+def _drop_last_parameter(state: dict) -> None:
+    optimizer = state["optimizer"]
+    last = optimizer["param_groups"][1]["params"][-1]
+    optimizer["param_groups"][1]["params"] = optimizer["param_groups"][1]["params"][:-1]
+    optimizer["state"] = {k: v for k, v in optimizer["state"].items() if k != last}
+
+
+def test_a_parameter_count_that_does_not_match_the_model_is_a_named_error(tmp_path: Path) -> None:
+    shutil.copytree(PLAIN, tmp_path / "src")
+    _tamper(tmp_path / "src", "mp_rank_01_001", _drop_last_parameter)
+    result = _convert(tmp_path / "src", tmp_path / "out", "--dst-tp", "1", "--dst-pp", "1")
+    assert result.exit_code == 1, result.output
+    assert "mp_rank_01_001" in result.output and "param_groups[1].params" in result.output
+    assert "pass --skip-optimizer" in result.output
+    assert "Traceback" not in result.output and not (tmp_path / "out").exists()
+
+
+DISTOPT = GOLDENS / "train_tp2dp2_distopt_bf16_torch"
+
+
+def test_a_missing_distrib_optim_file_is_a_named_error(tmp_path: Path) -> None:
+    shutil.copytree(DISTOPT, tmp_path / "src")
+    (tmp_path / "src" / "iter_0000002" / "mp_rank_00" / "distrib_optim.pt").unlink()
+    result = _convert(tmp_path / "src", tmp_path / "out", "--dst-tp", "1")
+    assert result.exit_code == 1, result.output
+    assert "distrib_optim.pt is missing" in result.output and "Traceback" not in result.output
+
+
+def test_an_unknown_sharding_type_is_a_named_error(tmp_path: Path) -> None:
+    shutil.copytree(DISTOPT, tmp_path / "src")
+    _tamper(tmp_path / "src", "mp_rank_00", lambda s: s["optimizer"].update(param_state_sharding_type="bogus"))
+    result = _convert(tmp_path / "src", tmp_path / "out", "--dst-tp", "1")
+    assert result.exit_code == 1, result.output
+    assert "param_state_sharding_type='bogus': unknown sharding type" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_distributed_optimizer_state_is_named_not_carried_and_refused_under_strict(tmp_path: Path) -> None:
+    result = _convert(DISTOPT, tmp_path / "out", "--dst-tp", "1")
+    assert result.exit_code == 0, result.output
+    assert "optimizer" not in _rank_states(tmp_path / "out" / "iter_0000002")["mp_rank_00"]
+    strict = _convert(DISTOPT, tmp_path / "strict", "--dst-tp", "1", "--strict")
+    assert strict.exit_code == 2 and "distributed-optimizer state" in strict.output

@@ -212,3 +212,45 @@ def test_distributed_optimizer_state_is_named_not_carried_and_refused_under_stri
     assert "optimizer" not in _rank_states(tmp_path / "out" / "iter_0000002")["mp_rank_00"]
     strict = _convert(DISTOPT, tmp_path / "strict", "--dst-tp", "1", "--strict")
     assert strict.exit_code == 2 and "distributed-optimizer state" in strict.output
+
+
+def _adam_step(state: dict, slots: list, chunk_keys: list[str], grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One torch AdamW step (the optimizer megatron-core's FP32Optimizer wraps when Apex and Transformer
+    Engine are absent) from a rank file's own state, on ``grads`` cut for the rank; updated pieces by slot."""
+    params = {slot.position: torch.nn.Parameter(state[chunk_keys[slot.chunk]][slot.spec.local_name].clone())
+              for group in slots for slot in group}
+    for group in slots:
+        for slot in group:
+            spec = slot.spec
+            params[slot.position].grad = spec.rule.shard(grads[spec.canonical], spec.tp_size, spec.tp_rank).clone()
+    groups = [{"params": [params[slot.position] for slot in group]} for group in slots]
+    optimizer = torch.optim.AdamW(groups)
+    optimizer.load_state_dict(state["optimizer"])
+    optimizer.step()
+    return {(slot.spec.canonical, slot.spec.tp_rank): params[slot.position].detach() for group in slots for slot in group}
+
+
+def test_the_converted_state_takes_the_same_adam_step_as_the_source(tmp_path: Path) -> None:
+    assert _convert(PLAIN, tmp_path / "tp1", "--dst-tp", "1", "--dst-pp", "1").exit_code == 0
+    source = _source()
+    target = _source(tmp_path / "tp1" / "iter_0000002")
+    generator = torch.Generator().manual_seed(0)
+    shapes = {slot.spec.canonical: slot.spec.global_shape
+              for coord in target.files
+              for group in optimizer_slots(target.config, target.layout, coord, padded_vocab_size=target.vocab_rows)
+              for slot in group}
+    grads = {name: torch.randn(shape, generator=generator) * 1e-3 for name, shape in shapes.items()}
+    before: dict[tuple[str, int], torch.Tensor] = {}
+    rules: dict[str, object] = {}
+    for coord, path in source.files.items():
+        slots = optimizer_slots(source.config, source.layout, coord, padded_vocab_size=source.vocab_rows)
+        rules.update({slot.spec.canonical: slot.spec.rule for group in slots for slot in group})
+        before.update(_adam_step(load_for_test(path), slots, ["model"], grads))
+    (coord, path), = target.files.items()
+    after = _adam_step(load_for_test(path), optimizer_slots(target.config, target.layout, coord,
+                                                            padded_vocab_size=target.vocab_rows), ["model"], grads)
+    assert len(after) == 15
+    for (name, _), updated in after.items():
+        merged = rules[name].merge([before[(name, tp)] for tp in range(2)])
+        torch.testing.assert_close(updated, merged, rtol=1e-6, atol=1e-9)
+        assert not torch.equal(updated, load_for_test(path)["model"][name])

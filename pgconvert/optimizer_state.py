@@ -28,7 +28,7 @@ from pgconvert.megatron_format import safe_torch_load
 from pgconvert.optimizer_map import (MEGATRON_CORE_VERSIONS, OptimizerLayoutError, OptimizerRules, OptimizerSlot,
                                      UnsupportedOptimizerError, check_param_groups, check_state_shapes,
                                      optimizer_slots)
-from pgconvert.rules import VocabParallel
+from pgconvert.rules import ReplicaMismatchError, VocabParallel
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 FORM_FP32 = "fp32"
@@ -99,6 +99,14 @@ def _masters(form: str, optimizer: dict[str, Any], state: dict[str, Any], slots:
         if not isinstance(master, torch.Tensor) or tuple(master.shape) != tuple(slot.spec.local_shape):
             raise OptimizerLayoutError(f"{path}: optimizer.fp32_from_fp16_params[{slot.group}] entry for "
                                        f"{slot.spec.local_name} is not a tensor of shape {slot.spec.local_shape}")
+        # megatron-core copies each master into its model parameter after every step: the master must
+        # round to the stored weight, or the positions do not map to these parameters.
+        model = state[chunk_keys[slot.chunk]][slot.spec.local_name]
+        if not torch.equal(master.to(model.dtype), model):
+            raise OptimizerLayoutError(
+                f"{path}: optimizer.fp32_from_fp16_params[{slot.group}] entry at position {slot.position} does not "
+                f"round to the model's {slot.spec.local_name}: the checkpoint's parameter order is not the one "
+                f"megatron-core {' / '.join(MEGATRON_CORE_VERSIONS)} builds")
     return masters
 
 
@@ -167,6 +175,13 @@ class OptimizerSource:
             return [rank.masters[slot.position] for rank, slot in self._owners[name]]
         return [rank.inner["state"][slot.position][key] for rank, slot in self._owners[name]]
 
+    def _replicas_differ(self, name: str, key: str, error: ReplicaMismatchError) -> OptimizerLayoutError:
+        owners = self._owners[name]
+        first, second = (owners[index][0].path for index in error.ranks)
+        return OptimizerLayoutError(
+            f"{name}: optimizer {key} of a replicated parameter differs between {first} and {second}: the "
+            f"positions do not map to the parameters megatron-core {' / '.join(MEGATRON_CORE_VERSIONS)} orders there")
+
     def step(self, name: str) -> torch.Tensor:
         """The Adam step count of ``name`` (the same on all its pieces, or refused)."""
         steps = self._pieces(name, "step")
@@ -177,7 +192,12 @@ class OptimizerSource:
     def parameter(self, name: str) -> dict[str, torch.Tensor]:
         """The whole (source-padded) fp32 master, both moments and the step of ``name``."""
         rule = self._owners[name][0][1].spec.rule
-        merged = {key: rule.merge(self._pieces(name, key)).clone() for key in ("param", *MOMENTS)}
+        merged = {}
+        for key in ("param", *MOMENTS):
+            try:
+                merged[key] = rule.merge(self._pieces(name, key)).clone()
+            except ReplicaMismatchError as error:
+                raise self._replicas_differ(name, key, error) from error
         merged["step"] = self.step(name)
         return merged
 
@@ -188,7 +208,10 @@ class OptimizerSource:
         pieces = self._pieces(name, key)
         if isinstance(spec.rule, VocabParallel) and rows is not None:
             return spec.rule.reshard_rows(pieces, rows, self.config.vocab_size, size, rank)
-        return spec.rule.reshard(pieces, size, rank)
+        try:
+            return spec.rule.reshard(pieces, size, rank)
+        except ReplicaMismatchError as error:
+            raise self._replicas_differ(name, key, error) from error
 
     def param_group_settings(self) -> list[dict[str, Any]]:
         """The first rank's param groups without their ``params`` (hyperparameters, lr, wd_mult…)."""

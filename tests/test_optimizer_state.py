@@ -254,3 +254,46 @@ def test_the_converted_state_takes_the_same_adam_step_as_the_source(tmp_path: Pa
         merged = rules[name].merge([before[(name, tp)] for tp in range(2)])
         torch.testing.assert_close(updated, merged, rtol=1e-6, atol=1e-9)
         assert not torch.equal(updated, load_for_test(path)["model"][name])
+
+
+BF16_PLAIN = GOLDENS / "train_tp2dp2_bf16_torch"
+
+
+def test_bf16_masters_grad_scaler_and_moments_round_trip_tp2_tp1_tp2_bit_exact(tmp_path: Path) -> None:
+    import pgconvert
+
+    report = pgconvert.convert(BF16_PLAIN, tmp_path / "tp1", dst_tp=1)
+    assert any(note.startswith("optimizer (float16)") and "--no-load-rng" in note for note in report.notices)
+    assert not any(note.startswith("optimizer, scheduler and RNG state are not carried") for note in report.notices)
+    assert _convert(tmp_path / "tp1", tmp_path / "back", "--dst-tp", "2").exit_code == 0
+    merged = _rank_states(tmp_path / "tp1" / "iter_0000002")["mp_rank_00"]
+    masters = merged["optimizer"]["fp32_from_fp16_params"]
+    assert [len(group) for group in masters] == [10, 5] and masters[0][0].dtype == torch.float32
+    assert merged["model"]["embedding.word_embeddings.weight"].dtype == torch.bfloat16
+    original, again = _rank_states(BF16_PLAIN / "iter_0000002"), _rank_states(tmp_path / "back" / "iter_0000002")
+    assert set(original) == set(again) == {"mp_rank_00", "mp_rank_01"}
+    for rank, state in original.items():
+        for key in ("optimizer", "opt_param_scheduler", "num_floating_point_operations_so_far", "model"):
+            _assert_same(state[key], again[rank][key], f"{rank}.{key}")
+
+
+def _swap(group: int, first: int, second: int) -> Callable[[dict], None]:
+    def swap(state: dict) -> None:
+        masters = state["optimizer"]["fp32_from_fp16_params"][group]
+        masters[first], masters[second] = masters[second], masters[first]
+    return swap
+
+
+@pytest.mark.parametrize(("group", "first", "second", "expected"), [
+    # layer 0 linear_qkv and linear_fc2: both (64, 64) at TP2; the masters no longer round to the weights.
+    (0, 2, 4, "fp32_from_fp16_params[0] entry at position 2 does not round to the model's"),
+    # the two norms of layer 0 round to the same bf16 weights; TP rank 0 and 1 then disagree.
+    (1, 0, 1, "optimizer param of a replicated parameter differs between"),
+])
+def test_masters_in_another_order_than_megatron_cores_are_refused(tmp_path: Path, group: int, first: int,
+                                                                  second: int, expected: str) -> None:
+    shutil.copytree(BF16_PLAIN, tmp_path / "src")
+    _tamper(tmp_path / "src", "mp_rank_01", _swap(group, first, second))
+    result = _convert(tmp_path / "src", tmp_path / "out", "--dst-tp", "1")
+    assert result.exit_code == 1, result.output
+    assert expected in result.output and "Traceback" not in result.output

@@ -199,3 +199,53 @@ def check_state_shapes(slots: Sequence[Sequence[OptimizerSlot]], state: Mapping[
                 raise OptimizerLayoutError(
                     f"{where}: optimizer.state[{slot.position}].{key} has shape {shape}, but position "
                     f"{slot.position} is {slot.spec.local_name} of shape {tuple(slot.spec.local_shape)}")
+
+
+@dataclass(frozen=True)
+class FlatParam:
+    """Where one parameter lies in a distributed optimizer's DP-gathered flat buffer (``distrib_optim.pt``)."""
+
+    slot: OptimizerSlot
+    start: int
+    end: int
+
+
+def _bucket_size(args: argparse.Namespace | None, coord: RankCoord, chunk: int, dp: int) -> int | None:
+    """DistributedDataParallel's bucket size (None: one bucket): none without overlap_grad_reduce,
+    on pipeline stages after the first and for model chunks after the first."""
+    if args is None or not getattr(args, "overlap_grad_reduce", False) or coord.pp > 0 or chunk > 0:
+        return None
+    size = getattr(args, "ddp_bucket_size", None)
+    return int(size) if size is not None else max(40_000_000, 1_000_000 * dp)
+
+
+def flat_buffers(config: ModelConfig, layout: ParallelLayout, coord: RankCoord, rules: OptimizerRules,
+                 padded_vocab_size: int | None, args: argparse.Namespace | None = None,
+                 dp: int = 1) -> list[tuple[list[FlatParam], int]]:
+    """Per model chunk (``distrib_optim.pt``'s buffer index), its parameters' ranges in the coalesced
+    buffer and the buffer's unpadded size: ``_ParamAndGradBuffer`` walks the chunk's parameters in
+    reverse order, each starting at a multiple of 64 (distributed optimizer); the coalesced checkpoint
+    drops only the padding after each bucket. One bucket per buffer is reproduced; more are refused."""
+    if config.tie_embeddings and layout.pp > 1:
+        raise UnsupportedOptimizerError(
+            "tied embeddings with pp > 1: the shared embedding gets its own distributed-optimizer bucket, "
+            f"which pgconvert does not reproduce ({_VERSIONS}); pass --skip-optimizer")
+    by_param = {(slot.chunk, slot.spec.local_name): slot
+                for group in optimizer_slots(config, layout, coord, rules, padded_vocab_size) for slot in group}
+    # The buffer follows the chunk's named_parameters() order (reversed), not the param groups'.
+    named = [by_param[(chunk, spec.local_name)] for chunk, spec in
+             named_parameters(config, layout, coord, padded_vocab_size)]
+    buffers: list[tuple[list[FlatParam], int]] = []
+    for chunk in range(layout.virtual_size):
+        cursor, placed = 0, []
+        for slot in reversed([slot for slot in named if slot.chunk == chunk]):
+            start = -(-cursor // 64) * 64
+            cursor = start + slot.spec.numel
+            placed.append(FlatParam(slot, start, cursor))
+        bucket = _bucket_size(args, coord, chunk, dp)
+        if bucket is not None and any(p.end >= bucket for p in placed[:-1]):
+            raise UnsupportedOptimizerError(
+                f"args.overlap_grad_reduce with a DDP bucket size of {bucket} splits model chunk {chunk}'s buffer "
+                f"({cursor} elements) into several buckets, which pgconvert does not reproduce ({_VERSIONS})")
+        buffers.append((placed, cursor))
+    return buffers

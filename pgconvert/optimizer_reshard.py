@@ -29,7 +29,9 @@ from pgconvert.grid import RankCoord, iter_ranks
 from pgconvert.layout import ParallelLayout
 from pgconvert.megatron_format import RANK_FILE, rank_dir_name, safe_torch_load
 from pgconvert.optimizer_map import MEGATRON_CORE_VERSIONS, OptimizerLayoutError, OptimizerSlot, optimizer_slots
-from pgconvert.optimizer_state import CARRIED_KEYS, FORM_FP16, MOMENTS, OptimizerSource
+from pgconvert.optimizer_flat import DISTRIB_OPTIM_FILE, dp_size, planned_buffers
+from pgconvert.optimizer_map import flat_buffers
+from pgconvert.optimizer_state import CARRIED_KEYS, FORM_DISTRIBUTED, FORM_FP16, MOMENTS, OptimizerSource
 from pgconvert.rules import VocabParallel
 from pgconvert.torchzip import PlannedTensor
 
@@ -108,6 +110,23 @@ def rank_optimizer(source: OptimizerSource, config: ModelConfig, layout: Paralle
     return optimizer
 
 
+def _write_distributed(source: OptimizerSource, config: ModelConfig, layout: ParallelLayout, coord: RankCoord,
+                       padded_rows: int, rank_dir: Path, save: Callable[[dict[str, Any], Path], str]) -> None:
+    """``distrib_optim.pt`` of rank ``coord``: each model chunk's coalesced flat buffers, under the source's
+    dtype key, every parameter's piece cut with its rule (built when written)."""
+    args = source.first.extra.get("args")
+    buffers = flat_buffers(config, layout, coord, source.rules, padded_rows, args, dp_size(args))
+
+    def piece(slot: OptimizerSlot, key: str) -> torch.Tensor:
+        rows = padded_rows if isinstance(slot.spec.rule, VocabParallel) else None
+        return source.piece(slot.spec.canonical, key, slot.spec.tp_size, slot.spec.tp_rank, rows)
+
+    content: dict[Any, Any] = {"buckets_coalesced": True}
+    for index, (placed, numel) in enumerate(buffers):
+        content[index] = {source.dtype_key: planned_buffers(placed, numel, piece)}
+    save(content, rank_dir / DISTRIB_OPTIM_FILE)
+
+
 def carry_optimizer(source: OptimizerSource, config: ModelConfig, layout: ParallelLayout, iteration_dir: Path,
                     padded_rows: int, save: Callable[[dict[str, Any], Path], str]) -> list[PlannedFile]:
     """Add the optimizer and the carried counters to every rank file under ``iteration_dir`` (written by
@@ -117,7 +136,11 @@ def carry_optimizer(source: OptimizerSource, config: ModelConfig, layout: Parall
         relpath = f"{rank_dir_name(coord.tp, coord.pp, coord.ep, layout.pp, layout.ep)}/{RANK_FILE}"
         path = iteration_dir / relpath
         state = dict(safe_torch_load(path))
-        state["optimizer"] = rank_optimizer(source, config, layout, coord, padded_rows)
+        if source.form == FORM_DISTRIBUTED:
+            state["optimizer"] = source.first.extra["distributed_entry"]
+            _write_distributed(source, config, layout, coord, padded_rows, path.parent, save)
+        else:
+            state["optimizer"] = rank_optimizer(source, config, layout, coord, padded_rows)
         for key in CARRIED_KEYS:
             if key in source.first.extra:
                 state[key] = source.first.extra[key]

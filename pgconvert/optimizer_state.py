@@ -28,12 +28,13 @@ from pgconvert.megatron_format import safe_torch_load
 from pgconvert.optimizer_map import (MEGATRON_CORE_VERSIONS, OptimizerLayoutError, OptimizerRules, OptimizerSlot,
                                      UnsupportedOptimizerError, check_param_groups, check_state_shapes,
                                      optimizer_slots)
+from pgconvert.optimizer_flat import DISTRIB_OPTIM_FILE, read_distributed
 from pgconvert.rules import ReplicaMismatchError, VocabParallel
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 FORM_FP32 = "fp32"
 FORM_FP16 = "float16"
-DISTRIB_OPTIM_FILE = "distrib_optim.pt"
+FORM_DISTRIBUTED = "distributed"
 # megatron-core's DistributedOptimizer param-state formats (distrib_optimizer.py).
 DISTRIBUTED_SHARDING_TYPES = ("dp_reshardable", "fully_reshardable", "fully_sharded_model_space",
                               "fully_sharded_bucket_space", "dp_zero_gather_scatter")
@@ -62,6 +63,7 @@ def _form_of(optimizer: Any, path: Path) -> str:
     if isinstance(optimizer, dict) and isinstance(optimizer.get("optimizer"), dict) \
             and "state" not in optimizer["optimizer"]:
         _check_distributed(optimizer, path)
+        return FORM_DISTRIBUTED
     keys = sorted(map(str, optimizer)) if isinstance(optimizer, dict) else type(optimizer).__name__
     raise OptimizerLayoutError(f"{path}: optimizer has fields {quote(keys, 160)}: not a form of megatron-core "
                                f"{' / '.join(MEGATRON_CORE_VERSIONS)} that pgconvert reads")
@@ -78,9 +80,9 @@ def _check_distributed(optimizer: dict[str, Any], path: Path) -> None:
         raise OptimizerLayoutError(
             f"{path}: the distributed optimizer's state file {path.parent / DISTRIB_OPTIM_FILE} is missing "
             "(the rank file holds only its param groups); pass --skip-optimizer to convert the model alone")
-    raise UnsupportedOptimizerError(
-        f"{path}: distributed-optimizer state ({DISTRIB_OPTIM_FILE}, {sharding}) is not carried yet; "
-        "pass --skip-optimizer")
+    if sharding != "dp_reshardable":
+        raise UnsupportedOptimizerError(
+            f"{path}: distributed-optimizer state in the {sharding} form is not carried yet; pass --skip-optimizer")
 
 
 def _masters(form: str, optimizer: dict[str, Any], state: dict[str, Any], slots: list[list[OptimizerSlot]],
@@ -99,15 +101,22 @@ def _masters(form: str, optimizer: dict[str, Any], state: dict[str, Any], slots:
         if not isinstance(master, torch.Tensor) or tuple(master.shape) != tuple(slot.spec.local_shape):
             raise OptimizerLayoutError(f"{path}: optimizer.fp32_from_fp16_params[{slot.group}] entry for "
                                        f"{slot.spec.local_name} is not a tensor of shape {slot.spec.local_shape}")
-        # megatron-core copies each master into its model parameter after every step: the master must
-        # round to the stored weight, or the positions do not map to these parameters.
+    check_masters_round(state, flat, masters, chunk_keys, path, "optimizer.fp32_from_fp16_params")
+    return masters
+
+
+def check_masters_round(state: dict[str, Any], slots: Sequence[Any], masters: Sequence[torch.Tensor],
+                        chunk_keys: Sequence[str], path: Path, field: str) -> None:
+    """megatron-core copies each fp32 master into its model parameter after every step: each master
+    must round to the stored weight, or the positions do not map to these parameters."""
+    flat = [slot for item in slots for slot in (item if isinstance(item, list) else [item])]
+    for slot, master in zip(flat, masters):
         model = state[chunk_keys[slot.chunk]][slot.spec.local_name]
         if not torch.equal(master.to(model.dtype), model):
             raise OptimizerLayoutError(
-                f"{path}: optimizer.fp32_from_fp16_params[{slot.group}] entry at position {slot.position} does not "
-                f"round to the model's {slot.spec.local_name}: the checkpoint's parameter order is not the one "
-                f"megatron-core {' / '.join(MEGATRON_CORE_VERSIONS)} builds")
-    return masters
+                f"{path}: {field} entry at position {slot.position} (group {slot.group}) does not round to the "
+                f"model's {slot.spec.local_name}: the checkpoint's parameter order is not the one megatron-core "
+                f"{' / '.join(MEGATRON_CORE_VERSIONS)} builds")
 
 
 class OptimizerSource:
@@ -125,6 +134,7 @@ class OptimizerSource:
         for coord, path in sorted(source.files.items(), key=lambda item: (item[0].pp, item[0].ep, item[0].tp)):
             self.ranks[coord] = self._read_rank(coord, Path(path), chunk_keys)
         self.first = self.ranks[min(self.ranks, key=lambda c: (c.pp, c.ep, c.tp))]
+        self.dtype_key = self.first.inner.get("dtype_key")
         self.rules = OptimizerRules.from_args(self.first.extra.get("args"), str(self.first.path))
         self._owners = self._index()
 
@@ -139,8 +149,14 @@ class OptimizerSource:
             raise OptimizerLayoutError(f"{path}: optimizer form {form} differs from the first rank's {self.form}")
         self.form = form
         inner = optimizer if form == FORM_FP32 else optimizer["optimizer"]
-        slots = optimizer_slots(self.config, self.layout, coord, OptimizerRules.from_args(state.get("args"), str(path)),
-                                self.vocab_rows)
+        rules = OptimizerRules.from_args(state.get("args"), str(path))
+        slots = optimizer_slots(self.config, self.layout, coord, rules, self.vocab_rows)
+        if form == FORM_DISTRIBUTED:
+            flat_inner, masters = read_distributed(self.config, self.layout, coord, rules, self.vocab_rows, state, path)
+            extra = {key: state[key] for key in (*CARRIED_KEYS, "iteration", "args") if key in state}
+            extra["distributed_entry"] = optimizer
+            check_masters_round(state, slots, masters, chunk_keys, path, "distrib_optim.pt param")
+            return _RankOptimizer(path, slots, flat_inner, masters, extra)
         check_param_groups(slots, inner.get("param_groups"), str(path))
         check_state_shapes(slots, inner.get("state"), str(path))
         masters = _masters(form, optimizer, state, slots, chunk_keys, path)

@@ -206,12 +206,56 @@ def test_an_unknown_sharding_type_is_a_named_error(tmp_path: Path) -> None:
     assert "Traceback" not in result.output
 
 
-def test_distributed_optimizer_state_is_named_not_carried_and_refused_under_strict(tmp_path: Path) -> None:
-    result = _convert(DISTOPT, tmp_path / "out", "--dst-tp", "1")
-    assert result.exit_code == 0, result.output
-    assert "optimizer" not in _rank_states(tmp_path / "out" / "iter_0000002")["mp_rank_00"]
-    strict = _convert(DISTOPT, tmp_path / "strict", "--dst-tp", "1", "--strict")
-    assert strict.exit_code == 2 and "distributed-optimizer state" in strict.output
+def test_distributed_optimizer_round_trips_tp2_tp1_tp2_bit_exact(tmp_path: Path) -> None:
+    assert _convert(DISTOPT, tmp_path / "tp1", "--dst-tp", "1").exit_code == 0
+    back = _convert(tmp_path / "tp1", tmp_path / "back", "--dst-tp", "2")
+    assert back.exit_code == 0, back.output
+    flat = torch.load(tmp_path / "tp1" / "iter_0000002" / "mp_rank_00" / "distrib_optim.pt", weights_only=True)
+    (entry,) = flat[0].values()
+    # TP1 holds every parameter once: two TP2 buffers (53568 each) less one copy of the 5 replicated norms.
+    assert entry["numel_unpadded"] == entry["param"].numel() == 2 * 53568 - 5 * 64
+    original, again = _rank_states(DISTOPT / "iter_0000002"), _rank_states(tmp_path / "back" / "iter_0000002")
+    assert set(original) == set(again) == {"mp_rank_00", "mp_rank_01"}
+    for rank, state in original.items():
+        for key in ("optimizer", "opt_param_scheduler", "num_floating_point_operations_so_far", "model"):
+            _assert_same(state[key], again[rank][key], f"{rank}.{key}")
+        _assert_same(torch.load(DISTOPT / "iter_0000002" / rank / "distrib_optim.pt", weights_only=True),
+                     torch.load(tmp_path / "back" / "iter_0000002" / rank / "distrib_optim.pt", weights_only=True),
+                     f"{rank}/distrib_optim.pt")
+
+
+def test_distributed_and_plain_exports_hold_the_same_parameters(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from pgconvert.cli import main
+
+    for name, src in (("dist", DISTOPT), ("plain", BF16_PLAIN)):
+        result = CliRunner().invoke(main, ["export-optimizer", str(src), str(tmp_path / name)], prog_name="pgconvert")
+        assert result.exit_code == 0, result.output
+    names = sorted(p.name for p in (tmp_path / "dist").glob("*.pt"))
+    assert names == sorted(p.name for p in (tmp_path / "plain").glob("*.pt")) and len(names) == 15
+    for name in names:
+        dist = torch.load(tmp_path / "dist" / name, weights_only=True)
+        plain = torch.load(tmp_path / "plain" / name, weights_only=True)
+        assert {key: value.shape for key, value in dist.items()} == {key: value.shape for key, value in plain.items()}
+        assert dist["param"].dtype == torch.float32 and float(dist["step"]) == float(plain["step"]) == 2.0
+
+
+def test_a_flat_buffer_of_the_wrong_size_is_a_named_error(tmp_path: Path) -> None:
+    shutil.copytree(DISTOPT, tmp_path / "src")
+    path = tmp_path / "src" / "iter_0000002" / "mp_rank_01" / "distrib_optim.pt"
+    content = torch.load(path, weights_only=True)
+    (entry,) = content[0].values()
+    entry["exp_avg"] = entry["exp_avg"][:-64].clone()
+    torch.save(content, path)
+    result = _convert(tmp_path / "src", tmp_path / "out", "--dst-tp", "1")
+    assert result.exit_code == 1, result.output
+    assert "mp_rank_01/distrib_optim.pt: buffer 0 exp_avg has shape (53504,); expected (53568,)" in result.output
+    assert "Traceback" not in result.output
+    content[0] = {key: dict(value, numel_unpadded=7) for key, value in content[0].items()}
+    torch.save(content, path)
+    result = _convert(tmp_path / "src", tmp_path / "out", "--dst-tp", "1")
+    assert result.exit_code == 1 and "numel_unpadded=7, but the model's parameters" in result.output
 
 
 def _adam_step(state: dict, slots: list, chunk_keys: list[str], grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -286,7 +330,7 @@ def _swap(group: int, first: int, second: int) -> Callable[[dict], None]:
 
 @pytest.mark.parametrize(("group", "first", "second", "expected"), [
     # layer 0 linear_qkv and linear_fc2: both (64, 64) at TP2; the masters no longer round to the weights.
-    (0, 2, 4, "fp32_from_fp16_params[0] entry at position 2 does not round to the model's"),
+    (0, 2, 4, "fp32_from_fp16_params entry at position 2 (group 0) does not round to the model"),
     # the two norms of layer 0 round to the same bf16 weights; TP rank 0 and 1 then disagree.
     (1, 0, 1, "optimizer param of a replicated parameter differs between"),
 ])

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -341,3 +344,12 @@ def test_masters_in_another_order_than_megatron_cores_are_refused(tmp_path: Path
     result = _convert(tmp_path / "src", tmp_path / "out", "--dst-tp", "1")
     assert result.exit_code == 1, result.output
     assert expected in result.output and "Traceback" not in result.output
+
+
+@pytest.mark.skipif(not os.environ.get("PGCONVERT_MEGATRON_LM"),
+                    reason="needs a Megatron-LM source tree in PGCONVERT_MEGATRON_LM (CI cannot fetch Megatron-LM)")
+def test_megatron_lm_resumes_from_the_converted_optimizer_as_from_the_original(tmp_path: Path) -> None:
+    script = Path(__file__).parents[1] / "scripts" / "megatron_lm_resume_check.py"
+    done = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=2400)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    assert "agree: max |diff|" in done.stdout

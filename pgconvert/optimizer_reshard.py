@@ -161,7 +161,7 @@ def carry_training_state(conversion: Any, staging: Path, files: list[PlannedFile
     from pgconvert.megatron_format import iteration_dir_name
     from pgconvert.provider import target_vocab_rows
     from pgconvert.strict import fallback
-    from savers.megatron import save_durably
+    from pgconvert.savers.megatron import save_durably
 
     request, source = conversion.request, conversion.source
     if request.skip_optimizer or conversion.src_format != "megatron" or conversion.dst_format != "megatron" \

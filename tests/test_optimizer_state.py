@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from click.testing import Result
-from loaders.megatron import MegatronSource
+from pgconvert.loaders.megatron import MegatronSource
 from megatron_fixtures import load_for_test
 from pgconvert.formats import LoadOptions
 from pgconvert.megatron_format import safe_torch_load
@@ -162,7 +162,7 @@ def test_skip_optimizer_converts_the_model_alone(tmp_path: Path) -> None:
 
 
 def _tamper(root: Path, rank: str, change: Callable[[dict], None]) -> None:
-    from savers.megatron import save_durably
+    from pgconvert.savers.megatron import save_durably
 
     path = root / "iter_0000002" / rank / "model_optim_rng.pt"
     state = dict(safe_torch_load(path))

@@ -353,3 +353,14 @@ def test_megatron_lm_resumes_from_the_converted_optimizer_as_from_the_original(t
     done = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=2400)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     assert "agree: max |diff|" in done.stdout
+
+
+def test_the_installed_command_carries_the_optimizer_from_any_directory(tmp_path: Path) -> None:
+    # Run outside the source tree: only the installed packages (pgconvert.savers, …) are importable.
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, "-m", "pgconvert", "convert", str(PLAIN), str(tmp_path / "out"),
+                           "--dst-tp", "1", "--dst-pp", "1"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "optimizer (fp32)" in done.stdout + done.stderr
+    assert "optimizer" in load_for_test(tmp_path / "out" / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt")

@@ -180,6 +180,10 @@ def _layout_option(name: str, help_text: str) -> Any:
 @click.option("--overwrite", is_flag=True, help="Replace a non-empty DST (only once the new one is complete).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar and no notices.")
 @click.option("-v", "--verbose", is_flag=True, help="Log details to stderr.")
+@click.option("--skip-optimizer", is_flag=True,
+              help="Convert the model alone. By default a Megatron per-rank source's plain optimizer state "
+                   "(Adam moments, fp32 masters), scheduler and counters are resharded into a Megatron "
+                   "per-rank DST (RNG state never is).")
 def convert_command(src: Path, dst: Path, src_format: str, dst_format: str, src_tp: int | None,
                     src_pp: int | None, dst_tp: int | None, dst_pp: int | None,
                     dst_decoder_first_pipeline_num_layers: int | None,
@@ -192,7 +196,7 @@ def convert_command(src: Path, dst: Path, src_format: str, dst_format: str, src_
                     workers: int, max_memory: int | None,
                     shard_index: int | None, num_shards: int | None, strict: bool, finite_mode: str | None,
                     dry_run: bool, overwrite: bool,
-                    quiet: bool, verbose: bool, keep_fp8: bool = False) -> None:
+                    quiet: bool, verbose: bool, keep_fp8: bool = False, skip_optimizer: bool = False) -> None:
     """Convert SRC into DST (the default command)."""
     _configure_logging(quiet, verbose)
     request = ConvertRequest(
@@ -210,6 +214,7 @@ def convert_command(src: Path, dst: Path, src_format: str, dst_format: str, src_
         max_shard_size=max_shard_size, hf_config=hf_config, workers=workers, max_memory=max_memory,
         generation_config=generation_config, tokenizer=tokenizer,
         keep_fp8=keep_fp8,
+        skip_optimizer=skip_optimizer,
     )
     try:
         shard = _shard_of_this_process(shard_index, num_shards)
@@ -349,6 +354,24 @@ def _echo_json(doc: object) -> None:
     import json
 
     click.echo(json.dumps(doc, indent=2))
+
+
+@main.command("export-optimizer")
+@click.argument("src", type=click.Path(path_type=Path, exists=True))
+@click.argument("out", type=click.Path(path_type=Path))
+@click.option("--iteration", type=click.IntRange(min=0), default=None,
+              help="Iteration to open [default: latest_checkpointed_iteration.txt].")
+def export_optimizer_command(src: Path, out: Path, iteration: int | None) -> None:
+    """Write the plain optimizer state of Megatron per-rank SRC into OUT, layout-independent: one
+    <canonical name>.pt per parameter (fp32 master 'param', 'exp_avg', 'exp_avg_sq', 'step'), written
+    one parameter at a time, and optimizer.json (groups, scheduler, iteration, counters)."""
+    from pgconvert.optimizer_reshard import export_from_path
+
+    try:
+        count = export_from_path(src, out, iteration)
+    except PgconvertError as error:
+        raise PgconvertClickError(error) from error
+    click.echo(f"wrote {out}: optimizer state of {count} parameters")
 
 
 @main.command("inspect")

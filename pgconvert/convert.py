@@ -32,6 +32,7 @@ from pgconvert.layout import ParallelLayout
 from pgconvert.layout_spec import LayoutSpec
 from pgconvert.manifest import Manifest, record_files, write_manifest
 from pgconvert.quantized import check_keep_fp8
+from pgconvert.optimizer_reshard import carry_training_state, replace_saver_notice
 from pgconvert.registry import detect_format, get_loader, get_saver
 from pgconvert.semantics import check_target
 from pgconvert.stream import CanonicalSource
@@ -81,6 +82,8 @@ class ConvertRequest:
     max_memory: int | None = None
     # fp8: write an hf source's quantized tensors unchanged with their scales (hf -> hf only).
     keep_fp8: bool = False
+    # opt18: convert the model alone, without the source's optimizer state (pgconvert.optimizer_reshard).
+    skip_optimizer: bool = False
 
 
 @dataclass
@@ -354,6 +357,7 @@ def execute(conversion: Plan, progress: Callable[[int], None] | None = None) -> 
     try:
         with staged_output(request.dst, request.overwrite) as staging:
             result = _save(conversion, staging, progress or (lambda nbytes: None))
+            result.notices = replace_saver_notice(result.notices, carry_training_state(conversion, staging, result.files))
             # Inside the staging directory: only an output that is complete ever has a manifest.
             write_manifest(staging, Manifest.for_conversion(conversion, record_files(staging, result.files)))
     except OSError as exc:

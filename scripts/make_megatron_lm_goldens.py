@@ -46,6 +46,8 @@ TRAINING_RUNS: dict[str, list[str]] = {
                            "--ckpt-format", "torch"],
     "train_tp2dp2_distopt_bf16_torch": ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "1",
                                         "--ckpt-format", "torch", "--use-distributed-optimizer", "--bf16"],
+    "train_tp2dp2_bf16_torch": ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "1",
+                                "--ckpt-format", "torch", "--bf16"],
     "train_tp2pp2_bf16_torch_dist": ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
                                      "--ckpt-format", "torch_dist", "--bf16"],
 }

@@ -1,0 +1,251 @@
+"""Which parameter each position of a Megatron optimizer's state is, per rank, played on the fake grid.
+
+megatron-core's plain (non-distributed) optimizer is a ``torch.optim`` optimizer over the param
+groups of ``megatron/core/optimizer/__init__.py::_get_param_groups``: it walks every model chunk of
+the rank in order, and each chunk's ``named_parameters()`` (module registration order), and puts each
+trainable parameter in the group of its overrides key; the keys are sorted with ``None`` first. With
+the standard overrides (``get_standard_config_overrides``: ``wd_mult=0.0`` for 1-dim parameters and
+names ending in ``.bias``; with ``apply_wd_to_qk_layernorm`` the q/k layernorms keep weight decay)
+a dense model has two groups on every rank (the keys are all-gathered, so a rank without a no-decay
+parameter still has the empty group): group 0 weight decay, group 1 no weight decay.
+``optimizer.state`` is indexed by the position in the concatenation of the groups' ``params``.
+
+Reproduced for megatron-core 0.16.1 (pip) and 0.20.0 (Megatron-LM ``d98e8a64``), which build the
+groups the same way, for dense GPT models with megatron-core's local spec (``transformer_impl=local``).
+Refused, naming the field: the Transformer Engine spec (its fused modules' parameter order is not
+reproduced here), mixture-of-experts models (expert parameters go to a second, chained optimizer),
+``decoupled_lr`` (a third group), and any state whose group sizes or tensor shapes do not match.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pgconvert.config import ModelConfig
+from pgconvert.errors import CheckpointError, ValidationError
+from pgconvert.grid import RankCoord, build_converter_process_groups
+from pgconvert.layout import ParallelLayout
+from pgconvert.limits import quote
+from pgconvert.provider import (FINAL_NORM_BIAS, FINAL_NORM_WEIGHT, LAYER_PREFIX, OUTPUT_LAYER,
+                                POSITION_EMBEDDINGS, WORD_EMBEDDINGS, TensorSpec, provide)
+
+MEGATRON_CORE_VERSIONS = ("0.16.1", "0.20.0")
+_VERSIONS = "megatron-core " + " / ".join(MEGATRON_CORE_VERSIONS)
+
+# Module registration order of a local-spec TransformerLayer: input_layernorm, self_attention
+# (Attention.__init__ builds linear_proj, SelfAttention.__init__ then linear_qkv, q_layernorm,
+# k_layernorm), pre_mlp_layernorm, mlp (linear_fc1, linear_fc2); each module's weight before its bias.
+_LOCAL_LAYER_ORDER = (
+    "input_layernorm.weight", "input_layernorm.bias",
+    "self_attention.linear_proj.weight", "self_attention.linear_proj.bias",
+    "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
+    "self_attention.q_layernorm.weight", "self_attention.q_layernorm.bias",
+    "self_attention.k_layernorm.weight", "self_attention.k_layernorm.bias",
+    "pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias",
+    "mlp.linear_fc1.weight", "mlp.linear_fc1.bias",
+    "mlp.linear_fc2.weight", "mlp.linear_fc2.bias",
+)
+# GPTModel: embedding (word, then position), decoder (layers, then final_layernorm), output_layer.
+_BEFORE_LAYERS = (WORD_EMBEDDINGS, POSITION_EMBEDDINGS)
+_AFTER_LAYERS = (FINAL_NORM_WEIGHT, FINAL_NORM_BIAS, OUTPUT_LAYER)
+
+
+class OptimizerLayoutError(CheckpointError):
+    """An optimizer state whose layout pgconvert does not reproduce, or that does not match the model."""
+
+
+class UnsupportedOptimizerError(ValidationError):
+    """A model or run setting whose optimizer layout pgconvert does not reproduce."""
+
+
+@dataclass(frozen=True)
+class OptimizerSlot:
+    """One parameter of a rank's optimizer: its group, its position in ``optimizer.state``, the model
+    chunk it belongs to and the tensor it is (``spec``: canonical name, rule, local shape)."""
+
+    group: int
+    position: int
+    chunk: int
+    spec: TensorSpec
+
+
+@dataclass(frozen=True)
+class OptimizerRules:
+    """The run settings that decide the param groups (read from the checkpoint's ``args``)."""
+
+    apply_wd_to_qk_layernorm: bool = False
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace | None, where: str) -> OptimizerRules:
+        if args is None:
+            return cls()
+        for name in ("decoupled_lr", "decoupled_min_lr"):
+            if getattr(args, name, None) is not None:
+                raise UnsupportedOptimizerError(
+                    f"{where}: args.{name}={quote(getattr(args, name))}: the embedding/output parameters "
+                    f"then form a third param group, which pgconvert does not reproduce ({_VERSIONS})")
+        return cls(apply_wd_to_qk_layernorm=bool(getattr(args, "apply_wd_to_qk_layernorm", False)))
+
+
+def check_supported(config: ModelConfig, where: str) -> None:
+    """Refuse models whose optimizer layout is not reproduced, naming the field."""
+    if config.transformer_impl != "local":
+        raise UnsupportedOptimizerError(
+            f"{where}: transformer_impl={quote(config.transformer_impl)}: the parameter order of Transformer "
+            f"Engine's fused modules is not reproduced for optimizer state ({_VERSIONS}); only the local "
+            "spec is; pass --skip-optimizer to convert the model alone")
+    if config.num_experts:
+        raise UnsupportedOptimizerError(
+            f"{where}: num_experts={config.num_experts}: expert parameters are kept by a second (chained) "
+            f"optimizer whose state pgconvert does not map ({_VERSIONS}); pass --skip-optimizer")
+
+
+def _order_key(spec: TensorSpec) -> tuple[int, int, int]:
+    name = spec.local_name
+    if name in _BEFORE_LAYERS:
+        return (0, 0, _BEFORE_LAYERS.index(name))
+    if name in _AFTER_LAYERS:
+        return (2, 0, _AFTER_LAYERS.index(name))
+    index, _, rest = name[len(LAYER_PREFIX):].partition(".")
+    if not name.startswith(LAYER_PREFIX) or rest not in _LOCAL_LAYER_ORDER:
+        raise UnsupportedOptimizerError(f"parameter {quote(name)}: its place in megatron-core's module order "
+                                        f"is not known to pgconvert ({_VERSIONS})")
+    return (1, int(index), _LOCAL_LAYER_ORDER.index(rest))
+
+
+def _no_weight_decay(spec: TensorSpec, rules: OptimizerRules) -> bool:
+    one_dim = len(spec.local_shape) == 1 or spec.local_name.endswith(".bias")
+    if rules.apply_wd_to_qk_layernorm:
+        return one_dim and not ("q_layernorm." in spec.local_name or "k_layernorm." in spec.local_name)
+    return one_dim
+
+
+def named_parameters(config: ModelConfig, layout: ParallelLayout, coord: RankCoord,
+                     padded_vocab_size: int | None = None) -> list[tuple[int, TensorSpec]]:
+    """(model chunk, spec) of every trainable parameter of rank ``coord``, in megatron-core's order."""
+    groups = build_converter_process_groups(layout)
+    groups.set_coord(coord)
+    ordered: list[tuple[int, TensorSpec]] = []
+    for chunk in range(layout.virtual_size):
+        shard = provide(config, groups, padded_vocab_size, chunk)
+        ordered += [(chunk, spec) for spec in sorted(shard.specs, key=_order_key)]
+    return ordered
+
+
+def optimizer_slots(config: ModelConfig, layout: ParallelLayout, coord: RankCoord,
+                    rules: OptimizerRules = OptimizerRules(),
+                    padded_vocab_size: int | None = None) -> list[list[OptimizerSlot]]:
+    """The param groups of rank ``coord``'s optimizer (weight decay, then no weight decay), each a list
+    of slots in ``params`` order; positions count across the groups as ``optimizer.state`` does."""
+    check_supported(config, f"layout {layout.describe()}")
+    decay: list[tuple[int, TensorSpec]] = []
+    no_decay: list[tuple[int, TensorSpec]] = []
+    for chunk, spec in named_parameters(config, layout, coord, padded_vocab_size):
+        (no_decay if _no_weight_decay(spec, rules) else decay).append((chunk, spec))
+    groups: list[list[OptimizerSlot]] = []
+    position = 0
+    for index, members in enumerate((decay, no_decay)):
+        groups.append([OptimizerSlot(index, position + i, chunk, spec) for i, (chunk, spec) in enumerate(members)])
+        position += len(members)
+    return groups
+
+
+_WD_MULT = (1.0, 0.0)
+
+
+def check_param_groups(slots: Sequence[Sequence[OptimizerSlot]], param_groups: Any, where: str) -> None:
+    """The stored ``param_groups`` have the groups, sizes, positions and weight-decay multipliers
+    that ``slots`` derive; refuse (naming the field) otherwise."""
+    if not isinstance(param_groups, list) or len(param_groups) != len(slots):
+        count = len(param_groups) if isinstance(param_groups, list) else quote(type(param_groups).__name__)
+        raise OptimizerLayoutError(
+            f"{where}: optimizer.param_groups holds {count} groups; {_VERSIONS} builds {len(slots)} for this "
+            "model (weight decay, no weight decay)")
+    for index, (group, members) in enumerate(zip(param_groups, slots)):
+        if not isinstance(group, dict):
+            raise OptimizerLayoutError(f"{where}: optimizer.param_groups[{index}] is not a dict")
+        expected = [slot.position for slot in members]
+        if group.get("params") != expected:
+            raise OptimizerLayoutError(
+                f"{where}: optimizer.param_groups[{index}].params = {quote(group.get('params'), 120)}, but the "
+                f"model's parameter count gives {quote(expected, 120)} ({_VERSIONS} group order)")
+        if group.get("wd_mult", _WD_MULT[index]) != _WD_MULT[index] or group.get("is_expert_parallel", False):
+            raise OptimizerLayoutError(
+                f"{where}: optimizer.param_groups[{index}]: wd_mult={quote(group.get('wd_mult'))}, "
+                f"is_expert_parallel={quote(group.get('is_expert_parallel'))}: not the group {_VERSIONS} "
+                f"builds there (wd_mult={_WD_MULT[index]}, not expert parallel)")
+
+
+def check_state_shapes(slots: Sequence[Sequence[OptimizerSlot]], state: Mapping[Any, Any], where: str) -> None:
+    """Every state tensor (``exp_avg``, ``exp_avg_sq``) has the local shape of the parameter its
+    position maps to, and every position has state (a checkpoint saved after at least one step)."""
+    flat = [slot for members in slots for slot in members]
+    if not isinstance(state, Mapping) or set(state) != {slot.position for slot in flat}:
+        keys = sorted(state) if isinstance(state, Mapping) else type(state).__name__
+        raise OptimizerLayoutError(
+            f"{where}: optimizer.state has positions {quote(keys, 120)}, but the model has {len(flat)} "
+            f"trainable parameters on this rank ({_VERSIONS})")
+    for slot in flat:
+        entry = state[slot.position]
+        for key in ("exp_avg", "exp_avg_sq"):
+            value = entry.get(key) if isinstance(entry, Mapping) else None
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(slot.spec.local_shape):
+                shape = tuple(value.shape) if isinstance(value, torch.Tensor) else quote(type(value).__name__)
+                raise OptimizerLayoutError(
+                    f"{where}: optimizer.state[{slot.position}].{key} has shape {shape}, but position "
+                    f"{slot.position} is {slot.spec.local_name} of shape {tuple(slot.spec.local_shape)}")
+
+
+@dataclass(frozen=True)
+class FlatParam:
+    """Where one parameter lies in a distributed optimizer's DP-gathered flat buffer (``distrib_optim.pt``)."""
+
+    slot: OptimizerSlot
+    start: int
+    end: int
+
+
+def _bucket_size(args: argparse.Namespace | None, coord: RankCoord, chunk: int, dp: int) -> int | None:
+    """DistributedDataParallel's bucket size (None: one bucket): none without overlap_grad_reduce,
+    on pipeline stages after the first and for model chunks after the first."""
+    if args is None or not getattr(args, "overlap_grad_reduce", False) or coord.pp > 0 or chunk > 0:
+        return None
+    size = getattr(args, "ddp_bucket_size", None)
+    return int(size) if size is not None else max(40_000_000, 1_000_000 * dp)
+
+
+def flat_buffers(config: ModelConfig, layout: ParallelLayout, coord: RankCoord, rules: OptimizerRules,
+                 padded_vocab_size: int | None, args: argparse.Namespace | None = None,
+                 dp: int = 1) -> list[tuple[list[FlatParam], int]]:
+    """Per model chunk (``distrib_optim.pt``'s buffer index), its parameters' ranges in the coalesced
+    buffer and the buffer's unpadded size: ``_ParamAndGradBuffer`` walks the chunk's parameters in
+    reverse order, each starting at a multiple of 64 (distributed optimizer); the coalesced checkpoint
+    drops only the padding after each bucket. One bucket per buffer is reproduced; more are refused."""
+    if config.tie_embeddings and layout.pp > 1:
+        raise UnsupportedOptimizerError(
+            "tied embeddings with pp > 1: the shared embedding gets its own distributed-optimizer bucket, "
+            f"which pgconvert does not reproduce ({_VERSIONS}); pass --skip-optimizer")
+    by_param = {(slot.chunk, slot.spec.local_name): slot
+                for group in optimizer_slots(config, layout, coord, rules, padded_vocab_size) for slot in group}
+    # The buffer follows the chunk's named_parameters() order (reversed), not the param groups'.
+    named = [by_param[(chunk, spec.local_name)] for chunk, spec in
+             named_parameters(config, layout, coord, padded_vocab_size)]
+    buffers: list[tuple[list[FlatParam], int]] = []
+    for chunk in range(layout.virtual_size):
+        cursor, placed = 0, []
+        for slot in reversed([slot for slot in named if slot.chunk == chunk]):
+            start = -(-cursor // 64) * 64
+            cursor = start + slot.spec.numel
+            placed.append(FlatParam(slot, start, cursor))
+        bucket = _bucket_size(args, coord, chunk, dp)
+        if bucket is not None and any(p.end >= bucket for p in placed[:-1]):
+            raise UnsupportedOptimizerError(
+                f"args.overlap_grad_reduce with a DDP bucket size of {bucket} splits model chunk {chunk}'s buffer "
+                f"({cursor} elements) into several buckets, which pgconvert does not reproduce ({_VERSIONS})")
+        buffers.append((placed, cursor))
+    return buffers

@@ -1,0 +1,221 @@
+"""Optimizer state written out: the layout-independent per-parameter form, and megatron-core's plain
+optimizer per rank of a new TP/PP/VPP layout (``carry_optimizer``, run by ``convert`` after the model).
+
+Per-parameter form (``export_parameters``): one ``<canonical name>.pt`` per parameter holding
+``param`` (fp32 master), ``exp_avg``, ``exp_avg_sq`` and ``step``, written one parameter at a time,
+and ``optimizer.json`` (form, groups' hyperparameters, each parameter's group, scheduler, iteration,
+floating-point operations, consumed samples). Vocab tables keep the source's padded rows.
+
+Per rank: each state tensor is cut with its parameter's ShardRule (``OptimizerSource.piece``) and
+produced only when the file writer reaches it, so memory holds one tensor, not the rank's state.
+Carried: scheduler state, iteration, ``num_floating_point_operations_so_far``, the grad scaler, and
+the consumed-samples counters (in ``args``). Not carried: RNG state (it depends on the rank count).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pgconvert.config import ModelConfig
+from pgconvert.formats import PlannedFile
+from pgconvert.grid import RankCoord, iter_ranks
+from pgconvert.layout import ParallelLayout
+from pgconvert.megatron_format import RANK_FILE, rank_dir_name, safe_torch_load
+from pgconvert.optimizer_map import MEGATRON_CORE_VERSIONS, OptimizerLayoutError, OptimizerSlot, optimizer_slots
+from pgconvert.optimizer_flat import DISTRIB_OPTIM_FILE, dp_size, planned_buffers
+from pgconvert.optimizer_map import flat_buffers
+from pgconvert.optimizer_state import CARRIED_KEYS, FORM_DISTRIBUTED, FORM_FP16, MOMENTS, OptimizerSource
+from pgconvert.torchzip import PlannedTensor
+
+log = logging.getLogger(__name__)
+
+RNG_NOTICE = ("RNG state is not carried (it depends on the rank count): resume with --no-load-rng")
+SAVER_NOTICE_PREFIX = "optimizer, scheduler and RNG state are not carried"
+COUNTERS = ("consumed_train_samples", "consumed_valid_samples", "skipped_train_samples")
+
+
+def _safe_name(name: str) -> str:
+    return name.replace("/", "_")
+
+
+def export_parameters(source: OptimizerSource, out_dir: Path) -> int:
+    """Write the per-parameter form into ``out_dir`` (created); returns the parameter count."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    groups: dict[str, int] = {}
+    shapes: dict[str, list[int]] = {}
+    for name in source.names():
+        tensors = source.parameter(name)
+        torch.save(tensors, out_dir / f"{_safe_name(name)}.pt")
+        groups[name] = source.group_of(name)
+        shapes[name] = list(tensors["param"].shape)
+        del tensors
+    extra = source.first.extra
+    args = extra.get("args")
+    index = {
+        "format": "pgconvert per-parameter optimizer state v1",
+        "megatron_core_versions": list(MEGATRON_CORE_VERSIONS),
+        "form": source.form,
+        "iteration": extra.get("iteration"),
+        "num_floating_point_operations_so_far": extra.get("num_floating_point_operations_so_far"),
+        "opt_param_scheduler": extra.get("opt_param_scheduler"),
+        "counters": {key: getattr(args, key, None) for key in COUNTERS},
+        "param_groups": source.param_group_settings(),
+        "parameters": {name: {"group": groups[name], "shape": shapes[name], "file": f"{_safe_name(name)}.pt"}
+                       for name in groups},
+        "padded_vocab_rows": source.vocab_rows,
+        "not_carried": ["rng_state"],
+    }
+    (out_dir / "optimizer.json").write_text(json.dumps(index, indent=1, default=str) + "\n")
+    return len(groups)
+
+
+def _planned(source: OptimizerSource, slot: OptimizerSlot, key: str, rows: int | None) -> PlannedTensor:
+    spec = slot.spec
+    dtype = torch.float32
+
+    def produce() -> torch.Tensor:
+        return source.piece(spec.canonical, key, spec.tp_size, spec.tp_rank, rows).to(dtype).contiguous()
+
+    return PlannedTensor(tuple(spec.local_shape), dtype, produce)
+
+
+def rank_optimizer(source: OptimizerSource, config: ModelConfig, layout: ParallelLayout, coord: RankCoord,
+                   padded_rows: int) -> dict[str, Any]:
+    """The ``optimizer`` entry of rank ``coord`` at ``layout``, in the source's form."""
+    slots = optimizer_slots(config, layout, coord, source.rules, padded_rows)
+    settings = source.param_group_settings()
+    state: dict[int, dict[str, Any]] = {}
+    for slot in (slot for group in slots for slot in group):
+        rows = padded_rows if slot.spec.rule.fits_rows else None
+        entry: dict[str, Any] = {"step": source.step(slot.spec.canonical)}
+        entry.update({key: _planned(source, slot, key, rows) for key in MOMENTS})
+        state[slot.position] = entry
+    groups = [dict(settings[index], params=[slot.position for slot in members]) for index, members in enumerate(slots)]
+    inner = {"state": state, "param_groups": groups}
+    if source.form != FORM_FP16:
+        return inner
+    masters = [[_planned(source, slot, "param", padded_rows if slot.spec.rule.fits_rows else None)
+                for slot in members] for members in slots]
+    optimizer: dict[str, Any] = {"optimizer": inner, "fp32_from_fp16_params": masters}
+    if "grad_scaler" in source.first.extra:
+        optimizer["grad_scaler"] = source.first.extra["grad_scaler"]
+    return optimizer
+
+
+def _write_distributed(source: OptimizerSource, config: ModelConfig, layout: ParallelLayout, coord: RankCoord,
+                       padded_rows: int, rank_dir: Path, save: Callable[[dict[str, Any], Path], str]) -> None:
+    """``distrib_optim.pt`` of rank ``coord``: each model chunk's coalesced flat buffers, under the source's
+    dtype key, every parameter's piece cut with its rule (built when written)."""
+    args = source.first.extra.get("args")
+    buffers = flat_buffers(config, layout, coord, source.rules, padded_rows, args, dp_size(args))
+
+    def piece(slot: OptimizerSlot, key: str) -> torch.Tensor:
+        rows = padded_rows if slot.spec.rule.fits_rows else None
+        return source.piece(slot.spec.canonical, key, slot.spec.tp_size, slot.spec.tp_rank, rows)
+
+    content: dict[Any, Any] = {"buckets_coalesced": True}
+    for index, (placed, numel) in enumerate(buffers):
+        content[index] = {source.dtype_key: planned_buffers(placed, numel, piece)}
+    save(content, rank_dir / DISTRIB_OPTIM_FILE)
+
+
+def carry_optimizer(source: OptimizerSource, config: ModelConfig, layout: ParallelLayout, iteration_dir: Path,
+                    padded_rows: int, save: Callable[[dict[str, Any], Path], str]) -> list[PlannedFile]:
+    """Add the optimizer and the carried counters to every rank file under ``iteration_dir`` (written by
+    the model saver), rewriting each through ``save``; returns the rewritten files (sha256 filled)."""
+    rewritten = []
+    for coord in iter_ranks(layout):
+        relpath = f"{rank_dir_name(coord.tp, coord.pp, coord.ep, layout.pp, layout.ep)}/{RANK_FILE}"
+        path = iteration_dir / relpath
+        state = dict(safe_torch_load(path))
+        if source.form == FORM_DISTRIBUTED:
+            state["optimizer"] = source.first.extra["distributed_entry"]
+            _write_distributed(source, config, layout, coord, padded_rows, path.parent, save)
+        else:
+            state["optimizer"] = rank_optimizer(source, config, layout, coord, padded_rows)
+        for key in CARRIED_KEYS:
+            if key in source.first.extra:
+                state[key] = source.first.extra[key]
+        partial = path.with_name(path.name + ".optim")
+        save(state, partial)
+        del state
+        os.replace(partial, path)
+        rewritten.append(PlannedFile(f"{iteration_dir.name}/{relpath}", 0, 0, sha256=None))
+        log.info("%s: optimizer state carried", path)
+    return rewritten
+
+
+def carry_training_state(conversion: Any, staging: Path, files: list[PlannedFile]) -> list[str]:
+    """``convert``'s step after the model is written: carry the plain optimizer state of a Megatron
+    per-rank source into the Megatron per-rank destination; returns the notices to add."""
+    from pgconvert.errors import ValidationError
+    from pgconvert.formats import target_config
+    from pgconvert.megatron_format import iteration_dir_name
+    from pgconvert.provider import target_vocab_rows
+    from pgconvert.strict import fallback
+    from pgconvert.savers.megatron import save_durably
+
+    request, source = conversion.request, conversion.source
+    if request.skip_optimizer or conversion.src_format != "megatron" or conversion.dst_format != "megatron" \
+            or not _holds_optimizer(source):
+        return []
+    notices: list[str] = []
+    if request.dtype != "keep":
+        fallback(f"--dtype {request.dtype}: optimizer state is not carried across a dtype change (the optimizer "
+                 "form changes); pass --skip-optimizer", request.strict, notices)
+        return notices
+    try:
+        optimizer = OptimizerSource(source)
+    except ValidationError as exc:
+        fallback(f"optimizer state not carried: {exc}", request.strict, notices)
+        return notices
+    except OptimizerLayoutError as exc:
+        if "--skip-optimizer" in str(exc):
+            raise
+        raise OptimizerLayoutError(f"{exc}; pass --skip-optimizer to convert the model alone") from exc
+    options = conversion.save_options
+    config = target_config(source.config, options)
+    padded = target_vocab_rows(config, source.vocab_rows, options.layout)
+    iteration_dir = staging / iteration_dir_name(source.iteration or 0, source.release)
+    rewritten = {item.relpath for item in carry_optimizer(optimizer, config, options.layout, iteration_dir,
+                                                          padded, save_durably)}
+    files[:] = [PlannedFile(f.relpath, f.tensors, f.nbytes) if f.relpath in rewritten else f for f in files]
+    return [f"optimizer ({optimizer.form}), scheduler, iteration, floating-point operations and consumed samples "
+            f"carried to {options.layout.describe()}; " + RNG_NOTICE]
+
+
+def _holds_optimizer(source: Any) -> bool:
+    files = getattr(source, "files", None)
+    if not files:
+        return False
+    return "optimizer" in safe_torch_load(next(iter(files.values())))
+
+
+def replace_saver_notice(notices: list[str], carried: list[str]) -> list[str]:
+    """The saver's "not carried" notice replaced by what was carried, when something was."""
+    if not any(note.startswith("optimizer (") for note in carried):
+        return notices + carried
+    return [note for note in notices if not note.startswith(SAVER_NOTICE_PREFIX)] + carried
+
+
+def export_from_path(src: Path, out_dir: Path, iteration: int | None) -> int:
+    """``export-optimizer``: open the Megatron per-rank checkpoint ``src`` and write its per-parameter
+    optimizer state into ``out_dir`` (which must not exist or be empty)."""
+    from pgconvert.errors import DestinationError
+    from pgconvert.formats import LoadOptions
+    from pgconvert.registry import get_loader
+
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise DestinationError(f"OUT {out_dir}: exists and is not an empty directory")
+    source = get_loader("megatron").open(src, LoadOptions(iteration=iteration))
+    try:
+        return export_parameters(OptimizerSource(source), out_dir)
+    finally:
+        source.close()

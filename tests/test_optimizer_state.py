@@ -1,0 +1,366 @@
+"""Megatron optimizer state through a reshard: the position -> parameter map, the per-parameter form
+and the per-rank plain optimizer at a new layout, on goldens written by Megatron-LM itself."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from click.testing import Result
+from pgconvert.loaders.megatron import MegatronSource
+from megatron_fixtures import load_for_test
+from pgconvert.formats import LoadOptions
+from pgconvert.megatron_format import safe_torch_load
+from pgconvert.optimizer_map import (OptimizerLayoutError, OptimizerRules, UnsupportedOptimizerError,
+                                     check_param_groups, check_state_shapes, optimizer_slots)
+
+GOLDENS = Path(__file__).parent / "data" / "megatron_lm"
+PLAIN = GOLDENS / "train_tp2pp2_torch"
+PLAIN_ITER = PLAIN / "iter_0000002"
+
+
+def _source(iteration_dir: Path = PLAIN_ITER) -> MegatronSource:
+    return MegatronSource(iteration_dir, 2, False, LoadOptions())
+
+
+def test_positions_map_to_parameters_of_the_same_shape_on_every_rank() -> None:
+    source = _source()
+    assert len(source.files) == 4
+    for coord, path in source.files.items():
+        state = safe_torch_load(path)
+        slots = optimizer_slots(source.config, source.layout, coord, OptimizerRules.from_args(state["args"], str(path)),
+                                source.vocab_rows)
+        check_param_groups(slots, state["optimizer"]["param_groups"], str(path))
+        check_state_shapes(slots, state["optimizer"]["state"], str(path))
+        names = [slot.spec.local_name for group in slots for slot in group]
+        # megatron-core's order: linear_proj is registered before linear_qkv; norms in group 1.
+        assert names.index("decoder.layers.0.self_attention.linear_proj.weight") < \
+            names.index("decoder.layers.0.self_attention.linear_qkv.weight")
+        assert all(len(slot.spec.local_shape) == 1 for slot in slots[1])
+
+
+def test_a_missing_parameter_or_a_wrong_shape_is_refused_naming_the_field() -> None:
+    source = _source()
+    coord, path = next(iter(source.files.items()))
+    state = safe_torch_load(path)
+    slots = optimizer_slots(source.config, source.layout, coord, padded_vocab_size=source.vocab_rows)
+    groups = [dict(group) for group in state["optimizer"]["param_groups"]]
+    groups[1]["params"] = groups[1]["params"][:-1]
+    with pytest.raises(OptimizerLayoutError, match=r"param_groups\[1\]\.params"):
+        check_param_groups(slots, groups, str(path))
+    tampered = dict(state["optimizer"]["state"])
+    tampered[1] = dict(tampered[1], exp_avg=torch.zeros(3))
+    with pytest.raises(OptimizerLayoutError, match=r"state\[1\]\.exp_avg has shape \(3,\)"):
+        check_state_shapes(slots, tampered, str(path))
+
+
+def test_the_transformer_engine_spec_and_decoupled_lr_are_refused_naming_the_field() -> None:
+    source = _source()
+    config = dataclasses.replace(source.config, transformer_impl="transformer_engine")
+    with pytest.raises(UnsupportedOptimizerError, match="transformer_impl='transformer_engine'.*megatron-core 0.16.1"):
+        optimizer_slots(config, source.layout, next(iter(source.files)))
+    args = safe_torch_load(next(iter(source.files.values())))["args"]
+    args.decoupled_lr = 1e-4
+    with pytest.raises(UnsupportedOptimizerError, match="args.decoupled_lr"):
+        OptimizerRules.from_args(args, "x")
+
+
+def _convert(src: Path, dst: Path, *flags: str) -> Result:
+    from click.testing import CliRunner
+
+    from pgconvert.cli import main
+
+    return CliRunner().invoke(main, ["convert", str(src), str(dst), "-q", *flags], prog_name="pgconvert")
+
+
+def _rank_states(iteration_dir: Path) -> dict[str, dict[str, object]]:
+    return {path.parent.name: load_for_test(path) for path in sorted(iteration_dir.glob("mp_rank_*/model_optim_rng.pt"))}
+
+
+def _assert_same(a: object, b: object, where: str) -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b), where
+        for key in a:
+            _assert_same(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
+        for index, (x, y) in enumerate(zip(a, b)):
+            _assert_same(x, y, f"{where}[{index}]")
+    else:
+        assert a == b, where
+
+
+def test_tp2pp2_to_tp1pp1_and_back_is_bit_exact_in_every_optimizer_tensor(tmp_path: Path) -> None:
+    one = _convert(PLAIN, tmp_path / "tp1", "--dst-tp", "1", "--dst-pp", "1")
+    assert one.exit_code == 0, one.output
+    back = _convert(tmp_path / "tp1", tmp_path / "back", "--dst-tp", "2", "--dst-pp", "2")
+    assert back.exit_code == 0, back.output
+    merged = _rank_states(tmp_path / "tp1" / "iter_0000002")["mp_rank_00"]
+    assert len(merged["optimizer"]["state"]) == 15
+    assert [len(g["params"]) for g in merged["optimizer"]["param_groups"]] == [10, 5]
+    original, again = _rank_states(PLAIN_ITER), _rank_states(tmp_path / "back" / "iter_0000002")
+    assert set(original) == set(again) and len(original) == 4
+    for rank, state in original.items():
+        for key in ("optimizer", "opt_param_scheduler", "num_floating_point_operations_so_far", "iteration", "model"):
+            _assert_same(state[key], again[rank][key], f"{rank}.{key}")
+        assert again[rank]["args"].consumed_train_samples == state["args"].consumed_train_samples
+        assert "rng_state" not in again[rank]
+
+
+def test_the_merged_state_is_the_tp_pieces_joined_by_the_parameters_rule(tmp_path: Path) -> None:
+    assert _convert(PLAIN, tmp_path / "tp1", "--dst-tp", "1", "--dst-pp", "1").exit_code == 0
+    ranks = _rank_states(PLAIN_ITER)
+    merged = _rank_states(tmp_path / "tp1" / "iter_0000002")["mp_rank_00"]["optimizer"]["state"]
+    # Stage 0, group 0: word embeddings, layer 0 linear_proj (row), linear_qkv (column), fc1 (gated), fc2.
+    pieces = [ranks[f"mp_rank_0{tp}_000"]["optimizer"]["state"] for tp in (0, 1)]
+    assert torch.equal(merged[1]["exp_avg"], torch.cat([pieces[0][1]["exp_avg"], pieces[1][1]["exp_avg"]], dim=1))
+    assert torch.equal(merged[2]["exp_avg_sq"], torch.cat([pieces[0][2]["exp_avg_sq"], pieces[1][2]["exp_avg_sq"]]))
+    gate = [piece[3]["exp_avg"].chunk(2) for piece in pieces]
+    assert torch.equal(merged[3]["exp_avg"], torch.cat([gate[0][0], gate[1][0], gate[0][1], gate[1][1]]))
+
+
+def test_per_parameter_form_is_layout_independent(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from pgconvert.cli import main
+
+    assert _convert(PLAIN, tmp_path / "tp1", "--dst-tp", "1", "--dst-pp", "1").exit_code == 0
+    runner = CliRunner()
+    for name, src in (("a", PLAIN), ("b", tmp_path / "tp1")):
+        result = runner.invoke(main, ["export-optimizer", str(src), str(tmp_path / name)], prog_name="pgconvert")
+        assert result.exit_code == 0, result.output
+    files = sorted(p.name for p in (tmp_path / "a").glob("*.pt"))
+    assert len(files) == 15 and files == sorted(p.name for p in (tmp_path / "b").glob("*.pt"))
+    for name in files:
+        a, b = (torch.load(tmp_path / d / name, weights_only=True) for d in ("a", "b"))
+        assert set(a) == {"param", "exp_avg", "exp_avg_sq", "step"}
+        _assert_same(a, b, name)
+    model = _rank_states(tmp_path / "tp1" / "iter_0000002")["mp_rank_00"]["model"]
+    qkv = torch.load(tmp_path / "a" / "decoder.layers.1.self_attention.linear_qkv.weight.pt", weights_only=True)
+    assert torch.equal(qkv["param"], model["decoder.layers.1.self_attention.linear_qkv.weight"])
+    index = json.loads((tmp_path / "a" / "optimizer.json").read_text())
+    assert index["iteration"] == 2 and index["counters"]["consumed_train_samples"] == 4
+    assert index["parameters"]["decoder.final_layernorm.weight"]["group"] == 1
+
+
+def test_skip_optimizer_converts_the_model_alone(tmp_path: Path) -> None:
+    result = _convert(PLAIN, tmp_path / "out", "--dst-tp", "1", "--dst-pp", "1", "--skip-optimizer")
+    assert result.exit_code == 0, result.output
+    state = _rank_states(tmp_path / "out" / "iter_0000002")["mp_rank_00"]
+    assert "optimizer" not in state and "opt_param_scheduler" not in state
+
+
+def _tamper(root: Path, rank: str, change: Callable[[dict], None]) -> None:
+    from pgconvert.savers.megatron import save_durably
+
+    path = root / "iter_0000002" / rank / "model_optim_rng.pt"
+    state = dict(safe_torch_load(path))
+    change(state)
+    partial = path.with_name("partial.pt")
+    save_durably(state, partial)
+    partial.replace(path)
+
+
+def _drop_last_parameter(state: dict) -> None:
+    optimizer = state["optimizer"]
+    last = optimizer["param_groups"][1]["params"][-1]
+    optimizer["param_groups"][1]["params"] = optimizer["param_groups"][1]["params"][:-1]
+    optimizer["state"] = {k: v for k, v in optimizer["state"].items() if k != last}
+
+
+def test_a_parameter_count_that_does_not_match_the_model_is_a_named_error(tmp_path: Path) -> None:
+    shutil.copytree(PLAIN, tmp_path / "src")
+    _tamper(tmp_path / "src", "mp_rank_01_001", _drop_last_parameter)
+    result = _convert(tmp_path / "src", tmp_path / "out", "--dst-tp", "1", "--dst-pp", "1")
+    assert result.exit_code == 1, result.output
+    assert "mp_rank_01_001" in result.output and "param_groups[1].params" in result.output
+    assert "pass --skip-optimizer" in result.output
+    assert "Traceback" not in result.output and not (tmp_path / "out").exists()
+
+
+DISTOPT = GOLDENS / "train_tp2dp2_distopt_bf16_torch"
+
+
+def test_a_missing_distrib_optim_file_is_a_named_error(tmp_path: Path) -> None:
+    shutil.copytree(DISTOPT, tmp_path / "src")
+    (tmp_path / "src" / "iter_0000002" / "mp_rank_00" / "distrib_optim.pt").unlink()
+    result = _convert(tmp_path / "src", tmp_path / "out", "--dst-tp", "1")
+    assert result.exit_code == 1, result.output
+    assert "distrib_optim.pt is missing" in result.output and "Traceback" not in result.output
+
+
+def test_an_unknown_sharding_type_is_a_named_error(tmp_path: Path) -> None:
+    shutil.copytree(DISTOPT, tmp_path / "src")
+    _tamper(tmp_path / "src", "mp_rank_00", lambda s: s["optimizer"].update(param_state_sharding_type="bogus"))
+    result = _convert(tmp_path / "src", tmp_path / "out", "--dst-tp", "1")
+    assert result.exit_code == 1, result.output
+    assert "param_state_sharding_type='bogus': unknown sharding type" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_distributed_optimizer_round_trips_tp2_tp1_tp2_bit_exact(tmp_path: Path) -> None:
+    assert _convert(DISTOPT, tmp_path / "tp1", "--dst-tp", "1").exit_code == 0
+    back = _convert(tmp_path / "tp1", tmp_path / "back", "--dst-tp", "2")
+    assert back.exit_code == 0, back.output
+    flat = torch.load(tmp_path / "tp1" / "iter_0000002" / "mp_rank_00" / "distrib_optim.pt", weights_only=True)
+    (entry,) = flat[0].values()
+    # TP1 holds every parameter once: two TP2 buffers (53568 each) less one copy of the 5 replicated norms.
+    assert entry["numel_unpadded"] == entry["param"].numel() == 2 * 53568 - 5 * 64
+    original, again = _rank_states(DISTOPT / "iter_0000002"), _rank_states(tmp_path / "back" / "iter_0000002")
+    assert set(original) == set(again) == {"mp_rank_00", "mp_rank_01"}
+    for rank, state in original.items():
+        for key in ("optimizer", "opt_param_scheduler", "num_floating_point_operations_so_far", "model"):
+            _assert_same(state[key], again[rank][key], f"{rank}.{key}")
+        _assert_same(torch.load(DISTOPT / "iter_0000002" / rank / "distrib_optim.pt", weights_only=True),
+                     torch.load(tmp_path / "back" / "iter_0000002" / rank / "distrib_optim.pt", weights_only=True),
+                     f"{rank}/distrib_optim.pt")
+
+
+def test_distributed_and_plain_exports_hold_the_same_parameters(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from pgconvert.cli import main
+
+    for name, src in (("dist", DISTOPT), ("plain", BF16_PLAIN)):
+        result = CliRunner().invoke(main, ["export-optimizer", str(src), str(tmp_path / name)], prog_name="pgconvert")
+        assert result.exit_code == 0, result.output
+    names = sorted(p.name for p in (tmp_path / "dist").glob("*.pt"))
+    assert names == sorted(p.name for p in (tmp_path / "plain").glob("*.pt")) and len(names) == 15
+    for name in names:
+        dist = torch.load(tmp_path / "dist" / name, weights_only=True)
+        plain = torch.load(tmp_path / "plain" / name, weights_only=True)
+        assert {key: value.shape for key, value in dist.items()} == {key: value.shape for key, value in plain.items()}
+        assert dist["param"].dtype == torch.float32 and float(dist["step"]) == float(plain["step"]) == 2.0
+
+
+def test_a_flat_buffer_of_the_wrong_size_is_a_named_error(tmp_path: Path) -> None:
+    shutil.copytree(DISTOPT, tmp_path / "src")
+    path = tmp_path / "src" / "iter_0000002" / "mp_rank_01" / "distrib_optim.pt"
+    content = torch.load(path, weights_only=True)
+    (entry,) = content[0].values()
+    entry["exp_avg"] = entry["exp_avg"][:-64].clone()
+    torch.save(content, path)
+    result = _convert(tmp_path / "src", tmp_path / "out", "--dst-tp", "1")
+    assert result.exit_code == 1, result.output
+    assert "mp_rank_01/distrib_optim.pt: buffer 0 exp_avg has shape (53504,); expected (53568,)" in result.output
+    assert "Traceback" not in result.output
+    content[0] = {key: dict(value, numel_unpadded=7) for key, value in content[0].items()}
+    torch.save(content, path)
+    result = _convert(tmp_path / "src", tmp_path / "out", "--dst-tp", "1")
+    assert result.exit_code == 1 and "numel_unpadded=7, but the model's parameters" in result.output
+
+
+def _adam_step(state: dict, slots: list, chunk_keys: list[str], grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One torch AdamW step (the optimizer megatron-core's FP32Optimizer wraps when Apex and Transformer
+    Engine are absent) from a rank file's own state, on ``grads`` cut for the rank; updated pieces by slot."""
+    params = {slot.position: torch.nn.Parameter(state[chunk_keys[slot.chunk]][slot.spec.local_name].clone())
+              for group in slots for slot in group}
+    for group in slots:
+        for slot in group:
+            spec = slot.spec
+            params[slot.position].grad = spec.rule.shard(grads[spec.canonical], spec.tp_size, spec.tp_rank).clone()
+    groups = [{"params": [params[slot.position] for slot in group]} for group in slots]
+    optimizer = torch.optim.AdamW(groups)
+    optimizer.load_state_dict(state["optimizer"])
+    optimizer.step()
+    return {(slot.spec.canonical, slot.spec.tp_rank): params[slot.position].detach() for group in slots for slot in group}
+
+
+def test_the_converted_state_takes_the_same_adam_step_as_the_source(tmp_path: Path) -> None:
+    assert _convert(PLAIN, tmp_path / "tp1", "--dst-tp", "1", "--dst-pp", "1").exit_code == 0
+    source = _source()
+    target = _source(tmp_path / "tp1" / "iter_0000002")
+    generator = torch.Generator().manual_seed(0)
+    shapes = {slot.spec.canonical: slot.spec.global_shape
+              for coord in target.files
+              for group in optimizer_slots(target.config, target.layout, coord, padded_vocab_size=target.vocab_rows)
+              for slot in group}
+    grads = {name: torch.randn(shape, generator=generator) * 1e-3 for name, shape in shapes.items()}
+    before: dict[tuple[str, int], torch.Tensor] = {}
+    rules: dict[str, object] = {}
+    for coord, path in source.files.items():
+        slots = optimizer_slots(source.config, source.layout, coord, padded_vocab_size=source.vocab_rows)
+        rules.update({slot.spec.canonical: slot.spec.rule for group in slots for slot in group})
+        before.update(_adam_step(load_for_test(path), slots, ["model"], grads))
+    (coord, path), = target.files.items()
+    after = _adam_step(load_for_test(path), optimizer_slots(target.config, target.layout, coord,
+                                                            padded_vocab_size=target.vocab_rows), ["model"], grads)
+    assert len(after) == 15
+    for (name, _), updated in after.items():
+        merged = rules[name].merge([before[(name, tp)] for tp in range(2)])
+        torch.testing.assert_close(updated, merged, rtol=1e-6, atol=1e-9)
+        assert not torch.equal(updated, load_for_test(path)["model"][name])
+
+
+BF16_PLAIN = GOLDENS / "train_tp2dp2_bf16_torch"
+
+
+def test_bf16_masters_grad_scaler_and_moments_round_trip_tp2_tp1_tp2_bit_exact(tmp_path: Path) -> None:
+    import pgconvert
+
+    report = pgconvert.convert(BF16_PLAIN, tmp_path / "tp1", dst_tp=1)
+    assert any(note.startswith("optimizer (float16)") and "--no-load-rng" in note for note in report.notices)
+    assert not any(note.startswith("optimizer, scheduler and RNG state are not carried") for note in report.notices)
+    assert _convert(tmp_path / "tp1", tmp_path / "back", "--dst-tp", "2").exit_code == 0
+    merged = _rank_states(tmp_path / "tp1" / "iter_0000002")["mp_rank_00"]
+    masters = merged["optimizer"]["fp32_from_fp16_params"]
+    assert [len(group) for group in masters] == [10, 5] and masters[0][0].dtype == torch.float32
+    assert merged["model"]["embedding.word_embeddings.weight"].dtype == torch.bfloat16
+    original, again = _rank_states(BF16_PLAIN / "iter_0000002"), _rank_states(tmp_path / "back" / "iter_0000002")
+    assert set(original) == set(again) == {"mp_rank_00", "mp_rank_01"}
+    for rank, state in original.items():
+        for key in ("optimizer", "opt_param_scheduler", "num_floating_point_operations_so_far", "model"):
+            _assert_same(state[key], again[rank][key], f"{rank}.{key}")
+
+
+def _swap(group: int, first: int, second: int) -> Callable[[dict], None]:
+    def swap(state: dict) -> None:
+        masters = state["optimizer"]["fp32_from_fp16_params"][group]
+        masters[first], masters[second] = masters[second], masters[first]
+    return swap
+
+
+@pytest.mark.parametrize(("group", "first", "second", "expected"), [
+    # layer 0 linear_qkv and linear_fc2: both (64, 64) at TP2; the masters no longer round to the weights.
+    (0, 2, 4, "fp32_from_fp16_params entry at position 2 (group 0) does not round to the model"),
+    # the two norms of layer 0 round to the same bf16 weights; TP rank 0 and 1 then disagree.
+    (1, 0, 1, "optimizer param of a replicated parameter differs between"),
+])
+def test_masters_in_another_order_than_megatron_cores_are_refused(tmp_path: Path, group: int, first: int,
+                                                                  second: int, expected: str) -> None:
+    shutil.copytree(BF16_PLAIN, tmp_path / "src")
+    _tamper(tmp_path / "src", "mp_rank_01", _swap(group, first, second))
+    result = _convert(tmp_path / "src", tmp_path / "out", "--dst-tp", "1")
+    assert result.exit_code == 1, result.output
+    assert expected in result.output and "Traceback" not in result.output
+
+
+@pytest.mark.skipif(not os.environ.get("PGCONVERT_MEGATRON_LM"),
+                    reason="needs a Megatron-LM source tree in PGCONVERT_MEGATRON_LM (CI cannot fetch Megatron-LM)")
+def test_megatron_lm_resumes_from_the_converted_optimizer_as_from_the_original(tmp_path: Path) -> None:
+    script = Path(__file__).parents[1] / "scripts" / "megatron_lm_resume_check.py"
+    done = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=2400)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    assert "agree: max |diff|" in done.stdout
+
+
+def test_the_installed_command_carries_the_optimizer_from_any_directory(tmp_path: Path) -> None:
+    # Run outside the source tree: only the installed packages (pgconvert.savers, …) are importable.
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, "-m", "pgconvert", "convert", str(PLAIN), str(tmp_path / "out"),
+                           "--dst-tp", "1", "--dst-pp", "1"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "optimizer (fp32)" in done.stdout + done.stderr
+    assert "optimizer" in load_for_test(tmp_path / "out" / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt")

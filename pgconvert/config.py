@@ -88,6 +88,16 @@ class ModelConfig:
     yarn_mscale: float = 1.0
     yarn_mscale_all_dim: float = 0.0
     yarn_correction_range_round_to_int: bool = True
+    # ds16: multi-latent attention (megatron-core's MLATransformerConfig names; q_lora_rank None: one
+    # q projection) and group-limited routing (moe_router_num_groups / moe_router_group_topk).
+    multi_latent_attention: bool = False
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 512
+    qk_head_dim: int = 128
+    qk_pos_emb_head_dim: int = 64
+    v_head_dim: int = 128
+    moe_router_num_groups: int | None = None
+    moe_router_group_topk: int | None = None
 
     def __post_init__(self) -> None:
         self._check_semantics()
@@ -163,6 +173,7 @@ class ModelConfig:
                 raise ConfigError(f"rope_scaling_factor={quote(self.rope_scaling_factor)}: must be > 0")
         _require_choice("moe_router_score_function", self.moe_router_score_function, MOE_SCORE_FUNCTIONS)
         self._check_yarn()
+        self._check_mla()
         if self.moe_router_topk_scaling_factor is not None:
             _require_finite("moe_router_topk_scaling_factor", self.moe_router_topk_scaling_factor)
         if self.sliding_window is not None:
@@ -184,6 +195,30 @@ class ModelConfig:
         if not isinstance(self.yarn_correction_range_round_to_int, bool):
             raise ConfigError(f"yarn_correction_range_round_to_int={quote(self.yarn_correction_range_round_to_int)}: "
                               "must be true or false")
+
+    def _check_mla(self) -> None:
+        """Multi-latent attention's dimensions and the router groups: positive, groups dividing experts."""
+        if self.multi_latent_attention:
+            for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
+                _require_positive(name, getattr(self, name))
+            if self.q_lora_rank is not None:
+                _require_positive("q_lora_rank", self.q_lora_rank)
+        if (self.moe_router_num_groups is None) != (self.moe_router_group_topk is None):
+            raise ConfigError(f"moe_router_num_groups={quote(self.moe_router_num_groups)}, moe_router_group_topk="
+                              f"{quote(self.moe_router_group_topk)}: give both or neither")
+        if self.moe_router_num_groups is not None:
+            _require_positive("moe_router_num_groups", self.moe_router_num_groups)
+            _require_positive("moe_router_group_topk", self.moe_router_group_topk)
+            experts = self.num_experts or 0
+            if experts % self.moe_router_num_groups or self.moe_router_group_topk > self.moe_router_num_groups:
+                raise ConfigError(f"moe_router_num_groups={self.moe_router_num_groups}, moe_router_group_topk="
+                                  f"{self.moe_router_group_topk}: the groups must divide num_experts={experts} and "
+                                  "at most all of them be chosen")
+
+    @property
+    def q_head_dim(self) -> int:
+        """Multi-latent attention: one query (and key) head, its no-position part then its rotary part."""
+        return self.qk_head_dim + self.qk_pos_emb_head_dim
 
     def is_window_layer(self, layer: int) -> bool:
         """Whether ``layer`` (0-based) attends through the sliding window."""

@@ -746,9 +746,16 @@ FAMILIES: dict[str, Family] = {
 # with a sliding window on every layer, so a windowed Llama-like model is written as Mistral. Dense
 # families need num_experts=None and the MoE ones routed experts, so at most one kind fits.
 INFERENCE_ORDER: tuple[str, ...] = (
+    "DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM",  # ds16: only multi-latent attention models fit these
     "Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "Qwen3MoeForCausalLM",
     "MixtralForCausalLM",
 )
+
+
+# ds16: DeepSeek-V2/V3 (multi-latent attention), in their own module.
+from pgconvert.families_deepseek import DEEPSEEK_FAMILIES  # noqa: E402
+
+FAMILIES.update({family.architecture: family for family in DEEPSEEK_FAMILIES})
 
 
 def supported_architectures() -> list[str]:

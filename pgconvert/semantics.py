@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pgconvert import yarn
+from pgconvert import mla_args, yarn
 from pgconvert.config import ModelConfig
 from pgconvert.errors import CheckpointError, StrictModeError
 from pgconvert.limits import quote
@@ -228,6 +228,7 @@ def from_args(args: argparse.Namespace, path: Path) -> dict[str, Any]:
         "hidden_dropout": _number(args, "hidden_dropout", MEGATRON_DEFAULT_DROPOUT, path),
         **_rope_from_args(args, path),
         **_window_from_args(args, path),
+        **mla_args.from_args(args, path),
     }
     if getattr(args, "num_experts", None):
         scaling = getattr(args, "moe_router_topk_scaling_factor", None)
@@ -260,6 +261,7 @@ def to_args(config: ModelConfig) -> dict[str, Any]:
     }
     if config.rope_scaling == "yarn":
         values["position_embedding_type"] = "yarn"
+    values.update(mla_args.to_args(config))  # ds16: MLA (position_embedding_type rope, rope_type), router groups
     if config.num_experts is not None:
         values.update({
             "moe_router_score_function": config.moe_router_score_function,
@@ -330,7 +332,9 @@ def hf_losses(architecture: str, config: ModelConfig) -> list[str]:
     if config.rotary_percent != 1.0:
         losses.append(f"rotary_percent={config.rotary_percent} (partial rotary): {architecture} rotates the "
                       "whole head")
-    if config.num_experts is not None:
+    # ds16: DeepSeek's families carry the score function, scaling and pre-softmax (their fixed values and
+    # rules refuse what they cannot write; pre-softmax means nothing to sigmoid scores).
+    if config.num_experts is not None and architecture not in ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM"):
         if config.moe_router_score_function != "softmax":
             losses.append(f"moe_router_score_function={config.moe_router_score_function!r}: {architecture} "
                           "routes with softmax")

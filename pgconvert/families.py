@@ -634,6 +634,7 @@ _SWIGLU_RMS_ROPE: dict[str, object] = {
     "activation": "silu",
     "normalization": "RMSNorm",
     "position_embedding_type": "rope",
+    "multi_latent_attention": False,  # ds16: written as DeepSeek (pgconvert.families_deepseek)
 }
 _DENSE: dict[str, object] = {**_SWIGLU_RMS_ROPE, "num_experts": None}
 _ROUTED_EXPERTS_ONLY: dict[str, object] = {

@@ -99,7 +99,6 @@ def _fields(experts: int, topk: int | None, max_positions: int) -> tuple[ConfigF
         ConfigField(("moe_intermediate_size",), "moe_ffn_hidden_size", int),
         ConfigField(("n_routed_experts",), "num_experts", int, default=experts),
         ConfigField(("num_experts_per_tok",), "moe_router_topk", int, default=topk),
-        ConfigField(("q_lora_rank",), "q_lora_rank", int, default=None),
         ConfigField(("kv_lora_rank",), "kv_lora_rank", int, default=512),
         ConfigField(("qk_nope_head_dim",), "qk_head_dim", int, default=128),
         ConfigField(("qk_rope_head_dim",), "qk_pos_emb_head_dim", int, default=64),
@@ -244,6 +243,17 @@ def _no_mtp_write(config: ModelConfig) -> Mapping[str, object]:
     return {"num_nextn_predict_layers": 0}
 
 
+def _q_lora_read(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
+    value = present.get("q_lora_rank")
+    return {"q_lora_rank": None if value is None else _count(value, "q_lora_rank", 1)}
+
+
+def _q_lora_write(config: ModelConfig) -> Mapping[str, object]:
+    # Written even when null: transformers' default (1536) would otherwise build a q-LoRA model.
+    return {"q_lora_rank": config.q_lora_rank}
+
+
+_Q_LORA = ConfigRule(keys=("q_lora_rank",), model_fields=("q_lora_rank",), read=_q_lora_read, write=_q_lora_write)
 _NO_MTP = ConfigRule(keys=("num_nextn_predict_layers",), model_fields=(), read=_no_mtp_read, write=_no_mtp_write)
 
 _MLA_COMMON: dict[str, object] = {
@@ -264,7 +274,7 @@ DEEPSEEK_V3 = Family(
     model_type="deepseek_v3",
     tensors=DEEPSEEK_TENSORS,
     fields=_fields(experts=256, topk=8, max_positions=4096),
-    rules=(_ROPE_RULE, _layers_rule(default_dense=3), _shared_rule(default=1),
+    rules=(_ROPE_RULE, _Q_LORA, _layers_rule(default_dense=3), _shared_rule(default=1),
            ConfigRule(keys=("n_group", "topk_group", "routed_scaling_factor"), model_fields=_ROUTER_FIELDS,
                       read=_v3_router_read, write=_v3_router_write, refuses=_v3_router_refuses), _NO_MTP),
     fixed={**_MLA_COMMON, "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True},
@@ -278,7 +288,7 @@ DEEPSEEK_V2 = Family(
     model_type="deepseek_v2",
     tensors=DEEPSEEK_TENSORS,
     fields=_fields(experts=64, topk=None, max_positions=2048),
-    rules=(_ROPE_RULE, _layers_rule(default_dense=0), _shared_rule(default=2),
+    rules=(_ROPE_RULE, _Q_LORA, _layers_rule(default_dense=0), _shared_rule(default=2),
            ConfigRule(keys=("topk_method", "n_group", "topk_group", "routed_scaling_factor"),
                       model_fields=_ROUTER_FIELDS, read=_v2_router_read, write=_v2_router_write,
                       refuses=_v2_router_refuses)),

@@ -1,0 +1,228 @@
+"""DeepSeek-V2/V3 (multi-latent attention, shared experts, DeepSeek's routers, YaRN) through pgconvert.
+
+* HF -> Megatron (TP2/EP4/PP2, a VPP layout, torch_dist) -> HF is bit-exact and transformers'
+  logits of the output equal the source's;
+* the TP split of the MLA projections, checked against shards cut by hand from the HF tensors
+  (not through pgconvert's merge), for megatron-core's local spec (down projections column-parallel)
+  and its Transformer Engine spec (down projections duplicated, latent norms fused into the up
+  projections);
+* megatron-core's own GPTModel with the MLA decoder block spec, built from the written args, loads
+  the rank file with ``strict=True`` and its CPU forward equals transformers' logits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from click.testing import CliRunner
+from deepseek_helpers import CASES, build_deepseek, logits, save
+from safetensors.torch import load_file
+
+import pgconvert
+from pgconvert.cli import main
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+# megatron-core's forward sums in another order (MoE unpermute, router, rotary): float32 round-off of
+# logits of size ~1 reaches 2e-5 on a few elements of 10000.
+MCORE_TOL = dict(rtol=1e-4, atol=5e-5)
+SEQ = 20  # past YaRN's original context of 8 positions
+# config.json keys the families carry (compared after a round trip through Megatron args alone).
+CARRIED = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_routed_experts",
+           "num_experts_per_tok", "moe_intermediate_size", "intermediate_size", "first_k_dense_replace",
+           "n_shared_experts", "routed_scaling_factor", "rope_parameters", "vocab_size")
+
+
+def input_ids(seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, 250, (2, SEQ), generator=torch.Generator().manual_seed(seed))
+
+
+def hf_tensors(path: Path) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(path.glob("*.safetensors")):
+        tensors.update(load_file(file))
+    return tensors
+
+
+def rank_state(root: Path, tp: int, pp: int | None = None, ep: int | None = None) -> dict[str, Any]:
+    """One rank file of a Megatron checkpoint, read as plain torch (names mp_rank_TT[_PPP][_EEE])."""
+    name = f"mp_rank_{tp:02d}" + (f"_{pp:03d}" if pp is not None else "") + (f"_{ep:03d}" if ep is not None else "")
+    (path,) = root.glob(f"*/{name}/model_optim_rng.pt")
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def source(tmp_path: Path, case: str) -> tuple[Any, Path]:
+    model = build_deepseek(case)
+    return model, save(model, tmp_path / f"hf-{case}")
+
+
+def from_args_alone(megatron: Path, out: Path) -> Path:
+    """Megatron -> HF with the config.json built from the rank files' args (the hf/ copy removed)."""
+    shutil.rmtree(megatron / "hf", ignore_errors=True)
+    pgconvert.convert(megatron, out, dst_format="hf", dst_tp=1, dst_pp=1, dst_ep=1)
+    return out
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_hf_megatron_tp2_ep4_pp2_hf_is_exact_and_logits_match(tmp_path: Path, case: str) -> None:
+    model, src = source(tmp_path, case)
+    pgconvert.convert(src, tmp_path / "megatron", dst_format="megatron", dst_tp=2, dst_pp=2, dst_ep=4)
+    out = from_args_alone(tmp_path / "megatron", tmp_path / "out")
+
+    before, after = hf_tensors(src), hf_tensors(out)
+    assert sorted(before) == sorted(after)
+    for name, tensor in before.items():
+        assert after[name].dtype == tensor.dtype and torch.equal(after[name], tensor), name
+    written, original = json.loads((out / "config.json").read_text()), json.loads((src / "config.json").read_text())
+    for key in CARRIED:
+        assert written.get(key) == original.get(key), key
+    ids = input_ids()
+    torch.testing.assert_close(logits(out, ids), logits(model, ids), **TOL)
+
+
+def test_vpp_and_torch_dist_round_trips_are_exact(tmp_path: Path) -> None:
+    model, src = source(tmp_path, "v3")
+    pgconvert.convert(src, tmp_path / "vpp", dst_format="megatron", dst_tp=2, dst_pp=2, dst_vpp=2, dst_ep=2)
+    pgconvert.convert(tmp_path / "vpp", tmp_path / "dist", dst_format="torch_dist", dst_tp=1, dst_pp=2, dst_ep=4,
+                      dst_vpp=1)
+    out = from_args_alone(tmp_path / "dist", tmp_path / "out")
+
+    before, after = hf_tensors(src), hf_tensors(out)
+    assert sorted(before) == sorted(after)
+    assert all(torch.equal(after[name], tensor) for name, tensor in before.items())
+    ids = input_ids()
+    torch.testing.assert_close(logits(out, ids), logits(model, ids), **TOL)
+
+
+def _shard(full: torch.Tensor, rank: int, size: int, dim: int = 0) -> torch.Tensor:
+    step = full.shape[dim] // size
+    return full.narrow(dim, rank * step, step)
+
+
+@pytest.mark.parametrize("impl", ["local", "transformer_engine"])
+def test_mla_tp2_shards_are_the_hf_tensors_cut_by_hand(tmp_path: Path, impl: str) -> None:
+    """megatron-core's MLASelfAttention (local spec: every projection a ColumnParallelLinear; TE spec:
+    the down projections TELinear(parallel_mode='duplicated'), the up projections
+    TELayerNormColumnParallelLinear holding the latent norms) and its RowParallelLinear linear_proj."""
+    _, src = source(tmp_path, "v3")
+    pgconvert.convert(src, tmp_path / "megatron", dst_format="megatron", dst_tp=2, dst_pp=1, dst_ep=1,
+                      dst_transformer_impl=impl)
+    hf = hf_tensors(src)
+    te = impl == "transformer_engine"
+    for rank in range(2):
+        state = rank_state(tmp_path / "megatron", rank)["model"]
+        for layer in (0, 1):
+            a, m = f"model.layers.{layer}.self_attn.", f"decoder.layers.{layer}.self_attention."
+            expected = {
+                m + "linear_q_down_proj.weight": hf[a + "q_a_proj.weight"] if te else _shard(hf[a + "q_a_proj.weight"], rank, 2),
+                m + "linear_kv_down_proj.weight": (hf[a + "kv_a_proj_with_mqa.weight"] if te
+                                                   else _shard(hf[a + "kv_a_proj_with_mqa.weight"], rank, 2)),
+                m + "linear_q_up_proj.weight": _shard(hf[a + "q_b_proj.weight"], rank, 2),
+                m + "linear_kv_up_proj.weight": _shard(hf[a + "kv_b_proj.weight"], rank, 2),
+                m + "linear_proj.weight": _shard(hf[a + "o_proj.weight"], rank, 2, dim=1),
+                m + ("linear_q_up_proj.layer_norm_weight" if te else "q_layernorm.weight"): hf[a + "q_a_layernorm.weight"],
+                m + ("linear_kv_up_proj.layer_norm_weight" if te else "kv_layernorm.weight"): hf[a + "kv_a_layernorm.weight"],
+                f"decoder.layers.{layer}.input_layernorm.weight": hf[f"model.layers.{layer}.input_layernorm.weight"],
+            }
+            for name, tensor in expected.items():
+                assert torch.equal(state[name], tensor), (rank, name)
+
+
+def test_router_expert_bias_stays_float32_and_args_name_the_router(tmp_path: Path) -> None:
+    _, src = source(tmp_path, "v3")
+    pgconvert.convert(src, tmp_path / "megatron", dst_format="megatron", dst_tp=1, dst_pp=1, dst_ep=1, dtype="bf16")
+    state = rank_state(tmp_path / "megatron", 0)
+    model, args = state["model"], state["args"]
+    bias = model["decoder.layers.1.mlp.router.expert_bias"]
+
+    assert bias.dtype == torch.float32
+    assert torch.equal(bias, hf_tensors(src)["model.layers.1.mlp.gate.e_score_correction_bias"])
+    assert model["decoder.layers.1.self_attention.linear_q_up_proj.weight"].dtype == torch.bfloat16
+    assert (args.multi_latent_attention, args.q_lora_rank, args.kv_lora_rank, args.qk_head_dim,
+            args.qk_pos_emb_head_dim, args.v_head_dim) == (True, 24, 16, 16, 8, 12)
+    assert (args.moe_router_score_function, args.moe_router_enable_expert_bias, args.moe_router_num_groups,
+            args.moe_router_group_topk, args.moe_router_topk_scaling_factor) == ("sigmoid", True, 2, 1, 2.5)
+    assert args.moe_layer_freq == [0, 1, 1, 1] and args.moe_shared_expert_intermediate_size == 32
+    assert (args.position_embedding_type, args.rope_type, args.rotary_scaling_factor, args.mscale_all_dim,
+            args.original_max_position_embeddings) == ("rope", "yarn", 4.0, 0.8, 8)
+
+
+# --- megatron-core's own forward ----------------------------------------------------------------
+
+
+def mcore_mla_logits(root: Path, tokens: torch.Tensor) -> torch.Tensor:
+    """megatron-core's GPTModel (MLA decoder block spec, local backend) for the TP1/PP1/EP1 checkpoint
+    at ``root``, its config built from the rank file's args, loaded with ``strict=True``.
+
+    megatron-core cannot run MLA on CPU as shipped: MultiLatentAttention passes ``k_channels`` /
+    ``v_channels`` to its core attention, which only Transformer Engine's TEDotProductAttention
+    accepts (the local DotProductAttention raises TypeError), and Transformer Engine needs CUDA. The
+    test swaps in ``CausalAttention`` below (softmax(q k^T * softmax_scale) v, causal), with the
+    softmax scale megatron-core computes (YaRN mscale included); every projection, norm, rotary,
+    router and expert is megatron-core's.
+    """
+    import mcore_helpers as mcore
+    from megatron_mla import build_mla_gpt_model, mla_cpu_patches
+
+    (rank,) = mcore.rank_files(root)
+    with torch.no_grad(), mla_cpu_patches():
+        model = build_mla_gpt_model(rank.args)
+        model.load_state_dict(dict(rank.model), strict=True)
+        positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+        out = model(input_ids=tokens, position_ids=positions,
+                    attention_mask=mcore.causal_attention_mask(tokens.shape[1]))
+    return out[..., :250]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_megatron_core_mla_forward_of_the_written_checkpoint_equals_transformers(tmp_path: Path, case: str) -> None:
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+    model, src = source(tmp_path, case)
+    pgconvert.convert(src, tmp_path / "megatron", dst_format="megatron", dst_tp=1, dst_pp=1, dst_ep=1)
+    ids = input_ids()
+
+    torch.testing.assert_close(mcore_mla_logits(tmp_path / "megatron", ids), logits(model, ids), **MCORE_TOL)
+
+
+# --- what is refused -----------------------------------------------------------------------------
+
+
+def _edited(src: Path, **changes: Any) -> Path:
+    doc = json.loads((src / "config.json").read_text())
+    doc.update(changes)
+    (src / "config.json").write_text(json.dumps(doc))
+    return src
+
+
+@pytest.mark.parametrize("changes,named", [
+    ({"norm_topk_prob": False}, "norm_topk_prob=False"),
+    ({"rope_interleave": False}, "rope_interleave=False"),
+    ({"n_group": 4, "topk_group": 2, "num_experts_per_tok": 2}, "n_group=4, topk_group=2"),
+], ids=["unnormalized-sigmoid", "rope-not-interleaved", "group-score"])
+def test_v3_settings_megatron_core_computes_differently_are_refused(
+        tmp_path: Path, changes: dict[str, Any], named: str) -> None:
+    _, src = source(tmp_path, "v3")
+    result = CliRunner().invoke(main, ["convert", str(_edited(src, **changes)), str(tmp_path / "out"),
+                                       "--dst-format", "megatron"])
+
+    assert result.exit_code != 0 and named in result.output, result.output
+    assert "Traceback" not in result.output
+
+
+def test_multi_token_prediction_layers_are_refused_naming_them(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    _, src = source(tmp_path, "v3")
+    tensors = load_file(src / "model.safetensors")
+    save_file({**tensors, "model.layers.4.eh_proj.weight": torch.zeros(64, 128)}, src / "model.safetensors",
+              metadata={"format": "pt"})
+    result = CliRunner().invoke(main, ["convert", str(src), str(tmp_path / "out"), "--dst-format", "megatron"])
+
+    assert result.exit_code != 0 and "model.layers.4.eh_proj.weight" in result.output, result.output
+    assert "multi-token prediction" in result.output

@@ -226,3 +226,27 @@ def test_multi_token_prediction_layers_are_refused_naming_them(tmp_path: Path) -
 
     assert result.exit_code != 0 and "model.layers.4.eh_proj.weight" in result.output, result.output
     assert "multi-token prediction" in result.output
+
+
+@pytest.mark.parametrize("case", ["v3", "v2"])
+def test_torch_dist_keys_shapes_and_chunks_are_what_megatron_core_declares_for_mla(tmp_path: Path, case: str) -> None:
+    """megatron-core's MLA layer specs set no sharded_state_dict_keys_map: the local spec's norms keep
+    their module names (not the dense spec's ``linear_qkv.layer_norm_weight``)."""
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+    import mcore_helpers as mcore
+    from megatron_mla import build_mla_gpt_model, mla_cpu_patches
+    from test_torch_dist_mcore import megatron_core_layout, read_layout
+
+    _, src = source(tmp_path, case)
+    pgconvert.convert(src, tmp_path / "megatron", dst_format="megatron", dst_tp=1, dst_pp=1, dst_ep=1)
+    pgconvert.convert(tmp_path / "megatron", tmp_path / "dist", dst_format="torch_dist")
+    (rank,) = mcore.rank_files(tmp_path / "megatron")
+    with mla_cpu_patches():
+        expected_tensors, expected_objects = megatron_core_layout(build_mla_gpt_model(rank.args))
+
+    (iteration,) = (tmp_path / "dist").glob("iter_*")
+    tensors, objects = read_layout(iteration)
+    assert objects == expected_objects
+    assert sorted(tensors) == sorted(expected_tensors)
+    for key, (shape, _, chunks) in expected_tensors.items():
+        assert tensors[key][0] == shape and tensors[key][2] == chunks, key

@@ -59,7 +59,7 @@ def _hf(**per_family: str) -> dict[str, str]:
 
 
 _ARGS = "common.pt['args'].{}"
-_MOE = "Mixtral, Qwen3-MoE"
+_MOE = "Mixtral, Qwen3-MoE"  # DeepSeek's routers: the moe rows' DeepseekV2/V3 keys (pgconvert.families_deepseek)
 
 SEMANTICS: tuple[Setting, ...] = (
     Setting("rope theta", ("rotary_base",), ("rotary_base",), _ARGS.format("rotary_base"),
@@ -125,15 +125,28 @@ SEMANTICS: tuple[Setting, ...] = (
     Setting("moe top-k", ("moe_router_topk",), ("moe_router_topk",), _ARGS.format("moe_router_topk"),
             {_MOE: "num_experts_per_tok"}),
     Setting("moe score function", ("moe_router_score_function",), ("moe_router_score_function",),
-            _ARGS.format("moe_router_score_function"), {_MOE: "softmax only (sigmoid: notice, --strict refuses)"}),
+            _ARGS.format("moe_router_score_function"), {_MOE: "softmax only (sigmoid: notice, --strict refuses)",
+                                                       "DeepseekV3ForCausalLM": "sigmoid (fixed)",
+                                                       "DeepseekV2ForCausalLM": "softmax (fixed)"}),
     Setting("moe pre-softmax", ("moe_router_pre_softmax",), ("moe_router_pre_softmax",),
             _ARGS.format("moe_router_pre_softmax"),
             _hf(Qwen3MoeForCausalLM="norm_topk_prob = not pre_softmax",
                 MixtralForCausalLM="none (top-k renormalized: pre_softmax False)")),
     Setting("moe expert bias", ("moe_router_enable_expert_bias",), ("moe_router_enable_expert_bias",),
-            _ARGS.format("moe_router_enable_expert_bias"), {_MOE: "none (refused)"}),
+            _ARGS.format("moe_router_enable_expert_bias"), {_MOE: "none (refused)",
+                                                            "DeepseekV3ForCausalLM": "e_score_correction_bias (fixed)"}),
     Setting("moe top-k scaling", ("moe_router_topk_scaling_factor",), ("moe_router_topk_scaling_factor",),
-            _ARGS.format("moe_router_topk_scaling_factor"), {_MOE: "none (set: notice, --strict refuses)"}),
+            _ARGS.format("moe_router_topk_scaling_factor"), {_MOE: "none (set: notice, --strict refuses)",
+                                                             "DeepseekV2ForCausalLM, DeepseekV3ForCausalLM":
+                                                             "routed_scaling_factor"}),
+    Setting("moe router groups", ("moe_router_num_groups", "moe_router_group_topk"),
+            ("moe_router_num_groups", "moe_router_group_topk"),
+            _ARGS.format("moe_router_num_groups / moe_router_group_topk"),
+            _hf(DeepseekV3ForCausalLM="n_group, topk_group (group score: top-2 sum)",
+                DeepseekV2ForCausalLM="topk_method=group_limited_greedy, n_group, topk_group (group score: best)",
+                ALL="none (set: notice, --strict refuses)"),
+            "megatron-core scores a group by its top moe_router_topk // group_topk experts; a setting "
+            "that chooses every group is no grouping"),
     Setting("moe aux loss", ("moe_aux_loss_coeff",), ("moe_aux_loss_coeff",), _ARGS.format("moe_aux_loss_coeff"),
             {_MOE: "router_aux_loss_coef"}),
     Setting("dropout", ("attention_dropout", "hidden_dropout"), ("attention_dropout", "hidden_dropout"),
@@ -341,6 +354,9 @@ def hf_losses(architecture: str, config: ModelConfig) -> list[str]:
         if config.moe_router_topk_scaling_factor not in (None, 1.0):
             losses.append(f"moe_router_topk_scaling_factor={config.moe_router_topk_scaling_factor}: "
                           f"{architecture} does not scale routing weights")
+        if config.moe_router_num_groups is not None:
+            losses.append(f"moe_router_num_groups={config.moe_router_num_groups}, moe_router_group_topk="
+                          f"{config.moe_router_group_topk}: {architecture} does not route by expert groups")
         if config.moe_router_pre_softmax and architecture != "Qwen3MoeForCausalLM":
             losses.append(f"moe_router_pre_softmax=True: {architecture} renormalizes the top-k weights")
     return losses

@@ -250,3 +250,68 @@ def test_torch_dist_keys_shapes_and_chunks_are_what_megatron_core_declares_for_m
     assert sorted(tensors) == sorted(expected_tensors)
     for key, (shape, _, chunks) in expected_tensors.items():
         assert tensors[key][0] == shape and tensors[key][2] == chunks, key
+
+
+# --- release configurations ----------------------------------------------------------------------
+
+_V3_RELEASE: dict[str, Any] = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "attention_bias": False,
+    "attention_dropout": 0.0, "first_k_dense_replace": 3, "hidden_act": "silu", "hidden_size": 7168,
+    "intermediate_size": 18432, "kv_lora_rank": 512, "max_position_embeddings": 163840, "moe_intermediate_size": 2048,
+    "moe_layer_freq": 1, "n_group": 8, "n_routed_experts": 256, "n_shared_experts": 1, "norm_topk_prob": True,
+    "num_attention_heads": 128, "num_experts_per_tok": 8, "num_hidden_layers": 61, "num_key_value_heads": 128,
+    "num_nextn_predict_layers": 1, "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+    "rms_norm_eps": 1e-06, "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                                            "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                                            "type": "yarn"},
+    "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "tie_word_embeddings": False,
+    "topk_group": 4, "topk_method": "noaux_tc", "torch_dtype": "bfloat16", "v_head_dim": 128, "vocab_size": 129280,
+}
+# Kimi-K2 names DeepseekV3ForCausalLM: one expert group, 384 experts, its own YaRN.
+_KIMI_K2 = {**_V3_RELEASE, "model_type": "kimi_k2", "n_group": 1, "topk_group": 1, "n_routed_experts": 384,
+            "num_attention_heads": 64, "num_key_value_heads": 64, "first_k_dense_replace": 1,
+            "routed_scaling_factor": 2.827, "rope_theta": 50000.0, "max_position_embeddings": 131072,
+            "vocab_size": 163840, "rope_scaling": {"beta_fast": 1.0, "beta_slow": 1.0, "factor": 32.0, "mscale": 1.0,
+                                                   "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                                                   "type": "yarn"}}
+_V2_LITE = {
+    "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "attention_bias": False,
+    "hidden_act": "silu", "hidden_size": 2048, "intermediate_size": 10944, "kv_lora_rank": 512,
+    "max_position_embeddings": 163840, "moe_intermediate_size": 1408, "first_k_dense_replace": 1, "n_group": 1,
+    "n_routed_experts": 64, "n_shared_experts": 2, "norm_topk_prob": False, "num_attention_heads": 16,
+    "num_experts_per_tok": 6, "num_hidden_layers": 27, "num_key_value_heads": 16, "q_lora_rank": None,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06, "routed_scaling_factor": 1.0,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707, "mscale_all_dim": 0.707,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+    "rope_theta": 10000, "scoring_func": "softmax", "tie_word_embeddings": False, "topk_group": 1,
+    "topk_method": "greedy", "torch_dtype": "bfloat16", "v_head_dim": 128, "vocab_size": 102400,
+}
+
+
+@pytest.mark.parametrize("doc,expected", [
+    (_V3_RELEASE, dict(q_lora_rank=1536, groups=(8, 4), dense=3, scaling=2.5, rope=(40.0, 1.0, 1.0, 32.0),
+                       shared=2048, score="sigmoid")),
+    (_KIMI_K2, dict(q_lora_rank=1536, groups=(None, None), dense=1, scaling=2.827, rope=(32.0, 1.0, 1.0, 1.0),
+                    shared=2048, score="sigmoid")),
+    (_V2_LITE, dict(q_lora_rank=None, groups=(None, None), dense=1, scaling=1.0, rope=(40.0, 0.707, 0.707, 32.0),
+                    shared=2816, score="softmax")),
+], ids=["deepseek-v3", "kimi-k2", "deepseek-v2-lite"])
+def test_release_configs_read_into_megatron_args(doc: dict[str, Any], expected: dict[str, Any]) -> None:
+    from pgconvert.hf_format import model_config_from_hf
+    from pgconvert.layout import ParallelLayout
+    from pgconvert.megatron_format import args_for_target
+
+    family, config, notices = model_config_from_hf(doc, Path("config.json"))
+    args, _ = args_for_target(config, ParallelLayout(), 163840, torch.bfloat16, None, None)
+
+    assert notices == [] and family.architecture == doc["architectures"][0]
+    assert (args.multi_latent_attention, args.q_lora_rank, args.kv_lora_rank, args.qk_head_dim,
+            args.qk_pos_emb_head_dim, args.v_head_dim) == (True, expected["q_lora_rank"], 512, 128, 64, 128)
+    assert (args.moe_router_num_groups, args.moe_router_group_topk) == expected["groups"]
+    assert args.moe_layer_freq == [0] * expected["dense"] + [1] * (doc["num_hidden_layers"] - expected["dense"])
+    assert args.moe_router_topk_scaling_factor == expected["scaling"]
+    assert args.moe_shared_expert_intermediate_size == expected["shared"]
+    assert args.moe_router_score_function == expected["score"]
+    assert (args.rope_type, args.rotary_scaling_factor, args.mscale, args.mscale_all_dim, args.beta_fast) == (
+        "yarn", *expected["rope"])
+    assert args.original_max_position_embeddings == 4096 and args.rotary_base == float(doc["rope_theta"])

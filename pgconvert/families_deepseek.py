@@ -193,6 +193,9 @@ _ROUTER_FIELDS = ("moe_router_num_groups", "moe_router_group_topk", "moe_router_
 
 
 def _v3_router_read(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
+    if model["moe_router_topk"] == 1:
+        raise ValueError("num_experts_per_tok=1: transformers renormalizes the one chosen score to 1 "
+                         "(norm_topk_prob), megatron-core keeps its sigmoid score; no megatron-core equivalent")
     groups = _groups(present, model, per_group=2)
     return {"moe_router_num_groups": groups and groups[0], "moe_router_group_topk": groups and groups[1],
             "moe_router_topk_scaling_factor": _scaling(present, 2.5)}
@@ -204,6 +207,8 @@ def _v3_router_write(config: ModelConfig) -> Mapping[str, object]:
 
 
 def _v3_router_refuses(config: ModelConfig) -> str | None:
+    if config.moe_router_topk == 1:
+        return "moe_router_topk=1 (DeepseekV3 renormalizes the chosen sigmoid scores: needs top-k > 1)"
     if config.moe_router_group_topk and config.moe_router_topk // config.moe_router_group_topk != 2:
         return (f"moe_router_group_topk={config.moe_router_group_topk} with moe_router_topk={config.moe_router_topk} "
                 "(DeepseekV3 scores a group by its best 2 experts: needs topk // group_topk = 2)")
@@ -253,6 +258,26 @@ def _q_lora_write(config: ModelConfig) -> Mapping[str, object]:
     return {"q_lora_rank": config.q_lora_rank}
 
 
+def _mla_rope_read(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
+    if model.get("rope_scaling") not in (None, "yarn"):
+        raise ValueError(f"rope type {quote(model.get('rope_scaling'))}: megatron-core's multi-latent attention "
+                         "computes plain RoPE or YaRN only (MLATransformerConfig.rope_type)")
+    return {}
+
+
+def _mla_rope_refuses(config: ModelConfig) -> str | None:
+    if config.rope_scaling not in (None, "yarn"):
+        return f"rope_scaling={config.rope_scaling!r} (multi-latent attention computes plain RoPE or YaRN)"
+    return None
+
+
+# Runs after _ROPE_RULE (a rule sees the values earlier rules read).
+def _no_keys(config: ModelConfig) -> Mapping[str, object]:
+    return {}
+
+
+_MLA_ROPE = ConfigRule(keys=(), model_fields=(), read=_mla_rope_read, write=_no_keys,
+                       refuses=_mla_rope_refuses)
 _Q_LORA = ConfigRule(keys=("q_lora_rank",), model_fields=("q_lora_rank",), read=_q_lora_read, write=_q_lora_write)
 _NO_MTP = ConfigRule(keys=("num_nextn_predict_layers",), model_fields=(), read=_no_mtp_read, write=_no_mtp_write)
 
@@ -274,7 +299,7 @@ DEEPSEEK_V3 = Family(
     model_type="deepseek_v3",
     tensors=DEEPSEEK_TENSORS,
     fields=_fields(experts=256, topk=8, max_positions=4096),
-    rules=(_ROPE_RULE, _Q_LORA, _layers_rule(default_dense=3), _shared_rule(default=1),
+    rules=(_ROPE_RULE, _MLA_ROPE, _Q_LORA, _layers_rule(default_dense=3), _shared_rule(default=1),
            ConfigRule(keys=("n_group", "topk_group", "routed_scaling_factor"), model_fields=_ROUTER_FIELDS,
                       read=_v3_router_read, write=_v3_router_write, refuses=_v3_router_refuses), _NO_MTP),
     fixed={**_MLA_COMMON, "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True},
@@ -288,7 +313,7 @@ DEEPSEEK_V2 = Family(
     model_type="deepseek_v2",
     tensors=DEEPSEEK_TENSORS,
     fields=_fields(experts=64, topk=None, max_positions=2048),
-    rules=(_ROPE_RULE, _Q_LORA, _layers_rule(default_dense=0), _shared_rule(default=2),
+    rules=(_ROPE_RULE, _MLA_ROPE, _Q_LORA, _layers_rule(default_dense=0), _shared_rule(default=2),
            ConfigRule(keys=("topk_method", "n_group", "topk_group", "routed_scaling_factor"),
                       model_fields=_ROUTER_FIELDS, read=_v2_router_read, write=_v2_router_write,
                       refuses=_v2_router_refuses)),

@@ -204,7 +204,9 @@ def _edited(src: Path, **changes: Any) -> Path:
     ({"norm_topk_prob": False}, "norm_topk_prob=False"),
     ({"rope_interleave": False}, "rope_interleave=False"),
     ({"n_group": 4, "topk_group": 2, "num_experts_per_tok": 2}, "n_group=4, topk_group=2"),
-], ids=["unnormalized-sigmoid", "rope-not-interleaved", "group-score"])
+    ({"num_experts_per_tok": 1}, "num_experts_per_tok=1"),
+    ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}}, "rope type 'linear'"),
+], ids=["unnormalized-sigmoid", "rope-not-interleaved", "group-score", "top-1-sigmoid", "linear-rope"])
 def test_v3_settings_megatron_core_computes_differently_are_refused(
         tmp_path: Path, changes: dict[str, Any], named: str) -> None:
     _, src = source(tmp_path, "v3")

@@ -40,6 +40,17 @@ from pgconvert.strict import fallback
 log = logging.getLogger(__name__)
 
 
+
+def _refuse_mtp_layers(directory: Path, layers: int, unexpected: list[str]) -> None:
+    """ds16: DeepSeek-V3 keeps its multi-token prediction layers as layer index num_hidden_layers."""
+    mtp = [name for name in unexpected if name.startswith(f"model.layers.{layers}.")]
+    if mtp:
+        raise CheckpointError(
+            f"{directory}: {len(mtp)} tensors of multi-token prediction layers (num_nextn_predict_layers, stored as "
+            f"layer index num_hidden_layers={layers}: {mtp[:3]}{', …' if len(mtp) > 3 else ''}) are not converted by "
+            "pgconvert; remove them (and set num_nextn_predict_layers to 0) to convert the model without them"
+        )
+
 class HFLoader(Loader):
     name = "hf"
 
@@ -149,6 +160,7 @@ class HFSource(CanonicalSource):
         dropped = sorted(name for name in stored if name not in expected and table.is_dropped(name))
         missing = sorted(set(expected) - set(stored))
         unexpected = sorted(set(stored) - set(expected) - set(dropped) - {self._tied_copy})
+        _refuse_mtp_layers(self.directory, config.num_layers, unexpected)
         if missing or unexpected:
             needed_by = sorted({expected[name] for name in missing})
             raise CheckpointError(

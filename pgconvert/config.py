@@ -18,8 +18,9 @@ TRANSFORMER_IMPLS = ("local", "transformer_engine")
 DTYPES = ("float32", "bfloat16", "float16")
 # RoPE scalings Megatron expresses: llama3 (``--use-rope-scaling``, low/high frequency factors 1 and
 # 4 and 8192 original positions, as megatron-core hard-codes them) and linear position interpolation
-# (``--rotary-seq-len-interpolation-factor``). None: plain RoPE.
-ROPE_SCALINGS = ("llama3", "linear")
+# (``--rotary-seq-len-interpolation-factor``), yarn (``--position-embedding-type yarn``, MLA's
+# ``--rope-type yarn``; parameters in the ``yarn_*`` fields). None: plain RoPE.
+ROPE_SCALINGS = ("llama3", "linear", "yarn")
 MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")
 
 
@@ -79,6 +80,24 @@ class ModelConfig:
     moe_router_pre_softmax: bool = False
     moe_router_topk_scaling_factor: float | None = None
     moe_aux_loss_coeff: float = 0.0
+    # ds16: YaRN RoPE (rope_scaling="yarn", its factor in rope_scaling_factor): megatron-core's
+    # YarnRotaryEmbedding parameters, defaults as Megatron-LM's (argument_utils._apply_yarn_config_from_args).
+    yarn_original_max_position_embeddings: int = 4096
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_mscale: float = 1.0
+    yarn_mscale_all_dim: float = 0.0
+    yarn_correction_range_round_to_int: bool = True
+    # ds16: multi-latent attention (megatron-core's MLATransformerConfig names; q_lora_rank None: one
+    # q projection) and group-limited routing (moe_router_num_groups / moe_router_group_topk).
+    multi_latent_attention: bool = False
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 512
+    qk_head_dim: int = 128
+    qk_pos_emb_head_dim: int = 64
+    v_head_dim: int = 128
+    moe_router_num_groups: int | None = None
+    moe_router_group_topk: int | None = None
 
     def __post_init__(self) -> None:
         self._check_semantics()
@@ -153,6 +172,8 @@ class ModelConfig:
             if self.rope_scaling_factor <= 0:
                 raise ConfigError(f"rope_scaling_factor={quote(self.rope_scaling_factor)}: must be > 0")
         _require_choice("moe_router_score_function", self.moe_router_score_function, MOE_SCORE_FUNCTIONS)
+        self._check_yarn()
+        self._check_mla()
         if self.moe_router_topk_scaling_factor is not None:
             _require_finite("moe_router_topk_scaling_factor", self.moe_router_topk_scaling_factor)
         if self.sliding_window is not None:
@@ -165,6 +186,39 @@ class ModelConfig:
             if len(self.window_layers) != self.num_layers or set(self.window_layers) - {0, 1}:
                 raise ConfigError(f"window_layers={quote(list(self.window_layers))}: must list 0 or 1 for "
                                   f"each of the {self.num_layers} layers")
+
+    def _check_yarn(self) -> None:
+        """The YaRN parameters: finite numbers, a positive original context, a boolean rounding."""
+        _require_positive("yarn_original_max_position_embeddings", self.yarn_original_max_position_embeddings)
+        for name in ("yarn_beta_fast", "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim"):
+            _require_finite(name, getattr(self, name))
+        if not isinstance(self.yarn_correction_range_round_to_int, bool):
+            raise ConfigError(f"yarn_correction_range_round_to_int={quote(self.yarn_correction_range_round_to_int)}: "
+                              "must be true or false")
+
+    def _check_mla(self) -> None:
+        """Multi-latent attention's dimensions and the router groups: positive, groups dividing experts."""
+        if self.multi_latent_attention:
+            for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
+                _require_positive(name, getattr(self, name))
+            if self.q_lora_rank is not None:
+                _require_positive("q_lora_rank", self.q_lora_rank)
+        if (self.moe_router_num_groups is None) != (self.moe_router_group_topk is None):
+            raise ConfigError(f"moe_router_num_groups={quote(self.moe_router_num_groups)}, moe_router_group_topk="
+                              f"{quote(self.moe_router_group_topk)}: give both or neither")
+        if self.moe_router_num_groups is not None:
+            _require_positive("moe_router_num_groups", self.moe_router_num_groups)
+            _require_positive("moe_router_group_topk", self.moe_router_group_topk)
+            experts = self.num_experts or 0
+            if experts % self.moe_router_num_groups or self.moe_router_group_topk > self.moe_router_num_groups:
+                raise ConfigError(f"moe_router_num_groups={self.moe_router_num_groups}, moe_router_group_topk="
+                                  f"{self.moe_router_group_topk}: the groups must divide num_experts={experts} and "
+                                  "at most all of them be chosen")
+
+    @property
+    def q_head_dim(self) -> int:
+        """Multi-latent attention: one query (and key) head, its no-position part then its rotary part."""
+        return self.qk_head_dim + self.qk_pos_emb_head_dim
 
     def is_window_layer(self, layer: int) -> bool:
         """Whether ``layer`` (0-based) attends through the sliding window."""

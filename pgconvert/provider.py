@@ -161,6 +161,53 @@ ATTENTION_TENSORS: tuple[TensorKind, ...] = (
                lambda c: (c.hidden_size, c.num_attention_heads * c.head_dim), ROW),
     TensorKind("self_attention.linear_proj.bias", _hidden, REPLICATED, _bias),
 )
+
+
+def _q_lora(config: ModelConfig) -> bool:
+    return config.q_lora_rank is not None
+
+
+def _no_q_lora(config: ModelConfig) -> bool:
+    return config.q_lora_rank is None
+
+
+def _down_proj_rule(config: ModelConfig) -> ShardRule:
+    """megatron-core's MLA down projections: ``backend.linear()``, a ColumnParallelLinear in the local
+    spec (output rows split, gathered in the forward) and TELinear ``parallel_mode='duplicated'``
+    (every rank the whole weight) in the Transformer Engine spec."""
+    return REPLICATED if config.transformer_impl == "transformer_engine" else COLUMN
+
+
+def _q_rows(c: ModelConfig) -> int:
+    return c.num_attention_heads * c.q_head_dim
+
+
+# Multi-latent attention (megatron-core's MLASelfAttention). The input norm is its own module in both
+# specs; the TE spec fuses the q/kv latent norms into the up projections (TELayerNormColumnParallelLinear).
+MLA_ATTENTION_TENSORS: tuple[TensorKind, ...] = (
+    TensorKind("input_layernorm.weight", _hidden, REPLICATED),
+    TensorKind("self_attention.linear_q_proj.weight", lambda c: (_q_rows(c), c.hidden_size), COLUMN, _no_q_lora),
+    TensorKind("self_attention.linear_q_down_proj.weight", lambda c: (c.q_lora_rank or 0, c.hidden_size),
+               _down_proj_rule, _q_lora),
+    TensorKind("self_attention.q_layernorm.weight", lambda c: (c.q_lora_rank or 0,), REPLICATED, _q_lora,
+               te_name="self_attention.linear_q_up_proj.layer_norm_weight"),
+    TensorKind("self_attention.linear_q_up_proj.weight", lambda c: (_q_rows(c), c.q_lora_rank or 0), COLUMN,
+               _q_lora),
+    TensorKind("self_attention.linear_kv_down_proj.weight",
+               lambda c: (c.kv_lora_rank + c.qk_pos_emb_head_dim, c.hidden_size), _down_proj_rule),
+    TensorKind("self_attention.kv_layernorm.weight", lambda c: (c.kv_lora_rank,), REPLICATED,
+               te_name="self_attention.linear_kv_up_proj.layer_norm_weight"),
+    TensorKind("self_attention.linear_kv_up_proj.weight",
+               lambda c: (c.num_attention_heads * (c.qk_head_dim + c.v_head_dim), c.kv_lora_rank), COLUMN),
+    TensorKind("self_attention.linear_proj.weight",
+               lambda c: (c.hidden_size, c.num_attention_heads * c.v_head_dim), ROW),
+)
+
+
+def attention_tensors(config: ModelConfig) -> tuple[TensorKind, ...]:
+    return MLA_ATTENTION_TENSORS if config.multi_latent_attention else ATTENTION_TENSORS
+
+
 DENSE_MLP_TENSORS: tuple[TensorKind, ...] = (
     TensorKind("pre_mlp_layernorm.weight", _hidden, REPLICATED, te_name=fused_norm_name("pre_mlp_layernorm.weight"),
                norm_weight=True),
@@ -259,11 +306,11 @@ def layer_tensors(config: ModelConfig, layer: int) -> list[LayerTensor]:
     """Canonical tensors of one layer with their table rows, in file order."""
     prefix = f"{LAYER_PREFIX}{layer}."
     if not config.is_moe_layer(layer):
-        return [LayerTensor(prefix + kind.canonical, kind) for kind in ATTENTION_TENSORS + DENSE_MLP_TENSORS
+        return [LayerTensor(prefix + kind.canonical, kind) for kind in attention_tensors(config) + DENSE_MLP_TENSORS
                 if kind.exists(config)]
     assert config.num_experts is not None
-    before = [LayerTensor(prefix + kind.canonical, kind) for kind in ATTENTION_TENSORS + MOE_TENSORS_BEFORE_EXPERTS
-              if kind.exists(config)]
+    before = [LayerTensor(prefix + kind.canonical, kind)
+              for kind in attention_tensors(config) + MOE_TENSORS_BEFORE_EXPERTS if kind.exists(config)]
     experts = [
         LayerTensor(f"{prefix}{EXPERT_PREFIX}{expert}.{kind.canonical}", kind, expert)
         for expert in range(config.num_experts)
@@ -457,6 +504,19 @@ def _add_final(config: ModelConfig, add: _SpecAdder, vocab_shape: tuple[int, int
 EXTRA_STATE_SUFFIX = "._extra_state"
 TE_CORE_ATTENTION = "self_attention.core_attention"
 TE_ATTENTION_LINEARS = ("self_attention.linear_proj", "self_attention.linear_qkv")
+# MLASelfAttention registers linear_proj (in MultiLatentAttention) before its projections.
+TE_MLA_Q_LINEARS = ("self_attention.linear_q_down_proj", "self_attention.linear_q_up_proj")
+TE_MLA_KV_LINEARS = ("self_attention.linear_kv_down_proj", "self_attention.linear_kv_up_proj")
+
+
+def te_attention_linears(config: ModelConfig) -> tuple[str, ...]:
+    """The attention modules of a TE-spec layer that carry ``_extra_state``, in registration order."""
+    if not config.multi_latent_attention:
+        return TE_ATTENTION_LINEARS
+    q = TE_MLA_Q_LINEARS if config.q_lora_rank is not None else ("self_attention.linear_q_proj",)
+    return ("self_attention.linear_proj", *q, *TE_MLA_KV_LINEARS)
+
+
 TE_DENSE_MLP_LINEARS = ("mlp.linear_fc1", "mlp.linear_fc2")
 TE_SHARED_EXPERT_LINEARS = ("mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2")
 TE_EXPERT_LINEARS = ("linear_fc1", "linear_fc2")
@@ -469,7 +529,7 @@ def te_extra_state_names(config: ModelConfig, layers: range, ep_size: int) -> li
     names = []
     for layer in layers:
         prefix = f"{LAYER_PREFIX}{layer}."
-        modules = (TE_CORE_ATTENTION, *TE_ATTENTION_LINEARS)
+        modules = (TE_CORE_ATTENTION, *te_attention_linears(config))
         if not config.is_moe_layer(layer):
             names += [prefix + module + EXTRA_STATE_SUFFIX for module in modules + TE_DENSE_MLP_LINEARS]
             continue

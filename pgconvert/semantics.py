@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pgconvert import mla_args, yarn
 from pgconvert.config import ModelConfig
 from pgconvert.errors import CheckpointError, StrictModeError
 from pgconvert.limits import quote
@@ -58,7 +59,7 @@ def _hf(**per_family: str) -> dict[str, str]:
 
 
 _ARGS = "common.pt['args'].{}"
-_MOE = "Mixtral, Qwen3-MoE"
+_MOE = "Mixtral, Qwen3-MoE"  # DeepSeek's routers: the moe rows' DeepseekV2/V3 keys (pgconvert.families_deepseek)
 
 SEMANTICS: tuple[Setting, ...] = (
     Setting("rope theta", ("rotary_base",), ("rotary_base",), _ARGS.format("rotary_base"),
@@ -68,8 +69,18 @@ SEMANTICS: tuple[Setting, ...] = (
             _ARGS.format("use_rope_scaling / rope_scaling_factor / rotary_seq_len_interpolation_factor"),
             {ALL_FAMILIES: "rope_parameters.rope_type/factor (4.x: rope_scaling)"},
             "llama3 with low/high frequency factors 1/4 and 8192 original positions (what megatron-core "
-            "hard-codes) and linear are carried; yarn, dynamic, longrope and other llama3 parameters are "
-            "not (notice; --strict refuses)"),
+            "hard-codes), linear and yarn (next row) are carried; dynamic, longrope and other llama3 "
+            "parameters are not (notice; --strict refuses)"),
+    Setting("yarn rope", yarn.YARN_FIELDS,
+            ("position_embedding_type", "rope_type", "rotary_scaling_factor", "yarn_original_max_position_embeddings",
+             "yarn_beta_fast", "yarn_beta_slow", "mscale", "mscale_all_dim", "yarn_correction_range_round_to_int",
+             "original_max_position_embeddings", "beta_fast", "beta_slow"),
+            _ARGS.format("position_embedding_type='yarn' (MLA: rope_type) / rotary_scaling_factor / yarn_* / mscale / "
+                         "mscale_all_dim"),
+            {ALL_FAMILIES: "rope_parameters (4.x: rope_scaling) rope_type=yarn: factor, original_max_position_embeddings, "
+                           "beta_fast, beta_slow, mscale, mscale_all_dim, truncate, attention_factor"},
+            "an HF attention_factor megatron-core's mscale ratio cannot give: notice, --strict refuses; "
+            "mscale is read as 1 unless mscale and mscale_all_dim are both non-zero (transformers' rule)"),
     Setting("rotary percent", ("rotary_percent",), ("rotary_percent",), _ARGS.format("rotary_percent"),
             {ALL_FAMILIES: "rope_parameters.partial_rotary_factor (read); no family here computes it"},
             "HF -> Megatron carried; Megatron -> HF with < 1: notice, --strict refuses"),
@@ -114,15 +125,28 @@ SEMANTICS: tuple[Setting, ...] = (
     Setting("moe top-k", ("moe_router_topk",), ("moe_router_topk",), _ARGS.format("moe_router_topk"),
             {_MOE: "num_experts_per_tok"}),
     Setting("moe score function", ("moe_router_score_function",), ("moe_router_score_function",),
-            _ARGS.format("moe_router_score_function"), {_MOE: "softmax only (sigmoid: notice, --strict refuses)"}),
+            _ARGS.format("moe_router_score_function"), {_MOE: "softmax only (sigmoid: notice, --strict refuses)",
+                                                       "DeepseekV3ForCausalLM": "sigmoid (fixed)",
+                                                       "DeepseekV2ForCausalLM": "softmax (fixed)"}),
     Setting("moe pre-softmax", ("moe_router_pre_softmax",), ("moe_router_pre_softmax",),
             _ARGS.format("moe_router_pre_softmax"),
             _hf(Qwen3MoeForCausalLM="norm_topk_prob = not pre_softmax",
                 MixtralForCausalLM="none (top-k renormalized: pre_softmax False)")),
     Setting("moe expert bias", ("moe_router_enable_expert_bias",), ("moe_router_enable_expert_bias",),
-            _ARGS.format("moe_router_enable_expert_bias"), {_MOE: "none (refused)"}),
+            _ARGS.format("moe_router_enable_expert_bias"), {_MOE: "none (refused)",
+                                                            "DeepseekV3ForCausalLM": "e_score_correction_bias (fixed)"}),
     Setting("moe top-k scaling", ("moe_router_topk_scaling_factor",), ("moe_router_topk_scaling_factor",),
-            _ARGS.format("moe_router_topk_scaling_factor"), {_MOE: "none (set: notice, --strict refuses)"}),
+            _ARGS.format("moe_router_topk_scaling_factor"), {_MOE: "none (set: notice, --strict refuses)",
+                                                             "DeepseekV2ForCausalLM, DeepseekV3ForCausalLM":
+                                                             "routed_scaling_factor"}),
+    Setting("moe router groups", ("moe_router_num_groups", "moe_router_group_topk"),
+            ("moe_router_num_groups", "moe_router_group_topk"),
+            _ARGS.format("moe_router_num_groups / moe_router_group_topk"),
+            _hf(DeepseekV3ForCausalLM="n_group, topk_group (group score: top-2 sum)",
+                DeepseekV2ForCausalLM="topk_method=group_limited_greedy, n_group, topk_group (group score: best)",
+                ALL="none (set: notice, --strict refuses)"),
+            "megatron-core scores a group by its top moe_router_topk // group_topk experts; a setting "
+            "that chooses every group is no grouping"),
     Setting("moe aux loss", ("moe_aux_loss_coeff",), ("moe_aux_loss_coeff",), _ARGS.format("moe_aux_loss_coeff"),
             {_MOE: "router_aux_loss_coef"}),
     Setting("dropout", ("attention_dropout", "hidden_dropout"), ("attention_dropout", "hidden_dropout"),
@@ -160,6 +184,8 @@ def _flag(args: argparse.Namespace, name: str, path: Path) -> bool:
 
 
 def _rope_from_args(args: argparse.Namespace, path: Path) -> dict[str, Any]:
+    if yarn.uses_yarn(args):
+        return yarn.from_args(args, path)
     llama3 = _flag(args, "use_rope_scaling", path)
     interpolation = getattr(args, "rotary_seq_len_interpolation_factor", None)
     if interpolation is not None:
@@ -215,6 +241,7 @@ def from_args(args: argparse.Namespace, path: Path) -> dict[str, Any]:
         "hidden_dropout": _number(args, "hidden_dropout", MEGATRON_DEFAULT_DROPOUT, path),
         **_rope_from_args(args, path),
         **_window_from_args(args, path),
+        **mla_args.from_args(args, path),
     }
     if getattr(args, "num_experts", None):
         scaling = getattr(args, "moe_router_topk_scaling_factor", None)
@@ -237,6 +264,7 @@ def to_args(config: ModelConfig) -> dict[str, Any]:
         "rope_scaling_factor": config.rope_scaling_factor if config.rope_scaling == "llama3"
         else MEGATRON_DEFAULT_ROPE_SCALING_FACTOR,
         "rotary_seq_len_interpolation_factor": config.rope_scaling_factor if config.rope_scaling == "linear" else None,
+        **yarn.to_args(config),
         "window_size": None if config.sliding_window is None else (config.sliding_window - 1, 0),
         "window_attn_skip_freq": None if config.window_layers is None else list(config.window_layers),
         "layernorm_zero_centered_gamma": config.layernorm_zero_centered_gamma,
@@ -244,6 +272,9 @@ def to_args(config: ModelConfig) -> dict[str, Any]:
         "attention_dropout": config.attention_dropout,
         "hidden_dropout": config.hidden_dropout,
     }
+    if config.rope_scaling == "yarn":
+        values["position_embedding_type"] = "yarn"
+    values.update(mla_args.to_args(config))  # ds16: MLA (position_embedding_type rope, rope_type), router groups
     if config.num_experts is not None:
         values.update({
             "moe_router_score_function": config.moe_router_score_function,
@@ -282,6 +313,8 @@ def hf_unrepresentable(doc: Mapping[str, Any], path: Path) -> list[str]:
     rope_type = rope_type_of(params)
     if rope_type in ("default", "linear"):
         return []
+    if rope_type == "yarn":
+        return yarn.hf_unrepresentable(params, doc, path)
     if rope_type == "llama3":
         odd = {key: params.get(key) for key, expected in MEGATRON_LLAMA3.items() if params.get(key) != expected}
         if not odd:
@@ -312,13 +345,18 @@ def hf_losses(architecture: str, config: ModelConfig) -> list[str]:
     if config.rotary_percent != 1.0:
         losses.append(f"rotary_percent={config.rotary_percent} (partial rotary): {architecture} rotates the "
                       "whole head")
-    if config.num_experts is not None:
+    # ds16: DeepSeek's families carry the score function, scaling and pre-softmax (their fixed values and
+    # rules refuse what they cannot write; pre-softmax means nothing to sigmoid scores).
+    if config.num_experts is not None and architecture not in ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM"):
         if config.moe_router_score_function != "softmax":
             losses.append(f"moe_router_score_function={config.moe_router_score_function!r}: {architecture} "
                           "routes with softmax")
         if config.moe_router_topk_scaling_factor not in (None, 1.0):
             losses.append(f"moe_router_topk_scaling_factor={config.moe_router_topk_scaling_factor}: "
                           f"{architecture} does not scale routing weights")
+        if config.moe_router_num_groups is not None:
+            losses.append(f"moe_router_num_groups={config.moe_router_num_groups}, moe_router_group_topk="
+                          f"{config.moe_router_group_topk}: {architecture} does not route by expert groups")
         if config.moe_router_pre_softmax and architecture != "Qwen3MoeForCausalLM":
             losses.append(f"moe_router_pre_softmax=True: {architecture} renormalizes the top-k weights")
     return losses

@@ -62,9 +62,9 @@ from pgconvert.errors import CheckpointError, UnsafePickleError
 from pgconvert.limits import over_limit, quote, read_json
 from pgconvert.megatron_format import resolve_megatron_iteration
 from pgconvert.provider import (EXPERTS_MODULE, EXTRA_STATE_SUFFIX, LAYER_PREFIX, MODEL_MODULE_PREFIXES,
-                                TE_ATTENTION_LINEARS,
-                                TE_DENSE_MLP_LINEARS, TE_EXPERT_LINEARS, TE_SHARED_EXPERT_LINEARS, TensorKind,
-                                canonical_names, fused_norm_name, layer_tensors)
+                                TE_DENSE_MLP_LINEARS, TE_EXPERT_LINEARS,
+                                TE_SHARED_EXPERT_LINEARS, TensorKind, canonical_names, fused_norm_name,
+                                layer_tensors, te_attention_linears)
 
 CHECKPOINT_CONFIG_FILE = "metadata.json"
 COMMON_FILE = "common.pt"
@@ -95,9 +95,7 @@ EXPERTS_KEY = EXPERTS_MODULE + "experts."
 
 # Modules whose ``_extra_state`` megatron-core saves, relative to a layer: provider.py's TE modules
 # less the core attention (TEDotProductAttention.sharded_state_dict saves none); GPTModel drops
-# ``output_layer._extra_state``.
-MOE_EXTRA_STATE_MODULES = TE_ATTENTION_LINEARS
-DENSE_EXTRA_STATE_MODULES = TE_ATTENTION_LINEARS + TE_DENSE_MLP_LINEARS
+# ``output_layer._extra_state``. A layer's own modules are asked of provider.te_attention_linears.
 EXPERT_EXTRA_STATE_MODULES = tuple(EXPERTS_KEY + fc for fc in TE_EXPERT_LINEARS)
 
 
@@ -157,7 +155,11 @@ def tensor_locations(config: ModelConfig) -> dict[str, DistLocation]:
                     key_prefix + EXPERTS_KEY + tensor.kind.canonical,
                     layer_axis[0] + (tensor.expert,), layer_axis[1] + (experts,))
                 continue
-            locations[tensor.canonical] = DistLocation(key_prefix + _dist_layer_name(tensor.kind, config), *layer_axis)
+            # ds16: megatron-core's MLA layer specs set no sharded_state_dict_keys_map: a key is the
+            # module's name in the spec (the TE spec's fused latent norms and dense pre-MLP norm included).
+            rest = (tensor.kind.local_name(config) if config.multi_latent_attention
+                    else _dist_layer_name(tensor.kind, config))
+            locations[tensor.canonical] = DistLocation(key_prefix + rest, *layer_axis)
     return {name: locations.get(name, DistLocation(name)) for name in canonical_names(config)}
 
 
@@ -176,12 +178,13 @@ def extra_state_keys(config: ModelConfig) -> list[str]:
     for layer in range(layers):
         key_prefix = LAYER_PREFIX if stacked else f"{LAYER_PREFIX}{layer}."
         index, stack = ((layer,), (layers,)) if stacked else ((), ())
+        attention = te_attention_linears(config)  # ds16: MLA's projections
         if not config.is_moe_layer(layer):
-            modules = DENSE_EXTRA_STATE_MODULES
+            modules = attention + TE_DENSE_MLP_LINEARS
         elif config.moe_shared_expert_intermediate_size is not None:
-            modules = MOE_EXTRA_STATE_MODULES + TE_SHARED_EXPERT_LINEARS
+            modules = attention + TE_SHARED_EXPERT_LINEARS
         else:
-            modules = MOE_EXTRA_STATE_MODULES
+            modules = attention
         keys += [sharded_object_key(key_prefix + module + EXTRA_STATE_SUFFIX, index, stack) for module in modules]
         if config.is_moe_layer(layer):
             keys += [

@@ -325,7 +325,8 @@ def test_megatron_moe_model_is_written_as_qwen3_moe_with_qk_norm_and_as_mixtral_
 def test_dense_families_refuse_moe_models_and_moe_families_refuse_dense_ones(architecture: str) -> None:
     family = FAMILIES[architecture]
     fixed = {name: value for name, value in family.fixed.items() if name != "num_experts"}
-    is_moe_family = architecture in ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
+    is_moe_family = architecture in ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV2ForCausalLM",
+                                     "DeepseekV3ForCausalLM")
 
     dense_refusals = family_mismatches(family, _config(**fixed))
     moe_refusals = family_mismatches(family, _config(**fixed, num_experts=4))

@@ -154,7 +154,11 @@ def test_megatron_arg_names_are_megatron_cores_or_megatron_lms() -> None:
                    "make_vocab_size_divisible_by", "group_query_attention", "bf16", "fp16", "norm_epsilon",
                    "layernorm_epsilon"}
     names = {name for row in SEMANTICS for name in row.megatron}
-    assert names - core - megatron_lm == set()
+    # f17a: settings megatron-core does not compute, carried under transformers' names (with a notice).
+    from pgconvert.semantics_more import UNCOMPUTED
+
+    assert set(UNCOMPUTED) & (core | megatron_lm) == set()
+    assert names - core - megatron_lm - set(UNCOMPUTED) == set()
 
 
 def test_hf_partial_rotary_and_linear_rope_read_into_megatron_args() -> None:

@@ -1,0 +1,188 @@
+"""f17a: Qwen2-MoE, Granite, SmolLM3, Ministral and Phi-3 as ``Family`` values (see pgconvert.families).
+
+Registered into ``pgconvert.families.FAMILIES`` by the two lines at the end of that module. Each
+family is rows, fields and rules built from the pieces ``pgconvert.families`` already has; the new
+config.json rules are pure functions here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import pgconvert.families as _families
+from pgconvert.config import ModelConfig
+from pgconvert.families import (
+    _AUX_LOSS,
+    _ATTENTION_ROWS,
+    _DENSE_FFN,
+    _DENSE_MLP_ROWS,
+    _EMBEDDING_ROWS,
+    _FINAL_ROWS,
+    _HF_SILU,
+    _NORM_TOPK_RULE,
+    _QWEN_MOE_ROWS,
+    _ROPE_DEFAULT,
+    _ROPE_RULE,
+    _SWIGLU_RMS_ROPE,
+    GATE_UP,
+    ConfigField,
+    ConfigRule,
+    Family,
+    TensorMapping,
+    TensorTable,
+    _decoder_fields,
+    _expert_ffn_size,
+    _layers_from_sparse_step,
+    _refuses_dense_model,
+    _sparse_step_from_layers,
+    _window,
+)
+from pgconvert.limits import quote
+
+# --- sliding windows given per layer by layer_types ----------------------------------------------
+
+LayerPattern = Callable[[Mapping[str, object], int], tuple[int, ...]]
+
+
+def _layer_types(present: Mapping[str, object], layers: int) -> tuple[int, ...] | None:
+    """``layer_types`` as a 0/1 per layer (1: sliding), None when absent."""
+    types = present.get("layer_types")
+    if types is None:
+        return None
+    if (not isinstance(types, list) or len(types) != layers
+            or not all(kind in ("sliding_attention", "full_attention") for kind in types)):
+        raise ValueError(f"layer_types={quote(types)}: expected {layers} of 'sliding_attention'/'full_attention'")
+    return tuple(int(kind == "sliding_attention") for kind in types)
+
+
+def _window_values(window: int | None, pattern: tuple[int, ...]) -> Mapping[str, object]:
+    if window is None or not any(pattern):
+        return {"sliding_window": None, "window_layers": None}
+    return {"sliding_window": window, "window_layers": None if all(pattern) else pattern}
+
+
+def _layer_types_of(config: ModelConfig) -> list[str]:
+    return ["sliding_attention" if config.is_window_layer(layer) else "full_attention"
+            for layer in range(config.num_layers)]
+
+
+def _qwen2_moe_default_pattern(present: Mapping[str, object], layers: int) -> tuple[int, ...]:
+    """transformers' Qwen2MoeConfig without layer_types: odd 1-based layers below max_window_layers."""
+    first = present.get("max_window_layers", 28)
+    if not isinstance(first, int) or isinstance(first, bool) or first < 0:
+        raise ValueError(f"max_window_layers={quote(first)}: expected a layer count")
+    return tuple(int((layer + 1) % 2 == 1 and layer < first) for layer in range(layers))
+
+
+def _read_qwen2_moe_window(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
+    """Qwen2-MoE: ``use_sliding_window`` turns ``sliding_window`` on for the layers ``layer_types``
+    marks (transformers' default pattern when it is absent)."""
+    use = present.get("use_sliding_window", False)
+    if not isinstance(use, bool):
+        raise ValueError(f"use_sliding_window={quote(use)}: expected true or false")
+    layers = model["num_layers"]
+    assert isinstance(layers, int)
+    window = _window(present.get("sliding_window"), "sliding_window") if use else None
+    pattern = _layer_types(present, layers)
+    if pattern is None:
+        pattern = _qwen2_moe_default_pattern(present, layers)
+    return _window_values(window, pattern)
+
+
+def _write_qwen2_moe_window(config: ModelConfig) -> Mapping[str, object]:
+    return {"use_sliding_window": config.sliding_window is not None, "sliding_window": config.sliding_window,
+            "layer_types": _layer_types_of(config)}
+
+
+_QWEN2_MOE_WINDOW = ConfigRule(keys=("use_sliding_window", "sliding_window", "layer_types"),
+                               model_fields=("sliding_window", "window_layers"),
+                               read=_read_qwen2_moe_window, write=_write_qwen2_moe_window)
+
+
+def _no_values(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
+    return {}
+
+
+def _no_keys(config: ModelConfig) -> Mapping[str, object]:
+    return {}
+
+
+def _refuses_no_shared_expert(config: ModelConfig) -> str | None:
+    if config.num_experts is not None and config.moe_shared_expert_intermediate_size is None:
+        return "moe_shared_expert_intermediate_size=None (needs a gated shared expert)"
+    return None
+
+
+# --- Qwen2-MoE ---------------------------------------------------------------------------------------
+
+# transformers' Qwen2MoeSparseMoeBlock: shared_expert (an MLP) scaled by sigmoid(shared_expert_gate(x)),
+# which is megatron-core's SharedExpertMLP with moe_shared_expert_gate (gate_weight [1, hidden]).
+_QWEN2_SHARED_EXPERT_ROWS = (
+    TensorMapping("decoder.layers.{}.mlp.shared_experts.linear_fc1.weight", (
+        "model.layers.{}.mlp.shared_expert.gate_proj.weight",
+        "model.layers.{}.mlp.shared_expert.up_proj.weight",
+    ), GATE_UP),
+    TensorMapping("decoder.layers.{}.mlp.shared_experts.linear_fc2.weight",
+                  ("model.layers.{}.mlp.shared_expert.down_proj.weight",)),
+    TensorMapping("decoder.layers.{}.mlp.shared_experts.gate_weight", ("model.layers.{}.mlp.shared_expert_gate.weight",)),
+)
+QWEN2_MOE_TENSORS = TensorTable((*_EMBEDDING_ROWS, *_ATTENTION_ROWS, *_DENSE_MLP_ROWS, *_QWEN_MOE_ROWS,
+                                 *_QWEN2_SHARED_EXPERT_ROWS, *_FINAL_ROWS))
+
+QWEN2_MOE = Family(
+    architecture="Qwen2MoeForCausalLM",
+    model_type="qwen2_moe",
+    tensors=QWEN2_MOE_TENSORS,
+    fields=(
+        *_decoder_fields(max_position_embeddings=32768),
+        _DENSE_FFN,
+        ConfigField(("moe_intermediate_size",), "moe_ffn_hidden_size", int, default=1408, written=_expert_ffn_size),
+        ConfigField(("num_experts",), "num_experts", int, default=60),
+        ConfigField(("num_experts_per_tok",), "moe_router_topk", int, default=4),
+        ConfigField(("shared_expert_intermediate_size",), "moe_shared_expert_intermediate_size", int, default=5632),
+        # q, k and v biases only (o_proj and the MLPs have none): megatron-core's add_qkv_bias.
+        ConfigField(("qkv_bias",), "add_qkv_bias", bool, default=True),
+        _AUX_LOSS,
+    ),
+    rules=(ConfigRule(keys=("decoder_sparse_step", "mlp_only_layers"), model_fields=("moe_layer_freq",),
+                      read=_layers_from_sparse_step, write=_sparse_step_from_layers,
+                      refuses=_refuses_dense_model),
+           ConfigRule(keys=(), model_fields=(), read=_no_values, write=_no_keys, refuses=_refuses_no_shared_expert),
+           _ROPE_RULE, _QWEN2_MOE_WINDOW, _NORM_TOPK_RULE),
+    fixed={**_SWIGLU_RMS_ROPE, "moe_shared_expert_gate": True, "moe_router_enable_expert_bias": False,
+           "qk_layernorm": False, "add_bias_linear": False},
+    hf_fixed=_HF_SILU,
+    hf_scratch=_ROPE_DEFAULT,
+)
+
+
+# --- registration and what a family does not carry ------------------------------------------------
+
+MORE_FAMILIES: tuple[Family, ...] = (QWEN2_MOE,)
+# Tried after the families of pgconvert.families for a model that names no architecture.
+MORE_INFERENCE_ORDER: tuple[str, ...] = ("Qwen2MoeForCausalLM",)
+_families.FAMILIES.update({family.architecture: family for family in MORE_FAMILIES})
+_families.INFERENCE_ORDER += MORE_INFERENCE_ORDER
+
+# The f17a ModelConfig fields and the value a family that does not map them computes as.
+F17A_DEFAULTS: dict[str, object] = {
+    "embedding_multiplier": 1.0,
+    "residual_multiplier": 1.0,
+    "attention_multiplier": None,
+    "logits_scaling": 1.0,
+    "no_rope_layers": None,
+}
+
+
+def _carried_fields(family: Family) -> set[str]:
+    return ({spec.model_field for spec in family.fields} | set(family.fixed)
+            | {name for rule in family.rules for name in rule.model_fields})
+
+
+def unmapped_losses(architecture: str, config: ModelConfig) -> list[str]:
+    """The f17a settings of ``config`` that ``architecture`` has no config.json key for."""
+    family = _families.FAMILIES.get(architecture)
+    carried = _carried_fields(family) if family is not None else set()
+    return [f"{name}={getattr(config, name)!r}: {architecture} has no such setting"
+            for name, default in F17A_DEFAULTS.items()
+            if name not in carried and getattr(config, name) != default]

@@ -1,0 +1,125 @@
+"""f17a families (Qwen2-MoE, …): HF -> Megatron -> torch_dist -> HF is bit-exact, the Megatron
+rank files compute the HF model's logits, and config, generation config and tokenizer files survive.
+
+The fixtures (tests/hf_more_helpers.py) switch each family's own options on; the semantic check reads
+the TP-sharded rank files and their args with torch.load, never through pgconvert's merge.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from hf_helpers import assert_same_hf_tensors, edit_json, hf_logits, read_megatron_tp_ranks
+from hf_more_helpers import MODEL_VOCAB, MOE_FAMILIES, build_model, input_ids, megatron_args, reference_logits, save_model
+
+import pgconvert
+
+FAMILIES = ("qwen2_moe",)
+SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("f17a_sources")
+    return {name: save_model(build_model(name, seed=3), root / name) for name in FAMILIES}
+
+
+def _layout(family: str, pp: int) -> dict[str, int]:
+    return {"dst_tp": 2, "dst_pp": pp, "dst_ep": 2 if family in MOE_FAMILIES else 1}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hf_to_megatron_to_torch_dist_to_hf_is_bit_exact_with_the_same_files_and_logits(
+        sources: dict[str, Path], tmp_path: Path, family: str) -> None:
+    src = sources[family]
+
+    pgconvert.convert(src, tmp_path / "megatron", dst_format="megatron", **_layout(family, pp=2))
+    pgconvert.convert(tmp_path / "megatron", tmp_path / "dist", dst_format="torch_dist")
+    back = pgconvert.convert(tmp_path / "dist", tmp_path / "hf", dst_format="hf", dst_tp=1, dst_pp=1, dst_ep=1)
+
+    assert back.src_format == "torch_dist"
+    assert_same_hf_tensors(src, tmp_path / "hf")
+    assert json.loads((tmp_path / "hf" / "config.json").read_text()) == json.loads((src / "config.json").read_text())
+    for name in SIDE_FILES:
+        assert (tmp_path / "hf" / name).read_bytes() == (src / name).read_bytes(), name
+    ids = input_ids()
+    torch.testing.assert_close(hf_logits(tmp_path / "hf", ids), hf_logits(src, ids), rtol=1e-5, atol=1e-5)
+
+
+def _megatron_logits(src: Path, dst: Path, family: str) -> torch.Tensor:
+    pgconvert.convert(src, dst, dst_format="megatron", **_layout(family, pp=1))
+    return reference_logits(read_megatron_tp_ranks(dst), megatron_args(dst), input_ids())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_megatron_tp_shards_and_args_compute_the_hf_models_logits(sources: dict[str, Path], tmp_path: Path,
+                                                                  family: str) -> None:
+    src = sources[family]
+
+    actual = _megatron_logits(src, tmp_path / "megatron", family)
+
+    expected = hf_logits(src, input_ids()).to(torch.float64)
+    assert actual.shape == (2, 12, MODEL_VOCAB)
+    torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4)
+
+
+# --- Qwen2-MoE ------------------------------------------------------------------------------------
+
+def test_qwen2_moe_megatron_args_hold_the_shared_expert_gate_layers_window_and_router(
+        sources: dict[str, Path], tmp_path: Path) -> None:
+    pgconvert.convert(sources["qwen2_moe"], tmp_path / "megatron", dst_format="megatron", dst_tp=2, dst_ep=2)
+
+    args = megatron_args(tmp_path / "megatron")
+
+    assert (args.moe_shared_expert_intermediate_size, args.moe_shared_expert_gate) == (48, True)
+    assert (args.moe_layer_freq, args.moe_router_pre_softmax, args.add_qkv_bias) == ([1, 1, 0, 1], True, True)
+    assert (args.window_size, args.window_attn_skip_freq) == ((4, 0), [1, 0, 1, 0])
+
+
+def test_reference_forward_is_sensitive_to_the_shared_expert_gate(sources: dict[str, Path], tmp_path: Path) -> None:
+    """Without the sigmoid gate the Megatron model computes other logits: the check sees the gate."""
+    pgconvert.convert(sources["qwen2_moe"], tmp_path / "megatron", dst_format="megatron", dst_tp=2, dst_ep=2)
+    args = megatron_args(tmp_path / "megatron")
+    args.moe_shared_expert_gate = False
+
+    actual = reference_logits(read_megatron_tp_ranks(tmp_path / "megatron"), args, input_ids())
+
+    expected = hf_logits(sources["qwen2_moe"], input_ids()).to(torch.float64)
+    assert not torch.allclose(actual, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_native_megatron_qwen2_moe_without_carried_config_is_written_as_qwen2_moe(
+        sources: dict[str, Path], tmp_path: Path) -> None:
+    """The Megatron checkpoint's hf/ folder removed: the family is inferred from args alone."""
+    src = sources["qwen2_moe"]
+    pgconvert.convert(src, tmp_path / "megatron", dst_format="megatron", dst_tp=2, dst_ep=2)
+    shutil.rmtree(tmp_path / "megatron" / "hf")
+
+    pgconvert.convert(tmp_path / "megatron", tmp_path / "hf", dst_format="hf", dst_tp=1, dst_pp=1, dst_ep=1)
+
+    written = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert written["architectures"] == ["Qwen2MoeForCausalLM"]
+    assert (written["shared_expert_intermediate_size"], written["mlp_only_layers"]) == (48, [2])
+    assert written["norm_topk_prob"] is False and written["layer_types"][:2] == ["sliding_attention", "full_attention"]
+    assert_same_hf_tensors(src, tmp_path / "hf")
+    ids = input_ids()
+    torch.testing.assert_close(hf_logits(tmp_path / "hf", ids), hf_logits(src, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_qwen2_moe_window_without_layer_types_follows_transformers_default(sources: dict[str, Path],
+                                                                           tmp_path: Path) -> None:
+    """transformers' own default when layer_types is absent: odd 1-based layers below max_window_layers."""
+    from transformers import AutoConfig
+
+    src = tmp_path / "src"
+    shutil.copytree(sources["qwen2_moe"], src)
+    edit_json(src / "config.json", lambda doc: doc.pop("layer_types"))
+    expected = [kind == "sliding_attention" for kind in AutoConfig.from_pretrained(src).layer_types]
+
+    pgconvert.convert(src, tmp_path / "megatron", dst_format="megatron")
+
+    assert megatron_args(tmp_path / "megatron").window_attn_skip_freq == [int(v) for v in expected]

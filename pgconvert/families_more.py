@@ -7,6 +7,7 @@ config.json rules are pure functions here.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 
 import pgconvert.families as _families
@@ -26,6 +27,7 @@ from pgconvert.families import (
     _SWIGLU_RMS_ROPE,
     GATE_UP,
     ConfigField,
+    DECODER_TENSORS,
     ConfigRule,
     Family,
     TensorMapping,
@@ -156,11 +158,62 @@ QWEN2_MOE = Family(
 )
 
 
+# --- Granite ---------------------------------------------------------------------------------------
+
+def _default_scale(model: Mapping[str, object]) -> float:
+    head_dim = model.get("kv_channels")
+    if head_dim is None:
+        hidden, heads = model["hidden_size"], model["num_attention_heads"]
+        assert isinstance(hidden, int) and isinstance(heads, int)
+        head_dim = hidden // heads
+    assert isinstance(head_dim, int)
+    return 1 / math.sqrt(head_dim)
+
+
+def _read_attention_multiplier(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
+    """Granite's softmax scale (transformers' default 1.0); 1/sqrt(head_dim) is megatron-core's own
+    default, read as None so that a Llama-like model compares equal."""
+    value = present.get("attention_multiplier", 1.0)
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"attention_multiplier={quote(value)}: expected a positive number")
+    return {"attention_multiplier": None if float(value) == _default_scale(model) else float(value)}
+
+
+def _write_attention_multiplier(config: ModelConfig) -> Mapping[str, object]:
+    scale = config.attention_multiplier
+    return {"attention_multiplier": 1 / math.sqrt(config.head_dim) if scale is None else scale}
+
+
+GRANITE = Family(
+    architecture="GraniteForCausalLM",
+    model_type="granite",
+    tensors=DECODER_TENSORS,
+    fields=(
+        *_decoder_fields(max_position_embeddings=2048),
+        _DENSE_FFN,
+        # As Llama: attention_bias (q, k, v, o) and mlp_bias must agree (one Megatron switch).
+        ConfigField(("attention_bias",), "add_bias_linear", bool, default=False),
+        ConfigField(("mlp_bias",), "add_bias_linear", bool, default=False),
+        # transformers' GraniteModel multiplies the embeddings and each sublayer's output, and
+        # GraniteForCausalLM divides the logits; megatron-core has none of the three.
+        ConfigField(("embedding_multiplier",), "embedding_multiplier", float, default=1.0),
+        ConfigField(("residual_multiplier",), "residual_multiplier", float, default=1.0),
+        ConfigField(("logits_scaling",), "logits_scaling", float, default=1.0),
+    ),
+    rules=(_ROPE_RULE, ConfigRule(keys=("attention_multiplier",), model_fields=("attention_multiplier",),
+                                  read=_read_attention_multiplier, write=_write_attention_multiplier)),
+    fixed={**_SWIGLU_RMS_ROPE, "num_experts": None, "qk_layernorm": False, "add_qkv_bias": False,
+           "sliding_window": None},
+    hf_fixed=_HF_SILU,
+    hf_scratch=_ROPE_DEFAULT,
+)
+
+
 # --- registration and what a family does not carry ------------------------------------------------
 
-MORE_FAMILIES: tuple[Family, ...] = (QWEN2_MOE,)
+MORE_FAMILIES: tuple[Family, ...] = (QWEN2_MOE, GRANITE)
 # Tried after the families of pgconvert.families for a model that names no architecture.
-MORE_INFERENCE_ORDER: tuple[str, ...] = ("Qwen2MoeForCausalLM",)
+MORE_INFERENCE_ORDER: tuple[str, ...] = ("Qwen2MoeForCausalLM", "GraniteForCausalLM")
 _families.FAMILIES.update({family.architecture: family for family in MORE_FAMILIES})
 _families.INFERENCE_ORDER += MORE_INFERENCE_ORDER
 

@@ -36,6 +36,10 @@ def family_configs() -> dict[str, tuple[Any, Any, dict[str, Any]]]:
             _COMMON, intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=48,
             num_experts=4, num_experts_per_tok=2, mlp_only_layers=[2], norm_topk_prob=False,
             use_sliding_window=True, sliding_window=5, max_window_layers=3, tie_word_embeddings=False)),
+        # Granite 3's muP multipliers (attention_multiplier other than 1/sqrt(head_dim)), tied output.
+        "granite": (t.GraniteConfig, t.GraniteForCausalLM, dict(
+            _COMMON, intermediate_size=128, embedding_multiplier=12.0, residual_multiplier=0.22,
+            attention_multiplier=0.2, logits_scaling=8.0, rope_theta=10000.0, tie_word_embeddings=True)),
     }
 
 

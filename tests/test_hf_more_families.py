@@ -17,8 +17,9 @@ from hf_helpers import assert_same_hf_tensors, edit_json, hf_logits, read_megatr
 from hf_more_helpers import MODEL_VOCAB, MOE_FAMILIES, build_model, input_ids, megatron_args, reference_logits, save_model
 
 import pgconvert
+from pgconvert.errors import StrictModeError
 
-FAMILIES = ("qwen2_moe",)
+FAMILIES = ("qwen2_moe", "granite")
 SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
@@ -123,3 +124,60 @@ def test_qwen2_moe_window_without_layer_types_follows_transformers_default(sourc
     pgconvert.convert(src, tmp_path / "megatron", dst_format="megatron")
 
     assert megatron_args(tmp_path / "megatron").window_attn_skip_freq == [int(v) for v in expected]
+
+
+# --- Granite -------------------------------------------------------------------------------------
+
+def test_granite_multipliers_are_carried_in_args_and_named_on_every_megatron_output(
+        sources: dict[str, Path], tmp_path: Path) -> None:
+    report = pgconvert.convert(sources["granite"], tmp_path / "megatron", dst_format="megatron", dst_tp=2)
+    reshard = pgconvert.convert(tmp_path / "megatron", tmp_path / "tp1", dst_format="megatron", dst_tp=1)
+
+    for root, notices in ((tmp_path / "megatron", report.notices), (tmp_path / "tp1", reshard.notices)):
+        args = megatron_args(root)
+        assert (args.softmax_scale, args.embedding_multiplier, args.residual_multiplier, args.logits_scaling) == (
+            0.2, 12.0, 0.22, 8.0)
+        named = [n for n in notices if "megatron-core has no such setting" in n]
+        assert len(named) == 1 and all(f"{key}=" in named[0] for key in (
+            "embedding_multiplier", "residual_multiplier", "logits_scaling"))
+        manifest = json.loads((root / "pgconvert.json").read_text())
+        assert manifest["model_config"]["embedding_multiplier"] == 12.0
+
+
+def test_strict_refuses_a_megatron_target_that_would_drop_granites_multipliers(
+        sources: dict[str, Path], tmp_path: Path) -> None:
+    with pytest.raises(StrictModeError, match="embedding_multiplier=12.0, residual_multiplier=0.22, "
+                                              "logits_scaling=8.0: megatron-core has no such setting"):
+        pgconvert.convert(sources["granite"], tmp_path / "megatron", dst_format="megatron", strict=True)
+    assert not (tmp_path / "megatron").exists()
+
+
+def test_native_megatron_granite_without_carried_config_is_written_as_granite(
+        sources: dict[str, Path], tmp_path: Path) -> None:
+    src = sources["granite"]
+    pgconvert.convert(src, tmp_path / "megatron", dst_format="megatron", dst_tp=2)
+    shutil.rmtree(tmp_path / "megatron" / "hf")
+
+    pgconvert.convert(tmp_path / "megatron", tmp_path / "hf", dst_format="hf", dst_tp=1, dst_pp=1)
+
+    written = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert written["architectures"] == ["GraniteForCausalLM"]
+    assert {k: written[k] for k in ("embedding_multiplier", "residual_multiplier", "attention_multiplier",
+                                    "logits_scaling")} == {"embedding_multiplier": 12.0, "residual_multiplier": 0.22,
+                                                           "attention_multiplier": 0.2, "logits_scaling": 8.0}
+    ids = input_ids()
+    torch.testing.assert_close(hf_logits(tmp_path / "hf", ids), hf_logits(src, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_granite_model_written_as_llama_is_refused_under_strict_naming_the_multipliers(tmp_path: Path) -> None:
+    from pgconvert.config import ModelConfig
+    from pgconvert.semantics import hf_losses
+
+    config = ModelConfig(num_layers=2, hidden_size=8, num_attention_heads=2, ffn_hidden_size=8, vocab_size=10,
+                         embedding_multiplier=2.0, attention_multiplier=0.5)
+
+    assert hf_losses("LlamaForCausalLM", config) == [
+        "embedding_multiplier=2.0: LlamaForCausalLM has no such setting",
+        "attention_multiplier=0.5: LlamaForCausalLM has no such setting",
+    ]
+    assert hf_losses("GraniteForCausalLM", config) == []

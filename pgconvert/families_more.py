@@ -209,11 +209,75 @@ GRANITE = Family(
 )
 
 
+# --- SmolLM3 --------------------------------------------------------------------------------------
+
+def _rope_flags(present: Mapping[str, object], layers: int) -> tuple[int, ...]:
+    """SmolLM3's ``no_rope_layers`` (1: the layer uses RoPE), by default every
+    ``no_rope_layer_interval``-th (1-based) layer without, as transformers' SmolLM3Config fills it."""
+    flags = present.get("no_rope_layers")
+    if flags is None:
+        interval = present.get("no_rope_layer_interval", 4)
+        if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
+            raise ValueError(f"no_rope_layer_interval={quote(interval)}: expected a positive integer")
+        return tuple(int((layer + 1) % interval != 0) for layer in range(layers))
+    if (not isinstance(flags, list) or len(flags) != layers
+            or not all(v in (0, 1) and not isinstance(v, bool) for v in flags)):
+        raise ValueError(f"no_rope_layers={quote(flags)}: expected {layers} of 0 or 1")
+    return tuple(flags)
+
+
+def _read_smollm3_layers(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
+    """NoPE layers (megatron-core's no_rope_freq is the complement of ``no_rope_layers``) and the
+    window, on the layers ``layer_types`` marks (by default the NoPE ones) when ``use_sliding_window``."""
+    layers = model["num_layers"]
+    assert isinstance(layers, int)
+    rope = _rope_flags(present, layers)
+    use = present.get("use_sliding_window", False)
+    if not isinstance(use, bool):
+        raise ValueError(f"use_sliding_window={quote(use)}: expected true or false")
+    window = _window(present.get("sliding_window"), "sliding_window") if use else None
+    pattern = _layer_types(present, layers)
+    if pattern is None:
+        pattern = tuple(int(not flag) for flag in rope)
+    no_rope = tuple(1 - flag for flag in rope)
+    return {"no_rope_layers": no_rope if any(no_rope) else None, **_window_values(window, pattern)}
+
+
+def _write_smollm3_layers(config: ModelConfig) -> Mapping[str, object]:
+    no_rope = config.no_rope_layers or (0,) * config.num_layers
+    return {"no_rope_layers": [1 - flag for flag in no_rope], "no_rope_layer_interval": 4,
+            "use_sliding_window": config.sliding_window is not None, "sliding_window": config.sliding_window,
+            "layer_types": _layer_types_of(config)}
+
+
+SMOLLM3 = Family(
+    architecture="SmolLM3ForCausalLM",
+    model_type="smollm3",
+    tensors=DECODER_TENSORS,
+    fields=(
+        *(spec for spec in _decoder_fields(max_position_embeddings=32768) if spec.model_field != "tie_embeddings"),
+        ConfigField(("tie_word_embeddings",), "tie_embeddings", bool, default=True),
+        _DENSE_FFN,
+        ConfigField(("attention_bias",), "add_bias_linear", bool, default=False),
+        ConfigField(("mlp_bias",), "add_bias_linear", bool, default=False),
+    ),
+    rules=(_ROPE_RULE, ConfigRule(
+        keys=("no_rope_layers", "no_rope_layer_interval", "use_sliding_window", "sliding_window", "layer_types"),
+        model_fields=("no_rope_layers", "sliding_window", "window_layers"),
+        read=_read_smollm3_layers, write=_write_smollm3_layers)),
+    fixed={**_SWIGLU_RMS_ROPE, "num_experts": None, "qk_layernorm": False, "add_qkv_bias": False},
+    hf_fixed=_HF_SILU,
+    # SmolLM3Config's default token ids (128000…128004) are outside a smaller vocabulary, where
+    # transformers then fails to build the model; a Megatron checkpoint does not know its ids.
+    hf_scratch={**_ROPE_DEFAULT, "bos_token_id": None, "eos_token_id": None, "pad_token_id": None},
+)
+
+
 # --- registration and what a family does not carry ------------------------------------------------
 
-MORE_FAMILIES: tuple[Family, ...] = (QWEN2_MOE, GRANITE)
+MORE_FAMILIES: tuple[Family, ...] = (QWEN2_MOE, GRANITE, SMOLLM3)
 # Tried after the families of pgconvert.families for a model that names no architecture.
-MORE_INFERENCE_ORDER: tuple[str, ...] = ("Qwen2MoeForCausalLM", "GraniteForCausalLM")
+MORE_INFERENCE_ORDER: tuple[str, ...] = ("Qwen2MoeForCausalLM", "GraniteForCausalLM", "SmolLM3ForCausalLM")
 _families.FAMILIES.update({family.architecture: family for family in MORE_FAMILIES})
 _families.INFERENCE_ORDER += MORE_INFERENCE_ORDER
 

@@ -22,7 +22,8 @@ from transformers import GenerationConfig, PreTrainedModel
 
 MODEL_VOCAB = 300  # not a multiple of 128; the tokenizer's 256 tokens are its first rows
 _COMMON: dict[str, Any] = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
-                               max_position_embeddings=256, vocab_size=MODEL_VOCAB, rms_norm_eps=1e-5)
+                               max_position_embeddings=256, vocab_size=MODEL_VOCAB, rms_norm_eps=1e-5,
+                               bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD)
 
 
 def family_configs() -> dict[str, tuple[Any, Any, dict[str, Any]]]:
@@ -40,6 +41,10 @@ def family_configs() -> dict[str, tuple[Any, Any, dict[str, Any]]]:
         "granite": (t.GraniteConfig, t.GraniteForCausalLM, dict(
             _COMMON, intermediate_size=128, embedding_multiplier=12.0, residual_multiplier=0.22,
             attention_multiplier=0.2, logits_scaling=8.0, rope_theta=10000.0, tie_word_embeddings=True)),
+        # NoPE on every 2nd layer (1-based) and, as SmolLM3's config fills layer_types, a window there.
+        "smollm3": (t.SmolLM3Config, t.SmolLM3ForCausalLM, dict(
+            _COMMON, intermediate_size=128, no_rope_layer_interval=2, use_sliding_window=True, sliding_window=5,
+            rope_theta=5000.0, tie_word_embeddings=True)),
     }
 
 

@@ -19,7 +19,7 @@ from hf_more_helpers import MODEL_VOCAB, MOE_FAMILIES, build_model, input_ids, m
 import pgconvert
 from pgconvert.errors import StrictModeError
 
-FAMILIES = ("qwen2_moe", "granite")
+FAMILIES = ("qwen2_moe", "granite", "smollm3")
 SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
@@ -181,3 +181,56 @@ def test_granite_model_written_as_llama_is_refused_under_strict_naming_the_multi
         "attention_multiplier=0.5: LlamaForCausalLM has no such setting",
     ]
     assert hf_losses("GraniteForCausalLM", config) == []
+
+
+# --- SmolLM3 -------------------------------------------------------------------------------------
+
+def test_smollm3_nope_layers_are_megatron_cores_no_rope_freq(sources: dict[str, Path], tmp_path: Path) -> None:
+    """SmolLM3's no_rope_layers (1: RoPE) is the complement of megatron-core's no_rope_freq (1: no RoPE)."""
+    report = pgconvert.convert(sources["smollm3"], tmp_path / "megatron", dst_format="megatron", dst_tp=2)
+
+    args = megatron_args(tmp_path / "megatron")
+    assert json.loads((sources["smollm3"] / "config.json").read_text())["no_rope_layers"] == [1, 0, 1, 0]
+    assert (args.no_rope_freq, args.window_size, args.window_attn_skip_freq) == ([0, 1, 0, 1], (4, 0), [0, 1, 0, 1])
+    assert not any("megatron-core has no such setting" in notice for notice in report.notices)
+
+
+def test_reference_forward_is_sensitive_to_the_nope_layers(sources: dict[str, Path], tmp_path: Path) -> None:
+    pgconvert.convert(sources["smollm3"], tmp_path / "megatron", dst_format="megatron", dst_tp=2)
+    args = megatron_args(tmp_path / "megatron")
+    args.no_rope_freq = None
+
+    actual = reference_logits(read_megatron_tp_ranks(tmp_path / "megatron"), args, input_ids())
+
+    expected = hf_logits(sources["smollm3"], input_ids()).to(torch.float64)
+    assert not torch.allclose(actual, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_native_megatron_smollm3_without_carried_config_is_written_as_smollm3(
+        sources: dict[str, Path], tmp_path: Path) -> None:
+    src = sources["smollm3"]
+    pgconvert.convert(src, tmp_path / "megatron", dst_format="megatron", dst_tp=2)
+    shutil.rmtree(tmp_path / "megatron" / "hf")
+
+    pgconvert.convert(tmp_path / "megatron", tmp_path / "hf", dst_format="hf", dst_tp=1, dst_pp=1)
+
+    written = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert written["architectures"] == ["SmolLM3ForCausalLM"]
+    assert (written["no_rope_layers"], written["layer_types"][:2]) == ([1, 0, 1, 0], ["full_attention",
+                                                                                      "sliding_attention"])
+    ids = input_ids()
+    torch.testing.assert_close(hf_logits(tmp_path / "hf", ids), hf_logits(src, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_smollm3_without_no_rope_layers_uses_transformers_interval_default(sources: dict[str, Path],
+                                                                           tmp_path: Path) -> None:
+    from transformers import AutoConfig
+
+    src = tmp_path / "src"
+    shutil.copytree(sources["smollm3"], src)
+    edit_json(src / "config.json", lambda doc: [doc.pop(key) for key in ("no_rope_layers", "layer_types")])
+    expected = [1 - flag for flag in AutoConfig.from_pretrained(src).no_rope_layers]
+
+    pgconvert.convert(src, tmp_path / "megatron", dst_format="megatron")
+
+    assert megatron_args(tmp_path / "megatron").no_rope_freq == expected == [0, 1, 0, 1]

@@ -273,11 +273,45 @@ SMOLLM3 = Family(
 )
 
 
+# --- Ministral ------------------------------------------------------------------------------------
+
+def _read_ministral_window(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
+    """Ministral: ``sliding_window`` on the layers ``layer_types`` marks (by default every layer
+    when there is a window, as transformers' MinistralConfig fills it)."""
+    layers = model["num_layers"]
+    assert isinstance(layers, int)
+    window = _window(present.get("sliding_window"), "sliding_window")
+    pattern = _layer_types(present, layers)
+    if pattern is None:
+        pattern = (1,) * layers
+    return _window_values(window, pattern)
+
+
+def _write_ministral_window(config: ModelConfig) -> Mapping[str, object]:
+    return {"sliding_window": config.sliding_window, "layer_types": _layer_types_of(config)}
+
+
+MINISTRAL = Family(
+    architecture="MinistralForCausalLM",
+    model_type="ministral",
+    tensors=DECODER_TENSORS,
+    fields=(*_decoder_fields(max_position_embeddings=131072), _DENSE_FFN),
+    rules=(_ROPE_RULE, ConfigRule(keys=("sliding_window", "layer_types"), model_fields=("sliding_window", "window_layers"),
+                                  read=_read_ministral_window, write=_write_ministral_window)),
+    fixed={**_SWIGLU_RMS_ROPE, "num_experts": None, "qk_layernorm": False, "add_qkv_bias": False,
+           "add_bias_linear": False},
+    hf_fixed=_HF_SILU,
+    hf_scratch=_ROPE_DEFAULT,
+)
+
+
 # --- registration and what a family does not carry ------------------------------------------------
 
-MORE_FAMILIES: tuple[Family, ...] = (QWEN2_MOE, GRANITE, SMOLLM3)
+MORE_FAMILIES: tuple[Family, ...] = (QWEN2_MOE, GRANITE, SMOLLM3, MINISTRAL)
 # Tried after the families of pgconvert.families for a model that names no architecture.
-MORE_INFERENCE_ORDER: tuple[str, ...] = ("Qwen2MoeForCausalLM", "GraniteForCausalLM", "SmolLM3ForCausalLM")
+# Ministral before SmolLM3: both express a window on some layers; SmolLM3 is needed for NoPE layers.
+MORE_INFERENCE_ORDER: tuple[str, ...] = ("Qwen2MoeForCausalLM", "GraniteForCausalLM", "MinistralForCausalLM",
+                                         "SmolLM3ForCausalLM")
 _families.FAMILIES.update({family.architecture: family for family in MORE_FAMILIES})
 _families.INFERENCE_ORDER += MORE_INFERENCE_ORDER
 

@@ -45,6 +45,11 @@ def family_configs() -> dict[str, tuple[Any, Any, dict[str, Any]]]:
         "smollm3": (t.SmolLM3Config, t.SmolLM3ForCausalLM, dict(
             _COMMON, intermediate_size=128, no_rope_layer_interval=2, use_sliding_window=True, sliding_window=5,
             rope_theta=5000.0, tie_word_embeddings=True)),
+        # A window on three layers in four, full attention on the last (layer_types), head_dim 16.
+        "ministral": (t.MinistralConfig, t.MinistralForCausalLM, dict(
+            _COMMON, intermediate_size=128, head_dim=16, sliding_window=5, rope_theta=100000.0,
+            layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
+            tie_word_embeddings=False)),
     }
 
 

@@ -19,7 +19,7 @@ from hf_more_helpers import MODEL_VOCAB, MOE_FAMILIES, build_model, input_ids, m
 import pgconvert
 from pgconvert.errors import StrictModeError
 
-FAMILIES = ("qwen2_moe", "granite", "smollm3")
+FAMILIES = ("qwen2_moe", "granite", "smollm3", "ministral")
 SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
@@ -234,3 +234,52 @@ def test_smollm3_without_no_rope_layers_uses_transformers_interval_default(sourc
     pgconvert.convert(src, tmp_path / "megatron", dst_format="megatron")
 
     assert megatron_args(tmp_path / "megatron").no_rope_freq == expected == [0, 1, 0, 1]
+
+
+# --- Ministral -----------------------------------------------------------------------------------
+
+def test_ministral_layer_pattern_is_megatrons_window_attn_skip_freq(sources: dict[str, Path], tmp_path: Path) -> None:
+    pgconvert.convert(sources["ministral"], tmp_path / "megatron", dst_format="megatron", dst_tp=2)
+
+    args = megatron_args(tmp_path / "megatron")
+
+    assert (args.window_size, args.window_attn_skip_freq, args.kv_channels) == ((4, 0), [1, 1, 1, 0], 16)
+
+
+def test_reference_forward_is_sensitive_to_the_window_pattern(sources: dict[str, Path], tmp_path: Path) -> None:
+    pgconvert.convert(sources["ministral"], tmp_path / "megatron", dst_format="megatron", dst_tp=2)
+    args = megatron_args(tmp_path / "megatron")
+    args.window_attn_skip_freq = None  # every layer windowed
+
+    actual = reference_logits(read_megatron_tp_ranks(tmp_path / "megatron"), args, input_ids())
+
+    expected = hf_logits(sources["ministral"], input_ids()).to(torch.float64)
+    assert not torch.allclose(actual, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_native_megatron_model_with_a_partial_window_is_written_as_ministral(
+        sources: dict[str, Path], tmp_path: Path) -> None:
+    """Llama-like, a window on some layers: Mistral windows all, Llama none, so Ministral it is."""
+    src = sources["ministral"]
+    pgconvert.convert(src, tmp_path / "megatron", dst_format="megatron", dst_tp=2)
+    shutil.rmtree(tmp_path / "megatron" / "hf")
+
+    pgconvert.convert(tmp_path / "megatron", tmp_path / "hf", dst_format="hf", dst_tp=1, dst_pp=1)
+
+    written = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert written["architectures"] == ["MinistralForCausalLM"]
+    assert (written["sliding_window"], written["layer_types"]) == (
+        5, ["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"])
+    ids = input_ids()
+    torch.testing.assert_close(hf_logits(tmp_path / "hf", ids), hf_logits(src, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_ministral_without_layer_types_windows_every_layer(sources: dict[str, Path], tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    shutil.copytree(sources["ministral"], src)
+    edit_json(src / "config.json", lambda doc: doc.pop("layer_types"))
+
+    pgconvert.convert(src, tmp_path / "megatron", dst_format="megatron")
+
+    args = megatron_args(tmp_path / "megatron")
+    assert (args.window_size, args.window_attn_skip_freq) == ((4, 0), None)

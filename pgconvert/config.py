@@ -87,6 +87,9 @@ class ModelConfig:
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
     no_rope_layers: tuple[int, ...] | None = None
+    # f17a: HF RoPE parameters (JSON text) of a type megatron-core cannot compute (Phi-3's longrope),
+    # carried as they are so a Megatron checkpoint converts back to the same config.json.
+    hf_rope_parameters: str | None = None
 
     def __post_init__(self) -> None:
         self._check_semantics()

@@ -7,14 +7,20 @@ config.json rules are pure functions here.
 
 from __future__ import annotations
 
+import json
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
 
 import pgconvert.families as _families
 from pgconvert.config import ModelConfig
 from pgconvert.families import (
     _AUX_LOSS,
     _ATTENTION_ROWS,
+    _EVERY_LAYER_WINDOW,
+    QKV,
+    Transform,
     _DENSE_FFN,
     _DENSE_MLP_ROWS,
     _EMBEDDING_ROWS,
@@ -40,6 +46,8 @@ from pgconvert.families import (
     _window,
 )
 from pgconvert.limits import quote
+from pgconvert.semantics import rope_parameters, rope_type_of
+from pgconvert.semantics_more import CARRIED_ROPE_TYPES
 
 # --- sliding windows given per layer by layer_types ----------------------------------------------
 
@@ -305,13 +313,100 @@ MINISTRAL = Family(
 )
 
 
+# --- Phi-3 / Phi-4 ---------------------------------------------------------------------------------
+
+class FuseQKVFromConcat(Transform):
+    """Phi-3's ``qkv_proj`` = ``[all q; all k; all v]`` <-> megatron-core's ``linear_qkv``, whose rows
+    are grouped per query group (``FuseQKVByGroup``): the one HF tensor is cut into q, k, v first."""
+
+    name = "fuse-qkv-from-concat"
+    parts = 1
+
+    @staticmethod
+    def _rows(config: ModelConfig) -> list[int]:
+        kv_rows = config.query_groups * config.head_dim
+        return [config.num_attention_heads * config.head_dim, kv_rows, kv_rows]
+
+    def fuse(self, parts: Sequence[torch.Tensor], config: ModelConfig) -> torch.Tensor:
+        return QKV.fuse(list(parts[0].split(self._rows(config), dim=0)), config)
+
+    def split(self, full: torch.Tensor, config: ModelConfig) -> list[torch.Tensor]:
+        return [torch.cat(QKV.split(full, config), dim=0)]
+
+    def part_shapes(self, shape: tuple[int, ...], config: ModelConfig) -> list[tuple[int, ...]]:
+        return [shape]
+
+
+QKV_CONCAT = FuseQKVFromConcat()
+# Phi3MLP: gate_up_proj is [gate; up] (chunk(2), gate first), megatron-core's linear_fc1 as it is.
+PHI3_TENSORS = TensorTable((
+    *_EMBEDDING_ROWS,
+    TensorMapping("decoder.layers.{}.input_layernorm.weight", ("model.layers.{}.input_layernorm.weight",)),
+    TensorMapping("decoder.layers.{}.self_attention.linear_qkv.weight", ("model.layers.{}.self_attn.qkv_proj.weight",),
+                  QKV_CONCAT),
+    TensorMapping("decoder.layers.{}.self_attention.linear_proj.weight", ("model.layers.{}.self_attn.o_proj.weight",)),
+    TensorMapping("decoder.layers.{}.pre_mlp_layernorm.weight", ("model.layers.{}.post_attention_layernorm.weight",)),
+    TensorMapping("decoder.layers.{}.mlp.linear_fc1.weight", ("model.layers.{}.mlp.gate_up_proj.weight",)),
+    TensorMapping("decoder.layers.{}.mlp.linear_fc2.weight", ("model.layers.{}.mlp.down_proj.weight",)),
+    *_FINAL_ROWS,
+))
+PHI3_ARCHITECTURE = "Phi3ForCausalLM"
+
+
+def _read_phi3_rope(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
+    """Partial rotary and RoPE scaling as every family reads them; a longrope (``su``) type, which
+    megatron-core cannot compute, is carried whole (with ``original_max_position_embeddings``)."""
+    values = dict(_ROPE_RULE.read(present, model))
+    params = rope_parameters(present)
+    carried = None
+    if rope_type_of(params) in CARRIED_ROPE_TYPES[PHI3_ARCHITECTURE]:
+        kept = {key: value for key, value in params.items() if key != "rope_theta"}
+        if present.get("original_max_position_embeddings") is not None:
+            kept.setdefault("original_max_position_embeddings", present["original_max_position_embeddings"])
+        carried = json.dumps(kept, sort_keys=True)
+    return {**values, "hf_rope_parameters": carried}
+
+
+def _write_phi3_rope(config: ModelConfig) -> Mapping[str, object]:
+    written = dict(_ROPE_RULE.write(config))
+    params = dict(written["rope_parameters"])  # type: ignore[call-overload]
+    if config.hf_rope_parameters is not None:
+        params = {**json.loads(config.hf_rope_parameters), "rope_theta": config.rotary_base}
+        written["rope_scaling"] = None
+    # Phi3 computes partial rotary (megatron-core's rotary_percent): written where transformers reads it.
+    params["partial_rotary_factor"] = config.rotary_percent
+    original = params.get("original_max_position_embeddings", config.max_position_embeddings)
+    return {**written, "rope_parameters": params, "partial_rotary_factor": config.rotary_percent,
+            "original_max_position_embeddings": original}
+
+
+_PHI3_ROPE = ConfigRule(keys=(*_ROPE_RULE.keys, "original_max_position_embeddings"),
+                        model_fields=(*_ROPE_RULE.model_fields, "hf_rope_parameters"),
+                        read=_read_phi3_rope, write=_write_phi3_rope)
+
+PHI3 = Family(
+    architecture=PHI3_ARCHITECTURE,
+    model_type="phi3",
+    tensors=PHI3_TENSORS,
+    fields=(*_decoder_fields(max_position_embeddings=4096, norm_epsilon=1e-5), _DENSE_FFN),
+    rules=(_PHI3_ROPE, _EVERY_LAYER_WINDOW),
+    fixed={**_SWIGLU_RMS_ROPE, "num_experts": None, "qk_layernorm": False, "add_qkv_bias": False,
+           "add_bias_linear": False},
+    hf_fixed=_HF_SILU,
+    # Phi3Config's default token ids (32000) are outside a smaller vocabulary (see SmolLM3).
+    hf_scratch={**_ROPE_DEFAULT, "bos_token_id": None, "eos_token_id": None, "pad_token_id": None},
+)
+# Families that compute megatron-core's rotary_percent (partial rotary).
+PARTIAL_ROTARY: frozenset[str] = frozenset({PHI3_ARCHITECTURE})
+
+
 # --- registration and what a family does not carry ------------------------------------------------
 
-MORE_FAMILIES: tuple[Family, ...] = (QWEN2_MOE, GRANITE, SMOLLM3, MINISTRAL)
+MORE_FAMILIES: tuple[Family, ...] = (QWEN2_MOE, GRANITE, SMOLLM3, MINISTRAL, PHI3)
 # Tried after the families of pgconvert.families for a model that names no architecture.
 # Ministral before SmolLM3: both express a window on some layers; SmolLM3 is needed for NoPE layers.
 MORE_INFERENCE_ORDER: tuple[str, ...] = ("Qwen2MoeForCausalLM", "GraniteForCausalLM", "MinistralForCausalLM",
-                                         "SmolLM3ForCausalLM")
+                                         "SmolLM3ForCausalLM", PHI3_ARCHITECTURE)
 _families.FAMILIES.update({family.architecture: family for family in MORE_FAMILIES})
 _families.INFERENCE_ORDER += MORE_INFERENCE_ORDER
 
@@ -322,6 +417,7 @@ F17A_DEFAULTS: dict[str, object] = {
     "attention_multiplier": None,
     "logits_scaling": 1.0,
     "no_rope_layers": None,
+    "hf_rope_parameters": None,
 }
 
 

@@ -143,6 +143,11 @@ SEMANTICS: tuple[Setting, ...] = (
             _hf(GraniteForCausalLM="embedding_multiplier, residual_multiplier, logits_scaling", ALL="none"),
             "megatron-core computes none of them: carried in args and pgconvert.json with a notice on every "
             "Megatron output; --strict refuses a Megatron target"),
+    Setting("carried RoPE parameters", ("hf_rope_parameters",), ("hf_rope_parameters",),
+            _ARGS.format("hf_rope_parameters"),
+            _hf(Phi3ForCausalLM="rope_parameters (longrope, su), original_max_position_embeddings", ALL="none"),
+            "megatron-core cannot compute longrope: carried as JSON in args and pgconvert.json with a notice "
+            "on every Megatron output; --strict refuses a Megatron target"),
     Setting("NoPE layers", ("no_rope_layers",), ("no_rope_freq",), _ARGS.format("no_rope_freq"),
             _hf(SmolLM3ForCausalLM="no_rope_layers (1: RoPE), no_rope_layer_interval", ALL="none"),
             "megatron-core's no_rope_freq: 0/1 per layer, 1 = the layer skips RoPE"),
@@ -297,7 +302,7 @@ def hf_unrepresentable(doc: Mapping[str, Any], path: Path) -> list[str]:
     except ValueError:
         return []  # the family's rule names the bad value
     rope_type = rope_type_of(params)
-    if rope_type in ("default", "linear"):
+    if rope_type in ("default", "linear") or semantics_more.carries_rope(doc, rope_type):
         return []
     if rope_type == "llama3":
         odd = {key: params.get(key) for key, expected in MEGATRON_LLAMA3.items() if params.get(key) != expected}
@@ -325,8 +330,10 @@ def hf_training_notes(architecture: str, config: ModelConfig) -> list[str]:
 
 def hf_losses(architecture: str, config: ModelConfig) -> list[str]:
     """The settings of ``config`` an HF ``architecture`` written from it cannot express."""
+    from pgconvert.families_more import PARTIAL_ROTARY, unmapped_losses  # f17a (families imports this module)
+
     losses = []
-    if config.rotary_percent != 1.0:
+    if config.rotary_percent != 1.0 and architecture not in PARTIAL_ROTARY:
         losses.append(f"rotary_percent={config.rotary_percent} (partial rotary): {architecture} rotates the "
                       "whole head")
     if config.num_experts is not None:
@@ -338,8 +345,6 @@ def hf_losses(architecture: str, config: ModelConfig) -> list[str]:
                           f"{architecture} does not scale routing weights")
         if config.moe_router_pre_softmax and architecture not in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"):
             losses.append(f"moe_router_pre_softmax=True: {architecture} renormalizes the top-k weights")
-    from pgconvert.families_more import unmapped_losses  # f17a (families imports this module)
-
     return losses + unmapped_losses(architecture, config)
 
 

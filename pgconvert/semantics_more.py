@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,8 @@ from pgconvert.limits import quote
 
 # Settings megatron-core does not compute, by ModelConfig field (= args name), with their default.
 UNCOMPUTED: dict[str, float] = {"embedding_multiplier": 1.0, "residual_multiplier": 1.0, "logits_scaling": 1.0}
+# Every args name here that is neither megatron-core's nor Megatron-LM's.
+CARRIED_ARGS: tuple[str, ...] = (*UNCOMPUTED, "hf_rope_parameters")
 
 
 def _positive(args: argparse.Namespace, name: str, default: float | None, path: Path) -> float | None:
@@ -56,6 +59,10 @@ def from_args(args: argparse.Namespace, path: Path) -> dict[str, Any]:
     values: dict[str, Any] = {name: _positive(args, name, default, path) for name, default in UNCOMPUTED.items()}
     values["attention_multiplier"] = _positive(args, "softmax_scale", None, path)
     values["no_rope_layers"] = _no_rope_from_args(args, path)
+    carried = getattr(args, "hf_rope_parameters", None)
+    if carried is not None and not isinstance(carried, str):
+        raise CheckpointError(f"{path}: args.hf_rope_parameters={quote(carried)}: expected JSON text")
+    values["hf_rope_parameters"] = carried
     return values
 
 
@@ -64,13 +71,29 @@ def to_args(config: ModelConfig) -> dict[str, Any]:
     values: dict[str, Any] = {name: getattr(config, name) for name in UNCOMPUTED}
     values["softmax_scale"] = config.attention_multiplier
     values["no_rope_freq"] = None if config.no_rope_layers is None else list(config.no_rope_layers)
+    values["hf_rope_parameters"] = config.hf_rope_parameters
     return values
 
 
 def uncomputed_settings(config: ModelConfig) -> list[str]:
     """``name=value`` of each setting the model has that megatron-core does not compute."""
-    return [f"{name}={getattr(config, name)}" for name, default in UNCOMPUTED.items()
-            if getattr(config, name) != default]
+    settings = [f"{name}={getattr(config, name)}" for name, default in UNCOMPUTED.items()
+                if getattr(config, name) != default]
+    if config.hf_rope_parameters is not None:
+        settings.append(f"hf_rope_parameters={config.hf_rope_parameters}")
+    return settings
+
+
+# HF RoPE types carried as they are (hf_rope_parameters), by architecture: megatron-core computes none.
+CARRIED_ROPE_TYPES: dict[str, tuple[str, ...]] = {"Phi3ForCausalLM": ("longrope", "su")}
+
+
+def carries_rope(doc: Mapping[str, Any], rope_type: str) -> bool:
+    """Whether the family of config.json ``doc`` carries RoPE type ``rope_type`` in hf_rope_parameters."""
+    architectures = doc.get("architectures")
+    if not isinstance(architectures, list) or not architectures or not isinstance(architectures[0], str):
+        return False
+    return rope_type in CARRIED_ROPE_TYPES.get(architectures[0], ())
 
 
 def check_megatron_target(config: ModelConfig, strict: bool, notices: list[str]) -> None:

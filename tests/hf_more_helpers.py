@@ -10,6 +10,7 @@ moe_shared_expert_gate, …), so it checks the args pgconvert writes as well as 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,13 @@ def family_configs() -> dict[str, tuple[Any, Any, dict[str, Any]]]:
             _COMMON, intermediate_size=128, head_dim=16, sliding_window=5, rope_theta=100000.0,
             layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
             tie_word_embeddings=False)),
+        # Phi-3.5 / Phi-4-mini style: fused qkv_proj and gate_up_proj, GQA (head_dim 16), longrope
+        # with its short/long factors, partial rotary 0.75 (Phi-4-mini), a window on every layer.
+        "phi3": (t.Phi3Config, t.Phi3ForCausalLM, dict(
+            _COMMON, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96, sliding_window=7,
+            original_max_position_embeddings=64, partial_rotary_factor=0.75, tie_word_embeddings=False,
+            rope_scaling={"type": "longrope", "short_factor": [1.0 + 0.25 * i for i in range(6)],
+                          "long_factor": [2.0 + 0.5 * i for i in range(6)]})),
     }
 
 
@@ -137,13 +145,20 @@ def _attention(models: list[dict[str, torch.Tensor]], prefix: str, h: torch.Tens
         q = qkv[..., :per_group, :].reshape(batch, seq, local_groups * per_group, head_dim).transpose(1, 2)
         k, v = (qkv[..., per_group + i, :].transpose(1, 2) for i in (0, 1))
         if rope is not None:
-            cos, sin = rope
-            q, k = (t * cos + _rotate_half(t) * sin for t in (q, k))
+            q, k = _apply_rope(q, rope), _apply_rope(k, rope)
         k, v = (t.repeat_interleave(per_group, dim=1) for t in (k, v))
         scores = ((q @ k.transpose(-1, -2)) * scale).masked_fill(~mask, float("-inf")).softmax(-1)
         context = (scores @ v).transpose(1, 2).reshape(batch, seq, -1)
         out += context @ model[prefix + "self_attention.linear_proj.weight"].T  # row-parallel: summed
     return out
+
+
+def _apply_rope(t: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Rotate-half RoPE on the first dims of each head (partial rotary), the rest passed through."""
+    cos, sin = rope
+    dim = cos.shape[-1]
+    rotated, rest = t[..., :dim], t[..., dim:]
+    return torch.cat([rotated * cos + _rotate_half(rotated) * sin, rest], dim=-1)
 
 
 def _swiglu(models: list[dict[str, torch.Tensor]], key: str, h: torch.Tensor) -> torch.Tensor:
@@ -178,11 +193,25 @@ def _moe(models: list[dict[str, torch.Tensor]], prefix: str, h: torch.Tensor, ar
 
 
 def _rope_tables(args: argparse.Namespace, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
-    head_dim = args.kv_channels
-    inv_freq = 1.0 / (args.rotary_base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    """cos and sin over the first rotary_percent of each head; with carried longrope parameters
+    (args.hf_rope_parameters), the frequencies divided by the short (or, past the original
+    positions, long) factors and cos/sin scaled by the attention factor, as LongRoPE defines them."""
+    dim = int(args.kv_channels * getattr(args, "rotary_percent", 1.0))
+    inv_freq = 1.0 / (args.rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scale = 1.0
+    carried = getattr(args, "hf_rope_parameters", None)
+    if carried is not None:
+        params = json.loads(carried)
+        assert params["rope_type"] == "longrope", params
+        original = params["original_max_position_embeddings"]
+        factors = params["long_factor"] if seq > original else params["short_factor"]
+        inv_freq = inv_freq / torch.tensor(factors, dtype=torch.float64)
+        factor = params.get("factor") or args.max_position_embeddings / original
+        scale = params.get("attention_factor") or (
+            1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original)))
     freqs = torch.arange(seq, dtype=torch.float64)[:, None] * inv_freq[None, :]
     both = torch.cat([freqs, freqs], -1)
-    return both.cos(), both.sin()
+    return both.cos() * scale, both.sin() * scale
 
 
 def _masks(args: argparse.Namespace, seq: int) -> list[torch.Tensor]:

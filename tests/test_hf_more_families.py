@@ -19,7 +19,7 @@ from hf_more_helpers import MODEL_VOCAB, MOE_FAMILIES, build_model, input_ids, m
 import pgconvert
 from pgconvert.errors import StrictModeError
 
-FAMILIES = ("qwen2_moe", "granite", "smollm3", "ministral")
+FAMILIES = ("qwen2_moe", "granite", "smollm3", "ministral", "phi3")
 SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
@@ -283,3 +283,65 @@ def test_ministral_without_layer_types_windows_every_layer(sources: dict[str, Pa
 
     args = megatron_args(tmp_path / "megatron")
     assert (args.window_size, args.window_attn_skip_freq) == ((4, 0), None)
+
+
+# --- Phi-3 / Phi-4 -------------------------------------------------------------------------------
+
+def test_phi3_fused_qkv_is_regrouped_per_query_group_in_megatron(sources: dict[str, Path], tmp_path: Path) -> None:
+    """qkv_proj is [q0..q3; k0 k1; v0 v1]; TP rank 1's linear_qkv is group 1: [q2 q3 k1 v1]."""
+    from hf_helpers import load_hf_tensors
+
+    hf = load_hf_tensors(sources["phi3"])["model.layers.1.self_attn.qkv_proj.weight"]
+    pgconvert.convert(sources["phi3"], tmp_path / "megatron", dst_format="megatron", dst_tp=2)
+
+    rank1 = read_megatron_tp_ranks(tmp_path / "megatron")[1]["decoder.layers.1.self_attention.linear_qkv.weight"]
+    head = 16
+    q, k, v = hf[:64], hf[64:96], hf[96:]
+    expected = torch.cat([q[2 * head:4 * head], k[head:2 * head], v[head:2 * head]])
+    assert torch.equal(rank1, expected.to(torch.float64))
+
+
+def test_phi3_longrope_is_carried_in_args_with_a_notice_and_refused_under_strict(
+        sources: dict[str, Path], tmp_path: Path) -> None:
+    src = sources["phi3"]
+    report = pgconvert.convert(src, tmp_path / "megatron", dst_format="megatron", dst_tp=2)
+
+    args = megatron_args(tmp_path / "megatron")
+    carried = json.loads(args.hf_rope_parameters)
+    assert (carried["rope_type"], carried["original_max_position_embeddings"]) == ("longrope", 64)
+    assert carried["short_factor"] == [1.0, 1.25, 1.5, 1.75, 2.0, 2.25]
+    assert (args.rotary_percent, args.window_size) == (0.75, (6, 0))
+    assert [n for n in report.notices if "hf_rope_parameters=" in n and "megatron-core has no such setting" in n]
+    assert not [n for n in report.notices if "computes plain RoPE" in n]
+    with pytest.raises(StrictModeError, match="hf_rope_parameters="):
+        pgconvert.convert(src, tmp_path / "strict", dst_format="megatron", strict=True)
+
+
+def test_native_megatron_phi3_without_carried_config_is_written_as_phi3_with_longrope(
+        sources: dict[str, Path], tmp_path: Path) -> None:
+    src = sources["phi3"]
+    pgconvert.convert(src, tmp_path / "megatron", dst_format="megatron", dst_tp=2)
+    shutil.rmtree(tmp_path / "megatron" / "hf")
+
+    report = pgconvert.convert(tmp_path / "megatron", tmp_path / "hf", dst_format="hf", dst_tp=1, dst_pp=1)
+
+    written = json.loads((tmp_path / "hf" / "config.json").read_text())
+    source = json.loads((src / "config.json").read_text())
+    assert written["architectures"] == ["Phi3ForCausalLM"]
+    assert written["rope_parameters"] == source["rope_parameters"]
+    assert (written["partial_rotary_factor"], written["original_max_position_embeddings"]) == (0.75, 64)
+    assert not [n for n in report.notices if "rotary_percent" in n]
+    assert_same_hf_tensors(src, tmp_path / "hf")
+    ids = input_ids()
+    torch.testing.assert_close(hf_logits(tmp_path / "hf", ids), hf_logits(src, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_reference_forward_is_sensitive_to_longrope(sources: dict[str, Path], tmp_path: Path) -> None:
+    pgconvert.convert(sources["phi3"], tmp_path / "megatron", dst_format="megatron", dst_tp=2)
+    args = megatron_args(tmp_path / "megatron")
+    args.hf_rope_parameters = None
+
+    actual = reference_logits(read_megatron_tp_ranks(tmp_path / "megatron"), args, input_ids())
+
+    expected = hf_logits(sources["phi3"], input_ids()).to(torch.float64)
+    assert not torch.allclose(actual, expected, rtol=1e-4, atol=1e-4)

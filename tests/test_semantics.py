@@ -155,10 +155,10 @@ def test_megatron_arg_names_are_megatron_cores_or_megatron_lms() -> None:
                    "layernorm_epsilon"}
     names = {name for row in SEMANTICS for name in row.megatron}
     # f17a: settings megatron-core does not compute, carried under transformers' names (with a notice).
-    from pgconvert.semantics_more import UNCOMPUTED
+    from pgconvert.semantics_more import CARRIED_ARGS
 
-    assert set(UNCOMPUTED) & (core | megatron_lm) == set()
-    assert names - core - megatron_lm - set(UNCOMPUTED) == set()
+    assert set(CARRIED_ARGS) & (core | megatron_lm) == set()
+    assert names - core - megatron_lm - set(CARRIED_ARGS) == set()
 
 
 def test_hf_partial_rotary_and_linear_rope_read_into_megatron_args() -> None:

@@ -67,11 +67,16 @@ def from_args(args: argparse.Namespace, path: Path) -> dict[str, Any]:
 
 
 def to_args(config: ModelConfig) -> dict[str, Any]:
-    """The Megatron args of the f17a settings."""
-    values: dict[str, Any] = {name: getattr(config, name) for name in UNCOMPUTED}
-    values["softmax_scale"] = config.attention_multiplier
-    values["no_rope_freq"] = None if config.no_rope_layers is None else list(config.no_rope_layers)
-    values["hf_rope_parameters"] = config.hf_rope_parameters
+    """The Megatron args of the f17a settings: megatron-core's always, the carried ones (no
+    megatron-core meaning) only where the model has them, so other models' args stay as they were."""
+    values: dict[str, Any] = {
+        "softmax_scale": config.attention_multiplier,
+        "no_rope_freq": None if config.no_rope_layers is None else list(config.no_rope_layers),
+    }
+    values.update({name: getattr(config, name) for name, default in UNCOMPUTED.items()
+                   if getattr(config, name) != default})
+    if config.hf_rope_parameters is not None:
+        values["hf_rope_parameters"] = config.hf_rope_parameters
     return values
 
 

@@ -98,6 +98,17 @@ class ModelConfig:
     v_head_dim: int = 128
     moe_router_num_groups: int | None = None
     moe_router_group_topk: int | None = None
+    # f17a: Granite's muP multipliers (1.0: none; attention_multiplier None: 1/sqrt(head_dim)),
+    # HF divides the logits by logits_scaling; no_rope_layers, 0/1 per layer (1: no RoPE, megatron-core's
+    # no_rope_freq), None: RoPE on every layer.
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
+    no_rope_layers: tuple[int, ...] | None = None
+    # f17a: HF RoPE parameters (JSON text) of a type megatron-core cannot compute (Phi-3's longrope),
+    # carried as they are so a Megatron checkpoint converts back to the same config.json.
+    hf_rope_parameters: str | None = None
 
     def __post_init__(self) -> None:
         self._check_semantics()
@@ -186,6 +197,7 @@ class ModelConfig:
             if len(self.window_layers) != self.num_layers or set(self.window_layers) - {0, 1}:
                 raise ConfigError(f"window_layers={quote(list(self.window_layers))}: must list 0 or 1 for "
                                   f"each of the {self.num_layers} layers")
+        _check_f17a_fields(self)
 
     def _check_yarn(self) -> None:
         """The YaRN parameters: finite numbers, a positive original context, a boolean rounding."""
@@ -284,3 +296,20 @@ def _require_finite(name: str, value: object) -> None:
 def _require_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ConfigError(f"{name}={quote(value)}: must be one of {', '.join(choices)}")
+
+
+def _check_f17a_fields(config: ModelConfig) -> None:
+    """f17a: Granite's multipliers are positive finite numbers, NoPE layers a 0/1 per layer."""
+    for name in ("embedding_multiplier", "residual_multiplier", "logits_scaling", "attention_multiplier"):
+        value = getattr(config, name)
+        if value is None and name == "attention_multiplier":
+            continue
+        _require_finite(name, value)
+        if value <= 0:
+            raise ConfigError(f"{name}={quote(value)}: must be > 0")
+    if isinstance(config.no_rope_layers, list):
+        object.__setattr__(config, "no_rope_layers", tuple(config.no_rope_layers))
+    if config.no_rope_layers is not None:
+        if len(config.no_rope_layers) != config.num_layers or set(config.no_rope_layers) - {0, 1}:
+            raise ConfigError(f"no_rope_layers={quote(list(config.no_rope_layers))}: must list 0 or 1 for "
+                              f"each of the {config.num_layers} layers")

@@ -819,3 +819,10 @@ FAMILIES.update({family.architecture: family for family in DEEPSEEK_FAMILIES})
 
 def supported_architectures() -> list[str]:
     return sorted(FAMILIES)
+
+
+# f17a: Qwen2-MoE, Granite, SmolLM3, Ministral, Phi-3: pgconvert/families_more.py adds itself to
+# FAMILIES and INFERENCE_ORDER (imported last, whichever of the two modules is imported first).
+import pgconvert.families_more as _f17a  # noqa: E402
+
+del _f17a

@@ -28,6 +28,7 @@ from safetensors import SafetensorError, safe_open
 from pgconvert.config import DTYPES, ModelConfig
 from pgconvert.errors import CheckpointError, ConfigError, PgconvertError
 from pgconvert.families import FAMILIES, INFERENCE_ORDER, REQUIRED, ConfigField, Family, supported_architectures
+from pgconvert.families_more import unmapped_losses
 from pgconvert.limits import MAX_SAFETENSORS_HEADER_BYTES, over_limit, parse_json, quote, read_json
 from pgconvert.provider import canonical_shapes as provider_shapes
 from pgconvert.semantics import hf_unrepresentable
@@ -229,7 +230,8 @@ def infer_family(config: ModelConfig) -> Family:
     reasons = []
     for architecture in INFERENCE_ORDER:
         family = FAMILIES[architecture]
-        mismatches = family_mismatches(family, config)
+        # f17a: a family without a key for a setting the model has does not fit either.
+        mismatches = family_mismatches(family, config) + unmapped_losses(architecture, config)
         if not mismatches:
             return family
         reasons.append(f"{architecture}: {', '.join(mismatches)}")

@@ -29,6 +29,7 @@ from pgconvert import mla_args, yarn
 from pgconvert.config import ModelConfig
 from pgconvert.errors import CheckpointError, StrictModeError
 from pgconvert.limits import quote
+from pgconvert import semantics_more  # f17a
 
 log = logging.getLogger(__name__)
 
@@ -155,6 +156,25 @@ SEMANTICS: tuple[Setting, ...] = (
             "Megatron's defaults are 0.1; an HF source writes its own values (0.0) explicitly"),
     Setting("dtype", ("params_dtype",), ("params_dtype", "bf16", "fp16"), _ARGS.format("params_dtype"),
             {ALL_FAMILIES: "dtype (4.x: torch_dtype)"}),
+    # f17a: Granite's muP multipliers, SmolLM3's NoPE layers (pgconvert.semantics_more).
+    Setting("attention multiplier", ("attention_multiplier",), ("softmax_scale",), _ARGS.format("softmax_scale"),
+            _hf(GraniteForCausalLM="attention_multiplier", ALL="none: 1/sqrt(head_dim)"),
+            "megatron-core's TransformerConfig.softmax_scale (Megatron-LM has no flag for it)"),
+    Setting("embedding, residual multipliers and logits scaling",
+            ("embedding_multiplier", "residual_multiplier", "logits_scaling"),
+            ("embedding_multiplier", "residual_multiplier", "logits_scaling"),
+            _ARGS.format("embedding_multiplier / residual_multiplier / logits_scaling"),
+            _hf(GraniteForCausalLM="embedding_multiplier, residual_multiplier, logits_scaling", ALL="none"),
+            "megatron-core computes none of them: carried in args and pgconvert.json with a notice on every "
+            "Megatron output; --strict refuses a Megatron target"),
+    Setting("carried RoPE parameters", ("hf_rope_parameters",), ("hf_rope_parameters",),
+            _ARGS.format("hf_rope_parameters"),
+            _hf(Phi3ForCausalLM="rope_parameters (longrope, su), original_max_position_embeddings", ALL="none"),
+            "megatron-core cannot compute longrope: carried as JSON in args and pgconvert.json with a notice "
+            "on every Megatron output; --strict refuses a Megatron target"),
+    Setting("NoPE layers", ("no_rope_layers",), ("no_rope_freq",), _ARGS.format("no_rope_freq"),
+            _hf(SmolLM3ForCausalLM="no_rope_layers (1: RoPE), no_rope_layer_interval", ALL="none"),
+            "megatron-core's no_rope_freq: 0/1 per layer, 1 = the layer skips RoPE"),
 )
 
 SEMANTIC_FIELDS: tuple[str, ...] = tuple(dict.fromkeys(name for row in SEMANTICS for name in row.fields))
@@ -242,6 +262,7 @@ def from_args(args: argparse.Namespace, path: Path) -> dict[str, Any]:
         **_rope_from_args(args, path),
         **_window_from_args(args, path),
         **mla_args.from_args(args, path),
+        **semantics_more.from_args(args, path),  # f17a
     }
     if getattr(args, "num_experts", None):
         scaling = getattr(args, "moe_router_topk_scaling_factor", None)
@@ -271,6 +292,7 @@ def to_args(config: ModelConfig) -> dict[str, Any]:
         "apply_layernorm_1p": config.layernorm_zero_centered_gamma,
         "attention_dropout": config.attention_dropout,
         "hidden_dropout": config.hidden_dropout,
+        **semantics_more.to_args(config),  # f17a
     }
     if config.rope_scaling == "yarn":
         values["position_embedding_type"] = "yarn"
@@ -311,7 +333,7 @@ def hf_unrepresentable(doc: Mapping[str, Any], path: Path) -> list[str]:
     except ValueError:
         return []  # the family's rule names the bad value
     rope_type = rope_type_of(params)
-    if rope_type in ("default", "linear"):
+    if rope_type in ("default", "linear") or semantics_more.carries_rope(doc, rope_type):
         return []
     if rope_type == "yarn":
         return yarn.hf_unrepresentable(params, doc, path)
@@ -341,8 +363,10 @@ def hf_training_notes(architecture: str, config: ModelConfig) -> list[str]:
 
 def hf_losses(architecture: str, config: ModelConfig) -> list[str]:
     """The settings of ``config`` an HF ``architecture`` written from it cannot express."""
+    from pgconvert.families_more import PARTIAL_ROTARY, unmapped_losses  # f17a (families imports this module)
+
     losses = []
-    if config.rotary_percent != 1.0:
+    if config.rotary_percent != 1.0 and architecture not in PARTIAL_ROTARY:
         losses.append(f"rotary_percent={config.rotary_percent} (partial rotary): {architecture} rotates the "
                       "whole head")
     # ds16: DeepSeek's families carry the score function, scaling and pre-softmax (their fixed values and
@@ -357,9 +381,9 @@ def hf_losses(architecture: str, config: ModelConfig) -> list[str]:
         if config.moe_router_num_groups is not None:
             losses.append(f"moe_router_num_groups={config.moe_router_num_groups}, moe_router_group_topk="
                           f"{config.moe_router_group_topk}: {architecture} does not route by expert groups")
-        if config.moe_router_pre_softmax and architecture != "Qwen3MoeForCausalLM":
+        if config.moe_router_pre_softmax and architecture not in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"):
             losses.append(f"moe_router_pre_softmax=True: {architecture} renormalizes the top-k weights")
-    return losses
+    return losses + unmapped_losses(architecture, config)
 
 
 def lose(message: str, strict: bool, notices: list[str]) -> None:
@@ -377,6 +401,7 @@ def check_target(source: Any, target_format: str, strict: bool) -> None:
     for message in source.unrepresentable:
         lose(message, strict, source.notices)
     config = source.config
+    semantics_more.check_megatron_target(config, strict, source.notices)  # f17a
     if config.rope_scaling == "llama3" and config.rope_scaling_factor != MEGATRON_DEFAULT_ROPE_SCALING_FACTOR:
         # Written all the same: megatron-core computes it when it is passed (GPTModel(rope_scaling_factor=)).
         source.notices.append(

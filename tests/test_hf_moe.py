@@ -34,7 +34,7 @@ from hf_helpers import (
 import pgconvert
 from pgconvert.config import ModelConfig
 from pgconvert.errors import CheckpointError, ConfigError
-from pgconvert.families import FAMILIES
+from pgconvert.families import FAMILIES, Family
 from pgconvert.hf_format import family_mismatches, hf_config_from_model, infer_family
 
 # (tp, ep, pp, expert naming of the Megatron files)
@@ -321,15 +321,20 @@ def test_megatron_moe_model_is_written_as_qwen3_moe_with_qk_norm_and_as_mixtral_
     assert infer_family(_config()).architecture == "LlamaForCausalLM"
 
 
+def _shared_expert(family: Family) -> dict[str, object]:
+    """A shared expert for a family whose experts have a gated one (f17a: Qwen2-MoE)."""
+    return {"moe_shared_expert_intermediate_size": 6} if family.fixed.get("moe_shared_expert_gate") else {}
+
+
 @pytest.mark.parametrize("architecture", sorted(FAMILIES))
 def test_dense_families_refuse_moe_models_and_moe_families_refuse_dense_ones(architecture: str) -> None:
     family = FAMILIES[architecture]
     fixed = {name: value for name, value in family.fixed.items() if name != "num_experts"}
-    is_moe_family = architecture in ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV2ForCausalLM",
-                                     "DeepseekV3ForCausalLM")
+    is_moe_family = "num_experts" not in family.fixed
+    shared = _shared_expert(family)
 
     dense_refusals = family_mismatches(family, _config(**fixed))
-    moe_refusals = family_mismatches(family, _config(**fixed, num_experts=4))
+    moe_refusals = family_mismatches(family, _config(**fixed, **shared, num_experts=4))
 
     assert dense_refusals == (["num_experts=None (needs routed experts)"] if is_moe_family else [])
     assert moe_refusals == ([] if is_moe_family else ["num_experts=4 (needs None)"])
@@ -349,7 +354,8 @@ def test_every_family_table_fills_every_canonical_tensor_of_the_models_it_accept
 
     family = FAMILIES[architecture]
     candidates = [_config(**family.fixed)] + [
-        _config(**{**family.fixed, "num_experts": 4, "moe_layer_freq": freq}) for freq in (1, (1, 0))
+        _config(**{**family.fixed, **_shared_expert(family), "num_experts": 4, "moe_layer_freq": freq})
+        for freq in (1, (1, 0))
     ]
     accepted = [config for config in candidates if not family_mismatches(family, config)]
 

@@ -1,0 +1,347 @@
+"""f17a families (Qwen2-MoE, …): HF -> Megatron -> torch_dist -> HF is bit-exact, the Megatron
+rank files compute the HF model's logits, and config, generation config and tokenizer files survive.
+
+The fixtures (tests/hf_more_helpers.py) switch each family's own options on; the semantic check reads
+the TP-sharded rank files and their args with torch.load, never through pgconvert's merge.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from hf_helpers import assert_same_hf_tensors, edit_json, hf_logits, read_megatron_tp_ranks
+from hf_more_helpers import MODEL_VOCAB, MOE_FAMILIES, build_model, input_ids, megatron_args, reference_logits, save_model
+
+import pgconvert
+from pgconvert.errors import StrictModeError
+
+FAMILIES = ("qwen2_moe", "granite", "smollm3", "ministral", "phi3")
+SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("f17a_sources")
+    return {name: save_model(build_model(name, seed=3), root / name) for name in FAMILIES}
+
+
+def _layout(family: str, pp: int) -> dict[str, int]:
+    return {"dst_tp": 2, "dst_pp": pp, "dst_ep": 2 if family in MOE_FAMILIES else 1}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hf_to_megatron_to_torch_dist_to_hf_is_bit_exact_with_the_same_files_and_logits(
+        sources: dict[str, Path], tmp_path: Path, family: str) -> None:
+    src = sources[family]
+
+    pgconvert.convert(src, tmp_path / "megatron", dst_format="megatron", **_layout(family, pp=2))
+    pgconvert.convert(tmp_path / "megatron", tmp_path / "dist", dst_format="torch_dist")
+    back = pgconvert.convert(tmp_path / "dist", tmp_path / "hf", dst_format="hf", dst_tp=1, dst_pp=1, dst_ep=1)
+
+    assert back.src_format == "torch_dist"
+    assert_same_hf_tensors(src, tmp_path / "hf")
+    assert json.loads((tmp_path / "hf" / "config.json").read_text()) == json.loads((src / "config.json").read_text())
+    for name in SIDE_FILES:
+        assert (tmp_path / "hf" / name).read_bytes() == (src / name).read_bytes(), name
+    ids = input_ids()
+    torch.testing.assert_close(hf_logits(tmp_path / "hf", ids), hf_logits(src, ids), rtol=1e-5, atol=1e-5)
+
+
+def _megatron_logits(src: Path, dst: Path, family: str) -> torch.Tensor:
+    pgconvert.convert(src, dst, dst_format="megatron", **_layout(family, pp=1))
+    return reference_logits(read_megatron_tp_ranks(dst), megatron_args(dst), input_ids())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_megatron_tp_shards_and_args_compute_the_hf_models_logits(sources: dict[str, Path], tmp_path: Path,
+                                                                  family: str) -> None:
+    src = sources[family]
+
+    actual = _megatron_logits(src, tmp_path / "megatron", family)
+
+    expected = hf_logits(src, input_ids()).to(torch.float64)
+    assert actual.shape == (2, 12, MODEL_VOCAB)
+    torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4)
+
+
+# --- Qwen2-MoE ------------------------------------------------------------------------------------
+
+def test_qwen2_moe_megatron_args_hold_the_shared_expert_gate_layers_window_and_router(
+        sources: dict[str, Path], tmp_path: Path) -> None:
+    pgconvert.convert(sources["qwen2_moe"], tmp_path / "megatron", dst_format="megatron", dst_tp=2, dst_ep=2)
+
+    args = megatron_args(tmp_path / "megatron")
+
+    assert (args.moe_shared_expert_intermediate_size, args.moe_shared_expert_gate) == (48, True)
+    assert (args.moe_layer_freq, args.moe_router_pre_softmax, args.add_qkv_bias) == ([1, 1, 0, 1], True, True)
+    assert (args.window_size, args.window_attn_skip_freq) == ((4, 0), [1, 0, 1, 0])
+
+
+def test_reference_forward_is_sensitive_to_the_shared_expert_gate(sources: dict[str, Path], tmp_path: Path) -> None:
+    """Without the sigmoid gate the Megatron model computes other logits: the check sees the gate."""
+    pgconvert.convert(sources["qwen2_moe"], tmp_path / "megatron", dst_format="megatron", dst_tp=2, dst_ep=2)
+    args = megatron_args(tmp_path / "megatron")
+    args.moe_shared_expert_gate = False
+
+    actual = reference_logits(read_megatron_tp_ranks(tmp_path / "megatron"), args, input_ids())
+
+    expected = hf_logits(sources["qwen2_moe"], input_ids()).to(torch.float64)
+    assert not torch.allclose(actual, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_native_megatron_qwen2_moe_without_carried_config_is_written_as_qwen2_moe(
+        sources: dict[str, Path], tmp_path: Path) -> None:
+    """The Megatron checkpoint's hf/ folder removed: the family is inferred from args alone."""
+    src = sources["qwen2_moe"]
+    pgconvert.convert(src, tmp_path / "megatron", dst_format="megatron", dst_tp=2, dst_ep=2)
+    shutil.rmtree(tmp_path / "megatron" / "hf")
+
+    pgconvert.convert(tmp_path / "megatron", tmp_path / "hf", dst_format="hf", dst_tp=1, dst_pp=1, dst_ep=1)
+
+    written = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert written["architectures"] == ["Qwen2MoeForCausalLM"]
+    assert (written["shared_expert_intermediate_size"], written["mlp_only_layers"]) == (48, [2])
+    assert written["norm_topk_prob"] is False and written["layer_types"][:2] == ["sliding_attention", "full_attention"]
+    assert_same_hf_tensors(src, tmp_path / "hf")
+    ids = input_ids()
+    torch.testing.assert_close(hf_logits(tmp_path / "hf", ids), hf_logits(src, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_qwen2_moe_window_without_layer_types_follows_transformers_default(sources: dict[str, Path],
+                                                                           tmp_path: Path) -> None:
+    """transformers' own default when layer_types is absent: odd 1-based layers below max_window_layers."""
+    from transformers import AutoConfig
+
+    src = tmp_path / "src"
+    shutil.copytree(sources["qwen2_moe"], src)
+    edit_json(src / "config.json", lambda doc: doc.pop("layer_types"))
+    expected = [kind == "sliding_attention" for kind in AutoConfig.from_pretrained(src).layer_types]
+
+    pgconvert.convert(src, tmp_path / "megatron", dst_format="megatron")
+
+    assert megatron_args(tmp_path / "megatron").window_attn_skip_freq == [int(v) for v in expected]
+
+
+# --- Granite -------------------------------------------------------------------------------------
+
+def test_granite_multipliers_are_carried_in_args_and_named_on_every_megatron_output(
+        sources: dict[str, Path], tmp_path: Path) -> None:
+    report = pgconvert.convert(sources["granite"], tmp_path / "megatron", dst_format="megatron", dst_tp=2)
+    reshard = pgconvert.convert(tmp_path / "megatron", tmp_path / "tp1", dst_format="megatron", dst_tp=1)
+
+    for root, notices in ((tmp_path / "megatron", report.notices), (tmp_path / "tp1", reshard.notices)):
+        args = megatron_args(root)
+        assert (args.softmax_scale, args.embedding_multiplier, args.residual_multiplier, args.logits_scaling) == (
+            0.2, 12.0, 0.22, 8.0)
+        named = [n for n in notices if "megatron-core has no such setting" in n]
+        assert len(named) == 1 and all(f"{key}=" in named[0] for key in (
+            "embedding_multiplier", "residual_multiplier", "logits_scaling"))
+        manifest = json.loads((root / "pgconvert.json").read_text())
+        assert manifest["model_config"]["embedding_multiplier"] == 12.0
+
+
+def test_strict_refuses_a_megatron_target_that_would_drop_granites_multipliers(
+        sources: dict[str, Path], tmp_path: Path) -> None:
+    with pytest.raises(StrictModeError, match="embedding_multiplier=12.0, residual_multiplier=0.22, "
+                                              "logits_scaling=8.0: megatron-core has no such setting"):
+        pgconvert.convert(sources["granite"], tmp_path / "megatron", dst_format="megatron", strict=True)
+    assert not (tmp_path / "megatron").exists()
+
+
+def test_native_megatron_granite_without_carried_config_is_written_as_granite(
+        sources: dict[str, Path], tmp_path: Path) -> None:
+    src = sources["granite"]
+    pgconvert.convert(src, tmp_path / "megatron", dst_format="megatron", dst_tp=2)
+    shutil.rmtree(tmp_path / "megatron" / "hf")
+
+    pgconvert.convert(tmp_path / "megatron", tmp_path / "hf", dst_format="hf", dst_tp=1, dst_pp=1)
+
+    written = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert written["architectures"] == ["GraniteForCausalLM"]
+    assert {k: written[k] for k in ("embedding_multiplier", "residual_multiplier", "attention_multiplier",
+                                    "logits_scaling")} == {"embedding_multiplier": 12.0, "residual_multiplier": 0.22,
+                                                           "attention_multiplier": 0.2, "logits_scaling": 8.0}
+    ids = input_ids()
+    torch.testing.assert_close(hf_logits(tmp_path / "hf", ids), hf_logits(src, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_granite_model_written_as_llama_is_refused_under_strict_naming_the_multipliers(tmp_path: Path) -> None:
+    from pgconvert.config import ModelConfig
+    from pgconvert.semantics import hf_losses
+
+    config = ModelConfig(num_layers=2, hidden_size=8, num_attention_heads=2, ffn_hidden_size=8, vocab_size=10,
+                         embedding_multiplier=2.0, attention_multiplier=0.5)
+
+    assert hf_losses("LlamaForCausalLM", config) == [
+        "embedding_multiplier=2.0: LlamaForCausalLM has no such setting",
+        "attention_multiplier=0.5: LlamaForCausalLM has no such setting",
+    ]
+    assert hf_losses("GraniteForCausalLM", config) == []
+
+
+# --- SmolLM3 -------------------------------------------------------------------------------------
+
+def test_smollm3_nope_layers_are_megatron_cores_no_rope_freq(sources: dict[str, Path], tmp_path: Path) -> None:
+    """SmolLM3's no_rope_layers (1: RoPE) is the complement of megatron-core's no_rope_freq (1: no RoPE)."""
+    report = pgconvert.convert(sources["smollm3"], tmp_path / "megatron", dst_format="megatron", dst_tp=2)
+
+    args = megatron_args(tmp_path / "megatron")
+    assert json.loads((sources["smollm3"] / "config.json").read_text())["no_rope_layers"] == [1, 0, 1, 0]
+    assert (args.no_rope_freq, args.window_size, args.window_attn_skip_freq) == ([0, 1, 0, 1], (4, 0), [0, 1, 0, 1])
+    assert not any("megatron-core has no such setting" in notice for notice in report.notices)
+
+
+def test_reference_forward_is_sensitive_to_the_nope_layers(sources: dict[str, Path], tmp_path: Path) -> None:
+    pgconvert.convert(sources["smollm3"], tmp_path / "megatron", dst_format="megatron", dst_tp=2)
+    args = megatron_args(tmp_path / "megatron")
+    args.no_rope_freq = None
+
+    actual = reference_logits(read_megatron_tp_ranks(tmp_path / "megatron"), args, input_ids())
+
+    expected = hf_logits(sources["smollm3"], input_ids()).to(torch.float64)
+    assert not torch.allclose(actual, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_native_megatron_smollm3_without_carried_config_is_written_as_smollm3(
+        sources: dict[str, Path], tmp_path: Path) -> None:
+    src = sources["smollm3"]
+    pgconvert.convert(src, tmp_path / "megatron", dst_format="megatron", dst_tp=2)
+    shutil.rmtree(tmp_path / "megatron" / "hf")
+
+    pgconvert.convert(tmp_path / "megatron", tmp_path / "hf", dst_format="hf", dst_tp=1, dst_pp=1)
+
+    written = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert written["architectures"] == ["SmolLM3ForCausalLM"]
+    assert (written["no_rope_layers"], written["layer_types"][:2]) == ([1, 0, 1, 0], ["full_attention",
+                                                                                      "sliding_attention"])
+    ids = input_ids()
+    torch.testing.assert_close(hf_logits(tmp_path / "hf", ids), hf_logits(src, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_smollm3_without_no_rope_layers_uses_transformers_interval_default(sources: dict[str, Path],
+                                                                           tmp_path: Path) -> None:
+    from transformers import AutoConfig
+
+    src = tmp_path / "src"
+    shutil.copytree(sources["smollm3"], src)
+    edit_json(src / "config.json", lambda doc: [doc.pop(key) for key in ("no_rope_layers", "layer_types")])
+    expected = [1 - flag for flag in AutoConfig.from_pretrained(src).no_rope_layers]
+
+    pgconvert.convert(src, tmp_path / "megatron", dst_format="megatron")
+
+    assert megatron_args(tmp_path / "megatron").no_rope_freq == expected == [0, 1, 0, 1]
+
+
+# --- Ministral -----------------------------------------------------------------------------------
+
+def test_ministral_layer_pattern_is_megatrons_window_attn_skip_freq(sources: dict[str, Path], tmp_path: Path) -> None:
+    pgconvert.convert(sources["ministral"], tmp_path / "megatron", dst_format="megatron", dst_tp=2)
+
+    args = megatron_args(tmp_path / "megatron")
+
+    assert (args.window_size, args.window_attn_skip_freq, args.kv_channels) == ((4, 0), [1, 1, 1, 0], 16)
+
+
+def test_reference_forward_is_sensitive_to_the_window_pattern(sources: dict[str, Path], tmp_path: Path) -> None:
+    pgconvert.convert(sources["ministral"], tmp_path / "megatron", dst_format="megatron", dst_tp=2)
+    args = megatron_args(tmp_path / "megatron")
+    args.window_attn_skip_freq = None  # every layer windowed
+
+    actual = reference_logits(read_megatron_tp_ranks(tmp_path / "megatron"), args, input_ids())
+
+    expected = hf_logits(sources["ministral"], input_ids()).to(torch.float64)
+    assert not torch.allclose(actual, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_native_megatron_model_with_a_partial_window_is_written_as_ministral(
+        sources: dict[str, Path], tmp_path: Path) -> None:
+    """Llama-like, a window on some layers: Mistral windows all, Llama none, so Ministral it is."""
+    src = sources["ministral"]
+    pgconvert.convert(src, tmp_path / "megatron", dst_format="megatron", dst_tp=2)
+    shutil.rmtree(tmp_path / "megatron" / "hf")
+
+    pgconvert.convert(tmp_path / "megatron", tmp_path / "hf", dst_format="hf", dst_tp=1, dst_pp=1)
+
+    written = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert written["architectures"] == ["MinistralForCausalLM"]
+    assert (written["sliding_window"], written["layer_types"]) == (
+        5, ["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"])
+    ids = input_ids()
+    torch.testing.assert_close(hf_logits(tmp_path / "hf", ids), hf_logits(src, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_ministral_without_layer_types_windows_every_layer(sources: dict[str, Path], tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    shutil.copytree(sources["ministral"], src)
+    edit_json(src / "config.json", lambda doc: doc.pop("layer_types"))
+
+    pgconvert.convert(src, tmp_path / "megatron", dst_format="megatron")
+
+    args = megatron_args(tmp_path / "megatron")
+    assert (args.window_size, args.window_attn_skip_freq) == ((4, 0), None)
+
+
+# --- Phi-3 / Phi-4 -------------------------------------------------------------------------------
+
+def test_phi3_fused_qkv_is_regrouped_per_query_group_in_megatron(sources: dict[str, Path], tmp_path: Path) -> None:
+    """qkv_proj is [q0..q3; k0 k1; v0 v1]; TP rank 1's linear_qkv is group 1: [q2 q3 k1 v1]."""
+    from hf_helpers import load_hf_tensors
+
+    hf = load_hf_tensors(sources["phi3"])["model.layers.1.self_attn.qkv_proj.weight"]
+    pgconvert.convert(sources["phi3"], tmp_path / "megatron", dst_format="megatron", dst_tp=2)
+
+    rank1 = read_megatron_tp_ranks(tmp_path / "megatron")[1]["decoder.layers.1.self_attention.linear_qkv.weight"]
+    head = 16
+    q, k, v = hf[:64], hf[64:96], hf[96:]
+    expected = torch.cat([q[2 * head:4 * head], k[head:2 * head], v[head:2 * head]])
+    assert torch.equal(rank1, expected.to(torch.float64))
+
+
+def test_phi3_longrope_is_carried_in_args_with_a_notice_and_refused_under_strict(
+        sources: dict[str, Path], tmp_path: Path) -> None:
+    src = sources["phi3"]
+    report = pgconvert.convert(src, tmp_path / "megatron", dst_format="megatron", dst_tp=2)
+
+    args = megatron_args(tmp_path / "megatron")
+    carried = json.loads(args.hf_rope_parameters)
+    assert (carried["rope_type"], carried["original_max_position_embeddings"]) == ("longrope", 64)
+    assert carried["short_factor"] == [1.0, 1.25, 1.5, 1.75, 2.0, 2.25]
+    assert (args.rotary_percent, args.window_size) == (0.75, (6, 0))
+    assert [n for n in report.notices if "hf_rope_parameters=" in n and "megatron-core has no such setting" in n]
+    assert not [n for n in report.notices if "computes plain RoPE" in n]
+    with pytest.raises(StrictModeError, match="hf_rope_parameters="):
+        pgconvert.convert(src, tmp_path / "strict", dst_format="megatron", strict=True)
+
+
+def test_native_megatron_phi3_without_carried_config_is_written_as_phi3_with_longrope(
+        sources: dict[str, Path], tmp_path: Path) -> None:
+    src = sources["phi3"]
+    pgconvert.convert(src, tmp_path / "megatron", dst_format="megatron", dst_tp=2)
+    shutil.rmtree(tmp_path / "megatron" / "hf")
+
+    report = pgconvert.convert(tmp_path / "megatron", tmp_path / "hf", dst_format="hf", dst_tp=1, dst_pp=1)
+
+    written = json.loads((tmp_path / "hf" / "config.json").read_text())
+    source = json.loads((src / "config.json").read_text())
+    assert written["architectures"] == ["Phi3ForCausalLM"]
+    assert written["rope_parameters"] == source["rope_parameters"]
+    assert (written["partial_rotary_factor"], written["original_max_position_embeddings"]) == (0.75, 64)
+    assert not [n for n in report.notices if "rotary_percent" in n]
+    assert_same_hf_tensors(src, tmp_path / "hf")
+    ids = input_ids()
+    torch.testing.assert_close(hf_logits(tmp_path / "hf", ids), hf_logits(src, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_reference_forward_is_sensitive_to_longrope(sources: dict[str, Path], tmp_path: Path) -> None:
+    pgconvert.convert(sources["phi3"], tmp_path / "megatron", dst_format="megatron", dst_tp=2)
+    args = megatron_args(tmp_path / "megatron")
+    args.hf_rope_parameters = None
+
+    actual = reference_logits(read_megatron_tp_ranks(tmp_path / "megatron"), args, input_ids())
+
+    expected = hf_logits(sources["phi3"], input_ids()).to(torch.float64)
+    assert not torch.allclose(actual, expected, rtol=1e-4, atol=1e-4)

@@ -12,7 +12,8 @@ from pgconvert.limits import quote
 
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")
 POSITION_EMBEDDINGS = ("rope", "learned_absolute", "none")
-ACTIVATIONS = ("silu", "gelu")
+# gelu_tanh: the tanh approximation (HF gelu_pytorch_tanh, Megatron-LM --openai-gelu).
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
 # Megatron's two layer specs name the fused norms differently; pgconvert keeps the source's choice.
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -21,6 +22,14 @@ DTYPES = ("float32", "bfloat16", "float16")
 # (``--rotary-seq-len-interpolation-factor``). None: plain RoPE.
 ROPE_SCALINGS = ("llama3", "linear")
 MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")
+
+
+# f17b: the values of the post-sublayer-norm fields for a plain pre-norm decoder (families fix them).
+POSTNORM_OFF: dict[str, object] = {
+    "post_self_attn_layernorm": False, "post_mlp_layernorm": False, "pre_layernorms": True,
+    "embedding_scale_sqrt_hidden": False, "query_pre_attn_scalar": None, "attn_logit_softcapping": None,
+    "final_logit_softcapping": None, "rotary_base_local": None,
+}
 
 
 @dataclass(frozen=True)
@@ -79,6 +88,19 @@ class ModelConfig:
     moe_router_pre_softmax: bool = False
     moe_router_topk_scaling_factor: float | None = None
     moe_aux_loss_coeff: float = 0.0
+    # f17b: norms after the sublayers and the Gemma 2/3, OLMo 2, GLM-4 settings (pgconvert.families_postnorm).
+    # A norm of the attention (MLP) output before its residual add; OLMo 2 has these and no pre-norms.
+    post_self_attn_layernorm: bool = False
+    post_mlp_layernorm: bool = False
+    pre_layernorms: bool = True
+    # Embeddings times sqrt(hidden_size) (Gemma); attention scores scaled by query_pre_attn_scalar**-0.5
+    # instead of head_dim**-0.5; tanh soft-capping of attention scores and of the final logits.
+    embedding_scale_sqrt_hidden: bool = False
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    # The RoPE base of the sliding-window layers where it differs from rotary_base (Gemma 3).
+    rotary_base_local: float | None = None
 
     def __post_init__(self) -> None:
         self._check_semantics()
@@ -157,6 +179,11 @@ class ModelConfig:
             _require_finite("moe_router_topk_scaling_factor", self.moe_router_topk_scaling_factor)
         if self.sliding_window is not None:
             _require_positive("sliding_window", self.sliding_window)
+        for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
+                     "rotary_base_local"):
+            value = getattr(self, name)
+            if value is not None and (_require_finite(name, value) or value <= 0):
+                raise ConfigError(f"{name}={quote(value)}: must be > 0")
         if isinstance(self.window_layers, list):
             object.__setattr__(self, "window_layers", tuple(self.window_layers))
         if self.window_layers is not None:

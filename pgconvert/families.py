@@ -24,7 +24,7 @@ from types import MappingProxyType
 
 import torch
 
-from pgconvert.config import ModelConfig
+from pgconvert.config import POSTNORM_OFF, ModelConfig
 from pgconvert.limits import quote
 from pgconvert.semantics import MEGATRON_LLAMA3, rope_parameters, rope_type_of
 
@@ -238,6 +238,8 @@ class ConfigField:
     default: object = REQUIRED
     legacy: tuple[tuple[str, ...], ...] = ()
     written: Callable[[ModelConfig], object] | None = None
+    # f17b: a null means None (the setting off), not the default (Gemma 2's soft-capping defaults to on).
+    nullable: bool = False
 
     @property
     def key(self) -> str:
@@ -299,6 +301,9 @@ class Family:
     hf_scratch: Mapping[str, object] = field(default_factory=dict)
     rules: tuple[ConfigRule, ...] = ()
     hf_assumed: Mapping[str, object] = field(default_factory=dict)
+    # f17b: HF's norms compute with 1 + w as megatron-core's zero-centred gamma does (Gemma): the
+    # weights are the same numbers on both sides, not written as 1 + gamma.
+    hf_norms_zero_centred: bool = False
 
     def __post_init__(self) -> None:
         for name in ("fixed", "hf_fixed", "hf_scratch", "hf_assumed"):
@@ -624,6 +629,7 @@ _AUX_LOSS = ConfigField(("router_aux_loss_coef",), "moe_aux_loss_coeff", float, 
 # What every family below is, in Megatron terms: SwiGLU MLP, RMSNorm, RoPE; the dense ones have no
 # experts, the MoE ones routed experts only (no shared experts, no router expert bias).
 _SWIGLU_RMS_ROPE: dict[str, object] = {
+    **POSTNORM_OFF,  # f17b: norms before the sublayers only, nothing Gemma-specific
     "gated_linear_unit": True,
     "activation": "silu",
     "normalization": "RMSNorm",
@@ -734,6 +740,9 @@ QWEN3_MOE = Family(
 FAMILIES: dict[str, Family] = {
     family.architecture: family for family in (LLAMA, MISTRAL, QWEN2, QWEN3, MIXTRAL, QWEN3_MOE)
 }
+from pgconvert.families_postnorm import POSTNORM_FAMILIES, POSTNORM_INFERENCE_ORDER  # noqa: E402  (f17b)
+
+FAMILIES.update((family.architecture, family) for family in POSTNORM_FAMILIES)  # f17b
 
 # The family written for a source that carries no HF architecture (a Megatron checkpoint): the
 # first whose fixed values and rules the model satisfies. Mistral is Llama's tensors and config
@@ -741,7 +750,7 @@ FAMILIES: dict[str, Family] = {
 # families need num_experts=None and the MoE ones routed experts, so at most one kind fits.
 INFERENCE_ORDER: tuple[str, ...] = (
     "Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "Qwen3MoeForCausalLM",
-    "MixtralForCausalLM",
+    "MixtralForCausalLM", *POSTNORM_INFERENCE_ORDER,
 )
 
 

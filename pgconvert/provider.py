@@ -48,6 +48,22 @@ def _qkv_bias(config: ModelConfig) -> bool:
     return config.has_qkv_bias
 
 
+def _pre_norm(config: ModelConfig) -> bool:
+    return config.pre_layernorms
+
+
+def _pre_norm_bias(config: ModelConfig) -> bool:
+    return config.pre_layernorms and config.normalization == "LayerNorm"
+
+
+def _post_attention_norm(config: ModelConfig) -> bool:
+    return config.post_self_attn_layernorm
+
+
+def _post_mlp_norm(config: ModelConfig) -> bool:
+    return config.post_mlp_layernorm
+
+
 def _fc1_rule(config: ModelConfig) -> ShardRule:
     return GATED if config.gated_linear_unit else COLUMN
 
@@ -108,9 +124,9 @@ def _shared_rows(c: ModelConfig) -> int:
 # Per-layer tensors, names relative to ``decoder.layers.{L}.``; the TE spec fuses the input and
 # pre-MLP norms into the following linear (``layer_norm_weight``), megatron-core's local spec keeps them.
 ATTENTION_TENSORS: tuple[TensorKind, ...] = (
-    TensorKind("input_layernorm.weight", _hidden, REPLICATED,
+    TensorKind("input_layernorm.weight", _hidden, REPLICATED, _pre_norm,
                te_name="self_attention.linear_qkv.layer_norm_weight"),
-    TensorKind("input_layernorm.bias", _hidden, REPLICATED, _layernorm,
+    TensorKind("input_layernorm.bias", _hidden, REPLICATED, _pre_norm_bias,
                te_name="self_attention.linear_qkv.layer_norm_bias"),
     TensorKind("self_attention.linear_qkv.weight", lambda c: (c.qkv_rows, c.hidden_size), COLUMN),
     TensorKind("self_attention.linear_qkv.bias", lambda c: (c.qkv_rows,), COLUMN, _qkv_bias),
@@ -121,16 +137,21 @@ ATTENTION_TENSORS: tuple[TensorKind, ...] = (
     TensorKind("self_attention.linear_proj.weight",
                lambda c: (c.hidden_size, c.num_attention_heads * c.head_dim), ROW),
     TensorKind("self_attention.linear_proj.bias", _hidden, REPLICATED, _bias),
+    # f17b: Megatron-Bridge's post-attention norm, a TENorm inside its TERowParallelLinearLayerNorm
+    # linear_proj (NVIDIA-NeMo/Megatron-Bridge src/megatron/bridge/models/gemma/gemma3_provider.py).
+    TensorKind("self_attention.linear_proj.post_layernorm.weight", _hidden, REPLICATED, _post_attention_norm),
 )
 DENSE_MLP_TENSORS: tuple[TensorKind, ...] = (
-    TensorKind("pre_mlp_layernorm.weight", _hidden, REPLICATED,
+    TensorKind("pre_mlp_layernorm.weight", _hidden, REPLICATED, _pre_norm,
                te_name="mlp.linear_fc1.layer_norm_weight"),
-    TensorKind("pre_mlp_layernorm.bias", _hidden, REPLICATED, _layernorm,
+    TensorKind("pre_mlp_layernorm.bias", _hidden, REPLICATED, _pre_norm_bias,
                te_name="mlp.linear_fc1.layer_norm_bias"),
     TensorKind("mlp.linear_fc1.weight", _fc1_shape, _fc1_rule),
     TensorKind("mlp.linear_fc1.bias", lambda c: (c.fc1_rows,), _fc1_rule, _bias),
     TensorKind("mlp.linear_fc2.weight", lambda c: (c.hidden_size, c.ffn_hidden_size), ROW),
     TensorKind("mlp.linear_fc2.bias", _hidden, REPLICATED, _bias),
+    # f17b: the post-MLP norm, inside linear_fc2 as Megatron-Bridge's Gemma 2/3 specs place it.
+    TensorKind("mlp.linear_fc2.post_layernorm.weight", _hidden, REPLICATED, _post_mlp_norm),
 )
 # An MoE layer's pre-MLP norm is a separate module in both specs (nothing to fuse it into). The
 # router and its expert bias stay in their own dtype (float32 in megatron-core) whatever --dtype says.

@@ -28,6 +28,7 @@ from typing import Any
 from pgconvert.config import ModelConfig
 from pgconvert.errors import CheckpointError, StrictModeError
 from pgconvert.limits import quote
+from pgconvert.postnorm_args import megatron_core_gaps, postnorm_from_args, postnorm_to_args
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +132,28 @@ SEMANTICS: tuple[Setting, ...] = (
             "Megatron's defaults are 0.1; an HF source writes its own values (0.0) explicitly"),
     Setting("dtype", ("params_dtype",), ("params_dtype", "bf16", "fp16"), _ARGS.format("params_dtype"),
             {ALL_FAMILIES: "dtype (4.x: torch_dtype)"}),
+    # f17b: norms after the sublayers and Gemma's settings (pgconvert.postnorm_args, families_postnorm).
+    Setting("post-sublayer norms", ("post_self_attn_layernorm", "post_mlp_layernorm", "pre_layernorms"),
+            ("post_self_attn_layernorm", "post_mlp_layernorm", "pre_layernorms"),
+            _ARGS.format("post_self_attn_layernorm / post_mlp_layernorm / pre_layernorms"),
+            _hf(Gemma3ForCausalLM="post_attention_layernorm, post_feedforward_layernorm tensors (always)",
+                Gemma2ForCausalLM="post_attention_layernorm, post_feedforward_layernorm tensors (always)",
+                ALL="none (other families: pre-norm only)"),
+            "Megatron-Bridge's TERowParallelLinearLayerNorm; megatron-core alone: notice"),
+    Setting("embedding scale", ("embedding_scale_sqrt_hidden",), ("embedding_scale_sqrt_hidden",),
+            _ARGS.format("embedding_scale_sqrt_hidden"),
+            _hf(Gemma3ForCausalLM="always", Gemma2ForCausalLM="always", ALL="never")),
+    Setting("attention scale", ("query_pre_attn_scalar",), ("query_pre_attn_scalar", "softmax_scale"),
+            _ARGS.format("query_pre_attn_scalar (softmax_scale = its -1/2 power)"),
+            _hf(Gemma3ForCausalLM="query_pre_attn_scalar", Gemma2ForCausalLM="query_pre_attn_scalar")),
+    Setting("logit soft-capping", ("attn_logit_softcapping", "final_logit_softcapping"),
+            ("attn_logit_softcapping", "final_logit_softcapping"),
+            _ARGS.format("attn_logit_softcapping / final_logit_softcapping"),
+            _hf(Gemma3ForCausalLM="attn_logit_softcapping, final_logit_softcapping",
+                Gemma2ForCausalLM="attn_logit_softcapping, final_logit_softcapping (null: off)")),
+    Setting("local rope theta", ("rotary_base_local",), ("rotary_base_local",), _ARGS.format("rotary_base_local"),
+            _hf(Gemma3ForCausalLM="rope_parameters.sliding_attention.rope_theta"),
+            "the sliding-window layers' base; rotary_base and any linear scaling are the full-attention layers'"),
 )
 
 SEMANTIC_FIELDS: tuple[str, ...] = tuple(dict.fromkeys(name for row in SEMANTICS for name in row.fields))
@@ -215,6 +238,7 @@ def from_args(args: argparse.Namespace, path: Path) -> dict[str, Any]:
         "hidden_dropout": _number(args, "hidden_dropout", MEGATRON_DEFAULT_DROPOUT, path),
         **_rope_from_args(args, path),
         **_window_from_args(args, path),
+        **postnorm_from_args(args, path),  # f17b
     }
     if getattr(args, "num_experts", None):
         scaling = getattr(args, "moe_router_topk_scaling_factor", None)
@@ -243,6 +267,7 @@ def to_args(config: ModelConfig) -> dict[str, Any]:
         "apply_layernorm_1p": config.layernorm_zero_centered_gamma,
         "attention_dropout": config.attention_dropout,
         "hidden_dropout": config.hidden_dropout,
+        **postnorm_to_args(config),  # f17b
     }
     if config.num_experts is not None:
         values.update({
@@ -336,6 +361,10 @@ def check_target(source: Any, target_format: str, strict: bool) -> None:
     """Settings of an HF source that a Megatron target cannot hold (an hf target keeps config.json)."""
     if target_format == "hf":
         return
+    gaps, refused = megatron_core_gaps(source.config)  # f17b
+    source.notices.extend(gaps)
+    for message in refused:
+        lose(message, strict, source.notices)
     for message in source.unrepresentable:
         lose(message, strict, source.notices)
     config = source.config

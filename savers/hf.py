@@ -231,7 +231,8 @@ class HFSaver(Saver):
             lose(message, options.strict, source.notices)
         source.notices.extend(hf_training_notes(family.architecture, source.config))
         dtype = _out_dtype(source.meta(WORD_EMBEDDINGS).dtype, options)
-        if source.config.layernorm_zero_centered_gamma and dtype not in (torch.float32, torch.float64):
+        if (source.config.layernorm_zero_centered_gamma and not family.hf_norms_zero_centred
+                and dtype not in (torch.float32, torch.float64)):
             lose(f"layernorm_zero_centered_gamma=True: the norm weights are written as 1 + gamma, rounded to {dtype}",
                  options.strict, source.notices)
 
@@ -329,7 +330,8 @@ class HFSaver(Saver):
                         full = full.narrow(0, 0, config.vocab_size)
                     if config.rotary_interleaved:
                         full = rotate_half_order(unit.canonical, full, config)
-                    if config.layernorm_zero_centered_gamma and unit.canonical.endswith(ZERO_CENTRED_NORMS):
+                    if (config.layernorm_zero_centered_gamma and not family.hf_norms_zero_centred
+                            and unit.canonical.endswith(ZERO_CENTRED_NORMS)):
                         # megatron-core's norms compute with 1 + gamma (--apply-layernorm-1p); HF's with gamma.
                         full = full.to(torch.float32) + 1.0
                     for hf_name, piece in zip(unit.hf_names, unit.row.transform.split(full, config), strict=True):

@@ -183,6 +183,11 @@ _PLAIN_ROPE = ConfigRule(keys=("rope_parameters",),
                          read=_read_plain_rope, write=_write_plain_rope, refuses=_refuses_scaled_rope)
 
 
+def _scalar_as_written(config: ModelConfig) -> object:
+    scalar = config.query_pre_attn_scalar
+    return int(scalar) if scalar is not None and scalar.is_integer() else scalar
+
+
 def _gemma_fields(max_positions: int, final_softcap: float | None,
                   attn_softcap: float | None) -> tuple[ConfigField, ...]:
     """config.json fields of Gemma 2/3 (defaults: transformers' class defaults, which
@@ -199,7 +204,9 @@ def _gemma_fields(max_positions: int, final_softcap: float | None,
         ConfigField(("vocab_size",), "vocab_size", int),
         ConfigField(("tie_word_embeddings",), "tie_embeddings", bool, default=True),
         ConfigField(("attention_dropout",), "attention_dropout", float, default=0.0),
-        ConfigField(("query_pre_attn_scalar",), "query_pre_attn_scalar", float, default=256.0),
+        # transformers types it int (its strict config refuses 256.0).
+        ConfigField(("query_pre_attn_scalar",), "query_pre_attn_scalar", float, default=256.0,
+                    written=_scalar_as_written),
         ConfigField(("final_logit_softcapping",), "final_logit_softcapping", float, default=final_softcap,
                     nullable=True),
         ConfigField(("attn_logit_softcapping",), "attn_logit_softcapping", float, default=attn_softcap,

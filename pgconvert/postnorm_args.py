@@ -23,6 +23,12 @@ from pgconvert.config import POSTNORM_OFF, ModelConfig
 from pgconvert.errors import CheckpointError
 from pgconvert.limits import quote
 
+# Megatron-Bridge's names (the module docstring cites them), and the ones with no Megatron spelling
+# at all, pgconvert's own: Megatron-Bridge builds these from the layer spec, not from a setting.
+BRIDGE_ARGS = frozenset({"query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
+                         "rotary_base_local"})
+PGCONVERT_ARGS = frozenset({"post_self_attn_layernorm", "post_mlp_layernorm", "pre_layernorms",
+                            "embedding_scale_sqrt_hidden"})
 _FLAGS = ("post_self_attn_layernorm", "post_mlp_layernorm", "pre_layernorms", "embedding_scale_sqrt_hidden")
 _NUMBERS = ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping", "rotary_base_local")
 

@@ -28,7 +28,7 @@ MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")
 POSTNORM_OFF: dict[str, object] = {
     "post_self_attn_layernorm": False, "post_mlp_layernorm": False, "pre_layernorms": True,
     "embedding_scale_sqrt_hidden": False, "query_pre_attn_scalar": None, "attn_logit_softcapping": None,
-    "final_logit_softcapping": None, "rotary_base_local": None,
+    "final_logit_softcapping": None, "rotary_base_local": None, "qk_layernorm_across_heads": False,
 }
 
 
@@ -101,6 +101,9 @@ class ModelConfig:
     final_logit_softcapping: float | None = None
     # The RoPE base of the sliding-window layers where it differs from rotary_base (Gemma 3).
     rotary_base_local: float | None = None
+    # q/k norms over the whole projection (num_heads * head_dim, one RMS over all heads: OLMo 2, OLMoE)
+    # instead of per head.
+    qk_layernorm_across_heads: bool = False
 
     def __post_init__(self) -> None:
         self._check_semantics()

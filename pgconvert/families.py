@@ -304,6 +304,8 @@ class Family:
     # f17b: HF's norms compute with 1 + w as megatron-core's zero-centred gamma does (Gemma): the
     # weights are the same numbers on both sides, not written as 1 + gamma.
     hf_norms_zero_centred: bool = False
+    # f17b: HF's rotary is itself interleaved (GLM-4): q/k rows are not reordered to rotate-half.
+    hf_rotary_interleaved: bool = False
 
     def __post_init__(self) -> None:
         for name in ("fixed", "hf_fixed", "hf_scratch", "hf_assumed"):

@@ -1,4 +1,4 @@
-"""Families with norms after their sublayers (f17b): Gemma 3 (text), Gemma 2.
+"""Families with norms after their sublayers (f17b): Gemma 3 (text), Gemma 2, OLMo 2, OLMoE, GLM-4.
 
 They share one mechanism: the tensor kinds ``self_attention.linear_proj.post_layernorm.weight`` and
 ``mlp.linear_fc2.post_layernorm.weight`` (``pgconvert.provider``, Megatron-Bridge's names) and the
@@ -9,6 +9,10 @@ Gemma's HF norms compute ``x * (1 + w)`` and store ``w``, as megatron-core's zer
 (``layernorm_zero_centered_gamma``) does, so the weights are copied unchanged
 (``Family.hf_norms_zero_centred``). HF's ``post_attention_layernorm`` is Gemma's norm *after*
 attention, not the pre-MLP norm it is in Llama (that one is ``pre_feedforward_layernorm``).
+OLMo 2 has the post norms and no pre norms (``pre_layernorms=False``); OLMo 2 and OLMoE normalize q
+and k over the whole projection (``qk_layernorm_across_heads``); GLM-4 has both norms around each
+sublayer, HF's own interleaved partial rotary (``Family.hf_rotary_interleaved``) and a fused
+``gate_up_proj`` that is megatron-core's ``linear_fc1`` as it is.
 """
 
 from __future__ import annotations
@@ -17,14 +21,26 @@ from collections.abc import Mapping
 
 from pgconvert.config import ModelConfig
 from pgconvert.families import (
+    _AUX_LOSS,
+    _DENSE_FFN,
+    _NORM_TOPK_RULE,
+    _ROPE_RULE,
     DROPPED,
     GATE_UP,
+    IDENTITY,
     QKV,
+    QWEN3_MOE_TENSORS,
     ConfigField,
     ConfigRule,
     Family,
     TensorMapping,
     TensorTable,
+    _decoder_fields,
+    _every_layer_moe,
+    _no_keys,
+    _read_rope,
+    _refuses_dense_layers,
+    _write_rope,
 )
 from pgconvert.limits import quote
 
@@ -256,7 +272,133 @@ GEMMA2 = Family(
     hf_norms_zero_centred=True,
 )
 
-POSTNORM_FAMILIES: tuple[Family, ...] = (GEMMA3, GEMMA2)
+_OLMO2_TENSORS = TensorTable((
+    TensorMapping("embedding.word_embeddings.weight", ("model.embed_tokens.weight",)),
+    TensorMapping(_D + "self_attention.linear_qkv.weight", (
+        _L + "self_attn.q_proj.weight", _L + "self_attn.k_proj.weight", _L + "self_attn.v_proj.weight"), QKV),
+    TensorMapping(_D + "self_attention.q_layernorm.weight", (_L + "self_attn.q_norm.weight",)),
+    TensorMapping(_D + "self_attention.k_layernorm.weight", (_L + "self_attn.k_norm.weight",)),
+    TensorMapping(_D + "self_attention.linear_proj.weight", (_L + "self_attn.o_proj.weight",)),
+    TensorMapping(_D + "self_attention.linear_proj.post_layernorm.weight", (_L + "post_attention_layernorm.weight",)),
+    TensorMapping(_D + "mlp.linear_fc1.weight", (_L + "mlp.gate_proj.weight", _L + "mlp.up_proj.weight"), GATE_UP),
+    TensorMapping(_D + "mlp.linear_fc2.weight", (_L + "mlp.down_proj.weight",)),
+    TensorMapping(_D + "mlp.linear_fc2.post_layernorm.weight", (_L + "post_feedforward_layernorm.weight",)),
+    TensorMapping("decoder.final_layernorm.weight", ("model.norm.weight",)),
+    TensorMapping("output_layer.weight", ("lm_head.weight",)),
+    TensorMapping(None, ("model.rotary_emb.inv_freq",), DROPPED),
+))
+# GLM-4: input norm, attention (q/k/v biases), post-attention norm, pre-MLP norm (HF's
+# post_attention_layernorm, as in Llama), MLP, post-MLP norm.
+_GLM4_TENSORS = TensorTable((
+    TensorMapping("embedding.word_embeddings.weight", ("model.embed_tokens.weight",)),
+    TensorMapping(_D + "input_layernorm.weight", (_L + "input_layernorm.weight",)),
+    TensorMapping(_D + "self_attention.linear_qkv.weight", (
+        _L + "self_attn.q_proj.weight", _L + "self_attn.k_proj.weight", _L + "self_attn.v_proj.weight"), QKV),
+    TensorMapping(_D + "self_attention.linear_qkv.bias", (
+        _L + "self_attn.q_proj.bias", _L + "self_attn.k_proj.bias", _L + "self_attn.v_proj.bias"), QKV),
+    TensorMapping(_D + "self_attention.linear_proj.weight", (_L + "self_attn.o_proj.weight",)),
+    TensorMapping(_D + "self_attention.linear_proj.post_layernorm.weight", (_L + "post_self_attn_layernorm.weight",)),
+    TensorMapping(_D + "pre_mlp_layernorm.weight", (_L + "post_attention_layernorm.weight",)),
+    # HF's fused [gate; up] is linear_fc1 row for row.
+    TensorMapping(_D + "mlp.linear_fc1.weight", (_L + "mlp.gate_up_proj.weight",), IDENTITY),
+    TensorMapping(_D + "mlp.linear_fc2.weight", (_L + "mlp.down_proj.weight",)),
+    TensorMapping(_D + "mlp.linear_fc2.post_layernorm.weight", (_L + "post_mlp_layernorm.weight",)),
+    TensorMapping("decoder.final_layernorm.weight", ("model.norm.weight",)),
+    TensorMapping("output_layer.weight", ("lm_head.weight",)),
+    TensorMapping(None, ("model.rotary_emb.inv_freq",), DROPPED),
+))
+
+# SwiGLU, RMSNorm (w, not 1 + w), RoPE; what each family adds is in its own fixed values.
+_PLAIN: dict[str, object] = {
+    "gated_linear_unit": True, "activation": "silu", "normalization": "RMSNorm", "position_embedding_type": "rope",
+    "add_bias_linear": False, "layernorm_zero_centered_gamma": False, "embedding_scale_sqrt_hidden": False,
+    "query_pre_attn_scalar": None, "attn_logit_softcapping": None, "final_logit_softcapping": None,
+    "rotary_base_local": None, "sliding_window": None,
+}
+_MOE_OFF: dict[str, object] = {"moe_shared_expert_intermediate_size": None, "moe_router_enable_expert_bias": False}
+_HF_OLMO: dict[str, object] = {"hidden_act": "silu", "attention_bias": False}
+_ROPE_DEFAULT: dict[str, object] = {"rope_parameters": {"rope_type": "default"}}
+
+OLMO2 = Family(
+    architecture="Olmo2ForCausalLM",
+    model_type="olmo2",
+    tensors=_OLMO2_TENSORS,
+    fields=(*_decoder_fields(max_position_embeddings=2048, norm_epsilon=1e-5), _DENSE_FFN),
+    rules=(_ROPE_RULE,),
+    fixed={**_PLAIN, "num_experts": None, "add_qkv_bias": False, "qk_layernorm": True, "qk_layernorm_across_heads": True,
+           "pre_layernorms": False, "post_self_attn_layernorm": True, "post_mlp_layernorm": True},
+    hf_fixed=_HF_OLMO,
+    hf_scratch=_ROPE_DEFAULT,
+)
+
+
+def _expert_ffn(config: ModelConfig) -> int:
+    return config.expert_ffn_size
+
+
+OLMOE = Family(
+    architecture="OlmoeForCausalLM",
+    model_type="olmoe",
+    tensors=QWEN3_MOE_TENSORS,
+    fields=(
+        *_decoder_fields(max_position_embeddings=4096, norm_epsilon=1e-5),
+        ConfigField(("intermediate_size",), "moe_ffn_hidden_size", int, default=2048, written=_expert_ffn),
+        ConfigField(("num_experts",), "num_experts", int, default=64, legacy=(("num_local_experts",),)),
+        ConfigField(("num_experts_per_tok",), "moe_router_topk", int, default=8),
+        _AUX_LOSS,
+    ),
+    rules=(ConfigRule(keys=(), model_fields=("ffn_hidden_size", "moe_layer_freq"), read=_every_layer_moe,
+                      write=_no_keys, refuses=_refuses_dense_layers), _ROPE_RULE, _NORM_TOPK_RULE),
+    fixed={**_PLAIN, **_MOE_OFF, "add_qkv_bias": False, "qk_layernorm": True, "qk_layernorm_across_heads": True,
+           "pre_layernorms": True, "post_self_attn_layernorm": False, "post_mlp_layernorm": False},
+    # clip_qkv clamps q, k and v: no Megatron layer does.
+    hf_fixed={**_HF_OLMO, "clip_qkv": None},
+    hf_scratch=_ROPE_DEFAULT,
+)
+
+
+def _read_glm4_rope(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
+    """As Llama's, but a missing partial_rotary_factor is GLM-4's 0.5 (Glm4Config's default)."""
+    params = present.get("rope_parameters")
+    if isinstance(params, dict) and "partial_rotary_factor" not in params and "partial_rotary_factor" not in present:
+        present = {**present, "partial_rotary_factor": 0.5}
+    elif params is None and "partial_rotary_factor" not in present:
+        present = {**present, "partial_rotary_factor": 0.5}
+    return _read_rope(present, model)
+
+
+def _write_glm4_rope(config: ModelConfig) -> Mapping[str, object]:
+    written = dict(_write_rope(config))
+    params = dict(written["rope_parameters"])  # type: ignore[arg-type]
+    params["partial_rotary_factor"] = config.rotary_percent
+    return {**written, "rope_parameters": params}
+
+
+GLM4 = Family(
+    architecture="Glm4ForCausalLM",
+    model_type="glm4",
+    tensors=_GLM4_TENSORS,
+    fields=(
+        *_decoder_fields(max_position_embeddings=131072, norm_epsilon=1.5625e-07),
+        _DENSE_FFN,
+        # GLM-4's attention_bias biases q, k and v (not o_proj): Megatron's add_qkv_bias.
+        ConfigField(("attention_bias",), "add_qkv_bias", bool, default=True),
+    ),
+    rules=(ConfigRule(keys=_ROPE_RULE.keys, model_fields=_ROPE_RULE.model_fields, read=_read_glm4_rope,
+                      write=_write_glm4_rope),),
+    fixed={**_PLAIN, "num_experts": None, "qk_layernorm": False, "qk_layernorm_across_heads": False,
+           "pre_layernorms": True, "post_self_attn_layernorm": True, "post_mlp_layernorm": True,
+           "rotary_interleaved": True},
+    hf_fixed={"hidden_act": "silu"},
+    # Glm4Config's pad id 151329 is a padding_idx transformers refuses for a smaller vocab: a config
+    # built from the model alone (token ids unknown) says none.
+    hf_scratch={**_ROPE_DEFAULT, "pad_token_id": None, "eos_token_id": None},
+    hf_rotary_interleaved=True,
+)
+
+POSTNORM_FAMILIES: tuple[Family, ...] = (GEMMA3, GEMMA2, OLMO2, OLMOE, GLM4)
 # A model from a Megatron source with no HF config is written as the first that fits: Gemma 3
-# needs a local RoPE base and qk-norm, Gemma 2 neither.
-POSTNORM_INFERENCE_ORDER: tuple[str, ...] = ("Gemma3ForCausalLM", "Gemma2ForCausalLM")
+# needs a local RoPE base and qk-norm, Gemma 2 neither; OLMo 2 has no pre-norms, OLMoE experts,
+# GLM-4 interleaved rotary.
+POSTNORM_INFERENCE_ORDER: tuple[str, ...] = ("Gemma3ForCausalLM", "Gemma2ForCausalLM", "Olmo2ForCausalLM",
+                                             "OlmoeForCausalLM", "Glm4ForCausalLM")

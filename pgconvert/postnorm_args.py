@@ -28,8 +28,13 @@ from pgconvert.limits import quote
 BRIDGE_ARGS = frozenset({"query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
                          "rotary_base_local"})
 PGCONVERT_ARGS = frozenset({"post_self_attn_layernorm", "post_mlp_layernorm", "pre_layernorms",
-                            "embedding_scale_sqrt_hidden"})
-_FLAGS = ("post_self_attn_layernorm", "post_mlp_layernorm", "pre_layernorms", "embedding_scale_sqrt_hidden")
+                            "embedding_scale_sqrt_hidden", "qk_layernorm_across_heads"})
+# HF architectures that compute partial rotary, and routers that softmax over all experts first
+# (norm_topk_prob false): semantics.hf_losses names neither as lost for them.
+PARTIAL_ROTARY_ARCHITECTURES = frozenset({"Glm4ForCausalLM"})
+PRE_SOFTMAX_ARCHITECTURES = frozenset({"Qwen3MoeForCausalLM", "OlmoeForCausalLM"})
+_FLAGS = ("post_self_attn_layernorm", "post_mlp_layernorm", "pre_layernorms", "embedding_scale_sqrt_hidden",
+          "qk_layernorm_across_heads")
 _NUMBERS = ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping", "rotary_base_local")
 
 
@@ -66,12 +71,13 @@ def megatron_core_gaps(config: ModelConfig) -> tuple[list[str], list[str]]:
     settings no Megatron layer computes: refused under --strict)."""
     bridge = [f"{name}={getattr(config, name)!r}" for name in _NUMBERS if getattr(config, name) is not None]
     bridge += [f"{name}=True" for name in ("post_self_attn_layernorm", "post_mlp_layernorm",
-                                           "embedding_scale_sqrt_hidden") if getattr(config, name)]
+                                           "embedding_scale_sqrt_hidden", "qk_layernorm_across_heads")
+               if getattr(config, name)]
     notices = []
     if bridge:
         notices.append(
             f"args {', '.join(bridge)}: megatron-core's GPTModel does not compute these; Megatron-Bridge's custom "
-            "layers do (its Gemma 2/3 providers), so build the model with them; the args and pgconvert.json carry them")
+            "layers do (its Gemma 2/3 and OLMoE providers), so build the model with them; the args and pgconvert.json carry them")
     refused = [] if config.pre_layernorms else [
         "pre_layernorms=False (norms after the sublayers only, OLMo 2): no megatron-core or Megatron-Bridge layer "
         "spec computes it; the args and pgconvert.json carry it"]

@@ -96,6 +96,16 @@ def _head_dim(c: ModelConfig) -> tuple[int, ...]:
     return (c.head_dim,)
 
 
+def _q_norm_shape(c: ModelConfig) -> tuple[int, ...]:
+    """Per head, or (f17b) over every query head, replicated in HF's head order as Megatron-Bridge's
+    OLMoESelfAttention holds it (src/megatron/bridge/models/olmoe/olmoe_provider.py)."""
+    return (c.num_attention_heads * c.head_dim,) if c.qk_layernorm_across_heads else (c.head_dim,)
+
+
+def _k_norm_shape(c: ModelConfig) -> tuple[int, ...]:
+    return (c.query_groups * c.head_dim,) if c.qk_layernorm_across_heads else (c.head_dim,)
+
+
 def _fc1_shape(c: ModelConfig) -> tuple[int, ...]:
     return (c.fc1_rows, c.hidden_size)
 
@@ -130,10 +140,10 @@ ATTENTION_TENSORS: tuple[TensorKind, ...] = (
                te_name="self_attention.linear_qkv.layer_norm_bias"),
     TensorKind("self_attention.linear_qkv.weight", lambda c: (c.qkv_rows, c.hidden_size), COLUMN),
     TensorKind("self_attention.linear_qkv.bias", lambda c: (c.qkv_rows,), COLUMN, _qkv_bias),
-    TensorKind("self_attention.q_layernorm.weight", _head_dim, REPLICATED, _qk_norm),
-    TensorKind("self_attention.q_layernorm.bias", _head_dim, REPLICATED, _qk_norm_bias),
-    TensorKind("self_attention.k_layernorm.weight", _head_dim, REPLICATED, _qk_norm),
-    TensorKind("self_attention.k_layernorm.bias", _head_dim, REPLICATED, _qk_norm_bias),
+    TensorKind("self_attention.q_layernorm.weight", _q_norm_shape, REPLICATED, _qk_norm),
+    TensorKind("self_attention.q_layernorm.bias", _q_norm_shape, REPLICATED, _qk_norm_bias),
+    TensorKind("self_attention.k_layernorm.weight", _k_norm_shape, REPLICATED, _qk_norm),
+    TensorKind("self_attention.k_layernorm.bias", _k_norm_shape, REPLICATED, _qk_norm_bias),
     TensorKind("self_attention.linear_proj.weight",
                lambda c: (c.hidden_size, c.num_attention_heads * c.head_dim), ROW),
     TensorKind("self_attention.linear_proj.bias", _hidden, REPLICATED, _bias),

@@ -28,7 +28,13 @@ from typing import Any
 from pgconvert.config import ModelConfig
 from pgconvert.errors import CheckpointError, StrictModeError
 from pgconvert.limits import quote
-from pgconvert.postnorm_args import megatron_core_gaps, postnorm_from_args, postnorm_to_args
+from pgconvert.postnorm_args import (
+    PARTIAL_ROTARY_ARCHITECTURES,
+    PRE_SOFTMAX_ARCHITECTURES,
+    megatron_core_gaps,
+    postnorm_from_args,
+    postnorm_to_args,
+)
 
 log = logging.getLogger(__name__)
 
@@ -72,11 +78,13 @@ SEMANTICS: tuple[Setting, ...] = (
             "hard-codes) and linear are carried; yarn, dynamic, longrope and other llama3 parameters are "
             "not (notice; --strict refuses)"),
     Setting("rotary percent", ("rotary_percent",), ("rotary_percent",), _ARGS.format("rotary_percent"),
-            {ALL_FAMILIES: "rope_parameters.partial_rotary_factor (read); no family here computes it"},
+            _hf(Glm4ForCausalLM="rope_parameters.partial_rotary_factor (default 0.5)",
+                ALL="rope_parameters.partial_rotary_factor (read); no other family here computes it"),
             "HF -> Megatron carried; Megatron -> HF with < 1: notice, --strict refuses"),
     Setting("rotary interleaved", ("rotary_interleaved",), ("rotary_interleaved",),
             _ARGS.format("rotary_interleaved"),
-            {ALL_FAMILIES: "none: q/k head rows (and q/k-norm weights) written evens first, then odds"},
+            _hf(Glm4ForCausalLM="always (HF's own rotary is interleaved: rows kept as they are)",
+                ALL="none: q/k head rows (and q/k-norm weights) written evens first, then odds"),
             "HF's rotate-half on the reordered rows is Megatron's interleaved rotary"),
     Setting("sliding window", ("sliding_window", "window_layers"), ("window_size", "window_attn_skip_freq"),
             _ARGS.format("window_size / window_attn_skip_freq"),
@@ -98,8 +106,11 @@ SEMANTICS: tuple[Setting, ...] = (
             _ARGS.format("swiglu (f17b: gated GELU: gated_linear_unit / openai_gelu)"),
             _hf(Gemma3ForCausalLM="hidden_activation = gelu_pytorch_tanh (fixed)",
                 Gemma2ForCausalLM="hidden_activation = gelu_pytorch_tanh (fixed)", ALL="hidden_act = silu (fixed)")),
-    Setting("qk-norm", ("qk_layernorm",), ("qk_layernorm",), _ARGS.format("qk_layernorm"),
-            _hf(Qwen3ForCausalLM="always", Qwen3MoeForCausalLM="always", ALL="never (other families)")),
+    Setting("qk-norm", ("qk_layernorm", "qk_layernorm_across_heads"), ("qk_layernorm", "qk_layernorm_across_heads"),
+            _ARGS.format("qk_layernorm (f17b: qk_layernorm_across_heads)"),
+            _hf(Qwen3ForCausalLM="always", Qwen3MoeForCausalLM="always", Gemma3ForCausalLM="always",
+                Olmo2ForCausalLM="always, over the whole projection", OlmoeForCausalLM="always, over the whole projection",
+                ALL="never (other families)")),
     Setting("linear biases", ("add_bias_linear", "add_qkv_bias"), ("add_bias_linear", "add_qkv_bias"),
             _ARGS.format("add_bias_linear / add_qkv_bias"),
             _hf(LlamaForCausalLM="attention_bias, mlp_bias", Qwen2ForCausalLM="q/k/v biases (fixed)")),
@@ -336,7 +347,7 @@ def hf_training_notes(architecture: str, config: ModelConfig) -> list[str]:
 def hf_losses(architecture: str, config: ModelConfig) -> list[str]:
     """The settings of ``config`` an HF ``architecture`` written from it cannot express."""
     losses = []
-    if config.rotary_percent != 1.0:
+    if config.rotary_percent != 1.0 and architecture not in PARTIAL_ROTARY_ARCHITECTURES:
         losses.append(f"rotary_percent={config.rotary_percent} (partial rotary): {architecture} rotates the "
                       "whole head")
     if config.num_experts is not None:
@@ -346,7 +357,7 @@ def hf_losses(architecture: str, config: ModelConfig) -> list[str]:
         if config.moe_router_topk_scaling_factor not in (None, 1.0):
             losses.append(f"moe_router_topk_scaling_factor={config.moe_router_topk_scaling_factor}: "
                           f"{architecture} does not scale routing weights")
-        if config.moe_router_pre_softmax and architecture != "Qwen3MoeForCausalLM":
+        if config.moe_router_pre_softmax and architecture not in PRE_SOFTMAX_ARCHITECTURES:
             losses.append(f"moe_router_pre_softmax=True: {architecture} renormalizes the top-k weights")
     return losses
 

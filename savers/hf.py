@@ -98,7 +98,8 @@ def rotate_half_order(name: str, full: torch.Tensor, config: ModelConfig) -> tor
     head's rows (and their q/k-norm weights) evens first, then odds, gives the same attention."""
     order = _rotary_order(config)
     if name.endswith(("self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight")):
-        return full.index_select(0, order)
+        # Per head, or (f17b: qk_layernorm_across_heads) each head's slice of the whole projection's norm.
+        return full.view(-1, order.numel()).index_select(1, order).reshape(full.shape)
     if not name.endswith(("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias")):
         return full
     head, per_group = config.head_dim, config.num_attention_heads // config.query_groups
@@ -328,7 +329,7 @@ class HFSaver(Saver):
                     if unit.canonical in VOCAB_TABLES:
                         # Megatron's padding rows are not part of the model.
                         full = full.narrow(0, 0, config.vocab_size)
-                    if config.rotary_interleaved:
+                    if config.rotary_interleaved and not family.hf_rotary_interleaved:
                         full = rotate_half_order(unit.canonical, full, config)
                     if (config.layernorm_zero_centered_gamma and not family.hf_norms_zero_centred
                             and unit.canonical.endswith(ZERO_CENTRED_NORMS)):

@@ -179,3 +179,50 @@ def test_gemma3_config_pgconvert_cannot_convert_is_refused_by_name(sources: dict
 
     assert message in str(caught.value)
     assert not (tmp_path / "m").exists()
+
+
+def test_olmo2_under_strict_is_refused_for_a_megatron_target_and_converts_with_a_notice_without(
+        sources: dict[str, Path], tmp_path: Path) -> None:
+    """No megatron-core or Megatron-Bridge layer spec computes OLMo 2's missing pre-norms."""
+    from pgconvert.errors import StrictModeError
+
+    with pytest.raises(StrictModeError, match="pre_layernorms=False"):
+        pgconvert.convert(sources["olmo2"], tmp_path / "strict", dst_format="megatron", dst_tp=2, strict=True)
+    report = pgconvert.convert(sources["olmo2"], tmp_path / "m", dst_format="megatron", dst_tp=2)
+
+    assert not (tmp_path / "strict").exists()
+    assert any("not carried: pre_layernorms=False" in notice for notice in report.notices), report.notices
+    args = _rank_args(tmp_path / "m")
+    assert (args.pre_layernorms, args.post_self_attn_layernorm, args.qk_layernorm_across_heads) == (False, True, True)
+
+
+def test_gemma_under_strict_converts_to_megatron(sources: dict[str, Path], tmp_path: Path) -> None:
+    """Megatron-Bridge's Gemma layers compute every Gemma setting: a notice, no refusal."""
+    report = pgconvert.convert(sources["gemma2"], tmp_path / "m", dst_format="megatron", dst_tp=2, strict=True)
+
+    assert any("attn_logit_softcapping=2.0" in notice for notice in report.notices)
+
+
+def test_olmoe_and_glm4_args(sources: dict[str, Path], tmp_path: Path) -> None:
+    pgconvert.convert(sources["olmoe"], tmp_path / "olmoe", dst_format="megatron", dst_tp=2, dst_ep=2)
+    pgconvert.convert(sources["glm4"], tmp_path / "glm4", dst_format="megatron", dst_tp=2)
+
+    olmoe, glm4 = _rank_args(tmp_path / "olmoe"), _rank_args(tmp_path / "glm4")
+
+    assert (olmoe.num_experts, olmoe.moe_router_topk, olmoe.moe_router_pre_softmax) == (4, 2, True)
+    assert olmoe.qk_layernorm and olmoe.qk_layernorm_across_heads and olmoe.swiglu
+    assert (glm4.rotary_interleaved, glm4.rotary_percent, glm4.add_qkv_bias) == (True, 0.5, True)
+    assert glm4.post_self_attn_layernorm and glm4.post_mlp_layernorm and glm4.pre_layernorms
+
+
+def test_interleaved_rotary_reorders_a_whole_projection_q_norm_head_by_head() -> None:
+    from pgconvert.config import ModelConfig
+    from savers.hf import rotate_half_order
+
+    config = ModelConfig(num_layers=1, hidden_size=8, num_attention_heads=2, ffn_hidden_size=8, kv_channels=4,
+                         qk_layernorm=True, qk_layernorm_across_heads=True, rotary_interleaved=True)
+    weight = torch.arange(8.0)
+
+    reordered = rotate_half_order("decoder.layers.0.self_attention.q_layernorm.weight", weight, config)
+
+    assert reordered.tolist() == [0.0, 2.0, 1.0, 3.0, 4.0, 6.0, 5.0, 7.0]

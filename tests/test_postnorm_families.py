@@ -226,3 +226,19 @@ def test_interleaved_rotary_reorders_a_whole_projection_q_norm_head_by_head() ->
     reordered = rotate_half_order("decoder.layers.0.self_attention.q_layernorm.weight", weight, config)
 
     assert reordered.tolist() == [0.0, 2.0, 1.0, 3.0, 4.0, 6.0, 5.0, 7.0]
+
+
+def test_transformer_engine_naming_is_megatron_bridges_for_gemma3(sources: dict[str, Path], tmp_path: Path) -> None:
+    """Megatron-Bridge's Gemma 3 mapping (gemma3_bridge.py): pre norms fused into linear_qkv / linear_fc1,
+    post norms inside linear_proj / linear_fc2."""
+    src = sources["gemma3"]
+    pgconvert.convert(src, tmp_path / "m", dst_format="megatron", dst_tp=2, dst_transformer_impl="transformer_engine")
+    pgconvert.convert(tmp_path / "m", tmp_path / "hf", dst_format="hf")
+
+    ranks = read_megatron_tp_ranks(tmp_path / "m")
+    layer = {key.removeprefix("decoder.layers.0.") for key in ranks[0] if key.startswith("decoder.layers.0.")}
+    assert {"self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_proj.post_layernorm.weight",
+            "mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc2.post_layernorm.weight",
+            "self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"} <= layer
+    assert "input_layernorm.weight" not in layer and "pre_mlp_layernorm.weight" not in layer
+    assert_same_hf_tensors(src, tmp_path / "hf")

@@ -185,8 +185,10 @@ class ModelConfig:
         for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
                      "rotary_base_local"):
             value = getattr(self, name)
-            if value is not None and (_require_finite(name, value) or value <= 0):
-                raise ConfigError(f"{name}={quote(value)}: must be > 0")
+            if value is not None:
+                _require_finite(name, value)
+                if value <= 0:
+                    raise ConfigError(f"{name}={quote(value)}: must be > 0")
         if isinstance(self.window_layers, list):
             object.__setattr__(self, "window_layers", tuple(self.window_layers))
         if self.window_layers is not None:

@@ -140,7 +140,7 @@ def _read_gemma3_rope(present: Mapping[str, object], model: Mapping[str, object]
     values: dict[str, object] = {
         "rotary_base": _theta(full, "rope_parameters.full_attention", 1_000_000.0),
         "rotary_base_local": _theta(local, "rope_parameters.sliding_attention", 10_000.0),
-        "rope_scaling": None, "rope_scaling_factor": 1.0,
+        "rope_scaling": None, "rope_scaling_factor": 1.0, "rotary_percent": 1.0,
     }
     if _rope_type(full, "rope_parameters.full_attention", ("default", "linear")) == "linear":
         factor = full.get("factor")
@@ -171,7 +171,7 @@ def _refuses_gemma3_rope(config: ModelConfig) -> str | None:
 _GEMMA3_ROPE = ConfigRule(keys=("rope_parameters",),
                           model_fields=("rotary_base", "rotary_base_local", "rope_scaling", "rope_scaling_factor",
                                         "rotary_percent"),
-                          read=lambda present, model: {**_read_gemma3_rope(present, model), "rotary_percent": 1.0},
+                          read=_read_gemma3_rope,
                           write=_write_gemma3_rope, refuses=_refuses_gemma3_rope)
 
 
@@ -360,9 +360,7 @@ OLMOE = Family(
 def _read_glm4_rope(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
     """As Llama's, but a missing partial_rotary_factor is GLM-4's 0.5 (Glm4Config's default)."""
     params = present.get("rope_parameters")
-    if isinstance(params, dict) and "partial_rotary_factor" not in params and "partial_rotary_factor" not in present:
-        present = {**present, "partial_rotary_factor": 0.5}
-    elif params is None and "partial_rotary_factor" not in present:
+    if "partial_rotary_factor" not in present and not (isinstance(params, dict) and "partial_rotary_factor" in params):
         present = {**present, "partial_rotary_factor": 0.5}
     return _read_rope(present, model)
 

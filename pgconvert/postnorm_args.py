@@ -1,13 +1,15 @@
-"""The Megatron args of the post-sublayer-norm settings (f17b: Gemma 2/3, OLMo 2, GLM-4).
+"""The Megatron args of the post-sublayer-norm settings (f17b: Gemma 2/3, OLMo 2, OLMoE, GLM-4).
 
 megatron-core 0.16 expresses a zero-centred norm gamma (``layernorm_zero_centered_gamma``), the
 attention ``softmax_scale`` and a gated GELU (``gated_linear_unit`` with ``openai_gelu``), but not
 norms after the sublayers, an embedding scaled by sqrt(hidden), soft-capping or a second RoPE base
-for the sliding-window layers. Megatron-Bridge builds those with custom layers and keeps their
-settings under these names (NVIDIA-NeMo/Megatron-Bridge src/megatron/bridge/models/gemma/
+for the sliding-window layers. Megatron-Bridge builds those with custom layers and keeps the
+numeric settings under these names (NVIDIA-NeMo/Megatron-Bridge src/megatron/bridge/models/gemma/
 gemma2_provider.py: ``query_pre_attn_scalar``, ``attn_logit_softcapping``, ``final_logit_softcapping``;
 gemma3_provider.py: ``rotary_base_local`` of ``Gemma3RotaryEmbedding``, the post norms inside
-``TERowParallelLinearLayerNorm``, the sqrt(hidden) of ``Gemma3LanguageModelEmbedding``). They are
+``TERowParallelLinearLayerNorm``, the sqrt(hidden) of ``Gemma3LanguageModelEmbedding``; olmoe/
+olmoe_provider.py: ``OLMoESelfAttention``'s q/k norms over all heads); the switches it takes from
+its layer specs get pgconvert's own names, the ``ModelConfig`` field names (``PGCONVERT_ARGS``). They are
 written to the args (and, as ``ModelConfig`` fields, to ``pgconvert.json``), read back, and named in a
 notice on every Megatron output.
 """

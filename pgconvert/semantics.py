@@ -151,6 +151,8 @@ SEMANTICS: tuple[Setting, ...] = (
             _ARGS.format("post_self_attn_layernorm / post_mlp_layernorm / pre_layernorms"),
             _hf(Gemma3ForCausalLM="post_attention_layernorm, post_feedforward_layernorm tensors (always)",
                 Gemma2ForCausalLM="post_attention_layernorm, post_feedforward_layernorm tensors (always)",
+                Olmo2ForCausalLM="post_attention_layernorm, post_feedforward_layernorm; no pre-norms (always)",
+                Glm4ForCausalLM="post_self_attn_layernorm, post_mlp_layernorm tensors (always)",
                 ALL="none (other families: pre-norm only)"),
             "Megatron-Bridge's TERowParallelLinearLayerNorm; megatron-core alone: notice"),
     Setting("embedding scale", ("embedding_scale_sqrt_hidden",), ("embedding_scale_sqrt_hidden",),

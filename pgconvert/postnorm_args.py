@@ -80,6 +80,11 @@ def megatron_core_gaps(config: ModelConfig) -> tuple[list[str], list[str]]:
         notices.append(
             f"args {', '.join(bridge)}: megatron-core's GPTModel does not compute these; Megatron-Bridge's custom "
             "layers do (its Gemma 2/3 and OLMoE providers), so build the model with them; the args and pgconvert.json carry them")
+    if config.rotary_base_local is not None and config.rope_scaling == "linear":
+        notices.append(
+            f"args.rotary_seq_len_interpolation_factor={config.rope_scaling_factor}: with rotary_base_local it scales "
+            "the full-attention layers' RoPE only (Megatron-Bridge's Gemma3RotaryEmbedding takes it as "
+            "rope_scaling_factor); the sliding layers' RoPE is unscaled")
     refused = [] if config.pre_layernorms else [
         "pre_layernorms=False (norms after the sublayers only, OLMo 2): no megatron-core or Megatron-Bridge layer "
         "spec computes it; the args and pgconvert.json carry it"]

@@ -126,7 +126,7 @@ def test_reference_forward_depends_on_each_setting(tmp_path: Path, change: str) 
 
 
 def test_megatron_args_and_manifest_carry_the_settings(sources: dict[str, Path], tmp_path: Path) -> None:
-    pgconvert.convert(sources["gemma3"], tmp_path / "m", dst_format="megatron", dst_tp=2, dst_pp=1)
+    report = pgconvert.convert(sources["gemma3"], tmp_path / "m", dst_format="megatron", dst_tp=2, dst_pp=1)
 
     args = _rank_args(tmp_path / "m")
     manifest = json.loads((tmp_path / "m" / "pgconvert.json").read_text())["model_config"]
@@ -140,6 +140,7 @@ def test_megatron_args_and_manifest_carry_the_settings(sources: dict[str, Path],
     assert args.final_logit_softcapping == 3.0 and args.attn_logit_softcapping is None
     assert args.window_size == (4, 0) and args.window_attn_skip_freq == [1, 1, 1, 1, 1, 0]
     assert manifest["rotary_base_local"] == 10_000.0 and manifest["post_mlp_layernorm"] is True
+    assert any("full-attention layers' RoPE only" in notice for notice in report.notices)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

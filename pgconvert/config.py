@@ -12,7 +12,8 @@ from pgconvert.limits import quote
 
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")
 POSITION_EMBEDDING_TYPES = ("rope", "learned_absolute", "none")
-ACTIVATIONS = ("silu", "gelu")
+# gelu_tanh: the tanh approximation (HF gelu_pytorch_tanh, Megatron-LM --openai-gelu).
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
 # Megatron's two layer specs name the fused norms differently; pgconvert keeps the source's choice.
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -22,6 +23,14 @@ DTYPES = ("float32", "bfloat16", "float16")
 # ``--rope-type yarn``; parameters in the ``yarn_*`` fields). None: plain RoPE.
 ROPE_SCALINGS = ("llama3", "linear", "yarn")
 MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")
+
+
+# f17b: the values of the post-sublayer-norm fields for a plain pre-norm decoder (families fix them).
+POSTNORM_OFF: dict[str, object] = {
+    "post_self_attn_layernorm": False, "post_mlp_layernorm": False, "pre_layernorms": True,
+    "embedding_scale_sqrt_hidden": False, "query_pre_attn_scalar": None, "attn_logit_softcapping": None,
+    "final_logit_softcapping": None, "rotary_base_local": None, "qk_layernorm_across_heads": False,
+}
 
 
 @dataclass(frozen=True)
@@ -109,6 +118,22 @@ class ModelConfig:
     # f17a: HF RoPE parameters (JSON text) of a type megatron-core cannot compute (Phi-3's longrope),
     # carried as they are so a Megatron checkpoint converts back to the same config.json.
     hf_rope_parameters: str | None = None
+    # f17b: norms after the sublayers and the Gemma 2/3, OLMo 2, GLM-4 settings (pgconvert.families_postnorm).
+    # A norm of the attention (MLP) output before its residual add; OLMo 2 has these and no pre-norms.
+    post_self_attn_layernorm: bool = False
+    post_mlp_layernorm: bool = False
+    pre_layernorms: bool = True
+    # Embeddings times sqrt(hidden_size) (Gemma); attention scores scaled by query_pre_attn_scalar**-0.5
+    # instead of head_dim**-0.5; tanh soft-capping of attention scores and of the final logits.
+    embedding_scale_sqrt_hidden: bool = False
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    # The RoPE base of the sliding-window layers where it differs from rotary_base (Gemma 3).
+    rotary_base_local: float | None = None
+    # q/k norms over the whole projection (num_heads * head_dim, one RMS over all heads: OLMo 2, OLMoE)
+    # instead of per head.
+    qk_layernorm_across_heads: bool = False
 
     def __post_init__(self) -> None:
         self._check_semantics()
@@ -189,6 +214,13 @@ class ModelConfig:
             _require_finite("moe_router_topk_scaling_factor", self.moe_router_topk_scaling_factor)
         if self.sliding_window is not None:
             _require_positive("sliding_window", self.sliding_window)
+        for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
+                     "rotary_base_local"):
+            value = getattr(self, name)
+            if value is not None:
+                _require_finite(name, value)
+                if value <= 0:
+                    raise ConfigError(f"{name}={quote(value)}: must be > 0")
         if isinstance(self.window_layers, list):
             object.__setattr__(self, "window_layers", tuple(self.window_layers))
         if self.window_layers is not None:

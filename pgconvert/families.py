@@ -25,7 +25,7 @@ from types import MappingProxyType
 import torch
 
 from pgconvert import yarn
-from pgconvert.config import ModelConfig
+from pgconvert.config import POSTNORM_OFF, ModelConfig
 from pgconvert.limits import quote
 from pgconvert.rules import Window
 from pgconvert.semantics import MEGATRON_LLAMA3, rope_parameters, rope_type_of
@@ -297,6 +297,8 @@ class ConfigField:
     default: object = REQUIRED
     legacy: tuple[tuple[str, ...], ...] = ()
     written: Callable[[ModelConfig], object] | None = None
+    # f17b: a null means None (the setting off), not the default (Gemma 2's soft-capping defaults to on).
+    nullable: bool = False
 
     @property
     def key(self) -> str:
@@ -358,6 +360,11 @@ class Family:
     hf_scratch: Mapping[str, object] = field(default_factory=dict)
     rules: tuple[ConfigRule, ...] = ()
     hf_assumed: Mapping[str, object] = field(default_factory=dict)
+    # f17b: HF's norms compute with 1 + w as megatron-core's zero-centred gamma does (Gemma): the
+    # weights are the same numbers on both sides, not written as 1 + gamma.
+    hf_norms_zero_centred: bool = False
+    # f17b: HF's rotary is itself interleaved (GLM-4): q/k rows are not reordered to rotate-half.
+    hf_rotary_interleaved: bool = False
 
     def __post_init__(self) -> None:
         for name in ("fixed", "hf_fixed", "hf_scratch", "hf_assumed"):
@@ -688,6 +695,7 @@ _AUX_LOSS = ConfigField(("router_aux_loss_coef",), "moe_aux_loss_coeff", float, 
 # What every family below is, in Megatron terms: SwiGLU MLP, RMSNorm, RoPE; the dense ones have no
 # experts, the MoE ones routed experts only (no shared experts, no router expert bias).
 _SWIGLU_RMS_ROPE: dict[str, object] = {
+    **POSTNORM_OFF,  # f17b: norms before the sublayers only, nothing Gemma-specific
     "gated_linear_unit": True,
     "activation": "silu",
     "normalization": "RMSNorm",
@@ -799,6 +807,9 @@ QWEN3_MOE = Family(
 FAMILIES: dict[str, Family] = {
     family.architecture: family for family in (LLAMA, MISTRAL, QWEN2, QWEN3, MIXTRAL, QWEN3_MOE)
 }
+from pgconvert.families_postnorm import POSTNORM_FAMILIES, POSTNORM_INFERENCE_ORDER  # noqa: E402  (f17b)
+
+FAMILIES.update((family.architecture, family) for family in POSTNORM_FAMILIES)  # f17b
 
 # The family written for a source that carries no HF architecture (a Megatron checkpoint): the
 # first whose fixed values and rules the model satisfies. Mistral is Llama's tensors and config
@@ -807,7 +818,7 @@ FAMILIES: dict[str, Family] = {
 INFERENCE_ORDER: tuple[str, ...] = (
     "DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM",  # ds16: only multi-latent attention models fit these
     "Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "Qwen3MoeForCausalLM",
-    "MixtralForCausalLM",
+    "MixtralForCausalLM", *POSTNORM_INFERENCE_ORDER,
 )
 
 

@@ -134,6 +134,8 @@ def _read_field(doc: dict[str, Any], spec: ConfigField, path: Path, error: type[
         if spec.default is REQUIRED:
             raise error(f"{path}: {spec.key} is missing")
         return spec.default
+    if value is None and spec.nullable:
+        return None
     if value is None and spec.default is not REQUIRED:
         return spec.default
     key = ".".join(where)

@@ -273,8 +273,9 @@ def _config_from_args(args: argparse.Namespace, path: Path, transformer_impl: st
         vocab_size=vocab,
         make_vocab_size_divisible_by=(getattr(args, "make_vocab_size_divisible_by", None)
                                       or ModelConfig.make_vocab_size_divisible_by),
-        gated_linear_unit=swiglu,
-        activation="silu" if swiglu else "gelu",
+        # f17b: a gated GELU (Gemma's GeGLU) is gated_linear_unit without swiglu; --openai-gelu is tanh's.
+        gated_linear_unit=swiglu or bool(getattr(args, "gated_linear_unit", False)),
+        activation="silu" if swiglu else ("gelu_tanh" if getattr(args, "openai_gelu", False) else "gelu"),
         normalization=getattr(args, "normalization", None) or "LayerNorm",
         norm_epsilon=_arg_float(args, ("norm_epsilon", "layernorm_epsilon"), 1e-5, path),
         add_bias_linear=bool(getattr(args, "add_bias_linear", True)),
@@ -437,7 +438,9 @@ def _model_args(config: ModelConfig) -> dict[str, Any]:
         "group_query_attention": config.query_groups != config.num_attention_heads,
         "num_query_groups": config.query_groups,
         "kv_channels": config.head_dim,
-        "swiglu": config.gated_linear_unit,
+        "swiglu": config.gated_linear_unit and config.activation == "silu",
+        "gated_linear_unit": config.gated_linear_unit,  # f17b
+        "openai_gelu": config.activation == "gelu_tanh",  # f17b
         "normalization": config.normalization,
         "norm_epsilon": config.norm_epsilon,
         "add_bias_linear": config.add_bias_linear,

@@ -48,6 +48,22 @@ def _qkv_bias(config: ModelConfig) -> bool:
     return config.has_qkv_bias
 
 
+def _pre_norm(config: ModelConfig) -> bool:
+    return config.pre_layernorms
+
+
+def _pre_norm_bias(config: ModelConfig) -> bool:
+    return config.pre_layernorms and config.normalization == "LayerNorm"
+
+
+def _post_attention_norm(config: ModelConfig) -> bool:
+    return config.post_self_attn_layernorm
+
+
+def _post_mlp_norm(config: ModelConfig) -> bool:
+    return config.post_mlp_layernorm
+
+
 def _fc1_rule(config: ModelConfig) -> ShardRule:
     return GATED if config.gated_linear_unit else COLUMN
 
@@ -83,6 +99,16 @@ def _hidden(c: ModelConfig) -> tuple[int, ...]:
 
 def _head_dim(c: ModelConfig) -> tuple[int, ...]:
     return (c.head_dim,)
+
+
+def _q_norm_shape(c: ModelConfig) -> tuple[int, ...]:
+    """Per head, or (f17b) over every query head, replicated in HF's head order as Megatron-Bridge's
+    OLMoESelfAttention holds it (src/megatron/bridge/models/olmoe/olmoe_provider.py)."""
+    return (c.num_attention_heads * c.head_dim,) if c.qk_layernorm_across_heads else (c.head_dim,)
+
+
+def _k_norm_shape(c: ModelConfig) -> tuple[int, ...]:
+    return (c.query_groups * c.head_dim,) if c.qk_layernorm_across_heads else (c.head_dim,)
 
 
 def _fc1_shape(c: ModelConfig) -> tuple[int, ...]:
@@ -145,21 +171,24 @@ def layer_spec_of_key(key: str) -> str | None:
 # Per-layer tensors, names relative to ``decoder.layers.{L}.``; the TE spec's names of the fused
 # norms come from ``FUSED_NORM_NAMES``.
 ATTENTION_TENSORS: tuple[TensorKind, ...] = (
-    TensorKind("input_layernorm.weight", _hidden, REPLICATED, te_name=fused_norm_name("input_layernorm.weight"),
-               norm_weight=True),
-    TensorKind("input_layernorm.bias", _hidden, REPLICATED, _layernorm,
+    TensorKind("input_layernorm.weight", _hidden, REPLICATED, _pre_norm,
+               te_name=fused_norm_name("input_layernorm.weight"), norm_weight=True),
+    TensorKind("input_layernorm.bias", _hidden, REPLICATED, _pre_norm_bias,
                te_name=fused_norm_name("input_layernorm.bias")),
     TensorKind("self_attention.linear_qkv.weight", lambda c: (c.qkv_rows, c.hidden_size), COLUMN, rotary="qkv"),
     TensorKind("self_attention.linear_qkv.bias", lambda c: (c.qkv_rows,), COLUMN, _qkv_bias, rotary="qkv"),
-    TensorKind("self_attention.q_layernorm.weight", _head_dim, REPLICATED, _qk_norm, norm_weight=True,
+    TensorKind("self_attention.q_layernorm.weight", _q_norm_shape, REPLICATED, _qk_norm, norm_weight=True,
                rotary="head"),
-    TensorKind("self_attention.q_layernorm.bias", _head_dim, REPLICATED, _qk_norm_bias),
-    TensorKind("self_attention.k_layernorm.weight", _head_dim, REPLICATED, _qk_norm, norm_weight=True,
+    TensorKind("self_attention.q_layernorm.bias", _q_norm_shape, REPLICATED, _qk_norm_bias),
+    TensorKind("self_attention.k_layernorm.weight", _k_norm_shape, REPLICATED, _qk_norm, norm_weight=True,
                rotary="head"),
-    TensorKind("self_attention.k_layernorm.bias", _head_dim, REPLICATED, _qk_norm_bias),
+    TensorKind("self_attention.k_layernorm.bias", _k_norm_shape, REPLICATED, _qk_norm_bias),
     TensorKind("self_attention.linear_proj.weight",
                lambda c: (c.hidden_size, c.num_attention_heads * c.head_dim), ROW),
     TensorKind("self_attention.linear_proj.bias", _hidden, REPLICATED, _bias),
+    # f17b: Megatron-Bridge's post-attention norm, a TENorm inside its TERowParallelLinearLayerNorm
+    # linear_proj (NVIDIA-NeMo/Megatron-Bridge src/megatron/bridge/models/gemma/gemma3_provider.py).
+    TensorKind("self_attention.linear_proj.post_layernorm.weight", _hidden, REPLICATED, _post_attention_norm, norm_weight=True),
 )
 
 
@@ -209,14 +238,16 @@ def attention_tensors(config: ModelConfig) -> tuple[TensorKind, ...]:
 
 
 DENSE_MLP_TENSORS: tuple[TensorKind, ...] = (
-    TensorKind("pre_mlp_layernorm.weight", _hidden, REPLICATED, te_name=fused_norm_name("pre_mlp_layernorm.weight"),
-               norm_weight=True),
-    TensorKind("pre_mlp_layernorm.bias", _hidden, REPLICATED, _layernorm,
+    TensorKind("pre_mlp_layernorm.weight", _hidden, REPLICATED, _pre_norm,
+               te_name=fused_norm_name("pre_mlp_layernorm.weight"), norm_weight=True),
+    TensorKind("pre_mlp_layernorm.bias", _hidden, REPLICATED, _pre_norm_bias,
                te_name=fused_norm_name("pre_mlp_layernorm.bias")),
     TensorKind("mlp.linear_fc1.weight", _fc1_shape, _fc1_rule),
     TensorKind("mlp.linear_fc1.bias", lambda c: (c.fc1_rows,), _fc1_rule, _bias),
     TensorKind("mlp.linear_fc2.weight", lambda c: (c.hidden_size, c.ffn_hidden_size), ROW),
     TensorKind("mlp.linear_fc2.bias", _hidden, REPLICATED, _bias),
+    # f17b: the post-MLP norm, inside linear_fc2 as Megatron-Bridge's Gemma 2/3 specs place it.
+    TensorKind("mlp.linear_fc2.post_layernorm.weight", _hidden, REPLICATED, _post_mlp_norm, norm_weight=True),
 )
 # An MoE layer's pre-MLP norm is a separate module in both specs (nothing to fuse it into). The
 # router and its expert bias stay in their own dtype (float32 in megatron-core) whatever --dtype says.

@@ -30,6 +30,13 @@ from pgconvert.config import ModelConfig
 from pgconvert.errors import CheckpointError, StrictModeError
 from pgconvert.limits import quote
 from pgconvert import semantics_more  # f17a
+from pgconvert.postnorm_args import (
+    PARTIAL_ROTARY_ARCHITECTURES,
+    PRE_SOFTMAX_ARCHITECTURES,
+    megatron_core_gaps,
+    postnorm_from_args,
+    postnorm_to_args,
+)
 
 log = logging.getLogger(__name__)
 
@@ -83,11 +90,13 @@ SEMANTICS: tuple[Setting, ...] = (
             "an HF attention_factor megatron-core's mscale ratio cannot give: notice, --strict refuses; "
             "mscale is read as 1 unless mscale and mscale_all_dim are both non-zero (transformers' rule)"),
     Setting("rotary percent", ("rotary_percent",), ("rotary_percent",), _ARGS.format("rotary_percent"),
-            {ALL_FAMILIES: "rope_parameters.partial_rotary_factor (read); no family here computes it"},
+            _hf(Glm4ForCausalLM="rope_parameters.partial_rotary_factor (default 0.5)",
+                ALL="rope_parameters.partial_rotary_factor (read); no other family here computes it"),
             "HF -> Megatron carried; Megatron -> HF with < 1: notice, --strict refuses"),
     Setting("rotary interleaved", ("rotary_interleaved",), ("rotary_interleaved",),
             _ARGS.format("rotary_interleaved"),
-            {ALL_FAMILIES: "none: q/k head rows (and q/k-norm weights) written evens first, then odds"},
+            _hf(Glm4ForCausalLM="always (HF's own rotary is interleaved: rows kept as they are)",
+                ALL="none: q/k head rows (and q/k-norm weights) written evens first, then odds"),
             "HF's rotate-half on the reordered rows is Megatron's interleaved rotary"),
     Setting("sliding window", ("sliding_window", "window_layers"), ("window_size", "window_attn_skip_freq"),
             _ARGS.format("window_size / window_attn_skip_freq"),
@@ -105,10 +114,15 @@ SEMANTICS: tuple[Setting, ...] = (
             _ARGS.format("norm_epsilon"), {ALL_FAMILIES: "rms_norm_eps"}),
     Setting("normalization", ("normalization",), ("normalization",), _ARGS.format("normalization"),
             {ALL_FAMILIES: "RMSNorm (fixed)"}),
-    Setting("activation", ("activation", "gated_linear_unit"), ("swiglu",), _ARGS.format("swiglu"),
-            {ALL_FAMILIES: "hidden_act = silu (fixed)"}),
-    Setting("qk-norm", ("qk_layernorm",), ("qk_layernorm",), _ARGS.format("qk_layernorm"),
-            _hf(Qwen3ForCausalLM="always", Qwen3MoeForCausalLM="always", ALL="never (other families)")),
+    Setting("activation", ("activation", "gated_linear_unit"), ("swiglu", "gated_linear_unit", "openai_gelu"),
+            _ARGS.format("swiglu (f17b: gated GELU: gated_linear_unit / openai_gelu)"),
+            _hf(Gemma3ForCausalLM="hidden_activation = gelu_pytorch_tanh (fixed)",
+                Gemma2ForCausalLM="hidden_activation = gelu_pytorch_tanh (fixed)", ALL="hidden_act = silu (fixed)")),
+    Setting("qk-norm", ("qk_layernorm", "qk_layernorm_across_heads"), ("qk_layernorm", "qk_layernorm_across_heads"),
+            _ARGS.format("qk_layernorm (f17b: qk_layernorm_across_heads)"),
+            _hf(Qwen3ForCausalLM="always", Qwen3MoeForCausalLM="always", Gemma3ForCausalLM="always",
+                Olmo2ForCausalLM="always, over the whole projection", OlmoeForCausalLM="always, over the whole projection",
+                ALL="never (other families)")),
     Setting("linear biases", ("add_bias_linear", "add_qkv_bias"), ("add_bias_linear", "add_qkv_bias"),
             _ARGS.format("add_bias_linear / add_qkv_bias"),
             _hf(LlamaForCausalLM="attention_bias, mlp_bias", Qwen2ForCausalLM="q/k/v biases (fixed)")),
@@ -175,6 +189,30 @@ SEMANTICS: tuple[Setting, ...] = (
     Setting("NoPE layers", ("no_rope_layers",), ("no_rope_freq",), _ARGS.format("no_rope_freq"),
             _hf(SmolLM3ForCausalLM="no_rope_layers (1: RoPE), no_rope_layer_interval", ALL="none"),
             "megatron-core's no_rope_freq: 0/1 per layer, 1 = the layer skips RoPE"),
+    # f17b: norms after the sublayers and Gemma's settings (pgconvert.postnorm_args, families_postnorm).
+    Setting("post-sublayer norms", ("post_self_attn_layernorm", "post_mlp_layernorm", "pre_layernorms"),
+            ("post_self_attn_layernorm", "post_mlp_layernorm", "pre_layernorms"),
+            _ARGS.format("post_self_attn_layernorm / post_mlp_layernorm / pre_layernorms"),
+            _hf(Gemma3ForCausalLM="post_attention_layernorm, post_feedforward_layernorm tensors (always)",
+                Gemma2ForCausalLM="post_attention_layernorm, post_feedforward_layernorm tensors (always)",
+                Olmo2ForCausalLM="post_attention_layernorm, post_feedforward_layernorm; no pre-norms (always)",
+                Glm4ForCausalLM="post_self_attn_layernorm, post_mlp_layernorm tensors (always)",
+                ALL="none (other families: pre-norm only)"),
+            "Megatron-Bridge's TERowParallelLinearLayerNorm; megatron-core alone: notice"),
+    Setting("embedding scale", ("embedding_scale_sqrt_hidden",), ("embedding_scale_sqrt_hidden",),
+            _ARGS.format("embedding_scale_sqrt_hidden"),
+            _hf(Gemma3ForCausalLM="always", Gemma2ForCausalLM="always", ALL="never")),
+    Setting("attention scale", ("query_pre_attn_scalar",), ("query_pre_attn_scalar", "softmax_scale"),
+            _ARGS.format("query_pre_attn_scalar (softmax_scale = its -1/2 power)"),
+            _hf(Gemma3ForCausalLM="query_pre_attn_scalar", Gemma2ForCausalLM="query_pre_attn_scalar")),
+    Setting("logit soft-capping", ("attn_logit_softcapping", "final_logit_softcapping"),
+            ("attn_logit_softcapping", "final_logit_softcapping"),
+            _ARGS.format("attn_logit_softcapping / final_logit_softcapping"),
+            _hf(Gemma3ForCausalLM="attn_logit_softcapping, final_logit_softcapping",
+                Gemma2ForCausalLM="attn_logit_softcapping, final_logit_softcapping (null: off)")),
+    Setting("local rope theta", ("rotary_base_local",), ("rotary_base_local",), _ARGS.format("rotary_base_local"),
+            _hf(Gemma3ForCausalLM="rope_parameters.sliding_attention.rope_theta"),
+            "the sliding-window layers' base; rotary_base and any linear scaling are the full-attention layers'"),
 )
 
 SEMANTIC_FIELDS: tuple[str, ...] = tuple(dict.fromkeys(name for row in SEMANTICS for name in row.fields))
@@ -263,6 +301,7 @@ def from_args(args: argparse.Namespace, path: Path) -> dict[str, Any]:
         **_window_from_args(args, path),
         **mla_args.from_args(args, path),
         **semantics_more.from_args(args, path),  # f17a
+        **postnorm_from_args(args, path),  # f17b
     }
     if getattr(args, "num_experts", None):
         scaling = getattr(args, "moe_router_topk_scaling_factor", None)
@@ -293,6 +332,7 @@ def to_args(config: ModelConfig) -> dict[str, Any]:
         "attention_dropout": config.attention_dropout,
         "hidden_dropout": config.hidden_dropout,
         **semantics_more.to_args(config),  # f17a
+        **postnorm_to_args(config),  # f17b
     }
     if config.rope_scaling == "yarn":
         values["position_embedding_type"] = "yarn"
@@ -366,7 +406,8 @@ def hf_losses(architecture: str, config: ModelConfig) -> list[str]:
     from pgconvert.families_more import PARTIAL_ROTARY, unmapped_losses  # f17a (families imports this module)
 
     losses = []
-    if config.rotary_percent != 1.0 and architecture not in PARTIAL_ROTARY:
+    if (config.rotary_percent != 1.0 and architecture not in PARTIAL_ROTARY
+            and architecture not in PARTIAL_ROTARY_ARCHITECTURES):
         losses.append(f"rotary_percent={config.rotary_percent} (partial rotary): {architecture} rotates the "
                       "whole head")
     # ds16: DeepSeek's families carry the score function, scaling and pre-softmax (their fixed values and
@@ -381,7 +422,7 @@ def hf_losses(architecture: str, config: ModelConfig) -> list[str]:
         if config.moe_router_num_groups is not None:
             losses.append(f"moe_router_num_groups={config.moe_router_num_groups}, moe_router_group_topk="
                           f"{config.moe_router_group_topk}: {architecture} does not route by expert groups")
-        if config.moe_router_pre_softmax and architecture not in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"):
+        if config.moe_router_pre_softmax and architecture not in PRE_SOFTMAX_ARCHITECTURES | {"Qwen2MoeForCausalLM"}:
             losses.append(f"moe_router_pre_softmax=True: {architecture} renormalizes the top-k weights")
     return losses + unmapped_losses(architecture, config)
 
@@ -398,6 +439,10 @@ def check_target(source: Any, target_format: str, strict: bool) -> None:
     """Settings of an HF source that a Megatron target cannot hold (an hf target keeps config.json)."""
     if target_format == "hf":
         return
+    gaps, refused = megatron_core_gaps(source.config)  # f17b
+    source.notices.extend(gaps)
+    for message in refused:
+        lose(message, strict, source.notices)
     for message in source.unrepresentable:
         lose(message, strict, source.notices)
     config = source.config

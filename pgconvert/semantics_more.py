@@ -57,7 +57,9 @@ def _no_rope_from_args(args: argparse.Namespace, path: Path) -> tuple[int, ...] 
 def from_args(args: argparse.Namespace, path: Path) -> dict[str, Any]:
     """The f17a ``ModelConfig`` values Megatron ``args`` give."""
     values: dict[str, Any] = {name: _positive(args, name, default, path) for name, default in UNCOMPUTED.items()}
-    values["attention_multiplier"] = _positive(args, "softmax_scale", None, path)
+    scale = _positive(args, "softmax_scale", None, path)
+    # A query_pre_attn_scalar (Gemma, postnorm_args) is the same scale in Gemma's spelling; it owns it then.
+    values["attention_multiplier"] = None if getattr(args, "query_pre_attn_scalar", None) is not None else scale
     values["no_rope_layers"] = _no_rope_from_args(args, path)
     carried = getattr(args, "hf_rope_parameters", None)
     if carried is not None and not isinstance(carried, str):

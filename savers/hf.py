@@ -109,7 +109,8 @@ def rotate_half_order(rotary: str | None, full: torch.Tensor, config: ModelConfi
     ``rotary`` is the tensor kind's (``provider.TensorKind.rotary``)."""
     order = _rotary_order(config)
     if rotary == "head":
-        return full.index_select(0, order)
+        # Per head, or (f17b: qk_layernorm_across_heads) each head's slice of the whole projection's norm.
+        return full.view(-1, order.numel()).index_select(1, order).reshape(full.shape)
     if rotary != "qkv":
         return full
     head, per_group = config.head_dim, config.num_attention_heads // config.query_groups
@@ -128,6 +129,9 @@ class _HFKinds:
 
     layers: dict[str, TensorKind]
     norm_weights: set[str]
+    # f17b: the family's HF rotary is already interleaved (GLM-4) / its norms already compute 1 + w (Gemma).
+    hf_rotary_interleaved: bool = False
+    hf_norms_zero_centred: bool = False
 
 
 def _as_hf(name: str, full: torch.Tensor, config: ModelConfig, kinds: _HFKinds) -> torch.Tensor:
@@ -137,10 +141,10 @@ def _as_hf(name: str, full: torch.Tensor, config: ModelConfig, kinds: _HFKinds) 
     if name in VOCAB_TABLES:
         # Megatron's padding rows are not part of the model.
         full = full.narrow(0, 0, config.vocab_size)
-    if config.rotary_interleaved:
+    if config.rotary_interleaved and not kinds.hf_rotary_interleaved:
         kind = kinds.layers.get(name)
         full = rotate_half_order(kind.rotary if kind is not None else None, full, config)
-    if config.layernorm_zero_centered_gamma and name in kinds.norm_weights:
+    if config.layernorm_zero_centered_gamma and not kinds.hf_norms_zero_centred and name in kinds.norm_weights:
         full = full.to(torch.float32) + 1.0
     return full
 
@@ -326,7 +330,8 @@ class HFSaver(Saver):
             lose(message, options.strict, source.notices)
         source.notices.extend(hf_training_notes(family.architecture, source.config))
         dtype = _out_dtype(source.meta(WORD_EMBEDDINGS).dtype, options)
-        if source.config.layernorm_zero_centered_gamma and dtype not in (torch.float32, torch.float64):
+        if (source.config.layernorm_zero_centered_gamma and not family.hf_norms_zero_centred
+                and dtype not in (torch.float32, torch.float64)):
             lose(f"layernorm_zero_centered_gamma=True: the norm weights are written as 1 + gamma, rounded to {dtype}",
                  options.strict, source.notices)
 
@@ -410,7 +415,8 @@ class HFSaver(Saver):
             fallback(guess, options.strict, result.notices)
         weight_map: dict[str, str] = {}
         total = 0
-        kinds = _HFKinds(layer_kinds(config), norm_weight_names(config))
+        kinds = _HFKinds(layer_kinds(config), norm_weight_names(config), family.hf_rotary_interleaved,
+                         family.hf_norms_zero_centred)
         for file_name, shard in zip(self._file_names(len(shards)), shards, strict=True):
             entries = [(name, meta.dtype, meta.shape) for unit in shard.units for name, meta, _ in unit.entries()]
             with _SafetensorsWriter(out_dir / file_name, entries) as writer:

@@ -15,9 +15,10 @@ from hf_helpers import build_hf_model, edit_json, load_hf_tensors, rewrite_as_si
 import pgconvert
 from pgconvert.cli import main
 from pgconvert.errors import CheckpointError, ConfigError, LayoutError
+from pgconvert.families import supported_architectures
 
-SUPPORTED = ("LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
-             "Qwen3MoeForCausalLM")
+# Every registered family, sorted (f17b: read from the registry as families are added).
+SUPPORTED = ", ".join(supported_architectures())
 
 
 @pytest.fixture(scope="module")

@@ -324,12 +324,15 @@ def test_megatron_moe_model_is_written_as_qwen3_moe_with_qk_norm_and_as_mixtral_
 def _shared_expert(family: Family) -> dict[str, object]:
     """A shared expert for a family whose experts have a gated one (f17a: Qwen2-MoE)."""
     return {"moe_shared_expert_intermediate_size": 6} if family.fixed.get("moe_shared_expert_gate") else {}
+# f17b: what a family's rules need besides its fixed values (Gemma 3's local RoPE base).
+_RULE_EXTRAS: dict[str, dict[str, object]] = {"Gemma3ForCausalLM": {"rotary_base_local": 10000.0}}
 
 
 @pytest.mark.parametrize("architecture", sorted(FAMILIES))
 def test_dense_families_refuse_moe_models_and_moe_families_refuse_dense_ones(architecture: str) -> None:
     family = FAMILIES[architecture]
     fixed = {name: value for name, value in family.fixed.items() if name != "num_experts"}
+    fixed.update(_RULE_EXTRAS.get(architecture, {}))
     is_moe_family = "num_experts" not in family.fixed
     shared = _shared_expert(family)
 
@@ -353,8 +356,9 @@ def test_every_family_table_fills_every_canonical_tensor_of_the_models_it_accept
     from pgconvert.provider import canonical_names
 
     family = FAMILIES[architecture]
-    candidates = [_config(**family.fixed)] + [
-        _config(**{**family.fixed, **_shared_expert(family), "num_experts": 4, "moe_layer_freq": freq})
+    fixed = {**family.fixed, **_RULE_EXTRAS.get(architecture, {})}
+    candidates = [_config(**fixed)] + [
+        _config(**{**fixed, **_shared_expert(family), "num_experts": 4, "moe_layer_freq": freq})
         for freq in (1, (1, 0))
     ]
     accepted = [config for config in candidates if not family_mismatches(family, config)]

@@ -137,6 +137,9 @@ class HFSource(CanonicalSource):
         dropped = sorted(name for name in stored if name not in expected and table.is_dropped(name))
         missing = sorted(set(expected) - set(stored))
         unexpected = sorted(set(stored) - set(expected) - set(dropped) - {self._tied_copy})
+        refused = family.refuse_extra(unexpected, self.hf_origin.config_json) if family.refuse_extra else None
+        if refused:  # f17c
+            raise CheckpointError(f"{self.directory}: {family.architecture}: {refused}")
         if missing or unexpected:
             needed_by = sorted({expected[name] for name in missing})
             raise CheckpointError(

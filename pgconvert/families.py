@@ -299,6 +299,9 @@ class Family:
     hf_scratch: Mapping[str, object] = field(default_factory=dict)
     rules: tuple[ConfigRule, ...] = ()
     hf_assumed: Mapping[str, object] = field(default_factory=dict)
+    # f17c: why stored HF tensors outside the table are refused, given them and config.json (None: the
+    # generic message), e.g. multi-token-prediction layers a family does not convert.
+    refuse_extra: Callable[[Sequence[str], Mapping[str, object]], str | None] | None = None
 
     def __post_init__(self) -> None:
         for name in ("fixed", "hf_fixed", "hf_scratch", "hf_assumed"):
@@ -743,6 +746,12 @@ INFERENCE_ORDER: tuple[str, ...] = (
     "Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "Qwen3MoeForCausalLM",
     "MixtralForCausalLM",
 )
+
+# f17c: GLM-4.5-MoE (pgconvert.families_moe_more), registered here.
+from pgconvert.families_moe_more import MORE_MOE_FAMILIES  # noqa: E402
+
+FAMILIES.update({family.architecture: family for family in MORE_MOE_FAMILIES})
+INFERENCE_ORDER += tuple(family.architecture for family in MORE_MOE_FAMILIES)
 
 
 def supported_architectures() -> list[str]:

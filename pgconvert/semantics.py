@@ -71,7 +71,8 @@ SEMANTICS: tuple[Setting, ...] = (
             "hard-codes) and linear are carried; yarn, dynamic, longrope and other llama3 parameters are "
             "not (notice; --strict refuses)"),
     Setting("rotary percent", ("rotary_percent",), ("rotary_percent",), _ARGS.format("rotary_percent"),
-            {ALL_FAMILIES: "rope_parameters.partial_rotary_factor (read); no family here computes it"},
+            _hf(Glm4MoeForCausalLM="rope_parameters.partial_rotary_factor (default 0.5; carried both ways)",
+                ALL="rope_parameters.partial_rotary_factor (read); no other family here computes it"),
             "HF -> Megatron carried; Megatron -> HF with < 1: notice, --strict refuses"),
     Setting("rotary interleaved", ("rotary_interleaved",), ("rotary_interleaved",),
             _ARGS.format("rotary_interleaved"),
@@ -96,10 +97,12 @@ SEMANTICS: tuple[Setting, ...] = (
     Setting("activation", ("activation", "gated_linear_unit"), ("swiglu",), _ARGS.format("swiglu"),
             {ALL_FAMILIES: "hidden_act = silu (fixed)"}),
     Setting("qk-norm", ("qk_layernorm",), ("qk_layernorm",), _ARGS.format("qk_layernorm"),
-            _hf(Qwen3ForCausalLM="always", Qwen3MoeForCausalLM="always", ALL="never (other families)")),
+            _hf(Qwen3ForCausalLM="always", Qwen3MoeForCausalLM="always", Glm4MoeForCausalLM="use_qk_norm",
+                ALL="never (other families)")),
     Setting("linear biases", ("add_bias_linear", "add_qkv_bias"), ("add_bias_linear", "add_qkv_bias"),
             _ARGS.format("add_bias_linear / add_qkv_bias"),
-            _hf(LlamaForCausalLM="attention_bias, mlp_bias", Qwen2ForCausalLM="q/k/v biases (fixed)")),
+            _hf(LlamaForCausalLM="attention_bias, mlp_bias", Qwen2ForCausalLM="q/k/v biases (fixed)",
+                Glm4MoeForCausalLM="attention_bias (q/k/v only: add_qkv_bias)")),
     Setting("head dim", ("kv_channels",), ("kv_channels",), _ARGS.format("kv_channels"),
             {ALL_FAMILIES: "head_dim"}),
     Setting("query groups", ("num_query_groups",), ("group_query_attention", "num_query_groups"),
@@ -112,17 +115,22 @@ SEMANTICS: tuple[Setting, ...] = (
             ("vocab_size", "padded_vocab_size", "make_vocab_size_divisible_by"),
             _ARGS.format("vocab_size / padded_vocab_size"), {ALL_FAMILIES: "vocab_size (true, unpadded)"}),
     Setting("moe top-k", ("moe_router_topk",), ("moe_router_topk",), _ARGS.format("moe_router_topk"),
-            {_MOE: "num_experts_per_tok"}),
+            {_MOE: "num_experts_per_tok", "Glm4MoeForCausalLM": "num_experts_per_tok"}),
     Setting("moe score function", ("moe_router_score_function",), ("moe_router_score_function",),
-            _ARGS.format("moe_router_score_function"), {_MOE: "softmax only (sigmoid: notice, --strict refuses)"}),
+            _ARGS.format("moe_router_score_function"), {_MOE: "softmax only (sigmoid: notice, --strict refuses)",
+                                                        "Glm4MoeForCausalLM": "sigmoid (fixed)"}),
     Setting("moe pre-softmax", ("moe_router_pre_softmax",), ("moe_router_pre_softmax",),
             _ARGS.format("moe_router_pre_softmax"),
             _hf(Qwen3MoeForCausalLM="norm_topk_prob = not pre_softmax",
-                MixtralForCausalLM="none (top-k renormalized: pre_softmax False)")),
+                MixtralForCausalLM="none (top-k renormalized: pre_softmax False)",
+                Glm4MoeForCausalLM="norm_topk_prob (assumed true: megatron-core's sigmoid router renormalizes; "
+                                   "false: notice, --strict refuses)")),
     Setting("moe expert bias", ("moe_router_enable_expert_bias",), ("moe_router_enable_expert_bias",),
-            _ARGS.format("moe_router_enable_expert_bias"), {_MOE: "none (refused)"}),
+            _ARGS.format("moe_router_enable_expert_bias"),
+            {_MOE: "none (refused)", "Glm4MoeForCausalLM": "always: mlp.gate.e_score_correction_bias (fp32)"}),
     Setting("moe top-k scaling", ("moe_router_topk_scaling_factor",), ("moe_router_topk_scaling_factor",),
-            _ARGS.format("moe_router_topk_scaling_factor"), {_MOE: "none (set: notice, --strict refuses)"}),
+            _ARGS.format("moe_router_topk_scaling_factor"), {_MOE: "none (set: notice, --strict refuses)",
+                                                             "Glm4MoeForCausalLM": "routed_scaling_factor"}),
     Setting("moe aux loss", ("moe_aux_loss_coeff",), ("moe_aux_loss_coeff",), _ARGS.format("moe_aux_loss_coeff"),
             {_MOE: "router_aux_loss_coef"}),
     Setting("dropout", ("attention_dropout", "hidden_dropout"), ("attention_dropout", "hidden_dropout"),
@@ -306,17 +314,26 @@ def hf_training_notes(architecture: str, config: ModelConfig) -> list[str]:
     return []
 
 
+# f17c: settings an HF architecture computes that hf_losses would otherwise name as lost.
+HF_COMPUTES: dict[str, frozenset[str]] = {
+    "Glm4MoeForCausalLM": frozenset({"rotary_percent", "moe_router_score_function",
+                                     "moe_router_topk_scaling_factor"}),
+}
+
+
 def hf_losses(architecture: str, config: ModelConfig) -> list[str]:
     """The settings of ``config`` an HF ``architecture`` written from it cannot express."""
     losses = []
-    if config.rotary_percent != 1.0:
+    computes = HF_COMPUTES.get(architecture, frozenset())
+    if config.rotary_percent != 1.0 and "rotary_percent" not in computes:
         losses.append(f"rotary_percent={config.rotary_percent} (partial rotary): {architecture} rotates the "
                       "whole head")
     if config.num_experts is not None:
-        if config.moe_router_score_function != "softmax":
+        if config.moe_router_score_function != "softmax" and "moe_router_score_function" not in computes:
             losses.append(f"moe_router_score_function={config.moe_router_score_function!r}: {architecture} "
                           "routes with softmax")
-        if config.moe_router_topk_scaling_factor not in (None, 1.0):
+        if (config.moe_router_topk_scaling_factor not in (None, 1.0)
+                and "moe_router_topk_scaling_factor" not in computes):
             losses.append(f"moe_router_topk_scaling_factor={config.moe_router_topk_scaling_factor}: "
                           f"{architecture} does not scale routing weights")
         if config.moe_router_pre_softmax and architecture != "Qwen3MoeForCausalLM":

@@ -15,9 +15,12 @@ from hf_helpers import build_hf_model, edit_json, load_hf_tensors, rewrite_as_si
 import pgconvert
 from pgconvert.cli import main
 from pgconvert.errors import CheckpointError, ConfigError, LayoutError
+from pgconvert.families import FAMILIES
 
-SUPPORTED = ("LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
-             "Qwen3MoeForCausalLM")
+# f17c: every registered family in name order; the six built into families.py are among them.
+SUPPORTED = ", ".join(sorted(FAMILIES))
+assert {"LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+        "Qwen3MoeForCausalLM"} <= set(FAMILIES)
 
 
 @pytest.fixture(scope="module")

@@ -321,11 +321,16 @@ def test_megatron_moe_model_is_written_as_qwen3_moe_with_qk_norm_and_as_mixtral_
     assert infer_family(_config()).architecture == "LlamaForCausalLM"
 
 
+# What a family needs beyond its fixed values to accept a model (f17c: GLM-4.5-MoE's shared expert).
+_FAMILY_NEEDS: dict[str, dict[str, object]] = {"Glm4MoeForCausalLM": {"moe_shared_expert_intermediate_size": 6}}
+
+
 @pytest.mark.parametrize("architecture", sorted(FAMILIES))
 def test_dense_families_refuse_moe_models_and_moe_families_refuse_dense_ones(architecture: str) -> None:
     family = FAMILIES[architecture]
     fixed = {name: value for name, value in family.fixed.items() if name != "num_experts"}
-    is_moe_family = architecture in ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
+    fixed.update(_FAMILY_NEEDS.get(architecture, {}))
+    is_moe_family = "num_experts" not in family.fixed
 
     dense_refusals = family_mismatches(family, _config(**fixed))
     moe_refusals = family_mismatches(family, _config(**fixed, num_experts=4))
@@ -347,8 +352,9 @@ def test_every_family_table_fills_every_canonical_tensor_of_the_models_it_accept
     from pgconvert.provider import canonical_names
 
     family = FAMILIES[architecture]
-    candidates = [_config(**family.fixed)] + [
-        _config(**{**family.fixed, "num_experts": 4, "moe_layer_freq": freq}) for freq in (1, (1, 0))
+    fixed = {**family.fixed, **_FAMILY_NEEDS.get(architecture, {})}
+    candidates = [_config(**fixed)] + [
+        _config(**{**fixed, "num_experts": 4, "moe_layer_freq": freq}) for freq in (1, (1, 0), (0, 1))
     ]
     accepted = [config for config in candidates if not family_mismatches(family, config)]
 

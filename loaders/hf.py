@@ -152,6 +152,8 @@ class HFSource(CanonicalSource):
         shapes = canonical_shapes(config)
         for canonical, (row, names) in self._rows.items():
             part_shapes = row.transform.part_shapes(shapes[canonical], config)
+            if row.stacked:  # f17c: every expert of the layer on dim 0
+                part_shapes = [(config.num_experts or 0, *shape) for shape in part_shapes]
             for name, shape in zip(names, part_shapes, strict=True):
                 found_shape = stored[name].shape
                 if found_shape != shape:
@@ -185,7 +187,11 @@ class HFSource(CanonicalSource):
 
     def _load(self, name: str) -> torch.Tensor:
         row, hf_names = self._rows[name]
-        parts = [read_tensor(self._files[hf], hf) for hf in hf_names]
+        index = self.family.tensors.stack_index(name) if row.stacked else None
+        if index is not None:  # f17c: one expert's slice of the stacked HF tensors
+            parts = [read_tensor_range(self._files[hf], hf, 0, index, index + 1)[0] for hf in hf_names]
+        else:
+            parts = [read_tensor(self._files[hf], hf) for hf in hf_names]
         full = row.transform.fuse(parts, self.config)
         if name == WORD_EMBEDDINGS and self._tied_copy is not None:
             self._check_tied_copy(full, read_tensor(self._files[self._tied_copy], self._tied_copy), hf_names[0])
@@ -212,6 +218,8 @@ class HFSource(CanonicalSource):
         fused QKV reads the query groups a window covers; anything else goes through the full tensor.
         """
         row, hf_names = self._rows[name]
+        if row.stacked:  # f17c: read through _load (one expert's slice)
+            return super()._load_shard(name, rule, size, rank, rows)
         meta = self._metas[name]
         windows = rule.piece_windows(meta.shape, size, rank, rows, self.config.vocab_size)
         joined = row.transform is IDENTITY or (row.transform is GATE_UP and all(w.dim == 0 for w in windows))

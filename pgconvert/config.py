@@ -12,7 +12,8 @@ from pgconvert.limits import quote
 
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")
 POSITION_EMBEDDINGS = ("rope", "learned_absolute", "none")
-ACTIVATIONS = ("silu", "gelu")
+ACTIVATIONS = ("silu", "gelu", "quick_gelu")  # f17c: quick_gelu (GPT-OSS)
+SOFTMAX_TYPES = ("vanilla", "learnable")
 # Megatron's two layer specs name the fused norms differently; pgconvert keeps the source's choice.
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -79,6 +80,12 @@ class ModelConfig:
     moe_router_pre_softmax: bool = False
     moe_router_topk_scaling_factor: float | None = None
     moe_aux_loss_coeff: float = 0.0
+    # f17c: GPT-OSS (megatron-core TransformerConfig names): attention sinks (softmax_type "learnable":
+    # a per-head logit in every softmax's denominator, core_attention.softmax_offset), the clamped
+    # GLU ``act(clamp(gate, max=c)) * (clamp(up, -c, c) + offset)`` with quick_gelu ``x·σ(1.702x)``.
+    softmax_type: str = "vanilla"
+    glu_linear_offset: float = 0.0
+    activation_func_clamp_value: float | None = None
 
     def __post_init__(self) -> None:
         self._check_semantics()
@@ -125,8 +132,9 @@ class ModelConfig:
             if self.moe_shared_expert_intermediate_size is not None:
                 _require_positive("moe_shared_expert_intermediate_size", self.moe_shared_expert_intermediate_size)
             _require_positive("moe_router_topk", self.moe_router_topk)
-            if self.add_bias_linear:
-                raise ConfigError("add_bias_linear=True: biases on expert linears are not supported")
+            if self.add_bias_linear and self.moe_shared_expert_intermediate_size is not None:
+                # f17c: expert and router biases are tensor kinds; shared-expert biases are not.
+                raise ConfigError("add_bias_linear=True with shared experts: shared-expert biases are not supported")
             if isinstance(self.moe_layer_freq, list):
                 object.__setattr__(self, "moe_layer_freq", tuple(self.moe_layer_freq))
             if isinstance(self.moe_layer_freq, tuple):
@@ -155,6 +163,10 @@ class ModelConfig:
         _require_choice("moe_router_score_function", self.moe_router_score_function, MOE_SCORE_FUNCTIONS)
         if self.moe_router_topk_scaling_factor is not None:
             _require_finite("moe_router_topk_scaling_factor", self.moe_router_topk_scaling_factor)
+        _require_choice("softmax_type", self.softmax_type, SOFTMAX_TYPES)
+        _require_finite("glu_linear_offset", self.glu_linear_offset)
+        if self.activation_func_clamp_value is not None:
+            _require_finite("activation_func_clamp_value", self.activation_func_clamp_value)
         if self.sliding_window is not None:
             _require_positive("sliding_window", self.sliding_window)
         if isinstance(self.window_layers, list):

@@ -164,6 +164,9 @@ class TensorMapping:
     canonical: str | None
     hf: tuple[str, ...]
     transform: Transform = IDENTITY
+    # f17c: the HF tensors hold every routed expert of a layer stacked on dim 0 (GPT-OSS's
+    # ``mlp.experts.gate_up_proj`` [E, ...]); the canonical pattern's last slot, the expert, indexes it.
+    stacked: bool = False
 
     def __post_init__(self) -> None:
         if len(self.hf) != self.transform.parts:
@@ -173,7 +176,7 @@ class TensorMapping:
             )
         if (self.canonical is None) != (self.transform is DROPPED):
             raise ValueError(f"mapping {self.hf}: canonical=None and the dropped transform go together")
-        slots = {pattern.count(SLOT) for pattern in self.hf}
+        slots = {pattern.count(SLOT) + int(self.stacked) for pattern in self.hf}
         if self.canonical is not None:
             slots.add(self.canonical.count(SLOT))
         if len(slots) != 1:
@@ -211,7 +214,15 @@ class TensorTable:
             match = pattern.fullmatch(canonical)
             if match:
                 slots = match.groups()
-                return row, tuple(_fill(hf, slots) for hf in row.hf)
+                return row, tuple(_fill(hf, slots[:hf.count(SLOT)]) for hf in row.hf)
+        return None
+
+    def stack_index(self, canonical: str) -> int | None:
+        """f17c: for a canonical tensor of a stacked row, its index on the HF tensors' dim 0; else None."""
+        for pattern, row in self._canonical:
+            match = pattern.fullmatch(canonical)
+            if match:
+                return int(match.groups()[-1]) if row.stacked else None
         return None
 
     def is_dropped(self, hf_name: str) -> bool:

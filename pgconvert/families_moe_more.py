@@ -1,4 +1,4 @@
-"""More MoE families as data: GLM-4.5-MoE (``Glm4MoeForCausalLM``).
+"""More MoE families as data: GLM-4.5-MoE (``Glm4MoeForCausalLM``) and GPT-OSS (``GptOssForCausalLM``).
 
 Registered into ``pgconvert.families.FAMILIES`` by that module. Facts are from transformers 5.24's
 ``models/glm4_moe`` (modeling and configuration) and megatron-core's ``TopKRouter`` /
@@ -21,8 +21,11 @@ import re
 from collections.abc import Mapping, Sequence
 
 from pgconvert.config import ModelConfig
+import torch
+
 from pgconvert.families import (
     _ATTENTION_ROWS,
+    _AUX_LOSS,
     _DENSE_FFN,
     _DENSE_MLP_ROWS,
     _EMBEDDING_ROWS,
@@ -30,15 +33,20 @@ from pgconvert.families import (
     _QWEN_MOE_ROWS,
     _SWIGLU_RMS_ROPE,
     GATE_UP,
+    IDENTITY,
     ConfigField,
     ConfigRule,
     Family,
     TensorMapping,
     TensorTable,
+    Transform,
     _decoder_fields,
     _dense_layers,
+    _every_layer_moe,
     _expert_ffn_size,
+    _no_keys,
     _read_rope,
+    _refuses_dense_layers,
     _write_rope,
 )
 from pgconvert.limits import quote
@@ -209,4 +217,156 @@ GLM4_MOE = Family(
     refuse_extra=refuse_mtp_tensors,
 )
 
-MORE_MOE_FAMILIES: tuple[Family, ...] = (GLM4_MOE,)
+
+
+# --- GPT-OSS ----------------------------------------------------------------------------------------
+# transformers 5.24 models/gpt_oss: every layer MoE; q/k/v/o biases; per-head attention sinks; the
+# router a biased linear whose top-k logits are softmaxed (megatron-core's default router); experts
+# stacked per layer, gate_up_proj [E, hidden, 2·I] with gate and up interleaved column by column
+# (gate = [..., ::2]), down_proj [E, I, hidden], each with a bias; the expert activation
+# (clamp(up, ±limit) + 1) · g·σ(1.702·g), g = clamp(gate, max=limit). Megatron side as Megatron-Bridge
+# writes it (src/megatron/bridge/models/gpt_oss/gpt_oss_bridge.py): add_bias_linear, softmax_type
+# 'learnable' (self_attention.core_attention.softmax_offset), quick_gelu with
+# activation_func_clamp_value = swiglu_limit and glu_linear_offset 1, window_size (W - 1, 0) on the
+# sliding layers, linear_fc1 = [gate; up] (its _interleave), experts' fc2 transposed.
+GPT_OSS_SWIGLU_ALPHA = 1.702  # megatron-core's quick_gelu constant
+GPT_OSS_SWIGLU_LIMIT = 7.0
+GPT_OSS_WINDOW = 128
+
+
+def _deinterleave(rows: torch.Tensor) -> torch.Tensor:
+    return torch.cat([rows[0::2], rows[1::2]], dim=0)
+
+
+def _interleave(full: torch.Tensor) -> torch.Tensor:
+    gate, up = full.chunk(2, dim=0)
+    out = torch.empty_like(full)
+    out[0::2], out[1::2] = gate, up
+    return out
+
+
+class InterleavedGateUp(Transform):
+    """One expert's ``gate_up_proj`` ([hidden, 2·I], columns gate/up alternating) or its bias ([2·I])
+    <-> megatron-core's ``linear_fc1`` [gate; up] ([2·I, hidden] or [2·I])."""
+
+    parts = 1
+
+    def __init__(self, transposed: bool) -> None:
+        self.transposed = transposed
+        self.name = "interleaved-gate-up" + ("-transposed" if transposed else "")
+
+    def fuse(self, parts: Sequence[torch.Tensor], config: ModelConfig) -> torch.Tensor:
+        rows = parts[0].t() if self.transposed else parts[0]
+        return _deinterleave(rows).contiguous()
+
+    def split(self, full: torch.Tensor, config: ModelConfig) -> list[torch.Tensor]:
+        rows = _interleave(full)
+        return [rows.t().contiguous() if self.transposed else rows]
+
+    def part_shapes(self, shape: tuple[int, ...], config: ModelConfig) -> list[tuple[int, ...]]:
+        return [tuple(reversed(shape)) if self.transposed else shape]
+
+
+class Transposed(Transform):
+    """One expert's ``down_proj`` [I, hidden] <-> megatron-core's ``linear_fc2`` [hidden, I]."""
+
+    name = "transposed"
+    parts = 1
+
+    def fuse(self, parts: Sequence[torch.Tensor], config: ModelConfig) -> torch.Tensor:
+        return parts[0].t().contiguous()
+
+    def split(self, full: torch.Tensor, config: ModelConfig) -> list[torch.Tensor]:
+        return [full.t().contiguous()]
+
+    def part_shapes(self, shape: tuple[int, ...], config: ModelConfig) -> list[tuple[int, ...]]:
+        return [tuple(reversed(shape))]
+
+
+_EXPERT = "decoder.layers.{}.mlp.experts.local_experts.{}."
+_GPT_OSS_ROWS = (
+    TensorMapping("decoder.layers.{}.self_attention.core_attention.softmax_offset",
+                  ("model.layers.{}.self_attn.sinks",)),
+    TensorMapping("decoder.layers.{}.mlp.router.weight", ("model.layers.{}.mlp.router.weight",)),
+    TensorMapping("decoder.layers.{}.mlp.router.bias", ("model.layers.{}.mlp.router.bias",)),
+    TensorMapping(_EXPERT + "linear_fc1.weight", ("model.layers.{}.mlp.experts.gate_up_proj",),
+                  InterleavedGateUp(transposed=True), stacked=True),
+    TensorMapping(_EXPERT + "linear_fc1.bias", ("model.layers.{}.mlp.experts.gate_up_proj_bias",),
+                  InterleavedGateUp(transposed=False), stacked=True),
+    TensorMapping(_EXPERT + "linear_fc2.weight", ("model.layers.{}.mlp.experts.down_proj",), Transposed(),
+                  stacked=True),
+    TensorMapping(_EXPERT + "linear_fc2.bias", ("model.layers.{}.mlp.experts.down_proj_bias",), IDENTITY,
+                  stacked=True),
+)
+GPT_OSS_TENSORS = TensorTable((*_EMBEDDING_ROWS, *_ATTENTION_ROWS, *_GPT_OSS_ROWS, *_FINAL_ROWS))
+
+
+def _layer_types(present: Mapping[str, object], layers: int) -> tuple[int, ...]:
+    """1 for a sliding layer; transformers' GptOssConfig default alternates, layer 0 sliding."""
+    types = present.get("layer_types")
+    if types is None:
+        return tuple(int((layer + 1) % 2 == 1) for layer in range(layers))
+    if (not isinstance(types, list) or len(types) != layers
+            or not all(kind in ("sliding_attention", "full_attention") for kind in types)):
+        raise ValueError(f"layer_types={quote(types)}: expected {layers} of 'sliding_attention'/'full_attention'")
+    return tuple(int(kind == "sliding_attention") for kind in types)
+
+
+def _read_layer_window(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
+    layers = model["num_layers"]
+    assert isinstance(layers, int)
+    window = present.get("sliding_window", GPT_OSS_WINDOW)
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise ValueError(f"sliding_window={quote(window)}: expected a positive integer")
+    pattern = _layer_types(present, layers)
+    if not any(pattern):
+        return {"sliding_window": None, "window_layers": None}
+    return {"sliding_window": window, "window_layers": None if all(pattern) else pattern}
+
+
+def _write_layer_window(config: ModelConfig) -> Mapping[str, object]:
+    types = ["sliding_attention" if config.is_window_layer(layer) else "full_attention"
+             for layer in range(config.num_layers)]
+    return {"sliding_window": config.sliding_window or GPT_OSS_WINDOW, "layer_types": types}
+
+
+GPT_OSS = Family(
+    architecture="GptOssForCausalLM",
+    model_type="gpt_oss",
+    tensors=GPT_OSS_TENSORS,
+    fields=(
+        *_decoder_fields(max_position_embeddings=131072, norm_epsilon=1e-5, rotary_base=150000.0),
+        ConfigField(("intermediate_size",), "moe_ffn_hidden_size", int, default=2880, written=_expert_ffn_size),
+        ConfigField(("num_local_experts",), "num_experts", int, default=128),
+        ConfigField(("num_experts_per_tok",), "moe_router_topk", int, default=4),
+        ConfigField(("swiglu_limit",), "activation_func_clamp_value", float, default=GPT_OSS_SWIGLU_LIMIT),
+        _AUX_LOSS,
+    ),
+    rules=(
+        ConfigRule(keys=(), model_fields=("ffn_hidden_size", "moe_layer_freq"), read=_every_layer_moe,
+                   write=_no_keys, refuses=_refuses_dense_layers),
+        ConfigRule(keys=("sliding_window", "layer_types"), model_fields=("sliding_window", "window_layers"),
+                   read=_read_layer_window, write=_write_layer_window),
+        ConfigRule(keys=("rope_parameters", "rope_scaling", "partial_rotary_factor"),
+                   model_fields=("rope_scaling", "rope_scaling_factor", "rotary_percent"),
+                   read=_read_rope, write=_write_rope),
+    ),
+    fixed={
+        **_SWIGLU_RMS_ROPE,
+        "activation": "quick_gelu",
+        "glu_linear_offset": 1.0,
+        "softmax_type": "learnable",
+        "add_bias_linear": True,
+        "add_qkv_bias": False,
+        "qk_layernorm": False,
+        "moe_shared_expert_intermediate_size": None,
+        "moe_router_enable_expert_bias": False,
+        "moe_router_score_function": "softmax",
+        "moe_router_pre_softmax": False,
+    },
+    # Every linear has a bias; the experts' sigmoid gain is quick_gelu's.
+    hf_fixed={"attention_bias": True, "swiglu_alpha": GPT_OSS_SWIGLU_ALPHA},
+    hf_scratch={"hidden_act": "silu"},
+)
+
+MORE_MOE_FAMILIES: tuple[Family, ...] = (GLM4_MOE, GPT_OSS)

@@ -272,6 +272,7 @@ def _config_from_args(args: argparse.Namespace, path: Path, transformer_impl: st
     if vocab is None and isinstance(getattr(args, "vocab_size", None), int):
         vocab = args.vocab_size
     swiglu = bool(getattr(args, "swiglu", False))
+    quick_geglu = bool(getattr(args, "quick_geglu", False))  # f17c: Megatron-LM's --quick-geglu (GPT-OSS)
     return ModelConfig(
         num_layers=required("num_layers"),
         hidden_size=hidden,
@@ -281,8 +282,8 @@ def _config_from_args(args: argparse.Namespace, path: Path, transformer_impl: st
         kv_channels=getattr(args, "kv_channels", None) or None,
         vocab_size=vocab,
         make_vocab_size_divisible_by=getattr(args, "make_vocab_size_divisible_by", None) or 128,
-        gated_linear_unit=swiglu,
-        activation="silu" if swiglu else "gelu",
+        gated_linear_unit=swiglu or quick_geglu,
+        activation="quick_gelu" if quick_geglu else "silu" if swiglu else "gelu",
         normalization=getattr(args, "normalization", None) or "LayerNorm",
         norm_epsilon=_arg_float(args, ("norm_epsilon", "layernorm_epsilon"), 1e-5, path),
         add_bias_linear=bool(getattr(args, "add_bias_linear", True)),
@@ -445,7 +446,8 @@ def _model_args(config: ModelConfig) -> dict[str, Any]:
         "group_query_attention": config.query_groups != config.num_attention_heads,
         "num_query_groups": config.query_groups,
         "kv_channels": config.head_dim,
-        "swiglu": config.gated_linear_unit,
+        "swiglu": config.gated_linear_unit and config.activation != "quick_gelu",
+        "quick_geglu": config.activation == "quick_gelu",
         "normalization": config.normalization,
         "norm_epsilon": config.norm_epsilon,
         "add_bias_linear": config.add_bias_linear,

@@ -137,6 +137,16 @@ SEMANTICS: tuple[Setting, ...] = (
             _ARGS.format("attention_dropout / hidden_dropout"),
             {ALL_FAMILIES: "attention_dropout; no hidden dropout (non-zero: notice; training only, so --strict allows it)"},
             "Megatron's defaults are 0.1; an HF source writes its own values (0.0) explicitly"),
+    # f17c: GPT-OSS. megatron-core computes these (TransformerConfig fields); Megatron-LM d98e8a64 has no
+    # flag for them, so they are written into args (and pgconvert.json) and named in a notice.
+    Setting("attention sinks", ("softmax_type",), ("softmax_type",), _ARGS.format("softmax_type"),
+            _hf(GptOssForCausalLM="always: self_attn.sinks (softmax_type 'learnable')", ALL="none (vanilla)"),
+            "Megatron-Bridge gpt_oss_bridge.py: softmax_type='learnable', core_attention.softmax_offset"),
+    Setting("clamped GLU", ("glu_linear_offset", "activation_func_clamp_value"),
+            ("glu_linear_offset", "activation_func_clamp_value"),
+            _ARGS.format("glu_linear_offset / activation_func_clamp_value"),
+            _hf(GptOssForCausalLM="swiglu_limit (clamp), offset 1 fixed; swiglu_alpha 1.702 = quick_gelu",
+                ALL="none")),
     Setting("dtype", ("params_dtype",), ("params_dtype", "bf16", "fp16"), _ARGS.format("params_dtype"),
             {ALL_FAMILIES: "dtype (4.x: torch_dtype)"}),
 )
@@ -212,6 +222,21 @@ def _window_from_args(args: argparse.Namespace, path: Path) -> dict[str, Any]:
     return {"sliding_window": left + 1, "window_layers": pattern}
 
 
+def _gpt_oss_from_args(args: argparse.Namespace, path: Path) -> dict[str, Any]:
+    """f17c: attention sinks and the clamped GLU (megatron-core TransformerConfig fields)."""
+    softmax_type = _arg(args, "softmax_type", "vanilla")
+    if softmax_type not in ("vanilla", "learnable"):
+        raise CheckpointError(f"{path}: args.softmax_type={quote(softmax_type)}: expected 'vanilla' or 'learnable'")
+    clamp = getattr(args, "activation_func_clamp_value", None)
+    return {"softmax_type": softmax_type, "glu_linear_offset": _number(args, "glu_linear_offset", 0.0, path),
+            "activation_func_clamp_value": None if clamp is None
+            else _number(args, "activation_func_clamp_value", 0.0, path)}
+
+
+GPT_OSS_DEFAULTS: dict[str, Any] = {"softmax_type": "vanilla", "glu_linear_offset": 0.0,
+                                    "activation_func_clamp_value": None}
+
+
 def from_args(args: argparse.Namespace, path: Path) -> dict[str, Any]:
     """The table's ``ModelConfig`` values that Megatron ``args`` give (Megatron-LM's defaults apply)."""
     values: dict[str, Any] = {
@@ -224,6 +249,7 @@ def from_args(args: argparse.Namespace, path: Path) -> dict[str, Any]:
         **_rope_from_args(args, path),
         **_window_from_args(args, path),
     }
+    values.update(_gpt_oss_from_args(args, path))
     if getattr(args, "num_experts", None):
         scaling = getattr(args, "moe_router_topk_scaling_factor", None)
         values.update({
@@ -252,6 +278,9 @@ def to_args(config: ModelConfig) -> dict[str, Any]:
         "attention_dropout": config.attention_dropout,
         "hidden_dropout": config.hidden_dropout,
     }
+    # f17c: written only where they differ from megatron-core's defaults (other outputs are unchanged).
+    values.update({name: getattr(config, name) for name, default in GPT_OSS_DEFAULTS.items()
+                   if getattr(config, name) != default})
     if config.num_experts is not None:
         values.update({
             "moe_router_score_function": config.moe_router_score_function,
@@ -318,6 +347,7 @@ def hf_training_notes(architecture: str, config: ModelConfig) -> list[str]:
 HF_COMPUTES: dict[str, frozenset[str]] = {
     "Glm4MoeForCausalLM": frozenset({"rotary_percent", "moe_router_score_function",
                                      "moe_router_topk_scaling_factor"}),
+    "GptOssForCausalLM": frozenset({"glu_linear_offset", "activation_func_clamp_value"}),
 }
 
 
@@ -328,6 +358,9 @@ def hf_losses(architecture: str, config: ModelConfig) -> list[str]:
     if config.rotary_percent != 1.0 and "rotary_percent" not in computes:
         losses.append(f"rotary_percent={config.rotary_percent} (partial rotary): {architecture} rotates the "
                       "whole head")
+    for name, default in (("glu_linear_offset", 0.0), ("activation_func_clamp_value", None)):
+        if getattr(config, name) != default and name not in computes:
+            losses.append(f"{name}={getattr(config, name)}: {architecture} has no clamped GLU")
     if config.num_experts is not None:
         if config.moe_router_score_function != "softmax" and "moe_router_score_function" not in computes:
             losses.append(f"moe_router_score_function={config.moe_router_score_function!r}: {architecture} "
@@ -362,6 +395,13 @@ def check_target(source: Any, target_format: str, strict: bool) -> None:
             f"args.rope_scaling_factor={config.rope_scaling_factor}: Megatron-LM (d98e8a64) builds GPTModel without "
             "it (gpt_builders.py, gpt_config_from_args), so a run built by Megatron-LM computes factor "
             f"{MEGATRON_DEFAULT_ROPE_SCALING_FACTOR}; megatron-core given the arg computes {config.rope_scaling_factor}")
+    extra = {name: getattr(config, name) for name, default in GPT_OSS_DEFAULTS.items()
+             if getattr(config, name) != default}
+    if extra:  # f17c
+        source.notices.append(
+            f"args {', '.join(f'{name}={value!r}' for name, value in extra.items())}: megatron-core TransformerConfig "
+            "fields that Megatron-LM (d98e8a64) has no command-line flag for; its core_transformer_config_from_args "
+            "copies them from args, otherwise set them in your run (Megatron-Bridge's GPT-OSS provider does)")
     if config.rope_scaling == "linear":
         source.notices.append(
             "args.rotary_seq_len_interpolation_factor: Megatron-LM's gpt_builders.py (d98e8a64) does not pass it "

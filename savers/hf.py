@@ -70,10 +70,24 @@ class _Unit:
     hf_names: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
     dtype: torch.dtype
+    # f17c: (expert index, experts) for a slice of stacked HF tensors (TensorMapping.stacked)
+    stack: tuple[int, int] | None = None
 
     @property
     def nbytes(self) -> int:
         return sum(sizes.nbytes(shape, self.dtype) for shape in self.shapes)
+
+    @property
+    def closes_stack(self) -> bool:
+        """Whether the unit's HF tensors are complete once it is written (always, unless stacked)."""
+        return self.stack is None or self.stack[0] == self.stack[1] - 1
+
+    def entries(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+        """The safetensors entries this unit completes (a stacked tensor's with its last expert)."""
+        if not self.closes_stack:
+            return []
+        lead = (self.stack[1],) if self.stack is not None else ()
+        return [(name, self.dtype, (*lead, *shape)) for name, shape in zip(self.hf_names, self.shapes, strict=True)]
 
 
 @dataclass
@@ -83,7 +97,7 @@ class _Shard:
 
     @property
     def tensors(self) -> int:
-        return sum(len(unit.hf_names) for unit in self.units)
+        return sum(len(unit.entries()) for unit in self.units)
 
 
 def _rotary_order(config: ModelConfig) -> torch.Tensor:
@@ -277,7 +291,9 @@ class HFSaver(Saver):
             row, hf_names = found
             shapes = tuple(row.transform.part_shapes(tuple(shape), config))
             dtype = meta.dtype if name in kept else _out_dtype(meta.dtype, options)
-            units.append(_Unit(name, row, hf_names, shapes, dtype))
+            index = family.tensors.stack_index(name) if row.stacked else None
+            stack = None if index is None else (index, config.num_experts or 0)
+            units.append(_Unit(name, row, hf_names, shapes, dtype, stack))
         if unmapped:
             raise ConfigError(f"hf: {family.architecture} has no HF name for {sorted(unmapped)}")
         return units
@@ -286,9 +302,11 @@ class HFSaver(Saver):
         """transformers' greedy packing, by canonical tensor: a new shard when the next would overflow."""
         limit = options.max_shard_size or DEFAULT_MAX_SHARD_SIZE
         shards = [_Shard()]
+        open_stack = False  # f17c: a stacked HF tensor is never split between shards
         for unit in self._units(source, options):
-            if shards[-1].units and shards[-1].nbytes + unit.nbytes > limit:
+            if shards[-1].units and not open_stack and shards[-1].nbytes + unit.nbytes > limit:
                 shards.append(_Shard())
+            open_stack = unit.stack is not None and not unit.closes_stack
             shards[-1].units.append(unit)
             shards[-1].nbytes += unit.nbytes
         return shards
@@ -296,6 +314,22 @@ class HFSaver(Saver):
     @staticmethod
     def _file_names(count: int) -> list[str]:
         return [SINGLE_FILE] if count == 1 else [shard_file_name(i + 1, count) for i in range(count)]
+
+    @staticmethod
+    def _hf_pieces(source: CanonicalSource, unit: _Unit) -> list[torch.Tensor]:
+        """The HF tensors (or, for a stacked row, their slices) of one canonical tensor, as written."""
+        config = source.config
+        assert config.vocab_size is not None
+        full = source.load(unit.canonical)
+        if unit.canonical in VOCAB_TABLES:
+            # Megatron's padding rows are not part of the model.
+            full = full.narrow(0, 0, config.vocab_size)
+        if config.rotary_interleaved:
+            full = rotate_half_order(unit.canonical, full, config)
+        if config.layernorm_zero_centered_gamma and unit.canonical.endswith(ZERO_CENTRED_NORMS):
+            # megatron-core's norms compute with 1 + gamma (--apply-layernorm-1p); HF's with gamma.
+            full = full.to(torch.float32) + 1.0
+        return [piece.to(unit.dtype) for piece in unit.row.transform.split(full, config)]
 
     def plan(self, source: CanonicalSource, options: SaveOptions) -> list[PlannedFile]:
         shards = self._shards(source, options)
@@ -316,25 +350,18 @@ class HFSaver(Saver):
         weight_map: dict[str, str] = {}
         total = 0
         for file_name, shard in zip(self._file_names(len(shards)), shards, strict=True):
-            entries = [
-                (hf_name, unit.dtype, shape)
-                for unit in shard.units
-                for hf_name, shape in zip(unit.hf_names, unit.shapes, strict=True)
-            ]
+            entries = [entry for unit in shard.units for entry in unit.entries()]
+            stacks: dict[str, list[torch.Tensor]] = {}
             with _SafetensorsWriter(out_dir / file_name, entries) as writer:
                 for unit in shard.units:
-                    full = source.load(unit.canonical)
-                    if unit.canonical in VOCAB_TABLES:
-                        # Megatron's padding rows are not part of the model.
-                        full = full.narrow(0, 0, config.vocab_size)
-                    if config.rotary_interleaved:
-                        full = rotate_half_order(unit.canonical, full, config)
-                    if config.layernorm_zero_centered_gamma and unit.canonical.endswith(ZERO_CENTRED_NORMS):
-                        # megatron-core's norms compute with 1 + gamma (--apply-layernorm-1p); HF's with gamma.
-                        full = full.to(torch.float32) + 1.0
-                    for hf_name, piece in zip(unit.hf_names, unit.row.transform.split(full, config), strict=True):
-                        writer.write(hf_name, piece.to(unit.dtype))
-                    del full
+                    pieces = self._hf_pieces(source, unit)
+                    for hf_name, piece in zip(unit.hf_names, pieces, strict=True):
+                        if unit.stack is None:
+                            writer.write(hf_name, piece)
+                            continue
+                        stacks.setdefault(hf_name, []).append(piece)
+                        if unit.closes_stack:
+                            writer.write(hf_name, torch.stack(stacks.pop(hf_name)))
             weight_map.update({entry[0]: file_name for entry in entries})
             total += writer.nbytes
             result.files.append(PlannedFile(file_name, len(entries), writer.nbytes, sha256=writer.sha256,

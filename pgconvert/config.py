@@ -19,8 +19,9 @@ TRANSFORMER_IMPLS = ("local", "transformer_engine")
 DTYPES = ("float32", "bfloat16", "float16")
 # RoPE scalings Megatron expresses: llama3 (``--use-rope-scaling``, low/high frequency factors 1 and
 # 4 and 8192 original positions, as megatron-core hard-codes them) and linear position interpolation
-# (``--rotary-seq-len-interpolation-factor``). None: plain RoPE.
-ROPE_SCALINGS = ("llama3", "linear")
+# (``--rotary-seq-len-interpolation-factor``), yarn (``--position-embedding-type yarn``, MLA's
+# ``--rope-type yarn``; parameters in the ``yarn_*`` fields). None: plain RoPE.
+ROPE_SCALINGS = ("llama3", "linear", "yarn")
 MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")
 
 
@@ -80,6 +81,14 @@ class ModelConfig:
     moe_router_pre_softmax: bool = False
     moe_router_topk_scaling_factor: float | None = None
     moe_aux_loss_coeff: float = 0.0
+    # ds16: YaRN RoPE (rope_scaling="yarn", its factor in rope_scaling_factor): megatron-core's
+    # YarnRotaryEmbedding parameters, defaults as Megatron-LM's (argument_utils._apply_yarn_config_from_args).
+    yarn_original_max_position_embeddings: int = 4096
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_mscale: float = 1.0
+    yarn_mscale_all_dim: float = 0.0
+    yarn_correction_range_round_to_int: bool = True
     # f17c: GPT-OSS (megatron-core TransformerConfig names): attention sinks (softmax_type "learnable":
     # a per-head logit in every softmax's denominator, core_attention.softmax_offset), the clamped
     # GLU ``act(clamp(gate, max=c)) * (clamp(up, -c, c) + offset)`` with quick_gelu ``x·σ(1.702x)``.
@@ -161,6 +170,7 @@ class ModelConfig:
             if self.rope_scaling_factor <= 0:
                 raise ConfigError(f"rope_scaling_factor={quote(self.rope_scaling_factor)}: must be > 0")
         _require_choice("moe_router_score_function", self.moe_router_score_function, MOE_SCORE_FUNCTIONS)
+        self._check_yarn()
         if self.moe_router_topk_scaling_factor is not None:
             _require_finite("moe_router_topk_scaling_factor", self.moe_router_topk_scaling_factor)
         _require_choice("softmax_type", self.softmax_type, SOFTMAX_TYPES)
@@ -177,6 +187,15 @@ class ModelConfig:
             if len(self.window_layers) != self.num_layers or set(self.window_layers) - {0, 1}:
                 raise ConfigError(f"window_layers={quote(list(self.window_layers))}: must list 0 or 1 for "
                                   f"each of the {self.num_layers} layers")
+
+    def _check_yarn(self) -> None:
+        """The YaRN parameters: finite numbers, a positive original context, a boolean rounding."""
+        _require_positive("yarn_original_max_position_embeddings", self.yarn_original_max_position_embeddings)
+        for name in ("yarn_beta_fast", "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim"):
+            _require_finite(name, getattr(self, name))
+        if not isinstance(self.yarn_correction_range_round_to_int, bool):
+            raise ConfigError(f"yarn_correction_range_round_to_int={quote(self.yarn_correction_range_round_to_int)}: "
+                              "must be true or false")
 
     def is_window_layer(self, layer: int) -> bool:
         """Whether ``layer`` (0-based) attends through the sliding window."""

@@ -24,6 +24,7 @@ from types import MappingProxyType
 
 import torch
 
+from pgconvert import yarn
 from pgconvert.config import ModelConfig
 from pgconvert.limits import quote
 from pgconvert.semantics import MEGATRON_LLAMA3, rope_parameters, rope_type_of
@@ -504,10 +505,13 @@ def _read_rope(present: Mapping[str, object], model: Mapping[str, object]) -> Ma
     partial = params.get("partial_rotary_factor", present.get("partial_rotary_factor"))
     rotary_percent = 1.0 if partial is None else _unit_number(partial, "partial_rotary_factor")
     rope_type = rope_type_of(params)
+    if rope_type == "yarn":
+        return {**yarn.YARN_DEFAULTS, **yarn.read_hf(params, model), "rotary_percent": rotary_percent}
     if rope_type in ("llama3", "linear"):
         factor = _unit_number(params.get("factor"), "rope_parameters.factor", low_open=False)
-        return {"rope_scaling": rope_type, "rope_scaling_factor": factor, "rotary_percent": rotary_percent}
-    return {"rope_scaling": None, "rope_scaling_factor": 1.0, "rotary_percent": rotary_percent}
+        return {**yarn.YARN_DEFAULTS, "rope_scaling": rope_type, "rope_scaling_factor": factor,
+                "rotary_percent": rotary_percent}
+    return {**yarn.YARN_DEFAULTS, "rope_scaling": None, "rope_scaling_factor": 1.0, "rotary_percent": rotary_percent}
 
 
 def _write_rope(config: ModelConfig) -> Mapping[str, object]:
@@ -516,6 +520,8 @@ def _write_rope(config: ModelConfig) -> Mapping[str, object]:
         params["factor"] = config.rope_scaling_factor
     if config.rope_scaling == "llama3":
         params.update(MEGATRON_LLAMA3)
+    if config.rope_scaling == "yarn":
+        params.update(yarn.write_hf(config))
     # transformers 4.x reads the scaling from rope_scaling (5 prefers it too, so the two agree).
     legacy = {key: value for key, value in params.items() if key != "rope_theta"} if config.rope_scaling else None
     # Partial rotary is not written: no family here computes it (semantics.hf_losses names it).
@@ -523,7 +529,7 @@ def _write_rope(config: ModelConfig) -> Mapping[str, object]:
 
 
 _ROPE_RULE = ConfigRule(keys=("rope_parameters", "rope_scaling", "partial_rotary_factor"),
-                        model_fields=("rope_scaling", "rope_scaling_factor", "rotary_percent"),
+                        model_fields=("rope_scaling", "rope_scaling_factor", "rotary_percent", *yarn.YARN_FIELDS),
                         read=_read_rope, write=_write_rope)
 
 

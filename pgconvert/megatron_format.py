@@ -266,6 +266,8 @@ def _config_from_args(args: argparse.Namespace, path: Path, transformer_impl: st
     position = getattr(args, "position_embedding_type", None)
     if position is None:
         position = "rope" if getattr(args, "use_rotary_position_embeddings", False) else "learned_absolute"
+    if position == "yarn":
+        position = "rope"  # YaRN-scaled RoPE: pgconvert.yarn reads its parameters
     if position not in ("rope", "learned_absolute", "none"):
         raise CheckpointError(f"{path}: args.position_embedding_type={quote(position)} is not supported")
     vocab = true_vocab_size

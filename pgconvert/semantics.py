@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pgconvert import yarn
 from pgconvert.config import ModelConfig
 from pgconvert.errors import CheckpointError, StrictModeError
 from pgconvert.limits import quote
@@ -68,8 +69,18 @@ SEMANTICS: tuple[Setting, ...] = (
             _ARGS.format("use_rope_scaling / rope_scaling_factor / rotary_seq_len_interpolation_factor"),
             {ALL_FAMILIES: "rope_parameters.rope_type/factor (4.x: rope_scaling)"},
             "llama3 with low/high frequency factors 1/4 and 8192 original positions (what megatron-core "
-            "hard-codes) and linear are carried; yarn, dynamic, longrope and other llama3 parameters are "
-            "not (notice; --strict refuses)"),
+            "hard-codes), linear and yarn (next row) are carried; dynamic, longrope and other llama3 "
+            "parameters are not (notice; --strict refuses)"),
+    Setting("yarn rope", yarn.YARN_FIELDS,
+            ("position_embedding_type", "rope_type", "rotary_scaling_factor", "yarn_original_max_position_embeddings",
+             "yarn_beta_fast", "yarn_beta_slow", "mscale", "mscale_all_dim", "yarn_correction_range_round_to_int",
+             "original_max_position_embeddings", "beta_fast", "beta_slow"),
+            _ARGS.format("position_embedding_type='yarn' (MLA: rope_type) / rotary_scaling_factor / yarn_* / mscale / "
+                         "mscale_all_dim"),
+            {ALL_FAMILIES: "rope_parameters (4.x: rope_scaling) rope_type=yarn: factor, original_max_position_embeddings, "
+                           "beta_fast, beta_slow, mscale, mscale_all_dim, truncate, attention_factor"},
+            "an HF attention_factor megatron-core's mscale ratio cannot give: notice, --strict refuses; "
+            "mscale is read as 1 unless mscale and mscale_all_dim are both non-zero (transformers' rule)"),
     Setting("rotary percent", ("rotary_percent",), ("rotary_percent",), _ARGS.format("rotary_percent"),
             _hf(Glm4MoeForCausalLM="rope_parameters.partial_rotary_factor (default 0.5; carried both ways)",
                 ALL="rope_parameters.partial_rotary_factor (read); no other family here computes it"),
@@ -178,6 +189,8 @@ def _flag(args: argparse.Namespace, name: str, path: Path) -> bool:
 
 
 def _rope_from_args(args: argparse.Namespace, path: Path) -> dict[str, Any]:
+    if yarn.uses_yarn(args):
+        return yarn.from_args(args, path)
     llama3 = _flag(args, "use_rope_scaling", path)
     interpolation = getattr(args, "rotary_seq_len_interpolation_factor", None)
     if interpolation is not None:
@@ -271,6 +284,7 @@ def to_args(config: ModelConfig) -> dict[str, Any]:
         "rope_scaling_factor": config.rope_scaling_factor if config.rope_scaling == "llama3"
         else MEGATRON_DEFAULT_ROPE_SCALING_FACTOR,
         "rotary_seq_len_interpolation_factor": config.rope_scaling_factor if config.rope_scaling == "linear" else None,
+        **yarn.to_args(config),
         "window_size": None if config.sliding_window is None else (config.sliding_window - 1, 0),
         "window_attn_skip_freq": None if config.window_layers is None else list(config.window_layers),
         "layernorm_zero_centered_gamma": config.layernorm_zero_centered_gamma,
@@ -278,6 +292,8 @@ def to_args(config: ModelConfig) -> dict[str, Any]:
         "attention_dropout": config.attention_dropout,
         "hidden_dropout": config.hidden_dropout,
     }
+    if config.rope_scaling == "yarn":
+        values["position_embedding_type"] = "yarn"
     # f17c: written only where they differ from megatron-core's defaults (other outputs are unchanged).
     values.update({name: getattr(config, name) for name, default in GPT_OSS_DEFAULTS.items()
                    if getattr(config, name) != default})
@@ -319,6 +335,8 @@ def hf_unrepresentable(doc: Mapping[str, Any], path: Path) -> list[str]:
     rope_type = rope_type_of(params)
     if rope_type in ("default", "linear"):
         return []
+    if rope_type == "yarn":
+        return yarn.hf_unrepresentable(params, doc, path)
     if rope_type == "llama3":
         odd = {key: params.get(key) for key, expected in MEGATRON_LLAMA3.items() if params.get(key) != expected}
         if not odd:

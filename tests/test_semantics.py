@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -39,6 +40,9 @@ SEQ = 24  # longer than every window below, so the window changes the logits
 LLAMA3_8 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 8192, "rope_theta": 10000.0}
 LLAMA3_32 = {**LLAMA3_8, "factor": 32.0}
+# YaRN with a short original context (so positions past 16 are scaled) and an mscale ratio.
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 16.0,
+        "beta_slow": 2.0, "mscale": 1.0, "mscale_all_dim": 0.5, "rope_theta": 10000.0}
 
 # name -> (hf_helpers family, config overrides)
 CASES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -49,6 +53,7 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2": ("qwen2", {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 2}),
     "qwen3": ("qwen3", {}),
     "qwen3_linear": ("qwen3", {"rope_parameters": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}}),
+    "llama_yarn": ("llama", {"rope_parameters": dict(YARN), "max_position_embeddings": 64}),
     "mixtral": ("mixtral", {"sliding_window": 6, "router_aux_loss_coef": 0.02}),
     "qwen3_moe": ("qwen3_moe", {"norm_topk_prob": False, "router_aux_loss_coef": 0.01}),
 }
@@ -152,7 +157,10 @@ def test_megatron_arg_names_are_megatron_cores_or_megatron_lms() -> None:
                    "rotary_percent", "apply_layernorm_1p", "swiglu", "untie_embeddings_and_output_weights",
                    "max_position_embeddings", "seq_length", "vocab_size", "padded_vocab_size",
                    "make_vocab_size_divisible_by", "group_query_attention", "bf16", "fp16", "norm_epsilon",
-                   "layernorm_epsilon"}
+                   "layernorm_epsilon", "position_embedding_type", "rope_type", "rotary_scaling_factor",
+                   "yarn_original_max_position_embeddings", "yarn_beta_fast", "yarn_beta_slow", "mscale",
+                   "mscale_all_dim", "yarn_correction_range_round_to_int", "original_max_position_embeddings",
+                   "beta_fast", "beta_slow"}
     names = {name for row in SEMANTICS for name in row.megatron}
     assert names - core - megatron_lm == set()
 
@@ -252,6 +260,13 @@ def mcore_logits(root: Path, tokens: torch.Tensor, vocab: int, **arg_changes: An
         mcore.transformer_config_from_args(args), layernorm_epsilon=args.norm_epsilon,
         window_size=args.window_size, window_attn_skip_freq=args.window_attn_skip_freq,
         rotary_interleaved=args.rotary_interleaved)
+    if args.position_embedding_type == "yarn":
+        # Megatron-LM's argument_utils._apply_yarn_config_from_args: config.yarn_* from these args.
+        for field, arg in (("rotary_scaling_factor", "rotary_scaling_factor"), ("mscale", "mscale"),
+                           ("mscale_all_dim", "mscale_all_dim"), *((name, f"yarn_{name}") for name in (
+                               "original_max_position_embeddings", "beta_fast", "beta_slow",
+                               "correction_range_round_to_int"))):
+            setattr(config, f"yarn_{field}", getattr(args, arg))
     weights = dict(rank.model)
     if args.layernorm_zero_centered_gamma:
         weights = {key: value + 1 if key.endswith("layernorm.weight") else value for key, value in weights.items()}
@@ -282,6 +297,7 @@ MCORE_CASES: dict[str, dict[str, Any]] = {
     "qwen2": {"window_attn_skip_freq": None},
     "qwen3": {"rotary_base": 500000.0},
     "qwen3_linear": {"rotary_seq_len_interpolation_factor": None},
+    "llama_yarn": {"mscale_all_dim": 0.0},
 }
 
 
@@ -447,10 +463,10 @@ def test_megatron_moe_router_settings_hf_cannot_express_are_refused_under_strict
 
 
 @pytest.mark.parametrize("rope,named", [
-    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0},
-     "rope_type='yarn'"),
+    ({"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0}, "rope_type='dynamic'"),
+    ({**YARN, "attention_factor": 1.5}, "attention_factor=1.5"),
     ({**LLAMA3_8, "low_freq_factor": 2.0}, "low_freq_factor=2.0"),
-], ids=["yarn", "llama3-other-frequencies"])
+], ids=["dynamic", "yarn-attention-factor", "llama3-other-frequencies"])
 def test_hf_rope_megatron_cannot_compute_is_named_and_refused_under_strict(
         tmp_path: Path, rope: dict[str, Any], named: str) -> None:
     model = build_hf_model("llama", seed=3, rope_parameters=rope)
@@ -508,3 +524,39 @@ def test_inspect_prints_the_semantic_settings(tmp_path: Path) -> None:
     assert "sliding window: sliding_window=5, window_layers=(0, 0, 1, 1);" in printed
     assert "rope scaling: rope_scaling=None, rope_scaling_factor=1.0;" in printed
     assert doc["semantics"]["sliding window"] == "sliding_window=5, window_layers=(0, 0, 1, 1)"
+
+
+def test_yarn_args_round_trip_and_megatron_lms_mla_defaults() -> None:
+    config = ModelConfig(
+        num_layers=2, hidden_size=64, num_attention_heads=8, ffn_hidden_size=128, rope_scaling="yarn",
+        rope_scaling_factor=40.0, yarn_original_max_position_embeddings=4096, yarn_beta_fast=16.0,
+        yarn_beta_slow=2.0, yarn_mscale=0.707, yarn_mscale_all_dim=0.707, yarn_correction_range_round_to_int=False)
+    args = argparse.Namespace(num_layers=2, **to_args(config))
+
+    assert (args.position_embedding_type, args.rotary_scaling_factor, args.mscale, args.mscale_all_dim) == (
+        "yarn", 40.0, 0.707, 0.707)
+    assert (args.yarn_original_max_position_embeddings, args.yarn_beta_fast, args.yarn_beta_slow,
+            args.yarn_correction_range_round_to_int) == (4096, 16.0, 2.0, False)
+    read = from_args(args, Path("x"))
+    assert {name: read[name] for name in read} == {name: getattr(config, name) for name in read}
+    # A DeepSeek run of Megatron-LM: MLA (rope_type defaults to yarn), no yarn_* args.
+    mla = argparse.Namespace(num_layers=2, multi_latent_attention=True, position_embedding_type="rope",
+                             rotary_scaling_factor=40.0, mscale=1.0, mscale_all_dim=1.0)
+    assert {k: v for k, v in from_args(mla, Path("x")).items() if "yarn" in k or "rope" in k} == {
+        "rope_scaling": "yarn", "rope_scaling_factor": 40.0, "yarn_original_max_position_embeddings": 4096,
+        "yarn_beta_fast": 32.0, "yarn_beta_slow": 1.0, "yarn_mscale": 1.0, "yarn_mscale_all_dim": 1.0,
+        "yarn_correction_range_round_to_int": True}
+    assert from_args(argparse.Namespace(num_layers=2, multi_latent_attention=True, rope_type="rope"),
+                     Path("x"))["rope_scaling"] is None
+
+
+def test_yarn_attention_factor_transformers_would_infer_differently_is_written() -> None:
+    from pgconvert.families import FAMILIES
+
+    config = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=8, ffn_hidden_size=128,
+                         rope_scaling="yarn", rope_scaling_factor=4.0, yarn_mscale=2.0, yarn_mscale_all_dim=0.0)
+    (rule,) = [rule for rule in FAMILIES["LlamaForCausalLM"].rules if "rope_parameters" in rule.keys]
+    params = rule.write(config)["rope_parameters"]
+
+    # megatron-core: get_mscale(4, 2) / get_mscale(4, 0); transformers would infer get_mscale(4).
+    assert params["attention_factor"] == pytest.approx(0.2 * math.log(4.0) + 1.0, rel=1e-12)

@@ -191,8 +191,8 @@ def glm4_moe_tp_logits(models: list[dict[str, torch.Tensor]], c: dict[str, Any],
 # --- GPT-OSS -----------------------------------------------------------------------------------------
 
 # Every layer MoE (4 experts, top 2), q/k/v/o biases, sinks, a window of 4 on the even layers (the
-# default layer_types), swiglu_limit lowered so the clamp bites at these sizes. RoPE is plain here
-# (the released YaRN needs the YaRN work; see the family's notes).
+# default layer_types), swiglu_limit lowered so the clamp bites at these sizes. RoPE is plain here, as
+# the reference forward computes it (tests/test_hf_gpt_oss.py round-trips the released YaRN separately).
 GPT_OSS_KWARGS: dict[str, Any] = dict(
     hidden_size=64, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=16,
     intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, vocab_size=1030, sliding_window=4,

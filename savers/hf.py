@@ -302,11 +302,12 @@ class HFSaver(Saver):
         """transformers' greedy packing, by canonical tensor: a new shard when the next would overflow."""
         limit = options.max_shard_size or DEFAULT_MAX_SHARD_SIZE
         shards = [_Shard()]
-        open_stack = False  # f17c: a stacked HF tensor is never split between shards
+        open_stacks: set[str] = set()  # f17c: a stacked HF tensor is never split between shards
         for unit in self._units(source, options):
-            if shards[-1].units and not open_stack and shards[-1].nbytes + unit.nbytes > limit:
+            if shards[-1].units and not open_stacks and shards[-1].nbytes + unit.nbytes > limit:
                 shards.append(_Shard())
-            open_stack = unit.stack is not None and not unit.closes_stack
+            if unit.stack is not None:
+                (open_stacks.difference_update if unit.closes_stack else open_stacks.update)(unit.hf_names)
             shards[-1].units.append(unit)
             shards[-1].nbytes += unit.nbytes
         return shards

@@ -174,3 +174,16 @@ def test_stacked_expert_tensor_missing_an_expert_is_refused_naming_it(source: Pa
 
     with pytest.raises(CheckpointError, match=re.escape(f"{name} has shape [3, 64, 64], expected [4, 64, 64]")):
         pgconvert.convert(src, tmp_path / "out", dst_format="megatron")
+
+
+def test_small_shards_never_split_a_stacked_expert_tensor(source: Path, tmp_path: Path) -> None:
+    """Each layer's experts are written as one stacked tensor even where the shard limit falls inside them."""
+    pgconvert.convert(source, tmp_path / "megatron", dst_format="megatron", dst_tp=2, dst_ep=2)
+
+    pgconvert.convert(tmp_path / "megatron", tmp_path / "hf", dst_format="hf", max_shard_size=20_000)
+
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 4
+    assert_same_hf_tensors(source, tmp_path / "hf")
+    ids = input_ids(VOCAB)
+    torch.testing.assert_close(hf_logits(tmp_path / "hf", ids), hf_logits(source, ids), rtol=1e-5, atol=1e-5)

@@ -137,6 +137,22 @@ class HFSource(CanonicalSource):
         self._tied_copy: str | None = None
         self._index(family, config, stored)
 
+    def _refuse_mismatch(self, family: Family, config: ModelConfig, missing: list[str], unexpected: list[str],
+                         expected: dict[str, str]) -> None:
+        """Stored tensors the table does not expect, or expected ones not stored: a named error
+        (a family's own reason first, e.g. GLM's MTP layers; then MTP layers of any family)."""
+        refused = family.refuse_extra(unexpected, self.hf_origin.config_json) if family.refuse_extra else None
+        if refused:  # f17c
+            raise CheckpointError(f"{self.directory}: {family.architecture}: {refused}")
+        _refuse_mtp_layers(self.directory, config.num_layers, unexpected)
+        if missing or unexpected:
+            needed_by = sorted({expected[name] for name in missing})
+            raise CheckpointError(
+                f"{self.directory}: tensors do not match {family.architecture} as config.json describes it; "
+                f"missing: {missing}; unexpected: {unexpected}"
+                + (f"; the missing tensors make up {needed_by}" if needed_by else "")
+            )
+
     def _index(self, family: Family, config: ModelConfig, stored: dict[str, TensorMeta]) -> None:
         table = family.tensors
         unfilled = []
@@ -160,19 +176,14 @@ class HFSource(CanonicalSource):
         dropped = sorted(name for name in stored if name not in expected and table.is_dropped(name))
         missing = sorted(set(expected) - set(stored))
         unexpected = sorted(set(stored) - set(expected) - set(dropped) - {self._tied_copy})
-        _refuse_mtp_layers(self.directory, config.num_layers, unexpected)
-        if missing or unexpected:
-            needed_by = sorted({expected[name] for name in missing})
-            raise CheckpointError(
-                f"{self.directory}: tensors do not match {family.architecture} as config.json describes it; "
-                f"missing: {missing}; unexpected: {unexpected}"
-                + (f"; the missing tensors make up {needed_by}" if needed_by else "")
-            )
+        self._refuse_mismatch(family, config, missing, unexpected, expected)
         if dropped:
             log.info("%s: skipping %d recomputed rotary buffers (%s, …)", self.directory, len(dropped), dropped[0])
         shapes = canonical_shapes(config)
         for canonical, (row, names) in self._rows.items():
             part_shapes = row.transform.part_shapes(shapes[canonical], config)
+            if row.stacked:  # f17c: every expert of the layer on dim 0
+                part_shapes = [(config.num_experts or 0, *shape) for shape in part_shapes]
             for name, shape in zip(names, part_shapes, strict=True):
                 found_shape = stored[name].shape
                 if found_shape != shape:
@@ -206,7 +217,11 @@ class HFSource(CanonicalSource):
 
     def _load(self, name: str) -> torch.Tensor:
         row, hf_names = self._rows[name]
-        parts = [self._read(hf) for hf in hf_names]
+        index = self.family.tensors.stack_index(name) if row.stacked else None
+        if index is not None:  # f17c: one expert's slice of the stacked HF tensors
+            parts = [self._read_range(hf, 0, index, index + 1)[0] for hf in hf_names]
+        else:
+            parts = [self._read(hf) for hf in hf_names]
         full = row.transform.fuse(parts, self.config)
         if name == WORD_EMBEDDINGS and self._tied_copy is not None:
             self._check_tied_copy(full, self._read(self._tied_copy), hf_names[0])
@@ -243,6 +258,8 @@ class HFSource(CanonicalSource):
         reads it); otherwise the piece is cut from the full tensor.
         """
         row, hf_names = self._rows[name]
+        if row.stacked:  # f17c: read through _load (one expert's slice)
+            return super()._load_shard(name, rule, size, rank, rows)
         meta = self._metas[name]
         windows = rule.piece_windows(meta.shape, size, rank, rows, self.config.vocab_size)
         transform = row.transform

@@ -12,8 +12,10 @@ from pgconvert.limits import quote
 
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")
 POSITION_EMBEDDING_TYPES = ("rope", "learned_absolute", "none")
-# gelu_tanh: the tanh approximation (HF gelu_pytorch_tanh, Megatron-LM --openai-gelu).
-ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
+# gelu_tanh: the tanh approximation (HF gelu_pytorch_tanh, Megatron-LM --openai-gelu);
+# quick_gelu: x * sigmoid(1.702 x) (GPT-OSS, Megatron-LM --quick-geglu).
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "quick_gelu")
+SOFTMAX_TYPES = ("vanilla", "learnable")
 # Megatron's two layer specs name the fused norms differently; pgconvert keeps the source's choice.
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -134,6 +136,12 @@ class ModelConfig:
     # q/k norms over the whole projection (num_heads * head_dim, one RMS over all heads: OLMo 2, OLMoE)
     # instead of per head.
     qk_layernorm_across_heads: bool = False
+    # f17c: GPT-OSS (megatron-core TransformerConfig names): attention sinks (softmax_type "learnable":
+    # a per-head logit in every softmax's denominator, core_attention.softmax_offset), the clamped
+    # GLU ``act(clamp(gate, max=c)) * (clamp(up, -c, c) + offset)`` with quick_gelu ``x·σ(1.702x)``.
+    softmax_type: str = "vanilla"
+    glu_linear_offset: float = 0.0
+    activation_func_clamp_value: float | None = None
 
     def __post_init__(self) -> None:
         self._check_semantics()
@@ -180,8 +188,9 @@ class ModelConfig:
             if self.moe_shared_expert_intermediate_size is not None:
                 _require_positive("moe_shared_expert_intermediate_size", self.moe_shared_expert_intermediate_size)
             _require_positive("moe_router_topk", self.moe_router_topk)
-            if self.add_bias_linear:
-                raise ConfigError("add_bias_linear=True: biases on expert linears are not supported")
+            if self.add_bias_linear and self.moe_shared_expert_intermediate_size is not None:
+                # f17c: expert and router biases are tensor kinds; shared-expert biases are not.
+                raise ConfigError("add_bias_linear=True with shared experts: shared-expert biases are not supported")
             if isinstance(self.moe_layer_freq, list):
                 object.__setattr__(self, "moe_layer_freq", tuple(self.moe_layer_freq))
             if isinstance(self.moe_layer_freq, tuple):
@@ -212,6 +221,10 @@ class ModelConfig:
         self._check_mla()
         if self.moe_router_topk_scaling_factor is not None:
             _require_finite("moe_router_topk_scaling_factor", self.moe_router_topk_scaling_factor)
+        _require_choice("softmax_type", self.softmax_type, SOFTMAX_TYPES)
+        _require_finite("glu_linear_offset", self.glu_linear_offset)
+        if self.activation_func_clamp_value is not None:
+            _require_finite("activation_func_clamp_value", self.activation_func_clamp_value)
         if self.sliding_window is not None:
             _require_positive("sliding_window", self.sliding_window)
         for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",

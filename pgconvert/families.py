@@ -223,6 +223,9 @@ class TensorMapping:
     canonical: str | None
     hf: tuple[str, ...]
     transform: Transform = IDENTITY
+    # f17c: the HF tensors hold every routed expert of a layer stacked on dim 0 (GPT-OSS's
+    # ``mlp.experts.gate_up_proj`` [E, ...]); the canonical pattern's last slot, the expert, indexes it.
+    stacked: bool = False
 
     def __post_init__(self) -> None:
         if len(self.hf) != self.transform.parts:
@@ -232,7 +235,7 @@ class TensorMapping:
             )
         if (self.canonical is None) != self.transform.drops:
             raise ValueError(f"mapping {self.hf}: canonical=None and the dropped transform go together")
-        slots = {pattern.count(SLOT) for pattern in self.hf}
+        slots = {pattern.count(SLOT) + int(self.stacked) for pattern in self.hf}
         if self.canonical is not None:
             slots.add(self.canonical.count(SLOT))
         if len(slots) != 1:
@@ -270,7 +273,15 @@ class TensorTable:
             match = pattern.fullmatch(canonical)
             if match:
                 slots = match.groups()
-                return row, tuple(_fill(hf, slots) for hf in row.hf)
+                return row, tuple(_fill(hf, slots[:hf.count(SLOT)]) for hf in row.hf)
+        return None
+
+    def stack_index(self, canonical: str) -> int | None:
+        """f17c: for a canonical tensor of a stacked row, its index on the HF tensors' dim 0; else None."""
+        for pattern, row in self._canonical:
+            match = pattern.fullmatch(canonical)
+            if match:
+                return int(match.groups()[-1]) if row.stacked else None
         return None
 
     def is_dropped(self, hf_name: str) -> bool:
@@ -365,6 +376,9 @@ class Family:
     hf_norms_zero_centred: bool = False
     # f17b: HF's rotary is itself interleaved (GLM-4): q/k rows are not reordered to rotate-half.
     hf_rotary_interleaved: bool = False
+    # f17c: why stored HF tensors outside the table are refused, given them and config.json (None: the
+    # generic message), e.g. multi-token-prediction layers a family does not convert.
+    refuse_extra: Callable[[Sequence[str], Mapping[str, object]], str | None] | None = None
 
     def __post_init__(self) -> None:
         for name in ("fixed", "hf_fixed", "hf_scratch", "hf_assumed"):
@@ -820,6 +834,12 @@ INFERENCE_ORDER: tuple[str, ...] = (
     "Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "Qwen3MoeForCausalLM",
     "MixtralForCausalLM", *POSTNORM_INFERENCE_ORDER,
 )
+
+# f17c: GLM-4.5-MoE (pgconvert.families_moe_more), registered here.
+from pgconvert.families_moe_more import MORE_MOE_FAMILIES  # noqa: E402
+
+FAMILIES.update({family.architecture: family for family in MORE_MOE_FAMILIES})
+INFERENCE_ORDER += tuple(family.architecture for family in MORE_MOE_FAMILIES)
 
 
 # ds16: DeepSeek-V2/V3 (multi-latent attention), in their own module.

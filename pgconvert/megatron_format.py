@@ -263,6 +263,7 @@ def _config_from_args(args: argparse.Namespace, path: Path, transformer_impl: st
     if vocab is None and isinstance(getattr(args, "vocab_size", None), int):
         vocab = args.vocab_size
     swiglu = bool(getattr(args, "swiglu", False))
+    quick_geglu = bool(getattr(args, "quick_geglu", False))  # f17c: Megatron-LM's --quick-geglu (GPT-OSS)
     return ModelConfig(
         num_layers=required("num_layers"),
         hidden_size=hidden,
@@ -274,8 +275,10 @@ def _config_from_args(args: argparse.Namespace, path: Path, transformer_impl: st
         make_vocab_size_divisible_by=(getattr(args, "make_vocab_size_divisible_by", None)
                                       or ModelConfig.make_vocab_size_divisible_by),
         # f17b: a gated GELU (Gemma's GeGLU) is gated_linear_unit without swiglu; --openai-gelu is tanh's.
-        gated_linear_unit=swiglu or bool(getattr(args, "gated_linear_unit", False)),
-        activation="silu" if swiglu else ("gelu_tanh" if getattr(args, "openai_gelu", False) else "gelu"),
+        # f17c: GPT-OSS's clamped GLU is gated_linear_unit with --quick-geglu.
+        gated_linear_unit=swiglu or quick_geglu or bool(getattr(args, "gated_linear_unit", False)),
+        activation=("quick_gelu" if quick_geglu else "silu" if swiglu
+                    else ("gelu_tanh" if getattr(args, "openai_gelu", False) else "gelu")),
         normalization=getattr(args, "normalization", None) or "LayerNorm",
         norm_epsilon=_arg_float(args, ("norm_epsilon", "layernorm_epsilon"), 1e-5, path),
         add_bias_linear=bool(getattr(args, "add_bias_linear", True)),
@@ -441,6 +444,7 @@ def _model_args(config: ModelConfig) -> dict[str, Any]:
         "swiglu": config.gated_linear_unit and config.activation == "silu",
         "gated_linear_unit": config.gated_linear_unit,  # f17b
         "openai_gelu": config.activation == "gelu_tanh",  # f17b
+        "quick_geglu": config.activation == "quick_gelu",
         "normalization": config.normalization,
         "norm_epsilon": config.norm_epsilon,
         "add_bias_linear": config.add_bias_linear,

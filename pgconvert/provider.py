@@ -131,6 +131,14 @@ def _expert_bias(config: ModelConfig) -> bool:
     return config.moe_router_enable_expert_bias
 
 
+def _sinks(config: ModelConfig) -> bool:
+    return config.softmax_type == "learnable"
+
+
+def _expert_fc1_rows(c: ModelConfig) -> int:
+    return c.expert_ffn_size * (2 if c.gated_linear_unit else 1)
+
+
 def _shared_rows(c: ModelConfig) -> int:
     assert c.moe_shared_expert_intermediate_size is not None
     return c.moe_shared_expert_intermediate_size * (2 if c.gated_linear_unit else 1)
@@ -189,6 +197,10 @@ ATTENTION_TENSORS: tuple[TensorKind, ...] = (
     # f17b: Megatron-Bridge's post-attention norm, a TENorm inside its TERowParallelLinearLayerNorm
     # linear_proj (NVIDIA-NeMo/Megatron-Bridge src/megatron/bridge/models/gemma/gemma3_provider.py).
     TensorKind("self_attention.linear_proj.post_layernorm.weight", _hidden, REPLICATED, _post_attention_norm, norm_weight=True),
+    # f17c: attention sinks, one logit per head, split over TP with the heads (megatron-core's
+    # DotProductAttention.sharded_state_dict: {'softmax_offset': 0}).
+    TensorKind("self_attention.core_attention.softmax_offset", lambda c: (c.num_attention_heads,), COLUMN,
+               _sinks),
 )
 
 
@@ -256,6 +268,8 @@ MOE_TENSORS_BEFORE_EXPERTS: tuple[TensorKind, ...] = (
     TensorKind("pre_mlp_layernorm.weight", _hidden, REPLICATED, norm_weight=True),
     TensorKind("pre_mlp_layernorm.bias", _hidden, REPLICATED, _layernorm),
     TensorKind("mlp.router.weight", lambda c: (c.num_experts or 0, c.hidden_size), REPLICATED, keep_dtype=True),
+    # f17c: the router's bias (megatron-core's TopKRouter with add_bias_linear; GPT-OSS).
+    TensorKind("mlp.router.bias", lambda c: (c.num_experts or 0,), REPLICATED, _bias),
     TensorKind("mlp.router.expert_bias", lambda c: (c.num_experts or 0,), REPLICATED, _expert_bias,
                keep_dtype=True),
 )
@@ -271,7 +285,10 @@ MOE_TENSORS = MOE_TENSORS_BEFORE_EXPERTS + MOE_TENSORS_AFTER_EXPERTS
 EXPERT_TENSORS: tuple[TensorKind, ...] = (
     TensorKind("linear_fc1.weight",
                lambda c: (c.expert_ffn_size * (2 if c.gated_linear_unit else 1), c.hidden_size), _fc1_rule),
+    # f17c: expert biases (add_bias_linear, GPT-OSS): fc1's split like its rows, fc2's whole on every rank.
+    TensorKind("linear_fc1.bias", lambda c: (_expert_fc1_rows(c),), _fc1_rule, _bias),
     TensorKind("linear_fc2.weight", lambda c: (c.hidden_size, c.expert_ffn_size), ROW),
+    TensorKind("linear_fc2.bias", _hidden, REPLICATED, _bias),
 )
 # Every routed expert's module lives under this, relative to a layer: ``local_experts.{E}.`` of
 # SequentialMLP and the grouped-GEMM ``linear_fc1``/``linear_fc2`` of TEGroupedMLP alike.
@@ -346,6 +363,7 @@ def layer_tensors(config: ModelConfig, layer: int) -> list[LayerTensor]:
         LayerTensor(f"{prefix}{EXPERT_PREFIX}{expert}.{kind.canonical}", kind, expert)
         for expert in range(config.num_experts)
         for kind in EXPERT_TENSORS
+        if kind.exists(config)
     ]
     after = [LayerTensor(prefix + kind.canonical, kind) for kind in MOE_TENSORS_AFTER_EXPERTS if kind.exists(config)]
     return before + experts + after

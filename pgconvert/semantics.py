@@ -91,6 +91,7 @@ SEMANTICS: tuple[Setting, ...] = (
             "mscale is read as 1 unless mscale and mscale_all_dim are both non-zero (transformers' rule)"),
     Setting("rotary percent", ("rotary_percent",), ("rotary_percent",), _ARGS.format("rotary_percent"),
             _hf(Glm4ForCausalLM="rope_parameters.partial_rotary_factor (default 0.5)",
+                Glm4MoeForCausalLM="rope_parameters.partial_rotary_factor (default 0.5; carried both ways)",
                 ALL="rope_parameters.partial_rotary_factor (read); no other family here computes it"),
             "HF -> Megatron carried; Megatron -> HF with < 1: notice, --strict refuses"),
     Setting("rotary interleaved", ("rotary_interleaved",), ("rotary_interleaved",),
@@ -114,18 +115,21 @@ SEMANTICS: tuple[Setting, ...] = (
             _ARGS.format("norm_epsilon"), {ALL_FAMILIES: "rms_norm_eps"}),
     Setting("normalization", ("normalization",), ("normalization",), _ARGS.format("normalization"),
             {ALL_FAMILIES: "RMSNorm (fixed)"}),
-    Setting("activation", ("activation", "gated_linear_unit"), ("swiglu", "gated_linear_unit", "openai_gelu"),
+    Setting("activation", ("activation", "gated_linear_unit"), ("swiglu", "gated_linear_unit", "openai_gelu", "quick_geglu"),
             _ARGS.format("swiglu (f17b: gated GELU: gated_linear_unit / openai_gelu)"),
             _hf(Gemma3ForCausalLM="hidden_activation = gelu_pytorch_tanh (fixed)",
+                GptOssForCausalLM="clamped GLU of x*sigmoid(1.702x) (fixed; Megatron-LM --quick-geglu)",
                 Gemma2ForCausalLM="hidden_activation = gelu_pytorch_tanh (fixed)", ALL="hidden_act = silu (fixed)")),
     Setting("qk-norm", ("qk_layernorm", "qk_layernorm_across_heads"), ("qk_layernorm", "qk_layernorm_across_heads"),
             _ARGS.format("qk_layernorm (f17b: qk_layernorm_across_heads)"),
             _hf(Qwen3ForCausalLM="always", Qwen3MoeForCausalLM="always", Gemma3ForCausalLM="always",
+                Glm4MoeForCausalLM="use_qk_norm",
                 Olmo2ForCausalLM="always, over the whole projection", OlmoeForCausalLM="always, over the whole projection",
                 ALL="never (other families)")),
     Setting("linear biases", ("add_bias_linear", "add_qkv_bias"), ("add_bias_linear", "add_qkv_bias"),
             _ARGS.format("add_bias_linear / add_qkv_bias"),
-            _hf(LlamaForCausalLM="attention_bias, mlp_bias", Qwen2ForCausalLM="q/k/v biases (fixed)")),
+            _hf(LlamaForCausalLM="attention_bias, mlp_bias", Qwen2ForCausalLM="q/k/v biases (fixed)",
+                Glm4MoeForCausalLM="attention_bias (q/k/v only: add_qkv_bias)")),
     Setting("head dim", ("kv_channels",), ("kv_channels",), _ARGS.format("kv_channels"),
             {ALL_FAMILIES: "head_dim"}),
     Setting("query groups", ("num_query_groups",), ("group_query_attention", "num_query_groups"),
@@ -138,22 +142,27 @@ SEMANTICS: tuple[Setting, ...] = (
             ("vocab_size", "padded_vocab_size", "make_vocab_size_divisible_by"),
             _ARGS.format("vocab_size / padded_vocab_size"), {ALL_FAMILIES: "vocab_size (true, unpadded)"}),
     Setting("moe top-k", ("moe_router_topk",), ("moe_router_topk",), _ARGS.format("moe_router_topk"),
-            {_MOE: "num_experts_per_tok"}),
+            {_MOE: "num_experts_per_tok", "Glm4MoeForCausalLM": "num_experts_per_tok"}),
     Setting("moe score function", ("moe_router_score_function",), ("moe_router_score_function",),
             _ARGS.format("moe_router_score_function"), {_MOE: "softmax only (sigmoid: notice, --strict refuses)",
                                                        "DeepseekV3ForCausalLM": "sigmoid (fixed)",
-                                                       "DeepseekV2ForCausalLM": "softmax (fixed)"}),
+                                                       "DeepseekV2ForCausalLM": "softmax (fixed)",
+                                                       "Glm4MoeForCausalLM": "sigmoid (fixed)"}),
     Setting("moe pre-softmax", ("moe_router_pre_softmax",), ("moe_router_pre_softmax",),
             _ARGS.format("moe_router_pre_softmax"),
             _hf(Qwen3MoeForCausalLM="norm_topk_prob = not pre_softmax",
-                MixtralForCausalLM="none (top-k renormalized: pre_softmax False)")),
+                MixtralForCausalLM="none (top-k renormalized: pre_softmax False)",
+                Glm4MoeForCausalLM="norm_topk_prob (assumed true: megatron-core's sigmoid router renormalizes; "
+                                   "false: notice, --strict refuses)")),
     Setting("moe expert bias", ("moe_router_enable_expert_bias",), ("moe_router_enable_expert_bias",),
             _ARGS.format("moe_router_enable_expert_bias"), {_MOE: "none (refused)",
-                                                            "DeepseekV3ForCausalLM": "e_score_correction_bias (fixed)"}),
+                                                            "DeepseekV3ForCausalLM": "e_score_correction_bias (fixed)",
+                                                            "Glm4MoeForCausalLM": "always: mlp.gate.e_score_correction_bias (fp32)"}),
     Setting("moe top-k scaling", ("moe_router_topk_scaling_factor",), ("moe_router_topk_scaling_factor",),
             _ARGS.format("moe_router_topk_scaling_factor"), {_MOE: "none (set: notice, --strict refuses)",
                                                              "DeepseekV2ForCausalLM, DeepseekV3ForCausalLM":
-                                                             "routed_scaling_factor"}),
+                                                             "routed_scaling_factor",
+                                                             "Glm4MoeForCausalLM": "routed_scaling_factor"}),
     Setting("moe router groups", ("moe_router_num_groups", "moe_router_group_topk"),
             ("moe_router_num_groups", "moe_router_group_topk"),
             _ARGS.format("moe_router_num_groups / moe_router_group_topk"),
@@ -168,6 +177,16 @@ SEMANTICS: tuple[Setting, ...] = (
             _ARGS.format("attention_dropout / hidden_dropout"),
             {ALL_FAMILIES: "attention_dropout; no hidden dropout (non-zero: notice; training only, so --strict allows it)"},
             "Megatron's defaults are 0.1; an HF source writes its own values (0.0) explicitly"),
+    # f17c: GPT-OSS. megatron-core computes these (TransformerConfig fields); Megatron-LM d98e8a64 has no
+    # flag for them, so they are written into args (and pgconvert.json) and named in a notice.
+    Setting("attention sinks", ("softmax_type",), ("softmax_type",), _ARGS.format("softmax_type"),
+            _hf(GptOssForCausalLM="always: self_attn.sinks (softmax_type 'learnable')", ALL="none (vanilla)"),
+            "Megatron-Bridge gpt_oss_bridge.py: softmax_type='learnable', core_attention.softmax_offset"),
+    Setting("clamped GLU", ("glu_linear_offset", "activation_func_clamp_value"),
+            ("glu_linear_offset", "activation_func_clamp_value"),
+            _ARGS.format("glu_linear_offset / activation_func_clamp_value"),
+            _hf(GptOssForCausalLM="swiglu_limit (clamp), offset 1 fixed; swiglu_alpha 1.702 = quick_gelu",
+                ALL="none")),
     Setting("dtype", ("params_dtype",), ("params_dtype", "bf16", "fp16"), _ARGS.format("params_dtype"),
             {ALL_FAMILIES: "dtype (4.x: torch_dtype)"}),
     # f17a: Granite's muP multipliers, SmolLM3's NoPE layers (pgconvert.semantics_more).
@@ -288,6 +307,21 @@ def _window_from_args(args: argparse.Namespace, path: Path) -> dict[str, Any]:
     return {"sliding_window": left + 1, "window_layers": pattern}
 
 
+def _gpt_oss_from_args(args: argparse.Namespace, path: Path) -> dict[str, Any]:
+    """f17c: attention sinks and the clamped GLU (megatron-core TransformerConfig fields)."""
+    softmax_type = _arg(args, "softmax_type", "vanilla")
+    if softmax_type not in ("vanilla", "learnable"):
+        raise CheckpointError(f"{path}: args.softmax_type={quote(softmax_type)}: expected 'vanilla' or 'learnable'")
+    clamp = getattr(args, "activation_func_clamp_value", None)
+    return {"softmax_type": softmax_type, "glu_linear_offset": _number(args, "glu_linear_offset", 0.0, path),
+            "activation_func_clamp_value": None if clamp is None
+            else _number(args, "activation_func_clamp_value", 0.0, path)}
+
+
+GPT_OSS_DEFAULTS: dict[str, Any] = {"softmax_type": "vanilla", "glu_linear_offset": 0.0,
+                                    "activation_func_clamp_value": None}
+
+
 def from_args(args: argparse.Namespace, path: Path) -> dict[str, Any]:
     """The table's ``ModelConfig`` values that Megatron ``args`` give (Megatron-LM's defaults apply)."""
     values: dict[str, Any] = {
@@ -303,6 +337,7 @@ def from_args(args: argparse.Namespace, path: Path) -> dict[str, Any]:
         **semantics_more.from_args(args, path),  # f17a
         **postnorm_from_args(args, path),  # f17b
     }
+    values.update(_gpt_oss_from_args(args, path))
     if getattr(args, "num_experts", None):
         scaling = getattr(args, "moe_router_topk_scaling_factor", None)
         values.update({
@@ -337,6 +372,9 @@ def to_args(config: ModelConfig) -> dict[str, Any]:
     if config.rope_scaling == "yarn":
         values["position_embedding_type"] = "yarn"
     values.update(mla_args.to_args(config))  # ds16: MLA (position_embedding_type rope, rope_type), router groups
+    # f17c: written only where they differ from megatron-core's defaults (other outputs are unchanged).
+    values.update({name: getattr(config, name) for name, default in GPT_OSS_DEFAULTS.items()
+                   if getattr(config, name) != default})
     if config.num_experts is not None:
         values.update({
             "moe_router_score_function": config.moe_router_score_function,
@@ -401,30 +439,64 @@ def hf_training_notes(architecture: str, config: ModelConfig) -> list[str]:
     return []
 
 
+# f17c: settings an HF architecture computes that hf_losses would otherwise name as lost.
+HF_COMPUTES: dict[str, frozenset[str]] = {
+    "Glm4MoeForCausalLM": frozenset({"rotary_percent", "moe_router_score_function",
+                                     "moe_router_topk_scaling_factor"}),
+    "GptOssForCausalLM": frozenset({"glu_linear_offset", "activation_func_clamp_value"}),
+    # ds16: DeepSeek's families carry the score function, scaling, groups and pre-softmax (their fixed
+    # values and rules refuse what they cannot write; pre-softmax means nothing to sigmoid scores).
+    **dict.fromkeys(("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM"), frozenset({
+        "moe_router_score_function", "moe_router_topk_scaling_factor", "moe_router_num_groups",
+        "moe_router_pre_softmax"})),
+}
+
+
+def _hf_computes(architecture: str) -> frozenset[str]:
+    """The ``ModelConfig`` settings an HF ``architecture`` computes beyond every family's (each family
+    module names its own: f17a PARTIAL_ROTARY, f17b postnorm_args, f17c/ds16 HF_COMPUTES)."""
+    from pgconvert.families_more import PARTIAL_ROTARY  # f17a (families imports this module)
+
+    computes = set(HF_COMPUTES.get(architecture, frozenset()))
+    if architecture in PARTIAL_ROTARY | PARTIAL_ROTARY_ARCHITECTURES:
+        computes.add("rotary_percent")
+    if architecture in PRE_SOFTMAX_ARCHITECTURES | {"Qwen2MoeForCausalLM"}:
+        computes.add("moe_router_pre_softmax")
+    return frozenset(computes)
+
+
 def hf_losses(architecture: str, config: ModelConfig) -> list[str]:
     """The settings of ``config`` an HF ``architecture`` written from it cannot express."""
-    from pgconvert.families_more import PARTIAL_ROTARY, unmapped_losses  # f17a (families imports this module)
+    from pgconvert.families_more import unmapped_losses  # f17a (families imports this module)
 
+    computes = _hf_computes(architecture)
     losses = []
-    if (config.rotary_percent != 1.0 and architecture not in PARTIAL_ROTARY
-            and architecture not in PARTIAL_ROTARY_ARCHITECTURES):
+    if config.rotary_percent != 1.0 and "rotary_percent" not in computes:
         losses.append(f"rotary_percent={config.rotary_percent} (partial rotary): {architecture} rotates the "
                       "whole head")
-    # ds16: DeepSeek's families carry the score function, scaling and pre-softmax (their fixed values and
-    # rules refuse what they cannot write; pre-softmax means nothing to sigmoid scores).
-    if config.num_experts is not None and architecture not in ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM"):
-        if config.moe_router_score_function != "softmax":
-            losses.append(f"moe_router_score_function={config.moe_router_score_function!r}: {architecture} "
-                          "routes with softmax")
-        if config.moe_router_topk_scaling_factor not in (None, 1.0):
-            losses.append(f"moe_router_topk_scaling_factor={config.moe_router_topk_scaling_factor}: "
-                          f"{architecture} does not scale routing weights")
-        if config.moe_router_num_groups is not None:
-            losses.append(f"moe_router_num_groups={config.moe_router_num_groups}, moe_router_group_topk="
-                          f"{config.moe_router_group_topk}: {architecture} does not route by expert groups")
-        if config.moe_router_pre_softmax and architecture not in PRE_SOFTMAX_ARCHITECTURES | {"Qwen2MoeForCausalLM"}:
-            losses.append(f"moe_router_pre_softmax=True: {architecture} renormalizes the top-k weights")
+    for name, default in (("glu_linear_offset", 0.0), ("activation_func_clamp_value", None)):
+        if getattr(config, name) != default and name not in computes:
+            losses.append(f"{name}={getattr(config, name)}: {architecture} has no clamped GLU")
+    if config.num_experts is not None:
+        losses += _router_losses(architecture, config, computes)
     return losses + unmapped_losses(architecture, config)
+
+
+def _router_losses(architecture: str, config: ModelConfig, computes: frozenset[str]) -> list[str]:
+    losses = []
+    if config.moe_router_score_function != "softmax" and "moe_router_score_function" not in computes:
+        losses.append(f"moe_router_score_function={config.moe_router_score_function!r}: {architecture} "
+                      "routes with softmax")
+    if (config.moe_router_topk_scaling_factor not in (None, 1.0)
+            and "moe_router_topk_scaling_factor" not in computes):
+        losses.append(f"moe_router_topk_scaling_factor={config.moe_router_topk_scaling_factor}: "
+                      f"{architecture} does not scale routing weights")
+    if config.moe_router_num_groups is not None and "moe_router_num_groups" not in computes:
+        losses.append(f"moe_router_num_groups={config.moe_router_num_groups}, moe_router_group_topk="
+                      f"{config.moe_router_group_topk}: {architecture} does not route by expert groups")
+    if config.moe_router_pre_softmax and "moe_router_pre_softmax" not in computes:
+        losses.append(f"moe_router_pre_softmax=True: {architecture} renormalizes the top-k weights")
+    return losses
 
 
 def lose(message: str, strict: bool, notices: list[str]) -> None:
@@ -453,6 +525,13 @@ def check_target(source: Any, target_format: str, strict: bool) -> None:
             f"args.rope_scaling_factor={config.rope_scaling_factor}: Megatron-LM (d98e8a64) builds GPTModel without "
             "it (gpt_builders.py, gpt_config_from_args), so a run built by Megatron-LM computes factor "
             f"{MEGATRON_DEFAULT_ROPE_SCALING_FACTOR}; megatron-core given the arg computes {config.rope_scaling_factor}")
+    extra = {name: getattr(config, name) for name, default in GPT_OSS_DEFAULTS.items()
+             if getattr(config, name) != default}
+    if extra:  # f17c
+        source.notices.append(
+            f"args {', '.join(f'{name}={value!r}' for name, value in extra.items())}: megatron-core TransformerConfig "
+            "fields that Megatron-LM (d98e8a64) has no command-line flag for; its core_transformer_config_from_args "
+            "copies them from args, otherwise set them in your run (Megatron-Bridge's GPT-OSS provider does)")
     if config.rope_scaling == "linear":
         source.notices.append(
             "args.rotary_seq_len_interpolation_factor: Megatron-LM's gpt_builders.py (d98e8a64) does not pass it "

@@ -72,16 +72,30 @@ class _Unit:
     dtype: torch.dtype
     # fp8: HF tensors written as their stored quantized parts (--keep-fp8), by HF name.
     kept: dict[str, tuple[tuple[str, TensorMeta], ...]] = field(default_factory=dict)
+    # f17c: (expert index, experts) for a slice of stacked HF tensors (TensorMapping.stacked)
+    stack: tuple[int, int] | None = None
 
     @property
     def nbytes(self) -> int:
-        return sum(meta.nbytes for _, meta, _ in self.entries())
+        """Bytes this unit adds to its shard (a stacked row's slice; kept parts as stored)."""
+        if self.kept:
+            return sum(meta.nbytes for _, meta, _ in self.entries())
+        return sum(sizes.nbytes(shape, self.dtype) for shape in self.shapes)
+
+    @property
+    def closes_stack(self) -> bool:
+        """Whether the unit's HF tensors are complete once it is written (always, unless stacked)."""
+        return self.stack is None or self.stack[0] == self.stack[1] - 1
 
     def entries(self) -> list[tuple[str, TensorMeta, str]]:
-        """What the unit writes: (tensor name, shape and dtype, the HF tensor it is or is part of)."""
+        """What the unit completes: (tensor name, shape and dtype, the HF tensor it is or is part of);
+        a stacked tensor's with its last expert, kept quantized ones as their stored parts (fp8)."""
+        if not self.closes_stack:
+            return []
+        lead = (self.stack[1],) if self.stack is not None else ()
         written = []
         for hf_name, shape in zip(self.hf_names, self.shapes, strict=True):
-            parts = self.kept.get(hf_name, ((hf_name, TensorMeta(shape, self.dtype)),))
+            parts = self.kept.get(hf_name, ((hf_name, TensorMeta((*lead, *shape), self.dtype)),))
             written += [(name, meta, hf_name) for name, meta in parts]
         return written
 
@@ -222,8 +236,10 @@ class _SafetensorsWriter:
 
 
 
-def _write_unit(writer: _SafetensorsWriter, unit: _Unit, source: CanonicalSource, kinds: _HFKinds) -> None:
-    """One canonical tensor as its HF tensors (kept quantized ones as their stored parts)."""
+def _write_unit(writer: _SafetensorsWriter, unit: _Unit, source: CanonicalSource, kinds: _HFKinds,
+                stacks: dict[str, list[torch.Tensor]]) -> None:
+    """One canonical tensor as its HF tensors: kept quantized ones as their stored parts (fp8), a
+    stacked row's slice held in ``stacks`` until its last expert writes the whole (f17c)."""
     config = source.config
     if unit.kept.keys() >= set(unit.hf_names):
         pieces: list[torch.Tensor | None] = [None] * len(unit.hf_names)
@@ -237,9 +253,14 @@ def _write_unit(writer: _SafetensorsWriter, unit: _Unit, source: CanonicalSource
             assert quantized is not None
             for part, _ in unit.kept[hf_name]:
                 writer.write(part, quantized.read_stored(part))
-        else:
-            assert piece is not None
+            continue
+        assert piece is not None
+        if unit.stack is None:
             writer.write(hf_name, piece.to(unit.dtype))
+            continue
+        stacks.setdefault(hf_name, []).append(piece.to(unit.dtype))
+        if unit.closes_stack:
+            writer.write(hf_name, torch.stack(stacks.pop(hf_name)))
 
 
 def _write_json(path: Path, doc: dict[str, Any]) -> None:
@@ -377,7 +398,9 @@ class HFSaver(Saver):
             row, hf_names = found
             shapes = tuple(row.transform.part_shapes(tuple(shape), config))
             dtype = meta.dtype if name in kept else _out_dtype(meta.dtype, options)
-            units.append(_Unit(name, row, hf_names, shapes, dtype, kept_quantized(source, hf_names)))
+            index = family.tensors.stack_index(name) if row.stacked else None
+            stack = None if index is None else (index, config.num_experts or 0)
+            units.append(_Unit(name, row, hf_names, shapes, dtype, kept_quantized(source, hf_names), stack))
         if unmapped:
             raise ConfigError(f"hf: {family.architecture} has no HF name for {sorted(unmapped)}")
         return kept_once(units)
@@ -386,9 +409,12 @@ class HFSaver(Saver):
         """transformers' greedy packing, by canonical tensor: a new shard when the next would overflow."""
         limit = options.max_shard_size or DEFAULT_MAX_SHARD_SIZE
         shards = [_Shard()]
+        open_stacks: set[str] = set()  # f17c: a stacked HF tensor is never split between shards
         for unit in self._units(source, options):
-            if shards[-1].units and shards[-1].nbytes + unit.nbytes > limit:
+            if shards[-1].units and not open_stacks and shards[-1].nbytes + unit.nbytes > limit:
                 shards.append(_Shard())
+            if unit.stack is not None:
+                (open_stacks.difference_update if unit.closes_stack else open_stacks.update)(unit.hf_names)
             shards[-1].units.append(unit)
             shards[-1].nbytes += unit.nbytes
         return shards
@@ -419,9 +445,10 @@ class HFSaver(Saver):
                          family.hf_norms_zero_centred)
         for file_name, shard in zip(self._file_names(len(shards)), shards, strict=True):
             entries = [(name, meta.dtype, meta.shape) for unit in shard.units for name, meta, _ in unit.entries()]
+            stacks: dict[str, list[torch.Tensor]] = {}
             with _SafetensorsWriter(out_dir / file_name, entries) as writer:
                 for unit in shard.units:
-                    _write_unit(writer, unit, source, kinds)
+                    _write_unit(writer, unit, source, kinds, stacks)
             weight_map.update({entry[0]: file_name for entry in entries})
             total += writer.nbytes
             result.files.append(PlannedFile(file_name, len(entries), writer.nbytes, sha256=writer.sha256,

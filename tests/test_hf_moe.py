@@ -326,12 +326,15 @@ def _shared_expert(family: Family) -> dict[str, object]:
     return {"moe_shared_expert_intermediate_size": 6} if family.fixed.get("moe_shared_expert_gate") else {}
 # f17b: what a family's rules need besides its fixed values (Gemma 3's local RoPE base).
 _RULE_EXTRAS: dict[str, dict[str, object]] = {"Gemma3ForCausalLM": {"rotary_base_local": 10000.0}}
+# What a family needs beyond its fixed values to accept a model (f17c: GLM-4.5-MoE's shared expert).
+_FAMILY_NEEDS: dict[str, dict[str, object]] = {"Glm4MoeForCausalLM": {"moe_shared_expert_intermediate_size": 6}}
 
 
 @pytest.mark.parametrize("architecture", sorted(FAMILIES))
 def test_dense_families_refuse_moe_models_and_moe_families_refuse_dense_ones(architecture: str) -> None:
     family = FAMILIES[architecture]
     fixed = {name: value for name, value in family.fixed.items() if name != "num_experts"}
+    fixed.update(_FAMILY_NEEDS.get(architecture, {}))
     fixed.update(_RULE_EXTRAS.get(architecture, {}))
     is_moe_family = "num_experts" not in family.fixed
     shared = _shared_expert(family)
@@ -356,10 +359,10 @@ def test_every_family_table_fills_every_canonical_tensor_of_the_models_it_accept
     from pgconvert.provider import canonical_names
 
     family = FAMILIES[architecture]
-    fixed = {**family.fixed, **_RULE_EXTRAS.get(architecture, {})}
+    fixed = {**family.fixed, **_RULE_EXTRAS.get(architecture, {}), **_FAMILY_NEEDS.get(architecture, {})}
     candidates = [_config(**fixed)] + [
         _config(**{**fixed, **_shared_expert(family), "num_experts": 4, "moe_layer_freq": freq})
-        for freq in (1, (1, 0))
+        for freq in (1, (1, 0), (0, 1))
     ]
     accepted = [config for config in candidates if not family_mismatches(family, config)]
 

@@ -1,0 +1,180 @@
+"""GLM-4.5-MoE (Glm4MoeForCausalLM): HF <-> Megatron / torch_dist is bit-exact, and the model survives.
+
+The source is a tiny transformers model (tests/moe_more_helpers.py) with every GLM-specific option
+on: partial rotary (half of each head), qk-norm, q/k/v biases, a dense first layer, a shared expert
+of two expert widths, a sigmoid router with a non-zero e_score_correction_bias, scaled routing
+weights, and a vocab that is not a multiple of 128.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from hf_helpers import assert_same_hf_tensors, edit_json, hf_logits, input_ids, load_hf_tensors, read_megatron_tp_ranks
+from moe_more_helpers import GLM4_MOE_KWARGS, SIDE_FILES, glm4_moe_tp_logits, save_glm4_moe
+from safetensors.torch import save_file
+
+import pgconvert
+from pgconvert.errors import CheckpointError, StrictModeError
+
+VOCAB = GLM4_MOE_KWARGS["vocab_size"]
+LAYOUTS = {"tp2pp2": dict(dst_tp=2, dst_pp=2), "tp2ep2": dict(dst_tp=2, dst_ep=2),
+           "tp2ep2pp2-grouped": dict(dst_tp=2, dst_ep=2, dst_pp=2, dst_expert_layout="grouped")}
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_glm4_moe(tmp_path_factory.mktemp("glm4_moe") / "src", seed=3)
+
+
+def _assert_same_release(src: Path, out: Path) -> None:
+    assert_same_hf_tensors(src, out)
+    for name in ("config.json", *SIDE_FILES):
+        assert (out / name).read_bytes() == (src / name).read_bytes(), name
+    ids = input_ids(VOCAB)
+    torch.testing.assert_close(hf_logits(out, ids), hf_logits(src, ids), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_glm4_moe_to_megatron_and_back_is_bit_exact_with_the_same_logits(source: Path, tmp_path: Path,
+                                                                         layout: str) -> None:
+    pgconvert.convert(source, tmp_path / "megatron", dst_format="megatron", **LAYOUTS[layout])
+    back = pgconvert.convert(tmp_path / "megatron", tmp_path / "hf", dst_format="hf")
+
+    assert not [notice for notice in back.notices if "not carried" in notice]
+    _assert_same_release(source, tmp_path / "hf")
+
+
+def test_glm4_moe_to_torch_dist_and_back_is_bit_exact(source: Path, tmp_path: Path) -> None:
+    pgconvert.convert(source, tmp_path / "megatron", dst_format="megatron", dst_tp=2, dst_ep=2)
+    pgconvert.convert(tmp_path / "megatron", tmp_path / "dist", dst_format="torch_dist")
+    pgconvert.convert(tmp_path / "dist", tmp_path / "hf", dst_format="hf")
+
+    _assert_same_release(source, tmp_path / "hf")
+
+
+def _rank_args(root: Path) -> argparse.Namespace:
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        state = torch.load(root / "iter_0000000" / "mp_rank_00_000" / "model_optim_rng.pt", weights_only=True)
+    args: argparse.Namespace = state["args"]
+    return args
+
+
+def test_megatron_tp2_ep2_rank_files_compute_the_hf_logits(source: Path, tmp_path: Path) -> None:
+    """Independent forward over the TP-sharded rank files (not pgconvert's merge) against transformers."""
+    config = json.loads((source / "config.json").read_text())
+    ids = input_ids(VOCAB)
+    pgconvert.convert(source, tmp_path / "megatron", dst_format="megatron", dst_tp=2, dst_ep=2)
+    ranks = read_megatron_tp_ranks(tmp_path / "megatron")
+
+    actual = glm4_moe_tp_logits(ranks, config, ids)
+
+    torch.testing.assert_close(actual, hf_logits(source, ids).to(torch.float64), rtol=1e-5, atol=1e-5)
+    # The settings it computes with are the ones the Megatron args carry.
+    args = _rank_args(tmp_path / "megatron")
+    assert (args.rotary_percent, args.moe_router_score_function, args.moe_router_topk_scaling_factor) == (
+        0.5, "sigmoid", 2.5)
+    assert args.moe_router_enable_expert_bias and args.qk_layernorm and args.add_qkv_bias
+    assert not args.add_bias_linear
+    assert (args.moe_shared_expert_intermediate_size, list(args.moe_layer_freq)) == (64, [0, 1, 1, 1])
+    assert ranks[0]["decoder.layers.1.mlp.router.expert_bias"].dtype == torch.float64  # read as float64
+    bias = load_hf_tensors(source)["model.layers.1.mlp.gate.e_score_correction_bias"]
+    assert bias.dtype == torch.float32 and bool(bias.abs().min() > 0)
+
+
+@pytest.mark.parametrize("change", ["expert_bias", "rotary_percent", "shared_expert"])
+def test_reference_forward_depends_on_each_glm_setting(source: Path, tmp_path: Path, change: str) -> None:
+    """The check above is sensitive: drop the expert bias, rotate whole heads or lose the shared expert
+    and the logits differ."""
+    config = json.loads((source / "config.json").read_text())
+    ids = input_ids(VOCAB)
+    pgconvert.convert(source, tmp_path / "megatron", dst_format="megatron", dst_tp=2, dst_ep=2)
+    ranks = read_megatron_tp_ranks(tmp_path / "megatron")
+    if change == "expert_bias":
+        for model in ranks:
+            for key in [k for k in model if k.endswith("expert_bias")]:
+                model[key] = torch.zeros_like(model[key])
+    elif change == "rotary_percent":
+        config["rope_parameters"]["partial_rotary_factor"] = 1.0
+    else:
+        for model in ranks:
+            for key in [k for k in model if "shared_experts.linear_fc2" in k]:
+                model[key] = torch.zeros_like(model[key])
+
+    actual = glm4_moe_tp_logits(ranks, config, ids)
+
+    assert not torch.allclose(actual, hf_logits(source, ids).to(torch.float64), rtol=1e-4, atol=1e-4)
+
+
+def test_megatron_glm4_moe_without_a_carried_config_is_written_as_glm4_moe(source: Path, tmp_path: Path) -> None:
+    """From Megatron args alone (no hf/ folder) the family is inferred and config.json built from the
+    table: transformers then computes the same logits."""
+    pgconvert.convert(source, tmp_path / "megatron", dst_format="megatron", dst_tp=2, dst_pp=2)
+    shutil.rmtree(tmp_path / "megatron" / "hf")
+
+    report = pgconvert.convert(tmp_path / "megatron", tmp_path / "hf", dst_format="hf", strict=False)
+
+    written = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert written["architectures"] == ["Glm4MoeForCausalLM"]
+    assert {key: written[key] for key in ("first_k_dense_replace", "n_shared_experts", "n_routed_experts",
+                                          "routed_scaling_factor", "use_qk_norm", "attention_bias",
+                                          "num_nextn_predict_layers")} == {
+        "first_k_dense_replace": 1, "n_shared_experts": 2, "n_routed_experts": 4, "routed_scaling_factor": 2.5,
+        "use_qk_norm": True, "attention_bias": True, "num_nextn_predict_layers": 0}
+    assert written["rope_parameters"]["partial_rotary_factor"] == 0.5
+    assert not [notice for notice in report.notices if "not carried" in notice]
+    assert_same_hf_tensors(source, tmp_path / "hf")
+    ids = input_ids(VOCAB)
+    torch.testing.assert_close(hf_logits(tmp_path / "hf", ids), hf_logits(source, ids), rtol=1e-5, atol=1e-5)
+
+
+def _copy(source: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(source, tmp_path / "src"))
+
+
+def test_checkpoint_with_mtp_layer_tensors_is_refused_naming_them(source: Path, tmp_path: Path) -> None:
+    src = _copy(source, tmp_path)
+    mtp = {"model.layers.4.eh_proj.weight": torch.zeros(64, 128), "model.layers.4.enorm.weight": torch.ones(64)}
+    save_file(mtp, str(src / "mtp.safetensors"), metadata={"format": "pt"})
+    edit_json(src / "model.safetensors.index.json",
+              lambda doc: doc["weight_map"].update({name: "mtp.safetensors" for name in mtp}))
+
+    with pytest.raises(CheckpointError, match=r"multi-token-prediction \(MTP\).*model\.layers\.4\.eh_proj\.weight"):
+        pgconvert.convert(src, tmp_path / "out", dst_format="megatron")
+
+
+def test_group_limited_routing_is_refused_naming_the_keys(source: Path, tmp_path: Path) -> None:
+    src = _copy(source, tmp_path)
+    edit_json(src / "config.json", lambda doc: doc.update(n_group=2, topk_group=1))
+
+    with pytest.raises(CheckpointError, match=r"n_group=2, topk_group=1: group-limited expert routing"):
+        pgconvert.convert(src, tmp_path / "out", dst_format="megatron")
+
+
+def test_router_without_top_k_renormalization_is_named_and_refused_under_strict(source: Path, tmp_path: Path) -> None:
+    """megatron-core's sigmoid router always renormalizes the chosen weights (top-k > 1)."""
+    src = _copy(source, tmp_path)
+    edit_json(src / "config.json", lambda doc: doc.update(norm_topk_prob=False))
+
+    report = pgconvert.convert(src, tmp_path / "out", dst_format="megatron")
+    with pytest.raises(StrictModeError, match="norm_topk_prob=False"):
+        pgconvert.convert(src, tmp_path / "strict", dst_format="megatron", strict=True)
+
+    assert any("norm_topk_prob=False" in notice for notice in report.notices)
+
+
+def test_absent_partial_rotary_factor_means_glms_default_half(source: Path, tmp_path: Path) -> None:
+    src = _copy(source, tmp_path)
+    edit_json(src / "config.json", lambda doc: doc["rope_parameters"].pop("partial_rotary_factor"))
+
+    pgconvert.convert(src, tmp_path / "megatron", dst_format="megatron")
+
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        args = torch.load(tmp_path / "megatron" / "iter_0000000" / "mp_rank_00" / "model_optim_rng.pt",
+                          weights_only=True)["args"]
+    assert args.rotary_percent == 0.5

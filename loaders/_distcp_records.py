@@ -138,12 +138,15 @@ def _span(lengths: tuple[int, ...] | list[int], stride: tuple[int, ...] | list[i
 def _slabs(starts: list[int], lengths: list[int], stride: tuple[int, ...], itemsize: int,
            limit: int) -> Iterator[tuple[list[int], list[int]]]:
     """The box as sub-boxes, in order, each covering at most ``limit`` bytes of storage (or one element)."""
-    if _span(lengths, stride) * itemsize <= limit:
+    split = [index for index, length in enumerate(lengths) if length > 1]
+    if not split or _span(lengths, stride) * itemsize <= limit:
         yield starts, lengths
         return
-    dim = next(index for index, length in enumerate(lengths) if length > 1)
-    one = lengths[:dim] + [1] + lengths[dim + 1:]
-    step = max(1, limit // (_span(one, stride) * itemsize))
+    dim = split[0]
+    one = _span(lengths[:dim] + [1] + lengths[dim + 1:], stride)
+    budget = limit // itemsize
+    # entries along ``dim`` per sub-box: as many as keep its span within the budget (fewer than all)
+    step = 1 if one > budget or stride[dim] == 0 else 1 + (budget - one) // stride[dim]
     for begin in range(0, lengths[dim], step):
         sub_starts = starts[:dim] + [starts[dim] + begin] + starts[dim + 1:]
         sub_lengths = lengths[:dim] + [min(step, lengths[dim] - begin)] + lengths[dim + 1:]

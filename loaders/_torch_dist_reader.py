@@ -145,9 +145,20 @@ class _SafeReader(FileSystemReader):
         record = self._records.get(where)
         if record is None:
             record = self._records[where] = parse_tensor_record(mapped, info.offset, info.length, label)
+        self._check_record(record, item, label)
         target = planner.resolve_tensor(item).detach()
         copy_box(mapped, record, list(item.storage_offsets), list(item.lengths), target, label)
         planner.commit_tensor(item, target)
+
+    def _check_record(self, record: TensorRecord, item: ReadItem, label: str) -> None:
+        """A record holds the chunk the index says it does: its shape and dtype."""
+        md = self._metadata.state_dict_metadata.get(item.storage_index.fqn)
+        offset = tuple(item.storage_index.offset or ())
+        sizes = next((tuple(chunk.sizes) for chunk in getattr(md, "chunks", []) if tuple(chunk.offsets) == offset), None)
+        dtype = md.properties.dtype if isinstance(md, TensorStorageMetadata) else None
+        if record.size != sizes or record.dtype != dtype:
+            raise CheckpointError(f"{label}: stored as {record.dtype} {list(record.size)}, but the index describes "
+                                  f"the chunk at {list(offset)} as {dtype} {list(sizes) if sizes else sizes}")
 
 
 class _RegionPlanner(DefaultLoadPlanner):
@@ -334,11 +345,14 @@ class TorchDistSource(CanonicalSource):
         if not isinstance(storage, dict):
             raise CheckpointError(f"{metadata_path}: no storage index (storage_data)")
         needed: dict[str, int] = {}
-        for info in storage.values():
+        furthest: dict[str, str] = {}
+        for index, info in storage.items():
             relative = getattr(info, "relative_path", None)
             if not isinstance(relative, str):
                 raise CheckpointError(f"{metadata_path}: a chunk has no file name ({quote(info)})")
-            needed[relative] = max(needed.get(relative, 0), int(info.offset) + int(info.length))
+            if int(info.offset) + int(info.length) > needed.get(relative, -1):
+                needed[relative] = int(info.offset) + int(info.length)
+                furthest[relative] = f"{quote(index.fqn)} at offset {info.offset}, length {info.length}"
         referenced = {key.fqn for key in storage}
         unstored = sorted(key for key in self._metadata.state_dict_metadata if key not in referenced)
         if unstored:
@@ -349,7 +363,8 @@ class TorchDistSource(CanonicalSource):
             if not path.is_file():
                 missing.append(relative)
             elif path.stat().st_size < end:
-                raise CheckpointError(f"{path}: truncated ({path.stat().st_size} bytes, the index needs {end})")
+                raise CheckpointError(f"{path}: truncated ({path.stat().st_size} bytes, the index needs {end}: "
+                                      f"{furthest[relative]})")
         if missing:
             raise CheckpointError(f"{self.directory}: missing data files named by {DCP_METADATA_FILE}: {', '.join(missing)}")
 

@@ -6,10 +6,10 @@ torch.distributed.checkpoint is a heavy import that format detection must not pa
 Tensors are read through torch.distributed.checkpoint's own ``FileSystemReader`` with ``no_dist``,
 one canonical tensor (or one destination piece of it) per ``dcp.load`` call into a buffer of
 exactly that size: only the stored chunks overlapping the request are read, so a stacked
-``[num_layers, …]`` key costs one layer at a time. torch's reader loads each overlapping stored
-chunk whole before copying the overlap, so peak memory is the requested piece plus the largest
-stored chunk it overlaps (a per-layer, per-TP-rank piece in megatron-core's own checkpoints; one
-canonical tensor in pgconvert's). Two parts of torch's reader unpickle without
+``[num_layers, …]`` key costs one layer at a time. torch's reader would load each overlapping
+stored chunk whole before copying the overlap; ``_SafeReader.read_data`` instead maps the file and
+copies only the overlap's bytes (``loaders/_distcp_records.py``), so peak memory is the requested
+piece plus one slab of the mapping. Two parts of torch's reader unpickle without
 limits, so both are replaced: ``.metadata`` is read through an allowlist of torch's metadata classes
 (``read_dcp_metadata``) and bytes entries (``_extra_state``) with ``weights_only=True``.
 """
@@ -20,6 +20,8 @@ import argparse
 import io
 import logging
 import math
+import mmap
+import os
 import pickle
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,8 +39,9 @@ from torch.distributed.checkpoint import (
 )
 from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
-from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.futures import Future
 
 from pgconvert.config import TRANSFORMER_IMPLS, ModelConfig
 from pgconvert.errors import CheckpointError, PgconvertError, UnsafePickleError
@@ -51,6 +54,7 @@ from pgconvert.megatron_format import (
     safe_torch_load,
 )
 from pgconvert.limits import quote
+from pgconvert.loaders._distcp_records import TensorRecord, check_extent, copy_box, parse_tensor_record
 from pgconvert.torch_input import check_torch_stream
 from pgconvert.paths import ensure_within
 from pgconvert.provider import OUTPUT_LAYER, VOCAB_TABLES, WORD_EMBEDDINGS, canonical_shapes, te_extra_state_names
@@ -86,14 +90,75 @@ class _Region:
 
 
 class _SafeReader(FileSystemReader):
-    """torch's reader with the ``.metadata`` pickle read through the allowlist, once."""
+    """torch's reader with the ``.metadata`` pickle read through the allowlist, once, and tensor
+    records read in place (``loaders/_distcp_records.py``): only the bytes each request needs."""
 
-    def __init__(self, directory: Path, metadata: Metadata) -> None:
+    def __init__(self, directory: Path, metadata: Metadata, root: Path | None = None) -> None:
         super().__init__(directory)
         self._metadata = metadata
+        self._directory = directory
+        self._root = root or directory
+        self._records: dict[tuple[str, int, int], TensorRecord] = {}
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         return self._metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        per_file: dict[str, list[ReadItem]] = {}
+        transformed: list[ReadItem] = []
+        for item in plan.items:
+            info = self.storage_data[item.storage_index]
+            if info.transform_descriptors:  # compressed or otherwise transformed records: torch's own path
+                transformed.append(item)
+            else:
+                per_file.setdefault(info.relative_path, []).append(item)
+        if transformed:
+            super().read_data(LoadPlan(transformed), planner).wait()
+        for relative, items in per_file.items():
+            self._read_file(relative, sorted(items, key=lambda item: self.storage_data[item.storage_index].offset),
+                            planner)
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+    def _read_file(self, relative: str, items: list[ReadItem], planner: LoadPlanner) -> None:
+        path = ensure_within(self._root, self._directory / relative)
+        with open(path, "rb") as handle:
+            size = os.fstat(handle.fileno()).st_size
+            for item in items:
+                info = self.storage_data[item.storage_index]
+                check_extent(path, item.storage_index.fqn, info.offset, info.length, size)
+            mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+        for item in items:
+            self._read_item(mapped, path, item, planner)
+        # Every view of the mapping was dropped with the call that made it; on an error the mapping
+        # is left to be unmapped with the last reference to it instead.
+        mapped.close()
+
+    def _read_item(self, mapped: mmap.mmap, path: Path, item: ReadItem, planner: LoadPlanner) -> None:
+        info = self.storage_data[item.storage_index]
+        label = f"{path}: {quote(item.storage_index.fqn)} (offset {info.offset}, length {info.length})"
+        if item.type == LoadItemType.BYTE_IO:
+            planner.load_bytes(item, io.BytesIO(mapped[info.offset:info.offset + info.length]))
+            return
+        where = (info.relative_path, info.offset, info.length)
+        record = self._records.get(where)
+        if record is None:
+            record = self._records[where] = parse_tensor_record(mapped, info.offset, info.length, label)
+        self._check_record(record, item, label)
+        target = planner.resolve_tensor(item).detach()
+        copy_box(mapped, record, list(item.storage_offsets), list(item.lengths), target, label)
+        planner.commit_tensor(item, target)
+
+    def _check_record(self, record: TensorRecord, item: ReadItem, label: str) -> None:
+        """A record holds the chunk the index says it does: its shape and dtype."""
+        md = self._metadata.state_dict_metadata.get(item.storage_index.fqn)
+        offset = tuple(item.storage_index.offset or ())
+        sizes = next((tuple(chunk.sizes) for chunk in getattr(md, "chunks", []) if tuple(chunk.offsets) == offset), None)
+        dtype = md.properties.dtype if isinstance(md, TensorStorageMetadata) else None
+        if record.size != sizes or record.dtype != dtype:
+            raise CheckpointError(f"{label}: stored as {record.dtype} {list(record.size)}, but the index describes "
+                                  f"the chunk at {list(offset)} as {dtype} {list(sizes) if sizes else sizes}")
 
 
 class _RegionPlanner(DefaultLoadPlanner):
@@ -167,7 +232,7 @@ class TorchDistSource(CanonicalSource):
         metadata_path = ensure_within(self.root, iteration_dir / DCP_METADATA_FILE)
         self._metadata = read_dcp_metadata(metadata_path)
         self._check_files(metadata_path)
-        self._reader = _SafeReader(iteration_dir, self._metadata)
+        self._reader = _SafeReader(iteration_dir, self._metadata, self.root)
         common, common_path = self._read_common()
         args = common.get("args")
         if not isinstance(args, argparse.Namespace):
@@ -280,11 +345,14 @@ class TorchDistSource(CanonicalSource):
         if not isinstance(storage, dict):
             raise CheckpointError(f"{metadata_path}: no storage index (storage_data)")
         needed: dict[str, int] = {}
-        for info in storage.values():
+        furthest: dict[str, str] = {}
+        for index, info in storage.items():
             relative = getattr(info, "relative_path", None)
             if not isinstance(relative, str):
                 raise CheckpointError(f"{metadata_path}: a chunk has no file name ({quote(info)})")
-            needed[relative] = max(needed.get(relative, 0), int(info.offset) + int(info.length))
+            if int(info.offset) + int(info.length) > needed.get(relative, -1):
+                needed[relative] = int(info.offset) + int(info.length)
+                furthest[relative] = f"{quote(index.fqn)} at offset {info.offset}, length {info.length}"
         referenced = {key.fqn for key in storage}
         unstored = sorted(key for key in self._metadata.state_dict_metadata if key not in referenced)
         if unstored:
@@ -295,7 +363,8 @@ class TorchDistSource(CanonicalSource):
             if not path.is_file():
                 missing.append(relative)
             elif path.stat().st_size < end:
-                raise CheckpointError(f"{path}: truncated ({path.stat().st_size} bytes, the index needs {end})")
+                raise CheckpointError(f"{path}: truncated ({path.stat().st_size} bytes, the index needs {end}: "
+                                      f"{furthest[relative]})")
         if missing:
             raise CheckpointError(f"{self.directory}: missing data files named by {DCP_METADATA_FILE}: {', '.join(missing)}")
 

@@ -1,0 +1,281 @@
+"""Reading torch_dist tensor records in place (``loaders/_distcp_records.py``).
+
+The reader maps each ``.distcp`` file and copies only the bytes a request needs, so a conversion's
+memory is bounded by the piece it reads, not by the stored record it overlaps. Records are parsed
+with storages on the meta device; every structural problem is a named error.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import mmap
+import os
+import pickle
+import subprocess
+import sys
+import warnings
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from cli_helpers import assert_clean_refusal, run_cli
+from conftest import GQA_SWIGLU
+from megatron_fixtures import make_full_model, write_megatron_checkpoint
+from torch.distributed.checkpoint import FileSystemReader
+
+import pgconvert
+import pgconvert.loaders._distcp_records as records
+from pgconvert.errors import CheckpointError, UnsafePickleError
+from pgconvert.formats import LoadOptions
+from pgconvert.loaders._distcp_records import copy_box, parse_tensor_record
+from pgconvert.loaders.torch_dist import TorchDistLoader
+from pgconvert.rules import COLUMN
+
+ITERATION_DIR = "iter_0000100"
+PREFIX = b"odd"  # three bytes: the record, and its tensor bytes, are not aligned in the file
+
+
+def mapped_record(tmp_path: Path, payload: bytes) -> tuple[mmap.mmap, int, int]:
+    path = tmp_path / "record.distcp"
+    path.write_bytes(PREFIX + payload + b"trailing bytes of the next record")
+    with open(path, "rb") as handle:
+        return mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ), len(PREFIX), len(payload)
+
+
+def saved(obj: object) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def read_box(mapped: mmap.mmap, offset: int, length: int, starts: list[int], lengths: list[int]) -> torch.Tensor:
+    record = parse_tensor_record(mapped, offset, length, "record")
+    out = torch.empty(lengths, dtype=record.dtype)
+    copy_box(mapped, record, starts, lengths, out, "record")
+    return out
+
+
+def box_of(tensor: torch.Tensor, starts: list[int], lengths: list[int]) -> torch.Tensor:
+    for dim, (start, length) in enumerate(zip(starts, lengths)):
+        tensor = tensor.narrow(dim, start, length)
+    return tensor
+
+
+# --------------------------------------------------------------------------- reading boxes
+
+
+BASE = torch.randn(6, 10, 4, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+VIEWS = {
+    # torch.save keeps a view's whole storage, its offset and its strides
+    "contiguous": BASE,
+    "storage offset": BASE[2:5],
+    "transposed": BASE.transpose(0, 2),
+    "strided slice": BASE[1:, 3:9:2, 1],
+    "int64": torch.arange(60, dtype=torch.int64).reshape(5, 12)[:, 2:7],
+    "scalar": torch.tensor(3.5),
+}
+
+
+@pytest.mark.parametrize("slab", [1, 8, 64, 2**20])
+@pytest.mark.parametrize("name", VIEWS)
+def test_every_box_of_a_stored_view_reads_back_bit_exact(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        name: str, slab: int) -> None:
+    monkeypatch.setattr(records, "SLAB_BYTES", slab)  # 1 byte: element by element
+    view = VIEWS[name]
+    mapped, offset, length = mapped_record(tmp_path, saved(view))
+    shape = list(view.shape)
+    boxes = [([0] * len(shape), shape)]
+    for dim, size in enumerate(shape):
+        if size > 1:
+            starts, lengths = [0] * len(shape), list(shape)
+            starts[dim], lengths[dim] = 1, size - 2 if size > 2 else 1
+            boxes.append((starts, lengths))
+    for starts, lengths in boxes:
+        got = read_box(mapped, offset, length, starts, lengths)
+        assert got.dtype == view.dtype and torch.equal(got, box_of(view, starts, lengths)), (starts, lengths)
+
+
+def test_a_box_outside_the_stored_chunk_or_of_another_dtype_is_refused(tmp_path: Path) -> None:
+    mapped, offset, length = mapped_record(tmp_path, saved(BASE))
+    record = parse_tensor_record(mapped, offset, length, "record")
+
+    with pytest.raises(CheckpointError, match=r"record: the requested box \[5, 0, 0\] \+ \[2, 10, 4\] does not lie "
+                                              r"inside the stored chunk of shape \[6, 10, 4\]"):
+        copy_box(mapped, record, [5, 0, 0], [2, 10, 4], torch.empty(2, 10, 4, dtype=torch.bfloat16), "record")
+    with pytest.raises(CheckpointError, match=r"record: stored as torch.bfloat16 \[6, 10, 4\], but the index "
+                                              r"describes torch.float32"):
+        copy_box(mapped, record, [0, 0, 0], [6, 10, 4], torch.empty(6, 10, 4), "record")
+
+
+# --------------------------------------------------------------------------- malformed records
+
+
+def rezipped(payload: bytes, cut_storage_to: int) -> bytes:
+    """The torch.save zip ``payload`` with its storage record cut to ``cut_storage_to`` bytes."""
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(payload)) as source, zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as target:
+        for info in source.infolist():
+            data = source.read(info)
+            target.writestr(info.filename, data[:cut_storage_to] if "/data/" in info.filename else data)
+    return out.getvalue()
+
+
+def test_a_storage_record_shorter_than_its_tensor_is_named(tmp_path: Path) -> None:
+    tensor = torch.arange(100, dtype=torch.float32)
+    mapped, offset, length = mapped_record(tmp_path, rezipped(saved(tensor), 40))
+
+    with pytest.raises(CheckpointError, match=r"record: truncated or corrupt record \(storage '0' holds 40 bytes, "
+                                              r"the tensor's storage needs 400\)"):
+        parse_tensor_record(mapped, offset, length, "record")
+
+
+def test_bytes_that_are_not_a_torch_zip_are_named(tmp_path: Path) -> None:
+    mapped, offset, length = mapped_record(tmp_path, b"\0" * 200)
+
+    with pytest.raises(CheckpointError, match=r"record: truncated or corrupt torch checkpoint"):
+        parse_tensor_record(mapped, offset, length, "record")
+    # A record cut short: its zip directory, at its end, is gone.
+    mapped, offset, length = mapped_record(tmp_path, saved(BASE))
+    with pytest.raises(CheckpointError, match=r"record: truncated or corrupt torch checkpoint"):
+        parse_tensor_record(mapped, offset, length - 30, "record")
+
+
+class _Exploit:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple:
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_record_whose_pickle_runs_code_is_refused_unexecuted(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    mapped, offset, length = mapped_record(tmp_path, saved([torch.zeros(2), _Exploit(marker)]))
+
+    with pytest.raises(UnsafePickleError, match=r"record: refuses to unpickle it"):
+        parse_tensor_record(mapped, offset, length, "record")
+    assert not marker.exists()
+
+
+# --------------------------------------------------------------------------- through the loader and the CLI
+
+
+@pytest.fixture
+def dist_checkpoint(tmp_path: Path) -> Path:
+    src = write_megatron_checkpoint(tmp_path / "src", GQA_SWIGLU, make_full_model(GQA_SWIGLU), 2, 1)
+    pgconvert.convert(src, tmp_path / "dist", dst_format="torch_dist")
+    return tmp_path / "dist"
+
+
+def write_metadata(iteration_dir: Path, metadata: object) -> None:
+    (iteration_dir / ".metadata").write_bytes(pickle.dumps(metadata))
+
+
+def test_a_data_file_truncated_after_the_index_was_checked_is_named(dist_checkpoint: Path) -> None:
+    data = dist_checkpoint / ITERATION_DIR / "__0_0.distcp"
+    source = TorchDistLoader().open(dist_checkpoint, LoadOptions())
+    size = data.stat().st_size
+    os.truncate(data, size // 2)
+
+    with pytest.raises(CheckpointError, match=rf"__0_0\.distcp: '[^']+' is stored at offset \d+, length \d+, which "
+                                              rf"does not lie inside the file's {size // 2} bytes"):
+        source.load_shard("decoder.layers.2.self_attention.linear_qkv.weight", COLUMN, 2, 0)
+
+
+def test_cli_names_a_truncated_data_file(dist_checkpoint: Path, tmp_path: Path) -> None:
+    data = dist_checkpoint / ITERATION_DIR / "__0_0.distcp"
+    os.truncate(data, data.stat().st_size - 1)
+
+    result = run_cli("--dst-format", "megatron", dist_checkpoint, tmp_path / "dst")
+    assert_clean_refusal(result, 1, "__0_0.distcp: truncated (", "bytes, the index needs", "at offset", "length")
+    assert not (tmp_path / "dst").exists()
+
+
+def test_cli_names_a_storage_entry_past_the_end_of_its_file(dist_checkpoint: Path, tmp_path: Path) -> None:
+    iteration_dir = dist_checkpoint / ITERATION_DIR
+    metadata = FileSystemReader(str(iteration_dir)).read_metadata()
+    size = (iteration_dir / "__0_0.distcp").stat().st_size
+    index, info = next((index, info) for index, info in metadata.storage_data.items()
+                       if index.fqn == "embedding.word_embeddings.weight")
+    info.offset = size - 10
+    write_metadata(iteration_dir, metadata)
+
+    result = run_cli("--dst-format", "megatron", iteration_dir, tmp_path / "dst")
+    assert_clean_refusal(result, 1, f"__0_0.distcp: truncated ({size} bytes, the index needs {size - 10 + info.length}: "
+                         f"'embedding.word_embeddings.weight' at offset {size - 10}, length {info.length})")
+
+
+def test_cli_names_a_storage_entry_that_points_at_another_chunk(dist_checkpoint: Path, tmp_path: Path) -> None:
+    iteration_dir = dist_checkpoint / ITERATION_DIR
+    metadata = FileSystemReader(str(iteration_dir)).read_metadata()
+    entries = {index.fqn: info for index, info in metadata.storage_data.items()}
+    embedding, norm = entries["embedding.word_embeddings.weight"], entries["decoder.final_layernorm.weight"]
+    norm.offset, norm.length = embedding.offset, embedding.length
+    write_metadata(iteration_dir, metadata)
+
+    result = run_cli("--dst-format", "megatron", iteration_dir, tmp_path / "dst")
+    assert_clean_refusal(result, 1, "'decoder.final_layernorm.weight' (offset", "stored as torch.float32 [1024, 64], "
+                         "but the index describes the chunk at [0] as torch.float32 [64]")
+
+
+# --------------------------------------------------------------------------- memory
+
+
+MEASURE = """
+import json, sys
+from pathlib import Path
+import torch
+import torch.distributed.checkpoint as dcp
+from pgconvert.loaders._torch_dist_reader import _RegionPlanner, _SafeReader
+from pgconvert.torch_dist_format import read_dcp_metadata, single_process_calls
+
+def status(field):
+    with open("/proc/self/status") as handle:
+        return next(int(line.split()[1]) * 1024 for line in handle if line.startswith(field + ":"))
+
+directory = Path(sys.argv[1])
+metadata = read_dcp_metadata(directory / ".metadata")
+reader = _SafeReader(directory, metadata)
+rows, cols = metadata.state_dict_metadata["w"].size
+results = []
+for offsets, shape, out in (((rows // 2, 0), (rows // 2, cols), "rows.pt"), ((0, cols // 2), (rows, cols // 2), "cols.pt")):
+    buffer = torch.empty(shape)
+    with open("/proc/self/clear_refs", "w") as handle:
+        handle.write("5")  # the peak (VmHWM) starts again from the current RSS
+    before = status("VmRSS")
+    with single_process_calls():
+        dcp.load({}, storage_reader=reader, planner=_RegionPlanner({"w": [(offsets, buffer)]}, [], str(directory)),
+                 no_dist=True)
+    results.append(status("VmHWM") - before)
+    torch.save(buffer, directory.parent / out)
+    del buffer
+print(json.dumps(results))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_reading_half_a_record_holds_the_half_not_the_record(tmp_path: Path) -> None:
+    # One stored chunk of 64 MiB; each read is half of it: the top rows (contiguous in the file) or
+    # the right columns (a run in every row: every page of the record is touched).
+    weight = torch.randn(4096, 4096, generator=torch.Generator().manual_seed(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": weight}, storage_writer=dcp.FileSystemWriter(str(tmp_path / "dcp")), no_dist=True)
+    try:
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")
+    except OSError:
+        pytest.skip("this kernel does not reset the peak RSS (/proc/self/clear_refs)")
+
+    result = subprocess.run([sys.executable, "-c", MEASURE, str(tmp_path / "dcp")], capture_output=True, text=True,
+                            timeout=300, check=True)
+    peaks = json.loads(result.stdout.strip().splitlines()[-1])
+
+    piece = weight.nbytes // 2
+    # torch's own reader loads the whole record first: piece + 64 MiB. Here: piece + one slab.
+    assert all(peak <= piece + records.SLAB_BYTES + 8 * 2**20 for peak in peaks), peaks
+    assert torch.equal(torch.load(tmp_path / "rows.pt", weights_only=True), weight[2048:])
+    assert torch.equal(torch.load(tmp_path / "cols.pt", weights_only=True), weight[:, 2048:])

@@ -379,13 +379,21 @@ class Family:
     # f17c: why stored HF tensors outside the table are refused, given them and config.json (None: the
     # generic message), e.g. multi-token-prediction layers a family does not convert.
     refuse_extra: Callable[[Sequence[str], Mapping[str, object]], str | None] | None = None
+    # fam17d: the computation-changing ModelConfig settings (field names) this HF architecture
+    # computes beyond every family's, so semantics.hf_losses does not name them as lost (partial
+    # rotary, a router's score function, scaling, groups or pre-softmax, a clamped GLU).
+    hf_computes: frozenset[str] = frozenset()
+    # fam17d: HF rope_type values carried as they are in ModelConfig.hf_rope_parameters (Phi-3's
+    # longrope and su): semantics.hf_unrepresentable does not name them.
+    hf_rope_types_carried: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("fixed", "hf_fixed", "hf_scratch", "hf_assumed"):
             object.__setattr__(self, name, MappingProxyType(dict(getattr(self, name))))
+        object.__setattr__(self, "hf_computes", frozenset(self.hf_computes))
         mapped = {f.model_field for f in self.fields}
         ruled = [name for rule in self.rules for name in rule.model_fields]
-        unknown = sorted((mapped | set(ruled) | set(self.fixed)) - _MODEL_FIELDS)
+        unknown = sorted((mapped | set(ruled) | set(self.fixed) | self.hf_computes) - _MODEL_FIELDS)
         if unknown:
             raise ValueError(f"family {self.architecture}: not ModelConfig fields: {unknown}")
         both = sorted((mapped | set(ruled)) & set(self.fixed))
@@ -797,9 +805,13 @@ MIXTRAL = Family(
     hf_scratch=_ROPE_DEFAULT,
 )
 
+# fam17d: norm_topk_prob false softmaxes over all experts first (megatron-core's moe_router_pre_softmax).
+_PRE_SOFTMAX = frozenset({"moe_router_pre_softmax"})
+
 QWEN3_MOE = Family(
     architecture="Qwen3MoeForCausalLM",
     model_type="qwen3_moe",
+    hf_computes=_PRE_SOFTMAX,  # fam17d
     tensors=QWEN3_MOE_TENSORS,
     fields=(
         *_decoder_fields(max_position_embeddings=32768),

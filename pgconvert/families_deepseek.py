@@ -294,9 +294,15 @@ _MLA_COMMON: dict[str, object] = {
 }
 _HF_COMMON: dict[str, object] = {**_HF_SILU, "attention_bias": False}
 
+# ds16/fam17d: DeepSeek's families carry the score function, scaling, groups and pre-softmax (their
+# fixed values and rules refuse what they cannot write; pre-softmax means nothing to sigmoid scores).
+_DEEPSEEK_COMPUTES = frozenset({"moe_router_score_function", "moe_router_topk_scaling_factor",
+                                "moe_router_num_groups", "moe_router_pre_softmax"})
+
 DEEPSEEK_V3 = Family(
     architecture="DeepseekV3ForCausalLM",
     model_type="deepseek_v3",
+    hf_computes=_DEEPSEEK_COMPUTES,  # fam17d
     tensors=DEEPSEEK_TENSORS,
     fields=_fields(experts=256, topk=8, max_positions=4096),
     rules=(_ROPE_RULE, _MLA_ROPE, _Q_LORA, _layers_rule(default_dense=3), _shared_rule(default=1),
@@ -311,6 +317,7 @@ DEEPSEEK_V3 = Family(
 DEEPSEEK_V2 = Family(
     architecture="DeepseekV2ForCausalLM",
     model_type="deepseek_v2",
+    hf_computes=_DEEPSEEK_COMPUTES,  # fam17d
     tensors=DEEPSEEK_TENSORS,
     fields=_fields(experts=64, topk=None, max_positions=2048),
     rules=(_ROPE_RULE, _MLA_ROPE, _Q_LORA, _layers_rule(default_dense=0), _shared_rule(default=2),

@@ -178,6 +178,8 @@ def refuse_mtp_tensors(unexpected: Sequence[str], doc: Mapping[str, object]) -> 
 GLM4_MOE = Family(
     architecture="Glm4MoeForCausalLM",
     model_type="glm4_moe",
+    hf_computes=frozenset({"rotary_percent", "moe_router_score_function",  # fam17d
+                           "moe_router_topk_scaling_factor"}),
     tensors=GLM4_MOE_TENSORS,
     fields=(
         *_decoder_fields(max_position_embeddings=131072, norm_epsilon=1e-5),
@@ -333,6 +335,7 @@ def _write_layer_window(config: ModelConfig) -> Mapping[str, object]:
 GPT_OSS = Family(
     architecture="GptOssForCausalLM",
     model_type="gpt_oss",
+    hf_computes=frozenset({"glu_linear_offset", "activation_func_clamp_value"}),  # fam17d
     tensors=GPT_OSS_TENSORS,
     fields=(
         *_decoder_fields(max_position_embeddings=131072, norm_epsilon=1e-5, rotary_base=150000.0),

@@ -47,7 +47,6 @@ from pgconvert.families import (
 )
 from pgconvert.limits import quote
 from pgconvert.semantics import rope_parameters, rope_type_of
-from pgconvert.semantics_more import CARRIED_ROPE_TYPES
 
 # --- sliding windows given per layer by layer_types ----------------------------------------------
 
@@ -142,6 +141,7 @@ QWEN2_MOE_TENSORS = TensorTable((*_EMBEDDING_ROWS, *_ATTENTION_ROWS, *_DENSE_MLP
 QWEN2_MOE = Family(
     architecture="Qwen2MoeForCausalLM",
     model_type="qwen2_moe",
+    hf_computes=frozenset({"moe_router_pre_softmax"}),  # fam17d
     tensors=QWEN2_MOE_TENSORS,
     fields=(
         *_decoder_fields(max_position_embeddings=32768),
@@ -352,6 +352,10 @@ PHI3_TENSORS = TensorTable((
 ))
 PHI3_ARCHITECTURE = "Phi3ForCausalLM"
 
+# HF RoPE types megatron-core computes none of, carried whole in hf_rope_parameters (fam17d: was
+# semantics_more.CARRIED_ROPE_TYPES).
+_PHI3_CARRIED_ROPE_TYPES = ("longrope", "su")
+
 
 def _read_phi3_rope(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
     """Partial rotary and RoPE scaling as every family reads them; a longrope (``su``) type, which
@@ -359,7 +363,7 @@ def _read_phi3_rope(present: Mapping[str, object], model: Mapping[str, object]) 
     values = dict(_ROPE_RULE.read(present, model))
     params = rope_parameters(present)
     carried = None
-    if rope_type_of(params) in CARRIED_ROPE_TYPES[PHI3_ARCHITECTURE]:
+    if rope_type_of(params) in _PHI3_CARRIED_ROPE_TYPES:
         kept = {key: value for key, value in params.items() if key != "rope_theta"}
         if present.get("original_max_position_embeddings") is not None:
             kept.setdefault("original_max_position_embeddings", present["original_max_position_embeddings"])
@@ -387,6 +391,8 @@ _PHI3_ROPE = ConfigRule(keys=(*_ROPE_RULE.keys, "original_max_position_embedding
 PHI3 = Family(
     architecture=PHI3_ARCHITECTURE,
     model_type="phi3",
+    hf_computes=frozenset({"rotary_percent"}),  # fam17d
+    hf_rope_types_carried=_PHI3_CARRIED_ROPE_TYPES,
     tensors=PHI3_TENSORS,
     fields=(*_decoder_fields(max_position_embeddings=4096, norm_epsilon=1e-5), _DENSE_FFN),
     rules=(_PHI3_ROPE, _EVERY_LAYER_WINDOW),
@@ -396,8 +402,6 @@ PHI3 = Family(
     # Phi3Config's default token ids (32000) are outside a smaller vocabulary (see SmolLM3).
     hf_scratch={**_ROPE_DEFAULT, "bos_token_id": None, "eos_token_id": None, "pad_token_id": None},
 )
-# Families that compute megatron-core's rotary_percent (partial rotary).
-PARTIAL_ROTARY: frozenset[str] = frozenset({PHI3_ARCHITECTURE})
 
 
 # --- registration and what a family does not carry ------------------------------------------------

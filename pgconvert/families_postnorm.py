@@ -339,6 +339,7 @@ def _expert_ffn(config: ModelConfig) -> int:
 OLMOE = Family(
     architecture="OlmoeForCausalLM",
     model_type="olmoe",
+    hf_computes=frozenset({"moe_router_pre_softmax"}),  # fam17d
     tensors=QWEN3_MOE_TENSORS,
     fields=(
         *_decoder_fields(max_position_embeddings=4096, norm_epsilon=1e-5),
@@ -375,6 +376,7 @@ def _write_glm4_rope(config: ModelConfig) -> Mapping[str, object]:
 GLM4 = Family(
     architecture="Glm4ForCausalLM",
     model_type="glm4",
+    hf_computes=frozenset({"rotary_percent"}),  # fam17d
     tensors=_GLM4_TENSORS,
     fields=(
         *_decoder_fields(max_position_embeddings=131072, norm_epsilon=1.5625e-07),

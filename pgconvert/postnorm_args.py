@@ -31,10 +31,6 @@ BRIDGE_ARGS = frozenset({"query_pre_attn_scalar", "attn_logit_softcapping", "fin
                          "rotary_base_local"})
 PGCONVERT_ARGS = frozenset({"post_self_attn_layernorm", "post_mlp_layernorm", "pre_layernorms",
                             "embedding_scale_sqrt_hidden", "qk_layernorm_across_heads"})
-# HF architectures that compute partial rotary, and routers that softmax over all experts first
-# (norm_topk_prob false): semantics.hf_losses names neither as lost for them.
-PARTIAL_ROTARY_ARCHITECTURES = frozenset({"Glm4ForCausalLM"})
-PRE_SOFTMAX_ARCHITECTURES = frozenset({"Qwen3MoeForCausalLM", "OlmoeForCausalLM"})
 _FLAGS = ("post_self_attn_layernorm", "post_mlp_layernorm", "pre_layernorms", "embedding_scale_sqrt_hidden",
           "qk_layernorm_across_heads")
 _NUMBERS = ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping", "rotary_base_local")

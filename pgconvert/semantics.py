@@ -31,8 +31,6 @@ from pgconvert.errors import CheckpointError, StrictModeError
 from pgconvert.limits import quote
 from pgconvert import semantics_more  # f17a
 from pgconvert.postnorm_args import (
-    PARTIAL_ROTARY_ARCHITECTURES,
-    PRE_SOFTMAX_ARCHITECTURES,
     megatron_core_gaps,
     postnorm_from_args,
     postnorm_to_args,
@@ -439,30 +437,13 @@ def hf_training_notes(architecture: str, config: ModelConfig) -> list[str]:
     return []
 
 
-# f17c: settings an HF architecture computes that hf_losses would otherwise name as lost.
-HF_COMPUTES: dict[str, frozenset[str]] = {
-    "Glm4MoeForCausalLM": frozenset({"rotary_percent", "moe_router_score_function",
-                                     "moe_router_topk_scaling_factor"}),
-    "GptOssForCausalLM": frozenset({"glu_linear_offset", "activation_func_clamp_value"}),
-    # ds16: DeepSeek's families carry the score function, scaling, groups and pre-softmax (their fixed
-    # values and rules refuse what they cannot write; pre-softmax means nothing to sigmoid scores).
-    **dict.fromkeys(("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM"), frozenset({
-        "moe_router_score_function", "moe_router_topk_scaling_factor", "moe_router_num_groups",
-        "moe_router_pre_softmax"})),
-}
-
-
 def _hf_computes(architecture: str) -> frozenset[str]:
-    """The ``ModelConfig`` settings an HF ``architecture`` computes beyond every family's (each family
-    module names its own: f17a PARTIAL_ROTARY, f17b postnorm_args, f17c/ds16 HF_COMPUTES)."""
-    from pgconvert.families_more import PARTIAL_ROTARY  # f17a (families imports this module)
+    """The ``ModelConfig`` settings an HF ``architecture`` computes beyond every family's: its
+    family's ``hf_computes`` (none for an architecture pgconvert has no family for)."""
+    from pgconvert.families import FAMILIES  # fam17d (families imports this module)
 
-    computes = set(HF_COMPUTES.get(architecture, frozenset()))
-    if architecture in PARTIAL_ROTARY | PARTIAL_ROTARY_ARCHITECTURES:
-        computes.add("rotary_percent")
-    if architecture in PRE_SOFTMAX_ARCHITECTURES | {"Qwen2MoeForCausalLM"}:
-        computes.add("moe_router_pre_softmax")
-    return frozenset(computes)
+    family = FAMILIES.get(architecture)
+    return family.hf_computes if family is not None else frozenset()
 
 
 def hf_losses(architecture: str, config: ModelConfig) -> list[str]:

@@ -91,16 +91,15 @@ def uncomputed_settings(config: ModelConfig) -> list[str]:
     return settings
 
 
-# HF RoPE types carried as they are (hf_rope_parameters), by architecture: megatron-core computes none.
-CARRIED_ROPE_TYPES: dict[str, tuple[str, ...]] = {"Phi3ForCausalLM": ("longrope", "su")}
-
-
 def carries_rope(doc: Mapping[str, Any], rope_type: str) -> bool:
     """Whether the family of config.json ``doc`` carries RoPE type ``rope_type`` in hf_rope_parameters."""
     architectures = doc.get("architectures")
     if not isinstance(architectures, list) or not architectures or not isinstance(architectures[0], str):
         return False
-    return rope_type in CARRIED_ROPE_TYPES.get(architectures[0], ())
+    from pgconvert.families import FAMILIES  # fam17d (families imports pgconvert.semantics)
+
+    family = FAMILIES.get(architectures[0])
+    return family is not None and rope_type in family.hf_rope_types_carried
 
 
 def check_megatron_target(config: ModelConfig, strict: bool, notices: list[str]) -> None:

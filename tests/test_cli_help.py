@@ -39,3 +39,35 @@ def test_help_of_the_group_lists_every_command() -> None:
 
     assert result.exit_code == 0, result.output
     assert [name for name in main.commands if f"  {name} " not in result.output] == []
+
+
+def _readme_architectures(readme: str) -> list[str]:
+    """The architecture column of the README's "Supported HF architectures" table."""
+    section = readme.split("### Supported HF architectures\n", 1)[1].split("\n#", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| `")]
+    return [row.split("`")[1] for row in rows]
+
+
+def test_readme_family_table_lists_every_supported_architecture() -> None:
+    """fam17d: the README's family table names exactly the architectures pgconvert converts."""
+    from pathlib import Path
+
+    from pgconvert.families import supported_architectures
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    listed = _readme_architectures(readme)
+
+    assert sorted(listed) == supported_architectures()
+    assert len(listed) == len(set(listed))
+
+
+def test_the_readme_check_sees_a_missing_architecture() -> None:
+    from pathlib import Path
+
+    from pgconvert.families import supported_architectures
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    without = "".join(line for line in readme.splitlines(keepends=True) if not line.startswith("| `Gemma2ForCausalLM`"))
+
+    assert "Gemma2ForCausalLM" not in _readme_architectures(without)
+    assert sorted(_readme_architectures(without)) != supported_architectures()

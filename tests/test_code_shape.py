@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -143,3 +144,66 @@ def test_provider_constants_are_defined_once() -> None:
                              if isinstance(t, ast.Name) and t.id in constants]
 
     assert restated == []
+
+
+# fam17d: an architecture name ("...ForCausalLM") is family data: it is spelled only in the family
+# modules and in semantics' SEMANTICS table (documentation, per family); everywhere else asks a
+# ``Family`` (its fields) and never branches on the name.
+ARCHITECTURE_NAME = re.compile(r"\w+ForCausalLM\b")
+ARCHITECTURE_OWNERS = re.compile(r"pgconvert/families(_\w+)?\.py")
+DOCUMENTATION_TABLES = {"pgconvert/semantics.py": "SEMANTICS"}
+
+
+def _documentation_lines(tree: ast.Module, table: str | None) -> set[int]:
+    """The lines of the module-level assignment to ``table`` (none when ``table`` is None)."""
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else []
+        if isinstance(node, ast.AnnAssign):
+            targets = [node.target]
+        if any(isinstance(t, ast.Name) and t.id == table for t in targets):
+            return set(range(node.lineno, (node.end_lineno or node.lineno) + 1))
+    return set()
+
+
+def architecture_names(root: Path) -> list[str]:
+    """``path:line name`` of every architecture name in a string literal or keyword argument of the
+    package outside the family modules and the documentation tables."""
+    found = []
+    for folder in PACKAGE_FOLDERS:
+        for path in sorted((root / folder).rglob("*.py")):
+            relative = path.relative_to(root).as_posix()
+            if ARCHITECTURE_OWNERS.fullmatch(relative):
+                continue
+            tree = ast.parse(path.read_text(), str(path))
+            allowed = _documentation_lines(tree, DOCUMENTATION_TABLES.get(relative))
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                    text = node.value
+                elif isinstance(node, ast.keyword) and node.arg is not None:
+                    text = node.arg
+                else:
+                    continue
+                if getattr(node, "lineno", None) not in allowed:
+                    found += [f"{relative}:{node.lineno} {name}" for name in ARCHITECTURE_NAME.findall(text)]
+    return found
+
+
+def test_architecture_names_live_in_the_family_tables() -> None:
+    assert architecture_names(ROOT) == []
+
+
+def test_the_architecture_check_sees_a_name(tmp_path: Path) -> None:
+    for folder in PACKAGE_FOLDERS:
+        (tmp_path / folder).mkdir()
+    (tmp_path / "savers" / "x.py").write_text(
+        "def f(family):\n    return family.architecture == 'Gemma2ForCausalLM'\n")
+    (tmp_path / "pgconvert" / "semantics.py").write_text(
+        "SEMANTICS = (dict(LlamaForCausalLM='x'), 'QwenForCausalLM')\n"
+        "ODD = {'Qwen3MoeForCausalLM', 'OlmoeForCausalLM'}\nf(Glm4ForCausalLM=1)\n")
+    (tmp_path / "pgconvert" / "families_new.py").write_text("A = 'NewForCausalLM'\n")
+    (tmp_path / "loaders" / "y.py").write_text("'''Reads LlamaForCausalLM files.'''\n")
+
+    assert sorted(architecture_names(tmp_path)) == [
+        "loaders/y.py:1 LlamaForCausalLM", "pgconvert/semantics.py:2 OlmoeForCausalLM",
+        "pgconvert/semantics.py:2 Qwen3MoeForCausalLM", "pgconvert/semantics.py:3 Glm4ForCausalLM",
+        "savers/x.py:2 Gemma2ForCausalLM"]

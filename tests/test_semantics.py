@@ -569,3 +569,20 @@ def test_yarn_attention_factor_transformers_would_infer_differently_is_written()
 
     # megatron-core: get_mscale(4, 2) / get_mscale(4, 0); transformers would infer get_mscale(4).
     assert params["attention_factor"] == pytest.approx(0.2 * math.log(4.0) + 1.0, rel=1e-12)
+
+
+def test_hf_losses_asks_the_family_what_it_computes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fam17d: whether a partial rotary or pre-softmax router is lost is the family's ``hf_computes``."""
+    from pgconvert import families
+    from pgconvert.semantics import hf_losses
+
+    config = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=8, ffn_hidden_size=128,
+                         rotary_percent=0.5)
+    assert [loss for loss in hf_losses("LlamaForCausalLM", config) if loss.startswith("rotary_percent")]
+    assert not hf_losses("Glm4ForCausalLM", config)
+    partial = dataclasses.replace(families.FAMILIES["LlamaForCausalLM"], hf_computes=frozenset({"rotary_percent"}))
+    monkeypatch.setitem(families.FAMILIES, "LlamaForCausalLM", partial)
+
+    assert not [loss for loss in hf_losses("LlamaForCausalLM", config) if loss.startswith("rotary_percent")]
+    with pytest.raises(ValueError, match="not ModelConfig fields: \\['rotary_fraction'\\]"):
+        dataclasses.replace(partial, hf_computes=frozenset({"rotary_fraction"}))

@@ -364,3 +364,39 @@ def test_the_installed_command_carries_the_optimizer_from_any_directory(tmp_path
     assert done.returncode == 0, done.stderr[-3000:]
     assert "optimizer (fp32)" in done.stdout + done.stderr
     assert "optimizer" in load_for_test(tmp_path / "out" / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt")
+
+
+def _export(src: Path, out: Path) -> dict[str, dict[str, torch.Tensor]]:
+    from click.testing import CliRunner
+
+    from pgconvert.cli import main
+
+    result = CliRunner().invoke(main, ["export-optimizer", str(src), str(out)], prog_name="pgconvert")
+    assert result.exit_code == 0, result.output
+    return {path.name: torch.load(path, weights_only=True) for path in sorted(out.glob("*.pt"))}
+
+
+@pytest.mark.parametrize("golden", [BF16_PLAIN, DISTOPT], ids=["plain", "distributed"])
+def test_a_dp_change_keeps_every_parameters_optimizer_state_bit_exact(tmp_path: Path, golden: Path) -> None:
+    # The golden ran at TP2 x DP2; the same TP/PP is written at the smallest DP (1). The plain optimizer is
+    # DP-replicated and distrib_optim.pt holds DP-gathered buffers, so only args' sizes may change.
+    result = _convert(golden, tmp_path / "dp1", "--dst-tp", "2", "--dst-pp", "1")
+    assert result.exit_code == 0, result.output
+    original, converted = _rank_states(golden / "iter_0000002"), _rank_states(tmp_path / "dp1" / "iter_0000002")
+    assert set(original) == set(converted) == {"mp_rank_00", "mp_rank_01"}
+    for rank, state in original.items():
+        assert (state["args"].data_parallel_size, state["args"].world_size) == (2, 4)
+        assert (converted[rank]["args"].data_parallel_size, converted[rank]["args"].world_size) == (1, 2)
+        assert converted[rank]["args"].consumed_train_samples == state["args"].consumed_train_samples
+        for key in ("optimizer", "opt_param_scheduler", "num_floating_point_operations_so_far", "iteration"):
+            _assert_same(state[key], converted[rank][key], f"{rank}.{key}")
+        if golden == DISTOPT:
+            _assert_same(torch.load(golden / "iter_0000002" / rank / "distrib_optim.pt", weights_only=True),
+                         torch.load(tmp_path / "dp1" / "iter_0000002" / rank / "distrib_optim.pt", weights_only=True),
+                         f"{rank}/distrib_optim.pt")
+    before, after = _export(golden, tmp_path / "before"), _export(tmp_path / "dp1", tmp_path / "after")
+    assert set(before) == set(after) and len(before) == 15
+    for name, tensors in before.items():
+        assert set(tensors) == set(after[name]) == {"param", "exp_avg", "exp_avg_sq", "step"}
+        for key, value in tensors.items():
+            assert torch.equal(value, after[name][key]), f"{name}.{key}"

@@ -400,3 +400,37 @@ def test_a_dp_change_keeps_every_parameters_optimizer_state_bit_exact(tmp_path: 
         assert set(tensors) == set(after[name]) == {"param", "exp_avg", "exp_avg_sq", "step"}
         for key, value in tensors.items():
             assert torch.equal(value, after[name][key]), f"{name}.{key}"
+
+
+def test_a_virtual_pipeline_round_trip_is_bit_exact_in_every_optimizer_tensor(tmp_path: Path) -> None:
+    # TP2 x PP2 -> one rank with two model chunks (model0: layer 0 and the embedding, model1: layer 1, the
+    # final norm and the output layer), and back: each chunk's parameters come after the previous chunk's.
+    vpp = _convert(PLAIN, tmp_path / "vpp", "--dst-tp", "1", "--dst-pp", "1", "--dst-vpp", "2")
+    assert vpp.exit_code == 0, vpp.output
+    back = _convert(tmp_path / "vpp", tmp_path / "back", "--dst-tp", "2", "--dst-pp", "2")
+    assert back.exit_code == 0, back.output
+    (state,) = _rank_states(tmp_path / "vpp" / "iter_0000002").values()
+    assert {"model0", "model1"} <= set(state) and "model" not in state
+    groups = state["optimizer"]["param_groups"]
+    assert [len(g["params"]) for g in groups] == [10, 5] and len(state["optimizer"]["state"]) == 15
+    shapes = [tuple(state["optimizer"]["state"][i]["exp_avg"].shape) for i in groups[0]["params"]]
+    # model0's weights (word embeddings, layer 0's proj/qkv/fc1/fc2) precede model1's.
+    assert shapes[0] == tuple(state["model0"]["embedding.word_embeddings.weight"].shape)
+    assert shapes[-1] == tuple(state["model1"]["output_layer.weight"].shape)
+    original, again = _rank_states(PLAIN_ITER), _rank_states(tmp_path / "back" / "iter_0000002")
+    assert set(original) == set(again) and len(original) == 4
+    for rank, before in original.items():
+        for key in ("optimizer", "opt_param_scheduler", "num_floating_point_operations_so_far", "iteration", "model"):
+            _assert_same(before[key], again[rank][key], f"{rank}.{key}")
+
+
+def test_a_virtual_pipeline_round_trip_of_the_distributed_optimizer_is_bit_exact(tmp_path: Path) -> None:
+    assert _convert(DISTOPT, tmp_path / "vpp", "--dst-tp", "1", "--dst-vpp", "2").exit_code == 0
+    back = _convert(tmp_path / "vpp", tmp_path / "back", "--dst-tp", "2", "--dst-pp", "1", "--dst-vpp", "1")
+    assert back.exit_code == 0, back.output
+    flat = torch.load(tmp_path / "vpp" / "iter_0000002" / "mp_rank_00" / "distrib_optim.pt", weights_only=True)
+    assert sorted(k for k in flat if k != "buckets_coalesced") == [0, 1]  # one buffer per model chunk
+    for rank in ("mp_rank_00", "mp_rank_01"):
+        _assert_same(torch.load(DISTOPT / "iter_0000002" / rank / "distrib_optim.pt", weights_only=True),
+                     torch.load(tmp_path / "back" / "iter_0000002" / rank / "distrib_optim.pt", weights_only=True),
+                     f"{rank}/distrib_optim.pt")

@@ -434,3 +434,20 @@ def test_a_virtual_pipeline_round_trip_of_the_distributed_optimizer_is_bit_exact
         _assert_same(torch.load(DISTOPT / "iter_0000002" / rank / "distrib_optim.pt", weights_only=True),
                      torch.load(tmp_path / "back" / "iter_0000002" / rank / "distrib_optim.pt", weights_only=True),
                      f"{rank}/distrib_optim.pt")
+
+
+def test_the_virtual_pipeline_positions_are_megatron_cores_param_groups(tmp_path: Path) -> None:
+    pytest.importorskip("megatron.core", reason="megatron-core builds the reference model chunks")
+    assert _convert(PLAIN, tmp_path / "vpp", "--dst-tp", "1", "--dst-pp", "1", "--dst-vpp", "2").exit_code == 0
+    source = _source(tmp_path / "vpp" / "iter_0000002")
+    ((coord, path),) = source.files.items()
+    state = safe_torch_load(path)
+    slots = optimizer_slots(source.config, source.layout, coord, OptimizerRules.from_args(state["args"], str(path)),
+                            source.vocab_rows)
+    script = Path(__file__).parent / "mcore_vpp_param_groups.py"
+    done = subprocess.run([sys.executable, "-W", "ignore", str(script), str(path)], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    expected = json.loads(done.stdout.strip().splitlines()[-1])
+    assert [[[slot.chunk, slot.spec.local_name] for slot in group] for group in slots] == expected
+    assert {chunk for group in expected for chunk, _ in group} == {0, 1}

@@ -364,3 +364,90 @@ def test_the_installed_command_carries_the_optimizer_from_any_directory(tmp_path
     assert done.returncode == 0, done.stderr[-3000:]
     assert "optimizer (fp32)" in done.stdout + done.stderr
     assert "optimizer" in load_for_test(tmp_path / "out" / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt")
+
+
+def _export(src: Path, out: Path) -> dict[str, dict[str, torch.Tensor]]:
+    from click.testing import CliRunner
+
+    from pgconvert.cli import main
+
+    result = CliRunner().invoke(main, ["export-optimizer", str(src), str(out)], prog_name="pgconvert")
+    assert result.exit_code == 0, result.output
+    return {path.name: torch.load(path, weights_only=True) for path in sorted(out.glob("*.pt"))}
+
+
+@pytest.mark.parametrize("golden", [BF16_PLAIN, DISTOPT], ids=["plain", "distributed"])
+def test_a_dp_change_keeps_every_parameters_optimizer_state_bit_exact(tmp_path: Path, golden: Path) -> None:
+    # The golden ran at TP2 x DP2; the same TP/PP is written at the smallest DP (1). The plain optimizer is
+    # DP-replicated and distrib_optim.pt holds DP-gathered buffers, so only args' sizes may change.
+    result = _convert(golden, tmp_path / "dp1", "--dst-tp", "2", "--dst-pp", "1")
+    assert result.exit_code == 0, result.output
+    original, converted = _rank_states(golden / "iter_0000002"), _rank_states(tmp_path / "dp1" / "iter_0000002")
+    assert set(original) == set(converted) == {"mp_rank_00", "mp_rank_01"}
+    for rank, state in original.items():
+        assert (state["args"].data_parallel_size, state["args"].world_size) == (2, 4)
+        assert (converted[rank]["args"].data_parallel_size, converted[rank]["args"].world_size) == (1, 2)
+        assert converted[rank]["args"].consumed_train_samples == state["args"].consumed_train_samples
+        for key in ("optimizer", "opt_param_scheduler", "num_floating_point_operations_so_far", "iteration"):
+            _assert_same(state[key], converted[rank][key], f"{rank}.{key}")
+        if golden == DISTOPT:
+            _assert_same(torch.load(golden / "iter_0000002" / rank / "distrib_optim.pt", weights_only=True),
+                         torch.load(tmp_path / "dp1" / "iter_0000002" / rank / "distrib_optim.pt", weights_only=True),
+                         f"{rank}/distrib_optim.pt")
+    before, after = _export(golden, tmp_path / "before"), _export(tmp_path / "dp1", tmp_path / "after")
+    assert set(before) == set(after) and len(before) == 15
+    for name, tensors in before.items():
+        assert set(tensors) == set(after[name]) == {"param", "exp_avg", "exp_avg_sq", "step"}
+        for key, value in tensors.items():
+            assert torch.equal(value, after[name][key]), f"{name}.{key}"
+
+
+def test_a_virtual_pipeline_round_trip_is_bit_exact_in_every_optimizer_tensor(tmp_path: Path) -> None:
+    # TP2 x PP2 -> one rank with two model chunks (model0: layer 0 and the embedding, model1: layer 1, the
+    # final norm and the output layer), and back: each chunk's parameters come after the previous chunk's.
+    vpp = _convert(PLAIN, tmp_path / "vpp", "--dst-tp", "1", "--dst-pp", "1", "--dst-vpp", "2")
+    assert vpp.exit_code == 0, vpp.output
+    back = _convert(tmp_path / "vpp", tmp_path / "back", "--dst-tp", "2", "--dst-pp", "2")
+    assert back.exit_code == 0, back.output
+    (state,) = _rank_states(tmp_path / "vpp" / "iter_0000002").values()
+    assert {"model0", "model1"} <= set(state) and "model" not in state
+    groups = state["optimizer"]["param_groups"]
+    assert [len(g["params"]) for g in groups] == [10, 5] and len(state["optimizer"]["state"]) == 15
+    shapes = [tuple(state["optimizer"]["state"][i]["exp_avg"].shape) for i in groups[0]["params"]]
+    # model0's weights (word embeddings, layer 0's proj/qkv/fc1/fc2) precede model1's.
+    assert shapes[0] == tuple(state["model0"]["embedding.word_embeddings.weight"].shape)
+    assert shapes[-1] == tuple(state["model1"]["output_layer.weight"].shape)
+    original, again = _rank_states(PLAIN_ITER), _rank_states(tmp_path / "back" / "iter_0000002")
+    assert set(original) == set(again) and len(original) == 4
+    for rank, before in original.items():
+        for key in ("optimizer", "opt_param_scheduler", "num_floating_point_operations_so_far", "iteration", "model"):
+            _assert_same(before[key], again[rank][key], f"{rank}.{key}")
+
+
+def test_a_virtual_pipeline_round_trip_of_the_distributed_optimizer_is_bit_exact(tmp_path: Path) -> None:
+    assert _convert(DISTOPT, tmp_path / "vpp", "--dst-tp", "1", "--dst-vpp", "2").exit_code == 0
+    back = _convert(tmp_path / "vpp", tmp_path / "back", "--dst-tp", "2", "--dst-pp", "1", "--dst-vpp", "1")
+    assert back.exit_code == 0, back.output
+    flat = torch.load(tmp_path / "vpp" / "iter_0000002" / "mp_rank_00" / "distrib_optim.pt", weights_only=True)
+    assert sorted(k for k in flat if k != "buckets_coalesced") == [0, 1]  # one buffer per model chunk
+    for rank in ("mp_rank_00", "mp_rank_01"):
+        _assert_same(torch.load(DISTOPT / "iter_0000002" / rank / "distrib_optim.pt", weights_only=True),
+                     torch.load(tmp_path / "back" / "iter_0000002" / rank / "distrib_optim.pt", weights_only=True),
+                     f"{rank}/distrib_optim.pt")
+
+
+def test_the_virtual_pipeline_positions_are_megatron_cores_param_groups(tmp_path: Path) -> None:
+    pytest.importorskip("megatron.core", reason="megatron-core builds the reference model chunks")
+    assert _convert(PLAIN, tmp_path / "vpp", "--dst-tp", "1", "--dst-pp", "1", "--dst-vpp", "2").exit_code == 0
+    source = _source(tmp_path / "vpp" / "iter_0000002")
+    ((coord, path),) = source.files.items()
+    state = safe_torch_load(path)
+    slots = optimizer_slots(source.config, source.layout, coord, OptimizerRules.from_args(state["args"], str(path)),
+                            source.vocab_rows)
+    script = Path(__file__).parent / "mcore_vpp_param_groups.py"
+    done = subprocess.run([sys.executable, "-W", "ignore", str(script), str(path)], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    expected = json.loads(done.stdout.strip().splitlines()[-1])
+    assert [[[slot.chunk, slot.spec.local_name] for slot in group] for group in slots] == expected
+    assert {chunk for group in expected for chunk, _ in group} == {0, 1}

@@ -442,7 +442,8 @@ def hf_training_notes(architecture: str, config: ModelConfig) -> list[str]:
 # f17c: settings an HF architecture computes that hf_losses would otherwise name as lost.
 HF_COMPUTES: dict[str, frozenset[str]] = {
     "Glm4MoeForCausalLM": frozenset({"rotary_percent", "moe_router_score_function",
-                                     "moe_router_topk_scaling_factor"}),
+                                     "moe_router_topk_scaling_factor",
+                                     "moe_router_num_groups"}),  # mtp16: groups as DeepSeek-V3
     "GptOssForCausalLM": frozenset({"glu_linear_offset", "activation_func_clamp_value"}),
     # ds16: DeepSeek's families carry the score function, scaling, groups and pre-softmax (their fixed
     # values and rules refuse what they cannot write; pre-softmax means nothing to sigmoid scores).

@@ -229,3 +229,19 @@ def test_absent_partial_rotary_factor_means_glms_default_half(source: Path, tmp_
         args = torch.load(tmp_path / "megatron" / "iter_0000000" / "mp_rank_00" / "model_optim_rng.pt",
                           weights_only=True)["args"]
     assert args.rotary_percent == 0.5
+
+
+def test_megatron_groups_glm_scores_differently_cannot_be_written_as_glm4_moe(source: Path) -> None:
+    """From Megatron, moe_router_group_topk=2 with top-2 routing (a group's best 1 expert) is not
+    GLM's top-2 group score: the family refuses it, naming the field; group_topk=1 fits."""
+    import dataclasses
+
+    from pgconvert.hf_format import family_mismatches, model_config_from_hf
+
+    doc = json.loads((source / "config.json").read_text())
+    family, config, _ = model_config_from_hf({**doc, "n_group": 2, "topk_group": 1}, source / "config.json")
+
+    assert family_mismatches(family, config) == []
+    refused = family_mismatches(family, dataclasses.replace(config, moe_router_num_groups=4, moe_router_group_topk=2))
+    assert refused == ["moe_router_group_topk=2 with moe_router_topk=2 (Glm4Moe scores a group by its best 2 "
+                       "experts: needs topk // group_topk = 2)"]

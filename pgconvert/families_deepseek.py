@@ -21,6 +21,7 @@ Routers (transformers <-> megatron-core's ``topk_routing_with_score_function``):
   group's best score: megatron-core's top ``topk // group_topk`` = 1).
 
 A group setting that chooses every group routes as no groups and is read as none.
+GLM-4.5-MoE's router (top-2 group score, as V3) reuses ``_groups`` (mtp16).
 Multi-token prediction layers (``num_nextn_predict_layers``; HF keeps them as layer index
 ``num_hidden_layers``) are not converted: a checkpoint holding them is refused by the HF loader,
 which names the tensors; a written config.json says 0.

@@ -50,6 +50,7 @@ from pgconvert.families import (
     _refuses_dense_layers,
     _write_rope,
 )
+from pgconvert.families_deepseek import _groups as _deepseek_groups
 from pgconvert.limits import quote
 from pgconvert.semantics import rope_parameters
 
@@ -139,20 +140,23 @@ def _refuses_shared(config: ModelConfig) -> str | None:
 
 def _read_groups(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
     """``n_group``/``topk_group``: routing limited to the best ``topk_group`` of ``n_group`` expert
-    groups. Keeping every group restricts nothing; anything else is megatron-core's
-    ``moe_router_num_groups``/``moe_router_group_topk``, which this build does not carry: refused."""
-    groups = _count(present.get("n_group", 1), "n_group", 1)
-    kept = _count(present.get("topk_group", 1), "topk_group", 1)
-    if kept > groups:
-        raise ValueError(f"topk_group={kept}: more than n_group={groups}")
-    if kept < groups:
-        raise ValueError(f"n_group={groups}, topk_group={kept}: group-limited expert routing (megatron-core's "
-                         "moe_router_num_groups / moe_router_group_topk) is not converted by this build")
-    return {}
+    groups. transformers' ``Glm4MoeTopkRouter`` scores a group by the sum of its top-2 biased scores,
+    as DeepSeek-V3 does, so DeepSeek-V3's rule applies: megatron-core's ``group_limited_topk`` scores
+    by its top ``topk // group_topk``, which agrees where that is 2 (any other setting is refused)."""
+    groups = _deepseek_groups(present, model, per_group=2)
+    return {"moe_router_num_groups": groups and groups[0], "moe_router_group_topk": groups and groups[1]}
 
 
 def _write_groups(config: ModelConfig) -> Mapping[str, object]:
-    return {"n_group": 1, "topk_group": 1}
+    return {"n_group": config.moe_router_num_groups or 1, "topk_group": config.moe_router_group_topk or 1}
+
+
+def _refuses_groups(config: ModelConfig) -> str | None:
+    chosen = config.moe_router_group_topk
+    if chosen and config.moe_router_topk // chosen != 2:
+        return (f"moe_router_group_topk={chosen} with moe_router_topk={config.moe_router_topk} "
+                "(Glm4Moe scores a group by its best 2 experts: needs topk // group_topk = 2)")
+    return None
 
 
 _LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
@@ -179,7 +183,7 @@ GLM4_MOE = Family(
     architecture="Glm4MoeForCausalLM",
     model_type="glm4_moe",
     hf_computes=frozenset({"rotary_percent", "moe_router_score_function",  # fam17d
-                           "moe_router_topk_scaling_factor"}),
+                           "moe_router_topk_scaling_factor", "moe_router_num_groups"}),  # mtp16: groups as V3
     tensors=GLM4_MOE_TENSORS,
     fields=(
         *_decoder_fields(max_position_embeddings=131072, norm_epsilon=1e-5),
@@ -197,7 +201,8 @@ GLM4_MOE = Family(
                    write=_write_first_dense, refuses=_refuses_dense_after_moe),
         ConfigRule(keys=("n_shared_experts",), model_fields=("moe_shared_expert_intermediate_size",),
                    read=_read_shared, write=_write_shared, refuses=_refuses_shared),
-        ConfigRule(keys=("n_group", "topk_group"), model_fields=(), read=_read_groups, write=_write_groups),
+        ConfigRule(keys=("n_group", "topk_group"), model_fields=("moe_router_num_groups", "moe_router_group_topk"),
+                   read=_read_groups, write=_write_groups, refuses=_refuses_groups),
         ConfigRule(keys=_ROPE_RULE.keys, model_fields=_ROPE_RULE.model_fields, read=_read_partial_rope,
                    write=_write_partial_rope),
     ),

@@ -148,11 +148,62 @@ def test_checkpoint_with_mtp_layer_tensors_is_refused_naming_them(source: Path, 
         pgconvert.convert(src, tmp_path / "out", dst_format="megatron")
 
 
-def test_group_limited_routing_is_refused_naming_the_keys(source: Path, tmp_path: Path) -> None:
-    src = _copy(source, tmp_path)
-    edit_json(src / "config.json", lambda doc: doc.update(n_group=2, topk_group=1))
+def test_group_limited_routing_round_trips_through_megatron_with_the_same_logits(tmp_path: Path) -> None:
+    """n_group=2, topk_group=1 with top-2 routing: HF's top-2 group score is megatron-core's
+    topk // group_topk = 2, carried as moe_router_num_groups / moe_router_group_topk."""
+    src = save_glm4_moe(tmp_path / "src", seed=3, n_group=2, topk_group=1)
+    ungrouped = Path(shutil.copytree(src, tmp_path / "ungrouped"))
+    edit_json(ungrouped / "config.json", lambda doc: doc.update(n_group=1, topk_group=1))
+    ids = input_ids(VOCAB)
+    # The group limit changes what this model computes, so dropping it would show in the logits.
+    assert not torch.allclose(hf_logits(ungrouped, ids), hf_logits(src, ids), rtol=1e-4, atol=1e-4)
 
-    with pytest.raises(CheckpointError, match=r"n_group=2, topk_group=1: group-limited expert routing"):
+    pgconvert.convert(src, tmp_path / "megatron", dst_format="megatron", dst_tp=2, dst_ep=2)
+    args = _rank_args(tmp_path / "megatron")
+    shutil.rmtree(tmp_path / "megatron" / "hf")
+    pgconvert.convert(tmp_path / "megatron", tmp_path / "hf", dst_format="hf", strict=True)
+
+    assert (args.moe_router_num_groups, args.moe_router_group_topk) == (2, 1)
+    written = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (written["n_group"], written["topk_group"]) == (2, 1)
+    assert_same_hf_tensors(src, tmp_path / "hf")
+    torch.testing.assert_close(hf_logits(tmp_path / "hf", ids), hf_logits(src, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_megatron_core_group_limited_routing_chooses_as_transformers_glm4_moe() -> None:
+    """megatron-core's topk_routing_with_score_function with the carried args routes as
+    transformers' Glm4MoeTopkRouter (same experts, same weights)."""
+    from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+    from transformers import Glm4MoeConfig
+    from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter
+
+    config = Glm4MoeConfig(hidden_size=16, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
+                           routed_scaling_factor=2.5, norm_topk_prob=True)
+    router = Glm4MoeTopkRouter(config)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(router.weight.shape, generator=generator))
+        router.e_score_correction_bias.copy_(0.3 * torch.randn(16, generator=generator))
+    hidden = torch.randn(64, 16, generator=generator)
+
+    logits, weights, chosen = router(hidden)
+    probs, routing_map = topk_routing_with_score_function(
+        logits, 4, num_groups=4, group_topk=2, scaling_factor=2.5, score_function="sigmoid",
+        expert_bias=router.e_score_correction_bias)
+
+    expected = torch.zeros(64, 16).scatter(1, chosen, weights)
+    assert torch.equal(routing_map, expected != 0)
+    torch.testing.assert_close(probs, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_group_limited_routing_megatron_scores_differently_is_refused_naming_the_keys(source: Path,
+                                                                                      tmp_path: Path) -> None:
+    """n_group=4, topk_group=2 with top-2 routing: megatron-core would score a group by its best
+    topk // group_topk = 1 expert, transformers by its best 2."""
+    src = _copy(source, tmp_path)
+    edit_json(src / "config.json", lambda doc: doc.update(n_group=4, topk_group=2))
+
+    with pytest.raises(CheckpointError, match=r"n_group=4, topk_group=2 with num_experts_per_tok=2"):
         pgconvert.convert(src, tmp_path / "out", dst_format="megatron")
 
 
@@ -178,3 +229,19 @@ def test_absent_partial_rotary_factor_means_glms_default_half(source: Path, tmp_
         args = torch.load(tmp_path / "megatron" / "iter_0000000" / "mp_rank_00" / "model_optim_rng.pt",
                           weights_only=True)["args"]
     assert args.rotary_percent == 0.5
+
+
+def test_megatron_groups_glm_scores_differently_cannot_be_written_as_glm4_moe(source: Path) -> None:
+    """From Megatron, moe_router_group_topk=2 with top-2 routing (a group's best 1 expert) is not
+    GLM's top-2 group score: the family refuses it, naming the field; group_topk=1 fits."""
+    import dataclasses
+
+    from pgconvert.hf_format import family_mismatches, model_config_from_hf
+
+    doc = json.loads((source / "config.json").read_text())
+    family, config, _ = model_config_from_hf({**doc, "n_group": 2, "topk_group": 1}, source / "config.json")
+
+    assert family_mismatches(family, config) == []
+    refused = family_mismatches(family, dataclasses.replace(config, moe_router_num_groups=4, moe_router_group_topk=2))
+    assert refused == ["moe_router_group_topk=2 with moe_router_topk=2 (Glm4Moe scores a group by its best 2 "
+                       "experts: needs topk // group_topk = 2)"]

@@ -94,12 +94,13 @@ def make_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, seed: int
         return torch.ones(shape, dtype=dtype)
     generator = torch.Generator().manual_seed(seed)
     scale = 0.1 if name.endswith("e_score_correction_bias") else 0.02
-    return (torch.randn(shape, generator=generator) * scale).to(dtype)
+    return torch.randn(shape, generator=generator, dtype=dtype).mul_(scale)  # no float32 copy of the embedding
 
 
 def shard_of(name: str) -> str:
+    """One shard a layer, and one for each tensor outside the layers (the two vocab tables are the largest)."""
     match = _LAYER.match(name)
-    return f"layer{int(match.group(1)):03d}" if match else "other"
+    return f"layer{int(match.group(1)):03d}" if match else name
 
 
 def write_shard(out: Path, file_name: str, names: list[str],

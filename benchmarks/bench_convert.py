@@ -203,6 +203,12 @@ def conversion_plan(src: Path, workdir: Path, workers: int) -> list[tuple[str, l
             ("HF-FP8 -> TP4", ["--dst-format", "megatron", "--dst-tp", "4", str(workdir / "hf_fp8")],
              workdir / "fp8_tp4", 1),
         ]
+        # mem16: a DeepSeek-V3-shaped FP8 checkpoint (benchmarks/deepseek_fp8.py, 2.25 GB as bf16).
+        plan += [
+            (DEEPSEEK_CASES[0], ["--dst-format", "megatron", "--dst-tp", "2", "--dst-ep", "4",
+                                 str(workdir / "ds_fp8")], workdir / "ds_tp2ep4", 1),
+            (DEEPSEEK_CASES[1], ["--dst-format", "hf", str(workdir / "ds_fp8")], workdir / "ds_hf", 1),
+        ]
     if "torch_dist" in saver_names():
         plan.append(("TP8 -> torch_dist", ["--dst-format", "torch_dist", str(src)], workdir / "dist", 1))
         plan.append(("torch_dist -> TP2", ["--dst-format", "megatron", "--dst-tp", "2", str(workdir / "dist")],
@@ -246,8 +252,11 @@ def run_conversions(options: argparse.Namespace, src: Path, workdir: Path, large
             continue
         if name in FP8_CASES:
             fp8_source(workdir / "hf", workdir / "hf_fp8")
+        floor_src, largest = src, largest_tensor
+        if name in DEEPSEEK_CASES:  # mem16: its own source, floor and largest tensor
+            floor_src, largest = deepseek_source(workdir / "ds_fp8")
         for python in pythons:
-            cases.append(measure(name, python, args, dst, workers, src, options.repeat, largest_tensor))
+            cases.append(measure(name, python, args, dst, workers, floor_src, options.repeat, largest))
         if name not in readers:
             shutil.rmtree(dst, ignore_errors=True)
     return cases
@@ -255,6 +264,19 @@ def run_conversions(options: argparse.Namespace, src: Path, workdir: Path, large
 
 FP8_CASES = ("HF-FP8 -> HF", "HF-FP8 -> HF keep", "HF-FP8 -> TP4")
 FP8_BLOCK = (128, 128)
+DEEPSEEK_CASES = ("HF-FP8(DeepSeek) -> TP2/EP4", "HF-FP8(DeepSeek) -> HF")
+
+
+def deepseek_source(path: Path) -> tuple[Path, int]:
+    """mem16: the DeepSeek-V3-shaped FP8 checkpoint, written once, in a child process (bounded memory);
+    its largest dequantized tensor (the bf16 embedding)."""
+    from deepseek_fp8 import deepseek_config
+
+    if not path.exists():
+        subprocess.run([sys.executable, str(Path(__file__).with_name("deepseek_fp8.py")), str(path)], check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    config = deepseek_config()
+    return path, config["vocab_size"] * config["hidden_size"] * 2
 
 
 def fp8_source(hf: Path, fp8: Path) -> None:

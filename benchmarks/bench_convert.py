@@ -263,7 +263,6 @@ def run_conversions(options: argparse.Namespace, src: Path, workdir: Path, large
 
 
 FP8_CASES = ("HF-FP8 -> HF", "HF-FP8 -> HF keep", "HF-FP8 -> TP4")
-FP8_BLOCK = (128, 128)
 DEEPSEEK_CASES = ("HF-FP8(DeepSeek) -> TP2/EP4", "HF-FP8(DeepSeek) -> HF")
 
 
@@ -284,6 +283,7 @@ def fp8_source(hf: Path, fp8: Path) -> None:
     weights: float8_e4m3fn with float32 ``weight_scale_inv`` per 128 x 128 block (amax / 448)."""
     if fp8.exists():
         return
+    from deepseek_fp8 import FP8_BLOCK, quantize_fp8
     from safetensors.torch import load_file, save_file
 
     shutil.copytree(hf, fp8, ignore=shutil.ignore_patterns("*.safetensors"))
@@ -305,17 +305,6 @@ def fp8_source(hf: Path, fp8: Path) -> None:
     config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(FP8_BLOCK),
                                      "activation_scheme": "dynamic"}
     (fp8 / "config.json").write_text(json.dumps(config))
-
-
-def quantize_fp8(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    rows, cols = weight.shape
-    grid = (math.ceil(rows / block[0]), math.ceil(cols / block[1]))
-    padded = torch.zeros(grid[0] * block[0], grid[1] * block[1], dtype=torch.float32)
-    padded[:rows, :cols] = weight
-    tiles = padded.view(grid[0], block[0], grid[1], block[1])
-    scale = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
-    quantized = (tiles / scale[:, None, :, None]).to(torch.float8_e4m3fn).view(padded.shape)[:rows, :cols]
-    return quantized.contiguous(), scale
 
 
 def plan_models() -> dict[str, tuple[ModelConfig, ParallelLayout]]:

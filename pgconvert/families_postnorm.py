@@ -272,21 +272,9 @@ GEMMA2 = Family(
     hf_norms_zero_centred=True,
 )
 
-_OLMO2_TENSORS = TensorTable((
-    TensorMapping("embedding.word_embeddings.weight", ("model.embed_tokens.weight",)),
-    TensorMapping(_D + "self_attention.linear_qkv.weight", (
-        _L + "self_attn.q_proj.weight", _L + "self_attn.k_proj.weight", _L + "self_attn.v_proj.weight"), QKV),
-    TensorMapping(_D + "self_attention.q_layernorm.weight", (_L + "self_attn.q_norm.weight",)),
-    TensorMapping(_D + "self_attention.k_layernorm.weight", (_L + "self_attn.k_norm.weight",)),
-    TensorMapping(_D + "self_attention.linear_proj.weight", (_L + "self_attn.o_proj.weight",)),
-    TensorMapping(_D + "self_attention.linear_proj.post_layernorm.weight", (_L + "post_attention_layernorm.weight",)),
-    TensorMapping(_D + "mlp.linear_fc1.weight", (_L + "mlp.gate_proj.weight", _L + "mlp.up_proj.weight"), GATE_UP),
-    TensorMapping(_D + "mlp.linear_fc2.weight", (_L + "mlp.down_proj.weight",)),
-    TensorMapping(_D + "mlp.linear_fc2.post_layernorm.weight", (_L + "post_feedforward_layernorm.weight",)),
-    TensorMapping("decoder.final_layernorm.weight", ("model.norm.weight",)),
-    TensorMapping("output_layer.weight", ("lm_head.weight",)),
-    TensorMapping(None, ("model.rotary_emb.inv_freq",), DROPPED),
-))
+# OLMo 2 / OLMoE: Gemma's rows without the pre-norms (norms only after attention and the MLP).
+_PRE_NORMS = (_D + "input_layernorm.weight", _D + "pre_mlp_layernorm.weight")
+_OLMO2_TENSORS = TensorTable(tuple(row for row in _SANDWICH_ROWS if row.canonical not in _PRE_NORMS))
 # GLM-4: input norm, attention (q/k/v biases), post-attention norm, pre-MLP norm (HF's
 # post_attention_layernorm, as in Llama), MLP, post-MLP norm.
 _GLM4_TENSORS = TensorTable((

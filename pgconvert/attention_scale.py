@@ -28,9 +28,12 @@ from typing import Any
 from pgconvert.config import ModelConfig
 from pgconvert.errors import CheckpointError
 from pgconvert.limits import quote
+from pgconvert.semantics_more import positive_arg
 
 # Megatron-Bridge's Gemma 2 spelling of the scale in args (read, and cleared on output).
 BRIDGE_SCALAR_ARG = "query_pre_attn_scalar"
+# transformers' q**-0.5 and Megatron-Bridge's 1/sqrt(q) may differ in the last bits of a float64.
+_ROUNDING = 4 * 2.0 ** -52
 
 
 def effective(config: ModelConfig) -> float:
@@ -43,32 +46,27 @@ def from_scalar(scalar: float) -> float:
     return float(scalar) ** -0.5
 
 
+def _same(a: float, b: float) -> bool:
+    return math.isclose(a, b, rel_tol=_ROUNDING, abs_tol=0.0)
+
+
 def to_scalar(scale: float) -> int | float:
     """The ``query_pre_attn_scalar`` whose scale is ``scale``: the integer one when its scale is
     ``scale`` to within float64 rounding (transformers types the scalar int), else the exact float."""
     scalar = scale ** -2
     nearest = round(scalar)
-    if nearest > 0 and math.isclose(from_scalar(nearest), scale, rel_tol=4 * 2.0 ** -52, abs_tol=0.0):
+    if nearest > 0 and _same(from_scalar(nearest), scale):
         return nearest
     return scalar
-
-
-def _positive(args: argparse.Namespace, name: str, path: Path) -> float | None:
-    value = getattr(args, name, None)
-    if value is None:
-        return None
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
-        raise CheckpointError(f"{path}: args.{name}={quote(value)}: must be a positive finite number")
-    return float(value)
 
 
 def from_args(args: argparse.Namespace, path: Path) -> dict[str, Any]:
     """``softmax_scale`` from Megatron ``args``: megatron-core's ``softmax_scale``, else Megatron-Bridge's
     ``query_pre_attn_scalar``; both given, they must describe one scale."""
-    scale = _positive(args, "softmax_scale", path)
-    scalar = _positive(args, BRIDGE_SCALAR_ARG, path)
+    scale = positive_arg(args, "softmax_scale", None, path)
+    scalar = positive_arg(args, BRIDGE_SCALAR_ARG, None, path)
     if scalar is not None:
-        if scale is not None and not math.isclose(from_scalar(scalar), scale, rel_tol=4 * 2.0 ** -52, abs_tol=0.0):
+        if scale is not None and not _same(from_scalar(scalar), scale):
             raise CheckpointError(
                 f"{path}: args.softmax_scale={quote(scale)} and args.{BRIDGE_SCALAR_ARG}={quote(scalar)}: the "
                 f"attention scale is one setting; softmax_scale must be {BRIDGE_SCALAR_ARG}**-0.5 "

@@ -30,7 +30,8 @@ UNCOMPUTED: dict[str, float] = {"embedding_multiplier": 1.0, "residual_multiplie
 CARRIED_ARGS: tuple[str, ...] = (*UNCOMPUTED, "hf_rope_parameters")
 
 
-def _positive(args: argparse.Namespace, name: str, default: float | None, path: Path) -> float | None:
+def positive_arg(args: argparse.Namespace, name: str, default: float | None, path: Path) -> float | None:
+    """``args.<name>``, a positive finite number, or ``default`` when absent (None)."""
     value = getattr(args, name, None)
     if value is None:
         return default
@@ -56,7 +57,7 @@ def _no_rope_from_args(args: argparse.Namespace, path: Path) -> tuple[int, ...] 
 
 def from_args(args: argparse.Namespace, path: Path) -> dict[str, Any]:
     """The f17a ``ModelConfig`` values Megatron ``args`` give."""
-    values: dict[str, Any] = {name: _positive(args, name, default, path) for name, default in UNCOMPUTED.items()}
+    values: dict[str, Any] = {name: positive_arg(args, name, default, path) for name, default in UNCOMPUTED.items()}
     values["no_rope_layers"] = _no_rope_from_args(args, path)
     carried = getattr(args, "hf_rope_parameters", None)
     if carried is not None and not isinstance(carried, str):

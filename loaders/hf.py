@@ -110,7 +110,8 @@ class HFSource(CanonicalSource):
         family = family_of(doc, config_path)
         self._files, stored = _locate_tensors(directory)
         # fp8: quantized tensors are seen by their logical names (pgconvert.quantized).
-        self._quantized = QuantizedTensors.find(doc, config_path, self._files, stored, options.keep_quantized)
+        self._quantized = QuantizedTensors.find(doc, config_path, self._files, stored, options.keep_quantized,
+                                                options.dequantize_dtype)
         self._files, stored = self._quantized.logical()
         embedding = family.tensors.to_hf(WORD_EMBEDDINGS)
         stored_dtype = stored[embedding[1][0]].dtype if embedding and embedding[1][0] in stored else None

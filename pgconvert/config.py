@@ -30,7 +30,7 @@ MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")
 # f17b: the values of the post-sublayer-norm fields for a plain pre-norm decoder (families fix them).
 POSTNORM_OFF: dict[str, object] = {
     "post_self_attn_layernorm": False, "post_mlp_layernorm": False, "pre_layernorms": True,
-    "embedding_scale_sqrt_hidden": False, "query_pre_attn_scalar": None, "attn_logit_softcapping": None,
+    "embedding_scale_sqrt_hidden": False, "attn_logit_softcapping": None,
     "final_logit_softcapping": None, "rotary_base_local": None, "qk_layernorm_across_heads": False,
 }
 
@@ -109,12 +109,11 @@ class ModelConfig:
     v_head_dim: int = 128
     moe_router_num_groups: int | None = None
     moe_router_group_topk: int | None = None
-    # f17a: Granite's muP multipliers (1.0: none; attention_multiplier None: 1/sqrt(head_dim)),
+    # f17a: Granite's muP multipliers (1.0: none; its attention_multiplier is softmax_scale below),
     # HF divides the logits by logits_scaling; no_rope_layers, 0/1 per layer (1: no RoPE, megatron-core's
     # no_rope_freq), None: RoPE on every layer.
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
-    attention_multiplier: float | None = None
     logits_scaling: float = 1.0
     no_rope_layers: tuple[int, ...] | None = None
     # f17a: HF RoPE parameters (JSON text) of a type megatron-core cannot compute (Phi-3's longrope),
@@ -125,10 +124,9 @@ class ModelConfig:
     post_self_attn_layernorm: bool = False
     post_mlp_layernorm: bool = False
     pre_layernorms: bool = True
-    # Embeddings times sqrt(hidden_size) (Gemma); attention scores scaled by query_pre_attn_scalar**-0.5
-    # instead of head_dim**-0.5; tanh soft-capping of attention scores and of the final logits.
+    # Embeddings times sqrt(hidden_size) (Gemma; its query_pre_attn_scalar is softmax_scale below);
+    # tanh soft-capping of attention scores and of the final logits.
     embedding_scale_sqrt_hidden: bool = False
-    query_pre_attn_scalar: float | None = None
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
     # The RoPE base of the sliding-window layers where it differs from rotary_base (Gemma 3).
@@ -142,6 +140,10 @@ class ModelConfig:
     softmax_type: str = "vanilla"
     glu_linear_offset: float = 0.0
     activation_func_clamp_value: float | None = None
+    # tidy: the attention softmax scale (megatron-core's TransformerConfig.softmax_scale; Granite's
+    # attention_multiplier, Gemma's query_pre_attn_scalar**-0.5: pgconvert.attention_scale). None:
+    # megatron-core's default 1/sqrt(kv_channels), which a scale equal to it is read as.
+    softmax_scale: float | None = None
 
     def __post_init__(self) -> None:
         self._check_semantics()
@@ -161,6 +163,8 @@ class ModelConfig:
             object.__setattr__(self, "kv_channels", self.hidden_size // self.num_attention_heads)
         _require_positive("num_query_groups", self.num_query_groups)
         _require_positive("kv_channels", self.kv_channels)
+        if self.softmax_scale is not None and self.softmax_scale == 1 / math.sqrt(self.kv_channels):
+            object.__setattr__(self, "softmax_scale", None)  # tidy: megatron-core's default, one description
         if self.num_attention_heads % self.query_groups:
             raise ConfigError(
                 f"num_query_groups={self.query_groups}: num_attention_heads="
@@ -227,7 +231,7 @@ class ModelConfig:
             _require_finite("activation_func_clamp_value", self.activation_func_clamp_value)
         if self.sliding_window is not None:
             _require_positive("sliding_window", self.sliding_window)
-        for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
+        for name in ("softmax_scale", "attn_logit_softcapping", "final_logit_softcapping",
                      "rotary_base_local"):
             value = getattr(self, name)
             if value is not None:
@@ -345,10 +349,8 @@ def _require_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
 
 def _check_f17a_fields(config: ModelConfig) -> None:
     """f17a: Granite's multipliers are positive finite numbers, NoPE layers a 0/1 per layer."""
-    for name in ("embedding_multiplier", "residual_multiplier", "logits_scaling", "attention_multiplier"):
+    for name in ("embedding_multiplier", "residual_multiplier", "logits_scaling"):
         value = getattr(config, name)
-        if value is None and name == "attention_multiplier":
-            continue
         _require_finite(name, value)
         if value <= 0:
             raise ConfigError(f"{name}={quote(value)}: must be > 0")

@@ -212,6 +212,7 @@ def plan(request: ConvertRequest, check_dst: bool = True) -> Plan:
         true_vocab_size=request.true_vocab_size,
         strict=request.strict,
         keep_quantized=request.keep_fp8,
+        dequantize_dtype=DTYPE_CHOICES[request.dtype],  # tidy: one rounding, to the dtype asked for
     ))
     try:
         if request.check_finite not in CHECK_FINITE_CHOICES:

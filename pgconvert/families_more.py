@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 
 import pgconvert.families as _families
+from pgconvert import attention_scale
 from pgconvert.config import ModelConfig
 from pgconvert.families import (
     _AUX_LOSS,
@@ -168,28 +169,17 @@ QWEN2_MOE = Family(
 
 # --- Granite ---------------------------------------------------------------------------------------
 
-def _default_scale(model: Mapping[str, object]) -> float:
-    head_dim = model.get("kv_channels")
-    if head_dim is None:
-        hidden, heads = model["hidden_size"], model["num_attention_heads"]
-        assert isinstance(hidden, int) and isinstance(heads, int)
-        head_dim = hidden // heads
-    assert isinstance(head_dim, int)
-    return 1 / math.sqrt(head_dim)
-
-
 def _read_attention_multiplier(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
-    """Granite's softmax scale (transformers' default 1.0); 1/sqrt(head_dim) is megatron-core's own
-    default, read as None so that a Llama-like model compares equal."""
+    """Granite's attention_multiplier is the softmax scale itself (transformers' default 1.0;
+    pgconvert.attention_scale)."""
     value = present.get("attention_multiplier", 1.0)
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
         raise ValueError(f"attention_multiplier={quote(value)}: expected a positive number")
-    return {"attention_multiplier": None if float(value) == _default_scale(model) else float(value)}
+    return {"softmax_scale": float(value)}
 
 
 def _write_attention_multiplier(config: ModelConfig) -> Mapping[str, object]:
-    scale = config.attention_multiplier
-    return {"attention_multiplier": 1 / math.sqrt(config.head_dim) if scale is None else scale}
+    return {"attention_multiplier": attention_scale.effective(config)}
 
 
 GRANITE = Family(
@@ -208,7 +198,7 @@ GRANITE = Family(
         ConfigField(("residual_multiplier",), "residual_multiplier", float, default=1.0),
         ConfigField(("logits_scaling",), "logits_scaling", float, default=1.0),
     ),
-    rules=(_ROPE_RULE, ConfigRule(keys=("attention_multiplier",), model_fields=("attention_multiplier",),
+    rules=(_ROPE_RULE, ConfigRule(keys=("attention_multiplier",), model_fields=("softmax_scale",),
                                   read=_read_attention_multiplier, write=_write_attention_multiplier)),
     fixed={**_SWIGLU_RMS_ROPE, "num_experts": None, "qk_layernorm": False, "add_qkv_bias": False,
            "sliding_window": None},
@@ -418,10 +408,10 @@ _families.INFERENCE_ORDER += MORE_INFERENCE_ORDER
 F17A_DEFAULTS: dict[str, object] = {
     "embedding_multiplier": 1.0,
     "residual_multiplier": 1.0,
-    "attention_multiplier": None,
     "logits_scaling": 1.0,
     "no_rope_layers": None,
     "hf_rope_parameters": None,
+    "softmax_scale": None,  # tidy: the attention scale (pgconvert.attention_scale)
 }
 
 

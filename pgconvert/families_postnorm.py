@@ -17,8 +17,10 @@ sublayer, HF's own interleaved partial rotary (``Family.hf_rotary_interleaved``)
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
+from pgconvert import attention_scale
 from pgconvert.config import ModelConfig
 from pgconvert.families import (
     _AUX_LOSS,
@@ -199,9 +201,22 @@ _PLAIN_ROPE = ConfigRule(keys=("rope_parameters",),
                          read=_read_plain_rope, write=_write_plain_rope, refuses=_refuses_scaled_rope)
 
 
-def _scalar_as_written(config: ModelConfig) -> object:
-    scalar = config.query_pre_attn_scalar
-    return int(scalar) if scalar is not None and scalar.is_integer() else scalar
+def _read_scalar(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
+    """Gemma's query_pre_attn_scalar (transformers' default 256): the softmax scale is its -1/2 power
+    (pgconvert.attention_scale)."""
+    value = present.get("query_pre_attn_scalar", 256)
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"query_pre_attn_scalar={quote(value)}: expected a positive number")
+    return {"softmax_scale": attention_scale.from_scalar(value)}
+
+
+def _write_scalar(config: ModelConfig) -> Mapping[str, object]:
+    # transformers types it int (its strict config refuses 256.0).
+    return {"query_pre_attn_scalar": attention_scale.to_scalar(attention_scale.effective(config))}
+
+
+_SCALAR_RULE = ConfigRule(keys=("query_pre_attn_scalar",), model_fields=("softmax_scale",),
+                          read=_read_scalar, write=_write_scalar)
 
 
 def _gemma_fields(max_positions: int, final_softcap: float | None,
@@ -220,9 +235,6 @@ def _gemma_fields(max_positions: int, final_softcap: float | None,
         ConfigField(("vocab_size",), "vocab_size", int),
         ConfigField(("tie_word_embeddings",), "tie_embeddings", bool, default=True),
         ConfigField(("attention_dropout",), "attention_dropout", float, default=0.0),
-        # transformers types it int (its strict config refuses 256.0).
-        ConfigField(("query_pre_attn_scalar",), "query_pre_attn_scalar", float, default=256.0,
-                    written=_scalar_as_written),
         ConfigField(("final_logit_softcapping",), "final_logit_softcapping", float, default=final_softcap,
                     nullable=True),
         ConfigField(("attn_logit_softcapping",), "attn_logit_softcapping", float, default=attn_softcap,
@@ -254,7 +266,7 @@ GEMMA3 = Family(
     tensors=GEMMA_TENSORS,
     fields=_gemma_fields(max_positions=131_072, final_softcap=None, attn_softcap=None),
     # transformers' Gemma3TextConfig: every 6th layer full attention by default.
-    rules=(_GEMMA3_ROPE, _gemma_window_rule(period=6)),
+    rules=(_GEMMA3_ROPE, _gemma_window_rule(period=6), _SCALAR_RULE),
     fixed={**_GEMMA, "qk_layernorm": True},
     hf_fixed={**_HF_GEMMA, "use_bidirectional_attention": False},
     hf_norms_zero_centred=True,
@@ -266,7 +278,7 @@ GEMMA2 = Family(
     tensors=GEMMA_TENSORS,
     fields=_gemma_fields(max_positions=8192, final_softcap=30.0, attn_softcap=50.0),
     # transformers' Gemma2Config: sliding and full attention alternate, sliding first.
-    rules=(_PLAIN_ROPE, _gemma_window_rule(period=2)),
+    rules=(_PLAIN_ROPE, _gemma_window_rule(period=2), _SCALAR_RULE),
     fixed={**_GEMMA, "qk_layernorm": False, "rotary_base_local": None},
     hf_fixed={**_HF_GEMMA, "use_bidirectional_attention": None},
     hf_norms_zero_centred=True,
@@ -300,7 +312,7 @@ _GLM4_TENSORS = TensorTable((
 _PLAIN: dict[str, object] = {
     "gated_linear_unit": True, "activation": "silu", "normalization": "RMSNorm", "position_embedding_type": "rope",
     "add_bias_linear": False, "layernorm_zero_centered_gamma": False, "embedding_scale_sqrt_hidden": False,
-    "query_pre_attn_scalar": None, "attn_logit_softcapping": None, "final_logit_softcapping": None,
+    "attn_logit_softcapping": None, "final_logit_softcapping": None,
     "rotary_base_local": None, "sliding_window": None,
 }
 _MOE_OFF: dict[str, object] = {"moe_shared_expert_intermediate_size": None, "moe_router_enable_expert_bias": False}

@@ -47,6 +47,8 @@ class LoadOptions:
     strict: bool = False
     # fp8: an hf source's quantized tensors are kept as stored for an hf target (--keep-fp8).
     keep_quantized: bool = False
+    # tidy: the dtype an hf source's quantized tensors are dequantized to (--dtype; None: bfloat16).
+    dequantize_dtype: torch.dtype | None = None
 
     def check_layout(self, layout: ParallelLayout, path: Path) -> None:
         """Refuse a ``--src-tp/pp/ep`` the user gave that the checkpoint's own layout contradicts."""

@@ -1,11 +1,12 @@
 """The Megatron args of the post-sublayer-norm settings (f17b: Gemma 2/3, OLMo 2, OLMoE, GLM-4).
 
 megatron-core 0.16 expresses a zero-centred norm gamma (``layernorm_zero_centered_gamma``), the
-attention ``softmax_scale`` and a gated GELU (``gated_linear_unit`` with ``openai_gelu``), but not
+attention ``softmax_scale`` (Gemma's ``query_pre_attn_scalar``: pgconvert.attention_scale) and a
+gated GELU (``gated_linear_unit`` with ``openai_gelu``), but not
 norms after the sublayers, an embedding scaled by sqrt(hidden), soft-capping or a second RoPE base
 for the sliding-window layers. Megatron-Bridge builds those with custom layers and keeps the
 numeric settings under these names (NVIDIA-NeMo/Megatron-Bridge src/megatron/bridge/models/gemma/
-gemma2_provider.py: ``query_pre_attn_scalar``, ``attn_logit_softcapping``, ``final_logit_softcapping``;
+gemma2_provider.py: ``attn_logit_softcapping``, ``final_logit_softcapping``;
 gemma3_provider.py: ``rotary_base_local`` of ``Gemma3RotaryEmbedding``, the post norms inside
 ``TERowParallelLinearLayerNorm``, the sqrt(hidden) of ``Gemma3LanguageModelEmbedding``; olmoe/
 olmoe_provider.py: ``OLMoESelfAttention``'s q/k norms over all heads); the switches it takes from
@@ -25,7 +26,8 @@ from pgconvert.config import POSTNORM_OFF, ModelConfig
 from pgconvert.errors import CheckpointError
 from pgconvert.limits import quote
 
-# Megatron-Bridge's names (the module docstring cites them), and the ones with no Megatron spelling
+# Megatron-Bridge's names (the module docstring cites them; query_pre_attn_scalar, its Gemma 2 spelling
+# of the softmax scale, is read by pgconvert.attention_scale), and the ones with no Megatron spelling
 # at all, pgconvert's own: Megatron-Bridge builds these from the layer spec, not from a setting.
 BRIDGE_ARGS = frozenset({"query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
                          "rotary_base_local"})
@@ -33,18 +35,12 @@ PGCONVERT_ARGS = frozenset({"post_self_attn_layernorm", "post_mlp_layernorm", "p
                             "embedding_scale_sqrt_hidden", "qk_layernorm_across_heads"})
 _FLAGS = ("post_self_attn_layernorm", "post_mlp_layernorm", "pre_layernorms", "embedding_scale_sqrt_hidden",
           "qk_layernorm_across_heads")
-_NUMBERS = ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping", "rotary_base_local")
+_NUMBERS = ("attn_logit_softcapping", "final_logit_softcapping", "rotary_base_local")
 
 
 def postnorm_to_args(config: ModelConfig) -> dict[str, Any]:
     """The args of the settings (every one written, so a base run's stale values are replaced)."""
-    values: dict[str, Any] = {name: getattr(config, name) for name in (*_FLAGS, *_NUMBERS)}
-    # megatron-core's own spelling of the attention scale (TransformerConfig.softmax_scale); without
-    # a scalar, semantics_more writes softmax_scale from attention_multiplier (Granite's).
-    scalar = config.query_pre_attn_scalar
-    if scalar is not None:
-        values["softmax_scale"] = scalar ** -0.5
-    return values
+    return {name: getattr(config, name) for name in (*_FLAGS, *_NUMBERS)}
 
 
 def postnorm_from_args(args: argparse.Namespace, path: Path) -> dict[str, Any]:

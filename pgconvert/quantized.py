@@ -1,17 +1,20 @@
-"""Quantized weights of HF checkpoints, read dequantized to bf16 one tensor (or one region) at a time.
+"""Quantized weights of HF checkpoints, read dequantized one tensor (or one region) at a time.
 
 Two storage schemes are recognised by their tensors, whatever the family:
 
 - **FP8 block-scaled** (DeepSeek-V3, ``quantization_config.quant_method = "fp8"``): a weight ``X``
   stored as ``float8_e4m3fn`` (or ``e5m2``) beside ``X_scale_inv`` (float32) holding one scale per
   ``weight_block_size`` = [rows, cols] block of the last two dims, edge blocks partial. The value
-  is ``weight.float() * scale`` over each block, cast to bf16 (DeepSeek's own ``weight_dequant``).
+  is ``weight.float() * scale`` over each block, cast to bf16 (DeepSeek's own ``weight_dequant``) or to
+  the ``--dtype`` asked for: one rounding of the float32 product, never through bf16.
 - **MXFP4** (GPT-OSS, ``quant_method = "mxfp4"``): a tensor ``X`` stored as ``X_blocks`` (uint8
   [E, R, G, 16], two e2m1 values per byte, low nibble first) and ``X_scales`` (uint8 [E, R, G],
-  E8M0 exponents with bias 127), 32 values per scale; ``X`` is [E, G*32, R] in bf16, as
-  transformers' ``integrations/mxfp4.py: convert_moe_packed_tensors`` builds it.
+  E8M0 exponents with bias 127), 32 values per scale; ``X`` is [E, G*32, R] in bf16 (or the ``--dtype``
+  asked for), as transformers' ``integrations/mxfp4.py: convert_moe_packed_tensors`` builds it. Each
+  value is an e2m1 value times a power of two, which bf16 and float32 hold exactly (float16 only in
+  its narrower range).
 
-The HF loader sees the logical tensors (``X`` in bf16) in place of their stored parts, so a family
+The HF loader sees the logical tensors (``X`` in the dequantized dtype) in place of their stored parts, so a family
 table names ``X`` alone. ``--keep-fp8`` (HF -> HF) writes the stored parts unchanged instead.
 """
 
@@ -43,6 +46,7 @@ E8M0_BIAS = 127
 # The e2m1 value of each nibble (sign bit 3, exponent bits 2-1, mantissa bit 0).
 FP4_E2M1_VALUES: tuple[float, ...] = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
                                       -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+# The dtype quantized tensors are dequantized to when no --dtype is asked for.
 DEQUANTIZED_DTYPE = torch.bfloat16
 # Elements dequantized per step: the float32 temporaries stay this size whatever the tensor's.
 STRIP_ELEMENTS = 2**22
@@ -80,22 +84,22 @@ def fp8_scale_grid(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int,
 
 
 def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
-                   row0: int = 0, col0: int = 0) -> torch.Tensor:
-    """``weight.float() * scale`` over blocks, in bf16, a strip of rows at a time.
+                   row0: int = 0, col0: int = 0, dtype: torch.dtype = DEQUANTIZED_DTYPE) -> torch.Tensor:
+    """``weight.float() * scale`` over blocks, rounded once to ``dtype``, a strip of rows at a time.
 
     ``weight`` may be a window of a larger weight starting at row ``row0``, column ``col0`` of its
     last two dims; ``scale`` then starts at the block holding that corner.
     """
     rows, cols = weight.shape[-2], weight.shape[-1]
     col_index = torch.arange(col0, col0 + cols) // block[1] - col0 // block[1]
-    out = torch.empty(weight.shape, dtype=DEQUANTIZED_DTYPE)
+    out = torch.empty(weight.shape, dtype=dtype)
     lead = math.prod(weight.shape[:-2])
     strip = max(1, STRIP_ELEMENTS // max(1, cols * lead))
     for start in range(0, rows, strip):
         stop = min(rows, start + strip)
         row_index = torch.arange(row0 + start, row0 + stop) // block[0] - row0 // block[0]
         scales = scale.index_select(-2, row_index).index_select(-1, col_index)
-        out[..., start:stop, :] = (weight[..., start:stop, :].float() * scales).to(DEQUANTIZED_DTYPE)
+        out[..., start:stop, :] = (weight[..., start:stop, :].float() * scales).to(dtype)
     return out
 
 
@@ -105,15 +109,16 @@ def mxfp4_shape(blocks_shape: tuple[int, ...]) -> tuple[int, ...]:
     return (experts, groups * width * 2, rows)
 
 
-def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """MXFP4 blocks [E, R, G, 16] and E8M0 scales [E, R, G] as bf16 [E, G * 32, R], one expert at a time.
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor,
+                     dtype: torch.dtype = DEQUANTIZED_DTYPE) -> torch.Tensor:
+    """MXFP4 blocks [E, R, G, 16] and E8M0 scales [E, R, G] as ``dtype`` [E, G * 32, R], one expert at a time.
 
     Each byte holds two e2m1 values, the low nibble first; each group of 32 values is multiplied by
-    2 ** (scale - 127), computed in float32 and rounded once to bf16.
+    2 ** (scale - 127), computed in float32 and rounded once to ``dtype``.
     """
     experts, rows, groups, width = blocks.shape
     table = torch.tensor(FP4_E2M1_VALUES, dtype=torch.float32)
-    out = torch.empty(mxfp4_shape(tuple(blocks.shape)), dtype=DEQUANTIZED_DTYPE)
+    out = torch.empty(mxfp4_shape(tuple(blocks.shape)), dtype=dtype)
     for expert in range(experts):
         packed = blocks[expert].to(torch.int64)
         values = torch.empty(rows, groups, width, 2, dtype=torch.float32)
@@ -121,7 +126,7 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
         values[..., 1] = table[packed >> 4]
         exponents = scales[expert].to(torch.int32) - E8M0_BIAS
         values = torch.ldexp(values, exponents[:, :, None, None])
-        out[expert] = values.reshape(rows, groups * width * 2).to(DEQUANTIZED_DTYPE).transpose(0, 1)
+        out[expert] = values.reshape(rows, groups * width * 2).to(dtype).transpose(0, 1)
         del packed, values
     return out
 
@@ -130,7 +135,7 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
 
 @dataclass(frozen=True)
 class Quantized:
-    """One logical tensor stored quantized: its stored data and scale tensors, and its bf16 meta."""
+    """One logical tensor stored quantized: its stored data and scale tensors, and its dequantized meta."""
 
     name: str
     scheme: str  # "fp8" or "mxfp4"
@@ -175,7 +180,7 @@ def check_quant_method(doc: dict[str, Any], config_path: Path) -> str | None:
 
 
 def _fp8_entries(doc: dict[str, Any], config_path: Path, files: dict[str, Path],
-                 stored: dict[str, TensorMeta]) -> list[Quantized]:
+                 stored: dict[str, TensorMeta], dtype: torch.dtype) -> list[Quantized]:
     """Every fp8 weight with its float32 block scale, checked against the block grid."""
     weights = sorted(name for name, meta in stored.items() if meta.dtype in FP8_DTYPES)
     scales = sorted(name for name in stored if name.endswith(FP8_SCALE_SUFFIX))
@@ -200,7 +205,7 @@ def _fp8_entries(doc: dict[str, Any], config_path: Path, files: dict[str, Path],
             raise ScaleShapeError(
                 f"{files[scale]}: {scale} has shape {list(scale_meta.shape)}; {name} {list(meta.shape)} in "
                 f"blocks of {list(block)} (weight_block_size) {needs}")
-        found.append(Quantized(name, "fp8", name, scale, TensorMeta(meta.shape, DEQUANTIZED_DTYPE), block))
+        found.append(Quantized(name, "fp8", name, scale, TensorMeta(meta.shape, dtype), block))
     for scale in scales:
         weight = scale.removesuffix(FP8_SCALE_SUFFIX)
         if weight not in weights:
@@ -209,7 +214,7 @@ def _fp8_entries(doc: dict[str, Any], config_path: Path, files: dict[str, Path],
     return found
 
 
-def _mxfp4_entries(files: dict[str, Path], stored: dict[str, TensorMeta]) -> list[Quantized]:
+def _mxfp4_entries(files: dict[str, Path], stored: dict[str, TensorMeta], dtype: torch.dtype) -> list[Quantized]:
     """Every uint8 ``X_blocks`` with its ``X_scales``, checked against each other."""
     found = []
     for name, meta in sorted(stored.items()):
@@ -236,7 +241,7 @@ def _mxfp4_entries(files: dict[str, Path], stored: dict[str, TensorMeta]) -> lis
                 f"{list(meta.shape)} need one scale per block: {list(meta.shape[:-1])}")
         if base in stored:
             raise QuantizationError(f"{files[base]}: {base} is stored both plain and as mxfp4 {name}")
-        found.append(Quantized(base, "mxfp4", name, scale, TensorMeta(mxfp4_shape(meta.shape), DEQUANTIZED_DTYPE)))
+        found.append(Quantized(base, "mxfp4", name, scale, TensorMeta(mxfp4_shape(meta.shape), dtype)))
     blocked = {entry.scale for entry in found}
     for name, meta in sorted(stored.items()):
         if name.endswith(MXFP4_SCALES_SUFFIX) and meta.dtype == torch.uint8 and name not in blocked:
@@ -251,25 +256,30 @@ def _dtype(dtype: torch.dtype) -> str:
 
 
 class QuantizedTensors:
-    """The quantized tensors of one HF checkpoint, read by logical name, dequantized to bf16.
+    """The quantized tensors of one HF checkpoint, read by logical name, dequantized to ``dtype``
+    (the ``--dtype`` asked for; bf16 by default), each value rounded once from its float32 product.
 
     ``keep`` (``--keep-fp8``): an hf target writes their stored parts unchanged (``stored_parts``,
     ``read_stored``) and keeps ``quantization_config``.
     """
 
     def __init__(self, entries: list[Quantized], files: dict[str, Path], stored: dict[str, TensorMeta],
-                 keep: bool = False) -> None:
+                 keep: bool = False, dtype: torch.dtype = DEQUANTIZED_DTYPE) -> None:
         self.entries = {entry.name: entry for entry in entries}
         self.keep = keep
+        self.dtype = dtype
         self._files = files
         self._stored = stored
 
     @classmethod
     def find(cls, doc: dict[str, Any], config_path: Path, files: dict[str, Path],
-             stored: dict[str, TensorMeta], keep: bool = False) -> QuantizedTensors:
+             stored: dict[str, TensorMeta], keep: bool = False,
+             dtype: torch.dtype | None = None) -> QuantizedTensors:
+        """``dtype``: what to dequantize to (None: bf16)."""
         check_quant_method(doc, config_path)
-        entries = _fp8_entries(doc, config_path, files, stored) + _mxfp4_entries(files, stored)
-        return cls(entries, files, stored, keep)
+        dtype = DEQUANTIZED_DTYPE if dtype is None else dtype
+        entries = _fp8_entries(doc, config_path, files, stored, dtype) + _mxfp4_entries(files, stored, dtype)
+        return cls(entries, files, stored, keep, dtype)
 
     def __contains__(self, name: object) -> bool:
         return name in self.entries
@@ -288,13 +298,13 @@ class QuantizedTensors:
         return files, metas
 
     def read(self, name: str) -> torch.Tensor:
-        """The whole logical tensor in bf16."""
+        """The whole logical tensor, dequantized."""
         entry = self.entries[name]
         data = read_tensor(self._files[entry.data], entry.data)
         scale = read_tensor(self._files[entry.scale], entry.scale)
         if entry.scheme == "fp8":
-            return dequantize_fp8(data, scale, entry.block)
-        return dequantize_mxfp4(data, scale)
+            return dequantize_fp8(data, scale, entry.block, dtype=self.dtype)
+        return dequantize_mxfp4(data, scale, self.dtype)
 
     def read_range(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
         """Indices ``[start, stop)`` of ``dim`` of the logical tensor, reading only the parts they need
@@ -306,10 +316,12 @@ class QuantizedTensors:
             return self.read(name).narrow(dim, start, stop - start).contiguous()
         data = read_tensor_range(self._files[entry.data], entry.data, dim, start, stop)
         if entry.scheme == "mxfp4":
-            return dequantize_mxfp4(data, read_tensor_range(self._files[entry.scale], entry.scale, 0, start, stop))
+            return dequantize_mxfp4(data, read_tensor_range(self._files[entry.scale], entry.scale, 0, start, stop),
+                                    self.dtype)
         size = entry.block[dim]
         scale = read_tensor_range(self._files[entry.scale], entry.scale, dim, start // size, (stop - 1) // size + 1)
-        return dequantize_fp8(data, scale, entry.block, row0=start if dim == 0 else 0, col0=start if dim == 1 else 0)
+        return dequantize_fp8(data, scale, entry.block, row0=start if dim == 0 else 0, col0=start if dim == 1 else 0,
+                              dtype=self.dtype)
 
     def stored_parts(self, name: str) -> tuple[tuple[str, TensorMeta], ...]:
         """The stored tensors (data, scale) that make up ``name``, as ``--keep-fp8`` writes them."""
@@ -327,8 +339,8 @@ class QuantizedTensors:
         what = " and ".join(f"{count} {scheme}" for scheme, count in counts.items() if count)
         if self.keep:
             return f"{where}: {what} quantized tensors are written unchanged with their scales (--keep-fp8)"
-        return (f"{where}: {what} quantized tensors are dequantized to bfloat16 while reading (each value rounded "
-                f"once from its scaled product); an hf target's config.json drops {QUANTIZATION_CONFIG} "
+        return (f"{where}: {what} quantized tensors are dequantized to {_dtype(self.dtype)} while reading (each "
+                f"value rounded once from its float32 scaled product); an hf target's config.json drops {QUANTIZATION_CONFIG} "
                 "(--keep-fp8 keeps them quantized for an hf target)")
 
 

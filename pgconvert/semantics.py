@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pgconvert import mla_args, yarn
+from pgconvert import attention_scale, mla_args, yarn
 from pgconvert.config import ModelConfig
 from pgconvert.errors import CheckpointError, StrictModeError
 from pgconvert.limits import quote
@@ -188,9 +188,13 @@ SEMANTICS: tuple[Setting, ...] = (
     Setting("dtype", ("params_dtype",), ("params_dtype", "bf16", "fp16"), _ARGS.format("params_dtype"),
             {ALL_FAMILIES: "dtype (4.x: torch_dtype)"}),
     # f17a: Granite's muP multipliers, SmolLM3's NoPE layers (pgconvert.semantics_more).
-    Setting("attention multiplier", ("attention_multiplier",), ("softmax_scale",), _ARGS.format("softmax_scale"),
-            _hf(GraniteForCausalLM="attention_multiplier", ALL="none: 1/sqrt(head_dim)"),
-            "megatron-core's TransformerConfig.softmax_scale (Megatron-LM has no flag for it)"),
+    # tidy: one attention scale for every family (pgconvert.attention_scale).
+    Setting("attention softmax scale", ("softmax_scale",), ("softmax_scale", "query_pre_attn_scalar"),
+            _ARGS.format("softmax_scale (query_pre_attn_scalar, Megatron-Bridge's Gemma 2 spelling, read)"),
+            _hf(GraniteForCausalLM="attention_multiplier", Gemma3ForCausalLM="query_pre_attn_scalar (scale**-2)",
+                Gemma2ForCausalLM="query_pre_attn_scalar (scale**-2)",
+                ALL="none: 1/sqrt(head_dim) (set: notice, --strict refuses)"),
+            "megatron-core's TransformerConfig.softmax_scale (Megatron-LM has no flag for it); None: 1/sqrt(kv_channels)"),
     Setting("embedding, residual multipliers and logits scaling",
             ("embedding_multiplier", "residual_multiplier", "logits_scaling"),
             ("embedding_multiplier", "residual_multiplier", "logits_scaling"),
@@ -219,9 +223,6 @@ SEMANTICS: tuple[Setting, ...] = (
     Setting("embedding scale", ("embedding_scale_sqrt_hidden",), ("embedding_scale_sqrt_hidden",),
             _ARGS.format("embedding_scale_sqrt_hidden"),
             _hf(Gemma3ForCausalLM="always", Gemma2ForCausalLM="always", ALL="never")),
-    Setting("attention scale", ("query_pre_attn_scalar",), ("query_pre_attn_scalar", "softmax_scale"),
-            _ARGS.format("query_pre_attn_scalar (softmax_scale = its -1/2 power)"),
-            _hf(Gemma3ForCausalLM="query_pre_attn_scalar", Gemma2ForCausalLM="query_pre_attn_scalar")),
     Setting("logit soft-capping", ("attn_logit_softcapping", "final_logit_softcapping"),
             ("attn_logit_softcapping", "final_logit_softcapping"),
             _ARGS.format("attn_logit_softcapping / final_logit_softcapping"),
@@ -334,6 +335,7 @@ def from_args(args: argparse.Namespace, path: Path) -> dict[str, Any]:
         **mla_args.from_args(args, path),
         **semantics_more.from_args(args, path),  # f17a
         **postnorm_from_args(args, path),  # f17b
+        **attention_scale.from_args(args, path),  # tidy
     }
     values.update(_gpt_oss_from_args(args, path))
     if getattr(args, "num_experts", None):
@@ -366,6 +368,7 @@ def to_args(config: ModelConfig) -> dict[str, Any]:
         "hidden_dropout": config.hidden_dropout,
         **semantics_more.to_args(config),  # f17a
         **postnorm_to_args(config),  # f17b
+        **attention_scale.to_args(config),  # tidy
     }
     if config.rope_scaling == "yarn":
         values["position_embedding_type"] = "yarn"

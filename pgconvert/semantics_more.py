@@ -1,7 +1,7 @@
 """f17a: the Megatron side of the settings Granite and SmolLM3 add (see pgconvert.semantics' rows).
 
-* ``attention_multiplier`` is megatron-core's ``TransformerConfig.softmax_scale`` (Megatron-LM has
-  no flag for it: ``megatron/training/arguments.py`` lists it among the fields without one);
+* Granite's ``attention_multiplier`` is ``ModelConfig.softmax_scale``, megatron-core's
+  ``TransformerConfig.softmax_scale`` (pgconvert.attention_scale carries it for every family);
 * ``no_rope_layers`` is megatron-core's ``no_rope_freq`` (0/1 per layer, 1: the layer skips RoPE,
   ``Attention.forward``), which Megatron-LM's ``--no-rope-freq`` sets;
 * ``embedding_multiplier``, ``residual_multiplier`` and ``logits_scaling`` have no megatron-core
@@ -30,7 +30,8 @@ UNCOMPUTED: dict[str, float] = {"embedding_multiplier": 1.0, "residual_multiplie
 CARRIED_ARGS: tuple[str, ...] = (*UNCOMPUTED, "hf_rope_parameters")
 
 
-def _positive(args: argparse.Namespace, name: str, default: float | None, path: Path) -> float | None:
+def positive_arg(args: argparse.Namespace, name: str, default: float | None, path: Path) -> float | None:
+    """``args.<name>``, a positive finite number, or ``default`` when absent (None)."""
     value = getattr(args, name, None)
     if value is None:
         return default
@@ -56,10 +57,7 @@ def _no_rope_from_args(args: argparse.Namespace, path: Path) -> tuple[int, ...] 
 
 def from_args(args: argparse.Namespace, path: Path) -> dict[str, Any]:
     """The f17a ``ModelConfig`` values Megatron ``args`` give."""
-    values: dict[str, Any] = {name: _positive(args, name, default, path) for name, default in UNCOMPUTED.items()}
-    scale = _positive(args, "softmax_scale", None, path)
-    # A query_pre_attn_scalar (Gemma, postnorm_args) is the same scale in Gemma's spelling; it owns it then.
-    values["attention_multiplier"] = None if getattr(args, "query_pre_attn_scalar", None) is not None else scale
+    values: dict[str, Any] = {name: positive_arg(args, name, default, path) for name, default in UNCOMPUTED.items()}
     values["no_rope_layers"] = _no_rope_from_args(args, path)
     carried = getattr(args, "hf_rope_parameters", None)
     if carried is not None and not isinstance(carried, str):
@@ -72,7 +70,6 @@ def to_args(config: ModelConfig) -> dict[str, Any]:
     """The Megatron args of the f17a settings: megatron-core's always, the carried ones (no
     megatron-core meaning) only where the model has them, so other models' args stay as they were."""
     values: dict[str, Any] = {
-        "softmax_scale": config.attention_multiplier,
         "no_rope_freq": None if config.no_rope_layers is None else list(config.no_rope_layers),
     }
     values.update({name: getattr(config, name) for name, default in UNCOMPUTED.items()

@@ -174,11 +174,11 @@ def test_granite_model_written_as_llama_is_refused_under_strict_naming_the_multi
     from pgconvert.semantics import hf_losses
 
     config = ModelConfig(num_layers=2, hidden_size=8, num_attention_heads=2, ffn_hidden_size=8, vocab_size=10,
-                         embedding_multiplier=2.0, attention_multiplier=0.5)
+                         embedding_multiplier=2.0, softmax_scale=0.25)
 
     assert hf_losses("LlamaForCausalLM", config) == [
         "embedding_multiplier=2.0: LlamaForCausalLM has no such setting",
-        "attention_multiplier=0.5: LlamaForCausalLM has no such setting",
+        "softmax_scale=0.25: LlamaForCausalLM has no such setting",
     ]
     assert hf_losses("GraniteForCausalLM", config) == []
 

@@ -134,7 +134,8 @@ def test_megatron_args_and_manifest_carry_the_settings(sources: dict[str, Path],
     assert (args.post_self_attn_layernorm, args.post_mlp_layernorm, args.pre_layernorms) == (True, True, True)
     assert args.layernorm_zero_centered_gamma and args.embedding_scale_sqrt_hidden
     assert (args.swiglu, args.gated_linear_unit, args.openai_gelu) == (False, True, True)
-    assert args.query_pre_attn_scalar == 24.0 and args.softmax_scale == 24.0 ** -0.5
+    # One spelling of the attention scale in args: megatron-core's softmax_scale (pgconvert.attention_scale).
+    assert args.query_pre_attn_scalar is None and args.softmax_scale == 24.0 ** -0.5
     assert (args.rotary_base, args.rotary_base_local) == (1_000_000.0, 10_000.0)
     assert args.rotary_seq_len_interpolation_factor == 8.0
     assert args.final_logit_softcapping == 3.0 and args.attn_logit_softcapping is None

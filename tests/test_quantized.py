@@ -50,15 +50,16 @@ def quantize_fp8(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Te
     return quantized, scale
 
 
-def reference_dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """weight.float() * scale, block by block, each block cut at the edges, cast to bf16."""
+def reference_dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
+                         dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """weight.float() * scale, block by block, each block cut at the edges, cast to ``dtype``."""
     out = torch.empty(weight.shape, dtype=torch.float32)
     for i in range(scale.shape[0]):
         for j in range(scale.shape[1]):
             rows = slice(i * block[0], (i + 1) * block[0])
             cols = slice(j * block[1], (j + 1) * block[1])
             out[rows, cols] = weight[rows, cols].float() * scale[i, j]
-    return out.to(torch.bfloat16)
+    return out.to(dtype)
 
 
 def fp8_checkpoint(path: Path, block: tuple[int, int] = (32, 48), name: str = "llama") -> dict[str, torch.Tensor]:
@@ -252,6 +253,45 @@ def test_a_block_size_that_is_not_two_positive_ints_is_a_named_error(tmp_path: P
 
 
 # --- MXFP4 (GPT-OSS) ---------------------------------------------------------------------------
+def test_fp8_is_dequantized_straight_to_float32_when_float32_is_asked_for(tmp_path: Path) -> None:
+    """--dtype fp32: the float32 product itself, not the product rounded to bf16 and widened back."""
+    one, scale = torch.tensor([[1.125]]).to(torch.float8_e4m3fn), torch.tensor([[1.0078125]])  # 1 + 2**-7
+    block = (32, 48)
+    stored = fp8_checkpoint(tmp_path / "src", block)
+    names = sorted(key for key, tensor in stored.items() if tensor.dtype == torch.float8_e4m3fn)
+
+    report = convert(tmp_path / "src", tmp_path / "dst", dtype="fp32")
+    convert(tmp_path / "src", tmp_path / "mg", dst_format="megatron", dst_tp=2, dtype="fp32")  # windows of rows/cols
+    convert(tmp_path / "mg", tmp_path / "back", dst_format="hf", dst_tp=1)
+
+    # 1.125 * (1 + 2**-7) = 1.1337890625 needs 10 significant bits; bf16 keeps 8.
+    assert dequantize_fp8(one, scale, (1, 1), dtype=torch.float32).item() == 1.1337890625
+    assert dequantize_fp8(one, scale, (1, 1)).float().item() != 1.1337890625
+    for out in (load_hf_tensors(tmp_path / "dst"), load_hf_tensors(tmp_path / "back")):
+        for name in names:
+            expected = reference_dequantize(stored[name], stored[name + "_scale_inv"], block, torch.float32)
+            assert out[name].dtype == torch.float32 and torch.equal(out[name], expected), name
+        bf16_route = {name: reference_dequantize(stored[name], stored[name + "_scale_inv"], block).float()
+                      for name in names}
+        assert not any(torch.equal(out[name], bf16_route[name]) for name in names)
+    assert any("dequantized to float32" in notice for notice in report.notices), report.notices
+
+
+def test_mxfp4_is_dequantized_straight_to_the_dtype_asked_for(tmp_path: Path) -> None:
+    """MXFP4 values (e2m1 times a power of two) are exact in bf16 and float32 alike: the float32 read
+    equals transformers' float32 conversion and the widened bf16 one."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    blocks, scales = mxfp4_parts(4, 64, 1, 6)
+    files, stored = mxfp4_file(tmp_path / "model.safetensors", {DOWN + "_blocks": blocks, DOWN + "_scales": scales})
+
+    quantized = QuantizedTensors.find({}, tmp_path / "config.json", files, stored, dtype=torch.float32)
+
+    expected = convert_moe_packed_tensors(blocks.clone(), scales.clone(), dtype=torch.float32)
+    assert quantized.logical()[1][DOWN].dtype == torch.float32
+    assert torch.equal(quantized.read(DOWN), expected) and torch.equal(quantized.read_range(DOWN, 0, 1, 3), expected[1:3])
+    assert torch.equal(dequantize_mxfp4(blocks, scales).float(), expected)
+
 
 GATE_UP = "model.layers.0.mlp.experts.gate_up_proj"
 DOWN = "model.layers.0.mlp.experts.down_proj"

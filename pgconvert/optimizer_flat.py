@@ -72,7 +72,7 @@ def read_distributed(config: ModelConfig, layout: ParallelLayout, coord: RankCoo
     rank's file does not hold (``ChainedOptimizer.save_parameter_state`` writes None where the rank is not
     that optimizer's DP rank 0: the dense state of expert-parallel ranks other than 0)."""
     path = rank_file.parent / DISTRIB_OPTIM_FILE
-    loaded = safe_torch_load(path)
+    loaded = safe_torch_load(path, list_ok=len(entries) > 1)
     if len(entries) > 1 and (not isinstance(loaded, list) or len(loaded) != len(entries)):
         raise OptimizerLayoutError(f"{path}: holds {quote(type(loaded).__name__)}; the chained optimizers save "
                                    f"a list of {len(entries)} states (dense, expert-parallel)")

@@ -56,10 +56,11 @@ _LOCAL_LAYER_ORDER = (
     "pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias",
     "mlp.linear_fc1.weight", "mlp.linear_fc1.bias",
     "mlp.linear_fc2.weight", "mlp.linear_fc2.bias",
-    # optmoe: MoELayer registers router, experts (SequentialMLP.local_experts), then shared_experts
-    # (SharedExpertMLP: linear_fc1, linear_fc2, then its gate_weight).
+    # optmoe: MoELayer registers router, experts (SequentialMLP.local_experts), then shared_experts;
+    # named_parameters() yields a module's own parameters before its children's, so SharedExpertMLP's
+    # gate_weight (set after MLP.__init__ built linear_fc1/linear_fc2) comes first.
     "mlp.router.weight", "mlp.router.bias", "mlp.experts.",
-    "mlp.shared_experts.linear_fc1.weight", "mlp.shared_experts.linear_fc2.weight", "mlp.shared_experts.gate_weight",
+    "mlp.shared_experts.gate_weight", "mlp.shared_experts.linear_fc1.weight", "mlp.shared_experts.linear_fc2.weight",
 )
 # One SequentialMLP expert (an MLP): linear_fc1 then linear_fc2, each weight before its bias.
 _EXPERT_ORDER = ("linear_fc1.weight", "linear_fc1.bias", "linear_fc2.weight", "linear_fc2.bias")
@@ -164,7 +165,7 @@ def named_parameters(config: ModelConfig, layout: ParallelLayout, coord: RankCoo
     ordered: list[tuple[int, TensorSpec]] = []
     for chunk in range(layout.virtual_size):
         shard = provide(config, groups, padded_vocab_size, chunk)
-        ordered += [(chunk, spec) for spec in sorted(shard.specs, key=_order_key) if not _is_buffer(spec)]
+        ordered += [(chunk, spec) for spec in sorted((s for s in shard.specs if not _is_buffer(s)), key=_order_key)]
     return ordered
 
 

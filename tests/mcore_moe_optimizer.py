@@ -1,6 +1,7 @@
 """Run as a script: a tiny MoE training checkpoint whose optimizer state megatron-core itself laid out.
 
-argv: ROOT TP PP EP FORM (``fp32``: the plain optimizer; ``distributed``: ``distrib_optim.pt``).
+argv: ROOT TP PP EP FORM (``fp32``: the plain optimizer; ``distributed``: ``distrib_optim.pt``). Beside
+ROOT, ``ROOT.positions.json``: megatron-core's parameter name at every position, per rank file.
 
 The model weights are the MoE fixture's (``conftest.MOE`` in float32: sequential experts, shared
 experts with a gate, router expert bias, MoE layer frequency [1, 0, 1, 1]) written per rank by
@@ -23,6 +24,8 @@ expert-parallel ranks other than 0 (``ChainedOptimizer.save_parameter_state``: n
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import json
 import os
 import sys
 import tempfile
@@ -79,7 +82,10 @@ def _distributed_entry(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     return {"optimizer": {"param_groups": groups}, "param_state_sharding_type": "dp_reshardable"}
 
 
-def _train_rank(path: Path, coords: tuple[int, int, int], sizes: tuple[int, int, int], form: str, group: Any) -> None:
+def _train_rank(path: Path, coords: tuple[int, int, int], sizes: tuple[int, int, int], form: str,
+                group: Any) -> list[list[list[str]]]:
+    """Train one rank and rewrite its files; returns megatron-core's parameter names per optimizer, group
+    and position."""
     import mcore_helpers as mcore
     from megatron.core.optimizer import OptimizerConfig, _get_param_groups
     from megatron_fixtures import load_for_test
@@ -95,7 +101,10 @@ def _train_rank(path: Path, coords: tuple[int, int, int], sizes: tuple[int, int,
     groups = _get_param_groups([model], OptimizerConfig(optimizer="adam", lr=1e-3, min_lr=1e-4, weight_decay=0.1),
                                None)
     chained = [[g for g in groups if not g["is_expert_parallel"]], [g for g in groups if g["is_expert_parallel"]]]
-    optimizers = [torch.optim.AdamW(g, lr=1e-3, weight_decay=0.1) for g in chained if g]
+    chained = [groups for groups in chained if groups]
+    names = {id(p): n for n, p in model.named_parameters()}
+    positions = [[[names[id(p)] for p in g["params"]] for g in groups] for groups in chained]
+    optimizers = [torch.optim.AdamW(g, lr=1e-3, weight_decay=0.1) for g in chained]
     for _ in range(2):
         _grads(model)
         for optimizer in optimizers:
@@ -114,6 +123,7 @@ def _train_rank(path: Path, coords: tuple[int, int, int], sizes: tuple[int, int,
         torch.save(flats[0] if len(flats) == 1 else flats, path.parent / "distrib_optim.pt")
     payload["optimizer"] = states[0] if len(states) == 1 else states
     torch.save(payload, path)
+    return positions
 
 
 def main(root: Path, tp: int, pp: int, ep: int, form: str) -> None:
@@ -131,14 +141,15 @@ def main(root: Path, tp: int, pp: int, ep: int, form: str) -> None:
         torch.distributed.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
         try:
             group = torch.distributed.new_group([0], backend="gloo")
-            for tp_rank in range(tp):
-                for pp_rank in range(pp):
-                    for ep_rank in range(ep):
-                        rank_dir = root / "iter_0000002" / rank_dir_name(tp_rank, pp_rank, ep_rank, pp, ep)
-                        _train_rank(rank_dir / "model_optim_rng.pt", (tp_rank, pp_rank, ep_rank), (tp, pp, ep),
-                                    form, group)
+            positions = {}
+            for tp_rank, pp_rank, ep_rank in itertools.product(range(tp), range(pp), range(ep)):
+                name = rank_dir_name(tp_rank, pp_rank, ep_rank, pp, ep)
+                positions[name] = _train_rank(root / "iter_0000002" / name / "model_optim_rng.pt",
+                                              (tp_rank, pp_rank, ep_rank), (tp, pp, ep), form, group)
         finally:
             torch.distributed.destroy_process_group()
+    # Beside the checkpoint: megatron-core's parameter names per rank, optimizer, group and position.
+    (root.parent / f"{root.name}.positions.json").write_text(json.dumps(positions))
 
 
 if __name__ == "__main__":

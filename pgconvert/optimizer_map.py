@@ -11,10 +11,12 @@ parameter still has the empty group): group 0 weight decay, group 1 no weight de
 ``optimizer.state`` is indexed by the position in the concatenation of the groups' ``params``.
 
 Reproduced for megatron-core 0.16.1 (pip) and 0.20.0 (Megatron-LM ``d98e8a64``), which build the
-groups the same way, for dense GPT models with megatron-core's local spec (``transformer_impl=local``).
-Refused, naming the field: the Transformer Engine spec (its fused modules' parameter order is not
-reproduced here), grouped-GEMM experts, ``decoupled_lr`` (a third group), and any state whose group
-sizes or tensor shapes do not match.
+groups the same way, for GPT models with megatron-core's local spec and (optmoe) its Transformer Engine
+spec, whose parameters are the same modules' but for the fused norms (``linear_qkv.layer_norm_weight``
+registered before ``linear_qkv.weight``; TE's own parameter order, read from its source, since TE is
+not installed here). Refused, naming the field: grouped-GEMM experts, ``decoupled_lr`` (a third
+group), any parameter name whose place is not known (e.g. multi-latent attention), and any state
+whose group sizes or tensor shapes do not match.
 
 Mixture of experts (optmoe): a routed expert's linears are ``allreduce=False`` only when
 ``expert_model_parallel_size > 1`` (``ColumnParallelLinear``/``RowParallelLinear``: ``not (is_expert
@@ -50,10 +52,15 @@ _VERSIONS = "megatron-core " + " / ".join(MEGATRON_CORE_VERSIONS)
 _LOCAL_LAYER_ORDER = (
     "input_layernorm.weight", "input_layernorm.bias",
     "self_attention.linear_proj.weight", "self_attention.linear_proj.bias",
+    # optmoe: the Transformer Engine spec fuses the input and pre-MLP norms into linear_qkv / linear_fc1
+    # (TELayerNormColumnParallelLinear = te.pytorch.LayerNormLinear, whose __init__ registers
+    # layer_norm_weight, layer_norm_bias, then weight, bias: TransformerEngine v2.0 to d0067d0).
+    "self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_qkv.layer_norm_bias",
     "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
     "self_attention.q_layernorm.weight", "self_attention.q_layernorm.bias",
     "self_attention.k_layernorm.weight", "self_attention.k_layernorm.bias",
     "pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias",
+    "mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.layer_norm_bias",
     "mlp.linear_fc1.weight", "mlp.linear_fc1.bias",
     "mlp.linear_fc2.weight", "mlp.linear_fc2.bias",
     # optmoe: MoELayer registers router, experts (SequentialMLP.local_experts), then shared_experts;
@@ -112,11 +119,6 @@ class OptimizerRules:
 
 def check_supported(config: ModelConfig, where: str) -> None:
     """Refuse models whose optimizer layout is not reproduced, naming the field."""
-    if config.transformer_impl != "local":
-        raise UnsupportedOptimizerError(
-            f"{where}: transformer_impl={quote(config.transformer_impl)}: the parameter order of Transformer "
-            f"Engine's fused modules is not reproduced for optimizer state ({_VERSIONS}); only the local "
-            "spec is; pass --skip-optimizer to convert the model alone")
     if config.num_experts and config.moe_grouped_gemm:
         raise UnsupportedOptimizerError(
             f"{where}: moe_grouped_gemm=True: the grouped-GEMM experts' parameters (TEGroupedMLP with the "

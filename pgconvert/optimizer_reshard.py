@@ -30,6 +30,7 @@ from pgconvert.layout import ParallelLayout
 from pgconvert.megatron_format import RANK_FILE, rank_dir_name, safe_torch_load
 from pgconvert.optimizer_map import (MEGATRON_CORE_VERSIONS, OptimizerLayoutError, OptimizerSlot, chained_slots,
                                      flat_buffers, optimizer_count)
+from pgconvert.optimizer_dp import check_dst_dp, with_dst_dp
 from pgconvert.optimizer_flat import DISTRIB_OPTIM_FILE, dp_size, planned_buffers
 from pgconvert.optimizer_state import CARRIED_KEYS, FORM_DISTRIBUTED, FORM_FP16, MOMENTS, OptimizerSource
 from pgconvert.torchzip import PlannedTensor
@@ -132,7 +133,8 @@ def _distributed_entries(source: OptimizerSource, count: int, groups: list[int])
 
 
 def _write_distributed(source: OptimizerSource, config: ModelConfig, layout: ParallelLayout, coord: RankCoord,
-                       padded_rows: int, rank_dir: Path, save: Callable[[dict[str, Any], Path], str]) -> Any:
+                       padded_rows: int, rank_dir: Path, save: Callable[[dict[str, Any], Path], str],
+                       dp: int | None = None) -> Any:
     """``distrib_optim.pt`` of rank ``coord``: each model chunk's coalesced flat buffers, under the source's
     dtype key, every parameter's piece cut with its rule (built when written); per chained optimizer, None
     for the dense one on expert-parallel ranks other than 0 (not its DP rank 0, as megatron-core saves).
@@ -149,7 +151,7 @@ def _write_distributed(source: OptimizerSource, config: ModelConfig, layout: Par
         if index == 0 and count > 1 and coord.ep > 0:
             contents.append(None)
             continue
-        buffers = flat_buffers(config, layout, coord, source.rules, padded_rows, args, dp_size(args), index)
+        buffers = flat_buffers(config, layout, coord, source.rules, padded_rows, args, dp or dp_size(args), index)
         content: dict[Any, Any] = {"buckets_coalesced": True}
         for number, (placed, numel) in enumerate(buffers):
             content[number] = {source.dtype_key: planned_buffers(placed, numel, piece)}
@@ -160,21 +162,26 @@ def _write_distributed(source: OptimizerSource, config: ModelConfig, layout: Par
 
 
 def carry_optimizer(source: OptimizerSource, config: ModelConfig, layout: ParallelLayout, iteration_dir: Path,
-                    padded_rows: int, save: Callable[[dict[str, Any], Path], str]) -> list[PlannedFile]:
+                    padded_rows: int, save: Callable[[dict[str, Any], Path], str],
+                    dst_dp: int | None = None) -> list[PlannedFile]:
     """Add the optimizer and the carried counters to every rank file under ``iteration_dir`` (written by
-    the model saver), rewriting each through ``save``; returns the rewritten files (sha256 filled)."""
+    the model saver), rewriting each through ``save``; returns the rewritten files (sha256 filled).
+    ``dst_dp``: the data-parallel size recorded in ``args`` (``optimizer_dp``)."""
     rewritten = []
     for coord in iter_ranks(layout):
         relpath = f"{rank_dir_name(coord.tp, coord.pp, coord.ep, layout.pp, layout.ep)}/{RANK_FILE}"
         path = iteration_dir / relpath
         state = dict(safe_torch_load(path))
         if source.form == FORM_DISTRIBUTED:
-            state["optimizer"] = _write_distributed(source, config, layout, coord, padded_rows, path.parent, save)
+            state["optimizer"] = _write_distributed(source, config, layout, coord, padded_rows, path.parent, save,
+                                                    dst_dp)
         else:
             state["optimizer"] = rank_optimizer(source, config, layout, coord, padded_rows)
         for key in CARRIED_KEYS:
             if key in source.first.extra:
                 state[key] = source.first.extra[key]
+        if dst_dp is not None:
+            state["args"] = with_dst_dp(state.get("args"), layout, dst_dp)
         partial = path.with_name(path.name + ".optim")
         save(state, partial)
         del state
@@ -195,8 +202,14 @@ def carry_training_state(conversion: Any, staging: Path, files: list[PlannedFile
     from pgconvert.savers.megatron import save_durably
 
     request, source = conversion.request, conversion.source
+    dst_dp = getattr(request, "dst_dp", None)
+    if dst_dp is not None:
+        check_dst_dp(dst_dp, conversion.save_options.layout, getattr(source, "args", None), request.skip_optimizer,
+                     conversion.dst_format)
     if request.skip_optimizer or conversion.src_format != "megatron" or conversion.dst_format != "megatron" \
             or not _holds_optimizer(source):
+        if dst_dp is not None:
+            raise ValidationError(f"--dst-dp {dst_dp}: the source holds no Megatron optimizer state to size")
         return []
     notices: list[str] = []
     if request.dtype != "keep":
@@ -217,7 +230,7 @@ def carry_training_state(conversion: Any, staging: Path, files: list[PlannedFile
     padded = target_vocab_rows(config, source.vocab_rows, options.layout)
     iteration_dir = staging / iteration_dir_name(source.iteration or 0, source.release)
     rewritten = {item.relpath for item in carry_optimizer(optimizer, config, options.layout, iteration_dir,
-                                                          padded, save_durably)}
+                                                          padded, save_durably, dst_dp)}
     files[:] = [PlannedFile(f.relpath, f.tensors, f.nbytes) if f.relpath in rewritten else f for f in files]
     return [f"optimizer ({optimizer.form}), scheduler, iteration, floating-point operations and consumed samples "
             f"carried to {options.layout.describe()}; " + RNG_NOTICE]

@@ -1,6 +1,6 @@
 """Run as a script: a tiny MoE training checkpoint whose optimizer state megatron-core itself laid out.
 
-argv: ROOT TP PP EP FORM (``fp32``: the plain optimizer; ``distributed``: ``distrib_optim.pt``). Beside
+argv: ROOT TP PP EP FORM (``fp32``/``bf16``: the plain optimizer; ``distributed``: ``distrib_optim.pt``). Beside
 ROOT, ``ROOT.positions.json``: megatron-core's parameter name at every position, per rank file.
 
 The model weights are the MoE fixture's (``conftest.MOE`` in float32: sequential experts, shared
@@ -74,6 +74,13 @@ def _flat_state(optimizer: torch.optim.Optimizer, ranges: list[dict[str, Any]]) 
     return content
 
 
+def _float16_entry(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``Float16OptimizerWithFloat16Params.state_dict`` (bf16: no grad scaler): the fp32 masters the
+    optimizer stepped, per group in params order; the model keeps their bf16 rounding."""
+    masters = [[p.detach().clone() for p in group["params"]] for group in optimizer.param_groups]
+    return {"optimizer": optimizer.state_dict(), "fp32_from_fp16_params": masters}
+
+
 def _distributed_entry(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """``DistributedOptimizer.state_dict``: the param groups without params, with the step."""
     inner = optimizer.state_dict()
@@ -114,6 +121,10 @@ def _train_rank(path: Path, coords: tuple[int, int, int], sizes: tuple[int, int,
     payload["args"].use_distributed_optimizer = form == "distributed"
     if form == "fp32":
         states = [optimizer.state_dict() for optimizer in optimizers]
+    elif form == "bf16":
+        states = [_float16_entry(optimizer) for optimizer in optimizers]
+        parameters = {name for name, _ in model.named_parameters()}
+        payload["model"] = {k: v.to(torch.bfloat16) if k in parameters else v for k, v in payload["model"].items()}
     else:
         states = [_distributed_entry(optimizer) for optimizer in optimizers]
         flats = [_flat_state(optimizer, _buffer_ranges(model, index == 1, group))

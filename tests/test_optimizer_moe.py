@@ -8,6 +8,7 @@ TP2 x EP2: the dense and expert-parallel optimizers chained, as ``get_megatron_o
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -109,6 +110,29 @@ def test_plain_ep2_to_ep1_and_back_is_bit_exact(plain: Path, tmp_path: Path) -> 
     assert not any(g["is_expert_parallel"] for g in optimizer["param_groups"])
     _convert(tmp_path / "ep1", tmp_path / "back", "--dst-ep", "2")
     _assert_round_trip(plain, tmp_path / "back")
+
+
+def test_bf16_ep2_to_ep1_and_back_is_bit_exact(tmp_path: Path) -> None:
+    # Float16OptimizerWithFloat16Params: the fp32 masters (fp32_from_fp16_params) of both chained optimizers.
+    source = _generate(tmp_path / "bf16", 2, 1, 2, "bf16")
+    _convert(source, tmp_path / "ep1", "--dst-ep", "1", "--dst-tp", "1")
+    optimizer = _files(tmp_path / "ep1")["mp_rank_00/model_optim_rng.pt"]["optimizer"]  # type: ignore[index]
+    assert [len(group) for group in optimizer["fp32_from_fp16_params"]] == [24 + 48, 9]
+    _convert(tmp_path / "ep1", tmp_path / "back", "--dst-ep", "2", "--dst-tp", "2")
+    _assert_round_trip(source, tmp_path / "back")
+
+
+def test_an_optimizer_list_that_does_not_match_the_layout_is_a_named_error(plain: Path, tmp_path: Path) -> None:
+    shutil.copytree(plain, tmp_path / "src")
+    path = tmp_path / "src" / ITER / "mp_rank_01_001" / "model_optim_rng.pt"
+    state = load_for_test(path)
+    state["optimizer"] = state["optimizer"][0]
+    torch.save(state, path)
+    result = CliRunner().invoke(main, ["convert", str(tmp_path / "src"), str(tmp_path / "out"), "-q", "--dst-ep", "1"],
+                                prog_name="pgconvert")
+    assert result.exit_code == 1, result.output
+    assert "mp_rank_01_001/model_optim_rng.pt: optimizer holds one optimizer, but megatron-core 0.16.1" in result.output
+    assert "chains 2" in result.output and "Traceback" not in result.output and not (tmp_path / "out").exists()
 
 
 def test_plain_tp_and_ep_change_together_and_back_is_bit_exact(plain: Path, tmp_path: Path) -> None:

@@ -5,7 +5,11 @@ group and writes ``{"buckets_coalesced": True, buffer_index: {(param_dtype, grad
 "exp_avg", "exp_avg_sq": fp32 flat tensors, "numel_unpadded": n}}}``: per model chunk's buffer, each
 parameter's range as ``optimizer_map.flat_buffers`` derives it (the padding after each bucket dropped),
 so the file does not depend on the DP size. The rank file's ``optimizer`` holds only the param groups
-(without ``params``, with ``step``): the same on every rank and carried as it is.
+(without ``params``, with ``step``): the same on every rank.
+
+MoE at expert parallel size > 1 (optmoe): ``ChainedOptimizer.save_parameter_state`` writes a list, one
+such dict per chained optimizer (dense, expert-parallel), None where the rank is not that optimizer's
+DP rank 0; the rank file's entry is the list of their param-group entries.
 """
 
 from __future__ import annotations

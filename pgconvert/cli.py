@@ -184,6 +184,9 @@ def _layout_option(name: str, help_text: str) -> Any:
               help="Convert the model alone. By default a Megatron per-rank source's plain optimizer state "
                    "(Adam moments, fp32 masters), scheduler and counters are resharded into a Megatron "
                    "per-rank DST (RNG state never is).")
+@click.option("--dst-dp", type=click.IntRange(min=1), default=None,
+              help="Data-parallel size the carried optimizer state is written for (args.data_parallel_size, "
+                   "world_size); distrib_optim.pt stays one per model-parallel rank, as Megatron-LM reads it.")
 def convert_command(src: Path, dst: Path, src_format: str, dst_format: str, src_tp: int | None,
                     src_pp: int | None, dst_tp: int | None, dst_pp: int | None,
                     dst_decoder_first_pipeline_num_layers: int | None,
@@ -196,7 +199,8 @@ def convert_command(src: Path, dst: Path, src_format: str, dst_format: str, src_
                     workers: int, max_memory: int | None,
                     shard_index: int | None, num_shards: int | None, strict: bool, finite_mode: str | None,
                     dry_run: bool, overwrite: bool,
-                    quiet: bool, verbose: bool, keep_fp8: bool = False, skip_optimizer: bool = False) -> None:
+                    quiet: bool, verbose: bool, keep_fp8: bool = False, skip_optimizer: bool = False,
+                    dst_dp: int | None = None) -> None:
     """Convert SRC into DST (the default command)."""
     _configure_logging(quiet, verbose)
     request = ConvertRequest(
@@ -215,6 +219,7 @@ def convert_command(src: Path, dst: Path, src_format: str, dst_format: str, src_
         generation_config=generation_config, tokenizer=tokenizer,
         keep_fp8=keep_fp8,
         skip_optimizer=skip_optimizer,
+        dst_dp=dst_dp,
     )
     try:
         shard = _shard_of_this_process(shard_index, num_shards)

@@ -84,6 +84,8 @@ class ConvertRequest:
     keep_fp8: bool = False
     # opt18: convert the model alone, without the source's optimizer state (pgconvert.optimizer_reshard).
     skip_optimizer: bool = False
+    # optmoe: the data-parallel size a Megatron per-rank DST records (pgconvert.optimizer_dp).
+    dst_dp: int | None = None
 
 
 @dataclass

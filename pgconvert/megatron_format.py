@@ -178,8 +178,9 @@ SAFE_GLOBALS: list[Any] = [
 ]
 
 
-def safe_torch_load(path: Path) -> dict[str, Any]:
-    """``torch.load(weights_only=True, mmap=True)`` with the allowlist; errors name the file."""
+def safe_torch_load(path: Path, list_ok: bool = False) -> Any:
+    """``torch.load(weights_only=True, mmap=True)`` with the allowlist; errors name the file. A dict at the top
+    level, or with ``list_ok`` a list (a chained optimizer's ``distrib_optim.pt``)."""
     try:
         with torch.serialization.safe_globals(SAFE_GLOBALS):
             # Structure and limits first (check_torch_file); a legacy file is read whole, without mmap.
@@ -199,7 +200,7 @@ def safe_torch_load(path: Path) -> dict[str, Any]:
             raise
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(f"{path}: truncated or corrupt torch checkpoint ({quote(first_line, 200)})") from exc
-    if not isinstance(loaded, dict):
+    if not isinstance(loaded, dict) and not (list_ok and isinstance(loaded, list)):
         raise CheckpointError(f"{path}: expected a dict at the top level, found {type(loaded).__name__}")
     return loaded
 

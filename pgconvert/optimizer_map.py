@@ -11,10 +11,19 @@ parameter still has the empty group): group 0 weight decay, group 1 no weight de
 ``optimizer.state`` is indexed by the position in the concatenation of the groups' ``params``.
 
 Reproduced for megatron-core 0.16.1 (pip) and 0.20.0 (Megatron-LM ``d98e8a64``), which build the
-groups the same way, for dense GPT models with megatron-core's local spec (``transformer_impl=local``).
-Refused, naming the field: the Transformer Engine spec (its fused modules' parameter order is not
-reproduced here), mixture-of-experts models (expert parameters go to a second, chained optimizer),
-``decoupled_lr`` (a third group), and any state whose group sizes or tensor shapes do not match.
+groups the same way, for GPT models with megatron-core's local spec and (optmoe) its Transformer Engine
+spec, whose parameters are the same modules' but for the fused norms (``linear_qkv.layer_norm_weight``
+registered before ``linear_qkv.weight``; TE's own parameter order, read from its source, since TE is
+not installed here). Refused, naming the field: grouped-GEMM experts, ``decoupled_lr`` (a third
+group), any parameter name whose place is not known (e.g. multi-latent attention), and any state
+whose group sizes or tensor shapes do not match.
+
+Mixture of experts (optmoe): a routed expert's linears are ``allreduce=False`` only when
+``expert_model_parallel_size > 1`` (``ColumnParallelLinear``/``RowParallelLinear``: ``not (is_expert
+and expert_parallel)``), and ``get_megatron_optimizer`` then builds a ``ChainedOptimizer`` of two: the
+dense groups (``is_expert_parallel=False``) over every chunk, then the expert groups over the same
+chunks (their own ``expert_parallel_buffers`` in DDP). At EP 1 the experts are ordinary dense
+parameters in the one optimizer. The router's ``expert_bias`` is a buffer, not a parameter.
 """
 
 from __future__ import annotations
@@ -31,8 +40,8 @@ from pgconvert.errors import CheckpointError, ValidationError
 from pgconvert.grid import RankCoord, build_converter_process_groups
 from pgconvert.layout import ParallelLayout
 from pgconvert.limits import quote
-from pgconvert.provider import (FINAL_NORM_BIAS, FINAL_NORM_WEIGHT, LAYER_PREFIX, OUTPUT_LAYER,
-                                POSITION_EMBEDDINGS, WORD_EMBEDDINGS, TensorSpec, provide)
+from pgconvert.provider import (EXPERT_PREFIX, EXPERTS_MODULE, FINAL_NORM_BIAS, FINAL_NORM_WEIGHT, LAYER_PREFIX,
+                                OUTPUT_LAYER, POSITION_EMBEDDINGS, WORD_EMBEDDINGS, TensorSpec, provide)
 
 MEGATRON_CORE_VERSIONS = ("0.16.1", "0.20.0")
 _VERSIONS = "megatron-core " + " / ".join(MEGATRON_CORE_VERSIONS)
@@ -43,13 +52,27 @@ _VERSIONS = "megatron-core " + " / ".join(MEGATRON_CORE_VERSIONS)
 _LOCAL_LAYER_ORDER = (
     "input_layernorm.weight", "input_layernorm.bias",
     "self_attention.linear_proj.weight", "self_attention.linear_proj.bias",
+    # optmoe: the Transformer Engine spec fuses the input and pre-MLP norms into linear_qkv / linear_fc1
+    # (TELayerNormColumnParallelLinear = te.pytorch.LayerNormLinear, whose __init__ registers
+    # layer_norm_weight, layer_norm_bias, then weight, bias: TransformerEngine v2.0 to d0067d0).
+    "self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_qkv.layer_norm_bias",
     "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
     "self_attention.q_layernorm.weight", "self_attention.q_layernorm.bias",
     "self_attention.k_layernorm.weight", "self_attention.k_layernorm.bias",
     "pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias",
+    "mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.layer_norm_bias",
     "mlp.linear_fc1.weight", "mlp.linear_fc1.bias",
     "mlp.linear_fc2.weight", "mlp.linear_fc2.bias",
+    # optmoe: MoELayer registers router, experts (SequentialMLP.local_experts), then shared_experts;
+    # named_parameters() yields a module's own parameters before its children's, so SharedExpertMLP's
+    # gate_weight (set after MLP.__init__ built linear_fc1/linear_fc2) comes first.
+    "mlp.router.weight", "mlp.router.bias", "mlp.experts.",
+    "mlp.shared_experts.gate_weight", "mlp.shared_experts.linear_fc1.weight", "mlp.shared_experts.linear_fc2.weight",
 )
+# One SequentialMLP expert (an MLP): linear_fc1 then linear_fc2, each weight before its bias.
+_EXPERT_ORDER = ("linear_fc1.weight", "linear_fc1.bias", "linear_fc2.weight", "linear_fc2.bias")
+# Registered buffers the provider lists among a layer's tensors: not optimizer parameters.
+_BUFFERS = ("mlp.router.expert_bias",)
 # GPTModel: embedding (word, then position), decoder (layers, then final_layernorm), output_layer.
 _BEFORE_LAYERS = (WORD_EMBEDDINGS, POSITION_EMBEDDINGS)
 _AFTER_LAYERS = (FINAL_NORM_WEIGHT, FINAL_NORM_BIAS, OUTPUT_LAYER)
@@ -72,6 +95,8 @@ class OptimizerSlot:
     position: int
     chunk: int
     spec: TensorSpec
+    # optmoe: the index in megatron-core's ChainedOptimizer (1: the expert-parallel optimizer).
+    optimizer: int = 0
 
 
 @dataclass(frozen=True)
@@ -94,28 +119,37 @@ class OptimizerRules:
 
 def check_supported(config: ModelConfig, where: str) -> None:
     """Refuse models whose optimizer layout is not reproduced, naming the field."""
-    if config.transformer_impl != "local":
+    if config.num_experts and config.moe_grouped_gemm:
         raise UnsupportedOptimizerError(
-            f"{where}: transformer_impl={quote(config.transformer_impl)}: the parameter order of Transformer "
-            f"Engine's fused modules is not reproduced for optimizer state ({_VERSIONS}); only the local "
-            "spec is; pass --skip-optimizer to convert the model alone")
-    if config.num_experts:
-        raise UnsupportedOptimizerError(
-            f"{where}: num_experts={config.num_experts}: expert parameters are kept by a second (chained) "
-            f"optimizer whose state pgconvert does not map ({_VERSIONS}); pass --skip-optimizer")
+            f"{where}: moe_grouped_gemm=True: the grouped-GEMM experts' parameters (TEGroupedMLP with the "
+            f"Transformer Engine spec, GroupedMLP weight1/weight2 with the local spec) are not mapped for "
+            f"optimizer state ({_VERSIONS}); only SequentialMLP experts are; pass --skip-optimizer")
 
 
-def _order_key(spec: TensorSpec) -> tuple[int, int, int]:
+def _order_key(spec: TensorSpec) -> tuple[int, int, int, int, int]:
     name = spec.local_name
     if name in _BEFORE_LAYERS:
-        return (0, 0, _BEFORE_LAYERS.index(name))
+        return (0, 0, _BEFORE_LAYERS.index(name), 0, 0)
     if name in _AFTER_LAYERS:
-        return (2, 0, _AFTER_LAYERS.index(name))
+        return (2, 0, _AFTER_LAYERS.index(name), 0, 0)
     index, _, rest = name[len(LAYER_PREFIX):].partition(".")
+    expert, _, inner = rest[len(EXPERT_PREFIX):].partition(".")
+    if name.startswith(LAYER_PREFIX) and rest.startswith(EXPERT_PREFIX) and expert.isdigit() \
+            and inner in _EXPERT_ORDER:
+        return (1, int(index), _LOCAL_LAYER_ORDER.index(EXPERTS_MODULE), int(expert), _EXPERT_ORDER.index(inner))
     if not name.startswith(LAYER_PREFIX) or rest not in _LOCAL_LAYER_ORDER:
         raise UnsupportedOptimizerError(f"parameter {quote(name)}: its place in megatron-core's module order "
                                         f"is not known to pgconvert ({_VERSIONS})")
-    return (1, int(index), _LOCAL_LAYER_ORDER.index(rest))
+    return (1, int(index), _LOCAL_LAYER_ORDER.index(rest), 0, 0)
+
+
+def _is_buffer(spec: TensorSpec) -> bool:
+    return any(spec.local_name.endswith("." + name) for name in _BUFFERS)
+
+
+def is_expert_parallel(spec: TensorSpec, layout: ParallelLayout) -> bool:
+    """megatron-core's ``not param.allreduce``: a routed expert's parameter at expert parallel size > 1."""
+    return layout.ep > 1 and f".{EXPERTS_MODULE}" in spec.local_name
 
 
 def _no_weight_decay(spec: TensorSpec, rules: OptimizerRules) -> bool:
@@ -133,34 +167,63 @@ def named_parameters(config: ModelConfig, layout: ParallelLayout, coord: RankCoo
     ordered: list[tuple[int, TensorSpec]] = []
     for chunk in range(layout.virtual_size):
         shard = provide(config, groups, padded_vocab_size, chunk)
-        ordered += [(chunk, spec) for spec in sorted(shard.specs, key=_order_key)]
+        ordered += [(chunk, spec) for spec in sorted((s for s in shard.specs if not _is_buffer(s)), key=_order_key)]
     return ordered
+
+
+def optimizer_count(config: ModelConfig, layout: ParallelLayout) -> int:
+    """The optimizers megatron-core chains: the dense one, and the expert one at expert parallel > 1."""
+    return 2 if config.num_experts and layout.ep > 1 else 1
+
+
+def _group_count(config: ModelConfig, optimizer: int) -> int:
+    """Groups per optimizer: keys are all-gathered over the world, so a group exists on every rank once any
+    rank has a member. Dense: weight decay and no weight decay (norms). Experts: no weight decay only
+    with their biases (``add_bias_linear``)."""
+    return 2 if optimizer == 0 or config.add_bias_linear else 1
+
+
+def chained_slots(config: ModelConfig, layout: ParallelLayout, coord: RankCoord,
+                  rules: OptimizerRules = OptimizerRules(),
+                  padded_vocab_size: int | None = None) -> list[list[list[OptimizerSlot]]]:
+    """Per chained optimizer (dense, then expert-parallel), its param groups (weight decay, then no weight
+    decay), each a list of slots in ``params`` order; positions count across one optimizer's groups as its
+    ``state`` does."""
+    check_supported(config, f"layout {layout.describe()}")
+    count = optimizer_count(config, layout)
+    members: list[list[list[tuple[int, TensorSpec]]]] = [
+        [[] for _ in range(_group_count(config, index))] for index in range(count)]
+    for chunk, spec in named_parameters(config, layout, coord, padded_vocab_size):
+        optimizer = 1 if is_expert_parallel(spec, layout) else 0
+        group = 1 if _no_weight_decay(spec, rules) else 0
+        members[optimizer][group].append((chunk, spec))
+    chained: list[list[list[OptimizerSlot]]] = []
+    for optimizer, groups in enumerate(members):
+        position, built = 0, []
+        for index, group in enumerate(groups):
+            built.append([OptimizerSlot(index, position + i, chunk, spec, optimizer)
+                          for i, (chunk, spec) in enumerate(group)])
+            position += len(group)
+        chained.append(built)
+    return chained
 
 
 def optimizer_slots(config: ModelConfig, layout: ParallelLayout, coord: RankCoord,
                     rules: OptimizerRules = OptimizerRules(),
                     padded_vocab_size: int | None = None) -> list[list[OptimizerSlot]]:
-    """The param groups of rank ``coord``'s optimizer (weight decay, then no weight decay), each a list
-    of slots in ``params`` order; positions count across the groups as ``optimizer.state`` does."""
-    check_supported(config, f"layout {layout.describe()}")
-    decay: list[tuple[int, TensorSpec]] = []
-    no_decay: list[tuple[int, TensorSpec]] = []
-    for chunk, spec in named_parameters(config, layout, coord, padded_vocab_size):
-        (no_decay if _no_weight_decay(spec, rules) else decay).append((chunk, spec))
-    groups: list[list[OptimizerSlot]] = []
-    position = 0
-    for index, members in enumerate((decay, no_decay)):
-        groups.append([OptimizerSlot(index, position + i, chunk, spec) for i, (chunk, spec) in enumerate(members)])
-        position += len(members)
-    return groups
+    """The param groups of rank ``coord``'s optimizers, the chained optimizers' groups one after another
+    (each slot names its ``optimizer``; positions count within it)."""
+    return [group for groups in chained_slots(config, layout, coord, rules, padded_vocab_size) for group in groups]
 
 
 _WD_MULT = (1.0, 0.0)
 
 
-def check_param_groups(slots: Sequence[Sequence[OptimizerSlot]], param_groups: Any, where: str) -> None:
+def check_param_groups(slots: Sequence[Sequence[OptimizerSlot]], param_groups: Any, where: str,
+                       expert: bool = False) -> None:
     """The stored ``param_groups`` have the groups, sizes, positions and weight-decay multipliers
-    that ``slots`` derive; refuse (naming the field) otherwise."""
+    that ``slots`` derive (of the expert-parallel optimizer with ``expert``); refuse (naming the field)
+    otherwise."""
     if not isinstance(param_groups, list) or len(param_groups) != len(slots):
         count = len(param_groups) if isinstance(param_groups, list) else quote(type(param_groups).__name__)
         raise OptimizerLayoutError(
@@ -174,11 +237,12 @@ def check_param_groups(slots: Sequence[Sequence[OptimizerSlot]], param_groups: A
             raise OptimizerLayoutError(
                 f"{where}: optimizer.param_groups[{index}].params = {quote(group.get('params'), 120)}, but the "
                 f"model's parameter count gives {quote(expected, 120)} ({_VERSIONS} group order)")
-        if group.get("wd_mult", _WD_MULT[index]) != _WD_MULT[index] or group.get("is_expert_parallel", False):
+        if group.get("wd_mult", _WD_MULT[index]) != _WD_MULT[index] \
+                or bool(group.get("is_expert_parallel", False)) != expert:
             raise OptimizerLayoutError(
                 f"{where}: optimizer.param_groups[{index}]: wd_mult={quote(group.get('wd_mult'))}, "
                 f"is_expert_parallel={quote(group.get('is_expert_parallel'))}: not the group {_VERSIONS} "
-                f"builds there (wd_mult={_WD_MULT[index]}, not expert parallel)")
+                f"builds there (wd_mult={_WD_MULT[index]}, is_expert_parallel={expert})")
 
 
 def check_state_shapes(slots: Sequence[Sequence[OptimizerSlot]], state: Mapping[Any, Any], where: str) -> None:
@@ -221,11 +285,12 @@ def _bucket_size(args: argparse.Namespace | None, coord: RankCoord, chunk: int, 
 
 def flat_buffers(config: ModelConfig, layout: ParallelLayout, coord: RankCoord, rules: OptimizerRules,
                  padded_vocab_size: int | None, args: argparse.Namespace | None = None,
-                 dp: int = 1) -> list[tuple[list[FlatParam], int]]:
+                 dp: int = 1, optimizer: int = 0) -> list[tuple[list[FlatParam], int]]:
     """Per model chunk (``distrib_optim.pt``'s buffer index), its parameters' ranges in the coalesced
     buffer and the buffer's unpadded size: ``_ParamAndGradBuffer`` walks the chunk's parameters in
     reverse order, each starting at a multiple of 64 (distributed optimizer); the coalesced checkpoint
-    drops only the padding after each bucket. One bucket per buffer is reproduced; more are refused."""
+    drops only the padding after each bucket. One bucket per buffer is reproduced; more are refused.
+    ``optimizer`` 1: the expert-parallel parameters' buffers (DDP's ``expert_parallel_buffers``)."""
     if config.tie_embeddings and layout.pp > 1:
         raise UnsupportedOptimizerError(
             "tied embeddings with pp > 1: the shared embedding gets its own distributed-optimizer bucket, "
@@ -238,7 +303,7 @@ def flat_buffers(config: ModelConfig, layout: ParallelLayout, coord: RankCoord, 
     buffers: list[tuple[list[FlatParam], int]] = []
     for chunk in range(layout.virtual_size):
         cursor, placed = 0, []
-        for slot in reversed([slot for slot in named if slot.chunk == chunk]):
+        for slot in reversed([slot for slot in named if slot.chunk == chunk and slot.optimizer == optimizer]):
             start = -(-cursor // 64) * 64
             cursor = start + slot.spec.numel
             placed.append(FlatParam(slot, start, cursor))
@@ -247,5 +312,6 @@ def flat_buffers(config: ModelConfig, layout: ParallelLayout, coord: RankCoord, 
             raise UnsupportedOptimizerError(
                 f"args.overlap_grad_reduce with a DDP bucket size of {bucket} splits model chunk {chunk}'s buffer "
                 f"({cursor} elements) into several buckets, which pgconvert does not reproduce ({_VERSIONS})")
-        buffers.append((placed, cursor))
+        if placed or optimizer == 0:
+            buffers.append((placed, cursor))
     return buffers

@@ -28,9 +28,10 @@ from pgconvert.formats import PlannedFile
 from pgconvert.grid import RankCoord, iter_ranks
 from pgconvert.layout import ParallelLayout
 from pgconvert.megatron_format import RANK_FILE, rank_dir_name, safe_torch_load
-from pgconvert.optimizer_map import MEGATRON_CORE_VERSIONS, OptimizerLayoutError, OptimizerSlot, optimizer_slots
+from pgconvert.optimizer_map import (MEGATRON_CORE_VERSIONS, OptimizerLayoutError, OptimizerSlot, chained_slots,
+                                     flat_buffers, optimizer_count)
+from pgconvert.optimizer_dp import check_dst_dp, with_dst_dp
 from pgconvert.optimizer_flat import DISTRIB_OPTIM_FILE, dp_size, planned_buffers
-from pgconvert.optimizer_map import flat_buffers
 from pgconvert.optimizer_state import CARRIED_KEYS, FORM_DISTRIBUTED, FORM_FP16, MOMENTS, OptimizerSource
 from pgconvert.torchzip import PlannedTensor
 
@@ -87,17 +88,25 @@ def _planned(source: OptimizerSource, slot: OptimizerSlot, key: str, rows: int |
 
 
 def rank_optimizer(source: OptimizerSource, config: ModelConfig, layout: ParallelLayout, coord: RankCoord,
+                   padded_rows: int) -> dict[str, Any] | list[dict[str, Any]]:
+    """The ``optimizer`` entry of rank ``coord`` at ``layout``, in the source's form: one optimizer's, or
+    the list of the chained dense and expert-parallel optimizers' (MoE at expert parallel size > 1)."""
+    chained = chained_slots(config, layout, coord, source.rules, padded_rows)
+    entries = [_one_optimizer(source, slots, index, padded_rows) for index, slots in enumerate(chained)]
+    return entries[0] if len(entries) == 1 else entries
+
+
+def _one_optimizer(source: OptimizerSource, slots: list[list[OptimizerSlot]], index: int,
                    padded_rows: int) -> dict[str, Any]:
-    """The ``optimizer`` entry of rank ``coord`` at ``layout``, in the source's form."""
-    slots = optimizer_slots(config, layout, coord, source.rules, padded_rows)
-    settings = source.param_group_settings()
+    settings = source.param_group_settings(index, len(slots))
     state: dict[int, dict[str, Any]] = {}
     for slot in (slot for group in slots for slot in group):
         rows = padded_rows if slot.spec.rule.fits_rows else None
         entry: dict[str, Any] = {"step": source.step(slot.spec.canonical)}
         entry.update({key: _planned(source, slot, key, rows) for key in MOMENTS})
         state[slot.position] = entry
-    groups = [dict(settings[index], params=[slot.position for slot in members]) for index, members in enumerate(slots)]
+    groups = [dict(settings[number], params=[slot.position for slot in members])
+              for number, members in enumerate(slots)]
     inner = {"state": state, "param_groups": groups}
     if source.form != FORM_FP16:
         return inner
@@ -109,40 +118,70 @@ def rank_optimizer(source: OptimizerSource, config: ModelConfig, layout: Paralle
     return optimizer
 
 
+def _distributed_entries(source: OptimizerSource, count: int, groups: list[int]) -> Any:
+    """The rank file's entry of a distributed optimizer (param groups with their step, no params), per
+    chained optimizer: the source's own, or its dense one with ``is_expert_parallel`` set."""
+    held = source.first.extra["distributed_entries"]
+    entries = []
+    for index in range(count):
+        entry = dict(held[min(index, len(held) - 1)])
+        step = entry["optimizer"]["param_groups"][0].get("step")
+        settings = source.param_group_settings(index, groups[index])
+        entry["optimizer"] = dict(entry["optimizer"], param_groups=[dict(group, step=step) for group in settings])
+        entries.append(entry)
+    return entries[0] if count == 1 else entries
+
+
 def _write_distributed(source: OptimizerSource, config: ModelConfig, layout: ParallelLayout, coord: RankCoord,
-                       padded_rows: int, rank_dir: Path, save: Callable[[dict[str, Any], Path], str]) -> None:
+                       padded_rows: int, rank_dir: Path, save: Callable[[dict[str, Any], Path], str],
+                       dp: int | None = None) -> Any:
     """``distrib_optim.pt`` of rank ``coord``: each model chunk's coalesced flat buffers, under the source's
-    dtype key, every parameter's piece cut with its rule (built when written)."""
+    dtype key, every parameter's piece cut with its rule (built when written); per chained optimizer, None
+    for the dense one on expert-parallel ranks other than 0 (not its DP rank 0, as megatron-core saves).
+    Returns the rank file's optimizer entry."""
     args = source.first.extra.get("args")
-    buffers = flat_buffers(config, layout, coord, source.rules, padded_rows, args, dp_size(args))
 
     def piece(slot: OptimizerSlot, key: str) -> torch.Tensor:
         rows = padded_rows if slot.spec.rule.fits_rows else None
         return source.piece(slot.spec.canonical, key, slot.spec.tp_size, slot.spec.tp_rank, rows)
 
-    content: dict[Any, Any] = {"buckets_coalesced": True}
-    for index, (placed, numel) in enumerate(buffers):
-        content[index] = {source.dtype_key: planned_buffers(placed, numel, piece)}
-    save(content, rank_dir / DISTRIB_OPTIM_FILE)
+    count = optimizer_count(config, layout)
+    contents: list[Any] = []
+    for index in range(count):
+        if index == 0 and count > 1 and coord.ep > 0:
+            contents.append(None)
+            continue
+        buffers = flat_buffers(config, layout, coord, source.rules, padded_rows, args, dp or dp_size(args), index)
+        content: dict[Any, Any] = {"buckets_coalesced": True}
+        for number, (placed, numel) in enumerate(buffers):
+            content[number] = {source.dtype_key: planned_buffers(placed, numel, piece)}
+        contents.append(content)
+    save(contents[0] if count == 1 else contents, rank_dir / DISTRIB_OPTIM_FILE)  # type: ignore[arg-type]
+    groups = [len(slots) for slots in chained_slots(config, layout, coord, source.rules, padded_rows)]
+    return _distributed_entries(source, count, groups)
 
 
 def carry_optimizer(source: OptimizerSource, config: ModelConfig, layout: ParallelLayout, iteration_dir: Path,
-                    padded_rows: int, save: Callable[[dict[str, Any], Path], str]) -> list[PlannedFile]:
+                    padded_rows: int, save: Callable[[dict[str, Any], Path], str],
+                    dst_dp: int | None = None) -> list[PlannedFile]:
     """Add the optimizer and the carried counters to every rank file under ``iteration_dir`` (written by
-    the model saver), rewriting each through ``save``; returns the rewritten files (sha256 filled)."""
+    the model saver), rewriting each through ``save``; returns the rewritten files (sha256 filled).
+    ``dst_dp``: the data-parallel size recorded in ``args`` (``optimizer_dp``)."""
     rewritten = []
     for coord in iter_ranks(layout):
         relpath = f"{rank_dir_name(coord.tp, coord.pp, coord.ep, layout.pp, layout.ep)}/{RANK_FILE}"
         path = iteration_dir / relpath
         state = dict(safe_torch_load(path))
         if source.form == FORM_DISTRIBUTED:
-            state["optimizer"] = source.first.extra["distributed_entry"]
-            _write_distributed(source, config, layout, coord, padded_rows, path.parent, save)
+            state["optimizer"] = _write_distributed(source, config, layout, coord, padded_rows, path.parent, save,
+                                                    dst_dp)
         else:
             state["optimizer"] = rank_optimizer(source, config, layout, coord, padded_rows)
         for key in CARRIED_KEYS:
             if key in source.first.extra:
                 state[key] = source.first.extra[key]
+        if dst_dp is not None:
+            state["args"] = with_dst_dp(state.get("args"), layout, dst_dp)
         partial = path.with_name(path.name + ".optim")
         save(state, partial)
         del state
@@ -163,8 +202,14 @@ def carry_training_state(conversion: Any, staging: Path, files: list[PlannedFile
     from pgconvert.savers.megatron import save_durably
 
     request, source = conversion.request, conversion.source
+    dst_dp = getattr(request, "dst_dp", None)
+    if dst_dp is not None:
+        check_dst_dp(dst_dp, conversion.save_options.layout, getattr(source, "args", None), request.skip_optimizer,
+                     conversion.dst_format)
     if request.skip_optimizer or conversion.src_format != "megatron" or conversion.dst_format != "megatron" \
             or not _holds_optimizer(source):
+        if dst_dp is not None:
+            raise ValidationError(f"--dst-dp {dst_dp}: the source holds no Megatron optimizer state to size")
         return []
     notices: list[str] = []
     if request.dtype != "keep":
@@ -185,7 +230,7 @@ def carry_training_state(conversion: Any, staging: Path, files: list[PlannedFile
     padded = target_vocab_rows(config, source.vocab_rows, options.layout)
     iteration_dir = staging / iteration_dir_name(source.iteration or 0, source.release)
     rewritten = {item.relpath for item in carry_optimizer(optimizer, config, options.layout, iteration_dir,
-                                                          padded, save_durably)}
+                                                          padded, save_durably, dst_dp)}
     files[:] = [PlannedFile(f.relpath, f.tensors, f.nbytes) if f.relpath in rewritten else f for f in files]
     return [f"optimizer ({optimizer.form}), scheduler, iteration, floating-point operations and consumed samples "
             f"carried to {options.layout.describe()}; " + RNG_NOTICE]

@@ -10,7 +10,8 @@ layout's rank (``piece``) with the parameter's own ShardRule. Two forms are read
 - Float16OptimizerWithFloat16Params (``--bf16``/``--fp16``): ``optimizer = {optimizer: {state,
   param_groups}, grad_scaler, fp32_from_fp16_params}``, the fp32 masters per group in params order.
 
-The distributed optimizer (``distrib_optim.pt``) and chained optimizers (a list) are refused here.
+A mixture-of-experts run at expert parallel size > 1 chains two optimizers (dense, then expert-parallel):
+``optimizer`` is then a list of two entries of the same form (optmoe), each with its own positions.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from pgconvert.grid import RankCoord
 from pgconvert.limits import quote
 from pgconvert.megatron_format import safe_torch_load
 from pgconvert.optimizer_map import (MEGATRON_CORE_VERSIONS, OptimizerLayoutError, OptimizerRules, OptimizerSlot,
-                                     UnsupportedOptimizerError, check_param_groups, check_state_shapes,
-                                     optimizer_slots)
+                                     UnsupportedOptimizerError, chained_slots, check_param_groups,
+                                     check_state_shapes)
 from pgconvert.optimizer_flat import DISTRIB_OPTIM_FILE, read_distributed
 from pgconvert.rules import ReplicaMismatchError
 
@@ -44,11 +45,27 @@ CARRIED_KEYS = ("opt_param_scheduler", "num_floating_point_operations_so_far")
 
 @dataclass
 class _RankOptimizer:
+    """One rank's optimizers (one, or the dense and expert-parallel ones chained): per optimizer its groups
+    of slots, its ``{state, param_groups}`` and its fp32 masters by position."""
+
     path: Path
-    slots: list[list[OptimizerSlot]]
-    inner: dict[str, Any]
-    masters: list[torch.Tensor]
+    slots: list[list[list[OptimizerSlot]]]
+    inners: list[dict[str, Any]]
+    masters: list[list[torch.Tensor]]
     extra: dict[str, Any]
+
+
+def chained_entries(optimizer: Any, count: int, path: Path) -> list[Any]:
+    """The rank file's optimizer entry per chained optimizer: a list of ``count`` (dense, expert-parallel)
+    when megatron-core chains two (ChainedOptimizer.state_dict), else the one entry."""
+    if count == 1 and not isinstance(optimizer, list):
+        return [optimizer]
+    if not isinstance(optimizer, list) or len(optimizer) != count:
+        held = f"a list of {len(optimizer)}" if isinstance(optimizer, list) else "one optimizer"
+        raise OptimizerLayoutError(
+            f"{path}: optimizer holds {held}, but megatron-core {' / '.join(MEGATRON_CORE_VERSIONS)} chains {count} "
+            "for this model and layout (dense, then expert-parallel at expert parallel size > 1)")
+    return optimizer
 
 
 def _form_of(optimizer: Any, path: Path) -> str:
@@ -56,10 +73,6 @@ def _form_of(optimizer: Any, path: Path) -> str:
         return FORM_FP32
     if isinstance(optimizer, dict) and "fp32_from_fp16_params" in optimizer and "optimizer" in optimizer:
         return FORM_FP16
-    if isinstance(optimizer, list):
-        raise UnsupportedOptimizerError(
-            f"{path}: optimizer is a list of {len(optimizer)} chained optimizers (expert or per-group "
-            "optimizers), which pgconvert does not map; pass --skip-optimizer")
     if isinstance(optimizer, dict) and isinstance(optimizer.get("optimizer"), dict) \
             and "state" not in optimizer["optimizer"]:
         _check_distributed(optimizer, path)
@@ -134,7 +147,7 @@ class OptimizerSource:
         for coord, path in sorted(source.files.items(), key=lambda item: (item[0].pp, item[0].ep, item[0].tp)):
             self.ranks[coord] = self._read_rank(coord, Path(path), chunk_keys)
         self.first = self.ranks[min(self.ranks, key=lambda c: (c.pp, c.ep, c.tp))]
-        self.dtype_key = self.first.inner.get("dtype_key")
+        self.dtype_key = self.first.inners[0].get("dtype_key")
         self.rules = OptimizerRules.from_args(self.first.extra.get("args"), str(self.first.path))
         self._owners = self._index()
 
@@ -143,34 +156,45 @@ class OptimizerSource:
         if "optimizer" not in state:
             raise OptimizerLayoutError(f"{path}: no 'optimizer' entry (saved with --no-save-optim?); "
                                        "pass --skip-optimizer")
-        optimizer = state["optimizer"]
-        form = _form_of(optimizer, path)
-        if self.form and form != self.form:
+        rules = OptimizerRules.from_args(state.get("args"), str(path))
+        chained = chained_slots(self.config, self.layout, coord, rules, self.vocab_rows)
+        entries = chained_entries(state["optimizer"], len(chained), path)
+        forms = {_form_of(entry, path) for entry in entries}
+        form = forms.pop()
+        if forms or (self.form and form != self.form):
             raise OptimizerLayoutError(f"{path}: optimizer form {form} differs from the first rank's {self.form}")
         self.form = form
-        inner = optimizer if form == FORM_FP32 else optimizer["optimizer"]
-        rules = OptimizerRules.from_args(state.get("args"), str(path))
-        slots = optimizer_slots(self.config, self.layout, coord, rules, self.vocab_rows)
-        if form == FORM_DISTRIBUTED:
-            flat_inner, masters = read_distributed(self.config, self.layout, coord, rules, self.vocab_rows, state, path)
-            extra = {key: state[key] for key in (*CARRIED_KEYS, "iteration", "args") if key in state}
-            extra["distributed_entry"] = optimizer
-            check_masters_round(state, slots, masters, chunk_keys, path, "distrib_optim.pt param")
-            return _RankOptimizer(path, slots, flat_inner, masters, extra)
-        check_param_groups(slots, inner.get("param_groups"), str(path))
-        check_state_shapes(slots, inner.get("state"), str(path))
-        masters = _masters(form, optimizer, state, slots, chunk_keys, path)
         extra = {key: state[key] for key in (*CARRIED_KEYS, "iteration", "args") if key in state}
-        if form == FORM_FP16 and "grad_scaler" in optimizer:
-            extra["grad_scaler"] = optimizer["grad_scaler"]
-        return _RankOptimizer(path, slots, inner, masters, extra)
+        if form == FORM_DISTRIBUTED:
+            extra["distributed_entries"] = entries
+            views = read_distributed(self.config, self.layout, coord, rules, self.vocab_rows, state, path, entries)
+            inners, masters = [], []
+            for index, view in enumerate(views):
+                if view is None:  # not this rank's to save: its slots are read from expert-parallel rank 0
+                    chained[index] = [[] for _ in chained[index]]
+                    view = ({"state": {}, "param_groups": []}, {})
+                inners.append(view[0])
+                masters.append([view[1][slot.position] for group in chained[index] for slot in group])
+                check_masters_round(state, chained[index], masters[-1], chunk_keys, path, "distrib_optim.pt param")
+            return _RankOptimizer(path, chained, inners, masters, extra)
+        inners, masters = [], []
+        for index, (entry, slots) in enumerate(zip(entries, chained)):
+            inner = entry if form == FORM_FP32 else entry["optimizer"]
+            where = str(path) if len(entries) == 1 else f"{path} optimizer[{index}]"
+            check_param_groups(slots, inner.get("param_groups"), where, expert=index == 1)
+            check_state_shapes(slots, inner.get("state"), where)
+            masters.append(_masters(form, entry, state, slots, chunk_keys, path))
+            inners.append(inner)
+        if form == FORM_FP16 and "grad_scaler" in entries[0]:
+            extra["grad_scaler"] = entries[0]["grad_scaler"]
+        return _RankOptimizer(path, chained, inners, masters, extra)
 
     def _index(self) -> dict[str, list[tuple[_RankOptimizer, OptimizerSlot]]]:
         """Per canonical name, its pieces in TP order, from the first stage/chunk that holds it (a tied
         output layer's copy on the last stage is the same parameter, kept equal by megatron-core)."""
         owners: dict[str, tuple[tuple[int, int, int], list[tuple[_RankOptimizer, OptimizerSlot]]]] = {}
         for coord, rank in self.ranks.items():
-            for slot in (slot for group in rank.slots for slot in group):
+            for slot in (slot for groups in rank.slots for group in groups for slot in group):
                 where = (coord.pp, slot.chunk, coord.ep)
                 held = owners.get(slot.spec.canonical)
                 if held is None or where < held[0]:
@@ -188,8 +212,8 @@ class OptimizerSource:
 
     def _pieces(self, name: str, key: str) -> list[torch.Tensor]:
         if key == "param":
-            return [rank.masters[slot.position] for rank, slot in self._owners[name]]
-        return [rank.inner["state"][slot.position][key] for rank, slot in self._owners[name]]
+            return [rank.masters[slot.optimizer][slot.position] for rank, slot in self._owners[name]]
+        return [rank.inners[slot.optimizer]["state"][slot.position][key] for rank, slot in self._owners[name]]
 
     def _replicas_differ(self, name: str, key: str, error: ReplicaMismatchError) -> OptimizerLayoutError:
         owners = self._owners[name]
@@ -229,6 +253,15 @@ class OptimizerSource:
         except ReplicaMismatchError as error:
             raise self._replicas_differ(name, key, error) from error
 
-    def param_group_settings(self) -> list[dict[str, Any]]:
-        """The first rank's param groups without their ``params`` (hyperparameters, lr, wd_mult…)."""
-        return [{k: v for k, v in group.items() if k != "params"} for group in self.first.inner["param_groups"]]
+    def param_group_settings(self, optimizer: int = 0, count: int | None = None) -> list[dict[str, Any]]:
+        """The param groups (without ``params``: hyperparameters, lr, wd_mult…) of chained optimizer
+        ``optimizer`` (1: expert-parallel) of a target, ``count`` of them: the source's own where it has that
+        optimizer, else its dense groups with ``is_expert_parallel`` set (megatron-core builds both from one
+        config; they differ only there)."""
+        inners = self.first.inners
+        own = optimizer < len(inners) and (inners[optimizer].get("param_groups") or self.form != FORM_DISTRIBUTED)
+        groups = inners[optimizer if own else 0]["param_groups"]
+        settings = [{k: v for k, v in group.items() if k != "params"} for group in groups]
+        if not own:
+            settings = [dict(group, is_expert_parallel=optimizer == 1) for group in settings]
+        return settings if count is None else settings[:count]

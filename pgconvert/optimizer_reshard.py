@@ -163,8 +163,8 @@ def carry_training_state(conversion: Any, staging: Path, files: list[PlannedFile
     from pgconvert.savers.megatron import save_durably
 
     request, source = conversion.request, conversion.source
-    if request.skip_optimizer or conversion.src_format != "megatron" or conversion.dst_format != "megatron" \
-            or not _holds_optimizer(source):
+    if request.skip_optimizer or conversion.src_format not in ("megatron", "torch_dist") \
+            or conversion.dst_format != "megatron" or not _holds_optimizer(source):
         return []
     notices: list[str] = []
     if request.dtype != "keep":
@@ -172,7 +172,7 @@ def carry_training_state(conversion: Any, staging: Path, files: list[PlannedFile
                  "form changes); pass --skip-optimizer", request.strict, notices)
         return notices
     try:
-        optimizer = OptimizerSource(source)
+        optimizer = open_optimizer(source, conversion.src_format)
     except ValidationError as exc:
         fallback(f"optimizer state not carried: {exc}", request.strict, notices)
         return notices
@@ -191,7 +191,18 @@ def carry_training_state(conversion: Any, staging: Path, files: list[PlannedFile
             f"carried to {options.layout.describe()}; " + RNG_NOTICE]
 
 
+def open_optimizer(source: Any, src_format: str) -> OptimizerSource:
+    """The optimizer state of an open Megatron per-rank or torch_dist source."""
+    if src_format == "torch_dist":  # opttd
+        from pgconvert.optimizer_torch_dist import TorchDistOptimizerSource
+        return TorchDistOptimizerSource(source)
+    return OptimizerSource(source)
+
+
 def _holds_optimizer(source: Any) -> bool:
+    if hasattr(source, "common_state"):  # opttd: torch_dist
+        from pgconvert.optimizer_torch_dist import holds_optimizer
+        return holds_optimizer(source)
     files = getattr(source, "files", None)
     if not files:
         return False
@@ -206,16 +217,17 @@ def replace_saver_notice(notices: list[str], carried: list[str]) -> list[str]:
 
 
 def export_from_path(src: Path, out_dir: Path, iteration: int | None) -> int:
-    """``export-optimizer``: open the Megatron per-rank checkpoint ``src`` and write its per-parameter
-    optimizer state into ``out_dir`` (which must not exist or be empty)."""
+    """``export-optimizer``: open the Megatron per-rank or torch_dist checkpoint ``src`` and write its
+    per-parameter optimizer state into ``out_dir`` (which must not exist or be empty)."""
     from pgconvert.errors import DestinationError
     from pgconvert.formats import LoadOptions
-    from pgconvert.registry import get_loader
+    from pgconvert.registry import detect_format, get_loader
 
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise DestinationError(f"OUT {out_dir}: exists and is not an empty directory")
-    source = get_loader("megatron").open(src, LoadOptions(iteration=iteration))
+    src_format = "torch_dist" if detect_format(src) == "torch_dist" else "megatron"
+    source = get_loader(src_format).open(src, LoadOptions(iteration=iteration))
     try:
-        return export_parameters(OptimizerSource(source), out_dir)
+        return export_parameters(open_optimizer(source, src_format), out_dir)
     finally:
         source.close()

@@ -40,6 +40,13 @@ MODEL_FLAGS = [
     "--train-iters", "2", "--seed", "1234", "--save-interval", "2", "--eval-iters", "0", "--eval-interval", "1000",
     "--log-interval", "1",
 ]
+# opttd: a smaller model for the distributed-optimizer torch_dist goldens (tests/data stays under
+# 8 MB); given after MODEL_FLAGS, so argparse keeps these values. Vocab 63 padded to 64 (TP2).
+SMALL_MODEL_FLAGS = ["--hidden-size", "16", "--ffn-hidden-size", "32", "--vocab-size", "63",
+                     "--make-vocab-size-divisible-by", "32"]
+_DISTOPT_TORCH_DIST = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "1",
+                       "--ckpt-format", "torch_dist", "--use-distributed-optimizer", "--bf16", "--no-save-rng",
+                       *SMALL_MODEL_FLAGS]
 # golden directory -> the flags that make it (all 4 ranks)
 TRAINING_RUNS: dict[str, list[str]] = {
     "train_tp2pp2_torch": ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
@@ -49,14 +56,24 @@ TRAINING_RUNS: dict[str, list[str]] = {
     "train_tp2dp2_bf16_torch": ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "1",
                                 "--ckpt-format", "torch", "--bf16"],
     "train_tp2pp2_bf16_torch_dist": ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-                                     "--ckpt-format", "torch_dist", "--bf16"],
+                                     "--ckpt-format", "torch_dist", "--bf16", *SMALL_MODEL_FLAGS],
+    # opttd: the three torch_dist forms of the distributed optimizer's state, TP2 DP2
+    "train_tp2dp2_distopt_dp_reshardable_torch_dist": _DISTOPT_TORCH_DIST,
+    "train_tp2dp2_distopt_fully_reshardable_torch_dist": [*_DISTOPT_TORCH_DIST, "--dist-ckpt-optim-fully-reshardable"],
+    "train_tp2dp2_distopt_fully_sharded_model_space_torch_dist": _DISTOPT_TORCH_DIST,
+}
+# opttd: Megatron-LM d98e8a64 saves only dp_reshardable or (with the flag) fully_reshardable; the
+# launcher's MLM_DISTOPT_SHARDING_TYPE makes its save ask megatron-core for another form.
+RUN_ENV: dict[str, dict[str, str]] = {
+    "train_tp2dp2_distopt_fully_sharded_model_space_torch_dist":
+        {"MLM_DISTOPT_SHARDING_TYPE": "fully_sharded_model_space"},
 }
 
 
-def megatron_train(save: Path, flags: list[str], port: int) -> str:
+def megatron_train(save: Path, flags: list[str], port: int, extra_env: dict[str, str] | None = None) -> str:
     """Megatron-LM's pretrain_gpt.py on 4 CPU ranks; its save_checkpoint writes ``save``."""
     python, env, source = _megatron_env()
-    env = dict(env, OMP_NUM_THREADS="1")
+    env = dict(env, OMP_NUM_THREADS="1", **(extra_env or {}))
     cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", str(port),
            str(LAUNCHER), str(source), *MODEL_FLAGS, *flags, "--save", str(save)]
     print("$", " ".join(cmd[1:]), flush=True)
@@ -71,7 +88,7 @@ def make_training_goldens(names: list[str]) -> None:
     for port, name in enumerate(names, start=29600):
         target = GOLDENS / name
         shutil.rmtree(target, ignore_errors=True)
-        log = megatron_train(target, TRAINING_RUNS[name], port)
+        log = megatron_train(target, TRAINING_RUNS[name], port, RUN_ENV.get(name))
         shims = sorted({line.strip() for line in log.splitlines() if "shim]" in line and ":" in line})
         print(f"  {name}: saved; shims used:\n    " + "\n    ".join(shims), flush=True)
         # Megatron writes the tokenizer's (empty, NullTokenizer) folder beside a torch_dist iteration

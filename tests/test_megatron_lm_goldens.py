@@ -177,7 +177,7 @@ def test_torch_dist_training_golden_converts_bit_exact(tmp_path: Path) -> None:
     pgconvert.convert(golden, tmp_path / "hf", dst_format="hf")
     pgconvert.convert(tmp_path / "hf", tmp_path / "from_hf", dst_format="torch_dist", dst_tp=1,
                       dst_transformer_impl="local")
-    _assert_same_dcp_tensors(tmp_path / "from_hf", golden, true_vocab=255)
+    _assert_same_dcp_tensors(tmp_path / "from_hf", golden, true_vocab=63)  # opttd: the smaller model (vocab 63)
 
 
 @pytest.mark.parametrize("golden", CONVERT_PY, ids=[p.name for p in CONVERT_PY])

@@ -187,6 +187,8 @@ def carry_training_state(conversion: Any, staging: Path, files: list[PlannedFile
     rewritten = {item.relpath for item in carry_optimizer(optimizer, config, options.layout, iteration_dir,
                                                           padded, save_durably)}
     files[:] = [PlannedFile(f.relpath, f.tensors, f.nbytes) if f.relpath in rewritten else f for f in files]
+    # opttd: a torch_dist source's "optimizer/RNG/rerun entries ... not converted": the optimizer now is
+    source.notices[:] = [note for note in source.notices if "optimizer/RNG/rerun entries" not in note]
     return [f"optimizer ({optimizer.form}), scheduler, iteration, floating-point operations and consumed samples "
             f"carried to {options.layout.describe()}; " + RNG_NOTICE]
 

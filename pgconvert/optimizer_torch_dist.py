@@ -8,7 +8,7 @@ parameter state in the form ``metadata['distrib_optim_sharding_type']`` names (M
 - ``fully_reshardable``: ``optimizer.state.{param,exp_avg,exp_avg_sq}.<model key>``, each a
   ShardedTensor with its model tensor's global shape and chunks; the param groups (with ``step``)
   are common state (``optimizer.optimizer.param_groups``);
-- ``fully_sharded_model_space``: the same with ``fp32_param`` for ``param``;
+- ``fully_sharded_model_space`` is refused by name: megatron-core 0.16.1 / 0.20.0 cannot save it;
 - ``dp_reshardable``: per model-parallel rank ``g`` (``data_parallel_group_idx``: the rank in the
   model-parallel group, ``tp + tp_size * pp``), per buffer and bucket,
   ``optimizer.distributed.dp_group_idx_<g>.gbuf_idx_<i>.dtype_<(param, grad dtype)>.bucket_idx_<b>.<field>``
@@ -39,11 +39,17 @@ from pgconvert.optimizer_state import (CARRIED_KEYS, DISTRIBUTED_SHARDING_TYPES,
                                        OptimizerSource)
 from pgconvert.rules import ReplicaMismatchError
 
-TORCH_DIST_FORMS = ("dp_reshardable", "fully_reshardable", "fully_sharded_model_space")
+TORCH_DIST_FORMS = ("dp_reshardable", "fully_reshardable")
 # The stored field of each per-parameter key, per model-space form.
 _MODEL_SPACE_FIELDS = {
     "fully_reshardable": {"param": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"},
-    "fully_sharded_model_space": {"param": "fp32_param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"},
+}
+# Neither megatron-core 0.16.1 nor 0.20.0 can save this form (sharded_param_state_fs_model_space makes
+# ShardedTensors with a flattened_range, which dist_checkpointing/mapping.py refuses); older ones stored
+# those as flattened N-D chunks (strategies/torch.py: ``is_pre_mcore_014_sh_ten``), not read here.
+_NOT_REPRODUCED = {
+    "fully_sharded_model_space": "megatron-core 0.16.1 and 0.20.0 cannot save it (ShardedTensor.flattened_range "
+                                 "is not supported); the flattened N-D chunks older megatron-core wrote are not read",
 }
 _VERSIONS = "megatron-core " + " / ".join(MEGATRON_CORE_VERSIONS)
 
@@ -79,8 +85,9 @@ def sharding_type(common: dict[str, Any], where: str) -> str | None:
             f"{where}: optimizer.param_state_sharding_type={quote(sharding)}: unknown sharding type ({_VERSIONS} "
             f"writes {', '.join(DISTRIBUTED_SHARDING_TYPES)})")
     if sharding not in TORCH_DIST_FORMS:
+        why = _NOT_REPRODUCED.get(str(sharding), "not a form pgconvert reads")
         raise UnsupportedOptimizerError(
-            f"{where}: optimizer.param_state_sharding_type={quote(sharding)}: pgconvert reads "
+            f"{where}: optimizer.param_state_sharding_type={quote(sharding)}: {why}; pgconvert reads "
             f"{', '.join(TORCH_DIST_FORMS)} ({_VERSIONS}); pass --skip-optimizer")
     return str(sharding)
 

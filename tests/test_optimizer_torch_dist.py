@@ -1,6 +1,6 @@
-"""megatron-core's distributed optimizer state in torch_dist checkpoints (dp_reshardable,
-fully_reshardable, fully_sharded_model_space), on goldens written by Megatron-LM's own training
-(TP2 DP2, the same seeded run in each form; see tests/data/megatron_lm/README.md)."""
+"""megatron-core's distributed optimizer state in torch_dist checkpoints (dp_reshardable and
+fully_reshardable; fully_sharded_model_space refused by name), on goldens written by Megatron-LM's
+own training (TP2 DP2, the same seeded run in each form; see tests/data/megatron_lm/README.md)."""
 
 from __future__ import annotations
 
@@ -22,11 +22,10 @@ from pgconvert.registry import get_loader
 from pgconvert.torch_dist_format import read_dcp_metadata
 
 GOLDENS = Path(__file__).parent / "data" / "megatron_lm"
-FORMS = ("dp_reshardable", "fully_reshardable", "fully_sharded_model_space")
+FORMS = ("dp_reshardable", "fully_reshardable")
 GOLDEN = {form: GOLDENS / f"train_tp2dp2_distopt_{form}_torch_dist" for form in FORMS}
 PRESENT = [form for form in FORMS if GOLDEN[form].is_dir()]
 KEYS = ("param", "exp_avg", "exp_avg_sq", "step")
-MODEL_SPACE_FIELD = {"fully_reshardable": "param", "fully_sharded_model_space": "fp32_param"}
 
 
 def _cli(*args: str | Path) -> Result:
@@ -64,7 +63,7 @@ def _torch_read(iteration_dir: Path, keys: list[str]) -> dict[str, torch.Tensor]
     return wanted
 
 
-def test_the_goldens_hold_the_three_forms() -> None:
+def test_the_goldens_hold_both_forms() -> None:
     assert PRESENT == list(FORMS)
     for form in FORMS:
         source, optimizer = _open(GOLDEN[form])
@@ -88,11 +87,10 @@ def test_each_form_reads_the_masters_of_the_model_and_the_step(form: str) -> Non
     source.close()
 
 
-@pytest.mark.parametrize("form", [form for form in PRESENT if form != "dp_reshardable"])
-def test_model_space_forms_equal_torchs_own_read_of_the_records(tmp_path: Path, form: str) -> None:
+def test_fully_reshardable_equals_torchs_own_read_of_the_records(tmp_path: Path) -> None:
+    form = "fully_reshardable"
     exported = _export(GOLDEN[form], tmp_path / "per_parameter")
-    field = MODEL_SPACE_FIELD[form]
-    keys = {"param": f"optimizer.state.{field}.", "exp_avg": "optimizer.state.exp_avg.",
+    keys = {"param": "optimizer.state.param.", "exp_avg": "optimizer.state.exp_avg.",
             "exp_avg_sq": "optimizer.state.exp_avg_sq."}
     stacked = "decoder.layers.self_attention.linear_qkv.weight"
     read = _torch_read(GOLDEN[form] / "iter_0000002", [prefix + stacked for prefix in keys.values()] +
@@ -114,11 +112,10 @@ def test_dp_reshardable_flat_buffers_equal_torchs_own_read_at_the_derived_ranges
     source.close()
 
 
-@pytest.mark.parametrize("form", [form for form in PRESENT if form != "fully_reshardable"])
-def test_every_form_holds_the_same_state_as_fully_reshardable(tmp_path: Path, form: str) -> None:
+def test_dp_reshardable_holds_the_same_state_as_fully_reshardable(tmp_path: Path) -> None:
     # The same seeded run (flags, data, gloo on the CPU) saved in each form: megatron-core's own
     # model-space form is the reference for the flat-buffer placement pgconvert derives.
-    _assert_same_parameters(_export(GOLDEN[form], tmp_path / form),
+    _assert_same_parameters(_export(GOLDEN["dp_reshardable"], tmp_path / "dp_reshardable"),
                             _export(GOLDEN["fully_reshardable"], tmp_path / "reference"))
 
 
@@ -162,7 +159,7 @@ def _rewrite_metadata(iteration_dir: Path, change) -> None:  # noqa: ANN001
     path.write_bytes(pickle.dumps(metadata))
 
 
-@pytest.mark.parametrize("form", [form for form in PRESENT if form != "fully_sharded_model_space"])
+@pytest.mark.parametrize("form", PRESENT)
 def test_missing_optimizer_records_are_a_named_error(tmp_path: Path, form: str) -> None:
     src = _copy(form, tmp_path)
     victim = ("optimizer.distributed.dp_group_idx_1.gbuf_idx_0.dtype_(torch.bfloat16, torch.float32)"
@@ -204,6 +201,26 @@ def test_an_unknown_sharding_type_and_an_unread_one_are_named_errors() -> None:
     with pytest.raises(OptimizerLayoutError, match="param_state_sharding_type='bucket_space_v9': unknown sharding"):
         TorchDistOptimizerSource(source)
     source.common_state["optimizer"]["param_state_sharding_type"] = "dp_zero_gather_scatter"
-    with pytest.raises(UnsupportedOptimizerError, match="'dp_zero_gather_scatter': pgconvert reads dp_reshardable"):
+    with pytest.raises(UnsupportedOptimizerError, match="'dp_zero_gather_scatter': not a form pgconvert reads"):
+        TorchDistOptimizerSource(source)
+    source.common_state["optimizer"]["param_state_sharding_type"] = "fully_sharded_model_space"
+    with pytest.raises(UnsupportedOptimizerError,
+                       match="'fully_sharded_model_space': megatron-core 0.16.1 and 0.20.0 cannot save it"):
+        TorchDistOptimizerSource(source)
+    del source.common_state["optimizer"]
+    with pytest.raises(UnsupportedOptimizerError, match="no optimizer entry"):
         TorchDistOptimizerSource(source)
     source.close()
+
+
+def test_the_report_says_the_optimizer_is_carried_and_rng_is_not(tmp_path: Path) -> None:
+    import pgconvert
+
+    report = pgconvert.convert(GOLDEN["fully_reshardable"], tmp_path / "out", dst_format="megatron", dst_tp=1)
+    assert any(note.startswith("optimizer (distributed), scheduler") and "--no-load-rng" in note
+               for note in report.notices), report.notices
+    assert not any("optimizer/RNG/rerun entries" in note for note in report.notices), report.notices
+    # the plain (non-distributed) optimizer of a torch_dist run is named and refused under --strict
+    plain = GOLDENS / "train_tp2pp2_bf16_torch_dist"
+    result = _cli("convert", plain, tmp_path / "strict", "--dst-format", "megatron", "--dst-tp", "1", "--strict")
+    assert_clean_refusal(result, 2, "no param_state_sharding_type")

@@ -104,7 +104,10 @@ def _assert_same_dcp_tensors(actual: Path, expected: Path, true_vocab: int | Non
     assert sorted(got) == sorted(want)
     for key, value in want.items():
         if true_vocab is not None and key.endswith(VOCAB_TABLES):  # through HF: see _assert_same_model_tensors
-            value = _zero_padding(value, 0, true_vocab)
+            # opttd: an HF source pads to Megatron's default multiple (128), not the golden's own
+            assert got[key].dtype == value.dtype and torch.equal(got[key][:true_vocab], value[:true_vocab]), key
+            assert not got[key][true_vocab:].any(), key
+            continue
         assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
 
 

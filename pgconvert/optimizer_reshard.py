@@ -164,7 +164,7 @@ def carry_training_state(conversion: Any, staging: Path, files: list[PlannedFile
 
     request, source = conversion.request, conversion.source
     if request.skip_optimizer or conversion.src_format not in ("megatron", "torch_dist") \
-            or conversion.dst_format != "megatron" or not _holds_optimizer(source):
+            or conversion.dst_format not in ("megatron", "torch_dist") or not _holds_optimizer(source):
         return []
     notices: list[str] = []
     if request.dtype != "keep":
@@ -180,17 +180,36 @@ def carry_training_state(conversion: Any, staging: Path, files: list[PlannedFile
         if "--skip-optimizer" in str(exc):
             raise
         raise OptimizerLayoutError(f"{exc}; pass --skip-optimizer to convert the model alone") from exc
+    if conversion.dst_format == "torch_dist" and optimizer.form != FORM_DISTRIBUTED:
+        return []  # only the distributed optimizer is written into torch_dist: the saver's notice stands
     options = conversion.save_options
     config = target_config(source.config, options)
     padded = target_vocab_rows(config, source.vocab_rows, options.layout)
     iteration_dir = staging / iteration_dir_name(source.iteration or 0, source.release)
-    rewritten = {item.relpath for item in carry_optimizer(optimizer, config, options.layout, iteration_dir,
-                                                          padded, save_durably)}
-    files[:] = [PlannedFile(f.relpath, f.tensors, f.nbytes) if f.relpath in rewritten else f for f in files]
+    if conversion.dst_format == "torch_dist":
+        _write_torch_dist(conversion, optimizer, iteration_dir, files)
+    else:
+        rewritten = {item.relpath for item in carry_optimizer(optimizer, config, options.layout, iteration_dir,
+                                                              padded, save_durably)}
+        files[:] = [PlannedFile(f.relpath, f.tensors, f.nbytes) if f.relpath in rewritten else f for f in files]
     # opttd: a torch_dist source's "optimizer/RNG/rerun entries ... not converted": the optimizer now is
     source.notices[:] = [note for note in source.notices if "optimizer/RNG/rerun entries" not in note]
-    return [f"optimizer ({optimizer.form}), scheduler, iteration, floating-point operations and consumed samples "
+    form = f"{optimizer.form}, fully_reshardable" if conversion.dst_format == "torch_dist" else optimizer.form
+    return [f"optimizer ({form}), scheduler, iteration, floating-point operations and consumed samples "
             f"carried to {options.layout.describe()}; " + RNG_NOTICE]
+
+
+def _write_torch_dist(conversion: Any, optimizer: OptimizerSource, iteration_dir: Path,
+                      files: list[PlannedFile]) -> None:
+    """opttd: the optimizer records beside the torch_dist saver's, in the fully_reshardable form."""
+    from pgconvert.optimizer_torch_dist_save import write_fully_reshardable
+
+    chunks, _, rows = conversion.saver._chunks(conversion.source, conversion.save_options)
+    fits_rows = {name for name in optimizer.names() if optimizer._owners[name][0][1].spec.rule.fits_rows}
+    added = write_fully_reshardable(optimizer, chunks, rows, fits_rows, iteration_dir)
+    names = {f"{iteration_dir.name}/{name}" for name in ("common.pt", ".metadata")}
+    files[:] = [PlannedFile(f.relpath, f.tensors, f.nbytes) if f.relpath.endswith(tuple(names)) else f
+                for f in files] + added
 
 
 def open_optimizer(source: Any, src_format: str) -> OptimizerSource:
@@ -215,7 +234,9 @@ def replace_saver_notice(notices: list[str], carried: list[str]) -> list[str]:
     """The saver's "not carried" notice replaced by what was carried, when something was."""
     if not any(note.startswith("optimizer (") for note in carried):
         return notices + carried
-    return [note for note in notices if not note.startswith(SAVER_NOTICE_PREFIX)] + carried
+    # opttd: the torch_dist saver's notice ends with "; optimizer, scheduler and RNG state are not carried..."
+    kept = [note.split("; " + SAVER_NOTICE_PREFIX)[0] for note in notices]
+    return [note for note in kept if not note.startswith(SAVER_NOTICE_PREFIX)] + carried
 
 
 def export_from_path(src: Path, out_dir: Path, iteration: int | None) -> int:

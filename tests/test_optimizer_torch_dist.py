@@ -224,3 +224,46 @@ def test_the_report_says_the_optimizer_is_carried_and_rng_is_not(tmp_path: Path)
     plain = GOLDENS / "train_tp2pp2_bf16_torch_dist"
     result = _cli("convert", plain, tmp_path / "strict", "--dst-format", "megatron", "--dst-tp", "1", "--strict")
     assert_clean_refusal(result, 2, "no param_state_sharding_type")
+
+
+@pytest.mark.parametrize("form", PRESENT)
+def test_a_torch_dist_destination_holds_the_state_fully_reshardable_at_any_layout(tmp_path: Path, form: str) -> None:
+    src = GOLDEN[form]
+    result = _cli("convert", src, tmp_path / "td1", "-q", "--dst-format", "torch_dist", "--dst-tp", "1")
+    assert result.exit_code == 0, result.output
+    common = load_for_test(tmp_path / "td1" / "iter_0000002" / "common.pt")
+    assert common["optimizer"]["param_state_sharding_type"] == "fully_reshardable"
+    assert common["content_metadata"]["distrib_optim_sharding_type"] == "fully_reshardable"
+    assert [group["step"] for group in common["optimizer"]["optimizer"]["param_groups"]] == [2.0, 2.0]
+    assert common["iteration"] == 2 and "opt_param_scheduler" in common
+    original = _export(src, tmp_path / "original")
+    _assert_same_parameters(original, _export(tmp_path / "td1", tmp_path / "td1_export"))
+    # torch's own reader sees the records pgconvert added beside the model's
+    key = "optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight"
+    read = _torch_read(tmp_path / "td1" / "iter_0000002", [key])[key]
+    assert torch.equal(read[0], original["decoder.layers.0.mlp.linear_fc1.weight"]["exp_avg"])
+    # from the written form on: TP2 PP2 torch_dist, then per-rank TP2 (DP1), all bit-exact
+    result = _cli("convert", tmp_path / "td1", tmp_path / "td22", "-q", "--dst-format", "torch_dist",
+                  "--dst-tp", "2", "--dst-pp", "2")
+    assert result.exit_code == 0, result.output
+    result = _cli("convert", tmp_path / "td22", tmp_path / "rank", "-q", "--dst-format", "megatron", "--dst-tp", "2")
+    assert result.exit_code == 0, result.output
+    for layout in ("td22", "rank"):
+        _assert_same_parameters(original, _export(tmp_path / layout, tmp_path / f"{layout}_export"))
+    assert _cli("verify", src, tmp_path / "td22").exit_code == 0
+
+
+def test_a_per_rank_distributed_optimizer_goes_into_torch_dist_and_back(tmp_path: Path) -> None:
+    src = GOLDENS / "train_tp2dp2_distopt_bf16_torch"
+    result = _cli("convert", src, tmp_path / "td", "-q", "--dst-format", "torch_dist", "--dst-tp", "1")
+    assert result.exit_code == 0, result.output
+    result = _cli("convert", tmp_path / "td", tmp_path / "back", "-q", "--dst-format", "megatron", "--dst-tp", "2")
+    assert result.exit_code == 0, result.output
+    original = _export(src, tmp_path / "original")
+    _assert_same_parameters(original, _export(tmp_path / "td", tmp_path / "td_export"))
+    for rank_dir in ("mp_rank_00", "mp_rank_01"):
+        a, b = (torch.load(d / "iter_0000002" / rank_dir / "distrib_optim.pt", weights_only=True)
+                for d in (src, tmp_path / "back"))
+        for field in ("param", "exp_avg", "exp_avg_sq"):
+            ((_, bufs_a),), ((_, bufs_b),) = a[0].items(), b[0].items()
+            assert torch.equal(bufs_a[field], bufs_b[field]), f"{rank_dir}.{field}"

@@ -191,9 +191,9 @@ class TorchDistOptimizerSource(OptimizerSource):
                         for chunk, (_, numel) in enumerate(buffers) for field in ("param", *MOMENTS)}
             extra = sorted(key for key in stored if key.startswith("optimizer.") and key not in expected)
         else:
-            model = {name: self.source.tensor_keys()[self.source._locations[name].key] for name in self.names()}
-            expected = {self._model_space_prefix(key) + self.source._locations[name].key: shape
-                        for name, shape in model.items() for key in ("param", *MOMENTS)}
+            model_keys = {self.source._locations[name].key for name in self.names()}
+            expected = {self._model_space_prefix(key) + model_key: stored[model_key]
+                        for model_key in model_keys for key in ("param", *MOMENTS)}
             extra = []
         for key, shape in expected.items():
             if key not in stored:

@@ -64,6 +64,9 @@ TRAINING_RUNS: dict[str, list[str]] = {
     # "ShardedTensor.flattened_range is not supported." (dist_checkpointing/mapping.py:130; 0.16.1 alike).
     "train_tp2dp2_distopt_dp_reshardable_torch_dist": _DISTOPT_TORCH_DIST,
     "train_tp2dp2_distopt_fully_reshardable_torch_dist": [*_DISTOPT_TORCH_DIST, "--dist-ckpt-optim-fully-reshardable"],
+    # opttd: dp_reshardable over two pipeline stages (model-parallel rank g = tp + 2 * pp), DP1
+    "train_tp2pp2_distopt_dp_reshardable_torch_dist": [*_DISTOPT_TORCH_DIST[:2], "--pipeline-model-parallel-size", "2",
+                                                       *_DISTOPT_TORCH_DIST[4:]],
 }
 
 

@@ -267,3 +267,23 @@ def test_a_per_rank_distributed_optimizer_goes_into_torch_dist_and_back(tmp_path
         for field in ("param", "exp_avg", "exp_avg_sq"):
             ((_, bufs_a),), ((_, bufs_b),) = a[0].items(), b[0].items()
             assert torch.equal(bufs_a[field], bufs_b[field]), f"{rank_dir}.{field}"
+
+
+def test_dp_reshardable_over_two_pipeline_stages_maps_each_model_parallel_rank(tmp_path: Path) -> None:
+    # TP2 PP2 DP1: four model-parallel ranks g = tp + 2 * pp, each its own flat bucket of its stage.
+    golden = GOLDENS / "train_tp2pp2_distopt_dp_reshardable_torch_dist"
+    source, optimizer = _open(golden)  # checks every master against its bf16 weight
+    assert (source.layout.tp, source.layout.pp) == (2, 2)
+    keys = {key for key in source.tensor_keys() if key.startswith("optimizer.distributed.")}
+    assert {key.split(".")[2] for key in keys} == {f"dp_group_idx_{g}" for g in range(4)}
+    for name in ("embedding.word_embeddings.weight", "output_layer.weight", "decoder.layers.1.mlp.linear_fc2.weight"):
+        state = optimizer.parameter(name)
+        assert torch.equal(state["param"].to(torch.bfloat16), source.load(name)), name
+    source.close()
+    original = _export(golden, tmp_path / "original")
+    result = _cli("convert", golden, tmp_path / "tp1", "-q", "--dst-format", "megatron", "--dst-tp", "1")
+    assert result.exit_code == 0, result.output
+    result = _cli("convert", golden, tmp_path / "td", "-q", "--dst-format", "torch_dist", "--dst-tp", "1")
+    assert result.exit_code == 0, result.output
+    for layout in ("tp1", "td"):
+        _assert_same_parameters(original, _export(tmp_path / layout, tmp_path / f"{layout}_export"))

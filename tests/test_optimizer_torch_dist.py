@@ -287,3 +287,21 @@ def test_dp_reshardable_over_two_pipeline_stages_maps_each_model_parallel_rank(t
     assert result.exit_code == 0, result.output
     for layout in ("tp1", "td"):
         _assert_same_parameters(original, _export(tmp_path / layout, tmp_path / f"{layout}_export"))
+
+
+def test_a_second_bucket_is_refused_naming_the_record(tmp_path: Path) -> None:
+    import dataclasses
+
+    src = _copy("dp_reshardable", tmp_path)
+    first = "optimizer.distributed.dp_group_idx_0.gbuf_idx_0.dtype_(torch.bfloat16, torch.float32).bucket_idx_0.param"
+    second = first.replace("bucket_idx_0", "bucket_idx_1")
+
+    def add_bucket(metadata) -> None:  # noqa: ANN001
+        metadata.state_dict_metadata[second] = metadata.state_dict_metadata[first]
+        for index, info in list(metadata.storage_data.items()):
+            if index.fqn == first:
+                metadata.storage_data[dataclasses.replace(index, fqn=second)] = info
+
+    _rewrite_metadata(src / "iter_0000002", add_bucket)
+    result = _cli("convert", src, tmp_path / "out", "--dst-format", "megatron", "--dst-tp", "1")
+    assert_clean_refusal(result, 1, "bucket_idx_1", "not ones the layout", "megatron-core 0.16.1")

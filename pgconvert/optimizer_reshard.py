@@ -153,8 +153,9 @@ def carry_optimizer(source: OptimizerSource, config: ModelConfig, layout: Parall
 
 
 def carry_training_state(conversion: Any, staging: Path, files: list[PlannedFile]) -> list[str]:
-    """``convert``'s step after the model is written: carry the plain optimizer state of a Megatron
-    per-rank source into the Megatron per-rank destination; returns the notices to add."""
+    """``convert``'s step after the model is written: carry the optimizer state of a Megatron per-rank
+    or torch_dist source into the Megatron per-rank destination, or (the distributed optimizer only)
+    into a torch_dist destination in the fully_reshardable form; returns the notices to add."""
     from pgconvert.errors import ValidationError
     from pgconvert.formats import target_config
     from pgconvert.megatron_format import iteration_dir_name
@@ -174,6 +175,8 @@ def carry_training_state(conversion: Any, staging: Path, files: list[PlannedFile
     try:
         optimizer = open_optimizer(source, conversion.src_format)
     except ValidationError as exc:
+        if conversion.dst_format == "torch_dist":
+            return []  # opttd: as before, the torch_dist saver's "not carried" notice stands
         fallback(f"optimizer state not carried: {exc}", request.strict, notices)
         return notices
     except OptimizerLayoutError as exc:

@@ -4,6 +4,7 @@ own training (TP2 DP2, the same seeded run in each form; see tests/data/megatron
 
 from __future__ import annotations
 
+import math
 import pickle
 import shutil
 from pathlib import Path
@@ -305,3 +306,28 @@ def test_a_second_bucket_is_refused_naming_the_record(tmp_path: Path) -> None:
     _rewrite_metadata(src / "iter_0000002", add_bucket)
     result = _cli("convert", src, tmp_path / "out", "--dst-format", "megatron", "--dst-tp", "1")
     assert_clean_refusal(result, 1, "bucket_idx_1", "not ones the layout", "megatron-core 0.16.1")
+
+
+@pytest.mark.parametrize("form", PRESENT)
+def test_reads_are_one_parameters_range_not_a_whole_bucket(tmp_path: Path, form: str,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    from pgconvert.loaders._torch_dist_reader import TorchDistSource
+    from pgconvert.optimizer_reshard import export_parameters
+
+    requested: list[int] = []
+    read = TorchDistSource._read
+
+    def recording(self, regions, objects):  # noqa: ANN001, ANN202
+        requested.extend(buffer.numel() for pairs in regions.values() for _, buffer in pairs)
+        return read(self, regions, objects)
+
+    source, optimizer = _open(GOLDEN[form])
+    monkeypatch.setattr(TorchDistSource, "_read", recording)
+    export_parameters(optimizer, tmp_path / "out")
+    largest = max(math.prod(optimizer.parameter(name)["param"].shape) for name in optimizer.names())
+    bucket = max(shape[0] for key, shape in source.tensor_keys().items() if key.startswith("optimizer.distributed."))\
+        if form == "dp_reshardable" else None
+    source.close()
+    assert requested and max(requested) <= largest
+    if bucket is not None:
+        assert max(requested) < bucket  # a TP piece of one parameter, never the rank's whole flat bucket

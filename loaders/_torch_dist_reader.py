@@ -17,6 +17,7 @@ limits, so both are replaced: ``.metadata`` is read through an allowlist of torc
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import io
 import logging
 import math
@@ -266,6 +267,7 @@ class TorchDistSource(CanonicalSource):
             iteration = common["iteration"]
         super().__init__(config, rows, iteration, release)
         self.megatron_args = args
+        self.common_state = common  # opttd: the optimizer's param groups and sharding type live here
         self.side_files = carried_side_files(self.root, iteration_dir)
         self.notices.extend(early_notices)
         self._strict = options.strict
@@ -390,11 +392,15 @@ class TorchDistSource(CanonicalSource):
             raise CheckpointError(f"{self.directory}: reading failed: {type(exc).__name__}: {quote(str(exc), 200)}") from exc
         return planner.loaded_objects
 
-    def _read_boxes(self, name: str, boxes: list[_Region]) -> list[torch.Tensor]:
-        """The given boxes of canonical tensor ``name``, each a fresh tensor."""
+    def _read_boxes(self, name: str, boxes: list[_Region], prefix: str = "") -> list[torch.Tensor]:
+        """The given boxes of canonical tensor ``name`` (or of the tensor stored as ``prefix`` + its key,
+        chunked like it: optimizer state), each a fresh tensor."""
         location = self._locations[name]
-        md = self._metadata.state_dict_metadata[location.key]
-        assert isinstance(md, TensorStorageMetadata)
+        if prefix:
+            location = dataclasses.replace(location, key=prefix + location.key)
+        md = self._metadata.state_dict_metadata.get(location.key)
+        if not isinstance(md, TensorStorageMetadata):
+            raise CheckpointError(f"{self.directory}: no tensor {quote(location.key)} (the state of {name})")
         pairs = []
         for box in boxes:
             offsets, sizes = location.chunk(box.starts, box.lengths)
@@ -424,20 +430,54 @@ class TorchDistSource(CanonicalSource):
         names = te_extra_state_names(config, range(config.num_layers), self.layout.ep)
         return {name: ExtraState(tp_size=self.layout.tp, ep_size=self.layout.ep) for name in names}
 
-    def _load(self, name: str) -> torch.Tensor:
+    def _load(self, name: str, prefix: str = "") -> torch.Tensor:
         shape = self._shapes[name]
-        return self._read_boxes(name, [_Region((0,) * len(shape), shape)])[0]
+        return self._read_boxes(name, [_Region((0,) * len(shape), shape)], prefix)[0]
 
-    def _load_shard(self, name: str, rule: ShardRule, size: int, rank: int, rows: int | None) -> torch.Tensor:
+    def _load_shard(self, name: str, rule: ShardRule, size: int, rank: int, rows: int | None,
+                    prefix: str = "", dtype: torch.dtype | None = None) -> torch.Tensor:
         """The piece read as the boxes of the rule's windows (one read), zero windows filled."""
         shape = self._shapes[name]
         windows = rule.piece_windows(shape, size, rank, rows, self.config.vocab_size)
         if not windows:
-            return self._load(name)
+            return self._load(name, prefix)
         stored = [window for window in windows if not window.zeros]
         boxes = [_box(shape, window.dim, window.start, window.length) for window in stored]
-        read = dict(zip(stored, self._read_boxes(name, boxes) if boxes else [], strict=True))
-        return assemble(windows, read.__getitem__, shape, self.meta(name).dtype)
+        read = dict(zip(stored, self._read_boxes(name, boxes, prefix) if boxes else [], strict=True))
+        return assemble(windows, read.__getitem__, shape, dtype or self.meta(name).dtype)
+
+    # opttd: optimizer state read in place, like the model's tensors (pgconvert/optimizer_torch_dist.py).
+    def load_state(self, name: str, prefix: str) -> torch.Tensor:
+        """The whole tensor stored as ``prefix`` + ``name``'s key, chunked like the model's."""
+        return self._load(name, prefix)
+
+    def load_state_shard(self, name: str, prefix: str, rule: ShardRule, size: int, rank: int,
+                         rows: int | None) -> torch.Tensor:
+        """Piece ``rank`` of ``size`` of that tensor, cut with ``rule`` (new vocab rows zero)."""
+        return self._load_shard(name, rule, size, rank, rows, prefix, torch.float32)
+
+    def load_flat(self, key: str, start: int, length: int) -> torch.Tensor:
+        """Elements ``[start, start + length)`` of the one-dimensional tensor ``key``."""
+        md = self._metadata.state_dict_metadata.get(key)
+        if not isinstance(md, TensorStorageMetadata) or len(md.size) != 1 or start + length > md.size[0]:
+            size = list(md.size) if isinstance(md, TensorStorageMetadata) else None
+            raise CheckpointError(f"{self.directory}: {quote(key)} has shape {size}; elements "
+                                  f"[{start}, {start + length}) are needed")
+        buffer = torch.empty(length, dtype=md.properties.dtype)
+        self._read({key: [((start,), buffer)]}, [])
+        return buffer
+
+    def tensor_keys(self) -> dict[str, tuple[int, ...]]:
+        """Every stored tensor key and its global shape."""
+        return {key: tuple(md.size) for key, md in self._metadata.state_dict_metadata.items()
+                if isinstance(md, TensorStorageMetadata)}
+
+    def read_objects(self, keys: list[str]) -> dict[str, Any]:
+        """Stored objects (ShardedObjects' ``key/shard_...`` entries), unpickled with the allowlist."""
+        missing = [key for key in keys if key not in self._metadata.state_dict_metadata]
+        if missing:
+            raise CheckpointError(f"{self.directory}: no stored object {quote(missing)}")
+        return self._read({}, keys)
 
 
 def _check_counts(config: ModelConfig, metadata: Metadata, path: Path) -> None:

@@ -192,8 +192,9 @@ def carry_optimizer(source: OptimizerSource, config: ModelConfig, layout: Parall
 
 
 def carry_training_state(conversion: Any, staging: Path, files: list[PlannedFile]) -> list[str]:
-    """``convert``'s step after the model is written: carry the plain optimizer state of a Megatron
-    per-rank source into the Megatron per-rank destination; returns the notices to add."""
+    """``convert``'s step after the model is written: carry the optimizer state of a Megatron per-rank
+    or torch_dist source into the Megatron per-rank destination, or (the distributed optimizer only)
+    into a torch_dist destination in the fully_reshardable form; returns the notices to add."""
     from pgconvert.errors import ValidationError
     from pgconvert.formats import target_config
     from pgconvert.megatron_format import iteration_dir_name
@@ -206,8 +207,8 @@ def carry_training_state(conversion: Any, staging: Path, files: list[PlannedFile
     if dst_dp is not None:
         check_dst_dp(dst_dp, conversion.save_options.layout, getattr(source, "args", None), request.skip_optimizer,
                      conversion.dst_format)
-    if request.skip_optimizer or conversion.src_format != "megatron" or conversion.dst_format != "megatron" \
-            or not _holds_optimizer(source):
+    if request.skip_optimizer or conversion.src_format not in ("megatron", "torch_dist") \
+            or conversion.dst_format not in ("megatron", "torch_dist") or not _holds_optimizer(source):
         if dst_dp is not None:
             raise ValidationError(f"--dst-dp {dst_dp}: the source holds no Megatron optimizer state to size")
         return []
@@ -217,26 +218,60 @@ def carry_training_state(conversion: Any, staging: Path, files: list[PlannedFile
                  "form changes); pass --skip-optimizer", request.strict, notices)
         return notices
     try:
-        optimizer = OptimizerSource(source)
+        optimizer = open_optimizer(source, conversion.src_format)
     except ValidationError as exc:
+        if conversion.dst_format == "torch_dist":
+            return []  # opttd: as before, the torch_dist saver's "not carried" notice stands
         fallback(f"optimizer state not carried: {exc}", request.strict, notices)
         return notices
     except OptimizerLayoutError as exc:
         if "--skip-optimizer" in str(exc):
             raise
         raise OptimizerLayoutError(f"{exc}; pass --skip-optimizer to convert the model alone") from exc
+    if conversion.dst_format == "torch_dist" and optimizer.form != FORM_DISTRIBUTED:
+        return []  # only the distributed optimizer is written into torch_dist: the saver's notice stands
     options = conversion.save_options
     config = target_config(source.config, options)
     padded = target_vocab_rows(config, source.vocab_rows, options.layout)
     iteration_dir = staging / iteration_dir_name(source.iteration or 0, source.release)
-    rewritten = {item.relpath for item in carry_optimizer(optimizer, config, options.layout, iteration_dir,
-                                                          padded, save_durably, dst_dp)}
-    files[:] = [PlannedFile(f.relpath, f.tensors, f.nbytes) if f.relpath in rewritten else f for f in files]
-    return [f"optimizer ({optimizer.form}), scheduler, iteration, floating-point operations and consumed samples "
+    if conversion.dst_format == "torch_dist":
+        _write_torch_dist(conversion, optimizer, iteration_dir, files)
+    else:
+        rewritten = {item.relpath for item in carry_optimizer(optimizer, config, options.layout, iteration_dir,
+                                                              padded, save_durably, dst_dp)}
+        files[:] = [PlannedFile(f.relpath, f.tensors, f.nbytes) if f.relpath in rewritten else f for f in files]
+    # opttd: a torch_dist source's "optimizer/RNG/rerun entries ... not converted": the optimizer now is
+    source.notices[:] = [note for note in source.notices if "optimizer/RNG/rerun entries" not in note]
+    form = f"{optimizer.form}, fully_reshardable" if conversion.dst_format == "torch_dist" else optimizer.form
+    return [f"optimizer ({form}), scheduler, iteration, floating-point operations and consumed samples "
             f"carried to {options.layout.describe()}; " + RNG_NOTICE]
 
 
+def _write_torch_dist(conversion: Any, optimizer: OptimizerSource, iteration_dir: Path,
+                      files: list[PlannedFile]) -> None:
+    """opttd: the optimizer records beside the torch_dist saver's, in the fully_reshardable form."""
+    from pgconvert.optimizer_torch_dist_save import write_fully_reshardable
+
+    chunks, _, rows = conversion.saver._chunks(conversion.source, conversion.save_options)
+    fits_rows = {name for name in optimizer.names() if optimizer._owners[name][0][1].spec.rule.fits_rows}
+    added = write_fully_reshardable(optimizer, chunks, rows, fits_rows, iteration_dir)
+    names = {f"{iteration_dir.name}/{name}" for name in ("common.pt", ".metadata")}
+    files[:] = [PlannedFile(f.relpath, f.tensors, f.nbytes) if f.relpath.endswith(tuple(names)) else f
+                for f in files] + added
+
+
+def open_optimizer(source: Any, src_format: str) -> OptimizerSource:
+    """The optimizer state of an open Megatron per-rank or torch_dist source."""
+    if src_format == "torch_dist":  # opttd
+        from pgconvert.optimizer_torch_dist import TorchDistOptimizerSource
+        return TorchDistOptimizerSource(source)
+    return OptimizerSource(source)
+
+
 def _holds_optimizer(source: Any) -> bool:
+    if hasattr(source, "common_state"):  # opttd: torch_dist
+        from pgconvert.optimizer_torch_dist import holds_optimizer
+        return holds_optimizer(source)
     files = getattr(source, "files", None)
     if not files:
         return False
@@ -247,20 +282,23 @@ def replace_saver_notice(notices: list[str], carried: list[str]) -> list[str]:
     """The saver's "not carried" notice replaced by what was carried, when something was."""
     if not any(note.startswith("optimizer (") for note in carried):
         return notices + carried
-    return [note for note in notices if not note.startswith(SAVER_NOTICE_PREFIX)] + carried
+    # opttd: the torch_dist saver's notice ends with "; optimizer, scheduler and RNG state are not carried..."
+    kept = [note.split("; " + SAVER_NOTICE_PREFIX)[0] for note in notices]
+    return [note for note in kept if not note.startswith(SAVER_NOTICE_PREFIX)] + carried
 
 
 def export_from_path(src: Path, out_dir: Path, iteration: int | None) -> int:
-    """``export-optimizer``: open the Megatron per-rank checkpoint ``src`` and write its per-parameter
-    optimizer state into ``out_dir`` (which must not exist or be empty)."""
+    """``export-optimizer``: open the Megatron per-rank or torch_dist checkpoint ``src`` and write its
+    per-parameter optimizer state into ``out_dir`` (which must not exist or be empty)."""
     from pgconvert.errors import DestinationError
     from pgconvert.formats import LoadOptions
-    from pgconvert.registry import get_loader
+    from pgconvert.registry import detect_format, get_loader
 
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise DestinationError(f"OUT {out_dir}: exists and is not an empty directory")
-    source = get_loader("megatron").open(src, LoadOptions(iteration=iteration))
+    src_format = "torch_dist" if detect_format(src) == "torch_dist" else "megatron"
+    source = get_loader(src_format).open(src, LoadOptions(iteration=iteration))
     try:
-        return export_parameters(OptimizerSource(source), out_dir)
+        return export_parameters(open_optimizer(source, src_format), out_dir)
     finally:
         source.close()

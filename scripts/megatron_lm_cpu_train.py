@@ -183,12 +183,34 @@ def install_rng() -> None:
     mrandom._set_cuda_rng_state = set_state
 
 
+def install_sharding_type() -> None:
+    """``MLM_DISTOPT_SHARDING_TYPE``: the distributed optimizer's torch_dist form that
+    ``save_checkpoint`` asks megatron-core for (Megatron-LM itself picks dp_reshardable or, with
+    ``--dist-ckpt-optim-fully-reshardable``, fully_reshardable)."""
+    wanted = os.environ.get("MLM_DISTOPT_SHARDING_TYPE")
+    if not wanted:
+        return
+    from megatron.training import checkpointing
+
+    build = checkpointing._build_sharded_state_dict_metadata
+
+    def metadata(*args: Any, **kwargs: Any) -> dict:
+        built = build(*args, **kwargs)
+        if "distrib_optim_sharding_type" in built:
+            built["distrib_optim_sharding_type"] = wanted
+        return built
+
+    checkpointing._build_sharded_state_dict_metadata = metadata
+    _note("distrib_optim_sharding_type", wanted)
+
+
 def main() -> None:
     source = Path(sys.argv[1])
     install()
     install_rng()
     install_dataset_helpers(source, Path(os.environ.get("MLM_HELPERS_BUILD", "/tmp/megatron_lm_helpers")))
     sys.argv = [str(source / "pretrain_gpt.py"), *sys.argv[2:]]
+    install_sharding_type()
     runpy.run_path(str(source / "pretrain_gpt.py"), run_name="__main__")
 
 

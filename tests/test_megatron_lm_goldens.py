@@ -104,7 +104,10 @@ def _assert_same_dcp_tensors(actual: Path, expected: Path, true_vocab: int | Non
     assert sorted(got) == sorted(want)
     for key, value in want.items():
         if true_vocab is not None and key.endswith(VOCAB_TABLES):  # through HF: see _assert_same_model_tensors
-            value = _zero_padding(value, 0, true_vocab)
+            # opttd: an HF source pads to Megatron's default multiple (128), not the golden's own
+            assert got[key].dtype == value.dtype and torch.equal(got[key][:true_vocab], value[:true_vocab]), key
+            assert not got[key][true_vocab:].any(), key
+            continue
         assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
 
 
@@ -177,7 +180,7 @@ def test_torch_dist_training_golden_converts_bit_exact(tmp_path: Path) -> None:
     pgconvert.convert(golden, tmp_path / "hf", dst_format="hf")
     pgconvert.convert(tmp_path / "hf", tmp_path / "from_hf", dst_format="torch_dist", dst_tp=1,
                       dst_transformer_impl="local")
-    _assert_same_dcp_tensors(tmp_path / "from_hf", golden, true_vocab=255)
+    _assert_same_dcp_tensors(tmp_path / "from_hf", golden, true_vocab=63)  # opttd: the smaller model (vocab 63)
 
 
 @pytest.mark.parametrize("golden", CONVERT_PY, ids=[p.name for p in CONVERT_PY])

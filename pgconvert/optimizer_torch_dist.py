@@ -1,0 +1,287 @@
+"""megatron-core's distributed optimizer state inside a torch_dist checkpoint, by canonical parameter.
+
+``DistributedOptimizer.sharded_state_dict`` (megatron/core/optimizer/distrib_optimizer.py) writes the
+parameter state in the form ``metadata['distrib_optim_sharding_type']`` names (Megatron-LM:
+``dp_reshardable``, or ``fully_reshardable`` with ``--dist-ckpt-optim-fully-reshardable``), and puts
+``param_state_sharding_type`` in the common state. Read here:
+
+- ``fully_reshardable``: ``optimizer.state.{param,exp_avg,exp_avg_sq}.<model key>``, each a
+  ShardedTensor with its model tensor's global shape and chunks; the param groups (with ``step``)
+  are common state (``optimizer.optimizer.param_groups``);
+- ``fully_sharded_model_space`` is refused by name: megatron-core 0.16.1 / 0.20.0 cannot save it;
+- ``dp_reshardable``: per model-parallel rank ``g`` (``data_parallel_group_idx``: the rank in the
+  model-parallel group, ``tp + tp_size * pp``), per buffer and bucket,
+  ``optimizer.distributed.dp_group_idx_<g>.gbuf_idx_<i>.dtype_<(param, grad dtype)>.bucket_idx_<b>.<field>``
+  of global shape ``(numel_unpadded,)``: the DP-gathered flat buffer without the DP tail padding,
+  i.e. ``distrib_optim.pt``'s coalesced buffer, placed with ``optimizer_map.flat_buffers`` at the
+  SOURCE layout; the param groups are the ShardedObject ``optimizer.distributed.dp_group_idx_<g>.optimizer``.
+
+Each read is one parameter's box (``TorchDistSource.load_state`` / ``load_flat``: in-place record
+reads), so memory holds one parameter's state at a time. The writers of ``optimizer_reshard`` take
+this source like ``OptimizerSource``; it presents itself in the ``distributed`` form.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pgconvert.grid import RankCoord
+from pgconvert.limits import quote
+from pgconvert.optimizer_flat import dp_size
+from pgconvert.optimizer_map import (MEGATRON_CORE_VERSIONS, FlatParam, OptimizerLayoutError, OptimizerRules,
+                                     OptimizerSlot, UnsupportedOptimizerError, check_supported, flat_buffers,
+                                     optimizer_slots)
+from pgconvert.optimizer_state import (CARRIED_KEYS, DISTRIBUTED_SHARDING_TYPES, FORM_DISTRIBUTED, MOMENTS,
+                                       OptimizerSource)
+from pgconvert.rules import ReplicaMismatchError
+
+TORCH_DIST_FORMS = ("dp_reshardable", "fully_reshardable")
+# The stored field of each per-parameter key, per model-space form.
+_MODEL_SPACE_FIELDS = {
+    "fully_reshardable": {"param": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"},
+}
+# Neither megatron-core 0.16.1 nor 0.20.0 can save this form (sharded_param_state_fs_model_space makes
+# ShardedTensors with a flattened_range, which dist_checkpointing/mapping.py refuses); older ones stored
+# those as flattened N-D chunks (strategies/torch.py: ``is_pre_mcore_014_sh_ten``), not read here.
+_NOT_REPRODUCED = {
+    "fully_sharded_model_space": "megatron-core 0.16.1 and 0.20.0 cannot save it (ShardedTensor.flattened_range "
+                                 "is not supported); the flattened N-D chunks older megatron-core wrote are not read",
+}
+_VERSIONS = "megatron-core " + " / ".join(MEGATRON_CORE_VERSIONS)
+
+
+@dataclass
+class _First:
+    """What the per-rank writers read of the source's first rank: a path for messages and the carried entries."""
+
+    path: Path
+    extra: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class _Owner:
+    """One TP piece of a parameter: the source rank it lies on (DP rank 0) and its slot there."""
+
+    path: Path
+    coord: RankCoord
+
+
+def sharding_type(common: dict[str, Any], where: str) -> str | None:
+    """The checkpoint's ``param_state_sharding_type`` (None: no distributed optimizer state), checked."""
+    optimizer = common.get("optimizer")
+    if optimizer is None:
+        return None
+    if not isinstance(optimizer, dict):
+        raise OptimizerLayoutError(f"{where}: optimizer is {quote(type(optimizer).__name__)}, not a dict")
+    if "param_state_sharding_type" not in optimizer:
+        return None
+    sharding = optimizer["param_state_sharding_type"]
+    if sharding not in DISTRIBUTED_SHARDING_TYPES:
+        raise OptimizerLayoutError(
+            f"{where}: optimizer.param_state_sharding_type={quote(sharding)}: unknown sharding type ({_VERSIONS} "
+            f"writes {', '.join(DISTRIBUTED_SHARDING_TYPES)})")
+    if sharding not in TORCH_DIST_FORMS:
+        why = _NOT_REPRODUCED.get(str(sharding), "not a form pgconvert reads")
+        raise UnsupportedOptimizerError(
+            f"{where}: optimizer.param_state_sharding_type={quote(sharding)}: {why}; pgconvert reads "
+            f"{', '.join(TORCH_DIST_FORMS)} ({_VERSIONS}); pass --skip-optimizer")
+    return str(sharding)
+
+
+def holds_optimizer(source: Any) -> bool:
+    """Whether a torch_dist source (``TorchDistSource``) carries optimizer state."""
+    return isinstance(getattr(source, "common_state", None), dict) and "optimizer" in source.common_state
+
+
+class TorchDistOptimizerSource(OptimizerSource):
+    """The distributed optimizer's state of a ``TorchDistSource``, by canonical name (``names``,
+    ``parameter``, ``piece``, ``step``) for ``optimizer_reshard``'s writers."""
+
+    def __init__(self, source: Any) -> None:  # noqa: super().__init__ reads per-rank files; not called
+        self.source = source
+        self.config = source.config
+        self.layout = source.layout
+        self.vocab_rows = source.vocab_rows
+        where = f"{source.directory} (common state)"
+        common = source.common_state
+        self.sharding = sharding_type(common, where)
+        if self.sharding is None:
+            detail = "no optimizer entry (saved with --no-save-optim?)" if "optimizer" not in common else \
+                "the optimizer is not megatron-core's distributed optimizer (no param_state_sharding_type)"
+            raise UnsupportedOptimizerError(f"{where}: {detail}: its state is not carried from torch_dist; "
+                                            "pass --skip-optimizer")
+        check_supported(self.config, where)
+        args = common.get("args")
+        self.rules = OptimizerRules.from_args(args, where)
+        self.form = FORM_DISTRIBUTED
+        self.args = args
+        self._owners_by_name, self._slots = self._index_slots()
+        groups = self._param_groups(common, where)
+        self._step = _one_step(groups, where)
+        extra = {key: common[key] for key in (*CARRIED_KEYS, "iteration", "args") if key in common}
+        extra["distributed_entry"] = {"optimizer": {"param_groups": groups}}
+        self.first = _First(source.directory, extra)
+        self._settings = [{k: v for k, v in group.items() if k not in ("params", "step")} for group in groups]
+        self.dtype_key = self._dtype_key()
+        self._check_stored()
+        if self.sharding == "dp_reshardable":
+            self._check_masters()
+
+    def _index_slots(self) -> tuple[dict[str, list[tuple[_Owner, OptimizerSlot]]], dict[RankCoord, list]]:
+        """Per canonical name its TP pieces (from the first stage holding it), and each rank's slots."""
+        owners: dict[str, tuple[tuple[int, int], list[tuple[_Owner, OptimizerSlot]]]] = {}
+        slots: dict[RankCoord, list] = {}
+        for pp in range(self.layout.pp):
+            for tp in range(self.layout.tp):
+                coord = RankCoord(tp=tp, pp=pp, ep=0)
+                slots[coord] = optimizer_slots(self.config, self.layout, coord, self.rules, self.vocab_rows)
+                for slot in (slot for group in slots[coord] for slot in group):
+                    where = (pp, slot.chunk)
+                    held = owners.setdefault(slot.spec.canonical, (where, []))
+                    if held[0] == where:
+                        held[1].append((_Owner(self.source.directory, coord), slot))
+        return {name: sorted(pieces, key=lambda p: p[1].spec.tp_rank) for name, (_, pieces) in owners.items()}, slots
+
+    def _param_groups(self, common: dict[str, Any], where: str) -> list[dict[str, Any]]:
+        """The param groups (hyperparameters and ``step``): common state for the model-space forms, the
+        ShardedObject of model-parallel rank 0 for dp_reshardable (the same on every rank)."""
+        if self.sharding == "dp_reshardable":
+            key = "optimizer.distributed.dp_group_idx_0.optimizer/shard_0_1"
+            value = self.source.read_objects([key])[key]
+            value = value[0] if isinstance(value, list) and len(value) == 1 else value
+            where = f"{self.source.directory}: {key}"
+        else:
+            value = common["optimizer"].get("optimizer")
+        groups = value.get("param_groups") if isinstance(value, dict) else None
+        if not isinstance(groups, list) or len(groups) != 2 or not all(isinstance(g, dict) for g in groups):
+            raise OptimizerLayoutError(f"{where}: optimizer param_groups = {quote(groups, 160)}; {_VERSIONS} "
+                                       "builds two for this model (weight decay, no weight decay)")
+        return groups
+
+    def _dtype_key(self) -> tuple[torch.dtype, torch.dtype]:
+        """``distrib_optim.pt``'s buffer key: (model dtype, grad dtype)."""
+        param = torch.bfloat16 if getattr(self.args, "bf16", False) else \
+            torch.float16 if getattr(self.args, "fp16", False) else torch.float32
+        fp32_grads = getattr(self.args, "accumulate_allreduce_grads_in_fp32", False)
+        return (param, torch.float32 if fp32_grads else param)
+
+    def group_index(self, coord: RankCoord) -> int:
+        """megatron-core's ``data_parallel_group_idx``: the rank in the model-parallel group (TP fastest)."""
+        return coord.tp + self.layout.tp * coord.pp
+
+    def bucket_key(self, coord: RankCoord, chunk: int, field: str) -> str:
+        dtype = f"({self.dtype_key[0]}, {self.dtype_key[1]})"
+        return (f"optimizer.distributed.dp_group_idx_{self.group_index(coord)}.gbuf_idx_{chunk}.dtype_{dtype}"
+                f".bucket_idx_0.{field}")
+
+    def _model_space_prefix(self, key: str) -> str:
+        return f"optimizer.state.{_MODEL_SPACE_FIELDS[self.sharding][key]}."
+
+    def _check_stored(self) -> None:
+        """Every record the layout needs is there with the size it derives (refused by name otherwise)."""
+        stored = self.source.tensor_keys()
+        if self.sharding == "dp_reshardable":
+            self._flat = {coord: flat_buffers(self.config, self.layout, coord, self.rules, self.vocab_rows,
+                                              self.args, dp_size(self.args)) for coord in self._slots}
+            expected = {self.bucket_key(coord, chunk, field): (numel,) for coord, buffers in self._flat.items()
+                        for chunk, (_, numel) in enumerate(buffers) for field in ("param", *MOMENTS)}
+            extra = sorted(key for key in stored if key.startswith("optimizer.") and key not in expected)
+        else:
+            model_keys = {self.source._locations[name].key for name in self.names()}
+            expected = {self._model_space_prefix(key) + model_key: stored[model_key]
+                        for model_key in model_keys for key in ("param", *MOMENTS)}
+            extra = []
+        for key, shape in expected.items():
+            if key not in stored:
+                raise OptimizerLayoutError(
+                    f"{self.source.directory}: no optimizer record {quote(key)} ({self.sharding} form, {_VERSIONS}, "
+                    f"layout {self.layout.describe()}); pass --skip-optimizer to convert the model alone")
+            if stored[key] != shape:
+                raise OptimizerLayoutError(
+                    f"{self.source.directory}: {quote(key)} has global shape {list(stored[key])}; the model at "
+                    f"{self.layout.describe()} gives {list(shape)} ({self.sharding}: reverse parameter order, "
+                    "64-element alignment, one bucket)")
+        if extra:
+            raise OptimizerLayoutError(
+                f"{self.source.directory}: optimizer records {quote(extra[:4], 200)} are not ones the layout "
+                f"{self.layout.describe()} derives (several buckets or buffers?) ({_VERSIONS})")
+
+    def _check_masters(self) -> None:
+        """megatron-core copies each fp32 master into its model parameter after every step: each master
+        placed by the derived flat-buffer layout must round to the stored weight (one parameter at a time)."""
+        for name in self.names():
+            model = self.source.load(name)
+            master = self.parameter(name)["param"]
+            if not torch.equal(master.to(model.dtype), model):
+                owner, slot = self._owners_by_name[name][0]
+                raise OptimizerLayoutError(
+                    f"{self.source.directory}: {self.bucket_key(owner.coord, slot.chunk, 'param')} at the range "
+                    f"pgconvert derives for {name} does not round to the model's weight: the flat-buffer layout is "
+                    f"not the one {_VERSIONS} uses (several buckets, another parameter order?)")
+
+    def names(self) -> list[str]:
+        return list(self._owners_by_name)
+
+    def group_of(self, name: str) -> int:
+        return self._owners_by_name[name][0][1].group
+
+    def step(self, name: str) -> torch.Tensor:
+        return self._step.clone()
+
+    def _flat_piece(self, owner: _Owner, slot: OptimizerSlot, key: str) -> torch.Tensor:
+        placed = self._placed(owner.coord, slot)
+        flat = self.source.load_flat(self.bucket_key(owner.coord, slot.chunk, key), placed.start,
+                                     placed.end - placed.start)
+        return flat.view(tuple(slot.spec.local_shape))
+
+    def _placed(self, coord: RankCoord, slot: OptimizerSlot) -> FlatParam:
+        placed, _ = self._flat[coord][slot.chunk]
+        return next(item for item in placed if item.slot.position == slot.position)
+
+    def _pieces(self, name: str, key: str) -> list[torch.Tensor]:
+        return [self._flat_piece(owner, slot, key) for owner, slot in self._owners_by_name[name]]
+
+    def parameter(self, name: str) -> dict[str, torch.Tensor]:
+        """The whole (source-padded) fp32 master, both moments and the step of ``name``."""
+        if self.sharding == "dp_reshardable":
+            rule = self._owners_by_name[name][0][1].spec.rule
+            merged = {}
+            for key in ("param", *MOMENTS):
+                try:
+                    merged[key] = rule.merge(self._pieces(name, key))
+                except ReplicaMismatchError as error:
+                    raise OptimizerLayoutError(
+                        f"{self.source.directory}: {name}: optimizer {key} of a replicated parameter differs "
+                        f"between TP ranks {error.ranks}: the flat-buffer placement is not the one "
+                        f"{_VERSIONS} uses") from error
+        else:
+            merged = {key: self.source.load_state(name, self._model_space_prefix(key)) for key in ("param", *MOMENTS)}
+        merged["step"] = self.step(name)
+        return merged
+
+    def piece(self, name: str, key: str, size: int, rank: int, rows: int | None) -> torch.Tensor:
+        """Piece ``rank`` of ``size`` of ``name``'s ``key``, fitted to ``rows`` padded vocab rows."""
+        if self.sharding == "dp_reshardable":
+            return super().piece(name, key, size, rank, rows)
+        rule = self._owners_by_name[name][0][1].spec.rule
+        return self.source.load_state_shard(name, self._model_space_prefix(key), rule, size, rank,
+                                            rows if rule.fits_rows else None)
+
+    def param_group_settings(self) -> list[dict[str, Any]]:
+        return [dict(group) for group in self._settings]
+
+    @property
+    def _owners(self) -> dict[str, list[tuple[_Owner, OptimizerSlot]]]:  # OptimizerSource's name for it
+        return self._owners_by_name
+
+
+def _one_step(groups: list[dict[str, Any]], where: str) -> torch.Tensor:
+    steps = {group.get("step") for group in groups}
+    if len(steps) != 1 or not isinstance(next(iter(steps)), (int, float)):
+        raise OptimizerLayoutError(f"{where}: optimizer param_groups[*].step = {quote(sorted(map(str, steps)))}: "
+                                   "expected one step count")
+    return torch.tensor(float(next(iter(steps))))

@@ -1,0 +1,126 @@
+"""The distributed optimizer's state written into a torch_dist destination, in the ``fully_reshardable``
+form (layout-independent: the same records at any TP/PP/DP; the layout is only in ``args``).
+
+``DistributedOptimizer.sharded_param_state_fully_reshardable`` (megatron-core 0.16.1 / 0.20.0) saves
+``optimizer.state.{param,exp_avg,exp_avg_sq}.<model key>``: fp32, each with its model tensor's global
+shape and chunks; the common state holds ``optimizer = {optimizer: {param_groups}, param_state_sharding_type:
+'fully_reshardable'}`` and ``content_metadata['distrib_optim_sharding_type']``. Run after the torch_dist
+saver: the records go to a second data file (``__1_0.distcp``) written by the saver's streaming writer
+(one record at a time, each produced when written), and are added to ``.metadata`` and ``common.pt``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import pickle
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultSavePlanner, SavePlan
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.planner import WriteItem
+
+from pgconvert.durable import fsync_file
+from pgconvert.formats import PlannedFile
+from pgconvert.megatron_format import FRAMEWORK_PICKLE, safe_torch_load
+from pgconvert.optimizer_state import CARRIED_KEYS
+from pgconvert.torch_dist_format import COMMON_FILE, DCP_METADATA_FILE, read_dcp_metadata, single_process_calls
+
+SHARDING = "fully_reshardable"
+RECORDS_FILE = "__1_0.distcp"
+FIELDS = ("param", "exp_avg", "exp_avg_sq")
+
+
+class _OptimizerPlanner(DefaultSavePlanner):
+    """The optimizer records' plan; each chunk's data is cut from its parameter's state when written."""
+
+    def __init__(self, chunks: list[tuple[str, Any]], optimizer: Any, rows: int, fits_rows: set[str]) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self._chunks = {(chunk.key, chunk.offsets): (field, chunk) for field, chunk in chunks}
+        self._items = [chunk.write_item() for _, chunk in chunks]
+        self._optimizer = optimizer
+        self._rows = rows
+        self._fits_rows = fits_rows
+        self._last: tuple[tuple[str, str], torch.Tensor] | None = None
+
+    def create_local_plan(self) -> SavePlan:
+        self.plan = SavePlan(self._items)
+        return self.plan
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
+        field, chunk = self._chunks[(write_item.index.fqn, tuple(write_item.index.offset))]
+        whole = self._whole(chunk.canonical, field)
+        if chunk.row_start is not None:
+            whole = whole.narrow(0, chunk.row_start, chunk.rows)
+        return whole.to(torch.float32).reshape(chunk.sizes)
+
+    def _whole(self, name: str, field: str) -> torch.Tensor:
+        """The whole tensor (TP1, the target's padded vocab rows); the gate and up chunks share one read."""
+        if self._last is None or self._last[0] != (name, field):
+            self._last = None
+            rows = self._rows if name in self._fits_rows else None
+            self._last = ((name, field), self._optimizer.piece(name, field, 1, 0, rows))
+        return self._last[1]
+
+
+def _merge_metadata(iteration_dir: Path, added_path: Path) -> None:
+    """Add the records of ``added_path`` (stored in RECORDS_FILE) to the checkpoint's ``.metadata``."""
+    path = iteration_dir / DCP_METADATA_FILE
+    metadata = read_dcp_metadata(path)
+    added = read_dcp_metadata(added_path)
+    metadata.state_dict_metadata.update(added.state_dict_metadata)
+    for index, info in added.storage_data.items():
+        metadata.storage_data[index] = _StorageInfo(RECORDS_FILE, info.offset, info.length, info.transform_descriptors)
+    partial = path.with_name(path.name + ".optim")
+    partial.write_bytes(pickle.dumps(metadata))
+    fsync_file(partial)
+    os.replace(partial, path)
+
+
+def _add_common(optimizer: Any, iteration_dir: Path) -> None:
+    path = iteration_dir / COMMON_FILE
+    common = dict(safe_torch_load(path))
+    groups = [dict(settings, step=float(optimizer.step(optimizer.names()[0])))
+              for settings in optimizer.param_group_settings()]
+    common["optimizer"] = {"optimizer": {"param_groups": groups}, "param_state_sharding_type": SHARDING}
+    for key in CARRIED_KEYS:
+        if key in optimizer.first.extra:
+            common[key] = optimizer.first.extra[key]
+    common["content_metadata"] = dict(common.get("content_metadata") or {}, distrib_optim_sharding_type=SHARDING,
+                                      distrib_optim_fully_reshardable_mem_efficient=False)
+    buffer = io.BytesIO()
+    torch.save(common, buffer, pickle_module=FRAMEWORK_PICKLE)
+    partial = path.with_name(path.name + ".optim")
+    partial.write_bytes(buffer.getbuffer())
+    fsync_file(partial)
+    os.replace(partial, path)
+
+
+def write_fully_reshardable(optimizer: Any, model_chunks: list[Any], rows: int, fits_rows: set[str],
+                            iteration_dir: Path) -> list[PlannedFile]:
+    """Write the optimizer records beside the model's (``model_chunks``: the torch_dist saver's chunks);
+    returns the files added or rewritten."""
+    from pgconvert.savers.torch_dist import _StreamingWriter
+
+    chunks = [(field, dataclasses.replace(chunk, key=f"optimizer.state.{field}.{chunk.key}", dtype=torch.float32))
+              for chunk in model_chunks for field in FIELDS]
+    staging = iteration_dir / ".optimizer_records"
+    staging.mkdir()
+    try:
+        writer = _StreamingWriter(staging)
+        with single_process_calls():
+            dcp.save({}, storage_writer=writer, planner=_OptimizerPlanner(chunks, optimizer, rows, fits_rows),
+                     no_dist=True)
+        os.replace(staging / "__0_0.distcp", iteration_dir / RECORDS_FILE)
+        _merge_metadata(iteration_dir, staging / DCP_METADATA_FILE)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    _add_common(optimizer, iteration_dir)
+    name = iteration_dir.name
+    return [PlannedFile(f"{name}/{RECORDS_FILE}", len(chunks), sum(chunk.nbytes for _, chunk in chunks),
+                        sha256=writer.sha256, size=writer.size)]

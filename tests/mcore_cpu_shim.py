@@ -9,17 +9,17 @@ own process). Each piece is the narrowest answer to one call megatron-core makes
   ``DistributedDataParallel``, the grad-norm and found-inf tensors of the optimizers and the dummy
   state of ``DistributedOptimizer.load_state_dict`` are all allocated on
   ``torch.cuda.current_device()``.
-- ``torch.cuda`` answers for one device: ``current_device`` (0), ``device_count`` (1),
-  ``synchronize``, ``current_stream`` / ``Stream`` / ``Event`` (no-ops; every CPU op is synchronous).
-- ``Tensor.type()`` of a CPU tensor answered with its CUDA name: ``clip_grads`` asserts the grads
-  are ``torch.cuda.FloatTensor``.
+- ``torch.cuda.current_device`` answers 0 (on a CPU build it raises), which the mode above maps to
+  the CPU.
+- ``Tensor.type()`` of a CPU tensor answered with its CUDA name: the optimizers sort parameters by
+  ``param.type()`` (``torch.cuda.BFloat16Tensor`` / ``torch.cuda.FloatTensor``, anything else is
+  refused) and ``clip_grads`` asserts the grads are ``torch.cuda.FloatTensor``.
 - ``DistributedOptimizer``'s Adam ``step`` on resume (two megatron-core bugs, not CPU matters; see
   ``keep_adam_step``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import sys
 from typing import Any
 
@@ -52,14 +52,6 @@ class CudaDevicesOnCpu(TorchFunctionMode):
         if name == "type" and len(args) == 1 and not kwargs:
             return func(*args).replace("torch.", "torch.cuda.", 1)
         return func(*args, **kwargs)
-
-
-class _NoOpStream:
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def __getattr__(self, name: str) -> Any:
-        return lambda *args, **kwargs: None
 
 
 def keep_adam_step() -> None:
@@ -97,14 +89,7 @@ def keep_adam_step() -> None:
 
 def install() -> None:
     """For a throwaway process only: it changes torch.cuda and enters a TorchFunctionMode for good."""
-    cuda = torch.cuda
-    cuda.current_device = lambda: 0
-    cuda.device_count = lambda: 1
-    cuda.synchronize = lambda device=None: None
-    cuda.Stream = _NoOpStream
-    cuda.Event = _NoOpStream
-    cuda.current_stream = lambda device=None: _NoOpStream()
-    cuda.stream = lambda stream=None: contextlib.nullcontext()
+    torch.cuda.current_device = lambda: 0
     CudaDevicesOnCpu().__enter__()
     keep_adam_step()
     sys.stderr.write("[mcore_cpu_shim] CUDA devices on the CPU; DistributedOptimizer: one Adam step per parameter\n")

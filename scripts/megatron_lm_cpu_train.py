@@ -204,10 +204,42 @@ def install_sharding_type() -> None:
     _note("distrib_optim_sharding_type", wanted)
 
 
+def install_distopt_step_fix() -> None:
+    """Opt-in (``PGCONVERT_FIX_DISTOPT_STEP=1``; the resume check sets it, the goldens never do): two bugs of
+    Megatron-LM's ``DistributedOptimizer`` when it resumes with torch's Adam (no Apex/Transformer Engine),
+    which keeps a ``step`` tensor per parameter. Lines of megatron/core/optimizer/distrib_optimizer.py
+    at d98e8a64 (megatron-core 0.16.1 in brackets):
+
+    - ``load_state_dict`` (1024-1031 [817-825]) gives every Adam state the same ``step`` tensor, made
+      from the param groups' step; Adam's step then adds 1 to it once per parameter;
+    - ``load_parameter_state`` -> ``_set_main_param_and_optimizer_states`` (1217-1223 [938-940]) copies
+      every key of the state, ``step`` included, from the file's tensors, which hold only ``param``,
+      ``exp_avg`` and ``exp_avg_sq``: ``KeyError: 'step'``, so an unconverted checkpoint cannot resume.
+
+    Where the per-parameter state is set, each parameter gets its own copy of that step, handed in as
+    the ``step`` to set; the file's tensors are set as Megatron sets them."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original = DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def set_states(self: Any, model_param: Any, tensors: dict[str, Any]) -> None:
+        _note("DistributedOptimizer step", "each parameter's own Adam step, as load_state_dict set it")
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        state = self.optimizer.state[self.optimizer.param_groups[group_index]["params"][group_order]]
+        if isinstance(state.get("step"), torch.Tensor):
+            state["step"] = state["step"].clone()
+            tensors = {"step": state["step"], **tensors}
+        original(self, model_param, tensors)
+
+    DistributedOptimizer._set_main_param_and_optimizer_states = set_states
+
+
 def main() -> None:
     source = Path(sys.argv[1])
     install()
     install_rng()
+    if os.environ.get("PGCONVERT_FIX_DISTOPT_STEP") == "1":
+        install_distopt_step_fix()
     install_dataset_helpers(source, Path(os.environ.get("MLM_HELPERS_BUILD", "/tmp/megatron_lm_helpers")))
     sys.argv = [str(source / "pretrain_gpt.py"), *sys.argv[2:]]
     install_sharding_type()

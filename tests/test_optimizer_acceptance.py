@@ -1,0 +1,157 @@
+"""megatron-core's own optimizer accepts pgconvert's resharded optimizer state and takes the same step.
+
+For each training golden written by Megatron-LM (fp32 FP32Optimizer at TP2 PP2; bf16
+Float16OptimizerWithFloat16Params at TP2 DP2; bf16 DistributedOptimizer at TP2 DP2), pgconvert
+converts it to TP1 PP1 DP1. ``mcore_optimizer_step.py`` (megatron-core 0.16.1 in gloo processes on the
+CPU) then builds GPTModel + DDP + ``get_megatron_optimizer`` at each layout, loads the checkpoint with
+megatron-core's own ``load_state_dict`` / ``load_parameter_state``, sets the same fixed gradients
+(cut per TP rank) and calls ``optimizer.step()``: from the converted checkpoint at TP1 (DP1, and for
+the distributed optimizer also DP2, where megatron-core re-pads and scatters the converted flat
+buffers), and from the unconverted golden at its own layout (4 ranks). The source ranks' results are joined here by
+Megatron's TP rules (concatenation written in this file, not pgconvert's), and:
+
+- what the optimizer holds after loading (fp32 main params, ``exp_avg``, ``exp_avg_sq``) is equal
+  (``torch.equal``) at both layouts;
+- the gradients are large enough that the step clips them (grad norm > ``clip_grad``), and both
+  layouts report the same norm (rtol 1e-6: the TP2/PP2 run sums the squares across ranks);
+- after the step, the main params, the moments and the model weights agree within rtol 1e-6 /
+  atol 1e-9 (fp32; the clip factor may differ in its last bits) and one bf16 ulp (rtol 2**-7) for
+  bf16 weights.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mcore_optimizer_step import COLUMN_PARALLEL, GATED, ROW_PARALLEL
+from megatron_fixtures import load_for_test
+
+pytest.importorskip("megatron.core", reason="megatron-core's own optimizer is the acceptance check")
+
+GOLDENS = Path(__file__).parent / "data" / "megatron_lm"
+SCRIPT = Path(__file__).parent / "mcore_optimizer_step.py"
+FP32_RTOL, FP32_ATOL = 1e-6, 1e-9
+BF16_RTOL, BF16_ATOL = 2 ** -7, 0.0
+KEYS = ("param", "exp_avg", "exp_avg_sq")
+
+
+def join_tp(name: str, pieces: list[torch.Tensor], swiglu: bool) -> torch.Tensor:
+    """The whole parameter from its TP pieces (in TP rank order), by Megatron's rules for a dense GPT."""
+    if name.endswith(ROW_PARALLEL):
+        return torch.cat(pieces, dim=1)
+    if name.endswith(GATED) and swiglu:  # each piece is [gate_i; up_i]
+        halves = [piece.chunk(2, dim=0) for piece in pieces]
+        return torch.cat([gate for gate, _ in halves] + [up for _, up in halves], dim=0)
+    if name.endswith(COLUMN_PARALLEL) or name.endswith(GATED):
+        return torch.cat(pieces, dim=0)
+    assert pieces[0].dim() == 1, name
+    for piece in pieces[1:]:
+        assert torch.equal(piece, pieces[0]), f"{name}: replicated pieces differ"
+    return pieces[0]
+
+
+def _states(results: list[dict], when: str) -> dict[tuple[str, int], dict[str, torch.Tensor]]:
+    """(name, tp rank) -> whole local tensors, from whole (plain) or DP-sliced (distributed) entries."""
+    flat: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
+    for result in results:
+        for name, (offset, tensors) in result[when].items():
+            shape = result["weights"][name].shape
+            slot = flat.setdefault((name, result["tp_rank"]),
+                                   {key: torch.full((shape.numel(),), float("nan")) for key in KEYS})
+            for key in KEYS:
+                tensor = tensors[key]
+                dst = slot[key][offset:offset + tensor.numel()]
+                if not dst.isnan().all():  # a DP replica of the plain optimizer holds the same values
+                    assert torch.equal(dst, tensor.flatten()), f"{name}.{key}: DP replicas differ"
+                dst.copy_(tensor.flatten())
+    for (name, tp_rank), slot in flat.items():
+        assert not any(tensor.isnan().any() for tensor in slot.values()), f"{name}: not covered by the DP shards"
+        shape = next(r["weights"][name].shape for r in results if r["tp_rank"] == tp_rank and name in r["weights"])
+        flat[(name, tp_rank)] = {key: tensor.view(shape) for key, tensor in slot.items()}
+    return flat
+
+
+def _joined(results: list[dict], swiglu: bool) -> dict[str, dict[str, torch.Tensor]]:
+    """Per canonical name: before.*, after.* (optimizer tensors) and weight, joined over the TP ranks."""
+    tp = 1 + max(result["tp_rank"] for result in results)
+    names = sorted({name for result in results for name in result["weights"]})
+    weights: dict[tuple[str, int], torch.Tensor] = {}
+    for result in results:
+        for name, weight in result["weights"].items():
+            previous = weights.setdefault((name, result["tp_rank"]), weight)
+            assert torch.equal(previous, weight), f"{name}: DP replicas' weights differ"
+    joined = {name: {"weight": join_tp(name, [weights[(name, rank)] for rank in range(tp)], swiglu)}
+              for name in names}
+    for when in ("before", "after"):
+        states = _states(results, when)
+        for name in names:
+            for key in KEYS:
+                pieces = [states[(name, rank)][key] for rank in range(tp)]
+                joined[name][f"{when}.{key}"] = join_tp(name, pieces, swiglu)
+    return joined
+
+
+def _run(grads: Path, runs: list[tuple[Path, Path, int]]) -> list[list[dict]]:
+    argv = [str(part) for run in runs for part in run]
+    done = subprocess.run([sys.executable, "-W", "ignore", str(SCRIPT), str(grads), *argv], capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    return [[torch.load(path, weights_only=True) for path in sorted(out.glob("rank*.pt"))] for _, out, _ in runs]
+
+
+def _fixed_gradients(converted: Path, path: Path) -> None:
+    """A deterministic gradient per parameter (the converted TP1 model's names and shapes), scaled so
+    that their global norm (about 3.3) exceeds clip_grad = 1 and the step clips."""
+    model = load_for_test(converted / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt")["model"]
+    generator = torch.Generator().manual_seed(0)
+    torch.save({name: torch.randn(tensor.shape, generator=generator) * 1e-2
+                for name, tensor in sorted(model.items()) if isinstance(tensor, torch.Tensor)}, path)
+
+
+def _assert_same_step(target: list[dict], original: list[dict], args: object,
+                      weight_tolerance: tuple[float, float]) -> None:
+    for when, step in (("before", 2.0), ("after", 3.0)):  # the goldens stopped at iteration 2
+        steps = {float(tensors["step"]) for run in (target, original) for result in run
+                 for _, tensors in result[when].values()}
+        assert steps == {step}, f"Adam's step {when} the optimizer step: {sorted(steps)}"
+    norms = {result["grad_norm"] for run in (target, original) for result in run}
+    assert min(norms) > args.clip_grad and max(norms) == pytest.approx(min(norms), rel=1e-6)
+    expected, actual = _joined(original, args.swiglu), _joined(target, args.swiglu)
+    assert sorted(actual) == sorted(expected) and len(actual) == 15
+    for name, tensors in actual.items():
+        for key in KEYS:
+            assert torch.equal(tensors[f"before.{key}"], expected[name][f"before.{key}"]), f"{name} loaded {key}"
+            torch.testing.assert_close(tensors[f"after.{key}"], expected[name][f"after.{key}"], rtol=FP32_RTOL,
+                                       atol=FP32_ATOL, msg=lambda m: f"{name} {key} after the step: {m}")
+        assert not torch.equal(tensors["after.param"], tensors["before.param"]), f"{name}: the step changed nothing"
+        rtol, atol = weight_tolerance
+        torch.testing.assert_close(tensors["weight"], expected[name]["weight"], rtol=rtol, atol=atol,
+                                   msg=lambda m: f"{name} weight after the step: {m}")
+
+
+@pytest.mark.parametrize(("golden", "dp", "target_dps", "weight_tolerance"), [
+    ("train_tp2pp2_torch", 1, (1,), (FP32_RTOL, FP32_ATOL)),
+    ("train_tp2dp2_bf16_torch", 2, (1,), (BF16_RTOL, BF16_ATOL)),
+    # TP1 at DP1 and DP2: megatron-core re-pads and scatters the converted flat buffers over its DP ranks.
+    ("train_tp2dp2_distopt_bf16_torch", 2, (1, 2), (BF16_RTOL, BF16_ATOL)),
+], ids=["fp32-tp2pp2", "bf16-tp2dp2", "distributed-bf16-tp2dp2"])
+def test_megatron_core_steps_the_converted_state_as_the_original(tmp_path: Path, golden: str, dp: int,
+                                                                 target_dps: tuple[int, ...],
+                                                                 weight_tolerance: tuple[float, float]) -> None:
+    import pgconvert
+
+    source = GOLDENS / golden
+    pgconvert.convert(source, tmp_path / "tp1", dst_tp=1, dst_pp=1)
+    _fixed_gradients(tmp_path / "tp1", tmp_path / "grads.pt")
+    runs = [(tmp_path / "tp1" / "iter_0000002", tmp_path / f"out_tp1_dp{target_dp}", target_dp)
+            for target_dp in target_dps]
+    *targets, original = _run(tmp_path / "grads.pt", [*runs, (source / "iter_0000002", tmp_path / "out_src", dp)])
+    assert [len(target) for target in targets] == list(target_dps) and len(original) == 4
+    args = load_for_test(next((source / "iter_0000002").glob("mp_rank_*/model_optim_rng.pt")))["args"]
+    for target in targets:
+        _assert_same_step(target, original, args, weight_tolerance)

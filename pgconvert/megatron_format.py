@@ -299,6 +299,7 @@ def _config_from_args(args: argparse.Namespace, path: Path, transformer_impl: st
         moe_router_enable_expert_bias=bool(getattr(args, "moe_router_enable_expert_bias", False)),
         moe_grouped_gemm=grouped_gemm,
         **semantics_from_args(args, path),
+        mtp_num_layers=_arg_int(args, "mtp_num_layers", path, minimum=0) or 0,  # mtp
     )
 
 
@@ -456,6 +457,7 @@ def _model_args(config: ModelConfig) -> dict[str, Any]:
         "rotary_base": config.rotary_base,
         "make_vocab_size_divisible_by": config.make_vocab_size_divisible_by,
         "transformer_impl": config.transformer_impl,
+        "mtp_num_layers": config.mtp_num_layers or None,  # mtp: megatron-core's "no MTP" is None
     }
 
 

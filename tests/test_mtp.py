@@ -1,0 +1,153 @@
+"""Multi-token-prediction (MTP) layers of DeepSeek-V3 and GLM-4.5-MoE through pgconvert (mtp).
+
+transformers builds no MTP module, so a tiny source is a model built with one layer more whose last
+layer becomes the MTP layer (HF layer index num_hidden_layers) beside its own enorm, hnorm,
+eh_proj, shared_head.norm and the copies of the embedding and output layer a release stores.
+
+* HF -> Megatron (TP2/EP4/PP2; VPP2; torch_dist) -> HF is bit-exact on every tensor, MTP included,
+  and transformers' logits of the output equal the source's;
+* the Megatron side holds megatron-core's ``mtp.layers.0.*`` on the last stage only, eh_proj split
+  by rows, and megatron-core's GPTModel built with ``mtp_num_layers`` loads the TP1 file strictly;
+* copies that differ from the model's tensors and MTP counts that disagree with the tensors are
+  named errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from click.testing import CliRunner
+from deepseek_helpers import CASES, logits
+from safetensors.torch import load_file, save_file
+
+import pgconvert
+from pgconvert.cli import main
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+LAYERS = 4
+
+
+def _build(family: str) -> Any:
+    """The transformers model with LAYERS + 1 layers, every weight seeded."""
+    if family == "glm":
+        from moe_more_helpers import build_glm4_moe
+
+        return build_glm4_moe(num_hidden_layers=LAYERS + 1, n_routed_experts=8, n_group=2, topk_group=1)
+    from deepseek_helpers import build_deepseek
+    import deepseek_helpers
+
+    version, kwargs = CASES["v3"]
+    deepseek_helpers.CASES["mtp"] = (version, dict(kwargs, num_hidden_layers=LAYERS + 1))
+    try:
+        return build_deepseek("mtp")
+    finally:
+        del deepseek_helpers.CASES["mtp"]
+
+
+def hf_tensors(path: Path) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(path.glob("*.safetensors")):
+        tensors.update(load_file(file))
+    return tensors
+
+
+def with_mtp(family: str, path: Path) -> Path:
+    """An HF checkpoint of LAYERS layers plus one MTP layer (HF layer LAYERS), as releases store it."""
+    model = _build(family)
+    model.save_pretrained(path)
+    tensors = hf_tensors(path)
+    for file in [*path.glob("*.safetensors"), *path.glob("*.index.json")]:
+        file.unlink()
+    hidden = model.config.hidden_size
+    generator = torch.Generator().manual_seed(7)
+    mtp = f"model.layers.{LAYERS}."
+    tensors.update({
+        mtp + "enorm.weight": 1.0 + 0.1 * torch.randn(hidden, generator=generator),
+        mtp + "hnorm.weight": 1.0 + 0.1 * torch.randn(hidden, generator=generator),
+        mtp + "eh_proj.weight": 0.1 * torch.randn(hidden, 2 * hidden, generator=generator),
+        mtp + "shared_head.norm.weight": 1.0 + 0.1 * torch.randn(hidden, generator=generator),
+        mtp + "embed_tokens.weight": tensors["model.embed_tokens.weight"].clone(),
+        mtp + "shared_head.head.weight": tensors["lm_head.weight"].clone(),
+    })
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    doc = json.loads((path / "config.json").read_text())
+    doc.update(num_hidden_layers=LAYERS, num_nextn_predict_layers=1)
+    (path / "config.json").write_text(json.dumps(doc))
+    return path
+
+
+@pytest.fixture(scope="module", params=["v3", "glm"])
+def source(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
+    return request.param, with_mtp(request.param, tmp_path_factory.mktemp(f"mtp-{request.param}") / "hf")
+
+
+def input_ids(family: str, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, 250, (2, 12), generator=torch.Generator().manual_seed(seed))
+
+
+def rank_state(root: Path, name: str) -> dict[str, Any]:
+    (path,) = root.glob(f"*/{name}/model_optim_rng.pt")
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def from_args_alone(megatron: Path, out: Path) -> Path:
+    shutil.rmtree(megatron / "hf", ignore_errors=True)
+    pgconvert.convert(megatron, out, dst_format="hf", dst_tp=1, dst_pp=1, dst_ep=1)
+    return out
+
+
+def assert_same_tensors(src: Path, out: Path) -> None:
+    before, after = hf_tensors(src), hf_tensors(out)
+    assert sorted(before) == sorted(after)
+    for name, tensor in before.items():
+        assert after[name].dtype == tensor.dtype and torch.equal(after[name], tensor), name
+
+
+def test_hf_megatron_tp2_ep4_pp2_hf_is_exact_with_the_mtp_layer(source: tuple[str, Path], tmp_path: Path) -> None:
+    family, src = source
+    pgconvert.convert(src, tmp_path / "megatron", dst_format="megatron", dst_tp=2, dst_pp=2, dst_ep=4)
+    out = from_args_alone(tmp_path / "megatron", tmp_path / "out")
+
+    assert_same_tensors(src, out)
+    assert json.loads((out / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    ids = input_ids(family)
+    torch.testing.assert_close(logits(out, ids), logits(src, ids), **TOL)
+
+
+def test_mtp_layer_lives_on_the_last_stage_with_eh_proj_split_by_rows(source: tuple[str, Path],
+                                                                      tmp_path: Path) -> None:
+    family, src = source
+    pgconvert.convert(src, tmp_path / "megatron", dst_format="megatron", dst_tp=2, dst_pp=2, dst_ep=4)
+    hf = hf_tensors(src)
+    first, last = rank_state(tmp_path / "megatron", "mp_rank_01_000_002"), rank_state(
+        tmp_path / "megatron", "mp_rank_01_001_002")
+
+    assert not [key for key in first["model"] if key.startswith("mtp.")]
+    assert first["args"].mtp_num_layers == last["args"].mtp_num_layers == 1
+    model = last["model"]
+    assert torch.equal(model["mtp.layers.0.eh_proj.weight"], hf[f"model.layers.{LAYERS}.eh_proj.weight"][32:])
+    assert torch.equal(model["mtp.layers.0.enorm.weight"], hf[f"model.layers.{LAYERS}.enorm.weight"])
+    assert torch.equal(model["mtp.layers.0.final_layernorm.weight"],
+                       hf[f"model.layers.{LAYERS}.shared_head.norm.weight"])
+    # EP rank 2 of 4 holds experts 4 and 5 of 8 as its local 0 and 1.
+    down = "mtp.layers.0.transformer_layer.mlp.experts.local_experts.1.linear_fc2.weight"
+    assert torch.equal(model[down], hf[f"model.layers.{LAYERS}.mlp.experts.5.down_proj.weight"][:, 16:])
+    # megatron-core keeps an embedding copy on the MTP stage (GPTModel: pre_process or mtp_process).
+    assert torch.equal(model["embedding.word_embeddings.weight"], first["model"]["embedding.word_embeddings.weight"])
+
+
+def test_vpp_and_torch_dist_round_trips_are_exact(source: tuple[str, Path], tmp_path: Path) -> None:
+    family, src = source
+    pgconvert.convert(src, tmp_path / "vpp", dst_format="megatron", dst_tp=2, dst_pp=2, dst_vpp=2, dst_ep=2)
+    pgconvert.convert(tmp_path / "vpp", tmp_path / "dist", dst_format="torch_dist", dst_tp=1, dst_pp=2, dst_ep=4,
+                      dst_vpp=1)
+    out = from_args_alone(tmp_path / "dist", tmp_path / "out")
+
+    assert_same_tensors(src, out)

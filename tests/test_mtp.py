@@ -151,3 +151,64 @@ def test_vpp_and_torch_dist_round_trips_are_exact(source: tuple[str, Path], tmp_
     out = from_args_alone(tmp_path / "dist", tmp_path / "out")
 
     assert_same_tensors(src, out)
+
+
+# --- megatron-core ------------------------------------------------------------------------------
+
+
+def build_mtp_gpt_model(args: argparse.Namespace) -> Any:
+    """megatron-core's GPTModel of ``args`` (MLA local spec, TP1/PP1/EP1) with its MTP block: the
+    MTP layer spec is megatron-core's own for the last decoder layer's spec (what
+    get_gpt_mtp_block_spec picks). Call under ``mla_cpu_patches``; MultiTokenPredictionBlock and its
+    TransformerLayer ask ``ProcessGroupCollection.use_mpu_process_groups`` for their groups (no
+    pg_collection is passed down) and the layer offset asks parallel_state for the pipeline rank, so
+    they answer with the model's fake groups (stage 0 of 1) while building."""
+    from unittest import mock
+
+    import mcore_helpers as mcore
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.multi_token_prediction import (MultiTokenPredictionBlockSubmodules,
+                                                                   get_mtp_layer_spec)
+    from megatron_mla import CausalAttention, mla_config
+
+    config = mla_config(args)
+    config.mtp_num_layers = args.mtp_num_layers
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=args.normalization,
+                                      qk_l2_norm=False, vp_stage=None, pp_rank=0)
+    for layer in spec.layer_specs:
+        layer.submodules.self_attention.submodules.core_attention = CausalAttention
+    mtp_spec = MultiTokenPredictionBlockSubmodules(
+        layer_specs=[get_mtp_layer_spec(spec.layer_specs[-1], use_transformer_engine=False)] * args.mtp_num_layers)
+    groups = mcore.fake_pg_collection(1, 1, 0, 0)
+    for name in ("ep", "expt_tp", "expt_dp", "tp_ep", "tp_cp", "dp", "dp_cp", "tp_ep_pp", "tp_dp_cp"):
+        setattr(groups, name, mcore.McoreFakeGroup(name, 1, 0))
+    from megatron.core import parallel_state
+
+    with mock.patch.object(ProcessGroupCollection, "use_mpu_process_groups", return_value=groups), \
+            mock.patch.object(parallel_state, "get_pipeline_model_parallel_rank", return_value=0), \
+            mock.patch.object(parallel_state, "get_pipeline_model_parallel_world_size", return_value=1), \
+            mock.patch.object(parallel_state, "get_virtual_pipeline_model_parallel_world_size", return_value=None):
+        return GPTModel(
+            config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
+            max_sequence_length=args.max_position_embeddings, pre_process=True, post_process=True,
+            share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+            position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,
+            pg_collection=groups, mtp_block_spec=mtp_spec).eval()
+
+
+def test_megatron_core_gpt_model_with_mtp_loads_the_written_checkpoint_strictly(tmp_path: Path) -> None:
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+    import mcore_helpers as mcore
+    from megatron_mla import mla_cpu_patches
+
+    src = with_mtp("v3", tmp_path / "hf")
+    pgconvert.convert(src, tmp_path / "megatron", dst_format="megatron", dst_tp=1, dst_pp=1, dst_ep=1)
+    (rank,) = mcore.rank_files(tmp_path / "megatron")
+
+    with torch.no_grad(), mla_cpu_patches():
+        model = build_mtp_gpt_model(rank.args)
+        model.load_state_dict(dict(rank.model), strict=True)
+    assert rank.args.mtp_num_layers == 1
+    assert torch.equal(model.mtp.layers[0].eh_proj.weight, hf_tensors(src)[f"model.layers.{LAYERS}.eh_proj.weight"])

@@ -212,3 +212,76 @@ def test_megatron_core_gpt_model_with_mtp_loads_the_written_checkpoint_strictly(
         model.load_state_dict(dict(rank.model), strict=True)
     assert rank.args.mtp_num_layers == 1
     assert torch.equal(model.mtp.layers[0].eh_proj.weight, hf_tensors(src)[f"model.layers.{LAYERS}.eh_proj.weight"])
+
+
+# --- bad input ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def v3_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return with_mtp("v3", tmp_path_factory.mktemp("mtp-v3-bad") / "hf")
+
+
+def _edited_copy(src: Path, dst: Path, tensors: dict[str, torch.Tensor] | None = None,
+                 **config: Any) -> Path:
+    shutil.copytree(src, dst)
+    if tensors:
+        stored = load_file(dst / "model.safetensors")
+        save_file({**stored, **tensors}, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    doc = json.loads((dst / "config.json").read_text())
+    doc.update(config)
+    (dst / "config.json").write_text(json.dumps(doc))
+    return dst
+
+
+def _convert_fails(src: Path, out: Path, *extra: str) -> str:
+    result = CliRunner().invoke(main, ["convert", str(src), str(out), "--dst-format", "megatron", *extra])
+    assert result.exit_code != 0 and "Traceback" not in result.output, result.output
+    assert not out.exists()
+    return result.output
+
+
+@pytest.mark.parametrize("copy,main_name", [("embed_tokens.weight", "model.embed_tokens.weight"),
+                                            ("shared_head.head.weight", "lm_head.weight")])
+def test_an_mtp_copy_that_differs_from_the_model_tensor_is_refused_naming_it(
+        v3_source: Path, tmp_path: Path, copy: str, main_name: str) -> None:
+    name = f"model.layers.{LAYERS}.{copy}"
+    changed = load_file(v3_source / "model.safetensors")[name].clone()
+    changed[17, 3] += 1.0
+    src = _edited_copy(v3_source, tmp_path / "src", {name: changed})
+
+    output = _convert_fails(src, tmp_path / "out", "--dst-tp", "2")
+
+    assert f"model.safetensors: {name} differs from {main_name}" in output.replace("\n", "")
+
+
+@pytest.mark.parametrize("declared", [0, 2])
+def test_num_nextn_predict_layers_that_disagrees_with_the_stored_layers_is_refused(
+        v3_source: Path, tmp_path: Path, declared: int) -> None:
+    src = _edited_copy(v3_source, tmp_path / "src", num_nextn_predict_layers=declared)
+
+    output = _convert_fails(src, tmp_path / "out").replace("\n", "")
+
+    assert f"num_nextn_predict_layers={declared}, but the checkpoint stores multi-token prediction" in output
+    assert f"layers [{LAYERS}]" in output
+
+
+def _set_mtp_args(root: Path, value: int | None) -> None:
+    for path in root.glob("*/mp_rank_*/model_optim_rng.pt"):
+        with torch.serialization.safe_globals([argparse.Namespace]):
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        state["args"].mtp_num_layers = value
+        torch.save(state, path)
+
+
+@pytest.mark.parametrize("value,named", [(2, "mtp.layers.1."), (None, "mtp.layers.0.")])
+def test_megatron_mtp_num_layers_that_disagrees_with_the_rank_files_is_refused(
+        v3_source: Path, tmp_path: Path, value: int | None, named: str) -> None:
+    pgconvert.convert(v3_source, tmp_path / "megatron", dst_format="megatron", dst_pp=2)
+    _set_mtp_args(tmp_path / "megatron", value)
+
+    result = CliRunner().invoke(main, ["convert", str(tmp_path / "megatron"), str(tmp_path / "out"),
+                                       "--dst-format", "hf"])
+
+    assert result.exit_code != 0 and "Traceback" not in result.output, result.output
+    assert named in result.output and "mp_rank_00_001" in result.output, result.output

@@ -15,8 +15,10 @@ eh_proj, shared_head.norm and the copies of the embedding and output layer a rel
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -156,41 +158,44 @@ def test_vpp_and_torch_dist_round_trips_are_exact(source: tuple[str, Path], tmp_
 # --- megatron-core ------------------------------------------------------------------------------
 
 
-def build_mtp_gpt_model(args: argparse.Namespace) -> Any:
+@contextlib.contextmanager
+def mtp_gpt_model(args: argparse.Namespace) -> Iterator[Any]:
     """megatron-core's GPTModel of ``args`` (MLA local spec, TP1/PP1/EP1) with its MTP block: the
     MTP layer spec is megatron-core's own for the last decoder layer's spec (what
-    get_gpt_mtp_block_spec picks). Call under ``mla_cpu_patches``; MultiTokenPredictionBlock and its
+    get_gpt_mtp_block_spec picks). Runs under ``mla_cpu_patches``; MultiTokenPredictionBlock and its
     TransformerLayer ask ``ProcessGroupCollection.use_mpu_process_groups`` for their groups (no
-    pg_collection is passed down) and the layer offset asks parallel_state for the pipeline rank, so
-    they answer with the model's fake groups (stage 0 of 1) while building."""
+    pg_collection is passed down), and the MTP layer offset and the block's sharded_state_dict ask
+    parallel_state for the pipeline rank and TP group, so they answer with the model's fake groups
+    (stage 0 of 1) while the model is in use."""
     from unittest import mock
 
     import mcore_helpers as mcore
+    from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.multi_token_prediction import (MultiTokenPredictionBlockSubmodules,
                                                                    get_mtp_layer_spec)
-    from megatron_mla import CausalAttention, mla_config
+    from megatron_mla import CausalAttention, mla_config, mla_cpu_patches
 
     config = mla_config(args)
     config.mtp_num_layers = args.mtp_num_layers
-    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=args.normalization,
-                                      qk_l2_norm=False, vp_stage=None, pp_rank=0)
-    for layer in spec.layer_specs:
-        layer.submodules.self_attention.submodules.core_attention = CausalAttention
-    mtp_spec = MultiTokenPredictionBlockSubmodules(
-        layer_specs=[get_mtp_layer_spec(spec.layer_specs[-1], use_transformer_engine=False)] * args.mtp_num_layers)
     groups = mcore.fake_pg_collection(1, 1, 0, 0)
     for name in ("ep", "expt_tp", "expt_dp", "tp_ep", "tp_cp", "dp", "dp_cp", "tp_ep_pp", "tp_dp_cp"):
         setattr(groups, name, mcore.McoreFakeGroup(name, 1, 0))
-    from megatron.core import parallel_state
-
-    with mock.patch.object(ProcessGroupCollection, "use_mpu_process_groups", return_value=groups), \
+    with mla_cpu_patches(), \
+            mock.patch.object(ProcessGroupCollection, "use_mpu_process_groups", return_value=groups), \
             mock.patch.object(parallel_state, "get_pipeline_model_parallel_rank", return_value=0), \
             mock.patch.object(parallel_state, "get_pipeline_model_parallel_world_size", return_value=1), \
-            mock.patch.object(parallel_state, "get_virtual_pipeline_model_parallel_world_size", return_value=None):
-        return GPTModel(
+            mock.patch.object(parallel_state, "get_virtual_pipeline_model_parallel_world_size", return_value=None), \
+            mock.patch.object(parallel_state, "get_tensor_model_parallel_group", return_value=groups.tp):
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=args.normalization,
+                                          qk_l2_norm=False, vp_stage=None, pp_rank=0)
+        for layer in spec.layer_specs:
+            layer.submodules.self_attention.submodules.core_attention = CausalAttention
+        mtp_spec = MultiTokenPredictionBlockSubmodules(
+            layer_specs=[get_mtp_layer_spec(spec.layer_specs[-1], use_transformer_engine=False)] * args.mtp_num_layers)
+        yield GPTModel(
             config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
             max_sequence_length=args.max_position_embeddings, pre_process=True, post_process=True,
             share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
@@ -198,20 +203,29 @@ def build_mtp_gpt_model(args: argparse.Namespace) -> Any:
             pg_collection=groups, mtp_block_spec=mtp_spec).eval()
 
 
-def test_megatron_core_gpt_model_with_mtp_loads_the_written_checkpoint_strictly(tmp_path: Path) -> None:
+def test_megatron_core_gpt_model_with_mtp_loads_the_written_file_and_declares_its_torch_dist_keys(tmp_path: Path) -> None:
     pytest.importorskip("megatron.core", reason="megatron-core is not installed")
     import mcore_helpers as mcore
-    from megatron_mla import mla_cpu_patches
+    from test_torch_dist_mcore import megatron_core_layout, read_layout
 
     src = with_mtp("v3", tmp_path / "hf")
     pgconvert.convert(src, tmp_path / "megatron", dst_format="megatron", dst_tp=1, dst_pp=1, dst_ep=1)
+    pgconvert.convert(tmp_path / "megatron", tmp_path / "dist", dst_format="torch_dist")
     (rank,) = mcore.rank_files(tmp_path / "megatron")
 
-    with torch.no_grad(), mla_cpu_patches():
-        model = build_mtp_gpt_model(rank.args)
+    with torch.no_grad(), mtp_gpt_model(rank.args) as model:
         model.load_state_dict(dict(rank.model), strict=True)
+        expected_tensors, expected_objects = megatron_core_layout(model)
     assert rank.args.mtp_num_layers == 1
     assert torch.equal(model.mtp.layers[0].eh_proj.weight, hf_tensors(src)[f"model.layers.{LAYERS}.eh_proj.weight"])
+    # torch_dist: the keys, shapes and chunks megatron-core's sharded_state_dict declares, MTP included.
+    (iteration,) = (tmp_path / "dist").glob("iter_*")
+    tensors, objects = read_layout(iteration)
+    assert [key for key in expected_tensors if key.startswith("mtp.layers.0.transformer_layer.mlp.experts.")]
+    assert objects == expected_objects
+    assert sorted(tensors) == sorted(expected_tensors)
+    for key, (shape, _, chunks) in expected_tensors.items():
+        assert tensors[key][0] == shape and tensors[key][2] == chunks, key
 
 
 # --- bad input ----------------------------------------------------------------------------------

@@ -164,9 +164,9 @@ def mtp_gpt_model(args: argparse.Namespace) -> Iterator[Any]:
     MTP layer spec is megatron-core's own for the last decoder layer's spec (what
     get_gpt_mtp_block_spec picks). Runs under ``mla_cpu_patches``; MultiTokenPredictionBlock and its
     TransformerLayer ask ``ProcessGroupCollection.use_mpu_process_groups`` for their groups (no
-    pg_collection is passed down), and the MTP layer offset and the block's sharded_state_dict ask
-    parallel_state for the pipeline rank and TP group, so they answer with the model's fake groups
-    (stage 0 of 1) while the model is in use."""
+    pg_collection is passed down), and the MTP layer offset, the block's sharded_state_dict and the
+    gather after eh_proj ask parallel_state for the pipeline rank and TP group, so they answer with
+    the model's fake groups (stage 0 of 1) while the model is in use."""
     from unittest import mock
 
     import mcore_helpers as mcore
@@ -174,6 +174,8 @@ def mtp_gpt_model(args: argparse.Namespace) -> Iterator[Any]:
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.process_groups_config import ProcessGroupCollection
+    import megatron.core.transformer.multi_token_prediction as mtp_module
+    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region as gather
     from megatron.core.transformer.multi_token_prediction import (MultiTokenPredictionBlockSubmodules,
                                                                    get_mtp_layer_spec)
     from megatron_mla import CausalAttention, mla_config, mla_cpu_patches
@@ -188,7 +190,9 @@ def mtp_gpt_model(args: argparse.Namespace) -> Iterator[Any]:
             mock.patch.object(parallel_state, "get_pipeline_model_parallel_rank", return_value=0), \
             mock.patch.object(parallel_state, "get_pipeline_model_parallel_world_size", return_value=1), \
             mock.patch.object(parallel_state, "get_virtual_pipeline_model_parallel_world_size", return_value=None), \
-            mock.patch.object(parallel_state, "get_tensor_model_parallel_group", return_value=groups.tp):
+            mock.patch.object(parallel_state, "get_tensor_model_parallel_group", return_value=groups.tp), \
+            mock.patch.object(mtp_module, "gather_from_tensor_model_parallel_region",
+                              lambda x, group=None: gather(x, group=groups.tp)):
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=args.normalization,
                                           qk_l2_norm=False, vp_stage=None, pp_rank=0)
         for layer in spec.layer_specs:
@@ -299,3 +303,61 @@ def test_megatron_mtp_num_layers_that_disagrees_with_the_rank_files_is_refused(
 
     assert result.exit_code != 0 and "Traceback" not in result.output, result.output
     assert named in result.output and "mp_rank_00_001" in result.output, result.output
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def reference_mtp_layer(src: Path, ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V3's MTP module written plainly on the HF tensors: the next token's embedding and
+    the hidden state, each RMS-normed (enorm, hnorm), concatenated in that order, projected by
+    eh_proj, through transformers' own DeepseekV3DecoderLayer holding layer num_hidden_layers, and
+    normed by shared_head.norm. ``hidden`` is [batch, seq, hidden]; the last position's next token
+    is id 0 (megatron-core's roll_tensor)."""
+    from transformers import AutoModelForCausalLM
+
+    # transformers loads the MTP layer's decoder tensors as its own layer LAYERS when config.json
+    # counts one layer more (it fuses the experts its own way; the MTP-only tensors it ignores).
+    as_layer = Path(shutil.copytree(src, src.parent / "mtp-as-layer"))
+    doc = json.loads((as_layer / "config.json").read_text())
+    doc.update(num_hidden_layers=LAYERS + 1, num_nextn_predict_layers=0)
+    (as_layer / "config.json").write_text(json.dumps(doc))
+    hf_model = AutoModelForCausalLM.from_pretrained(as_layer, dtype=torch.float32, attn_implementation="eager").eval()
+    layer, rotary = hf_model.model.layers[LAYERS], hf_model.model.rotary_emb
+    tensors, prefix, eps = hf_tensors(src), f"model.layers.{LAYERS}.", hf_model.config.rms_norm_eps
+    following = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1)
+    embedded = tensors["model.embed_tokens.weight"][following]
+    x = torch.cat([_rms_norm(embedded, tensors[prefix + "enorm.weight"], eps),
+                   _rms_norm(hidden, tensors[prefix + "hnorm.weight"], eps)], dim=-1) @ tensors[prefix + "eh_proj.weight"].T
+    positions = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
+    seq = ids.shape[1]
+    mask = torch.full((seq, seq), float("-inf")).triu(1).expand(ids.shape[0], 1, seq, seq)
+    with torch.no_grad():
+        x = layer(x, attention_mask=mask, position_ids=positions,
+                  position_embeddings=rotary(x, positions))
+    return _rms_norm(x, tensors[prefix + "shared_head.norm.weight"], eps)
+
+
+def test_megatron_core_mtp_layer_forward_equals_a_plain_reference_on_the_hf_tensors(tmp_path: Path) -> None:
+    """megatron-core's MultiTokenPredictionLayer, loaded from the written TP1 file, against the MTP
+    computation written in the test on the source's HF tensors: a swapped enorm/hnorm, a transposed
+    or reordered eh_proj or a wrong final norm would differ."""
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+    import mcore_helpers as mcore
+
+    src = with_mtp("v3", tmp_path / "hf")
+    pgconvert.convert(src, tmp_path / "megatron", dst_format="megatron", dst_tp=1, dst_pp=1, dst_ep=1)
+    (rank,) = mcore.rank_files(tmp_path / "megatron")
+    ids = input_ids("v3")
+    hidden = torch.randn(*ids.shape, 64, generator=torch.Generator().manual_seed(3))
+    positions = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
+
+    with torch.no_grad(), mtp_gpt_model(rank.args) as model:
+        model.load_state_dict(dict(rank.model), strict=True)
+        out = model.mtp.layers[0](input_ids=ids, position_ids=positions, hidden_states=hidden.transpose(0, 1),
+                                  attention_mask=mcore.causal_attention_mask(ids.shape[1]),
+                                  embedding=model.embedding)
+    out = out[0] if isinstance(out, tuple) else out
+
+    torch.testing.assert_close(out.transpose(0, 1), reference_mtp_layer(src, ids, hidden), rtol=1e-4, atol=5e-5)

@@ -649,22 +649,35 @@ TE_EXPERT_LINEARS = ("linear_fc1", "linear_fc2")
 def te_extra_state_names(config: ModelConfig, layers: range, ep_size: int) -> list[str]:
     """``_extra_state`` keys (global layer, local expert index) a TE-spec model chunk holds at
     expert-parallel size ``ep_size``."""
-    local_experts = local_expert_count(config, ep_size)
     names = []
     for layer in layers:
-        prefix = f"{LAYER_PREFIX}{layer}."
-        modules = (TE_CORE_ATTENTION, *te_attention_linears(config))
-        if not config.is_moe_layer(layer):
-            names += [prefix + module + EXTRA_STATE_SUFFIX for module in modules + TE_DENSE_MLP_LINEARS]
-            continue
-        names += [prefix + module + EXTRA_STATE_SUFFIX for module in modules]
-        if config.moe_grouped_gemm:
-            names += [f"{prefix}{EXPERTS_MODULE}{fc}{EXTRA_STATE_SUFFIX}" for fc in TE_EXPERT_LINEARS]
-        else:
-            names += [f"{prefix}{EXPERT_PREFIX}{j}.{fc}{EXTRA_STATE_SUFFIX}"
-                      for j in range(local_experts) for fc in TE_EXPERT_LINEARS]
-        if _shared_experts(config):
-            names += [prefix + module + EXTRA_STATE_SUFFIX for module in TE_SHARED_EXPERT_LINEARS]
+        names += _te_layer_extra_state_names(config, f"{LAYER_PREFIX}{layer}.", config.is_moe_layer(layer), ep_size)
+    return names
+
+
+def te_mtp_extra_state_names(config: ModelConfig, ep_size: int) -> list[str]:
+    """mtp: the ``_extra_state`` keys of a TE-spec model's MTP layers (eh_proj, a TEColumnParallelLinear,
+    then its transformer layer's modules), on the last chunk only."""
+    names = []
+    for index in range(config.mtp_num_layers):
+        prefix = f"{MTP_PREFIX}{index}."
+        names.append(prefix + "eh_proj" + EXTRA_STATE_SUFFIX)
+        names += _te_layer_extra_state_names(config, prefix + MTP_LAYER_MODULE, mtp_layer_is_moe(config), ep_size)
+    return names
+
+
+def _te_layer_extra_state_names(config: ModelConfig, prefix: str, moe: bool, ep_size: int) -> list[str]:
+    modules = (TE_CORE_ATTENTION, *te_attention_linears(config))
+    if not moe:
+        return [prefix + module + EXTRA_STATE_SUFFIX for module in modules + TE_DENSE_MLP_LINEARS]
+    names = [prefix + module + EXTRA_STATE_SUFFIX for module in modules]
+    if config.moe_grouped_gemm:
+        names += [f"{prefix}{EXPERTS_MODULE}{fc}{EXTRA_STATE_SUFFIX}" for fc in TE_EXPERT_LINEARS]
+    else:
+        names += [f"{prefix}{EXPERT_PREFIX}{j}.{fc}{EXTRA_STATE_SUFFIX}"
+                  for j in range(local_expert_count(config, ep_size)) for fc in TE_EXPERT_LINEARS]
+    if _shared_experts(config):
+        names += [prefix + module + EXTRA_STATE_SUFFIX for module in TE_SHARED_EXPERT_LINEARS]
     return names
 
 

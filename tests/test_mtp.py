@@ -361,3 +361,27 @@ def test_megatron_core_mtp_layer_forward_equals_a_plain_reference_on_the_hf_tens
     out = out[0] if isinstance(out, tuple) else out
 
     torch.testing.assert_close(out.transpose(0, 1), reference_mtp_layer(src, ids, hidden), rtol=1e-4, atol=5e-5)
+
+
+def test_transformer_engine_spec_names_the_mtp_layer_as_its_decoder_layers(source: tuple[str, Path],
+                                                                           tmp_path: Path) -> None:
+    """The MTP transformer layer takes the TE spec's fused norm names like a decoder layer, and a TE
+    target gets the _extra_state entries of eh_proj and the layer's linears on the last stage only."""
+    family, src = source
+    pgconvert.convert(src, tmp_path / "te", dst_format="megatron", dst_tp=2, dst_pp=2, dst_ep=2,
+                      dst_transformer_impl="transformer_engine")
+    first = rank_state(tmp_path / "te", "mp_rank_00_000_001")["model"]
+    last = rank_state(tmp_path / "te", "mp_rank_00_001_001")["model"]
+    hf = hf_tensors(src)
+
+    assert not [key for key in first if key.startswith("mtp.")]
+    assert last["mtp.layers.0.eh_proj._extra_state"] is None
+    assert "mtp.layers.0.transformer_layer.mlp.experts.local_experts.3.linear_fc2._extra_state" in last
+    if family == "glm":
+        norm = last["mtp.layers.0.transformer_layer.self_attention.linear_qkv.layer_norm_weight"]
+    else:
+        norm = last["mtp.layers.0.transformer_layer.self_attention.linear_kv_up_proj.layer_norm_weight"]
+    hf_norm = "input_layernorm.weight" if family == "glm" else "self_attn.kv_a_layernorm.weight"
+    assert torch.equal(norm, hf[f"model.layers.{LAYERS}.{hf_norm}"])
+    out = from_args_alone(tmp_path / "te", tmp_path / "out")
+    assert_same_tensors(src, out)

@@ -385,3 +385,16 @@ def test_transformer_engine_spec_names_the_mtp_layer_as_its_decoder_layers(sourc
     assert torch.equal(norm, hf[f"model.layers.{LAYERS}.{hf_norm}"])
     out = from_args_alone(tmp_path / "te", tmp_path / "out")
     assert_same_tensors(src, out)
+
+
+@pytest.mark.parametrize("layout,accepted", [("Ett|ttmL", True), ("Ett|ttL", False), ("Etm|tttL", False)])
+def test_a_pipeline_layout_places_the_mtp_layers_on_the_last_stage(v3_source: Path, tmp_path: Path, layout: str,
+                                                                   accepted: bool) -> None:
+    """megatron-core's layout strings name MTP layers "m"; they may only sit on the last stage, all of them."""
+    if not accepted:
+        output = _convert_fails(v3_source, tmp_path / "out", "--dst-pp", "2", "--dst-pipeline-layout", layout)
+        assert f"pipeline layout '{layout}'" in output and "mtp_num_layers=1" in output
+        return
+    pgconvert.convert(v3_source, tmp_path / "megatron", dst_format="megatron", dst_pp=2, dst_pipeline_layout=layout)
+    assert "mtp.layers.0.eh_proj.weight" in rank_state(tmp_path / "megatron", "mp_rank_00_001")["model"]
+    assert_same_tensors(v3_source, from_args_alone(tmp_path / "megatron", tmp_path / "out"))

@@ -234,7 +234,8 @@ def config_from_args(args: argparse.Namespace, path: Path, transformer_impl: str
                      true_vocab_size: int | None, grouped_gemm: bool = False) -> ModelConfig:
     """The ModelConfig a Megatron run's ``args`` describe; a value it refuses is named with the file."""
     try:
-        return _config_from_args(args, path, transformer_impl, true_vocab_size, grouped_gemm)
+        config = _config_from_args(args, path, transformer_impl, true_vocab_size, grouped_gemm)
+        return config.replace(mtp_num_layers=_arg_int(args, "mtp_num_layers", path, minimum=0) or 0)  # mtp
     except ConfigError as exc:
         raise CheckpointError(f"{path}: args describe an impossible model: {exc}") from exc
 
@@ -299,7 +300,6 @@ def _config_from_args(args: argparse.Namespace, path: Path, transformer_impl: st
         moe_router_enable_expert_bias=bool(getattr(args, "moe_router_enable_expert_bias", False)),
         moe_grouped_gemm=grouped_gemm,
         **semantics_from_args(args, path),
-        mtp_num_layers=_arg_int(args, "mtp_num_layers", path, minimum=0) or 0,  # mtp
     )
 
 

@@ -381,12 +381,13 @@ def _block_tensors(config: ModelConfig, prefix: str, moe: bool) -> list[LayerTen
 # final_layernorm; it has no embedding or output layer of its own (it uses the model's).
 MTP_PREFIX = "mtp.layers."
 MTP_LAYER_MODULE = "transformer_layer."
+MTP_EH_PROJ = "eh_proj"
 MTP_BEFORE_LAYER: tuple[TensorKind, ...] = (
     TensorKind("enorm.weight", _hidden, REPLICATED, norm_weight=True),
     TensorKind("enorm.bias", _hidden, REPLICATED, _layernorm),
     TensorKind("hnorm.weight", _hidden, REPLICATED, norm_weight=True),
     TensorKind("hnorm.bias", _hidden, REPLICATED, _layernorm),
-    TensorKind("eh_proj.weight", lambda c: (c.hidden_size, 2 * c.hidden_size), COLUMN),
+    TensorKind(MTP_EH_PROJ + ".weight", lambda c: (c.hidden_size, 2 * c.hidden_size), COLUMN),
 )
 MTP_AFTER_LAYER: tuple[TensorKind, ...] = (
     TensorKind("final_layernorm.weight", _hidden, REPLICATED, norm_weight=True),
@@ -661,7 +662,7 @@ def te_mtp_extra_state_names(config: ModelConfig, ep_size: int) -> list[str]:
     names = []
     for index in range(config.mtp_num_layers):
         prefix = f"{MTP_PREFIX}{index}."
-        names.append(prefix + "eh_proj" + EXTRA_STATE_SUFFIX)
+        names.append(prefix + MTP_EH_PROJ + EXTRA_STATE_SUFFIX)
         names += _te_layer_extra_state_names(config, prefix + MTP_LAYER_MODULE, mtp_layer_is_moe(config), ep_size)
     return names
 

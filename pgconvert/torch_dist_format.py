@@ -63,7 +63,7 @@ from pgconvert.limits import over_limit, quote, read_json
 from pgconvert.megatron_format import resolve_megatron_iteration
 from pgconvert.provider import (EXPERTS_MODULE, EXTRA_STATE_SUFFIX, LAYER_PREFIX, MODEL_MODULE_PREFIXES,
                                 TE_DENSE_MLP_LINEARS, TE_EXPERT_LINEARS,
-                                MTP_LAYER_MODULE, MTP_PREFIX, TE_SHARED_EXPERT_LINEARS, LayerTensor, TensorKind,
+                                MTP_EH_PROJ, MTP_LAYER_MODULE, MTP_PREFIX, TE_SHARED_EXPERT_LINEARS, LayerTensor, TensorKind,
                                 canonical_names, fused_norm_name, layer_tensors, mtp_layer_is_moe,
                                 mtp_layer_tensors, te_attention_linears)
 
@@ -194,7 +194,7 @@ def extra_state_keys(config: ModelConfig) -> list[str]:
         keys += _layer_extra_state_keys(config, key_prefix, config.is_moe_layer(layer), index, stack)
     for mtp in range(config.mtp_num_layers):  # mtp: eh_proj, then its transformer layer's modules
         prefix = f"{MTP_PREFIX}{mtp}."
-        keys.append(sharded_object_key(prefix + "eh_proj" + EXTRA_STATE_SUFFIX, (), ()))
+        keys.append(sharded_object_key(prefix + MTP_EH_PROJ + EXTRA_STATE_SUFFIX, (), ()))
         keys += _layer_extra_state_keys(config, prefix + MTP_LAYER_MODULE, mtp_layer_is_moe(config), (), ())
     return keys
 

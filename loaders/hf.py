@@ -190,10 +190,10 @@ class HFSource(CanonicalSource):
             self._metas[canonical] = TensorMeta(shapes[canonical], dtypes.pop())
         for canonical, held in self._copies.items():
             main = self._rows[canonical][1][0]
-            for copy, _ in held:
+            for copy, why in held:
                 if stored[copy] != stored[main]:
-                    raise CheckpointError(f"{self._files[copy]}: {copy} {stored[copy]} does not match the "
-                                          f"{'tied ' if canonical == WORD_EMBEDDINGS else ''}{main} {stored[main]}")
+                    raise CheckpointError(f"{self._files[copy]}: {copy} {stored[copy]} does not match "
+                                          f"{main} {stored[main]}, but {why}")
 
     def _find_copies(self, table: TensorTable, config: ModelConfig, stored: dict[str, TensorMeta]) -> None:
         """The stored copies of the embedding or output layer: a tied checkpoint's output weight, and

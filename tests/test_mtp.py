@@ -398,3 +398,12 @@ def test_a_pipeline_layout_places_the_mtp_layers_on_the_last_stage(v3_source: Pa
     pgconvert.convert(v3_source, tmp_path / "megatron", dst_format="megatron", dst_pp=2, dst_pipeline_layout=layout)
     assert "mtp.layers.0.eh_proj.weight" in rank_state(tmp_path / "megatron", "mp_rank_00_001")["model"]
     assert_same_tensors(v3_source, from_args_alone(tmp_path / "megatron", tmp_path / "out"))
+
+
+def test_an_mtp_copy_of_another_shape_is_refused_before_anything_is_read(v3_source: Path, tmp_path: Path) -> None:
+    name = f"model.layers.{LAYERS}.shared_head.head.weight"
+    src = _edited_copy(v3_source, tmp_path / "src", {name: torch.zeros(249, 64)})
+
+    output = _convert_fails(src, tmp_path / "out").replace("\n", "")
+
+    assert f"model.safetensors: {name}" in output and "does not match lm_head.weight" in output

@@ -407,3 +407,20 @@ def test_an_mtp_copy_of_another_shape_is_refused_before_anything_is_read(v3_sour
     output = _convert_fails(src, tmp_path / "out").replace("\n", "")
 
     assert f"model.safetensors: {name}" in output and "does not match lm_head.weight" in output
+
+
+def test_a_megatron_mtp_stage_embedding_copy_that_differs_is_refused_naming_both_files(
+        v3_source: Path, tmp_path: Path) -> None:
+    """The last stage's embedding copy (megatron-core keeps one for its MTP layers) must equal the
+    first stage's: a differing copy would otherwise be dropped."""
+    pgconvert.convert(v3_source, tmp_path / "megatron", dst_format="megatron", dst_pp=2)
+    (path,) = (tmp_path / "megatron").glob("*/mp_rank_00_001/model_optim_rng.pt")
+    state = rank_state(tmp_path / "megatron", "mp_rank_00_001")
+    state["model"]["embedding.word_embeddings.weight"][3, 3] += 1.0
+    torch.save(state, path)
+
+    result = CliRunner().invoke(main, ["convert", str(tmp_path / "megatron"), str(tmp_path / "out"),
+                                       "--dst-format", "hf"])
+
+    assert result.exit_code != 0 and "Traceback" not in result.output, result.output
+    assert "embedding.word_embeddings.weight: the copies in" in result.output and "mp_rank_00_001" in result.output

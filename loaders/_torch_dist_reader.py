@@ -486,7 +486,7 @@ def _check_counts(config: ModelConfig, metadata: Metadata, path: Path) -> None:
     entries = metadata.state_dict_metadata
     bound = len(entries) + max((max(md.size, default=0) for md in entries.values()
                                 if isinstance(md, TensorStorageMetadata)), default=0)
-    for name in ("num_layers", "num_experts"):
+    for name in ("num_layers", "num_experts", "mtp_num_layers"):
         value = getattr(config, name)
         if value is not None and value > bound:
             raise CheckpointError(f"{path}: common.pt's args.{name}={value}, more than the {len(entries)} entries "

@@ -13,7 +13,7 @@ import torch
 
 from pgconvert.config import ModelConfig
 from pgconvert.errors import CheckpointError, ConfigError, LayoutError, ValidationError
-from pgconvert.families import Family, PartReader, TensorMapping
+from pgconvert.families import Family, PartReader, TensorMapping, TensorTable
 from pgconvert.formats import Loader, LoadOptions
 from pgconvert.hf_format import (
     CONFIG_FILE,
@@ -31,6 +31,7 @@ from pgconvert.hf_format import (
     resolve_inside,
 )
 from pgconvert.hf_side import find_side_files
+from pgconvert import mtp
 from pgconvert.quantized import QuantizedTensors
 from pgconvert.provider import OUTPUT_LAYER, WORD_EMBEDDINGS, canonical_names
 from pgconvert.rules import ShardRule, assemble
@@ -40,16 +41,6 @@ from pgconvert.strict import fallback
 log = logging.getLogger(__name__)
 
 
-
-def _refuse_mtp_layers(directory: Path, layers: int, unexpected: list[str]) -> None:
-    """ds16: DeepSeek-V3 keeps its multi-token prediction layers as layer index num_hidden_layers."""
-    mtp = [name for name in unexpected if name.startswith(f"model.layers.{layers}.")]
-    if mtp:
-        raise CheckpointError(
-            f"{directory}: {len(mtp)} tensors of multi-token prediction layers (num_nextn_predict_layers, stored as "
-            f"layer index num_hidden_layers={layers}: {mtp[:3]}{', …' if len(mtp) > 3 else ''}) are not converted by "
-            "pgconvert; remove them (and set num_nextn_predict_layers to 0) to convert the model without them"
-        )
 
 class HFLoader(Loader):
     name = "hf"
@@ -116,6 +107,7 @@ class HFSource(CanonicalSource):
         embedding = family.tensors.to_hf(WORD_EMBEDDINGS)
         stored_dtype = stored[embedding[1][0]].dtype if embedding and embedding[1][0] in stored else None
         family, config, notices = model_config_from_hf(doc, config_path, stored_dtype, stored_tensors=len(stored))
+        config = mtp.resolve_hf_count(family, doc, config, stored, config_path)
         _check_options(options, config, config_path)
         assert config.vocab_size is not None
         super().__init__(config, vocab_rows=config.vocab_size, iteration=None)
@@ -135,17 +127,18 @@ class HFSource(CanonicalSource):
         self._order = canonical_names(config)
         self._rows: dict[str, tuple[TensorMapping, tuple[str, ...]]] = {}
         self._metas: dict[str, TensorMeta] = {}
-        self._tied_copy: str | None = None
+        # Stored copies of a canonical tensor (a tied output weight, MTP layers' embedding and head,
+        # mtp): (HF name, why it must equal the tensor), checked on every read of the tensor.
+        self._copies: dict[str, list[tuple[str, str]]] = {}
         self._index(family, config, stored)
 
     def _refuse_mismatch(self, family: Family, config: ModelConfig, missing: list[str], unexpected: list[str],
                          expected: dict[str, str]) -> None:
         """Stored tensors the table does not expect, or expected ones not stored: a named error
-        (a family's own reason first, e.g. GLM's MTP layers; then MTP layers of any family)."""
+        (a family's own reason first)."""
         refused = family.refuse_extra(unexpected, self.hf_origin.config_json) if family.refuse_extra else None
         if refused:  # f17c
             raise CheckpointError(f"{self.directory}: {family.architecture}: {refused}")
-        _refuse_mtp_layers(self.directory, config.num_layers, unexpected)
         if missing or unexpected:
             needed_by = sorted({expected[name] for name in missing})
             raise CheckpointError(
@@ -158,7 +151,7 @@ class HFSource(CanonicalSource):
         table = family.tensors
         unfilled = []
         for canonical in self._order:
-            found = table.to_hf(canonical)
+            found = table.to_hf(mtp.table_name(canonical, config))
             if found is None:
                 unfilled.append(canonical)
             else:
@@ -169,14 +162,11 @@ class HFSource(CanonicalSource):
             )
         # The loader's direction is the table inverted over the tensors this config needs.
         expected = {hf: canonical for canonical, (_, names) in self._rows.items() for hf in names}
-        if config.tie_embeddings:
-            # Some tied checkpoints also store the output weight; it must be a copy of the embedding.
-            output = table.to_hf(OUTPUT_LAYER)
-            if output is not None and output[1][0] in stored:
-                self._tied_copy = output[1][0]
+        self._find_copies(table, config, stored)
+        copies = {hf for held in self._copies.values() for hf, _ in held}
         dropped = sorted(name for name in stored if name not in expected and table.is_dropped(name))
         missing = sorted(set(expected) - set(stored))
-        unexpected = sorted(set(stored) - set(expected) - set(dropped) - {self._tied_copy})
+        unexpected = sorted(set(stored) - set(expected) - set(dropped) - copies)
         self._refuse_mismatch(family, config, missing, unexpected, expected)
         if dropped:
             log.info("%s: skipping %d recomputed rotary buffers (%s, …)", self.directory, len(dropped), dropped[0])
@@ -199,13 +189,25 @@ class HFSource(CanonicalSource):
                     f"dtypes ({', '.join(sorted(map(str, dtypes)))})"
                 )
             self._metas[canonical] = TensorMeta(shapes[canonical], dtypes.pop())
-        if self._tied_copy is not None:
-            embedding_name = self._rows[WORD_EMBEDDINGS][1][0]
-            if stored[self._tied_copy] != stored[embedding_name]:
-                raise CheckpointError(
-                    f"{self._files[self._tied_copy]}: {self._tied_copy} {stored[self._tied_copy]} does not "
-                    f"match the tied {embedding_name} {stored[embedding_name]}"
-                )
+        for canonical, held in self._copies.items():
+            main = self._rows[canonical][1][0]
+            for copy, why in held:
+                if stored[copy] != stored[main]:
+                    raise CheckpointError(f"{self._files[copy]}: {copy} {stored[copy]} does not match "
+                                          f"{main} {stored[main]}, but {why}")
+
+    def _find_copies(self, table: TensorTable, config: ModelConfig, stored: dict[str, TensorMeta]) -> None:
+        """The stored copies of the embedding or output layer: a tied checkpoint's output weight, and
+        (mtp) each MTP layer's embed_tokens and shared_head.head."""
+        if config.tie_embeddings:
+            # Some tied checkpoints also store the output weight; it must be a copy of the embedding.
+            output = table.to_hf(OUTPUT_LAYER)
+            if output is not None and output[1][0] in stored:
+                self._copies.setdefault(WORD_EMBEDDINGS, []).append(
+                    (output[1][0], "config.json ties them (tie_word_embeddings=true)"))
+        for hf_name, canonical, _ in mtp.copies(table, config):
+            if hf_name in stored:
+                self._copies.setdefault(canonical, []).append((hf_name, mtp.copy_reason(hf_name, canonical)))
 
     def names(self) -> list[str]:
         return list(self._order)
@@ -218,14 +220,14 @@ class HFSource(CanonicalSource):
 
     def _load(self, name: str) -> torch.Tensor:
         row, hf_names = self._rows[name]
-        index = self.family.tensors.stack_index(name) if row.stacked else None
+        index = self.family.tensors.stack_index(mtp.table_name(name, self.config)) if row.stacked else None
         if index is not None:  # f17c: one expert's slice of the stacked HF tensors
             parts = [self._read_range(hf, 0, index, index + 1)[0] for hf in hf_names]
         else:
             parts = [self._read(hf) for hf in hf_names]
         full = row.transform.fuse(parts, self.config)
-        if name == WORD_EMBEDDINGS and self._tied_copy is not None:
-            self._check_tied_copy(full, self._read(self._tied_copy), hf_names[0])
+        for copy, why in self._copies.get(name, ()):
+            self._check_copy(full, self._read(copy), hf_names[0], copy, why)
         return full
 
     def _read(self, hf: str) -> torch.Tensor:
@@ -238,18 +240,15 @@ class HFSource(CanonicalSource):
             return self._quantized.read_range(hf, dim, start, stop)
         return read_tensor_range(self._files[hf], hf, dim, start, stop)
 
-    def _check_tied_copy(self, embedding: torch.Tensor, copy: torch.Tensor, embedding_name: str) -> None:
-        """The stored output weight of a tied model must equal the embedding rows read with it.
+    def _check_copy(self, tensor: torch.Tensor, stored: torch.Tensor, tensor_name: str, copy: str, why: str) -> None:
+        """A stored copy (a tied model's output weight, an MTP layer's embedding or head) must equal
+        the rows of the tensor read with it.
 
-        Checked on every read of the embedding (each piece against the same rows of the copy), so
+        Checked on every read of the tensor (each piece against the same rows of the copy), so
         a source answers the same however often and in whatever pieces it is read.
         """
-        if not torch.equal(copy, embedding):
-            assert self._tied_copy is not None
-            raise CheckpointError(
-                f"{self._files[self._tied_copy]}: {self._tied_copy} differs from {embedding_name}, but "
-                "config.json ties them (tie_word_embeddings=true)"
-            )
+        if not torch.equal(stored, tensor):
+            raise CheckpointError(f"{self._files[copy]}: {copy} differs from {tensor_name}, but {why}")
 
     def _load_shard(self, name: str, rule: ShardRule, size: int, rank: int, rows: int | None) -> torch.Tensor:
         """A TP piece read straight from the HF tensors' byte ranges where the transform allows.
@@ -268,13 +267,13 @@ class HFSource(CanonicalSource):
             read_part = self._part_reader(hf_names)
             piece = assemble(windows, lambda w: transform.read_window(w, meta.shape, self.config, read_part),
                              meta.shape, meta.dtype)
-            if name == WORD_EMBEDDINGS and self._tied_copy is not None:
-                copy = self._part_reader((self._tied_copy,))
+            for copy_name, why in self._copies.get(name, ()):
+                copy = self._part_reader((copy_name,))
                 stored = assemble(windows, lambda w: copy(0, w.dim, w.start, w.start + w.length), meta.shape, meta.dtype)
-                self._check_tied_copy(piece, stored, hf_names[0])
+                self._check_copy(piece, stored, hf_names[0], copy_name, why)
             return piece
-        if name == WORD_EMBEDDINGS and self._tied_copy is not None:
-            self._load(name)  # checks the stored tied copy
+        if name in self._copies:
+            self._load(name)  # checks the stored copies
         return super()._load_shard(name, rule, size, rank, rows)
 
     def _part_reader(self, hf_names: tuple[str, ...]) -> PartReader:

@@ -448,7 +448,7 @@ def _check_sizes_against_files(layout: ParallelLayout, rank_dirs: int, first_ent
 
 def _check_config_against_files(config: Any, tensors: int, path: Path) -> None:
     """Every layer and expert holds tensors: counts from args beyond the tensors present are refused."""
-    for name in ("num_layers", "num_experts"):
+    for name in ("num_layers", "num_experts", "mtp_num_layers"):
         value = getattr(config, name)
         if value is not None and value > tensors:
             raise CheckpointError(f"{path}: args.{name}={value}, but the rank files hold only {tensors} tensors")

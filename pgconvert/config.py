@@ -144,9 +144,14 @@ class ModelConfig:
     # attention_multiplier, Gemma's query_pre_attn_scalar**-0.5: pgconvert.attention_scale). None:
     # megatron-core's default 1/sqrt(kv_channels), which a scale equal to it is read as.
     softmax_scale: float | None = None
+    # mtp: multi-token-prediction layers (megatron-core's mtp_num_layers; HF's num_nextn_predict_layers),
+    # kept on the last pipeline stage as ``mtp.layers.{i}.*`` (pgconvert.mtp).
+    mtp_num_layers: int = 0
 
     def __post_init__(self) -> None:
         self._check_semantics()
+        if not isinstance(self.mtp_num_layers, int) or isinstance(self.mtp_num_layers, bool) or self.mtp_num_layers < 0:
+            raise ConfigError(f"mtp_num_layers={self.mtp_num_layers!r}: expected an integer >= 0")
         for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
                      "make_vocab_size_divisible_by"):
             _require_positive(name, getattr(self, name))

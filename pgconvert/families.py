@@ -386,6 +386,9 @@ class Family:
     # fam17d: HF rope_type values carried as they are in ModelConfig.hf_rope_parameters (Phi-3's
     # longrope and su): semantics.hf_unrepresentable does not name them.
     hf_rope_types_carried: tuple[str, ...] = ()
+    # mtp: the config.json key counting multi-token-prediction layers (stored as layers
+    # num_hidden_layers + i, pgconvert.mtp); None: the family has none.
+    hf_mtp_layers_key: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("fixed", "hf_fixed", "hf_scratch", "hf_assumed"):

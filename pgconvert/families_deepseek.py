@@ -23,8 +23,7 @@ Routers (transformers <-> megatron-core's ``topk_routing_with_score_function``):
 A group setting that chooses every group routes as no groups and is read as none.
 GLM-4.5-MoE's router (top-2 group score, as V3) reuses ``_groups`` (mtp16).
 Multi-token prediction layers (``num_nextn_predict_layers``; HF keeps them as layer index
-``num_hidden_layers``) are not converted: a checkpoint holding them is refused by the HF loader,
-which names the tensors; a written config.json says 0.
+``num_hidden_layers + i``) are megatron-core's ``mtp.layers.{i}`` (V3 only; ``pgconvert.mtp``).
 """
 
 from __future__ import annotations
@@ -49,6 +48,7 @@ from pgconvert.families import (
     TensorTable,
 )
 from pgconvert.limits import quote
+from pgconvert.mtp import MTP_ROWS
 
 _ATTN = "model.layers.{}.self_attn."
 _MLA = "decoder.layers.{}.self_attention."
@@ -80,7 +80,7 @@ _MOE_ROWS = (
     TensorMapping("decoder.layers.{}.mlp.shared_experts.linear_fc2.weight",
                   ("model.layers.{}.mlp.shared_experts.down_proj.weight",)),
 )
-DEEPSEEK_TENSORS = TensorTable((*_EMBEDDING_ROWS, *_MLA_ROWS, *_DENSE_MLP_ROWS, *_MOE_ROWS, *_FINAL_ROWS))
+DEEPSEEK_TENSORS = TensorTable((*_EMBEDDING_ROWS, *_MLA_ROWS, *_DENSE_MLP_ROWS, *_MOE_ROWS, *_FINAL_ROWS, *MTP_ROWS))
 
 
 def _fields(experts: int, topk: int | None, max_positions: int) -> tuple[ConfigField, ...]:
@@ -239,16 +239,6 @@ def _v2_router_refuses(config: ModelConfig) -> str | None:
     return None
 
 
-def _no_mtp_read(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
-    # A count without MTP tensors describes nothing the model computes (transformers builds no MTP
-    # module); MTP tensors themselves are refused by the loader as unexpected tensors.
-    return {}
-
-
-def _no_mtp_write(config: ModelConfig) -> Mapping[str, object]:
-    return {"num_nextn_predict_layers": 0}
-
-
 def _q_lora_read(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
     value = present.get("q_lora_rank")
     return {"q_lora_rank": None if value is None else _count(value, "q_lora_rank", 1)}
@@ -280,7 +270,6 @@ def _no_keys(config: ModelConfig) -> Mapping[str, object]:
 _MLA_ROPE = ConfigRule(keys=(), model_fields=(), read=_mla_rope_read, write=_no_keys,
                        refuses=_mla_rope_refuses)
 _Q_LORA = ConfigRule(keys=("q_lora_rank",), model_fields=("q_lora_rank",), read=_q_lora_read, write=_q_lora_write)
-_NO_MTP = ConfigRule(keys=("num_nextn_predict_layers",), model_fields=(), read=_no_mtp_read, write=_no_mtp_write)
 
 _MLA_COMMON: dict[str, object] = {
     **_SWIGLU_RMS_ROPE,
@@ -308,11 +297,12 @@ DEEPSEEK_V3 = Family(
     fields=_fields(experts=256, topk=8, max_positions=4096),
     rules=(_ROPE_RULE, _MLA_ROPE, _Q_LORA, _layers_rule(default_dense=3), _shared_rule(default=1),
            ConfigRule(keys=("n_group", "topk_group", "routed_scaling_factor"), model_fields=_ROUTER_FIELDS,
-                      read=_v3_router_read, write=_v3_router_write, refuses=_v3_router_refuses), _NO_MTP),
+                      read=_v3_router_read, write=_v3_router_write, refuses=_v3_router_refuses)),
     fixed={**_MLA_COMMON, "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True},
     # megatron-core renormalizes the chosen sigmoid scores; its MLA rotary takes interleaved pairs.
     hf_fixed={**_HF_COMMON, "norm_topk_prob": True, "rope_interleave": True},
     hf_scratch=_ROPE_DEFAULT,
+    hf_mtp_layers_key="num_nextn_predict_layers",  # mtp
 )
 
 DEEPSEEK_V2 = Family(

@@ -17,7 +17,6 @@ router always renormalizes for top-k > 1: ``norm_topk_prob`` is assumed true) an
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 
 from pgconvert.config import ModelConfig
@@ -52,6 +51,7 @@ from pgconvert.families import (
 )
 from pgconvert.families_deepseek import _groups as _deepseek_groups
 from pgconvert.limits import quote
+from pgconvert.mtp import MTP_ROWS
 from pgconvert.semantics import rope_parameters
 
 # transformers' Glm4MoeConfig defaults.
@@ -69,7 +69,7 @@ _GLM4_MOE_EXTRA_ROWS = (
                   ("model.layers.{}.mlp.shared_experts.down_proj.weight",)),
 )
 GLM4_MOE_TENSORS = TensorTable((*_EMBEDDING_ROWS, *_ATTENTION_ROWS, *_DENSE_MLP_ROWS, *_QWEN_MOE_ROWS,
-                                *_GLM4_MOE_EXTRA_ROWS, *_FINAL_ROWS))
+                                *_GLM4_MOE_EXTRA_ROWS, *_FINAL_ROWS, *MTP_ROWS))
 
 
 def _count(value: object, key: str, low: int) -> int:
@@ -159,26 +159,6 @@ def _refuses_groups(config: ModelConfig) -> str | None:
     return None
 
 
-_LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
-
-
-def refuse_mtp_tensors(unexpected: Sequence[str], doc: Mapping[str, object]) -> str | None:
-    """Multi-token-prediction layers (``num_nextn_predict_layers`` of them, stored as layers
-    ``num_hidden_layers`` on): no Megatron MTP tensors are written by this build, so a checkpoint that
-    carries them is refused rather than converted without them."""
-    layers = doc.get("num_hidden_layers")
-    if not isinstance(layers, int):
-        return None
-    extra = sorted(name for name in unexpected
-                   if (match := _LAYER_INDEX.match(name)) and int(match.group(1)) >= layers)
-    if not extra:
-        return None
-    shown = ", ".join(extra[:4]) + (f" and {len(extra) - 4} more" if len(extra) > 4 else "")
-    return (f"multi-token-prediction (MTP) layer tensors (num_nextn_predict_layers="
-            f"{quote(doc.get('num_nextn_predict_layers'))}, layers from num_hidden_layers={layers} on) are not "
-            f"converted by this build and would be lost: {shown}")
-
-
 GLM4_MOE = Family(
     architecture="Glm4MoeForCausalLM",
     model_type="glm4_moe",
@@ -219,9 +199,8 @@ GLM4_MOE = Family(
     hf_fixed={"hidden_act": "silu"},
     # megatron-core's sigmoid router renormalizes the top-k weights whenever top-k > 1.
     hf_assumed={"norm_topk_prob": True},
-    # A model built from Megatron has no MTP layers (transformers' default is 1).
-    hf_scratch={"num_nextn_predict_layers": 0},
-    refuse_extra=refuse_mtp_tensors,
+    # mtp: MTP layers (layers num_hidden_layers + i, pgconvert.mtp); written from mtp_num_layers.
+    hf_mtp_layers_key="num_nextn_predict_layers",
 )
 
 

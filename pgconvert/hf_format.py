@@ -224,6 +224,8 @@ def family_mismatches(family: Family, config: ModelConfig) -> list[str]:
         if getattr(config, name) != expected
     ]
     refusals = (rule.refuses(config) for rule in family.rules)
+    if config.mtp_num_layers and family.hf_mtp_layers_key is None:  # mtp
+        mismatches.append(f"mtp_num_layers={config.mtp_num_layers} (no multi-token prediction layers)")
     return mismatches + [refusal for refusal in refusals if refusal is not None]
 
 
@@ -263,6 +265,8 @@ def hf_config_from_model(family: Family, config: ModelConfig, dtype: torch.dtype
             set_path(doc, where, value)
     for rule in family.rules:
         doc.update(copy.deepcopy(dict(rule.write(config))))
+    if family.hf_mtp_layers_key is not None:  # mtp
+        doc[family.hf_mtp_layers_key] = config.mtp_num_layers
     doc["dtype"] = str(dtype).removeprefix("torch.")
     return doc
 

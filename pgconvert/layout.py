@@ -12,7 +12,7 @@ from pgconvert.limits import MAX_PIPELINE_LAYOUT_CHARS, quote
 
 # Megatron's pipeline_model_parallel_layout characters (megatron/core/transformer/
 # pipeline_parallel_layer_layout.py): E embedding, L loss (final norm + output layer), t decoder layer.
-_LAYOUT_CHARS = {"E", "L", "t"}
+_LAYOUT_CHARS = {"E", "L", "t", "m"}  # mtp: "m" an MTP layer (megatron-core's LayerType.mtp)
 
 
 def parse_pipeline_layout(text: str) -> list[str]:
@@ -30,7 +30,7 @@ def parse_pipeline_layout(text: str) -> list[str]:
         if unknown:
             raise LayoutError(
                 f"pipeline layout {quote(text)}: unsupported layer characters {quote(unknown)} "
-                "(E embedding, t decoder layer, L loss; MTP layers are not supported)"
+                "(E embedding, t decoder layer, m multi-token prediction layer, L loss)"
             )
     return stages
 
@@ -248,6 +248,19 @@ class ParallelLayout:
                 f"{opt('pp', self.pp)}: more pipeline stages than num_layers={config.num_layers}"
             )
         self.virtual_stage_layers(config.num_layers, flag_prefix)
+        self._validate_mtp(config)
+
+    def _validate_mtp(self, config: ModelConfig) -> None:
+        """mtp: megatron-core builds MTP layers on the last virtual stage only; a layout string must
+        place all of them there (get_mtp_num_layers_to_build counts its "m")."""
+        if self.pipeline_layout is None:
+            return
+        counts = [stage.count("m") for stage in parse_pipeline_layout(self.pipeline_layout)]
+        if sum(counts) != config.mtp_num_layers or sum(counts[:-1]):
+            where = f", {sum(counts[:-1])} outside the last stage" if sum(counts[:-1]) else ""
+            raise LayoutError(
+                f"pipeline layout {quote(self.pipeline_layout)}: places {sum(counts)} MTP layers (m){where}; the "
+                f"model has mtp_num_layers={config.mtp_num_layers}, all on the last pipeline stage")
 
 
 def _require_size(name: str, value: object) -> None:

@@ -235,7 +235,8 @@ def config_from_args(args: argparse.Namespace, path: Path, transformer_impl: str
                      true_vocab_size: int | None, grouped_gemm: bool = False) -> ModelConfig:
     """The ModelConfig a Megatron run's ``args`` describe; a value it refuses is named with the file."""
     try:
-        return _config_from_args(args, path, transformer_impl, true_vocab_size, grouped_gemm)
+        config = _config_from_args(args, path, transformer_impl, true_vocab_size, grouped_gemm)
+        return config.replace(mtp_num_layers=_arg_int(args, "mtp_num_layers", path, minimum=0) or 0)  # mtp
     except ConfigError as exc:
         raise CheckpointError(f"{path}: args describe an impossible model: {exc}") from exc
 
@@ -457,6 +458,7 @@ def _model_args(config: ModelConfig) -> dict[str, Any]:
         "rotary_base": config.rotary_base,
         "make_vocab_size_divisible_by": config.make_vocab_size_divisible_by,
         "transformer_impl": config.transformer_impl,
+        "mtp_num_layers": config.mtp_num_layers or None,  # mtp: megatron-core's "no MTP" is None
     }
 
 

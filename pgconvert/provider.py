@@ -352,8 +352,12 @@ class LayerTensor:
 
 def layer_tensors(config: ModelConfig, layer: int) -> list[LayerTensor]:
     """Canonical tensors of one layer with their table rows, in file order."""
-    prefix = f"{LAYER_PREFIX}{layer}."
-    if not config.is_moe_layer(layer):
+    return _block_tensors(config, f"{LAYER_PREFIX}{layer}.", config.is_moe_layer(layer))
+
+
+def _block_tensors(config: ModelConfig, prefix: str, moe: bool) -> list[LayerTensor]:
+    """A transformer layer's tensors under ``prefix`` (a decoder layer or an MTP layer's)."""
+    if not moe:
         return [LayerTensor(prefix + kind.canonical, kind) for kind in attention_tensors(config) + DENSE_MLP_TENSORS
                 if kind.exists(config)]
     assert config.num_experts is not None
@@ -369,6 +373,47 @@ def layer_tensors(config: ModelConfig, layer: int) -> list[LayerTensor]:
     return before + experts + after
 
 
+# mtp: megatron-core's MultiTokenPredictionLayer (transformer/multi_token_prediction.py, 0.16.1), all on
+# the last pipeline stage (its last model chunk), numbered from 0: ``mtp.layers.{i}.`` enorm, hnorm
+# (the norm of the next token's embedding and of the hidden state), eh_proj (a ColumnParallelLinear
+# [hidden, 2·hidden], gather_output=False: rows split by TP, input cat(enorm(emb), hnorm(hidden))), its
+# transformer_layer (the last decoder layer's spec: MLA, router, experts and EP as a decoder layer), and
+# final_layernorm; it has no embedding or output layer of its own (it uses the model's).
+MTP_PREFIX = "mtp.layers."
+MTP_LAYER_MODULE = "transformer_layer."
+MTP_EH_PROJ = "eh_proj"
+MTP_BEFORE_LAYER: tuple[TensorKind, ...] = (
+    TensorKind("enorm.weight", _hidden, REPLICATED, norm_weight=True),
+    TensorKind("enorm.bias", _hidden, REPLICATED, _layernorm),
+    TensorKind("hnorm.weight", _hidden, REPLICATED, norm_weight=True),
+    TensorKind("hnorm.bias", _hidden, REPLICATED, _layernorm),
+    TensorKind(MTP_EH_PROJ + ".weight", lambda c: (c.hidden_size, 2 * c.hidden_size), COLUMN),
+)
+MTP_AFTER_LAYER: tuple[TensorKind, ...] = (
+    TensorKind("final_layernorm.weight", _hidden, REPLICATED, norm_weight=True),
+    TensorKind("final_layernorm.bias", _hidden, REPLICATED, _layernorm),
+)
+
+
+def mtp_layer_is_moe(config: ModelConfig) -> bool:
+    """Megatron-LM builds the MTP layer with the last decoder layer's spec (gpt_builders)."""
+    return config.is_moe_layer(config.num_layers - 1)
+
+
+def mtp_layer_tensors(config: ModelConfig, index: int) -> list[LayerTensor]:
+    """Canonical tensors of MTP layer ``index`` with their table rows, in file order."""
+    prefix = f"{MTP_PREFIX}{index}."
+    own = [LayerTensor(prefix + kind.canonical, kind) for kind in MTP_BEFORE_LAYER if kind.exists(config)]
+    layer = _block_tensors(config, prefix + MTP_LAYER_MODULE, mtp_layer_is_moe(config))
+    after = [LayerTensor(prefix + kind.canonical, kind) for kind in MTP_AFTER_LAYER if kind.exists(config)]
+    return own + layer + after
+
+
+def mtp_tensors(config: ModelConfig) -> list[LayerTensor]:
+    """Every MTP layer's tensors, in file order."""
+    return [tensor for index in range(config.mtp_num_layers) for tensor in mtp_layer_tensors(config, index)]
+
+
 def canonical_names(config: ModelConfig) -> list[str]:
     """Every global tensor of the model, in layer order (the canonical stream's order)."""
     names = [WORD_EMBEDDINGS]
@@ -379,6 +424,7 @@ def canonical_names(config: ModelConfig) -> list[str]:
     names.append(FINAL_NORM_WEIGHT)
     if config.normalization == "LayerNorm":
         names.append(FINAL_NORM_BIAS)
+    names.extend(tensor.canonical for tensor in mtp_tensors(config))  # mtp: GPTModel registers mtp here
     if not config.tie_embeddings:
         names.append(OUTPUT_LAYER)
     return names
@@ -402,6 +448,8 @@ def canonical_shapes(config: ModelConfig, vocab_rows: int | None = None) -> dict
     for layer in range(config.num_layers):
         for tensor in layer_tensors(config, layer):
             shapes[tensor.canonical] = tensor.kind.shape(config)
+    for tensor in mtp_tensors(config):
+        shapes[tensor.canonical] = tensor.kind.shape(config)
     return {name: shapes[name] for name in canonical_names(config)}
 
 
@@ -412,8 +460,9 @@ def keep_dtype_names(config: ModelConfig) -> set[str]:
 
 def layer_kinds(config: ModelConfig) -> dict[str, TensorKind]:
     """Every layer tensor's table row, by canonical name."""
-    return {tensor.canonical: tensor.kind for layer in range(config.num_layers)
-            for tensor in layer_tensors(config, layer)}
+    kinds = {tensor.canonical: tensor.kind for layer in range(config.num_layers)
+             for tensor in layer_tensors(config, layer)}
+    return kinds | {tensor.canonical: tensor.kind for tensor in mtp_tensors(config)}
 
 
 def norm_weight_names(config: ModelConfig) -> set[str]:
@@ -421,12 +470,12 @@ def norm_weight_names(config: ModelConfig) -> set[str]:
     return {name for name, kind in layer_kinds(config).items() if kind.norm_weight} | {FINAL_NORM_WEIGHT}
 
 
-def _expert_local_name(config: ModelConfig, local_layer: int, local_expert: int, kind: TensorKind) -> str:
+def _expert_local_name(config: ModelConfig, layer_prefix: str, local_expert: int, kind: TensorKind) -> str:
     if config.moe_grouped_gemm:
         # TEGroupedMLP registers one parameter per local expert: ``linear_fc1.weight0``, ….
         module, _, param = kind.canonical.rpartition(".")
-        return f"{LAYER_PREFIX}{local_layer}.{EXPERTS_MODULE}{module}.{param}{local_expert}"
-    return f"{LAYER_PREFIX}{local_layer}.{EXPERT_PREFIX}{local_expert}.{kind.canonical}"
+        return f"{layer_prefix}{EXPERTS_MODULE}{module}.{param}{local_expert}"
+    return f"{layer_prefix}{EXPERT_PREFIX}{local_expert}.{kind.canonical}"
 
 
 def provide(
@@ -452,11 +501,14 @@ def provide(
     post_process = pp_rank == pp_size - 1 and chunk_index == chunks - 1
     specs = _SpecAdder(shard, groups)
     vocab_shape = (padded_vocab_size, config.hidden_size)
-    if pre_process:
+    # mtp: the MTP stage (the last) holds its own copy of the embedding (GPTModel: pre_process or mtp_process).
+    if pre_process or (post_process and config.mtp_num_layers):
         _add_embeddings(config, specs, vocab_shape)
     _add_layers(config, specs, layers, groups.ep.size(), groups.ep.rank())
     if post_process:
-        _add_final(config, specs, vocab_shape, pre_process)
+        _add_final_norm(config, specs)
+        _add_mtp(config, specs, groups.ep.size(), groups.ep.rank())
+        _add_output(config, specs, vocab_shape, pre_process)
     return shard
 
 
@@ -520,24 +572,48 @@ def local_expert_count(config: ModelConfig, ep_size: int) -> int:
 
 def _add_layers(config: ModelConfig, add: _SpecAdder, layers: range, ep_size: int, ep_rank: int) -> None:
     """The tensors of ``layers``: dense ones, and the experts local to EP rank ``ep_rank``."""
-    experts_per_rank = local_expert_count(config, ep_size)
-    local_experts = range(ep_rank * experts_per_rank, (ep_rank + 1) * experts_per_rank)
     for local_index, layer in enumerate(layers):
-        for tensor in layer_tensors(config, layer):
-            kind = tensor.kind
-            if tensor.expert is None:
-                local = f"{LAYER_PREFIX}{local_index}.{kind.local_name(config)}"
-                add(local, tensor.canonical, kind.shape(config), kind.rule_for(config), kind.keep_dtype)
-            elif tensor.expert in local_experts:
-                local = _expert_local_name(config, local_index, tensor.expert - local_experts.start, kind)
-                add(local, tensor.canonical, kind.shape(config), kind.rule_for(config), expert=True)
+        _add_block(config, add, layer_tensors(config, layer), f"{LAYER_PREFIX}{layer}.",
+                   f"{LAYER_PREFIX}{local_index}.", _local_experts(config, ep_size, ep_rank))
 
 
-def _add_final(config: ModelConfig, add: _SpecAdder, vocab_shape: tuple[int, int], pre_process: bool) -> None:
-    """The last stage's final norm and output layer."""
+def _local_experts(config: ModelConfig, ep_size: int, ep_rank: int) -> range:
+    experts_per_rank = local_expert_count(config, ep_size)
+    return range(ep_rank * experts_per_rank, (ep_rank + 1) * experts_per_rank)
+
+
+def _add_block(config: ModelConfig, add: _SpecAdder, tensors: list[LayerTensor], prefix: str, local_prefix: str,
+               local_experts: range) -> None:
+    """One layer's tensors, renamed from the canonical ``prefix`` to the rank's ``local_prefix``."""
+    for tensor in tensors:
+        kind = tensor.kind
+        rest = tensor.canonical[len(prefix):]
+        if tensor.expert is None:
+            local = local_prefix + rest[:len(rest) - len(kind.canonical)] + kind.local_name(config)
+            add(local, tensor.canonical, kind.shape(config), kind.rule_for(config), kind.keep_dtype)
+        elif tensor.expert in local_experts:
+            head = rest[:rest.index(EXPERTS_MODULE)]
+            local = _expert_local_name(config, local_prefix + head, tensor.expert - local_experts.start, kind)
+            add(local, tensor.canonical, kind.shape(config), kind.rule_for(config), expert=True)
+
+
+def _add_mtp(config: ModelConfig, add: _SpecAdder, ep_size: int, ep_rank: int) -> None:
+    """mtp: the MTP layers (stage-local indices equal global ones: they all live on the last stage)."""
+    for index in range(config.mtp_num_layers):
+        prefix = f"{MTP_PREFIX}{index}."
+        _add_block(config, add, mtp_layer_tensors(config, index), prefix, prefix,
+                   _local_experts(config, ep_size, ep_rank))
+
+
+def _add_final_norm(config: ModelConfig, add: _SpecAdder) -> None:
+    """The last stage's final norm."""
     add(FINAL_NORM_WEIGHT, FINAL_NORM_WEIGHT, (config.hidden_size,), REPLICATED)
     if config.normalization == "LayerNorm":
         add(FINAL_NORM_BIAS, FINAL_NORM_BIAS, (config.hidden_size,), REPLICATED)
+
+
+def _add_output(config: ModelConfig, add: _SpecAdder, vocab_shape: tuple[int, int], pre_process: bool) -> None:
+    """The last stage's output layer."""
     if not config.tie_embeddings:
         add(OUTPUT_LAYER, OUTPUT_LAYER, vocab_shape, VOCAB)
     elif not pre_process:
@@ -574,30 +650,43 @@ TE_EXPERT_LINEARS = ("linear_fc1", "linear_fc2")
 def te_extra_state_names(config: ModelConfig, layers: range, ep_size: int) -> list[str]:
     """``_extra_state`` keys (global layer, local expert index) a TE-spec model chunk holds at
     expert-parallel size ``ep_size``."""
-    local_experts = local_expert_count(config, ep_size)
     names = []
     for layer in layers:
-        prefix = f"{LAYER_PREFIX}{layer}."
-        modules = (TE_CORE_ATTENTION, *te_attention_linears(config))
-        if not config.is_moe_layer(layer):
-            names += [prefix + module + EXTRA_STATE_SUFFIX for module in modules + TE_DENSE_MLP_LINEARS]
-            continue
-        names += [prefix + module + EXTRA_STATE_SUFFIX for module in modules]
-        if config.moe_grouped_gemm:
-            names += [f"{prefix}{EXPERTS_MODULE}{fc}{EXTRA_STATE_SUFFIX}" for fc in TE_EXPERT_LINEARS]
-        else:
-            names += [f"{prefix}{EXPERT_PREFIX}{j}.{fc}{EXTRA_STATE_SUFFIX}"
-                      for j in range(local_experts) for fc in TE_EXPERT_LINEARS]
-        if _shared_experts(config):
-            names += [prefix + module + EXTRA_STATE_SUFFIX for module in TE_SHARED_EXPERT_LINEARS]
+        names += _te_layer_extra_state_names(config, f"{LAYER_PREFIX}{layer}.", config.is_moe_layer(layer), ep_size)
+    return names
+
+
+def te_mtp_extra_state_names(config: ModelConfig, ep_size: int) -> list[str]:
+    """mtp: the ``_extra_state`` keys of a TE-spec model's MTP layers (eh_proj, a TEColumnParallelLinear,
+    then its transformer layer's modules), on the last chunk only."""
+    names = []
+    for index in range(config.mtp_num_layers):
+        prefix = f"{MTP_PREFIX}{index}."
+        names.append(prefix + MTP_EH_PROJ + EXTRA_STATE_SUFFIX)
+        names += _te_layer_extra_state_names(config, prefix + MTP_LAYER_MODULE, mtp_layer_is_moe(config), ep_size)
+    return names
+
+
+def _te_layer_extra_state_names(config: ModelConfig, prefix: str, moe: bool, ep_size: int) -> list[str]:
+    modules = (TE_CORE_ATTENTION, *te_attention_linears(config))
+    if not moe:
+        return [prefix + module + EXTRA_STATE_SUFFIX for module in modules + TE_DENSE_MLP_LINEARS]
+    names = [prefix + module + EXTRA_STATE_SUFFIX for module in modules]
+    if config.moe_grouped_gemm:
+        names += [f"{prefix}{EXPERTS_MODULE}{fc}{EXTRA_STATE_SUFFIX}" for fc in TE_EXPERT_LINEARS]
+    else:
+        names += [f"{prefix}{EXPERT_PREFIX}{j}.{fc}{EXTRA_STATE_SUFFIX}"
+                  for j in range(local_expert_count(config, ep_size)) for fc in TE_EXPERT_LINEARS]
+    if _shared_experts(config):
+        names += [prefix + module + EXTRA_STATE_SUFFIX for module in TE_SHARED_EXPERT_LINEARS]
     return names
 
 
 # GPTModel's top-level modules: every model key starts with one of them.
-MODEL_MODULE_PREFIXES = ("embedding.", "decoder.", "output_layer.")
+MODEL_MODULE_PREFIXES = ("embedding.", "decoder.", "output_layer.", "mtp.")
 # Where a non-layer module lives: its entries go to the first or the last pipeline chunk.
 _FIRST_CHUNK_PREFIXES = ("embedding.",)
-_LAST_CHUNK_PREFIXES = ("output_layer.", "decoder.final_layernorm.")
+_LAST_CHUNK_PREFIXES = ("output_layer.", "decoder.final_layernorm.", MTP_PREFIX)
 
 
 def non_layer_chunk(name: str) -> str | None:
@@ -612,8 +701,18 @@ def non_layer_chunk(name: str) -> str | None:
 def is_routed_expert(name: str) -> bool:
     """Whether a layer name (canonical or rank-local, a weight or an ``_extra_state``) belongs to a
     routed expert (named by a local expert index in a rank file, so its meaning changes with EP)."""
-    parsed = canonical_layer(name)
+    parsed = canonical_layer(name) or mtp_layer(name)
     return parsed is not None and parsed[1].startswith(EXPERTS_MODULE)
+
+
+def mtp_layer(name: str) -> tuple[int, str] | None:
+    """mtp: ``mtp.layers.{i}.transformer_layer.rest`` → (i, rest); None for other names."""
+    if not name.startswith(MTP_PREFIX):
+        return None
+    index, _, rest = name[len(MTP_PREFIX):].partition(".")
+    if not index.isdigit() or not rest.startswith(MTP_LAYER_MODULE):
+        return None
+    return int(index), rest[len(MTP_LAYER_MODULE):]
 
 
 def canonical_layer(name: str) -> tuple[int, str] | None:

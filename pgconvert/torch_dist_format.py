@@ -63,8 +63,9 @@ from pgconvert.limits import over_limit, quote, read_json
 from pgconvert.megatron_format import resolve_megatron_iteration
 from pgconvert.provider import (EXPERTS_MODULE, EXTRA_STATE_SUFFIX, LAYER_PREFIX, MODEL_MODULE_PREFIXES,
                                 TE_DENSE_MLP_LINEARS, TE_EXPERT_LINEARS,
-                                TE_SHARED_EXPERT_LINEARS, TensorKind, canonical_names, fused_norm_name,
-                                layer_tensors, te_attention_linears)
+                                MTP_EH_PROJ, MTP_LAYER_MODULE, MTP_PREFIX, TE_SHARED_EXPERT_LINEARS, LayerTensor, TensorKind,
+                                canonical_names, fused_norm_name, layer_tensors, mtp_layer_is_moe,
+                                mtp_layer_tensors, te_attention_linears)
 
 CHECKPOINT_CONFIG_FILE = "metadata.json"
 COMMON_FILE = "common.pt"
@@ -143,24 +144,37 @@ def tensor_locations(config: ModelConfig) -> dict[str, DistLocation]:
     """Every canonical tensor's location, in stream order."""
     stacked = stacked_layers(config)
     layers = config.num_layers
-    experts = config.num_experts or 0
     locations: dict[str, DistLocation] = {}
     for layer in range(layers):
         prefix = f"{LAYER_PREFIX}{layer}."
         key_prefix = LAYER_PREFIX if stacked else prefix
         layer_axis = ((layer,), (layers,)) if stacked else ((), ())
-        for tensor in layer_tensors(config, layer):
-            if tensor.expert is not None:
-                locations[tensor.canonical] = DistLocation(
-                    key_prefix + EXPERTS_KEY + tensor.kind.canonical,
-                    layer_axis[0] + (tensor.expert,), layer_axis[1] + (experts,))
-                continue
-            # ds16: megatron-core's MLA layer specs set no sharded_state_dict_keys_map: a key is the
-            # module's name in the spec (the TE spec's fused latent norms and dense pre-MLP norm included).
-            rest = (tensor.kind.local_name(config) if config.multi_latent_attention
-                    else _dist_layer_name(tensor.kind, config))
-            locations[tensor.canonical] = DistLocation(key_prefix + rest, *layer_axis)
+        _locate_layer(config, layer_tensors(config, layer), prefix, key_prefix, layer_axis, locations)
+    for index in range(config.mtp_num_layers):
+        # mtp: MultiTokenPredictionBlock.sharded_state_dict: one key per MTP layer (no layer axis); its
+        # transformer_layer saves as a decoder layer does (keys map, experts on an expert axis).
+        prefix = f"{MTP_PREFIX}{index}."
+        _locate_layer(config, mtp_layer_tensors(config, index), prefix, prefix, ((), ()), locations)
     return {name: locations.get(name, DistLocation(name)) for name in canonical_names(config)}
+
+
+def _locate_layer(config: ModelConfig, tensors: list[LayerTensor], prefix: str, key_prefix: str,
+                  layer_axis: tuple[tuple[int, ...], tuple[int, ...]], locations: dict[str, DistLocation]) -> None:
+    experts = config.num_experts or 0
+    for tensor in tensors:
+        rest = tensor.canonical[len(prefix):]
+        head = rest[:len(rest) - len(tensor.kind.canonical)]
+        if tensor.expert is not None:
+            head = rest[:rest.index(EXPERTS_MODULE)]
+            locations[tensor.canonical] = DistLocation(
+                key_prefix + head + EXPERTS_KEY + tensor.kind.canonical,
+                layer_axis[0] + (tensor.expert,), layer_axis[1] + (experts,))
+            continue
+        # ds16: megatron-core's MLA layer specs set no sharded_state_dict_keys_map: a key is the
+        # module's name in the spec (the TE spec's fused latent norms and dense pre-MLP norm included).
+        name = (tensor.kind.local_name(config) if config.multi_latent_attention
+                else _dist_layer_name(tensor.kind, config))
+        locations[tensor.canonical] = DistLocation(key_prefix + head + name, *layer_axis)
 
 
 def sharded_object_key(key: str, index: tuple[int, ...], stack: tuple[int, ...]) -> str:
@@ -173,25 +187,35 @@ def extra_state_keys(config: ModelConfig) -> list[str]:
     """The ``_extra_state`` entries megatron-core's GPTModel saves for this model, in layer order."""
     stacked = stacked_layers(config)
     layers = config.num_layers
-    experts = config.num_experts or 0
     keys = []
     for layer in range(layers):
         key_prefix = LAYER_PREFIX if stacked else f"{LAYER_PREFIX}{layer}."
         index, stack = ((layer,), (layers,)) if stacked else ((), ())
-        attention = te_attention_linears(config)  # ds16: MLA's projections
-        if not config.is_moe_layer(layer):
-            modules = attention + TE_DENSE_MLP_LINEARS
-        elif config.moe_shared_expert_intermediate_size is not None:
-            modules = attention + TE_SHARED_EXPERT_LINEARS
-        else:
-            modules = attention
-        keys += [sharded_object_key(key_prefix + module + EXTRA_STATE_SUFFIX, index, stack) for module in modules]
-        if config.is_moe_layer(layer):
-            keys += [
-                sharded_object_key(key_prefix + module + EXTRA_STATE_SUFFIX, index + (expert,), stack + (experts,))
-                for expert in range(experts)
-                for module in EXPERT_EXTRA_STATE_MODULES
-            ]
+        keys += _layer_extra_state_keys(config, key_prefix, config.is_moe_layer(layer), index, stack)
+    for mtp in range(config.mtp_num_layers):  # mtp: eh_proj, then its transformer layer's modules
+        prefix = f"{MTP_PREFIX}{mtp}."
+        keys.append(sharded_object_key(prefix + MTP_EH_PROJ + EXTRA_STATE_SUFFIX, (), ()))
+        keys += _layer_extra_state_keys(config, prefix + MTP_LAYER_MODULE, mtp_layer_is_moe(config), (), ())
+    return keys
+
+
+def _layer_extra_state_keys(config: ModelConfig, key_prefix: str, moe: bool, index: tuple[int, ...],
+                            stack: tuple[int, ...]) -> list[str]:
+    experts = config.num_experts or 0
+    attention = te_attention_linears(config)  # ds16: MLA's projections
+    if not moe:
+        modules = attention + TE_DENSE_MLP_LINEARS
+    elif config.moe_shared_expert_intermediate_size is not None:
+        modules = attention + TE_SHARED_EXPERT_LINEARS
+    else:
+        modules = attention
+    keys = [sharded_object_key(key_prefix + module + EXTRA_STATE_SUFFIX, index, stack) for module in modules]
+    if moe:
+        keys += [
+            sharded_object_key(key_prefix + module + EXTRA_STATE_SUFFIX, index + (expert,), stack + (experts,))
+            for expert in range(experts)
+            for module in EXPERT_EXTRA_STATE_MODULES
+        ]
     return keys
 
 

@@ -51,6 +51,7 @@ from pgconvert.hf_side import (
 )
 from pgconvert.layout import ParallelLayout
 from pgconvert.semantics import hf_losses, hf_training_notes, lose
+from pgconvert import mtp
 from pgconvert.provider import (VOCAB_TABLES, WORD_EMBEDDINGS, TensorKind, keep_dtype_names, layer_kinds,
                                 norm_weight_names)
 from pgconvert.quantized import KeepQuantizedError, without_quantization
@@ -381,15 +382,16 @@ class HFSaver(Saver):
         return family, doc, []
 
     def _units(self, source: CanonicalSource, options: SaveOptions) -> list[_Unit]:
-        family, _, _ = self._target(source, options)
+        family, base, _ = self._target(source, options)
         config = source.config
         assert config.vocab_size is not None
+        mtp.check_hf_target(family, base, config, "hf: the config.json written")
         # Routers keep their dtype (float32 in megatron-core) whatever --dtype says, as on a megatron target.
         kept = keep_dtype_names(config)
         units = []
         unmapped = []
         for name in source.names():
-            found = family.tensors.to_hf(name)
+            found = family.tensors.to_hf(mtp.table_name(name, config))
             if found is None:
                 unmapped.append(name)
                 continue
@@ -398,11 +400,15 @@ class HFSaver(Saver):
             row, hf_names = found
             shapes = tuple(row.transform.part_shapes(tuple(shape), config))
             dtype = meta.dtype if name in kept else _out_dtype(meta.dtype, options)
-            index = family.tensors.stack_index(name) if row.stacked else None
+            index = family.tensors.stack_index(mtp.table_name(name, config)) if row.stacked else None
             stack = None if index is None else (index, config.num_experts or 0)
             units.append(_Unit(name, row, hf_names, shapes, dtype, kept_quantized(source, hf_names), stack))
         if unmapped:
             raise ConfigError(f"hf: {family.architecture} has no HF name for {sorted(unmapped)}")
+        # mtp: each MTP layer's copies of the embedding and output layer, written from them.
+        by_name = {unit.canonical: unit for unit in units}
+        units += [replace(by_name[canonical], row=row, hf_names=(hf_name,), kept=kept_quantized(source, (hf_name,)))
+                  for hf_name, canonical, row in mtp.copies(family.tensors, config)]
         return kept_once(units)
 
     def _shards(self, source: CanonicalSource, options: SaveOptions) -> list[_Shard]:

@@ -45,6 +45,7 @@ from pgconvert.provider import (
     provide,
     target_vocab_rows,
     te_extra_state_names,
+    te_mtp_extra_state_names,
 )
 from pgconvert.sizes import itemsize
 from pgconvert.stream import CanonicalSource, ExtraState
@@ -145,10 +146,10 @@ class MegatronSaver(Saver):
                 # SequentialMLP and grouped GEMM: name them for this layout instead.
                 names = [name for name in names if not is_routed_expert(name)] + [
                     name for name in te_extra_state_names(config, shard.layers, layout.ep)
-                    if is_routed_expert(name)
+                    + te_mtp_extra_state_names(config, layout.ep) if is_routed_expert(name)
                 ]
         elif config.transformer_impl == "transformer_engine":
-            names = te_extra_state_names(config, shard.layers, layout.ep)
+            names = te_extra_state_names(config, shard.layers, layout.ep) + te_mtp_extra_state_names(config, layout.ep)
         else:
             return []
         first = shard.pp_rank == 0 and shard.chunk in (None, 0)

@@ -55,7 +55,7 @@ from pgconvert.provider import (
     VOCAB_TABLES,
     canonical_shapes,
     keep_dtype_names,
-    layer_tensors,
+    layer_kinds,
     target_vocab_rows,
 )
 from pgconvert.rules import VOCAB, ShardRule
@@ -114,8 +114,7 @@ class _Chunk:
 
 def _rules(config: ModelConfig) -> dict[str, ShardRule]:
     """Each layer tensor's TP rule (the others are whole tensors in one chunk)."""
-    return {tensor.canonical: tensor.kind.rule_for(config)
-            for layer in range(config.num_layers) for tensor in layer_tensors(config, layer)}
+    return {name: kind.rule_for(config) for name, kind in layer_kinds(config).items()}  # mtp: MTP layers too
 
 
 def _row_runs(rule: ShardRule | None, shape: tuple[int, ...]) -> list[tuple[int | None, int | None]]:

@@ -190,26 +190,31 @@ class ModelConfig:
         # Checked with RoPE too: it is written into every output's config (a fuzz find).
         if self.max_position_embeddings is not None:
             _require_positive("max_position_embeddings", self.max_position_embeddings)
-        if self.num_experts is not None:
-            _require_positive("num_experts", self.num_experts)
-            if self.moe_ffn_hidden_size is not None:
-                _require_positive("moe_ffn_hidden_size", self.moe_ffn_hidden_size)
-            if self.moe_shared_expert_intermediate_size is not None:
-                _require_positive("moe_shared_expert_intermediate_size", self.moe_shared_expert_intermediate_size)
-            _require_positive("moe_router_topk", self.moe_router_topk)
-            if self.add_bias_linear and self.moe_shared_expert_intermediate_size is not None:
-                # f17c: expert and router biases are tensor kinds; shared-expert biases are not.
-                raise ConfigError("add_bias_linear=True with shared experts: shared-expert biases are not supported")
-            if isinstance(self.moe_layer_freq, list):
-                object.__setattr__(self, "moe_layer_freq", tuple(self.moe_layer_freq))
-            if isinstance(self.moe_layer_freq, tuple):
-                if len(self.moe_layer_freq) != self.num_layers or set(self.moe_layer_freq) - {0, 1}:
-                    raise ConfigError(
-                        f"moe_layer_freq={list(self.moe_layer_freq)}: must list 0 or 1 for each of the "
-                        f"{self.num_layers} layers"
-                    )
-            else:
-                _require_positive("moe_layer_freq", self.moe_layer_freq)
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        """The MoE settings' ranges (when there are experts)."""
+        if self.num_experts is None:
+            return
+        _require_positive("num_experts", self.num_experts)
+        if self.moe_ffn_hidden_size is not None:
+            _require_positive("moe_ffn_hidden_size", self.moe_ffn_hidden_size)
+        if self.moe_shared_expert_intermediate_size is not None:
+            _require_positive("moe_shared_expert_intermediate_size", self.moe_shared_expert_intermediate_size)
+        _require_positive("moe_router_topk", self.moe_router_topk)
+        if self.add_bias_linear and self.moe_shared_expert_intermediate_size is not None:
+            # f17c: expert and router biases are tensor kinds; shared-expert biases are not.
+            raise ConfigError("add_bias_linear=True with shared experts: shared-expert biases are not supported")
+        if isinstance(self.moe_layer_freq, list):
+            object.__setattr__(self, "moe_layer_freq", tuple(self.moe_layer_freq))
+        if isinstance(self.moe_layer_freq, tuple):
+            if len(self.moe_layer_freq) != self.num_layers or set(self.moe_layer_freq) - {0, 1}:
+                raise ConfigError(
+                    f"moe_layer_freq={list(self.moe_layer_freq)}: must list 0 or 1 for each of the "
+                    f"{self.num_layers} layers"
+                )
+        else:
+            _require_positive("moe_layer_freq", self.moe_layer_freq)
 
     def _check_semantics(self) -> None:
         """The settings of pgconvert.semantics: types and ranges."""

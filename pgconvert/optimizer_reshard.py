@@ -217,6 +217,12 @@ def carry_training_state(conversion: Any, staging: Path, files: list[PlannedFile
         fallback(f"--dtype {request.dtype}: optimizer state is not carried across a dtype change (the optimizer "
                  "form changes); pass --skip-optimizer", request.strict, notices)
         return notices
+    if "torch_dist" in (conversion.src_format, conversion.dst_format) and source.config.num_experts:
+        fallback(f"optimizer state not carried: num_experts={source.config.num_experts}: a MoE model's optimizer "
+                 "state (megatron-core's chained dense and expert optimizers) is carried between Megatron "
+                 "per-rank checkpoints only, not from or into torch_dist; pass --skip-optimizer",
+                 request.strict, notices)
+        return notices
     try:
         optimizer = open_optimizer(source, conversion.src_format)
     except ValidationError as exc:

@@ -11,7 +11,10 @@ megatron-core is imported once). Each rank does what Megatron-LM's ``setup_model
    distributed optimizer); ``get_megatron_optimizer`` with an ``OptimizerConfig`` filled from the rank
    file's ``args`` field by field, as Megatron-LM's ``get_megatron_optimizer_config`` does;
 2. ``load_state_dict(rank["model"], strict=True)``, ``optimizer.load_state_dict(rank["optimizer"])``
-   and, for the distributed optimizer, ``optimizer.load_parameter_state(distrib_optim.pt)``;
+   and, for the distributed optimizer, ``optimizer.load_parameter_state(distrib_optim.pt)``; or, for a
+   torch_dist ITERATION_DIR (``.metadata``; args from its ``common.pt``), ``dist_checkpointing.load`` of
+   the model's and the optimizer's sharded state dicts as Megatron-LM's ``load_checkpoint`` does
+   (``_load_torch_dist``);
 3. ``main_grad`` of every parameter := its TP piece (``tp_piece``) of the full gradient in GRADS.pt
    (canonical TP1 names), then ``optimizer.step()`` (grad-norm clipping over the model-parallel or
    distributed-optimizer group included).

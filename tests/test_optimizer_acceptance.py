@@ -110,8 +110,8 @@ def _run(grads: Path, runs: list[tuple[Path, Path, int]]) -> list[list[dict]]:
 
 def _fixed_gradients(converted: Path, path: Path, scale: float = 1e-2) -> None:
     """A deterministic gradient per parameter (the converted TP1 model's names and shapes), scaled so
-    that their global norm (about 3.3; 2.5 for the small torch_dist model at scale 3e-2) exceeds clip_grad = 1 and
-    the step clips."""
+    that their global norm (about 3.3; 2.5 for the small torch_dist model at scale 3e-2) exceeds
+    clip_grad = 1 and the step clips."""
     model = load_for_test(converted / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt")["model"]
     generator = torch.Generator().manual_seed(0)
     torch.save({name: torch.randn(tensor.shape, generator=generator) * scale
@@ -208,8 +208,8 @@ def test_megatron_core_loads_the_torch_dist_conversion_and_steps_as_the_original
     pgconvert.convert(source, tmp_path / "model", dst_format="megatron", dst_tp=1, skip_optimizer=True)
     _fixed_gradients(tmp_path / "model", tmp_path / "grads.pt", scale=3e-2)
     original_dir = _with_common_pt(source / "iter_0000002", tmp_path / "src")
-    target, original = _run(tmp_path / "grads.pt", [(tmp_path / "td1" / "iter_0000002", tmp_path / "out_td1", target_dp),
-                                                    (original_dir, tmp_path / "out_src", 2)])
+    runs = [(tmp_path / "td1" / "iter_0000002", tmp_path / "out_td1", target_dp), (original_dir, tmp_path / "out_src", 2)]
+    target, original = _run(tmp_path / "grads.pt", runs)
     assert len(target) == target_dp and len(original) == 4
     args = load_for_test(original_dir / "common.pt")["args"]
     assert args.use_distributed_optimizer and args.bf16 and args.hidden_size == 16

@@ -208,7 +208,8 @@ def test_megatron_core_loads_the_torch_dist_conversion_and_steps_as_the_original
     pgconvert.convert(source, tmp_path / "model", dst_format="megatron", dst_tp=1, skip_optimizer=True)
     _fixed_gradients(tmp_path / "model", tmp_path / "grads.pt", scale=3e-2)
     original_dir = _with_common_pt(source / "iter_0000002", tmp_path / "src")
-    runs = [(tmp_path / "td1" / "iter_0000002", tmp_path / "out_td1", target_dp), (original_dir, tmp_path / "out_src", 2)]
+    runs = [(tmp_path / "td1" / "iter_0000002", tmp_path / "out_td1", target_dp),
+            (original_dir, tmp_path / "out_src", 2)]
     target, original = _run(tmp_path / "grads.pt", runs)
     assert len(target) == target_dp and len(original) == 4
     args = load_for_test(original_dir / "common.pt")["args"]

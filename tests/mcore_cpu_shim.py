@@ -14,8 +14,8 @@ own process). Each piece is the narrowest answer to one call megatron-core makes
 - ``Tensor.type()`` of a CPU tensor answered with its CUDA name: the optimizers sort parameters by
   ``param.type()`` (``torch.cuda.BFloat16Tensor`` / ``torch.cuda.FloatTensor``, anything else is
   refused) and ``clip_grads`` asserts the grads are ``torch.cuda.FloatTensor``.
-- ``DistributedOptimizer``'s Adam ``step`` on resume (two megatron-core bugs, not CPU matters; see
-  ``keep_adam_step``).
+- ``DistributedOptimizer``'s Adam ``step`` on resume (megatron-core bugs, not CPU matters; see
+  ``keep_adam_step`` and ``adam_state_before_sharded_load``).
 """
 
 from __future__ import annotations
@@ -69,8 +69,15 @@ def keep_adam_step() -> None:
        holds no step), and that copies every key of the state, ``step`` included:
        ``KeyError: 'step'`` (938-940 [1217-1223]).
 
-    Both are fixed where the per-parameter state is set: the parameter gets its own copy of the step
-    ``load_state_dict`` gave it, and that copy is handed in as the ``step`` to set.
+    3. torch_dist ``dp_reshardable``: ``sharded_param_state_dp_reshardable`` keeps each state's ``step``
+       as a ``LocalNonpersistentObject`` (1664-1667) -- the tensor the state held when the sharded state
+       dict was made, before ``load_state_dict`` set the checkpoint's step -- and
+       ``load_parameter_state_from_dp_reshardable`` hands that stale step to
+       ``_set_main_param_and_optimizer_states`` (1804), which copies it over the loaded one.
+
+    All three are fixed where the per-parameter state is set: the parameter gets its own copy of the
+    step ``load_state_dict`` gave it (megatron-core's rule: the step comes from the param groups), and
+    that copy is what is set, whatever ``step`` the caller handed in.
     """
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
@@ -81,10 +88,44 @@ def keep_adam_step() -> None:
         state = self.optimizer.state[self.optimizer.param_groups[group_index]["params"][group_order]]
         if isinstance(state.get("step"), torch.Tensor):
             state["step"] = state["step"].clone()
-            tensors = {"step": state["step"], **tensors}
+            tensors = {**tensors, "step": state["step"]}
         original(self, model_param, tensors)
 
     DistributedOptimizer._set_main_param_and_optimizer_states = set_states
+
+
+def adam_state_before_sharded_load() -> None:
+    """The torch_dist load of megatron-core 0.16.1's ``DistributedOptimizer`` with torch's Adam (no
+    Apex/Transformer Engine) cannot start: ``sharded_state_dict(is_loading=True)`` first calls
+    ``state_dict()``, which reads the step from the Adam state of every parameter,
+    ``steps = list(set(s["step"].item() for s in inner_state_dict["state"].values())); assert len(steps) == 1``
+    (distrib_optimizer.py 640-642 [Megatron-LM d98e8a64: 837-839]), and a freshly built optimizer has
+    no Adam state yet: ``AssertionError``. Megatron-LM's ``load_checkpoint`` ->
+    ``generate_state_dict`` -> ``optimizer.sharded_state_dict`` fails the same way. With Apex's or
+    TE's FusedAdam the step lives in the param groups and the empty state passes (``steps`` may be
+    empty there).
+
+    Worked around just before that call, only when the inner optimizer holds no state yet: every main
+    param gets the state torch's Adam gives it before its first step (``exp_avg``/``exp_avg_sq``
+    zeros, as megatron-core's own ``init_state_fn`` makes them, and its own ``step`` tensor 0.0,
+    ``Adam._init_group``). ``state_dict()`` then reports step 0; the loaded checkpoint overwrites the
+    tensors, and its param groups' step replaces the 0 (``load_state_dict``, with ``keep_adam_step``).
+    """
+    from megatron.core.optimizer import distrib_optimizer
+
+    original = distrib_optimizer.DistributedOptimizer.sharded_state_dict
+
+    def sharded_state_dict(self: Any, model_sharded_state_dict: Any = None, is_loading: bool = False,
+                           *args: Any, **kwargs: Any) -> Any:
+        if is_loading and not distrib_optimizer.HAVE_APEX_OR_TE and len(self.optimizer.state) == 0:
+            for group in self.optimizer.param_groups:
+                for main in group["params"]:
+                    self.optimizer.state[main] = {"exp_avg": torch.zeros_like(main),
+                                                  "exp_avg_sq": torch.zeros_like(main),
+                                                  "step": torch.tensor(0.0)}
+        return original(self, model_sharded_state_dict or {}, is_loading, *args, **kwargs)
+
+    distrib_optimizer.DistributedOptimizer.sharded_state_dict = sharded_state_dict
 
 
 def install() -> None:
@@ -92,4 +133,5 @@ def install() -> None:
     torch.cuda.current_device = lambda: 0
     CudaDevicesOnCpu().__enter__()
     keep_adam_step()
+    adam_state_before_sharded_load()
     sys.stderr.write("[mcore_cpu_shim] CUDA devices on the CPU; DistributedOptimizer: one Adam step per parameter\n")

@@ -11,7 +11,10 @@ megatron-core is imported once). Each rank does what Megatron-LM's ``setup_model
    distributed optimizer); ``get_megatron_optimizer`` with an ``OptimizerConfig`` filled from the rank
    file's ``args`` field by field, as Megatron-LM's ``get_megatron_optimizer_config`` does;
 2. ``load_state_dict(rank["model"], strict=True)``, ``optimizer.load_state_dict(rank["optimizer"])``
-   and, for the distributed optimizer, ``optimizer.load_parameter_state(distrib_optim.pt)``;
+   and, for the distributed optimizer, ``optimizer.load_parameter_state(distrib_optim.pt)``; or, for a
+   torch_dist ITERATION_DIR (``.metadata``; args from its ``common.pt``), ``dist_checkpointing.load`` of
+   the model's and the optimizer's sharded state dicts as Megatron-LM's ``load_checkpoint`` does
+   (``_load_torch_dist``);
 3. ``main_grad`` of every parameter := its TP piece (``tp_piece``) of the full gradient in GRADS.pt
    (canonical TP1 names), then ``optimizer.step()`` (grad-norm clipping over the model-parallel or
    distributed-optimizer group included).
@@ -133,27 +136,63 @@ def _gpt(ddp: Any) -> Any:
     return inner if isinstance(inner, GPTModel) else inner.module
 
 
-def _rank(rank: int, world: int, store: str, iteration_dir: Path, grads_path: Path, out_dir: Path) -> None:
-    import mcore_cpu_shim
-    from megatron.core import parallel_state
+def checkpoint_args(iteration_dir: Path) -> Any:
+    """The ``args`` a checkpoint records: a torch_dist checkpoint's ``common.pt``, or its first rank file's."""
     from megatron_fixtures import load_for_test
 
-    mcore_cpu_shim.install()
-    first = load_for_test(next(iter(sorted(iteration_dir.glob("mp_rank_*/model_optim_rng.pt")))))["args"]
-    tp, pp = first.tensor_model_parallel_size, first.pipeline_model_parallel_size
-    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    parallel_state.initialize_model_parallel(tp, pp)
-    tp_rank, pp_rank = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
+    common = iteration_dir / "common.pt"
+    path = common if common.is_file() else next(iter(sorted(iteration_dir.glob("mp_rank_*/model_optim_rng.pt"))))
+    return load_for_test(path)["args"]
+
+
+def _load_per_rank(model: Any, optimizer: Any, iteration_dir: Path, args: Any, tp_rank: int, pp_rank: int) -> None:
+    from megatron_fixtures import load_for_test
+
+    pp = args.pipeline_model_parallel_size
     path = iteration_dir / (f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp > 1 else "")) / "model_optim_rng.pt"
     state = load_for_test(path)
-    args = state["args"]
-    ddp = _build(args, pp_rank)
-    optimizer = _optimizer(args, ddp)
-    model = _gpt(ddp)
     model.load_state_dict(state["model"], strict=True)
     optimizer.load_state_dict(state["optimizer"])
     if args.use_distributed_optimizer:
         optimizer.load_parameter_state(str(path.parent / "distrib_optim.pt"))
+
+
+def _load_torch_dist(model: Any, optimizer: Any, iteration_dir: Path) -> None:
+    """What Megatron-LM's ``load_checkpoint`` does for a torch_dist checkpoint: the sharded-state-dict
+    metadata the checkpoint records (``distrib_optim_sharding_type`` included) plus the DP group; the
+    model's ``sharded_state_dict`` and the optimizer's ``sharded_state_dict(..., is_loading=True)``;
+    ``dist_checkpointing.load``; then the model's ``load_state_dict`` and the optimizer's, which
+    scatters the loaded parameter state (``load_parameter_state_from_<sharding type>``)."""
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron_fixtures import allowed_globals
+
+    with torch.serialization.safe_globals(allowed_globals()):  # common.pt is read weights-only, args included
+        metadata = dict(dist_checkpointing.load_content_metadata(str(iteration_dir)) or {})
+        metadata["dp_cp_group"] = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        sharded = {"model": model.sharded_state_dict(metadata=metadata)}
+        sharded["optimizer"] = optimizer.sharded_state_dict(sharded, is_loading=True, metadata=metadata)
+        loaded = dist_checkpointing.load(sharded, str(iteration_dir))
+    model.load_state_dict(loaded["model"], strict=True)
+    optimizer.load_state_dict(loaded["optimizer"])
+
+
+def _rank(rank: int, world: int, store: str, iteration_dir: Path, grads_path: Path, out_dir: Path) -> None:
+    import mcore_cpu_shim
+    from megatron.core import parallel_state
+
+    mcore_cpu_shim.install()
+    args = checkpoint_args(iteration_dir)
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    parallel_state.initialize_model_parallel(tp, pp)
+    tp_rank, pp_rank = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
+    ddp = _build(args, pp_rank)
+    optimizer = _optimizer(args, ddp)
+    model = _gpt(ddp)
+    if (iteration_dir / ".metadata").is_file():
+        _load_torch_dist(model, optimizer, iteration_dir)
+    else:
+        _load_per_rank(model, optimizer, iteration_dir, args, tp_rank, pp_rank)
     grads = torch.load(grads_path, weights_only=True)
     names = {id(param): canonical(name, pp_rank * (args.num_layers // pp))
              for name, param in model.named_parameters()}
@@ -170,9 +209,7 @@ def _rank(rank: int, world: int, store: str, iteration_dir: Path, grads_path: Pa
 
 def run(iteration_dir: Path, grads_path: Path, out_dir: Path, dp: int) -> None:
     """Every rank of the checkpoint at ``iteration_dir`` times ``dp``, each in a forked gloo process."""
-    from megatron_fixtures import load_for_test
-
-    args = load_for_test(next(iter(sorted(iteration_dir.glob("mp_rank_*/model_optim_rng.pt")))))["args"]
+    args = checkpoint_args(iteration_dir)
     world = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * dp
     out_dir.mkdir(parents=True, exist_ok=True)
     context = multiprocessing.get_context("fork")

@@ -685,6 +685,12 @@ def load_for_test(path: Path) -> dict[str, object]:
     Allows argparse.Namespace and io.BytesIO, plus megatron-core's own safe globals when it is
     installed (files that megatron-core itself wrote carry its enums in ``args``).
     """
+    with torch.serialization.safe_globals(allowed_globals()):
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def allowed_globals() -> list[object]:
+    """The classes ``load_for_test`` allows in a weights-only load."""
     import io
 
     from pgconvert.megatron_format import SAFE_GLOBALS as PGCONVERT_SAFE_GLOBALS
@@ -698,8 +704,7 @@ def load_for_test(path: Path) -> dict[str, object]:
         pass
     else:
         allowed += SAFE_GLOBALS
-    with torch.serialization.safe_globals(allowed):
-        return torch.load(path, map_location="cpu", weights_only=True)
+    return allowed
 
 
 def resolve_checkpoint_dir(root: Path) -> Path:

@@ -17,6 +17,10 @@ Megatron's TP rules (concatenation written in this file, not pgconvert's), and:
 - after the step, the main params, the moments and the model weights agree within rtol 1e-6 /
   atol 1e-9 (fp32; the clip factor may differ in its last bits) and one bf16 ulp (rtol 2**-7) for
   bf16 weights.
+
+The torch_dist distributed-optimizer goldens (``fully_reshardable``, ``dp_reshardable``; TP2 DP2) are
+checked the same way: pgconvert's TP1 torch_dist output is loaded with megatron-core's own
+``dist_checkpointing.load`` (TP1 DP2 and DP1), the golden at TP2 DP2.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import pytest
 import torch
 
 from mcore_optimizer_step import COLUMN_PARALLEL, GATED, ROW_PARALLEL
-from megatron_fixtures import load_for_test
+from megatron_fixtures import allowed_globals, load_for_test
 
 pytest.importorskip("megatron.core", reason="megatron-core's own optimizer is the acceptance check")
 
@@ -104,12 +108,13 @@ def _run(grads: Path, runs: list[tuple[Path, Path, int]]) -> list[list[dict]]:
     return [[torch.load(path, weights_only=True) for path in sorted(out.glob("rank*.pt"))] for _, out, _ in runs]
 
 
-def _fixed_gradients(converted: Path, path: Path) -> None:
+def _fixed_gradients(converted: Path, path: Path, scale: float = 1e-2) -> None:
     """A deterministic gradient per parameter (the converted TP1 model's names and shapes), scaled so
-    that their global norm (about 3.3) exceeds clip_grad = 1 and the step clips."""
+    that their global norm (about 3.3; 2.5 for the small torch_dist model at scale 3e-2) exceeds
+    clip_grad = 1 and the step clips."""
     model = load_for_test(converted / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt")["model"]
     generator = torch.Generator().manual_seed(0)
-    torch.save({name: torch.randn(tensor.shape, generator=generator) * 1e-2
+    torch.save({name: torch.randn(tensor.shape, generator=generator) * scale
                 for name, tensor in sorted(model.items()) if isinstance(tensor, torch.Tensor)}, path)
 
 
@@ -155,3 +160,58 @@ def test_megatron_core_steps_the_converted_state_as_the_original(tmp_path: Path,
     args = load_for_test(next((source / "iter_0000002").glob("mp_rank_*/model_optim_rng.pt")))["args"]
     for target in targets:
         _assert_same_step(target, original, args, weight_tolerance)
+
+
+def _with_common_pt(iteration_dir: Path, copy: Path) -> Path:
+    """A copy of a torch_dist checkpoint written by Megatron-LM d98e8a64 (megatron-core 0.20) that
+    megatron-core 0.16.1 can open: 0.20 keeps the common state as the DCP object ``common_state``
+    (``shard_0_1``), 0.16.1 reads it only from ``common.pt`` (``TorchCommonLoadStrategy.load_common``).
+    The object's bytes are read with torch's own DCP reader (kept as bytes: its default planner
+    would unpickle them unrestricted), unpickled weights-only as 0.20's ``load_common_state_dict``
+    does, and saved as ``common.pt`` (only the container changes: the same objects under the same
+    names); the data files are copied unchanged."""
+    import io
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    from pgconvert.megatron_format import FRAMEWORK_PICKLE
+
+    raw: dict[str, bytes] = {}
+
+    class RawBytes(DefaultLoadPlanner):
+        def load_bytes(self, read_item: object, value: io.BytesIO) -> None:
+            raw[read_item.dest_index.fqn] = value.read()
+
+    shutil.copytree(iteration_dir, copy)
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.load({"common_state/shard_0_1": io.BytesIO()}, checkpoint_id=str(copy), planner=RawBytes(), no_dist=True)
+    with torch.serialization.safe_globals(allowed_globals()):
+        common = torch.load(io.BytesIO(raw["common_state/shard_0_1"]), weights_only=True)
+    # pgconvert's pickler writes the stand-ins of Megatron's enums in ``args`` back under their own names
+    torch.save(common[0] if isinstance(common, list) else common, copy / "common.pt", pickle_module=FRAMEWORK_PICKLE)
+    return copy
+
+
+@pytest.mark.parametrize(("form", "target_dp"), [("fully_reshardable", 2), ("dp_reshardable", 1)])
+def test_megatron_core_loads_the_torch_dist_conversion_and_steps_as_the_original(tmp_path: Path, form: str,
+                                                                                 target_dp: int) -> None:
+    """torch_dist distributed-optimizer goldens (the small model, bf16, TP2 DP2): pgconvert's TP1
+    torch_dist conversion (``fully_reshardable``) is loaded by megatron-core's own
+    ``dist_checkpointing.load`` at TP1 (DP2: megatron-core flattens and slices each parameter's state
+    for its DP rank; DP1), the golden itself at TP2 DP2 in its own form; one step each, compared as above."""
+    import pgconvert
+
+    source = GOLDENS / f"train_tp2dp2_distopt_{form}_torch_dist"
+    pgconvert.convert(source, tmp_path / "td1", dst_format="torch_dist", dst_tp=1)
+    pgconvert.convert(source, tmp_path / "model", dst_format="megatron", dst_tp=1, skip_optimizer=True)
+    _fixed_gradients(tmp_path / "model", tmp_path / "grads.pt", scale=3e-2)
+    original_dir = _with_common_pt(source / "iter_0000002", tmp_path / "src")
+    runs = [(tmp_path / "td1" / "iter_0000002", tmp_path / "out_td1", target_dp),
+            (original_dir, tmp_path / "out_src", 2)]
+    target, original = _run(tmp_path / "grads.pt", runs)
+    assert len(target) == target_dp and len(original) == 4
+    args = load_for_test(original_dir / "common.pt")["args"]
+    assert args.use_distributed_optimizer and args.bf16 and args.hidden_size == 16
+    _assert_same_step(target, original, args, (BF16_RTOL, BF16_ATOL))

@@ -123,7 +123,7 @@ class TorchDistOptimizerSource(OptimizerSource):
         groups = self._param_groups(common, where)
         self._step = _one_step(groups, where)
         extra = {key: common[key] for key in (*CARRIED_KEYS, "iteration", "args") if key in common}
-        extra["distributed_entry"] = {"optimizer": {"param_groups": groups}}
+        extra["distributed_entries"] = [{"optimizer": {"param_groups": groups}}]  # dprw: optmoe's name (a list)
         self.first = _First(source.directory, extra)
         self._settings = [{k: v for k, v in group.items() if k not in ("params", "step")} for group in groups]
         self.dtype_key = self._dtype_key()
@@ -271,8 +271,10 @@ class TorchDistOptimizerSource(OptimizerSource):
         return self.source.load_state_shard(name, self._model_space_prefix(key), rule, size, rank,
                                             rows if rule.fits_rows else None)
 
-    def param_group_settings(self) -> list[dict[str, Any]]:
-        return [dict(group) for group in self._settings]
+    def param_group_settings(self, optimizer: int = 0, count: int | None = None) -> list[dict[str, Any]]:
+        """dprw: ``OptimizerSource``'s signature (optmoe): the expert optimizer's are the dense ones marked."""
+        settings = [dict(group, is_expert_parallel=True) if optimizer == 1 else dict(group) for group in self._settings]
+        return settings if count is None else settings[:count]
 
     @property
     def _owners(self) -> dict[str, list[tuple[_Owner, OptimizerSlot]]]:  # OptimizerSource's name for it

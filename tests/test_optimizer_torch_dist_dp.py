@@ -153,3 +153,35 @@ def test_an_invalid_form_or_use_is_a_named_error(tmp_path: Path) -> None:
     result = _cli("convert", TP2DP2, tmp_path / "e", "--dst-format", "torch_dist", "--dst-dp", "64")
     assert_clean_refusal(result, 2, "data-parallel rank 63 of 64 holds no parameter", "empty bucket encountered")
     assert not any((tmp_path / name).exists() for name in "abcde")
+
+
+def test_megatron_core_loads_the_written_dp_reshardable_state_at_dp1_and_dp2(tmp_path: Path) -> None:
+    """megatron-core's DistributedOptimizer (0.16.1, gloo processes on the CPU) loads pgconvert's TP1
+    dp_reshardable records with dist_checkpointing.load, as Megatron-LM's load_checkpoint does, and
+    holds exactly the golden's per-parameter state, whole at DP1 and sliced over two DP ranks."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("megatron.core", reason="megatron-core's own load is the check")
+    _convert(TP2DP2, tmp_path / "tp1", "--dst-tp", "1", "--dst-optim-form", "dp_reshardable")
+    result = _cli("export-optimizer", TP2DP2, tmp_path / "reference")
+    assert result.exit_code == 0, result.output
+    script = Path(__file__).parent / "mcore_dp_reshardable_load.py"
+    for dp in (1, 2):
+        out = tmp_path / f"dp{dp}"
+        subprocess.run([sys.executable, str(script), str(tmp_path / "tp1" / ITERATION), str(out), str(dp)],
+                       check=True, timeout=600)
+        covered: dict[str, int] = {}
+        for rank in range(dp):
+            result = torch.load(out / f"rank{rank}.pt", weights_only=True)
+            assert result["group_steps"] == [2.0, 2.0]  # the param groups' step, from the .optimizer object
+            loaded = result["loaded"]
+            for name, (offset, tensors) in loaded.items():
+                expected = torch.load(tmp_path / "reference" / f"{name}.pt", weights_only=True)
+                for key in ("param", "exp_avg", "exp_avg_sq"):
+                    whole = expected[key].reshape(-1)
+                    assert torch.equal(tensors[key], whole[offset:offset + tensors[key].numel()]), f"{name}.{key}"
+                covered[name] = covered.get(name, 0) + tensors["param"].numel()
+        reference = {path.stem: torch.load(path, weights_only=True)["param"].numel()
+                     for path in (tmp_path / "reference").glob("*.pt")}
+        assert covered == reference  # every element loaded once over the DP ranks

@@ -9,6 +9,9 @@ coalesced buffer and padded to the new DP multiple). With one DDP bucket per buf
 therefore the same for any DP size, and N changes only ``args``: ``data_parallel_size`` and
 ``world_size`` (tp * pp * cp * N). N must fit Megatron's expert grid: tp * cp * N a multiple of
 expert_tp * ep.
+
+dprw: a torch_dist destination takes N too: its args, and the DP shards its ``dp_reshardable`` records
+are cut in (``optimizer_torch_dist_dp``).
 """
 
 from __future__ import annotations

@@ -108,7 +108,8 @@ def test_the_goldens_own_layout_is_written_as_megatron_core_writes_it(tmp_path: 
     _assert_records_equal(golden, tmp_path / "out")
     common = load_for_test(tmp_path / "out" / ITERATION / "common.pt")
     reference = get_loader("torch_dist").open(golden, LoadOptions())
-    assert common["optimizer"] == reference.common_state["optimizer"] == {"param_state_sharding_type": "dp_reshardable"}
+    expected = {"param_state_sharding_type": "dp_reshardable"}
+    assert common["optimizer"] == reference.common_state["optimizer"] == expected
     assert common["content_metadata"] == reference.common_state["content_metadata"]
     assert common["args"].data_parallel_size == reference.megatron_args.data_parallel_size
     assert common["iteration"] == 2 and common["opt_param_scheduler"] == reference.common_state["opt_param_scheduler"]
@@ -145,7 +146,8 @@ def test_an_invalid_form_or_use_is_a_named_error(tmp_path: Path) -> None:
                                               "dp_reshardable"):
         pgconvert.convert(TP2DP2, tmp_path / "b", dst_format="torch_dist", dst_optim_form="bucket_space")
     result = _cli("convert", TP2DP2, tmp_path / "c", "--dst-format", "megatron", "--dst-optim-form", "dp_reshardable")
-    assert_clean_refusal(result, 2, "--dst-optim-form dp_reshardable: applies to a torch_dist destination, not megatron")
+    assert_clean_refusal(result, 2, "--dst-optim-form dp_reshardable: applies to a torch_dist destination, "
+                                    "not megatron")
     result = _cli("convert", TP2DP2, tmp_path / "d", "--dst-format", "torch_dist", "--dst-optim-form",
                   "dp_reshardable", "--skip-optimizer")
     assert_clean_refusal(result, 2, "drop --skip-optimizer or --dst-optim-form")
@@ -185,3 +187,19 @@ def test_megatron_core_loads_the_written_dp_reshardable_state_at_dp1_and_dp2(tmp
         reference = {path.stem: torch.load(path, weights_only=True)["param"].numel()
                      for path in (tmp_path / "reference").glob("*.pt")}
         assert covered == reference  # every element loaded once over the DP ranks
+
+
+def test_a_per_rank_distributed_optimizer_goes_into_dp_reshardable_and_back(tmp_path: Path) -> None:
+    src = GOLDENS / "train_tp2dp2_distopt_bf16_torch"
+    _convert(src, tmp_path / "td", "--dst-tp", "1", "--dst-dp", "2", "--dst-optim-form", "dp_reshardable")
+    common = load_for_test(tmp_path / "td" / ITERATION / "common.pt")
+    assert common["optimizer"] == {"param_state_sharding_type": "dp_reshardable"}
+    assert common["args"].data_parallel_size == 2
+    result = _cli("convert", tmp_path / "td", tmp_path / "back", "-q", "--dst-format", "megatron", "--dst-tp", "2")
+    assert result.exit_code == 0, result.output
+    for rank_dir in ("mp_rank_00", "mp_rank_01"):
+        a, b = (torch.load(d / ITERATION / rank_dir / "distrib_optim.pt", weights_only=True)
+                for d in (src, tmp_path / "back"))
+        ((_, bufs_a),), ((_, bufs_b),) = a[0].items(), b[0].items()
+        for field in ("param", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(bufs_a[field], bufs_b[field]), f"{rank_dir}.{field}"

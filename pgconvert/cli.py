@@ -187,6 +187,9 @@ def _layout_option(name: str, help_text: str) -> Any:
 @click.option("--dst-dp", type=click.IntRange(min=1), default=None,
               help="Data-parallel size the carried optimizer state is written for (args.data_parallel_size, "
                    "world_size); distrib_optim.pt stays one per model-parallel rank, as Megatron-LM reads it.")
+@click.option("--dst-optim-form", type=click.Choice(["fully_reshardable", "dp_reshardable"]), default=None,
+              help="torch_dist DST: the distributed optimizer's form (default: a torch_dist source's own, else "
+                   "fully_reshardable); dp_reshardable is cut for --dst-dp ranks.")
 def convert_command(src: Path, dst: Path, src_format: str, dst_format: str, src_tp: int | None,
                     src_pp: int | None, dst_tp: int | None, dst_pp: int | None,
                     dst_decoder_first_pipeline_num_layers: int | None,
@@ -200,7 +203,7 @@ def convert_command(src: Path, dst: Path, src_format: str, dst_format: str, src_
                     shard_index: int | None, num_shards: int | None, strict: bool, finite_mode: str | None,
                     dry_run: bool, overwrite: bool,
                     quiet: bool, verbose: bool, keep_fp8: bool = False, skip_optimizer: bool = False,
-                    dst_dp: int | None = None) -> None:
+                    dst_dp: int | None = None, dst_optim_form: str | None = None) -> None:
     """Convert SRC into DST (the default command)."""
     _configure_logging(quiet, verbose)
     request = ConvertRequest(
@@ -220,6 +223,7 @@ def convert_command(src: Path, dst: Path, src_format: str, dst_format: str, src_
         keep_fp8=keep_fp8,
         skip_optimizer=skip_optimizer,
         dst_dp=dst_dp,
+        dst_optim_form=dst_optim_form,
     )
     try:
         shard = _shard_of_this_process(shard_index, num_shards)

@@ -86,6 +86,8 @@ class ConvertRequest:
     skip_optimizer: bool = False
     # optmoe: the data-parallel size a Megatron per-rank DST records (pgconvert.optimizer_dp).
     dst_dp: int | None = None
+    # dprw: a torch_dist DST's distributed-optimizer form (pgconvert.optimizer_torch_dist_dp).
+    dst_optim_form: str | None = None
 
 
 @dataclass

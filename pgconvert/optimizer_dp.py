@@ -9,6 +9,9 @@ coalesced buffer and padded to the new DP multiple). With one DDP bucket per buf
 therefore the same for any DP size, and N changes only ``args``: ``data_parallel_size`` and
 ``world_size`` (tp * pp * cp * N). N must fit Megatron's expert grid: tp * cp * N a multiple of
 expert_tp * ep.
+
+dprw: a torch_dist destination takes N too: its args, and the DP shards its ``dp_reshardable`` records
+are cut in (``optimizer_torch_dist_dp``).
 """
 
 from __future__ import annotations
@@ -24,8 +27,9 @@ from pgconvert.layout import ParallelLayout
 def check_dst_dp(dp: int, layout: ParallelLayout, args: argparse.Namespace | None, skip_optimizer: bool,
                  dst_format: str) -> None:
     """Refuse an N that Megatron's grid cannot run at ``layout``, or a conversion it does not apply to."""
-    if dst_format != "megatron":
-        raise ValidationError(f"--dst-dp {dp}: applies to a Megatron per-rank destination, not {dst_format}")
+    if dst_format not in ("megatron", "torch_dist"):  # dprw: torch_dist's dp_reshardable records are per DP shard
+        raise ValidationError(f"--dst-dp {dp}: applies to a Megatron per-rank destination, not {dst_format} "
+                              "(torch_dist too: the data-parallel size its dp_reshardable records are cut for)")
     if skip_optimizer:
         raise ValidationError(f"--dst-dp {dp}: sizes the carried optimizer state; drop --skip-optimizer or --dst-dp")
     if dp < 1:

@@ -33,6 +33,7 @@ from pgconvert.optimizer_map import (MEGATRON_CORE_VERSIONS, OptimizerLayoutErro
 from pgconvert.optimizer_dp import check_dst_dp, with_dst_dp
 from pgconvert.optimizer_flat import DISTRIB_OPTIM_FILE, dp_size, planned_buffers
 from pgconvert.optimizer_state import CARRIED_KEYS, FORM_DISTRIBUTED, FORM_FP16, MOMENTS, OptimizerSource
+from pgconvert.optimizer_torch_dist_dp import check_form, default_form
 from pgconvert.torchzip import PlannedTensor
 
 log = logging.getLogger(__name__)
@@ -204,6 +205,7 @@ def carry_training_state(conversion: Any, staging: Path, files: list[PlannedFile
 
     request, source = conversion.request, conversion.source
     dst_dp = getattr(request, "dst_dp", None)
+    check_form(getattr(request, "dst_optim_form", None), conversion.dst_format, request.skip_optimizer)  # dprw
     if dst_dp is not None:
         check_dst_dp(dst_dp, conversion.save_options.layout, getattr(source, "args", None), request.skip_optimizer,
                      conversion.dst_format)
@@ -241,26 +243,39 @@ def carry_training_state(conversion: Any, staging: Path, files: list[PlannedFile
     padded = target_vocab_rows(config, source.vocab_rows, options.layout)
     iteration_dir = staging / iteration_dir_name(source.iteration or 0, source.release)
     if conversion.dst_format == "torch_dist":
-        _write_torch_dist(conversion, optimizer, iteration_dir, files)
+        form = default_form(getattr(request, "dst_optim_form", None), optimizer)  # dprw
+        _write_torch_dist(conversion, optimizer, iteration_dir, files, form, dst_dp)
     else:
         rewritten = {item.relpath for item in carry_optimizer(optimizer, config, options.layout, iteration_dir,
                                                               padded, save_durably, dst_dp)}
         files[:] = [PlannedFile(f.relpath, f.tensors, f.nbytes) if f.relpath in rewritten else f for f in files]
     # opttd: a torch_dist source's "optimizer/RNG/rerun entries ... not converted": the optimizer now is
     source.notices[:] = [note for note in source.notices if "optimizer/RNG/rerun entries" not in note]
-    form = f"{optimizer.form}, fully_reshardable" if conversion.dst_format == "torch_dist" else optimizer.form
+    form = f"{optimizer.form}, {form}" if conversion.dst_format == "torch_dist" else optimizer.form
     return [f"optimizer ({form}), scheduler, iteration, floating-point operations and consumed samples "
             f"carried to {options.layout.describe()}; " + RNG_NOTICE]
 
 
 def _write_torch_dist(conversion: Any, optimizer: OptimizerSource, iteration_dir: Path,
-                      files: list[PlannedFile]) -> None:
-    """opttd: the optimizer records beside the torch_dist saver's, in the fully_reshardable form."""
+                      files: list[PlannedFile], form: str = "fully_reshardable", dst_dp: int | None = None) -> None:
+    """opttd: the optimizer records beside the torch_dist saver's, in the fully_reshardable form, or
+    (dprw) the dp_reshardable one for ``dst_dp`` (default: the written args') data-parallel ranks."""
+    from pgconvert.formats import target_config
+    from pgconvert.optimizer_torch_dist_dp import DP_RESHARDABLE, rewrite_common, write_dp_reshardable
     from pgconvert.optimizer_torch_dist_save import write_fully_reshardable
 
     chunks, _, rows = conversion.saver._chunks(conversion.source, conversion.save_options)
-    fits_rows = {name for name in optimizer.names() if optimizer._owners[name][0][1].spec.rule.fits_rows}
-    added = write_fully_reshardable(optimizer, chunks, rows, fits_rows, iteration_dir)
+    layout = conversion.save_options.layout
+    if dst_dp is not None:
+        rewrite_common(iteration_dir, lambda common: common.update(args=with_dst_dp(common.get("args"), layout,
+                                                                                     dst_dp)))
+    if form == DP_RESHARDABLE:
+        dp = dst_dp or dp_size(safe_torch_load(iteration_dir / "common.pt").get("args"))
+        config = target_config(conversion.source.config, conversion.save_options)
+        added = write_dp_reshardable(optimizer, config, layout, rows, dp, iteration_dir)
+    else:
+        fits_rows = {name for name in optimizer.names() if optimizer._owners[name][0][1].spec.rule.fits_rows}
+        added = write_fully_reshardable(optimizer, chunks, rows, fits_rows, iteration_dir)
     names = {f"{iteration_dir.name}/{name}" for name in ("common.pt", ".metadata")}
     files[:] = [PlannedFile(f.relpath, f.tensors, f.nbytes) if f.relpath.endswith(tuple(names)) else f
                 for f in files] + added

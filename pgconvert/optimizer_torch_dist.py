@@ -272,8 +272,8 @@ class TorchDistOptimizerSource(OptimizerSource):
                                             rows if rule.fits_rows else None)
 
     def param_group_settings(self, optimizer: int = 0, count: int | None = None) -> list[dict[str, Any]]:
-        """The source's one (dense) optimizer's groups without params and step; ``optimizer`` is 0 here,
-        since MoE sources are refused (``_refuse_moe``)."""
+        """The source's one (dense) optimizer's groups without params and step; ``optimizer`` is 0 here:
+        MoE optimizer state is not carried from or into torch_dist (``carry_training_state`` says so)."""
         settings = [dict(group) for group in self._settings]
         return settings if count is None else settings[:count]
 

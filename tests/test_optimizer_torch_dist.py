@@ -230,7 +230,8 @@ def test_the_report_says_the_optimizer_is_carried_and_rng_is_not(tmp_path: Path)
 @pytest.mark.parametrize("form", PRESENT)
 def test_a_torch_dist_destination_holds_the_state_fully_reshardable_at_any_layout(tmp_path: Path, form: str) -> None:
     src = GOLDEN[form]
-    result = _cli("convert", src, tmp_path / "td1", "-q", "--dst-format", "torch_dist", "--dst-tp", "1")
+    result = _cli("convert", src, tmp_path / "td1", "-q", "--dst-format", "torch_dist", "--dst-tp", "1",
+                  "--dst-optim-form", "fully_reshardable")  # dprw: the default is the source's form
     assert result.exit_code == 0, result.output
     common = load_for_test(tmp_path / "td1" / "iter_0000002" / "common.pt")
     assert common["optimizer"]["param_state_sharding_type"] == "fully_reshardable"

@@ -1,0 +1,252 @@
+"""The distributed optimizer's state written into a torch_dist destination in the ``dp_reshardable``
+form (Megatron-LM's default: ``metadata['distrib_optim_sharding_type']`` unless
+``--dist-ckpt-optim-fully-reshardable``), at the destination's TP/PP and data-parallel size.
+
+What ``DistributedOptimizer.sharded_state_dict`` / ``sharded_param_state_dp_reshardable`` save
+(megatron-core 0.16.1 and Megatron-LM d98e8a64's 0.20.0 write the same), per model-parallel rank
+``g = tp + tp_size * pp`` (``data_parallel_group_idx``):
+
+- ShardedObjects (``<key>/shard_0_1``, stored as ``torch.save([value])``):
+  ``optimizer.distributed.dp_group_idx_<g>.optimizer`` = ``{'param_groups': [...]}`` (with ``step``,
+  without ``params``), ``.per_bucket_numel`` / ``.per_bucket_numel_unpadded`` = per buffer
+  ``{(param dtype, grad dtype): [bucket numel]}``;
+- per buffer (``gbuf_idx``: model chunk) and field (``param``, ``exp_avg``, ``exp_avg_sq``, fp32) the
+  ShardedTensor ``...gbuf_idx_<i>.dtype_<(param, grad)>.bucket_idx_0.<field>`` of global shape
+  ``(numel_unpadded,)``, one chunk per parameter's part in each DP rank's shard and one per gap
+  (``flat_buffers``' 64-element alignment; the bucket is padded to ``lcm(dp, 128)``, or
+  ``lcm(dp, 128, 2**16)`` with ``ddp_pad_buckets_for_high_nccl_busbw``, and split in ``dp`` equal
+  shards; padding past ``numel_unpadded`` is not stored). megatron-core leaves gaps uninitialised
+  (``torch.empty``); they are written as zeros here.
+
+The common state holds ``optimizer = {'param_state_sharding_type': 'dp_reshardable'}`` and
+``content_metadata['distrib_optim_sharding_type']``. As for ``fully_reshardable``
+(``optimizer_torch_dist_save``), the records go to ``__1_0.distcp`` through the saver's streaming
+writer (one parameter's piece in memory at a time) and are merged into ``.metadata`` and ``common.pt``.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultSavePlanner, SavePlan
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+from pgconvert.config import ModelConfig
+from pgconvert.durable import fsync_file
+from pgconvert.errors import ValidationError
+from pgconvert.formats import PlannedFile
+from pgconvert.grid import RankCoord
+from pgconvert.layout import ParallelLayout
+from pgconvert.limits import quote
+from pgconvert.megatron_format import FRAMEWORK_PICKLE, safe_torch_load
+from pgconvert.optimizer_map import (MEGATRON_CORE_VERSIONS, FlatParam, UnsupportedOptimizerError, flat_buffers,
+                                     optimizer_count)
+from pgconvert.optimizer_state import CARRIED_KEYS
+from pgconvert.torch_dist_format import COMMON_FILE, DCP_METADATA_FILE, single_process_calls
+
+DP_RESHARDABLE = "dp_reshardable"
+FULLY_RESHARDABLE = "fully_reshardable"
+DST_FORMS = (FULLY_RESHARDABLE, DP_RESHARDABLE)
+FIELDS = ("param", "exp_avg", "exp_avg_sq")
+_VERSIONS = "megatron-core " + " / ".join(MEGATRON_CORE_VERSIONS)
+
+
+def check_form(requested: str | None, dst_format: str | None, skip_optimizer: bool) -> None:
+    """``--dst-optim-form``: one of DST_FORMS, for a torch_dist destination that carries the optimizer."""
+    if requested is None:
+        return
+    if requested not in DST_FORMS:
+        raise ValidationError(f"--dst-optim-form {quote(requested)}: must be one of {', '.join(DST_FORMS)}")
+    if dst_format != "torch_dist":
+        raise ValidationError(f"--dst-optim-form {requested}: applies to a torch_dist destination, not {dst_format}")
+    if skip_optimizer:
+        raise ValidationError(f"--dst-optim-form {requested}: chooses the carried optimizer state's form; "
+                              "drop --skip-optimizer or --dst-optim-form")
+
+
+def default_form(requested: str | None, optimizer: Any) -> str:
+    """The requested form, else a torch_dist source's own (``sharding``), else fully_reshardable."""
+    own = getattr(optimizer, "sharding", None)
+    return requested or (own if own in DST_FORMS else FULLY_RESHARDABLE)
+
+
+def bucket_divisor(dp: int, args: Any) -> int:
+    """``pad_bucket_end``'s divisor (megatron/core/optimizer/param_layout.py, param_and_grad_buffer.py)."""
+    if getattr(args, "ddp_pad_buckets_for_high_nccl_busbw", False):
+        return math.lcm(dp, 128, 2 ** 16)
+    return math.lcm(dp, 128)
+
+
+def bucket_pieces(placed: list[FlatParam], numel: int, dp: int,
+                  divisor: int) -> list[tuple[int, int, FlatParam | None]]:
+    """``(start, end, parameter or None for a gap)`` of each stored chunk of one bucket: per DP rank's shard
+    of the padded bucket, its parameters' parts and the gaps before them and before the shard's end, a gap
+    only where it starts before ``numel`` (``sharded_param_state_dp_reshardable``)."""
+    local = -(-numel // divisor) * divisor // dp
+    pieces: list[tuple[int, int, FlatParam | None]] = []
+    for rank in range(dp):
+        low, high = rank * local, (rank + 1) * local
+        inside = [(max(p.start, low), min(p.end, high), p) for p in placed if p.start < high and p.end > low]
+        if not inside:
+            raise UnsupportedOptimizerError(
+                f"data-parallel rank {rank} of {dp} holds no parameter of a {numel}-element bucket: {_VERSIONS} "
+                "cannot save that in the dp_reshardable form ('empty bucket encountered'); pass a smaller --dst-dp")
+        cursor = low
+        for start, end, param in [*inside, (high, high, None)]:
+            if start != cursor and cursor < numel:
+                pieces.append((cursor, start, None))
+            if param is not None:
+                pieces.append((start, end, param))
+            cursor = end
+    return pieces
+
+
+@dataclass(frozen=True)
+class _Record:
+    """One stored chunk: elements ``[start, end)`` of a bucket's field; ``param`` None: a gap."""
+
+    key: str
+    coord: RankCoord
+    field: str
+    start: int
+    end: int
+    numel: int
+    param: FlatParam | None
+
+    def write_item(self) -> WriteItem:
+        offsets, sizes = torch.Size([self.start]), torch.Size([self.end - self.start])
+        return WriteItem(index=MetadataIndex(self.key, offsets), type=WriteItemType.SHARD,
+                         tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes),
+                                                     properties=TensorProperties(dtype=torch.float32),
+                                                     size=torch.Size([self.numel])))
+
+
+class _Planner(DefaultSavePlanner):
+    """The records' plan; each chunk is cut from its parameter's TP piece when written."""
+
+    def __init__(self, records: list[_Record], objects: dict[str, Any], optimizer: Any, rows: int) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self._records = {(record.key, (record.start,)): record for record in records}
+        self._items = [WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO) for key in objects] + [
+            record.write_item() for record in records]
+        self._objects = objects
+        self._optimizer = optimizer
+        self._rows = rows
+        self._last: tuple[tuple[RankCoord, str, str], torch.Tensor] | None = None
+
+    def create_local_plan(self) -> SavePlan:
+        self.plan = SavePlan(self._items)
+        return self.plan
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
+        if write_item.type == WriteItemType.BYTE_IO:
+            buffer = io.BytesIO()
+            torch.save([self._objects[write_item.index.fqn]], buffer)  # megatron-core stores [ShardedObject.data]
+            buffer.seek(0)
+            return buffer
+        record = self._records[(write_item.index.fqn, tuple(write_item.index.offset))]
+        if record.param is None:
+            return torch.zeros(record.end - record.start, dtype=torch.float32)
+        flat = self._piece(record.coord, record.param, record.field)
+        return flat[record.start - record.param.start:record.end - record.param.start]
+
+    def _piece(self, coord: RankCoord, placed: FlatParam, field: str) -> torch.Tensor:
+        """The parameter's flat TP piece (a part split between DP shards is read once)."""
+        spec = placed.slot.spec
+        key = (coord, spec.canonical, field)
+        if self._last is None or self._last[0] != key:
+            self._last = None
+            rows = self._rows if spec.rule.fits_rows else None
+            piece = self._optimizer.piece(spec.canonical, field, spec.tp_size, spec.tp_rank, rows)
+            self._last = (key, piece.to(torch.float32).reshape(-1).contiguous())
+        return self._last[1]
+
+
+def _plan(optimizer: Any, config: ModelConfig, layout: ParallelLayout, rows: int, dp: int,
+          args: Any) -> tuple[list[_Record], dict[str, Any]]:
+    """Every model-parallel rank's records and objects, in megatron-core's key layout."""
+    if optimizer_count(config, layout) > 1:
+        raise UnsupportedOptimizerError(
+            f"expert parallel size {layout.ep}: the chained dense and expert optimizers' dp_reshardable records are "
+            "not written by pgconvert; pass --dst-optim-form fully_reshardable")
+    dtype = f"({optimizer.dtype_key[0]}, {optimizer.dtype_key[1]})"
+    groups = [dict(settings, step=float(optimizer.step(optimizer.names()[0])))
+              for settings in optimizer.param_group_settings()]
+    records: list[_Record] = []
+    objects: dict[str, Any] = {}
+    for pp in range(layout.pp):
+        for tp in range(layout.tp):
+            coord = RankCoord(tp=tp, pp=pp, ep=0)
+            prefix = f"optimizer.distributed.dp_group_idx_{tp + layout.tp * pp}"
+            buffers = flat_buffers(config, layout, coord, optimizer.rules, rows, args, dp)
+            divisor = bucket_divisor(dp, args)
+            objects[f"{prefix}.optimizer/shard_0_1"] = {"param_groups": groups}
+            objects[f"{prefix}.per_bucket_numel/shard_0_1"] = [
+                {optimizer.dtype_key: [-(-numel // divisor) * divisor]} for _, numel in buffers]
+            objects[f"{prefix}.per_bucket_numel_unpadded/shard_0_1"] = [
+                {optimizer.dtype_key: [numel]} for _, numel in buffers]
+            for index, (placed, numel) in enumerate(buffers):
+                pieces = bucket_pieces(placed, numel, dp, divisor)
+                records += [_Record(f"{prefix}.gbuf_idx_{index}.dtype_{dtype}.bucket_idx_0.{field}", coord, field,
+                                    start, end, numel, param) for field in FIELDS for start, end, param in pieces]
+    return records, objects
+
+
+def rewrite_common(iteration_dir: Path, update: Callable[[dict[str, Any]], None]) -> None:
+    """``common.pt`` read, changed by ``update`` and written back durably."""
+    path = iteration_dir / COMMON_FILE
+    common = dict(safe_torch_load(path))
+    update(common)
+    buffer = io.BytesIO()
+    torch.save(common, buffer, pickle_module=FRAMEWORK_PICKLE)
+    partial = path.with_name(path.name + ".optim")
+    partial.write_bytes(buffer.getbuffer())
+    fsync_file(partial)
+    os.replace(partial, path)
+
+
+def _common_update(optimizer: Any) -> Callable[[dict[str, Any]], None]:
+    def update(common: dict[str, Any]) -> None:
+        common["optimizer"] = {"param_state_sharding_type": DP_RESHARDABLE}
+        for key in CARRIED_KEYS:
+            if key in optimizer.first.extra:
+                common[key] = optimizer.first.extra[key]
+        content = dict(common.get("content_metadata") or {}, distrib_optim_sharding_type=DP_RESHARDABLE)
+        content.pop("distrib_optim_fully_reshardable_mem_efficient", None)
+        common["content_metadata"] = content
+    return update
+
+
+def write_dp_reshardable(optimizer: Any, config: ModelConfig, layout: ParallelLayout, rows: int, dp: int,
+                         iteration_dir: Path) -> list[PlannedFile]:
+    """Write the records beside the torch_dist saver's (for ``dp`` data-parallel ranks at ``layout``);
+    returns the files added."""
+    from pgconvert.optimizer_torch_dist_save import RECORDS_FILE, _merge_metadata
+    from pgconvert.savers.torch_dist import _StreamingWriter
+
+    args = safe_torch_load(iteration_dir / COMMON_FILE).get("args")
+    records, objects = _plan(optimizer, config, layout, rows, dp, args)
+    staging = iteration_dir / ".optimizer_records"
+    staging.mkdir()
+    try:
+        writer = _StreamingWriter(staging)
+        with single_process_calls():
+            dcp.save({}, storage_writer=writer, planner=_Planner(records, objects, optimizer, rows), no_dist=True)
+        os.replace(staging / "__0_0.distcp", iteration_dir / RECORDS_FILE)
+        _merge_metadata(iteration_dir, staging / DCP_METADATA_FILE)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    rewrite_common(iteration_dir, _common_update(optimizer))
+    nbytes = sum(4 * (record.end - record.start) for record in records)
+    return [PlannedFile(f"{iteration_dir.name}/{RECORDS_FILE}", len(records) + len(objects), nbytes,
+                        sha256=writer.sha256, size=writer.size)]

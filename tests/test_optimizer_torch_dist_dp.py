@@ -1,0 +1,205 @@
+"""dprw: the distributed optimizer written into a torch_dist destination in megatron-core's
+``dp_reshardable`` form (Megatron-LM's default), checked record by record against Megatron-LM's own
+goldens (tests/data/megatron_lm/README.md) as torch's DCP reader reads them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from click.testing import CliRunner, Result
+
+from cli_helpers import assert_clean_refusal
+from megatron_fixtures import load_for_test
+from pgconvert.cli import main
+from pgconvert.errors import ValidationError
+from pgconvert.formats import LoadOptions
+from pgconvert.registry import get_loader
+from pgconvert.torch_dist_format import read_dcp_metadata
+
+GOLDENS = Path(__file__).parent / "data" / "megatron_lm"
+TP2DP2 = GOLDENS / "train_tp2dp2_distopt_dp_reshardable_torch_dist"
+TP2PP2 = GOLDENS / "train_tp2pp2_distopt_dp_reshardable_torch_dist"
+FULLY = GOLDENS / "train_tp2dp2_distopt_fully_reshardable_torch_dist"
+# Each golden's own layout as pgconvert options (the DP size is its args.data_parallel_size).
+OWN_LAYOUT = {TP2DP2: ("--dst-tp", "2", "--dst-pp", "1", "--dst-dp", "2"),
+              TP2PP2: ("--dst-tp", "2", "--dst-pp", "2", "--dst-dp", "1")}
+ITERATION = "iter_0000002"
+
+
+def _cli(*args: str | Path) -> Result:
+    return CliRunner().invoke(main, [str(arg) for arg in args], prog_name="pgconvert")
+
+
+def _convert(src: Path, dst: Path, *options: str) -> None:
+    result = _cli("convert", src, dst, "-q", "--dst-format", "torch_dist", *options)
+    assert result.exit_code == 0, result.output
+
+
+def _optimizer_entries(iteration_dir: Path) -> dict:
+    return {key: md for key, md in read_dcp_metadata(iteration_dir / ".metadata").state_dict_metadata.items()
+            if key.startswith("optimizer.")}
+
+
+def _torch_read(iteration_dir: Path, keys: list[str]) -> dict[str, torch.Tensor]:
+    """Whole global tensors read by torch's own DCP reader (not pgconvert's)."""
+    entries = _optimizer_entries(iteration_dir)
+    wanted = {key: torch.empty(entries[key].size, dtype=entries[key].properties.dtype) for key in keys}
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.load(wanted, checkpoint_id=str(iteration_dir), no_dist=True)
+    return wanted
+
+
+def _parameter_mask(golden: Path) -> dict[str, torch.Tensor]:
+    """Per flat record, True where a parameter lies (megatron-core leaves the gaps uninitialised), from
+    the ranges the reader derives (checked against the model weights when the source opens)."""
+    from pgconvert.optimizer_torch_dist import TorchDistOptimizerSource
+
+    source = get_loader("torch_dist").open(golden, LoadOptions())
+    optimizer = TorchDistOptimizerSource(source)
+    masks = {}
+    for coord, buffers in optimizer._flat.items():
+        for chunk, (placed, numel) in enumerate(buffers):
+            mask = torch.zeros(numel, dtype=torch.bool)
+            for item in placed:
+                mask[item.start:item.end] = True
+            for field in ("param", "exp_avg", "exp_avg_sq"):
+                masks[optimizer.bucket_key(coord, chunk, field)] = mask
+    source.close()
+    return masks
+
+
+def _objects(checkpoint: Path, keys: list[str]) -> dict:
+    source = get_loader("torch_dist").open(checkpoint, LoadOptions())
+    try:
+        return source.read_objects(keys)
+    finally:
+        source.close()
+
+
+def _assert_records_equal(golden: Path, written: Path) -> None:
+    """The same optimizer keys, global shapes, dtypes and chunks (offsets, sizes) as the golden; the same
+    objects; every element equal (torch.equal) where a parameter lies, and zeros in the gaps."""
+    expected, actual = _optimizer_entries(golden / ITERATION), _optimizer_entries(written / ITERATION)
+    assert sorted(actual) == sorted(expected)
+    tensors = [key for key, md in expected.items() if hasattr(md, "chunks")]
+    ranks = len({key.split(".")[2] for key in expected})  # dp_group_idx_<g>: one per model-parallel rank
+    assert ranks >= 2 and len(tensors) == 3 * ranks and len(expected) - len(tensors) == 3 * ranks
+    for key in tensors:
+        assert actual[key].size == expected[key].size and actual[key].properties.dtype == torch.float32, key
+        chunks = [sorted((tuple(c.offsets), tuple(c.sizes)) for c in entry[key].chunks) for entry in (expected, actual)]
+        assert chunks[0] == chunks[1], key
+    masks = _parameter_mask(golden)
+    ours, theirs = _torch_read(written / ITERATION, tensors), _torch_read(golden / ITERATION, tensors)
+    for key in tensors:
+        mask = masks[key]
+        assert mask.any() and not mask.all(), key
+        assert torch.equal(ours[key][mask], theirs[key][mask]), key
+        assert torch.equal(ours[key][~mask], torch.zeros(int((~mask).sum()))), key
+    objects = [key for key in expected if key not in tensors]
+    assert _objects(written, objects) == _objects(golden, objects)
+
+
+@pytest.mark.parametrize("golden", [TP2DP2, TP2PP2], ids=["tp2dp2", "tp2pp2"])
+def test_the_goldens_own_layout_is_written_as_megatron_core_writes_it(tmp_path: Path, golden: Path) -> None:
+    _convert(golden, tmp_path / "out", *OWN_LAYOUT[golden])  # default form: the source's
+    _assert_records_equal(golden, tmp_path / "out")
+    common = load_for_test(tmp_path / "out" / ITERATION / "common.pt")
+    reference = get_loader("torch_dist").open(golden, LoadOptions())
+    expected = {"param_state_sharding_type": "dp_reshardable"}
+    assert common["optimizer"] == reference.common_state["optimizer"] == expected
+    assert common["content_metadata"] == reference.common_state["content_metadata"]
+    assert common["args"].data_parallel_size == reference.megatron_args.data_parallel_size
+    assert common["iteration"] == 2 and common["opt_param_scheduler"] == reference.common_state["opt_param_scheduler"]
+    reference.close()
+
+
+@pytest.mark.parametrize("golden", [TP2DP2, TP2PP2], ids=["tp2dp2", "tp2pp2"])
+def test_tp1_dp_reshardable_and_back_is_bit_exact(tmp_path: Path, golden: Path) -> None:
+    _convert(golden, tmp_path / "tp1", "--dst-tp", "1", "--dst-pp", "1", "--dst-optim-form", "dp_reshardable")
+    common = load_for_test(tmp_path / "tp1" / ITERATION / "common.pt")
+    assert common["optimizer"]["param_state_sharding_type"] == "dp_reshardable"
+    keys = _optimizer_entries(tmp_path / "tp1" / ITERATION)
+    assert {key.split(".")[2] for key in keys} == {"dp_group_idx_0"}  # one model-parallel rank
+    _convert(tmp_path / "tp1", tmp_path / "back", *OWN_LAYOUT[golden])
+    _assert_records_equal(golden, tmp_path / "back")
+
+
+def test_a_fully_reshardable_run_written_dp_reshardable_equals_megatron_cores_dp_reshardable(tmp_path: Path) -> None:
+    # The same seeded run saved by Megatron-LM in both forms: converting one into the other's form
+    # gives the other's records.
+    _convert(FULLY, tmp_path / "default", "--dst-tp", "1")
+    assert load_for_test(tmp_path / "default" / ITERATION / "common.pt")["optimizer"][
+        "param_state_sharding_type"] == "fully_reshardable"
+    _convert(FULLY, tmp_path / "dp", *OWN_LAYOUT[TP2DP2], "--dst-optim-form", "dp_reshardable")
+    _assert_records_equal(TP2DP2, tmp_path / "dp")
+
+
+def test_an_invalid_form_or_use_is_a_named_error(tmp_path: Path) -> None:
+    import pgconvert
+
+    result = _cli("convert", TP2DP2, tmp_path / "a", "--dst-format", "torch_dist", "--dst-optim-form", "bucket_space")
+    assert_clean_refusal(result, 2, "--dst-optim-form", "bucket_space", "fully_reshardable", "dp_reshardable")
+    with pytest.raises(ValidationError, match="--dst-optim-form 'bucket_space': must be one of fully_reshardable, "
+                                              "dp_reshardable"):
+        pgconvert.convert(TP2DP2, tmp_path / "b", dst_format="torch_dist", dst_optim_form="bucket_space")
+    result = _cli("convert", TP2DP2, tmp_path / "c", "--dst-format", "megatron", "--dst-optim-form", "dp_reshardable")
+    assert_clean_refusal(result, 2, "--dst-optim-form dp_reshardable: applies to a torch_dist destination, "
+                                    "not megatron")
+    result = _cli("convert", TP2DP2, tmp_path / "d", "--dst-format", "torch_dist", "--dst-optim-form",
+                  "dp_reshardable", "--skip-optimizer")
+    assert_clean_refusal(result, 2, "drop --skip-optimizer or --dst-optim-form")
+    # megatron-core cannot save a DP shard that holds no parameter ("empty bucket encountered")
+    result = _cli("convert", TP2DP2, tmp_path / "e", "--dst-format", "torch_dist", "--dst-dp", "64")
+    assert_clean_refusal(result, 2, "data-parallel rank 63 of 64 holds no parameter", "empty bucket encountered")
+    assert not any((tmp_path / name).exists() for name in "abcde")
+
+
+def test_megatron_core_loads_the_written_dp_reshardable_state_at_dp1_and_dp2(tmp_path: Path) -> None:
+    """megatron-core's DistributedOptimizer (0.16.1, gloo processes on the CPU) loads pgconvert's TP1
+    dp_reshardable records with dist_checkpointing.load, as Megatron-LM's load_checkpoint does, and
+    holds exactly the golden's per-parameter state, whole at DP1 and sliced over two DP ranks."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("megatron.core", reason="megatron-core's own load is the check")
+    _convert(TP2DP2, tmp_path / "tp1", "--dst-tp", "1", "--dst-optim-form", "dp_reshardable")
+    result = _cli("export-optimizer", TP2DP2, tmp_path / "reference")
+    assert result.exit_code == 0, result.output
+    script = Path(__file__).parent / "mcore_dp_reshardable_load.py"
+    for dp in (1, 2):
+        out = tmp_path / f"dp{dp}"
+        subprocess.run([sys.executable, str(script), str(tmp_path / "tp1" / ITERATION), str(out), str(dp)],
+                       check=True, timeout=600)
+        covered: dict[str, int] = {}
+        for rank in range(dp):
+            result = torch.load(out / f"rank{rank}.pt", weights_only=True)
+            assert result["group_steps"] == [2.0, 2.0]  # the param groups' step, from the .optimizer object
+            loaded = result["loaded"]
+            for name, (offset, tensors) in loaded.items():
+                expected = torch.load(tmp_path / "reference" / f"{name}.pt", weights_only=True)
+                for key in ("param", "exp_avg", "exp_avg_sq"):
+                    whole = expected[key].reshape(-1)
+                    assert torch.equal(tensors[key], whole[offset:offset + tensors[key].numel()]), f"{name}.{key}"
+                covered[name] = covered.get(name, 0) + tensors["param"].numel()
+        reference = {path.stem: torch.load(path, weights_only=True)["param"].numel()
+                     for path in (tmp_path / "reference").glob("*.pt")}
+        assert covered == reference  # every element loaded once over the DP ranks
+
+
+def test_a_per_rank_distributed_optimizer_goes_into_dp_reshardable_and_back(tmp_path: Path) -> None:
+    src = GOLDENS / "train_tp2dp2_distopt_bf16_torch"
+    _convert(src, tmp_path / "td", "--dst-tp", "1", "--dst-dp", "2", "--dst-optim-form", "dp_reshardable")
+    common = load_for_test(tmp_path / "td" / ITERATION / "common.pt")
+    assert common["optimizer"] == {"param_state_sharding_type": "dp_reshardable"}
+    assert common["args"].data_parallel_size == 2
+    result = _cli("convert", tmp_path / "td", tmp_path / "back", "-q", "--dst-format", "megatron", "--dst-tp", "2")
+    assert result.exit_code == 0, result.output
+    for rank_dir in ("mp_rank_00", "mp_rank_01"):
+        a, b = (torch.load(d / ITERATION / rank_dir / "distrib_optim.pt", weights_only=True)
+                for d in (src, tmp_path / "back"))
+        ((_, bufs_a),), ((_, bufs_b),) = a[0].items(), b[0].items()
+        for field in ("param", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(bufs_a[field], bufs_b[field]), f"{rank_dir}.{field}"

@@ -66,3 +66,16 @@ def tp_swiglu(models: Ranks, key: str, h: torch.Tensor) -> torch.Tensor:
         gate, up = (h @ model[key + "linear_fc1.weight"].T).chunk(2, dim=-1)
         out += (F.silu(gate) * up) @ model[key + "linear_fc2.weight"].T
     return out
+
+
+def rank_qkv(model: dict[str, torch.Tensor], prefix: str, h: torch.Tensor, per_group: int,
+             head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One rank's column-parallel fused QKV, bias included: its query groups, each ``[its q heads,
+    its k head, its v head]``, as q ``[batch, seq, q heads, head_dim]`` and k, v ``[batch, seq, groups, head_dim]``."""
+    batch, seq, _ = h.shape
+    qkv = h @ model[prefix + "self_attention.linear_qkv.weight"].T
+    if prefix + "self_attention.linear_qkv.bias" in model:
+        qkv = qkv + model[prefix + "self_attention.linear_qkv.bias"]
+    qkv = qkv.view(batch, seq, -1, per_group + 2, head_dim)
+    q = qkv[..., :per_group, :].reshape(batch, seq, -1, head_dim)
+    return q, qkv[..., per_group, :], qkv[..., per_group + 1, :]

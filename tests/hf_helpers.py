@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from family_helpers import seeded_model, tp_swiglu, vocab_parallel_embedding
+from family_helpers import rank_qkv, seeded_model, tp_swiglu, vocab_parallel_embedding
 from safetensors.torch import load_file, save_file
 from transformers import (
     LlamaConfig,
@@ -285,7 +285,6 @@ def megatron_tp_logits(models: list[dict[str, torch.Tensor]], hf_config: dict[st
     vocab = hf_config["vocab_size"]
     qk_norm = hf_config["architectures"][0] in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
     per_group = heads // groups
-    local_groups = groups // tp
     batch, seq = ids.shape
 
     # Vocab-parallel embedding: rank r holds rows [r*rows, (r+1)*rows) of the padded table; the
@@ -304,13 +303,7 @@ def megatron_tp_logits(models: list[dict[str, torch.Tensor]], hf_config: dict[st
         h = _rms_norm(x, _layer_norm_weight(models, prefix, "input_layernorm.weight"), eps)
         attention = torch.zeros_like(x)
         for model in models:
-            qkv = h @ model[prefix + "self_attention.linear_qkv.weight"].T
-            if prefix + "self_attention.linear_qkv.bias" in model:
-                qkv = qkv + model[prefix + "self_attention.linear_qkv.bias"]
-            # This rank's query groups, each [its q heads, its k head, its v head].
-            qkv = qkv.view(batch, seq, local_groups, per_group + 2, head_dim)
-            q = qkv[..., :per_group, :].reshape(batch, seq, local_groups * per_group, head_dim)
-            k, v = qkv[..., per_group, :], qkv[..., per_group + 1, :]
+            q, k, v = rank_qkv(model, prefix, h, per_group, head_dim)
             if qk_norm:
                 q = _rms_norm(q, _replicated(models, prefix + "self_attention.q_layernorm.weight"), eps)
                 k = _rms_norm(k, _replicated(models, prefix + "self_attention.k_layernorm.weight"), eps)

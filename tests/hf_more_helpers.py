@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from family_helpers import save_with_side_files, seeded_model, tp_swiglu, vocab_parallel_embedding
+from family_helpers import rank_qkv, save_with_side_files, seeded_model, tp_swiglu, vocab_parallel_embedding
 from hf_helpers import _load_rank, _replicated, _rms_norm, _rotate_half
 from hf_side_helpers import BOS, EOS, PAD
 from transformers import PreTrainedModel
@@ -110,17 +110,12 @@ def _per_layer(value: Any, layers: int, default: int) -> list[int]:
 def _attention(models: list[dict[str, torch.Tensor]], prefix: str, h: torch.Tensor, args: argparse.Namespace,
                rope: tuple[torch.Tensor, torch.Tensor] | None, mask: torch.Tensor) -> torch.Tensor:
     heads, groups, head_dim = args.num_attention_heads, args.num_query_groups, args.kv_channels
-    per_group, local_groups = heads // groups, groups // len(models)
+    per_group = heads // groups
     batch, seq, _ = h.shape
     scale = args.softmax_scale if getattr(args, "softmax_scale", None) is not None else 1 / math.sqrt(head_dim)
     out = torch.zeros_like(h)
     for model in models:
-        qkv = h @ model[prefix + "self_attention.linear_qkv.weight"].T
-        if prefix + "self_attention.linear_qkv.bias" in model:
-            qkv = qkv + model[prefix + "self_attention.linear_qkv.bias"]
-        qkv = qkv.view(batch, seq, local_groups, per_group + 2, head_dim)
-        q = qkv[..., :per_group, :].reshape(batch, seq, local_groups * per_group, head_dim).transpose(1, 2)
-        k, v = (qkv[..., per_group + i, :].transpose(1, 2) for i in (0, 1))
+        q, k, v = (t.transpose(1, 2) for t in rank_qkv(model, prefix, h, per_group, head_dim))
         if rope is not None:
             q, k = _apply_rope(q, rope), _apply_rope(k, rope)
         k, v = (t.repeat_interleave(per_group, dim=1) for t in (k, v))

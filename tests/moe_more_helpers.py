@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from family_helpers import save_with_side_files, seeded_model, tp_swiglu, vocab_parallel_embedding
+from family_helpers import rank_qkv, save_with_side_files, seeded_model, tp_swiglu, vocab_parallel_embedding
 from hf_helpers import _layer_norm_weight, _replicated, _rms_norm, _rotate_half
 from hf_side_helpers import BOS, EOS, PAD
 from transformers import (
@@ -78,7 +78,7 @@ def _attention(models: list[dict[str, torch.Tensor]], prefix: str, h: torch.Tens
     ``window`` (a query sees itself and window - 1 keys before), per-head sinks where the rank holds them."""
     batch, seq, _ = h.shape
     heads, groups, head_dim = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
-    per_group, local_groups = heads // groups, groups // len(models)
+    per_group = heads // groups
     params = c["rope_parameters"]
     cos, sin, rotary = _rope(seq, head_dim, params.get("partial_rotary_factor", 1.0), params["rope_theta"])
     causal = torch.ones(seq, seq, dtype=torch.bool).tril()
@@ -86,12 +86,7 @@ def _attention(models: list[dict[str, torch.Tensor]], prefix: str, h: torch.Tens
         causal &= ~torch.ones(seq, seq, dtype=torch.bool).tril(-window)
     out = torch.zeros_like(h)
     for model in models:
-        qkv = h @ model[prefix + "self_attention.linear_qkv.weight"].T
-        if prefix + "self_attention.linear_qkv.bias" in model:
-            qkv = qkv + model[prefix + "self_attention.linear_qkv.bias"]
-        qkv = qkv.view(batch, seq, local_groups, per_group + 2, head_dim)
-        q = qkv[..., :per_group, :].reshape(batch, seq, local_groups * per_group, head_dim)
-        k, v = qkv[..., per_group, :], qkv[..., per_group + 1, :]
+        q, k, v = rank_qkv(model, prefix, h, per_group, head_dim)
         if c.get("use_qk_norm"):
             q = _rms_norm(q, _replicated(models, prefix + "self_attention.q_layernorm.weight"), c["rms_norm_eps"])
             k = _rms_norm(k, _replicated(models, prefix + "self_attention.k_layernorm.weight"), c["rms_norm_eps"])

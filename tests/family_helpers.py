@@ -79,3 +79,21 @@ def rank_qkv(model: dict[str, torch.Tensor], prefix: str, h: torch.Tensor, per_g
     qkv = qkv.view(batch, seq, -1, per_group + 2, head_dim)
     q = qkv[..., :per_group, :].reshape(batch, seq, -1, head_dim)
     return q, qkv[..., per_group, :], qkv[..., per_group + 1, :]
+
+
+def routed_experts(models: Ranks, prefix: str, h: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor,
+                   experts: int, mlp: Callable[[Ranks, str, torch.Tensor], torch.Tensor] = tp_swiglu) -> torch.Tensor:
+    """The routed experts' sum: each token's weight for an expert (zero where it was not among
+    ``chosen``) times that expert's TP-split ``mlp`` (``….mlp.experts.local_experts.{e}.``)."""
+    out = torch.zeros_like(h)
+    for expert in range(experts):
+        weight = (weights * (chosen == expert)).sum(dim=-1, keepdim=True)
+        out += weight * mlp(models, f"{prefix}mlp.experts.local_experts.{expert}.", h)
+    return out
+
+
+def vocab_parallel_logits(models: Ranks, x: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Each rank's vocab rows of the output layer (or of the tied embedding) applied to ``x``,
+    gathered over the vocab and cut to the true ``vocab``."""
+    key = "output_layer.weight" if "output_layer.weight" in models[0] else "embedding.word_embeddings.weight"
+    return torch.cat([x @ model[key].T for model in models], dim=-1)[..., :vocab]

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from family_helpers import rank_qkv, seeded_model, tp_swiglu, vocab_parallel_embedding
+from family_helpers import rank_qkv, routed_experts, seeded_model, vocab_parallel_embedding, vocab_parallel_logits
 from safetensors.torch import load_file, save_file
 from transformers import (
     LlamaConfig,
@@ -265,11 +265,7 @@ def _moe_mlp(models: list[dict[str, torch.Tensor]], prefix: str, h: torch.Tensor
     top, chosen = probs.topk(hf_config["num_experts_per_tok"], dim=-1)
     if hf_config.get("norm_topk_prob", True):
         top = top / top.sum(dim=-1, keepdim=True)
-    out = torch.zeros_like(h)
-    for expert in range(experts):
-        weight = (top * (chosen == expert)).sum(dim=-1, keepdim=True)
-        out += weight * tp_swiglu(models, f"{prefix}mlp.experts.local_experts.{expert}.", h)
-    return out
+    return routed_experts(models, prefix, h, top, chosen, experts)
 
 
 def megatron_tp_logits(models: list[dict[str, torch.Tensor]], hf_config: dict[str, Any],
@@ -337,9 +333,7 @@ def megatron_tp_logits(models: list[dict[str, torch.Tensor]], hf_config: dict[st
         x = x + mlp
 
     x = _rms_norm(x, _replicated(models, "decoder.final_layernorm.weight"), eps)
-    output_key = "output_layer.weight" if "output_layer.weight" in models[0] else "embedding.word_embeddings.weight"
-    logits = torch.cat([x @ model[output_key].T for model in models], dim=-1)  # gather over vocab
-    return logits[..., :vocab]
+    return vocab_parallel_logits(models, x, vocab)
 
 
 def assert_same_hf_tensors(expected_dir: Path, actual_dir: Path) -> None:

@@ -16,7 +16,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from family_helpers import rank_qkv, save_with_side_files, seeded_model, tp_swiglu, vocab_parallel_embedding
+from family_helpers import (
+    rank_qkv,
+    routed_experts,
+    save_with_side_files,
+    seeded_model,
+    tp_swiglu,
+    vocab_parallel_embedding,
+    vocab_parallel_logits,
+)
 from hf_helpers import _load_rank, _replicated, _rms_norm, _rotate_half
 from hf_side_helpers import BOS, EOS, PAD
 from transformers import PreTrainedModel
@@ -143,10 +151,7 @@ def _moe(models: list[dict[str, torch.Tensor]], prefix: str, h: torch.Tensor, ar
     else:
         top, chosen = logits.topk(args.moe_router_topk, dim=-1)
         top = top.softmax(-1)
-    out = torch.zeros_like(h)
-    for expert in range(args.num_experts):
-        weight = (top * (chosen == expert)).sum(-1, keepdim=True)
-        out += weight * tp_swiglu(models, f"{prefix}mlp.experts.local_experts.{expert}.", h)
+    out = routed_experts(models, prefix, h, top, chosen, args.num_experts)
     if getattr(args, "moe_shared_expert_intermediate_size", None):
         shared = tp_swiglu(models, prefix + "mlp.shared_experts.", h)
         if getattr(args, "moe_shared_expert_gate", False):
@@ -211,6 +216,4 @@ def reference_logits(models: list[dict[str, torch.Tensor]], args: argparse.Names
             else tp_swiglu(models, prefix + "mlp.", h)
         x = x + residual * mlp
     x = _rms_norm(x, _replicated(models, "decoder.final_layernorm.weight"), eps)
-    output_key = "output_layer.weight" if "output_layer.weight" in models[0] else "embedding.word_embeddings.weight"
-    logits = torch.cat([x @ model[output_key].T for model in models], dim=-1)
-    return logits[..., :args.vocab_size] / (getattr(args, "logits_scaling", 1.0) or 1.0)
+    return vocab_parallel_logits(models, x, args.vocab_size) / (getattr(args, "logits_scaling", 1.0) or 1.0)

@@ -14,7 +14,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from family_helpers import rank_qkv, save_with_side_files, seeded_model, tp_swiglu, vocab_parallel_embedding
+from family_helpers import (
+    rank_qkv,
+    routed_experts,
+    save_with_side_files,
+    seeded_model,
+    tp_swiglu,
+    vocab_parallel_embedding,
+    vocab_parallel_logits,
+)
 from hf_helpers import _layer_norm_weight, _replicated, _rms_norm, _rotate_half
 from hf_side_helpers import BOS, EOS, PAD
 from transformers import (
@@ -125,11 +133,8 @@ def _sigmoid_moe(models: list[dict[str, torch.Tensor]], prefix: str, h: torch.Te
     chosen = (scores + bias).topk(c["num_experts_per_tok"], dim=-1).indices
     weights = scores.gather(-1, chosen)
     weights = weights / weights.sum(dim=-1, keepdim=True) * c["routed_scaling_factor"]
-    out = tp_swiglu(models, prefix + "mlp.shared_experts.", h)
-    for expert in range(experts):
-        weight = (weights * (chosen == expert)).sum(dim=-1, keepdim=True)
-        out += weight * tp_swiglu(models, f"{prefix}mlp.experts.local_experts.{expert}.", h)
-    return out
+    return tp_swiglu(models, prefix + "mlp.shared_experts.", h) + routed_experts(models, prefix, h, weights, chosen,
+                                                                                   experts)
 
 
 def glm4_moe_tp_logits(models: list[dict[str, torch.Tensor]], c: dict[str, Any], ids: torch.Tensor) -> torch.Tensor:
@@ -144,8 +149,7 @@ def glm4_moe_tp_logits(models: list[dict[str, torch.Tensor]], c: dict[str, Any],
         moe = prefix + "mlp.router.weight" in models[0]
         x = x + (_sigmoid_moe(models, prefix, h, c) if moe else tp_swiglu(models, prefix + "mlp.", h))
     x = _rms_norm(x, _replicated(models, "decoder.final_layernorm.weight"), eps)
-    logits = torch.cat([x @ model["output_layer.weight"].T for model in models], dim=-1)
-    return logits[..., :vocab]
+    return vocab_parallel_logits(models, x, vocab)
 
 
 # --- GPT-OSS -----------------------------------------------------------------------------------------
@@ -182,12 +186,8 @@ def _softmax_top_k_moe(models: list[dict[str, torch.Tensor]], prefix: str, h: to
     logits = h @ _replicated(models, prefix + "mlp.router.weight").T + _replicated(models, prefix + "mlp.router.bias")
     top, chosen = logits.topk(c["num_experts_per_tok"], dim=-1)
     weights = top.softmax(dim=-1)
-    out = torch.zeros_like(h)
-    for expert in range(c["num_local_experts"]):
-        weight = (weights * (chosen == expert)).sum(dim=-1, keepdim=True)
-        out += weight * _clamped_glu(models, f"{prefix}mlp.experts.local_experts.{expert}.", h,
-                                     c["swiglu_limit"], c["swiglu_alpha"])
-    return out
+    return routed_experts(models, prefix, h, weights, chosen, c["num_local_experts"],
+                          lambda ranks, key, x: _clamped_glu(ranks, key, x, c["swiglu_limit"], c["swiglu_alpha"]))
 
 
 def gpt_oss_tp_logits(models: list[dict[str, torch.Tensor]], c: dict[str, Any], ids: torch.Tensor) -> torch.Tensor:
@@ -202,4 +202,4 @@ def gpt_oss_tp_logits(models: list[dict[str, torch.Tensor]], c: dict[str, Any], 
         h = _rms_norm(x, _layer_norm_weight(models, prefix, "pre_mlp_layernorm.weight"), eps)
         x = x + _softmax_top_k_moe(models, prefix, h, c)
     x = _rms_norm(x, _replicated(models, "decoder.final_layernorm.weight"), eps)
-    return torch.cat([x @ model["output_layer.weight"].T for model in models], dim=-1)[..., :vocab]
+    return vocab_parallel_logits(models, x, vocab)

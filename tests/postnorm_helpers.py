@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from family_helpers import save_with_side_files, seeded_model, vocab_parallel_embedding
+from family_helpers import save_with_side_files, seeded_model, vocab_parallel_embedding, vocab_parallel_logits
 from hf_side_helpers import BOS, EOS, PAD
 from transformers import (
     Gemma2Config,
@@ -269,7 +269,6 @@ def postnorm_tp_logits(models: Ranks, hf: dict[str, Any], ids: torch.Tensor) -> 
         mlp = _mlp(models, p, _norm(models, p + "pre_mlp_layernorm.weight", x, hf), hf)
         x = x + _norm(models, p + "mlp.linear_fc2.post_layernorm.weight", mlp, hf)
     x = _norm(models, "decoder.final_layernorm.weight", x, hf)
-    output = "output_layer.weight" if "output_layer.weight" in models[0] else "embedding.word_embeddings.weight"
-    logits = torch.cat([x @ model[output].T for model in models], dim=-1)[..., : hf["vocab_size"]]
+    logits = vocab_parallel_logits(models, x, hf["vocab_size"])
     cap = hf.get("final_logit_softcapping")
     return logits if cap is None else torch.tanh(logits / cap) * cap

@@ -16,15 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from family_helpers import (
-    rank_qkv,
-    routed_experts,
-    save_with_side_files,
-    seeded_model,
-    tp_swiglu,
-    vocab_parallel_embedding,
-    vocab_parallel_logits,
-)
+from family_helpers import rank_qkv, routed_experts, save_with_side_files, seeded_model, tp_swiglu
+from family_helpers import vocab_parallel_embedding, vocab_parallel_logits
 from hf_helpers import _load_rank, _replicated, _rms_norm, _rotate_half
 from hf_side_helpers import BOS, EOS, PAD
 from transformers import PreTrainedModel

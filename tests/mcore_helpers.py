@@ -178,10 +178,12 @@ class RankLayout:
 # fields beyond a dense Llama that pgconvert writes for the HF families megatron-core can run
 # (windows, NoPE layers, attention sinks, GPT-OSS's clamped GLU, partial/interleaved RoPE, MoE with
 # shared experts and sigmoid/grouped routing); each is copied when the args hold it, as megatron-LM
-# does, so a setting the writer drops or misnames changes megatron-core's logits.
+# does, so a setting the writer drops or misnames changes megatron-core's logits. Not copied:
+# ``layernorm_zero_centered_gamma``, which the local spec's torch norm refuses (torch_norm.py:26);
+# tests/test_semantics.py loads ``1 + gamma`` into the plain norm instead.
 COPIED_CONFIG_FIELDS = (
     "softmax_scale", "window_size", "window_attn_skip_freq", "no_rope_freq", "rotary_interleaved", "softmax_type",
-    "glu_linear_offset", "activation_func_clamp_value", "layernorm_zero_centered_gamma", "moe_ffn_hidden_size",
+    "glu_linear_offset", "activation_func_clamp_value", "moe_ffn_hidden_size",
     "moe_layer_freq", "moe_router_topk", "moe_router_score_function", "moe_router_pre_softmax",
     "moe_router_enable_expert_bias", "moe_router_num_groups", "moe_router_group_topk",
     "moe_router_topk_scaling_factor", "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",

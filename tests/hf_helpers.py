@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from family_helpers import rank_qkv, routed_experts, seeded_model, vocab_parallel_embedding, vocab_parallel_logits
 from safetensors.torch import load_file, save_file
 from transformers import (
     LlamaConfig,
@@ -98,22 +99,12 @@ TOKENIZER_CONTENT: dict[str, str] = {
 def build_hf_model(name: str, seed: int = 0, **overrides: Any) -> PreTrainedModel:
     """A tiny fp32 model of family ``name``: every parameter seeded, norms near one (not all ones)."""
     config_class, model_class, kwargs = FAMILY_MODELS[name]
-    config = config_class(**{**kwargs, **overrides})
-    torch.manual_seed(seed)
-    model = model_class(config).to(torch.float32).eval()
-    generator = torch.Generator().manual_seed(1000 + seed)
-    with torch.no_grad():
-        for param_name, param in sorted(model.named_parameters()):
-            module_name = param_name.rsplit(".", 1)[0]
-            noise = torch.randn(param.shape, generator=generator)
-            if module_name.endswith("norm") and param_name.endswith("weight"):
-                param.copy_(1.0 + 0.1 * noise)
-            elif ROUTER_PARAMETERS.fullmatch(param_name):
-                # Well-separated router logits: fp32 and fp64 forward passes pick the same experts.
-                param.copy_(noise)
-            else:
-                param.copy_(0.05 * noise)
-    return model
+    def value(param_name: str, noise: torch.Tensor) -> torch.Tensor:
+        if param_name.rsplit(".", 1)[0].endswith("norm") and param_name.endswith("weight"):
+            return 1.0 + 0.1 * noise
+        # Well-separated router logits: fp32 and fp64 forward passes pick the same experts.
+        return noise if ROUTER_PARAMETERS.fullmatch(param_name) else 0.05 * noise
+    return seeded_model(model_class, config_class(**{**kwargs, **overrides}), seed, value)[0]
 
 
 def save_hf_model(model: PreTrainedModel, path: Path, max_shard_size: str = "100KB",
@@ -274,14 +265,7 @@ def _moe_mlp(models: list[dict[str, torch.Tensor]], prefix: str, h: torch.Tensor
     top, chosen = probs.topk(hf_config["num_experts_per_tok"], dim=-1)
     if hf_config.get("norm_topk_prob", True):
         top = top / top.sum(dim=-1, keepdim=True)
-    out = torch.zeros_like(h)
-    for expert in range(experts):
-        weight = (top * (chosen == expert)).sum(dim=-1, keepdim=True)
-        key = f"{prefix}mlp.experts.local_experts.{expert}."
-        for model in models:
-            gate, up = (h @ model[key + "linear_fc1.weight"].T).chunk(2, dim=-1)
-            out += weight * ((torch.nn.functional.silu(gate) * up) @ model[key + "linear_fc2.weight"].T)
-    return out
+    return routed_experts(models, prefix, h, top, chosen, experts)
 
 
 def megatron_tp_logits(models: list[dict[str, torch.Tensor]], hf_config: dict[str, Any],
@@ -297,19 +281,13 @@ def megatron_tp_logits(models: list[dict[str, torch.Tensor]], hf_config: dict[st
     vocab = hf_config["vocab_size"]
     qk_norm = hf_config["architectures"][0] in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
     per_group = heads // groups
-    local_groups = groups // tp
     batch, seq = ids.shape
 
     # Vocab-parallel embedding: rank r holds rows [r*rows, (r+1)*rows) of the padded table; the
     # other ranks contribute zeros and the all-reduce sums them.
     rows = models[0]["embedding.word_embeddings.weight"].shape[0]
     assert rows * tp > vocab, "the Megatron table should be padded beyond the true vocab"
-    x = torch.zeros(batch, seq, hidden, dtype=torch.float64)
-    for tp_rank, model in enumerate(models):
-        local = ids - tp_rank * rows
-        inside = (local >= 0) & (local < rows)
-        rows_here = model["embedding.word_embeddings.weight"][local.clamp(0, rows - 1)]
-        x += torch.where(inside[..., None], rows_here, torch.zeros_like(rows_here))
+    x = vocab_parallel_embedding(models, ids)
 
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     freqs = torch.arange(seq, dtype=torch.float64)[:, None] * inv_freq[None, :]
@@ -321,13 +299,7 @@ def megatron_tp_logits(models: list[dict[str, torch.Tensor]], hf_config: dict[st
         h = _rms_norm(x, _layer_norm_weight(models, prefix, "input_layernorm.weight"), eps)
         attention = torch.zeros_like(x)
         for model in models:
-            qkv = h @ model[prefix + "self_attention.linear_qkv.weight"].T
-            if prefix + "self_attention.linear_qkv.bias" in model:
-                qkv = qkv + model[prefix + "self_attention.linear_qkv.bias"]
-            # This rank's query groups, each [its q heads, its k head, its v head].
-            qkv = qkv.view(batch, seq, local_groups, per_group + 2, head_dim)
-            q = qkv[..., :per_group, :].reshape(batch, seq, local_groups * per_group, head_dim)
-            k, v = qkv[..., per_group, :], qkv[..., per_group + 1, :]
+            q, k, v = rank_qkv(model, prefix, h, per_group, head_dim)
             if qk_norm:
                 q = _rms_norm(q, _replicated(models, prefix + "self_attention.q_layernorm.weight"), eps)
                 k = _rms_norm(k, _replicated(models, prefix + "self_attention.k_layernorm.weight"), eps)
@@ -361,9 +333,7 @@ def megatron_tp_logits(models: list[dict[str, torch.Tensor]], hf_config: dict[st
         x = x + mlp
 
     x = _rms_norm(x, _replicated(models, "decoder.final_layernorm.weight"), eps)
-    output_key = "output_layer.weight" if "output_layer.weight" in models[0] else "embedding.word_embeddings.weight"
-    logits = torch.cat([x @ model[output_key].T for model in models], dim=-1)  # gather over vocab
-    return logits[..., :vocab]
+    return vocab_parallel_logits(models, x, vocab)
 
 
 def assert_same_hf_tensors(expected_dir: Path, actual_dir: Path) -> None:

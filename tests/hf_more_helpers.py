@@ -16,10 +16,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
+from family_helpers import rank_qkv, routed_experts, save_with_side_files, seeded_model, tp_swiglu
+from family_helpers import vocab_parallel_embedding, vocab_parallel_logits
 from hf_helpers import _load_rank, _replicated, _rms_norm, _rotate_half
-from hf_side_helpers import BOS, EOS, PAD, build_tokenizer
-from transformers import GenerationConfig, PreTrainedModel
+from hf_side_helpers import BOS, EOS, PAD
+from transformers import PreTrainedModel
 
 MODEL_VOCAB = 300  # not a multiple of 128; the tokenizer's 256 tokens are its first rows
 _COMMON: dict[str, Any] = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
@@ -67,31 +68,20 @@ MOE_FAMILIES = ("qwen2_moe",)
 def build_model(name: str, seed: int = 0, **overrides: Any) -> PreTrainedModel:
     """A tiny fp32 model: every parameter seeded, norms near one, routers well separated."""
     config_class, model_class, kwargs = family_configs()[name]
-    torch.manual_seed(seed)
-    model = model_class(config_class(**{**kwargs, **overrides})).to(torch.float32).eval()
-    generator = torch.Generator().manual_seed(1000 + seed)
-    with torch.no_grad():
-        for param_name, param in sorted(model.named_parameters()):
-            noise = torch.randn(param.shape, generator=generator)
-            module = param_name.rsplit(".", 1)[0]
-            if module.endswith("norm"):
-                param.copy_(1.0 + 0.1 * noise)
-            elif module.endswith("mlp.gate"):
-                param.copy_(noise)
-            elif module.endswith("shared_expert_gate"):
-                param.copy_(0.5 * noise)
-            else:
-                param.copy_(0.05 * noise)
-    return model
+
+    def value(param_name: str, noise: torch.Tensor) -> torch.Tensor:
+        module = param_name.rsplit(".", 1)[0]
+        if module.endswith("norm"):
+            return 1.0 + 0.1 * noise
+        if module.endswith("mlp.gate"):
+            return noise
+        return (0.5 if module.endswith("shared_expert_gate") else 0.05) * noise
+    return seeded_model(model_class, config_class(**{**kwargs, **overrides}), seed, value)[0]
 
 
 def save_model(model: PreTrainedModel, path: Path) -> Path:
     """save_pretrained in small shards, with a generation config, a tokenizer and a chat template."""
-    model.generation_config = GenerationConfig(bos_token_id=BOS, eos_token_id=[EOS, PAD], pad_token_id=PAD,
-                                               do_sample=True, temperature=0.6, top_p=0.9, max_new_tokens=32)
-    model.save_pretrained(path, max_shard_size="100KB")
-    build_tokenizer().save_pretrained(path)
-    return path
+    return save_with_side_files(model, path)
 
 
 def input_ids(batch: int = 2, seq: int = 12, seed: int = 7) -> torch.Tensor:
@@ -118,32 +108,15 @@ def _per_layer(value: Any, layers: int, default: int) -> list[int]:
     return list(value)
 
 
-def _embed(models: list[dict[str, torch.Tensor]], ids: torch.Tensor, hidden: int) -> torch.Tensor:
-    """Vocab-parallel embedding: each rank contributes its rows, the all-reduce sums them."""
-    rows = models[0]["embedding.word_embeddings.weight"].shape[0]
-    x = torch.zeros(*ids.shape, hidden, dtype=torch.float64)
-    for tp_rank, model in enumerate(models):
-        local = ids - tp_rank * rows
-        inside = (local >= 0) & (local < rows)
-        here = model["embedding.word_embeddings.weight"][local.clamp(0, rows - 1)]
-        x += torch.where(inside[..., None], here, torch.zeros_like(here))
-    return x
-
-
 def _attention(models: list[dict[str, torch.Tensor]], prefix: str, h: torch.Tensor, args: argparse.Namespace,
                rope: tuple[torch.Tensor, torch.Tensor] | None, mask: torch.Tensor) -> torch.Tensor:
     heads, groups, head_dim = args.num_attention_heads, args.num_query_groups, args.kv_channels
-    per_group, local_groups = heads // groups, groups // len(models)
+    per_group = heads // groups
     batch, seq, _ = h.shape
     scale = args.softmax_scale if getattr(args, "softmax_scale", None) is not None else 1 / math.sqrt(head_dim)
     out = torch.zeros_like(h)
     for model in models:
-        qkv = h @ model[prefix + "self_attention.linear_qkv.weight"].T
-        if prefix + "self_attention.linear_qkv.bias" in model:
-            qkv = qkv + model[prefix + "self_attention.linear_qkv.bias"]
-        qkv = qkv.view(batch, seq, local_groups, per_group + 2, head_dim)
-        q = qkv[..., :per_group, :].reshape(batch, seq, local_groups * per_group, head_dim).transpose(1, 2)
-        k, v = (qkv[..., per_group + i, :].transpose(1, 2) for i in (0, 1))
+        q, k, v = (t.transpose(1, 2) for t in rank_qkv(model, prefix, h, per_group, head_dim))
         if rope is not None:
             q, k = _apply_rope(q, rope), _apply_rope(k, rope)
         k, v = (t.repeat_interleave(per_group, dim=1) for t in (k, v))
@@ -161,15 +134,6 @@ def _apply_rope(t: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> tor
     return torch.cat([rotated * cos + _rotate_half(rotated) * sin, rest], dim=-1)
 
 
-def _swiglu(models: list[dict[str, torch.Tensor]], key: str, h: torch.Tensor) -> torch.Tensor:
-    """A column/row-parallel SwiGLU MLP under ``key`` (``….mlp.``, ``….shared_experts.``, an expert)."""
-    out = torch.zeros_like(h)
-    for model in models:
-        gate, up = (h @ model[key + "linear_fc1.weight"].T).chunk(2, dim=-1)
-        out += (F.silu(gate) * up) @ model[key + "linear_fc2.weight"].T
-    return out
-
-
 def _moe(models: list[dict[str, torch.Tensor]], prefix: str, h: torch.Tensor, args: argparse.Namespace) -> torch.Tensor:
     """megatron-core's router: softmax then top-k (pre-softmax) or top-k then softmax over the k,
     plus the shared expert, scaled by sigmoid(gate_weight · h) when it has a gate."""
@@ -180,12 +144,9 @@ def _moe(models: list[dict[str, torch.Tensor]], prefix: str, h: torch.Tensor, ar
     else:
         top, chosen = logits.topk(args.moe_router_topk, dim=-1)
         top = top.softmax(-1)
-    out = torch.zeros_like(h)
-    for expert in range(args.num_experts):
-        weight = (top * (chosen == expert)).sum(-1, keepdim=True)
-        out += weight * _swiglu(models, f"{prefix}mlp.experts.local_experts.{expert}.", h)
+    out = routed_experts(models, prefix, h, top, chosen, args.num_experts)
     if getattr(args, "moe_shared_expert_intermediate_size", None):
-        shared = _swiglu(models, prefix + "mlp.shared_experts.", h)
+        shared = tp_swiglu(models, prefix + "mlp.shared_experts.", h)
         if getattr(args, "moe_shared_expert_gate", False):
             shared = shared * torch.sigmoid(h @ _replicated(models, prefix + "mlp.shared_experts.gate_weight").T)
         out += shared
@@ -238,16 +199,14 @@ def reference_logits(models: list[dict[str, torch.Tensor]], args: argparse.Names
     no_rope = _per_layer(getattr(args, "no_rope_freq", None), args.num_layers, 0)
     masks = _masks(args, seq)
     residual = getattr(args, "residual_multiplier", 1.0) or 1.0
-    x = _embed(models, ids, args.hidden_size) * (getattr(args, "embedding_multiplier", 1.0) or 1.0)
+    x = vocab_parallel_embedding(models, ids) * (getattr(args, "embedding_multiplier", 1.0) or 1.0)
     for layer in range(args.num_layers):
         prefix = f"decoder.layers.{layer}."
         h = _rms_norm(x, _replicated(models, prefix + "input_layernorm.weight"), eps)
         x = x + residual * _attention(models, prefix, h, args, None if no_rope[layer] else rope, masks[layer])
         h = _rms_norm(x, _replicated(models, prefix + "pre_mlp_layernorm.weight"), eps)
         mlp = _moe(models, prefix, h, args) if prefix + "mlp.router.weight" in models[0] \
-            else _swiglu(models, prefix + "mlp.", h)
+            else tp_swiglu(models, prefix + "mlp.", h)
         x = x + residual * mlp
     x = _rms_norm(x, _replicated(models, "decoder.final_layernorm.weight"), eps)
-    output_key = "output_layer.weight" if "output_layer.weight" in models[0] else "embedding.word_embeddings.weight"
-    logits = torch.cat([x @ model[output_key].T for model in models], dim=-1)
-    return logits[..., :args.vocab_size] / (getattr(args, "logits_scaling", 1.0) or 1.0)
+    return vocab_parallel_logits(models, x, args.vocab_size) / (getattr(args, "logits_scaling", 1.0) or 1.0)

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import GlobalMemoryBuffer
@@ -173,18 +173,60 @@ class RankLayout:
         return self.pp_rank == self.pp - 1
 
 
+# megatron-LM's ``core_transformer_config_from_args`` (megatron/training/argument_utils.py:277,
+# d98e8a64) first copies every TransformerConfig field that ``args`` has, by name. These are the
+# fields beyond a dense Llama that pgconvert writes for the HF families megatron-core can run
+# (windows, NoPE layers, attention sinks, GPT-OSS's clamped GLU, partial/interleaved RoPE, MoE with
+# shared experts and sigmoid/grouped routing); each is copied when the args hold it, as megatron-LM
+# does, so a setting the writer drops or misnames changes megatron-core's logits. Not copied:
+# ``layernorm_zero_centered_gamma``, which the local spec's torch norm refuses (torch_norm.py:26);
+# tests/test_semantics.py loads ``1 + gamma`` into the plain norm instead.
+COPIED_CONFIG_FIELDS = (
+    "softmax_scale", "window_size", "window_attn_skip_freq", "no_rope_freq", "rotary_interleaved", "softmax_type",
+    "glu_linear_offset", "activation_func_clamp_value", "moe_ffn_hidden_size",
+    "moe_layer_freq", "moe_router_topk", "moe_router_score_function", "moe_router_pre_softmax",
+    "moe_router_enable_expert_bias", "moe_router_num_groups", "moe_router_group_topk",
+    "moe_router_topk_scaling_factor", "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
+    "moe_grouped_gemm",
+)
+
+
+def _copied_fields(args: argparse.Namespace) -> dict[str, Any]:
+    fields = {name: getattr(args, name) for name in COPIED_CONFIG_FIELDS if hasattr(args, name)}
+    if getattr(args, "num_experts", None):
+        # Forward only: the load-balancing loss is a training term that changes no logit, and the
+        # allgather dispatcher is the one that needs no expert-parallel collective at EP1.
+        fields.update(num_moe_experts=args.num_experts, moe_token_dispatcher_type="allgather",
+                      moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none")
+    return fields
+
+
+def _activation(args: argparse.Namespace) -> tuple[Any, bool]:
+    """megatron-LM's choice: --swiglu is gated SiLU, --quick-geglu gated quick-GELU, else GELU."""
+    if args.swiglu:
+        return F.silu, True
+    if getattr(args, "quick_geglu", False):
+        from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+        return quick_gelu, True
+    return F.gelu, False
+
+
 def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
     """What megatron-LM's ``core_transformer_config_from_args`` (0.16.1) makes of these args.
 
-    Only the fields a dense GPT uses; anything else keeps megatron-core's default. For a CPU fp32
-    run the fused kernels (CUDA/apex only) are off and dropout is 0 so forward is deterministic.
+    The dense-GPT fields, plus ``COPIED_CONFIG_FIELDS`` where the args hold them; anything else
+    keeps megatron-core's default. For a CPU fp32 run the fused kernels (CUDA/apex only) are off and
+    dropout is 0 so forward is deterministic.
     """
     if getattr(args, "transformer_impl", "local") != "local":
         raise ValueError(
             f"args.transformer_impl={args.transformer_impl!r}: only the local spec builds without Transformer Engine"
         )
     epsilon = getattr(args, "layernorm_epsilon", None) or getattr(args, "norm_epsilon", None) or 1e-5
-    return TransformerConfig(
+    activation_func, gated = _activation(args)
+    config = TransformerConfig(
+        **_copied_fields(args),
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads,
@@ -192,8 +234,8 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
         num_query_groups=args.num_query_groups if args.group_query_attention else None,
         kv_channels=args.kv_channels,
         ffn_hidden_size=args.ffn_hidden_size,
-        gated_linear_unit=args.swiglu,
-        activation_func=F.silu if args.swiglu else F.gelu,
+        gated_linear_unit=gated,
+        activation_func=activation_func,
         normalization=args.normalization,
         layernorm_epsilon=epsilon,
         add_bias_linear=args.add_bias_linear,
@@ -218,14 +260,47 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
     )
+    _set_yarn_attributes(config, args)
+    return config
+
+
+# megatron-LM's _apply_yarn_config_from_args (argument_utils.py:384): GPTModel's 'yarn' branch reads
+# these as dynamic config attributes with no default, mapped from the args of these names.
+YARN_ATTRIBUTES = {
+    "yarn_rotary_scaling_factor": ("rotary_scaling_factor", 1.0),
+    "yarn_original_max_position_embeddings": ("yarn_original_max_position_embeddings", 4096),
+    "yarn_beta_fast": ("yarn_beta_fast", 32.0),
+    "yarn_beta_slow": ("yarn_beta_slow", 1.0),
+    "yarn_mscale": ("mscale", 1.0),
+    "yarn_mscale_all_dim": ("mscale_all_dim", 0.0),
+    "yarn_correction_range_round_to_int": ("yarn_correction_range_round_to_int", True),
+}
+
+
+def _set_yarn_attributes(config: TransformerConfig, args: argparse.Namespace) -> None:
+    if getattr(args, "position_embedding_type", None) != "yarn":
+        return
+    for attribute, (arg_name, default) in YARN_ATTRIBUTES.items():
+        value = getattr(args, arg_name, None)
+        setattr(config, attribute, default if value is None else value)
 
 
 def build_gpt_model(args: argparse.Namespace, layout: RankLayout) -> GPTModel:
     """megatron-core's GPTModel for one rank, built from ``args`` the way megatron-LM's ``gpt_builder``
     builds it: local layer spec, ``padded_vocab_size`` rows, the stage's pre/post process and layers."""
     config = transformer_config_from_args(args)
-    spec = get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization)
-    with fake_group_queries(), restored_attention_backend_env():
+    groups = fake_pg_collection(layout.tp, layout.pp, layout.tp_rank, layout.pp_rank)
+    if config.num_moe_experts:
+        # megatron-LM's gpt_builder: with --num-experts, megatron-core's decoder block spec (dense
+        # and MoE layers by moe_layer_freq; shared experts, their gate and the router from config).
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=args.normalization,
+                                          qk_l2_norm=False, vp_stage=None, pp_rank=layout.pp_rank)
+        add_expert_groups(groups, args)
+    else:
+        spec = get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization)
+    # cpu_forward_patches: the router's expert-bias buffers and the attention-sink offsets are
+    # allocated on ``torch.cuda.current_device()`` at construction.
+    with fake_group_queries(), restored_attention_backend_env(), cpu_forward_patches():
         model = GPTModel(
             config=config,
             transformer_layer_spec=spec,
@@ -235,10 +310,23 @@ def build_gpt_model(args: argparse.Namespace, layout: RankLayout) -> GPTModel:
             post_process=layout.is_last_stage,
             share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
             position_embedding_type=args.position_embedding_type,
+            # gpt_builder passes these three (not rotary_seq_len_interpolation_factor).
+            rotary_percent=getattr(args, "rotary_percent", 1.0),
             rotary_base=args.rotary_base,
-            pg_collection=fake_pg_collection(layout.tp, layout.pp, layout.tp_rank, layout.pp_rank),
+            rope_scaling=getattr(args, "use_rope_scaling", False),
+            pg_collection=groups,
         )
     return model.eval()
+
+
+def add_expert_groups(groups: ProcessGroupCollection, args: argparse.Namespace) -> None:
+    """The expert-side groups a MoE layer reads, as fake groups of one (EP1, expert TP1 only)."""
+    ep = getattr(args, "expert_model_parallel_size", 1)
+    expert_tp = getattr(args, "expert_tensor_parallel_size", None) or 1
+    if (ep, expert_tp, args.tensor_model_parallel_size) != (1, 1, 1):
+        raise ValueError(f"ep={ep}, expert tp={expert_tp}: megatron-core's MoE forward on CPU needs TP1/EP1")
+    for name in ("ep", "expt_tp", "expt_dp", "tp_ep", "tp_cp", "dp", "dp_cp", "tp_ep_pp", "tp_dp_cp"):
+        setattr(groups, name, McoreFakeGroup(name, 1, 0))
 
 
 def global_layer_indices(model: GPTModel) -> list[int]:
@@ -323,7 +411,14 @@ def load_rank_into_gpt_model(rank: RankFile) -> GPTModel:
 #    added" until ``model_parallel_cuda_manual_seed`` (CUDA) has run. Dropout is 0 here, so a tracker
 #    whose ``fork()`` does nothing changes no value (megatron-core's own inference tracker does the same).
 #
-# A fourth CUDA dependency needs no patch: with ``attention_mask=None`` the causal softmax builds its
+# 4. ``fused_softmax.get_sliding_window_causal_mask``: a windowed layer's softmax builds its mask there
+#    with a hard-coded ``device="cuda"`` (megatron/core/transformer/utils.py:38) and ignores the mask
+#    it is given; the stand-in builds the same [sq, skv] mask (True = may not attend) on the CPU.
+# 5. ``moe_utils.te_general_gemm``: the router's gating linear tests ``te_general_gemm is not None``,
+#    a name only bound when Transformer Engine imports; without it the name is bound to None (and
+#    unbound again afterwards), which selects megatron-core's own ``torch.mm`` path.
+#
+# A sixth CUDA dependency needs no patch: with ``attention_mask=None`` the causal softmax builds its
 # mask in ``get_default_causal_mask`` with a hard-coded ``device="cuda"``, so the forward passes the
 # mask megatron-LM's ``get_ltor_masks_and_position_ids`` builds, as training does.
 
@@ -333,23 +428,42 @@ class _NoRngTracker:
         return contextlib.nullcontext()
 
 
+def _cpu_sliding_window_causal_mask(sq: int, skv: int, window_size: tuple[int, int]) -> torch.Tensor:
+    """True where query i may not see key j: outside ``[i - left, i + right]`` (keys end-aligned)."""
+    query = torch.arange(sq)[:, None] + (skv - sq)
+    key = torch.arange(skv)[None, :]
+    return (key < query - window_size[0]) | (key > query + window_size[1])
+
+
+_UNBOUND = object()
+
+
 @contextmanager
 def cpu_forward_patches() -> Iterator[None]:
     """While active, megatron-core's local-spec GPTModel forward runs on a CPU-only torch."""
+    import megatron.core.fusions.fused_softmax as fused_softmax
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
     private_buffer = GlobalMemoryBuffer()
     swaps: list[tuple[object, str, object]] = [
         (torch.cuda, "current_device", lambda: torch.device("cpu")),
         (parallel_state, "get_global_memory_buffer", lambda: private_buffer),
         (mcore_tensor_parallel, "get_cuda_rng_tracker", lambda *args, **kwargs: _NoRngTracker()),
+        (fused_softmax, "get_sliding_window_causal_mask", _cpu_sliding_window_causal_mask),
     ]
-    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in swaps]
+    if not hasattr(moe_utils, "te_general_gemm"):
+        swaps.append((moe_utils, "te_general_gemm", None))
+    originals = [(owner, name, getattr(owner, name, _UNBOUND)) for owner, name, _ in swaps]
     try:
         for owner, name, replacement in swaps:
             setattr(owner, name, replacement)
         yield
     finally:
         for owner, name, original in reversed(originals):
-            setattr(owner, name, original)
+            if original is _UNBOUND:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
 
 
 def causal_attention_mask(seq: int) -> torch.Tensor:
@@ -364,9 +478,19 @@ def megatron_core_logits(root: Path, m: TinyModel, tokens: torch.Tensor) -> torc
     stage's output handed to the next through ``set_input_tensor`` as megatron's pipeline schedule does.
     Padding rows of the vocab are cut off, so the result compares with any client's logits.
     """
+    return padded_megatron_core_logits(rank_files(root), tokens)[..., : m.vocab_size]
+
+
+def megatron_core_logits_from_args(root: Path, tokens: torch.Tensor) -> torch.Tensor:
+    """``megatron_core_logits`` for a checkpoint written from HF: the true vocab is ``args.vocab_size``."""
     ranks = rank_files(root)
+    return padded_megatron_core_logits(ranks, tokens)[..., : ranks[0].args.vocab_size]
+
+
+def padded_megatron_core_logits(ranks: list[RankFile], tokens: torch.Tensor) -> torch.Tensor:
+    """megatron-core's forward over a TP1 checkpoint's rank files, stage by stage: ``[batch, seq, padded vocab]``."""
     if ranks[0].layout.tp != 1:
-        raise ValueError(f"{root}: tp={ranks[0].layout.tp}; megatron-core forward on CPU needs tp=1")
+        raise ValueError(f"{ranks[0].path}: tp={ranks[0].layout.tp}; megatron-core forward on CPU needs tp=1")
     batch, seq = tokens.shape
     positions = torch.arange(seq).unsqueeze(0).expand(batch, seq)
     hidden: torch.Tensor | None = None
@@ -377,7 +501,7 @@ def megatron_core_logits(root: Path, m: TinyModel, tokens: torch.Tensor) -> torc
                 model.set_input_tensor(hidden)
             hidden = model(input_ids=tokens, position_ids=positions, attention_mask=causal_attention_mask(seq))
     assert hidden is not None
-    return hidden[..., : m.vocab_size]
+    return hidden
 
 
 # --------------------------------------------------------------------------- reference

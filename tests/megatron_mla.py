@@ -99,8 +99,7 @@ def build_mla_gpt_model(args: argparse.Namespace) -> Any:
     for layer in spec.layer_specs:
         layer.submodules.self_attention.submodules.core_attention = CausalAttention
     groups = mcore.fake_pg_collection(1, 1, 0, 0)
-    for name in ("ep", "expt_tp", "expt_dp", "tp_ep", "tp_cp", "dp", "dp_cp", "tp_ep_pp", "tp_dp_cp"):
-        setattr(groups, name, mcore.McoreFakeGroup(name, 1, 0))
+    mcore.add_expert_groups(groups, args)
     return GPTModel(
         config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings, pre_process=True, post_process=True,

@@ -14,10 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from family_helpers import rank_qkv, routed_experts, save_with_side_files, seeded_model, tp_swiglu
+from family_helpers import vocab_parallel_embedding, vocab_parallel_logits
 from hf_helpers import _layer_norm_weight, _replicated, _rms_norm, _rotate_half
-from hf_side_helpers import BOS, EOS, PAD, build_tokenizer
+from hf_side_helpers import BOS, EOS, PAD
 from transformers import (
-    GenerationConfig,
     Glm4MoeConfig,
     Glm4MoeForCausalLM,
     GptOssConfig,
@@ -42,18 +43,12 @@ SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json
 def build_glm4_moe(seed: int = 0, **overrides: Any) -> PreTrainedModel:
     """The tiny fp32 model: parameters seeded (norms near one, routers well separated) and the
     e_score_correction_bias buffers too, large enough to change which experts are chosen."""
-    torch.manual_seed(seed)
-    model = Glm4MoeForCausalLM(Glm4MoeConfig(**{**GLM4_MOE_KWARGS, **overrides})).to(torch.float32).eval()
-    generator = torch.Generator().manual_seed(1000 + seed)
+    def value(name: str, noise: torch.Tensor) -> torch.Tensor:
+        if "norm" in name.rsplit(".", 2)[-2]:
+            return 1.0 + 0.1 * noise
+        return noise if name.endswith(".gate.weight") else 0.05 * noise
+    model, generator = seeded_model(Glm4MoeForCausalLM, Glm4MoeConfig(**{**GLM4_MOE_KWARGS, **overrides}), seed, value)
     with torch.no_grad():
-        for name, param in sorted(model.named_parameters()):
-            noise = torch.randn(param.shape, generator=generator)
-            if "norm" in name.rsplit(".", 2)[-2]:
-                param.copy_(1.0 + 0.1 * noise)
-            elif name.endswith(".gate.weight"):
-                param.copy_(noise)
-            else:
-                param.copy_(0.05 * noise)
         for name, buffer in sorted(model.named_buffers()):
             if name.endswith("e_score_correction_bias"):
                 buffer.copy_(0.5 * torch.randn(buffer.shape, generator=generator))
@@ -62,15 +57,7 @@ def build_glm4_moe(seed: int = 0, **overrides: Any) -> PreTrainedModel:
 
 def save_glm4_moe(path: Path, seed: int = 0, **overrides: Any) -> Path:
     """A complete tiny release: weights in small shards, generation config, tokenizer, chat template."""
-    return _save_release(build_glm4_moe(seed, **overrides), path)
-
-
-def _save_release(model: PreTrainedModel, path: Path) -> Path:
-    model.generation_config = GenerationConfig(bos_token_id=BOS, eos_token_id=[EOS, PAD], pad_token_id=PAD,
-                                               do_sample=True, temperature=0.6, top_p=0.9, max_new_tokens=32)
-    model.save_pretrained(path, max_shard_size="100KB")
-    build_tokenizer().save_pretrained(path)
-    return path
+    return save_with_side_files(build_glm4_moe(seed, **overrides), path)
 
 
 def _rope(seq: int, head_dim: int, partial: float, theta: float) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -92,7 +79,7 @@ def _attention(models: list[dict[str, torch.Tensor]], prefix: str, h: torch.Tens
     ``window`` (a query sees itself and window - 1 keys before), per-head sinks where the rank holds them."""
     batch, seq, _ = h.shape
     heads, groups, head_dim = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
-    per_group, local_groups = heads // groups, groups // len(models)
+    per_group = heads // groups
     params = c["rope_parameters"]
     cos, sin, rotary = _rope(seq, head_dim, params.get("partial_rotary_factor", 1.0), params["rope_theta"])
     causal = torch.ones(seq, seq, dtype=torch.bool).tril()
@@ -100,12 +87,7 @@ def _attention(models: list[dict[str, torch.Tensor]], prefix: str, h: torch.Tens
         causal &= ~torch.ones(seq, seq, dtype=torch.bool).tril(-window)
     out = torch.zeros_like(h)
     for model in models:
-        qkv = h @ model[prefix + "self_attention.linear_qkv.weight"].T
-        if prefix + "self_attention.linear_qkv.bias" in model:
-            qkv = qkv + model[prefix + "self_attention.linear_qkv.bias"]
-        qkv = qkv.view(batch, seq, local_groups, per_group + 2, head_dim)
-        q = qkv[..., :per_group, :].reshape(batch, seq, local_groups * per_group, head_dim)
-        k, v = qkv[..., per_group, :], qkv[..., per_group + 1, :]
+        q, k, v = rank_qkv(model, prefix, h, per_group, head_dim)
         if c.get("use_qk_norm"):
             q = _rms_norm(q, _replicated(models, prefix + "self_attention.q_layernorm.weight"), c["rms_norm_eps"])
             k = _rms_norm(k, _replicated(models, prefix + "self_attention.k_layernorm.weight"), c["rms_norm_eps"])
@@ -121,15 +103,6 @@ def _attention(models: list[dict[str, torch.Tensor]], prefix: str, h: torch.Tens
             scores = scores.softmax(-1)
         out += (scores @ v).transpose(1, 2).reshape(batch, seq, -1) @ model[
             prefix + "self_attention.linear_proj.weight"].T
-    return out
-
-
-def _swiglu(models: list[dict[str, torch.Tensor]], key: str, h: torch.Tensor) -> torch.Tensor:
-    """A TP-split SwiGLU MLP at ``key`` (``…linear_fc1.weight`` = each rank's [gate_r; up_r])."""
-    out = torch.zeros_like(h)
-    for model in models:
-        gate, up = (h @ model[key + "linear_fc1.weight"].T).chunk(2, dim=-1)
-        out += (torch.nn.functional.silu(gate) * up) @ model[key + "linear_fc2.weight"].T
     return out
 
 
@@ -153,39 +126,23 @@ def _sigmoid_moe(models: list[dict[str, torch.Tensor]], prefix: str, h: torch.Te
     chosen = (scores + bias).topk(c["num_experts_per_tok"], dim=-1).indices
     weights = scores.gather(-1, chosen)
     weights = weights / weights.sum(dim=-1, keepdim=True) * c["routed_scaling_factor"]
-    out = _swiglu(models, prefix + "mlp.shared_experts.", h)
-    for expert in range(experts):
-        weight = (weights * (chosen == expert)).sum(dim=-1, keepdim=True)
-        out += weight * _swiglu(models, f"{prefix}mlp.experts.local_experts.{expert}.", h)
-    return out
-
-
-def _embed(models: list[dict[str, torch.Tensor]], ids: torch.Tensor, hidden: int) -> torch.Tensor:
-    """Vocab-parallel embedding: each rank's rows, zeros elsewhere, summed."""
-    rows = models[0]["embedding.word_embeddings.weight"].shape[0]
-    x = torch.zeros(*ids.shape, hidden, dtype=torch.float64)
-    for tp_rank, model in enumerate(models):
-        local = ids - tp_rank * rows
-        inside = (local >= 0) & (local < rows)
-        here = model["embedding.word_embeddings.weight"][local.clamp(0, rows - 1)]
-        x += torch.where(inside[..., None], here, torch.zeros_like(here))
-    return x
+    return tp_swiglu(models, prefix + "mlp.shared_experts.", h) + routed_experts(models, prefix, h, weights, chosen,
+                                                                                   experts)
 
 
 def glm4_moe_tp_logits(models: list[dict[str, torch.Tensor]], c: dict[str, Any], ids: torch.Tensor) -> torch.Tensor:
     """Logits from TP rank dicts (float64), all-reduces done as sums, vocab-parallel embedding and output."""
     vocab, eps = c["vocab_size"], c["rms_norm_eps"]
-    x = _embed(models, ids, c["hidden_size"])
+    x = vocab_parallel_embedding(models, ids)
     for layer in range(c["num_hidden_layers"]):
         prefix = f"decoder.layers.{layer}."
         x = x + _attention(models, prefix, _rms_norm(x, _layer_norm_weight(models, prefix, "input_layernorm.weight"),
                                                      eps), c)
         h = _rms_norm(x, _layer_norm_weight(models, prefix, "pre_mlp_layernorm.weight"), eps)
         moe = prefix + "mlp.router.weight" in models[0]
-        x = x + (_sigmoid_moe(models, prefix, h, c) if moe else _swiglu(models, prefix + "mlp.", h))
+        x = x + (_sigmoid_moe(models, prefix, h, c) if moe else tp_swiglu(models, prefix + "mlp.", h))
     x = _rms_norm(x, _replicated(models, "decoder.final_layernorm.weight"), eps)
-    logits = torch.cat([x @ model["output_layer.weight"].T for model in models], dim=-1)
-    return logits[..., :vocab]
+    return vocab_parallel_logits(models, x, vocab)
 
 
 # --- GPT-OSS -----------------------------------------------------------------------------------------
@@ -204,23 +161,17 @@ GPT_OSS_KWARGS: dict[str, Any] = dict(
 
 def build_gpt_oss(seed: int = 0, **overrides: Any) -> PreTrainedModel:
     """The tiny fp32 model: norms near one, routers and sinks unit-scale, everything else small."""
-    torch.manual_seed(seed)
-    model = GptOssForCausalLM(GptOssConfig(**{**GPT_OSS_KWARGS, **overrides})).to(torch.float32).eval()
-    generator = torch.Generator().manual_seed(1000 + seed)
-    with torch.no_grad():
-        for name, param in sorted(model.named_parameters()):
-            noise = torch.randn(param.shape, generator=generator)
-            if "norm" in name.rsplit(".", 2)[-2]:
-                param.copy_(1.0 + 0.1 * noise)
-            elif name.endswith(("router.weight", "sinks")):
-                param.copy_(noise)
-            else:
-                param.copy_(0.2 * noise if "experts" in name else 0.05 * noise)
-    return model
+    def value(name: str, noise: torch.Tensor) -> torch.Tensor:
+        if "norm" in name.rsplit(".", 2)[-2]:
+            return 1.0 + 0.1 * noise
+        if name.endswith(("router.weight", "sinks")):
+            return noise
+        return 0.2 * noise if "experts" in name else 0.05 * noise
+    return seeded_model(GptOssForCausalLM, GptOssConfig(**{**GPT_OSS_KWARGS, **overrides}), seed, value)[0]
 
 
 def save_gpt_oss(path: Path, seed: int = 0, **overrides: Any) -> Path:
-    return _save_release(build_gpt_oss(seed, **overrides), path)
+    return save_with_side_files(build_gpt_oss(seed, **overrides), path)
 
 
 def _softmax_top_k_moe(models: list[dict[str, torch.Tensor]], prefix: str, h: torch.Tensor,
@@ -228,18 +179,14 @@ def _softmax_top_k_moe(models: list[dict[str, torch.Tensor]], prefix: str, h: to
     logits = h @ _replicated(models, prefix + "mlp.router.weight").T + _replicated(models, prefix + "mlp.router.bias")
     top, chosen = logits.topk(c["num_experts_per_tok"], dim=-1)
     weights = top.softmax(dim=-1)
-    out = torch.zeros_like(h)
-    for expert in range(c["num_local_experts"]):
-        weight = (weights * (chosen == expert)).sum(dim=-1, keepdim=True)
-        out += weight * _clamped_glu(models, f"{prefix}mlp.experts.local_experts.{expert}.", h,
-                                     c["swiglu_limit"], c["swiglu_alpha"])
-    return out
+    return routed_experts(models, prefix, h, weights, chosen, c["num_local_experts"],
+                          lambda ranks, key, x: _clamped_glu(ranks, key, x, c["swiglu_limit"], c["swiglu_alpha"]))
 
 
 def gpt_oss_tp_logits(models: list[dict[str, torch.Tensor]], c: dict[str, Any], ids: torch.Tensor) -> torch.Tensor:
     """Logits from TP rank dicts (float64): sinks, sliding layers by layer_types, biases, clamped GLU."""
     vocab, eps = c["vocab_size"], c["rms_norm_eps"]
-    x = _embed(models, ids, c["hidden_size"])
+    x = vocab_parallel_embedding(models, ids)
     for layer in range(c["num_hidden_layers"]):
         prefix = f"decoder.layers.{layer}."
         window = c["sliding_window"] if c["layer_types"][layer] == "sliding_attention" else None
@@ -248,4 +195,4 @@ def gpt_oss_tp_logits(models: list[dict[str, torch.Tensor]], c: dict[str, Any], 
         h = _rms_norm(x, _layer_norm_weight(models, prefix, "pre_mlp_layernorm.weight"), eps)
         x = x + _softmax_top_k_moe(models, prefix, h, c)
     x = _rms_norm(x, _replicated(models, "decoder.final_layernorm.weight"), eps)
-    return torch.cat([x @ model["output_layer.weight"].T for model in models], dim=-1)[..., :vocab]
+    return vocab_parallel_logits(models, x, vocab)

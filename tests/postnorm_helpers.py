@@ -16,13 +16,13 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from hf_side_helpers import BOS, EOS, PAD, build_tokenizer
+from family_helpers import save_with_side_files, seeded_model, vocab_parallel_embedding, vocab_parallel_logits
+from hf_side_helpers import BOS, EOS, PAD
 from transformers import (
     Gemma2Config,
     Gemma2ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
-    GenerationConfig,
     Glm4Config,
     Glm4ForCausalLM,
     Olmo2Config,
@@ -87,27 +87,17 @@ def build_postnorm_model(name: str, seed: int = 0) -> PreTrainedModel:
     """A tiny fp32 model: every parameter seeded; norm weights near zero for Gemma (it stores w of
     1 + w), near one for the others; routers well separated."""
     config_class, model_class, kwargs = POSTNORM_MODELS[name]
-    torch.manual_seed(seed)
-    model = model_class(config_class(**kwargs)).to(torch.float32).eval()
-    generator = torch.Generator().manual_seed(1000 + seed)
-    with torch.no_grad():
-        for param_name, param in sorted(model.named_parameters()):
-            noise = torch.randn(param.shape, generator=generator)
-            if "norm" in param_name:
-                param.copy_(0.1 * noise + (0.0 if name.startswith("gemma") else 1.0))
-            else:
-                param.copy_((1.0 if param_name.endswith("mlp.gate.weight") else 0.05) * noise)
-    return model
+
+    def value(param_name: str, noise: torch.Tensor) -> torch.Tensor:
+        if "norm" in param_name:
+            return 0.1 * noise + (0.0 if name.startswith("gemma") else 1.0)
+        return (1.0 if param_name.endswith("mlp.gate.weight") else 0.05) * noise
+    return seeded_model(model_class, config_class(**kwargs), seed, value)[0]
 
 
 def save_postnorm_model(name: str, path: Path, seed: int = 0) -> Path:
     """The model, a generation config and a real tokenizer with a chat template, as releases ship."""
-    model = build_postnorm_model(name, seed)
-    model.generation_config = GenerationConfig(bos_token_id=BOS, eos_token_id=[EOS, PAD], pad_token_id=PAD,
-                                               do_sample=True, temperature=0.6, top_p=0.9, max_new_tokens=32)
-    model.save_pretrained(path, max_shard_size="100KB")
-    build_tokenizer().save_pretrained(path)
-    return path
+    return save_with_side_files(build_postnorm_model(name, seed), path)
 
 
 # --- an independent tensor-parallel forward pass over Megatron rank files ---------------------
@@ -262,12 +252,7 @@ def _embed(models: Ranks, ids: torch.Tensor, hf: dict[str, Any]) -> torch.Tensor
     """Vocab-parallel lookup (other ranks add zeros); Gemma multiplies by sqrt(hidden) (an fp32 number)."""
     rows, hidden = models[0]["embedding.word_embeddings.weight"].shape
     assert rows * len(models) > hf["vocab_size"], "the Megatron table should be padded beyond the true vocab"
-    x = torch.zeros(*ids.shape, hidden, dtype=torch.float64)
-    for tp_rank, model in enumerate(models):
-        local = ids - tp_rank * rows
-        inside = (local >= 0) & (local < rows)
-        found = model["embedding.word_embeddings.weight"][local.clamp(0, rows - 1)]
-        x += torch.where(inside[..., None], found, torch.zeros_like(found))
+    x = vocab_parallel_embedding(models, ids)
     if hf["architectures"][0] in _ZERO_CENTRED:
         x = x * torch.tensor(hidden ** 0.5, dtype=torch.float32).double()
     return x
@@ -284,7 +269,6 @@ def postnorm_tp_logits(models: Ranks, hf: dict[str, Any], ids: torch.Tensor) -> 
         mlp = _mlp(models, p, _norm(models, p + "pre_mlp_layernorm.weight", x, hf), hf)
         x = x + _norm(models, p + "mlp.linear_fc2.post_layernorm.weight", mlp, hf)
     x = _norm(models, "decoder.final_layernorm.weight", x, hf)
-    output = "output_layer.weight" if "output_layer.weight" in models[0] else "embedding.word_embeddings.weight"
-    logits = torch.cat([x @ model[output].T for model in models], dim=-1)[..., : hf["vocab_size"]]
+    logits = vocab_parallel_logits(models, x, hf["vocab_size"])
     cap = hf.get("final_logit_softcapping")
     return logits if cap is None else torch.tanh(logits / cap) * cap

@@ -1,0 +1,177 @@
+"""megatron-core's own CPU forward of the Megatron checkpoints pgconvert writes for the f17 families.
+
+For every family whose computation megatron-core 0.16.1 expresses (docs/design.md, "megatron-core
+forward coverage"), the tiny transformers model is converted to Megatron (TP1; loading a TP1 rank
+file is not pgconvert's merge), megatron-core's GPTModel is built from the written args alone as
+megatron-LM's gpt_builder would (tests/mcore_helpers.py: local layer spec, or megatron-core's decoder
+block spec for MoE), loaded with ``strict=True``, and its logits are compared with transformers'.
+
+Each case also has its family's own setting knocked out of the written args (the window, the NoPE
+layers, the router's renormalization, ...): megatron-core then computes other logits, so the check
+sees that setting and the match is not an accident of a setting that does nothing at this size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hf_helpers import hf_logits, input_ids
+
+import pgconvert
+
+pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+
+# megatron-core sums in another order (router, expert unpermute, rotary tables): float32 round-off.
+TOL = dict(rtol=1e-5, atol=5e-5)
+
+# openai/gpt-oss-20b's config.json RoPE and context.
+RELEASED_YARN = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                 "truncate": False, "original_max_position_embeddings": 4096}
+
+
+def _f17a(name: str, **overrides: Any) -> Callable[[Path], Path]:
+    def save(path: Path) -> Path:
+        from hf_more_helpers import build_model, save_model
+
+        return save_model(build_model(name, seed=3, **overrides), path)
+    return save
+
+
+def _glm4_moe(**overrides: Any) -> Callable[[Path], Path]:
+    def save(path: Path) -> Path:
+        from moe_more_helpers import save_glm4_moe
+
+        return save_glm4_moe(path, seed=3, **overrides)
+    return save
+
+
+def _gpt_oss(**overrides: Any) -> Callable[[Path], Path]:
+    def save(path: Path) -> Path:
+        from moe_more_helpers import save_gpt_oss
+
+        return save_gpt_oss(path, seed=3, **overrides)
+    return save
+
+
+# The tiny transformers models, each with its family's options on (tests/hf_more_helpers.py,
+# tests/moe_more_helpers.py).
+SOURCES: dict[str, Callable[[Path], Path]] = {
+    # shared expert with its sigmoid gate, a dense layer, q/k/v biases, windows on alternate layers,
+    # softmax over all experts before top-k (no renormalization)
+    "qwen2_moe": _f17a("qwen2_moe"),
+    # NoPE on every second layer, a window on the others
+    "smollm3": _f17a("smollm3"),
+    # a window on three layers in four
+    "ministral": _f17a("ministral"),
+    # Phi-3-mini-4k's plain RoPE (longrope has no megatron-core equivalent), fused qkv/gate_up,
+    # partial rotary 0.75, a window on every layer
+    "phi3-rope": _f17a("phi3", rope_scaling=None),
+    # sigmoid router with expert bias, scaled weights, shared expert, dense first layer, qk-norm,
+    # partial rotary 0.5
+    "glm4_moe": _glm4_moe(),
+    # the same with group-limited routing (4 groups of 2 experts, the best 2 groups)
+    "glm4_moe-groups": _glm4_moe(n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=4),
+    # attention sinks, windows on alternate layers, biases everywhere, the clamped GLU
+    "gpt_oss": _gpt_oss(),
+    # the released YaRN RoPE and context
+    "gpt_oss-yarn": _gpt_oss(rope_parameters=dict(RELEASED_YARN), max_position_embeddings=131072),
+}
+
+# case -> (source, one of the family's own settings knocked out of the written args)
+CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen2_moe-router": ("qwen2_moe", {"moe_router_pre_softmax": False}),
+    "qwen2_moe-window": ("qwen2_moe", {"window_size": None}),
+    "smollm3-nope": ("smollm3", {"no_rope_freq": None}),
+    "ministral-window-pattern": ("ministral", {"window_attn_skip_freq": None}),
+    "phi3-rope-partial-rotary": ("phi3-rope", {"rotary_percent": 1.0}),
+    "glm4_moe-scaling": ("glm4_moe", {"moe_router_topk_scaling_factor": None}),
+    "glm4_moe-partial-rotary": ("glm4_moe", {"rotary_percent": 1.0}),
+    "glm4_moe-groups": ("glm4_moe-groups", {"moe_router_num_groups": None, "moe_router_group_topk": None}),
+    "gpt_oss-glu-offset": ("gpt_oss", {"glu_linear_offset": 0.0}),
+    "gpt_oss-clamp": ("gpt_oss", {"activation_func_clamp_value": None}),
+    "gpt_oss-yarn": ("gpt_oss-yarn", {"position_embedding_type": "rope"}),
+}
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[Path, Path]]:
+    """source -> (HF model, its TP1/PP1/EP1 Megatron conversion), each made once per module."""
+    root = tmp_path_factory.mktemp("mcore_families")
+    made: dict[str, tuple[Path, Path]] = {}
+
+    def get(source: str) -> tuple[Path, Path]:
+        if source not in made:
+            src = SOURCES[source](root / source)
+            dst = root / f"{source}-megatron"
+            pgconvert.convert(src, dst, dst_format="megatron", dst_tp=1, dst_pp=1, dst_ep=1)
+            made[source] = (src, dst)
+        return made[source]
+    return get
+
+
+def _vocab(src: Path) -> int:
+    return int(json.loads((src / "config.json").read_text())["vocab_size"])
+
+
+def _rewrite_args(root: Path, changes: dict[str, Any]) -> None:
+    from hf_helpers import _load_rank
+
+    for path in root.glob("iter_*/mp_rank_*/model_optim_rng.pt"):
+        payload = _load_rank(path)
+        args: argparse.Namespace = payload["args"]
+        for name, value in changes.items():
+            assert hasattr(args, name), name
+            setattr(args, name, value)
+        torch.save(payload, path)
+
+
+@pytest.mark.parametrize("source", sorted(SOURCES))
+def test_megatron_core_forward_of_the_written_checkpoint_equals_transformers(
+        converted: Callable[[str], tuple[Path, Path]], source: str) -> None:
+    import mcore_helpers as mcore
+
+    src, megatron = converted(source)
+    ids = input_ids(_vocab(src))
+
+    actual = mcore.megatron_core_logits_from_args(megatron, ids)
+
+    expected = hf_logits(src, ids)
+    assert actual.shape == expected.shape == (2, 12, _vocab(src))
+    torch.testing.assert_close(actual, expected, **TOL)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_megatron_core_forward_sees_the_familys_own_setting(converted: Callable[[str], tuple[Path, Path]],
+                                                            tmp_path: Path, case: str) -> None:
+    import mcore_helpers as mcore
+
+    src, megatron = converted(CASES[case][0])
+    knocked_out = Path(shutil.copytree(megatron, tmp_path / "megatron"))
+    _rewrite_args(knocked_out, CASES[case][1])
+    ids = input_ids(_vocab(src))
+
+    actual = mcore.megatron_core_logits_from_args(knocked_out, ids)
+
+    assert not torch.allclose(actual, hf_logits(src, ids), **TOL)
+
+
+@pytest.mark.parametrize("case", ["qwen2_moe", "glm4_moe"])
+def test_megatron_core_forward_stage_by_stage_at_pp2_equals_transformers(tmp_path: Path, case: str) -> None:
+    """megatron-core's MoE decoder block spec, sliced per stage by the args' pipeline layout."""
+    import mcore_helpers as mcore
+
+    src = SOURCES[case](tmp_path / "src")
+    pgconvert.convert(src, tmp_path / "megatron", dst_format="megatron", dst_tp=1, dst_pp=2, dst_ep=1)
+    ids = input_ids(_vocab(src))
+
+    actual = mcore.megatron_core_logits_from_args(tmp_path / "megatron", ids)
+
+    assert len(mcore.rank_files(tmp_path / "megatron")) == 2
+    torch.testing.assert_close(actual, hf_logits(src, ids), **TOL)

@@ -192,6 +192,19 @@ def carry_optimizer(source: OptimizerSource, config: ModelConfig, layout: Parall
     return rewritten
 
 
+def _not_carried(conversion: Any) -> str | None:
+    """Why the optimizer state of this conversion is not carried (None: it is)."""
+    request, config = conversion.request, conversion.source.config
+    if request.dtype != "keep":
+        return (f"--dtype {request.dtype}: optimizer state is not carried across a dtype change (the optimizer "
+                "form changes); pass --skip-optimizer")
+    if "torch_dist" in (conversion.src_format, conversion.dst_format) and config.num_experts:
+        return (f"optimizer state not carried: num_experts={config.num_experts}: a MoE model's optimizer "
+                "state (megatron-core's chained dense and expert optimizers) is carried between Megatron "
+                "per-rank checkpoints only, not from or into torch_dist; pass --skip-optimizer")
+    return None
+
+
 def carry_training_state(conversion: Any, staging: Path, files: list[PlannedFile]) -> list[str]:
     """``convert``'s step after the model is written: carry the optimizer state of a Megatron per-rank
     or torch_dist source into the Megatron per-rank destination, or (the distributed optimizer only)
@@ -215,15 +228,9 @@ def carry_training_state(conversion: Any, staging: Path, files: list[PlannedFile
             raise ValidationError(f"--dst-dp {dst_dp}: the source holds no Megatron optimizer state to size")
         return []
     notices: list[str] = []
-    if request.dtype != "keep":
-        fallback(f"--dtype {request.dtype}: optimizer state is not carried across a dtype change (the optimizer "
-                 "form changes); pass --skip-optimizer", request.strict, notices)
-        return notices
-    if "torch_dist" in (conversion.src_format, conversion.dst_format) and source.config.num_experts:
-        fallback(f"optimizer state not carried: num_experts={source.config.num_experts}: a MoE model's optimizer "
-                 "state (megatron-core's chained dense and expert optimizers) is carried between Megatron "
-                 "per-rank checkpoints only, not from or into torch_dist; pass --skip-optimizer",
-                 request.strict, notices)
+    refused = _not_carried(conversion)
+    if refused:
+        fallback(refused, request.strict, notices)
         return notices
     try:
         optimizer = open_optimizer(source, conversion.src_format)

@@ -15,6 +15,7 @@ padded) and its ``numel_unpadded``.
 
 from __future__ import annotations
 
+import importlib
 import json
 import multiprocessing
 import os
@@ -57,7 +58,7 @@ def main(iteration_dir: Path, overrides: dict[str, Any], out_dir: Path) -> None:
     sys.path.insert(0, str(Path(__file__).parent))
     from mcore_optimizer_step import checkpoint_args
 
-    import megatron.core.optimizer  # noqa: F401  (imported once, before the forks)
+    importlib.import_module("megatron.core.optimizer")  # imported once, before the forks
 
     args = checkpoint_args(iteration_dir)
     for key, value in overrides.items():

@@ -250,3 +250,32 @@ def test_megatron_core_loads_the_multi_bucket_state_and_its_conversion_as_the_go
     args = load_for_test(_rank0(golden))["args"]
     for target in targets:  # megatron-core's DDP (bucket size BUCKET) loaded each with load_parameter_state
         _assert_same_step(target, original, args, (BF16_RTOL, BF16_ATOL))
+
+
+def test_the_dp_reshardable_form_stores_one_record_per_bucket_and_round_trips(bucketed: Path, golden: Path,
+                                                                               tmp_path: Path) -> None:
+    from test_optimizer_acceptance import BF16_ATOL, BF16_RTOL, _assert_same_step, _fixed_gradients, _run
+
+    result = _convert(bucketed, tmp_path / "td", "--dst-format", "torch_dist", "--dst-tp", "1",
+                      "--dst-optim-form", "dp_reshardable")
+    assert result.exit_code == 0, result.output
+    back = _convert(tmp_path / "td", tmp_path / "back", "--dst-format", "megatron", "--dst-tp", "2")
+    assert back.exit_code == 0, back.output
+    common = load_for_test(tmp_path / "td" / "iter_0000002" / "common.pt")
+    ((_, sizes),) = _pgconvert_layout(common["args"])[(0, 0)]
+    assert len(sizes) >= 5
+    for rank in ("mp_rank_00", "mp_rank_01"):
+        original = load_for_test(bucketed / "iter_0000002" / rank / "model_optim_rng.pt")
+        again = load_for_test(tmp_path / "back" / "iter_0000002" / rank / "model_optim_rng.pt")
+        for key in ("optimizer", "opt_param_scheduler", "num_floating_point_operations_so_far", "model"):
+            _assert_same(original[key], again[key], f"{rank}.{key}")
+        _assert_same(torch.load(bucketed / "iter_0000002" / rank / "distrib_optim.pt", weights_only=True),
+                     torch.load(tmp_path / "back" / "iter_0000002" / rank / "distrib_optim.pt", weights_only=True),
+                     f"{rank}/distrib_optim.pt")
+    assert _convert(tmp_path / "td", tmp_path / "tp1", "--dst-format", "megatron").exit_code == 0
+    _fixed_gradients(tmp_path / "tp1", tmp_path / "grads.pt", scale=3e-2)  # TP1 names and shapes
+    # megatron-core's dist_checkpointing.load of the bucketed records (per_bucket_numel_unpadded checked)
+    target, original = _run(tmp_path / "grads.pt", [(tmp_path / "td" / "iter_0000002", tmp_path / "out_td", 2),
+                                                    (golden / "iter_0000002", tmp_path / "out_golden", 2)])
+    assert len(target) == 2 and len(original) == 4
+    _assert_same_step(target, original, load_for_test(_rank0(golden))["args"], (BF16_RTOL, BF16_ATOL))

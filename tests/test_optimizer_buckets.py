@@ -279,3 +279,37 @@ def test_the_dp_reshardable_form_stores_one_record_per_bucket_and_round_trips(bu
                                                     (golden / "iter_0000002", tmp_path / "out_golden", 2)])
     assert len(target) == 2 and len(original) == 4
     _assert_same_step(target, original, load_for_test(_rank0(golden))["args"], (BF16_RTOL, BF16_ATOL))
+
+
+TIED_SCRIPT = Path(__file__).parent / "mcore_tied_distopt.py"
+BIG_GOLDEN = GOLDENS / "train_tp2dp2_distopt_bf16_torch"
+
+
+def test_megatron_cores_own_tied_pp2_multi_bucket_state_round_trips_pp2_pp1_pp2_bit_exact(tmp_path: Path) -> None:
+    # megatron-core 0.16.1 writes it (save_parameter_state): tied embeddings at PP2, bucket 5000 elements;
+    # the first stage's word embedding and the last stage's output copy each in a bucket of their own
+    overrides = dict(overlap_grad_reduce=True, ddp_bucket_size=5000, tensor_model_parallel_size=1,
+                     pipeline_model_parallel_size=2, untie_embeddings_and_output_weights=False)
+    done = subprocess.run([sys.executable, "-W", "ignore", str(TIED_SCRIPT), str(BIG_GOLDEN / "iter_0000002"),
+                           json.dumps(overrides), str(tmp_path / "src")], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    src = tmp_path / "src" / "iter_0000002"
+    args = load_for_test(src / "mp_rank_00_000" / "model_optim_rng.pt")["args"]
+    layout = _pgconvert_layout(args)
+    assert [len(layout[(0, pp)][0][1]) for pp in (0, 1)] == [5, 2]  # bucketed + embedding; one + output copy
+    for pp in (0, 1):  # pgconvert's buffer sizes are megatron-core's (it wrote numel_unpadded)
+        (entry,) = torch.load(src / f"mp_rank_00_{pp:03d}" / "distrib_optim.pt", weights_only=True)[0].values()
+        assert entry["numel_unpadded"] == sum(layout[(0, pp)][0][1])
+    one = _convert(tmp_path / "src", tmp_path / "pp1", "--dst-pp", "1")
+    assert one.exit_code == 0, one.output  # reading checks every fp32 master rounds to its bf16 weight
+    back = _convert(tmp_path / "pp1", tmp_path / "back", "--dst-pp", "2")
+    assert back.exit_code == 0, back.output
+    for rank in ("mp_rank_00_000", "mp_rank_00_001"):
+        original = load_for_test(src / rank / "model_optim_rng.pt")
+        again = load_for_test(tmp_path / "back" / "iter_0000002" / rank / "model_optim_rng.pt")
+        for key in ("optimizer", "opt_param_scheduler", "num_floating_point_operations_so_far", "model"):
+            _assert_same(original[key], again[key], f"{rank}.{key}")
+        assert (again["args"].overlap_grad_reduce, again["args"].ddp_bucket_size) == (True, 5000)
+        _assert_same(torch.load(src / rank / "distrib_optim.pt", weights_only=True),
+                     torch.load(tmp_path / "back" / "iter_0000002" / rank / "distrib_optim.pt", weights_only=True),
+                     f"{rank}/distrib_optim.pt")

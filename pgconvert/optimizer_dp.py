@@ -5,8 +5,9 @@ Megatron-LM's per-rank format (``ckpt_format=torch``) has no per-DP-rank optimiz
 ``DistributedOptimizer.save_parameter_state`` writes on DP rank 0 after gathering every DP rank's shard
 (``get_parameter_state_dp_zero``), and which DP rank 0 reads back and scatters to the N ranks of the
 resuming job (``load_parameter_state_from_dp_zero``: each bucket's unpadded range cut from the
-coalesced buffer and padded to the new DP multiple). With one DDP bucket per buffer the file is
-therefore the same for any DP size, and N changes only ``args``: ``data_parallel_size`` and
+coalesced buffer and padded to the new DP multiple). Offsets inside a DDP bucket do not depend on DP
+(buckets: only the default bucket size grows with DP beyond 40, and the writer sizes the target's
+buckets at N), so the file is the same for any DP size and N changes only ``args``: ``data_parallel_size`` and
 ``world_size`` (tp * pp * cp * N). N must fit Megatron's expert grid: tp * cp * N a multiple of
 expert_tp * ep.
 

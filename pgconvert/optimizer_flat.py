@@ -49,7 +49,7 @@ def _buffer_entry(loaded: dict[Any, Any], index: int, numel: int, path: Path) ->
     if stored != numel:
         raise OptimizerLayoutError(
             f"{path}: buffer {index} {quote(dtype_key)}: numel_unpadded={quote(stored)}, but the model's parameters "
-            f"on this rank fill {numel} elements (reverse parameter order, 64-element alignment)")
+            f"on this rank fill {numel} elements (reverse parameter order, 64-element alignment, DDP buckets)")
     for key in FLAT_KEYS:
         value = tensors.get(key)
         if not isinstance(value, torch.Tensor) or tuple(value.shape) != (numel,):

@@ -29,7 +29,7 @@ parameters in the one optimizer. The router's ``expert_bias`` is a buffer, not a
 from __future__ import annotations
 
 import argparse
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -267,34 +267,94 @@ def check_state_shapes(slots: Sequence[Sequence[OptimizerSlot]], state: Mapping[
 
 @dataclass(frozen=True)
 class FlatParam:
-    """Where one parameter lies in a distributed optimizer's DP-gathered flat buffer (``distrib_optim.pt``)."""
+    """Where one parameter lies in a distributed optimizer's DP-gathered flat buffer (``distrib_optim.pt``):
+    ``[start, end)`` in the coalesced buffer (every bucket's padding dropped); buckets: the DDP bucket that
+    holds it and that bucket's start in the coalesced buffer (``start - bucket_start``: its offset in the
+    bucket, i.e. in a dp_reshardable ``bucket_idx_<bucket>`` record)."""
 
     slot: OptimizerSlot
     start: int
     end: int
+    bucket: int = 0
+    bucket_start: int = 0
+
+
+def bucket_ranges(placed: Sequence[FlatParam], numel: int) -> list[tuple[int, int]]:
+    """Each bucket's ``[start, end)`` in the coalesced buffer of ``numel`` elements (every bucket holds a
+    parameter, so each bucket's start is its first parameter's ``bucket_start``)."""
+    starts = sorted({item.bucket: item.bucket_start for item in placed}.items())
+    bounds = [start for _, start in starts] + [numel]
+    return [(bounds[index], bounds[index + 1]) for index in range(len(starts))]
+
+
+def _default_bucket_size(args: argparse.Namespace, dp: int) -> int:
+    """DistributedDataParallel's default: ``max(40_000_000, 1_000_000 * dp)``: megatron-core 0.16.1 takes the
+    data-parallel group without context parallelism, Megatron-LM d98e8a64 (0.20.0) the one with it."""
+    cp = int(getattr(args, "context_parallel_size", None) or 1)
+    size = max(40_000_000, 1_000_000 * dp)
+    if cp > 1 and size != max(40_000_000, 1_000_000 * dp * cp):
+        raise UnsupportedOptimizerError(
+            f"args.ddp_bucket_size=None with data_parallel_size={dp} and context_parallel_size={cp}: the default "
+            f"DDP bucket size is {size} in megatron-core 0.16.1 but {max(40_000_000, 1_000_000 * dp * cp)} in 0.20.0, "
+            "and the checkpoint does not say which made it; pass --skip-optimizer")
+    return size
 
 
 def _bucket_size(args: argparse.Namespace | None, coord: RankCoord, chunk: int, dp: int) -> int | None:
-    """DistributedDataParallel's bucket size (None: one bucket): none without overlap_grad_reduce,
-    on pipeline stages after the first and for model chunks after the first."""
-    if args is None or not getattr(args, "overlap_grad_reduce", False) or coord.pp > 0 or chunk > 0:
+    """The DDP bucket size of model chunk ``chunk`` (None: one bucket). ``DistributedDataParallel.__init__``
+    (megatron-core 0.16.1): None without ``overlap_grad_reduce`` and on pipeline stages after the first;
+    Megatron-LM's ``get_model`` passes ``disable_bucketing`` for model chunks after the first and with
+    ``overlap_param_gather_with_optimizer_step``; else ``ddp_bucket_size`` or the default."""
+    if args is None or not getattr(args, "overlap_grad_reduce", False):
+        return None
+    if getattr(args, "ddp_num_buckets", None) is not None:
+        raise UnsupportedOptimizerError(
+            f"args.ddp_num_buckets={quote(getattr(args, 'ddp_num_buckets'))}: the bucket size is then derived from "
+            f"every parameter's count on the rank (Megatron-LM 0.20.0), which pgconvert does not reproduce "
+            f"({_VERSIONS}); pass --skip-optimizer")
+    if coord.pp > 0 or chunk > 0 or getattr(args, "overlap_param_gather_with_optimizer_step", False):
         return None
     size = getattr(args, "ddp_bucket_size", None)
-    return int(size) if size is not None else max(40_000_000, 1_000_000 * dp)
+    return int(size) if size is not None else _default_bucket_size(args, dp)
+
+
+def _is_shared_embedding(config: ModelConfig, layout: ParallelLayout, spec: TensorSpec) -> bool:
+    """megatron-core's ``shared_embedding`` flag (``LanguageModule.setup_embeddings_and_output_layer``): at
+    pipeline size > 1 with tied embeddings (or multi-token prediction), the first stage's word embedding and
+    the last stage's output weight (its copy); the distributed optimizer gives each its own bucket."""
+    if layout.pp == 1 or not (config.tie_embeddings or config.mtp_num_layers):
+        return False
+    return spec.local_name in (WORD_EMBEDDINGS, OUTPUT_LAYER)
+
+
+def _place_chunk(slots: Sequence[OptimizerSlot], bucket_size: int | None,
+                 shared: Callable[[OptimizerSlot], bool]) -> tuple[list[FlatParam], int]:
+    """``_ParamAndGradBuffer.__init__`` for one buffer (megatron-core 0.16.1; ``_compute_per_buffer_param_layout``
+    in 0.20.0): the parameters in reverse order, each starting at a multiple of 64; a bucket closes after
+    the parameter that brings it to ``bucket_size`` elements, and before and after a shared embedding. Each
+    bucket's end is padded (``lcm(dp, 128)``, a multiple of 64), so offsets inside a bucket do not depend on
+    the DP size; the coalesced buffer drops that padding: ``(placed, unpadded size)``."""
+    placed: list[FlatParam] = []
+    offset, cursor, bucket, members = 0, 0, 0, 0
+    for slot in reversed(slots):
+        cursor = -(-cursor // 64) * 64
+        own = shared(slot)
+        if own and members:  # the bucket before ends at the (aligned) start of the shared embedding
+            offset, cursor, bucket, members = offset + cursor, 0, bucket + 1, 0
+        placed.append(FlatParam(slot, offset + cursor, offset + cursor + slot.spec.numel, bucket, offset))
+        cursor += slot.spec.numel
+        members += 1
+        if own or (bucket_size is not None and cursor >= bucket_size):
+            offset, cursor, bucket, members = offset + cursor, 0, bucket + 1, 0
+    return placed, offset + cursor
 
 
 def flat_buffers(config: ModelConfig, layout: ParallelLayout, coord: RankCoord, rules: OptimizerRules,
                  padded_vocab_size: int | None, args: argparse.Namespace | None = None,
                  dp: int = 1, optimizer: int = 0) -> list[tuple[list[FlatParam], int]]:
-    """Per model chunk (``distrib_optim.pt``'s buffer index), its parameters' ranges in the coalesced
-    buffer and the buffer's unpadded size: ``_ParamAndGradBuffer`` walks the chunk's parameters in
-    reverse order, each starting at a multiple of 64 (distributed optimizer); the coalesced checkpoint
-    drops only the padding after each bucket. One bucket per buffer is reproduced; more are refused.
+    """Per model chunk (``distrib_optim.pt``'s buffer index), its parameters' places in the coalesced
+    buffer (``_place_chunk``; DDP buckets as ``_bucket_size`` sizes them) and the buffer's unpadded size.
     ``optimizer`` 1: the expert-parallel parameters' buffers (DDP's ``expert_parallel_buffers``)."""
-    if config.tie_embeddings and layout.pp > 1:
-        raise UnsupportedOptimizerError(
-            "tied embeddings with pp > 1: the shared embedding gets its own distributed-optimizer bucket, "
-            f"which pgconvert does not reproduce ({_VERSIONS}); pass --skip-optimizer")
     by_param = {(slot.chunk, slot.spec.local_name): slot
                 for group in optimizer_slots(config, layout, coord, rules, padded_vocab_size) for slot in group}
     # The buffer follows the chunk's named_parameters() order (reversed), not the param groups'.
@@ -302,16 +362,9 @@ def flat_buffers(config: ModelConfig, layout: ParallelLayout, coord: RankCoord, 
              named_parameters(config, layout, coord, padded_vocab_size)]
     buffers: list[tuple[list[FlatParam], int]] = []
     for chunk in range(layout.virtual_size):
-        cursor, placed = 0, []
-        for slot in reversed([slot for slot in named if slot.chunk == chunk and slot.optimizer == optimizer]):
-            start = -(-cursor // 64) * 64
-            cursor = start + slot.spec.numel
-            placed.append(FlatParam(slot, start, cursor))
-        bucket = _bucket_size(args, coord, chunk, dp)
-        if bucket is not None and any(p.end >= bucket for p in placed[:-1]):
-            raise UnsupportedOptimizerError(
-                f"args.overlap_grad_reduce with a DDP bucket size of {bucket} splits model chunk {chunk}'s buffer "
-                f"({cursor} elements) into several buckets, which pgconvert does not reproduce ({_VERSIONS})")
+        slots = [slot for slot in named if slot.chunk == chunk and slot.optimizer == optimizer]
+        placed, numel = _place_chunk(slots, _bucket_size(args, coord, chunk, dp),
+                                     lambda slot: _is_shared_embedding(config, layout, slot.spec))
         if placed or optimizer == 0:
-            buffers.append((placed, cursor))
+            buffers.append((placed, numel))
     return buffers

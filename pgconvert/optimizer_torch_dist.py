@@ -33,8 +33,8 @@ from pgconvert.grid import RankCoord
 from pgconvert.limits import quote
 from pgconvert.optimizer_flat import dp_size
 from pgconvert.optimizer_map import (MEGATRON_CORE_VERSIONS, FlatParam, OptimizerLayoutError, OptimizerRules,
-                                     OptimizerSlot, UnsupportedOptimizerError, check_supported, flat_buffers,
-                                     optimizer_slots)
+                                     OptimizerSlot, UnsupportedOptimizerError, bucket_ranges, check_supported,
+                                     flat_buffers, optimizer_slots)
 from pgconvert.optimizer_state import (CARRIED_KEYS, DISTRIBUTED_SHARDING_TYPES, FORM_DISTRIBUTED, MOMENTS,
                                        OptimizerSource)
 from pgconvert.rules import ReplicaMismatchError
@@ -173,10 +173,10 @@ class TorchDistOptimizerSource(OptimizerSource):
         """megatron-core's ``data_parallel_group_idx``: the rank in the model-parallel group (TP fastest)."""
         return coord.tp + self.layout.tp * coord.pp
 
-    def bucket_key(self, coord: RankCoord, chunk: int, field: str) -> str:
+    def bucket_key(self, coord: RankCoord, chunk: int, field: str, bucket: int = 0) -> str:
         dtype = f"({self.dtype_key[0]}, {self.dtype_key[1]})"
         return (f"optimizer.distributed.dp_group_idx_{self.group_index(coord)}.gbuf_idx_{chunk}.dtype_{dtype}"
-                f".bucket_idx_0.{field}")
+                f".bucket_idx_{bucket}.{field}")
 
     def _model_space_prefix(self, key: str) -> str:
         return f"optimizer.state.{_MODEL_SPACE_FIELDS[self.sharding][key]}."
@@ -187,8 +187,11 @@ class TorchDistOptimizerSource(OptimizerSource):
         if self.sharding == "dp_reshardable":
             self._flat = {coord: flat_buffers(self.config, self.layout, coord, self.rules, self.vocab_rows,
                                               self.args, dp_size(self.args)) for coord in self._slots}
-            expected = {self.bucket_key(coord, chunk, field): (numel,) for coord, buffers in self._flat.items()
-                        for chunk, (_, numel) in enumerate(buffers) for field in ("param", *MOMENTS)}
+            # buckets: one record per DDP bucket, of the bucket's unpadded size
+            expected = {self.bucket_key(coord, chunk, field, bucket): (end - start,)
+                        for coord, buffers in self._flat.items() for chunk, (placed, numel) in enumerate(buffers)
+                        for bucket, (start, end) in enumerate(bucket_ranges(placed, numel))
+                        for field in ("param", *MOMENTS)}
             extra = sorted(key for key in stored if key.startswith("optimizer.") and key not in expected)
         else:
             model_keys = {self.source._locations[name].key for name in self.names()}
@@ -204,7 +207,7 @@ class TorchDistOptimizerSource(OptimizerSource):
                 raise OptimizerLayoutError(
                     f"{self.source.directory}: {quote(key)} has global shape {list(stored[key])}; the model at "
                     f"{self.layout.describe()} gives {list(shape)} ({self.sharding}: reverse parameter order, "
-                    "64-element alignment, one bucket)")
+                    "64-element alignment, DDP buckets)")
         if extra:
             raise OptimizerLayoutError(
                 f"{self.source.directory}: optimizer records {quote(extra[:4], 200)} are not ones the layout "
@@ -218,8 +221,9 @@ class TorchDistOptimizerSource(OptimizerSource):
             master = self.parameter(name)["param"]
             if not torch.equal(master.to(model.dtype), model):
                 owner, slot = self._owners_by_name[name][0]
+                bucket = self._placed(owner.coord, slot).bucket
                 raise OptimizerLayoutError(
-                    f"{self.source.directory}: {self.bucket_key(owner.coord, slot.chunk, 'param')} at the range "
+                    f"{self.source.directory}: {self.bucket_key(owner.coord, slot.chunk, 'param', bucket)} at the range "
                     f"pgconvert derives for {name} does not round to the model's weight: the flat-buffer layout is "
                     f"not the one {_VERSIONS} uses (several buckets, another parameter order?)")
 
@@ -234,8 +238,8 @@ class TorchDistOptimizerSource(OptimizerSource):
 
     def _flat_piece(self, owner: _Owner, slot: OptimizerSlot, key: str) -> torch.Tensor:
         placed = self._placed(owner.coord, slot)
-        flat = self.source.load_flat(self.bucket_key(owner.coord, slot.chunk, key), placed.start,
-                                     placed.end - placed.start)
+        flat = self.source.load_flat(self.bucket_key(owner.coord, slot.chunk, key, placed.bucket),
+                                     placed.start - placed.bucket_start, placed.end - placed.start)
         return flat.view(tuple(slot.spec.local_shape))
 
     def _placed(self, coord: RankCoord, slot: OptimizerSlot) -> FlatParam:

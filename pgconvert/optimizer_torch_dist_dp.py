@@ -10,9 +10,9 @@ What ``DistributedOptimizer.sharded_state_dict`` / ``sharded_param_state_dp_resh
   ``optimizer.distributed.dp_group_idx_<g>.optimizer`` = ``{'param_groups': [...]}`` (with ``step``,
   without ``params``), ``.per_bucket_numel`` / ``.per_bucket_numel_unpadded`` = per buffer
   ``{(param dtype, grad dtype): [bucket numel]}``;
-- per buffer (``gbuf_idx``: model chunk) and field (``param``, ``exp_avg``, ``exp_avg_sq``, fp32) the
-  ShardedTensor ``...gbuf_idx_<i>.dtype_<(param, grad)>.bucket_idx_0.<field>`` of global shape
-  ``(numel_unpadded,)``, one chunk per parameter's part in each DP rank's shard and one per gap
+- per buffer (``gbuf_idx``: model chunk), DDP bucket (``flat_buffers``' buckets) and field (``param``,
+  ``exp_avg``, ``exp_avg_sq``, fp32) the ShardedTensor ``...gbuf_idx_<i>.dtype_<(param, grad)>.bucket_idx_<b>.
+  <field>`` of global shape ``(numel_unpadded,)``, one chunk per parameter's part in each DP rank's shard and one per gap
   (``flat_buffers``' 64-element alignment; the bucket is padded to ``lcm(dp, 128)``, or
   ``lcm(dp, 128, 2**16)`` with ``ddp_pad_buckets_for_high_nccl_busbw``, and split in ``dp`` equal
   shards; padding past ``numel_unpadded`` is not stored). megatron-core leaves gaps uninitialised
@@ -26,6 +26,7 @@ writer (one parameter's piece in memory at a time) and are merged into ``.metada
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import math
 import os
@@ -49,8 +50,8 @@ from pgconvert.grid import RankCoord
 from pgconvert.layout import ParallelLayout
 from pgconvert.limits import quote
 from pgconvert.megatron_format import FRAMEWORK_PICKLE, safe_torch_load
-from pgconvert.optimizer_map import (MEGATRON_CORE_VERSIONS, FlatParam, UnsupportedOptimizerError, flat_buffers,
-                                     optimizer_count)
+from pgconvert.optimizer_map import (MEGATRON_CORE_VERSIONS, FlatParam, UnsupportedOptimizerError, bucket_ranges,
+                                     flat_buffers, optimizer_count)
 from pgconvert.optimizer_state import CARRIED_KEYS
 from pgconvert.torch_dist_format import COMMON_FILE, DCP_METADATA_FILE, single_process_calls
 
@@ -172,6 +173,14 @@ class _Planner(DefaultSavePlanner):
         return self._last[1]
 
 
+def _buckets(placed: list[FlatParam], numel: int) -> list[tuple[list[FlatParam], int]]:
+    """A buffer's DDP buckets, each its parameters placed in the bucket (offsets from its start) and its
+    unpadded size (buckets: each bucket is its own record)."""
+    return [([dataclasses.replace(item, start=item.start - start, end=item.end - start, bucket_start=0)
+              for item in placed if item.bucket == bucket], end - start)
+            for bucket, (start, end) in enumerate(bucket_ranges(placed, numel))]
+
+
 def _plan(optimizer: Any, config: ModelConfig, layout: ParallelLayout, rows: int, dp: int,
           args: Any) -> tuple[list[_Record], dict[str, Any]]:
     """Every model-parallel rank's records and objects, in megatron-core's key layout."""
@@ -188,17 +197,19 @@ def _plan(optimizer: Any, config: ModelConfig, layout: ParallelLayout, rows: int
         for tp in range(layout.tp):
             coord = RankCoord(tp=tp, pp=pp, ep=0)
             prefix = f"optimizer.distributed.dp_group_idx_{tp + layout.tp * pp}"
-            buffers = flat_buffers(config, layout, coord, optimizer.rules, rows, args, dp)
+            buffers = [_buckets(placed, numel) for placed, numel in
+                       flat_buffers(config, layout, coord, optimizer.rules, rows, args, dp)]
             divisor = bucket_divisor(dp, args)
             objects[f"{prefix}.optimizer/shard_0_1"] = {"param_groups": groups}
             objects[f"{prefix}.per_bucket_numel/shard_0_1"] = [
-                {optimizer.dtype_key: [-(-numel // divisor) * divisor]} for _, numel in buffers]
+                {optimizer.dtype_key: [-(-numel // divisor) * divisor for _, numel in buckets]} for buckets in buffers]
             objects[f"{prefix}.per_bucket_numel_unpadded/shard_0_1"] = [
-                {optimizer.dtype_key: [numel]} for _, numel in buffers]
-            for index, (placed, numel) in enumerate(buffers):
-                pieces = bucket_pieces(placed, numel, dp, divisor)
-                records += [_Record(f"{prefix}.gbuf_idx_{index}.dtype_{dtype}.bucket_idx_0.{field}", coord, field,
-                                    start, end, numel, param) for field in FIELDS for start, end, param in pieces]
+                {optimizer.dtype_key: [numel for _, numel in buckets]} for buckets in buffers]
+            for index, buckets in enumerate(buffers):
+                for bucket, (placed, numel) in enumerate(buckets):
+                    key = f"{prefix}.gbuf_idx_{index}.dtype_{dtype}.bucket_idx_{bucket}"
+                    records += [_Record(f"{key}.{field}", coord, field, start, end, numel, param)
+                                for field in FIELDS for start, end, param in bucket_pieces(placed, numel, dp, divisor)]
     return records, objects
 
 

@@ -83,9 +83,13 @@ def _build(args: argparse.Namespace, pp_rank: int) -> Any:
                      position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base)
     if args.bf16 or args.fp16:  # as Megatron-LM's get_model: every parameter (the norms too) in 16 bits
         model = Float16Module(config, model)
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
-                                               overlap_grad_reduce=False, overlap_param_gather=False,
-                                               use_distributed_optimizer=args.use_distributed_optimizer)
+    # buckets: the run's DDP bucketing (Megatron-LM's get_megatron_ddp_config: overlap_grad_reduce,
+    # ddp_bucket_size, ddp_pad_buckets_for_high_nccl_busbw); the goldens ran without overlap (one bucket).
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
+        overlap_grad_reduce=bool(getattr(args, "overlap_grad_reduce", False)), overlap_param_gather=False,
+        use_distributed_optimizer=args.use_distributed_optimizer, bucket_size=getattr(args, "ddp_bucket_size", None),
+        pad_buckets_for_high_nccl_busbw=bool(getattr(args, "ddp_pad_buckets_for_high_nccl_busbw", False)))
     return DistributedDataParallel(config, ddp_config, model)
 
 

@@ -7,8 +7,11 @@ megatron-core 0.16.1's ``ChainedOptimizer.sharded_state_dict`` (optimizer.py) wi
 
 from __future__ import annotations
 
+import json
 import pickle
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -130,3 +133,40 @@ def test_a_chained_entry_missing_is_a_named_error(distributed: Path, tmp_path: P
     assert_clean_refusal(result, 1, "common state", "optimizer holds 1 optimizer(s)", "chains 2")
     assert not (tmp_path / "out").exists()
     shutil.rmtree(tmp_path / "td")
+
+
+def _records(iteration_dir: Path) -> dict[str, torch.Tensor]:
+    """Every optimizer record, whole, read by torch's own DCP reader (not pgconvert's)."""
+    import torch.distributed.checkpoint as dcp
+
+    metadata = read_dcp_metadata(iteration_dir / ".metadata").state_dict_metadata
+    wanted = {key: torch.empty(md.size, dtype=md.properties.dtype) for key, md in metadata.items()
+              if key.startswith("optimizer.") and hasattr(md, "size")}
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.load(wanted, checkpoint_id=str(iteration_dir), no_dist=True)
+    return wanted
+
+
+def test_megatron_core_declares_loads_and_saves_back_the_same_records(distributed: Path, tmp_path: Path) -> None:
+    # megatron-core 0.16.1 on four gloo ranks (TP2 x EP2): its ChainedOptimizer.sharded_state_dict declares the
+    # records pgconvert wrote (keys, global shapes), dist_checkpointing.load reads them, and its own
+    # fully_reshardable save of the loaded state holds the same records and param groups, bit for bit.
+    _convert(distributed, tmp_path / "td", "--dst-format", "torch_dist")
+    script = Path(__file__).parent / "mcore_moe_fully_reshardable.py"
+    done = subprocess.run([sys.executable, "-W", "ignore", str(script), str(tmp_path / "td" / ITER), str(tmp_path / "mc")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    ours = _records(tmp_path / "td" / ITER)
+    stored = read_dcp_metadata(tmp_path / "td" / ITER / ".metadata").state_dict_metadata
+    declared: dict[str, list[int]] = {}
+    for rank in range(4):
+        report = json.loads((tmp_path / "mc" / f"rank{rank}.json").read_text())
+        assert report["chained"] == 2 and sorted(report["structure"]) == ["int:0", "int:1"]
+        declared.update(report["declared"])
+    assert declared == {key: list(stored[key].size) for key in ours}
+    theirs = _records(tmp_path / "mc" / "saved")
+    assert set(theirs) == set(ours) and len(ours) == 117
+    for key, tensor in ours.items():
+        assert theirs[key].dtype == tensor.dtype and torch.equal(theirs[key], tensor), key
+    saved_common = load_for_test(tmp_path / "mc" / "saved" / "common.pt")
+    assert saved_common["optimizer"] == load_for_test(tmp_path / "td" / ITER / "common.pt")["optimizer"]

@@ -170,3 +170,16 @@ def test_megatron_core_declares_loads_and_saves_back_the_same_records(distribute
         assert theirs[key].dtype == tensor.dtype and torch.equal(theirs[key], tensor), key
     saved_common = load_for_test(tmp_path / "mc" / "saved" / "common.pt")
     assert saved_common["optimizer"] == load_for_test(tmp_path / "td" / ITER / "common.pt")["optimizer"]
+
+
+def test_a_dp_reshardable_moe_source_is_named_and_refused_under_strict(distributed: Path, tmp_path: Path) -> None:
+    # A MoE run's dp_reshardable torch_dist state (chained_<i>.-prefixed buffers) is not read: refused by name.
+    _convert(distributed, tmp_path / "td", "--dst-format", "torch_dist")
+    path = tmp_path / "td" / ITER / "common.pt"
+    common = load_for_test(path)
+    for entry in common["optimizer"].values():
+        entry["param_state_sharding_type"] = "dp_reshardable"
+    torch.save(common, path, pickle_module=pickle)
+    result = _cli("convert", tmp_path / "td", tmp_path / "out", "--dst-format", "megatron", "--strict")
+    assert_clean_refusal(result, 2, "num_experts=8", "not from dp_reshardable", "--skip-optimizer")
+    assert not (tmp_path / "out").exists()

@@ -8,6 +8,7 @@ parameter state in the form ``metadata['distrib_optim_sharding_type']`` names (M
 - ``fully_reshardable``: ``optimizer.state.{param,exp_avg,exp_avg_sq}.<model key>``, each a
   ShardedTensor with its model tensor's global shape and chunks; the param groups (with ``step``)
   are common state (``optimizer.optimizer.param_groups``);
+  tdmoe: a MoE run's chained optimizers: ``{0: dense, 1: expert}`` there (``optimizer_torch_dist_moe``);
 - ``fully_sharded_model_space`` is refused by name: megatron-core 0.16.1 / 0.20.0 cannot save it;
 - ``dp_reshardable``: per model-parallel rank ``g`` (``data_parallel_group_idx``: the rank in the
   model-parallel group, ``tp + tp_size * pp``), per buffer and bucket,

@@ -34,6 +34,7 @@ from pgconvert.optimizer_dp import check_dst_dp, with_dst_dp
 from pgconvert.optimizer_flat import DISTRIB_OPTIM_FILE, dp_size, planned_buffers
 from pgconvert.optimizer_state import CARRIED_KEYS, FORM_DISTRIBUTED, FORM_FP16, MOMENTS, OptimizerSource
 from pgconvert.optimizer_torch_dist_dp import check_form, default_form
+from pgconvert.optimizer_torch_dist_moe import moe_refusal
 from pgconvert.torchzip import PlannedTensor
 
 log = logging.getLogger(__name__)
@@ -194,15 +195,11 @@ def carry_optimizer(source: OptimizerSource, config: ModelConfig, layout: Parall
 
 def _not_carried(conversion: Any) -> str | None:
     """Why the optimizer state of this conversion is not carried (None: it is)."""
-    request, config = conversion.request, conversion.source.config
+    request = conversion.request
     if request.dtype != "keep":
         return (f"--dtype {request.dtype}: optimizer state is not carried across a dtype change (the optimizer "
                 "form changes); pass --skip-optimizer")
-    if "torch_dist" in (conversion.src_format, conversion.dst_format) and config.num_experts:
-        return (f"optimizer state not carried: num_experts={config.num_experts}: a MoE model's optimizer "
-                "state (megatron-core's chained dense and expert optimizers) is carried between Megatron "
-                "per-rank checkpoints only, not from or into torch_dist; pass --skip-optimizer")
-    return None
+    return moe_refusal(conversion)  # tdmoe: MoE through torch_dist in the fully_reshardable form only
 
 
 def carry_training_state(conversion: Any, staging: Path, files: list[PlannedFile]) -> list[str]:
@@ -282,7 +279,9 @@ def _write_torch_dist(conversion: Any, optimizer: OptimizerSource, iteration_dir
         added = write_dp_reshardable(optimizer, config, layout, rows, dp, iteration_dir)
     else:
         fits_rows = {name for name in optimizer.names() if optimizer._owners[name][0][1].spec.rule.fits_rows}
-        added = write_fully_reshardable(optimizer, chunks, rows, fits_rows, iteration_dir)
+        config = target_config(conversion.source.config, conversion.save_options)  # tdmoe: chained groups
+        counts = [len(groups) for groups in chained_slots(config, layout, RankCoord(0, 0, 0), optimizer.rules, rows)]
+        added = write_fully_reshardable(optimizer, chunks, rows, fits_rows, iteration_dir, counts)
     names = {f"{iteration_dir.name}/{name}" for name in ("common.pt", ".metadata")}
     files[:] = [PlannedFile(f.relpath, f.tensors, f.nbytes) if f.relpath.endswith(tuple(names)) else f
                 for f in files] + added

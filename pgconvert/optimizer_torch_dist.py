@@ -8,6 +8,7 @@ parameter state in the form ``metadata['distrib_optim_sharding_type']`` names (M
 - ``fully_reshardable``: ``optimizer.state.{param,exp_avg,exp_avg_sq}.<model key>``, each a
   ShardedTensor with its model tensor's global shape and chunks; the param groups (with ``step``)
   are common state (``optimizer.optimizer.param_groups``);
+  tdmoe: a MoE run's chained optimizers: ``{0: dense, 1: expert}`` there (``optimizer_torch_dist_moe``);
 - ``fully_sharded_model_space`` is refused by name: megatron-core 0.16.1 / 0.20.0 cannot save it;
 - ``dp_reshardable``: per model-parallel rank ``g`` (``data_parallel_group_idx``: the rank in the
   model-parallel group, ``tp + tp_size * pp``), per buffer and bucket,
@@ -23,6 +24,7 @@ this source like ``OptimizerSource``; it presents itself in the ``distributed`` 
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,10 +35,11 @@ from pgconvert.grid import RankCoord
 from pgconvert.limits import quote
 from pgconvert.optimizer_flat import dp_size
 from pgconvert.optimizer_map import (MEGATRON_CORE_VERSIONS, FlatParam, OptimizerLayoutError, OptimizerRules,
-                                     OptimizerSlot, UnsupportedOptimizerError, bucket_ranges, check_supported,
-                                     flat_buffers, optimizer_slots)
+                                     OptimizerSlot, UnsupportedOptimizerError, bucket_ranges, chained_slots,
+                                     check_supported, flat_buffers, optimizer_slots)
 from pgconvert.optimizer_state import (CARRIED_KEYS, DISTRIBUTED_SHARDING_TYPES, FORM_DISTRIBUTED, MOMENTS,
                                        OptimizerSource)
+from pgconvert.optimizer_torch_dist_moe import chained_entries
 from pgconvert.rules import ReplicaMismatchError
 
 TORCH_DIST_FORMS = ("dp_reshardable", "fully_reshardable")
@@ -72,14 +75,19 @@ class _Owner:
 
 def sharding_type(common: dict[str, Any], where: str) -> str | None:
     """The checkpoint's ``param_state_sharding_type`` (None: no distributed optimizer state), checked."""
-    optimizer = common.get("optimizer")
-    if optimizer is None:
+    if common.get("optimizer") is None:
         return None
-    if not isinstance(optimizer, dict):
-        raise OptimizerLayoutError(f"{where}: optimizer is {quote(type(optimizer).__name__)}, not a dict")
-    if "param_state_sharding_type" not in optimizer:
+    entries = chained_entries(common["optimizer"])  # tdmoe: {0: dense, 1: expert} when chained
+    if not all(isinstance(optimizer, dict) for optimizer in entries):
+        kinds = sorted({type(optimizer).__name__ for optimizer in entries})
+        raise OptimizerLayoutError(f"{where}: optimizer is {quote(kinds)}, not a dict")
+    if any("param_state_sharding_type" not in optimizer for optimizer in entries):
         return None
-    sharding = optimizer["param_state_sharding_type"]
+    types = {str(optimizer["param_state_sharding_type"]) for optimizer in entries}
+    if len(types) != 1:
+        raise OptimizerLayoutError(f"{where}: the chained optimizers' param_state_sharding_type differ: "
+                                   f"{quote(sorted(types))}")
+    sharding = entries[0]["param_state_sharding_type"]
     if sharding not in DISTRIBUTED_SHARDING_TYPES:
         raise OptimizerLayoutError(
             f"{where}: optimizer.param_state_sharding_type={quote(sharding)}: unknown sharding type ({_VERSIONS} "
@@ -120,12 +128,13 @@ class TorchDistOptimizerSource(OptimizerSource):
         self.form = FORM_DISTRIBUTED
         self.args = args
         self._owners_by_name, self._slots = self._index_slots()
-        groups = self._param_groups(common, where)
-        self._step = _one_step(groups, where)
+        chained = self._chained_groups(common, where)
+        self._step = _one_step([group for groups in chained for group in groups], where)
         extra = {key: common[key] for key in (*CARRIED_KEYS, "iteration", "args") if key in common}
-        extra["distributed_entries"] = [{"optimizer": {"param_groups": groups}}]
+        extra["distributed_entries"] = [{"optimizer": {"param_groups": groups}} for groups in chained]
         self.first = _First(source.directory, extra)
-        self._settings = [{k: v for k, v in group.items() if k not in ("params", "step")} for group in groups]
+        self._settings = [[{k: v for k, v in group.items() if k not in ("params", "step")} for group in groups]
+                          for groups in chained]
         self.dtype_key = self._dtype_key()
         self._check_stored()
         if self.sharding == "dp_reshardable":
@@ -133,33 +142,43 @@ class TorchDistOptimizerSource(OptimizerSource):
 
     def _index_slots(self) -> tuple[dict[str, list[tuple[_Owner, OptimizerSlot]]], dict[RankCoord, list]]:
         """Per canonical name its TP pieces (from the first stage holding it), and each rank's slots."""
-        owners: dict[str, tuple[tuple[int, int], list[tuple[_Owner, OptimizerSlot]]]] = {}
+        owners: dict[str, tuple[tuple[int, int, int], list[tuple[_Owner, OptimizerSlot]]]] = {}
         slots: dict[RankCoord, list] = {}
-        for pp in range(self.layout.pp):
-            for tp in range(self.layout.tp):
-                coord = RankCoord(tp=tp, pp=pp, ep=0)
-                slots[coord] = optimizer_slots(self.config, self.layout, coord, self.rules, self.vocab_rows)
-                for slot in (slot for group in slots[coord] for slot in group):
-                    where = (pp, slot.chunk)
-                    held = owners.setdefault(slot.spec.canonical, (where, []))
-                    if held[0] == where:
-                        held[1].append((_Owner(self.source.directory, coord), slot))
+        # tdmoe: every expert-parallel rank (its experts); a dense parameter's pieces from EP rank 0
+        for pp, ep, tp in itertools.product(range(self.layout.pp), range(self.layout.ep), range(self.layout.tp)):
+            coord = RankCoord(tp=tp, pp=pp, ep=ep)
+            slots[coord] = optimizer_slots(self.config, self.layout, coord, self.rules, self.vocab_rows)
+            for slot in (slot for group in slots[coord] for slot in group):
+                held = owners.setdefault(slot.spec.canonical, ((pp, slot.chunk, ep), []))
+                if held[0] == (pp, slot.chunk, ep):
+                    held[1].append((_Owner(self.source.directory, coord), slot))
         return {name: sorted(pieces, key=lambda p: p[1].spec.tp_rank) for name, (_, pieces) in owners.items()}, slots
 
-    def _param_groups(self, common: dict[str, Any], where: str) -> list[dict[str, Any]]:
-        """The param groups (hyperparameters and ``step``): common state for the model-space forms, the
-        ShardedObject of model-parallel rank 0 for dp_reshardable (the same on every rank)."""
+    def _chained_groups(self, common: dict[str, Any], where: str) -> list[list[dict[str, Any]]]:
+        """Per chained optimizer (tdmoe: dense, then expert-parallel), its param groups (hyperparameters and
+        ``step``): common state for the model-space forms, the ShardedObject of model-parallel rank 0 for
+        dp_reshardable (the same on every rank; one optimizer)."""
+        counts = [len(groups) for groups in chained_slots(self.config, self.layout, RankCoord(0, 0, 0), self.rules,
+                                                          self.vocab_rows)]
         if self.sharding == "dp_reshardable":
             key = "optimizer.distributed.dp_group_idx_0.optimizer/shard_0_1"
             value = self.source.read_objects([key])[key]
-            value = value[0] if isinstance(value, list) and len(value) == 1 else value
+            values = [value[0] if isinstance(value, list) and len(value) == 1 else value]
             where = f"{self.source.directory}: {key}"
         else:
-            value = common["optimizer"].get("optimizer")
+            values = [entry.get("optimizer") for entry in chained_entries(common["optimizer"])]
+        if len(values) != len(counts):
+            raise OptimizerLayoutError(
+                f"{where}: optimizer holds {len(values)} optimizer(s), but {_VERSIONS} chains {len(counts)} for this "
+                f"model at {self.layout.describe()} (dense, then expert-parallel at expert parallel size > 1)")
+        return [self._groups(value, count, where) for value, count in zip(values, counts)]
+
+    @staticmethod
+    def _groups(value: Any, count: int, where: str) -> list[dict[str, Any]]:
         groups = value.get("param_groups") if isinstance(value, dict) else None
-        if not isinstance(groups, list) or len(groups) != 2 or not all(isinstance(g, dict) for g in groups):
+        if not isinstance(groups, list) or len(groups) != count or not all(isinstance(g, dict) for g in groups):
             raise OptimizerLayoutError(f"{where}: optimizer param_groups = {quote(groups, 160)}; {_VERSIONS} "
-                                       "builds two for this model (weight decay, no weight decay)")
+                                       f"builds {count} for this model (weight decay, no weight decay)")
         return groups
 
     def _dtype_key(self) -> tuple[torch.dtype, torch.dtype]:
@@ -276,9 +295,13 @@ class TorchDistOptimizerSource(OptimizerSource):
                                             rows if rule.fits_rows else None)
 
     def param_group_settings(self, optimizer: int = 0, count: int | None = None) -> list[dict[str, Any]]:
-        """The source's one (dense) optimizer's groups without params and step; ``optimizer`` is 0 here:
-        MoE optimizer state is not carried from or into torch_dist (``carry_training_state`` says so)."""
-        settings = [dict(group) for group in self._settings]
+        """Chained optimizer ``optimizer``'s groups without params and step, ``count`` of them: the source's own
+        where it has that optimizer, else its dense groups with ``is_expert_parallel`` set (as
+        ``OptimizerSource``)."""
+        own = optimizer < len(self._settings)
+        settings = [dict(group) for group in self._settings[optimizer if own else 0]]
+        if not own:
+            settings = [dict(group, is_expert_parallel=optimizer == 1) for group in settings]
         return settings if count is None else settings[:count]
 
     @property

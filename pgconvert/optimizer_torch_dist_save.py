@@ -29,6 +29,7 @@ from pgconvert.durable import fsync_file
 from pgconvert.formats import PlannedFile
 from pgconvert.megatron_format import FRAMEWORK_PICKLE, safe_torch_load
 from pgconvert.optimizer_state import CARRIED_KEYS
+from pgconvert.optimizer_torch_dist_moe import common_entry
 from pgconvert.torch_dist_format import COMMON_FILE, DCP_METADATA_FILE, read_dcp_metadata, single_process_calls
 
 SHARDING = "fully_reshardable"
@@ -82,12 +83,15 @@ def _merge_metadata(iteration_dir: Path, added_path: Path) -> None:
     os.replace(partial, path)
 
 
-def _add_common(optimizer: Any, iteration_dir: Path) -> None:
+def _add_common(optimizer: Any, iteration_dir: Path, group_counts: list[int] | None = None) -> None:
+    """``group_counts`` (tdmoe): the target's param groups per chained optimizer (None: the source's one)."""
     path = iteration_dir / COMMON_FILE
     common = dict(safe_torch_load(path))
-    groups = [dict(settings, step=float(optimizer.step(optimizer.names()[0])))
-              for settings in optimizer.param_group_settings()]
-    common["optimizer"] = {"optimizer": {"param_groups": groups}, "param_state_sharding_type": SHARDING}
+    step = float(optimizer.step(optimizer.names()[0]))
+    counts: list[int | None] = list(group_counts) if group_counts else [None]
+    groups = [[dict(settings, step=step) for settings in optimizer.param_group_settings(index, count)]
+              for index, count in enumerate(counts)]
+    common["optimizer"] = common_entry(groups)
     for key in CARRIED_KEYS:
         if key in optimizer.first.extra:
             common[key] = optimizer.first.extra[key]
@@ -102,13 +106,16 @@ def _add_common(optimizer: Any, iteration_dir: Path) -> None:
 
 
 def write_fully_reshardable(optimizer: Any, model_chunks: list[Any], rows: int, fits_rows: set[str],
-                            iteration_dir: Path) -> list[PlannedFile]:
-    """Write the optimizer records beside the model's (``model_chunks``: the torch_dist saver's chunks);
-    returns the files added or rewritten."""
+                            iteration_dir: Path, group_counts: list[int] | None = None) -> list[PlannedFile]:
+    """Write the optimizer records beside the model's (``model_chunks``: the torch_dist saver's chunks, expert
+    ones included); ``group_counts``: the target's param groups per chained optimizer. Returns the files added
+    or rewritten."""
     from pgconvert.savers.torch_dist import _StreamingWriter
 
+    # tdmoe: parameters only (megatron-core's buffers' param_index_map): not a router's expert_bias buffer
+    names = set(optimizer.names())
     chunks = [(field, dataclasses.replace(chunk, key=f"optimizer.state.{field}.{chunk.key}", dtype=torch.float32))
-              for chunk in model_chunks for field in FIELDS]
+              for chunk in model_chunks if chunk.canonical in names for field in FIELDS]
     staging = iteration_dir / ".optimizer_records"
     staging.mkdir()
     try:
@@ -120,7 +127,7 @@ def write_fully_reshardable(optimizer: Any, model_chunks: list[Any], rows: int, 
         _merge_metadata(iteration_dir, staging / DCP_METADATA_FILE)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    _add_common(optimizer, iteration_dir)
+    _add_common(optimizer, iteration_dir, group_counts)
     name = iteration_dir.name
     return [PlannedFile(f"{name}/{RECORDS_FILE}", len(chunks), sum(chunk.nbytes for _, chunk in chunks),
                         sha256=writer.sha256, size=writer.size)]

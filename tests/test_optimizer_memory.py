@@ -84,3 +84,29 @@ def test_distrib_optim_buffers_are_written_one_parameter_at_a_time(tmp_path: Pat
         ((_, bufs_a),), ((_, bufs_b),) = a[0].items(), b[0].items()
         for field in ("param", "exp_avg", "exp_avg_sq"):
             assert torch.equal(bufs_a[field], bufs_b[field]), f"{rank_dir}.{field}"
+
+
+def test_opening_a_dp_reshardable_source_checks_the_masters_reading_only_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pgconvert.formats import LoadOptions
+    from pgconvert.loaders._torch_dist_reader import TorchDistSource
+    from pgconvert.optimizer_torch_dist import TorchDistOptimizerSource
+    from pgconvert.registry import get_loader
+
+    golden = DISTOPT.with_name("train_tp2dp2_distopt_dp_reshardable_torch_dist")
+    read: list[str] = []
+    load_flat = TorchDistSource.load_flat
+
+    def recording(self, key, start, length):  # noqa: ANN001, ANN202
+        read.append(key.rsplit(".", 1)[1])
+        return load_flat(self, key, start, length)
+
+    source = get_loader("torch_dist").open(golden, LoadOptions())
+    monkeypatch.setattr(TorchDistSource, "load_flat", recording)
+    try:
+        optimizer = TorchDistOptimizerSource(source)  # checks every master against its weight
+        assert read and set(read) == {"param"}  # old code: the moments were read too, three times the bytes
+        read.clear()
+        state = optimizer.parameter("output_layer.weight")
+    finally:
+        source.close()
+    assert set(read) == {"param", "exp_avg", "exp_avg_sq"} and set(state) == {"param", "exp_avg", "exp_avg_sq", "step"}

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from bench_optimizer import OPTIM_CASES, OPTIM_SCALE, optimizer_plan, optimizer_sources
 from pgconvert.config import ModelConfig
 from pgconvert.formats import SaveOptions
 from pgconvert.layout import ParallelLayout
@@ -58,6 +59,7 @@ class Case:
     rss_goal_bytes: int = 0
     runs: list[float] = field(default_factory=list)
     skipped: str | None = None
+    peak_anon_bytes: int = 0  # optmem: the largest anonymous (not file-backed) peak over the runs
 
     @property
     def bytes_per_second(self) -> float:
@@ -90,6 +92,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--keep", action="store_true", help="keep the checkpoints afterwards")
     parser.add_argument("--workers", type=int, default=2,
                         help="also run the Megatron-output cases with --workers N (1: skip those rows)")
+    parser.add_argument("--optim-scale", type=float, default=OPTIM_SCALE,
+                        help="the optimizer cases' model size, as --scale (0.07: 1.0 GB of fp32 optimizer state)")
     parser.add_argument("--plan-child", default=None, help=argparse.SUPPRESS)
     return parser.parse_args()
 
@@ -162,22 +166,45 @@ def dir_bytes(path: Path) -> tuple[int, int]:
     return sum(sizes), max(sizes, default=0)
 
 
-def run_child(command: list[str]) -> tuple[float, int]:
-    """Wall seconds and peak RSS (bytes) of one child process.
+def run_child(command: list[str], anon: list[int] | None = None) -> tuple[float, int]:
+    """Wall seconds and peak RSS (bytes) of one child process; ``anon`` (optmem): the peak of its
+    anonymous resident memory (RssAnon, sampled every 20 ms) is appended, without the file pages
+    its memory maps keep resident.
 
     GNU time reports the peak RSS of a freshly exec'd child; a child forked straight from this
     process would start its ru_maxrss at our own RSS.
     """
     gnu_time = shutil.which("time") or "/usr/bin/time"
-    with tempfile.NamedTemporaryFile("r", suffix=".time") as report:
+    with tempfile.NamedTemporaryFile("r", suffix=".time") as report, tempfile.TemporaryFile("w+") as errors:
         started = time.perf_counter()
-        completed = subprocess.run([gnu_time, "-o", report.name, "-f", "%M", *command],
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        process = subprocess.Popen([gnu_time, "-o", report.name, "-f", "%M", *command],
+                                   stdout=subprocess.DEVNULL, stderr=errors, text=True)
+        peak_anon = 0
+        while process.poll() is None:
+            peak_anon = max(peak_anon, _anon_bytes(process.pid))
+            time.sleep(0.02)
         seconds = time.perf_counter() - started
-        if completed.returncode != 0:
-            raise SystemExit(f"{' '.join(command)} failed:\n{completed.stderr}")
+        if process.returncode != 0:
+            errors.seek(0)
+            raise SystemExit(f"{' '.join(command)} failed:\n{errors.read()}")
         peak_kib = int(report.read().strip().splitlines()[-1])
+    if anon is not None:
+        anon.append(peak_anon)
     return seconds, peak_kib * 1024
+
+
+def _anon_bytes(parent: int) -> int:
+    """optmem: RssAnon of ``parent``'s children (GNU time's child: the command), 0 if gone."""
+    try:
+        children = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
+        total = 0
+        for pid in children:
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("RssAnon:"):
+                    total += int(line.split()[1]) * 1024
+        return total
+    except (OSError, ValueError):
+        return 0
 
 
 def durable_copy(src: Path, dst: Path) -> list[str]:
@@ -213,6 +240,7 @@ def conversion_plan(src: Path, workdir: Path, workers: int) -> list[tuple[str, l
         plan.append(("TP8 -> torch_dist", ["--dst-format", "torch_dist", str(src)], workdir / "dist", 1))
         plan.append(("torch_dist -> TP2", ["--dst-format", "megatron", "--dst-tp", "2", str(workdir / "dist")],
                      workdir / "dist_tp2", 1))
+    plan += optimizer_plan(workdir)  # optmem
     if workers > 1:
         plan += [(name, args, dst.with_name(dst.name + "_workers"), workers)
                  for name, args, dst, _ in list(plan) if name.endswith(("TP2", "TP1", "PP2", "TP4"))]
@@ -222,7 +250,7 @@ def conversion_plan(src: Path, workdir: Path, workers: int) -> list[tuple[str, l
 def measure(name: str, python: str, args: list[str], dst: Path, workers: int, src: Path,
             repeat: int, largest_tensor: int) -> Case:
     """Alternating pairs (durable copy, conversion); medians, the largest peak RSS."""
-    floors, runs, peaks = [], [], []
+    floors, runs, peaks, anon = [], [], [], []
     extra = ["--workers", str(workers)] if workers > 1 else []
     for _ in range(repeat):
         floor_dst = dst.with_name(dst.name + "_floor")
@@ -230,13 +258,13 @@ def measure(name: str, python: str, args: list[str], dst: Path, workers: int, sr
         floors.append(run_child(durable_copy(src, floor_dst))[0])
         shutil.rmtree(floor_dst)
         shutil.rmtree(dst, ignore_errors=True)
-        seconds, rss = run_child([python, "-m", "pgconvert", "--quiet", *extra, *args, str(dst)])
+        seconds, rss = run_child([python, "-m", "pgconvert", "--quiet", *extra, *args, str(dst)], anon)
         runs.append(seconds)
         peaks.append(rss)
     written, largest = dir_bytes(dst)
     case = Case(name, python, workers, statistics.median(runs), statistics.median(floors), written, max(peaks),
                 largest_output_file=largest, largest_tensor=largest_tensor,
-                rss_goal_bytes=2 * largest_tensor + RSS_ALLOWANCE, runs=runs)
+                rss_goal_bytes=2 * largest_tensor + RSS_ALLOWANCE, runs=runs, peak_anon_bytes=max(anon))
     case.ratio_to_floor = case.seconds / case.floor_seconds
     return case
 
@@ -255,6 +283,9 @@ def run_conversions(options: argparse.Namespace, src: Path, workdir: Path, large
         floor_src, largest = src, largest_tensor
         if name in DEEPSEEK_CASES:  # mem16: its own source, floor and largest tensor
             floor_src, largest = deepseek_source(workdir / "ds_fp8")
+        if name in OPTIM_CASES:  # optmem: the optimizer sources; the largest fp32 state tensor
+            per_rank, dist, largest = optimizer_sources(workdir, options.optim_scale, bench_config, SeededSource)
+            floor_src = dist if "torch_dist(dp)" in name else per_rank
         for python in pythons:
             cases.append(measure(name, python, args, dst, workers, floor_src, options.repeat, largest))
         if name not in readers:
@@ -355,17 +386,17 @@ def run_plan_cases() -> list[PlanCase]:
 
 
 def print_cases(cases: list[Case]) -> None:
-    header = (f"{'case':<22} {'python':<8} {'wall s':>7} {'floor s':>8} {'x floor':>8} {'MiB/s':>7} "
-              f"{'peak RSS MiB':>13} {'RSS goal MiB':>13} {'RSS/largest file':>17}")
+    header = (f"{'case':<30} {'python':<8} {'wall s':>7} {'floor s':>8} {'x floor':>8} {'MiB/s':>7} "
+              f"{'peak RSS MiB':>13} {'RSS goal MiB':>13} {'RSS/largest file':>17} {'anon MiB':>9}")
     print(header)
     print("-" * len(header))
     for case in cases:
         label = "this" if case.python == sys.executable else "baseline"
         goal = f"{case.rss_goal_bytes / 2**20:.0f}" + (" ok" if case.peak_rss_bytes <= case.rss_goal_bytes else " over")
         file_ratio = f"{case.peak_rss_bytes / case.largest_output_file:.2f}" if case.largest_output_file else "-"
-        print(f"{case.name:<22} {label:<8} {case.seconds:>7.2f} {case.floor_seconds:>8.2f} "
+        print(f"{case.name:<30} {label:<8} {case.seconds:>7.2f} {case.floor_seconds:>8.2f} "
               f"{case.ratio_to_floor or 0:>8.2f} {case.bytes_per_second / 2**20:>7.1f} "
-              f"{case.peak_rss_bytes / 2**20:>13.1f} {goal:>13} {file_ratio:>17}")
+              f"{case.peak_rss_bytes / 2**20:>13.1f} {goal:>13} {file_ratio:>17} {case.peak_anon_bytes / 2**20:>9.1f}")
 
 
 def print_plan_cases(cases: list[PlanCase]) -> None:

@@ -15,6 +15,7 @@ DP rank 0; the rank file's entry is the list of their param-group entries.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -124,16 +125,26 @@ def _read_buffers(loaded: Any, buffers: list[tuple[list[FlatParam], int]], step:
 def planned_buffers(placed: list[FlatParam], numel: int,
                     piece: Any) -> dict[str, PlannedTensor | int]:
     """One buffer's flat tensors, each built when written: zeros with every parameter's piece
-    (``piece(slot, key)``) at its range."""
+    (``piece(slot, key)``) at its range; written part by part (optmem: the zero gaps and one
+    parameter's piece at a time, never the whole buffer)."""
     def producer(key: str) -> Any:
         def produce() -> torch.Tensor:
-            flat = torch.zeros(numel, dtype=torch.float32)
-            for item in placed:
-                flat[item.start:item.end] = piece(item.slot, key).reshape(-1)
-            return flat
+            return torch.cat(list(parts(key)()))
         return produce
 
-    tensors: dict[str, PlannedTensor | int] = {key: PlannedTensor((numel,), torch.float32, producer(key))
-                                               for key in FLAT_KEYS}
+    def parts(key: str) -> Any:
+        def produce_parts() -> Iterator[torch.Tensor]:
+            cursor = 0
+            for item in placed:
+                if item.start > cursor:
+                    yield torch.zeros(item.start - cursor, dtype=torch.float32)
+                yield piece(item.slot, key).reshape(-1).to(torch.float32)
+                cursor = item.end
+            if numel > cursor:
+                yield torch.zeros(numel - cursor, dtype=torch.float32)
+        return produce_parts
+
+    tensors: dict[str, PlannedTensor | int] = {
+        key: PlannedTensor((numel,), torch.float32, producer(key), parts(key)) for key in FLAT_KEYS}
     tensors["numel_unpadded"] = numel
     return tensors

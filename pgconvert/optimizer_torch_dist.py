@@ -237,7 +237,7 @@ class TorchDistOptimizerSource(OptimizerSource):
         placed by the derived flat-buffer layout must round to the stored weight (one parameter at a time)."""
         for name in self.names():
             model = self.source.load(name)
-            master = self.parameter(name)["param"]
+            master = self._merged(name, "param")  # optmem: the master alone, not the moments too
             if not torch.equal(master.to(model.dtype), model):
                 owner, slot = self._owners_by_name[name][0]
                 bucket = self._placed(owner.coord, slot).bucket
@@ -268,19 +268,21 @@ class TorchDistOptimizerSource(OptimizerSource):
     def _pieces(self, name: str, key: str) -> list[torch.Tensor]:
         return [self._flat_piece(owner, slot, key) for owner, slot in self._owners_by_name[name]]
 
+    def _merged(self, name: str, key: str) -> torch.Tensor:
+        """dp_reshardable: the whole ``key`` of ``name``, its TP pieces read from the flat buffers."""
+        rule = self._owners_by_name[name][0][1].spec.rule
+        try:
+            return rule.merge(self._pieces(name, key))
+        except ReplicaMismatchError as error:
+            raise OptimizerLayoutError(
+                f"{self.source.directory}: {name}: optimizer {key} of a replicated parameter differs "
+                f"between TP ranks {error.ranks}: the flat-buffer placement is not the one "
+                f"{_VERSIONS} uses") from error
+
     def parameter(self, name: str) -> dict[str, torch.Tensor]:
         """The whole (source-padded) fp32 master, both moments and the step of ``name``."""
         if self.sharding == "dp_reshardable":
-            rule = self._owners_by_name[name][0][1].spec.rule
-            merged = {}
-            for key in ("param", *MOMENTS):
-                try:
-                    merged[key] = rule.merge(self._pieces(name, key))
-                except ReplicaMismatchError as error:
-                    raise OptimizerLayoutError(
-                        f"{self.source.directory}: {name}: optimizer {key} of a replicated parameter differs "
-                        f"between TP ranks {error.ranks}: the flat-buffer placement is not the one "
-                        f"{_VERSIONS} uses") from error
+            merged = {key: self._merged(name, key) for key in ("param", *MOMENTS)}
         else:
             merged = {key: self.source.load_state(name, self._model_space_prefix(key)) for key in ("param", *MOMENTS)}
         merged["step"] = self.step(name)

@@ -23,7 +23,7 @@ import struct
 import sys
 import zlib
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
@@ -43,11 +43,17 @@ _DESCRIPTOR = b"PK\x07\x08"
 
 @dataclass(frozen=True, eq=False)
 class PlannedTensor:
-    """A contiguous CPU tensor that ``produce`` makes when its record is written."""
+    """A contiguous CPU tensor that ``produce`` makes when its record is written.
+
+    ``parts`` (optmem), when set, is used instead of ``produce``: the tensor's elements in order as
+    consecutive 1-d tensors of its dtype, each written as it comes, so the record is never whole in
+    memory (a flat buffer larger than any of its parameters).
+    """
 
     shape: tuple[int, ...]
     dtype: torch.dtype
     produce: Callable[[], torch.Tensor]
+    parts: Callable[[], Iterable[torch.Tensor]] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -79,7 +85,10 @@ def save_stream(obj: Any, handle: BinaryIO, crc32: bool = False) -> None:
     archive.record(".storage_alignment", str(ALIGNMENT).encode())
     archive.record("byteorder", sys.byteorder.encode())
     for key, item in storages:
-        archive.record(f"data/{key}", _storage_bytes(item))
+        if isinstance(item, PlannedTensor) and item.parts is not None:
+            archive.record_parts(f"data/{key}", item.nbytes, _part_bytes(item))
+        else:
+            archive.record(f"data/{key}", _storage_bytes(item))
     archive.record("version", FILE_VERSION)
     archive.record(".data/serialization_id", archive.serialization_id().encode())
     archive.finish()
@@ -177,6 +186,16 @@ def _storage_bytes(item: torch.UntypedStorage | PlannedTensor) -> memoryview:
     return memoryview(flat.numpy()).cast("B")
 
 
+def _part_bytes(item: PlannedTensor) -> Iterator[memoryview]:
+    """The bytes of a planned tensor's ``parts``, one part at a time (each checked)."""
+    assert item.parts is not None
+    for part in item.parts():
+        if part.dtype != item.dtype or part.device.type != "cpu" or part.dim() != 1:
+            raise TensorMismatchError(f"planned {item.dtype} {item.shape} on cpu in 1-d parts, produced a part "
+                                      f"{part.dtype} {tuple(part.shape)} on {part.device}")
+        yield memoryview(part.detach().contiguous().view(torch.uint8).numpy()).cast("B")
+
+
 class _ZipStream:
     """Zip records laid out as torch's miniz-based writer lays them out (see the module docstring)."""
 
@@ -193,7 +212,10 @@ class _ZipStream:
         self.offset += len(data)
 
     def record(self, name: str, data: bytes | memoryview) -> None:
-        size = len(data)
+        self.record_parts(name, len(data), iter([data]))
+
+    def record_parts(self, name: str, size: int, parts: Iterator[bytes | memoryview]) -> None:
+        """One record of ``size`` bytes, its data written part by part as ``parts`` yields them."""
         full = f"archive/{name}".encode()
         header_offset = self.offset
         zip64 = size >= _U32 or header_offset >= _U32
@@ -206,13 +228,22 @@ class _ZipStream:
         flags = 0x0808 if size else 0x0800
         self._write(struct.pack("<IHHHHHIIIHH", 0x04034B50, 0, flags, 0, 0, 0, 0, 0, 0, len(full), len(extra))
                     + full + extra)
-        crc = zlib.crc32(data) if self.crc32 else 0
-        if size >= 8 and bytes(data[:4]) == _DESCRIPTOR:
+        crc, head, written = 0, b"", 0
+        for data in parts:
+            if not len(data):
+                continue
+            if len(head) < 8:
+                head += bytes(data[:8 - len(head)])
+            crc = zlib.crc32(data, crc) if self.crc32 else 0
+            self._write(data)
+            written += len(data)
+        if written != size:
+            raise TensorMismatchError(f"record {name}: planned {size} bytes, produced {written}")
+        if size >= 8 and head[:4] == _DESCRIPTOR:
             # torch folds the CRC field of every written buffer that starts like a data descriptor
             # into the serialization id, and a record's data is one such buffer.
-            self.combined_crc = _hash_combine(self.combined_crc, struct.unpack("<I", data[4:8])[0])
+            self.combined_crc = _hash_combine(self.combined_crc, struct.unpack("<I", head[4:8])[0])
         if size:
-            self._write(data)
             self._write(struct.pack("<IIQQ", 0x08074B50, crc, size, size) if zip64
                         else struct.pack("<IIII", 0x08074B50, crc, size, size))
             self.combined_crc = _hash_combine(self.combined_crc, crc)

@@ -265,7 +265,8 @@ def _write_torch_dist(conversion: Any, optimizer: OptimizerSource, iteration_dir
     """opttd: the optimizer records beside the torch_dist saver's, in the fully_reshardable form, or
     (dprw) the dp_reshardable one for ``dst_dp`` (default: the written args') data-parallel ranks."""
     from pgconvert.formats import target_config
-    from pgconvert.optimizer_torch_dist_dp import DP_RESHARDABLE, rewrite_common, write_dp_reshardable
+    from pgconvert.optimizer_torch_dist_dp import DP_RESHARDABLE, write_dp_reshardable
+    from pgconvert.optimizer_torch_dist_save import rewrite_common
     from pgconvert.optimizer_torch_dist_save import write_fully_reshardable
 
     chunks, _, rows = conversion.saver._chunks(conversion.source, conversion.save_options)

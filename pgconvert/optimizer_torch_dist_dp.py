@@ -43,13 +43,12 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from pgconvert.config import ModelConfig
-from pgconvert.durable import fsync_file
 from pgconvert.errors import ValidationError
 from pgconvert.formats import PlannedFile
 from pgconvert.grid import RankCoord
 from pgconvert.layout import ParallelLayout
 from pgconvert.limits import quote
-from pgconvert.megatron_format import FRAMEWORK_PICKLE, safe_torch_load
+from pgconvert.megatron_format import safe_torch_load
 from pgconvert.optimizer_map import (MEGATRON_CORE_VERSIONS, FlatParam, UnsupportedOptimizerError, bucket_ranges,
                                      flat_buffers, optimizer_count)
 from pgconvert.optimizer_state import CARRIED_KEYS
@@ -213,19 +212,6 @@ def _plan(optimizer: Any, config: ModelConfig, layout: ParallelLayout, rows: int
     return records, objects
 
 
-def rewrite_common(iteration_dir: Path, update: Callable[[dict[str, Any]], None]) -> None:
-    """``common.pt`` read, changed by ``update`` and written back durably."""
-    path = iteration_dir / COMMON_FILE
-    common = dict(safe_torch_load(path))
-    update(common)
-    buffer = io.BytesIO()
-    torch.save(common, buffer, pickle_module=FRAMEWORK_PICKLE)
-    partial = path.with_name(path.name + ".optim")
-    partial.write_bytes(buffer.getbuffer())
-    fsync_file(partial)
-    os.replace(partial, path)
-
-
 def _common_update(optimizer: Any) -> Callable[[dict[str, Any]], None]:
     def update(common: dict[str, Any]) -> None:
         common["optimizer"] = {"param_state_sharding_type": DP_RESHARDABLE}
@@ -242,7 +228,7 @@ def write_dp_reshardable(optimizer: Any, config: ModelConfig, layout: ParallelLa
                          iteration_dir: Path) -> list[PlannedFile]:
     """Write the records beside the torch_dist saver's (for ``dp`` data-parallel ranks at ``layout``);
     returns the files added."""
-    from pgconvert.optimizer_torch_dist_save import RECORDS_FILE, _merge_metadata
+    from pgconvert.optimizer_torch_dist_save import RECORDS_FILE, _merge_metadata, rewrite_common
     from pgconvert.savers.torch_dist import _StreamingWriter
 
     args = safe_torch_load(iteration_dir / COMMON_FILE).get("args")

@@ -16,6 +16,7 @@ import io
 import os
 import pickle
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -77,32 +78,44 @@ def _merge_metadata(iteration_dir: Path, added_path: Path) -> None:
     metadata.state_dict_metadata.update(added.state_dict_metadata)
     for index, info in added.storage_data.items():
         metadata.storage_data[index] = _StorageInfo(RECORDS_FILE, info.offset, info.length, info.transform_descriptors)
+    replace_durably(path, pickle.dumps(metadata))
+
+
+def replace_durably(path: Path, data: bytes | memoryview) -> None:
+    """``path``'s content replaced by ``data``: written beside it, synced, then renamed over it."""
     partial = path.with_name(path.name + ".optim")
-    partial.write_bytes(pickle.dumps(metadata))
+    partial.write_bytes(data)
     fsync_file(partial)
     os.replace(partial, path)
+
+
+def rewrite_common(iteration_dir: Path, update: Callable[[dict[str, Any]], None]) -> None:
+    """``common.pt`` read, changed by ``update`` and written back durably."""
+    path = iteration_dir / COMMON_FILE
+    common = dict(safe_torch_load(path))
+    update(common)
+    buffer = io.BytesIO()
+    torch.save(common, buffer, pickle_module=FRAMEWORK_PICKLE)
+    replace_durably(path, buffer.getbuffer())
 
 
 def _add_common(optimizer: Any, iteration_dir: Path, group_counts: list[int] | None = None) -> None:
     """``group_counts`` (tdmoe): the target's param groups per chained optimizer (None: the source's one)."""
-    path = iteration_dir / COMMON_FILE
-    common = dict(safe_torch_load(path))
     step = float(optimizer.step(optimizer.names()[0]))
     counts: list[int | None] = list(group_counts) if group_counts else [None]
     groups = [[dict(settings, step=step) for settings in optimizer.param_group_settings(index, count)]
               for index, count in enumerate(counts)]
-    common["optimizer"] = common_entry(groups)
-    for key in CARRIED_KEYS:
-        if key in optimizer.first.extra:
-            common[key] = optimizer.first.extra[key]
-    common["content_metadata"] = dict(common.get("content_metadata") or {}, distrib_optim_sharding_type=SHARDING,
-                                      distrib_optim_fully_reshardable_mem_efficient=False)
-    buffer = io.BytesIO()
-    torch.save(common, buffer, pickle_module=FRAMEWORK_PICKLE)
-    partial = path.with_name(path.name + ".optim")
-    partial.write_bytes(buffer.getbuffer())
-    fsync_file(partial)
-    os.replace(partial, path)
+
+    def update(common: dict[str, Any]) -> None:
+        common["optimizer"] = common_entry(groups)
+        for key in CARRIED_KEYS:
+            if key in optimizer.first.extra:
+                common[key] = optimizer.first.extra[key]
+        common["content_metadata"] = dict(common.get("content_metadata") or {},
+                                          distrib_optim_sharding_type=SHARDING,
+                                          distrib_optim_fully_reshardable_mem_efficient=False)
+
+    rewrite_common(iteration_dir, update)
 
 
 def write_fully_reshardable(optimizer: Any, model_chunks: list[Any], rows: int, fits_rows: set[str],

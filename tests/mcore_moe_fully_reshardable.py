@@ -40,7 +40,9 @@ def _model(args: Any) -> Any:
 
     m = dataclasses.replace(MOE, dtype=torch.float32)
     tp, ep = args.tensor_model_parallel_size, args.expert_model_parallel_size
-    base = mcore.transformer_config_from_args(make_args(m, tp, 1, None, None, 100, ep=ep))
+    fixture_args = make_args(m, tp, 1, None, None, 100, ep=ep)
+    fixture_args.moe_router_score_function = "sigmoid"  # the fixture's expert bias needs it (megatron-core checks)
+    base = mcore.transformer_config_from_args(fixture_args)
     config = dataclasses.replace(
         base, num_moe_experts=m.num_experts, moe_ffn_hidden_size=m.expert_ffn_hidden_size,
         moe_layer_freq=list(m.moe_layer_freq), moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,

@@ -1018,3 +1018,20 @@ def merge_megatron_checkpoint(root: Path, m: TinyModel) -> dict[str, torch.Tenso
     order = [name for name, _ in full_model_shapes(m)]
     assert set(merged) == set(order), sorted(set(merged) ^ set(order))
     return {name: merged[name] for name in order}
+
+
+def assert_same_tree(a: object, b: object, where: str) -> None:
+    """``a`` and ``b`` equal all the way down: tensors by dtype and ``torch.equal``, dicts by keys (the
+    differing ones named), lists and tuples by length, anything else by ``==``."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b), (where, sorted(map(str, set(a) ^ set(b))))
+        for key in a:
+            assert_same_tree(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
+        for index, (x, y) in enumerate(zip(a, b)):
+            assert_same_tree(x, y, f"{where}[{index}]")
+    else:
+        assert a == b, where

@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 import torch
 
-from megatron_fixtures import load_for_test
+from megatron_fixtures import assert_same_tree, load_for_test
 from pgconvert.grid import iter_ranks
 from pgconvert.megatron_format import config_from_args, layout_from_args
 from pgconvert.optimizer_map import (FlatParam, OptimizerRules, UnsupportedOptimizerError, bucket_ranges,
@@ -190,20 +190,6 @@ def bucketed(golden: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def _assert_same(a: object, b: object, where: str) -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and set(a) == set(b), where
-        for key in a:
-            _assert_same(a[key], b[key], f"{where}.{key}")
-    elif isinstance(a, (list, tuple)):
-        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
-        for index, (x, y) in enumerate(zip(a, b)):
-            _assert_same(x, y, f"{where}[{index}]")
-    else:
-        assert a == b, where
-
 
 def _with(args: Any, **overrides: Any) -> Any:
     changed = copy.copy(args)
@@ -230,8 +216,8 @@ def test_a_multi_bucket_checkpoint_round_trips_tp2_tp1_tp2_bit_exact(bucketed: P
         original = load_for_test(bucketed / "iter_0000002" / rank / "model_optim_rng.pt")
         again = load_for_test(tmp_path / "back" / "iter_0000002" / rank / "model_optim_rng.pt")
         for key in ("optimizer", "opt_param_scheduler", "num_floating_point_operations_so_far", "model", "args"):
-            _assert_same(original[key], again[key], f"{rank}.{key}")
-        _assert_same(torch.load(bucketed / "iter_0000002" / rank / "distrib_optim.pt", weights_only=True),
+            assert_same_tree(original[key], again[key], f"{rank}.{key}")
+        assert_same_tree(torch.load(bucketed / "iter_0000002" / rank / "distrib_optim.pt", weights_only=True),
                      torch.load(tmp_path / "back" / "iter_0000002" / rank / "distrib_optim.pt", weights_only=True),
                      f"{rank}/distrib_optim.pt")
 
@@ -268,8 +254,8 @@ def test_the_dp_reshardable_form_stores_one_record_per_bucket_and_round_trips(bu
         original = load_for_test(bucketed / "iter_0000002" / rank / "model_optim_rng.pt")
         again = load_for_test(tmp_path / "back" / "iter_0000002" / rank / "model_optim_rng.pt")
         for key in ("optimizer", "opt_param_scheduler", "num_floating_point_operations_so_far", "model"):
-            _assert_same(original[key], again[key], f"{rank}.{key}")
-        _assert_same(torch.load(bucketed / "iter_0000002" / rank / "distrib_optim.pt", weights_only=True),
+            assert_same_tree(original[key], again[key], f"{rank}.{key}")
+        assert_same_tree(torch.load(bucketed / "iter_0000002" / rank / "distrib_optim.pt", weights_only=True),
                      torch.load(tmp_path / "back" / "iter_0000002" / rank / "distrib_optim.pt", weights_only=True),
                      f"{rank}/distrib_optim.pt")
     assert _convert(tmp_path / "td", tmp_path / "tp1", "--dst-format", "megatron").exit_code == 0
@@ -308,8 +294,8 @@ def test_megatron_cores_own_tied_pp2_multi_bucket_state_round_trips_pp2_pp1_pp2_
         original = load_for_test(src / rank / "model_optim_rng.pt")
         again = load_for_test(tmp_path / "back" / "iter_0000002" / rank / "model_optim_rng.pt")
         for key in ("optimizer", "opt_param_scheduler", "num_floating_point_operations_so_far", "model"):
-            _assert_same(original[key], again[key], f"{rank}.{key}")
+            assert_same_tree(original[key], again[key], f"{rank}.{key}")
         assert (again["args"].overlap_grad_reduce, again["args"].ddp_bucket_size) == (True, 5000)
-        _assert_same(torch.load(src / rank / "distrib_optim.pt", weights_only=True),
+        assert_same_tree(torch.load(src / rank / "distrib_optim.pt", weights_only=True),
                      torch.load(tmp_path / "back" / "iter_0000002" / rank / "distrib_optim.pt", weights_only=True),
                      f"{rank}/distrib_optim.pt")

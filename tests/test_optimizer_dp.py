@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner, Result
-from megatron_fixtures import load_for_test
+from megatron_fixtures import assert_same_tree, load_for_test
 
 from pgconvert.cli import main
 from pgconvert.errors import ValidationError
@@ -21,20 +21,6 @@ ITER = "iter_0000002"
 def _run(src: Path, dst: Path, *flags: str) -> Result:
     return CliRunner().invoke(main, ["convert", str(src), str(dst), "-q", *flags], prog_name="pgconvert")
 
-
-def _same(a: object, b: object, where: str) -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and set(a) == set(b), where
-        for key in a:
-            _same(a[key], b[key], f"{where}.{key}")
-    elif isinstance(a, (list, tuple)):
-        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
-        for index, (x, y) in enumerate(zip(a, b)):
-            _same(x, y, f"{where}[{index}]")
-    else:
-        assert a == b, where
 
 
 def test_dp2_to_dp4_and_back_is_bit_exact(tmp_path: Path) -> None:
@@ -50,11 +36,11 @@ def test_dp2_to_dp4_and_back_is_bit_exact(tmp_path: Path) -> None:
         assert (at_four["args"].data_parallel_size, at_four["args"].world_size) == (4, 8)
         assert (again["args"].data_parallel_size, again["args"].world_size) == (2, 4)
         for key in ("optimizer", "model", "iteration", "opt_param_scheduler"):
-            _same(original[key], again[key], f"{rank}.{key}")
+            assert_same_tree(original[key], again[key], f"{rank}.{key}")
         # One DP-gathered file per model-parallel rank, the same at every DP size (DP rank 0 scatters it).
         flat = torch.load(DISTOPT / ITER / rank / "distrib_optim.pt", weights_only=True)
         for root in (tmp_path / "dp4", tmp_path / "back"):
-            _same(flat, torch.load(root / ITER / rank / "distrib_optim.pt", weights_only=True), f"{root.name}/{rank}")
+            assert_same_tree(flat, torch.load(root / ITER / rank / "distrib_optim.pt", weights_only=True), f"{root.name}/{rank}")
 
 
 def test_invalid_dst_dp_values_are_refused(tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner, Result
-from megatron_fixtures import load_for_test
+from megatron_fixtures import assert_same_tree, load_for_test
 
 from pgconvert.cli import main
 from pgconvert.formats import LoadOptions
@@ -59,20 +59,6 @@ def _files(root: Path) -> dict[str, object]:
             torch.load(path, weights_only=True) for path in found}
 
 
-def _assert_same(a: object, b: object, where: str) -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and set(a) == set(b), (where, sorted(map(str, set(a) ^ set(b))))
-        for key in a:
-            _assert_same(a[key], b[key], f"{where}.{key}")
-    elif isinstance(a, (list, tuple)):
-        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
-        for index, (x, y) in enumerate(zip(a, b)):
-            _assert_same(x, y, f"{where}[{index}]")
-    else:
-        assert a == b, where
-
 
 def _assert_round_trip(original: Path, again: Path, keys: tuple[str, ...] = ("optimizer", "model", "iteration")) -> None:
     before, after = _files(original), _files(again)
@@ -80,9 +66,9 @@ def _assert_round_trip(original: Path, again: Path, keys: tuple[str, ...] = ("op
     for name, content in before.items():
         if name.endswith("model_optim_rng.pt"):
             for key in keys:
-                _assert_same(content[key], after[name][key], f"{name}.{key}")  # type: ignore[index]
+                assert_same_tree(content[key], after[name][key], f"{name}.{key}")  # type: ignore[index]
         else:
-            _assert_same(content, after[name], name)
+            assert_same_tree(content, after[name], name)
 
 
 def test_positions_are_megatron_cores_on_every_ep_rank(plain: Path) -> None:
@@ -166,7 +152,7 @@ def test_distributed_and_plain_exports_of_the_ep_change_agree(distributed: Path,
     assert set(exported[0]) == set(exported[1])
     assert "decoder.layers.3.mlp.experts.local_experts.7.linear_fc2.weight.pt" in exported[0]
     for name, tensors in exported[0].items():
-        _assert_same(tensors, exported[1][name], name)
+        assert_same_tree(tensors, exported[1][name], name)
 
 
 def test_plain_pp2_and_back_is_bit_exact(plain: Path, tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ import torch
 
 from click.testing import Result
 from pgconvert.loaders.megatron import MegatronSource
-from megatron_fixtures import load_for_test
+from megatron_fixtures import assert_same_tree, load_for_test
 from pgconvert.formats import LoadOptions
 from pgconvert.megatron_format import safe_torch_load
 from pgconvert.optimizer_map import (OptimizerLayoutError, OptimizerRules, UnsupportedOptimizerError,
@@ -86,20 +86,6 @@ def _rank_states(iteration_dir: Path) -> dict[str, dict[str, object]]:
     return {path.parent.name: load_for_test(path) for path in sorted(iteration_dir.glob("mp_rank_*/model_optim_rng.pt"))}
 
 
-def _assert_same(a: object, b: object, where: str) -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and set(a) == set(b), where
-        for key in a:
-            _assert_same(a[key], b[key], f"{where}.{key}")
-    elif isinstance(a, (list, tuple)):
-        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
-        for index, (x, y) in enumerate(zip(a, b)):
-            _assert_same(x, y, f"{where}[{index}]")
-    else:
-        assert a == b, where
-
 
 def test_tp2pp2_to_tp1pp1_and_back_is_bit_exact_in_every_optimizer_tensor(tmp_path: Path) -> None:
     one = _convert(PLAIN, tmp_path / "tp1", "--dst-tp", "1", "--dst-pp", "1")
@@ -113,7 +99,7 @@ def test_tp2pp2_to_tp1pp1_and_back_is_bit_exact_in_every_optimizer_tensor(tmp_pa
     assert set(original) == set(again) and len(original) == 4
     for rank, state in original.items():
         for key in ("optimizer", "opt_param_scheduler", "num_floating_point_operations_so_far", "iteration", "model"):
-            _assert_same(state[key], again[rank][key], f"{rank}.{key}")
+            assert_same_tree(state[key], again[rank][key], f"{rank}.{key}")
         assert again[rank]["args"].consumed_train_samples == state["args"].consumed_train_samples
         assert "rng_state" not in again[rank]
 
@@ -145,7 +131,7 @@ def test_per_parameter_form_is_layout_independent(tmp_path: Path) -> None:
     for name in files:
         a, b = (torch.load(tmp_path / d / name, weights_only=True) for d in ("a", "b"))
         assert set(a) == {"param", "exp_avg", "exp_avg_sq", "step"}
-        _assert_same(a, b, name)
+        assert_same_tree(a, b, name)
     model = _rank_states(tmp_path / "tp1" / "iter_0000002")["mp_rank_00"]["model"]
     qkv = torch.load(tmp_path / "a" / "decoder.layers.1.self_attention.linear_qkv.weight.pt", weights_only=True)
     assert torch.equal(qkv["param"], model["decoder.layers.1.self_attention.linear_qkv.weight"])
@@ -221,8 +207,8 @@ def test_distributed_optimizer_round_trips_tp2_tp1_tp2_bit_exact(tmp_path: Path)
     assert set(original) == set(again) == {"mp_rank_00", "mp_rank_01"}
     for rank, state in original.items():
         for key in ("optimizer", "opt_param_scheduler", "num_floating_point_operations_so_far", "model"):
-            _assert_same(state[key], again[rank][key], f"{rank}.{key}")
-        _assert_same(torch.load(DISTOPT / "iter_0000002" / rank / "distrib_optim.pt", weights_only=True),
+            assert_same_tree(state[key], again[rank][key], f"{rank}.{key}")
+        assert_same_tree(torch.load(DISTOPT / "iter_0000002" / rank / "distrib_optim.pt", weights_only=True),
                      torch.load(tmp_path / "back" / "iter_0000002" / rank / "distrib_optim.pt", weights_only=True),
                      f"{rank}/distrib_optim.pt")
 
@@ -321,7 +307,7 @@ def test_bf16_masters_grad_scaler_and_moments_round_trip_tp2_tp1_tp2_bit_exact(t
     assert set(original) == set(again) == {"mp_rank_00", "mp_rank_01"}
     for rank, state in original.items():
         for key in ("optimizer", "opt_param_scheduler", "num_floating_point_operations_so_far", "model"):
-            _assert_same(state[key], again[rank][key], f"{rank}.{key}")
+            assert_same_tree(state[key], again[rank][key], f"{rank}.{key}")
 
 
 def _swap(group: int, first: int, second: int) -> Callable[[dict], None]:
@@ -389,9 +375,9 @@ def test_a_dp_change_keeps_every_parameters_optimizer_state_bit_exact(tmp_path: 
         assert (converted[rank]["args"].data_parallel_size, converted[rank]["args"].world_size) == (1, 2)
         assert converted[rank]["args"].consumed_train_samples == state["args"].consumed_train_samples
         for key in ("optimizer", "opt_param_scheduler", "num_floating_point_operations_so_far", "iteration"):
-            _assert_same(state[key], converted[rank][key], f"{rank}.{key}")
+            assert_same_tree(state[key], converted[rank][key], f"{rank}.{key}")
         if golden == DISTOPT:
-            _assert_same(torch.load(golden / "iter_0000002" / rank / "distrib_optim.pt", weights_only=True),
+            assert_same_tree(torch.load(golden / "iter_0000002" / rank / "distrib_optim.pt", weights_only=True),
                          torch.load(tmp_path / "dp1" / "iter_0000002" / rank / "distrib_optim.pt", weights_only=True),
                          f"{rank}/distrib_optim.pt")
     before, after = _export(golden, tmp_path / "before"), _export(tmp_path / "dp1", tmp_path / "after")
@@ -421,7 +407,7 @@ def test_a_virtual_pipeline_round_trip_is_bit_exact_in_every_optimizer_tensor(tm
     assert set(original) == set(again) and len(original) == 4
     for rank, before in original.items():
         for key in ("optimizer", "opt_param_scheduler", "num_floating_point_operations_so_far", "iteration", "model"):
-            _assert_same(before[key], again[rank][key], f"{rank}.{key}")
+            assert_same_tree(before[key], again[rank][key], f"{rank}.{key}")
 
 
 def test_a_virtual_pipeline_round_trip_of_the_distributed_optimizer_is_bit_exact(tmp_path: Path) -> None:
@@ -431,7 +417,7 @@ def test_a_virtual_pipeline_round_trip_of_the_distributed_optimizer_is_bit_exact
     flat = torch.load(tmp_path / "vpp" / "iter_0000002" / "mp_rank_00" / "distrib_optim.pt", weights_only=True)
     assert sorted(k for k in flat if k != "buckets_coalesced") == [0, 1]  # one buffer per model chunk
     for rank in ("mp_rank_00", "mp_rank_01"):
-        _assert_same(torch.load(DISTOPT / "iter_0000002" / rank / "distrib_optim.pt", weights_only=True),
+        assert_same_tree(torch.load(DISTOPT / "iter_0000002" / rank / "distrib_optim.pt", weights_only=True),
                      torch.load(tmp_path / "back" / "iter_0000002" / rank / "distrib_optim.pt", weights_only=True),
                      f"{rank}/distrib_optim.pt")
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 from click.testing import CliRunner, Result
-from megatron_fixtures import load_for_test
+from megatron_fixtures import assert_same_tree, load_for_test
 
 from pgconvert.cli import main
 from pgconvert.formats import LoadOptions
@@ -35,20 +35,6 @@ def _convert(src: Path, dst: Path, *flags: str) -> Result:
 def _ranks(root: Path) -> dict[str, dict]:
     return {path.parent.name: load_for_test(path) for path in sorted((root / ITER).glob("mp_rank_*/model_optim_rng.pt"))}
 
-
-def _assert_equal(a: object, b: object, where: str) -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and set(a) == set(b), where
-        for key in a:
-            _assert_equal(a[key], b[key], f"{where}.{key}")
-    elif isinstance(a, (list, tuple)):
-        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
-        for index, (x, y) in enumerate(zip(a, b)):
-            _assert_equal(x, y, f"{where}[{index}]")
-    else:
-        assert a == b, where
 
 
 def test_te_positions_put_the_fused_norm_after_linear_proj(tmp_path: Path) -> None:
@@ -85,7 +71,7 @@ def test_plain_optimizer_round_trips_through_te_naming_bit_exact(tmp_path: Path)
     assert set(original) == set(again) and len(original) == 4
     for rank, state in original.items():
         for key in ("optimizer", "iteration", "opt_param_scheduler"):
-            _assert_equal(state[key], again[rank][key], f"{rank}.{key}")
+            assert_same_tree(state[key], again[rank][key], f"{rank}.{key}")
 
 
 def test_distributed_optimizer_round_trips_through_te_naming_bit_exact(tmp_path: Path) -> None:
@@ -98,4 +84,4 @@ def test_distributed_optimizer_round_trips_through_te_naming_bit_exact(tmp_path:
         # Same parameters, another order in the buffer: same size, other contents.
         assert te_entry["numel_unpadded"] == entry["numel_unpadded"]
         assert not torch.equal(te_entry["exp_avg"], entry["exp_avg"])
-        _assert_equal(before, torch.load(tmp_path / "back" / ITER / rank / "distrib_optim.pt", weights_only=True), rank)
+        assert_same_tree(before, torch.load(tmp_path / "back" / ITER / rank / "distrib_optim.pt", weights_only=True), rank)

@@ -25,7 +25,8 @@ from pgconvert.torch_dist_format import read_dcp_metadata
 
 pytest.importorskip("megatron.core", reason="megatron-core lays out the reference optimizer state")
 
-from test_optimizer_moe import ITER, _assert_same, _files, _generate  # noqa: E402
+from megatron_fixtures import assert_same_tree  # noqa: E402
+from test_optimizer_moe import ITER, _files, _generate  # noqa: E402
 
 FIELDS = ("param", "exp_avg", "exp_avg_sq")
 
@@ -56,12 +57,12 @@ def _assert_optimizer_files_equal(original: Path, again: Path) -> None:
     assert set(before) == set(after) and len(before) == 8
     for name, content in before.items():
         if name.endswith("distrib_optim.pt"):
-            _assert_same(content, after[name], name)
+            assert_same_tree(content, after[name], name)
             continue
-        _assert_same(content["model"], after[name]["model"], f"{name}.model")  # type: ignore[index]
+        assert_same_tree(content["model"], after[name]["model"], f"{name}.model")  # type: ignore[index]
         assert content["iteration"] == after[name]["iteration"]  # type: ignore[index]
         groups = [entry["optimizer"]["param_groups"] for entry in content["optimizer"]]  # type: ignore[index]
-        _assert_same(groups, [entry["optimizer"]["param_groups"] for entry in after[name]["optimizer"]],  # type: ignore[index]
+        assert_same_tree(groups, [entry["optimizer"]["param_groups"] for entry in after[name]["optimizer"]],  # type: ignore[index]
                      f"{name}.optimizer")
 
 
@@ -93,7 +94,7 @@ def test_torch_dist_ep1_tp1_holds_one_optimizer_and_reaches_ep2_again(distribute
     exported = _export(tmp_path / "td", tmp_path / "td_export")
     assert set(original) == set(exported) and "decoder.layers.3.mlp.experts.local_experts.7.linear_fc2.weight" in original
     for name, tensors in original.items():
-        _assert_same(tensors, exported[name], name)
+        assert_same_tree(tensors, exported[name], name)
     # torch_dist EP1 -> per-rank EP1 -> per-rank EP2 TP2: the original files again
     _convert(tmp_path / "td", tmp_path / "ep1", "--dst-format", "megatron")
     one = _files(tmp_path / "ep1")["mp_rank_00/model_optim_rng.pt"]["optimizer"]  # type: ignore[index]

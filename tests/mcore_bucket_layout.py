@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import importlib
 import json
-import multiprocessing
 import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
+from gloo_ranks import run_ranks
 
 
 def _layout(ddp: Any, names: dict[int, str]) -> list[dict[str, Any]]:
@@ -65,17 +64,7 @@ def main(iteration_dir: Path, overrides: dict[str, Any], out_dir: Path) -> None:
         setattr(args, key, value)
     world = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.data_parallel_size
     out_dir.mkdir(parents=True, exist_ok=True)
-    context = multiprocessing.get_context("fork")
-    with tempfile.TemporaryDirectory() as tmp:
-        ranks = [context.Process(target=_rank, args=(rank, world, f"{tmp}/store", args, out_dir))
-                 for rank in range(world)]
-        for process in ranks:
-            process.start()
-        for process in ranks:
-            process.join()
-    failed = [rank for rank, process in enumerate(ranks) if process.exitcode != 0]
-    if failed:
-        raise SystemExit(f"ranks {failed} failed")
+    run_ranks(_rank, world, args, out_dir)
 
 
 if __name__ == "__main__":

@@ -16,13 +16,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import io
-import multiprocessing
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
+from gloo_ranks import run_ranks
 
 
 def _rank(rank: int, world: int, store: str, iteration_dir: Path, out_dir: Path) -> None:
@@ -73,17 +72,7 @@ def run(iteration_dir: Path, out_dir: Path, dp: int) -> None:
     args = load_for_test(iteration_dir / "common.pt")["args"]
     world = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * dp
     out_dir.mkdir(parents=True, exist_ok=True)
-    context = multiprocessing.get_context("fork")
-    with tempfile.TemporaryDirectory() as tmp:
-        ranks = [context.Process(target=_rank, args=(rank, world, f"{tmp}/store", iteration_dir, out_dir))
-                 for rank in range(world)]
-        for process in ranks:
-            process.start()
-        for process in ranks:
-            process.join()
-    failed = [rank for rank, process in enumerate(ranks) if process.exitcode != 0]
-    if failed:
-        raise SystemExit(f"{iteration_dir}: ranks {failed} failed")
+    run_ranks(_rank, world, iteration_dir, out_dir, where=str(iteration_dir))
 
 
 if __name__ == "__main__":

@@ -30,14 +30,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
-import multiprocessing
 import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
+from gloo_ranks import run_ranks
 
 ROW_PARALLEL = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
 COLUMN_PARALLEL = ("word_embeddings.weight", "output_layer.weight", "self_attention.linear_qkv.weight")
@@ -216,17 +215,7 @@ def run(iteration_dir: Path, grads_path: Path, out_dir: Path, dp: int) -> None:
     args = checkpoint_args(iteration_dir)
     world = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * dp
     out_dir.mkdir(parents=True, exist_ok=True)
-    context = multiprocessing.get_context("fork")
-    with tempfile.TemporaryDirectory() as tmp:
-        ranks = [context.Process(target=_rank, args=(rank, world, f"{tmp}/store", iteration_dir, grads_path, out_dir))
-                 for rank in range(world)]
-        for process in ranks:
-            process.start()
-        for process in ranks:
-            process.join()
-    failed = [rank for rank, process in enumerate(ranks) if process.exitcode != 0]
-    if failed:
-        raise SystemExit(f"{iteration_dir}: ranks {failed} failed")
+    run_ranks(_rank, world, iteration_dir, grads_path, out_dir, where=str(iteration_dir))
 
 
 def main(argv: list[str]) -> None:

@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import importlib
 import json
-import multiprocessing
 import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
+from gloo_ranks import run_ranks
 
 
 def _rank(rank: int, world: int, store: str, args: Any, template: dict[str, Any], out_root: Path) -> None:
@@ -73,17 +72,7 @@ def main(template_dir: Path, overrides: dict[str, Any], out_root: Path) -> None:
     args.expert_tensor_parallel_size = args.tensor_model_parallel_size
     out_root.mkdir(parents=True)
     (out_root / "latest_checkpointed_iteration.txt").write_text("2")
-    context = multiprocessing.get_context("fork")
-    with tempfile.TemporaryDirectory() as tmp:
-        ranks = [context.Process(target=_rank, args=(rank, world, f"{tmp}/store", args, template, out_root))
-                 for rank in range(world)]
-        for process in ranks:
-            process.start()
-        for process in ranks:
-            process.join()
-    failed = [rank for rank, process in enumerate(ranks) if process.exitcode != 0]
-    if failed:
-        raise SystemExit(f"ranks {failed} failed")
+    run_ranks(_rank, world, args, template, out_root)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ from pgconvert.families import (
     _EMBEDDING_ROWS,
     _FINAL_ROWS,
     _HF_SILU,
+    _QWEN_MOE_ROWS,
     _ROPE_DEFAULT,
     _ROPE_RULE,
     _SWIGLU_RMS_ROPE,
@@ -64,15 +65,10 @@ _MLA_ROWS = (
     TensorMapping(_MLA + "linear_proj.weight", (_ATTN + "o_proj.weight",)),
     TensorMapping("decoder.layers.{}.pre_mlp_layernorm.weight", ("model.layers.{}.post_attention_layernorm.weight",)),
 )
-_MOE_ROWS = (
-    TensorMapping("decoder.layers.{}.mlp.router.weight", ("model.layers.{}.mlp.gate.weight",)),
-    TensorMapping("decoder.layers.{}.mlp.router.expert_bias", ("model.layers.{}.mlp.gate.e_score_correction_bias",)),
-    TensorMapping("decoder.layers.{}.mlp.experts.local_experts.{}.linear_fc1.weight", (
-        "model.layers.{}.mlp.experts.{}.gate_proj.weight",
-        "model.layers.{}.mlp.experts.{}.up_proj.weight",
-    ), GATE_UP),
-    TensorMapping("decoder.layers.{}.mlp.experts.local_experts.{}.linear_fc2.weight",
-                  ("model.layers.{}.mlp.experts.{}.down_proj.weight",)),
+# Sigmoid routing's bias and the shared experts: the rows DeepSeek and GLM-4.5-MoE add to Qwen's MoE rows.
+EXPERT_BIAS_ROW = TensorMapping("decoder.layers.{}.mlp.router.expert_bias",
+                                ("model.layers.{}.mlp.gate.e_score_correction_bias",))
+SHARED_EXPERTS_ROWS = (
     TensorMapping("decoder.layers.{}.mlp.shared_experts.linear_fc1.weight", (
         "model.layers.{}.mlp.shared_experts.gate_proj.weight",
         "model.layers.{}.mlp.shared_experts.up_proj.weight",
@@ -80,6 +76,7 @@ _MOE_ROWS = (
     TensorMapping("decoder.layers.{}.mlp.shared_experts.linear_fc2.weight",
                   ("model.layers.{}.mlp.shared_experts.down_proj.weight",)),
 )
+_MOE_ROWS = (_QWEN_MOE_ROWS[0], EXPERT_BIAS_ROW, *_QWEN_MOE_ROWS[1:], *SHARED_EXPERTS_ROWS)
 DEEPSEEK_TENSORS = TensorTable((*_EMBEDDING_ROWS, *_MLA_ROWS, *_DENSE_MLP_ROWS, *_MOE_ROWS, *_FINAL_ROWS, *MTP_ROWS))
 
 

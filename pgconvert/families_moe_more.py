@@ -32,7 +32,6 @@ from pgconvert.families import (
     _QWEN_MOE_ROWS,
     _ROPE_RULE,
     _SWIGLU_RMS_ROPE,
-    GATE_UP,
     IDENTITY,
     ConfigField,
     ConfigRule,
@@ -49,6 +48,7 @@ from pgconvert.families import (
     _refuses_dense_layers,
     _write_rope,
 )
+from pgconvert.families_deepseek import EXPERT_BIAS_ROW, SHARED_EXPERTS_ROWS
 from pgconvert.families_deepseek import _groups as _deepseek_groups
 from pgconvert.limits import quote
 from pgconvert.mtp import MTP_ROWS
@@ -59,15 +59,7 @@ GLM4_MOE_PARTIAL_ROTARY = 0.5
 GLM4_MOE_FIRST_DENSE = 1
 GLM4_MOE_SHARED_EXPERTS = 1
 
-_GLM4_MOE_EXTRA_ROWS = (
-    TensorMapping("decoder.layers.{}.mlp.router.expert_bias", ("model.layers.{}.mlp.gate.e_score_correction_bias",)),
-    TensorMapping("decoder.layers.{}.mlp.shared_experts.linear_fc1.weight", (
-        "model.layers.{}.mlp.shared_experts.gate_proj.weight",
-        "model.layers.{}.mlp.shared_experts.up_proj.weight",
-    ), GATE_UP),
-    TensorMapping("decoder.layers.{}.mlp.shared_experts.linear_fc2.weight",
-                  ("model.layers.{}.mlp.shared_experts.down_proj.weight",)),
-)
+_GLM4_MOE_EXTRA_ROWS = (EXPERT_BIAS_ROW, *SHARED_EXPERTS_ROWS)
 GLM4_MOE_TENSORS = TensorTable((*_EMBEDDING_ROWS, *_ATTENTION_ROWS, *_DENSE_MLP_ROWS, *_QWEN_MOE_ROWS,
                                 *_GLM4_MOE_EXTRA_ROWS, *_FINAL_ROWS, *MTP_ROWS))
 

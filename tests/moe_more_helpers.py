@@ -17,6 +17,8 @@ import torch
 from family_helpers import rank_qkv, routed_experts, save_with_side_files, seeded_model, tp_swiglu
 from family_helpers import vocab_parallel_embedding, vocab_parallel_logits
 from hf_helpers import _layer_norm_weight, _replicated, _rms_norm, _rotate_half
+from hf_helpers import assert_same_hf_tensors, hf_logits, input_ids
+from megatron_fixtures import load_for_test
 from hf_side_helpers import BOS, EOS, PAD
 from transformers import (
     Glm4MoeConfig,
@@ -196,3 +198,18 @@ def gpt_oss_tp_logits(models: list[dict[str, torch.Tensor]], c: dict[str, Any], 
         x = x + _softmax_top_k_moe(models, prefix, h, c)
     x = _rms_norm(x, _replicated(models, "decoder.final_layernorm.weight"), eps)
     return vocab_parallel_logits(models, x, vocab)
+
+
+def assert_same_release(src: Path, out: Path, vocab: int) -> None:
+    """``out`` is ``src`` again: every tensor equal, config and side files byte-equal, and the same
+    transformers logits (rtol=atol=1e-5)."""
+    assert_same_hf_tensors(src, out)
+    for name in ("config.json", *SIDE_FILES):
+        assert (out / name).read_bytes() == (src / name).read_bytes(), name
+    ids = input_ids(vocab)
+    torch.testing.assert_close(hf_logits(out, ids), hf_logits(src, ids), rtol=1e-5, atol=1e-5)
+
+
+def first_rank_args(root: Path) -> Any:
+    """The Megatron args of the first rank file of the iteration-0 checkpoint at ``root``."""
+    return load_for_test(root / "iter_0000000" / "mp_rank_00_000" / "model_optim_rng.pt")["args"]

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from hf_helpers import assert_same_hf_tensors, edit_json, hf_logits, input_ids, load_hf_tensors, read_megatron_tp_ranks
-from moe_more_helpers import GLM4_MOE_KWARGS, SIDE_FILES, glm4_moe_tp_logits, save_glm4_moe
+from moe_more_helpers import GLM4_MOE_KWARGS, assert_same_release, first_rank_args, glm4_moe_tp_logits, save_glm4_moe
 from safetensors.torch import save_file
 
 import pgconvert
@@ -32,14 +32,6 @@ def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_glm4_moe(tmp_path_factory.mktemp("glm4_moe") / "src", seed=3)
 
 
-def _assert_same_release(src: Path, out: Path) -> None:
-    assert_same_hf_tensors(src, out)
-    for name in ("config.json", *SIDE_FILES):
-        assert (out / name).read_bytes() == (src / name).read_bytes(), name
-    ids = input_ids(VOCAB)
-    torch.testing.assert_close(hf_logits(out, ids), hf_logits(src, ids), rtol=1e-5, atol=1e-5)
-
-
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_glm4_moe_to_megatron_and_back_is_bit_exact_with_the_same_logits(source: Path, tmp_path: Path,
                                                                          layout: str) -> None:
@@ -47,7 +39,7 @@ def test_glm4_moe_to_megatron_and_back_is_bit_exact_with_the_same_logits(source:
     back = pgconvert.convert(tmp_path / "megatron", tmp_path / "hf", dst_format="hf")
 
     assert not [notice for notice in back.notices if "not carried" in notice]
-    _assert_same_release(source, tmp_path / "hf")
+    assert_same_release(source, tmp_path / "hf", VOCAB)
 
 
 def test_glm4_moe_to_torch_dist_and_back_is_bit_exact(source: Path, tmp_path: Path) -> None:
@@ -55,14 +47,7 @@ def test_glm4_moe_to_torch_dist_and_back_is_bit_exact(source: Path, tmp_path: Pa
     pgconvert.convert(tmp_path / "megatron", tmp_path / "dist", dst_format="torch_dist")
     pgconvert.convert(tmp_path / "dist", tmp_path / "hf", dst_format="hf")
 
-    _assert_same_release(source, tmp_path / "hf")
-
-
-def _rank_args(root: Path) -> argparse.Namespace:
-    with torch.serialization.safe_globals([argparse.Namespace]):
-        state = torch.load(root / "iter_0000000" / "mp_rank_00_000" / "model_optim_rng.pt", weights_only=True)
-    args: argparse.Namespace = state["args"]
-    return args
+    assert_same_release(source, tmp_path / "hf", VOCAB)
 
 
 def test_megatron_tp2_ep2_rank_files_compute_the_hf_logits(source: Path, tmp_path: Path) -> None:
@@ -76,7 +61,7 @@ def test_megatron_tp2_ep2_rank_files_compute_the_hf_logits(source: Path, tmp_pat
 
     torch.testing.assert_close(actual, hf_logits(source, ids).to(torch.float64), rtol=1e-5, atol=1e-5)
     # The settings it computes with are the ones the Megatron args carry.
-    args = _rank_args(tmp_path / "megatron")
+    args = first_rank_args(tmp_path / "megatron")
     assert (args.rotary_percent, args.moe_router_score_function, args.moe_router_topk_scaling_factor) == (
         0.5, "sigmoid", 2.5)
     assert args.moe_router_enable_expert_bias and args.qk_layernorm and args.add_qkv_bias
@@ -160,7 +145,7 @@ def test_group_limited_routing_round_trips_through_megatron_with_the_same_logits
     assert not torch.allclose(hf_logits(ungrouped, ids), hf_logits(src, ids), rtol=1e-4, atol=1e-4)
 
     pgconvert.convert(src, tmp_path / "megatron", dst_format="megatron", dst_tp=2, dst_ep=2)
-    args = _rank_args(tmp_path / "megatron")
+    args = first_rank_args(tmp_path / "megatron")
     shutil.rmtree(tmp_path / "megatron" / "hf")
     pgconvert.convert(tmp_path / "megatron", tmp_path / "hf", dst_format="hf", strict=True)
 

@@ -10,7 +10,6 @@ round trip below.
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import shutil
@@ -26,7 +25,7 @@ from hf_helpers import (
     read_megatron_tp_ranks,
     rewrite_as_single_file,
 )
-from moe_more_helpers import GPT_OSS_KWARGS, SIDE_FILES, gpt_oss_tp_logits, save_gpt_oss
+from moe_more_helpers import GPT_OSS_KWARGS, assert_same_release, first_rank_args, gpt_oss_tp_logits, save_gpt_oss
 
 import pgconvert
 from pgconvert.errors import CheckpointError
@@ -42,14 +41,6 @@ def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_gpt_oss(tmp_path_factory.mktemp("gpt_oss") / "src", seed=3)
 
 
-def _assert_same_release(src: Path, out: Path) -> None:
-    assert_same_hf_tensors(src, out)
-    for name in ("config.json", *SIDE_FILES):
-        assert (out / name).read_bytes() == (src / name).read_bytes(), name
-    ids = input_ids(VOCAB)
-    torch.testing.assert_close(hf_logits(out, ids), hf_logits(src, ids), rtol=1e-5, atol=1e-5)
-
-
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_gpt_oss_to_megatron_and_back_is_bit_exact_with_the_same_logits(source: Path, tmp_path: Path,
                                                                         layout: str) -> None:
@@ -58,21 +49,14 @@ def test_gpt_oss_to_megatron_and_back_is_bit_exact_with_the_same_logits(source: 
 
     assert any(MEGATRON_ONLY_ARGS in notice for notice in to_megatron.notices)
     assert not [notice for notice in back.notices if "not carried" in notice]
-    _assert_same_release(source, tmp_path / "hf")
+    assert_same_release(source, tmp_path / "hf", VOCAB)
 
 
 def test_gpt_oss_to_torch_dist_and_back_is_bit_exact(source: Path, tmp_path: Path) -> None:
     pgconvert.convert(source, tmp_path / "dist", dst_format="torch_dist")
     pgconvert.convert(tmp_path / "dist", tmp_path / "hf", dst_format="hf")
 
-    _assert_same_release(source, tmp_path / "hf")
-
-
-def _rank_args(root: Path) -> argparse.Namespace:
-    with torch.serialization.safe_globals([argparse.Namespace]):
-        state = torch.load(root / "iter_0000000" / "mp_rank_00_000" / "model_optim_rng.pt", weights_only=True)
-    args: argparse.Namespace = state["args"]
-    return args
+    assert_same_release(source, tmp_path / "hf", VOCAB)
 
 
 def test_megatron_tp2_ep2_rank_files_compute_the_hf_logits(source: Path, tmp_path: Path) -> None:
@@ -86,7 +70,7 @@ def test_megatron_tp2_ep2_rank_files_compute_the_hf_logits(source: Path, tmp_pat
 
     torch.testing.assert_close(actual, hf_logits(source, ids).to(torch.float64), rtol=1e-5, atol=1e-5)
     # The settings it computes with are the ones the Megatron args carry (Megatron-Bridge's names).
-    args = _rank_args(tmp_path / "megatron")
+    args = first_rank_args(tmp_path / "megatron")
     assert (args.softmax_type, args.glu_linear_offset, args.activation_func_clamp_value) == ("learnable", 1.0, 0.5)
     assert args.quick_geglu and not args.swiglu and args.add_bias_linear and not args.add_qkv_bias
     assert (tuple(args.window_size), list(args.window_attn_skip_freq)) == ((3, 0), [1, 0, 1, 0])
@@ -153,9 +137,9 @@ def test_released_yarn_rope_round_trips_through_megatron_with_the_same_logits(tm
     pgconvert.convert(tmp_path / "megatron", tmp_path / "hf", dst_format="hf")
 
     assert not [notice for notice in to_megatron.notices if "rope" in notice.lower()]
-    args = _rank_args(tmp_path / "megatron")
+    args = first_rank_args(tmp_path / "megatron")
     assert (args.position_embedding_type, args.rotary_base) == ("yarn", 150000.0)
-    _assert_same_release(src, tmp_path / "hf")
+    assert_same_release(src, tmp_path / "hf", VOCAB)
 
 
 def test_swiglu_alpha_other_than_quick_gelus_is_refused(source: Path, tmp_path: Path) -> None:

@@ -179,6 +179,17 @@ def check_quant_method(doc: dict[str, Any], config_path: Path) -> str | None:
     return str(method)
 
 
+def _paired_scale(files: dict[str, Path], stored: dict[str, TensorMeta], name: str, scale: str,
+                  dtype: torch.dtype, missing: str, needs: str) -> TensorMeta:
+    """The stored scale tensor ``scale`` of the quantized tensor ``name``: present and of ``dtype``."""
+    if scale not in stored:
+        raise MissingScaleError(f"{files[name]}: {missing}")
+    scale_meta = stored[scale]
+    if scale_meta.dtype != dtype:
+        raise ScaleDtypeError(f"{files[scale]}: {scale} has dtype {_dtype(scale_meta.dtype)}; {needs}")
+    return scale_meta
+
+
 def _fp8_entries(doc: dict[str, Any], config_path: Path, files: dict[str, Path],
                  stored: dict[str, TensorMeta], dtype: torch.dtype) -> list[Quantized]:
     """Every fp8 weight with its float32 block scale, checked against the block grid."""
@@ -190,15 +201,10 @@ def _fp8_entries(doc: dict[str, Any], config_path: Path, files: dict[str, Path],
     found = []
     for name in weights:
         meta, scale = stored[name], name + FP8_SCALE_SUFFIX
-        if scale not in stored:
-            raise MissingScaleError(
-                f"{files[name]}: {name} is {_dtype(meta.dtype)} {list(meta.shape)}, but its scale {scale} is "
-                "not in the checkpoint; every fp8 weight needs its float32 block scales")
-        scale_meta = stored[scale]
-        if scale_meta.dtype != torch.float32:
-            raise ScaleDtypeError(
-                f"{files[scale]}: {scale} has dtype {_dtype(scale_meta.dtype)}; the block scales of {name} "
-                "must be float32")
+        scale_meta = _paired_scale(
+            files, stored, name, scale, torch.float32,
+            f"{name} is {_dtype(meta.dtype)} {list(meta.shape)}, but its scale {scale} is not in the checkpoint; "
+            "every fp8 weight needs its float32 block scales", f"the block scales of {name} must be float32")
         grid = fp8_scale_grid(meta.shape, block) if len(meta.shape) >= 2 else None
         if scale_meta.shape != grid:
             needs = f"needs {list(grid)}" if grid is not None else "cannot be block-scaled (fewer than 2 dims)"
@@ -222,15 +228,10 @@ def _mxfp4_entries(files: dict[str, Path], stored: dict[str, TensorMeta], dtype:
             continue
         base = name.removesuffix(MXFP4_BLOCKS_SUFFIX)
         scale = base + MXFP4_SCALES_SUFFIX
-        if scale not in stored:
-            raise MissingScaleError(
-                f"{files[name]}: {name} holds mxfp4 blocks {list(meta.shape)}, but its scales {scale} are not "
-                "in the checkpoint")
-        scale_meta = stored[scale]
-        if scale_meta.dtype != torch.uint8:
-            raise ScaleDtypeError(
-                f"{files[scale]}: {scale} has dtype {_dtype(scale_meta.dtype)}; mxfp4 scales are uint8 "
-                "(E8M0 exponents)")
+        scale_meta = _paired_scale(
+            files, stored, name, scale, torch.uint8,
+            f"{name} holds mxfp4 blocks {list(meta.shape)}, but its scales {scale} are not in the checkpoint",
+            "mxfp4 scales are uint8 (E8M0 exponents)")
         if len(meta.shape) != 4 or meta.shape[-1] != MXFP4_BYTES_PER_BLOCK:
             raise QuantizationError(
                 f"{files[name]}: {name} has shape {list(meta.shape)}; mxfp4 blocks are "

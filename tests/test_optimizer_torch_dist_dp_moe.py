@@ -244,3 +244,32 @@ def test_an_expert_tensor_parallel_size_other_than_tp_is_named_and_refused(runs:
     assert_clean_refusal(_cli(*args), 2, "expert tensor parallel size 1 differs from tensor parallel size 2",
                          "not into dp_reshardable", "--dst-optim-form fully_reshardable")
     assert not (tmp_path / "out").exists()
+
+
+def test_record_prefixes_are_the_ranks_in_megatron_cores_model_parallel_groups() -> None:
+    # The data_parallel_group_idx of each chained optimizer (get_megatron_optimizer: the rank in mp_group, tp-pp,
+    # and in expt_tp_pp_group, tp-ep-pp) at TP2 x EP2 x PP2 x DP4 (expert DP 2), from megatron-core's RankGenerator
+    # as initialize_model_parallel builds both grids
+    from megatron.core.parallel_state import RankGenerator
+
+    from pgconvert.config import ModelConfig
+    from pgconvert.grid import RankCoord
+    from pgconvert.layout import ParallelLayout
+    from pgconvert.optimizer_torch_dist_dp import optimizer_dp, record_prefix
+
+    order = "tp-cp-ep-dp-pp"
+    dense = RankGenerator(tp=2, ep=1, dp=4, pp=2, cp=1, order=order, rank_offset=0)
+    expert = RankGenerator(tp=2, ep=2, dp=2, pp=2, cp=1, order=order, rank_offset=0)
+    config = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=8, ffn_hidden_size=128, num_experts=8)
+    layout = ParallelLayout(tp=2, pp=2, ep=2)
+    assert optimizer_dp(config, layout, 4, None, 1, "here") == 2
+
+    def index(groups: list[list[int]], rank: int) -> int:
+        return next(group.index(rank) for group in groups if rank in group)
+
+    for rank in range(16):
+        coord = RankCoord(tp=rank % 2, pp=rank // 8, ep=index(expert.get_ranks("ep"), rank))
+        assert record_prefix(config, layout, coord, 0) == \
+            f"chained_0.optimizer.distributed.dp_group_idx_{index(dense.get_ranks('tp-pp'), rank)}"
+        assert record_prefix(config, layout, coord, 1) == \
+            f"chained_1.optimizer.distributed.dp_group_idx_{index(expert.get_ranks('tp-ep-pp'), rank)}"

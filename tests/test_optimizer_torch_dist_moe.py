@@ -130,6 +130,21 @@ def test_per_rank_ep2_to_dp_reshardable_at_its_own_layout_and_back_is_bit_exact(
     _assert_optimizer_files_equal(distributed, tmp_path / "back")
 
 
+def test_dp_reshardable_moe_at_pp2_vpp2_counts_only_the_chunks_holding_experts(distributed: Path,
+                                                                              tmp_path: Path) -> None:
+    # dpmoe: layer 1 is dense, so stage 1's first model chunk has no expert_parallel_buffers: its expert optimizer's
+    # only buffer is gbuf_idx_0 (the chunk of layer 3); the expert records per tp + tp_size * (ep + ep_size * pp)
+    _convert(distributed, tmp_path / "td", "--dst-format", "torch_dist", "--dst-optim-form", "dp_reshardable",
+             "--dst-tp", "1", "--dst-pp", "2", "--dst-vpp", "2", "--dst-dp", "2")
+    stored = read_dcp_metadata(tmp_path / "td" / ITER / ".metadata").state_dict_metadata
+    buffers = {".".join(key.split(".")[3:5]) for key in stored if key.startswith("chained_1.") and "gbuf_idx" in key}
+    assert buffers == {"dp_group_idx_0.gbuf_idx_0", "dp_group_idx_0.gbuf_idx_1", "dp_group_idx_1.gbuf_idx_0",
+                       "dp_group_idx_1.gbuf_idx_1", "dp_group_idx_2.gbuf_idx_0", "dp_group_idx_3.gbuf_idx_0"}
+    _convert(tmp_path / "td", tmp_path / "back", "--dst-format", "megatron", "--dst-tp", "2", "--dst-pp", "1",
+             "--dst-ep", "2")
+    _assert_optimizer_files_equal(distributed, tmp_path / "back")
+
+
 def test_a_chained_entry_missing_is_a_named_error(distributed: Path, tmp_path: Path) -> None:
     _convert(distributed, tmp_path / "td", "--dst-format", "torch_dist")
     path = tmp_path / "td" / ITER / "common.pt"

@@ -16,6 +16,10 @@ parameter state in the form ``metadata['distrib_optim_sharding_type']`` names (M
   of global shape ``(numel_unpadded,)``: the DP-gathered flat buffer without the DP tail padding,
   i.e. ``distrib_optim.pt``'s coalesced buffer, placed with ``optimizer_map.flat_buffers`` at the
   SOURCE layout; the param groups are the ShardedObject ``optimizer.distributed.dp_group_idx_<g>.optimizer``.
+  dpmoe: a MoE run at expert parallel size > 1: every key prefixed ``chained_<i>.`` (0: dense, from EP rank 0;
+  1: expert, per TP x EP x PP rank ``g = tp + tp_size * (ep + ep_size * pp)``, buffers counting the model chunks
+  that hold experts), each optimizer's param groups from its own ``.optimizer`` object
+  (``optimizer_torch_dist_dp.record_prefix``).
 
 Each read is one parameter's box (``TorchDistSource.load_state`` / ``load_flat``: in-place record
 reads), so memory holds one parameter's state at a time. The writers of ``optimizer_reshard`` take

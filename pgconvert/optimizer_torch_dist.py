@@ -161,7 +161,7 @@ class TorchDistOptimizerSource(OptimizerSource):
     def _chained_groups(self, common: dict[str, Any], where: str) -> list[list[dict[str, Any]]]:
         """Per chained optimizer (tdmoe: dense, then expert-parallel), its param groups (hyperparameters and
         ``step``): common state for the model-space forms, the ShardedObject of model-parallel rank 0 for
-        dp_reshardable (the same on every rank; one optimizer)."""
+        dp_reshardable (the same on every rank), dpmoe: ``chained_<i>.``-prefixed per optimizer when chained."""
         counts = [len(groups) for groups in chained_slots(self.config, self.layout, RankCoord(0, 0, 0), self.rules,
                                                           self.vocab_rows)]
         if self.sharding == "dp_reshardable":  # dpmoe: per chained optimizer, its chained_<i>.-prefixed object

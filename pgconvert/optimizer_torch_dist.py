@@ -16,6 +16,10 @@ parameter state in the form ``metadata['distrib_optim_sharding_type']`` names (M
   of global shape ``(numel_unpadded,)``: the DP-gathered flat buffer without the DP tail padding,
   i.e. ``distrib_optim.pt``'s coalesced buffer, placed with ``optimizer_map.flat_buffers`` at the
   SOURCE layout; the param groups are the ShardedObject ``optimizer.distributed.dp_group_idx_<g>.optimizer``.
+  dpmoe: a MoE run at expert parallel size > 1: every key prefixed ``chained_<i>.`` (0: dense, from EP rank 0;
+  1: expert, per TP x EP x PP rank ``g = tp + tp_size * (ep + ep_size * pp)``, buffers counting the model chunks
+  that hold experts), each optimizer's param groups from its own ``.optimizer`` object
+  (``optimizer_torch_dist_dp.record_prefix``).
 
 Each read is one parameter's box (``TorchDistSource.load_state`` / ``load_flat``: in-place record
 reads), so memory holds one parameter's state at a time. The writers of ``optimizer_reshard`` take
@@ -36,7 +40,7 @@ from pgconvert.limits import quote
 from pgconvert.optimizer_flat import dp_size
 from pgconvert.optimizer_map import (MEGATRON_CORE_VERSIONS, FlatParam, OptimizerLayoutError, OptimizerRules,
                                      OptimizerSlot, UnsupportedOptimizerError, bucket_ranges, chained_slots,
-                                     check_supported, flat_buffers, optimizer_slots)
+                                     check_supported, flat_buffers, optimizer_count, optimizer_slots)
 from pgconvert.optimizer_state import (CARRIED_KEYS, DISTRIBUTED_SHARDING_TYPES, FORM_DISTRIBUTED, MOMENTS,
                                        OptimizerSource)
 from pgconvert.optimizer_torch_dist_moe import chained_entries
@@ -157,14 +161,20 @@ class TorchDistOptimizerSource(OptimizerSource):
     def _chained_groups(self, common: dict[str, Any], where: str) -> list[list[dict[str, Any]]]:
         """Per chained optimizer (tdmoe: dense, then expert-parallel), its param groups (hyperparameters and
         ``step``): common state for the model-space forms, the ShardedObject of model-parallel rank 0 for
-        dp_reshardable (the same on every rank; one optimizer)."""
+        dp_reshardable (the same on every rank), dpmoe: ``chained_<i>.``-prefixed per optimizer when chained."""
         counts = [len(groups) for groups in chained_slots(self.config, self.layout, RankCoord(0, 0, 0), self.rules,
                                                           self.vocab_rows)]
-        if self.sharding == "dp_reshardable":
-            key = "optimizer.distributed.dp_group_idx_0.optimizer/shard_0_1"
-            value = self.source.read_objects([key])[key]
-            values = [value[0] if isinstance(value, list) and len(value) == 1 else value]
-            where = f"{self.source.directory}: {key}"
+        if self.sharding == "dp_reshardable":  # dpmoe: per chained optimizer, its chained_<i>.-prefixed object
+            entries = chained_entries(common["optimizer"])
+            prefixes = [f"chained_{index}." for index in range(len(entries))] if len(entries) > 1 else [""]
+            if len(entries) == len(counts):
+                keys = [f"{prefix}optimizer.distributed.dp_group_idx_0.optimizer/shard_0_1" for prefix in prefixes]
+                read = self.source.read_objects(keys)
+                values = [value[0] if isinstance(value, list) and len(value) == 1 else value
+                          for value in (read[key] for key in keys)]
+                where = f"{self.source.directory}: {', '.join(keys)}"
+            else:
+                values = entries
         else:
             values = [entry.get("optimizer") for entry in chained_entries(common["optimizer"])]
         if len(values) != len(counts):
@@ -188,14 +198,30 @@ class TorchDistOptimizerSource(OptimizerSource):
         fp32_grads = getattr(self.args, "accumulate_allreduce_grads_in_fp32", False)
         return (param, torch.float32 if fp32_grads else param)
 
-    def group_index(self, coord: RankCoord) -> int:
-        """megatron-core's ``data_parallel_group_idx``: the rank in the model-parallel group (TP fastest)."""
-        return coord.tp + self.layout.tp * coord.pp
+    def bucket_key(self, coord: RankCoord, chunk: int, field: str, bucket: int = 0, optimizer: int = 0) -> str:
+        """The record of buffer ``chunk`` (``gbuf_idx``), bucket and field of chained optimizer ``optimizer`` on rank
+        ``coord`` (``optimizer_torch_dist_dp.record_prefix``: megatron-core's ``data_parallel_group_idx``)."""
+        from pgconvert.optimizer_torch_dist_dp import record_prefix
 
-    def bucket_key(self, coord: RankCoord, chunk: int, field: str, bucket: int = 0) -> str:
         dtype = f"({self.dtype_key[0]}, {self.dtype_key[1]})"
-        return (f"optimizer.distributed.dp_group_idx_{self.group_index(coord)}.gbuf_idx_{chunk}.dtype_{dtype}"
+        return (f"{record_prefix(self.config, self.layout, coord, optimizer)}.gbuf_idx_{chunk}.dtype_{dtype}"
                 f".bucket_idx_{bucket}.{field}")
+
+    def _flat_expected(self) -> dict[str, tuple[int, ...]]:
+        """dp_reshardable: per chained optimizer and rank storing it, its buffers (``_flat``), and every bucket
+        record's key and size (one record per DDP bucket, of the bucket's unpadded size)."""
+        from pgconvert.optimizer_torch_dist_dp import optimizer_dp, optimizer_ranks
+
+        where = f"{self.source.directory} (layout {self.layout.describe()})"
+        self._flat = {}
+        for index in range(optimizer_count(self.config, self.layout)):
+            optimizer_dp(self.config, self.layout, dp_size(self.args), self.args, index, where)  # refuses by name
+            for coord in optimizer_ranks(self.config, self.layout, index):
+                self._flat[(coord, index)] = flat_buffers(self.config, self.layout, coord, self.rules, self.vocab_rows,
+                                                          self.args, dp_size(self.args), index)
+        return {self.bucket_key(coord, chunk, field, bucket, index): (end - start,)
+                for (coord, index), buffers in self._flat.items() for chunk, (placed, numel) in enumerate(buffers)
+                for bucket, (start, end) in enumerate(bucket_ranges(placed, numel)) for field in ("param", *MOMENTS)}
 
     def _model_space_prefix(self, key: str) -> str:
         return f"optimizer.state.{_MODEL_SPACE_FIELDS[self.sharding][key]}."
@@ -204,14 +230,8 @@ class TorchDistOptimizerSource(OptimizerSource):
         """Every record the layout needs is there with the size it derives (refused by name otherwise)."""
         stored = self.source.tensor_keys()
         if self.sharding == "dp_reshardable":
-            self._flat = {coord: flat_buffers(self.config, self.layout, coord, self.rules, self.vocab_rows,
-                                              self.args, dp_size(self.args)) for coord in self._slots}
-            # buckets: one record per DDP bucket, of the bucket's unpadded size
-            expected = {self.bucket_key(coord, chunk, field, bucket): (end - start,)
-                        for coord, buffers in self._flat.items() for chunk, (placed, numel) in enumerate(buffers)
-                        for bucket, (start, end) in enumerate(bucket_ranges(placed, numel))
-                        for field in ("param", *MOMENTS)}
-            extra = sorted(key for key in stored if key.startswith("optimizer.") and key not in expected)
+            expected = self._flat_expected()
+            extra = sorted(key for key in stored if key.startswith(("optimizer.", "chained_")) and key not in expected)
         else:
             model_keys = {self.source._locations[name].key for name in self.names()}
             expected = {self._model_space_prefix(key) + model_key: stored[model_key]
@@ -240,9 +260,10 @@ class TorchDistOptimizerSource(OptimizerSource):
             master = self._merged(name, "param")  # optmem: the master alone, not the moments too
             if not torch.equal(master.to(model.dtype), model):
                 owner, slot = self._owners_by_name[name][0]
-                bucket = self._placed(owner.coord, slot).bucket
+                gbuf, placed = self._gbuf_placed(owner.coord, slot)
+                key = self.bucket_key(owner.coord, gbuf, "param", placed.bucket, slot.optimizer)
                 raise OptimizerLayoutError(
-                    f"{self.source.directory}: {self.bucket_key(owner.coord, slot.chunk, 'param', bucket)} at the range "
+                    f"{self.source.directory}: {key} at the range "
                     f"pgconvert derives for {name} does not round to the model's weight: the flat-buffer layout is "
                     f"not the one {_VERSIONS} uses (several buckets, another parameter order?)")
 
@@ -256,14 +277,24 @@ class TorchDistOptimizerSource(OptimizerSource):
         return self._step.clone()
 
     def _flat_piece(self, owner: _Owner, slot: OptimizerSlot, key: str) -> torch.Tensor:
-        placed = self._placed(owner.coord, slot)
-        flat = self.source.load_flat(self.bucket_key(owner.coord, slot.chunk, key, placed.bucket),
+        gbuf, placed = self._gbuf_placed(owner.coord, slot)
+        flat = self.source.load_flat(self.bucket_key(owner.coord, gbuf, key, placed.bucket, slot.optimizer),
                                      placed.start - placed.bucket_start, placed.end - placed.start)
         return flat.view(tuple(slot.spec.local_shape))
 
     def _placed(self, coord: RankCoord, slot: OptimizerSlot) -> FlatParam:
-        placed, _ = self._flat[coord][slot.chunk]
-        return next(item for item in placed if item.slot.position == slot.position)
+        return self._gbuf_placed(coord, slot)[1]
+
+    def _gbuf_placed(self, coord: RankCoord, slot: OptimizerSlot) -> tuple[int, FlatParam]:
+        """The buffer (``gbuf_idx``: dpmoe, the expert optimizer's count only chunks holding experts) and place of
+        ``slot`` (dense: its records are EP rank 0's, the same on every EP rank)."""
+        stored = coord if slot.optimizer == 1 else RankCoord(tp=coord.tp, pp=coord.pp, ep=0)
+        for gbuf, (placed, _) in enumerate(self._flat[(stored, slot.optimizer)]):
+            for item in placed:
+                if item.slot.position == slot.position and item.slot.chunk == slot.chunk:
+                    return gbuf, item
+        raise OptimizerLayoutError(f"{self.source.directory}: {slot.spec.canonical} has no place in the derived "
+                                   f"flat buffers of rank {coord} ({_VERSIONS})")
 
     def _pieces(self, name: str, key: str) -> list[torch.Tensor]:
         return [self._flat_piece(owner, slot, key) for owner, slot in self._owners_by_name[name]]

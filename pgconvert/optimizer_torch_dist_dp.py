@@ -22,6 +22,18 @@ The common state holds ``optimizer = {'param_state_sharding_type': 'dp_reshardab
 ``content_metadata['distrib_optim_sharding_type']``. As for ``fully_reshardable``
 (``optimizer_torch_dist_save``), the records go to ``__1_0.distcp`` through the saver's streaming
 writer (one parameter's piece in memory at a time) and are merged into ``.metadata`` and ``common.pt``.
+
+dpmoe: a MoE model at expert parallel size > 1 (megatron-core chains a dense and an expert distributed
+optimizer, ``get_megatron_optimizer``). ``ChainedOptimizer.sharded_state_dict`` (optimizer.py) prefixes every
+ShardedTensor and ShardedObject key of optimizer ``i`` with ``chained_<i>.`` for a non fully-reshardable form
+(``chained_optim_avoid_prefix`` does not suppress it), and the common state holds ``optimizer = {0: {...},
+1: {...}}``. The dense optimizer (``model_parallel_group`` tp-pp, ``intra_dp_cp`` group): ``g = tp + tp_size *
+pp`` and the DP size as above, its parameters alike on every EP rank. The expert one (DDP's
+``expert_parallel_buffers``, one per model chunk holding experts, ``gbuf_idx`` counting those only): ``g`` its
+rank in the expert tensor-model-pipeline group (``get_expert_tensor_model_pipeline_parallel_group``, ranks
+tp-ep-pp, tp fastest): ``tp + tp_size * (ep + ep_size * pp)``, and the expert data-parallel size
+``tp * cp * dp / (expert_tp * ep)`` (``intra_expt_dp``) that its buckets are padded (``lcm(expert dp, 128)``)
+and split by. Expert tensor parallel size other than tp is refused.
 """
 
 from __future__ import annotations
@@ -50,7 +62,7 @@ from pgconvert.layout import ParallelLayout
 from pgconvert.limits import quote
 from pgconvert.megatron_format import safe_torch_load
 from pgconvert.optimizer_map import (MEGATRON_CORE_VERSIONS, FlatParam, UnsupportedOptimizerError, bucket_ranges,
-                                     flat_buffers, optimizer_count)
+                                     chained_slots, flat_buffers, optimizer_count)
 from pgconvert.optimizer_state import CARRIED_KEYS
 from pgconvert.torch_dist_format import COMMON_FILE, DCP_METADATA_FILE, single_process_calls
 
@@ -180,41 +192,80 @@ def _buckets(placed: list[FlatParam], numel: int) -> list[tuple[list[FlatParam],
             for bucket, (start, end) in enumerate(bucket_ranges(placed, numel))]
 
 
+def record_prefix(config: ModelConfig, layout: ParallelLayout, coord: RankCoord, optimizer: int = 0) -> str:
+    """``[chained_<i>.]optimizer.distributed.dp_group_idx_<g>`` of chained optimizer ``optimizer`` on rank ``coord``:
+    ``g`` the rank in its model-parallel group (dense: tp-pp; expert: tp-ep-pp, tp fastest)."""
+    chained = f"chained_{optimizer}." if optimizer_count(config, layout) > 1 else ""
+    index = coord.tp + layout.tp * (coord.pp if optimizer == 0 else coord.ep + layout.ep * coord.pp)
+    return f"{chained}optimizer.distributed.dp_group_idx_{index}"
+
+
+def optimizer_ranks(config: ModelConfig, layout: ParallelLayout, optimizer: int) -> list[RankCoord]:
+    """The ranks whose records chained optimizer ``optimizer`` stores: dense, one per TP x PP (its parameters
+    are the same on every EP rank); expert, one per TP x EP x PP."""
+    eps = range(layout.ep) if optimizer == 1 else range(1)
+    return [RankCoord(tp=tp, pp=pp, ep=ep) for pp in range(layout.pp) for ep in eps for tp in range(layout.tp)]
+
+
+def optimizer_dp(config: ModelConfig, layout: ParallelLayout, dp: int, args: Any, optimizer: int, where: str) -> int:
+    """The data-parallel size that chained optimizer ``optimizer``'s buckets are padded and split by: ``dp``
+    (dense), or the expert data-parallel size ``tp * cp * dp / (expert_tp * ep)``."""
+    if optimizer == 0:
+        return dp
+    if layout.expert_tp_size != layout.tp:
+        raise UnsupportedOptimizerError(
+            f"{where}: expert tensor parallel size {layout.expert_tp_size} differs from tensor parallel size "
+            f"{layout.tp}: the expert optimizer's dp_reshardable records are not mapped for that ({_VERSIONS}); "
+            "pass --skip-optimizer, or the fully_reshardable form")
+    cp = int(getattr(args, "context_parallel_size", None) or 1)
+    ranks = layout.tp * cp * dp
+    if ranks % (layout.expert_tp_size * layout.ep):
+        raise UnsupportedOptimizerError(
+            f"{where}: tp*cp*dp = {layout.tp}*{cp}*{dp} is not a multiple of expert_tp*ep = "
+            f"{layout.expert_tp_size}*{layout.ep}: no expert data-parallel size")
+    return ranks // (layout.expert_tp_size * layout.ep)
+
+
 def _plan(optimizer: Any, config: ModelConfig, layout: ParallelLayout, rows: int, dp: int,
           args: Any) -> tuple[list[_Record], dict[str, Any]]:
-    """Every model-parallel rank's records and objects, in megatron-core's key layout."""
-    if optimizer_count(config, layout) > 1:
-        raise UnsupportedOptimizerError(
-            f"expert parallel size {layout.ep}: the chained dense and expert optimizers' dp_reshardable records are "
-            "not written by pgconvert; pass --dst-optim-form fully_reshardable")
-    dtype = f"({optimizer.dtype_key[0]}, {optimizer.dtype_key[1]})"
-    groups = [dict(settings, step=float(optimizer.step(optimizer.names()[0])))
-              for settings in optimizer.param_group_settings()]
+    """Every model-parallel rank's records and objects, in megatron-core's key layout (dpmoe: per chained
+    optimizer)."""
+    counts = [len(groups) for groups in chained_slots(config, layout, RankCoord(0, 0, 0), optimizer.rules, rows)]
+    step = float(optimizer.step(optimizer.names()[0]))
     records: list[_Record] = []
     objects: dict[str, Any] = {}
-    for pp in range(layout.pp):
-        for tp in range(layout.tp):
-            coord = RankCoord(tp=tp, pp=pp, ep=0)
-            prefix = f"optimizer.distributed.dp_group_idx_{tp + layout.tp * pp}"
+    for index, count in enumerate(counts):
+        groups = [dict(settings, step=step) for settings in optimizer.param_group_settings(index, count)]
+        own_dp = optimizer_dp(config, layout, dp, args, index, f"layout {layout.describe()}")
+        for coord in optimizer_ranks(config, layout, index):
             buffers = [_buckets(placed, numel) for placed, numel in
-                       flat_buffers(config, layout, coord, optimizer.rules, rows, args, dp)]
-            divisor = bucket_divisor(dp, args)
-            objects[f"{prefix}.optimizer/shard_0_1"] = {"param_groups": groups}
-            objects[f"{prefix}.per_bucket_numel/shard_0_1"] = [
-                {optimizer.dtype_key: [-(-numel // divisor) * divisor for _, numel in buckets]} for buckets in buffers]
-            objects[f"{prefix}.per_bucket_numel_unpadded/shard_0_1"] = [
-                {optimizer.dtype_key: [numel for _, numel in buckets]} for buckets in buffers]
-            for index, buckets in enumerate(buffers):
-                for bucket, (placed, numel) in enumerate(buckets):
-                    key = f"{prefix}.gbuf_idx_{index}.dtype_{dtype}.bucket_idx_{bucket}"
-                    records += [_Record(f"{key}.{field}", coord, field, start, end, numel, param)
-                                for field in FIELDS for start, end, param in bucket_pieces(placed, numel, dp, divisor)]
+                       flat_buffers(config, layout, coord, optimizer.rules, rows, args, dp, index)]
+            _add_rank(optimizer, record_prefix(config, layout, coord, index), coord, buffers, groups, own_dp,
+                      bucket_divisor(own_dp, args), records, objects)
     return records, objects
 
 
-def _common_update(optimizer: Any) -> Callable[[dict[str, Any]], None]:
+def _add_rank(optimizer: Any, prefix: str, coord: RankCoord, buffers: list[list[tuple[list[FlatParam], int]]],
+              groups: list[dict[str, Any]], dp: int, divisor: int, records: list[_Record],
+              objects: dict[str, Any]) -> None:
+    """One optimizer's records and objects of one model-parallel rank (``buffers``: per gbuf, its buckets)."""
+    dtype = f"({optimizer.dtype_key[0]}, {optimizer.dtype_key[1]})"
+    objects[f"{prefix}.optimizer/shard_0_1"] = {"param_groups": groups}
+    objects[f"{prefix}.per_bucket_numel/shard_0_1"] = [
+        {optimizer.dtype_key: [-(-numel // divisor) * divisor for _, numel in buckets]} for buckets in buffers]
+    objects[f"{prefix}.per_bucket_numel_unpadded/shard_0_1"] = [
+        {optimizer.dtype_key: [numel for _, numel in buckets]} for buckets in buffers]
+    for index, buckets in enumerate(buffers):
+        for bucket, (placed, numel) in enumerate(buckets):
+            key = f"{prefix}.gbuf_idx_{index}.dtype_{dtype}.bucket_idx_{bucket}"
+            records += [_Record(f"{key}.{field}", coord, field, start, end, numel, param)
+                        for field in FIELDS for start, end, param in bucket_pieces(placed, numel, dp, divisor)]
+
+
+def _common_update(optimizer: Any, count: int = 1) -> Callable[[dict[str, Any]], None]:
     def update(common: dict[str, Any]) -> None:
-        common["optimizer"] = {"param_state_sharding_type": DP_RESHARDABLE}
+        entry = {"param_state_sharding_type": DP_RESHARDABLE}  # dpmoe: {0: dense, 1: expert} when chained
+        common["optimizer"] = entry if count == 1 else {index: dict(entry) for index in range(count)}
         for key in CARRIED_KEYS:
             if key in optimizer.first.extra:
                 common[key] = optimizer.first.extra[key]
@@ -243,7 +294,7 @@ def write_dp_reshardable(optimizer: Any, config: ModelConfig, layout: ParallelLa
         _merge_metadata(iteration_dir, staging / DCP_METADATA_FILE)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    rewrite_common(iteration_dir, _common_update(optimizer))
+    rewrite_common(iteration_dir, _common_update(optimizer, optimizer_count(config, layout)))
     nbytes = sum(4 * (record.end - record.start) for record in records)
     return [PlannedFile(f"{iteration_dir.name}/{RECORDS_FILE}", len(records) + len(objects), nbytes,
                         sha256=writer.sha256, size=writer.size)]

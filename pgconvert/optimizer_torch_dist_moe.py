@@ -15,8 +15,9 @@ sets it). So:
   reading them in key order. One optimizer (a dense model, or a MoE one at expert parallel size 1): the entry
   itself.
 
-dp_reshardable MoE state (``chained_<i>.``-prefixed ShardedObjects and per-optimizer buffers) is not read or
-written: refused by name (``moe_refusal``).
+dpmoe: the dp_reshardable form is read and written too (``optimizer_torch_dist_dp``: ``chained_<i>.``-prefixed
+ShardedObjects and per-optimizer buffers, the expert one per TP x EP x PP rank at the expert data-parallel size);
+refused by name (``moe_refusal``) only where the expert tensor parallel size differs from the tensor parallel size.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any
 from pgconvert.errors import PgconvertError
 
 FULLY_RESHARDABLE = "fully_reshardable"
+DP_RESHARDABLE = "dp_reshardable"
 
 
 def chained_entries(optimizer: Any) -> list[Any]:
@@ -42,8 +44,9 @@ def common_entry(groups: list[list[dict[str, Any]]]) -> dict[Any, Any]:
 
 
 def moe_refusal(conversion: Any) -> str | None:
-    """Why a MoE model's optimizer state is not carried from or into torch_dist here (None: it is): only the
-    fully_reshardable form is carried for MoE."""
+    """Why a MoE model's optimizer state is not carried from or into torch_dist here (None: it is): dpmoe: the
+    dp_reshardable form at expert parallel size > 1 maps the expert optimizer's records only with expert
+    tensor parallel size = tensor parallel size."""
     from pgconvert.optimizer_torch_dist import sharding_type
 
     source = conversion.source
@@ -57,12 +60,15 @@ def moe_refusal(conversion: Any) -> str | None:
             return None  # open_optimizer names it
     requested = getattr(conversion.request, "dst_optim_form", None)
     dst_form = requested or own or FULLY_RESHARDABLE
-    forms = [form for form, used in ((own, conversion.src_format == "torch_dist"),
-                                     (dst_form, conversion.dst_format == "torch_dist")) if used]
-    if all(form in (None, FULLY_RESHARDABLE) for form in forms):
-        return None
-    where = "from" if own not in (None, FULLY_RESHARDABLE) else "into"
-    hint = "--skip-optimizer" if where == "from" else "--dst-optim-form fully_reshardable or --skip-optimizer"
-    return (f"optimizer state not carried: num_experts={source.config.num_experts}: a MoE model's optimizer state "
-            "(megatron-core's chained dense and expert optimizers) is carried from or into torch_dist in the "
-            f"fully_reshardable form only, not {where} dp_reshardable; pass {hint}")
+    sides = [(side, layout) for side, form, layout, used in (
+        ("from", own, source.layout, conversion.src_format == "torch_dist"),
+        ("into", dst_form, conversion.save_options.layout, conversion.dst_format == "torch_dist"))
+        if used and form == DP_RESHARDABLE]
+    for side, layout in sides:
+        if layout.ep > 1 and layout.expert_tp_size != layout.tp:
+            hint = "--skip-optimizer" if side == "from" else "--dst-optim-form fully_reshardable or --skip-optimizer"
+            return (f"optimizer state not carried: num_experts={source.config.num_experts}: expert tensor parallel "
+                    f"size {layout.expert_tp_size} differs from tensor parallel size {layout.tp}: the expert "
+                    f"optimizer's dp_reshardable records are not mapped for that, not {side} dp_reshardable; "
+                    f"pass {hint}")
+    return None

@@ -60,13 +60,13 @@ def _parameter_mask(golden: Path) -> dict[str, torch.Tensor]:
     source = get_loader("torch_dist").open(golden, LoadOptions())
     optimizer = TorchDistOptimizerSource(source)
     masks = {}
-    for coord, buffers in optimizer._flat.items():
+    for (coord, index), buffers in optimizer._flat.items():  # dpmoe: per chained optimizer
         for chunk, (placed, numel) in enumerate(buffers):
             mask = torch.zeros(numel, dtype=torch.bool)
             for item in placed:
                 mask[item.start:item.end] = True
             for field in ("param", "exp_avg", "exp_avg_sq"):
-                masks[optimizer.bucket_key(coord, chunk, field)] = mask
+                masks[optimizer.bucket_key(coord, chunk, field, 0, index)] = mask
     source.close()
     return masks
 

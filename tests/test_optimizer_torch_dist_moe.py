@@ -113,15 +113,36 @@ def test_torch_dist_ep2_to_per_rank_ep1_and_back_through_torch_dist(distributed:
     _assert_optimizer_files_equal(distributed, tmp_path / "back")
 
 
-def test_dp_reshardable_moe_is_named_and_refused_under_strict(distributed: Path, tmp_path: Path) -> None:
-    args = ("convert", distributed, tmp_path / "strict", "--dst-format", "torch_dist", "--dst-optim-form",
-            "dp_reshardable")
-    assert_clean_refusal(_cli(*args, "--strict"), 2, "num_experts=8", "fully_reshardable form only",
-                         "not into dp_reshardable")
-    assert not (tmp_path / "strict").exists()
-    loose = _cli(*args[:2], tmp_path / "loose", *args[3:])
-    assert loose.exit_code == 0 and "not into dp_reshardable" in loose.output, loose.output
-    assert not [p for p in (tmp_path / "loose").rglob("*.distcp") if p.name == "__1_0.distcp"]
+def test_per_rank_ep2_to_dp_reshardable_at_its_own_layout_and_back_is_bit_exact(distributed: Path,
+                                                                               tmp_path: Path) -> None:
+    # dpmoe: TP2 x EP2 x DP2 (expert data-parallel size 1): the chained optimizers' chained_<i>.-prefixed records,
+    # the expert ones per TP x EP rank (data_parallel_group_idx tp + 2 * ep)
+    _convert(distributed, tmp_path / "td", "--dst-format", "torch_dist", "--dst-optim-form", "dp_reshardable",
+             "--dst-dp", "2")
+    common = load_for_test(tmp_path / "td" / ITER / "common.pt")
+    assert common["optimizer"] == {index: {"param_state_sharding_type": "dp_reshardable"} for index in (0, 1)}
+    stored = read_dcp_metadata(tmp_path / "td" / ITER / ".metadata").state_dict_metadata
+    groups = {key.split(".optimizer.distributed.")[0] + "." + key.split(".")[3] for key in stored
+              if key.startswith("chained_")}
+    assert groups == {"chained_0.dp_group_idx_0", "chained_0.dp_group_idx_1", *(f"chained_1.dp_group_idx_{g}"
+                                                                               for g in range(4))}
+    _convert(tmp_path / "td", tmp_path / "back", "--dst-format", "megatron")
+    _assert_optimizer_files_equal(distributed, tmp_path / "back")
+
+
+def test_dp_reshardable_moe_at_pp2_vpp2_counts_only_the_chunks_holding_experts(distributed: Path,
+                                                                              tmp_path: Path) -> None:
+    # dpmoe: layer 1 is dense, so stage 1's first model chunk has no expert_parallel_buffers: its expert optimizer's
+    # only buffer is gbuf_idx_0 (the chunk of layer 3); the expert records per tp + tp_size * (ep + ep_size * pp)
+    _convert(distributed, tmp_path / "td", "--dst-format", "torch_dist", "--dst-optim-form", "dp_reshardable",
+             "--dst-tp", "1", "--dst-pp", "2", "--dst-vpp", "2", "--dst-dp", "2")
+    stored = read_dcp_metadata(tmp_path / "td" / ITER / ".metadata").state_dict_metadata
+    buffers = {".".join(key.split(".")[3:5]) for key in stored if key.startswith("chained_1.") and "gbuf_idx" in key}
+    assert buffers == {"dp_group_idx_0.gbuf_idx_0", "dp_group_idx_0.gbuf_idx_1", "dp_group_idx_1.gbuf_idx_0",
+                       "dp_group_idx_1.gbuf_idx_1", "dp_group_idx_2.gbuf_idx_0", "dp_group_idx_3.gbuf_idx_0"}
+    _convert(tmp_path / "td", tmp_path / "back", "--dst-format", "megatron", "--dst-tp", "2", "--dst-pp", "1",
+             "--dst-ep", "2")
+    _assert_optimizer_files_equal(distributed, tmp_path / "back")
 
 
 def test_a_chained_entry_missing_is_a_named_error(distributed: Path, tmp_path: Path) -> None:
@@ -173,8 +194,9 @@ def test_megatron_core_declares_loads_and_saves_back_the_same_records(distribute
     assert saved_common["optimizer"] == load_for_test(tmp_path / "td" / ITER / "common.pt")["optimizer"]
 
 
-def test_a_dp_reshardable_moe_source_is_named_and_refused_under_strict(distributed: Path, tmp_path: Path) -> None:
-    # A MoE run's dp_reshardable torch_dist state (chained_<i>.-prefixed buffers) is not read: refused by name.
+def test_a_fully_reshardable_moe_source_labelled_dp_reshardable_is_a_named_error(distributed: Path,
+                                                                                tmp_path: Path) -> None:
+    # dpmoe: a MoE run's dp_reshardable state is read from its chained_<i>.-prefixed records: here there are none
     _convert(distributed, tmp_path / "td", "--dst-format", "torch_dist")
     path = tmp_path / "td" / ITER / "common.pt"
     common = load_for_test(path)
@@ -182,5 +204,5 @@ def test_a_dp_reshardable_moe_source_is_named_and_refused_under_strict(distribut
         entry["param_state_sharding_type"] = "dp_reshardable"
     torch.save(common, path, pickle_module=pickle)
     result = _cli("convert", tmp_path / "td", tmp_path / "out", "--dst-format", "megatron", "--strict")
-    assert_clean_refusal(result, 2, "num_experts=8", "not from dp_reshardable", "--skip-optimizer")
+    assert_clean_refusal(result, 1, "no stored object", "chained_0.optimizer.distributed.dp_group_idx_0.optimizer")
     assert not (tmp_path / "out").exists()

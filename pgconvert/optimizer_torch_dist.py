@@ -192,9 +192,9 @@ class TorchDistOptimizerSource(OptimizerSource):
         """megatron-core's ``data_parallel_group_idx``: the rank in the model-parallel group (TP fastest)."""
         return coord.tp + self.layout.tp * coord.pp
 
-    def bucket_key(self, coord: RankCoord, chunk: int, field: str, bucket: int = 0) -> str:
+    def bucket_key(self, coord: RankCoord, buffer: int, field: str, bucket: int = 0) -> str:
         dtype = f"({self.dtype_key[0]}, {self.dtype_key[1]})"
-        return (f"optimizer.distributed.dp_group_idx_{self.group_index(coord)}.gbuf_idx_{chunk}.dtype_{dtype}"
+        return (f"optimizer.distributed.dp_group_idx_{self.group_index(coord)}.gbuf_idx_{buffer}.dtype_{dtype}"
                 f".bucket_idx_{bucket}.{field}")
 
     def _model_space_prefix(self, key: str) -> str:
@@ -206,9 +206,11 @@ class TorchDistOptimizerSource(OptimizerSource):
         if self.sharding == "dp_reshardable":
             self._flat = {coord: flat_buffers(self.config, self.layout, coord, self.rules, self.vocab_rows,
                                               self.args, dp_size(self.args)) for coord in self._slots}
+            self._by_position = {(coord, item.slot.position): item for coord, buffers in self._flat.items()
+                                 for placed, _ in buffers for item in placed}
             # buckets: one record per DDP bucket, of the bucket's unpadded size
-            expected = {self.bucket_key(coord, chunk, field, bucket): (end - start,)
-                        for coord, buffers in self._flat.items() for chunk, (placed, numel) in enumerate(buffers)
+            expected = {self.bucket_key(coord, buffer, field, bucket): (end - start,)
+                        for coord, buffers in self._flat.items() for buffer, (placed, numel) in enumerate(buffers)
                         for bucket, (start, end) in enumerate(bucket_ranges(placed, numel))
                         for field in ("param", *MOMENTS)}
             extra = sorted(key for key in stored if key.startswith("optimizer.") and key not in expected)
@@ -240,11 +242,11 @@ class TorchDistOptimizerSource(OptimizerSource):
             master = self._merged(name, "param")  # optmem: the master alone, not the moments too
             if not torch.equal(master.to(model.dtype), model):
                 owner, slot = self._owners_by_name[name][0]
-                bucket = self._placed(owner.coord, slot).bucket
+                placed = self._placed(owner.coord, slot)
                 raise OptimizerLayoutError(
-                    f"{self.source.directory}: {self.bucket_key(owner.coord, slot.chunk, 'param', bucket)} at the range "
-                    f"pgconvert derives for {name} does not round to the model's weight: the flat-buffer layout is "
-                    f"not the one {_VERSIONS} uses (several buckets, another parameter order?)")
+                    f"{self.source.directory}: {self.bucket_key(owner.coord, placed.buffer, 'param', placed.bucket)} "
+                    f"at the range pgconvert derives for {name} does not round to the model's weight: the flat-buffer "
+                    f"layout is not the one {_VERSIONS} uses (several buckets, another parameter order?)")
 
     def names(self) -> list[str]:
         return list(self._owners_by_name)
@@ -257,13 +259,14 @@ class TorchDistOptimizerSource(OptimizerSource):
 
     def _flat_piece(self, owner: _Owner, slot: OptimizerSlot, key: str) -> torch.Tensor:
         placed = self._placed(owner.coord, slot)
-        flat = self.source.load_flat(self.bucket_key(owner.coord, slot.chunk, key, placed.bucket),
+        flat = self.source.load_flat(self.bucket_key(owner.coord, placed.buffer, key, placed.bucket),
                                      placed.start - placed.bucket_start, placed.end - placed.start)
         return flat.view(tuple(slot.spec.local_shape))
 
     def _placed(self, coord: RankCoord, slot: OptimizerSlot) -> FlatParam:
-        placed, _ = self._flat[coord][slot.chunk]
-        return next(item for item in placed if item.slot.position == slot.position)
+        # dpvpp: by position over all the rank's buffers (a buffer's index is not its chunk's where a chunk
+        # before it has no parameters)
+        return self._by_position[(coord, slot.position)]
 
     def _pieces(self, name: str, key: str) -> list[torch.Tensor]:
         return [self._flat_piece(owner, slot, key) for owner, slot in self._owners_by_name[name]]

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -270,13 +270,16 @@ class FlatParam:
     """Where one parameter lies in a distributed optimizer's DP-gathered flat buffer (``distrib_optim.pt``):
     ``[start, end)`` in the coalesced buffer (every bucket's padding dropped); buckets: the DDP bucket that
     holds it and that bucket's start in the coalesced buffer (``start - bucket_start``: its offset in the
-    bucket, i.e. in a dp_reshardable ``bucket_idx_<bucket>`` record)."""
+    bucket, i.e. in a dp_reshardable ``bucket_idx_<bucket>`` record). dpvpp: ``buffer``: the buffer's index
+    among the rank's buffers (``distrib_optim.pt``'s key, dp_reshardable's ``gbuf_idx``), which skips a model
+    chunk without parameters."""
 
     slot: OptimizerSlot
     start: int
     end: int
     bucket: int = 0
     bucket_start: int = 0
+    buffer: int = 0
 
 
 def bucket_ranges(placed: Sequence[FlatParam], numel: int) -> list[tuple[int, int]]:
@@ -352,9 +355,13 @@ def _place_chunk(slots: Sequence[OptimizerSlot], bucket_size: int | None,
 def flat_buffers(config: ModelConfig, layout: ParallelLayout, coord: RankCoord, rules: OptimizerRules,
                  padded_vocab_size: int | None, args: argparse.Namespace | None = None,
                  dp: int = 1, optimizer: int = 0) -> list[tuple[list[FlatParam], int]]:
-    """Per model chunk (``distrib_optim.pt``'s buffer index), its parameters' places in the coalesced
-    buffer (``_place_chunk``; DDP buckets as ``_bucket_size`` sizes them) and the buffer's unpadded size.
-    ``optimizer`` 1: the expert-parallel parameters' buffers (DDP's ``expert_parallel_buffers``)."""
+    """Per buffer (``distrib_optim.pt``'s buffer index, dp_reshardable's ``gbuf_idx``), its parameters' places
+    in the coalesced buffer (``_place_chunk``; DDP buckets as ``_bucket_size`` sizes them) and the buffer's
+    unpadded size. One buffer per model chunk that has parameters: megatron-core's DDP makes a buffer per
+    dtype of a chunk's parameters, none for a chunk without (an empty virtual stage of a pipeline layout), and
+    ``DistributedOptimizer`` numbers the buffers of all chunks in order (``itertools.chain`` of
+    ``per_model_buffers``). ``optimizer`` 1: the expert-parallel parameters' buffers
+    (DDP's ``expert_parallel_buffers``)."""
     by_param = {(slot.chunk, slot.spec.local_name): slot
                 for group in optimizer_slots(config, layout, coord, rules, padded_vocab_size) for slot in group}
     # The buffer follows the chunk's named_parameters() order (reversed), not the param groups'.
@@ -365,6 +372,6 @@ def flat_buffers(config: ModelConfig, layout: ParallelLayout, coord: RankCoord, 
         slots = [slot for slot in named if slot.chunk == chunk and slot.optimizer == optimizer]
         placed, numel = _place_chunk(slots, _bucket_size(args, coord, chunk, dp),
                                      lambda slot: _is_shared_embedding(config, layout, slot.spec))
-        if placed or optimizer == 0:
-            buffers.append((placed, numel))
+        if placed:
+            buffers.append(([replace(item, buffer=len(buffers)) for item in placed], numel))
     return buffers

@@ -219,6 +219,10 @@ class TorchDistOptimizerSource(OptimizerSource):
             for coord in optimizer_ranks(self.config, self.layout, index):
                 self._flat[(coord, index)] = flat_buffers(self.config, self.layout, coord, self.rules, self.vocab_rows,
                                                           self.args, dp_size(self.args), index)
+        # dpvpp: a buffer's index is not its chunk's where a chunk before it has no parameters
+        self._by_position = {(coord, index, item.slot.chunk, item.slot.position): item
+                             for (coord, index), buffers in self._flat.items() for placed, _ in buffers
+                             for item in placed}
         return {self.bucket_key(coord, chunk, field, bucket, index): (end - start,)
                 for (coord, index), buffers in self._flat.items() for chunk, (placed, numel) in enumerate(buffers)
                 for bucket, (start, end) in enumerate(bucket_ranges(placed, numel)) for field in ("param", *MOMENTS)}
@@ -289,10 +293,9 @@ class TorchDistOptimizerSource(OptimizerSource):
         """The buffer (``gbuf_idx``: dpmoe, the expert optimizer's count only chunks holding experts) and place of
         ``slot`` (dense: its records are EP rank 0's, the same on every EP rank)."""
         stored = coord if slot.optimizer == 1 else RankCoord(tp=coord.tp, pp=coord.pp, ep=0)
-        for gbuf, (placed, _) in enumerate(self._flat[(stored, slot.optimizer)]):
-            for item in placed:
-                if item.slot.position == slot.position and item.slot.chunk == slot.chunk:
-                    return gbuf, item
+        item = self._by_position.get((stored, slot.optimizer, slot.chunk, slot.position))
+        if item is not None:
+            return item.buffer, item
         raise OptimizerLayoutError(f"{self.source.directory}: {slot.spec.canonical} has no place in the derived "
                                    f"flat buffers of rank {coord} ({_VERSIONS})")
 

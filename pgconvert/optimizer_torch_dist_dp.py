@@ -10,7 +10,7 @@ What ``DistributedOptimizer.sharded_state_dict`` / ``sharded_param_state_dp_resh
   ``optimizer.distributed.dp_group_idx_<g>.optimizer`` = ``{'param_groups': [...]}`` (with ``step``,
   without ``params``), ``.per_bucket_numel`` / ``.per_bucket_numel_unpadded`` = per buffer
   ``{(param dtype, grad dtype): [bucket numel]}``;
-- per buffer (``gbuf_idx``: model chunk), DDP bucket (``flat_buffers``' buckets) and field (``param``,
+- per buffer (``gbuf_idx``: chunks with parameters), DDP bucket (``flat_buffers``' buckets) and field (``param``,
   ``exp_avg``, ``exp_avg_sq``, fp32) the ShardedTensor ``...gbuf_idx_<i>.dtype_<(param, grad)>.bucket_idx_<b>.
   <field>`` of global shape ``(numel_unpadded,)``, one chunk per parameter's part in each DP rank's shard and one per gap
   (``flat_buffers``' 64-element alignment; the bucket is padded to ``lcm(dp, 128)``, or

@@ -8,16 +8,15 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 from click.testing import CliRunner, Result
 
 from cli_helpers import assert_clean_refusal
+from dp_records import assert_records_equal, optimizer_entries
 from megatron_fixtures import load_for_test
 from pgconvert.cli import main
 from pgconvert.errors import ValidationError
 from pgconvert.formats import LoadOptions
 from pgconvert.registry import get_loader
-from pgconvert.torch_dist_format import read_dcp_metadata
 
 GOLDENS = Path(__file__).parent / "data" / "megatron_lm"
 TP2DP2 = GOLDENS / "train_tp2dp2_distopt_dp_reshardable_torch_dist"
@@ -38,68 +37,11 @@ def _convert(src: Path, dst: Path, *options: str) -> None:
     assert result.exit_code == 0, result.output
 
 
-def _optimizer_entries(iteration_dir: Path) -> dict:
-    return {key: md for key, md in read_dcp_metadata(iteration_dir / ".metadata").state_dict_metadata.items()
-            if key.startswith("optimizer.")}
-
-
-def _torch_read(iteration_dir: Path, keys: list[str]) -> dict[str, torch.Tensor]:
-    """Whole global tensors read by torch's own DCP reader (not pgconvert's)."""
-    entries = _optimizer_entries(iteration_dir)
-    wanted = {key: torch.empty(entries[key].size, dtype=entries[key].properties.dtype) for key in keys}
-    with pytest.warns(UserWarning, match="single process"):
-        dcp.load(wanted, checkpoint_id=str(iteration_dir), no_dist=True)
-    return wanted
-
-
-def _parameter_mask(golden: Path) -> dict[str, torch.Tensor]:
-    """Per flat record, True where a parameter lies (megatron-core leaves the gaps uninitialised), from
-    the ranges the reader derives (checked against the model weights when the source opens)."""
-    from pgconvert.optimizer_torch_dist import TorchDistOptimizerSource
-
-    source = get_loader("torch_dist").open(golden, LoadOptions())
-    optimizer = TorchDistOptimizerSource(source)
-    masks = {}
-    for (coord, index), buffers in optimizer._flat.items():  # dpmoe: per chained optimizer
-        for chunk, (placed, numel) in enumerate(buffers):
-            mask = torch.zeros(numel, dtype=torch.bool)
-            for item in placed:
-                mask[item.start:item.end] = True
-            for field in ("param", "exp_avg", "exp_avg_sq"):
-                masks[optimizer.bucket_key(coord, chunk, field, 0, index)] = mask
-    source.close()
-    return masks
-
-
-def _objects(checkpoint: Path, keys: list[str]) -> dict:
-    source = get_loader("torch_dist").open(checkpoint, LoadOptions())
-    try:
-        return source.read_objects(keys)
-    finally:
-        source.close()
-
-
 def _assert_records_equal(golden: Path, written: Path) -> None:
-    """The same optimizer keys, global shapes, dtypes and chunks (offsets, sizes) as the golden; the same
-    objects; every element equal (torch.equal) where a parameter lies, and zeros in the gaps."""
-    expected, actual = _optimizer_entries(golden / ITERATION), _optimizer_entries(written / ITERATION)
-    assert sorted(actual) == sorted(expected)
-    tensors = [key for key, md in expected.items() if hasattr(md, "chunks")]
-    ranks = len({key.split(".")[2] for key in expected})  # dp_group_idx_<g>: one per model-parallel rank
-    assert ranks >= 2 and len(tensors) == 3 * ranks and len(expected) - len(tensors) == 3 * ranks
-    for key in tensors:
-        assert actual[key].size == expected[key].size and actual[key].properties.dtype == torch.float32, key
-        chunks = [sorted((tuple(c.offsets), tuple(c.sizes)) for c in entry[key].chunks) for entry in (expected, actual)]
-        assert chunks[0] == chunks[1], key
-    masks = _parameter_mask(golden)
-    ours, theirs = _torch_read(written / ITERATION, tensors), _torch_read(golden / ITERATION, tensors)
-    for key in tensors:
-        mask = masks[key]
-        assert mask.any() and not mask.all(), key
-        assert torch.equal(ours[key][mask], theirs[key][mask]), key
-        assert torch.equal(ours[key][~mask], torch.zeros(int((~mask).sum()))), key
-    objects = [key for key in expected if key not in tensors]
-    assert _objects(written, objects) == _objects(golden, objects)
+    """``dp_records.assert_records_equal`` (gaps: zeros) with one buffer and one bucket per model-parallel rank."""
+    tensors = assert_records_equal(golden, written, ITERATION, zero_gaps=True)
+    ranks = len({key.split(".")[2] for key in tensors})  # dp_group_idx_<g>: one per model-parallel rank
+    assert ranks >= 2 and len(tensors) == 3 * ranks
 
 
 @pytest.mark.parametrize("golden", [TP2DP2, TP2PP2], ids=["tp2dp2", "tp2pp2"])
@@ -121,7 +63,7 @@ def test_tp1_dp_reshardable_and_back_is_bit_exact(tmp_path: Path, golden: Path) 
     _convert(golden, tmp_path / "tp1", "--dst-tp", "1", "--dst-pp", "1", "--dst-optim-form", "dp_reshardable")
     common = load_for_test(tmp_path / "tp1" / ITERATION / "common.pt")
     assert common["optimizer"]["param_state_sharding_type"] == "dp_reshardable"
-    keys = _optimizer_entries(tmp_path / "tp1" / ITERATION)
+    keys = optimizer_entries(tmp_path / "tp1" / ITERATION)
     assert {key.split(".")[2] for key in keys} == {"dp_group_idx_0"}  # one model-parallel rank
     _convert(tmp_path / "tp1", tmp_path / "back", *OWN_LAYOUT[golden])
     _assert_records_equal(golden, tmp_path / "back")

@@ -21,10 +21,9 @@ import torch
 from click.testing import CliRunner, Result
 
 from cli_helpers import assert_clean_refusal
+from dp_records import FIELDS, assert_records_equal, optimizer_entries
 from megatron_fixtures import load_for_test
 from pgconvert.cli import main
-from pgconvert.formats import LoadOptions
-from pgconvert.registry import get_loader
 from pgconvert.torch_dist_format import read_dcp_metadata
 
 pytest.importorskip("megatron.core", reason="megatron-core lays out, loads and saves the reference state")
@@ -32,7 +31,6 @@ pytest.importorskip("megatron.core", reason="megatron-core lays out, loads and s
 from test_optimizer_moe import ITER, _generate  # noqa: E402
 from test_optimizer_torch_dist_moe import _assert_optimizer_files_equal  # noqa: E402
 
-FIELDS = ("param", "exp_avg", "exp_avg_sq")
 DP4 = ("--dst-tp", "1", "--dst-ep", "2", "--dst-dp", "4")
 
 
@@ -68,65 +66,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"source": source, "ours": root / "ours", "mc": root / "mc", "saved": root / "saved"}
 
 
-def _optimizer_entries(iteration_dir: Path) -> dict:
-    return {key: md for key, md in read_dcp_metadata(iteration_dir / ".metadata").state_dict_metadata.items()
-            if key.startswith(("optimizer.", "chained_"))}
-
-
-def _torch_read(iteration_dir: Path, keys: list[str]) -> dict[str, torch.Tensor]:
-    """Whole records read by torch's own DCP reader (not pgconvert's)."""
-    import torch.distributed.checkpoint as dcp
-
-    entries = _optimizer_entries(iteration_dir)
-    wanted = {key: torch.empty(entries[key].size, dtype=entries[key].properties.dtype) for key in keys}
-    with pytest.warns(UserWarning, match="single process"):
-        dcp.load(wanted, checkpoint_id=str(iteration_dir), no_dist=True)
-    return wanted
-
-
-def _objects(checkpoint: Path, keys: list[str]) -> dict:
-    source = get_loader("torch_dist").open(checkpoint, LoadOptions())
-    try:
-        return source.read_objects(keys)
-    finally:
-        source.close()
-
-
-def _masks(checkpoint: Path) -> dict[str, torch.Tensor]:
-    """Per bucket record, True where a parameter lies (megatron-core leaves the gaps uninitialised)."""
-    from pgconvert.optimizer_torch_dist import TorchDistOptimizerSource
-
-    source = get_loader("torch_dist").open(checkpoint, LoadOptions())
-    optimizer = TorchDistOptimizerSource(source)
-    masks = {}
-    for (coord, index), buffers in optimizer._flat.items():
-        for chunk, (placed, numel) in enumerate(buffers):
-            mask = torch.zeros(numel, dtype=torch.bool)
-            for item in placed:
-                mask[item.start:item.end] = True
-            masks.update({optimizer.bucket_key(coord, chunk, field, 0, index): mask for field in FIELDS})
-    source.close()
-    return masks
-
-
 def _assert_records_equal(reference: Path, written: Path) -> None:
-    """The same optimizer keys, global shapes, dtypes and chunks as ``reference``; the same objects; every
-    element equal where a parameter lies."""
-    expected, actual = _optimizer_entries(reference / ITER), _optimizer_entries(written / ITER)
-    assert sorted(actual) == sorted(expected)
-    tensors = [key for key, md in expected.items() if hasattr(md, "chunks")]
-    # dense (chained_0) at one model-parallel rank, expert (chained_1) at two (one per EP rank): 3 buffers x 3 fields
-    assert len(tensors) == 9 and len(expected) - len(tensors) == 9
-    for key in tensors:
-        assert actual[key].size == expected[key].size and actual[key].properties.dtype == torch.float32, key
-        chunks = [sorted((tuple(c.offsets), tuple(c.sizes)) for c in entry[key].chunks) for entry in (expected, actual)]
-        assert chunks[0] == chunks[1], key
-    masks = _masks(reference)
-    ours, theirs = _torch_read(written / ITER, tensors), _torch_read(reference / ITER, tensors)
-    for key in tensors:
-        assert masks[key].any() and torch.equal(ours[key][masks[key]], theirs[key][masks[key]]), key
-    objects = [key for key in expected if key not in tensors]
-    assert _objects(written, objects) == _objects(reference, objects)
+    """``dp_records.assert_records_equal``: dense (chained_0) at one model-parallel rank, expert (chained_1) at two
+    (one per EP rank): 3 buffers x 3 fields."""
+    assert len(assert_records_equal(reference, written, ITER, zero_gaps=False)) == 9
 
 
 def test_pgconverts_records_are_the_ones_megatron_core_declares_and_saves(runs: dict[str, Path]) -> None:
@@ -137,7 +80,7 @@ def test_pgconverts_records_are_the_ones_megatron_core_declares_and_saves(runs: 
         assert report["groups"] == {"dense": rank, "expert_dp": rank // 2, "expert_dp_size": 2, "idx": [0, rank % 2]}
         assert report["steps"] == [[2.0, 2.0], [2.0]]  # the param groups' step, from the chained .optimizer objects
         declared.update(report["declared"])
-    stored = _optimizer_entries(runs["ours"] / ITER)
+    stored = optimizer_entries(runs["ours"] / ITER)
     # ShardedTensors by key and global shape; ShardedObjects stored as <key>/shard_0_1
     assert {key: list(md.size) if hasattr(md, "chunks") else None for key, md in stored.items()} == \
         {(key + "/shard_0_1" if shape is None else key): shape for key, shape in declared.items()}
@@ -176,7 +119,7 @@ def test_megatron_cores_own_save_is_read_and_converted_bit_exactly(runs: dict[st
              "--dst-dp", "2")
     common = load_for_test(tmp_path / "ep1" / ITER / "common.pt")
     assert common["optimizer"] == {"param_state_sharding_type": "dp_reshardable"}
-    assert not [key for key in _optimizer_entries(tmp_path / "ep1" / ITER) if key.startswith("chained_")]
+    assert not [key for key in optimizer_entries(tmp_path / "ep1" / ITER) if key.startswith("chained_")]
     _convert(tmp_path / "ep1", tmp_path / "back", "--dst-format", "torch_dist", *DP4)
     _assert_records_equal(runs["saved"], tmp_path / "back")
     # and into the per-rank form of the source's layout: its distrib_optim.pt files, bit for bit

@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 import torch
 
-from test_optimizer_torch_dist_dp import (ITERATION, OWN_LAYOUT, TP2DP2, TP2PP2, _assert_records_equal, _cli,
-                                          _convert, _objects, _optimizer_entries, _torch_read)
+from dp_records import bucket_masks, optimizer_entries, read_objects, torch_read
+from test_optimizer_torch_dist_dp import ITERATION, OWN_LAYOUT, TP2DP2, TP2PP2, _assert_records_equal, _cli, _convert
 
 PP2_VPP2 = ("--dst-pp", "2", "--dst-pipeline-layout", "E|t|t|L")
 PP2_VPP2_EMPTY_CHUNK = ("--dst-pp", "2", "--dst-pipeline-layout", "Et||t|L")
@@ -37,7 +37,7 @@ ROUND_TRIPS = {
 def _buffers(iteration_dir: Path) -> dict[str, set[int]]:
     """dp_group_idx_<g> -> the gbuf_idx of its records."""
     found: dict[str, set[int]] = {}
-    for key in _optimizer_entries(iteration_dir):
+    for key in optimizer_entries(iteration_dir):
         parts = key.split(".")
         if parts[3].startswith("gbuf_idx_"):
             found.setdefault(parts[2], set()).add(int(parts[3][len("gbuf_idx_"):]))
@@ -54,7 +54,7 @@ def test_a_golden_through_a_vpp_or_dp_and_pp_change_and_back_is_bit_exact(tmp_pa
         # megatron-core numbers the buffers of the chunks that have parameters: pipeline stage 1's chunks are
         # '' (no buffer) and 'L', whose buffer is gbuf_idx_0 (mcore_vpp_dp_reshardable.py reports the same)
         assert _buffers(tmp_path / "there" / ITERATION) == {"dp_group_idx_0": {0, 1}, "dp_group_idx_1": {0}}
-        objects = _objects(tmp_path / "there", ["optimizer.distributed.dp_group_idx_1.per_bucket_numel/shard_0_1"])
+        objects = read_objects(tmp_path / "there", ["optimizer.distributed.dp_group_idx_1.per_bucket_numel/shard_0_1"])
         assert [len(per_buffer) for per_buffer in objects.values()] == [1]
 
 
@@ -97,33 +97,10 @@ def _convert_to(src: Path, dst: Path, *options: str) -> None:
     assert result.exit_code == 0, result.output
 
 
-def _bucket_masks(written: Path) -> dict[str, torch.Tensor]:
-    """Per bucket record, True where a parameter lies (pgconvert's reading of its own records)."""
-    from pgconvert.formats import LoadOptions
-    from pgconvert.optimizer_map import bucket_ranges
-    from pgconvert.optimizer_torch_dist import TorchDistOptimizerSource
-    from pgconvert.registry import get_loader
-
-    source = get_loader("torch_dist").open(written, LoadOptions())
-    optimizer = TorchDistOptimizerSource(source)
-    masks = {}
-    for coord, buffers in optimizer._flat.items():
-        for buffer, (placed, numel) in enumerate(buffers):
-            for bucket, (start, end) in enumerate(bucket_ranges(placed, numel)):
-                mask = torch.zeros(end - start, dtype=torch.bool)
-                for item in placed:
-                    if item.bucket == bucket:
-                        mask[item.start - start:item.end - start] = True
-                for field in ("param", "exp_avg", "exp_avg_sq"):
-                    masks[optimizer.bucket_key(coord, buffer, field, bucket)] = mask
-    source.close()
-    return masks
-
-
 def _assert_saved_back_the_same(written: Path, mcore: Path, ranks: list[dict[str, Any]]) -> None:
     """megatron-core's save of what it loaded: pgconvert's keys, global shapes and chunks; the objects it declares
     are pgconvert's; every element where a parameter lies is equal."""
-    ours, theirs = _optimizer_entries(written / ITERATION), _optimizer_entries(mcore / "saved")
+    ours, theirs = optimizer_entries(written / ITERATION), optimizer_entries(mcore / "saved")
     assert sorted(ours) == sorted(theirs)
     tensors = [key for key, md in ours.items() if hasattr(md, "chunks")]
     for key in tensors:
@@ -133,10 +110,10 @@ def _assert_saved_back_the_same(written: Path, mcore: Path, ranks: list[dict[str
     declared = {key: value for rank in ranks for key, value in rank["objects"].items()}
     assert sorted(declared) == sorted(key for key in ours if key not in tensors)
     # stored as torch.save([ShardedObject.data])
-    assert _objects(written, sorted(declared)) == {key: [value] for key, value in declared.items()}
-    masks = _bucket_masks(written)
+    assert read_objects(written, sorted(declared)) == {key: [value] for key, value in declared.items()}
+    masks = bucket_masks(written)
     assert sorted(masks) == sorted(tensors)
-    values, saved = _torch_read(written / ITERATION, tensors), _torch_read(mcore / "saved", tensors)
+    values, saved = torch_read(written / ITERATION, tensors), torch_read(mcore / "saved", tensors)
     for key in tensors:
         assert torch.equal(values[key][masks[key]], saved[key][masks[key]]), key
 

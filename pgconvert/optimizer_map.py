@@ -28,8 +28,9 @@ d0067d0 lines 1738-1770, the same loop since v1.9); ``reset_parameters`` re-sets
 which keeps the order. So a MoE layer's experts are ``linear_fc1.weight0, bias0, weight1, …`` then
 ``linear_fc2.…``, where SequentialMLP has ``local_experts.0.linear_fc1.weight, …, local_experts.1.…``.
 Their ``allreduce`` is SequentialMLP's: ``not (is_expert and expert_model_parallel_size > 1)``
-(TEGroupedLinear.__init__, 0.16.1), so they form the expert-parallel optimizer and DDP buffers at
-EP > 1; the buffers follow this ``named_parameters()`` order as for every module (``flat_buffers``). Their
+(TEGroupedLinear.__init__, 0.16.1; 0.20.0's ``_set_expert_parameter_attributes`` and ColumnParallelLinear
+alike add ``expert_tensor_parallel_size != tensor_model_parallel_size``), so they form the expert-parallel
+optimizer and DDP buffers at EP > 1; the buffers follow this ``named_parameters()`` order as for every module (``flat_buffers``). Their
 torch_dist keys are SequentialMLP's (TEGroupedLinear._sharded_state_dict_grouped: ``experts.linear_fc1.weight``
 on the global expert axis), so the model-space optimizer records are too. Refused by name: the local spec
 with grouped GEMM (0.16.1 builds the legacy GroupedMLP, one ``weight1``/``weight2`` for all local experts,
@@ -285,7 +286,9 @@ _WD_MULT = (1.0, 0.0)
 
 def grouped_expert_note(slots: Sequence[OptimizerSlot]) -> str:
     """ggemm: for a count mismatch, how many of ``slots`` are TEGroupedMLP expert parameters ("" if none)."""
-    layers, experts, count = set(), set(), 0
+    layers: set[tuple[int, str]] = set()
+    experts: set[int] = set()
+    count = 0
     for slot in slots:
         head, _, rest = slot.spec.local_name.rpartition(EXPERTS_MODULE)
         match = _GROUPED_NAME.fullmatch(rest) if head else None

@@ -14,9 +14,29 @@ Reproduced for megatron-core 0.16.1 (pip) and 0.20.0 (Megatron-LM ``d98e8a64``),
 groups the same way, for GPT models with megatron-core's local spec and (optmoe) its Transformer Engine
 spec, whose parameters are the same modules' but for the fused norms (``linear_qkv.layer_norm_weight``
 registered before ``linear_qkv.weight``; TE's own parameter order, read from its source, since TE is
-not installed here). Refused, naming the field: grouped-GEMM experts, ``decoupled_lr`` (a third
-group), any parameter name whose place is not known (e.g. multi-latent attention), and any state
-whose group sizes or tensor shapes do not match.
+not installed here). Refused, naming the field: grouped-GEMM experts other than TEGroupedMLP's (below),
+``decoupled_lr`` (a third group), any parameter name whose place is not known (e.g. multi-latent
+attention), and any state whose group sizes or tensor shapes do not match.
+
+Grouped-GEMM experts (ggemm): with the Transformer Engine spec, ``--moe-grouped-gemm`` builds TEGroupedMLP
+(megatron/core/transformer/moe/experts.py, 0.16.1 and 0.20.0), which registers ``linear_fc1`` then
+``linear_fc2``, each a TEColumnParallelGroupedLinear / TERowParallelGroupedLinear (extensions/
+transformer_engine.py) over ``te.pytorch.GroupedLinear``. GroupedLinear.__init__ registers, per local
+expert ``i`` in one loop, ``weight{i}`` then (``bias=add_bias_linear``) ``bias{i}``
+(transformer_engine/pytorch/module/grouped_linear.py: v2.9 lines 646-678, v2.18 lines 1450-1482,
+d0067d0 lines 1738-1770, the same loop since v1.9); ``reset_parameters`` re-sets each name in place,
+which keeps the order. So a MoE layer's experts are ``linear_fc1.weight0, bias0, weight1, …`` then
+``linear_fc2.…``, where SequentialMLP has ``local_experts.0.linear_fc1.weight, …, local_experts.1.…``.
+Their ``allreduce`` is SequentialMLP's: ``not (is_expert and expert_model_parallel_size > 1)``
+(TEGroupedLinear.__init__, 0.16.1; 0.20.0's ``_set_expert_parameter_attributes`` and ColumnParallelLinear
+alike add ``expert_tensor_parallel_size != tensor_model_parallel_size``), so they form the expert-parallel
+optimizer and DDP buffers at EP > 1; the buffers follow this ``named_parameters()`` order as for every module (``flat_buffers``). Their
+torch_dist keys are SequentialMLP's (TEGroupedLinear._sharded_state_dict_grouped: ``experts.linear_fc1.weight``
+on the global expert axis), so the model-space optimizer records are too. Refused by name: the local spec
+with grouped GEMM (0.16.1 builds the legacy GroupedMLP, one ``weight1``/``weight2`` for all local experts,
+whose model keys pgconvert does not read either; 0.20.0's local spec builds SequentialMLP instead),
+``moe_use_legacy_grouped_gemm`` (GroupedMLP with the TE spec) and 0.20.0's ``moe_single_grouped_weight`` /
+``moe_single_grouped_bias`` (one GroupedTensor parameter for all local experts).
 
 Mixture of experts (optmoe): a routed expert's linears are ``allreduce=False`` only when
 ``expert_model_parallel_size > 1`` (``ColumnParallelLinear``/``RowParallelLinear``: ``not (is_expert
@@ -29,6 +49,7 @@ parameters in the one optimizer. The router's ``expert_bias`` is a buffer, not a
 from __future__ import annotations
 
 import argparse
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -71,6 +92,11 @@ _LOCAL_LAYER_ORDER = (
 )
 # One SequentialMLP expert (an MLP): linear_fc1 then linear_fc2, each weight before its bias.
 _EXPERT_ORDER = ("linear_fc1.weight", "linear_fc1.bias", "linear_fc2.weight", "linear_fc2.bias")
+# ggemm: TEGroupedMLP: linear_fc1 then linear_fc2 (GroupedLinear), each ``weight{i}`` then ``bias{i}`` per local
+# expert i (one registration loop in te.pytorch.GroupedLinear.__init__).
+_GROUPED_LINEARS = ("linear_fc1", "linear_fc2")
+_GROUPED_PARAMS = ("weight", "bias")
+_GROUPED_NAME = re.compile(r"(linear_fc[12])\.(weight|bias)(0|[1-9][0-9]*)")
 # Registered buffers the provider lists among a layer's tensors: not optimizer parameters.
 _BUFFERS = ("mlp.router.expert_bias",)
 # GPTModel: embedding (word, then position), decoder (layers, then final_layernorm), output_layer.
@@ -114,33 +140,72 @@ class OptimizerRules:
                 raise UnsupportedOptimizerError(
                     f"{where}: args.{name}={quote(getattr(args, name))}: the embedding/output parameters "
                     f"then form a third param group, which pgconvert does not reproduce ({_VERSIONS})")
+        _refuse_grouped_variants(args, where)
         return cls(apply_wd_to_qk_layernorm=bool(getattr(args, "apply_wd_to_qk_layernorm", False)))
+
+
+# ggemm: run settings that replace TEGroupedMLP's per-expert weight{i}/bias{i} parameters: the legacy GroupedMLP
+# (TE spec, megatron-core 0.16.1's transformer_engine_spec_provider), or one GroupedTensor per linear (0.20.0).
+_GROUPED_VARIANTS = {
+    "moe_use_legacy_grouped_gemm": "the legacy GroupedMLP (one weight1/weight2 for all local experts)",
+    "moe_single_grouped_weight": "one GroupedTensor weight per grouped linear for all local experts",
+    "moe_single_grouped_bias": "one GroupedTensor bias per grouped linear for all local experts",
+}
+
+
+def _refuse_grouped_variants(args: argparse.Namespace, where: str) -> None:
+    if not (getattr(args, "num_experts", None) and getattr(args, "moe_grouped_gemm", False)):
+        return
+    for name, what in _GROUPED_VARIANTS.items():
+        if getattr(args, name, False):
+            raise UnsupportedOptimizerError(
+                f"{where}: args.{name}={quote(getattr(args, name))} with moe_grouped_gemm: the experts are {what}, "
+                f"not TEGroupedMLP's weight{{i}}/bias{{i}} per local expert; pgconvert does not map that "
+                f"optimizer layout ({_VERSIONS}); pass --skip-optimizer")
 
 
 def check_supported(config: ModelConfig, where: str) -> None:
     """Refuse models whose optimizer layout is not reproduced, naming the field."""
-    if config.num_experts and config.moe_grouped_gemm:
+    if config.num_experts and config.moe_grouped_gemm and config.transformer_impl != "transformer_engine":
+        # ggemm: TEGroupedMLP (the Transformer Engine spec) is mapped; the local spec's grouped GEMM is not.
         raise UnsupportedOptimizerError(
-            f"{where}: moe_grouped_gemm=True: the grouped-GEMM experts' parameters (TEGroupedMLP with the "
-            f"Transformer Engine spec, GroupedMLP weight1/weight2 with the local spec) are not mapped for "
-            f"optimizer state ({_VERSIONS}); only SequentialMLP experts are; pass --skip-optimizer")
+            f"{where}: moe_grouped_gemm=True with transformer_impl={quote(config.transformer_impl)}: megatron-core "
+            f"0.16.1's local spec builds the legacy GroupedMLP (one weight1/weight2 for all local experts), whose "
+            f"optimizer layout pgconvert does not map (0.20.0's local spec builds SequentialMLP instead); only "
+            f"TEGroupedMLP (transformer_impl=transformer_engine) and SequentialMLP experts are ({_VERSIONS}); "
+            f"pass --skip-optimizer")
 
 
-def _order_key(spec: TensorSpec) -> tuple[int, int, int, int, int]:
+def _expert_order(rest: str) -> tuple[int, int, int] | None:
+    """The place of a routed expert's parameter (``rest``: relative to its layer) inside the experts module:
+    SequentialMLP (expert, then its MLP's order) or TEGroupedMLP (linear, then expert, weight before bias);
+    None for any other name."""
+    if rest.startswith(EXPERT_PREFIX):
+        expert, _, inner = rest[len(EXPERT_PREFIX):].partition(".")
+        if expert.isdigit() and inner in _EXPERT_ORDER:
+            return (int(expert), _EXPERT_ORDER.index(inner), 0)
+        return None
+    grouped = _GROUPED_NAME.fullmatch(rest[len(EXPERTS_MODULE):]) if rest.startswith(EXPERTS_MODULE) else None
+    if grouped is None:
+        return None
+    module, kind, expert = grouped.groups()
+    return (_GROUPED_LINEARS.index(module), int(expert), _GROUPED_PARAMS.index(kind))
+
+
+def _order_key(spec: TensorSpec) -> tuple[int, ...]:
     name = spec.local_name
     if name in _BEFORE_LAYERS:
-        return (0, 0, _BEFORE_LAYERS.index(name), 0, 0)
+        return (0, 0, _BEFORE_LAYERS.index(name), 0, 0, 0)
     if name in _AFTER_LAYERS:
-        return (2, 0, _AFTER_LAYERS.index(name), 0, 0)
+        return (2, 0, _AFTER_LAYERS.index(name), 0, 0, 0)
     index, _, rest = name[len(LAYER_PREFIX):].partition(".")
-    expert, _, inner = rest[len(EXPERT_PREFIX):].partition(".")
-    if name.startswith(LAYER_PREFIX) and rest.startswith(EXPERT_PREFIX) and expert.isdigit() \
-            and inner in _EXPERT_ORDER:
-        return (1, int(index), _LOCAL_LAYER_ORDER.index(EXPERTS_MODULE), int(expert), _EXPERT_ORDER.index(inner))
+    expert = _expert_order(rest) if name.startswith(LAYER_PREFIX) else None
+    if expert is not None:
+        return (1, int(index), _LOCAL_LAYER_ORDER.index(EXPERTS_MODULE), *expert)
     if not name.startswith(LAYER_PREFIX) or rest not in _LOCAL_LAYER_ORDER:
         raise UnsupportedOptimizerError(f"parameter {quote(name)}: its place in megatron-core's module order "
                                         f"is not known to pgconvert ({_VERSIONS})")
-    return (1, int(index), _LOCAL_LAYER_ORDER.index(rest), 0, 0)
+    return (1, int(index), _LOCAL_LAYER_ORDER.index(rest), 0, 0, 0)
 
 
 def _is_buffer(spec: TensorSpec) -> bool:
@@ -219,6 +284,25 @@ def optimizer_slots(config: ModelConfig, layout: ParallelLayout, coord: RankCoor
 _WD_MULT = (1.0, 0.0)
 
 
+def grouped_expert_note(slots: Sequence[OptimizerSlot]) -> str:
+    """ggemm: for a count mismatch, how many of ``slots`` are TEGroupedMLP expert parameters ("" if none)."""
+    layers: set[tuple[int, str]] = set()
+    experts: set[int] = set()
+    count = 0
+    for slot in slots:
+        head, _, rest = slot.spec.local_name.rpartition(EXPERTS_MODULE)
+        match = _GROUPED_NAME.fullmatch(rest) if head else None
+        if match is not None:
+            layers.add((slot.chunk, head))
+            experts.add(int(match.group(3)))
+            count += 1
+    if not count:
+        return ""
+    return (f"; {count} of them are grouped-GEMM expert parameters (TEGroupedMLP: linear_fc1 and linear_fc2 "
+            f"weight{{i}}/bias{{i}} for each of {len(experts)} local experts in {len(layers)} MoE layer(s); another "
+            "count means other experts per rank, or the legacy GroupedMLP's weight1/weight2)")
+
+
 def check_param_groups(slots: Sequence[Sequence[OptimizerSlot]], param_groups: Any, where: str,
                        expert: bool = False) -> None:
     """The stored ``param_groups`` have the groups, sizes, positions and weight-decay multipliers
@@ -236,7 +320,8 @@ def check_param_groups(slots: Sequence[Sequence[OptimizerSlot]], param_groups: A
         if group.get("params") != expected:
             raise OptimizerLayoutError(
                 f"{where}: optimizer.param_groups[{index}].params = {quote(group.get('params'), 120)}, but the "
-                f"model's parameter count gives {quote(expected, 120)} ({_VERSIONS} group order)")
+                f"model's parameter count gives {quote(expected, 120)} ({_VERSIONS} group order)"
+                f"{grouped_expert_note(members)}")
         if group.get("wd_mult", _WD_MULT[index]) != _WD_MULT[index] \
                 or bool(group.get("is_expert_parallel", False)) != expert:
             raise OptimizerLayoutError(
@@ -253,7 +338,7 @@ def check_state_shapes(slots: Sequence[Sequence[OptimizerSlot]], state: Mapping[
         keys = sorted(state) if isinstance(state, Mapping) else type(state).__name__
         raise OptimizerLayoutError(
             f"{where}: optimizer.state has positions {quote(keys, 120)}, but the model has {len(flat)} "
-            f"trainable parameters on this rank ({_VERSIONS})")
+            f"trainable parameters on this rank ({_VERSIONS}){grouped_expert_note(flat)}")
     for slot in flat:
         entry = state[slot.position]
         for key in ("exp_avg", "exp_avg_sq"):

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -41,7 +41,8 @@ from pgconvert.grid import RankCoord, build_converter_process_groups
 from pgconvert.layout import ParallelLayout
 from pgconvert.limits import quote
 from pgconvert.provider import (EXPERT_PREFIX, EXPERTS_MODULE, FINAL_NORM_BIAS, FINAL_NORM_WEIGHT, LAYER_PREFIX,
-                                OUTPUT_LAYER, POSITION_EMBEDDINGS, WORD_EMBEDDINGS, TensorSpec, provide)
+                                MTP_LAYER_MODULE, MTP_PREFIX, OUTPUT_LAYER, POSITION_EMBEDDINGS, WORD_EMBEDDINGS,
+                                TensorSpec, provide)
 
 MEGATRON_CORE_VERSIONS = ("0.16.1", "0.20.0")
 _VERSIONS = "megatron-core " + " / ".join(MEGATRON_CORE_VERSIONS)
@@ -57,8 +58,17 @@ _LOCAL_LAYER_ORDER = (
     # layer_norm_weight, layer_norm_bias, then weight, bias: TransformerEngine v2.0 to d0067d0).
     "self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_qkv.layer_norm_bias",
     "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
+    # mla: MLASelfAttention (after MultiLatentAttention's linear_proj) registers linear_q_proj (q_lora_rank
+    # None) or linear_q_down_proj, linear_q_up_proj; then linear_kv_down_proj, linear_kv_up_proj; then
+    # q_layernorm (q_lora_rank set) and kv_layernorm (0.16.1 and d98e8a64). The TE spec fuses the latent
+    # norms into the up projections (layer_norm_weight before weight) and leaves IdentityOp norms.
+    "self_attention.linear_q_proj.weight", "self_attention.linear_q_down_proj.weight",
+    "self_attention.linear_q_up_proj.layer_norm_weight", "self_attention.linear_q_up_proj.weight",
+    "self_attention.linear_kv_down_proj.weight",
+    "self_attention.linear_kv_up_proj.layer_norm_weight", "self_attention.linear_kv_up_proj.weight",
     "self_attention.q_layernorm.weight", "self_attention.q_layernorm.bias",
     "self_attention.k_layernorm.weight", "self_attention.k_layernorm.bias",
+    "self_attention.kv_layernorm.weight", "self_attention.kv_layernorm.bias",
     "pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias",
     "mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.layer_norm_bias",
     "mlp.linear_fc1.weight", "mlp.linear_fc1.bias",
@@ -73,9 +83,13 @@ _LOCAL_LAYER_ORDER = (
 _EXPERT_ORDER = ("linear_fc1.weight", "linear_fc1.bias", "linear_fc2.weight", "linear_fc2.bias")
 # Registered buffers the provider lists among a layer's tensors: not optimizer parameters.
 _BUFFERS = ("mlp.router.expert_bias",)
-# GPTModel: embedding (word, then position), decoder (layers, then final_layernorm), output_layer.
+# GPTModel: embedding (word, then position), decoder (layers, then final_layernorm), mtp, output_layer.
 _BEFORE_LAYERS = (WORD_EMBEDDINGS, POSITION_EMBEDDINGS)
-_AFTER_LAYERS = (FINAL_NORM_WEIGHT, FINAL_NORM_BIAS, OUTPUT_LAYER)
+_AFTER_LAYERS = (FINAL_NORM_WEIGHT, FINAL_NORM_BIAS, MTP_PREFIX, OUTPUT_LAYER)
+# mla: a MultiTokenPredictionLayer registers enorm, hnorm, eh_proj, transformer_layer (a decoder layer's
+# modules; ``mtp_model_layer`` in d98e8a64, same place), final_layernorm (0.16.1 and d98e8a64).
+_MTP_BEFORE_LAYER = ("enorm.weight", "enorm.bias", "hnorm.weight", "hnorm.bias", "eh_proj.weight")
+_MTP_AFTER_LAYER = ("final_layernorm.weight", "final_layernorm.bias")
 
 
 class OptimizerLayoutError(CheckpointError):
@@ -126,8 +140,24 @@ def check_supported(config: ModelConfig, where: str) -> None:
             f"optimizer state ({_VERSIONS}); only SequentialMLP experts are; pass --skip-optimizer")
 
 
-def _order_key(spec: TensorSpec) -> tuple[int, int, int, int, int]:
+def _mtp_order_key(spec: TensorSpec) -> tuple[int, ...]:
+    """mla: ``mtp.layers.{i}.rest`` after the decoder's final norm, before the output layer."""
+    index, _, rest = spec.local_name[len(MTP_PREFIX):].partition(".")
+    where = (2, 0, _AFTER_LAYERS.index(MTP_PREFIX), int(index) if index.isdigit() else -1)
+    if rest in _MTP_BEFORE_LAYER:
+        return (*where, 0, _MTP_BEFORE_LAYER.index(rest))
+    if rest in _MTP_AFTER_LAYER:
+        return (*where, 2, _MTP_AFTER_LAYER.index(rest))
+    if index.isdigit() and rest.startswith(MTP_LAYER_MODULE):  # its transformer layer, as decoder layer 0
+        return (*where, 1, *_order_key(replace(spec, local_name=f"{LAYER_PREFIX}0.{rest[len(MTP_LAYER_MODULE):]}")))
+    raise UnsupportedOptimizerError(f"parameter {quote(spec.local_name)}: its place in megatron-core's module order "
+                                    f"is not known to pgconvert ({_VERSIONS})")
+
+
+def _order_key(spec: TensorSpec) -> tuple[int, ...]:
     name = spec.local_name
+    if name.startswith(MTP_PREFIX):
+        return _mtp_order_key(spec)
     if name in _BEFORE_LAYERS:
         return (0, 0, _BEFORE_LAYERS.index(name), 0, 0)
     if name in _AFTER_LAYERS:
@@ -321,10 +351,13 @@ def _bucket_size(args: argparse.Namespace | None, coord: RankCoord, chunk: int, 
 def _is_shared_embedding(config: ModelConfig, layout: ParallelLayout, spec: TensorSpec) -> bool:
     """megatron-core's ``shared_embedding`` flag (``LanguageModule.setup_embeddings_and_output_layer``): at
     pipeline size > 1 with tied embeddings (or multi-token prediction), the first stage's word embedding and
-    the last stage's output weight (its copy); the distributed optimizer gives each its own bucket."""
+    the last stage's output weight (its copy), or with MTP the last stage's embedding copy; the distributed
+    optimizer gives each its own bucket."""
     if layout.pp == 1 or not (config.tie_embeddings or config.mtp_num_layers):
         return False
-    return spec.local_name in (WORD_EMBEDDINGS, OUTPUT_LAYER)
+    # mla: with MTP the last stage's shared weight is its embedding copy (GPTModel.shared_embedding_or_output_weight:
+    # pre_process or mtp_process), not its output layer.
+    return spec.local_name == WORD_EMBEDDINGS or (spec.local_name == OUTPUT_LAYER and not config.mtp_num_layers)
 
 
 def _place_chunk(slots: Sequence[OptimizerSlot], bucket_size: int | None,

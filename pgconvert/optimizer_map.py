@@ -15,8 +15,21 @@ groups the same way, for GPT models with megatron-core's local spec and (optmoe)
 spec, whose parameters are the same modules' but for the fused norms (``linear_qkv.layer_norm_weight``
 registered before ``linear_qkv.weight``; TE's own parameter order, read from its source, since TE is
 not installed here). Refused, naming the field: grouped-GEMM experts, ``decoupled_lr`` (a third
-group), any parameter name whose place is not known (e.g. multi-latent attention), and any state
-whose group sizes or tensor shapes do not match.
+group), any parameter name whose place is not known, and any state whose group sizes or tensor shapes
+do not match.
+
+Multi-latent attention and multi-token prediction (mla), same order in 0.16.1 and 0.20.0: MLASelfAttention
+registers linear_proj (MultiLatentAttention), then linear_q_proj (``q_lora_rank`` None) or
+linear_q_down_proj and linear_q_up_proj, linear_kv_down_proj, linear_kv_up_proj, then q_layernorm (with
+q-LoRA) and kv_layernorm; the TE spec fuses the latent norms into the up projections
+(``layer_norm_weight`` before ``weight``). GPTModel registers ``mtp`` after the decoder and before
+output_layer, on the last stage only (with its embedding copy, the stage's ``shared_embedding`` at
+PP > 1); each MTP layer registers enorm, hnorm, eh_proj, its transformer layer (ordered as a decoder
+layer; its routed experts expert-parallel), final_layernorm. Weight decay: the latent norms are 1-dim;
+with ``apply_wd_to_qk_layernorm`` a name containing ``q_layernorm.`` or ``k_layernorm.`` keeps it: the
+local spec's ``q_layernorm`` does, ``kv_layernorm`` and the TE spec's fused ``layer_norm_weight`` do not.
+Checked against megatron-core 0.16.1's own GPTModel (MLA local spec, MoE, MTP) on every rank of TP2·EP2,
+PP2 and TP2·PP2 (``tests/test_optimizer_mla.py``).
 
 Mixture of experts (optmoe): a routed expert's linears are ``allreduce=False`` only when
 ``expert_model_parallel_size > 1`` (``ColumnParallelLinear``/``RowParallelLinear``: ``not (is_expert

@@ -188,6 +188,27 @@ def test_plain_state_through_te_naming_and_back_is_bit_exact(made: dict[str, tup
     _assert_same(source, tmp_path / "back")
 
 
+def test_a_spec_change_that_moves_the_q_norm_between_weight_decay_groups_says_so(
+        made: dict[str, tuple[Path, Path]], tmp_path: Path) -> None:
+    # apply_wd_to_qk_layernorm: megatron-core decays "q_layernorm." by name, so the local spec's q-LoRA norm is
+    # decayed and the TE spec's linear_q_up_proj.layer_norm_weight is not: carried, and said.
+    source = made["qkwd"][0]
+    result = CliRunner().invoke(main, ["convert", str(source), str(tmp_path / "te"), "--dst-transformer-impl",
+                                       "transformer_engine"], prog_name="pgconvert")
+    assert result.exit_code == 0, result.output
+    assert "from local to transformer_engine its state moves to the no-weight-decay group" in result.output
+    (path,) = tmp_path.glob("te/iter_*/mp_rank_00/model_optim_rng.pt")
+    groups = [group["params"] for group in load_for_test(path)["optimizer"]["param_groups"]]
+    te = MegatronSource(path.parents[1], 2, False, LoadOptions())
+    (slots,) = chained_slots(te.config, te.layout, next(iter(te.files)), OptimizerRules(True), te.vocab_rows)
+    where = {slot.spec.local_name: (slot.group, slot.position) for group in slots for slot in group}
+    group, position = where[MTP_ATTENTION + "linear_q_up_proj.layer_norm_weight"]
+    assert group == 1 and position in groups[1]
+    plain = CliRunner().invoke(main, ["convert", str(made["pp2"][0]), str(tmp_path / "te2"), "--dst-transformer-impl",
+                                      "transformer_engine"], prog_name="pgconvert")
+    assert plain.exit_code == 0 and "weight-decay group" not in plain.output, plain.output
+
+
 def test_an_unknown_parameter_of_an_mtp_layer_is_still_refused_by_name() -> None:
     from pgconvert.optimizer_map import UnsupportedOptimizerError, _order_key
     from pgconvert.provider import REPLICATED, TensorSpec

@@ -1,10 +1,11 @@
 """Run as a script: optimizer state that megatron-core 0.16.1 itself laid out, for a DeepSeek-V3-class model
-(multi-latent attention with q-LoRA, MoE with shared experts, one multi-token-prediction layer).
+(multi-latent attention with or without q-LoRA, MoE with shared experts, one multi-token-prediction layer).
 
-argv: SRC PLAIN DIST [QKWD]. SRC is a per-rank Megatron checkpoint of that model (pgconvert wrote it from a
-tiny HF DeepSeek-V3 with an MTP layer, at any TP/PP/EP). Per rank, megatron-core builds its own GPTModel
-(MLA local spec, MoE, ``mtp_block_spec`` on the last pipeline stage only, as ``get_gpt_mtp_block_spec``
-gives it; fake process groups at the rank's coordinates) and loads the rank's weights strictly. Its
+argv: SRC PLAIN DIST QKWD (``qkwd`` or ``-``), repeated for several jobs. SRC is a per-rank Megatron
+checkpoint of that model (pgconvert wrote it from a tiny HF DeepSeek-V3 with an MTP layer, at any TP/PP/EP).
+Per rank, megatron-core builds its own GPTModel (MLA local spec, MoE, ``mtp_block_spec`` on the last
+pipeline stage only, as ``get_gpt_mtp_block_spec`` gives it; fake process groups at the rank's
+coordinates) and loads the rank's weights strictly. Its
 ``_get_param_groups`` groups the parameters (a one-process gloo world; ``apply_wd_to_qk_layernorm`` with
 QKWD) into the dense and, at EP > 1, the expert-parallel optimizer (``get_megatron_optimizer``'s chain),
 each torch's AdamW, two steps on gradients that are a fixed function of each parameter's value.
@@ -167,27 +168,31 @@ def _train_rank(src: Path, outs: tuple[Path, Path], coords: tuple[int, int, int]
     return positions, [buffer["names"] for index in range(len(optimizers)) for buffer in ranges[index]]
 
 
-def main(src: Path, plain: Path, dist: Path, qkwd: bool) -> None:
+def main(jobs: list[tuple[Path, Path, Path, bool]]) -> None:
     sys.path.insert(0, str(Path(__file__).parent))
     warnings.simplefilter("ignore")
-    for out in (plain, dist):
-        shutil.copytree(src, out, ignore=shutil.ignore_patterns("model_optim_rng.pt"))
     torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
-    positions, buffers = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         torch.distributed.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
         try:
             group = torch.distributed.new_group([0], backend="gloo")
-            for path in sorted(src.glob("iter_*/mp_rank_*/model_optim_rng.pt")):
-                # mp_rank_TT[_PPP][_EEE], as the rank's args lay it out.
-                fields = [int(part) for part in path.parent.name.split("_")[2:]]
-                args = _args_of(path)
-                coords = (fields[0], fields[1] if args.pipeline_model_parallel_size > 1 else 0,
-                          fields[-1] if args.expert_model_parallel_size > 1 else 0)
-                name = path.parent.name
-                positions[name], buffers[name] = _train_rank(path, (plain, dist), coords, qkwd, group)
+            for src, plain, dist, qkwd in jobs:
+                _job(src, plain, dist, qkwd, group)
         finally:
             torch.distributed.destroy_process_group()
+
+
+def _job(src: Path, plain: Path, dist: Path, qkwd: bool, group: Any) -> None:
+    for out in (plain, dist):
+        shutil.copytree(src, out, ignore=shutil.ignore_patterns("model_optim_rng.pt"))
+    positions, buffers = {}, {}
+    for path in sorted(src.glob("iter_*/mp_rank_*/model_optim_rng.pt")):
+        # mp_rank_TT[_PPP][_EEE], as the rank's args lay it out.
+        fields = [int(part) for part in path.parent.name.split("_")[2:]]
+        args = _args_of(path)
+        coords = (fields[0], fields[1] if args.pipeline_model_parallel_size > 1 else 0,
+                  fields[-1] if args.expert_model_parallel_size > 1 else 0)
+        positions[path.parent.name], buffers[path.parent.name] = _train_rank(path, (plain, dist), coords, qkwd, group)
     for out in (plain, dist):
         (out.parent / f"{out.name}.positions.json").write_text(json.dumps(positions))
         (out.parent / f"{out.name}.buffers.json").write_text(json.dumps(buffers))
@@ -201,4 +206,6 @@ def _args_of(path: Path) -> Any:
 
 if __name__ == "__main__":
     os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
-    main(Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), len(sys.argv) > 4 and sys.argv[4] == "qkwd")
+    words = sys.argv[1:]
+    main([(Path(words[i]), Path(words[i + 1]), Path(words[i + 2]), words[i + 3] == "qkwd")
+          for i in range(0, len(words), 4)])

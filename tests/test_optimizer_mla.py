@@ -50,15 +50,15 @@ def made(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path
     """Per case, megatron-core's plain and distributed optimizer checkpoints."""
     root = tmp_path_factory.mktemp("mla")
     sources = {case: _hf(root, case) for case in {spec[0] for spec in CASES.values()}}
-    made = {}
+    made, jobs = {}, []
     for name, (case, tp, pp, ep, qkwd) in CASES.items():
         weights = root / f"{name}_weights"
         pgconvert.convert(sources[case], weights, dst_format="megatron", dst_tp=tp, dst_pp=pp, dst_ep=ep)
-        plain, dist = root / f"{name}_plain", root / f"{name}_dist"
-        done = subprocess.run([sys.executable, "-W", "ignore", str(SCRIPT), str(weights), str(plain), str(dist),
-                               *(["qkwd"] if qkwd else [])], capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        made[name] = (plain, dist)
+        made[name] = (root / f"{name}_plain", root / f"{name}_dist")
+        jobs += [str(weights), *map(str, made[name]), "qkwd" if qkwd else "-"]
+    done = subprocess.run([sys.executable, "-W", "ignore", str(SCRIPT), *jobs], capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return made
 
 

@@ -136,6 +136,21 @@ def test_pp2_reaches_megatron_cores_own_tp2_ep2_state_and_back(made: dict[str, t
     _assert_same(made["pp2"][form], tmp_path / "back")
 
 
+def test_distributed_vpp2_with_mtp_in_the_last_chunk_and_back_is_bit_exact(made: dict[str, tuple[Path, Path]],
+                                                                             tmp_path: Path) -> None:
+    source = made["tp2ep2"][1]
+    _convert(source, tmp_path / "vpp", "--dst-tp", "1", "--dst-pp", "2", "--dst-vpp", "2", "--dst-ep", "1")
+    vpp = MegatronSource(next(tmp_path.glob("vpp/iter_*")), 2, False, LoadOptions())
+    last = max(vpp.files, key=lambda coord: coord.pp)
+    state = safe_torch_load(vpp.files[last])
+    buffers = flat_buffers(vpp.config, vpp.layout, last, OptimizerRules(), vpp.vocab_rows, state["args"])
+    chunks = [{item.slot.spec.local_name for item in placed} for placed, _ in buffers]
+    assert len(chunks) == 2 and MTP + "eh_proj.weight" in chunks[1] and not any(n.startswith(MTP) for n in chunks[0])
+    assert "embedding.word_embeddings.weight" in chunks[1]  # the MTP chunk's embedding copy
+    _convert(tmp_path / "vpp", tmp_path / "back", "--dst-tp", "2", "--dst-pp", "1", "--dst-vpp", "1", "--dst-ep", "2")
+    _assert_same(source, tmp_path / "back", ("optimizer", "iteration"))  # --dst-vpp 1 names the chunk model0
+
+
 @pytest.mark.parametrize("name", ["qkwd", "no_q_lora"])
 def test_qk_weight_decay_and_no_q_lora_round_trips_are_bit_exact(made: dict[str, tuple[Path, Path]], name: str,
                                                                  tmp_path: Path) -> None:

@@ -163,8 +163,9 @@ def _mtp_order_key(spec: TensorSpec) -> tuple[int, ...]:
     if rest in _MTP_AFTER_LAYER:
         return (*where, 2, _MTP_AFTER_LAYER.index(rest))
     if index.isdigit() and rest.startswith(MTP_LAYER_MODULE):  # its transformer layer, as decoder layer 0
+        layer = replace(spec, local_name=f"{LAYER_PREFIX}0.{rest[len(MTP_LAYER_MODULE):]}")
         with contextlib.suppress(UnsupportedOptimizerError):  # refused below, under its own name
-            return (*where, 1, *_order_key(replace(spec, local_name=f"{LAYER_PREFIX}0.{rest[len(MTP_LAYER_MODULE):]}")))
+            return (*where, 1, *_order_key(layer))
     raise UnsupportedOptimizerError(f"parameter {quote(spec.local_name)}: its place in megatron-core's module order "
                                     f"is not known to pgconvert ({_VERSIONS})")
 

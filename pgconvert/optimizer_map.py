@@ -15,8 +15,8 @@ groups the same way, for GPT models with megatron-core's local spec and (optmoe)
 spec, whose parameters are the same modules' but for the fused norms (``linear_qkv.layer_norm_weight``
 registered before ``linear_qkv.weight``; TE's own parameter order, read from its source, since TE is
 not installed here). Refused, naming the field: grouped-GEMM experts other than TEGroupedMLP's (below),
-``decoupled_lr`` (a third group), any parameter name whose place is not known (e.g. multi-latent
-attention), and any state whose group sizes or tensor shapes do not match.
+``decoupled_lr`` (a third group), any parameter name whose place is not known, and any state whose group
+sizes or tensor shapes do not match.
 
 Grouped-GEMM experts (ggemm): with the Transformer Engine spec, ``--moe-grouped-gemm`` builds TEGroupedMLP
 (megatron/core/transformer/moe/experts.py, 0.16.1 and 0.20.0), which registers ``linear_fc1`` then
@@ -30,13 +30,26 @@ which keeps the order. So a MoE layer's experts are ``linear_fc1.weight0, bias0,
 Their ``allreduce`` is SequentialMLP's: ``not (is_expert and expert_model_parallel_size > 1)``
 (TEGroupedLinear.__init__, 0.16.1; 0.20.0's ``_set_expert_parameter_attributes`` and ColumnParallelLinear
 alike add ``expert_tensor_parallel_size != tensor_model_parallel_size``), so they form the expert-parallel
-optimizer and DDP buffers at EP > 1; the buffers follow this ``named_parameters()`` order as for every module (``flat_buffers``). Their
-torch_dist keys are SequentialMLP's (TEGroupedLinear._sharded_state_dict_grouped: ``experts.linear_fc1.weight``
+optimizer and DDP buffers at EP > 1; the buffers follow this ``named_parameters()`` order as for every
+module (``flat_buffers``). Their torch_dist keys are SequentialMLP's (TEGroupedLinear._sharded_state_dict_grouped: ``experts.linear_fc1.weight``
 on the global expert axis), so the model-space optimizer records are too. Refused by name: the local spec
 with grouped GEMM (0.16.1 builds the legacy GroupedMLP, one ``weight1``/``weight2`` for all local experts,
 whose model keys pgconvert does not read either; 0.20.0's local spec builds SequentialMLP instead),
 ``moe_use_legacy_grouped_gemm`` (GroupedMLP with the TE spec) and 0.20.0's ``moe_single_grouped_weight`` /
 ``moe_single_grouped_bias`` (one GroupedTensor parameter for all local experts).
+
+Multi-latent attention and multi-token prediction (mla), same order in 0.16.1 and 0.20.0: MLASelfAttention
+registers linear_proj (MultiLatentAttention), then linear_q_proj (``q_lora_rank`` None) or
+linear_q_down_proj and linear_q_up_proj, linear_kv_down_proj, linear_kv_up_proj, then q_layernorm (with
+q-LoRA) and kv_layernorm; the TE spec fuses the latent norms into the up projections
+(``layer_norm_weight`` before ``weight``). GPTModel registers ``mtp`` after the decoder and before
+output_layer, on the last stage only (with its embedding copy, the stage's ``shared_embedding`` at
+PP > 1); each MTP layer registers enorm, hnorm, eh_proj, its transformer layer (ordered as a decoder
+layer; its routed experts expert-parallel), final_layernorm. Weight decay: the latent norms are 1-dim;
+with ``apply_wd_to_qk_layernorm`` a name containing ``q_layernorm.`` or ``k_layernorm.`` keeps it: the
+local spec's ``q_layernorm`` does, ``kv_layernorm`` and the TE spec's fused ``layer_norm_weight`` do not.
+Checked against megatron-core 0.16.1's own GPTModel (MLA local spec, MoE, MTP) on every rank of TP2·EP2,
+PP2 and TP2·PP2 (``tests/test_optimizer_mla.py``).
 
 Mixture of experts (optmoe): a routed expert's linears are ``allreduce=False`` only when
 ``expert_model_parallel_size > 1`` (``ColumnParallelLinear``/``RowParallelLinear``: ``not (is_expert
@@ -49,6 +62,7 @@ parameters in the one optimizer. The router's ``expert_bias`` is a buffer, not a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -62,7 +76,8 @@ from pgconvert.grid import RankCoord, build_converter_process_groups
 from pgconvert.layout import ParallelLayout
 from pgconvert.limits import quote
 from pgconvert.provider import (EXPERT_PREFIX, EXPERTS_MODULE, FINAL_NORM_BIAS, FINAL_NORM_WEIGHT, LAYER_PREFIX,
-                                OUTPUT_LAYER, POSITION_EMBEDDINGS, WORD_EMBEDDINGS, TensorSpec, provide)
+                                MTP_LAYER_MODULE, MTP_PREFIX, OUTPUT_LAYER, POSITION_EMBEDDINGS, WORD_EMBEDDINGS,
+                                TensorSpec, provide)
 
 MEGATRON_CORE_VERSIONS = ("0.16.1", "0.20.0")
 _VERSIONS = "megatron-core " + " / ".join(MEGATRON_CORE_VERSIONS)
@@ -78,8 +93,17 @@ _LOCAL_LAYER_ORDER = (
     # layer_norm_weight, layer_norm_bias, then weight, bias: TransformerEngine v2.0 to d0067d0).
     "self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_qkv.layer_norm_bias",
     "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
+    # mla: MLASelfAttention (after MultiLatentAttention's linear_proj) registers linear_q_proj (q_lora_rank
+    # None) or linear_q_down_proj, linear_q_up_proj; then linear_kv_down_proj, linear_kv_up_proj; then
+    # q_layernorm (q_lora_rank set) and kv_layernorm (0.16.1 and d98e8a64). The TE spec fuses the latent
+    # norms into the up projections (layer_norm_weight before weight) and leaves IdentityOp norms.
+    "self_attention.linear_q_proj.weight", "self_attention.linear_q_down_proj.weight",
+    "self_attention.linear_q_up_proj.layer_norm_weight", "self_attention.linear_q_up_proj.weight",
+    "self_attention.linear_kv_down_proj.weight",
+    "self_attention.linear_kv_up_proj.layer_norm_weight", "self_attention.linear_kv_up_proj.weight",
     "self_attention.q_layernorm.weight", "self_attention.q_layernorm.bias",
     "self_attention.k_layernorm.weight", "self_attention.k_layernorm.bias",
+    "self_attention.kv_layernorm.weight", "self_attention.kv_layernorm.bias",
     "pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias",
     "mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.layer_norm_bias",
     "mlp.linear_fc1.weight", "mlp.linear_fc1.bias",
@@ -99,9 +123,13 @@ _GROUPED_PARAMS = ("weight", "bias")
 _GROUPED_NAME = re.compile(r"(linear_fc[12])\.(weight|bias)(0|[1-9][0-9]*)")
 # Registered buffers the provider lists among a layer's tensors: not optimizer parameters.
 _BUFFERS = ("mlp.router.expert_bias",)
-# GPTModel: embedding (word, then position), decoder (layers, then final_layernorm), output_layer.
+# GPTModel: embedding (word, then position), decoder (layers, then final_layernorm), mtp, output_layer.
 _BEFORE_LAYERS = (WORD_EMBEDDINGS, POSITION_EMBEDDINGS)
-_AFTER_LAYERS = (FINAL_NORM_WEIGHT, FINAL_NORM_BIAS, OUTPUT_LAYER)
+_AFTER_LAYERS = (FINAL_NORM_WEIGHT, FINAL_NORM_BIAS, MTP_PREFIX, OUTPUT_LAYER)
+# mla: a MultiTokenPredictionLayer registers enorm, hnorm, eh_proj, transformer_layer (a decoder layer's
+# modules; ``mtp_model_layer`` in d98e8a64, same place), final_layernorm (0.16.1 and d98e8a64).
+_MTP_BEFORE_LAYER = ("enorm.weight", "enorm.bias", "hnorm.weight", "hnorm.bias", "eh_proj.weight")
+_MTP_AFTER_LAYER = ("final_layernorm.weight", "final_layernorm.bias")
 
 
 class OptimizerLayoutError(CheckpointError):
@@ -192,8 +220,26 @@ def _expert_order(rest: str) -> tuple[int, int, int] | None:
     return (_GROUPED_LINEARS.index(module), int(expert), _GROUPED_PARAMS.index(kind))
 
 
+def _mtp_order_key(spec: TensorSpec) -> tuple[int, ...]:
+    """mla: ``mtp.layers.{i}.rest`` after the decoder's final norm, before the output layer."""
+    index, _, rest = spec.local_name[len(MTP_PREFIX):].partition(".")
+    where = (2, 0, _AFTER_LAYERS.index(MTP_PREFIX), int(index) if index.isdigit() else -1)
+    if rest in _MTP_BEFORE_LAYER:
+        return (*where, 0, _MTP_BEFORE_LAYER.index(rest))
+    if rest in _MTP_AFTER_LAYER:
+        return (*where, 2, _MTP_AFTER_LAYER.index(rest))
+    if index.isdigit() and rest.startswith(MTP_LAYER_MODULE):  # its transformer layer, as decoder layer 0
+        layer = replace(spec, local_name=f"{LAYER_PREFIX}0.{rest[len(MTP_LAYER_MODULE):]}")
+        with contextlib.suppress(UnsupportedOptimizerError):  # refused below, under its own name
+            return (*where, 1, *_order_key(layer))
+    raise UnsupportedOptimizerError(f"parameter {quote(spec.local_name)}: its place in megatron-core's module order "
+                                    f"is not known to pgconvert ({_VERSIONS})")
+
+
 def _order_key(spec: TensorSpec) -> tuple[int, ...]:
     name = spec.local_name
+    if name.startswith(MTP_PREFIX):
+        return _mtp_order_key(spec)
     if name in _BEFORE_LAYERS:
         return (0, 0, _BEFORE_LAYERS.index(name), 0, 0, 0)
     if name in _AFTER_LAYERS:
@@ -409,10 +455,13 @@ def _bucket_size(args: argparse.Namespace | None, coord: RankCoord, chunk: int, 
 def _is_shared_embedding(config: ModelConfig, layout: ParallelLayout, spec: TensorSpec) -> bool:
     """megatron-core's ``shared_embedding`` flag (``LanguageModule.setup_embeddings_and_output_layer``): at
     pipeline size > 1 with tied embeddings (or multi-token prediction), the first stage's word embedding and
-    the last stage's output weight (its copy); the distributed optimizer gives each its own bucket."""
+    the last stage's output weight (its copy), or with MTP the last stage's embedding copy; the distributed
+    optimizer gives each its own bucket."""
     if layout.pp == 1 or not (config.tie_embeddings or config.mtp_num_layers):
         return False
-    return spec.local_name in (WORD_EMBEDDINGS, OUTPUT_LAYER)
+    # mla: with MTP the last stage's shared weight is its embedding copy (GPTModel.shared_embedding_or_output_weight:
+    # pre_process or mtp_process), not its output layer.
+    return spec.local_name == WORD_EMBEDDINGS or (spec.local_name == OUTPUT_LAYER and not config.mtp_num_layers)
 
 
 def _place_chunk(slots: Sequence[OptimizerSlot], bucket_size: int | None,

@@ -209,6 +209,7 @@ def carry_training_state(conversion: Any, staging: Path, files: list[PlannedFile
     from pgconvert.errors import ValidationError
     from pgconvert.formats import target_config
     from pgconvert.megatron_format import iteration_dir_name
+    from pgconvert.optimizer_mla import qk_norm_decay_notice
     from pgconvert.provider import target_vocab_rows
     from pgconvert.strict import fallback
     from pgconvert.savers.megatron import save_durably
@@ -257,7 +258,8 @@ def carry_training_state(conversion: Any, staging: Path, files: list[PlannedFile
     source.notices[:] = [note for note in source.notices if "optimizer/RNG/rerun entries" not in note]
     form = f"{optimizer.form}, {form}" if conversion.dst_format == "torch_dist" else optimizer.form
     return [f"optimizer ({form}), scheduler, iteration, floating-point operations and consumed samples "
-            f"carried to {options.layout.describe()}; " + RNG_NOTICE]
+            f"carried to {options.layout.describe()}; " + RNG_NOTICE] \
+        + qk_norm_decay_notice(optimizer.rules, source.config, config)  # mla
 
 
 def _write_torch_dist(conversion: Any, optimizer: OptimizerSource, iteration_dir: Path,

@@ -32,8 +32,8 @@ Their ``allreduce`` is SequentialMLP's: ``not (is_expert and expert_model_parall
 alike add ``expert_tensor_parallel_size != tensor_model_parallel_size``), so they form the expert-parallel
 optimizer and DDP buffers at EP > 1; the buffers follow this ``named_parameters()`` order as for every
 module (``flat_buffers``). Their torch_dist keys are SequentialMLP's
-(TEGroupedLinear._sharded_state_dict_grouped: ``experts.linear_fc1.weight`` on the global expert axis), so the model-space optimizer records are too. Refused by name: the local spec
-with grouped GEMM (0.16.1 builds the legacy GroupedMLP, one ``weight1``/``weight2`` for all local experts,
+(TEGroupedLinear._sharded_state_dict_grouped: ``experts.linear_fc1.weight`` on the global expert axis), so the
+model-space optimizer records are too. Refused by name: the local spec with grouped GEMM (0.16.1 builds the legacy GroupedMLP, one ``weight1``/``weight2`` for all local experts,
 whose model keys pgconvert does not read either; 0.20.0's local spec builds SequentialMLP instead),
 ``moe_use_legacy_grouped_gemm`` (GroupedMLP with the TE spec) and 0.20.0's ``moe_single_grouped_weight`` /
 ``moe_single_grouped_bias`` (one GroupedTensor parameter for all local experts).

@@ -21,20 +21,20 @@ sizes or tensor shapes do not match.
 Grouped-GEMM experts (ggemm): with the Transformer Engine spec, ``--moe-grouped-gemm`` builds TEGroupedMLP
 (megatron/core/transformer/moe/experts.py, 0.16.1 and 0.20.0), which registers ``linear_fc1`` then
 ``linear_fc2``, each a TEColumnParallelGroupedLinear / TERowParallelGroupedLinear (extensions/
-transformer_engine.py) over ``te.pytorch.GroupedLinear``. GroupedLinear.__init__ registers, per local
-expert ``i`` in one loop, ``weight{i}`` then (``bias=add_bias_linear``) ``bias{i}``
-(transformer_engine/pytorch/module/grouped_linear.py: v2.9 lines 646-678, v2.18 lines 1450-1482,
-d0067d0 lines 1738-1770, the same loop since v1.9); ``reset_parameters`` re-sets each name in place,
-which keeps the order. So a MoE layer's experts are ``linear_fc1.weight0, bias0, weight1, …`` then
-``linear_fc2.…``, where SequentialMLP has ``local_experts.0.linear_fc1.weight, …, local_experts.1.…``.
-Their ``allreduce`` is SequentialMLP's: ``not (is_expert and expert_model_parallel_size > 1)``
-(TEGroupedLinear.__init__, 0.16.1; 0.20.0's ``_set_expert_parameter_attributes`` and ColumnParallelLinear
-alike add ``expert_tensor_parallel_size != tensor_model_parallel_size``), so they form the expert-parallel
-optimizer and DDP buffers at EP > 1; the buffers follow this ``named_parameters()`` order as for every
-module (``flat_buffers``). Their torch_dist keys are SequentialMLP's
-(TEGroupedLinear._sharded_state_dict_grouped: ``experts.linear_fc1.weight`` on the global expert axis), so the
-model-space optimizer records are too. Refused by name: the local spec with grouped GEMM (0.16.1 builds the legacy GroupedMLP, one ``weight1``/``weight2`` for all local experts,
-whose model keys pgconvert does not read either; 0.20.0's local spec builds SequentialMLP instead),
+transformer_engine.py) over ``te.pytorch.GroupedLinear``. GroupedLinear.__init__ registers, per local expert
+``i`` in one loop, ``weight{i}`` then (``bias=add_bias_linear``) ``bias{i}``
+(transformer_engine/pytorch/module/grouped_linear.py: v2.9 lines 646-678, v2.18 lines 1450-1482, d0067d0 lines
+1738-1770, the same loop since v1.9); ``reset_parameters`` re-sets each name in place, which keeps the order.
+So a MoE layer's experts are ``linear_fc1.weight0, bias0, weight1, …`` then ``linear_fc2.…``, where
+SequentialMLP has ``local_experts.0.linear_fc1.weight, …, local_experts.1.…``. Their ``allreduce`` is
+SequentialMLP's: ``not (is_expert and expert_model_parallel_size > 1)`` (TEGroupedLinear.__init__, 0.16.1;
+0.20.0's ``_set_expert_parameter_attributes`` and ColumnParallelLinear alike add ``expert_tensor_parallel_size
+!= tensor_model_parallel_size``), so they form the expert-parallel optimizer and DDP buffers at EP > 1; the
+buffers follow this ``named_parameters()`` order as for every module (``flat_buffers``). Their torch_dist keys
+are SequentialMLP's (TEGroupedLinear._sharded_state_dict_grouped: ``experts.linear_fc1.weight`` on the global
+expert axis), so the model-space optimizer records are too. Refused by name: the local spec with grouped GEMM
+(0.16.1 builds the legacy GroupedMLP, one ``weight1``/``weight2`` for all local experts, whose model keys
+pgconvert does not read either; 0.20.0's local spec builds SequentialMLP instead),
 ``moe_use_legacy_grouped_gemm`` (GroupedMLP with the TE spec) and 0.20.0's ``moe_single_grouped_weight`` /
 ``moe_single_grouped_bias`` (one GroupedTensor parameter for all local experts).
 

@@ -1,0 +1,227 @@
+"""Make the ``fully_sharded_model_space`` golden with megatron-core 0.15.0's own classes (local script, not CI).
+
+    /venv/with/megatron-core-0.15.0/bin/python scripts/make_fs_model_space_golden.py [check]
+
+megatron-core 0.16.1 and later refuse this form (``ShardedTensor.flattened_range is not supported``);
+0.15.0 still saves and loads it. Four forked gloo processes (TP2 DP2 on the CPU, ``tests/mcore_cpu_shim``)
+each build GPTModel + DDP + DistributedOptimizer for the model of the Megatron-LM golden
+``train_tp2dp2_distopt_fully_reshardable_torch_dist`` and load that golden with megatron-core 0.15.0's own
+``dist_checkpointing.load`` (a temporary copy with the checkpoint's common state as ``common.pt``, which
+0.15.0 reads). They then save it as Megatron-LM core_v0.15.0's ``save_checkpoint`` does with
+``--dist-ckpt-save-pre-mcore-014`` (``ckpt_fully_parallel_save`` is on by default), which is what
+``_build_sharded_state_dict_metadata`` turns into ``distrib_optim_sharding_type='fully_sharded_model_space'``
+(core_v0.13.1 / core_v0.14.0 write that form without the flag): ``generate_state_dict``'s entries, the
+model's and the optimizer's ``sharded_state_dict``, ``dist_checkpointing.save`` with the fully parallel
+save strategy over the DP group and ``content_metadata``. Last, fresh ranks load the new checkpoint
+with 0.15.0 and compare what their optimizer holds with what it held after the first load
+(``torch.equal`` per parameter slice).
+
+``check``: only the last step, plus pgconvert's reading of the golden against those slices.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+GOLDENS = ROOT / "tests" / "data" / "megatron_lm"
+SOURCE = GOLDENS / "train_tp2dp2_distopt_fully_reshardable_torch_dist"
+TARGET = GOLDENS / "mcore015_tp2dp2_distopt_fs_model_space_torch_dist"
+ITERATION = "iter_0000002"
+# Megatron-LM core_v0.15.0 _build_sharded_state_dict_metadata with --dist-ckpt-save-pre-mcore-014
+METADATA = {"distrib_optim_sharding_type": "fully_sharded_model_space", "singleton_local_shards": False,
+            "chained_optim_avoid_prefix": True}
+DP = 2
+
+
+def _real(value: Any) -> Any:
+    """A pgconvert stand-in of a Megatron class in ``args`` as this megatron-core's own class (None when
+    it has none: 0.15.0 predates that argument)."""
+    from pgconvert.megatron_format import OpaqueGlobal
+
+    if not isinstance(value, OpaqueGlobal):
+        return value
+    module, _, name = value.qualified_name.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)(*value.args)
+    except (ImportError, AttributeError):
+        return None
+
+
+def _common_state() -> dict[str, Any]:
+    """The source's common state (read by pgconvert), with args as Megatron-LM core_v0.15.0 would hold them
+    for this save."""
+    from pgconvert.formats import LoadOptions
+    from pgconvert.registry import get_loader
+
+    source = get_loader("torch_dist").open(SOURCE, LoadOptions())
+    common = dict(source.common_state)
+    source.close()
+    args = argparse.Namespace(**{key: _real(value) for key, value in vars(common["args"]).items()
+                                 if _real(value) is not None or value is None})
+    # arguments newer than 0.15.0 that tests/mcore_helpers would hand its TransformerConfig
+    from megatron.core.transformer import TransformerConfig
+    from mcore_helpers import COPIED_CONFIG_FIELDS
+
+    known = {field.name for field in dataclasses.fields(TransformerConfig)}
+    for name in COPIED_CONFIG_FIELDS:
+        if name not in known and hasattr(args, name):
+            delattr(args, name)
+    args.dist_ckpt_optim_fully_reshardable = False
+    args.dist_ckpt_save_pre_mcore_014 = True
+    args.ckpt_fully_parallel_save = True
+    common["args"] = args
+    common["rerun_state_machine"] = {key: _real(value) for key, value in common["rerun_state_machine"].items()}
+    return common
+
+
+def _load(model: Any, optimizer: Any, iteration_dir: Path, metadata: dict[str, Any]) -> None:
+    """Megatron-LM's ``load_checkpoint`` for torch_dist: sharded state dicts, ``dist_checkpointing.load``,
+    ``load_state_dict``."""
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron_fixtures import allowed_globals
+
+    metadata = dict(metadata, dp_cp_group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+    with torch.serialization.safe_globals(allowed_globals()):
+        sharded = {"model": model.sharded_state_dict(metadata=metadata)}
+        sharded["optimizer"] = optimizer.sharded_state_dict(sharded, is_loading=True, metadata=metadata)
+        loaded = dist_checkpointing.load(sharded, str(iteration_dir))
+    model.load_state_dict(loaded["model"], strict=True)
+    optimizer.load_state_dict(loaded["optimizer"])
+
+
+def _save(model: Any, optimizer: Any, common: dict[str, Any], iteration_dir: Path) -> None:
+    """Megatron-LM core_v0.15.0's ``generate_state_dict`` + ``dist_checkpointing.save`` (fully parallel save)."""
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+
+    state = {key: common[key] for key in ("args", "checkpoint_version", "iteration")}
+    state["model"] = model.sharded_state_dict(metadata=dict(METADATA))
+    state["optimizer"] = optimizer.sharded_state_dict(state, metadata=dict(METADATA))
+    state["opt_param_scheduler"] = common["opt_param_scheduler"]
+    state["rerun_state_machine"] = common["rerun_state_machine"]
+    state["num_floating_point_operations_so_far"] = common["num_floating_point_operations_so_far"]
+    strategy = FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy("torch_dist"),
+                                                parallel_state.get_data_parallel_group(with_context_parallel=True))
+    dist_checkpointing.save(state, str(iteration_dir), strategy, content_metadata=dict(METADATA))
+
+
+def _rank(rank: int, world: int, store: str, common: dict[str, Any], work: Path, mode: str) -> None:
+    import mcore_cpu_shim
+    from megatron.core import parallel_state
+
+    from mcore_optimizer_step import _build, _gpt, _optimizer, canonical, optimizer_tensors
+
+    mcore_cpu_shim.install()
+    torch.cuda.synchronize = lambda *_: None  # dist_checkpointing's save waits for the device before writing
+    args = common["args"]
+    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    parallel_state.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    ddp = _build(args, 0)
+    optimizer = _optimizer(args, ddp)
+    model = _gpt(ddp)
+    names = {id(param): canonical(name, 0) for name, param in model.named_parameters()}
+    if mode == "save":
+        _load(model, optimizer, work / "source" / ITERATION, dict(common["content_metadata"]))
+        torch.save({"tp_rank": parallel_state.get_tensor_model_parallel_rank(),
+                    "state": optimizer_tensors(optimizer, names),
+                    "weights": {names[id(p)]: p.detach().clone() for p in model.parameters()}},
+                   work / f"reference{rank}.pt")
+        _save(model, optimizer, common, work / "target" / ITERATION)
+    else:
+        _load(model, optimizer, work / "target" / ITERATION, dict(METADATA))
+        torch.save({"state": optimizer_tensors(optimizer, names),
+                    "weights": {names[id(p)]: p.detach().clone() for p in model.parameters()}},
+                   work / f"reloaded{rank}.pt")
+    torch.distributed.destroy_process_group()
+
+
+def _source_copy(common: dict[str, Any], work: Path) -> None:
+    """The source golden with its common state as ``common.pt`` (megatron-core 0.15.0 reads that file)."""
+    shutil.copytree(SOURCE / ITERATION, work / "source" / ITERATION)
+    torch.save(common, work / "source" / ITERATION / "common.pt")
+
+
+def _compare_reloaded(work: Path, world: int) -> None:
+    for rank in range(world):
+        reference = torch.load(work / f"reference{rank}.pt", weights_only=True)
+        reloaded = torch.load(work / f"reloaded{rank}.pt", weights_only=True)
+        for name, (offset, tensors) in reference["state"].items():
+            again_offset, again = reloaded["state"][name]
+            assert offset == again_offset, name
+            for key in ("param", "exp_avg", "exp_avg_sq", "step"):
+                assert torch.equal(tensors[key], again[key]), f"rank {rank}: {name}.{key} differs after the reload"
+        for name, weight in reference["weights"].items():
+            assert torch.equal(weight, reloaded["weights"][name]), f"rank {rank}: weight {name}"
+    print(f"megatron-core reloads the saved fully_sharded_model_space checkpoint: {world} ranks, every "
+          "optimizer slice and weight equal", flush=True)
+
+
+def _compare_pgconvert(work: Path, world: int) -> None:
+    """pgconvert's export of the golden (per canonical parameter) against megatron-core's per-rank slices."""
+    from mcore_optimizer_step import tp_piece
+
+    out = work / "export"
+    done = subprocess.run([sys.executable, "-m", "pgconvert", "export-optimizer", str(TARGET), str(out)],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    exported = {path.stem: torch.load(path, weights_only=True) for path in out.glob("*.pt")}
+    args = _common_state()["args"]
+    for rank in range(world):
+        reference = torch.load(work / f"reference{rank}.pt", weights_only=True)
+        for name, (offset, tensors) in reference["state"].items():
+            for key in ("param", "exp_avg", "exp_avg_sq"):
+                piece = tp_piece(name, exported[name][key], args.tensor_model_parallel_size, reference["tp_rank"],
+                                 args.swiglu).reshape(-1)
+                assert torch.equal(piece[offset:offset + tensors[key].numel()], tensors[key]), f"{name}.{key}"
+            assert torch.equal(exported[name]["step"], tensors["step"]), name
+    print(f"pgconvert's export equals megatron-core's state: {len(exported)} parameters, {world} ranks", flush=True)
+
+
+def main(argv: list[str]) -> None:
+    from gloo_ranks import run_ranks
+
+    common = _common_state()
+    world = common["args"].tensor_model_parallel_size * common["args"].pipeline_model_parallel_size * DP
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        if "check" not in argv:
+            _source_copy(common, work)
+            (work / "target" / ITERATION).mkdir(parents=True)
+            run_ranks(_rank, world, common, work, "save", where="save")
+            shutil.rmtree(TARGET, ignore_errors=True)
+            shutil.copytree(work / "target", TARGET)
+            (TARGET / "latest_checkpointed_iteration.txt").write_text("2")
+        else:
+            _source_copy(common, work)
+            (work / "target" / ITERATION).mkdir(parents=True)
+            run_ranks(_rank, world, common, work, "save", where="reference")  # the source's state, as loaded
+            shutil.rmtree(work / "target")
+            shutil.copytree(TARGET, work / "target")
+        run_ranks(_rank, world, common, work, "reload", where="reload")
+        _compare_reloaded(work, world)
+        _compare_pgconvert(work, world)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sys.path[:0] = [str(ROOT / "tests"), str(ROOT)]
+    import numpy
+    if not hasattr(numpy, "product"):  # megatron-core 0.15.0's flattened-range checks call np.product (numpy < 2)
+        numpy.product = numpy.prod
+    importlib.import_module("megatron.core.optimizer")  # imported once, before the forks
+    main(sys.argv[1:])

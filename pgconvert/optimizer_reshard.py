@@ -209,6 +209,7 @@ def carry_training_state(conversion: Any, staging: Path, files: list[PlannedFile
     from pgconvert.errors import ValidationError
     from pgconvert.formats import target_config
     from pgconvert.megatron_format import iteration_dir_name
+    from pgconvert.optimizer_fs_model_space import destination_notice
     from pgconvert.provider import target_vocab_rows
     from pgconvert.strict import fallback
     from pgconvert.savers.megatron import save_durably
@@ -255,9 +256,10 @@ def carry_training_state(conversion: Any, staging: Path, files: list[PlannedFile
         files[:] = [PlannedFile(f.relpath, f.tensors, f.nbytes) if f.relpath in rewritten else f for f in files]
     # opttd: a torch_dist source's "optimizer/RNG/rerun entries ... not converted": the optimizer now is
     source.notices[:] = [note for note in source.notices if "optimizer/RNG/rerun entries" not in note]
+    fsms = destination_notice(getattr(optimizer, "sharding", None), form) if conversion.dst_format == "torch_dist" else []
     form = f"{optimizer.form}, {form}" if conversion.dst_format == "torch_dist" else optimizer.form
     return [f"optimizer ({form}), scheduler, iteration, floating-point operations and consumed samples "
-            f"carried to {options.layout.describe()}; " + RNG_NOTICE]
+            f"carried to {options.layout.describe()}; " + RNG_NOTICE, *fsms]
 
 
 def _write_torch_dist(conversion: Any, optimizer: OptimizerSource, iteration_dir: Path,

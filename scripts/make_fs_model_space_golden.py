@@ -16,7 +16,19 @@ save strategy over the DP group and ``content_metadata``. Last, fresh ranks load
 with 0.15.0 and compare what their optimizer holds with what it held after the first load
 (``torch.equal`` per parameter slice).
 
-``check``: only the last step, plus pgconvert's reading of the golden against those slices.
+``check``: only the last step, plus pgconvert's reading of the golden against those slices (both also
+run after a save).
+
+Made with: megatron-core 0.15.0 (the cp311 wheel, installed with ``pip install --no-deps`` into a copy of
+pgconvert's venv), psutil 7.2.2 (its async writer asks for it), Python 3.11.7, torch 2.13.0+cpu, numpy
+2.4.6. CPU shims beyond ``tests/mcore_cpu_shim``: ``numpy.product = numpy.prod`` (0.15.0's flattened-range
+checks call ``np.product``, gone in numpy 2) and ``torch.cuda.synchronize`` a no-op (the writer's preload).
+Arguments newer than 0.15.0 that its TransformerConfig lacks are dropped from ``args``, and pgconvert's
+stand-ins of Megatron enums become 0.15.0's classes. The common state is Megatron-LM core_v0.15.0's
+``generate_state_dict`` entries, taken from the source golden (Megatron-LM d98e8a64): args, checkpoint_version,
+iteration, opt_param_scheduler, rerun_state_machine, num_floating_point_operations_so_far (no RNG: the
+source was saved with --no-save-rng). In this layout no parameter straddles the DP boundary, so each
+chunk of a record is written whole by one DP rank.
 """
 
 from __future__ import annotations

@@ -80,10 +80,10 @@ def flatten(tensor: torch.Tensor, local: tuple[int, ...]) -> torch.Tensor:
 
 
 def destination_notice(sharding: str | None, form: str) -> list[str]:
-    """What a torch_dist destination of a fully_sharded_model_space source says: pgconvert writes ``form``
-    instead, which megatron-core before 0.15.0 cannot load."""
-    if sharding != FS_MODEL_SPACE:
+    """What a torch_dist destination of a fully_sharded_model_space source says when another ``form`` is asked
+    for: megatron-core before 0.15.0 cannot load it."""
+    if sharding != FS_MODEL_SPACE or form == FS_MODEL_SPACE:
         return []
-    return [f"optimizer: the source's {FS_MODEL_SPACE} form is written as {form} (pgconvert does not write "
-            f"{FS_MODEL_SPACE}: megatron-core 0.16.1 and later cannot load it); megatron-core 0.15.0 and later load "
-            f"{form}, 0.14.0 and older read only {FS_MODEL_SPACE} and the deprecated forms"]
+    return [f"optimizer: the source's {FS_MODEL_SPACE} form is written as {form}: megatron-core 0.15.0 and later "
+            f"load {form}, 0.14.0 and older only {FS_MODEL_SPACE} (--dst-optim-form {FS_MODEL_SPACE}) and the "
+            "deprecated forms"]

@@ -270,18 +270,22 @@ def _write_torch_dist(conversion: Any, optimizer: OptimizerSource, iteration_dir
     from pgconvert.optimizer_torch_dist_dp import DP_RESHARDABLE, write_dp_reshardable
     from pgconvert.optimizer_torch_dist_save import rewrite_common
     from pgconvert.optimizer_torch_dist_save import write_fully_reshardable
+    from pgconvert.optimizer_fs_model_space import FS_MODEL_SPACE
+    from pgconvert.optimizer_fs_model_space_save import write_fs_model_space
 
     chunks, _, rows = conversion.saver._chunks(conversion.source, conversion.save_options)
     layout = conversion.save_options.layout
     if dst_dp is not None:
         rewrite_common(iteration_dir, lambda common: common.update(args=with_dst_dp(common.get("args"), layout,
                                                                                      dst_dp)))
+    fits_rows = {name for name in optimizer.names() if optimizer._owners[name][0][1].spec.rule.fits_rows}
     if form == DP_RESHARDABLE:
         dp = dst_dp or dp_size(safe_torch_load(iteration_dir / "common.pt").get("args"))
         config = target_config(conversion.source.config, conversion.save_options)
         added = write_dp_reshardable(optimizer, config, layout, rows, dp, iteration_dir)
+    elif form == FS_MODEL_SPACE:  # fsms
+        added = write_fs_model_space(optimizer, chunks, rows, fits_rows, iteration_dir)
     else:
-        fits_rows = {name for name in optimizer.names() if optimizer._owners[name][0][1].spec.rule.fits_rows}
         config = target_config(conversion.source.config, conversion.save_options)  # tdmoe: chained groups
         counts = [len(groups) for groups in chained_slots(config, layout, RankCoord(0, 0, 0), optimizer.rules, rows)]
         added = write_fully_reshardable(optimizer, chunks, rows, fits_rows, iteration_dir, counts)

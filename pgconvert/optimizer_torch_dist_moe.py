@@ -62,7 +62,8 @@ def moe_refusal(conversion: Any) -> str | None:
     if all(form in (None, FULLY_RESHARDABLE) for form in forms):
         return None
     where = "from" if own not in (None, FULLY_RESHARDABLE) else "into"
+    form = own if where == "from" else dst_form  # fsms: name the form (dp_reshardable or fully_sharded_model_space)
     hint = "--skip-optimizer" if where == "from" else "--dst-optim-form fully_reshardable or --skip-optimizer"
     return (f"optimizer state not carried: num_experts={source.config.num_experts}: a MoE model's optimizer state "
             "(megatron-core's chained dense and expert optimizers) is carried from or into torch_dist in the "
-            f"fully_reshardable form only, not {where} dp_reshardable; pass {hint}")
+            f"fully_reshardable form only, not {where} {form}; pass {hint}")

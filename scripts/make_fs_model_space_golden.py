@@ -16,6 +16,10 @@ save strategy over the DP group and ``content_metadata``. Last, fresh ranks load
 with 0.15.0 and compare what their optimizer holds with what it held after the first load
 (``torch.equal`` per parameter slice).
 
+``load DIR DP``: megatron-core 0.15.0 loads the fully_sharded_model_space torch_dist checkpoint DIR (e.g.
+pgconvert's ``convert GOLDEN DIR --dst-format torch_dist --dst-tp 1``; one pipeline stage) on its TP times DP
+ranks, and what each rank's optimizer then holds must equal pgconvert's export of the golden.
+
 ``check``: only the last step, plus pgconvert's reading of the golden against those slices (both also
 run after a save).
 
@@ -130,7 +134,8 @@ def _save(model: Any, optimizer: Any, common: dict[str, Any], iteration_dir: Pat
     dist_checkpointing.save(state, str(iteration_dir), strategy, content_metadata=dict(METADATA))
 
 
-def _rank(rank: int, world: int, store: str, common: dict[str, Any], work: Path, mode: str) -> None:
+def _rank(rank: int, world: int, store: str, common: dict[str, Any], work: Path, mode: str,
+          directory: Path | None = None) -> None:
     import mcore_cpu_shim
     from megatron.core import parallel_state
 
@@ -145,7 +150,11 @@ def _rank(rank: int, world: int, store: str, common: dict[str, Any], work: Path,
     optimizer = _optimizer(args, ddp)
     model = _gpt(ddp)
     names = {id(param): canonical(name, 0) for name, param in model.named_parameters()}
-    if mode == "save":
+    if mode == "load":  # another fully_sharded_model_space checkpoint (pgconvert's output)
+        _load(model, optimizer, directory, dict(METADATA))
+        torch.save({"tp_rank": parallel_state.get_tensor_model_parallel_rank(),
+                    "state": optimizer_tensors(optimizer, names)}, work / f"reference{rank}.pt")
+    elif mode == "save":
         _load(model, optimizer, work / "source" / ITERATION, dict(common["content_metadata"]))
         torch.save({"tp_rank": parallel_state.get_tensor_model_parallel_rank(),
                     "state": optimizer_tensors(optimizer, names),
@@ -181,7 +190,7 @@ def _compare_reloaded(work: Path, world: int) -> None:
           "optimizer slice and weight equal", flush=True)
 
 
-def _compare_pgconvert(work: Path, world: int) -> None:
+def _compare_pgconvert(work: Path, world: int, args: Any = None) -> None:
     """pgconvert's export of the golden (per canonical parameter) against megatron-core's per-rank slices."""
     from mcore_optimizer_step import tp_piece
 
@@ -190,7 +199,7 @@ def _compare_pgconvert(work: Path, world: int) -> None:
                           capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0, done.stdout + done.stderr
     exported = {path.stem: torch.load(path, weights_only=True) for path in out.glob("*.pt")}
-    args = _common_state()["args"]
+    args = args or _common_state()["args"]
     for rank in range(world):
         reference = torch.load(work / f"reference{rank}.pt", weights_only=True)
         for name, (offset, tensors) in reference["state"].items():
@@ -202,9 +211,26 @@ def _compare_pgconvert(work: Path, world: int) -> None:
     print(f"pgconvert's export equals megatron-core's state: {len(exported)} parameters, {world} ranks", flush=True)
 
 
+def _load_other(directory: Path, dp: int) -> None:
+    """``load DIR DP``: megatron-core 0.15.0 loads DIR; its state is compared with the golden's export."""
+    from gloo_ranks import run_ranks
+    from megatron_fixtures import load_for_test
+
+    iteration_dir = next(iter(sorted(directory.glob("iter_*"))))
+    common = dict(load_for_test(iteration_dir / "common.pt"))
+    args = common["args"]
+    world = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * dp
+    with tempfile.TemporaryDirectory() as tmp:
+        run_ranks(_rank, world, common, Path(tmp), "load", iteration_dir, where=f"load {directory}")
+        _compare_pgconvert(Path(tmp), world, args)
+
+
 def main(argv: list[str]) -> None:
     from gloo_ranks import run_ranks
 
+    if argv[:1] == ["load"]:
+        _load_other(Path(argv[1]), int(argv[2]))
+        return
     common = _common_state()
     world = common["args"].tensor_model_parallel_size * common["args"].pipeline_model_parallel_size * DP
     with tempfile.TemporaryDirectory() as tmp:

@@ -104,7 +104,7 @@ def test_to_per_rank_tp1_and_to_torch_dist_at_other_layouts_is_bit_exact(tmp_pat
     assert [group["step"] for group in rank["optimizer"]["optimizer"]["param_groups"]] == [2.0, 2.0]
     _assert_same(_export(tmp_path / "tp1", tmp_path / "tp1_export"), reference)
     result = _cli("convert", GOLDEN, tmp_path / "tp1pp2", "--dst-format", "torch_dist", "--dst-tp", "1",
-                  "--dst-pp", "2")
+                  "--dst-pp", "2", "--dst-optim-form", "fully_reshardable")
     assert result.exit_code == 0, result.output
     assert "fully_sharded_model_space form is written as fully_reshardable" in " ".join(result.output.split())
     common = load_for_test(tmp_path / "tp1pp2" / "iter_0000002" / "common.pt")
@@ -132,3 +132,26 @@ def test_a_record_of_the_wrong_shape_is_a_named_error(tmp_path: Path) -> None:
     skipped = _cli("convert", src, tmp_path / "skipped", "--dst-format", "megatron", "--dst-tp", "1",
                    "--skip-optimizer")
     assert skipped.exit_code == 0, skipped.output
+
+
+def test_a_torch_dist_destination_keeps_the_form_and_reads_back_bit_exact(tmp_path: Path, reference) -> None:  # noqa: ANN001
+    # the default for this source is its own form; megatron-core 0.15.0 loads these records (checked by
+    # scripts/make_fs_model_space_golden.py load, outside CI)
+    result = _cli("convert", GOLDEN, tmp_path / "td1", "--dst-format", "torch_dist", "--dst-tp", "1")
+    assert result.exit_code == 0, result.output
+    assert "written as" not in result.output
+    iteration = tmp_path / "td1" / "iter_0000002"
+    common = load_for_test(iteration / "common.pt")
+    assert common["optimizer"]["param_state_sharding_type"] == "fully_sharded_model_space"
+    assert common["content_metadata"]["distrib_optim_sharding_type"] == "fully_sharded_model_space"
+    assert [group["step"] for group in common["optimizer"]["optimizer"]["param_groups"]] == [2.0, 2.0]
+    # megatron-core's own class by name, with the original global shape megatron-core 0.15.0 needs on load
+    assert b"megatron.core.dist_checkpointing.strategies.torch\nMCoreMetadata" in (iteration / ".metadata").read_bytes()
+    metadata = read_dcp_metadata(iteration / ".metadata")
+    key = "optimizer.state.exp_avg." + FC1
+    assert metadata.mcore_data[key] == {"nd_reformulated_orig_global_shape": (2, 64, 16)}
+    assert tuple(metadata.state_dict_metadata[key].size) == (2, 2, 1, 512)  # TP1: the gate and up chunks
+    _assert_same(_export(tmp_path / "td1", tmp_path / "td1_export"), reference)
+    result = _cli("convert", tmp_path / "td1", tmp_path / "td2", "-q", "--dst-format", "torch_dist", "--dst-tp", "2")
+    assert result.exit_code == 0, result.output
+    _assert_same(_export(tmp_path / "td2", tmp_path / "td2_export"), reference)

@@ -17,7 +17,7 @@ depends on the DP layout, and the chunk grid follows from the two global shapes.
 megatron-core 0.16.1 and later refuse to save or load it (``ShardedTensor.flattened_range is not
 supported``, ``dist_checkpointing/mapping.py``); Megatron-LM core_v0.12.x-core_v0.14.x wrote it by
 default for the distributed optimizer (``--ckpt-fully-parallel-save`` is on by default), core_v0.15.x
-with ``--dist-ckpt-save-pre-mcore-014`` (or torch < 2.6).
+with ``--dist-ckpt-save-pre-mcore-014`` (or torch < 2.6). Written by ``optimizer_fs_model_space_save``.
 """
 
 from __future__ import annotations

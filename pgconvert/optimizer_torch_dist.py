@@ -12,7 +12,8 @@ parameter state in the form ``metadata['distrib_optim_sharding_type']`` names (M
 - ``fully_sharded_model_space`` (fsms: megatron-core <= 0.15.0, Megatron-LM's default up to core_v0.14):
   ``optimizer.state.{fp32_param,exp_avg,exp_avg_sq}.<model key>``, each the model tensor reformulated by
   chunks (``optimizer_fs_model_space``), read one parameter at a time; the param groups as for
-  fully_reshardable. megatron-core 0.16.1 / 0.20.0 can neither save nor load it (flattened_range);
+  fully_reshardable. megatron-core 0.16.1 / 0.20.0 can neither save nor load it (flattened_range); written
+  by ``optimizer_fs_model_space_save`` for megatron-core 0.15.0 and older;
 - ``dp_reshardable``: per model-parallel rank ``g`` (``data_parallel_group_idx``: the rank in the
   model-parallel group, ``tp + tp_size * pp``), per buffer and bucket,
   ``optimizer.distributed.dp_group_idx_<g>.gbuf_idx_<i>.dtype_<(param, grad dtype)>.bucket_idx_<b>.<field>``

@@ -5,9 +5,9 @@ The records are the ``fully_reshardable`` writer's chunks (``optimizer_torch_dis
 model chunks, fp32), each stored reformulated as megatron-core <= 0.15 stores a flattened_range ShardedTensor
 (``optimizer_fs_model_space``): key ``optimizer.state.{fp32_param,exp_avg,exp_avg_sq}.<model key>``, global shape
 ``(*chunks per axis, elements of one chunk)``, one whole chunk per stored piece (megatron-core reads any DP
-rank's ``flattened_range`` of it). megatron-core 0.15.0 loads such a record only with its original global shape
-in ``.metadata``: an ``MCoreMetadata`` (its class, by name) whose ``mcore_data[key]`` holds
-``nd_reformulated_orig_global_shape`` (``strategies/torch.py``, ``get_reformulation_metadata``). Common state:
+rank's ``flattened_range`` of it). megatron-core loads such a record only with its original global shape in
+``.metadata``: ``metadata.mcore_data[key]['nd_reformulated_orig_global_shape']`` (``strategies/torch.py``,
+``get_reformulation_metadata``), here set on torch's own Metadata as 0.13.1 / 0.14.0 do. Common state:
 ``optimizer = {optimizer: {param_groups}, param_state_sharding_type: 'fully_sharded_model_space'}`` and
 ``content_metadata['distrib_optim_sharding_type']``. Checked with megatron-core 0.15.0 by
 ``scripts/make_fs_model_space_golden.py load DIR``; megatron-core 0.16.1 and later cannot load this form.
@@ -16,7 +16,6 @@ in ``.metadata``: an ``MCoreMetadata`` (its class, by name) whose ``mcore_data[k
 from __future__ import annotations
 
 import dataclasses
-import io
 import math
 import os
 import pickle
@@ -27,27 +26,16 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata
 
 from pgconvert.formats import PlannedFile
 from pgconvert.optimizer_fs_model_space import FIELDS, FS_MODEL_SPACE
 from pgconvert.optimizer_torch_dist_moe import common_entry
 from pgconvert.optimizer_torch_dist_save import _OptimizerPlanner, replace_durably, rewrite_common
 from pgconvert.optimizer_state import CARRIED_KEYS
-from pgconvert.torch_dist_format import DCP_METADATA_FILE, _MCoreMetadata, read_dcp_metadata, single_process_calls
+from pgconvert.torch_dist_format import DCP_METADATA_FILE, read_dcp_metadata, single_process_calls
 
 RECORDS_FILE = "__1_0.distcp"
-_MCORE_MODULE = "megatron.core.dist_checkpointing.strategies.torch"
-
-
-class _MCorePickler(pickle._Pickler):  # type: ignore[name-defined,misc]
-    """Pickles pgconvert's inert ``_MCoreMetadata`` as megatron-core's own ``MCoreMetadata`` (by name)."""
-
-    def save_global(self, obj: Any, name: str | None = None) -> None:
-        if obj is _MCoreMetadata:
-            self.write(b"c" + f"{_MCORE_MODULE}\nMCoreMetadata\n".encode())
-            self.memoize(obj)
-            return
-        super().save_global(obj, name)
 
 
 def _reformulated(field: str, chunk: Any) -> Any:
@@ -61,7 +49,9 @@ def _reformulated(field: str, chunk: Any) -> Any:
 
 
 def _merge_metadata(iteration_dir: Path, added_path: Path, original: dict[str, tuple[int, ...]]) -> None:
-    """The checkpoint's ``.metadata`` with the records added, as megatron-core's MCoreMetadata."""
+    """The checkpoint's ``.metadata`` with the records added and ``mcore_data`` set on torch's own Metadata, as
+    megatron-core 0.13.1 / 0.14.0 store it (``metadata.mcore_data = ...``; 0.15.0 pickles a subclass instead
+    and reads either: it only asks for the attribute)."""
     path = iteration_dir / DCP_METADATA_FILE
     metadata = read_dcp_metadata(path)
     added = read_dcp_metadata(added_path)
@@ -69,12 +59,9 @@ def _merge_metadata(iteration_dir: Path, added_path: Path, original: dict[str, t
     storage = dict(metadata.storage_data)
     for index, info in added.storage_data.items():
         storage[index] = _StorageInfo(RECORDS_FILE, info.offset, info.length, info.transform_descriptors)
-    mcore = _MCoreMetadata(entries, metadata.planner_data, storage, metadata.storage_meta, metadata.version,
-                           mcore_data={key: {"nd_reformulated_orig_global_shape": shape}
-                                       for key, shape in original.items()})
-    buffer = io.BytesIO()
-    _MCorePickler(buffer, protocol=4).dump(mcore)
-    replace_durably(path, buffer.getbuffer())
+    merged = Metadata(entries, metadata.planner_data, storage, metadata.storage_meta, metadata.version)
+    merged.mcore_data = {key: {"nd_reformulated_orig_global_shape": shape} for key, shape in original.items()}
+    replace_durably(path, pickle.dumps(merged))
 
 
 def _add_common(optimizer: Any, iteration_dir: Path) -> None:

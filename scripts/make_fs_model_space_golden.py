@@ -75,6 +75,19 @@ def _real(value: Any) -> Any:
         return None
 
 
+def _known_args(args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` without the arguments newer than this megatron-core that tests/mcore_helpers would hand its
+    TransformerConfig."""
+    from megatron.core.transformer import TransformerConfig
+    from mcore_helpers import COPIED_CONFIG_FIELDS
+
+    known = {field.name for field in dataclasses.fields(TransformerConfig)}
+    for name in COPIED_CONFIG_FIELDS:
+        if name not in known and hasattr(args, name):
+            delattr(args, name)
+    return args
+
+
 def _common_state() -> dict[str, Any]:
     """The source's common state (read by pgconvert), with args as Megatron-LM core_v0.15.0 would hold them
     for this save."""
@@ -84,16 +97,8 @@ def _common_state() -> dict[str, Any]:
     source = get_loader("torch_dist").open(SOURCE, LoadOptions())
     common = dict(source.common_state)
     source.close()
-    args = argparse.Namespace(**{key: _real(value) for key, value in vars(common["args"]).items()
-                                 if _real(value) is not None or value is None})
-    # arguments newer than 0.15.0 that tests/mcore_helpers would hand its TransformerConfig
-    from megatron.core.transformer import TransformerConfig
-    from mcore_helpers import COPIED_CONFIG_FIELDS
-
-    known = {field.name for field in dataclasses.fields(TransformerConfig)}
-    for name in COPIED_CONFIG_FIELDS:
-        if name not in known and hasattr(args, name):
-            delattr(args, name)
+    args = _known_args(argparse.Namespace(**{key: _real(value) for key, value in vars(common["args"]).items()
+                                             if _real(value) is not None or value is None}))
     args.dist_ckpt_optim_fully_reshardable = False
     args.dist_ckpt_save_pre_mcore_014 = True
     args.ckpt_fully_parallel_save = True
@@ -218,7 +223,7 @@ def _load_other(directory: Path, dp: int) -> None:
 
     iteration_dir = next(iter(sorted(directory.glob("iter_*"))))
     common = dict(load_for_test(iteration_dir / "common.pt"))
-    args = common["args"]
+    args = common["args"] = _known_args(common["args"])
     world = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * dp
     with tempfile.TemporaryDirectory() as tmp:
         run_ranks(_rank, world, common, Path(tmp), "load", iteration_dir, where=f"load {directory}")
@@ -261,5 +266,8 @@ if __name__ == "__main__":
     import numpy
     if not hasattr(numpy, "product"):  # megatron-core 0.15.0's flattened-range checks call np.product (numpy < 2)
         numpy.product = numpy.prod
+    import megatron.core.process_groups_config as groups_config
+    if not hasattr(groups_config, "ProcessGroupCollection"):  # tests/mcore_helpers imports it; 0.14.0 lacks it
+        groups_config.ProcessGroupCollection = object
     importlib.import_module("megatron.core.optimizer")  # imported once, before the forks
     main(sys.argv[1:])

@@ -103,7 +103,8 @@ def _common_state() -> dict[str, Any]:
     args.dist_ckpt_save_pre_mcore_014 = True
     args.ckpt_fully_parallel_save = True
     common["args"] = args
-    common["rerun_state_machine"] = {key: _real(value) for key, value in common["rerun_state_machine"].items()}
+    if "rerun_state_machine" in common:  # not in a checkpoint pgconvert wrote
+        common["rerun_state_machine"] = {key: _real(value) for key, value in common["rerun_state_machine"].items()}
     return common
 
 
@@ -132,8 +133,8 @@ def _save(model: Any, optimizer: Any, common: dict[str, Any], iteration_dir: Pat
     state["model"] = model.sharded_state_dict(metadata=dict(METADATA))
     state["optimizer"] = optimizer.sharded_state_dict(state, metadata=dict(METADATA))
     state["opt_param_scheduler"] = common["opt_param_scheduler"]
-    state["rerun_state_machine"] = common["rerun_state_machine"]
-    state["num_floating_point_operations_so_far"] = common["num_floating_point_operations_so_far"]
+    state.update({key: common[key] for key in ("rerun_state_machine", "num_floating_point_operations_so_far")
+                  if key in common})
     strategy = FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy("torch_dist"),
                                                 parallel_state.get_data_parallel_group(with_context_parallel=True))
     dist_checkpointing.save(state, str(iteration_dir), strategy, content_metadata=dict(METADATA))

@@ -1,5 +1,5 @@
 """fsms: the distributed optimizer's state written into a torch_dist destination in the ``fully_sharded_model_space``
-form (``--dst-optim-form fully_sharded_model_space``), for megatron-core 0.15.0 and older, which load it.
+form (``--dst-optim-form fully_sharded_model_space``), for megatron-core 0.15.0 and older.
 
 The records are the ``fully_reshardable`` writer's chunks (``optimizer_torch_dist_save``: the torch_dist saver's
 model chunks, fp32), each stored reformulated as megatron-core <= 0.15 stores a flattened_range ShardedTensor
@@ -9,8 +9,8 @@ rank's ``flattened_range`` of it). megatron-core loads such a record only with i
 ``.metadata``: ``metadata.mcore_data[key]['nd_reformulated_orig_global_shape']`` (``strategies/torch.py``,
 ``get_reformulation_metadata``), here set on torch's own Metadata as 0.13.1 / 0.14.0 do. Common state:
 ``optimizer = {optimizer: {param_groups}, param_state_sharding_type: 'fully_sharded_model_space'}`` and
-``content_metadata['distrib_optim_sharding_type']``. Checked with megatron-core 0.15.0 by
-``scripts/make_fs_model_space_golden.py load DIR``; megatron-core 0.16.1 and later cannot load this form.
+``content_metadata['distrib_optim_sharding_type']``. Checked with megatron-core 0.15.0 and 0.14.0 by
+``scripts/make_fs_model_space_golden.py load DIR DP``; megatron-core 0.16.1 and later cannot load this form.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ rank's ``flattened_range`` of it). megatron-core loads such a record only with i
 ``.metadata``: ``metadata.mcore_data[key]['nd_reformulated_orig_global_shape']`` (``strategies/torch.py``,
 ``get_reformulation_metadata``), here set on torch's own Metadata as 0.13.1 / 0.14.0 do. Common state:
 ``optimizer = {optimizer: {param_groups}, param_state_sharding_type: 'fully_sharded_model_space'}`` and
-``content_metadata['distrib_optim_sharding_type']``. Checked with megatron-core 0.15.0 and 0.14.0 by
+``content_metadata['distrib_optim_sharding_type']``. Checked with megatron-core 0.15.0, 0.14.0 and 0.13.1 by
 ``scripts/make_fs_model_space_golden.py load DIR DP``; megatron-core 0.16.1 and later cannot load this form.
 """
 

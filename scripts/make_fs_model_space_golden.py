@@ -33,6 +33,14 @@ stand-ins of Megatron enums become 0.15.0's classes. The common state is Megatro
 iteration, opt_param_scheduler, rerun_state_machine, num_floating_point_operations_so_far (no RNG: the
 source was saved with --no-save-rng). In this layout no parameter straddles the DP boundary, so each
 chunk of a record is written whole by one DP rank.
+
+Other megatron-core versions (same venv copy, ``pip install --no-deps`` of the wheel): with ``SOURCE`` set to
+pgconvert's TP1 ``fully_sharded_model_space`` output of the golden and ``TARGET`` to a scratch directory,
+megatron-core 0.14.0 and 0.13.1 each load it, save the form themselves on the CPU (TP1 DP2), reload their save
+bit for bit, and pgconvert reads their save as their optimizers hold it; ``load DIR 2`` passes with both (0.14.0
+needs the ``ProcessGroupCollection`` stand-in below for tests/mcore_helpers' import). Their ``.metadata`` is
+torch's Metadata with a ``mcore_data`` attribute; 0.15.0 pickles its ``MCoreMetadata`` subclass, which 0.14.0
+cannot unpickle (so 0.14.0 cannot load 0.15.0's save, but loads pgconvert's).
 """
 
 from __future__ import annotations

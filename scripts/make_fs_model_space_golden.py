@@ -40,7 +40,10 @@ megatron-core 0.14.0 and 0.13.1 each load it, save the form themselves on the CP
 bit for bit, and pgconvert reads their save as their optimizers hold it; ``load DIR 2`` passes with both (0.14.0
 needs the ``ProcessGroupCollection`` stand-in below for tests/mcore_helpers' import). Their ``.metadata`` is
 torch's Metadata with a ``mcore_data`` attribute; 0.15.0 pickles its ``MCoreMetadata`` subclass, which 0.14.0
-cannot unpickle (so 0.14.0 cannot load 0.15.0's save, but loads pgconvert's).
+cannot unpickle (so 0.14.0 cannot load 0.15.0's save, but loads pgconvert's). With ``DP = 4`` and that
+source, 0.15.0's save at TP1 DP4 splits two records' chunks between DP ranks (pieces at element 160 of a
+512-element chunk); pgconvert's export of it equals every rank's state (the split case the golden lacks; not
+committed: tests/data has no room).
 """
 
 from __future__ import annotations

@@ -456,6 +456,25 @@ class TorchDistSource(CanonicalSource):
         """Piece ``rank`` of ``size`` of that tensor, cut with ``rule`` (new vocab rows zero)."""
         return self._load_shard(name, rule, size, rank, rows, prefix, torch.float32)
 
+    def load_flattened_state(self, name: str, prefix: str) -> torch.Tensor:
+        """fsms: the whole tensor stored as ``prefix`` + ``name``'s key in the reformulated form megatron-core
+        <= 0.15 gives a flattened_range ShardedTensor (``optimizer_fs_model_space``): read as the record's box
+        of ``name``'s chunks (a stacked key: its layer), then put back in the model tensor's shape."""
+        from pgconvert.optimizer_fs_model_space import chunk_shape, record_box, unflatten
+
+        location = self._locations[name]
+        key = prefix + location.key
+        md = self._metadata.state_dict_metadata.get(key)
+        if not isinstance(md, TensorStorageMetadata):
+            raise CheckpointError(f"{self.directory}: no tensor {quote(key)} (the state of {name})")
+        shape = self._shapes[name]
+        where = f"{self.directory}: {quote(key)}"
+        local = chunk_shape(tuple(md.size), location.global_shape(shape), where)
+        offsets, sizes = record_box(*location.chunk((0,) * len(shape), shape), local, md.size[-1], where)
+        buffer = torch.empty(sizes, dtype=md.properties.dtype)
+        self._read({key: [(offsets, buffer)]}, [])
+        return unflatten(buffer, local, location.chunk((0,) * len(shape), shape)[1]).view(shape)
+
     def load_flat(self, key: str, start: int, length: int) -> torch.Tensor:
         """Elements ``[start, start + length)`` of the one-dimensional tensor ``key``."""
         md = self._metadata.state_dict_metadata.get(key)

@@ -187,9 +187,11 @@ def _layout_option(name: str, help_text: str) -> Any:
 @click.option("--dst-dp", type=click.IntRange(min=1), default=None,
               help="Data-parallel size the carried optimizer state is written for (args.data_parallel_size, "
                    "world_size); distrib_optim.pt stays one per model-parallel rank, as Megatron-LM reads it.")
-@click.option("--dst-optim-form", type=click.Choice(["fully_reshardable", "dp_reshardable"]), default=None,
+@click.option("--dst-optim-form", type=click.Choice(["fully_reshardable", "dp_reshardable", "fully_sharded_model_space"]),
+              default=None,
               help="torch_dist DST: the distributed optimizer's form (default: a torch_dist source's own, else "
-                   "fully_reshardable); dp_reshardable is cut for --dst-dp ranks.")
+                   "fully_reshardable); dp_reshardable is cut for --dst-dp ranks; fully_sharded_model_space is for "
+                   "megatron-core 0.15.0 and older.")
 def convert_command(src: Path, dst: Path, src_format: str, dst_format: str, src_tp: int | None,
                     src_pp: int | None, dst_tp: int | None, dst_pp: int | None,
                     dst_decoder_first_pipeline_num_layers: int | None,

@@ -209,6 +209,7 @@ def carry_training_state(conversion: Any, staging: Path, files: list[PlannedFile
     from pgconvert.errors import ValidationError
     from pgconvert.formats import target_config
     from pgconvert.megatron_format import iteration_dir_name
+    from pgconvert.optimizer_fs_model_space import destination_notice
     from pgconvert.optimizer_mla import qk_norm_decay_notice
     from pgconvert.provider import target_vocab_rows
     from pgconvert.strict import fallback
@@ -256,9 +257,10 @@ def carry_training_state(conversion: Any, staging: Path, files: list[PlannedFile
         files[:] = [PlannedFile(f.relpath, f.tensors, f.nbytes) if f.relpath in rewritten else f for f in files]
     # opttd: a torch_dist source's "optimizer/RNG/rerun entries ... not converted": the optimizer now is
     source.notices[:] = [note for note in source.notices if "optimizer/RNG/rerun entries" not in note]
+    fsms = destination_notice(getattr(optimizer, "sharding", None), form) if conversion.dst_format == "torch_dist" else []
     form = f"{optimizer.form}, {form}" if conversion.dst_format == "torch_dist" else optimizer.form
     return [f"optimizer ({form}), scheduler, iteration, floating-point operations and consumed samples "
-            f"carried to {options.layout.describe()}; " + RNG_NOTICE] \
+            f"carried to {options.layout.describe()}; " + RNG_NOTICE, *fsms] \
         + qk_norm_decay_notice(optimizer.rules, source.config, config)  # mla
 
 
@@ -270,18 +272,22 @@ def _write_torch_dist(conversion: Any, optimizer: OptimizerSource, iteration_dir
     from pgconvert.optimizer_torch_dist_dp import DP_RESHARDABLE, write_dp_reshardable
     from pgconvert.optimizer_torch_dist_save import rewrite_common
     from pgconvert.optimizer_torch_dist_save import write_fully_reshardable
+    from pgconvert.optimizer_fs_model_space import FS_MODEL_SPACE
+    from pgconvert.optimizer_fs_model_space_save import write_fs_model_space
 
     chunks, _, rows = conversion.saver._chunks(conversion.source, conversion.save_options)
     layout = conversion.save_options.layout
     if dst_dp is not None:
         rewrite_common(iteration_dir, lambda common: common.update(args=with_dst_dp(common.get("args"), layout,
                                                                                      dst_dp)))
+    fits_rows = {name for name in optimizer.names() if optimizer._owners[name][0][1].spec.rule.fits_rows}
     if form == DP_RESHARDABLE:
         dp = dst_dp or dp_size(safe_torch_load(iteration_dir / "common.pt").get("args"))
         config = target_config(conversion.source.config, conversion.save_options)
         added = write_dp_reshardable(optimizer, config, layout, rows, dp, iteration_dir)
+    elif form == FS_MODEL_SPACE:  # fsms
+        added = write_fs_model_space(optimizer, chunks, rows, fits_rows, iteration_dir)
     else:
-        fits_rows = {name for name in optimizer.names() if optimizer._owners[name][0][1].spec.rule.fits_rows}
         config = target_config(conversion.source.config, conversion.save_options)  # tdmoe: chained groups
         counts = [len(groups) for groups in chained_slots(config, layout, RankCoord(0, 0, 0), optimizer.rules, rows)]
         added = write_fully_reshardable(optimizer, chunks, rows, fits_rows, iteration_dir, counts)

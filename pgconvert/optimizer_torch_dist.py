@@ -9,7 +9,11 @@ parameter state in the form ``metadata['distrib_optim_sharding_type']`` names (M
   ShardedTensor with its model tensor's global shape and chunks; the param groups (with ``step``)
   are common state (``optimizer.optimizer.param_groups``);
   tdmoe: a MoE run's chained optimizers: ``{0: dense, 1: expert}`` there (``optimizer_torch_dist_moe``);
-- ``fully_sharded_model_space`` is refused by name: megatron-core 0.16.1 / 0.20.0 cannot save it;
+- ``fully_sharded_model_space`` (fsms: megatron-core <= 0.15.0, Megatron-LM's default up to core_v0.14):
+  ``optimizer.state.{fp32_param,exp_avg,exp_avg_sq}.<model key>``, each the model tensor reformulated by
+  chunks (``optimizer_fs_model_space``), read one parameter at a time; the param groups as for
+  fully_reshardable. megatron-core 0.16.1 / 0.20.0 can neither save nor load it (flattened_range); written
+  by ``optimizer_fs_model_space_save`` for megatron-core 0.15.0 and older;
 - ``dp_reshardable``: per model-parallel rank ``g`` (``data_parallel_group_idx``: the rank in the
   model-parallel group, ``tp + tp_size * pp``), per buffer and bucket,
   ``optimizer.distributed.dp_group_idx_<g>.gbuf_idx_<i>.dtype_<(param, grad dtype)>.bucket_idx_<b>.<field>``
@@ -38,6 +42,8 @@ import torch
 from pgconvert.grid import RankCoord
 from pgconvert.limits import quote
 from pgconvert.optimizer_flat import dp_size
+from pgconvert.optimizer_fs_model_space import FIELDS as FS_FIELDS
+from pgconvert.optimizer_fs_model_space import FS_MODEL_SPACE, chunk_shape
 from pgconvert.optimizer_map import (MEGATRON_CORE_VERSIONS, FlatParam, OptimizerLayoutError, OptimizerRules,
                                      OptimizerSlot, UnsupportedOptimizerError, bucket_ranges, chained_slots,
                                      check_supported, flat_buffers, optimizer_count, optimizer_slots)
@@ -46,18 +52,14 @@ from pgconvert.optimizer_state import (CARRIED_KEYS, DISTRIBUTED_SHARDING_TYPES,
 from pgconvert.optimizer_torch_dist_moe import chained_entries
 from pgconvert.rules import ReplicaMismatchError
 
-TORCH_DIST_FORMS = ("dp_reshardable", "fully_reshardable")
+TORCH_DIST_FORMS = ("dp_reshardable", "fully_reshardable", FS_MODEL_SPACE)
 # The stored field of each per-parameter key, per model-space form.
 _MODEL_SPACE_FIELDS = {
     "fully_reshardable": {"param": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"},
+    FS_MODEL_SPACE: FS_FIELDS,  # fsms: written by megatron-core <= 0.15.0 (verified with 0.15.0)
 }
-# Neither megatron-core 0.16.1 nor 0.20.0 can save this form (sharded_param_state_fs_model_space makes
-# ShardedTensors with a flattened_range, which dist_checkpointing/mapping.py refuses); older ones stored
-# those as flattened N-D chunks (strategies/torch.py: ``is_pre_mcore_014_sh_ten``), not read here.
-_NOT_REPRODUCED = {
-    "fully_sharded_model_space": "megatron-core 0.16.1 and 0.20.0 cannot save it (ShardedTensor.flattened_range "
-                                 "is not supported); the flattened N-D chunks older megatron-core wrote are not read",
-}
+# fsms: fully_sharded_bucket_space and dp_zero_gather_scatter, deprecated forms, are not read.
+_NOT_REPRODUCED: dict[str, str] = {}
 _VERSIONS = "megatron-core " + " / ".join(MEGATRON_CORE_VERSIONS)
 
 
@@ -241,6 +243,11 @@ class TorchDistOptimizerSource(OptimizerSource):
             expected = {self._model_space_prefix(key) + model_key: stored[model_key]
                         for model_key in model_keys for key in ("param", *MOMENTS)}
             extra = []
+            if self.sharding == FS_MODEL_SPACE:  # fsms: chunk counts per axis, then one chunk's elements
+                for key, shape in expected.items():
+                    if key in stored:
+                        chunk_shape(stored[key], shape, f"{self.source.directory}: {quote(key)}")
+                expected = {key: stored.get(key) for key in expected}
         for key, shape in expected.items():
             if key not in stored:
                 raise OptimizerLayoutError(
@@ -317,6 +324,9 @@ class TorchDistOptimizerSource(OptimizerSource):
         """The whole (source-padded) fp32 master, both moments and the step of ``name``."""
         if self.sharding == "dp_reshardable":
             merged = {key: self._merged(name, key) for key in ("param", *MOMENTS)}
+        elif self.sharding == FS_MODEL_SPACE:  # fsms
+            merged = {key: self.source.load_flattened_state(name, self._model_space_prefix(key))
+                      for key in ("param", *MOMENTS)}
         else:
             merged = {key: self.source.load_state(name, self._model_space_prefix(key)) for key in ("param", *MOMENTS)}
         merged["step"] = self.step(name)
@@ -327,6 +337,11 @@ class TorchDistOptimizerSource(OptimizerSource):
         if self.sharding == "dp_reshardable":
             return super().piece(name, key, size, rank, rows)
         rule = self._owners_by_name[name][0][1].spec.rule
+        if self.sharding == FS_MODEL_SPACE:  # fsms: the whole parameter's record, cut
+            whole = [self.source.load_flattened_state(name, self._model_space_prefix(key))]
+            if rule.fits_rows and rows is not None:
+                return rule.reshard_rows(whole, rows, self.config.vocab_size, size, rank)
+            return rule.reshard(whole, size, rank)
         return self.source.load_state_shard(name, self._model_space_prefix(key), rule, size, rank,
                                             rows if rule.fits_rows else None)
 

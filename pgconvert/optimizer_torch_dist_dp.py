@@ -68,7 +68,7 @@ from pgconvert.torch_dist_format import COMMON_FILE, DCP_METADATA_FILE, single_p
 
 DP_RESHARDABLE = "dp_reshardable"
 FULLY_RESHARDABLE = "fully_reshardable"
-DST_FORMS = (FULLY_RESHARDABLE, DP_RESHARDABLE)
+DST_FORMS = (FULLY_RESHARDABLE, DP_RESHARDABLE, "fully_sharded_model_space")  # fsms: for megatron-core <= 0.15.0
 FIELDS = ("param", "exp_avg", "exp_avg_sq")
 _VERSIONS = "megatron-core " + " / ".join(MEGATRON_CORE_VERSIONS)
 

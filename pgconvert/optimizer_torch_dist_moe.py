@@ -18,6 +18,7 @@ sets it). So:
 dpmoe: the dp_reshardable form is read and written too (``optimizer_torch_dist_dp``: ``chained_<i>.``-prefixed
 ShardedObjects and per-optimizer buffers, the expert one per TP x EP x PP rank at the expert data-parallel size);
 refused by name (``moe_refusal``) only where the expert tensor parallel size differs from the tensor parallel size.
+fsms: MoE state in the fully_sharded_model_space form is refused by name.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from pgconvert.errors import PgconvertError
 
 FULLY_RESHARDABLE = "fully_reshardable"
 DP_RESHARDABLE = "dp_reshardable"
+FS_MODEL_SPACE = "fully_sharded_model_space"
 
 
 def chained_entries(optimizer: Any) -> list[Any]:
@@ -60,13 +62,16 @@ def moe_refusal(conversion: Any) -> str | None:
             return None  # open_optimizer names it
     requested = getattr(conversion.request, "dst_optim_form", None)
     dst_form = requested or own or FULLY_RESHARDABLE
-    sides = [(side, layout) for side, form, layout, used in (
+    sides = [(side, form, layout) for side, form, layout, used in (
         ("from", own, source.layout, conversion.src_format == "torch_dist"),
-        ("into", dst_form, conversion.save_options.layout, conversion.dst_format == "torch_dist"))
-        if used and form == DP_RESHARDABLE]
-    for side, layout in sides:
-        if layout.ep > 1 and layout.expert_tp_size != layout.tp:
-            hint = "--skip-optimizer" if side == "from" else "--dst-optim-form fully_reshardable or --skip-optimizer"
+        ("into", dst_form, conversion.save_options.layout, conversion.dst_format == "torch_dist")) if used]
+    for side, form, layout in sides:
+        hint = "--skip-optimizer" if side == "from" else "--dst-optim-form fully_reshardable or --skip-optimizer"
+        if form == FS_MODEL_SPACE:  # fsms
+            return (f"optimizer state not carried: num_experts={source.config.num_experts}: a MoE model's optimizer "
+                    "state (megatron-core's chained dense and expert optimizers) is carried from or into torch_dist "
+                    f"in the fully_reshardable and dp_reshardable forms only, not {side} {form}; pass {hint}")
+        if form == DP_RESHARDABLE and layout.ep > 1 and layout.expert_tp_size != layout.tp:
             return (f"optimizer state not carried: num_experts={source.config.num_experts}: expert tensor parallel "
                     f"size {layout.expert_tp_size} differs from tensor parallel size {layout.tp}: the expert "
                     f"optimizer's dp_reshardable records are not mapped for that, not {side} dp_reshardable; "

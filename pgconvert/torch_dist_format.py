@@ -55,6 +55,7 @@ from torch.distributed.checkpoint.metadata import (
     Metadata,
     TensorStorageMetadata,
 )
+from torch.distributed.checkpoint.planner import SavePlan
 
 from pgconvert import limits
 from pgconvert.config import ModelConfig
@@ -308,10 +309,32 @@ _DCP_METADATA_GLOBALS = {
 }
 
 
+@dataclass
+class _MCoreMetadata(Metadata):
+    """fsms: megatron-core <= 0.15's ``strategies.torch.MCoreMetadata``: torch's Metadata plus ``mcore_data``
+    (per key ``nd_reformulated_orig_global_shape`` of its flattened_range tensors); rebuilt here inert."""
+
+    mcore_data: dict[str, dict[str, Any]] | None = None
+
+
+@dataclass(frozen=True)
+class _MCoreSavePlan(SavePlan):
+    """fsms: megatron-core <= 0.15's ``MCoreSavePlan`` (the rank plans kept in ``all_local_plans``)."""
+
+    mcore_data: dict[str, dict[str, Any]] | None = None
+
+
+# fsms: the two classes megatron-core <= 0.15 pickles into .metadata, mapped to the stand-ins above.
+_MCORE_METADATA_CLASSES = {("megatron.core.dist_checkpointing.strategies.torch", "MCoreMetadata"): _MCoreMetadata,
+                           ("megatron.core.dist_checkpointing.strategies.torch", "MCoreSavePlan"): _MCoreSavePlan}
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _DCP_METADATA_GLOBALS:
             return super().find_class(module, name)
+        if (module, name) in _MCORE_METADATA_CLASSES:
+            return _MCORE_METADATA_CLASSES[(module, name)]
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         raise pickle.UnpicklingError(f"GLOBAL {module}.{name} is not allowed")

@@ -62,6 +62,7 @@ TRAINING_RUNS: dict[str, list[str]] = {
     # (scripts/megatron_lm_cpu_train.py) save_checkpoint fails in megatron-core's own
     # DistributedOptimizer.sharded_param_state_fs_model_space (distrib_optimizer.py:2052):
     # "ShardedTensor.flattened_range is not supported." (dist_checkpointing/mapping.py:130; 0.16.1 alike).
+    # fsms: megatron-core 0.15.0 makes it: scripts/make_fs_model_space_golden.py.
     "train_tp2dp2_distopt_dp_reshardable_torch_dist": _DISTOPT_TORCH_DIST,
     "train_tp2dp2_distopt_fully_reshardable_torch_dist": [*_DISTOPT_TORCH_DIST, "--dist-ckpt-optim-fully-reshardable"],
     # opttd: dp_reshardable over two pipeline stages (model-parallel rank g = tp + 2 * pp), DP1

@@ -1,5 +1,5 @@
 """megatron-core's distributed optimizer state in torch_dist checkpoints (dp_reshardable and
-fully_reshardable; fully_sharded_model_space refused by name), on goldens written by Megatron-LM's
+fully_reshardable; fully_sharded_model_space in test_optimizer_fs_model_space.py), on goldens written by Megatron-LM's
 own training (TP2 DP2, the same seeded run in each form; see tests/data/megatron_lm/README.md)."""
 
 from __future__ import annotations
@@ -204,9 +204,10 @@ def test_an_unknown_sharding_type_and_an_unread_one_are_named_errors() -> None:
     source.common_state["optimizer"]["param_state_sharding_type"] = "dp_zero_gather_scatter"
     with pytest.raises(UnsupportedOptimizerError, match="'dp_zero_gather_scatter': not a form pgconvert reads"):
         TorchDistOptimizerSource(source)
-    source.common_state["optimizer"]["param_state_sharding_type"] = "fully_sharded_model_space"
-    with pytest.raises(UnsupportedOptimizerError,
-                       match="'fully_sharded_model_space': megatron-core 0.16.1 and 0.20.0 cannot save it"):
+    # fsms: fully_sharded_model_space is read (tests/test_optimizer_fs_model_space.py); the deprecated
+    # bucket-space form is not
+    source.common_state["optimizer"]["param_state_sharding_type"] = "fully_sharded_bucket_space"
+    with pytest.raises(UnsupportedOptimizerError, match="'fully_sharded_bucket_space': not a form pgconvert reads"):
         TorchDistOptimizerSource(source)
     del source.common_state["optimizer"]
     with pytest.raises(UnsupportedOptimizerError, match="no optimizer entry"):

@@ -51,6 +51,7 @@ from pgconvert.limits import quote
 from pgconvert.megatron_format import safe_torch_load
 from pgconvert.optimizer_map import (MEGATRON_CORE_VERSIONS, FlatParam, UnsupportedOptimizerError, bucket_ranges,
                                      flat_buffers, optimizer_count)
+from pgconvert.optimizer_scaler import dp_object_key, target_scalers
 from pgconvert.optimizer_state import CARRIED_KEYS
 from pgconvert.torch_dist_format import COMMON_FILE, DCP_METADATA_FILE, single_process_calls
 
@@ -192,6 +193,7 @@ def _plan(optimizer: Any, config: ModelConfig, layout: ParallelLayout, rows: int
               for settings in optimizer.param_group_settings()]
     records: list[_Record] = []
     objects: dict[str, Any] = {}
+    scaler = target_scalers(optimizer, 1)[0]  # optcli: beside the param groups, per model-parallel rank
     for pp in range(layout.pp):
         for tp in range(layout.tp):
             coord = RankCoord(tp=tp, pp=pp, ep=0)
@@ -200,6 +202,8 @@ def _plan(optimizer: Any, config: ModelConfig, layout: ParallelLayout, rows: int
                        flat_buffers(config, layout, coord, optimizer.rules, rows, args, dp)]
             divisor = bucket_divisor(dp, args)
             objects[f"{prefix}.optimizer/shard_0_1"] = {"param_groups": groups}
+            if scaler is not None:
+                objects[dp_object_key(tp + layout.tp * pp)] = scaler
             objects[f"{prefix}.per_bucket_numel/shard_0_1"] = [
                 {optimizer.dtype_key: [-(-numel // divisor) * divisor for _, numel in buckets]} for buckets in buffers]
             objects[f"{prefix}.per_bucket_numel_unpadded/shard_0_1"] = [

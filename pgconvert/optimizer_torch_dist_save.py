@@ -30,7 +30,8 @@ from pgconvert.durable import fsync_file
 from pgconvert.formats import PlannedFile
 from pgconvert.megatron_format import FRAMEWORK_PICKLE, safe_torch_load
 from pgconvert.optimizer_state import CARRIED_KEYS
-from pgconvert.optimizer_torch_dist_moe import common_entry
+from pgconvert.optimizer_scaler import set_scalers, target_scalers
+from pgconvert.optimizer_torch_dist_moe import chained_entries, common_entry
 from pgconvert.torch_dist_format import COMMON_FILE, DCP_METADATA_FILE, read_dcp_metadata, single_process_calls
 
 SHARDING = "fully_reshardable"
@@ -108,6 +109,7 @@ def _add_common(optimizer: Any, iteration_dir: Path, group_counts: list[int] | N
 
     def update(common: dict[str, Any]) -> None:
         common["optimizer"] = common_entry(groups)
+        set_scalers(chained_entries(common["optimizer"]), target_scalers(optimizer, len(groups)))  # optcli
         for key in CARRIED_KEYS:
             if key in optimizer.first.extra:
                 common[key] = optimizer.first.extra[key]

@@ -17,6 +17,7 @@ from pgconvert.convert import ConvertRequest, Plan, execute, plan
 from pgconvert.errors import PgconvertError
 from pgconvert.formats import DTYPE_CHOICES, EXPERT_LAYOUTS
 from pgconvert.registry import loader_names, saver_names
+from pgconvert.optimizer_plan import plan_lines  # optcli
 
 
 class PgconvertClickError(click.ClickException):
@@ -232,8 +233,13 @@ def convert_command(src: Path, dst: Path, src_format: str, dst_format: str, src_
             return
         conversion = plan(request)
         if dry_run:
-            conversion.source.close()
+            try:
+                optimizer_lines = plan_lines(conversion)  # optcli: the optimizer state it carries
+            finally:
+                conversion.source.close()
             _print_plan(conversion)
+            for line in optimizer_lines:
+                click.echo(line)
             return
         _run_with_progress(conversion, quiet)
     except PgconvertError as error:

@@ -120,6 +120,14 @@ def _add_common(optimizer: Any, iteration_dir: Path, group_counts: list[int] | N
     rewrite_common(iteration_dir, update)
 
 
+def optimizer_chunks(optimizer: Any, model_chunks: list[Any]) -> list[tuple[str, Any]]:
+    """The fully_reshardable records, (field, chunk) per model chunk and field, fp32."""
+    # tdmoe: parameters only (megatron-core's buffers' param_index_map): not a router's expert_bias buffer
+    names = set(optimizer.names())
+    return [(field, dataclasses.replace(chunk, key=f"optimizer.state.{field}.{chunk.key}", dtype=torch.float32))
+            for chunk in model_chunks if chunk.canonical in names for field in FIELDS]
+
+
 def write_fully_reshardable(optimizer: Any, model_chunks: list[Any], rows: int, fits_rows: set[str],
                             iteration_dir: Path, group_counts: list[int] | None = None) -> list[PlannedFile]:
     """Write the optimizer records beside the model's (``model_chunks``: the torch_dist saver's chunks, expert
@@ -127,10 +135,7 @@ def write_fully_reshardable(optimizer: Any, model_chunks: list[Any], rows: int, 
     or rewritten."""
     from pgconvert.savers.torch_dist import _StreamingWriter
 
-    # tdmoe: parameters only (megatron-core's buffers' param_index_map): not a router's expert_bias buffer
-    names = set(optimizer.names())
-    chunks = [(field, dataclasses.replace(chunk, key=f"optimizer.state.{field}.{chunk.key}", dtype=torch.float32))
-              for chunk in model_chunks if chunk.canonical in names for field in FIELDS]
+    chunks = optimizer_chunks(optimizer, model_chunks)
     staging = iteration_dir / ".optimizer_records"
     staging.mkdir()
     try:

@@ -220,6 +220,17 @@ def check_optimizer_options(conversion: Any) -> None:
         raise ValidationError(f"--dst-dp {dst_dp}: the source holds no Megatron optimizer state to size")
 
 
+def note_sharded_run(conversion: Any) -> None:
+    """optcli: a sharded run writes the model alone; optimizer state its source holds is named in a notice
+    (``conversion.source.notices``) and refused under --strict, before anything is written."""
+    from pgconvert.strict import fallback
+
+    if _carries(conversion):
+        fallback("optimizer state not carried: a sharded run (--shard-index/--num-shards, or a launcher's RANK "
+                 "and WORLD_SIZE) writes the model alone; convert without sharding to carry it, or pass "
+                 "--skip-optimizer", conversion.request.strict, conversion.source.notices)
+
+
 def _carries(conversion: Any) -> bool:
     """Whether this conversion is one that carries a Megatron optimizer state (its source holds one)."""
     return not conversion.request.skip_optimizer and conversion.src_format in ("megatron", "torch_dist") \

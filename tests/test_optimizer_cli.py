@@ -290,3 +290,14 @@ def test_optimizer_state_not_carried_is_a_notice_and_refused_under_strict_in_eve
     result = _cli("convert", src, tmp_path / "strict", "-q", "--dst-format", dst_format, "--strict")
     assert_clean_refusal(result, 2, "--strict: refusing to guess: optimizer state not carried", fragment)
     assert not (tmp_path / "strict").exists()
+
+
+def test_a_sharded_run_names_the_optimizer_it_does_not_carry_and_strict_refuses_it(tmp_path: Path) -> None:
+    flags = ("--dst-tp", "1", "--shard-index", "0", "--num-shards", "1")
+    result = _cli("convert", DISTOPT, tmp_path / "lenient", *flags)
+    assert result.exit_code == 0, result.output
+    assert "note: guess: optimizer state not carried: a sharded run" in result.output
+    strict = _cli("convert", DISTOPT, tmp_path / "strict", *flags, "--strict")
+    assert_clean_refusal(strict, 2, "--strict: refusing to guess: optimizer state not carried: a sharded run")
+    assert not (tmp_path / "strict").exists()
+    assert _cli("convert", DISTOPT, tmp_path / "model", *flags, "--skip-optimizer", "--strict").exit_code == 0

@@ -34,7 +34,7 @@ NO_OPTIMIZER = GOLDENS / "convert_py_core_tp2"
 
 
 def _scaler(scale: float = 4096.0, growth: int = 7, hysteresis: int = 1) -> dict[str, object]:
-    return {"scale": torch.tensor(scale), "growth_tracker": growth, "hysteresis_tracker": hysteresis}
+    return {"scale": torch.tensor([scale]), "growth_tracker": growth, "hysteresis_tracker": hysteresis}
 
 
 def _cli(*args: str | Path) -> Result:
@@ -301,3 +301,21 @@ def test_a_sharded_run_names_the_optimizer_it_does_not_carry_and_strict_refuses_
     assert_clean_refusal(strict, 2, "--strict: refusing to guess: optimizer state not carried: a sharded run")
     assert not (tmp_path / "strict").exists()
     assert _cli("convert", DISTOPT, tmp_path / "model", *flags, "--skip-optimizer", "--strict").exit_code == 0
+
+
+def test_megatron_cores_distributed_optimizer_loads_the_dp_reshardable_scaler(tmp_path: Path) -> None:
+    """megatron-core 0.16.1's DistributedOptimizer with a DynamicGradScaler (gloo, CPU) loads the written
+    dp_reshardable checkpoint as Megatron-LM's load_checkpoint does: the ShardedObject is where it reads it."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("megatron.core", reason="megatron-core's own load is the check")
+    scaler = _scaler(8192.0, 11, 1)
+    td = _converted(_per_rank_fp16(tmp_path, scaler), tmp_path / "td", "--dst-format", "torch_dist", "--dst-tp", "1",
+                    "--dst-optim-form", "dp_reshardable")
+    script = Path(__file__).parent / "mcore_dp_reshardable_load.py"
+    subprocess.run([sys.executable, str(script), str(td / ITER), str(tmp_path / "out"), "1", "grad-scaler"],
+                   check=True, timeout=600)
+    loaded = torch.load(tmp_path / "out" / "rank0.pt", weights_only=True)
+    assert_same_tree(loaded["grad_scaler"], scaler, "megatron-core's DynamicGradScaler after the load")
+    assert loaded["group_steps"] == [2.0, 2.0]

@@ -178,7 +178,7 @@ def _layout_option(name: str, help_text: str) -> Any:
               help="Refuse tensors holding NaN or Inf (by default they are converted with a warning).")
 @click.option("--skip-finite-check", "finite_mode", flag_value="off", help="Do not scan tensors for NaN/Inf.")
 @click.option("--dry-run", is_flag=True,
-              help="Print the plan (each destination file, tensors, bytes, the optimizer state it carries); write nothing.")
+              help="Print the plan (each destination file: tensors, bytes, optimizer state carried); write nothing.")
 @click.option("--overwrite", is_flag=True, help="Replace a non-empty DST (only once the new one is complete).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar and no notices.")
 @click.option("-v", "--verbose", is_flag=True, help="Log details to stderr.")

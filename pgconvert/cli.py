@@ -17,6 +17,7 @@ from pgconvert.convert import ConvertRequest, Plan, execute, plan
 from pgconvert.errors import PgconvertError
 from pgconvert.formats import DTYPE_CHOICES, EXPERT_LAYOUTS
 from pgconvert.registry import loader_names, saver_names
+from pgconvert.optimizer_plan import plan_lines  # optcli
 
 
 class PgconvertClickError(click.ClickException):
@@ -176,7 +177,8 @@ def _layout_option(name: str, help_text: str) -> Any:
 @click.option("--check-finite", "finite_mode", flag_value="error",
               help="Refuse tensors holding NaN or Inf (by default they are converted with a warning).")
 @click.option("--skip-finite-check", "finite_mode", flag_value="off", help="Do not scan tensors for NaN/Inf.")
-@click.option("--dry-run", is_flag=True, help="Print the plan (each destination file, tensors, bytes); write nothing.")
+@click.option("--dry-run", is_flag=True,
+              help="Print the plan (each destination file: tensors, bytes, optimizer state carried); write nothing.")
 @click.option("--overwrite", is_flag=True, help="Replace a non-empty DST (only once the new one is complete).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar and no notices.")
 @click.option("-v", "--verbose", is_flag=True, help="Log details to stderr.")
@@ -234,8 +236,13 @@ def convert_command(src: Path, dst: Path, src_format: str, dst_format: str, src_
             return
         conversion = plan(request)
         if dry_run:
-            conversion.source.close()
+            try:
+                optimizer_lines = plan_lines(conversion)  # optcli: the optimizer state it carries
+            finally:
+                conversion.source.close()
             _print_plan(conversion)
+            for line in optimizer_lines:
+                click.echo(line)
             return
         _run_with_progress(conversion, quiet)
     except PgconvertError as error:

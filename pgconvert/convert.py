@@ -33,6 +33,7 @@ from pgconvert.layout_spec import LayoutSpec
 from pgconvert.manifest import Manifest, record_files, write_manifest
 from pgconvert.quantized import check_keep_fp8
 from pgconvert.optimizer_reshard import carry_training_state, replace_saver_notice
+from pgconvert.optimizer_reshard import check_optimizer_options  # optcli
 from pgconvert.registry import detect_format, get_loader, get_saver
 from pgconvert.semantics import check_target
 from pgconvert.stream import CanonicalSource
@@ -240,10 +241,12 @@ def plan(request: ConvertRequest, check_dst: bool = True) -> Plan:
         check_target(source, dst_format, request.strict)
         saver.validate(source, save_options)
         files = saver.plan(source, save_options)
+        conversion = Plan(request, src_format, dst_format, source, source.layout, saver, save_options, files)
+        check_optimizer_options(conversion)  # optcli: before anything is written
     except BaseException:
         source.close()
         raise
-    return Plan(request, src_format, dst_format, source, source.layout, saver, save_options, files)
+    return conversion
 
 
 def _note_dtype_change(source: CanonicalSource, options: SaveOptions) -> None:

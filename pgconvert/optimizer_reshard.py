@@ -32,6 +32,7 @@ from pgconvert.optimizer_map import (MEGATRON_CORE_VERSIONS, OptimizerLayoutErro
                                      flat_buffers, optimizer_count)
 from pgconvert.optimizer_dp import check_dst_dp, with_dst_dp
 from pgconvert.optimizer_flat import DISTRIB_OPTIM_FILE, dp_size, planned_buffers
+from pgconvert.optimizer_scaler import lost_scaler, set_scalers, target_scalers
 from pgconvert.optimizer_state import CARRIED_KEYS, FORM_DISTRIBUTED, FORM_FP16, MOMENTS, OptimizerSource
 from pgconvert.optimizer_torch_dist_dp import check_form, default_form
 from pgconvert.optimizer_torch_dist_moe import moe_refusal
@@ -94,12 +95,13 @@ def rank_optimizer(source: OptimizerSource, config: ModelConfig, layout: Paralle
     """The ``optimizer`` entry of rank ``coord`` at ``layout``, in the source's form: one optimizer's, or
     the list of the chained dense and expert-parallel optimizers' (MoE at expert parallel size > 1)."""
     chained = chained_slots(config, layout, coord, source.rules, padded_rows)
-    entries = [_one_optimizer(source, slots, index, padded_rows) for index, slots in enumerate(chained)]
+    scalers = target_scalers(source, len(chained))  # optcli
+    entries = [_one_optimizer(source, slots, index, padded_rows, scalers[index]) for index, slots in enumerate(chained)]
     return entries[0] if len(entries) == 1 else entries
 
 
 def _one_optimizer(source: OptimizerSource, slots: list[list[OptimizerSlot]], index: int,
-                   padded_rows: int) -> dict[str, Any]:
+                   padded_rows: int, scaler: Any = None) -> dict[str, Any]:
     settings = source.param_group_settings(index, len(slots))
     state: dict[int, dict[str, Any]] = {}
     for slot in (slot for group in slots for slot in group):
@@ -115,8 +117,8 @@ def _one_optimizer(source: OptimizerSource, slots: list[list[OptimizerSlot]], in
     masters = [[_planned(source, slot, "param", padded_rows if slot.spec.rule.fits_rows else None)
                 for slot in members] for members in slots]
     optimizer: dict[str, Any] = {"optimizer": inner, "fp32_from_fp16_params": masters}
-    if "grad_scaler" in source.first.extra:
-        optimizer["grad_scaler"] = source.first.extra["grad_scaler"]
+    if scaler is not None:
+        optimizer["grad_scaler"] = scaler
     return optimizer
 
 
@@ -131,6 +133,7 @@ def _distributed_entries(source: OptimizerSource, count: int, groups: list[int])
         settings = source.param_group_settings(index, groups[index])
         entry["optimizer"] = dict(entry["optimizer"], param_groups=[dict(group, step=step) for group in settings])
         entries.append(entry)
+    set_scalers(entries, target_scalers(source, count))  # optcli: torch_dist sources' too
     return entries[0] if count == 1 else entries
 
 
@@ -202,51 +205,100 @@ def _not_carried(conversion: Any) -> str | None:
     return moe_refusal(conversion)  # tdmoe: MoE through torch_dist in the fully_reshardable form only
 
 
-def carry_training_state(conversion: Any, staging: Path, files: list[PlannedFile]) -> list[str]:
-    """``convert``'s step after the model is written: carry the optimizer state of a Megatron per-rank
-    or torch_dist source into the Megatron per-rank destination, or (the distributed optimizer only)
-    into a torch_dist destination in the fully_reshardable form; returns the notices to add."""
+def check_optimizer_options(conversion: Any) -> None:
+    """optcli: ``--dst-optim-form`` and ``--dst-dp`` checked while planning, before anything is written."""
     from pgconvert.errors import ValidationError
-    from pgconvert.formats import target_config
-    from pgconvert.megatron_format import iteration_dir_name
-    from pgconvert.optimizer_fs_model_space import destination_notice
-    from pgconvert.optimizer_mla import qk_norm_decay_notice
-    from pgconvert.provider import target_vocab_rows
-    from pgconvert.strict import fallback
-    from pgconvert.savers.megatron import save_durably
 
     request, source = conversion.request, conversion.source
     dst_dp = getattr(request, "dst_dp", None)
     check_form(getattr(request, "dst_optim_form", None), conversion.dst_format, request.skip_optimizer)  # dprw
-    if dst_dp is not None:
-        check_dst_dp(dst_dp, conversion.save_options.layout, getattr(source, "args", None), request.skip_optimizer,
-                     conversion.dst_format)
-    if request.skip_optimizer or conversion.src_format not in ("megatron", "torch_dist") \
-            or conversion.dst_format not in ("megatron", "torch_dist") or not _holds_optimizer(source):
-        if dst_dp is not None:
-            raise ValidationError(f"--dst-dp {dst_dp}: the source holds no Megatron optimizer state to size")
-        return []
-    notices: list[str] = []
+    if dst_dp is None:
+        return
+    check_dst_dp(dst_dp, conversion.save_options.layout, getattr(source, "megatron_args", None),
+                 request.skip_optimizer, conversion.dst_format)
+    if not _carries(conversion):
+        raise ValidationError(f"--dst-dp {dst_dp}: the source holds no Megatron optimizer state to size")
+
+
+def note_sharded_run(conversion: Any) -> None:
+    """optcli: a sharded run writes the model alone; optimizer state its source holds is named in a notice
+    (``conversion.source.notices``) and refused under --strict, before anything is written."""
+    from pgconvert.strict import fallback
+
+    if _carries(conversion):
+        fallback("optimizer state not carried: a sharded run (--shard-index/--num-shards, or a launcher's RANK "
+                 "and WORLD_SIZE) writes the model alone; convert without sharding to carry it, or pass "
+                 "--skip-optimizer", conversion.request.strict, conversion.source.notices)
+
+
+def _carries(conversion: Any) -> bool:
+    """Whether this conversion is one that carries a Megatron optimizer state (its source holds one)."""
+    return not conversion.request.skip_optimizer and conversion.src_format in ("megatron", "torch_dist") \
+        and conversion.dst_format in ("megatron", "torch_dist") and _holds_optimizer(conversion.source)
+
+
+def carried_optimizer(conversion: Any, notices: list[str]) -> OptimizerSource | None:
+    """optcli: the source's optimizer state when this conversion carries it, else None. One rule for every
+    source and destination: state that is held but not carried is named in a notice (``guess: optimizer
+    state not carried: ...``), and refused under --strict; a broken one is a named error."""
+    from pgconvert.errors import ValidationError
+    from pgconvert.strict import fallback
+
+    if not _carries(conversion):
+        return None
+    strict = conversion.request.strict
     refused = _not_carried(conversion)
     if refused:
-        fallback(refused, request.strict, notices)
-        return notices
+        fallback(refused, strict, notices)
+        return None
     try:
-        optimizer = open_optimizer(source, conversion.src_format)
+        optimizer = open_optimizer(conversion.source, conversion.src_format)
     except ValidationError as exc:
-        if conversion.dst_format == "torch_dist":
-            return []  # opttd: as before, the torch_dist saver's "not carried" notice stands
-        fallback(f"optimizer state not carried: {exc}", request.strict, notices)
-        return notices
+        fallback(f"optimizer state not carried: {exc}", strict, notices)
+        return None
     except OptimizerLayoutError as exc:
         if "--skip-optimizer" in str(exc):
             raise
         raise OptimizerLayoutError(f"{exc}; pass --skip-optimizer to convert the model alone") from exc
     if conversion.dst_format == "torch_dist" and optimizer.form != FORM_DISTRIBUTED:
-        return []  # only the distributed optimizer is written into torch_dist: the saver's notice stands
+        fallback(f"optimizer state not carried: {optimizer.first.path}: the {optimizer.form} (non-distributed) "
+                 "optimizer's state is carried into a Megatron per-rank destination only; pgconvert writes "
+                 "torch_dist optimizer state in the distributed optimizer's forms; pass --dst-format megatron, "
+                 "or --skip-optimizer to convert the model alone", strict, notices)
+        return None
+    lost = lost_scaler(optimizer, optimizer_count(target_of(conversion)[0], conversion.save_options.layout))
+    if lost:
+        fallback(lost, strict, notices)
+    return optimizer
+
+
+def target_of(conversion: Any) -> tuple[ModelConfig, int]:
+    """The destination's model config and padded vocab rows."""
+    from pgconvert.formats import target_config
+    from pgconvert.provider import target_vocab_rows
+
     options = conversion.save_options
-    config = target_config(source.config, options)
-    padded = target_vocab_rows(config, source.vocab_rows, options.layout)
+    config = target_config(conversion.source.config, options)
+    return config, target_vocab_rows(config, conversion.source.vocab_rows, options.layout)
+
+
+def carry_training_state(conversion: Any, staging: Path, files: list[PlannedFile]) -> list[str]:
+    """``convert``'s step after the model is written: carry the optimizer state of a Megatron per-rank
+    or torch_dist source into the Megatron per-rank destination, or (the distributed optimizer only)
+    into a torch_dist destination in the fully_reshardable form; returns the notices to add."""
+    from pgconvert.megatron_format import iteration_dir_name
+    from pgconvert.optimizer_fs_model_space import destination_notice
+    from pgconvert.optimizer_mla import qk_norm_decay_notice
+    from pgconvert.savers.megatron import save_durably
+
+    request, source = conversion.request, conversion.source
+    dst_dp = getattr(request, "dst_dp", None)
+    notices: list[str] = []
+    optimizer = carried_optimizer(conversion, notices)
+    if optimizer is None:
+        return notices
+    options = conversion.save_options
+    config, padded = target_of(conversion)
     iteration_dir = staging / iteration_dir_name(source.iteration or 0, source.release)
     if conversion.dst_format == "torch_dist":
         form = default_form(getattr(request, "dst_optim_form", None), optimizer)  # dprw
@@ -257,10 +309,11 @@ def carry_training_state(conversion: Any, staging: Path, files: list[PlannedFile
         files[:] = [PlannedFile(f.relpath, f.tensors, f.nbytes) if f.relpath in rewritten else f for f in files]
     # opttd: a torch_dist source's "optimizer/RNG/rerun entries ... not converted": the optimizer now is
     source.notices[:] = [note for note in source.notices if "optimizer/RNG/rerun entries" not in note]
-    fsms = destination_notice(getattr(optimizer, "sharding", None), form) if conversion.dst_format == "torch_dist" else []
+    torch_dist = conversion.dst_format == "torch_dist"
+    fsms = destination_notice(getattr(optimizer, "sharding", None), form) if torch_dist else []
     form = f"{optimizer.form}, {form}" if conversion.dst_format == "torch_dist" else optimizer.form
-    return [f"optimizer ({form}), scheduler, iteration, floating-point operations and consumed samples "
-            f"carried to {options.layout.describe()}; " + RNG_NOTICE, *fsms] \
+    return notices + [f"optimizer ({form}), scheduler, iteration, floating-point operations and consumed samples "
+                      f"carried to {options.layout.describe()}; " + RNG_NOTICE, *fsms] \
         + qk_norm_decay_notice(optimizer.rules, source.config, config)  # mla
 
 

@@ -30,6 +30,7 @@ from pgconvert.optimizer_map import (MEGATRON_CORE_VERSIONS, OptimizerLayoutErro
                                      UnsupportedOptimizerError, chained_slots, check_param_groups,
                                      check_state_shapes)
 from pgconvert.optimizer_flat import DISTRIB_OPTIM_FILE, read_distributed
+from pgconvert.optimizer_scaler import held_scalers
 from pgconvert.rules import ReplicaMismatchError
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -148,6 +149,7 @@ class OptimizerSource:
             self.ranks[coord] = self._read_rank(coord, Path(path), chunk_keys)
         self.first = self.ranks[min(self.ranks, key=lambda c: (c.pp, c.ep, c.tp))]
         self.dtype_key = self.first.inners[0].get("dtype_key")
+        self.grad_scalers: list[Any] = self.first.extra.get("grad_scalers", [None])  # optcli
         self.rules = OptimizerRules.from_args(self.first.extra.get("args"), str(self.first.path))
         self._owners = self._index()
 
@@ -167,6 +169,7 @@ class OptimizerSource:
         extra = {key: state[key] for key in (*CARRIED_KEYS, "iteration", "args") if key in state}
         if form == FORM_DISTRIBUTED:
             extra["distributed_entries"] = entries
+            extra["grad_scalers"] = held_scalers(entries)  # optcli
             views = read_distributed(self.config, self.layout, coord, rules, self.vocab_rows, state, path, entries)
             inners, masters = [], []
             for index, view in enumerate(views):
@@ -185,8 +188,7 @@ class OptimizerSource:
             check_state_shapes(slots, inner.get("state"), where)
             masters.append(_masters(form, entry, state, slots, chunk_keys, path))
             inners.append(inner)
-        if form == FORM_FP16 and "grad_scaler" in entries[0]:
-            extra["grad_scaler"] = entries[0]["grad_scaler"]
+        extra["grad_scalers"] = held_scalers(entries)  # optcli: per chained optimizer
         return _RankOptimizer(path, chained, inners, masters, extra)
 
     def _index(self) -> dict[str, list[tuple[_RankOptimizer, OptimizerSlot]]]:

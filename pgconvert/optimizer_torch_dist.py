@@ -47,6 +47,7 @@ from pgconvert.optimizer_fs_model_space import FS_MODEL_SPACE, chunk_shape
 from pgconvert.optimizer_map import (MEGATRON_CORE_VERSIONS, FlatParam, OptimizerLayoutError, OptimizerRules,
                                      OptimizerSlot, UnsupportedOptimizerError, bucket_ranges, chained_slots,
                                      check_supported, flat_buffers, optimizer_count, optimizer_slots)
+from pgconvert.optimizer_scaler import dp_object_key, held_scalers
 from pgconvert.optimizer_state import (CARRIED_KEYS, DISTRIBUTED_SHARDING_TYPES, FORM_DISTRIBUTED, MOMENTS,
                                        OptimizerSource)
 from pgconvert.optimizer_torch_dist_moe import chained_entries
@@ -142,6 +143,7 @@ class TorchDistOptimizerSource(OptimizerSource):
         self._settings = [[{k: v for k, v in group.items() if k not in ("params", "step")} for group in groups]
                           for groups in chained]
         self.dtype_key = self._dtype_key()
+        self.grad_scalers = self._grad_scalers(common)  # optcli
         self._check_stored()
         if self.sharding == "dp_reshardable":
             self._check_masters()
@@ -184,6 +186,20 @@ class TorchDistOptimizerSource(OptimizerSource):
                 f"{where}: optimizer holds {len(values)} optimizer(s), but {_VERSIONS} chains {len(counts)} for this "
                 f"model at {self.layout.describe()} (dense, then expert-parallel at expert parallel size > 1)")
         return [self._groups(value, count, where) for value, count in zip(values, counts)]
+
+    def _grad_scalers(self, common: dict[str, Any]) -> list[Any]:
+        """Per chained optimizer its grad scaler (None: none): common state in the model-space forms, the
+        ShardedObject of model-parallel rank 0 (of each chained optimizer) for dp_reshardable (``optimizer_scaler``)."""
+        if self.sharding != "dp_reshardable":
+            return held_scalers(chained_entries(common["optimizer"]))
+        from pgconvert.optimizer_torch_dist_dp import record_prefix
+
+        stored = self.source._metadata.state_dict_metadata
+        keys = [dp_object_key(record_prefix(self.config, self.layout, RankCoord(0, 0, 0), index))  # dpmoe: chained
+                for index in range(optimizer_count(self.config, self.layout))]
+        values = self.source.read_objects([key for key in keys if key in stored])
+        return [(value[0] if isinstance(value, list) and len(value) == 1 else value) if key in values else None
+                for key, value in ((key, values.get(key)) for key in keys)]
 
     @staticmethod
     def _groups(value: Any, count: int, where: str) -> list[dict[str, Any]]:

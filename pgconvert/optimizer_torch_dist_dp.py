@@ -63,6 +63,7 @@ from pgconvert.limits import quote
 from pgconvert.megatron_format import safe_torch_load
 from pgconvert.optimizer_map import (MEGATRON_CORE_VERSIONS, FlatParam, UnsupportedOptimizerError, bucket_ranges,
                                      chained_slots, flat_buffers, optimizer_count)
+from pgconvert.optimizer_scaler import dp_object_key, target_scalers
 from pgconvert.optimizer_state import CARRIED_KEYS
 from pgconvert.torch_dist_format import COMMON_FILE, DCP_METADATA_FILE, single_process_calls
 
@@ -234,14 +235,17 @@ def _plan(optimizer: Any, config: ModelConfig, layout: ParallelLayout, rows: int
     step = float(optimizer.step(optimizer.names()[0]))
     records: list[_Record] = []
     objects: dict[str, Any] = {}
+    scalers = target_scalers(optimizer, len(counts))  # optcli: beside the param groups, per model-parallel rank
     for index, count in enumerate(counts):
         groups = [dict(settings, step=step) for settings in optimizer.param_group_settings(index, count)]
         own_dp = optimizer_dp(config, layout, dp, args, index, f"layout {layout.describe()}")
         for coord in optimizer_ranks(config, layout, index):
             buffers = [_buckets(placed, numel) for placed, numel in
                        flat_buffers(config, layout, coord, optimizer.rules, rows, args, dp, index)]
-            _add_rank(optimizer, record_prefix(config, layout, coord, index), coord, buffers, groups, own_dp,
-                      bucket_divisor(own_dp, args), records, objects)
+            prefix = record_prefix(config, layout, coord, index)
+            if scalers[index] is not None:
+                objects[dp_object_key(prefix)] = scalers[index]
+            _add_rank(optimizer, prefix, coord, buffers, groups, own_dp, bucket_divisor(own_dp, args), records, objects)
     return records, objects
 
 

@@ -30,7 +30,8 @@ from pgconvert.durable import fsync_file
 from pgconvert.formats import PlannedFile
 from pgconvert.megatron_format import FRAMEWORK_PICKLE, safe_torch_load
 from pgconvert.optimizer_state import CARRIED_KEYS
-from pgconvert.optimizer_torch_dist_moe import common_entry
+from pgconvert.optimizer_scaler import set_scalers, target_scalers
+from pgconvert.optimizer_torch_dist_moe import chained_entries, common_entry
 from pgconvert.torch_dist_format import COMMON_FILE, DCP_METADATA_FILE, read_dcp_metadata, single_process_calls
 
 SHARDING = "fully_reshardable"
@@ -108,6 +109,7 @@ def _add_common(optimizer: Any, iteration_dir: Path, group_counts: list[int] | N
 
     def update(common: dict[str, Any]) -> None:
         common["optimizer"] = common_entry(groups)
+        set_scalers(chained_entries(common["optimizer"]), target_scalers(optimizer, len(groups)))  # optcli
         for key in CARRIED_KEYS:
             if key in optimizer.first.extra:
                 common[key] = optimizer.first.extra[key]
@@ -118,6 +120,14 @@ def _add_common(optimizer: Any, iteration_dir: Path, group_counts: list[int] | N
     rewrite_common(iteration_dir, update)
 
 
+def optimizer_chunks(optimizer: Any, model_chunks: list[Any]) -> list[tuple[str, Any]]:
+    """The fully_reshardable records, (field, chunk) per model chunk and field, fp32."""
+    # tdmoe: parameters only (megatron-core's buffers' param_index_map): not a router's expert_bias buffer
+    names = set(optimizer.names())
+    return [(field, dataclasses.replace(chunk, key=f"optimizer.state.{field}.{chunk.key}", dtype=torch.float32))
+            for chunk in model_chunks if chunk.canonical in names for field in FIELDS]
+
+
 def write_fully_reshardable(optimizer: Any, model_chunks: list[Any], rows: int, fits_rows: set[str],
                             iteration_dir: Path, group_counts: list[int] | None = None) -> list[PlannedFile]:
     """Write the optimizer records beside the model's (``model_chunks``: the torch_dist saver's chunks, expert
@@ -125,10 +135,7 @@ def write_fully_reshardable(optimizer: Any, model_chunks: list[Any], rows: int, 
     or rewritten."""
     from pgconvert.savers.torch_dist import _StreamingWriter
 
-    # tdmoe: parameters only (megatron-core's buffers' param_index_map): not a router's expert_bias buffer
-    names = set(optimizer.names())
-    chunks = [(field, dataclasses.replace(chunk, key=f"optimizer.state.{field}.{chunk.key}", dtype=torch.float32))
-              for chunk in model_chunks if chunk.canonical in names for field in FIELDS]
+    chunks = optimizer_chunks(optimizer, model_chunks)
     staging = iteration_dir / ".optimizer_records"
     staging.mkdir()
     try:

@@ -27,6 +27,7 @@ from pgconvert.destination import sibling
 from pgconvert.errors import ConversionError, ValidationError
 from pgconvert.formats import SaveResult
 from pgconvert.workers import balanced_shares, require_partial
+from pgconvert.optimizer_reshard import note_sharded_run  # optcli
 
 log = logging.getLogger(__name__)
 
@@ -164,6 +165,11 @@ def run_shard(request: ConvertRequest, index: int, count: int, coordinator_kind:
         raise ValidationError(f"--shard-index {index}: must be in [0, {count}) for --num-shards {count}")
     conversion = plan(request)
     require_partial(conversion)
+    try:
+        note_sharded_run(conversion)  # optcli: the optimizer is not carried by sharded runs
+    except BaseException:
+        conversion.source.close()
+        raise
     dst = request.dst.absolute()
     staging = sibling(dst, f"{PARTIAL_MARKER}shared-{run_id(request, count)}")
     staging.mkdir(parents=True, exist_ok=True)

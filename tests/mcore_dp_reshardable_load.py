@@ -1,6 +1,6 @@
 """Run as a script: megatron-core's DistributedOptimizer loads a torch_dist checkpoint's dp_reshardable state.
 
-    python tests/mcore_dp_reshardable_load.py ITERATION_DIR OUT_DIR DP
+    python tests/mcore_dp_reshardable_load.py ITERATION_DIR OUT_DIR DP [grad-scaler]
 
 One forked gloo process per rank of the checkpoint's TP x PP layout (common.pt's args) times DP. Each
 builds GPTModel + DDP + ``get_megatron_optimizer`` as ``mcore_optimizer_step.py`` does, then loads as
@@ -9,6 +9,8 @@ is_loading=True, metadata={'distrib_optim_sharding_type': 'dp_reshardable'})``,
 ``dist_checkpointing.load`` and ``load_state_dict`` (which checks ``per_bucket_numel_unpadded`` against
 its own buffers). Written to OUT_DIR/rank{R}.pt: what the optimizer then holds per canonical name
 (``mcore_optimizer_step.optimizer_tensors``: this DP rank's slice of the flattened parameter, its offset).
+``grad-scaler`` (optcli): the optimizer gets megatron-core's DynamicGradScaler first, as for ``--fp16``, so
+the load reads the ``grad_scaler`` ShardedObject; what the scaler then holds is written too.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 from gloo_ranks import run_ranks
 
 
-def _rank(rank: int, world: int, store: str, iteration_dir: Path, out_dir: Path) -> None:
+def _rank(rank: int, world: int, store: str, iteration_dir: Path, out_dir: Path, scaler: bool = False) -> None:
     import mcore_cpu_shim
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.optimizer.optimizer import ChainedOptimizer
@@ -54,6 +56,10 @@ def _rank(rank: int, world: int, store: str, iteration_dir: Path, out_dir: Path)
     from megatron.core.safe_globals import SAFE_GLOBALS
     from pgconvert.megatron_format import SAFE_GLOBALS as PGCONVERT_SAFE_GLOBALS
     torch.serialization.add_safe_globals([argparse.Namespace, io.BytesIO, *PGCONVERT_SAFE_GLOBALS, *SAFE_GLOBALS])
+    if scaler:  # optcli: the dynamic grad scaler get_megatron_optimizer builds for --fp16 (its state is loaded)
+        from megatron.core.optimizer.grad_scaler import DynamicGradScaler
+        inner.grad_scaler = DynamicGradScaler(initial_scale=1.0, min_scale=1.0, growth_factor=2.0,
+                                              backoff_factor=0.5, growth_interval=1000, hysteresis=2)
     sharded = inner.sharded_state_dict({}, is_loading=True, metadata={"distrib_optim_sharding_type": "dp_reshardable"})
     # under "optimizer", as Megatron-LM's state dict holds it: the common state's entry joins it there
     inner.load_state_dict(dist_checkpointing.load({"optimizer": sharded}, str(iteration_dir))["optimizer"])
@@ -62,17 +68,18 @@ def _rank(rank: int, world: int, store: str, iteration_dir: Path, out_dir: Path)
     # The per-parameter Adam ``step`` is the stand-in's (a LocalNonpersistentObject of the bucket state, set
     # back by the load); the checkpoint's step is the loaded param groups' (the ``.optimizer`` object).
     steps = [group["step"] for group in inner.optimizer.param_groups]
-    torch.save({"loaded": optimizer_tensors(optimizer, names), "group_steps": steps}, out_dir / f"rank{rank}.pt")
+    torch.save({"loaded": optimizer_tensors(optimizer, names), "group_steps": steps,
+                "grad_scaler": inner.grad_scaler.state_dict() if scaler else None}, out_dir / f"rank{rank}.pt")
     torch.distributed.destroy_process_group()
 
 
-def run(iteration_dir: Path, out_dir: Path, dp: int) -> None:
+def run(iteration_dir: Path, out_dir: Path, dp: int, scaler: bool = False) -> None:
     from megatron_fixtures import load_for_test
 
     args = load_for_test(iteration_dir / "common.pt")["args"]
     world = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * dp
     out_dir.mkdir(parents=True, exist_ok=True)
-    run_ranks(_rank, world, iteration_dir, out_dir, where=str(iteration_dir))
+    run_ranks(_rank, world, iteration_dir, out_dir, scaler, where=str(iteration_dir))
 
 
 if __name__ == "__main__":
@@ -80,4 +87,4 @@ if __name__ == "__main__":
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     sys.path.insert(0, str(Path(__file__).parent))
     importlib.import_module("megatron.core.optimizer")  # imported once, before the forks
-    run(Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]))
+    run(Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4:] == ["grad-scaler"])

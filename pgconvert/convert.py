@@ -26,7 +26,7 @@ from pgconvert.destination import (
     sibling,
     siblings,
 )
-from pgconvert.errors import ConversionError, DestinationError, ValidationError
+from pgconvert.errors import ConversionError, DestinationError, StrictModeError, ValidationError
 from pgconvert.formats import DTYPE_CHOICES, LoadOptions, PlannedFile, SaveOptions, Saver, SaveResult
 from pgconvert.layout import ParallelLayout
 from pgconvert.layout_spec import LayoutSpec
@@ -238,6 +238,8 @@ def plan(request: ConvertRequest, check_dst: bool = True) -> Plan:
             tokenizer=Path(request.tokenizer) if request.tokenizer is not None else None,
         )
         _note_dtype_change(source, save_options)
+        if saver.parallel:
+            _note_unrunnable_layout(source, save_options)
         check_target(source, dst_format, request.strict)
         saver.validate(source, save_options)
         files = saver.plan(source, save_options)
@@ -258,6 +260,22 @@ def _note_dtype_change(source: CanonicalSource, options: SaveOptions) -> None:
     if changed:
         target = str(options.dtype).removeprefix("torch.")
         fallback(f"--dtype casts {', '.join(changed)} tensors to {target}", options.strict, source.notices)
+
+
+def _note_unrunnable_layout(source: CanonicalSource, options: SaveOptions) -> None:
+    """A virtual pipeline on one pipeline stage is written, but no Megatron can run it: megatron-core's
+    ``initialize_model_parallel`` raises "pipeline-model-parallel size should be greater than 1 with interleaved
+    schedule" (parallel_state.py, 0.16.1). Named in a notice; refused under --strict."""
+    layout = options.layout
+    if layout.pp > 1 or layout.virtual_size == 1:
+        return
+    message = (f"destination layout {layout.describe()}: {layout.virtual_size} virtual pipeline chunks on pp=1; "
+               "megatron-core refuses a virtual pipeline unless pipeline-model-parallel size > 1, so Megatron cannot "
+               "resume from it (give --dst-pp > 1)")
+    if options.strict:
+        raise StrictModeError(f"--strict: {message}")
+    log.warning("%s", message)
+    source.notices.append(message)
 
 
 @contextmanager

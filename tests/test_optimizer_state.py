@@ -388,6 +388,25 @@ def test_a_dp_change_keeps_every_parameters_optimizer_state_bit_exact(tmp_path: 
             assert torch.equal(value, after[name][key]), f"{name}.{key}"
 
 
+def test_a_virtual_pipeline_on_one_stage_is_named_and_refused_under_strict(tmp_path: Path) -> None:
+    # megatron-core's initialize_model_parallel refuses a virtual pipeline at pipeline size 1.
+    from click.testing import CliRunner
+
+    from pgconvert.cli import main
+
+    flags = ["--dst-tp", "1", "--dst-pp", "1", "--dst-vpp", "2", "--skip-optimizer"]
+    written = CliRunner().invoke(main, ["convert", str(PLAIN), str(tmp_path / "vpp"), *flags], prog_name="pgconvert")
+    assert written.exit_code == 0, written.output
+    assert "2 virtual pipeline chunks on pp=1" in written.output and "give --dst-pp > 1" in written.output
+    strict = CliRunner().invoke(main, ["convert", str(PLAIN), str(tmp_path / "strict"), "--strict", *flags],
+                                prog_name="pgconvert")
+    assert strict.exit_code == 2 and "virtual pipeline chunks on pp=1" in strict.output, strict.output
+    assert "Traceback" not in strict.output and not (tmp_path / "strict").exists()
+    pp2 = CliRunner().invoke(main, ["convert", str(PLAIN), str(tmp_path / "pp2"), "--strict", "--dst-tp", "1",
+                                    "--dst-pp", "2", "--dst-vpp", "1", "--skip-optimizer"], prog_name="pgconvert")
+    assert pp2.exit_code == 0 and "virtual pipeline chunks" not in pp2.output, pp2.output
+
+
 def test_a_virtual_pipeline_round_trip_is_bit_exact_in_every_optimizer_tensor(tmp_path: Path) -> None:
     # TP2 x PP2 -> one rank with two model chunks (model0: layer 0 and the embedding, model1: layer 1, the
     # final norm and the output layer), and back: each chunk's parameters come after the previous chunk's.

@@ -15,7 +15,7 @@ What ``DistributedOptimizer.sharded_state_dict`` / ``sharded_param_state_dp_resh
   <field>`` of global shape ``(numel_unpadded,)``, one chunk per parameter's part in each DP rank's shard and one per gap
   (``flat_buffers``' 64-element alignment; the bucket is padded to ``lcm(dp, 128)``, or
   ``lcm(dp, 128, 2**16)`` with ``ddp_pad_buckets_for_high_nccl_busbw``, and split in ``dp`` equal
-  shards; padding past ``numel_unpadded`` is not stored). megatron-core leaves gaps uninitialised
+  shards, ``dp`` being DP x CP: the dense optimizer's ``intra_dp_cp`` group; padding past ``numel_unpadded`` is not stored). megatron-core leaves gaps uninitialised
   (``torch.empty``); they are written as zeros here.
 
 The common state holds ``optimizer = {'param_state_sharding_type': 'dp_reshardable'}`` and
@@ -209,16 +209,17 @@ def optimizer_ranks(config: ModelConfig, layout: ParallelLayout, optimizer: int)
 
 
 def optimizer_dp(config: ModelConfig, layout: ParallelLayout, dp: int, args: Any, optimizer: int, where: str) -> int:
-    """The data-parallel size that chained optimizer ``optimizer``'s buckets are padded and split by: ``dp``
-    (dense), or the expert data-parallel size ``tp * cp * dp / (expert_tp * ep)``."""
+    """The data-parallel size that chained optimizer ``optimizer``'s buckets are padded and split by: ``dp * cp``
+    (dense: megatron-core's ``intra_dp_cp`` group, which holds the context-parallel ranks too), or the expert
+    data-parallel size ``tp * cp * dp / (expert_tp * ep)``."""
+    cp = int(getattr(args, "context_parallel_size", None) or 1)
     if optimizer == 0:
-        return dp
+        return dp * cp
     if layout.expert_tp_size != layout.tp:
         raise UnsupportedOptimizerError(
             f"{where}: expert tensor parallel size {layout.expert_tp_size} differs from tensor parallel size "
             f"{layout.tp}: the expert optimizer's dp_reshardable records are not mapped for that ({_VERSIONS}); "
             "pass --skip-optimizer, or the fully_reshardable form")
-    cp = int(getattr(args, "context_parallel_size", None) or 1)
     ranks = layout.tp * cp * dp
     if ranks % (layout.expert_tp_size * layout.ep):
         raise UnsupportedOptimizerError(

@@ -4,6 +4,7 @@ goldens (tests/data/megatron_lm/README.md) as torch's DCP reader reads them."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -145,3 +146,22 @@ def test_a_per_rank_distributed_optimizer_goes_into_dp_reshardable_and_back(tmp_
         ((_, bufs_a),), ((_, bufs_b),) = a[0].items(), b[0].items()
         for field in ("param", "exp_avg", "exp_avg_sq"):
             assert torch.equal(bufs_a[field], bufs_b[field]), f"{rank_dir}.{field}"
+
+
+def test_context_parallel_ranks_share_the_dense_buckets_as_data_parallel_ranks_do(tmp_path: Path) -> None:
+    """megatron-core's dense distributed optimizer shards over ``intra_dp_cp`` (DP x CP ranks): a run at CP4 DP1
+    cuts its dp_reshardable buckets in the same four shards as one at CP1 DP4 (a parameter straddles a quarter's
+    boundary, so the chunks differ from one shard's)."""
+    from pgconvert.savers.megatron import save_durably
+
+    src = GOLDENS / "train_tp2dp2_distopt_bf16_torch"
+    edited = tmp_path / "cp4"
+    shutil.copytree(src, edited)
+    for path in edited.glob(f"{ITERATION}/mp_rank_*/model_optim_rng.pt"):
+        state = dict(load_for_test(path))
+        state["args"].context_parallel_size, state["args"].data_parallel_size = 4, 1
+        save_durably(state, path)
+    _convert(src, tmp_path / "dp4", "--dst-tp", "2", "--dst-dp", "4", "--dst-optim-form", "dp_reshardable")
+    _convert(edited, tmp_path / "cp4dp1", "--dst-tp", "2", "--dst-dp", "1", "--dst-optim-form", "dp_reshardable")
+    assert load_for_test(tmp_path / "cp4dp1" / ITERATION / "common.pt")["args"].context_parallel_size == 4
+    _assert_records_equal(tmp_path / "dp4", tmp_path / "cp4dp1")

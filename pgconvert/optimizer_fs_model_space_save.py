@@ -17,23 +17,20 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import pickle
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata
 
 from pgconvert.formats import PlannedFile
 from pgconvert.optimizer_fs_model_space import FIELDS, FS_MODEL_SPACE
 from pgconvert.optimizer_torch_dist_moe import common_entry
-from pgconvert.optimizer_torch_dist_save import _OptimizerPlanner, replace_durably, rewrite_common
+from pgconvert.optimizer_torch_dist_save import _OptimizerPlanner, replace_durably, rewrite_common, write_records
 from pgconvert.optimizer_state import CARRIED_KEYS
-from pgconvert.torch_dist_format import DCP_METADATA_FILE, read_dcp_metadata, single_process_calls
+from pgconvert.torch_dist_format import DCP_METADATA_FILE, read_dcp_metadata
 
 RECORDS_FILE = "__1_0.distcp"
 
@@ -82,24 +79,13 @@ def _add_common(optimizer: Any, iteration_dir: Path) -> None:
 def write_fs_model_space(optimizer: Any, model_chunks: list[Any], rows: int, fits_rows: set[str],
                          iteration_dir: Path) -> list[PlannedFile]:
     """Write the records beside the model's (``model_chunks``: the torch_dist saver's); returns the files added."""
-    from pgconvert.savers.torch_dist import _StreamingWriter
-
     names = set(optimizer.names())
     chunks = [(field, _reformulated(field, chunk)) for chunk in model_chunks if chunk.canonical in names
               for field in FIELDS]
     original = {chunk.key: tuple(model.global_shape) for (_, chunk), model in
                 zip(chunks, [m for m in model_chunks if m.canonical in names for _ in FIELDS])}
-    staging = iteration_dir / ".optimizer_records"
-    staging.mkdir()
-    try:
-        writer = _StreamingWriter(staging)
-        with single_process_calls():
-            dcp.save({}, storage_writer=writer, planner=_OptimizerPlanner(chunks, optimizer, rows, fits_rows),
-                     no_dist=True)
-        os.replace(staging / "__0_0.distcp", iteration_dir / RECORDS_FILE)
-        _merge_metadata(iteration_dir, staging / DCP_METADATA_FILE, original)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    writer = write_records(iteration_dir, _OptimizerPlanner(chunks, optimizer, rows, fits_rows),
+                           lambda directory, added: _merge_metadata(directory, added, original))
     _add_common(optimizer, iteration_dir)
     name = iteration_dir.name
     return [PlannedFile(f"{name}/{RECORDS_FILE}", len(chunks), sum(chunk.nbytes for _, chunk in chunks),

@@ -41,15 +41,12 @@ from __future__ import annotations
 import dataclasses
 import io
 import math
-import os
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner, SavePlan
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
@@ -65,7 +62,7 @@ from pgconvert.optimizer_map import (MEGATRON_CORE_VERSIONS, FlatParam, Unsuppor
                                      chained_slots, flat_buffers, optimizer_count)
 from pgconvert.optimizer_scaler import dp_object_key, target_scalers
 from pgconvert.optimizer_state import CARRIED_KEYS
-from pgconvert.torch_dist_format import COMMON_FILE, DCP_METADATA_FILE, single_process_calls
+from pgconvert.torch_dist_format import COMMON_FILE
 
 DP_RESHARDABLE = "dp_reshardable"
 FULLY_RESHARDABLE = "fully_reshardable"
@@ -284,21 +281,11 @@ def write_dp_reshardable(optimizer: Any, config: ModelConfig, layout: ParallelLa
                          iteration_dir: Path) -> list[PlannedFile]:
     """Write the records beside the torch_dist saver's (for ``dp`` data-parallel ranks at ``layout``);
     returns the files added."""
-    from pgconvert.optimizer_torch_dist_save import RECORDS_FILE, _merge_metadata, rewrite_common
-    from pgconvert.savers.torch_dist import _StreamingWriter
+    from pgconvert.optimizer_torch_dist_save import RECORDS_FILE, rewrite_common, write_records
 
     args = safe_torch_load(iteration_dir / COMMON_FILE).get("args")
     records, objects = _plan(optimizer, config, layout, rows, dp, args)
-    staging = iteration_dir / ".optimizer_records"
-    staging.mkdir()
-    try:
-        writer = _StreamingWriter(staging)
-        with single_process_calls():
-            dcp.save({}, storage_writer=writer, planner=_Planner(records, objects, optimizer, rows), no_dist=True)
-        os.replace(staging / "__0_0.distcp", iteration_dir / RECORDS_FILE)
-        _merge_metadata(iteration_dir, staging / DCP_METADATA_FILE)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    writer = write_records(iteration_dir, _Planner(records, objects, optimizer, rows))
     rewrite_common(iteration_dir, _common_update(optimizer, optimizer_count(config, layout)))
     nbytes = sum(4 * (record.end - record.start) for record in records)
     return [PlannedFile(f"{iteration_dir.name}/{RECORDS_FILE}", len(records) + len(objects), nbytes,

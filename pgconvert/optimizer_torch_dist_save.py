@@ -128,25 +128,33 @@ def optimizer_chunks(optimizer: Any, model_chunks: list[Any]) -> list[tuple[str,
             for chunk in model_chunks if chunk.canonical in names for field in FIELDS]
 
 
-def write_fully_reshardable(optimizer: Any, model_chunks: list[Any], rows: int, fits_rows: set[str],
-                            iteration_dir: Path, group_counts: list[int] | None = None) -> list[PlannedFile]:
-    """Write the optimizer records beside the model's (``model_chunks``: the torch_dist saver's chunks, expert
-    ones included); ``group_counts``: the target's param groups per chained optimizer. Returns the files added
-    or rewritten."""
+def write_records(iteration_dir: Path, planner: Any,
+                  merge: Callable[[Path, Path], None] = _merge_metadata) -> Any:
+    """Save what ``planner`` plans (it brings its own items; no state dict) as RECORDS_FILE beside the model's
+    records, then ``merge`` their metadata into the checkpoint's ``.metadata``; returns the streaming writer (its
+    ``sha256`` and ``size``). One staging folder, removed whatever happens."""
     from pgconvert.savers.torch_dist import _StreamingWriter
 
-    chunks = optimizer_chunks(optimizer, model_chunks)
     staging = iteration_dir / ".optimizer_records"
     staging.mkdir()
     try:
         writer = _StreamingWriter(staging)
         with single_process_calls():
-            dcp.save({}, storage_writer=writer, planner=_OptimizerPlanner(chunks, optimizer, rows, fits_rows),
-                     no_dist=True)
+            dcp.save({}, storage_writer=writer, planner=planner, no_dist=True)
         os.replace(staging / "__0_0.distcp", iteration_dir / RECORDS_FILE)
-        _merge_metadata(iteration_dir, staging / DCP_METADATA_FILE)
+        merge(iteration_dir, staging / DCP_METADATA_FILE)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+    return writer
+
+
+def write_fully_reshardable(optimizer: Any, model_chunks: list[Any], rows: int, fits_rows: set[str],
+                            iteration_dir: Path, group_counts: list[int] | None = None) -> list[PlannedFile]:
+    """Write the optimizer records beside the model's (``model_chunks``: the torch_dist saver's chunks, expert
+    ones included); ``group_counts``: the target's param groups per chained optimizer. Returns the files added
+    or rewritten."""
+    chunks = optimizer_chunks(optimizer, model_chunks)
+    writer = write_records(iteration_dir, _OptimizerPlanner(chunks, optimizer, rows, fits_rows))
     _add_common(optimizer, iteration_dir, group_counts)
     name = iteration_dir.name
     return [PlannedFile(f"{name}/{RECORDS_FILE}", len(chunks), sum(chunk.nbytes for _, chunk in chunks),

@@ -396,7 +396,12 @@ class MegatronSource(CanonicalSource):
         copies = self._copies(name)
         self._verify(name, copies)
         tensors = [self._tensor(p) for p in copies[0]]
+        stored = copies[0][0].spec.rule
         with self._concatenating(copies[0]):
+            if stored != rule:
+                # mlafix: the pieces were split by the rule of the spec that wrote them, which may not be the
+                # target's (MLA down projections: column-parallel in the local spec, whole in the TE spec).
+                tensors = [stored.merge(tensors)]
             piece = rule.reshard_rows(tensors, rows, self.config.vocab_size, size, rank)
         self._release(copies[0])
         return piece

@@ -19,7 +19,7 @@ from click.testing import CliRunner
 from checkpoint_compare import read_dcp
 from cli_helpers import assert_clean_refusal
 from megatron_fixtures import load_for_test
-from test_mtp import assert_same_tensors, from_args_alone, hf_tensors, with_mtp
+from test_mtp import assert_same_tensors, from_args_alone, with_mtp
 
 import pgconvert
 from pgconvert.cli import main

@@ -380,7 +380,7 @@ def _block_tensors(config: ModelConfig, prefix: str, moe: bool) -> list[LayerTen
 # transformer_layer (the last decoder layer's spec: MLA, router, experts and EP as a decoder layer), and
 # final_layernorm; it has no embedding or output layer of its own (it uses the model's).
 MTP_PREFIX = "mtp.layers."
-MTP_LAYER_MODULE = "transformer_layer."
+MTP_LAYER_MODULE = MTP_LAYER_MODULES[0] + "."  # megatron-core 0.16.1's, the canonical spelling (mlafix)
 MTP_EH_PROJ = "eh_proj"
 MTP_BEFORE_LAYER: tuple[TensorKind, ...] = (
     TensorKind("enorm.weight", _hidden, REPLICATED, norm_weight=True),

@@ -133,3 +133,16 @@ def test_the_option_is_recorded_in_the_manifest(made: dict[str, Path], tmp_path:
     pgconvert.convert(made["hf"], tmp_path / "m", dst_format="megatron", dst_mtp_layer_name="mtp_model_layer")
     manifest = json.loads((tmp_path / "m" / "pgconvert.json").read_text())
     assert "mtp_model_layer" in json.dumps(manifest)
+
+
+def test_rank_files_that_disagree_on_the_spelling_are_a_named_error(made: dict[str, Path], tmp_path: Path) -> None:
+    mixed = tmp_path / "mixed"
+    shutil.copytree(made["local"], mixed)
+    last = [path for path in _rank_files(mixed) if any(key.startswith("mtp.") for key in load_for_test(path)["model"])]
+    d98 = made["local_d98"] / last[0].relative_to(mixed)
+    shutil.copyfile(d98, last[0])  # one MTP-stage rank as Megatron-LM d98e8a64 writes it, the others as 0.16.1
+    result = CliRunner().invoke(main, ["convert", str(mixed), str(tmp_path / "out"), "--dst-format", "hf"],
+                                prog_name="pgconvert")
+
+    assert_clean_refusal(result, 1, "rank files name the MTP layer's inner layer differently",
+                         "mtp_model_layer and transformer_layer")

@@ -36,6 +36,7 @@ from pgconvert.megatron_format import (
 )
 from pgconvert.torch_input import mappable
 from pgconvert.memory import concat_releasing, release_mapped_pages
+from pgconvert.mtp_naming import canonical_mtp_key, mtp_module_of
 from pgconvert.paths import ensure_within
 from pgconvert.provider import (
     EXTRA_STATE_SUFFIX,
@@ -249,7 +250,7 @@ class MegatronSource(CanonicalSource):
         config = config_from_args(args, first_file, impl, options.true_vocab_size,
                                   grouped_gemm=_detect_grouped_gemm(dict.fromkeys(all_first_keys)))
         _check_config_against_files(config, sum(len(model) for model in models.values()), first_file)
-        return config
+        return _with_mtp_spelling(config, models, self.files)
 
     def _padded_rows(self, args: argparse.Namespace, first_model: dict[str, Any], config: ModelConfig,
                      first_file: Path, options: LoadOptions) -> int:
@@ -293,7 +294,7 @@ class MegatronSource(CanonicalSource):
         unexpected = []
         for key, value in model.items():
             if key.endswith(EXTRA_STATE_SUFFIX):
-                canonical = _to_global(key, layers.start)
+                canonical = canonical_mtp_key(_to_global(key, layers.start))  # mlafix: either MTP spelling
                 if canonical_layer(canonical) is None and non_layer_chunk(canonical) is None:
                     unexpected.append(key)
                     continue
@@ -396,7 +397,12 @@ class MegatronSource(CanonicalSource):
         copies = self._copies(name)
         self._verify(name, copies)
         tensors = [self._tensor(p) for p in copies[0]]
+        stored = copies[0][0].spec.rule
         with self._concatenating(copies[0]):
+            if stored != rule:
+                # mlafix: the pieces were split by the rule of the spec that wrote them, which may not be the
+                # target's (MLA down projections: column-parallel in the local spec, whole in the TE spec).
+                tensors = [stored.merge(tensors)]
             piece = rule.reshard_rows(tensors, rows, self.config.vocab_size, size, rank)
         self._release(copies[0])
         return piece
@@ -452,6 +458,17 @@ def _check_config_against_files(config: Any, tensors: int, path: Path) -> None:
         value = getattr(config, name)
         if value is not None and value > tensors:
             raise CheckpointError(f"{path}: args.{name}={value}, but the rank files hold only {tensors} tensors")
+
+
+def _with_mtp_spelling(config: ModelConfig, models: dict[tuple[RankCoord, str], dict[str, Any]],
+                       files: dict[RankCoord, Path]) -> ModelConfig:
+    """mlafix: the config naming the MTP inner layer as the rank files do (``pgconvert.mtp_naming``)."""
+    spellings = {mtp_module_of(model, f"{files[coord]} [{chunk}]") for (coord, chunk), model in models.items()}
+    spellings.discard(None)
+    if len(spellings) > 1:
+        raise CheckpointError(f"{next(iter(files.values())).parent.parent}: rank files name the MTP layer's inner layer "
+                              f"differently ({' and '.join(sorted(map(str, spellings)))})")
+    return config.replace(mtp_layer_module=spellings.pop()) if spellings else config
 
 
 def _to_global(local_key: str, layer_offset: int) -> str:

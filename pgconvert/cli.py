@@ -18,6 +18,7 @@ from pgconvert.errors import PgconvertError
 from pgconvert.formats import DTYPE_CHOICES, EXPERT_LAYOUTS
 from pgconvert.registry import loader_names, saver_names
 from pgconvert.optimizer_plan import plan_lines  # optcli
+from pgconvert.config import MTP_LAYER_MODULES  # mlafix
 
 
 class PgconvertClickError(click.ClickException):
@@ -194,6 +195,9 @@ def _layout_option(name: str, help_text: str) -> Any:
               help="torch_dist DST: the distributed optimizer's form (default: a torch_dist source's own, else "
                    "fully_reshardable); dp_reshardable is cut for --dst-dp ranks; fully_sharded_model_space is for "
                    "megatron-core 0.15.0 and older.")
+@click.option("--dst-mtp-layer-name", type=click.Choice(list(MTP_LAYER_MODULES)), default=None,
+              help="Megatron per-rank DST: the MTP layer's inner-layer key, transformer_layer (megatron-core 0.16.1) or "
+                   "mtp_model_layer (newer Megatron-LM) [default: the source's, else transformer_layer].")
 def convert_command(src: Path, dst: Path, src_format: str, dst_format: str, src_tp: int | None,
                     src_pp: int | None, dst_tp: int | None, dst_pp: int | None,
                     dst_decoder_first_pipeline_num_layers: int | None,
@@ -207,7 +211,8 @@ def convert_command(src: Path, dst: Path, src_format: str, dst_format: str, src_
                     shard_index: int | None, num_shards: int | None, strict: bool, finite_mode: str | None,
                     dry_run: bool, overwrite: bool,
                     quiet: bool, verbose: bool, keep_fp8: bool = False, skip_optimizer: bool = False,
-                    dst_dp: int | None = None, dst_optim_form: str | None = None) -> None:
+                    dst_dp: int | None = None, dst_optim_form: str | None = None,
+                    dst_mtp_layer_name: str | None = None) -> None:
     """Convert SRC into DST (the default command)."""
     _configure_logging(quiet, verbose)
     request = ConvertRequest(
@@ -228,6 +233,7 @@ def convert_command(src: Path, dst: Path, src_format: str, dst_format: str, src_
         skip_optimizer=skip_optimizer,
         dst_dp=dst_dp,
         dst_optim_form=dst_optim_form,
+        dst_mtp_layer_name=dst_mtp_layer_name,
     )
     try:
         shard = _shard_of_this_process(shard_index, num_shards)

@@ -18,6 +18,8 @@ ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "quick_gelu")
 SOFTMAX_TYPES = ("vanilla", "learnable")
 # Megatron's two layer specs name the fused norms differently; pgconvert keeps the source's choice.
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
+# mlafix: the spellings of the MTP layer's inner layer in per-rank files (megatron-core 0.16.1; Megatron-LM d98e8a64).
+MTP_LAYER_MODULES = ("transformer_layer", "mtp_model_layer")
 DTYPES = ("float32", "bfloat16", "float16")
 # RoPE scalings Megatron expresses: llama3 (``--use-rope-scaling``, low/high frequency factors 1 and
 # 4 and 8192 original positions, as megatron-core hard-codes them) and linear position interpolation
@@ -147,6 +149,9 @@ class ModelConfig:
     # mtp: multi-token-prediction layers (megatron-core's mtp_num_layers; HF's num_nextn_predict_layers),
     # kept on the last pipeline stage as ``mtp.layers.{i}.*`` (pgconvert.mtp).
     mtp_num_layers: int = 0
+    # mlafix: the per-rank key of an MTP layer's inner transformer layer: megatron-core 0.16.1's
+    # "transformer_layer", or "mtp_model_layer" as Megatron-LM d98e8a64's state_dict names it (pgconvert.mtp_naming).
+    mtp_layer_module: str = "transformer_layer"
 
     def __post_init__(self) -> None:
         self._check_semantics()
@@ -181,6 +186,7 @@ class ModelConfig:
         _require_choice("position_embedding_type", self.position_embedding_type, POSITION_EMBEDDING_TYPES)
         _require_choice("activation", self.activation, ACTIVATIONS)
         _require_choice("transformer_impl", self.transformer_impl, TRANSFORMER_IMPLS)
+        _require_choice("mtp_layer_module", self.mtp_layer_module, MTP_LAYER_MODULES)  # mlafix
         _require_choice("params_dtype", self.params_dtype, DTYPES)
         if self.position_embedding_type == "learned_absolute":
             if self.max_position_embeddings is None:

@@ -89,6 +89,8 @@ class ConvertRequest:
     dst_dp: int | None = None
     # dprw: a torch_dist DST's distributed-optimizer form (pgconvert.optimizer_torch_dist_dp).
     dst_optim_form: str | None = None
+    # mlafix: a Megatron per-rank DST's MTP inner-layer key (pgconvert.mtp_naming); None: the source's.
+    dst_mtp_layer_name: str | None = None
 
 
 @dataclass
@@ -231,6 +233,7 @@ def plan(request: ConvertRequest, check_dst: bool = True) -> Plan:
             dtype=DTYPE_CHOICES[request.dtype],
             transformer_impl=request.dst_transformer_impl,
             expert_layout=request.dst_expert_layout,
+            mtp_layer_module=request.dst_mtp_layer_name,  # mlafix
             strict=request.strict,
             max_shard_size=request.max_shard_size,
             hf_config=Path(request.hf_config) if request.hf_config is not None else None,

@@ -76,6 +76,8 @@ class SaveOptions:
     # HF side files the user gives (pgconvert.hf_side): a generation_config.json, a tokenizer folder.
     generation_config: Path | None = None
     tokenizer: Path | None = None
+    # mlafix: the MTP inner layer's per-rank key (pgconvert.mtp_naming); None keeps the source's.
+    mtp_layer_module: str | None = None
 
 
 EXPERT_LAYOUTS = ("sequential", "grouped")
@@ -96,6 +98,8 @@ def target_config(config: ModelConfig, options: SaveOptions) -> ModelConfig:
         changes["transformer_impl"] = options.transformer_impl
     if options.expert_layout is not None:
         changes["moe_grouped_gemm"] = options.expert_layout == "grouped"
+    if options.mtp_layer_module is not None:  # mlafix
+        changes["mtp_layer_module"] = options.mtp_layer_module
     return config.replace(**changes) if changes else config
 
 

@@ -70,13 +70,13 @@ from typing import Any
 
 import torch
 
-from pgconvert.config import ModelConfig
+from pgconvert.config import MTP_LAYER_MODULES, ModelConfig
 from pgconvert.errors import CheckpointError, ValidationError
 from pgconvert.grid import RankCoord, build_converter_process_groups
 from pgconvert.layout import ParallelLayout
 from pgconvert.limits import quote
 from pgconvert.provider import (EXPERT_PREFIX, EXPERTS_MODULE, FINAL_NORM_BIAS, FINAL_NORM_WEIGHT, LAYER_PREFIX,
-                                MTP_LAYER_MODULE, MTP_PREFIX, OUTPUT_LAYER, POSITION_EMBEDDINGS, WORD_EMBEDDINGS,
+                                MTP_PREFIX, OUTPUT_LAYER, POSITION_EMBEDDINGS, WORD_EMBEDDINGS,
                                 TensorSpec, provide)
 
 MEGATRON_CORE_VERSIONS = ("0.16.1", "0.20.0")
@@ -228,8 +228,10 @@ def _mtp_order_key(spec: TensorSpec) -> tuple[int, ...]:
         return (*where, 0, _MTP_BEFORE_LAYER.index(rest))
     if rest in _MTP_AFTER_LAYER:
         return (*where, 2, _MTP_AFTER_LAYER.index(rest))
-    if index.isdigit() and rest.startswith(MTP_LAYER_MODULE):  # its transformer layer, as decoder layer 0
-        layer = replace(spec, local_name=f"{LAYER_PREFIX}0.{rest[len(MTP_LAYER_MODULE):]}")
+    # its transformer layer, as decoder layer 0; mlafix: Megatron-LM d98e8a64's mtp_model_layer sits at the same place
+    module = next((f"{m}." for m in MTP_LAYER_MODULES if rest.startswith(f"{m}.")), None)
+    if index.isdigit() and module is not None:
+        layer = replace(spec, local_name=f"{LAYER_PREFIX}0.{rest[len(module):]}")
         with contextlib.suppress(UnsupportedOptimizerError):  # refused below, under its own name
             return (*where, 1, *_order_key(layer))
     raise UnsupportedOptimizerError(f"parameter {quote(spec.local_name)}: its place in megatron-core's module order "

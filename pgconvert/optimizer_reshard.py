@@ -85,7 +85,7 @@ def _planned(source: OptimizerSource, slot: OptimizerSlot, key: str, rows: int |
     dtype = torch.float32
 
     def produce() -> torch.Tensor:
-        return source.piece(spec.canonical, key, spec.tp_size, spec.tp_rank, rows).to(dtype).contiguous()
+        return source.piece(spec.canonical, key, spec.tp_size, spec.tp_rank, rows, spec.rule).to(dtype).contiguous()
 
     return PlannedTensor(tuple(spec.local_shape), dtype, produce)
 
@@ -148,7 +148,7 @@ def _write_distributed(source: OptimizerSource, config: ModelConfig, layout: Par
 
     def piece(slot: OptimizerSlot, key: str) -> torch.Tensor:
         rows = padded_rows if slot.spec.rule.fits_rows else None
-        return source.piece(slot.spec.canonical, key, slot.spec.tp_size, slot.spec.tp_rank, rows)
+        return source.piece(slot.spec.canonical, key, slot.spec.tp_size, slot.spec.tp_rank, rows, slot.spec.rule)
 
     count = optimizer_count(config, layout)
     contents: list[Any] = []

@@ -31,7 +31,7 @@ from pgconvert.optimizer_map import (MEGATRON_CORE_VERSIONS, OptimizerLayoutErro
                                      check_state_shapes)
 from pgconvert.optimizer_flat import DISTRIB_OPTIM_FILE, read_distributed
 from pgconvert.optimizer_scaler import held_scalers
-from pgconvert.rules import ReplicaMismatchError
+from pgconvert.rules import ReplicaMismatchError, ShardRule
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 FORM_FP32 = "fp32"
@@ -243,15 +243,21 @@ class OptimizerSource:
         merged["step"] = self.step(name)
         return merged
 
-    def piece(self, name: str, key: str, size: int, rank: int, rows: int | None) -> torch.Tensor:
-        """Piece ``rank`` of ``size`` of ``name``'s ``key`` (param or a moment), fitted to ``rows``
-        padded vocab rows for vocab tables (new rows zero)."""
-        spec = self._owners[name][0][1].spec
+    def piece(self, name: str, key: str, size: int, rank: int, rows: int | None,
+              rule: ShardRule | None = None) -> torch.Tensor:
+        """Piece ``rank`` of ``size`` of ``name``'s ``key`` (param or a moment) cut with ``rule`` (the target's;
+        default the source's), fitted to ``rows`` padded vocab rows for vocab tables (new rows zero).
+        mlafix: the source's pieces are merged with the rule of the spec that wrote them where the target's differs
+        (MLA down projections: split by rows in the local spec, whole in the TE spec)."""
+        stored = self._owners[name][0][1].spec.rule
+        target = rule or stored
         pieces = self._pieces(name, key)
-        if spec.rule.fits_rows and rows is not None:
-            return spec.rule.reshard_rows(pieces, rows, self.config.vocab_size, size, rank)
         try:
-            return spec.rule.reshard(pieces, size, rank)
+            if target != stored:
+                pieces = [stored.merge(pieces)]
+            if target.fits_rows and rows is not None:
+                return target.reshard_rows(pieces, rows, self.config.vocab_size, size, rank)
+            return target.reshard(pieces, size, rank)
         except ReplicaMismatchError as error:
             raise self._replicas_differ(name, key, error) from error
 

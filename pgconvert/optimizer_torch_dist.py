@@ -51,7 +51,7 @@ from pgconvert.optimizer_scaler import dp_object_key, held_scalers
 from pgconvert.optimizer_state import (CARRIED_KEYS, DISTRIBUTED_SHARDING_TYPES, FORM_DISTRIBUTED, MOMENTS,
                                        OptimizerSource)
 from pgconvert.optimizer_torch_dist_moe import chained_entries
-from pgconvert.rules import ReplicaMismatchError
+from pgconvert.rules import ReplicaMismatchError, ShardRule
 
 TORCH_DIST_FORMS = ("dp_reshardable", "fully_reshardable", FS_MODEL_SPACE)
 # The stored field of each per-parameter key, per model-space form.
@@ -348,11 +348,13 @@ class TorchDistOptimizerSource(OptimizerSource):
         merged["step"] = self.step(name)
         return merged
 
-    def piece(self, name: str, key: str, size: int, rank: int, rows: int | None) -> torch.Tensor:
-        """Piece ``rank`` of ``size`` of ``name``'s ``key``, fitted to ``rows`` padded vocab rows."""
+    def piece(self, name: str, key: str, size: int, rank: int, rows: int | None,
+              rule: ShardRule | None = None) -> torch.Tensor:
+        """Piece ``rank`` of ``size`` of ``name``'s ``key`` cut with ``rule`` (the target's; default the source's),
+        fitted to ``rows`` padded vocab rows."""
         if self.sharding == "dp_reshardable":
-            return super().piece(name, key, size, rank, rows)
-        rule = self._owners_by_name[name][0][1].spec.rule
+            return super().piece(name, key, size, rank, rows, rule)
+        rule = rule or self._owners_by_name[name][0][1].spec.rule  # mlafix: the whole tensor, cut the target's way
         if self.sharding == FS_MODEL_SPACE:  # fsms: the whole parameter's record, cut
             whole = [self.source.load_flattened_state(name, self._model_space_prefix(key))]
             if rule.fits_rows and rows is not None:

@@ -177,7 +177,7 @@ class _Planner(DefaultSavePlanner):
         if self._last is None or self._last[0] != key:
             self._last = None
             rows = self._rows if spec.rule.fits_rows else None
-            piece = self._optimizer.piece(spec.canonical, field, spec.tp_size, spec.tp_rank, rows)
+            piece = self._optimizer.piece(spec.canonical, field, spec.tp_size, spec.tp_rank, rows, spec.rule)
             self._last = (key, piece.to(torch.float32).reshape(-1).contiguous())
         return self._last[1]
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pgconvert import sizes
-from pgconvert.config import ModelConfig
+from pgconvert.config import MTP_LAYER_MODULES, ModelConfig
 from pgconvert.errors import LayoutError
 from pgconvert.grid import ProcessGroupCollection
 from pgconvert.layout import ParallelLayout
@@ -380,7 +380,7 @@ def _block_tensors(config: ModelConfig, prefix: str, moe: bool) -> list[LayerTen
 # transformer_layer (the last decoder layer's spec: MLA, router, experts and EP as a decoder layer), and
 # final_layernorm; it has no embedding or output layer of its own (it uses the model's).
 MTP_PREFIX = "mtp.layers."
-MTP_LAYER_MODULE = "transformer_layer."
+MTP_LAYER_MODULE = MTP_LAYER_MODULES[0] + "."  # megatron-core 0.16.1's, the canonical spelling (mlafix)
 MTP_EH_PROJ = "eh_proj"
 MTP_BEFORE_LAYER: tuple[TensorKind, ...] = (
     TensorKind("enorm.weight", _hidden, REPLICATED, norm_weight=True),
@@ -598,11 +598,17 @@ def _add_block(config: ModelConfig, add: _SpecAdder, tensors: list[LayerTensor],
 
 
 def _add_mtp(config: ModelConfig, add: _SpecAdder, ep_size: int, ep_rank: int) -> None:
-    """mtp: the MTP layers (stage-local indices equal global ones: they all live on the last stage)."""
+    """mtp: the MTP layers (stage-local indices equal global ones: they all live on the last stage); the
+    inner layer under the config's spelling (mlafix: ``mtp_layer_module``), canonically ``transformer_layer``."""
+    experts = _local_experts(config, ep_size, ep_rank)
     for index in range(config.mtp_num_layers):
         prefix = f"{MTP_PREFIX}{index}."
-        _add_block(config, add, mtp_layer_tensors(config, index), prefix, prefix,
-                   _local_experts(config, ep_size, ep_rank))
+        inner, local_inner = prefix + MTP_LAYER_MODULE, f"{prefix}{config.mtp_layer_module}."
+        for tensor in mtp_layer_tensors(config, index):
+            if tensor.canonical.startswith(inner):
+                _add_block(config, add, [tensor], inner, local_inner, experts)
+            else:
+                _add_block(config, add, [tensor], prefix, prefix, experts)
 
 
 def _add_final_norm(config: ModelConfig, add: _SpecAdder) -> None:
@@ -706,13 +712,15 @@ def is_routed_expert(name: str) -> bool:
 
 
 def mtp_layer(name: str) -> tuple[int, str] | None:
-    """mtp: ``mtp.layers.{i}.transformer_layer.rest`` → (i, rest); None for other names."""
+    """mtp: ``mtp.layers.{i}.transformer_layer.rest`` (or mlafix: ``mtp_model_layer.rest``) → (i, rest);
+    None for other names."""
     if not name.startswith(MTP_PREFIX):
         return None
     index, _, rest = name[len(MTP_PREFIX):].partition(".")
-    if not index.isdigit() or not rest.startswith(MTP_LAYER_MODULE):
+    module = next((f"{m}." for m in MTP_LAYER_MODULES if rest.startswith(f"{m}.")), None)
+    if not index.isdigit() or module is None:
         return None
-    return int(index), rest[len(MTP_LAYER_MODULE):]
+    return int(index), rest[len(module):]
 
 
 def canonical_layer(name: str) -> tuple[int, str] | None:

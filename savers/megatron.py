@@ -50,6 +50,7 @@ from pgconvert.provider import (
 from pgconvert.sizes import itemsize
 from pgconvert.stream import CanonicalSource, ExtraState
 from pgconvert.strict import fallback
+from pgconvert.mtp_naming import local_mtp_key
 from pgconvert.torchzip import PlannedTensor, save_stream
 
 log = logging.getLogger(__name__)
@@ -160,7 +161,7 @@ class MegatronSaver(Saver):
             if parsed is None:
                 owner = non_layer_chunk(canonical)
                 if (owner == "first" and first) or (owner == "last" and last):
-                    keys.append((canonical, canonical))
+                    keys.append((local_mtp_key(canonical, config.mtp_layer_module), canonical))  # mlafix
             elif parsed[0] in shard.layers:
                 keys.append((f"{LAYER_PREFIX}{parsed[0] - shard.layers.start}.{parsed[1]}", canonical))
         return keys

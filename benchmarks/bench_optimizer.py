@@ -91,8 +91,10 @@ class SeededOptimizer:
         draw = torch.randn(model.shape, generator=generator) * 1e-3
         return draw.square() if key == "exp_avg_sq" else draw
 
-    def piece(self, name: str, key: str, size: int, rank: int, rows: int | None) -> torch.Tensor:
-        rule = self._rules[name]
+    def piece(self, name: str, key: str, size: int, rank: int, rows: int | None,
+              target: Any = None) -> torch.Tensor:
+        # the whole tensor is held here, so the target's rule (when given) cuts it directly
+        rule = target or self._rules[name]
         whole = self._whole(name, key)
         if rule.fits_rows and rows is not None:
             return rule.reshard_rows([whole], rows, self.config.vocab_size, size, rank)

@@ -119,7 +119,6 @@ def _open_side(label: str, source: CanonicalSource, report: OptimizerReport) -> 
         return open_optimizer(source, source.format_name)
     except ValidationError as error:  # UnsupportedOptimizerError: a form or model pgconvert does not read
         setattr(report, f"unreadable_{label.lower()}", str(error))
-        report.notes.append(f"optimizer state of {label} not compared: {error}")
     except PgconvertError as error:  # OptimizerLayoutError: state that does not match its model
         setattr(report, f"unreadable_{label.lower()}", str(error))
         report.add(f"optimizer state of {label}", "", "unreadable", str(error))
@@ -237,8 +236,9 @@ def _same(value_a: Any, value_b: Any) -> bool:
 def text_lines(report: OptimizerReport, tolerance: str, max_listed: int) -> list[str]:
     """``verify``'s text output for the optimizer state: status, notes, differences up to ``max_listed``."""
     lines = [f"note: {note}" for note in report.notes]
+    listed = {difference.name for difference in report.differences[:max_listed]}
     for label, reason in (("A", report.unreadable_a), ("B", report.unreadable_b)):
-        if reason is not None:
+        if reason is not None and f"optimizer state of {label}" not in listed:
             lines.append(f"optimizer state of {label} unreadable: {reason}")
     for difference in report.differences[:max_listed]:
         lines.append(f"differs: {_label(difference)}: {difference.message}")

@@ -199,3 +199,17 @@ def test_an_unsupported_optimizer_form_is_named_without_failing_the_model() -> N
     doc = json.loads(_cli("verify", golden, golden, "--json").output)
     assert doc["optimizer"]["status"] == "not compared" and "no param_state_sharding_type" in doc["optimizer"][
         "unreadable_b"]
+
+
+def test_optimizer_state_that_does_not_open_is_a_named_difference(tp1: dict[str, Path], tmp_path: Path) -> None:
+    edited = _tampered_copy(tp1[DISTRIBUTED], tmp_path)
+    (edited / ITER / "mp_rank_00" / "distrib_optim.pt").unlink()
+    result = _cli("verify", GOLDENS / DISTRIBUTED, edited)
+    assert result.exit_code == 1, result.output
+    assert f"{PARAMETERS} tensors compared (bit-exact): equal" in result.output  # the model was compared
+    assert "differs: optimizer state of B: " in result.output and "distrib_optim.pt is missing" in result.output
+    assert result.output.splitlines()[-1] == "optimizer state: not compared"
+    doc = json.loads(_cli("verify", GOLDENS / DISTRIBUTED, edited, "--json").output)
+    optimizer = doc["optimizer"]
+    assert optimizer["unreadable_a"] is None and "distrib_optim.pt is missing" in optimizer["unreadable_b"]
+    assert [d["kind"] for d in optimizer["differences"]] == ["unreadable"]

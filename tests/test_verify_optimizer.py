@@ -213,3 +213,34 @@ def test_optimizer_state_that_does_not_open_is_a_named_difference(tp1: dict[str,
     optimizer = doc["optimizer"]
     assert optimizer["unreadable_a"] is None and "distrib_optim.pt is missing" in optimizer["unreadable_b"]
     assert [d["kind"] for d in optimizer["differences"]] == ["unreadable"]
+
+
+def test_the_optimizer_state_is_read_and_freed_one_parameter_at_a_time(tp1: dict[str, Path],
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each side's state of a parameter is loaded next to the other side's of the same parameter only:
+    every tensor handed out for an earlier parameter is freed before the next parameter is read."""
+    import weakref
+
+    from pgconvert.optimizer_state import OptimizerSource
+    from pgconvert.optimizer_torch_dist import TorchDistOptimizerSource
+
+    handed: list[tuple[str, weakref.ref[torch.Tensor]]] = []
+    calls: list[str] = []
+    stale: list[str] = []
+
+    def spy(original):  # type: ignore[no-untyped-def]
+        def parameter(self: OptimizerSource, name: str) -> dict[str, torch.Tensor]:
+            stale.extend(f"{held} alive while reading {name}" for held, ref in handed
+                         if held != name and ref() is not None)
+            state = original(self, name)
+            handed.extend((name, weakref.ref(tensor)) for tensor in state.values())
+            calls.append(name)
+            return state
+        return parameter
+
+    for cls in (OptimizerSource, TorchDistOptimizerSource):
+        monkeypatch.setattr(cls, "parameter", spy(cls.parameter))
+    report = pgconvert.verify(GOLDENS / DP_RESHARDABLE, tp1[DP_RESHARDABLE])
+    assert report.equal and report.optimizer is not None and report.optimizer.compared == PARAMETERS
+    assert len(calls) == 2 * PARAMETERS and calls[0::2] == calls[1::2]  # A then B, per parameter
+    assert stale == []

@@ -81,7 +81,7 @@ def compare_optimizers(source_a: CanonicalSource, source_b: CanonicalSource, rto
     vocab_a, vocab_b = source_a.config.vocab_size, source_b.config.vocab_size
     # The true vocab rows of vocab tables (a disagreement is a model difference already; compare all rows then).
     vocab = vocab_b if vocab_a is None else vocab_a if vocab_b is None or vocab_a == vocab_b else None
-    held = [source.format_name in OPTIMIZER_FORMATS and _holds_optimizer(source) for source in (source_a, source_b)]
+    held = [_held(source) for source in (source_a, source_b)]
     if held != [True, True]:
         report.status = "only in A" if held[0] else "only in B" if held[1] else "in neither"
         return report
@@ -106,6 +106,16 @@ def compare_optimizers(source_a: CanonicalSource, source_b: CanonicalSource, rto
         _compare_parameter(name, optimizer_a, optimizer_b, rtol, atol, vocab, report)
         report.compared += 1
     return report
+
+
+def _held(source: CanonicalSource) -> bool:
+    """Whether the checkpoint holds optimizer state (one that cannot be read is opened, and reported, below)."""
+    if source.format_name not in OPTIMIZER_FORMATS:
+        return False
+    try:
+        return _holds_optimizer(source)
+    except PgconvertError:
+        return True
 
 
 def _form(optimizer: OptimizerSource) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -228,7 +229,9 @@ def test_the_optimizer_state_is_read_and_freed_one_parameter_at_a_time(tp1: dict
     calls: list[str] = []
     stale: list[str] = []
 
-    def spy(original):  # type: ignore[no-untyped-def]
+    Read = Callable[[OptimizerSource, str], dict[str, torch.Tensor]]
+
+    def spy(original: Read) -> Read:
         def parameter(self: OptimizerSource, name: str) -> dict[str, torch.Tensor]:
             stale.extend(f"{held} alive while reading {name}" for held, ref in handed
                          if held != name and ref() is not None)

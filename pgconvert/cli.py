@@ -464,17 +464,23 @@ def _print_info(info: Any) -> None:
 @click.option("--max-listed", type=click.IntRange(min=1), default=10, show_default=True,
               help="Differences listed in the text output.")
 @click.option("--json", "as_json", is_flag=True, help="Print the full report as JSON.")
+@click.option("--skip-optimizer", is_flag=True,
+              help="Compare the model alone, not the optimizer state (faster).")  # verifyopt
 def verify_command(a: Path, b: Path, rtol: float, atol: float, iteration_a: int | None, iteration_b: int | None,
-                   true_vocab_size: int | None, max_listed: int, as_json: bool) -> None:
+                   true_vocab_size: int | None, max_listed: int, as_json: bool, skip_optimizer: bool) -> None:
     """Compare checkpoints A and B tensor by tensor in canonical form (any formats and layouts).
 
-    Exit 0 when equal, 1 when a tensor or a file listed in a pgconvert.json manifest differs.
+    When both hold megatron-core optimizer state, it is compared per parameter too (fp32 master,
+    exp_avg, exp_avg_sq with the same tolerances, step exactly, param groups' hyperparameters,
+    scheduler, iteration and consumed-samples counters); a side without one is named, not a difference.
+    Exit 0 when equal, 1 when a tensor, the optimizer state or a file listed in a pgconvert.json
+    manifest differs.
     """
     from pgconvert.verification import verify
 
     try:
         report = verify(a, b, rtol, atol, iteration_a=iteration_a, iteration_b=iteration_b,
-                        true_vocab_size=true_vocab_size)
+                        true_vocab_size=true_vocab_size, skip_optimizer=skip_optimizer)
     except PgconvertError as error:
         raise PgconvertClickError(error) from error
     if as_json:
@@ -499,9 +505,15 @@ def _print_verify(report: Any, max_listed: int) -> None:
     for difference in report.padding_differences:
         click.echo(f"padding only (not a failure): {difference.name}: {difference.message}")
     tolerance = "bit-exact" if report.rtol == 0 and report.atol == 0 else f"rtol={report.rtol}, atol={report.atol}"
-    verdict = "equal" if report.equal else f"NOT equal: {len(report.differences)} tensor differences, " \
+    verdict = "equal" if not report.differences and not report.file_problems else \
+        f"NOT equal: {len(report.differences)} tensor differences, " \
         f"{len(report.file_problems)} file problems"
     click.echo(f"{report.compared} tensors compared ({tolerance}): {verdict}")
+    if report.optimizer is not None:  # verifyopt
+        from pgconvert.verify_optimizer import text_lines
+
+        for line in text_lines(report.optimizer, tolerance, max_listed):
+            click.echo(line)
 
 
 @main.command("batch")

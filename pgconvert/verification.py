@@ -12,7 +12,7 @@ import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -24,6 +24,9 @@ from pgconvert.registry import detect_format, get_loader
 from pgconvert.semantics import SEMANTIC_FIELDS
 from pgconvert.semantics import differences as semantic_differences
 from pgconvert.stream import CanonicalSource
+
+if TYPE_CHECKING:
+    from pgconvert.verify_optimizer import OptimizerReport
 
 # Elements compared at a time, in float64: 32 MiB per operand.
 COMPARE_BLOCK = 4 * 1024 * 1024
@@ -60,15 +63,21 @@ class VerifyReport:
     padding_differences: list[TensorDifference] = field(default_factory=list)
     file_problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # verifyopt: the optimizer state compared (None: not looked at, skip_optimizer)
+    optimizer: OptimizerReport | None = None
 
     @property
     def equal(self) -> bool:
-        return not self.differences and not self.file_problems
+        return not self.differences and not self.file_problems and (self.optimizer is None or self.optimizer.equal)
 
     def to_dict(self) -> dict[str, Any]:
         doc = asdict(self)
         doc["equal"] = self.equal
-        for item in (*doc["differences"], *doc["padding_differences"]):
+        optimizer = doc["optimizer"] or {"differences": [], "padding_differences": []}  # verifyopt
+        if doc["optimizer"] is None:
+            doc["optimizer"] = {"status": "skipped"}
+        for item in (*doc["differences"], *doc["padding_differences"], *optimizer["differences"],
+                     *optimizer["padding_differences"]):
             if item["max_abs_diff"] is not None and not math.isfinite(item["max_abs_diff"]):
                 item["max_abs_diff"] = str(item["max_abs_diff"])  # JSON has no inf/nan
         return doc
@@ -107,12 +116,13 @@ def _layout_text(source: CanonicalSource) -> str | None:
 def verify(a: str | Path, b: str | Path, rtol: float = 0.0, atol: float = 0.0, *,
            iteration_a: int | None = None, iteration_b: int | None = None,
            true_vocab_size: int | None = None,
-           progress: Callable[[str], None] | None = None) -> VerifyReport:
+           progress: Callable[[str], None] | None = None, skip_optimizer: bool = False) -> VerifyReport:
     """Compare checkpoints ``a`` and ``b`` (any formats and layouts) tensor by tensor.
 
     With ``rtol = atol = 0`` values must be bit-identical. Shapes and dtypes are compared too.
     A ``pgconvert.json`` manifest in either checkpoint has every listed file's size and sha256
-    checked. Raises ``PgconvertError`` only when a checkpoint cannot be opened.
+    checked. Raises ``PgconvertError`` only when a checkpoint cannot be opened. The optimizer state is
+    compared too when both hold one (``verify_optimizer``), unless ``skip_optimizer``.
     """
     if rtol < 0 or atol < 0 or math.isnan(rtol) or math.isnan(atol):
         raise ValidationError(f"rtol={rtol}, atol={atol}: tolerances must be >= 0")
@@ -129,6 +139,10 @@ def verify(a: str | Path, b: str | Path, rtol: float = 0.0, atol: float = 0.0, *
         for label, root in (("A", a), ("B", b)):
             _check_manifest(label, root, report)
         _compare_sources(source_a, source_b, report, progress or (lambda name: None))
+        if not skip_optimizer:  # verifyopt
+            from pgconvert.verify_optimizer import compare_optimizers
+
+            report.optimizer = compare_optimizers(source_a, source_b, rtol, atol, progress)
     finally:
         source_a.close()
         source_b.close()

@@ -133,9 +133,17 @@ def write_fully_reshardable(optimizer: Any, model_chunks: list[Any], rows: int, 
     """Write the optimizer records beside the model's (``model_chunks``: the torch_dist saver's chunks, expert
     ones included); ``group_counts``: the target's param groups per chained optimizer. Returns the files added
     or rewritten."""
+    added = write_records(optimizer, optimizer_chunks(optimizer, model_chunks), rows, fits_rows, iteration_dir)
+    _add_common(optimizer, iteration_dir, group_counts)
+    return added
+
+
+def write_records(optimizer: Any, chunks: list[tuple[str, Any]], rows: int, fits_rows: set[str],
+                  iteration_dir: Path) -> list[PlannedFile]:
+    """The records ``chunks`` ((field, chunk) pairs) written to RECORDS_FILE and added to ``.metadata``, each chunk
+    cut from ``optimizer``'s field when written (tdplain: the plain form's records too); returns the file added."""
     from pgconvert.savers.torch_dist import _StreamingWriter
 
-    chunks = optimizer_chunks(optimizer, model_chunks)
     staging = iteration_dir / ".optimizer_records"
     staging.mkdir()
     try:
@@ -147,7 +155,6 @@ def write_fully_reshardable(optimizer: Any, model_chunks: list[Any], rows: int, 
         _merge_metadata(iteration_dir, staging / DCP_METADATA_FILE)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    _add_common(optimizer, iteration_dir, group_counts)
     name = iteration_dir.name
     return [PlannedFile(f"{name}/{RECORDS_FILE}", len(chunks), sum(chunk.nbytes for _, chunk in chunks),
                         sha256=writer.sha256, size=writer.size)]

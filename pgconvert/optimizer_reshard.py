@@ -301,7 +301,6 @@ def carry_training_state(conversion: Any, staging: Path, files: list[PlannedFile
     iteration_dir = staging / iteration_dir_name(source.iteration or 0, source.release)
     if conversion.dst_format == "torch_dist":
         form = default_form(getattr(request, "dst_optim_form", None), optimizer)  # dprw
-        form = PLAIN if optimizer.form != FORM_DISTRIBUTED else form  # tdplain: the plain optimizer's own form
         _write_torch_dist(conversion, optimizer, iteration_dir, files, form, dst_dp)
     else:
         rewritten = {item.relpath for item in carry_optimizer(optimizer, config, options.layout, iteration_dir,

@@ -287,8 +287,9 @@ class TorchDistOptimizerSource(OptimizerSource):
             if stored[key] != shape:
                 raise OptimizerLayoutError(
                     f"{self.source.directory}: {quote(key)} has global shape {list(stored[key])}; the model at "
-                    f"{self.layout.describe()} gives {list(shape)} ({self.sharding}: reverse parameter order, "
-                    "64-element alignment, DDP buckets)")
+                    f"{self.layout.describe()} gives {list(shape)} ({self.sharding}: " + (
+                        "reverse parameter order, 64-element alignment, DDP buckets)" if self.sharding ==
+                        "dp_reshardable" else "the model tensor's global shape)"))  # tdplain
         if extra:
             raise OptimizerLayoutError(
                 f"{self.source.directory}: optimizer records {quote(extra[:4], 200)} are not ones the layout "

@@ -283,8 +283,8 @@ def target_of(conversion: Any) -> tuple[ModelConfig, int]:
 
 def carry_training_state(conversion: Any, staging: Path, files: list[PlannedFile]) -> list[str]:
     """``convert``'s step after the model is written: carry the optimizer state of a Megatron per-rank
-    or torch_dist source into the Megatron per-rank destination, or (the distributed optimizer only)
-    into a torch_dist destination in the fully_reshardable form; returns the notices to add."""
+    or torch_dist source into the Megatron per-rank destination, or into a torch_dist destination (the
+    distributed optimizer in its forms; tdplain: the plain one in its plain form); returns the notices to add."""
     from pgconvert.megatron_format import iteration_dir_name
     from pgconvert.optimizer_fs_model_space import destination_notice
     from pgconvert.optimizer_mla import qk_norm_decay_notice

@@ -154,3 +154,13 @@ def test_a_missing_common_step_is_a_named_error() -> None:
     entry = {"optimizer": {"state": {}, "param_groups": []}}
     with pytest.raises(OptimizerLayoutError, match="state.common_step = None"):
         plain_step(entry, "float16", "ckpt")
+
+
+def test_a_moe_runs_chained_plain_optimizers_are_named_and_refused_into_torch_dist(tmp_path: Path) -> None:
+    pytest.importorskip("megatron.core", reason="megatron-core lays out the MoE optimizer state")
+    from test_optimizer_moe import _generate
+
+    src = _generate(tmp_path / "moe", 2, 1, 2, "fp32")  # TP2 x EP2: the dense and expert optimizers chained
+    result = _cli("convert", src, tmp_path / "strict", "-q", "--dst-format", "torch_dist", "--strict")
+    assert_clean_refusal(result, 2, "optimizer of a MoE run at expert parallel size > 1 is two chained optimizers")
+    assert not (tmp_path / "strict").exists()

@@ -95,10 +95,15 @@ def _torch_dist_file(conversion: Any, optimizer: OptimizerSource, config: Any, r
                      directory: str) -> OptimizerFile:
     """The torch_dist records file, in ``form``."""
     from pgconvert.optimizer_torch_dist_dp import DP_RESHARDABLE, _plan
+    from pgconvert.optimizer_torch_dist_plain import PLAIN, plain_chunks
     from pgconvert.optimizer_torch_dist_save import RECORDS_FILE, optimizer_chunks
 
     what = f"optimizer records ({optimizer.form}, {form}; common.pt and .metadata updated)"
     layout = conversion.save_options.layout
+    if form == PLAIN:  # tdplain
+        model_chunks = conversion.saver._chunks(conversion.source, conversion.save_options)[0]
+        chunks = plain_chunks(optimizer.form, set(optimizer.names()), model_chunks)
+        return OptimizerFile(f"{directory}/{RECORDS_FILE}", what, len(chunks), sum(chunk.nbytes for _, chunk in chunks))
     if form != DP_RESHARDABLE:
         chunks = optimizer_chunks(optimizer, conversion.saver._chunks(conversion.source, conversion.save_options)[0])
         return OptimizerFile(f"{directory}/{RECORDS_FILE}", what, len(chunks),

@@ -36,6 +36,7 @@ from pgconvert.optimizer_scaler import lost_scaler, set_scalers, target_scalers
 from pgconvert.optimizer_state import CARRIED_KEYS, FORM_DISTRIBUTED, FORM_FP16, MOMENTS, OptimizerSource
 from pgconvert.optimizer_torch_dist_dp import check_form, default_form
 from pgconvert.optimizer_torch_dist_moe import moe_refusal
+from pgconvert.optimizer_torch_dist_plain import PLAIN, plain_refusal
 from pgconvert.torchzip import PlannedTensor
 
 log = logging.getLogger(__name__)
@@ -260,11 +261,9 @@ def carried_optimizer(conversion: Any, notices: list[str]) -> OptimizerSource | 
         if "--skip-optimizer" in str(exc):
             raise
         raise OptimizerLayoutError(f"{exc}; pass --skip-optimizer to convert the model alone") from exc
-    if conversion.dst_format == "torch_dist" and optimizer.form != FORM_DISTRIBUTED:
-        fallback(f"optimizer state not carried: {optimizer.first.path}: the {optimizer.form} (non-distributed) "
-                 "optimizer's state is carried into a Megatron per-rank destination only; pgconvert writes "
-                 "torch_dist optimizer state in the distributed optimizer's forms; pass --dst-format megatron, "
-                 "or --skip-optimizer to convert the model alone", strict, notices)
+    refused = plain_refusal(conversion, optimizer) if optimizer.form != FORM_DISTRIBUTED else None  # tdplain
+    if refused:
+        fallback(f"optimizer state not carried: {optimizer.first.path}: {refused}", strict, notices)
         return None
     lost = lost_scaler(optimizer, optimizer_count(target_of(conversion)[0], conversion.save_options.layout))
     if lost:
@@ -284,8 +283,8 @@ def target_of(conversion: Any) -> tuple[ModelConfig, int]:
 
 def carry_training_state(conversion: Any, staging: Path, files: list[PlannedFile]) -> list[str]:
     """``convert``'s step after the model is written: carry the optimizer state of a Megatron per-rank
-    or torch_dist source into the Megatron per-rank destination, or (the distributed optimizer only)
-    into a torch_dist destination in the fully_reshardable form; returns the notices to add."""
+    or torch_dist source into the Megatron per-rank destination, or into a torch_dist destination (the
+    distributed optimizer in its forms; tdplain: the plain one in its plain form); returns the notices to add."""
     from pgconvert.megatron_format import iteration_dir_name
     from pgconvert.optimizer_fs_model_space import destination_notice
     from pgconvert.optimizer_mla import qk_norm_decay_notice
@@ -327,6 +326,7 @@ def _write_torch_dist(conversion: Any, optimizer: OptimizerSource, iteration_dir
     from pgconvert.optimizer_torch_dist_save import write_fully_reshardable
     from pgconvert.optimizer_fs_model_space import FS_MODEL_SPACE
     from pgconvert.optimizer_fs_model_space_save import write_fs_model_space
+    from pgconvert.optimizer_torch_dist_plain import write_plain
 
     chunks, _, rows = conversion.saver._chunks(conversion.source, conversion.save_options)
     layout = conversion.save_options.layout
@@ -334,7 +334,9 @@ def _write_torch_dist(conversion: Any, optimizer: OptimizerSource, iteration_dir
         rewrite_common(iteration_dir, lambda common: common.update(args=with_dst_dp(common.get("args"), layout,
                                                                                      dst_dp)))
     fits_rows = {name for name in optimizer.names() if optimizer._owners[name][0][1].spec.rule.fits_rows}
-    if form == DP_RESHARDABLE:
+    if form == PLAIN:  # tdplain
+        added = write_plain(optimizer, chunks, rows, fits_rows, iteration_dir)
+    elif form == DP_RESHARDABLE:
         dp = dst_dp or dp_size(safe_torch_load(iteration_dir / "common.pt").get("args"))
         config = target_config(conversion.source.config, conversion.save_options)
         added = write_dp_reshardable(optimizer, config, layout, rows, dp, iteration_dir)

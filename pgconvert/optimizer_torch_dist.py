@@ -24,6 +24,10 @@ parameter state in the form ``metadata['distrib_optim_sharding_type']`` names (M
   1: expert, per TP x EP x PP rank ``g = tp + tp_size * (ep + ep_size * pp)``, buffers counting the model chunks
   that hold experts), each optimizer's param groups from its own ``.optimizer`` object
   (``optimizer_torch_dist_dp.record_prefix``).
+- tdplain: no distributed optimizer (``plain``): megatron-core's plain optimizer's records
+  ``optimizer.state.{fp32_param (bf16/fp16 only),exp_avg,exp_avg_sq}.<model key>``, chunked as the model's, and
+  ``state.common_step`` / ``param_groups`` in the common state (``optimizer_torch_dist_plain``); presented in its
+  per-rank form (``float16`` or ``fp32``: the fp32 master is then the model weight).
 
 Each read is one parameter's box (``TorchDistSource.load_state`` / ``load_flat``: in-place record
 reads), so memory holds one parameter's state at a time. The writers of ``optimizer_reshard`` take
@@ -51,6 +55,9 @@ from pgconvert.optimizer_scaler import dp_object_key, held_scalers
 from pgconvert.optimizer_state import (CARRIED_KEYS, DISTRIBUTED_SHARDING_TYPES, FORM_DISTRIBUTED, MOMENTS,
                                        OptimizerSource)
 from pgconvert.optimizer_torch_dist_moe import chained_entries
+from pgconvert.optimizer_torch_dist_plain import FIELDS as PLAIN_FIELDS
+from pgconvert.optimizer_torch_dist_plain import PLAIN, plain_form, plain_step
+from pgconvert.optimizer_torch_dist_plain import inner as plain_inner
 from pgconvert.rules import ReplicaMismatchError, ShardRule
 
 TORCH_DIST_FORMS = ("dp_reshardable", "fully_reshardable", FS_MODEL_SPACE)
@@ -124,19 +131,23 @@ class TorchDistOptimizerSource(OptimizerSource):
         where = f"{source.directory} (common state)"
         common = source.common_state
         self.sharding = sharding_type(common, where)
-        if self.sharding is None:
+        plain = plain_form(common, where) if self.sharding is None else None  # tdplain: the plain optimizer's
+        if self.sharding is None and plain is None:
             detail = "no optimizer entry (saved with --no-save-optim?)" if "optimizer" not in common else \
-                "the optimizer is not megatron-core's distributed optimizer (no param_state_sharding_type)"
+                "the optimizer is neither megatron-core's distributed optimizer (no param_state_sharding_type) " \
+                "nor its plain one (no state.common_step and param_groups)"
             raise UnsupportedOptimizerError(f"{where}: {detail}: its state is not carried from torch_dist; "
                                             "pass --skip-optimizer")
+        self.sharding = self.sharding or PLAIN
         check_supported(self.config, where)
         args = common.get("args")
         self.rules = OptimizerRules.from_args(args, where)
-        self.form = FORM_DISTRIBUTED
+        self.form = plain or FORM_DISTRIBUTED  # tdplain: a plain source presents itself in its per-rank form
         self.args = args
         self._owners_by_name, self._slots = self._index_slots()
         chained = self._chained_groups(common, where)
-        self._step = _one_step([group for groups in chained for group in groups], where)
+        self._step = plain_step(common["optimizer"], plain, where) if plain else \
+            _one_step([group for groups in chained for group in groups], where)
         extra = {key: common[key] for key in (*CARRIED_KEYS, "iteration", "args") if key in common}
         extra["distributed_entries"] = [{"optimizer": {"param_groups": groups}} for groups in chained]
         self.first = _First(source.directory, extra)
@@ -180,7 +191,8 @@ class TorchDistOptimizerSource(OptimizerSource):
             else:
                 values = entries
         else:
-            values = [entry.get("optimizer") for entry in chained_entries(common["optimizer"])]
+            values = [plain_inner(entry, self.form) if self.sharding == PLAIN else entry.get("optimizer")
+                      for entry in chained_entries(common["optimizer"])]  # tdplain: the torch optimizer's
         if len(values) != len(counts):
             raise OptimizerLayoutError(
                 f"{where}: optimizer holds {len(values)} optimizer(s), but {_VERSIONS} chains {len(counts)} for this "
@@ -246,6 +258,9 @@ class TorchDistOptimizerSource(OptimizerSource):
                 for bucket, (start, end) in enumerate(bucket_ranges(placed, numel)) for field in ("param", *MOMENTS)}
 
     def _model_space_prefix(self, key: str) -> str:
+        if self.sharding == PLAIN:  # tdplain: "" (fp32): the model weight itself is the master
+            stored = PLAIN_FIELDS[self.form][key]
+            return f"optimizer.state.{stored}." if stored else ""
         return f"optimizer.state.{_MODEL_SPACE_FIELDS[self.sharding][key]}."
 
     def _check_stored(self) -> None:
@@ -272,8 +287,9 @@ class TorchDistOptimizerSource(OptimizerSource):
             if stored[key] != shape:
                 raise OptimizerLayoutError(
                     f"{self.source.directory}: {quote(key)} has global shape {list(stored[key])}; the model at "
-                    f"{self.layout.describe()} gives {list(shape)} ({self.sharding}: reverse parameter order, "
-                    "64-element alignment, DDP buckets)")
+                    f"{self.layout.describe()} gives {list(shape)} ({self.sharding}: " + (
+                        "reverse parameter order, 64-element alignment, DDP buckets)" if self.sharding ==
+                        "dp_reshardable" else "the model tensor's global shape)"))  # tdplain
         if extra:
             raise OptimizerLayoutError(
                 f"{self.source.directory}: optimizer records {quote(extra[:4], 200)} are not ones the layout "

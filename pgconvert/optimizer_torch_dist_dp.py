@@ -61,7 +61,7 @@ from pgconvert.megatron_format import safe_torch_load
 from pgconvert.optimizer_map import (MEGATRON_CORE_VERSIONS, FlatParam, UnsupportedOptimizerError, bucket_ranges,
                                      chained_slots, flat_buffers, optimizer_count)
 from pgconvert.optimizer_scaler import dp_object_key, target_scalers
-from pgconvert.optimizer_state import CARRIED_KEYS
+from pgconvert.optimizer_state import CARRIED_KEYS, FORM_DISTRIBUTED
 from pgconvert.torch_dist_format import COMMON_FILE
 
 DP_RESHARDABLE = "dp_reshardable"
@@ -87,6 +87,8 @@ def check_form(requested: str | None, dst_format: str | None, skip_optimizer: bo
 def default_form(requested: str | None, optimizer: Any) -> str:
     """The requested form, else a torch_dist source's own (``sharding``), else fully_reshardable."""
     own = getattr(optimizer, "sharding", None)
+    if getattr(optimizer, "form", FORM_DISTRIBUTED) != FORM_DISTRIBUTED:
+        return "plain"  # tdplain: the plain optimizer's own form (plain_refusal refuses --dst-optim-form)
     return requested or (own if own in DST_FORMS else FULLY_RESHARDABLE)
 
 

@@ -148,14 +148,21 @@ def write_records(iteration_dir: Path, planner: Any,
     return writer
 
 
+def write_chunk_records(optimizer: Any, chunks: list[tuple[str, Any]], rows: int, fits_rows: set[str],
+                        iteration_dir: Path) -> list[PlannedFile]:
+    """The records ``chunks`` ((field, chunk) pairs) written to RECORDS_FILE and added to ``.metadata``, each chunk
+    cut from ``optimizer``'s field when written (the model-space forms; tdplain: the plain form's records too);
+    returns the file added."""
+    writer = write_records(iteration_dir, _OptimizerPlanner(chunks, optimizer, rows, fits_rows))
+    return [PlannedFile(f"{iteration_dir.name}/{RECORDS_FILE}", len(chunks), sum(chunk.nbytes for _, chunk in chunks),
+                        sha256=writer.sha256, size=writer.size)]
+
+
 def write_fully_reshardable(optimizer: Any, model_chunks: list[Any], rows: int, fits_rows: set[str],
                             iteration_dir: Path, group_counts: list[int] | None = None) -> list[PlannedFile]:
     """Write the optimizer records beside the model's (``model_chunks``: the torch_dist saver's chunks, expert
     ones included); ``group_counts``: the target's param groups per chained optimizer. Returns the files added
     or rewritten."""
-    chunks = optimizer_chunks(optimizer, model_chunks)
-    writer = write_records(iteration_dir, _OptimizerPlanner(chunks, optimizer, rows, fits_rows))
+    added = write_chunk_records(optimizer, optimizer_chunks(optimizer, model_chunks), rows, fits_rows, iteration_dir)
     _add_common(optimizer, iteration_dir, group_counts)
-    name = iteration_dir.name
-    return [PlannedFile(f"{name}/{RECORDS_FILE}", len(chunks), sum(chunk.nbytes for _, chunk in chunks),
-                        sha256=writer.sha256, size=writer.size)]
+    return added

@@ -264,30 +264,34 @@ def test_dry_run_shows_the_torch_dist_records_as_written(tmp_path: Path, form: s
 
 
 def test_dry_run_names_optimizer_state_that_is_not_carried_and_strict_refuses_it(tmp_path: Path) -> None:
-    result = _cli("convert", PLAIN_BF16, tmp_path / "dst", "--dry-run", "--dst-format", "torch_dist")
+    # tdplain: the plain optimizer goes into torch_dist in its own plain form only, not a distributed one
+    flags = ("--dry-run", "--dst-format", "torch_dist", "--dst-optim-form", "dp_reshardable")
+    result = _cli("convert", PLAIN_BF16, tmp_path / "dst", *flags)
     assert result.exit_code == 0, result.output
     assert "optimizer: guess: optimizer state not carried" in result.output
-    strict = _cli("convert", PLAIN_BF16, tmp_path / "dst", "--dry-run", "--dst-format", "torch_dist", "--strict")
+    strict = _cli("convert", PLAIN_BF16, tmp_path / "dst", *flags, "--strict")
     assert_clean_refusal(strict, 2, "float16 (non-distributed) optimizer")
+    plain = _cli("convert", PLAIN_BF16, tmp_path / "dst", "--dry-run", "--dst-format", "torch_dist", "--strict")
+    assert plain.exit_code == 0 and "optimizer records (float16, plain;" in plain.output, plain.output
     # no optimizer state, or --skip-optimizer: no optimizer lines
     for src, flags in ((NO_OPTIMIZER, ()), (DISTOPT, ("--skip-optimizer",))):
         result = _cli("convert", src, tmp_path / "dst", "--dry-run", *flags)
         assert result.exit_code == 0 and "optimizer" not in result.output, result.output
 
 
-@pytest.mark.parametrize("src, dst_format, fragment", [
-    (PLAIN_BF16, "torch_dist", "the float16 (non-distributed) optimizer's state is carried into a Megatron per-rank"),
-    (PLAIN_TD, "megatron", "not megatron-core's distributed optimizer (no param_state_sharding_type)"),
-    (PLAIN_TD, "torch_dist", "not megatron-core's distributed optimizer (no param_state_sharding_type)"),
+@pytest.mark.parametrize("src, dst_format, fragment", [  # tdplain: a plain optimizer into a distributed form
+    (PLAIN_BF16, "torch_dist", "float16 (non-distributed) optimizer's state is written into torch_dist in its own"),
+    (PLAIN_TD, "torch_dist", "float16 (non-distributed) optimizer's state is written into torch_dist in its own"),
 ])
 def test_optimizer_state_not_carried_is_a_notice_and_refused_under_strict_in_every_direction(
         tmp_path: Path, src: Path, dst_format: str, fragment: str) -> None:
     import pgconvert
 
-    report = pgconvert.convert(src, tmp_path / "lenient", dst_format=dst_format)
+    report = pgconvert.convert(src, tmp_path / "lenient", dst_format=dst_format, dst_optim_form="fully_reshardable")
     assert any(note.startswith("guess: optimizer state not carried") and fragment in note
                for note in report.notices), report.notices
-    result = _cli("convert", src, tmp_path / "strict", "-q", "--dst-format", dst_format, "--strict")
+    result = _cli("convert", src, tmp_path / "strict", "-q", "--dst-format", dst_format, "--strict",
+                  "--dst-optim-form", "fully_reshardable")
     assert_clean_refusal(result, 2, "--strict: refusing to guess: optimizer state not carried", fragment)
     assert not (tmp_path / "strict").exists()
 

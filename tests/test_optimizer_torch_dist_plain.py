@@ -1,0 +1,166 @@
+"""tdplain: megatron-core's plain (non-distributed) optimizer state in torch_dist checkpoints, read and written.
+
+Sources: Megatron-LM's own bf16 torch_dist run without --use-distributed-optimizer (``train_tp2pp2_bf16_torch_dist``:
+``optimizer.state.{fp32_param,exp_avg,exp_avg_sq}.*`` records, ``common_step`` and the param groups in the common
+state) and its fp32 per-rank run (``train_tp2pp2_torch``: FP32Optimizer, no masters beside the weights). Every
+optimizer tensor is compared per parameter (``export-optimizer``) with ``torch.equal``; the records pgconvert writes
+are read back with torch's own DCP reader. megatron-core's own load of the result: test_optimizer_torch_dist_plain_mcore.py.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from cli_helpers import assert_clean_refusal
+from megatron_fixtures import load_for_test
+from test_optimizer_torch_dist import _cli, _export, _rewrite_metadata, _torch_read
+
+GOLDENS = Path(__file__).parent / "data" / "megatron_lm"
+PLAIN_TD = GOLDENS / "train_tp2pp2_bf16_torch_dist"
+PLAIN_FP32 = GOLDENS / "train_tp2pp2_torch"
+ITER = "iter_0000002"
+KEYS = ("param", "exp_avg", "exp_avg_sq", "step")
+
+
+def _convert(src: Path, dst: Path, *flags: str) -> str:
+    result = _cli("convert", src, dst, "-q", "--strict", *flags)
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def _assert_same(a: dict[str, dict[str, torch.Tensor]], b: dict[str, dict[str, torch.Tensor]]) -> None:
+    assert set(a) == set(b) and len(a) == 15
+    for name, tensors in a.items():
+        assert set(tensors) == set(b[name]) == set(KEYS), name
+        for key in KEYS:
+            assert tensors[key].dtype == b[name][key].dtype and torch.equal(tensors[key], b[name][key]), f"{name}.{key}"
+
+
+def test_megatron_lms_plain_records_are_read_per_parameter() -> None:
+    from pgconvert.formats import LoadOptions
+    from pgconvert.optimizer_torch_dist import TorchDistOptimizerSource
+    from pgconvert.registry import get_loader
+
+    source = get_loader("torch_dist").open(PLAIN_TD, LoadOptions())
+    try:
+        optimizer = TorchDistOptimizerSource(source)
+        assert (optimizer.sharding, optimizer.form) == ("plain", "float16")
+        state = optimizer.parameter("decoder.layers.1.mlp.linear_fc2.weight")
+        fc2 = "decoder.layers.mlp.linear_fc2.weight"
+        keys = [f"optimizer.state.{field}.{fc2}" for field in ("fp32_param", "exp_avg", "exp_avg_sq")]
+        read = _torch_read(PLAIN_TD / ITER, keys)  # torch's own DCP reader: the stacked key's layer 1
+        for key, field in zip(keys, ("param", "exp_avg", "exp_avg_sq")):
+            assert torch.equal(state[field], read[key][1]), field
+        assert float(state["step"]) == 2.0 and len(optimizer.names()) == 15
+        assert torch.equal(state["param"].to(torch.bfloat16), source.load("decoder.layers.1.mlp.linear_fc2.weight"))
+    finally:
+        source.close()
+
+
+def test_plain_torch_dist_to_per_rank_and_torch_dist_tp1_and_back_is_bit_exact(tmp_path: Path) -> None:
+    original = _export(PLAIN_TD, tmp_path / "ex_src")
+    _convert(PLAIN_TD, tmp_path / "pr1", "--dst-format", "megatron", "--dst-tp", "1", "--dst-pp", "1")
+    _convert(PLAIN_TD, tmp_path / "td1", "--dst-format", "torch_dist", "--dst-tp", "1", "--dst-pp", "1")
+    _convert(tmp_path / "td1", tmp_path / "td22", "--dst-format", "torch_dist", "--dst-tp", "2", "--dst-pp", "2")
+    _convert(tmp_path / "pr1", tmp_path / "pr_td", "--dst-format", "torch_dist", "--dst-tp", "2", "--dst-pp", "1")
+    for name in ("pr1", "td1", "td22", "pr_td"):
+        _assert_same(original, _export(tmp_path / name, tmp_path / f"ex_{name}"))
+    rank = load_for_test(tmp_path / "pr1" / ITER / "mp_rank_00" / "model_optim_rng.pt")["optimizer"]
+    assert set(rank) == {"optimizer", "fp32_from_fp16_params"}  # Float16OptimizerWithFloat16Params' state_dict
+    common = load_for_test(tmp_path / "td1" / ITER / "common.pt")
+    assert set(common["optimizer"]) == {"optimizer"} and float(common["optimizer"]["optimizer"]["state"]
+                                                               ["common_step"]) == 2.0
+    assert "distrib_optim_sharding_type" not in common["content_metadata"]
+    src_groups = load_for_test_common(PLAIN_TD)["optimizer"]["optimizer"]["param_groups"]
+    assert common["optimizer"]["optimizer"]["param_groups"] == src_groups
+    fc1 = "optimizer.state.fp32_param.decoder.layers.mlp.linear_fc1.weight"
+    stored = _torch_read(tmp_path / "td1" / ITER, [fc1])[fc1]  # SwiGLU fc1 at TP1: [gate; up] per layer
+    assert torch.equal(stored[0], original["decoder.layers.0.mlp.linear_fc1.weight"]["param"])
+
+
+def load_for_test_common(golden: Path) -> dict:
+    from pgconvert.formats import LoadOptions
+    from pgconvert.registry import get_loader
+
+    source = get_loader("torch_dist").open(golden, LoadOptions())
+    try:
+        return source.common_state
+    finally:
+        source.close()
+
+
+def test_fp32_plain_optimizer_goes_into_torch_dist_without_masters_and_back(tmp_path: Path) -> None:
+    original = _export(PLAIN_FP32, tmp_path / "ex_src")
+    _convert(PLAIN_FP32, tmp_path / "td1", "--dst-format", "torch_dist", "--dst-tp", "1", "--dst-pp", "1")
+    _convert(tmp_path / "td1", tmp_path / "pr22", "--dst-format", "megatron", "--dst-tp", "2", "--dst-pp", "2")
+    for name in ("td1", "pr22"):
+        _assert_same(original, _export(tmp_path / name, tmp_path / f"ex_{name}"))
+    common = load_for_test(tmp_path / "td1" / ITER / "common.pt")
+    assert set(common["optimizer"]) == {"state", "param_groups"}  # FP32Optimizer: the torch optimizer's own
+    from pgconvert.torch_dist_format import read_dcp_metadata
+
+    keys = set(read_dcp_metadata(tmp_path / "td1" / ITER / ".metadata").state_dict_metadata)
+    assert not [key for key in keys if "fp32_param" in key] and "optimizer.state.exp_avg.output_layer.weight" in keys
+    for path in sorted((PLAIN_FP32 / ITER).glob("mp_rank_*/model_optim_rng.pt")):
+        before, after = load_for_test(path)["optimizer"], load_for_test(tmp_path / "pr22" / path.relative_to(PLAIN_FP32))
+        after = after["optimizer"]
+        assert before["param_groups"] == after["param_groups"], path
+        for position, state in before["state"].items():
+            for key, value in state.items():
+                assert torch.equal(value, after["state"][position][key]), (path, position, key)
+
+
+def _copy(tmp_path: Path) -> Path:
+    target = tmp_path / "src"
+    shutil.copytree(PLAIN_TD, target)
+    return target
+
+
+def test_a_missing_record_and_a_wrong_shape_are_named_errors(tmp_path: Path) -> None:
+    src = _copy(tmp_path)
+    victim = "optimizer.state.exp_avg_sq.decoder.layers.mlp.linear_fc2.weight"
+
+    def drop(metadata) -> None:  # noqa: ANN001
+        del metadata.state_dict_metadata[victim]
+        for index in [index for index in metadata.storage_data if index.fqn == victim]:
+            del metadata.storage_data[index]
+
+    _rewrite_metadata(src / ITER, drop)
+    result = _cli("convert", src, tmp_path / "out", "--dst-format", "megatron", "--dst-tp", "1")
+    assert_clean_refusal(result, 1, "no optimizer record", victim, "plain form")
+    assert not (tmp_path / "out").exists()
+    shutil.rmtree(src)
+    src = _copy(tmp_path)
+    wrong = "optimizer.state.fp32_param.output_layer.weight"
+
+    def grow(metadata) -> None:  # noqa: ANN001
+        entry = metadata.state_dict_metadata[wrong]
+        entry.size = torch.Size([entry.size[0] + 32, entry.size[1]])
+
+    _rewrite_metadata(src / ITER, grow)
+    result = _cli("convert", src, tmp_path / "out", "--dst-format", "torch_dist", "--dst-tp", "1")
+    assert_clean_refusal(result, 1, wrong, "has global shape [96, 16]", "gives [64, 16]")
+    assert _cli("convert", src, tmp_path / "skipped", "--dst-tp", "1", "--skip-optimizer").exit_code == 0
+
+
+def test_a_missing_common_step_is_a_named_error() -> None:
+    from pgconvert.optimizer_map import OptimizerLayoutError
+    from pgconvert.optimizer_torch_dist_plain import plain_step
+
+    entry = {"optimizer": {"state": {}, "param_groups": []}}
+    with pytest.raises(OptimizerLayoutError, match="state.common_step = None"):
+        plain_step(entry, "float16", "ckpt")
+
+
+def test_a_moe_runs_chained_plain_optimizers_are_named_and_refused_into_torch_dist(tmp_path: Path) -> None:
+    pytest.importorskip("megatron.core", reason="megatron-core lays out the MoE optimizer state")
+    from test_optimizer_moe import _generate
+
+    src = _generate(tmp_path / "moe", 2, 1, 2, "fp32")  # TP2 x EP2: the dense and expert optimizers chained
+    result = _cli("convert", src, tmp_path / "strict", "-q", "--dst-format", "torch_dist", "--strict")
+    assert_clean_refusal(result, 2, "optimizer of a MoE run at expert parallel size > 1 is two chained optimizers")
+    assert not (tmp_path / "strict").exists()

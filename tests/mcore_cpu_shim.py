@@ -128,6 +128,16 @@ def adam_state_before_sharded_load() -> None:
     distrib_optimizer.DistributedOptimizer.sharded_state_dict = sharded_state_dict
 
 
+def allow_cpu_save() -> None:
+    """``dist_checkpointing.save`` on the CPU: its file writer syncs CUDA before copying tensors to the CPU
+    (``FileSystemWriterAsync.preload_tensors``), and logs psutil's memory figure
+    (``filesystem_async._process_memory``; megatron-core does not declare psutil). For a throwaway process only."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    torch.cuda.synchronize = lambda *args, **kwargs: None  # type: ignore[assignment]
+    filesystem_async._process_memory = lambda: 0
+
+
 def install() -> None:
     """For a throwaway process only: it changes torch.cuda and enters a TorchFunctionMode for good."""
     torch.cuda.current_device = lambda: 0

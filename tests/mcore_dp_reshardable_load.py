@@ -16,9 +16,7 @@ the load reads the ``grad_scaler`` ShardedObject; what the scaler then holds is 
 from __future__ import annotations
 
 import argparse
-import importlib
 import io
-import os
 import sys
 from pathlib import Path
 
@@ -83,8 +81,7 @@ def run(iteration_dir: Path, out_dir: Path, dp: int, scaler: bool = False) -> No
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
-    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    sys.path.insert(0, str(Path(__file__).parent))
-    importlib.import_module("megatron.core.optimizer")  # imported once, before the forks
+    from gloo_ranks import prepare_forks
+
+    prepare_forks()
     run(Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4:] == ["grad-scaler"])

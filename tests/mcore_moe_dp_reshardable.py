@@ -18,8 +18,6 @@ OUT_DIR/saved (with the checkpoint's args and iteration): megatron-core's own dp
 
 from __future__ import annotations
 
-import importlib
-import os
 import re
 import sys
 from pathlib import Path
@@ -109,10 +107,9 @@ def _rank(rank: int, world: int, store: str, iteration_dir: Path, out_dir: Path)
                out_dir / f"rank{rank}.pt")
     saving = optimizer.sharded_state_dict(ddp.module.sharded_state_dict(metadata=metadata), is_loading=False,
                                           metadata=metadata)
-    # dist_checkpointing's file writer syncs CUDA before copying to CPU, and logs psutil's memory figure
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-    torch.cuda.synchronize = lambda *_: None
-    filesystem_async._process_memory = lambda: 0
+    from mcore_cpu_shim import allow_cpu_save
+
+    allow_cpu_save()
     state = {"model": ddp.module.sharded_state_dict(metadata=metadata), "optimizer": saving,
              **{key: common[key] for key in ("args", "checkpoint_version", "iteration") if key in common}}
     dist_checkpointing.save(state, str(out_dir / "saved"), content_metadata=content)
@@ -129,8 +126,7 @@ def run(iteration_dir: Path, out_dir: Path) -> None:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
-    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    sys.path.insert(0, str(Path(__file__).parent))
-    importlib.import_module("megatron.core.optimizer")  # imported once, before the forks
+    from gloo_ranks import prepare_forks
+
+    prepare_forks()
     run(Path(sys.argv[1]), Path(sys.argv[2]))

@@ -17,9 +17,7 @@ fully_reshardable records of the state it loaded.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -112,10 +110,9 @@ def _rank(rank: int, world: int, store: str, iteration_dir: Path, out_dir: Path)
     saving = optimizer.sharded_state_dict(model_sd, is_loading=False, metadata=metadata)
     declared = _declared(optimizer.sharded_state_dict(ddp.module.sharded_state_dict(metadata=metadata),
                                                       is_loading=True, metadata=metadata))
-    # dist_checkpointing's file writer syncs CUDA before copying to CPU, and logs psutil's memory figure
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-    torch.cuda.synchronize = lambda *_: None
-    filesystem_async._process_memory = lambda: 0
+    from mcore_cpu_shim import allow_cpu_save
+
+    allow_cpu_save()
     (out_dir / f"rank{rank}.json").write_text(json.dumps({"declared": declared, "structure": structure,
                                                           "chained": len(optimizer.chained_optimizers)}))
     dist_checkpointing.save({"optimizer": saving}, str(out_dir / "saved"))
@@ -132,8 +129,7 @@ def run(iteration_dir: Path, out_dir: Path) -> None:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
-    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    sys.path.insert(0, str(Path(__file__).parent))
-    importlib.import_module("megatron.core.optimizer")  # imported once, before the forks
+    from gloo_ranks import prepare_forks
+
+    prepare_forks()
     run(Path(sys.argv[1]), Path(sys.argv[2]))

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import importlib
-import os
 import sys
 import zlib
 from pathlib import Path
@@ -75,10 +73,9 @@ def _rank(rank: int, world: int, store: str, args: Any, root: Path) -> None:
     sharded.update(args=args, checkpoint_version=3.0, iteration=ITERATION, num_floating_point_operations_so_far=0)
     iteration_dir = root / f"iter_{ITERATION:07d}"
     iteration_dir.mkdir(parents=True, exist_ok=True)
-    # dist_checkpointing's file writer syncs CUDA before copying to CPU, and logs psutil's memory figure
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-    torch.cuda.synchronize = lambda *_: None
-    filesystem_async._process_memory = lambda: 0
+    from mcore_cpu_shim import allow_cpu_save
+
+    allow_cpu_save()
     dist_checkpointing.save(sharded, str(iteration_dir), content_metadata=dict(METADATA))
     if rank == 0:
         (root / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
@@ -99,8 +96,7 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
-    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    sys.path.insert(0, str(Path(__file__).parent))
-    importlib.import_module("megatron.core.optimizer")  # imported once, before the forks
+    from gloo_ranks import prepare_forks
+
+    prepare_forks()
     main(sys.argv[1:])

@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import io
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -126,10 +124,9 @@ def _rank(rank: int, world: int, store: str, iteration_dir: Path, out_dir: Path)
                 "coord": (parallel_state.get_tensor_model_parallel_rank(),
                           parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_data_parallel_rank()),
                 "gbuf_chunks": dict(inner.gbuf_idx_to_model_idx_map)}, out_dir / f"rank{rank}.pt")
-    # dist_checkpointing's file writer syncs CUDA before copying to CPU, and logs psutil's memory figure
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-    torch.cuda.synchronize = lambda *_: None
-    filesystem_async._process_memory = lambda: 0
+    from mcore_cpu_shim import allow_cpu_save
+
+    allow_cpu_save()
     dist_checkpointing.save({"optimizer": saving}, str(out_dir / "saved"))
     torch.distributed.destroy_process_group()
 
@@ -144,8 +141,7 @@ def run(iteration_dir: Path, out_dir: Path, dp: int) -> None:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
-    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    sys.path.insert(0, str(Path(__file__).parent))
-    importlib.import_module("megatron.core.optimizer")  # imported once, before the forks
+    from gloo_ranks import prepare_forks
+
+    prepare_forks()
     run(Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]))

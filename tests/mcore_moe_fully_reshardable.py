@@ -52,7 +52,8 @@ def _model(args: Any) -> Any:
                      max_sequence_length=args.max_position_embeddings, pre_process=True, post_process=True,
                      share_embeddings_and_output_weights=m.tied_embeddings,
                      position_embedding_type=m.position_embedding_type)
-    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=False,
+    distributed = bool(getattr(args, "use_distributed_optimizer", True))  # moeplain: False: the plain optimizers
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=distributed, overlap_grad_reduce=False,
                                                overlap_param_gather=False)
     return DistributedDataParallel(config, ddp_config, model)
 
@@ -90,8 +91,9 @@ def _rank(rank: int, world: int, store: str, iteration_dir: Path, out_dir: Path)
     torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     parallel_state.initialize_model_parallel(tp, 1, expert_model_parallel_size=ep, expert_tensor_parallel_size=tp)
     ddp = _model(args)
+    distributed = bool(getattr(args, "use_distributed_optimizer", True))  # moeplain: or the chained plain ones
     optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, min_lr=1e-4, weight_decay=0.1,
-                                                       use_distributed_optimizer=True), [ddp])
+                                                       use_distributed_optimizer=distributed), [ddp])
     for inner in optimizer.chained_optimizers:  # torch's Adam holds no state before a step (as mcore_dp_reshardable_load)
         for group in inner.optimizer.param_groups:
             for main in group["params"]:

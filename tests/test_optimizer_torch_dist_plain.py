@@ -190,3 +190,40 @@ def test_a_moe_runs_chained_plain_optimizers_go_into_torch_dist_at_ep2_and_ep1_a
     assert not [key for key in keys if key.startswith("chained_")]
     assert [key for key in keys if key.startswith("optimizer.state.fp32_param.") and ".experts." in key]
     assert "optimizer" in set(load_for_test(tmp_path / "td1" / ITER / "common.pt")["optimizer"])  # EP1: one
+
+
+def test_megatron_core_loads_a_moe_runs_chained_plain_optimizers_from_pgconverts_torch_dist(tmp_path: Path) -> None:
+    """moeplain: megatron-core 0.16.1 on four gloo ranks (TP2 x EP2, its chained dense and expert FP32Optimizers)
+    declares the records pgconvert wrote, ``dist_checkpointing.load`` reads them, and its own save of the loaded
+    state holds the same records bit for bit and the same common state."""
+    pytest.importorskip("megatron.core", reason="megatron-core is the reference")
+    import json
+    import subprocess
+    import sys
+
+    from megatron_fixtures import assert_same_tree
+    from test_optimizer_moe import _generate
+    from test_optimizer_torch_dist_moe import _records
+
+    from pgconvert.torch_dist_format import read_dcp_metadata
+
+    src = _generate(tmp_path / "moe", 2, 1, 2, "fp32")
+    _convert(src, tmp_path / "td", "--dst-format", "torch_dist")
+    script = Path(__file__).parent / "mcore_moe_fully_reshardable.py"
+    done = subprocess.run([sys.executable, "-W", "ignore", str(script), str(tmp_path / "td" / ITER), str(tmp_path / "mc")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    ours = _records(tmp_path / "td" / ITER)
+    stored = read_dcp_metadata(tmp_path / "td" / ITER / ".metadata").state_dict_metadata
+    declared: dict[str, list[int]] = {}
+    for rank in range(4):
+        report = json.loads((tmp_path / "mc" / f"rank{rank}.json").read_text())
+        assert report["chained"] == 2 and sorted(report["structure"]) == ["int:0", "int:1"]
+        declared.update(report["declared"])
+    assert declared == {key: list(stored[key].size) for key in ours} and ours
+    theirs = _records(tmp_path / "mc" / "saved")
+    assert set(theirs) == set(ours)
+    for key, tensor in ours.items():
+        assert theirs[key].dtype == tensor.dtype and torch.equal(theirs[key], tensor), key
+    saved_common = load_for_test(tmp_path / "mc" / "saved" / "common.pt")["optimizer"]
+    assert_same_tree(saved_common, load_for_test(tmp_path / "td" / ITER / "common.pt")["optimizer"], "optimizer")

@@ -195,7 +195,8 @@ def test_a_moe_runs_chained_plain_optimizers_go_into_torch_dist_at_ep2_and_ep1_a
 def test_megatron_core_loads_a_moe_runs_chained_plain_optimizers_from_pgconverts_torch_dist(tmp_path: Path) -> None:
     """moeplain: megatron-core 0.16.1 on four gloo ranks (TP2 x EP2, its chained dense and expert FP32Optimizers)
     declares the records pgconvert wrote, ``dist_checkpointing.load`` reads them, and its own save of the loaded
-    state holds the same records bit for bit and the same common state."""
+    state holds the same records bit for bit and the same common state; pgconvert reads that save back to the
+    source's every optimizer tensor."""
     pytest.importorskip("megatron.core", reason="megatron-core is the reference")
     import json
     import subprocess
@@ -227,3 +228,9 @@ def test_megatron_core_loads_a_moe_runs_chained_plain_optimizers_from_pgconverts
         assert theirs[key].dtype == tensor.dtype and torch.equal(theirs[key], tensor), key
     saved_common = load_for_test(tmp_path / "mc" / "saved" / "common.pt")["optimizer"]
     assert_same_tree(saved_common, load_for_test(tmp_path / "td" / ITER / "common.pt")["optimizer"], "optimizer")
+    original = _export(src, tmp_path / "ex_src")  # pgconvert reads megatron-core's own save of them
+    again = _export(tmp_path / "mc" / "saved", tmp_path / "ex_mc")
+    assert set(again) == set(original) and any(".experts." in name for name in original)
+    for parameter, tensors in original.items():
+        for key in KEYS:
+            assert torch.equal(tensors[key], again[parameter][key]), (parameter, key)

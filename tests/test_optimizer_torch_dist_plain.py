@@ -234,3 +234,16 @@ def test_megatron_core_loads_a_moe_runs_chained_plain_optimizers_from_pgconverts
     for parameter, tensors in original.items():
         for key in KEYS:
             assert torch.equal(tensors[key], again[parameter][key]), (parameter, key)
+
+
+def test_chained_plain_optimizers_with_different_steps_or_forms_are_named_errors() -> None:
+    from pgconvert.optimizer_map import OptimizerLayoutError, UnsupportedOptimizerError
+    from pgconvert.optimizer_torch_dist_plain import plain_form, plain_step
+
+    fp32 = {"state": {"common_step": torch.tensor(2.0)}, "param_groups": []}
+    assert float(plain_step({0: fp32, 1: dict(fp32)}, "fp32", "ckpt")) == 2.0
+    later = {"state": {"common_step": torch.tensor(3.0)}, "param_groups": []}
+    with pytest.raises(OptimizerLayoutError, match=r"ckpt: the chained plain optimizers' common_step differ"):
+        plain_step({0: fp32, 1: later}, "fp32", "ckpt")
+    with pytest.raises(UnsupportedOptimizerError, match=r"ckpt: the chained plain optimizers' forms differ"):
+        plain_form({"optimizer": {0: fp32, 1: {"optimizer": fp32}}}, "ckpt")

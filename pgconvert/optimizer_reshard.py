@@ -334,8 +334,10 @@ def _write_torch_dist(conversion: Any, optimizer: OptimizerSource, iteration_dir
         rewrite_common(iteration_dir, lambda common: common.update(args=with_dst_dp(common.get("args"), layout,
                                                                                      dst_dp)))
     fits_rows = {name for name in optimizer.names() if optimizer._owners[name][0][1].spec.rule.fits_rows}
-    if form == PLAIN:  # tdplain
-        added = write_plain(optimizer, chunks, rows, fits_rows, iteration_dir)
+    if form == PLAIN:  # tdplain; moeplain: per chained optimizer its groups
+        config = target_config(conversion.source.config, conversion.save_options)
+        counts = [len(groups) for groups in chained_slots(config, layout, RankCoord(0, 0, 0), optimizer.rules, rows)]
+        added = write_plain(optimizer, chunks, rows, fits_rows, iteration_dir, counts)
     elif form == DP_RESHARDABLE:
         dp = dst_dp or dp_size(safe_torch_load(iteration_dir / "common.pt").get("args"))
         config = target_config(conversion.source.config, conversion.save_options)

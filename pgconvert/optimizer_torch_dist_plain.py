@@ -16,7 +16,11 @@ Megatron-LM's default ``--ckpt-format torch_dist`` without ``--use-distributed-o
 No ``param_state_sharding_type`` and no ``distrib_optim_sharding_type``. So it is the fully_reshardable records
 (``optimizer_torch_dist_save``) with other field names and the step in the common state: read by
 ``TorchDistOptimizerSource`` (``sharding = PLAIN``, ``form`` the per-rank form it maps to) and written by
-``write_plain``. A MoE run's chained plain optimizers (expert parallel size > 1) are refused by name.
+``write_plain``. moeplain: a MoE run at expert parallel size > 1 chains a dense and an expert plain optimizer
+(``get_megatron_optimizer``); ``ChainedOptimizer.sharded_state_dict`` adds no ``chained_<i>.`` key prefix here (it
+adds one only for a non-fully-reshardable ``distrib_optim_sharding_type``, absent for plain optimizers, or without
+``chained_optim_avoid_prefix``, which Megatron-LM sets), so every record keeps its model key (an expert key its
+global expert axis) and the common state is ``{0: dense, 1: expert}`` (``optimizer_torch_dist_moe``).
 """
 
 from __future__ import annotations
@@ -46,10 +50,9 @@ def plain_form(common: dict[str, Any], where: str) -> str | None:
     forms = [_entry_form(entry) for entry in entries]
     if None in forms:
         return None
-    if len(entries) > 1:
-        raise UnsupportedOptimizerError(
-            f"{where}: optimizer holds {len(entries)} chained plain optimizers (a MoE run at expert parallel "
-            "size > 1 without --use-distributed-optimizer): not carried from torch_dist; pass --skip-optimizer")
+    if len(set(forms)) > 1:  # moeplain: chained dense and expert optimizers share one form
+        raise UnsupportedOptimizerError(f"{where}: the chained plain optimizers' forms differ: {quote(forms)}; "
+                                        "pass --skip-optimizer")
     return forms[0]
 
 
@@ -69,13 +72,19 @@ def inner(entry: dict[str, Any], form: str) -> dict[str, Any]:
     return entry["optimizer"] if form == FORM_FP16 else entry
 
 
-def plain_step(entry: dict[str, Any], form: str, where: str) -> torch.Tensor:
-    """The shared Adam step (``common_step``) of a plain entry, checked."""
-    step = inner(entry, form)["state"].get("common_step")
-    if not isinstance(step, (torch.Tensor, int, float)) or (isinstance(step, torch.Tensor) and step.numel() != 1):
-        raise OptimizerLayoutError(f"{where}: optimizer state.common_step = {quote(step, 80)}: expected the step "
-                                   f"count {_VERSION} saves for a plain optimizer that has stepped")
-    return torch.as_tensor(step, dtype=torch.float32).clone()
+def plain_step(entry: Any, form: str, where: str) -> torch.Tensor:
+    """The shared Adam step (``common_step``) of a plain entry (moeplain: of each chained one, all equal), checked."""
+    steps = []
+    for each in chained_entries(entry):
+        step = inner(each, form)["state"].get("common_step")
+        if not isinstance(step, (torch.Tensor, int, float)) or (isinstance(step, torch.Tensor) and step.numel() != 1):
+            raise OptimizerLayoutError(f"{where}: optimizer state.common_step = {quote(step, 80)}: expected the "
+                                       f"step count {_VERSION} saves for a plain optimizer that has stepped")
+        steps.append(torch.as_tensor(step, dtype=torch.float32).clone())
+    if any(not torch.equal(step, steps[0]) for step in steps):  # ChainedOptimizer._synchronize_steps
+        raise OptimizerLayoutError(f"{where}: the chained plain optimizers' common_step differ: "
+                                   f"{quote([float(step) for step in steps])}")
+    return steps[0]
 
 
 def plain_chunks(form: str, names: set[str], model_chunks: list[Any]) -> list[tuple[str, Any]]:
@@ -85,29 +94,33 @@ def plain_chunks(form: str, names: set[str], model_chunks: list[Any]) -> list[tu
             for field, stored in FIELDS[form].items() if stored]
 
 
-def _common_entry(optimizer: Any) -> dict[str, Any]:
+def _common_entry(optimizer: Any, group_counts: list[int]) -> dict[Any, Any]:
+    """The common state's ``optimizer``: one plain entry per chained optimizer (moeplain: ``{0: dense, 1: expert}``
+    when ``group_counts`` has two)."""
     from pgconvert.optimizer_scaler import set_scalers, target_scalers
 
-    step = optimizer.step(optimizer.names()[0]).clone()
-    torch_state = {"state": {"common_step": step}, "param_groups": optimizer.param_group_settings(0)}
-    if optimizer.form == FORM_FP32:
-        return torch_state
-    entry: dict[str, Any] = {"optimizer": torch_state}
-    set_scalers([entry], target_scalers(optimizer, 1))  # fp16: its grad scaler
-    return entry
+    entries: list[dict[str, Any]] = []
+    for index, count in enumerate(group_counts):
+        step = optimizer.step(optimizer.names()[0]).clone()
+        torch_state = {"state": {"common_step": step}, "param_groups": optimizer.param_group_settings(index, count)}
+        entries.append(torch_state if optimizer.form == FORM_FP32 else {"optimizer": torch_state})
+    if optimizer.form != FORM_FP32:
+        set_scalers(entries, target_scalers(optimizer, len(entries)))  # fp16: its grad scaler
+    return entries[0] if len(entries) == 1 else dict(enumerate(entries))
 
 
 def write_plain(optimizer: Any, model_chunks: list[Any], rows: int, fits_rows: set[str],
-                iteration_dir: Path) -> list[PlannedFile]:
+                iteration_dir: Path, group_counts: list[int]) -> list[PlannedFile]:
     """Write the plain optimizer's records beside the model's (``model_chunks``: the torch_dist saver's) and its
-    entry in ``common.pt``; returns the files added."""
+    entry in ``common.pt`` (``group_counts``: the target's param groups per chained optimizer); returns the files
+    added."""
     from pgconvert.optimizer_torch_dist_save import rewrite_common, write_chunk_records
 
     chunks = plain_chunks(optimizer.form, set(optimizer.names()), model_chunks)
     added = write_chunk_records(optimizer, chunks, rows, fits_rows, iteration_dir)
 
     def update(common: dict[str, Any]) -> None:
-        common["optimizer"] = _common_entry(optimizer)
+        common["optimizer"] = _common_entry(optimizer, group_counts)
         for key in CARRIED_KEYS:
             if key in optimizer.first.extra:
                 common[key] = optimizer.first.extra[key]
@@ -122,10 +135,7 @@ def write_plain(optimizer: Any, model_chunks: list[Any], rows: int, fits_rows: s
 
 def plain_refusal(conversion: Any, optimizer: Any) -> str | None:
     """Why a plain optimizer's state is not carried by this conversion (None: it is): into torch_dist it is written
-    in its own plain form, one optimizer (not a MoE run's chained two) and no --dst-optim-form."""
-    from pgconvert.optimizer_map import optimizer_count
-    from pgconvert.optimizer_reshard import target_of
-
+    in its own plain form (moeplain: a MoE run's chained two too) and no --dst-optim-form."""
     if conversion.dst_format != "torch_dist":
         return None
     requested = getattr(conversion.request, "dst_optim_form", None)
@@ -133,7 +143,4 @@ def plain_refusal(conversion: Any, optimizer: Any) -> str | None:
         return (f"--dst-optim-form {requested}: the {optimizer.form} (non-distributed) optimizer's state is written "
                 "into torch_dist in its own plain form only (megatron-core's plain optimizer loads that); drop "
                 "--dst-optim-form, or pass --skip-optimizer")
-    if optimizer_count(target_of(conversion)[0], conversion.save_options.layout) > 1:
-        return (f"the {optimizer.form} (non-distributed) optimizer of a MoE run at expert parallel size > 1 is two "
-                "chained optimizers: not written into torch_dist; pass --dst-format megatron, or --skip-optimizer")
     return None

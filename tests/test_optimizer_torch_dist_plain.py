@@ -156,11 +156,94 @@ def test_a_missing_common_step_is_a_named_error() -> None:
         plain_step(entry, "float16", "ckpt")
 
 
-def test_a_moe_runs_chained_plain_optimizers_are_named_and_refused_into_torch_dist(tmp_path: Path) -> None:
+def test_a_moe_runs_chained_plain_optimizers_go_into_torch_dist_at_ep2_and_ep1_and_back(tmp_path: Path) -> None:
+    """moeplain: megatron-core's chained dense and expert Float16 optimizers (TP2 x EP2) into torch_dist's plain form
+    at EP2 and EP1 and back to per-rank TP2 x EP2: every optimizer tensor equal per parameter, the records under
+    the model keys (no ``chained_<i>.`` prefix), the common state ``{0: dense, 1: expert}``."""
     pytest.importorskip("megatron.core", reason="megatron-core lays out the MoE optimizer state")
-    from test_optimizer_moe import _generate
+    from test_optimizer_moe import _assert_round_trip, _generate
 
-    src = _generate(tmp_path / "moe", 2, 1, 2, "fp32")  # TP2 x EP2: the dense and expert optimizers chained
-    result = _cli("convert", src, tmp_path / "strict", "-q", "--dst-format", "torch_dist", "--strict")
-    assert_clean_refusal(result, 2, "optimizer of a MoE run at expert parallel size > 1 is two chained optimizers")
-    assert not (tmp_path / "strict").exists()
+    from pgconvert.torch_dist_format import read_dcp_metadata
+
+    src = _generate(tmp_path / "moe", 2, 1, 2, "bf16")  # TP2 x EP2: the dense and expert optimizers chained
+    original = _export(src, tmp_path / "ex_src")
+    _convert(src, tmp_path / "td2", "--dst-format", "torch_dist")
+    _convert(tmp_path / "td2", tmp_path / "td1", "--dst-format", "torch_dist", "--dst-tp", "1", "--dst-ep", "1")
+    _convert(tmp_path / "td1", tmp_path / "back", "--dst-format", "megatron", "--dst-tp", "2", "--dst-ep", "2")
+    assert any(".experts." in name for name in original) and len(original) > 8
+    for name in ("td2", "td1", "back"):
+        again = _export(tmp_path / name, tmp_path / f"ex_{name}")
+        assert set(again) == set(original), name
+        for parameter, tensors in original.items():
+            assert set(tensors) == set(again[parameter]) == set(KEYS), (name, parameter)
+            for key in KEYS:
+                assert torch.equal(tensors[key], again[parameter][key]), (name, parameter, key)
+    _assert_round_trip(src, tmp_path / "back", ("optimizer",))
+    common = load_for_test(tmp_path / "td2" / ITER / "common.pt")["optimizer"]
+    step = float(original[next(iter(original))]["step"])
+    assert sorted(common) == [0, 1]
+    assert [float(entry["optimizer"]["state"]["common_step"]) for entry in common.values()] == [step, step]
+    dense, expert = ([group.get("is_expert_parallel") for group in entry["optimizer"]["param_groups"]]
+                     for entry in (common[0], common[1]))
+    assert expert and all(expert) and not any(dense)
+    keys = set(read_dcp_metadata(tmp_path / "td2" / ITER / ".metadata").state_dict_metadata)
+    assert not [key for key in keys if key.startswith("chained_")]
+    assert [key for key in keys if key.startswith("optimizer.state.fp32_param.") and ".experts." in key]
+    assert "optimizer" in set(load_for_test(tmp_path / "td1" / ITER / "common.pt")["optimizer"])  # EP1: one
+
+
+def test_megatron_core_loads_a_moe_runs_chained_plain_optimizers_from_pgconverts_torch_dist(tmp_path: Path) -> None:
+    """moeplain: megatron-core 0.16.1 on four gloo ranks (TP2 x EP2, its chained dense and expert FP32Optimizers)
+    declares the records pgconvert wrote, ``dist_checkpointing.load`` reads them, and its own save of the loaded
+    state holds the same records bit for bit and the same common state; pgconvert reads that save back to the
+    source's every optimizer tensor."""
+    pytest.importorskip("megatron.core", reason="megatron-core is the reference")
+    import json
+    import subprocess
+    import sys
+
+    from megatron_fixtures import assert_same_tree
+    from test_optimizer_moe import _generate
+    from test_optimizer_torch_dist_moe import _records
+
+    from pgconvert.torch_dist_format import read_dcp_metadata
+
+    src = _generate(tmp_path / "moe", 2, 1, 2, "fp32")
+    _convert(src, tmp_path / "td", "--dst-format", "torch_dist")
+    script = Path(__file__).parent / "mcore_moe_fully_reshardable.py"
+    done = subprocess.run([sys.executable, "-W", "ignore", str(script), str(tmp_path / "td" / ITER), str(tmp_path / "mc")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    ours = _records(tmp_path / "td" / ITER)
+    stored = read_dcp_metadata(tmp_path / "td" / ITER / ".metadata").state_dict_metadata
+    declared: dict[str, list[int]] = {}
+    for rank in range(4):
+        report = json.loads((tmp_path / "mc" / f"rank{rank}.json").read_text())
+        assert report["chained"] == 2 and sorted(report["structure"]) == ["int:0", "int:1"]
+        declared.update(report["declared"])
+    assert declared == {key: list(stored[key].size) for key in ours} and ours
+    theirs = _records(tmp_path / "mc" / "saved")
+    assert set(theirs) == set(ours)
+    for key, tensor in ours.items():
+        assert theirs[key].dtype == tensor.dtype and torch.equal(theirs[key], tensor), key
+    saved_common = load_for_test(tmp_path / "mc" / "saved" / "common.pt")["optimizer"]
+    assert_same_tree(saved_common, load_for_test(tmp_path / "td" / ITER / "common.pt")["optimizer"], "optimizer")
+    original = _export(src, tmp_path / "ex_src")  # pgconvert reads megatron-core's own save of them
+    again = _export(tmp_path / "mc" / "saved", tmp_path / "ex_mc")
+    assert set(again) == set(original) and any(".experts." in name for name in original)
+    for parameter, tensors in original.items():
+        for key in KEYS:
+            assert torch.equal(tensors[key], again[parameter][key]), (parameter, key)
+
+
+def test_chained_plain_optimizers_with_different_steps_or_forms_are_named_errors() -> None:
+    from pgconvert.optimizer_map import OptimizerLayoutError, UnsupportedOptimizerError
+    from pgconvert.optimizer_torch_dist_plain import plain_form, plain_step
+
+    fp32 = {"state": {"common_step": torch.tensor(2.0)}, "param_groups": []}
+    assert float(plain_step({0: fp32, 1: dict(fp32)}, "fp32", "ckpt")) == 2.0
+    later = {"state": {"common_step": torch.tensor(3.0)}, "param_groups": []}
+    with pytest.raises(OptimizerLayoutError, match=r"ckpt: the chained plain optimizers' common_step differ"):
+        plain_step({0: fp32, 1: later}, "fp32", "ckpt")
+    with pytest.raises(UnsupportedOptimizerError, match=r"ckpt: the chained plain optimizers' forms differ"):
+        plain_form({"optimizer": {0: fp32, 1: {"optimizer": fp32}}}, "ckpt")

@@ -18,7 +18,9 @@ sets it). So:
 dpmoe: the dp_reshardable form is read and written too (``optimizer_torch_dist_dp``: ``chained_<i>.``-prefixed
 ShardedObjects and per-optimizer buffers, the expert one per TP x EP x PP rank at the expert data-parallel size);
 refused by name (``moe_refusal``) only where the expert tensor parallel size differs from the tensor parallel size.
-fsms: MoE state in the fully_sharded_model_space form is refused by name.
+fsms: MoE state in the fully_sharded_model_space form is refused by name. moeplain: the plain (non-distributed)
+optimizers chain the same way (``{0: dense, 1: expert}`` common state, records without a prefix: Megatron-LM sets
+``chained_optim_avoid_prefix``), read and written by ``optimizer_torch_dist_plain``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""tdmoe: a MoE model's chained optimizer state in a torch_dist checkpoint, in the fully_reshardable form.
+"""tdmoe: a MoE model's chained optimizer state in a torch_dist checkpoint (fully_reshardable first; below, the others).
 
 megatron-core 0.16.1 chains two optimizers for a MoE model at expert parallel size > 1 (``get_megatron_optimizer``:
 dense, then the ``is_expert_parallel`` groups). ``ChainedOptimizer.sharded_state_dict``

@@ -108,7 +108,7 @@ def _torch_dist_file(conversion: Any, optimizer: OptimizerSource, config: Any, r
         chunks = optimizer_chunks(optimizer, conversion.saver._chunks(conversion.source, conversion.save_options)[0])
         return OptimizerFile(f"{directory}/{RECORDS_FILE}", what, len(chunks),
                              sum(chunk.nbytes for _, chunk in chunks))
-    args = args_for_target(config, layout, rows, torch.float32, 0, getattr(conversion.source, "megatron_args", None))
+    args = args_for_target(config, layout, rows, torch.float32, 0, conversion.source.megatron_args)
     dp = conversion.request.dst_dp or dp_size(args)
     records, objects = _plan(optimizer, config, layout, rows, dp, args)
     return OptimizerFile(f"{directory}/{RECORDS_FILE}", what, len(records) + len(objects),

@@ -215,7 +215,7 @@ def check_optimizer_options(conversion: Any) -> None:
     check_form(getattr(request, "dst_optim_form", None), conversion.dst_format, request.skip_optimizer)  # dprw
     if dst_dp is None:
         return
-    check_dst_dp(dst_dp, conversion.save_options.layout, getattr(source, "megatron_args", None),
+    check_dst_dp(dst_dp, conversion.save_options.layout, source.megatron_args,
                  request.skip_optimizer, conversion.dst_format)
     if not _carries(conversion):
         raise ValidationError(f"--dst-dp {dst_dp}: the source holds no Megatron optimizer state to size")

@@ -189,13 +189,16 @@ def test_ep1_pp2_positions_are_megatron_cores_and_reach_ep2(tmp_path: Path) -> N
     _assert_round_trip(source, tmp_path / "back")
 
 
-def test_a_plain_moe_optimizer_into_torch_dist_is_named_as_not_carried(plain: Path, tmp_path: Path) -> None:
-    # tdmoe: torch_dist holds the distributed optimizer's state only (tests/test_optimizer_torch_dist_moe.py
-    # carries a MoE run's chained distributed state there); the plain optimizer's is not carried, as for a
-    # dense model: the saver's notice says so and no optimizer record is written.
+def test_a_plain_moe_optimizer_goes_into_torch_dist_in_the_plain_form_only(plain: Path, tmp_path: Path) -> None:
+    # tdplain/moeplain: megatron-core's plain optimizers (a MoE run's chained pair too) have a torch_dist form of
+    # their own, written as such (tests/test_optimizer_torch_dist_plain.py checks the records); asked for a
+    # distributed-optimizer form, the state is not carried: named, refused under --strict.
     args = ["convert", str(plain), str(tmp_path / "td"), "--dst-format", "torch_dist", "--dst-tp", "1", "--dst-ep", "1"]
     loose = CliRunner().invoke(main, args, prog_name="pgconvert")
     assert loose.exit_code == 0, loose.output
-    assert "optimizer, scheduler and RNG state are not carried" in loose.output
-    records = json.dumps(sorted(p.name for p in (tmp_path / "td").rglob("*")))
-    assert "optimizer" not in records and "__1_0.distcp" not in records
+    assert "scheduler, iteration, floating-point operations and consumed samples carried" in loose.output
+    assert (tmp_path / "td" / "iter_0000002" / "__1_0.distcp").is_file()
+    strict = CliRunner().invoke(main, [*args[:2], str(tmp_path / "dp"), *args[3:], "--strict", "--dst-optim-form",
+                                       "dp_reshardable"], prog_name="pgconvert")
+    assert strict.exit_code == 2 and "Traceback" not in strict.output, strict.output
+    assert not (tmp_path / "dp").exists()

@@ -10,41 +10,22 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner, Result
 from torch.distributed.checkpoint.metadata import Metadata
 
 from cli_helpers import assert_clean_refusal
 from megatron_fixtures import load_for_test
-from pgconvert.cli import main
 from pgconvert.formats import LoadOptions
 from pgconvert.optimizer_fs_model_space import chunk_shape, flatten, unflatten
 from pgconvert.optimizer_map import OptimizerLayoutError
 from pgconvert.registry import get_loader
 from pgconvert.torch_dist_format import read_dcp_metadata
+from test_optimizer_torch_dist import _assert_same_parameters as _assert_same
+from test_optimizer_torch_dist import _cli, _export
 
 GOLDENS = Path(__file__).parent / "data" / "megatron_lm"
 GOLDEN = GOLDENS / "mcore015_tp2dp2_distopt_fs_model_space_torch_dist"
 REFERENCE = GOLDENS / "train_tp2dp2_distopt_fully_reshardable_torch_dist"
-KEYS = ("param", "exp_avg", "exp_avg_sq", "step")
 FC1 = "decoder.layers.mlp.linear_fc1.weight"
-
-
-def _cli(*args: str | Path) -> Result:
-    return CliRunner().invoke(main, [str(arg) for arg in args], prog_name="pgconvert")
-
-
-def _export(src: Path, out: Path) -> dict[str, dict[str, torch.Tensor]]:
-    result = _cli("export-optimizer", src, out)
-    assert result.exit_code == 0, result.output
-    return {path.stem: torch.load(path, weights_only=True) for path in sorted(out.glob("*.pt"))}
-
-
-def _assert_same(a: dict[str, dict[str, torch.Tensor]], b: dict[str, dict[str, torch.Tensor]]) -> None:
-    assert set(a) == set(b) and len(a) == 15
-    for name, tensors in a.items():
-        assert set(tensors) == set(b[name]) == set(KEYS), name
-        for key in KEYS:
-            assert tensors[key].dtype == b[name][key].dtype and torch.equal(tensors[key], b[name][key]), f"{name}.{key}"
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ import torch
 
 from cli_helpers import assert_clean_refusal
 from megatron_fixtures import load_for_test
+from test_optimizer_torch_dist import _assert_same_parameters as _assert_same
 from test_optimizer_torch_dist import _cli, _export, _rewrite_metadata, _torch_read
 
 GOLDENS = Path(__file__).parent / "data" / "megatron_lm"
@@ -30,14 +31,6 @@ def _convert(src: Path, dst: Path, *flags: str) -> str:
     result = _cli("convert", src, dst, "-q", "--strict", *flags)
     assert result.exit_code == 0, result.output
     return result.output
-
-
-def _assert_same(a: dict[str, dict[str, torch.Tensor]], b: dict[str, dict[str, torch.Tensor]]) -> None:
-    assert set(a) == set(b) and len(a) == 15
-    for name, tensors in a.items():
-        assert set(tensors) == set(b[name]) == set(KEYS), name
-        for key in KEYS:
-            assert tensors[key].dtype == b[name][key].dtype and torch.equal(tensors[key], b[name][key]), f"{name}.{key}"
 
 
 def test_megatron_lms_plain_records_are_read_per_parameter() -> None:

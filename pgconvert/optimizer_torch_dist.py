@@ -119,6 +119,11 @@ def holds_optimizer(source: Any) -> bool:
     return isinstance(getattr(source, "common_state", None), dict) and "optimizer" in source.common_state
 
 
+def _object_value(stored: Any) -> Any:
+    """A ShardedObject's value: megatron-core stores it as ``torch.save([value])``."""
+    return stored[0] if isinstance(stored, list) and len(stored) == 1 else stored
+
+
 class TorchDistOptimizerSource(OptimizerSource):
     """The distributed optimizer's state of a ``TorchDistSource``, by canonical name (``names``,
     ``parameter``, ``piece``, ``step``) for ``optimizer_reshard``'s writers."""
@@ -180,13 +185,14 @@ class TorchDistOptimizerSource(OptimizerSource):
         counts = [len(groups) for groups in chained_slots(self.config, self.layout, RankCoord(0, 0, 0), self.rules,
                                                           self.vocab_rows)]
         if self.sharding == "dp_reshardable":  # dpmoe: per chained optimizer, its chained_<i>.-prefixed object
+            from pgconvert.optimizer_torch_dist_dp import record_prefix
+
             entries = chained_entries(common["optimizer"])
-            prefixes = [f"chained_{index}." for index in range(len(entries))] if len(entries) > 1 else [""]
             if len(entries) == len(counts):
-                keys = [f"{prefix}optimizer.distributed.dp_group_idx_0.optimizer/shard_0_1" for prefix in prefixes]
+                keys = [f"{record_prefix(self.config, self.layout, RankCoord(0, 0, 0), index)}.optimizer/shard_0_1"
+                        for index in range(len(entries))]
                 read = self.source.read_objects(keys)
-                values = [value[0] if isinstance(value, list) and len(value) == 1 else value
-                          for value in (read[key] for key in keys)]
+                values = [_object_value(read[key]) for key in keys]
                 where = f"{self.source.directory}: {', '.join(keys)}"
             else:
                 values = entries
@@ -210,8 +216,7 @@ class TorchDistOptimizerSource(OptimizerSource):
         keys = [dp_object_key(record_prefix(self.config, self.layout, RankCoord(0, 0, 0), index))  # dpmoe: chained
                 for index in range(optimizer_count(self.config, self.layout))]
         values = self.source.read_objects([key for key in keys if key in stored])
-        return [(value[0] if isinstance(value, list) and len(value) == 1 else value) if key in values else None
-                for key, value in ((key, values.get(key)) for key in keys)]
+        return [_object_value(values[key]) if key in values else None for key in keys]
 
     @staticmethod
     def _groups(value: Any, count: int, where: str) -> list[dict[str, Any]]:

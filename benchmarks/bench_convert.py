@@ -32,12 +32,12 @@ from pathlib import Path
 import torch
 
 from bench_optimizer import OPTIM_CASES, OPTIM_SCALE, optimizer_plan, optimizer_sources
-from pgconvert.config import ModelConfig
+from pgconvert.model.config import ModelConfig
 from pgconvert.formats import SaveOptions
-from pgconvert.layout import ParallelLayout
-from pgconvert.provider import canonical_shapes
-from pgconvert.registry import get_saver, saver_names
-from pgconvert.stream import CanonicalSource, TensorMeta
+from pgconvert.model.layout import ParallelLayout
+from pgconvert.model.provider import canonical_shapes
+from pgconvert.formats.registry import get_saver, saver_names
+from pgconvert.formats.stream import CanonicalSource, TensorMeta
 
 RSS_ALLOWANCE = 300 * 10**6  # the goal: peak RSS <= 2 x the largest tensor + 300 MB
 PLAN_SECONDS_GOAL = 10.0

@@ -24,15 +24,15 @@ from typing import Any
 
 import torch
 
-from pgconvert.config import ModelConfig
+from pgconvert.model.config import ModelConfig
 from pgconvert.formats import SaveOptions
-from pgconvert.grid import RankCoord
-from pgconvert.layout import ParallelLayout
-from pgconvert.optimizer_map import OptimizerRules, optimizer_slots
-from pgconvert.optimizer_reshard import carry_optimizer
-from pgconvert.optimizer_state import FORM_DISTRIBUTED
-from pgconvert.provider import target_vocab_rows
-from pgconvert.registry import get_saver
+from pgconvert.model.grid import RankCoord
+from pgconvert.model.layout import ParallelLayout
+from pgconvert.optimizer.order import OptimizerRules, optimizer_slots
+from pgconvert.optimizer.reshard import carry_optimizer
+from pgconvert.optimizer.state import FORM_DISTRIBUTED
+from pgconvert.model.provider import target_vocab_rows
+from pgconvert.formats.registry import get_saver
 
 OPTIM_SCALE = 0.07  # 83 M parameters: 1.0 GB of fp32 optimizer state (param, exp_avg, exp_avg_sq)
 ITERATION = 100

@@ -16,14 +16,14 @@ def _started_as_command() -> bool:
 
 try:
     from pgconvert.version import __version__
-    from pgconvert.batch import BatchReport, EntryResult, read_plan, run_batch, run_plan
-    from pgconvert.convert import ConvertRequest, Report, convert, convert_request, plan
+    from pgconvert.run.batch import BatchReport, EntryResult, read_plan, run_batch, run_plan
+    from pgconvert.run.convert import ConvertRequest, Report, convert, convert_request, plan
     from pgconvert.errors import PgconvertError
-    from pgconvert.inspection import CheckpointInfo, Problem, inspect
-    from pgconvert.layout import ParallelLayout
-    from pgconvert.layout_spec import LayoutSpec
-    from pgconvert.manifest import MANIFEST_FILE, Manifest, read_manifest
-    from pgconvert.verification import TensorDifference, VerifyReport, verify
+    from pgconvert.run.inspection import CheckpointInfo, Problem, inspect
+    from pgconvert.model.layout import ParallelLayout
+    from pgconvert.model.layout_spec import LayoutSpec
+    from pgconvert.run.manifest import MANIFEST_FILE, Manifest, read_manifest
+    from pgconvert.run.verification import TensorDifference, VerifyReport, verify
     if _started_as_command():
         importlib.import_module("pgconvert.cli")  # the command's own start-up, under the same guard
 except KeyboardInterrupt:

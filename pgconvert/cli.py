@@ -13,12 +13,12 @@ from typing import Any
 import click
 
 from pgconvert.version import __version__
-from pgconvert.convert import ConvertRequest, Plan, execute, plan
+from pgconvert.run.convert import ConvertRequest, Plan, execute, plan
 from pgconvert.errors import PgconvertError
 from pgconvert.formats import DTYPE_CHOICES, EXPERT_LAYOUTS
-from pgconvert.registry import loader_names, saver_names
-from pgconvert.optimizer_plan import plan_lines  # optcli
-from pgconvert.config import MTP_LAYER_MODULES  # mlafix
+from pgconvert.formats.registry import loader_names, saver_names
+from pgconvert.optimizer.plan import plan_lines  # optcli
+from pgconvert.model.config import MTP_LAYER_MODULES  # mlafix
 
 
 class PgconvertClickError(click.ClickException):
@@ -258,7 +258,7 @@ def convert_command(src: Path, dst: Path, src_format: str, dst_format: str, src_
 def _shard_of_this_process(shard_index: int | None, num_shards: int | None) -> tuple[int, int, str] | None:
     """(index, count, coordinator) for a sharded run; None for an ordinary one."""
     from pgconvert.errors import ValidationError
-    from pgconvert.parallel import launcher_shard
+    from pgconvert.run.sharded import launcher_shard
 
     if (shard_index is None) != (num_shards is None):
         raise ValidationError("--shard-index and --num-shards: give both or neither")
@@ -269,7 +269,7 @@ def _shard_of_this_process(shard_index: int | None, num_shards: int | None) -> t
 
 
 def _run_shard(request: ConvertRequest, index: int, count: int, coordinator: str, quiet: bool) -> None:
-    from pgconvert.parallel import convert_shard
+    from pgconvert.run.sharded import convert_shard
 
     outcome = convert_shard(request, index, count, coordinator)
     written = sum(item.nbytes for item in outcome.result.files)
@@ -334,11 +334,11 @@ def _configure_logging(quiet: bool, verbose: bool) -> None:
 @click.option("--overwrite", is_flag=True, help="Replace a non-empty OUT.")
 def example_command(out: Path, tp: int, pp: int, seed: int, overwrite: bool) -> None:
     """Write a tiny seeded Megatron checkpoint (GQA, SwiGLU, padded vocab) to OUT."""
-    from pgconvert.convert import check_destination, staged_output
-    from pgconvert.example import example_source
+    from pgconvert.run.convert import check_destination, staged_output
+    from pgconvert.run.example import example_source
     from pgconvert.formats import SaveOptions
-    from pgconvert.layout import ParallelLayout
-    from pgconvert.registry import get_saver
+    from pgconvert.model.layout import ParallelLayout
+    from pgconvert.formats.registry import get_saver
 
     try:
         source = example_source(seed=seed)
@@ -361,7 +361,7 @@ class LayoutParamType(click.ParamType):
     name = "layout"
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
-        from pgconvert.layout_spec import LayoutSpec
+        from pgconvert.model.layout_spec import LayoutSpec
 
         if isinstance(value, LayoutSpec):
             return value
@@ -389,7 +389,7 @@ def export_optimizer_command(src: Path, out: Path, iteration: int | None) -> Non
     """Write the optimizer state of Megatron per-rank or torch_dist SRC into OUT, layout-independent: one
     <canonical name>.pt per parameter (fp32 master 'param', 'exp_avg', 'exp_avg_sq', 'step'), written
     one parameter at a time, and optimizer.json (groups, scheduler, iteration, counters)."""
-    from pgconvert.optimizer_reshard import export_from_path
+    from pgconvert.optimizer.reshard import export_from_path
 
     try:
         count = export_from_path(src, out, iteration)
@@ -405,7 +405,7 @@ def export_optimizer_command(src: Path, out: Path, iteration: int | None) -> Non
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def inspect_command(ckpt: Path, iteration: int | None, as_json: bool) -> None:
     """Describe CKPT: format, layout, model, iterations, tensors, and problems (exit 1 on an error)."""
-    from pgconvert.inspection import inspect
+    from pgconvert.run.inspection import inspect
 
     info = inspect(ckpt, iteration)
     if as_json:
@@ -476,7 +476,7 @@ def verify_command(a: Path, b: Path, rtol: float, atol: float, iteration_a: int 
     Exit 0 when equal, 1 when a tensor, the optimizer state or a file listed in a pgconvert.json
     manifest differs.
     """
-    from pgconvert.verification import verify
+    from pgconvert.run.verification import verify
 
     try:
         report = verify(a, b, rtol, atol, iteration_a=iteration_a, iteration_b=iteration_b,
@@ -510,7 +510,7 @@ def _print_verify(report: Any, max_listed: int) -> None:
         f"{len(report.file_problems)} file problems"
     click.echo(f"{report.compared} tensors compared ({tolerance}): {verdict}")
     if report.optimizer is not None:  # verifyopt
-        from pgconvert.verify_optimizer import text_lines
+        from pgconvert.run.verify_optimizer import text_lines
 
         for line in text_lines(report.optimizer, tolerance, max_listed):
             click.echo(line)
@@ -529,7 +529,7 @@ def batch_command(plan_file: Path, jobs: int, force: bool, verify_hashes: bool, 
 
     Entries whose destination already holds a matching pgconvert.json are skipped unless --force.
     """
-    from pgconvert.batch import run_batch
+    from pgconvert.run.batch import run_batch
 
     def progress(result: Any) -> None:
         click.echo(f"{result.status:<7} {result.label}: {result.dst}"

@@ -3,7 +3,7 @@
     /venv/with/megatron-core-0.15.0/bin/python scripts/make_fs_model_space_golden.py [check]
 
 megatron-core 0.16.1 and later refuse this form (``ShardedTensor.flattened_range is not supported``);
-0.15.0 still saves and loads it. Four forked gloo processes (TP2 DP2 on the CPU, ``tests/mcore_cpu_shim``)
+0.15.0 still saves and loads it. Four forked gloo processes (TP2 DP2 on the CPU, ``tests/support/mcore_cpu_shim``)
 each build GPTModel + DDP + DistributedOptimizer for the model of the Megatron-LM golden
 ``train_tp2dp2_distopt_fully_reshardable_torch_dist`` and load that golden with megatron-core 0.15.0's own
 ``dist_checkpointing.load`` (a temporary copy with the checkpoint's common state as ``common.pt``, which
@@ -25,7 +25,7 @@ run after a save).
 
 Made with: megatron-core 0.15.0 (the cp311 wheel, installed with ``pip install --no-deps`` into a copy of
 pgconvert's venv), psutil 7.2.2 (its async writer asks for it), Python 3.11.7, torch 2.13.0+cpu, numpy
-2.4.6. CPU shims beyond ``tests/mcore_cpu_shim``: ``numpy.product = numpy.prod`` (0.15.0's flattened-range
+2.4.6. CPU shims beyond ``tests/support/mcore_cpu_shim``: ``numpy.product = numpy.prod`` (0.15.0's flattened-range
 checks call ``np.product``, gone in numpy 2) and ``torch.cuda.synchronize`` a no-op (the writer's preload).
 Arguments newer than 0.15.0 that its TransformerConfig lacks are dropped from ``args``, and pgconvert's
 stand-ins of Megatron enums become 0.15.0's classes. The common state is Megatron-LM core_v0.15.0's
@@ -38,7 +38,7 @@ Other megatron-core versions (same venv copy, ``pip install --no-deps`` of the w
 pgconvert's TP1 ``fully_sharded_model_space`` output of the golden and ``TARGET`` to a scratch directory,
 megatron-core 0.14.0 and 0.13.1 each load it, save the form themselves on the CPU (TP1 DP2), reload their save
 bit for bit, and pgconvert reads their save as their optimizers hold it; ``load DIR 2`` passes with both (0.14.0
-needs the ``ProcessGroupCollection`` stand-in below for tests/mcore_helpers' import). Their ``.metadata`` is
+needs the ``ProcessGroupCollection`` stand-in below for tests/support/mcore_helpers' import). Their ``.metadata`` is
 torch's Metadata with a ``mcore_data`` attribute; 0.15.0 pickles its ``MCoreMetadata`` subclass, which 0.14.0
 cannot unpickle (so 0.14.0 cannot load 0.15.0's save, but loads pgconvert's). With ``DP = 4`` and that
 source, 0.15.0's save at TP1 DP4 splits two records' chunks between DP ranks (pieces at element 160 of a
@@ -75,7 +75,7 @@ DP = 2
 def _real(value: Any) -> Any:
     """A pgconvert stand-in of a Megatron class in ``args`` as this megatron-core's own class (None when
     it has none: 0.15.0 predates that argument)."""
-    from pgconvert.megatron_format import OpaqueGlobal
+    from pgconvert.formats.megatron import OpaqueGlobal
 
     if not isinstance(value, OpaqueGlobal):
         return value
@@ -87,10 +87,10 @@ def _real(value: Any) -> Any:
 
 
 def _known_args(args: argparse.Namespace) -> argparse.Namespace:
-    """``args`` without the arguments newer than this megatron-core that tests/mcore_helpers would hand its
+    """``args`` without the arguments newer than this megatron-core that tests/support/mcore_helpers would hand its
     TransformerConfig."""
     from megatron.core.transformer import TransformerConfig
-    from mcore_helpers import COPIED_CONFIG_FIELDS
+    from support.mcore_helpers import COPIED_CONFIG_FIELDS
 
     known = {field.name for field in dataclasses.fields(TransformerConfig)}
     for name in COPIED_CONFIG_FIELDS:
@@ -103,7 +103,7 @@ def _common_state() -> dict[str, Any]:
     """The source's common state (read by pgconvert), with args as Megatron-LM core_v0.15.0 would hold them
     for this save."""
     from pgconvert.formats import LoadOptions
-    from pgconvert.registry import get_loader
+    from pgconvert.formats.registry import get_loader
 
     source = get_loader("torch_dist").open(SOURCE, LoadOptions())
     common = dict(source.common_state)
@@ -123,7 +123,7 @@ def _load(model: Any, optimizer: Any, iteration_dir: Path, metadata: dict[str, A
     """Megatron-LM's ``load_checkpoint`` for torch_dist: sharded state dicts, ``dist_checkpointing.load``,
     ``load_state_dict``."""
     from megatron.core import dist_checkpointing, parallel_state
-    from megatron_fixtures import allowed_globals
+    from support.megatron_fixtures import allowed_globals
 
     metadata = dict(metadata, dp_cp_group=parallel_state.get_data_parallel_group(with_context_parallel=True))
     with torch.serialization.safe_globals(allowed_globals()):
@@ -153,10 +153,10 @@ def _save(model: Any, optimizer: Any, common: dict[str, Any], iteration_dir: Pat
 
 def _rank(rank: int, world: int, store: str, common: dict[str, Any], work: Path, mode: str,
           directory: Path | None = None) -> None:
-    import mcore_cpu_shim
+    import support.mcore_cpu_shim as mcore_cpu_shim
     from megatron.core import parallel_state
 
-    from mcore_optimizer_step import _build, _gpt, _optimizer, canonical, optimizer_tensors
+    from support.mcore_optimizer_step import _build, _gpt, _optimizer, canonical, optimizer_tensors
 
     mcore_cpu_shim.install()
     torch.cuda.synchronize = lambda *_: None  # dist_checkpointing's save waits for the device before writing
@@ -209,7 +209,7 @@ def _compare_reloaded(work: Path, world: int) -> None:
 
 def _compare_pgconvert(work: Path, world: int, args: Any = None) -> None:
     """pgconvert's export of the golden (per canonical parameter) against megatron-core's per-rank slices."""
-    from mcore_optimizer_step import tp_piece
+    from support.mcore_optimizer_step import tp_piece
 
     out = work / "export"
     done = subprocess.run([sys.executable, "-m", "pgconvert", "export-optimizer", str(TARGET), str(out)],
@@ -230,8 +230,8 @@ def _compare_pgconvert(work: Path, world: int, args: Any = None) -> None:
 
 def _load_other(directory: Path, dp: int) -> None:
     """``load DIR DP``: megatron-core 0.15.0 loads DIR; its state is compared with the golden's export."""
-    from gloo_ranks import run_ranks
-    from megatron_fixtures import load_for_test
+    from support.gloo_ranks import run_ranks
+    from support.megatron_fixtures import load_for_test
 
     iteration_dir = next(iter(sorted(directory.glob("iter_*"))))
     common = dict(load_for_test(iteration_dir / "common.pt"))
@@ -243,7 +243,7 @@ def _load_other(directory: Path, dp: int) -> None:
 
 
 def main(argv: list[str]) -> None:
-    from gloo_ranks import run_ranks
+    from support.gloo_ranks import run_ranks
 
     if argv[:1] == ["load"]:
         _load_other(Path(argv[1]), int(argv[2]))
@@ -279,7 +279,7 @@ if __name__ == "__main__":
     if not hasattr(numpy, "product"):  # megatron-core 0.15.0's flattened-range checks call np.product (numpy < 2)
         numpy.product = numpy.prod
     import megatron.core.process_groups_config as groups_config
-    if not hasattr(groups_config, "ProcessGroupCollection"):  # tests/mcore_helpers imports it; 0.14.0 lacks it
+    if not hasattr(groups_config, "ProcessGroupCollection"):  # tests/support/mcore_helpers imports it; 0.14.0 lacks it
         groups_config.ProcessGroupCollection = object
     importlib.import_module("megatron.core.optimizer")  # imported once, before the forks
     main(sys.argv[1:])

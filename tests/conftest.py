@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from megatron_fixtures import TinyModel
+from support.megatron_fixtures import TinyModel
 
 # GQA + SwiGLU + RMSNorm + RoPE + untied + padded vocab (1000 -> 1024 at every tp <= 8).
 GQA_SWIGLU = TinyModel(

@@ -1,4 +1,4 @@
-"""One attention softmax scale (pgconvert.attention_scale): Granite's attention_multiplier, Gemma's
+"""One attention softmax scale (pgconvert.semantics.attention_scale): Granite's attention_multiplier, Gemma's
 query_pre_attn_scalar and megatron-core's softmax_scale are one ModelConfig field, so a Megatron
 checkpoint that spells the scale megatron-core's way converts to the same Gemma config.json and
 verify sees one scale."""
@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_helpers import hf_logits, input_ids
-from postnorm_helpers import VOCAB, save_postnorm_model
+from support.hf_helpers import hf_logits, input_ids
+from support.postnorm_helpers import VOCAB, save_postnorm_model
 
 import pgconvert
-from pgconvert.attention_scale import from_scalar, to_scalar
-from pgconvert.config import ModelConfig
+from pgconvert.semantics.attention_scale import from_scalar, to_scalar
+from pgconvert.model.config import ModelConfig
 from pgconvert.errors import CheckpointError
 from pgconvert.semantics import from_args
 

@@ -24,7 +24,7 @@ import pytest
 import torch
 from click.testing import CliRunner, Result
 from conftest import GQA_SWIGLU, QK_NORM_TE
-from megatron_fixtures import load_for_test, make_full_model, merge_megatron_checkpoint, write_megatron_checkpoint
+from support.megatron_fixtures import load_for_test, make_full_model, merge_megatron_checkpoint, write_megatron_checkpoint
 
 import pgconvert
 from pgconvert.cli import main
@@ -267,7 +267,7 @@ def test_write_error_is_a_clear_message_not_a_traceback(src: Path, tmp_path: Pat
 
 def _slow_conversion(src: Path, dst: Path, delay: float = 3.0) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, str(TESTS / "slow_convert.py"), str(delay), "--quiet", "--dst-tp", "2", str(src), str(dst)],
+        [sys.executable, str(TESTS / "support" / "slow_convert.py"), str(delay), "--quiet", "--dst-tp", "2", str(src), str(dst)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
 

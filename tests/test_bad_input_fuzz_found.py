@@ -10,7 +10,7 @@ import pytest
 import torch
 from click.testing import CliRunner, Result
 from conftest import GQA_SWIGLU
-from megatron_fixtures import load_rank_file, make_full_model, write_megatron_checkpoint
+from support.megatron_fixtures import load_rank_file, make_full_model, write_megatron_checkpoint
 
 from pgconvert.cli import main
 

@@ -14,15 +14,15 @@ import pytest
 import torch
 from click.testing import CliRunner
 from conftest import GQA_SWIGLU
-from megatron_fixtures import load_for_test, make_full_model, write_megatron_checkpoint
+from support.megatron_fixtures import load_for_test, make_full_model, write_megatron_checkpoint
 
 import pgconvert
-from pgconvert.batch import CLI_ONLY_OPTIONS, PlanError, read_plan
+from pgconvert.run.batch import CLI_ONLY_OPTIONS, PlanError, read_plan
 from pgconvert.cli import LAYOUT, main
-from pgconvert.convert import ConvertRequest
+from pgconvert.run.convert import ConvertRequest
 from pgconvert.errors import LayoutError, ValidationError
-from pgconvert.manifest import MANIFEST_FILE
-from pgconvert.registry import loader_names, saver_names
+from pgconvert.run.manifest import MANIFEST_FILE
+from pgconvert.formats.registry import loader_names, saver_names
 
 FULL_MODEL = make_full_model(GQA_SWIGLU, seed=11)
 NEWER_MODEL = make_full_model(GQA_SWIGLU, seed=12)

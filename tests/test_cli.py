@@ -10,7 +10,7 @@ import click
 import pytest
 from click.testing import CliRunner
 from conftest import GQA_SWIGLU
-from megatron_fixtures import make_full_model, merge_megatron_checkpoint, write_megatron_checkpoint
+from support.megatron_fixtures import make_full_model, merge_megatron_checkpoint, write_megatron_checkpoint
 
 from pgconvert.cli import main
 
@@ -69,7 +69,7 @@ def test_dry_run_bytes_match_what_is_written(tmp_path: Path) -> None:
 
     conversion = pgconvert.plan(pgconvert.ConvertRequest(src=src, dst=tmp_path / "dst", dst_tp=4))
     planned = [(item.relpath, item.tensors, item.nbytes) for item in conversion.files]
-    from pgconvert.convert import execute
+    from pgconvert.run.convert import execute
 
     report = execute(conversion)
 

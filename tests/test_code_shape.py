@@ -38,16 +38,17 @@ def test_the_check_sees_a_long_function(tmp_path: Path) -> None:
 
 # Where the rules and transforms are defined; everywhere else asks them (``fits_rows``,
 # ``piece_windows``, ``reads_window`` …) and never tests which one it holds.
-DEFINERS = {"pgconvert/rules.py", "pgconvert/families.py"}
+DEFINERS = {"pgconvert/model/rules.py", "pgconvert/families/__init__.py"}
 # The one owner of tensor names: whether a name is a routed expert's, a fused norm's, … is asked of it.
-NAME_OWNER = "pgconvert/provider.py"
+NAME_OWNER = "pgconvert/model/provider.py"
 PACKAGE_FOLDERS = ("pgconvert", "loaders", "savers")
 
 
 def _rule_and_transform_names() -> set[str]:
     """The rule and transform classes (their bases aside: being a rule at all is no type test) and
     their module-level instances."""
-    from pgconvert import families, rules
+    from pgconvert import families
+    from pgconvert.model import rules
 
     names = set()
     for module, base in ((rules, rules.ShardRule), (families, families.Transform)):
@@ -97,7 +98,7 @@ def test_the_type_check_sees_a_type_test(tmp_path: Path) -> None:
 
 def _provider_name_constants() -> set[str]:
     """provider.py's name fragments (prefixes and suffixes of tensor names)."""
-    from pgconvert import provider
+    from pgconvert.model import provider
 
     return {name for name, value in vars(provider).items()
             if name.isupper() and isinstance(value, str) and not name.startswith("_")}
@@ -150,8 +151,8 @@ def test_provider_constants_are_defined_once() -> None:
 # modules and in semantics' SEMANTICS table (documentation, per family); everywhere else asks a
 # ``Family`` (its fields) and never branches on the name.
 ARCHITECTURE_NAME = re.compile(r"\w+ForCausalLM\b")
-ARCHITECTURE_OWNERS = re.compile(r"pgconvert/families(_\w+)?\.py")
-DOCUMENTATION_TABLES = {"pgconvert/semantics.py": "SEMANTICS"}
+ARCHITECTURE_OWNERS = re.compile(r"pgconvert/families/\w+\.py")
+DOCUMENTATION_TABLES = {"pgconvert/semantics/__init__.py": "SEMANTICS"}
 
 
 def _documentation_lines(tree: ast.Module, table: str | None) -> set[int]:
@@ -197,13 +198,15 @@ def test_the_architecture_check_sees_a_name(tmp_path: Path) -> None:
         (tmp_path / folder).mkdir()
     (tmp_path / "savers" / "x.py").write_text(
         "def f(family):\n    return family.architecture == 'Gemma2ForCausalLM'\n")
-    (tmp_path / "pgconvert" / "semantics.py").write_text(
+    (tmp_path / "pgconvert" / "semantics").mkdir()
+    (tmp_path / "pgconvert" / "semantics" / "__init__.py").write_text(
         "SEMANTICS = (dict(LlamaForCausalLM='x'), 'QwenForCausalLM')\n"
         "ODD = {'Qwen3MoeForCausalLM', 'OlmoeForCausalLM'}\nf(Glm4ForCausalLM=1)\n")
-    (tmp_path / "pgconvert" / "families_new.py").write_text("A = 'NewForCausalLM'\n")
+    (tmp_path / "pgconvert" / "families").mkdir()
+    (tmp_path / "pgconvert" / "families" / "new.py").write_text("A = 'NewForCausalLM'\n")
     (tmp_path / "loaders" / "y.py").write_text("'''Reads LlamaForCausalLM files.'''\n")
 
     assert sorted(architecture_names(tmp_path)) == [
-        "loaders/y.py:1 LlamaForCausalLM", "pgconvert/semantics.py:2 OlmoeForCausalLM",
-        "pgconvert/semantics.py:2 Qwen3MoeForCausalLM", "pgconvert/semantics.py:3 Glm4ForCausalLM",
+        "loaders/y.py:1 LlamaForCausalLM", "pgconvert/semantics/__init__.py:2 OlmoeForCausalLM",
+        "pgconvert/semantics/__init__.py:2 Qwen3MoeForCausalLM", "pgconvert/semantics/__init__.py:3 Glm4ForCausalLM",
         "savers/x.py:2 Gemma2ForCausalLM"]

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 from click.testing import CliRunner
-from deepseek_helpers import CASES, build_deepseek, logits, save
+from support.deepseek_helpers import CASES, build_deepseek, logits, save
 from safetensors.torch import load_file
 
 import pgconvert
@@ -167,8 +167,8 @@ def mcore_mla_logits(root: Path, tokens: torch.Tensor) -> torch.Tensor:
     softmax scale megatron-core computes (YaRN mscale included); every projection, norm, rotary,
     router and expert is megatron-core's.
     """
-    import mcore_helpers as mcore
-    from megatron_mla import build_mla_gpt_model, mla_cpu_patches
+    import support.mcore_helpers as mcore
+    from support.megatron_mla import build_mla_gpt_model, mla_cpu_patches
 
     (rank,) = mcore.rank_files(root)
     with torch.no_grad(), mla_cpu_patches():
@@ -236,8 +236,8 @@ def test_torch_dist_keys_shapes_and_chunks_are_what_megatron_core_declares_for_m
     """megatron-core's MLA layer specs set no sharded_state_dict_keys_map: the local spec's norms keep
     their module names (not the dense spec's ``linear_qkv.layer_norm_weight``)."""
     pytest.importorskip("megatron.core", reason="megatron-core is not installed")
-    import mcore_helpers as mcore
-    from megatron_mla import build_mla_gpt_model, mla_cpu_patches
+    import support.mcore_helpers as mcore
+    from support.megatron_mla import build_mla_gpt_model, mla_cpu_patches
     from test_torch_dist_mcore import megatron_core_layout, read_layout
 
     _, src = source(tmp_path, case)
@@ -300,9 +300,9 @@ _V2_LITE = {
                     shared=2816, score="softmax")),
 ], ids=["deepseek-v3", "kimi-k2", "deepseek-v2-lite"])
 def test_release_configs_read_into_megatron_args(doc: dict[str, Any], expected: dict[str, Any]) -> None:
-    from pgconvert.hf_format import model_config_from_hf
-    from pgconvert.layout import ParallelLayout
-    from pgconvert.megatron_format import args_for_target
+    from pgconvert.formats.hf import model_config_from_hf
+    from pgconvert.model.layout import ParallelLayout
+    from pgconvert.formats.megatron import args_for_target
 
     family, config, notices = model_config_from_hf(doc, Path("config.json"))
     args = args_for_target(config, ParallelLayout(), 163840, torch.bfloat16, None, None)

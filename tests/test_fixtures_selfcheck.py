@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from megatron_fixtures import (
+from support.megatron_fixtures import (
     CHECKPOINT_FILE,
     TinyModel,
     load_rank_file,

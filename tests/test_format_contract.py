@@ -7,8 +7,8 @@ import inspect
 from pathlib import Path
 
 from pgconvert.formats import Saver
-from pgconvert.registry import get_saver
-from pgconvert.stream import CanonicalSource
+from pgconvert.formats.registry import get_saver
+from pgconvert.formats.stream import CanonicalSource
 
 ROOT = Path(__file__).resolve().parent.parent
 CONTRACT_ATTRIBUTES = {"layout", "hf_origin", "megatron_args", "parallel", "unrepresentable", "side_files"}

@@ -4,7 +4,7 @@ the index, pgconvert.json, the tracker file and batch plans.
 
 Every mutated input must convert to an output ``verify`` finds equal, or fail with exit 1 or 2 and
 a message naming a file or option: no traceback, bounded memory and time, nothing that looks like
-an output after a failure, the source untouched (see tests/fuzz_harness.py).
+an output after a failure, the source untouched (see tests/support/fuzz_harness.py).
 
 CI runs a fixed, derandomized budget. ``PGCONVERT_FUZZ_EXAMPLES=2000`` runs that many examples per
 test with a random seed; ``PGCONVERT_FUZZ_REPORT=file.jsonl`` records failures there and goes on.
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fuzz_harness import (
+from support.fuzz_harness import (
     Case,
     assert_properties,
     build_pristine,
@@ -329,10 +329,10 @@ def _toml_string(text: str) -> str:
        raw=st.one_of(st.none(), st.none(), st.none(), st.text(max_size=30), st.just("[[convert]]\n" * 3)))
 def test_fuzz_batch_plan(workspace: Workspace, monkeypatch: pytest.MonkeyPatch, fmt: str, entries: list[str],
                          raw: str | None) -> None:
-    import pgconvert.batch
-    from fuzz_harness import check_batch
+    import pgconvert.run.batch
+    from support.fuzz_harness import check_batch
 
-    monkeypatch.setattr(pgconvert.batch, "ProcessPoolExecutor", _InlineProcessPool)
+    monkeypatch.setattr(pgconvert.run.batch, "ProcessPoolExecutor", _InlineProcessPool)
     src, _ = workspace(fmt)
     text = raw if raw is not None else "\n\n".join(entries) + "\n"
     try:

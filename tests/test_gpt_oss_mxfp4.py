@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_helpers import run_cli
-from hf_helpers import edit_json, load_hf_tensors, rewrite_as_single_file
-from moe_more_helpers import save_gpt_oss
+from support.cli_helpers import run_cli
+from support.hf_helpers import edit_json, load_hf_tensors, rewrite_as_single_file
+from support.moe_more_helpers import save_gpt_oss
 
 import pgconvert
 

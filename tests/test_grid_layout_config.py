@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from pgconvert.config import ModelConfig
+from pgconvert.model.config import ModelConfig
 from pgconvert.errors import ConfigError, LayoutError
-from pgconvert.grid import FakeProcessGroup, RankCoord, build_converter_process_groups, iter_ranks
-from pgconvert.layout import ParallelLayout
+from pgconvert.model.grid import FakeProcessGroup, RankCoord, build_converter_process_groups, iter_ranks
+from pgconvert.model.layout import ParallelLayout
 
 
 def llama_like(**changes: object) -> ModelConfig:

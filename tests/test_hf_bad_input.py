@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from hf_helpers import build_hf_model, edit_json, load_hf_tensors, rewrite_as_single_file, save_hf_model
+from support.hf_helpers import build_hf_model, edit_json, load_hf_tensors, rewrite_as_single_file, save_hf_model
 
 import pgconvert
 from pgconvert.cli import main
@@ -234,7 +234,7 @@ def test_source_layout_flags_other_than_one_are_refused_for_hf(llama: Path, tmp_
 def test_saver_refuses_a_user_config_with_an_unknown_architecture(llama: Path, tmp_path: Path) -> None:
     from pgconvert.loaders.hf import HFLoader
     from pgconvert.formats import LoadOptions, SaveOptions
-    from pgconvert.layout import ParallelLayout
+    from pgconvert.model.layout import ParallelLayout
     from pgconvert.savers.hf import HFSaver
 
     user_config = tmp_path / "user_config.json"

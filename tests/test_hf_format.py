@@ -10,15 +10,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_helpers import FAMILY_MODELS, build_hf_model, edit_json, load_hf_tensors, save_hf_model
+from support.hf_helpers import FAMILY_MODELS, build_hf_model, edit_json, load_hf_tensors, save_hf_model
 from safetensors import safe_open
 
 import pgconvert
 from pgconvert.loaders.hf import HFLoader
 from pgconvert.loaders.megatron import MegatronLoader
-from pgconvert.config import ModelConfig
+from pgconvert.model.config import ModelConfig
 from pgconvert.errors import ConfigError
-from pgconvert.example import example_config, example_source
+from pgconvert.run.example import example_config, example_source
 from pgconvert.families import (
     DECODER_TENSORS,
     DROPPED,
@@ -32,10 +32,10 @@ from pgconvert.families import (
     TensorTable,
 )
 from pgconvert.formats import LoadOptions, SaveOptions
-from pgconvert.hf_format import hf_config_from_model, infer_family
-from pgconvert.layout import ParallelLayout
-from pgconvert.provider import canonical_names
-from pgconvert.rules import COLUMN, GATED, ROW, Window, assemble
+from pgconvert.formats.hf import hf_config_from_model, infer_family
+from pgconvert.model.layout import ParallelLayout
+from pgconvert.model.provider import canonical_names
+from pgconvert.model.rules import COLUMN, GATED, ROW, Window, assemble
 from pgconvert.savers.hf import HFSaver
 
 

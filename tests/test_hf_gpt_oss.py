@@ -1,6 +1,6 @@
 """GPT-OSS (GptOssForCausalLM): HF <-> Megatron / torch_dist is bit-exact, and the model survives.
 
-The source is a tiny transformers model (tests/moe_more_helpers.py): every layer MoE with experts
+The source is a tiny transformers model (tests/support/moe_more_helpers.py): every layer MoE with experts
 stacked per layer as transformers saves them (gate_up_proj [E, hidden, 2·I], gate/up interleaved),
 biases on every linear and on the router, attention sinks, a window of 4 on alternate layers, the
 clamped GLU with a limit low enough to bite, and a vocab that is not a multiple of 128. RoPE is plain
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_helpers import (
+from support.hf_helpers import (
     assert_same_hf_tensors,
     edit_json,
     hf_logits,
@@ -25,7 +25,7 @@ from hf_helpers import (
     read_megatron_tp_ranks,
     rewrite_as_single_file,
 )
-from moe_more_helpers import GPT_OSS_KWARGS, assert_same_release, first_rank_args, gpt_oss_tp_logits, save_gpt_oss
+from support.moe_more_helpers import GPT_OSS_KWARGS, assert_same_release, first_rank_args, gpt_oss_tp_logits, save_gpt_oss
 
 import pgconvert
 from pgconvert.errors import CheckpointError
@@ -125,7 +125,7 @@ def _copy(source: Path, tmp_path: Path) -> Path:
     return Path(shutil.copytree(source, tmp_path / "src"))
 
 
-# The released checkpoints' RoPE (openai/gpt-oss-20b config.json), carried by pgconvert.yarn.
+# The released checkpoints' RoPE (openai/gpt-oss-20b config.json), carried by pgconvert.semantics.yarn.
 RELEASED_YARN = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
                  "truncate": False, "original_max_position_embeddings": 4096}
 

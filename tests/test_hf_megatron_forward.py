@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_helpers import (
+from support.hf_helpers import (
     FAMILY_MODELS,
     build_hf_model,
     hf_logits,
@@ -68,7 +68,7 @@ def test_reference_forward_pass_detects_swapped_gate_and_up(tmp_path: Path) -> N
 ], ids=["local-llama", "te-llama", "te-qwen3"])
 def test_native_megatron_checkpoint_becomes_an_hf_model_with_the_same_logits(
         tmp_path: Path, impl: str, qk_layernorm: bool, architecture: str) -> None:
-    from megatron_fixtures import TinyModel, make_full_model, write_megatron_checkpoint
+    from support.megatron_fixtures import TinyModel, make_full_model, write_megatron_checkpoint
 
     tiny = TinyModel(
         num_layers=4, hidden_size=64, num_attention_heads=16, num_query_groups=8, kv_channels=4,

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed
-from hf_helpers import (
+from support.hf_helpers import (
     FAMILY_MODELS,
     MOE_FAMILIES,
     assert_same_hf_tensors,
@@ -32,10 +32,10 @@ from hf_helpers import (
 )
 
 import pgconvert
-from pgconvert.config import ModelConfig
+from pgconvert.model.config import ModelConfig
 from pgconvert.errors import CheckpointError, ConfigError
 from pgconvert.families import FAMILIES, Family
-from pgconvert.hf_format import family_mismatches, hf_config_from_model, infer_family
+from pgconvert.formats.hf import family_mismatches, hf_config_from_model, infer_family
 
 # (tp, ep, pp, expert naming of the Megatron files)
 LAYOUTS = [
@@ -287,7 +287,7 @@ def test_qwen3_moe_source_without_top_k_renormalization_is_carried_as_pre_softma
     pgconvert.convert(tmp_path / "megatron", tmp_path / "hf", dst_format="hf", dst_tp=1, dst_pp=1, dst_ep=1)
 
     assert not any("norm_topk_prob" in notice for notice in report.notices)
-    from pgconvert.inspection import inspect
+    from pgconvert.run.inspection import inspect
 
     assert inspect(tmp_path / "megatron").model_config["moe_router_pre_softmax"] is True
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["norm_topk_prob"] is False
@@ -356,7 +356,7 @@ def test_mixtral_refuses_a_model_with_dense_layers() -> None:
 
 @pytest.mark.parametrize("architecture", sorted(FAMILIES))
 def test_every_family_table_fills_every_canonical_tensor_of_the_models_it_accepts(architecture: str) -> None:
-    from pgconvert.provider import canonical_names
+    from pgconvert.model.provider import canonical_names
 
     family = FAMILIES[architecture]
     fixed = {**family.fixed, **_RULE_EXTRAS.get(architecture, {}), **_FAMILY_NEEDS.get(architecture, {})}
@@ -419,7 +419,7 @@ def test_qwen3_moe_checkpoint_with_experts_on_a_dense_layer_is_refused(moe_sourc
 def _native_moe_checkpoint(tmp_path: Path, **changes: object) -> Path:
     """conftest.MOE (8 experts, layer 1 dense, shared experts, expert bias) with ``changes``, at TP2/EP2."""
     from conftest import MOE
-    from megatron_fixtures import make_full_model, write_megatron_checkpoint
+    from support.megatron_fixtures import make_full_model, write_megatron_checkpoint
 
     tiny = replace(MOE, **changes)
     generator = torch.Generator().manual_seed(13)

@@ -1,7 +1,7 @@
 """f17a families (Qwen2-MoE, …): HF -> Megatron -> torch_dist -> HF is bit-exact, the Megatron
 rank files compute the HF model's logits, and config, generation config and tokenizer files survive.
 
-The fixtures (tests/hf_more_helpers.py) switch each family's own options on; the semantic check reads
+The fixtures (tests/support/hf_more_helpers.py) switch each family's own options on; the semantic check reads
 the TP-sharded rank files and their args with torch.load, never through pgconvert's merge.
 """
 
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_helpers import assert_same_hf_tensors, edit_json, hf_logits, read_megatron_tp_ranks
-from hf_more_helpers import MODEL_VOCAB, MOE_FAMILIES, build_model, input_ids, megatron_args, reference_logits, save_model
+from support.hf_helpers import assert_same_hf_tensors, edit_json, hf_logits, read_megatron_tp_ranks
+from support.hf_more_helpers import MODEL_VOCAB, MOE_FAMILIES, build_model, input_ids, megatron_args, reference_logits, save_model
 
 import pgconvert
 from pgconvert.errors import StrictModeError
@@ -170,7 +170,7 @@ def test_native_megatron_granite_without_carried_config_is_written_as_granite(
 
 
 def test_granite_model_written_as_llama_is_refused_under_strict_naming_the_multipliers(tmp_path: Path) -> None:
-    from pgconvert.config import ModelConfig
+    from pgconvert.model.config import ModelConfig
     from pgconvert.semantics import hf_losses
 
     config = ModelConfig(num_layers=2, hidden_size=8, num_attention_heads=2, ffn_hidden_size=8, vocab_size=10,
@@ -289,7 +289,7 @@ def test_ministral_without_layer_types_windows_every_layer(sources: dict[str, Pa
 
 def test_phi3_fused_qkv_is_regrouped_per_query_group_in_megatron(sources: dict[str, Path], tmp_path: Path) -> None:
     """qkv_proj is [q0..q3; k0 k1; v0 v1]; TP rank 1's linear_qkv is group 1: [q2 q3 k1 v1]."""
-    from hf_helpers import load_hf_tensors
+    from support.hf_helpers import load_hf_tensors
 
     hf = load_hf_tensors(sources["phi3"])["model.layers.1.self_attn.qkv_proj.weight"]
     pgconvert.convert(sources["phi3"], tmp_path / "megatron", dst_format="megatron", dst_tp=2)

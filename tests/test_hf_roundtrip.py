@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed
 from click.testing import CliRunner
-from hf_helpers import (
+from support.hf_helpers import (
     ARCHITECTURE_AFTER_MEGATRON,
     FAMILY_MODELS,
     TOKENIZER_CONTENT,
@@ -139,7 +139,7 @@ def test_cli_dry_run_lists_hf_shards_and_writes_nothing(hf_sources: dict[str, Pa
 
 
 def test_tied_checkpoint_that_also_stores_lm_head_is_accepted(hf_sources: dict[str, Path], tmp_path: Path) -> None:
-    from hf_helpers import rewrite_as_single_file
+    from support.hf_helpers import rewrite_as_single_file
 
     src = tmp_path / "src"
     shutil.copytree(hf_sources["qwen2"], src)
@@ -155,7 +155,7 @@ def test_safetensors_shards_are_hashed_as_written_not_read_back(hf_sources: dict
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     import hashlib
 
-    import pgconvert.manifest as manifest
+    import pgconvert.run.manifest as manifest
 
     pgconvert.convert(hf_sources[FAMILIES[0]], tmp_path / "megatron", dst_format="megatron", dst_tp=2)
     real_hash_file = manifest.hash_file

@@ -3,7 +3,7 @@
 HF -> Megatron / torch_dist -> HF gives back the same config.json (architecture, RoPE scaling,
 sliding window, token ids and every other key), generation_config.json, tokenizer files and chat
 template, byte for byte, and the same logits in transformers. The sources are tiny releases written
-by transformers' own save_pretrained (tests/hf_side_helpers.py).
+by transformers' own save_pretrained (tests/support/hf_side_helpers.py).
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from hf_side_helpers import RELEASES, input_ids, logits, save_release
+from support.hf_side_helpers import RELEASES, input_ids, logits, save_release
 
 import pgconvert
 from pgconvert.cli import main
 from pgconvert.errors import CheckpointError, ConfigError, StrictModeError
-from pgconvert.inspection import inspect
+from pgconvert.run.inspection import inspect
 
 SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -258,12 +258,12 @@ def test_hostile_hf_folder_is_refused(release: Callable[[str, str], Path], tmp_p
 
 def test_side_file_over_the_size_limit_is_refused(release: Callable[[str, str], Path], tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    import pgconvert.hf_side
-    import pgconvert.limits
+    import pgconvert.formats.hf_side
+    import pgconvert.io.limits
 
     size = (release("qwen3") / "tokenizer.json").stat().st_size
-    monkeypatch.setattr(pgconvert.hf_side, "MAX_SIDE_FILE_BYTES", size - 1)
-    monkeypatch.setattr(pgconvert.limits, "MAX_SIDE_FILE_BYTES", size - 1)
+    monkeypatch.setattr(pgconvert.formats.hf_side, "MAX_SIDE_FILE_BYTES", size - 1)
+    monkeypatch.setattr(pgconvert.io.limits, "MAX_SIDE_FILE_BYTES", size - 1)
 
     with pytest.raises(CheckpointError, match=f"tokenizer.json: the side file's size in bytes is {size}, over "
                                               f"pgconvert's limit MAX_SIDE_FILE_BYTES={size - 1}"):

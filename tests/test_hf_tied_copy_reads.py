@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_helpers import build_hf_model, rewrite_as_single_file, save_hf_model
+from support.hf_helpers import build_hf_model, rewrite_as_single_file, save_hf_model
 
 from pgconvert.errors import CheckpointError
 from pgconvert.formats import LoadOptions
 from pgconvert.loaders.hf import HFLoader
-from pgconvert.provider import WORD_EMBEDDINGS
-from pgconvert.rules import VOCAB
+from pgconvert.model.provider import WORD_EMBEDDINGS
+from pgconvert.model.rules import VOCAB
 
 MISMATCH = r"lm_head.weight differs from model.embed_tokens.weight, but config.json ties them"
 

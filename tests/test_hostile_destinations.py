@@ -10,15 +10,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_helpers import assert_clean_refusal, run_cli
+from support.cli_helpers import assert_clean_refusal, run_cli
 from conftest import GQA_SWIGLU
-from megatron_fixtures import make_full_model, merge_megatron_checkpoint, write_megatron_checkpoint
+from support.megatron_fixtures import make_full_model, merge_megatron_checkpoint, write_megatron_checkpoint
 
 import pgconvert
 import pgconvert.cli
-from pgconvert.destination import NAME_MAX, RETIRED_MARKER, sibling
+from pgconvert.run.destination import NAME_MAX, RETIRED_MARKER, sibling
 
-convert_module = sys.modules["pgconvert.convert"]  # the package's ``convert`` is the function
+convert_module = sys.modules["pgconvert.run.convert"]  # the package's ``convert`` is the function
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +105,7 @@ def test_dst_name_over_name_max_is_refused_up_front(src: Path, tmp_path: Path) -
 
 def _killed_between_renames(src: Path, dst: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """An --overwrite run that dies (SIGKILL: no clean-up) after renaming DST aside."""
-    import pgconvert.destination as destination
+    import pgconvert.run.destination as destination
 
     real_retire = destination.retire
 

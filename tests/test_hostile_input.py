@@ -18,10 +18,10 @@ import pytest
 import torch
 from click.testing import CliRunner, Result
 from conftest import GQA_SWIGLU
-from megatron_fixtures import load_for_test, make_full_model, merge_megatron_checkpoint, write_megatron_checkpoint
+from support.megatron_fixtures import load_for_test, make_full_model, merge_megatron_checkpoint, write_megatron_checkpoint
 
 import pgconvert
-from pgconvert import limits
+from pgconvert.io import limits
 from pgconvert.cli import main
 
 

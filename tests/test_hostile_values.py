@@ -16,14 +16,14 @@ from typing import Any
 
 import pytest
 import torch
-from cli_helpers import assert_clean_refusal, run_cli
+from support.cli_helpers import assert_clean_refusal, run_cli
 from conftest import GQA_SWIGLU, MOE
-from megatron_fixtures import load_for_test, make_full_model, write_megatron_checkpoint
+from support.megatron_fixtures import load_for_test, make_full_model, write_megatron_checkpoint
 
 import pgconvert
 from pgconvert.errors import CheckpointError, LayoutError, PgconvertError
-from pgconvert.layout_spec import LayoutSpec
-from pgconvert.rules import Replicated, ReplicaMismatchError, bitwise_equal
+from pgconvert.model.layout_spec import LayoutSpec
+from pgconvert.model.rules import Replicated, ReplicaMismatchError, bitwise_equal
 
 NORM = "decoder.layers.1.input_layernorm.weight"
 
@@ -115,7 +115,7 @@ def test_replicas_that_really_differ_are_still_refused_naming_both_files(src: Pa
 def _disk_filling_after(nbytes: int) -> Iterator[None]:
     """Writes to the checkpoint's data file fail with ENOSPC once ``nbytes`` bytes are written, as
     on a real full disk (the torch_dist saver streams that file through ``HashingWriter``)."""
-    from pgconvert.hashing import HashingWriter
+    from pgconvert.io.hashing import HashingWriter
 
     real = HashingWriter.write
     written = 0

@@ -13,15 +13,20 @@ PACKAGE = Path(pgconvert.__file__).parent
 # Modules of the repository folders installed as pgconvert.loaders / pgconvert.savers.
 FOLDERS = {"pgconvert": PACKAGE, "pgconvert.loaders": PACKAGE.parent / "loaders",
            "pgconvert.savers": PACKAGE.parent / "savers"}
-ORCHESTRATION = {"pgconvert.convert", "pgconvert.parallel", "pgconvert.workers", "pgconvert.manifest",
-                 "pgconvert.batch", "pgconvert.inspection", "pgconvert.verification", "pgconvert.registry"}
+ORCHESTRATION = {"pgconvert.run.convert", "pgconvert.run.sharded", "pgconvert.run.workers", "pgconvert.run.manifest",
+                 "pgconvert.run.batch", "pgconvert.run.inspection", "pgconvert.run.verification", "pgconvert.formats.registry"}
 
 
 def _modules() -> dict[str, Path]:
     found = {}
     for package, folder in FOLDERS.items():
-        for path in sorted(folder.glob("*.py")):
-            found[package if path.stem == "__init__" else f"{package}.{path.stem}"] = path
+        for path in sorted(folder.rglob("*.py")):
+            parts = path.relative_to(folder).with_suffix("").parts
+            if parts[0] in ("loaders", "savers") and package == "pgconvert":
+                continue
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            found[".".join((package, *parts))] = path
     return found
 
 
@@ -42,7 +47,8 @@ def _imports(path: Path) -> set[str]:
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names if alias.name.split(".")[0] == "pgconvert")
         elif isinstance(node, ast.ImportFrom) and node.module == "pgconvert":
-            names.update(f"pgconvert.{alias.name}" if (PACKAGE / f"{alias.name}.py").is_file() else "pgconvert"
+            names.update(f"pgconvert.{alias.name}" if (PACKAGE / f"{alias.name}.py").is_file()
+                         or (PACKAGE / alias.name / "__init__.py").is_file() else "pgconvert"
                          for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "pgconvert":
             names.add(node.module)

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 from conftest import GQA_SWIGLU
-from megatron_fixtures import make_full_model, write_megatron_checkpoint
+from support.megatron_fixtures import make_full_model, write_megatron_checkpoint
 
 import pgconvert
 from pgconvert.cli import main
 from pgconvert.formats import RELEASE
-from pgconvert.manifest import MANIFEST_FILE
-from pgconvert.registry import get_loader
+from pgconvert.run.manifest import MANIFEST_FILE
+from pgconvert.formats.registry import get_loader
 
 TRACKER = "latest_checkpointed_iteration.txt"
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pgconvert.layout import ParallelLayout
+from pgconvert.model.layout import ParallelLayout
 
 pytest.importorskip("megatron.core")
 

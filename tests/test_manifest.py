@@ -12,14 +12,14 @@ import pytest
 import torch
 from click.testing import CliRunner
 from conftest import GQA_SWIGLU
-from megatron_fixtures import load_for_test, make_full_model, write_megatron_checkpoint
+from support.megatron_fixtures import load_for_test, make_full_model, write_megatron_checkpoint
 
 import pgconvert
 from pgconvert.cli import main
-from pgconvert.config import ModelConfig
+from pgconvert.model.config import ModelConfig
 from pgconvert.errors import CheckpointError
-from pgconvert.manifest import MANIFEST_FILE, file_problems, read_manifest
-from pgconvert.registry import saver_names
+from pgconvert.run.manifest import MANIFEST_FILE, file_problems, read_manifest
+from pgconvert.formats.registry import saver_names
 
 # The destination layout each format takes from a TP2 Megatron source (hf holds one unsharded model).
 TARGET_LAYOUTS = {"megatron": "tp=4,pp=2", "hf": "tp=1,pp=1"}

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import GQA_SWIGLU
-from megatron_fixtures import load_for_test, make_full_model, write_megatron_checkpoint
+from support.megatron_fixtures import load_for_test, make_full_model, write_megatron_checkpoint
 
 import pgconvert
 

@@ -28,12 +28,12 @@ with warnings.catch_warnings():
         reason="megatron-core is not installed (pip install 'megatron-core==0.16.1' --no-deps, "
         "the test extra); these tests load pgconvert's output into megatron-core's GPTModel",
     )
-    import mcore_helpers as mcore
+    import support.mcore_helpers as mcore
     import megatron.core.utils as mcore_utils
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import random as mcore_random
 
-from megatron_fixtures import (
+from support.megatron_fixtures import (
     TinyModel,
     _rank_state_dict,
     make_full_model,
@@ -260,10 +260,10 @@ def test_transformer_engine_names_are_megatron_cores_own_local_to_te_key_map() -
     names must be exactly that mapping of its local names (TE itself cannot be installed on CPU)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from pgconvert.config import ModelConfig
-    from pgconvert.grid import build_converter_process_groups
-    from pgconvert.layout import ParallelLayout
-    from pgconvert.provider import provide
+    from pgconvert.model.config import ModelConfig
+    from pgconvert.model.grid import build_converter_process_groups
+    from pgconvert.model.layout import ParallelLayout
+    from pgconvert.model.provider import provide
 
     keys_map = get_gpt_layer_local_spec(normalization="LayerNorm").submodules.sharded_state_dict_keys_map
     assert keys_map == {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",

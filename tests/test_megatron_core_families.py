@@ -3,7 +3,7 @@
 For every family whose computation megatron-core 0.16.1 expresses (docs/design.md, "megatron-core
 forward coverage"), the tiny transformers model is converted to Megatron (TP1; loading a TP1 rank
 file is not pgconvert's merge), megatron-core's GPTModel is built from the written args alone as
-megatron-LM's gpt_builder would (tests/mcore_helpers.py: local layer spec, or megatron-core's decoder
+megatron-LM's gpt_builder would (tests/support/mcore_helpers.py: local layer spec, or megatron-core's decoder
 block spec for MoE), loaded with ``strict=True``, and its logits are compared with transformers'.
 
 Each case also has its family's own setting knocked out of the written args (the window, the NoPE
@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import torch
-from hf_helpers import hf_logits, input_ids
+from support.hf_helpers import hf_logits, input_ids
 
 import pgconvert
 
@@ -38,7 +38,7 @@ RELEASED_YARN = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "b
 
 def _f17a(name: str, **overrides: Any) -> Callable[[Path], Path]:
     def save(path: Path) -> Path:
-        from hf_more_helpers import build_model, save_model
+        from support.hf_more_helpers import build_model, save_model
 
         return save_model(build_model(name, seed=3, **overrides), path)
     return save
@@ -46,7 +46,7 @@ def _f17a(name: str, **overrides: Any) -> Callable[[Path], Path]:
 
 def _glm4_moe(**overrides: Any) -> Callable[[Path], Path]:
     def save(path: Path) -> Path:
-        from moe_more_helpers import save_glm4_moe
+        from support.moe_more_helpers import save_glm4_moe
 
         return save_glm4_moe(path, seed=3, **overrides)
     return save
@@ -54,14 +54,14 @@ def _glm4_moe(**overrides: Any) -> Callable[[Path], Path]:
 
 def _gpt_oss(**overrides: Any) -> Callable[[Path], Path]:
     def save(path: Path) -> Path:
-        from moe_more_helpers import save_gpt_oss
+        from support.moe_more_helpers import save_gpt_oss
 
         return save_gpt_oss(path, seed=3, **overrides)
     return save
 
 
-# The tiny transformers models, each with its family's options on (tests/hf_more_helpers.py,
-# tests/moe_more_helpers.py).
+# The tiny transformers models, each with its family's options on (tests/support/hf_more_helpers.py,
+# tests/support/moe_more_helpers.py).
 SOURCES: dict[str, Callable[[Path], Path]] = {
     # shared expert with its sigmoid gate, a dense layer, q/k/v biases, windows on alternate layers,
     # softmax over all experts before top-k (no renormalization)
@@ -121,7 +121,7 @@ def _vocab(src: Path) -> int:
 
 
 def _rewrite_args(root: Path, changes: dict[str, Any]) -> None:
-    from hf_helpers import _load_rank
+    from support.hf_helpers import _load_rank
 
     for path in root.glob("iter_*/mp_rank_*/model_optim_rng.pt"):
         payload = _load_rank(path)
@@ -135,7 +135,7 @@ def _rewrite_args(root: Path, changes: dict[str, Any]) -> None:
 @pytest.mark.parametrize("source", sorted(SOURCES))
 def test_megatron_core_forward_of_the_written_checkpoint_equals_transformers(
         converted: Callable[[str], tuple[Path, Path]], source: str) -> None:
-    import mcore_helpers as mcore
+    import support.mcore_helpers as mcore
 
     src, megatron = converted(source)
     ids = input_ids(_vocab(src))
@@ -150,7 +150,7 @@ def test_megatron_core_forward_of_the_written_checkpoint_equals_transformers(
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_megatron_core_forward_sees_the_familys_own_setting(converted: Callable[[str], tuple[Path, Path]],
                                                             tmp_path: Path, case: str) -> None:
-    import mcore_helpers as mcore
+    import support.mcore_helpers as mcore
 
     src, megatron = converted(CASES[case][0])
     knocked_out = Path(shutil.copytree(megatron, tmp_path / "megatron"))
@@ -165,7 +165,7 @@ def test_megatron_core_forward_sees_the_familys_own_setting(converted: Callable[
 @pytest.mark.parametrize("case", ["qwen2_moe", "glm4_moe"])
 def test_megatron_core_forward_stage_by_stage_at_pp2_equals_transformers(tmp_path: Path, case: str) -> None:
     """megatron-core's MoE decoder block spec, sliced per stage by the args' pipeline layout."""
-    import mcore_helpers as mcore
+    import support.mcore_helpers as mcore
 
     src = SOURCES[case](tmp_path / "src")
     pgconvert.convert(src, tmp_path / "megatron", dst_format="megatron", dst_tp=1, dst_pp=2, dst_ep=1)

@@ -15,14 +15,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from checkpoint_compare import assert_same_ranks
+from support.checkpoint_compare import assert_same_ranks
 from conftest import GQA_SWIGLU
-from megatron_fixtures import (load_for_test, make_full_model, read_megatron_checkpoint, read_megatron_checkpoint_ranks,
+from support.megatron_fixtures import (load_for_test, make_full_model, read_megatron_checkpoint, read_megatron_checkpoint_ranks,
                                write_megatron_checkpoint)
 
 import pgconvert
-from pgconvert import megatron_format
-from pgconvert.megatron_format import _opaque, safe_torch_load
+from pgconvert.formats import megatron as megatron_format
+from pgconvert.formats.megatron import _opaque, safe_torch_load
 
 GOLDENS = Path(__file__).parent / "data" / "megatron_lm"
 CONVERT_PY = sorted(GOLDENS.glob("convert_py_core_tp*"))
@@ -227,7 +227,7 @@ def test_enums_are_written_back_as_megatron_classes(tmp_path: Path) -> None:
 def test_enums_unpickle_as_megatron_core_classes(tmp_path: Path) -> None:
     enums = pytest.importorskip("megatron.core.transformer.enums")
     from megatron.core.enums import ModelType
-    from pgconvert.megatron_format import SAFE_GLOBALS
+    from pgconvert.formats.megatron import SAFE_GLOBALS
 
     pgconvert.convert(CONVERT_PY[-1], tmp_path / "out", dst_tp=1)
     # megatron-core's classes where this version has them (a newer Megatron-LM wrote the golden).

@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import GQA_SWIGLU
-from megatron_fixtures import make_full_model, write_megatron_checkpoint
+from support.megatron_fixtures import make_full_model, write_megatron_checkpoint
 
-import pgconvert.memory as memory
+import pgconvert.io.memory as memory
 from pgconvert.formats import LoadOptions
-from pgconvert.memory import concat_releasing
-from pgconvert.registry import get_loader
-from pgconvert.rules import COLUMN, GATED, concatenating_with
+from pgconvert.io.memory import concat_releasing
+from pgconvert.formats.registry import get_loader
+from pgconvert.model.rules import COLUMN, GATED, concatenating_with
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
 

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoint_compare import assert_same_ranks
+from support.checkpoint_compare import assert_same_ranks
 from click.testing import CliRunner
 from conftest import GQA_SWIGLU, MOE, MOE_GROUPED_TE
-from megatron_fixtures import (
+from support.megatron_fixtures import (
     load_for_test,
     make_full_model,
     merge_megatron_checkpoint,

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import torch
 from click.testing import CliRunner
-from deepseek_helpers import CASES, logits
+from support.deepseek_helpers import CASES, logits
 from safetensors.torch import load_file, save_file
 
 import pgconvert
@@ -38,12 +38,11 @@ LAYERS = 4
 def _build(family: str) -> Any:
     """The transformers model with LAYERS + 1 layers, every weight seeded."""
     if family == "glm":
-        from moe_more_helpers import build_glm4_moe
+        from support.moe_more_helpers import build_glm4_moe
 
         return build_glm4_moe(num_hidden_layers=LAYERS + 1, n_routed_experts=8, n_group=2, topk_group=1)
-    from deepseek_helpers import build_deepseek
-    import deepseek_helpers
-
+    from support.deepseek_helpers import build_deepseek
+    import support.deepseek_helpers as deepseek_helpers
     version, kwargs = CASES["v3"]
     deepseek_helpers.CASES["mtp"] = (version, dict(kwargs, num_hidden_layers=LAYERS + 1))
     try:
@@ -169,7 +168,7 @@ def mtp_gpt_model(args: argparse.Namespace) -> Iterator[Any]:
     the model's fake groups (stage 0 of 1) while the model is in use."""
     from unittest import mock
 
-    import mcore_helpers as mcore
+    import support.mcore_helpers as mcore
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
@@ -178,7 +177,7 @@ def mtp_gpt_model(args: argparse.Namespace) -> Iterator[Any]:
     from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region as gather
     from megatron.core.transformer.multi_token_prediction import (MultiTokenPredictionBlockSubmodules,
                                                                    get_mtp_layer_spec)
-    from megatron_mla import CausalAttention, mla_config, mla_cpu_patches
+    from support.megatron_mla import CausalAttention, mla_config, mla_cpu_patches
 
     config = mla_config(args)
     config.mtp_num_layers = args.mtp_num_layers
@@ -209,7 +208,7 @@ def mtp_gpt_model(args: argparse.Namespace) -> Iterator[Any]:
 
 def test_megatron_core_gpt_model_with_mtp_loads_the_written_file_and_declares_its_torch_dist_keys(tmp_path: Path) -> None:
     pytest.importorskip("megatron.core", reason="megatron-core is not installed")
-    import mcore_helpers as mcore
+    import support.mcore_helpers as mcore
     from test_torch_dist_mcore import megatron_core_layout, read_layout
 
     src = with_mtp("v3", tmp_path / "hf")
@@ -344,7 +343,7 @@ def test_megatron_core_mtp_layer_forward_equals_a_plain_reference_on_the_hf_tens
     computation written in the test on the source's HF tensors: a swapped enorm/hnorm, a transposed
     or reordered eh_proj or a wrong final norm would differ."""
     pytest.importorskip("megatron.core", reason="megatron-core is not installed")
-    import mcore_helpers as mcore
+    import support.mcore_helpers as mcore
 
     src = with_mtp("v3", tmp_path / "hf")
     pgconvert.convert(src, tmp_path / "megatron", dst_format="megatron", dst_tp=1, dst_pp=1, dst_ep=1)

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from checkpoint_compare import read_dcp
-from cli_helpers import assert_clean_refusal
-from megatron_fixtures import load_for_test
+from support.checkpoint_compare import read_dcp
+from support.cli_helpers import assert_clean_refusal
+from support.megatron_fixtures import load_for_test
 from test_mtp import assert_same_tensors, from_args_alone, with_mtp
 
 import pgconvert

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 import torch.distributed
 from conftest import GQA_SWIGLU
-from megatron_fixtures import make_full_model, write_megatron_checkpoint
+from support.megatron_fixtures import make_full_model, write_megatron_checkpoint
 
 import pgconvert
 
@@ -28,7 +28,7 @@ def test_full_conversion_leaves_torch_distributed_uninitialised(tmp_path: Path) 
     assert torch.distributed.is_available()
     assert not torch.distributed.is_initialized()
     modules = _project_modules()
-    assert {"pgconvert.loaders.megatron", "pgconvert.savers.megatron", "pgconvert.grid", "pgconvert.provider"} <= {m.__name__ for m in modules}
+    assert {"pgconvert.loaders.megatron", "pgconvert.savers.megatron", "pgconvert.model.grid", "pgconvert.model.provider"} <= {m.__name__ for m in modules}
     rank_globals = [
         f"{module.__name__}.{name}"
         for module in modules

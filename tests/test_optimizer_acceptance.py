@@ -32,13 +32,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from mcore_optimizer_step import COLUMN_PARALLEL, GATED, ROW_PARALLEL
-from megatron_fixtures import allowed_globals, load_for_test
+from support.mcore_optimizer_step import COLUMN_PARALLEL, GATED, ROW_PARALLEL
+from support.megatron_fixtures import allowed_globals, load_for_test
 
 pytest.importorskip("megatron.core", reason="megatron-core's own optimizer is the acceptance check")
 
 GOLDENS = Path(__file__).parent / "data" / "megatron_lm"
-SCRIPT = Path(__file__).parent / "mcore_optimizer_step.py"
+SCRIPT = Path(__file__).parent / "support" / "mcore_optimizer_step.py"
 FP32_RTOL, FP32_ATOL = 1e-6, 1e-9
 BF16_RTOL, BF16_ATOL = 2 ** -7, 0.0
 KEYS = ("param", "exp_avg", "exp_avg_sq")
@@ -176,7 +176,7 @@ def _with_common_pt(iteration_dir: Path, copy: Path) -> Path:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import DefaultLoadPlanner
 
-    from pgconvert.megatron_format import FRAMEWORK_PICKLE
+    from pgconvert.formats.megatron import FRAMEWORK_PICKLE
 
     raw: dict[str, bytes] = {}
 

@@ -26,19 +26,19 @@ from typing import Any
 import pytest
 import torch
 
-from megatron_fixtures import assert_same_tree, load_for_test
-from pgconvert.grid import iter_ranks
-from pgconvert.megatron_format import config_from_args, layout_from_args
-from pgconvert.optimizer_map import (FlatParam, OptimizerRules, UnsupportedOptimizerError, bucket_ranges,
+from support.megatron_fixtures import assert_same_tree, load_for_test
+from pgconvert.model.grid import iter_ranks
+from pgconvert.formats.megatron import config_from_args, layout_from_args
+from pgconvert.optimizer.order import (FlatParam, OptimizerRules, UnsupportedOptimizerError, bucket_ranges,
                                      flat_buffers)
-from pgconvert.provider import OUTPUT_LAYER
+from pgconvert.model.provider import OUTPUT_LAYER
 
 pytest.importorskip("megatron.core", reason="megatron-core's own DDP is the reference")
 
 GOLDENS = Path(__file__).parent / "data" / "megatron_lm"
 # Megatron-LM's small training golden (hidden 16: its norms leave 48-element alignment gaps), TP2 DP2
 DP_RESHARDABLE = GOLDENS / "train_tp2dp2_distopt_dp_reshardable_torch_dist"
-LAYOUT_SCRIPT = Path(__file__).parent / "mcore_bucket_layout.py"
+LAYOUT_SCRIPT = Path(__file__).parent / "support" / "mcore_bucket_layout.py"
 # elements: one to three parameters per bucket; at TP2 the output layer (512) and the final norm (16) fill
 # the first, which then ends at an unaligned 528 (the coalesced buffer drops the 48-element gap after it)
 BUCKET = 513
@@ -267,7 +267,7 @@ def test_the_dp_reshardable_form_stores_one_record_per_bucket_and_round_trips(bu
     _assert_same_step(target, original, load_for_test(_rank0(golden))["args"], (BF16_RTOL, BF16_ATOL))
 
 
-TIED_SCRIPT = Path(__file__).parent / "mcore_tied_distopt.py"
+TIED_SCRIPT = Path(__file__).parent / "support" / "mcore_tied_distopt.py"
 BIG_GOLDEN = GOLDENS / "train_tp2dp2_distopt_bf16_torch"
 
 

@@ -18,11 +18,11 @@ import torch
 from click.testing import CliRunner, Result
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from cli_helpers import assert_clean_refusal
-from megatron_fixtures import allowed_globals, assert_same_tree, load_for_test
+from support.cli_helpers import assert_clean_refusal
+from support.megatron_fixtures import allowed_globals, assert_same_tree, load_for_test
 from pgconvert.cli import main
-from pgconvert.megatron_format import FRAMEWORK_PICKLE
-from pgconvert.torch_dist_format import read_dcp_metadata
+from pgconvert.formats.megatron import FRAMEWORK_PICKLE
+from pgconvert.formats.torch_dist import read_dcp_metadata
 
 GOLDENS = Path(__file__).parent / "data" / "megatron_lm"
 ITER = "iter_0000002"
@@ -317,7 +317,7 @@ def test_megatron_cores_distributed_optimizer_loads_the_dp_reshardable_scaler(tm
     scaler = _scaler(8192.0, 11, 1)
     td = _converted(_per_rank_fp16(tmp_path, scaler), tmp_path / "td", "--dst-format", "torch_dist", "--dst-tp", "1",
                     "--dst-optim-form", "dp_reshardable")
-    script = Path(__file__).parent / "mcore_dp_reshardable_load.py"
+    script = Path(__file__).parent / "support" / "mcore_dp_reshardable_load.py"
     subprocess.run([sys.executable, str(script), str(td / ITER), str(tmp_path / "out"), "1", "grad-scaler"],
                    check=True, timeout=600)
     loaded = torch.load(tmp_path / "out" / "rank0.pt", weights_only=True)

@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner, Result
-from megatron_fixtures import assert_same_tree, load_for_test
+from support.megatron_fixtures import assert_same_tree, load_for_test
 
 from pgconvert.cli import main
 from pgconvert.errors import ValidationError
-from pgconvert.layout import ParallelLayout
-from pgconvert.optimizer_dp import check_dst_dp
+from pgconvert.model.layout import ParallelLayout
+from pgconvert.optimizer.dp import check_dst_dp
 
 DISTOPT = Path(__file__).parent / "data" / "megatron_lm" / "train_tp2dp2_distopt_bf16_torch"
 ITER = "iter_0000002"

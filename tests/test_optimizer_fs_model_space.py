@@ -12,13 +12,13 @@ import pytest
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
-from cli_helpers import assert_clean_refusal
-from megatron_fixtures import load_for_test
+from support.cli_helpers import assert_clean_refusal
+from support.megatron_fixtures import load_for_test
 from pgconvert.formats import LoadOptions
-from pgconvert.optimizer_fs_model_space import chunk_shape, flatten, unflatten
-from pgconvert.optimizer_map import OptimizerLayoutError
-from pgconvert.registry import get_loader
-from pgconvert.torch_dist_format import read_dcp_metadata
+from pgconvert.optimizer.fs_model_space import chunk_shape, flatten, unflatten
+from pgconvert.optimizer.order import OptimizerLayoutError
+from pgconvert.formats.registry import get_loader
+from pgconvert.formats.torch_dist import read_dcp_metadata
 from test_optimizer_torch_dist import _assert_same_parameters as _assert_same
 from test_optimizer_torch_dist import _cli, _export
 

@@ -25,14 +25,14 @@ import pytest
 import torch
 from click.testing import CliRunner, Result
 
-from cli_helpers import assert_clean_refusal
-from megatron_fixtures import assert_same_tree, load_for_test
+from support.cli_helpers import assert_clean_refusal
+from support.megatron_fixtures import assert_same_tree, load_for_test
 from pgconvert.cli import main
 from pgconvert.formats import LoadOptions
-from pgconvert.grid import RankCoord
-from pgconvert.layout import ParallelLayout
+from pgconvert.model.grid import RankCoord
+from pgconvert.model.layout import ParallelLayout
 from pgconvert.loaders.megatron import MegatronSource
-from pgconvert.optimizer_map import OptimizerRules, chained_slots, flat_buffers, named_parameters
+from pgconvert.optimizer.order import OptimizerRules, chained_slots, flat_buffers, named_parameters
 
 pytest.importorskip("megatron.core", reason="megatron-core lays out the reference optimizer state")
 
@@ -40,7 +40,7 @@ from test_optimizer_moe import ITER, _files, _generate  # noqa: E402
 from test_optimizer_torch_dist_moe import _assert_optimizer_files_equal  # noqa: E402
 
 GROUPED = ("--dst-transformer-impl", "transformer_engine", "--dst-expert-layout", "grouped")
-BUFFER_SCRIPT = Path(__file__).parent / "mcore_grouped_buffer.py"
+BUFFER_SCRIPT = Path(__file__).parent / "support" / "mcore_grouped_buffer.py"
 MOE_LAYERS = (0, 2, 3)  # conftest.MOE: moe_layer_freq [1, 0, 1, 1]
 
 
@@ -221,7 +221,7 @@ def test_grouped_torch_dist_records_are_sequential_ones(distributed: Path, tmp_p
     # for bit.
     import torch.distributed.checkpoint as dcp
 
-    from pgconvert.torch_dist_format import read_dcp_metadata
+    from pgconvert.formats.torch_dist import read_dcp_metadata
 
     _convert(distributed.parent / "grouped", tmp_path / "grp", "--dst-format", "torch_dist")
     _convert(distributed, tmp_path / "seq", "--dst-format", "torch_dist", "--dst-transformer-impl", "transformer_engine")

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from megatron_fixtures import load_for_test
+from support.megatron_fixtures import load_for_test
 from test_torchzip import torch_save_bytes
 
-import pgconvert.torchzip as torchzip
+import pgconvert.io.torchzip as torchzip
 from pgconvert.cli import main
-from pgconvert.torchzip import PlannedTensor, TensorMismatchError, save_stream
+from pgconvert.io.torchzip import PlannedTensor, TensorMismatchError, save_stream
 
 DISTOPT = Path(__file__).parent / "data" / "megatron_lm" / "train_tp2dp2_distopt_bf16_torch"
 ITER = "iter_0000002"
@@ -88,9 +88,9 @@ def test_distrib_optim_buffers_are_written_one_parameter_at_a_time(tmp_path: Pat
 
 def test_opening_a_dp_reshardable_source_checks_the_masters_reading_only_them(monkeypatch: pytest.MonkeyPatch) -> None:
     from pgconvert.formats import LoadOptions
-    from pgconvert.loaders._torch_dist_reader import TorchDistSource
-    from pgconvert.optimizer_torch_dist import TorchDistOptimizerSource
-    from pgconvert.registry import get_loader
+    from pgconvert.loaders.torch_dist.reader import TorchDistSource
+    from pgconvert.optimizer.torch_dist import TorchDistOptimizerSource
+    from pgconvert.formats.registry import get_loader
 
     golden = DISTOPT.with_name("train_tp2dp2_distopt_dp_reshardable_torch_dist")
     read: list[str] = []

@@ -18,18 +18,18 @@ from unittest import mock
 
 import pytest
 from click.testing import CliRunner
-from megatron_fixtures import assert_same_tree, load_for_test
+from support.megatron_fixtures import assert_same_tree, load_for_test
 
 import pgconvert
 from pgconvert.cli import main
 from pgconvert.formats import LoadOptions
 from pgconvert.loaders.megatron import MegatronSource
-from pgconvert.megatron_format import safe_torch_load
-from pgconvert.optimizer_map import OptimizerRules, chained_slots, flat_buffers
+from pgconvert.formats.megatron import safe_torch_load
+from pgconvert.optimizer.order import OptimizerRules, chained_slots, flat_buffers
 
 pytest.importorskip("megatron.core", reason="megatron-core lays out the reference optimizer state")
 
-SCRIPT = Path(__file__).parent / "mcore_mla_optimizer.py"
+SCRIPT = Path(__file__).parent / "support" / "mcore_mla_optimizer.py"
 MTP = "mtp.layers.0."
 MTP_ATTENTION = MTP + "transformer_layer.self_attention."
 # name -> (DeepSeek case, tp, pp, ep, apply_wd_to_qk_layernorm)
@@ -38,7 +38,7 @@ CASES = {"tp2ep2": ("v3", 2, 1, 2, False), "pp2": ("v3", 1, 2, 1, False), "qkwd"
 
 
 def _hf(root: Path, case: str) -> Path:
-    import deepseek_helpers
+    import support.deepseek_helpers as deepseek_helpers
     from test_mtp import with_mtp
 
     with mock.patch.dict(deepseek_helpers.CASES, {"v3": deepseek_helpers.CASES[case]}):
@@ -224,8 +224,8 @@ def test_a_spec_change_that_moves_the_q_norm_between_weight_decay_groups_says_so
 
 
 def test_an_unknown_parameter_of_an_mtp_layer_is_still_refused_by_name() -> None:
-    from pgconvert.optimizer_map import UnsupportedOptimizerError, _order_key
-    from pgconvert.provider import REPLICATED, TensorSpec
+    from pgconvert.optimizer.order import UnsupportedOptimizerError, _order_key
+    from pgconvert.model.provider import REPLICATED, TensorSpec
 
     spec = TensorSpec(MTP + "transformer_layer.self_attention.linear_bogus.weight", "x", (1,), (1,), REPLICATED, 0, 1)
     name = re.escape(spec.local_name)

@@ -16,17 +16,17 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner, Result
-from megatron_fixtures import assert_same_tree, load_for_test
+from support.megatron_fixtures import assert_same_tree, load_for_test
 
 from pgconvert.cli import main
 from pgconvert.formats import LoadOptions
 from pgconvert.loaders.megatron import MegatronSource
-from pgconvert.megatron_format import safe_torch_load
-from pgconvert.optimizer_map import OptimizerRules, chained_slots
+from pgconvert.formats.megatron import safe_torch_load
+from pgconvert.optimizer.order import OptimizerRules, chained_slots
 
 pytest.importorskip("megatron.core", reason="megatron-core lays out the reference optimizer state")
 
-SCRIPT = Path(__file__).parent / "mcore_moe_optimizer.py"
+SCRIPT = Path(__file__).parent / "support" / "mcore_moe_optimizer.py"
 ITER = "iter_0000002"
 
 

@@ -17,10 +17,10 @@ import torch
 
 from click.testing import Result
 from pgconvert.loaders.megatron import MegatronSource
-from megatron_fixtures import assert_same_tree, load_for_test
+from support.megatron_fixtures import assert_same_tree, load_for_test
 from pgconvert.formats import LoadOptions
-from pgconvert.megatron_format import safe_torch_load
-from pgconvert.optimizer_map import (OptimizerLayoutError, OptimizerRules, UnsupportedOptimizerError,
+from pgconvert.formats.megatron import safe_torch_load
+from pgconvert.optimizer.order import (OptimizerLayoutError, OptimizerRules, UnsupportedOptimizerError,
                                      check_param_groups, check_state_shapes, optimizer_slots)
 
 GOLDENS = Path(__file__).parent / "data" / "megatron_lm"
@@ -449,7 +449,7 @@ def test_the_virtual_pipeline_positions_are_megatron_cores_param_groups(tmp_path
     state = safe_torch_load(path)
     slots = optimizer_slots(source.config, source.layout, coord, OptimizerRules.from_args(state["args"], str(path)),
                             source.vocab_rows)
-    script = Path(__file__).parent / "mcore_vpp_param_groups.py"
+    script = Path(__file__).parent / "support" / "mcore_vpp_param_groups.py"
     done = subprocess.run([sys.executable, "-W", "ignore", str(script), str(path)], capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import torch
 from click.testing import CliRunner, Result
-from megatron_fixtures import assert_same_tree, load_for_test
+from support.megatron_fixtures import assert_same_tree, load_for_test
 
 from pgconvert.cli import main
 from pgconvert.formats import LoadOptions
 from pgconvert.loaders.megatron import MegatronSource
-from pgconvert.optimizer_map import optimizer_slots
+from pgconvert.optimizer.order import optimizer_slots
 
 GOLDENS = Path(__file__).parent / "data" / "megatron_lm"
 PLAIN = GOLDENS / "train_tp2pp2_torch"

@@ -14,13 +14,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 from click.testing import CliRunner, Result
 
-from cli_helpers import assert_clean_refusal
-from megatron_fixtures import load_for_test
+from support.cli_helpers import assert_clean_refusal
+from support.megatron_fixtures import load_for_test
 from pgconvert.cli import main
 from pgconvert.formats import LoadOptions
-from pgconvert.optimizer_map import OptimizerLayoutError, UnsupportedOptimizerError
-from pgconvert.registry import get_loader
-from pgconvert.torch_dist_format import read_dcp_metadata
+from pgconvert.optimizer.order import OptimizerLayoutError, UnsupportedOptimizerError
+from pgconvert.formats.registry import get_loader
+from pgconvert.formats.torch_dist import read_dcp_metadata
 
 GOLDENS = Path(__file__).parent / "data" / "megatron_lm"
 FORMS = ("dp_reshardable", "fully_reshardable")
@@ -48,7 +48,7 @@ def _assert_same_parameters(a: dict[str, dict[str, torch.Tensor]], b: dict[str, 
 
 
 def _open(golden: Path):  # noqa: ANN202
-    from pgconvert.optimizer_torch_dist import TorchDistOptimizerSource
+    from pgconvert.optimizer.torch_dist import TorchDistOptimizerSource
 
     source = get_loader("torch_dist").open(golden, LoadOptions())
     return source, TorchDistOptimizerSource(source)
@@ -195,7 +195,7 @@ def test_a_flat_buffer_of_the_wrong_size_is_a_named_error(tmp_path: Path) -> Non
 
 
 def test_an_unknown_sharding_type_and_an_unread_one_are_named_errors() -> None:
-    from pgconvert.optimizer_torch_dist import TorchDistOptimizerSource
+    from pgconvert.optimizer.torch_dist import TorchDistOptimizerSource
 
     source = get_loader("torch_dist").open(GOLDEN["fully_reshardable"], LoadOptions())
     source.common_state["optimizer"]["param_state_sharding_type"] = "bucket_space_v9"
@@ -313,8 +313,8 @@ def test_a_second_bucket_is_refused_naming_the_record(tmp_path: Path) -> None:
 @pytest.mark.parametrize("form", PRESENT)
 def test_reads_are_one_parameters_range_not_a_whole_bucket(tmp_path: Path, form: str,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    from pgconvert.loaders._torch_dist_reader import TorchDistSource
-    from pgconvert.optimizer_reshard import export_parameters
+    from pgconvert.loaders.torch_dist.reader import TorchDistSource
+    from pgconvert.optimizer.reshard import export_parameters
 
     requested: list[int] = []
     read = TorchDistSource._read

@@ -11,13 +11,13 @@ import pytest
 import torch
 from click.testing import CliRunner, Result
 
-from cli_helpers import assert_clean_refusal
-from dp_records import assert_records_equal, optimizer_entries
-from megatron_fixtures import load_for_test
+from support.cli_helpers import assert_clean_refusal
+from support.dp_records import assert_records_equal, optimizer_entries
+from support.megatron_fixtures import load_for_test
 from pgconvert.cli import main
 from pgconvert.errors import ValidationError
 from pgconvert.formats import LoadOptions
-from pgconvert.registry import get_loader
+from pgconvert.formats.registry import get_loader
 
 GOLDENS = Path(__file__).parent / "data" / "megatron_lm"
 TP2DP2 = GOLDENS / "train_tp2dp2_distopt_dp_reshardable_torch_dist"
@@ -111,7 +111,7 @@ def test_megatron_core_loads_the_written_dp_reshardable_state_at_dp1_and_dp2(tmp
     _convert(TP2DP2, tmp_path / "tp1", "--dst-tp", "1", "--dst-optim-form", "dp_reshardable")
     result = _cli("export-optimizer", TP2DP2, tmp_path / "reference")
     assert result.exit_code == 0, result.output
-    script = Path(__file__).parent / "mcore_dp_reshardable_load.py"
+    script = Path(__file__).parent / "support" / "mcore_dp_reshardable_load.py"
     for dp in (1, 2):
         out = tmp_path / f"dp{dp}"
         subprocess.run([sys.executable, str(script), str(tmp_path / "tp1" / ITERATION), str(out), str(dp)],

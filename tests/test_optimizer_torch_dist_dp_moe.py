@@ -20,11 +20,11 @@ import pytest
 import torch
 from click.testing import CliRunner, Result
 
-from cli_helpers import assert_clean_refusal
-from dp_records import FIELDS, assert_records_equal, optimizer_entries
-from megatron_fixtures import load_for_test
+from support.cli_helpers import assert_clean_refusal
+from support.dp_records import FIELDS, assert_records_equal, optimizer_entries
+from support.megatron_fixtures import load_for_test
 from pgconvert.cli import main
-from pgconvert.torch_dist_format import read_dcp_metadata
+from pgconvert.formats.torch_dist import read_dcp_metadata
 
 pytest.importorskip("megatron.core", reason="megatron-core lays out, loads and saves the reference state")
 
@@ -56,7 +56,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("dpmoe")
     source = _generate(root / "dist", 2, 1, 2, "distributed")
     _convert(source, root / "ours", "--dst-format", "torch_dist", *DP4, "--dst-optim-form", "dp_reshardable")
-    script = Path(__file__).parent / "mcore_moe_dp_reshardable.py"
+    script = Path(__file__).parent / "support" / "mcore_moe_dp_reshardable.py"
     done = subprocess.run([sys.executable, "-W", "ignore", str(script), str(root / "ours" / ITER), str(root / "mc")],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -195,10 +195,10 @@ def test_record_prefixes_are_the_ranks_in_megatron_cores_model_parallel_groups()
     # as initialize_model_parallel builds both grids
     from megatron.core.parallel_state import RankGenerator
 
-    from pgconvert.config import ModelConfig
-    from pgconvert.grid import RankCoord
-    from pgconvert.layout import ParallelLayout
-    from pgconvert.optimizer_torch_dist_dp import optimizer_dp, record_prefix
+    from pgconvert.model.config import ModelConfig
+    from pgconvert.model.grid import RankCoord
+    from pgconvert.model.layout import ParallelLayout
+    from pgconvert.optimizer.torch_dist_dp import optimizer_dp, record_prefix
 
     order = "tp-cp-ep-dp-pp"
     dense = RankGenerator(tp=2, ep=1, dp=4, pp=2, cp=1, order=order, rank_offset=0)

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from dp_records import bucket_masks, optimizer_entries, read_objects, torch_read
+from support.dp_records import bucket_masks, optimizer_entries, read_objects, torch_read
 from test_optimizer_torch_dist_dp import ITERATION, OWN_LAYOUT, TP2DP2, TP2PP2, _assert_records_equal, _cli, _convert
 
 PP2_VPP2 = ("--dst-pp", "2", "--dst-pipeline-layout", "E|t|t|L")
@@ -72,7 +72,7 @@ def test_a_per_rank_distributed_optimizer_numbers_only_the_chunks_that_have_para
 
 # ----------------------------------------------------------------------------- megatron-core's own load and save
 
-SCRIPT = Path(__file__).parent / "mcore_vpp_dp_reshardable.py"
+SCRIPT = Path(__file__).parent / "support" / "mcore_vpp_dp_reshardable.py"
 # The TP2 DP2 golden re-laid out for DDP buckets of 200 elements on the first chunk (test_optimizer_buckets)
 BUCKETING = {"overlap_grad_reduce": True, "ddp_bucket_size": 200}
 MCORE_CASES = {
@@ -121,7 +121,7 @@ def _assert_saved_back_the_same(written: Path, mcore: Path, ranks: list[dict[str
 def _assert_loaded_the_reference(reference: Path, ranks: list[dict[str, Any]]) -> None:
     """What each DP rank's optimizer holds is its slice of its TP piece of the source's per-parameter state
     (the golden's SwiGLU model: ``mcore_optimizer_step.tp_piece``); over the DP ranks, all of it."""
-    from mcore_optimizer_step import tp_piece
+    from support.mcore_optimizer_step import tp_piece
 
     tp = 1 + max(rank["coord"][0] for rank in ranks)
     covered: dict[tuple[str, int], int] = {}

@@ -18,14 +18,14 @@ import pytest
 import torch
 from click.testing import CliRunner, Result
 
-from cli_helpers import assert_clean_refusal
-from megatron_fixtures import load_for_test
+from support.cli_helpers import assert_clean_refusal
+from support.megatron_fixtures import load_for_test
 from pgconvert.cli import main
-from pgconvert.torch_dist_format import read_dcp_metadata
+from pgconvert.formats.torch_dist import read_dcp_metadata
 
 pytest.importorskip("megatron.core", reason="megatron-core lays out the reference optimizer state")
 
-from megatron_fixtures import assert_same_tree  # noqa: E402
+from support.megatron_fixtures import assert_same_tree  # noqa: E402
 from test_optimizer_moe import ITER, _files, _generate  # noqa: E402
 
 FIELDS = ("param", "exp_avg", "exp_avg_sq")
@@ -174,7 +174,7 @@ def test_megatron_core_declares_loads_and_saves_back_the_same_records(distribute
     # records pgconvert wrote (keys, global shapes), dist_checkpointing.load reads them, and its own
     # fully_reshardable save of the loaded state holds the same records and param groups, bit for bit.
     _convert(distributed, tmp_path / "td", "--dst-format", "torch_dist")
-    script = Path(__file__).parent / "mcore_moe_fully_reshardable.py"
+    script = Path(__file__).parent / "support" / "mcore_moe_fully_reshardable.py"
     done = subprocess.run([sys.executable, "-W", "ignore", str(script), str(tmp_path / "td" / ITER), str(tmp_path / "mc")],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from cli_helpers import assert_clean_refusal
-from megatron_fixtures import load_for_test
+from support.cli_helpers import assert_clean_refusal
+from support.megatron_fixtures import load_for_test
 from test_optimizer_torch_dist import _assert_same_parameters as _assert_same
 from test_optimizer_torch_dist import _cli, _export, _rewrite_metadata, _torch_read
 
@@ -35,8 +35,8 @@ def _convert(src: Path, dst: Path, *flags: str) -> str:
 
 def test_megatron_lms_plain_records_are_read_per_parameter() -> None:
     from pgconvert.formats import LoadOptions
-    from pgconvert.optimizer_torch_dist import TorchDistOptimizerSource
-    from pgconvert.registry import get_loader
+    from pgconvert.optimizer.torch_dist import TorchDistOptimizerSource
+    from pgconvert.formats.registry import get_loader
 
     source = get_loader("torch_dist").open(PLAIN_TD, LoadOptions())
     try:
@@ -77,7 +77,7 @@ def test_plain_torch_dist_to_per_rank_and_torch_dist_tp1_and_back_is_bit_exact(t
 
 def load_for_test_common(golden: Path) -> dict:
     from pgconvert.formats import LoadOptions
-    from pgconvert.registry import get_loader
+    from pgconvert.formats.registry import get_loader
 
     source = get_loader("torch_dist").open(golden, LoadOptions())
     try:
@@ -94,7 +94,7 @@ def test_fp32_plain_optimizer_goes_into_torch_dist_without_masters_and_back(tmp_
         _assert_same(original, _export(tmp_path / name, tmp_path / f"ex_{name}"))
     common = load_for_test(tmp_path / "td1" / ITER / "common.pt")
     assert set(common["optimizer"]) == {"state", "param_groups"}  # FP32Optimizer: the torch optimizer's own
-    from pgconvert.torch_dist_format import read_dcp_metadata
+    from pgconvert.formats.torch_dist import read_dcp_metadata
 
     keys = set(read_dcp_metadata(tmp_path / "td1" / ITER / ".metadata").state_dict_metadata)
     assert not [key for key in keys if "fp32_param" in key] and "optimizer.state.exp_avg.output_layer.weight" in keys
@@ -141,8 +141,8 @@ def test_a_missing_record_and_a_wrong_shape_are_named_errors(tmp_path: Path) -> 
 
 
 def test_a_missing_common_step_is_a_named_error() -> None:
-    from pgconvert.optimizer_map import OptimizerLayoutError
-    from pgconvert.optimizer_torch_dist_plain import plain_step
+    from pgconvert.optimizer.order import OptimizerLayoutError
+    from pgconvert.optimizer.torch_dist_plain import plain_step
 
     entry = {"optimizer": {"state": {}, "param_groups": []}}
     with pytest.raises(OptimizerLayoutError, match="state.common_step = None"):
@@ -156,7 +156,7 @@ def test_a_moe_runs_chained_plain_optimizers_go_into_torch_dist_at_ep2_and_ep1_a
     pytest.importorskip("megatron.core", reason="megatron-core lays out the MoE optimizer state")
     from test_optimizer_moe import _assert_round_trip, _generate
 
-    from pgconvert.torch_dist_format import read_dcp_metadata
+    from pgconvert.formats.torch_dist import read_dcp_metadata
 
     src = _generate(tmp_path / "moe", 2, 1, 2, "bf16")  # TP2 x EP2: the dense and expert optimizers chained
     original = _export(src, tmp_path / "ex_src")
@@ -195,15 +195,15 @@ def test_megatron_core_loads_a_moe_runs_chained_plain_optimizers_from_pgconverts
     import subprocess
     import sys
 
-    from megatron_fixtures import assert_same_tree
+    from support.megatron_fixtures import assert_same_tree
     from test_optimizer_moe import _generate
     from test_optimizer_torch_dist_moe import _records
 
-    from pgconvert.torch_dist_format import read_dcp_metadata
+    from pgconvert.formats.torch_dist import read_dcp_metadata
 
     src = _generate(tmp_path / "moe", 2, 1, 2, "fp32")
     _convert(src, tmp_path / "td", "--dst-format", "torch_dist")
-    script = Path(__file__).parent / "mcore_moe_fully_reshardable.py"
+    script = Path(__file__).parent / "support" / "mcore_moe_fully_reshardable.py"
     done = subprocess.run([sys.executable, "-W", "ignore", str(script), str(tmp_path / "td" / ITER), str(tmp_path / "mc")],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -230,8 +230,8 @@ def test_megatron_core_loads_a_moe_runs_chained_plain_optimizers_from_pgconverts
 
 
 def test_chained_plain_optimizers_with_different_steps_or_forms_are_named_errors() -> None:
-    from pgconvert.optimizer_map import OptimizerLayoutError, UnsupportedOptimizerError
-    from pgconvert.optimizer_torch_dist_plain import plain_form, plain_step
+    from pgconvert.optimizer.order import OptimizerLayoutError, UnsupportedOptimizerError
+    from pgconvert.optimizer.torch_dist_plain import plain_form, plain_step
 
     fp32 = {"state": {"common_step": torch.tensor(2.0)}, "param_groups": []}
     assert float(plain_step({0: fp32, 1: dict(fp32)}, "fp32", "ckpt")) == 2.0

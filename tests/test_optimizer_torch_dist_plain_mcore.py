@@ -22,12 +22,12 @@ import torch
 
 pytest.importorskip("megatron.core", reason="megatron-core's own optimizer is the reference")
 
-from megatron_fixtures import load_for_test  # noqa: E402
+from support.megatron_fixtures import load_for_test  # noqa: E402
 from test_optimizer_acceptance import (BF16_ATOL, BF16_RTOL, FP32_ATOL, FP32_RTOL, KEYS, _assert_same_step,  # noqa: E402
                                        _fixed_gradients, _joined, _run, _with_common_pt)
 from test_optimizer_torch_dist import _cli, _export  # noqa: E402
 
-SCRIPT = Path(__file__).parent / "mcore_plain_torch_dist.py"
+SCRIPT = Path(__file__).parent / "support" / "mcore_plain_torch_dist.py"
 ARGS_FROM = Path(__file__).parent / "data" / "megatron_lm" / "train_tp2dp2_bf16_torch" / "iter_0000002"
 PLAIN_TD = Path(__file__).parent / "data" / "megatron_lm" / "train_tp2pp2_bf16_torch_dist"
 ITER = "iter_0000002"

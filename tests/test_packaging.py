@@ -23,8 +23,18 @@ def test_wheel_installs_only_pgconvert_top_level_names(installed: Path) -> None:
     tops = {p.name for p in installed.iterdir()
             if p.name != "bin" and not p.name.endswith((".dist-info", ".egg-info"))}
     assert tops == {"pgconvert"}
-    assert (installed / "pgconvert" / "loaders" / "hf.py").is_file()
-    assert (installed / "pgconvert" / "savers" / "megatron.py").is_file()
+    assert (installed / "pgconvert" / "loaders" / "hf" / "__init__.py").is_file()
+    assert (installed / "pgconvert" / "savers" / "megatron" / "__init__.py").is_file()
+
+
+def test_wheel_holds_every_module_of_the_repository(installed: Path) -> None:
+    """Every module of pgconvert/, loaders/ and savers/ (subpackages included) is in the wheel."""
+    expected = {path.relative_to(REPO).as_posix() for path in (REPO / "pgconvert").rglob("*.py")}
+    for folder in ("loaders", "savers"):
+        expected |= {f"pgconvert/{path.relative_to(REPO).as_posix()}" for path in (REPO / folder).rglob("*.py")}
+    found = {path.relative_to(installed).as_posix() for path in (installed / "pgconvert").rglob("*.py")}
+
+    assert sorted(expected - found) == []
 
 
 def test_installed_formats_load_from_a_directory_holding_its_own_loaders(installed: Path, tmp_path: Path) -> None:
@@ -32,7 +42,7 @@ def test_installed_formats_load_from_a_directory_holding_its_own_loaders(install
     (tmp_path / "loaders" / "__init__.py").write_text("raise ImportError('the wrong loaders package')\n")
     (tmp_path / "savers").mkdir()
     (tmp_path / "savers" / "__init__.py").write_text("raise ImportError('the wrong savers package')\n")
-    code = ("import pgconvert.registry as r; "
+    code = ("import pgconvert.formats.registry as r; "
             "print(sorted(type(r.get_loader(n)).__module__ for n in r.loader_names()));"
             "print(sorted(type(r.get_saver(n)).__module__ for n in r.saver_names()))")
     result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,

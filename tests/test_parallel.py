@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 from conftest import GQA_SWIGLU, MOE
-from megatron_fixtures import make_full_model, write_megatron_checkpoint
+from support.megatron_fixtures import make_full_model, write_megatron_checkpoint
 
 from pgconvert.cli import main
 from pgconvert.formats import PlannedFile
-from pgconvert.parallel import balanced_shares
+from pgconvert.run.sharded import balanced_shares
 
 TESTS = Path(__file__).parent
 
@@ -152,7 +152,7 @@ def test_two_process_torchrun_gives_the_single_process_output(src: Path, referen
 def test_a_failing_torchrun_process_fails_the_run_and_nothing_is_renamed(src: Path, tmp_path: Path) -> None:
     dst = tmp_path / "torchrun"
 
-    done = _torchrun(str(TESTS / "failing_rank_convert.py"), "1", "-q", *FLAGS, str(src), str(dst))
+    done = _torchrun(str(TESTS / "support" / "failing_rank_convert.py"), "1", "-q", *FLAGS, str(src), str(dst))
 
     assert done.returncode != 0
     assert "Input/output error (injected)" in done.stdout + done.stderr

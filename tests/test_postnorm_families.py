@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_helpers import assert_same_hf_tensors, hf_logits, input_ids, read_megatron_tp_ranks
-from postnorm_helpers import (
+from support.hf_helpers import assert_same_hf_tensors, hf_logits, input_ids, read_megatron_tp_ranks
+from support.postnorm_helpers import (
     ARCHITECTURES,
     MOE,
     POSTNORM_MODELS,
@@ -134,7 +134,7 @@ def test_megatron_args_and_manifest_carry_the_settings(sources: dict[str, Path],
     assert (args.post_self_attn_layernorm, args.post_mlp_layernorm, args.pre_layernorms) == (True, True, True)
     assert args.layernorm_zero_centered_gamma and args.embedding_scale_sqrt_hidden
     assert (args.swiglu, args.gated_linear_unit, args.openai_gelu) == (False, True, True)
-    # One spelling of the attention scale in args: megatron-core's softmax_scale (pgconvert.attention_scale).
+    # One spelling of the attention scale in args: megatron-core's softmax_scale (pgconvert.semantics.attention_scale).
     assert args.query_pre_attn_scalar is None and args.softmax_scale == 24.0 ** -0.5
     assert (args.rotary_base, args.rotary_base_local) == (1_000_000.0, 10_000.0)
     assert args.rotary_seq_len_interpolation_factor == 8.0
@@ -218,7 +218,7 @@ def test_olmoe_and_glm4_args(sources: dict[str, Path], tmp_path: Path) -> None:
 
 
 def test_interleaved_rotary_reorders_a_whole_projection_q_norm_head_by_head() -> None:
-    from pgconvert.config import ModelConfig
+    from pgconvert.model.config import ModelConfig
     from savers.hf import rotate_half_order
 
     config = ModelConfig(num_layers=1, hidden_size=8, num_attention_heads=2, ffn_hidden_size=8, kv_channels=4,

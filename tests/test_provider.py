@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from pgconvert.config import ModelConfig
-from pgconvert.grid import build_converter_process_groups
-from pgconvert.layout import ParallelLayout
-from pgconvert.provider import canonical_names, provide
+from pgconvert.model.config import ModelConfig
+from pgconvert.model.grid import build_converter_process_groups
+from pgconvert.model.layout import ParallelLayout
+from pgconvert.model.provider import canonical_names, provide
 
 LLAMA = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=16, num_query_groups=8,
                     kv_channels=4, ffn_hidden_size=128, vocab_size=1000)
@@ -107,7 +107,7 @@ def test_moe_layer_order_is_router_then_experts_then_shared_experts() -> None:
 
 
 def test_routed_experts_are_told_apart_by_the_provider_in_every_naming() -> None:
-    from pgconvert.provider import is_routed_expert
+    from pgconvert.model.provider import is_routed_expert
 
     assert is_routed_expert("decoder.layers.3.mlp.experts.local_experts.7.linear_fc1.weight")
     assert is_routed_expert("decoder.layers.0.mlp.experts.local_experts.0.linear_fc2._extra_state")
@@ -120,7 +120,7 @@ def test_routed_experts_are_told_apart_by_the_provider_in_every_naming() -> None
 
 
 def test_the_layer_spec_is_told_by_the_fused_norm_names() -> None:
-    from pgconvert.provider import fused_norm_name, layer_spec_of_key
+    from pgconvert.model.provider import fused_norm_name, layer_spec_of_key
 
     assert fused_norm_name("input_layernorm.bias") == "self_attention.linear_qkv.layer_norm_bias"
     assert fused_norm_name("pre_mlp_layernorm.weight") == "mlp.linear_fc1.layer_norm_weight"

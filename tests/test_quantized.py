@@ -1,7 +1,7 @@
 """Quantized HF weights: FP8 block-scaled (DeepSeek-V3) and MXFP4 (GPT-OSS) read dequantized to bf16,
 or kept as stored with ``--keep-fp8``; their inconsistencies are named errors.
 
-The references here are written plainly, block by block, and independently of pgconvert.quantized;
+The references here are written plainly, block by block, and independently of pgconvert.formats.hf_quantized;
 the MXFP4 reference is transformers' own ``convert_moe_packed_tensors``.
 """
 
@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_helpers import assert_clean_refusal, run_cli
-from hf_helpers import build_hf_model, edit_json, load_hf_tensors, rewrite_as_single_file, save_hf_model
+from support.cli_helpers import assert_clean_refusal, run_cli
+from support.hf_helpers import build_hf_model, edit_json, load_hf_tensors, rewrite_as_single_file, save_hf_model
 from safetensors.torch import save_file
 
-from pgconvert.convert import convert
+from pgconvert.run.convert import convert
 from pgconvert.formats import LoadOptions
-from pgconvert.quantized import (
+from pgconvert.formats.hf_quantized import (
     BlockSizeError,
     MissingScaleError,
     QuantizedTensors,
@@ -29,8 +29,8 @@ from pgconvert.quantized import (
     dequantize_fp8,
     dequantize_mxfp4,
 )
-from pgconvert.registry import get_loader
-from pgconvert.stream import TensorMeta
+from pgconvert.formats.registry import get_loader
+from pgconvert.formats.stream import TensorMeta
 
 QUANTIZED = (".q_proj.weight", ".k_proj.weight", ".v_proj.weight", ".o_proj.weight",
              ".gate_proj.weight", ".up_proj.weight", ".down_proj.weight")
@@ -387,8 +387,8 @@ def test_a_kept_tensor_shared_by_several_units_is_written_once_with_the_last() -
 
 
 def test_a_batch_rerun_tells_a_kept_fp8_output_from_a_dequantized_one(tmp_path: Path) -> None:
-    from pgconvert.batch import skip_reason
-    from pgconvert.convert import ConvertRequest
+    from pgconvert.run.batch import skip_reason
+    from pgconvert.run.convert import ConvertRequest
 
     fp8_checkpoint(tmp_path / "src")
     convert(tmp_path / "src", tmp_path / "dst", keep_fp8=True)

@@ -26,7 +26,7 @@ BLOCK = (128, 128)
 CHILD = r"""
 import json, sys
 from pathlib import Path
-from pgconvert.convert import ConvertRequest, execute, plan
+from pgconvert.run.convert import ConvertRequest, execute, plan
 
 def status(key):
     for line in open("/proc/self/status"):

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoint_compare import assert_same_megatron_checkpoint
-from megatron_fixtures import (
+from support.checkpoint_compare import assert_same_megatron_checkpoint
+from support.megatron_fixtures import (
     TinyModel,
     load_for_test,
     make_full_model,

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from pgconvert.example import example_config, example_source
-from pgconvert.provider import WORD_EMBEDDINGS
-from pgconvert.rules import (COLUMN, GATED, REPLICATED, ROW, VOCAB, Chunked, ReplicaMismatchError, ShardRule, Window,
+from pgconvert.run.example import example_config, example_source
+from pgconvert.model.provider import WORD_EMBEDDINGS
+from pgconvert.model.rules import (COLUMN, GATED, REPLICATED, ROW, VOCAB, Chunked, ReplicaMismatchError, ShardRule, Window,
                              assemble)
 
 

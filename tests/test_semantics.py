@@ -25,11 +25,11 @@ from typing import Any
 import pytest
 import torch
 from click.testing import CliRunner
-from hf_helpers import build_hf_model, hf_logits, input_ids, save_hf_model
+from support.hf_helpers import build_hf_model, hf_logits, input_ids, save_hf_model
 
 import pgconvert
 from pgconvert.cli import main
-from pgconvert.config import ModelConfig
+from pgconvert.model.config import ModelConfig
 from pgconvert.semantics import SEMANTIC_FIELDS, SEMANTICS, from_args, to_args
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -165,9 +165,9 @@ def test_megatron_arg_names_are_megatron_cores_or_megatron_lms() -> None:
     names = {name for row in SEMANTICS for name in row.megatron}
     # f17a: settings megatron-core does not compute, carried under transformers' names (with a notice).
     # f17b: Megatron-Bridge's names for what megatron-core lacks, and pgconvert's own where no Megatron
-    # code has a setting (pgconvert.postnorm_args names both).
-    from pgconvert.postnorm_args import BRIDGE_ARGS, PGCONVERT_ARGS
-    from pgconvert.semantics_more import CARRIED_ARGS
+    # code has a setting (pgconvert.semantics.postnorm names both).
+    from pgconvert.semantics.postnorm import BRIDGE_ARGS, PGCONVERT_ARGS
+    from pgconvert.semantics.more import CARRIED_ARGS
 
     assert set(CARRIED_ARGS) & (core | megatron_lm) == set()
     assert names - core - megatron_lm - set(CARRIED_ARGS) - BRIDGE_ARGS - PGCONVERT_ARGS == set()
@@ -175,9 +175,9 @@ def test_megatron_arg_names_are_megatron_cores_or_megatron_lms() -> None:
 
 
 def test_hf_partial_rotary_and_linear_rope_read_into_megatron_args() -> None:
-    from pgconvert.hf_format import model_config_from_hf
-    from pgconvert.layout import ParallelLayout
-    from pgconvert.megatron_format import args_for_target
+    from pgconvert.formats.hf import model_config_from_hf
+    from pgconvert.model.layout import ParallelLayout
+    from pgconvert.formats.megatron import args_for_target
 
     doc = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
            "intermediate_size": 128, "vocab_size": 256, "hidden_act": "silu", "attention_dropout": 0.0,
@@ -259,7 +259,7 @@ def mcore_logits(root: Path, tokens: torch.Tensor, vocab: int, **arg_changes: An
     (``arg_changes`` override args, to show a setting matters). megatron-core's local spec cannot
     run zero-centred gamma (its torch norm asserts): the model then loads ``1 + gamma``, which is
     what megatron-core's fused norm computes (``weight + 1``)."""
-    import mcore_helpers as mcore
+    import support.mcore_helpers as mcore
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 

@@ -10,15 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import GQA_SWIGLU
-from megatron_fixtures import make_full_model, write_megatron_checkpoint
+from support.megatron_fixtures import make_full_model, write_megatron_checkpoint
 
 import pgconvert
-from pgconvert.durable import fsync_dir, fsync_file
+from pgconvert.io.durable import fsync_dir, fsync_file
 from pgconvert.errors import LayoutError
 from pgconvert.formats import LoadOptions, target_dtype
-from pgconvert.layout import ParallelLayout
-from pgconvert.sizes import nbytes, numel
-from pgconvert.stream import ExtraState, holds_state
+from pgconvert.model.layout import ParallelLayout
+from pgconvert.io.sizes import nbytes, numel
+from pgconvert.formats.stream import ExtraState, holds_state
 
 
 @pytest.mark.parametrize(("values", "expected"), [

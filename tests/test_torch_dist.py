@@ -22,25 +22,25 @@ import pytest
 import torch
 import torch.distributed
 import torch.distributed.checkpoint as dcp
-from checkpoint_compare import assert_same_ranks, read_dcp
+from support.checkpoint_compare import assert_same_ranks, read_dcp
 from click.testing import CliRunner
 from conftest import GQA_SWIGLU, MHA_GELU_TIED, MOE, MOE_GROUPED_TE, QK_NORM_TE
-from megatron_fixtures import load_for_test, make_full_model, merge_megatron_checkpoint, write_megatron_checkpoint
+from support.megatron_fixtures import load_for_test, make_full_model, merge_megatron_checkpoint, write_megatron_checkpoint
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter, TensorStorageMetadata
 
 import pgconvert
-from pgconvert.loaders._torch_dist_reader import _SafeReader
+from pgconvert.loaders.torch_dist.reader import _SafeReader
 from pgconvert.loaders.torch_dist import TorchDistLoader
 from pgconvert.cli import main
 from pgconvert.errors import CheckpointError, LayoutError, PgconvertError, StrictModeError, UnsafePickleError
 from pgconvert.formats import LoadOptions, SaveOptions
-from pgconvert.layout import ParallelLayout
-from pgconvert.registry import detect_format, get_loader, loader_names, saver_names
-from pgconvert.rules import COLUMN
-from pgconvert.stream import CanonicalSource, TensorMeta
+from pgconvert.model.layout import ParallelLayout
+from pgconvert.formats.registry import detect_format, get_loader, loader_names, saver_names
+from pgconvert.model.rules import COLUMN
+from pgconvert.formats.stream import CanonicalSource, TensorMeta
 import pgconvert.savers.torch_dist as torch_dist_saver
 from pgconvert.savers.torch_dist import TorchDistSaver
-from pgconvert.torch_dist_format import read_dcp_metadata
+from pgconvert.formats.torch_dist import read_dcp_metadata
 
 ITERATION_DIR = "iter_0000100"
 DENSE_MODELS = {"gqa_swiglu_untied": GQA_SWIGLU, "mha_gelu_tied": MHA_GELU_TIED, "qknorm_te_bf16": QK_NORM_TE}
@@ -359,7 +359,7 @@ def test_expert_tp_that_the_per_rank_format_refuses_is_recorded(tmp_path: Path) 
 @pytest.mark.skipif("hf" not in saver_names(), reason="the hf format is not available")
 @pytest.mark.parametrize("family", ["llama", "qwen3_moe", "mixtral"])
 def test_hf_to_torch_dist_and_back_is_bit_exact(tmp_path: Path, family: str) -> None:
-    from hf_helpers import build_hf_model, load_hf_tensors, save_hf_model
+    from support.hf_helpers import build_hf_model, load_hf_tensors, save_hf_model
 
     src = save_hf_model(build_hf_model(family, seed=2), tmp_path / "hf")
 

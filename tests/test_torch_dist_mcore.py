@@ -53,7 +53,7 @@ with warnings.catch_warnings():
         "megatron.core",
         reason="megatron-core is not installed (pip install 'megatron-core==0.16.1' --no-deps, the test extra)",
     )
-    import mcore_helpers as mcore
+    import support.mcore_helpers as mcore
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import (
@@ -66,9 +66,9 @@ with warnings.catch_warnings():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-from checkpoint_compare import assert_same_ranks, read_dcp
+from support.checkpoint_compare import assert_same_ranks, read_dcp
 from conftest import MOE
-from megatron_fixtures import (
+from support.megatron_fixtures import (
     TinyModel,
     _rank_state_dict,
     load_for_test,

@@ -1,4 +1,4 @@
-"""Reading torch_dist tensor records in place (``loaders/_distcp_records.py``).
+"""Reading torch_dist tensor records in place (``loaders/torch_dist/records.py``).
 
 The reader maps each ``.distcp`` file and copies only the bytes a request needs, so a conversion's
 memory is bounded by the piece it reads, not by the stored record it overlaps. Records are parsed
@@ -21,18 +21,18 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from cli_helpers import assert_clean_refusal, run_cli
+from support.cli_helpers import assert_clean_refusal, run_cli
 from conftest import GQA_SWIGLU
-from megatron_fixtures import make_full_model, write_megatron_checkpoint
+from support.megatron_fixtures import make_full_model, write_megatron_checkpoint
 from torch.distributed.checkpoint import FileSystemReader
 
 import pgconvert
-import pgconvert.loaders._distcp_records as records
+import pgconvert.loaders.torch_dist.records as records
 from pgconvert.errors import CheckpointError, UnsafePickleError
 from pgconvert.formats import LoadOptions
-from pgconvert.loaders._distcp_records import copy_box, parse_tensor_record
+from pgconvert.loaders.torch_dist.records import copy_box, parse_tensor_record
 from pgconvert.loaders.torch_dist import TorchDistLoader
-from pgconvert.rules import COLUMN
+from pgconvert.model.rules import COLUMN
 
 ITERATION_DIR = "iter_0000100"
 PREFIX = b"odd"  # three bytes: the record, and its tensor bytes, are not aligned in the file
@@ -229,8 +229,8 @@ import json, sys
 from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
-from pgconvert.loaders._torch_dist_reader import _RegionPlanner, _SafeReader
-from pgconvert.torch_dist_format import read_dcp_metadata, single_process_calls
+from pgconvert.loaders.torch_dist.reader import _RegionPlanner, _SafeReader
+from pgconvert.formats.torch_dist import read_dcp_metadata, single_process_calls
 
 def status(field):
     with open("/proc/self/status") as handle:

@@ -15,11 +15,11 @@ import pytest
 import torch
 import torch.utils.serialization
 from conftest import MOE, QK_NORM_TE
-from megatron_fixtures import make_full_model, write_megatron_checkpoint
+from support.megatron_fixtures import make_full_model, write_megatron_checkpoint
 
 import pgconvert
 import pgconvert.savers.megatron as megatron_saver
-from pgconvert.torchzip import PlannedTensor, TensorMismatchError, save_stream
+from pgconvert.io.torchzip import PlannedTensor, TensorMismatchError, save_stream
 
 
 def planned(tensor: torch.Tensor) -> PlannedTensor:

@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner, Result
-from megatron_fixtures import load_for_test
+from support.megatron_fixtures import load_for_test
 
 import pgconvert
 from pgconvert.cli import main
-from pgconvert.manifest import MANIFEST_FILE
-from pgconvert.megatron_format import FRAMEWORK_PICKLE
+from pgconvert.run.manifest import MANIFEST_FILE
+from pgconvert.formats.megatron import FRAMEWORK_PICKLE
 
 GOLDENS = Path(__file__).parent / "data" / "megatron_lm"
 ITER = "iter_0000002"
@@ -235,8 +235,8 @@ def test_the_optimizer_state_is_read_and_freed_one_parameter_at_a_time(tp1: dict
     every tensor handed out for an earlier parameter is freed before the next parameter is read."""
     import weakref
 
-    from pgconvert.optimizer_state import OptimizerSource
-    from pgconvert.optimizer_torch_dist import TorchDistOptimizerSource
+    from pgconvert.optimizer.state import OptimizerSource
+    from pgconvert.optimizer.torch_dist import TorchDistOptimizerSource
 
     handed: list[tuple[str, weakref.ref[torch.Tensor]]] = []
     calls: list[str] = []

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 from conftest import GQA_SWIGLU
-from megatron_fixtures import make_full_model, write_megatron_checkpoint
+from support.megatron_fixtures import make_full_model, write_megatron_checkpoint
 
-from pgconvert.convert import convert_request, plan
-from pgconvert.workers import write_files
+from pgconvert.run.convert import convert_request, plan
+from pgconvert.run.workers import write_files
 
 MAPS = Path("/proc/self/maps")
 

@@ -1,0 +1,302 @@
+"""Loader for Hugging Face safetensors checkpoints (``config.json`` + ``model*.safetensors``).
+
+Nothing but headers is read when the source is opened; each tensor is read on demand through
+its own ``safe_open``, and fused into its canonical form by the family table's transform.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from pgconvert.model.config import ModelConfig
+from pgconvert.errors import CheckpointError, ConfigError, LayoutError, ValidationError
+from pgconvert.families import Family, PartReader, TensorMapping, TensorTable
+from pgconvert.formats import Loader, LoadOptions
+from pgconvert.formats.hf import (
+    CONFIG_FILE,
+    INDEX_FILE,
+    SINGLE_FILE,
+    HFOrigin,
+    canonical_shapes,
+    family_of,
+    model_config_from_hf,
+    parse_index,
+    read_header,
+    read_json_object,
+    read_tensor,
+    read_tensor_range,
+    resolve_inside,
+)
+from pgconvert.formats.hf_side import find_side_files
+from pgconvert.families import mtp
+from pgconvert.formats.hf_quantized import QuantizedTensors
+from pgconvert.model.provider import OUTPUT_LAYER, WORD_EMBEDDINGS, canonical_names
+from pgconvert.model.rules import ShardRule, assemble
+from pgconvert.formats.stream import CanonicalSource, TensorMeta
+from pgconvert.formats.strict import fallback
+
+log = logging.getLogger(__name__)
+
+
+
+class HFLoader(Loader):
+    name = "hf"
+
+    def detect(self, path: Path) -> bool:
+        return path.is_dir() and (path / CONFIG_FILE).is_file() and (
+            (path / SINGLE_FILE).is_file() or (path / INDEX_FILE).is_file()
+        )
+
+    def open(self, path: Path, options: LoadOptions) -> HFSource:
+        return HFSource(path, options)
+
+
+def _locate_tensors(directory: Path) -> tuple[dict[str, Path], dict[str, TensorMeta]]:
+    """Every stored tensor's file and metadata; the index, when there is one, must match the headers."""
+    single = directory / SINGLE_FILE
+    if single.is_file():
+        # transformers prefers the single file too when both exist.
+        path = resolve_inside(directory, SINGLE_FILE, directory)
+        single_metas = read_header(path)
+        return {name: path for name in single_metas}, single_metas
+    index_path = directory / INDEX_FILE
+    weight_map = parse_index(index_path)
+    files: dict[str, Path] = {}
+    metas: dict[str, TensorMeta] = {}
+    for shard in sorted(set(weight_map.values())):
+        path = resolve_inside(directory, shard, index_path)
+        if not path.is_file():
+            raise CheckpointError(f"{index_path}: names shard {shard}, which is missing from {directory}")
+        for name, meta in read_header(path).items():
+            if name in files:
+                raise CheckpointError(f"{name}: stored twice, in {files[name].name} and {shard}")
+            listed = weight_map.get(name)
+            if listed != shard:
+                where = f"lists it in {listed}" if listed else "does not list it"
+                raise CheckpointError(f"{path}: holds {name}, but {index_path.name} {where}")
+            files[name] = path
+            metas[name] = meta
+    absent = sorted(set(weight_map) - set(files))
+    if absent:
+        raise CheckpointError(
+            f"{index_path}: lists tensors that are not in their shards: "
+            + ", ".join(f"{name} ({weight_map[name]})" for name in absent)
+        )
+    return files, metas
+
+
+class HFSource(CanonicalSource):
+    """An HF checkpoint seen as the canonical stream; it has no parallel layout."""
+
+    format_name = "hf"
+
+    def __init__(self, directory: Path, options: LoadOptions) -> None:
+        self.directory = directory
+        self.layout = None
+        config_path = directory / CONFIG_FILE
+        doc = read_json_object(config_path)
+        family = family_of(doc, config_path)
+        self._files, stored = _locate_tensors(directory)
+        # fp8: quantized tensors are seen by their logical names (pgconvert.formats.hf_quantized).
+        self._quantized = QuantizedTensors.find(doc, config_path, self._files, stored, options.keep_quantized,
+                                                options.dequantize_dtype)
+        self._files, stored = self._quantized.logical()
+        embedding = family.tensors.to_hf(WORD_EMBEDDINGS)
+        stored_dtype = stored[embedding[1][0]].dtype if embedding and embedding[1][0] in stored else None
+        family, config, notices = model_config_from_hf(doc, config_path, stored_dtype, stored_tensors=len(stored))
+        config = mtp.resolve_hf_count(family, doc, config, stored, config_path)
+        _check_options(options, config, config_path)
+        assert config.vocab_size is not None
+        super().__init__(config, vocab_rows=config.vocab_size, iteration=None)
+        self.notices.extend(notices)
+        # What a megatron target cannot hold (semantics.check_target; an hf target keeps config.json).
+        self.unrepresentable = list(notices)
+        self.family = family
+        kept = self._quantized if options.keep_quantized and self._quantized else None
+        self.hf_origin = HFOrigin(directory=directory, config_json=doc, family=family, quantized=kept)
+        quantized_notice = self._quantized.notice(directory)
+        if quantized_notice is not None and not options.keep_quantized:
+            # Rounding weight * scale to bf16 changes the values: refused under --strict, as a lossy --dtype is.
+            fallback(quantized_notice, options.strict, self.notices)
+        elif quantized_notice is not None:
+            self.notices.append(quantized_notice)
+        self.side_files = find_side_files(directory)
+        self._order = canonical_names(config)
+        self._rows: dict[str, tuple[TensorMapping, tuple[str, ...]]] = {}
+        self._metas: dict[str, TensorMeta] = {}
+        # Stored copies of a canonical tensor (a tied output weight, MTP layers' embedding and head,
+        # mtp): (HF name, why it must equal the tensor), checked on every read of the tensor.
+        self._copies: dict[str, list[tuple[str, str]]] = {}
+        self._index(family, config, stored)
+
+    def _refuse_mismatch(self, family: Family, config: ModelConfig, missing: list[str], unexpected: list[str],
+                         expected: dict[str, str]) -> None:
+        """Stored tensors the table does not expect, or expected ones not stored: a named error
+        (a family's own reason first)."""
+        refused = family.refuse_extra(unexpected, self.hf_origin.config_json) if family.refuse_extra else None
+        if refused:  # f17c
+            raise CheckpointError(f"{self.directory}: {family.architecture}: {refused}")
+        if missing or unexpected:
+            needed_by = sorted({expected[name] for name in missing})
+            raise CheckpointError(
+                f"{self.directory}: tensors do not match {family.architecture} as config.json describes it; "
+                f"missing: {missing}; unexpected: {unexpected}"
+                + (f"; the missing tensors make up {needed_by}" if needed_by else "")
+            )
+
+    def _index(self, family: Family, config: ModelConfig, stored: dict[str, TensorMeta]) -> None:
+        table = family.tensors
+        unfilled = []
+        for canonical in self._order:
+            found = table.to_hf(mtp.table_name(canonical, config))
+            if found is None:
+                unfilled.append(canonical)
+            else:
+                self._rows[canonical] = found
+        if unfilled:
+            raise CheckpointError(
+                f"{self.directory}: {family.architecture}'s table has no HF tensor for {sorted(unfilled)}"
+            )
+        # The loader's direction is the table inverted over the tensors this config needs.
+        expected = {hf: canonical for canonical, (_, names) in self._rows.items() for hf in names}
+        self._find_copies(table, config, stored)
+        copies = {hf for held in self._copies.values() for hf, _ in held}
+        dropped = sorted(name for name in stored if name not in expected and table.is_dropped(name))
+        missing = sorted(set(expected) - set(stored))
+        unexpected = sorted(set(stored) - set(expected) - set(dropped) - copies)
+        self._refuse_mismatch(family, config, missing, unexpected, expected)
+        if dropped:
+            log.info("%s: skipping %d recomputed rotary buffers (%s, …)", self.directory, len(dropped), dropped[0])
+        shapes = canonical_shapes(config)
+        for canonical, (row, names) in self._rows.items():
+            part_shapes = row.transform.part_shapes(shapes[canonical], config)
+            if row.stacked:  # f17c: every expert of the layer on dim 0
+                part_shapes = [(config.num_experts or 0, *shape) for shape in part_shapes]
+            for name, shape in zip(names, part_shapes, strict=True):
+                found_shape = stored[name].shape
+                if found_shape != shape:
+                    raise CheckpointError(
+                        f"{self._files[name]}: {name} has shape {list(found_shape)}, expected {list(shape)} "
+                        "from config.json"
+                    )
+            dtypes = {stored[name].dtype for name in names}
+            if len(dtypes) > 1:
+                raise CheckpointError(
+                    f"{self.directory}: {', '.join(names)} are fused into {canonical} but have different "
+                    f"dtypes ({', '.join(sorted(map(str, dtypes)))})"
+                )
+            self._metas[canonical] = TensorMeta(shapes[canonical], dtypes.pop())
+        for canonical, held in self._copies.items():
+            main = self._rows[canonical][1][0]
+            for copy, why in held:
+                if stored[copy] != stored[main]:
+                    raise CheckpointError(f"{self._files[copy]}: {copy} {stored[copy]} does not match "
+                                          f"{main} {stored[main]}, but {why}")
+
+    def _find_copies(self, table: TensorTable, config: ModelConfig, stored: dict[str, TensorMeta]) -> None:
+        """The stored copies of the embedding or output layer: a tied checkpoint's output weight, and
+        (mtp) each MTP layer's embed_tokens and shared_head.head."""
+        if config.tie_embeddings:
+            # Some tied checkpoints also store the output weight; it must be a copy of the embedding.
+            output = table.to_hf(OUTPUT_LAYER)
+            if output is not None and output[1][0] in stored:
+                self._copies.setdefault(WORD_EMBEDDINGS, []).append(
+                    (output[1][0], "config.json ties them (tie_word_embeddings=true)"))
+        for hf_name, canonical, _ in mtp.copies(table, config):
+            if hf_name in stored:
+                self._copies.setdefault(canonical, []).append((hf_name, mtp.copy_reason(hf_name, canonical)))
+
+    def names(self) -> list[str]:
+        return list(self._order)
+
+    def meta(self, name: str) -> TensorMeta:
+        return self._metas[name]
+
+    def describe(self) -> str:
+        return str(self.directory)
+
+    def _load(self, name: str) -> torch.Tensor:
+        row, hf_names = self._rows[name]
+        index = self.family.tensors.stack_index(mtp.table_name(name, self.config)) if row.stacked else None
+        if index is not None:  # f17c: one expert's slice of the stacked HF tensors
+            parts = [self._read_range(hf, 0, index, index + 1)[0] for hf in hf_names]
+        else:
+            parts = [self._read(hf) for hf in hf_names]
+        full = row.transform.fuse(parts, self.config)
+        for copy, why in self._copies.get(name, ()):
+            self._check_copy(full, self._read(copy), hf_names[0], copy, why)
+        return full
+
+    def _read(self, hf: str) -> torch.Tensor:
+        if hf in self._quantized:
+            return self._quantized.read(hf)
+        return read_tensor(self._files[hf], hf)
+
+    def _read_range(self, hf: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        if hf in self._quantized:
+            return self._quantized.read_range(hf, dim, start, stop)
+        return read_tensor_range(self._files[hf], hf, dim, start, stop)
+
+    def _check_copy(self, tensor: torch.Tensor, stored: torch.Tensor, tensor_name: str, copy: str, why: str) -> None:
+        """A stored copy (a tied model's output weight, an MTP layer's embedding or head) must equal
+        the rows of the tensor read with it.
+
+        Checked on every read of the tensor (each piece against the same rows of the copy), so
+        a source answers the same however often and in whatever pieces it is read.
+        """
+        if not torch.equal(stored, tensor):
+            raise CheckpointError(f"{self._files[copy]}: {copy} differs from {tensor_name}, but {why}")
+
+    def _load_shard(self, name: str, rule: ShardRule, size: int, rank: int, rows: int | None) -> torch.Tensor:
+        """A TP piece read straight from the HF tensors' byte ranges where the transform allows.
+
+        The rule names the piece's global windows (rows, gated halves, vocab rows with zero fill);
+        the row's transform says whether it reads each window from ranges of its HF parts (and
+        reads it); otherwise the piece is cut from the full tensor.
+        """
+        row, hf_names = self._rows[name]
+        if row.stacked:  # f17c: read through _load (one expert's slice)
+            return super()._load_shard(name, rule, size, rank, rows)
+        meta = self._metas[name]
+        windows = rule.piece_windows(meta.shape, size, rank, rows, self.config.vocab_size)
+        transform = row.transform
+        if windows and all(w.zeros or transform.reads_window(w, meta.shape, self.config) for w in windows):
+            read_part = self._part_reader(hf_names)
+            piece = assemble(windows, lambda w: transform.read_window(w, meta.shape, self.config, read_part),
+                             meta.shape, meta.dtype)
+            for copy_name, why in self._copies.get(name, ()):
+                copy = self._part_reader((copy_name,))
+                stored = assemble(windows, lambda w: copy(0, w.dim, w.start, w.start + w.length), meta.shape, meta.dtype)
+                self._check_copy(piece, stored, hf_names[0], copy_name, why)
+            return piece
+        if name in self._copies:
+            self._load(name)  # checks the stored copies
+        return super()._load_shard(name, rule, size, rank, rows)
+
+    def _part_reader(self, hf_names: tuple[str, ...]) -> PartReader:
+        """Reads rows ``[start, stop)`` along ``dim`` of HF tensor ``hf_names[part]``."""
+        def read(part: int, dim: int, start: int, stop: int) -> torch.Tensor:
+            hf = hf_names[part]
+            return self._read_range(hf, dim, start, stop)
+
+        return read
+
+    def close(self) -> None:
+        self._files.clear()
+        self._rows.clear()
+
+
+def _check_options(options: LoadOptions, config: ModelConfig, config_path: Path) -> None:
+    if options.true_vocab_size is not None and options.true_vocab_size != config.vocab_size:
+        raise ConfigError(
+            f"--true-vocab-size {options.true_vocab_size}: {config_path} says vocab_size={config.vocab_size}; "
+            "an hf checkpoint's vocab tables have exactly vocab_size rows"
+        )
+    for flag, given in (("--src-tp", options.src_tp), ("--src-pp", options.src_pp), ("--src-ep", options.src_ep)):
+        if given is not None and given != 1:
+            raise LayoutError(f"{flag} {given}: an hf checkpoint is not sharded (tp=1, pp=1, ep=1) ({config_path})")
+    if options.iteration is not None:
+        raise ValidationError(f"--iteration {options.iteration}: an hf checkpoint has no iterations ({config_path})")

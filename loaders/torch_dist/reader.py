@@ -1,0 +1,519 @@
+"""Reading Megatron distributed checkpoints (``torch_dist``: ``.metadata``, ``*.distcp``, ``common.pt``).
+
+The machinery behind ``loaders/torch_dist/__init__.py``, imported only when a torch_dist source is opened:
+torch.distributed.checkpoint is a heavy import that format detection must not pay.
+
+Tensors are read through torch.distributed.checkpoint's own ``FileSystemReader`` with ``no_dist``,
+one canonical tensor (or one destination piece of it) per ``dcp.load`` call into a buffer of
+exactly that size: only the stored chunks overlapping the request are read, so a stacked
+``[num_layers, …]`` key costs one layer at a time. torch's reader would load each overlapping
+stored chunk whole before copying the overlap; ``_SafeReader.read_data`` instead maps the file and
+copies only the overlap's bytes (``loaders/torch_dist/records.py``), so peak memory is the requested
+piece plus one slab of the mapping. Two parts of torch's reader unpickle without
+limits, so both are replaced: ``.metadata`` is read through an allowlist of torch's metadata classes
+(``read_dcp_metadata``) and bytes entries (``_extra_state``) with ``weights_only=True``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import io
+import logging
+import math
+import mmap
+import os
+import pickle
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import (
+    BytesStorageMetadata,
+    DefaultLoadPlanner,
+    FileSystemReader,
+    LoadPlan,
+    Metadata,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.futures import Future
+
+from pgconvert.model.config import TRANSFORMER_IMPLS, ModelConfig
+from pgconvert.errors import CheckpointError, PgconvertError, UnsafePickleError
+from pgconvert.formats import LoadOptions
+from pgconvert.formats.hf_side import carried_side_files
+from pgconvert.formats.megatron import (
+    SAFE_GLOBALS,
+    config_from_args,
+    layout_from_args,
+    safe_torch_load,
+)
+from pgconvert.io.limits import quote
+from pgconvert.loaders.torch_dist.records import TensorRecord, check_extent, copy_box, parse_tensor_record
+from pgconvert.io.torch_input import check_torch_stream
+from pgconvert.io.paths import ensure_within
+from pgconvert.model.provider import OUTPUT_LAYER, VOCAB_TABLES, WORD_EMBEDDINGS, canonical_shapes, te_extra_state_names
+from pgconvert.model.rules import ShardRule, assemble
+from pgconvert.formats.stream import CanonicalSource, ExtraState, TensorMeta, holds_state
+from pgconvert.formats.strict import fallback
+from pgconvert.formats.torch_dist import (
+    CHECKPOINT_CONFIG_FILE,
+    COMMON_FILE,
+    COMMON_STATE_KEY,
+    DCP_METADATA_FILE,
+    is_extra_state,
+    is_training_state,
+    read_checkpoint_config,
+    read_dcp_metadata,
+    single_process_calls,
+    stacked_layers,
+    tensor_locations,
+)
+
+log = logging.getLogger(__name__)
+
+# Megatron-LM's default --transformer-impl, for args that do not record one.
+DEFAULT_TRANSFORMER_IMPL = "transformer_engine"
+
+
+@dataclass(frozen=True)
+class _Region:
+    """A box of a canonical tensor: ``starts``/``lengths`` per dimension of the canonical shape."""
+
+    starts: tuple[int, ...]
+    lengths: tuple[int, ...]
+
+
+class _SafeReader(FileSystemReader):
+    """torch's reader with the ``.metadata`` pickle read through the allowlist, once, and tensor
+    records read in place (``loaders/torch_dist/records.py``): only the bytes each request needs."""
+
+    def __init__(self, directory: Path, metadata: Metadata, root: Path | None = None) -> None:
+        super().__init__(directory)
+        self._metadata = metadata
+        self._directory = directory
+        self._root = root or directory
+        self._records: dict[tuple[str, int, int], TensorRecord] = {}
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        return self._metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        per_file: dict[str, list[ReadItem]] = {}
+        transformed: list[ReadItem] = []
+        for item in plan.items:
+            info = self.storage_data[item.storage_index]
+            if info.transform_descriptors:  # compressed or otherwise transformed records: torch's own path
+                transformed.append(item)
+            else:
+                per_file.setdefault(info.relative_path, []).append(item)
+        if transformed:
+            super().read_data(LoadPlan(transformed), planner).wait()
+        for relative, items in per_file.items():
+            self._read_file(relative, sorted(items, key=lambda item: self.storage_data[item.storage_index].offset),
+                            planner)
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+    def _read_file(self, relative: str, items: list[ReadItem], planner: LoadPlanner) -> None:
+        path = ensure_within(self._root, self._directory / relative)
+        with open(path, "rb") as handle:
+            size = os.fstat(handle.fileno()).st_size
+            for item in items:
+                info = self.storage_data[item.storage_index]
+                check_extent(path, item.storage_index.fqn, info.offset, info.length, size)
+            mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+        for item in items:
+            self._read_item(mapped, path, item, planner)
+        # Every view of the mapping was dropped with the call that made it; on an error the mapping
+        # is left to be unmapped with the last reference to it instead.
+        mapped.close()
+
+    def _read_item(self, mapped: mmap.mmap, path: Path, item: ReadItem, planner: LoadPlanner) -> None:
+        info = self.storage_data[item.storage_index]
+        label = f"{path}: {quote(item.storage_index.fqn)} (offset {info.offset}, length {info.length})"
+        if item.type == LoadItemType.BYTE_IO:
+            planner.load_bytes(item, io.BytesIO(mapped[info.offset:info.offset + info.length]))
+            return
+        where = (info.relative_path, info.offset, info.length)
+        record = self._records.get(where)
+        if record is None:
+            record = self._records[where] = parse_tensor_record(mapped, info.offset, info.length, label)
+        self._check_record(record, item, label)
+        target = planner.resolve_tensor(item).detach()
+        copy_box(mapped, record, list(item.storage_offsets), list(item.lengths), target, label)
+        planner.commit_tensor(item, target)
+
+    def _check_record(self, record: TensorRecord, item: ReadItem, label: str) -> None:
+        """A record holds the chunk the index says it does: its shape and dtype."""
+        md = self._metadata.state_dict_metadata.get(item.storage_index.fqn)
+        offset = tuple(item.storage_index.offset or ())
+        sizes = next((tuple(chunk.sizes) for chunk in getattr(md, "chunks", []) if tuple(chunk.offsets) == offset), None)
+        dtype = md.properties.dtype if isinstance(md, TensorStorageMetadata) else None
+        if record.size != sizes or record.dtype != dtype:
+            raise CheckpointError(f"{label}: stored as {record.dtype} {list(record.size)}, but the index describes "
+                                  f"the chunk at {list(offset)} as {dtype} {list(sizes) if sizes else sizes}")
+
+
+class _RegionPlanner(DefaultLoadPlanner):
+    """Reads boxes of global keys into caller-owned buffers, and bytes entries without running code.
+
+    ``regions`` maps a key to ``(offsets, buffer)`` pairs: the box of the key's global tensor at
+    ``offsets`` with the buffer's shape. Every box must be covered exactly once by stored chunks.
+    """
+
+    def __init__(self, regions: dict[str, list[tuple[tuple[int, ...], torch.Tensor]]],
+                 objects: list[str], where: str) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self._regions = regions
+        self._objects = objects
+        self._where = where
+        self._buffers = {(key, offsets): buffer for key, pairs in regions.items() for offsets, buffer in pairs}
+        self.loaded_objects: dict[str, Any] = {}
+
+    def create_local_plan(self) -> LoadPlan:
+        assert self.metadata is not None
+        items: list[ReadItem] = []
+        for key, pairs in self._regions.items():
+            chunks = [ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=buffer.size()) for offsets, buffer in pairs]
+            key_items = create_read_items_for_chunk_list(key, self.metadata.state_dict_metadata[key], chunks)
+            covered: dict[tuple[int, ...], int] = {}
+            for item in key_items:
+                offsets = tuple(item.dest_index.offset)
+                covered[offsets] = covered.get(offsets, 0) + math.prod(item.lengths)
+            for offsets, buffer in pairs:
+                if covered.get(offsets, 0) != buffer.numel():
+                    raise CheckpointError(
+                        f"{self._where}: {key} at offsets {list(offsets)}: the stored chunks cover "
+                        f"{covered.get(offsets, 0)} of its {buffer.numel()} values"
+                    )
+            items += key_items
+        if self._objects:
+            items += create_default_local_load_plan(
+                {key: io.BytesIO() for key in self._objects}, self.metadata, strict=True).items
+        return LoadPlan(items)
+
+    def lookup_tensor(self, index: Any) -> torch.Tensor:
+        return self._buffers[(index.fqn, tuple(index.offset))]
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        key = read_item.dest_index.fqn
+        try:
+            with torch.serialization.safe_globals(SAFE_GLOBALS):
+                check_torch_stream(value, f"{self._where}: {key}")
+                self.loaded_objects[key] = torch.load(value, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as exc:
+            raise UnsafePickleError(
+                f"{self._where}: {key}: refuses to unpickle it ({quote(str(exc).strip()[:400], 200)}); "
+                "nothing from the file was executed"
+            ) from exc
+        except (RuntimeError, EOFError, ValueError) as exc:
+            raise CheckpointError(f"{self._where}: {key}: not a readable object ({quote(str(exc), 200)})") from exc
+
+
+class TorchDistSource(CanonicalSource):
+    """One iteration of a distributed checkpoint: its index is read up front, tensors on demand."""
+
+    format_name = "torch_dist"
+
+    def __init__(self, iteration_dir: Path, iteration: int | None, release: bool, options: LoadOptions,
+                 root: Path | None = None) -> None:
+        self.directory = iteration_dir
+        self.root = root or iteration_dir
+        early_notices: list[str] = []
+        ensure_within(self.root, iteration_dir)
+        read_checkpoint_config(ensure_within(self.root, iteration_dir / CHECKPOINT_CONFIG_FILE))
+        metadata_path = ensure_within(self.root, iteration_dir / DCP_METADATA_FILE)
+        self._metadata = read_dcp_metadata(metadata_path)
+        self._check_files(metadata_path)
+        self._reader = _SafeReader(iteration_dir, self._metadata, self.root)
+        common, common_path = self._read_common()
+        args = common.get("args")
+        if not isinstance(args, argparse.Namespace):
+            raise CheckpointError(f"{common_path}: no 'args' namespace; cannot determine the model and layout")
+        content = common.get("content_metadata") or {}
+        if isinstance(content, dict) and content.get("singleton_local_shards"):
+            raise CheckpointError(
+                f"{common_path}: saved with singleton_local_shards=True (one key per expert and per gate/up "
+                "half); pgconvert reads the default naming (singleton_local_shards=False) only"
+            )
+        self.layout = layout_from_args(args, common_path)
+        options.check_layout(self.layout, common_path)
+        impl = getattr(args, "transformer_impl", None)
+        if impl not in TRANSFORMER_IMPLS:
+            fallback(f"{common_path}: args.transformer_impl={impl!r}; assuming Megatron-LM's default "
+                     f"{DEFAULT_TRANSFORMER_IMPL!r} for the key names", options.strict, early_notices)
+            impl = DEFAULT_TRANSFORMER_IMPL
+        config = config_from_args(args, common_path, impl, options.true_vocab_size,
+                                  grouped_gemm=bool(getattr(args, "moe_grouped_gemm", False)))
+        self.layout.validate(config, "src")
+        _check_counts(config, self._metadata, metadata_path)
+        self._locations = tensor_locations(config)
+        rows, training_entries = self._index(config, metadata_path)
+        if config.vocab_size is None:
+            fallback(f"{common_path}: the true vocab size is unknown (no args.vocab_size, no --true-vocab-size); "
+                     f"keeping the padded table of {rows} rows as the vocabulary", options.strict, early_notices)
+        elif config.vocab_size > rows:
+            raise CheckpointError(f"{metadata_path}: true vocab size {config.vocab_size} exceeds the {rows} "
+                                  f"rows of {WORD_EMBEDDINGS}")
+        if iteration is None and isinstance(common.get("iteration"), int) and not release:
+            iteration = common["iteration"]
+        super().__init__(config, rows, iteration, release)
+        self.megatron_args = args
+        self.common_state = common  # opttd: the optimizer's param groups and sharding type live here
+        self.side_files = carried_side_files(self.root, iteration_dir)
+        self.notices.extend(early_notices)
+        self._strict = options.strict
+        self._shapes = canonical_shapes(config, rows)
+        self._check_extra_states()
+        if training_entries:
+            self.notices.append(f"{training_entries} optimizer/RNG/rerun entries of the source are not converted: "
+                                "resume with --no-load-optim --no-load-rng (or --finetune)")
+
+    def _read_common(self) -> tuple[dict[str, Any], Path]:
+        """The checkpoint's common (non-sharded) state: ``common.pt`` (megatron-core before 0.20),
+        or the ``common_state`` object stored inside the checkpoint itself (newer megatron-core
+        ``dist_checkpointing.save`` since then; ``load_common_state_dict`` reads both)."""
+        common_path = ensure_within(self.root, self.directory / COMMON_FILE)
+        if common_path.is_file():
+            common: Any = safe_torch_load(common_path)
+        elif COMMON_STATE_KEY in self._metadata.state_dict_metadata:
+            common_path = self.directory / COMMON_STATE_KEY
+            common = self._read({}, [COMMON_STATE_KEY])[COMMON_STATE_KEY]
+            # saved as the data of a ShardedObject of global shape (1,): a list of one state dict
+            if isinstance(common, list) and len(common) == 1:
+                common = common[0]
+        else:
+            raise CheckpointError(f"{common_path}: missing, and {DCP_METADATA_FILE} has no {COMMON_STATE_KEY} "
+                                  "entry; one of them holds the args that describe the model")
+        if not isinstance(common, dict):
+            raise CheckpointError(f"{common_path}: not a dict of common state ({quote(type(common).__name__)})")
+        return common, common_path
+
+    def _index(self, config: ModelConfig, metadata_path: Path) -> tuple[int, int]:
+        """Check every key against the model the args describe, and every chunk's file.
+
+        Returns the vocab tables' row count and the number of training-state entries (optimizer,
+        RNG) that are accounted for but not converted.
+        """
+        entries = self._metadata.state_dict_metadata
+        tensors = {key: md for key, md in entries.items() if isinstance(md, TensorStorageMetadata)}
+        embedding = tensors.get(self._locations[WORD_EMBEDDINGS].key)
+        if embedding is None:
+            raise CheckpointError(f"{metadata_path}: no {WORD_EMBEDDINGS}; not a GPT model checkpoint")
+        rows = embedding.size[0]
+        expected: dict[str, tuple[int, ...]] = {}
+        for name, shape in canonical_shapes(config, rows).items():
+            location = self._locations[name]
+            expected.setdefault(location.key, location.global_shape(shape))
+        missing = sorted(set(expected) - set(tensors))
+        training = sorted(key for key in entries if key not in expected and is_training_state(key))
+        self._extra_keys = sorted(key for key, md in entries.items()
+                                  if isinstance(md, BytesStorageMetadata) and is_extra_state(key))
+        unexpected = sorted(set(entries) - set(expected) - set(training) - set(self._extra_keys) - {COMMON_STATE_KEY})
+        if missing or unexpected:
+            raise CheckpointError(
+                f"{metadata_path}: keys do not match the model described by common.pt's args "
+                f"(transformer_impl={config.transformer_impl}, "
+                f"{'layers stacked' if stacked_layers(config) else 'one key per layer'}); "
+                f"missing: {missing}; unexpected: {unexpected}"
+            )
+        vocab_keys = {self._locations[name].key for name in VOCAB_TABLES if name in self._locations}
+        for key, shape in expected.items():
+            found = tuple(tensors[key].size)
+            # Vocab tables may have any padded row count; it is checked against the true vocab below.
+            mismatch = found[1:] != shape[1:] if key in vocab_keys else found != shape
+            if mismatch:
+                raise CheckpointError(
+                    f"{metadata_path}: {key} has global shape {list(found)}, expected {list(shape)} "
+                    "for the model described by common.pt's args"
+                )
+        output = self._locations.get(OUTPUT_LAYER)
+        if output is not None and tuple(tensors[output.key].size)[0] != rows:
+            raise CheckpointError(f"{metadata_path}: {OUTPUT_LAYER} has {tensors[output.key].size[0]} rows, "
+                                  f"{WORD_EMBEDDINGS} {rows}")
+        return rows, len(training)
+
+    def _check_files(self, metadata_path: Path) -> None:
+        """Every chunk's file exists inside the checkpoint and is long enough to hold it."""
+        storage = self._metadata.storage_data
+        if not isinstance(storage, dict):
+            raise CheckpointError(f"{metadata_path}: no storage index (storage_data)")
+        needed: dict[str, int] = {}
+        furthest: dict[str, str] = {}
+        for index, info in storage.items():
+            relative = getattr(info, "relative_path", None)
+            if not isinstance(relative, str):
+                raise CheckpointError(f"{metadata_path}: a chunk has no file name ({quote(info)})")
+            if int(info.offset) + int(info.length) > needed.get(relative, -1):
+                needed[relative] = int(info.offset) + int(info.length)
+                furthest[relative] = f"{quote(index.fqn)} at offset {info.offset}, length {info.length}"
+        referenced = {key.fqn for key in storage}
+        unstored = sorted(key for key in self._metadata.state_dict_metadata if key not in referenced)
+        if unstored:
+            raise CheckpointError(f"{metadata_path}: no stored data for {unstored}")
+        missing = []
+        for relative, end in sorted(needed.items()):
+            path = ensure_within(self.root, self.directory / relative)
+            if not path.is_file():
+                missing.append(relative)
+            elif path.stat().st_size < end:
+                raise CheckpointError(f"{path}: truncated ({path.stat().st_size} bytes, the index needs {end}: "
+                                      f"{furthest[relative]})")
+        if missing:
+            raise CheckpointError(f"{self.directory}: missing data files named by {DCP_METADATA_FILE}: {', '.join(missing)}")
+
+    def _check_extra_states(self) -> None:
+        """Read every ``_extra_state`` entry (small) so dropped Transformer Engine state is reported."""
+        objects = self._read({}, self._extra_keys)
+        holding = sorted(key for key, value in objects.items()
+                         if holds_state(value if isinstance(value, list) else [value]))
+        if holding:
+            fallback(f"{len(holding)} _extra_state entries hold Transformer Engine state (FP8 scaling "
+                     f"metadata, e.g. {holding[0]}); it is not carried: FP8 runs re-derive it in their first "
+                     "steps", self._strict, self.notices)
+
+    def _read(self, regions: dict[str, list[tuple[tuple[int, ...], torch.Tensor]]],
+              objects: list[str]) -> dict[str, Any]:
+        planner = _RegionPlanner(regions, objects, str(self.directory))
+        try:
+            with single_process_calls():
+                dcp.load({}, storage_reader=self._reader, planner=planner, no_dist=True)
+        except (PgconvertError, OSError):
+            raise
+        except Exception as exc:  # torch's reader on a corrupt chunk: name the checkpoint
+            raise CheckpointError(f"{self.directory}: reading failed: {type(exc).__name__}: {quote(str(exc), 200)}") from exc
+        return planner.loaded_objects
+
+    def _read_boxes(self, name: str, boxes: list[_Region], prefix: str = "") -> list[torch.Tensor]:
+        """The given boxes of canonical tensor ``name`` (or of the tensor stored as ``prefix`` + its key,
+        chunked like it: optimizer state), each a fresh tensor."""
+        location = self._locations[name]
+        if prefix:
+            location = dataclasses.replace(location, key=prefix + location.key)
+        md = self._metadata.state_dict_metadata.get(location.key)
+        if not isinstance(md, TensorStorageMetadata):
+            raise CheckpointError(f"{self.directory}: no tensor {quote(location.key)} (the state of {name})")
+        pairs = []
+        for box in boxes:
+            offsets, sizes = location.chunk(box.starts, box.lengths)
+            pairs.append((offsets, torch.empty(sizes, dtype=md.properties.dtype)))
+        self._read({location.key: pairs}, [])
+        return [buffer.view(box.lengths) for (_, buffer), box in zip(pairs, boxes)]
+
+    def names(self) -> list[str]:
+        return list(self._locations)
+
+    def meta(self, name: str) -> TensorMeta:
+        md = self._metadata.state_dict_metadata[self._locations[name].key]
+        assert isinstance(md, TensorStorageMetadata)
+        return TensorMeta(self._shapes[name], md.properties.dtype)
+
+    def describe(self) -> str:
+        return str(self.directory)
+
+    def extra_states(self) -> dict[str, ExtraState]:
+        """The Transformer Engine modules' entries, empty: a distributed checkpoint keeps one
+        ``_extra_state`` per module, not per rank, and it is not carried (``_check_extra_states``);
+        naming the modules gives a TE-spec per-rank target the entries its state dicts require.
+        The local spec's linears need none (megatron-core fills them in on load)."""
+        config = self.config
+        if config.transformer_impl != "transformer_engine":
+            return {}
+        names = te_extra_state_names(config, range(config.num_layers), self.layout.ep)
+        return {name: ExtraState(tp_size=self.layout.tp, ep_size=self.layout.ep) for name in names}
+
+    def _load(self, name: str, prefix: str = "") -> torch.Tensor:
+        shape = self._shapes[name]
+        return self._read_boxes(name, [_Region((0,) * len(shape), shape)], prefix)[0]
+
+    def _load_shard(self, name: str, rule: ShardRule, size: int, rank: int, rows: int | None,
+                    prefix: str = "", dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The piece read as the boxes of the rule's windows (one read), zero windows filled."""
+        shape = self._shapes[name]
+        windows = rule.piece_windows(shape, size, rank, rows, self.config.vocab_size)
+        if not windows:
+            return self._load(name, prefix)
+        stored = [window for window in windows if not window.zeros]
+        boxes = [_box(shape, window.dim, window.start, window.length) for window in stored]
+        read = dict(zip(stored, self._read_boxes(name, boxes, prefix) if boxes else [], strict=True))
+        return assemble(windows, read.__getitem__, shape, dtype or self.meta(name).dtype)
+
+    # opttd: optimizer state read in place, like the model's tensors (pgconvert/optimizer/torch_dist.py).
+    def load_state(self, name: str, prefix: str) -> torch.Tensor:
+        """The whole tensor stored as ``prefix`` + ``name``'s key, chunked like the model's."""
+        return self._load(name, prefix)
+
+    def load_state_shard(self, name: str, prefix: str, rule: ShardRule, size: int, rank: int,
+                         rows: int | None) -> torch.Tensor:
+        """Piece ``rank`` of ``size`` of that tensor, cut with ``rule`` (new vocab rows zero)."""
+        return self._load_shard(name, rule, size, rank, rows, prefix, torch.float32)
+
+    def load_flattened_state(self, name: str, prefix: str) -> torch.Tensor:
+        """fsms: the whole tensor stored as ``prefix`` + ``name``'s key in the reformulated form megatron-core
+        <= 0.15 gives a flattened_range ShardedTensor (``optimizer_fs_model_space``): read as the record's box
+        of ``name``'s chunks (a stacked key: its layer), then put back in the model tensor's shape."""
+        from pgconvert.optimizer.fs_model_space import chunk_shape, record_box, unflatten
+
+        location = self._locations[name]
+        key = prefix + location.key
+        md = self._metadata.state_dict_metadata.get(key)
+        if not isinstance(md, TensorStorageMetadata):
+            raise CheckpointError(f"{self.directory}: no tensor {quote(key)} (the state of {name})")
+        shape = self._shapes[name]
+        where = f"{self.directory}: {quote(key)}"
+        local = chunk_shape(tuple(md.size), location.global_shape(shape), where)
+        offsets, sizes = record_box(*location.chunk((0,) * len(shape), shape), local, md.size[-1], where)
+        buffer = torch.empty(sizes, dtype=md.properties.dtype)
+        self._read({key: [(offsets, buffer)]}, [])
+        return unflatten(buffer, local, location.chunk((0,) * len(shape), shape)[1]).view(shape)
+
+    def load_flat(self, key: str, start: int, length: int) -> torch.Tensor:
+        """Elements ``[start, start + length)`` of the one-dimensional tensor ``key``."""
+        md = self._metadata.state_dict_metadata.get(key)
+        if not isinstance(md, TensorStorageMetadata) or len(md.size) != 1 or start + length > md.size[0]:
+            size = list(md.size) if isinstance(md, TensorStorageMetadata) else None
+            raise CheckpointError(f"{self.directory}: {quote(key)} has shape {size}; elements "
+                                  f"[{start}, {start + length}) are needed")
+        buffer = torch.empty(length, dtype=md.properties.dtype)
+        self._read({key: [((start,), buffer)]}, [])
+        return buffer
+
+    def tensor_keys(self) -> dict[str, tuple[int, ...]]:
+        """Every stored tensor key and its global shape."""
+        return {key: tuple(md.size) for key, md in self._metadata.state_dict_metadata.items()
+                if isinstance(md, TensorStorageMetadata)}
+
+    def read_objects(self, keys: list[str]) -> dict[str, Any]:
+        """Stored objects (ShardedObjects' ``key/shard_...`` entries), unpickled with the allowlist."""
+        missing = [key for key in keys if key not in self._metadata.state_dict_metadata]
+        if missing:
+            raise CheckpointError(f"{self.directory}: no stored object {quote(missing)}")
+        return self._read({}, keys)
+
+
+def _check_counts(config: ModelConfig, metadata: Metadata, path: Path) -> None:
+    """Layer and expert counts from args, bounded by the stored tensors before anything loops over them:
+    each is a key per layer (or expert) or a stacked axis of a stored tensor."""
+    entries = metadata.state_dict_metadata
+    bound = len(entries) + max((max(md.size, default=0) for md in entries.values()
+                                if isinstance(md, TensorStorageMetadata)), default=0)
+    for name in ("num_layers", "num_experts", "mtp_num_layers"):
+        value = getattr(config, name)
+        if value is not None and value > bound:
+            raise CheckpointError(f"{path}: common.pt's args.{name}={value}, more than the {len(entries)} entries "
+                                  "of the checkpoint and their sizes can hold")
+
+
+def _box(shape: tuple[int, ...], dim: int, start: int, length: int) -> _Region:
+    starts = [0] * len(shape)
+    lengths = list(shape)
+    starts[dim], lengths[dim] = start, length
+    return _Region(tuple(starts), tuple(lengths))

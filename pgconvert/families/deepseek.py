@@ -1,0 +1,321 @@
+"""DeepSeek-V2/V3 (and Kimi-K2, DeepSeek-V3.1, whose configs name DeepseekV3ForCausalLM): multi-latent
+attention, shared experts and DeepSeek's routers, as families of ``pgconvert.families``.
+
+Tensors (transformers' ``modeling_deepseek_v3``/``_v2`` <-> megatron-core's ``MLASelfAttention``), all
+one to one: megatron-core's kv down projection is ``[kv_lora_rank latent; qk_pos_emb_head_dim rope]``
+like HF's ``kv_a_proj_with_mqa``, and its q/kv up projections are per head ``[no-rope; rope]`` /
+``[k no-rope; v]`` like ``q_b_proj``/``kv_b_proj``. Rotary: megatron-core's MLA takes the rope
+dimensions as interleaved pairs (``_apply_rotary_pos_emb_bshd(multi_latent_attention=True)``
+de-interleaves them, then rotates halves), which is DeepSeek-V3's ``rope_interleave=True`` and
+DeepSeek-V2's complex-pair rotary (the same rotation up to one permutation of q and k alike, which
+the attention scores do not see); V3's ``rope_interleave=false`` is refused.
+
+Routers (transformers <-> megatron-core's ``topk_routing_with_score_function``):
+
+* V3: sigmoid scores plus ``e_score_correction_bias`` (megatron's ``expert_bias``) choose; the chosen
+  sigmoid scores are renormalized (megatron-core always does, so ``norm_topk_prob`` must be true) and
+  scaled by ``routed_scaling_factor`` (``moe_router_topk_scaling_factor``). Groups: HF scores a group
+  by the sum of its top-2 biased scores, megatron-core by its top ``topk // group_topk``;
+* V2: softmax over all experts (``moe_router_pre_softmax``), top-k not renormalized (transformers 5
+  ignores ``norm_topk_prob``), scaled; ``topk_method`` ``greedy`` or ``group_limited_greedy`` (a
+  group's best score: megatron-core's top ``topk // group_topk`` = 1).
+
+A group setting that chooses every group routes as no groups and is read as none.
+GLM-4.5-MoE's router (top-2 group score, as V3) reuses ``_groups`` (mtp16).
+Multi-token prediction layers (``num_nextn_predict_layers``; HF keeps them as layer index
+``num_hidden_layers + i``) are megatron-core's ``mtp.layers.{i}`` (V3 only; ``pgconvert.families.mtp``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from pgconvert.model.config import ModelConfig
+from pgconvert.families import (
+    _DENSE_FFN,
+    _DENSE_MLP_ROWS,
+    _EMBEDDING_ROWS,
+    _FINAL_ROWS,
+    _HF_SILU,
+    _QWEN_MOE_ROWS,
+    _ROPE_DEFAULT,
+    _ROPE_RULE,
+    _SWIGLU_RMS_ROPE,
+    GATE_UP,
+    ConfigField,
+    ConfigRule,
+    Family,
+    TensorMapping,
+    TensorTable,
+)
+from pgconvert.io.limits import quote
+from pgconvert.families.mtp import MTP_ROWS
+
+_ATTN = "model.layers.{}.self_attn."
+_MLA = "decoder.layers.{}.self_attention."
+_MLA_ROWS = (
+    TensorMapping("decoder.layers.{}.input_layernorm.weight", ("model.layers.{}.input_layernorm.weight",)),
+    TensorMapping(_MLA + "linear_q_proj.weight", (_ATTN + "q_proj.weight",)),
+    TensorMapping(_MLA + "linear_q_down_proj.weight", (_ATTN + "q_a_proj.weight",)),
+    TensorMapping(_MLA + "q_layernorm.weight", (_ATTN + "q_a_layernorm.weight",)),
+    TensorMapping(_MLA + "linear_q_up_proj.weight", (_ATTN + "q_b_proj.weight",)),
+    TensorMapping(_MLA + "linear_kv_down_proj.weight", (_ATTN + "kv_a_proj_with_mqa.weight",)),
+    TensorMapping(_MLA + "kv_layernorm.weight", (_ATTN + "kv_a_layernorm.weight",)),
+    TensorMapping(_MLA + "linear_kv_up_proj.weight", (_ATTN + "kv_b_proj.weight",)),
+    TensorMapping(_MLA + "linear_proj.weight", (_ATTN + "o_proj.weight",)),
+    TensorMapping("decoder.layers.{}.pre_mlp_layernorm.weight", ("model.layers.{}.post_attention_layernorm.weight",)),
+)
+# Sigmoid routing's bias and the shared experts: the rows DeepSeek and GLM-4.5-MoE add to Qwen's MoE rows.
+EXPERT_BIAS_ROW = TensorMapping("decoder.layers.{}.mlp.router.expert_bias",
+                                ("model.layers.{}.mlp.gate.e_score_correction_bias",))
+SHARED_EXPERTS_ROWS = (
+    TensorMapping("decoder.layers.{}.mlp.shared_experts.linear_fc1.weight", (
+        "model.layers.{}.mlp.shared_experts.gate_proj.weight",
+        "model.layers.{}.mlp.shared_experts.up_proj.weight",
+    ), GATE_UP),
+    TensorMapping("decoder.layers.{}.mlp.shared_experts.linear_fc2.weight",
+                  ("model.layers.{}.mlp.shared_experts.down_proj.weight",)),
+)
+_MOE_ROWS = (_QWEN_MOE_ROWS[0], EXPERT_BIAS_ROW, *_QWEN_MOE_ROWS[1:], *SHARED_EXPERTS_ROWS)
+DEEPSEEK_TENSORS = TensorTable((*_EMBEDDING_ROWS, *_MLA_ROWS, *_DENSE_MLP_ROWS, *_MOE_ROWS, *_FINAL_ROWS, *MTP_ROWS))
+
+
+def _fields(experts: int, topk: int | None, max_positions: int) -> tuple[ConfigField, ...]:
+    """config.json fields of both versions; defaults are transformers' class defaults."""
+    return (
+        ConfigField(("hidden_size",), "hidden_size", int),
+        ConfigField(("num_hidden_layers",), "num_layers", int),
+        ConfigField(("num_attention_heads",), "num_attention_heads", int),
+        ConfigField(("num_key_value_heads",), "num_query_groups", int, default=None),
+        ConfigField(("rms_norm_eps",), "norm_epsilon", float, default=1e-6),
+        ConfigField(("rope_parameters", "rope_theta"), "rotary_base", float, default=10000.0, legacy=(("rope_theta",),)),
+        ConfigField(("max_position_embeddings",), "max_position_embeddings", int, default=max_positions),
+        ConfigField(("vocab_size",), "vocab_size", int),
+        ConfigField(("tie_word_embeddings",), "tie_embeddings", bool, default=False),
+        ConfigField(("attention_dropout",), "attention_dropout", float, default=0.0),
+        _DENSE_FFN,
+        ConfigField(("moe_intermediate_size",), "moe_ffn_hidden_size", int),
+        ConfigField(("n_routed_experts",), "num_experts", int, default=experts),
+        ConfigField(("num_experts_per_tok",), "moe_router_topk", int, default=topk),
+        ConfigField(("kv_lora_rank",), "kv_lora_rank", int, default=512),
+        ConfigField(("qk_nope_head_dim",), "qk_head_dim", int, default=128),
+        ConfigField(("qk_rope_head_dim",), "qk_pos_emb_head_dim", int, default=64),
+        ConfigField(("v_head_dim",), "v_head_dim", int, default=128),
+    )
+
+
+def _count(value: object, key: str, minimum: int = 0) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{key}={quote(value)}: expected an integer >= {minimum}")
+    return value
+
+
+def _dense_prefix(config: ModelConfig) -> int | None:
+    """How many leading dense layers, when the rest are MoE (DeepSeek's only pattern); else None."""
+    pattern = [int(config.is_moe_layer(layer)) for layer in range(config.num_layers)]
+    first = pattern.index(1) if 1 in pattern else len(pattern)
+    return first if all(pattern[first:]) else None
+
+
+def _layers_rule(default_dense: int) -> ConfigRule:
+    def read(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
+        dense = _count(present.get("first_k_dense_replace", default_dense), "first_k_dense_replace")
+        layers = model["num_layers"]
+        assert isinstance(layers, int)
+        pattern = tuple(int(layer >= dense) for layer in range(layers))
+        return {"moe_layer_freq": 1 if all(pattern) else pattern}
+
+    def write(config: ModelConfig) -> Mapping[str, object]:
+        return {"first_k_dense_replace": _dense_prefix(config)}
+
+    def refuses(config: ModelConfig) -> str | None:
+        if config.num_experts is None:
+            return "num_experts=None (needs routed experts)"
+        if _dense_prefix(config) is None:
+            return f"moe_layer_freq={config.moe_layer_freq!r} (needs k dense layers, then MoE layers only)"
+        return None
+
+    return ConfigRule(keys=("first_k_dense_replace",), model_fields=("moe_layer_freq",), read=read, write=write,
+                      refuses=refuses)
+
+
+def _shared_rule(default: int) -> ConfigRule:
+    def read(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
+        count = _count(present.get("n_shared_experts", default), "n_shared_experts")
+        size = model["moe_ffn_hidden_size"]
+        assert isinstance(size, int)
+        return {"moe_shared_expert_intermediate_size": count * size if count else None}
+
+    def write(config: ModelConfig) -> Mapping[str, object]:
+        return {"n_shared_experts": (config.moe_shared_expert_intermediate_size or 0) // config.expert_ffn_size}
+
+    def refuses(config: ModelConfig) -> str | None:
+        shared = config.moe_shared_expert_intermediate_size
+        if shared is not None and shared % config.expert_ffn_size:
+            return (f"moe_shared_expert_intermediate_size={shared} (needs a multiple of the experts' "
+                    f"{config.expert_ffn_size}: n_shared_experts)")
+        return None
+
+    return ConfigRule(keys=("n_shared_experts",), model_fields=("moe_shared_expert_intermediate_size",),
+                      read=read, write=write, refuses=refuses)
+
+
+def _groups(present: Mapping[str, object], model: Mapping[str, object], per_group: int) -> tuple[int, int] | None:
+    """(groups, chosen groups) that route as transformers does, None for no grouping; a setting
+    megatron-core scores differently raises."""
+    groups = _count(present.get("n_group", 1), "n_group", 1)
+    chosen = _count(present.get("topk_group", groups), "topk_group", 1)
+    experts, topk = model["num_experts"], model["moe_router_topk"]
+    assert isinstance(experts, int) and isinstance(topk, int)
+    if experts % groups or chosen > groups:
+        raise ValueError(f"n_group={groups}, topk_group={chosen}: the groups must divide n_routed_experts={experts} "
+                         "and topk_group be at most n_group")
+    if chosen == groups:
+        return None
+    if topk // chosen != per_group:
+        raise ValueError(
+            f"n_group={groups}, topk_group={chosen} with num_experts_per_tok={topk}: transformers scores a group by "
+            f"its best {per_group} expert(s), megatron-core by its best num_experts_per_tok // topk_group = "
+            f"{topk // chosen}; this routing has no megatron-core equivalent")
+    return groups, chosen
+
+
+def _scaling(present: Mapping[str, object], default: float) -> float:
+    value = present.get("routed_scaling_factor", default)
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise ValueError(f"routed_scaling_factor={quote(value)}: expected a number")
+    return float(value)
+
+
+_ROUTER_FIELDS = ("moe_router_num_groups", "moe_router_group_topk", "moe_router_topk_scaling_factor")
+
+
+def _v3_router_read(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
+    if model["moe_router_topk"] == 1:
+        raise ValueError("num_experts_per_tok=1: transformers renormalizes the one chosen score to 1 "
+                         "(norm_topk_prob), megatron-core keeps its sigmoid score; no megatron-core equivalent")
+    groups = _groups(present, model, per_group=2)
+    return {"moe_router_num_groups": groups and groups[0], "moe_router_group_topk": groups and groups[1],
+            "moe_router_topk_scaling_factor": _scaling(present, 2.5)}
+
+
+def _v3_router_write(config: ModelConfig) -> Mapping[str, object]:
+    return {"n_group": config.moe_router_num_groups or 1, "topk_group": config.moe_router_group_topk or 1,
+            "routed_scaling_factor": config.moe_router_topk_scaling_factor or 1.0}
+
+
+def _v3_router_refuses(config: ModelConfig) -> str | None:
+    if config.moe_router_topk == 1:
+        return "moe_router_topk=1 (DeepseekV3 renormalizes the chosen sigmoid scores: needs top-k > 1)"
+    if config.moe_router_group_topk and config.moe_router_topk // config.moe_router_group_topk != 2:
+        return (f"moe_router_group_topk={config.moe_router_group_topk} with moe_router_topk={config.moe_router_topk} "
+                "(DeepseekV3 scores a group by its best 2 experts: needs topk // group_topk = 2)")
+    return None
+
+
+def _v2_router_read(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
+    method = present.get("topk_method", "greedy")
+    if method not in ("greedy", "group_limited_greedy"):
+        raise ValueError(f"topk_method={quote(method)}: expected 'greedy' or 'group_limited_greedy'")
+    groups = _groups(present, model, per_group=1) if method == "group_limited_greedy" else None
+    return {"moe_router_num_groups": groups and groups[0], "moe_router_group_topk": groups and groups[1],
+            "moe_router_topk_scaling_factor": _scaling(present, 1.0)}
+
+
+def _v2_router_write(config: ModelConfig) -> Mapping[str, object]:
+    grouped = config.moe_router_num_groups is not None
+    return {"topk_method": "group_limited_greedy" if grouped else "greedy",
+            "n_group": config.moe_router_num_groups, "topk_group": config.moe_router_group_topk,
+            "routed_scaling_factor": config.moe_router_topk_scaling_factor or 1.0}
+
+
+def _v2_router_refuses(config: ModelConfig) -> str | None:
+    if config.moe_router_group_topk and config.moe_router_topk // config.moe_router_group_topk != 1:
+        return (f"moe_router_group_topk={config.moe_router_group_topk} with moe_router_topk={config.moe_router_topk} "
+                "(DeepseekV2 scores a group by its best expert: needs topk // group_topk = 1)")
+    return None
+
+
+def _q_lora_read(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
+    value = present.get("q_lora_rank")
+    return {"q_lora_rank": None if value is None else _count(value, "q_lora_rank", 1)}
+
+
+def _q_lora_write(config: ModelConfig) -> Mapping[str, object]:
+    # Written even when null: transformers' default (1536) would otherwise build a q-LoRA model.
+    return {"q_lora_rank": config.q_lora_rank}
+
+
+def _mla_rope_read(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
+    if model.get("rope_scaling") not in (None, "yarn"):
+        raise ValueError(f"rope type {quote(model.get('rope_scaling'))}: megatron-core's multi-latent attention "
+                         "computes plain RoPE or YaRN only (MLATransformerConfig.rope_type)")
+    return {}
+
+
+def _mla_rope_refuses(config: ModelConfig) -> str | None:
+    if config.rope_scaling not in (None, "yarn"):
+        return f"rope_scaling={config.rope_scaling!r} (multi-latent attention computes plain RoPE or YaRN)"
+    return None
+
+
+# Runs after _ROPE_RULE (a rule sees the values earlier rules read).
+def _no_keys(config: ModelConfig) -> Mapping[str, object]:
+    return {}
+
+
+_MLA_ROPE = ConfigRule(keys=(), model_fields=(), read=_mla_rope_read, write=_no_keys,
+                       refuses=_mla_rope_refuses)
+_Q_LORA = ConfigRule(keys=("q_lora_rank",), model_fields=("q_lora_rank",), read=_q_lora_read, write=_q_lora_write)
+
+_MLA_COMMON: dict[str, object] = {
+    **_SWIGLU_RMS_ROPE,
+    "multi_latent_attention": True,
+    # megatron-core builds MLA's q/kv latent norms only with qk_layernorm (IdentityOp otherwise).
+    "qk_layernorm": True,
+    "add_bias_linear": False,
+    "add_qkv_bias": False,
+    "moe_shared_expert_gate": False,
+    "rotary_interleaved": False,
+    "sliding_window": None,
+}
+_HF_COMMON: dict[str, object] = {**_HF_SILU, "attention_bias": False}
+
+# ds16/fam17d: DeepSeek's families carry the score function, scaling, groups and pre-softmax (their
+# fixed values and rules refuse what they cannot write; pre-softmax means nothing to sigmoid scores).
+_DEEPSEEK_COMPUTES = frozenset({"moe_router_score_function", "moe_router_topk_scaling_factor",
+                                "moe_router_num_groups", "moe_router_pre_softmax"})
+
+DEEPSEEK_V3 = Family(
+    architecture="DeepseekV3ForCausalLM",
+    model_type="deepseek_v3",
+    hf_computes=_DEEPSEEK_COMPUTES,  # fam17d
+    tensors=DEEPSEEK_TENSORS,
+    fields=_fields(experts=256, topk=8, max_positions=4096),
+    rules=(_ROPE_RULE, _MLA_ROPE, _Q_LORA, _layers_rule(default_dense=3), _shared_rule(default=1),
+           ConfigRule(keys=("n_group", "topk_group", "routed_scaling_factor"), model_fields=_ROUTER_FIELDS,
+                      read=_v3_router_read, write=_v3_router_write, refuses=_v3_router_refuses)),
+    fixed={**_MLA_COMMON, "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True},
+    # megatron-core renormalizes the chosen sigmoid scores; its MLA rotary takes interleaved pairs.
+    hf_fixed={**_HF_COMMON, "norm_topk_prob": True, "rope_interleave": True},
+    hf_scratch=_ROPE_DEFAULT,
+    hf_mtp_layers_key="num_nextn_predict_layers",  # mtp
+)
+
+DEEPSEEK_V2 = Family(
+    architecture="DeepseekV2ForCausalLM",
+    model_type="deepseek_v2",
+    hf_computes=_DEEPSEEK_COMPUTES,  # fam17d
+    tensors=DEEPSEEK_TENSORS,
+    fields=_fields(experts=64, topk=None, max_positions=2048),
+    rules=(_ROPE_RULE, _MLA_ROPE, _Q_LORA, _layers_rule(default_dense=0), _shared_rule(default=2),
+           ConfigRule(keys=("topk_method", "n_group", "topk_group", "routed_scaling_factor"),
+                      model_fields=_ROUTER_FIELDS, read=_v2_router_read, write=_v2_router_write,
+                      refuses=_v2_router_refuses)),
+    fixed={**_MLA_COMMON, "moe_router_score_function": "softmax", "moe_router_pre_softmax": True,
+           "moe_router_enable_expert_bias": False},
+    hf_fixed={**_HF_COMMON, "mlp_bias": False},
+    hf_scratch=_ROPE_DEFAULT,
+)
+
+DEEPSEEK_FAMILIES: tuple[Family, ...] = (DEEPSEEK_V3, DEEPSEEK_V2)

@@ -1,0 +1,431 @@
+"""Facts of the Hugging Face safetensors format shared by its loader and saver.
+
+Layout on disk (transformers' ``save_pretrained``)::
+
+    DIR/config.json
+    DIR/model.safetensors                          one file, or
+    DIR/model.safetensors.index.json               {"metadata": {"total_size": N}, "weight_map": {name: file}}
+    DIR/model-00001-of-00003.safetensors …
+    DIR/tokenizer.json, tokenizer_config.json, … (side files: pgconvert.formats.hf_side)
+
+The index is untrusted input: a shard name must be a plain ``*.safetensors`` file name inside
+DIR, so a crafted index cannot make pgconvert read anything else.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from pgconvert.model.config import DTYPES, ModelConfig
+from pgconvert.errors import CheckpointError, ConfigError, PgconvertError
+from pgconvert.families import FAMILIES, INFERENCE_ORDER, REQUIRED, ConfigField, Family, supported_architectures
+from pgconvert.families.more import unmapped_losses
+from pgconvert.io.limits import MAX_SAFETENSORS_HEADER_BYTES, over_limit, parse_json, quote, read_json
+from pgconvert.model.provider import canonical_shapes as provider_shapes
+from pgconvert.semantics import hf_unrepresentable
+from pgconvert.formats.stream import TensorMeta
+
+if TYPE_CHECKING:
+    from pgconvert.formats.hf_quantized import QuantizedTensors
+
+log = logging.getLogger(__name__)
+
+CONFIG_FILE = "config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+SHARD_SUFFIX = ".safetensors"
+# transformers' default max_shard_size="5GB" (decimal units).
+DEFAULT_MAX_SHARD_SIZE = 5_000_000_000
+# The HF-sourced model's Megatron-only settings: the local layer spec and Megatron's default padding.
+LOADED_DEFAULTS: dict[str, object] = {name: getattr(ModelConfig, name)
+                                      for name in ("transformer_impl", "make_vocab_size_divisible_by")}
+# transformers 5 writes "dtype"; 4.x wrote "torch_dtype".
+DTYPE_KEYS: tuple[str, ...] = ("dtype", "torch_dtype")
+
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+def shard_file_name(index: int, count: int) -> str:
+    """transformers' shard names: ``model-00001-of-00003.safetensors`` (1-based)."""
+    return f"model-{index:05d}-of-{count:05d}{SHARD_SUFFIX}"
+
+
+@dataclass(frozen=True)
+class HFOrigin:
+    """Where an HF source came from: the saver copies its config and tokenizer files."""
+
+    directory: Path
+    config_json: dict[str, Any]
+    family: Family
+    # fp8: the quantized tensors an hf target writes as stored (--keep-fp8); None: dequantized.
+    quantized: QuantizedTensors | None = None
+
+
+# --- config.json -----------------------------------------------------------------------------
+
+def read_json_object(path: Path, error: type[PgconvertError] = CheckpointError) -> dict[str, Any]:
+    if not path.is_file():
+        raise error(f"{path}: missing")
+    loaded = read_json(path, error)
+    if not isinstance(loaded, dict):
+        raise error(f"{path}: expected a JSON object at the top level, found {type(loaded).__name__}")
+    return loaded
+
+
+def family_of(doc: dict[str, Any], path: Path, error: type[PgconvertError] = CheckpointError) -> Family:
+    """The family named by ``architectures[0]``."""
+    architectures = doc.get("architectures")
+    supported = ", ".join(supported_architectures())
+    if not isinstance(architectures, list) or not architectures or not isinstance(architectures[0], str):
+        raise error(f"{path}: architectures={quote(architectures)}: expected a list naming one of {supported}")
+    family = FAMILIES.get(architectures[0])
+    if family is None:
+        raise error(f"{path}: architectures[0]={quote(architectures[0])} is not supported; supported: {supported}")
+    return family
+
+
+MISSING = object()  # what get_path returns for an absent key
+
+
+def get_path(doc: dict[str, Any], path: tuple[str, ...]) -> object:
+    node: object = doc
+    for key in path:
+        if not isinstance(node, dict) or key not in node:
+            return MISSING
+        node = node[key]
+    return node
+
+
+def set_path(doc: dict[str, Any], path: tuple[str, ...], value: object) -> None:
+    node = doc
+    for key in path[:-1]:
+        node = node.setdefault(key, {})
+    node[path[-1]] = value
+
+
+def _read_field(doc: dict[str, Any], spec: ConfigField, path: Path, error: type[PgconvertError]) -> object:
+    for where in (spec.path, *spec.legacy):
+        value = get_path(doc, where)
+        if value is not MISSING:
+            break
+    else:
+        if spec.default is REQUIRED:
+            raise error(f"{path}: {spec.key} is missing")
+        return spec.default
+    if value is None and spec.nullable:
+        return None
+    if value is None and spec.default is not REQUIRED:
+        return spec.default
+    key = ".".join(where)
+    if spec.kind is bool:
+        if not isinstance(value, bool):
+            raise error(f"{path}: {key}={quote(value)}: expected true or false")
+        return value
+    if spec.kind is int:
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise error(f"{path}: {key}={quote(value)}: expected an integer")
+        return value
+    if spec.kind is float:
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+            raise error(f"{path}: {key}={quote(value)}: expected a finite number")
+        return float(value)
+    raise AssertionError(f"config field kind {spec.kind!r}")
+
+
+def model_config_from_hf(doc: dict[str, Any], path: Path, stored_dtype: torch.dtype | None = None,
+                         error: type[PgconvertError] = CheckpointError,
+                         stored_tensors: int | None = None) -> tuple[Family, ModelConfig, list[str]]:
+    """The family, the ModelConfig and notices (settings ModelConfig cannot carry) of a config.json.
+
+    ``stored_tensors``, the number of tensors the checkpoint holds, bounds the layer and expert
+    counts before anything loops over them (each layer and expert holds tensors)."""
+    family = family_of(doc, path, error)
+    for key, expected in family.hf_fixed.items():
+        value = doc.get(key, expected)
+        if value != expected:
+            raise error(
+                f"{path}: {key}={quote(value)}: {family.architecture} is converted only with {key}={expected!r}"
+            )
+    values: dict[str, object] = dict(family.fixed)
+    read_from: dict[str, str] = {}
+    for spec in family.fields:
+        value = _read_field(doc, spec, path, error)
+        if spec.model_field in values and values[spec.model_field] != value:
+            raise error(
+                f"{path}: {read_from[spec.model_field]}={quote(values[spec.model_field])} and "
+                f"{spec.key}={quote(value)}: Megatron has one setting ({spec.model_field}) for both; they must agree"
+            )
+        values[spec.model_field] = value
+        read_from.setdefault(spec.model_field, spec.key)
+        if (stored_tensors is not None and spec.model_field in ("num_layers", "num_experts")
+                and isinstance(value, int) and value > stored_tensors):
+            raise error(f"{path}: {spec.key}={value}, but the checkpoint holds only {stored_tensors} tensors")
+    for rule in family.rules:
+        present = {key: doc[key] for key in rule.keys if doc.get(key) is not None}
+        try:
+            ruled = dict(rule.read(present, dict(values)))
+        except ValueError as exc:
+            raise error(f"{path}: {exc}") from exc
+        assert sorted(ruled) == sorted(rule.model_fields), (family.architecture, sorted(ruled))
+        values.update(ruled)
+    values["params_dtype"] = _config_dtype(doc, stored_dtype)
+    values.update(LOADED_DEFAULTS)
+    try:
+        config = ModelConfig(**values)  # type: ignore[arg-type]
+    except ConfigError as exc:
+        raise error(f"{path}: describes an impossible model: {exc}") from exc
+    notices = [
+        f"{path}: {key}={quote(doc[key])} has no Megatron setting: a megatron target is a model that behaves as "
+        f"{key}={assumed!r} unless the Megatron run is set to match; an hf target keeps config.json"
+        for key, assumed in family.hf_assumed.items()
+        if key in doc and doc[key] != assumed
+    ]
+    notices += hf_unrepresentable(doc, path)
+    return family, config, notices
+
+
+def _config_dtype(doc: dict[str, Any], stored_dtype: torch.dtype | None) -> str:
+    for key in DTYPE_KEYS:
+        value = doc.get(key)
+        if isinstance(value, str) and value in DTYPES:
+            return value
+    if stored_dtype is not None and str(stored_dtype).removeprefix("torch.") in DTYPES:
+        return str(stored_dtype).removeprefix("torch.")
+    return "float32"
+
+
+def family_mismatches(family: Family, config: ModelConfig) -> list[str]:
+    """Why ``config`` cannot be written as ``family`` (empty when it can)."""
+    mismatches = [
+        f"{name}={getattr(config, name)!r} (needs {expected!r})"
+        for name, expected in family.fixed.items()
+        if getattr(config, name) != expected
+    ]
+    refusals = (rule.refuses(config) for rule in family.rules)
+    if config.mtp_num_layers and family.hf_mtp_layers_key is None:  # mtp
+        mismatches.append(f"mtp_num_layers={config.mtp_num_layers} (no multi-token prediction layers)")
+    return mismatches + [refusal for refusal in refusals if refusal is not None]
+
+
+def infer_family(config: ModelConfig) -> Family:
+    """The family to write for a model that names none: the first in INFERENCE_ORDER that fits."""
+    reasons = []
+    for architecture in INFERENCE_ORDER:
+        family = FAMILIES[architecture]
+        # f17a: a family without a key for a setting the model has does not fit either.
+        mismatches = family_mismatches(family, config) + unmapped_losses(architecture, config)
+        if not mismatches:
+            return family
+        reasons.append(f"{architecture}: {', '.join(mismatches)}")
+    raise ConfigError(
+        "hf: the model fits none of the supported families "
+        f"({', '.join(supported_architectures())}): " + "; ".join(reasons)
+    )
+
+
+def require_family_fits(family: Family, config: ModelConfig, where: str) -> None:
+    mismatches = family_mismatches(family, config)
+    if mismatches:
+        raise ConfigError(f"{where}: the model cannot be written as {family.architecture}: {', '.join(mismatches)}")
+
+
+def hf_config_from_model(family: Family, config: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
+    """A config.json for ``config`` built from the family table alone."""
+    doc: dict[str, Any] = {"architectures": [family.architecture], "model_type": family.model_type}
+    doc.update(copy.deepcopy(dict(family.hf_scratch)))
+    doc.update(copy.deepcopy(dict(family.hf_assumed)))
+    doc.update(copy.deepcopy(dict(family.hf_fixed)))
+    for spec in family.fields:
+        value = spec.value_of(config)
+        if value is None:
+            continue
+        for where in (spec.path, *spec.legacy):
+            set_path(doc, where, value)
+    for rule in family.rules:
+        doc.update(copy.deepcopy(dict(rule.write(config))))
+    if family.hf_mtp_layers_key is not None:  # mtp
+        doc[family.hf_mtp_layers_key] = config.mtp_num_layers
+    doc["dtype"] = str(dtype).removeprefix("torch.")
+    return doc
+
+
+def config_disagreements(doc: dict[str, Any], path: Path, config: ModelConfig) -> tuple[Family, list[str]]:
+    """The family a given config.json names and where it disagrees with ``config``."""
+    family, described, _ = model_config_from_hf(doc, path, error=ConfigError)
+    # Compared as config.json would hold them: a field the model leaves unset may mean a value.
+    fields = {spec.model_field: spec for spec in family.fields}
+    differences = [
+        f"{name}: {fields[name].value_of(described)!r} in the file, {fields[name].value_of(config)!r} in the model"
+        for name in sorted(fields)
+        if fields[name].value_of(described) != fields[name].value_of(config)
+    ]
+    for rule in family.rules:
+        in_file, in_model = rule.write(described), rule.write(config)
+        differences += [
+            f"{key}: {in_file[key]!r} in the file, {in_model[key]!r} in the model"
+            for key in rule.keys
+            if in_file[key] != in_model[key]
+        ]
+    return family, differences
+
+
+def with_dtype(doc: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
+    """A copy of ``doc`` whose dtype entry says ``dtype`` (the tensors' dtype after any cast)."""
+    updated = copy.deepcopy(doc)
+    name = str(dtype).removeprefix("torch.")
+    written = False
+    for key in DTYPE_KEYS:
+        if key in updated:
+            updated[key] = name
+            written = True
+    if not written:
+        updated["dtype"] = name
+    return updated
+
+
+# --- tensors ---------------------------------------------------------------------------------
+
+def canonical_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Global shape of every canonical tensor, with the true vocab (an HF model has no padding)."""
+    if config.vocab_size is None:
+        raise ConfigError("vocab_size: unknown; the true vocab size is needed (pass --true-vocab-size)")
+    return provider_shapes(config)
+
+
+def validate_shard_name(name: object, index_path: Path) -> str:
+    """A shard name from an index: a plain ``*.safetensors`` file name, nothing else."""
+    problem = None
+    if not isinstance(name, str) or not name:
+        problem = "is not a file name"
+    elif "\x00" in name:
+        problem = "contains a NUL byte"
+    elif name.startswith("/") or Path(name).is_absolute():
+        problem = "is an absolute path"
+    elif ".." in name:
+        problem = "contains '..'"
+    elif "/" in name or "\\" in name:
+        problem = "contains a path separator"
+    elif not name.endswith(SHARD_SUFFIX):
+        problem = f"does not end in {SHARD_SUFFIX}"
+    if problem is not None:
+        raise CheckpointError(
+            f"{index_path}: shard name {quote(name)} {problem}; shards must be plain *{SHARD_SUFFIX} "
+            "file names inside the checkpoint directory"
+        )
+    assert isinstance(name, str)
+    return name
+
+
+def resolve_inside(directory: Path, name: str, referrer: Path) -> Path:
+    """``directory / name`` if it resolves inside ``directory`` (a symlink may point elsewhere)."""
+    root = directory.resolve()
+    resolved = (directory / name).resolve()
+    if resolved.parent != root and root not in resolved.parents:
+        raise CheckpointError(
+            f"{referrer}: {name!r} resolves to {resolved}, outside the checkpoint directory {root}; "
+            "refusing to read it"
+        )
+    return resolved
+
+
+def parse_index(index_path: Path) -> dict[str, str]:
+    """tensor name -> shard file name, from an index that has been checked entry by entry."""
+    doc = read_json_object(index_path)
+    weight_map = doc.get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{index_path}: weight_map is missing or empty")
+    checked: dict[str, str] = {}
+    for tensor, shard in weight_map.items():
+        if not isinstance(tensor, str):
+            raise CheckpointError(f"{index_path}: weight_map key {quote(tensor)} is not a tensor name")
+        checked[tensor] = validate_shard_name(shard, index_path)
+    metadata = doc.get("metadata", {})
+    total = metadata.get("total_size") if isinstance(metadata, dict) else None
+    if total is not None and (not isinstance(total, int) or isinstance(total, bool) or total < 0):
+        raise CheckpointError(f"{index_path}: metadata.total_size={quote(total)}: expected a byte count")
+    return checked
+
+
+def check_header(path: Path) -> None:
+    """A safetensors header read by pgconvert itself before the library parses it: bounded in size
+    and depth, and each tensor named once (the library keeps the last of two same-named entries)."""
+    try:
+        with open(path, "rb") as handle:
+            prefix = handle.read(8)
+            if len(prefix) < 8:
+                return  # the library names the file as not a safetensors file
+            (length,) = struct.unpack("<Q", prefix)
+            if length > MAX_SAFETENSORS_HEADER_BYTES:
+                raise over_limit(path, "the safetensors header's size in bytes", length, "MAX_SAFETENSORS_HEADER_BYTES")
+            header = handle.read(length)
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot be read: {exc.strerror or exc}") from exc
+    if len(header) == length:
+        try:
+            parse_json(header, path)
+        except CheckpointError as exc:
+            detail = str(exc).removeprefix(f"{path}: ")
+            raise CheckpointError(f"{path}: not a readable safetensors file (corrupt header?): {detail}") from None
+
+
+def read_header(path: Path) -> dict[str, TensorMeta]:
+    """Shape and dtype of every tensor in a safetensors file, from its header alone."""
+    check_header(path)
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            metas = {}
+            for name in handle.keys():
+                piece = handle.get_slice(name)
+                dtype_name = piece.get_dtype()
+                dtype = SAFETENSORS_DTYPES.get(dtype_name)
+                if dtype is None:
+                    raise CheckpointError(f"{path}: {name} has dtype {dtype_name}, which pgconvert does not convert")
+                metas[name] = TensorMeta(tuple(piece.get_shape()), dtype)
+    except SafetensorError as exc:
+        raise CheckpointError(f"{path}: not a readable safetensors file (corrupt header?): {exc}") from exc
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot be read: {exc}") from exc
+    return metas
+
+
+def read_tensor(path: Path, name: str) -> torch.Tensor:
+    """One tensor, read through its own ``safe_open``: nothing else of the file stays mapped."""
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            tensor: torch.Tensor = handle.get_tensor(name)
+            return tensor
+    except SafetensorError as exc:
+        raise CheckpointError(f"{path}: cannot read {name}: {exc}") from exc
+
+
+def read_tensor_range(path: Path, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+    """Indices ``[start, stop)`` of ``dim`` of one tensor, reading only those bytes (dim 0 or 1)."""
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            piece = handle.get_slice(name)
+            window: torch.Tensor = piece[start:stop] if dim == 0 else piece[:, start:stop]
+            return window.contiguous()
+    except SafetensorError as exc:
+        raise CheckpointError(f"{path}: cannot read {name}: {exc}") from exc

@@ -1,0 +1,367 @@
+"""Quantized weights of HF checkpoints, read dequantized one tensor (or one region) at a time.
+
+Two storage schemes are recognised by their tensors, whatever the family:
+
+- **FP8 block-scaled** (DeepSeek-V3, ``quantization_config.quant_method = "fp8"``): a weight ``X``
+  stored as ``float8_e4m3fn`` (or ``e5m2``) beside ``X_scale_inv`` (float32) holding one scale per
+  ``weight_block_size`` = [rows, cols] block of the last two dims, edge blocks partial. The value
+  is ``weight.float() * scale`` over each block, cast to bf16 (DeepSeek's own ``weight_dequant``) or to
+  the ``--dtype`` asked for: one rounding of the float32 product, never through bf16.
+- **MXFP4** (GPT-OSS, ``quant_method = "mxfp4"``): a tensor ``X`` stored as ``X_blocks`` (uint8
+  [E, R, G, 16], two e2m1 values per byte, low nibble first) and ``X_scales`` (uint8 [E, R, G],
+  E8M0 exponents with bias 127), 32 values per scale; ``X`` is [E, G*32, R] in bf16 (or the ``--dtype``
+  asked for), as transformers' ``integrations/mxfp4.py: convert_moe_packed_tensors`` builds it. Each
+  value is an e2m1 value times a power of two, which bf16 and float32 hold exactly (float16 only in
+  its narrower range).
+
+The HF loader sees the logical tensors (``X`` in the dequantized dtype) in place of their stored parts, so a family
+table names ``X`` alone. ``--keep-fp8`` (HF -> HF) writes the stored parts unchanged instead.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pgconvert.errors import CheckpointError, ValidationError
+from pgconvert.formats.hf import read_tensor, read_tensor_range
+from pgconvert.io.limits import quote
+from pgconvert.formats.stream import TensorMeta
+
+log = logging.getLogger(__name__)
+
+QUANTIZATION_CONFIG = "quantization_config"
+FP8_DTYPES: tuple[torch.dtype, ...] = (torch.float8_e4m3fn, torch.float8_e5m2)
+FP8_SCALE_SUFFIX = "_scale_inv"
+MXFP4_BLOCKS_SUFFIX = "_blocks"
+MXFP4_SCALES_SUFFIX = "_scales"
+MXFP4_BYTES_PER_BLOCK = 16  # 32 e2m1 values, two per byte
+E8M0_BIAS = 127
+# The e2m1 value of each nibble (sign bit 3, exponent bits 2-1, mantissa bit 0).
+FP4_E2M1_VALUES: tuple[float, ...] = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                                      -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+# The dtype quantized tensors are dequantized to when no --dtype is asked for.
+DEQUANTIZED_DTYPE = torch.bfloat16
+# Elements dequantized per step: the float32 temporaries stay this size whatever the tensor's.
+STRIP_ELEMENTS = 2**22
+
+
+class QuantizationError(CheckpointError):
+    """A quantized checkpoint whose weights and scales do not fit together."""
+
+
+class ScaleShapeError(QuantizationError):
+    """A scale tensor's shape is not its weight's block grid."""
+
+
+class MissingScaleError(QuantizationError):
+    """A quantized weight without its scale (or a scale without its weight)."""
+
+
+class ScaleDtypeError(QuantizationError):
+    """A scale tensor of a dtype the scheme does not use."""
+
+
+class BlockSizeError(QuantizationError):
+    """``quantization_config.weight_block_size`` is not two positive integers."""
+
+
+class KeepQuantizedError(ValidationError):
+    """``--keep-fp8`` for a conversion whose target cannot hold the quantized tensors."""
+
+
+# --- plain dequantization ----------------------------------------------------------------------
+
+def fp8_scale_grid(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:
+    """The scale shape of an FP8 weight of ``shape``: one per block of its last two dims."""
+    return (*shape[:-2], math.ceil(shape[-2] / block[0]), math.ceil(shape[-1] / block[1]))
+
+
+def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
+                   row0: int = 0, col0: int = 0, dtype: torch.dtype = DEQUANTIZED_DTYPE) -> torch.Tensor:
+    """``weight.float() * scale`` over blocks, rounded once to ``dtype``, a strip of rows at a time.
+
+    ``weight`` may be a window of a larger weight starting at row ``row0``, column ``col0`` of its
+    last two dims; ``scale`` then starts at the block holding that corner.
+    """
+    rows, cols = weight.shape[-2], weight.shape[-1]
+    col_index = torch.arange(col0, col0 + cols) // block[1] - col0 // block[1]
+    out = torch.empty(weight.shape, dtype=dtype)
+    lead = math.prod(weight.shape[:-2])
+    strip = max(1, STRIP_ELEMENTS // max(1, cols * lead))
+    for start in range(0, rows, strip):
+        stop = min(rows, start + strip)
+        row_index = torch.arange(row0 + start, row0 + stop) // block[0] - row0 // block[0]
+        scales = scale.index_select(-2, row_index).index_select(-1, col_index)
+        out[..., start:stop, :] = (weight[..., start:stop, :].float() * scales).to(dtype)
+    return out
+
+
+def mxfp4_shape(blocks_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The dequantized shape of MXFP4 blocks [E, R, G, 16]: [E, G * 32, R]."""
+    experts, rows, groups, width = blocks_shape
+    return (experts, groups * width * 2, rows)
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor,
+                     dtype: torch.dtype = DEQUANTIZED_DTYPE) -> torch.Tensor:
+    """MXFP4 blocks [E, R, G, 16] and E8M0 scales [E, R, G] as ``dtype`` [E, G * 32, R], one expert at a time.
+
+    Each byte holds two e2m1 values, the low nibble first; each group of 32 values is multiplied by
+    2 ** (scale - 127), computed in float32 and rounded once to ``dtype``.
+    """
+    experts, rows, groups, width = blocks.shape
+    table = torch.tensor(FP4_E2M1_VALUES, dtype=torch.float32)
+    out = torch.empty(mxfp4_shape(tuple(blocks.shape)), dtype=dtype)
+    for expert in range(experts):
+        packed = blocks[expert].to(torch.int64)
+        values = torch.empty(rows, groups, width, 2, dtype=torch.float32)
+        values[..., 0] = table[packed & 0x0F]
+        values[..., 1] = table[packed >> 4]
+        exponents = scales[expert].to(torch.int32) - E8M0_BIAS
+        values = torch.ldexp(values, exponents[:, :, None, None])
+        out[expert] = values.reshape(rows, groups * width * 2).to(dtype).transpose(0, 1)
+        del packed, values
+    return out
+
+
+# --- the quantized tensors of one checkpoint ---------------------------------------------------
+
+@dataclass(frozen=True)
+class Quantized:
+    """One logical tensor stored quantized: its stored data and scale tensors, and its dequantized meta."""
+
+    name: str
+    scheme: str  # "fp8" or "mxfp4"
+    data: str
+    scale: str
+    meta: TensorMeta
+    block: tuple[int, int] = (0, 0)  # fp8 only
+
+    @property
+    def parts(self) -> tuple[str, str]:
+        return (self.data, self.scale)
+
+
+def fp8_block_size(doc: dict[str, Any], config_path: Path) -> tuple[int, int]:
+    """``quantization_config.weight_block_size`` of a config.json, checked."""
+    config = doc.get(QUANTIZATION_CONFIG)
+    if not isinstance(config, dict):
+        raise BlockSizeError(
+            f"{config_path}: {QUANTIZATION_CONFIG}={quote(config)}: the checkpoint holds fp8 weights with "
+            f"*{FP8_SCALE_SUFFIX} scales, and their block size must be given as "
+            f"{QUANTIZATION_CONFIG}.weight_block_size")
+    block = config.get("weight_block_size")
+    if (not isinstance(block, list) or len(block) != 2
+            or not all(isinstance(size, int) and not isinstance(size, bool) and size > 0 for size in block)):
+        raise BlockSizeError(
+            f"{config_path}: {QUANTIZATION_CONFIG}.weight_block_size={quote(block)}: expected two positive "
+            "integers [rows, cols] (DeepSeek-V3: [128, 128])")
+    return (block[0], block[1])
+
+
+def check_quant_method(doc: dict[str, Any], config_path: Path) -> str | None:
+    """The ``quant_method`` of a config.json's quantization_config (None: there is none)."""
+    config = doc.get(QUANTIZATION_CONFIG)
+    if config is None:
+        return None
+    method = config.get("quant_method") if isinstance(config, dict) else None
+    if method not in ("fp8", "mxfp4"):
+        raise QuantizationError(
+            f"{config_path}: {QUANTIZATION_CONFIG}.quant_method={quote(method)}: pgconvert reads fp8 "
+            "(block-scaled) and mxfp4 weights only")
+    return str(method)
+
+
+def _paired_scale(files: dict[str, Path], stored: dict[str, TensorMeta], name: str, scale: str,
+                  dtype: torch.dtype, missing: str, needs: str) -> TensorMeta:
+    """The stored scale tensor ``scale`` of the quantized tensor ``name``: present and of ``dtype``."""
+    if scale not in stored:
+        raise MissingScaleError(f"{files[name]}: {missing}")
+    scale_meta = stored[scale]
+    if scale_meta.dtype != dtype:
+        raise ScaleDtypeError(f"{files[scale]}: {scale} has dtype {_dtype(scale_meta.dtype)}; {needs}")
+    return scale_meta
+
+
+def _fp8_entries(doc: dict[str, Any], config_path: Path, files: dict[str, Path],
+                 stored: dict[str, TensorMeta], dtype: torch.dtype) -> list[Quantized]:
+    """Every fp8 weight with its float32 block scale, checked against the block grid."""
+    weights = sorted(name for name, meta in stored.items() if meta.dtype in FP8_DTYPES)
+    scales = sorted(name for name in stored if name.endswith(FP8_SCALE_SUFFIX))
+    if not weights and not scales:
+        return []
+    block = fp8_block_size(doc, config_path)
+    found = []
+    for name in weights:
+        meta, scale = stored[name], name + FP8_SCALE_SUFFIX
+        scale_meta = _paired_scale(
+            files, stored, name, scale, torch.float32,
+            f"{name} is {_dtype(meta.dtype)} {list(meta.shape)}, but its scale {scale} is not in the checkpoint; "
+            "every fp8 weight needs its float32 block scales", f"the block scales of {name} must be float32")
+        grid = fp8_scale_grid(meta.shape, block) if len(meta.shape) >= 2 else None
+        if scale_meta.shape != grid:
+            needs = f"needs {list(grid)}" if grid is not None else "cannot be block-scaled (fewer than 2 dims)"
+            raise ScaleShapeError(
+                f"{files[scale]}: {scale} has shape {list(scale_meta.shape)}; {name} {list(meta.shape)} in "
+                f"blocks of {list(block)} (weight_block_size) {needs}")
+        found.append(Quantized(name, "fp8", name, scale, TensorMeta(meta.shape, dtype), block))
+    for scale in scales:
+        weight = scale.removesuffix(FP8_SCALE_SUFFIX)
+        if weight not in weights:
+            what = f"stored as {_dtype(stored[weight].dtype)}, not fp8" if weight in stored else "not in the checkpoint"
+            raise MissingScaleError(f"{files[scale]}: {scale} scales {weight}, which is {what}")
+    return found
+
+
+def _mxfp4_entries(files: dict[str, Path], stored: dict[str, TensorMeta], dtype: torch.dtype) -> list[Quantized]:
+    """Every uint8 ``X_blocks`` with its ``X_scales``, checked against each other."""
+    found = []
+    for name, meta in sorted(stored.items()):
+        if not name.endswith(MXFP4_BLOCKS_SUFFIX) or meta.dtype != torch.uint8:
+            continue
+        base = name.removesuffix(MXFP4_BLOCKS_SUFFIX)
+        scale = base + MXFP4_SCALES_SUFFIX
+        scale_meta = _paired_scale(
+            files, stored, name, scale, torch.uint8,
+            f"{name} holds mxfp4 blocks {list(meta.shape)}, but its scales {scale} are not in the checkpoint",
+            "mxfp4 scales are uint8 (E8M0 exponents)")
+        if len(meta.shape) != 4 or meta.shape[-1] != MXFP4_BYTES_PER_BLOCK:
+            raise QuantizationError(
+                f"{files[name]}: {name} has shape {list(meta.shape)}; mxfp4 blocks are "
+                f"[experts, rows, groups, {MXFP4_BYTES_PER_BLOCK}] (32 values in {MXFP4_BYTES_PER_BLOCK} bytes)")
+        if scale_meta.shape != meta.shape[:-1]:
+            raise ScaleShapeError(
+                f"{files[scale]}: {scale} has shape {list(scale_meta.shape)}; the blocks {name} "
+                f"{list(meta.shape)} need one scale per block: {list(meta.shape[:-1])}")
+        if base in stored:
+            raise QuantizationError(f"{files[base]}: {base} is stored both plain and as mxfp4 {name}")
+        found.append(Quantized(base, "mxfp4", name, scale, TensorMeta(mxfp4_shape(meta.shape), dtype)))
+    blocked = {entry.scale for entry in found}
+    for name, meta in sorted(stored.items()):
+        if name.endswith(MXFP4_SCALES_SUFFIX) and meta.dtype == torch.uint8 and name not in blocked:
+            blocks = name.removesuffix(MXFP4_SCALES_SUFFIX) + MXFP4_BLOCKS_SUFFIX
+            raise MissingScaleError(f"{files[name]}: {name} holds mxfp4 scales, but their blocks {blocks} are "
+                                    "not in the checkpoint (or are not uint8)")
+    return found
+
+
+def _dtype(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class QuantizedTensors:
+    """The quantized tensors of one HF checkpoint, read by logical name, dequantized to ``dtype``
+    (the ``--dtype`` asked for; bf16 by default), each value rounded once from its float32 product.
+
+    ``keep`` (``--keep-fp8``): an hf target writes their stored parts unchanged (``stored_parts``,
+    ``read_stored``) and keeps ``quantization_config``.
+    """
+
+    def __init__(self, entries: list[Quantized], files: dict[str, Path], stored: dict[str, TensorMeta],
+                 keep: bool = False, dtype: torch.dtype = DEQUANTIZED_DTYPE) -> None:
+        self.entries = {entry.name: entry for entry in entries}
+        self.keep = keep
+        self.dtype = dtype
+        self._files = files
+        self._stored = stored
+
+    @classmethod
+    def find(cls, doc: dict[str, Any], config_path: Path, files: dict[str, Path],
+             stored: dict[str, TensorMeta], keep: bool = False,
+             dtype: torch.dtype | None = None) -> QuantizedTensors:
+        """``dtype``: what to dequantize to (None: bf16)."""
+        check_quant_method(doc, config_path)
+        dtype = DEQUANTIZED_DTYPE if dtype is None else dtype
+        entries = _fp8_entries(doc, config_path, files, stored, dtype) + _mxfp4_entries(files, stored, dtype)
+        return cls(entries, files, stored, keep, dtype)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.entries
+
+    def __bool__(self) -> bool:
+        return bool(self.entries)
+
+    def logical(self) -> tuple[dict[str, Path], dict[str, TensorMeta]]:
+        """The checkpoint's files and metas with each quantized tensor in place of its parts."""
+        parts = {part for entry in self.entries.values() for part in entry.parts}
+        files = {name: path for name, path in self._files.items() if name not in parts}
+        metas = {name: meta for name, meta in self._stored.items() if name not in parts}
+        for entry in self.entries.values():
+            files[entry.name] = self._files[entry.data]
+            metas[entry.name] = entry.meta
+        return files, metas
+
+    def read(self, name: str) -> torch.Tensor:
+        """The whole logical tensor, dequantized."""
+        entry = self.entries[name]
+        data = read_tensor(self._files[entry.data], entry.data)
+        scale = read_tensor(self._files[entry.scale], entry.scale)
+        if entry.scheme == "fp8":
+            return dequantize_fp8(data, scale, entry.block, dtype=self.dtype)
+        return dequantize_mxfp4(data, scale, self.dtype)
+
+    def read_range(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        """Indices ``[start, stop)`` of ``dim`` of the logical tensor, reading only the parts they need
+        where the layout allows (fp8: rows or columns of a 2-d weight; mxfp4: experts)."""
+        entry = self.entries[name]
+        ndim = len(entry.meta.shape)
+        windowed = stop > start and ((entry.scheme == "fp8" and ndim == 2) or (entry.scheme == "mxfp4" and dim == 0))
+        if not windowed:
+            return self.read(name).narrow(dim, start, stop - start).contiguous()
+        data = read_tensor_range(self._files[entry.data], entry.data, dim, start, stop)
+        if entry.scheme == "mxfp4":
+            return dequantize_mxfp4(data, read_tensor_range(self._files[entry.scale], entry.scale, 0, start, stop),
+                                    self.dtype)
+        size = entry.block[dim]
+        scale = read_tensor_range(self._files[entry.scale], entry.scale, dim, start // size, (stop - 1) // size + 1)
+        return dequantize_fp8(data, scale, entry.block, row0=start if dim == 0 else 0, col0=start if dim == 1 else 0,
+                              dtype=self.dtype)
+
+    def stored_parts(self, name: str) -> tuple[tuple[str, TensorMeta], ...]:
+        """The stored tensors (data, scale) that make up ``name``, as ``--keep-fp8`` writes them."""
+        return tuple((part, self._stored[part]) for part in self.entries[name].parts)
+
+    def read_stored(self, part: str) -> torch.Tensor:
+        """One stored part, unchanged."""
+        return read_tensor(self._files[part], part)
+
+    def notice(self, where: Path) -> str | None:
+        """What reading them does, for the conversion's notices (None: nothing is quantized)."""
+        if not self.entries:
+            return None
+        counts = {scheme: sum(entry.scheme == scheme for entry in self.entries.values()) for scheme in ("fp8", "mxfp4")}
+        what = " and ".join(f"{count} {scheme}" for scheme, count in counts.items() if count)
+        if self.keep:
+            return f"{where}: {what} quantized tensors are written unchanged with their scales (--keep-fp8)"
+        return (f"{where}: {what} quantized tensors are dequantized to {_dtype(self.dtype)} while reading (each "
+                f"value rounded once from its float32 scaled product); an hf target's config.json drops {QUANTIZATION_CONFIG} "
+                "(--keep-fp8 keeps them quantized for an hf target)")
+
+
+def without_quantization(doc: dict[str, Any], where: str) -> tuple[dict[str, Any], str | None]:
+    """A copy of a config.json without ``quantization_config``, and a notice when there was one."""
+    if QUANTIZATION_CONFIG not in doc:
+        return doc, None
+    updated = copy.deepcopy(doc)
+    method = updated.pop(QUANTIZATION_CONFIG)
+    method = method.get("quant_method") if isinstance(method, dict) else method
+    return updated, (f"{where}: {QUANTIZATION_CONFIG} (quant_method={quote(method)}) is dropped from the written "
+                     "config.json: its weights are written dequantized")
+
+
+
+def check_keep_fp8(src_format: str, dst_format: str) -> None:
+    """``--keep-fp8`` keeps quantized tensors for an hf -> hf reshard only: Megatron and torch_dist
+    checkpoints hold plain tensors, with no place for block scales."""
+    if src_format != "hf" or dst_format != "hf":
+        raise KeepQuantizedError(
+            f"--keep-fp8: converting {src_format} -> {dst_format}; the quantized tensors and their scales can be "
+            "kept only from an hf source to an hf target (hf -> hf); a megatron or torch_dist target holds "
+            "bf16 weights: convert without --keep-fp8 to dequantize them")

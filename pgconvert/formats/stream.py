@@ -1,0 +1,204 @@
+"""The canonical stream: global tensors by canonical name, in layer order, produced lazily.
+
+A loader turns a checkpoint into a ``CanonicalSource``; a saver consumes one. Neither knows the
+other's format. Sources load one tensor at a time, so no step needs the whole model in memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import logging
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from pgconvert.io import sizes
+from pgconvert.model.config import ModelConfig
+from pgconvert.errors import CheckpointError
+from pgconvert.model.rules import ShardRule
+
+if TYPE_CHECKING:
+    from pgconvert.formats.hf import HFOrigin
+    from pgconvert.formats.hf_side import SideFiles
+    from pgconvert.model.layout import ParallelLayout
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Shape and dtype of a global tensor, known without loading it."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return sizes.nbytes(self.shape, self.dtype)
+
+
+@dataclass
+class ExtraState:
+    """Opaque per-rank module state (Transformer Engine's FP8 metadata): meaningful only at the
+    TP and EP sizes it was saved with, so it is carried per (tp rank, ep rank) and never merged."""
+
+    tp_size: int
+    ep_size: int = 1
+    by_rank: dict[tuple[int, int], object] = field(default_factory=dict)
+
+    def holds_state(self) -> bool:
+        """Whether any rank's entry carries something (see ``holds_state``)."""
+        return holds_state(self.by_rank.values())
+
+
+def holds_state(values: Iterable[object]) -> bool:
+    """Whether any of a module's ``_extra_state`` values carries something (Transformer Engine's FP8
+    metadata), rather than None or an empty tensor or buffer (the local spec's linears)."""
+    for value in values:
+        if value is None or (isinstance(value, torch.Tensor) and value.numel() == 0):
+            continue
+        if isinstance(value, io.BytesIO) and len(value.getbuffer()) == 0:
+            continue
+        return True
+    return False
+
+
+class CanonicalSource:
+    """Base of every loaded checkpoint: names, metadata and lazy tensors in canonical form.
+
+    ``vocab_rows`` is the row count of the vocab tables in this stream: the source's padded table
+    (padding rows are kept so same-size targets stay bit-exact) or the true vocab size.
+
+    What a source declares beyond its tensors (each has a default for a format without it):
+
+    - ``layout``: the parallel layout the checkpoint was saved with; ``None`` when it is unsharded
+      (hf). A destination of a parallel format starts from it for the sizes the user leaves out.
+    - ``megatron_args``: the Megatron-LM args the checkpoint was saved with, which a Megatron
+      target carries over (settings pgconvert does not model); ``None`` for other formats.
+    - ``hf_origin``: the HF directory, config.json and family the checkpoint came from, which an
+      HF target copies; ``None`` for other formats.
+    - ``side_files``: the HF side files (tokenizer, generation config) the source carries.
+    - ``unrepresentable``: settings of the source a Megatron target cannot hold, each one line
+      (refused under ``--strict``, else a notice); empty for a source that has none.
+    """
+
+    format_name: str = "?"
+    layout: ParallelLayout | None = None
+    megatron_args: argparse.Namespace | None = None
+    hf_origin: HFOrigin | None = None
+    unrepresentable: Sequence[str] = ()
+
+    def __init__(self, config: ModelConfig, vocab_rows: int, iteration: int | None = None,
+                 release: bool = False) -> None:
+        self.config = config
+        self.vocab_rows = vocab_rows
+        self.iteration = iteration
+        self.release = release
+        # The HF side files (tokenizer, config.json, …) the source carries; set by its loader.
+        self.side_files: SideFiles | None = None
+        self.notices: list[str] = []
+        self.check_finite = "warn"
+        self._nonfinite_seen: set[str] = set()
+
+    def names(self) -> list[str]:
+        raise NotImplementedError
+
+    def meta(self, name: str) -> TensorMeta:
+        raise NotImplementedError
+
+    def load(self, name: str) -> torch.Tensor:
+        """The full canonical tensor (it may alias the source's memory: do not modify it)."""
+        return self._checked(name, self._load(name))
+
+    def load_shard(self, name: str, rule: ShardRule, size: int, rank: int,
+                   rows: int | None = None) -> torch.Tensor:
+        """Piece ``rank`` of ``size`` of a canonical tensor under ``rule``, owning its memory.
+
+        ``rows`` fits a vocab table to a padded row count first.
+        """
+        return self._checked(name, self._load_shard(name, rule, size, rank, rows))
+
+    def _load(self, name: str) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _load_shard(self, name: str, rule: ShardRule, size: int, rank: int,
+                    rows: int | None) -> torch.Tensor:
+        # Formats stored in pieces override this to cut the piece straight from their own pieces.
+        return rule.reshard_rows([self._load(name)], rows, self.config.vocab_size, size, rank)
+
+    def _checked(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """NaN/Inf are reported once per tensor (``check_finite="warn"``) or refused (``"error"``)."""
+        if (self.check_finite == "off" or not tensor.is_floating_point() or tensor.numel() == 0
+                or name in self._nonfinite_seen):
+            return tensor
+        # min and max propagate NaN and reach ±Inf: one pass with no tensor-sized mask.
+        low, high = torch.aminmax(tensor)
+        if bool(torch.isfinite(low)) and bool(torch.isfinite(high)):
+            return tensor
+        nans = int(torch.isnan(tensor).sum())
+        infs = int(torch.isinf(tensor).sum())
+        kinds = " and ".join(f"{count} {kind}" for count, kind in ((nans, "NaN"), (infs, "Inf")) if count)
+        message = f"{name}: {nans + infs} of {tensor.numel()} values are NaN or Inf ({kinds}) in {self.describe()}"
+        if self.check_finite == "error":
+            raise CheckpointError(f"{message} (refused by --check-finite)")
+        self._nonfinite_seen.add(name)
+        log.warning("%s", message)
+        self.notices.append(message)
+        return tensor
+
+    def describe(self) -> str:
+        """Where this source comes from, for messages."""
+        return self.format_name
+
+    def extra_states(self) -> dict[str, ExtraState]:
+        """Opaque ``_extra_state`` entries by canonical name (empty for formats without them)."""
+        return {}
+
+    def total_bytes(self) -> int:
+        return sum(self.meta(name).nbytes for name in self.names())
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name in self.names():
+            yield name, self.load(name)
+
+    def close(self) -> None:
+        """Release files and mappings; the source is unusable afterwards."""
+
+    def __enter__(self) -> CanonicalSource:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class InMemorySource(CanonicalSource):
+    """A canonical source over tensors already in memory (examples, tests, small models)."""
+
+    format_name = "memory"
+
+    def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor], vocab_rows: int | None = None,
+                 iteration: int | None = None, release: bool = False) -> None:
+        from pgconvert.model.provider import WORD_EMBEDDINGS, canonical_names
+
+        expected = canonical_names(config)
+        missing = sorted(set(expected) - set(tensors))
+        unexpected = sorted(set(tensors) - set(expected))
+        if missing or unexpected:
+            raise CheckpointError(f"in-memory model: missing {missing}, unexpected {unexpected}")
+        rows = tensors[WORD_EMBEDDINGS].shape[0]
+        super().__init__(config, vocab_rows if vocab_rows is not None else rows, iteration, release)
+        self._order = expected
+        self._tensors = tensors
+
+    def names(self) -> list[str]:
+        return list(self._order)
+
+    def meta(self, name: str) -> TensorMeta:
+        tensor = self._tensors[name]
+        return TensorMeta(tuple(tensor.shape), tensor.dtype)
+
+    def _load(self, name: str) -> torch.Tensor:
+        return self._tensors[name]

@@ -1,0 +1,92 @@
+"""fsms: the distributed optimizer's state written into a torch_dist destination in the ``fully_sharded_model_space``
+form (``--dst-optim-form fully_sharded_model_space``), for megatron-core 0.15.0 and older.
+
+The records are the ``fully_reshardable`` writer's chunks (``optimizer_torch_dist_save``: the torch_dist saver's
+model chunks, fp32), each stored reformulated as megatron-core <= 0.15 stores a flattened_range ShardedTensor
+(``optimizer_fs_model_space``): key ``optimizer.state.{fp32_param,exp_avg,exp_avg_sq}.<model key>``, global shape
+``(*chunks per axis, elements of one chunk)``, one whole chunk per stored piece (megatron-core reads any DP
+rank's ``flattened_range`` of it). megatron-core loads such a record only with its original global shape in
+``.metadata``: ``metadata.mcore_data[key]['nd_reformulated_orig_global_shape']`` (``strategies/torch.py``,
+``get_reformulation_metadata``), here set on torch's own Metadata as 0.13.1 / 0.14.0 do. Common state:
+``optimizer = {optimizer: {param_groups}, param_state_sharding_type: 'fully_sharded_model_space'}`` and
+``content_metadata['distrib_optim_sharding_type']``. Checked with megatron-core 0.15.0, 0.14.0 and 0.13.1 by
+``scripts/make_fs_model_space_golden.py load DIR DP``; megatron-core 0.16.1 and later cannot load this form.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata
+
+from pgconvert.formats import PlannedFile
+from pgconvert.optimizer.fs_model_space import FIELDS, FS_MODEL_SPACE
+from pgconvert.optimizer.torch_dist_moe import common_entry
+from pgconvert.optimizer.torch_dist_save import _OptimizerPlanner, replace_durably, rewrite_common, write_records
+from pgconvert.optimizer.state import CARRIED_KEYS
+from pgconvert.formats.torch_dist import DCP_METADATA_FILE, read_dcp_metadata
+
+RECORDS_FILE = "__1_0.distcp"
+
+
+def _reformulated(field: str, chunk: Any) -> Any:
+    """The model chunk's record: its box of the reformulated tensor (the chunk grid is the model key's)."""
+    local = chunk.sizes
+    elements = math.prod(local)
+    return dataclasses.replace(
+        chunk, key=f"optimizer.state.{FIELDS[field]}.{chunk.key}", dtype=torch.float32,
+        offsets=tuple(o // n for o, n in zip(chunk.offsets, local)) + (0,), sizes=(1,) * len(local) + (elements,),
+        global_shape=tuple(g // n for g, n in zip(chunk.global_shape, local)) + (elements,))
+
+
+def _merge_metadata(iteration_dir: Path, added_path: Path, original: dict[str, tuple[int, ...]]) -> None:
+    """The checkpoint's ``.metadata`` with the records added and ``mcore_data`` set on torch's own Metadata, as
+    megatron-core 0.13.1 / 0.14.0 store it (``metadata.mcore_data = ...``; 0.15.0 pickles a subclass instead
+    and reads either: it only asks for the attribute)."""
+    path = iteration_dir / DCP_METADATA_FILE
+    metadata = read_dcp_metadata(path)
+    added = read_dcp_metadata(added_path)
+    entries = {**metadata.state_dict_metadata, **added.state_dict_metadata}
+    storage = dict(metadata.storage_data)
+    for index, info in added.storage_data.items():
+        storage[index] = _StorageInfo(RECORDS_FILE, info.offset, info.length, info.transform_descriptors)
+    merged = Metadata(entries, metadata.planner_data, storage, metadata.storage_meta, metadata.version)
+    merged.mcore_data = {key: {"nd_reformulated_orig_global_shape": shape} for key, shape in original.items()}
+    replace_durably(path, pickle.dumps(merged))
+
+
+def _add_common(optimizer: Any, iteration_dir: Path) -> None:
+    step = float(optimizer.step(optimizer.names()[0]))
+    groups = [[dict(settings, step=step) for settings in optimizer.param_group_settings(0)]]
+
+    def update(common: dict[str, Any]) -> None:
+        common["optimizer"] = dict(common_entry(groups), param_state_sharding_type=FS_MODEL_SPACE)
+        for key in CARRIED_KEYS:
+            if key in optimizer.first.extra:
+                common[key] = optimizer.first.extra[key]
+        common["content_metadata"] = dict(common.get("content_metadata") or {},
+                                          distrib_optim_sharding_type=FS_MODEL_SPACE)
+
+    rewrite_common(iteration_dir, update)
+
+
+def write_fs_model_space(optimizer: Any, model_chunks: list[Any], rows: int, fits_rows: set[str],
+                         iteration_dir: Path) -> list[PlannedFile]:
+    """Write the records beside the model's (``model_chunks``: the torch_dist saver's); returns the files added."""
+    names = set(optimizer.names())
+    chunks = [(field, _reformulated(field, chunk)) for chunk in model_chunks if chunk.canonical in names
+              for field in FIELDS]
+    original = {chunk.key: tuple(model.global_shape) for (_, chunk), model in
+                zip(chunks, [m for m in model_chunks if m.canonical in names for _ in FIELDS])}
+    writer = write_records(iteration_dir, _OptimizerPlanner(chunks, optimizer, rows, fits_rows),
+                           lambda directory, added: _merge_metadata(directory, added, original))
+    _add_common(optimizer, iteration_dir)
+    name = iteration_dir.name
+    return [PlannedFile(f"{name}/{RECORDS_FILE}", len(chunks), sum(chunk.nbytes for _, chunk in chunks),
+                        sha256=writer.sha256, size=writer.size)]

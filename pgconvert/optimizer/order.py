@@ -1,0 +1,513 @@
+"""Which parameter each position of a Megatron optimizer's state is, per rank, played on the fake grid.
+
+megatron-core's plain (non-distributed) optimizer is a ``torch.optim`` optimizer over the param
+groups of ``megatron/core/optimizer/__init__.py::_get_param_groups``: it walks every model chunk of
+the rank in order, and each chunk's ``named_parameters()`` (module registration order), and puts each
+trainable parameter in the group of its overrides key; the keys are sorted with ``None`` first. With
+the standard overrides (``get_standard_config_overrides``: ``wd_mult=0.0`` for 1-dim parameters and
+names ending in ``.bias``; with ``apply_wd_to_qk_layernorm`` the q/k layernorms keep weight decay)
+a dense model has two groups on every rank (the keys are all-gathered, so a rank without a no-decay
+parameter still has the empty group): group 0 weight decay, group 1 no weight decay.
+``optimizer.state`` is indexed by the position in the concatenation of the groups' ``params``.
+
+Reproduced for megatron-core 0.16.1 (pip) and 0.20.0 (Megatron-LM ``d98e8a64``), which build the
+groups the same way, for GPT models with megatron-core's local spec and (optmoe) its Transformer Engine
+spec, whose parameters are the same modules' but for the fused norms (``linear_qkv.layer_norm_weight``
+registered before ``linear_qkv.weight``; TE's own parameter order, read from its source, since TE is
+not installed here). Refused, naming the field: grouped-GEMM experts other than TEGroupedMLP's (below),
+``decoupled_lr`` (a third group), any parameter name whose place is not known, and any state whose group
+sizes or tensor shapes do not match.
+
+Grouped-GEMM experts (ggemm): with the Transformer Engine spec, ``--moe-grouped-gemm`` builds TEGroupedMLP
+(megatron/core/transformer/moe/experts.py, 0.16.1 and 0.20.0), which registers ``linear_fc1`` then
+``linear_fc2``, each a TEColumnParallelGroupedLinear / TERowParallelGroupedLinear (extensions/
+transformer_engine.py) over ``te.pytorch.GroupedLinear``. GroupedLinear.__init__ registers, per local expert
+``i`` in one loop, ``weight{i}`` then (``bias=add_bias_linear``) ``bias{i}``
+(transformer_engine/pytorch/module/grouped_linear.py: v2.9 lines 646-678, v2.18 lines 1450-1482, d0067d0 lines
+1738-1770, the same loop since v1.9); ``reset_parameters`` re-sets each name in place, which keeps the order.
+So a MoE layer's experts are ``linear_fc1.weight0, bias0, weight1, …`` then ``linear_fc2.…``, where
+SequentialMLP has ``local_experts.0.linear_fc1.weight, …, local_experts.1.…``. Their ``allreduce`` is
+SequentialMLP's: ``not (is_expert and expert_model_parallel_size > 1)`` (TEGroupedLinear.__init__, 0.16.1;
+0.20.0's ``_set_expert_parameter_attributes`` and ColumnParallelLinear alike add ``expert_tensor_parallel_size
+!= tensor_model_parallel_size``), so they form the expert-parallel optimizer and DDP buffers at EP > 1; the
+buffers follow this ``named_parameters()`` order as for every module (``flat_buffers``). Their torch_dist keys
+are SequentialMLP's (TEGroupedLinear._sharded_state_dict_grouped: ``experts.linear_fc1.weight`` on the global
+expert axis), so the model-space optimizer records are too. Refused by name: the local spec with grouped GEMM
+(0.16.1 builds the legacy GroupedMLP, one ``weight1``/``weight2`` for all local experts, whose model keys
+pgconvert does not read either; 0.20.0's local spec builds SequentialMLP instead),
+``moe_use_legacy_grouped_gemm`` (GroupedMLP with the TE spec) and 0.20.0's ``moe_single_grouped_weight`` /
+``moe_single_grouped_bias`` (one GroupedTensor parameter for all local experts).
+
+Multi-latent attention and multi-token prediction (mla), same order in 0.16.1 and 0.20.0: MLASelfAttention
+registers linear_proj (MultiLatentAttention), then linear_q_proj (``q_lora_rank`` None) or
+linear_q_down_proj and linear_q_up_proj, linear_kv_down_proj, linear_kv_up_proj, then q_layernorm (with
+q-LoRA) and kv_layernorm; the TE spec fuses the latent norms into the up projections
+(``layer_norm_weight`` before ``weight``). GPTModel registers ``mtp`` after the decoder and before
+output_layer, on the last stage only (with its embedding copy, the stage's ``shared_embedding`` at
+PP > 1); each MTP layer registers enorm, hnorm, eh_proj, its transformer layer (ordered as a decoder
+layer; its routed experts expert-parallel), final_layernorm. Weight decay: the latent norms are 1-dim;
+with ``apply_wd_to_qk_layernorm`` a name containing ``q_layernorm.`` or ``k_layernorm.`` keeps it: the
+local spec's ``q_layernorm`` does, ``kv_layernorm`` and the TE spec's fused ``layer_norm_weight`` do not.
+Checked against megatron-core 0.16.1's own GPTModel (MLA local spec, MoE, MTP) on every rank of TP2·EP2,
+PP2 and TP2·PP2 (``tests/test_optimizer_mla.py``).
+
+Mixture of experts (optmoe): a routed expert's linears are ``allreduce=False`` only when
+``expert_model_parallel_size > 1`` (``ColumnParallelLinear``/``RowParallelLinear``: ``not (is_expert
+and expert_parallel)``), and ``get_megatron_optimizer`` then builds a ``ChainedOptimizer`` of two: the
+dense groups (``is_expert_parallel=False``) over every chunk, then the expert groups over the same
+chunks (their own ``expert_parallel_buffers`` in DDP). At EP 1 the experts are ordinary dense
+parameters in the one optimizer. The router's ``expert_bias`` is a buffer, not a parameter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from pgconvert.model.config import MTP_LAYER_MODULES, ModelConfig
+from pgconvert.errors import CheckpointError, ValidationError
+from pgconvert.model.grid import RankCoord, build_converter_process_groups
+from pgconvert.model.layout import ParallelLayout
+from pgconvert.io.limits import quote
+from pgconvert.model.provider import (EXPERT_PREFIX, EXPERTS_MODULE, FINAL_NORM_BIAS, FINAL_NORM_WEIGHT, LAYER_PREFIX,
+                                MTP_PREFIX, OUTPUT_LAYER, POSITION_EMBEDDINGS, WORD_EMBEDDINGS,
+                                TensorSpec, provide)
+
+MEGATRON_CORE_VERSIONS = ("0.16.1", "0.20.0")
+_VERSIONS = "megatron-core " + " / ".join(MEGATRON_CORE_VERSIONS)
+
+# Module registration order of a local-spec TransformerLayer: input_layernorm, self_attention
+# (Attention.__init__ builds linear_proj, SelfAttention.__init__ then linear_qkv, q_layernorm,
+# k_layernorm), pre_mlp_layernorm, mlp (linear_fc1, linear_fc2); each module's weight before its bias.
+_LOCAL_LAYER_ORDER = (
+    "input_layernorm.weight", "input_layernorm.bias",
+    "self_attention.linear_proj.weight", "self_attention.linear_proj.bias",
+    # optmoe: the Transformer Engine spec fuses the input and pre-MLP norms into linear_qkv / linear_fc1
+    # (TELayerNormColumnParallelLinear = te.pytorch.LayerNormLinear, whose __init__ registers
+    # layer_norm_weight, layer_norm_bias, then weight, bias: TransformerEngine v2.0 to d0067d0).
+    "self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_qkv.layer_norm_bias",
+    "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
+    # mla: MLASelfAttention (after MultiLatentAttention's linear_proj) registers linear_q_proj (q_lora_rank
+    # None) or linear_q_down_proj, linear_q_up_proj; then linear_kv_down_proj, linear_kv_up_proj; then
+    # q_layernorm (q_lora_rank set) and kv_layernorm (0.16.1 and d98e8a64). The TE spec fuses the latent
+    # norms into the up projections (layer_norm_weight before weight) and leaves IdentityOp norms.
+    "self_attention.linear_q_proj.weight", "self_attention.linear_q_down_proj.weight",
+    "self_attention.linear_q_up_proj.layer_norm_weight", "self_attention.linear_q_up_proj.weight",
+    "self_attention.linear_kv_down_proj.weight",
+    "self_attention.linear_kv_up_proj.layer_norm_weight", "self_attention.linear_kv_up_proj.weight",
+    "self_attention.q_layernorm.weight", "self_attention.q_layernorm.bias",
+    "self_attention.k_layernorm.weight", "self_attention.k_layernorm.bias",
+    "self_attention.kv_layernorm.weight", "self_attention.kv_layernorm.bias",
+    "pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias",
+    "mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.layer_norm_bias",
+    "mlp.linear_fc1.weight", "mlp.linear_fc1.bias",
+    "mlp.linear_fc2.weight", "mlp.linear_fc2.bias",
+    # optmoe: MoELayer registers router, experts (SequentialMLP.local_experts), then shared_experts;
+    # named_parameters() yields a module's own parameters before its children's, so SharedExpertMLP's
+    # gate_weight (set after MLP.__init__ built linear_fc1/linear_fc2) comes first.
+    "mlp.router.weight", "mlp.router.bias", "mlp.experts.",
+    "mlp.shared_experts.gate_weight", "mlp.shared_experts.linear_fc1.weight", "mlp.shared_experts.linear_fc2.weight",
+)
+# One SequentialMLP expert (an MLP): linear_fc1 then linear_fc2, each weight before its bias.
+_EXPERT_ORDER = ("linear_fc1.weight", "linear_fc1.bias", "linear_fc2.weight", "linear_fc2.bias")
+# ggemm: TEGroupedMLP: linear_fc1 then linear_fc2 (GroupedLinear), each ``weight{i}`` then ``bias{i}`` per local
+# expert i (one registration loop in te.pytorch.GroupedLinear.__init__).
+_GROUPED_LINEARS = ("linear_fc1", "linear_fc2")
+_GROUPED_PARAMS = ("weight", "bias")
+_GROUPED_NAME = re.compile(r"(linear_fc[12])\.(weight|bias)(0|[1-9][0-9]*)")
+# Registered buffers the provider lists among a layer's tensors: not optimizer parameters.
+_BUFFERS = ("mlp.router.expert_bias",)
+# GPTModel: embedding (word, then position), decoder (layers, then final_layernorm), mtp, output_layer.
+_BEFORE_LAYERS = (WORD_EMBEDDINGS, POSITION_EMBEDDINGS)
+_AFTER_LAYERS = (FINAL_NORM_WEIGHT, FINAL_NORM_BIAS, MTP_PREFIX, OUTPUT_LAYER)
+# mla: a MultiTokenPredictionLayer registers enorm, hnorm, eh_proj, transformer_layer (a decoder layer's
+# modules; ``mtp_model_layer`` in d98e8a64, same place), final_layernorm (0.16.1 and d98e8a64).
+_MTP_BEFORE_LAYER = ("enorm.weight", "enorm.bias", "hnorm.weight", "hnorm.bias", "eh_proj.weight")
+_MTP_AFTER_LAYER = ("final_layernorm.weight", "final_layernorm.bias")
+
+
+class OptimizerLayoutError(CheckpointError):
+    """An optimizer state whose layout pgconvert does not reproduce, or that does not match the model."""
+
+
+class UnsupportedOptimizerError(ValidationError):
+    """A model or run setting whose optimizer layout pgconvert does not reproduce."""
+
+
+@dataclass(frozen=True)
+class OptimizerSlot:
+    """One parameter of a rank's optimizer: its group, its position in ``optimizer.state``, the model
+    chunk it belongs to and the tensor it is (``spec``: canonical name, rule, local shape)."""
+
+    group: int
+    position: int
+    chunk: int
+    spec: TensorSpec
+    # optmoe: the index in megatron-core's ChainedOptimizer (1: the expert-parallel optimizer).
+    optimizer: int = 0
+
+
+@dataclass(frozen=True)
+class OptimizerRules:
+    """The run settings that decide the param groups (read from the checkpoint's ``args``)."""
+
+    apply_wd_to_qk_layernorm: bool = False
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace | None, where: str) -> OptimizerRules:
+        if args is None:
+            return cls()
+        for name in ("decoupled_lr", "decoupled_min_lr"):
+            if getattr(args, name, None) is not None:
+                raise UnsupportedOptimizerError(
+                    f"{where}: args.{name}={quote(getattr(args, name))}: the embedding/output parameters "
+                    f"then form a third param group, which pgconvert does not reproduce ({_VERSIONS})")
+        _refuse_grouped_variants(args, where)
+        return cls(apply_wd_to_qk_layernorm=bool(getattr(args, "apply_wd_to_qk_layernorm", False)))
+
+
+# ggemm: run settings that replace TEGroupedMLP's per-expert weight{i}/bias{i} parameters: the legacy GroupedMLP
+# (TE spec, megatron-core 0.16.1's transformer_engine_spec_provider), or one GroupedTensor per linear (0.20.0).
+_GROUPED_VARIANTS = {
+    "moe_use_legacy_grouped_gemm": "the legacy GroupedMLP (one weight1/weight2 for all local experts)",
+    "moe_single_grouped_weight": "one GroupedTensor weight per grouped linear for all local experts",
+    "moe_single_grouped_bias": "one GroupedTensor bias per grouped linear for all local experts",
+}
+
+
+def _refuse_grouped_variants(args: argparse.Namespace, where: str) -> None:
+    if not (getattr(args, "num_experts", None) and getattr(args, "moe_grouped_gemm", False)):
+        return
+    for name, what in _GROUPED_VARIANTS.items():
+        if getattr(args, name, False):
+            raise UnsupportedOptimizerError(
+                f"{where}: args.{name}={quote(getattr(args, name))} with moe_grouped_gemm: the experts are {what}, "
+                f"not TEGroupedMLP's weight{{i}}/bias{{i}} per local expert; pgconvert does not map that "
+                f"optimizer layout ({_VERSIONS}); pass --skip-optimizer")
+
+
+def check_supported(config: ModelConfig, where: str) -> None:
+    """Refuse models whose optimizer layout is not reproduced, naming the field."""
+    if config.num_experts and config.moe_grouped_gemm and config.transformer_impl != "transformer_engine":
+        # ggemm: TEGroupedMLP (the Transformer Engine spec) is mapped; the local spec's grouped GEMM is not.
+        raise UnsupportedOptimizerError(
+            f"{where}: moe_grouped_gemm=True with transformer_impl={quote(config.transformer_impl)}: megatron-core "
+            f"0.16.1's local spec builds the legacy GroupedMLP (one weight1/weight2 for all local experts), whose "
+            f"optimizer layout pgconvert does not map (0.20.0's local spec builds SequentialMLP instead); only "
+            f"TEGroupedMLP (transformer_impl=transformer_engine) and SequentialMLP experts are ({_VERSIONS}); "
+            f"pass --skip-optimizer")
+
+
+def _expert_order(rest: str) -> tuple[int, int, int] | None:
+    """The place of a routed expert's parameter (``rest``: relative to its layer) inside the experts module:
+    SequentialMLP (expert, then its MLP's order) or TEGroupedMLP (linear, then expert, weight before bias);
+    None for any other name."""
+    if rest.startswith(EXPERT_PREFIX):
+        expert, _, inner = rest[len(EXPERT_PREFIX):].partition(".")
+        if expert.isdigit() and inner in _EXPERT_ORDER:
+            return (int(expert), _EXPERT_ORDER.index(inner), 0)
+        return None
+    grouped = _GROUPED_NAME.fullmatch(rest[len(EXPERTS_MODULE):]) if rest.startswith(EXPERTS_MODULE) else None
+    if grouped is None:
+        return None
+    module, kind, expert = grouped.groups()
+    return (_GROUPED_LINEARS.index(module), int(expert), _GROUPED_PARAMS.index(kind))
+
+
+def _mtp_order_key(spec: TensorSpec) -> tuple[int, ...]:
+    """mla: ``mtp.layers.{i}.rest`` after the decoder's final norm, before the output layer."""
+    index, _, rest = spec.local_name[len(MTP_PREFIX):].partition(".")
+    where = (2, 0, _AFTER_LAYERS.index(MTP_PREFIX), int(index) if index.isdigit() else -1)
+    if rest in _MTP_BEFORE_LAYER:
+        return (*where, 0, _MTP_BEFORE_LAYER.index(rest))
+    if rest in _MTP_AFTER_LAYER:
+        return (*where, 2, _MTP_AFTER_LAYER.index(rest))
+    # its transformer layer, as decoder layer 0; mlafix: Megatron-LM d98e8a64's mtp_model_layer sits at the same place
+    module = next((f"{m}." for m in MTP_LAYER_MODULES if rest.startswith(f"{m}.")), None)
+    if index.isdigit() and module is not None:
+        layer = replace(spec, local_name=f"{LAYER_PREFIX}0.{rest[len(module):]}")
+        with contextlib.suppress(UnsupportedOptimizerError):  # refused below, under its own name
+            return (*where, 1, *_order_key(layer))
+    raise UnsupportedOptimizerError(f"parameter {quote(spec.local_name)}: its place in megatron-core's module order "
+                                    f"is not known to pgconvert ({_VERSIONS})")
+
+
+def _order_key(spec: TensorSpec) -> tuple[int, ...]:
+    name = spec.local_name
+    if name.startswith(MTP_PREFIX):
+        return _mtp_order_key(spec)
+    if name in _BEFORE_LAYERS:
+        return (0, 0, _BEFORE_LAYERS.index(name), 0, 0, 0)
+    if name in _AFTER_LAYERS:
+        return (2, 0, _AFTER_LAYERS.index(name), 0, 0, 0)
+    index, _, rest = name[len(LAYER_PREFIX):].partition(".")
+    expert = _expert_order(rest) if name.startswith(LAYER_PREFIX) else None
+    if expert is not None:
+        return (1, int(index), _LOCAL_LAYER_ORDER.index(EXPERTS_MODULE), *expert)
+    if not name.startswith(LAYER_PREFIX) or rest not in _LOCAL_LAYER_ORDER:
+        raise UnsupportedOptimizerError(f"parameter {quote(name)}: its place in megatron-core's module order "
+                                        f"is not known to pgconvert ({_VERSIONS})")
+    return (1, int(index), _LOCAL_LAYER_ORDER.index(rest), 0, 0, 0)
+
+
+def _is_buffer(spec: TensorSpec) -> bool:
+    return any(spec.local_name.endswith("." + name) for name in _BUFFERS)
+
+
+def is_expert_parallel(spec: TensorSpec, layout: ParallelLayout) -> bool:
+    """megatron-core's ``not param.allreduce``: a routed expert's parameter at expert parallel size > 1."""
+    return layout.ep > 1 and f".{EXPERTS_MODULE}" in spec.local_name
+
+
+def _no_weight_decay(spec: TensorSpec, rules: OptimizerRules) -> bool:
+    one_dim = len(spec.local_shape) == 1 or spec.local_name.endswith(".bias")
+    if rules.apply_wd_to_qk_layernorm:
+        return one_dim and not ("q_layernorm." in spec.local_name or "k_layernorm." in spec.local_name)
+    return one_dim
+
+
+def named_parameters(config: ModelConfig, layout: ParallelLayout, coord: RankCoord,
+                     padded_vocab_size: int | None = None) -> list[tuple[int, TensorSpec]]:
+    """(model chunk, spec) of every trainable parameter of rank ``coord``, in megatron-core's order."""
+    groups = build_converter_process_groups(layout)
+    groups.set_coord(coord)
+    ordered: list[tuple[int, TensorSpec]] = []
+    for chunk in range(layout.virtual_size):
+        shard = provide(config, groups, padded_vocab_size, chunk)
+        ordered += [(chunk, spec) for spec in sorted((s for s in shard.specs if not _is_buffer(s)), key=_order_key)]
+    return ordered
+
+
+def optimizer_count(config: ModelConfig, layout: ParallelLayout) -> int:
+    """The optimizers megatron-core chains: the dense one, and the expert one at expert parallel > 1."""
+    return 2 if config.num_experts and layout.ep > 1 else 1
+
+
+def _group_count(config: ModelConfig, optimizer: int) -> int:
+    """Groups per optimizer: keys are all-gathered over the world, so a group exists on every rank once any
+    rank has a member. Dense: weight decay and no weight decay (norms). Experts: no weight decay only
+    with their biases (``add_bias_linear``)."""
+    return 2 if optimizer == 0 or config.add_bias_linear else 1
+
+
+def chained_slots(config: ModelConfig, layout: ParallelLayout, coord: RankCoord,
+                  rules: OptimizerRules = OptimizerRules(),
+                  padded_vocab_size: int | None = None) -> list[list[list[OptimizerSlot]]]:
+    """Per chained optimizer (dense, then expert-parallel), its param groups (weight decay, then no weight
+    decay), each a list of slots in ``params`` order; positions count across one optimizer's groups as its
+    ``state`` does."""
+    check_supported(config, f"layout {layout.describe()}")
+    count = optimizer_count(config, layout)
+    members: list[list[list[tuple[int, TensorSpec]]]] = [
+        [[] for _ in range(_group_count(config, index))] for index in range(count)]
+    for chunk, spec in named_parameters(config, layout, coord, padded_vocab_size):
+        optimizer = 1 if is_expert_parallel(spec, layout) else 0
+        group = 1 if _no_weight_decay(spec, rules) else 0
+        members[optimizer][group].append((chunk, spec))
+    chained: list[list[list[OptimizerSlot]]] = []
+    for optimizer, groups in enumerate(members):
+        position, built = 0, []
+        for index, group in enumerate(groups):
+            built.append([OptimizerSlot(index, position + i, chunk, spec, optimizer)
+                          for i, (chunk, spec) in enumerate(group)])
+            position += len(group)
+        chained.append(built)
+    return chained
+
+
+def optimizer_slots(config: ModelConfig, layout: ParallelLayout, coord: RankCoord,
+                    rules: OptimizerRules = OptimizerRules(),
+                    padded_vocab_size: int | None = None) -> list[list[OptimizerSlot]]:
+    """The param groups of rank ``coord``'s optimizers, the chained optimizers' groups one after another
+    (each slot names its ``optimizer``; positions count within it)."""
+    return [group for groups in chained_slots(config, layout, coord, rules, padded_vocab_size) for group in groups]
+
+
+_WD_MULT = (1.0, 0.0)
+
+
+def grouped_expert_note(slots: Sequence[OptimizerSlot]) -> str:
+    """ggemm: for a count mismatch, how many of ``slots`` are TEGroupedMLP expert parameters ("" if none)."""
+    layers: set[tuple[int, str]] = set()
+    experts: set[int] = set()
+    count = 0
+    for slot in slots:
+        head, _, rest = slot.spec.local_name.rpartition(EXPERTS_MODULE)
+        match = _GROUPED_NAME.fullmatch(rest) if head else None
+        if match is not None:
+            layers.add((slot.chunk, head))
+            experts.add(int(match.group(3)))
+            count += 1
+    if not count:
+        return ""
+    return (f"; {count} of them are grouped-GEMM expert parameters (TEGroupedMLP: linear_fc1 and linear_fc2 "
+            f"weight{{i}}/bias{{i}} for each of {len(experts)} local experts in {len(layers)} MoE layer(s); another "
+            "count means other experts per rank, or the legacy GroupedMLP's weight1/weight2)")
+
+
+def check_param_groups(slots: Sequence[Sequence[OptimizerSlot]], param_groups: Any, where: str,
+                       expert: bool = False) -> None:
+    """The stored ``param_groups`` have the groups, sizes, positions and weight-decay multipliers
+    that ``slots`` derive (of the expert-parallel optimizer with ``expert``); refuse (naming the field)
+    otherwise."""
+    if not isinstance(param_groups, list) or len(param_groups) != len(slots):
+        count = len(param_groups) if isinstance(param_groups, list) else quote(type(param_groups).__name__)
+        raise OptimizerLayoutError(
+            f"{where}: optimizer.param_groups holds {count} groups; {_VERSIONS} builds {len(slots)} for this "
+            "model (weight decay, no weight decay)")
+    for index, (group, members) in enumerate(zip(param_groups, slots)):
+        if not isinstance(group, dict):
+            raise OptimizerLayoutError(f"{where}: optimizer.param_groups[{index}] is not a dict")
+        expected = [slot.position for slot in members]
+        if group.get("params") != expected:
+            raise OptimizerLayoutError(
+                f"{where}: optimizer.param_groups[{index}].params = {quote(group.get('params'), 120)}, but the "
+                f"model's parameter count gives {quote(expected, 120)} ({_VERSIONS} group order)"
+                f"{grouped_expert_note(members)}")
+        if group.get("wd_mult", _WD_MULT[index]) != _WD_MULT[index] \
+                or bool(group.get("is_expert_parallel", False)) != expert:
+            raise OptimizerLayoutError(
+                f"{where}: optimizer.param_groups[{index}]: wd_mult={quote(group.get('wd_mult'))}, "
+                f"is_expert_parallel={quote(group.get('is_expert_parallel'))}: not the group {_VERSIONS} "
+                f"builds there (wd_mult={_WD_MULT[index]}, is_expert_parallel={expert})")
+
+
+def check_state_shapes(slots: Sequence[Sequence[OptimizerSlot]], state: Mapping[Any, Any], where: str) -> None:
+    """Every state tensor (``exp_avg``, ``exp_avg_sq``) has the local shape of the parameter its
+    position maps to, and every position has state (a checkpoint saved after at least one step)."""
+    flat = [slot for members in slots for slot in members]
+    if not isinstance(state, Mapping) or set(state) != {slot.position for slot in flat}:
+        keys = sorted(state) if isinstance(state, Mapping) else type(state).__name__
+        raise OptimizerLayoutError(
+            f"{where}: optimizer.state has positions {quote(keys, 120)}, but the model has {len(flat)} "
+            f"trainable parameters on this rank ({_VERSIONS}){grouped_expert_note(flat)}")
+    for slot in flat:
+        entry = state[slot.position]
+        for key in ("exp_avg", "exp_avg_sq"):
+            value = entry.get(key) if isinstance(entry, Mapping) else None
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(slot.spec.local_shape):
+                shape = tuple(value.shape) if isinstance(value, torch.Tensor) else quote(type(value).__name__)
+                raise OptimizerLayoutError(
+                    f"{where}: optimizer.state[{slot.position}].{key} has shape {shape}, but position "
+                    f"{slot.position} is {slot.spec.local_name} of shape {tuple(slot.spec.local_shape)}")
+
+
+@dataclass(frozen=True)
+class FlatParam:
+    """Where one parameter lies in a distributed optimizer's DP-gathered flat buffer (``distrib_optim.pt``):
+    ``[start, end)`` in the coalesced buffer (every bucket's padding dropped); buckets: the DDP bucket that
+    holds it and that bucket's start in the coalesced buffer (``start - bucket_start``: its offset in the
+    bucket, i.e. in a dp_reshardable ``bucket_idx_<bucket>`` record). dpvpp: ``buffer``: the buffer's index
+    among the rank's buffers (``distrib_optim.pt``'s key, dp_reshardable's ``gbuf_idx``), which skips a model
+    chunk without parameters."""
+
+    slot: OptimizerSlot
+    start: int
+    end: int
+    bucket: int = 0
+    bucket_start: int = 0
+    buffer: int = 0
+
+
+def bucket_ranges(placed: Sequence[FlatParam], numel: int) -> list[tuple[int, int]]:
+    """Each bucket's ``[start, end)`` in the coalesced buffer of ``numel`` elements (every bucket holds a
+    parameter, so each bucket's start is its first parameter's ``bucket_start``)."""
+    starts = sorted({item.bucket: item.bucket_start for item in placed}.items())
+    bounds = [start for _, start in starts] + [numel]
+    return [(bounds[index], bounds[index + 1]) for index in range(len(starts))]
+
+
+def _default_bucket_size(args: argparse.Namespace, dp: int) -> int:
+    """DistributedDataParallel's default: ``max(40_000_000, 1_000_000 * dp)``: megatron-core 0.16.1 takes the
+    data-parallel group without context parallelism, Megatron-LM d98e8a64 (0.20.0) the one with it."""
+    cp = int(getattr(args, "context_parallel_size", None) or 1)
+    size = max(40_000_000, 1_000_000 * dp)
+    if cp > 1 and size != max(40_000_000, 1_000_000 * dp * cp):
+        raise UnsupportedOptimizerError(
+            f"args.ddp_bucket_size=None with data_parallel_size={dp} and context_parallel_size={cp}: the default "
+            f"DDP bucket size is {size} in megatron-core 0.16.1 but {max(40_000_000, 1_000_000 * dp * cp)} in 0.20.0, "
+            "and the checkpoint does not say which made it; pass --skip-optimizer")
+    return size
+
+
+def _bucket_size(args: argparse.Namespace | None, coord: RankCoord, chunk: int, dp: int) -> int | None:
+    """The DDP bucket size of model chunk ``chunk`` (None: one bucket). ``DistributedDataParallel.__init__``
+    (megatron-core 0.16.1): None without ``overlap_grad_reduce`` and on pipeline stages after the first;
+    Megatron-LM's ``get_model`` passes ``disable_bucketing`` for model chunks after the first and with
+    ``overlap_param_gather_with_optimizer_step``; else ``ddp_bucket_size`` or the default."""
+    if args is None or not getattr(args, "overlap_grad_reduce", False):
+        return None
+    if getattr(args, "ddp_num_buckets", None) is not None:
+        raise UnsupportedOptimizerError(
+            f"args.ddp_num_buckets={quote(getattr(args, 'ddp_num_buckets'))}: the bucket size is then derived from "
+            f"every parameter's count on the rank (Megatron-LM 0.20.0), which pgconvert does not reproduce "
+            f"({_VERSIONS}); pass --skip-optimizer")
+    if coord.pp > 0 or chunk > 0 or getattr(args, "overlap_param_gather_with_optimizer_step", False):
+        return None
+    size = getattr(args, "ddp_bucket_size", None)
+    return int(size) if size is not None else _default_bucket_size(args, dp)
+
+
+def _is_shared_embedding(config: ModelConfig, layout: ParallelLayout, spec: TensorSpec) -> bool:
+    """megatron-core's ``shared_embedding`` flag (``LanguageModule.setup_embeddings_and_output_layer``): at
+    pipeline size > 1 with tied embeddings (or multi-token prediction), the first stage's word embedding and
+    the last stage's output weight (its copy), or with MTP the last stage's embedding copy; the distributed
+    optimizer gives each its own bucket."""
+    if layout.pp == 1 or not (config.tie_embeddings or config.mtp_num_layers):
+        return False
+    # mla: with MTP the last stage's shared weight is its embedding copy (GPTModel.shared_embedding_or_output_weight:
+    # pre_process or mtp_process), not its output layer.
+    return spec.local_name == WORD_EMBEDDINGS or (spec.local_name == OUTPUT_LAYER and not config.mtp_num_layers)
+
+
+def _place_chunk(slots: Sequence[OptimizerSlot], bucket_size: int | None,
+                 shared: Callable[[OptimizerSlot], bool]) -> tuple[list[FlatParam], int]:
+    """``_ParamAndGradBuffer.__init__`` for one buffer (megatron-core 0.16.1; ``_compute_per_buffer_param_layout``
+    in 0.20.0): the parameters in reverse order, each starting at a multiple of 64; a bucket closes after
+    the parameter that brings it to ``bucket_size`` elements, and before and after a shared embedding. Each
+    bucket's end is padded (``lcm(dp, 128)``, a multiple of 64), so offsets inside a bucket do not depend on
+    the DP size; the coalesced buffer drops that padding: ``(placed, unpadded size)``."""
+    placed: list[FlatParam] = []
+    offset, cursor, bucket, members = 0, 0, 0, 0
+    for slot in reversed(slots):
+        cursor = -(-cursor // 64) * 64
+        own = shared(slot)
+        if own and members:  # the bucket before ends at the (aligned) start of the shared embedding
+            offset, cursor, bucket, members = offset + cursor, 0, bucket + 1, 0
+        placed.append(FlatParam(slot, offset + cursor, offset + cursor + slot.spec.numel, bucket, offset))
+        cursor += slot.spec.numel
+        members += 1
+        if own or (bucket_size is not None and cursor >= bucket_size):
+            offset, cursor, bucket, members = offset + cursor, 0, bucket + 1, 0
+    return placed, offset + cursor
+
+
+def flat_buffers(config: ModelConfig, layout: ParallelLayout, coord: RankCoord, rules: OptimizerRules,
+                 padded_vocab_size: int | None, args: argparse.Namespace | None = None,
+                 dp: int = 1, optimizer: int = 0) -> list[tuple[list[FlatParam], int]]:
+    """Per buffer (``distrib_optim.pt``'s buffer index, dp_reshardable's ``gbuf_idx``), its parameters' places
+    in the coalesced buffer (``_place_chunk``; DDP buckets as ``_bucket_size`` sizes them) and the buffer's
+    unpadded size. One buffer per model chunk that has parameters: megatron-core's DDP makes a buffer per
+    dtype of a chunk's parameters, none for a chunk without (an empty virtual stage of a pipeline layout), and
+    ``DistributedOptimizer`` numbers the buffers of all chunks in order (``itertools.chain`` of
+    ``per_model_buffers``). ``optimizer`` 1: the expert-parallel parameters' buffers
+    (DDP's ``expert_parallel_buffers``)."""
+    by_param = {(slot.chunk, slot.spec.local_name): slot
+                for group in optimizer_slots(config, layout, coord, rules, padded_vocab_size) for slot in group}
+    # The buffer follows the chunk's named_parameters() order (reversed), not the param groups'.
+    named = [by_param[(chunk, spec.local_name)] for chunk, spec in
+             named_parameters(config, layout, coord, padded_vocab_size)]
+    buffers: list[tuple[list[FlatParam], int]] = []
+    for chunk in range(layout.virtual_size):
+        slots = [slot for slot in named if slot.chunk == chunk and slot.optimizer == optimizer]
+        placed, numel = _place_chunk(slots, _bucket_size(args, coord, chunk, dp),
+                                     lambda slot: _is_shared_embedding(config, layout, slot.spec))
+        if placed:
+            buffers.append(([replace(item, buffer=len(buffers)) for item in placed], numel))
+    return buffers

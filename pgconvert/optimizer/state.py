@@ -1,0 +1,275 @@
+"""The plain (non-distributed) Megatron optimizer state of a per-rank checkpoint, by canonical parameter.
+
+``OptimizerSource`` reads the ``optimizer`` entry of every rank file (memory-mapped), checks it
+against the positions ``optimizer_map`` derives, and answers per canonical parameter: the fp32
+master weight, ``exp_avg``, ``exp_avg_sq`` and ``step``, whole (``parameter``) or cut for another
+layout's rank (``piece``) with the parameter's own ShardRule. Two forms are read:
+
+- FP32Optimizer (fp32 training): ``optimizer = {state, param_groups}``; the master weight is the
+  model parameter itself;
+- Float16OptimizerWithFloat16Params (``--bf16``/``--fp16``): ``optimizer = {optimizer: {state,
+  param_groups}, grad_scaler, fp32_from_fp16_params}``, the fp32 masters per group in params order.
+
+A mixture-of-experts run at expert parallel size > 1 chains two optimizers (dense, then expert-parallel):
+``optimizer`` is then a list of two entries of the same form (optmoe), each with its own positions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pgconvert.model.grid import RankCoord
+from pgconvert.io.limits import quote
+from pgconvert.formats.megatron import safe_torch_load
+from pgconvert.optimizer.order import (MEGATRON_CORE_VERSIONS, OptimizerLayoutError, OptimizerRules, OptimizerSlot,
+                                     UnsupportedOptimizerError, chained_slots, check_param_groups,
+                                     check_state_shapes)
+from pgconvert.optimizer.flat import DISTRIB_OPTIM_FILE, read_distributed
+from pgconvert.optimizer.scaler import held_scalers
+from pgconvert.model.rules import ReplicaMismatchError, ShardRule
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+FORM_FP32 = "fp32"
+FORM_FP16 = "float16"
+FORM_DISTRIBUTED = "distributed"
+# megatron-core's DistributedOptimizer param-state formats (distrib_optimizer.py).
+DISTRIBUTED_SHARDING_TYPES = ("dp_reshardable", "fully_reshardable", "fully_sharded_model_space",
+                              "fully_sharded_bucket_space", "dp_zero_gather_scatter")
+# Carried as they are: layout-independent counters of the run.
+CARRIED_KEYS = ("opt_param_scheduler", "num_floating_point_operations_so_far")
+
+
+@dataclass
+class _RankOptimizer:
+    """One rank's optimizers (one, or the dense and expert-parallel ones chained): per optimizer its groups
+    of slots, its ``{state, param_groups}`` and its fp32 masters by position."""
+
+    path: Path
+    slots: list[list[list[OptimizerSlot]]]
+    inners: list[dict[str, Any]]
+    masters: list[list[torch.Tensor]]
+    extra: dict[str, Any]
+
+
+def chained_entries(optimizer: Any, count: int, path: Path) -> list[Any]:
+    """The rank file's optimizer entry per chained optimizer: a list of ``count`` (dense, expert-parallel)
+    when megatron-core chains two (ChainedOptimizer.state_dict), else the one entry."""
+    if count == 1 and not isinstance(optimizer, list):
+        return [optimizer]
+    if not isinstance(optimizer, list) or len(optimizer) != count:
+        held = f"a list of {len(optimizer)}" if isinstance(optimizer, list) else "one optimizer"
+        raise OptimizerLayoutError(
+            f"{path}: optimizer holds {held}, but megatron-core {' / '.join(MEGATRON_CORE_VERSIONS)} chains {count} "
+            "for this model and layout (dense, then expert-parallel at expert parallel size > 1)")
+    return optimizer
+
+
+def _form_of(optimizer: Any, path: Path) -> str:
+    if isinstance(optimizer, dict) and {"state", "param_groups"} <= set(optimizer):
+        return FORM_FP32
+    if isinstance(optimizer, dict) and "fp32_from_fp16_params" in optimizer and "optimizer" in optimizer:
+        return FORM_FP16
+    if isinstance(optimizer, dict) and isinstance(optimizer.get("optimizer"), dict) \
+            and "state" not in optimizer["optimizer"]:
+        _check_distributed(optimizer, path)
+        return FORM_DISTRIBUTED
+    keys = sorted(map(str, optimizer)) if isinstance(optimizer, dict) else type(optimizer).__name__
+    raise OptimizerLayoutError(f"{path}: optimizer has fields {quote(keys, 160)}: not a form of megatron-core "
+                               f"{' / '.join(MEGATRON_CORE_VERSIONS)} that pgconvert reads")
+
+
+def _check_distributed(optimizer: dict[str, Any], path: Path) -> None:
+    """A distributed optimizer's rank-file entry (param groups only): its state must be beside it."""
+    sharding = optimizer.get("param_state_sharding_type", "dp_reshardable")
+    if sharding not in DISTRIBUTED_SHARDING_TYPES:
+        raise OptimizerLayoutError(
+            f"{path}: optimizer.param_state_sharding_type={quote(sharding)}: unknown sharding type (megatron-core "
+            f"{' / '.join(MEGATRON_CORE_VERSIONS)} writes {', '.join(DISTRIBUTED_SHARDING_TYPES)})")
+    if not (path.parent / DISTRIB_OPTIM_FILE).is_file():
+        raise OptimizerLayoutError(
+            f"{path}: the distributed optimizer's state file {path.parent / DISTRIB_OPTIM_FILE} is missing "
+            "(the rank file holds only its param groups); pass --skip-optimizer to convert the model alone")
+    if sharding != "dp_reshardable":
+        raise UnsupportedOptimizerError(
+            f"{path}: distributed-optimizer state in the {sharding} form is not carried yet; pass --skip-optimizer")
+
+
+def _masters(form: str, optimizer: dict[str, Any], state: dict[str, Any], slots: list[list[OptimizerSlot]],
+             chunk_keys: Sequence[str], path: Path) -> list[torch.Tensor]:
+    """The fp32 master weight of every position, in position order."""
+    flat = [slot for group in slots for slot in group]
+    if form == FORM_FP32:
+        return [state[chunk_keys[slot.chunk]][slot.spec.local_name] for slot in flat]
+    groups = optimizer["fp32_from_fp16_params"]
+    if not isinstance(groups, list) or [len(g) for g in groups] != [len(g) for g in slots]:
+        sizes = [len(g) for g in groups] if isinstance(groups, list) else type(groups).__name__
+        raise OptimizerLayoutError(f"{path}: optimizer.fp32_from_fp16_params holds {quote(sizes)} masters per "
+                                   f"group, but the model gives {[len(g) for g in slots]}")
+    masters = [master for group in groups for master in group]
+    for slot, master in zip(flat, masters):
+        if not isinstance(master, torch.Tensor) or tuple(master.shape) != tuple(slot.spec.local_shape):
+            raise OptimizerLayoutError(f"{path}: optimizer.fp32_from_fp16_params[{slot.group}] entry for "
+                                       f"{slot.spec.local_name} is not a tensor of shape {slot.spec.local_shape}")
+    check_masters_round(state, flat, masters, chunk_keys, path, "optimizer.fp32_from_fp16_params")
+    return masters
+
+
+def check_masters_round(state: dict[str, Any], slots: Sequence[Any], masters: Sequence[torch.Tensor],
+                        chunk_keys: Sequence[str], path: Path, field: str) -> None:
+    """megatron-core copies each fp32 master into its model parameter after every step: each master
+    must round to the stored weight, or the positions do not map to these parameters."""
+    flat = [slot for item in slots for slot in (item if isinstance(item, list) else [item])]
+    for slot, master in zip(flat, masters):
+        model = state[chunk_keys[slot.chunk]][slot.spec.local_name]
+        if not torch.equal(master.to(model.dtype), model):
+            raise OptimizerLayoutError(
+                f"{path}: {field} entry at position {slot.position} (group {slot.group}) does not round to the "
+                f"model's {slot.spec.local_name}: the checkpoint's parameter order is not the one megatron-core "
+                f"{' / '.join(MEGATRON_CORE_VERSIONS)} builds")
+
+
+class OptimizerSource:
+    """Every rank's optimizer state of a Megatron per-rank source (``MegatronSource``-like: ``config``,
+    ``layout``, ``files`` by RankCoord, ``vocab_rows``)."""
+
+    def __init__(self, source: Any) -> None:
+        self.config = source.config
+        self.layout = source.layout
+        self.vocab_rows: int = source.vocab_rows
+        self.ranks: dict[RankCoord, _RankOptimizer] = {}
+        self.form = ""
+        chunk_keys = [f"model{i}" for i in range(self.layout.virtual_size)] if self.layout.has_virtual_chunks \
+            else ["model"]
+        for coord, path in sorted(source.files.items(), key=lambda item: (item[0].pp, item[0].ep, item[0].tp)):
+            self.ranks[coord] = self._read_rank(coord, Path(path), chunk_keys)
+        self.first = self.ranks[min(self.ranks, key=lambda c: (c.pp, c.ep, c.tp))]
+        self.dtype_key = self.first.inners[0].get("dtype_key")
+        self.grad_scalers: list[Any] = self.first.extra.get("grad_scalers", [None])  # optcli
+        self.rules = OptimizerRules.from_args(self.first.extra.get("args"), str(self.first.path))
+        self._owners = self._index()
+
+    def _read_rank(self, coord: RankCoord, path: Path, chunk_keys: list[str]) -> _RankOptimizer:
+        state = safe_torch_load(path)
+        if "optimizer" not in state:
+            raise OptimizerLayoutError(f"{path}: no 'optimizer' entry (saved with --no-save-optim?); "
+                                       "pass --skip-optimizer")
+        rules = OptimizerRules.from_args(state.get("args"), str(path))
+        chained = chained_slots(self.config, self.layout, coord, rules, self.vocab_rows)
+        entries = chained_entries(state["optimizer"], len(chained), path)
+        forms = {_form_of(entry, path) for entry in entries}
+        form = forms.pop()
+        if forms or (self.form and form != self.form):
+            raise OptimizerLayoutError(f"{path}: optimizer form {form} differs from the first rank's {self.form}")
+        self.form = form
+        extra = {key: state[key] for key in (*CARRIED_KEYS, "iteration", "args") if key in state}
+        if form == FORM_DISTRIBUTED:
+            extra["distributed_entries"] = entries
+            extra["grad_scalers"] = held_scalers(entries)  # optcli
+            views = read_distributed(self.config, self.layout, coord, rules, self.vocab_rows, state, path, entries)
+            inners, masters = [], []
+            for index, view in enumerate(views):
+                if view is None:  # not this rank's to save: its slots are read from expert-parallel rank 0
+                    chained[index] = [[] for _ in chained[index]]
+                    view = ({"state": {}, "param_groups": []}, {})
+                inners.append(view[0])
+                masters.append([view[1][slot.position] for group in chained[index] for slot in group])
+                check_masters_round(state, chained[index], masters[-1], chunk_keys, path, "distrib_optim.pt param")
+            return _RankOptimizer(path, chained, inners, masters, extra)
+        inners, masters = [], []
+        for index, (entry, slots) in enumerate(zip(entries, chained)):
+            inner = entry if form == FORM_FP32 else entry["optimizer"]
+            where = str(path) if len(entries) == 1 else f"{path} optimizer[{index}]"
+            check_param_groups(slots, inner.get("param_groups"), where, expert=index == 1)
+            check_state_shapes(slots, inner.get("state"), where)
+            masters.append(_masters(form, entry, state, slots, chunk_keys, path))
+            inners.append(inner)
+        extra["grad_scalers"] = held_scalers(entries)  # optcli: per chained optimizer
+        return _RankOptimizer(path, chained, inners, masters, extra)
+
+    def _index(self) -> dict[str, list[tuple[_RankOptimizer, OptimizerSlot]]]:
+        """Per canonical name, its pieces in TP order, from the first stage/chunk that holds it (a tied
+        output layer's copy on the last stage is the same parameter, kept equal by megatron-core)."""
+        owners: dict[str, tuple[tuple[int, int, int], list[tuple[_RankOptimizer, OptimizerSlot]]]] = {}
+        for coord, rank in self.ranks.items():
+            for slot in (slot for groups in rank.slots for group in groups for slot in group):
+                where = (coord.pp, slot.chunk, coord.ep)
+                held = owners.get(slot.spec.canonical)
+                if held is None or where < held[0]:
+                    owners[slot.spec.canonical] = (where, [])
+                    held = owners[slot.spec.canonical]
+                if held[0] == where:
+                    held[1].append((rank, slot))
+        return {name: sorted(pieces, key=lambda p: p[1].spec.tp_rank) for name, (_, pieces) in owners.items()}
+
+    def names(self) -> list[str]:
+        return list(self._owners)
+
+    def group_of(self, name: str) -> int:
+        return self._owners[name][0][1].group
+
+    def _pieces(self, name: str, key: str) -> list[torch.Tensor]:
+        if key == "param":
+            return [rank.masters[slot.optimizer][slot.position] for rank, slot in self._owners[name]]
+        return [rank.inners[slot.optimizer]["state"][slot.position][key] for rank, slot in self._owners[name]]
+
+    def _replicas_differ(self, name: str, key: str, error: ReplicaMismatchError) -> OptimizerLayoutError:
+        owners = self._owners[name]
+        first, second = (owners[index][0].path for index in error.ranks)
+        return OptimizerLayoutError(
+            f"{name}: optimizer {key} of a replicated parameter differs between {first} and {second}: the "
+            f"positions do not map to the parameters megatron-core {' / '.join(MEGATRON_CORE_VERSIONS)} orders there")
+
+    def step(self, name: str) -> torch.Tensor:
+        """The Adam step count of ``name`` (the same on all its pieces, or refused)."""
+        steps = self._pieces(name, "step")
+        if any(not torch.equal(steps[0], other) for other in steps[1:]):
+            raise OptimizerLayoutError(f"{self._owners[name][0][0].path}: step of {name} differs between TP ranks")
+        return steps[0].clone()
+
+    def parameter(self, name: str) -> dict[str, torch.Tensor]:
+        """The whole (source-padded) fp32 master, both moments and the step of ``name``."""
+        rule = self._owners[name][0][1].spec.rule
+        merged = {}
+        for key in ("param", *MOMENTS):
+            try:
+                merged[key] = rule.merge(self._pieces(name, key)).clone()
+            except ReplicaMismatchError as error:
+                raise self._replicas_differ(name, key, error) from error
+        merged["step"] = self.step(name)
+        return merged
+
+    def piece(self, name: str, key: str, size: int, rank: int, rows: int | None,
+              rule: ShardRule | None = None) -> torch.Tensor:
+        """Piece ``rank`` of ``size`` of ``name``'s ``key`` (param or a moment) cut with ``rule`` (the target's;
+        default the source's), fitted to ``rows`` padded vocab rows for vocab tables (new rows zero).
+        mlafix: the source's pieces are merged with the rule of the spec that wrote them where the target's differs
+        (MLA down projections: split by rows in the local spec, whole in the TE spec)."""
+        stored = self._owners[name][0][1].spec.rule
+        target = rule or stored
+        pieces = self._pieces(name, key)
+        try:
+            if target != stored:
+                pieces = [stored.merge(pieces)]
+            if target.fits_rows and rows is not None:
+                return target.reshard_rows(pieces, rows, self.config.vocab_size, size, rank)
+            return target.reshard(pieces, size, rank)
+        except ReplicaMismatchError as error:
+            raise self._replicas_differ(name, key, error) from error
+
+    def param_group_settings(self, optimizer: int = 0, count: int | None = None) -> list[dict[str, Any]]:
+        """The param groups (without ``params``: hyperparameters, lr, wd_mult…) of chained optimizer
+        ``optimizer`` (1: expert-parallel) of a target, ``count`` of them: the source's own where it has that
+        optimizer, else its dense groups with ``is_expert_parallel`` set (megatron-core builds both from one
+        config; they differ only there)."""
+        inners = self.first.inners
+        own = optimizer < len(inners) and (inners[optimizer].get("param_groups") or self.form != FORM_DISTRIBUTED)
+        groups = inners[optimizer if own else 0]["param_groups"]
+        settings = [{k: v for k, v in group.items() if k != "params"} for group in groups]
+        if not own:
+            settings = [dict(group, is_expert_parallel=optimizer == 1) for group in settings]
+        return settings if count is None else settings[:count]

@@ -1,0 +1,270 @@
+"""verifyopt: ``verify``'s comparison of the two checkpoints' optimizer state, when both hold one.
+
+Each side's state is opened through the machinery ``convert`` and ``export-optimizer`` use
+(``optimizer_reshard.open_optimizer``: ``OptimizerSource`` for the Megatron per-rank forms,
+``TorchDistOptimizerSource`` for torch_dist) and compared per canonical parameter, one parameter at
+a time (``parameter(name)``: the fp32 master ``param``, ``exp_avg``, ``exp_avg_sq`` and ``step`` of
+that parameter alone), so memory holds one parameter's state per side whatever the model size:
+
+- ``param``, ``exp_avg``, ``exp_avg_sq``: shape and values with the model's rtol/atol (bit-exact by
+  default); vocab tables over the true vocab rows, rows beyond it reported as padding only;
+- ``step`` exactly, and each parameter's param group;
+- the param groups' hyperparameters (lr, weight_decay, betas, eps, ...) per chained optimizer and group
+  (their ``step`` is the per-parameter one);
+- the carried counters present on both sides: iteration, ``opt_param_scheduler``,
+  ``num_floating_point_operations_so_far``, the consumed-samples counters in ``args``.
+
+A side without optimizer state (HF, a ``--skip-optimizer`` output) is reported ("only in A"), not a
+difference. A side whose form pgconvert does not read (``UnsupportedOptimizerError``, a
+``ValidationError``) is named with the reason, not a difference; state that does not match its model
+(``OptimizerLayoutError``) is a difference (kind ``unreadable``): nothing proves it equal.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from pgconvert.errors import PgconvertError, ValidationError
+from pgconvert.io.limits import quote
+from pgconvert.optimizer.order import optimizer_count
+from pgconvert.optimizer.reshard import COUNTERS, _holds_optimizer, open_optimizer
+from pgconvert.optimizer.state import CARRIED_KEYS, MOMENTS, OptimizerSource
+from pgconvert.model.provider import VOCAB_TABLES
+from pgconvert.formats.stream import CanonicalSource
+from pgconvert.run.verification import DifferenceKind, TensorDifference, compare_values
+
+# Formats whose checkpoints can hold megatron-core optimizer state.
+OPTIMIZER_FORMATS = ("megatron", "torch_dist")
+FIELDS = ("param", *MOMENTS)
+
+
+@dataclass(frozen=True)
+class OptimizerDifference(TensorDifference):
+    """A difference in optimizer state: ``name`` is the canonical parameter (or ``optimizer.<setting>``),
+    ``field`` what differs: param, exp_avg, exp_avg_sq, step, group, a hyperparameter or a counter."""
+
+    field: str = ""
+
+
+@dataclass
+class OptimizerReport:
+    """The optimizer part of ``VerifyReport``. ``status``: compared, only in A, only in B, in neither,
+    skipped (``skip_optimizer``), or not compared (a side's state unreadable: ``unreadable_a/b``)."""
+
+    status: str = "in neither"
+    form_a: str | None = None
+    form_b: str | None = None
+    unreadable_a: str | None = None
+    unreadable_b: str | None = None
+    compared: int = 0
+    differences: list[OptimizerDifference] = field(default_factory=list)
+    padding_differences: list[OptimizerDifference] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def equal(self) -> bool:
+        return not self.differences
+
+    def add(self, name: str, field_name: str, kind: DifferenceKind, message: str) -> None:
+        self.differences.append(OptimizerDifference(name, kind, message, field=field_name))
+
+
+def compare_optimizers(source_a: CanonicalSource, source_b: CanonicalSource, rtol: float, atol: float,
+                       progress: Callable[[str], None] | None = None) -> OptimizerReport:
+    """The optimizer state of two open checkpoints compared (see the module's docstring)."""
+    report = OptimizerReport()
+    vocab_a, vocab_b = source_a.config.vocab_size, source_b.config.vocab_size
+    # The true vocab rows of vocab tables (a disagreement is a model difference already; compare all rows then).
+    vocab = vocab_b if vocab_a is None else vocab_a if vocab_b is None or vocab_a == vocab_b else None
+    held = [_held(source) for source in (source_a, source_b)]
+    if held != [True, True]:
+        report.status = "only in A" if held[0] else "only in B" if held[1] else "in neither"
+        return report
+    opened = [_open_side(label, source, report) for label, source in (("A", source_a), ("B", source_b))]
+    if opened[0] is None or opened[1] is None:
+        report.status = "not compared"
+        return report
+    optimizer_a, optimizer_b = opened
+    report.status = "compared"
+    report.form_a, report.form_b = _form(optimizer_a), _form(optimizer_b)
+    _compare_groups(optimizer_a, optimizer_b, report)
+    _compare_counters(optimizer_a, optimizer_b, report)
+    names_a, names_b = optimizer_a.names(), optimizer_b.names()
+    in_b = set(names_b)
+    for name in sorted(set(names_a) - in_b):
+        report.add(name, "", "missing", "optimizer state in A only")
+    for name in sorted(in_b - set(names_a)):
+        report.add(name, "", "missing", "optimizer state in B only")
+    for name in (name for name in names_a if name in in_b):
+        if progress is not None:
+            progress(f"optimizer {name}")
+        _compare_parameter(name, optimizer_a, optimizer_b, rtol, atol, vocab, report)
+        report.compared += 1
+    return report
+
+
+def _held(source: CanonicalSource) -> bool:
+    """Whether the checkpoint holds optimizer state (one that cannot be read is opened, and reported, below)."""
+    if source.format_name not in OPTIMIZER_FORMATS:
+        return False
+    try:
+        return _holds_optimizer(source)
+    except PgconvertError:
+        return True
+
+
+def _form(optimizer: OptimizerSource) -> str:
+    sharding = getattr(optimizer, "sharding", None)  # torch_dist: the param-state sharding type
+    return f"{optimizer.form}, {sharding}" if sharding else optimizer.form
+
+
+def _open_side(label: str, source: CanonicalSource, report: OptimizerReport) -> OptimizerSource | None:
+    """The side's optimizer state, or None with the reason recorded (unsupported: named; broken: a difference)."""
+    try:
+        return open_optimizer(source, source.format_name)
+    except ValidationError as error:  # UnsupportedOptimizerError: a form or model pgconvert does not read
+        setattr(report, f"unreadable_{label.lower()}", str(error))
+    except PgconvertError as error:  # OptimizerLayoutError: state that does not match its model
+        setattr(report, f"unreadable_{label.lower()}", str(error))
+        report.add(f"optimizer state of {label}", "", "unreadable", str(error))
+    return None
+
+
+def _compare_parameter(name: str, optimizer_a: OptimizerSource, optimizer_b: OptimizerSource, rtol: float,
+                       atol: float, vocab: int | None, report: OptimizerReport) -> None:
+    try:
+        state_a = optimizer_a.parameter(name)
+        state_b = optimizer_b.parameter(name)
+    except PgconvertError as error:
+        report.add(name, "", "unreadable", str(error))
+        return
+    for key in FIELDS:
+        _compare_field(name, key, state_a[key], state_b[key], rtol, atol,
+                       vocab if name in VOCAB_TABLES else None, report)
+    step_a, step_b = float(state_a["step"]), float(state_b["step"])
+    if step_a != step_b and not (math.isnan(step_a) and math.isnan(step_b)):
+        report.add(name, "step", "values", f"step {step_a:g} in A, {step_b:g} in B")
+    group_a, group_b = optimizer_a.group_of(name), optimizer_b.group_of(name)
+    if group_a != group_b:
+        report.add(name, "group", "config", f"param group {group_a} in A, {group_b} in B")
+    del state_a, state_b
+
+
+def _compare_field(name: str, key: str, tensor_a: torch.Tensor, tensor_b: torch.Tensor, rtol: float, atol: float,
+                   vocab: int | None, report: OptimizerReport) -> None:
+    """One field of one parameter: a vocab table (``vocab`` set) over its true rows, the padding rows apart."""
+    shape_a, shape_b = list(tensor_a.shape), list(tensor_b.shape)
+    if vocab is not None:
+        mismatched = shape_a[1:] != shape_b[1:] or min(shape_a[0], shape_b[0]) < vocab
+    else:
+        mismatched = shape_a != shape_b
+    if mismatched:
+        report.add(name, key, "shape", f"shape {shape_a} in A, {shape_b} in B")
+        return
+    if vocab is None:
+        _record(name, key, tensor_a, tensor_b, rtol, atol, report.differences, None)
+        return
+    _record(name, key, tensor_a[:vocab], tensor_b[:vocab], rtol, atol, report.differences, f"first {vocab} rows")
+    if shape_a[0] != shape_b[0]:
+        report.padding_differences.append(OptimizerDifference(
+            name, "shape", f"{shape_a[0]} rows in A, {shape_b[0]} in B (padding beyond the true vocab "
+            f"{vocab})", field=key))
+    elif shape_a[0] > vocab:
+        _record(name, key, tensor_a[vocab:], tensor_b[vocab:], rtol, atol, report.padding_differences,
+                f"padding rows {vocab}..{shape_a[0] - 1}")
+
+
+def _record(name: str, key: str, tensor_a: torch.Tensor, tensor_b: torch.Tensor, rtol: float, atol: float,
+            into: list[OptimizerDifference], where: str | None) -> None:
+    differing, max_abs = compare_values(tensor_a, tensor_b, rtol, atol)
+    if differing:
+        into.append(OptimizerDifference(
+            name, "values", f"{differing} of {tensor_a.numel()} elements differ"
+            f"{f' in the {where}' if where else ''}, max abs diff {max_abs:.6g}",
+            max_abs_diff=max_abs, differing=differing, numel=tensor_a.numel(), field=key))
+
+
+def _compare_groups(optimizer_a: OptimizerSource, optimizer_b: OptimizerSource, report: OptimizerReport) -> None:
+    """Per chained optimizer (dense, then expert-parallel at EP > 1) and param group, its hyperparameters."""
+    count = max(optimizer_count(optimizer_a.config, optimizer_a.layout),
+                optimizer_count(optimizer_b.config, optimizer_b.layout))
+    for index in range(count):
+        groups_a, groups_b = optimizer_a.param_group_settings(index), optimizer_b.param_group_settings(index)
+        prefix = "optimizer.param_groups" if count == 1 else f"optimizer[{index}].param_groups"
+        if len(groups_a) != len(groups_b):
+            report.add(prefix, "param_groups", "config", f"{len(groups_a)} param groups in A, {len(groups_b)} in B")
+        for number, (group_a, group_b) in enumerate(zip(groups_a, groups_b)):
+            _compare_values(f"{prefix}[{number}]", group_a, group_b, report, skip={"step", "params"})
+
+
+def _compare_counters(optimizer_a: OptimizerSource, optimizer_b: OptimizerSource, report: OptimizerReport) -> None:
+    """The carried counters (iteration, scheduler, floating-point operations, consumed samples) both sides have."""
+    _compare_values("optimizer", _counters(optimizer_a), _counters(optimizer_b), report, skip=set())
+
+
+def _counters(optimizer: OptimizerSource) -> dict[str, Any]:
+    extra = optimizer.first.extra
+    values = {key: extra[key] for key in ("iteration", *CARRIED_KEYS) if extra.get(key) is not None}
+    args = extra.get("args")
+    values.update({key: getattr(args, key) for key in COUNTERS if getattr(args, key, None) is not None})
+    return values
+
+
+def _compare_values(prefix: str, values_a: dict[Any, Any], values_b: dict[Any, Any], report: OptimizerReport,
+                    skip: set[str]) -> None:
+    """Settings present on both sides compared (nested dicts by key); one present on one side only is a note."""
+    for key in sorted(set(values_a) | set(values_b), key=str):
+        if key in skip:
+            continue
+        name = f"{prefix}.{key}"
+        if key not in values_a or key not in values_b:
+            report.notes.append(f"{name} only in {'A' if key in values_a else 'B'} (not compared)")
+        elif isinstance(values_a[key], dict) and isinstance(values_b[key], dict):
+            _compare_values(name, values_a[key], values_b[key], report, skip)
+        elif not _same(values_a[key], values_b[key]):
+            report.add(name, str(key), "config",
+                       f"{quote(key)} = {quote(values_a[key])} in A, {quote(values_b[key])} in B")
+
+
+def _same(value_a: Any, value_b: Any) -> bool:
+    """Exact equality of plain settings: tensors by ``torch.equal``, lists and tuples alike, NaN equal to NaN."""
+    if isinstance(value_a, torch.Tensor) or isinstance(value_b, torch.Tensor):
+        return isinstance(value_a, torch.Tensor) and isinstance(value_b, torch.Tensor) \
+            and value_a.shape == value_b.shape and bool(compare_values(value_a, value_b, 0.0, 0.0)[0] == 0)
+    if isinstance(value_a, (list, tuple)) and isinstance(value_b, (list, tuple)):
+        return len(value_a) == len(value_b) and all(_same(a, b) for a, b in zip(value_a, value_b))
+    if isinstance(value_a, float) and isinstance(value_b, float) and math.isnan(value_a) and math.isnan(value_b):
+        return True
+    return bool(value_a == value_b)
+
+
+def text_lines(report: OptimizerReport, tolerance: str, max_listed: int) -> list[str]:
+    """``verify``'s text output for the optimizer state: status, notes, differences up to ``max_listed``."""
+    lines = [f"note: {note}" for note in report.notes]
+    listed = {difference.name for difference in report.differences[:max_listed]}
+    for label, reason in (("A", report.unreadable_a), ("B", report.unreadable_b)):
+        if reason is not None and f"optimizer state of {label}" not in listed:
+            lines.append(f"optimizer state of {label} unreadable: {reason}")
+    for difference in report.differences[:max_listed]:
+        lines.append(f"differs: {_label(difference)}: {difference.message}")
+    if len(report.differences) > max_listed:
+        lines.append(f"… and {len(report.differences) - max_listed} more optimizer differences (--json lists all)")
+    for difference in report.padding_differences:
+        lines.append(f"padding only (not a failure): {_label(difference)}: {difference.message}")
+    if report.status != "compared":
+        return lines + [f"optimizer state: {report.status}"]
+    verdict = "equal" if report.equal else f"NOT equal: {len(report.differences)} optimizer differences"
+    forms = report.form_a if report.form_a == report.form_b else f"{report.form_a} in A, {report.form_b} in B"
+    return lines + [f"optimizer state ({forms}): {report.compared} parameters compared ({tolerance}): {verdict}"]
+
+
+def _label(difference: OptimizerDifference) -> str:
+    """``optimizer <parameter> <field>``, or the setting's own name (``optimizer.param_groups[0].lr``)."""
+    if difference.name.startswith("optimizer"):
+        return difference.name
+    return f"optimizer {difference.name}" + (f" {difference.field}" if difference.field else "")

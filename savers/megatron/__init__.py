@@ -1,0 +1,300 @@
+"""Saver for Megatron-LM per-rank checkpoints (``mp_rank_*/model_optim_rng.pt``).
+
+One destination rank file is written at a time, as a stream (``pgconvert.io.torchzip``): each tensor
+is cut from the source when its record is written and dropped after, so memory holds one tensor,
+not a rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import OrderedDict
+from collections.abc import Collection
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pgconvert.model.config import ModelConfig
+from pgconvert.io.durable import fsync_file
+from pgconvert.formats import PlannedFile, Progress, SaveOptions, Saver, SaveResult, target_config, target_dtype
+from pgconvert.model.grid import RankCoord, build_converter_process_groups, iter_ranks
+from pgconvert.io.hashing import HashingWriter
+from pgconvert.formats.hf_side import carried_for_target, write_carried
+from pgconvert.model.layout import ParallelLayout
+from pgconvert.formats.megatron import (
+    CHECKPOINT_VERSION,
+    RANK_FILE,
+    TRACKER_FILE,
+    args_for_target,
+    check_megatron_layout,
+    iteration_dir_name,
+    params_dtype_for,
+    rank_dir_name,
+)
+from pgconvert.model.provider import (
+    LAYER_PREFIX,
+    ModelShard,
+    TensorSpec,
+    canonical_layer,
+    is_routed_expert,
+    non_layer_chunk,
+    provide,
+    target_vocab_rows,
+    te_extra_state_names,
+    te_mtp_extra_state_names,
+)
+from pgconvert.io.sizes import itemsize
+from pgconvert.formats.stream import CanonicalSource, ExtraState
+from pgconvert.formats.strict import fallback
+from pgconvert.formats.mtp_naming import local_mtp_key
+from pgconvert.io.torchzip import PlannedTensor, save_stream
+
+log = logging.getLogger(__name__)
+
+
+
+
+def save_durably(state: dict[str, Any], path: Path) -> str:
+    """Write ``state`` in torch.save's format into ``path`` and fsync it; returns the file's sha256.
+
+    ``PlannedTensor`` values are produced one at a time as their records are written, so memory
+    holds one tensor, not the file. A failed write surfaces as the OSError behind it, naming the
+    file. The records' CRC32 is 0, as torch writes with ``compute_crc32`` off: torch's reader does
+    not check it, and the sha256 recorded in the manifest covers the file.
+    """
+    with open(path, "wb") as handle, ThreadPoolExecutor(1) as hasher:
+        writer = HashingWriter(handle, hasher)
+        try:
+            save_stream(state, writer)  # type: ignore[arg-type]
+            handle.flush()
+            os.fsync(handle.fileno())
+        except OSError as exc:
+            raise OSError(exc.errno, exc.strerror, str(path)) from exc
+    return writer.hexdigest()
+
+
+@dataclass
+class _RankPlan:
+    """One destination rank file: its path and the shard of each model chunk it holds."""
+
+    relpath: str
+    coord: RankCoord
+    chunks: list[tuple[str, ModelShard]]
+
+
+class MegatronSaver(Saver):
+    name = "megatron"
+
+    def validate(self, source: CanonicalSource, options: SaveOptions) -> None:
+        check_megatron_layout(options.layout, "dst")
+        config = target_config(source.config, options)
+        options.layout.validate(config, "dst")
+        target_vocab_rows(config, source.vocab_rows, options.layout)
+        carried_for_target(source, options)
+        if options.strict:
+            self._refuse_guesses(source, options, config)
+
+    @staticmethod
+    def _refuse_guesses(source: CanonicalSource, options: SaveOptions, config: ModelConfig) -> None:
+        """Under --strict, the guesses ``save`` would make are refused before anything is written."""
+        layout = options.layout
+        for name, extra in source.extra_states().items():
+            if not extra.holds_state():
+                continue
+            if config.transformer_impl != source.config.transformer_impl or (
+                    extra.tp_size, extra.ep_size) != (layout.tp, layout.ep) or (
+                    is_routed_expert(name) and _expert_naming_changes(source, config)):
+                fallback(f"{name}: Transformer Engine _extra_state would be dropped (saved at tp="
+                         f"{extra.tp_size}, ep={extra.ep_size})", strict=True)
+
+    def _ranks(self, source: CanonicalSource, options: SaveOptions) -> list[_RankPlan]:
+        layout = options.layout
+        config = target_config(source.config, options)
+        padded = target_vocab_rows(config, source.vocab_rows, layout)
+        groups = build_converter_process_groups(layout)
+        chunked = layout.has_virtual_chunks
+        chunk_keys = [f"model{i}" for i in range(layout.virtual_size)] if chunked else ["model"]
+        ranks = []
+        for coord in iter_ranks(layout):
+            groups.set_coord(coord)
+            relpath = f"{rank_dir_name(coord.tp, coord.pp, coord.ep, layout.pp, layout.ep)}/{RANK_FILE}"
+            chunks = [
+                (key, provide(config, groups, padded_vocab_size=padded, chunk=index if chunked else None))
+                for index, key in enumerate(chunk_keys)
+            ]
+            ranks.append(_RankPlan(relpath, coord, chunks))
+        return ranks
+
+    def _extra_keys(self, source: CanonicalSource, shard: ModelShard, config: ModelConfig,
+                    layout: ParallelLayout) -> list[tuple[str, str]]:
+        """(local key, canonical key) of the opaque extra states this chunk carries.
+
+        Under the source's own naming the source's entries are kept (they name exactly the modules
+        of the framework version that wrote them). A switch to the TE spec gets TE's standard set;
+        a switch to the local spec gets none (megatron-core fills its own in on load).
+        """
+        if config.transformer_impl == source.config.transformer_impl:
+            names = list(source.extra_states())
+            source_ep = {extra.ep_size for extra in source.extra_states().values()}
+            if any(map(is_routed_expert, names)) and (source_ep != {layout.ep}
+                                                      or _expert_naming_changes(source, config)):
+                # Routed-expert entries are named by local expert index, which means other experts
+                # (and another count of them) once EP changes, and by module, which differs between
+                # SequentialMLP and grouped GEMM: name them for this layout instead.
+                names = [name for name in names if not is_routed_expert(name)] + [
+                    name for name in te_extra_state_names(config, shard.layers, layout.ep)
+                    + te_mtp_extra_state_names(config, layout.ep) if is_routed_expert(name)
+                ]
+        elif config.transformer_impl == "transformer_engine":
+            names = te_extra_state_names(config, shard.layers, layout.ep) + te_mtp_extra_state_names(config, layout.ep)
+        else:
+            return []
+        first = shard.pp_rank == 0 and shard.chunk in (None, 0)
+        last = shard.pp_rank == layout.pp - 1 and shard.chunk in (None, layout.virtual_size - 1)
+        keys = []
+        for canonical in names:
+            parsed = canonical_layer(canonical)
+            if parsed is None:
+                owner = non_layer_chunk(canonical)
+                if (owner == "first" and first) or (owner == "last" and last):
+                    keys.append((local_mtp_key(canonical, config.mtp_layer_module), canonical))  # mlafix
+            elif parsed[0] in shard.layers:
+                keys.append((f"{LAYER_PREFIX}{parsed[0] - shard.layers.start}.{parsed[1]}", canonical))
+        return keys
+
+    def _dtype(self, source: CanonicalSource, spec: TensorSpec, dtype: torch.dtype | None) -> torch.dtype:
+        return target_dtype(source.meta(spec.canonical).dtype, dtype, spec.keep_dtype)
+
+    def plan(self, source: CanonicalSource, options: SaveOptions) -> list[PlannedFile]:
+        config = target_config(source.config, options)
+        iteration_dir = iteration_dir_name(source.iteration or 0, source.release)
+        planned = []
+        for rank in self._ranks(source, options):
+            nbytes = 0
+            count = 0
+            for _, shard in rank.chunks:
+                for spec in shard.specs:
+                    nbytes += spec.numel * itemsize(self._dtype(source, spec, options.dtype))
+                count += len(shard.specs) + len(self._extra_keys(source, shard, config, options.layout))
+            planned.append(PlannedFile(f"{iteration_dir}/{rank.relpath}", count, nbytes))
+        return planned
+
+    supports_partial = True
+
+    def save(self, source: CanonicalSource, out_dir: Path, options: SaveOptions,
+             progress: Progress, only: Collection[str] | None = None) -> SaveResult:
+        """Write every rank file (or those of ``only``, relative paths as ``plan`` names them)."""
+        layout = options.layout
+        config = target_config(source.config, options)
+        result = SaveResult()
+        iteration, release = self._iteration(source)
+        iteration_dir_relpath = iteration_dir_name(iteration, release)
+        padded = target_vocab_rows(config, source.vocab_rows, layout)
+        names = source.names()
+        dtype = options.dtype or params_dtype_for((source.meta(name).dtype for name in names), config)
+        args = args_for_target(config, layout, padded, dtype, iteration, source.megatron_args)
+        extra_states = source.extra_states()
+        dropped_extra = False
+        for rank in self._ranks(source, options):
+            relpath = f"{iteration_dir_relpath}/{rank.relpath}"
+            if only is not None and relpath not in only:
+                continue
+            state: dict[str, Any] = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration}
+            nbytes = 0
+            count = 0
+            for chunk_key, shard in rank.chunks:
+                model: OrderedDict[str, Any] = OrderedDict()
+                for spec in shard.specs:
+                    planned = _planned_piece(source, spec, padded, self._dtype(source, spec, options.dtype))
+                    model[spec.local_name] = planned
+                    nbytes += planned.nbytes
+                for local, canonical in self._extra_keys(source, shard, config, layout):
+                    value, carried = _extra_for(extra_states.get(canonical), layout, rank.coord)
+                    dropped_extra |= not carried and _holds_state(extra_states.get(canonical))
+                    model[local] = value
+                state[chunk_key] = model
+                count += len(model)
+            path = out_dir / relpath
+            path.parent.mkdir(parents=True, exist_ok=True)
+            digest = save_durably(state, path)
+            result.files.append(PlannedFile(relpath, count, nbytes, sha256=digest, size=path.stat().st_size))
+            del state
+            progress(nbytes)
+        _notice_renamed_extra_states(source, config, options, result.notices)
+        if dropped_extra:
+            first = next(iter(extra_states.values()))
+            fallback(
+                "Transformer Engine _extra_state (FP8 scaling metadata) is only valid at the TP/EP sizes it "
+                f"was saved with (tp={first.tp_size}, ep={first.ep_size}); written empty (None) for "
+                f"tp={layout.tp}, ep={layout.ep}: FP8 runs re-derive it in their first steps",
+                options.strict, result.notices,
+            )
+        if only is None:
+            result.notices += self.finalize(source, out_dir, options)
+        return result
+
+    def finalize(self, source: CanonicalSource, out_dir: Path, options: SaveOptions) -> list[str]:
+        """What is written once all rank files are: the tracker file Megatron starts from."""
+        iteration, release = self._iteration(source)
+        tracker = out_dir / TRACKER_FILE
+        tracker.write_text("release" if release else str(iteration))
+        fsync_file(tracker)
+        write_carried(source, options, out_dir)
+        notices = [
+            "optimizer, scheduler and RNG state are not carried: resume with --no-load-optim "
+            "--no-load-rng (or --finetune)"
+        ]
+        if source.iteration is None and not release:
+            notices.insert(0, "the source has no iteration number; writing iteration 0")
+        return notices
+
+    @staticmethod
+    def _iteration(source: CanonicalSource) -> tuple[int, bool]:
+        return (source.iteration if source.iteration is not None else 0), source.release
+
+
+def _expert_naming_changes(source: CanonicalSource, config: ModelConfig) -> bool:
+    """Whether the routed experts' modules are named otherwise in the target (SequentialMLP's
+    ``local_experts.{j}.linear_fc1`` against grouped GEMM's one ``linear_fc1``)."""
+    return config.moe_grouped_gemm != source.config.moe_grouped_gemm
+
+
+def _notice_renamed_extra_states(source: CanonicalSource, config: ModelConfig, options: SaveOptions,
+                                 notices: list[str]) -> None:
+    """Non-empty ``_extra_state`` entries whose modules the target names otherwise are dropped."""
+    held = [name for name, extra in source.extra_states().items() if extra.holds_state()]
+    if held and config.transformer_impl != source.config.transformer_impl:
+        fallback(f"the target uses {config.transformer_impl}-spec names: {len(held)} non-empty "
+                 "_extra_state entries of the source's spec were dropped", options.strict, notices)
+        return
+    experts = [name for name in held if is_routed_expert(name)]
+    if experts and _expert_naming_changes(source, config):
+        layout = "grouped GEMM" if config.moe_grouped_gemm else "SequentialMLP"
+        fallback(f"the target names its experts as {layout}: {len(experts)} non-empty routed-expert "
+                 "_extra_state entries of the source's expert layout were dropped", options.strict, notices)
+
+
+def _planned_piece(source: CanonicalSource, spec: TensorSpec, padded: int, dtype: torch.dtype) -> PlannedTensor:
+    """The rank's piece of a tensor, cut from the source only when the writer reaches it."""
+    rows = padded if spec.rule.fits_rows else None
+
+    def produce() -> torch.Tensor:
+        piece = source.load_shard(spec.canonical, spec.rule, spec.tp_size, spec.tp_rank, rows)
+        return piece.to(dtype)
+
+    return PlannedTensor(tuple(spec.local_shape), dtype, produce)
+
+
+def _holds_state(extra: ExtraState | None) -> bool:
+    return extra is not None and extra.holds_state()
+
+
+def _extra_for(extra: ExtraState | None, layout: ParallelLayout, coord: RankCoord) -> tuple[object, bool]:
+    key = (coord.tp, coord.ep)
+    if extra is not None and extra.tp_size == layout.tp and extra.ep_size == layout.ep and key in extra.by_rank:
+        return extra.by_rank[key], True
+    return None, False

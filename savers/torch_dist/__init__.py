@@ -1,0 +1,353 @@
+"""Saver for Megatron distributed checkpoints (``torch_dist``), as megatron-core's ``dist_checkpointing.save``
+writes them for a single-rank (TP1, PP1, EP1) job.
+
+The files are written by torch.distributed.checkpoint's own ``FileSystemWriter`` through
+``dcp.save(no_dist=True)``: the plan (keys, global shapes, chunks) is computed from the source's
+metadata alone, and each chunk's data is produced only when the writer asks for it
+(``resolve_data``), so one canonical tensor is in memory at a time: peak memory is the largest
+canonical tensor plus its copy in the target dtype (and, for a vocab table whose padding changes,
+the refitted table), plus the plan (a few hundred bytes per chunk). The format cannot be written in
+several calls (each ``dcp.save`` writes the one ``.metadata`` index of the directory), so there is
+one call and one data file ``__0_0.distcp``.
+
+That file is written by ``_StreamingWriter``, not by torch's ``FileSystemWriter.write_data``: torch's
+loop keeps every tensor it wrote in a dict until the file is closed (one per key, so a stacked
+model's embedding, output layer and one layer of each key stay alive), which made the peak about
+three canonical tensors. The bytes are the same: the items in torch's order (``_write_order``),
+each the ``torch.save`` archive of its chunk (``pgconvert.io.torchzip``, CRC32s included), and the same
+``WriteResult`` offsets, so torch writes the same ``.metadata``. The file is hashed on the way, so
+the manifest does not read it back. The layout is not in the files: it is the one recorded in
+``common.pt``'s args (``SaveOptions.layout``), what Megatron-LM reads back as the run's.
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+import logging
+import os
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter, SavePlan, SavePlanner
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from pgconvert.io import sizes
+from pgconvert.model.config import ModelConfig
+from pgconvert.io.durable import fsync_file
+from pgconvert.errors import ValidationError
+from pgconvert.formats import PlannedFile, Progress, SaveOptions, Saver, SaveResult, target_config, target_dtype
+from pgconvert.io.hashing import HashingWriter
+from pgconvert.formats.hf_side import carried_for_target, write_carried
+from pgconvert.io.limits import quote
+from pgconvert.formats.megatron import (CHECKPOINT_VERSION, FRAMEWORK_PICKLE, TRACKER_FILE, args_for_target,
+                                       iteration_dir_name, params_dtype_for)
+from pgconvert.model.provider import (
+    VOCAB_TABLES,
+    canonical_shapes,
+    keep_dtype_names,
+    layer_kinds,
+    target_vocab_rows,
+)
+from pgconvert.model.rules import VOCAB, ShardRule
+from pgconvert.formats.stream import CanonicalSource
+from pgconvert.formats.strict import fallback
+from pgconvert.formats.torch_dist import (
+    CHECKPOINT_CONFIG_FILE,
+    COMMON_FILE,
+    CONTENT_METADATA,
+    DCP_METADATA_FILE,
+    SHARDED_BACKEND,
+    empty_extra_state,
+    extra_state_keys,
+    single_process_calls,
+    tensor_locations,
+    write_checkpoint_config,
+)
+from pgconvert.io.torchzip import PlannedTensor, save_stream
+
+log = logging.getLogger(__name__)
+
+# torch.distributed.checkpoint names rank 0's data files __0_<n>.distcp; one writer thread, one file.
+DATA_FILE = "__0_0.distcp"
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    """One stored chunk: rows ``[row_start, row_start + rows)`` (all rows when None) of a canonical
+    tensor, at ``offsets`` of key ``key`` whose global shape is ``global_shape``."""
+
+    canonical: str
+    key: str
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    global_shape: tuple[int, ...]
+    dtype: torch.dtype
+    row_start: int | None = None
+    rows: int | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sizes.nbytes(self.sizes, self.dtype)
+
+    def write_item(self) -> WriteItem:
+        offsets, sizes = torch.Size(self.offsets), torch.Size(self.sizes)
+        return WriteItem(
+            index=MetadataIndex(self.key, offsets),
+            type=WriteItemType.SHARD,
+            tensor_data=TensorWriteData(
+                chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes),
+                properties=TensorProperties(dtype=self.dtype),
+                size=torch.Size(self.global_shape),
+            ),
+        )
+
+
+def _rules(config: ModelConfig) -> dict[str, ShardRule]:
+    """Each layer tensor's TP rule (the others are whole tensors in one chunk)."""
+    return {name: kind.rule_for(config) for name, kind in layer_kinds(config).items()}  # mtp: MTP layers too
+
+
+def _row_runs(rule: ShardRule | None, shape: tuple[int, ...]) -> list[tuple[int | None, int | None]]:
+    """The row runs megatron-core stores a tensor in at TP1: the windows of the rule's one piece
+    (the gate and up halves of a SwiGLU fc1); ``(None, None)``: the whole tensor in one chunk."""
+    windows = rule.piece_windows(shape, 1, 0) if rule is not None else ()
+    if len(windows) < 2:
+        return [(None, None)]
+    assert all(window.dim == 0 and not window.zeros for window in windows)
+    return [(window.start, window.length) for window in windows]
+
+
+class _StreamingPlanner(DefaultSavePlanner):
+    """A save plan given up front; each chunk's data is produced when the writer asks for it."""
+
+    def __init__(self, chunks: list[_Chunk], objects: list[str], source: CanonicalSource, vocab_rows: int,
+                 progress: Progress) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self._chunks = {(chunk.key, chunk.offsets): chunk for chunk in chunks}
+        self._items = [chunk.write_item() for chunk in chunks] + [
+            WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO) for key in objects]
+        self._source = source
+        self._vocab_rows = vocab_rows
+        self._progress = progress
+        # The gate and up chunks of a SwiGLU fc1 are consecutive: the second reuses the first's load.
+        self._last: tuple[str, torch.Tensor] | None = None
+
+    def create_local_plan(self) -> SavePlan:
+        self.plan = SavePlan(self._items)
+        return self.plan
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
+        if write_item.type == WriteItemType.BYTE_IO:
+            return empty_extra_state()
+        chunk = self._chunks[(write_item.index.fqn, tuple(write_item.index.offset))]
+        full = self._canonical(chunk.canonical)
+        if chunk.row_start is not None:
+            assert chunk.rows is not None
+            full = full.narrow(0, chunk.row_start, chunk.rows)
+        data = full.to(chunk.dtype).reshape(chunk.sizes)
+        self._progress(chunk.nbytes)
+        return data
+
+    def _canonical(self, name: str) -> torch.Tensor:
+        if self._last is not None and self._last[0] == name:
+            return self._last[1]
+        self._last = None
+        if name in VOCAB_TABLES:
+            tensor = self._source.load_shard(name, VOCAB, 1, 0, rows=self._vocab_rows)
+        else:
+            tensor = self._source.load(name)
+        self._last = (name, tensor)
+        return tensor
+
+
+def _write_order(items: Sequence[WriteItem]) -> list[WriteItem]:
+    """The order torch's single-threaded writer puts one file's items in: the bytes entries, then
+    the tensors, each in plan order (so the gate and up halves of one fc1 stay next to each other)."""
+    return ([item for item in items if item.type == WriteItemType.BYTE_IO]
+            + [item for item in items if item.type != WriteItemType.BYTE_IO])
+
+
+class _StreamingWriter(FileSystemWriter):
+    """torch's ``FileSystemWriter`` with the data file written here, item by item (see the module
+    docstring): nothing outlives its record, and the file's sha256 is computed on the way."""
+
+    def __init__(self, directory: Path) -> None:
+        super().__init__(str(directory), single_file_per_rank=True, sync_files=True, thread_count=1,
+                         per_thread_copy_ahead=0)
+        self.directory = directory
+        self.sha256: str | None = None
+        self.size: int | None = None
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        file_name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
+        path = self.directory / file_name
+        results = []
+        with open(path, "wb") as handle, ThreadPoolExecutor(1) as hasher:
+            writer = HashingWriter(handle, hasher)
+            try:
+                for item in _write_order(plan.items):
+                    start = writer.offset
+                    _write_item(writer, planner.resolve_data(item))
+                    length = writer.offset - start
+                    results.append(WriteResult(index=item.index, size_in_bytes=length,
+                                               storage_data=_StorageInfo(file_name, start, length)))
+                handle.flush()
+                os.fsync(handle.fileno())
+            except OSError as exc:
+                raise OSError(exc.errno, exc.strerror, str(path)) from exc
+        self.sha256, self.size = writer.hexdigest(), writer.offset
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(results)
+        return future
+
+
+def _write_item(writer: HashingWriter, data: torch.Tensor | io.BytesIO) -> None:
+    """One item as torch's writer writes it: a bytes entry as is, a tensor as ``torch.save`` of a
+    tensor owning exactly its bytes (torch clones a view of a larger storage first; the stream
+    writes the view's bytes with no clone)."""
+    if isinstance(data, io.BytesIO):
+        writer.write(data.getbuffer())
+        return
+    tensor = data.detach().contiguous()
+    save_stream(PlannedTensor(tuple(tensor.shape), tensor.dtype, lambda: tensor), writer,  # type: ignore[arg-type]
+                crc32=True)
+
+
+class TorchDistSaver(Saver):
+    name = "torch_dist"
+
+    def validate(self, source: CanonicalSource, options: SaveOptions) -> None:
+        config = target_config(source.config, options)
+        options.layout.validate(config, "dst")
+        target_vocab_rows(config, source.vocab_rows, options.layout)
+        carried_for_target(source, options)
+        if not options.strict:
+            return
+        if any(extra.holds_state() for extra in source.extra_states().values()):
+            fallback("the source's Transformer Engine _extra_state would be written empty", strict=True)
+
+    def _chunks(self, source: CanonicalSource, options: SaveOptions) -> tuple[list[_Chunk], list[str], int]:
+        """The data chunks in stream order, the ``_extra_state`` entries, and the padded vocab rows."""
+        config = target_config(source.config, options)
+        rows = target_vocab_rows(config, source.vocab_rows, options.layout)
+        shapes = canonical_shapes(config, rows)
+        keep = keep_dtype_names(config)
+        rules = _rules(config)
+        chunks = []
+        for name, location in tensor_locations(config).items():
+            shape = shapes[name]
+            dtype = target_dtype(source.meta(name).dtype, options.dtype, name in keep)
+            global_shape = location.global_shape(shape)
+            # megatron-core's SwiGLU factory saves the gate and up halves as separate chunks.
+            for start, count in _row_runs(rules.get(name), shape):
+                starts = (0,) * len(shape) if start is None else (start, *(0,) * (len(shape) - 1))
+                lengths = shape if count is None else (count, *shape[1:])
+                offsets, sizes = location.chunk(starts, lengths)
+                chunks.append(_Chunk(name, location.key, offsets, sizes, global_shape, dtype, start, count))
+        _check_one_dtype_per_key(chunks, source)
+        return chunks, extra_state_keys(config), rows
+
+    def plan(self, source: CanonicalSource, options: SaveOptions) -> list[PlannedFile]:
+        chunks, objects, _ = self._chunks(source, options)
+        return _files(iteration_dir_name(source.iteration or 0, source.release), chunks, objects)
+
+    def save(self, source: CanonicalSource, out_dir: Path, options: SaveOptions,
+             progress: Progress) -> SaveResult:
+        layout = options.layout
+        config = target_config(source.config, options)
+        result = SaveResult()
+        iteration = source.iteration if source.iteration is not None else 0
+        if source.iteration is None and not source.release:
+            result.notices.append("the source has no iteration number; writing iteration 0")
+        iteration_dir = out_dir / iteration_dir_name(iteration, source.release)
+        iteration_dir.mkdir(parents=True, exist_ok=True)
+        chunks, objects, rows = self._chunks(source, options)
+        dtype = options.dtype or params_dtype_for((source.meta(name).dtype for name in source.names()), config)
+        args = args_for_target(config, layout, rows, dtype, iteration, source.megatron_args)
+        args.ckpt_format = SHARDED_BACKEND
+        # megatron-core writes common.pt first and metadata.json last: a directory without
+        # metadata.json is an incomplete checkpoint to every reader.
+        common = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
+                  "content_metadata": dict(CONTENT_METADATA)}
+        common_path = iteration_dir / COMMON_FILE
+        # Pickled in memory, written by Python: a full disk is then an OSError naming the file,
+        # not torch's "PytorchStreamWriter failed writing file".
+        buffer = io.BytesIO()
+        torch.save(common, buffer, pickle_module=FRAMEWORK_PICKLE)
+        common_path.write_bytes(buffer.getbuffer())
+        fsync_file(common_path)
+        planner = _StreamingPlanner(chunks, objects, source, rows, progress)
+        writer = _StreamingWriter(iteration_dir)
+        with _os_errors_of_torch(iteration_dir / DATA_FILE), single_process_calls():
+            dcp.save({}, storage_writer=writer, planner=planner, no_dist=True)
+        write_checkpoint_config(iteration_dir)
+        fsync_file(iteration_dir / CHECKPOINT_CONFIG_FILE)
+        tracker = out_dir / TRACKER_FILE
+        tracker.write_text("release" if source.release else str(iteration))
+        fsync_file(tracker)
+        result.files = _files(iteration_dir.relative_to(out_dir).as_posix(), chunks, objects, writer.sha256,
+                              writer.size)
+        write_carried(source, options, out_dir)
+        if any(extra.holds_state() for extra in source.extra_states().values()):
+            result.notices.append("Transformer Engine _extra_state (FP8 scaling metadata) of the source is not "
+                                  "carried; written empty: FP8 runs re-derive it in their first steps")
+        result.notices.append(
+            f"torch_dist written with the layout {layout.describe()} recorded in common.pt's args; optimizer, "
+            "scheduler and RNG state are not carried: resume with --no-load-optim --no-load-rng (or --finetune)"
+        )
+        return result
+
+
+def _files(iteration_dir: str, chunks: list[_Chunk], objects: list[str], sha256: str | None = None,
+           size: int | None = None) -> list[PlannedFile]:
+    """The files of one iteration; the data file holds every chunk and ``_extra_state`` entry (its
+    sha256 and size when written)."""
+    return [
+        PlannedFile(f"{iteration_dir}/{COMMON_FILE}", 0, 0),
+        PlannedFile(f"{iteration_dir}/{DATA_FILE}", len(chunks) + len(objects), sum(c.nbytes for c in chunks),
+                    sha256=sha256, size=size),
+        PlannedFile(f"{iteration_dir}/{DCP_METADATA_FILE}", 0, 0),
+        PlannedFile(f"{iteration_dir}/{CHECKPOINT_CONFIG_FILE}", 0, 0),
+    ]
+
+
+@contextmanager
+def _os_errors_of_torch(path: Path) -> Iterator[None]:
+    """torch's zip writer turns a failed write (a full disk) into ``RuntimeError: unexpected pos``;
+    the ``OSError`` it swallowed is still in the exception's chain: raise that one instead."""
+    try:
+        yield
+    except RuntimeError as exc:
+        cause: BaseException | None = exc
+        seen = set()
+        while cause is not None and id(cause) not in seen and not isinstance(cause, OSError):
+            seen.add(id(cause))
+            cause = cause.__cause__ or cause.__context__
+        if isinstance(cause, OSError):
+            raise OSError(cause.errno, cause.strerror, cause.filename or str(path)) from exc
+        if "unexpected pos" in str(exc) or "failed writing" in str(exc):
+            raise OSError(errno.EIO, f"torch could not write the file ({quote(str(exc), 200)})", str(path)) from exc
+        raise
+
+
+def _check_one_dtype_per_key(chunks: list[_Chunk], source: CanonicalSource) -> None:
+    """A torch_dist key has one dtype, but several canonical tensors may share it (the layers of a
+    stacked key): tensors stored in different dtypes cannot be written faithfully."""
+    first: dict[str, _Chunk] = {}
+    for chunk in chunks:
+        other = first.setdefault(chunk.key, chunk)
+        if other.dtype != chunk.dtype:
+            raise ValidationError(
+                f"{source.describe()}: {other.canonical} is {other.dtype} but {chunk.canonical} is {chunk.dtype}; "
+                f"torch_dist stores both in the one key {chunk.key} of a single dtype: convert to another "
+                "format, or pass --dtype to cast floating tensors to one dtype")

@@ -1,0 +1,56 @@
+"""Test-only comparison of two Megatron per-rank checkpoints, file by file and tensor by tensor."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from support.megatron_fixtures import read_megatron_checkpoint_ranks
+from torch.distributed.checkpoint import FileSystemReader, TensorStorageMetadata
+
+_LAYOUT_ARGS = (
+    "tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
+    "virtual_pipeline_model_parallel_size", "decoder_first_pipeline_num_layers",
+    "decoder_last_pipeline_num_layers", "num_layers", "num_experts", "padded_vocab_size",
+)
+
+
+def assert_same_ranks(actual: Path, expected: Path) -> None:
+    """Same (tp, pp, ep) files and chunks, same keys, every tensor ``torch.equal`` with the same dtype.
+
+    Key order is not part of the format (load_state_dict matches by name), so keys compare as sets.
+    """
+    actual_args, actual_ranks = read_megatron_checkpoint_ranks(actual)
+    expected_args, expected_ranks = read_megatron_checkpoint_ranks(expected)
+    assert sorted(actual_ranks) == sorted(expected_ranks)
+    for field in _LAYOUT_ARGS:
+        assert getattr(actual_args, field, None) == getattr(expected_args, field, None), field
+    for coord, expected_chunks in expected_ranks.items():
+        actual_chunks = actual_ranks[coord]
+        assert sorted(actual_chunks) == sorted(expected_chunks), coord
+        for chunk, expected_model in expected_chunks.items():
+            actual_model = actual_chunks[chunk]
+            assert sorted(actual_model) == sorted(expected_model), (coord, chunk)
+            for key, value in expected_model.items():
+                if value is None:
+                    assert actual_model[key] is None, (coord, chunk, key)
+                    continue
+                assert actual_model[key].dtype == value.dtype, (coord, chunk, key)
+                assert torch.equal(actual_model[key], value), (coord, chunk, key)
+
+
+# The dense-model tests' name for the same comparison.
+assert_same_megatron_checkpoint = assert_same_ranks
+
+
+def read_dcp(iteration_dir: Path) -> tuple[dcp.Metadata, dict[str, torch.Tensor]]:
+    """Every tensor of a distributed checkpoint, whole, read by torch.distributed.checkpoint alone."""
+    metadata = FileSystemReader(str(iteration_dir)).read_metadata()
+    tensors = {key: torch.empty(tuple(md.size), dtype=md.properties.dtype)
+               for key, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(tensors, storage_reader=FileSystemReader(str(iteration_dir)), no_dist=True)
+    return metadata, tensors

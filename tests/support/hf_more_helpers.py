@@ -1,0 +1,212 @@
+"""f17a test helpers: tiny Qwen2-MoE / Granite / SmolLM3 / Ministral / Phi-3 models, and an
+independent tensor-parallel forward pass over Megatron rank files driven by the files' own ``args``.
+
+Nothing here imports pgconvert. The reference forward reads each rank's ``model`` dict with
+``torch.load`` (hf_helpers.read_megatron_tp_ranks) and the model's settings from the rank file's
+``args`` (megatron-core's names: window_size, window_attn_skip_freq, no_rope_freq, softmax_scale,
+moe_shared_expert_gate, …), so it checks the args pgconvert writes as well as the tensors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from support.family_helpers import rank_qkv, routed_experts, save_with_side_files, seeded_model, tp_swiglu
+from support.family_helpers import vocab_parallel_embedding, vocab_parallel_logits
+from support.hf_helpers import _load_rank, _replicated, _rms_norm, _rotate_half
+from support.hf_side_helpers import BOS, EOS, PAD
+from transformers import PreTrainedModel
+
+MODEL_VOCAB = 300  # not a multiple of 128; the tokenizer's 256 tokens are its first rows
+_COMMON: dict[str, Any] = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                               max_position_embeddings=256, vocab_size=MODEL_VOCAB, rms_norm_eps=1e-5,
+                               bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD)
+
+
+def family_configs() -> dict[str, tuple[Any, Any, dict[str, Any]]]:
+    """name -> (config class, model class, kwargs): realistic options on."""
+    import transformers as t
+
+    return {
+        # Layer 2 dense (mlp_only_layers), shared expert with its sigmoid gate, q/k/v biases, a window
+        # on layers 0 and 2, no top-k renormalization (megatron-core's pre-softmax router).
+        "qwen2_moe": (t.Qwen2MoeConfig, t.Qwen2MoeForCausalLM, dict(
+            _COMMON, intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+            num_experts=4, num_experts_per_tok=2, mlp_only_layers=[2], norm_topk_prob=False,
+            use_sliding_window=True, sliding_window=5, max_window_layers=3, tie_word_embeddings=False)),
+        # Granite 3's muP multipliers (attention_multiplier other than 1/sqrt(head_dim)), tied output.
+        "granite": (t.GraniteConfig, t.GraniteForCausalLM, dict(
+            _COMMON, intermediate_size=128, embedding_multiplier=12.0, residual_multiplier=0.22,
+            attention_multiplier=0.2, logits_scaling=8.0, rope_theta=10000.0, tie_word_embeddings=True)),
+        # NoPE on every 2nd layer (1-based) and, as SmolLM3's config fills layer_types, a window there.
+        "smollm3": (t.SmolLM3Config, t.SmolLM3ForCausalLM, dict(
+            _COMMON, intermediate_size=128, no_rope_layer_interval=2, use_sliding_window=True, sliding_window=5,
+            rope_theta=5000.0, tie_word_embeddings=True)),
+        # A window on three layers in four, full attention on the last (layer_types), head_dim 16.
+        "ministral": (t.MinistralConfig, t.MinistralForCausalLM, dict(
+            _COMMON, intermediate_size=128, head_dim=16, sliding_window=5, rope_theta=100000.0,
+            layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
+            tie_word_embeddings=False)),
+        # Phi-3.5 / Phi-4-mini style: fused qkv_proj and gate_up_proj, GQA (head_dim 16), longrope
+        # with its short/long factors, partial rotary 0.75 (Phi-4-mini), a window on every layer.
+        "phi3": (t.Phi3Config, t.Phi3ForCausalLM, dict(
+            _COMMON, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96, sliding_window=7,
+            original_max_position_embeddings=64, partial_rotary_factor=0.75, tie_word_embeddings=False,
+            rope_scaling={"type": "longrope", "short_factor": [1.0 + 0.25 * i for i in range(6)],
+                          "long_factor": [2.0 + 0.5 * i for i in range(6)]})),
+    }
+
+
+MOE_FAMILIES = ("qwen2_moe",)
+
+
+def build_model(name: str, seed: int = 0, **overrides: Any) -> PreTrainedModel:
+    """A tiny fp32 model: every parameter seeded, norms near one, routers well separated."""
+    config_class, model_class, kwargs = family_configs()[name]
+
+    def value(param_name: str, noise: torch.Tensor) -> torch.Tensor:
+        module = param_name.rsplit(".", 1)[0]
+        if module.endswith("norm"):
+            return 1.0 + 0.1 * noise
+        if module.endswith("mlp.gate"):
+            return noise
+        return (0.5 if module.endswith("shared_expert_gate") else 0.05) * noise
+    return seeded_model(model_class, config_class(**{**kwargs, **overrides}), seed, value)[0]
+
+
+def save_model(model: PreTrainedModel, path: Path) -> Path:
+    """save_pretrained in small shards, with a generation config, a tokenizer and a chat template."""
+    return save_with_side_files(model, path)
+
+
+def input_ids(batch: int = 2, seq: int = 12, seed: int = 7) -> torch.Tensor:
+    ids = torch.randint(0, MODEL_VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
+    ids[0, -1] = MODEL_VOCAB - 1
+    return ids
+
+
+def megatron_args(root: Path) -> argparse.Namespace:
+    iteration = (root / "latest_checkpointed_iteration.txt").read_text().strip()
+    iteration_dir = root / ("release" if iteration == "release" else f"iter_{int(iteration):07d}")
+    args: argparse.Namespace = _load_rank(sorted(iteration_dir.glob("mp_rank_*"))[0] / "model_optim_rng.pt")["args"]
+    return args
+
+
+# --- the reference forward pass ------------------------------------------------------------------
+
+def _per_layer(value: Any, layers: int, default: int) -> list[int]:
+    """megatron-core's int-or-list layer patterns (window_attn_skip_freq, no_rope_freq): 0/1 per layer."""
+    if value is None:
+        return [default] * layers
+    if isinstance(value, int):
+        return [int((layer + 1) % value == 0) for layer in range(layers)]
+    return list(value)
+
+
+def _attention(models: list[dict[str, torch.Tensor]], prefix: str, h: torch.Tensor, args: argparse.Namespace,
+               rope: tuple[torch.Tensor, torch.Tensor] | None, mask: torch.Tensor) -> torch.Tensor:
+    heads, groups, head_dim = args.num_attention_heads, args.num_query_groups, args.kv_channels
+    per_group = heads // groups
+    batch, seq, _ = h.shape
+    scale = args.softmax_scale if getattr(args, "softmax_scale", None) is not None else 1 / math.sqrt(head_dim)
+    out = torch.zeros_like(h)
+    for model in models:
+        q, k, v = (t.transpose(1, 2) for t in rank_qkv(model, prefix, h, per_group, head_dim))
+        if rope is not None:
+            q, k = _apply_rope(q, rope), _apply_rope(k, rope)
+        k, v = (t.repeat_interleave(per_group, dim=1) for t in (k, v))
+        scores = ((q @ k.transpose(-1, -2)) * scale).masked_fill(~mask, float("-inf")).softmax(-1)
+        context = (scores @ v).transpose(1, 2).reshape(batch, seq, -1)
+        out += context @ model[prefix + "self_attention.linear_proj.weight"].T  # row-parallel: summed
+    return out
+
+
+def _apply_rope(t: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Rotate-half RoPE on the first dims of each head (partial rotary), the rest passed through."""
+    cos, sin = rope
+    dim = cos.shape[-1]
+    rotated, rest = t[..., :dim], t[..., dim:]
+    return torch.cat([rotated * cos + _rotate_half(rotated) * sin, rest], dim=-1)
+
+
+def _moe(models: list[dict[str, torch.Tensor]], prefix: str, h: torch.Tensor, args: argparse.Namespace) -> torch.Tensor:
+    """megatron-core's router: softmax then top-k (pre-softmax) or top-k then softmax over the k,
+    plus the shared expert, scaled by sigmoid(gate_weight · h) when it has a gate."""
+    router = _replicated(models, prefix + "mlp.router.weight")
+    logits = h @ router.T
+    if getattr(args, "moe_router_pre_softmax", False):
+        top, chosen = logits.softmax(-1).topk(args.moe_router_topk, dim=-1)
+    else:
+        top, chosen = logits.topk(args.moe_router_topk, dim=-1)
+        top = top.softmax(-1)
+    out = routed_experts(models, prefix, h, top, chosen, args.num_experts)
+    if getattr(args, "moe_shared_expert_intermediate_size", None):
+        shared = tp_swiglu(models, prefix + "mlp.shared_experts.", h)
+        if getattr(args, "moe_shared_expert_gate", False):
+            shared = shared * torch.sigmoid(h @ _replicated(models, prefix + "mlp.shared_experts.gate_weight").T)
+        out += shared
+    return out
+
+
+def _rope_tables(args: argparse.Namespace, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin over the first rotary_percent of each head; with carried longrope parameters
+    (args.hf_rope_parameters), the frequencies divided by the short (or, past the original
+    positions, long) factors and cos/sin scaled by the attention factor, as LongRoPE defines them."""
+    dim = int(args.kv_channels * getattr(args, "rotary_percent", 1.0))
+    inv_freq = 1.0 / (args.rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scale = 1.0
+    carried = getattr(args, "hf_rope_parameters", None)
+    if carried is not None:
+        params = json.loads(carried)
+        assert params["rope_type"] == "longrope", params
+        original = params["original_max_position_embeddings"]
+        factors = params["long_factor"] if seq > original else params["short_factor"]
+        inv_freq = inv_freq / torch.tensor(factors, dtype=torch.float64)
+        factor = params.get("factor") or args.max_position_embeddings / original
+        scale = params.get("attention_factor") or (
+            1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original)))
+    freqs = torch.arange(seq, dtype=torch.float64)[:, None] * inv_freq[None, :]
+    both = torch.cat([freqs, freqs], -1)
+    return both.cos() * scale, both.sin() * scale
+
+
+def _masks(args: argparse.Namespace, seq: int) -> list[torch.Tensor]:
+    """Per layer: causal, and within args.window_size (left, 0) on the layers window_attn_skip_freq marks."""
+    causal = torch.ones(seq, seq, dtype=torch.bool).tril()
+    window = getattr(args, "window_size", None)
+    if window is None:
+        return [causal] * args.num_layers
+    left = window[0]
+    distance = torch.arange(seq)[:, None] - torch.arange(seq)[None, :]
+    windowed = causal & (distance <= left)
+    pattern = _per_layer(getattr(args, "window_attn_skip_freq", None), args.num_layers, 1)
+    return [windowed if pattern[layer] else causal for layer in range(args.num_layers)]
+
+
+def reference_logits(models: list[dict[str, torch.Tensor]], args: argparse.Namespace,
+                     ids: torch.Tensor) -> torch.Tensor:
+    """Logits computed rank by rank from TP-sharded tensors (float64), as ``args`` describe the model.
+
+    Granite's multipliers (args.embedding_multiplier, residual_multiplier, logits_scaling) are
+    applied as transformers' Granite does, since megatron-core has no such settings."""
+    eps, seq = args.norm_epsilon, ids.shape[1]
+    rope = _rope_tables(args, seq)
+    no_rope = _per_layer(getattr(args, "no_rope_freq", None), args.num_layers, 0)
+    masks = _masks(args, seq)
+    residual = getattr(args, "residual_multiplier", 1.0) or 1.0
+    x = vocab_parallel_embedding(models, ids) * (getattr(args, "embedding_multiplier", 1.0) or 1.0)
+    for layer in range(args.num_layers):
+        prefix = f"decoder.layers.{layer}."
+        h = _rms_norm(x, _replicated(models, prefix + "input_layernorm.weight"), eps)
+        x = x + residual * _attention(models, prefix, h, args, None if no_rope[layer] else rope, masks[layer])
+        h = _rms_norm(x, _replicated(models, prefix + "pre_mlp_layernorm.weight"), eps)
+        mlp = _moe(models, prefix, h, args) if prefix + "mlp.router.weight" in models[0] \
+            else tp_swiglu(models, prefix + "mlp.", h)
+        x = x + residual * mlp
+    x = _rms_norm(x, _replicated(models, "decoder.final_layernorm.weight"), eps)
+    return vocab_parallel_logits(models, x, args.vocab_size) / (getattr(args, "logits_scaling", 1.0) or 1.0)

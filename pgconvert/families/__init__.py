@@ -15,7 +15,6 @@ checked when the table is built to have the same number of slots on both sides. 
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -342,7 +341,7 @@ class ConfigRule:
     refuses: Callable[[ModelConfig], str | None] = _always_writable
 
 
-_MODEL_FIELDS = frozenset(f.name for f in dataclasses.fields(ModelConfig))
+_MODEL_FIELDS = frozenset(ModelConfig.setting_names())
 
 
 def _repeated(items: Sequence[str]) -> list[str]:

@@ -341,6 +341,12 @@ class ModelConfig:
             return self.moe_layer_freq[layer] == 1
         return layer % self.moe_layer_freq == 0
 
+    @classmethod
+    def setting_names(cls) -> tuple[str, ...]:
+        """The name of every setting (megatron-core's ``TransformerConfig`` name where it has one), in the
+        order ``to_dict`` lists them."""
+        return tuple(f.name for f in dataclasses.fields(cls))
+
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 

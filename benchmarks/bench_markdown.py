@@ -96,6 +96,11 @@ def _size(count: float) -> str:
     return f"{int(count)} B"
 
 
+def _cell(text: str) -> str:
+    """``text`` inside a table cell (a pipe would end the cell)."""
+    return text.replace("|", "\\|")
+
+
 def _load(values: list[float]) -> str:
     return ", ".join(f"{value:.2f}" for value in values)
 
@@ -105,7 +110,7 @@ def _header(doc: dict[str, Any]) -> list[str]:
     memory = _size(run["memory_bytes"]) if run["memory_bytes"] else "unknown"
     revision = f" ({run['revision']})" if run["revision"] else ""
     rows = [
-        ("command", f"`{run['command']}`"),
+        ("command", f"`{_cell(run['command'])}`"),
         ("date", run["date"]),
         ("pgconvert", f"{run['pgconvert']}{revision}"),
         ("machine", f"{run['nproc']} CPUs (nproc), {run['cpu_model']}, {memory} memory; {run['platform']}, "
@@ -117,7 +122,8 @@ def _header(doc: dict[str, Any]) -> list[str]:
         config = doc["config"]
         rows.append(("model", f"Llama-shaped: hidden {config['hidden_size']}, {config['num_layers']} layers, "
                               f"ffn {config['ffn_hidden_size']}, vocab {config['vocab_size']}; source "
-                              f"{_size(doc['source_bytes'])} (TP8, bf16), largest tensor {_size(doc['largest_tensor'])}; "
+                              f"{_size(doc['source_bytes'])} (TP8, bf16), largest tensor "
+                              f"{_size(doc['largest_tensor'])}; "
                               f"`--scale {doc['scale']}`, `--optim-scale {doc['optim_scale']}`"))
         rows.append(("runs", f"{doc['repeat']} alternating (durable copy, conversion) pair(s) per case; medians"))
     return ["# Benchmarks", "",
@@ -134,7 +140,7 @@ def _case_table(cases: list[dict[str, Any]]) -> list[str]:
             "peak RSS MiB", "RSS goal MiB", "anon MiB", "written", "output sha256"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for case in cases:
-        cells = [case["label"], *(["baseline" if case["baseline"] else "this"] if baseline else []),
+        cells = [_cell(case["label"]), *(["baseline" if case["baseline"] else "this"] if baseline else []),
                  f"{case['seconds']:.2f}", f"{case['floor_seconds']:.2f}", f"{case['ratio_to_floor'] or 0:.2f}",
                  f"{case['cpu_seconds']:.2f}", f"{case['cpu_seconds_per_gib']:.2f}",
                  f"{case['peak_rss_bytes'] / 2**20:.0f}", f"{case['rss_goal_bytes'] / 2**20:.0f}",
@@ -150,7 +156,7 @@ def _plan_table(cases: list[dict[str, Any]]) -> list[str]:
     lines = ["| shape-only plan + dry-run | layout | tensors | files | planned | wall s | peak RSS MiB |",
              "|---|---|---|---|---|---|---|"]
     for case in cases:
-        lines.append(f"| {case['name']} | `{case['layout']}` | {case['tensors']:,} | {case['files']:,} | "
+        lines.append(f"| {_cell(case['name'])} | `{_cell(case['layout'])}` | {case['tensors']:,} | {case['files']:,} | "
                      f"{_size(case['planned_bytes'])} | {case['seconds']:.2f} | {case['peak_rss_bytes'] / 2**20:.0f} |")
     return [*lines, ""]
 

@@ -6,10 +6,14 @@
     python benchmarks/bench_convert.py --cases "TP8 -> TP1" --plan-cases none
     python benchmarks/bench_convert.py --baseline-python /other/venv/bin/python  # before/after rows
     python benchmarks/bench_convert.py --json                # machine-readable results
+    python benchmarks/bench_convert.py --markdown docs/benchmarks.md  # the table the docs show
 
 The floor is the durable copy of the same source, ``cp -r SRC X && sync``. Each conversion runs
 ``--repeat`` times in alternating pairs with that copy (copy, conversion, copy, conversion, ...),
-each in a child process; the medians are compared, and each run's peak RSS (GNU time) is kept.
+each in a child process; the medians are compared, and each run's peak RSS and CPU time (GNU time)
+are kept. Each case's output gets a digest (sha256 over every file's relative path, size and bytes,
+``pgconvert.json`` aside: it records when it was written), so two versions' outputs can be compared
+byte for byte.
 The shape-only cases plan and dry-run a Llama-405B-shaped model at TP8/PP16 and a 256-expert,
 61-layer MoE at EP64/PP16 from metadata alone (no tensor bytes exist) and report time, peak RSS,
 tensor and file counts.
@@ -18,8 +22,10 @@ tensor and file counts.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
+import os
 import shutil
 import statistics
 import subprocess
@@ -31,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from bench_markdown import markdown, run_context
 from bench_optimizer import OPTIM_CASES, OPTIM_SCALE, optimizer_plan, optimizer_sources
 from pgconvert.model.config import ModelConfig
 from pgconvert.formats import SaveOptions
@@ -42,6 +49,8 @@ from pgconvert.formats.stream import CanonicalSource, TensorMeta
 RSS_ALLOWANCE = 300 * 10**6  # the goal: peak RSS <= 2 x the largest tensor + 300 MB
 PLAN_SECONDS_GOAL = 10.0
 PLAN_RSS_GOAL = 10**9
+MANIFEST = "pgconvert.json"  # left out of the output digest: it records when it was written
+DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's metadata file
 
 
 @dataclass
@@ -59,11 +68,27 @@ class Case:
     rss_goal_bytes: int = 0
     runs: list[float] = field(default_factory=list)
     skipped: str | None = None
-    peak_anon_bytes: int = 0  # optmem: the largest anonymous (not file-backed) peak over the runs
+    peak_anon_bytes: int = 0  # the largest anonymous (not file-backed) peak over the runs
+    cpu_seconds: float = 0.0  # median user + system CPU seconds of the conversion process and its children
+    cpu_runs: list[float] = field(default_factory=list)
+    digest: str = ""  # output_digest of the output
 
     @property
     def bytes_per_second(self) -> float:
         return self.bytes_written / self.seconds if self.seconds else 0.0
+
+    @property
+    def cpu_seconds_per_gib(self) -> float:
+        return self.cpu_seconds / (self.bytes_written / 2**30) if self.bytes_written else 0.0
+
+
+@dataclass
+class ChildRun:
+    """One child process: wall seconds, peak RSS (GNU time %M) and user + system CPU seconds (%U + %S)."""
+
+    seconds: float
+    peak_rss_bytes: int
+    cpu_seconds: float
 
 
 @dataclass
@@ -89,6 +114,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--workdir", type=Path, default=None, help="where to write (default: a temp dir)")
     parser.add_argument("--json", action="store_true", help="print results as JSON")
     parser.add_argument("--json-out", type=Path, default=None, help="also write the JSON results to this file")
+    parser.add_argument("--markdown", type=Path, default=None, metavar="PATH",
+                        help="also write the results as markdown (docs/benchmarks.md): one table, machine and load")
     parser.add_argument("--keep", action="store_true", help="keep the checkpoints afterwards")
     parser.add_argument("--workers", type=int, default=2,
                         help="also run the Megatron-output cases with --workers N (1: skip those rows)")
@@ -166,8 +193,39 @@ def dir_bytes(path: Path) -> tuple[int, int]:
     return sum(sizes), max(sizes, default=0)
 
 
-def run_child(command: list[str], anon: list[int] | None = None) -> tuple[float, int]:
-    """Wall seconds and peak RSS (bytes) of one child process; ``anon`` (optmem): the peak of its
+def output_digest(root: Path) -> str:
+    """sha256 over every file under ``root`` but the top-level manifest, in path order: each file's
+    relative path, its size and its bytes. Equal digests mean byte-identical outputs, but for the one
+    field that differs on every run: a torch_dist ``.metadata`` is hashed as its ``Metadata`` without
+    ``storage_meta`` (torch.distributed.checkpoint records the staging path and a random save id there)."""
+    digest = hashlib.sha256()
+    files = {path.relative_to(root).as_posix(): path for path in root.rglob("*") if path.is_file()}
+    files.pop(MANIFEST, None)
+    for relpath, path in sorted(files.items()):
+        digest.update(relpath.encode() + b"\0" + path.stat().st_size.to_bytes(8, "little"))
+        if path.name == DCP_METADATA:
+            digest.update(_dcp_metadata_without_run_ids(path.parent))
+            continue
+        with path.open("rb") as stream:
+            for block in iter(lambda: stream.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()
+
+
+def _dcp_metadata_without_run_ids(folder: Path) -> bytes:
+    """The torch_dist checkpoint's ``.metadata`` (this run's own output), pickled again without its
+    ``storage_meta``."""
+    import pickle
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(str(folder)).read_metadata()
+    metadata.storage_meta = None
+    return pickle.dumps(metadata, protocol=4)
+
+
+def run_child(command: list[str], anon: list[int] | None = None) -> ChildRun:
+    """Wall seconds, peak RSS and CPU seconds of one child process; ``anon``: the peak of its
     anonymous resident memory (RssAnon, sampled every 20 ms) is appended, without the file pages
     its memory maps keep resident.
 
@@ -177,7 +235,7 @@ def run_child(command: list[str], anon: list[int] | None = None) -> tuple[float,
     gnu_time = shutil.which("time") or "/usr/bin/time"
     with tempfile.NamedTemporaryFile("r", suffix=".time") as report, tempfile.TemporaryFile("w+") as errors:
         started = time.perf_counter()
-        process = subprocess.Popen([gnu_time, "-o", report.name, "-f", "%M", *command],
+        process = subprocess.Popen([gnu_time, "-o", report.name, "-f", "%M %U %S", *command],
                                    stdout=subprocess.DEVNULL, stderr=errors, text=True)
         peak_anon = 0
         while process.poll() is None:
@@ -187,14 +245,14 @@ def run_child(command: list[str], anon: list[int] | None = None) -> tuple[float,
         if process.returncode != 0:
             errors.seek(0)
             raise SystemExit(f"{' '.join(command)} failed:\n{errors.read()}")
-        peak_kib = int(report.read().strip().splitlines()[-1])
+        peak_kib, user, system = report.read().strip().splitlines()[-1].split()
     if anon is not None:
         anon.append(peak_anon)
-    return seconds, peak_kib * 1024
+    return ChildRun(seconds, int(peak_kib) * 1024, float(user) + float(system))
 
 
 def _anon_bytes(parent: int) -> int:
-    """optmem: RssAnon of ``parent``'s children (GNU time's child: the command), 0 if gone."""
+    """RssAnon of ``parent``'s children (GNU time's child: the command), 0 if gone."""
     try:
         children = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
         total = 0
@@ -223,14 +281,14 @@ def conversion_plan(src: Path, workdir: Path, workers: int) -> list[tuple[str, l
             ("TP8 -> HF", ["--dst-format", "hf", str(src)], workdir / "hf", 1),
             ("HF -> TP4", ["--dst-format", "megatron", "--dst-tp", "4", str(workdir / "hf")], workdir / "hf_tp4", 1),
         ]
-        # fp8: the HF output with its linear weights FP8 block-scaled (DeepSeek-V3's storage, Llama-shaped).
+        # The HF output with its linear weights FP8 block-scaled (DeepSeek-V3's storage, Llama-shaped).
         plan += [
             ("HF-FP8 -> HF", ["--dst-format", "hf", str(workdir / "hf_fp8")], workdir / "fp8_hf", 1),
             ("HF-FP8 -> HF keep", ["--keep-fp8", str(workdir / "hf_fp8")], workdir / "fp8_keep", 1),
             ("HF-FP8 -> TP4", ["--dst-format", "megatron", "--dst-tp", "4", str(workdir / "hf_fp8")],
              workdir / "fp8_tp4", 1),
         ]
-        # mem16: a DeepSeek-V3-shaped FP8 checkpoint (benchmarks/deepseek_fp8.py, 2.25 GB as bf16).
+        # A DeepSeek-V3-shaped FP8 checkpoint (benchmarks/deepseek_fp8.py, 2.25 GB as bf16 at scale 1).
         plan += [
             (DEEPSEEK_CASES[0], ["--dst-format", "megatron", "--dst-tp", "2", "--dst-ep", "4",
                                  str(workdir / "ds_fp8")], workdir / "ds_tp2ep4", 1),
@@ -240,7 +298,7 @@ def conversion_plan(src: Path, workdir: Path, workers: int) -> list[tuple[str, l
         plan.append(("TP8 -> torch_dist", ["--dst-format", "torch_dist", str(src)], workdir / "dist", 1))
         plan.append(("torch_dist -> TP2", ["--dst-format", "megatron", "--dst-tp", "2", str(workdir / "dist")],
                      workdir / "dist_tp2", 1))
-    plan += optimizer_plan(workdir)  # optmem
+    plan += optimizer_plan(workdir)
     if workers > 1:
         plan += [(name, args, dst.with_name(dst.name + "_workers"), workers)
                  for name, args, dst, _ in list(plan) if name.endswith(("TP2", "TP1", "PP2", "TP4"))]
@@ -249,22 +307,25 @@ def conversion_plan(src: Path, workdir: Path, workers: int) -> list[tuple[str, l
 
 def measure(name: str, python: str, args: list[str], dst: Path, workers: int, src: Path,
             repeat: int, largest_tensor: int) -> Case:
-    """Alternating pairs (durable copy, conversion); medians, the largest peak RSS."""
-    floors, runs, peaks, anon = [], [], [], []
+    """Alternating pairs (durable copy, conversion); medians, the largest peak RSS, the output's digest."""
+    floors: list[float] = []
+    runs: list[ChildRun] = []
+    anon: list[int] = []
     extra = ["--workers", str(workers)] if workers > 1 else []
     for _ in range(repeat):
         floor_dst = dst.with_name(dst.name + "_floor")
         shutil.rmtree(floor_dst, ignore_errors=True)
-        floors.append(run_child(durable_copy(src, floor_dst))[0])
+        floors.append(run_child(durable_copy(src, floor_dst)).seconds)
         shutil.rmtree(floor_dst)
         shutil.rmtree(dst, ignore_errors=True)
-        seconds, rss = run_child([python, "-m", "pgconvert", "--quiet", *extra, *args, str(dst)], anon)
-        runs.append(seconds)
-        peaks.append(rss)
+        runs.append(run_child([python, "-m", "pgconvert", "--quiet", *extra, *args, str(dst)], anon))
     written, largest = dir_bytes(dst)
-    case = Case(name, python, workers, statistics.median(runs), statistics.median(floors), written, max(peaks),
-                largest_output_file=largest, largest_tensor=largest_tensor,
-                rss_goal_bytes=2 * largest_tensor + RSS_ALLOWANCE, runs=runs, peak_anon_bytes=max(anon))
+    cpu = [run.cpu_seconds for run in runs]
+    case = Case(name, python, workers, statistics.median(run.seconds for run in runs), statistics.median(floors),
+                written, max(run.peak_rss_bytes for run in runs), largest_output_file=largest,
+                largest_tensor=largest_tensor, rss_goal_bytes=2 * largest_tensor + RSS_ALLOWANCE,
+                runs=[run.seconds for run in runs], peak_anon_bytes=max(anon), cpu_seconds=statistics.median(cpu),
+                cpu_runs=cpu, digest=output_digest(dst))
     case.ratio_to_floor = case.seconds / case.floor_seconds
     return case
 
@@ -281,9 +342,9 @@ def run_conversions(options: argparse.Namespace, src: Path, workdir: Path, large
         if name in FP8_CASES:
             fp8_source(workdir / "hf", workdir / "hf_fp8")
         floor_src, largest = src, largest_tensor
-        if name in DEEPSEEK_CASES:  # mem16: its own source, floor and largest tensor
-            floor_src, largest = deepseek_source(workdir / "ds_fp8")
-        if name in OPTIM_CASES:  # optmem: the optimizer sources; the largest fp32 state tensor
+        if name in DEEPSEEK_CASES:  # its own source, floor and largest tensor
+            floor_src, largest = deepseek_source(workdir / "ds_fp8", options.scale)
+        if name in OPTIM_CASES:  # the optimizer sources; the largest fp32 state tensor
             per_rank, dist, largest = optimizer_sources(workdir, options.optim_scale, bench_config, SeededSource)
             floor_src = dist if "torch_dist(dp)" in name else per_rank
         for python in pythons:
@@ -297,15 +358,15 @@ FP8_CASES = ("HF-FP8 -> HF", "HF-FP8 -> HF keep", "HF-FP8 -> TP4")
 DEEPSEEK_CASES = ("HF-FP8(DeepSeek) -> TP2/EP4", "HF-FP8(DeepSeek) -> HF")
 
 
-def deepseek_source(path: Path) -> tuple[Path, int]:
-    """mem16: the DeepSeek-V3-shaped FP8 checkpoint, written once, in a child process (bounded memory);
-    its largest dequantized tensor (the bf16 embedding)."""
+def deepseek_source(path: Path, scale: float) -> tuple[Path, int]:
+    """The DeepSeek-V3-shaped FP8 checkpoint at ``scale``, written once, in a child process (bounded
+    memory); its largest dequantized tensor (the bf16 embedding)."""
     from deepseek_fp8 import deepseek_config
 
     if not path.exists():
-        subprocess.run([sys.executable, str(Path(__file__).with_name("deepseek_fp8.py")), str(path)], check=True,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    config = deepseek_config()
+        subprocess.run([sys.executable, str(Path(__file__).with_name("deepseek_fp8.py")), str(path),
+                        "--scale", str(scale)], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    config = deepseek_config(scale)
     return path, config["vocab_size"] * config["hidden_size"] * 2
 
 
@@ -378,25 +439,31 @@ def run_plan_cases() -> list[PlanCase]:
     cases = []
     for name in plan_models():
         with tempfile.NamedTemporaryFile("r", suffix=".json") as report:
-            seconds, rss = run_child([sys.executable, __file__, "--plan-child", name, "--workdir", report.name])
+            child = run_child([sys.executable, __file__, "--plan-child", name, "--workdir", report.name])
             found = json.loads(report.read())
         cases.append(PlanCase(name, found["layout"], found["tensors"], found["files"], found["planned_bytes"],
-                              seconds, rss))
+                              child.seconds, child.peak_rss_bytes))
     return cases
 
 
+def case_label(case: Case) -> str:
+    """The case's name, with its worker count when it runs several."""
+    return case.name + (f" (--workers {case.workers})" if case.workers > 1 else "")
+
+
 def print_cases(cases: list[Case]) -> None:
-    header = (f"{'case':<30} {'python':<8} {'wall s':>7} {'floor s':>8} {'x floor':>8} {'MiB/s':>7} "
-              f"{'peak RSS MiB':>13} {'RSS goal MiB':>13} {'RSS/largest file':>17} {'anon MiB':>9}")
+    header = (f"{'case':<42} {'python':<8} {'wall s':>7} {'floor s':>8} {'x floor':>8} {'CPU s':>7} {'MiB/s':>7} "
+              f"{'peak RSS MiB':>13} {'RSS goal MiB':>13} {'RSS/largest file':>17} {'anon MiB':>9} {'digest':>13}")
     print(header)
     print("-" * len(header))
     for case in cases:
         label = "this" if case.python == sys.executable else "baseline"
         goal = f"{case.rss_goal_bytes / 2**20:.0f}" + (" ok" if case.peak_rss_bytes <= case.rss_goal_bytes else " over")
         file_ratio = f"{case.peak_rss_bytes / case.largest_output_file:.2f}" if case.largest_output_file else "-"
-        print(f"{case.name:<30} {label:<8} {case.seconds:>7.2f} {case.floor_seconds:>8.2f} "
-              f"{case.ratio_to_floor or 0:>8.2f} {case.bytes_per_second / 2**20:>7.1f} "
-              f"{case.peak_rss_bytes / 2**20:>13.1f} {goal:>13} {file_ratio:>17} {case.peak_anon_bytes / 2**20:>9.1f}")
+        print(f"{case_label(case):<42} {label:<8} {case.seconds:>7.2f} {case.floor_seconds:>8.2f} "
+              f"{case.ratio_to_floor or 0:>8.2f} {case.cpu_seconds:>7.2f} {case.bytes_per_second / 2**20:>7.1f} "
+              f"{case.peak_rss_bytes / 2**20:>13.1f} {goal:>13} {file_ratio:>17} {case.peak_anon_bytes / 2**20:>9.1f} "
+              f"{case.digest[:12]:>13}")
 
 
 def print_plan_cases(cases: list[PlanCase]) -> None:
@@ -408,14 +475,24 @@ def print_plan_cases(cases: list[PlanCase]) -> None:
               f"{case.planned_bytes / 2**30:>12.1f} {case.seconds:>7.2f} {case.peak_rss_bytes / 2**20:>13.1f} {verdict}")
 
 
+def results_doc(summary: dict[str, object], cases: list[Case], plan_cases: list[PlanCase]) -> dict[str, object]:
+    """Everything measured, as the JSON output and the markdown table read it."""
+    return summary | {
+        "cases": [asdict(case) | {"label": case_label(case), "baseline": case.python != sys.executable,
+                                  "bytes_per_second": case.bytes_per_second,
+                                  "cpu_seconds_per_gib": case.cpu_seconds_per_gib} for case in cases],
+        "plan_cases": [asdict(case) for case in plan_cases],
+    }
+
+
 def report(options: argparse.Namespace, summary: dict[str, object], cases: list[Case],
            plan_cases: list[PlanCase]) -> None:
-    results = json.dumps(summary | {
-        "cases": [asdict(case) | {"bytes_per_second": case.bytes_per_second} for case in cases],
-        "plan_cases": [asdict(case) for case in plan_cases],
-    }, indent=2)
+    doc = results_doc(summary, cases, plan_cases)
+    results = json.dumps(doc, indent=2)
     if options.json_out:
         options.json_out.write_text(results)
+    if options.markdown:
+        options.markdown.write_text(markdown(doc))
     if options.json:
         print(results)
         return
@@ -445,6 +522,7 @@ def convert_all(options: argparse.Namespace) -> tuple[dict[str, object], list[Ca
     summary: dict[str, object] = {
         "config": config.to_dict(), "source_bytes": src_bytes, "largest_tensor": largest_tensor,
         "synthesis_seconds": synth_seconds, "torch_threads": torch.get_num_threads(), "repeat": options.repeat,
+        "scale": options.scale, "optim_scale": options.optim_scale,
     }
     return summary, cases
 
@@ -454,11 +532,13 @@ def main() -> None:
     if options.plan_child:
         plan_child(options.plan_child, options.workdir)
         return
+    load_before = os.getloadavg()
     summary: dict[str, object] = {}
     cases: list[Case] = []
     if options.plan_cases != "only":
         summary, cases = convert_all(options)
     plan_cases = run_plan_cases() if options.plan_cases != "none" else []
+    summary["run"] = run_context(load_before, os.getloadavg(), torch.get_num_threads())
     report(options, summary, cases, plan_cases)
 
 

@@ -1,10 +1,10 @@
-"""optmem: the optimizer-state cases of ``bench_convert.py``: a synthetic Megatron-LM run with the
+"""The optimizer-state cases of ``bench_convert.py``: a synthetic Megatron-LM run with the
 distributed optimizer (bf16 weights, fp32 main params and Adam moments, grads reduced in fp32),
 written by pgconvert's own writers in the layouts Megatron-LM writes.
 
 - ``opt_tp2``: per-rank TP2 checkpoint: the model by the megatron saver, then ``distrib_optim.pt`` and
-  each rank file's param groups by ``optimizer_reshard.carry_optimizer`` (what a per-rank conversion
-  writes), from seeded state: every fp32 master is its bf16 weight (as megatron-core keeps them),
+  each rank file's param groups by ``carry_optimizer`` (what a per-rank conversion writes), from
+  seeded state: every fp32 master is its bf16 weight (as megatron-core keeps them),
   the moments are seeded draws;
 - ``opt_td_dp``: the same converted by pgconvert to torch_dist at TP2 with ``--dst-optim-form
   dp_reshardable`` (Megatron-LM's default torch_dist form).

@@ -8,6 +8,9 @@ except the embeddings, the output layer and the routers is ``float8_e4m3fn`` wit
 (one shard) at a time, so generating it keeps memory bounded by a layer, not the model.
 
     python benchmarks/deepseek_fp8.py OUT_DIR [--scale S]   # scale 1: about 1.1 B parameters (2.1 GB bf16)
+
+``--scale`` sizes it as ``bench_convert.py --scale`` sizes its Llama model: widths by the square root of
+the scale (multiples of the block, at least one), routed experts by the scale (at least 8).
 """
 
 from __future__ import annotations
@@ -27,15 +30,25 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 LOG = logging.getLogger(__name__)
 
 
+def _width(scale_one: int, factor: float, step: int) -> int:
+    """``scale_one`` times ``factor``, a multiple of ``step``, at least ``step``."""
+    return max(step, round(scale_one * factor / step) * step)
+
+
 def deepseek_config(scale: float = 1.0) -> dict[str, Any]:
-    """DeepSeek-V3's structure at about 1.1 B parameters (scale 1): 9 layers, 16 routed experts."""
-    experts = max(4, round(16 * scale / 4) * 4)
+    """DeepSeek-V3's structure at about 1.1 B parameters (scale 1): 9 layers, 16 routed experts, hidden
+    2048; other scales change the widths by ``sqrt(scale)`` and the routed experts by ``scale``."""
+    factor = math.sqrt(scale)
+    experts = max(8, round(16 * scale / 4) * 4)  # 4 groups, 4 EP ranks, 2 experts a group at least
     return dict(
-        architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", vocab_size=32000, hidden_size=2048,
-        intermediate_size=5632, moe_intermediate_size=1024, num_hidden_layers=9, num_attention_heads=16,
+        architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", vocab_size=32000,
+        hidden_size=_width(2048, factor, 128), intermediate_size=_width(5632, factor, 128),
+        moe_intermediate_size=_width(1024, factor, 128), num_hidden_layers=9, num_attention_heads=16,
         num_key_value_heads=16, n_shared_experts=1, n_routed_experts=experts, num_experts_per_tok=4,
         n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1,
-        q_lora_rank=768, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+        q_lora_rank=_width(768, factor, 128), kv_lora_rank=_width(512, factor, 64),
+        qk_rope_head_dim=_width(64, factor, 16), qk_nope_head_dim=_width(128, factor, 16),
+        v_head_dim=_width(128, factor, 16),
         max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=False, torch_dtype="bfloat16",
         quantization_config={"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(FP8_BLOCK),
                              "activation_scheme": "dynamic"},
@@ -145,7 +158,8 @@ def generate(out: Path, scale: float = 1.0) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", type=Path)
-    parser.add_argument("--scale", type=float, default=1.0, help="routed experts relative to 16")
+    parser.add_argument("--scale", type=float, default=1.0,
+                        help="size relative to scale 1 (about 1.1 B parameters)")
     options = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     bf16_bytes = generate(options.out, options.scale)

@@ -6,6 +6,7 @@ import logging
 import math
 import signal
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -17,8 +18,8 @@ from pgconvert.run.convert import ConvertRequest, Plan, execute, plan
 from pgconvert.errors import PgconvertError
 from pgconvert.formats import DTYPE_CHOICES, EXPERT_LAYOUTS
 from pgconvert.formats.registry import loader_names, saver_names
-from pgconvert.optimizer.plan import plan_lines  # optcli
-from pgconvert.model.config import MTP_LAYER_MODULES  # mlafix
+from pgconvert.optimizer.plan import plan_lines
+from pgconvert.model.config import MTP_LAYER_MODULES
 
 
 class PgconvertClickError(click.ClickException):
@@ -117,11 +118,79 @@ def main() -> None:
     """
 
 
+HelpSections = Sequence[tuple[str, Sequence[str]]]
+
+# convert's --help: the options most runs need first, the rest under a heading each. Every option of
+# the command is named here exactly once (by its long name); SectionedCommand refuses anything else.
+CONVERT_HELP_SECTIONS: HelpSections = (
+    ("Common options", ("--dst-format", "--dst-tp", "--dst-pp", "--dst-ep", "--iteration", "--dtype", "--dry-run",
+                        "--overwrite", "--quiet", "--verbose", "--help")),
+    ("Layout", ("--dst-vpp", "--dst-decoder-first-pipeline-num-layers", "--dst-decoder-last-pipeline-num-layers",
+                "--dst-pipeline-layout", "--dst-expert-tp")),
+    ("Source", ("--src-format", "--src-tp", "--src-pp", "--src-ep", "--true-vocab-size")),
+    ("Naming", ("--dst-transformer-impl", "--dst-expert-layout", "--dst-mtp-layer-name")),
+    ("HF output", ("--max-shard-size", "--hf-config", "--generation-config", "--tokenizer", "--keep-fp8")),
+    ("Optimizer state", ("--skip-optimizer", "--dst-dp", "--dst-optim-form")),
+    ("Safety", ("--strict", "--check-finite", "--skip-finite-check")),
+    ("Scale-out", ("--workers", "--max-memory", "--shard-index", "--num-shards")),
+)
+# Options click adds to every command itself; a section may place them.
+_IMPLICIT_OPTIONS = ("--help",)
+_HELP_TERM_WIDTH = 30  # click's default widest option column
+
+
+def option_key(option: click.Parameter) -> str:
+    """The name an option is placed by in a help section: its first long name (``--quiet`` for ``-q, --quiet``)."""
+    return next((opt for opt in option.opts if opt.startswith("--")), option.opts[0])
+
+
+def check_help_sections(command_name: str, sections: HelpSections, options: Sequence[click.Parameter]) -> None:
+    """Every option in exactly one section, and every placed name an option of the command."""
+    placed = [name for _, names in sections for name in names]
+    keys = [option_key(option) for option in options]
+    twice = sorted({name for name in placed if placed.count(name) > 1})
+    unplaced = [key for key in keys if key not in placed]
+    unknown = [name for name in placed if name not in keys and name not in _IMPLICIT_OPTIONS]
+    if twice or unplaced or unknown:
+        raise ValueError(f"{command_name}: help sections must place every option once: not placed {unplaced}, "
+                         f"placed twice {twice}, not an option {unknown}")
+
+
+class SectionedCommand(click.Command):
+    """A command whose ``--help`` lists its options under headings, in the order ``sections`` declares.
+
+    ``sections`` is ``(heading, (option long names, ...))`` pairs; an option of the command that no
+    section places (or places twice) is an error when the command is defined.
+    """
+
+    def __init__(self, *args: Any, sections: HelpSections, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.sections = tuple((heading, tuple(names)) for heading, names in sections)
+        check_help_sections(self.name or "command", self.sections, self._options(self.params))
+
+    @staticmethod
+    def _options(params: Sequence[click.Parameter]) -> list[click.Parameter]:
+        return [param for param in params if isinstance(param, click.Option)]
+
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        options = {option_key(option): option for option in self._options(self.get_params(ctx))}
+        sections = []
+        for heading, names in self.sections:
+            records = [options[name].get_help_record(ctx) for name in names if name in options]
+            sections.append((heading, [record for record in records if record is not None]))
+        # One column for the help texts of every section (click sizes each list on its own).
+        width = min(max((len(term) for _, rows in sections for term, _ in rows), default=0), _HELP_TERM_WIDTH)
+        for heading, rows in sections:
+            if rows:
+                with formatter.section(heading):
+                    formatter.write_dl([(term.ljust(width), text) for term, text in rows], col_max=_HELP_TERM_WIDTH)
+
+
 def _layout_option(name: str, help_text: str) -> Any:
     return click.option(name, type=click.IntRange(min=1), default=None, help=help_text)
 
 
-@main.command("convert")
+@main.command("convert", cls=SectionedCommand, sections=CONVERT_HELP_SECTIONS)
 @click.argument("src", type=click.Path(path_type=Path, exists=True, file_okay=False))
 @click.argument("dst", type=click.Path(path_type=Path))
 @click.option("--src-format", type=click.Choice(["auto", *loader_names()]), default="auto", show_default=True,
@@ -184,9 +253,9 @@ def _layout_option(name: str, help_text: str) -> Any:
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar and no notices.")
 @click.option("-v", "--verbose", is_flag=True, help="Log details to stderr.")
 @click.option("--skip-optimizer", is_flag=True,
-              help="Convert the model alone. By default a Megatron per-rank source's plain optimizer state "
-                   "(Adam moments, fp32 masters), scheduler and counters are resharded into a Megatron "
-                   "per-rank DST (RNG state never is).")
+              help="Convert the model alone. By default megatron-core's optimizer state (fp32 masters, Adam "
+                   "moments), scheduler and counters are resharded from a Megatron source (per-rank or "
+                   "torch_dist) into a Megatron DST (RNG state never is).")
 @click.option("--dst-dp", type=click.IntRange(min=1), default=None,
               help="Data-parallel size the carried optimizer state is written for (args.data_parallel_size, "
                    "world_size); distrib_optim.pt stays one per model-parallel rank, as Megatron-LM reads it.")
@@ -243,7 +312,7 @@ def convert_command(src: Path, dst: Path, src_format: str, dst_format: str, src_
         conversion = plan(request)
         if dry_run:
             try:
-                optimizer_lines = plan_lines(conversion)  # optcli: the optimizer state it carries
+                optimizer_lines = plan_lines(conversion)  # the optimizer state it carries
             finally:
                 conversion.source.close()
             _print_plan(conversion)
@@ -465,7 +534,7 @@ def _print_info(info: Any) -> None:
               help="Differences listed in the text output.")
 @click.option("--json", "as_json", is_flag=True, help="Print the full report as JSON.")
 @click.option("--skip-optimizer", is_flag=True,
-              help="Compare the model alone, not the optimizer state (faster).")  # verifyopt
+              help="Compare the model alone, not the optimizer state (faster).")
 def verify_command(a: Path, b: Path, rtol: float, atol: float, iteration_a: int | None, iteration_b: int | None,
                    true_vocab_size: int | None, max_listed: int, as_json: bool, skip_optimizer: bool) -> None:
     """Compare checkpoints A and B tensor by tensor in canonical form (any formats and layouts).
@@ -509,7 +578,7 @@ def _print_verify(report: Any, max_listed: int) -> None:
         f"NOT equal: {len(report.differences)} tensor differences, " \
         f"{len(report.file_problems)} file problems"
     click.echo(f"{report.compared} tensors compared ({tolerance}): {verdict}")
-    if report.optimizer is not None:  # verifyopt
+    if report.optimizer is not None:
         from pgconvert.run.verify_optimizer import text_lines
 
         for line in text_lines(report.optimizer, tolerance, max_listed):

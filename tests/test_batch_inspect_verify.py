@@ -560,10 +560,10 @@ def test_a_malformed_plan_is_refused_before_anything_runs(tmp_path: Path, body: 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "plan.toml"]
 
 
-def test_the_readme_plan_example_is_a_valid_plan(tmp_path: Path) -> None:
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
+def test_the_usage_docs_plan_example_is_a_valid_plan(tmp_path: Path) -> None:
+    usage = (Path(__file__).parent.parent / "docs" / "usage.md").read_text()
     plan = tmp_path / "plan.toml"
-    plan.write_text(readme.split("```toml\n", 1)[1].split("```", 1)[0])
+    plan.write_text(usage.split("```toml\n", 1)[1].split("```", 1)[0])
 
     items = read_plan(plan)
 

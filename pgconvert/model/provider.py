@@ -16,24 +16,16 @@ from pgconvert.io import sizes
 from pgconvert.model.config import MTP_LAYER_MODULES, ModelConfig
 from pgconvert.model.grid import ProcessGroupCollection
 from pgconvert.model.kinds import LAYER_KINDS
-from pgconvert.model.kinds.attention import TE_ATTENTION_LINEARS, TE_CORE_ATTENTION
-from pgconvert.model.kinds.mla import TE_MLA_KV_LINEARS, TE_MLA_Q_LINEARS
+# Besides the provider's own names, other modules import from here the kinds' names of tensors and
+# modules (EXPERTS_MODULE, MTP_LAYER_MODULE, the TE_* lists, fused_norm_name …), TensorKind and REPLICATED.
 from pgconvert.model.kinds.mlp import TE_DENSE_MLP_LINEARS
 from pgconvert.model.kinds.moe import TE_EXPERT_LINEARS, TE_SHARED_EXPERT_LINEARS
 from pgconvert.model.kinds.mtp import MTP_EH_PROJ, MTP_LAYER_MODULE
-from pgconvert.model.kinds.table import (EXPERT_PREFIX, EXPERTS_MODULE, FUSED_NORM_NAMES, Condition, InnerLayer,
-                                         LayerKind, RoutedExperts, Shape, TEModule, TensorKind, TensorRow, TERow,
-                                         fused_norm_name)
+from pgconvert.model.kinds.table import (EXPERT_PREFIX, EXPERTS_MODULE, FUSED_NORM_NAMES, InnerLayer, LayerKind,
+                                         RoutedExperts, TEModule, TensorKind, TensorRow, TERow, fused_norm_name)
 from pgconvert.model.layers import LayerSpec, MTPLayerSpec
 from pgconvert.model.layout import ParallelLayout
 from pgconvert.model.rules import REPLICATED, VOCAB, ShardRule
-
-# Names other modules import from here (the kinds' modules define them).
-__all__ = [
-    "Condition", "EXPERT_PREFIX", "EXPERTS_MODULE", "FUSED_NORM_NAMES", "MTP_EH_PROJ", "MTP_LAYER_MODULE", "REPLICATED",
-    "Shape", "TE_ATTENTION_LINEARS", "TE_CORE_ATTENTION", "TE_DENSE_MLP_LINEARS", "TE_EXPERT_LINEARS",
-    "TE_MLA_KV_LINEARS", "TE_MLA_Q_LINEARS", "TE_SHARED_EXPERT_LINEARS", "TensorKind", "fused_norm_name",
-]
 
 LAYER_PREFIX = "decoder.layers."
 MTP_PREFIX = "mtp.layers."
@@ -312,10 +304,11 @@ class _SpecAdder:
 def _add_embeddings(config: ModelConfig, add: _SpecAdder, vocab_shape: tuple[int, int]) -> None:
     """The first stage's embeddings."""
     add(WORD_EMBEDDINGS, WORD_EMBEDDINGS, vocab_shape, VOCAB)
-    if config.position_embedding_type == "learned_absolute":
-        assert config.max_position_embeddings is not None
-        add(POSITION_EMBEDDINGS, POSITION_EMBEDDINGS,
-            (config.max_position_embeddings, config.hidden_size), REPLICATED)
+    positions = config.positions
+    if positions.position_embedding_type == "learned_absolute":
+        assert positions.max_position_embeddings is not None
+        add(POSITION_EMBEDDINGS, POSITION_EMBEDDINGS, (positions.max_position_embeddings, config.hidden_size),
+            REPLICATED)
 
 
 def local_expert_count(config: ModelConfig, ep_size: int) -> int:

@@ -106,13 +106,11 @@ def _kinds(spec: LayerSpec | MTPLayerSpec) -> list[LayerKind]:
     return [LAYER_KINDS[name] for name in spec.kinds]
 
 
-def spec_tensors(config: ModelConfig, spec: LayerSpec | MTPLayerSpec, prefix: str, local_path: str = "") -> list[LayerTensor]:
+def spec_tensors(config: ModelConfig, spec: LayerSpec | MTPLayerSpec, prefix: str,
+                 local_path: str = "") -> list[LayerTensor]:
     """The tensors of a layer of spec ``spec`` under ``prefix``, with their table rows, in file order."""
-    tensors: list[LayerTensor] = []
-    for kind in _kinds(spec):
-        for row in kind.tensors:
-            tensors += _row_tensors(config, spec, row, prefix, local_path)
-    return tensors
+    return [tensor for kind in _kinds(spec) for row in kind.tensors
+            for tensor in _row_tensors(config, spec, row, prefix, local_path)]
 
 
 def _row_tensors(config: ModelConfig, spec: LayerSpec | MTPLayerSpec, row: TensorRow, prefix: str,
@@ -381,11 +379,8 @@ def te_mtp_extra_state_names(config: ModelConfig, ep_size: int) -> list[str]:
 
 
 def _te_names(config: ModelConfig, spec: LayerSpec | MTPLayerSpec, prefix: str, ep_size: int) -> list[str]:
-    names: list[str] = []
-    for kind in _kinds(spec):
-        for row in kind.te_modules:
-            names += _te_row_names(config, spec, row, prefix, ep_size)
-    return names
+    return [name for kind in _kinds(spec) for row in kind.te_modules
+            for name in _te_row_names(config, spec, row, prefix, ep_size)]
 
 
 def _te_row_names(config: ModelConfig, spec: LayerSpec | MTPLayerSpec, row: TERow, prefix: str,

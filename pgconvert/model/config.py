@@ -243,6 +243,11 @@ SETTING_GROUPS: dict[str, str | None] = {
 }
 
 
+# Compatibility with the flat form (FlatSettingsCompat): values derived within one sub-config that the flat form reads from ModelConfig.
+_DERIVED_IN_GROUPS = {"query_groups": "attention", "head_dim": "attention", "qkv_rows": "attention",
+                      "q_head_dim": "attention", "fc1_rows": "mlp"}
+
+
 class FlatSettingsCompat:
     """Compatibility with the flat form of ModelConfig, to be removed once every caller uses the grouped
     form (each name's new home is its ``SETTING_GROUPS`` entry):
@@ -259,7 +264,7 @@ class FlatSettingsCompat:
 
     def __init__(self, **settings: Any) -> None:
         values = _fields_from(settings)
-        for item in dataclasses.fields(ModelConfig):
+        for item in dataclasses.fields(self):  # type: ignore[arg-type]
             if item.name not in values:
                 values[item.name] = _default(item)
         for name, value in values.items():
@@ -277,11 +282,6 @@ class FlatSettingsCompat:
 
     def is_window_layer(self, layer: int) -> bool:
         return self.layers[layer].window  # type: ignore[attr-defined, no-any-return]
-
-
-# Values derived within one sub-config that the flat form reads from ModelConfig.
-_DERIVED_IN_GROUPS = {"query_groups": "attention", "head_dim": "attention", "qkv_rows": "attention",
-                      "q_head_dim": "attention", "fc1_rows": "mlp"}
 
 
 @dataclass(frozen=True, init=False)

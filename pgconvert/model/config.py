@@ -243,7 +243,8 @@ SETTING_GROUPS: dict[str, str | None] = {
 }
 
 
-# Compatibility with the flat form (FlatSettingsCompat): values derived within one sub-config that the flat form reads from ModelConfig.
+# Compatibility with the flat form (FlatSettingsCompat): values derived within one sub-config that
+# the flat form reads from ModelConfig.
 _DERIVED_IN_GROUPS = {"query_groups": "attention", "head_dim": "attention", "qkv_rows": "attention",
                       "q_head_dim": "attention", "fc1_rows": "mlp"}
 

@@ -39,8 +39,9 @@ def test_the_check_sees_a_long_function(tmp_path: Path) -> None:
 # Where the rules and transforms are defined; everywhere else asks them (``fits_rows``,
 # ``piece_windows``, ``reads_window`` …) and never tests which one it holds.
 DEFINERS = {"pgconvert/model/rules.py", "pgconvert/families/__init__.py"}
-# The one owner of tensor names: whether a name is a routed expert's, a fused norm's, … is asked of it.
-NAME_OWNER = "pgconvert/model/provider.py"
+# The owners of tensor names: the layer kinds' tables define them, the provider (which re-exports them)
+# answers whether a name is a routed expert's, a fused norm's, …
+NAME_OWNERS = re.compile(r"pgconvert/model/(provider|kinds/\w+)\.py")
 PACKAGE_FOLDERS = ("pgconvert", "loaders", "savers")
 
 
@@ -106,11 +107,11 @@ def _provider_name_constants() -> set[str]:
 
 def name_substring_tests(root: Path, constants: set[str]) -> list[str]:
     """``path:line code`` of every ``CONSTANT in name`` test of a provider name fragment outside
-    provider.py: whether a name is an expert's (or any kind's) is asked of the provider."""
+    the name owners: whether a name is an expert's (or any kind's) is asked of the provider."""
     found = []
     for folder in PACKAGE_FOLDERS:
         for path in sorted((root / folder).rglob("*.py")):
-            if path.relative_to(root).as_posix() == NAME_OWNER:
+            if NAME_OWNERS.fullmatch(path.relative_to(root).as_posix()):
                 continue
             for node in ast.walk(ast.parse(path.read_text(), str(path))):
                 if (isinstance(node, ast.Compare) and isinstance(node.left, ast.Name) and node.left.id in constants
@@ -131,12 +132,12 @@ def test_the_name_check_sees_a_substring_test(tmp_path: Path) -> None:
 
 
 def test_provider_constants_are_defined_once() -> None:
-    """A name fragment of tensor names is imported from provider.py, never restated."""
+    """A name fragment of tensor names is imported from provider.py (or a kind's module), never restated."""
     constants = _provider_name_constants() | {"VOCAB_TABLES", "FUSED_NORM_NAMES"}
     restated = []
     for folder in PACKAGE_FOLDERS:
         for path in sorted((ROOT / folder).rglob("*.py")):
-            if path.relative_to(ROOT).as_posix() == NAME_OWNER:
+            if NAME_OWNERS.fullmatch(path.relative_to(ROOT).as_posix()):
                 continue
             for node in ast.parse(path.read_text()).body:
                 targets = node.targets if isinstance(node, ast.Assign) else (

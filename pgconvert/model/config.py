@@ -1,14 +1,27 @@
-"""ModelConfig: the architecture of a GPT-style decoder, validated on construction."""
+"""ModelConfig: the architecture of a decoder, grouped by part, validated on construction.
+
+Every setting keeps its megatron-core ``TransformerConfig`` name (Megatron-LM's argument name where
+megatron-core has none): those names are the vocabulary of the family tables, of Megatron args and of
+every output's pgconvert.json. Each setting lives in one place, named in ``SETTING_GROUPS``: a
+sub-config (``attention``, ``mlp``, ``moe``, ``positions``, ``norms``, ``carried``) or the config
+itself (layers, hidden size, vocabulary, embeddings, dtype, layer spec, MTP). The sub-configs are
+plain data; ``ModelConfig`` validates the whole, since several rules span groups (``kv_channels``
+defaults from ``hidden_size``, the per-layer lists have ``num_layers`` entries). Which kind each
+layer is comes from the settings once (``ModelConfig.layers``, pgconvert.model.layers).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from pgconvert.errors import ConfigError
 from pgconvert.io.limits import quote
+from pgconvert.model.layers import LayerSpec, MTPLayerSpec, layer_specs, mtp_layer_specs
 
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")
 POSITION_EMBEDDING_TYPES = ("rope", "learned_absolute", "none")
@@ -18,7 +31,8 @@ ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "quick_gelu")
 SOFTMAX_TYPES = ("vanilla", "learnable")
 # Megatron's two layer specs name the fused norms differently; pgconvert keeps the source's choice.
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
-# mlafix: the spellings of the MTP layer's inner layer in per-rank files (megatron-core 0.16.1; Megatron-LM d98e8a64).
+# How per-rank files spell the MTP layer's inner layer: megatron-core 0.16.1's "transformer_layer",
+# Megatron-LM d98e8a64's "mtp_model_layer".
 MTP_LAYER_MODULES = ("transformer_layer", "mtp_model_layer")
 DTYPES = ("float32", "bfloat16", "float16")
 # RoPE scalings Megatron expresses: llama3 (``--use-rope-scaling``, low/high frequency factors 1 and
@@ -29,7 +43,7 @@ ROPE_SCALINGS = ("llama3", "linear", "yarn")
 MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")
 
 
-# f17b: the values of the post-sublayer-norm fields for a plain pre-norm decoder (families fix them).
+# The post-sublayer-norm and Gemma-style settings of a plain pre-norm decoder (families fix them).
 POSTNORM_OFF: dict[str, object] = {
     "post_self_attn_layernorm": False, "post_mlp_layernorm": False, "pre_layernorms": True,
     "embedding_scale_sqrt_hidden": False, "attn_logit_softcapping": None,
@@ -38,270 +52,41 @@ POSTNORM_OFF: dict[str, object] = {
 
 
 @dataclass(frozen=True)
-class ModelConfig:
-    """The architecture: everything needed to know every tensor's global name and shape.
+class AttentionConfig:
+    """Self-attention (MHA/GQA) or multi-latent attention: heads, projections, softmax, windows."""
 
-    ``vocab_size`` is the true (tokenizer) vocabulary, ``None`` when unknown; padding is a
-    property of a layout (see ``ParallelLayout.padded_vocab_size``).
-    """
-
-    num_layers: int
-    hidden_size: int
     num_attention_heads: int
-    ffn_hidden_size: int
+    # None: one group per head (ModelConfig fills it in).
     num_query_groups: int | None = None
+    # None: hidden_size / num_attention_heads (ModelConfig fills it in).
     kv_channels: int | None = None
-    vocab_size: int | None = None
-    make_vocab_size_divisible_by: int = 128
-    gated_linear_unit: bool = True
-    activation: str = "silu"
-    normalization: str = "RMSNorm"
-    norm_epsilon: float = 1e-5
-    add_bias_linear: bool = False
     add_qkv_bias: bool = False
     qk_layernorm: bool = False
-    tie_embeddings: bool = False
-    position_embedding_type: str = "rope"
-    max_position_embeddings: int | None = None
-    rotary_base: float = 10000.0
-    params_dtype: str = "bfloat16"
-    transformer_impl: str = "local"
-    # Mixture of experts (megatron-core's TransformerConfig names, ``moe_`` prefix kept).
-    num_experts: int | None = None
-    moe_ffn_hidden_size: int | None = None
-    moe_layer_freq: int | tuple[int, ...] = 1
-    moe_router_topk: int = 2
-    moe_shared_expert_intermediate_size: int | None = None
-    moe_shared_expert_gate: bool = False
-    moe_router_enable_expert_bias: bool = False
-    # Only key names: grouped GEMM (``experts.linear_fc1.weight{j}``) vs SequentialMLP.
-    moe_grouped_gemm: bool = False
-    # Settings that change the computation but no tensor shape (see pgconvert.semantics, one row
-    # each); the defaults are the model pgconvert described before it carried them.
-    rotary_percent: float = 1.0
-    rotary_interleaved: bool = False
-    rope_scaling: str | None = None
-    rope_scaling_factor: float = 1.0
+    # q/k norms over the whole projection (num_heads * head_dim, one RMS over all heads: OLMo 2, OLMoE)
+    # instead of per head.
+    qk_layernorm_across_heads: bool = False
+    attention_dropout: float = 0.0
+    # "learnable": attention sinks, a per-head logit in every softmax's denominator
+    # (core_attention.softmax_offset; GPT-OSS).
+    softmax_type: str = "vanilla"
+    # megatron-core's TransformerConfig.softmax_scale (Granite's attention_multiplier, Gemma's
+    # query_pre_attn_scalar**-0.5: pgconvert.semantics.attention_scale). None: megatron-core's default
+    # 1/sqrt(kv_channels), which a scale equal to it is read as.
+    softmax_scale: float | None = None
+    # tanh soft-capping of the attention scores (Gemma 2).
+    attn_logit_softcapping: float | None = None
     # HF's window: a query attends to itself and the sliding_window - 1 keys before it (Megatron's
     # window_size (sliding_window - 1, 0)); window_layers, a 0/1 per layer (1: windowed), None: all.
     sliding_window: int | None = None
     window_layers: tuple[int, ...] | None = None
-    layernorm_zero_centered_gamma: bool = False
-    attention_dropout: float = 0.0
-    hidden_dropout: float = 0.0
-    moe_router_score_function: str = "softmax"
-    moe_router_pre_softmax: bool = False
-    moe_router_topk_scaling_factor: float | None = None
-    moe_aux_loss_coeff: float = 0.0
-    # ds16: YaRN RoPE (rope_scaling="yarn", its factor in rope_scaling_factor): megatron-core's
-    # YarnRotaryEmbedding parameters, defaults as Megatron-LM's (argument_utils._apply_yarn_config_from_args).
-    yarn_original_max_position_embeddings: int = 4096
-    yarn_beta_fast: float = 32.0
-    yarn_beta_slow: float = 1.0
-    yarn_mscale: float = 1.0
-    yarn_mscale_all_dim: float = 0.0
-    yarn_correction_range_round_to_int: bool = True
-    # ds16: multi-latent attention (megatron-core's MLATransformerConfig names; q_lora_rank None: one
-    # q projection) and group-limited routing (moe_router_num_groups / moe_router_group_topk).
+    # Multi-latent attention (megatron-core's MLATransformerConfig names; q_lora_rank None: one q
+    # projection).
     multi_latent_attention: bool = False
     q_lora_rank: int | None = None
     kv_lora_rank: int = 512
     qk_head_dim: int = 128
     qk_pos_emb_head_dim: int = 64
     v_head_dim: int = 128
-    moe_router_num_groups: int | None = None
-    moe_router_group_topk: int | None = None
-    # f17a: Granite's muP multipliers (1.0: none; its attention_multiplier is softmax_scale below),
-    # HF divides the logits by logits_scaling; no_rope_layers, 0/1 per layer (1: no RoPE, megatron-core's
-    # no_rope_freq), None: RoPE on every layer.
-    embedding_multiplier: float = 1.0
-    residual_multiplier: float = 1.0
-    logits_scaling: float = 1.0
-    no_rope_layers: tuple[int, ...] | None = None
-    # f17a: HF RoPE parameters (JSON text) of a type megatron-core cannot compute (Phi-3's longrope),
-    # carried as they are so a Megatron checkpoint converts back to the same config.json.
-    hf_rope_parameters: str | None = None
-    # f17b: norms after the sublayers and the Gemma 2/3, OLMo 2, GLM-4 settings (pgconvert.families.postnorm).
-    # A norm of the attention (MLP) output before its residual add; OLMo 2 has these and no pre-norms.
-    post_self_attn_layernorm: bool = False
-    post_mlp_layernorm: bool = False
-    pre_layernorms: bool = True
-    # Embeddings times sqrt(hidden_size) (Gemma; its query_pre_attn_scalar is softmax_scale below);
-    # tanh soft-capping of attention scores and of the final logits.
-    embedding_scale_sqrt_hidden: bool = False
-    attn_logit_softcapping: float | None = None
-    final_logit_softcapping: float | None = None
-    # The RoPE base of the sliding-window layers where it differs from rotary_base (Gemma 3).
-    rotary_base_local: float | None = None
-    # q/k norms over the whole projection (num_heads * head_dim, one RMS over all heads: OLMo 2, OLMoE)
-    # instead of per head.
-    qk_layernorm_across_heads: bool = False
-    # f17c: GPT-OSS (megatron-core TransformerConfig names): attention sinks (softmax_type "learnable":
-    # a per-head logit in every softmax's denominator, core_attention.softmax_offset), the clamped
-    # GLU ``act(clamp(gate, max=c)) * (clamp(up, -c, c) + offset)`` with quick_gelu ``x·σ(1.702x)``.
-    softmax_type: str = "vanilla"
-    glu_linear_offset: float = 0.0
-    activation_func_clamp_value: float | None = None
-    # tidy: the attention softmax scale (megatron-core's TransformerConfig.softmax_scale; Granite's
-    # attention_multiplier, Gemma's query_pre_attn_scalar**-0.5: pgconvert.semantics.attention_scale). None:
-    # megatron-core's default 1/sqrt(kv_channels), which a scale equal to it is read as.
-    softmax_scale: float | None = None
-    # mtp: multi-token-prediction layers (megatron-core's mtp_num_layers; HF's num_nextn_predict_layers),
-    # kept on the last pipeline stage as ``mtp.layers.{i}.*`` (pgconvert.families.mtp).
-    mtp_num_layers: int = 0
-    # mlafix: the per-rank key of an MTP layer's inner transformer layer: megatron-core 0.16.1's
-    # "transformer_layer", or "mtp_model_layer" as Megatron-LM d98e8a64's state_dict names it (pgconvert.formats.mtp_naming).
-    mtp_layer_module: str = "transformer_layer"
-
-    def __post_init__(self) -> None:
-        self._check_semantics()
-        if not isinstance(self.mtp_num_layers, int) or isinstance(self.mtp_num_layers, bool) or self.mtp_num_layers < 0:
-            raise ConfigError(f"mtp_num_layers={self.mtp_num_layers!r}: expected an integer >= 0")
-        for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
-                     "make_vocab_size_divisible_by"):
-            _require_positive(name, getattr(self, name))
-        for name in ("norm_epsilon", "rotary_base"):
-            _require_finite(name, getattr(self, name))
-        if self.num_query_groups is None:
-            object.__setattr__(self, "num_query_groups", self.num_attention_heads)
-        if self.kv_channels is None:
-            if self.hidden_size % self.num_attention_heads:
-                raise ConfigError(
-                    f"kv_channels: not given and hidden_size={self.hidden_size} is not divisible "
-                    f"by num_attention_heads={self.num_attention_heads}"
-                )
-            object.__setattr__(self, "kv_channels", self.hidden_size // self.num_attention_heads)
-        _require_positive("num_query_groups", self.num_query_groups)
-        _require_positive("kv_channels", self.kv_channels)
-        if self.softmax_scale is not None and self.softmax_scale == 1 / math.sqrt(self.kv_channels):
-            object.__setattr__(self, "softmax_scale", None)  # tidy: megatron-core's default, one description
-        if self.num_attention_heads % self.query_groups:
-            raise ConfigError(
-                f"num_query_groups={self.query_groups}: num_attention_heads="
-                f"{self.num_attention_heads} must be a multiple of it"
-            )
-        if self.vocab_size is not None:
-            _require_positive("vocab_size", self.vocab_size)
-        _require_choice("normalization", self.normalization, NORMALIZATIONS)
-        _require_choice("position_embedding_type", self.position_embedding_type, POSITION_EMBEDDING_TYPES)
-        _require_choice("activation", self.activation, ACTIVATIONS)
-        _require_choice("transformer_impl", self.transformer_impl, TRANSFORMER_IMPLS)
-        _require_choice("mtp_layer_module", self.mtp_layer_module, MTP_LAYER_MODULES)  # mlafix
-        _require_choice("params_dtype", self.params_dtype, DTYPES)
-        if self.position_embedding_type == "learned_absolute":
-            if self.max_position_embeddings is None:
-                raise ConfigError(
-                    "max_position_embeddings: required when position_embedding_type='learned_absolute'"
-                )
-        # Checked with RoPE too: it is written into every output's config (a fuzz find).
-        if self.max_position_embeddings is not None:
-            _require_positive("max_position_embeddings", self.max_position_embeddings)
-        self._check_moe()
-
-    def _check_moe(self) -> None:
-        """The MoE settings' ranges (when there are experts)."""
-        if self.num_experts is None:
-            return
-        _require_positive("num_experts", self.num_experts)
-        if self.moe_ffn_hidden_size is not None:
-            _require_positive("moe_ffn_hidden_size", self.moe_ffn_hidden_size)
-        if self.moe_shared_expert_intermediate_size is not None:
-            _require_positive("moe_shared_expert_intermediate_size", self.moe_shared_expert_intermediate_size)
-        _require_positive("moe_router_topk", self.moe_router_topk)
-        if self.add_bias_linear and self.moe_shared_expert_intermediate_size is not None:
-            # f17c: expert and router biases are tensor kinds; shared-expert biases are not.
-            raise ConfigError("add_bias_linear=True with shared experts: shared-expert biases are not supported")
-        if isinstance(self.moe_layer_freq, list):
-            object.__setattr__(self, "moe_layer_freq", tuple(self.moe_layer_freq))
-        if isinstance(self.moe_layer_freq, tuple):
-            if len(self.moe_layer_freq) != self.num_layers or set(self.moe_layer_freq) - {0, 1}:
-                raise ConfigError(
-                    f"moe_layer_freq={list(self.moe_layer_freq)}: must list 0 or 1 for each of the "
-                    f"{self.num_layers} layers"
-                )
-        else:
-            _require_positive("moe_layer_freq", self.moe_layer_freq)
-
-    def _check_semantics(self) -> None:
-        """The settings of pgconvert.semantics: types and ranges."""
-        for name in ("rotary_percent", "rope_scaling_factor", "attention_dropout", "hidden_dropout",
-                     "moe_aux_loss_coeff"):
-            _require_finite(name, getattr(self, name))
-        if not 0 < self.rotary_percent <= 1:
-            raise ConfigError(f"rotary_percent={quote(self.rotary_percent)}: must be in (0, 1]")
-        for name in ("attention_dropout", "hidden_dropout"):
-            if not 0 <= getattr(self, name) < 1:
-                raise ConfigError(f"{name}={quote(getattr(self, name))}: must be in [0, 1)")
-        if self.rope_scaling is not None:
-            _require_choice("rope_scaling", self.rope_scaling, ROPE_SCALINGS)
-            if self.rope_scaling_factor <= 0:
-                raise ConfigError(f"rope_scaling_factor={quote(self.rope_scaling_factor)}: must be > 0")
-        _require_choice("moe_router_score_function", self.moe_router_score_function, MOE_SCORE_FUNCTIONS)
-        self._check_yarn()
-        self._check_mla()
-        if self.moe_router_topk_scaling_factor is not None:
-            _require_finite("moe_router_topk_scaling_factor", self.moe_router_topk_scaling_factor)
-        _require_choice("softmax_type", self.softmax_type, SOFTMAX_TYPES)
-        _require_finite("glu_linear_offset", self.glu_linear_offset)
-        if self.activation_func_clamp_value is not None:
-            _require_finite("activation_func_clamp_value", self.activation_func_clamp_value)
-        if self.sliding_window is not None:
-            _require_positive("sliding_window", self.sliding_window)
-        for name in ("softmax_scale", "attn_logit_softcapping", "final_logit_softcapping",
-                     "rotary_base_local"):
-            value = getattr(self, name)
-            if value is not None:
-                _require_finite(name, value)
-                if value <= 0:
-                    raise ConfigError(f"{name}={quote(value)}: must be > 0")
-        if isinstance(self.window_layers, list):
-            object.__setattr__(self, "window_layers", tuple(self.window_layers))
-        if self.window_layers is not None:
-            if self.sliding_window is None:
-                raise ConfigError("window_layers: given without a sliding_window")
-            if len(self.window_layers) != self.num_layers or set(self.window_layers) - {0, 1}:
-                raise ConfigError(f"window_layers={quote(list(self.window_layers))}: must list 0 or 1 for "
-                                  f"each of the {self.num_layers} layers")
-        _check_f17a_fields(self)
-
-    def _check_yarn(self) -> None:
-        """The YaRN parameters: finite numbers, a positive original context, a boolean rounding."""
-        _require_positive("yarn_original_max_position_embeddings", self.yarn_original_max_position_embeddings)
-        for name in ("yarn_beta_fast", "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim"):
-            _require_finite(name, getattr(self, name))
-        if not isinstance(self.yarn_correction_range_round_to_int, bool):
-            raise ConfigError(f"yarn_correction_range_round_to_int={quote(self.yarn_correction_range_round_to_int)}: "
-                              "must be true or false")
-
-    def _check_mla(self) -> None:
-        """Multi-latent attention's dimensions and the router groups: positive, groups dividing experts."""
-        if self.multi_latent_attention:
-            for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
-                _require_positive(name, getattr(self, name))
-            if self.q_lora_rank is not None:
-                _require_positive("q_lora_rank", self.q_lora_rank)
-        if (self.moe_router_num_groups is None) != (self.moe_router_group_topk is None):
-            raise ConfigError(f"moe_router_num_groups={quote(self.moe_router_num_groups)}, moe_router_group_topk="
-                              f"{quote(self.moe_router_group_topk)}: give both or neither")
-        if self.moe_router_num_groups is not None:
-            _require_positive("moe_router_num_groups", self.moe_router_num_groups)
-            _require_positive("moe_router_group_topk", self.moe_router_group_topk)
-            experts = self.num_experts or 0
-            if experts % self.moe_router_num_groups or self.moe_router_group_topk > self.moe_router_num_groups:
-                raise ConfigError(f"moe_router_num_groups={self.moe_router_num_groups}, moe_router_group_topk="
-                                  f"{self.moe_router_group_topk}: the groups must divide num_experts={experts} and "
-                                  "at most all of them be chosen")
-
-    @property
-    def q_head_dim(self) -> int:
-        """Multi-latent attention: one query (and key) head, its no-position part then its rotary part."""
-        return self.qk_head_dim + self.qk_pos_emb_head_dim
-
-    def is_window_layer(self, layer: int) -> bool:
-        """Whether ``layer`` (0-based) attends through the sliding window."""
-        if self.sliding_window is None:
-            return False
-        return self.window_layers is None or self.window_layers[layer] == 1
 
     @property
     def query_groups(self) -> int:
@@ -321,37 +106,478 @@ class ModelConfig:
         return (self.num_attention_heads + 2 * self.query_groups) * self.head_dim
 
     @property
-    def has_qkv_bias(self) -> bool:
-        return self.add_bias_linear or self.add_qkv_bias
+    def q_head_dim(self) -> int:
+        """Multi-latent attention: one query (and key) head, its no-position part then its rotary part."""
+        return self.qk_head_dim + self.qk_pos_emb_head_dim
+
+
+@dataclass(frozen=True)
+class MLPConfig:
+    """The dense MLP (and the shape of every expert's): size, gating, activation."""
+
+    ffn_hidden_size: int
+    gated_linear_unit: bool = True
+    activation: str = "silu"
+    # GPT-OSS's clamped GLU ``act(clamp(gate, max=c)) * (clamp(up, -c, c) + offset)``.
+    glu_linear_offset: float = 0.0
+    activation_func_clamp_value: float | None = None
 
     @property
     def fc1_rows(self) -> int:
         return self.ffn_hidden_size * (2 if self.gated_linear_unit else 1)
 
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Mixture of experts: experts, router, shared experts (megatron-core's names, ``moe_`` kept)."""
+
+    num_experts: int | None = None
+    moe_ffn_hidden_size: int | None = None
+    # Which layers are MoE layers: every k-th (an int) or a 0/1 per layer.
+    moe_layer_freq: int | tuple[int, ...] = 1
+    moe_router_topk: int = 2
+    moe_shared_expert_intermediate_size: int | None = None
+    moe_shared_expert_gate: bool = False
+    moe_router_enable_expert_bias: bool = False
+    # Only key names: grouped GEMM (``experts.linear_fc1.weight{j}``) vs SequentialMLP.
+    moe_grouped_gemm: bool = False
+    moe_router_score_function: str = "softmax"
+    moe_router_pre_softmax: bool = False
+    moe_router_topk_scaling_factor: float | None = None
+    moe_aux_loss_coeff: float = 0.0
+    # Group-limited routing.
+    moe_router_num_groups: int | None = None
+    moe_router_group_topk: int | None = None
+
+
+@dataclass(frozen=True)
+class PositionConfig:
+    """Positions: learned or rotary embeddings, RoPE's base, fraction, scaling and YaRN, NoPE layers."""
+
+    position_embedding_type: str = "rope"
+    max_position_embeddings: int | None = None
+    rotary_base: float = 10000.0
+    rotary_percent: float = 1.0
+    rotary_interleaved: bool = False
+    rope_scaling: str | None = None
+    rope_scaling_factor: float = 1.0
+    # YaRN (rope_scaling="yarn", its factor in rope_scaling_factor): megatron-core's YarnRotaryEmbedding
+    # parameters, defaults as Megatron-LM's (argument_utils._apply_yarn_config_from_args).
+    yarn_original_max_position_embeddings: int = 4096
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_mscale: float = 1.0
+    yarn_mscale_all_dim: float = 0.0
+    yarn_correction_range_round_to_int: bool = True
+    # The RoPE base of the sliding-window layers where it differs from rotary_base (Gemma 3).
+    rotary_base_local: float | None = None
+    # 0/1 per layer (1: no RoPE, megatron-core's no_rope_freq), None: RoPE on every layer.
+    no_rope_layers: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class NormConfig:
+    """The norms: type, epsilon, zero-centred gamma, and where they sit around the sublayers."""
+
+    normalization: str = "RMSNorm"
+    norm_epsilon: float = 1e-5
+    layernorm_zero_centered_gamma: bool = False
+    # Norms before the sublayers (off in OLMo 2), and of the attention (MLP) output before its residual
+    # add (Gemma 2/3, OLMo 2, GLM-4).
+    pre_layernorms: bool = True
+    post_self_attn_layernorm: bool = False
+    post_mlp_layernorm: bool = False
+
+
+@dataclass(frozen=True)
+class CarriedConfig:
+    """Settings megatron-core's TransformerConfig has no field for, carried in Megatron args and
+    pgconvert.json so that a model converts back to the same HF config (pgconvert.semantics)."""
+
+    # Granite's muP multipliers (1.0: none); HF divides the logits by logits_scaling.
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
+    # Embeddings times sqrt(hidden_size) (Gemma) and tanh soft-capping of the final logits.
+    embedding_scale_sqrt_hidden: bool = False
+    final_logit_softcapping: float | None = None
+    # HF RoPE parameters (JSON text) of a type megatron-core cannot compute (Phi-3's longrope).
+    hf_rope_parameters: str | None = None
+
+
+# The sub-configs, by their attribute on ModelConfig.
+GROUPS: dict[str, type] = {
+    "attention": AttentionConfig, "mlp": MLPConfig, "moe": MoEConfig, "positions": PositionConfig,
+    "norms": NormConfig, "carried": CarriedConfig,
+}
+
+# Every setting, in the order to_dict (pgconvert.json, inspect --json) lists them, and where it lives:
+# the ModelConfig attribute of its sub-config, or None for a setting of ModelConfig itself.
+SETTING_GROUPS: dict[str, str | None] = {
+    "num_layers": None, "hidden_size": None, "num_attention_heads": "attention", "ffn_hidden_size": "mlp",
+    "num_query_groups": "attention", "kv_channels": "attention", "vocab_size": None,
+    "make_vocab_size_divisible_by": None, "gated_linear_unit": "mlp", "activation": "mlp",
+    "normalization": "norms", "norm_epsilon": "norms", "add_bias_linear": None, "add_qkv_bias": "attention",
+    "qk_layernorm": "attention", "tie_embeddings": None, "position_embedding_type": "positions",
+    "max_position_embeddings": "positions", "rotary_base": "positions", "params_dtype": None,
+    "transformer_impl": None, "num_experts": "moe", "moe_ffn_hidden_size": "moe", "moe_layer_freq": "moe",
+    "moe_router_topk": "moe", "moe_shared_expert_intermediate_size": "moe", "moe_shared_expert_gate": "moe",
+    "moe_router_enable_expert_bias": "moe", "moe_grouped_gemm": "moe", "rotary_percent": "positions",
+    "rotary_interleaved": "positions", "rope_scaling": "positions", "rope_scaling_factor": "positions",
+    "sliding_window": "attention", "window_layers": "attention", "layernorm_zero_centered_gamma": "norms",
+    "attention_dropout": "attention", "hidden_dropout": None, "moe_router_score_function": "moe",
+    "moe_router_pre_softmax": "moe", "moe_router_topk_scaling_factor": "moe", "moe_aux_loss_coeff": "moe",
+    "yarn_original_max_position_embeddings": "positions", "yarn_beta_fast": "positions",
+    "yarn_beta_slow": "positions", "yarn_mscale": "positions", "yarn_mscale_all_dim": "positions",
+    "yarn_correction_range_round_to_int": "positions", "multi_latent_attention": "attention",
+    "q_lora_rank": "attention", "kv_lora_rank": "attention", "qk_head_dim": "attention",
+    "qk_pos_emb_head_dim": "attention", "v_head_dim": "attention", "moe_router_num_groups": "moe",
+    "moe_router_group_topk": "moe", "embedding_multiplier": "carried", "residual_multiplier": "carried",
+    "logits_scaling": "carried", "no_rope_layers": "positions", "hf_rope_parameters": "carried",
+    "post_self_attn_layernorm": "norms", "post_mlp_layernorm": "norms", "pre_layernorms": "norms",
+    "embedding_scale_sqrt_hidden": "carried", "attn_logit_softcapping": "attention",
+    "final_logit_softcapping": "carried", "rotary_base_local": "positions",
+    "qk_layernorm_across_heads": "attention", "softmax_type": "attention", "glu_linear_offset": "mlp",
+    "activation_func_clamp_value": "mlp", "softmax_scale": "attention", "mtp_num_layers": None,
+    "mtp_layer_module": None,
+}
+
+
+# Compatibility with the flat form (FlatSettingsCompat): values derived within one sub-config that
+# the flat form reads from ModelConfig.
+_DERIVED_IN_GROUPS = {"query_groups": "attention", "head_dim": "attention", "qkv_rows": "attention",
+                      "q_head_dim": "attention", "fc1_rows": "mlp"}
+
+
+class FlatSettingsCompat:
+    """Compatibility with the flat form of ModelConfig, to be removed once every caller uses the grouped
+    form (each name's new home is its ``SETTING_GROUPS`` entry):
+
+    * ``ModelConfig(**settings)`` with flat setting names (and ``dataclasses.replace`` with them)
+      → ``ModelConfig.from_settings(settings)`` (or the grouped constructor);
+    * ``config.<setting>`` → ``config.<group>.<setting>`` (``config.setting(name)`` for a name held in
+      a variable);
+    * ``config.query_groups``, ``head_dim``, ``qkv_rows``, ``q_head_dim`` → ``config.attention.…``,
+      ``config.fc1_rows`` → ``config.mlp.fc1_rows``;
+    * ``config.is_moe_layer(i)`` → ``config.layers[i].moe``, ``config.is_window_layer(i)`` →
+      ``config.layers[i].window``.
+    """
+
+    def __init__(self, **settings: Any) -> None:
+        values = _fields_from(settings)
+        for item in dataclasses.fields(self):  # type: ignore[arg-type]
+            if item.name not in values:
+                values[item.name] = _default(item)
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
+        self.__post_init__()  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str) -> Any:
+        group = SETTING_GROUPS.get(name) or _DERIVED_IN_GROUPS.get(name)
+        if group is None:
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute {name!r}")
+        return getattr(getattr(self, group), name)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.layers[layer].moe  # type: ignore[attr-defined, no-any-return]
+
+    def is_window_layer(self, layer: int) -> bool:
+        return self.layers[layer].window  # type: ignore[attr-defined, no-any-return]
+
+
+@dataclass(frozen=True, init=False)
+class ModelConfig(FlatSettingsCompat):
+    """The architecture: everything needed to know every tensor's global name and shape.
+
+    ``vocab_size`` is the true (tokenizer) vocabulary, ``None`` when unknown; padding is a
+    property of a layout (see ``ParallelLayout.padded_vocab_size``).
+    """
+
+    num_layers: int
+    hidden_size: int
+    attention: AttentionConfig
+    mlp: MLPConfig
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    positions: PositionConfig = field(default_factory=PositionConfig)
+    norms: NormConfig = field(default_factory=NormConfig)
+    carried: CarriedConfig = field(default_factory=CarriedConfig)
+    vocab_size: int | None = None
+    make_vocab_size_divisible_by: int = 128
+    tie_embeddings: bool = False
+    params_dtype: str = "bfloat16"
+    # Megatron's layer spec, "local" or "transformer_engine": how rank files name the fused norms.
+    transformer_impl: str = "local"
+    # Biases on every linear layer (megatron-core's add_bias_linear; q/k/v also take add_qkv_bias).
+    add_bias_linear: bool = False
+    hidden_dropout: float = 0.0
+    # Multi-token-prediction layers (megatron-core's mtp_num_layers; HF's num_nextn_predict_layers),
+    # kept on the last pipeline stage as ``mtp.layers.{i}.*`` (pgconvert.families.mtp).
+    mtp_num_layers: int = 0
+    # How per-rank files spell an MTP layer's inner transformer layer (pgconvert.formats.mtp_naming).
+    mtp_layer_module: str = "transformer_layer"
+
+    def __post_init__(self) -> None:
+        _check_computation_settings(self)
+        if not isinstance(self.mtp_num_layers, int) or isinstance(self.mtp_num_layers, bool) or self.mtp_num_layers < 0:
+            raise ConfigError(f"mtp_num_layers={self.mtp_num_layers!r}: expected an integer >= 0")
+        for name, value in (("num_layers", self.num_layers), ("hidden_size", self.hidden_size),
+                            ("num_attention_heads", self.attention.num_attention_heads),
+                            ("ffn_hidden_size", self.mlp.ffn_hidden_size),
+                            ("make_vocab_size_divisible_by", self.make_vocab_size_divisible_by)):
+            _require_positive(name, value)
+        _require_finite("norm_epsilon", self.norms.norm_epsilon)
+        _require_finite("rotary_base", self.positions.rotary_base)
+        _check_heads(self)
+        if self.vocab_size is not None:
+            _require_positive("vocab_size", self.vocab_size)
+        _require_choice("normalization", self.norms.normalization, NORMALIZATIONS)
+        _require_choice("position_embedding_type", self.positions.position_embedding_type, POSITION_EMBEDDING_TYPES)
+        _require_choice("activation", self.mlp.activation, ACTIVATIONS)
+        _require_choice("transformer_impl", self.transformer_impl, TRANSFORMER_IMPLS)
+        _require_choice("mtp_layer_module", self.mtp_layer_module, MTP_LAYER_MODULES)
+        _require_choice("params_dtype", self.params_dtype, DTYPES)
+        positions = self.positions
+        if positions.position_embedding_type == "learned_absolute" and positions.max_position_embeddings is None:
+            raise ConfigError("max_position_embeddings: required when position_embedding_type='learned_absolute'")
+        # Checked with RoPE too: it is written into every output's config (a fuzz find).
+        if positions.max_position_embeddings is not None:
+            _require_positive("max_position_embeddings", positions.max_position_embeddings)
+        _check_moe(self)
+
+    def _set(self, group: str, **changes: Any) -> None:
+        """Replace sub-config ``group`` with a copy holding ``changes`` (a default filled in, a list
+        made a tuple) while validating."""
+        object.__setattr__(self, group, dataclasses.replace(getattr(self, group), **changes))
+
+    @cached_property
+    def layers(self) -> tuple[LayerSpec, ...]:
+        """Every decoder layer's spec: which kinds it is made of, and its per-layer settings."""
+        return layer_specs(self)
+
+    @cached_property
+    def mtp_layers(self) -> tuple[MTPLayerSpec, ...]:
+        """Every MTP layer's spec (``mtp_num_layers`` of them)."""
+        return mtp_layer_specs(self)
+
+    @property
+    def has_qkv_bias(self) -> bool:
+        return self.add_bias_linear or self.attention.add_qkv_bias
+
     @property
     def expert_ffn_size(self) -> int:
         """FFN size of one routed expert (``moe_ffn_hidden_size``, defaulting to ``ffn_hidden_size``)."""
-        return self.moe_ffn_hidden_size or self.ffn_hidden_size
-
-    def is_moe_layer(self, layer: int) -> bool:
-        """megatron-core's ``moe_layer_freq``: every k-th layer (int) or a 0/1 pattern (list)."""
-        if self.num_experts is None:
-            return False
-        if isinstance(self.moe_layer_freq, tuple):
-            return self.moe_layer_freq[layer] == 1
-        return layer % self.moe_layer_freq == 0
+        return self.moe.moe_ffn_hidden_size or self.mlp.ffn_hidden_size
 
     @classmethod
     def setting_names(cls) -> tuple[str, ...]:
         """The name of every setting (megatron-core's ``TransformerConfig`` name where it has one), in the
         order ``to_dict`` lists them."""
-        return tuple(f.name for f in dataclasses.fields(cls))
+        return tuple(SETTING_GROUPS)
+
+    @classmethod
+    def from_settings(cls, settings: Mapping[str, Any]) -> ModelConfig:
+        """A config from settings by name (``ModelConfig.setting_names()``); a sub-config may also be
+        given whole, under its attribute name."""
+        return cls(**_fields_from(settings))
+
+    def setting(self, name: str) -> Any:
+        """The value of setting ``name``."""
+        group = SETTING_GROUPS[name]
+        return getattr(self if group is None else getattr(self, group), name)
 
     def replace(self, **changes: Any) -> ModelConfig:
-        return dataclasses.replace(self, **changes)
+        """A copy with ``changes``: settings by name, or sub-configs whole."""
+        return dataclasses.replace(self, **_fields_from(changes, self))
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Every setting by name, in ``SETTING_GROUPS`` order (what pgconvert.json records)."""
+        return {name: self.setting(name) for name in SETTING_GROUPS}
+
+
+def _fields_from(settings: Mapping[str, Any], base: ModelConfig | None = None) -> dict[str, Any]:
+    """ModelConfig's fields from ``settings``: its own fields as given, and each setting of a
+    sub-config applied to that sub-config (the one given, else ``base``'s, else a new one)."""
+    values: dict[str, Any] = {}
+    changes: dict[str, dict[str, Any]] = {}
+    for name, value in settings.items():
+        group = SETTING_GROUPS.get(name)
+        if group is not None:
+            changes.setdefault(group, {})[name] = value
+        elif name in SETTING_GROUPS or name in GROUPS:
+            values[name] = value
+        else:
+            raise TypeError(f"ModelConfig() got an unexpected keyword argument {name!r}")
+    for group, group_changes in changes.items():
+        current = values.get(group, getattr(base, group) if base is not None else None)
+        values[group] = (GROUPS[group](**group_changes) if current is None
+                         else dataclasses.replace(current, **group_changes))
+    return values
+
+
+def _default(item: dataclasses.Field[Any]) -> Any:
+    """A field's default; a required sub-config is built from no settings, which names the missing one."""
+    if item.default is not dataclasses.MISSING:
+        return item.default
+    if item.default_factory is not dataclasses.MISSING:
+        return item.default_factory()
+    if item.name in GROUPS:
+        return GROUPS[item.name]()
+    raise TypeError(f"ModelConfig() missing required setting {item.name!r}")
+
+
+def _check_heads(config: ModelConfig) -> None:
+    """Query groups and head size: defaulted (one group per head, hidden_size / heads), positive, the
+    groups dividing the heads; a softmax scale equal to megatron-core's default is read as the default."""
+    attention = config.attention
+    if attention.num_query_groups is None:
+        config._set("attention", num_query_groups=attention.num_attention_heads)
+    if attention.kv_channels is None:
+        if config.hidden_size % attention.num_attention_heads:
+            raise ConfigError(
+                f"kv_channels: not given and hidden_size={config.hidden_size} is not divisible "
+                f"by num_attention_heads={attention.num_attention_heads}"
+            )
+        config._set("attention", kv_channels=config.hidden_size // attention.num_attention_heads)
+    attention = config.attention
+    _require_positive("num_query_groups", attention.num_query_groups)
+    _require_positive("kv_channels", attention.kv_channels)
+    if attention.softmax_scale is not None and attention.softmax_scale == 1 / math.sqrt(attention.head_dim):
+        config._set("attention", softmax_scale=None)
+    if attention.num_attention_heads % attention.query_groups:
+        raise ConfigError(
+            f"num_query_groups={attention.query_groups}: num_attention_heads="
+            f"{attention.num_attention_heads} must be a multiple of it"
+        )
+
+
+def _check_moe(config: ModelConfig) -> None:
+    """The MoE settings' ranges (when there are experts)."""
+    moe = config.moe
+    if moe.num_experts is None:
+        return
+    _require_positive("num_experts", moe.num_experts)
+    if moe.moe_ffn_hidden_size is not None:
+        _require_positive("moe_ffn_hidden_size", moe.moe_ffn_hidden_size)
+    if moe.moe_shared_expert_intermediate_size is not None:
+        _require_positive("moe_shared_expert_intermediate_size", moe.moe_shared_expert_intermediate_size)
+    _require_positive("moe_router_topk", moe.moe_router_topk)
+    if config.add_bias_linear and moe.moe_shared_expert_intermediate_size is not None:
+        # Expert and router biases are tensor kinds; shared-expert biases are not.
+        raise ConfigError("add_bias_linear=True with shared experts: shared-expert biases are not supported")
+    if isinstance(moe.moe_layer_freq, list):
+        config._set("moe", moe_layer_freq=tuple(moe.moe_layer_freq))
+    freq = config.moe.moe_layer_freq
+    if isinstance(freq, tuple):
+        if len(freq) != config.num_layers or set(freq) - {0, 1}:
+            raise ConfigError(
+                f"moe_layer_freq={list(freq)}: must list 0 or 1 for each of the {config.num_layers} layers"
+            )
+    else:
+        _require_positive("moe_layer_freq", freq)
+
+
+def _check_computation_settings(config: ModelConfig) -> None:
+    """The settings of pgconvert.semantics (they change the computation, not the shapes): types and ranges."""
+    positions, attention = config.positions, config.attention
+    for name, value in (("rotary_percent", positions.rotary_percent),
+                        ("rope_scaling_factor", positions.rope_scaling_factor),
+                        ("attention_dropout", attention.attention_dropout), ("hidden_dropout", config.hidden_dropout),
+                        ("moe_aux_loss_coeff", config.moe.moe_aux_loss_coeff)):
+        _require_finite(name, value)
+    if not 0 < positions.rotary_percent <= 1:
+        raise ConfigError(f"rotary_percent={quote(positions.rotary_percent)}: must be in (0, 1]")
+    for name, value in (("attention_dropout", attention.attention_dropout), ("hidden_dropout", config.hidden_dropout)):
+        if not 0 <= value < 1:
+            raise ConfigError(f"{name}={quote(value)}: must be in [0, 1)")
+    if positions.rope_scaling is not None:
+        _require_choice("rope_scaling", positions.rope_scaling, ROPE_SCALINGS)
+        if positions.rope_scaling_factor <= 0:
+            raise ConfigError(f"rope_scaling_factor={quote(positions.rope_scaling_factor)}: must be > 0")
+    _require_choice("moe_router_score_function", config.moe.moe_router_score_function, MOE_SCORE_FUNCTIONS)
+    _check_yarn(positions)
+    _check_mla(attention)
+    _check_router_groups(config.moe)
+    if config.moe.moe_router_topk_scaling_factor is not None:
+        _require_finite("moe_router_topk_scaling_factor", config.moe.moe_router_topk_scaling_factor)
+    _require_choice("softmax_type", attention.softmax_type, SOFTMAX_TYPES)
+    _require_finite("glu_linear_offset", config.mlp.glu_linear_offset)
+    if config.mlp.activation_func_clamp_value is not None:
+        _require_finite("activation_func_clamp_value", config.mlp.activation_func_clamp_value)
+    if attention.sliding_window is not None:
+        _require_positive("sliding_window", attention.sliding_window)
+    for name, value in (("softmax_scale", attention.softmax_scale),
+                        ("attn_logit_softcapping", attention.attn_logit_softcapping),
+                        ("final_logit_softcapping", config.carried.final_logit_softcapping),
+                        ("rotary_base_local", positions.rotary_base_local)):
+        if value is not None:
+            _require_positive_number(name, value)
+    _check_windows(config)
+    _check_carried(config.carried)
+    _check_no_rope_layers(config)
+
+
+def _check_windows(config: ModelConfig) -> None:
+    """The window layers: given with a window, a 0/1 per layer."""
+    if isinstance(config.attention.window_layers, list):
+        config._set("attention", window_layers=tuple(config.attention.window_layers))
+    window_layers = config.attention.window_layers
+    if window_layers is not None:
+        if config.attention.sliding_window is None:
+            raise ConfigError("window_layers: given without a sliding_window")
+        if len(window_layers) != config.num_layers or set(window_layers) - {0, 1}:
+            raise ConfigError(f"window_layers={quote(list(window_layers))}: must list 0 or 1 for "
+                              f"each of the {config.num_layers} layers")
+
+
+def _check_yarn(positions: PositionConfig) -> None:
+    """The YaRN parameters: finite numbers, a positive original context, a boolean rounding."""
+    _require_positive("yarn_original_max_position_embeddings", positions.yarn_original_max_position_embeddings)
+    for name in ("yarn_beta_fast", "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim"):
+        _require_finite(name, getattr(positions, name))
+    if not isinstance(positions.yarn_correction_range_round_to_int, bool):
+        raise ConfigError(f"yarn_correction_range_round_to_int={quote(positions.yarn_correction_range_round_to_int)}: "
+                          "must be true or false")
+
+
+def _check_mla(attention: AttentionConfig) -> None:
+    """Multi-latent attention's dimensions: positive."""
+    if attention.multi_latent_attention:
+        for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
+            _require_positive(name, getattr(attention, name))
+        if attention.q_lora_rank is not None:
+            _require_positive("q_lora_rank", attention.q_lora_rank)
+
+
+def _check_router_groups(moe: MoEConfig) -> None:
+    """Group-limited routing: both settings or neither, positive, the groups dividing the experts."""
+    groups, topk = moe.moe_router_num_groups, moe.moe_router_group_topk
+    if (groups is None) != (topk is None):
+        raise ConfigError(f"moe_router_num_groups={quote(groups)}, moe_router_group_topk={quote(topk)}: "
+                          "give both or neither")
+    if groups is not None:
+        _require_positive("moe_router_num_groups", groups)
+        _require_positive("moe_router_group_topk", topk)
+        assert topk is not None
+        experts = moe.num_experts or 0
+        if experts % groups or topk > groups:
+            raise ConfigError(f"moe_router_num_groups={groups}, moe_router_group_topk={topk}: the groups must "
+                              f"divide num_experts={experts} and at most all of them be chosen")
+
+
+def _check_carried(carried: CarriedConfig) -> None:
+    """Granite's multipliers: positive finite numbers."""
+    for name in ("embedding_multiplier", "residual_multiplier", "logits_scaling"):
+        _require_positive_number(name, getattr(carried, name))
+
+
+def _check_no_rope_layers(config: ModelConfig) -> None:
+    """The NoPE layers: a 0/1 per layer."""
+    if isinstance(config.positions.no_rope_layers, list):
+        config._set("positions", no_rope_layers=tuple(config.positions.no_rope_layers))
+    no_rope = config.positions.no_rope_layers
+    if no_rope is not None and (len(no_rope) != config.num_layers or set(no_rope) - {0, 1}):
+        raise ConfigError(f"no_rope_layers={quote(list(no_rope))}: must list 0 or 1 for "
+                          f"each of the {config.num_layers} layers")
 
 
 def _require_positive(name: str, value: object) -> None:
@@ -364,21 +590,13 @@ def _require_finite(name: str, value: object) -> None:
         raise ConfigError(f"{name}={quote(value)}: must be a finite number")
 
 
+def _require_positive_number(name: str, value: object) -> None:
+    _require_finite(name, value)
+    assert isinstance(value, (int, float))
+    if value <= 0:
+        raise ConfigError(f"{name}={quote(value)}: must be > 0")
+
+
 def _require_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ConfigError(f"{name}={quote(value)}: must be one of {', '.join(choices)}")
-
-
-def _check_f17a_fields(config: ModelConfig) -> None:
-    """f17a: Granite's multipliers are positive finite numbers, NoPE layers a 0/1 per layer."""
-    for name in ("embedding_multiplier", "residual_multiplier", "logits_scaling"):
-        value = getattr(config, name)
-        _require_finite(name, value)
-        if value <= 0:
-            raise ConfigError(f"{name}={quote(value)}: must be > 0")
-    if isinstance(config.no_rope_layers, list):
-        object.__setattr__(config, "no_rope_layers", tuple(config.no_rope_layers))
-    if config.no_rope_layers is not None:
-        if len(config.no_rope_layers) != config.num_layers or set(config.no_rope_layers) - {0, 1}:
-            raise ConfigError(f"no_rope_layers={quote(list(config.no_rope_layers))}: must list 0 or 1 for "
-                              f"each of the {config.num_layers} layers")

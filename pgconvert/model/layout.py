@@ -12,7 +12,7 @@ from pgconvert.io.limits import MAX_PIPELINE_LAYOUT_CHARS, quote
 
 # Megatron's pipeline_model_parallel_layout characters (megatron/core/transformer/
 # pipeline_parallel_layer_layout.py): E embedding, L loss (final norm + output layer), t decoder layer.
-_LAYOUT_CHARS = {"E", "L", "t", "m"}  # mtp: "m" an MTP layer (megatron-core's LayerType.mtp)
+_LAYOUT_CHARS = {"E", "L", "t", "m"}  # "m": an MTP layer (megatron-core's LayerType.mtp)
 
 
 def parse_pipeline_layout(text: str) -> list[str]:
@@ -217,22 +217,23 @@ class ParallelLayout:
         """Raise LayoutError naming the flag and the constraint when the model cannot take this layout."""
         opt = _flag_namer(flag_prefix)
         tp = self.tp
+        moe = config.moe
         checks = [
-            ("num_attention_heads", config.num_attention_heads),
-            ("num_query_groups", config.query_groups),
-            ("ffn_hidden_size", config.ffn_hidden_size),
+            ("num_attention_heads", config.attention.num_attention_heads),
+            ("num_query_groups", config.attention.query_groups),
+            ("ffn_hidden_size", config.mlp.ffn_hidden_size),
         ]
-        if config.moe_shared_expert_intermediate_size is not None:
-            checks.append(("moe_shared_expert_intermediate_size", config.moe_shared_expert_intermediate_size))
+        if moe.moe_shared_expert_intermediate_size is not None:
+            checks.append(("moe_shared_expert_intermediate_size", moe.moe_shared_expert_intermediate_size))
         for field, value in checks:
             if value % tp:
                 raise LayoutError(f"{opt('tp', tp)}: {field}={value} is not divisible by {tp}")
-        if config.num_experts is None:
+        if moe.num_experts is None:
             if self.ep != 1:
                 raise LayoutError(f"{opt('ep', self.ep)}: the model has no experts")
         else:
-            if config.num_experts % self.ep:
-                raise LayoutError(f"{opt('ep', self.ep)}: num_experts={config.num_experts} is not divisible by {self.ep}")
+            if moe.num_experts % self.ep:
+                raise LayoutError(f"{opt('ep', self.ep)}: num_experts={moe.num_experts} is not divisible by {self.ep}")
             if config.expert_ffn_size % self.expert_tp_size:
                 raise LayoutError(
                     f"{opt('expert-tp', self.expert_tp_size)}: moe_ffn_hidden_size={config.expert_ffn_size} "
@@ -251,7 +252,7 @@ class ParallelLayout:
         self._validate_mtp(config)
 
     def _validate_mtp(self, config: ModelConfig) -> None:
-        """mtp: megatron-core builds MTP layers on the last virtual stage only; a layout string must
+        """megatron-core builds MTP layers on the last virtual stage only; a layout string must
         place all of them there (get_mtp_num_layers_to_build counts its "m")."""
         if self.pipeline_layout is None:
             return

@@ -1,0 +1,109 @@
+"""Which kind each layer is: a model as a sequence of layer specs, worked out from its settings once.
+
+A decoder layer (``decoder.layers.{L}.``) is made of sublayer kinds, in file order: its mixer (the
+token mixer: self-attention, multi-latent attention) and its MLP (dense, or MoE with a router and
+routed experts). Each kind is one table of tensors, registered by name in
+``pgconvert.model.kinds.LAYER_KINDS``; a spec names its kinds and carries the settings that vary per
+layer (MoE or dense, sliding window, RoPE). An MTP layer is a kind too: its own tensors around a
+decoder layer, built with the last decoder layer's spec.
+
+Today's settings describe GPT-shaped layers (every layer the same mixer, the MLP per
+``moe_layer_freq``); a hybrid layer pattern (megatron-core's ``hybrid_override_pattern``: one symbol per
+layer, a Mamba or gated-delta-net mixer, attention, an MLP or MoE) maps each symbol to a spec here,
+a layer without one of the two having ``None`` there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pgconvert.model.config import ModelConfig
+
+# The kinds' names in pgconvert.model.kinds.LAYER_KINDS.
+SELF_ATTENTION = "self_attention"
+MULTI_LATENT_ATTENTION = "multi_latent_attention"
+DENSE_MLP = "mlp"
+MOE = "moe"
+MTP = "mtp"
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One decoder layer: the kinds of its mixer and its MLP (None: the layer has none) and the
+    settings that vary per layer."""
+
+    mixer: str | None
+    mlp: str | None
+    # The attention looks through the sliding window (window_layers; every layer when not given).
+    window: bool = False
+    # The attention rotates queries and keys (RoPE models, less the no_rope_layers).
+    rope: bool = True
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The layer's kinds in file order."""
+        return tuple(kind for kind in (self.mixer, self.mlp) if kind is not None)
+
+    @property
+    def moe(self) -> bool:
+        """Whether the MLP is a mixture of experts (megatron-core's moe_layer_freq)."""
+        return self.mlp == MOE
+
+
+@dataclass(frozen=True)
+class MTPLayerSpec:
+    """One multi-token-prediction layer: its own tensors (kind ``mtp``) around a decoder layer."""
+
+    inner: LayerSpec
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return (MTP,)
+
+    @property
+    def moe(self) -> bool:
+        return self.inner.moe
+
+
+def layer_specs(config: ModelConfig) -> tuple[LayerSpec, ...]:
+    """Every decoder layer's spec, in layer order."""
+    mixer = MULTI_LATENT_ATTENTION if config.attention.multi_latent_attention else SELF_ATTENTION
+    return tuple(
+        LayerSpec(mixer=mixer, mlp=MOE if _is_moe_layer(config, layer) else DENSE_MLP,
+                  window=_is_window_layer(config, layer), rope=_uses_rope(config, layer))
+        for layer in range(config.num_layers)
+    )
+
+
+def mtp_layer_specs(config: ModelConfig) -> tuple[MTPLayerSpec, ...]:
+    """Every MTP layer's spec: Megatron-LM builds the inner layer with the last decoder layer's spec
+    (gpt_builders), so MLA, router, experts and EP are those of a decoder layer."""
+    if not config.mtp_num_layers:
+        return ()
+    return (MTPLayerSpec(config.layers[-1]),) * config.mtp_num_layers
+
+
+def _is_moe_layer(config: ModelConfig, layer: int) -> bool:
+    """megatron-core's ``moe_layer_freq``: every k-th layer (int) or a 0/1 pattern (list)."""
+    moe = config.moe
+    if moe.num_experts is None:
+        return False
+    if isinstance(moe.moe_layer_freq, tuple):
+        return moe.moe_layer_freq[layer] == 1
+    return layer % moe.moe_layer_freq == 0
+
+
+def _is_window_layer(config: ModelConfig, layer: int) -> bool:
+    attention = config.attention
+    if attention.sliding_window is None:
+        return False
+    return attention.window_layers is None or attention.window_layers[layer] == 1
+
+
+def _uses_rope(config: ModelConfig, layer: int) -> bool:
+    positions = config.positions
+    if positions.position_embedding_type != "rope":
+        return False
+    return positions.no_rope_layers is None or positions.no_rope_layers[layer] == 0

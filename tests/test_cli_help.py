@@ -49,7 +49,7 @@ def _readme_architectures(readme: str) -> list[str]:
 
 
 def test_readme_family_table_lists_every_supported_architecture() -> None:
-    """fam17d: the README's family table names exactly the architectures pgconvert converts."""
+    """The README's family table names exactly the architectures pgconvert converts."""
     from pathlib import Path
 
     from pgconvert.families import supported_architectures

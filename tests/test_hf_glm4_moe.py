@@ -123,7 +123,7 @@ def _copy(source: Path, tmp_path: Path) -> Path:
 
 
 def test_checkpoint_with_part_of_an_mtp_layer_is_refused_naming_what_is_missing(source: Path, tmp_path: Path) -> None:
-    """mtp: MTP layers convert (tests/test_mtp.py); one stored in part is a named error."""
+    """MTP layers convert (tests/test_mtp.py); one stored in part is a named error."""
     src = _copy(source, tmp_path)
     mtp = {"model.layers.4.eh_proj.weight": torch.zeros(64, 128), "model.layers.4.enorm.weight": torch.ones(64)}
     save_file(mtp, str(src / "mtp.safetensors"), metadata={"format": "pt"})

@@ -1,4 +1,4 @@
-"""Multi-token-prediction (MTP) layers of DeepSeek-V3 and GLM-4.5-MoE through pgconvert (mtp).
+"""Multi-token-prediction (MTP) layers of DeepSeek-V3 and GLM-4.5-MoE through pgconvert.
 
 transformers builds no MTP module, so a tiny source is a model built with one layer more whose last
 layer becomes the MTP layer (HF layer index num_hidden_layers) beside its own enorm, hnorm,

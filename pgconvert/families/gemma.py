@@ -24,17 +24,8 @@ from pgconvert.io.limits import quote
 from pgconvert.model.config import ModelConfig
 from pgconvert.families.llama import max_positions
 from pgconvert.families.sliding_window import layer_types_of, sliding_layers, window_values, window_with_default
-from pgconvert.families.table import (
-    DROP,
-    DROPPED,
-    GATE_UP,
-    QKV,
-    ConfigField,
-    ConfigRule,
-    Family,
-    TensorMapping,
-    TensorTable,
-)
+from pgconvert.families.table import DROP, DROPPED, GATE_UP, QKV, ConfigField, ConfigRule, Family
+from pgconvert.families.table import TensorMapping, TensorTable
 from pgconvert.semantics import attention_scale
 
 _L = "model.layers.{}."

@@ -43,16 +43,7 @@ from pgconvert.families.llama import (
 from pgconvert.families.mtp import MTP_ROWS
 from pgconvert.families.olmo import PLAIN_SWIGLU
 from pgconvert.families.qwen import QWEN_MOE_ROWS
-from pgconvert.families.table import (
-    DROPPED,
-    IDENTITY,
-    QKV,
-    ConfigField,
-    ConfigRule,
-    Family,
-    TensorMapping,
-    TensorTable,
-)
+from pgconvert.families.table import DROPPED, IDENTITY, QKV, ConfigField, ConfigRule, Family, TensorMapping, TensorTable
 from pgconvert.semantics.rope import rope_parameters
 
 _L = "model.layers.{}."

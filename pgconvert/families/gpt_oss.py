@@ -18,7 +18,8 @@ from collections.abc import Mapping
 
 from pgconvert.model.config import ModelConfig
 from pgconvert.families.experts import AUX_LOSS, EVERY_LAYER_MOE, expert_ffn_size
-from pgconvert.families.llama import ATTENTION_ROWS, EMBEDDING_ROWS, FINAL_ROWS, ROPE_RULE, SWIGLU_RMS_ROPE, decoder_fields
+from pgconvert.families.llama import ATTENTION_ROWS, EMBEDDING_ROWS, FINAL_ROWS, ROPE_RULE, SWIGLU_RMS_ROPE
+from pgconvert.families.llama import decoder_fields
 from pgconvert.families.sliding_window import layer_types_of, sliding_layers, window_values, window_with_default
 from pgconvert.families.table import (
     IDENTITY,

@@ -38,7 +38,7 @@ RELEASED_YARN = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "b
 
 def _tiny_model(name: str, **overrides: Any) -> Callable[[Path], Path]:
     def save(path: Path) -> Path:
-        from support.hf_more_helpers import build_model, save_model
+        from support.llama_like_helpers import build_model, save_model
 
         return save_model(build_model(name, seed=3, **overrides), path)
     return save
@@ -46,7 +46,7 @@ def _tiny_model(name: str, **overrides: Any) -> Callable[[Path], Path]:
 
 def _glm4_moe(**overrides: Any) -> Callable[[Path], Path]:
     def save(path: Path) -> Path:
-        from support.moe_more_helpers import save_glm4_moe
+        from support.glm4_moe_gpt_oss_helpers import save_glm4_moe
 
         return save_glm4_moe(path, seed=3, **overrides)
     return save
@@ -54,14 +54,14 @@ def _glm4_moe(**overrides: Any) -> Callable[[Path], Path]:
 
 def _gpt_oss(**overrides: Any) -> Callable[[Path], Path]:
     def save(path: Path) -> Path:
-        from support.moe_more_helpers import save_gpt_oss
+        from support.glm4_moe_gpt_oss_helpers import save_gpt_oss
 
         return save_gpt_oss(path, seed=3, **overrides)
     return save
 
 
-# The tiny transformers models, each with its family's options on (tests/support/hf_more_helpers.py,
-# tests/support/moe_more_helpers.py).
+# The tiny transformers models, each with its family's options on (tests/support/llama_like_helpers.py,
+# tests/support/glm4_moe_gpt_oss_helpers.py).
 SOURCES: dict[str, Callable[[Path], Path]] = {
     # shared expert with its sigmoid gate, a dense layer, q/k/v biases, windows on alternate layers,
     # softmax over all experts before top-k (no renormalization)

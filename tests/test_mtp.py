@@ -38,7 +38,7 @@ LAYERS = 4
 def _build(family: str) -> Any:
     """The transformers model with LAYERS + 1 layers, every weight seeded."""
     if family == "glm":
-        from support.moe_more_helpers import build_glm4_moe
+        from support.glm4_moe_gpt_oss_helpers import build_glm4_moe
 
         return build_glm4_moe(num_hidden_layers=LAYERS + 1, n_routed_experts=8, n_group=2, topk_group=1)
     from support.deepseek_helpers import build_deepseek

@@ -1,7 +1,7 @@
 """Qwen2-MoE, Granite, SmolLM3, Ministral and Phi-3: HF -> Megatron -> torch_dist -> HF is bit-exact, the Megatron
 rank files compute the HF model's logits, and config, generation config and tokenizer files survive.
 
-The fixtures (tests/support/hf_more_helpers.py) switch each family's own options on; the semantic check reads
+The fixtures (tests/support/llama_like_helpers.py) switch each family's own options on; the semantic check reads
 the TP-sharded rank files and their args with torch.load, never through pgconvert's merge.
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from support.hf_helpers import assert_same_hf_tensors, edit_json, hf_logits, read_megatron_tp_ranks
-from support.hf_more_helpers import MODEL_VOCAB, MOE_FAMILIES, build_model, input_ids, megatron_args, reference_logits, save_model
+from support.llama_like_helpers import MODEL_VOCAB, MOE_FAMILIES, build_model, input_ids, megatron_args, reference_logits, save_model
 
 import pgconvert
 from pgconvert.errors import StrictModeError

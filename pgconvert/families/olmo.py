@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from pgconvert.families.experts import AUX_LOSS, EVERY_LAYER_MOE, expert_ffn_size
 from pgconvert.families.gemma import SANDWICH_ROWS
-from pgconvert.families.llama import DENSE_FFN, ROPE_DEFAULT, ROPE_RULE, decoder_fields
+from pgconvert.families.llama import DENSE_FFN, ROPE_DEFAULT, ROPE_RULE, decoder_fields, max_positions
 from pgconvert.families.qwen import NORM_TOPK_RULE, PRE_SOFTMAX, QWEN3_MOE_TENSORS
-from pgconvert.families.table import ConfigField, Family, TensorTable
+from pgconvert.families.table import DROP, ConfigField, Family, TensorTable
 
 # Gemma's rows without the pre-norms (norms only after attention and the MLP).
 _PRE_NORMS = ("decoder.layers.{}.input_layernorm.weight", "decoder.layers.{}.pre_mlp_layernorm.weight")
@@ -46,26 +46,22 @@ OLMO2 = Family(
               "post-sublayer norms": "post_attention_layernorm, post_feedforward_layernorm; no pre-norms (always)"},
 )
 
-# Built from OLMo 2's pieces rather than derived from it: derive would reorder its fixed values, and
-# so the order of the reasons a model does not fit it.
-OLMOE = Family(
-    architecture="OlmoeForCausalLM",
-    model_type="olmoe",
-    hf_computes=PRE_SOFTMAX,
+# OLMo 2 with Qwen3-MoE's tensors: every layer MoE (intermediate_size is the experts' FFN), norms
+# before the sublayers, not after.
+OLMOE = OLMO2.derive(
+    "OlmoeForCausalLM", "olmoe",
     tensors=QWEN3_MOE_TENSORS,
     fields=(
-        *decoder_fields(max_position_embeddings=4096, norm_epsilon=1e-5),
+        max_positions(4096),
         ConfigField(("intermediate_size",), "moe_ffn_hidden_size", int, default=2048, written=expert_ffn_size),
         ConfigField(("num_experts",), "num_experts", int, default=64, legacy=(("num_local_experts",),)),
         ConfigField(("num_experts_per_tok",), "moe_router_topk", int, default=8),
         AUX_LOSS,
     ),
-    rules=(EVERY_LAYER_MOE, ROPE_RULE, NORM_TOPK_RULE),
-    fixed={**PLAIN_SWIGLU, **_MOE_OFF, "add_qkv_bias": False, "qk_layernorm": True,
-           "qk_layernorm_across_heads": True, "pre_layernorms": True, "post_self_attn_layernorm": False,
-           "post_mlp_layernorm": False},
+    rules=(EVERY_LAYER_MOE, NORM_TOPK_RULE),
+    fixed={**_MOE_OFF, "pre_layernorms": True, "post_self_attn_layernorm": False, "post_mlp_layernorm": False},
+    hf_computes=PRE_SOFTMAX,
     # clip_qkv clamps q, k and v: no Megatron layer does.
-    hf_fixed={**_HF_OLMO, "clip_qkv": None},
-    hf_scratch=ROPE_DEFAULT,
-    hf_notes={"qk-norm": _ACROSS_HEADS_NOTE, "moe pre-softmax": "norm_topk_prob = not pre_softmax"},
+    hf_fixed={"clip_qkv": None},
+    hf_notes={"post-sublayer norms": DROP, "moe pre-softmax": "norm_topk_prob = not pre_softmax"},
 )

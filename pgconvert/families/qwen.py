@@ -252,35 +252,25 @@ _QWEN2_SHARED_EXPERT_ROWS = (
     TensorMapping("decoder.layers.{}.mlp.shared_experts.gate_weight", ("model.layers.{}.mlp.shared_expert_gate.weight",)),
 )
 
-# Built from Qwen3-MoE's pieces rather than derived from it: derive would reorder its fixed values,
-# and so the order of the reasons a model does not fit it.
-QWEN2_MOE = Family(
-    architecture="Qwen2MoeForCausalLM",
-    model_type="qwen2_moe",
-    hf_computes=PRE_SOFTMAX,
+# Qwen3-MoE with a gated shared expert, q/k/v biases and no qk-norm.
+QWEN2_MOE = QWEN3_MOE.derive(
+    "Qwen2MoeForCausalLM", "qwen2_moe",
     tensors=TensorTable((*EMBEDDING_ROWS, *ATTENTION_ROWS, *DENSE_MLP_ROWS, *QWEN_MOE_ROWS,
                          *_QWEN2_SHARED_EXPERT_ROWS, *FINAL_ROWS)),
     fields=(
-        *decoder_fields(max_position_embeddings=32768),
-        DENSE_FFN,
         ConfigField(("moe_intermediate_size",), "moe_ffn_hidden_size", int, default=1408, written=expert_ffn_size),
         ConfigField(("num_experts",), "num_experts", int, default=60),
         ConfigField(("num_experts_per_tok",), "moe_router_topk", int, default=4),
         ConfigField(("shared_expert_intermediate_size",), "moe_shared_expert_intermediate_size", int, default=5632),
         # q, k and v biases only (o_proj and the MLPs have none): megatron-core's add_qkv_bias.
         ConfigField(("qkv_bias",), "add_qkv_bias", bool, default=True),
-        AUX_LOSS,
     ),
     rules=(ConfigRule(keys=_SPARSE_STEP.keys, model_fields=_SPARSE_STEP.model_fields, read=_layers_from_sparse_step,
                       write=_sparse_step_from_layers, refuses=_refuses_dense_or_no_shared_expert),
-           ROPE_RULE,
            ConfigRule(keys=("use_sliding_window", "sliding_window", "layer_types"),
                       model_fields=("sliding_window", "window_layers"),
-                      read=_read_qwen2_moe_window, write=_write_qwen2_moe_window),
-           NORM_TOPK_RULE),
-    fixed={**SWIGLU_RMS_ROPE, "moe_shared_expert_gate": True, "moe_router_enable_expert_bias": False,
-           "qk_layernorm": False, "add_bias_linear": False},
-    hf_fixed=HF_SILU,
-    hf_scratch=ROPE_DEFAULT,
-    hf_notes={"moe pre-softmax": _NORM_TOPK_NOTE},
+                      read=_read_qwen2_moe_window, write=_write_qwen2_moe_window)),
+    fixed={"moe_shared_expert_gate": True, "qk_layernorm": False},
+    hf_fixed={"attention_bias": DROP},
+    hf_notes={"sliding window": "use_sliding_window, sliding_window, layer_types", "qk-norm": DROP},
 )

@@ -529,17 +529,17 @@ class Family:
           pattern (a dropped row: of the same HF pattern), in place, and the others are added;
         * ``fields`` replace those reading the same ``ModelConfig`` field (in place of the first),
           ``rules`` those reading any of the same fields; the others are added after the base's;
-        * ``fixed`` values are merged into the base's: a setting a new field or rule reads is no
-          longer fixed, and the base's fields reading a setting fixed here, or read by a new rule,
-          are dropped;
+        * ``fixed`` values are merged into the base's, in place: a setting a new field or rule reads
+          is no longer fixed (the new settings take the place of the first such one, else follow the
+          base's), and the base's fields reading a setting fixed here, or read by a new rule, are
+          dropped;
         * ``hf_fixed``, ``hf_scratch``, ``hf_assumed`` and ``hf_notes`` are merged into the base's
           (``DROP`` removes a key); any other attribute given replaces the base's.
         """
         fixed = dict(fixed or {})
         read_by_rules = {name for rule in rules for name in rule.model_fields}
         read = read_by_rules | {spec.model_field for spec in fields}
-        merged_fixed = {name: value for name, value in self.fixed.items() if name not in read}
-        merged_fixed.update(fixed)
+        merged_fixed = _merged_fixed(self.fixed, read, fixed)
         kept_fields = [spec for spec in self.fields if spec.model_field not in fixed.keys() | read_by_rules]
         for name in _MERGED:
             if name in changes:
@@ -551,6 +551,21 @@ class Family:
             tensors=TensorTable(_replaced(table.rows, rows, _row_key)) if rows else table,
             fields=_replaced(kept_fields, fields, lambda spec: {spec.model_field}),
             rules=_replaced(self.rules, rules, lambda rule: set(rule.model_fields)), **changes)
+
+
+def _merged_fixed(base: Mapping[str, object], read: set[str], changes: Mapping[str, object]) -> dict[str, object]:
+    """``base`` with ``changes`` in place and without the settings now ``read``; the settings ``base``
+    does not fix go where the first of those was (at the end when there is none)."""
+    added = {name: value for name, value in changes.items() if name not in base or name in read}
+    merged: dict[str, object] = {}
+    for name, value in base.items():
+        if name in read:
+            merged.update(added)
+            added = {}
+        else:
+            merged[name] = changes.get(name, value)
+    merged.update(added)
+    return merged
 
 
 def _row_key(row: TensorMapping) -> set[str]:

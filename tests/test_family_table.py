@@ -46,6 +46,16 @@ def test_derive_fixing_a_setting_drops_the_fields_that_read_it() -> None:
     assert derived.fixed["qk_layernorm"] is True
 
 
+def test_derive_puts_new_fixed_values_where_the_first_setting_now_read_was() -> None:
+    derived = LLAMA.derive("XForCausalLM", "x", fields=(ConfigField(("use_qk_norm",), "qk_layernorm", bool, default=False),),
+                           fixed={"moe_router_pre_softmax": False, "add_qkv_bias": True})
+
+    base = list(LLAMA.fixed)
+    at = base.index("qk_layernorm")
+    assert list(derived.fixed) == [*base[:at], "moe_router_pre_softmax", *base[at + 1:]]
+    assert derived.fixed["add_qkv_bias"] is True
+
+
 def test_derive_refuses_fixing_a_setting_a_kept_rule_reads() -> None:
     with pytest.raises(ValueError, match="both fixed and read from config.json: \\['rotary_percent'\\]"):
         LLAMA.derive("XForCausalLM", "x", fixed={"rotary_percent": 1.0})

@@ -47,7 +47,8 @@ def test_derive_fixing_a_setting_drops_the_fields_that_read_it() -> None:
 
 
 def test_derive_puts_new_fixed_values_where_the_first_setting_now_read_was() -> None:
-    derived = LLAMA.derive("XForCausalLM", "x", fields=(ConfigField(("use_qk_norm",), "qk_layernorm", bool, default=False),),
+    qk_norm = ConfigField(("use_qk_norm",), "qk_layernorm", bool, default=False)
+    derived = LLAMA.derive("XForCausalLM", "x", fields=(qk_norm,),
                            fixed={"moe_router_pre_softmax": False, "add_qkv_bias": True})
 
     base = list(LLAMA.fixed)

@@ -31,7 +31,6 @@ from pgconvert.families.llama import (
     LLAMA,
     ROPE_DEFAULT,
     ROPE_RULE,
-    SWIGLU_RMS_ROPE,
     decoder_fields,
     max_positions,
 )

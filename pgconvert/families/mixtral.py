@@ -32,6 +32,8 @@ MIXTRAL_MOE_ROWS = (
 )
 MIXTRAL_TENSORS = TensorTable((*EMBEDDING_ROWS, *ATTENTION_ROWS, *MIXTRAL_MOE_ROWS, *FINAL_ROWS))
 
+# Built from Mistral's pieces, not derived from it: derive would add the every-layer-MoE rule after
+# the window rule, and so reorder the reasons a model does not fit.
 MIXTRAL = Family(
     architecture="MixtralForCausalLM",
     model_type="mixtral",

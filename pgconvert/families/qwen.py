@@ -184,6 +184,8 @@ _QWEN3_MOE_WINDOW = ConfigRule(keys=("use_sliding_window", "sliding_window"),
                                read=_read_all_or_none_window, write=_write_all_or_none_window,
                                refuses=refuses_partial_window)
 
+# Built from Qwen3's pieces, not derived from it: derive would add the sparse-step rule after the
+# window rule, and so reorder the reasons a model does not fit.
 QWEN3_MOE = Family(
     architecture="Qwen3MoeForCausalLM",
     model_type="qwen3_moe",

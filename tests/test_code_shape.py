@@ -38,7 +38,7 @@ def test_the_check_sees_a_long_function(tmp_path: Path) -> None:
 
 # Where the rules and transforms are defined; everywhere else asks them (``fits_rows``,
 # ``piece_windows``, ``reads_window`` …) and never tests which one it holds.
-DEFINERS = {"pgconvert/model/rules.py", "pgconvert/families/__init__.py"}
+DEFINERS = {"pgconvert/model/rules.py", "pgconvert/families/table.py"}
 # The owners of tensor names: the layer kinds' tables define them, the provider (which re-exports them)
 # answers whether a name is a routed expert's, a fused norm's, …
 NAME_OWNERS = re.compile(r"pgconvert/model/(provider|kinds/\w+)\.py")
@@ -48,11 +48,11 @@ PACKAGE_FOLDERS = ("pgconvert", "loaders", "savers")
 def _rule_and_transform_names() -> set[str]:
     """The rule and transform classes (their bases aside: being a rule at all is no type test) and
     their module-level instances."""
-    from pgconvert import families
+    from pgconvert.families import table
     from pgconvert.model import rules
 
     names = set()
-    for module, base in ((rules, rules.ShardRule), (families, families.Transform)):
+    for module, base in ((rules, rules.ShardRule), (table, table.Transform)):
         for name, value in vars(module).items():
             if (isinstance(value, type) and issubclass(value, base) and value is not base) or isinstance(value, base):
                 names.add(name)
@@ -148,45 +148,30 @@ def test_provider_constants_are_defined_once() -> None:
     assert restated == []
 
 
-# fam17d: an architecture name ("...ForCausalLM") is family data: it is spelled only in the family
-# modules and in semantics' SEMANTICS table (documentation, per family); everywhere else asks a
-# ``Family`` (its fields) and never branches on the name.
+# An architecture name ("...ForCausalLM") is family data: it is spelled only in the modules of the
+# family lineages (not the table types, not the registry); everywhere else asks a ``Family`` (its
+# fields) and never branches on the name.
 ARCHITECTURE_NAME = re.compile(r"\w+ForCausalLM\b")
-ARCHITECTURE_OWNERS = re.compile(r"pgconvert/families/\w+\.py")
-DOCUMENTATION_TABLES = {"pgconvert/semantics/__init__.py": "SEMANTICS"}
-
-
-def _documentation_lines(tree: ast.Module, table: str | None) -> set[int]:
-    """The lines of the module-level assignment to ``table`` (none when ``table`` is None)."""
-    for node in tree.body:
-        targets = node.targets if isinstance(node, ast.Assign) else []
-        if isinstance(node, ast.AnnAssign):
-            targets = [node.target]
-        if any(isinstance(t, ast.Name) and t.id == table for t in targets):
-            return set(range(node.lineno, (node.end_lineno or node.lineno) + 1))
-    return set()
+ARCHITECTURE_OWNERS = re.compile(r"pgconvert/families/(?!table\.py|__init__\.py)\w+\.py")
 
 
 def architecture_names(root: Path) -> list[str]:
     """``path:line name`` of every architecture name in a string literal or keyword argument of the
-    package outside the family modules and the documentation tables."""
+    package outside the family modules."""
     found = []
     for folder in PACKAGE_FOLDERS:
         for path in sorted((root / folder).rglob("*.py")):
             relative = path.relative_to(root).as_posix()
             if ARCHITECTURE_OWNERS.fullmatch(relative):
                 continue
-            tree = ast.parse(path.read_text(), str(path))
-            allowed = _documentation_lines(tree, DOCUMENTATION_TABLES.get(relative))
-            for node in ast.walk(tree):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
                 if isinstance(node, ast.Constant) and isinstance(node.value, str):
                     text = node.value
                 elif isinstance(node, ast.keyword) and node.arg is not None:
                     text = node.arg
                 else:
                     continue
-                if getattr(node, "lineno", None) not in allowed:
-                    found += [f"{relative}:{node.lineno} {name}" for name in ARCHITECTURE_NAME.findall(text)]
+                found += [f"{relative}:{node.lineno} {name}" for name in ARCHITECTURE_NAME.findall(text)]
     return found
 
 
@@ -205,9 +190,11 @@ def test_the_architecture_check_sees_a_name(tmp_path: Path) -> None:
         "ODD = {'Qwen3MoeForCausalLM', 'OlmoeForCausalLM'}\nf(Glm4ForCausalLM=1)\n")
     (tmp_path / "pgconvert" / "families").mkdir()
     (tmp_path / "pgconvert" / "families" / "new.py").write_text("A = 'NewForCausalLM'\n")
+    (tmp_path / "pgconvert" / "families" / "table.py").write_text("B = 'TableForCausalLM'\n")
     (tmp_path / "loaders" / "y.py").write_text("'''Reads LlamaForCausalLM files.'''\n")
 
     assert sorted(architecture_names(tmp_path)) == [
-        "loaders/y.py:1 LlamaForCausalLM", "pgconvert/semantics/__init__.py:2 OlmoeForCausalLM",
-        "pgconvert/semantics/__init__.py:2 Qwen3MoeForCausalLM", "pgconvert/semantics/__init__.py:3 Glm4ForCausalLM",
-        "savers/x.py:2 Gemma2ForCausalLM"]
+        "loaders/y.py:1 LlamaForCausalLM", "pgconvert/families/table.py:1 TableForCausalLM",
+        "pgconvert/semantics/__init__.py:1 LlamaForCausalLM", "pgconvert/semantics/__init__.py:1 QwenForCausalLM",
+        "pgconvert/semantics/__init__.py:2 OlmoeForCausalLM", "pgconvert/semantics/__init__.py:2 Qwen3MoeForCausalLM",
+        "pgconvert/semantics/__init__.py:3 Glm4ForCausalLM", "savers/x.py:2 Gemma2ForCausalLM"]

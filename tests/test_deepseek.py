@@ -218,7 +218,7 @@ def test_v3_settings_megatron_core_computes_differently_are_refused(
 
 
 def test_an_incomplete_multi_token_prediction_layer_is_refused_naming_what_is_missing(tmp_path: Path) -> None:
-    """mtp: MTP layers convert (tests/test_mtp.py); one stored in part is a named error."""
+    """MTP layers convert (tests/test_mtp.py); one stored in part is a named error."""
     from safetensors.torch import save_file
 
     _, src = source(tmp_path, "v3")

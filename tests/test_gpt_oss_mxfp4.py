@@ -15,7 +15,7 @@ import pytest
 import torch
 from support.cli_helpers import run_cli
 from support.hf_helpers import edit_json, load_hf_tensors, rewrite_as_single_file
-from support.moe_more_helpers import save_gpt_oss
+from support.glm4_moe_gpt_oss_helpers import save_gpt_oss
 
 import pgconvert
 

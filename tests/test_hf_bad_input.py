@@ -17,7 +17,7 @@ from pgconvert.cli import main
 from pgconvert.errors import CheckpointError, ConfigError, LayoutError
 from pgconvert.families import supported_architectures
 
-# Every registered family, sorted (f17b: read from the registry as families are added).
+# Every registered family, sorted (read from the registry as families are added).
 SUPPORTED = ", ".join(supported_architectures())
 
 

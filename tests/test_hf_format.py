@@ -19,18 +19,9 @@ from pgconvert.loaders.megatron import MegatronLoader
 from pgconvert.model.config import ModelConfig
 from pgconvert.errors import ConfigError
 from pgconvert.run.example import example_config, example_source
-from pgconvert.families import (
-    DECODER_TENSORS,
-    DROPPED,
-    FAMILIES,
-    GATE_UP,
-    IDENTITY,
-    QKV,
-    ConfigField,
-    Family,
-    TensorMapping,
-    TensorTable,
-)
+from pgconvert.families import FAMILIES
+from pgconvert.families.llama import DECODER_TENSORS
+from pgconvert.families.table import DROPPED, GATE_UP, IDENTITY, QKV, ConfigField, Family, TensorMapping, TensorTable
 from pgconvert.formats import LoadOptions, SaveOptions
 from pgconvert.formats.hf import hf_config_from_model, infer_family
 from pgconvert.model.layout import ParallelLayout

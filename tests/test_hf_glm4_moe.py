@@ -1,6 +1,6 @@
 """GLM-4.5-MoE (Glm4MoeForCausalLM): HF <-> Megatron / torch_dist is bit-exact, and the model survives.
 
-The source is a tiny transformers model (tests/support/moe_more_helpers.py) with every GLM-specific option
+The source is a tiny transformers model (tests/support/glm4_moe_gpt_oss_helpers.py) with every GLM-specific option
 on: partial rotary (half of each head), qk-norm, q/k/v biases, a dense first layer, a shared expert
 of two expert widths, a sigmoid router with a non-zero e_score_correction_bias, scaled routing
 weights, and a vocab that is not a multiple of 128.
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from support.hf_helpers import assert_same_hf_tensors, edit_json, hf_logits, input_ids, load_hf_tensors, read_megatron_tp_ranks
-from support.moe_more_helpers import GLM4_MOE_KWARGS, assert_same_release, first_rank_args, glm4_moe_tp_logits, save_glm4_moe
+from support.glm4_moe_gpt_oss_helpers import GLM4_MOE_KWARGS, assert_same_release, first_rank_args, glm4_moe_tp_logits, save_glm4_moe
 from safetensors.torch import save_file
 
 import pgconvert
@@ -123,7 +123,7 @@ def _copy(source: Path, tmp_path: Path) -> Path:
 
 
 def test_checkpoint_with_part_of_an_mtp_layer_is_refused_naming_what_is_missing(source: Path, tmp_path: Path) -> None:
-    """mtp: MTP layers convert (tests/test_mtp.py); one stored in part is a named error."""
+    """MTP layers convert (tests/test_mtp.py); one stored in part is a named error."""
     src = _copy(source, tmp_path)
     mtp = {"model.layers.4.eh_proj.weight": torch.zeros(64, 128), "model.layers.4.enorm.weight": torch.ones(64)}
     save_file(mtp, str(src / "mtp.safetensors"), metadata={"format": "pt"})

@@ -1,6 +1,6 @@
 """GPT-OSS (GptOssForCausalLM): HF <-> Megatron / torch_dist is bit-exact, and the model survives.
 
-The source is a tiny transformers model (tests/support/moe_more_helpers.py): every layer MoE with experts
+The source is a tiny transformers model (tests/support/glm4_moe_gpt_oss_helpers.py): every layer MoE with experts
 stacked per layer as transformers saves them (gate_up_proj [E, hidden, 2·I], gate/up interleaved),
 biases on every linear and on the router, attention sinks, a window of 4 on alternate layers, the
 clamped GLU with a limit low enough to bite, and a vocab that is not a multiple of 128. RoPE is plain
@@ -25,7 +25,7 @@ from support.hf_helpers import (
     read_megatron_tp_ranks,
     rewrite_as_single_file,
 )
-from support.moe_more_helpers import GPT_OSS_KWARGS, assert_same_release, first_rank_args, gpt_oss_tp_logits, save_gpt_oss
+from support.glm4_moe_gpt_oss_helpers import GPT_OSS_KWARGS, assert_same_release, first_rank_args, gpt_oss_tp_logits, save_gpt_oss
 
 import pgconvert
 from pgconvert.errors import CheckpointError

@@ -34,7 +34,8 @@ from support.hf_helpers import (
 import pgconvert
 from pgconvert.model.config import ModelConfig
 from pgconvert.errors import CheckpointError, ConfigError
-from pgconvert.families import FAMILIES, Family
+from pgconvert.families import FAMILIES
+from pgconvert.families.table import Family
 from pgconvert.formats.hf import family_mismatches, hf_config_from_model, infer_family
 
 # (tp, ep, pp, expert naming of the Megatron files)
@@ -322,11 +323,11 @@ def test_megatron_moe_model_is_written_as_qwen3_moe_with_qk_norm_and_as_mixtral_
 
 
 def _shared_expert(family: Family) -> dict[str, object]:
-    """A shared expert for a family whose experts have a gated one (f17a: Qwen2-MoE)."""
+    """A shared expert for a family whose experts have a gated one (Qwen2-MoE)."""
     return {"moe_shared_expert_intermediate_size": 6} if family.fixed.get("moe_shared_expert_gate") else {}
-# f17b: what a family's rules need besides its fixed values (Gemma 3's local RoPE base).
+# What a family's rules need besides its fixed values (Gemma 3's local RoPE base).
 _RULE_EXTRAS: dict[str, dict[str, object]] = {"Gemma3ForCausalLM": {"rotary_base_local": 10000.0}}
-# What a family needs beyond its fixed values to accept a model (f17c: GLM-4.5-MoE's shared expert).
+# What a family needs beyond its fixed values to accept a model (GLM-4.5-MoE's shared expert).
 _FAMILY_NEEDS: dict[str, dict[str, object]] = {"Glm4MoeForCausalLM": {"moe_shared_expert_intermediate_size": 6}}
 
 
@@ -479,7 +480,8 @@ def test_native_megatron_moe_checkpoint_becomes_qwen3_moe_with_the_same_logits(t
 
 
 def test_family_whose_rule_and_field_read_the_same_model_field_is_refused() -> None:
-    from pgconvert.families import DECODER_TENSORS, ConfigField, ConfigRule, Family
+    from pgconvert.families.llama import DECODER_TENSORS
+    from pgconvert.families.table import ConfigField, ConfigRule, Family
 
     rule = ConfigRule(keys=("decoder_sparse_step",), model_fields=("num_layers",),
                       read=lambda present, model: {"num_layers": 1}, write=lambda config: {})

@@ -1,4 +1,4 @@
-"""megatron-core's own CPU forward of the Megatron checkpoints pgconvert writes for the f17 families.
+"""megatron-core's own CPU forward of the Megatron checkpoints pgconvert writes for the families.
 
 For every family whose computation megatron-core 0.16.1 expresses (docs/design.md, "megatron-core
 forward coverage"), the tiny transformers model is converted to Megatron (TP1; loading a TP1 rank
@@ -36,9 +36,9 @@ RELEASED_YARN = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "b
                  "truncate": False, "original_max_position_embeddings": 4096}
 
 
-def _f17a(name: str, **overrides: Any) -> Callable[[Path], Path]:
+def _tiny_model(name: str, **overrides: Any) -> Callable[[Path], Path]:
     def save(path: Path) -> Path:
-        from support.hf_more_helpers import build_model, save_model
+        from support.llama_like_helpers import build_model, save_model
 
         return save_model(build_model(name, seed=3, **overrides), path)
     return save
@@ -46,7 +46,7 @@ def _f17a(name: str, **overrides: Any) -> Callable[[Path], Path]:
 
 def _glm4_moe(**overrides: Any) -> Callable[[Path], Path]:
     def save(path: Path) -> Path:
-        from support.moe_more_helpers import save_glm4_moe
+        from support.glm4_moe_gpt_oss_helpers import save_glm4_moe
 
         return save_glm4_moe(path, seed=3, **overrides)
     return save
@@ -54,25 +54,25 @@ def _glm4_moe(**overrides: Any) -> Callable[[Path], Path]:
 
 def _gpt_oss(**overrides: Any) -> Callable[[Path], Path]:
     def save(path: Path) -> Path:
-        from support.moe_more_helpers import save_gpt_oss
+        from support.glm4_moe_gpt_oss_helpers import save_gpt_oss
 
         return save_gpt_oss(path, seed=3, **overrides)
     return save
 
 
-# The tiny transformers models, each with its family's options on (tests/support/hf_more_helpers.py,
-# tests/support/moe_more_helpers.py).
+# The tiny transformers models, each with its family's options on (tests/support/llama_like_helpers.py,
+# tests/support/glm4_moe_gpt_oss_helpers.py).
 SOURCES: dict[str, Callable[[Path], Path]] = {
     # shared expert with its sigmoid gate, a dense layer, q/k/v biases, windows on alternate layers,
     # softmax over all experts before top-k (no renormalization)
-    "qwen2_moe": _f17a("qwen2_moe"),
+    "qwen2_moe": _tiny_model("qwen2_moe"),
     # NoPE on every second layer, a window on the others
-    "smollm3": _f17a("smollm3"),
+    "smollm3": _tiny_model("smollm3"),
     # a window on three layers in four
-    "ministral": _f17a("ministral"),
+    "ministral": _tiny_model("ministral"),
     # Phi-3-mini-4k's plain RoPE (longrope has no megatron-core equivalent), fused qkv/gate_up,
     # partial rotary 0.75, a window on every layer
-    "phi3-rope": _f17a("phi3", rope_scaling=None),
+    "phi3-rope": _tiny_model("phi3", rope_scaling=None),
     # sigmoid router with expert bias, scaled weights, shared expert, dense first layer, qk-norm,
     # partial rotary 0.5
     "glm4_moe": _glm4_moe(),

@@ -1,4 +1,4 @@
-"""Multi-token-prediction (MTP) layers of DeepSeek-V3 and GLM-4.5-MoE through pgconvert (mtp).
+"""Multi-token-prediction (MTP) layers of DeepSeek-V3 and GLM-4.5-MoE through pgconvert.
 
 transformers builds no MTP module, so a tiny source is a model built with one layer more whose last
 layer becomes the MTP layer (HF layer index num_hidden_layers) beside its own enorm, hnorm,
@@ -38,7 +38,7 @@ LAYERS = 4
 def _build(family: str) -> Any:
     """The transformers model with LAYERS + 1 layers, every weight seeded."""
     if family == "glm":
-        from support.moe_more_helpers import build_glm4_moe
+        from support.glm4_moe_gpt_oss_helpers import build_glm4_moe
 
         return build_glm4_moe(num_hidden_layers=LAYERS + 1, n_routed_experts=8, n_group=2, topk_group=1)
     from support.deepseek_helpers import build_deepseek

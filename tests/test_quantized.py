@@ -370,7 +370,7 @@ def test_inconsistent_mxfp4_parts_are_named_errors(tmp_path: Path, change: Calla
 def test_a_kept_tensor_shared_by_several_units_is_written_once_with_the_last() -> None:
     from savers.hf import _Unit, kept_once
 
-    from pgconvert.families import IDENTITY, TensorMapping
+    from pgconvert.families.table import IDENTITY, TensorMapping
 
     stacked = "model.layers.0.mlp.experts.down_proj"
     parts = ((stacked + "_blocks", TensorMeta((2, 8, 1, 16), torch.uint8)),

@@ -163,11 +163,11 @@ def test_megatron_arg_names_are_megatron_cores_or_megatron_lms() -> None:
                    "beta_fast", "beta_slow"}
     megatron_lm.update({"openai_gelu", "quick_geglu"})  # arguments.py: --openai-gelu, --quick-geglu
     names = {name for row in SEMANTICS for name in row.megatron}
-    # f17a: settings megatron-core does not compute, carried under transformers' names (with a notice).
-    # f17b: Megatron-Bridge's names for what megatron-core lacks, and pgconvert's own where no Megatron
-    # code has a setting (pgconvert.semantics.postnorm names both).
+    # Settings megatron-core does not compute that families carry under transformers' names (with a
+    # notice); Megatron-Bridge's names for what megatron-core lacks, and pgconvert's own where no
+    # Megatron code has a setting (pgconvert.semantics.postnorm names both).
     from pgconvert.semantics.postnorm import BRIDGE_ARGS, PGCONVERT_ARGS
-    from pgconvert.semantics.more import CARRIED_ARGS
+    from pgconvert.families import CARRIED_ARGS
 
     assert set(CARRIED_ARGS) & (core | megatron_lm) == set()
     assert names - core - megatron_lm - set(CARRIED_ARGS) - BRIDGE_ARGS - PGCONVERT_ARGS == set()
@@ -572,9 +572,9 @@ def test_yarn_attention_factor_transformers_would_infer_differently_is_written()
 
 
 def test_hf_losses_asks_the_family_what_it_computes(monkeypatch: pytest.MonkeyPatch) -> None:
-    """fam17d: whether a partial rotary or pre-softmax router is lost is the family's ``hf_computes``."""
+    """Whether a partial rotary or pre-softmax router is lost is the family's ``hf_computes``."""
     from pgconvert import families
-    from pgconvert.semantics import hf_losses
+    from pgconvert.formats.hf import hf_losses
 
     config = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=8, ffn_hidden_size=128,
                          rotary_percent=0.5)

@@ -13,7 +13,7 @@ import torch
 
 from pgconvert.model.config import ModelConfig
 from pgconvert.errors import CheckpointError, ConfigError, LayoutError, ValidationError
-from pgconvert.families import Family, PartReader, TensorMapping, TensorTable
+from pgconvert.families.table import Family, PartReader, TensorMapping, TensorTable
 from pgconvert.formats import Loader, LoadOptions
 from pgconvert.formats.hf import (
     CONFIG_FILE,

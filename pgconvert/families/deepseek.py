@@ -1,5 +1,5 @@
 """DeepSeek-V2/V3 (and Kimi-K2, DeepSeek-V3.1, whose configs name DeepseekV3ForCausalLM): multi-latent
-attention, shared experts and DeepSeek's routers, as families of ``pgconvert.families``.
+attention, shared experts and DeepSeek's routers.
 
 Tensors (transformers' ``modeling_deepseek_v3``/``_v2`` <-> megatron-core's ``MLASelfAttention``), all
 one to one: megatron-core's kv down projection is ``[kv_lora_rank latent; qk_pos_emb_head_dim rope]``
@@ -21,7 +21,7 @@ Routers (transformers <-> megatron-core's ``topk_routing_with_score_function``):
   group's best score: megatron-core's top ``topk // group_topk`` = 1).
 
 A group setting that chooses every group routes as no groups and is read as none.
-GLM-4.5-MoE's router (top-2 group score, as V3) reuses ``_groups`` (mtp16).
+GLM-4.5-MoE's router (top-2 group score, as V3) reads its groups with ``router_groups``.
 Multi-token prediction layers (``num_nextn_predict_layers``; HF keeps them as layer index
 ``num_hidden_layers + i``) are megatron-core's ``mtp.layers.{i}`` (V3 only; ``pgconvert.families.mtp``).
 """
@@ -30,26 +30,21 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from pgconvert.model.config import ModelConfig
-from pgconvert.families import (
-    _DENSE_FFN,
-    _DENSE_MLP_ROWS,
-    _EMBEDDING_ROWS,
-    _FINAL_ROWS,
-    _HF_SILU,
-    _QWEN_MOE_ROWS,
-    _ROPE_DEFAULT,
-    _ROPE_RULE,
-    _SWIGLU_RMS_ROPE,
-    GATE_UP,
-    ConfigField,
-    ConfigRule,
-    Family,
-    TensorMapping,
-    TensorTable,
-)
 from pgconvert.io.limits import quote
+from pgconvert.model.config import ModelConfig
+from pgconvert.families.llama import (
+    DENSE_FFN,
+    DENSE_MLP_ROWS,
+    EMBEDDING_ROWS,
+    FINAL_ROWS,
+    HF_SILU,
+    ROPE_DEFAULT,
+    ROPE_RULE,
+    SWIGLU_RMS_ROPE,
+)
 from pgconvert.families.mtp import MTP_ROWS
+from pgconvert.families.qwen import QWEN_MOE_ROWS
+from pgconvert.families.table import GATE_UP, ConfigField, ConfigRule, Family, TensorMapping, TensorTable, write_nothing
 
 _ATTN = "model.layers.{}.self_attn."
 _MLA = "decoder.layers.{}.self_attention."
@@ -76,8 +71,8 @@ SHARED_EXPERTS_ROWS = (
     TensorMapping("decoder.layers.{}.mlp.shared_experts.linear_fc2.weight",
                   ("model.layers.{}.mlp.shared_experts.down_proj.weight",)),
 )
-_MOE_ROWS = (_QWEN_MOE_ROWS[0], EXPERT_BIAS_ROW, *_QWEN_MOE_ROWS[1:], *SHARED_EXPERTS_ROWS)
-DEEPSEEK_TENSORS = TensorTable((*_EMBEDDING_ROWS, *_MLA_ROWS, *_DENSE_MLP_ROWS, *_MOE_ROWS, *_FINAL_ROWS, *MTP_ROWS))
+_MOE_ROWS = (QWEN_MOE_ROWS[0], EXPERT_BIAS_ROW, *QWEN_MOE_ROWS[1:], *SHARED_EXPERTS_ROWS)
+DEEPSEEK_TENSORS = TensorTable((*EMBEDDING_ROWS, *_MLA_ROWS, *DENSE_MLP_ROWS, *_MOE_ROWS, *FINAL_ROWS, *MTP_ROWS))
 
 
 def _fields(experts: int, topk: int | None, max_positions: int) -> tuple[ConfigField, ...]:
@@ -93,7 +88,7 @@ def _fields(experts: int, topk: int | None, max_positions: int) -> tuple[ConfigF
         ConfigField(("vocab_size",), "vocab_size", int),
         ConfigField(("tie_word_embeddings",), "tie_embeddings", bool, default=False),
         ConfigField(("attention_dropout",), "attention_dropout", float, default=0.0),
-        _DENSE_FFN,
+        DENSE_FFN,
         ConfigField(("moe_intermediate_size",), "moe_ffn_hidden_size", int),
         ConfigField(("n_routed_experts",), "num_experts", int, default=experts),
         ConfigField(("num_experts_per_tok",), "moe_router_topk", int, default=topk),
@@ -160,7 +155,7 @@ def _shared_rule(default: int) -> ConfigRule:
                       read=read, write=write, refuses=refuses)
 
 
-def _groups(present: Mapping[str, object], model: Mapping[str, object], per_group: int) -> tuple[int, int] | None:
+def router_groups(present: Mapping[str, object], model: Mapping[str, object], per_group: int) -> tuple[int, int] | None:
     """(groups, chosen groups) that route as transformers does, None for no grouping; a setting
     megatron-core scores differently raises."""
     groups = _count(present.get("n_group", 1), "n_group", 1)
@@ -194,7 +189,7 @@ def _v3_router_read(present: Mapping[str, object], model: Mapping[str, object]) 
     if model["moe_router_topk"] == 1:
         raise ValueError("num_experts_per_tok=1: transformers renormalizes the one chosen score to 1 "
                          "(norm_topk_prob), megatron-core keeps its sigmoid score; no megatron-core equivalent")
-    groups = _groups(present, model, per_group=2)
+    groups = router_groups(present, model, per_group=2)
     return {"moe_router_num_groups": groups and groups[0], "moe_router_group_topk": groups and groups[1],
             "moe_router_topk_scaling_factor": _scaling(present, 2.5)}
 
@@ -217,7 +212,7 @@ def _v2_router_read(present: Mapping[str, object], model: Mapping[str, object]) 
     method = present.get("topk_method", "greedy")
     if method not in ("greedy", "group_limited_greedy"):
         raise ValueError(f"topk_method={quote(method)}: expected 'greedy' or 'group_limited_greedy'")
-    groups = _groups(present, model, per_group=1) if method == "group_limited_greedy" else None
+    groups = router_groups(present, model, per_group=1) if method == "group_limited_greedy" else None
     return {"moe_router_num_groups": groups and groups[0], "moe_router_group_topk": groups and groups[1],
             "moe_router_topk_scaling_factor": _scaling(present, 1.0)}
 
@@ -259,17 +254,13 @@ def _mla_rope_refuses(config: ModelConfig) -> str | None:
     return None
 
 
-# Runs after _ROPE_RULE (a rule sees the values earlier rules read).
-def _no_keys(config: ModelConfig) -> Mapping[str, object]:
-    return {}
-
-
-_MLA_ROPE = ConfigRule(keys=(), model_fields=(), read=_mla_rope_read, write=_no_keys,
+# Runs after ROPE_RULE (a rule sees the values earlier rules read).
+_MLA_ROPE = ConfigRule(keys=(), model_fields=(), read=_mla_rope_read, write=write_nothing,
                        refuses=_mla_rope_refuses)
 _Q_LORA = ConfigRule(keys=("q_lora_rank",), model_fields=("q_lora_rank",), read=_q_lora_read, write=_q_lora_write)
 
 _MLA_COMMON: dict[str, object] = {
-    **_SWIGLU_RMS_ROPE,
+    **SWIGLU_RMS_ROPE,
     "multi_latent_attention": True,
     # megatron-core builds MLA's q/kv latent norms only with qk_layernorm (IdentityOp otherwise).
     "qk_layernorm": True,
@@ -279,43 +270,46 @@ _MLA_COMMON: dict[str, object] = {
     "rotary_interleaved": False,
     "sliding_window": None,
 }
-_HF_COMMON: dict[str, object] = {**_HF_SILU, "attention_bias": False}
+_HF_COMMON: dict[str, object] = {**HF_SILU, "attention_bias": False}
 
-# ds16/fam17d: DeepSeek's families carry the score function, scaling, groups and pre-softmax (their
-# fixed values and rules refuse what they cannot write; pre-softmax means nothing to sigmoid scores).
+# DeepSeek's families carry the score function, scaling, groups and pre-softmax (their fixed values
+# and rules refuse what they cannot write; pre-softmax means nothing to sigmoid scores).
 _DEEPSEEK_COMPUTES = frozenset({"moe_router_score_function", "moe_router_topk_scaling_factor",
                                 "moe_router_num_groups", "moe_router_pre_softmax"})
 
 DEEPSEEK_V3 = Family(
     architecture="DeepseekV3ForCausalLM",
     model_type="deepseek_v3",
-    hf_computes=_DEEPSEEK_COMPUTES,  # fam17d
+    hf_computes=_DEEPSEEK_COMPUTES,
     tensors=DEEPSEEK_TENSORS,
     fields=_fields(experts=256, topk=8, max_positions=4096),
-    rules=(_ROPE_RULE, _MLA_ROPE, _Q_LORA, _layers_rule(default_dense=3), _shared_rule(default=1),
+    rules=(ROPE_RULE, _MLA_ROPE, _Q_LORA, _layers_rule(default_dense=3), _shared_rule(default=1),
            ConfigRule(keys=("n_group", "topk_group", "routed_scaling_factor"), model_fields=_ROUTER_FIELDS,
                       read=_v3_router_read, write=_v3_router_write, refuses=_v3_router_refuses)),
     fixed={**_MLA_COMMON, "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True},
     # megatron-core renormalizes the chosen sigmoid scores; its MLA rotary takes interleaved pairs.
     hf_fixed={**_HF_COMMON, "norm_topk_prob": True, "rope_interleave": True},
-    hf_scratch=_ROPE_DEFAULT,
-    hf_mtp_layers_key="num_nextn_predict_layers",  # mtp
+    hf_scratch=ROPE_DEFAULT,
+    hf_mtp_layers_key="num_nextn_predict_layers",
+    hf_notes={"moe score function": "sigmoid (fixed)", "moe expert bias": "e_score_correction_bias (fixed)",
+              "moe top-k scaling": "routed_scaling_factor",
+              "moe router groups": "n_group, topk_group (group score: top-2 sum)"},
 )
 
 DEEPSEEK_V2 = Family(
     architecture="DeepseekV2ForCausalLM",
     model_type="deepseek_v2",
-    hf_computes=_DEEPSEEK_COMPUTES,  # fam17d
+    hf_computes=_DEEPSEEK_COMPUTES,
     tensors=DEEPSEEK_TENSORS,
     fields=_fields(experts=64, topk=None, max_positions=2048),
-    rules=(_ROPE_RULE, _MLA_ROPE, _Q_LORA, _layers_rule(default_dense=0), _shared_rule(default=2),
+    rules=(ROPE_RULE, _MLA_ROPE, _Q_LORA, _layers_rule(default_dense=0), _shared_rule(default=2),
            ConfigRule(keys=("topk_method", "n_group", "topk_group", "routed_scaling_factor"),
                       model_fields=_ROUTER_FIELDS, read=_v2_router_read, write=_v2_router_write,
                       refuses=_v2_router_refuses)),
     fixed={**_MLA_COMMON, "moe_router_score_function": "softmax", "moe_router_pre_softmax": True,
            "moe_router_enable_expert_bias": False},
     hf_fixed={**_HF_COMMON, "mlp_bias": False},
-    hf_scratch=_ROPE_DEFAULT,
+    hf_scratch=ROPE_DEFAULT,
+    hf_notes={"moe score function": "softmax (fixed)", "moe top-k scaling": "routed_scaling_factor",
+              "moe router groups": "topk_method=group_limited_greedy, n_group, topk_group (group score: best)"},
 )
-
-DEEPSEEK_FAMILIES: tuple[Family, ...] = (DEEPSEEK_V3, DEEPSEEK_V2)

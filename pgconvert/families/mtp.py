@@ -1,4 +1,4 @@
-"""Multi-token-prediction (MTP) layers on the HF side (mtp): DeepSeek-V3's and GLM-4.5-MoE's.
+"""Multi-token-prediction (MTP) layers on the HF side: DeepSeek-V3's and GLM-4.5-MoE's.
 
 HF keeps MTP layer ``i`` as decoder layer index ``num_hidden_layers + i``: the usual layer tensors
 plus ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm`` and copies of the model's embedding
@@ -22,7 +22,7 @@ from typing import Any
 
 from pgconvert.model.config import ModelConfig
 from pgconvert.errors import CheckpointError, ConfigError
-from pgconvert.families import Family, TensorMapping, TensorTable
+from pgconvert.families.table import Family, TensorMapping, TensorTable
 from pgconvert.io.limits import quote
 from pgconvert.model.provider import LAYER_PREFIX, MTP_PREFIX, OUTPUT_LAYER, WORD_EMBEDDINGS, mtp_layer
 

@@ -27,11 +27,12 @@ from safetensors import SafetensorError, safe_open
 
 from pgconvert.model.config import DTYPES, ModelConfig
 from pgconvert.errors import CheckpointError, ConfigError, PgconvertError
-from pgconvert.families import FAMILIES, INFERENCE_ORDER, REQUIRED, ConfigField, Family, supported_architectures
-from pgconvert.families.more import unmapped_losses
+from pgconvert.families import FAMILIES, INFERENCE_ORDER, supported_architectures
+from pgconvert.families.table import REQUIRED, ConfigField, Family
 from pgconvert.io.limits import MAX_SAFETENSORS_HEADER_BYTES, over_limit, parse_json, quote, read_json
 from pgconvert.model.provider import canonical_shapes as provider_shapes
-from pgconvert.semantics import hf_unrepresentable
+from pgconvert.semantics import FAMILY_SPECIFIC_SETTINGS
+from pgconvert.semantics.rope import hf_unrepresentable
 from pgconvert.formats.stream import TensorMeta
 
 if TYPE_CHECKING:
@@ -79,7 +80,7 @@ class HFOrigin:
     directory: Path
     config_json: dict[str, Any]
     family: Family
-    # fp8: the quantized tensors an hf target writes as stored (--keep-fp8); None: dequantized.
+    # The quantized tensors an hf target writes as stored (--keep-fp8); None: dequantized.
     quantized: QuantizedTensors | None = None
 
 
@@ -202,7 +203,7 @@ def model_config_from_hf(doc: dict[str, Any], path: Path, stored_dtype: torch.dt
         for key, assumed in family.hf_assumed.items()
         if key in doc and doc[key] != assumed
     ]
-    notices += hf_unrepresentable(doc, path)
+    notices += hf_unrepresentable(doc, path, family.hf_rope_types_carried)
     return family, config, notices
 
 
@@ -224,7 +225,7 @@ def family_mismatches(family: Family, config: ModelConfig) -> list[str]:
         if getattr(config, name) != expected
     ]
     refusals = (rule.refuses(config) for rule in family.rules)
-    if config.mtp_num_layers and family.hf_mtp_layers_key is None:  # mtp
+    if config.mtp_num_layers and family.hf_mtp_layers_key is None:
         mismatches.append(f"mtp_num_layers={config.mtp_num_layers} (no multi-token prediction layers)")
     return mismatches + [refusal for refusal in refusals if refusal is not None]
 
@@ -234,7 +235,7 @@ def infer_family(config: ModelConfig) -> Family:
     reasons = []
     for architecture in INFERENCE_ORDER:
         family = FAMILIES[architecture]
-        # f17a: a family without a key for a setting the model has does not fit either.
+        # A family without a key for a setting the model has does not fit either.
         mismatches = family_mismatches(family, config) + unmapped_losses(architecture, config)
         if not mismatches:
             return family
@@ -265,10 +266,60 @@ def hf_config_from_model(family: Family, config: ModelConfig, dtype: torch.dtype
             set_path(doc, where, value)
     for rule in family.rules:
         doc.update(copy.deepcopy(dict(rule.write(config))))
-    if family.hf_mtp_layers_key is not None:  # mtp
+    if family.hf_mtp_layers_key is not None:
         doc[family.hf_mtp_layers_key] = config.mtp_num_layers
     doc["dtype"] = str(dtype).removeprefix("torch.")
     return doc
+
+
+# --- what an HF family cannot express ------------------------------------------------------------
+
+def _carried_fields(family: Family) -> set[str]:
+    return ({spec.model_field for spec in family.fields} | set(family.fixed)
+            | {name for rule in family.rules for name in rule.model_fields})
+
+
+def unmapped_losses(architecture: str, config: ModelConfig) -> list[str]:
+    """The settings of ``config`` only some families hold that ``architecture`` has no config.json key for."""
+    family = FAMILIES.get(architecture)
+    carried = _carried_fields(family) if family is not None else set()
+    return [f"{name}={getattr(config, name)!r}: {architecture} has no such setting"
+            for name, default in FAMILY_SPECIFIC_SETTINGS.items()
+            if name not in carried and getattr(config, name) != default]
+
+
+def hf_losses(architecture: str, config: ModelConfig) -> list[str]:
+    """The settings of ``config`` an HF ``architecture`` written from it cannot express (beyond every
+    family's, what its family computes is its ``hf_computes``)."""
+    family = FAMILIES.get(architecture)
+    computes = family.hf_computes if family is not None else frozenset()
+    losses = []
+    if config.rotary_percent != 1.0 and "rotary_percent" not in computes:
+        losses.append(f"rotary_percent={config.rotary_percent} (partial rotary): {architecture} rotates the "
+                      "whole head")
+    for name, default in (("glu_linear_offset", 0.0), ("activation_func_clamp_value", None)):
+        if getattr(config, name) != default and name not in computes:
+            losses.append(f"{name}={getattr(config, name)}: {architecture} has no clamped GLU")
+    if config.num_experts is not None:
+        losses += _router_losses(architecture, config, computes)
+    return losses + unmapped_losses(architecture, config)
+
+
+def _router_losses(architecture: str, config: ModelConfig, computes: frozenset[str]) -> list[str]:
+    losses = []
+    if config.moe_router_score_function != "softmax" and "moe_router_score_function" not in computes:
+        losses.append(f"moe_router_score_function={config.moe_router_score_function!r}: {architecture} "
+                      "routes with softmax")
+    if (config.moe_router_topk_scaling_factor not in (None, 1.0)
+            and "moe_router_topk_scaling_factor" not in computes):
+        losses.append(f"moe_router_topk_scaling_factor={config.moe_router_topk_scaling_factor}: "
+                      f"{architecture} does not scale routing weights")
+    if config.moe_router_num_groups is not None and "moe_router_num_groups" not in computes:
+        losses.append(f"moe_router_num_groups={config.moe_router_num_groups}, moe_router_group_topk="
+                      f"{config.moe_router_group_topk}: {architecture} does not route by expert groups")
+    if config.moe_router_pre_softmax and "moe_router_pre_softmax" not in computes:
+        losses.append(f"moe_router_pre_softmax=True: {architecture} renormalizes the top-k weights")
+    return losses
 
 
 def config_disagreements(doc: dict[str, Any], path: Path, config: ModelConfig) -> tuple[Family, list[str]]:

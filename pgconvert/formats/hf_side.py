@@ -27,7 +27,7 @@ from typing import Any
 
 from pgconvert.model.config import ModelConfig
 from pgconvert.errors import CheckpointError, ConfigError, PgconvertError
-from pgconvert.families import Family
+from pgconvert.families.table import Family
 from pgconvert.formats import PlannedFile, SaveOptions
 from pgconvert.formats.hf import (
     MISSING,

@@ -36,6 +36,7 @@ from pgconvert.errors import CheckpointError, ConfigError, LayoutError, UnsafePi
 from pgconvert.formats import RELEASE, Iteration
 from pgconvert.model.layout import ParallelLayout
 from pgconvert.io.limits import MAX_TRACKER_BYTES, over_limit, quote
+from pgconvert.families import CARRIED_SETTINGS
 from pgconvert.semantics import from_args as semantics_from_args
 from pgconvert.semantics import to_args as semantics_to_args
 from pgconvert.io.torch_input import check_torch_file
@@ -300,7 +301,7 @@ def _config_from_args(args: argparse.Namespace, path: Path, transformer_impl: st
         moe_shared_expert_gate=bool(getattr(args, "moe_shared_expert_gate", False)),
         moe_router_enable_expert_bias=bool(getattr(args, "moe_router_enable_expert_bias", False)),
         moe_grouped_gemm=grouped_gemm,
-        **semantics_from_args(args, path),
+        **semantics_from_args(args, path, CARRIED_SETTINGS),
     )
 
 
@@ -415,7 +416,7 @@ def args_for_target(config: ModelConfig, layout: ParallelLayout, padded_vocab_si
     values = _model_args(config)
     values.update(_layout_args(config, layout))
     values.update(_run_args(padded_vocab_size, dtype, iteration))
-    values.update(semantics_to_args(config))
+    values.update(semantics_to_args(config, CARRIED_SETTINGS))
     if config.vocab_size is not None:
         values["vocab_size"] = config.vocab_size
     if config.num_experts is not None:

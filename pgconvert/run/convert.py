@@ -35,6 +35,7 @@ from pgconvert.formats.hf_quantized import check_keep_fp8
 from pgconvert.optimizer.reshard import carry_training_state, replace_saver_notice
 from pgconvert.optimizer.reshard import check_optimizer_options  # optcli
 from pgconvert.formats.registry import detect_format, get_loader, get_saver
+from pgconvert.families import CARRIED_SETTINGS
 from pgconvert.semantics import check_target
 from pgconvert.formats.stream import CanonicalSource
 from pgconvert.formats.strict import fallback
@@ -243,7 +244,7 @@ def plan(request: ConvertRequest, check_dst: bool = True) -> Plan:
         _note_dtype_change(source, save_options)
         if saver.parallel:
             _note_unrunnable_layout(source, save_options)
-        check_target(source, dst_format, request.strict)
+        check_target(source, dst_format, request.strict, CARRIED_SETTINGS)
         saver.validate(source, save_options)
         files = saver.plan(source, save_options)
         conversion = Plan(request, src_format, dst_format, source, source.layout, saver, save_options, files)

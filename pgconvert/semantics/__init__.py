@@ -3,79 +3,70 @@
 Each ``Setting`` row names the ``ModelConfig`` field(s) that hold it, the Megatron-LM argument(s)
 (``megatron/training/arguments.py`` and megatron-core's ``TransformerConfig``, whose field names
 are the argument names), where a ``torch_dist`` checkpoint keeps it (``common.pt``'s ``args``, the
-same namespace as a per-rank file's) and the config.json key(s) of each HF family.
+same namespace as a per-rank file's) and how config.json holds it in a family without a note of
+its own (a family's ``hf_notes`` say how its config.json holds a setting where it differs).
 
 The table drives what pgconvert does with these settings:
 
-* Megatron args -> ``ModelConfig`` (``from_args``) and back (``to_args``), for both Megatron formats;
-  the config.json side lives in ``pgconvert.families`` (fields and rules), cross-checked by tests;
+* Megatron args -> ``ModelConfig`` (``from_args``) and back (``to_args``), for both Megatron formats,
+  with the settings the families carry that megatron-core does not compute (``carried``, given by
+  the caller: ``pgconvert.families.CARRIED_SETTINGS``); the config.json side is each family's
+  fields and rules (``pgconvert.families``), cross-checked by tests;
 * a setting a target cannot express is lost only with a notice naming it, and ``--strict`` refuses
-  it (``lose``): ``hf_losses`` for an HF target, ``hf_unrepresentable`` for config.json settings no
-  Megatron argument holds;
-* ``inspect`` prints ``describe(config)``; ``verify`` reports ``differences(a, b)`` as failures.
+  it (``lose``): ``check_target`` for a Megatron target, ``pgconvert.formats.hf.hf_losses`` for an
+  HF one, ``pgconvert.semantics.rope.hf_unrepresentable`` for config.json settings no Megatron
+  argument holds;
+* ``inspect`` prints ``summary(config)``; ``verify`` reports ``differences(a, b)`` as failures.
+
+Nothing here knows a family: what a family adds is passed in by the caller.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import math
-from collections.abc import Mapping
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pgconvert.semantics import attention_scale
-from pgconvert.semantics import mla as mla_args
-from pgconvert.semantics import yarn
-from pgconvert.model.config import ModelConfig
 from pgconvert.errors import CheckpointError, StrictModeError
 from pgconvert.io.limits import quote
-from pgconvert.semantics import more as semantics_more  # f17a
-from pgconvert.semantics.postnorm import (
-    megatron_core_gaps,
-    postnorm_from_args,
-    postnorm_to_args,
-)
+from pgconvert.model.config import ModelConfig
+from pgconvert.semantics import attention_scale, carried, mla, rope, yarn
+from pgconvert.semantics.arg_values import arg, flag, number
+from pgconvert.semantics.carried import CarriedSetting
+from pgconvert.semantics.postnorm import megatron_core_gaps, postnorm_from_args, postnorm_to_args
+from pgconvert.semantics.rope import MEGATRON_DEFAULT_ROPE_SCALING_FACTOR
 
 log = logging.getLogger(__name__)
 
-# megatron-core's llama3 RoPE scaling (RotaryEmbedding._apply_scaling) fixes these three.
-MEGATRON_LLAMA3 = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-# Megatron-LM's argument defaults for settings a run's args may not record.
+# Megatron-LM's argument default for settings a run's args may not record.
 MEGATRON_DEFAULT_DROPOUT = 0.1
-MEGATRON_DEFAULT_ROPE_SCALING_FACTOR = 8.0
-
-ALL_FAMILIES = "*"
 
 
 @dataclass(frozen=True)
 class Setting:
-    """One setting that changes the computation, and where each format keeps it."""
+    """One setting that changes the computation, and where each format keeps it (``hf``: how
+    config.json holds it in a family whose ``hf_notes`` do not say otherwise)."""
 
     name: str
     fields: tuple[str, ...]
     megatron: tuple[str, ...]
     common_pt: str
-    hf: Mapping[str, str]
+    hf: str
     note: str = ""
 
 
-def _hf(**per_family: str) -> dict[str, str]:
-    """Per-family HF keys; ``ALL`` stands for every other family."""
-    return {ALL_FAMILIES if key == "ALL" else key: value for key, value in per_family.items()}
-
-
 _ARGS = "common.pt['args'].{}"
-_MOE = "Mixtral, Qwen3-MoE"  # DeepSeek's routers: the moe rows' DeepseekV2/V3 keys (pgconvert.families.deepseek)
 
 SEMANTICS: tuple[Setting, ...] = (
     Setting("rope theta", ("rotary_base",), ("rotary_base",), _ARGS.format("rotary_base"),
-            {ALL_FAMILIES: "rope_parameters.rope_theta (4.x: rope_theta)"}),
+            "rope_parameters.rope_theta (4.x: rope_theta)"),
     Setting("rope scaling", ("rope_scaling", "rope_scaling_factor"),
             ("use_rope_scaling", "rope_scaling_factor", "rotary_seq_len_interpolation_factor"),
             _ARGS.format("use_rope_scaling / rope_scaling_factor / rotary_seq_len_interpolation_factor"),
-            {ALL_FAMILIES: "rope_parameters.rope_type/factor (4.x: rope_scaling)"},
+            "rope_parameters.rope_type/factor (4.x: rope_scaling)",
             "llama3 with low/high frequency factors 1/4 and 8192 original positions (what megatron-core "
             "hard-codes), linear and yarn (next row) are carried; dynamic, longrope and other llama3 "
             "parameters are not (notice; --strict refuses)"),
@@ -85,199 +76,125 @@ SEMANTICS: tuple[Setting, ...] = (
              "original_max_position_embeddings", "beta_fast", "beta_slow"),
             _ARGS.format("position_embedding_type='yarn' (MLA: rope_type) / rotary_scaling_factor / yarn_* / mscale / "
                          "mscale_all_dim"),
-            {ALL_FAMILIES: "rope_parameters (4.x: rope_scaling) rope_type=yarn: factor, original_max_position_embeddings, "
-                           "beta_fast, beta_slow, mscale, mscale_all_dim, truncate, attention_factor"},
+            "rope_parameters (4.x: rope_scaling) rope_type=yarn: factor, original_max_position_embeddings, "
+            "beta_fast, beta_slow, mscale, mscale_all_dim, truncate, attention_factor",
             "an HF attention_factor megatron-core's mscale ratio cannot give: notice, --strict refuses; "
             "mscale is read as 1 unless mscale and mscale_all_dim are both non-zero (transformers' rule)"),
     Setting("rotary percent", ("rotary_percent",), ("rotary_percent",), _ARGS.format("rotary_percent"),
-            _hf(Glm4ForCausalLM="rope_parameters.partial_rotary_factor (default 0.5)",
-                Glm4MoeForCausalLM="rope_parameters.partial_rotary_factor (default 0.5; carried both ways)",
-                ALL="rope_parameters.partial_rotary_factor (read); no other family here computes it"),
+            "rope_parameters.partial_rotary_factor (read); no other family here computes it",
             "HF -> Megatron carried; Megatron -> HF with < 1: notice, --strict refuses"),
     Setting("rotary interleaved", ("rotary_interleaved",), ("rotary_interleaved",),
             _ARGS.format("rotary_interleaved"),
-            _hf(Glm4ForCausalLM="always (HF's own rotary is interleaved: rows kept as they are)",
-                ALL="none: q/k head rows (and q/k-norm weights) written evens first, then odds"),
+            "none: q/k head rows (and q/k-norm weights) written evens first, then odds",
             "HF's rotate-half on the reordered rows is Megatron's interleaved rotary"),
     Setting("sliding window", ("sliding_window", "window_layers"), ("window_size", "window_attn_skip_freq"),
             _ARGS.format("window_size / window_attn_skip_freq"),
-            _hf(MistralForCausalLM="sliding_window", MixtralForCausalLM="sliding_window",
-                Qwen2ForCausalLM="use_sliding_window, sliding_window, max_window_layers, layer_types",
-                Qwen3ForCausalLM="use_sliding_window, sliding_window, max_window_layers, layer_types",
-                Qwen3MoeForCausalLM="use_sliding_window, sliding_window",
-                LlamaForCausalLM="none (a windowed model is written as Mistral)"),
+            "none (the families with a window name their keys)",
             "Megatron window_size = (sliding_window - 1, 0); window_attn_skip_freq = 0/1 per layer"),
     Setting("zero-centred norm gamma", ("layernorm_zero_centered_gamma",),
             ("layernorm_zero_centered_gamma", "apply_layernorm_1p"),
             _ARGS.format("layernorm_zero_centered_gamma (older: apply_layernorm_1p)"),
-            {ALL_FAMILIES: "none: norm weights are written as 1 + gamma"}),
+            "none: norm weights are written as 1 + gamma"),
     Setting("norm epsilon", ("norm_epsilon",), ("norm_epsilon", "layernorm_epsilon"),
-            _ARGS.format("norm_epsilon"), {ALL_FAMILIES: "rms_norm_eps"}),
+            _ARGS.format("norm_epsilon"), "rms_norm_eps"),
     Setting("normalization", ("normalization",), ("normalization",), _ARGS.format("normalization"),
-            {ALL_FAMILIES: "RMSNorm (fixed)"}),
+            "RMSNorm (fixed)"),
     Setting("activation", ("activation", "gated_linear_unit"), ("swiglu", "gated_linear_unit", "openai_gelu", "quick_geglu"),
-            _ARGS.format("swiglu (f17b: gated GELU: gated_linear_unit / openai_gelu)"),
-            _hf(Gemma3ForCausalLM="hidden_activation = gelu_pytorch_tanh (fixed)",
-                GptOssForCausalLM="clamped GLU of x*sigmoid(1.702x) (fixed; Megatron-LM --quick-geglu)",
-                Gemma2ForCausalLM="hidden_activation = gelu_pytorch_tanh (fixed)", ALL="hidden_act = silu (fixed)")),
+            _ARGS.format("swiglu (gated GELU: gated_linear_unit / openai_gelu)"),
+            "hidden_act = silu (fixed)"),
     Setting("qk-norm", ("qk_layernorm", "qk_layernorm_across_heads"), ("qk_layernorm", "qk_layernorm_across_heads"),
-            _ARGS.format("qk_layernorm (f17b: qk_layernorm_across_heads)"),
-            _hf(Qwen3ForCausalLM="always", Qwen3MoeForCausalLM="always", Gemma3ForCausalLM="always",
-                Glm4MoeForCausalLM="use_qk_norm",
-                Olmo2ForCausalLM="always, over the whole projection", OlmoeForCausalLM="always, over the whole projection",
-                ALL="never (other families)")),
+            _ARGS.format("qk_layernorm (over the whole projection: qk_layernorm_across_heads)"),
+            "never (other families)"),
     Setting("linear biases", ("add_bias_linear", "add_qkv_bias"), ("add_bias_linear", "add_qkv_bias"),
-            _ARGS.format("add_bias_linear / add_qkv_bias"),
-            _hf(LlamaForCausalLM="attention_bias, mlp_bias", Qwen2ForCausalLM="q/k/v biases (fixed)",
-                Glm4MoeForCausalLM="attention_bias (q/k/v only: add_qkv_bias)")),
-    Setting("head dim", ("kv_channels",), ("kv_channels",), _ARGS.format("kv_channels"),
-            {ALL_FAMILIES: "head_dim"}),
+            _ARGS.format("add_bias_linear / add_qkv_bias"), "none (other families)"),
+    Setting("head dim", ("kv_channels",), ("kv_channels",), _ARGS.format("kv_channels"), "head_dim"),
     Setting("query groups", ("num_query_groups",), ("group_query_attention", "num_query_groups"),
-            _ARGS.format("num_query_groups"), {ALL_FAMILIES: "num_key_value_heads"}),
+            _ARGS.format("num_query_groups"), "num_key_value_heads"),
     Setting("tied embeddings", ("tie_embeddings",), ("untie_embeddings_and_output_weights",),
-            _ARGS.format("untie_embeddings_and_output_weights"), {ALL_FAMILIES: "tie_word_embeddings"}),
+            _ARGS.format("untie_embeddings_and_output_weights"), "tie_word_embeddings"),
     Setting("max positions", ("max_position_embeddings",), ("max_position_embeddings", "seq_length"),
-            _ARGS.format("max_position_embeddings"), {ALL_FAMILIES: "max_position_embeddings"}),
+            _ARGS.format("max_position_embeddings"), "max_position_embeddings"),
     Setting("vocab sizes", ("vocab_size",),
             ("vocab_size", "padded_vocab_size", "make_vocab_size_divisible_by"),
-            _ARGS.format("vocab_size / padded_vocab_size"), {ALL_FAMILIES: "vocab_size (true, unpadded)"}),
+            _ARGS.format("vocab_size / padded_vocab_size"), "vocab_size (true, unpadded)"),
     Setting("moe top-k", ("moe_router_topk",), ("moe_router_topk",), _ARGS.format("moe_router_topk"),
-            {_MOE: "num_experts_per_tok", "Glm4MoeForCausalLM": "num_experts_per_tok"}),
+            "num_experts_per_tok"),
     Setting("moe score function", ("moe_router_score_function",), ("moe_router_score_function",),
-            _ARGS.format("moe_router_score_function"), {_MOE: "softmax only (sigmoid: notice, --strict refuses)",
-                                                       "DeepseekV3ForCausalLM": "sigmoid (fixed)",
-                                                       "DeepseekV2ForCausalLM": "softmax (fixed)",
-                                                       "Glm4MoeForCausalLM": "sigmoid (fixed)"}),
+            _ARGS.format("moe_router_score_function"), "softmax only (sigmoid: notice, --strict refuses)"),
     Setting("moe pre-softmax", ("moe_router_pre_softmax",), ("moe_router_pre_softmax",),
-            _ARGS.format("moe_router_pre_softmax"),
-            _hf(Qwen3MoeForCausalLM="norm_topk_prob = not pre_softmax",
-                MixtralForCausalLM="none (top-k renormalized: pre_softmax False)",
-                Glm4MoeForCausalLM="norm_topk_prob (assumed true: megatron-core's sigmoid router renormalizes; "
-                                   "false: notice, --strict refuses)")),
+            _ARGS.format("moe_router_pre_softmax"), "none (top-k renormalized: pre_softmax False)"),
     Setting("moe expert bias", ("moe_router_enable_expert_bias",), ("moe_router_enable_expert_bias",),
-            _ARGS.format("moe_router_enable_expert_bias"), {_MOE: "none (refused)",
-                                                            "DeepseekV3ForCausalLM": "e_score_correction_bias (fixed)",
-                                                            "Glm4MoeForCausalLM": "always: mlp.gate.e_score_correction_bias (fp32)"}),
+            _ARGS.format("moe_router_enable_expert_bias"), "none (refused)"),
     Setting("moe top-k scaling", ("moe_router_topk_scaling_factor",), ("moe_router_topk_scaling_factor",),
-            _ARGS.format("moe_router_topk_scaling_factor"), {_MOE: "none (set: notice, --strict refuses)",
-                                                             "DeepseekV2ForCausalLM, DeepseekV3ForCausalLM":
-                                                             "routed_scaling_factor",
-                                                             "Glm4MoeForCausalLM": "routed_scaling_factor"}),
+            _ARGS.format("moe_router_topk_scaling_factor"), "none (set: notice, --strict refuses)"),
     Setting("moe router groups", ("moe_router_num_groups", "moe_router_group_topk"),
             ("moe_router_num_groups", "moe_router_group_topk"),
-            _ARGS.format("moe_router_num_groups / moe_router_group_topk"),
-            _hf(DeepseekV3ForCausalLM="n_group, topk_group (group score: top-2 sum)",
-                DeepseekV2ForCausalLM="topk_method=group_limited_greedy, n_group, topk_group (group score: best)",
-                ALL="none (set: notice, --strict refuses)"),
+            _ARGS.format("moe_router_num_groups / moe_router_group_topk"), "none (set: notice, --strict refuses)",
             "megatron-core scores a group by its top moe_router_topk // group_topk experts; a setting "
             "that chooses every group is no grouping"),
     Setting("moe aux loss", ("moe_aux_loss_coeff",), ("moe_aux_loss_coeff",), _ARGS.format("moe_aux_loss_coeff"),
-            {_MOE: "router_aux_loss_coef"}),
+            "router_aux_loss_coef"),
     Setting("dropout", ("attention_dropout", "hidden_dropout"), ("attention_dropout", "hidden_dropout"),
             _ARGS.format("attention_dropout / hidden_dropout"),
-            {ALL_FAMILIES: "attention_dropout; no hidden dropout (non-zero: notice; training only, so --strict allows it)"},
+            "attention_dropout; no hidden dropout (non-zero: notice; training only, so --strict allows it)",
             "Megatron's defaults are 0.1; an HF source writes its own values (0.0) explicitly"),
-    # f17c: GPT-OSS. megatron-core computes these (TransformerConfig fields); Megatron-LM d98e8a64 has no
+    # megatron-core computes the next two (TransformerConfig fields); Megatron-LM d98e8a64 has no
     # flag for them, so they are written into args (and pgconvert.json) and named in a notice.
-    Setting("attention sinks", ("softmax_type",), ("softmax_type",), _ARGS.format("softmax_type"),
-            _hf(GptOssForCausalLM="always: self_attn.sinks (softmax_type 'learnable')", ALL="none (vanilla)"),
+    Setting("attention sinks", ("softmax_type",), ("softmax_type",), _ARGS.format("softmax_type"), "none (vanilla)",
             "Megatron-Bridge gpt_oss_bridge.py: softmax_type='learnable', core_attention.softmax_offset"),
     Setting("clamped GLU", ("glu_linear_offset", "activation_func_clamp_value"),
             ("glu_linear_offset", "activation_func_clamp_value"),
-            _ARGS.format("glu_linear_offset / activation_func_clamp_value"),
-            _hf(GptOssForCausalLM="swiglu_limit (clamp), offset 1 fixed; swiglu_alpha 1.702 = quick_gelu",
-                ALL="none")),
+            _ARGS.format("glu_linear_offset / activation_func_clamp_value"), "none"),
     Setting("dtype", ("params_dtype",), ("params_dtype", "bf16", "fp16"), _ARGS.format("params_dtype"),
-            {ALL_FAMILIES: "dtype (4.x: torch_dtype)"}),
-    # f17a: Granite's muP multipliers, SmolLM3's NoPE layers (pgconvert.semantics.more).
-    # tidy: one attention scale for every family (pgconvert.semantics.attention_scale).
+            "dtype (4.x: torch_dtype)"),
+    # One attention scale for every family (pgconvert.semantics.attention_scale).
     Setting("attention softmax scale", ("softmax_scale",), ("softmax_scale", "query_pre_attn_scalar"),
             _ARGS.format("softmax_scale (query_pre_attn_scalar, Megatron-Bridge's Gemma 2 spelling, read)"),
-            _hf(GraniteForCausalLM="attention_multiplier", Gemma3ForCausalLM="query_pre_attn_scalar (scale**-2)",
-                Gemma2ForCausalLM="query_pre_attn_scalar (scale**-2)",
-                ALL="none: 1/sqrt(head_dim) (set: notice, --strict refuses)"),
+            "none: 1/sqrt(head_dim) (set: notice, --strict refuses)",
             "megatron-core's TransformerConfig.softmax_scale (Megatron-LM has no flag for it); None: 1/sqrt(kv_channels)"),
     Setting("embedding, residual multipliers and logits scaling",
             ("embedding_multiplier", "residual_multiplier", "logits_scaling"),
             ("embedding_multiplier", "residual_multiplier", "logits_scaling"),
-            _ARGS.format("embedding_multiplier / residual_multiplier / logits_scaling"),
-            _hf(GraniteForCausalLM="embedding_multiplier, residual_multiplier, logits_scaling", ALL="none"),
+            _ARGS.format("embedding_multiplier / residual_multiplier / logits_scaling"), "none",
             "megatron-core computes none of them: carried in args and pgconvert.json with a notice on every "
             "Megatron output; --strict refuses a Megatron target"),
     Setting("carried RoPE parameters", ("hf_rope_parameters",), ("hf_rope_parameters",),
-            _ARGS.format("hf_rope_parameters"),
-            _hf(Phi3ForCausalLM="rope_parameters (longrope, su), original_max_position_embeddings", ALL="none"),
+            _ARGS.format("hf_rope_parameters"), "none",
             "megatron-core cannot compute longrope: carried as JSON in args and pgconvert.json with a notice "
             "on every Megatron output; --strict refuses a Megatron target"),
-    Setting("NoPE layers", ("no_rope_layers",), ("no_rope_freq",), _ARGS.format("no_rope_freq"),
-            _hf(SmolLM3ForCausalLM="no_rope_layers (1: RoPE), no_rope_layer_interval", ALL="none"),
+    Setting("NoPE layers", ("no_rope_layers",), ("no_rope_freq",), _ARGS.format("no_rope_freq"), "none",
             "megatron-core's no_rope_freq: 0/1 per layer, 1 = the layer skips RoPE"),
-    # f17b: norms after the sublayers and Gemma's settings (pgconvert.semantics.postnorm, families_postnorm).
+    # Norms after the sublayers and the settings of Megatron-Bridge's custom layers (pgconvert.semantics.postnorm).
     Setting("post-sublayer norms", ("post_self_attn_layernorm", "post_mlp_layernorm", "pre_layernorms"),
             ("post_self_attn_layernorm", "post_mlp_layernorm", "pre_layernorms"),
             _ARGS.format("post_self_attn_layernorm / post_mlp_layernorm / pre_layernorms"),
-            _hf(Gemma3ForCausalLM="post_attention_layernorm, post_feedforward_layernorm tensors (always)",
-                Gemma2ForCausalLM="post_attention_layernorm, post_feedforward_layernorm tensors (always)",
-                Olmo2ForCausalLM="post_attention_layernorm, post_feedforward_layernorm; no pre-norms (always)",
-                Glm4ForCausalLM="post_self_attn_layernorm, post_mlp_layernorm tensors (always)",
-                ALL="none (other families: pre-norm only)"),
+            "none (other families: pre-norm only)",
             "Megatron-Bridge's TERowParallelLinearLayerNorm; megatron-core alone: notice"),
     Setting("embedding scale", ("embedding_scale_sqrt_hidden",), ("embedding_scale_sqrt_hidden",),
-            _ARGS.format("embedding_scale_sqrt_hidden"),
-            _hf(Gemma3ForCausalLM="always", Gemma2ForCausalLM="always", ALL="never")),
+            _ARGS.format("embedding_scale_sqrt_hidden"), "never"),
     Setting("logit soft-capping", ("attn_logit_softcapping", "final_logit_softcapping"),
             ("attn_logit_softcapping", "final_logit_softcapping"),
-            _ARGS.format("attn_logit_softcapping / final_logit_softcapping"),
-            _hf(Gemma3ForCausalLM="attn_logit_softcapping, final_logit_softcapping",
-                Gemma2ForCausalLM="attn_logit_softcapping, final_logit_softcapping (null: off)")),
+            _ARGS.format("attn_logit_softcapping / final_logit_softcapping"), "none"),
     Setting("local rope theta", ("rotary_base_local",), ("rotary_base_local",), _ARGS.format("rotary_base_local"),
-            _hf(Gemma3ForCausalLM="rope_parameters.sliding_attention.rope_theta"),
-            "the sliding-window layers' base; rotary_base and any linear scaling are the full-attention layers'"),
+            "none", "the sliding-window layers' base; rotary_base and any linear scaling are the full-attention layers'"),
 )
 
 SEMANTIC_FIELDS: tuple[str, ...] = tuple(dict.fromkeys(name for row in SEMANTICS for name in row.fields))
 
+# Settings that only some families' config.json can hold, with the value a model computes as
+# without them: a family with no key for one cannot express another value
+# (pgconvert.formats.hf.hf_losses names it; a model that names no family is not written as that one).
+FAMILY_SPECIFIC_SETTINGS: dict[str, object] = {
+    "embedding_multiplier": 1.0,
+    "residual_multiplier": 1.0,
+    "logits_scaling": 1.0,
+    "no_rope_layers": None,
+    "hf_rope_parameters": None,
+    "softmax_scale": None,
+}
+
 
 # --- Megatron args -----------------------------------------------------------------------------
-
-def _arg(args: argparse.Namespace, name: str, default: Any) -> Any:
-    value = getattr(args, name, None)
-    return default if value is None else value
-
-
-def _number(args: argparse.Namespace, name: str, default: float, path: Path) -> float:
-    value = _arg(args, name, default)
-    if isinstance(value, (list, tuple)) and len(value) == 1:
-        value = value[0]  # moe_aux_loss_coeff may be one value per load-balancing type
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-        raise CheckpointError(f"{path}: args.{name}={quote(value)}: must be a finite number")
-    return float(value)
-
-
-def _flag(args: argparse.Namespace, name: str, path: Path) -> bool:
-    value = _arg(args, name, False)
-    if not isinstance(value, bool):
-        raise CheckpointError(f"{path}: args.{name}={quote(value)}: expected True or False")
-    return value
-
-
-def _rope_from_args(args: argparse.Namespace, path: Path) -> dict[str, Any]:
-    if yarn.uses_yarn(args):
-        return yarn.from_args(args, path)
-    llama3 = _flag(args, "use_rope_scaling", path)
-    interpolation = getattr(args, "rotary_seq_len_interpolation_factor", None)
-    if interpolation is not None:
-        interpolation = _number(args, "rotary_seq_len_interpolation_factor", 1.0, path)
-    if llama3 and interpolation not in (None, 1.0):
-        raise CheckpointError(f"{path}: args.use_rope_scaling and args.rotary_seq_len_interpolation_factor="
-                              f"{quote(interpolation)} together: no HF RoPE type computes both")
-    if llama3:
-        return {"rope_scaling": "llama3",
-                "rope_scaling_factor": _number(args, "rope_scaling_factor", MEGATRON_DEFAULT_ROPE_SCALING_FACTOR, path)}
-    if interpolation not in (None, 1.0):
-        return {"rope_scaling": "linear", "rope_scaling_factor": interpolation}
-    return {"rope_scaling": None, "rope_scaling_factor": 1.0}
-
 
 def _window_from_args(args: argparse.Namespace, path: Path) -> dict[str, Any]:
     window = getattr(args, "window_size", None)
@@ -308,52 +225,57 @@ def _window_from_args(args: argparse.Namespace, path: Path) -> dict[str, Any]:
     return {"sliding_window": left + 1, "window_layers": pattern}
 
 
-def _gpt_oss_from_args(args: argparse.Namespace, path: Path) -> dict[str, Any]:
-    """f17c: attention sinks and the clamped GLU (megatron-core TransformerConfig fields)."""
-    softmax_type = _arg(args, "softmax_type", "vanilla")
+# megatron-core TransformerConfig fields that Megatron-LM (d98e8a64) has no flag for: attention
+# sinks and the clamped GLU (GPT-OSS's), with megatron-core's defaults.
+CORE_ONLY_DEFAULTS: dict[str, Any] = {"softmax_type": "vanilla", "glu_linear_offset": 0.0,
+                                      "activation_func_clamp_value": None}
+
+
+def _core_only_from_args(args: argparse.Namespace, path: Path) -> dict[str, Any]:
+    """Attention sinks and the clamped GLU (megatron-core TransformerConfig fields)."""
+    softmax_type = arg(args, "softmax_type", "vanilla")
     if softmax_type not in ("vanilla", "learnable"):
         raise CheckpointError(f"{path}: args.softmax_type={quote(softmax_type)}: expected 'vanilla' or 'learnable'")
     clamp = getattr(args, "activation_func_clamp_value", None)
-    return {"softmax_type": softmax_type, "glu_linear_offset": _number(args, "glu_linear_offset", 0.0, path),
+    return {"softmax_type": softmax_type, "glu_linear_offset": number(args, "glu_linear_offset", 0.0, path),
             "activation_func_clamp_value": None if clamp is None
-            else _number(args, "activation_func_clamp_value", 0.0, path)}
+            else number(args, "activation_func_clamp_value", 0.0, path)}
 
 
-GPT_OSS_DEFAULTS: dict[str, Any] = {"softmax_type": "vanilla", "glu_linear_offset": 0.0,
-                                    "activation_func_clamp_value": None}
-
-
-def from_args(args: argparse.Namespace, path: Path) -> dict[str, Any]:
-    """The table's ``ModelConfig`` values that Megatron ``args`` give (Megatron-LM's defaults apply)."""
+def from_args(args: argparse.Namespace, path: Path, carried_settings: Sequence[CarriedSetting] = ()) -> dict[str, Any]:
+    """The table's ``ModelConfig`` values that Megatron ``args`` give (Megatron-LM's defaults apply),
+    with ``carried_settings`` (the families' settings megatron-core does not compute)."""
     values: dict[str, Any] = {
-        "rotary_percent": _number(args, "rotary_percent", 1.0, path),
-        "rotary_interleaved": _flag(args, "rotary_interleaved", path),
-        "layernorm_zero_centered_gamma": (_flag(args, "layernorm_zero_centered_gamma", path)
-                                          or _flag(args, "apply_layernorm_1p", path)),
-        "attention_dropout": _number(args, "attention_dropout", MEGATRON_DEFAULT_DROPOUT, path),
-        "hidden_dropout": _number(args, "hidden_dropout", MEGATRON_DEFAULT_DROPOUT, path),
-        **_rope_from_args(args, path),
+        "rotary_percent": number(args, "rotary_percent", 1.0, path),
+        "rotary_interleaved": flag(args, "rotary_interleaved", path),
+        "layernorm_zero_centered_gamma": (flag(args, "layernorm_zero_centered_gamma", path)
+                                          or flag(args, "apply_layernorm_1p", path)),
+        "attention_dropout": number(args, "attention_dropout", MEGATRON_DEFAULT_DROPOUT, path),
+        "hidden_dropout": number(args, "hidden_dropout", MEGATRON_DEFAULT_DROPOUT, path),
+        **rope.scaling_from_args(args, path),
         **_window_from_args(args, path),
-        **mla_args.from_args(args, path),
-        **semantics_more.from_args(args, path),  # f17a
-        **postnorm_from_args(args, path),  # f17b
-        **attention_scale.from_args(args, path),  # tidy
+        **mla.from_args(args, path),
+        "no_rope_layers": rope.no_rope_from_args(args, path),
+        **carried.from_args(carried_settings, args, path),
+        **postnorm_from_args(args, path),
+        **attention_scale.from_args(args, path),
     }
-    values.update(_gpt_oss_from_args(args, path))
+    values.update(_core_only_from_args(args, path))
     if getattr(args, "num_experts", None):
         scaling = getattr(args, "moe_router_topk_scaling_factor", None)
         values.update({
-            "moe_router_score_function": _arg(args, "moe_router_score_function", "softmax"),
-            "moe_router_pre_softmax": _flag(args, "moe_router_pre_softmax", path),
+            "moe_router_score_function": arg(args, "moe_router_score_function", "softmax"),
+            "moe_router_pre_softmax": flag(args, "moe_router_pre_softmax", path),
             "moe_router_topk_scaling_factor": None if scaling is None
-            else _number(args, "moe_router_topk_scaling_factor", 1.0, path),
-            "moe_aux_loss_coeff": _number(args, "moe_aux_loss_coeff", 0.0, path),
+            else number(args, "moe_router_topk_scaling_factor", 1.0, path),
+            "moe_aux_loss_coeff": number(args, "moe_aux_loss_coeff", 0.0, path),
         })
     return values
 
 
-def to_args(config: ModelConfig) -> dict[str, Any]:
-    """The Megatron args of the table's settings (written explicitly, Megatron's defaults differ)."""
+def to_args(config: ModelConfig, carried_settings: Sequence[CarriedSetting] = ()) -> dict[str, Any]:
+    """The Megatron args of the table's settings (written explicitly, Megatron's defaults differ),
+    with those of ``carried_settings`` the model has."""
     values: dict[str, Any] = {
         "rotary_percent": config.rotary_percent,
         "rotary_interleaved": config.rotary_interleaved,
@@ -368,15 +290,17 @@ def to_args(config: ModelConfig) -> dict[str, Any]:
         "apply_layernorm_1p": config.layernorm_zero_centered_gamma,
         "attention_dropout": config.attention_dropout,
         "hidden_dropout": config.hidden_dropout,
-        **semantics_more.to_args(config),  # f17a
-        **postnorm_to_args(config),  # f17b
-        **attention_scale.to_args(config),  # tidy
+        "no_rope_freq": None if config.no_rope_layers is None else list(config.no_rope_layers),
+        **carried.to_args(carried_settings, config),
+        **postnorm_to_args(config),
+        **attention_scale.to_args(config),
     }
     if config.rope_scaling == "yarn":
         values["position_embedding_type"] = "yarn"
-    values.update(mla_args.to_args(config))  # ds16: MLA (position_embedding_type rope, rope_type), router groups
-    # f17c: written only where they differ from megatron-core's defaults (other outputs are unchanged).
-    values.update({name: getattr(config, name) for name, default in GPT_OSS_DEFAULTS.items()
+    # Multi-latent attention (position_embedding_type rope, rope_type) and router groups.
+    values.update(mla.to_args(config))
+    # Written only where they differ from megatron-core's defaults (other outputs are unchanged).
+    values.update({name: getattr(config, name) for name, default in CORE_ONLY_DEFAULTS.items()
                    if getattr(config, name) != default})
     if config.num_experts is not None:
         values.update({
@@ -388,47 +312,7 @@ def to_args(config: ModelConfig) -> dict[str, Any]:
     return values
 
 
-# --- HF config.json ----------------------------------------------------------------------------
-
-def rope_parameters(doc: Mapping[str, Any]) -> dict[str, Any]:
-    """config.json's RoPE parameters: transformers 5's ``rope_parameters`` or 4.x's ``rope_scaling``
-    (which transformers 5 prefers when both are there)."""
-    for key in ("rope_scaling", "rope_parameters"):
-        value = doc.get(key)
-        if isinstance(value, dict):
-            return value
-        if value is not None:
-            raise ValueError(f"{key}={quote(value)}: expected an object")
-    return {}
-
-
-def rope_type_of(params: Mapping[str, Any]) -> str:
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    return rope_type if isinstance(rope_type, str) else quote(rope_type)
-
-
-def hf_unrepresentable(doc: Mapping[str, Any], path: Path) -> list[str]:
-    """config.json settings that no Megatron argument holds (the model then computes differently)."""
-    try:
-        params = rope_parameters(doc)
-    except ValueError:
-        return []  # the family's rule names the bad value
-    rope_type = rope_type_of(params)
-    if rope_type in ("default", "linear") or semantics_more.carries_rope(doc, rope_type):
-        return []
-    if rope_type == "yarn":
-        return yarn.hf_unrepresentable(params, doc, path)
-    if rope_type == "llama3":
-        odd = {key: params.get(key) for key, expected in MEGATRON_LLAMA3.items() if params.get(key) != expected}
-        if not odd:
-            return []
-        detail = ", ".join(f"{key}={quote(value)}" for key, value in odd.items())
-        return [f"{path}: rope_type='llama3' with {detail}: megatron-core's llama3 scaling fixes "
-                f"{', '.join(f'{k}={v}' for k, v in MEGATRON_LLAMA3.items())}; a megatron target computes "
-                "those instead"]
-    return [f"{path}: rope_type={quote(rope_type)} (RoPE scaling) has no Megatron setting pgconvert writes: a "
-            "megatron target computes plain RoPE"]
-
+# --- what a target cannot express ----------------------------------------------------------------
 
 def hf_training_notes(architecture: str, config: ModelConfig) -> list[str]:
     """Training-only settings an HF ``architecture`` cannot hold: named, never refused.
@@ -442,49 +326,6 @@ def hf_training_notes(architecture: str, config: ModelConfig) -> list[str]:
     return []
 
 
-def _hf_computes(architecture: str) -> frozenset[str]:
-    """The ``ModelConfig`` settings an HF ``architecture`` computes beyond every family's: its
-    family's ``hf_computes`` (none for an architecture pgconvert has no family for)."""
-    from pgconvert.families import FAMILIES  # fam17d (families imports this module)
-
-    family = FAMILIES.get(architecture)
-    return family.hf_computes if family is not None else frozenset()
-
-
-def hf_losses(architecture: str, config: ModelConfig) -> list[str]:
-    """The settings of ``config`` an HF ``architecture`` written from it cannot express."""
-    from pgconvert.families.more import unmapped_losses  # f17a (families imports this module)
-
-    computes = _hf_computes(architecture)
-    losses = []
-    if config.rotary_percent != 1.0 and "rotary_percent" not in computes:
-        losses.append(f"rotary_percent={config.rotary_percent} (partial rotary): {architecture} rotates the "
-                      "whole head")
-    for name, default in (("glu_linear_offset", 0.0), ("activation_func_clamp_value", None)):
-        if getattr(config, name) != default and name not in computes:
-            losses.append(f"{name}={getattr(config, name)}: {architecture} has no clamped GLU")
-    if config.num_experts is not None:
-        losses += _router_losses(architecture, config, computes)
-    return losses + unmapped_losses(architecture, config)
-
-
-def _router_losses(architecture: str, config: ModelConfig, computes: frozenset[str]) -> list[str]:
-    losses = []
-    if config.moe_router_score_function != "softmax" and "moe_router_score_function" not in computes:
-        losses.append(f"moe_router_score_function={config.moe_router_score_function!r}: {architecture} "
-                      "routes with softmax")
-    if (config.moe_router_topk_scaling_factor not in (None, 1.0)
-            and "moe_router_topk_scaling_factor" not in computes):
-        losses.append(f"moe_router_topk_scaling_factor={config.moe_router_topk_scaling_factor}: "
-                      f"{architecture} does not scale routing weights")
-    if config.moe_router_num_groups is not None and "moe_router_num_groups" not in computes:
-        losses.append(f"moe_router_num_groups={config.moe_router_num_groups}, moe_router_group_topk="
-                      f"{config.moe_router_group_topk}: {architecture} does not route by expert groups")
-    if config.moe_router_pre_softmax and "moe_router_pre_softmax" not in computes:
-        losses.append(f"moe_router_pre_softmax=True: {architecture} renormalizes the top-k weights")
-    return losses
-
-
 def lose(message: str, strict: bool, notices: list[str]) -> None:
     """A setting the target cannot express: a notice, or under ``strict`` an error (exit 2)."""
     if strict:
@@ -493,27 +334,44 @@ def lose(message: str, strict: bool, notices: list[str]) -> None:
     notices.append(f"not carried: {message}")
 
 
-def check_target(source: Any, target_format: str, strict: bool) -> None:
-    """Settings of an HF source that a Megatron target cannot hold (an hf target keeps config.json)."""
+def _check_carried(config: ModelConfig, strict: bool, notices: list[str],
+                   carried_settings: Sequence[CarriedSetting]) -> None:
+    """A Megatron target of a model megatron-core computes differently: refused under ``strict``,
+    else carried with a notice naming each setting."""
+    settings = carried.uncomputed(carried_settings, config)
+    if not settings:
+        return
+    message = (f"{', '.join(settings)}: megatron-core has no such setting, so a Megatron run of this checkpoint "
+               "computes without it; carried in args (transformers' names) and pgconvert.json, so converting "
+               "back to HF restores it")
+    if strict:
+        raise StrictModeError(f"--strict: refusing a target that computes differently: {message}")
+    notices.append(message)
+
+
+def check_target(source: Any, target_format: str, strict: bool,
+                 carried_settings: Sequence[CarriedSetting] = ()) -> None:
+    """Settings of a source that a Megatron target cannot hold (an hf target keeps config.json);
+    ``carried_settings``: the families' settings megatron-core does not compute."""
     if target_format == "hf":
         return
-    gaps, refused = megatron_core_gaps(source.config)  # f17b
+    gaps, refused = megatron_core_gaps(source.config)
     source.notices.extend(gaps)
     for message in refused:
         lose(message, strict, source.notices)
     for message in source.unrepresentable:
         lose(message, strict, source.notices)
     config = source.config
-    semantics_more.check_megatron_target(config, strict, source.notices)  # f17a
+    _check_carried(config, strict, source.notices, carried_settings)
     if config.rope_scaling == "llama3" and config.rope_scaling_factor != MEGATRON_DEFAULT_ROPE_SCALING_FACTOR:
         # Written all the same: megatron-core computes it when it is passed (GPTModel(rope_scaling_factor=)).
         source.notices.append(
             f"args.rope_scaling_factor={config.rope_scaling_factor}: Megatron-LM (d98e8a64) builds GPTModel without "
             "it (gpt_builders.py, gpt_config_from_args), so a run built by Megatron-LM computes factor "
             f"{MEGATRON_DEFAULT_ROPE_SCALING_FACTOR}; megatron-core given the arg computes {config.rope_scaling_factor}")
-    extra = {name: getattr(config, name) for name, default in GPT_OSS_DEFAULTS.items()
+    extra = {name: getattr(config, name) for name, default in CORE_ONLY_DEFAULTS.items()
              if getattr(config, name) != default}
-    if extra:  # f17c
+    if extra:
         source.notices.append(
             f"args {', '.join(f'{name}={value!r}' for name, value in extra.items())}: megatron-core TransformerConfig "
             "fields that Megatron-LM (d98e8a64) has no command-line flag for; its core_transformer_config_from_args "

@@ -12,10 +12,10 @@ here:
   it ``query_pre_attn_scalar``; that spelling is read when ``softmax_scale`` is absent (older
   pgconvert outputs wrote both, which must then agree) and cleared on output.
 * Granite's config.json: ``attention_multiplier``, the scale itself (transformers' default 1.0);
-  the Granite family (``pgconvert.families.more``) reads and writes it.
+  the Granite family (``pgconvert.families.granite``) reads and writes it.
 * Gemma 2/3's config.json: ``query_pre_attn_scalar``, the scale's -1/2 power (transformers computes
   ``query_pre_attn_scalar**-0.5``; its strict config types the scalar int); the Gemma families
-  (``pgconvert.families.postnorm``) read and write it with ``from_scalar``/``to_scalar``.
+  (``pgconvert.families.gemma``) read and write it with ``from_scalar``/``to_scalar``.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any
 from pgconvert.model.config import ModelConfig
 from pgconvert.errors import CheckpointError
 from pgconvert.io.limits import quote
-from pgconvert.semantics.more import positive_arg
+from pgconvert.semantics.arg_values import positive
 
 # Megatron-Bridge's Gemma 2 spelling of the scale in args (read, and cleared on output).
 BRIDGE_SCALAR_ARG = "query_pre_attn_scalar"
@@ -63,8 +63,8 @@ def to_scalar(scale: float) -> int | float:
 def from_args(args: argparse.Namespace, path: Path) -> dict[str, Any]:
     """``softmax_scale`` from Megatron ``args``: megatron-core's ``softmax_scale``, else Megatron-Bridge's
     ``query_pre_attn_scalar``; both given, they must describe one scale."""
-    scale = positive_arg(args, "softmax_scale", None, path)
-    scalar = positive_arg(args, BRIDGE_SCALAR_ARG, None, path)
+    scale = positive(args, "softmax_scale", None, path)
+    scalar = positive(args, BRIDGE_SCALAR_ARG, None, path)
     if scalar is not None:
         if scale is not None and not _same(from_scalar(scalar), scale):
             raise CheckpointError(

@@ -1,4 +1,4 @@
-"""Megatron args of multi-latent attention and group-limited routing <-> ``ModelConfig`` (ds16).
+"""Megatron args of multi-latent attention and group-limited routing <-> ``ModelConfig``.
 
 Names as Megatron-LM's ``_add_mla_args`` and megatron-core's ``MLATransformerConfig`` /
 ``TransformerConfig`` spell them: ``multi_latent_attention``, ``q_lora_rank`` (None: one q

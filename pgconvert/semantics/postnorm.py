@@ -1,4 +1,7 @@
-"""The Megatron args of the post-sublayer-norm settings (f17b: Gemma 2/3, OLMo 2, OLMoE, GLM-4).
+"""The Megatron args of norms after the sublayers and of the other layers only Megatron-Bridge builds.
+
+The families that have them are Gemma 2/3, OLMo 2, OLMoE and GLM-4 (their modules under
+``pgconvert.families``); Megatron knows them by these settings, whichever family a model came from.
 
 megatron-core 0.16 expresses a zero-centred norm gamma (``layernorm_zero_centered_gamma``), the
 attention ``softmax_scale`` (Gemma's ``query_pre_attn_scalar``: pgconvert.semantics.attention_scale) and a

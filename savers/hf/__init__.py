@@ -23,7 +23,7 @@ import torch
 from pgconvert.io import sizes
 from pgconvert.io.durable import fsync_file as _fsync
 from pgconvert.errors import CheckpointError, ConfigError, LayoutError, PgconvertError
-from pgconvert.families import Family, TensorMapping
+from pgconvert.families.table import Family, TensorMapping
 from pgconvert.formats import PlannedFile, Progress, SaveOptions, Saver, SaveResult, target_dtype
 from pgconvert.io.hashing import HashingWriter
 from pgconvert.formats.hf import (
@@ -35,6 +35,7 @@ from pgconvert.formats.hf import (
     HFOrigin,
     config_disagreements,
     hf_config_from_model,
+    hf_losses,
     infer_family,
     read_json_object,
     require_family_fits,
@@ -50,7 +51,7 @@ from pgconvert.formats.hf_side import (
     target_side_files,
 )
 from pgconvert.model.layout import ParallelLayout
-from pgconvert.semantics import hf_losses, hf_training_notes, lose
+from pgconvert.semantics import hf_training_notes, lose
 from pgconvert.families import mtp
 from pgconvert.model.provider import (VOCAB_TABLES, WORD_EMBEDDINGS, TensorKind, keep_dtype_names, layer_kinds,
                                 norm_weight_names)

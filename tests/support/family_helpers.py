@@ -1,4 +1,4 @@
-"""What the HF family test helpers share (hf_helpers, hf_more_helpers, moe_more_helpers, postnorm_helpers).
+"""What the HF family test helpers share (hf_helpers, llama_like_helpers, glm4_moe_gpt_oss_helpers, postnorm_helpers).
 
 * a tiny transformers model seeded the same way for every family (each family says what a
   parameter's value is made of its noise), and saved as a release with its side files;

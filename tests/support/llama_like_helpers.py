@@ -1,4 +1,4 @@
-"""f17a test helpers: tiny Qwen2-MoE / Granite / SmolLM3 / Ministral / Phi-3 models, and an
+"""Test helpers: tiny Qwen2-MoE / Granite / SmolLM3 / Ministral / Phi-3 models, and an
 independent tensor-parallel forward pass over Megatron rank files driven by the files' own ``args``.
 
 Nothing here imports pgconvert. The reference forward reads each rank's ``model`` dict with

@@ -1,7 +1,7 @@
-"""f17a families (Qwen2-MoE, …): HF -> Megatron -> torch_dist -> HF is bit-exact, the Megatron
+"""Qwen2-MoE, Granite, SmolLM3, Ministral and Phi-3: HF -> Megatron -> torch_dist -> HF is bit-exact, the Megatron
 rank files compute the HF model's logits, and config, generation config and tokenizer files survive.
 
-The fixtures (tests/support/hf_more_helpers.py) switch each family's own options on; the semantic check reads
+The fixtures (tests/support/llama_like_helpers.py) switch each family's own options on; the semantic check reads
 the TP-sharded rank files and their args with torch.load, never through pgconvert's merge.
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from support.hf_helpers import assert_same_hf_tensors, edit_json, hf_logits, read_megatron_tp_ranks
-from support.hf_more_helpers import MODEL_VOCAB, MOE_FAMILIES, build_model, input_ids, megatron_args, reference_logits, save_model
+from support.llama_like_helpers import MODEL_VOCAB, MOE_FAMILIES, build_model, input_ids, megatron_args, reference_logits, save_model
 
 import pgconvert
 from pgconvert.errors import StrictModeError
@@ -25,7 +25,7 @@ SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json
 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("f17a_sources")
+    root = tmp_path_factory.mktemp("family_sources")
     return {name: save_model(build_model(name, seed=3), root / name) for name in FAMILIES}
 
 
@@ -171,7 +171,7 @@ def test_native_megatron_granite_without_carried_config_is_written_as_granite(
 
 def test_granite_model_written_as_llama_is_refused_under_strict_naming_the_multipliers(tmp_path: Path) -> None:
     from pgconvert.model.config import ModelConfig
-    from pgconvert.semantics import hf_losses
+    from pgconvert.formats.hf import hf_losses
 
     config = ModelConfig(num_layers=2, hidden_size=8, num_attention_heads=2, ffn_hidden_size=8, vocab_size=10,
                          embedding_multiplier=2.0, softmax_scale=0.25)

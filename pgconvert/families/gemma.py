@@ -1,0 +1,244 @@
+"""Gemma 3 (text, ``Gemma3ForCausalLM``) and Gemma 2 (``Gemma2ForCausalLM``).
+
+A Gemma layer is input norm, attention, post-attention norm, pre-FFN norm, GeGLU MLP, post-FFN
+norm: the tensor kinds ``self_attention.linear_proj.post_layernorm.weight`` and
+``mlp.linear_fc2.post_layernorm.weight`` (``pgconvert.model.provider``, Megatron-Bridge's names) and
+the ``ModelConfig`` fields ``post_self_attn_layernorm`` / ``post_mlp_layernorm``; the Megatron args
+of what megatron-core lacks (the post norms, the embedding scaled by sqrt(hidden), soft-capping,
+Gemma 3's second RoPE base) are in ``pgconvert.semantics.postnorm``.
+
+Gemma's HF norms compute ``x * (1 + w)`` and store ``w``, as megatron-core's zero-centred gamma
+(``layernorm_zero_centered_gamma``) does, so the weights are copied unchanged
+(``Family.hf_norms_zero_centred``). HF's ``post_attention_layernorm`` is Gemma's norm *after*
+attention, not the pre-MLP norm it is in Llama (that one is ``pre_feedforward_layernorm``).
+``query_pre_attn_scalar`` is the attention softmax scale's -1/2 power
+(``pgconvert.semantics.attention_scale``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+from pgconvert.io.limits import quote
+from pgconvert.model.config import ModelConfig
+from pgconvert.families.llama import max_positions
+from pgconvert.families.sliding_window import layer_types_of, sliding_layers, window_values, window_with_default
+from pgconvert.families.table import DROP, DROPPED, GATE_UP, QKV, ConfigField, ConfigRule, Family
+from pgconvert.families.table import TensorMapping, TensorTable
+from pgconvert.semantics import attention_scale
+
+_L = "model.layers.{}."
+_D = "decoder.layers.{}."
+
+# Input norm, attention, post-attention norm, pre-FFN norm, MLP, post-FFN norm.
+SANDWICH_ROWS = (
+    TensorMapping("embedding.word_embeddings.weight", ("model.embed_tokens.weight",)),
+    TensorMapping(_D + "input_layernorm.weight", (_L + "input_layernorm.weight",)),
+    TensorMapping(_D + "self_attention.linear_qkv.weight", (
+        _L + "self_attn.q_proj.weight", _L + "self_attn.k_proj.weight", _L + "self_attn.v_proj.weight"), QKV),
+    TensorMapping(_D + "self_attention.q_layernorm.weight", (_L + "self_attn.q_norm.weight",)),
+    TensorMapping(_D + "self_attention.k_layernorm.weight", (_L + "self_attn.k_norm.weight",)),
+    TensorMapping(_D + "self_attention.linear_proj.weight", (_L + "self_attn.o_proj.weight",)),
+    TensorMapping(_D + "self_attention.linear_proj.post_layernorm.weight", (_L + "post_attention_layernorm.weight",)),
+    TensorMapping(_D + "pre_mlp_layernorm.weight", (_L + "pre_feedforward_layernorm.weight",)),
+    TensorMapping(_D + "mlp.linear_fc1.weight", (_L + "mlp.gate_proj.weight", _L + "mlp.up_proj.weight"), GATE_UP),
+    TensorMapping(_D + "mlp.linear_fc2.weight", (_L + "mlp.down_proj.weight",)),
+    TensorMapping(_D + "mlp.linear_fc2.post_layernorm.weight", (_L + "post_feedforward_layernorm.weight",)),
+    TensorMapping("decoder.final_layernorm.weight", ("model.norm.weight",)),
+    TensorMapping("output_layer.weight", ("lm_head.weight",)),
+    TensorMapping(None, ("model.rotary_emb.inv_freq",), DROPPED),
+)
+GEMMA_TENSORS = TensorTable(SANDWICH_ROWS)
+
+
+def _window_rule(period: int) -> ConfigRule:
+    """``sliding_window`` (transformers' default 4096) on the layers ``layer_types`` marks sliding
+    (by default every ``period``-th layer full)."""
+
+    def read(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
+        layers = model["num_layers"]
+        assert isinstance(layers, int)
+        pattern = sliding_layers(present, layers, period)
+        return window_values(window_with_default(present, 4096), pattern)
+
+    def write(config: ModelConfig) -> Mapping[str, object]:
+        return {"sliding_window": config.sliding_window, "layer_types": layer_types_of(config)}
+
+    return ConfigRule(keys=("sliding_window", "layer_types"), model_fields=("sliding_window", "window_layers"),
+                      read=read, write=write)
+
+
+def _theta(params: Mapping[str, object], key: str, default: float) -> float:
+    value = params.get("rope_theta", default)
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < float("inf"):
+        raise ValueError(f"{key}.rope_theta={quote(value)}: expected a positive number")
+    return float(value)
+
+
+def _rope_type(params: Mapping[str, object], key: str, allowed: tuple[str, ...]) -> str:
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in allowed:
+        raise ValueError(f"{key}.rope_type={quote(rope_type)}: pgconvert converts {' or '.join(allowed)} here")
+    assert isinstance(rope_type, str)
+    return rope_type
+
+
+def _sub(params: Mapping[str, object], name: str) -> Mapping[str, object]:
+    value = params.get(name, {})
+    if not isinstance(value, dict):
+        raise ValueError(f"rope_parameters.{name}={quote(value)}: expected an object")
+    return value
+
+
+def _rope_parameters(present: Mapping[str, object]) -> Mapping[str, object]:
+    params = present.get("rope_parameters", {})
+    if not isinstance(params, dict):
+        raise ValueError(f"rope_parameters={quote(params)}: expected an object")
+    return params
+
+
+def _read_gemma3_rope(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
+    """Gemma 3's RoPE per layer type: ``full_attention`` (default base 1e6, plain or linear scaling:
+    Megatron's rotary_base and rope scaling) and ``sliding_attention`` (base 1e4, plain: rotary_base_local)."""
+    params = _rope_parameters(present)
+    full, local = _sub(params, "full_attention"), _sub(params, "sliding_attention")
+    _rope_type(local, "rope_parameters.sliding_attention", ("default",))
+    values: dict[str, object] = {
+        "rotary_base": _theta(full, "rope_parameters.full_attention", 1_000_000.0),
+        "rotary_base_local": _theta(local, "rope_parameters.sliding_attention", 10_000.0),
+        "rope_scaling": None, "rope_scaling_factor": 1.0, "rotary_percent": 1.0,
+    }
+    if _rope_type(full, "rope_parameters.full_attention", ("default", "linear")) == "linear":
+        factor = full.get("factor")
+        if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not 0 < factor < float("inf"):
+            raise ValueError(f"rope_parameters.full_attention.factor={quote(factor)}: expected a positive number")
+        values.update(rope_scaling="linear", rope_scaling_factor=float(factor))
+    return values
+
+
+def _write_gemma3_rope(config: ModelConfig) -> Mapping[str, object]:
+    full: dict[str, object] = {"rope_type": config.rope_scaling or "default", "rope_theta": config.rotary_base}
+    if config.rope_scaling is not None:
+        full["factor"] = config.rope_scaling_factor
+    local = {"rope_type": "default", "rope_theta": config.rotary_base_local}
+    return {"rope_parameters": {"sliding_attention": local, "full_attention": full}}
+
+
+def _refuses_gemma3_rope(config: ModelConfig) -> str | None:
+    if config.rotary_base_local is None:
+        return "rotary_base_local=None (needs the sliding layers' RoPE base)"
+    if config.rope_scaling not in (None, "linear"):
+        return f"rope_scaling={config.rope_scaling!r} (needs none or linear)"
+    if config.rotary_percent != 1.0:
+        return f"rotary_percent={config.rotary_percent} (needs 1.0)"
+    return None
+
+
+def _read_plain_rope(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
+    params = _rope_parameters(present)
+    _rope_type(params, "rope_parameters", ("default",))
+    return {"rotary_base": _theta(params, "rope_parameters", 10_000.0), "rope_scaling": None,
+            "rope_scaling_factor": 1.0, "rotary_percent": 1.0}
+
+
+def _write_plain_rope(config: ModelConfig) -> Mapping[str, object]:
+    return {"rope_parameters": {"rope_type": "default", "rope_theta": config.rotary_base}}
+
+
+def _refuses_scaled_rope(config: ModelConfig) -> str | None:
+    if config.rope_scaling is not None or config.rotary_percent != 1.0:
+        return f"rope_scaling={config.rope_scaling!r}, rotary_percent={config.rotary_percent} (needs plain RoPE)"
+    return None
+
+
+def _read_scalar(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
+    """Gemma's query_pre_attn_scalar (transformers' default 256): the softmax scale is its -1/2 power."""
+    value = present.get("query_pre_attn_scalar", 256)
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"query_pre_attn_scalar={quote(value)}: expected a positive number")
+    return {"softmax_scale": attention_scale.from_scalar(value)}
+
+
+def _write_scalar(config: ModelConfig) -> Mapping[str, object]:
+    # transformers types it int (its strict config refuses 256.0).
+    return {"query_pre_attn_scalar": attention_scale.to_scalar(attention_scale.effective(config))}
+
+
+def _softcap(key: str, default: float | None) -> ConfigField:
+    """A soft-capping value (null: off, not transformers' default)."""
+    return ConfigField((key,), key, float, default=default, nullable=True)
+
+
+# Megatron-Bridge's Gemma 2/3 providers: GeGLU (gated tanh-GELU), RMSNorm with zero-centred gamma,
+# RoPE, sandwich norms, embeddings times sqrt(hidden).
+_GEMMA: dict[str, object] = {
+    "gated_linear_unit": True,
+    "activation": "gelu_tanh",
+    "normalization": "RMSNorm",
+    "position_embedding_type": "rope",
+    "num_experts": None,
+    "add_qkv_bias": False,
+    "add_bias_linear": False,
+    "layernorm_zero_centered_gamma": True,
+    "post_self_attn_layernorm": True,
+    "post_mlp_layernorm": True,
+    "pre_layernorms": True,
+    "embedding_scale_sqrt_hidden": True,
+}
+_HF_GEMMA: dict[str, object] = {"hidden_activation": "gelu_pytorch_tanh", "attention_bias": False}
+_SANDWICH_NOTE = "post_attention_layernorm, post_feedforward_layernorm tensors (always)"
+
+GEMMA3 = Family(
+    architecture="Gemma3ForCausalLM",
+    model_type="gemma3_text",
+    tensors=GEMMA_TENSORS,
+    # transformers' class defaults, which save_pretrained leaves out of config.json.
+    fields=(
+        ConfigField(("hidden_size",), "hidden_size", int, default=2304),
+        ConfigField(("num_hidden_layers",), "num_layers", int, default=26),
+        ConfigField(("num_attention_heads",), "num_attention_heads", int, default=8),
+        ConfigField(("num_key_value_heads",), "num_query_groups", int, default=4),
+        ConfigField(("head_dim",), "kv_channels", int, default=256),
+        ConfigField(("intermediate_size",), "ffn_hidden_size", int, default=9216),
+        ConfigField(("rms_norm_eps",), "norm_epsilon", float, default=1e-6),
+        max_positions(131_072),
+        ConfigField(("vocab_size",), "vocab_size", int),
+        ConfigField(("tie_word_embeddings",), "tie_embeddings", bool, default=True),
+        ConfigField(("attention_dropout",), "attention_dropout", float, default=0.0),
+        _softcap("final_logit_softcapping", None),
+        _softcap("attn_logit_softcapping", None),
+    ),
+    # transformers' Gemma3TextConfig: every 6th layer full attention by default.
+    rules=(ConfigRule(keys=("rope_parameters",),
+                      model_fields=("rotary_base", "rotary_base_local", "rope_scaling", "rope_scaling_factor",
+                                    "rotary_percent"),
+                      read=_read_gemma3_rope, write=_write_gemma3_rope, refuses=_refuses_gemma3_rope),
+           _window_rule(period=6),
+           ConfigRule(keys=("query_pre_attn_scalar",), model_fields=("softmax_scale",),
+                      read=_read_scalar, write=_write_scalar)),
+    fixed={**_GEMMA, "qk_layernorm": True},
+    hf_fixed={**_HF_GEMMA, "use_bidirectional_attention": False},
+    hf_norms_zero_centred=True,
+    hf_notes={
+        "activation": "hidden_activation = gelu_pytorch_tanh (fixed)", "qk-norm": "always",
+        "attention softmax scale": "query_pre_attn_scalar (scale**-2)", "post-sublayer norms": _SANDWICH_NOTE,
+        "embedding scale": "always", "logit soft-capping": "attn_logit_softcapping, final_logit_softcapping",
+        "local rope theta": "rope_parameters.sliding_attention.rope_theta",
+    },
+)
+
+GEMMA2 = GEMMA3.derive(
+    "Gemma2ForCausalLM", "gemma2",
+    # Soft-capping on by default.
+    fields=(max_positions(8192), _softcap("final_logit_softcapping", 30.0), _softcap("attn_logit_softcapping", 50.0)),
+    # transformers' Gemma2Config: sliding and full attention alternate, sliding first; one RoPE base.
+    rules=(ConfigRule(keys=("rope_parameters",),
+                      model_fields=("rotary_base", "rope_scaling", "rope_scaling_factor", "rotary_percent"),
+                      read=_read_plain_rope, write=_write_plain_rope, refuses=_refuses_scaled_rope),
+           _window_rule(period=2)),
+    fixed={"qk_layernorm": False, "rotary_base_local": None},
+    hf_fixed={"use_bidirectional_attention": None},
+    hf_notes={"qk-norm": DROP, "local rope theta": DROP,
+              "logit soft-capping": "attn_logit_softcapping, final_logit_softcapping (null: off)"},
+)

@@ -1,0 +1,250 @@
+"""GLM-4 (``Glm4ForCausalLM``) and GLM-4.5-MoE (``Glm4MoeForCausalLM``).
+
+GLM-4 has norms around both sublayers (HF's ``post_self_attn_layernorm`` and
+``post_mlp_layernorm`` after them, ``post_attention_layernorm`` the pre-MLP norm as in Llama), q/k/v
+biases, HF's own interleaved rotary over half of each head (``Family.hf_rotary_interleaved``) and a
+fused ``gate_up_proj`` that is megatron-core's ``linear_fc1`` as it is.
+
+GLM-4.5-MoE (transformers 5.24's ``models/glm4_moe``; megatron-core's ``TopKRouter`` /
+``topk_routing_with_score_function`` in ``transformer/moe/moe_utils.py``) in Megatron terms:
+Llama-style attention with q/k/v biases (``attention_bias``; o_proj has none) and optional per-head
+qk-norm (``use_qk_norm``), RoPE on the first ``partial_rotary_factor`` of each head (rotate-half,
+not interleaved: megatron-core's ``rotary_percent``); the first ``first_k_dense_replace`` layers
+dense, the rest MoE with a shared expert of ``moe_intermediate_size × n_shared_experts`` and a
+sigmoid router whose ``e_score_correction_bias`` only steers the choice (megatron-core's
+``mlp.router.expert_bias``, ``moe_router_score_function=sigmoid``), the chosen weights renormalized
+(megatron-core's sigmoid router always renormalizes for top-k > 1: ``norm_topk_prob`` is assumed
+true) and scaled by ``routed_scaling_factor`` (``moe_router_topk_scaling_factor``). Its router
+scores a group of experts as DeepSeek-V3's does (``pgconvert.families.deepseek.router_groups``);
+its multi-token-prediction layers are ``pgconvert.families.mtp``'s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from pgconvert.io.limits import quote
+from pgconvert.model.config import ModelConfig
+from pgconvert.families.deepseek import EXPERT_BIAS_ROW, SHARED_EXPERTS_ROWS, router_groups
+from pgconvert.families.experts import dense_layers, expert_ffn_size
+from pgconvert.families.llama import (
+    ATTENTION_ROWS,
+    DENSE_FFN,
+    DENSE_MLP_ROWS,
+    EMBEDDING_ROWS,
+    FINAL_ROWS,
+    ROPE_DEFAULT,
+    ROPE_RULE,
+    SWIGLU_RMS_ROPE,
+    decoder_fields,
+    read_rope,
+    write_partial_rope,
+)
+from pgconvert.families.mtp import MTP_ROWS
+from pgconvert.families.olmo import PLAIN_SWIGLU
+from pgconvert.families.qwen import QWEN_MOE_ROWS
+from pgconvert.families.table import DROPPED, IDENTITY, QKV, ConfigField, ConfigRule, Family, TensorMapping, TensorTable
+from pgconvert.semantics.rope import rope_parameters
+
+_L = "model.layers.{}."
+_D = "decoder.layers.{}."
+GLM4_TENSORS = TensorTable((
+    TensorMapping("embedding.word_embeddings.weight", ("model.embed_tokens.weight",)),
+    TensorMapping(_D + "input_layernorm.weight", (_L + "input_layernorm.weight",)),
+    TensorMapping(_D + "self_attention.linear_qkv.weight", (
+        _L + "self_attn.q_proj.weight", _L + "self_attn.k_proj.weight", _L + "self_attn.v_proj.weight"), QKV),
+    TensorMapping(_D + "self_attention.linear_qkv.bias", (
+        _L + "self_attn.q_proj.bias", _L + "self_attn.k_proj.bias", _L + "self_attn.v_proj.bias"), QKV),
+    TensorMapping(_D + "self_attention.linear_proj.weight", (_L + "self_attn.o_proj.weight",)),
+    TensorMapping(_D + "self_attention.linear_proj.post_layernorm.weight", (_L + "post_self_attn_layernorm.weight",)),
+    TensorMapping(_D + "pre_mlp_layernorm.weight", (_L + "post_attention_layernorm.weight",)),
+    # HF's fused [gate; up] is linear_fc1 row for row.
+    TensorMapping(_D + "mlp.linear_fc1.weight", (_L + "mlp.gate_up_proj.weight",), IDENTITY),
+    TensorMapping(_D + "mlp.linear_fc2.weight", (_L + "mlp.down_proj.weight",)),
+    TensorMapping(_D + "mlp.linear_fc2.post_layernorm.weight", (_L + "post_mlp_layernorm.weight",)),
+    TensorMapping("decoder.final_layernorm.weight", ("model.norm.weight",)),
+    TensorMapping("output_layer.weight", ("lm_head.weight",)),
+    TensorMapping(None, ("model.rotary_emb.inv_freq",), DROPPED),
+))
+
+# Glm4Config's and Glm4MoeConfig's default partial_rotary_factor.
+GLM_PARTIAL_ROTARY = 0.5
+
+
+def _read_glm4_rope(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
+    """As Llama's, but a missing partial_rotary_factor is GLM-4's 0.5 (Glm4Config's default)."""
+    params = present.get("rope_parameters")
+    if "partial_rotary_factor" not in present and not (isinstance(params, dict) and "partial_rotary_factor" in params):
+        present = {**present, "partial_rotary_factor": GLM_PARTIAL_ROTARY}
+    return read_rope(present, model)
+
+
+GLM4 = Family(
+    architecture="Glm4ForCausalLM",
+    model_type="glm4",
+    hf_computes=frozenset({"rotary_percent"}),
+    tensors=GLM4_TENSORS,
+    fields=(
+        *decoder_fields(max_position_embeddings=131072, norm_epsilon=1.5625e-07),
+        DENSE_FFN,
+        # GLM-4's attention_bias biases q, k and v (not o_proj): Megatron's add_qkv_bias.
+        ConfigField(("attention_bias",), "add_qkv_bias", bool, default=True),
+    ),
+    rules=(ConfigRule(keys=ROPE_RULE.keys, model_fields=ROPE_RULE.model_fields, read=_read_glm4_rope,
+                      write=write_partial_rope),),
+    fixed={**PLAIN_SWIGLU, "num_experts": None, "qk_layernorm": False, "qk_layernorm_across_heads": False,
+           "pre_layernorms": True, "post_self_attn_layernorm": True, "post_mlp_layernorm": True,
+           "rotary_interleaved": True},
+    hf_fixed={"hidden_act": "silu"},
+    # Glm4Config's pad id 151329 is a padding_idx transformers refuses for a smaller vocab: a config
+    # built from the model alone (token ids unknown) says none.
+    hf_scratch={**ROPE_DEFAULT, "pad_token_id": None, "eos_token_id": None},
+    hf_rotary_interleaved=True,
+    hf_notes={"rotary percent": "rope_parameters.partial_rotary_factor (default 0.5)",
+              "rotary interleaved": "always (HF's own rotary is interleaved: rows kept as they are)",
+              "post-sublayer norms": "post_self_attn_layernorm, post_mlp_layernorm tensors (always)"},
+)
+
+
+# --- GLM-4.5-MoE -----------------------------------------------------------------------------------
+
+# transformers' Glm4MoeConfig defaults.
+GLM4_MOE_FIRST_DENSE = 1
+GLM4_MOE_SHARED_EXPERTS = 1
+
+GLM4_MOE_TENSORS = TensorTable((*EMBEDDING_ROWS, *ATTENTION_ROWS, *DENSE_MLP_ROWS, *QWEN_MOE_ROWS,
+                                EXPERT_BIAS_ROW, *SHARED_EXPERTS_ROWS, *FINAL_ROWS, *MTP_ROWS))
+
+
+def _count(value: object, key: str, low: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ValueError(f"{key}={quote(value)}: expected an integer >= {low}")
+    return value
+
+
+def _read_partial_rope(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
+    """GLM's RoPE: as every family's, but an absent ``partial_rotary_factor`` means 0.5
+    (Glm4MoeConfig's default), not the whole head."""
+    values = dict(read_rope(present, model))
+    in_params = rope_parameters(present).get("partial_rotary_factor") is not None
+    if not in_params and present.get("partial_rotary_factor") is None:
+        values["rotary_percent"] = GLM_PARTIAL_ROTARY
+    return values
+
+
+def _read_first_dense(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
+    """Layer i is MoE iff i >= first_k_dense_replace (transformers' Glm4MoeDecoderLayer)."""
+    first = _count(present.get("first_k_dense_replace", GLM4_MOE_FIRST_DENSE), "first_k_dense_replace", 0)
+    layers = model["num_layers"]
+    assert isinstance(layers, int)
+    pattern = tuple(int(layer >= first) for layer in range(layers))
+    return {"moe_layer_freq": 1 if all(pattern) else pattern}
+
+
+def _write_first_dense(config: ModelConfig) -> Mapping[str, object]:
+    return {"first_k_dense_replace": len(dense_layers(config))}
+
+
+def _refuses_dense_after_moe(config: ModelConfig) -> str | None:
+    if config.num_experts is None:
+        return "num_experts=None (needs routed experts)"
+    dense = dense_layers(config)
+    if dense != list(range(len(dense))):
+        return f"dense layers {dense} (needs the dense layers first: first_k_dense_replace)"
+    return None
+
+
+def _read_shared(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
+    shared = _count(present.get("n_shared_experts", GLM4_MOE_SHARED_EXPERTS), "n_shared_experts", 1)
+    expert = model["moe_ffn_hidden_size"]
+    assert isinstance(expert, int)
+    return {"moe_shared_expert_intermediate_size": shared * expert}
+
+
+def _write_shared(config: ModelConfig) -> Mapping[str, object]:
+    size = config.moe_shared_expert_intermediate_size or 0
+    return {"n_shared_experts": size // config.expert_ffn_size}
+
+
+def _refuses_shared(config: ModelConfig) -> str | None:
+    size = config.moe_shared_expert_intermediate_size
+    if size is None or size % config.expert_ffn_size:
+        return (f"moe_shared_expert_intermediate_size={size} (needs a multiple of the experts' FFN size "
+                f"{config.expert_ffn_size}: n_shared_experts)")
+    return None
+
+
+def _read_groups(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
+    """``n_group``/``topk_group``: routing limited to the best ``topk_group`` of ``n_group`` expert
+    groups. transformers' ``Glm4MoeTopkRouter`` scores a group by the sum of its top-2 biased scores,
+    as DeepSeek-V3 does, so DeepSeek-V3's rule applies: megatron-core's ``group_limited_topk`` scores
+    by its top ``topk // group_topk``, which agrees where that is 2 (any other setting is refused)."""
+    groups = router_groups(present, model, per_group=2)
+    return {"moe_router_num_groups": groups and groups[0], "moe_router_group_topk": groups and groups[1]}
+
+
+def _write_groups(config: ModelConfig) -> Mapping[str, object]:
+    return {"n_group": config.moe_router_num_groups or 1, "topk_group": config.moe_router_group_topk or 1}
+
+
+def _refuses_groups(config: ModelConfig) -> str | None:
+    chosen = config.moe_router_group_topk
+    if chosen and config.moe_router_topk // chosen != 2:
+        return (f"moe_router_group_topk={chosen} with moe_router_topk={config.moe_router_topk} "
+                "(Glm4Moe scores a group by its best 2 experts: needs topk // group_topk = 2)")
+    return None
+
+
+GLM4_MOE = Family(
+    architecture="Glm4MoeForCausalLM",
+    model_type="glm4_moe",
+    # Router groups are scored as DeepSeek-V3's.
+    hf_computes=frozenset({"rotary_percent", "moe_router_score_function",
+                           "moe_router_topk_scaling_factor", "moe_router_num_groups"}),
+    tensors=GLM4_MOE_TENSORS,
+    fields=(
+        *decoder_fields(max_position_embeddings=131072, norm_epsilon=1e-5),
+        DENSE_FFN,
+        ConfigField(("moe_intermediate_size",), "moe_ffn_hidden_size", int, default=1408, written=expert_ffn_size),
+        ConfigField(("n_routed_experts",), "num_experts", int, default=128),
+        ConfigField(("num_experts_per_tok",), "moe_router_topk", int, default=8),
+        ConfigField(("routed_scaling_factor",), "moe_router_topk_scaling_factor", float, default=1.0),
+        ConfigField(("use_qk_norm",), "qk_layernorm", bool, default=False),
+        # q, k and v only: o_proj never has a bias.
+        ConfigField(("attention_bias",), "add_qkv_bias", bool, default=False),
+    ),
+    rules=(
+        ConfigRule(keys=("first_k_dense_replace",), model_fields=("moe_layer_freq",), read=_read_first_dense,
+                   write=_write_first_dense, refuses=_refuses_dense_after_moe),
+        ConfigRule(keys=("n_shared_experts",), model_fields=("moe_shared_expert_intermediate_size",),
+                   read=_read_shared, write=_write_shared, refuses=_refuses_shared),
+        ConfigRule(keys=("n_group", "topk_group"), model_fields=("moe_router_num_groups", "moe_router_group_topk"),
+                   read=_read_groups, write=_write_groups, refuses=_refuses_groups),
+        ConfigRule(keys=ROPE_RULE.keys, model_fields=ROPE_RULE.model_fields, read=_read_partial_rope,
+                   write=write_partial_rope),
+    ),
+    fixed={
+        **SWIGLU_RMS_ROPE,
+        "add_bias_linear": False,
+        "moe_shared_expert_gate": False,
+        "moe_router_enable_expert_bias": True,
+        "moe_router_score_function": "sigmoid",
+        "moe_router_pre_softmax": False,
+        "sliding_window": None,
+        "window_layers": None,
+    },
+    hf_fixed={"hidden_act": "silu"},
+    # megatron-core's sigmoid router renormalizes the top-k weights whenever top-k > 1.
+    hf_assumed={"norm_topk_prob": True},
+    # Its MTP layers (layers num_hidden_layers + i, pgconvert.families.mtp), written from mtp_num_layers.
+    hf_mtp_layers_key="num_nextn_predict_layers",
+    hf_notes={
+        "rotary percent": "rope_parameters.partial_rotary_factor (default 0.5; carried both ways)",
+        "qk-norm": "use_qk_norm", "linear biases": "attention_bias (q/k/v only: add_qkv_bias)",
+        "moe score function": "sigmoid (fixed)",
+        "moe pre-softmax": ("norm_topk_prob (assumed true: megatron-core's sigmoid router renormalizes; "
+                            "false: notice, --strict refuses)"),
+        "moe expert bias": "always: mlp.gate.e_score_correction_bias (fp32)",
+        "moe top-k scaling": "routed_scaling_factor",
+    },
+)

@@ -1,0 +1,91 @@
+"""Phi-3 and Phi-4-mini (``Phi3ForCausalLM``): Mistral with fused ``qkv_proj`` and ``gate_up_proj``,
+partial rotary and longrope RoPE.
+
+``qkv_proj`` is ``[all q; all k; all v]`` (``QKV_CONCAT``); ``gate_up_proj`` is ``[gate; up]``
+(Phi3MLP chunks it in two, gate first), megatron-core's ``linear_fc1`` as it is. megatron-core
+cannot compute longrope (nor its ``su`` alias): its parameters are carried whole, as JSON, in
+``ModelConfig.hf_rope_parameters`` and in Megatron args (``pgconvert.semantics.carried``), so a
+Megatron checkpoint converts back bit-exactly; every Megatron output names them in a notice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+from pgconvert.errors import CheckpointError
+from pgconvert.io.limits import quote
+from pgconvert.model.config import ModelConfig
+from pgconvert.families.llama import EMBEDDING_ROWS, FINAL_ROWS, ROPE_RULE, max_positions
+from pgconvert.families.mistral import MISTRAL
+from pgconvert.families.table import QKV_CONCAT, ConfigField, ConfigRule, TensorMapping, TensorTable
+from pgconvert.semantics.carried import CarriedSetting
+from pgconvert.semantics.rope import rope_parameters, rope_type_of
+
+PHI3_TENSORS = TensorTable((
+    *EMBEDDING_ROWS,
+    TensorMapping("decoder.layers.{}.input_layernorm.weight", ("model.layers.{}.input_layernorm.weight",)),
+    TensorMapping("decoder.layers.{}.self_attention.linear_qkv.weight", ("model.layers.{}.self_attn.qkv_proj.weight",),
+                  QKV_CONCAT),
+    TensorMapping("decoder.layers.{}.self_attention.linear_proj.weight", ("model.layers.{}.self_attn.o_proj.weight",)),
+    TensorMapping("decoder.layers.{}.pre_mlp_layernorm.weight", ("model.layers.{}.post_attention_layernorm.weight",)),
+    TensorMapping("decoder.layers.{}.mlp.linear_fc1.weight", ("model.layers.{}.mlp.gate_up_proj.weight",)),
+    TensorMapping("decoder.layers.{}.mlp.linear_fc2.weight", ("model.layers.{}.mlp.down_proj.weight",)),
+    *FINAL_ROWS,
+))
+
+# HF RoPE types megatron-core computes none of, carried whole in hf_rope_parameters.
+_CARRIED_ROPE_TYPES = ("longrope", "su")
+
+
+def _read_rope(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
+    """Partial rotary and RoPE scaling as every family reads them; a longrope (``su``) type, which
+    megatron-core cannot compute, is carried whole (with ``original_max_position_embeddings``)."""
+    values = dict(ROPE_RULE.read(present, model))
+    params = rope_parameters(present)
+    carried = None
+    if rope_type_of(params) in _CARRIED_ROPE_TYPES:
+        kept = {key: value for key, value in params.items() if key != "rope_theta"}
+        if present.get("original_max_position_embeddings") is not None:
+            kept.setdefault("original_max_position_embeddings", present["original_max_position_embeddings"])
+        carried = json.dumps(kept, sort_keys=True)
+    return {**values, "hf_rope_parameters": carried}
+
+
+def _write_rope(config: ModelConfig) -> Mapping[str, object]:
+    written = dict(ROPE_RULE.write(config))
+    params = dict(written["rope_parameters"])  # type: ignore[call-overload]
+    if config.hf_rope_parameters is not None:
+        params = {**json.loads(config.hf_rope_parameters), "rope_theta": config.rotary_base}
+        written["rope_scaling"] = None
+    # Phi3 computes partial rotary (megatron-core's rotary_percent): written where transformers reads it.
+    params["partial_rotary_factor"] = config.rotary_percent
+    original = params.get("original_max_position_embeddings", config.max_position_embeddings)
+    return {**written, "rope_parameters": params, "partial_rotary_factor": config.rotary_percent,
+            "original_max_position_embeddings": original}
+
+
+def _json_text(args: argparse.Namespace, name: str, default: object, path: Path) -> object:
+    value = getattr(args, name, None)
+    if value is not None and not isinstance(value, str):
+        raise CheckpointError(f"{path}: args.{name}={quote(value)}: expected JSON text")
+    return value
+
+
+PHI3 = MISTRAL.derive(
+    "Phi3ForCausalLM", "phi3",
+    tensors=PHI3_TENSORS,
+    fields=(max_positions(4096), ConfigField(("rms_norm_eps",), "norm_epsilon", float, default=1e-5)),
+    rules=(ConfigRule(keys=(*ROPE_RULE.keys, "original_max_position_embeddings"),
+                      model_fields=(*ROPE_RULE.model_fields, "hf_rope_parameters"),
+                      read=_read_rope, write=_write_rope),),
+    hf_computes=frozenset({"rotary_percent"}),
+    hf_rope_types_carried=_CARRIED_ROPE_TYPES,
+    # Phi3Config's default token ids (32000) are outside a smaller vocabulary (see SmolLM3).
+    hf_scratch={"bos_token_id": None, "eos_token_id": None, "pad_token_id": None},
+    megatron_carried=(CarriedSetting("hf_rope_parameters", None, _json_text),),
+    hf_notes={"carried RoPE parameters": "rope_parameters (longrope, su), original_max_position_embeddings",
+              "rotary percent": "rope_parameters.partial_rotary_factor (carried both ways)"},
+)

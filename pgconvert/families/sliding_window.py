@@ -1,0 +1,85 @@
+"""Sliding-window attention in config.json: the pieces the families' window rules share.
+
+A model's window is ``ModelConfig.sliding_window`` with ``window_layers`` (0/1 per layer, None: every
+layer). config.json spells it per family: ``sliding_window`` on every layer (Mistral, Mixtral,
+Phi-3: ``EVERY_LAYER_WINDOW``), or on the layers ``layer_types`` marks ``sliding_attention``
+(transformers' own default pattern where it is absent, which each family's rule gives).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from pgconvert.io.limits import quote
+from pgconvert.model.config import ModelConfig
+from pgconvert.families.table import ConfigRule
+
+
+def window_or_none(value: object, key: str) -> int | None:
+    """A window size from config.json (null: none)."""
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{key}={quote(value)}: expected a positive integer or null")
+    return value
+
+
+def window_with_default(present: Mapping[str, object], default: int) -> int:
+    """``sliding_window`` where it cannot be null (transformers' class ``default`` where absent)."""
+    value = present.get("sliding_window", default)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"sliding_window={quote(value)}: expected a positive integer")
+    return value
+
+
+def layer_types(present: Mapping[str, object], layers: int) -> tuple[int, ...] | None:
+    """``layer_types`` as a 0/1 per layer (1: sliding), None when absent."""
+    types = present.get("layer_types")
+    if types is None:
+        return None
+    if (not isinstance(types, list) or len(types) != layers
+            or not all(kind in ("sliding_attention", "full_attention") for kind in types)):
+        raise ValueError(f"layer_types={quote(types)}: expected {layers} of 'sliding_attention'/'full_attention'")
+    return tuple(int(kind == "sliding_attention") for kind in types)
+
+
+def sliding_layers(present: Mapping[str, object], layers: int, period: int) -> tuple[int, ...]:
+    """``layer_types`` as a 0/1 per layer, by default every ``period``-th layer full attention and
+    the others sliding (transformers' Gemma 2/3 and GPT-OSS configs)."""
+    pattern = layer_types(present, layers)
+    if pattern is None:
+        return tuple(int((layer + 1) % period != 0) for layer in range(layers))
+    return pattern
+
+
+def window_values(window: int | None, pattern: tuple[int, ...]) -> Mapping[str, object]:
+    """The ``ModelConfig`` window of ``window`` on the layers ``pattern`` marks."""
+    if window is None or not any(pattern):
+        return {"sliding_window": None, "window_layers": None}
+    return {"sliding_window": window, "window_layers": None if all(pattern) else pattern}
+
+
+def layer_types_of(config: ModelConfig) -> list[str]:
+    """config.json's ``layer_types`` of a model."""
+    return ["sliding_attention" if config.is_window_layer(layer) else "full_attention"
+            for layer in range(config.num_layers)]
+
+
+def refuses_partial_window(config: ModelConfig) -> str | None:
+    if config.window_layers is not None:
+        return f"window_layers={list(config.window_layers)} (needs every layer windowed or none)"
+    return None
+
+
+def _read_every_layer_window(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
+    """Mistral, Mixtral: ``sliding_window`` applies to every layer (null: none)."""
+    return {"sliding_window": window_or_none(present.get("sliding_window"), "sliding_window"), "window_layers": None}
+
+
+def _write_every_layer_window(config: ModelConfig) -> Mapping[str, object]:
+    return {"sliding_window": config.sliding_window}
+
+
+EVERY_LAYER_WINDOW = ConfigRule(keys=("sliding_window",), model_fields=("sliding_window", "window_layers"),
+                                read=_read_every_layer_window, write=_write_every_layer_window,
+                                refuses=refuses_partial_window)

@@ -1,0 +1,586 @@
+"""The table types of the model families: HF tensor names and config.json keys <-> canonical ones.
+
+A family is one ``Family`` value: a ``TensorTable`` (HF name patterns <-> canonical name patterns,
+each with the pure transform that relates them), the config.json fields it maps onto
+``ModelConfig`` and, where a setting is not one key for one field (Qwen-MoE's sparse step and
+dense-layer list against megatron-core's ``moe_layer_freq``), a ``ConfigRule`` of pure functions.
+Both directions are derived from the same rows: the saver reads a row canonical -> HF, the loader
+inverts the rows it expects for a config. A family that is another plus some changes is
+``Family.derive(...)`` of it. Nothing here is specific to one family.
+
+``{}`` in a pattern is a slot (a layer index, then a global expert index); a row's patterns are
+checked when the table is built to have the same number of slots on both sides. A row with
+``canonical=None`` names an HF tensor that is dropped on purpose (rotary ``inv_freq`` buffers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+import torch
+
+from pgconvert.model.config import ModelConfig
+from pgconvert.model.rules import Window
+from pgconvert.semantics import SEMANTICS
+from pgconvert.semantics.carried import CarriedSetting
+
+SLOT = "{}"
+# Rows ``[start, stop)`` along a dim of one HF part of a canonical tensor: (part index, dim, start, stop).
+PartReader = Callable[[int, int, int, int], torch.Tensor]
+
+
+class Transform:
+    """How ``parts`` HF tensors become one canonical tensor (``fuse``) and back (``split``)."""
+
+    name: str = "?"
+    parts: int = 1
+
+    def fuse(self, parts: Sequence[torch.Tensor], config: ModelConfig) -> torch.Tensor:
+        raise NotImplementedError
+
+    def split(self, full: torch.Tensor, config: ModelConfig) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def part_shapes(self, shape: tuple[int, ...], config: ModelConfig) -> list[tuple[int, ...]]:
+        """Shapes of the HF tensors of a canonical tensor of ``shape``."""
+        raise NotImplementedError
+
+    # Whether the canonical tensor is nothing (its HF tensor is dropped on purpose).
+    drops: bool = False
+
+    def reads_window(self, window: Window, shape: tuple[int, ...], config: ModelConfig) -> bool:
+        """Whether ``read_window`` can read ``window`` of the canonical tensor from ranges of the HF
+        parts; otherwise a reader fuses the whole tensor and cuts it."""
+        return False
+
+    def read_window(self, window: Window, shape: tuple[int, ...], config: ModelConfig,
+                    read_part: PartReader) -> torch.Tensor:
+        """``window`` of the canonical tensor of ``shape``, read as ranges of its HF parts."""
+        raise NotImplementedError(f"{self.name} cannot read a window of its parts")
+
+    def __repr__(self) -> str:
+        return f"<transform {self.name}>"
+
+
+class Identity(Transform):
+    """One HF tensor is the canonical tensor."""
+
+    name = "identity"
+    parts = 1
+
+    def fuse(self, parts: Sequence[torch.Tensor], config: ModelConfig) -> torch.Tensor:
+        return parts[0]
+
+    def split(self, full: torch.Tensor, config: ModelConfig) -> list[torch.Tensor]:
+        return [full]
+
+    def part_shapes(self, shape: tuple[int, ...], config: ModelConfig) -> list[tuple[int, ...]]:
+        return [shape]
+
+    def reads_window(self, window: Window, shape: tuple[int, ...], config: ModelConfig) -> bool:
+        return True
+
+    def read_window(self, window: Window, shape: tuple[int, ...], config: ModelConfig,
+                    read_part: PartReader) -> torch.Tensor:
+        return read_part(0, window.dim, window.start, window.start + window.length)
+
+
+class Dropped(Transform):
+    """An HF tensor that has no canonical counterpart on purpose (a recomputed buffer)."""
+
+    name = "dropped"
+    parts = 1
+    drops = True
+
+
+class FuseQKVByGroup(Transform):
+    """``q_proj``, ``k_proj``, ``v_proj`` (weight or bias) <-> megatron-core's ``linear_qkv``.
+
+    megatron-core orders the fused rows by query group, so that a column-parallel split falls on
+    group boundaries::
+
+        q_proj  [q0 q1 | q2 q3]      linear_qkv  [q0 q1 k0 v0 | q2 q3 k1 v1]
+        k_proj  [k0    | k1   ]  ->               group 0       group 1
+        v_proj  [v0    | v1   ]
+
+    (each entry is one head of ``kv_channels`` rows; here 4 query heads in 2 groups).
+    """
+
+    name = "fuse-qkv-by-group"
+    parts = 3
+
+    @staticmethod
+    def _dims(config: ModelConfig) -> tuple[int, int, int]:
+        groups = config.query_groups
+        return groups, config.num_attention_heads // groups * config.head_dim, config.head_dim
+
+    def fuse(self, parts: Sequence[torch.Tensor], config: ModelConfig) -> torch.Tensor:
+        query, key, value = parts
+        groups, q_rows, kv_rows = self._dims(config)
+        rest = tuple(query.shape[1:])
+        fused = torch.cat([
+            query.reshape(groups, q_rows, *rest),
+            key.reshape(groups, kv_rows, *rest),
+            value.reshape(groups, kv_rows, *rest),
+        ], dim=1)
+        return fused.reshape(groups * (q_rows + 2 * kv_rows), *rest)
+
+    def split(self, full: torch.Tensor, config: ModelConfig) -> list[torch.Tensor]:
+        groups, q_rows, kv_rows = self._dims(config)
+        rest = tuple(full.shape[1:])
+        by_group = full.reshape(groups, q_rows + 2 * kv_rows, *rest)
+        query = by_group.narrow(1, 0, q_rows)
+        key = by_group.narrow(1, q_rows, kv_rows)
+        value = by_group.narrow(1, q_rows + kv_rows, kv_rows)
+        return [
+            query.reshape(groups * q_rows, *rest),
+            key.reshape(groups * kv_rows, *rest),
+            value.reshape(groups * kv_rows, *rest),
+        ]
+
+    def part_shapes(self, shape: tuple[int, ...], config: ModelConfig) -> list[tuple[int, ...]]:
+        groups, q_rows, kv_rows = self._dims(config)
+        rest = tuple(shape[1:])
+        return [(groups * q_rows, *rest), (groups * kv_rows, *rest), (groups * kv_rows, *rest)]
+
+    def reads_window(self, window: Window, shape: tuple[int, ...], config: ModelConfig) -> bool:
+        """Rows on query-group boundaries: the q, k and v rows of those groups."""
+        _, q_rows, kv_rows = self._dims(config)
+        group_rows = q_rows + 2 * kv_rows
+        return window.dim == 0 and window.start % group_rows == 0 and window.length % group_rows == 0
+
+    def read_window(self, window: Window, shape: tuple[int, ...], config: ModelConfig,
+                    read_part: PartReader) -> torch.Tensor:
+        groups_total, q_rows, kv_rows = self._dims(config)
+        group_rows = q_rows + 2 * kv_rows
+        first, groups = window.start // group_rows, window.length // group_rows
+        parts = [read_part(index, 0, first * step, (first + groups) * step)
+                 for index, step in enumerate((q_rows, kv_rows, kv_rows))]
+        heads_per_group = config.num_attention_heads // groups_total
+        return self.fuse(parts, config.replace(num_query_groups=groups, num_attention_heads=groups * heads_per_group))
+
+
+class FuseGateUp(Transform):
+    """``gate_proj``, ``up_proj`` <-> the gated ``linear_fc1`` = ``[gate; up]`` (gate first)."""
+
+    name = "fuse-gate-up"
+    parts = 2
+
+    def fuse(self, parts: Sequence[torch.Tensor], config: ModelConfig) -> torch.Tensor:
+        return torch.cat(list(parts), dim=0)
+
+    def split(self, full: torch.Tensor, config: ModelConfig) -> list[torch.Tensor]:
+        gate, up = full.chunk(2, dim=0)
+        return [gate, up]
+
+    def part_shapes(self, shape: tuple[int, ...], config: ModelConfig) -> list[tuple[int, ...]]:
+        return [(shape[0] // 2, *shape[1:])] * 2
+
+    def reads_window(self, window: Window, shape: tuple[int, ...], config: ModelConfig) -> bool:
+        return True
+
+    def read_window(self, window: Window, shape: tuple[int, ...], config: ModelConfig,
+                    read_part: PartReader) -> torch.Tensor:
+        """Rows of ``[gate; up]`` from the parts they fall in; columns from both parts."""
+        if window.dim != 0:
+            return torch.cat([read_part(index, window.dim, window.start, window.start + window.length)
+                              for index in range(self.parts)], dim=0)
+        part_rows = shape[0] // self.parts
+        pieces = []
+        for index in range(self.parts):
+            lo = max(window.start, index * part_rows)
+            hi = min(window.start + window.length, (index + 1) * part_rows)
+            if lo < hi:
+                pieces.append(read_part(index, 0, lo - index * part_rows, hi - index * part_rows))
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
+
+
+IDENTITY = Identity()
+DROPPED = Dropped()
+QKV = FuseQKVByGroup()
+GATE_UP = FuseGateUp()
+
+
+class FuseQKVFromConcat(Transform):
+    """One HF ``qkv_proj`` = ``[all q; all k; all v]`` (Phi-3's) <-> megatron-core's ``linear_qkv``,
+    whose rows are grouped per query group (``FuseQKVByGroup``): the one HF tensor is cut into q, k,
+    v first."""
+
+    name = "fuse-qkv-from-concat"
+    parts = 1
+
+    @staticmethod
+    def _rows(config: ModelConfig) -> list[int]:
+        kv_rows = config.query_groups * config.head_dim
+        return [config.num_attention_heads * config.head_dim, kv_rows, kv_rows]
+
+    def fuse(self, parts: Sequence[torch.Tensor], config: ModelConfig) -> torch.Tensor:
+        return QKV.fuse(list(parts[0].split(self._rows(config), dim=0)), config)
+
+    def split(self, full: torch.Tensor, config: ModelConfig) -> list[torch.Tensor]:
+        return [torch.cat(QKV.split(full, config), dim=0)]
+
+    def part_shapes(self, shape: tuple[int, ...], config: ModelConfig) -> list[tuple[int, ...]]:
+        return [shape]
+
+
+def _deinterleave(rows: torch.Tensor) -> torch.Tensor:
+    return torch.cat([rows[0::2], rows[1::2]], dim=0)
+
+
+def _interleave(full: torch.Tensor) -> torch.Tensor:
+    gate, up = full.chunk(2, dim=0)
+    out = torch.empty_like(full)
+    out[0::2], out[1::2] = gate, up
+    return out
+
+
+class InterleavedGateUp(Transform):
+    """One expert's ``gate_up_proj`` ([hidden, 2·I], columns gate/up alternating, GPT-OSS's) or its
+    bias ([2·I]) <-> megatron-core's ``linear_fc1`` [gate; up] ([2·I, hidden] or [2·I])."""
+
+    parts = 1
+
+    def __init__(self, transposed: bool) -> None:
+        self.transposed = transposed
+        self.name = "interleaved-gate-up" + ("-transposed" if transposed else "")
+
+    def fuse(self, parts: Sequence[torch.Tensor], config: ModelConfig) -> torch.Tensor:
+        rows = parts[0].t() if self.transposed else parts[0]
+        return _deinterleave(rows).contiguous()
+
+    def split(self, full: torch.Tensor, config: ModelConfig) -> list[torch.Tensor]:
+        rows = _interleave(full)
+        return [rows.t().contiguous() if self.transposed else rows]
+
+    def part_shapes(self, shape: tuple[int, ...], config: ModelConfig) -> list[tuple[int, ...]]:
+        return [tuple(reversed(shape)) if self.transposed else shape]
+
+
+class Transposed(Transform):
+    """One HF tensor stored transposed (an expert's ``down_proj`` [I, hidden]) <-> megatron-core's
+    (``linear_fc2`` [hidden, I])."""
+
+    name = "transposed"
+    parts = 1
+
+    def fuse(self, parts: Sequence[torch.Tensor], config: ModelConfig) -> torch.Tensor:
+        return parts[0].t().contiguous()
+
+    def split(self, full: torch.Tensor, config: ModelConfig) -> list[torch.Tensor]:
+        return [full.t().contiguous()]
+
+    def part_shapes(self, shape: tuple[int, ...], config: ModelConfig) -> list[tuple[int, ...]]:
+        return [tuple(reversed(shape))]
+
+
+QKV_CONCAT = FuseQKVFromConcat()
+INTERLEAVED_GATE_UP = InterleavedGateUp(transposed=False)
+INTERLEAVED_GATE_UP_TRANSPOSED = InterleavedGateUp(transposed=True)
+TRANSPOSED = Transposed()
+
+
+def _slot_pattern(pattern: str) -> re.Pattern[str]:
+    return re.compile(re.escape(pattern).replace(re.escape(SLOT), r"(\d+)"))
+
+
+def _fill(pattern: str, slots: Sequence[str]) -> str:
+    pieces = pattern.split(SLOT)
+    return "".join(piece + slot for piece, slot in zip(pieces, [*slots, ""], strict=True))
+
+
+@dataclass(frozen=True)
+class TensorMapping:
+    """One row: a canonical name pattern (``None``: dropped on purpose), its HF name patterns, how."""
+
+    canonical: str | None
+    hf: tuple[str, ...]
+    transform: Transform = IDENTITY
+    # The HF tensors hold every routed expert of a layer stacked on dim 0 (GPT-OSS's
+    # ``mlp.experts.gate_up_proj`` [E, ...]); the canonical pattern's last slot, the expert, indexes it.
+    stacked: bool = False
+
+    def __post_init__(self) -> None:
+        if len(self.hf) != self.transform.parts:
+            raise ValueError(
+                f"mapping {self.canonical!r}: transform {self.transform.name} takes "
+                f"{self.transform.parts} HF tensors, {len(self.hf)} given ({list(self.hf)})"
+            )
+        if (self.canonical is None) != self.transform.drops:
+            raise ValueError(f"mapping {self.hf}: canonical=None and the dropped transform go together")
+        slots = {pattern.count(SLOT) + int(self.stacked) for pattern in self.hf}
+        if self.canonical is not None:
+            slots.add(self.canonical.count(SLOT))
+        if len(slots) != 1:
+            raise ValueError(
+                f"mapping {self.canonical!r} <-> {list(self.hf)}: the patterns have different "
+                f"numbers of {SLOT} slots"
+            )
+
+
+@dataclass(frozen=True)
+class TensorTable:
+    """The rows of one family; patterns on either side must be unique."""
+
+    rows: tuple[TensorMapping, ...]
+    _canonical: tuple[tuple[re.Pattern[str], TensorMapping], ...] = field(init=False, repr=False)
+    _dropped: tuple[re.Pattern[str], ...] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        canonical = [row.canonical for row in self.rows if row.canonical is not None]
+        hf = [pattern for row in self.rows for pattern in row.hf]
+        for side, patterns in (("canonical", canonical), ("hf", hf)):
+            repeated = sorted({p for p in patterns if patterns.count(p) > 1})
+            if repeated:
+                raise ValueError(f"tensor table: {side} patterns appear more than once: {repeated}")
+        object.__setattr__(self, "_canonical", tuple(
+            (_slot_pattern(row.canonical), row) for row in self.rows if row.canonical is not None
+        ))
+        object.__setattr__(self, "_dropped", tuple(
+            _slot_pattern(row.hf[0]) for row in self.rows if row.canonical is None
+        ))
+
+    def to_hf(self, canonical: str) -> tuple[TensorMapping, tuple[str, ...]] | None:
+        """The row filling ``canonical`` and its HF names; None when no row does."""
+        for pattern, row in self._canonical:
+            match = pattern.fullmatch(canonical)
+            if match:
+                slots = match.groups()
+                return row, tuple(_fill(hf, slots[:hf.count(SLOT)]) for hf in row.hf)
+        return None
+
+    def stack_index(self, canonical: str) -> int | None:
+        """For a canonical tensor of a stacked row, its index on the HF tensors' dim 0; else None."""
+        for pattern, row in self._canonical:
+            match = pattern.fullmatch(canonical)
+            if match:
+                return int(match.groups()[-1]) if row.stacked else None
+        return None
+
+    def is_dropped(self, hf_name: str) -> bool:
+        return any(pattern.fullmatch(hf_name) for pattern in self._dropped)
+
+
+REQUIRED = object()
+
+
+@dataclass(frozen=True)
+class ConfigField:
+    """One config.json value <-> one ``ModelConfig`` field.
+
+    ``path`` is where transformers writes it today; ``legacy`` paths are older spellings that are
+    read when ``path`` is absent and written too, so older transformers read the same value.
+    ``written`` gives the value to write where the field may be unset and mean another field's
+    value (megatron-core's ``moe_ffn_hidden_size`` defaults to ``ffn_hidden_size``); by default the
+    field itself.
+    """
+
+    path: tuple[str, ...]
+    model_field: str
+    kind: type
+    default: object = REQUIRED
+    legacy: tuple[tuple[str, ...], ...] = ()
+    written: Callable[[ModelConfig], object] | None = None
+    # A null means None (the setting off), not the default (Gemma 2's soft-capping defaults to on).
+    nullable: bool = False
+
+    @property
+    def key(self) -> str:
+        return ".".join(self.path)
+
+    def value_of(self, config: ModelConfig) -> object:
+        """What config.json holds for ``config``."""
+        return self.written(config) if self.written is not None else getattr(config, self.model_field)
+
+
+def _always_writable(config: ModelConfig) -> str | None:
+    return None
+
+
+def read_nothing(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
+    """A ``ConfigRule.read`` for a rule that maps no key (it only refuses, or checks)."""
+    return {}
+
+
+def write_nothing(config: ModelConfig) -> Mapping[str, object]:
+    """A ``ConfigRule.write`` for a rule that writes no key."""
+    return {}
+
+
+@dataclass(frozen=True)
+class ConfigRule:
+    """config.json keys <-> ``ModelConfig`` fields that do not map one to one, as three pure functions.
+
+    ``read(present, model)`` gets the values of ``keys`` that config.json holds (a null counts as
+    absent) and the ``ModelConfig`` values its ``ConfigField``s gave, and returns a value for each of
+    ``model_fields``; a bad value raises ``ValueError`` naming the key. ``write(config)`` gives the
+    values of ``keys`` for a model. ``refuses(config)`` says why a model cannot be written as the
+    family (``field=value (needs …)``), None when it can.
+    """
+
+    keys: tuple[str, ...]
+    model_fields: tuple[str, ...]
+    read: Callable[[Mapping[str, object], Mapping[str, object]], Mapping[str, object]]
+    write: Callable[[ModelConfig], Mapping[str, object]]
+    refuses: Callable[[ModelConfig], str | None] = _always_writable
+
+
+_MODEL_FIELDS = frozenset(ModelConfig.setting_names())
+_SEMANTIC_ROWS = frozenset(row.name for row in SEMANTICS)
+# The mappings of a Family that derive merges; DROP as a value there removes the key.
+_MERGED = ("hf_fixed", "hf_scratch", "hf_assumed", "hf_notes")
+
+
+class _Drop:
+    def __repr__(self) -> str:
+        return "DROP"
+
+
+DROP: Any = _Drop()
+
+
+def _repeated(items: Sequence[str]) -> list[str]:
+    return sorted({item for item in items if items.count(item) > 1})
+
+
+@dataclass(frozen=True)
+class Family:
+    """One HF architecture.
+
+    ``fixed`` are the ``ModelConfig`` values every model of the family has (a config that differs
+    cannot be written as this family); ``rules`` map what ``fields`` cannot map one to one;
+    ``hf_fixed`` are the config.json values the table assumes (a source that differs is refused, a
+    target gets them written); ``hf_assumed`` are config.json settings Megatron has no field for,
+    with the value a Megatron model behaves as (a source that differs converts with a notice, a
+    config.json built from a ``ModelConfig`` gets them); ``hf_scratch`` are extra keys written when
+    config.json is built from a ``ModelConfig`` alone.
+    """
+
+    architecture: str
+    model_type: str
+    tensors: TensorTable
+    fields: tuple[ConfigField, ...]
+    fixed: Mapping[str, object]
+    hf_fixed: Mapping[str, object] = field(default_factory=dict)
+    hf_scratch: Mapping[str, object] = field(default_factory=dict)
+    rules: tuple[ConfigRule, ...] = ()
+    hf_assumed: Mapping[str, object] = field(default_factory=dict)
+    # HF's norms compute with 1 + w as megatron-core's zero-centred gamma does (Gemma): the
+    # weights are the same numbers on both sides, not written as 1 + gamma.
+    hf_norms_zero_centred: bool = False
+    # HF's rotary is itself interleaved (GLM-4): q/k rows are not reordered to rotate-half.
+    hf_rotary_interleaved: bool = False
+    # Why stored HF tensors outside the table are refused, given them and config.json (None: the
+    # generic message), e.g. multi-token-prediction layers a family does not convert.
+    refuse_extra: Callable[[Sequence[str], Mapping[str, object]], str | None] | None = None
+    # The computation-changing ModelConfig settings (field names) this HF architecture computes
+    # beyond every family's, so pgconvert.formats.hf.hf_losses does not name them as lost (partial
+    # rotary, a router's score function, scaling, groups or pre-softmax, a clamped GLU).
+    hf_computes: frozenset[str] = frozenset()
+    # HF rope_type values carried as they are in ModelConfig.hf_rope_parameters (Phi-3's longrope
+    # and su): pgconvert.semantics.rope.hf_unrepresentable does not name them.
+    hf_rope_types_carried: tuple[str, ...] = ()
+    # The config.json key counting multi-token-prediction layers (stored as layers
+    # num_hidden_layers + i, pgconvert.families.mtp); None: the family has none.
+    hf_mtp_layers_key: str | None = None
+    # Settings of this family that megatron-core does not compute, carried in Megatron args under
+    # their own names (Granite's multipliers): read from and written to every Megatron checkpoint.
+    megatron_carried: tuple[CarriedSetting, ...] = ()
+    # How this family's config.json holds a setting of pgconvert.semantics.SEMANTICS (row name ->
+    # text), where it differs from the row's own ``hf`` text: documentation, per family.
+    hf_notes: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("fixed", *_MERGED):
+            object.__setattr__(self, name, MappingProxyType(dict(getattr(self, name))))
+        object.__setattr__(self, "hf_computes", frozenset(self.hf_computes))
+        mapped = {f.model_field for f in self.fields}
+        ruled = [name for rule in self.rules for name in rule.model_fields]
+        unknown = sorted((mapped | set(ruled) | set(self.fixed) | self.hf_computes) - _MODEL_FIELDS)
+        if unknown:
+            raise ValueError(f"family {self.architecture}: not ModelConfig fields: {unknown}")
+        both = sorted((mapped | set(ruled)) & set(self.fixed))
+        if both:
+            raise ValueError(f"family {self.architecture}: fields both fixed and read from config.json: {both}")
+        twice = sorted(set(_repeated(ruled)) | (set(ruled) & mapped))
+        if twice:
+            raise ValueError(f"family {self.architecture}: fields read by more than one rule or field: {twice}")
+        keys = [f.key for f in self.fields] + [key for rule in self.rules for key in rule.keys]
+        repeated = _repeated(keys + [*self.hf_fixed, *self.hf_assumed])
+        if repeated:
+            raise ValueError(f"family {self.architecture}: config.json keys mapped twice: {repeated}")
+        rows = sorted(set(self.hf_notes) - _SEMANTIC_ROWS)
+        if rows:
+            raise ValueError(f"family {self.architecture}: hf_notes for settings SEMANTICS has no row for: {rows}")
+
+    def derive(self, architecture: str, model_type: str, *, tensors: TensorTable | None = None,
+               rows: Sequence[TensorMapping] = (), fields: Sequence[ConfigField] = (),
+               rules: Sequence[ConfigRule] = (), fixed: Mapping[str, object] | None = None,
+               **changes: Any) -> Family:
+        """This family as ``architecture``, plus changes (as Megatron-Bridge's bridges override a
+        base provider's config and transformers' conversion mappings reuse another model's):
+
+        * ``tensors`` replaces the table; ``rows`` then replace the rows of the same canonical
+          pattern (a dropped row: of the same HF pattern), in place, and the others are added;
+        * ``fields`` replace those reading the same ``ModelConfig`` field (in place of the first),
+          ``rules`` those reading any of the same fields; the others are added after the base's;
+        * ``fixed`` values are merged into the base's, in place: a setting a new field or rule reads
+          is no longer fixed (the new settings take the place of the first such one, else follow the
+          base's), and the base's fields reading a setting fixed here, or read by a new rule, are
+          dropped;
+        * ``hf_fixed``, ``hf_scratch``, ``hf_assumed`` and ``hf_notes`` are merged into the base's
+          (``DROP`` removes a key); any other attribute given replaces the base's.
+        """
+        fixed = dict(fixed or {})
+        read_by_rules = {name for rule in rules for name in rule.model_fields}
+        read = read_by_rules | {spec.model_field for spec in fields}
+        merged_fixed = _merged_fixed(self.fixed, read, fixed)
+        kept_fields = [spec for spec in self.fields if spec.model_field not in fixed.keys() | read_by_rules]
+        for name in _MERGED:
+            if name in changes:
+                base = {**getattr(self, name), **changes[name]}
+                changes[name] = {key: value for key, value in base.items() if value is not DROP}
+        table = tensors or self.tensors
+        return dataclasses.replace(
+            self, architecture=architecture, model_type=model_type, fixed=merged_fixed,
+            tensors=TensorTable(_replaced(table.rows, rows, _row_key)) if rows else table,
+            fields=_replaced(kept_fields, fields, lambda spec: {spec.model_field}),
+            rules=_replaced(self.rules, rules, lambda rule: set(rule.model_fields)), **changes)
+
+
+def _merged_fixed(base: Mapping[str, object], read: set[str], changes: Mapping[str, object]) -> dict[str, object]:
+    """``base`` with ``changes`` in place and without the settings now ``read``; the settings ``base``
+    does not fix go where the first of those was (at the end when there is none)."""
+    added = {name: value for name, value in changes.items() if name not in base or name in read}
+    merged: dict[str, object] = {}
+    for name, value in base.items():
+        if name in read:
+            merged.update(added)
+            added = {}
+        else:
+            merged[name] = changes.get(name, value)
+    merged.update(added)
+    return merged
+
+
+def _row_key(row: TensorMapping) -> set[str]:
+    return {row.canonical} if row.canonical is not None else set(row.hf)
+
+
+def _replaced(base: Sequence[Any], new: Sequence[Any], key: Callable[[Any], set[str]]) -> tuple[Any, ...]:
+    """``base`` with each item of ``new`` in place of the first item whose key overlaps its own (the
+    other overlapping ones dropped), or added at the end."""
+    items: list[Any] = list(base)
+    for item in new:
+        overlapping = [index for index, old in enumerate(items) if key(old) & key(item)]
+        if not overlapping:
+            items.append(item)
+            continue
+        items[overlapping[0]] = item
+        items = [old for index, old in enumerate(items) if index not in overlapping[1:]]
+    return tuple(items)

@@ -1,5 +1,5 @@
-"""Qwen2-MoE, Granite, SmolLM3, Ministral and Phi-3: HF -> Megatron -> torch_dist -> HF is bit-exact, the Megatron
-rank files compute the HF model's logits, and config, generation config and tokenizer files survive.
+"""Qwen2-MoE, Granite, SmolLM3, Ministral, Phi-3 and Seed-OSS: HF -> Megatron -> torch_dist -> HF is bit-exact, the
+Megatron rank files compute the HF model's logits, and config, generation config and tokenizer files survive.
 
 The fixtures (tests/support/llama_like_helpers.py) switch each family's own options on; the semantic check reads
 the TP-sharded rank files and their args with torch.load, never through pgconvert's merge.
@@ -8,6 +8,7 @@ the TP-sharded rank files and their args with torch.load, never through pgconver
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -17,9 +18,9 @@ from support.hf_helpers import assert_same_hf_tensors, edit_json, hf_logits, rea
 from support.llama_like_helpers import MODEL_VOCAB, MOE_FAMILIES, build_model, input_ids, megatron_args, reference_logits, save_model
 
 import pgconvert
-from pgconvert.errors import StrictModeError
+from pgconvert.errors import CheckpointError, StrictModeError
 
-FAMILIES = ("qwen2_moe", "granite", "smollm3", "ministral", "phi3")
+FAMILIES = ("qwen2_moe", "granite", "smollm3", "ministral", "phi3", "seed_oss")
 SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
@@ -345,3 +346,122 @@ def test_reference_forward_is_sensitive_to_longrope(sources: dict[str, Path], tm
 
     expected = hf_logits(sources["phi3"], input_ids()).to(torch.float64)
     assert not torch.allclose(actual, expected, rtol=1e-4, atol=1e-4)
+
+
+# --- Seed-OSS ------------------------------------------------------------------------------------
+
+def test_seed_oss_megatron_args_hold_its_biases_head_dim_rope_base_and_dropouts(
+        sources: dict[str, Path], tmp_path: Path) -> None:
+    """q/k/v biases without o or MLP biases (add_qkv_bias alone), head_dim 8 with 80 hidden and 20
+    heads, RoPE base 1e7; residual_dropout is megatron-core's hidden_dropout."""
+    pgconvert.convert(sources["seed_oss"], tmp_path / "megatron", dst_format="megatron", dst_tp=2)
+
+    args = megatron_args(tmp_path / "megatron")
+    rank = read_megatron_tp_ranks(tmp_path / "megatron")[0]
+
+    assert (args.add_qkv_bias, args.add_bias_linear, args.kv_channels, args.num_query_groups) == (True, False, 8, 2)
+    assert (args.rotary_base, args.attention_dropout, args.hidden_dropout) == (1e7, 0.1, 0.1)
+    assert "decoder.layers.0.self_attention.linear_qkv.bias" in rank
+    assert not [name for name in rank if name.endswith(("linear_proj.bias", "linear_fc1.bias", "linear_fc2.bias"))]
+
+
+@pytest.mark.parametrize("biases, message", [
+    ({"mlp_bias": True}, "attention_out_bias=false, mlp_bias=true: Megatron biases o_proj and the MLP by one "
+                         "setting (add_bias_linear); they must agree"),
+    ({"attention_out_bias": True}, "attention_out_bias=true, mlp_bias=false"),
+    ({"attention_bias": False, "attention_out_bias": True, "mlp_bias": True},
+     "attention_bias=false with attention_out_bias and mlp_bias true: Megatron's add_bias_linear biases q, k and v"),
+])
+def test_seed_oss_biases_megatron_cannot_express_are_refused(sources: dict[str, Path], tmp_path: Path,
+                                                             biases: dict[str, bool], message: str) -> None:
+    src = Path(shutil.copytree(sources["seed_oss"], tmp_path / "src"))
+    edit_json(src / "config.json", lambda doc: doc.update(biases))
+
+    with pytest.raises(CheckpointError, match=re.escape(f"{src / 'config.json'}: {message}")):
+        pgconvert.convert(src, tmp_path / "megatron", dst_format="megatron")
+    assert not (tmp_path / "megatron").exists()
+
+
+def test_seed_oss_absent_keys_read_as_seed_oss_configs_defaults(sources: dict[str, Path]) -> None:
+    """Without the keys transformers' SeedOssConfig defaults (8 KV heads, head_dim 128, the biases,
+    dropout 0.1, 512K positions), pgconvert reads the model transformers builds."""
+    from transformers import SeedOssConfig
+
+    from pgconvert.formats.hf import model_config_from_hf
+
+    doc = json.loads((sources["seed_oss"] / "config.json").read_text())
+    for key in ("num_key_value_heads", "head_dim", "attention_bias", "attention_out_bias", "mlp_bias",
+                "attention_dropout", "residual_dropout", "max_position_embeddings", "rms_norm_eps",
+                "tie_word_embeddings"):
+        doc.pop(key)
+    doc["num_attention_heads"] = 16
+    hf = SeedOssConfig(**{key: value for key, value in doc.items() if key != "architectures"})
+
+    _, config, _ = model_config_from_hf(doc, Path("config.json"))
+
+    assert (config.num_query_groups, config.kv_channels, config.add_qkv_bias, config.add_bias_linear) == (
+        hf.num_key_value_heads, hf.head_dim, hf.attention_bias, hf.mlp_bias) == (8, 128, True, False)
+    assert (config.attention_dropout, config.hidden_dropout, config.max_position_embeddings, config.norm_epsilon,
+            config.tie_embeddings) == (hf.attention_dropout, hf.residual_dropout, hf.max_position_embeddings,
+                                       hf.rms_norm_eps, hf.tie_word_embeddings)
+
+
+def test_seed_oss_released_4x_config_spelling_reads_the_same_model(sources: dict[str, Path]) -> None:
+    """The release's config.json (transformers 4.55) spells RoPE as rope_theta and rope_scaling."""
+    from pgconvert.formats.hf import model_config_from_hf
+
+    doc = json.loads((sources["seed_oss"] / "config.json").read_text())
+    released = {key: value for key, value in doc.items() if key != "rope_parameters"}
+    released.update(rope_theta=10000000.0, rope_scaling={"rope_type": "default"})
+
+    _, config, notices = model_config_from_hf(released, Path("config.json"))
+
+    assert (config, notices) == model_config_from_hf(doc, Path("config.json"))[1:]
+    assert (config.rotary_base, config.rope_scaling) == (1e7, None)
+
+
+@pytest.fixture(scope="module")
+def seed_oss_every_bias(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Seed-OSS with o and MLP biases too (attention_out_bias, mlp_bias): megatron-core's add_bias_linear."""
+    root = tmp_path_factory.mktemp("seed_oss_every_bias")
+    return save_model(build_model("seed_oss", seed=5, attention_out_bias=True, mlp_bias=True), root / "src")
+
+
+def test_seed_oss_with_every_bias_round_trips_and_a_native_copy_is_written_as_seed_oss(
+        seed_oss_every_bias: Path, tmp_path: Path) -> None:
+    """add_qkv_bias with add_bias_linear fits no family before Seed-OSS; the hf/ folder removed,
+    the Megatron checkpoint is written as Seed-OSS and computes the same logits."""
+    src = seed_oss_every_bias
+    pgconvert.convert(src, tmp_path / "megatron", dst_format="megatron", dst_tp=2, dst_pp=2)
+    pgconvert.convert(tmp_path / "megatron", tmp_path / "hf", dst_format="hf", dst_tp=1, dst_pp=1)
+    assert_same_hf_tensors(src, tmp_path / "hf")
+    assert json.loads((tmp_path / "hf" / "config.json").read_text()) == json.loads((src / "config.json").read_text())
+    shutil.rmtree(tmp_path / "megatron" / "hf")
+
+    pgconvert.convert(tmp_path / "megatron", tmp_path / "native", dst_format="hf", dst_tp=1, dst_pp=1)
+
+    written = json.loads((tmp_path / "native" / "config.json").read_text())
+    assert written["architectures"] == ["SeedOssForCausalLM"]
+    assert {key: written[key] for key in ("attention_bias", "attention_out_bias", "mlp_bias", "head_dim",
+                                          "attention_dropout", "residual_dropout")} == {
+        "attention_bias": True, "attention_out_bias": True, "mlp_bias": True, "head_dim": 8,
+        "attention_dropout": 0.1, "residual_dropout": 0.1}
+    assert_same_hf_tensors(src, tmp_path / "native")
+    ids = input_ids()
+    torch.testing.assert_close(hf_logits(tmp_path / "native", ids), hf_logits(src, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_native_megatron_seed_oss_release_is_written_as_qwen2_which_computes_the_same(
+        sources: dict[str, Path], tmp_path: Path) -> None:
+    """q/k/v biases alone, no window: Qwen2 fits first (the inference order is unchanged)."""
+    src = sources["seed_oss"]
+    pgconvert.convert(src, tmp_path / "megatron", dst_format="megatron", dst_tp=2)
+    shutil.rmtree(tmp_path / "megatron" / "hf")
+
+    pgconvert.convert(tmp_path / "megatron", tmp_path / "hf", dst_format="hf", dst_tp=1, dst_pp=1)
+
+    written = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (written["architectures"], written["head_dim"], written["use_sliding_window"]) == (
+        ["Qwen2ForCausalLM"], 8, False)
+    ids = input_ids()
+    torch.testing.assert_close(hf_logits(tmp_path / "hf", ids), hf_logits(src, ids), rtol=1e-5, atol=1e-5)

@@ -82,6 +82,10 @@ SOURCES: dict[str, Callable[[Path], Path]] = {
     "gpt_oss": _gpt_oss(),
     # the released YaRN RoPE and context
     "gpt_oss-yarn": _gpt_oss(rope_parameters=dict(RELEASED_YARN), max_position_embeddings=131072),
+    # Seed-OSS-36B's shape: q/k/v biases only, head_dim apart from hidden / heads, 10:1 GQA, RoPE base 1e7
+    "seed_oss": _tiny_model("seed_oss"),
+    # the same with o and MLP biases (attention_out_bias, mlp_bias: add_bias_linear)
+    "seed_oss-every-bias": _tiny_model("seed_oss", attention_out_bias=True, mlp_bias=True),
 }
 
 # case -> (source, one of the family's own settings knocked out of the written args)
@@ -97,6 +101,7 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "gpt_oss-glu-offset": ("gpt_oss", {"glu_linear_offset": 0.0}),
     "gpt_oss-clamp": ("gpt_oss", {"activation_func_clamp_value": None}),
     "gpt_oss-yarn": ("gpt_oss-yarn", {"position_embedding_type": "rope"}),
+    "seed_oss-rope-base": ("seed_oss", {"rotary_base": 10000.0}),
 }
 
 

@@ -21,6 +21,7 @@ from pgconvert.families import (
     olmo,
     phi3,
     qwen,
+    seed_oss,
     smollm,
 )
 from pgconvert.families.table import Family
@@ -32,6 +33,8 @@ from pgconvert.semantics.carried import CarriedSetting
 # and the MoE ones routed experts, so at most one kind fits. Gemma 3 needs a local RoPE base and
 # qk-norm, Gemma 2 neither; OLMo 2 has no pre-norms, OLMoE experts, GLM-4 interleaved rotary.
 # Ministral before SmolLM3: both express a window on some layers; SmolLM3 is needed for NoPE layers.
+# Seed-OSS last: every model Llama or Qwen2 fits stays theirs (Seed-OSS computes the same); it takes
+# only the dense models with both add_qkv_bias and add_bias_linear, which no family before it fits.
 ORDERED: tuple[Family, ...] = (
     deepseek.DEEPSEEK_V3,
     deepseek.DEEPSEEK_V2,
@@ -53,6 +56,7 @@ ORDERED: tuple[Family, ...] = (
     mistral.MINISTRAL,
     smollm.SMOLLM3,
     phi3.PHI3,
+    seed_oss.SEED_OSS,
 )
 
 FAMILIES: dict[str, Family] = {family.architecture: family for family in ORDERED}

@@ -1,4 +1,4 @@
-"""Test helpers: tiny Qwen2-MoE / Granite / SmolLM3 / Ministral / Phi-3 models, and an
+"""Test helpers: tiny Qwen2-MoE / Granite / SmolLM3 / Ministral / Phi-3 / Seed-OSS models, and an
 independent tensor-parallel forward pass over Megatron rank files driven by the files' own ``args``.
 
 Nothing here imports pgconvert. The reference forward reads each rank's ``model`` dict with
@@ -59,6 +59,15 @@ def family_configs() -> dict[str, tuple[Any, Any, dict[str, Any]]]:
             original_max_position_embeddings=64, partial_rotary_factor=0.75, tie_word_embeddings=False,
             rope_scaling={"type": "longrope", "short_factor": [1.0 + 0.25 * i for i in range(6)],
                           "long_factor": [2.0 + 0.5 * i for i in range(6)]})),
+        # Seed-OSS-36B's ratios: 10 query heads per KV head, head_dim 8 with 80 hidden and 20 heads
+        # (heads x head_dim = 2 x hidden), FFN 5.4 x hidden; q/k/v biases only, RoPE base 1e7, eps 1e-6,
+        # 512K positions, untied, dropout 0.1 on the attention and the residual branches.
+        "seed_oss": (t.SeedOssConfig, t.SeedOssForCausalLM, dict(
+            _COMMON, hidden_size=80, num_attention_heads=20, num_key_value_heads=2, head_dim=8,
+            intermediate_size=432, rms_norm_eps=1e-6, max_position_embeddings=524288,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e7}, attention_bias=True,
+            attention_out_bias=False, mlp_bias=False, attention_dropout=0.1, residual_dropout=0.1,
+            tie_word_embeddings=False)),
     }
 
 

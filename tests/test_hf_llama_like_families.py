@@ -465,3 +465,17 @@ def test_native_megatron_seed_oss_release_is_written_as_qwen2_which_computes_the
         ["Qwen2ForCausalLM"], 8, False)
     ids = input_ids()
     torch.testing.assert_close(hf_logits(tmp_path / "hf", ids), hf_logits(src, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_hidden_dropout_is_named_only_for_an_architecture_without_a_key_for_it() -> None:
+    # Seed-OSS writes hidden_dropout as residual_dropout; Llama's config.json has no such key.
+    from pgconvert.formats.hf import hf_training_notes
+    from pgconvert.model.config import ModelConfig
+
+    config = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
+                         vocab_size=100, hidden_dropout=0.1)
+
+    assert hf_training_notes("SeedOssForCausalLM", config) == []
+    assert hf_training_notes("LlamaForCausalLM", config) == [
+        "not carried (training only): hidden_dropout=0.1: LlamaForCausalLM has no hidden dropout; set it in your "
+        "fine-tuning run"]

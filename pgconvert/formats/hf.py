@@ -288,6 +288,20 @@ def unmapped_losses(architecture: str, config: ModelConfig) -> list[str]:
             if name not in carried and getattr(config, name) != default]
 
 
+def hf_training_notes(architecture: str, config: ModelConfig) -> list[str]:
+    """Training-only settings an HF ``architecture`` has no config.json key for: named, never refused.
+
+    Dropout changes no output of the trained model (inference runs without it), so ``--strict``
+    does not refuse it; every real Megatron-LM run records hidden_dropout (0.1 by default). A family
+    that holds the setting (Seed-OSS's ``residual_dropout``) writes it, and nothing is named.
+    """
+    family = FAMILIES.get(architecture)
+    if config.hidden_dropout != 0.0 and (family is None or "hidden_dropout" not in _carried_fields(family)):
+        return [f"not carried (training only): hidden_dropout={config.hidden_dropout}: {architecture} has no "
+                "hidden dropout; set it in your fine-tuning run"]
+    return []
+
+
 def hf_losses(architecture: str, config: ModelConfig) -> list[str]:
     """The settings of ``config`` an HF ``architecture`` written from it cannot express (beyond every
     family's, what its family computes is its ``hf_computes``)."""

@@ -314,18 +314,6 @@ def to_args(config: ModelConfig, carried_settings: Sequence[CarriedSetting] = ()
 
 # --- what a target cannot express ----------------------------------------------------------------
 
-def hf_training_notes(architecture: str, config: ModelConfig) -> list[str]:
-    """Training-only settings an HF ``architecture`` cannot hold: named, never refused.
-
-    Dropout changes no output of the trained model (inference runs without it), so ``--strict``
-    does not refuse it; every real Megatron-LM run records hidden_dropout (0.1 by default).
-    """
-    if config.hidden_dropout != 0.0:
-        return [f"not carried (training only): hidden_dropout={config.hidden_dropout}: {architecture} has no "
-                "hidden dropout; set it in your fine-tuning run"]
-    return []
-
-
 def lose(message: str, strict: bool, notices: list[str]) -> None:
     """A setting the target cannot express: a notice, or under ``strict`` an error (exit 2)."""
     if strict:

@@ -36,6 +36,7 @@ from pgconvert.formats.hf import (
     config_disagreements,
     hf_config_from_model,
     hf_losses,
+    hf_training_notes,
     infer_family,
     read_json_object,
     require_family_fits,
@@ -51,7 +52,7 @@ from pgconvert.formats.hf_side import (
     target_side_files,
 )
 from pgconvert.model.layout import ParallelLayout
-from pgconvert.semantics import hf_training_notes, lose
+from pgconvert.semantics import lose
 from pgconvert.families import mtp
 from pgconvert.model.provider import (VOCAB_TABLES, WORD_EMBEDDINGS, TensorKind, keep_dtype_names, layer_kinds,
                                 norm_weight_names)

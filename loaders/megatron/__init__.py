@@ -294,7 +294,7 @@ class MegatronSource(CanonicalSource):
         unexpected = []
         for key, value in model.items():
             if key.endswith(EXTRA_STATE_SUFFIX):
-                canonical = canonical_mtp_key(_to_global(key, layers.start))  # mlafix: either MTP spelling
+                canonical = canonical_mtp_key(_to_global(key, layers.start))  # either MTP spelling
                 if canonical_layer(canonical) is None and non_layer_chunk(canonical) is None:
                     unexpected.append(key)
                     continue
@@ -400,7 +400,7 @@ class MegatronSource(CanonicalSource):
         stored = copies[0][0].spec.rule
         with self._concatenating(copies[0]):
             if stored != rule:
-                # mlafix: the pieces were split by the rule of the spec that wrote them, which may not be the
+                # the pieces were split by the rule of the spec that wrote them, which may not be the
                 # target's (MLA down projections: column-parallel in the local spec, whole in the TE spec).
                 tensors = [stored.merge(tensors)]
             piece = rule.reshard_rows(tensors, rows, self.config.vocab_size, size, rank)
@@ -462,7 +462,7 @@ def _check_config_against_files(config: Any, tensors: int, path: Path) -> None:
 
 def _with_mtp_spelling(config: ModelConfig, models: dict[tuple[RankCoord, str], dict[str, Any]],
                        files: dict[RankCoord, Path]) -> ModelConfig:
-    """mlafix: the config naming the MTP inner layer as the rank files do (``pgconvert.formats.mtp_naming``)."""
+    """The config naming the MTP inner layer as the rank files do (``pgconvert.formats.mtp_naming``)."""
     spellings = {mtp_module_of(model, f"{files[coord]} [{chunk}]") for (coord, chunk), model in models.items()}
     spellings.discard(None)
     if len(spellings) > 1:

@@ -265,7 +265,7 @@ def _config_from_args(args: argparse.Namespace, path: Path, transformer_impl: st
     if vocab is None and isinstance(getattr(args, "vocab_size", None), int):
         vocab = args.vocab_size
     swiglu = bool(getattr(args, "swiglu", False))
-    quick_geglu = bool(getattr(args, "quick_geglu", False))  # f17c: Megatron-LM's --quick-geglu (GPT-OSS)
+    quick_geglu = bool(getattr(args, "quick_geglu", False))  # Megatron-LM's --quick-geglu (GPT-OSS)
     return ModelConfig(
         num_layers=required("num_layers"),
         hidden_size=hidden,
@@ -276,8 +276,8 @@ def _config_from_args(args: argparse.Namespace, path: Path, transformer_impl: st
         vocab_size=vocab,
         make_vocab_size_divisible_by=(getattr(args, "make_vocab_size_divisible_by", None)
                                       or ModelConfig.make_vocab_size_divisible_by),
-        # f17b: a gated GELU (Gemma's GeGLU) is gated_linear_unit without swiglu; --openai-gelu is tanh's.
-        # f17c: GPT-OSS's clamped GLU is gated_linear_unit with --quick-geglu.
+        # A gated GELU (Gemma's GeGLU) is gated_linear_unit without swiglu; --openai-gelu is tanh's.
+        # GPT-OSS's clamped GLU is gated_linear_unit with --quick-geglu.
         gated_linear_unit=swiglu or quick_geglu or bool(getattr(args, "gated_linear_unit", False)),
         activation=("quick_gelu" if quick_geglu else "silu" if swiglu
                     else ("gelu_tanh" if getattr(args, "openai_gelu", False) else "gelu")),
@@ -444,8 +444,8 @@ def _model_args(config: ModelConfig) -> dict[str, Any]:
         "num_query_groups": config.query_groups,
         "kv_channels": config.head_dim,
         "swiglu": config.gated_linear_unit and config.activation == "silu",
-        "gated_linear_unit": config.gated_linear_unit,  # f17b
-        "openai_gelu": config.activation == "gelu_tanh",  # f17b
+        "gated_linear_unit": config.gated_linear_unit,
+        "openai_gelu": config.activation == "gelu_tanh",
         "quick_geglu": config.activation == "quick_gelu",
         "normalization": config.normalization,
         "norm_epsilon": config.norm_epsilon,
@@ -458,7 +458,7 @@ def _model_args(config: ModelConfig) -> dict[str, Any]:
         "rotary_base": config.rotary_base,
         "make_vocab_size_divisible_by": config.make_vocab_size_divisible_by,
         "transformer_impl": config.transformer_impl,
-        "mtp_num_layers": config.mtp_num_layers or None,  # mtp: megatron-core's "no MTP" is None
+        "mtp_num_layers": config.mtp_num_layers or None,  # megatron-core's "no MTP" is None
     }
 
 

@@ -161,7 +161,7 @@ class MegatronSaver(Saver):
             if parsed is None:
                 owner = non_layer_chunk(canonical)
                 if (owner == "first" and first) or (owner == "last" and last):
-                    keys.append((local_mtp_key(canonical, config.mtp_layer_module), canonical))  # mlafix
+                    keys.append((local_mtp_key(canonical, config.mtp_layer_module), canonical))  # the target's MTP spelling
             elif parsed[0] in shard.layers:
                 keys.append((f"{LAYER_PREFIX}{parsed[0] - shard.layers.start}.{parsed[1]}", canonical))
         return keys

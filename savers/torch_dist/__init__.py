@@ -114,7 +114,7 @@ class _Chunk:
 
 def _rules(config: ModelConfig) -> dict[str, ShardRule]:
     """Each layer tensor's TP rule (the others are whole tensors in one chunk)."""
-    return {name: kind.rule_for(config) for name, kind in layer_kinds(config).items()}  # mtp: MTP layers too
+    return {name: kind.rule_for(config) for name, kind in layer_kinds(config).items()}  # MTP layers too
 
 
 def _row_runs(rule: ShardRule | None, shape: tuple[int, ...]) -> list[tuple[int | None, int | None]]:

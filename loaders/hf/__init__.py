@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 
 class HFLoader(Loader):
     name = "hf"
+    keeps_quantized = True
 
     def detect(self, path: Path) -> bool:
         return path.is_dir() and (path / CONFIG_FILE).is_file() and (

@@ -150,6 +150,9 @@ class Saver(ABC):
     """A destination format. ``plan`` must not write anything; ``save`` writes under ``out_dir``."""
 
     name: str = "?"
+    # Whether its sources can hand over quantized tensors as stored, with their scales
+    # (``LoadOptions.keep_quantized``, ``--keep-fp8``).
+    keeps_quantized: bool = False
 
     def validate(self, source: CanonicalSource, options: SaveOptions) -> None:
         """Raise a ValidationError when the target cannot be produced from this source."""
@@ -162,6 +165,9 @@ class Saver(ABC):
     # (tp, pp, ep) rank. A saver of one unsharded model (hf) sets False: the destination layout
     # then starts unsharded instead of from the source's layout.
     parallel: bool = True
+
+    # Whether it writes quantized tensors as a source hands them over, with their scales (``--keep-fp8``).
+    keeps_quantized: bool = False
 
     # Savers that can write any subset of their planned files (``save(only=...)``) and then
     # ``finalize`` the shared metadata support --workers and sharded (multi-process) runs.

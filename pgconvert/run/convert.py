@@ -205,10 +205,10 @@ def plan(request: ConvertRequest, check_dst: bool = True) -> Plan:
         check_destination(request.dst, request.overwrite, src)
     src_format = request.src_format or detect_format(src)
     dst_format = request.dst_format or src_format
-    if request.keep_fp8:
-        check_keep_fp8(src_format, dst_format)
     loader = get_loader(src_format)
     saver = get_saver(dst_format)
+    if request.keep_fp8:
+        check_keep_fp8(loader, saver)
     if request.dtype not in DTYPE_CHOICES:
         raise DestinationError(f"--dtype {request.dtype}: must be one of {', '.join(DTYPE_CHOICES)}")
     source = loader.open(src, LoadOptions(

@@ -312,6 +312,7 @@ def _quantization_config(doc: dict[str, Any], source: CanonicalSource, notices: 
 
 class HFSaver(Saver):
     name = "hf"
+    keeps_quantized = True
     # One unsharded model: the destination never takes a parallel layout.
     parallel = False
 

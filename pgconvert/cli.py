@@ -17,7 +17,7 @@ from pgconvert.run.convert import ConvertRequest, Plan, execute, plan
 from pgconvert.errors import PgconvertError
 from pgconvert.formats import DTYPE_CHOICES, EXPERT_LAYOUTS
 from pgconvert.formats.registry import loader_names, saver_names
-from pgconvert.optimizer.plan import plan_lines  # optcli
+from pgconvert.optimizer.plan import plan_lines
 from pgconvert.model.config import MTP_LAYER_MODULES  # mlafix
 
 
@@ -243,7 +243,7 @@ def convert_command(src: Path, dst: Path, src_format: str, dst_format: str, src_
         conversion = plan(request)
         if dry_run:
             try:
-                optimizer_lines = plan_lines(conversion)  # optcli: the optimizer state it carries
+                optimizer_lines = plan_lines(conversion)  # the optimizer state it carries
             finally:
                 conversion.source.close()
             _print_plan(conversion)
@@ -389,7 +389,7 @@ def export_optimizer_command(src: Path, out: Path, iteration: int | None) -> Non
     """Write the optimizer state of Megatron per-rank or torch_dist SRC into OUT, layout-independent: one
     <canonical name>.pt per parameter (fp32 master 'param', 'exp_avg', 'exp_avg_sq', 'step'), written
     one parameter at a time, and optimizer.json (groups, scheduler, iteration, counters)."""
-    from pgconvert.optimizer.reshard import export_from_path
+    from pgconvert.optimizer.export import export_from_path
 
     try:
         count = export_from_path(src, out, iteration)
@@ -465,7 +465,7 @@ def _print_info(info: Any) -> None:
               help="Differences listed in the text output.")
 @click.option("--json", "as_json", is_flag=True, help="Print the full report as JSON.")
 @click.option("--skip-optimizer", is_flag=True,
-              help="Compare the model alone, not the optimizer state (faster).")  # verifyopt
+              help="Compare the model alone, not the optimizer state (faster).")
 def verify_command(a: Path, b: Path, rtol: float, atol: float, iteration_a: int | None, iteration_b: int | None,
                    true_vocab_size: int | None, max_listed: int, as_json: bool, skip_optimizer: bool) -> None:
     """Compare checkpoints A and B tensor by tensor in canonical form (any formats and layouts).
@@ -509,7 +509,7 @@ def _print_verify(report: Any, max_listed: int) -> None:
         f"NOT equal: {len(report.differences)} tensor differences, " \
         f"{len(report.file_problems)} file problems"
     click.echo(f"{report.compared} tensors compared ({tolerance}): {verdict}")
-    if report.optimizer is not None:  # verifyopt
+    if report.optimizer is not None:
         from pgconvert.run.verify_optimizer import text_lines
 
         for line in text_lines(report.optimizer, tolerance, max_listed):

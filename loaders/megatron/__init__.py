@@ -26,6 +26,7 @@ from pgconvert.formats.megatron import (
     RANK_DIR_RE,
     RANK_FILE,
     TRACKER_FILE,
+    TRAINING_STATE_KEYS,
     check_megatron_layout,
     config_from_args,
     layout_from_args,
@@ -35,6 +36,7 @@ from pgconvert.formats.megatron import (
     safe_torch_load,
 )
 from pgconvert.io.torch_input import mappable
+from pgconvert.loaders.megatron.optimizer import MegatronOptimizerSource
 from pgconvert.io.memory import concat_releasing, release_mapped_pages
 from pgconvert.formats.mtp_naming import canonical_mtp_key, mtp_module_of
 from pgconvert.io.paths import ensure_within
@@ -418,6 +420,18 @@ class MegatronSource(CanonicalSource):
 
     def extra_states(self) -> dict[str, ExtraState]:
         return dict(self._extra)
+
+    def _first_rank_keys(self) -> set[Any]:
+        return set(safe_torch_load(next(iter(self.files.values()))))
+
+    def holds_training_state(self) -> bool:
+        return any(key in TRAINING_STATE_KEYS for key in self._first_rank_keys())
+
+    def holds_optimizer(self) -> bool:
+        return "optimizer" in self._first_rank_keys()
+
+    def open_optimizer(self) -> MegatronOptimizerSource:
+        return MegatronOptimizerSource(self)
 
     def close(self) -> None:
         self._last_loaded = []

@@ -5,6 +5,7 @@ Layout on disk (megatron/training/checkpointing.py, ``get_checkpoint_name``)::
     ROOT/latest_checkpointed_iteration.txt        "1000" or "release"
     ROOT/iter_0001000/ or ROOT/release/
         mp_rank_{tp:02d}[_{pp:03d}][_{ep:03d}]/model_optim_rng.pt
+        mp_rank_.../distrib_optim.pt                  the distributed optimizer's state, if any
 
 ``_{pp:03d}`` appears only when pp > 1 and ``_{ep:03d}`` only when ep > 1, so a two-part name is
 ambiguous between PP-only and EP-only: it is resolved from the saved ``args``, never guessed.
@@ -49,6 +50,11 @@ log = logging.getLogger(__name__)
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 RANK_FILE = "model_optim_rng.pt"
+# The distributed optimizer's state beside a rank file (``DistributedOptimizer.save_parameter_state``); the rank
+# file's ``optimizer`` entry then holds only its param groups.
+DISTRIB_OPTIM_FILE = "distrib_optim.pt"
+# A rank file's training state (Megatron-LM's ``generate_state_dict``): what a resumed run reads besides the model.
+TRAINING_STATE_KEYS = ("optimizer", "opt_param_scheduler", "rng_state", "rerun_state_machine")
 CHECKPOINT_VERSION = 3.0
 ITERATION_DIR_RE = re.compile(r"^iter_(\d{7,})$")
 RANK_DIR_RE = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")

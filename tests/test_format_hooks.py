@@ -118,6 +118,6 @@ def test_export_optimizer_of_a_format_without_optimizer_hooks_is_a_named_error(t
     register(monkeypatch)
     pgconvert.convert(_example(tmp_path / "demo"), tmp_path / "toy", dst_format="toy")
 
-    with pytest.raises(PgconvertError, match="a toy checkpoint holds no optimizer state pgconvert reads"):
+    with pytest.raises(PgconvertError, match="toy checkpoints hold no optimizer state pgconvert reads"):
         export_from_path(tmp_path / "toy", tmp_path / "exported", None)
     assert not (tmp_path / "exported").exists()

@@ -185,7 +185,7 @@ class CanonicalSource:
 
     def open_optimizer(self) -> OptimizerSource:
         """The checkpoint's optimizer state, by canonical parameter (``pgconvert.optimizer.source``)."""
-        raise ValidationError(f"{self.describe()}: a {self.format_name} checkpoint holds no optimizer state "
+        raise ValidationError(f"{self.describe()}: {self.format_name} checkpoints hold no optimizer state "
                               "pgconvert reads")
 
     def total_bytes(self) -> int:

@@ -3,8 +3,8 @@ distributed optimizer (bf16 weights, fp32 main params and Adam moments, grads re
 written by pgconvert's own writers in the layouts Megatron-LM writes.
 
 - ``opt_tp2``: per-rank TP2 checkpoint: the model by the megatron saver, then ``distrib_optim.pt`` and
-  each rank file's param groups by ``carry_optimizer`` (what a per-rank conversion writes), from
-  seeded state: every fp32 master is its bf16 weight (as megatron-core keeps them),
+  each rank file's param groups by ``savers/megatron/optimizer.carry_optimizer`` (what a per-rank conversion
+  writes), from seeded state: every fp32 master is its bf16 weight (as megatron-core keeps them),
   the moments are seeded draws;
 - ``opt_td_dp``: the same converted by pgconvert to torch_dist at TP2 with ``--dst-optim-form
   dp_reshardable`` (Megatron-LM's default torch_dist form).
@@ -29,8 +29,8 @@ from pgconvert.formats import SaveOptions
 from pgconvert.model.grid import RankCoord
 from pgconvert.model.layout import ParallelLayout
 from pgconvert.optimizer.order import OptimizerRules, optimizer_slots
-from pgconvert.optimizer.reshard import carry_optimizer
-from pgconvert.optimizer.state import FORM_DISTRIBUTED
+from pgconvert.optimizer.source import FORM_DISTRIBUTED
+from pgconvert.savers.megatron.optimizer import carry_optimizer
 from pgconvert.model.provider import target_vocab_rows
 from pgconvert.formats.registry import get_saver
 

@@ -458,7 +458,7 @@ def export_optimizer_command(src: Path, out: Path, iteration: int | None) -> Non
     """Write the optimizer state of Megatron per-rank or torch_dist SRC into OUT, layout-independent: one
     <canonical name>.pt per parameter (fp32 master 'param', 'exp_avg', 'exp_avg_sq', 'step'), written
     one parameter at a time, and optimizer.json (groups, scheduler, iteration, counters)."""
-    from pgconvert.optimizer.reshard import export_from_path
+    from pgconvert.optimizer.export import export_from_path
 
     try:
         count = export_from_path(src, out, iteration)

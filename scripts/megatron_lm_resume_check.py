@@ -86,7 +86,7 @@ def largest_update(before: Path, after: Path) -> float:
 def check(work: Path, golden: str, tp1_flags: list[str], original: tuple[int, list[str]], bf16: bool,
           port: int) -> str:
     from pgconvert import convert
-    from pgconvert.optimizer.reshard import export_from_path
+    from pgconvert.optimizer.export import export_from_path
 
     source, out = GOLDENS / golden, work / golden
     convert(source, out / "converted_tp1", dst_tp=1, dst_pp=1)

@@ -44,7 +44,8 @@ def test_example_then_convert_tp8_to_tp2(tmp_path: Path) -> None:
     assert converted.exit_code == 0, converted.output
     assert len(list((tmp_path / "tp8" / "iter_0001000").iterdir())) == 8
     assert sorted(p.name for p in (tmp_path / "tp2" / "iter_0001000").iterdir()) == ["mp_rank_00", "mp_rank_01"]
-    assert "optimizer, scheduler and RNG state are not carried" in converted.output
+    # The example model holds no optimizer, scheduler or RNG state: nothing to say it is not carried.
+    assert "optimizer, scheduler and RNG state are not carried" not in converted.output
     assert "wrote" in converted.output
 
 

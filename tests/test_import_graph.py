@@ -79,3 +79,28 @@ def test_the_orchestration_modules_import_each_other_without_cycles() -> None:
                     stack.append((target, [*trail, target]))
 
     assert cycles == []
+
+
+# The formats, their loaders and savers, the optimizer state and the runs: no module among them reaches itself.
+LAYERED = ("pgconvert.formats", "pgconvert.loaders", "pgconvert.savers", "pgconvert.optimizer", "pgconvert.run")
+
+
+def _reaches_itself(graph: dict[str, set[str]], start: str) -> bool:
+    seen: set[str] = set()
+    todo = list(graph[start])
+    while todo:
+        node = todo.pop()
+        if node == start:
+            return True
+        if node not in seen:
+            seen.add(node)
+            todo.extend(graph.get(node, ()))
+    return False
+
+
+def test_the_format_optimizer_and_run_modules_import_each_other_without_cycles() -> None:
+    modules = {name: path for name, path in _modules().items() if name.startswith(LAYERED)}
+    graph = {name: {target for target in _imports(path) if target in modules and target != name}
+             for name, path in modules.items()}
+
+    assert len(graph) > 40 and sorted(name for name in graph if _reaches_itself(graph, name)) == []

@@ -2,7 +2,7 @@
 
 With ``--overlap-grad-reduce`` megatron-core's ``DistributedDataParallel`` cuts the first pipeline stage's
 first model chunk into buckets of about ``ddp_bucket_size`` elements, and at pipeline size > 1 with tied
-embeddings the shared embedding gets a bucket of its own on any stage. ``optimizer_map.flat_buffers``
+embeddings the shared embedding gets a bucket of its own on any stage. ``pgconvert.optimizer.flat.flat_buffers``
 reproduces that; here it is checked against megatron-core itself:
 
 - ``mcore_bucket_layout.py`` builds megatron-core 0.16.1's GPTModel + ``DistributedDataParallel`` (gloo
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import copy
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -26,11 +25,13 @@ from typing import Any
 import pytest
 import torch
 
+from support.mcore_step_check import BF16_ATOL, BF16_RTOL, assert_same_step, fixed_gradients, run_steps
 from support.megatron_fixtures import assert_same_tree, load_for_test
+from support.flat_relayout import relayout
 from pgconvert.model.grid import iter_ranks
 from pgconvert.formats.megatron import config_from_args, layout_from_args
-from pgconvert.optimizer.order import (FlatParam, OptimizerRules, UnsupportedOptimizerError, bucket_ranges,
-                                     flat_buffers)
+from pgconvert.optimizer.flat import FlatParam, bucket_ranges, flat_buffers
+from pgconvert.optimizer.order import OptimizerRules, UnsupportedOptimizerError
 from pgconvert.model.provider import OUTPUT_LAYER
 
 pytest.importorskip("megatron.core", reason="megatron-core's own DDP is the reference")
@@ -151,44 +152,11 @@ def test_a_bucketing_pgconvert_does_not_reproduce_is_refused_by_name(golden: Pat
         _pgconvert_layout(args)
 
 
-def _relayout(src: Path, dst: Path, overrides: dict[str, Any]) -> None:
-    """``src`` (a per-rank distributed-optimizer checkpoint) with ``overrides`` in every rank's args and
-    each ``distrib_optim.pt`` moved, parameter by parameter, to the flat layout those args give."""
-    from pgconvert.savers.megatron import save_durably
-
-    shutil.copytree(src, dst)
-    for path in sorted((dst / "iter_0000002").glob("mp_rank_*/model_optim_rng.pt")):
-        state = dict(load_for_test(path))
-        old = state["args"]
-        new = copy.copy(old)
-        for key, value in overrides.items():
-            setattr(new, key, value)
-        config, layout = config_from_args(old, path, "local", None), layout_from_args(old, path)
-        coord = next(c for c in iter_ranks(layout) if path.parent.name == f"mp_rank_{c.tp:02d}")
-        rules = OptimizerRules.from_args(old, str(path))
-        before, after = (flat_buffers(config, layout, coord, rules, old.padded_vocab_size, args, old.data_parallel_size)
-                         for args in (old, new))
-        flat = torch.load(path.parent / "distrib_optim.pt", weights_only=True)
-        for index, ((old_placed, _), (new_placed, numel)) in enumerate(zip(before, after)):
-            ((dtype, tensors),) = flat[index].items()
-            moved: dict[str, Any] = {key: torch.zeros(numel) for key in ("param", "exp_avg", "exp_avg_sq")}
-            ranges = {item.slot.position: (item.start, item.end) for item in old_placed}
-            for item in new_placed:
-                start, end = ranges[item.slot.position]
-                for key in moved:
-                    moved[key][item.start:item.end] = tensors[key][start:end]
-            flat[index] = {dtype: dict(moved, numel_unpadded=numel)}
-        torch.save(flat, path.parent / "distrib_optim.pt")
-        state["args"] = new
-        save_durably(state, path)
-
-
 @pytest.fixture(scope="module")
 def bucketed(golden: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("bucketed") / "tp2"
-    _relayout(golden, root, BUCKETING)
+    relayout(golden, root, BUCKETING)
     return root
-
 
 
 def _with(args: Any, **overrides: Any) -> Any:
@@ -224,24 +192,20 @@ def test_a_multi_bucket_checkpoint_round_trips_tp2_tp1_tp2_bit_exact(bucketed: P
 
 def test_megatron_core_loads_the_multi_bucket_state_and_its_conversion_as_the_golden(golden: Path, bucketed: Path,
                                                                                       tmp_path: Path) -> None:
-    from test_optimizer_acceptance import BF16_ATOL, BF16_RTOL, _assert_same_step, _fixed_gradients, _run
-
     assert _convert(bucketed, tmp_path / "tp1", "--dst-tp", "1").exit_code == 0
-    _fixed_gradients(tmp_path / "tp1", tmp_path / "grads.pt", scale=3e-2)
+    fixed_gradients(tmp_path / "tp1", tmp_path / "grads.pt", scale=3e-2)
     runs = [(bucketed / "iter_0000002", tmp_path / "out_bucketed", 2),
             (tmp_path / "tp1" / "iter_0000002", tmp_path / "out_tp1", 1),
             (golden / "iter_0000002", tmp_path / "out_golden", 2)]
-    *targets, original = _run(tmp_path / "grads.pt", runs)
+    *targets, original = run_steps(tmp_path / "grads.pt", runs)
     assert [len(target) for target in targets] == [4, 1] and len(original) == 4
     args = load_for_test(_rank0(golden))["args"]
     for target in targets:  # megatron-core's DDP (bucket size BUCKET) loaded each with load_parameter_state
-        _assert_same_step(target, original, args, (BF16_RTOL, BF16_ATOL))
+        assert_same_step(target, original, args, (BF16_RTOL, BF16_ATOL))
 
 
 def test_the_dp_reshardable_form_stores_one_record_per_bucket_and_round_trips(bucketed: Path, golden: Path,
                                                                                tmp_path: Path) -> None:
-    from test_optimizer_acceptance import BF16_ATOL, BF16_RTOL, _assert_same_step, _fixed_gradients, _run
-
     result = _convert(bucketed, tmp_path / "td", "--dst-format", "torch_dist", "--dst-tp", "1",
                       "--dst-optim-form", "dp_reshardable")
     assert result.exit_code == 0, result.output
@@ -259,12 +223,12 @@ def test_the_dp_reshardable_form_stores_one_record_per_bucket_and_round_trips(bu
                      torch.load(tmp_path / "back" / "iter_0000002" / rank / "distrib_optim.pt", weights_only=True),
                      f"{rank}/distrib_optim.pt")
     assert _convert(tmp_path / "td", tmp_path / "tp1", "--dst-format", "megatron").exit_code == 0
-    _fixed_gradients(tmp_path / "tp1", tmp_path / "grads.pt", scale=3e-2)  # TP1 names and shapes
+    fixed_gradients(tmp_path / "tp1", tmp_path / "grads.pt", scale=3e-2)  # TP1 names and shapes
     # megatron-core's dist_checkpointing.load of the bucketed records (per_bucket_numel_unpadded checked)
-    target, original = _run(tmp_path / "grads.pt", [(tmp_path / "td" / "iter_0000002", tmp_path / "out_td", 2),
+    target, original = run_steps(tmp_path / "grads.pt", [(tmp_path / "td" / "iter_0000002", tmp_path / "out_td", 2),
                                                     (golden / "iter_0000002", tmp_path / "out_golden", 2)])
     assert len(target) == 2 and len(original) == 4
-    _assert_same_step(target, original, load_for_test(_rank0(golden))["args"], (BF16_RTOL, BF16_ATOL))
+    assert_same_step(target, original, load_for_test(_rank0(golden))["args"], (BF16_RTOL, BF16_ATOL))
 
 
 TIED_SCRIPT = Path(__file__).parent / "support" / "mcore_tied_distopt.py"

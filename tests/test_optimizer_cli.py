@@ -1,4 +1,4 @@
-"""optcli: the grad scaler through torch_dist, optimizer options checked before anything is written,
+"""The grad scaler through torch_dist, optimizer options checked before anything is written,
 ``--dry-run``'s optimizer lines, and one rule for optimizer state that is not carried.
 
 fp16 state: megatron-core saves ``grad_scaler`` (``DynamicGradScaler.state_dict``: scale, growth_tracker,
@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from support.cli_helpers import assert_clean_refusal
 from support.megatron_fixtures import allowed_globals, assert_same_tree, load_for_test
+from support.moe_optimizer_runs import generate
 from pgconvert.cli import main
 from pgconvert.formats.megatron import FRAMEWORK_PICKLE
 from pgconvert.formats.torch_dist import read_dcp_metadata
@@ -123,9 +124,8 @@ def test_megatron_cores_common_state_reader_finds_the_scaler_where_its_load_merg
 def _moe(tmp_path: Path, form: str, scalers: list[dict[str, object]]) -> Path:
     """megatron-core's chained (dense, expert) optimizers of the MoE fixture at TP2 EP2, each with a scaler."""
     pytest.importorskip("megatron.core", reason="megatron-core lays out the chained optimizers")
-    from test_optimizer_moe import _generate
 
-    src = _generate(tmp_path / f"moe_{form}", 2, 1, 2, form)
+    src = generate(tmp_path / f"moe_{form}", 2, 1, 2, form)
     for path in sorted((src / ITER).glob("mp_rank_*/model_optim_rng.pt")):
         state = load_for_test(path)
         for entry, scaler in zip(state["optimizer"], scalers):
@@ -264,7 +264,7 @@ def test_dry_run_shows_the_torch_dist_records_as_written(tmp_path: Path, form: s
 
 
 def test_dry_run_names_optimizer_state_that_is_not_carried_and_strict_refuses_it(tmp_path: Path) -> None:
-    # tdplain: the plain optimizer goes into torch_dist in its own plain form only, not a distributed one
+    # the plain optimizer goes into torch_dist in its own plain form only, not a distributed one
     flags = ("--dry-run", "--dst-format", "torch_dist", "--dst-optim-form", "dp_reshardable")
     result = _cli("convert", PLAIN_BF16, tmp_path / "dst", *flags)
     assert result.exit_code == 0, result.output
@@ -279,7 +279,7 @@ def test_dry_run_names_optimizer_state_that_is_not_carried_and_strict_refuses_it
         assert result.exit_code == 0 and "optimizer" not in result.output, result.output
 
 
-@pytest.mark.parametrize("src, dst_format, fragment", [  # tdplain: a plain optimizer into a distributed form
+@pytest.mark.parametrize("src, dst_format, fragment", [  # a plain optimizer into a distributed form
     (PLAIN_BF16, "torch_dist", "float16 (non-distributed) optimizer's state is written into torch_dist in its own"),
     (PLAIN_TD, "torch_dist", "float16 (non-distributed) optimizer's state is written into torch_dist in its own"),
 ])

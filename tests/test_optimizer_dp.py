@@ -12,7 +12,8 @@ from support.megatron_fixtures import assert_same_tree, load_for_test
 from pgconvert.cli import main
 from pgconvert.errors import ValidationError
 from pgconvert.model.layout import ParallelLayout
-from pgconvert.optimizer.dp import check_dst_dp
+from pgconvert.formats.registry import get_saver
+from pgconvert.optimizer.data_parallel import check_dst_dp
 
 DISTOPT = Path(__file__).parent / "data" / "megatron_lm" / "train_tp2dp2_distopt_bf16_torch"
 ITER = "iter_0000002"
@@ -50,6 +51,6 @@ def test_invalid_dst_dp_values_are_refused(tmp_path: Path) -> None:
     assert skipped.exit_code == 2, skipped.output
     assert "--dst-dp 4: sizes the carried optimizer state" in skipped.output and not (tmp_path / "skip").exists()
     with pytest.raises(ValidationError, match=r"--dst-dp 2: tp\*cp\*dp = 1\*1\*2 is not a multiple of expert_tp\*ep = 1\*4"):
-        check_dst_dp(2, ParallelLayout(tp=1, pp=1, ep=4), None, False, "megatron")
+        check_dst_dp(2, ParallelLayout(tp=1, pp=1, ep=4), None, False, get_saver("megatron"))
     with pytest.raises(ValidationError, match="--dst-dp 2: applies to a Megatron per-rank destination, not hf"):
-        check_dst_dp(2, ParallelLayout(tp=1, pp=1), None, False, "hf")
+        check_dst_dp(2, ParallelLayout(tp=1, pp=1), None, False, get_saver("hf"))

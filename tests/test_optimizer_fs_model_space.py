@@ -1,4 +1,4 @@
-"""fsms: the distributed optimizer's ``fully_sharded_model_space`` torch_dist form (megatron-core <= 0.15.0),
+"""The distributed optimizer's ``fully_sharded_model_space`` torch_dist form (megatron-core <= 0.15.0),
 on a golden saved by megatron-core 0.15.0 itself (``scripts/make_fs_model_space_golden.py``) from the state
 of the Megatron-LM golden ``train_tp2dp2_distopt_fully_reshardable_torch_dist``, which is the reference."""
 
@@ -14,13 +14,12 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from support.cli_helpers import assert_clean_refusal
 from support.megatron_fixtures import load_for_test
+from support.optimizer_cli import assert_same_parameters, export_optimizer, run_cli
 from pgconvert.formats import LoadOptions
-from pgconvert.optimizer.fs_model_space import chunk_shape, flatten, unflatten
+from pgconvert.loaders.torch_dist.fs_model_space import chunk_shape, flatten, unflatten
 from pgconvert.optimizer.order import OptimizerLayoutError
 from pgconvert.formats.registry import get_loader
 from pgconvert.formats.torch_dist import read_dcp_metadata
-from test_optimizer_torch_dist import _assert_same_parameters as _assert_same
-from test_optimizer_torch_dist import _cli, _export
 
 GOLDENS = Path(__file__).parent / "data" / "megatron_lm"
 GOLDEN = GOLDENS / "mcore015_tp2dp2_distopt_fs_model_space_torch_dist"
@@ -30,7 +29,7 @@ FC1 = "decoder.layers.mlp.linear_fc1.weight"
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, torch.Tensor]]:
-    return _export(REFERENCE, tmp_path_factory.mktemp("reference"))
+    return export_optimizer(REFERENCE, tmp_path_factory.mktemp("reference"))
 
 
 def test_the_golden_is_megatron_core_0_15s_own_fs_model_space_save() -> None:
@@ -47,8 +46,8 @@ def test_the_golden_is_megatron_core_0_15s_own_fs_model_space_save() -> None:
 
 
 def test_fs_model_space_holds_the_state_of_the_fully_reshardable_reference(tmp_path: Path, reference) -> None:  # noqa: ANN001
-    # fails before fsms: the form was refused ("cannot save it")
-    _assert_same(_export(GOLDEN, tmp_path / "fsms"), reference)
+    # the form used to be refused ("cannot save it")
+    assert_same_parameters(export_optimizer(GOLDEN, tmp_path / "fs_model_space"), reference)
 
 
 def test_the_records_are_the_model_tensor_permuted_by_its_chunks(tmp_path: Path, reference) -> None:  # noqa: ANN001
@@ -79,28 +78,28 @@ def test_flatten_and_unflatten_are_inverse_for_any_chunk_grid() -> None:
 
 
 def test_to_per_rank_tp1_and_to_torch_dist_at_other_layouts_is_bit_exact(tmp_path: Path, reference) -> None:  # noqa: ANN001
-    result = _cli("convert", GOLDEN, tmp_path / "tp1", "-q", "--dst-format", "megatron", "--dst-tp", "1")
+    result = run_cli("convert", GOLDEN, tmp_path / "tp1", "-q", "--dst-format", "megatron", "--dst-tp", "1")
     assert result.exit_code == 0, result.output
     rank = load_for_test(tmp_path / "tp1" / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt")
     assert [group["step"] for group in rank["optimizer"]["optimizer"]["param_groups"]] == [2.0, 2.0]
-    _assert_same(_export(tmp_path / "tp1", tmp_path / "tp1_export"), reference)
-    result = _cli("convert", GOLDEN, tmp_path / "tp1pp2", "--dst-format", "torch_dist", "--dst-tp", "1",
+    assert_same_parameters(export_optimizer(tmp_path / "tp1", tmp_path / "tp1_export"), reference)
+    result = run_cli("convert", GOLDEN, tmp_path / "tp1pp2", "--dst-format", "torch_dist", "--dst-tp", "1",
                   "--dst-pp", "2", "--dst-optim-form", "fully_reshardable")
     assert result.exit_code == 0, result.output
     assert "fully_sharded_model_space form is written as fully_reshardable" in " ".join(result.output.split())
     common = load_for_test(tmp_path / "tp1pp2" / "iter_0000002" / "common.pt")
     assert common["optimizer"]["param_state_sharding_type"] == "fully_reshardable"
-    _assert_same(_export(tmp_path / "tp1pp2", tmp_path / "tp1pp2_export"), reference)
-    result = _cli("convert", GOLDEN, tmp_path / "dp", "-q", "--dst-format", "torch_dist", "--dst-tp", "1",
+    assert_same_parameters(export_optimizer(tmp_path / "tp1pp2", tmp_path / "tp1pp2_export"), reference)
+    result = run_cli("convert", GOLDEN, tmp_path / "dp", "-q", "--dst-format", "torch_dist", "--dst-tp", "1",
                   "--dst-optim-form", "dp_reshardable", "--dst-dp", "4")
     assert result.exit_code == 0, result.output
     assert load_for_test(tmp_path / "dp" / "iter_0000002" / "common.pt")["optimizer"][
         "param_state_sharding_type"] == "dp_reshardable"
-    _assert_same(_export(tmp_path / "dp", tmp_path / "dp_export"), reference)
+    assert_same_parameters(export_optimizer(tmp_path / "dp", tmp_path / "dp_export"), reference)
 
 
 def test_a_record_of_the_wrong_shape_is_a_named_error(tmp_path: Path) -> None:
-    src = tmp_path / "fsms"
+    src = tmp_path / "fs_model_space"
     shutil.copytree(GOLDEN, src)
     path = src / "iter_0000002" / ".metadata"
     metadata = read_dcp_metadata(path)
@@ -108,9 +107,9 @@ def test_a_record_of_the_wrong_shape_is_a_named_error(tmp_path: Path) -> None:
     metadata.state_dict_metadata[victim].size = torch.Size([2, 4, 1, 512])
     plain = Metadata(metadata.state_dict_metadata, metadata.planner_data, metadata.storage_data)
     path.write_bytes(pickle.dumps(plain))
-    result = _cli("convert", src, tmp_path / "out", "--dst-format", "megatron", "--dst-tp", "1")
+    result = run_cli("convert", src, tmp_path / "out", "--dst-format", "megatron", "--dst-tp", "1")
     assert_clean_refusal(result, 1, victim, "hold 256 elements, not 512")
-    skipped = _cli("convert", src, tmp_path / "skipped", "--dst-format", "megatron", "--dst-tp", "1",
+    skipped = run_cli("convert", src, tmp_path / "skipped", "--dst-format", "megatron", "--dst-tp", "1",
                    "--skip-optimizer")
     assert skipped.exit_code == 0, skipped.output
 
@@ -118,7 +117,7 @@ def test_a_record_of_the_wrong_shape_is_a_named_error(tmp_path: Path) -> None:
 def test_a_torch_dist_destination_keeps_the_form_and_reads_back_bit_exact(tmp_path: Path, reference) -> None:  # noqa: ANN001
     # the default for this source is its own form; megatron-core 0.15.0 loads these records (checked by
     # scripts/make_fs_model_space_golden.py load, outside CI)
-    result = _cli("convert", GOLDEN, tmp_path / "td1", "--dst-format", "torch_dist", "--dst-tp", "1")
+    result = run_cli("convert", GOLDEN, tmp_path / "td1", "--dst-format", "torch_dist", "--dst-tp", "1")
     assert result.exit_code == 0, result.output
     assert "written as" not in result.output
     iteration = tmp_path / "td1" / "iter_0000002"
@@ -133,7 +132,7 @@ def test_a_torch_dist_destination_keeps_the_form_and_reads_back_bit_exact(tmp_pa
     key = "optimizer.state.exp_avg." + FC1
     assert metadata.mcore_data[key] == {"nd_reformulated_orig_global_shape": (2, 64, 16)}
     assert tuple(metadata.state_dict_metadata[key].size) == (2, 2, 1, 512)  # TP1: the gate and up chunks
-    _assert_same(_export(tmp_path / "td1", tmp_path / "td1_export"), reference)
-    result = _cli("convert", tmp_path / "td1", tmp_path / "td2", "-q", "--dst-format", "torch_dist", "--dst-tp", "2")
+    assert_same_parameters(export_optimizer(tmp_path / "td1", tmp_path / "td1_export"), reference)
+    result = run_cli("convert", tmp_path / "td1", tmp_path / "td2", "-q", "--dst-format", "torch_dist", "--dst-tp", "2")
     assert result.exit_code == 0, result.output
-    _assert_same(_export(tmp_path / "td2", tmp_path / "td2_export"), reference)
+    assert_same_parameters(export_optimizer(tmp_path / "td2", tmp_path / "td2_export"), reference)

@@ -1,4 +1,4 @@
-"""ggemm: optimizer state of grouped-GEMM experts (TEGroupedMLP) through TP, EP and PP changes.
+"""Optimizer state of grouped-GEMM experts (TEGroupedMLP) through TP, EP and PP changes.
 
 Neither Transformer Engine (TEGroupedMLP) nor the grouped_gemm package (the legacy GroupedMLP) is installed here,
 so megatron-core cannot build a grouped-GEMM MoE on this machine. The state is megatron-core's own for the same model
@@ -27,17 +27,17 @@ from click.testing import CliRunner, Result
 
 from support.cli_helpers import assert_clean_refusal
 from support.megatron_fixtures import assert_same_tree, load_for_test
+from support.moe_optimizer_runs import ITER, assert_optimizer_files_equal, generate, rank_files
 from pgconvert.cli import main
 from pgconvert.formats import LoadOptions
 from pgconvert.model.grid import RankCoord
 from pgconvert.model.layout import ParallelLayout
 from pgconvert.loaders.megatron import MegatronSource
-from pgconvert.optimizer.order import OptimizerRules, chained_slots, flat_buffers, named_parameters
+from pgconvert.optimizer.flat import flat_buffers
+from pgconvert.optimizer.order import OptimizerRules, chained_slots, named_parameters
 
 pytest.importorskip("megatron.core", reason="megatron-core lays out the reference optimizer state")
 
-from test_optimizer_moe import ITER, _files, _generate  # noqa: E402
-from test_optimizer_torch_dist_moe import _assert_optimizer_files_equal  # noqa: E402
 
 GROUPED = ("--dst-transformer-impl", "transformer_engine", "--dst-expert-layout", "grouped")
 BUFFER_SCRIPT = Path(__file__).parent / "support" / "mcore_grouped_buffer.py"
@@ -68,7 +68,7 @@ def _convert(src: Path, dst: Path, *flags: str) -> None:
 
 @pytest.fixture(scope="module")
 def plain(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _generate(tmp_path_factory.mktemp("ggemm") / "plain", 2, 1, 2, "fp32")
+    return generate(tmp_path_factory.mktemp("grouped_gemm") / "plain", 2, 1, 2, "fp32")
 
 
 @pytest.fixture(scope="module")
@@ -79,13 +79,13 @@ def grouped(plain: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def distributed(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = _generate(tmp_path_factory.mktemp("ggemm") / "dist", 2, 1, 2, "distributed")
+    root = generate(tmp_path_factory.mktemp("grouped_gemm") / "dist", 2, 1, 2, "distributed")
     _convert(root, root.parent / "grouped", *GROUPED)
     return root
 
 
 def _assert_same_files(original: Path, again: Path) -> None:
-    before, after = _files(original), _files(again)
+    before, after = rank_files(original), rank_files(again)
     assert set(before) == set(after) and len(before) >= 4
     for name, content in before.items():
         if name.endswith("model_optim_rng.pt"):
@@ -99,7 +99,7 @@ def test_expert_positions_follow_te_grouped_linear_with_megatron_cores_values(pl
     # EP 2: the expert-parallel optimizer holds the routed experts alone, one group (no biases): its positions are
     # TEGroupedMLP's registration order, layer by layer, and each holds megatron-core's state of that expert tensor.
     positions = json.loads((plain.parent / "plain.positions.json").read_text())
-    originals, converted = _files(plain), _files(grouped)
+    originals, converted = rank_files(plain), rank_files(grouped)
     for rank, mcore_names in positions.items():
         expected = [f"decoder.layers.{layer}.mlp.experts.{name}" for layer in MOE_LAYERS
                     for name in te_grouped_order(4, bias=False)]
@@ -123,7 +123,7 @@ def test_ep1_dense_positions_permute_each_layers_experts_only(plain: Path, tmp_p
     # the shared experts of their layer; only their run is reordered against SequentialMLP's (TE spec both ways).
     _convert(plain, tmp_path / "seq", "--dst-tp", "1", "--dst-ep", "1", "--dst-transformer-impl", "transformer_engine")
     _convert(plain, tmp_path / "grp", "--dst-tp", "1", "--dst-ep", "1", *GROUPED)
-    seq, grp = (_files(tmp_path / name)["mp_rank_00/model_optim_rng.pt"] for name in ("seq", "grp"))
+    seq, grp = (rank_files(tmp_path / name)["mp_rank_00/model_optim_rng.pt"] for name in ("seq", "grp"))
     seq_source = MegatronSource(tmp_path / "seq" / ITER, 2, False, LoadOptions())
     grp_source = MegatronSource(tmp_path / "grp" / ITER, 2, False, LoadOptions())
     coord = RankCoord(0, 0, 0)
@@ -150,7 +150,7 @@ def test_grouped_plain_reshards_ep_tp_pp_and_back_bit_exact(plain: Path, grouped
     _convert(tmp_path / "ep1", tmp_path / "ep2", "--dst-ep", "2")
     _assert_same_files(grouped, tmp_path / "ep2")
     _convert(grouped, tmp_path / "tp1ep4", "--dst-tp", "1", "--dst-ep", "4")
-    (state,) = [v for k, v in _files(tmp_path / "tp1ep4").items() if k.startswith("mp_rank_00_003")]
+    (state,) = [v for k, v in rank_files(tmp_path / "tp1ep4").items() if k.startswith("mp_rank_00_003")]
     assert "decoder.layers.3.mlp.experts.linear_fc2.weight1" in state["model"]  # type: ignore[index]
     assert [len(g["params"]) for g in state["optimizer"][1]["param_groups"]] == [12]  # type: ignore[index]
     _convert(tmp_path / "tp1ep4", tmp_path / "back", "--dst-tp", "2", "--dst-ep", "2")
@@ -165,9 +165,9 @@ def test_grouped_plain_reshards_ep_tp_pp_and_back_bit_exact(plain: Path, grouped
 
 
 def test_grouped_float16_optimizer_round_trips(tmp_path: Path) -> None:
-    source = _generate(tmp_path / "bf16", 2, 1, 2, "bf16")
+    source = generate(tmp_path / "bf16", 2, 1, 2, "bf16")
     _convert(source, tmp_path / "grp", "--dst-ep", "1", "--dst-tp", "1", *GROUPED)
-    optimizer = _files(tmp_path / "grp")["mp_rank_00/model_optim_rng.pt"]["optimizer"]  # type: ignore[index]
+    optimizer = rank_files(tmp_path / "grp")["mp_rank_00/model_optim_rng.pt"]["optimizer"]  # type: ignore[index]
     assert [len(group) for group in optimizer["fp32_from_fp16_params"]] == [24 + 48, 9]
     _convert(tmp_path / "grp", tmp_path / "back", "--dst-ep", "2", "--dst-tp", "2", "--dst-transformer-impl", "local",
              "--dst-expert-layout", "sequential")
@@ -207,7 +207,7 @@ def test_grouped_expert_buffer_is_megatron_cores_param_and_grad_buffer(distribut
 def test_grouped_distributed_reshards_and_comes_back(distributed: Path, tmp_path: Path) -> None:
     grouped = distributed.parent / "grouped"
     _convert(grouped, tmp_path / "one", "--dst-tp", "1", "--dst-ep", "1")
-    assert isinstance(_files(tmp_path / "one")["mp_rank_00/distrib_optim.pt"], dict)
+    assert isinstance(rank_files(tmp_path / "one")["mp_rank_00/distrib_optim.pt"], dict)
     _convert(tmp_path / "one", tmp_path / "back", "--dst-tp", "2", "--dst-ep", "2")
     _assert_same_files(grouped, tmp_path / "back")
     _convert(tmp_path / "one", tmp_path / "local", "--dst-tp", "2", "--dst-ep", "2", "--dst-transformer-impl", "local",
@@ -241,7 +241,7 @@ def test_grouped_torch_dist_records_are_sequential_ones(distributed: Path, tmp_p
     assert common["args"].moe_grouped_gemm is True
     _convert(tmp_path / "grp", tmp_path / "back", "--dst-format", "megatron")
     # distrib_optim.pt bit for bit; the rank files' model, iteration and param groups
-    _assert_optimizer_files_equal(distributed.parent / "grouped", tmp_path / "back")
+    assert_optimizer_files_equal(distributed.parent / "grouped", tmp_path / "back")
 
 
 def test_local_spec_grouped_gemm_and_its_variants_are_refused_by_name(grouped: Path, plain: Path,

@@ -1,4 +1,4 @@
-"""optmem: a distributed optimizer's flat buffers (``distrib_optim.pt``) are written part by part
+"""A distributed optimizer's flat buffers (``distrib_optim.pt``) are written part by part
 (zero gaps and one parameter's piece at a time), never whole: the torch zip writer's ``parts``."""
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def test_distrib_optim_buffers_are_written_one_parameter_at_a_time(tmp_path: Pat
 def test_opening_a_dp_reshardable_source_checks_the_masters_reading_only_them(monkeypatch: pytest.MonkeyPatch) -> None:
     from pgconvert.formats import LoadOptions
     from pgconvert.loaders.torch_dist.reader import TorchDistSource
-    from pgconvert.optimizer.torch_dist import TorchDistOptimizerSource
+    from pgconvert.loaders.torch_dist.optimizer import TorchDistOptimizerSource
     from pgconvert.formats.registry import get_loader
 
     golden = DISTOPT.with_name("train_tp2dp2_distopt_dp_reshardable_torch_dist")

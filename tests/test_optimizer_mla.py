@@ -1,5 +1,5 @@
 """DeepSeek-V3-class optimizer state (multi-latent attention, MoE, a multi-token-prediction layer) through
-TP, PP and EP changes, on state megatron-core 0.16.1 laid out (mla).
+TP, PP and EP changes, on state megatron-core 0.16.1 laid out.
 
 A tiny HF DeepSeek-V3 with an MTP layer (``test_mtp.with_mtp``) is written per rank by pgconvert; then
 ``mcore_mla_optimizer.py`` (a subprocess) builds megatron-core's own GPTModel on every rank (MLA local spec, MoE,
@@ -25,7 +25,8 @@ from pgconvert.cli import main
 from pgconvert.formats import LoadOptions
 from pgconvert.loaders.megatron import MegatronSource
 from pgconvert.formats.megatron import safe_torch_load
-from pgconvert.optimizer.order import OptimizerRules, chained_slots, flat_buffers
+from pgconvert.optimizer.flat import flat_buffers
+from pgconvert.optimizer.order import OptimizerRules, chained_slots
 
 pytest.importorskip("megatron.core", reason="megatron-core lays out the reference optimizer state")
 
@@ -235,7 +236,7 @@ def test_an_unknown_parameter_of_an_mtp_layer_is_still_refused_by_name() -> None
 
 @pytest.mark.parametrize("form", [0, 1], ids=["plain", "distributed"])
 def test_tp2_spec_change_and_back_is_bit_exact(made: dict[str, tuple[Path, Path]], form: int, tmp_path: Path) -> None:
-    # mlafix: at TP2 the down projections' pieces are split by rows in the local spec and whole in the TE spec;
+    # at TP2 the down projections' pieces are split by rows in the local spec and whole in the TE spec;
     # their state (like their weights) is merged with the source spec's rule and cut with the target's.
     source = made["tp2ep2"][form]
     _convert(source, tmp_path / "te", "--dst-transformer-impl", "transformer_engine")
@@ -256,7 +257,7 @@ def test_tp2_spec_change_and_back_is_bit_exact(made: dict[str, tuple[Path, Path]
 @pytest.mark.parametrize("form", [0, 1], ids=["plain", "distributed"])
 def test_mtp_model_layer_spelling_carries_the_same_state(made: dict[str, tuple[Path, Path]], form: int,
                                                          tmp_path: Path) -> None:
-    # mlafix: Megatron-LM d98e8a64 names the MTP inner layer mtp_model_layer in per-rank files, registered where
+    # Megatron-LM d98e8a64 names the MTP inner layer mtp_model_layer in per-rank files, registered where
     # megatron-core 0.16.1's transformer_layer is: the same optimizer positions, read and written in that spelling.
     from test_mtp_naming import _model_keys, respelled
 

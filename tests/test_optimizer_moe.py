@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from click.testing import CliRunner, Result
 from support.megatron_fixtures import assert_same_tree, load_for_test
+from support.moe_optimizer_runs import ITER, assert_round_trip, generate, rank_files
 
 from pgconvert.cli import main
 from pgconvert.formats import LoadOptions
@@ -26,49 +25,21 @@ from pgconvert.optimizer.order import OptimizerRules, chained_slots
 
 pytest.importorskip("megatron.core", reason="megatron-core lays out the reference optimizer state")
 
-SCRIPT = Path(__file__).parent / "support" / "mcore_moe_optimizer.py"
-ITER = "iter_0000002"
-
-
-def _generate(root: Path, tp: int, pp: int, ep: int, form: str) -> Path:
-    done = subprocess.run([sys.executable, "-W", "ignore", str(SCRIPT), str(root), str(tp), str(pp), str(ep), form],
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return root
-
 
 @pytest.fixture(scope="module")
 def plain(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _generate(tmp_path_factory.mktemp("moe") / "plain", 2, 1, 2, "fp32")
+    return generate(tmp_path_factory.mktemp("moe") / "plain", 2, 1, 2, "fp32")
 
 
 @pytest.fixture(scope="module")
 def distributed(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _generate(tmp_path_factory.mktemp("moe") / "dist", 2, 1, 2, "distributed")
+    return generate(tmp_path_factory.mktemp("moe") / "dist", 2, 1, 2, "distributed")
 
 
 def _convert(src: Path, dst: Path, *flags: str) -> Result:
     result = CliRunner().invoke(main, ["convert", str(src), str(dst), "-q", *flags], prog_name="pgconvert")
     assert result.exit_code == 0, result.output
     return result
-
-
-def _files(root: Path) -> dict[str, object]:
-    found = sorted((root / ITER).glob("mp_rank_*/*.pt"))
-    return {f"{path.parent.name}/{path.name}": load_for_test(path) if path.name.startswith("model") else
-            torch.load(path, weights_only=True) for path in found}
-
-
-
-def _assert_round_trip(original: Path, again: Path, keys: tuple[str, ...] = ("optimizer", "model", "iteration")) -> None:
-    before, after = _files(original), _files(again)
-    assert set(before) == set(after) and len(before) >= 2
-    for name, content in before.items():
-        if name.endswith("model_optim_rng.pt"):
-            for key in keys:
-                assert_same_tree(content[key], after[name][key], f"{name}.{key}")  # type: ignore[index]
-        else:
-            assert_same_tree(content, after[name], name)
 
 
 def test_positions_are_megatron_cores_on_every_ep_rank(plain: Path) -> None:
@@ -88,24 +59,24 @@ def test_positions_are_megatron_cores_on_every_ep_rank(plain: Path) -> None:
 
 def test_plain_ep2_to_ep1_and_back_is_bit_exact(plain: Path, tmp_path: Path) -> None:
     _convert(plain, tmp_path / "ep1", "--dst-ep", "1")
-    merged = _files(tmp_path / "ep1")
+    merged = rank_files(tmp_path / "ep1")
     assert set(merged) == {"mp_rank_00/model_optim_rng.pt", "mp_rank_01/model_optim_rng.pt"}
     optimizer = merged["mp_rank_00/model_optim_rng.pt"]["optimizer"]  # type: ignore[index]
     # EP 1: the experts are allreduce parameters, in the one optimizer's weight-decay group.
     assert isinstance(optimizer, dict) and [len(g["params"]) for g in optimizer["param_groups"]] == [24 + 48, 9]
     assert not any(g["is_expert_parallel"] for g in optimizer["param_groups"])
     _convert(tmp_path / "ep1", tmp_path / "back", "--dst-ep", "2")
-    _assert_round_trip(plain, tmp_path / "back")
+    assert_round_trip(plain, tmp_path / "back")
 
 
 def test_bf16_ep2_to_ep1_and_back_is_bit_exact(tmp_path: Path) -> None:
     # Float16OptimizerWithFloat16Params: the fp32 masters (fp32_from_fp16_params) of both chained optimizers.
-    source = _generate(tmp_path / "bf16", 2, 1, 2, "bf16")
+    source = generate(tmp_path / "bf16", 2, 1, 2, "bf16")
     _convert(source, tmp_path / "ep1", "--dst-ep", "1", "--dst-tp", "1")
-    optimizer = _files(tmp_path / "ep1")["mp_rank_00/model_optim_rng.pt"]["optimizer"]  # type: ignore[index]
+    optimizer = rank_files(tmp_path / "ep1")["mp_rank_00/model_optim_rng.pt"]["optimizer"]  # type: ignore[index]
     assert [len(group) for group in optimizer["fp32_from_fp16_params"]] == [24 + 48, 9]
     _convert(tmp_path / "ep1", tmp_path / "back", "--dst-ep", "2", "--dst-tp", "2")
-    _assert_round_trip(source, tmp_path / "back")
+    assert_round_trip(source, tmp_path / "back")
 
 
 def test_an_optimizer_list_that_does_not_match_the_layout_is_a_named_error(plain: Path, tmp_path: Path) -> None:
@@ -123,22 +94,22 @@ def test_an_optimizer_list_that_does_not_match_the_layout_is_a_named_error(plain
 
 def test_plain_tp_and_ep_change_together_and_back_is_bit_exact(plain: Path, tmp_path: Path) -> None:
     _convert(plain, tmp_path / "tp1ep4", "--dst-tp", "1", "--dst-ep", "4")
-    (state,) = [v for k, v in _files(tmp_path / "tp1ep4").items() if k.startswith("mp_rank_00_003")]
+    (state,) = [v for k, v in rank_files(tmp_path / "tp1ep4").items() if k.startswith("mp_rank_00_003")]
     assert [len(g["params"]) for g in state["optimizer"][1]["param_groups"]] == [12]  # type: ignore[index]
     _convert(tmp_path / "tp1ep4", tmp_path / "back", "--dst-tp", "2", "--dst-ep", "2")
-    _assert_round_trip(plain, tmp_path / "back")
+    assert_round_trip(plain, tmp_path / "back")
 
 
 def test_distributed_ep2_tp2_to_one_rank_and_back_is_bit_exact(distributed: Path, tmp_path: Path) -> None:
     # Reading it at all checks pgconvert's flat offsets against megatron-core's _ParamAndGradBuffer: every
     # parameter's fp32 master at its derived range must round to the model weight of that name.
     _convert(distributed, tmp_path / "one", "--dst-tp", "1", "--dst-ep", "1")
-    one = _files(tmp_path / "one")
+    one = rank_files(tmp_path / "one")
     assert isinstance(one["mp_rank_00/distrib_optim.pt"], dict)
     _convert(tmp_path / "one", tmp_path / "back", "--dst-tp", "2", "--dst-ep", "2")
-    source = _files(distributed)
+    source = rank_files(distributed)
     assert source["mp_rank_00_001/distrib_optim.pt"][0] is None  # type: ignore[index]
-    _assert_round_trip(distributed, tmp_path / "back")
+    assert_round_trip(distributed, tmp_path / "back")
 
 
 def test_distributed_and_plain_exports_of_the_ep_change_agree(distributed: Path, tmp_path: Path) -> None:
@@ -157,27 +128,27 @@ def test_distributed_and_plain_exports_of_the_ep_change_agree(distributed: Path,
 
 def test_plain_pp2_and_back_is_bit_exact(plain: Path, tmp_path: Path) -> None:
     _convert(plain, tmp_path / "pp2", "--dst-tp", "1", "--dst-pp", "2")
-    stage1 = _files(tmp_path / "pp2")["mp_rank_00_001_001/model_optim_rng.pt"]["optimizer"]  # type: ignore[index]
+    stage1 = rank_files(tmp_path / "pp2")["mp_rank_00_001_001/model_optim_rng.pt"]["optimizer"]  # type: ignore[index]
     # Stage 1 (layers 2, 3: both MoE) of EP rank 1: 2 layers x 4 local experts x 2 weights.
     assert [len(g["params"]) for g in stage1[1]["param_groups"]] == [16]
     _convert(tmp_path / "pp2", tmp_path / "back", "--dst-tp", "2", "--dst-pp", "1")
-    _assert_round_trip(plain, tmp_path / "back")
+    assert_round_trip(plain, tmp_path / "back")
 
 
 def test_distributed_vpp2_and_back_is_bit_exact(distributed: Path, tmp_path: Path) -> None:
     _convert(distributed, tmp_path / "vpp", "--dst-tp", "1", "--dst-vpp", "2")
-    dense, experts = _files(tmp_path / "vpp")["mp_rank_00_000/distrib_optim.pt"]  # type: ignore[misc]
+    dense, experts = rank_files(tmp_path / "vpp")["mp_rank_00_000/distrib_optim.pt"]  # type: ignore[misc]
     # One buffer per model chunk, dense and expert-parallel alike (both chunks hold MoE layers).
     assert sorted(k for k in dense if k != "buckets_coalesced") == [0, 1]
     assert sorted(k for k in experts if k != "buckets_coalesced") == [0, 1]
     _convert(tmp_path / "vpp", tmp_path / "back", "--dst-tp", "2", "--dst-vpp", "1")
     # --dst-vpp 1 names the one chunk model0: the optimizer entries and flat buffers are compared.
-    _assert_round_trip(distributed, tmp_path / "back", ("optimizer", "iteration"))
+    assert_round_trip(distributed, tmp_path / "back", ("optimizer", "iteration"))
 
 
 def test_ep1_pp2_positions_are_megatron_cores_and_reach_ep2(tmp_path: Path) -> None:
     # At EP 1 the experts are allreduce parameters: one optimizer, experts in its weight-decay group.
-    source = _generate(tmp_path / "ep1pp2", 1, 2, 1, "fp32")
+    source = generate(tmp_path / "ep1pp2", 1, 2, 1, "fp32")
     expected = json.loads((tmp_path / "ep1pp2.positions.json").read_text())
     loaded = MegatronSource(source / ITER, 2, False, LoadOptions())
     for coord, path in loaded.files.items():
@@ -186,11 +157,11 @@ def test_ep1_pp2_positions_are_megatron_cores_and_reach_ep2(tmp_path: Path) -> N
         assert derived == expected[path.parent.name] and len(derived) == 1, path.parent.name
     _convert(source, tmp_path / "ep2", "--dst-pp", "1", "--dst-ep", "2")
     _convert(tmp_path / "ep2", tmp_path / "back", "--dst-pp", "2", "--dst-ep", "1")
-    _assert_round_trip(source, tmp_path / "back")
+    assert_round_trip(source, tmp_path / "back")
 
 
 def test_a_plain_moe_optimizer_goes_into_torch_dist_in_the_plain_form_only(plain: Path, tmp_path: Path) -> None:
-    # tdplain/moeplain: megatron-core's plain optimizers (a MoE run's chained pair too) have a torch_dist form of
+    # megatron-core's plain optimizers (a MoE run's chained pair too) have a torch_dist form of
     # their own, written as such (tests/test_optimizer_torch_dist_plain.py checks the records); asked for a
     # distributed-optimizer form, the state is not carried: named, refused under --strict.
     args = ["convert", str(plain), str(tmp_path / "td"), "--dst-format", "torch_dist", "--dst-tp", "1", "--dst-ep", "1"]

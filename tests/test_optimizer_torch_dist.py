@@ -5,22 +5,18 @@ own training (TP2 DP2, the same seeded run in each form; see tests/data/megatron
 from __future__ import annotations
 
 import math
-import pickle
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
-from click.testing import CliRunner, Result
 
 from support.cli_helpers import assert_clean_refusal
 from support.megatron_fixtures import load_for_test
-from pgconvert.cli import main
+from support.optimizer_cli import assert_same_parameters, dcp_read, export_optimizer, rewrite_metadata, run_cli
 from pgconvert.formats import LoadOptions
 from pgconvert.optimizer.order import OptimizerLayoutError, UnsupportedOptimizerError
 from pgconvert.formats.registry import get_loader
-from pgconvert.formats.torch_dist import read_dcp_metadata
 
 GOLDENS = Path(__file__).parent / "data" / "megatron_lm"
 FORMS = ("dp_reshardable", "fully_reshardable")
@@ -29,39 +25,11 @@ PRESENT = [form for form in FORMS if GOLDEN[form].is_dir()]
 KEYS = ("param", "exp_avg", "exp_avg_sq", "step")
 
 
-def _cli(*args: str | Path) -> Result:
-    return CliRunner().invoke(main, [str(arg) for arg in args], prog_name="pgconvert")
-
-
-def _export(src: Path, out: Path) -> dict[str, dict[str, torch.Tensor]]:
-    result = _cli("export-optimizer", src, out)
-    assert result.exit_code == 0, result.output
-    return {path.stem: torch.load(path, weights_only=True) for path in sorted(out.glob("*.pt"))}
-
-
-def _assert_same_parameters(a: dict[str, dict[str, torch.Tensor]], b: dict[str, dict[str, torch.Tensor]]) -> None:
-    assert set(a) == set(b) and len(a) == 15
-    for name, tensors in a.items():
-        assert set(tensors) == set(b[name]) == set(KEYS), name
-        for key in KEYS:
-            assert tensors[key].dtype == b[name][key].dtype and torch.equal(tensors[key], b[name][key]), f"{name}.{key}"
-
-
 def _open(golden: Path):  # noqa: ANN202
-    from pgconvert.optimizer.torch_dist import TorchDistOptimizerSource
+    from pgconvert.loaders.torch_dist.optimizer import TorchDistOptimizerSource
 
     source = get_loader("torch_dist").open(golden, LoadOptions())
     return source, TorchDistOptimizerSource(source)
-
-
-def _torch_read(iteration_dir: Path, keys: list[str]) -> dict[str, torch.Tensor]:
-    """Whole global tensors read by torch's own DCP reader (not pgconvert's)."""
-    metadata = read_dcp_metadata(iteration_dir / ".metadata")
-    wanted = {key: torch.empty(metadata.state_dict_metadata[key].size,
-                               dtype=metadata.state_dict_metadata[key].properties.dtype) for key in keys}
-    with pytest.warns(UserWarning, match="single process"):
-        dcp.load(wanted, checkpoint_id=str(iteration_dir), no_dist=True)
-    return wanted
 
 
 def test_the_goldens_hold_both_forms() -> None:
@@ -90,11 +58,11 @@ def test_each_form_reads_the_masters_of_the_model_and_the_step(form: str) -> Non
 
 def test_fully_reshardable_equals_torchs_own_read_of_the_records(tmp_path: Path) -> None:
     form = "fully_reshardable"
-    exported = _export(GOLDEN[form], tmp_path / "per_parameter")
+    exported = export_optimizer(GOLDEN[form], tmp_path / "per_parameter")
     keys = {"param": "optimizer.state.param.", "exp_avg": "optimizer.state.exp_avg.",
             "exp_avg_sq": "optimizer.state.exp_avg_sq."}
     stacked = "decoder.layers.self_attention.linear_qkv.weight"
-    read = _torch_read(GOLDEN[form] / "iter_0000002", [prefix + stacked for prefix in keys.values()] +
+    read = dcp_read(GOLDEN[form] / "iter_0000002", [prefix + stacked for prefix in keys.values()] +
                        [prefix + "embedding.word_embeddings.weight" for prefix in keys.values()])
     for key, prefix in keys.items():
         assert torch.equal(exported["decoder.layers.1.self_attention.linear_qkv.weight"][key], read[prefix + stacked][1])
@@ -106,7 +74,7 @@ def test_dp_reshardable_flat_buffers_equal_torchs_own_read_at_the_derived_ranges
     source, optimizer = _open(GOLDEN["dp_reshardable"])
     name = "decoder.layers.0.mlp.linear_fc1.weight"
     key = optimizer.bucket_key(optimizer._owners[name][1][0].coord, 0, "exp_avg")
-    flat = _torch_read(GOLDEN["dp_reshardable"] / "iter_0000002", [key])[key]
+    flat = dcp_read(GOLDEN["dp_reshardable"] / "iter_0000002", [key])[key]
     owner, slot = optimizer._owners[name][1]
     placed = optimizer._placed(owner.coord, slot)
     assert torch.equal(optimizer._pieces(name, "exp_avg")[1].reshape(-1), flat[placed.start:placed.end])
@@ -116,27 +84,27 @@ def test_dp_reshardable_flat_buffers_equal_torchs_own_read_at_the_derived_ranges
 def test_dp_reshardable_holds_the_same_state_as_fully_reshardable(tmp_path: Path) -> None:
     # The same seeded run (flags, data, gloo on the CPU) saved in each form: megatron-core's own
     # model-space form is the reference for the flat-buffer placement pgconvert derives.
-    _assert_same_parameters(_export(GOLDEN["dp_reshardable"], tmp_path / "dp_reshardable"),
-                            _export(GOLDEN["fully_reshardable"], tmp_path / "reference"))
+    assert_same_parameters(export_optimizer(GOLDEN["dp_reshardable"], tmp_path / "dp_reshardable"),
+                            export_optimizer(GOLDEN["fully_reshardable"], tmp_path / "reference"))
 
 
 @pytest.mark.parametrize("form", PRESENT)
 def test_torch_dist_to_per_rank_tp1_and_back_to_tp2pp2_is_bit_exact(tmp_path: Path, form: str) -> None:
     src = GOLDEN[form]
-    assert _cli("convert", src, tmp_path / "tp1", "-q", "--dst-format", "megatron", "--dst-tp", "1").exit_code == 0
+    assert run_cli("convert", src, tmp_path / "tp1", "-q", "--dst-format", "megatron", "--dst-tp", "1").exit_code == 0
     rank = load_for_test(tmp_path / "tp1" / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt")
     assert [group["step"] for group in rank["optimizer"]["optimizer"]["param_groups"]] == [2.0, 2.0]
     assert rank["iteration"] == 2 and "opt_param_scheduler" in rank
     assert (tmp_path / "tp1" / "iter_0000002" / "mp_rank_00" / "distrib_optim.pt").is_file()
-    result = _cli("convert", tmp_path / "tp1", tmp_path / "tp2pp2", "-q", "--dst-tp", "2", "--dst-pp", "2")
+    result = run_cli("convert", tmp_path / "tp1", tmp_path / "tp2pp2", "-q", "--dst-tp", "2", "--dst-pp", "2")
     assert result.exit_code == 0, result.output
-    result = _cli("convert", tmp_path / "tp2pp2", tmp_path / "tp2", "-q", "--dst-tp", "2", "--dst-pp", "1")
+    result = run_cli("convert", tmp_path / "tp2pp2", tmp_path / "tp2", "-q", "--dst-tp", "2", "--dst-pp", "1")
     assert result.exit_code == 0, result.output
-    source = _export(src, tmp_path / "a")
+    source = export_optimizer(src, tmp_path / "a")
     for layout in ("tp1", "tp2pp2", "tp2"):
-        _assert_same_parameters(source, _export(tmp_path / layout, tmp_path / f"{layout}_export"))
+        assert_same_parameters(source, export_optimizer(tmp_path / layout, tmp_path / f"{layout}export_optimizer"))
     # TP2 DP2 (the golden) written at TP2 DP1: the same per-rank buffers as a direct TP2 conversion
-    assert _cli("convert", src, tmp_path / "direct", "-q", "--dst-format", "megatron", "--dst-tp", "2").exit_code == 0
+    assert run_cli("convert", src, tmp_path / "direct", "-q", "--dst-format", "megatron", "--dst-tp", "2").exit_code == 0
     for rank_dir in ("mp_rank_00", "mp_rank_01"):
         a, b = (torch.load(tmp_path / d / "iter_0000002" / rank_dir / "distrib_optim.pt", weights_only=True)
                 for d in ("direct", "tp2"))
@@ -153,13 +121,6 @@ def _copy(form: str, tmp_path: Path) -> Path:
     return target
 
 
-def _rewrite_metadata(iteration_dir: Path, change) -> None:  # noqa: ANN001
-    path = iteration_dir / ".metadata"
-    metadata = read_dcp_metadata(path)
-    change(metadata)
-    path.write_bytes(pickle.dumps(metadata))
-
-
 @pytest.mark.parametrize("form", PRESENT)
 def test_missing_optimizer_records_are_a_named_error(tmp_path: Path, form: str) -> None:
     src = _copy(form, tmp_path)
@@ -172,11 +133,11 @@ def test_missing_optimizer_records_are_a_named_error(tmp_path: Path, form: str) 
         for index in [index for index in metadata.storage_data if index.fqn == victim]:
             del metadata.storage_data[index]
 
-    _rewrite_metadata(src / "iter_0000002", drop)
-    result = _cli("convert", src, tmp_path / "out", "--dst-format", "megatron", "--dst-tp", "1")
+    rewrite_metadata(src / "iter_0000002", drop)
+    result = run_cli("convert", src, tmp_path / "out", "--dst-format", "megatron", "--dst-tp", "1")
     assert_clean_refusal(result, 1, "no optimizer record", victim.split(".bucket")[0], form)
     assert not (tmp_path / "out").exists()
-    skipped = _cli("convert", src, tmp_path / "skipped", "--dst-format", "megatron", "--dst-tp", "1",
+    skipped = run_cli("convert", src, tmp_path / "skipped", "--dst-format", "megatron", "--dst-tp", "1",
                    "--skip-optimizer")
     assert skipped.exit_code == 0, skipped.output
 
@@ -189,13 +150,13 @@ def test_a_flat_buffer_of_the_wrong_size_is_a_named_error(tmp_path: Path) -> Non
         entry = metadata.state_dict_metadata[victim]
         entry.size = torch.Size([entry.size[0] + 64])
 
-    _rewrite_metadata(src / "iter_0000002", grow)
-    result = _cli("convert", src, tmp_path / "out", "--dst-format", "megatron", "--dst-tp", "1")
+    rewrite_metadata(src / "iter_0000002", grow)
+    result = run_cli("convert", src, tmp_path / "out", "--dst-format", "megatron", "--dst-tp", "1")
     assert_clean_refusal(result, 1, "has global shape", "64-element alignment")
 
 
 def test_an_unknown_sharding_type_and_an_unread_one_are_named_errors() -> None:
-    from pgconvert.optimizer.torch_dist import TorchDistOptimizerSource
+    from pgconvert.loaders.torch_dist.optimizer import TorchDistOptimizerSource
 
     source = get_loader("torch_dist").open(GOLDEN["fully_reshardable"], LoadOptions())
     source.common_state["optimizer"]["param_state_sharding_type"] = "bucket_space_v9"
@@ -204,7 +165,7 @@ def test_an_unknown_sharding_type_and_an_unread_one_are_named_errors() -> None:
     source.common_state["optimizer"]["param_state_sharding_type"] = "dp_zero_gather_scatter"
     with pytest.raises(UnsupportedOptimizerError, match="'dp_zero_gather_scatter': not a form pgconvert reads"):
         TorchDistOptimizerSource(source)
-    # fsms: fully_sharded_model_space is read (tests/test_optimizer_fs_model_space.py); the deprecated
+    # fully_sharded_model_space is read (tests/test_optimizer_fs_model_space.py); the deprecated
     # bucket-space form is not
     source.common_state["optimizer"]["param_state_sharding_type"] = "fully_sharded_bucket_space"
     with pytest.raises(UnsupportedOptimizerError, match="'fully_sharded_bucket_space': not a form pgconvert reads"):
@@ -222,48 +183,48 @@ def test_the_report_says_the_optimizer_is_carried_and_rng_is_not(tmp_path: Path)
     assert any(note.startswith("optimizer (distributed), scheduler") and "--no-load-rng" in note
                for note in report.notices), report.notices
     assert not any("optimizer/RNG/rerun entries" in note for note in report.notices), report.notices
-    # tdplain: the plain (non-distributed) optimizer of a torch_dist run is carried too
+    # the plain (non-distributed) optimizer of a torch_dist run is carried too
     plain = GOLDENS / "train_tp2pp2_bf16_torch_dist"
-    result = _cli("convert", plain, tmp_path / "strict", "--dst-format", "megatron", "--dst-tp", "1", "--strict")
+    result = run_cli("convert", plain, tmp_path / "strict", "--dst-format", "megatron", "--dst-tp", "1", "--strict")
     assert result.exit_code == 0 and "optimizer (float16), scheduler" in result.output, result.output
 
 
 @pytest.mark.parametrize("form", PRESENT)
 def test_a_torch_dist_destination_holds_the_state_fully_reshardable_at_any_layout(tmp_path: Path, form: str) -> None:
     src = GOLDEN[form]
-    result = _cli("convert", src, tmp_path / "td1", "-q", "--dst-format", "torch_dist", "--dst-tp", "1",
-                  "--dst-optim-form", "fully_reshardable")  # dprw: the default is the source's form
+    result = run_cli("convert", src, tmp_path / "td1", "-q", "--dst-format", "torch_dist", "--dst-tp", "1",
+                  "--dst-optim-form", "fully_reshardable")  # the default is the source's form
     assert result.exit_code == 0, result.output
     common = load_for_test(tmp_path / "td1" / "iter_0000002" / "common.pt")
     assert common["optimizer"]["param_state_sharding_type"] == "fully_reshardable"
     assert common["content_metadata"]["distrib_optim_sharding_type"] == "fully_reshardable"
     assert [group["step"] for group in common["optimizer"]["optimizer"]["param_groups"]] == [2.0, 2.0]
     assert common["iteration"] == 2 and "opt_param_scheduler" in common
-    original = _export(src, tmp_path / "original")
-    _assert_same_parameters(original, _export(tmp_path / "td1", tmp_path / "td1_export"))
+    original = export_optimizer(src, tmp_path / "original")
+    assert_same_parameters(original, export_optimizer(tmp_path / "td1", tmp_path / "td1_export"))
     # torch's own reader sees the records pgconvert added beside the model's
     key = "optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight"
-    read = _torch_read(tmp_path / "td1" / "iter_0000002", [key])[key]
+    read = dcp_read(tmp_path / "td1" / "iter_0000002", [key])[key]
     assert torch.equal(read[0], original["decoder.layers.0.mlp.linear_fc1.weight"]["exp_avg"])
     # from the written form on: TP2 PP2 torch_dist, then per-rank TP2 (DP1), all bit-exact
-    result = _cli("convert", tmp_path / "td1", tmp_path / "td22", "-q", "--dst-format", "torch_dist",
+    result = run_cli("convert", tmp_path / "td1", tmp_path / "td22", "-q", "--dst-format", "torch_dist",
                   "--dst-tp", "2", "--dst-pp", "2")
     assert result.exit_code == 0, result.output
-    result = _cli("convert", tmp_path / "td22", tmp_path / "rank", "-q", "--dst-format", "megatron", "--dst-tp", "2")
+    result = run_cli("convert", tmp_path / "td22", tmp_path / "rank", "-q", "--dst-format", "megatron", "--dst-tp", "2")
     assert result.exit_code == 0, result.output
     for layout in ("td22", "rank"):
-        _assert_same_parameters(original, _export(tmp_path / layout, tmp_path / f"{layout}_export"))
-    assert _cli("verify", src, tmp_path / "td22").exit_code == 0
+        assert_same_parameters(original, export_optimizer(tmp_path / layout, tmp_path / f"{layout}export_optimizer"))
+    assert run_cli("verify", src, tmp_path / "td22").exit_code == 0
 
 
 def test_a_per_rank_distributed_optimizer_goes_into_torch_dist_and_back(tmp_path: Path) -> None:
     src = GOLDENS / "train_tp2dp2_distopt_bf16_torch"
-    result = _cli("convert", src, tmp_path / "td", "-q", "--dst-format", "torch_dist", "--dst-tp", "1")
+    result = run_cli("convert", src, tmp_path / "td", "-q", "--dst-format", "torch_dist", "--dst-tp", "1")
     assert result.exit_code == 0, result.output
-    result = _cli("convert", tmp_path / "td", tmp_path / "back", "-q", "--dst-format", "megatron", "--dst-tp", "2")
+    result = run_cli("convert", tmp_path / "td", tmp_path / "back", "-q", "--dst-format", "megatron", "--dst-tp", "2")
     assert result.exit_code == 0, result.output
-    original = _export(src, tmp_path / "original")
-    _assert_same_parameters(original, _export(tmp_path / "td", tmp_path / "td_export"))
+    original = export_optimizer(src, tmp_path / "original")
+    assert_same_parameters(original, export_optimizer(tmp_path / "td", tmp_path / "td_export"))
     for rank_dir in ("mp_rank_00", "mp_rank_01"):
         a, b = (torch.load(d / "iter_0000002" / rank_dir / "distrib_optim.pt", weights_only=True)
                 for d in (src, tmp_path / "back"))
@@ -283,13 +244,13 @@ def test_dp_reshardable_over_two_pipeline_stages_maps_each_model_parallel_rank(t
         state = optimizer.parameter(name)
         assert torch.equal(state["param"].to(torch.bfloat16), source.load(name)), name
     source.close()
-    original = _export(golden, tmp_path / "original")
-    result = _cli("convert", golden, tmp_path / "tp1", "-q", "--dst-format", "megatron", "--dst-tp", "1")
+    original = export_optimizer(golden, tmp_path / "original")
+    result = run_cli("convert", golden, tmp_path / "tp1", "-q", "--dst-format", "megatron", "--dst-tp", "1")
     assert result.exit_code == 0, result.output
-    result = _cli("convert", golden, tmp_path / "td", "-q", "--dst-format", "torch_dist", "--dst-tp", "1")
+    result = run_cli("convert", golden, tmp_path / "td", "-q", "--dst-format", "torch_dist", "--dst-tp", "1")
     assert result.exit_code == 0, result.output
     for layout in ("tp1", "td"):
-        _assert_same_parameters(original, _export(tmp_path / layout, tmp_path / f"{layout}_export"))
+        assert_same_parameters(original, export_optimizer(tmp_path / layout, tmp_path / f"{layout}export_optimizer"))
 
 
 def test_a_second_bucket_is_refused_naming_the_record(tmp_path: Path) -> None:
@@ -305,8 +266,8 @@ def test_a_second_bucket_is_refused_naming_the_record(tmp_path: Path) -> None:
             if index.fqn == first:
                 metadata.storage_data[dataclasses.replace(index, fqn=second)] = info
 
-    _rewrite_metadata(src / "iter_0000002", add_bucket)
-    result = _cli("convert", src, tmp_path / "out", "--dst-format", "megatron", "--dst-tp", "1")
+    rewrite_metadata(src / "iter_0000002", add_bucket)
+    result = run_cli("convert", src, tmp_path / "out", "--dst-format", "megatron", "--dst-tp", "1")
     assert_clean_refusal(result, 1, "bucket_idx_1", "not ones the layout", "megatron-core 0.16.1")
 
 
@@ -314,7 +275,7 @@ def test_a_second_bucket_is_refused_naming_the_record(tmp_path: Path) -> None:
 def test_reads_are_one_parameters_range_not_a_whole_bucket(tmp_path: Path, form: str,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     from pgconvert.loaders.torch_dist.reader import TorchDistSource
-    from pgconvert.optimizer.reshard import export_parameters
+    from pgconvert.optimizer.export import export_parameters
 
     requested: list[int] = []
     read = TorchDistSource._read

@@ -1,4 +1,4 @@
-"""dprw: the distributed optimizer written into a torch_dist destination in megatron-core's
+"""The distributed optimizer written into a torch_dist destination in megatron-core's
 ``dp_reshardable`` form (Megatron-LM's default), checked record by record against Megatron-LM's own
 goldens (tests/data/megatron_lm/README.md) as torch's DCP reader reads them."""
 
@@ -9,46 +9,21 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner, Result
 
 from support.cli_helpers import assert_clean_refusal
-from support.dp_records import assert_records_equal, optimizer_entries
+from support.dp_records import (FULLY, GOLDENS, ITERATION, OWN_LAYOUT, TP2DP2, TP2PP2, assert_golden_records_equal,
+                                convert_to_torch_dist, optimizer_entries)
 from support.megatron_fixtures import load_for_test
-from pgconvert.cli import main
+from support.optimizer_cli import run_cli
 from pgconvert.errors import ValidationError
 from pgconvert.formats import LoadOptions
 from pgconvert.formats.registry import get_loader
 
-GOLDENS = Path(__file__).parent / "data" / "megatron_lm"
-TP2DP2 = GOLDENS / "train_tp2dp2_distopt_dp_reshardable_torch_dist"
-TP2PP2 = GOLDENS / "train_tp2pp2_distopt_dp_reshardable_torch_dist"
-FULLY = GOLDENS / "train_tp2dp2_distopt_fully_reshardable_torch_dist"
-# Each golden's own layout as pgconvert options (the DP size is its args.data_parallel_size).
-OWN_LAYOUT = {TP2DP2: ("--dst-tp", "2", "--dst-pp", "1", "--dst-dp", "2"),
-              TP2PP2: ("--dst-tp", "2", "--dst-pp", "2", "--dst-dp", "1")}
-ITERATION = "iter_0000002"
-
-
-def _cli(*args: str | Path) -> Result:
-    return CliRunner().invoke(main, [str(arg) for arg in args], prog_name="pgconvert")
-
-
-def _convert(src: Path, dst: Path, *options: str) -> None:
-    result = _cli("convert", src, dst, "-q", "--dst-format", "torch_dist", *options)
-    assert result.exit_code == 0, result.output
-
-
-def _assert_records_equal(golden: Path, written: Path) -> None:
-    """``dp_records.assert_records_equal`` (gaps: zeros) with one buffer and one bucket per model-parallel rank."""
-    tensors = assert_records_equal(golden, written, ITERATION, zero_gaps=True)
-    ranks = len({key.split(".")[2] for key in tensors})  # dp_group_idx_<g>: one per model-parallel rank
-    assert ranks >= 2 and len(tensors) == 3 * ranks
-
 
 @pytest.mark.parametrize("golden", [TP2DP2, TP2PP2], ids=["tp2dp2", "tp2pp2"])
 def test_the_goldens_own_layout_is_written_as_megatron_core_writes_it(tmp_path: Path, golden: Path) -> None:
-    _convert(golden, tmp_path / "out", *OWN_LAYOUT[golden])  # default form: the source's
-    _assert_records_equal(golden, tmp_path / "out")
+    convert_to_torch_dist(golden, tmp_path / "out", *OWN_LAYOUT[golden])  # default form: the source's
+    assert_golden_records_equal(golden, tmp_path / "out")
     common = load_for_test(tmp_path / "out" / ITERATION / "common.pt")
     reference = get_loader("torch_dist").open(golden, LoadOptions())
     expected = {"param_state_sharding_type": "dp_reshardable"}
@@ -61,41 +36,41 @@ def test_the_goldens_own_layout_is_written_as_megatron_core_writes_it(tmp_path: 
 
 @pytest.mark.parametrize("golden", [TP2DP2, TP2PP2], ids=["tp2dp2", "tp2pp2"])
 def test_tp1_dp_reshardable_and_back_is_bit_exact(tmp_path: Path, golden: Path) -> None:
-    _convert(golden, tmp_path / "tp1", "--dst-tp", "1", "--dst-pp", "1", "--dst-optim-form", "dp_reshardable")
+    convert_to_torch_dist(golden, tmp_path / "tp1", "--dst-tp", "1", "--dst-pp", "1", "--dst-optim-form", "dp_reshardable")
     common = load_for_test(tmp_path / "tp1" / ITERATION / "common.pt")
     assert common["optimizer"]["param_state_sharding_type"] == "dp_reshardable"
     keys = optimizer_entries(tmp_path / "tp1" / ITERATION)
     assert {key.split(".")[2] for key in keys} == {"dp_group_idx_0"}  # one model-parallel rank
-    _convert(tmp_path / "tp1", tmp_path / "back", *OWN_LAYOUT[golden])
-    _assert_records_equal(golden, tmp_path / "back")
+    convert_to_torch_dist(tmp_path / "tp1", tmp_path / "back", *OWN_LAYOUT[golden])
+    assert_golden_records_equal(golden, tmp_path / "back")
 
 
 def test_a_fully_reshardable_run_written_dp_reshardable_equals_megatron_cores_dp_reshardable(tmp_path: Path) -> None:
     # The same seeded run saved by Megatron-LM in both forms: converting one into the other's form
     # gives the other's records.
-    _convert(FULLY, tmp_path / "default", "--dst-tp", "1")
+    convert_to_torch_dist(FULLY, tmp_path / "default", "--dst-tp", "1")
     assert load_for_test(tmp_path / "default" / ITERATION / "common.pt")["optimizer"][
         "param_state_sharding_type"] == "fully_reshardable"
-    _convert(FULLY, tmp_path / "dp", *OWN_LAYOUT[TP2DP2], "--dst-optim-form", "dp_reshardable")
-    _assert_records_equal(TP2DP2, tmp_path / "dp")
+    convert_to_torch_dist(FULLY, tmp_path / "dp", *OWN_LAYOUT[TP2DP2], "--dst-optim-form", "dp_reshardable")
+    assert_golden_records_equal(TP2DP2, tmp_path / "dp")
 
 
 def test_an_invalid_form_or_use_is_a_named_error(tmp_path: Path) -> None:
     import pgconvert
 
-    result = _cli("convert", TP2DP2, tmp_path / "a", "--dst-format", "torch_dist", "--dst-optim-form", "bucket_space")
+    result = run_cli("convert", TP2DP2, tmp_path / "a", "--dst-format", "torch_dist", "--dst-optim-form", "bucket_space")
     assert_clean_refusal(result, 2, "--dst-optim-form", "bucket_space", "fully_reshardable", "dp_reshardable")
     with pytest.raises(ValidationError, match="--dst-optim-form 'bucket_space': must be one of fully_reshardable, "
                                               "dp_reshardable"):
         pgconvert.convert(TP2DP2, tmp_path / "b", dst_format="torch_dist", dst_optim_form="bucket_space")
-    result = _cli("convert", TP2DP2, tmp_path / "c", "--dst-format", "megatron", "--dst-optim-form", "dp_reshardable")
+    result = run_cli("convert", TP2DP2, tmp_path / "c", "--dst-format", "megatron", "--dst-optim-form", "dp_reshardable")
     assert_clean_refusal(result, 2, "--dst-optim-form dp_reshardable: applies to a torch_dist destination, "
                                     "not megatron")
-    result = _cli("convert", TP2DP2, tmp_path / "d", "--dst-format", "torch_dist", "--dst-optim-form",
+    result = run_cli("convert", TP2DP2, tmp_path / "d", "--dst-format", "torch_dist", "--dst-optim-form",
                   "dp_reshardable", "--skip-optimizer")
     assert_clean_refusal(result, 2, "drop --skip-optimizer or --dst-optim-form")
     # megatron-core cannot save a DP shard that holds no parameter ("empty bucket encountered")
-    result = _cli("convert", TP2DP2, tmp_path / "e", "--dst-format", "torch_dist", "--dst-dp", "64")
+    result = run_cli("convert", TP2DP2, tmp_path / "e", "--dst-format", "torch_dist", "--dst-dp", "64")
     assert_clean_refusal(result, 2, "data-parallel rank 63 of 64 holds no parameter", "empty bucket encountered")
     assert not any((tmp_path / name).exists() for name in "abcde")
 
@@ -108,8 +83,8 @@ def test_megatron_core_loads_the_written_dp_reshardable_state_at_dp1_and_dp2(tmp
     import sys
 
     pytest.importorskip("megatron.core", reason="megatron-core's own load is the check")
-    _convert(TP2DP2, tmp_path / "tp1", "--dst-tp", "1", "--dst-optim-form", "dp_reshardable")
-    result = _cli("export-optimizer", TP2DP2, tmp_path / "reference")
+    convert_to_torch_dist(TP2DP2, tmp_path / "tp1", "--dst-tp", "1", "--dst-optim-form", "dp_reshardable")
+    result = run_cli("export-optimizer", TP2DP2, tmp_path / "reference")
     assert result.exit_code == 0, result.output
     script = Path(__file__).parent / "support" / "mcore_dp_reshardable_load.py"
     for dp in (1, 2):
@@ -134,11 +109,11 @@ def test_megatron_core_loads_the_written_dp_reshardable_state_at_dp1_and_dp2(tmp
 
 def test_a_per_rank_distributed_optimizer_goes_into_dp_reshardable_and_back(tmp_path: Path) -> None:
     src = GOLDENS / "train_tp2dp2_distopt_bf16_torch"
-    _convert(src, tmp_path / "td", "--dst-tp", "1", "--dst-dp", "2", "--dst-optim-form", "dp_reshardable")
+    convert_to_torch_dist(src, tmp_path / "td", "--dst-tp", "1", "--dst-dp", "2", "--dst-optim-form", "dp_reshardable")
     common = load_for_test(tmp_path / "td" / ITERATION / "common.pt")
     assert common["optimizer"] == {"param_state_sharding_type": "dp_reshardable"}
     assert common["args"].data_parallel_size == 2
-    result = _cli("convert", tmp_path / "td", tmp_path / "back", "-q", "--dst-format", "megatron", "--dst-tp", "2")
+    result = run_cli("convert", tmp_path / "td", tmp_path / "back", "-q", "--dst-format", "megatron", "--dst-tp", "2")
     assert result.exit_code == 0, result.output
     for rank_dir in ("mp_rank_00", "mp_rank_01"):
         a, b = (torch.load(d / ITERATION / rank_dir / "distrib_optim.pt", weights_only=True)
@@ -161,7 +136,7 @@ def test_context_parallel_ranks_share_the_dense_buckets_as_data_parallel_ranks_d
         state = dict(load_for_test(path))
         state["args"].context_parallel_size, state["args"].data_parallel_size = 4, 1
         save_durably(state, path)
-    _convert(src, tmp_path / "dp4", "--dst-tp", "2", "--dst-dp", "4", "--dst-optim-form", "dp_reshardable")
-    _convert(edited, tmp_path / "cp4dp1", "--dst-tp", "2", "--dst-dp", "1", "--dst-optim-form", "dp_reshardable")
+    convert_to_torch_dist(src, tmp_path / "dp4", "--dst-tp", "2", "--dst-dp", "4", "--dst-optim-form", "dp_reshardable")
+    convert_to_torch_dist(edited, tmp_path / "cp4dp1", "--dst-tp", "2", "--dst-dp", "1", "--dst-optim-form", "dp_reshardable")
     assert load_for_test(tmp_path / "cp4dp1" / ITERATION / "common.pt")["args"].context_parallel_size == 4
-    _assert_records_equal(tmp_path / "dp4", tmp_path / "cp4dp1")
+    assert_golden_records_equal(tmp_path / "dp4", tmp_path / "cp4dp1")

@@ -1,4 +1,4 @@
-"""dpmoe: a MoE model's chained (dense + expert) distributed optimizer through torch_dist in the dp_reshardable
+"""A MoE model's chained (dense + expert) distributed optimizer through torch_dist in the dp_reshardable
 form, proved against megatron-core 0.16.1 itself (``mcore_moe_dp_reshardable.py``: four gloo processes on the CPU,
 TP1 x EP2 x DP4, so the dense optimizer is sharded over 4 DP ranks and the expert one over an expert
 data-parallel size of 2, its records per EP rank: ``chained_1.optimizer.distributed.dp_group_idx_<ep>``).
@@ -23,13 +23,12 @@ from click.testing import CliRunner, Result
 from support.cli_helpers import assert_clean_refusal
 from support.dp_records import FIELDS, assert_records_equal, optimizer_entries
 from support.megatron_fixtures import load_for_test
+from support.moe_optimizer_runs import ITER, assert_optimizer_files_equal, generate
 from pgconvert.cli import main
 from pgconvert.formats.torch_dist import read_dcp_metadata
 
 pytest.importorskip("megatron.core", reason="megatron-core lays out, loads and saves the reference state")
 
-from test_optimizer_moe import ITER, _generate  # noqa: E402
-from test_optimizer_torch_dist_moe import _assert_optimizer_files_equal  # noqa: E402
 
 DP4 = ("--dst-tp", "1", "--dst-ep", "2", "--dst-dp", "4")
 
@@ -53,8 +52,8 @@ def _export(src: Path, out: Path) -> dict[str, dict[str, torch.Tensor]]:
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The source (per-rank TP2 x EP2), pgconvert's dp_reshardable TP1 x EP2 x DP4 of it, and megatron-core's
     load (rank reports) and own save of that."""
-    root = tmp_path_factory.mktemp("dpmoe")
-    source = _generate(root / "dist", 2, 1, 2, "distributed")
+    root = tmp_path_factory.mktemp("moe_dp_reshardable")
+    source = generate(root / "dist", 2, 1, 2, "distributed")
     _convert(source, root / "ours", "--dst-format", "torch_dist", *DP4, "--dst-optim-form", "dp_reshardable")
     script = Path(__file__).parent / "support" / "mcore_moe_dp_reshardable.py"
     done = subprocess.run([sys.executable, "-W", "ignore", str(script), str(root / "ours" / ITER), str(root / "mc")],
@@ -124,7 +123,7 @@ def test_megatron_cores_own_save_is_read_and_converted_bit_exactly(runs: dict[st
     _assert_records_equal(runs["saved"], tmp_path / "back")
     # and into the per-rank form of the source's layout: its distrib_optim.pt files, bit for bit
     _convert(runs["saved"], tmp_path / "per_rank", "--dst-format", "megatron", "--dst-tp", "2", "--dst-ep", "2")
-    _assert_optimizer_files_equal(runs["source"], tmp_path / "per_rank")
+    assert_optimizer_files_equal(runs["source"], tmp_path / "per_rank")
 
 
 def _damaged(runs: dict[str, Path], tmp_path: Path) -> Path:
@@ -198,7 +197,8 @@ def test_record_prefixes_are_the_ranks_in_megatron_cores_model_parallel_groups()
     from pgconvert.model.config import ModelConfig
     from pgconvert.model.grid import RankCoord
     from pgconvert.model.layout import ParallelLayout
-    from pgconvert.optimizer.torch_dist_dp import optimizer_dp, record_prefix
+    from pgconvert.formats.torch_dist_optimizer import record_prefix
+    from pgconvert.optimizer.data_parallel import optimizer_dp
 
     order = "tp-cp-ep-dp-pp"
     dense = RankGenerator(tp=2, ep=1, dp=4, pp=2, cp=1, order=order, rank_offset=0)

@@ -1,5 +1,5 @@
-"""dpvpp: the dp_reshardable distributed-optimizer form (``optimizer_torch_dist_dp`` writes it,
-``optimizer_torch_dist`` reads it) at virtual pipeline layouts, with several DDP buckets in a chunk, and with a
+"""The dp_reshardable distributed-optimizer form (``savers/torch_dist/optimizer_dp_reshardable.py`` writes it,
+``loaders/torch_dist/optimizer.py`` reads it) at virtual pipeline layouts, with several DDP buckets in a chunk, and with a
 DP change together with a PP change.
 
 The goldens have two layers, so PP2 x VPP2 (four virtual stages) is a ``--dst-pipeline-layout``: ``E|t|t|L``
@@ -21,7 +21,10 @@ import pytest
 import torch
 
 from support.dp_records import bucket_masks, optimizer_entries, read_objects, torch_read
-from test_optimizer_torch_dist_dp import ITERATION, OWN_LAYOUT, TP2DP2, TP2PP2, _assert_records_equal, _cli, _convert
+from support.dp_records import (ITERATION, OWN_LAYOUT, TP2DP2, TP2PP2, assert_golden_records_equal,
+                                convert_to_torch_dist)
+from support.flat_relayout import relayout
+from support.optimizer_cli import run_cli
 
 PP2_VPP2 = ("--dst-pp", "2", "--dst-pipeline-layout", "E|t|t|L")
 PP2_VPP2_EMPTY_CHUNK = ("--dst-pp", "2", "--dst-pipeline-layout", "Et||t|L")
@@ -47,9 +50,9 @@ def _buffers(iteration_dir: Path) -> dict[str, set[int]]:
 @pytest.mark.parametrize("case", sorted(ROUND_TRIPS))
 def test_a_golden_through_a_vpp_or_dp_and_pp_change_and_back_is_bit_exact(tmp_path: Path, case: str) -> None:
     golden, target = ROUND_TRIPS[case]
-    _convert(golden, tmp_path / "there", *target, *DP_RESHARDABLE)
-    _convert(tmp_path / "there", tmp_path / "back", *OWN_LAYOUT[golden], "--dst-vpp", "1")
-    _assert_records_equal(golden, tmp_path / "back")  # every record, chunk and object; torch.equal per element
+    convert_to_torch_dist(golden, tmp_path / "there", *target, *DP_RESHARDABLE)
+    convert_to_torch_dist(tmp_path / "there", tmp_path / "back", *OWN_LAYOUT[golden], "--dst-vpp", "1")
+    assert_golden_records_equal(golden, tmp_path / "back")  # every record, chunk and object; torch.equal per element
     if "empty-chunk" in case:
         # megatron-core numbers the buffers of the chunks that have parameters: pipeline stage 1's chunks are
         # '' (no buffer) and 'L', whose buffer is gbuf_idx_0 (mcore_vpp_dp_reshardable.py reports the same)
@@ -60,14 +63,14 @@ def test_a_golden_through_a_vpp_or_dp_and_pp_change_and_back_is_bit_exact(tmp_pa
 
 def test_a_per_rank_distributed_optimizer_numbers_only_the_chunks_that_have_parameters(tmp_path: Path) -> None:
     # distrib_optim.pt is keyed by the same buffer index (DistributedOptimizer.save_parameter_state)
-    _convert(TP2DP2, tmp_path / "td", "--dst-tp", "1", *PP2_VPP2_EMPTY_CHUNK, "--dst-dp", "1", *DP_RESHARDABLE)
-    result = _cli("convert", tmp_path / "td", tmp_path / "mg", "-q", "--dst-format", "megatron")
+    convert_to_torch_dist(TP2DP2, tmp_path / "td", "--dst-tp", "1", *PP2_VPP2_EMPTY_CHUNK, "--dst-dp", "1", *DP_RESHARDABLE)
+    result = run_cli("convert", tmp_path / "td", tmp_path / "mg", "-q", "--dst-format", "megatron")
     assert result.exit_code == 0, result.output
     stages = sorted((tmp_path / "mg" / ITERATION).glob("mp_rank_*/distrib_optim.pt"))
     keys = [sorted(k for k in torch.load(path, weights_only=True) if k != "buckets_coalesced") for path in stages]
     assert keys == [[0, 1], [0]]
-    _convert(tmp_path / "mg", tmp_path / "back", *OWN_LAYOUT[TP2DP2], "--dst-vpp", "1", *DP_RESHARDABLE)
-    _assert_records_equal(TP2DP2, tmp_path / "back")
+    convert_to_torch_dist(tmp_path / "mg", tmp_path / "back", *OWN_LAYOUT[TP2DP2], "--dst-vpp", "1", *DP_RESHARDABLE)
+    assert_golden_records_equal(TP2DP2, tmp_path / "back")
 
 
 # ----------------------------------------------------------------------------- megatron-core's own load and save
@@ -84,16 +87,15 @@ MCORE_CASES = {
 
 @pytest.fixture(scope="module")
 def bucketed(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from test_optimizer_buckets import _relayout
 
     root = tmp_path_factory.mktemp("bucketed")
     _convert_to(TP2DP2, root / "tp2", "--dst-format", "megatron", "--dst-tp", "2")
-    _relayout(root / "tp2", root / "bucketed", BUCKETING)
+    relayout(root / "tp2", root / "bucketed", BUCKETING)
     return root / "bucketed"
 
 
 def _convert_to(src: Path, dst: Path, *options: str) -> None:
-    result = _cli("convert", src, dst, "-q", *options)
+    result = run_cli("convert", src, dst, "-q", *options)
     assert result.exit_code == 0, result.output
 
 
@@ -144,8 +146,8 @@ def test_megatron_core_loads_the_vpp_records_and_saves_back_the_same(tmp_path: P
     pytest.importorskip("megatron.core", reason="megatron-core's own load and save are the check")
     which, target, dp = MCORE_CASES[case]
     source = TP2PP2 if which == "golden" else request.getfixturevalue("bucketed")
-    _convert(source, tmp_path / "td", *target, *DP_RESHARDABLE)
-    result = _cli("export-optimizer", source, tmp_path / "reference")
+    convert_to_torch_dist(source, tmp_path / "td", *target, *DP_RESHARDABLE)
+    result = run_cli("export-optimizer", source, tmp_path / "reference")
     assert result.exit_code == 0, result.output
     done = subprocess.run([sys.executable, "-W", "ignore", str(SCRIPT), str(tmp_path / "td" / ITERATION),
                            str(tmp_path / "mc"), str(dp)], capture_output=True, text=True, timeout=600)

@@ -1,4 +1,4 @@
-"""tdmoe: a MoE model's chained optimizer state through torch_dist (fully_reshardable form), on state megatron-core
+"""A MoE model's chained optimizer state through torch_dist (fully_reshardable form), on state megatron-core
 laid out (``mcore_moe_optimizer.py``: TP2 x EP2, the dense and expert-parallel distributed optimizers chained).
 
 megatron-core 0.16.1's ``ChainedOptimizer.sharded_state_dict`` (optimizer.py) with Megatron-LM's
@@ -19,21 +19,20 @@ import torch
 from click.testing import CliRunner, Result
 
 from support.cli_helpers import assert_clean_refusal
-from support.megatron_fixtures import load_for_test
+from support.megatron_fixtures import assert_same_tree, load_for_test
+from support.moe_optimizer_runs import ITER, assert_optimizer_files_equal, generate, optimizer_records, rank_files
 from pgconvert.cli import main
 from pgconvert.formats.torch_dist import read_dcp_metadata
 
 pytest.importorskip("megatron.core", reason="megatron-core lays out the reference optimizer state")
 
-from support.megatron_fixtures import assert_same_tree  # noqa: E402
-from test_optimizer_moe import ITER, _files, _generate  # noqa: E402
 
 FIELDS = ("param", "exp_avg", "exp_avg_sq")
 
 
 @pytest.fixture(scope="module")
 def distributed(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _generate(tmp_path_factory.mktemp("tdmoe") / "dist", 2, 1, 2, "distributed")
+    return generate(tmp_path_factory.mktemp("moe_torch_dist") / "dist", 2, 1, 2, "distributed")
 
 
 def _cli(*args: str | Path) -> Result:
@@ -51,21 +50,6 @@ def _export(src: Path, out: Path) -> dict[str, dict[str, torch.Tensor]]:
     return {path.stem: torch.load(path, weights_only=True) for path in sorted(out.glob("*.pt"))}
 
 
-def _assert_optimizer_files_equal(original: Path, again: Path) -> None:
-    """Every tensor of every distrib_optim.pt, and every rank's param groups, model and iteration: equal."""
-    before, after = _files(original), _files(again)
-    assert set(before) == set(after) and len(before) == 8
-    for name, content in before.items():
-        if name.endswith("distrib_optim.pt"):
-            assert_same_tree(content, after[name], name)
-            continue
-        assert_same_tree(content["model"], after[name]["model"], f"{name}.model")  # type: ignore[index]
-        assert content["iteration"] == after[name]["iteration"]  # type: ignore[index]
-        groups = [entry["optimizer"]["param_groups"] for entry in content["optimizer"]]  # type: ignore[index]
-        assert_same_tree(groups, [entry["optimizer"]["param_groups"] for entry in after[name]["optimizer"]],  # type: ignore[index]
-                     f"{name}.optimizer")
-
-
 def test_per_rank_ep2_to_torch_dist_and_back_is_bit_exact(distributed: Path, tmp_path: Path) -> None:
     _convert(distributed, tmp_path / "td", "--dst-format", "torch_dist")
     common = load_for_test(tmp_path / "td" / ITER / "common.pt")
@@ -79,7 +63,7 @@ def test_per_rank_ep2_to_torch_dist_and_back_is_bit_exact(distributed: Path, tmp
     expert_key = "optimizer.state.exp_avg.decoder.layers.3.mlp.experts.experts.linear_fc2.weight"
     assert [key for key in stored if key.startswith("optimizer.") and "expert_bias" in key] == []
     _convert(tmp_path / "td", tmp_path / "back", "--dst-format", "megatron", "--dst-tp", "2", "--dst-ep", "2")
-    _assert_optimizer_files_equal(distributed, tmp_path / "back")
+    assert_optimizer_files_equal(distributed, tmp_path / "back")
     # an expert record: the model key's global expert axis (8 experts) and shape
     assert list(stored[expert_key].size) == list(stored[expert_key[len("optimizer.state.exp_avg."):]].size) == [8, 64, 64]
 
@@ -97,25 +81,25 @@ def test_torch_dist_ep1_tp1_holds_one_optimizer_and_reaches_ep2_again(distribute
         assert_same_tree(tensors, exported[name], name)
     # torch_dist EP1 -> per-rank EP1 -> per-rank EP2 TP2: the original files again
     _convert(tmp_path / "td", tmp_path / "ep1", "--dst-format", "megatron")
-    one = _files(tmp_path / "ep1")["mp_rank_00/model_optim_rng.pt"]["optimizer"]  # type: ignore[index]
+    one = rank_files(tmp_path / "ep1")["mp_rank_00/model_optim_rng.pt"]["optimizer"]  # type: ignore[index]
     assert isinstance(one, dict) and [len(g) for g in [one["optimizer"]["param_groups"]]] == [2]
     _convert(tmp_path / "ep1", tmp_path / "back", "--dst-tp", "2", "--dst-ep", "2")
-    _assert_optimizer_files_equal(distributed, tmp_path / "back")
+    assert_optimizer_files_equal(distributed, tmp_path / "back")
 
 
 def test_torch_dist_ep2_to_per_rank_ep1_and_back_through_torch_dist(distributed: Path, tmp_path: Path) -> None:
     _convert(distributed, tmp_path / "td", "--dst-format", "torch_dist")
     _convert(tmp_path / "td", tmp_path / "ep1", "--dst-format", "megatron", "--dst-tp", "1", "--dst-ep", "1")
-    state = _files(tmp_path / "ep1")["mp_rank_00/distrib_optim.pt"]
+    state = rank_files(tmp_path / "ep1")["mp_rank_00/distrib_optim.pt"]
     assert isinstance(state, dict)  # one optimizer at EP 1
     _convert(tmp_path / "ep1", tmp_path / "td2", "--dst-format", "torch_dist", "--dst-tp", "2", "--dst-ep", "2")
     _convert(tmp_path / "td2", tmp_path / "back", "--dst-format", "megatron")
-    _assert_optimizer_files_equal(distributed, tmp_path / "back")
+    assert_optimizer_files_equal(distributed, tmp_path / "back")
 
 
 def test_per_rank_ep2_to_dp_reshardable_at_its_own_layout_and_back_is_bit_exact(distributed: Path,
                                                                                tmp_path: Path) -> None:
-    # dpmoe: TP2 x EP2 x DP2 (expert data-parallel size 1): the chained optimizers' chained_<i>.-prefixed records,
+    # TP2 x EP2 x DP2 (expert data-parallel size 1): the chained optimizers' chained_<i>.-prefixed records,
     # the expert ones per TP x EP rank (data_parallel_group_idx tp + 2 * ep)
     _convert(distributed, tmp_path / "td", "--dst-format", "torch_dist", "--dst-optim-form", "dp_reshardable",
              "--dst-dp", "2")
@@ -127,12 +111,12 @@ def test_per_rank_ep2_to_dp_reshardable_at_its_own_layout_and_back_is_bit_exact(
     assert groups == {"chained_0.dp_group_idx_0", "chained_0.dp_group_idx_1", *(f"chained_1.dp_group_idx_{g}"
                                                                                for g in range(4))}
     _convert(tmp_path / "td", tmp_path / "back", "--dst-format", "megatron")
-    _assert_optimizer_files_equal(distributed, tmp_path / "back")
+    assert_optimizer_files_equal(distributed, tmp_path / "back")
 
 
 def test_dp_reshardable_moe_at_pp2_vpp2_counts_only_the_chunks_holding_experts(distributed: Path,
                                                                               tmp_path: Path) -> None:
-    # dpmoe: layer 1 is dense, so stage 1's first model chunk has no expert_parallel_buffers: its expert optimizer's
+    # layer 1 is dense, so stage 1's first model chunk has no expert_parallel_buffers: its expert optimizer's
     # only buffer is gbuf_idx_0 (the chunk of layer 3); the expert records per tp + tp_size * (ep + ep_size * pp)
     _convert(distributed, tmp_path / "td", "--dst-format", "torch_dist", "--dst-optim-form", "dp_reshardable",
              "--dst-tp", "1", "--dst-pp", "2", "--dst-vpp", "2", "--dst-dp", "2")
@@ -142,7 +126,7 @@ def test_dp_reshardable_moe_at_pp2_vpp2_counts_only_the_chunks_holding_experts(d
                        "dp_group_idx_1.gbuf_idx_1", "dp_group_idx_2.gbuf_idx_0", "dp_group_idx_3.gbuf_idx_0"}
     _convert(tmp_path / "td", tmp_path / "back", "--dst-format", "megatron", "--dst-tp", "2", "--dst-pp", "1",
              "--dst-ep", "2")
-    _assert_optimizer_files_equal(distributed, tmp_path / "back")
+    assert_optimizer_files_equal(distributed, tmp_path / "back")
 
 
 def test_a_chained_entry_missing_is_a_named_error(distributed: Path, tmp_path: Path) -> None:
@@ -157,18 +141,6 @@ def test_a_chained_entry_missing_is_a_named_error(distributed: Path, tmp_path: P
     shutil.rmtree(tmp_path / "td")
 
 
-def _records(iteration_dir: Path) -> dict[str, torch.Tensor]:
-    """Every optimizer record, whole, read by torch's own DCP reader (not pgconvert's)."""
-    import torch.distributed.checkpoint as dcp
-
-    metadata = read_dcp_metadata(iteration_dir / ".metadata").state_dict_metadata
-    wanted = {key: torch.empty(md.size, dtype=md.properties.dtype) for key, md in metadata.items()
-              if key.startswith("optimizer.") and hasattr(md, "size")}
-    with pytest.warns(UserWarning, match="single process"):
-        dcp.load(wanted, checkpoint_id=str(iteration_dir), no_dist=True)
-    return wanted
-
-
 def test_megatron_core_declares_loads_and_saves_back_the_same_records(distributed: Path, tmp_path: Path) -> None:
     # megatron-core 0.16.1 on four gloo ranks (TP2 x EP2): its ChainedOptimizer.sharded_state_dict declares the
     # records pgconvert wrote (keys, global shapes), dist_checkpointing.load reads them, and its own
@@ -178,7 +150,7 @@ def test_megatron_core_declares_loads_and_saves_back_the_same_records(distribute
     done = subprocess.run([sys.executable, "-W", "ignore", str(script), str(tmp_path / "td" / ITER), str(tmp_path / "mc")],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    ours = _records(tmp_path / "td" / ITER)
+    ours = optimizer_records(tmp_path / "td" / ITER)
     stored = read_dcp_metadata(tmp_path / "td" / ITER / ".metadata").state_dict_metadata
     declared: dict[str, list[int]] = {}
     for rank in range(4):
@@ -186,7 +158,7 @@ def test_megatron_core_declares_loads_and_saves_back_the_same_records(distribute
         assert report["chained"] == 2 and sorted(report["structure"]) == ["int:0", "int:1"]
         declared.update(report["declared"])
     assert declared == {key: list(stored[key].size) for key in ours}
-    theirs = _records(tmp_path / "mc" / "saved")
+    theirs = optimizer_records(tmp_path / "mc" / "saved")
     assert set(theirs) == set(ours) and len(ours) == 117
     for key, tensor in ours.items():
         assert theirs[key].dtype == tensor.dtype and torch.equal(theirs[key], tensor), key
@@ -196,7 +168,7 @@ def test_megatron_core_declares_loads_and_saves_back_the_same_records(distribute
 
 def test_a_fully_reshardable_moe_source_labelled_dp_reshardable_is_a_named_error(distributed: Path,
                                                                                 tmp_path: Path) -> None:
-    # dpmoe: a MoE run's dp_reshardable state is read from its chained_<i>.-prefixed records: here there are none
+    # a MoE run's dp_reshardable state is read from its chained_<i>.-prefixed records: here there are none
     _convert(distributed, tmp_path / "td", "--dst-format", "torch_dist")
     path = tmp_path / "td" / ITER / "common.pt"
     common = load_for_test(path)

@@ -1,4 +1,4 @@
-"""tdplain: megatron-core's plain (non-distributed) optimizer state in torch_dist checkpoints, read and written.
+"""megatron-core's plain (non-distributed) optimizer state in torch_dist checkpoints, read and written.
 
 Sources: Megatron-LM's own bf16 torch_dist run without --use-distributed-optimizer (``train_tp2pp2_bf16_torch_dist``:
 ``optimizer.state.{fp32_param,exp_avg,exp_avg_sq}.*`` records, ``common_step`` and the param groups in the common
@@ -17,8 +17,8 @@ import torch
 
 from support.cli_helpers import assert_clean_refusal
 from support.megatron_fixtures import load_for_test
-from test_optimizer_torch_dist import _assert_same_parameters as _assert_same
-from test_optimizer_torch_dist import _cli, _export, _rewrite_metadata, _torch_read
+from support.moe_optimizer_runs import assert_round_trip, generate, optimizer_records
+from support.optimizer_cli import assert_same_parameters, dcp_read, export_optimizer, rewrite_metadata, run_cli
 
 GOLDENS = Path(__file__).parent / "data" / "megatron_lm"
 PLAIN_TD = GOLDENS / "train_tp2pp2_bf16_torch_dist"
@@ -28,14 +28,14 @@ KEYS = ("param", "exp_avg", "exp_avg_sq", "step")
 
 
 def _convert(src: Path, dst: Path, *flags: str) -> str:
-    result = _cli("convert", src, dst, "-q", "--strict", *flags)
+    result = run_cli("convert", src, dst, "-q", "--strict", *flags)
     assert result.exit_code == 0, result.output
     return result.output
 
 
 def test_megatron_lms_plain_records_are_read_per_parameter() -> None:
     from pgconvert.formats import LoadOptions
-    from pgconvert.optimizer.torch_dist import TorchDistOptimizerSource
+    from pgconvert.loaders.torch_dist.optimizer import TorchDistOptimizerSource
     from pgconvert.formats.registry import get_loader
 
     source = get_loader("torch_dist").open(PLAIN_TD, LoadOptions())
@@ -45,7 +45,7 @@ def test_megatron_lms_plain_records_are_read_per_parameter() -> None:
         state = optimizer.parameter("decoder.layers.1.mlp.linear_fc2.weight")
         fc2 = "decoder.layers.mlp.linear_fc2.weight"
         keys = [f"optimizer.state.{field}.{fc2}" for field in ("fp32_param", "exp_avg", "exp_avg_sq")]
-        read = _torch_read(PLAIN_TD / ITER, keys)  # torch's own DCP reader: the stacked key's layer 1
+        read = dcp_read(PLAIN_TD / ITER, keys)  # torch's own DCP reader: the stacked key's layer 1
         for key, field in zip(keys, ("param", "exp_avg", "exp_avg_sq")):
             assert torch.equal(state[field], read[key][1]), field
         assert float(state["step"]) == 2.0 and len(optimizer.names()) == 15
@@ -55,13 +55,13 @@ def test_megatron_lms_plain_records_are_read_per_parameter() -> None:
 
 
 def test_plain_torch_dist_to_per_rank_and_torch_dist_tp1_and_back_is_bit_exact(tmp_path: Path) -> None:
-    original = _export(PLAIN_TD, tmp_path / "ex_src")
+    original = export_optimizer(PLAIN_TD, tmp_path / "ex_src")
     _convert(PLAIN_TD, tmp_path / "pr1", "--dst-format", "megatron", "--dst-tp", "1", "--dst-pp", "1")
     _convert(PLAIN_TD, tmp_path / "td1", "--dst-format", "torch_dist", "--dst-tp", "1", "--dst-pp", "1")
     _convert(tmp_path / "td1", tmp_path / "td22", "--dst-format", "torch_dist", "--dst-tp", "2", "--dst-pp", "2")
     _convert(tmp_path / "pr1", tmp_path / "pr_td", "--dst-format", "torch_dist", "--dst-tp", "2", "--dst-pp", "1")
     for name in ("pr1", "td1", "td22", "pr_td"):
-        _assert_same(original, _export(tmp_path / name, tmp_path / f"ex_{name}"))
+        assert_same_parameters(original, export_optimizer(tmp_path / name, tmp_path / f"ex_{name}"))
     rank = load_for_test(tmp_path / "pr1" / ITER / "mp_rank_00" / "model_optim_rng.pt")["optimizer"]
     assert set(rank) == {"optimizer", "fp32_from_fp16_params"}  # Float16OptimizerWithFloat16Params' state_dict
     common = load_for_test(tmp_path / "td1" / ITER / "common.pt")
@@ -71,7 +71,7 @@ def test_plain_torch_dist_to_per_rank_and_torch_dist_tp1_and_back_is_bit_exact(t
     src_groups = load_for_test_common(PLAIN_TD)["optimizer"]["optimizer"]["param_groups"]
     assert common["optimizer"]["optimizer"]["param_groups"] == src_groups
     fc1 = "optimizer.state.fp32_param.decoder.layers.mlp.linear_fc1.weight"
-    stored = _torch_read(tmp_path / "td1" / ITER, [fc1])[fc1]  # SwiGLU fc1 at TP1: [gate; up] per layer
+    stored = dcp_read(tmp_path / "td1" / ITER, [fc1])[fc1]  # SwiGLU fc1 at TP1: [gate; up] per layer
     assert torch.equal(stored[0], original["decoder.layers.0.mlp.linear_fc1.weight"]["param"])
 
 
@@ -87,11 +87,11 @@ def load_for_test_common(golden: Path) -> dict:
 
 
 def test_fp32_plain_optimizer_goes_into_torch_dist_without_masters_and_back(tmp_path: Path) -> None:
-    original = _export(PLAIN_FP32, tmp_path / "ex_src")
+    original = export_optimizer(PLAIN_FP32, tmp_path / "ex_src")
     _convert(PLAIN_FP32, tmp_path / "td1", "--dst-format", "torch_dist", "--dst-tp", "1", "--dst-pp", "1")
     _convert(tmp_path / "td1", tmp_path / "pr22", "--dst-format", "megatron", "--dst-tp", "2", "--dst-pp", "2")
     for name in ("td1", "pr22"):
-        _assert_same(original, _export(tmp_path / name, tmp_path / f"ex_{name}"))
+        assert_same_parameters(original, export_optimizer(tmp_path / name, tmp_path / f"ex_{name}"))
     common = load_for_test(tmp_path / "td1" / ITER / "common.pt")
     assert set(common["optimizer"]) == {"state", "param_groups"}  # FP32Optimizer: the torch optimizer's own
     from pgconvert.formats.torch_dist import read_dcp_metadata
@@ -122,8 +122,8 @@ def test_a_missing_record_and_a_wrong_shape_are_named_errors(tmp_path: Path) -> 
         for index in [index for index in metadata.storage_data if index.fqn == victim]:
             del metadata.storage_data[index]
 
-    _rewrite_metadata(src / ITER, drop)
-    result = _cli("convert", src, tmp_path / "out", "--dst-format", "megatron", "--dst-tp", "1")
+    rewrite_metadata(src / ITER, drop)
+    result = run_cli("convert", src, tmp_path / "out", "--dst-format", "megatron", "--dst-tp", "1")
     assert_clean_refusal(result, 1, "no optimizer record", victim, "plain form")
     assert not (tmp_path / "out").exists()
     shutil.rmtree(src)
@@ -134,15 +134,15 @@ def test_a_missing_record_and_a_wrong_shape_are_named_errors(tmp_path: Path) -> 
         entry = metadata.state_dict_metadata[wrong]
         entry.size = torch.Size([entry.size[0] + 32, entry.size[1]])
 
-    _rewrite_metadata(src / ITER, grow)
-    result = _cli("convert", src, tmp_path / "out", "--dst-format", "torch_dist", "--dst-tp", "1")
+    rewrite_metadata(src / ITER, grow)
+    result = run_cli("convert", src, tmp_path / "out", "--dst-format", "torch_dist", "--dst-tp", "1")
     assert_clean_refusal(result, 1, wrong, "has global shape [96, 16]", "gives [64, 16]")
-    assert _cli("convert", src, tmp_path / "skipped", "--dst-tp", "1", "--skip-optimizer").exit_code == 0
+    assert run_cli("convert", src, tmp_path / "skipped", "--dst-tp", "1", "--skip-optimizer").exit_code == 0
 
 
 def test_a_missing_common_step_is_a_named_error() -> None:
     from pgconvert.optimizer.order import OptimizerLayoutError
-    from pgconvert.optimizer.torch_dist_plain import plain_step
+    from pgconvert.loaders.torch_dist.optimizer_forms import plain_step
 
     entry = {"optimizer": {"state": {}, "param_groups": []}}
     with pytest.raises(OptimizerLayoutError, match="state.common_step = None"):
@@ -150,28 +150,27 @@ def test_a_missing_common_step_is_a_named_error() -> None:
 
 
 def test_a_moe_runs_chained_plain_optimizers_go_into_torch_dist_at_ep2_and_ep1_and_back(tmp_path: Path) -> None:
-    """moeplain: megatron-core's chained dense and expert Float16 optimizers (TP2 x EP2) into torch_dist's plain form
+    """megatron-core's chained dense and expert Float16 optimizers (TP2 x EP2) into torch_dist's plain form
     at EP2 and EP1 and back to per-rank TP2 x EP2: every optimizer tensor equal per parameter, the records under
     the model keys (no ``chained_<i>.`` prefix), the common state ``{0: dense, 1: expert}``."""
     pytest.importorskip("megatron.core", reason="megatron-core lays out the MoE optimizer state")
-    from test_optimizer_moe import _assert_round_trip, _generate
 
     from pgconvert.formats.torch_dist import read_dcp_metadata
 
-    src = _generate(tmp_path / "moe", 2, 1, 2, "bf16")  # TP2 x EP2: the dense and expert optimizers chained
-    original = _export(src, tmp_path / "ex_src")
+    src = generate(tmp_path / "moe", 2, 1, 2, "bf16")  # TP2 x EP2: the dense and expert optimizers chained
+    original = export_optimizer(src, tmp_path / "ex_src")
     _convert(src, tmp_path / "td2", "--dst-format", "torch_dist")
     _convert(tmp_path / "td2", tmp_path / "td1", "--dst-format", "torch_dist", "--dst-tp", "1", "--dst-ep", "1")
     _convert(tmp_path / "td1", tmp_path / "back", "--dst-format", "megatron", "--dst-tp", "2", "--dst-ep", "2")
     assert any(".experts." in name for name in original) and len(original) > 8
     for name in ("td2", "td1", "back"):
-        again = _export(tmp_path / name, tmp_path / f"ex_{name}")
+        again = export_optimizer(tmp_path / name, tmp_path / f"ex_{name}")
         assert set(again) == set(original), name
         for parameter, tensors in original.items():
             assert set(tensors) == set(again[parameter]) == set(KEYS), (name, parameter)
             for key in KEYS:
                 assert torch.equal(tensors[key], again[parameter][key]), (name, parameter, key)
-    _assert_round_trip(src, tmp_path / "back", ("optimizer",))
+    assert_round_trip(src, tmp_path / "back", ("optimizer",))
     common = load_for_test(tmp_path / "td2" / ITER / "common.pt")["optimizer"]
     step = float(original[next(iter(original))]["step"])
     assert sorted(common) == [0, 1]
@@ -186,7 +185,7 @@ def test_a_moe_runs_chained_plain_optimizers_go_into_torch_dist_at_ep2_and_ep1_a
 
 
 def test_megatron_core_loads_a_moe_runs_chained_plain_optimizers_from_pgconverts_torch_dist(tmp_path: Path) -> None:
-    """moeplain: megatron-core 0.16.1 on four gloo ranks (TP2 x EP2, its chained dense and expert FP32Optimizers)
+    """megatron-core 0.16.1 on four gloo ranks (TP2 x EP2, its chained dense and expert FP32Optimizers)
     declares the records pgconvert wrote, ``dist_checkpointing.load`` reads them, and its own save of the loaded
     state holds the same records bit for bit and the same common state; pgconvert reads that save back to the
     source's every optimizer tensor."""
@@ -196,18 +195,16 @@ def test_megatron_core_loads_a_moe_runs_chained_plain_optimizers_from_pgconverts
     import sys
 
     from support.megatron_fixtures import assert_same_tree
-    from test_optimizer_moe import _generate
-    from test_optimizer_torch_dist_moe import _records
 
     from pgconvert.formats.torch_dist import read_dcp_metadata
 
-    src = _generate(tmp_path / "moe", 2, 1, 2, "fp32")
+    src = generate(tmp_path / "moe", 2, 1, 2, "fp32")
     _convert(src, tmp_path / "td", "--dst-format", "torch_dist")
     script = Path(__file__).parent / "support" / "mcore_moe_fully_reshardable.py"
     done = subprocess.run([sys.executable, "-W", "ignore", str(script), str(tmp_path / "td" / ITER), str(tmp_path / "mc")],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    ours = _records(tmp_path / "td" / ITER)
+    ours = optimizer_records(tmp_path / "td" / ITER)
     stored = read_dcp_metadata(tmp_path / "td" / ITER / ".metadata").state_dict_metadata
     declared: dict[str, list[int]] = {}
     for rank in range(4):
@@ -215,14 +212,14 @@ def test_megatron_core_loads_a_moe_runs_chained_plain_optimizers_from_pgconverts
         assert report["chained"] == 2 and sorted(report["structure"]) == ["int:0", "int:1"]
         declared.update(report["declared"])
     assert declared == {key: list(stored[key].size) for key in ours} and ours
-    theirs = _records(tmp_path / "mc" / "saved")
+    theirs = optimizer_records(tmp_path / "mc" / "saved")
     assert set(theirs) == set(ours)
     for key, tensor in ours.items():
         assert theirs[key].dtype == tensor.dtype and torch.equal(theirs[key], tensor), key
     saved_common = load_for_test(tmp_path / "mc" / "saved" / "common.pt")["optimizer"]
     assert_same_tree(saved_common, load_for_test(tmp_path / "td" / ITER / "common.pt")["optimizer"], "optimizer")
-    original = _export(src, tmp_path / "ex_src")  # pgconvert reads megatron-core's own save of them
-    again = _export(tmp_path / "mc" / "saved", tmp_path / "ex_mc")
+    original = export_optimizer(src, tmp_path / "ex_src")  # pgconvert reads megatron-core's own save of them
+    again = export_optimizer(tmp_path / "mc" / "saved", tmp_path / "ex_mc")
     assert set(again) == set(original) and any(".experts." in name for name in original)
     for parameter, tensors in original.items():
         for key in KEYS:
@@ -231,7 +228,7 @@ def test_megatron_core_loads_a_moe_runs_chained_plain_optimizers_from_pgconverts
 
 def test_chained_plain_optimizers_with_different_steps_or_forms_are_named_errors() -> None:
     from pgconvert.optimizer.order import OptimizerLayoutError, UnsupportedOptimizerError
-    from pgconvert.optimizer.torch_dist_plain import plain_form, plain_step
+    from pgconvert.loaders.torch_dist.optimizer_forms import plain_form, plain_step
 
     fp32 = {"state": {"common_step": torch.tensor(2.0)}, "param_groups": []}
     assert float(plain_step({0: fp32, 1: dict(fp32)}, "fp32", "ckpt")) == 2.0

@@ -1,4 +1,4 @@
-"""tdplain: megatron-core's own plain optimizer state in torch_dist, resharded by pgconvert and loaded back.
+"""megatron-core's own plain optimizer state in torch_dist, resharded by pgconvert and loaded back.
 
 ``mcore_plain_torch_dist.py`` (megatron-core 0.16.1, gloo processes on the CPU): GPTModel + DDP +
 ``get_megatron_optimizer`` without the distributed optimizer at TP2, in bf16 (Float16OptimizerWithFloat16Params)
@@ -6,7 +6,7 @@ and fp32 (FP32Optimizer), two AdamW steps, then ``dist_checkpointing.save`` of t
 ``sharded_state_dict``. pgconvert converts that to per-rank TP1, to torch_dist TP1 (plain form) and back to torch_dist
 TP2; every optimizer tensor equals (``torch.equal``, per parameter) what megatron-core held. Then
 ``mcore_optimizer_step.py`` has megatron-core ``dist_checkpointing.load`` pgconvert's TP1 torch_dist output into its
-optimizer at TP1 and the original at TP2, and step both on the same gradients (``_assert_same_step``): what it holds
+optimizer at TP1 and the original at TP2, and step both on the same gradients (``assert_same_step``): what it holds
 after loading is equal, the step agrees within FP32_RTOL / FP32_ATOL (one bf16 ulp for bf16 weights).
 Megatron-LM's own plain torch_dist run (bf16, TP2 PP2) is loaded the same way.
 """
@@ -19,13 +19,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.mcore_step_check import (BF16_ATOL, BF16_RTOL, FP32_ATOL, FP32_RTOL, KEYS, assert_same_step, fixed_gradients,
+                                     joined, run_steps, with_common_pt)
+from support.megatron_fixtures import load_for_test
+from support.optimizer_cli import export_optimizer, run_cli
 
 pytest.importorskip("megatron.core", reason="megatron-core's own optimizer is the reference")
 
-from support.megatron_fixtures import load_for_test  # noqa: E402
-from test_optimizer_acceptance import (BF16_ATOL, BF16_RTOL, FP32_ATOL, FP32_RTOL, KEYS, _assert_same_step,  # noqa: E402
-                                       _fixed_gradients, _joined, _run, _with_common_pt)
-from test_optimizer_torch_dist import _cli, _export  # noqa: E402
 
 SCRIPT = Path(__file__).parent / "support" / "mcore_plain_torch_dist.py"
 ARGS_FROM = Path(__file__).parent / "data" / "megatron_lm" / "train_tp2dp2_bf16_torch" / "iter_0000002"
@@ -35,7 +35,7 @@ ITER = "iter_0000002"
 
 @pytest.fixture(scope="module", params=["bf16", "fp32"])
 def saved(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
-    root = tmp_path_factory.mktemp(f"tdplain_{request.param}") / "src"
+    root = tmp_path_factory.mktemp(f"plain_torch_dist_{request.param}") / "src"
     done = subprocess.run([sys.executable, "-W", "ignore", str(SCRIPT), str(ARGS_FROM), str(root), request.param],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
@@ -43,14 +43,14 @@ def saved(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
 
 
 def _convert(src: Path, dst: Path, *flags: str) -> None:
-    result = _cli("convert", src, dst, "-q", "--strict", *flags)
+    result = run_cli("convert", src, dst, "-q", "--strict", *flags)
     assert result.exit_code == 0, result.output
 
 
 def _held(root: Path) -> dict[str, dict[str, torch.Tensor]]:
     results = [torch.load(path, weights_only=True) for path in sorted(root.with_suffix(".held").glob("rank*.pt"))]
     assert len(results) == 2
-    return _joined(results, swiglu=True)
+    return joined(results, swiglu=True)
 
 
 def test_every_optimizer_tensor_megatron_core_saved_survives_the_reshards(saved: tuple[str, Path],
@@ -58,7 +58,7 @@ def test_every_optimizer_tensor_megatron_core_saved_survives_the_reshards(saved:
     dtype, src = saved
     common = load_for_test(src / ITER / "common.pt")
     assert "param_state_sharding_type" not in str(common["optimizer"])  # megatron-core's plain optimizer
-    original = _export(src, tmp_path / "ex_src")
+    original = export_optimizer(src, tmp_path / "ex_src")
     held = _held(src)
     assert sorted(original) == sorted(held) and len(held) == 15
     for name, tensors in held.items():  # pgconvert reads what megatron-core's optimizer held
@@ -70,7 +70,7 @@ def test_every_optimizer_tensor_megatron_core_saved_survives_the_reshards(saved:
     _convert(tmp_path / "td1", tmp_path / "td2", "--dst-format", "torch_dist", "--dst-tp", "2")
     _convert(tmp_path / "pr1", tmp_path / "pr_td2", "--dst-format", "torch_dist", "--dst-tp", "2")
     for name in ("pr1", "td1", "td2", "pr_td2"):
-        again = _export(tmp_path / name, tmp_path / f"ex_{name}")
+        again = export_optimizer(tmp_path / name, tmp_path / f"ex_{name}")
         assert sorted(again) == sorted(original)
         for parameter, tensors in original.items():
             for key, value in tensors.items():
@@ -83,16 +83,16 @@ def test_megatron_core_loads_pgconverts_tp1_plain_torch_dist_and_steps_as_the_or
     dtype, src = saved
     _convert(src, tmp_path / "td1", "--dst-format", "torch_dist", "--dst-tp", "1")
     _convert(src, tmp_path / "model", "--dst-format", "megatron", "--dst-tp", "1", "--skip-optimizer")
-    _fixed_gradients(tmp_path / "model", tmp_path / "grads.pt")
-    target, original = _run(tmp_path / "grads.pt", [(tmp_path / "td1" / ITER, tmp_path / "out_td1", 1),
+    fixed_gradients(tmp_path / "model", tmp_path / "grads.pt")
+    target, original = run_steps(tmp_path / "grads.pt", [(tmp_path / "td1" / ITER, tmp_path / "out_td1", 1),
                                                      (src / ITER, tmp_path / "out_src", 1)])
     assert len(target) == 1 and len(original) == 2
     args = load_for_test(src / ITER / "common.pt")["args"]
     assert not args.use_distributed_optimizer and args.bf16 == (dtype == "bf16")
     tolerance = (BF16_RTOL, BF16_ATOL) if dtype == "bf16" else (FP32_RTOL, FP32_ATOL)
-    _assert_same_step(target, original, args, tolerance)
+    assert_same_step(target, original, args, tolerance)
     held = _held(src)  # megatron-core at TP1 holds exactly what it held at TP2 when it saved
-    loaded = _joined(target, swiglu=True)
+    loaded = joined(target, swiglu=True)
     for name, tensors in held.items():
         for key in KEYS:
             assert torch.equal(loaded[name][f"before.{key}"], tensors[f"before.{key}"]), f"{name}.{key}"
@@ -103,11 +103,11 @@ def test_megatron_core_loads_the_conversion_of_megatron_lms_plain_run(tmp_path: 
     _convert(PLAIN_TD, tmp_path / "td1", "--dst-format", "torch_dist", "--dst-tp", "1", "--dst-pp", "1")
     _convert(PLAIN_TD, tmp_path / "model", "--dst-format", "megatron", "--dst-tp", "1", "--dst-pp", "1",
              "--skip-optimizer")
-    _fixed_gradients(tmp_path / "model", tmp_path / "grads.pt", scale=3e-2)
-    original_dir = _with_common_pt(PLAIN_TD / ITER, tmp_path / "src")
-    target, original = _run(tmp_path / "grads.pt", [(tmp_path / "td1" / ITER, tmp_path / "out_td1", 1),
+    fixed_gradients(tmp_path / "model", tmp_path / "grads.pt", scale=3e-2)
+    original_dir = with_common_pt(PLAIN_TD / ITER, tmp_path / "src")
+    target, original = run_steps(tmp_path / "grads.pt", [(tmp_path / "td1" / ITER, tmp_path / "out_td1", 1),
                                                      (original_dir, tmp_path / "out_src", 1)])
     assert len(target) == 1 and len(original) == 4
     args = load_for_test(original_dir / "common.pt")["args"]
     assert not args.use_distributed_optimizer and args.bf16
-    _assert_same_step(target, original, args, (BF16_RTOL, BF16_ATOL))
+    assert_same_step(target, original, args, (BF16_RTOL, BF16_ATOL))

@@ -39,6 +39,7 @@ from pgconvert.formats.registry import detect_format, get_loader, loader_names, 
 from pgconvert.model.rules import COLUMN
 from pgconvert.formats.stream import CanonicalSource, TensorMeta
 import pgconvert.savers.torch_dist as torch_dist_saver
+from pgconvert.savers.torch_dist.streaming import StreamingWriter
 from pgconvert.savers.torch_dist import TorchDistSaver
 from pgconvert.formats.torch_dist import read_dcp_metadata
 
@@ -447,7 +448,7 @@ def test_data_file_is_the_one_torchs_own_writer_writes(tmp_path: Path, model: ob
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     src = write_megatron_checkpoint(tmp_path / "src", model, make_full_model(model), 2, 1)
     to_torch_dist(src, tmp_path / "ours")
-    monkeypatch.setattr(torch_dist_saver._StreamingWriter, "write_data", FileSystemWriter.write_data)
+    monkeypatch.setattr(StreamingWriter, "write_data", FileSystemWriter.write_data)
     to_torch_dist(src, tmp_path / "torch")
 
     ours, theirs = (tmp_path / name / ITERATION_DIR for name in ("ours", "torch"))

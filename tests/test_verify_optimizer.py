@@ -1,4 +1,4 @@
-"""verifyopt: ``verify`` compares the optimizer state of two checkpoints when both hold one.
+"""``verify`` compares the optimizer state of two checkpoints when both hold one.
 
 Sources are Megatron-LM's own training checkpoints (``tests/data/megatron_lm``), converted to TP1 by
 pgconvert and compared with the original. The tampered copies are edited in the written files (the
@@ -208,7 +208,7 @@ def test_an_unsupported_optimizer_form_is_named_without_failing_the_model(tmp_pa
 
 
 def test_a_plain_optimizer_in_torch_dist_is_compared() -> None:
-    # tdplain: megatron-core's plain optimizer in a torch_dist checkpoint is read, so verify compares it.
+    # megatron-core's plain optimizer in a torch_dist checkpoint is read, so verify compares it.
     golden = GOLDENS / "train_tp2pp2_bf16_torch_dist"
     result = _cli("verify", golden, golden)
     assert result.exit_code == 0, result.output
@@ -235,8 +235,8 @@ def test_the_optimizer_state_is_read_and_freed_one_parameter_at_a_time(tp1: dict
     every tensor handed out for an earlier parameter is freed before the next parameter is read."""
     import weakref
 
-    from pgconvert.optimizer.state import OptimizerSource
-    from pgconvert.optimizer.torch_dist import TorchDistOptimizerSource
+    from pgconvert.optimizer.source import OptimizerSource
+    from pgconvert.loaders.torch_dist.optimizer import TorchDistOptimizerSource
 
     handed: list[tuple[str, weakref.ref[torch.Tensor]]] = []
     calls: list[str] = []

@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 
 class HFLoader(Loader):
     name = "hf"
+    keeps_quantized = True
 
     def detect(self, path: Path) -> bool:
         return path.is_dir() and (path / CONFIG_FILE).is_file() and (
@@ -100,7 +101,7 @@ class HFSource(CanonicalSource):
         doc = read_json_object(config_path)
         family = family_of(doc, config_path)
         self._files, stored = _locate_tensors(directory)
-        # fp8: quantized tensors are seen by their logical names (pgconvert.formats.hf_quantized).
+        # Quantized tensors are seen by their logical names (pgconvert.formats.hf_quantized).
         self._quantized = QuantizedTensors.find(doc, config_path, self._files, stored, options.keep_quantized,
                                                 options.dequantize_dtype)
         self._files, stored = self._quantized.logical()
@@ -137,7 +138,7 @@ class HFSource(CanonicalSource):
         """Stored tensors the table does not expect, or expected ones not stored: a named error
         (a family's own reason first)."""
         refused = family.refuse_extra(unexpected, self.hf_origin.config_json) if family.refuse_extra else None
-        if refused:  # f17c
+        if refused:  # a family's own reason for extra tensors
             raise CheckpointError(f"{self.directory}: {family.architecture}: {refused}")
         if missing or unexpected:
             needed_by = sorted({expected[name] for name in missing})
@@ -173,7 +174,7 @@ class HFSource(CanonicalSource):
         shapes = canonical_shapes(config)
         for canonical, (row, names) in self._rows.items():
             part_shapes = row.transform.part_shapes(shapes[canonical], config)
-            if row.stacked:  # f17c: every expert of the layer on dim 0
+            if row.stacked:  # every expert of the layer on dim 0
                 part_shapes = [(config.num_experts or 0, *shape) for shape in part_shapes]
             for name, shape in zip(names, part_shapes, strict=True):
                 found_shape = stored[name].shape
@@ -198,7 +199,7 @@ class HFSource(CanonicalSource):
 
     def _find_copies(self, table: TensorTable, config: ModelConfig, stored: dict[str, TensorMeta]) -> None:
         """The stored copies of the embedding or output layer: a tied checkpoint's output weight, and
-        (mtp) each MTP layer's embed_tokens and shared_head.head."""
+        each MTP layer's embed_tokens and shared_head.head."""
         if config.tie_embeddings:
             # Some tied checkpoints also store the output weight; it must be a copy of the embedding.
             output = table.to_hf(OUTPUT_LAYER)
@@ -221,7 +222,7 @@ class HFSource(CanonicalSource):
     def _load(self, name: str) -> torch.Tensor:
         row, hf_names = self._rows[name]
         index = self.family.tensors.stack_index(mtp.table_name(name, self.config)) if row.stacked else None
-        if index is not None:  # f17c: one expert's slice of the stacked HF tensors
+        if index is not None:  # one expert's slice of the stacked HF tensors
             parts = [self._read_range(hf, 0, index, index + 1)[0] for hf in hf_names]
         else:
             parts = [self._read(hf) for hf in hf_names]
@@ -258,7 +259,7 @@ class HFSource(CanonicalSource):
         reads it); otherwise the piece is cut from the full tensor.
         """
         row, hf_names = self._rows[name]
-        if row.stacked:  # f17c: read through _load (one expert's slice)
+        if row.stacked:  # read through _load (one expert's slice)
             return super()._load_shard(name, rule, size, rank, rows)
         meta = self._metas[name]
         windows = rule.piece_windows(meta.shape, size, rank, rows, self.config.vocab_size)

@@ -26,6 +26,7 @@ from pgconvert.formats.megatron import (
     RANK_DIR_RE,
     RANK_FILE,
     TRACKER_FILE,
+    TRAINING_STATE_KEYS,
     check_megatron_layout,
     config_from_args,
     layout_from_args,
@@ -35,6 +36,7 @@ from pgconvert.formats.megatron import (
     safe_torch_load,
 )
 from pgconvert.io.torch_input import mappable
+from pgconvert.loaders.megatron.optimizer import MegatronOptimizerSource
 from pgconvert.io.memory import concat_releasing, release_mapped_pages
 from pgconvert.formats.mtp_naming import canonical_mtp_key, mtp_module_of
 from pgconvert.io.paths import ensure_within
@@ -294,7 +296,7 @@ class MegatronSource(CanonicalSource):
         unexpected = []
         for key, value in model.items():
             if key.endswith(EXTRA_STATE_SUFFIX):
-                canonical = canonical_mtp_key(_to_global(key, layers.start))  # mlafix: either MTP spelling
+                canonical = canonical_mtp_key(_to_global(key, layers.start))  # either MTP spelling
                 if canonical_layer(canonical) is None and non_layer_chunk(canonical) is None:
                     unexpected.append(key)
                     continue
@@ -400,7 +402,7 @@ class MegatronSource(CanonicalSource):
         stored = copies[0][0].spec.rule
         with self._concatenating(copies[0]):
             if stored != rule:
-                # mlafix: the pieces were split by the rule of the spec that wrote them, which may not be the
+                # the pieces were split by the rule of the spec that wrote them, which may not be the
                 # target's (MLA down projections: column-parallel in the local spec, whole in the TE spec).
                 tensors = [stored.merge(tensors)]
             piece = rule.reshard_rows(tensors, rows, self.config.vocab_size, size, rank)
@@ -418,6 +420,18 @@ class MegatronSource(CanonicalSource):
 
     def extra_states(self) -> dict[str, ExtraState]:
         return dict(self._extra)
+
+    def _first_rank_keys(self) -> set[Any]:
+        return set(safe_torch_load(next(iter(self.files.values()))))
+
+    def holds_training_state(self) -> bool:
+        return any(key in TRAINING_STATE_KEYS for key in self._first_rank_keys())
+
+    def holds_optimizer(self) -> bool:
+        return "optimizer" in self._first_rank_keys()
+
+    def open_optimizer(self) -> MegatronOptimizerSource:
+        return MegatronOptimizerSource(self)
 
     def close(self) -> None:
         self._last_loaded = []
@@ -462,7 +476,7 @@ def _check_config_against_files(config: Any, tensors: int, path: Path) -> None:
 
 def _with_mtp_spelling(config: ModelConfig, models: dict[tuple[RankCoord, str], dict[str, Any]],
                        files: dict[RankCoord, Path]) -> ModelConfig:
-    """mlafix: the config naming the MTP inner layer as the rank files do (``pgconvert.formats.mtp_naming``)."""
+    """The config naming the MTP inner layer as the rank files do (``pgconvert.formats.mtp_naming``)."""
     spellings = {mtp_module_of(model, f"{files[coord]} [{chunk}]") for (coord, chunk), model in models.items()}
     spellings.discard(None)
     if len(spellings) > 1:

@@ -50,11 +50,15 @@ from pgconvert.formats import LoadOptions
 from pgconvert.formats.hf_side import carried_side_files
 from pgconvert.formats.megatron import (
     SAFE_GLOBALS,
+    TRAINING_STATE_KEYS,
     config_from_args,
     layout_from_args,
     safe_torch_load,
 )
 from pgconvert.io.limits import quote
+from pgconvert.loaders.torch_dist.fs_model_space import chunk_shape, record_box, unflatten
+from pgconvert.loaders.torch_dist.optimizer import TorchDistOptimizerSource
+from pgconvert.loaders.torch_dist.optimizer_forms import sharding_type
 from pgconvert.loaders.torch_dist.records import TensorRecord, check_extent, copy_box, parse_tensor_record
 from pgconvert.io.torch_input import check_torch_stream
 from pgconvert.io.paths import ensure_within
@@ -62,6 +66,7 @@ from pgconvert.model.provider import OUTPUT_LAYER, VOCAB_TABLES, WORD_EMBEDDINGS
 from pgconvert.model.rules import ShardRule, assemble
 from pgconvert.formats.stream import CanonicalSource, ExtraState, TensorMeta, holds_state
 from pgconvert.formats.strict import fallback
+from pgconvert.formats.torch_dist_optimizer import moe_form_refusal
 from pgconvert.formats.torch_dist import (
     CHECKPOINT_CONFIG_FILE,
     COMMON_FILE,
@@ -267,15 +272,17 @@ class TorchDistSource(CanonicalSource):
             iteration = common["iteration"]
         super().__init__(config, rows, iteration, release)
         self.megatron_args = args
-        self.common_state = common  # opttd: the optimizer's param groups and sharding type live here
+        self.common_state = common  # the optimizer's param groups and sharding type live here too
         self.side_files = carried_side_files(self.root, iteration_dir)
         self.notices.extend(early_notices)
         self._strict = options.strict
         self._shapes = canonical_shapes(config, rows)
         self._check_extra_states()
+        self._training_entries = training_entries
         if training_entries:
-            self.notices.append(f"{training_entries} optimizer/RNG/rerun entries of the source are not converted: "
-                                "resume with --no-load-optim --no-load-rng (or --finetune)")
+            self.training_state_notice = (f"{training_entries} optimizer/RNG/rerun entries of the source are not "
+                                          "converted: resume with --no-load-optim --no-load-rng (or --finetune)")
+            self.notices.append(self.training_state_notice)
 
     def _read_common(self) -> tuple[dict[str, Any], Path]:
         """The checkpoint's common (non-sharded) state: ``common.pt`` (megatron-core before 0.20),
@@ -430,6 +437,30 @@ class TorchDistSource(CanonicalSource):
         names = te_extra_state_names(config, range(config.num_layers), self.layout.ep)
         return {name: ExtraState(tp_size=self.layout.tp, ep_size=self.layout.ep) for name in names}
 
+    def holds_training_state(self) -> bool:
+        return self._training_entries > 0 or any(key in self.common_state for key in TRAINING_STATE_KEYS)
+
+    def holds_optimizer(self) -> bool:
+        return "optimizer" in self.common_state
+
+    def stored_optimizer_form(self) -> str | None:
+        """The distributed optimizer's ``param_state_sharding_type`` (None: a plain optimizer's, or none); a
+        common state that does not name a form pgconvert reads raises (``open_optimizer`` names it)."""
+        return sharding_type(self.common_state, f"{self.directory} (common state)")
+
+    def optimizer_refusal(self) -> str | None:
+        """A MoE model's optimizer state is not read from the forms whose expert records are not mapped."""
+        if not self.config.num_experts:
+            return None
+        try:
+            form = self.stored_optimizer_form()
+        except PgconvertError:
+            return None  # open_optimizer names it
+        return moe_form_refusal(self.config.num_experts, "from", form, self.layout)
+
+    def open_optimizer(self) -> TorchDistOptimizerSource:
+        return TorchDistOptimizerSource(self)
+
     def _load(self, name: str, prefix: str = "") -> torch.Tensor:
         shape = self._shapes[name]
         return self._read_boxes(name, [_Region((0,) * len(shape), shape)], prefix)[0]
@@ -446,7 +477,7 @@ class TorchDistSource(CanonicalSource):
         read = dict(zip(stored, self._read_boxes(name, boxes, prefix) if boxes else [], strict=True))
         return assemble(windows, read.__getitem__, shape, dtype or self.meta(name).dtype)
 
-    # opttd: optimizer state read in place, like the model's tensors (pgconvert/optimizer/torch_dist.py).
+    # Optimizer state read in place, like the model's tensors (loaders/torch_dist/optimizer.py).
     def load_state(self, name: str, prefix: str) -> torch.Tensor:
         """The whole tensor stored as ``prefix`` + ``name``'s key, chunked like the model's."""
         return self._load(name, prefix)
@@ -457,10 +488,9 @@ class TorchDistSource(CanonicalSource):
         return self._load_shard(name, rule, size, rank, rows, prefix, torch.float32)
 
     def load_flattened_state(self, name: str, prefix: str) -> torch.Tensor:
-        """fsms: the whole tensor stored as ``prefix`` + ``name``'s key in the reformulated form megatron-core
-        <= 0.15 gives a flattened_range ShardedTensor (``optimizer_fs_model_space``): read as the record's box
-        of ``name``'s chunks (a stacked key: its layer), then put back in the model tensor's shape."""
-        from pgconvert.optimizer.fs_model_space import chunk_shape, record_box, unflatten
+        """The whole tensor stored as ``prefix`` + ``name``'s key in the reformulated form megatron-core
+        <= 0.15 gives a flattened_range ShardedTensor (``loaders/torch_dist/fs_model_space.py``): read as the
+        record's box of ``name``'s chunks (a stacked key: its layer), then put back in the model tensor's shape."""
 
         location = self._locations[name]
         key = prefix + location.key
@@ -490,6 +520,14 @@ class TorchDistSource(CanonicalSource):
         """Every stored tensor key and its global shape."""
         return {key: tuple(md.size) for key, md in self._metadata.state_dict_metadata.items()
                 if isinstance(md, TensorStorageMetadata)}
+
+    def model_key(self, name: str) -> str:
+        """The key ``name`` is stored under (a stacked key holds every layer's)."""
+        return self._locations[name].key
+
+    def holds_entry(self, key: str) -> bool:
+        """Whether the checkpoint's index has the entry ``key`` (a tensor or a stored object)."""
+        return key in self._metadata.state_dict_metadata
 
     def read_objects(self, keys: list[str]) -> dict[str, Any]:
         """Stored objects (ShardedObjects' ``key/shard_...`` entries), unpickled with the allowlist."""

@@ -3,7 +3,20 @@
 A format plugin subclasses ``Loader`` (a source format) and/or ``Saver`` (a destination format)
 and registers it under the ``pgconvert.loaders`` / ``pgconvert.savers`` entry point group (see
 ``pgconvert.formats.registry``). The abstract methods must be implemented; the others have defaults that
-fit a format without that feature (no saved iterations, files written in one pass).
+fit a format without that feature (no saved iterations, files written in one pass, no optimizer state).
+
+Optimizer state (megatron-core's, ``pgconvert.optimizer``) goes through declared hooks, whose defaults mean
+"this format holds / writes none", so a format without it implements nothing:
+
+- the source a loader opens (``pgconvert.formats.stream.CanonicalSource``) says whether it holds training
+  state (``holds_training_state``: a saver names what it does not carry only then) and optimizer state
+  (``holds_optimizer``), the name of its stored form (``stored_optimizer_form``), why it cannot be carried
+  (``optimizer_refusal``), and opens it (``open_optimizer``: a ``pgconvert.optimizer.source.OptimizerSource``);
+- a ``Saver`` declares whether it writes optimizer state (``writes_optimizer``) and the forms
+  ``--dst-optim-form`` chooses among (``optimizer_forms``); it refuses what it cannot write
+  (``optimizer_refusal``, before the state is opened), names the form it writes an opened state in
+  (``optimizer_form``), lists it for ``--dry-run`` (``plan_optimizer``) and writes it after the model
+  (``save_optimizer``). ``OptimizerOptions`` carries ``--dst-optim-form`` and ``--dst-dp``.
 """
 
 from __future__ import annotations
@@ -12,6 +25,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,6 +33,9 @@ from pgconvert.model.config import ModelConfig
 from pgconvert.errors import LayoutError
 from pgconvert.model.layout import ParallelLayout
 from pgconvert.formats.stream import CanonicalSource
+
+if TYPE_CHECKING:
+    from pgconvert.optimizer.source import OptimizerSource
 
 DTYPE_CHOICES: dict[str, torch.dtype | None] = {
     "keep": None,
@@ -45,9 +62,9 @@ class LoadOptions:
     true_vocab_size: int | None = None
     # Refuse instead of guessing (see pgconvert.formats.strict).
     strict: bool = False
-    # fp8: an hf source's quantized tensors are kept as stored for an hf target (--keep-fp8).
+    # An hf source's quantized tensors are kept as stored for an hf target (--keep-fp8).
     keep_quantized: bool = False
-    # tidy: the dtype an hf source's quantized tensors are dequantized to (--dtype; None: bfloat16).
+    # The dtype an hf source's quantized tensors are dequantized to (--dtype; None: bfloat16).
     dequantize_dtype: torch.dtype | None = None
 
     def check_layout(self, layout: ParallelLayout, path: Path) -> None:
@@ -76,7 +93,7 @@ class SaveOptions:
     # HF side files the user gives (pgconvert.formats.hf_side): a generation_config.json, a tokenizer folder.
     generation_config: Path | None = None
     tokenizer: Path | None = None
-    # mlafix: the MTP inner layer's per-rank key (pgconvert.formats.mtp_naming); None keeps the source's.
+    # The MTP inner layer's per-rank key (pgconvert.formats.mtp_naming); None keeps the source's.
     mtp_layer_module: str | None = None
 
 
@@ -98,7 +115,7 @@ def target_config(config: ModelConfig, options: SaveOptions) -> ModelConfig:
         changes["transformer_impl"] = options.transformer_impl
     if options.expert_layout is not None:
         changes["moe_grouped_gemm"] = options.expert_layout == "grouped"
-    if options.mtp_layer_module is not None:  # mlafix
+    if options.mtp_layer_module is not None:
         changes["mtp_layer_module"] = options.mtp_layer_module
     return config.replace(**changes) if changes else config
 
@@ -122,11 +139,48 @@ class SaveResult:
     notices: list[str] = field(default_factory=list)
 
 
+# How a saver's notice begins that names the training state of the source it does not carry; given only when the
+# source holds such state (``CanonicalSource.holds_training_state``), and dropped when the optimizer is carried.
+TRAINING_STATE_NOT_CARRIED = "optimizer, scheduler and RNG state are not carried"
+
+
+@dataclass(frozen=True)
+class OptimizerOptions:
+    """How a destination writes the optimizer state it carries: ``form`` (``--dst-optim-form``, None: the
+    saver's default) and ``dp`` (``--dst-dp``, the data-parallel size it is written for; None: the source's)."""
+
+    form: str | None = None
+    dp: int | None = None
+
+
+@dataclass(frozen=True)
+class OptimizerFile:
+    """The optimizer state one destination file will hold (``--dry-run``)."""
+
+    relpath: str
+    what: str
+    tensors: int
+    nbytes: int
+
+
+@dataclass
+class CarriedOptimizer:
+    """What ``Saver.save_optimizer`` wrote: every destination file (``files``: the model saver's, those it
+    rewrote without their sha256, and those it added), the form as the notice names it, and its own notices."""
+
+    files: list[PlannedFile]
+    form: str
+    notices: list[str] = field(default_factory=list)
+
+
 class Loader(ABC):
     """A source format. Subclasses set ``name`` and implement ``detect`` and ``open``; a format
     whose checkpoints hold several saved iterations also implements ``iterations``."""
 
     name: str = "?"
+    # Whether its sources can hand over quantized tensors as stored, with their scales
+    # (``LoadOptions.keep_quantized``, ``--keep-fp8``).
+    keeps_quantized: bool = False
 
     @abstractmethod
     def detect(self, path: Path) -> bool:
@@ -163,6 +217,9 @@ class Saver(ABC):
     # then starts unsharded instead of from the source's layout.
     parallel: bool = True
 
+    # Whether it writes quantized tensors as a source hands them over, with their scales (``--keep-fp8``).
+    keeps_quantized: bool = False
+
     # Savers that can write any subset of their planned files (``save(only=...)``) and then
     # ``finalize`` the shared metadata support --workers and sharded (multi-process) runs.
     supports_partial: bool = False
@@ -175,3 +232,30 @@ class Saver(ABC):
     def finalize(self, source: CanonicalSource, out_dir: Path, options: SaveOptions) -> list[str]:
         """Write what depends on every file being there (trackers, indexes); returns notices."""
         raise NotImplementedError
+
+    # Optimizer state (see the module docstring). Whether the format writes megatron-core's optimizer state
+    # the source holds, and the forms ``--dst-optim-form`` may name (empty: the format has no choice).
+    writes_optimizer: bool = False
+    optimizer_forms: tuple[str, ...] = ()
+
+    def optimizer_refusal(self, source: CanonicalSource, options: SaveOptions,
+                          optimizer_options: OptimizerOptions) -> str | None:
+        """Why the source's optimizer state cannot be written here, decided before it is opened (None: it
+        can). The text is a notice (``optimizer state not carried: ...``), refused under ``--strict``."""
+        return None
+
+    def optimizer_form(self, optimizer: OptimizerSource, optimizer_options: OptimizerOptions) -> str:
+        """The form this destination writes the opened ``optimizer`` in; a ``ValidationError`` says why it
+        cannot (a notice, refused under ``--strict``). Default: the source's own form."""
+        return optimizer.form
+
+    def plan_optimizer(self, source: CanonicalSource, optimizer: OptimizerSource, form: str, options: SaveOptions,
+                       optimizer_options: OptimizerOptions) -> list[OptimizerFile]:
+        """The destination files' optimizer state in ``form``, without writing anything (``--dry-run``)."""
+        return []
+
+    def save_optimizer(self, source: CanonicalSource, optimizer: OptimizerSource, form: str, out_dir: Path,
+                       options: SaveOptions, optimizer_options: OptimizerOptions,
+                       files: list[PlannedFile]) -> CarriedOptimizer:
+        """Write ``optimizer`` in ``form`` into the destination ``save`` wrote under ``out_dir`` (``files``)."""
+        raise NotImplementedError(f"{self.name}: writes no optimizer state")

@@ -25,7 +25,7 @@ import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -33,6 +33,9 @@ from pgconvert.errors import CheckpointError, ValidationError
 from pgconvert.formats.hf import read_tensor, read_tensor_range
 from pgconvert.io.limits import quote
 from pgconvert.formats.stream import TensorMeta
+
+if TYPE_CHECKING:
+    from pgconvert.formats import Loader, Saver
 
 log = logging.getLogger(__name__)
 
@@ -357,11 +360,11 @@ def without_quantization(doc: dict[str, Any], where: str) -> tuple[dict[str, Any
 
 
 
-def check_keep_fp8(src_format: str, dst_format: str) -> None:
-    """``--keep-fp8`` keeps quantized tensors for an hf -> hf reshard only: Megatron and torch_dist
-    checkpoints hold plain tensors, with no place for block scales."""
-    if src_format != "hf" or dst_format != "hf":
+def check_keep_fp8(loader: Loader, saver: Saver) -> None:
+    """``--keep-fp8`` keeps quantized tensors only between formats that hold them (``keeps_quantized``: hf ->
+    hf): Megatron and torch_dist checkpoints hold plain tensors, with no place for block scales."""
+    if not (loader.keeps_quantized and saver.keeps_quantized):
         raise KeepQuantizedError(
-            f"--keep-fp8: converting {src_format} -> {dst_format}; the quantized tensors and their scales can be "
+            f"--keep-fp8: converting {loader.name} -> {saver.name}; the quantized tensors and their scales can be "
             "kept only from an hf source to an hf target (hf -> hf); a megatron or torch_dist target holds "
             "bf16 weights: convert without --keep-fp8 to dequantize them")

@@ -5,6 +5,7 @@ Layout on disk (megatron/training/checkpointing.py, ``get_checkpoint_name``)::
     ROOT/latest_checkpointed_iteration.txt        "1000" or "release"
     ROOT/iter_0001000/ or ROOT/release/
         mp_rank_{tp:02d}[_{pp:03d}][_{ep:03d}]/model_optim_rng.pt
+        mp_rank_.../distrib_optim.pt                  the distributed optimizer's state, if any
 
 ``_{pp:03d}`` appears only when pp > 1 and ``_{ep:03d}`` only when ep > 1, so a two-part name is
 ambiguous between PP-only and EP-only: it is resolved from the saved ``args``, never guessed.
@@ -50,6 +51,11 @@ log = logging.getLogger(__name__)
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 RANK_FILE = "model_optim_rng.pt"
+# The distributed optimizer's state beside a rank file (``DistributedOptimizer.save_parameter_state``); the rank
+# file's ``optimizer`` entry then holds only its param groups.
+DISTRIB_OPTIM_FILE = "distrib_optim.pt"
+# A rank file's training state (Megatron-LM's ``generate_state_dict``): what a resumed run reads besides the model.
+TRAINING_STATE_KEYS = ("optimizer", "opt_param_scheduler", "rng_state", "rerun_state_machine")
 CHECKPOINT_VERSION = 3.0
 ITERATION_DIR_RE = re.compile(r"^iter_(\d{7,})$")
 RANK_DIR_RE = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
@@ -266,7 +272,7 @@ def _config_from_args(args: argparse.Namespace, path: Path, transformer_impl: st
     if vocab is None and isinstance(getattr(args, "vocab_size", None), int):
         vocab = args.vocab_size
     swiglu = bool(getattr(args, "swiglu", False))
-    quick_geglu = bool(getattr(args, "quick_geglu", False))  # f17c: Megatron-LM's --quick-geglu (GPT-OSS)
+    quick_geglu = bool(getattr(args, "quick_geglu", False))  # Megatron-LM's --quick-geglu (GPT-OSS)
     return ModelConfig(
         num_layers=required("num_layers"),
         hidden_size=hidden,
@@ -277,8 +283,8 @@ def _config_from_args(args: argparse.Namespace, path: Path, transformer_impl: st
         vocab_size=vocab,
         make_vocab_size_divisible_by=(getattr(args, "make_vocab_size_divisible_by", None)
                                       or ModelConfig.make_vocab_size_divisible_by),
-        # f17b: a gated GELU (Gemma's GeGLU) is gated_linear_unit without swiglu; --openai-gelu is tanh's.
-        # f17c: GPT-OSS's clamped GLU is gated_linear_unit with --quick-geglu.
+        # A gated GELU (Gemma's GeGLU) is gated_linear_unit without swiglu; --openai-gelu is tanh's.
+        # GPT-OSS's clamped GLU is gated_linear_unit with --quick-geglu.
         gated_linear_unit=swiglu or quick_geglu or bool(getattr(args, "gated_linear_unit", False)),
         activation=("quick_gelu" if quick_geglu else "silu" if swiglu
                     else ("gelu_tanh" if getattr(args, "openai_gelu", False) else "gelu")),
@@ -445,8 +451,8 @@ def _model_args(config: ModelConfig) -> dict[str, Any]:
         "num_query_groups": config.query_groups,
         "kv_channels": config.head_dim,
         "swiglu": config.gated_linear_unit and config.activation == "silu",
-        "gated_linear_unit": config.gated_linear_unit,  # f17b
-        "openai_gelu": config.activation == "gelu_tanh",  # f17b
+        "gated_linear_unit": config.gated_linear_unit,
+        "openai_gelu": config.activation == "gelu_tanh",
         "quick_geglu": config.activation == "quick_gelu",
         "normalization": config.normalization,
         "norm_epsilon": config.norm_epsilon,
@@ -459,7 +465,7 @@ def _model_args(config: ModelConfig) -> dict[str, Any]:
         "rotary_base": config.rotary_base,
         "make_vocab_size_divisible_by": config.make_vocab_size_divisible_by,
         "transformer_impl": config.transformer_impl,
-        "mtp_num_layers": config.mtp_num_layers or None,  # mtp: megatron-core's "no MTP" is None
+        "mtp_num_layers": config.mtp_num_layers or None,  # megatron-core's "no MTP" is None
     }
 
 

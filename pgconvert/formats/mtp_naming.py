@@ -1,4 +1,4 @@
-"""mlafix: the two spellings of an MTP layer's inner transformer layer in per-rank (``torch``) files.
+"""The two spellings of an MTP layer's inner transformer layer in per-rank (``torch``) files.
 
 megatron-core 0.16.1's MultiTokenPredictionLayer holds its layer as ``self.transformer_layer``, so its
 ``state_dict`` keys read ``mtp.layers.{i}.transformer_layer.*``. Megatron-LM d98e8a64 holds it as

@@ -17,13 +17,14 @@ import torch
 
 from pgconvert.io import sizes
 from pgconvert.model.config import ModelConfig
-from pgconvert.errors import CheckpointError
+from pgconvert.errors import CheckpointError, ValidationError
 from pgconvert.model.rules import ShardRule
 
 if TYPE_CHECKING:
     from pgconvert.formats.hf import HFOrigin
     from pgconvert.formats.hf_side import SideFiles
     from pgconvert.model.layout import ParallelLayout
+    from pgconvert.optimizer.source import OptimizerSource
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,11 @@ class CanonicalSource:
     - ``side_files``: the HF side files (tokenizer, generation config) the source carries.
     - ``unrepresentable``: settings of the source a Megatron target cannot hold, each one line
       (refused under ``--strict``, else a notice); empty for a source that has none.
+    - ``training_state_notice``: the notice among ``notices`` that says the source's training state is not
+      converted, dropped when its optimizer state is carried; None for a source that gives none.
+
+    Training and optimizer state (hooks; the defaults say the source holds none): ``holds_training_state``,
+    ``holds_optimizer``, ``stored_optimizer_form``, ``optimizer_refusal`` and ``open_optimizer``.
     """
 
     format_name: str = "?"
@@ -90,6 +96,7 @@ class CanonicalSource:
     megatron_args: argparse.Namespace | None = None
     hf_origin: HFOrigin | None = None
     unrepresentable: Sequence[str] = ()
+    training_state_notice: str | None = None
 
     def __init__(self, config: ModelConfig, vocab_rows: int, iteration: int | None = None,
                  release: bool = False) -> None:
@@ -156,6 +163,30 @@ class CanonicalSource:
     def extra_states(self) -> dict[str, ExtraState]:
         """Opaque ``_extra_state`` entries by canonical name (empty for formats without them)."""
         return {}
+
+    def holds_training_state(self) -> bool:
+        """Whether the checkpoint holds training state a resumed run reads besides the model (optimizer,
+        scheduler, RNG): a destination that does not carry it says so only then."""
+        return False
+
+    def holds_optimizer(self) -> bool:
+        """Whether the checkpoint holds optimizer state (cheap: whether it is there, not whether it reads)."""
+        return False
+
+    def stored_optimizer_form(self) -> str | None:
+        """The name the format gives the form its optimizer state is stored in, read without opening it
+        (None: none, or not known before it is opened)."""
+        return None
+
+    def optimizer_refusal(self) -> str | None:
+        """Why this source's optimizer state is not carried into any destination, decided before it is
+        opened (None: it may be). The text is a notice (``optimizer state not carried: ...``)."""
+        return None
+
+    def open_optimizer(self) -> OptimizerSource:
+        """The checkpoint's optimizer state, by canonical parameter (``pgconvert.optimizer.source``)."""
+        raise ValidationError(f"{self.describe()}: {self.format_name} checkpoints hold no optimizer state "
+                              "pgconvert reads")
 
     def total_bytes(self) -> int:
         return sum(self.meta(name).nbytes for name in self.names())

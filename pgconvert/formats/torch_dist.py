@@ -152,7 +152,7 @@ def tensor_locations(config: ModelConfig) -> dict[str, DistLocation]:
         layer_axis = ((layer,), (layers,)) if stacked else ((), ())
         _locate_layer(config, layer_tensors(config, layer), prefix, key_prefix, layer_axis, locations)
     for index in range(config.mtp_num_layers):
-        # mtp: MultiTokenPredictionBlock.sharded_state_dict: one key per MTP layer (no layer axis); its
+        # MultiTokenPredictionBlock.sharded_state_dict: one key per MTP layer (no layer axis); its
         # transformer_layer saves as a decoder layer does (keys map, experts on an expert axis).
         prefix = f"{MTP_PREFIX}{index}."
         _locate_layer(config, mtp_layer_tensors(config, index), prefix, prefix, ((), ()), locations)
@@ -171,7 +171,7 @@ def _locate_layer(config: ModelConfig, tensors: list[LayerTensor], prefix: str, 
                 key_prefix + head + EXPERTS_KEY + tensor.kind.canonical,
                 layer_axis[0] + (tensor.expert,), layer_axis[1] + (experts,))
             continue
-        # ds16: megatron-core's MLA layer specs set no sharded_state_dict_keys_map: a key is the
+        # megatron-core's MLA layer specs set no sharded_state_dict_keys_map: a key is the
         # module's name in the spec (the TE spec's fused latent norms and dense pre-MLP norm included).
         name = (tensor.kind.local_name(config) if config.multi_latent_attention
                 else _dist_layer_name(tensor.kind, config))
@@ -193,7 +193,7 @@ def extra_state_keys(config: ModelConfig) -> list[str]:
         key_prefix = LAYER_PREFIX if stacked else f"{LAYER_PREFIX}{layer}."
         index, stack = ((layer,), (layers,)) if stacked else ((), ())
         keys += _layer_extra_state_keys(config, key_prefix, config.is_moe_layer(layer), index, stack)
-    for mtp in range(config.mtp_num_layers):  # mtp: eh_proj, then its transformer layer's modules
+    for mtp in range(config.mtp_num_layers):  # eh_proj, then its transformer layer's modules
         prefix = f"{MTP_PREFIX}{mtp}."
         keys.append(sharded_object_key(prefix + MTP_EH_PROJ + EXTRA_STATE_SUFFIX, (), ()))
         keys += _layer_extra_state_keys(config, prefix + MTP_LAYER_MODULE, mtp_layer_is_moe(config), (), ())
@@ -203,7 +203,7 @@ def extra_state_keys(config: ModelConfig) -> list[str]:
 def _layer_extra_state_keys(config: ModelConfig, key_prefix: str, moe: bool, index: tuple[int, ...],
                             stack: tuple[int, ...]) -> list[str]:
     experts = config.num_experts or 0
-    attention = te_attention_linears(config)  # ds16: MLA's projections
+    attention = te_attention_linears(config)  # MLA's projections
     if not moe:
         modules = attention + TE_DENSE_MLP_LINEARS
     elif config.moe_shared_expert_intermediate_size is not None:
@@ -311,7 +311,7 @@ _DCP_METADATA_GLOBALS = {
 
 @dataclass
 class _MCoreMetadata(Metadata):
-    """fsms: megatron-core <= 0.15's ``strategies.torch.MCoreMetadata``: torch's Metadata plus ``mcore_data``
+    """megatron-core <= 0.15's ``strategies.torch.MCoreMetadata``: torch's Metadata plus ``mcore_data``
     (per key ``nd_reformulated_orig_global_shape`` of its flattened_range tensors); rebuilt here inert."""
 
     mcore_data: dict[str, dict[str, Any]] | None = None
@@ -319,12 +319,12 @@ class _MCoreMetadata(Metadata):
 
 @dataclass(frozen=True)
 class _MCoreSavePlan(SavePlan):
-    """fsms: megatron-core <= 0.15's ``MCoreSavePlan`` (the rank plans kept in ``all_local_plans``)."""
+    """megatron-core <= 0.15's ``MCoreSavePlan`` (the rank plans kept in ``all_local_plans``)."""
 
     mcore_data: dict[str, dict[str, Any]] | None = None
 
 
-# fsms: the two classes megatron-core <= 0.15 pickles into .metadata, mapped to the stand-ins above.
+# The two classes megatron-core <= 0.15 pickles into .metadata, mapped to the stand-ins above.
 _MCORE_METADATA_CLASSES = {("megatron.core.dist_checkpointing.strategies.torch", "MCoreMetadata"): _MCoreMetadata,
                            ("megatron.core.dist_checkpointing.strategies.torch", "MCoreSavePlan"): _MCoreSavePlan}
 

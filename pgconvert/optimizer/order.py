@@ -11,14 +11,14 @@ parameter still has the empty group): group 0 weight decay, group 1 no weight de
 ``optimizer.state`` is indexed by the position in the concatenation of the groups' ``params``.
 
 Reproduced for megatron-core 0.16.1 (pip) and 0.20.0 (Megatron-LM ``d98e8a64``), which build the
-groups the same way, for GPT models with megatron-core's local spec and (optmoe) its Transformer Engine
+groups the same way, for GPT models with megatron-core's local spec and its Transformer Engine
 spec, whose parameters are the same modules' but for the fused norms (``linear_qkv.layer_norm_weight``
 registered before ``linear_qkv.weight``; TE's own parameter order, read from its source, since TE is
 not installed here). Refused, naming the field: grouped-GEMM experts other than TEGroupedMLP's (below),
 ``decoupled_lr`` (a third group), any parameter name whose place is not known, and any state whose group
 sizes or tensor shapes do not match.
 
-Grouped-GEMM experts (ggemm): with the Transformer Engine spec, ``--moe-grouped-gemm`` builds TEGroupedMLP
+Grouped-GEMM experts: with the Transformer Engine spec, ``--moe-grouped-gemm`` builds TEGroupedMLP
 (megatron/core/transformer/moe/experts.py, 0.16.1 and 0.20.0), which registers ``linear_fc1`` then
 ``linear_fc2``, each a TEColumnParallelGroupedLinear / TERowParallelGroupedLinear (extensions/
 transformer_engine.py) over ``te.pytorch.GroupedLinear``. GroupedLinear.__init__ registers, per local expert
@@ -30,7 +30,7 @@ SequentialMLP has ``local_experts.0.linear_fc1.weight, …, local_experts.1.…`
 SequentialMLP's: ``not (is_expert and expert_model_parallel_size > 1)`` (TEGroupedLinear.__init__, 0.16.1;
 0.20.0's ``_set_expert_parameter_attributes`` and ColumnParallelLinear alike add ``expert_tensor_parallel_size
 != tensor_model_parallel_size``), so they form the expert-parallel optimizer and DDP buffers at EP > 1; the
-buffers follow this ``named_parameters()`` order as for every module (``flat_buffers``). Their torch_dist keys
+buffers follow this ``named_parameters()`` order as for every module (``flat.flat_buffers``). Their torch_dist keys
 are SequentialMLP's (TEGroupedLinear._sharded_state_dict_grouped: ``experts.linear_fc1.weight`` on the global
 expert axis), so the model-space optimizer records are too. Refused by name: the local spec with grouped GEMM
 (0.16.1 builds the legacy GroupedMLP, one ``weight1``/``weight2`` for all local experts, whose model keys
@@ -38,7 +38,7 @@ pgconvert does not read either; 0.20.0's local spec builds SequentialMLP instead
 ``moe_use_legacy_grouped_gemm`` (GroupedMLP with the TE spec) and 0.20.0's ``moe_single_grouped_weight`` /
 ``moe_single_grouped_bias`` (one GroupedTensor parameter for all local experts).
 
-Multi-latent attention and multi-token prediction (mla), same order in 0.16.1 and 0.20.0: MLASelfAttention
+Multi-latent attention and multi-token prediction, same order in 0.16.1 and 0.20.0: MLASelfAttention
 registers linear_proj (MultiLatentAttention), then linear_q_proj (``q_lora_rank`` None) or
 linear_q_down_proj and linear_q_up_proj, linear_kv_down_proj, linear_kv_up_proj, then q_layernorm (with
 q-LoRA) and kv_layernorm; the TE spec fuses the latent norms into the up projections
@@ -51,7 +51,7 @@ local spec's ``q_layernorm`` does, ``kv_layernorm`` and the TE spec's fused ``la
 Checked against megatron-core 0.16.1's own GPTModel (MLA local spec, MoE, MTP) on every rank of TP2·EP2,
 PP2 and TP2·PP2 (``tests/test_optimizer_mla.py``).
 
-Mixture of experts (optmoe): a routed expert's linears are ``allreduce=False`` only when
+Mixture of experts: a routed expert's linears are ``allreduce=False`` only when
 ``expert_model_parallel_size > 1`` (``ColumnParallelLinear``/``RowParallelLinear``: ``not (is_expert
 and expert_parallel)``), and ``get_megatron_optimizer`` then builds a ``ChainedOptimizer`` of two: the
 dense groups (``is_expert_parallel=False``) over every chunk, then the expert groups over the same
@@ -64,7 +64,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -88,12 +88,12 @@ _VERSIONS = "megatron-core " + " / ".join(MEGATRON_CORE_VERSIONS)
 _LOCAL_LAYER_ORDER = (
     "input_layernorm.weight", "input_layernorm.bias",
     "self_attention.linear_proj.weight", "self_attention.linear_proj.bias",
-    # optmoe: the Transformer Engine spec fuses the input and pre-MLP norms into linear_qkv / linear_fc1
+    # The Transformer Engine spec fuses the input and pre-MLP norms into linear_qkv / linear_fc1
     # (TELayerNormColumnParallelLinear = te.pytorch.LayerNormLinear, whose __init__ registers
     # layer_norm_weight, layer_norm_bias, then weight, bias: TransformerEngine v2.0 to d0067d0).
     "self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_qkv.layer_norm_bias",
     "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
-    # mla: MLASelfAttention (after MultiLatentAttention's linear_proj) registers linear_q_proj (q_lora_rank
+    # MLASelfAttention (after MultiLatentAttention's linear_proj) registers linear_q_proj (q_lora_rank
     # None) or linear_q_down_proj, linear_q_up_proj; then linear_kv_down_proj, linear_kv_up_proj; then
     # q_layernorm (q_lora_rank set) and kv_layernorm (0.16.1 and d98e8a64). The TE spec fuses the latent
     # norms into the up projections (layer_norm_weight before weight) and leaves IdentityOp norms.
@@ -108,7 +108,7 @@ _LOCAL_LAYER_ORDER = (
     "mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.layer_norm_bias",
     "mlp.linear_fc1.weight", "mlp.linear_fc1.bias",
     "mlp.linear_fc2.weight", "mlp.linear_fc2.bias",
-    # optmoe: MoELayer registers router, experts (SequentialMLP.local_experts), then shared_experts;
+    # MoELayer registers router, experts (SequentialMLP.local_experts), then shared_experts;
     # named_parameters() yields a module's own parameters before its children's, so SharedExpertMLP's
     # gate_weight (set after MLP.__init__ built linear_fc1/linear_fc2) comes first.
     "mlp.router.weight", "mlp.router.bias", "mlp.experts.",
@@ -116,7 +116,7 @@ _LOCAL_LAYER_ORDER = (
 )
 # One SequentialMLP expert (an MLP): linear_fc1 then linear_fc2, each weight before its bias.
 _EXPERT_ORDER = ("linear_fc1.weight", "linear_fc1.bias", "linear_fc2.weight", "linear_fc2.bias")
-# ggemm: TEGroupedMLP: linear_fc1 then linear_fc2 (GroupedLinear), each ``weight{i}`` then ``bias{i}`` per local
+# TEGroupedMLP: linear_fc1 then linear_fc2 (GroupedLinear), each ``weight{i}`` then ``bias{i}`` per local
 # expert i (one registration loop in te.pytorch.GroupedLinear.__init__).
 _GROUPED_LINEARS = ("linear_fc1", "linear_fc2")
 _GROUPED_PARAMS = ("weight", "bias")
@@ -126,7 +126,7 @@ _BUFFERS = ("mlp.router.expert_bias",)
 # GPTModel: embedding (word, then position), decoder (layers, then final_layernorm), mtp, output_layer.
 _BEFORE_LAYERS = (WORD_EMBEDDINGS, POSITION_EMBEDDINGS)
 _AFTER_LAYERS = (FINAL_NORM_WEIGHT, FINAL_NORM_BIAS, MTP_PREFIX, OUTPUT_LAYER)
-# mla: a MultiTokenPredictionLayer registers enorm, hnorm, eh_proj, transformer_layer (a decoder layer's
+# A MultiTokenPredictionLayer registers enorm, hnorm, eh_proj, transformer_layer (a decoder layer's
 # modules; ``mtp_model_layer`` in d98e8a64, same place), final_layernorm (0.16.1 and d98e8a64).
 _MTP_BEFORE_LAYER = ("enorm.weight", "enorm.bias", "hnorm.weight", "hnorm.bias", "eh_proj.weight")
 _MTP_AFTER_LAYER = ("final_layernorm.weight", "final_layernorm.bias")
@@ -149,7 +149,7 @@ class OptimizerSlot:
     position: int
     chunk: int
     spec: TensorSpec
-    # optmoe: the index in megatron-core's ChainedOptimizer (1: the expert-parallel optimizer).
+    # The index in megatron-core's ChainedOptimizer (1: the expert-parallel optimizer).
     optimizer: int = 0
 
 
@@ -172,7 +172,7 @@ class OptimizerRules:
         return cls(apply_wd_to_qk_layernorm=bool(getattr(args, "apply_wd_to_qk_layernorm", False)))
 
 
-# ggemm: run settings that replace TEGroupedMLP's per-expert weight{i}/bias{i} parameters: the legacy GroupedMLP
+# Run settings that replace TEGroupedMLP's per-expert weight{i}/bias{i} parameters: the legacy GroupedMLP
 # (TE spec, megatron-core 0.16.1's transformer_engine_spec_provider), or one GroupedTensor per linear (0.20.0).
 _GROUPED_VARIANTS = {
     "moe_use_legacy_grouped_gemm": "the legacy GroupedMLP (one weight1/weight2 for all local experts)",
@@ -195,7 +195,7 @@ def _refuse_grouped_variants(args: argparse.Namespace, where: str) -> None:
 def check_supported(config: ModelConfig, where: str) -> None:
     """Refuse models whose optimizer layout is not reproduced, naming the field."""
     if config.num_experts and config.moe_grouped_gemm and config.transformer_impl != "transformer_engine":
-        # ggemm: TEGroupedMLP (the Transformer Engine spec) is mapped; the local spec's grouped GEMM is not.
+        # TEGroupedMLP (the Transformer Engine spec) is mapped; the local spec's grouped GEMM is not.
         raise UnsupportedOptimizerError(
             f"{where}: moe_grouped_gemm=True with transformer_impl={quote(config.transformer_impl)}: megatron-core "
             f"0.16.1's local spec builds the legacy GroupedMLP (one weight1/weight2 for all local experts), whose "
@@ -221,14 +221,14 @@ def _expert_order(rest: str) -> tuple[int, int, int] | None:
 
 
 def _mtp_order_key(spec: TensorSpec) -> tuple[int, ...]:
-    """mla: ``mtp.layers.{i}.rest`` after the decoder's final norm, before the output layer."""
+    """``mtp.layers.{i}.rest`` after the decoder's final norm, before the output layer."""
     index, _, rest = spec.local_name[len(MTP_PREFIX):].partition(".")
     where = (2, 0, _AFTER_LAYERS.index(MTP_PREFIX), int(index) if index.isdigit() else -1)
     if rest in _MTP_BEFORE_LAYER:
         return (*where, 0, _MTP_BEFORE_LAYER.index(rest))
     if rest in _MTP_AFTER_LAYER:
         return (*where, 2, _MTP_AFTER_LAYER.index(rest))
-    # its transformer layer, as decoder layer 0; mlafix: Megatron-LM d98e8a64's mtp_model_layer sits at the same place
+    # its transformer layer, as decoder layer 0; Megatron-LM d98e8a64's mtp_model_layer sits at the same place
     module = next((f"{m}." for m in MTP_LAYER_MODULES if rest.startswith(f"{m}.")), None)
     if index.isdigit() and module is not None:
         layer = replace(spec, local_name=f"{LAYER_PREFIX}0.{rest[len(module):]}")
@@ -333,7 +333,7 @@ _WD_MULT = (1.0, 0.0)
 
 
 def grouped_expert_note(slots: Sequence[OptimizerSlot]) -> str:
-    """ggemm: for a count mismatch, how many of ``slots`` are TEGroupedMLP expert parameters ("" if none)."""
+    """For a count mismatch, how many of ``slots`` are TEGroupedMLP expert parameters ("" if none)."""
     layers: set[tuple[int, str]] = set()
     experts: set[int] = set()
     count = 0
@@ -396,118 +396,3 @@ def check_state_shapes(slots: Sequence[Sequence[OptimizerSlot]], state: Mapping[
                 raise OptimizerLayoutError(
                     f"{where}: optimizer.state[{slot.position}].{key} has shape {shape}, but position "
                     f"{slot.position} is {slot.spec.local_name} of shape {tuple(slot.spec.local_shape)}")
-
-
-@dataclass(frozen=True)
-class FlatParam:
-    """Where one parameter lies in a distributed optimizer's DP-gathered flat buffer (``distrib_optim.pt``):
-    ``[start, end)`` in the coalesced buffer (every bucket's padding dropped); buckets: the DDP bucket that
-    holds it and that bucket's start in the coalesced buffer (``start - bucket_start``: its offset in the
-    bucket, i.e. in a dp_reshardable ``bucket_idx_<bucket>`` record). dpvpp: ``buffer``: the buffer's index
-    among the rank's buffers (``distrib_optim.pt``'s key, dp_reshardable's ``gbuf_idx``), which skips a model
-    chunk without parameters."""
-
-    slot: OptimizerSlot
-    start: int
-    end: int
-    bucket: int = 0
-    bucket_start: int = 0
-    buffer: int = 0
-
-
-def bucket_ranges(placed: Sequence[FlatParam], numel: int) -> list[tuple[int, int]]:
-    """Each bucket's ``[start, end)`` in the coalesced buffer of ``numel`` elements (every bucket holds a
-    parameter, so each bucket's start is its first parameter's ``bucket_start``)."""
-    starts = sorted({item.bucket: item.bucket_start for item in placed}.items())
-    bounds = [start for _, start in starts] + [numel]
-    return [(bounds[index], bounds[index + 1]) for index in range(len(starts))]
-
-
-def _default_bucket_size(args: argparse.Namespace, dp: int) -> int:
-    """DistributedDataParallel's default: ``max(40_000_000, 1_000_000 * dp)``: megatron-core 0.16.1 takes the
-    data-parallel group without context parallelism, Megatron-LM d98e8a64 (0.20.0) the one with it."""
-    cp = int(getattr(args, "context_parallel_size", None) or 1)
-    size = max(40_000_000, 1_000_000 * dp)
-    if cp > 1 and size != max(40_000_000, 1_000_000 * dp * cp):
-        raise UnsupportedOptimizerError(
-            f"args.ddp_bucket_size=None with data_parallel_size={dp} and context_parallel_size={cp}: the default "
-            f"DDP bucket size is {size} in megatron-core 0.16.1 but {max(40_000_000, 1_000_000 * dp * cp)} in 0.20.0, "
-            "and the checkpoint does not say which made it; pass --skip-optimizer")
-    return size
-
-
-def _bucket_size(args: argparse.Namespace | None, coord: RankCoord, chunk: int, dp: int) -> int | None:
-    """The DDP bucket size of model chunk ``chunk`` (None: one bucket). ``DistributedDataParallel.__init__``
-    (megatron-core 0.16.1): None without ``overlap_grad_reduce`` and on pipeline stages after the first;
-    Megatron-LM's ``get_model`` passes ``disable_bucketing`` for model chunks after the first and with
-    ``overlap_param_gather_with_optimizer_step``; else ``ddp_bucket_size`` or the default."""
-    if args is None or not getattr(args, "overlap_grad_reduce", False):
-        return None
-    if getattr(args, "ddp_num_buckets", None) is not None:
-        raise UnsupportedOptimizerError(
-            f"args.ddp_num_buckets={quote(getattr(args, 'ddp_num_buckets'))}: the bucket size is then derived from "
-            f"every parameter's count on the rank (Megatron-LM 0.20.0), which pgconvert does not reproduce "
-            f"({_VERSIONS}); pass --skip-optimizer")
-    if coord.pp > 0 or chunk > 0 or getattr(args, "overlap_param_gather_with_optimizer_step", False):
-        return None
-    size = getattr(args, "ddp_bucket_size", None)
-    return int(size) if size is not None else _default_bucket_size(args, dp)
-
-
-def _is_shared_embedding(config: ModelConfig, layout: ParallelLayout, spec: TensorSpec) -> bool:
-    """megatron-core's ``shared_embedding`` flag (``LanguageModule.setup_embeddings_and_output_layer``): at
-    pipeline size > 1 with tied embeddings (or multi-token prediction), the first stage's word embedding and
-    the last stage's output weight (its copy), or with MTP the last stage's embedding copy; the distributed
-    optimizer gives each its own bucket."""
-    if layout.pp == 1 or not (config.tie_embeddings or config.mtp_num_layers):
-        return False
-    # mla: with MTP the last stage's shared weight is its embedding copy (GPTModel.shared_embedding_or_output_weight:
-    # pre_process or mtp_process), not its output layer.
-    return spec.local_name == WORD_EMBEDDINGS or (spec.local_name == OUTPUT_LAYER and not config.mtp_num_layers)
-
-
-def _place_chunk(slots: Sequence[OptimizerSlot], bucket_size: int | None,
-                 shared: Callable[[OptimizerSlot], bool]) -> tuple[list[FlatParam], int]:
-    """``_ParamAndGradBuffer.__init__`` for one buffer (megatron-core 0.16.1; ``_compute_per_buffer_param_layout``
-    in 0.20.0): the parameters in reverse order, each starting at a multiple of 64; a bucket closes after
-    the parameter that brings it to ``bucket_size`` elements, and before and after a shared embedding. Each
-    bucket's end is padded (``lcm(dp, 128)``, a multiple of 64), so offsets inside a bucket do not depend on
-    the DP size; the coalesced buffer drops that padding: ``(placed, unpadded size)``."""
-    placed: list[FlatParam] = []
-    offset, cursor, bucket, members = 0, 0, 0, 0
-    for slot in reversed(slots):
-        cursor = -(-cursor // 64) * 64
-        own = shared(slot)
-        if own and members:  # the bucket before ends at the (aligned) start of the shared embedding
-            offset, cursor, bucket, members = offset + cursor, 0, bucket + 1, 0
-        placed.append(FlatParam(slot, offset + cursor, offset + cursor + slot.spec.numel, bucket, offset))
-        cursor += slot.spec.numel
-        members += 1
-        if own or (bucket_size is not None and cursor >= bucket_size):
-            offset, cursor, bucket, members = offset + cursor, 0, bucket + 1, 0
-    return placed, offset + cursor
-
-
-def flat_buffers(config: ModelConfig, layout: ParallelLayout, coord: RankCoord, rules: OptimizerRules,
-                 padded_vocab_size: int | None, args: argparse.Namespace | None = None,
-                 dp: int = 1, optimizer: int = 0) -> list[tuple[list[FlatParam], int]]:
-    """Per buffer (``distrib_optim.pt``'s buffer index, dp_reshardable's ``gbuf_idx``), its parameters' places
-    in the coalesced buffer (``_place_chunk``; DDP buckets as ``_bucket_size`` sizes them) and the buffer's
-    unpadded size. One buffer per model chunk that has parameters: megatron-core's DDP makes a buffer per
-    dtype of a chunk's parameters, none for a chunk without (an empty virtual stage of a pipeline layout), and
-    ``DistributedOptimizer`` numbers the buffers of all chunks in order (``itertools.chain`` of
-    ``per_model_buffers``). ``optimizer`` 1: the expert-parallel parameters' buffers
-    (DDP's ``expert_parallel_buffers``)."""
-    by_param = {(slot.chunk, slot.spec.local_name): slot
-                for group in optimizer_slots(config, layout, coord, rules, padded_vocab_size) for slot in group}
-    # The buffer follows the chunk's named_parameters() order (reversed), not the param groups'.
-    named = [by_param[(chunk, spec.local_name)] for chunk, spec in
-             named_parameters(config, layout, coord, padded_vocab_size)]
-    buffers: list[tuple[list[FlatParam], int]] = []
-    for chunk in range(layout.virtual_size):
-        slots = [slot for slot in named if slot.chunk == chunk and slot.optimizer == optimizer]
-        placed, numel = _place_chunk(slots, _bucket_size(args, coord, chunk, dp),
-                                     lambda slot: _is_shared_embedding(config, layout, slot.spec))
-        if placed:
-            buffers.append(([replace(item, buffer=len(buffers)) for item in placed], numel))
-    return buffers

@@ -1,4 +1,4 @@
-"""optcli: the grad scaler's state carried with the optimizer (fp16 runs, or a constant ``--loss-scale``).
+"""The grad scaler's state carried with the optimizer (fp16 runs, or a constant ``--loss-scale``).
 
 megatron-core 0.16.1 (optimizer/optimizer.py ``Float16OptimizerWithFloat16Params.state_dict``,
 optimizer/distrib_optimizer.py ``DistributedOptimizer.state_dict``) puts ``grad_scaler`` beside
@@ -13,8 +13,9 @@ optimizer/distrib_optimizer.py ``DistributedOptimizer.state_dict``) puts ``grad_
   ``optimizer.distributed.dp_group_idx_<g>.grad_scaler`` (stored ``<key>/shard_0_1``) per model-parallel
   rank ``g`` (``chained_<i>.``-prefixed per chained optimizer, as every dp_reshardable object).
 
-A target with fewer chained optimizers than the source (expert parallel size > 1 -> 1) keeps the dense
-optimizer's scaler; when the expert optimizer's differs it cannot be carried: named, refused under --strict.
+The formats' readers and writers put it there; this module keeps the format-neutral part: one scaler
+per chained optimizer, and which one each of a target's optimizers gets. A target with fewer chained
+optimizers than the source (expert parallel size > 1 -> 1) keeps the dense optimizer's scaler; when the expert optimizer's differs it cannot be carried: named, refused under --strict.
 """
 
 from __future__ import annotations
@@ -26,12 +27,6 @@ import torch
 from pgconvert.io.limits import quote
 
 GRAD_SCALER = "grad_scaler"
-
-
-def dp_object_key(prefix: str) -> str:
-    """The dp_reshardable ShardedObject of a model-parallel rank's grad scaler (``prefix``:
-    ``optimizer_torch_dist_dp.record_prefix``, ``[chained_<i>.]optimizer.distributed.dp_group_idx_<g>``)."""
-    return f"{prefix}.{GRAD_SCALER}/shard_0_1"
 
 
 def held_scalers(entries: list[Any]) -> list[Any]:

@@ -32,8 +32,7 @@ from pgconvert.model.layout import ParallelLayout
 from pgconvert.model.layout_spec import LayoutSpec
 from pgconvert.run.manifest import Manifest, record_files, write_manifest
 from pgconvert.formats.hf_quantized import check_keep_fp8
-from pgconvert.optimizer.reshard import carry_training_state, replace_saver_notice
-from pgconvert.optimizer.reshard import check_optimizer_options  # optcli
+from pgconvert.optimizer.carry import carry_training_state, check_optimizer_options, replace_saver_notice
 from pgconvert.formats.registry import detect_format, get_loader, get_saver
 from pgconvert.families import CARRIED_SETTINGS
 from pgconvert.semantics import check_target
@@ -82,15 +81,16 @@ class ConvertRequest:
     # files they may hold in memory at once.
     workers: int = 1
     max_memory: int | None = None
-    # fp8: write an hf source's quantized tensors unchanged with their scales (hf -> hf only).
+    # Write an hf source's quantized tensors unchanged with their scales (hf -> hf only).
     keep_fp8: bool = False
-    # opt18: convert the model alone, without the source's optimizer state (pgconvert.optimizer.reshard).
+    # Convert the model alone, without the source's optimizer state (pgconvert.optimizer.carry).
     skip_optimizer: bool = False
-    # optmoe: the data-parallel size a Megatron per-rank DST records (pgconvert.optimizer.dp).
+    # The data-parallel size the carried optimizer state is written for (pgconvert.optimizer.data_parallel).
     dst_dp: int | None = None
-    # dprw: a torch_dist DST's distributed-optimizer form (pgconvert.optimizer.torch_dist_dp).
+    # The optimizer state's form in DST, one of its saver's ``optimizer_forms`` (torch_dist: the distributed
+    # optimizer's form).
     dst_optim_form: str | None = None
-    # mlafix: a Megatron per-rank DST's MTP inner-layer key (pgconvert.formats.mtp_naming); None: the source's.
+    # A Megatron per-rank DST's MTP inner-layer key (pgconvert.formats.mtp_naming); None: the source's.
     dst_mtp_layer_name: str | None = None
 
 
@@ -206,10 +206,10 @@ def plan(request: ConvertRequest, check_dst: bool = True) -> Plan:
         check_destination(request.dst, request.overwrite, src)
     src_format = request.src_format or detect_format(src)
     dst_format = request.dst_format or src_format
-    if request.keep_fp8:
-        check_keep_fp8(src_format, dst_format)
     loader = get_loader(src_format)
     saver = get_saver(dst_format)
+    if request.keep_fp8:
+        check_keep_fp8(loader, saver)
     if request.dtype not in DTYPE_CHOICES:
         raise DestinationError(f"--dtype {request.dtype}: must be one of {', '.join(DTYPE_CHOICES)}")
     source = loader.open(src, LoadOptions(
@@ -220,7 +220,7 @@ def plan(request: ConvertRequest, check_dst: bool = True) -> Plan:
         true_vocab_size=request.true_vocab_size,
         strict=request.strict,
         keep_quantized=request.keep_fp8,
-        dequantize_dtype=DTYPE_CHOICES[request.dtype],  # tidy: one rounding, to the dtype asked for
+        dequantize_dtype=DTYPE_CHOICES[request.dtype],  # one rounding, to the dtype asked for
     ))
     try:
         if request.check_finite not in CHECK_FINITE_CHOICES:
@@ -234,7 +234,7 @@ def plan(request: ConvertRequest, check_dst: bool = True) -> Plan:
             dtype=DTYPE_CHOICES[request.dtype],
             transformer_impl=request.dst_transformer_impl,
             expert_layout=request.dst_expert_layout,
-            mtp_layer_module=request.dst_mtp_layer_name,  # mlafix
+            mtp_layer_module=request.dst_mtp_layer_name,
             strict=request.strict,
             max_shard_size=request.max_shard_size,
             hf_config=Path(request.hf_config) if request.hf_config is not None else None,
@@ -248,7 +248,7 @@ def plan(request: ConvertRequest, check_dst: bool = True) -> Plan:
         saver.validate(source, save_options)
         files = saver.plan(source, save_options)
         conversion = Plan(request, src_format, dst_format, source, source.layout, saver, save_options, files)
-        check_optimizer_options(conversion)  # optcli: before anything is written
+        check_optimizer_options(conversion)  # before anything is written
     except BaseException:
         source.close()
         raise

@@ -27,7 +27,7 @@ from pgconvert.run.destination import sibling
 from pgconvert.errors import ConversionError, ValidationError
 from pgconvert.formats import SaveResult
 from pgconvert.run.workers import balanced_shares, require_partial
-from pgconvert.optimizer.reshard import note_sharded_run  # optcli
+from pgconvert.optimizer.carry import note_sharded_run
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +166,7 @@ def run_shard(request: ConvertRequest, index: int, count: int, coordinator_kind:
     conversion = plan(request)
     require_partial(conversion)
     try:
-        note_sharded_run(conversion)  # optcli: the optimizer is not carried by sharded runs
+        note_sharded_run(conversion)  # the optimizer is not carried by sharded runs
     except BaseException:
         conversion.source.close()
         raise

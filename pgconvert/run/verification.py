@@ -12,39 +12,20 @@ import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any
 
 import torch
 
 from pgconvert.errors import PgconvertError, ValidationError
 from pgconvert.formats import LoadOptions
+from pgconvert.run.comparison import TensorDifference, compare_values
 from pgconvert.run.manifest import MANIFEST_FILE, file_problems, read_manifest
 from pgconvert.model.provider import VOCAB_TABLES
 from pgconvert.formats.registry import detect_format, get_loader
+from pgconvert.run.verify_optimizer import OptimizerReport, compare_optimizers
 from pgconvert.semantics import SEMANTIC_FIELDS
 from pgconvert.semantics import differences as semantic_differences
 from pgconvert.formats.stream import CanonicalSource
-
-if TYPE_CHECKING:
-    from pgconvert.run.verify_optimizer import OptimizerReport
-
-# Elements compared at a time, in float64: 32 MiB per operand.
-COMPARE_BLOCK = 4 * 1024 * 1024
-
-DifferenceKind = Literal["values", "shape", "dtype", "missing", "unreadable", "config"]
-
-
-@dataclass(frozen=True)
-class TensorDifference:
-    """One way the checkpoints differ; ``max_abs_diff``/``differing`` are set for value differences."""
-
-    name: str
-    kind: DifferenceKind
-    message: str
-    max_abs_diff: float | None = None
-    differing: int | None = None
-    numel: int | None = None
-
 
 @dataclass
 class VerifyReport:
@@ -63,7 +44,7 @@ class VerifyReport:
     padding_differences: list[TensorDifference] = field(default_factory=list)
     file_problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-    # verifyopt: the optimizer state compared (None: not looked at, skip_optimizer)
+    # The optimizer state compared (None: not looked at, skip_optimizer).
     optimizer: OptimizerReport | None = None
 
     @property
@@ -73,7 +54,7 @@ class VerifyReport:
     def to_dict(self) -> dict[str, Any]:
         doc = asdict(self)
         doc["equal"] = self.equal
-        optimizer = doc["optimizer"] or {"differences": [], "padding_differences": []}  # verifyopt
+        optimizer = doc["optimizer"] or {"differences": [], "padding_differences": []}
         if doc["optimizer"] is None:
             doc["optimizer"] = {"status": "skipped"}
         for item in (*doc["differences"], *doc["padding_differences"], *optimizer["differences"],
@@ -81,27 +62,6 @@ class VerifyReport:
             if item["max_abs_diff"] is not None and not math.isfinite(item["max_abs_diff"]):
                 item["max_abs_diff"] = str(item["max_abs_diff"])  # JSON has no inf/nan
         return doc
-
-
-def compare_values(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -> tuple[int, float]:
-    """(elements not within ``atol + rtol·|b|``, max abs difference) of two same-shape tensors.
-
-    NaN equals NaN and an infinity equals itself, so a checkpoint compared with itself is equal.
-    """
-    flat_a, flat_b = a.reshape(-1), b.reshape(-1)
-    differing = 0
-    max_abs = 0.0
-    for start in range(0, flat_a.numel(), COMPARE_BLOCK):
-        block_a = flat_a[start:start + COMPARE_BLOCK].to(torch.float64)
-        block_b = flat_b[start:start + COMPARE_BLOCK].to(torch.float64)
-        same = (block_a == block_b) | (block_a.isnan() & block_b.isnan())
-        if bool(same.all()):
-            continue
-        diff = (block_a - block_b).abs().masked_fill(same, 0.0).nan_to_num(nan=math.inf, posinf=math.inf)
-        close = same | (diff <= atol + rtol * block_b.abs())
-        differing += int((~close).sum())
-        max_abs = max(max_abs, float(diff.max()))
-    return differing, max_abs
 
 
 def _open(path: Path, iteration: int | None, true_vocab_size: int | None) -> CanonicalSource:
@@ -139,9 +99,7 @@ def verify(a: str | Path, b: str | Path, rtol: float = 0.0, atol: float = 0.0, *
         for label, root in (("A", a), ("B", b)):
             _check_manifest(label, root, report)
         _compare_sources(source_a, source_b, report, progress or (lambda name: None))
-        if not skip_optimizer:  # verifyopt
-            from pgconvert.run.verify_optimizer import compare_optimizers
-
+        if not skip_optimizer:
             report.optimizer = compare_optimizers(source_a, source_b, rtol, atol, progress)
     finally:
         source_a.close()

@@ -1,8 +1,7 @@
-"""verifyopt: ``verify``'s comparison of the two checkpoints' optimizer state, when both hold one.
+"""``verify``'s comparison of the two checkpoints' optimizer state, when both hold one.
 
-Each side's state is opened through the machinery ``convert`` and ``export-optimizer`` use
-(``optimizer_reshard.open_optimizer``: ``OptimizerSource`` for the Megatron per-rank forms,
-``TorchDistOptimizerSource`` for torch_dist) and compared per canonical parameter, one parameter at
+Each side's state is opened as ``convert`` and ``export-optimizer`` open it (its source's
+``open_optimizer``: an ``OptimizerSource`` whatever the format) and compared per canonical parameter, one parameter at
 a time (``parameter(name)``: the fp32 master ``param``, ``exp_avg``, ``exp_avg_sq`` and ``step`` of
 that parameter alone), so memory holds one parameter's state per side whatever the model size:
 
@@ -14,7 +13,7 @@ that parameter alone), so memory holds one parameter's state per side whatever t
 - the carried counters present on both sides: iteration, ``opt_param_scheduler``,
   ``num_floating_point_operations_so_far``, the consumed-samples counters in ``args``.
 
-A side without optimizer state (HF, a ``--skip-optimizer`` output) is reported ("only in A"), not a
+A side without optimizer state (``holds_optimizer`` False: HF, a ``--skip-optimizer`` output) is reported ("only in A"), not a
 difference. A side whose form pgconvert does not read (``UnsupportedOptimizerError``, a
 ``ValidationError``) is named with the reason, not a difference; state that does not match its model
 (``OptimizerLayoutError``) is a difference (kind ``unreadable``): nothing proves it equal.
@@ -30,17 +29,12 @@ from typing import Any
 import torch
 
 from pgconvert.errors import PgconvertError, ValidationError
-from pgconvert.io.limits import quote
-from pgconvert.optimizer.order import optimizer_count
-from pgconvert.optimizer.reshard import COUNTERS, _holds_optimizer, open_optimizer
-from pgconvert.optimizer.state import CARRIED_KEYS, MOMENTS, OptimizerSource
-from pgconvert.model.provider import VOCAB_TABLES
 from pgconvert.formats.stream import CanonicalSource
-from pgconvert.run.verification import DifferenceKind, TensorDifference, compare_values
-
-# Formats whose checkpoints can hold megatron-core optimizer state.
-OPTIMIZER_FORMATS = ("megatron", "torch_dist")
-FIELDS = ("param", *MOMENTS)
+from pgconvert.io.limits import quote
+from pgconvert.model.provider import VOCAB_TABLES
+from pgconvert.optimizer.order import optimizer_count
+from pgconvert.optimizer.source import CARRIED_KEYS, COUNTERS, FIELDS, OptimizerSource
+from pgconvert.run.comparison import DifferenceKind, TensorDifference, compare_values
 
 
 @dataclass(frozen=True)
@@ -110,23 +104,21 @@ def compare_optimizers(source_a: CanonicalSource, source_b: CanonicalSource, rto
 
 def _held(source: CanonicalSource) -> bool:
     """Whether the checkpoint holds optimizer state (one that cannot be read is opened, and reported, below)."""
-    if source.format_name not in OPTIMIZER_FORMATS:
-        return False
     try:
-        return _holds_optimizer(source)
+        return source.holds_optimizer()
     except PgconvertError:
         return True
 
 
 def _form(optimizer: OptimizerSource) -> str:
-    sharding = getattr(optimizer, "sharding", None)  # torch_dist: the param-state sharding type
+    sharding = optimizer.sharding  # the stored form's name, where the format gives one (torch_dist)
     return f"{optimizer.form}, {sharding}" if sharding else optimizer.form
 
 
 def _open_side(label: str, source: CanonicalSource, report: OptimizerReport) -> OptimizerSource | None:
     """The side's optimizer state, or None with the reason recorded (unsupported: named; broken: a difference)."""
     try:
-        return open_optimizer(source, source.format_name)
+        return source.open_optimizer()
     except ValidationError as error:  # UnsupportedOptimizerError: a form or model pgconvert does not read
         setattr(report, f"unreadable_{label.lower()}", str(error))
     except PgconvertError as error:  # OptimizerLayoutError: state that does not match its model

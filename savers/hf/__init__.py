@@ -73,9 +73,9 @@ class _Unit:
     hf_names: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
     dtype: torch.dtype
-    # fp8: HF tensors written as their stored quantized parts (--keep-fp8), by HF name.
+    # HF tensors written as their stored quantized parts (--keep-fp8), by HF name.
     kept: dict[str, tuple[tuple[str, TensorMeta], ...]] = field(default_factory=dict)
-    # f17c: (expert index, experts) for a slice of stacked HF tensors (TensorMapping.stacked)
+    # (expert index, experts) for a slice of stacked HF tensors (TensorMapping.stacked)
     stack: tuple[int, int] | None = None
 
     @property
@@ -92,7 +92,7 @@ class _Unit:
 
     def entries(self) -> list[tuple[str, TensorMeta, str]]:
         """What the unit completes: (tensor name, shape and dtype, the HF tensor it is or is part of);
-        a stacked tensor's with its last expert, kept quantized ones as their stored parts (fp8)."""
+        a stacked tensor's with its last expert, kept quantized ones as their stored parts (--keep-fp8)."""
         if not self.closes_stack:
             return []
         lead = (self.stack[1],) if self.stack is not None else ()
@@ -126,7 +126,7 @@ def rotate_half_order(rotary: str | None, full: torch.Tensor, config: ModelConfi
     ``rotary`` is the tensor kind's (``provider.TensorKind.rotary``)."""
     order = _rotary_order(config)
     if rotary == "head":
-        # Per head, or (f17b: qk_layernorm_across_heads) each head's slice of the whole projection's norm.
+        # Per head, or (qk_layernorm_across_heads) each head's slice of the whole projection's norm.
         return full.view(-1, order.numel()).index_select(1, order).reshape(full.shape)
     if rotary != "qkv":
         return full
@@ -146,7 +146,7 @@ class _HFKinds:
 
     layers: dict[str, TensorKind]
     norm_weights: set[str]
-    # f17b: the family's HF rotary is already interleaved (GLM-4) / its norms already compute 1 + w (Gemma).
+    # The family's HF rotary is already interleaved (GLM-4) / its norms already compute 1 + w (Gemma).
     hf_rotary_interleaved: bool = False
     hf_norms_zero_centred: bool = False
 
@@ -241,8 +241,8 @@ class _SafetensorsWriter:
 
 def _write_unit(writer: _SafetensorsWriter, unit: _Unit, source: CanonicalSource, kinds: _HFKinds,
                 stacks: dict[str, list[torch.Tensor]]) -> None:
-    """One canonical tensor as its HF tensors: kept quantized ones as their stored parts (fp8), a
-    stacked row's slice held in ``stacks`` until its last expert writes the whole (f17c)."""
+    """One canonical tensor as its HF tensors: kept quantized ones as their stored parts (--keep-fp8), a
+    stacked row's slice held in ``stacks`` until its last expert writes the whole."""
     config = source.config
     if unit.kept.keys() >= set(unit.hf_names):
         pieces: list[torch.Tensor | None] = [None] * len(unit.hf_names)
@@ -272,7 +272,7 @@ def _write_json(path: Path, doc: dict[str, Any]) -> None:
 
 
 def kept_quantized(source: CanonicalSource, hf_names: tuple[str, ...]) -> dict[str, tuple[tuple[str, TensorMeta], ...]]:
-    """fp8: the HF tensors of ``hf_names`` that --keep-fp8 writes as their stored quantized parts."""
+    """The HF tensors of ``hf_names`` that --keep-fp8 writes as their stored quantized parts."""
     quantized = source.hf_origin.quantized if source.hf_origin is not None else None
     if quantized is None:
         return {}
@@ -280,7 +280,7 @@ def kept_quantized(source: CanonicalSource, hf_names: tuple[str, ...]) -> dict[s
 
 
 def kept_once(units: list[_Unit]) -> list[_Unit]:
-    """fp8: an HF tensor that several canonical tensors make up (one stacked tensor of many experts)
+    """An HF tensor that several canonical tensors make up (one stacked tensor of many experts)
     has its stored parts written once, with the last of them; the others write nothing for it."""
     last = {name: index for index, unit in enumerate(units) for name in unit.kept}
     return [
@@ -291,7 +291,7 @@ def kept_once(units: list[_Unit]) -> list[_Unit]:
 
 
 def check_all_kept(source: CanonicalSource, units: list[_Unit]) -> None:
-    """fp8: --keep-fp8 must find every quantized tensor under the same HF name in the target."""
+    """--keep-fp8 must find every quantized tensor under the same HF name in the target."""
     quantized = source.hf_origin.quantized if source.hf_origin is not None else None
     if quantized is None:
         return
@@ -303,7 +303,7 @@ def check_all_kept(source: CanonicalSource, units: list[_Unit]) -> None:
 
 
 def _quantization_config(doc: dict[str, Any], source: CanonicalSource, notices: list[str]) -> dict[str, Any]:
-    """fp8: config.json keeps quantization_config only when the quantized tensors are kept."""
+    """config.json keeps quantization_config only when the quantized tensors are kept."""
     if source.hf_origin is not None and source.hf_origin.quantized is not None:
         return doc
     updated, notice = without_quantization(doc, CONFIG_FILE)
@@ -314,6 +314,7 @@ def _quantization_config(doc: dict[str, Any], source: CanonicalSource, notices: 
 
 class HFSaver(Saver):
     name = "hf"
+    keeps_quantized = True
     # One unsharded model: the destination never takes a parallel layout.
     parallel = False
 
@@ -407,7 +408,7 @@ class HFSaver(Saver):
             units.append(_Unit(name, row, hf_names, shapes, dtype, kept_quantized(source, hf_names), stack))
         if unmapped:
             raise ConfigError(f"hf: {family.architecture} has no HF name for {sorted(unmapped)}")
-        # mtp: each MTP layer's copies of the embedding and output layer, written from them.
+        # Each MTP layer's copies of the embedding and output layer, written from them.
         by_name = {unit.canonical: unit for unit in units}
         units += [replace(by_name[canonical], row=row, hf_names=(hf_name,), kept=kept_quantized(source, (hf_name,)))
                   for hf_name, canonical, row in mtp.copies(family.tensors, config)]
@@ -417,7 +418,7 @@ class HFSaver(Saver):
         """transformers' greedy packing, by canonical tensor: a new shard when the next would overflow."""
         limit = options.max_shard_size or DEFAULT_MAX_SHARD_SIZE
         shards = [_Shard()]
-        open_stacks: set[str] = set()  # f17c: a stacked HF tensor is never split between shards
+        open_stacks: set[str] = set()  # a stacked HF tensor is never split between shards
         for unit in self._units(source, options):
             if shards[-1].units and not open_stacks and shards[-1].nbytes + unit.nbytes > limit:
                 shards.append(_Shard())

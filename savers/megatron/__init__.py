@@ -20,7 +20,8 @@ import torch
 
 from pgconvert.model.config import ModelConfig
 from pgconvert.io.durable import fsync_file
-from pgconvert.formats import PlannedFile, Progress, SaveOptions, Saver, SaveResult, target_config, target_dtype
+from pgconvert.formats import (TRAINING_STATE_NOT_CARRIED, CarriedOptimizer, OptimizerFile, OptimizerOptions,
+                               PlannedFile, Progress, SaveOptions, Saver, SaveResult, target_config, target_dtype)
 from pgconvert.model.grid import RankCoord, build_converter_process_groups, iter_ranks
 from pgconvert.io.hashing import HashingWriter
 from pgconvert.formats.hf_side import carried_for_target, write_carried
@@ -52,10 +53,10 @@ from pgconvert.formats.stream import CanonicalSource, ExtraState
 from pgconvert.formats.strict import fallback
 from pgconvert.formats.mtp_naming import local_mtp_key
 from pgconvert.io.torchzip import PlannedTensor, save_stream
+from pgconvert.optimizer.source import OptimizerSource
+from pgconvert.savers.megatron.optimizer import carry_optimizer, planned_optimizer_files
 
 log = logging.getLogger(__name__)
-
-
 
 
 def save_durably(state: dict[str, Any], path: Path) -> str:
@@ -161,7 +162,7 @@ class MegatronSaver(Saver):
             if parsed is None:
                 owner = non_layer_chunk(canonical)
                 if (owner == "first" and first) or (owner == "last" and last):
-                    keys.append((local_mtp_key(canonical, config.mtp_layer_module), canonical))  # mlafix
+                    keys.append((local_mtp_key(canonical, config.mtp_layer_module), canonical))  # the target's MTP spelling
             elif parsed[0] in shard.layers:
                 keys.append((f"{LAYER_PREFIX}{parsed[0] - shard.layers.start}.{parsed[1]}", canonical))
         return keys
@@ -244,10 +245,9 @@ class MegatronSaver(Saver):
         tracker.write_text("release" if release else str(iteration))
         fsync_file(tracker)
         write_carried(source, options, out_dir)
-        notices = [
-            "optimizer, scheduler and RNG state are not carried: resume with --no-load-optim "
-            "--no-load-rng (or --finetune)"
-        ]
+        notices: list[str] = []
+        if source.holds_training_state():
+            notices.append(f"{TRAINING_STATE_NOT_CARRIED}: resume with --no-load-optim --no-load-rng (or --finetune)")
         if source.iteration is None and not release:
             notices.insert(0, "the source has no iteration number; writing iteration 0")
         return notices
@@ -255,6 +255,28 @@ class MegatronSaver(Saver):
     @staticmethod
     def _iteration(source: CanonicalSource) -> tuple[int, bool]:
         return (source.iteration if source.iteration is not None else 0), source.release
+
+    # The source's optimizer state, in its own form (plain or distributed), into every rank file.
+    writes_optimizer = True
+
+    def plan_optimizer(self, source: CanonicalSource, optimizer: OptimizerSource, form: str, options: SaveOptions,
+                       optimizer_options: OptimizerOptions) -> list[OptimizerFile]:
+        config = target_config(source.config, options)
+        rows = target_vocab_rows(config, source.vocab_rows, options.layout)
+        directory = iteration_dir_name(*self._iteration(source))
+        return planned_optimizer_files(optimizer, config, options.layout, rows, optimizer_options.dp, directory)
+
+    def save_optimizer(self, source: CanonicalSource, optimizer: OptimizerSource, form: str, out_dir: Path,
+                       options: SaveOptions, optimizer_options: OptimizerOptions,
+                       files: list[PlannedFile]) -> CarriedOptimizer:
+        """Each rank file rewritten with its optimizer entry (and ``distrib_optim.pt`` beside it)."""
+        config = target_config(source.config, options)
+        rows = target_vocab_rows(config, source.vocab_rows, options.layout)
+        iteration_dir = out_dir / iteration_dir_name(*self._iteration(source))
+        rewritten = {item.relpath for item in carry_optimizer(optimizer, config, options.layout, iteration_dir, rows,
+                                                              save_durably, optimizer_options.dp)}
+        return CarriedOptimizer([PlannedFile(f.relpath, f.tensors, f.nbytes) if f.relpath in rewritten else f
+                                 for f in files], optimizer.form)
 
 
 def _expert_naming_changes(source: CanonicalSource, config: ModelConfig) -> bool:

@@ -10,7 +10,7 @@ the refitted table), plus the plan (a few hundred bytes per chunk). The format c
 several calls (each ``dcp.save`` writes the one ``.metadata`` index of the directory), so there is
 one call and one data file ``__0_0.distcp``.
 
-That file is written by ``_StreamingWriter``, not by torch's ``FileSystemWriter.write_data``: torch's
+That file is written by ``StreamingWriter`` (``streaming.py``), not by torch's ``FileSystemWriter.write_data``: torch's
 loop keeps every tensor it wrote in a dict until the file is closed (one per key, so a stacked
 model's embedding, output layer and one layer of each key stay alive), which made the peak about
 three canonical tensors. The bytes are the same: the items in torch's order (``_write_order``),
@@ -25,40 +25,23 @@ from __future__ import annotations
 import errno
 import io
 import logging
-import os
-from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter, SavePlan, SavePlanner
-from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
+from torch.distributed.checkpoint import DefaultSavePlanner, SavePlan
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
-from torch.distributed.checkpoint.storage import WriteResult
-from torch.futures import Future
 
-from pgconvert.io import sizes
-from pgconvert.model.config import ModelConfig
-from pgconvert.io.durable import fsync_file
 from pgconvert.errors import ValidationError
-from pgconvert.formats import PlannedFile, Progress, SaveOptions, Saver, SaveResult, target_config, target_dtype
-from pgconvert.io.hashing import HashingWriter
+from pgconvert.formats import (TRAINING_STATE_NOT_CARRIED, CarriedOptimizer, OptimizerFile, OptimizerOptions,
+                               PlannedFile, Progress, SaveOptions, Saver, SaveResult, target_config, target_dtype)
 from pgconvert.formats.hf_side import carried_for_target, write_carried
-from pgconvert.io.limits import quote
 from pgconvert.formats.megatron import (CHECKPOINT_VERSION, FRAMEWORK_PICKLE, TRACKER_FILE, args_for_target,
                                        iteration_dir_name, params_dtype_for)
-from pgconvert.model.provider import (
-    VOCAB_TABLES,
-    canonical_shapes,
-    keep_dtype_names,
-    layer_kinds,
-    target_vocab_rows,
-)
-from pgconvert.model.rules import VOCAB, ShardRule
 from pgconvert.formats.stream import CanonicalSource
 from pgconvert.formats.strict import fallback
 from pgconvert.formats.torch_dist import (
@@ -73,7 +56,21 @@ from pgconvert.formats.torch_dist import (
     tensor_locations,
     write_checkpoint_config,
 )
-from pgconvert.io.torchzip import PlannedTensor, save_stream
+from pgconvert.io import sizes
+from pgconvert.io.durable import fsync_file
+from pgconvert.io.limits import quote
+from pgconvert.model.config import ModelConfig
+from pgconvert.model.provider import (
+    VOCAB_TABLES,
+    canonical_shapes,
+    keep_dtype_names,
+    layer_kinds,
+    target_vocab_rows,
+)
+from pgconvert.model.rules import VOCAB, ShardRule
+from pgconvert.optimizer.source import OptimizerSource
+from pgconvert.savers.torch_dist.optimizer import DST_FORMS, moe_refusal, planned_records, write_optimizer, written_form
+from pgconvert.savers.torch_dist.streaming import StreamingWriter
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +111,7 @@ class _Chunk:
 
 def _rules(config: ModelConfig) -> dict[str, ShardRule]:
     """Each layer tensor's TP rule (the others are whole tensors in one chunk)."""
-    return {name: kind.rule_for(config) for name, kind in layer_kinds(config).items()}  # mtp: MTP layers too
+    return {name: kind.rule_for(config) for name, kind in layer_kinds(config).items()}  # MTP layers too
 
 
 def _row_runs(rule: ShardRule | None, shape: tuple[int, ...]) -> list[tuple[int | None, int | None]]:
@@ -168,59 +165,6 @@ class _StreamingPlanner(DefaultSavePlanner):
             tensor = self._source.load(name)
         self._last = (name, tensor)
         return tensor
-
-
-def _write_order(items: Sequence[WriteItem]) -> list[WriteItem]:
-    """The order torch's single-threaded writer puts one file's items in: the bytes entries, then
-    the tensors, each in plan order (so the gate and up halves of one fc1 stay next to each other)."""
-    return ([item for item in items if item.type == WriteItemType.BYTE_IO]
-            + [item for item in items if item.type != WriteItemType.BYTE_IO])
-
-
-class _StreamingWriter(FileSystemWriter):
-    """torch's ``FileSystemWriter`` with the data file written here, item by item (see the module
-    docstring): nothing outlives its record, and the file's sha256 is computed on the way."""
-
-    def __init__(self, directory: Path) -> None:
-        super().__init__(str(directory), single_file_per_rank=True, sync_files=True, thread_count=1,
-                         per_thread_copy_ahead=0)
-        self.directory = directory
-        self.sha256: str | None = None
-        self.size: int | None = None
-
-    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        file_name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
-        path = self.directory / file_name
-        results = []
-        with open(path, "wb") as handle, ThreadPoolExecutor(1) as hasher:
-            writer = HashingWriter(handle, hasher)
-            try:
-                for item in _write_order(plan.items):
-                    start = writer.offset
-                    _write_item(writer, planner.resolve_data(item))
-                    length = writer.offset - start
-                    results.append(WriteResult(index=item.index, size_in_bytes=length,
-                                               storage_data=_StorageInfo(file_name, start, length)))
-                handle.flush()
-                os.fsync(handle.fileno())
-            except OSError as exc:
-                raise OSError(exc.errno, exc.strerror, str(path)) from exc
-        self.sha256, self.size = writer.hexdigest(), writer.offset
-        future: Future[list[WriteResult]] = Future()
-        future.set_result(results)
-        return future
-
-
-def _write_item(writer: HashingWriter, data: torch.Tensor | io.BytesIO) -> None:
-    """One item as torch's writer writes it: a bytes entry as is, a tensor as ``torch.save`` of a
-    tensor owning exactly its bytes (torch clones a view of a larger storage first; the stream
-    writes the view's bytes with no clone)."""
-    if isinstance(data, io.BytesIO):
-        writer.write(data.getbuffer())
-        return
-    tensor = data.detach().contiguous()
-    save_stream(PlannedTensor(tuple(tensor.shape), tensor.dtype, lambda: tensor), writer,  # type: ignore[arg-type]
-                crc32=True)
 
 
 class TorchDistSaver(Saver):
@@ -287,7 +231,7 @@ class TorchDistSaver(Saver):
         common_path.write_bytes(buffer.getbuffer())
         fsync_file(common_path)
         planner = _StreamingPlanner(chunks, objects, source, rows, progress)
-        writer = _StreamingWriter(iteration_dir)
+        writer = StreamingWriter(iteration_dir)
         with _os_errors_of_torch(iteration_dir / DATA_FILE), single_process_calls():
             dcp.save({}, storage_writer=writer, planner=planner, no_dist=True)
         write_checkpoint_config(iteration_dir)
@@ -301,11 +245,38 @@ class TorchDistSaver(Saver):
         if any(extra.holds_state() for extra in source.extra_states().values()):
             result.notices.append("Transformer Engine _extra_state (FP8 scaling metadata) of the source is not "
                                   "carried; written empty: FP8 runs re-derive it in their first steps")
-        result.notices.append(
-            f"torch_dist written with the layout {layout.describe()} recorded in common.pt's args; optimizer, "
-            "scheduler and RNG state are not carried: resume with --no-load-optim --no-load-rng (or --finetune)"
-        )
+        written = f"torch_dist written with the layout {layout.describe()} recorded in common.pt's args"
+        if source.holds_training_state():
+            written += (f"; {TRAINING_STATE_NOT_CARRIED}: resume with --no-load-optim --no-load-rng "
+                        "(or --finetune)")
+        result.notices.append(written)
         return result
+
+    # The source's optimizer state, as megatron-core's DistributedOptimizer (or plain optimizer) saves it.
+    writes_optimizer = True
+    optimizer_forms = DST_FORMS
+
+    def optimizer_refusal(self, source: CanonicalSource, options: SaveOptions,
+                          optimizer_options: OptimizerOptions) -> str | None:
+        return moe_refusal(source, options.layout, optimizer_options.form)
+
+    def optimizer_form(self, optimizer: OptimizerSource, optimizer_options: OptimizerOptions) -> str:
+        return written_form(optimizer, optimizer_options.form)
+
+    def plan_optimizer(self, source: CanonicalSource, optimizer: OptimizerSource, form: str, options: SaveOptions,
+                       optimizer_options: OptimizerOptions) -> list[OptimizerFile]:
+        chunks, _, rows = self._chunks(source, options)
+        directory = iteration_dir_name(source.iteration or 0, source.release)
+        return [planned_records(source, optimizer, form, options, optimizer_options.dp, chunks, rows, directory)]
+
+    def save_optimizer(self, source: CanonicalSource, optimizer: OptimizerSource, form: str, out_dir: Path,
+                       options: SaveOptions, optimizer_options: OptimizerOptions,
+                       files: list[PlannedFile]) -> CarriedOptimizer:
+        """The optimizer records beside the model's in ``form``; ``common.pt`` and ``.metadata`` updated."""
+        chunks, _, rows = self._chunks(source, options)
+        iteration_dir = out_dir / iteration_dir_name(source.iteration or 0, source.release)
+        return write_optimizer(source, optimizer, form, iteration_dir, options, optimizer_options.dp, chunks, rows,
+                               files)
 
 
 def _files(iteration_dir: str, chunks: list[_Chunk], objects: list[str], sha256: str | None = None,

@@ -9,11 +9,34 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from support.optimizer_cli import run_cli
+
 from pgconvert.formats import LoadOptions
 from pgconvert.formats.registry import get_loader
 from pgconvert.formats.torch_dist import read_dcp_metadata
 
 FIELDS = ("param", "exp_avg", "exp_avg_sq")
+GOLDENS = Path(__file__).parent.parent / "data" / "megatron_lm"
+TP2DP2 = GOLDENS / "train_tp2dp2_distopt_dp_reshardable_torch_dist"
+TP2PP2 = GOLDENS / "train_tp2pp2_distopt_dp_reshardable_torch_dist"
+FULLY = GOLDENS / "train_tp2dp2_distopt_fully_reshardable_torch_dist"
+# Each golden's own layout as pgconvert options (the DP size is its args.data_parallel_size).
+OWN_LAYOUT = {TP2DP2: ("--dst-tp", "2", "--dst-pp", "1", "--dst-dp", "2"),
+              TP2PP2: ("--dst-tp", "2", "--dst-pp", "2", "--dst-dp", "1")}
+ITERATION = "iter_0000002"
+
+
+def convert_to_torch_dist(src: Path, dst: Path, *options: str) -> None:
+    """``pgconvert convert SRC DST --dst-format torch_dist OPTIONS``, which must succeed."""
+    result = run_cli("convert", src, dst, "-q", "--dst-format", "torch_dist", *options)
+    assert result.exit_code == 0, result.output
+
+
+def assert_golden_records_equal(golden: Path, written: Path) -> None:
+    """``assert_records_equal`` (gaps: zeros) with one buffer and one bucket per model-parallel rank."""
+    tensors = assert_records_equal(golden, written, ITERATION, zero_gaps=True)
+    ranks = len({key.split(".")[2] for key in tensors})  # dp_group_idx_<g>: one per model-parallel rank
+    assert ranks >= 2 and len(tensors) == 3 * ranks
 
 
 def optimizer_entries(iteration_dir: Path) -> dict:
@@ -42,8 +65,8 @@ def read_objects(checkpoint: Path, keys: list[str]) -> dict:
 def bucket_masks(checkpoint: Path) -> dict[str, torch.Tensor]:
     """Per bucket record, True where a parameter lies (megatron-core leaves the gaps uninitialised), from the
     ranges pgconvert's reader derives (checked against the model weights when the source opens)."""
-    from pgconvert.optimizer.order import bucket_ranges
-    from pgconvert.optimizer.torch_dist import TorchDistOptimizerSource
+    from pgconvert.optimizer.flat import bucket_ranges
+    from pgconvert.loaders.torch_dist.optimizer import TorchDistOptimizerSource
 
     source = get_loader("torch_dist").open(checkpoint, LoadOptions())
     optimizer = TorchDistOptimizerSource(source)

@@ -9,7 +9,7 @@ is_loading=True, metadata={'distrib_optim_sharding_type': 'dp_reshardable'})``,
 ``dist_checkpointing.load`` and ``load_state_dict`` (which checks ``per_bucket_numel_unpadded`` against
 its own buffers). Written to OUT_DIR/rank{R}.pt: what the optimizer then holds per canonical name
 (``mcore_optimizer_step.optimizer_tensors``: this DP rank's slice of the flattened parameter, its offset).
-``grad-scaler`` (optcli): the optimizer gets megatron-core's DynamicGradScaler first, as for ``--fp16``, so
+``grad-scaler``: the optimizer gets megatron-core's DynamicGradScaler first, as for ``--fp16``, so
 the load reads the ``grad_scaler`` ShardedObject; what the scaler then holds is written too.
 """
 
@@ -57,7 +57,7 @@ def _rank(rank: int, world: int, store: str, iteration_dir: Path, out_dir: Path,
     from megatron.core.safe_globals import SAFE_GLOBALS
     from pgconvert.formats.megatron import SAFE_GLOBALS as PGCONVERT_SAFE_GLOBALS
     torch.serialization.add_safe_globals([argparse.Namespace, io.BytesIO, *PGCONVERT_SAFE_GLOBALS, *SAFE_GLOBALS])
-    if scaler:  # optcli: the dynamic grad scaler get_megatron_optimizer builds for --fp16 (its state is loaded)
+    if scaler:  # the dynamic grad scaler get_megatron_optimizer builds for --fp16 (its state is loaded)
         from megatron.core.optimizer.grad_scaler import DynamicGradScaler
         inner.grad_scaler = DynamicGradScaler(initial_scale=1.0, min_scale=1.0, growth_factor=2.0,
                                               backoff_factor=0.5, growth_interval=1000, hysteresis=2)

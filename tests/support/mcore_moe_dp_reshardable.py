@@ -1,5 +1,5 @@
 """Run as a script: megatron-core loads, and saves again, a MoE torch_dist checkpoint's chained optimizer state in
-the dp_reshardable form (dpmoe).
+the dp_reshardable form.
 
     python tests/support/mcore_moe_dp_reshardable.py ITERATION_DIR OUT_DIR
 

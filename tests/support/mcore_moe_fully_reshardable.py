@@ -11,7 +11,7 @@ metadata plus ``chained_optim_avoid_prefix`` (Megatron-LM's ``_build_sharded_sta
 ``dist_checkpointing.load`` and ``load_state_dict``. Written to OUT_DIR/rank{R}.json: the optimizer
 ShardedTensors megatron-core declares (key, global shape) and the structure of its non-tensor part. Then the
 same ``sharded_state_dict`` for saving, ``dist_checkpointing.save`` into OUT_DIR/saved: megatron-core's own
-fully_reshardable records of the state it loaded, with the model it loaded and the args. moeplain: with
+fully_reshardable records of the state it loaded, with the model it loaded and the args. With
 ``use_distributed_optimizer`` False in the args, the chained plain optimizers instead.
 """
 
@@ -56,7 +56,7 @@ def _model(args: Any) -> Any:
                      max_sequence_length=args.max_position_embeddings, pre_process=True, post_process=True,
                      share_embeddings_and_output_weights=m.tied_embeddings,
                      position_embedding_type=m.position_embedding_type)
-    distributed = bool(getattr(args, "use_distributed_optimizer", True))  # moeplain: False: the plain optimizers
+    distributed = bool(getattr(args, "use_distributed_optimizer", True))  # False: the plain optimizers
     ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=distributed, overlap_grad_reduce=False,
                                                overlap_param_gather=False)
     return DistributedDataParallel(config, ddp_config, model)
@@ -95,7 +95,7 @@ def _rank(rank: int, world: int, store: str, iteration_dir: Path, out_dir: Path)
     torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     parallel_state.initialize_model_parallel(tp, 1, expert_model_parallel_size=ep, expert_tensor_parallel_size=tp)
     ddp = _model(args)
-    distributed = bool(getattr(args, "use_distributed_optimizer", True))  # moeplain: or the chained plain ones
+    distributed = bool(getattr(args, "use_distributed_optimizer", True))  # or the chained plain ones
     optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, min_lr=1e-4, weight_decay=0.1,
                                                        use_distributed_optimizer=distributed), [ddp])
     for inner in optimizer.chained_optimizers:  # torch's Adam holds no state before a step (as mcore_dp_reshardable_load)
@@ -112,7 +112,7 @@ def _rank(rank: int, world: int, store: str, iteration_dir: Path, out_dir: Path)
         structure = _structure(sharded)
         loaded = dist_checkpointing.load({"optimizer": sharded, "model": ddp.module.sharded_state_dict(
             metadata=metadata)}, str(iteration_dir))
-    ddp.module.load_state_dict(loaded["model"])  # moeplain: FP32Optimizer's masters are the weights
+    ddp.module.load_state_dict(loaded["model"])  # FP32Optimizer's masters are the weights
     optimizer.load_state_dict(loaded["optimizer"])
     model_sd = ddp.module.sharded_state_dict(metadata=metadata)
     saving = optimizer.sharded_state_dict(model_sd, is_loading=False, metadata=metadata)
@@ -124,7 +124,7 @@ def _rank(rank: int, world: int, store: str, iteration_dir: Path, out_dir: Path)
     (out_dir / f"rank{rank}.json").write_text(json.dumps({"declared": declared, "structure": structure,
                                                           "chained": len(optimizer.chained_optimizers)}))
     common = {key: value for key, value in load_for_test(iteration_dir / "common.pt").items()
-              if key in ("args", "iteration", "checkpoint_version")}  # moeplain: a checkpoint pgconvert reads
+              if key in ("args", "iteration", "checkpoint_version")}  # a checkpoint pgconvert reads
     dist_checkpointing.save({"optimizer": saving, "model": model_sd, **common}, str(out_dir / "saved"))
     torch.distributed.destroy_process_group()
 

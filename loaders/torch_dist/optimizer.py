@@ -1,37 +1,35 @@
-"""megatron-core's distributed optimizer state inside a torch_dist checkpoint, by canonical parameter.
+"""megatron-core's optimizer state inside a torch_dist checkpoint, by canonical parameter (read).
 
 ``DistributedOptimizer.sharded_state_dict`` (megatron/core/optimizer/distrib_optimizer.py) writes the
 parameter state in the form ``metadata['distrib_optim_sharding_type']`` names (Megatron-LM:
 ``dp_reshardable``, or ``fully_reshardable`` with ``--dist-ckpt-optim-fully-reshardable``), and puts
-``param_state_sharding_type`` in the common state. Read here:
+``param_state_sharding_type`` in the common state (keys: ``pgconvert.formats.torch_dist_optimizer``). Read here:
 
 - ``fully_reshardable``: ``optimizer.state.{param,exp_avg,exp_avg_sq}.<model key>``, each a
   ShardedTensor with its model tensor's global shape and chunks; the param groups (with ``step``)
-  are common state (``optimizer.optimizer.param_groups``);
-  tdmoe: a MoE run's chained optimizers: ``{0: dense, 1: expert}`` there (``optimizer_torch_dist_moe``);
-- ``fully_sharded_model_space`` (fsms: megatron-core <= 0.15.0, Megatron-LM's default up to core_v0.14):
+  are common state (``optimizer.optimizer.param_groups``); a MoE run's chained optimizers:
+  ``{0: dense, 1: expert}`` there;
+- ``fully_sharded_model_space`` (megatron-core <= 0.15.0, Megatron-LM's default up to core_v0.14):
   ``optimizer.state.{fp32_param,exp_avg,exp_avg_sq}.<model key>``, each the model tensor reformulated by
-  chunks (``optimizer_fs_model_space``), read one parameter at a time; the param groups as for
-  fully_reshardable. megatron-core 0.16.1 / 0.20.0 can neither save nor load it (flattened_range); written
-  by ``optimizer_fs_model_space_save`` for megatron-core 0.15.0 and older;
+  chunks (``loaders/torch_dist/fs_model_space.py``), read one parameter at a time; the param groups as for
+  fully_reshardable. megatron-core 0.16.1 / 0.20.0 can neither save nor load it (flattened_range);
 - ``dp_reshardable``: per model-parallel rank ``g`` (``data_parallel_group_idx``: the rank in the
   model-parallel group, ``tp + tp_size * pp``), per buffer and bucket,
   ``optimizer.distributed.dp_group_idx_<g>.gbuf_idx_<i>.dtype_<(param, grad dtype)>.bucket_idx_<b>.<field>``
   of global shape ``(numel_unpadded,)``: the DP-gathered flat buffer without the DP tail padding,
-  i.e. ``distrib_optim.pt``'s coalesced buffer, placed with ``optimizer_map.flat_buffers`` at the
+  i.e. ``distrib_optim.pt``'s coalesced buffer, placed with ``pgconvert.optimizer.flat.flat_buffers`` at the
   SOURCE layout; the param groups are the ShardedObject ``optimizer.distributed.dp_group_idx_<g>.optimizer``.
-  dpmoe: a MoE run at expert parallel size > 1: every key prefixed ``chained_<i>.`` (0: dense, from EP rank 0;
+  A MoE run at expert parallel size > 1: every key prefixed ``chained_<i>.`` (0: dense, from EP rank 0;
   1: expert, per TP x EP x PP rank ``g = tp + tp_size * (ep + ep_size * pp)``, buffers counting the model chunks
-  that hold experts), each optimizer's param groups from its own ``.optimizer`` object
-  (``optimizer_torch_dist_dp.record_prefix``).
-- tdplain: no distributed optimizer (``plain``): megatron-core's plain optimizer's records
+  that hold experts), each optimizer's param groups from its own ``.optimizer`` object;
+- no distributed optimizer (``plain``): megatron-core's plain optimizer's records
   ``optimizer.state.{fp32_param (bf16/fp16 only),exp_avg,exp_avg_sq}.<model key>``, chunked as the model's, and
-  ``state.common_step`` / ``param_groups`` in the common state (``optimizer_torch_dist_plain``); presented in its
-  per-rank form (``float16`` or ``fp32``: the fp32 master is then the model weight).
+  ``state.common_step`` / ``param_groups`` in the common state (``loaders/torch_dist/optimizer_forms.py``);
+  presented in its per-rank form (``float16`` or ``fp32``: the fp32 master is then the model weight).
 
 Each read is one parameter's box (``TorchDistSource.load_state`` / ``load_flat``: in-place record
-reads), so memory holds one parameter's state at a time. The writers of ``optimizer_reshard`` take
-this source like ``OptimizerSource``; it presents itself in the ``distributed`` form.
+reads), so memory holds one parameter's state at a time. Every writer takes this source as any
+``OptimizerSource``; it presents itself in the ``distributed`` form (or the plain one's).
 """
 
 from __future__ import annotations
@@ -43,40 +41,24 @@ from typing import Any
 
 import torch
 
-from pgconvert.model.grid import RankCoord
+from pgconvert.formats.torch_dist_optimizer import (DP_RESHARDABLE, FS_MODEL_SPACE, MODEL_SPACE_FIELDS, PLAIN,
+                                                    PLAIN_FIELDS, bucket_key, chained_entries, object_key,
+                                                    record_prefix, scaler_key, state_key)
 from pgconvert.io.limits import quote
-from pgconvert.optimizer.flat import dp_size
-from pgconvert.optimizer.fs_model_space import FIELDS as FS_FIELDS
-from pgconvert.optimizer.fs_model_space import FS_MODEL_SPACE, chunk_shape
-from pgconvert.optimizer.order import (MEGATRON_CORE_VERSIONS, FlatParam, OptimizerLayoutError, OptimizerRules,
-                                     OptimizerSlot, UnsupportedOptimizerError, bucket_ranges, chained_slots,
-                                     check_supported, flat_buffers, optimizer_count, optimizer_slots)
-from pgconvert.optimizer.scaler import dp_object_key, held_scalers
-from pgconvert.optimizer.state import (CARRIED_KEYS, DISTRIBUTED_SHARDING_TYPES, FORM_DISTRIBUTED, MOMENTS,
-                                       OptimizerSource)
-from pgconvert.optimizer.torch_dist_moe import chained_entries
-from pgconvert.optimizer.torch_dist_plain import FIELDS as PLAIN_FIELDS
-from pgconvert.optimizer.torch_dist_plain import PLAIN, plain_form, plain_step
-from pgconvert.optimizer.torch_dist_plain import inner as plain_inner
+from pgconvert.loaders.torch_dist.fs_model_space import chunk_shape
+from pgconvert.loaders.torch_dist.optimizer_forms import (object_value, plain_form, plain_inner, plain_step,
+                                                          sharding_type)
+from pgconvert.model.grid import RankCoord
 from pgconvert.model.rules import ReplicaMismatchError, ShardRule
+from pgconvert.optimizer.data_parallel import dp_size, optimizer_dp, optimizer_ranks
+from pgconvert.optimizer.flat import FlatParam, bucket_ranges, flat_buffers
+from pgconvert.optimizer.order import (MEGATRON_CORE_VERSIONS, OptimizerLayoutError, OptimizerRules, OptimizerSlot,
+                                       UnsupportedOptimizerError, chained_slots, check_supported, optimizer_count,
+                                       optimizer_slots)
+from pgconvert.optimizer.scaler import held_scalers
+from pgconvert.optimizer.source import CARRIED_KEYS, FIELDS, FORM_DISTRIBUTED, OptimizerSource, SourceRank
 
-TORCH_DIST_FORMS = ("dp_reshardable", "fully_reshardable", FS_MODEL_SPACE)
-# The stored field of each per-parameter key, per model-space form.
-_MODEL_SPACE_FIELDS = {
-    "fully_reshardable": {"param": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"},
-    FS_MODEL_SPACE: FS_FIELDS,  # fsms: written by megatron-core <= 0.15.0 (verified with 0.15.0)
-}
-# fsms: fully_sharded_bucket_space and dp_zero_gather_scatter, deprecated forms, are not read.
-_NOT_REPRODUCED: dict[str, str] = {}
 _VERSIONS = "megatron-core " + " / ".join(MEGATRON_CORE_VERSIONS)
-
-
-@dataclass
-class _First:
-    """What the per-rank writers read of the source's first rank: a path for messages and the carried entries."""
-
-    path: Path
-    extra: dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -87,48 +69,11 @@ class _Owner:
     coord: RankCoord
 
 
-def sharding_type(common: dict[str, Any], where: str) -> str | None:
-    """The checkpoint's ``param_state_sharding_type`` (None: no distributed optimizer state), checked."""
-    if common.get("optimizer") is None:
-        return None
-    entries = chained_entries(common["optimizer"])  # tdmoe: {0: dense, 1: expert} when chained
-    if not all(isinstance(optimizer, dict) for optimizer in entries):
-        kinds = sorted({type(optimizer).__name__ for optimizer in entries})
-        raise OptimizerLayoutError(f"{where}: optimizer is {quote(kinds)}, not a dict")
-    if any("param_state_sharding_type" not in optimizer for optimizer in entries):
-        return None
-    types = {str(optimizer["param_state_sharding_type"]) for optimizer in entries}
-    if len(types) != 1:
-        raise OptimizerLayoutError(f"{where}: the chained optimizers' param_state_sharding_type differ: "
-                                   f"{quote(sorted(types))}")
-    sharding = entries[0]["param_state_sharding_type"]
-    if sharding not in DISTRIBUTED_SHARDING_TYPES:
-        raise OptimizerLayoutError(
-            f"{where}: optimizer.param_state_sharding_type={quote(sharding)}: unknown sharding type ({_VERSIONS} "
-            f"writes {', '.join(DISTRIBUTED_SHARDING_TYPES)})")
-    if sharding not in TORCH_DIST_FORMS:
-        why = _NOT_REPRODUCED.get(str(sharding), "not a form pgconvert reads")
-        raise UnsupportedOptimizerError(
-            f"{where}: optimizer.param_state_sharding_type={quote(sharding)}: {why}; pgconvert reads "
-            f"{', '.join(TORCH_DIST_FORMS)} ({_VERSIONS}); pass --skip-optimizer")
-    return str(sharding)
-
-
-def holds_optimizer(source: Any) -> bool:
-    """Whether a torch_dist source (``TorchDistSource``) carries optimizer state."""
-    return isinstance(getattr(source, "common_state", None), dict) and "optimizer" in source.common_state
-
-
-def _object_value(stored: Any) -> Any:
-    """A ShardedObject's value: megatron-core stores it as ``torch.save([value])``."""
-    return stored[0] if isinstance(stored, list) and len(stored) == 1 else stored
-
-
 class TorchDistOptimizerSource(OptimizerSource):
-    """The distributed optimizer's state of a ``TorchDistSource``, by canonical name (``names``,
-    ``parameter``, ``piece``, ``step``) for ``optimizer_reshard``'s writers."""
+    """The optimizer state of a ``TorchDistSource`` (``TorchDistSource.open_optimizer``), by canonical name
+    (``names``, ``parameter``, ``piece``, ``step``)."""
 
-    def __init__(self, source: Any) -> None:  # noqa: super().__init__ reads per-rank files; not called
+    def __init__(self, source: Any) -> None:
         self.source = source
         self.config = source.config
         self.layout = source.layout
@@ -136,7 +81,7 @@ class TorchDistOptimizerSource(OptimizerSource):
         where = f"{source.directory} (common state)"
         common = source.common_state
         self.sharding = sharding_type(common, where)
-        plain = plain_form(common, where) if self.sharding is None else None  # tdplain: the plain optimizer's
+        plain = plain_form(common, where) if self.sharding is None else None  # the plain optimizer's form
         if self.sharding is None and plain is None:
             detail = "no optimizer entry (saved with --no-save-optim?)" if "optimizer" not in common else \
                 "the optimizer is neither megatron-core's distributed optimizer (no param_state_sharding_type) " \
@@ -147,28 +92,28 @@ class TorchDistOptimizerSource(OptimizerSource):
         check_supported(self.config, where)
         args = common.get("args")
         self.rules = OptimizerRules.from_args(args, where)
-        self.form = plain or FORM_DISTRIBUTED  # tdplain: a plain source presents itself in its per-rank form
+        self.form = plain or FORM_DISTRIBUTED  # a plain source presents itself in its per-rank form
         self.args = args
-        self._owners_by_name, self._slots = self._index_slots()
+        self._owners, self._slots = self._index_slots()
         chained = self._chained_groups(common, where)
         self._step = plain_step(common["optimizer"], plain, where) if plain else \
             _one_step([group for groups in chained for group in groups], where)
         extra = {key: common[key] for key in (*CARRIED_KEYS, "iteration", "args") if key in common}
         extra["distributed_entries"] = [{"optimizer": {"param_groups": groups}} for groups in chained]
-        self.first = _First(source.directory, extra)
+        self.first = SourceRank(source.directory, extra)
         self._settings = [[{k: v for k, v in group.items() if k not in ("params", "step")} for group in groups]
                           for groups in chained]
         self.dtype_key = self._dtype_key()
-        self.grad_scalers = self._grad_scalers(common)  # optcli
+        self.grad_scalers = self._grad_scalers(common)
         self._check_stored()
-        if self.sharding == "dp_reshardable":
+        if self.sharding == DP_RESHARDABLE:
             self._check_masters()
 
     def _index_slots(self) -> tuple[dict[str, list[tuple[_Owner, OptimizerSlot]]], dict[RankCoord, list]]:
         """Per canonical name its TP pieces (from the first stage holding it), and each rank's slots."""
         owners: dict[str, tuple[tuple[int, int, int], list[tuple[_Owner, OptimizerSlot]]]] = {}
         slots: dict[RankCoord, list] = {}
-        # tdmoe: every expert-parallel rank (its experts); a dense parameter's pieces from EP rank 0
+        # every expert-parallel rank (its experts); a dense parameter's pieces from EP rank 0
         for pp, ep, tp in itertools.product(range(self.layout.pp), range(self.layout.ep), range(self.layout.tp)):
             coord = RankCoord(tp=tp, pp=pp, ep=ep)
             slots[coord] = optimizer_slots(self.config, self.layout, coord, self.rules, self.vocab_rows)
@@ -179,26 +124,24 @@ class TorchDistOptimizerSource(OptimizerSource):
         return {name: sorted(pieces, key=lambda p: p[1].spec.tp_rank) for name, (_, pieces) in owners.items()}, slots
 
     def _chained_groups(self, common: dict[str, Any], where: str) -> list[list[dict[str, Any]]]:
-        """Per chained optimizer (tdmoe: dense, then expert-parallel), its param groups (hyperparameters and
+        """Per chained optimizer (dense, then expert-parallel), its param groups (hyperparameters and
         ``step``): common state for the model-space forms, the ShardedObject of model-parallel rank 0 for
-        dp_reshardable (the same on every rank), dpmoe: ``chained_<i>.``-prefixed per optimizer when chained."""
+        dp_reshardable (the same on every rank), ``chained_<i>.``-prefixed per optimizer when chained."""
         counts = [len(groups) for groups in chained_slots(self.config, self.layout, RankCoord(0, 0, 0), self.rules,
                                                           self.vocab_rows)]
-        if self.sharding == "dp_reshardable":  # dpmoe: per chained optimizer, its chained_<i>.-prefixed object
-            from pgconvert.optimizer.torch_dist_dp import record_prefix
-
+        if self.sharding == DP_RESHARDABLE:  # per chained optimizer, its chained_<i>.-prefixed object
             entries = chained_entries(common["optimizer"])
             if len(entries) == len(counts):
-                keys = [f"{record_prefix(self.config, self.layout, RankCoord(0, 0, 0), index)}.optimizer/shard_0_1"
+                keys = [object_key(record_prefix(self.config, self.layout, RankCoord(0, 0, 0), index), "optimizer")
                         for index in range(len(entries))]
                 read = self.source.read_objects(keys)
-                values = [_object_value(read[key]) for key in keys]
+                values = [object_value(read[key]) for key in keys]
                 where = f"{self.source.directory}: {', '.join(keys)}"
             else:
                 values = entries
         else:
             values = [plain_inner(entry, self.form) if self.sharding == PLAIN else entry.get("optimizer")
-                      for entry in chained_entries(common["optimizer"])]  # tdplain: the torch optimizer's
+                      for entry in chained_entries(common["optimizer"])]  # the torch optimizer's
         if len(values) != len(counts):
             raise OptimizerLayoutError(
                 f"{where}: optimizer holds {len(values)} optimizer(s), but {_VERSIONS} chains {len(counts)} for this "
@@ -207,16 +150,14 @@ class TorchDistOptimizerSource(OptimizerSource):
 
     def _grad_scalers(self, common: dict[str, Any]) -> list[Any]:
         """Per chained optimizer its grad scaler (None: none): common state in the model-space forms, the
-        ShardedObject of model-parallel rank 0 (of each chained optimizer) for dp_reshardable (``optimizer_scaler``)."""
-        if self.sharding != "dp_reshardable":
+        ShardedObject of model-parallel rank 0 (of each chained optimizer) for dp_reshardable
+        (``pgconvert.optimizer.scaler``)."""
+        if self.sharding != DP_RESHARDABLE:
             return held_scalers(chained_entries(common["optimizer"]))
-        from pgconvert.optimizer.torch_dist_dp import record_prefix
-
-        stored = self.source._metadata.state_dict_metadata
-        keys = [dp_object_key(record_prefix(self.config, self.layout, RankCoord(0, 0, 0), index))  # dpmoe: chained
+        keys = [scaler_key(record_prefix(self.config, self.layout, RankCoord(0, 0, 0), index))  # per chained one
                 for index in range(optimizer_count(self.config, self.layout))]
-        values = self.source.read_objects([key for key in keys if key in stored])
-        return [_object_value(values[key]) if key in values else None for key in keys]
+        values = self.source.read_objects([key for key in keys if self.source.holds_entry(key)])
+        return [object_value(values[key]) if key in values else None for key in keys]
 
     @staticmethod
     def _groups(value: Any, count: int, where: str) -> list[dict[str, Any]]:
@@ -235,18 +176,13 @@ class TorchDistOptimizerSource(OptimizerSource):
 
     def bucket_key(self, coord: RankCoord, chunk: int, field: str, bucket: int = 0, optimizer: int = 0) -> str:
         """The record of buffer ``chunk`` (``gbuf_idx``), bucket and field of chained optimizer ``optimizer`` on rank
-        ``coord`` (``optimizer_torch_dist_dp.record_prefix``: megatron-core's ``data_parallel_group_idx``)."""
-        from pgconvert.optimizer.torch_dist_dp import record_prefix
-
-        dtype = f"({self.dtype_key[0]}, {self.dtype_key[1]})"
-        return (f"{record_prefix(self.config, self.layout, coord, optimizer)}.gbuf_idx_{chunk}.dtype_{dtype}"
-                f".bucket_idx_{bucket}.{field}")
+        ``coord`` (``record_prefix``: megatron-core's ``data_parallel_group_idx``)."""
+        return bucket_key(record_prefix(self.config, self.layout, coord, optimizer), chunk, self.dtype_key, bucket,
+                          field)
 
     def _flat_expected(self) -> dict[str, tuple[int, ...]]:
         """dp_reshardable: per chained optimizer and rank storing it, its buffers (``_flat``), and every bucket
         record's key and size (one record per DDP bucket, of the bucket's unpadded size)."""
-        from pgconvert.optimizer.torch_dist_dp import optimizer_dp, optimizer_ranks
-
         where = f"{self.source.directory} (layout {self.layout.describe()})"
         self._flat = {}
         for index in range(optimizer_count(self.config, self.layout)):
@@ -254,32 +190,32 @@ class TorchDistOptimizerSource(OptimizerSource):
             for coord in optimizer_ranks(self.config, self.layout, index):
                 self._flat[(coord, index)] = flat_buffers(self.config, self.layout, coord, self.rules, self.vocab_rows,
                                                           self.args, dp_size(self.args), index)
-        # dpvpp: a buffer's index is not its chunk's where a chunk before it has no parameters
+        # a buffer's index is not its chunk's where a chunk before it has no parameters
         self._by_position = {(coord, index, item.slot.chunk, item.slot.position): item
                              for (coord, index), buffers in self._flat.items() for placed, _ in buffers
                              for item in placed}
         return {self.bucket_key(coord, chunk, field, bucket, index): (end - start,)
                 for (coord, index), buffers in self._flat.items() for chunk, (placed, numel) in enumerate(buffers)
-                for bucket, (start, end) in enumerate(bucket_ranges(placed, numel)) for field in ("param", *MOMENTS)}
+                for bucket, (start, end) in enumerate(bucket_ranges(placed, numel)) for field in FIELDS}
 
     def _model_space_prefix(self, key: str) -> str:
-        if self.sharding == PLAIN:  # tdplain: "" (fp32): the model weight itself is the master
+        if self.sharding == PLAIN:  # "" (fp32): the model weight itself is the master
             stored = PLAIN_FIELDS[self.form][key]
-            return f"optimizer.state.{stored}." if stored else ""
-        return f"optimizer.state.{_MODEL_SPACE_FIELDS[self.sharding][key]}."
+            return state_key(stored, "") if stored else ""
+        return state_key(MODEL_SPACE_FIELDS[self.sharding][key], "")
 
     def _check_stored(self) -> None:
         """Every record the layout needs is there with the size it derives (refused by name otherwise)."""
         stored = self.source.tensor_keys()
-        if self.sharding == "dp_reshardable":
+        if self.sharding == DP_RESHARDABLE:
             expected = self._flat_expected()
             extra = sorted(key for key in stored if key.startswith(("optimizer.", "chained_")) and key not in expected)
         else:
-            model_keys = {self.source._locations[name].key for name in self.names()}
+            model_keys = {self.source.model_key(name) for name in self.names()}
             expected = {self._model_space_prefix(key) + model_key: stored[model_key]
-                        for model_key in model_keys for key in ("param", *MOMENTS)}
+                        for model_key in model_keys for key in FIELDS}
             extra = []
-            if self.sharding == FS_MODEL_SPACE:  # fsms: chunk counts per axis, then one chunk's elements
+            if self.sharding == FS_MODEL_SPACE:  # chunk counts per axis, then one chunk's elements
                 for key, shape in expected.items():
                     if key in stored:
                         chunk_shape(stored[key], shape, f"{self.source.directory}: {quote(key)}")
@@ -294,7 +230,7 @@ class TorchDistOptimizerSource(OptimizerSource):
                     f"{self.source.directory}: {quote(key)} has global shape {list(stored[key])}; the model at "
                     f"{self.layout.describe()} gives {list(shape)} ({self.sharding}: " + (
                         "reverse parameter order, 64-element alignment, DDP buckets)" if self.sharding ==
-                        "dp_reshardable" else "the model tensor's global shape)"))  # tdplain
+                        DP_RESHARDABLE else "the model tensor's global shape)"))
         if extra:
             raise OptimizerLayoutError(
                 f"{self.source.directory}: optimizer records {quote(extra[:4], 200)} are not ones the layout "
@@ -305,21 +241,15 @@ class TorchDistOptimizerSource(OptimizerSource):
         placed by the derived flat-buffer layout must round to the stored weight (one parameter at a time)."""
         for name in self.names():
             model = self.source.load(name)
-            master = self._merged(name, "param")  # optmem: the master alone, not the moments too
+            master = self._merged(name, "param")  # the master alone, not the moments too
             if not torch.equal(master.to(model.dtype), model):
-                owner, slot = self._owners_by_name[name][0]
+                owner, slot = self._owners[name][0]
                 gbuf, placed = self._gbuf_placed(owner.coord, slot)
                 key = self.bucket_key(owner.coord, gbuf, "param", placed.bucket, slot.optimizer)
                 raise OptimizerLayoutError(
                     f"{self.source.directory}: {key} at the range "
                     f"pgconvert derives for {name} does not round to the model's weight: the flat-buffer layout is "
                     f"not the one {_VERSIONS} uses (several buckets, another parameter order?)")
-
-    def names(self) -> list[str]:
-        return list(self._owners_by_name)
-
-    def group_of(self, name: str) -> int:
-        return self._owners_by_name[name][0][1].group
 
     def step(self, name: str) -> torch.Tensor:
         return self._step.clone()
@@ -334,7 +264,7 @@ class TorchDistOptimizerSource(OptimizerSource):
         return self._gbuf_placed(coord, slot)[1]
 
     def _gbuf_placed(self, coord: RankCoord, slot: OptimizerSlot) -> tuple[int, FlatParam]:
-        """The buffer (``gbuf_idx``: dpmoe, the expert optimizer's count only chunks holding experts) and place of
+        """The buffer (``gbuf_idx``: the expert optimizer's count only chunks holding experts) and place of
         ``slot`` (dense: its records are EP rank 0's, the same on every EP rank)."""
         stored = coord if slot.optimizer == 1 else RankCoord(tp=coord.tp, pp=coord.pp, ep=0)
         item = self._by_position.get((stored, slot.optimizer, slot.chunk, slot.position))
@@ -344,11 +274,11 @@ class TorchDistOptimizerSource(OptimizerSource):
                                    f"flat buffers of rank {coord} ({_VERSIONS})")
 
     def _pieces(self, name: str, key: str) -> list[torch.Tensor]:
-        return [self._flat_piece(owner, slot, key) for owner, slot in self._owners_by_name[name]]
+        return [self._flat_piece(owner, slot, key) for owner, slot in self._owners[name]]
 
     def _merged(self, name: str, key: str) -> torch.Tensor:
         """dp_reshardable: the whole ``key`` of ``name``, its TP pieces read from the flat buffers."""
-        rule = self._owners_by_name[name][0][1].spec.rule
+        rule = self.rule(name)
         try:
             return rule.merge(self._pieces(name, key))
         except ReplicaMismatchError as error:
@@ -359,13 +289,12 @@ class TorchDistOptimizerSource(OptimizerSource):
 
     def parameter(self, name: str) -> dict[str, torch.Tensor]:
         """The whole (source-padded) fp32 master, both moments and the step of ``name``."""
-        if self.sharding == "dp_reshardable":
-            merged = {key: self._merged(name, key) for key in ("param", *MOMENTS)}
-        elif self.sharding == FS_MODEL_SPACE:  # fsms
-            merged = {key: self.source.load_flattened_state(name, self._model_space_prefix(key))
-                      for key in ("param", *MOMENTS)}
+        if self.sharding == DP_RESHARDABLE:
+            merged = {key: self._merged(name, key) for key in FIELDS}
+        elif self.sharding == FS_MODEL_SPACE:
+            merged = {key: self.source.load_flattened_state(name, self._model_space_prefix(key)) for key in FIELDS}
         else:
-            merged = {key: self.source.load_state(name, self._model_space_prefix(key)) for key in ("param", *MOMENTS)}
+            merged = {key: self.source.load_state(name, self._model_space_prefix(key)) for key in FIELDS}
         merged["step"] = self.step(name)
         return merged
 
@@ -373,10 +302,10 @@ class TorchDistOptimizerSource(OptimizerSource):
               rule: ShardRule | None = None) -> torch.Tensor:
         """Piece ``rank`` of ``size`` of ``name``'s ``key`` cut with ``rule`` (the target's; default the source's),
         fitted to ``rows`` padded vocab rows."""
-        if self.sharding == "dp_reshardable":
+        if self.sharding == DP_RESHARDABLE:
             return super().piece(name, key, size, rank, rows, rule)
-        rule = rule or self._owners_by_name[name][0][1].spec.rule  # mlafix: the whole tensor, cut the target's way
-        if self.sharding == FS_MODEL_SPACE:  # fsms: the whole parameter's record, cut
+        rule = rule or self.rule(name)  # the whole tensor, cut the target's way
+        if self.sharding == FS_MODEL_SPACE:  # the whole parameter's record, cut
             whole = [self.source.load_flattened_state(name, self._model_space_prefix(key))]
             if rule.fits_rows and rows is not None:
                 return rule.reshard_rows(whole, rows, self.config.vocab_size, size, rank)
@@ -386,17 +315,12 @@ class TorchDistOptimizerSource(OptimizerSource):
 
     def param_group_settings(self, optimizer: int = 0, count: int | None = None) -> list[dict[str, Any]]:
         """Chained optimizer ``optimizer``'s groups without params and step, ``count`` of them: the source's own
-        where it has that optimizer, else its dense groups with ``is_expert_parallel`` set (as
-        ``OptimizerSource``)."""
+        where it has that optimizer, else its dense groups with ``is_expert_parallel`` set."""
         own = optimizer < len(self._settings)
         settings = [dict(group) for group in self._settings[optimizer if own else 0]]
         if not own:
             settings = [dict(group, is_expert_parallel=optimizer == 1) for group in settings]
         return settings if count is None else settings[:count]
-
-    @property
-    def _owners(self) -> dict[str, list[tuple[_Owner, OptimizerSlot]]]:  # OptimizerSource's name for it
-        return self._owners_by_name
 
 
 def _one_step(groups: list[dict[str, Any]], where: str) -> torch.Tensor:

@@ -20,10 +20,10 @@ What ``DistributedOptimizer.sharded_state_dict`` / ``sharded_param_state_dp_resh
 
 The common state holds ``optimizer = {'param_state_sharding_type': 'dp_reshardable'}`` and
 ``content_metadata['distrib_optim_sharding_type']``. As for ``fully_reshardable``
-(``optimizer_torch_dist_save``), the records go to ``__1_0.distcp`` through the saver's streaming
+(``optimizer_records.py``), the records go to ``__1_0.distcp`` through the saver's streaming
 writer (one parameter's piece in memory at a time) and are merged into ``.metadata`` and ``common.pt``.
 
-dpmoe: a MoE model at expert parallel size > 1 (megatron-core chains a dense and an expert distributed
+A MoE model at expert parallel size > 1 (megatron-core chains a dense and an expert distributed
 optimizer, ``get_megatron_optimizer``). ``ChainedOptimizer.sharded_state_dict`` (optimizer.py) prefixes every
 ShardedTensor and ShardedObject key of optimizer ``i`` with ``chained_<i>.`` for a non fully-reshardable form
 (``chained_optim_avoid_prefix`` does not suppress it), and the common state holds ``optimizer = {0: {...},
@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,76 +50,20 @@ from torch.distributed.checkpoint import DefaultSavePlanner, SavePlan
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from pgconvert.model.config import ModelConfig
-from pgconvert.errors import ValidationError
 from pgconvert.formats import PlannedFile
+from pgconvert.formats.megatron import safe_torch_load
+from pgconvert.formats.torch_dist import COMMON_FILE
+from pgconvert.formats.torch_dist_optimizer import (DP_RESHARDABLE, RECORDS_FILE, bucket_key, object_key,
+                                                    record_prefix, scaler_key)
+from pgconvert.model.config import ModelConfig
 from pgconvert.model.grid import RankCoord
 from pgconvert.model.layout import ParallelLayout
-from pgconvert.io.limits import quote
-from pgconvert.formats.megatron import safe_torch_load
-from pgconvert.optimizer.order import (MEGATRON_CORE_VERSIONS, FlatParam, UnsupportedOptimizerError, bucket_ranges,
-                                     chained_slots, flat_buffers, optimizer_count)
-from pgconvert.optimizer.scaler import dp_object_key, target_scalers
-from pgconvert.optimizer.state import CARRIED_KEYS, FORM_DISTRIBUTED
-from pgconvert.formats.torch_dist import COMMON_FILE
-
-DP_RESHARDABLE = "dp_reshardable"
-FULLY_RESHARDABLE = "fully_reshardable"
-DST_FORMS = (FULLY_RESHARDABLE, DP_RESHARDABLE, "fully_sharded_model_space")  # fsms: for megatron-core <= 0.15.0
-FIELDS = ("param", "exp_avg", "exp_avg_sq")
-_VERSIONS = "megatron-core " + " / ".join(MEGATRON_CORE_VERSIONS)
-
-
-def check_form(requested: str | None, dst_format: str | None, skip_optimizer: bool) -> None:
-    """``--dst-optim-form``: one of DST_FORMS, for a torch_dist destination that carries the optimizer."""
-    if requested is None:
-        return
-    if requested not in DST_FORMS:
-        raise ValidationError(f"--dst-optim-form {quote(requested)}: must be one of {', '.join(DST_FORMS)}")
-    if dst_format != "torch_dist":
-        raise ValidationError(f"--dst-optim-form {requested}: applies to a torch_dist destination, not {dst_format}")
-    if skip_optimizer:
-        raise ValidationError(f"--dst-optim-form {requested}: chooses the carried optimizer state's form; "
-                              "drop --skip-optimizer or --dst-optim-form")
-
-
-def default_form(requested: str | None, optimizer: Any) -> str:
-    """The requested form, else a torch_dist source's own (``sharding``), else fully_reshardable."""
-    own = getattr(optimizer, "sharding", None)
-    if getattr(optimizer, "form", FORM_DISTRIBUTED) != FORM_DISTRIBUTED:
-        return "plain"  # tdplain: the plain optimizer's own form (plain_refusal refuses --dst-optim-form)
-    return requested or (own if own in DST_FORMS else FULLY_RESHARDABLE)
-
-
-def bucket_divisor(dp: int, args: Any) -> int:
-    """``pad_bucket_end``'s divisor (megatron/core/optimizer/param_layout.py, param_and_grad_buffer.py)."""
-    if getattr(args, "ddp_pad_buckets_for_high_nccl_busbw", False):
-        return math.lcm(dp, 128, 2 ** 16)
-    return math.lcm(dp, 128)
-
-
-def bucket_pieces(placed: list[FlatParam], numel: int, dp: int,
-                  divisor: int) -> list[tuple[int, int, FlatParam | None]]:
-    """``(start, end, parameter or None for a gap)`` of each stored chunk of one bucket: per DP rank's shard
-    of the padded bucket, its parameters' parts and the gaps before them and before the shard's end, a gap
-    only where it starts before ``numel`` (``sharded_param_state_dp_reshardable``)."""
-    local = -(-numel // divisor) * divisor // dp
-    pieces: list[tuple[int, int, FlatParam | None]] = []
-    for rank in range(dp):
-        low, high = rank * local, (rank + 1) * local
-        inside = [(max(p.start, low), min(p.end, high), p) for p in placed if p.start < high and p.end > low]
-        if not inside:
-            raise UnsupportedOptimizerError(
-                f"data-parallel rank {rank} of {dp} holds no parameter of a {numel}-element bucket: {_VERSIONS} "
-                "cannot save that in the dp_reshardable form ('empty bucket encountered'); pass a smaller --dst-dp")
-        cursor = low
-        for start, end, param in [*inside, (high, high, None)]:
-            if start != cursor and cursor < numel:
-                pieces.append((cursor, start, None))
-            if param is not None:
-                pieces.append((start, end, param))
-            cursor = end
-    return pieces
+from pgconvert.optimizer.data_parallel import optimizer_dp, optimizer_ranks
+from pgconvert.optimizer.flat import FlatParam, bucket_divisor, bucket_pieces, bucket_ranges, flat_buffers
+from pgconvert.optimizer.order import chained_slots, optimizer_count
+from pgconvert.optimizer.scaler import target_scalers
+from pgconvert.optimizer.source import FIELDS, FP32_BYTES, OptimizerSource
+from pgconvert.savers.torch_dist.optimizer_records import carry_counters, rewrite_common, write_records
 
 
 @dataclass(frozen=True)
@@ -192,50 +135,14 @@ def _buckets(placed: list[FlatParam], numel: int) -> list[tuple[list[FlatParam],
             for bucket, (start, end) in enumerate(bucket_ranges(placed, numel))]
 
 
-def record_prefix(config: ModelConfig, layout: ParallelLayout, coord: RankCoord, optimizer: int = 0) -> str:
-    """``[chained_<i>.]optimizer.distributed.dp_group_idx_<g>`` of chained optimizer ``optimizer`` on rank ``coord``:
-    ``g`` the rank in its model-parallel group (dense: tp-pp; expert: tp-ep-pp, tp fastest)."""
-    chained = f"chained_{optimizer}." if optimizer_count(config, layout) > 1 else ""
-    index = coord.tp + layout.tp * (coord.pp if optimizer == 0 else coord.ep + layout.ep * coord.pp)
-    return f"{chained}optimizer.distributed.dp_group_idx_{index}"
-
-
-def optimizer_ranks(config: ModelConfig, layout: ParallelLayout, optimizer: int) -> list[RankCoord]:
-    """The ranks whose records chained optimizer ``optimizer`` stores: dense, one per TP x PP (its parameters
-    are the same on every EP rank); expert, one per TP x EP x PP."""
-    eps = range(layout.ep) if optimizer == 1 else range(1)
-    return [RankCoord(tp=tp, pp=pp, ep=ep) for pp in range(layout.pp) for ep in eps for tp in range(layout.tp)]
-
-
-def optimizer_dp(config: ModelConfig, layout: ParallelLayout, dp: int, args: Any, optimizer: int, where: str) -> int:
-    """The data-parallel size that chained optimizer ``optimizer``'s buckets are padded and split by: ``dp * cp``
-    (dense: megatron-core's ``intra_dp_cp`` group, which holds the context-parallel ranks too), or the expert
-    data-parallel size ``tp * cp * dp / (expert_tp * ep)``."""
-    cp = int(getattr(args, "context_parallel_size", None) or 1)
-    if optimizer == 0:
-        return dp * cp
-    if layout.expert_tp_size != layout.tp:
-        raise UnsupportedOptimizerError(
-            f"{where}: expert tensor parallel size {layout.expert_tp_size} differs from tensor parallel size "
-            f"{layout.tp}: the expert optimizer's dp_reshardable records are not mapped for that ({_VERSIONS}); "
-            "pass --skip-optimizer, or the fully_reshardable form")
-    ranks = layout.tp * cp * dp
-    if ranks % (layout.expert_tp_size * layout.ep):
-        raise UnsupportedOptimizerError(
-            f"{where}: tp*cp*dp = {layout.tp}*{cp}*{dp} is not a multiple of expert_tp*ep = "
-            f"{layout.expert_tp_size}*{layout.ep}: no expert data-parallel size")
-    return ranks // (layout.expert_tp_size * layout.ep)
-
-
-def _plan(optimizer: Any, config: ModelConfig, layout: ParallelLayout, rows: int, dp: int,
+def plan_records(optimizer: OptimizerSource, config: ModelConfig, layout: ParallelLayout, rows: int, dp: int,
           args: Any) -> tuple[list[_Record], dict[str, Any]]:
-    """Every model-parallel rank's records and objects, in megatron-core's key layout (dpmoe: per chained
-    optimizer)."""
+    """Every model-parallel rank's records and objects, in megatron-core's key layout (per chained optimizer)."""
     counts = [len(groups) for groups in chained_slots(config, layout, RankCoord(0, 0, 0), optimizer.rules, rows)]
     step = float(optimizer.step(optimizer.names()[0]))
     records: list[_Record] = []
     objects: dict[str, Any] = {}
-    scalers = target_scalers(optimizer, len(counts))  # optcli: beside the param groups, per model-parallel rank
+    scalers = target_scalers(optimizer, len(counts))  # beside the param groups, per model-parallel rank
     for index, count in enumerate(counts):
         groups = [dict(settings, step=step) for settings in optimizer.param_group_settings(index, count)]
         own_dp = optimizer_dp(config, layout, dp, args, index, f"layout {layout.describe()}")
@@ -244,51 +151,46 @@ def _plan(optimizer: Any, config: ModelConfig, layout: ParallelLayout, rows: int
                        flat_buffers(config, layout, coord, optimizer.rules, rows, args, dp, index)]
             prefix = record_prefix(config, layout, coord, index)
             if scalers[index] is not None:
-                objects[dp_object_key(prefix)] = scalers[index]
+                objects[scaler_key(prefix)] = scalers[index]
             _add_rank(optimizer, prefix, coord, buffers, groups, own_dp, bucket_divisor(own_dp, args), records, objects)
     return records, objects
 
 
-def _add_rank(optimizer: Any, prefix: str, coord: RankCoord, buffers: list[list[tuple[list[FlatParam], int]]],
+def _add_rank(optimizer: OptimizerSource, prefix: str, coord: RankCoord, buffers: list[list[tuple[list[FlatParam], int]]],
               groups: list[dict[str, Any]], dp: int, divisor: int, records: list[_Record],
               objects: dict[str, Any]) -> None:
     """One optimizer's records and objects of one model-parallel rank (``buffers``: per gbuf, its buckets)."""
-    dtype = f"({optimizer.dtype_key[0]}, {optimizer.dtype_key[1]})"
-    objects[f"{prefix}.optimizer/shard_0_1"] = {"param_groups": groups}
-    objects[f"{prefix}.per_bucket_numel/shard_0_1"] = [
+    objects[object_key(prefix, "optimizer")] = {"param_groups": groups}
+    objects[object_key(prefix, "per_bucket_numel")] = [
         {optimizer.dtype_key: [-(-numel // divisor) * divisor for _, numel in buckets]} for buckets in buffers]
-    objects[f"{prefix}.per_bucket_numel_unpadded/shard_0_1"] = [
+    objects[object_key(prefix, "per_bucket_numel_unpadded")] = [
         {optimizer.dtype_key: [numel for _, numel in buckets]} for buckets in buffers]
     for index, buckets in enumerate(buffers):
         for bucket, (placed, numel) in enumerate(buckets):
-            key = f"{prefix}.gbuf_idx_{index}.dtype_{dtype}.bucket_idx_{bucket}"
-            records += [_Record(f"{key}.{field}", coord, field, start, end, numel, param)
+            records += [_Record(bucket_key(prefix, index, optimizer.dtype_key, bucket, field), coord, field, start,
+                                end, numel, param)
                         for field in FIELDS for start, end, param in bucket_pieces(placed, numel, dp, divisor)]
 
 
-def _common_update(optimizer: Any, count: int = 1) -> Callable[[dict[str, Any]], None]:
+def _common_update(optimizer: OptimizerSource, count: int = 1) -> Callable[[dict[str, Any]], None]:
     def update(common: dict[str, Any]) -> None:
-        entry = {"param_state_sharding_type": DP_RESHARDABLE}  # dpmoe: {0: dense, 1: expert} when chained
+        entry = {"param_state_sharding_type": DP_RESHARDABLE}  # {0: dense, 1: expert} when chained
         common["optimizer"] = entry if count == 1 else {index: dict(entry) for index in range(count)}
-        for key in CARRIED_KEYS:
-            if key in optimizer.first.extra:
-                common[key] = optimizer.first.extra[key]
+        carry_counters(optimizer, common)
         content = dict(common.get("content_metadata") or {}, distrib_optim_sharding_type=DP_RESHARDABLE)
         content.pop("distrib_optim_fully_reshardable_mem_efficient", None)
         common["content_metadata"] = content
     return update
 
 
-def write_dp_reshardable(optimizer: Any, config: ModelConfig, layout: ParallelLayout, rows: int, dp: int,
+def write_dp_reshardable(optimizer: OptimizerSource, config: ModelConfig, layout: ParallelLayout, rows: int, dp: int,
                          iteration_dir: Path) -> list[PlannedFile]:
     """Write the records beside the torch_dist saver's (for ``dp`` data-parallel ranks at ``layout``);
     returns the files added."""
-    from pgconvert.optimizer.torch_dist_save import RECORDS_FILE, rewrite_common, write_records
-
     args = safe_torch_load(iteration_dir / COMMON_FILE).get("args")
-    records, objects = _plan(optimizer, config, layout, rows, dp, args)
+    records, objects = plan_records(optimizer, config, layout, rows, dp, args)
     writer = write_records(iteration_dir, _Planner(records, objects, optimizer, rows))
     rewrite_common(iteration_dir, _common_update(optimizer, optimizer_count(config, layout)))
-    nbytes = sum(4 * (record.end - record.start) for record in records)
+    nbytes = sum(FP32_BYTES * (record.end - record.start) for record in records)
     return [PlannedFile(f"{iteration_dir.name}/{RECORDS_FILE}", len(records) + len(objects), nbytes,
                         sha256=writer.sha256, size=writer.size)]

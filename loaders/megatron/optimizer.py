@@ -1,17 +1,19 @@
-"""The plain (non-distributed) Megatron optimizer state of a per-rank checkpoint, by canonical parameter.
+"""The Megatron optimizer state of a per-rank checkpoint, by canonical parameter.
 
-``OptimizerSource`` reads the ``optimizer`` entry of every rank file (memory-mapped), checks it
-against the positions ``optimizer_map`` derives, and answers per canonical parameter: the fp32
+``MegatronOptimizerSource`` reads the ``optimizer`` entry of every rank file (memory-mapped), checks it
+against the positions ``pgconvert.optimizer.order`` derives, and answers per canonical parameter: the fp32
 master weight, ``exp_avg``, ``exp_avg_sq`` and ``step``, whole (``parameter``) or cut for another
-layout's rank (``piece``) with the parameter's own ShardRule. Two forms are read:
+layout's rank (``piece``) with the parameter's own ShardRule. Three forms are read:
 
 - FP32Optimizer (fp32 training): ``optimizer = {state, param_groups}``; the master weight is the
   model parameter itself;
 - Float16OptimizerWithFloat16Params (``--bf16``/``--fp16``): ``optimizer = {optimizer: {state,
-  param_groups}, grad_scaler, fp32_from_fp16_params}``, the fp32 masters per group in params order.
+  param_groups}, grad_scaler, fp32_from_fp16_params}``, the fp32 masters per group in params order;
+- DistributedOptimizer (``--use-distributed-optimizer``): the rank file holds only the param groups, the state
+  is the ``distrib_optim.pt`` beside it (``loaders/megatron/distrib_optim.py``).
 
 A mixture-of-experts run at expert parallel size > 1 chains two optimizers (dense, then expert-parallel):
-``optimizer`` is then a list of two entries of the same form (optmoe), each with its own positions.
+``optimizer`` is then a list of two entries of the same form, each with its own positions.
 """
 
 from __future__ import annotations
@@ -23,37 +25,26 @@ from typing import Any
 
 import torch
 
-from pgconvert.model.grid import RankCoord
+from pgconvert.formats.megatron import DISTRIB_OPTIM_FILE, safe_torch_load
 from pgconvert.io.limits import quote
-from pgconvert.formats.megatron import safe_torch_load
+from pgconvert.loaders.megatron.distrib_optim import read_distributed
+from pgconvert.model.grid import RankCoord
 from pgconvert.optimizer.order import (MEGATRON_CORE_VERSIONS, OptimizerLayoutError, OptimizerRules, OptimizerSlot,
-                                     UnsupportedOptimizerError, chained_slots, check_param_groups,
-                                     check_state_shapes)
-from pgconvert.optimizer.flat import DISTRIB_OPTIM_FILE, read_distributed
+                                       UnsupportedOptimizerError, chained_slots, check_param_groups,
+                                       check_state_shapes)
 from pgconvert.optimizer.scaler import held_scalers
-from pgconvert.model.rules import ReplicaMismatchError, ShardRule
-
-MOMENTS = ("exp_avg", "exp_avg_sq")
-FORM_FP32 = "fp32"
-FORM_FP16 = "float16"
-FORM_DISTRIBUTED = "distributed"
-# megatron-core's DistributedOptimizer param-state formats (distrib_optimizer.py).
-DISTRIBUTED_SHARDING_TYPES = ("dp_reshardable", "fully_reshardable", "fully_sharded_model_space",
-                              "fully_sharded_bucket_space", "dp_zero_gather_scatter")
-# Carried as they are: layout-independent counters of the run.
-CARRIED_KEYS = ("opt_param_scheduler", "num_floating_point_operations_so_far")
+from pgconvert.optimizer.source import (CARRIED_KEYS, DISTRIBUTED_SHARDING_TYPES, FORM_DISTRIBUTED, FORM_FP16,
+                                        FORM_FP32, OptimizerSource, SourceRank)
 
 
 @dataclass
-class _RankOptimizer:
+class _RankOptimizer(SourceRank):
     """One rank's optimizers (one, or the dense and expert-parallel ones chained): per optimizer its groups
     of slots, its ``{state, param_groups}`` and its fp32 masters by position."""
 
-    path: Path
     slots: list[list[list[OptimizerSlot]]]
     inners: list[dict[str, Any]]
     masters: list[list[torch.Tensor]]
-    extra: dict[str, Any]
 
 
 def chained_entries(optimizer: Any, count: int, path: Path) -> list[Any]:
@@ -133,7 +124,7 @@ def check_masters_round(state: dict[str, Any], slots: Sequence[Any], masters: Se
                 f"{' / '.join(MEGATRON_CORE_VERSIONS)} builds")
 
 
-class OptimizerSource:
+class MegatronOptimizerSource(OptimizerSource):
     """Every rank's optimizer state of a Megatron per-rank source (``MegatronSource``-like: ``config``,
     ``layout``, ``files`` by RankCoord, ``vocab_rows``)."""
 
@@ -149,7 +140,7 @@ class OptimizerSource:
             self.ranks[coord] = self._read_rank(coord, Path(path), chunk_keys)
         self.first = self.ranks[min(self.ranks, key=lambda c: (c.pp, c.ep, c.tp))]
         self.dtype_key = self.first.inners[0].get("dtype_key")
-        self.grad_scalers: list[Any] = self.first.extra.get("grad_scalers", [None])  # optcli
+        self.grad_scalers = self.first.extra.get("grad_scalers", [None])
         self.rules = OptimizerRules.from_args(self.first.extra.get("args"), str(self.first.path))
         self._owners = self._index()
 
@@ -169,7 +160,7 @@ class OptimizerSource:
         extra = {key: state[key] for key in (*CARRIED_KEYS, "iteration", "args") if key in state}
         if form == FORM_DISTRIBUTED:
             extra["distributed_entries"] = entries
-            extra["grad_scalers"] = held_scalers(entries)  # optcli
+            extra["grad_scalers"] = held_scalers(entries)
             views = read_distributed(self.config, self.layout, coord, rules, self.vocab_rows, state, path, entries)
             inners, masters = [], []
             for index, view in enumerate(views):
@@ -179,7 +170,7 @@ class OptimizerSource:
                 inners.append(view[0])
                 masters.append([view[1][slot.position] for group in chained[index] for slot in group])
                 check_masters_round(state, chained[index], masters[-1], chunk_keys, path, "distrib_optim.pt param")
-            return _RankOptimizer(path, chained, inners, masters, extra)
+            return _RankOptimizer(path, extra, chained, inners, masters)
         inners, masters = [], []
         for index, (entry, slots) in enumerate(zip(entries, chained)):
             inner = entry if form == FORM_FP32 else entry["optimizer"]
@@ -188,8 +179,8 @@ class OptimizerSource:
             check_state_shapes(slots, inner.get("state"), where)
             masters.append(_masters(form, entry, state, slots, chunk_keys, path))
             inners.append(inner)
-        extra["grad_scalers"] = held_scalers(entries)  # optcli: per chained optimizer
-        return _RankOptimizer(path, chained, inners, masters, extra)
+        extra["grad_scalers"] = held_scalers(entries)  # per chained optimizer
+        return _RankOptimizer(path, extra, chained, inners, masters)
 
     def _index(self) -> dict[str, list[tuple[_RankOptimizer, OptimizerSlot]]]:
         """Per canonical name, its pieces in TP order, from the first stage/chunk that holds it (a tied
@@ -206,60 +197,10 @@ class OptimizerSource:
                     held[1].append((rank, slot))
         return {name: sorted(pieces, key=lambda p: p[1].spec.tp_rank) for name, (_, pieces) in owners.items()}
 
-    def names(self) -> list[str]:
-        return list(self._owners)
-
-    def group_of(self, name: str) -> int:
-        return self._owners[name][0][1].group
-
     def _pieces(self, name: str, key: str) -> list[torch.Tensor]:
         if key == "param":
             return [rank.masters[slot.optimizer][slot.position] for rank, slot in self._owners[name]]
         return [rank.inners[slot.optimizer]["state"][slot.position][key] for rank, slot in self._owners[name]]
-
-    def _replicas_differ(self, name: str, key: str, error: ReplicaMismatchError) -> OptimizerLayoutError:
-        owners = self._owners[name]
-        first, second = (owners[index][0].path for index in error.ranks)
-        return OptimizerLayoutError(
-            f"{name}: optimizer {key} of a replicated parameter differs between {first} and {second}: the "
-            f"positions do not map to the parameters megatron-core {' / '.join(MEGATRON_CORE_VERSIONS)} orders there")
-
-    def step(self, name: str) -> torch.Tensor:
-        """The Adam step count of ``name`` (the same on all its pieces, or refused)."""
-        steps = self._pieces(name, "step")
-        if any(not torch.equal(steps[0], other) for other in steps[1:]):
-            raise OptimizerLayoutError(f"{self._owners[name][0][0].path}: step of {name} differs between TP ranks")
-        return steps[0].clone()
-
-    def parameter(self, name: str) -> dict[str, torch.Tensor]:
-        """The whole (source-padded) fp32 master, both moments and the step of ``name``."""
-        rule = self._owners[name][0][1].spec.rule
-        merged = {}
-        for key in ("param", *MOMENTS):
-            try:
-                merged[key] = rule.merge(self._pieces(name, key)).clone()
-            except ReplicaMismatchError as error:
-                raise self._replicas_differ(name, key, error) from error
-        merged["step"] = self.step(name)
-        return merged
-
-    def piece(self, name: str, key: str, size: int, rank: int, rows: int | None,
-              rule: ShardRule | None = None) -> torch.Tensor:
-        """Piece ``rank`` of ``size`` of ``name``'s ``key`` (param or a moment) cut with ``rule`` (the target's;
-        default the source's), fitted to ``rows`` padded vocab rows for vocab tables (new rows zero).
-        mlafix: the source's pieces are merged with the rule of the spec that wrote them where the target's differs
-        (MLA down projections: split by rows in the local spec, whole in the TE spec)."""
-        stored = self._owners[name][0][1].spec.rule
-        target = rule or stored
-        pieces = self._pieces(name, key)
-        try:
-            if target != stored:
-                pieces = [stored.merge(pieces)]
-            if target.fits_rows and rows is not None:
-                return target.reshard_rows(pieces, rows, self.config.vocab_size, size, rank)
-            return target.reshard(pieces, size, rank)
-        except ReplicaMismatchError as error:
-            raise self._replicas_differ(name, key, error) from error
 
     def param_group_settings(self, optimizer: int = 0, count: int | None = None) -> list[dict[str, Any]]:
         """The param groups (without ``params``: hyperparameters, lr, wd_mult…) of chained optimizer

@@ -1,4 +1,4 @@
-"""mla: what a change of layer spec does to a multi-latent-attention run's weight decay.
+"""What a change of layer spec does to a multi-latent-attention run's weight decay.
 
 megatron-core's ``apply_wd_to_qk_layernorm`` keeps weight decay on parameters whose name contains
 ``q_layernorm.`` or ``k_layernorm.`` (``get_standard_config_overrides``, 0.16.1 and 0.20.0). With MLA's

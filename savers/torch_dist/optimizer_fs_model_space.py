@@ -1,9 +1,9 @@
-"""fsms: the distributed optimizer's state written into a torch_dist destination in the ``fully_sharded_model_space``
+"""The distributed optimizer's state written into a torch_dist destination in the ``fully_sharded_model_space``
 form (``--dst-optim-form fully_sharded_model_space``), for megatron-core 0.15.0 and older.
 
-The records are the ``fully_reshardable`` writer's chunks (``optimizer_torch_dist_save``: the torch_dist saver's
+The records are the ``fully_reshardable`` writer's chunks (``optimizer_records.py``: the torch_dist saver's
 model chunks, fp32), each stored reformulated as megatron-core <= 0.15 stores a flattened_range ShardedTensor
-(``optimizer_fs_model_space``): key ``optimizer.state.{fp32_param,exp_avg,exp_avg_sq}.<model key>``, global shape
+(``loaders/torch_dist/fs_model_space.py``): key ``optimizer.state.{fp32_param,exp_avg,exp_avg_sq}.<model key>``, global shape
 ``(*chunks per axis, elements of one chunk)``, one whole chunk per stored piece (megatron-core reads any DP
 rank's ``flattened_range`` of it). megatron-core loads such a record only with its original global shape in
 ``.metadata``: ``metadata.mcore_data[key]['nd_reformulated_orig_global_shape']`` (``strategies/torch.py``,
@@ -26,13 +26,14 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata
 
 from pgconvert.formats import PlannedFile
-from pgconvert.optimizer.fs_model_space import FIELDS, FS_MODEL_SPACE
-from pgconvert.optimizer.torch_dist_moe import common_entry
-from pgconvert.optimizer.torch_dist_save import _OptimizerPlanner, replace_durably, rewrite_common, write_records
-from pgconvert.optimizer.state import CARRIED_KEYS
 from pgconvert.formats.torch_dist import DCP_METADATA_FILE, read_dcp_metadata
+from pgconvert.formats.torch_dist_optimizer import (FS_MODEL_SPACE, MODEL_SPACE_FIELDS, RECORDS_FILE, common_entry,
+                                                    state_key)
+from pgconvert.optimizer.source import OptimizerSource
+from pgconvert.savers.torch_dist.optimizer_records import (OptimizerPlanner, carry_counters, replace_durably,
+                                                           rewrite_common, write_records)
 
-RECORDS_FILE = "__1_0.distcp"
+FIELDS = MODEL_SPACE_FIELDS[FS_MODEL_SPACE]
 
 
 def _reformulated(field: str, chunk: Any) -> Any:
@@ -40,7 +41,7 @@ def _reformulated(field: str, chunk: Any) -> Any:
     local = chunk.sizes
     elements = math.prod(local)
     return dataclasses.replace(
-        chunk, key=f"optimizer.state.{FIELDS[field]}.{chunk.key}", dtype=torch.float32,
+        chunk, key=state_key(FIELDS[field], chunk.key), dtype=torch.float32,
         offsets=tuple(o // n for o, n in zip(chunk.offsets, local)) + (0,), sizes=(1,) * len(local) + (elements,),
         global_shape=tuple(g // n for g, n in zip(chunk.global_shape, local)) + (elements,))
 
@@ -61,22 +62,20 @@ def _merge_metadata(iteration_dir: Path, added_path: Path, original: dict[str, t
     replace_durably(path, pickle.dumps(merged))
 
 
-def _add_common(optimizer: Any, iteration_dir: Path) -> None:
+def _add_common(optimizer: OptimizerSource, iteration_dir: Path) -> None:
     step = float(optimizer.step(optimizer.names()[0]))
     groups = [[dict(settings, step=step) for settings in optimizer.param_group_settings(0)]]
 
     def update(common: dict[str, Any]) -> None:
         common["optimizer"] = dict(common_entry(groups), param_state_sharding_type=FS_MODEL_SPACE)
-        for key in CARRIED_KEYS:
-            if key in optimizer.first.extra:
-                common[key] = optimizer.first.extra[key]
+        carry_counters(optimizer, common)
         common["content_metadata"] = dict(common.get("content_metadata") or {},
                                           distrib_optim_sharding_type=FS_MODEL_SPACE)
 
     rewrite_common(iteration_dir, update)
 
 
-def write_fs_model_space(optimizer: Any, model_chunks: list[Any], rows: int, fits_rows: set[str],
+def write_fs_model_space(optimizer: OptimizerSource, model_chunks: list[Any], rows: int, fits_rows: set[str],
                          iteration_dir: Path) -> list[PlannedFile]:
     """Write the records beside the model's (``model_chunks``: the torch_dist saver's); returns the files added."""
     names = set(optimizer.names())
@@ -84,7 +83,7 @@ def write_fs_model_space(optimizer: Any, model_chunks: list[Any], rows: int, fit
               for field in FIELDS]
     original = {chunk.key: tuple(model.global_shape) for (_, chunk), model in
                 zip(chunks, [m for m in model_chunks if m.canonical in names for _ in FIELDS])}
-    writer = write_records(iteration_dir, _OptimizerPlanner(chunks, optimizer, rows, fits_rows),
+    writer = write_records(iteration_dir, OptimizerPlanner(chunks, optimizer, rows, fits_rows),
                            lambda directory, added: _merge_metadata(directory, added, original))
     _add_common(optimizer, iteration_dir)
     name = iteration_dir.name

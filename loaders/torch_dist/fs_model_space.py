@@ -1,4 +1,4 @@
-"""fsms: megatron-core's ``fully_sharded_model_space`` optimizer records, as torch_dist stores them.
+"""megatron-core's ``fully_sharded_model_space`` optimizer records, as torch_dist stores them, read.
 
 ``DistributedOptimizer.sharded_param_state_fs_model_space`` (megatron-core 0.15.0 and older) gives each
 model parameter's ``fp32_param``, ``exp_avg`` and ``exp_avg_sq`` the model's ShardedTensor (key
@@ -17,7 +17,8 @@ depends on the DP layout, and the chunk grid follows from the two global shapes.
 megatron-core 0.16.1 and later refuse to save or load it (``ShardedTensor.flattened_range is not
 supported``, ``dist_checkpointing/mapping.py``); Megatron-LM core_v0.12.x-core_v0.14.x wrote it by
 default for the distributed optimizer (``--ckpt-fully-parallel-save`` is on by default), core_v0.15.x
-with ``--dist-ckpt-save-pre-mcore-014`` (or torch < 2.6). Written by ``optimizer_fs_model_space_save``.
+with ``--dist-ckpt-save-pre-mcore-014`` (or torch < 2.6). Written by
+``savers/torch_dist/optimizer_fs_model_space.py``.
 """
 
 from __future__ import annotations
@@ -26,12 +27,9 @@ import math
 
 import torch
 
+from pgconvert.formats.torch_dist_optimizer import FS_MODEL_SPACE
 from pgconvert.io.limits import quote
 from pgconvert.optimizer.order import OptimizerLayoutError
-
-FS_MODEL_SPACE = "fully_sharded_model_space"
-# The stored field of each per-parameter key (the master is ``fp32_param``).
-FIELDS = {"param": "fp32_param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
 
 
 def chunk_shape(stored: tuple[int, ...], global_shape: tuple[int, ...], where: str) -> tuple[int, ...]:
@@ -77,13 +75,3 @@ def flatten(tensor: torch.Tensor, local: tuple[int, ...]) -> torch.Tensor:
     rank = len(local)
     order = [*range(0, 2 * rank, 2), *range(1, 2 * rank, 2)]
     return interleaved.permute(order).reshape(*counts, math.prod(local))
-
-
-def destination_notice(sharding: str | None, form: str) -> list[str]:
-    """What a torch_dist destination of a fully_sharded_model_space source says when another ``form`` is asked
-    for: megatron-core before 0.15.0 cannot load it."""
-    if sharding != FS_MODEL_SPACE or form == FS_MODEL_SPACE:
-        return []
-    return [f"optimizer: the source's {FS_MODEL_SPACE} form is written as {form}: megatron-core 0.15.0 and later "
-            f"load {form}, 0.14.0 and older only {FS_MODEL_SPACE} (--dst-optim-form {FS_MODEL_SPACE}) and the "
-            "deprecated forms"]

@@ -1,5 +1,6 @@
 """The distributed optimizer's state written into a torch_dist destination, in the ``fully_reshardable``
-form (layout-independent: the same records at any TP/PP/DP; the layout is only in ``args``).
+form (layout-independent: the same records at any TP/PP/DP; the layout is only in ``args``), and what every
+form's writer shares: the records file beside the model's, merged into ``.metadata``, and ``common.pt`` rewritten.
 
 ``DistributedOptimizer.sharded_param_state_fully_reshardable`` (megatron-core 0.16.1 / 0.20.0) saves
 ``optimizer.state.{param,exp_avg,exp_avg_sq}.<model key>``: fp32, each with its model tensor's global
@@ -26,20 +27,18 @@ from torch.distributed.checkpoint import DefaultSavePlanner, SavePlan
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.planner import WriteItem
 
-from pgconvert.io.durable import fsync_file
 from pgconvert.formats import PlannedFile
 from pgconvert.formats.megatron import FRAMEWORK_PICKLE, safe_torch_load
-from pgconvert.optimizer.state import CARRIED_KEYS
-from pgconvert.optimizer.scaler import set_scalers, target_scalers
-from pgconvert.optimizer.torch_dist_moe import chained_entries, common_entry
 from pgconvert.formats.torch_dist import COMMON_FILE, DCP_METADATA_FILE, read_dcp_metadata, single_process_calls
+from pgconvert.formats.torch_dist_optimizer import (FULLY_RESHARDABLE, RECORDS_FILE, chained_entries, common_entry,
+                                                    state_key)
+from pgconvert.io.durable import fsync_file
+from pgconvert.optimizer.scaler import set_scalers, target_scalers
+from pgconvert.optimizer.source import CARRIED_KEYS, FIELDS, OptimizerSource
+from pgconvert.savers.torch_dist.streaming import StreamingWriter
 
-SHARDING = "fully_reshardable"
-RECORDS_FILE = "__1_0.distcp"
-FIELDS = ("param", "exp_avg", "exp_avg_sq")
 
-
-class _OptimizerPlanner(DefaultSavePlanner):
+class OptimizerPlanner(DefaultSavePlanner):
     """The optimizer records' plan; each chunk's data is cut from its parameter's state when written."""
 
     def __init__(self, chunks: list[tuple[str, Any]], optimizer: Any, rows: int, fits_rows: set[str]) -> None:
@@ -100,8 +99,15 @@ def rewrite_common(iteration_dir: Path, update: Callable[[dict[str, Any]], None]
     replace_durably(path, buffer.getbuffer())
 
 
-def _add_common(optimizer: Any, iteration_dir: Path, group_counts: list[int] | None = None) -> None:
-    """``group_counts`` (tdmoe): the target's param groups per chained optimizer (None: the source's one)."""
+def carry_counters(optimizer: OptimizerSource, common: dict[str, Any]) -> None:
+    """The carried counters of the source's first rank (scheduler, floating-point operations) into ``common``."""
+    for key in CARRIED_KEYS:
+        if key in optimizer.first.extra:
+            common[key] = optimizer.first.extra[key]
+
+
+def _add_common(optimizer: OptimizerSource, iteration_dir: Path, group_counts: list[int] | None = None) -> None:
+    """``group_counts``: the target's param groups per chained optimizer (None: the source's one)."""
     step = float(optimizer.step(optimizer.names()[0]))
     counts: list[int | None] = list(group_counts) if group_counts else [None]
     groups = [[dict(settings, step=step) for settings in optimizer.param_group_settings(index, count)]
@@ -109,22 +115,20 @@ def _add_common(optimizer: Any, iteration_dir: Path, group_counts: list[int] | N
 
     def update(common: dict[str, Any]) -> None:
         common["optimizer"] = common_entry(groups)
-        set_scalers(chained_entries(common["optimizer"]), target_scalers(optimizer, len(groups)))  # optcli
-        for key in CARRIED_KEYS:
-            if key in optimizer.first.extra:
-                common[key] = optimizer.first.extra[key]
+        set_scalers(chained_entries(common["optimizer"]), target_scalers(optimizer, len(groups)))
+        carry_counters(optimizer, common)
         common["content_metadata"] = dict(common.get("content_metadata") or {},
-                                          distrib_optim_sharding_type=SHARDING,
+                                          distrib_optim_sharding_type=FULLY_RESHARDABLE,
                                           distrib_optim_fully_reshardable_mem_efficient=False)
 
     rewrite_common(iteration_dir, update)
 
 
-def optimizer_chunks(optimizer: Any, model_chunks: list[Any]) -> list[tuple[str, Any]]:
+def optimizer_chunks(optimizer: OptimizerSource, model_chunks: list[Any]) -> list[tuple[str, Any]]:
     """The fully_reshardable records, (field, chunk) per model chunk and field, fp32."""
-    # tdmoe: parameters only (megatron-core's buffers' param_index_map): not a router's expert_bias buffer
+    # parameters only (megatron-core's buffers' param_index_map): not a router's expert_bias buffer
     names = set(optimizer.names())
-    return [(field, dataclasses.replace(chunk, key=f"optimizer.state.{field}.{chunk.key}", dtype=torch.float32))
+    return [(field, dataclasses.replace(chunk, key=state_key(field, chunk.key), dtype=torch.float32))
             for chunk in model_chunks if chunk.canonical in names for field in FIELDS]
 
 
@@ -133,12 +137,10 @@ def write_records(iteration_dir: Path, planner: Any,
     """Save what ``planner`` plans (it brings its own items; no state dict) as RECORDS_FILE beside the model's
     records, then ``merge`` their metadata into the checkpoint's ``.metadata``; returns the streaming writer (its
     ``sha256`` and ``size``). One staging folder, removed whatever happens."""
-    from pgconvert.savers.torch_dist import _StreamingWriter
-
     staging = iteration_dir / ".optimizer_records"
     staging.mkdir()
     try:
-        writer = _StreamingWriter(staging)
+        writer = StreamingWriter(staging)
         with single_process_calls():
             dcp.save({}, storage_writer=writer, planner=planner, no_dist=True)
         os.replace(staging / "__0_0.distcp", iteration_dir / RECORDS_FILE)
@@ -148,17 +150,17 @@ def write_records(iteration_dir: Path, planner: Any,
     return writer
 
 
-def write_chunk_records(optimizer: Any, chunks: list[tuple[str, Any]], rows: int, fits_rows: set[str],
+def write_chunk_records(optimizer: OptimizerSource, chunks: list[tuple[str, Any]], rows: int, fits_rows: set[str],
                         iteration_dir: Path) -> list[PlannedFile]:
     """The records ``chunks`` ((field, chunk) pairs) written to RECORDS_FILE and added to ``.metadata``, each chunk
-    cut from ``optimizer``'s field when written (the model-space forms; tdplain: the plain form's records too);
+    cut from ``optimizer``'s field when written (the model-space forms and the plain form);
     returns the file added."""
-    writer = write_records(iteration_dir, _OptimizerPlanner(chunks, optimizer, rows, fits_rows))
+    writer = write_records(iteration_dir, OptimizerPlanner(chunks, optimizer, rows, fits_rows))
     return [PlannedFile(f"{iteration_dir.name}/{RECORDS_FILE}", len(chunks), sum(chunk.nbytes for _, chunk in chunks),
                         sha256=writer.sha256, size=writer.size)]
 
 
-def write_fully_reshardable(optimizer: Any, model_chunks: list[Any], rows: int, fits_rows: set[str],
+def write_fully_reshardable(optimizer: OptimizerSource, model_chunks: list[Any], rows: int, fits_rows: set[str],
                             iteration_dir: Path, group_counts: list[int] | None = None) -> list[PlannedFile]:
     """Write the optimizer records beside the model's (``model_chunks``: the torch_dist saver's chunks, expert
     ones included); ``group_counts``: the target's param groups per chained optimizer. Returns the files added

@@ -1,0 +1,112 @@
+"""megatron-core's optimizer state in a torch_dist checkpoint: what its loader and saver both need (the forms'
+names, record keys and field names, the common state's ``optimizer`` entry, the records file).
+
+``DistributedOptimizer.sharded_state_dict`` (megatron/core/optimizer/distrib_optimizer.py) saves the parameter
+state in the form ``metadata['distrib_optim_sharding_type']`` names and puts ``param_state_sharding_type`` in the
+common state's ``optimizer`` entry:
+
+- ``fully_reshardable``: ``optimizer.state.{param,exp_avg,exp_avg_sq}.<model key>``, each chunked like its model
+  tensor; ``fully_sharded_model_space`` (megatron-core <= 0.15.0): ``optimizer.state.{fp32_param,exp_avg,
+  exp_avg_sq}.<model key>``, reformulated (``loaders/torch_dist/fs_model_space.py``);
+- ``dp_reshardable``: per model-parallel rank ``g``, buffer, DDP bucket and field the flat record
+  ``[chained_<i>.]optimizer.distributed.dp_group_idx_<g>.gbuf_idx_<b>.dtype_<(param, grad)>.bucket_idx_<k>.<field>``
+  and the ShardedObjects ``...dp_group_idx_<g>.{optimizer,per_bucket_numel,per_bucket_numel_unpadded,grad_scaler}``;
+- ``plain`` (no distributed optimizer): megatron-core's plain optimizer's ``optimizer.state.{fp32_param (bf16/fp16
+  only),exp_avg,exp_avg_sq}.<model key>``, ``state.common_step`` and ``param_groups`` in the common state.
+
+A MoE model at expert parallel size > 1 chains a dense and an expert optimizer (``get_megatron_optimizer``):
+``ChainedOptimizer.sharded_state_dict`` (megatron/core/optimizer/optimizer.py) returns ``{0: dense, 1: expert}``;
+it adds the ``chained_<i>.`` key prefix unless the form is fully reshardable (or plain) and the metadata has
+``chained_optim_avoid_prefix`` (Megatron-LM's ``_build_sharded_state_dict_metadata`` sets it), so the model-space
+and plain records keep their model keys (an expert key its global expert axis) and the dp_reshardable ones are
+prefixed. The common state's ``optimizer`` is then ``{0: {...}, 1: {...}}`` (int keys; ``dist_checkpointing``
+drops the all-sharded ``param_state``), ``ChainedOptimizer.load_state_dict`` reading them in key order.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pgconvert.model.config import ModelConfig
+from pgconvert.model.grid import RankCoord
+from pgconvert.model.layout import ParallelLayout
+from pgconvert.optimizer.order import optimizer_count
+from pgconvert.optimizer.scaler import GRAD_SCALER
+from pgconvert.optimizer.source import FORM_FP16, FORM_FP32
+
+FULLY_RESHARDABLE = "fully_reshardable"
+DP_RESHARDABLE = "dp_reshardable"
+FS_MODEL_SPACE = "fully_sharded_model_space"
+# megatron-core's plain (non-distributed) optimizer: no param_state_sharding_type.
+PLAIN = "plain"
+# The optimizer records go to a second data file beside the model's ``__0_0.distcp``.
+RECORDS_FILE = "__1_0.distcp"
+# The stored field of each per-parameter key, per model-space form.
+MODEL_SPACE_FIELDS = {
+    FULLY_RESHARDABLE: {"param": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"},
+    FS_MODEL_SPACE: {"param": "fp32_param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"},
+}
+# The stored field of each per-parameter key, per plain form ("": the model weight itself is the master).
+PLAIN_FIELDS = {FORM_FP16: {"param": "fp32_param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"},
+                FORM_FP32: {"param": "", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}}
+
+
+def state_key(stored_field: str, model_key: str) -> str:
+    """The model-space or plain record of ``stored_field`` of the model tensor stored as ``model_key``."""
+    return f"optimizer.state.{stored_field}.{model_key}"
+
+
+def record_prefix(config: ModelConfig, layout: ParallelLayout, coord: RankCoord, optimizer: int = 0) -> str:
+    """``[chained_<i>.]optimizer.distributed.dp_group_idx_<g>`` of chained optimizer ``optimizer`` on rank ``coord``:
+    ``g`` the rank in its model-parallel group (dense: tp-pp; expert: tp-ep-pp, tp fastest)."""
+    chained = f"chained_{optimizer}." if optimizer_count(config, layout) > 1 else ""
+    index = coord.tp + layout.tp * (coord.pp if optimizer == 0 else coord.ep + layout.ep * coord.pp)
+    return f"{chained}optimizer.distributed.dp_group_idx_{index}"
+
+
+def bucket_key(prefix: str, buffer: int, dtype_key: tuple[Any, Any], bucket: int, field: str) -> str:
+    """The dp_reshardable record of ``field`` of a buffer's bucket (``prefix``: ``record_prefix``; ``dtype_key``:
+    the buffer's ``(param dtype, grad dtype)``)."""
+    return f"{prefix}.gbuf_idx_{buffer}.dtype_({dtype_key[0]}, {dtype_key[1]}).bucket_idx_{bucket}.{field}"
+
+
+def object_key(prefix: str, name: str) -> str:
+    """The stored entry of the dp_reshardable ShardedObject ``name`` (``optimizer``, ``per_bucket_numel``,
+    ``grad_scaler``…) of a model-parallel rank (``prefix``: ``record_prefix``)."""
+    return f"{prefix}.{name}/shard_0_1"
+
+
+def scaler_key(prefix: str) -> str:
+    """The dp_reshardable ShardedObject of a model-parallel rank's grad scaler."""
+    return object_key(prefix, GRAD_SCALER)
+
+
+def chained_entries(optimizer: Any) -> list[Any]:
+    """The common state's ``optimizer`` per chained optimizer: ``{0: …, 1: …}`` in key order, else the one entry."""
+    if isinstance(optimizer, dict) and optimizer and all(type(key) is int for key in optimizer):
+        return [optimizer[key] for key in sorted(optimizer)]
+    return [optimizer]
+
+
+def common_entry(groups: list[list[dict[str, Any]]]) -> dict[Any, Any]:
+    """The common state's ``optimizer`` for these chained optimizers' param groups (with ``step``)."""
+    entries = [{"optimizer": {"param_groups": own}, "param_state_sharding_type": FULLY_RESHARDABLE} for own in groups]
+    return entries[0] if len(entries) == 1 else dict(enumerate(entries))
+
+
+def moe_form_refusal(num_experts: int, side: str, form: str | None, layout: ParallelLayout) -> str | None:
+    """Why a MoE model's optimizer state is not carried ``side`` ("from" or "into") torch_dist in ``form`` at
+    ``layout`` (None: it is): not in the fully_sharded_model_space form, nor dp_reshardable at expert parallel
+    size > 1 with an expert tensor parallel size other than the tensor parallel size (the expert optimizer's
+    records are mapped only for equal sizes)."""
+    hint = "--skip-optimizer" if side == "from" else "--dst-optim-form fully_reshardable or --skip-optimizer"
+    if form == FS_MODEL_SPACE:
+        return (f"optimizer state not carried: num_experts={num_experts}: a MoE model's optimizer "
+                "state (megatron-core's chained dense and expert optimizers) is carried from or into torch_dist "
+                f"in the fully_reshardable and dp_reshardable forms only, not {side} {form}; pass {hint}")
+    if form == DP_RESHARDABLE and layout.ep > 1 and layout.expert_tp_size != layout.tp:
+        return (f"optimizer state not carried: num_experts={num_experts}: expert tensor parallel "
+                f"size {layout.expert_tp_size} differs from tensor parallel size {layout.tp}: the expert "
+                f"optimizer's dp_reshardable records are not mapped for that, not {side} dp_reshardable; "
+                f"pass {hint}")
+    return None

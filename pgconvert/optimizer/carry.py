@@ -1,0 +1,175 @@
+"""Whether a conversion carries its source's optimizer state, and ``convert``'s step that carries it.
+
+One decision for ``convert``, ``--dry-run`` and sharded runs (``carried_optimizer``): the state is carried when
+the source holds it (``CanonicalSource.holds_optimizer``), the destination writes it (``Saver.writes_optimizer``)
+and ``--skip-optimizer`` is not given. State that is held but not carried is named in a notice (``guess:
+optimizer state not carried: ...``), refused under --strict; a broken one is a named error. Everything a format
+reads or writes goes through the hooks of ``pgconvert.formats``: the source opens its state
+(``open_optimizer``), the saver writes it after the model (``save_optimizer``).
+
+Carried: the optimizer, scheduler state, iteration, ``num_floating_point_operations_so_far``, the grad scaler
+and the consumed-samples counters (in ``args``). Not carried: RNG state (it depends on the rank count).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pgconvert.errors import ValidationError
+from pgconvert.formats import (TRAINING_STATE_NOT_CARRIED, OptimizerFile, OptimizerOptions, PlannedFile, Saver,
+                               target_config)
+from pgconvert.formats.registry import get_saver, saver_names
+from pgconvert.formats.strict import fallback
+from pgconvert.io.limits import quote
+from pgconvert.model.config import ModelConfig
+from pgconvert.model.provider import target_vocab_rows
+from pgconvert.optimizer.data_parallel import check_dst_dp
+from pgconvert.optimizer.mla_weight_decay import qk_norm_decay_notice
+from pgconvert.optimizer.order import OptimizerLayoutError, optimizer_count
+from pgconvert.optimizer.scaler import lost_scaler
+from pgconvert.optimizer.source import OptimizerSource
+
+if TYPE_CHECKING:
+    from pgconvert.run.convert import Plan
+
+RNG_NOTICE = ("RNG state is not carried (it depends on the rank count): resume with --no-load-rng")
+
+
+def optimizer_options(request: Any) -> OptimizerOptions:
+    """``--dst-optim-form`` and ``--dst-dp`` of a conversion request."""
+    return OptimizerOptions(form=getattr(request, "dst_optim_form", None), dp=getattr(request, "dst_dp", None))
+
+
+def _check_form(requested: str, saver: Saver, dst_format: str, skip_optimizer: bool) -> None:
+    """``--dst-optim-form``: one of the forms the destination's saver writes (``Saver.optimizer_forms``)."""
+    if requested not in saver.optimizer_forms:
+        forms = {name: get_saver(name).optimizer_forms for name in saver_names()}
+        known = list(dict.fromkeys(form for name in sorted(forms) for form in forms[name]))
+        if requested not in known:
+            raise ValidationError(f"--dst-optim-form {quote(requested)}: must be one of {', '.join(known)}")
+        takers = " or ".join(name for name in sorted(forms) if requested in forms[name])
+        raise ValidationError(f"--dst-optim-form {requested}: applies to a {takers} destination, not {dst_format}")
+    if skip_optimizer:
+        raise ValidationError(f"--dst-optim-form {requested}: chooses the carried optimizer state's form; "
+                              "drop --skip-optimizer or --dst-optim-form")
+
+
+def check_optimizer_options(conversion: Plan) -> None:
+    """``--dst-optim-form`` and ``--dst-dp`` checked while planning, before anything is written."""
+    request, source = conversion.request, conversion.source
+    options = optimizer_options(request)
+    if options.form is not None:
+        _check_form(options.form, conversion.saver, conversion.dst_format, request.skip_optimizer)
+    if options.dp is None:
+        return
+    check_dst_dp(options.dp, conversion.save_options.layout, source.megatron_args, request.skip_optimizer,
+                 conversion.saver)
+    if not _carries(conversion):
+        raise ValidationError(f"--dst-dp {options.dp}: the source holds no Megatron optimizer state to size")
+
+
+def note_sharded_run(conversion: Plan) -> None:
+    """A sharded run writes the model alone; optimizer state its source holds is named in a notice
+    (``conversion.source.notices``) and refused under --strict, before anything is written."""
+    if _carries(conversion):
+        fallback("optimizer state not carried: a sharded run (--shard-index/--num-shards, or a launcher's RANK "
+                 "and WORLD_SIZE) writes the model alone; convert without sharding to carry it, or pass "
+                 "--skip-optimizer", conversion.request.strict, conversion.source.notices)
+
+
+def _carries(conversion: Plan) -> bool:
+    """Whether this conversion is one that carries optimizer state: its source holds one, its destination
+    writes one, and it is not skipped."""
+    return not conversion.request.skip_optimizer and conversion.saver.writes_optimizer \
+        and conversion.source.holds_optimizer()
+
+
+def _not_carried(conversion: Plan) -> str | None:
+    """Why the optimizer state of this conversion is not carried, decided before it is opened (None: it is)."""
+    request = conversion.request
+    if request.dtype != "keep":
+        return (f"--dtype {request.dtype}: optimizer state is not carried across a dtype change (the optimizer "
+                "form changes); pass --skip-optimizer")
+    return conversion.source.optimizer_refusal() or conversion.saver.optimizer_refusal(
+        conversion.source, conversion.save_options, optimizer_options(request))
+
+
+def carried_optimizer(conversion: Plan, notices: list[str]) -> tuple[OptimizerSource, str] | None:
+    """The source's optimizer state and the form the destination writes it in, when this conversion carries
+    it, else None. One rule for every source and destination: state that is held but not carried is named
+    in a notice (``guess: optimizer state not carried: ...``), and refused under --strict; a broken one is
+    a named error."""
+    if not _carries(conversion):
+        return None
+    strict = conversion.request.strict
+    refused = _not_carried(conversion)
+    if refused:
+        fallback(refused, strict, notices)
+        return None
+    try:
+        optimizer = conversion.source.open_optimizer()
+    except ValidationError as exc:
+        fallback(f"optimizer state not carried: {exc}", strict, notices)
+        return None
+    except OptimizerLayoutError as exc:
+        if "--skip-optimizer" in str(exc):
+            raise
+        raise OptimizerLayoutError(f"{exc}; pass --skip-optimizer to convert the model alone") from exc
+    try:
+        form = conversion.saver.optimizer_form(optimizer, optimizer_options(conversion.request))
+    except ValidationError as exc:
+        fallback(f"optimizer state not carried: {optimizer.first.path}: {exc}", strict, notices)
+        return None
+    lost = lost_scaler(optimizer, optimizer_count(target_of(conversion)[0], conversion.save_options.layout))
+    if lost:
+        fallback(lost, strict, notices)
+    return optimizer, form
+
+
+def target_of(conversion: Plan) -> tuple[ModelConfig, int]:
+    """The destination's model config and padded vocab rows."""
+    options = conversion.save_options
+    config = target_config(conversion.source.config, options)
+    return config, target_vocab_rows(config, conversion.source.vocab_rows, options.layout)
+
+
+def carry_training_state(conversion: Plan, staging: Path, files: list[PlannedFile]) -> list[str]:
+    """``convert``'s step after the model is written: the source's optimizer state written by the destination's
+    saver (``Saver.save_optimizer``) beside the model under ``staging``; ``files`` (the model saver's) become the
+    destination's files. Returns the notices to add."""
+    notices: list[str] = []
+    carried = carried_optimizer(conversion, notices)
+    if carried is None:
+        return notices
+    optimizer, form = carried
+    source, options = conversion.source, conversion.save_options
+    written = conversion.saver.save_optimizer(source, optimizer, form, staging, options,
+                                              optimizer_options(conversion.request), files)
+    files[:] = written.files
+    # The source's notice that its training state is not converted: the optimizer state now is.
+    source.notices[:] = [note for note in source.notices if note != source.training_state_notice]
+    return notices + [f"optimizer ({written.form}), scheduler, iteration, floating-point operations and consumed "
+                      f"samples carried to {options.layout.describe()}; " + RNG_NOTICE, *written.notices] \
+        + qk_norm_decay_notice(optimizer.rules, source.config, target_of(conversion)[0])
+
+
+def plan_optimizer(conversion: Plan) -> tuple[list[OptimizerFile], list[str]]:
+    """``--dry-run``: the destination files' optimizer state (``Saver.plan_optimizer``) and the notices (what is
+    not carried, and why), from the same decision as ``convert``."""
+    notices: list[str] = []
+    carried = carried_optimizer(conversion, notices)
+    if carried is None:
+        return [], notices
+    optimizer, form = carried
+    return conversion.saver.plan_optimizer(conversion.source, optimizer, form, conversion.save_options,
+                                           optimizer_options(conversion.request)), notices
+
+
+def replace_saver_notice(notices: list[str], carried: list[str]) -> list[str]:
+    """The saver's "not carried" notice replaced by what was carried, when something was."""
+    if not any(note.startswith("optimizer (") for note in carried):
+        return notices + carried
+    # A saver's notice may end with "; optimizer, scheduler and RNG state are not carried..." (torch_dist's).
+    kept = [note.split("; " + TRAINING_STATE_NOT_CARRIED)[0] for note in notices]
+    return [note for note in kept if not note.startswith(TRAINING_STATE_NOT_CARRIED)] + carried

@@ -1,0 +1,198 @@
+"""megatron-core's optimizer state written into Megatron per-rank destination files, after the model.
+
+Each rank file (``model_optim_rng.pt``) written by the saver is rewritten with its ``optimizer`` entry and the
+carried counters, in the source's form:
+
+- plain (FP32Optimizer, Float16OptimizerWithFloat16Params): the ``optimizer.state_dict()`` of the rank, each
+  state tensor cut with its parameter's ShardRule (``OptimizerSource.piece``) and produced only when the file
+  writer reaches it, so memory holds one tensor, not the rank's state;
+- distributed: the param groups (with ``step``) in the rank file, the state in ``distrib_optim.pt`` beside it:
+  each model chunk's coalesced flat buffers (``pgconvert.optimizer.flat``), one per chained optimizer.
+
+Carried: scheduler state, iteration, ``num_floating_point_operations_so_far``, the grad scaler, and the
+consumed-samples counters (in ``args``). Not carried: RNG state (it depends on the rank count).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pgconvert.formats import OptimizerFile, PlannedFile
+from pgconvert.formats.megatron import DISTRIB_OPTIM_FILE, RANK_FILE, rank_dir_name, safe_torch_load
+from pgconvert.io.torchzip import PlannedTensor
+from pgconvert.model.config import ModelConfig
+from pgconvert.model.grid import RankCoord, iter_ranks
+from pgconvert.model.layout import ParallelLayout
+from pgconvert.optimizer.data_parallel import dp_size, with_dst_dp
+from pgconvert.optimizer.flat import FLAT_KEYS, flat_buffers, planned_buffers
+from pgconvert.optimizer.order import OptimizerSlot, chained_slots, optimizer_count
+from pgconvert.optimizer.scaler import set_scalers, target_scalers
+from pgconvert.optimizer.source import (CARRIED_KEYS, FORM_DISTRIBUTED, FORM_FP16, FP32_BYTES, MOMENTS,
+                                        OptimizerSource)
+
+log = logging.getLogger(__name__)
+
+Save = Callable[[dict[str, Any], Path], str]
+
+
+def _planned(source: OptimizerSource, slot: OptimizerSlot, key: str, rows: int | None) -> PlannedTensor:
+    spec = slot.spec
+    dtype = torch.float32
+
+    def produce() -> torch.Tensor:
+        return source.piece(spec.canonical, key, spec.tp_size, spec.tp_rank, rows, spec.rule).to(dtype).contiguous()
+
+    return PlannedTensor(tuple(spec.local_shape), dtype, produce)
+
+
+def rank_optimizer(source: OptimizerSource, config: ModelConfig, layout: ParallelLayout, coord: RankCoord,
+                   padded_rows: int) -> dict[str, Any] | list[dict[str, Any]]:
+    """The ``optimizer`` entry of rank ``coord`` at ``layout``, in the source's form: one optimizer's, or
+    the list of the chained dense and expert-parallel optimizers' (MoE at expert parallel size > 1)."""
+    chained = chained_slots(config, layout, coord, source.rules, padded_rows)
+    scalers = target_scalers(source, len(chained))
+    entries = [_one_optimizer(source, slots, index, padded_rows, scalers[index]) for index, slots in enumerate(chained)]
+    return entries[0] if len(entries) == 1 else entries
+
+
+def _one_optimizer(source: OptimizerSource, slots: list[list[OptimizerSlot]], index: int,
+                   padded_rows: int, scaler: Any = None) -> dict[str, Any]:
+    settings = source.param_group_settings(index, len(slots))
+    state: dict[int, dict[str, Any]] = {}
+    for slot in (slot for group in slots for slot in group):
+        rows = padded_rows if slot.spec.rule.fits_rows else None
+        entry: dict[str, Any] = {"step": source.step(slot.spec.canonical)}
+        entry.update({key: _planned(source, slot, key, rows) for key in MOMENTS})
+        state[slot.position] = entry
+    groups = [dict(settings[number], params=[slot.position for slot in members])
+              for number, members in enumerate(slots)]
+    inner = {"state": state, "param_groups": groups}
+    if source.form != FORM_FP16:
+        return inner
+    masters = [[_planned(source, slot, "param", padded_rows if slot.spec.rule.fits_rows else None)
+                for slot in members] for members in slots]
+    optimizer: dict[str, Any] = {"optimizer": inner, "fp32_from_fp16_params": masters}
+    if scaler is not None:
+        optimizer["grad_scaler"] = scaler
+    return optimizer
+
+
+def _distributed_entries(source: OptimizerSource, count: int, groups: list[int]) -> Any:
+    """The rank file's entry of a distributed optimizer (param groups with their step, no params), per
+    chained optimizer: the source's own, or its dense one with ``is_expert_parallel`` set."""
+    held = source.first.extra["distributed_entries"]
+    entries = []
+    for index in range(count):
+        entry = dict(held[min(index, len(held) - 1)])
+        step = entry["optimizer"]["param_groups"][0].get("step")
+        settings = source.param_group_settings(index, groups[index])
+        entry["optimizer"] = dict(entry["optimizer"], param_groups=[dict(group, step=step) for group in settings])
+        entries.append(entry)
+    set_scalers(entries, target_scalers(source, count))
+    return entries[0] if count == 1 else entries
+
+
+def _write_distributed(source: OptimizerSource, config: ModelConfig, layout: ParallelLayout, coord: RankCoord,
+                       padded_rows: int, rank_dir: Path, save: Save, dp: int | None = None) -> Any:
+    """``distrib_optim.pt`` of rank ``coord``: each model chunk's coalesced flat buffers, under the source's
+    dtype key, every parameter's piece cut with its rule (built when written); per chained optimizer, None
+    for the dense one on expert-parallel ranks other than 0 (not its DP rank 0, as megatron-core saves).
+    Returns the rank file's optimizer entry."""
+    args = source.first.extra.get("args")
+
+    def piece(slot: OptimizerSlot, key: str) -> torch.Tensor:
+        rows = padded_rows if slot.spec.rule.fits_rows else None
+        return source.piece(slot.spec.canonical, key, slot.spec.tp_size, slot.spec.tp_rank, rows, slot.spec.rule)
+
+    count = optimizer_count(config, layout)
+    contents: list[Any] = []
+    for index in range(count):
+        if index == 0 and count > 1 and coord.ep > 0:
+            contents.append(None)
+            continue
+        buffers = flat_buffers(config, layout, coord, source.rules, padded_rows, args, dp or dp_size(args), index)
+        content: dict[Any, Any] = {"buckets_coalesced": True}
+        for number, (placed, numel) in enumerate(buffers):
+            content[number] = {source.dtype_key: planned_buffers(placed, numel, piece)}
+        contents.append(content)
+    save(contents[0] if count == 1 else contents, rank_dir / DISTRIB_OPTIM_FILE)  # type: ignore[arg-type]
+    groups = [len(slots) for slots in chained_slots(config, layout, coord, source.rules, padded_rows)]
+    return _distributed_entries(source, count, groups)
+
+
+def carry_optimizer(source: OptimizerSource, config: ModelConfig, layout: ParallelLayout, iteration_dir: Path,
+                    padded_rows: int, save: Save, dst_dp: int | None = None) -> list[PlannedFile]:
+    """Add the optimizer and the carried counters to every rank file under ``iteration_dir`` (written by
+    the model saver), rewriting each through ``save``; returns the rewritten files (sha256 filled).
+    ``dst_dp``: the data-parallel size recorded in ``args`` (``--dst-dp``)."""
+    rewritten = []
+    for coord in iter_ranks(layout):
+        relpath = f"{rank_dir_name(coord.tp, coord.pp, coord.ep, layout.pp, layout.ep)}/{RANK_FILE}"
+        path = iteration_dir / relpath
+        state = dict(safe_torch_load(path))
+        if source.form == FORM_DISTRIBUTED:
+            state["optimizer"] = _write_distributed(source, config, layout, coord, padded_rows, path.parent, save,
+                                                    dst_dp)
+        else:
+            state["optimizer"] = rank_optimizer(source, config, layout, coord, padded_rows)
+        for key in CARRIED_KEYS:
+            if key in source.first.extra:
+                state[key] = source.first.extra[key]
+        if dst_dp is not None:
+            state["args"] = with_dst_dp(state.get("args"), layout, dst_dp)
+        partial = path.with_name(path.name + ".optim")
+        save(state, partial)
+        del state
+        os.replace(partial, path)
+        rewritten.append(PlannedFile(f"{iteration_dir.name}/{relpath}", 0, 0, sha256=None))
+        log.info("%s: optimizer state carried", path)
+    return rewritten
+
+
+def planned_optimizer_files(optimizer: OptimizerSource, config: ModelConfig, layout: ParallelLayout, rows: int,
+                            dst_dp: int | None, directory: str) -> list[OptimizerFile]:
+    """``--dry-run``'s optimizer files: per rank its ``distrib_optim.pt`` (distributed) or its rank file's
+    optimizer entry (plain)."""
+    files = []
+    for coord in iter_ranks(layout):
+        rank_dir = f"{directory}/{rank_dir_name(coord.tp, coord.pp, coord.ep, layout.pp, layout.ep)}"
+        if optimizer.form == FORM_DISTRIBUTED:
+            files.append(_distrib_optim_file(optimizer, config, layout, coord, rows, dst_dp, rank_dir))
+        else:
+            files.append(_rank_entry(optimizer, config, layout, coord, rows, f"{rank_dir}/{RANK_FILE}"))
+    return files
+
+
+def _rank_entry(optimizer: OptimizerSource, config: ModelConfig, layout: ParallelLayout, coord: RankCoord,
+                rows: int, relpath: str) -> OptimizerFile:
+    """A rank file's plain optimizer entry: per parameter both moments and the step (and the fp32 master)."""
+    per_param = 3 if optimizer.form == FORM_FP16 else 2
+    slots = [slot for groups in chained_slots(config, layout, coord, optimizer.rules, rows)
+             for group in groups for slot in group]
+    numel = sum(math.prod(int(size) for size in slot.spec.local_shape) for slot in slots)
+    step_bytes = sum(optimizer.step(slot.spec.canonical).element_size() for slot in slots)
+    return OptimizerFile(relpath, f"optimizer entry ({optimizer.form})", (per_param + 1) * len(slots),
+                         per_param * FP32_BYTES * numel + step_bytes)
+
+
+def _distrib_optim_file(optimizer: OptimizerSource, config: ModelConfig, layout: ParallelLayout, coord: RankCoord,
+                        rows: int, dst_dp: int | None, rank_dir: str) -> OptimizerFile:
+    """A rank's ``distrib_optim.pt``: per chained optimizer it saves, per buffer, the three flat fields."""
+    args = optimizer.first.extra.get("args")
+    count = optimizer_count(config, layout)
+    tensors = nbytes = 0
+    for index in range(count):
+        if index == 0 and count > 1 and coord.ep > 0:
+            continue  # the dense optimizer's state is saved by expert-parallel rank 0 only
+        for _, numel in flat_buffers(config, layout, coord, optimizer.rules, rows, args, dst_dp or dp_size(args),
+                                     index):
+            tensors += len(FLAT_KEYS)
+            nbytes += len(FLAT_KEYS) * FP32_BYTES * numel
+    return OptimizerFile(f"{rank_dir}/{DISTRIB_OPTIM_FILE}", f"flat buffers ({optimizer.form})", tensors, nbytes)

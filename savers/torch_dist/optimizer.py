@@ -1,0 +1,121 @@
+"""The torch_dist saver's optimizer state: which form a destination gets, what it refuses, and each form's writer.
+
+A distributed optimizer's state is written in the form ``--dst-optim-form`` names (``DST_FORMS``), else the
+source's own torch_dist form, else ``fully_reshardable``; a plain optimizer's in the plain form only. The
+records go beside the model's, after the saver wrote it (``optimizer_records.py``, ``optimizer_dp_reshardable.py``,
+``optimizer_fs_model_space.py``, ``optimizer_plain.py``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pgconvert.errors import PgconvertError, ValidationError
+from pgconvert.formats import CarriedOptimizer, OptimizerFile, PlannedFile, SaveOptions, target_config
+from pgconvert.formats.megatron import args_for_target, safe_torch_load
+from pgconvert.formats.stream import CanonicalSource
+from pgconvert.formats.torch_dist import COMMON_FILE, DCP_METADATA_FILE
+from pgconvert.formats.torch_dist_optimizer import (DP_RESHARDABLE, FS_MODEL_SPACE, FULLY_RESHARDABLE, PLAIN,
+                                                    RECORDS_FILE, moe_form_refusal)
+from pgconvert.model.grid import RankCoord
+from pgconvert.model.layout import ParallelLayout
+from pgconvert.optimizer.data_parallel import dp_size, with_dst_dp
+from pgconvert.optimizer.order import chained_slots
+from pgconvert.optimizer.source import FORM_DISTRIBUTED, FP32_BYTES, OptimizerSource
+from pgconvert.savers.torch_dist.optimizer_dp_reshardable import plan_records, write_dp_reshardable
+from pgconvert.savers.torch_dist.optimizer_fs_model_space import write_fs_model_space
+from pgconvert.savers.torch_dist.optimizer_plain import plain_chunks, write_plain
+from pgconvert.savers.torch_dist.optimizer_records import optimizer_chunks, rewrite_common, write_fully_reshardable
+
+# The distributed optimizer's forms a destination may be given (fully_sharded_model_space: for megatron-core
+# <= 0.15.0, which cannot load the others).
+DST_FORMS = (FULLY_RESHARDABLE, DP_RESHARDABLE, FS_MODEL_SPACE)
+
+
+def moe_refusal(source: CanonicalSource, layout: ParallelLayout, requested: str | None) -> str | None:
+    """Why a MoE model's optimizer state is not written into this destination's form at ``layout`` (None: it
+    is): the form requested, else the source's own, else fully_reshardable (``moe_form_refusal``)."""
+    if not source.config.num_experts:
+        return None
+    try:
+        own = source.stored_optimizer_form()
+    except PgconvertError:
+        return None  # the source's open_optimizer names it
+    return moe_form_refusal(source.config.num_experts, "into", requested or own or FULLY_RESHARDABLE, layout)
+
+
+def written_form(optimizer: OptimizerSource, requested: str | None) -> str:
+    """The form ``optimizer`` is written in: a plain optimizer's its plain form (a requested form refused), a
+    distributed one's the requested form, else the source's own torch_dist form, else fully_reshardable."""
+    if optimizer.form != FORM_DISTRIBUTED:
+        if requested:
+            raise ValidationError(
+                f"--dst-optim-form {requested}: the {optimizer.form} (non-distributed) optimizer's state is written "
+                "into torch_dist in its own plain form only (megatron-core's plain optimizer loads that); drop "
+                "--dst-optim-form, or pass --skip-optimizer")
+        return PLAIN
+    own = optimizer.sharding
+    return requested or (own if own in DST_FORMS else FULLY_RESHARDABLE)
+
+
+def destination_notice(sharding: str | None, form: str) -> list[str]:
+    """What a torch_dist destination of a fully_sharded_model_space source says when another ``form`` is asked
+    for: megatron-core before 0.15.0 cannot load it."""
+    if sharding != FS_MODEL_SPACE or form == FS_MODEL_SPACE:
+        return []
+    return [f"optimizer: the source's {FS_MODEL_SPACE} form is written as {form}: megatron-core 0.15.0 and later "
+            f"load {form}, 0.14.0 and older only {FS_MODEL_SPACE} (--dst-optim-form {FS_MODEL_SPACE}) and the "
+            "deprecated forms"]
+
+
+def _group_counts(optimizer: OptimizerSource, source: CanonicalSource, options: SaveOptions, rows: int) -> list[int]:
+    """The target's param groups per chained optimizer."""
+    config = target_config(source.config, options)
+    return [len(groups) for groups in chained_slots(config, options.layout, RankCoord(0, 0, 0), optimizer.rules,
+                                                    rows)]
+
+
+def write_optimizer(source: CanonicalSource, optimizer: OptimizerSource, form: str, iteration_dir: Path,
+                    options: SaveOptions, dst_dp: int | None, model_chunks: list[Any], rows: int,
+                    files: list[PlannedFile]) -> CarriedOptimizer:
+    """The optimizer records in ``form`` beside the torch_dist saver's (``model_chunks``: its chunks), for
+    ``dst_dp`` (default: the written args') data-parallel ranks; ``common.pt`` and ``.metadata`` rewritten."""
+    layout = options.layout
+    if dst_dp is not None:
+        rewrite_common(iteration_dir, lambda common: common.update(args=with_dst_dp(common.get("args"), layout,
+                                                                                     dst_dp)))
+    fits_rows = {name for name in optimizer.names() if optimizer.rule(name).fits_rows}
+    if form == PLAIN:
+        counts = _group_counts(optimizer, source, options, rows)
+        added = write_plain(optimizer, model_chunks, rows, fits_rows, iteration_dir, counts)
+    elif form == DP_RESHARDABLE:
+        dp = dst_dp or dp_size(safe_torch_load(iteration_dir / COMMON_FILE).get("args"))
+        config = target_config(source.config, options)
+        added = write_dp_reshardable(optimizer, config, layout, rows, dp, iteration_dir)
+    elif form == FS_MODEL_SPACE:
+        added = write_fs_model_space(optimizer, model_chunks, rows, fits_rows, iteration_dir)
+    else:
+        counts = _group_counts(optimizer, source, options, rows)
+        added = write_fully_reshardable(optimizer, model_chunks, rows, fits_rows, iteration_dir, counts)
+    names = tuple(f"{iteration_dir.name}/{name}" for name in (COMMON_FILE, DCP_METADATA_FILE))
+    written = [PlannedFile(f.relpath, f.tensors, f.nbytes) if f.relpath.endswith(names) else f for f in files]
+    return CarriedOptimizer(written + added, f"{optimizer.form}, {form}", destination_notice(optimizer.sharding, form))
+
+
+def planned_records(source: CanonicalSource, optimizer: OptimizerSource, form: str, options: SaveOptions,
+                    dst_dp: int | None, model_chunks: list[Any], rows: int, directory: str) -> OptimizerFile:
+    """``--dry-run``'s records file in ``form``: its records (and objects) and bytes."""
+    what = f"optimizer records ({optimizer.form}, {form}; common.pt and .metadata updated)"
+    relpath = f"{directory}/{RECORDS_FILE}"
+    if form in (PLAIN, FULLY_RESHARDABLE, FS_MODEL_SPACE):
+        chunks = plain_chunks(optimizer.form, set(optimizer.names()), model_chunks) if form == PLAIN \
+            else optimizer_chunks(optimizer, model_chunks)
+        return OptimizerFile(relpath, what, len(chunks), sum(chunk.nbytes for _, chunk in chunks))
+    config = target_config(source.config, options)
+    args = args_for_target(config, options.layout, rows, torch.float32, 0, source.megatron_args)
+    records, objects = plan_records(optimizer, config, options.layout, rows, dst_dp or dp_size(args), args)
+    return OptimizerFile(relpath, what, len(records) + len(objects),
+                         sum(FP32_BYTES * (record.end - record.start) for record in records))

@@ -1,0 +1,59 @@
+"""The optimizer tests' ways into pgconvert and torch: the CLI, ``export-optimizer``'s per-parameter files
+compared, a torch_dist checkpoint's records read by torch's own DCP reader, and its ``.metadata`` rewritten."""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from click.testing import CliRunner, Result
+from torch.distributed.checkpoint.metadata import Metadata
+
+from pgconvert.cli import main
+from pgconvert.formats.torch_dist import read_dcp_metadata
+
+# What export-optimizer writes per parameter.
+EXPORTED_KEYS = ("param", "exp_avg", "exp_avg_sq", "step")
+
+
+def run_cli(*args: str | Path) -> Result:
+    """``pgconvert ARGS`` through click's test runner."""
+    return CliRunner().invoke(main, [str(arg) for arg in args], prog_name="pgconvert")
+
+
+def export_optimizer(src: Path, out: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """``export-optimizer SRC OUT``: each parameter's exported tensors by file stem."""
+    result = run_cli("export-optimizer", src, out)
+    assert result.exit_code == 0, result.output
+    return {path.stem: torch.load(path, weights_only=True) for path in sorted(out.glob("*.pt"))}
+
+
+def assert_same_parameters(a: dict[str, dict[str, torch.Tensor]], b: dict[str, dict[str, torch.Tensor]]) -> None:
+    """Two exports of the goldens' 15 parameters hold the same tensors, bit for bit and dtype."""
+    assert set(a) == set(b) and len(a) == 15
+    for name, tensors in a.items():
+        assert set(tensors) == set(b[name]) == set(EXPORTED_KEYS), name
+        for key in EXPORTED_KEYS:
+            assert tensors[key].dtype == b[name][key].dtype and torch.equal(tensors[key], b[name][key]), f"{name}.{key}"
+
+
+def dcp_read(iteration_dir: Path, keys: list[str]) -> dict[str, torch.Tensor]:
+    """Whole global tensors read by torch's own DCP reader (not pgconvert's)."""
+    metadata = read_dcp_metadata(iteration_dir / ".metadata")
+    wanted = {key: torch.empty(metadata.state_dict_metadata[key].size,
+                               dtype=metadata.state_dict_metadata[key].properties.dtype) for key in keys}
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.load(wanted, checkpoint_id=str(iteration_dir), no_dist=True)
+    return wanted
+
+
+def rewrite_metadata(iteration_dir: Path, change: Callable[[Metadata], None]) -> None:
+    """A torch_dist checkpoint's ``.metadata`` changed in place by ``change``."""
+    path = iteration_dir / ".metadata"
+    metadata = read_dcp_metadata(path)
+    change(metadata)
+    path.write_bytes(pickle.dumps(metadata))

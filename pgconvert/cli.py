@@ -471,25 +471,34 @@ def export_optimizer_command(src: Path, out: Path, iteration: int | None) -> Non
 @click.argument("ckpt", type=click.Path(path_type=Path, exists=True))
 @click.option("--iteration", type=click.IntRange(min=0), default=None,
               help="Iteration to open [default: latest_checkpointed_iteration.txt].")
+@click.option("--all", "show_all", is_flag=True,
+              help="List every model setting, not only those that differ from the family's defaults.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def inspect_command(ckpt: Path, iteration: int | None, as_json: bool) -> None:
-    """Describe CKPT: format, layout, model, iterations, tensors, and problems (exit 1 on an error)."""
+def inspect_command(ckpt: Path, iteration: int | None, show_all: bool, as_json: bool) -> None:
+    """Describe CKPT: format, layout, model, iterations, tensors, and problems (exit 1 on an error).
+
+    The model is shown as its dimensions and the settings that differ from its family's defaults
+    (the family its config.json names, or the one an hf target is written as); --all lists every
+    setting.
+    """
     from pgconvert.run.inspection import inspect
 
     info = inspect(ckpt, iteration)
     if as_json:
         _echo_json(info.to_dict())
     else:
-        _print_info(info)
+        _print_info(info, show_all)
     if not info.ok:
         sys.exit(1)
 
 
-def _print_info(info: Any) -> None:
+def _wrapped(text: str) -> str:
     import textwrap
 
-    from pgconvert.semantics import SEMANTIC_FIELDS
+    return textwrap.fill(text, width=100, subsequent_indent=" " * 12)
 
+
+def _print_info(info: Any, show_all: bool = False) -> None:
     rows = [("checkpoint", info.path), ("format", info.format or "unknown")]
     if info.iterations:
         opened = "release" if info.release else info.iteration
@@ -501,12 +510,9 @@ def _print_info(info: Any) -> None:
         rows.append(("dtypes", ", ".join(f"{dtype}: {count}" for dtype, count in info.dtypes.items())))
         rows.append(("vocab", f"{info.vocab_rows} rows, true vocab "
                      f"{info.true_vocab_size if info.true_vocab_size is not None else 'unknown'}"))
-        model = " ".join(f"{key}={value}" for key, value in info.model_config.items() if key not in SEMANTIC_FIELDS)
-        rows.append(("model", textwrap.fill(model, width=100, subsequent_indent=" " * 12)))
-        semantics = "; ".join(f"{name}: {text}" for name, text in info.semantics.items())
-        rows.append(("semantics", textwrap.fill(semantics, width=100, subsequent_indent=" " * 12)))
+        rows += _model_rows(info, show_all)
     if info.side_files:
-        rows.append(("hf files", textwrap.fill(", ".join(info.side_files), width=100, subsequent_indent=" " * 12)))
+        rows.append(("hf files", _wrapped(", ".join(info.side_files))))
     if info.manifest is not None:
         rows.append(("manifest", f"pgconvert {info.manifest['tool_version']}, {info.manifest['created']}, "
                      f"from {info.manifest['source_path']} ({info.manifest['files']} files)"))
@@ -518,6 +524,30 @@ def _print_info(info: Any) -> None:
         click.echo("problems:")
         for problem in info.problems:
             click.echo(f"  {problem.severity}: {problem.message}")
+
+
+def _model_rows(info: Any, show_all: bool) -> list[tuple[str, str]]:
+    """The family compared with, then every setting (``show_all``) or the dimensions and the settings
+    that differ from the family's defaults, each with that default, and how many do not."""
+    from pgconvert.semantics import SEMANTIC_FIELDS
+
+    compared = info.family_defaults
+    rows = [] if compared is None else [("family", f"{compared.family or 'none'} ({compared.basis})")]
+    config = info.model_config
+    if show_all or compared is None:
+        model = " ".join(f"{key}={value}" for key, value in config.items() if key not in SEMANTIC_FIELDS)
+        semantics = "; ".join(f"{name}: {text}" for name, text in info.semantics.items())
+        return [*rows, ("model", _wrapped(model)), ("semantics", _wrapped(semantics))]
+    rows.append(("model", _wrapped(" ".join(f"{name}={config[name]}" for name in compared.shown
+                                            if config[name] is not None))))
+    whose = "family default" if compared.family is not None else "default"
+    lines = [f"{name}={config[name]!r} ({whose}: {default!r})" for name, default in compared.differing.items()]
+    defaults = f"{compared.family}'s defaults" if compared.family is not None else "ModelConfig's defaults"
+    count, noun = compared.at_defaults, "setting" if compared.at_defaults == 1 else "settings"
+    lines.append(f"{count} other {noun} at {defaults} (--all lists every setting)" if lines
+                 else f"all {count} {noun} at {defaults} (--all lists them)")
+    rows.append(("settings", ("\n" + " " * 12).join(_wrapped(line) for line in lines)))
+    return rows
 
 
 @main.command("verify")

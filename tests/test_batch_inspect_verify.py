@@ -13,7 +13,7 @@ import click
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import GQA_SWIGLU
+from conftest import GQA_SWIGLU, MHA_GELU_TIED
 from support.megatron_fixtures import load_for_test, make_full_model, write_megatron_checkpoint
 
 import pgconvert
@@ -155,6 +155,42 @@ def test_inspect_json_of_a_megatron_source_lists_layout_iterations_and_tensors(s
     assert (info["vocab_rows"], info["true_vocab_size"]) == (1024, 1000)
     assert [p["kind"] for p in info["problems"]] == ["padded-vocab"]
     assert info["ok"] is True
+
+
+def test_inspect_of_a_megatron_source_compares_with_the_family_an_hf_target_is_written_as(
+        source: Path, converted: dict[str, Path]) -> None:
+    result = CliRunner().invoke(main, ["inspect", str(source)])
+    info = pgconvert.inspect(source)
+
+    assert result.exit_code == 0, result.output
+    assert info.family_defaults is not None
+    written = json.loads((converted["hf"] / "config.json").read_text())["architectures"]
+    assert [info.family_defaults.family] == written == ["LlamaForCausalLM"]
+    assert "family      LlamaForCausalLM (inferred: the family an hf target is written as)\n" in result.output
+    assert ("model       num_layers=4 hidden_size=64 num_attention_heads=16 num_query_groups=8 ffn_hidden_size=128\n"
+            "            vocab_size=1000 params_dtype=float32\n") in result.output
+    # Megatron-LM's dropout defaults and the fixture's epsilon and positions, against Llama's.
+    assert info.family_defaults.differing == {"norm_epsilon": 1e-6, "max_position_embeddings": 2048,
+                                              "attention_dropout": 0.0, "hidden_dropout": 0.0}
+    assert ("settings    norm_epsilon=1e-05 (family default: 1e-06)\n"
+            "            max_position_embeddings=32 (family default: 2048)\n"
+            "            attention_dropout=0.1 (family default: 0.0)\n"
+            "            hidden_dropout=0.1 (family default: 0.0)\n"
+            f"            {info.family_defaults.at_defaults} other settings at LlamaForCausalLM's defaults "
+            "(--all lists every setting)\n") in result.output
+    assert "yarn" not in result.output and "kv_lora_rank" not in result.output
+
+
+def test_inspect_of_a_megatron_model_of_no_family_compares_with_modelconfigs_defaults(tmp_path: Path) -> None:
+    src = write_megatron_checkpoint(tmp_path / "src", MHA_GELU_TIED, make_full_model(MHA_GELU_TIED, seed=3), 2, 1)
+
+    result = CliRunner().invoke(main, ["inspect", str(src)])
+
+    assert result.exit_code == 0, result.output
+    assert "family      none (fits no supported family: compared with ModelConfig's defaults)\n" in result.output
+    assert "settings    gated_linear_unit=False (default: True)\n" in result.output
+    assert "            normalization='LayerNorm' (default: 'RMSNorm')\n" in result.output
+    assert "other settings at ModelConfig's defaults (--all lists every setting)\n" in result.output
 
 
 def test_inspect_iteration_option_opens_that_iteration(source: Path) -> None:

@@ -524,7 +524,8 @@ def test_inspect_prints_the_semantic_settings(tmp_path: Path) -> None:
     _, src = make_source(tmp_path, "qwen2")
     pgconvert.convert(src, tmp_path / "megatron", dst_format="megatron", dst_tp=1, dst_pp=1)
 
-    text = run_cli("inspect", tmp_path / "megatron")
+    text = run_cli("inspect", "--all", tmp_path / "megatron")
+    differing = run_cli("inspect", tmp_path / "megatron")
     doc = json.loads(run_cli("inspect", "--json", tmp_path / "megatron").output)
 
     printed = " ".join(text.output.split())  # the semantics row is wrapped at 100 columns
@@ -533,6 +534,10 @@ def test_inspect_prints_the_semantic_settings(tmp_path: Path) -> None:
     assert "sliding window: sliding_window=5, window_layers=(0, 0, 1, 1);" in printed
     assert "rope scaling: rope_scaling=None, rope_scaling_factor=1.0;" in printed
     assert doc["semantics"]["sliding window"] == "sliding_window=5, window_layers=(0, 0, 1, 1)"
+    # Without --all, the settings that differ from Qwen2's defaults: the window, not the plain RoPE.
+    assert differing.exit_code == 0, differing.output
+    assert "sliding_window=5 (family default: None)\n" in differing.output
+    assert "rope_scaling" not in differing.output
 
 
 def test_yarn_args_round_trip_and_megatron_lms_mla_defaults() -> None:

@@ -3,6 +3,9 @@
 Everything comes from the registry's loader and the ``CanonicalSource`` it opens (names, metadata,
 config, vocab rows, layout); no tensor is loaded. A checkpoint that does not open is not an
 exception here but a problem in the result, so the caller can show it next to what is known.
+
+The model's settings are compared with its family's defaults (``family_default_config``), so that the
+text output can show the dimensions and only the settings that make this model differ.
 """
 
 from __future__ import annotations
@@ -14,12 +17,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from pgconvert.errors import PgconvertError
+from pgconvert.errors import ConfigError, PgconvertError
+from pgconvert.families.table import REQUIRED, ConfigField, Family
 from pgconvert.formats import Iteration, LoadOptions
-from pgconvert.run.manifest import file_problems, read_manifest
+from pgconvert.formats.hf import CONFIG_FILE, infer_family, model_config_from_hf, read_json_object, set_path
+from pgconvert.formats.hf_side import carried_config
 from pgconvert.formats.registry import detect_format, get_loader
-from pgconvert.semantics import summary
 from pgconvert.formats.stream import CanonicalSource
+from pgconvert.model.config import GROUPS, SETTING_GROUPS, ModelConfig
+from pgconvert.run.manifest import file_problems, read_manifest
+from pgconvert.semantics import summary
 
 Severity = Literal["error", "warning"]
 
@@ -31,6 +38,31 @@ class Problem:
     severity: Severity
     kind: str
     message: str
+
+
+# What a model is, whatever its family: shown with every model, never compared with a default.
+DIMENSIONS: tuple[str, ...] = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
+                               "ffn_hidden_size", "vocab_size", "num_experts", "moe_ffn_hidden_size")
+# The dtype is the checkpoint's, not the family's: shown with the dimensions.
+SHOWN_WITH_DIMENSIONS: tuple[str, ...] = ("params_dtype",)
+
+
+@dataclass(frozen=True)
+class FamilyDefaults:
+    """How a model's settings compare with its family's defaults (``family_default_config``).
+
+    ``family`` is the HF architecture compared with, None when the model fits no family (or that
+    family's defaults describe no model of its dimensions) and ModelConfig's defaults are compared;
+    ``basis`` says which and why. ``shown`` are the settings shown whatever their value: the
+    dimensions, the dtype and what the family's config.json must state (it has no default for them).
+    ``differing`` maps each other setting whose value is not the default to that default.
+    """
+
+    family: str | None
+    basis: str
+    shown: tuple[str, ...]
+    differing: dict[str, Any]
+    at_defaults: int
 
 
 @dataclass
@@ -57,6 +89,8 @@ class CheckpointInfo:
     side_files: list[str] = field(default_factory=list)
     notices: list[str] = field(default_factory=list)
     problems: list[Problem] = field(default_factory=list)
+    # The settings that differ from the family's defaults (None when the checkpoint did not open).
+    family_defaults: FamilyDefaults | None = None
 
     @property
     def ok(self) -> bool:
@@ -105,6 +139,8 @@ def _describe(source: CanonicalSource, info: CheckpointInfo) -> None:
     config = source.config
     info.model_config = config.to_dict()
     info.semantics = summary(config)
+    family, basis = _written_family(source)
+    info.family_defaults = compare_with_defaults(config, family, basis)
     info.vocab_rows = source.vocab_rows
     info.true_vocab_size = config.vocab_size
     dtypes: Counter[str] = Counter()
@@ -130,6 +166,83 @@ def _describe(source: CanonicalSource, info: CheckpointInfo) -> None:
             f"the vocab tables have {source.vocab_rows - config.vocab_size} padding rows beyond the true "
             f"vocab size {config.vocab_size} ({source.vocab_rows} rows)",
         ))
+
+
+def family_default_config(family: Family | None, config: ModelConfig) -> ModelConfig:
+    """The model of ``family`` with ``config``'s dimensions and dtype whose config.json states nothing
+    optional: what pgconvert reads from a config.json holding only what the family requires
+    (``required_fields``), i.e. the family's fixed values, its ``ConfigField`` defaults (the table's
+    record of transformers' class defaults), what its rules read for an absent key, and ModelConfig's
+    defaults for the rest. A conversion reads a config.json that leaves a key out the same way.
+
+    ``family`` None: ModelConfig's defaults. Raises ``ConfigError`` when the family's defaults describe
+    no model of these dimensions.
+    """
+    if family is None:
+        shown = (*DIMENSIONS, *SHOWN_WITH_DIMENSIONS)
+        return ModelConfig.from_settings({name: config.setting(name) for name in shown})
+    doc: dict[str, Any] = {"architectures": [family.architecture], "dtype": config.params_dtype}
+    for spec in required_fields(family):
+        value = spec.value_of(config)
+        if value is None and spec.model_field == "vocab_size":
+            value = 1  # the true vocab is unknown: any stands in, the dimensions are not compared
+        if value is not None:
+            set_path(doc, spec.path, value)
+    _, defaults, _ = model_config_from_hf(doc, Path(CONFIG_FILE), error=ConfigError)
+    return defaults
+
+
+def required_fields(family: Family) -> tuple[ConfigField, ...]:
+    """The config.json fields of ``family`` that state the dimensions, and those it has no default for:
+    required ones, and those whose default None no model has (DeepSeek-V2's num_experts_per_tok)."""
+    return tuple(spec for spec in family.fields if spec.model_field in DIMENSIONS or spec.default is REQUIRED
+                 or (spec.default is None and not spec.nullable and _declared_default(spec.model_field) is not None))
+
+
+def _declared_default(name: str) -> object:
+    """ModelConfig's declared default of setting ``name`` (None also where it derives one)."""
+    group = SETTING_GROUPS[name]
+    owner = ModelConfig if group is None else GROUPS[group]
+    (declared,) = [item for item in dataclasses.fields(owner) if item.name == name]
+    return None if declared.default is dataclasses.MISSING else declared.default
+
+
+def compare_with_defaults(config: ModelConfig, family: Family | None, basis: str) -> FamilyDefaults:
+    """``config``'s settings against ``family``'s defaults (ModelConfig's when it is None, or when the
+    family's defaults describe no model of these dimensions)."""
+    try:
+        defaults = family_default_config(family, config)
+    except ConfigError as error:
+        assert family is not None
+        basis = (f"{family.architecture}, {basis}; its defaults describe no model of these dimensions ({error}): "
+                 "compared with ModelConfig's defaults")
+        family, defaults = None, family_default_config(None, config)
+    stated = [] if family is None else [spec.model_field for spec in required_fields(family)]
+    shown = tuple(dict.fromkeys((*DIMENSIONS, *stated, *SHOWN_WITH_DIMENSIONS)))
+    values, default_values = config.to_dict(), defaults.to_dict()
+    compared = [name for name in values if name not in shown]
+    differing = {name: default_values[name] for name in compared if values[name] != default_values[name]}
+    return FamilyDefaults(family=None if family is None else family.architecture, basis=basis, shown=shown,
+                          differing=differing, at_defaults=len(compared) - len(differing))
+
+
+def _written_family(source: CanonicalSource) -> tuple[Family | None, str]:
+    """The family pgconvert writes ``source`` as on an hf target (pgconvert.savers.hf) and how it is
+    chosen: its config.json's, else a carried config.json's, else the first that fits; None: none fits."""
+    if source.hf_origin is not None:
+        return source.hf_origin.family, "named by config.json"
+    carried = source.side_files.get(CONFIG_FILE) if source.side_files is not None else None
+    if carried is not None:
+        try:
+            family, base, _ = carried_config(read_json_object(carried.path), carried.path, source.config)
+        except PgconvertError:
+            base = None
+        if base is not None:
+            return family, "named by the config.json it carries"
+    try:
+        return infer_family(source.config), "inferred: the family an hf target is written as"
+    except ConfigError:
+        return None, "fits no supported family: compared with ModelConfig's defaults"
 
 
 def _check_manifest(path: Path, info: CheckpointInfo) -> None:

@@ -45,7 +45,7 @@ _DESCRIPTOR = b"PK\x07\x08"
 class PlannedTensor:
     """A contiguous CPU tensor that ``produce`` makes when its record is written.
 
-    ``parts`` (optmem), when set, is used instead of ``produce``: the tensor's elements in order as
+    ``parts``, when set, is used instead of ``produce``: the tensor's elements in order as
     consecutive 1-d tensors of its dtype, each written as it comes, so the record is never whole in
     memory (a flat buffer larger than any of its parameters).
     """

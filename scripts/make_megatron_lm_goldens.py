@@ -40,7 +40,7 @@ MODEL_FLAGS = [
     "--train-iters", "2", "--seed", "1234", "--save-interval", "2", "--eval-iters", "0", "--eval-interval", "1000",
     "--log-interval", "1",
 ]
-# opttd: a smaller model for the distributed-optimizer torch_dist goldens (tests/data stays under
+# A smaller model for the distributed-optimizer torch_dist goldens (tests/data stays under
 # 8 MB); given after MODEL_FLAGS, so argparse keeps these values. Vocab 63 padded to 64 (TP2).
 SMALL_MODEL_FLAGS = ["--hidden-size", "16", "--ffn-hidden-size", "32", "--vocab-size", "63",
                      "--make-vocab-size-divisible-by", "32"]
@@ -57,15 +57,15 @@ TRAINING_RUNS: dict[str, list[str]] = {
                                 "--ckpt-format", "torch", "--bf16"],
     "train_tp2pp2_bf16_torch_dist": ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
                                      "--ckpt-format", "torch_dist", "--bf16", *SMALL_MODEL_FLAGS],
-    # opttd: the distributed optimizer's torch_dist forms that Megatron-LM writes, TP2 DP2. The third,
+    # The distributed optimizer's torch_dist forms that Megatron-LM writes, TP2 DP2. The third,
     # fully_sharded_model_space, cannot be made: with MLM_DISTOPT_SHARDING_TYPE=fully_sharded_model_space
     # (scripts/megatron_lm_cpu_train.py) save_checkpoint fails in megatron-core's own
     # DistributedOptimizer.sharded_param_state_fs_model_space (distrib_optimizer.py:2052):
     # "ShardedTensor.flattened_range is not supported." (dist_checkpointing/mapping.py:130; 0.16.1 alike).
-    # fsms: megatron-core 0.15.0 makes it: scripts/make_fs_model_space_golden.py.
+    # megatron-core 0.15.0 makes it: scripts/make_fs_model_space_golden.py.
     "train_tp2dp2_distopt_dp_reshardable_torch_dist": _DISTOPT_TORCH_DIST,
     "train_tp2dp2_distopt_fully_reshardable_torch_dist": [*_DISTOPT_TORCH_DIST, "--dist-ckpt-optim-fully-reshardable"],
-    # opttd: dp_reshardable over two pipeline stages (model-parallel rank g = tp + 2 * pp), DP1
+    # dp_reshardable over two pipeline stages (model-parallel rank g = tp + 2 * pp), DP1
     "train_tp2pp2_distopt_dp_reshardable_torch_dist": [*_DISTOPT_TORCH_DIST[:2], "--pipeline-model-parallel-size", "2",
                                                        *_DISTOPT_TORCH_DIST[4:]],
 }

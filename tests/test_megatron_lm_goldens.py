@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 from support.checkpoint_compare import assert_same_ranks
-from conftest import GQA_SWIGLU
+from support.tiny_models import GQA_SWIGLU
 from support.megatron_fixtures import (load_for_test, make_full_model, read_megatron_checkpoint, read_megatron_checkpoint_ranks,
                                write_megatron_checkpoint)
 
@@ -77,7 +77,7 @@ def test_goldens_are_there() -> None:
     assert [p.name for p in CONVERT_PY] == ["convert_py_core_tp1", "convert_py_core_tp2"]
     assert all(p.is_dir() for p in [*TRAIN_PER_RANK, TRAIN_TORCH_DIST])
     total = sum(f.stat().st_size for f in (Path(__file__).parent / "data").rglob("*") if f.is_file())
-    # fsms: 8.2 MB with megatron-core 0.15.0's fully_sharded_model_space golden (382 kB: its own save of the
+    # 8.2 MB with megatron-core 0.15.0's fully_sharded_model_space golden (382 kB: its own save of the
     # smallest distributed-optimizer run, TP2 DP2; that form cannot be made by the megatron-core that made the others)
     assert total < 8_200_000, total
 
@@ -106,7 +106,7 @@ def _assert_same_dcp_tensors(actual: Path, expected: Path, true_vocab: int | Non
     assert sorted(got) == sorted(want)
     for key, value in want.items():
         if true_vocab is not None and key.endswith(VOCAB_TABLES):  # through HF: see _assert_same_model_tensors
-            # opttd: an HF source pads to Megatron's default multiple (128), not the golden's own
+            # An HF source pads to Megatron's default multiple (128), not the golden's own
             assert got[key].dtype == value.dtype and torch.equal(got[key][:true_vocab], value[:true_vocab]), key
             assert not got[key][true_vocab:].any(), key
             continue
@@ -182,7 +182,7 @@ def test_torch_dist_training_golden_converts_bit_exact(tmp_path: Path) -> None:
     pgconvert.convert(golden, tmp_path / "hf", dst_format="hf")
     pgconvert.convert(tmp_path / "hf", tmp_path / "from_hf", dst_format="torch_dist", dst_tp=1,
                       dst_transformer_impl="local")
-    _assert_same_dcp_tensors(tmp_path / "from_hf", golden, true_vocab=63)  # opttd: the smaller model (vocab 63)
+    _assert_same_dcp_tensors(tmp_path / "from_hf", golden, true_vocab=63)  # the smaller model (vocab 63)
 
 
 @pytest.mark.parametrize("golden", CONVERT_PY, ids=[p.name for p in CONVERT_PY])
@@ -326,7 +326,7 @@ def test_training_checkpoint_state_is_read_and_reported_not_carried(tmp_path: Pa
         state.update(_training_state(tp_rank))
         torch.save(state, path, pickle_module=megatron_format.FRAMEWORK_PICKLE)
         torch.save({"param_state": {0: {"exp_avg": torch.ones(4)}}}, path.parent / "distrib_optim.pt")
-    # opt18: this optimizer state is made up (it does not match the model), so it is skipped explicitly.
+    # This optimizer state is made up (it does not match the model), so it is skipped explicitly.
     report = pgconvert.convert(src, tmp_path / "dst", dst_tp=1, skip_optimizer=True)
     assert any("optimizer" in notice for notice in report.notices)
     pgconvert.convert(tmp_path / "dst", tmp_path / "back", dst_tp=2)

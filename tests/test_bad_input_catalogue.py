@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner, Result
-from conftest import GQA_SWIGLU, QK_NORM_TE
+from support.tiny_models import GQA_SWIGLU, QK_NORM_TE
 from support.megatron_fixtures import load_for_test, make_full_model, merge_megatron_checkpoint, write_megatron_checkpoint
 
 import pgconvert

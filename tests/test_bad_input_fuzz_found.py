@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner, Result
-from conftest import GQA_SWIGLU
+from support.tiny_models import GQA_SWIGLU
 from support.megatron_fixtures import load_rank_file, make_full_model, write_megatron_checkpoint
 
 from pgconvert.cli import main

@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 import pytest
 from click.testing import CliRunner
-from conftest import GQA_SWIGLU
+from support.tiny_models import GQA_SWIGLU
 from support.megatron_fixtures import make_full_model, merge_megatron_checkpoint, write_megatron_checkpoint
 
 from pgconvert.cli import main

@@ -238,7 +238,7 @@ def test_torch_dist_keys_shapes_and_chunks_are_what_megatron_core_declares_for_m
     pytest.importorskip("megatron.core", reason="megatron-core is not installed")
     import support.mcore_helpers as mcore
     from support.megatron_mla import build_mla_gpt_model, mla_cpu_patches
-    from test_torch_dist_mcore import megatron_core_layout, read_layout
+    from support.mcore_gpt_models import megatron_core_layout, read_layout
 
     _, src = source(tmp_path, case)
     pgconvert.convert(src, tmp_path / "megatron", dst_format="megatron", dst_tp=1, dst_pp=1, dst_ep=1)

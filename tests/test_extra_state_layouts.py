@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import MOE_GROUPED_TE, QK_NORM_TE
+from support.tiny_models import MOE_GROUPED_TE, QK_NORM_TE
 from support.megatron_fixtures import load_for_test, make_full_model, write_megatron_checkpoint
 
 import pgconvert

@@ -418,8 +418,8 @@ def test_qwen3_moe_checkpoint_with_experts_on_a_dense_layer_is_refused(moe_sourc
 
 
 def _native_moe_checkpoint(tmp_path: Path, **changes: object) -> Path:
-    """conftest.MOE (8 experts, layer 1 dense, shared experts, expert bias) with ``changes``, at TP2/EP2."""
-    from conftest import MOE
+    """support.tiny_models.MOE (8 experts, layer 1 dense, shared experts, expert bias) with ``changes``, at TP2/EP2."""
+    from support.tiny_models import MOE
     from support.megatron_fixtures import make_full_model, write_megatron_checkpoint
 
     tiny = replace(MOE, **changes)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from support.cli_helpers import assert_clean_refusal, run_cli
-from conftest import GQA_SWIGLU
+from support.tiny_models import GQA_SWIGLU
 from support.megatron_fixtures import make_full_model, merge_megatron_checkpoint, write_megatron_checkpoint
 
 import pgconvert

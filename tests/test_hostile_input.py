@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 from click.testing import CliRunner, Result
-from conftest import GQA_SWIGLU
+from support.tiny_models import GQA_SWIGLU
 from support.megatron_fixtures import load_for_test, make_full_model, merge_megatron_checkpoint, write_megatron_checkpoint
 
 import pgconvert

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 from support.cli_helpers import assert_clean_refusal, run_cli
-from conftest import GQA_SWIGLU, MOE
+from support.tiny_models import GQA_SWIGLU, MOE
 from support.megatron_fixtures import load_for_test, make_full_model, write_megatron_checkpoint
 
 import pgconvert

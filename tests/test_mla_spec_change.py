@@ -1,4 +1,4 @@
-"""mlafix: a multi-latent-attention checkpoint converted between megatron-core's layer specs at TP > 1.
+"""A multi-latent-attention checkpoint converted between megatron-core's layer specs at TP > 1.
 
 megatron-core 0.16.1 splits MLA's down projections (``linear_q_down_proj``, ``linear_kv_down_proj``) by
 rows in the local spec (ColumnParallelLinear, get_gpt_layer_local_spec) and keeps them whole on every
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_mtp import LAYERS, assert_same_tensors, from_args_alone, hf_tensors, rank_state, with_mtp
+from support.mtp_models import LAYERS, assert_same_tensors, from_args_alone, hf_tensors, rank_state, with_mtp
 
 import pgconvert
 
@@ -23,7 +23,7 @@ DOWN = ("self_attention.linear_q_down_proj.weight", "self_attention.linear_kv_do
 @pytest.fixture(scope="module")
 def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny DeepSeek-V3 (MLA with q-LoRA, MoE, one MTP layer) in HF form."""
-    return with_mtp("v3", tmp_path_factory.mktemp("mlafix") / "hf")
+    return with_mtp("v3", tmp_path_factory.mktemp("mla_spec") / "hf")
 
 
 def _hf_down(hf: dict[str, torch.Tensor], layer: int) -> dict[str, torch.Tensor]:

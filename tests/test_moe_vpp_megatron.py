@@ -9,7 +9,7 @@ import pytest
 import torch
 from support.checkpoint_compare import assert_same_ranks
 from click.testing import CliRunner
-from conftest import GQA_SWIGLU, MOE, MOE_GROUPED_TE
+from support.tiny_models import GQA_SWIGLU, MOE, MOE_GROUPED_TE
 from support.megatron_fixtures import (
     load_for_test,
     make_full_model,

@@ -25,62 +25,14 @@ from typing import Any
 import pytest
 import torch
 from click.testing import CliRunner
-from support.deepseek_helpers import CASES, logits
+from support.deepseek_helpers import logits
+from support.mtp_models import LAYERS, assert_same_tensors, from_args_alone, hf_tensors, rank_state, with_mtp
 from safetensors.torch import load_file, save_file
 
 import pgconvert
 from pgconvert.cli import main
 
 TOL = dict(rtol=1e-5, atol=1e-5)
-LAYERS = 4
-
-
-def _build(family: str) -> Any:
-    """The transformers model with LAYERS + 1 layers, every weight seeded."""
-    if family == "glm":
-        from support.glm4_moe_gpt_oss_helpers import build_glm4_moe
-
-        return build_glm4_moe(num_hidden_layers=LAYERS + 1, n_routed_experts=8, n_group=2, topk_group=1)
-    from support.deepseek_helpers import build_deepseek
-    import support.deepseek_helpers as deepseek_helpers
-    version, kwargs = CASES["v3"]
-    deepseek_helpers.CASES["mtp"] = (version, dict(kwargs, num_hidden_layers=LAYERS + 1))
-    try:
-        return build_deepseek("mtp")
-    finally:
-        del deepseek_helpers.CASES["mtp"]
-
-
-def hf_tensors(path: Path) -> dict[str, torch.Tensor]:
-    tensors: dict[str, torch.Tensor] = {}
-    for file in sorted(path.glob("*.safetensors")):
-        tensors.update(load_file(file))
-    return tensors
-
-
-def with_mtp(family: str, path: Path) -> Path:
-    """An HF checkpoint of LAYERS layers plus one MTP layer (HF layer LAYERS), as releases store it."""
-    model = _build(family)
-    model.save_pretrained(path)
-    tensors = hf_tensors(path)
-    for file in [*path.glob("*.safetensors"), *path.glob("*.index.json")]:
-        file.unlink()
-    hidden = model.config.hidden_size
-    generator = torch.Generator().manual_seed(7)
-    mtp = f"model.layers.{LAYERS}."
-    tensors.update({
-        mtp + "enorm.weight": 1.0 + 0.1 * torch.randn(hidden, generator=generator),
-        mtp + "hnorm.weight": 1.0 + 0.1 * torch.randn(hidden, generator=generator),
-        mtp + "eh_proj.weight": 0.1 * torch.randn(hidden, 2 * hidden, generator=generator),
-        mtp + "shared_head.norm.weight": 1.0 + 0.1 * torch.randn(hidden, generator=generator),
-        mtp + "embed_tokens.weight": tensors["model.embed_tokens.weight"].clone(),
-        mtp + "shared_head.head.weight": tensors["lm_head.weight"].clone(),
-    })
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-    doc = json.loads((path / "config.json").read_text())
-    doc.update(num_hidden_layers=LAYERS, num_nextn_predict_layers=1)
-    (path / "config.json").write_text(json.dumps(doc))
-    return path
 
 
 @pytest.fixture(scope="module", params=["v3", "glm"])
@@ -90,25 +42,6 @@ def source(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 
 def input_ids(family: str, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, 250, (2, 12), generator=torch.Generator().manual_seed(seed))
-
-
-def rank_state(root: Path, name: str) -> dict[str, Any]:
-    (path,) = root.glob(f"*/{name}/model_optim_rng.pt")
-    with torch.serialization.safe_globals([argparse.Namespace]):
-        return torch.load(path, map_location="cpu", weights_only=True)
-
-
-def from_args_alone(megatron: Path, out: Path) -> Path:
-    shutil.rmtree(megatron / "hf", ignore_errors=True)
-    pgconvert.convert(megatron, out, dst_format="hf", dst_tp=1, dst_pp=1, dst_ep=1)
-    return out
-
-
-def assert_same_tensors(src: Path, out: Path) -> None:
-    before, after = hf_tensors(src), hf_tensors(out)
-    assert sorted(before) == sorted(after)
-    for name, tensor in before.items():
-        assert after[name].dtype == tensor.dtype and torch.equal(after[name], tensor), name
 
 
 def test_hf_megatron_tp2_ep4_pp2_hf_is_exact_with_the_mtp_layer(source: tuple[str, Path], tmp_path: Path) -> None:
@@ -209,7 +142,7 @@ def mtp_gpt_model(args: argparse.Namespace) -> Iterator[Any]:
 def test_megatron_core_gpt_model_with_mtp_loads_the_written_file_and_declares_its_torch_dist_keys(tmp_path: Path) -> None:
     pytest.importorskip("megatron.core", reason="megatron-core is not installed")
     import support.mcore_helpers as mcore
-    from test_torch_dist_mcore import megatron_core_layout, read_layout
+    from support.mcore_gpt_models import megatron_core_layout, read_layout
 
     src = with_mtp("v3", tmp_path / "hf")
     pgconvert.convert(src, tmp_path / "megatron", dst_format="megatron", dst_tp=1, dst_pp=1, dst_ep=1)

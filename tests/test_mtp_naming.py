@@ -1,4 +1,4 @@
-"""mlafix: Megatron-LM d98e8a64's per-rank MTP keys, ``mtp.layers.{i}.mtp_model_layer.*``.
+"""Megatron-LM d98e8a64's per-rank MTP keys, ``mtp.layers.{i}.mtp_model_layer.*``.
 
 megatron-core 0.16.1's MultiTokenPredictionLayer names its inner layer ``transformer_layer``; Megatron-LM
 d98e8a64 names it ``mtp_model_layer`` in ``state_dict`` (what a ``--ckpt-format torch`` save writes) and maps
@@ -19,35 +19,19 @@ from click.testing import CliRunner
 from support.checkpoint_compare import read_dcp
 from support.cli_helpers import assert_clean_refusal
 from support.megatron_fixtures import load_for_test
-from test_mtp import assert_same_tensors, from_args_alone, with_mtp
+from support.mtp_models import (
+    NEW,
+    OLD,
+    assert_same_tensors,
+    from_args_alone,
+    model_keys,
+    rank_files,
+    respelled,
+    with_mtp,
+)
 
 import pgconvert
 from pgconvert.cli import main
-
-OLD, NEW = ".transformer_layer.", ".mtp_model_layer."
-
-
-def _rank_files(root: Path) -> list[Path]:
-    return sorted(root.glob("iter_*/mp_rank_*/model_optim_rng.pt")) or sorted(root.glob("release/mp_rank_*/*.pt"))
-
-
-def _model_keys(root: Path) -> set[str]:
-    return {key for path in _rank_files(root) for key in load_for_test(path)["model"]}
-
-
-def respelled(root: Path, out: Path, both: bool = False) -> Path:
-    """A copy of a per-rank checkpoint with the MTP layer's keys spelled as Megatron-LM d98e8a64 saves them
-    (``both``: one key left in the old spelling, a broken file)."""
-    shutil.copytree(root, out)
-    for path in _rank_files(out):
-        state = load_for_test(path)
-        model = state["model"]
-        keys = [key for key in model if key.startswith("mtp.layers.") and OLD in key]
-        state["model"] = {key.replace(OLD, NEW, 1) if key in keys[int(both):] else key: value
-                          for key, value in model.items()}
-        torch.save(state, path)
-    return out
-
 
 @pytest.fixture(scope="module")
 def made(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
@@ -66,7 +50,7 @@ def made(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.mark.parametrize("impl", ["local", "transformer_engine"])
 def test_a_d98_per_rank_source_converts_to_the_same_hf_model(made: dict[str, Path], tmp_path: Path,
                                                              impl: str) -> None:
-    keys = _model_keys(made[f"{impl}_d98"])
+    keys = model_keys(made[f"{impl}_d98"])
     assert any(NEW in key for key in keys) and not any(OLD in key for key in keys if key.startswith("mtp."))
     ours = from_args_alone(made[impl], tmp_path / "ours")
     theirs = from_args_alone(made[f"{impl}_d98"], tmp_path / "theirs")
@@ -79,7 +63,7 @@ def test_a_d98_per_rank_source_converts_to_the_same_hf_model(made: dict[str, Pat
 def test_megatron_to_megatron_keeps_the_sources_spelling(made: dict[str, Path], tmp_path: Path, impl: str) -> None:
     pgconvert.convert(made[f"{impl}_d98"], tmp_path / "tp1", dst_format="megatron", dst_tp=1, dst_pp=1, dst_ep=1)
     pgconvert.convert(made[impl], tmp_path / "tp1_ours", dst_format="megatron", dst_tp=1, dst_pp=1, dst_ep=1)
-    theirs, ours = (load_for_test(_rank_files(tmp_path / name)[0])["model"] for name in ("tp1", "tp1_ours"))
+    theirs, ours = (load_for_test(rank_files(tmp_path / name)[0])["model"] for name in ("tp1", "tp1_ours"))
 
     # Every key (TE _extra_state entries included) is the 0.16.1 file's key respelled, every tensor equal.
     assert sorted(theirs) == sorted(key.replace(OLD, NEW, 1) if key.startswith("mtp.") else key for key in ours)
@@ -91,10 +75,10 @@ def test_megatron_to_megatron_keeps_the_sources_spelling(made: dict[str, Path], 
 
 def test_an_hf_source_is_written_with_megatron_core_0_16_1s_spelling_unless_asked(made: dict[str, Path],
                                                                                   tmp_path: Path) -> None:
-    assert any(OLD in key for key in _model_keys(made["local"]) if key.startswith("mtp."))
+    assert any(OLD in key for key in model_keys(made["local"]) if key.startswith("mtp."))
     pgconvert.convert(made["hf"], tmp_path / "asked", dst_format="megatron", dst_tp=2, dst_pp=2, dst_ep=2,
                       dst_mtp_layer_name="mtp_model_layer")
-    for ours, asked in zip(_rank_files(made["local"]), _rank_files(tmp_path / "asked"), strict=True):
+    for ours, asked in zip(rank_files(made["local"]), rank_files(tmp_path / "asked"), strict=True):
         expected = load_for_test(made["local_d98"] / ours.relative_to(made["local"]))["model"]
         got = load_for_test(asked)["model"]
         assert sorted(got) == sorted(expected)
@@ -102,7 +86,7 @@ def test_an_hf_source_is_written_with_megatron_core_0_16_1s_spelling_unless_aske
     # And back: a d98 source written with 0.16.1's spelling when asked.
     pgconvert.convert(made["local_d98"], tmp_path / "back", dst_format="megatron",
                       dst_mtp_layer_name="transformer_layer")
-    assert _model_keys(tmp_path / "back") == _model_keys(made["local"])
+    assert model_keys(tmp_path / "back") == model_keys(made["local"])
 
 
 def test_torch_dist_keys_are_transformer_layer_from_either_spelling(made: dict[str, Path], tmp_path: Path) -> None:
@@ -138,7 +122,7 @@ def test_the_option_is_recorded_in_the_manifest(made: dict[str, Path], tmp_path:
 def test_rank_files_that_disagree_on_the_spelling_are_a_named_error(made: dict[str, Path], tmp_path: Path) -> None:
     mixed = tmp_path / "mixed"
     shutil.copytree(made["local"], mixed)
-    last = [path for path in _rank_files(mixed) if any(key.startswith("mtp.") for key in load_for_test(path)["model"])]
+    last = [path for path in rank_files(mixed) if any(key.startswith("mtp.") for key in load_for_test(path)["model"])]
     d98 = made["local_d98"] / last[0].relative_to(mixed)
     shutil.copyfile(d98, last[0])  # one MTP-stage rank as Megatron-LM d98e8a64 writes it, the others as 0.16.1
     result = CliRunner().invoke(main, ["convert", str(mixed), str(tmp_path / "out"), "--dst-format", "hf"],

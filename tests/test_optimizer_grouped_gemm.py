@@ -41,7 +41,7 @@ pytest.importorskip("megatron.core", reason="megatron-core lays out the referenc
 
 GROUPED = ("--dst-transformer-impl", "transformer_engine", "--dst-expert-layout", "grouped")
 BUFFER_SCRIPT = Path(__file__).parent / "support" / "mcore_grouped_buffer.py"
-MOE_LAYERS = (0, 2, 3)  # conftest.MOE: moe_layer_freq [1, 0, 1, 1]
+MOE_LAYERS = (0, 2, 3)  # support.tiny_models.MOE: moe_layer_freq [1, 0, 1, 1]
 
 
 def te_grouped_order(experts: int, bias: bool) -> list[str]:

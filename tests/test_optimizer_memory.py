@@ -11,7 +11,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from support.megatron_fixtures import load_for_test
-from test_torchzip import torch_save_bytes
+from support.torch_save import torch_save_bytes
 
 import pgconvert.io.torchzip as torchzip
 from pgconvert.cli import main

@@ -40,7 +40,7 @@ CASES = {"tp2ep2": ("v3", 2, 1, 2, False), "pp2": ("v3", 1, 2, 1, False), "qkwd"
 
 def _hf(root: Path, case: str) -> Path:
     import support.deepseek_helpers as deepseek_helpers
-    from test_mtp import with_mtp
+    from support.mtp_models import with_mtp
 
     with mock.patch.dict(deepseek_helpers.CASES, {"v3": deepseek_helpers.CASES[case]}):
         return with_mtp("v3", root / f"hf_{case}")
@@ -259,11 +259,11 @@ def test_mtp_model_layer_spelling_carries_the_same_state(made: dict[str, tuple[P
                                                          tmp_path: Path) -> None:
     # Megatron-LM d98e8a64 names the MTP inner layer mtp_model_layer in per-rank files, registered where
     # megatron-core 0.16.1's transformer_layer is: the same optimizer positions, read and written in that spelling.
-    from test_mtp_naming import _model_keys, respelled
+    from support.mtp_models import model_keys, respelled
 
     d98 = respelled(made["pp2"][form], tmp_path / "d98")
     _convert(d98, tmp_path / "tp2ep2", "--dst-tp", "2", "--dst-pp", "1", "--dst-ep", "2")
-    assert any(".mtp_model_layer." in key for key in _model_keys(tmp_path / "tp2ep2"))
+    assert any(".mtp_model_layer." in key for key in model_keys(tmp_path / "tp2ep2"))
     _assert_same(respelled(made["tp2ep2"][form], tmp_path / "expected"), tmp_path / "tp2ep2")
     _convert(tmp_path / "tp2ep2", tmp_path / "back", "--dst-tp", "1", "--dst-pp", "2", "--dst-ep", "1",
              "--dst-mtp-layer-name", "transformer_layer")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from conftest import GQA_SWIGLU, MOE
+from support.tiny_models import GQA_SWIGLU, MOE
 from support.megatron_fixtures import make_full_model, write_megatron_checkpoint
 
 from pgconvert.cli import main

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 import torch.utils.serialization.config as serialization_config
-from conftest import QK_NORM_TE
+from support.tiny_models import QK_NORM_TE
 from support.megatron_fixtures import make_full_model, write_megatron_checkpoint
 
 import pgconvert

@@ -167,7 +167,7 @@ def _drop_vocab_size_from_args(root: Path) -> None:
 
 
 def _model(name: str) -> TinyModel:
-    from conftest import MODELS
+    from support.tiny_models import MODELS
 
     return MODELS[name]
 

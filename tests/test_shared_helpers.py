@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import GQA_SWIGLU
+from support.tiny_models import GQA_SWIGLU
 from support.megatron_fixtures import make_full_model, write_megatron_checkpoint
 
 import pgconvert

@@ -24,7 +24,7 @@ import torch.distributed
 import torch.distributed.checkpoint as dcp
 from support.checkpoint_compare import assert_same_ranks, read_dcp
 from click.testing import CliRunner
-from conftest import GQA_SWIGLU, MHA_GELU_TIED, MOE, MOE_GROUPED_TE, QK_NORM_TE
+from support.tiny_models import GQA_SWIGLU, MHA_GELU_TIED, MOE, MOE_GROUPED_TE, QK_NORM_TE
 from support.megatron_fixtures import load_for_test, make_full_model, merge_megatron_checkpoint, write_megatron_checkpoint
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter, TensorStorageMetadata
 

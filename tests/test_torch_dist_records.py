@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from support.cli_helpers import assert_clean_refusal, run_cli
-from conftest import GQA_SWIGLU
+from support.tiny_models import GQA_SWIGLU
 from support.megatron_fixtures import make_full_model, write_megatron_checkpoint
 from torch.distributed.checkpoint import FileSystemReader
 

@@ -6,16 +6,15 @@ import argparse
 import io
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.utils.serialization
-from conftest import MOE, QK_NORM_TE
+from support.tiny_models import MOE, QK_NORM_TE
 from support.megatron_fixtures import make_full_model, write_megatron_checkpoint
+from support.torch_save import torch_crc32, torch_save_bytes
 
 import pgconvert
 import pgconvert.savers.megatron as megatron_saver
@@ -33,25 +32,6 @@ def materialised(obj: Any) -> Any:
     if isinstance(obj, dict):
         return type(obj)((key, materialised(value)) for key, value in obj.items())
     return obj
-
-
-@contextmanager
-def torch_crc32(enabled: bool) -> Iterator[None]:
-    """torch.save's own (process-wide) CRC setting, for the reference files only."""
-    config = torch.utils.serialization.config.save
-    previous = config.compute_crc32
-    config.compute_crc32 = enabled
-    try:
-        yield
-    finally:
-        config.compute_crc32 = previous
-
-
-def torch_save_bytes(obj: Any, crc32: bool) -> bytes:
-    buffer = io.BytesIO()
-    with torch_crc32(crc32):
-        torch.save(obj, buffer)
-    return buffer.getvalue()
 
 
 def mixed_state() -> dict[str, Any]:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from support.checkpoint_compare import read_dcp
-from conftest import GQA_SWIGLU
+from support.tiny_models import GQA_SWIGLU
 from support.hf_helpers import build_hf_model, load_hf_tensors, save_hf_model
 from support.megatron_fixtures import load_for_test, make_full_model, write_megatron_checkpoint
 

@@ -6,7 +6,7 @@ import functools
 from pathlib import Path
 
 import pytest
-from conftest import GQA_SWIGLU
+from support.tiny_models import GQA_SWIGLU
 from support.megatron_fixtures import make_full_model, write_megatron_checkpoint
 
 from pgconvert.run.convert import convert_request, plan

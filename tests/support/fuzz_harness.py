@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 from click.testing import CliRunner, Result
-from conftest import GQA_SWIGLU
+from support.tiny_models import GQA_SWIGLU
 from support.megatron_fixtures import make_full_model, write_megatron_checkpoint
 
 import pgconvert

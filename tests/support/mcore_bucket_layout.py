@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-if __name__ == "__main__":  # run as a script: `support` and `conftest` are found from tests/
+if __name__ == "__main__":  # run as a script: `support` is found from tests/
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch

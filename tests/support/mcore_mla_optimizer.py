@@ -32,7 +32,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-if __name__ == "__main__":  # run as a script: `support` and `conftest` are found from tests/
+if __name__ == "__main__":  # run as a script: `support` is found from tests/
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
@@ -133,7 +133,7 @@ def _train_rank(src: Path, outs: tuple[Path, Path], coords: tuple[int, int, int]
     from support.mcore_moe_optimizer import _distributed_entry, _flat_state, _grads
     from megatron.core.optimizer import OptimizerConfig, _get_param_groups
     from support.megatron_fixtures import load_for_test
-    from test_torch_dist_mcore import match_fixture_dtypes
+    from support.mcore_gpt_models import match_fixture_dtypes
 
     payload = load_for_test(src)
     args = payload["args"]

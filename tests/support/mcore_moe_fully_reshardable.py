@@ -3,7 +3,7 @@
     python tests/support/mcore_moe_fully_reshardable.py ITERATION_DIR OUT_DIR
 
 One forked gloo process per rank of a TP x EP job (common.pt's args; dense data-parallel over the EP ranks).
-Each builds the MoE fixture (``conftest.MOE`` in float32, as ``test_torch_dist_mcore.build_model`` configures
+Each builds the MoE fixture (``support.tiny_models.MOE`` in float32, as ``support.mcore_gpt_models.build_model`` configures
 it, on real process groups), ``DistributedDataParallel`` and ``get_megatron_optimizer`` (the dense and expert
 distributed optimizers chained), then does what Megatron-LM's ``load_checkpoint`` does for torch_dist:
 ``ChainedOptimizer.sharded_state_dict(model_sd, is_loading=True, metadata)`` with the checkpoint's content
@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-if __name__ == "__main__":  # run as a script: `support` and `conftest` are found from tests/
+if __name__ == "__main__":  # run as a script: `support` is found from tests/
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
@@ -36,7 +36,7 @@ def _model(args: Any) -> Any:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     import support.mcore_helpers as mcore
-    from conftest import MOE
+    from support.tiny_models import MOE
     from support.megatron_fixtures import make_args
 
     m = dataclasses.replace(MOE, dtype=torch.float32)

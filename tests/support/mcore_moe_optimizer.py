@@ -3,10 +3,10 @@
 argv: ROOT TP PP EP FORM (``fp32``/``bf16``: the plain optimizer; ``distributed``: ``distrib_optim.pt``). Beside
 ROOT, ``ROOT.positions.json``: megatron-core's parameter name at every position, per rank file.
 
-The model weights are the MoE fixture's (``conftest.MOE`` in float32: sequential experts, shared
+The model weights are the MoE fixture's (``support.tiny_models.MOE`` in float32: sequential experts, shared
 experts with a gate, router expert bias, MoE layer frequency [1, 0, 1, 1]) written per rank by
 ``megatron_fixtures``. Then, per rank, megatron-core 0.16.1 builds its own GPTModel (local spec, fake
-process groups, ``test_torch_dist_mcore.build_model``) and loads them, and its ``_get_param_groups``
+process groups, ``support.mcore_gpt_models.build_model``) and loads them, and its ``_get_param_groups``
 groups the parameters (a one-process gloo world, since it all-gathers the group keys). As
 ``get_megatron_optimizer`` does, the groups with ``is_expert_parallel`` form a second optimizer (a list of
 two state dicts, ``ChainedOptimizer.state_dict``). Each optimizer is torch's AdamW, what
@@ -33,7 +33,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-if __name__ == "__main__":  # run as a script: `support` and `conftest` are found from tests/
+if __name__ == "__main__":  # run as a script: `support` is found from tests/
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
@@ -99,9 +99,9 @@ def _train_rank(path: Path, coords: tuple[int, int, int], sizes: tuple[int, int,
     import support.mcore_helpers as mcore
     from megatron.core.optimizer import OptimizerConfig, _get_param_groups
     from support.megatron_fixtures import load_for_test
-    from test_torch_dist_mcore import build_model, match_fixture_dtypes
+    from support.mcore_gpt_models import build_model, match_fixture_dtypes
 
-    from conftest import MOE
+    from support.tiny_models import MOE
 
     payload = load_for_test(path)
     model = build_model(dataclasses.replace(MOE, dtype=torch.float32), *sizes, *coords)
@@ -143,7 +143,7 @@ def _train_rank(path: Path, coords: tuple[int, int, int], sizes: tuple[int, int,
 def main(root: Path, tp: int, pp: int, ep: int, form: str) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     warnings.simplefilter("ignore")
-    from conftest import MOE
+    from support.tiny_models import MOE
     from support.megatron_fixtures import make_full_model, write_megatron_checkpoint
 
     from pgconvert.formats.megatron import rank_dir_name

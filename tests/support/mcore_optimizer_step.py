@@ -35,7 +35,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-if __name__ == "__main__":  # run as a script: `support` and `conftest` are found from tests/
+if __name__ == "__main__":  # run as a script: `support` is found from tests/
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
@@ -85,7 +85,7 @@ def _build(args: argparse.Namespace, pp_rank: int) -> Any:
                      position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base)
     if args.bf16 or args.fp16:  # as Megatron-LM's get_model: every parameter (the norms too) in 16 bits
         model = Float16Module(config, model)
-    # buckets: the run's DDP bucketing (Megatron-LM's get_megatron_ddp_config: overlap_grad_reduce,
+    # The run's DDP bucketing (Megatron-LM's get_megatron_ddp_config: overlap_grad_reduce,
     # ddp_bucket_size, ddp_pad_buckets_for_high_nccl_busbw); the goldens ran without overlap (one bucket).
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,

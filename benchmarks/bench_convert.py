@@ -122,7 +122,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--optim-scale", type=float, default=OPTIM_SCALE,
                         help="the optimizer cases' model size, as --scale (0.07: 1.0 GB of fp32 optimizer state)")
     parser.add_argument("--plan-child", default=None, help=argparse.SUPPRESS)
-    return parser.parse_args()
+    options = parser.parse_args()
+    if options.workdir is not None:  # the children run in another directory
+        options.workdir = options.workdir.resolve()
+    return options
 
 
 def bench_config(scale: float) -> ModelConfig:
@@ -235,8 +238,10 @@ def run_child(command: list[str], anon: list[int] | None = None) -> ChildRun:
     gnu_time = shutil.which("time") or "/usr/bin/time"
     with tempfile.NamedTemporaryFile("r", suffix=".time") as report, tempfile.TemporaryFile("w+") as errors:
         started = time.perf_counter()
+        # Run outside any checkout: `python -m pgconvert` imports the package installed for that interpreter
+        # (the baseline's included), not a `pgconvert/` folder in the current directory.
         process = subprocess.Popen([gnu_time, "-o", report.name, "-f", "%M %U %S", *command],
-                                   stdout=subprocess.DEVNULL, stderr=errors, text=True)
+                                   stdout=subprocess.DEVNULL, stderr=errors, text=True, cwd=tempfile.gettempdir())
         peak_anon = 0
         while process.poll() is None:
             peak_anon = max(peak_anon, _anon_bytes(process.pid))

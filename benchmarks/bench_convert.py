@@ -39,7 +39,7 @@ import torch
 
 from bench_markdown import markdown, run_context
 from bench_optimizer import OPTIM_CASES, OPTIM_SCALE, optimizer_plan, optimizer_sources
-from pgconvert.model.config import ModelConfig
+from pgconvert.model.config import AttentionConfig, MLPConfig, ModelConfig, MoEConfig, NormConfig, PositionConfig
 from pgconvert.formats import SaveOptions
 from pgconvert.model.layout import ParallelLayout
 from pgconvert.model.provider import canonical_shapes
@@ -137,9 +137,10 @@ def bench_config(scale: float) -> ModelConfig:
     hidden = max(128, round(2048 * factor / 128) * 128)
     ffn = max(128, round(5632 * factor / 128) * 128)
     return ModelConfig(
-        num_layers=16, hidden_size=hidden, num_attention_heads=16, num_query_groups=8,
-        ffn_hidden_size=ffn, vocab_size=32000, gated_linear_unit=True, normalization="RMSNorm",
-        position_embedding_type="rope", max_position_embeddings=4096, params_dtype="bfloat16",
+        num_layers=16, hidden_size=hidden, attention=AttentionConfig(num_attention_heads=16, num_query_groups=8),
+        mlp=MLPConfig(ffn_hidden_size=ffn, gated_linear_unit=True), vocab_size=32000,
+        norms=NormConfig(normalization="RMSNorm"),
+        positions=PositionConfig(position_embedding_type="rope", max_position_embeddings=4096), params_dtype="bfloat16",
     )
 
 
@@ -407,14 +408,16 @@ def fp8_source(hf: Path, fp8: Path) -> None:
 def plan_models() -> dict[str, tuple[ModelConfig, ParallelLayout]]:
     """The shape-only cases: models at the sizes and layouts users run."""
     llama_405b = ModelConfig(
-        num_layers=126, hidden_size=16384, num_attention_heads=128, num_query_groups=8,
-        ffn_hidden_size=53248, vocab_size=128256, rotary_base=500000.0, params_dtype="bfloat16",
+        num_layers=126, hidden_size=16384, attention=AttentionConfig(num_attention_heads=128, num_query_groups=8),
+        mlp=MLPConfig(ffn_hidden_size=53248), vocab_size=128256, positions=PositionConfig(rotary_base=500000.0),
+        params_dtype="bfloat16",
     )
     moe_256 = ModelConfig(
-        num_layers=61, hidden_size=7168, num_attention_heads=128, num_query_groups=128, kv_channels=128,
-        ffn_hidden_size=18432, vocab_size=129280, params_dtype="bfloat16", num_experts=256,
-        moe_ffn_hidden_size=2048, moe_layer_freq=(0,) * 3 + (1,) * 58, moe_router_topk=8,
-        moe_shared_expert_intermediate_size=2048,
+        num_layers=61, hidden_size=7168,
+        attention=AttentionConfig(num_attention_heads=128, num_query_groups=128, kv_channels=128),
+        mlp=MLPConfig(ffn_hidden_size=18432), vocab_size=129280, params_dtype="bfloat16",
+        moe=MoEConfig(num_experts=256, moe_ffn_hidden_size=2048, moe_layer_freq=(0,) * 3 + (1,) * 58,
+                      moe_router_topk=8, moe_shared_expert_intermediate_size=2048),
     )
     return {
         "Llama-405B TP8/PP16": (llama_405b, ParallelLayout(tp=8, pp=16, first_stage_layers=7, last_stage_layers=7)),

@@ -1,5 +1,5 @@
-"""ModelConfig grouped into sub-configs: the settings' places, what it writes, and the flat form it
-still takes (the compatibility layer)."""
+"""ModelConfig grouped into sub-configs: the settings' places, what it writes, and the flat names it
+takes for plugins and tests (SettingsByName)."""
 
 from __future__ import annotations
 
@@ -163,8 +163,8 @@ def test_replace_takes_settings_by_name_or_sub_configs_whole() -> None:
 
 
 def test_flat_form_compatibility_layer() -> None:
-    """Until every caller uses the grouped form: ``ModelConfig(**flat)``, ``config.<flat name>``,
-    ``dataclasses.replace(config, **flat)`` and the flat derived values keep working."""
+    """The flat names plugins and tests use: ``ModelConfig(**flat)``, ``config.<flat name>``,
+    ``dataclasses.replace(config, **flat)`` and the flat derived values."""
     config = ModelConfig(**SETTINGS)  # type: ignore[arg-type]
 
     assert config == ModelConfig.from_settings(SETTINGS)

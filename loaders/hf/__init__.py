@@ -175,7 +175,7 @@ class HFSource(CanonicalSource):
         for canonical, (row, names) in self._rows.items():
             part_shapes = row.transform.part_shapes(shapes[canonical], config)
             if row.stacked:  # every expert of the layer on dim 0
-                part_shapes = [(config.num_experts or 0, *shape) for shape in part_shapes]
+                part_shapes = [(config.moe.num_experts or 0, *shape) for shape in part_shapes]
             for name, shape in zip(names, part_shapes, strict=True):
                 found_shape = stored[name].shape
                 if found_shape != shape:

@@ -323,7 +323,7 @@ class MegatronSource(CanonicalSource):
             raise CheckpointError(
                 f"{where}: state dict does not match the model described by its args "
                 f"(transformer_impl={self.config.transformer_impl}"
-                f"{', grouped-gemm experts' if self.config.moe_grouped_gemm else ''}); "
+                f"{', grouped-gemm experts' if self.config.moe.moe_grouped_gemm else ''}); "
                 f"missing: {missing}; unexpected: {sorted(unexpected)}"
             )
 
@@ -469,7 +469,7 @@ def _check_sizes_against_files(layout: ParallelLayout, rank_dirs: int, first_ent
 def _check_config_against_files(config: Any, tensors: int, path: Path) -> None:
     """Every layer and expert holds tensors: counts from args beyond the tensors present are refused."""
     for name in ("num_layers", "num_experts", "mtp_num_layers"):
-        value = getattr(config, name)
+        value = config.setting(name)
         if value is not None and value > tensors:
             raise CheckpointError(f"{path}: args.{name}={value}, but the rank files hold only {tensors} tensors")
 

@@ -450,13 +450,13 @@ class TorchDistSource(CanonicalSource):
 
     def optimizer_refusal(self) -> str | None:
         """A MoE model's optimizer state is not read from the forms whose expert records are not mapped."""
-        if not self.config.num_experts:
+        if not self.config.moe.num_experts:
             return None
         try:
             form = self.stored_optimizer_form()
         except PgconvertError:
             return None  # open_optimizer names it
-        return moe_form_refusal(self.config.num_experts, "from", form, self.layout)
+        return moe_form_refusal(self.config.moe.num_experts, "from", form, self.layout)
 
     def open_optimizer(self) -> TorchDistOptimizerSource:
         return TorchDistOptimizerSource(self)
@@ -544,7 +544,7 @@ def _check_counts(config: ModelConfig, metadata: Metadata, path: Path) -> None:
     bound = len(entries) + max((max(md.size, default=0) for md in entries.values()
                                 if isinstance(md, TensorStorageMetadata)), default=0)
     for name in ("num_layers", "num_experts", "mtp_num_layers"):
-        value = getattr(config, name)
+        value = config.setting(name)
         if value is not None and value > bound:
             raise CheckpointError(f"{path}: common.pt's args.{name}={value}, more than the {len(entries)} entries "
                                   "of the checkpoint and their sizes can hold")

@@ -107,7 +107,7 @@ def _count(value: object, key: str, minimum: int = 0) -> int:
 
 def _dense_prefix(config: ModelConfig) -> int | None:
     """How many leading dense layers, when the rest are MoE (DeepSeek's only pattern); else None."""
-    pattern = [int(config.is_moe_layer(layer)) for layer in range(config.num_layers)]
+    pattern = [int(config.layers[layer].moe) for layer in range(config.num_layers)]
     first = pattern.index(1) if 1 in pattern else len(pattern)
     return first if all(pattern[first:]) else None
 
@@ -124,10 +124,10 @@ def _layers_rule(default_dense: int) -> ConfigRule:
         return {"first_k_dense_replace": _dense_prefix(config)}
 
     def refuses(config: ModelConfig) -> str | None:
-        if config.num_experts is None:
+        if config.moe.num_experts is None:
             return "num_experts=None (needs routed experts)"
         if _dense_prefix(config) is None:
-            return f"moe_layer_freq={config.moe_layer_freq!r} (needs k dense layers, then MoE layers only)"
+            return f"moe_layer_freq={config.moe.moe_layer_freq!r} (needs k dense layers, then MoE layers only)"
         return None
 
     return ConfigRule(keys=("first_k_dense_replace",), model_fields=("moe_layer_freq",), read=read, write=write,
@@ -142,10 +142,10 @@ def _shared_rule(default: int) -> ConfigRule:
         return {"moe_shared_expert_intermediate_size": count * size if count else None}
 
     def write(config: ModelConfig) -> Mapping[str, object]:
-        return {"n_shared_experts": (config.moe_shared_expert_intermediate_size or 0) // config.expert_ffn_size}
+        return {"n_shared_experts": (config.moe.moe_shared_expert_intermediate_size or 0) // config.expert_ffn_size}
 
     def refuses(config: ModelConfig) -> str | None:
-        shared = config.moe_shared_expert_intermediate_size
+        shared = config.moe.moe_shared_expert_intermediate_size
         if shared is not None and shared % config.expert_ffn_size:
             return (f"moe_shared_expert_intermediate_size={shared} (needs a multiple of the experts' "
                     f"{config.expert_ffn_size}: n_shared_experts)")
@@ -195,15 +195,17 @@ def _v3_router_read(present: Mapping[str, object], model: Mapping[str, object]) 
 
 
 def _v3_router_write(config: ModelConfig) -> Mapping[str, object]:
-    return {"n_group": config.moe_router_num_groups or 1, "topk_group": config.moe_router_group_topk or 1,
-            "routed_scaling_factor": config.moe_router_topk_scaling_factor or 1.0}
+    moe = config.moe
+    return {"n_group": moe.moe_router_num_groups or 1, "topk_group": moe.moe_router_group_topk or 1,
+            "routed_scaling_factor": moe.moe_router_topk_scaling_factor or 1.0}
 
 
 def _v3_router_refuses(config: ModelConfig) -> str | None:
-    if config.moe_router_topk == 1:
+    moe = config.moe
+    if moe.moe_router_topk == 1:
         return "moe_router_topk=1 (DeepseekV3 renormalizes the chosen sigmoid scores: needs top-k > 1)"
-    if config.moe_router_group_topk and config.moe_router_topk // config.moe_router_group_topk != 2:
-        return (f"moe_router_group_topk={config.moe_router_group_topk} with moe_router_topk={config.moe_router_topk} "
+    if moe.moe_router_group_topk and moe.moe_router_topk // moe.moe_router_group_topk != 2:
+        return (f"moe_router_group_topk={moe.moe_router_group_topk} with moe_router_topk={moe.moe_router_topk} "
                 "(DeepseekV3 scores a group by its best 2 experts: needs topk // group_topk = 2)")
     return None
 
@@ -218,15 +220,17 @@ def _v2_router_read(present: Mapping[str, object], model: Mapping[str, object]) 
 
 
 def _v2_router_write(config: ModelConfig) -> Mapping[str, object]:
-    grouped = config.moe_router_num_groups is not None
+    moe = config.moe
+    grouped = moe.moe_router_num_groups is not None
     return {"topk_method": "group_limited_greedy" if grouped else "greedy",
-            "n_group": config.moe_router_num_groups, "topk_group": config.moe_router_group_topk,
-            "routed_scaling_factor": config.moe_router_topk_scaling_factor or 1.0}
+            "n_group": moe.moe_router_num_groups, "topk_group": moe.moe_router_group_topk,
+            "routed_scaling_factor": moe.moe_router_topk_scaling_factor or 1.0}
 
 
 def _v2_router_refuses(config: ModelConfig) -> str | None:
-    if config.moe_router_group_topk and config.moe_router_topk // config.moe_router_group_topk != 1:
-        return (f"moe_router_group_topk={config.moe_router_group_topk} with moe_router_topk={config.moe_router_topk} "
+    moe = config.moe
+    if moe.moe_router_group_topk and moe.moe_router_topk // moe.moe_router_group_topk != 1:
+        return (f"moe_router_group_topk={moe.moe_router_group_topk} with moe_router_topk={moe.moe_router_topk} "
                 "(DeepseekV2 scores a group by its best expert: needs topk // group_topk = 1)")
     return None
 
@@ -238,7 +242,7 @@ def _q_lora_read(present: Mapping[str, object], model: Mapping[str, object]) -> 
 
 def _q_lora_write(config: ModelConfig) -> Mapping[str, object]:
     # Written even when null: transformers' default (1536) would otherwise build a q-LoRA model.
-    return {"q_lora_rank": config.q_lora_rank}
+    return {"q_lora_rank": config.attention.q_lora_rank}
 
 
 def _mla_rope_read(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
@@ -249,8 +253,8 @@ def _mla_rope_read(present: Mapping[str, object], model: Mapping[str, object]) -
 
 
 def _mla_rope_refuses(config: ModelConfig) -> str | None:
-    if config.rope_scaling not in (None, "yarn"):
-        return f"rope_scaling={config.rope_scaling!r} (multi-latent attention computes plain RoPE or YaRN)"
+    if config.positions.rope_scaling not in (None, "yarn"):
+        return f"rope_scaling={config.positions.rope_scaling!r} (multi-latent attention computes plain RoPE or YaRN)"
     return None
 
 

@@ -29,11 +29,11 @@ def expert_ffn_size(config: ModelConfig) -> int:
 
 
 def dense_layers(config: ModelConfig) -> list[int]:
-    return [layer for layer in range(config.num_layers) if not config.is_moe_layer(layer)]
+    return [layer for layer in range(config.num_layers) if not config.layers[layer].moe]
 
 
 def _moe_layer_freq_text(config: ModelConfig) -> str:
-    freq = config.moe_layer_freq
+    freq = config.moe.moe_layer_freq
     return repr(list(freq) if isinstance(freq, tuple) else freq)
 
 
@@ -44,11 +44,11 @@ def _every_layer_moe(present: Mapping[str, object], model: Mapping[str, object])
 
 
 def refuses_dense_model(config: ModelConfig) -> str | None:
-    return None if config.num_experts is not None else "num_experts=None (needs routed experts)"
+    return None if config.moe.num_experts is not None else "num_experts=None (needs routed experts)"
 
 
 def _refuses_dense_layers(config: ModelConfig) -> str | None:
-    if config.num_experts is None:
+    if config.moe.num_experts is None:
         return "num_experts=None (needs routed experts)"
     dense = dense_layers(config)
     if dense:

@@ -63,7 +63,7 @@ def _window_rule(period: int) -> ConfigRule:
         return window_values(window_with_default(present, 4096), pattern)
 
     def write(config: ModelConfig) -> Mapping[str, object]:
-        return {"sliding_window": config.sliding_window, "layer_types": layer_types_of(config)}
+        return {"sliding_window": config.attention.sliding_window, "layer_types": layer_types_of(config)}
 
     return ConfigRule(keys=("sliding_window", "layer_types"), model_fields=("sliding_window", "window_layers"),
                       read=read, write=write)
@@ -118,20 +118,22 @@ def _read_gemma3_rope(present: Mapping[str, object], model: Mapping[str, object]
 
 
 def _write_gemma3_rope(config: ModelConfig) -> Mapping[str, object]:
-    full: dict[str, object] = {"rope_type": config.rope_scaling or "default", "rope_theta": config.rotary_base}
-    if config.rope_scaling is not None:
-        full["factor"] = config.rope_scaling_factor
-    local = {"rope_type": "default", "rope_theta": config.rotary_base_local}
+    positions = config.positions
+    full: dict[str, object] = {"rope_type": positions.rope_scaling or "default", "rope_theta": positions.rotary_base}
+    if positions.rope_scaling is not None:
+        full["factor"] = positions.rope_scaling_factor
+    local = {"rope_type": "default", "rope_theta": positions.rotary_base_local}
     return {"rope_parameters": {"sliding_attention": local, "full_attention": full}}
 
 
 def _refuses_gemma3_rope(config: ModelConfig) -> str | None:
-    if config.rotary_base_local is None:
+    positions = config.positions
+    if positions.rotary_base_local is None:
         return "rotary_base_local=None (needs the sliding layers' RoPE base)"
-    if config.rope_scaling not in (None, "linear"):
-        return f"rope_scaling={config.rope_scaling!r} (needs none or linear)"
-    if config.rotary_percent != 1.0:
-        return f"rotary_percent={config.rotary_percent} (needs 1.0)"
+    if positions.rope_scaling not in (None, "linear"):
+        return f"rope_scaling={positions.rope_scaling!r} (needs none or linear)"
+    if positions.rotary_percent != 1.0:
+        return f"rotary_percent={positions.rotary_percent} (needs 1.0)"
     return None
 
 
@@ -143,12 +145,13 @@ def _read_plain_rope(present: Mapping[str, object], model: Mapping[str, object])
 
 
 def _write_plain_rope(config: ModelConfig) -> Mapping[str, object]:
-    return {"rope_parameters": {"rope_type": "default", "rope_theta": config.rotary_base}}
+    return {"rope_parameters": {"rope_type": "default", "rope_theta": config.positions.rotary_base}}
 
 
 def _refuses_scaled_rope(config: ModelConfig) -> str | None:
-    if config.rope_scaling is not None or config.rotary_percent != 1.0:
-        return f"rope_scaling={config.rope_scaling!r}, rotary_percent={config.rotary_percent} (needs plain RoPE)"
+    positions = config.positions
+    if positions.rope_scaling is not None or positions.rotary_percent != 1.0:
+        return f"rope_scaling={positions.rope_scaling!r}, rotary_percent={positions.rotary_percent} (needs plain RoPE)"
     return None
 
 

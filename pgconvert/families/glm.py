@@ -146,7 +146,7 @@ def _write_first_dense(config: ModelConfig) -> Mapping[str, object]:
 
 
 def _refuses_dense_after_moe(config: ModelConfig) -> str | None:
-    if config.num_experts is None:
+    if config.moe.num_experts is None:
         return "num_experts=None (needs routed experts)"
     dense = dense_layers(config)
     if dense != list(range(len(dense))):
@@ -162,12 +162,12 @@ def _read_shared(present: Mapping[str, object], model: Mapping[str, object]) -> 
 
 
 def _write_shared(config: ModelConfig) -> Mapping[str, object]:
-    size = config.moe_shared_expert_intermediate_size or 0
+    size = config.moe.moe_shared_expert_intermediate_size or 0
     return {"n_shared_experts": size // config.expert_ffn_size}
 
 
 def _refuses_shared(config: ModelConfig) -> str | None:
-    size = config.moe_shared_expert_intermediate_size
+    size = config.moe.moe_shared_expert_intermediate_size
     if size is None or size % config.expert_ffn_size:
         return (f"moe_shared_expert_intermediate_size={size} (needs a multiple of the experts' FFN size "
                 f"{config.expert_ffn_size}: n_shared_experts)")
@@ -184,13 +184,13 @@ def _read_groups(present: Mapping[str, object], model: Mapping[str, object]) -> 
 
 
 def _write_groups(config: ModelConfig) -> Mapping[str, object]:
-    return {"n_group": config.moe_router_num_groups or 1, "topk_group": config.moe_router_group_topk or 1}
+    return {"n_group": config.moe.moe_router_num_groups or 1, "topk_group": config.moe.moe_router_group_topk or 1}
 
 
 def _refuses_groups(config: ModelConfig) -> str | None:
-    chosen = config.moe_router_group_topk
-    if chosen and config.moe_router_topk // chosen != 2:
-        return (f"moe_router_group_topk={chosen} with moe_router_topk={config.moe_router_topk} "
+    chosen = config.moe.moe_router_group_topk
+    if chosen and config.moe.moe_router_topk // chosen != 2:
+        return (f"moe_router_group_topk={chosen} with moe_router_topk={config.moe.moe_router_topk} "
                 "(Glm4Moe scores a group by its best 2 experts: needs topk // group_topk = 2)")
     return None
 

@@ -65,7 +65,7 @@ def _read_layer_window(present: Mapping[str, object], model: Mapping[str, object
 
 
 def _write_layer_window(config: ModelConfig) -> Mapping[str, object]:
-    return {"sliding_window": config.sliding_window or GPT_OSS_WINDOW, "layer_types": layer_types_of(config)}
+    return {"sliding_window": config.attention.sliding_window or GPT_OSS_WINDOW, "layer_types": layer_types_of(config)}
 
 
 GPT_OSS = Family(

@@ -1,6 +1,6 @@
 """Granite (``GraniteForCausalLM``): Llama with Granite 3's muP multipliers.
 
-* ``attention_multiplier`` is the softmax scale itself (``ModelConfig.softmax_scale``,
+* ``attention_multiplier`` is the softmax scale itself (``ModelConfig.attention.softmax_scale``,
   megatron-core's ``TransformerConfig.softmax_scale``: ``pgconvert.semantics.attention_scale``);
 * ``embedding_multiplier``, ``residual_multiplier`` and ``logits_scaling``: transformers'
   GraniteModel multiplies the embeddings and each sublayer's output, and GraniteForCausalLM divides

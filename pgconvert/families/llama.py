@@ -118,15 +118,16 @@ def read_rope(present: Mapping[str, object], model: Mapping[str, object]) -> Map
 
 
 def write_rope(config: ModelConfig) -> Mapping[str, object]:
-    params: dict[str, object] = {"rope_type": config.rope_scaling or "default", "rope_theta": config.rotary_base}
-    if config.rope_scaling is not None:
-        params["factor"] = config.rope_scaling_factor
-    if config.rope_scaling == "llama3":
+    positions = config.positions
+    params: dict[str, object] = {"rope_type": positions.rope_scaling or "default", "rope_theta": positions.rotary_base}
+    if positions.rope_scaling is not None:
+        params["factor"] = positions.rope_scaling_factor
+    if positions.rope_scaling == "llama3":
         params.update(MEGATRON_LLAMA3)
-    if config.rope_scaling == "yarn":
+    if positions.rope_scaling == "yarn":
         params.update(yarn.write_hf(config))
     # transformers 4.x reads the scaling from rope_scaling (5 prefers it too, so the two agree).
-    legacy = {key: value for key, value in params.items() if key != "rope_theta"} if config.rope_scaling else None
+    legacy = {key: value for key, value in params.items() if key != "rope_theta"} if positions.rope_scaling else None
     # Partial rotary is not written: a family that computes it writes it (its hf_computes says so).
     return {"rope_parameters": params, "rope_scaling": legacy, "partial_rotary_factor": None}
 
@@ -135,7 +136,7 @@ def write_partial_rope(config: ModelConfig) -> Mapping[str, object]:
     """As ``write_rope``, with the partial rotary in ``rope_parameters`` (for the families that compute it)."""
     written = dict(write_rope(config))
     params = dict(written["rope_parameters"])  # type: ignore[call-overload]
-    params["partial_rotary_factor"] = config.rotary_percent
+    params["partial_rotary_factor"] = config.positions.rotary_percent
     written["rope_parameters"] = params
     return written
 

@@ -41,7 +41,7 @@ def _read_ministral_window(present: Mapping[str, object], model: Mapping[str, ob
 
 
 def _write_ministral_window(config: ModelConfig) -> Mapping[str, object]:
-    return {"sliding_window": config.sliding_window, "layer_types": layer_types_of(config)}
+    return {"sliding_window": config.attention.sliding_window, "layer_types": layer_types_of(config)}
 
 
 MINISTRAL = MISTRAL.derive(

@@ -4,7 +4,7 @@ partial rotary and longrope RoPE.
 ``qkv_proj`` is ``[all q; all k; all v]`` (``QKV_CONCAT``); ``gate_up_proj`` is ``[gate; up]``
 (Phi3MLP chunks it in two, gate first), megatron-core's ``linear_fc1`` as it is. megatron-core
 cannot compute longrope (nor its ``su`` alias): its parameters are carried whole, as JSON, in
-``ModelConfig.hf_rope_parameters`` and in Megatron args (``pgconvert.semantics.carried``), so a
+``ModelConfig.carried.hf_rope_parameters`` and in Megatron args (``pgconvert.semantics.carried``), so a
 Megatron checkpoint converts back bit-exactly; every Megatron output names them in a notice.
 """
 
@@ -57,13 +57,13 @@ def _read_rope(present: Mapping[str, object], model: Mapping[str, object]) -> Ma
 def _write_rope(config: ModelConfig) -> Mapping[str, object]:
     written = dict(ROPE_RULE.write(config))
     params = dict(written["rope_parameters"])  # type: ignore[call-overload]
-    if config.hf_rope_parameters is not None:
-        params = {**json.loads(config.hf_rope_parameters), "rope_theta": config.rotary_base}
+    if config.carried.hf_rope_parameters is not None:
+        params = {**json.loads(config.carried.hf_rope_parameters), "rope_theta": config.positions.rotary_base}
         written["rope_scaling"] = None
     # Phi3 computes partial rotary (megatron-core's rotary_percent): written where transformers reads it.
-    params["partial_rotary_factor"] = config.rotary_percent
-    original = params.get("original_max_position_embeddings", config.max_position_embeddings)
-    return {**written, "rope_parameters": params, "partial_rotary_factor": config.rotary_percent,
+    params["partial_rotary_factor"] = config.positions.rotary_percent
+    original = params.get("original_max_position_embeddings", config.positions.max_position_embeddings)
+    return {**written, "rope_parameters": params, "partial_rotary_factor": config.positions.rotary_percent,
             "original_max_position_embeddings": original}
 
 

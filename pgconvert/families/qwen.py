@@ -77,12 +77,12 @@ def _read_qwen_window(present: Mapping[str, object], model: Mapping[str, object]
 
 
 def _write_qwen_window(config: ModelConfig) -> Mapping[str, object]:
-    pattern = [int(config.is_window_layer(layer)) for layer in range(config.num_layers)]
+    pattern = [int(config.layers[layer].window) for layer in range(config.num_layers)]
     # Without a window, max_window_layers means nothing: transformers' default is written.
     leading_full = pattern.index(1) if 1 in pattern else QWEN_MAX_WINDOW_LAYERS
     return {
-        "use_sliding_window": config.sliding_window is not None,
-        "sliding_window": config.sliding_window,
+        "use_sliding_window": config.attention.sliding_window is not None,
+        "sliding_window": config.attention.sliding_window,
         "max_window_layers": leading_full,
         "layer_types": layer_types_of(config),
     }
@@ -160,7 +160,7 @@ def _read_norm_topk(present: Mapping[str, object], model: Mapping[str, object]) 
 
 
 def _write_norm_topk(config: ModelConfig) -> Mapping[str, object]:
-    return {"norm_topk_prob": not config.moe_router_pre_softmax}
+    return {"norm_topk_prob": not config.moe.moe_router_pre_softmax}
 
 
 NORM_TOPK_RULE = ConfigRule(keys=("norm_topk_prob",), model_fields=("moe_router_pre_softmax",),
@@ -176,7 +176,8 @@ def _read_all_or_none_window(present: Mapping[str, object], model: Mapping[str, 
 
 
 def _write_all_or_none_window(config: ModelConfig) -> Mapping[str, object]:
-    return {"use_sliding_window": config.sliding_window is not None, "sliding_window": config.sliding_window}
+    window = config.attention.sliding_window
+    return {"use_sliding_window": window is not None, "sliding_window": window}
 
 
 _QWEN3_MOE_WINDOW = ConfigRule(keys=("use_sliding_window", "sliding_window"),
@@ -231,12 +232,13 @@ def _read_qwen2_moe_window(present: Mapping[str, object], model: Mapping[str, ob
 
 
 def _write_qwen2_moe_window(config: ModelConfig) -> Mapping[str, object]:
-    return {"use_sliding_window": config.sliding_window is not None, "sliding_window": config.sliding_window,
-            "layer_types": layer_types_of(config)}
+    window = config.attention.sliding_window
+    return {"use_sliding_window": window is not None, "sliding_window": window, "layer_types": layer_types_of(config)}
 
 
 def _refuses_dense_or_no_shared_expert(config: ModelConfig) -> str | None:
-    if config.num_experts is not None and config.moe_shared_expert_intermediate_size is None:
+    moe = config.moe
+    if moe.num_experts is not None and moe.moe_shared_expert_intermediate_size is None:
         return "moe_shared_expert_intermediate_size=None (needs a gated shared expert)"
     return refuses_dense_model(config)
 

@@ -1,6 +1,6 @@
 """Sliding-window attention in config.json: the pieces the families' window rules share.
 
-A model's window is ``ModelConfig.sliding_window`` with ``window_layers`` (0/1 per layer, None: every
+A model's window is ``ModelConfig.attention.sliding_window`` with ``window_layers`` (0/1 per layer, None: every
 layer). config.json spells it per family: ``sliding_window`` on every layer (Mistral, Mixtral,
 Phi-3: ``EVERY_LAYER_WINDOW``), or on the layers ``layer_types`` marks ``sliding_attention``
 (transformers' own default pattern where it is absent, which each family's rule gives).
@@ -61,13 +61,13 @@ def window_values(window: int | None, pattern: tuple[int, ...]) -> Mapping[str, 
 
 def layer_types_of(config: ModelConfig) -> list[str]:
     """config.json's ``layer_types`` of a model."""
-    return ["sliding_attention" if config.is_window_layer(layer) else "full_attention"
+    return ["sliding_attention" if config.layers[layer].window else "full_attention"
             for layer in range(config.num_layers)]
 
 
 def refuses_partial_window(config: ModelConfig) -> str | None:
-    if config.window_layers is not None:
-        return f"window_layers={list(config.window_layers)} (needs every layer windowed or none)"
+    if config.attention.window_layers is not None:
+        return f"window_layers={list(config.attention.window_layers)} (needs every layer windowed or none)"
     return None
 
 
@@ -77,7 +77,7 @@ def _read_every_layer_window(present: Mapping[str, object], model: Mapping[str, 
 
 
 def _write_every_layer_window(config: ModelConfig) -> Mapping[str, object]:
-    return {"sliding_window": config.sliding_window}
+    return {"sliding_window": config.attention.sliding_window}
 
 
 EVERY_LAYER_WINDOW = ConfigRule(keys=("sliding_window",), model_fields=("sliding_window", "window_layers"),

@@ -49,9 +49,10 @@ def _read_layers(present: Mapping[str, object], model: Mapping[str, object]) -> 
 
 
 def _write_layers(config: ModelConfig) -> Mapping[str, object]:
-    no_rope = config.no_rope_layers or (0,) * config.num_layers
+    no_rope = config.positions.no_rope_layers or (0,) * config.num_layers
+    window = config.attention.sliding_window
     return {"no_rope_layers": [1 - flag for flag in no_rope], "no_rope_layer_interval": 4,
-            "use_sliding_window": config.sliding_window is not None, "sliding_window": config.sliding_window,
+            "use_sliding_window": window is not None, "sliding_window": window,
             "layer_types": layer_types_of(config)}
 
 

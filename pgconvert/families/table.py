@@ -116,8 +116,9 @@ class FuseQKVByGroup(Transform):
 
     @staticmethod
     def _dims(config: ModelConfig) -> tuple[int, int, int]:
-        groups = config.query_groups
-        return groups, config.num_attention_heads // groups * config.head_dim, config.head_dim
+        attention = config.attention
+        groups = attention.query_groups
+        return groups, attention.num_attention_heads // groups * attention.head_dim, attention.head_dim
 
     def fuse(self, parts: Sequence[torch.Tensor], config: ModelConfig) -> torch.Tensor:
         query, key, value = parts
@@ -161,7 +162,7 @@ class FuseQKVByGroup(Transform):
         first, groups = window.start // group_rows, window.length // group_rows
         parts = [read_part(index, 0, first * step, (first + groups) * step)
                  for index, step in enumerate((q_rows, kv_rows, kv_rows))]
-        heads_per_group = config.num_attention_heads // groups_total
+        heads_per_group = config.attention.num_attention_heads // groups_total
         return self.fuse(parts, config.replace(num_query_groups=groups, num_attention_heads=groups * heads_per_group))
 
 
@@ -216,8 +217,9 @@ class FuseQKVFromConcat(Transform):
 
     @staticmethod
     def _rows(config: ModelConfig) -> list[int]:
-        kv_rows = config.query_groups * config.head_dim
-        return [config.num_attention_heads * config.head_dim, kv_rows, kv_rows]
+        attention = config.attention
+        kv_rows = attention.query_groups * attention.head_dim
+        return [attention.num_attention_heads * attention.head_dim, kv_rows, kv_rows]
 
     def fuse(self, parts: Sequence[torch.Tensor], config: ModelConfig) -> torch.Tensor:
         return QKV.fuse(list(parts[0].split(self._rows(config), dim=0)), config)
@@ -395,7 +397,7 @@ class ConfigField:
 
     def value_of(self, config: ModelConfig) -> object:
         """What config.json holds for ``config``."""
-        return self.written(config) if self.written is not None else getattr(config, self.model_field)
+        return self.written(config) if self.written is not None else config.setting(self.model_field)
 
 
 def _always_writable(config: ModelConfig) -> str | None:
@@ -482,7 +484,7 @@ class Family:
     # beyond every family's, so pgconvert.formats.hf.hf_losses does not name them as lost (partial
     # rotary, a router's score function, scaling, groups or pre-softmax, a clamped GLU).
     hf_computes: frozenset[str] = frozenset()
-    # HF rope_type values carried as they are in ModelConfig.hf_rope_parameters (Phi-3's longrope
+    # HF rope_type values carried as they are in ModelConfig.carried.hf_rope_parameters (Phi-3's longrope
     # and su): pgconvert.semantics.rope.hf_unrepresentable does not name them.
     hf_rope_types_carried: tuple[str, ...] = ()
     # The config.json key counting multi-token-prediction layers (stored as layers

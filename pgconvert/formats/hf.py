@@ -194,7 +194,7 @@ def model_config_from_hf(doc: dict[str, Any], path: Path, stored_dtype: torch.dt
     values["params_dtype"] = _config_dtype(doc, stored_dtype)
     values.update(LOADED_DEFAULTS)
     try:
-        config = ModelConfig(**values)  # type: ignore[arg-type]
+        config = ModelConfig.from_settings(values)
     except ConfigError as exc:
         raise error(f"{path}: describes an impossible model: {exc}") from exc
     notices = [
@@ -220,9 +220,9 @@ def _config_dtype(doc: dict[str, Any], stored_dtype: torch.dtype | None) -> str:
 def family_mismatches(family: Family, config: ModelConfig) -> list[str]:
     """Why ``config`` cannot be written as ``family`` (empty when it can)."""
     mismatches = [
-        f"{name}={getattr(config, name)!r} (needs {expected!r})"
+        f"{name}={config.setting(name)!r} (needs {expected!r})"
         for name, expected in family.fixed.items()
-        if getattr(config, name) != expected
+        if config.setting(name) != expected
     ]
     refusals = (rule.refuses(config) for rule in family.rules)
     if config.mtp_num_layers and family.hf_mtp_layers_key is None:
@@ -283,9 +283,9 @@ def unmapped_losses(architecture: str, config: ModelConfig) -> list[str]:
     """The settings of ``config`` only some families hold that ``architecture`` has no config.json key for."""
     family = FAMILIES.get(architecture)
     carried = _carried_fields(family) if family is not None else set()
-    return [f"{name}={getattr(config, name)!r}: {architecture} has no such setting"
+    return [f"{name}={config.setting(name)!r}: {architecture} has no such setting"
             for name, default in FAMILY_SPECIFIC_SETTINGS.items()
-            if name not in carried and getattr(config, name) != default]
+            if name not in carried and config.setting(name) != default]
 
 
 def hf_training_notes(architecture: str, config: ModelConfig) -> list[str]:
@@ -308,30 +308,30 @@ def hf_losses(architecture: str, config: ModelConfig) -> list[str]:
     family = FAMILIES.get(architecture)
     computes = family.hf_computes if family is not None else frozenset()
     losses = []
-    if config.rotary_percent != 1.0 and "rotary_percent" not in computes:
-        losses.append(f"rotary_percent={config.rotary_percent} (partial rotary): {architecture} rotates the "
+    if config.positions.rotary_percent != 1.0 and "rotary_percent" not in computes:
+        losses.append(f"rotary_percent={config.positions.rotary_percent} (partial rotary): {architecture} rotates the "
                       "whole head")
     for name, default in (("glu_linear_offset", 0.0), ("activation_func_clamp_value", None)):
-        if getattr(config, name) != default and name not in computes:
-            losses.append(f"{name}={getattr(config, name)}: {architecture} has no clamped GLU")
-    if config.num_experts is not None:
+        if config.setting(name) != default and name not in computes:
+            losses.append(f"{name}={config.setting(name)}: {architecture} has no clamped GLU")
+    if config.moe.num_experts is not None:
         losses += _router_losses(architecture, config, computes)
     return losses + unmapped_losses(architecture, config)
 
 
 def _router_losses(architecture: str, config: ModelConfig, computes: frozenset[str]) -> list[str]:
     losses = []
-    if config.moe_router_score_function != "softmax" and "moe_router_score_function" not in computes:
-        losses.append(f"moe_router_score_function={config.moe_router_score_function!r}: {architecture} "
+    if config.moe.moe_router_score_function != "softmax" and "moe_router_score_function" not in computes:
+        losses.append(f"moe_router_score_function={config.moe.moe_router_score_function!r}: {architecture} "
                       "routes with softmax")
-    if (config.moe_router_topk_scaling_factor not in (None, 1.0)
+    if (config.moe.moe_router_topk_scaling_factor not in (None, 1.0)
             and "moe_router_topk_scaling_factor" not in computes):
-        losses.append(f"moe_router_topk_scaling_factor={config.moe_router_topk_scaling_factor}: "
+        losses.append(f"moe_router_topk_scaling_factor={config.moe.moe_router_topk_scaling_factor}: "
                       f"{architecture} does not scale routing weights")
-    if config.moe_router_num_groups is not None and "moe_router_num_groups" not in computes:
-        losses.append(f"moe_router_num_groups={config.moe_router_num_groups}, moe_router_group_topk="
-                      f"{config.moe_router_group_topk}: {architecture} does not route by expert groups")
-    if config.moe_router_pre_softmax and "moe_router_pre_softmax" not in computes:
+    if config.moe.moe_router_num_groups is not None and "moe_router_num_groups" not in computes:
+        losses.append(f"moe_router_num_groups={config.moe.moe_router_num_groups}, moe_router_group_topk="
+                      f"{config.moe.moe_router_group_topk}: {architecture} does not route by expert groups")
+    if config.moe.moe_router_pre_softmax and "moe_router_pre_softmax" not in computes:
         losses.append(f"moe_router_pre_softmax=True: {architecture} renormalizes the top-k weights")
     return losses
 

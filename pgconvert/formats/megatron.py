@@ -273,42 +273,42 @@ def _config_from_args(args: argparse.Namespace, path: Path, transformer_impl: st
         vocab = args.vocab_size
     swiglu = bool(getattr(args, "swiglu", False))
     quick_geglu = bool(getattr(args, "quick_geglu", False))  # Megatron-LM's --quick-geglu (GPT-OSS)
-    return ModelConfig(
-        num_layers=required("num_layers"),
-        hidden_size=hidden,
-        num_attention_heads=heads,
-        ffn_hidden_size=getattr(args, "ffn_hidden_size", None) or (4 * hidden if isinstance(hidden, int) else hidden),
-        num_query_groups=groups or heads,
-        kv_channels=getattr(args, "kv_channels", None) or None,
-        vocab_size=vocab,
-        make_vocab_size_divisible_by=(getattr(args, "make_vocab_size_divisible_by", None)
-                                      or ModelConfig.make_vocab_size_divisible_by),
+    return ModelConfig.from_settings({
+        "num_layers": required("num_layers"),
+        "hidden_size": hidden,
+        "num_attention_heads": heads,
+        "ffn_hidden_size": getattr(args, "ffn_hidden_size", None) or (4 * hidden if isinstance(hidden, int) else hidden),
+        "num_query_groups": groups or heads,
+        "kv_channels": getattr(args, "kv_channels", None) or None,
+        "vocab_size": vocab,
+        "make_vocab_size_divisible_by": (getattr(args, "make_vocab_size_divisible_by", None)
+                                         or ModelConfig.make_vocab_size_divisible_by),
         # A gated GELU (Gemma's GeGLU) is gated_linear_unit without swiglu; --openai-gelu is tanh's.
         # GPT-OSS's clamped GLU is gated_linear_unit with --quick-geglu.
-        gated_linear_unit=swiglu or quick_geglu or bool(getattr(args, "gated_linear_unit", False)),
-        activation=("quick_gelu" if quick_geglu else "silu" if swiglu
-                    else ("gelu_tanh" if getattr(args, "openai_gelu", False) else "gelu")),
-        normalization=getattr(args, "normalization", None) or "LayerNorm",
-        norm_epsilon=_arg_float(args, ("norm_epsilon", "layernorm_epsilon"), 1e-5, path),
-        add_bias_linear=bool(getattr(args, "add_bias_linear", True)),
-        add_qkv_bias=bool(getattr(args, "add_qkv_bias", False)),
-        qk_layernorm=bool(getattr(args, "qk_layernorm", False)),
-        tie_embeddings=not getattr(args, "untie_embeddings_and_output_weights", False),
-        position_embedding_type=position,
-        max_position_embeddings=getattr(args, "max_position_embeddings", None),
-        rotary_base=_arg_float(args, ("rotary_base",), 10000.0, path),
-        params_dtype=_dtype_name(args),
-        transformer_impl=transformer_impl,
-        num_experts=getattr(args, "num_experts", None) or None,
-        moe_ffn_hidden_size=getattr(args, "moe_ffn_hidden_size", None),
-        moe_layer_freq=_moe_layer_freq(getattr(args, "moe_layer_freq", None), path),
-        moe_router_topk=getattr(args, "moe_router_topk", None) or 2,
-        moe_shared_expert_intermediate_size=getattr(args, "moe_shared_expert_intermediate_size", None),
-        moe_shared_expert_gate=bool(getattr(args, "moe_shared_expert_gate", False)),
-        moe_router_enable_expert_bias=bool(getattr(args, "moe_router_enable_expert_bias", False)),
-        moe_grouped_gemm=grouped_gemm,
+        "gated_linear_unit": swiglu or quick_geglu or bool(getattr(args, "gated_linear_unit", False)),
+        "activation": ("quick_gelu" if quick_geglu else "silu" if swiglu
+                       else ("gelu_tanh" if getattr(args, "openai_gelu", False) else "gelu")),
+        "normalization": getattr(args, "normalization", None) or "LayerNorm",
+        "norm_epsilon": _arg_float(args, ("norm_epsilon", "layernorm_epsilon"), 1e-5, path),
+        "add_bias_linear": bool(getattr(args, "add_bias_linear", True)),
+        "add_qkv_bias": bool(getattr(args, "add_qkv_bias", False)),
+        "qk_layernorm": bool(getattr(args, "qk_layernorm", False)),
+        "tie_embeddings": not getattr(args, "untie_embeddings_and_output_weights", False),
+        "position_embedding_type": position,
+        "max_position_embeddings": getattr(args, "max_position_embeddings", None),
+        "rotary_base": _arg_float(args, ("rotary_base",), 10000.0, path),
+        "params_dtype": _dtype_name(args),
+        "transformer_impl": transformer_impl,
+        "num_experts": getattr(args, "num_experts", None) or None,
+        "moe_ffn_hidden_size": getattr(args, "moe_ffn_hidden_size", None),
+        "moe_layer_freq": _moe_layer_freq(getattr(args, "moe_layer_freq", None), path),
+        "moe_router_topk": getattr(args, "moe_router_topk", None) or 2,
+        "moe_shared_expert_intermediate_size": getattr(args, "moe_shared_expert_intermediate_size", None),
+        "moe_shared_expert_gate": bool(getattr(args, "moe_shared_expert_gate", False)),
+        "moe_router_enable_expert_bias": bool(getattr(args, "moe_router_enable_expert_bias", False)),
+        "moe_grouped_gemm": grouped_gemm,
         **semantics_from_args(args, path, CARRIED_SETTINGS),
-    )
+    })
 
 
 def _layout_string(value: Any, path: Path) -> str | None:
@@ -425,7 +425,7 @@ def args_for_target(config: ModelConfig, layout: ParallelLayout, padded_vocab_si
     values.update(semantics_to_args(config, CARRIED_SETTINGS))
     if config.vocab_size is not None:
         values["vocab_size"] = config.vocab_size
-    if config.num_experts is not None:
+    if config.moe.num_experts is not None:
         values.update(_moe_args(config))
     if base is None:
         values.update(_fresh_run_args(config))
@@ -445,24 +445,24 @@ def _model_args(config: ModelConfig) -> dict[str, Any]:
     return {
         "num_layers": config.num_layers,
         "hidden_size": config.hidden_size,
-        "ffn_hidden_size": config.ffn_hidden_size,
-        "num_attention_heads": config.num_attention_heads,
-        "group_query_attention": config.query_groups != config.num_attention_heads,
-        "num_query_groups": config.query_groups,
-        "kv_channels": config.head_dim,
-        "swiglu": config.gated_linear_unit and config.activation == "silu",
-        "gated_linear_unit": config.gated_linear_unit,
-        "openai_gelu": config.activation == "gelu_tanh",
-        "quick_geglu": config.activation == "quick_gelu",
-        "normalization": config.normalization,
-        "norm_epsilon": config.norm_epsilon,
+        "ffn_hidden_size": config.mlp.ffn_hidden_size,
+        "num_attention_heads": config.attention.num_attention_heads,
+        "group_query_attention": config.attention.query_groups != config.attention.num_attention_heads,
+        "num_query_groups": config.attention.query_groups,
+        "kv_channels": config.attention.head_dim,
+        "swiglu": config.mlp.gated_linear_unit and config.mlp.activation == "silu",
+        "gated_linear_unit": config.mlp.gated_linear_unit,
+        "openai_gelu": config.mlp.activation == "gelu_tanh",
+        "quick_geglu": config.mlp.activation == "quick_gelu",
+        "normalization": config.norms.normalization,
+        "norm_epsilon": config.norms.norm_epsilon,
         "add_bias_linear": config.add_bias_linear,
-        "add_qkv_bias": config.add_qkv_bias,
-        "qk_layernorm": config.qk_layernorm,
+        "add_qkv_bias": config.attention.add_qkv_bias,
+        "qk_layernorm": config.attention.qk_layernorm,
         "untie_embeddings_and_output_weights": not config.tie_embeddings,
-        "position_embedding_type": config.position_embedding_type,
-        "max_position_embeddings": config.max_position_embeddings,
-        "rotary_base": config.rotary_base,
+        "position_embedding_type": config.positions.position_embedding_type,
+        "max_position_embeddings": config.positions.max_position_embeddings,
+        "rotary_base": config.positions.rotary_base,
         "make_vocab_size_divisible_by": config.make_vocab_size_divisible_by,
         "transformer_impl": config.transformer_impl,
         "mtp_num_layers": config.mtp_num_layers or None,  # megatron-core's "no MTP" is None
@@ -500,15 +500,15 @@ def _run_args(padded_vocab_size: int, dtype: torch.dtype, iteration: int | None)
 def _moe_args(config: ModelConfig) -> dict[str, Any]:
     """The mixture-of-experts args of a model with experts."""
     return {
-        "num_experts": config.num_experts,
+        "num_experts": config.moe.num_experts,
         "moe_ffn_hidden_size": config.expert_ffn_size,
-        "moe_layer_freq": list(config.moe_layer_freq) if isinstance(config.moe_layer_freq, tuple)
-        else config.moe_layer_freq,
-        "moe_router_topk": config.moe_router_topk,
-        "moe_shared_expert_intermediate_size": config.moe_shared_expert_intermediate_size,
-        "moe_shared_expert_gate": config.moe_shared_expert_gate,
-        "moe_router_enable_expert_bias": config.moe_router_enable_expert_bias,
-        "moe_grouped_gemm": config.moe_grouped_gemm,
+        "moe_layer_freq": list(config.moe.moe_layer_freq) if isinstance(config.moe.moe_layer_freq, tuple)
+        else config.moe.moe_layer_freq,
+        "moe_router_topk": config.moe.moe_router_topk,
+        "moe_shared_expert_intermediate_size": config.moe.moe_shared_expert_intermediate_size,
+        "moe_shared_expert_gate": config.moe.moe_shared_expert_gate,
+        "moe_router_enable_expert_bias": config.moe.moe_router_enable_expert_bias,
+        "moe_grouped_gemm": config.moe.moe_grouped_gemm,
     }
 
 
@@ -516,11 +516,11 @@ def _fresh_run_args(config: ModelConfig) -> dict[str, Any]:
     """What megatron-LM's check_checkpoint_args and its own HF importers expect of args that did
     not come from a training run."""
     return {
-        "add_position_embedding": config.position_embedding_type == "learned_absolute",
-        "use_rotary_position_embeddings": config.position_embedding_type == "rope",
-        "layernorm_epsilon": config.norm_epsilon,
+        "add_position_embedding": config.positions.position_embedding_type == "learned_absolute",
+        "use_rotary_position_embeddings": config.positions.position_embedding_type == "rope",
+        "layernorm_epsilon": config.norms.norm_epsilon,
         "tokenizer_type": "HuggingFaceTokenizer",
-        "seq_length": config.max_position_embeddings,
+        "seq_length": config.positions.max_position_embeddings,
     }
 
 

@@ -128,7 +128,7 @@ class DistLocation:
 def stacked_layers(config: ModelConfig) -> bool:
     """megatron-core's rule (TransformerBlock.sharded_state_dict): layers share stacked keys unless
     they may differ, which it infers from ``moe_layer_freq`` being a list or greater than 1."""
-    return not isinstance(config.moe_layer_freq, tuple) and config.moe_layer_freq == 1
+    return not isinstance(config.moe.moe_layer_freq, tuple) and config.moe.moe_layer_freq == 1
 
 
 def _dist_layer_name(kind: TensorKind, config: ModelConfig) -> str:
@@ -161,7 +161,7 @@ def tensor_locations(config: ModelConfig) -> dict[str, DistLocation]:
 
 def _locate_layer(config: ModelConfig, tensors: list[LayerTensor], prefix: str, key_prefix: str,
                   layer_axis: tuple[tuple[int, ...], tuple[int, ...]], locations: dict[str, DistLocation]) -> None:
-    experts = config.num_experts or 0
+    experts = config.moe.num_experts or 0
     for tensor in tensors:
         rest = tensor.canonical[len(prefix):]
         head = rest[:len(rest) - len(tensor.kind.canonical)]
@@ -173,7 +173,7 @@ def _locate_layer(config: ModelConfig, tensors: list[LayerTensor], prefix: str, 
             continue
         # megatron-core's MLA layer specs set no sharded_state_dict_keys_map: a key is the
         # module's name in the spec (the TE spec's fused latent norms and dense pre-MLP norm included).
-        name = (tensor.kind.local_name(config) if config.multi_latent_attention
+        name = (tensor.kind.local_name(config) if config.attention.multi_latent_attention
                 else _dist_layer_name(tensor.kind, config))
         locations[tensor.canonical] = DistLocation(key_prefix + head + name, *layer_axis)
 
@@ -192,7 +192,7 @@ def extra_state_keys(config: ModelConfig) -> list[str]:
     for layer in range(layers):
         key_prefix = LAYER_PREFIX if stacked else f"{LAYER_PREFIX}{layer}."
         index, stack = ((layer,), (layers,)) if stacked else ((), ())
-        keys += _layer_extra_state_keys(config, key_prefix, config.is_moe_layer(layer), index, stack)
+        keys += _layer_extra_state_keys(config, key_prefix, config.layers[layer].moe, index, stack)
     for mtp in range(config.mtp_num_layers):  # eh_proj, then its transformer layer's modules
         prefix = f"{MTP_PREFIX}{mtp}."
         keys.append(sharded_object_key(prefix + MTP_EH_PROJ + EXTRA_STATE_SUFFIX, (), ()))
@@ -202,11 +202,11 @@ def extra_state_keys(config: ModelConfig) -> list[str]:
 
 def _layer_extra_state_keys(config: ModelConfig, key_prefix: str, moe: bool, index: tuple[int, ...],
                             stack: tuple[int, ...]) -> list[str]:
-    experts = config.num_experts or 0
+    experts = config.moe.num_experts or 0
     attention = te_attention_linears(config)  # MLA's projections
     if not moe:
         modules = attention + TE_DENSE_MLP_LINEARS
-    elif config.moe_shared_expert_intermediate_size is not None:
+    elif config.moe.moe_shared_expert_intermediate_size is not None:
         modules = attention + TE_SHARED_EXPERT_LINEARS
     else:
         modules = attention

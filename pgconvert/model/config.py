@@ -243,24 +243,25 @@ SETTING_GROUPS: dict[str, str | None] = {
 }
 
 
-# Compatibility with the flat form (FlatSettingsCompat): values derived within one sub-config that
-# the flat form reads from ModelConfig.
+# Values derived within one sub-config that SettingsByName also gives on ModelConfig itself.
 _DERIVED_IN_GROUPS = {"query_groups": "attention", "head_dim": "attention", "qkv_rows": "attention",
                       "q_head_dim": "attention", "fc1_rows": "mlp"}
 
 
-class FlatSettingsCompat:
-    """Compatibility with the flat form of ModelConfig, to be removed once every caller uses the grouped
-    form (each name's new home is its ``SETTING_GROUPS`` entry):
+class SettingsByName:
+    """ModelConfig's settings by their flat names: the stable interface of third-party format plugins
+    (ModelConfig reaches them through the ``pgconvert.formats`` Loader/Saver contract) and of tests.
 
-    * ``ModelConfig(**settings)`` with flat setting names (and ``dataclasses.replace`` with them)
-      → ``ModelConfig.from_settings(settings)`` (or the grouped constructor);
-    * ``config.<setting>`` → ``config.<group>.<setting>`` (``config.setting(name)`` for a name held in
-      a variable);
-    * ``config.query_groups``, ``head_dim``, ``qkv_rows``, ``q_head_dim`` → ``config.attention.…``,
-      ``config.fc1_rows`` → ``config.mlp.fc1_rows``;
-    * ``config.is_moe_layer(i)`` → ``config.layers[i].moe``, ``config.is_window_layer(i)`` →
-      ``config.layers[i].window``.
+    * ``ModelConfig(**settings)`` takes flat setting names (and so does ``dataclasses.replace``);
+    * ``config.<setting>`` reads a setting of a sub-config, ``config.query_groups``, ``head_dim``,
+      ``qkv_rows``, ``q_head_dim`` and ``fc1_rows`` its derived values;
+    * ``config.is_moe_layer(i)`` and ``config.is_window_layer(i)`` say what layer ``i`` is.
+
+    pgconvert's own code reads the groups, so that it shows where each setting lives
+    (``SETTING_GROUPS``): ``config.<group>.<setting>``, ``config.setting(name)`` for a name held in a
+    variable, ``config.attention.head_dim``, ``config.layers[i].moe``; it builds configs with
+    ``ModelConfig.from_settings`` or the grouped constructor and copies them with ``config.replace``
+    (tests/test_model_config_groups.py checks it).
     """
 
     def __init__(self, **settings: Any) -> None:
@@ -286,7 +287,7 @@ class FlatSettingsCompat:
 
 
 @dataclass(frozen=True, init=False)
-class ModelConfig(FlatSettingsCompat):
+class ModelConfig(SettingsByName):
     """The architecture: everything needed to know every tensor's global name and shape.
 
     ``vocab_size`` is the true (tokenizer) vocabulary, ``None`` when unknown; padding is a

@@ -16,7 +16,8 @@ from pgconvert.optimizer.order import OptimizerRules
 
 def qk_norm_decay_notice(rules: OptimizerRules, source: ModelConfig, target: ModelConfig) -> list[str]:
     """A notice when the q-LoRA norm moves between the weight-decay groups (see the module docstring)."""
-    if not (rules.apply_wd_to_qk_layernorm and source.multi_latent_attention and source.q_lora_rank is not None
+    attention = source.attention
+    if not (rules.apply_wd_to_qk_layernorm and attention.multi_latent_attention and attention.q_lora_rank is not None
             and source.transformer_impl != target.transformer_impl):
         return []
     decayed = target.transformer_impl == "local"

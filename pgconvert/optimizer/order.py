@@ -194,7 +194,7 @@ def _refuse_grouped_variants(args: argparse.Namespace, where: str) -> None:
 
 def check_supported(config: ModelConfig, where: str) -> None:
     """Refuse models whose optimizer layout is not reproduced, naming the field."""
-    if config.num_experts and config.moe_grouped_gemm and config.transformer_impl != "transformer_engine":
+    if config.moe.num_experts and config.moe.moe_grouped_gemm and config.transformer_impl != "transformer_engine":
         # TEGroupedMLP (the Transformer Engine spec) is mapped; the local spec's grouped GEMM is not.
         raise UnsupportedOptimizerError(
             f"{where}: moe_grouped_gemm=True with transformer_impl={quote(config.transformer_impl)}: megatron-core "
@@ -286,7 +286,7 @@ def named_parameters(config: ModelConfig, layout: ParallelLayout, coord: RankCoo
 
 def optimizer_count(config: ModelConfig, layout: ParallelLayout) -> int:
     """The optimizers megatron-core chains: the dense one, and the expert one at expert parallel > 1."""
-    return 2 if config.num_experts and layout.ep > 1 else 1
+    return 2 if config.moe.num_experts and layout.ep > 1 else 1
 
 
 def _group_count(config: ModelConfig, optimizer: int) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pgconvert.model.config import ModelConfig
+from pgconvert.model.config import AttentionConfig, MLPConfig, ModelConfig, NormConfig, PositionConfig
 from pgconvert.model.provider import canonical_names, canonical_shapes
 from pgconvert.formats.stream import InMemorySource
 
@@ -14,15 +14,11 @@ def example_config() -> ModelConfig:
     return ModelConfig(
         num_layers=4,
         hidden_size=64,
-        num_attention_heads=16,
-        num_query_groups=8,
-        kv_channels=8,
-        ffn_hidden_size=256,
+        attention=AttentionConfig(num_attention_heads=16, num_query_groups=8, kv_channels=8),
+        mlp=MLPConfig(ffn_hidden_size=256, gated_linear_unit=True),
+        positions=PositionConfig(position_embedding_type="rope", max_position_embeddings=128),
+        norms=NormConfig(normalization="RMSNorm"),
         vocab_size=1000,
-        gated_linear_unit=True,
-        normalization="RMSNorm",
-        position_embedding_type="rope",
-        max_position_embeddings=128,
         params_dtype="bfloat16",
     )
 

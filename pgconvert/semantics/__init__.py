@@ -276,38 +276,40 @@ def from_args(args: argparse.Namespace, path: Path, carried_settings: Sequence[C
 def to_args(config: ModelConfig, carried_settings: Sequence[CarriedSetting] = ()) -> dict[str, Any]:
     """The Megatron args of the table's settings (written explicitly, Megatron's defaults differ),
     with those of ``carried_settings`` the model has."""
+    positions, attention = config.positions, config.attention
     values: dict[str, Any] = {
-        "rotary_percent": config.rotary_percent,
-        "rotary_interleaved": config.rotary_interleaved,
-        "use_rope_scaling": config.rope_scaling == "llama3",
-        "rope_scaling_factor": config.rope_scaling_factor if config.rope_scaling == "llama3"
+        "rotary_percent": positions.rotary_percent,
+        "rotary_interleaved": positions.rotary_interleaved,
+        "use_rope_scaling": positions.rope_scaling == "llama3",
+        "rope_scaling_factor": positions.rope_scaling_factor if positions.rope_scaling == "llama3"
         else MEGATRON_DEFAULT_ROPE_SCALING_FACTOR,
-        "rotary_seq_len_interpolation_factor": config.rope_scaling_factor if config.rope_scaling == "linear" else None,
+        "rotary_seq_len_interpolation_factor": positions.rope_scaling_factor if positions.rope_scaling == "linear" else None,
         **yarn.to_args(config),
-        "window_size": None if config.sliding_window is None else (config.sliding_window - 1, 0),
-        "window_attn_skip_freq": None if config.window_layers is None else list(config.window_layers),
-        "layernorm_zero_centered_gamma": config.layernorm_zero_centered_gamma,
-        "apply_layernorm_1p": config.layernorm_zero_centered_gamma,
-        "attention_dropout": config.attention_dropout,
+        "window_size": None if attention.sliding_window is None else (attention.sliding_window - 1, 0),
+        "window_attn_skip_freq": None if attention.window_layers is None else list(attention.window_layers),
+        "layernorm_zero_centered_gamma": config.norms.layernorm_zero_centered_gamma,
+        "apply_layernorm_1p": config.norms.layernorm_zero_centered_gamma,
+        "attention_dropout": attention.attention_dropout,
         "hidden_dropout": config.hidden_dropout,
-        "no_rope_freq": None if config.no_rope_layers is None else list(config.no_rope_layers),
+        "no_rope_freq": None if positions.no_rope_layers is None else list(positions.no_rope_layers),
         **carried.to_args(carried_settings, config),
         **postnorm_to_args(config),
         **attention_scale.to_args(config),
     }
-    if config.rope_scaling == "yarn":
+    if positions.rope_scaling == "yarn":
         values["position_embedding_type"] = "yarn"
     # Multi-latent attention (position_embedding_type rope, rope_type) and router groups.
     values.update(mla.to_args(config))
     # Written only where they differ from megatron-core's defaults (other outputs are unchanged).
-    values.update({name: getattr(config, name) for name, default in CORE_ONLY_DEFAULTS.items()
-                   if getattr(config, name) != default})
-    if config.num_experts is not None:
+    values.update({name: config.setting(name) for name, default in CORE_ONLY_DEFAULTS.items()
+                   if config.setting(name) != default})
+    moe = config.moe
+    if moe.num_experts is not None:
         values.update({
-            "moe_router_score_function": config.moe_router_score_function,
-            "moe_router_pre_softmax": config.moe_router_pre_softmax,
-            "moe_router_topk_scaling_factor": config.moe_router_topk_scaling_factor,
-            "moe_aux_loss_coeff": config.moe_aux_loss_coeff,
+            "moe_router_score_function": moe.moe_router_score_function,
+            "moe_router_pre_softmax": moe.moe_router_pre_softmax,
+            "moe_router_topk_scaling_factor": moe.moe_router_topk_scaling_factor,
+            "moe_aux_loss_coeff": moe.moe_aux_loss_coeff,
         })
     return values
 
@@ -350,21 +352,22 @@ def check_target(source: Any, target_format: str, strict: bool,
     for message in source.unrepresentable:
         lose(message, strict, source.notices)
     config = source.config
+    positions = config.positions
     _check_carried(config, strict, source.notices, carried_settings)
-    if config.rope_scaling == "llama3" and config.rope_scaling_factor != MEGATRON_DEFAULT_ROPE_SCALING_FACTOR:
+    if positions.rope_scaling == "llama3" and positions.rope_scaling_factor != MEGATRON_DEFAULT_ROPE_SCALING_FACTOR:
         # Written all the same: megatron-core computes it when it is passed (GPTModel(rope_scaling_factor=)).
         source.notices.append(
-            f"args.rope_scaling_factor={config.rope_scaling_factor}: Megatron-LM (d98e8a64) builds GPTModel without "
+            f"args.rope_scaling_factor={positions.rope_scaling_factor}: Megatron-LM (d98e8a64) builds GPTModel without "
             "it (gpt_builders.py, gpt_config_from_args), so a run built by Megatron-LM computes factor "
-            f"{MEGATRON_DEFAULT_ROPE_SCALING_FACTOR}; megatron-core given the arg computes {config.rope_scaling_factor}")
-    extra = {name: getattr(config, name) for name, default in CORE_ONLY_DEFAULTS.items()
-             if getattr(config, name) != default}
+            f"{MEGATRON_DEFAULT_ROPE_SCALING_FACTOR}; megatron-core given the arg computes {positions.rope_scaling_factor}")
+    extra = {name: config.setting(name) for name, default in CORE_ONLY_DEFAULTS.items()
+             if config.setting(name) != default}
     if extra:
         source.notices.append(
             f"args {', '.join(f'{name}={value!r}' for name, value in extra.items())}: megatron-core TransformerConfig "
             "fields that Megatron-LM (d98e8a64) has no command-line flag for; its core_transformer_config_from_args "
             "copies them from args, otherwise set them in your run (Megatron-Bridge's GPT-OSS provider does)")
-    if config.rope_scaling == "linear":
+    if positions.rope_scaling == "linear":
         source.notices.append(
             "args.rotary_seq_len_interpolation_factor: Megatron-LM's gpt_builders.py (d98e8a64) does not pass it "
             "to GPTModel; its GPTModelBuilder (gpt_config_from_args) does")

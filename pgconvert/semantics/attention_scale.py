@@ -38,7 +38,8 @@ _ROUNDING = 4 * 2.0 ** -52
 
 def effective(config: ModelConfig) -> float:
     """The scale ``config`` computes with (megatron-core's default where ``softmax_scale`` is None)."""
-    return 1 / math.sqrt(config.head_dim) if config.softmax_scale is None else config.softmax_scale
+    attention = config.attention
+    return 1 / math.sqrt(attention.head_dim) if attention.softmax_scale is None else attention.softmax_scale
 
 
 def from_scalar(scalar: float) -> float:
@@ -78,4 +79,4 @@ def from_args(args: argparse.Namespace, path: Path) -> dict[str, Any]:
 
 def to_args(config: ModelConfig) -> dict[str, Any]:
     """megatron-core's ``softmax_scale`` (None: its default); a base run's Megatron-Bridge spelling cleared."""
-    return {"softmax_scale": config.softmax_scale, BRIDGE_SCALAR_ARG: None}
+    return {"softmax_scale": config.attention.softmax_scale, BRIDGE_SCALAR_ARG: None}

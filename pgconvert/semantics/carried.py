@@ -38,8 +38,8 @@ def from_args(carried: Sequence[CarriedSetting], args: argparse.Namespace, path:
 
 def to_args(carried: Sequence[CarriedSetting], config: ModelConfig) -> dict[str, Any]:
     """The args of the carried settings ``config`` has (those at their default are not written)."""
-    return {setting.name: getattr(config, setting.name) for setting in carried
-            if getattr(config, setting.name) != setting.default}
+    return {setting.name: config.setting(setting.name) for setting in carried
+            if config.setting(setting.name) != setting.default}
 
 
 def uncomputed(carried: Sequence[CarriedSetting], config: ModelConfig) -> list[str]:

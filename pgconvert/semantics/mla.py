@@ -52,12 +52,13 @@ def from_args(args: argparse.Namespace, path: Path) -> dict[str, Any]:
 
 def to_args(config: ModelConfig) -> dict[str, Any]:
     """The args of ``config``'s multi-latent attention and router groups."""
-    values: dict[str, Any] = {"multi_latent_attention": config.multi_latent_attention,
-                              "moe_router_num_groups": config.moe_router_num_groups,
-                              "moe_router_group_topk": config.moe_router_group_topk}
-    if config.multi_latent_attention:
+    attention = config.attention
+    values: dict[str, Any] = {"multi_latent_attention": attention.multi_latent_attention,
+                              "moe_router_num_groups": config.moe.moe_router_num_groups,
+                              "moe_router_group_topk": config.moe.moe_router_group_topk}
+    if attention.multi_latent_attention:
         values.update(
-            q_lora_rank=config.q_lora_rank, kv_lora_rank=config.kv_lora_rank, qk_head_dim=config.qk_head_dim,
-            qk_pos_emb_head_dim=config.qk_pos_emb_head_dim, v_head_dim=config.v_head_dim,
-            position_embedding_type="rope", rope_type="yarn" if config.rope_scaling == "yarn" else "rope")
+            q_lora_rank=attention.q_lora_rank, kv_lora_rank=attention.kv_lora_rank, qk_head_dim=attention.qk_head_dim,
+            qk_pos_emb_head_dim=attention.qk_pos_emb_head_dim, v_head_dim=attention.v_head_dim,
+            position_embedding_type="rope", rope_type="yarn" if config.positions.rope_scaling == "yarn" else "rope")
     return values

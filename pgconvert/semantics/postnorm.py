@@ -43,7 +43,7 @@ _NUMBERS = ("attn_logit_softcapping", "final_logit_softcapping", "rotary_base_lo
 
 def postnorm_to_args(config: ModelConfig) -> dict[str, Any]:
     """The args of the settings (every one written, so a base run's stale values are replaced)."""
-    return {name: getattr(config, name) for name in (*_FLAGS, *_NUMBERS)}
+    return {name: config.setting(name) for name in (*_FLAGS, *_NUMBERS)}
 
 
 def postnorm_from_args(args: argparse.Namespace, path: Path) -> dict[str, Any]:
@@ -68,21 +68,22 @@ def postnorm_from_args(args: argparse.Namespace, path: Path) -> dict[str, Any]:
 def megatron_core_gaps(config: ModelConfig) -> tuple[list[str], list[str]]:
     """(settings megatron-core alone does not compute but Megatron-Bridge's layers do: notices,
     settings no Megatron layer computes: refused under --strict)."""
-    bridge = [f"{name}={getattr(config, name)!r}" for name in _NUMBERS if getattr(config, name) is not None]
+    bridge = [f"{name}={config.setting(name)!r}" for name in _NUMBERS if config.setting(name) is not None]
     bridge += [f"{name}=True" for name in ("post_self_attn_layernorm", "post_mlp_layernorm",
                                            "embedding_scale_sqrt_hidden", "qk_layernorm_across_heads")
-               if getattr(config, name)]
+               if config.setting(name)]
     notices = []
     if bridge:
         notices.append(
             f"args {', '.join(bridge)}: megatron-core's GPTModel does not compute these; Megatron-Bridge's custom "
             "layers do (its Gemma 2/3 and OLMoE providers), so build the model with them; the args and pgconvert.json carry them")
-    if config.rotary_base_local is not None and config.rope_scaling == "linear":
+    positions = config.positions
+    if positions.rotary_base_local is not None and positions.rope_scaling == "linear":
         notices.append(
-            f"args.rotary_seq_len_interpolation_factor={config.rope_scaling_factor}: with rotary_base_local it scales "
+            f"args.rotary_seq_len_interpolation_factor={positions.rope_scaling_factor}: with rotary_base_local it scales "
             "the full-attention layers' RoPE only (Megatron-Bridge's Gemma3RotaryEmbedding takes it as "
             "rope_scaling_factor); the sliding layers' RoPE is unscaled")
-    refused = [] if config.pre_layernorms else [
+    refused = [] if config.norms.pre_layernorms else [
         "pre_layernorms=False (norms after the sublayers only, OLMo 2): no megatron-core or Megatron-Bridge layer "
         "spec computes it; the args and pgconvert.json carry it"]
     return notices, refused

@@ -114,20 +114,21 @@ def read_hf(params: Mapping[str, object], model: Mapping[str, object]) -> dict[s
 
 def write_hf(config: ModelConfig) -> dict[str, Any]:
     """config.json's yarn parameters (but ``rope_type``/``rope_theta``) for ``config``."""
-    factor = config.rope_scaling_factor
+    positions = config.positions
+    factor = positions.rope_scaling_factor
     params: dict[str, Any] = {
         "factor": factor,
-        "original_max_position_embeddings": config.yarn_original_max_position_embeddings,
-        "beta_fast": config.yarn_beta_fast,
-        "beta_slow": config.yarn_beta_slow,
-        "mscale": config.yarn_mscale,
-        "mscale_all_dim": config.yarn_mscale_all_dim,
+        "original_max_position_embeddings": positions.yarn_original_max_position_embeddings,
+        "beta_fast": positions.yarn_beta_fast,
+        "beta_slow": positions.yarn_beta_slow,
+        "mscale": positions.yarn_mscale,
+        "mscale_all_dim": positions.yarn_mscale_all_dim,
     }
-    wanted = megatron_attention_factor(factor, config.yarn_mscale, config.yarn_mscale_all_dim)
-    inferred = hf_inferred_attention_factor(factor, config.yarn_mscale, config.yarn_mscale_all_dim)
+    wanted = megatron_attention_factor(factor, positions.yarn_mscale, positions.yarn_mscale_all_dim)
+    inferred = hf_inferred_attention_factor(factor, positions.yarn_mscale, positions.yarn_mscale_all_dim)
     if not math.isclose(wanted, inferred, rel_tol=_SAME):
         params["attention_factor"] = wanted
-    if not config.yarn_correction_range_round_to_int:
+    if not positions.yarn_correction_range_round_to_int:
         params["truncate"] = False
     return params
 
@@ -196,10 +197,10 @@ def from_args(args: argparse.Namespace, path: Path) -> dict[str, Any]:
 def to_args(config: ModelConfig) -> dict[str, Any]:
     """The YaRN args of ``config`` in both spellings (plain attention's ``yarn_*``, MLA's own); a model
     without YaRN gets Megatron-LM's argument defaults."""
-    yarn = config.rope_scaling == "yarn"
+    yarn = config.positions.rope_scaling == "yarn"
     values = config.to_dict() if yarn else dict(YARN_DEFAULTS)
     return {
-        "rotary_scaling_factor": config.rope_scaling_factor if yarn else 1.0,
+        "rotary_scaling_factor": config.positions.rope_scaling_factor if yarn else 1.0,
         "mscale": values["yarn_mscale"],
         "mscale_all_dim": values["yarn_mscale_all_dim"],
         "yarn_original_max_position_embeddings": values["yarn_original_max_position_embeddings"],

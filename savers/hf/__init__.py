@@ -115,7 +115,7 @@ class _Shard:
 
 def _rotary_order(config: ModelConfig) -> torch.Tensor:
     """Within one head: the rotated dims' even then odd indices, then the unrotated ones."""
-    head, rotated = config.head_dim, int(config.head_dim * config.rotary_percent)
+    head, rotated = config.attention.head_dim, int(config.attention.head_dim * config.positions.rotary_percent)
     return torch.cat([torch.arange(0, rotated, 2), torch.arange(1, rotated, 2), torch.arange(rotated, head)])
 
 
@@ -130,9 +130,9 @@ def rotate_half_order(rotary: str | None, full: torch.Tensor, config: ModelConfi
         return full.view(-1, order.numel()).index_select(1, order).reshape(full.shape)
     if rotary != "qkv":
         return full
-    head, per_group = config.head_dim, config.num_attention_heads // config.query_groups
+    head, per_group = config.attention.head_dim, config.attention.num_attention_heads // config.attention.query_groups
     index = torch.arange(full.shape[0])
-    for group in range(config.query_groups):
+    for group in range(config.attention.query_groups):
         # A group's rows: its query heads, one key head (both rotated), one value head (kept).
         for position in range(per_group + 1):
             start = (group * (per_group + 2) + position) * head
@@ -158,10 +158,10 @@ def _as_hf(name: str, full: torch.Tensor, config: ModelConfig, kinds: _HFKinds) 
     if name in VOCAB_TABLES:
         # Megatron's padding rows are not part of the model.
         full = full.narrow(0, 0, config.vocab_size)
-    if config.rotary_interleaved and not kinds.hf_rotary_interleaved:
+    if config.positions.rotary_interleaved and not kinds.hf_rotary_interleaved:
         kind = kinds.layers.get(name)
         full = rotate_half_order(kind.rotary if kind is not None else None, full, config)
-    if config.layernorm_zero_centered_gamma and not kinds.hf_norms_zero_centred and name in kinds.norm_weights:
+    if config.norms.layernorm_zero_centered_gamma and not kinds.hf_norms_zero_centred and name in kinds.norm_weights:
         full = full.to(torch.float32) + 1.0
     return full
 
@@ -355,7 +355,7 @@ class HFSaver(Saver):
             lose(message, options.strict, source.notices)
         source.notices.extend(hf_training_notes(family.architecture, source.config))
         dtype = _out_dtype(source.meta(WORD_EMBEDDINGS).dtype, options)
-        if (source.config.layernorm_zero_centered_gamma and not family.hf_norms_zero_centred
+        if (source.config.norms.layernorm_zero_centered_gamma and not family.hf_norms_zero_centred
                 and dtype not in (torch.float32, torch.float64)):
             lose(f"layernorm_zero_centered_gamma=True: the norm weights are written as 1 + gamma, rounded to {dtype}",
                  options.strict, source.notices)
@@ -404,7 +404,7 @@ class HFSaver(Saver):
             shapes = tuple(row.transform.part_shapes(tuple(shape), config))
             dtype = meta.dtype if name in kept else _out_dtype(meta.dtype, options)
             index = family.tensors.stack_index(mtp.table_name(name, config)) if row.stacked else None
-            stack = None if index is None else (index, config.num_experts or 0)
+            stack = None if index is None else (index, config.moe.num_experts or 0)
             units.append(_Unit(name, row, hf_names, shapes, dtype, kept_quantized(source, hf_names), stack))
         if unmapped:
             raise ConfigError(f"hf: {family.architecture} has no HF name for {sorted(unmapped)}")

@@ -282,7 +282,7 @@ class MegatronSaver(Saver):
 def _expert_naming_changes(source: CanonicalSource, config: ModelConfig) -> bool:
     """Whether the routed experts' modules are named otherwise in the target (SequentialMLP's
     ``local_experts.{j}.linear_fc1`` against grouped GEMM's one ``linear_fc1``)."""
-    return config.moe_grouped_gemm != source.config.moe_grouped_gemm
+    return config.moe.moe_grouped_gemm != source.config.moe.moe_grouped_gemm
 
 
 def _notice_renamed_extra_states(source: CanonicalSource, config: ModelConfig, options: SaveOptions,
@@ -295,7 +295,7 @@ def _notice_renamed_extra_states(source: CanonicalSource, config: ModelConfig, o
         return
     experts = [name for name in held if is_routed_expert(name)]
     if experts and _expert_naming_changes(source, config):
-        layout = "grouped GEMM" if config.moe_grouped_gemm else "SequentialMLP"
+        layout = "grouped GEMM" if config.moe.moe_grouped_gemm else "SequentialMLP"
         fallback(f"the target names its experts as {layout}: {len(experts)} non-empty routed-expert "
                  "_extra_state entries of the source's expert layout were dropped", options.strict, notices)
 

@@ -38,13 +38,13 @@ DST_FORMS = (FULLY_RESHARDABLE, DP_RESHARDABLE, FS_MODEL_SPACE)
 def moe_refusal(source: CanonicalSource, layout: ParallelLayout, requested: str | None) -> str | None:
     """Why a MoE model's optimizer state is not written into this destination's form at ``layout`` (None: it
     is): the form requested, else the source's own, else fully_reshardable (``moe_form_refusal``)."""
-    if not source.config.num_experts:
+    if not source.config.moe.num_experts:
         return None
     try:
         own = source.stored_optimizer_form()
     except PgconvertError:
         return None  # the source's open_optimizer names it
-    return moe_form_refusal(source.config.num_experts, "into", requested or own or FULLY_RESHARDABLE, layout)
+    return moe_form_refusal(source.config.moe.num_experts, "into", requested or own or FULLY_RESHARDABLE, layout)
 
 
 def written_form(optimizer: OptimizerSource, requested: str | None) -> str:

@@ -11,6 +11,7 @@ import json
 import re
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -94,16 +95,20 @@ def test_reference_forward_is_sensitive_to_the_shared_expert_gate(sources: dict[
     assert not torch.allclose(actual, expected, rtol=1e-4, atol=1e-4)
 
 
+def written_from_args_alone(src: Path, tmp_path: Path, **megatron_layout: int) -> dict[str, Any]:
+    """``src`` converted to Megatron at ``megatron_layout``, the hf/ folder it carries removed, then converted to
+    HF (``tmp_path / "hf"``) from the Megatron args alone: the config.json written."""
+    pgconvert.convert(src, tmp_path / "megatron", dst_format="megatron", **megatron_layout)
+    shutil.rmtree(tmp_path / "megatron" / "hf")
+    pgconvert.convert(tmp_path / "megatron", tmp_path / "hf", dst_format="hf", dst_tp=1, dst_pp=1, dst_ep=1)
+    return json.loads((tmp_path / "hf" / "config.json").read_text())
+
+
 def test_native_megatron_qwen2_moe_without_carried_config_is_written_as_qwen2_moe(
         sources: dict[str, Path], tmp_path: Path) -> None:
     """The Megatron checkpoint's hf/ folder removed: the family is inferred from args alone."""
     src = sources["qwen2_moe"]
-    pgconvert.convert(src, tmp_path / "megatron", dst_format="megatron", dst_tp=2, dst_ep=2)
-    shutil.rmtree(tmp_path / "megatron" / "hf")
-
-    pgconvert.convert(tmp_path / "megatron", tmp_path / "hf", dst_format="hf", dst_tp=1, dst_pp=1, dst_ep=1)
-
-    written = json.loads((tmp_path / "hf" / "config.json").read_text())
+    written = written_from_args_alone(src, tmp_path, dst_tp=2, dst_ep=2)
     assert written["architectures"] == ["Qwen2MoeForCausalLM"]
     assert (written["shared_expert_intermediate_size"], written["mlp_only_layers"]) == (48, [2])
     assert written["norm_topk_prob"] is False and written["layer_types"][:2] == ["sliding_attention", "full_attention"]
@@ -156,12 +161,7 @@ def test_strict_refuses_a_megatron_target_that_would_drop_granites_multipliers(
 def test_native_megatron_granite_without_carried_config_is_written_as_granite(
         sources: dict[str, Path], tmp_path: Path) -> None:
     src = sources["granite"]
-    pgconvert.convert(src, tmp_path / "megatron", dst_format="megatron", dst_tp=2)
-    shutil.rmtree(tmp_path / "megatron" / "hf")
-
-    pgconvert.convert(tmp_path / "megatron", tmp_path / "hf", dst_format="hf", dst_tp=1, dst_pp=1)
-
-    written = json.loads((tmp_path / "hf" / "config.json").read_text())
+    written = written_from_args_alone(src, tmp_path, dst_tp=2)
     assert written["architectures"] == ["GraniteForCausalLM"]
     assert {k: written[k] for k in ("embedding_multiplier", "residual_multiplier", "attention_multiplier",
                                     "logits_scaling")} == {"embedding_multiplier": 12.0, "residual_multiplier": 0.22,
@@ -210,12 +210,7 @@ def test_reference_forward_is_sensitive_to_the_nope_layers(sources: dict[str, Pa
 def test_native_megatron_smollm3_without_carried_config_is_written_as_smollm3(
         sources: dict[str, Path], tmp_path: Path) -> None:
     src = sources["smollm3"]
-    pgconvert.convert(src, tmp_path / "megatron", dst_format="megatron", dst_tp=2)
-    shutil.rmtree(tmp_path / "megatron" / "hf")
-
-    pgconvert.convert(tmp_path / "megatron", tmp_path / "hf", dst_format="hf", dst_tp=1, dst_pp=1)
-
-    written = json.loads((tmp_path / "hf" / "config.json").read_text())
+    written = written_from_args_alone(src, tmp_path, dst_tp=2)
     assert written["architectures"] == ["SmolLM3ForCausalLM"]
     assert (written["no_rope_layers"], written["layer_types"][:2]) == ([1, 0, 1, 0], ["full_attention",
                                                                                       "sliding_attention"])
@@ -262,12 +257,7 @@ def test_native_megatron_model_with_a_partial_window_is_written_as_ministral(
         sources: dict[str, Path], tmp_path: Path) -> None:
     """Llama-like, a window on some layers: Mistral windows all, Llama none, so Ministral it is."""
     src = sources["ministral"]
-    pgconvert.convert(src, tmp_path / "megatron", dst_format="megatron", dst_tp=2)
-    shutil.rmtree(tmp_path / "megatron" / "hf")
-
-    pgconvert.convert(tmp_path / "megatron", tmp_path / "hf", dst_format="hf", dst_tp=1, dst_pp=1)
-
-    written = json.loads((tmp_path / "hf" / "config.json").read_text())
+    written = written_from_args_alone(src, tmp_path, dst_tp=2)
     assert written["architectures"] == ["MinistralForCausalLM"]
     assert (written["sliding_window"], written["layer_types"]) == (
         5, ["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"])
@@ -455,12 +445,7 @@ def test_native_megatron_seed_oss_release_is_written_as_qwen2_which_computes_the
         sources: dict[str, Path], tmp_path: Path) -> None:
     """q/k/v biases alone, no window: Qwen2 fits first (the inference order is unchanged)."""
     src = sources["seed_oss"]
-    pgconvert.convert(src, tmp_path / "megatron", dst_format="megatron", dst_tp=2)
-    shutil.rmtree(tmp_path / "megatron" / "hf")
-
-    pgconvert.convert(tmp_path / "megatron", tmp_path / "hf", dst_format="hf", dst_tp=1, dst_pp=1)
-
-    written = json.loads((tmp_path / "hf" / "config.json").read_text())
+    written = written_from_args_alone(src, tmp_path, dst_tp=2)
     assert (written["architectures"], written["head_dim"], written["use_sliding_window"]) == (
         ["Qwen2ForCausalLM"], 8, False)
     ids = input_ids()

@@ -5,6 +5,7 @@ function is still a cycle), ``if TYPE_CHECKING:`` blocks excluded."""
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pgconvert
@@ -13,10 +14,9 @@ PACKAGE = Path(pgconvert.__file__).parent
 # Modules of the repository folders installed as pgconvert.loaders / pgconvert.savers.
 FOLDERS = {"pgconvert": PACKAGE, "pgconvert.loaders": PACKAGE.parent / "loaders",
            "pgconvert.savers": PACKAGE.parent / "savers"}
-ORCHESTRATION = {"pgconvert.run.convert", "pgconvert.run.sharded", "pgconvert.run.workers", "pgconvert.run.manifest",
-                 "pgconvert.run.batch", "pgconvert.run.inspection", "pgconvert.run.verification", "pgconvert.formats.registry"}
 
 
+@functools.cache
 def _modules() -> dict[str, Path]:
     found = {}
     for package, folder in FOLDERS.items():

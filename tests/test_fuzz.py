@@ -1,4 +1,4 @@
-"""Property-based fuzzing of every input pgconvert reads (issue 13): rank files, torch_dist
+"""Property-based fuzzing of every input pgconvert reads: rank files, torch_dist
 (.distcp, .metadata, common.pt, metadata.json), HF safetensors (bytes and header), config.json,
 the index, pgconvert.json, the tracker file and batch plans.
 

@@ -1,4 +1,4 @@
-"""Nothing an HF user relies on is lost in a round trip (issue 12, item 4).
+"""Nothing an HF user relies on is lost in a round trip.
 
 HF -> Megatron / torch_dist -> HF gives back the same config.json (architecture, RoPE scaling,
 sliding window, token ids and every other key), generation_config.json, tokenizer files and chat

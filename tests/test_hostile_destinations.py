@@ -1,4 +1,4 @@
-"""Hostile and careless destinations (issue 13, item 4 and the Ctrl-C cases of item 8): symlinks,
+"""Hostile and careless destinations: symlinks,
 long names, a killed ``--overwrite``, batch plans whose destinations overlap, interrupts."""
 
 from __future__ import annotations

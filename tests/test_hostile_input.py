@@ -1,4 +1,4 @@
-"""Hostile and broken input files (issue 13, the reading side): bounded resources, no silent
+"""Hostile and broken input files (the reading side): bounded resources, no silent
 corruption, no tracebacks, every message naming the file (and the limit, where one is hit)."""
 
 from __future__ import annotations

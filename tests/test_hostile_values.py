@@ -1,4 +1,4 @@
-"""Hostile and broken values (issue 13, items 5-9 and two fuzz finds): replicas holding NaN,
+"""Hostile and broken values (and two fuzz finds): replicas holding NaN,
 a full disk under torch_dist, manifest paths leading out, unbounded options, misnamed options,
 tensors of one torch_dist key stored in different dtypes."""
 
@@ -50,7 +50,7 @@ def edit_every_rank(root: Path, edit: Any) -> None:
         torch.save(state, path)
 
 
-# ------------------------------------------------------------------------------------ replicas (item 5)
+# ------------------------------------------------------------------------------------ replicas
 
 
 def test_bitwise_equal_treats_an_identical_nan_as_equal_and_signed_zeros_as_different() -> None:
@@ -108,7 +108,7 @@ def test_replicas_that_really_differ_are_still_refused_naming_both_files(src: Pa
     assert_clean_refusal(result, 1, f"{NORM}: replicated tensor differs between ranks", str(rank_files(src)[0]), str(last))
 
 
-# ------------------------------------------------------------------------------------ full disk (item 6)
+# ------------------------------------------------------------------------------------ full disk
 
 
 @contextmanager
@@ -159,7 +159,7 @@ def test_torch_dist_on_a_real_full_tmpfs_gives_the_clean_message(src: Path, tmp_
         subprocess.run(["umount", "-l", str(mount_point)], check=False)
 
 
-# ------------------------------------------------------------------------------------ manifest paths (item 7)
+# ------------------------------------------------------------------------------------ manifest paths
 
 
 def _listed(dst: Path, path: str) -> None:
@@ -185,7 +185,7 @@ def test_verify_does_not_read_a_manifest_path_outside_the_checkpoint(src: Path, 
     assert "sha256" not in result.output  # nothing outside was hashed and shown
 
 
-# ------------------------------------------------------------------------------------ unbounded options (item 8)
+# ------------------------------------------------------------------------------------ unbounded options
 
 
 @pytest.mark.parametrize("option,value", [("--max-shard-size", "inf"), ("--max-shard-size", "nan"),
@@ -207,7 +207,7 @@ def test_pipeline_layout_repeats_are_bounded_before_expansion(src: Path, tmp_pat
     assert len(result.output) < 1000
 
 
-# ------------------------------------------------------------------------------------ option names (item 9)
+# ------------------------------------------------------------------------------------ option names
 
 
 def test_source_expert_tp_is_named_as_its_args_not_as_an_option(tmp_path: Path) -> None:

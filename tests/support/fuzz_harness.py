@@ -2,7 +2,7 @@
 format, mutations of their bytes, headers, pickles, JSON and tracker, and the properties every
 mutated input must satisfy when it is converted, inspected and verified.
 
-The properties (issue 13): exit 1 or 2 with a message naming a file (or an option), or exit 0 with
+The properties: exit 1 or 2 with a message naming a file (or an option), or exit 0 with
 an output that ``pgconvert verify`` finds equal to the source; no traceback; bounded memory and
 time; no complete-looking destination after a failure; the source unchanged.
 

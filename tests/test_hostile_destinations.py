@@ -104,7 +104,8 @@ def test_dst_name_over_name_max_is_refused_up_front(src: Path, tmp_path: Path) -
 
 
 def _killed_between_renames(src: Path, dst: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """An --overwrite run that dies (SIGKILL: no clean-up) after renaming DST aside."""
+    """An --overwrite run on a system without a one-step swap that dies (SIGKILL: no clean-up) after
+    renaming DST aside."""
     import pgconvert.run.destination as destination
 
     real_retire = destination.retire
@@ -116,7 +117,8 @@ def _killed_between_renames(src: Path, dst: Path, monkeypatch: pytest.MonkeyPatc
         real_retire(path)
         raise Killed
 
-    monkeypatch.setattr(convert_module, "retire", retire_then_die)
+    monkeypatch.setattr(destination, "exchange", lambda first, second: False)  # no one-step swap here
+    monkeypatch.setattr(destination, "retire", retire_then_die)
     monkeypatch.setattr(convert_module.shutil, "rmtree", lambda *args, **kwargs: None)  # no clean-up
     with pytest.raises(Killed):
         pgconvert.convert(src, dst, dst_tp=2, overwrite=True)

@@ -19,10 +19,9 @@ from pgconvert.io.durable import fsync_dir
 from pgconvert.run.destination import (
     PARTIAL_MARKER,
     RETIRED_MARKER,
-    discard,
     recover_retired,
     refuse_unusable_name,
-    retire,
+    replace_output,
     sibling,
     siblings,
 )
@@ -364,12 +363,10 @@ def promote(staging: Path, dst: Path, overwrite: bool) -> None:
     if dst.exists():
         if any(dst.iterdir()) and not overwrite:
             raise DestinationError(f"DST {dst} appeared during the conversion and is not empty")
-        retired = retire(dst)
-        staging.rename(dst)
-        discard(retired, dst)
+        replace_output(staging, dst)
     else:
         staging.rename(dst)
-    fsync_dir(dst.parent)
+        fsync_dir(dst.parent)
 
 
 def _save(conversion: Plan, staging: Path, progress: Callable[[int], None]) -> SaveResult:

@@ -9,10 +9,15 @@ Rules:
 
 - DST may not be a symbolic link (to a directory, a file, or nothing): it is refused up front
   (exit 2). Links among DST's parent directories are followed.
-- ``--overwrite`` renames the previous output to ``.DST.pgconvert-old-*``, the new one to DST,
-  then deletes the old one. A run killed between the two renames leaves no DST; the next run for
-  DST (under its lock) renames the previous output back. A ``.pgconvert-old-*`` beside an existing
-  DST is the leftover of a killed deletion and is removed.
+- ``--overwrite`` swaps the complete new output (its staging directory) with DST in one step
+  (``renameat2`` with ``RENAME_EXCHANGE``), so DST always names one complete output, the old or the
+  new; the old one, now under the staging name, is deleted. A run killed before the deletion ends
+  leaves it as a ``.pgconvert-partial-*`` sibling, which the next run for DST removes.
+- Where the system cannot swap in one step, ``--overwrite`` renames the previous output to
+  ``.DST.pgconvert-old-*``, the new one to DST, then deletes the old one, and warns that DST was
+  briefly absent. A run killed between the two renames leaves no DST; the next run for DST (under
+  its lock) renames the previous output back. A ``.pgconvert-old-*`` beside an existing DST is the
+  leftover of a killed deletion and is removed.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ import uuid
 from pathlib import Path
 
 from pgconvert.errors import DestinationError
+from pgconvert.io.durable import fsync_dir
+from pgconvert.io.exchange import exchange
 from pgconvert.io.limits import quote
 
 log = logging.getLogger(__name__)
@@ -102,3 +109,18 @@ def recover_retired(dst: Path) -> None:
     for stale in retired:
         log.warning("removing %s, the previous output left by an interrupted --overwrite", stale)
         discard(stale, dst)
+
+
+def replace_output(staging: Path, dst: Path) -> None:
+    """Make the complete ``staging`` directory DST in place of the existing output, which is deleted."""
+    if exchange(staging, dst):
+        log.info("replaced %s in one step (renameat2 RENAME_EXCHANGE)", dst)
+        fsync_dir(dst.parent)
+        shutil.rmtree(staging)  # the staging name, a partial's, now holds the previous output
+        return
+    log.warning("replacing %s with two renames: this system cannot swap directories in one step, so DST is "
+                "absent between them (a run killed there is restored by the next run for DST)", dst)
+    retired = retire(dst)
+    staging.rename(dst)
+    fsync_dir(dst.parent)
+    discard(retired, dst)

@@ -16,7 +16,7 @@ from support.megatron_fixtures import make_full_model, merge_megatron_checkpoint
 
 import pgconvert
 import pgconvert.cli
-from pgconvert.run.destination import NAME_MAX, RETIRED_MARKER, sibling
+from pgconvert.run.destination import LOCK_SUFFIX, NAME_MAX, RETIRED_MARKER, sibling
 
 convert_module = sys.modules["pgconvert.run.convert"]  # the package's ``convert`` is the function
 
@@ -201,6 +201,36 @@ def test_lock_held_by_another_process_is_not_removed(src: Path, tmp_path: Path) 
         result = run_cli(src, dst, "--dst-tp", "1")
         assert_clean_refusal(result, 2, "being written by another pgconvert process (pid 4242")
         assert lock.exists()
+
+
+def _leave_a_stale_lock(dst: Path) -> Path:
+    """The lock file of a run killed after its output was complete (its holder is gone)."""
+    lock = sibling(dst.absolute(), LOCK_SUFFIX)
+    lock.write_text("4242")
+    return lock
+
+
+def test_stale_lock_beside_a_complete_dst_is_removed_when_a_batch_skips_it(src: Path, tmp_path: Path) -> None:
+    pgconvert.convert(src, tmp_path / "out", dst_tp=1)
+    lock = _leave_a_stale_lock(tmp_path / "out")
+
+    result = run_cli("batch", _plan(tmp_path, src, 'dst = "out"'))
+
+    assert result.exit_code == 0, result.output
+    assert "skipped" in result.output
+    assert not lock.exists()
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["out", "plan.toml"]
+
+
+def test_stale_lock_is_removed_by_a_run_refused_for_a_complete_dst(src: Path, tmp_path: Path) -> None:
+    dst = tmp_path / "out"
+    pgconvert.convert(src, dst, dst_tp=1)
+    lock = _leave_a_stale_lock(dst)
+
+    result = run_cli(src, dst, "--dst-tp", "1")
+
+    assert_clean_refusal(result, 2, f"DST {dst} exists and is not empty")
+    assert not lock.exists()
 
 
 # ------------------------------------------------------------------------------------ batch plans

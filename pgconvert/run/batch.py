@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from pgconvert.run.convert import ConvertRequest, convert, convert_request, destination_layout
+from pgconvert.run.convert import ConvertRequest, convert, convert_request, destination_layout, remove_leftovers
 from pgconvert.errors import PgconvertError, ValidationError
 from pgconvert.formats import RELEASE, LoadOptions
 from pgconvert.io.limits import MAX_PLACEHOLDER_WIDTH, quote
@@ -419,6 +419,7 @@ def run_plan(items: list[PlanItem], jobs: int = 1, force: bool = False, verify_h
         else:
             skipped, reason = skip_reason(entry.request, verify_hashes)
             if skipped:
+                remove_leftovers(entry.request.dst.absolute())  # of a run killed after its output was complete
                 results[index] = EntryResult(entry.label, entry.src, entry.dst, "skipped")
             else:
                 pending[index] = (entry.request, reason)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from pgconvert.io.durable import fsync_dir
 from pgconvert.run.destination import (
+    LOCK_SUFFIX,
     PARTIAL_MARKER,
     RETIRED_MARKER,
     recover_retired,
@@ -141,9 +142,7 @@ def _is_within(path: Path, parent: Path) -> bool:
 def check_destination(dst: Path, overwrite: bool, src: Path | None = None) -> None:
     """Refuse destinations that would destroy the source or an unrelated directory."""
     refuse_unusable_name(dst)
-    if siblings(dst.absolute(), RETIRED_MARKER):
-        with _destination_lock(dst.absolute()):
-            _remove_stale_partials(dst.absolute())
+    remove_leftovers(dst.absolute())
     dst_real = dst.resolve()
     if src is not None:
         src_real = src.resolve()
@@ -194,7 +193,8 @@ def destination_layout(request: ConvertRequest, src_layout: ParallelLayout | Non
 
 
 def plan(request: ConvertRequest, check_dst: bool = True) -> Plan:
-    """Open the source and compute every destination file; validates everything, writes nothing.
+    """Open the source and compute every destination file; validates everything, writes nothing (it
+    only removes what killed runs left beside DST, see ``remove_leftovers``).
 
     ``check_dst=False`` is for the worker processes of a conversion that already checked it.
     """
@@ -284,7 +284,7 @@ def _note_unrunnable_layout(source: CanonicalSource, options: SaveOptions) -> No
 @contextmanager
 def _destination_lock(dst: Path) -> Iterator[None]:
     """One conversion per destination at a time: a second one fails at once, nothing is touched."""
-    lock_path = sibling(dst, ".pgconvert.lock")
+    lock_path = sibling(dst, LOCK_SUFFIX)
     locked = False
     handle = None
     try:
@@ -318,6 +318,18 @@ def _try_lock(handle: object) -> bool:
     except OSError:
         return False
     return True
+
+
+def remove_leftovers(dst: Path) -> None:
+    """Remove what killed runs left beside DST (its lock file, staging and retired directories, and
+    restore a retired output where DST is missing), unless a live run holds DST's lock and owns them."""
+    if not (sibling(dst, LOCK_SUFFIX).exists() or siblings(dst, PARTIAL_MARKER) or siblings(dst, RETIRED_MARKER)):
+        return
+    try:
+        with _destination_lock(dst):  # its release removes the lock file
+            _remove_stale_partials(dst)
+    except DestinationError:
+        log.debug("leaving the hidden siblings of %s to the run that holds its lock", dst)
 
 
 def _remove_stale_partials(dst: Path) -> None:

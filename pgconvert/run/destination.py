@@ -43,6 +43,7 @@ NAME_MAX = 255
 # and a 16-digit id is 42 bytes).
 SUFFIX_ROOM = 48
 RETIRED_MARKER = ".pgconvert-old-"
+LOCK_SUFFIX = ".pgconvert.lock"
 PARTIAL_MARKER = ".pgconvert-partial-"
 
 

@@ -21,7 +21,19 @@ class ValidationError(PgconvertError):
 
 
 class ConfigError(ValidationError):
-    """A model configuration field is missing or violates a constraint."""
+    """A model configuration field is missing or violates a constraint.
+
+    ``setting`` names the one ``ModelConfig`` setting it is about and ``constraint`` what that setting
+    violates, where the error is about one, so a reader can name the field its user wrote instead.
+    """
+
+    def __init__(self, message: str, setting: str | None = None, constraint: str | None = None) -> None:
+        super().__init__(message)
+        self.setting = setting
+        self.constraint = constraint
+
+    def __reduce__(self) -> tuple[type[ConfigError], tuple[str, str | None, str | None]]:
+        return type(self), (str(self), self.setting, self.constraint)
 
 
 class LayoutError(ValidationError):

@@ -257,3 +257,43 @@ def test_tokenizer_file_symlinked_outside_the_source_is_refused_before_writing(l
     with pytest.raises(CheckpointError, match=r"tokenizer.json: resolves to .*outside .*side files must lie inside the checkpoint directory"):
         pgconvert.convert(llama, tmp_path / "dst")
     assert not (tmp_path / "dst").exists()
+
+
+# ------------------------------------------------------------------------------------ named as written
+
+
+def _set_path(doc: dict[str, object], key: str, value: object) -> None:
+    *parents, last = key.split(".")
+    for parent in parents:
+        doc = doc[parent]  # type: ignore[assignment]
+    doc[last] = value
+
+
+@pytest.mark.parametrize("key,value,megatron", [
+    ("num_key_value_heads", 0, "num_query_groups=0"),
+    ("num_hidden_layers", 0, "num_layers=0"),
+    ("intermediate_size", 0, "ffn_hidden_size=0"),
+    ("head_dim", 0, "kv_channels=0"),
+    ("rope_parameters.rope_theta", 0, "rotary_base=0.0"),
+])
+def test_an_impossible_value_is_named_by_its_config_json_key(llama: Path, tmp_path: Path, key: str, value: object,
+                                                            megatron: str) -> None:
+    edit_json(llama / "config.json", lambda doc: _set_path(doc, key, value))
+
+    with pytest.raises(CheckpointError) as raised:
+        _convert(llama, tmp_path)
+
+    assert f"config.json: {key}={value}: must be" in str(raised.value)
+    assert f"(Megatron's {megatron})" in str(raised.value)
+
+
+def test_a_nan_is_named_by_the_hf_tensor_that_holds_it(llama: Path, tmp_path: Path) -> None:
+    name = "model.layers.1.mlp.up_proj.weight"
+    rewrite_as_single_file(llama, lambda tensors: tensors[name].view(-1).__setitem__(3, float("nan")))
+
+    with pytest.raises(CheckpointError) as raised:
+        _convert(llama, tmp_path, check_finite="error")
+
+    message = str(raised.value)
+    assert message.startswith(f"{name} (pgconvert's decoder.layers.1.mlp.linear_fc1.weight): 1 of ")
+    assert "gate_proj" not in message  # fused with up_proj, but finite

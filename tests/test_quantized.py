@@ -398,3 +398,41 @@ def test_a_batch_rerun_tells_a_kept_fp8_output_from_a_dequantized_one(tmp_path: 
 
     assert kept and not dequantized
     assert "keep_fp8" in reason
+
+
+# ------------------------------------------------------------------------------------ non-finite parts
+
+
+SCALE = KEY + "_scale_inv"
+
+
+def _nan_at_the_first(name: str) -> Callable[[dict[str, torch.Tensor]], object]:
+    def plant(tensors: dict[str, torch.Tensor]) -> None:
+        tensor = tensors[name].clone()
+        tensor.view(-1)[0] = float("nan")  # FP8 e4m3fn has a NaN (0x7f), no Inf
+        tensors[name] = tensor
+    return plant
+
+
+@pytest.mark.parametrize("keep", [False, True], ids=["dequantized", "kept"])
+def test_a_nan_scale_is_refused_by_check_finite_naming_the_scale(tmp_path: Path, keep: bool) -> None:
+    fp8_checkpoint(tmp_path / "src")
+    rewrite_as_single_file(tmp_path / "src", _nan_at_the_first(SCALE))
+    keep_flag = ("--keep-fp8",) if keep else ()
+
+    result = run_cli("convert", tmp_path / "src", tmp_path / "dst", "--check-finite", *keep_flag)
+
+    assert_clean_refusal(result, 1, SCALE, "NaN", "refused by --check-finite")
+    assert not (tmp_path / "dst").exists()
+    report = convert(tmp_path / "src", tmp_path / "dst", keep_fp8=keep)  # by default: converted, and said
+    assert [notice for notice in report.notices if "NaN" in notice and SCALE in notice]
+
+
+def test_a_nan_in_kept_fp8_data_is_refused_by_check_finite_naming_the_weight(tmp_path: Path) -> None:
+    fp8_checkpoint(tmp_path / "src")
+    rewrite_as_single_file(tmp_path / "src", _nan_at_the_first(KEY))
+
+    result = run_cli("convert", tmp_path / "src", tmp_path / "dst", "--check-finite", "--keep-fp8")
+
+    assert_clean_refusal(result, 1, f"{KEY}: 1 of", "NaN", "refused by --check-finite")
+    assert SCALE + ":" not in result.output  # the scale is finite: not blamed

@@ -35,7 +35,7 @@ from pgconvert.families import mtp
 from pgconvert.formats.hf_quantized import QuantizedTensors
 from pgconvert.model.provider import OUTPUT_LAYER, WORD_EMBEDDINGS, canonical_names
 from pgconvert.model.rules import ShardRule, assemble
-from pgconvert.formats.stream import CanonicalSource, TensorMeta
+from pgconvert.formats.stream import CanonicalSource, TensorMeta, all_finite
 from pgconvert.formats.strict import fallback
 
 log = logging.getLogger(__name__)
@@ -218,6 +218,21 @@ class HFSource(CanonicalSource):
 
     def describe(self) -> str:
         return str(self.directory)
+
+    def stored_names(self, name: str) -> list[str]:
+        _, hf_names = self._rows[name]
+        return [part for hf in hf_names for part in self._stored_parts(hf)]
+
+    def nonfinite_parts(self, name: str) -> list[str]:
+        _, hf_names = self._rows[name]
+        found = [part for hf in hf_names for part in self._stored_parts(hf)
+                 if not all_finite(self._quantized.read_stored(part) if hf in self._quantized
+                                    else read_tensor(self._files[hf], hf))]
+        return found or self.stored_names(name)  # finite parts that dequantize to Inf: name them all
+
+    def _stored_parts(self, hf: str) -> tuple[str, ...]:
+        """An HF tensor's stored tensors: itself, or a quantized one's data and scale."""
+        return self._quantized.entries[hf].parts if hf in self._quantized else (hf,)
 
     def _load(self, name: str) -> torch.Tensor:
         row, hf_names = self._rows[name]

@@ -179,7 +179,7 @@ def model_config_from_hf(doc: dict[str, Any], path: Path, stored_dtype: torch.dt
                 f"{spec.key}={quote(value)}: Megatron has one setting ({spec.model_field}) for both; they must agree"
             )
         values[spec.model_field] = value
-        read_from.setdefault(spec.model_field, spec.key)
+        read_from.setdefault(spec.model_field, _written_key(doc, spec))
         if (stored_tensors is not None and spec.model_field in ("num_layers", "num_experts")
                 and isinstance(value, int) and value > stored_tensors):
             raise error(f"{path}: {spec.key}={value}, but the checkpoint holds only {stored_tensors} tensors")
@@ -196,7 +196,7 @@ def model_config_from_hf(doc: dict[str, Any], path: Path, stored_dtype: torch.dt
     try:
         config = ModelConfig.from_settings(values)
     except ConfigError as exc:
-        raise error(f"{path}: describes an impossible model: {exc}") from exc
+        raise error(f"{path}: {_named_as_written(exc, doc, family, read_from)}") from exc
     notices = [
         f"{path}: {key}={quote(doc[key])} has no Megatron setting: a megatron target is a model that behaves as "
         f"{key}={assumed!r} unless the Megatron run is set to match; an hf target keeps config.json"
@@ -205,6 +205,24 @@ def model_config_from_hf(doc: dict[str, Any], path: Path, stored_dtype: torch.dt
     ]
     notices += hf_unrepresentable(doc, path, family.hf_rope_types_carried)
     return family, config, notices
+
+
+def _written_key(doc: dict[str, Any], spec: ConfigField) -> str:
+    """The spelling of ``spec`` that config.json holds (its own name where none is present)."""
+    where = next((where for where in (spec.path, *spec.legacy) if get_path(doc, where) is not MISSING), spec.path)
+    return ".".join(where)
+
+
+def _named_as_written(exc: ConfigError, doc: dict[str, Any], family: Family, read_from: dict[str, str]) -> str:
+    """A ModelConfig refusal told in config.json's words: the key the user wrote and its value, with
+    Megatron's name for the setting beside it where the two differ."""
+    keys = [read_from[exc.setting]] if exc.setting in read_from else [
+        key for rule in family.rules if exc.setting in rule.model_fields for key in rule.keys if key in doc]
+    if not keys or exc.constraint is None:
+        return f"describes an impossible model: {exc}"
+    written = ", ".join(f"{key}={quote(get_path(doc, tuple(key.split('.'))))}" for key in keys)
+    megatron = "" if keys == [exc.setting] else f" (Megatron's {str(exc).removesuffix(': ' + exc.constraint)})"
+    return f"{written}: {exc.constraint}{megatron}"
 
 
 def _config_dtype(doc: dict[str, Any], stored_dtype: torch.dtype | None) -> str:

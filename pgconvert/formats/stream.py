@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import io
 import logging
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -65,6 +65,21 @@ def holds_state(values: Iterable[object]) -> bool:
             continue
         return True
     return False
+
+
+# Elements of a one-byte float (FP8) tensor widened to float32 at a time to look for NaN/Inf.
+FP8_CHECK_CHUNK = 1 << 24
+
+
+def all_finite(tensor: torch.Tensor) -> bool:
+    """No NaN or Inf among a floating tensor's values. ``aminmax`` propagates NaN and reaches ±Inf in
+    one pass with no tensor-sized mask; FP8 (which it cannot read) is widened a chunk at a time."""
+    if tensor.element_size() > 1:
+        low, high = torch.aminmax(tensor)
+        return bool(torch.isfinite(low)) and bool(torch.isfinite(high))
+    flat = tensor.reshape(-1)
+    return all(bool(torch.isfinite(flat[start:start + FP8_CHECK_CHUNK].float()).all())
+               for start in range(0, flat.numel(), FP8_CHECK_CHUNK))
 
 
 class CanonicalSource:
@@ -138,20 +153,27 @@ class CanonicalSource:
 
     def _checked(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """NaN/Inf are reported once per tensor (``check_finite="warn"``) or refused (``"error"``)."""
+        return self._finite_checked(name, tensor, lambda: self.named(name, self.nonfinite_parts(name)))
+
+    def checked_stored(self, part: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A stored tensor written out as it is (a quantized part kept by ``--keep-fp8``), under the
+        same finiteness policy as the canonical tensors."""
+        return self._finite_checked(part, tensor, lambda: part)
+
+    def _finite_checked(self, key: str, tensor: torch.Tensor, label: Callable[[], str]) -> torch.Tensor:
         if (self.check_finite == "off" or not tensor.is_floating_point() or tensor.numel() == 0
-                or name in self._nonfinite_seen):
+                or key in self._nonfinite_seen):
             return tensor
-        # min and max propagate NaN and reach ±Inf: one pass with no tensor-sized mask.
-        low, high = torch.aminmax(tensor)
-        if bool(torch.isfinite(low)) and bool(torch.isfinite(high)):
+        if all_finite(tensor):
             return tensor
-        nans = int(torch.isnan(tensor).sum())
-        infs = int(torch.isinf(tensor).sum())
+        values = tensor.float() if tensor.element_size() == 1 else tensor
+        nans = int(torch.isnan(values).sum())
+        infs = int(torch.isinf(values).sum())
         kinds = " and ".join(f"{count} {kind}" for count, kind in ((nans, "NaN"), (infs, "Inf")) if count)
-        message = f"{name}: {nans + infs} of {tensor.numel()} values are NaN or Inf ({kinds}) in {self.describe()}"
+        message = f"{label()}: {nans + infs} of {tensor.numel()} values are NaN or Inf ({kinds}) in {self.describe()}"
         if self.check_finite == "error":
             raise CheckpointError(f"{message} (refused by --check-finite)")
-        self._nonfinite_seen.add(name)
+        self._nonfinite_seen.add(key)
         log.warning("%s", message)
         self.notices.append(message)
         return tensor
@@ -159,6 +181,21 @@ class CanonicalSource:
     def describe(self) -> str:
         """Where this source comes from, for messages."""
         return self.format_name
+
+    def stored_names(self, name: str) -> list[str]:
+        """The tensors this source stores that make up canonical tensor ``name``, as its files name them
+        (a format whose names differ from the canonical ones overrides this)."""
+        return [name]
+
+    def nonfinite_parts(self, name: str) -> list[str]:
+        """Of ``stored_names(name)``, those that hold NaN or Inf (all of them where a format cannot tell);
+        asked only once a non-finite value is found."""
+        return self.stored_names(name)
+
+    @staticmethod
+    def named(name: str, stored: list[str]) -> str:
+        """A canonical tensor as the source names it, with pgconvert's name beside it where they differ."""
+        return name if stored == [name] else f"{', '.join(stored)} (pgconvert's {name})"
 
     def extra_states(self) -> dict[str, ExtraState]:
         """Opaque ``_extra_state`` entries by canonical name (empty for formats without them)."""

@@ -327,6 +327,8 @@ class ModelConfig(SettingsByName):
                             ("make_vocab_size_divisible_by", self.make_vocab_size_divisible_by)):
             _require_positive(name, value)
         _require_finite("norm_epsilon", self.norms.norm_epsilon)
+        if self.positions.position_embedding_type == "rope":
+            _require_positive_number("rotary_base", self.positions.rotary_base)
         _require_finite("rotary_base", self.positions.rotary_base)
         _check_heads(self)
         if self.vocab_size is not None:
@@ -486,14 +488,14 @@ def _check_computation_settings(config: ModelConfig) -> None:
                         ("moe_aux_loss_coeff", config.moe.moe_aux_loss_coeff)):
         _require_finite(name, value)
     if not 0 < positions.rotary_percent <= 1:
-        raise ConfigError(f"rotary_percent={quote(positions.rotary_percent)}: must be in (0, 1]")
+        raise _violates("rotary_percent", positions.rotary_percent, "must be in (0, 1]")
     for name, value in (("attention_dropout", attention.attention_dropout), ("hidden_dropout", config.hidden_dropout)):
         if not 0 <= value < 1:
-            raise ConfigError(f"{name}={quote(value)}: must be in [0, 1)")
+            raise _violates(name, value, "must be in [0, 1)")
     if positions.rope_scaling is not None:
         _require_choice("rope_scaling", positions.rope_scaling, ROPE_SCALINGS)
         if positions.rope_scaling_factor <= 0:
-            raise ConfigError(f"rope_scaling_factor={quote(positions.rope_scaling_factor)}: must be > 0")
+            raise _violates("rope_scaling_factor", positions.rope_scaling_factor, "must be > 0")
     _require_choice("moe_router_score_function", config.moe.moe_router_score_function, MOE_SCORE_FUNCTIONS)
     _check_yarn(positions)
     _check_mla(attention)
@@ -581,23 +583,28 @@ def _check_no_rope_layers(config: ModelConfig) -> None:
                           f"each of the {config.num_layers} layers")
 
 
+def _violates(name: str, value: object, constraint: str) -> ConfigError:
+    """The error for one setting's value that breaks ``constraint``."""
+    return ConfigError(f"{name}={quote(value)}: {constraint}", setting=name, constraint=constraint)
+
+
 def _require_positive(name: str, value: object) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ConfigError(f"{name}={quote(value)}: must be a positive integer")
+        raise _violates(name, value, "must be a positive integer")
 
 
 def _require_finite(name: str, value: object) -> None:
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-        raise ConfigError(f"{name}={quote(value)}: must be a finite number")
+        raise _violates(name, value, "must be a finite number")
 
 
 def _require_positive_number(name: str, value: object) -> None:
     _require_finite(name, value)
     assert isinstance(value, (int, float))
     if value <= 0:
-        raise ConfigError(f"{name}={quote(value)}: must be > 0")
+        raise _violates(name, value, "must be > 0")
 
 
 def _require_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
     if value not in choices:
-        raise ConfigError(f"{name}={quote(value)}: must be one of {', '.join(choices)}")
+        raise _violates(name, value, f"must be one of {', '.join(choices)}")

@@ -255,7 +255,7 @@ def _write_unit(writer: _SafetensorsWriter, unit: _Unit, source: CanonicalSource
             quantized = source.hf_origin.quantized if source.hf_origin is not None else None
             assert quantized is not None
             for part, _ in unit.kept[hf_name]:
-                writer.write(part, quantized.read_stored(part))
+                writer.write(part, source.checked_stored(part, quantized.read_stored(part)))
             continue
         assert piece is not None
         if unit.stack is None:

@@ -43,7 +43,8 @@ from pgconvert.model.config import AttentionConfig, MLPConfig, ModelConfig, MoEC
 from pgconvert.formats import SaveOptions
 from pgconvert.model.layout import ParallelLayout
 from pgconvert.model.provider import canonical_shapes
-from pgconvert.formats.registry import get_saver, saver_names
+from pgconvert.formats.names import saver_names
+from pgconvert.formats.registry import get_saver
 from pgconvert.formats.stream import CanonicalSource, TensorMeta
 
 RSS_ALLOWANCE = 300 * 10**6  # the goal: peak RSS <= 2 x the largest tensor + 300 MB

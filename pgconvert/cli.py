@@ -9,17 +9,20 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from pgconvert.version import __version__
-from pgconvert.run.convert import ConvertRequest, Plan, execute, plan
 from pgconvert.errors import PgconvertError
-from pgconvert.formats import DTYPE_CHOICES, EXPERT_LAYOUTS
-from pgconvert.formats.registry import loader_names, saver_names
-from pgconvert.optimizer.plan import plan_lines
+from pgconvert.formats.names import DTYPE_NAMES, EXPERT_LAYOUTS, loader_names, saver_names
 from pgconvert.model.config import MTP_LAYER_MODULES
+
+if TYPE_CHECKING:
+    from pgconvert.run.convert import ConvertRequest, Plan
+
+# Only what --help, --version and argument errors need is imported above (no torch): each command
+# imports the library when it runs.
 
 
 class PgconvertClickError(click.ClickException):
@@ -100,7 +103,8 @@ class ConvertByDefault(click.Group):
 
     def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         command = self.commands[self.default_command]
-        with click.Context(command, info_name="pgconvert", parent=None) as sub_ctx:
+        # A child of ctx: it inherits -h, which click caches as the command's help option on first use.
+        with click.Context(command, info_name="pgconvert", parent=ctx) as sub_ctx:
             command.format_options(sub_ctx, formatter)
         self.format_commands(ctx, formatter)
 
@@ -219,7 +223,7 @@ def _layout_option(name: str, help_text: str) -> Any:
               help="Source iteration to convert [default: latest_checkpointed_iteration.txt].")
 @click.option("--true-vocab-size", type=click.IntRange(min=1), default=None,
               help="Tokenizer vocab size, to strip padding rows and re-pad for the target.")
-@click.option("--dtype", type=click.Choice(list(DTYPE_CHOICES)), default="keep", show_default=True,
+@click.option("--dtype", type=click.Choice(list(DTYPE_NAMES)), default="keep", show_default=True,
               help="Cast floating-point tensors.")
 @click.option("--max-shard-size", type=ByteSize(), default=None, metavar="SIZE",
               help="Largest safetensors shard of an hf DST, e.g. 5GB (default), 500MB, 2GiB.")
@@ -283,6 +287,8 @@ def convert_command(src: Path, dst: Path, src_format: str, dst_format: str, src_
                     dst_dp: int | None = None, dst_optim_form: str | None = None,
                     dst_mtp_layer_name: str | None = None) -> None:
     """Convert SRC into DST (the default command)."""
+    from pgconvert.run.convert import ConvertRequest
+
     _configure_logging(quiet, verbose)
     request = ConvertRequest(
         src=src, dst=dst,
@@ -309,6 +315,9 @@ def convert_command(src: Path, dst: Path, src_format: str, dst_format: str, src_
         if shard is not None and not dry_run:
             _run_shard(request, *shard, quiet=quiet)
             return
+        from pgconvert.optimizer.plan import plan_lines
+        from pgconvert.run.convert import plan
+
         conversion = plan(request)
         if dry_run:
             try:
@@ -363,6 +372,8 @@ def _print_plan(conversion: Plan) -> None:
 
 def _run_with_progress(conversion: Plan, quiet: bool) -> None:
     from tqdm import tqdm
+
+    from pgconvert.run.convert import execute
 
     previous = signal.getsignal(signal.SIGTERM)
 

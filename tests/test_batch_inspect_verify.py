@@ -22,7 +22,7 @@ from pgconvert.cli import LAYOUT, main
 from pgconvert.run.convert import ConvertRequest
 from pgconvert.errors import LayoutError, ValidationError
 from pgconvert.run.manifest import MANIFEST_FILE
-from pgconvert.formats.registry import loader_names, saver_names
+from pgconvert.formats.names import loader_names, saver_names
 
 FULL_MODEL = make_full_model(GQA_SWIGLU, seed=11)
 NEWER_MODEL = make_full_model(GQA_SWIGLU, seed=12)

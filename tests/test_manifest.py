@@ -19,7 +19,7 @@ from pgconvert.cli import main
 from pgconvert.model.config import ModelConfig
 from pgconvert.errors import CheckpointError
 from pgconvert.run.manifest import MANIFEST_FILE, file_problems, read_manifest
-from pgconvert.formats.registry import saver_names
+from pgconvert.formats.names import saver_names
 
 # The destination layout each format takes from a TP2 Megatron source (hf holds one unsharded model).
 TARGET_LAYOUTS = {"megatron": "tp=4,pp=2", "hf": "tp=1,pp=1"}

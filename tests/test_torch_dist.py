@@ -35,7 +35,8 @@ from pgconvert.cli import main
 from pgconvert.errors import CheckpointError, LayoutError, PgconvertError, StrictModeError, UnsafePickleError
 from pgconvert.formats import LoadOptions, SaveOptions
 from pgconvert.model.layout import ParallelLayout
-from pgconvert.formats.registry import detect_format, get_loader, loader_names, saver_names
+from pgconvert.formats.names import loader_names, saver_names
+from pgconvert.formats.registry import detect_format, get_loader
 from pgconvert.model.rules import COLUMN
 from pgconvert.formats.stream import CanonicalSource, TensorMeta
 import pgconvert.savers.torch_dist as torch_dist_saver

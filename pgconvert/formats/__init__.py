@@ -1,261 +1,60 @@
-"""The contract between the orchestrator and format plugins (loaders and savers).
+"""Formats: the contract between the orchestrator and format plugins (``contract.py``: ``Loader``,
+``Saver``, their options and results), the registry of formats, the canonical stream, and what a
+loader and a saver of one format share.
 
-A format plugin subclasses ``Loader`` (a source format) and/or ``Saver`` (a destination format)
-and registers it under the ``pgconvert.loaders`` / ``pgconvert.savers`` entry point group (see
-``pgconvert.formats.registry``). The abstract methods must be implemented; the others have defaults that
-fit a format without that feature (no saved iterations, files written in one pass, no optimizer state).
-
-Optimizer state (megatron-core's, ``pgconvert.optimizer``) goes through declared hooks, whose defaults mean
-"this format holds / writes none", so a format without it implements nothing:
-
-- the source a loader opens (``pgconvert.formats.stream.CanonicalSource``) says whether it holds training
-  state (``holds_training_state``: a saver names what it does not carry only then) and optimizer state
-  (``holds_optimizer``), the name of its stored form (``stored_optimizer_form``), why it cannot be carried
-  (``optimizer_refusal``), and opens it (``open_optimizer``: a ``pgconvert.optimizer.source.OptimizerSource``);
-- a ``Saver`` declares whether it writes optimizer state (``writes_optimizer``) and the forms
-  ``--dst-optim-form`` chooses among (``optimizer_forms``); it refuses what it cannot write
-  (``optimizer_refusal``, before the state is opened), names the form it writes an opened state in
-  (``optimizer_form``), lists it for ``--dry-run`` (``plan_optimizer``) and writes it after the model
-  (``save_optimizer``). ``OptimizerOptions`` carries ``--dst-optim-form`` and ``--dst-dp``.
+The contract's names are importable from here (``from pgconvert.formats import Loader``), loaded on
+first use: the names a command line offers (``names.py``) come without importing torch.
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING
+import importlib
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from pgconvert.model.config import ModelConfig
-from pgconvert.errors import LayoutError
-from pgconvert.model.layout import ParallelLayout
-from pgconvert.formats.stream import CanonicalSource
+__all__ = [
+    "DTYPE_CHOICES",
+    "Progress",
+    "RELEASE",
+    "Iteration",
+    "LoadOptions",
+    "SaveOptions",
+    "target_dtype",
+    "target_config",
+    "PlannedFile",
+    "SaveResult",
+    "TRAINING_STATE_NOT_CARRIED",
+    "OptimizerOptions",
+    "OptimizerFile",
+    "CarriedOptimizer",
+    "Loader",
+    "Saver",
+]
+CONTRACT_NAMES = frozenset(__all__)
 
 if TYPE_CHECKING:
-    from pgconvert.optimizer.source import OptimizerSource
-
-DTYPE_CHOICES: dict[str, torch.dtype | None] = {
-    "keep": None,
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
-    "fp32": torch.float32,
-}
-
-Progress = Callable[[int], None]
-
-# How ``Loader.iterations`` names a checkpoint saved as a release rather than at an iteration number.
-RELEASE = "release"
-Iteration = int | str
-
-
-@dataclass(frozen=True)
-class LoadOptions:
-    """What the user told us about the source; ``None`` means "detect it"."""
-
-    iteration: int | None = None
-    src_tp: int | None = None
-    src_pp: int | None = None
-    src_ep: int | None = None
-    true_vocab_size: int | None = None
-    # Refuse instead of guessing (see pgconvert.formats.strict).
-    strict: bool = False
-    # An hf source's quantized tensors are kept as stored for an hf target (--keep-fp8).
-    keep_quantized: bool = False
-    # The dtype an hf source's quantized tensors are dequantized to (--dtype; None: bfloat16).
-    dequantize_dtype: torch.dtype | None = None
-
-    def check_layout(self, layout: ParallelLayout, path: Path) -> None:
-        """Refuse a ``--src-tp/pp/ep`` the user gave that the checkpoint's own layout contradicts."""
-        for flag, given, found in (("--src-tp", self.src_tp, layout.tp), ("--src-pp", self.src_pp, layout.pp),
-                                   ("--src-ep", self.src_ep, layout.ep)):
-            if given is not None and given != found:
-                raise LayoutError(f"{flag} {given}: the checkpoint's args say {found} ({path})")
+    from pgconvert.formats.contract import (
+        DTYPE_CHOICES,
+        Progress,
+        RELEASE,
+        Iteration,
+        LoadOptions,
+        SaveOptions,
+        target_dtype,
+        target_config,
+        PlannedFile,
+        SaveResult,
+        TRAINING_STATE_NOT_CARRIED,
+        OptimizerOptions,
+        OptimizerFile,
+        CarriedOptimizer,
+        Loader,
+        Saver,
+    )
 
 
-@dataclass(frozen=True)
-class SaveOptions:
-    """How the destination is written."""
-
-    layout: ParallelLayout
-    dtype: torch.dtype | None = None
-    # Key naming of the target where the format has a choice; None keeps the source's.
-    transformer_impl: str | None = None
-    expert_layout: str | None = None
-    strict: bool = False
-    # Largest file a saver that splits its output writes, in bytes; None: the format's default
-    # (hf: 5 GB, as transformers' save_pretrained).
-    max_shard_size: int | None = None
-    # A config.json to write instead of one built from the model (hf); it must describe the model.
-    hf_config: Path | None = None
-    # HF side files the user gives (pgconvert.formats.hf_side): a generation_config.json, a tokenizer folder.
-    generation_config: Path | None = None
-    tokenizer: Path | None = None
-    # The MTP inner layer's per-rank key (pgconvert.formats.mtp_naming); None keeps the source's.
-    mtp_layer_module: str | None = None
-
-
-EXPERT_LAYOUTS = ("sequential", "grouped")
-
-
-def target_dtype(source_dtype: torch.dtype, requested: torch.dtype | None, keep: bool = False) -> torch.dtype:
-    """The dtype a saver writes a tensor in: ``requested`` (``--dtype``) for floating-point tensors
-    not ``keep``-ed at their own dtype (e.g. a router's float32 expert bias), else the source's."""
-    if requested is None or keep or not source_dtype.is_floating_point:
-        return source_dtype
-    return requested
-
-
-def target_config(config: ModelConfig, options: SaveOptions) -> ModelConfig:
-    """The source's architecture with the target's key-naming choices applied."""
-    changes: dict[str, object] = {}
-    if options.transformer_impl is not None:
-        changes["transformer_impl"] = options.transformer_impl
-    if options.expert_layout is not None:
-        changes["moe_grouped_gemm"] = options.expert_layout == "grouped"
-    if options.mtp_layer_module is not None:
-        changes["mtp_layer_module"] = options.mtp_layer_module
-    return config.replace(**changes) if changes else config
-
-
-@dataclass(frozen=True)
-class PlannedFile:
-    """One destination file: its path relative to the output root, tensor count and size."""
-
-    relpath: str
-    tensors: int
-    nbytes: int
-    # Filled in by savers for files they wrote: the size on disk and sha256, so the manifest
-    # need not read the file again.
-    sha256: str | None = None
-    size: int | None = None
-
-
-@dataclass
-class SaveResult:
-    files: list[PlannedFile] = field(default_factory=list)
-    notices: list[str] = field(default_factory=list)
-
-
-# How a saver's notice begins that names the training state of the source it does not carry; given only when the
-# source holds such state (``CanonicalSource.holds_training_state``), and dropped when the optimizer is carried.
-TRAINING_STATE_NOT_CARRIED = "optimizer, scheduler and RNG state are not carried"
-
-
-@dataclass(frozen=True)
-class OptimizerOptions:
-    """How a destination writes the optimizer state it carries: ``form`` (``--dst-optim-form``, None: the
-    saver's default) and ``dp`` (``--dst-dp``, the data-parallel size it is written for; None: the source's)."""
-
-    form: str | None = None
-    dp: int | None = None
-
-
-@dataclass(frozen=True)
-class OptimizerFile:
-    """The optimizer state one destination file will hold (``--dry-run``)."""
-
-    relpath: str
-    what: str
-    tensors: int
-    nbytes: int
-
-
-@dataclass
-class CarriedOptimizer:
-    """What ``Saver.save_optimizer`` wrote: every destination file (``files``: the model saver's, those it
-    rewrote without their sha256, and those it added), the form as the notice names it, and its own notices."""
-
-    files: list[PlannedFile]
-    form: str
-    notices: list[str] = field(default_factory=list)
-
-
-class Loader(ABC):
-    """A source format. Subclasses set ``name`` and implement ``detect`` and ``open``; a format
-    whose checkpoints hold several saved iterations also implements ``iterations``."""
-
-    name: str = "?"
-    # Whether its sources can hand over quantized tensors as stored, with their scales
-    # (``LoadOptions.keep_quantized``, ``--keep-fp8``).
-    keeps_quantized: bool = False
-
-    @abstractmethod
-    def detect(self, path: Path) -> bool:
-        """Whether ``path`` is a checkpoint of this format (cheap: file names, no tensor data)."""
-
-    @abstractmethod
-    def open(self, path: Path, options: LoadOptions) -> CanonicalSource:
-        """The checkpoint at ``path`` as a canonical source (``options.iteration`` picks one)."""
-
-    def iterations(self, path: Path) -> list[Iteration]:
-        """The iterations saved under ``path``: numbers ascending, then ``RELEASE`` if present.
-
-        Each entry (``RELEASE`` aside) is a valid ``LoadOptions.iteration``. A path that is itself
-        one saved iteration lists just that one. ``inspect`` shows this list and batch plans'
-        ``iterations = "all"`` expand it. Default: empty (a format without saved iterations).
-        """
-        return []
-
-
-class Saver(ABC):
-    """A destination format. ``plan`` must not write anything; ``save`` writes under ``out_dir``."""
-
-    name: str = "?"
-
-    def validate(self, source: CanonicalSource, options: SaveOptions) -> None:
-        """Raise a ValidationError when the target cannot be produced from this source."""
-
-    @abstractmethod
-    def plan(self, source: CanonicalSource, options: SaveOptions) -> list[PlannedFile]:
-        """The files ``save`` will write, without writing anything."""
-
-    # Whether the format has parallel layouts whose files are written independently, one per
-    # (tp, pp, ep) rank. A saver of one unsharded model (hf) sets False: the destination layout
-    # then starts unsharded instead of from the source's layout.
-    parallel: bool = True
-
-    # Whether it writes quantized tensors as a source hands them over, with their scales (``--keep-fp8``).
-    keeps_quantized: bool = False
-
-    # Savers that can write any subset of their planned files (``save(only=...)``) and then
-    # ``finalize`` the shared metadata support --workers and sharded (multi-process) runs.
-    supports_partial: bool = False
-
-    @abstractmethod
-    def save(self, source: CanonicalSource, out_dir: Path, options: SaveOptions,
-             progress: Progress) -> SaveResult:
-        """Write the planned files under ``out_dir``, calling ``progress`` with bytes written."""
-
-    def finalize(self, source: CanonicalSource, out_dir: Path, options: SaveOptions) -> list[str]:
-        """Write what depends on every file being there (trackers, indexes); returns notices."""
-        raise NotImplementedError
-
-    # Optimizer state (see the module docstring). Whether the format writes megatron-core's optimizer state
-    # the source holds, and the forms ``--dst-optim-form`` may name (empty: the format has no choice).
-    writes_optimizer: bool = False
-    optimizer_forms: tuple[str, ...] = ()
-
-    def optimizer_refusal(self, source: CanonicalSource, options: SaveOptions,
-                          optimizer_options: OptimizerOptions) -> str | None:
-        """Why the source's optimizer state cannot be written here, decided before it is opened (None: it
-        can). The text is a notice (``optimizer state not carried: ...``), refused under ``--strict``."""
-        return None
-
-    def optimizer_form(self, optimizer: OptimizerSource, optimizer_options: OptimizerOptions) -> str:
-        """The form this destination writes the opened ``optimizer`` in; a ``ValidationError`` says why it
-        cannot (a notice, refused under ``--strict``). Default: the source's own form."""
-        return optimizer.form
-
-    def plan_optimizer(self, source: CanonicalSource, optimizer: OptimizerSource, form: str, options: SaveOptions,
-                       optimizer_options: OptimizerOptions) -> list[OptimizerFile]:
-        """The destination files' optimizer state in ``form``, without writing anything (``--dry-run``)."""
-        return []
-
-    def save_optimizer(self, source: CanonicalSource, optimizer: OptimizerSource, form: str, out_dir: Path,
-                       options: SaveOptions, optimizer_options: OptimizerOptions,
-                       files: list[PlannedFile]) -> CarriedOptimizer:
-        """Write ``optimizer`` in ``form`` into the destination ``save`` wrote under ``out_dir`` (``files``)."""
-        raise NotImplementedError(f"{self.name}: writes no optimizer state")
+def __getattr__(name: str) -> Any:
+    if name not in CONTRACT_NAMES:
+        raise AttributeError(f"module 'pgconvert.formats' has no attribute {name!r}")
+    value = getattr(importlib.import_module("pgconvert.formats.contract"), name)
+    globals()[name] = value
+    return value

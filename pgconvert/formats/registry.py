@@ -8,33 +8,13 @@ from __future__ import annotations
 
 import importlib
 import logging
-from importlib.metadata import entry_points
 from pathlib import Path
 
 from pgconvert.errors import CheckpointError, NotACheckpointError, PluginError
 from pgconvert.formats import Loader, Saver
+from pgconvert.formats.names import BUILTIN_LOADERS, BUILTIN_SAVERS, loader_names, targets
 
 log = logging.getLogger(__name__)
-
-BUILTIN_LOADERS: dict[str, str] = {"megatron": "pgconvert.loaders.megatron:MegatronLoader", "hf": "pgconvert.loaders.hf:HFLoader",
-                                   "torch_dist": "pgconvert.loaders.torch_dist:TorchDistLoader"}
-BUILTIN_SAVERS: dict[str, str] = {"megatron": "pgconvert.savers.megatron:MegatronSaver", "hf": "pgconvert.savers.hf:HFSaver",
-                                  "torch_dist": "pgconvert.savers.torch_dist:TorchDistSaver"}
-
-
-def _targets(group: str, builtins: dict[str, str]) -> dict[str, str]:
-    targets = dict(builtins)
-    for entry in entry_points(group=group):
-        targets.setdefault(entry.name, entry.value)
-    return targets
-
-
-def loader_names() -> list[str]:
-    return sorted(_targets("pgconvert.loaders", BUILTIN_LOADERS))
-
-
-def saver_names() -> list[str]:
-    return sorted(_targets("pgconvert.savers", BUILTIN_SAVERS))
 
 
 def _instantiate(kind: str, name: str, target: str) -> object:
@@ -48,20 +28,20 @@ def _instantiate(kind: str, name: str, target: str) -> object:
 
 
 def get_loader(name: str) -> Loader:
-    targets = _targets("pgconvert.loaders", BUILTIN_LOADERS)
-    if name not in targets:
-        raise PluginError(f"source format {name!r}: unknown; known formats: {', '.join(sorted(targets))}")
-    loader = _instantiate("loader", name, targets[name])
-    assert isinstance(loader, Loader), f"{targets[name]} is not a pgconvert Loader"
+    known = targets("pgconvert.loaders", BUILTIN_LOADERS)
+    if name not in known:
+        raise PluginError(f"source format {name!r}: unknown; known formats: {', '.join(sorted(known))}")
+    loader = _instantiate("loader", name, known[name])
+    assert isinstance(loader, Loader), f"{known[name]} is not a pgconvert Loader"
     return loader
 
 
 def get_saver(name: str) -> Saver:
-    targets = _targets("pgconvert.savers", BUILTIN_SAVERS)
-    if name not in targets:
-        raise PluginError(f"destination format {name!r}: unknown; known formats: {', '.join(sorted(targets))}")
-    saver = _instantiate("saver", name, targets[name])
-    assert isinstance(saver, Saver), f"{targets[name]} is not a pgconvert Saver"
+    known = targets("pgconvert.savers", BUILTIN_SAVERS)
+    if name not in known:
+        raise PluginError(f"destination format {name!r}: unknown; known formats: {', '.join(sorted(known))}")
+    saver = _instantiate("saver", name, known[name])
+    assert isinstance(saver, Saver), f"{known[name]} is not a pgconvert Saver"
     return saver
 
 

@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any
 from pgconvert.errors import ValidationError
 from pgconvert.formats import (TRAINING_STATE_NOT_CARRIED, OptimizerFile, OptimizerOptions, PlannedFile, Saver,
                                target_config)
-from pgconvert.formats.registry import get_saver, saver_names
+from pgconvert.formats.names import saver_names
+from pgconvert.formats.registry import get_saver
 from pgconvert.formats.strict import fallback
 from pgconvert.io.limits import quote
 from pgconvert.model.config import ModelConfig

@@ -1,0 +1,33 @@
+"""The names a command line offers, known without importing torch or any format: the formats
+(built-in and entry-point plugins), the dtypes ``--dtype`` accepts and the expert layouts.
+
+``pgconvert --help`` and an argument error are answered from these alone.
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import entry_points
+
+BUILTIN_LOADERS: dict[str, str] = {"megatron": "pgconvert.loaders.megatron:MegatronLoader", "hf": "pgconvert.loaders.hf:HFLoader",
+                                   "torch_dist": "pgconvert.loaders.torch_dist:TorchDistLoader"}
+BUILTIN_SAVERS: dict[str, str] = {"megatron": "pgconvert.savers.megatron:MegatronSaver", "hf": "pgconvert.savers.hf:HFSaver",
+                                  "torch_dist": "pgconvert.savers.torch_dist:TorchDistSaver"}
+# ``--dtype``: keep the source's, or one of these (pgconvert.formats.DTYPE_CHOICES maps them to torch dtypes).
+DTYPE_NAMES = ("keep", "bf16", "fp16", "fp32")
+EXPERT_LAYOUTS = ("sequential", "grouped")
+
+
+def targets(group: str, builtins: dict[str, str]) -> dict[str, str]:
+    """Format name -> ``module:factory``: the built-in ones, then the entry points of ``group``."""
+    found = dict(builtins)
+    for entry in entry_points(group=group):
+        found.setdefault(entry.name, entry.value)
+    return found
+
+
+def loader_names() -> list[str]:
+    return sorted(targets("pgconvert.loaders", BUILTIN_LOADERS))
+
+
+def saver_names() -> list[str]:
+    return sorted(targets("pgconvert.savers", BUILTIN_SAVERS))

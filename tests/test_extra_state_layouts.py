@@ -99,3 +99,15 @@ def test_grouped_expert_extra_state_is_renamed_for_a_sequential_target_and_dropp
         report.notices
     with pytest.raises(PgconvertError, match=r"mlp\.experts\.linear_fc1\._extra_state: .* would be dropped"):
         pgconvert.convert(src, tmp_path / "strict", dst_expert_layout="sequential", strict=True)
+
+
+def test_verify_notes_uncompared_extra_state_only_where_an_entry_holds_some(tmp_path: Path) -> None:
+    golden_local_spec = Path(__file__).parent / "data" / "megatron_lm" / "train_tp2pp2_torch"  # entries, all empty
+    te = write_megatron_checkpoint(tmp_path / "te", QK_NORM_TE, make_full_model(QK_NORM_TE), 1, 1)
+    first = _rank_files(te)[0]
+    key = next(name for name in load_for_test(first)["model"] if name.endswith("_extra_state"))
+    _set_extra_state(first, "model", key, torch.arange(4, dtype=torch.uint8))
+
+    note = "opaque _extra_state entries (TE FP8 metadata) are not compared"
+    assert note not in pgconvert.verify(golden_local_spec, golden_local_spec).notes
+    assert note in pgconvert.verify(te, te).notes

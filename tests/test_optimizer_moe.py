@@ -17,10 +17,11 @@ from click.testing import CliRunner, Result
 from support.megatron_fixtures import assert_same_tree, load_for_test
 from support.moe_optimizer_runs import ITER, assert_round_trip, generate, rank_files
 
+import pgconvert
 from pgconvert.cli import main
 from pgconvert.formats import LoadOptions
 from pgconvert.loaders.megatron import MegatronSource
-from pgconvert.formats.megatron import safe_torch_load
+from pgconvert.formats.megatron import FRAMEWORK_PICKLE, safe_torch_load
 from pgconvert.optimizer.order import OptimizerRules, chained_slots
 
 pytest.importorskip("megatron.core", reason="megatron-core lays out the reference optimizer state")
@@ -67,6 +68,26 @@ def test_plain_ep2_to_ep1_and_back_is_bit_exact(plain: Path, tmp_path: Path) -> 
     assert not any(g["is_expert_parallel"] for g in optimizer["param_groups"])
     _convert(tmp_path / "ep1", tmp_path / "back", "--dst-ep", "2")
     assert_round_trip(plain, tmp_path / "back")
+
+
+def test_verify_matches_param_groups_by_what_they_hold_across_an_ep_change(plain: Path, tmp_path: Path) -> None:
+    # EP 2 chains a dense and an expert optimizer, EP 1 has one: the same groups at other positions.
+    _convert(plain, tmp_path / "ep1", "--dst-ep", "1")
+
+    report = pgconvert.verify(plain, tmp_path / "ep1")
+
+    assert report.optimizer is not None and report.optimizer.status == "compared"
+    assert report.equal, [difference.message for difference in report.optimizer.differences]
+    edited = Path(shutil.copytree(tmp_path / "ep1", tmp_path / "edited"))
+    for path in edited.glob(f"{ITER}/mp_rank_*/model_optim_rng.pt"):  # every rank, as a changed run would
+        state = load_for_test(path)
+        state["optimizer"]["param_groups"][0]["lr"] = 0.125  # the group that holds the experts at EP 1
+        torch.save(state, path, pickle_module=FRAMEWORK_PICKLE)
+    differences = pgconvert.verify(plain, edited).optimizer.differences  # type: ignore[union-attr]
+    assert [(difference.name, difference.field) for difference in differences] == [
+        ("optimizer[0].param_groups[0].lr", "lr"), ("optimizer[1].param_groups[0].lr", "lr")]
+    assert all(difference.message.endswith(", …)") and "0.125 in B" in difference.message
+               for difference in differences)
 
 
 def test_bf16_ep2_to_ep1_and_back_is_bit_exact(tmp_path: Path) -> None:

@@ -84,6 +84,10 @@ class OptimizerSource:
         """The param group (0: weight decay, 1: no weight decay) ``name`` is in."""
         return self._owners[name][0][1].group
 
+    def optimizer_of(self, name: str) -> int:
+        """The chained optimizer (0: dense, 1: expert-parallel) that holds ``name``."""
+        return self._owners[name][0][1].optimizer
+
     def rule(self, name: str) -> ShardRule:
         """The ShardRule the source's pieces of ``name`` were cut with."""
         return self._owners[name][0][1].spec.rule

@@ -8,8 +8,10 @@ that parameter alone), so memory holds one parameter's state per side whatever t
 - ``param``, ``exp_avg``, ``exp_avg_sq``: shape and values with the model's rtol/atol (bit-exact by
   default); vocab tables over the true vocab rows, rows beyond it reported as padding only;
 - ``step`` exactly, and each parameter's param group;
-- the param groups' hyperparameters (lr, weight_decay, betas, eps, ...) per chained optimizer and group
-  (their ``step`` is the per-parameter one);
+- each parameter's param group hyperparameters (lr, weight_decay, betas, eps, ...), matched by the
+  parameters a group holds, not by its position: megatron-core chains a second (expert) optimizer at
+  expert parallel > 1 and not at 1, so the same groups sit at other positions after an EP change
+  (``is_expert_parallel`` says which, and is not compared; the groups' ``step`` is the per-parameter one);
 - the carried counters present on both sides: iteration, ``opt_param_scheduler``,
   ``num_floating_point_operations_so_far``, the consumed-samples counters in ``args``.
 
@@ -32,7 +34,6 @@ from pgconvert.errors import PgconvertError, ValidationError
 from pgconvert.formats.stream import CanonicalSource
 from pgconvert.io.limits import quote
 from pgconvert.model.provider import VOCAB_TABLES
-from pgconvert.optimizer.order import optimizer_count
 from pgconvert.optimizer.source import CARRIED_KEYS, COUNTERS, FIELDS, OptimizerSource
 from pgconvert.run.comparison import DifferenceKind, TensorDifference, compare_values
 
@@ -182,16 +183,44 @@ def _record(name: str, key: str, tensor_a: torch.Tensor, tensor_b: torch.Tensor,
 
 
 def _compare_groups(optimizer_a: OptimizerSource, optimizer_b: OptimizerSource, report: OptimizerReport) -> None:
-    """Per chained optimizer (dense, then expert-parallel at EP > 1) and param group, its hyperparameters."""
-    count = max(optimizer_count(optimizer_a.config, optimizer_a.layout),
-                optimizer_count(optimizer_b.config, optimizer_b.layout))
-    for index in range(count):
-        groups_a, groups_b = optimizer_a.param_group_settings(index), optimizer_b.param_group_settings(index)
-        prefix = "optimizer.param_groups" if count == 1 else f"optimizer[{index}].param_groups"
-        if len(groups_a) != len(groups_b):
-            report.add(prefix, "param_groups", "config", f"{len(groups_a)} param groups in A, {len(groups_b)} in B")
-        for number, (group_a, group_b) in enumerate(zip(groups_a, groups_b)):
-            _compare_values(f"{prefix}[{number}]", group_a, group_b, report, skip={"step", "params"})
+    """Each parameter's param group hyperparameters on both sides; one difference per setting and values,
+    named by A's group (``optimizer[1].param_groups[0].lr`` where A chains two optimizers), with how many
+    parameters it concerns and the first of them."""
+    groups_a, groups_b = _groups_by_parameter(optimizer_a), _groups_by_parameter(optimizer_b)
+    differing: dict[tuple[str, str], tuple[str, int]] = {}
+    for name in (name for name in groups_a if name in groups_b):
+        (label, settings_a), (_, settings_b) = groups_a[name], groups_b[name]
+        if settings_a is None or settings_b is None:
+            side = "A" if settings_a is None else "B"
+            differing[(label, f"the param group that holds it is missing in {side}")] = (name, 1)
+            continue
+        probe = OptimizerReport()
+        _compare_values(label, settings_a, settings_b, probe, skip=LAYOUT_GROUP_KEYS)
+        for difference in probe.differences:
+            first, count = differing.get((difference.name, difference.message), (name, 0))
+            differing[(difference.name, difference.message)] = (first, count + 1)
+    for (setting, message), (first, count) in differing.items():
+        report.add(setting, setting.rsplit(".", 1)[-1], "config",
+                   f"{message} for {count} parameter{'s' if count > 1 else ''} ({first}{', …' if count > 1 else ''})")
+
+
+# Param-group entries that are not hyperparameters: the members, the per-parameter step, and which
+# chained optimizer the group is in (it follows the expert-parallel size).
+LAYOUT_GROUP_KEYS = frozenset({"params", "step", "is_expert_parallel"})
+
+
+def _groups_by_parameter(optimizer: OptimizerSource) -> dict[str, tuple[str, dict[str, Any] | None]]:
+    """Per canonical parameter, the name and settings of the param group that holds it (None: missing)."""
+    settings: dict[int, list[dict[str, Any]]] = {}
+    chained = len({optimizer.optimizer_of(name) for name in optimizer.names()}) > 1
+    by_name = {}
+    for name in optimizer.names():
+        index, group = optimizer.optimizer_of(name), optimizer.group_of(name)
+        if index not in settings:
+            settings[index] = optimizer.param_group_settings(index)
+        label = f"optimizer[{index}].param_groups[{group}]" if chained else f"optimizer.param_groups[{group}]"
+        by_name[name] = (label, settings[index][group] if group < len(settings[index]) else None)
+    return by_name
 
 
 def _compare_counters(optimizer_a: OptimizerSource, optimizer_b: OptimizerSource, report: OptimizerReport) -> None:

@@ -19,7 +19,9 @@ Shims (each announced on stderr with ``[train-shim]``):
   TP ranks, which never happens on a GPU;
 - ``torch.compile`` disabled (eager functions);
 - ``torch.cuda`` queries answered as for one visible device (``device_count``, ``current_device``,
-  ``set_device``, streams, events, ``synchronize``, memory statistics) -- no-ops or zeros.
+  ``set_device``, streams, events, ``synchronize``, memory statistics) -- no-ops or zeros;
+- data loaders never pin memory: the pinning thread asks ``torch.accelerator`` for the device, which a
+  CUDA build of torch on a machine without a driver cannot answer (the CPU build never pins).
 """
 
 from __future__ import annotations
@@ -135,6 +137,14 @@ def install() -> None:
     cuda.nvtx = types.SimpleNamespace(range_push=lambda *a, **k: None, range_pop=lambda *a, **k: None,
                                       range=lambda *a, **k: contextlib.nullcontext())
     torch.nn.Module.cuda = lambda self, device=None: self
+    _note("DataLoader", "pin_memory off: its pinning thread would ask a CUDA build of torch for a device")
+    loader_init = torch.utils.data.DataLoader.__init__
+
+    def unpinned(self: torch.utils.data.DataLoader, *args: Any, **kwargs: Any) -> None:
+        kwargs["pin_memory"] = False
+        loader_init(self, *args, **kwargs)
+
+    torch.utils.data.DataLoader.__init__ = unpinned  # type: ignore[method-assign]
     _note("torch.compile", "disabled (the fused-kernel warm-up compiles for a GPU); functions run eagerly")
     torch._dynamo.config.disable = True
     CudaToCpu().__enter__()

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pgconvert.formats import Loader, LoadOptions, PlannedFile, Progress, SaveOptions, Saver, SaveResult, registry
+from pgconvert.formats import Loader, LoadOptions, PlannedFile, Progress, SaveOptions, Saver, SaveResult, names
 from pgconvert.formats.stream import CanonicalSource, InMemorySource
 from pgconvert.model.config import ModelConfig
 
@@ -56,4 +56,4 @@ def register(monkeypatch: pytest.MonkeyPatch) -> None:
     ``pgconvert.savers`` entry points, as an installed plugin package declares them."""
     points = {"pgconvert.loaders": [EntryPoint("toy", f"{__name__}:ToyLoader", "pgconvert.loaders")],
               "pgconvert.savers": [EntryPoint("toy", f"{__name__}:ToySaver", "pgconvert.savers")]}
-    monkeypatch.setattr(registry, "entry_points", lambda group: points.get(group, []))
+    monkeypatch.setattr(names, "entry_points", lambda group: points.get(group, []))

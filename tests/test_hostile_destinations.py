@@ -4,8 +4,8 @@ long names, a killed ``--overwrite``, batch plans whose destinations overlap, in
 from __future__ import annotations
 
 import fcntl
+import importlib
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +18,7 @@ import pgconvert
 import pgconvert.cli
 from pgconvert.run.destination import LOCK_SUFFIX, NAME_MAX, RETIRED_MARKER, sibling
 
-convert_module = sys.modules["pgconvert.run.convert"]  # the package's ``convert`` is the function
+convert_module = importlib.import_module("pgconvert.run.convert")  # the package's ``convert`` is the function
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +60,7 @@ def test_dangling_symlink_dst_is_refused_up_front(src: Path, tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     link = tmp_path / "dangling"
     link.symlink_to(tmp_path / "nowhere")
-    monkeypatch.setattr(pgconvert.cli, "execute", lambda *args, **kwargs: pytest.fail("refused too late"))
+    monkeypatch.setattr(convert_module, "execute", lambda *args, **kwargs: pytest.fail("refused too late"))
 
     result = run_cli(src, link, "--dst-tp", "1")
 
@@ -161,7 +161,7 @@ def test_ctrl_c_while_planning_exits_130_with_one_line(src: Path, tmp_path: Path
     def interrupted(*args: object, **kwargs: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(pgconvert.cli, "plan", interrupted)
+    monkeypatch.setattr(convert_module, "plan", interrupted)
 
     result = run_cli(src, tmp_path / "dst", "--dst-tp", "1")
 

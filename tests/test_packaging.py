@@ -42,9 +42,9 @@ def test_installed_formats_load_from_a_directory_holding_its_own_loaders(install
     (tmp_path / "loaders" / "__init__.py").write_text("raise ImportError('the wrong loaders package')\n")
     (tmp_path / "savers").mkdir()
     (tmp_path / "savers" / "__init__.py").write_text("raise ImportError('the wrong savers package')\n")
-    code = ("import pgconvert.formats.registry as r; "
-            "print(sorted(type(r.get_loader(n)).__module__ for n in r.loader_names()));"
-            "print(sorted(type(r.get_saver(n)).__module__ for n in r.saver_names()))")
+    code = ("import pgconvert.formats.registry as r, pgconvert.formats.names as n; "
+            "print(sorted(type(r.get_loader(name)).__module__ for name in n.loader_names()));"
+            "print(sorted(type(r.get_saver(name)).__module__ for name in n.saver_names()))")
     result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
                             env={"PYTHONPATH": str(installed), "PATH": "/usr/bin:/bin"}, timeout=120)
     assert result.returncode == 0, result.stderr

@@ -20,6 +20,7 @@ from pgconvert.run.destination import (
     LOCK_SUFFIX,
     PARTIAL_MARKER,
     RETIRED_MARKER,
+    SHARED_STAGING_MARKER,
     recover_retired,
     refuse_unusable_name,
     replace_output,
@@ -321,13 +322,20 @@ def _try_lock(handle: object) -> bool:
 
 
 def remove_leftovers(dst: Path) -> None:
-    """Remove what killed runs left beside DST (its lock file, staging and retired directories, and
-    restore a retired output where DST is missing), unless a live run holds DST's lock and owns them."""
-    if not (sibling(dst, LOCK_SUFFIX).exists() or siblings(dst, PARTIAL_MARKER) or siblings(dst, RETIRED_MARKER)):
+    """Remove what killed runs left beside DST: its lock file, the staging directories of runs that hold
+    DST's lock (a sharded run's shared staging, which its shares write without that lock, is left to
+    them), and a retired output (restored where DST is missing). Nothing is touched while a live run
+    holds DST's lock."""
+    shared = set(siblings(dst, SHARED_STAGING_MARKER))
+    partials = [path for path in siblings(dst, PARTIAL_MARKER) if path not in shared]
+    if not (sibling(dst, LOCK_SUFFIX).exists() or partials or siblings(dst, RETIRED_MARKER)):
         return
     try:
         with _destination_lock(dst):  # its release removes the lock file
-            _remove_stale_partials(dst)
+            recover_retired(dst)
+            for stale in partials:
+                log.warning("removing %s, left by an interrupted conversion", stale)
+                shutil.rmtree(stale, ignore_errors=True)
     except DestinationError:
         log.debug("leaving the hidden siblings of %s to the run that holds its lock", dst)
 

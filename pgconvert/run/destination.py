@@ -45,6 +45,8 @@ SUFFIX_ROOM = 48
 RETIRED_MARKER = ".pgconvert-old-"
 LOCK_SUFFIX = ".pgconvert.lock"
 PARTIAL_MARKER = ".pgconvert-partial-"
+# The staging directory the shares of one sharded run write together (without DST's lock).
+SHARED_STAGING_MARKER = f"{PARTIAL_MARKER}shared-"
 
 
 def sibling_stem(dst: Path) -> str:

@@ -22,8 +22,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Protocol
 
-from pgconvert.run.convert import PARTIAL_MARKER, ConvertRequest, Plan, plan, promote
-from pgconvert.run.destination import sibling
+from pgconvert.run.convert import ConvertRequest, Plan, plan, promote
+from pgconvert.run.destination import SHARED_STAGING_MARKER, sibling
 from pgconvert.errors import ConversionError, ValidationError
 from pgconvert.formats import SaveResult
 from pgconvert.run.workers import balanced_shares, require_partial
@@ -171,7 +171,7 @@ def run_shard(request: ConvertRequest, index: int, count: int, coordinator_kind:
         conversion.source.close()
         raise
     dst = request.dst.absolute()
-    staging = sibling(dst, f"{PARTIAL_MARKER}shared-{run_id(request, count)}")
+    staging = sibling(dst, f"{SHARED_STAGING_MARKER}{run_id(request, count)}")
     staging.mkdir(parents=True, exist_ok=True)
     coordinator: Coordinator
     if coordinator_kind == "store":

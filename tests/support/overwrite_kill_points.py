@@ -15,6 +15,7 @@ computes with torch itself, so a fork costs no import.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shutil
@@ -26,7 +27,7 @@ from typing import Any, Callable
 import pgconvert.cli
 import pgconvert.run.destination as destination
 
-convert_module = sys.modules["pgconvert.run.convert"]
+convert_module = importlib.import_module("pgconvert.run.convert")  # the package's ``convert`` is the function
 
 # Audit events of operations that change or open something on disk (fsync needs an open).
 FILE_SYSTEM_EVENTS = frozenset({"open", "os.rename", "os.replace", "os.remove", "os.rmdir", "os.mkdir",

@@ -119,7 +119,10 @@ def _detect_impl(model: dict[str, Any], args: argparse.Namespace) -> str:
     for impl in ("transformer_engine", "local"):
         if impl in specs:
             return impl
-    return "transformer_engine" if getattr(args, "transformer_impl", "local") == "transformer_engine" else "local"
+    # Without the field (Megatron-LM before --transformer-impl) the local spec; None (which Megatron-LM never
+    # writes; config_from_args names it) is its default, Transformer Engine.
+    recorded = getattr(args, "transformer_impl", "local")
+    return "transformer_engine" if recorded in ("transformer_engine", None) else "local"
 
 
 def _detect_grouped_gemm(model: dict[str, Any]) -> bool:
@@ -250,7 +253,8 @@ class MegatronSource(CanonicalSource):
             fallback(f"{first_file}: no norm keys tell the layer spec apart; assuming "
                      f"transformer_impl={impl!r} from args", options.strict, self._early_notices)
         config = config_from_args(args, first_file, impl, options.true_vocab_size,
-                                  grouped_gemm=_detect_grouped_gemm(dict.fromkeys(all_first_keys)))
+                                  grouped_gemm=_detect_grouped_gemm(dict.fromkeys(all_first_keys)),
+                                  strict=options.strict, notices=self._early_notices)
         _check_config_against_files(config, sum(len(model) for model in models.values()), first_file)
         return _with_mtp_spelling(config, models, self.files)
 

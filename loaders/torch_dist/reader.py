@@ -253,11 +253,13 @@ class TorchDistSource(CanonicalSource):
         options.check_layout(self.layout, common_path)
         impl = getattr(args, "transformer_impl", None)
         if impl not in TRANSFORMER_IMPLS:
-            fallback(f"{common_path}: args.transformer_impl={impl!r}; assuming Megatron-LM's default "
-                     f"{DEFAULT_TRANSFORMER_IMPL!r} for the key names", options.strict, early_notices)
+            if impl is not None or not hasattr(args, "transformer_impl"):  # None: config_from_args names it
+                fallback(f"{common_path}: args.transformer_impl={impl!r}; assuming Megatron-LM's default "
+                         f"{DEFAULT_TRANSFORMER_IMPL!r} for the key names", options.strict, early_notices)
             impl = DEFAULT_TRANSFORMER_IMPL
         config = config_from_args(args, common_path, impl, options.true_vocab_size,
-                                  grouped_gemm=bool(getattr(args, "moe_grouped_gemm", False)))
+                                  grouped_gemm=bool(getattr(args, "moe_grouped_gemm", False)),
+                                  strict=options.strict, notices=early_notices)
         self.layout.validate(config, "src")
         _check_counts(config, self._metadata, metadata_path)
         self._locations = tensor_locations(config)

@@ -19,7 +19,9 @@ from support.tiny_models import GQA_SWIGLU
 import pgconvert
 from pgconvert.cli import main
 from pgconvert.errors import StrictModeError
+from pgconvert.formats import LoadOptions
 from pgconvert.formats.megatron_args import ARG_FIELDS, MEGATRON_ARGS, ArgField, markdown_table
+from pgconvert.loaders.torch_dist import TorchDistLoader
 
 GOLDENS = Path(__file__).parent / "data" / "megatron_lm"
 NOTICE_ROWS = [row for row in MEGATRON_ARGS if row.notices_none]
@@ -195,3 +197,22 @@ def test_a_checkpoint_with_ffn_hidden_size_none_converts_as_megatron_sized_it(tp
                                           if isinstance(value, torch.Tensor)}
     for key, tensor in tensors.items():
         assert torch.equal(tensor, derived["model"][key]), key
+
+
+def test_the_torch_dist_loader_names_each_none_once_and_strict_refuses(tp2: Path, tmp_path: Path) -> None:
+    pgconvert.convert(tp2, tmp_path / "td", dst_format="torch_dist")
+    common_path = tmp_path / "td" / "iter_0000100" / "common.pt"
+    common: Any = load_for_test(common_path)
+    common["args"].transformer_impl = None
+    common["args"].swiglu = None
+    torch.save(common, common_path)
+
+    with pytest.raises(StrictModeError, match=r"common\.pt: args\.swiglu=None"):
+        TorchDistLoader().open(tmp_path / "td", LoadOptions(strict=True))
+    with TorchDistLoader().open(tmp_path / "td", LoadOptions()) as source:
+        notices = [notice for notice in source.notices if "=None" in notice]
+
+    assert len(notices) == 2, notices
+    assert any("args.swiglu=None, which Megatron-LM never writes: using False" in notice for notice in notices)
+    assert any("args.transformer_impl=None, which Megatron-LM never writes: using 'transformer_engine'" in notice
+               for notice in notices)

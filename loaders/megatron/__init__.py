@@ -38,6 +38,7 @@ from pgconvert.formats.megatron import (
 from pgconvert.io.torch_input import mappable
 from pgconvert.loaders.megatron.optimizer import MegatronOptimizerSource
 from pgconvert.io.memory import concat_releasing, release_mapped_pages
+from pgconvert.formats.megatron_args import MEGATRON_DEFAULTS
 from pgconvert.formats.mtp_naming import canonical_mtp_key, mtp_module_of
 from pgconvert.io.paths import ensure_within
 from pgconvert.model.provider import (
@@ -122,7 +123,9 @@ def _detect_impl(model: dict[str, Any], args: argparse.Namespace) -> str:
     # Without the field (Megatron-LM before --transformer-impl) the local spec; None (which Megatron-LM never
     # writes; config_from_args names it) is its default, Transformer Engine.
     recorded = getattr(args, "transformer_impl", "local")
-    return "transformer_engine" if recorded in ("transformer_engine", None) else "local"
+    if recorded is None:
+        recorded = MEGATRON_DEFAULTS["transformer_impl"]
+    return "transformer_engine" if recorded == "transformer_engine" else "local"
 
 
 def _detect_grouped_gemm(model: dict[str, Any]) -> bool:

@@ -64,6 +64,7 @@ from pgconvert.io.torch_input import check_torch_stream
 from pgconvert.io.paths import ensure_within
 from pgconvert.model.provider import OUTPUT_LAYER, VOCAB_TABLES, WORD_EMBEDDINGS, canonical_shapes, te_extra_state_names
 from pgconvert.model.rules import ShardRule, assemble
+from pgconvert.formats.megatron_args import MEGATRON_DEFAULTS
 from pgconvert.formats.stream import CanonicalSource, ExtraState, TensorMeta, holds_state
 from pgconvert.formats.strict import fallback
 from pgconvert.formats.torch_dist_optimizer import moe_form_refusal
@@ -84,7 +85,7 @@ from pgconvert.formats.torch_dist import (
 log = logging.getLogger(__name__)
 
 # Megatron-LM's default --transformer-impl, for args that do not record one.
-DEFAULT_TRANSFORMER_IMPL = "transformer_engine"
+DEFAULT_TRANSFORMER_IMPL = MEGATRON_DEFAULTS["transformer_impl"]
 
 
 @dataclass(frozen=True)

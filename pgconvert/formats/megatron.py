@@ -35,7 +35,7 @@ import torch
 from pgconvert.model.config import ModelConfig
 from pgconvert.errors import CheckpointError, ConfigError, LayoutError, UnsafePickleError
 from pgconvert.formats import RELEASE, Iteration
-from pgconvert.formats.megatron_args import megatron_ffn_hidden_size, none_notices
+from pgconvert.formats.megatron_args import MEGATRON_DEFAULTS, megatron_ffn_hidden_size, none_notices
 from pgconvert.model.layout import ParallelLayout
 from pgconvert.io.limits import MAX_TRACKER_BYTES, over_limit, quote
 from pgconvert.families import CARRIED_SETTINGS
@@ -284,27 +284,28 @@ def _config_from_args(args: argparse.Namespace, path: Path, transformer_impl: st
         "kv_channels": getattr(args, "kv_channels", None) or None,
         "vocab_size": vocab,
         "make_vocab_size_divisible_by": (getattr(args, "make_vocab_size_divisible_by", None)
-                                         or ModelConfig.make_vocab_size_divisible_by),
+                                         or MEGATRON_DEFAULTS["make_vocab_size_divisible_by"]),
         # A gated GELU (Gemma's GeGLU) is gated_linear_unit without swiglu; --openai-gelu is tanh's.
         # GPT-OSS's clamped GLU is gated_linear_unit with --quick-geglu.
         "gated_linear_unit": swiglu or quick_geglu or bool(getattr(args, "gated_linear_unit", False)),
         "activation": ("quick_gelu" if quick_geglu else "silu" if swiglu
                        else ("gelu_tanh" if getattr(args, "openai_gelu", False) else "gelu")),
-        "normalization": getattr(args, "normalization", None) or "LayerNorm",
-        "norm_epsilon": _arg_float(args, ("norm_epsilon", "layernorm_epsilon"), 1e-5, path),
+        "normalization": getattr(args, "normalization", None) or MEGATRON_DEFAULTS["normalization"],
+        "norm_epsilon": _arg_float(args, ("norm_epsilon", "layernorm_epsilon"), MEGATRON_DEFAULTS["layernorm_epsilon"],
+                                   path),
         "add_bias_linear": bool(_or_default(args, "add_bias_linear", True)),
         "add_qkv_bias": bool(getattr(args, "add_qkv_bias", False)),
         "qk_layernorm": bool(getattr(args, "qk_layernorm", False)),
         "tie_embeddings": not getattr(args, "untie_embeddings_and_output_weights", False),
         "position_embedding_type": _position_embedding_type(args, path),
         "max_position_embeddings": getattr(args, "max_position_embeddings", None),
-        "rotary_base": _arg_float(args, ("rotary_base",), 10000.0, path),
+        "rotary_base": _arg_float(args, ("rotary_base",), float(MEGATRON_DEFAULTS["rotary_base"]), path),
         "params_dtype": _dtype_name(args),
         "transformer_impl": transformer_impl,
         "num_experts": getattr(args, "num_experts", None) or None,
         "moe_ffn_hidden_size": _or_default(args, "moe_ffn_hidden_size", ffn if getattr(args, "num_experts", None) else None),
         "moe_layer_freq": _moe_layer_freq(getattr(args, "moe_layer_freq", None), path),
-        "moe_router_topk": getattr(args, "moe_router_topk", None) or 2,
+        "moe_router_topk": getattr(args, "moe_router_topk", None) or MEGATRON_DEFAULTS["moe_router_topk"],
         "moe_shared_expert_intermediate_size": getattr(args, "moe_shared_expert_intermediate_size", None),
         "moe_shared_expert_gate": bool(getattr(args, "moe_shared_expert_gate", False)),
         "moe_router_enable_expert_bias": bool(getattr(args, "moe_router_enable_expert_bias", False)),
@@ -420,7 +421,7 @@ def check_megatron_layout(layout: ParallelLayout, flag_prefix: str, path: Path |
 
 def _moe_layer_freq(value: Any, path: Path) -> int | tuple[int, ...]:
     if value is None:
-        return 1
+        return MEGATRON_DEFAULTS["moe_layer_freq"]
     if isinstance(value, int):
         return value
     if isinstance(value, (list, tuple)) and all(isinstance(item, int) for item in value):

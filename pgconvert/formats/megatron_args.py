@@ -37,7 +37,7 @@ from pgconvert.semantics.mla import MEGATRON_MLA_DEFAULTS
 from pgconvert.semantics.rope import MEGATRON_DEFAULT_ROPE_SCALING_FACTOR
 from pgconvert.semantics.yarn import YARN_DEFAULTS, uses_yarn
 
-# Megatron-LM's defaults pgconvert's readers fall back to (arguments.py, d98e8a64).
+# Megatron-LM's defaults (arguments.py, d98e8a64) that pgconvert's Megatron readers outside semantics fall back to.
 MEGATRON_DEFAULTS: dict[str, Any] = {
     "rotary_base": 10000, "make_vocab_size_divisible_by": 128, "layernorm_epsilon": 1e-5,
     "normalization": "LayerNorm", "moe_router_topk": 2, "moe_layer_freq": 1, "moe_router_score_function": "softmax",
@@ -94,7 +94,7 @@ def _constant(value: Any) -> Reader:
 
 
 def _given(args: argparse.Namespace, name: str) -> Any:
-    """``args.<name>`` when it is set (not absent, not None), else None."""
+    """``args.<name>``; None when absent."""
     return getattr(args, name, None)
 
 
@@ -162,10 +162,10 @@ def _norm_epsilon(args: argparse.Namespace) -> Any:
 
 
 def _defaulted(name: str, value: Any, readers: str, when: Callable[[argparse.Namespace], bool] = _always,
-               origin: str = "Megatron-LM", absent: str = "") -> ArgField:
+               origin: str = "Megatron-LM") -> ArgField:
     """A field Megatron-LM always writes, with a plain default: absent and None both read as it."""
     text = repr(value)
-    return ArgField(name, text, False, absent or text, f"{text}", readers, _constant(value),
+    return ArgField(name, text, False, text, text, readers, _constant(value),
                     when=when, origin=origin,
                     why="Megatron-LM's default" if origin.startswith("Megatron-LM") else f"{origin}'s default")
 

@@ -121,7 +121,7 @@ def _detect_impl(model: dict[str, Any], args: argparse.Namespace) -> str:
         if impl in specs:
             return impl
     # Without the field (Megatron-LM before --transformer-impl) the local spec; None (which Megatron-LM never
-    # writes; config_from_args names it) is its default, Transformer Engine.
+    # writes; layout_from_args names it) is its default, Transformer Engine.
     recorded = getattr(args, "transformer_impl", "local")
     if recorded is None:
         recorded = MEGATRON_DEFAULTS["transformer_impl"]
@@ -184,7 +184,7 @@ class MegatronSource(CanonicalSource):
         rank_dirs = _rank_dirs(iteration_dir)
         first_name = min(rank_dirs)
         first_file, first_state, args = self._read_first(rank_dirs[first_name] / RANK_FILE)
-        layout = layout_from_args(args, first_file)
+        layout = layout_from_args(args, first_file, options.strict, self._early_notices)
         check_megatron_layout(layout, "src", first_file)
         self.layout = layout
         options.check_layout(layout, first_file)
@@ -256,8 +256,7 @@ class MegatronSource(CanonicalSource):
             fallback(f"{first_file}: no norm keys tell the layer spec apart; assuming "
                      f"transformer_impl={impl!r} from args", options.strict, self._early_notices)
         config = config_from_args(args, first_file, impl, options.true_vocab_size,
-                                  grouped_gemm=_detect_grouped_gemm(dict.fromkeys(all_first_keys)),
-                                  strict=options.strict, notices=self._early_notices)
+                                  grouped_gemm=_detect_grouped_gemm(dict.fromkeys(all_first_keys)))
         _check_config_against_files(config, sum(len(model) for model in models.values()), first_file)
         return _with_mtp_spelling(config, models, self.files)
 

@@ -250,17 +250,16 @@ class TorchDistSource(CanonicalSource):
                 f"{common_path}: saved with singleton_local_shards=True (one key per expert and per gate/up "
                 "half); pgconvert reads the default naming (singleton_local_shards=False) only"
             )
-        self.layout = layout_from_args(args, common_path)
+        self.layout = layout_from_args(args, common_path, options.strict, early_notices)
         options.check_layout(self.layout, common_path)
         impl = getattr(args, "transformer_impl", None)
         if impl not in TRANSFORMER_IMPLS:
-            if impl is not None or not hasattr(args, "transformer_impl"):  # None: config_from_args names it
+            if impl is not None or not hasattr(args, "transformer_impl"):  # None: layout_from_args names it
                 fallback(f"{common_path}: args.transformer_impl={impl!r}; assuming Megatron-LM's default "
                          f"{DEFAULT_TRANSFORMER_IMPL!r} for the key names", options.strict, early_notices)
             impl = DEFAULT_TRANSFORMER_IMPL
         config = config_from_args(args, common_path, impl, options.true_vocab_size,
-                                  grouped_gemm=bool(getattr(args, "moe_grouped_gemm", False)),
-                                  strict=options.strict, notices=early_notices)
+                                  grouped_gemm=bool(getattr(args, "moe_grouped_gemm", False)))
         self.layout.validate(config, "src")
         _check_counts(config, self._metadata, metadata_path)
         self._locations = tensor_locations(config)

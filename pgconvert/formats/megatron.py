@@ -240,13 +240,11 @@ def _dtype_name(args: argparse.Namespace) -> str:
 
 
 def config_from_args(args: argparse.Namespace, path: Path, transformer_impl: str,
-                     true_vocab_size: int | None, grouped_gemm: bool = False, strict: bool = False,
-                     notices: list[str] | None = None) -> ModelConfig:
+                     true_vocab_size: int | None, grouped_gemm: bool = False) -> ModelConfig:
     """The ModelConfig a Megatron run's ``args`` describe; a value it refuses is named with the file.
 
-    A field that is None where Megatron-LM never writes None is read as Megatron-LM would have it, and named
-    in a notice (``pgconvert.formats.megatron_args``; ``strict``: refused)."""
-    none_notices(args, path, strict, notices)
+    A field that is None where Megatron-LM never writes None is read as Megatron-LM would have it
+    (``layout_from_args`` names it)."""
     try:
         config = _config_from_args(args, path, transformer_impl, true_vocab_size, grouped_gemm)
         return config.replace(mtp_num_layers=_arg_int(args, "mtp_num_layers", path, minimum=0) or 0)  # mtp
@@ -345,7 +343,13 @@ def _layout_string(value: Any, path: Path) -> str | None:
     )
 
 
-def layout_from_args(args: argparse.Namespace, path: Path) -> ParallelLayout:
+def layout_from_args(args: argparse.Namespace, path: Path, strict: bool = False,
+                     notices: list[str] | None = None) -> ParallelLayout:
+    """The layout a Megatron run's ``args`` describe. Read first by both Megatron loaders, so it names every
+    field of ``args`` that is None where Megatron-LM never writes None, with the value pgconvert reads it as
+    (``pgconvert.formats.megatron_args.none_notices``; ``strict``: refused)."""
+    none_notices(args, path, strict, notices)
+
     def size(name: str) -> int:
         value = _arg_int(args, name, path, minimum=1)
         return 1 if value is None else value

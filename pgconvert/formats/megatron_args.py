@@ -11,9 +11,9 @@ is absent (an older Megatron-LM without the flag: its default) and when it is No
 A None that the field's writer never writes (``args.rotary_base=None``) is not a setting: pgconvert then
 computes with Megatron-LM's default, or with what its ``validate_args`` derives, and says so in a notice
 naming the file, the field and the value (``none_notices``; ``--strict`` refuses it). Both Megatron
-loaders get it through ``pgconvert.formats.megatron.config_from_args``. Fields pgconvert only carries
-into the target's ``args`` or reports (``carried``) and the ones without which no model is described
-(``required``, refused by name) have no notice.
+loaders get it through ``pgconvert.formats.megatron.layout_from_args``, the first reader they call.
+Fields pgconvert only carries into the target's ``args`` or reports (``carried``) and the ones without
+which no model is described (``required``, refused by name) have no notice.
 
 Rows of settings whose readers live in ``pgconvert.semantics`` take their values from the constants those
 readers use; the tests read every row's None and its stated value through the readers and compare.

@@ -95,10 +95,9 @@ CASES: dict[str, Callable[[], argparse.Namespace]] = _cases()
 
 def read_all(args: argparse.Namespace, strict: bool = False, notices: list[str] | None = None) -> dict[str, Any]:
     """What pgconvert's readers make of ``args`` (those that need no tensors)."""
-    layout = layout_from_args(args, ARGS_PATH)
+    layout = layout_from_args(args, ARGS_PATH, strict, notices)
     impl = _detect_impl({}, args)
-    config = config_from_args(args, ARGS_PATH, impl, None, grouped_gemm=bool(getattr(args, "moe_grouped_gemm", False)),
-                              strict=strict, notices=notices)
+    config = config_from_args(args, ARGS_PATH, impl, None, grouped_gemm=bool(getattr(args, "moe_grouped_gemm", False)))
     dp = dp_size(args)
     rules = OptimizerRules.from_args(args, str(ARGS_PATH))
     buffers = flat_buffers(config, layout, RankCoord(0, 0, 0), rules, PADDED_VOCAB, args, dp)

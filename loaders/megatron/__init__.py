@@ -38,6 +38,7 @@ from pgconvert.formats.megatron import (
 from pgconvert.io.torch_input import mappable
 from pgconvert.loaders.megatron.optimizer import MegatronOptimizerSource
 from pgconvert.io.memory import concat_releasing, release_mapped_pages
+from pgconvert.formats.megatron_args import MEGATRON_DEFAULTS
 from pgconvert.formats.mtp_naming import canonical_mtp_key, mtp_module_of
 from pgconvert.io.paths import ensure_within
 from pgconvert.model.provider import (
@@ -119,7 +120,12 @@ def _detect_impl(model: dict[str, Any], args: argparse.Namespace) -> str:
     for impl in ("transformer_engine", "local"):
         if impl in specs:
             return impl
-    return "transformer_engine" if getattr(args, "transformer_impl", "local") == "transformer_engine" else "local"
+    # Without the field (Megatron-LM before --transformer-impl) the local spec; None (which Megatron-LM never
+    # writes; layout_from_args names it) is its default, Transformer Engine.
+    recorded = getattr(args, "transformer_impl", "local")
+    if recorded is None:
+        recorded = MEGATRON_DEFAULTS["transformer_impl"]
+    return "transformer_engine" if recorded == "transformer_engine" else "local"
 
 
 def _detect_grouped_gemm(model: dict[str, Any]) -> bool:
@@ -178,7 +184,7 @@ class MegatronSource(CanonicalSource):
         rank_dirs = _rank_dirs(iteration_dir)
         first_name = min(rank_dirs)
         first_file, first_state, args = self._read_first(rank_dirs[first_name] / RANK_FILE)
-        layout = layout_from_args(args, first_file)
+        layout = layout_from_args(args, first_file, options.strict, self._early_notices)
         check_megatron_layout(layout, "src", first_file)
         self.layout = layout
         options.check_layout(layout, first_file)

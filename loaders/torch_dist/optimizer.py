@@ -103,7 +103,7 @@ class TorchDistOptimizerSource(OptimizerSource):
         self.first = SourceRank(source.directory, extra)
         self._settings = [[{k: v for k, v in group.items() if k not in ("params", "step")} for group in groups]
                           for groups in chained]
-        self.dtype_key = self._dtype_key()
+        self.dtype_key = buffer_dtype_key(args)
         self.grad_scalers = self._grad_scalers(common)
         self._check_stored()
         if self.sharding == DP_RESHARDABLE:
@@ -166,13 +166,6 @@ class TorchDistOptimizerSource(OptimizerSource):
             raise OptimizerLayoutError(f"{where}: optimizer param_groups = {quote(groups, 160)}; {_VERSIONS} "
                                        f"builds {count} for this model (weight decay, no weight decay)")
         return groups
-
-    def _dtype_key(self) -> tuple[torch.dtype, torch.dtype]:
-        """``distrib_optim.pt``'s buffer key: (model dtype, grad dtype)."""
-        param = torch.bfloat16 if getattr(self.args, "bf16", False) else \
-            torch.float16 if getattr(self.args, "fp16", False) else torch.float32
-        fp32_grads = getattr(self.args, "accumulate_allreduce_grads_in_fp32", False)
-        return (param, torch.float32 if fp32_grads else param)
 
     def bucket_key(self, coord: RankCoord, chunk: int, field: str, bucket: int = 0, optimizer: int = 0) -> str:
         """The record of buffer ``chunk`` (``gbuf_idx``), bucket and field of chained optimizer ``optimizer`` on rank
@@ -329,3 +322,12 @@ def _one_step(groups: list[dict[str, Any]], where: str) -> torch.Tensor:
         raise OptimizerLayoutError(f"{where}: optimizer param_groups[*].step = {quote(sorted(map(str, steps)))}: "
                                    "expected one step count")
     return torch.tensor(float(next(iter(steps))))
+
+
+def buffer_dtype_key(args: Any) -> tuple[torch.dtype, torch.dtype]:
+    """A flat buffer's record key: (model dtype, grad dtype), as the run's ``args`` say (Megatron-LM's defaults
+    where they do not)."""
+    param = torch.bfloat16 if getattr(args, "bf16", False) else \
+        torch.float16 if getattr(args, "fp16", False) else torch.float32
+    fp32_grads = getattr(args, "accumulate_allreduce_grads_in_fp32", False)
+    return (param, torch.float32 if fp32_grads else param)

@@ -64,6 +64,7 @@ from pgconvert.io.torch_input import check_torch_stream
 from pgconvert.io.paths import ensure_within
 from pgconvert.model.provider import OUTPUT_LAYER, VOCAB_TABLES, WORD_EMBEDDINGS, canonical_shapes, te_extra_state_names
 from pgconvert.model.rules import ShardRule, assemble
+from pgconvert.formats.megatron_args import MEGATRON_DEFAULTS
 from pgconvert.formats.stream import CanonicalSource, ExtraState, TensorMeta, holds_state
 from pgconvert.formats.strict import fallback
 from pgconvert.formats.torch_dist_optimizer import moe_form_refusal
@@ -84,7 +85,7 @@ from pgconvert.formats.torch_dist import (
 log = logging.getLogger(__name__)
 
 # Megatron-LM's default --transformer-impl, for args that do not record one.
-DEFAULT_TRANSFORMER_IMPL = "transformer_engine"
+DEFAULT_TRANSFORMER_IMPL = MEGATRON_DEFAULTS["transformer_impl"]
 
 
 @dataclass(frozen=True)
@@ -249,12 +250,13 @@ class TorchDistSource(CanonicalSource):
                 f"{common_path}: saved with singleton_local_shards=True (one key per expert and per gate/up "
                 "half); pgconvert reads the default naming (singleton_local_shards=False) only"
             )
-        self.layout = layout_from_args(args, common_path)
+        self.layout = layout_from_args(args, common_path, options.strict, early_notices)
         options.check_layout(self.layout, common_path)
         impl = getattr(args, "transformer_impl", None)
         if impl not in TRANSFORMER_IMPLS:
-            fallback(f"{common_path}: args.transformer_impl={impl!r}; assuming Megatron-LM's default "
-                     f"{DEFAULT_TRANSFORMER_IMPL!r} for the key names", options.strict, early_notices)
+            if impl is not None or not hasattr(args, "transformer_impl"):  # None: layout_from_args names it
+                fallback(f"{common_path}: args.transformer_impl={impl!r}; assuming Megatron-LM's default "
+                         f"{DEFAULT_TRANSFORMER_IMPL!r} for the key names", options.strict, early_notices)
             impl = DEFAULT_TRANSFORMER_IMPL
         config = config_from_args(args, common_path, impl, options.true_vocab_size,
                                   grouped_gemm=bool(getattr(args, "moe_grouped_gemm", False)))

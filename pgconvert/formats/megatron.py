@@ -35,6 +35,7 @@ import torch
 from pgconvert.model.config import ModelConfig
 from pgconvert.errors import CheckpointError, ConfigError, LayoutError, UnsafePickleError
 from pgconvert.formats import RELEASE, Iteration
+from pgconvert.formats.megatron_args import MEGATRON_DEFAULTS, megatron_ffn_hidden_size, none_notices
 from pgconvert.model.layout import ParallelLayout
 from pgconvert.io.limits import MAX_TRACKER_BYTES, over_limit, quote
 from pgconvert.families import CARRIED_SETTINGS
@@ -240,7 +241,10 @@ def _dtype_name(args: argparse.Namespace) -> str:
 
 def config_from_args(args: argparse.Namespace, path: Path, transformer_impl: str,
                      true_vocab_size: int | None, grouped_gemm: bool = False) -> ModelConfig:
-    """The ModelConfig a Megatron run's ``args`` describe; a value it refuses is named with the file."""
+    """The ModelConfig a Megatron run's ``args`` describe; a value it refuses is named with the file.
+
+    A field that is None where Megatron-LM never writes None is read as Megatron-LM would have it
+    (``layout_from_args`` names it)."""
     try:
         config = _config_from_args(args, path, transformer_impl, true_vocab_size, grouped_gemm)
         return config.replace(mtp_num_layers=_arg_int(args, "mtp_num_layers", path, minimum=0) or 0)  # mtp
@@ -261,6 +265,55 @@ def _config_from_args(args: argparse.Namespace, path: Path, transformer_impl: st
     heads = required("num_attention_heads")
     hidden = required("hidden_size")
     groups = getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", False) else None
+    vocab = true_vocab_size
+    if vocab is None and isinstance(getattr(args, "vocab_size", None), int):
+        vocab = args.vocab_size
+    swiglu = bool(getattr(args, "swiglu", False))
+    # Megatron-LM's validate_args fills both sizes in when they are not given.
+    ffn = getattr(args, "ffn_hidden_size", None) or (megatron_ffn_hidden_size(hidden, swiglu)
+                                                     if isinstance(hidden, int) else hidden)
+    quick_geglu = bool(getattr(args, "quick_geglu", False))  # Megatron-LM's --quick-geglu (GPT-OSS)
+    return ModelConfig.from_settings({
+        "num_layers": required("num_layers"),
+        "hidden_size": hidden,
+        "num_attention_heads": heads,
+        "ffn_hidden_size": ffn,
+        "num_query_groups": groups or heads,
+        "kv_channels": getattr(args, "kv_channels", None) or None,
+        "vocab_size": vocab,
+        "make_vocab_size_divisible_by": (getattr(args, "make_vocab_size_divisible_by", None)
+                                         or MEGATRON_DEFAULTS["make_vocab_size_divisible_by"]),
+        # A gated GELU (Gemma's GeGLU) is gated_linear_unit without swiglu; --openai-gelu is tanh's.
+        # GPT-OSS's clamped GLU is gated_linear_unit with --quick-geglu.
+        "gated_linear_unit": swiglu or quick_geglu or bool(getattr(args, "gated_linear_unit", False)),
+        "activation": ("quick_gelu" if quick_geglu else "silu" if swiglu
+                       else ("gelu_tanh" if getattr(args, "openai_gelu", False) else "gelu")),
+        "normalization": getattr(args, "normalization", None) or MEGATRON_DEFAULTS["normalization"],
+        "norm_epsilon": _arg_float(args, ("norm_epsilon", "layernorm_epsilon"), MEGATRON_DEFAULTS["layernorm_epsilon"],
+                                   path),
+        "add_bias_linear": bool(_or_default(args, "add_bias_linear", True)),
+        "add_qkv_bias": bool(getattr(args, "add_qkv_bias", False)),
+        "qk_layernorm": bool(getattr(args, "qk_layernorm", False)),
+        "tie_embeddings": not getattr(args, "untie_embeddings_and_output_weights", False),
+        "position_embedding_type": _position_embedding_type(args, path),
+        "max_position_embeddings": getattr(args, "max_position_embeddings", None),
+        "rotary_base": _arg_float(args, ("rotary_base",), float(MEGATRON_DEFAULTS["rotary_base"]), path),
+        "params_dtype": _dtype_name(args),
+        "transformer_impl": transformer_impl,
+        "num_experts": getattr(args, "num_experts", None) or None,
+        "moe_ffn_hidden_size": _or_default(args, "moe_ffn_hidden_size", ffn if getattr(args, "num_experts", None) else None),
+        "moe_layer_freq": _moe_layer_freq(getattr(args, "moe_layer_freq", None), path),
+        "moe_router_topk": getattr(args, "moe_router_topk", None) or MEGATRON_DEFAULTS["moe_router_topk"],
+        "moe_shared_expert_intermediate_size": getattr(args, "moe_shared_expert_intermediate_size", None),
+        "moe_shared_expert_gate": bool(getattr(args, "moe_shared_expert_gate", False)),
+        "moe_router_enable_expert_bias": bool(getattr(args, "moe_router_enable_expert_bias", False)),
+        "moe_grouped_gemm": grouped_gemm,
+        **semantics_from_args(args, path, CARRIED_SETTINGS),
+    })
+
+
+def _position_embedding_type(args: argparse.Namespace, path: Path) -> str:
+    """``args.position_embedding_type`` (older runs: ``use_rotary_position_embeddings``); YaRN is RoPE here."""
     position = getattr(args, "position_embedding_type", None)
     if position is None:
         position = "rope" if getattr(args, "use_rotary_position_embeddings", False) else "learned_absolute"
@@ -268,47 +321,13 @@ def _config_from_args(args: argparse.Namespace, path: Path, transformer_impl: st
         position = "rope"  # YaRN-scaled RoPE: pgconvert.semantics.yarn reads its parameters
     if position not in ("rope", "learned_absolute", "none"):
         raise CheckpointError(f"{path}: args.position_embedding_type={quote(position)} is not supported")
-    vocab = true_vocab_size
-    if vocab is None and isinstance(getattr(args, "vocab_size", None), int):
-        vocab = args.vocab_size
-    swiglu = bool(getattr(args, "swiglu", False))
-    quick_geglu = bool(getattr(args, "quick_geglu", False))  # Megatron-LM's --quick-geglu (GPT-OSS)
-    return ModelConfig.from_settings({
-        "num_layers": required("num_layers"),
-        "hidden_size": hidden,
-        "num_attention_heads": heads,
-        "ffn_hidden_size": getattr(args, "ffn_hidden_size", None) or (4 * hidden if isinstance(hidden, int) else hidden),
-        "num_query_groups": groups or heads,
-        "kv_channels": getattr(args, "kv_channels", None) or None,
-        "vocab_size": vocab,
-        "make_vocab_size_divisible_by": (getattr(args, "make_vocab_size_divisible_by", None)
-                                         or ModelConfig.make_vocab_size_divisible_by),
-        # A gated GELU (Gemma's GeGLU) is gated_linear_unit without swiglu; --openai-gelu is tanh's.
-        # GPT-OSS's clamped GLU is gated_linear_unit with --quick-geglu.
-        "gated_linear_unit": swiglu or quick_geglu or bool(getattr(args, "gated_linear_unit", False)),
-        "activation": ("quick_gelu" if quick_geglu else "silu" if swiglu
-                       else ("gelu_tanh" if getattr(args, "openai_gelu", False) else "gelu")),
-        "normalization": getattr(args, "normalization", None) or "LayerNorm",
-        "norm_epsilon": _arg_float(args, ("norm_epsilon", "layernorm_epsilon"), 1e-5, path),
-        "add_bias_linear": bool(getattr(args, "add_bias_linear", True)),
-        "add_qkv_bias": bool(getattr(args, "add_qkv_bias", False)),
-        "qk_layernorm": bool(getattr(args, "qk_layernorm", False)),
-        "tie_embeddings": not getattr(args, "untie_embeddings_and_output_weights", False),
-        "position_embedding_type": position,
-        "max_position_embeddings": getattr(args, "max_position_embeddings", None),
-        "rotary_base": _arg_float(args, ("rotary_base",), 10000.0, path),
-        "params_dtype": _dtype_name(args),
-        "transformer_impl": transformer_impl,
-        "num_experts": getattr(args, "num_experts", None) or None,
-        "moe_ffn_hidden_size": getattr(args, "moe_ffn_hidden_size", None),
-        "moe_layer_freq": _moe_layer_freq(getattr(args, "moe_layer_freq", None), path),
-        "moe_router_topk": getattr(args, "moe_router_topk", None) or 2,
-        "moe_shared_expert_intermediate_size": getattr(args, "moe_shared_expert_intermediate_size", None),
-        "moe_shared_expert_gate": bool(getattr(args, "moe_shared_expert_gate", False)),
-        "moe_router_enable_expert_bias": bool(getattr(args, "moe_router_enable_expert_bias", False)),
-        "moe_grouped_gemm": grouped_gemm,
-        **semantics_from_args(args, path, CARRIED_SETTINGS),
-    })
+    return position
+
+
+def _or_default(args: argparse.Namespace, name: str, default: Any) -> Any:
+    """``args.<name>``, ``default`` when absent or None."""
+    value = getattr(args, name, None)
+    return default if value is None else value
 
 
 def _layout_string(value: Any, path: Path) -> str | None:
@@ -324,7 +343,13 @@ def _layout_string(value: Any, path: Path) -> str | None:
     )
 
 
-def layout_from_args(args: argparse.Namespace, path: Path) -> ParallelLayout:
+def layout_from_args(args: argparse.Namespace, path: Path, strict: bool = False,
+                     notices: list[str] | None = None) -> ParallelLayout:
+    """The layout a Megatron run's ``args`` describe. Read first by both Megatron loaders, so it names every
+    field of ``args`` that is None where Megatron-LM never writes None, with the value pgconvert reads it as
+    (``pgconvert.formats.megatron_args.none_notices``; ``strict``: refused)."""
+    none_notices(args, path, strict, notices)
+
     def size(name: str) -> int:
         value = _arg_int(args, name, path, minimum=1)
         return 1 if value is None else value
@@ -400,7 +425,7 @@ def check_megatron_layout(layout: ParallelLayout, flag_prefix: str, path: Path |
 
 def _moe_layer_freq(value: Any, path: Path) -> int | tuple[int, ...]:
     if value is None:
-        return 1
+        return MEGATRON_DEFAULTS["moe_layer_freq"]
     if isinstance(value, int):
         return value
     if isinstance(value, (list, tuple)) and all(isinstance(item, int) for item in value):

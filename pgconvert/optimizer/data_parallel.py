@@ -21,6 +21,7 @@ import copy
 from typing import TYPE_CHECKING, Any
 
 from pgconvert.errors import ValidationError
+from pgconvert.formats.megatron_args import megatron_data_parallel_size
 from pgconvert.model.config import ModelConfig
 from pgconvert.model.grid import RankCoord
 from pgconvert.model.layout import ParallelLayout
@@ -33,8 +34,9 @@ _VERSIONS = "megatron-core " + " / ".join(MEGATRON_CORE_VERSIONS)
 
 
 def dp_size(args: argparse.Namespace | None) -> int:
-    """The data-parallel size a checkpoint's ``args`` record (1 when they do not say)."""
-    return int(getattr(args, "data_parallel_size", None) or 1)
+    """The data-parallel size a checkpoint's ``args`` record, else what Megatron-LM derives from its
+    ``world_size`` (1 when they do not say)."""
+    return megatron_data_parallel_size(args)
 
 
 def check_dst_dp(dp: int, layout: ParallelLayout, args: argparse.Namespace | None, skip_optimizer: bool,

@@ -25,9 +25,11 @@ MEGATRON_MLA_DEFAULTS: dict[str, int | None] = {
 
 
 def _optional_int(args: argparse.Namespace, name: str, default: int | None, path: Path) -> int | None:
-    value = getattr(args, name, default)
+    """``args.<name>``, a positive integer; ``default`` when absent or None (Megatron-LM's, for a None it
+    never writes: pgconvert.formats.megatron_args names that in a notice)."""
+    value = getattr(args, name, None)
     if value is None:
-        return None
+        return default
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise CheckpointError(f"{path}: args.{name}={quote(value)}: must be a positive integer")
     return value
@@ -39,9 +41,7 @@ def from_args(args: argparse.Namespace, path: Path) -> dict[str, Any]:
     if getattr(args, "multi_latent_attention", False):
         values["multi_latent_attention"] = True
         for name, default in MEGATRON_MLA_DEFAULTS.items():
-            value = _optional_int(args, name, default, path)
-            if value is not None or name == "q_lora_rank":
-                values[name] = value
+            values[name] = _optional_int(args, name, default, path)
     if getattr(args, "num_experts", None):
         groups = _optional_int(args, "moe_router_num_groups", None, path)
         chosen = _optional_int(args, "moe_router_group_topk", None, path)

@@ -41,6 +41,7 @@ from pgconvert.io.limits import MAX_TRACKER_BYTES, over_limit, quote
 from pgconvert.families import CARRIED_SETTINGS
 from pgconvert.semantics import from_args as semantics_from_args
 from pgconvert.semantics import to_args as semantics_to_args
+from pgconvert.semantics.arg_values import arg
 from pgconvert.io.torch_input import check_torch_file
 
 try:  # numpy >= 2
@@ -291,7 +292,7 @@ def _config_from_args(args: argparse.Namespace, path: Path, transformer_impl: st
         "normalization": getattr(args, "normalization", None) or MEGATRON_DEFAULTS["normalization"],
         "norm_epsilon": _arg_float(args, ("norm_epsilon", "layernorm_epsilon"), MEGATRON_DEFAULTS["layernorm_epsilon"],
                                    path),
-        "add_bias_linear": bool(_or_default(args, "add_bias_linear", True)),
+        "add_bias_linear": bool(arg(args, "add_bias_linear", True)),
         "add_qkv_bias": bool(getattr(args, "add_qkv_bias", False)),
         "qk_layernorm": bool(getattr(args, "qk_layernorm", False)),
         "tie_embeddings": not getattr(args, "untie_embeddings_and_output_weights", False),
@@ -301,7 +302,7 @@ def _config_from_args(args: argparse.Namespace, path: Path, transformer_impl: st
         "params_dtype": _dtype_name(args),
         "transformer_impl": transformer_impl,
         "num_experts": getattr(args, "num_experts", None) or None,
-        "moe_ffn_hidden_size": _or_default(args, "moe_ffn_hidden_size", ffn if getattr(args, "num_experts", None) else None),
+        "moe_ffn_hidden_size": arg(args, "moe_ffn_hidden_size", ffn if getattr(args, "num_experts", None) else None),
         "moe_layer_freq": _moe_layer_freq(getattr(args, "moe_layer_freq", None), path),
         "moe_router_topk": getattr(args, "moe_router_topk", None) or MEGATRON_DEFAULTS["moe_router_topk"],
         "moe_shared_expert_intermediate_size": getattr(args, "moe_shared_expert_intermediate_size", None),
@@ -322,12 +323,6 @@ def _position_embedding_type(args: argparse.Namespace, path: Path) -> str:
     if position not in ("rope", "learned_absolute", "none"):
         raise CheckpointError(f"{path}: args.position_embedding_type={quote(position)} is not supported")
     return position
-
-
-def _or_default(args: argparse.Namespace, name: str, default: Any) -> Any:
-    """``args.<name>``, ``default`` when absent or None."""
-    value = getattr(args, name, None)
-    return default if value is None else value
 
 
 def _layout_string(value: Any, path: Path) -> str | None:

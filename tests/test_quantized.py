@@ -30,7 +30,7 @@ from pgconvert.formats.hf_quantized import (
     dequantize_mxfp4,
 )
 from pgconvert.formats.registry import get_loader
-from pgconvert.formats.stream import TensorMeta
+from pgconvert.formats.stream import TensorMeta, all_finite
 
 QUANTIZED = (".q_proj.weight", ".k_proj.weight", ".v_proj.weight", ".o_proj.weight",
              ".gate_proj.weight", ".up_proj.weight", ".down_proj.weight")
@@ -436,3 +436,12 @@ def test_a_nan_in_kept_fp8_data_is_refused_by_check_finite_naming_the_weight(tmp
 
     assert_clean_refusal(result, 1, f"{KEY}: 1 of", "NaN", "refused by --check-finite")
     assert SCALE + ":" not in result.output  # the scale is finite: not blamed
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz])
+def test_the_finiteness_check_of_fp8_bytes_agrees_with_float32_on_every_byte(dtype: torch.dtype) -> None:
+    every_byte = torch.arange(256, dtype=torch.uint8).view(dtype)
+    finite = [all_finite(every_byte[index:index + 1]) for index in range(256)]
+
+    assert finite == torch.isfinite(every_byte.float()).tolist()
+    assert all_finite(every_byte) == all(finite)

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 from click.testing import CliRunner
-from support.declared_fixtures import Measured, bounded, write_family_checkpoint
+from support.declared_fixtures import Measured, bounded, count_keys, counted_keys, write_family_checkpoint
 from support.megatron_fixtures import load_for_test
 
 import pgconvert
@@ -35,16 +35,6 @@ from pgconvert.run.convert import ConvertRequest, plan
 HUGE = 10**9
 SECONDS = 5.0
 PEAK_GROWTH = 200 << 20
-
-
-def count_keys(family: Family) -> list[str]:
-    """Every config.json key a family reads that holds a count or size: its integer fields (each
-    spelling), its rules' keys and its MTP layer count."""
-    keys = {".".join(where) for spec in family.fields if spec.kind is int for where in (spec.path, *spec.legacy)}
-    keys |= {key for rule in family.rules for key in rule.keys}
-    if family.hf_mtp_layers_key is not None:
-        keys.add(family.hf_mtp_layers_key)
-    return sorted(keys)
 
 
 HF_CASES = [(family.architecture, key) for family in ORDERED for key in count_keys(family)]
@@ -122,9 +112,7 @@ def test_a_config_json_count_one_more_than_stored_is_refused_by_name_or_shapes_n
         architecture: str) -> None:
     family = FAMILIES[architecture]
     doc = json.loads((family_sources[architecture] / "config.json").read_text())
-    counted = {"num_layers", "num_experts"}
-    must_refuse = {".".join(where) for spec in family.fields if spec.model_field in counted
-                   for where in (spec.path, *spec.legacy)} | {family.hf_mtp_layers_key}
+    must_refuse = set(counted_keys(family))
     refused = []
     for key, value in _one_more(family, doc):
         where = tmp_path / key

@@ -111,8 +111,8 @@ def resolve_hf_count(family: Family, doc: Mapping[str, Any], config: ModelConfig
         return config, (f"{path}: {key}={declared}, but no tensor of a multi-token prediction layer (layer "
                         f"num_hidden_layers + i = {layers}, …) is stored: converted without them, and an hf "
                         f"target's config.json declares {key}=0")
-    expected = range(layers, layers + (declared or 0))
-    if len(extra) != len(expected) or any(index not in expected for index in extra):
+    count = declared or 0
+    if count != len(extra) or any(not layers <= index < layers + count for index in extra):
         first = sorted(extra)[-1]
         shown = sorted(extra[first])[:3]
         raise CheckpointError(

@@ -1,5 +1,7 @@
 """Tiny HF checkpoints of every family, made from the family tables alone, and a bounded run.
 
+``count_keys`` lists the config.json keys of a family that may hold a count or size
+(``counted_keys`` those that count layers, experts and MTP layers), and
 ``write_family_checkpoint`` writes, for any family of ``pgconvert.families.ORDERED``, a config.json
 and one safetensors file holding every tensor of a tiny model of that family: the smallest
 settings below, the family's fixed values, and every optional part the family accepts (shared
@@ -42,6 +44,23 @@ LATENT_ATTENTION: dict[str, object] = dict(kv_lora_rank=8, qk_head_dim=4, qk_pos
 EXPERT_PARTS: tuple[dict[str, object], ...] = (dict(moe_shared_expert_intermediate_size=8),
                                                dict(moe_layer_freq=(0, 1, 1)))
 PARTS: tuple[dict[str, object], ...] = (dict(rotary_base_local=1000.0), dict(mtp_num_layers=1))
+
+
+def count_keys(family: Family) -> list[str]:
+    """Every config.json key a family reads that may hold a count or size: its integer fields (each
+    spelling), its rules' keys and its MTP layer count."""
+    keys = {".".join(where) for spec in family.fields if spec.kind is int for where in (spec.path, *spec.legacy)}
+    keys |= {key for rule in family.rules for key in rule.keys}
+    if family.hf_mtp_layers_key is not None:
+        keys.add(family.hf_mtp_layers_key)
+    return sorted(keys)
+
+
+def counted_keys(family: Family) -> list[str]:
+    """The config.json keys of a family that count layers, routed experts or MTP layers (each spelling)."""
+    keys = {".".join(where) for spec in family.fields if spec.model_field in ("num_layers", "num_experts")
+            for where in (spec.path, *spec.legacy)}
+    return sorted(keys | ({family.hf_mtp_layers_key} if family.hf_mtp_layers_key is not None else set()))
 
 
 def tiny_config(family: Family) -> ModelConfig:

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 from click.testing import CliRunner
-from support.declared_fixtures import Measured, bounded, count_keys, counted_keys, write_family_checkpoint
+from support.declared_fixtures import Measured, bounded, count_keys, counted_keys, tiny_config, write_family_checkpoint
 from support.megatron_fixtures import load_for_test
 
 import pgconvert
@@ -30,6 +30,8 @@ from pgconvert.families import FAMILIES, ORDERED
 from pgconvert.families.table import Family
 from pgconvert.formats import LoadOptions
 from pgconvert.formats.registry import detect_format, get_loader
+from pgconvert.model.declared import shape_settings
+from pgconvert.model.provider import layer_kinds
 from pgconvert.run.convert import ConvertRequest, plan
 
 HUGE = 10**9
@@ -222,3 +224,20 @@ def test_megatron_args_of_a_billion_or_one_more_are_refused_by_name_or_shape_no_
                 assert name not in COUNTED_ARGS and measured.result == expected, (name, value)
             else:
                 assert_named_error(measured, copy, name, str(value))
+
+
+# ------------------------------------------------------------------------------------ naming what a shape reads
+
+@pytest.mark.parametrize("architecture", [family.architecture for family in ORDERED])
+def test_shape_settings_read_every_kinds_shape_as_the_config_gives_it(architecture: str) -> None:
+    config = tiny_config(FAMILIES[architecture])
+    names = set(config.setting_names())
+
+    for name, kind in layer_kinds(config).items():
+        read: list[tuple[int, ...]] = []
+        settings = shape_settings(lambda c: read.append(tuple(kind.shape(c))), config)
+
+        assert read == [tuple(kind.shape(config))], name
+        assert settings and set(settings) <= names, (name, settings)
+    assert shape_settings(lambda c: c.attention.qkv_rows * c.hidden_size, config) == [
+        "num_attention_heads", "num_query_groups", "kv_channels", "hidden_size"]

@@ -54,9 +54,9 @@ from pgconvert.formats.megatron import (
     arg_name,
     check_vocab_multiple,
     config_from_args,
-    validate_source_layout,
     layout_from_args,
     safe_torch_load,
+    validate_source_layout,
 )
 from pgconvert.io.limits import quote
 from pgconvert.loaders.torch_dist.fs_model_space import chunk_shape, record_box, unflatten
@@ -75,10 +75,10 @@ from pgconvert.formats.strict import fallback
 from pgconvert.formats.torch_dist_optimizer import moe_form_refusal
 from pgconvert.formats.torch_dist import (
     CHECKPOINT_CONFIG_FILE,
-    EXPERTS_KEY,
     COMMON_FILE,
     COMMON_STATE_KEY,
     DCP_METADATA_FILE,
+    EXPERTS_KEY,
     is_extra_state,
     is_training_state,
     read_checkpoint_config,

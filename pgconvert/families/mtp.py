@@ -14,7 +14,6 @@ canonical ``mtp.layers.{i}.X`` into the name its row matches (``mtp.layers.{N+i}
 
 from __future__ import annotations
 
-import logging
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -25,8 +24,6 @@ from pgconvert.errors import CheckpointError, ConfigError
 from pgconvert.families.table import Family, TensorMapping, TensorTable
 from pgconvert.io.limits import quote
 from pgconvert.model.provider import LAYER_PREFIX, MTP_PREFIX, OUTPUT_LAYER, WORD_EMBEDDINGS, mtp_layer
-
-log = logging.getLogger(__name__)
 
 HF_LAYER = "model.layers.{}."
 _HF_LAYER_INDEX = re.compile(re.escape(HF_LAYER).replace(r"\{\}", r"(\d+)"))
@@ -108,7 +105,7 @@ def resolve_hf_count(family: Family, doc: Mapping[str, Any], config: ModelConfig
     if not extra:
         if not declared:
             return config, None
-        return config, (f"{path}: {key}={declared}, but no tensor of a multi-token prediction layer (layer "
+        return config, (f"{path}: {key}={quote(declared)}, but no tensor of a multi-token prediction layer (layer "
                         f"num_hidden_layers + i = {layers}, …) is stored: converted without them, and an hf "
                         f"target's config.json declares {key}=0")
     count = declared or 0

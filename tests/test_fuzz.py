@@ -1,6 +1,7 @@
 """Property-based fuzzing of every input pgconvert reads: rank files, torch_dist
 (.distcp, .metadata, common.pt, metadata.json), HF safetensors (bytes and header), config.json,
-the index, pgconvert.json, the tracker file and batch plans.
+the index, pgconvert.json, the tracker file and batch plans; and the counts and sizes config.json
+holds, over a tiny checkpoint of every family.
 
 Every mutated input must convert to an output ``verify`` finds equal, or fail with exit 1 or 2 and
 a message naming a file or option: no traceback, bounded memory and time, nothing that looks like
@@ -12,6 +13,7 @@ test with a random seed; ``PGCONVERT_FUZZ_REPORT=file.jsonl`` records failures t
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -22,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.declared_fixtures import count_keys, counted_keys, write_family_checkpoint
 from support.fuzz_harness import (
     Case,
     assert_properties,
@@ -36,8 +39,10 @@ from support.fuzz_harness import (
     set_arg,
     source_files,
 )
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
+
+from pgconvert.families import ORDERED
 
 LONG_RUN = os.environ.get("PGCONVERT_FUZZ_EXAMPLES")
 
@@ -256,6 +261,49 @@ def test_fuzz_manifest(workspace: Workspace, pristine: dict[str, Path], fmt: str
     what = f"replaced by {raw[:60]!r}" if raw is not None else f"key #{key_index} = {value!r}"
     # Converting ignores the source's manifest: DST must equal the tensors, read without it.
     _run(workspace, Case("manifest", f"{fmt}/pgconvert.json: {what}", src, dst, target, reference=pristine[fmt]))
+
+
+# ------------------------------------------------------------------------------------ config.json counts
+
+@pytest.fixture(scope="module")
+def family_pristine(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A tiny checkpoint of every family, made from its table (tests/support/declared_fixtures.py)."""
+    root = tmp_path_factory.mktemp("fuzz-families")
+    return {family.architecture: write_family_checkpoint(family, root / family.architecture) for family in ORDERED}
+
+
+COUNT_CASES = [(family.architecture, key) for family in ORDERED for key in count_keys(family)]
+# The keys that count layers, experts and MTP layers, drawn as often as all the others together.
+COUNTED_CASES = [(family.architecture, key) for family in ORDERED for key in counted_keys(family)]
+
+
+COUNT_VALUES = st.one_of(
+    st.integers(-2, 8), st.sampled_from([0, -1, 10**5, 10**9, 2**31, 2**63, 10**40]),
+    st.floats(allow_nan=True, allow_infinity=True), st.none(), st.booleans(), st.text(max_size=4),
+    st.lists(st.integers(-1, 6), max_size=5), st.just("<delete>"),
+)
+
+
+@budget(30)
+@given(case=st.one_of(st.sampled_from(COUNT_CASES), st.sampled_from(COUNTED_CASES)), value=COUNT_VALUES,
+       target=TARGETS)
+@example(case=("DeepseekV3ForCausalLM", "num_nextn_predict_layers"), value=10**9, target=["--dst-format", "hf"])
+@example(case=("DeepseekV3ForCausalLM", "num_nextn_predict_layers"), value=10**40, target=["--dst-format", "hf"])
+def test_fuzz_config_json_counts(scratch: Path, family_pristine: dict[str, Path], case: tuple[str, str], value: Any,
+                                 target: list[str]) -> None:
+    """Every count or size a family reads from config.json (its table's integer fields, rule keys
+    and MTP layer count), of every family."""
+    architecture, key = case
+    workspace = Workspace(scratch, family_pristine)
+    src, dst = workspace(architecture)
+    path = src / "config.json"
+    doc = json.loads(path.read_text())
+    if value == "<delete>":
+        doc.pop(key, None)
+    else:
+        doc[key] = value
+    path.write_text(json.dumps(doc, allow_nan=True))
+    _run(workspace, Case("config-counts", f"{architecture}: config.json {key} = {value!r}", src, dst, target))
 
 
 # ------------------------------------------------------------------------------------ tracker

@@ -129,6 +129,7 @@ def test_checkpoint_with_part_of_an_mtp_layer_is_refused_naming_what_is_missing(
     save_file(mtp, str(src / "mtp.safetensors"), metadata={"format": "pt"})
     edit_json(src / "model.safetensors.index.json",
               lambda doc: doc["weight_map"].update({name: "mtp.safetensors" for name in mtp}))
+    edit_json(src / "config.json", lambda doc: doc.update(num_nextn_predict_layers=1))
 
     with pytest.raises(CheckpointError, match=r"missing: \['model\.layers\.4\.hnorm\.weight'.*mtp\.layers\.0\.hnorm"):
         pgconvert.convert(src, tmp_path / "out", dst_format="megatron")

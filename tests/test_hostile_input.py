@@ -162,7 +162,7 @@ def test_shared_reference_value_in_an_error_message_is_quoted_bounded(src: Path,
 
 
 @pytest.mark.parametrize(("changes", "fragment"), [
-    ({"num_layers": 10**9}, "args.num_layers=1000000000, but the rank files hold only"),
+    ({"num_layers": 10**9}, "args.num_layers=1000000000, but the checkpoint stores 4 decoder layer(s)"),
     ({"tensor_model_parallel_size": 10**9, "expert_tensor_parallel_size": None},
      "(1000000000 rank files), but 2 mp_rank_* directories are present"),
     ({"tensor_model_parallel_size": "abc"}, "args.tensor_model_parallel_size='abc': must be an integer >= 1"),
@@ -356,7 +356,7 @@ def test_num_hidden_layers_beyond_the_stored_tensors_is_refused(hf_src: Path, tm
     started = time.monotonic()
     result = run_cli(hf_src, tmp_path / "dst", "--dst-format", "megatron")
 
-    assert_refused(result, path, "num_hidden_layers=1000000000, but the checkpoint holds only")
+    assert_refused(result, path, "num_hidden_layers=1000000000, but the checkpoint stores 4 decoder layer(s)")
     assert time.monotonic() - started < 30
 
 

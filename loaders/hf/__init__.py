@@ -21,6 +21,7 @@ from pgconvert.formats.hf import (
     SINGLE_FILE,
     HFOrigin,
     canonical_shapes,
+    described_by,
     family_of,
     model_config_from_hf,
     parse_index,
@@ -29,11 +30,13 @@ from pgconvert.formats.hf import (
     read_tensor,
     read_tensor_range,
     resolve_inside,
+    stored_counts,
 )
 from pgconvert.formats.hf_side import find_side_files
 from pgconvert.families import mtp
 from pgconvert.formats.hf_quantized import QuantizedTensors
-from pgconvert.model.provider import OUTPUT_LAYER, WORD_EMBEDDINGS, canonical_names
+from pgconvert.model.declared import declaring_settings, shape_settings
+from pgconvert.model.provider import OUTPUT_LAYER, WORD_EMBEDDINGS, canonical_names, shape_function
 from pgconvert.model.rules import ShardRule, assemble
 from pgconvert.formats.stream import CanonicalSource, TensorMeta, all_finite
 from pgconvert.formats.strict import fallback
@@ -107,12 +110,16 @@ class HFSource(CanonicalSource):
         self._files, stored = self._quantized.logical()
         embedding = family.tensors.to_hf(WORD_EMBEDDINGS)
         stored_dtype = stored[embedding[1][0]].dtype if embedding and embedding[1][0] in stored else None
-        family, config, notices = model_config_from_hf(doc, config_path, stored_dtype, stored_tensors=len(stored))
-        config = mtp.resolve_hf_count(family, doc, config, stored, config_path)
+        weights = directory / (SINGLE_FILE if (directory / SINGLE_FILE).is_file() else INDEX_FILE)
+        counts = stored_counts(family.tensors, stored, str(weights))
+        family, config, notices = model_config_from_hf(doc, config_path, stored_dtype, stored=counts)
+        config, mtp_notice = mtp.resolve_hf_count(family, doc, config, stored, config_path)
         _check_options(options, config, config_path)
         assert config.vocab_size is not None
         super().__init__(config, vocab_rows=config.vocab_size, iteration=None)
         self.notices.extend(notices)
+        if mtp_notice is not None:  # declared MTP layers none of which is stored: a guess under --strict
+            fallback(mtp_notice, options.strict, self.notices)
         # What a megatron target cannot hold (semantics.check_target; an hf target keeps config.json).
         self.unrepresentable = list(notices)
         self.family = family
@@ -142,10 +149,12 @@ class HFSource(CanonicalSource):
             raise CheckpointError(f"{self.directory}: {family.architecture}: {refused}")
         if missing or unexpected:
             needed_by = sorted({expected[name] for name in missing})
+            declared = described_by(self.hf_origin.config_json, family, declaring_settings(config, needed_by), config)
             raise CheckpointError(
                 f"{self.directory}: tensors do not match {family.architecture} as config.json describes it; "
                 f"missing: {missing}; unexpected: {unexpected}"
                 + (f"; the missing tensors make up {needed_by}" if needed_by else "")
+                + (f", which config.json declares by {declared}" if declared else "")
             )
 
     def _index(self, family: Family, config: ModelConfig, stored: dict[str, TensorMeta]) -> None:
@@ -181,7 +190,7 @@ class HFSource(CanonicalSource):
                 if found_shape != shape:
                     raise CheckpointError(
                         f"{self._files[name]}: {name} has shape {list(found_shape)}, expected {list(shape)} "
-                        "from config.json"
+                        f"from config.json ({self._shape_keys(family, config, canonical, row)})"
                     )
             dtypes = {stored[name].dtype for name in names}
             if len(dtypes) > 1:
@@ -196,6 +205,12 @@ class HFSource(CanonicalSource):
                 if stored[copy] != stored[main]:
                     raise CheckpointError(f"{self._files[copy]}: {copy} {stored[copy]} does not match "
                                           f"{main} {stored[main]}, but {why}")
+
+    def _shape_keys(self, family: Family, config: ModelConfig, canonical: str, row: TensorMapping) -> str:
+        """The config.json keys an HF tensor's expected shape is computed from, as written."""
+        shape = shape_function(config, canonical)
+        settings = shape_settings(lambda c: row.transform.part_shapes(shape(c), c), config)
+        return described_by(self.hf_origin.config_json, family, settings + ["num_experts"] * row.stacked, config)
 
     def _find_copies(self, table: TensorTable, config: ModelConfig, stored: dict[str, TensorMeta]) -> None:
         """The stored copies of the embedding or output layer: a tied checkpoint's output weight, and

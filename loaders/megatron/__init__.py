@@ -27,13 +27,16 @@ from pgconvert.formats.megatron import (
     RANK_FILE,
     TRACKER_FILE,
     TRAINING_STATE_KEYS,
+    arg_name,
     check_megatron_layout,
+    check_vocab_multiple,
     config_from_args,
     layout_from_args,
     list_megatron_iterations,
     rank_dir_name,
     resolve_megatron_iteration,
     safe_torch_load,
+    validate_source_layout,
 )
 from pgconvert.io.torch_input import mappable
 from pgconvert.loaders.megatron.optimizer import MegatronOptimizerSource
@@ -41,9 +44,12 @@ from pgconvert.io.memory import concat_releasing, release_mapped_pages
 from pgconvert.formats.megatron_args import MEGATRON_DEFAULTS
 from pgconvert.formats.mtp_naming import canonical_mtp_key, mtp_module_of
 from pgconvert.io.paths import ensure_within
+from pgconvert.model.declared import StoredCounts, check_declared_counts, declaring_settings, named_values, shape_settings
 from pgconvert.model.provider import (
+    EXPERT_PREFIX,
     EXTRA_STATE_SUFFIX,
     LAYER_PREFIX,
+    MTP_PREFIX,
     WORD_EMBEDDINGS,
     TensorSpec,
     canonical_layer,
@@ -51,6 +57,7 @@ from pgconvert.model.provider import (
     layer_spec_of_key,
     non_layer_chunk,
     provide,
+    shape_function,
 )
 from pgconvert.model.rules import ReplicaMismatchError, ShardRule, bitwise_equal, concatenating_with
 from pgconvert.formats.stream import CanonicalSource, ExtraState, TensorMeta
@@ -58,7 +65,7 @@ from pgconvert.formats.strict import fallback
 
 log = logging.getLogger(__name__)
 
-GROUPED_EXPERT_RE = re.compile(r"\.mlp\.experts\.linear_fc[12]\.weight\d+$")
+GROUPED_EXPERT_RE = re.compile(r"\.mlp\.experts\.linear_fc[12]\.weight(\d+)$")
 # Rotary frequencies are recomputed from the config by every framework; they are not weights.
 IGNORED_SUFFIXES = (".inv_freq",)
 
@@ -198,7 +205,7 @@ class MegatronSource(CanonicalSource):
             state = first_state if name == first_name else None
             self._read_rank(rank_dirs[name] / RANK_FILE, coord, state, chunk_keys, models)
         config = self._config(models, args, first_file, options)
-        layout.validate(config, "src")
+        validate_source_layout(layout, config, first_file)
         padded = self._padded_rows(args, models[(RankCoord(0, 0), chunk_keys[0])], config, first_file, options)
         super().__init__(config, padded, iteration, release)
         self.megatron_args = args
@@ -257,21 +264,25 @@ class MegatronSource(CanonicalSource):
                      f"transformer_impl={impl!r} from args", options.strict, self._early_notices)
         config = config_from_args(args, first_file, impl, options.true_vocab_size,
                                   grouped_gemm=_detect_grouped_gemm(dict.fromkeys(all_first_keys)))
-        _check_config_against_files(config, sum(len(model) for model in models.values()), first_file)
+        stored = _stored_counts(models, self.layout.ep, f"the rank files in {self.directory}")
+        check_declared_counts(config.to_dict(), stored, str(first_file), arg_name)
         return _with_mtp_spelling(config, models, self.files)
 
     def _padded_rows(self, args: argparse.Namespace, first_model: dict[str, Any], config: ModelConfig,
                      first_file: Path, options: LoadOptions) -> int:
         """The vocab tables' global row count: ``args.padded_vocab_size``, else the embedding's."""
         padded = getattr(args, "padded_vocab_size", None)
+        embedding = first_model.get(WORD_EMBEDDINGS)
         if not isinstance(padded, int):
-            embedding = first_model.get(WORD_EMBEDDINGS)
             if not isinstance(embedding, torch.Tensor):
                 raise CheckpointError(f"{first_file}: no args.padded_vocab_size and no word embeddings")
             padded = embedding.shape[0] * self.layout.tp
+        stored = embedding.shape[0] * self.layout.tp if isinstance(embedding, torch.Tensor) and embedding.dim() else padded
+        check_vocab_multiple(args, self.layout.tp, stored, first_file)
         if config.vocab_size is not None and config.vocab_size > padded:
+            given = "--true-vocab-size" if options.true_vocab_size is not None else "args.vocab_size"
             raise CheckpointError(
-                f"{first_file}: true vocab size {config.vocab_size} exceeds the padded vocab {padded}"
+                f"{first_file}: true vocab size {given}={config.vocab_size} exceeds the padded vocab {padded}"
             )
         if config.vocab_size is None:
             fallback(f"{first_file}: the true vocab size is unknown (no args.vocab_size, no --true-vocab-size); "
@@ -319,18 +330,23 @@ class MegatronSource(CanonicalSource):
             if not isinstance(value, torch.Tensor):
                 raise CheckpointError(f"{where}: {key} is a {type(value).__name__}, expected a tensor")
             if tuple(value.shape) != spec.local_shape:
+                settings = shape_settings(shape_function(self.config, spec.canonical), self.config)
                 raise CheckpointError(
                     f"{where}: {key} has shape {list(value.shape)}, expected {list(spec.local_shape)} "
-                    f"for {self.layout.describe()} (global {list(spec.global_shape)} from the checkpoint's args)"
+                    f"for {self.layout.describe()} (global {list(spec.global_shape)} from the checkpoint's args: "
+                    f"{named_values(self.config, settings, arg_name)})"
                 )
             self._pieces[spec.canonical].append(_Piece(coord, chunk_key, spec))
         missing = sorted(set(specs) - set(model))
         if missing or unexpected:
+            declared = declaring_settings(self.config, {specs[name].canonical for name in missing},
+                                          {spec.canonical for spec in specs.values()})
             raise CheckpointError(
                 f"{where}: state dict does not match the model described by its args "
                 f"(transformer_impl={self.config.transformer_impl}"
                 f"{', grouped-gemm experts' if self.config.moe.moe_grouped_gemm else ''}); "
                 f"missing: {missing}; unexpected: {sorted(unexpected)}"
+                + (f"; the args declare them by {named_values(self.config, declared, arg_name)}" if declared else "")
             )
 
     def _tensor(self, piece: _Piece) -> torch.Tensor:
@@ -472,12 +488,37 @@ def _check_sizes_against_files(layout: ParallelLayout, rank_dirs: int, first_ent
                               f"holds {first_entries} entries")
 
 
-def _check_config_against_files(config: Any, tensors: int, path: Path) -> None:
-    """Every layer and expert holds tensors: counts from args beyond the tensors present are refused."""
-    for name in ("num_layers", "num_experts", "mtp_num_layers"):
-        value = config.setting(name)
-        if value is not None and value > tensors:
-            raise CheckpointError(f"{path}: args.{name}={value}, but the rank files hold only {tensors} tensors")
+def _stored_counts(models: dict[tuple[RankCoord, str], dict[str, Any]], ep: int, where: str) -> StoredCounts:
+    """The decoder layers, routed experts per layer and MTP layers the rank files store: a stage's
+    layers are the local indices its files hold (numbered from 0 per model chunk), a layer's experts
+    the local ones of each expert-parallel rank times ``ep``."""
+    stage_layers: dict[tuple[int, str], set[int]] = defaultdict(set)
+    mtp: set[int] = set()
+    experts = 0
+    for (coord, chunk), model in models.items():
+        local: dict[str, set[int]] = defaultdict(set)
+        for key in model:
+            layer = canonical_layer(key)
+            if layer is not None:
+                stage_layers[(coord.pp, chunk)].add(layer[0])
+            elif key.startswith(MTP_PREFIX) and key[len(MTP_PREFIX):].partition(".")[0].isdigit():
+                mtp.add(int(key[len(MTP_PREFIX):].partition(".")[0]))
+            found = _local_expert(key)
+            if found is not None:
+                local[found[0]].add(found[1])
+        experts = max([experts, *map(len, local.values())])
+    return StoredCounts(where, sum(map(len, stage_layers.values())), experts * ep, len(mtp))
+
+
+def _local_expert(key: str) -> tuple[str, int] | None:
+    """(the layer's key prefix, the local expert index) of a routed expert's key in a rank file:
+    ``….mlp.experts.local_experts.{j}.…`` (SequentialMLP) or ``….mlp.experts.linear_fc1.weight{j}``."""
+    layer, found, rest = key.partition("." + EXPERT_PREFIX)
+    if found:
+        index = rest.partition(".")[0]
+        return (layer, int(index)) if index.isdigit() else None
+    grouped = GROUPED_EXPERT_RE.search(key)
+    return (key[:grouped.start()], int(grouped.group(1))) if grouped is not None else None
 
 
 def _with_mtp_spelling(config: ModelConfig, models: dict[tuple[RankCoord, str], dict[str, Any]],

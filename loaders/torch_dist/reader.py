@@ -51,9 +51,12 @@ from pgconvert.formats.hf_side import carried_side_files
 from pgconvert.formats.megatron import (
     SAFE_GLOBALS,
     TRAINING_STATE_KEYS,
+    arg_name,
+    check_vocab_multiple,
     config_from_args,
     layout_from_args,
     safe_torch_load,
+    validate_source_layout,
 )
 from pgconvert.io.limits import quote
 from pgconvert.loaders.torch_dist.fs_model_space import chunk_shape, record_box, unflatten
@@ -62,7 +65,9 @@ from pgconvert.loaders.torch_dist.optimizer_forms import sharding_type
 from pgconvert.loaders.torch_dist.records import TensorRecord, check_extent, copy_box, parse_tensor_record
 from pgconvert.io.torch_input import check_torch_stream
 from pgconvert.io.paths import ensure_within
-from pgconvert.model.provider import OUTPUT_LAYER, VOCAB_TABLES, WORD_EMBEDDINGS, canonical_shapes, te_extra_state_names
+from pgconvert.model.declared import StoredCounts, check_declared_counts, declaring_settings, named_values, shape_settings
+from pgconvert.model.provider import (LAYER_PREFIX, MTP_PREFIX, OUTPUT_LAYER, VOCAB_TABLES, WORD_EMBEDDINGS,
+                                      canonical_shapes, shape_function, te_extra_state_names)
 from pgconvert.model.rules import ShardRule, assemble
 from pgconvert.formats.megatron_args import MEGATRON_DEFAULTS
 from pgconvert.formats.stream import CanonicalSource, ExtraState, TensorMeta, holds_state
@@ -73,6 +78,7 @@ from pgconvert.formats.torch_dist import (
     COMMON_FILE,
     COMMON_STATE_KEY,
     DCP_METADATA_FILE,
+    EXPERTS_KEY,
     is_extra_state,
     is_training_state,
     read_checkpoint_config,
@@ -260,15 +266,18 @@ class TorchDistSource(CanonicalSource):
             impl = DEFAULT_TRANSFORMER_IMPL
         config = config_from_args(args, common_path, impl, options.true_vocab_size,
                                   grouped_gemm=bool(getattr(args, "moe_grouped_gemm", False)))
-        self.layout.validate(config, "src")
-        _check_counts(config, self._metadata, metadata_path)
+        check_declared_counts(config.to_dict(), _stored_counts(self._metadata, str(metadata_path)), str(common_path),
+                              arg_name)
+        validate_source_layout(self.layout, config, common_path)
         self._locations = tensor_locations(config)
         rows, training_entries = self._index(config, metadata_path)
+        check_vocab_multiple(args, self.layout.tp, rows, common_path)
         if config.vocab_size is None:
             fallback(f"{common_path}: the true vocab size is unknown (no args.vocab_size, no --true-vocab-size); "
                      f"keeping the padded table of {rows} rows as the vocabulary", options.strict, early_notices)
         elif config.vocab_size > rows:
-            raise CheckpointError(f"{metadata_path}: true vocab size {config.vocab_size} exceeds the {rows} "
+            given = "--true-vocab-size" if options.true_vocab_size is not None else "args.vocab_size"
+            raise CheckpointError(f"{metadata_path}: true vocab size {given}={config.vocab_size} exceeds the {rows} "
                                   f"rows of {WORD_EMBEDDINGS}")
         if iteration is None and isinstance(common.get("iteration"), int) and not release:
             iteration = common["iteration"]
@@ -328,11 +337,14 @@ class TorchDistSource(CanonicalSource):
                                   if isinstance(md, BytesStorageMetadata) and is_extra_state(key))
         unexpected = sorted(set(entries) - set(expected) - set(training) - set(self._extra_keys) - {COMMON_STATE_KEY})
         if missing or unexpected:
+            declared = declaring_settings(config, [name for name, location in self._locations.items()
+                                                   if location.key in missing])
             raise CheckpointError(
                 f"{metadata_path}: keys do not match the model described by common.pt's args "
                 f"(transformer_impl={config.transformer_impl}, "
                 f"{'layers stacked' if stacked_layers(config) else 'one key per layer'}); "
                 f"missing: {missing}; unexpected: {unexpected}"
+                + (f"; the args declare them by {named_values(config, declared, arg_name)}" if declared else "")
             )
         vocab_keys = {self._locations[name].key for name in VOCAB_TABLES if name in self._locations}
         for key, shape in expected.items():
@@ -340,9 +352,11 @@ class TorchDistSource(CanonicalSource):
             # Vocab tables may have any padded row count; it is checked against the true vocab below.
             mismatch = found[1:] != shape[1:] if key in vocab_keys else found != shape
             if mismatch:
+                settings = [setting for name, location in self._locations.items() if location.key == key
+                            for setting in shape_settings(shape_function(config, name), config)]
                 raise CheckpointError(
                     f"{metadata_path}: {key} has global shape {list(found)}, expected {list(shape)} "
-                    "for the model described by common.pt's args"
+                    f"for the model described by common.pt's args ({named_values(config, dict.fromkeys(settings), arg_name)})"
                 )
         output = self._locations.get(OUTPUT_LAYER)
         if output is not None and tuple(tensors[output.key].size)[0] != rows:
@@ -539,17 +553,26 @@ class TorchDistSource(CanonicalSource):
         return self._read({}, keys)
 
 
-def _check_counts(config: ModelConfig, metadata: Metadata, path: Path) -> None:
-    """Layer and expert counts from args, bounded by the stored tensors before anything loops over them:
-    each is a key per layer (or expert) or a stacked axis of a stored tensor."""
-    entries = metadata.state_dict_metadata
-    bound = len(entries) + max((max(md.size, default=0) for md in entries.values()
-                                if isinstance(md, TensorStorageMetadata)), default=0)
-    for name in ("num_layers", "num_experts", "mtp_num_layers"):
-        value = config.setting(name)
-        if value is not None and value > bound:
-            raise CheckpointError(f"{path}: common.pt's args.{name}={value}, more than the {len(entries)} entries "
-                                  "of the checkpoint and their sizes can hold")
+def _stored_counts(metadata: Metadata, where: str) -> StoredCounts:
+    """The decoder layers, routed experts per layer and MTP layers a checkpoint's index holds: one
+    key per layer (``decoder.layers.{i}.…``) or the leading layer axis of stacked keys; the expert
+    axis of the experts' keys (after the layer axis of stacked ones); one key per MTP layer."""
+    layers: set[int] = set()
+    stacked = experts = 0
+    mtp: set[int] = set()
+    for key, md in metadata.state_dict_metadata.items():
+        if not isinstance(md, TensorStorageMetadata) or not md.size:
+            continue
+        for prefix, indices in ((LAYER_PREFIX, layers), (MTP_PREFIX, mtp)):
+            index = key[len(prefix):].partition(".")[0] if key.startswith(prefix) else ""
+            if index.isdigit():
+                indices.add(int(index))
+        layer_axis = key.startswith(LAYER_PREFIX) and not key[len(LAYER_PREFIX):].partition(".")[0].isdigit()
+        if layer_axis:
+            stacked = max(stacked, md.size[0])
+        if EXPERTS_KEY in key and len(md.size) > int(layer_axis):
+            experts = max(experts, md.size[int(layer_axis)])
+    return StoredCounts(where, max(len(layers), stacked), experts, len(mtp))
 
 
 def _box(shape: tuple[int, ...], dim: int, start: int, length: int) -> _Region:

@@ -14,7 +14,6 @@ canonical ``mtp.layers.{i}.X`` into the name its row matches (``mtp.layers.{N+i}
 
 from __future__ import annotations
 
-import logging
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -25,8 +24,6 @@ from pgconvert.errors import CheckpointError, ConfigError
 from pgconvert.families.table import Family, TensorMapping, TensorTable
 from pgconvert.io.limits import quote
 from pgconvert.model.provider import LAYER_PREFIX, MTP_PREFIX, OUTPUT_LAYER, WORD_EMBEDDINGS, mtp_layer
-
-log = logging.getLogger(__name__)
 
 HF_LAYER = "model.layers.{}."
 _HF_LAYER_INDEX = re.compile(re.escape(HF_LAYER).replace(r"\{\}", r"(\d+)"))
@@ -89,11 +86,15 @@ def _declared(family: Family, doc: Mapping[str, Any], path: Path) -> int | None:
 
 
 def resolve_hf_count(family: Family, doc: Mapping[str, Any], config: ModelConfig, stored: Mapping[str, object],
-                     path: Path) -> ModelConfig:
-    """The model with the MTP layers the checkpoint stores: those config.json declares, or none when
-    it stores none (transformers' configs declare one by default and its models build none)."""
+                     path: Path) -> tuple[ModelConfig, str | None]:
+    """The model with the MTP layers the checkpoint stores, and a notice where config.json declares
+    MTP layers of which no tensor is stored (transformers' configs declare one by default and its
+    models build none): those are converted as none, and an hf target's config.json says so.
+
+    The declared count must be the stored layers', compared without looping over it."""
     if family.hf_mtp_layers_key is None:
-        return config
+        return config, None
+    key = family.hf_mtp_layers_key
     declared = _declared(family, doc, path)
     layers = config.num_layers
     extra: dict[int, list[str]] = {}
@@ -102,18 +103,32 @@ def resolve_hf_count(family: Family, doc: Mapping[str, Any], config: ModelConfig
         if match and int(match.group(1)) >= layers:
             extra.setdefault(int(match.group(1)), []).append(name)
     if not extra:
-        if declared:
-            log.info("%s: %s=%d, but no MTP layer tensors are stored: nothing to convert", path,
-                     family.hf_mtp_layers_key, declared)
-        return config
-    if sorted(extra) != list(range(layers, layers + (declared or 0))):
+        if not declared:
+            return config, None
+        return config, (f"{path}: {key}={quote(declared)}, but no tensor of a multi-token prediction layer (layer "
+                        f"num_hidden_layers + i = {layers}, …) is stored: converted without them, and an hf "
+                        f"target's config.json declares {key}=0")
+    count = declared or 0
+    if count != len(extra) or any(not layers <= index < layers + count for index in extra):
         first = sorted(extra)[-1]
         shown = sorted(extra[first])[:3]
         raise CheckpointError(
-            f"{path}: {family.hf_mtp_layers_key}={quote(declared)}, but the checkpoint stores multi-token prediction "
+            f"{path}: {key}={quote(declared)}, but the checkpoint stores multi-token prediction "
             f"layer tensors of layers {sorted(extra)} (num_hidden_layers={layers}; MTP layer i is layer "
             f"num_hidden_layers + i), e.g. {shown}")
-    return config.replace(mtp_num_layers=declared)
+    return config.replace(mtp_num_layers=declared), None
+
+
+def declared_as_converted(family: Family, doc: dict[str, Any], config: ModelConfig) -> tuple[dict[str, Any], str | None]:
+    """``doc`` (an hf target's config.json) declaring no more MTP layers than the model converted
+    has, and a notice where it declared more."""
+    key = family.hf_mtp_layers_key
+    declared = doc.get(key) if key is not None else None
+    if key is None or not isinstance(declared, int) or declared <= config.mtp_num_layers:
+        return doc, None
+    return {**doc, key: config.mtp_num_layers}, (
+        f"config.json: {key}={declared} written as {config.mtp_num_layers}: the model converted has "
+        f"{config.mtp_num_layers} multi-token prediction layers")
 
 
 def check_hf_target(family: Family, doc: Mapping[str, Any] | None, config: ModelConfig, where: str) -> None:

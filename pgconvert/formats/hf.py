@@ -17,7 +17,9 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import re
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,8 +30,10 @@ from safetensors import SafetensorError, safe_open
 from pgconvert.model.config import DTYPES, ModelConfig
 from pgconvert.errors import CheckpointError, ConfigError, PgconvertError
 from pgconvert.families import FAMILIES, INFERENCE_ORDER, supported_architectures
-from pgconvert.families.table import REQUIRED, ConfigField, Family
+from pgconvert.families.table import REQUIRED, SLOT, ConfigField, Family, TensorTable
 from pgconvert.io.limits import MAX_SAFETENSORS_HEADER_BYTES, over_limit, parse_json, quote, read_json
+from pgconvert.model.declared import LIMITS_ONLY, StoredCounts, check_declared_counts
+from pgconvert.model.provider import LAYER_PREFIX, MTP_PREFIX
 from pgconvert.model.provider import canonical_shapes as provider_shapes
 from pgconvert.semantics import FAMILY_SPECIFIC_SETTINGS
 from pgconvert.semantics.rope import hf_unrepresentable
@@ -127,10 +131,15 @@ def set_path(doc: dict[str, Any], path: tuple[str, ...], value: object) -> None:
 
 
 def _read_field(doc: dict[str, Any], spec: ConfigField, path: Path, error: type[PgconvertError]) -> object:
-    for where in (spec.path, *spec.legacy):
-        value = get_path(doc, where)
-        if value is not MISSING:
-            break
+    present = [(where, get_path(doc, where)) for where in (spec.path, *spec.legacy)
+               if get_path(doc, where) is not MISSING]
+    given = [value for _, value in present if value is not None]
+    if spec.kind is int and any(value != given[0] for value in given):
+        # transformers maps one spelling onto the other, and which one wins depends on its version.
+        raise error(f"{path}: " + " and ".join(f"{'.'.join(where)}={quote(value)}" for where, value in present)
+                    + f": two spellings of one setting ({spec.model_field}) that disagree")
+    if present:
+        where, value = present[0]
     else:
         if spec.default is REQUIRED:
             raise error(f"{path}: {spec.key} is missing")
@@ -157,11 +166,11 @@ def _read_field(doc: dict[str, Any], spec: ConfigField, path: Path, error: type[
 
 def model_config_from_hf(doc: dict[str, Any], path: Path, stored_dtype: torch.dtype | None = None,
                          error: type[PgconvertError] = CheckpointError,
-                         stored_tensors: int | None = None) -> tuple[Family, ModelConfig, list[str]]:
+                         stored: StoredCounts | None = None) -> tuple[Family, ModelConfig, list[str]]:
     """The family, the ModelConfig and notices (settings ModelConfig cannot carry) of a config.json.
 
-    ``stored_tensors``, the number of tensors the checkpoint holds, bounds the layer and expert
-    counts before anything loops over them (each layer and expert holds tensors)."""
+    ``stored``, what the checkpoint stores (``stored_counts``), bounds the declared layer and expert
+    counts before anything loops over them, the family's rules included (their per-layer lists)."""
     family = family_of(doc, path, error)
     for key, expected in family.hf_fixed.items():
         value = doc.get(key, expected)
@@ -169,20 +178,9 @@ def model_config_from_hf(doc: dict[str, Any], path: Path, stored_dtype: torch.dt
             raise error(
                 f"{path}: {key}={quote(value)}: {family.architecture} is converted only with {key}={expected!r}"
             )
-    values: dict[str, object] = dict(family.fixed)
-    read_from: dict[str, str] = {}
-    for spec in family.fields:
-        value = _read_field(doc, spec, path, error)
-        if spec.model_field in values and values[spec.model_field] != value:
-            raise error(
-                f"{path}: {read_from[spec.model_field]}={quote(values[spec.model_field])} and "
-                f"{spec.key}={quote(value)}: Megatron has one setting ({spec.model_field}) for both; they must agree"
-            )
-        values[spec.model_field] = value
-        read_from.setdefault(spec.model_field, _written_key(doc, spec))
-        if (stored_tensors is not None and spec.model_field in ("num_layers", "num_experts")
-                and isinstance(value, int) and value > stored_tensors):
-            raise error(f"{path}: {spec.key}={value}, but the checkpoint holds only {stored_tensors} tensors")
+    values, read_from = _read_fields(doc, family, path, error)
+    if stored is not None:
+        check_declared_counts(values, stored, str(path), lambda setting: read_from.get(setting, setting), error)
     for rule in family.rules:
         present = {key: doc[key] for key in rule.keys if doc.get(key) is not None}
         try:
@@ -207,6 +205,24 @@ def model_config_from_hf(doc: dict[str, Any], path: Path, stored_dtype: torch.dt
     return family, config, notices
 
 
+def _read_fields(doc: dict[str, Any], family: Family, path: Path,
+                 error: type[PgconvertError]) -> tuple[dict[str, object], dict[str, str]]:
+    """The ModelConfig values of the family's fixed values and fields, and the config.json key each
+    field was read from (as written)."""
+    values: dict[str, object] = dict(family.fixed)
+    read_from: dict[str, str] = {}
+    for spec in family.fields:
+        value = _read_field(doc, spec, path, error)
+        if spec.model_field in values and values[spec.model_field] != value:
+            raise error(
+                f"{path}: {read_from[spec.model_field]}={quote(values[spec.model_field])} and "
+                f"{spec.key}={quote(value)}: Megatron has one setting ({spec.model_field}) for both; they must agree"
+            )
+        values[spec.model_field] = value
+        read_from.setdefault(spec.model_field, _written_key(doc, spec))
+    return values, read_from
+
+
 def _written_key(doc: dict[str, Any], spec: ConfigField) -> str:
     """The spelling of ``spec`` that config.json holds (its own name where none is present)."""
     where = next((where for where in (spec.path, *spec.legacy) if get_path(doc, where) is not MISSING), spec.path)
@@ -223,6 +239,27 @@ def _named_as_written(exc: ConfigError, doc: dict[str, Any], family: Family, rea
     written = ", ".join(f"{key}={quote(get_path(doc, tuple(key.split('.'))))}" for key in keys)
     megatron = "" if keys == [exc.setting] else f" (Megatron's {str(exc).removesuffix(': ' + exc.constraint)})"
     return f"{written}: {exc.constraint}{megatron}"
+
+
+def described_by(doc: dict[str, Any], family: Family, settings: list[str], config: ModelConfig) -> str:
+    """``key=value`` of the config.json keys that give ``settings`` (those the family fixes left out),
+    as written; a key config.json leaves out is shown with the value its default gave."""
+    parts: list[str] = []
+    for setting in settings:
+        if setting in family.fixed:
+            continue
+        fields = [spec for spec in family.fields if spec.model_field == setting]
+        keys = ([_written_key(doc, fields[0])] if fields else
+                [key for rule in family.rules if setting in rule.model_fields for key in rule.keys if key in doc])
+        if setting == "mtp_num_layers" and family.hf_mtp_layers_key is not None:
+            keys = [family.hf_mtp_layers_key]
+        for key in keys:
+            value = get_path(doc, tuple(key.split(".")))
+            text = (f"{key}={quote(value)}" if value is not MISSING
+                    else f"{key} absent ({quote(config.setting(setting))})")
+            if text not in parts:
+                parts.append(text)
+    return ", ".join(parts)
 
 
 def _config_dtype(doc: dict[str, Any], stored_dtype: torch.dtype | None) -> str:
@@ -356,7 +393,7 @@ def _router_losses(architecture: str, config: ModelConfig, computes: frozenset[s
 
 def config_disagreements(doc: dict[str, Any], path: Path, config: ModelConfig) -> tuple[Family, list[str]]:
     """The family a given config.json names and where it disagrees with ``config``."""
-    family, described, _ = model_config_from_hf(doc, path, error=ConfigError)
+    family, described, _ = model_config_from_hf(doc, path, error=ConfigError, stored=LIMITS_ONLY)
     # Compared as config.json would hold them: a field the model leaves unset may mean a value.
     fields = {spec.model_field: spec for spec in family.fields}
     differences = [
@@ -389,6 +426,61 @@ def with_dtype(doc: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
 
 
 # --- tensors ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _LayerSlots:
+    """How a family's HF names hold a layer index and an expert index (from its table's rows)."""
+
+    layer: re.Pattern[str]  # the layer prefix, the index, the rest of the name
+    experts: tuple[str, ...]  # text between the layer index and an expert index (".mlp.experts.")
+    stacked: tuple[str, ...]  # the rest of a name whose tensor stacks every expert of the layer on dim 0
+    mtp: tuple[str, ...]  # the rest of a name only a multi-token prediction layer holds (".eh_proj.weight")
+
+
+def _layer_slots(table: TensorTable) -> list[_LayerSlots]:
+    by_prefix: dict[str, tuple[set[str], set[str], set[str]]] = {}
+    for row in table.rows:
+        canonical = row.canonical
+        if canonical is None or not canonical.startswith((LAYER_PREFIX + SLOT, MTP_PREFIX + SLOT)):
+            continue
+        for pattern in row.hf:
+            prefix, _, rest = pattern.partition(SLOT)
+            experts, stacked, mtp = by_prefix.setdefault(prefix, (set(), set(), set()))
+            if row.stacked:
+                stacked.add(rest)
+            elif SLOT in rest:
+                experts.add(rest.partition(SLOT)[0])
+            elif canonical.startswith(MTP_PREFIX):
+                mtp.add(rest)
+    return [_LayerSlots(re.compile(re.escape(prefix) + r"(\d+)(\..*)", re.DOTALL), *map(tuple, parts))
+            for prefix, parts in by_prefix.items()]
+
+
+def stored_counts(table: TensorTable, stored: Mapping[str, TensorMeta], where: str) -> StoredCounts:
+    """The decoder layers, the most routed experts in one layer and the multi-token prediction
+    layers (HF numbers them after the decoder's; told apart by the tensors only they hold) an HF
+    checkpoint stores, from its tensor names and shapes as ``table`` spells them."""
+    slots = _layer_slots(table)
+    layers: set[int] = set()
+    mtp: set[int] = set()
+    experts: dict[int, set[int]] = {}
+    stacked: dict[int, int] = {}
+    for name, meta in stored.items():
+        for slot in slots:
+            match = slot.layer.fullmatch(name)
+            if match is None:
+                continue
+            layer, rest = int(match.group(1)), match.group(2)
+            (mtp if rest in slot.mtp else layers).add(layer)
+            if rest in slot.stacked and meta.shape:
+                stacked[layer] = max(stacked.get(layer, 0), meta.shape[0])
+            for infix in slot.experts:
+                index = rest[len(infix):].partition(".")[0] if rest.startswith(infix) else ""
+                if index.isdigit():
+                    experts.setdefault(layer, set()).add(int(index))
+    most = max([len(indices) for indices in experts.values()] + list(stacked.values()), default=0)
+    return StoredCounts(where, len(layers - mtp), most, len(mtp))
+
 
 def canonical_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Global shape of every canonical tensor, with the true vocab (an HF model has no padding)."""

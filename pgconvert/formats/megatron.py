@@ -240,6 +240,34 @@ def _dtype_name(args: argparse.Namespace) -> str:
     return "float32"
 
 
+def validate_source_layout(layout: ParallelLayout, config: ModelConfig, path: Path) -> None:
+    """The layout a checkpoint's args describe must fit the model they describe."""
+    try:
+        layout.validate(config)
+    except LayoutError as exc:
+        raise CheckpointError(f"{path}: args describe a layout the model does not fit: {exc}") from exc
+
+
+def check_vocab_multiple(args: argparse.Namespace, tp: int, rows: int, path: Path) -> None:
+    """``args.make_vocab_size_divisible_by`` bounded by the vocab rows stored: Megatron-LM pads the
+    vocab to a multiple of it times tp, so no checkpoint holds fewer rows (a target's padding is
+    re-made from it: a hostile multiple would size the tables written)."""
+    multiple = getattr(args, "make_vocab_size_divisible_by", None)
+    if isinstance(multiple, int) and not isinstance(multiple, bool) and multiple * tp > rows:
+        raise CheckpointError(f"{path}: args.make_vocab_size_divisible_by={multiple} with tensor_model_parallel_size="
+                              f"{tp}: Megatron pads the vocab to a multiple of {multiple * tp} rows, but the vocab "
+                              f"tables store {rows}")
+
+
+# Settings whose Megatron-LM argument has another name (the rest are args fields of their own name).
+_ARG_NAMES = {"gated_linear_unit": "swiglu", "params_dtype": "bf16"}
+
+
+def arg_name(setting: str) -> str:
+    """How a message names the ``args`` field that gives ModelConfig ``setting``."""
+    return f"args.{_ARG_NAMES.get(setting, setting)}"
+
+
 def config_from_args(args: argparse.Namespace, path: Path, transformer_impl: str,
                      true_vocab_size: int | None, grouped_gemm: bool = False) -> ModelConfig:
     """The ModelConfig a Megatron run's ``args`` describe; a value it refuses is named with the file.

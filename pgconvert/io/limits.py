@@ -39,6 +39,13 @@ MAX_LISTED_MISSING = 64
 MAX_PIPELINE_LAYOUT_CHARS = 1_000_000
 # The widest field an ``{iteration:...}`` placeholder of a batch plan may format (a path component).
 MAX_PLACEHOLDER_WIDTH = 255
+# The most decoder layers (or multi-token prediction layers) and routed experts per layer a
+# checkpoint may declare, and the most routed experts over all its layers: beyond any real model
+# (DeepSeek-V3: 61 layers, 256 experts, 15,616 routed experts), each also bounded by what is stored
+# (pgconvert.model.counts).
+MAX_LAYERS = 100_000
+MAX_EXPERTS = 100_000
+MAX_ROUTED_EXPERTS = 1_000_000
 # The most characters of an untrusted value an error message quotes.
 MAX_QUOTED_CHARS = 120
 # The largest HF side file (tokenizer, chat template, configs) copied along; real tokenizer.json

@@ -447,10 +447,8 @@ def _check_heads(config: ModelConfig) -> None:
     if attention.softmax_scale is not None and attention.softmax_scale == 1 / math.sqrt(attention.head_dim):
         config._set("attention", softmax_scale=None)
     if attention.num_attention_heads % attention.query_groups:
-        raise ConfigError(
-            f"num_query_groups={attention.query_groups}: num_attention_heads="
-            f"{attention.num_attention_heads} must be a multiple of it"
-        )
+        raise _violates("num_query_groups", attention.query_groups,
+                        f"num_attention_heads={attention.num_attention_heads} must be a multiple of it")
 
 
 def _check_moe(config: ModelConfig) -> None:

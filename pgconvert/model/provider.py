@@ -9,6 +9,7 @@ exists. Everything here derives from those tables; it knows no kind by name.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pgconvert.errors import LayoutError
@@ -168,21 +169,47 @@ def canonical_names(config: ModelConfig) -> list[str]:
     return names
 
 
+def _vocab_shape(config: ModelConfig) -> tuple[int, ...]:
+    assert config.vocab_size is not None
+    return (config.vocab_size, config.hidden_size)
+
+
+def _position_shape(config: ModelConfig) -> tuple[int, ...]:
+    assert config.positions.max_position_embeddings is not None
+    return (config.positions.max_position_embeddings, config.hidden_size)
+
+
+# How the tensors outside the layers get their global shape from a config (vocab tables: the true vocab).
+_NON_LAYER_SHAPES: dict[str, Callable[[ModelConfig], tuple[int, ...]]] = {
+    WORD_EMBEDDINGS: _vocab_shape,
+    OUTPUT_LAYER: _vocab_shape,
+    FINAL_NORM_WEIGHT: lambda config: (config.hidden_size,),
+    FINAL_NORM_BIAS: lambda config: (config.hidden_size,),
+    POSITION_EMBEDDINGS: _position_shape,
+}
+
+
+def shape_function(config: ModelConfig, name: str) -> Callable[[ModelConfig], tuple[int, ...]]:
+    """How canonical tensor ``name`` of ``config`` gets its global shape from a config (what
+    ``canonical_shapes`` computes for it, vocab tables with the true vocab)."""
+    if name in _NON_LAYER_SHAPES:
+        return _NON_LAYER_SHAPES[name]
+    parsed = canonical_layer(name)
+    tensors = layer_tensors(config, parsed[0]) if parsed is not None else mtp_tensors(config)
+    kind = next(tensor.kind for tensor in tensors if tensor.canonical == name)
+    return kind.shape
+
+
 def canonical_shapes(config: ModelConfig, vocab_rows: int | None = None) -> dict[str, tuple[int, ...]]:
     """Global shape of every canonical tensor, in stream order; vocab tables get ``vocab_rows``
     rows (by default the true vocab size)."""
     rows = vocab_rows if vocab_rows is not None else config.vocab_size
     if rows is None:
         raise LayoutError("vocab_size: unknown; the true vocab size is needed (pass --true-vocab-size)")
-    hidden = config.hidden_size
-    shapes: dict[str, tuple[int, ...]] = {
-        WORD_EMBEDDINGS: (rows, hidden),
-        OUTPUT_LAYER: (rows, hidden),
-        FINAL_NORM_WEIGHT: (hidden,),
-        FINAL_NORM_BIAS: (hidden,),
-    }
+    shapes: dict[str, tuple[int, ...]] = {name: (rows, config.hidden_size) for name in VOCAB_TABLES}
+    shapes[FINAL_NORM_WEIGHT] = shapes[FINAL_NORM_BIAS] = _NON_LAYER_SHAPES[FINAL_NORM_WEIGHT](config)
     if config.positions.max_position_embeddings is not None:
-        shapes[POSITION_EMBEDDINGS] = (config.positions.max_position_embeddings, hidden)
+        shapes[POSITION_EMBEDDINGS] = _position_shape(config)
     for layer in range(config.num_layers):
         for tensor in layer_tensors(config, layer):
             shapes[tensor.canonical] = tensor.kind.shape(config)

@@ -469,7 +469,9 @@ class HFSaver(Saver):
                 "weight_map": dict(sorted(weight_map.items())),
             })
         dtype = _out_dtype(source.meta(WORD_EMBEDDINGS).dtype, options)
-        doc = with_dtype(base, dtype) if base is not None else hf_config_from_model(family, config, dtype)
+        doc, written_as = ((mtp.declared_as_converted(family, with_dtype(base, dtype), config)) if base is not None
+                           else (hf_config_from_model(family, config, dtype), None))
+        result.notices.extend([written_as] if written_as else [])
         doc = _quantization_config(doc, source, result.notices)
         _write_json(out_dir / CONFIG_FILE, doc)
         if base is None:

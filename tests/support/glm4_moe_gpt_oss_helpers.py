@@ -30,6 +30,7 @@ from transformers import (
 
 # Layer 0 dense (first_k_dense_replace), layers 1-3 MoE with 4 routed experts and a shared expert
 # of 2 × moe_intermediate_size; half of each head rotated; q/k/v biases; qk-norm; scaled routing.
+# transformers builds no MTP layer, so the release declares none (Glm4MoeConfig's default is one).
 GLM4_MOE_KWARGS: dict[str, Any] = dict(
     hidden_size=64, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=16,
     intermediate_size=96, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
@@ -37,7 +38,7 @@ GLM4_MOE_KWARGS: dict[str, Any] = dict(
     routed_scaling_factor=2.5, norm_topk_prob=True, vocab_size=1030, max_position_embeddings=256,
     tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                 "partial_rotary_factor": 0.5},
-    bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD,
+    bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD, num_nextn_predict_layers=0,
 )
 SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 

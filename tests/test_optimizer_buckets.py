@@ -6,7 +6,16 @@ embeddings the shared embedding gets a bucket of its own on any stage. ``pgconve
 reproduces that; here it is checked against megatron-core itself:
 
 - ``mcore_bucket_layout.py`` builds megatron-core 0.16.1's GPTModel + ``DistributedDataParallel`` (gloo
-  processes, one per rank) and reports every parameter's (bucket, start, end); pgconvert's must be the same.
+  processes, one per rank) for every case of one list in ONE run (module fixture ``mcore_layouts``) and
+  reports every parameter's (start, end, bucket) in the padded buffer, ``bucket_indices`` and
+  ``numel_unpadded``; pgconvert's ``flat_buffers`` / ``bucket_ranges``, padded by ``bucket_divisor``, must be
+  the same in every case. The bucket sizes are derived from the model's own parameters
+  (``_cumulative_ends``: megatron-core's reversed order, 64-aligned starts): a few parameter ends, each
+  exactly (a parameter ending exactly at the bucket size closes it), one less and one more; one element and
+  the smallest parameter (buckets smaller than a parameter); the whole buffer and far more. Variants: TP2 at
+  DP3 and TP1 at DP6 (buckets padded to lcm(dp, 128) = 384), tied embeddings at PP2 (the embedding's own
+  bucket; the one before it ends at the embedding's aligned start), ``ddp_pad_buckets_for_high_nccl_busbw``
+  (lcm(dp, 128, 2**16)); and at one bucket size, DP1 and DP2, tied at TP2 PP2, tied without overlap.
 - A multi-bucket ``distrib_optim.pt`` checkpoint (the TP2 DP2 training golden, re-laid out for a small
   bucket size) is loaded by megatron-core's own ``load_parameter_state`` with that bucketing
   (``mcore_optimizer_step.py``): it must hold exactly what megatron-core loads from the one-bucket golden,
@@ -28,10 +37,10 @@ import torch
 from support.mcore_step_check import BF16_ATOL, BF16_RTOL, assert_same_step, fixed_gradients, run_steps
 from support.megatron_fixtures import assert_same_tree, load_for_test
 from support.flat_relayout import relayout
-from pgconvert.model.grid import iter_ranks
+from pgconvert.model.grid import RankCoord, iter_ranks
 from pgconvert.formats.megatron import config_from_args, layout_from_args
-from pgconvert.optimizer.flat import FlatParam, bucket_ranges, flat_buffers
-from pgconvert.optimizer.order import OptimizerRules, UnsupportedOptimizerError
+from pgconvert.optimizer.flat import FlatParam, bucket_divisor, bucket_ranges, flat_buffers
+from pgconvert.optimizer.order import OptimizerRules, UnsupportedOptimizerError, named_parameters
 from pgconvert.model.provider import OUTPUT_LAYER
 
 pytest.importorskip("megatron.core", reason="megatron-core's own DDP is the reference")
@@ -97,49 +106,133 @@ def _name(item: FlatParam) -> str:
     return OUTPUT_LAYER if spec.local_name == OUTPUT_LAYER else spec.canonical
 
 
-def _mcore_layout(root: Path, overrides: dict[str, Any],
-                  out: Path) -> dict[tuple[int, int], list[tuple[dict, list[int]]]]:
-    done = subprocess.run([sys.executable, "-W", "ignore", str(LAYOUT_SCRIPT), str(root / "iter_0000002"),
-                           json.dumps(overrides), str(out)], capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
-    result: dict[tuple[int, int], list[tuple[dict, list[int]]]] = {}
-    for path in sorted(out.glob("rank*.pt")):
-        rank = torch.load(path, weights_only=True)
-        buffers = []
-        for buffer in rank["buffers"]:
-            starts = [start for start, _ in buffer["bucket_indices"]]
-            params = {name: (bucket, start - starts[bucket], end - starts[bucket])
-                      for name, (start, end, bucket) in buffer["params"].items()}
-            buffers.append((params, buffer["numel_unpadded"]))
-        previous = result.setdefault((rank["tp_rank"], rank["pp_rank"]), buffers)
-        assert previous == buffers, "DP replicas' layouts differ"
-    return result
-
-
-LAYOUTS = {
-    # the golden's own TP2 DP2, bucketed: several buckets in the one stage
-    "tp2-dp2": dict(BUCKETING),
-    # tied embeddings at PP2: the first stage bucketed and its embedding alone; the last stage one bucket
-    # (DDP does not bucket later stages) but the output weight's copy alone
-    "tp1-pp2-dp2-tied": dict(BUCKETING, tensor_model_parallel_size=1, pipeline_model_parallel_size=2,
+# The model/layout variants whose DDP buckets are sized from their own parameters (``_bucket_sizes``): the
+# padding to a multiple of DP shows at DP 3 and 6 (lcm(dp, 128) = 384), at DP 1, 2 and 4 it is 128.
+VARIANTS = {
+    "tp2-dp3": dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=1, data_parallel_size=3),
+    # tied embeddings at PP2: the first stage bucketed, its embedding alone (the bucket before it ends at the
+    # embedding's aligned start); the last stage one bucket (DDP does not bucket later stages) but the
+    # output weight's copy alone
+    "tp1-pp2-dp3-tied": dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=2, data_parallel_size=3,
                              untie_embeddings_and_output_weights=False),
+    "tp1-dp6": dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, data_parallel_size=6),
+    # each bucket padded to lcm(dp, 128, 2**16) instead (the coalesced layout is the same)
+    "tp2-dp3-busbw": dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=1, data_parallel_size=3,
+                          ddp_pad_buckets_for_high_nccl_busbw=True),
+}
+# Cases at one bucket size each (world size 4: DP 1 and 2, and tied at TP2 PP2).
+FIXED = {
+    # the golden's own TP2, at DP2: one to three parameters per bucket
+    "tp2-dp2": dict(BUCKETING, tensor_model_parallel_size=2, data_parallel_size=2),
+    "tp1-pp2-dp2-tied": dict(BUCKETING, tensor_model_parallel_size=1, pipeline_model_parallel_size=2,
+                             data_parallel_size=2, untie_embeddings_and_output_weights=False),
     # tied at PP2 without overlap_grad_reduce: only the shared embedding splits a buffer
     "tp2-pp2-dp1-tied-no-overlap": dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
                                         data_parallel_size=1, untie_embeddings_and_output_weights=False),
 }
+# far more than any buffer: one bucket, closed by the remaining parameters, not by the size
+HUGE = 10 ** 9
 
 
-@pytest.mark.parametrize("name", sorted(LAYOUTS))
-def test_every_parameters_bucket_and_range_are_megatron_cores(golden: Path, tmp_path: Path, name: str) -> None:
-    overrides = LAYOUTS[name]
-    expected = _mcore_layout(golden, overrides, tmp_path / "mcore")
-    actual = _pgconvert_layout(_args(golden, overrides))
-    assert sorted(actual) == sorted(expected)
-    for rank, buffers in expected.items():
-        assert len(actual[rank]) == len(buffers) == 1, rank
-        assert actual[rank] == buffers, rank
-    buckets = [len(sizes) for buffers in expected.values() for _, sizes in buffers]
-    assert max(buckets) >= (3 if overrides.get("overlap_grad_reduce") else 2), buckets
+def _cumulative_ends(args: Any) -> list[int]:
+    """The ends of the bucketed stage's (pp 0, tp 0) parameters in megatron-core's buffer order (the
+    reverse of ``named_parameters()``, each start aligned to 64), as in one bucket: what bucket sizes cut."""
+    config = config_from_args(args, Path("args"), "local", None)
+    layout = layout_from_args(args, Path("args"))
+    ends, cursor = [], 0
+    for _, spec in reversed(named_parameters(config, layout, RankCoord(tp=0, pp=0), args.padded_vocab_size)):
+        cursor = -(-cursor // 64) * 64 + spec.numel
+        ends.append(cursor)
+    return ends
+
+
+def _bucket_sizes(ends: list[int]) -> list[int]:
+    """Bucket sizes at a few parameter boundaries (the first parameter's end, the next, the middle one, the
+    second last, the whole buffer), each exactly, one less and one more; one element (every bucket smaller
+    than any parameter), the smallest parameter (a norm) and far more than the buffer."""
+    boundaries = {ends[0], ends[1], ends[len(ends) // 2], ends[-2], ends[-1]}
+    smallest = min(end - start for start, end in zip([0, *ends], ends) if end - start > 0)
+    return sorted({size + delta for size in boundaries for delta in (-1, 0, 1)} | {1, smallest, HUGE})
+
+
+def _layout_cases(golden: Path) -> dict[str, dict[str, Any]]:
+    """Every case of the one megatron-core run: each variant at each of its derived bucket sizes, the fixed."""
+    cases = dict(FIXED)
+    for variant, overrides in VARIANTS.items():
+        for size in _bucket_sizes(_cumulative_ends(_args(golden, overrides))):
+            cases[f"{variant}-bucket{size}"] = dict(overrides, overlap_grad_reduce=True, ddp_bucket_size=size)
+    return cases
+
+
+Layout = dict[tuple[int, int], list[dict[str, Any]]]
+
+
+def _read_mcore_layouts(out: Path) -> dict[str, Layout]:
+    """Case name -> (tp, pp) -> megatron-core's report per buffer; every DP replica reports the same."""
+    result: dict[str, Layout] = {}
+    for path in sorted(out.glob("world*_rank*.pt")):
+        for name, rank in torch.load(path, weights_only=True).items():
+            previous = result.setdefault(name, {}).setdefault((rank["tp_rank"], rank["pp_rank"]), rank["buffers"])
+            assert previous == rank["buffers"], f"{name}: DP replicas' layouts differ"
+    return result
+
+
+@pytest.fixture(scope="module")
+def mcore_layouts(golden: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], dict[str, Layout]]:
+    """(case name -> overrides, case name -> megatron-core's layout): one multi-process megatron-core run."""
+    cases = _layout_cases(golden)
+    out = tmp_path_factory.mktemp("mcore_layouts")
+    done = subprocess.run([sys.executable, "-W", "ignore", str(LAYOUT_SCRIPT), str(golden / "iter_0000002"),
+                           json.dumps(cases), str(out)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    layouts = _read_mcore_layouts(out)
+    assert sorted(layouts) == sorted(cases)
+    return cases, layouts
+
+
+def _pgconvert_padded(args: Any) -> Layout:
+    """pgconvert's layout in megatron-core's report form: the padded buffer (each bucket padded to
+    ``bucket_divisor``), every parameter's ``(start, end, bucket)``, ``bucket_indices``, per-bucket and buffer
+    ``numel_unpadded``, the buffer's padded ``numel``."""
+    config = config_from_args(args, Path("args"), "local", None)
+    layout = layout_from_args(args, Path("args"))
+    rules = OptimizerRules.from_args(args, "args")
+    dp = args.data_parallel_size
+    divisor = bucket_divisor(dp, args)
+    result: Layout = {}
+    for coord in iter_ranks(layout):
+        buffers = []
+        for placed, numel in flat_buffers(config, layout, coord, rules, args.padded_vocab_size, args, dp):
+            sizes = [end - start for start, end in bucket_ranges(placed, numel)]
+            starts = [0]
+            for size in sizes:
+                starts.append(starts[-1] + -(-size // divisor) * divisor)
+            buffers.append({
+                "params": {_name(item): (starts[item.bucket] + item.start - item.bucket_start,
+                                         starts[item.bucket] + item.end - item.bucket_start, item.bucket)
+                           for item in placed},
+                "bucket_indices": list(zip(starts, starts[1:])), "numel_unpadded": sizes,
+                "buffer_numel": starts[-1], "buffer_numel_unpadded": numel})
+        result[(coord.tp, coord.pp)] = buffers
+    return result
+
+
+@pytest.mark.parametrize("group", [*VARIANTS, *FIXED])
+def test_every_parameters_bucket_and_range_are_megatron_cores(
+        golden: Path, mcore_layouts: tuple[dict[str, Any], dict[str, Layout]], group: str) -> None:
+    cases, layouts = mcore_layouts
+    names = [name for name in cases if name == group or name.startswith(f"{group}-bucket")]
+    differ = [name for name in names if _pgconvert_padded(_args(golden, cases[name])) != layouts[name]]
+    assert differ == [], f"pgconvert's bucket layout is not megatron-core's in {differ}"
+    exact, buckets = 0, 0
+    for name in names:
+        expected = layouts[name]
+        size = cases[name].get("ddp_bucket_size") if cases[name].get("overlap_grad_reduce") else None
+        exact += expected[(0, 0)][0]["numel_unpadded"][0] == size  # a parameter ends exactly at the bucket size
+        buckets = max([buckets, *(len(buffer["numel_unpadded"]) for buffers in expected.values() for buffer in buffers)])
+    # the cases are not degenerate: several buckets, and (derived sizes) parameters ending at the bucket size
+    assert names and buckets >= (2 if group.endswith("no-overlap") else 3), (names, buckets)
+    assert exact >= 3 or group in FIXED, (names, exact)
 
 
 def test_a_bucketing_pgconvert_does_not_reproduce_is_refused_by_name(golden: Path) -> None:

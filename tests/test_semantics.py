@@ -161,7 +161,7 @@ def test_megatron_arg_names_are_megatron_cores_or_megatron_lms() -> None:
                    "yarn_original_max_position_embeddings", "yarn_beta_fast", "yarn_beta_slow", "mscale",
                    "mscale_all_dim", "yarn_correction_range_round_to_int", "original_max_position_embeddings",
                    "beta_fast", "beta_slow"}
-    megatron_lm.update({"openai_gelu", "quick_geglu"})  # arguments.py: --openai-gelu, --quick-geglu
+    megatron_lm.update({"openai_gelu", "quick_geglu", "squared_relu"})  # --openai-gelu, --quick-geglu, --squared-relu
     names = {name for row in SEMANTICS for name in row.megatron}
     # Settings megatron-core does not compute that families carry under transformers' names (with a
     # notice); Megatron-Bridge's names for what megatron-core lacks, and pgconvert's own where no

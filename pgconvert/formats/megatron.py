@@ -297,31 +297,25 @@ def _config_from_args(args: argparse.Namespace, path: Path, transformer_impl: st
     vocab = true_vocab_size
     if vocab is None and isinstance(getattr(args, "vocab_size", None), int):
         vocab = args.vocab_size
-    swiglu = bool(getattr(args, "swiglu", False))
-    # Megatron-LM's validate_args fills both sizes in when they are not given.
-    ffn = getattr(args, "ffn_hidden_size", None) or (megatron_ffn_hidden_size(hidden, swiglu)
-                                                     if isinstance(hidden, int) else hidden)
-    quick_geglu = bool(getattr(args, "quick_geglu", False))  # Megatron-LM's --quick-geglu (GPT-OSS)
+    mlp = _mlp_from_args(args, hidden)
+    ffn = mlp["ffn_hidden_size"]
     return ModelConfig.from_settings({
         "num_layers": required("num_layers"),
         "hidden_size": hidden,
         "num_attention_heads": heads,
-        "ffn_hidden_size": ffn,
+        **mlp,
         "num_query_groups": groups or heads,
         "kv_channels": getattr(args, "kv_channels", None) or None,
         "vocab_size": vocab,
         "make_vocab_size_divisible_by": (getattr(args, "make_vocab_size_divisible_by", None)
                                          or MEGATRON_DEFAULTS["make_vocab_size_divisible_by"]),
-        # A gated GELU (Gemma's GeGLU) is gated_linear_unit without swiglu; --openai-gelu is tanh's.
-        # GPT-OSS's clamped GLU is gated_linear_unit with --quick-geglu.
-        "gated_linear_unit": swiglu or quick_geglu or bool(getattr(args, "gated_linear_unit", False)),
-        "activation": ("quick_gelu" if quick_geglu else "silu" if swiglu
-                       else ("gelu_tanh" if getattr(args, "openai_gelu", False) else "gelu")),
         "normalization": getattr(args, "normalization", None) or MEGATRON_DEFAULTS["normalization"],
         "norm_epsilon": _arg_float(args, ("norm_epsilon", "layernorm_epsilon"), MEGATRON_DEFAULTS["layernorm_epsilon"],
                                    path),
         "add_bias_linear": bool(arg(args, "add_bias_linear", True)),
-        "add_qkv_bias": bool(getattr(args, "add_qkv_bias", False)),
+        # Megatron-LM before core_v0.5.0 has no add_qkv_bias: linear_qkv's bias is add_bias_linear's
+        # (validate_args since then: add_bias_linear turns add_qkv_bias on).
+        "add_qkv_bias": bool(arg(args, "add_qkv_bias", arg(args, "add_bias_linear", True))),
         "qk_layernorm": bool(getattr(args, "qk_layernorm", False)),
         "tie_embeddings": not getattr(args, "untie_embeddings_and_output_weights", False),
         "position_embedding_type": _position_embedding_type(args, path),
@@ -331,7 +325,7 @@ def _config_from_args(args: argparse.Namespace, path: Path, transformer_impl: st
         "transformer_impl": transformer_impl,
         "num_experts": getattr(args, "num_experts", None) or None,
         "moe_ffn_hidden_size": arg(args, "moe_ffn_hidden_size", ffn if getattr(args, "num_experts", None) else None),
-        "moe_layer_freq": _moe_layer_freq(getattr(args, "moe_layer_freq", None), path),
+        "moe_layer_freq": _moe_layer_freq(getattr(args, "moe_layer_freq", None), path, required("num_layers")),
         "moe_router_topk": getattr(args, "moe_router_topk", None) or MEGATRON_DEFAULTS["moe_router_topk"],
         "moe_shared_expert_intermediate_size": getattr(args, "moe_shared_expert_intermediate_size", None),
         "moe_shared_expert_gate": bool(getattr(args, "moe_shared_expert_gate", False)),
@@ -339,6 +333,35 @@ def _config_from_args(args: argparse.Namespace, path: Path, transformer_impl: st
         "moe_grouped_gemm": grouped_gemm,
         **semantics_from_args(args, path, CARRIED_SETTINGS),
     })
+
+
+def _mlp_from_args(args: argparse.Namespace, hidden: Any) -> dict[str, Any]:
+    """The MLP's size, gating and activation as Megatron-LM's core_transformer_config_from_args sets
+    megatron-core's ``gated_linear_unit`` and ``activation_func``: ``--swiglu`` a gated SiLU,
+    ``--squared-relu`` squared ReLU, ``--quick-geglu`` a gated quick GELU (GPT-OSS), else ``F.gelu``.
+
+    ``args.openai_gelu`` reaches no TransformerConfig field (only Megatron-LM's legacy model read it), so
+    a Megatron-LM run with ``--openai-gelu`` computes ``F.gelu``. Args that record ``gated_linear_unit``,
+    which Megatron-LM never writes (pgconvert's, for Gemma's gated GELU), spell the tanh GELU
+    ``openai_gelu``; there it means ``gelu_tanh``."""
+    swiglu = bool(getattr(args, "swiglu", False))
+    squared_relu = bool(getattr(args, "squared_relu", False))
+    quick_geglu = bool(getattr(args, "quick_geglu", False)) and not squared_relu
+    if swiglu:
+        activation = "silu"
+    elif squared_relu:
+        activation = "squared_relu"
+    elif quick_geglu:
+        activation = "quick_gelu"
+    elif getattr(args, "openai_gelu", False) and hasattr(args, "gated_linear_unit"):
+        activation = "gelu_tanh"
+    else:
+        activation = "gelu"
+    # Megatron-LM's validate_args fills the size in when it is not given.
+    ffn = getattr(args, "ffn_hidden_size", None) or (megatron_ffn_hidden_size(hidden, swiglu)
+                                                     if isinstance(hidden, int) else hidden)
+    return {"ffn_hidden_size": ffn, "activation": activation,
+            "gated_linear_unit": swiglu or quick_geglu or bool(getattr(args, "gated_linear_unit", False))}
 
 
 def _position_embedding_type(args: argparse.Namespace, path: Path) -> str:
@@ -446,13 +469,21 @@ def check_megatron_layout(layout: ParallelLayout, flag_prefix: str, path: Path |
         )
 
 
-def _moe_layer_freq(value: Any, path: Path) -> int | tuple[int, ...]:
+def _moe_layer_freq(value: Any, path: Path, num_layers: Any) -> int | tuple[int, ...]:
+    """``args.moe_layer_freq``: an int, or a 0/1 per layer (Megatron-LM's ``--moe-layer-freq "[1,0]*2"``).
+    A list that is megatron-core's pattern of an int k (``get_gpt_decoder_layer_specs``: layer i has
+    experts when i % k == 0) reads as k, so both spellings of one model read the same."""
     if value is None:
         return MEGATRON_DEFAULTS["moe_layer_freq"]
     if isinstance(value, int):
         return value
     if isinstance(value, (list, tuple)) and all(isinstance(item, int) for item in value):
-        return tuple(value)
+        pattern = tuple(value)
+        if len(pattern) == num_layers:
+            for every in range(1, len(pattern) + 1):
+                if pattern == tuple(int(layer % every == 0) for layer in range(len(pattern))):
+                    return every
+        return pattern
     raise CheckpointError(f"{path}: args.moe_layer_freq={quote(value)}: expected an int or a list of 0/1")
 
 
@@ -501,6 +532,7 @@ def _model_args(config: ModelConfig) -> dict[str, Any]:
         "swiglu": config.mlp.gated_linear_unit and config.mlp.activation == "silu",
         "gated_linear_unit": config.mlp.gated_linear_unit,
         "openai_gelu": config.mlp.activation == "gelu_tanh",
+        "squared_relu": config.mlp.activation == "squared_relu",
         "quick_geglu": config.mlp.activation == "quick_gelu",
         "normalization": config.norms.normalization,
         "norm_epsilon": config.norms.norm_epsilon,

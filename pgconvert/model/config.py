@@ -25,9 +25,11 @@ from pgconvert.model.layers import LayerSpec, MTPLayerSpec, layer_specs, mtp_lay
 
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")
 POSITION_EMBEDDING_TYPES = ("rope", "learned_absolute", "none")
-# gelu_tanh: the tanh approximation (HF gelu_pytorch_tanh, Megatron-LM --openai-gelu);
-# quick_gelu: x * sigmoid(1.702 x) (GPT-OSS, Megatron-LM --quick-geglu).
-ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "quick_gelu")
+# gelu_tanh: the tanh approximation (HF gelu_pytorch_tanh; pgconvert's Megatron args: openai_gelu with
+# gated_linear_unit recorded: a Megatron-LM run's --openai-gelu computes F.gelu, pgconvert.formats.megatron);
+# quick_gelu: x * sigmoid(1.702 x) (GPT-OSS, Megatron-LM --quick-geglu); squared_relu: relu(x)**2
+# (Megatron-LM --squared-relu).
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "quick_gelu", "squared_relu")
 SOFTMAX_TYPES = ("vanilla", "learnable")
 # Megatron's two layer specs name the fused norms differently; pgconvert keeps the source's choice.
 TRANSFORMER_IMPLS = ("local", "transformer_engine")

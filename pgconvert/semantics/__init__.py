@@ -99,9 +99,13 @@ SEMANTICS: tuple[Setting, ...] = (
             _ARGS.format("norm_epsilon"), "rms_norm_eps"),
     Setting("normalization", ("normalization",), ("normalization",), _ARGS.format("normalization"),
             "RMSNorm (fixed)"),
-    Setting("activation", ("activation", "gated_linear_unit"), ("swiglu", "gated_linear_unit", "openai_gelu", "quick_geglu"),
-            _ARGS.format("swiglu (gated GELU: gated_linear_unit / openai_gelu)"),
-            "hidden_act = silu (fixed)"),
+    Setting("activation", ("activation", "gated_linear_unit"),
+            ("swiglu", "squared_relu", "quick_geglu", "gated_linear_unit", "openai_gelu"),
+            _ARGS.format("swiglu / squared_relu / quick_geglu (gated GELU: gated_linear_unit / openai_gelu)"),
+            "hidden_act = silu (fixed)",
+            "Megatron-LM's core_transformer_config_from_args: --swiglu, --squared-relu, --quick-geglu, else F.gelu; "
+            "its --openai-gelu reaches no TransformerConfig field, so openai_gelu means the tanh GELU only in "
+            "args that record gated_linear_unit (pgconvert's)"),
     Setting("qk-norm", ("qk_layernorm", "qk_layernorm_across_heads"), ("qk_layernorm", "qk_layernorm_across_heads"),
             _ARGS.format("qk_layernorm (over the whole projection: qk_layernorm_across_heads)"),
             "never (other families)"),

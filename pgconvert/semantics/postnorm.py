@@ -5,7 +5,9 @@ The families that have them are Gemma 2/3, OLMo 2, OLMoE and GLM-4 (their module
 
 megatron-core 0.16 expresses a zero-centred norm gamma (``layernorm_zero_centered_gamma``), the
 attention ``softmax_scale`` (Gemma's ``query_pre_attn_scalar``: pgconvert.semantics.attention_scale) and a
-gated GELU (``gated_linear_unit`` with ``openai_gelu``), but not
+gated tanh GELU (``gated_linear_unit`` with ``activation_func=openai_gelu``; pgconvert's args spell it
+``gated_linear_unit`` with ``openai_gelu``, which Megatron-LM's core_transformer_config_from_args does not
+read), but not
 norms after the sublayers, an embedding scaled by sqrt(hidden), soft-capping or a second RoPE base
 for the sliding-window layers. Megatron-Bridge builds those with custom layers and keeps the
 numeric settings under these names (NVIDIA-NeMo/Megatron-Bridge src/megatron/bridge/models/gemma/

@@ -76,10 +76,22 @@ def copy_reason(hf_name: str, canonical: str) -> str:
             f"of its own), so a copy that differs would be lost; {hf_name} cannot be converted")
 
 
+# DeepseekV3Config's and Glm4MoeConfig's num_mtp_layers (their attribute_map's name for
+# num_nextn_predict_layers, which config.json may also use) where config.json gives neither.
+HF_MTP_LAYERS_DEFAULT = 1
+HF_MTP_LAYERS_ALIAS = "num_mtp_layers"
+
+
+def _declaration(key: str, doc: Mapping[str, Any]) -> tuple[str, object]:
+    """The key config.json declares the MTP layers under and its value (the default where absent)."""
+    if key not in doc and HF_MTP_LAYERS_ALIAS in doc:
+        key = HF_MTP_LAYERS_ALIAS
+    return key, doc.get(key, HF_MTP_LAYERS_DEFAULT)
+
+
 def _declared(family: Family, doc: Mapping[str, Any], path: Path) -> int | None:
-    key = family.hf_mtp_layers_key
-    assert key is not None
-    value = doc.get(key)
+    assert family.hf_mtp_layers_key is not None
+    key, value = _declaration(family.hf_mtp_layers_key, doc)
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
         raise CheckpointError(f"{path}: {key}={quote(value)}: expected an integer >= 0")
     return value
@@ -135,9 +147,9 @@ def check_hf_target(family: Family, doc: Mapping[str, Any] | None, config: Model
     """An hf target's config.json must declare the MTP layers it is written with."""
     if not config.mtp_num_layers or doc is None:
         return
-    key = family.hf_mtp_layers_key
-    if key is None or doc.get(key) != config.mtp_num_layers:
+    key, declared = _declaration(family.hf_mtp_layers_key, doc) if family.hf_mtp_layers_key else (None, None)
+    if declared != config.mtp_num_layers:
         raise ConfigError(
-            f"{where}: {key or 'num_nextn_predict_layers'}={quote(doc.get(key) if key else None)}, but the model has "
+            f"{where}: {key or 'num_nextn_predict_layers'}={quote(declared)}, but the model has "
             f"mtp_num_layers={config.mtp_num_layers} multi-token prediction layers")
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import torch
-from support.hf_config_variants import Variant, legacy_keys, older_spellings, references, resolve, variants
+from support.hf_config_variants import Variant, resolve, variants
 
 from pgconvert.errors import PgconvertError
 from pgconvert.families import ORDERED
@@ -249,23 +249,3 @@ def test_what_pgconvert_writes_for_a_model_it_read_transformers_reads_as_that_mo
             problems.append(problem)
 
     assert not problems, "\n".join(problems)
-
-
-@pytest.mark.parametrize("family", ORDERED, ids=lambda family: family.architecture)
-def test_every_older_spelling_a_table_reads_is_generated(family: Family) -> None:
-    spelled = set()
-    for doc in references(family).values():
-        for _, changed in older_spellings(family, doc):
-            spelled |= {key for key in changed if key not in doc}
-
-    assert legacy_keys(family) <= spelled
-
-
-def test_every_kept_null_is_a_case_the_variants_produce() -> None:
-    produced = {(family.architecture, variant.reference, variant.what) for family, variant in CASES}
-
-    unused = [entry for entry in KEPT_NULLS
-              if not any(entry[0] in ("*", architecture) and entry[1] in ("*", reference) and entry[2] == what
-                         for architecture, reference, what in produced)]
-
-    assert unused == []

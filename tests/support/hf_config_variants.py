@@ -281,6 +281,7 @@ def variants(family: Family, named: dict[str, dict[str, Any]] | None = None) -> 
     absent, as no writer puts both), each older spelling (and each key it introduces absent and
     null), and the partial RoPE blocks."""
     legacy = _field_legacy_paths(family)
+    spelled: set[str] = set()
     for name, doc in (references(family) if named is None else named).items():
         yield Variant(name, "as transformers resolved it", doc, doc)
         paths = [path for path in read_keys(family) if path not in legacy]
@@ -288,6 +289,11 @@ def variants(family: Family, named: dict[str, dict[str, Any]] | None = None) -> 
         for what, changed in older_spellings(family, doc):
             yield Variant(name, what, changed, doc)
             introduced = [(key,) for key in changed if key not in doc]
+            spelled |= {key for (key,) in introduced}
             yield from _key_variants(name, f"{what}, ", changed, doc, introduced)
         if name == "base":
             yield from _rope_block_variants(name, doc)
+    unwritten = sorted(legacy_keys(family) - spelled)
+    if unwritten:
+        raise ValueError(f"{family.architecture} reads older spellings {unwritten} that no variant writes: "
+                         "teach OLDER_SPELLINGS (or a reference) to write them")

@@ -135,7 +135,7 @@ def _reading(family: Family, doc: dict[str, Any]) -> Reading:
         _, config, _ = model_config_from_hf(copy.deepcopy(doc), PATH)
         if family.hf_mtp_layers_key is not None:
             stored = {f"model.layers.{config.num_layers}.eh_proj.weight": None}
-            config = mtp.resolve_hf_count(family, doc, config, stored, PATH)
+            config, _ = mtp.resolve_hf_count(family, doc, config, stored, PATH)
     except PgconvertError as exc:
         return Refused(str(exc))
     return config.to_dict()

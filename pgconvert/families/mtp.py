@@ -144,7 +144,7 @@ def declared_as_converted(family: Family, doc: dict[str, Any], config: ModelConf
         return doc, None
     written = {name: value for name, value in doc.items() if name != HF_MTP_LAYERS_ALIAS}
     return {**written, key: config.mtp_num_layers}, (
-        f"config.json: {said} written as {key}={config.mtp_num_layers}: the model converted has "
+        f"config.json: {said} written as {config.mtp_num_layers}: the model converted has "
         f"{config.mtp_num_layers} multi-token prediction layers")
 
 

@@ -146,9 +146,10 @@ def test_a_deepseek_v3_shows_the_mla_dims_that_differ_from_deepseek_v3s(tmp_path
 
     assert "family      DeepseekV3ForCausalLM (named by config.json)\n" in output
     assert "num_experts=8 moe_ffn_hidden_size=32 params_dtype=float32\n" in output
-    assert block[0].startswith("q_lora_rank=24 (family default: ")
-    assert block[1:] == ["kv_lora_rank=16 (family default: 512)",
-                         _at_defaults_line(COMPARED - 2, "DeepseekV3ForCausalLM")]
+    # No router groups (n_group=1), where DeepseekV3Config's default routes by 8 groups, 4 chosen.
+    assert block == ["q_lora_rank=24 (family default: 1536)", "kv_lora_rank=16 (family default: 512)",
+                     "moe_router_num_groups=None (family default: 8)", "moe_router_group_topk=None (family default: 4)",
+                     _at_defaults_line(COMPARED - 4, "DeepseekV3ForCausalLM")]
     for at_default in ("qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "multi_latent_attention"):
         assert at_default not in output
 
@@ -160,8 +161,8 @@ def test_a_deepseek_v3_with_other_head_dims_shows_them(tmp_path: Path) -> None:
     info = pgconvert.inspect(path)
 
     assert info.family_defaults is not None
-    assert {name: default for name, default in info.family_defaults.differing.items() if name != "q_lora_rank"} == {
-        "qk_head_dim": 128, "qk_pos_emb_head_dim": 64, "v_head_dim": 128}
+    assert info.family_defaults.differing == {"qk_head_dim": 128, "qk_pos_emb_head_dim": 64, "v_head_dim": 128,
+                                              "q_lora_rank": 1536, "moe_router_num_groups": 8, "moe_router_group_topk": 4}
 
 
 def test_all_lists_every_setting_as_the_model_and_semantics_rows(llama: Path) -> None:
@@ -204,40 +205,24 @@ def test_json_keeps_every_key_and_value_and_adds_the_family_defaults(llama: Path
     }
 
 
-# Where a family table reads a config.json key left out otherwise than transformers' class default
-# (transformers' value first): these defaults are pgconvert's reading, which a conversion uses too.
-READ_OTHERWISE_THAN_TRANSFORMERS: dict[str, dict[str, tuple[object, object]]] = {
-    "DeepseekV3ForCausalLM": {"q_lora_rank": (1536, None), "moe_router_num_groups": (8, None),
-                              "moe_router_group_topk": (4, None)},
-    "DeepseekV2ForCausalLM": {"q_lora_rank": (1536, None)},
-    "Qwen3ForCausalLM": {"kv_channels": (128, 8)},
-    "MistralForCausalLM": {"sliding_window": (4096, None)},
-    "MinistralForCausalLM": {"sliding_window": (4096, None)},
-    "OlmoeForCausalLM": {"moe_aux_loss_coeff": (0.01, 0.001)},
-    "Glm4ForCausalLM": {"kv_channels": (128, 8)},
-    "GptOssForCausalLM": {"kv_channels": (64, 8), "rope_scaling": ("yarn", None), "rope_scaling_factor": (32.0, 1.0),
-                          "yarn_correction_range_round_to_int": (False, True)},
-    "SmolLM3ForCausalLM": {"rotary_base": (2000000.0, 10000.0)},
-}
-
-
 @pytest.mark.parametrize("architecture", [family.architecture for family in ORDERED])
 def test_the_family_defaults_are_transformers_class_defaults(architecture: str) -> None:
     from transformers import AutoConfig
 
     family = FAMILIES[architecture]
-    # transformers' DeepSeek-V2 has no default top-k (None); V2-Lite routes to 6 experts.
-    topk = {"num_experts_per_tok": 6} if architecture == "DeepseekV2ForCausalLM" else {}
+    # transformers' DeepSeek-V2 has no default top-k (None; V2-Lite routes to 6 experts), and Ministral
+    # no default head_dim (its attention takes it as given).
+    needed = {"DeepseekV2ForCausalLM": {"num_experts_per_tok": 6}, "MinistralForCausalLM": {"head_dim": 8}}
     doc = AutoConfig.for_model(family.model_type, hidden_size=64, num_hidden_layers=4, num_attention_heads=8,
-                               num_key_value_heads=4, intermediate_size=128, vocab_size=1000, **topk).to_dict()
+                               num_key_value_heads=4, intermediate_size=128, vocab_size=1000,
+                               **needed.get(architecture, {})).to_dict()
     doc["architectures"] = [architecture]
     _, config, _ = model_config_from_hf(doc, Path("config.json"))
 
     compared = compare_with_defaults(config, family, "named by config.json")
 
     assert compared.family == architecture
-    expected = READ_OTHERWISE_THAN_TRANSFORMERS.get(architecture, {})
-    assert {name: (config.setting(name), default) for name, default in compared.differing.items()} == expected
+    assert compared.differing == {}
 
 
 def test_a_model_of_no_family_is_compared_with_modelconfigs_defaults() -> None:

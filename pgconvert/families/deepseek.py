@@ -41,7 +41,10 @@ from pgconvert.families.llama import (
     ROPE_DEFAULT,
     ROPE_RULE,
     SWIGLU_RMS_ROPE,
+    query_groups_field,
+    rotary_base_field,
 )
+from pgconvert.families.experts import expert_count
 from pgconvert.families.mtp import MTP_ROWS
 from pgconvert.families.qwen import QWEN_MOE_ROWS
 from pgconvert.families.table import GATE_UP, ConfigField, ConfigRule, Family, TensorMapping, TensorTable, write_nothing
@@ -75,28 +78,46 @@ _MOE_ROWS = (QWEN_MOE_ROWS[0], EXPERT_BIAS_ROW, *QWEN_MOE_ROWS[1:], *SHARED_EXPE
 DEEPSEEK_TENSORS = TensorTable((*EMBEDDING_ROWS, *_MLA_ROWS, *DENSE_MLP_ROWS, *_MOE_ROWS, *FINAL_ROWS, *MTP_ROWS))
 
 
-def _fields(experts: int, topk: int | None, max_positions: int) -> tuple[ConfigField, ...]:
+# DeepseekV3Config keeps these nulls, and its modules compute nothing from them.
+_TOPK_NULL = "transformers' router takes the top-k as given, and null is no count"
+_V_HEAD_NULL = "transformers' attention takes v_head_dim as given, and null is no size"
+
+
+def _fields(experts: int, experts_alias: str, topk: int | None, max_positions: int,
+            query_groups: int | None) -> tuple[ConfigField, ...]:
     """config.json fields of both versions; defaults are transformers' class defaults."""
     return (
         ConfigField(("hidden_size",), "hidden_size", int),
         ConfigField(("num_hidden_layers",), "num_layers", int),
         ConfigField(("num_attention_heads",), "num_attention_heads", int),
-        ConfigField(("num_key_value_heads",), "num_query_groups", int, default=None),
+        query_groups_field(query_groups),
         ConfigField(("rms_norm_eps",), "norm_epsilon", float, default=1e-6),
-        ConfigField(("rope_parameters", "rope_theta"), "rotary_base", float, default=10000.0, legacy=(("rope_theta",),)),
+        rotary_base_field(10000.0),
         ConfigField(("max_position_embeddings",), "max_position_embeddings", int, default=max_positions),
         ConfigField(("vocab_size",), "vocab_size", int),
         ConfigField(("tie_word_embeddings",), "tie_embeddings", bool, default=False),
         ConfigField(("attention_dropout",), "attention_dropout", float, default=0.0),
         DENSE_FFN,
         ConfigField(("moe_intermediate_size",), "moe_ffn_hidden_size", int),
-        ConfigField(("n_routed_experts",), "num_experts", int, default=experts),
-        ConfigField(("num_experts_per_tok",), "moe_router_topk", int, default=topk),
+        expert_count("n_routed_experts", experts, experts_alias),
+        ConfigField(("num_experts_per_tok",), "moe_router_topk", int, default=topk, null_refused=_TOPK_NULL),
         ConfigField(("kv_lora_rank",), "kv_lora_rank", int, default=512),
         ConfigField(("qk_nope_head_dim",), "qk_head_dim", int, default=128),
         ConfigField(("qk_rope_head_dim",), "qk_pos_emb_head_dim", int, default=64),
-        ConfigField(("v_head_dim",), "v_head_dim", int, default=128),
+        ConfigField(("v_head_dim",), "v_head_dim", int, default=128, null_refused=_V_HEAD_NULL),
     )
+
+
+def _given(present: Mapping[str, object], key: str, default: object) -> object:
+    """``present[key]`` (``default`` where absent); None (a null of a ``null_keys`` key, or absent with
+    no default) is refused: the routers and layers of transformers' DeepSeek (and GLM-4.5-MoE) take
+    the value as given and compute nothing from None."""
+    value = present.get(key, default)
+    if value is None:
+        said = f"{key}=null" if key in present else f"{key} is absent and transformers' config class has no default"
+        raise ValueError(f"{said}: the model takes it as given and computes nothing from None; config.json must "
+                         "give a value")
+    return value
 
 
 def _count(value: object, key: str, minimum: int = 0) -> int:
@@ -114,7 +135,7 @@ def _dense_prefix(config: ModelConfig) -> int | None:
 
 def _layers_rule(default_dense: int) -> ConfigRule:
     def read(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
-        dense = _count(present.get("first_k_dense_replace", default_dense), "first_k_dense_replace")
+        dense = _count(_given(present, "first_k_dense_replace", default_dense), "first_k_dense_replace")
         layers = model["num_layers"]
         assert isinstance(layers, int)
         pattern = tuple(int(layer >= dense) for layer in range(layers))
@@ -131,7 +152,7 @@ def _layers_rule(default_dense: int) -> ConfigRule:
         return None
 
     return ConfigRule(keys=("first_k_dense_replace",), model_fields=("moe_layer_freq",), read=read, write=write,
-                      refuses=refuses)
+                      refuses=refuses, null_keys=("first_k_dense_replace",))
 
 
 def _shared_rule(default: int) -> ConfigRule:
@@ -155,13 +176,18 @@ def _shared_rule(default: int) -> ConfigRule:
                       read=read, write=write, refuses=refuses)
 
 
-def router_groups(present: Mapping[str, object], model: Mapping[str, object], per_group: int) -> tuple[int, int] | None:
-    """(groups, chosen groups) that route as transformers does, None for no grouping; a setting
-    megatron-core scores differently raises."""
-    groups = _count(present.get("n_group", 1), "n_group", 1)
-    chosen = _count(present.get("topk_group", groups), "topk_group", 1)
+def router_groups(present: Mapping[str, object], model: Mapping[str, object], per_group: int,
+                  defaults: tuple[int | None, int | None]) -> tuple[int, int] | None:
+    """(groups, chosen groups) that route as transformers does, None for no grouping; ``defaults``:
+    the config class's ``n_group`` and ``topk_group`` where absent (a None one, or a null, is refused:
+    transformers' grouped router divides by them as given). A setting megatron-core scores
+    differently raises."""
+    groups = _count(_given(present, "n_group", defaults[0]), "n_group", 1)
+    chosen = _count(_given(present, "topk_group", defaults[1]), "topk_group", 1)
     experts, topk = model["num_experts"], model["moe_router_topk"]
-    assert isinstance(experts, int) and isinstance(topk, int)
+    if not isinstance(topk, int):
+        raise ValueError(f"num_experts_per_tok={quote(topk)}: grouped routing needs the number of experts per token")
+    assert isinstance(experts, int)
     if experts % groups or chosen > groups:
         raise ValueError(f"n_group={groups}, topk_group={chosen}: the groups must divide n_routed_experts={experts} "
                          "and topk_group be at most n_group")
@@ -189,7 +215,7 @@ def _v3_router_read(present: Mapping[str, object], model: Mapping[str, object]) 
     if model["moe_router_topk"] == 1:
         raise ValueError("num_experts_per_tok=1: transformers renormalizes the one chosen score to 1 "
                          "(norm_topk_prob), megatron-core keeps its sigmoid score; no megatron-core equivalent")
-    groups = router_groups(present, model, per_group=2)
+    groups = router_groups(present, model, per_group=2, defaults=(8, 4))
     return {"moe_router_num_groups": groups and groups[0], "moe_router_group_topk": groups and groups[1],
             "moe_router_topk_scaling_factor": _scaling(present, 2.5)}
 
@@ -211,10 +237,12 @@ def _v3_router_refuses(config: ModelConfig) -> str | None:
 
 
 def _v2_router_read(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
-    method = present.get("topk_method", "greedy")
+    method = _given(present, "topk_method", "greedy")
     if method not in ("greedy", "group_limited_greedy"):
         raise ValueError(f"topk_method={quote(method)}: expected 'greedy' or 'group_limited_greedy'")
-    groups = router_groups(present, model, per_group=1) if method == "group_limited_greedy" else None
+    # DeepseekV2Config has no group defaults: group-limited routing needs both.
+    grouped = method == "group_limited_greedy"
+    groups = router_groups(present, model, per_group=1, defaults=(None, None)) if grouped else None
     return {"moe_router_num_groups": groups and groups[0], "moe_router_group_topk": groups and groups[1],
             "moe_router_topk_scaling_factor": _scaling(present, 1.0)}
 
@@ -235,8 +263,13 @@ def _v2_router_refuses(config: ModelConfig) -> str | None:
     return None
 
 
+# DeepseekV2Config's and DeepseekV3Config's q_lora_rank where config.json leaves it out.
+Q_LORA_RANK = 1536
+
+
 def _q_lora_read(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
-    value = present.get("q_lora_rank")
+    """``q_lora_rank``: 1536 where absent (the config classes' default), null: no q down projection."""
+    value = present.get("q_lora_rank", Q_LORA_RANK)
     return {"q_lora_rank": None if value is None else _count(value, "q_lora_rank", 1)}
 
 
@@ -261,7 +294,8 @@ def _mla_rope_refuses(config: ModelConfig) -> str | None:
 # Runs after ROPE_RULE (a rule sees the values earlier rules read).
 _MLA_ROPE = ConfigRule(keys=(), model_fields=(), read=_mla_rope_read, write=write_nothing,
                        refuses=_mla_rope_refuses)
-_Q_LORA = ConfigRule(keys=("q_lora_rank",), model_fields=("q_lora_rank",), read=_q_lora_read, write=_q_lora_write)
+_Q_LORA = ConfigRule(keys=("q_lora_rank",), model_fields=("q_lora_rank",), read=_q_lora_read, write=_q_lora_write,
+                     null_keys=("q_lora_rank",))
 
 _MLA_COMMON: dict[str, object] = {
     **SWIGLU_RMS_ROPE,
@@ -286,10 +320,11 @@ DEEPSEEK_V3 = Family(
     model_type="deepseek_v3",
     hf_computes=_DEEPSEEK_COMPUTES,
     tensors=DEEPSEEK_TENSORS,
-    fields=_fields(experts=256, topk=8, max_positions=4096),
+    fields=_fields(experts=256, experts_alias="num_local_experts", topk=8, max_positions=4096, query_groups=128),
     rules=(ROPE_RULE, _MLA_ROPE, _Q_LORA, _layers_rule(default_dense=3), _shared_rule(default=1),
            ConfigRule(keys=("n_group", "topk_group", "routed_scaling_factor"), model_fields=_ROUTER_FIELDS,
-                      read=_v3_router_read, write=_v3_router_write, refuses=_v3_router_refuses)),
+                      read=_v3_router_read, write=_v3_router_write, refuses=_v3_router_refuses,
+                      null_keys=("n_group", "topk_group"))),
     fixed={**_MLA_COMMON, "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True},
     # megatron-core renormalizes the chosen sigmoid scores; its MLA rotary takes interleaved pairs.
     hf_fixed={**_HF_COMMON, "norm_topk_prob": True, "rope_interleave": True},
@@ -305,11 +340,11 @@ DEEPSEEK_V2 = Family(
     model_type="deepseek_v2",
     hf_computes=_DEEPSEEK_COMPUTES,
     tensors=DEEPSEEK_TENSORS,
-    fields=_fields(experts=64, topk=None, max_positions=2048),
+    fields=_fields(experts=64, experts_alias="num_experts", topk=None, max_positions=2048, query_groups=None),
     rules=(ROPE_RULE, _MLA_ROPE, _Q_LORA, _layers_rule(default_dense=0), _shared_rule(default=2),
            ConfigRule(keys=("topk_method", "n_group", "topk_group", "routed_scaling_factor"),
                       model_fields=_ROUTER_FIELDS, read=_v2_router_read, write=_v2_router_write,
-                      refuses=_v2_router_refuses)),
+                      refuses=_v2_router_refuses, null_keys=("topk_method", "n_group", "topk_group"))),
     fixed={**_MLA_COMMON, "moe_router_score_function": "softmax", "moe_router_pre_softmax": True,
            "moe_router_enable_expert_bias": False},
     hf_fixed={**_HF_COMMON, "mlp_bias": False},

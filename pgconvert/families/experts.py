@@ -20,7 +20,24 @@ ROUTED_EXPERTS_ONLY: dict[str, object] = {
     "moe_shared_expert_intermediate_size": None,
     "moe_router_enable_expert_bias": False,
 }
-AUX_LOSS = ConfigField(("router_aux_loss_coef",), "moe_aux_loss_coeff", float, default=0.001)
+
+
+def aux_loss(default: float) -> ConfigField:
+    """``router_aux_loss_coef`` (the config class's ``default`` where absent)."""
+    return ConfigField(("router_aux_loss_coef",), "moe_aux_loss_coeff", float, default=default)
+
+
+# Every family's but OLMoE's (0.01).
+AUX_LOSS = aux_loss(0.001)
+
+
+def expert_count(key: str, default: int, alias: str | None = None, legacy: str | None = None) -> ConfigField:
+    """The routed-expert count under ``key`` (the config class's ``default`` where absent), under the
+    older ``legacy`` spelling (written too) or the ``alias`` its ``attribute_map`` also accepts; a null
+    is refused (the MoE block takes the count as given, and an alias bypasses the class's type check)."""
+    return ConfigField((key,), "num_experts", int, default=default, legacy=((legacy,),) if legacy else (),
+                       aliases=((alias,),) if alias else (),
+                       null_refused="transformers' MoE block takes the expert count as given, and null is no count")
 
 
 def expert_ffn_size(config: ModelConfig) -> int:

@@ -23,10 +23,11 @@ from collections.abc import Mapping
 from pgconvert.io.limits import quote
 from pgconvert.model.config import ModelConfig
 from pgconvert.families.llama import max_positions
-from pgconvert.families.sliding_window import layer_types_of, sliding_layers, window_values, window_with_default
+from pgconvert.families.sliding_window import layer_types_of, sliding_layers, window_of, window_values_sized
 from pgconvert.families.table import DROP, DROPPED, GATE_UP, QKV, ConfigField, ConfigRule, Family
 from pgconvert.families.table import TensorMapping, TensorTable
 from pgconvert.semantics import attention_scale
+from pgconvert.semantics.rope import rope_parameters
 
 _L = "model.layers.{}."
 _D = "decoder.layers.{}."
@@ -52,27 +53,42 @@ SANDWICH_ROWS = (
 GEMMA_TENSORS = TensorTable(SANDWICH_ROWS)
 
 
-def _window_rule(period: int) -> ConfigRule:
-    """``sliding_window`` (transformers' default 4096) on the layers ``layer_types`` marks sliding
-    (by default every ``period``-th layer full)."""
+def _period(present: Mapping[str, object], key: str | None, default: int) -> int:
+    value = present.get(key, default) if key is not None else default
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{key}={quote(value)}: expected a positive integer")
+    return value
+
+
+def _window_rule(period: int, period_key: str | None = None) -> ConfigRule:
+    """``sliding_window`` (transformers' default 4096; null: none, refused with sliding layers) on the
+    layers ``layer_types`` marks sliding (by default every ``period``-th layer full; Gemma 3's
+    config also reads the period from the older ``sliding_window_pattern``, its ``period_key``)."""
 
     def read(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
         layers = model["num_layers"]
         assert isinstance(layers, int)
-        pattern = sliding_layers(present, layers, period)
-        return window_values(window_with_default(present, 4096), pattern)
+        pattern = sliding_layers(present, layers, _period(present, period_key, period))
+        return window_values_sized(window_of(present, 4096), pattern)
 
     def write(config: ModelConfig) -> Mapping[str, object]:
         return {"sliding_window": config.attention.sliding_window, "layer_types": layer_types_of(config)}
 
     return ConfigRule(keys=("sliding_window", "layer_types"), model_fields=("sliding_window", "window_layers"),
-                      read=read, write=write)
+                      read=read, write=write, null_keys=("sliding_window",),
+                      legacy_keys=() if period_key is None else (period_key,))
 
 
-def _theta(params: Mapping[str, object], key: str, default: float) -> float:
-    value = params.get("rope_theta", default)
+def _theta(params: Mapping[str, object], key: str, present: Mapping[str, object], legacy: str,
+           default: float) -> float:
+    """``rope_theta`` of ``params`` (``key``), else the top-level ``legacy`` key (4.x), else ``default``
+    (as transformers' ``setdefault`` fills it; a null is refused: its RoPE has no base for it)."""
+    if "rope_theta" in params:
+        value, named = params["rope_theta"], f"{key}.rope_theta"
+    else:
+        value, named = present.get(legacy, default), legacy
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < float("inf"):
-        raise ValueError(f"{key}.rope_theta={quote(value)}: expected a positive number")
+        raise ValueError(f"{named}={quote(value)}: expected a positive number (the RoPE base)")
     return float(value)
 
 
@@ -91,22 +107,29 @@ def _sub(params: Mapping[str, object], name: str) -> Mapping[str, object]:
     return value
 
 
-def _rope_parameters(present: Mapping[str, object]) -> Mapping[str, object]:
-    params = present.get("rope_parameters", {})
+def _rope_parameters(present: Mapping[str, object], key: str = "rope_parameters") -> Mapping[str, object]:
+    params = present.get(key, {})
     if not isinstance(params, dict):
-        raise ValueError(f"rope_parameters={quote(params)}: expected an object")
+        raise ValueError(f"{key}={quote(params)}: expected an object")
     return params
 
 
 def _read_gemma3_rope(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
     """Gemma 3's RoPE per layer type: ``full_attention`` (default base 1e6, plain or linear scaling:
-    Megatron's rotary_base and rope scaling) and ``sliding_attention`` (base 1e4, plain: rotary_base_local)."""
+    Megatron's rotary_base and rope scaling) and ``sliding_attention`` (base 1e4, plain: rotary_base_local).
+    transformers' Gemma3TextConfig also reads 4.x's top-level ``rope_theta``, ``rope_local_base_freq``
+    and ``rope_scaling`` (laid over ``full_attention``)."""
     params = _rope_parameters(present)
-    full, local = _sub(params, "full_attention"), _sub(params, "sliding_attention")
+    # Without rope_parameters, transformers starts from {"rope_type": "default"} per layer type, so a
+    # 4.x rope_scaling spelling its type "type" stays plain.
+    full = {**(_sub(params, "full_attention") if "rope_parameters" in present else {"rope_type": "default"}),
+            **_rope_parameters(present, "rope_scaling")}
+    local = _sub(params, "sliding_attention")
     _rope_type(local, "rope_parameters.sliding_attention", ("default",))
     values: dict[str, object] = {
-        "rotary_base": _theta(full, "rope_parameters.full_attention", 1_000_000.0),
-        "rotary_base_local": _theta(local, "rope_parameters.sliding_attention", 10_000.0),
+        "rotary_base": _theta(full, "rope_parameters.full_attention", present, "rope_theta", 1_000_000.0),
+        "rotary_base_local": _theta(local, "rope_parameters.sliding_attention", present, "rope_local_base_freq",
+                                    10_000.0),
         "rope_scaling": None, "rope_scaling_factor": 1.0, "rotary_percent": 1.0,
     }
     if _rope_type(full, "rope_parameters.full_attention", ("default", "linear")) == "linear":
@@ -138,9 +161,11 @@ def _refuses_gemma3_rope(config: ModelConfig) -> str | None:
 
 
 def _read_plain_rope(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
-    params = _rope_parameters(present)
+    """Gemma 2's one plain RoPE: ``rope_parameters`` (4.x: ``rope_scaling``, which transformers takes
+    instead when it is given, and a top-level ``rope_theta``)."""
+    params = rope_parameters(present)
     _rope_type(params, "rope_parameters", ("default",))
-    return {"rotary_base": _theta(params, "rope_parameters", 10_000.0), "rope_scaling": None,
+    return {"rotary_base": _theta(params, "rope_parameters", present, "rope_theta", 10_000.0), "rope_scaling": None,
             "rope_scaling_factor": 1.0, "rotary_percent": 1.0}
 
 
@@ -216,8 +241,10 @@ GEMMA3 = Family(
     rules=(ConfigRule(keys=("rope_parameters",),
                       model_fields=("rotary_base", "rotary_base_local", "rope_scaling", "rope_scaling_factor",
                                     "rotary_percent"),
-                      read=_read_gemma3_rope, write=_write_gemma3_rope, refuses=_refuses_gemma3_rope),
-           _window_rule(period=6),
+                      read=_read_gemma3_rope, write=_write_gemma3_rope, refuses=_refuses_gemma3_rope,
+                      null_keys=("rope_theta", "rope_local_base_freq"),
+                      legacy_keys=("rope_theta", "rope_local_base_freq", "rope_scaling")),
+           _window_rule(period=6, period_key="sliding_window_pattern"),
            ConfigRule(keys=("query_pre_attn_scalar",), model_fields=("softmax_scale",),
                       read=_read_scalar, write=_write_scalar)),
     fixed={**_GEMMA, "qk_layernorm": True},
@@ -238,7 +265,8 @@ GEMMA2 = GEMMA3.derive(
     # transformers' Gemma2Config: sliding and full attention alternate, sliding first; one RoPE base.
     rules=(ConfigRule(keys=("rope_parameters",),
                       model_fields=("rotary_base", "rope_scaling", "rope_scaling_factor", "rotary_percent"),
-                      read=_read_plain_rope, write=_write_plain_rope, refuses=_refuses_scaled_rope),
+                      read=_read_plain_rope, write=_write_plain_rope, refuses=_refuses_scaled_rope,
+                      null_keys=("rope_theta",), legacy_keys=("rope_theta", "rope_scaling")),
            _window_rule(period=2)),
     fixed={"qk_layernorm": False, "rotary_base_local": None},
     hf_fixed={"use_bidirectional_attention": None},

@@ -26,17 +26,20 @@ from collections.abc import Mapping
 from pgconvert.io.limits import quote
 from pgconvert.model.config import ModelConfig
 from pgconvert.families.deepseek import EXPERT_BIAS_ROW, SHARED_EXPERTS_ROWS, router_groups
-from pgconvert.families.experts import dense_layers, expert_ffn_size
+from pgconvert.families.experts import dense_layers, expert_count, expert_ffn_size
 from pgconvert.families.llama import (
     ATTENTION_ROWS,
     DENSE_FFN,
     DENSE_MLP_ROWS,
     EMBEDDING_ROWS,
     FINAL_ROWS,
+    HEAD_DIM_NULL,
     ROPE_DEFAULT,
     ROPE_RULE,
     SWIGLU_RMS_ROPE,
     decoder_fields,
+    head_dim_field,
+    query_groups_field,
     read_rope,
     write_partial_rope,
 )
@@ -71,12 +74,21 @@ GLM4_TENSORS = TensorTable((
 GLM_PARTIAL_ROTARY = 0.5
 
 
-def _read_glm4_rope(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
-    """As Llama's, but a missing partial_rotary_factor is GLM-4's 0.5 (Glm4Config's default)."""
-    params = present.get("rope_parameters")
-    if "partial_rotary_factor" not in present and not (isinstance(params, dict) and "partial_rotary_factor" in params):
+def _read_glm_rope(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
+    """As Llama's, but an absent ``partial_rotary_factor`` is 0.5 (Glm4Config's and Glm4MoeConfig's
+    ``kwargs.setdefault``); a top-level null is left unset there, so the whole head rotates, and a
+    null in ``rope_parameters`` is refused (GLM's rotary multiplies head_dim by it as given)."""
+    params = rope_parameters(present)
+    if "partial_rotary_factor" in params and params["partial_rotary_factor"] is None:
+        raise ValueError("rope_parameters.partial_rotary_factor=null: GLM's rotary embedding multiplies head_dim "
+                         "by it as given, and null is no fraction")
+    if "partial_rotary_factor" not in params and "partial_rotary_factor" not in present:
         present = {**present, "partial_rotary_factor": GLM_PARTIAL_ROTARY}
     return read_rope(present, model)
+
+
+GLM_ROPE_RULE = ConfigRule(keys=ROPE_RULE.keys, model_fields=ROPE_RULE.model_fields, read=_read_glm_rope,
+                           write=write_partial_rope, null_keys=("partial_rotary_factor",))
 
 
 GLM4 = Family(
@@ -85,13 +97,14 @@ GLM4 = Family(
     hf_computes=frozenset({"rotary_percent"}),
     tensors=GLM4_TENSORS,
     fields=(
-        *decoder_fields(max_position_embeddings=131072, norm_epsilon=1.5625e-07),
+        # Glm4Config's 2 KV heads and head_dim 128 where config.json leaves them out.
+        *decoder_fields(max_position_embeddings=131072, norm_epsilon=1.5625e-07, query_groups=query_groups_field(2),
+                        head_dim=head_dim_field(128)),
         DENSE_FFN,
         # GLM-4's attention_bias biases q, k and v (not o_proj): Megatron's add_qkv_bias.
         ConfigField(("attention_bias",), "add_qkv_bias", bool, default=True),
     ),
-    rules=(ConfigRule(keys=ROPE_RULE.keys, model_fields=ROPE_RULE.model_fields, read=_read_glm4_rope,
-                      write=write_partial_rope),),
+    rules=(GLM_ROPE_RULE,),
     fixed={**PLAIN_SWIGLU, "num_experts": None, "qk_layernorm": False, "qk_layernorm_across_heads": False,
            "pre_layernorms": True, "post_self_attn_layernorm": True, "post_mlp_layernorm": True,
            "rotary_interleaved": True},
@@ -120,16 +133,6 @@ def _count(value: object, key: str, low: int) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < low:
         raise ValueError(f"{key}={quote(value)}: expected an integer >= {low}")
     return value
-
-
-def _read_partial_rope(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
-    """GLM's RoPE: as every family's, but an absent ``partial_rotary_factor`` means 0.5
-    (Glm4MoeConfig's default), not the whole head."""
-    values = dict(read_rope(present, model))
-    in_params = rope_parameters(present).get("partial_rotary_factor") is not None
-    if not in_params and present.get("partial_rotary_factor") is None:
-        values["rotary_percent"] = GLM_PARTIAL_ROTARY
-    return values
 
 
 def _read_first_dense(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
@@ -179,7 +182,7 @@ def _read_groups(present: Mapping[str, object], model: Mapping[str, object]) -> 
     groups. transformers' ``Glm4MoeTopkRouter`` scores a group by the sum of its top-2 biased scores,
     as DeepSeek-V3 does, so DeepSeek-V3's rule applies: megatron-core's ``group_limited_topk`` scores
     by its top ``topk // group_topk``, which agrees where that is 2 (any other setting is refused)."""
-    groups = router_groups(present, model, per_group=2)
+    groups = router_groups(present, model, per_group=2, defaults=(1, 1))
     return {"moe_router_num_groups": groups and groups[0], "moe_router_group_topk": groups and groups[1]}
 
 
@@ -203,10 +206,12 @@ GLM4_MOE = Family(
                            "moe_router_topk_scaling_factor", "moe_router_num_groups"}),
     tensors=GLM4_MOE_TENSORS,
     fields=(
-        *decoder_fields(max_position_embeddings=131072, norm_epsilon=1e-5),
+        # Glm4MoeConfig's 8 KV heads; it has no head_dim, which its attention takes as given.
+        *decoder_fields(max_position_embeddings=131072, norm_epsilon=1e-5, query_groups=query_groups_field(8),
+                        head_dim=head_dim_field(null_refused=HEAD_DIM_NULL)),
         DENSE_FFN,
         ConfigField(("moe_intermediate_size",), "moe_ffn_hidden_size", int, default=1408, written=expert_ffn_size),
-        ConfigField(("n_routed_experts",), "num_experts", int, default=128),
+        expert_count("n_routed_experts", 128, "num_local_experts"),
         ConfigField(("num_experts_per_tok",), "moe_router_topk", int, default=8),
         ConfigField(("routed_scaling_factor",), "moe_router_topk_scaling_factor", float, default=1.0),
         ConfigField(("use_qk_norm",), "qk_layernorm", bool, default=False),
@@ -220,8 +225,7 @@ GLM4_MOE = Family(
                    read=_read_shared, write=_write_shared, refuses=_refuses_shared),
         ConfigRule(keys=("n_group", "topk_group"), model_fields=("moe_router_num_groups", "moe_router_group_topk"),
                    read=_read_groups, write=_write_groups, refuses=_refuses_groups),
-        ConfigRule(keys=ROPE_RULE.keys, model_fields=ROPE_RULE.model_fields, read=_read_partial_rope,
-                   write=write_partial_rope),
+        GLM_ROPE_RULE,
     ),
     fixed={
         **SWIGLU_RMS_ROPE,

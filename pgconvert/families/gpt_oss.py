@@ -17,10 +17,19 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from pgconvert.model.config import ModelConfig
-from pgconvert.families.experts import AUX_LOSS, EVERY_LAYER_MOE, expert_ffn_size
-from pgconvert.families.llama import ATTENTION_ROWS, EMBEDDING_ROWS, FINAL_ROWS, ROPE_RULE, SWIGLU_RMS_ROPE
-from pgconvert.families.llama import decoder_fields
-from pgconvert.families.sliding_window import layer_types_of, sliding_layers, window_values, window_with_default
+from pgconvert.families.experts import AUX_LOSS, EVERY_LAYER_MOE, expert_count, expert_ffn_size
+from pgconvert.families.llama import (
+    ATTENTION_ROWS,
+    EMBEDDING_ROWS,
+    FINAL_ROWS,
+    ROPE_RULE,
+    SWIGLU_RMS_ROPE,
+    decoder_fields,
+    head_dim_field,
+    query_groups_field,
+    read_rope,
+)
+from pgconvert.families.sliding_window import layer_types_of, sliding_layers, window_of, window_values_sized
 from pgconvert.families.table import (
     IDENTITY,
     INTERLEAVED_GATE_UP,
@@ -36,6 +45,9 @@ from pgconvert.families.table import (
 GPT_OSS_SWIGLU_ALPHA = 1.702  # megatron-core's quick_gelu constant
 GPT_OSS_SWIGLU_LIMIT = 7.0
 GPT_OSS_WINDOW = 128
+# GptOssConfig's RoPE where config.json gives none (its __post_init__): YaRN over a 4096 context.
+GPT_OSS_ROPE: dict[str, object] = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                   "truncate": False, "original_max_position_embeddings": 4096}
 
 _EXPERT = "decoder.layers.{}.mlp.experts.local_experts.{}."
 _GPT_OSS_ROWS = (
@@ -60,12 +72,19 @@ def _read_layer_window(present: Mapping[str, object], model: Mapping[str, object
     alternates, layer 0 sliding."""
     layers = model["num_layers"]
     assert isinstance(layers, int)
-    window = window_with_default(present, GPT_OSS_WINDOW)
-    return window_values(window, sliding_layers(present, layers, period=2))
+    window = window_of(present, GPT_OSS_WINDOW)
+    return window_values_sized(window, sliding_layers(present, layers, period=2))
 
 
 def _write_layer_window(config: ModelConfig) -> Mapping[str, object]:
     return {"sliding_window": config.attention.sliding_window or GPT_OSS_WINDOW, "layer_types": layer_types_of(config)}
+
+
+def _read_rope(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
+    """As every family's, but no ``rope_parameters`` (absent or null) nor ``rope_scaling`` is GptOssConfig's YaRN."""
+    if present.get("rope_parameters") is None and not present.get("rope_scaling"):
+        present = {**present, "rope_parameters": GPT_OSS_ROPE}
+    return read_rope(present, model)
 
 
 GPT_OSS = Family(
@@ -74,9 +93,11 @@ GPT_OSS = Family(
     hf_computes=frozenset({"glu_linear_offset", "activation_func_clamp_value"}),
     tensors=GPT_OSS_TENSORS,
     fields=(
-        *decoder_fields(max_position_embeddings=131072, norm_epsilon=1e-5, rotary_base=150000.0),
+        # GptOssConfig's 8 KV heads and head_dim 64 (null: hidden_size / num_attention_heads).
+        *decoder_fields(max_position_embeddings=131072, norm_epsilon=1e-5, rotary_base=150000.0,
+                        query_groups=query_groups_field(8), head_dim=head_dim_field(64, nullable=True)),
         ConfigField(("intermediate_size",), "moe_ffn_hidden_size", int, default=2880, written=expert_ffn_size),
-        ConfigField(("num_local_experts",), "num_experts", int, default=128),
+        expert_count("num_local_experts", 128, "num_experts"),
         ConfigField(("num_experts_per_tok",), "moe_router_topk", int, default=4),
         ConfigField(("swiglu_limit",), "activation_func_clamp_value", float, default=GPT_OSS_SWIGLU_LIMIT),
         AUX_LOSS,
@@ -84,8 +105,8 @@ GPT_OSS = Family(
     rules=(
         EVERY_LAYER_MOE,
         ConfigRule(keys=("sliding_window", "layer_types"), model_fields=("sliding_window", "window_layers"),
-                   read=_read_layer_window, write=_write_layer_window),
-        ROPE_RULE,
+                   read=_read_layer_window, write=_write_layer_window, null_keys=("sliding_window",)),
+        ConfigRule(keys=ROPE_RULE.keys, model_fields=ROPE_RULE.model_fields, read=_read_rope, write=ROPE_RULE.write),
     ),
     fixed={
         **SWIGLU_RMS_ROPE,

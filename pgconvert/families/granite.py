@@ -18,7 +18,7 @@ from pathlib import Path
 
 from pgconvert.io.limits import quote
 from pgconvert.model.config import ModelConfig
-from pgconvert.families.llama import LLAMA
+from pgconvert.families.llama import HEAD_DIM_NULL, LLAMA, head_dim_field
 from pgconvert.families.table import ConfigField, ConfigRule
 from pgconvert.semantics import attention_scale
 from pgconvert.semantics.arg_values import positive
@@ -46,7 +46,9 @@ _MULTIPLIERS = ("embedding_multiplier", "residual_multiplier", "logits_scaling")
 
 GRANITE = LLAMA.derive(
     "GraniteForCausalLM", "granite",
-    fields=tuple(ConfigField((name,), name, float, default=1.0) for name in _MULTIPLIERS),
+    # GraniteConfig has no head_dim, which its attention takes as given.
+    fields=(head_dim_field(null_refused=HEAD_DIM_NULL),
+            *(ConfigField((name,), name, float, default=1.0) for name in _MULTIPLIERS)),
     rules=(ConfigRule(keys=("attention_multiplier",), model_fields=("softmax_scale",),
                       read=_read_attention_multiplier, write=_write_attention_multiplier),),
     megatron_carried=tuple(CarriedSetting(name, 1.0, _positive_number) for name in _MULTIPLIERS),

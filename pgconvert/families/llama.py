@@ -63,20 +63,46 @@ FINAL_ROWS = (
 DECODER_TENSORS = TensorTable((*EMBEDDING_ROWS, *ATTENTION_ROWS, *DENSE_MLP_ROWS, *FINAL_ROWS))
 
 
-def decoder_fields(max_position_embeddings: int, norm_epsilon: float = 1e-6,
-                   rotary_base: float = 10000.0) -> tuple[ConfigField, ...]:
+# Why transformers builds nothing from a null: its RoPE takes the base as given, and the attention of
+# a family whose config class has no head_dim takes getattr(config, "head_dim", hidden // heads).
+ROPE_BASE_NULL = "transformers computes the RoPE frequencies from rope_theta as given, and null is no base"
+HEAD_DIM_NULL = "transformers' attention takes head_dim as given (getattr(config, 'head_dim', ...)), and null is no size"
+
+
+def query_groups_field(default: int | None = None, null_refused: str | None = None) -> ConfigField:
+    """``num_key_value_heads`` (transformers' class ``default`` where absent; a null is one group per
+    head, as the config classes' ``__post_init__`` fill it, unless ``null_refused``)."""
+    return ConfigField(("num_key_value_heads",), "num_query_groups", int, default=default,
+                       nullable=null_refused is None, null_refused=null_refused)
+
+
+def head_dim_field(default: int | None = None, *, nullable: bool = False,
+                   null_refused: str | None = None) -> ConfigField:
+    """``head_dim`` (transformers' class ``default`` where absent; None: hidden_size // heads)."""
+    return ConfigField(("head_dim",), "kv_channels", int, default=default, nullable=nullable,
+                       null_refused=null_refused)
+
+
+def rotary_base_field(default: float) -> ConfigField:
+    """The RoPE base: transformers 5 keeps it under ``rope_parameters``, 4.x as a top-level ``rope_theta``;
+    absent, the config class's ``default_theta``."""
+    return ConfigField(("rope_parameters", "rope_theta"), "rotary_base", float, default=default,
+                       legacy=(("rope_theta",),), null_refused=ROPE_BASE_NULL)
+
+
+def decoder_fields(max_position_embeddings: int, norm_epsilon: float = 1e-6, rotary_base: float = 10000.0,
+                   query_groups: ConfigField | None = None,
+                   head_dim: ConfigField | None = None) -> tuple[ConfigField, ...]:
     """The config.json fields of a Llama-style decoder but its FFN size; defaults are transformers'
-    class defaults."""
+    class defaults (``query_groups`` and ``head_dim``: Llama's unless given)."""
     return (
         ConfigField(("hidden_size",), "hidden_size", int),
         ConfigField(("num_hidden_layers",), "num_layers", int),
         ConfigField(("num_attention_heads",), "num_attention_heads", int),
-        ConfigField(("num_key_value_heads",), "num_query_groups", int, default=None),
-        ConfigField(("head_dim",), "kv_channels", int, default=None),
+        query_groups or query_groups_field(),
+        head_dim or head_dim_field(),
         ConfigField(("rms_norm_eps",), "norm_epsilon", float, default=norm_epsilon),
-        # transformers 5 keeps the base under rope_parameters; 4.x had a top-level rope_theta.
-        ConfigField(("rope_parameters", "rope_theta"), "rotary_base", float, default=rotary_base,
-                    legacy=(("rope_theta",),)),
+        rotary_base_field(rotary_base),
         ConfigField(("max_position_embeddings",), "max_position_embeddings", int,
                     default=max_position_embeddings),
         ConfigField(("vocab_size",), "vocab_size", int),

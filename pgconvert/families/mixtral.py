@@ -7,7 +7,7 @@ writes, and ``from_pretrained`` reads, one tensor per expert and projection (``b
 
 from __future__ import annotations
 
-from pgconvert.families.experts import AUX_LOSS, EVERY_LAYER_MOE, ROUTED_EXPERTS_ONLY, expert_ffn_size
+from pgconvert.families.experts import AUX_LOSS, EVERY_LAYER_MOE, ROUTED_EXPERTS_ONLY, expert_count, expert_ffn_size
 from pgconvert.families.llama import (
     ATTENTION_ROWS,
     EMBEDDING_ROWS,
@@ -16,6 +16,7 @@ from pgconvert.families.llama import (
     ROPE_DEFAULT,
     ROPE_RULE,
     decoder_fields,
+    query_groups_field,
 )
 from pgconvert.families.sliding_window import EVERY_LAYER_WINDOW
 from pgconvert.families.table import GATE_UP, ConfigField, Family, TensorMapping, TensorTable
@@ -39,9 +40,10 @@ MIXTRAL = Family(
     model_type="mixtral",
     tensors=MIXTRAL_TENSORS,
     fields=(
-        *decoder_fields(max_position_embeddings=131072, norm_epsilon=1e-5, rotary_base=1e6),
+        *decoder_fields(max_position_embeddings=131072, norm_epsilon=1e-5, rotary_base=1e6,
+                        query_groups=query_groups_field(8)),
         ConfigField(("intermediate_size",), "moe_ffn_hidden_size", int, written=expert_ffn_size),
-        ConfigField(("num_local_experts",), "num_experts", int, default=8),
+        expert_count("num_local_experts", 8, "num_experts"),
         ConfigField(("num_experts_per_tok",), "moe_router_topk", int, default=2),
         AUX_LOSS,
     ),

@@ -76,12 +76,27 @@ def copy_reason(hf_name: str, canonical: str) -> str:
             f"of its own), so a copy that differs would be lost; {hf_name} cannot be converted")
 
 
+# DeepseekV3Config's and Glm4MoeConfig's num_mtp_layers (their attribute_map's name for
+# num_nextn_predict_layers, which config.json may also use) where config.json gives neither.
+HF_MTP_LAYERS_DEFAULT = 1
+HF_MTP_LAYERS_ALIAS = "num_mtp_layers"
+
+
+def _declaration(key: str, doc: Mapping[str, Any]) -> tuple[str, object]:
+    """How config.json declares the MTP layers (``key=value``, or the key absent) and the count (the
+    default where absent)."""
+    if key not in doc and HF_MTP_LAYERS_ALIAS in doc:
+        key = HF_MTP_LAYERS_ALIAS
+    if key not in doc:
+        return f"{key} absent (transformers' default {HF_MTP_LAYERS_DEFAULT})", HF_MTP_LAYERS_DEFAULT
+    return f"{key}={quote(doc[key])}", doc[key]
+
+
 def _declared(family: Family, doc: Mapping[str, Any], path: Path) -> int | None:
-    key = family.hf_mtp_layers_key
-    assert key is not None
-    value = doc.get(key)
+    assert family.hf_mtp_layers_key is not None
+    declared, value = _declaration(family.hf_mtp_layers_key, doc)
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
-        raise CheckpointError(f"{path}: {key}={quote(value)}: expected an integer >= 0")
+        raise CheckpointError(f"{path}: {declared}: expected an integer >= 0")
     return value
 
 
@@ -96,6 +111,7 @@ def resolve_hf_count(family: Family, doc: Mapping[str, Any], config: ModelConfig
         return config, None
     key = family.hf_mtp_layers_key
     declared = _declared(family, doc, path)
+    said = _declaration(key, doc)[0]
     layers = config.num_layers
     extra: dict[int, list[str]] = {}
     for name in stored:
@@ -105,7 +121,7 @@ def resolve_hf_count(family: Family, doc: Mapping[str, Any], config: ModelConfig
     if not extra:
         if not declared:
             return config, None
-        return config, (f"{path}: {key}={quote(declared)}, but no tensor of a multi-token prediction layer (layer "
+        return config, (f"{path}: {said}, but no tensor of a multi-token prediction layer (layer "
                         f"num_hidden_layers + i = {layers}, …) is stored: converted without them, and an hf "
                         f"target's config.json declares {key}=0")
     count = declared or 0
@@ -113,7 +129,7 @@ def resolve_hf_count(family: Family, doc: Mapping[str, Any], config: ModelConfig
         first = sorted(extra)[-1]
         shown = sorted(extra[first])[:3]
         raise CheckpointError(
-            f"{path}: {key}={quote(declared)}, but the checkpoint stores multi-token prediction "
+            f"{path}: {said}, but the checkpoint stores multi-token prediction "
             f"layer tensors of layers {sorted(extra)} (num_hidden_layers={layers}; MTP layer i is layer "
             f"num_hidden_layers + i), e.g. {shown}")
     return config.replace(mtp_num_layers=declared), None
@@ -123,11 +139,12 @@ def declared_as_converted(family: Family, doc: dict[str, Any], config: ModelConf
     """``doc`` (an hf target's config.json) declaring no more MTP layers than the model converted
     has, and a notice where it declared more."""
     key = family.hf_mtp_layers_key
-    declared = doc.get(key) if key is not None else None
+    said, declared = _declaration(key, doc) if key is not None else ("", None)
     if key is None or not isinstance(declared, int) or declared <= config.mtp_num_layers:
         return doc, None
-    return {**doc, key: config.mtp_num_layers}, (
-        f"config.json: {key}={declared} written as {config.mtp_num_layers}: the model converted has "
+    written = {name: value for name, value in doc.items() if name != HF_MTP_LAYERS_ALIAS}
+    return {**written, key: config.mtp_num_layers}, (
+        f"config.json: {said} written as {config.mtp_num_layers}: the model converted has "
         f"{config.mtp_num_layers} multi-token prediction layers")
 
 
@@ -136,8 +153,8 @@ def check_hf_target(family: Family, doc: Mapping[str, Any] | None, config: Model
     if not config.mtp_num_layers or doc is None:
         return
     key = family.hf_mtp_layers_key
-    if key is None or doc.get(key) != config.mtp_num_layers:
-        raise ConfigError(
-            f"{where}: {key or 'num_nextn_predict_layers'}={quote(doc.get(key) if key else None)}, but the model has "
-            f"mtp_num_layers={config.mtp_num_layers} multi-token prediction layers")
+    said, declared = _declaration(key, doc) if key is not None else ("num_nextn_predict_layers=None", None)
+    if declared != config.mtp_num_layers:
+        raise ConfigError(f"{where}: {said}, but the model has mtp_num_layers={config.mtp_num_layers} "
+                          "multi-token prediction layers")
 

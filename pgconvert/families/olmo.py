@@ -9,9 +9,17 @@ over all experts. Both normalize q and k over the whole projection, not per head
 
 from __future__ import annotations
 
-from pgconvert.families.experts import AUX_LOSS, EVERY_LAYER_MOE, expert_ffn_size
+from pgconvert.families.experts import EVERY_LAYER_MOE, aux_loss, expert_count, expert_ffn_size
 from pgconvert.families.gemma import SANDWICH_ROWS
-from pgconvert.families.llama import DENSE_FFN, ROPE_DEFAULT, ROPE_RULE, decoder_fields, max_positions
+from pgconvert.families.llama import (
+    DENSE_FFN,
+    HEAD_DIM_NULL,
+    ROPE_DEFAULT,
+    ROPE_RULE,
+    decoder_fields,
+    head_dim_field,
+    max_positions,
+)
 from pgconvert.families.qwen import NORM_TOPK_RULE, PRE_SOFTMAX, QWEN3_MOE_TENSORS
 from pgconvert.families.table import DROP, ConfigField, Family, TensorTable
 
@@ -35,7 +43,8 @@ OLMO2 = Family(
     architecture="Olmo2ForCausalLM",
     model_type="olmo2",
     tensors=OLMO2_TENSORS,
-    fields=(*decoder_fields(max_position_embeddings=2048, norm_epsilon=1e-5), DENSE_FFN),
+    fields=(*decoder_fields(max_position_embeddings=2048, norm_epsilon=1e-5,
+                            head_dim=head_dim_field(null_refused=HEAD_DIM_NULL)), DENSE_FFN),
     rules=(ROPE_RULE,),
     fixed={**PLAIN_SWIGLU, "num_experts": None, "add_qkv_bias": False, "qk_layernorm": True,
            "qk_layernorm_across_heads": True, "pre_layernorms": False, "post_self_attn_layernorm": True,
@@ -54,9 +63,9 @@ OLMOE = OLMO2.derive(
     fields=(
         max_positions(4096),
         ConfigField(("intermediate_size",), "moe_ffn_hidden_size", int, default=2048, written=expert_ffn_size),
-        ConfigField(("num_experts",), "num_experts", int, default=64, legacy=(("num_local_experts",),)),
+        expert_count("num_experts", 64, legacy="num_local_experts"),
         ConfigField(("num_experts_per_tok",), "moe_router_topk", int, default=8),
-        AUX_LOSS,
+        aux_loss(0.01),
     ),
     rules=(EVERY_LAYER_MOE, NORM_TOPK_RULE),
     fixed={**_MOE_OFF, "pre_layernorms": True, "post_self_attn_layernorm": False, "post_mlp_layernorm": False},

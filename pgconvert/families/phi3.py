@@ -18,9 +18,19 @@ from pathlib import Path
 from pgconvert.errors import CheckpointError
 from pgconvert.io.limits import quote
 from pgconvert.model.config import ModelConfig
-from pgconvert.families.llama import EMBEDDING_ROWS, FINAL_ROWS, ROPE_RULE, max_positions
+from pgconvert.families.llama import (
+    EMBEDDING_ROWS,
+    FINAL_ROWS,
+    HEAD_DIM_NULL,
+    ROPE_RULE,
+    head_dim_field,
+    max_positions,
+    query_groups_field,
+)
 from pgconvert.families.mistral import MISTRAL
+from pgconvert.families.sliding_window import EVERY_LAYER_WINDOW
 from pgconvert.families.table import QKV_CONCAT, ConfigField, ConfigRule, TensorMapping, TensorTable
+from pgconvert.semantics import yarn
 from pgconvert.semantics.carried import CarriedSetting
 from pgconvert.semantics.rope import rope_parameters, rope_type_of
 
@@ -36,22 +46,34 @@ PHI3_TENSORS = TensorTable((
     *FINAL_ROWS,
 ))
 
-# HF RoPE types megatron-core computes none of, carried whole in hf_rope_parameters.
-_CARRIED_ROPE_TYPES = ("longrope", "su")
+# HF RoPE types megatron-core computes none of, carried whole in hf_rope_parameters: longrope, and
+# what transformers' Phi3Config reads as longrope (su, and Phi-3's yarn).
+_CARRIED_ROPE_TYPES = ("longrope", "su", "yarn")
+# Phi3Config's original_max_position_embeddings, which its longrope takes over rope_parameters' own.
+PHI3_ORIGINAL_MAX_POSITIONS = 4096
+
+
+def _carried(params: Mapping[str, object], present: Mapping[str, object]) -> str:
+    """The longrope parameters as transformers' Phi3Config resolves them: ``su`` and ``yarn`` are
+    longrope, and the top-level ``original_max_position_embeddings`` (default 4096) replaces the
+    block's own; the base and the partial rotary are read into their own settings."""
+    kept = {key: value for key, value in params.items() if key not in ("rope_theta", "partial_rotary_factor")}
+    kept["rope_type"] = "longrope"
+    kept["original_max_position_embeddings"] = present.get("original_max_position_embeddings",
+                                                           PHI3_ORIGINAL_MAX_POSITIONS)
+    return json.dumps(kept, sort_keys=True)
 
 
 def _read_rope(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
-    """Partial rotary and RoPE scaling as every family reads them; a longrope (``su``) type, which
-    megatron-core cannot compute, is carried whole (with ``original_max_position_embeddings``)."""
-    values = dict(ROPE_RULE.read(present, model))
+    """Partial rotary and RoPE scaling as every family reads them; a longrope type, which
+    megatron-core cannot compute, is carried whole (``_carried``)."""
     params = rope_parameters(present)
-    carried = None
-    if rope_type_of(params) in _CARRIED_ROPE_TYPES:
-        kept = {key: value for key, value in params.items() if key != "rope_theta"}
-        if present.get("original_max_position_embeddings") is not None:
-            kept.setdefault("original_max_position_embeddings", present["original_max_position_embeddings"])
-        carried = json.dumps(kept, sort_keys=True)
-    return {**values, "hf_rope_parameters": carried}
+    if rope_type_of(params) not in _CARRIED_ROPE_TYPES:
+        return {**ROPE_RULE.read(present, model), "hf_rope_parameters": None}
+    plain = {"rope_parameters": {key: value for key, value in params.items() if key == "partial_rotary_factor"},
+             "partial_rotary_factor": present.get("partial_rotary_factor")}
+    values = dict(ROPE_RULE.read(plain, model))
+    return {**values, **yarn.YARN_DEFAULTS, "hf_rope_parameters": _carried(params, present)}
 
 
 def _write_rope(config: ModelConfig) -> Mapping[str, object]:
@@ -67,6 +89,13 @@ def _write_rope(config: ModelConfig) -> Mapping[str, object]:
             "original_max_position_embeddings": original}
 
 
+def _refuses_scaling(config: ModelConfig) -> str | None:
+    # Phi3Config refuses any other type (and reads yarn as longrope).
+    if config.positions.rope_scaling is not None:
+        return f"rope_scaling={config.positions.rope_scaling!r} (Phi3 computes plain RoPE or longrope only)"
+    return None
+
+
 def _json_text(args: argparse.Namespace, name: str, default: object, path: Path) -> object:
     value = getattr(args, name, None)
     if value is not None and not isinstance(value, str):
@@ -77,10 +106,14 @@ def _json_text(args: argparse.Namespace, name: str, default: object, path: Path)
 PHI3 = MISTRAL.derive(
     "Phi3ForCausalLM", "phi3",
     tensors=PHI3_TENSORS,
-    fields=(max_positions(4096), ConfigField(("rms_norm_eps",), "norm_epsilon", float, default=1e-5)),
+    # Phi3Config: one KV group per head, no window, where config.json says nothing; it has no head_dim,
+    # which its attention takes as given.
+    fields=(query_groups_field(), head_dim_field(null_refused=HEAD_DIM_NULL), max_positions(4096),
+            ConfigField(("rms_norm_eps",), "norm_epsilon", float, default=1e-5)),
     rules=(ConfigRule(keys=(*ROPE_RULE.keys, "original_max_position_embeddings"),
                       model_fields=(*ROPE_RULE.model_fields, "hf_rope_parameters"),
-                      read=_read_rope, write=_write_rope),),
+                      read=_read_rope, write=_write_rope, refuses=_refuses_scaling),
+           EVERY_LAYER_WINDOW),
     hf_computes=frozenset({"rotary_percent"}),
     hf_rope_types_carried=_CARRIED_ROPE_TYPES,
     # Phi3Config's default token ids (32000) are outside a smaller vocabulary (see SmolLM3).

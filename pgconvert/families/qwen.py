@@ -18,6 +18,7 @@ from pgconvert.families.experts import (
     AUX_LOSS,
     ROUTED_EXPERTS_ONLY,
     dense_layers,
+    expert_count,
     expert_ffn_size,
     refuses_dense_model,
 )
@@ -29,31 +30,35 @@ from pgconvert.families.llama import (
     FINAL_ROWS,
     HF_SILU,
     LLAMA,
+    HEAD_DIM_NULL,
     ROPE_DEFAULT,
     ROPE_RULE,
     decoder_fields,
+    head_dim_field,
     max_positions,
+    query_groups_field,
 )
 from pgconvert.families.sliding_window import (
     layer_types,
     layer_types_of,
     refuses_partial_window,
-    window_or_none,
-    window_values,
+    window_of,
+    window_values_sized,
 )
 from pgconvert.families.table import DROP, GATE_UP, ConfigField, ConfigRule, Family, TensorMapping, TensorTable
 
-# transformers' Qwen2Config/Qwen3Config default.
+# transformers' Qwen2Config/Qwen3Config defaults.
 QWEN_MAX_WINDOW_LAYERS = 28
+QWEN_WINDOW = 4096
 _WINDOW_NOTE = "use_sliding_window, sliding_window, max_window_layers, layer_types"
 
 
 def _use_sliding_window(present: Mapping[str, object]) -> int | None:
-    """``sliding_window`` when ``use_sliding_window`` is true, else None."""
+    """``sliding_window`` (absent: 4096, null: none) when ``use_sliding_window`` is true, else None."""
     use = present.get("use_sliding_window", False)
     if not isinstance(use, bool):
         raise ValueError(f"use_sliding_window={quote(use)}: expected true or false")
-    return window_or_none(present.get("sliding_window"), "sliding_window") if use else None
+    return window_of(present, QWEN_WINDOW) if use else None
 
 
 def _max_window_layers(present: Mapping[str, object]) -> int:
@@ -72,8 +77,8 @@ def _read_qwen_window(present: Mapping[str, object], model: Mapping[str, object]
     pattern = layer_types(present, layers)
     if pattern is None:
         first = _max_window_layers(present)
-        pattern = tuple(int(layer >= first) for layer in range(layers))
-    return window_values(window, pattern)
+        pattern = tuple(int(window is not None and layer >= first) for layer in range(layers))
+    return window_values_sized(window, pattern)
 
 
 def _write_qwen_window(config: ModelConfig) -> Mapping[str, object]:
@@ -90,11 +95,12 @@ def _write_qwen_window(config: ModelConfig) -> Mapping[str, object]:
 
 _QWEN_WINDOW = ConfigRule(keys=("use_sliding_window", "sliding_window", "max_window_layers", "layer_types"),
                           model_fields=("sliding_window", "window_layers"),
-                          read=_read_qwen_window, write=_write_qwen_window)
+                          read=_read_qwen_window, write=_write_qwen_window, null_keys=("sliding_window",))
 
 QWEN2 = LLAMA.derive(
     "Qwen2ForCausalLM", "qwen2",
-    fields=(max_positions(32768),),
+    # Qwen2Config's 32 KV heads where config.json leaves them out; its attention takes head_dim as given.
+    fields=(query_groups_field(32), head_dim_field(null_refused=HEAD_DIM_NULL), max_positions(32768)),
     rules=(_QWEN_WINDOW,),
     # Qwen2 always has q/k/v biases and nothing else.
     fixed={"add_qkv_bias": True, "add_bias_linear": False},
@@ -103,6 +109,8 @@ QWEN2 = LLAMA.derive(
 
 QWEN3 = QWEN2.derive(
     "Qwen3ForCausalLM", "qwen3",
+    # Qwen3Config's head_dim 128, whatever hidden_size / num_attention_heads is.
+    fields=(head_dim_field(128),),
     fixed={"qk_layernorm": True, "add_qkv_bias": False},
     # attention_bias=True would bias q, k, v and o but not the MLP: no Megatron equivalent.
     hf_fixed={"attention_bias": False},
@@ -183,7 +191,7 @@ def _write_all_or_none_window(config: ModelConfig) -> Mapping[str, object]:
 _QWEN3_MOE_WINDOW = ConfigRule(keys=("use_sliding_window", "sliding_window"),
                                model_fields=("sliding_window", "window_layers"),
                                read=_read_all_or_none_window, write=_write_all_or_none_window,
-                               refuses=refuses_partial_window)
+                               refuses=refuses_partial_window, null_keys=("sliding_window",))
 
 # Built from Qwen3's pieces, not derived from it: derive would add the sparse-step rule after the
 # window rule, and so reorder the reasons a model does not fit.
@@ -193,11 +201,12 @@ QWEN3_MOE = Family(
     hf_computes=PRE_SOFTMAX,
     tensors=QWEN3_MOE_TENSORS,
     fields=(
-        *decoder_fields(max_position_embeddings=32768),
+        *decoder_fields(max_position_embeddings=32768, query_groups=query_groups_field(4),
+                        head_dim=head_dim_field(null_refused=HEAD_DIM_NULL)),
         DENSE_FFN,
         ConfigField(("moe_intermediate_size",), "moe_ffn_hidden_size", int, default=768, written=expert_ffn_size),
         # transformers 5 writes num_experts as num_local_experts (its attribute_map); 4.x as num_experts.
-        ConfigField(("num_local_experts",), "num_experts", int, default=128, legacy=(("num_experts",),)),
+        expert_count("num_local_experts", 128, legacy="num_experts"),
         ConfigField(("num_experts_per_tok",), "moe_router_topk", int, default=8),
         AUX_LOSS,
     ),
@@ -210,10 +219,11 @@ QWEN3_MOE = Family(
 )
 
 
-def _qwen2_moe_default_pattern(present: Mapping[str, object], layers: int) -> tuple[int, ...]:
-    """transformers' Qwen2MoeConfig without layer_types: odd 1-based layers below max_window_layers."""
+def _qwen2_moe_default_pattern(present: Mapping[str, object], layers: int, use: bool) -> tuple[int, ...]:
+    """transformers' Qwen2MoeConfig without layer_types: with ``use_sliding_window``, the odd 1-based
+    layers below max_window_layers (whatever ``sliding_window`` is)."""
     first = _max_window_layers(present)
-    return tuple(int((layer + 1) % 2 == 1 and layer < first) for layer in range(layers))
+    return tuple(int(use and (layer + 1) % 2 == 1 and layer < first) for layer in range(layers))
 
 
 def _read_qwen2_moe_window(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
@@ -224,16 +234,18 @@ def _read_qwen2_moe_window(present: Mapping[str, object], model: Mapping[str, ob
         raise ValueError(f"use_sliding_window={quote(use)}: expected true or false")
     layers = model["num_layers"]
     assert isinstance(layers, int)
-    window = window_or_none(present.get("sliding_window"), "sliding_window") if use else None
+    window = window_of(present, QWEN_WINDOW) if use else None
     pattern = layer_types(present, layers)
     if pattern is None:
-        pattern = _qwen2_moe_default_pattern(present, layers)
-    return window_values(window, pattern)
+        pattern = _qwen2_moe_default_pattern(present, layers, use)
+    return window_values_sized(window, pattern)
 
 
 def _write_qwen2_moe_window(config: ModelConfig) -> Mapping[str, object]:
     window = config.attention.sliding_window
-    return {"use_sliding_window": window is not None, "sliding_window": window, "layer_types": layer_types_of(config)}
+    # layer_types says which layers: max_window_layers is only its default, written as transformers'.
+    return {"use_sliding_window": window is not None, "sliding_window": window,
+            "max_window_layers": QWEN_MAX_WINDOW_LAYERS, "layer_types": layer_types_of(config)}
 
 
 def _refuses_dense_or_no_shared_expert(config: ModelConfig) -> str | None:
@@ -261,8 +273,11 @@ QWEN2_MOE = QWEN3_MOE.derive(
     tensors=TensorTable((*EMBEDDING_ROWS, *ATTENTION_ROWS, *DENSE_MLP_ROWS, *QWEN_MOE_ROWS,
                          *_QWEN2_SHARED_EXPERT_ROWS, *FINAL_ROWS)),
     fields=(
+        # Qwen2MoeConfig's 16 KV heads; it keeps a null, which its attention cannot divide by.
+        query_groups_field(16, null_refused="transformers' attention divides the heads by num_key_value_heads as "
+                                            "given, and null is no count"),
         ConfigField(("moe_intermediate_size",), "moe_ffn_hidden_size", int, default=1408, written=expert_ffn_size),
-        ConfigField(("num_experts",), "num_experts", int, default=60),
+        expert_count("num_experts", 60),
         ConfigField(("num_experts_per_tok",), "moe_router_topk", int, default=4),
         ConfigField(("shared_expert_intermediate_size",), "moe_shared_expert_intermediate_size", int, default=5632),
         # q, k and v biases only (o_proj and the MLPs have none): megatron-core's add_qkv_bias.
@@ -270,9 +285,9 @@ QWEN2_MOE = QWEN3_MOE.derive(
     ),
     rules=(ConfigRule(keys=_SPARSE_STEP.keys, model_fields=_SPARSE_STEP.model_fields, read=_layers_from_sparse_step,
                       write=_sparse_step_from_layers, refuses=_refuses_dense_or_no_shared_expert),
-           ConfigRule(keys=("use_sliding_window", "sliding_window", "layer_types"),
+           ConfigRule(keys=("use_sliding_window", "sliding_window", "max_window_layers", "layer_types"),
                       model_fields=("sliding_window", "window_layers"),
-                      read=_read_qwen2_moe_window, write=_write_qwen2_moe_window)),
+                      read=_read_qwen2_moe_window, write=_write_qwen2_moe_window, null_keys=("sliding_window",))),
     fixed={"moe_shared_expert_gate": True, "qk_layernorm": False},
     hf_fixed={"attention_bias": DROP},
     hf_notes={"sliding window": "use_sliding_window, sliding_window, layer_types", "qk-norm": DROP},

@@ -2,8 +2,10 @@
 
 A model's window is ``ModelConfig.attention.sliding_window`` with ``window_layers`` (0/1 per layer, None: every
 layer). config.json spells it per family: ``sliding_window`` on every layer (Mistral, Mixtral,
-Phi-3: ``EVERY_LAYER_WINDOW``), or on the layers ``layer_types`` marks ``sliding_attention``
-(transformers' own default pattern where it is absent, which each family's rule gives).
+Phi-3: ``every_layer_window``), or on the layers ``layer_types`` marks ``sliding_attention``
+(transformers' own default pattern where it is absent, which each family's rule gives). An absent
+``sliding_window`` is the config class's default; a null is no window, and refused where layers are
+marked sliding (transformers cannot build that mask).
 """
 
 from __future__ import annotations
@@ -24,12 +26,19 @@ def window_or_none(value: object, key: str) -> int | None:
     return value
 
 
-def window_with_default(present: Mapping[str, object], default: int) -> int:
-    """``sliding_window`` where it cannot be null (transformers' class ``default`` where absent)."""
-    value = present.get("sliding_window", default)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"sliding_window={quote(value)}: expected a positive integer")
-    return value
+def window_of(present: Mapping[str, object], default: int | None) -> int | None:
+    """``sliding_window`` as transformers' config class reads it: its class ``default`` where absent,
+    none where null (a rule reading it lists it in ``ConfigRule.null_keys``)."""
+    return window_or_none(present.get("sliding_window", default), "sliding_window")
+
+
+def window_values_sized(window: int | None, pattern: tuple[int, ...]) -> Mapping[str, object]:
+    """``window_values``, refusing layers marked sliding without a size: transformers' sliding-window
+    mask takes ``sliding_window`` as given and builds nothing from None."""
+    if window is None and any(pattern):
+        raise ValueError("sliding_window=null with layers that layer_types marks 'sliding_attention': "
+                         "transformers' sliding-window mask needs a size")
+    return window_values(window, pattern)
 
 
 def layer_types(present: Mapping[str, object], layers: int) -> tuple[int, ...] | None:
@@ -71,15 +80,21 @@ def refuses_partial_window(config: ModelConfig) -> str | None:
     return None
 
 
-def _read_every_layer_window(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
-    """Mistral, Mixtral: ``sliding_window`` applies to every layer (null: none)."""
-    return {"sliding_window": window_or_none(present.get("sliding_window"), "sliding_window"), "window_layers": None}
-
-
 def _write_every_layer_window(config: ModelConfig) -> Mapping[str, object]:
     return {"sliding_window": config.attention.sliding_window}
 
 
-EVERY_LAYER_WINDOW = ConfigRule(keys=("sliding_window",), model_fields=("sliding_window", "window_layers"),
-                                read=_read_every_layer_window, write=_write_every_layer_window,
-                                refuses=refuses_partial_window)
+def every_layer_window(default: int | None) -> ConfigRule:
+    """Mistral, Mixtral, Phi-3: ``sliding_window`` applies to every layer (null: none; absent: the
+    config class's ``default``, Mistral's 4096, Mixtral's and Phi-3's none)."""
+
+    def read(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
+        return {"sliding_window": window_of(present, default), "window_layers": None}
+
+    return ConfigRule(keys=("sliding_window",), model_fields=("sliding_window", "window_layers"),
+                      read=read, write=_write_every_layer_window, refuses=refuses_partial_window,
+                      null_keys=("sliding_window",))
+
+
+# Mixtral's and Phi-3's: no window unless config.json gives one.
+EVERY_LAYER_WINDOW = every_layer_window(None)

@@ -11,8 +11,21 @@ from collections.abc import Mapping
 
 from pgconvert.io.limits import quote
 from pgconvert.model.config import ModelConfig
-from pgconvert.families.llama import LLAMA, max_positions
-from pgconvert.families.sliding_window import layer_types, layer_types_of, window_or_none, window_values
+from pgconvert.families.llama import (
+    HEAD_DIM_NULL,
+    LLAMA,
+    head_dim_field,
+    max_positions,
+    query_groups_field,
+    rotary_base_field,
+)
+from pgconvert.families.sliding_window import (
+    layer_types,
+    layer_types_of,
+    window_or_none,
+    window_values,
+    window_values_sized,
+)
 from pgconvert.families.table import ConfigField, ConfigRule
 
 
@@ -43,9 +56,11 @@ def _read_layers(present: Mapping[str, object], model: Mapping[str, object]) -> 
     window = window_or_none(present.get("sliding_window"), "sliding_window") if use else None
     pattern = layer_types(present, layers)
     if pattern is None:
-        pattern = tuple(int(not flag) for flag in rope)
+        pattern = tuple(int(window is not None and not flag) for flag in rope)
     no_rope = tuple(1 - flag for flag in rope)
-    return {"no_rope_layers": no_rope if any(no_rope) else None, **window_values(window, pattern)}
+    # Without use_sliding_window, transformers' attention windows no layer whatever layer_types says.
+    windowed = window_values_sized(window, pattern) if use else window_values(window, pattern)
+    return {"no_rope_layers": no_rope if any(no_rope) else None, **windowed}
 
 
 def _write_layers(config: ModelConfig) -> Mapping[str, object]:
@@ -58,11 +73,14 @@ def _write_layers(config: ModelConfig) -> Mapping[str, object]:
 
 SMOLLM3 = LLAMA.derive(
     "SmolLM3ForCausalLM", "smollm3",
-    fields=(max_positions(32768), ConfigField(("tie_word_embeddings",), "tie_embeddings", bool, default=True)),
+    # SmolLM3Config's 4 KV heads and RoPE base 2e6 where config.json leaves them out; it has no head_dim,
+    # which its attention takes as given.
+    fields=(query_groups_field(4), head_dim_field(null_refused=HEAD_DIM_NULL), rotary_base_field(2_000_000.0),
+            max_positions(32768), ConfigField(("tie_word_embeddings",), "tie_embeddings", bool, default=True)),
     rules=(ConfigRule(
         keys=("no_rope_layers", "no_rope_layer_interval", "use_sliding_window", "sliding_window", "layer_types"),
         model_fields=("no_rope_layers", "sliding_window", "window_layers"),
-        read=_read_layers, write=_write_layers),),
+        read=_read_layers, write=_write_layers, null_keys=("sliding_window",)),),
     # SmolLM3Config's default token ids (128000…128004) are outside a smaller vocabulary, where
     # transformers then fails to build the model; a Megatron checkpoint does not know its ids.
     hf_scratch={"bos_token_id": None, "eos_token_id": None, "pad_token_id": None},

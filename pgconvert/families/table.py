@@ -376,10 +376,17 @@ class ConfigField:
     """One config.json value <-> one ``ModelConfig`` field.
 
     ``path`` is where transformers writes it today; ``legacy`` paths are older spellings that are
-    read when ``path`` is absent and written too, so older transformers read the same value.
+    read when ``path`` is absent and written too, so older transformers read the same value;
+    ``aliases`` are other names its config class accepts (its ``attribute_map``), read last, never
+    written.
     ``written`` gives the value to write where the field may be unset and mean another field's
     value (megatron-core's ``moe_ffn_hidden_size`` defaults to ``ffn_hidden_size``); by default the
     field itself.
+
+    Absent and null read as transformers' config class resolves them (``tests/test_hf_config_defaults.py``
+    checks every key against it): absent is the class ``default``; null is the default too where the
+    class fills it in, None where it means the setting off or derived (``nullable``), and refused
+    (``null_refused``: why) where transformers keeps the null and cannot build the model from it.
     """
 
     path: tuple[str, ...]
@@ -388,12 +395,20 @@ class ConfigField:
     default: object = REQUIRED
     legacy: tuple[tuple[str, ...], ...] = ()
     written: Callable[[ModelConfig], object] | None = None
+    aliases: tuple[tuple[str, ...], ...] = ()
     # A null means None (the setting off), not the default (Gemma 2's soft-capping defaults to on).
     nullable: bool = False
+    # Why a null is refused: transformers keeps it and computes nothing from it (a RoPE base of None).
+    null_refused: str | None = None
 
     @property
     def key(self) -> str:
         return ".".join(self.path)
+
+    @property
+    def spellings(self) -> tuple[tuple[str, ...], ...]:
+        """Every path it is read from, in order."""
+        return (self.path, *self.legacy, *self.aliases)
 
     def value_of(self, config: ModelConfig) -> object:
         """What config.json holds for ``config``."""
@@ -419,8 +434,9 @@ class ConfigRule:
     """config.json keys <-> ``ModelConfig`` fields that do not map one to one, as three pure functions.
 
     ``read(present, model)`` gets the values of ``keys`` that config.json holds (a null counts as
-    absent) and the ``ModelConfig`` values its ``ConfigField``s gave, and returns a value for each of
-    ``model_fields``; a bad value raises ``ValueError`` naming the key. ``write(config)`` gives the
+    absent, but for ``null_keys``, whose null is given as None: where it means something else than
+    the default, or is refused) and the ``ModelConfig`` values its ``ConfigField``s gave, and returns a
+    value for each of ``model_fields``; a bad value raises ``ValueError`` naming the key. ``write(config)`` gives the
     values of ``keys`` for a model. ``refuses(config)`` says why a model cannot be written as the
     family (``field=value (needs …)``), None when it can.
     """
@@ -430,6 +446,15 @@ class ConfigRule:
     read: Callable[[Mapping[str, object], Mapping[str, object]], Mapping[str, object]]
     write: Callable[[ModelConfig], Mapping[str, object]]
     refuses: Callable[[ModelConfig], str | None] = _always_writable
+    null_keys: tuple[str, ...] = ()
+    # Older spellings ``read`` also gets (transformers still reads them: Gemma 3's top-level
+    # ``rope_local_base_freq``), never written.
+    legacy_keys: tuple[str, ...] = ()
+
+    def present(self, doc: Mapping[str, Any]) -> dict[str, object]:
+        """The values ``read`` gets from config.json ``doc``."""
+        return {key: doc[key] for key in (*self.keys, *self.legacy_keys)
+                if key in doc and (doc[key] is not None or key in self.null_keys)}
 
 
 _MODEL_FIELDS = frozenset(ModelConfig.setting_names())
@@ -512,7 +537,7 @@ class Family:
         twice = sorted(set(_repeated(ruled)) | (set(ruled) & mapped))
         if twice:
             raise ValueError(f"family {self.architecture}: fields read by more than one rule or field: {twice}")
-        keys = [f.key for f in self.fields] + [key for rule in self.rules for key in rule.keys]
+        keys = [f.key for f in self.fields] + [key for rule in self.rules for key in (*rule.keys, *rule.legacy_keys)]
         repeated = _repeated(keys + [*self.hf_fixed, *self.hf_assumed])
         if repeated:
             raise ValueError(f"family {self.architecture}: config.json keys mapped twice: {repeated}")

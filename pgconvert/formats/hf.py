@@ -131,8 +131,7 @@ def set_path(doc: dict[str, Any], path: tuple[str, ...], value: object) -> None:
 
 
 def _read_field(doc: dict[str, Any], spec: ConfigField, path: Path, error: type[PgconvertError]) -> object:
-    present = [(where, get_path(doc, where)) for where in (spec.path, *spec.legacy)
-               if get_path(doc, where) is not MISSING]
+    present = [(where, get_path(doc, where)) for where in spec.spellings if get_path(doc, where) is not MISSING]
     given = [value for _, value in present if value is not None]
     if spec.kind is int and any(value != given[0] for value in given):
         # transformers maps one spelling onto the other, and which one wins depends on its version.
@@ -144,6 +143,8 @@ def _read_field(doc: dict[str, Any], spec: ConfigField, path: Path, error: type[
         if spec.default is REQUIRED:
             raise error(f"{path}: {spec.key} is missing")
         return spec.default
+    if value is None and spec.null_refused is not None:
+        raise error(f"{path}: {'.'.join(where)}=null: {spec.null_refused}; config.json must give a value")
     if value is None and spec.nullable:
         return None
     if value is None and spec.default is not REQUIRED:
@@ -182,7 +183,7 @@ def model_config_from_hf(doc: dict[str, Any], path: Path, stored_dtype: torch.dt
     if stored is not None:
         check_declared_counts(values, stored, str(path), lambda setting: read_from.get(setting, setting), error)
     for rule in family.rules:
-        present = {key: doc[key] for key in rule.keys if doc.get(key) is not None}
+        present = rule.present(doc)
         try:
             ruled = dict(rule.read(present, dict(values)))
         except ValueError as exc:
@@ -225,7 +226,7 @@ def _read_fields(doc: dict[str, Any], family: Family, path: Path,
 
 def _written_key(doc: dict[str, Any], spec: ConfigField) -> str:
     """The spelling of ``spec`` that config.json holds (its own name where none is present)."""
-    where = next((where for where in (spec.path, *spec.legacy) if get_path(doc, where) is not MISSING), spec.path)
+    where = next((where for where in spec.spellings if get_path(doc, where) is not MISSING), spec.path)
     return ".".join(where)
 
 
@@ -236,7 +237,7 @@ def _named_as_written(exc: ConfigError, doc: dict[str, Any], family: Family, rea
         key for rule in family.rules if exc.setting in rule.model_fields for key in rule.keys if key in doc]
     if not keys or exc.constraint is None:
         return f"describes an impossible model: {exc}"
-    written = ", ".join(f"{key}={quote(get_path(doc, tuple(key.split('.'))))}" for key in keys)
+    written = ", ".join(_as_written(doc, key) for key in keys)
     megatron = "" if keys == [exc.setting] else f" (Megatron's {str(exc).removesuffix(': ' + exc.constraint)})"
     return f"{written}: {exc.constraint}{megatron}"
 
@@ -260,6 +261,11 @@ def described_by(doc: dict[str, Any], family: Family, settings: list[str], confi
             if text not in parts:
                 parts.append(text)
     return ", ".join(parts)
+
+
+def _as_written(doc: dict[str, Any], key: str) -> str:
+    value = get_path(doc, tuple(key.split(".")))
+    return f"{key} (absent)" if value is MISSING else f"{key}={quote(value)}"
 
 
 def _config_dtype(doc: dict[str, Any], stored_dtype: torch.dtype | None) -> str:
@@ -315,8 +321,8 @@ def hf_config_from_model(family: Family, config: ModelConfig, dtype: torch.dtype
     doc.update(copy.deepcopy(dict(family.hf_fixed)))
     for spec in family.fields:
         value = spec.value_of(config)
-        if value is None:
-            continue
+        if value is None and not (spec.nullable and spec.default is not None):
+            continue  # absent reads as None too
         for where in (spec.path, *spec.legacy):
             set_path(doc, where, value)
     for rule in family.rules:

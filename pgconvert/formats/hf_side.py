@@ -268,22 +268,23 @@ def _with_model_values(doc: dict[str, Any], path: Path, family: Family, config: 
         value = spec.value_of(config)
         if value == spec.value_of(described):
             continue
-        for where in (spec.path, *spec.legacy):
+        for where in spec.spellings:
             if where == spec.path or get_path(updated, where) is not MISSING:
-                _put(updated, where, value)
+                _put(updated, where, value, keep_null=spec.nullable and spec.default is not None)
     for rule in family.rules:
         in_file, in_model = rule.write(described), rule.write(config)
         updated.update({key: copy.deepcopy(in_model[key]) for key in rule.keys if in_file[key] != in_model[key]})
     return updated
 
 
-def _put(doc: dict[str, Any], where: tuple[str, ...], value: object) -> None:
+def _put(doc: dict[str, Any], where: tuple[str, ...], value: object, keep_null: bool) -> None:
+    """``doc[where] = value``; a None removes the key unless ``keep_null`` (its absence means a value)."""
     node = doc
     for key in where[:-1]:
         if not isinstance(node.get(key), dict):
             node[key] = {}
         node = node[key]
-    if value is None:
+    if value is None and not keep_null:
         node.pop(where[-1], None)
     else:
         node[where[-1]] = value

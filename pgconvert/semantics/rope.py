@@ -61,12 +61,14 @@ def no_rope_from_args(args: argparse.Namespace, path: Path) -> tuple[int, ...] |
 
 def rope_parameters(doc: Mapping[str, Any]) -> dict[str, Any]:
     """config.json's RoPE parameters: transformers 5's ``rope_parameters`` or 4.x's ``rope_scaling``
-    (which transformers 5 prefers when both are there)."""
+    (which transformers 5 prefers when both are there and it is not empty:
+    ``convert_rope_params_to_dict`` takes ``rope_scaling or rope_parameters``)."""
     for key in ("rope_scaling", "rope_parameters"):
         value = doc.get(key)
         if isinstance(value, dict):
-            return value
-        if value is not None:
+            if value or key == "rope_parameters":
+                return value
+        elif value is not None:
             raise ValueError(f"{key}={quote(value)}: expected an object")
     return {}
 

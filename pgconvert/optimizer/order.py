@@ -296,6 +296,11 @@ def _group_count(config: ModelConfig, optimizer: int) -> int:
     return 2 if optimizer == 0 or config.add_bias_linear else 1
 
 
+def group_counts(config: ModelConfig, layout: ParallelLayout) -> list[int]:
+    """The param groups megatron-core builds for each chained optimizer (dense, then expert-parallel)."""
+    return [_group_count(config, index) for index in range(optimizer_count(config, layout))]
+
+
 def chained_slots(config: ModelConfig, layout: ParallelLayout, coord: RankCoord,
                   rules: OptimizerRules = OptimizerRules(),
                   padded_vocab_size: int | None = None) -> list[list[list[OptimizerSlot]]]:

@@ -41,7 +41,7 @@ from support.fuzz_harness import (
     set_arg,
     source_files,
 )
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 LONG_RUN = os.environ.get("PGCONVERT_FUZZ_EXAMPLES")
@@ -241,7 +241,17 @@ OPTIMIZER_PICKLES = {"optimizer/distributed": ("distrib_optim.pt", "model_optim_
                      "optimizer/dp_reshardable": ("common.pt",)}
 
 
+TO_MEGATRON_TP1 = ["--dst-format", "megatron", "--dst-tp", "1", "--quiet"]
+
+
 @budget(10)
+# Found by long runs: an fp32 master group that is not a list, a param group that is not a dict, a common
+# state's iteration its directory contradicts.
+@example(fmt="optimizer/plain", pick=0, kind="set", index=937, value=2**63, only_one=False, target=TO_MEGATRON_TP1)
+@example(fmt="optimizer/distributed", pick=1, kind="set", index=205, value="abc", only_one=False,
+         target=TO_MEGATRON_TP1)
+@example(fmt="optimizer/dp_reshardable", pick=0, kind="set", index=358, value=0, only_one=True,
+         target=TO_MEGATRON_TP1)
 @given(fmt=st.sampled_from(sorted(OPTIMIZER_PICKLES)), pick=st.integers(0, 7),
        kind=st.sampled_from(["set", "set", "set", "delete", "rekey"]), index=st.integers(0, 2000),
        value=OPTIMIZER_VALUES, only_one=st.booleans(), target=TARGETS)
@@ -260,6 +270,8 @@ def test_fuzz_optimizer_state(workspace: Workspace, fmt: str, pick: int, kind: s
 
 
 @budget(6)
+# Found by a long run: a fully_reshardable fp32 master record that no longer rounds to its weight.
+@example(fmt="optimizer/fully_reshardable", pick=1, kind="flip", at=0.01, payload=b"r", target=TO_MEGATRON_TP1)
 @given(fmt=st.sampled_from(sorted(OPTIMIZER_FILES)), pick=st.integers(0, 63), kind=BYTE_KINDS, at=FRACTIONS,
        payload=st.binary(min_size=1, max_size=16), target=TARGETS)
 def test_fuzz_optimizer_bytes(workspace: Workspace, fmt: str, pick: int, kind: str, at: float, payload: bytes,

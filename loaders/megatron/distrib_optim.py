@@ -38,7 +38,7 @@ def _buffer_entry(loaded: dict[Any, Any], index: int, numel: int, path: Path) ->
                                    f"model chunk (megatron-core {' / '.join(MEGATRON_CORE_VERSIONS)})")
     ((dtype_key, tensors),) = entry.items()
     stored = tensors.get("numel_unpadded") if isinstance(tensors, dict) else None
-    if stored != numel:
+    if type(stored) is not int or stored != numel:
         raise OptimizerLayoutError(
             f"{path}: buffer {index} {quote(dtype_key)}: numel_unpadded={quote(stored)}, but the model's parameters "
             f"on this rank fill {numel} elements (reverse parameter order, 64-element alignment, DDP buckets)")

@@ -64,7 +64,8 @@ def chained_entries(optimizer: Any, count: int, path: Path) -> list[Any]:
 def _form_of(optimizer: Any, path: Path) -> str:
     if isinstance(optimizer, dict) and {"state", "param_groups"} <= set(optimizer):
         return FORM_FP32
-    if isinstance(optimizer, dict) and "fp32_from_fp16_params" in optimizer and "optimizer" in optimizer:
+    if isinstance(optimizer, dict) and "fp32_from_fp16_params" in optimizer \
+            and isinstance(optimizer.get("optimizer"), dict):
         return FORM_FP16
     if isinstance(optimizer, dict) and isinstance(optimizer.get("optimizer"), dict) \
             and "state" not in optimizer["optimizer"]:

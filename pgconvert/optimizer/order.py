@@ -388,7 +388,7 @@ def check_state_shapes(slots: Sequence[Sequence[OptimizerSlot]], state: Mapping[
     position maps to, and every position has state (a checkpoint saved after at least one step)."""
     flat = [slot for members in slots for slot in members]
     if not isinstance(state, Mapping) or set(state) != {slot.position for slot in flat}:
-        keys = sorted(state) if isinstance(state, Mapping) else type(state).__name__
+        keys = sorted(state, key=str) if isinstance(state, Mapping) else type(state).__name__
         raise OptimizerLayoutError(
             f"{where}: optimizer.state has positions {quote(keys, 120)}, but the model has {len(flat)} "
             f"trainable parameters on this rank ({_VERSIONS}){grouped_expert_note(flat)}")

@@ -485,16 +485,20 @@ def export_optimizer_command(src: Path, out: Path, iteration: int | None) -> Non
 @click.option("--all", "show_all", is_flag=True,
               help="List every model setting, not only those that differ from the family's defaults.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def inspect_command(ckpt: Path, iteration: int | None, show_all: bool, as_json: bool) -> None:
-    """Describe CKPT: format, layout, model, iterations, tensors, and problems (exit 1 on an error).
+@click.option("--skip-finite-check", is_flag=True,
+              help="Do not read the optimizer state's values for NaN/Inf (its other checks still run).")
+def inspect_command(ckpt: Path, iteration: int | None, show_all: bool, as_json: bool,
+                    skip_finite_check: bool) -> None:
+    """Describe CKPT: format, layout, model, iterations, tensors, optimizer state, and problems (exit 1 on
+    an error).
 
     The model is shown as its dimensions and the settings that differ from its family's defaults
     (the family its config.json names, or the one an hf target is written as); --all lists every
-    setting.
+    setting. Optimizer state is checked as convert checks it, its values read once for NaN/Inf.
     """
     from pgconvert.run.inspection import inspect
 
-    info = inspect(ckpt, iteration)
+    info = inspect(ckpt, iteration, skip_finite_check=skip_finite_check)
     if as_json:
         _echo_json(info.to_dict())
     else:
@@ -522,6 +526,8 @@ def _print_info(info: Any, show_all: bool = False) -> None:
         rows.append(("vocab", f"{info.vocab_rows} rows, true vocab "
                      f"{info.true_vocab_size if info.true_vocab_size is not None else 'unknown'}"))
         rows += _model_rows(info, show_all)
+    if info.optimizer is not None:
+        rows.append(("optimizer", info.optimizer))
     if info.side_files:
         rows.append(("hf files", _wrapped(", ".join(info.side_files))))
     if info.manifest is not None:

@@ -1,7 +1,9 @@
 """Property-based fuzzing of every input pgconvert reads: rank files, torch_dist
 (.distcp, .metadata, common.pt, metadata.json), HF safetensors (bytes and header), config.json,
-the index, pgconvert.json, the tracker file and batch plans; and the counts and sizes config.json
-holds, over a tiny checkpoint of every family.
+the index, pgconvert.json, the tracker file and batch plans; the counts and sizes config.json holds,
+over a tiny checkpoint of every family; and the optimizer state of Megatron-LM's own training
+checkpoints (distrib_optim.pt, the rank files' optimizer entries, torch_dist's optimizer records and
+common.pt).
 
 Every mutated input must convert to an output ``verify`` finds equal, or fail with exit 1 or 2 and
 a message naming a file or option: no traceback, bounded memory and time, nothing that looks like
@@ -24,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from support.declared_fixtures import count_keys, counted_keys, write_family_checkpoint
 from support.fuzz_harness import (
     Case,
@@ -34,7 +37,9 @@ from support.fuzz_harness import (
     mutate_bytes,
     mutate_json,
     mutate_safetensors_header,
+    mutate_optimizer,
     restructure_model,
+    rewrite_framework_pickle,
     rewrite_pickle,
     set_arg,
     source_files,
@@ -216,6 +221,78 @@ def test_fuzz_model_structure(workspace: Workspace, kind: str, index: int, only_
         rewrite_pickle(path, restructure_model(kind, index))
     _run(workspace, Case("model", f"{kind} #{index} in {'one rank file' if only_one else 'every rank file'}",
                          src, dst, target))
+
+
+# ------------------------------------------------------------------------------------ optimizer state
+
+# Per pristine with optimizer state, the files whose bytes hold it: distrib_optim.pt, and torch_dist's optimizer
+# records (``__1_0.distcp``), index and common state (a rank file's optimizer entry: test_fuzz_optimizer_state).
+OPTIMIZER_FILES = {
+    "optimizer/distributed": ("distrib_optim.pt",),
+    "optimizer/fully_reshardable": ("common.pt", "__1_0.distcp", ".metadata"),
+    "optimizer/dp_reshardable": ("common.pt", "__1_0.distcp", ".metadata"),
+}
+OPTIMIZER_VALUES = st.one_of(
+    st.sampled_from([math.nan, math.inf, -math.inf, -1.0, 0.0, 1.0, 2.5, 1e-30, -2, 0, 10**9, 2**63, 10**40, True,
+                     None, "abc", "", (0.9, 1.0), (0.9,), (), [], {}, [1, 2], {"a": 1},
+                     (torch.float16, torch.float32), (torch.bfloat16, torch.bfloat16)]),
+    st.sampled_from(["<non-finite>", "<scalar-tensor>", "<fraction-tensor>", "<empty-tensor>", "<int-tensor>",
+                     "<wide-tensor>"]),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.integers(-3, 10),
+)
+OPTIMIZER_PICKLES = {"optimizer/distributed": ("distrib_optim.pt", "model_optim_rng.pt"),
+                     "optimizer/plain": ("model_optim_rng.pt",), "optimizer/fully_reshardable": ("common.pt",),
+                     "optimizer/dp_reshardable": ("common.pt",)}
+
+
+TO_MEGATRON_TP1 = ["--dst-format", "megatron", "--dst-tp", "1", "--quiet"]
+
+
+@budget(10)
+# Found by long runs: an fp32 master group that is not a list, a param group that is not a dict, a common
+# state's iteration its directory contradicts, a state position that is not a number, an fp32 masters entry
+# whose optimizer is not a dict, a numel_unpadded that is a tensor.
+@example(fmt="optimizer/plain", pick=0, kind="set", index=937, value=2**63, only_one=False, target=TO_MEGATRON_TP1)
+@example(fmt="optimizer/distributed", pick=1, kind="set", index=205, value="abc", only_one=False,
+         target=TO_MEGATRON_TP1)
+@example(fmt="optimizer/dp_reshardable", pick=0, kind="set", index=358, value=0, only_one=True,
+         target=TO_MEGATRON_TP1)
+@example(fmt="optimizer/plain", pick=0, kind="rekey", index=1961, value="<empty-tensor>", only_one=True,
+         target=TO_MEGATRON_TP1)
+@example(fmt="optimizer/plain", pick=0, kind="set", index=327, value=(0.9,), only_one=False, target=TO_MEGATRON_TP1)
+@example(fmt="optimizer/distributed", pick=0, kind="set", index=627, value="<wide-tensor>", only_one=False,
+         target=TO_MEGATRON_TP1)
+@given(fmt=st.sampled_from(sorted(OPTIMIZER_PICKLES)), pick=st.integers(0, 7),
+       kind=st.sampled_from(["set", "set", "set", "delete", "rekey"]), index=st.integers(0, 2000),
+       value=OPTIMIZER_VALUES, only_one=st.booleans(), target=TARGETS)
+def test_fuzz_optimizer_state(workspace: Workspace, fmt: str, pick: int, kind: str, index: int, value: Any,
+                              only_one: bool, target: list[str]) -> None:
+    """One place of the optimizer state (a param group's value, a step, a moment, a dtype key, the scheduler, the
+    grad scaler, ...) set, deleted or re-keyed, in one rank's file or in every rank's."""
+    src, dst = workspace(fmt)
+    names = OPTIMIZER_PICKLES[fmt]
+    files = source_files(src, (names[pick % len(names)],))
+    for path in files[-1:] if only_one else files:
+        rewrite_framework_pickle(path, mutate_optimizer(kind, index, value))
+    where = "the last file" if only_one else "every file"
+    _run(workspace, Case("optimizer", f"{fmt}: {kind} place #{index} of {names[pick % len(names)]} = {value!r} in "
+                                      f"{where}", src, dst, target))
+
+
+@budget(6)
+# Found by a long run: a fully_reshardable fp32 master record that no longer rounds to its weight.
+@example(fmt="optimizer/fully_reshardable", pick=1, kind="flip", at=0.01, payload=b"r", target=TO_MEGATRON_TP1)
+@given(fmt=st.sampled_from(sorted(OPTIMIZER_FILES)), pick=st.integers(0, 63), kind=BYTE_KINDS, at=FRACTIONS,
+       payload=st.binary(min_size=1, max_size=16), target=TARGETS)
+def test_fuzz_optimizer_bytes(workspace: Workspace, fmt: str, pick: int, kind: str, at: float, payload: bytes,
+                              target: list[str]) -> None:
+    src, dst = workspace(fmt)
+    files = source_files(src, OPTIMIZER_FILES[fmt])
+    path = files[pick % len(files)]
+    mutate_bytes(path, kind, at, payload)
+    _run(workspace, Case("optimizer-bytes", f"{kind} {path.relative_to(src)} at {at:.4f} with {payload!r}", src, dst,
+                         target))
 
 
 # ------------------------------------------------------------------------------------ JSON

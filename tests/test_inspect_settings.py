@@ -31,7 +31,7 @@ LLAMA3_ROPE: dict[str, Any] = {"rope_type": "llama3", "factor": 8.0, "low_freq_f
 # Every key ``inspect --json`` wrote before it compared with the family's defaults, in its order.
 JSON_KEYS = ["path", "format", "iterations", "iteration", "release", "layout", "layout_text", "model_config",
              "semantics", "vocab_rows", "true_vocab_size", "tensor_count", "total_bytes", "dtypes", "manifest",
-             "side_files", "notices", "problems", "ok"]
+             "side_files", "optimizer", "notices", "problems", "ok"]
 # The settings compared with a default: all but the dimensions and the dtype (a family may require more).
 COMPARED = len(ModelConfig.setting_names()) - len(DIMENSIONS) - 1
 
@@ -194,7 +194,7 @@ def test_json_keeps_every_key_and_value_and_adds_the_family_defaults(llama: Path
         "dtypes": {"float32": 27}, "manifest": None,
         "side_files": ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                        "special_tokens_map.json"],
-        "notices": [], "problems": [], "ok": True,
+        "optimizer": None, "notices": [], "problems": [], "ok": True,
     }
     tensors = load_hf_tensors(llama).values()
     assert doc["total_bytes"] == sum(tensor.numel() * tensor.element_size() for tensor in tensors)

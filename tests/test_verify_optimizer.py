@@ -255,7 +255,8 @@ def test_the_optimizer_state_is_read_and_freed_one_parameter_at_a_time(tp1: dict
         return parameter
 
     for cls in (OptimizerSource, TorchDistOptimizerSource):
-        monkeypatch.setattr(cls, "parameter", spy(cls.parameter))
+        if "parameter" in vars(cls):  # each class that reads on its own (the base checks every reader's values)
+            monkeypatch.setattr(cls, "parameter", spy(cls.parameter))
     report = pgconvert.verify(GOLDENS / DP_RESHARDABLE, tp1[DP_RESHARDABLE])
     assert report.equal and report.optimizer is not None and report.optimizer.compared == PARAMETERS
     assert len(calls) == 2 * PARAMETERS and calls[0::2] == calls[1::2]  # A then B, per parameter

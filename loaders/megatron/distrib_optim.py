@@ -38,7 +38,7 @@ def _buffer_entry(loaded: dict[Any, Any], index: int, numel: int, path: Path) ->
                                    f"model chunk (megatron-core {' / '.join(MEGATRON_CORE_VERSIONS)})")
     ((dtype_key, tensors),) = entry.items()
     stored = tensors.get("numel_unpadded") if isinstance(tensors, dict) else None
-    if stored != numel:
+    if type(stored) is not int or stored != numel:
         raise OptimizerLayoutError(
             f"{path}: buffer {index} {quote(dtype_key)}: numel_unpadded={quote(stored)}, but the model's parameters "
             f"on this rank fill {numel} elements (reverse parameter order, 64-element alignment, DDP buckets)")
@@ -52,18 +52,20 @@ def _buffer_entry(loaded: dict[Any, Any], index: int, numel: int, path: Path) ->
 
 def _step_of(entry: Any, rank_file: Path, field: str) -> torch.Tensor:
     groups = entry.get("optimizer", {}).get("param_groups") if isinstance(entry, dict) else None
-    steps = {group.get("step") for group in groups} if isinstance(groups, list) else set()
-    if len(steps) != 1 or not isinstance(next(iter(steps)), (int, float)):
+    held = isinstance(groups, list) and all(isinstance(group, dict) for group in groups)
+    steps = [group.get("step") for group in groups] if held else []
+    if not steps or not all(isinstance(step, (int, float)) for step in steps) or len(set(steps)) != 1:
         raise OptimizerLayoutError(f"{rank_file}: {field}.optimizer.param_groups[*].step = "
-                                   f"{quote(sorted(map(str, steps)))}: expected one step count")
-    return torch.tensor(float(next(iter(steps))))
+                                   f"{quote(steps if held else groups)}: expected one step count")
+    return torch.tensor(float(steps[0]))
 
 
 def read_distributed(config: ModelConfig, layout: ParallelLayout, coord: RankCoord, rules: OptimizerRules,
                      padded: int, state: dict[str, Any], rank_file: Path,
                      entries: list[Any]) -> list[tuple[dict[str, Any], dict[int, torch.Tensor]] | None]:
     """Per chained optimizer (``entries``: the rank file's entry of each), an ``{"state": position ->
-    {step, exp_avg, exp_avg_sq}, "param_groups", "dtype_key"}`` view of its flat buffers and its fp32
+    {step, exp_avg, exp_avg_sq}, "param_groups", "dtype_key", "dtype_keys" (each buffer's)}`` view of its flat
+    buffers and its fp32
     masters by position (views into the memory-mapped file); None for an optimizer whose state this
     rank's file does not hold (``ChainedOptimizer.save_parameter_state`` writes None where the rank is not
     that optimizer's DP rank 0: the dense state of expert-parallel ranks other than 0)."""
@@ -101,8 +103,10 @@ def _read_buffers(loaded: Any, buffers: list[tuple[list[FlatParam], int]], step:
     entries: dict[int, dict[str, Any]] = {}
     masters: dict[int, torch.Tensor] = {}
     dtype_key: Any = None
+    dtype_keys: list[Any] = []
     for index, (placed, numel) in enumerate(buffers):
         dtype_key, tensors = _buffer_entry(loaded, index, numel, path)
+        dtype_keys.append(dtype_key)
         for item in placed:
             shape = item.slot.spec.local_shape
             views = {key: tensors[key][item.start:item.end].view(shape) for key in FLAT_KEYS}
@@ -110,4 +114,4 @@ def _read_buffers(loaded: Any, buffers: list[tuple[list[FlatParam], int]], step:
             entries[item.slot.position] = dict(views, step=step)
     groups = entry["optimizer"]["param_groups"]
     settings = [{k: v for k, v in group.items() if k != "step"} for group in groups]
-    return {"state": entries, "param_groups": settings, "dtype_key": dtype_key}, masters
+    return {"state": entries, "param_groups": settings, "dtype_key": dtype_key, "dtype_keys": dtype_keys}, masters

@@ -33,8 +33,9 @@ from pgconvert.optimizer.order import (MEGATRON_CORE_VERSIONS, OptimizerLayoutEr
                                        UnsupportedOptimizerError, chained_slots, check_param_groups,
                                        check_state_shapes)
 from pgconvert.optimizer.scaler import held_scalers
-from pgconvert.optimizer.source import (CARRIED_KEYS, DISTRIBUTED_SHARDING_TYPES, FORM_DISTRIBUTED, FORM_FP16,
-                                        FORM_FP32, OptimizerSource, SourceRank)
+from pgconvert.optimizer.source import (ABSENT, CARRIED_KEYS, DISTRIBUTED_SHARDING_TYPES, FORM_DISTRIBUTED,
+                                        FORM_FP16, FORM_FP32, OptimizerSource, SourceRank, StoredCopy, optimizer_label,
+                                        rounds_to)
 
 
 @dataclass
@@ -63,7 +64,8 @@ def chained_entries(optimizer: Any, count: int, path: Path) -> list[Any]:
 def _form_of(optimizer: Any, path: Path) -> str:
     if isinstance(optimizer, dict) and {"state", "param_groups"} <= set(optimizer):
         return FORM_FP32
-    if isinstance(optimizer, dict) and "fp32_from_fp16_params" in optimizer and "optimizer" in optimizer:
+    if isinstance(optimizer, dict) and "fp32_from_fp16_params" in optimizer \
+            and isinstance(optimizer.get("optimizer"), dict):
         return FORM_FP16
     if isinstance(optimizer, dict) and isinstance(optimizer.get("optimizer"), dict) \
             and "state" not in optimizer["optimizer"]:
@@ -97,8 +99,9 @@ def _masters(form: str, optimizer: dict[str, Any], state: dict[str, Any], slots:
     if form == FORM_FP32:
         return [state[chunk_keys[slot.chunk]][slot.spec.local_name] for slot in flat]
     groups = optimizer["fp32_from_fp16_params"]
-    if not isinstance(groups, list) or [len(g) for g in groups] != [len(g) for g in slots]:
-        sizes = [len(g) for g in groups] if isinstance(groups, list) else type(groups).__name__
+    held = isinstance(groups, list) and all(isinstance(g, list) for g in groups)
+    if not held or [len(g) for g in groups] != [len(g) for g in slots]:
+        sizes = [len(g) for g in groups] if held else quote(groups, 80)
         raise OptimizerLayoutError(f"{path}: optimizer.fp32_from_fp16_params holds {quote(sizes)} masters per "
                                    f"group, but the model gives {[len(g) for g in slots]}")
     masters = [master for group in groups for master in group]
@@ -117,7 +120,7 @@ def check_masters_round(state: dict[str, Any], slots: Sequence[Any], masters: Se
     flat = [slot for item in slots for slot in (item if isinstance(item, list) else [item])]
     for slot, master in zip(flat, masters):
         model = state[chunk_keys[slot.chunk]][slot.spec.local_name]
-        if not torch.equal(master.to(model.dtype), model):
+        if not rounds_to(master, model):
             raise OptimizerLayoutError(
                 f"{path}: {field} entry at position {slot.position} (group {slot.group}) does not round to the "
                 f"model's {slot.spec.local_name}: the checkpoint's parameter order is not the one megatron-core "
@@ -129,6 +132,7 @@ class MegatronOptimizerSource(OptimizerSource):
     ``layout``, ``files`` by RankCoord, ``vocab_rows``)."""
 
     def __init__(self, source: Any) -> None:
+        super().__init__()
         self.config = source.config
         self.layout = source.layout
         self.vocab_rows: int = source.vocab_rows
@@ -196,6 +200,39 @@ class MegatronOptimizerSource(OptimizerSource):
                 if held[0] == where:
                     held[1].append((rank, slot))
         return {name: sorted(pieces, key=lambda p: p[1].spec.tp_rank) for name, (_, pieces) in owners.items()}
+
+    def stored_copies(self) -> list[StoredCopy]:
+        """Per rank file what every rank saves alike (param groups, grad scalers, a plain optimizer's steps, the
+        carried counters), and per ``distrib_optim.pt`` its buffers' dtype keys."""
+        copies = []
+        for rank in self.ranks.values():
+            values: dict[str, Any] = {key: rank.extra.get(key, ABSENT) for key in (*CARRIED_KEYS, "iteration")}
+            count = len(rank.inners)
+            for index in range(count):
+                label = optimizer_label(index, count)
+                values[f"{label}.param_groups"] = self._stored_groups(rank, index)
+                values[f"{label}.grad_scaler"] = rank.extra["grad_scalers"][index]
+            if self.form != FORM_DISTRIBUTED:
+                values["optimizer.state[*].step"] = [entry.get("step", ABSENT) if isinstance(entry, dict) else entry
+                                                     for inner in rank.inners for entry in inner["state"].values()]
+            copies.append(StoredCopy(str(rank.path), values))
+            keys = [key for inner in rank.inners for key in inner.get("dtype_keys", [])]
+            if keys:
+                copies.append(StoredCopy(str(rank.path.parent / DISTRIB_OPTIM_FILE), {"dtype_key": keys}))
+        return copies
+
+    def _stored_groups(self, rank: _RankOptimizer, index: int) -> Any:
+        """Chained optimizer ``index``'s param groups as the rank file stores them (the distributed optimizer's
+        with their ``step``)."""
+        if self.form != FORM_DISTRIBUTED:
+            return rank.inners[index]["param_groups"]
+        return rank.extra["distributed_entries"][index]["optimizer"].get("param_groups", ABSENT)
+
+    def stored_parts(self, name: str, key: str) -> list[tuple[str, torch.Tensor]]:
+        parts = super().stored_parts(name, key)
+        if self.form != FORM_DISTRIBUTED:
+            return parts
+        return [(str(Path(where).parent / DISTRIB_OPTIM_FILE), part) for where, part in parts]
 
     def _pieces(self, name: str, key: str) -> list[torch.Tensor]:
         if key == "param":

@@ -51,12 +51,13 @@ from pgconvert.loaders.torch_dist.optimizer_forms import (object_value, plain_fo
 from pgconvert.model.grid import RankCoord
 from pgconvert.model.rules import ReplicaMismatchError, ShardRule
 from pgconvert.optimizer.data_parallel import dp_size, optimizer_dp, optimizer_ranks
-from pgconvert.optimizer.flat import FlatParam, bucket_ranges, flat_buffers
+from pgconvert.optimizer.flat import FlatParam, bucket_ranges, buffer_dtype_key, flat_buffers
 from pgconvert.optimizer.order import (MEGATRON_CORE_VERSIONS, OptimizerLayoutError, OptimizerRules, OptimizerSlot,
                                        UnsupportedOptimizerError, chained_slots, check_supported, optimizer_count,
                                        optimizer_slots)
 from pgconvert.optimizer.scaler import held_scalers
-from pgconvert.optimizer.source import CARRIED_KEYS, FIELDS, FORM_DISTRIBUTED, OptimizerSource, SourceRank
+from pgconvert.optimizer.source import (ABSENT, CARRIED_KEYS, FIELDS, FORM_DISTRIBUTED, FORM_FP32, OptimizerSource,
+                                        SourceRank, StoredCopy, optimizer_label, rounds_to)
 
 _VERSIONS = "megatron-core " + " / ".join(MEGATRON_CORE_VERSIONS)
 
@@ -74,6 +75,7 @@ class TorchDistOptimizerSource(OptimizerSource):
     (``names``, ``parameter``, ``piece``, ``step``)."""
 
     def __init__(self, source: Any) -> None:
+        super().__init__()
         self.source = source
         self.config = source.config
         self.layout = source.layout
@@ -95,7 +97,7 @@ class TorchDistOptimizerSource(OptimizerSource):
         self.form = plain or FORM_DISTRIBUTED  # a plain source presents itself in its per-rank form
         self.args = args
         self._owners, self._slots = self._index_slots()
-        chained = self._chained_groups(common, where)
+        chained = self._chained = self._chained_groups(common, where)
         self._step = plain_step(common["optimizer"], plain, where) if plain else \
             _one_step([group for groups in chained for group in groups], where)
         extra = {key: common[key] for key in (*CARRIED_KEYS, "iteration", "args") if key in common}
@@ -106,7 +108,7 @@ class TorchDistOptimizerSource(OptimizerSource):
         self.dtype_key = buffer_dtype_key(args)
         self.grad_scalers = self._grad_scalers(common)
         self._check_stored()
-        if self.sharding == DP_RESHARDABLE:
+        if self.form != FORM_FP32:  # FP32Optimizer keeps no masters: the weights are
             self._check_masters()
 
     def _index_slots(self) -> tuple[dict[str, list[tuple[_Owner, OptimizerSlot]]], dict[RankCoord, list]]:
@@ -158,6 +160,55 @@ class TorchDistOptimizerSource(OptimizerSource):
                 for index in range(optimizer_count(self.config, self.layout))]
         values = self.source.read_objects([key for key in keys if self.source.holds_entry(key)])
         return [object_value(values[key]) if key in values else None for key in keys]
+
+    def stored_copies(self) -> list[StoredCopy]:
+        """The common state (the carried counters, the param groups and grad scalers but for dp_reshardable, a
+        plain optimizer's step, the buffer key the args give) and, for dp_reshardable, every model-parallel rank's
+        param-group and grad-scaler objects."""
+        common = self.source.common_state
+        values: dict[str, Any] = {key: common.get(key, ABSENT) for key in (*CARRIED_KEYS, "iteration")}
+        count = len(self._chained)
+        copies = self._rank_objects() if self.sharding == DP_RESHARDABLE else []
+        if not copies:
+            for index, groups in enumerate(self._chained):
+                values[f"{optimizer_label(index, count)}.param_groups"] = groups
+                values[f"{optimizer_label(index, count)}.grad_scaler"] = self.grad_scalers[index]
+        if self.sharding == PLAIN:
+            values["optimizer.state[*].step"] = [self._step]
+        if self.form == FORM_DISTRIBUTED:
+            values["dtype_key"] = [self.dtype_key]
+        return [StoredCopy(f"{self.source.directory} (common state)", values), *copies]
+
+    def _rank_objects(self) -> list[StoredCopy]:
+        """dp_reshardable: per chained optimizer, each model-parallel rank's param groups and grad scaler (its
+        ShardedObjects ``<prefix>.optimizer`` and ``<prefix>.grad_scaler``)."""
+        count = len(self._chained)
+        prefixes = [(index, record_prefix(self.config, self.layout, coord, index)) for index in range(count)
+                    for coord in optimizer_ranks(self.config, self.layout, index)]
+        scalers = {prefix: scaler_key(prefix) for _, prefix in prefixes if self.source.holds_entry(scaler_key(prefix))}
+        read = self.source.read_objects([object_key(prefix, "optimizer") for _, prefix in prefixes]
+                                        + list(scalers.values()))
+        copies = []
+        for index, prefix in prefixes:
+            held = object_value(read[object_key(prefix, "optimizer")])
+            label = optimizer_label(index, count)
+            copies.append(StoredCopy(f"{self.source.directory}: {prefix}", {
+                f"{label}.param_groups": held.get("param_groups", ABSENT) if isinstance(held, dict) else held,
+                f"{label}.grad_scaler": object_value(read[scalers[prefix]]) if prefix in scalers else None}))
+        return copies
+
+    def stored_parts(self, name: str, key: str) -> list[tuple[str, torch.Tensor]]:
+        where = self.source.directory
+        if self.sharding == DP_RESHARDABLE:
+            parts = []
+            for owner, slot in self._owners[name]:
+                gbuf, placed = self._gbuf_placed(owner.coord, slot)
+                record = self.bucket_key(owner.coord, gbuf, key, placed.bucket, slot.optimizer)
+                parts.append((f"{where}: {record}", self._flat_piece(owner, slot, key)))
+            return parts
+        prefix = self._model_space_prefix(key)
+        read = self.source.load_flattened_state if self.sharding == FS_MODEL_SPACE else self.source.load_state
+        return [(f"{where}: {prefix}{self.source.model_key(name)}", read(name, prefix))]
 
     @staticmethod
     def _groups(value: Any, count: int, where: str) -> list[dict[str, Any]]:
@@ -230,12 +281,20 @@ class TorchDistOptimizerSource(OptimizerSource):
                 f"{self.layout.describe()} derives (several buckets or buffers?) ({_VERSIONS})")
 
     def _check_masters(self) -> None:
-        """megatron-core copies each fp32 master into its model parameter after every step: each master
-        placed by the derived flat-buffer layout must round to the stored weight (one parameter at a time)."""
+        """megatron-core copies each fp32 master into its model parameter after every step: each master (for
+        dp_reshardable: placed by the derived flat-buffer layout) must round to the stored weight (one parameter at
+        a time)."""
         for name in self.names():
             model = self.source.load(name)
+            if self.sharding != DP_RESHARDABLE:
+                ((record, master),) = self.stored_parts(name, "param")
+                if not rounds_to(master, model):
+                    raise OptimizerLayoutError(
+                        f"{record} does not round to the model's {name}: {_VERSIONS} copies each fp32 master into its "
+                        "weight after every step, so the two must agree")
+                continue
             master = self._merged(name, "param")  # the master alone, not the moments too
-            if not torch.equal(master.to(model.dtype), model):
+            if not rounds_to(master, model):
                 owner, slot = self._owners[name][0]
                 gbuf, placed = self._gbuf_placed(owner.coord, slot)
                 key = self.bucket_key(owner.coord, gbuf, "param", placed.bucket, slot.optimizer)
@@ -280,8 +339,7 @@ class TorchDistOptimizerSource(OptimizerSource):
                 f"between TP ranks {error.ranks}: the flat-buffer placement is not the one "
                 f"{_VERSIONS} uses") from error
 
-    def parameter(self, name: str) -> dict[str, torch.Tensor]:
-        """The whole (source-padded) fp32 master, both moments and the step of ``name``."""
+    def _parameter(self, name: str) -> dict[str, torch.Tensor]:
         if self.sharding == DP_RESHARDABLE:
             merged = {key: self._merged(name, key) for key in FIELDS}
         elif self.sharding == FS_MODEL_SPACE:
@@ -291,12 +349,10 @@ class TorchDistOptimizerSource(OptimizerSource):
         merged["step"] = self.step(name)
         return merged
 
-    def piece(self, name: str, key: str, size: int, rank: int, rows: int | None,
-              rule: ShardRule | None = None) -> torch.Tensor:
-        """Piece ``rank`` of ``size`` of ``name``'s ``key`` cut with ``rule`` (the target's; default the source's),
-        fitted to ``rows`` padded vocab rows."""
+    def _piece(self, name: str, key: str, size: int, rank: int, rows: int | None,
+               rule: ShardRule | None = None) -> torch.Tensor:
         if self.sharding == DP_RESHARDABLE:
-            return super().piece(name, key, size, rank, rows, rule)
+            return super()._piece(name, key, size, rank, rows, rule)
         rule = rule or self.rule(name)  # the whole tensor, cut the target's way
         if self.sharding == FS_MODEL_SPACE:  # the whole parameter's record, cut
             whole = [self.source.load_flattened_state(name, self._model_space_prefix(key))]
@@ -317,17 +373,8 @@ class TorchDistOptimizerSource(OptimizerSource):
 
 
 def _one_step(groups: list[dict[str, Any]], where: str) -> torch.Tensor:
-    steps = {group.get("step") for group in groups}
-    if len(steps) != 1 or not isinstance(next(iter(steps)), (int, float)):
-        raise OptimizerLayoutError(f"{where}: optimizer param_groups[*].step = {quote(sorted(map(str, steps)))}: "
+    steps = [group.get("step") for group in groups]
+    if not steps or not all(isinstance(step, (int, float)) for step in steps) or len(set(steps)) != 1:
+        raise OptimizerLayoutError(f"{where}: optimizer param_groups[*].step = {quote(steps)}: "
                                    "expected one step count")
-    return torch.tensor(float(next(iter(steps))))
-
-
-def buffer_dtype_key(args: Any) -> tuple[torch.dtype, torch.dtype]:
-    """A flat buffer's record key: (model dtype, grad dtype), as the run's ``args`` say (Megatron-LM's defaults
-    where they do not)."""
-    param = torch.bfloat16 if getattr(args, "bf16", False) else \
-        torch.float16 if getattr(args, "fp16", False) else torch.float32
-    fp32_grads = getattr(args, "accumulate_allreduce_grads_in_fp32", False)
-    return (param, torch.float32 if fp32_grads else param)
+    return torch.tensor(float(steps[0]))

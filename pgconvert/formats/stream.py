@@ -94,6 +94,27 @@ def all_finite(tensor: torch.Tensor) -> bool:
     return True
 
 
+def nonfinite_text(tensor: torch.Tensor) -> str | None:
+    """How many of a floating tensor's values are NaN or Inf (``"2 of 64 values are NaN or Inf (2 NaN)"``);
+    None when it holds none (or is not floating)."""
+    if not tensor.is_floating_point() or tensor.numel() == 0 or all_finite(tensor):
+        return None
+    values = tensor.float() if tensor.element_size() == 1 else tensor
+    nans = int(torch.isnan(values).sum())
+    infs = int(torch.isinf(values).sum())
+    kinds = " and ".join(f"{count} {kind}" for count, kind in ((nans, "NaN"), (infs, "Inf")) if count)
+    return f"{nans + infs} of {tensor.numel()} values are NaN or Inf ({kinds})"
+
+
+def apply_finite_policy(check_finite: str, message: str, notices: list[str]) -> None:
+    """The one policy for NaN/Inf found in a source's values (``message`` names them), weights and optimizer
+    state alike: refused under ``--check-finite`` (``check_finite="error"``), else logged and noted once."""
+    if check_finite == "error":
+        raise CheckpointError(f"{message} (refused by --check-finite)")
+    log.warning("%s", message)
+    notices.append(message)
+
+
 class CanonicalSource:
     """Base of every loaded checkpoint: names, metadata and lazy tensors in canonical form.
 
@@ -173,21 +194,13 @@ class CanonicalSource:
         return self._finite_checked(part, tensor, lambda: part)
 
     def _finite_checked(self, key: str, tensor: torch.Tensor, label: Callable[[], str]) -> torch.Tensor:
-        if (self.check_finite == "off" or not tensor.is_floating_point() or tensor.numel() == 0
-                or key in self._nonfinite_seen):
+        if self.check_finite == "off" or key in self._nonfinite_seen:
             return tensor
-        if all_finite(tensor):
+        found = nonfinite_text(tensor)
+        if found is None:
             return tensor
-        values = tensor.float() if tensor.element_size() == 1 else tensor
-        nans = int(torch.isnan(values).sum())
-        infs = int(torch.isinf(values).sum())
-        kinds = " and ".join(f"{count} {kind}" for count, kind in ((nans, "NaN"), (infs, "Inf")) if count)
-        message = f"{label()}: {nans + infs} of {tensor.numel()} values are NaN or Inf ({kinds}) in {self.describe()}"
-        if self.check_finite == "error":
-            raise CheckpointError(f"{message} (refused by --check-finite)")
+        apply_finite_policy(self.check_finite, f"{label()}: {found} in {self.describe()}", self.notices)
         self._nonfinite_seen.add(key)
-        log.warning("%s", message)
-        self.notices.append(message)
         return tensor
 
     def describe(self) -> str:

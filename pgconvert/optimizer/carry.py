@@ -2,7 +2,8 @@
 
 One decision for ``convert``, ``--dry-run`` and sharded runs (``carried_optimizer``): the state is carried when
 the source holds it (``CanonicalSource.holds_optimizer``), the destination writes it (``Saver.writes_optimizer``)
-and ``--skip-optimizer`` is not given. State that is held but not carried is named in a notice (``guess:
+and ``--skip-optimizer`` is not given; it is opened and checked by ``pgconvert.optimizer.checks.open_checked``, and
+its values are checked for NaN/Inf on their way to the output (``--check-finite``: refused). State that is held but not carried is named in a notice (``guess:
 optimizer state not carried: ...``), refused under --strict; a broken one is a named error. Everything a format
 reads or writes goes through the hooks of ``pgconvert.formats``: the source opens its state
 (``open_optimizer``), the saver writes it after the model (``save_optimizer``).
@@ -25,6 +26,7 @@ from pgconvert.formats.strict import fallback
 from pgconvert.io.limits import quote
 from pgconvert.model.config import ModelConfig
 from pgconvert.model.provider import target_vocab_rows
+from pgconvert.optimizer.checks import open_checked
 from pgconvert.optimizer.data_parallel import check_dst_dp
 from pgconvert.optimizer.mla_weight_decay import qk_norm_decay_notice
 from pgconvert.optimizer.order import OptimizerLayoutError, optimizer_count
@@ -109,7 +111,7 @@ def carried_optimizer(conversion: Plan, notices: list[str]) -> tuple[OptimizerSo
         fallback(refused, strict, notices)
         return None
     try:
-        optimizer = conversion.source.open_optimizer()
+        optimizer = open_checked(conversion.source)
     except ValidationError as exc:
         fallback(f"optimizer state not carried: {exc}", strict, notices)
         return None
@@ -152,7 +154,7 @@ def carry_training_state(conversion: Plan, staging: Path, files: list[PlannedFil
     source.notices[:] = [note for note in source.notices if note != source.training_state_notice]
     return notices + [f"optimizer ({written.form}), scheduler, iteration, floating-point operations and consumed "
                       f"samples carried to {options.layout.describe()}; " + RNG_NOTICE, *written.notices] \
-        + qk_norm_decay_notice(optimizer.rules, source.config, target_of(conversion)[0])
+        + qk_norm_decay_notice(optimizer.rules, source.config, target_of(conversion)[0]) + optimizer.notices
 
 
 def plan_optimizer(conversion: Plan) -> tuple[list[OptimizerFile], list[str]]:
@@ -164,7 +166,7 @@ def plan_optimizer(conversion: Plan) -> tuple[list[OptimizerFile], list[str]]:
         return [], notices
     optimizer, form = carried
     return conversion.saver.plan_optimizer(conversion.source, optimizer, form, conversion.save_options,
-                                           optimizer_options(conversion.request)), notices
+                                           optimizer_options(conversion.request)), notices + optimizer.notices
 
 
 def replace_saver_notice(notices: list[str], carried: list[str]) -> list[str]:

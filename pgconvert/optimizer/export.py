@@ -16,6 +16,7 @@ import torch
 from pgconvert.errors import DestinationError
 from pgconvert.formats import LoadOptions
 from pgconvert.formats.registry import detect_format, get_loader
+from pgconvert.optimizer.checks import open_checked
 from pgconvert.optimizer.order import MEGATRON_CORE_VERSIONS
 from pgconvert.optimizer.source import COUNTERS, OptimizerSource
 
@@ -63,6 +64,6 @@ def export_from_path(src: Path, out_dir: Path, iteration: int | None) -> int:
         raise DestinationError(f"OUT {out_dir}: exists and is not an empty directory")
     source = get_loader(detect_format(src)).open(src, LoadOptions(iteration=iteration))
     try:
-        return export_parameters(source.open_optimizer(), out_dir)
+        return export_parameters(open_checked(source), out_dir)
     finally:
         source.close()

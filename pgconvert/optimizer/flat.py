@@ -205,3 +205,13 @@ def bucket_pieces(placed: list[FlatParam], numel: int, dp: int,
                 pieces.append((start, end, param))
             cursor = end
     return pieces
+
+
+def buffer_dtype_key(args: Any) -> tuple[torch.dtype, torch.dtype]:
+    """A flat buffer's key: (model dtype, grad dtype), as the run's ``args`` say (Megatron-LM's defaults where they
+    do not): DDP keys each buffer by its parameters' dtype and ``grad_reduce_in_fp32`` (Megatron-LM's
+    ``accumulate_allreduce_grads_in_fp32``)."""
+    param = torch.bfloat16 if getattr(args, "bf16", False) else \
+        torch.float16 if getattr(args, "fp16", False) else torch.float32
+    fp32_grads = getattr(args, "accumulate_allreduce_grads_in_fp32", False)
+    return (param, torch.float32 if fp32_grads else param)

@@ -296,6 +296,11 @@ def _group_count(config: ModelConfig, optimizer: int) -> int:
     return 2 if optimizer == 0 or config.add_bias_linear else 1
 
 
+def group_counts(config: ModelConfig, layout: ParallelLayout) -> list[int]:
+    """The param groups megatron-core builds for each chained optimizer (dense, then expert-parallel)."""
+    return [_group_count(config, index) for index in range(optimizer_count(config, layout))]
+
+
 def chained_slots(config: ModelConfig, layout: ParallelLayout, coord: RankCoord,
                   rules: OptimizerRules = OptimizerRules(),
                   padded_vocab_size: int | None = None) -> list[list[list[OptimizerSlot]]]:
@@ -383,7 +388,7 @@ def check_state_shapes(slots: Sequence[Sequence[OptimizerSlot]], state: Mapping[
     position maps to, and every position has state (a checkpoint saved after at least one step)."""
     flat = [slot for members in slots for slot in members]
     if not isinstance(state, Mapping) or set(state) != {slot.position for slot in flat}:
-        keys = sorted(state) if isinstance(state, Mapping) else type(state).__name__
+        keys = sorted(state, key=str) if isinstance(state, Mapping) else type(state).__name__
         raise OptimizerLayoutError(
             f"{where}: optimizer.state has positions {quote(keys, 120)}, but the model has {len(flat)} "
             f"trainable parameters on this rank ({_VERSIONS}){grouped_expert_note(flat)}")

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from pgconvert.formats.stream import apply_finite_policy, nonfinite_text
 from pgconvert.model.config import ModelConfig
 from pgconvert.model.layout import ParallelLayout
 from pgconvert.model.rules import ReplicaMismatchError, ShardRule
@@ -22,6 +23,8 @@ from pgconvert.optimizer.order import MEGATRON_CORE_VERSIONS, OptimizerLayoutErr
 MOMENTS = ("exp_avg", "exp_avg_sq")
 # The per-parameter fields: the fp32 master weight and Adam's moments.
 FIELDS = ("param", *MOMENTS)
+# Each field as messages name it.
+FIELD_NAMES = {"param": "fp32 param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
 # The forms of megatron-core's optimizer state: FP32Optimizer (fp32 training; the master is the model weight),
 # Float16OptimizerWithFloat16Params (bf16/fp16 training, fp32 masters beside), DistributedOptimizer.
 FORM_FP32 = "fp32"
@@ -50,6 +53,45 @@ class SourceRank:
     extra: dict[str, Any]
 
 
+class _Absent:
+    """A value a stored copy does not hold (a rank file without a scheduler entry, a rank without a grad scaler)."""
+
+    def __repr__(self) -> str:
+        return "absent"
+
+
+ABSENT = _Absent()
+
+
+@dataclass(frozen=True)
+class StoredCopy:
+    """One stored copy of what every rank saves alike (a rank file, a ``distrib_optim.pt``, a model-parallel rank's
+    records, a torch_dist common state): ``where`` it lies and its ``values`` by name, checked by
+    ``pgconvert.optimizer.checks``: ``optimizer[.i].param_groups`` (per chained optimizer, their ``params`` aside),
+    ``optimizer[.i].grad_scaler``, ``optimizer.state[*].step`` (a plain optimizer's per-parameter steps),
+    ``dtype_key`` (the distributed optimizer's buffer keys), the carried counters (``CARRIED_KEYS``, ``iteration``);
+    ``ABSENT`` where a copy lacks one."""
+
+    where: str
+    values: dict[str, Any]
+
+
+def rounds_to(master: torch.Tensor, model: torch.Tensor) -> bool:
+    """Whether an fp32 master rounds to its model weight (megatron-core copies it there after every step), NaN to
+    NaN: a non-finite master is for the NaN/Inf policy to report, not a sign of another parameter order."""
+    rounded = master.to(model.dtype)
+    if torch.equal(rounded, model):
+        return True
+    if not rounded.is_floating_point() or rounded.shape != model.shape:
+        return False
+    return bool(((rounded == model) | (rounded.isnan() & model.isnan())).all())
+
+
+def optimizer_label(index: int, count: int) -> str:
+    """How messages name chained optimizer ``index`` of ``count``: ``optimizer[1]``, or ``optimizer`` alone."""
+    return f"optimizer[{index}]" if count > 1 else "optimizer"
+
+
 class OptimizerSource:
     """megatron-core's optimizer state of one checkpoint, by canonical parameter.
 
@@ -60,9 +102,13 @@ class OptimizerSource:
     ``first`` (``SourceRank``).
 
     A reader indexes ``_owners`` (per canonical name, its TP pieces in TP order: ``(owner, slot)``, the owner
-    having a ``path``) and implements ``_pieces`` and ``param_group_settings``; ``step``, ``parameter`` and
-    ``piece`` then merge or cut those pieces with the parameter's own rule. A reader whose state is stored
-    whole overrides them.
+    having a ``path``) and implements ``_pieces``, ``param_group_settings`` and ``stored_copies``; ``step``,
+    ``parameter`` and ``piece`` then merge or cut those pieces with the parameter's own rule. A reader whose state
+    is stored whole overrides ``_parameter``, ``_piece`` and ``stored_parts``.
+
+    Every value ``parameter`` and ``piece`` give is checked for NaN/Inf on the way, under the weights' policy
+    (``check_finite``: ``pgconvert.formats.stream.apply_finite_policy``); what is reported is in ``notices``.
+    ``pgconvert.optimizer.checks.open_checked`` sets the policy and checks the rest once, when the state is opened.
     """
 
     config: ModelConfig
@@ -75,6 +121,11 @@ class OptimizerSource:
     grad_scalers: list[Any]
     first: SourceRank
     _owners: dict[str, list[tuple[Any, OptimizerSlot]]]
+
+    def __init__(self) -> None:
+        self.check_finite = "warn"
+        self.notices: list[str] = []
+        self._nonfinite_seen: set[tuple[str, str]] = set()
 
     def names(self) -> list[str]:
         """The canonical names of the parameters the state holds, in the model's order."""
@@ -117,8 +168,44 @@ class OptimizerSource:
             raise OptimizerLayoutError(f"{self._owners[name][0][0].path}: step of {name} differs between TP ranks")
         return steps[0].clone()
 
+    def stored_copies(self) -> list[StoredCopy]:
+        """Every stored copy of what all ranks save alike (``StoredCopy``), for ``pgconvert.optimizer.checks``."""
+        raise NotImplementedError
+
+    def stored_parts(self, name: str, key: str) -> list[tuple[str, torch.Tensor]]:
+        """The stored tensors ``name``'s ``key`` is read from, each with where it lies (for messages)."""
+        return [(str(owner.path), piece) for (owner, _), piece in zip(self._owners[name], self._pieces(name, key))]
+
+    def _finite(self, name: str, key: str, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` (read for ``name``'s ``key``) under the NaN/Inf policy: reported once per parameter and field,
+        naming the stored parts that hold them, or refused under --check-finite."""
+        if self.check_finite == "off" or (name, key) in self._nonfinite_seen:
+            return tensor
+        found = nonfinite_text(tensor)
+        if found is None:
+            return tensor
+        held = [f"{text} in {where}" for where, part in self.stored_parts(name, key)
+                if (text := nonfinite_text(part)) is not None]
+        apply_finite_policy(self.check_finite, f"optimizer state of {name}, {FIELD_NAMES[key]}: "
+                            + ("; ".join(held) or f"{found} in {self.first.path}"), self.notices)
+        self._nonfinite_seen.add((name, key))
+        return tensor
+
     def parameter(self, name: str) -> dict[str, torch.Tensor]:
-        """The whole (source-padded) fp32 master, both moments and the step of ``name``."""
+        """The whole (source-padded) fp32 master, both moments and the step of ``name``, their values checked."""
+        merged = self._parameter(name)
+        for key in FIELDS:
+            self._finite(name, key, merged[key])
+        return merged
+
+    def piece(self, name: str, key: str, size: int, rank: int, rows: int | None,
+              rule: ShardRule | None = None) -> torch.Tensor:
+        """Piece ``rank`` of ``size`` of ``name``'s ``key`` (param or a moment) cut with ``rule`` (the target's;
+        default the source's), fitted to ``rows`` padded vocab rows for vocab tables (new rows zero); its values
+        checked."""
+        return self._finite(name, key, self._piece(name, key, size, rank, rows, rule))
+
+    def _parameter(self, name: str) -> dict[str, torch.Tensor]:
         rule = self.rule(name)
         merged = {}
         for key in FIELDS:
@@ -129,12 +216,11 @@ class OptimizerSource:
         merged["step"] = self.step(name)
         return merged
 
-    def piece(self, name: str, key: str, size: int, rank: int, rows: int | None,
-              rule: ShardRule | None = None) -> torch.Tensor:
-        """Piece ``rank`` of ``size`` of ``name``'s ``key`` (param or a moment) cut with ``rule`` (the target's;
-        default the source's), fitted to ``rows`` padded vocab rows for vocab tables (new rows zero). The
-        source's pieces are merged with the rule of the spec that wrote them where the target's differs (MLA
-        down projections: split by rows in the local spec, whole in the Transformer Engine spec)."""
+    def _piece(self, name: str, key: str, size: int, rank: int, rows: int | None,
+               rule: ShardRule | None = None) -> torch.Tensor:
+        """``piece`` as read. The source's pieces are merged with the rule of the spec that wrote them where the
+        target's differs (MLA down projections: split by rows in the local spec, whole in the Transformer Engine
+        spec)."""
         stored = self.rule(name)
         target = rule or stored
         pieces = self._pieces(name, key)

@@ -1,8 +1,13 @@
 """``inspect``: what a checkpoint holds, read through its format's loader, and what is wrong with it.
 
 Everything comes from the registry's loader and the ``CanonicalSource`` it opens (names, metadata,
-config, vocab rows, layout); no tensor is loaded. A checkpoint that does not open is not an
+config, vocab rows, layout); no model tensor is loaded. A checkpoint that does not open is not an
 exception here but a problem in the result, so the caller can show it next to what is known.
+
+Optimizer state the checkpoint holds is opened and checked as ``convert`` checks it
+(``pgconvert.optimizer.checks``), and its values are read once, one parameter at a time, for NaN/Inf
+(``skip_finite_check``: not read): what ``convert`` would refuse is an error, what it would not carry or
+would warn about a warning.
 
 The model's settings are compared with its family's defaults (``family_default_config``), so that the
 text output can show the dimensions and only the settings that make this model differ.
@@ -17,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from pgconvert.errors import ConfigError, PgconvertError
+from pgconvert.errors import ConfigError, PgconvertError, ValidationError
 from pgconvert.families.table import REQUIRED, ConfigField, Family
 from pgconvert.formats import Iteration, LoadOptions
 from pgconvert.formats.hf import CONFIG_FILE, infer_family, model_config_from_hf, read_json_object, set_path
@@ -25,6 +30,7 @@ from pgconvert.formats.hf_side import carried_config
 from pgconvert.formats.registry import detect_format, get_loader
 from pgconvert.formats.stream import CanonicalSource
 from pgconvert.model.config import GROUPS, SETTING_GROUPS, ModelConfig
+from pgconvert.optimizer.checks import open_checked, scan_values
 from pgconvert.run.manifest import file_problems, read_manifest
 from pgconvert.semantics import summary
 
@@ -87,6 +93,8 @@ class CheckpointInfo:
     manifest: dict[str, Any] | None = None
     # The HF side files the checkpoint carries (pgconvert.formats.hf_side), relative to its root.
     side_files: list[str] = field(default_factory=list)
+    # The optimizer state held and checked: its form and parameter count (None: none, or it did not open).
+    optimizer: str | None = None
     notices: list[str] = field(default_factory=list)
     problems: list[Problem] = field(default_factory=list)
     # The settings that differ from the family's defaults (None when the checkpoint did not open).
@@ -103,8 +111,9 @@ class CheckpointInfo:
         return doc
 
 
-def inspect(path: str | Path, iteration: int | None = None) -> CheckpointInfo:
-    """Describe the checkpoint at ``path`` (``iteration``: which saved iteration to open).
+def inspect(path: str | Path, iteration: int | None = None, skip_finite_check: bool = False) -> CheckpointInfo:
+    """Describe the checkpoint at ``path`` (``iteration``: which saved iteration to open), its optimizer state
+    checked (``skip_finite_check``: its values not read for NaN/Inf).
 
     Never raises for a broken checkpoint: the error is the first entry of ``problems``.
     """
@@ -121,6 +130,7 @@ def inspect(path: str | Path, iteration: int | None = None) -> CheckpointInfo:
         return info
     try:
         _describe(source, info)
+        _check_optimizer(source, info, not skip_finite_check)
     except PgconvertError as error:
         info.problems.append(Problem("error", "unreadable", str(error)))
     finally:
@@ -166,6 +176,26 @@ def _describe(source: CanonicalSource, info: CheckpointInfo) -> None:
             f"the vocab tables have {source.vocab_rows - config.vocab_size} padding rows beyond the true "
             f"vocab size {config.vocab_size} ({source.vocab_rows} rows)",
         ))
+
+
+def _check_optimizer(source: CanonicalSource, info: CheckpointInfo, read_values: bool) -> None:
+    """The optimizer state opened and checked as ``convert`` does (``open_checked``), its values read once
+    (``read_values``): a failed check is an error; state ``convert`` would not carry (a form or model pgconvert
+    does not read) and NaN/Inf found are warnings."""
+    try:
+        if not source.holds_optimizer():
+            return
+        optimizer = open_checked(source)
+        count = scan_values(optimizer) if read_values else len(optimizer.names())
+    except ValidationError as error:
+        info.problems.append(Problem("warning", "optimizer", f"optimizer state not carried by convert: {error}"))
+        return
+    except PgconvertError as error:
+        info.problems.append(Problem("error", "optimizer", str(error)))
+        return
+    form = f"{optimizer.form}, {optimizer.sharding}" if optimizer.sharding else optimizer.form
+    info.optimizer = f"{form}: {count} parameters checked" + ("" if read_values else ", values not read")
+    info.problems += [Problem("warning", "optimizer-values", notice) for notice in optimizer.notices]
 
 
 def family_default_config(family: Family | None, config: ModelConfig) -> ModelConfig:

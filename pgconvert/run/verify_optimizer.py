@@ -1,7 +1,8 @@
 """``verify``'s comparison of the two checkpoints' optimizer state, when both hold one.
 
-Each side's state is opened as ``convert`` and ``export-optimizer`` open it (its source's
-``open_optimizer``: an ``OptimizerSource`` whatever the format) and compared per canonical parameter, one parameter at
+Each side's state is opened and checked as ``convert``, ``inspect`` and ``export-optimizer`` open it
+(``pgconvert.optimizer.checks.open_checked``: an ``OptimizerSource`` whatever the format; state that fails the checks
+is a difference, below; NaN/Inf met in the values read are notes) and compared per canonical parameter, one parameter at
 a time (``parameter(name)``: the fp32 master ``param``, ``exp_avg``, ``exp_avg_sq`` and ``step`` of
 that parameter alone), so memory holds one parameter's state per side whatever the model size:
 
@@ -34,6 +35,7 @@ from pgconvert.errors import PgconvertError, ValidationError
 from pgconvert.formats.stream import CanonicalSource
 from pgconvert.io.limits import quote
 from pgconvert.model.provider import VOCAB_TABLES
+from pgconvert.optimizer.checks import open_checked
 from pgconvert.optimizer.source import CARRIED_KEYS, COUNTERS, FIELDS, OptimizerSource
 from pgconvert.run.comparison import DifferenceKind, TensorDifference, compare_values
 
@@ -100,6 +102,9 @@ def compare_optimizers(source_a: CanonicalSource, source_b: CanonicalSource, rto
             progress(f"optimizer {name}")
         _compare_parameter(name, optimizer_a, optimizer_b, rtol, atol, vocab, report)
         report.compared += 1
+    # What the values read said (NaN/Inf), as convert would say it of each side.
+    report.notes += [f"{label}: {notice}" for label, optimizer in (("A", optimizer_a), ("B", optimizer_b))
+                     for notice in optimizer.notices]
     return report
 
 
@@ -119,7 +124,7 @@ def _form(optimizer: OptimizerSource) -> str:
 def _open_side(label: str, source: CanonicalSource, report: OptimizerReport) -> OptimizerSource | None:
     """The side's optimizer state, or None with the reason recorded (unsupported: named; broken: a difference)."""
     try:
-        return source.open_optimizer()
+        return open_checked(source)
     except ValidationError as error:  # UnsupportedOptimizerError: a form or model pgconvert does not read
         setattr(report, f"unreadable_{label.lower()}", str(error))
     except PgconvertError as error:  # OptimizerLayoutError: state that does not match its model

@@ -1,6 +1,7 @@
 """Test-only harness of the fuzzing layer (tests/test_fuzz.py): tiny pristine checkpoints of every
-format, mutations of their bytes, headers, pickles, JSON and tracker, and the properties every
-mutated input must satisfy when it is converted, inspected and verified.
+format (and Megatron-LM's own training checkpoints, with their optimizer state), mutations of their
+bytes, headers, pickles (the model, the args, the optimizer state), JSON and tracker, and the
+properties every mutated input must satisfy when it is converted, inspected and verified.
 
 The properties: exit 1 or 2 with a message naming a file (or an option), or exit 0 with
 an output that ``pgconvert verify`` finds equal to the source; no traceback; bounded memory and
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import resource
 import shutil
@@ -34,6 +36,7 @@ import torch
 from click.testing import CliRunner, Result
 from support.tiny_models import GQA_SWIGLU
 from support.megatron_fixtures import make_full_model, write_megatron_checkpoint
+from support.optimizer_faults import DISTRIBUTED, PLAIN_BF16
 
 import pgconvert
 from pgconvert.cli import main
@@ -50,15 +53,24 @@ REPORT = os.environ.get("PGCONVERT_FUZZ_REPORT")
 # ----------------------------------------------------------------------------------- fixtures
 
 def build_pristine(root: Path) -> dict[str, Path]:
-    """The unmutated sources: megatron tp=2, torch_dist, hf (two shards + index); no manifests."""
+    """The unmutated sources: megatron tp=2, torch_dist, hf (two shards + index); with optimizer state,
+    Megatron-LM's own TP2 training checkpoints (``optimizer/distributed``: rank files and
+    ``distrib_optim.pt``; ``optimizer/plain``: the plain optimizer in the rank files) and pgconvert's
+    torch_dist outputs of the first (``optimizer/fully_reshardable``: param groups in ``common.pt``;
+    ``optimizer/dp_reshardable``: per model-parallel rank objects); no manifests."""
     megatron = write_megatron_checkpoint(root / "megatron", FUZZ_MODEL, make_full_model(FUZZ_MODEL), 2, 1)
     pgconvert.convert(megatron, root / "torch_dist", dst_format="torch_dist")
     pgconvert.convert(megatron, root / "hf", dst_format="hf", max_shard_size=80_000)
-    for name in ("torch_dist", "hf"):
+    optimizer = {"optimizer/distributed": copy_source(DISTRIBUTED, root / "optimizer_distributed"),
+                 "optimizer/plain": copy_source(PLAIN_BF16, root / "optimizer_plain")}
+    for form in ("fully_reshardable", "dp_reshardable"):
+        optimizer[f"optimizer/{form}"] = pgconvert.convert(DISTRIBUTED, root / f"optimizer_{form}",
+                                                           dst_format="torch_dist", dst_optim_form=form).dst
+    for name in ("torch_dist", "hf", *(path.name for path in optimizer.values() if "reshardable" in path.name)):
         # Kept aside: a manifest makes verify compare file hashes, which a byte flip rightly breaks.
         (root / name / "pgconvert.json").rename(root / f"{name}.pgconvert.json")
     assert (root / "hf" / "model.safetensors.index.json").is_file()
-    return {"megatron": megatron, "torch_dist": root / "torch_dist", "hf": root / "hf"}
+    return {"megatron": megatron, "torch_dist": root / "torch_dist", "hf": root / "hf", **optimizer}
 
 
 def copy_source(pristine: Path, where: Path) -> Path:
@@ -148,6 +160,18 @@ def rewrite_pickle(path: Path, change: Callable[[dict[str, Any]], None]) -> None
     torch.save(state, path)
 
 
+def rewrite_framework_pickle(path: Path, change: Callable[[Any], None]) -> None:
+    """``rewrite_pickle`` for files whose args hold Megatron-LM's classes (its own training checkpoints, and
+    pgconvert's torch_dist ``common.pt`` of one): loaded with megatron-core's safe globals and pgconvert's stand-ins,
+    saved with them."""
+    from pgconvert.formats.megatron import FRAMEWORK_PICKLE
+    from support.megatron_fixtures import load_for_test
+
+    state = load_for_test(path)
+    change(state)
+    torch.save(state, path, pickle_module=FRAMEWORK_PICKLE)
+
+
 def set_arg(name: str, value: Any) -> Callable[[dict[str, Any]], None]:
     def change(state: dict[str, Any]) -> None:
         if value == "<delete>":
@@ -184,6 +208,98 @@ def restructure_model(kind: str, index: int) -> Callable[[dict[str, Any]], None]
             state["args"] = None
         elif kind == "args_dict":
             state["args"] = dict(vars(state["args"]))
+    return change
+
+
+# A file's parts that hold optimizer state (a rank file's and a torch_dist common state's entries;
+# a distrib_optim.pt is optimizer state throughout).
+OPTIMIZER_ENTRIES = ("optimizer", "opt_param_scheduler", "iteration", "num_floating_point_operations_so_far")
+# Places visited at most per file, and how deep.
+MAX_PLACES = 2000
+MAX_DEPTH = 8
+
+
+def optimizer_places(state: Any) -> list[tuple[Any, ...]]:
+    """Every place (a key path) in a file's optimizer parts, containers and leaves, in a fixed order: under
+    ``OPTIMIZER_ENTRIES`` of a dict holding a model or args (a rank file, ``common.pt``), else anywhere."""
+    places: list[tuple[Any, ...]] = []
+    whole = not (isinstance(state, dict) and ("args" in state or "model" in state))
+    roots = [()] if whole else [(key,) for key in OPTIMIZER_ENTRIES if key in state]
+    for root in roots:
+        _walk(_at(state, root), root, places)
+    return [place for place in places if place]
+
+
+def _walk(value: Any, place: tuple[Any, ...], places: list[tuple[Any, ...]]) -> None:
+    if len(places) >= MAX_PLACES:
+        return
+    places.append(place)
+    if len(place) >= MAX_DEPTH:
+        return
+    if isinstance(value, dict):
+        for key in sorted(value, key=str):
+            _walk(value[key], (*place, key), places)
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            _walk(item, (*place, index), places)
+
+
+def _at(state: Any, place: tuple[Any, ...]) -> Any:
+    for key in place:
+        state = state[key]
+    return state
+
+
+def _replaced(container: Any, key: Any, value: Any) -> Any:
+    """``container`` with ``key`` set to ``value`` (a tuple rebuilt; ``<delete>``: removed)."""
+    if isinstance(container, tuple):
+        items = list(container)
+        if value == "<delete>":
+            del items[key]
+        else:
+            items[key] = value
+        return tuple(items)
+    if value == "<delete>":
+        del container[key]
+    else:
+        container[key] = value
+    return container
+
+
+def _materialized(value: Any, old: Any) -> Any:
+    """A drawn value, the tensor-shaped ones made from the value they replace."""
+    if value == "<non-finite>":  # one element of a float tensor set to NaN or Inf, the rest kept
+        if isinstance(old, torch.Tensor) and old.is_floating_point() and old.numel():
+            changed = old.clone()
+            changed.view(-1)[old.numel() // 2] = math.nan if old.numel() % 2 else math.inf
+            return changed
+        return math.nan
+    tensors = {"<scalar-tensor>": lambda: torch.tensor(-1.0), "<fraction-tensor>": lambda: torch.tensor(2.5),
+               "<empty-tensor>": lambda: torch.zeros(0), "<int-tensor>": lambda: torch.arange(3),
+               "<wide-tensor>": lambda: torch.zeros(3, 2)}
+    return tensors[value]() if isinstance(value, str) and value in tensors else value
+
+
+def mutate_optimizer(kind: str, index: int, value: Any) -> Callable[[Any], None]:
+    """Change place ``index`` (``optimizer_places``) of a file's optimizer state: ``set`` it to ``value``,
+    ``delete`` it, or ``rekey`` it (its key in the dict holding it replaced by ``value``, when hashable)."""
+    def change(state: Any) -> None:
+        places = optimizer_places(state)
+        if not places:
+            return
+        place = places[index % len(places)]
+        parent = _at(state, place[:-1])
+        key = place[-1]
+        if kind == "rekey" and isinstance(parent, dict):
+            try:
+                parent[value] = parent.pop(key)
+            except TypeError:  # an unhashable drawn value: no key
+                parent[key] = parent.get(key)
+            return
+        new = "<delete>" if kind == "delete" else _materialized(value, parent[key])
+        rebuilt = _replaced(parent, key, new)
+        if rebuilt is not parent:  # a tuple: set the rebuilt one where it was
+            _replaced(_at(state, place[:-2]), place[-2], rebuilt)
     return change
 
 

@@ -18,13 +18,12 @@ from typing import Any
 import torch
 
 from pgconvert.loaders.megatron import _detect_impl
-from pgconvert.loaders.torch_dist.optimizer import buffer_dtype_key
 from pgconvert.formats.megatron import args_for_target, config_from_args, layout_from_args
 from pgconvert.model.config import ModelConfig
 from pgconvert.model.grid import RankCoord
 from pgconvert.model.layout import ParallelLayout
 from pgconvert.optimizer.data_parallel import dp_size
-from pgconvert.optimizer.flat import bucket_divisor, flat_buffers
+from pgconvert.optimizer.flat import bucket_divisor, buffer_dtype_key, flat_buffers
 from pgconvert.optimizer.order import OptimizerRules
 
 ARGS_PATH = Path("ckpt/iter_0000001/mp_rank_00/model_optim_rng.pt")

@@ -263,13 +263,14 @@ def _v2_router_refuses(config: ModelConfig) -> str | None:
     return None
 
 
-# DeepseekV2Config's and DeepseekV3Config's q_lora_rank where config.json leaves it out.
-Q_LORA_RANK = 1536
+# The q down projection's width (q_lora_rank) where config.json leaves it out: DeepseekV2Config's and
+# DeepseekV3Config's default.
+DEFAULT_Q_LORA = 1536
 
 
 def _q_lora_read(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
     """``q_lora_rank``: 1536 where absent (the config classes' default), null: no q down projection."""
-    value = present.get("q_lora_rank", Q_LORA_RANK)
+    value = present.get("q_lora_rank", DEFAULT_Q_LORA)
     return {"q_lora_rank": None if value is None else _count(value, "q_lora_rank", 1)}
 
 

@@ -8,8 +8,8 @@ is written, what the format's reader hands over (``OptimizerSource.stored_copies
 
 - what every rank saves alike is the same in every copy: the param groups (their number and hyperparameters:
   lr, weight_decay, betas, eps, ...; ``params`` aside, each rank's own positions), the steps, the scheduler state,
-  the grad scaler, the buffers' dtype keys, the iteration and the floating-point operations; a difference is a
-  named error showing both values and both places;
+  the grad scaler, the buffers' dtype keys, the iteration (also the one its directory names) and the
+  floating-point operations; a difference is a named error showing both values and both places;
 - each value's range: a step finite, >= 0 and integral; lr, max_lr, min_lr, lr_mult, wd_mult and weight_decay
   finite and >= 0 (torch.optim.Adam refuses a negative lr or weight decay); betas in [0, 1) (Adam's bounds); eps
   finite and > 0 (Adam divides by ``sqrt(exp_avg_sq) + eps``); a grad scaler's scale finite and > 0;

@@ -252,7 +252,7 @@ TO_MEGATRON_TP1 = ["--dst-format", "megatron", "--dst-tp", "1", "--quiet"]
 @budget(10)
 # Found by long runs: an fp32 master group that is not a list, a param group that is not a dict, a common
 # state's iteration its directory contradicts, a state position that is not a number, an fp32 masters entry
-# whose optimizer is not a dict, a numel_unpadded that is a tensor.
+# whose optimizer is not a dict, a numel_unpadded that is a tensor, a param group keyed by NaN.
 @example(fmt="optimizer/plain", pick=0, kind="set", index=937, value=2**63, only_one=False, target=TO_MEGATRON_TP1)
 @example(fmt="optimizer/distributed", pick=1, kind="set", index=205, value="abc", only_one=False,
          target=TO_MEGATRON_TP1)
@@ -263,6 +263,8 @@ TO_MEGATRON_TP1 = ["--dst-format", "megatron", "--dst-tp", "1", "--quiet"]
 @example(fmt="optimizer/plain", pick=0, kind="set", index=327, value=(0.9,), only_one=False, target=TO_MEGATRON_TP1)
 @example(fmt="optimizer/distributed", pick=0, kind="set", index=627, value="<wide-tensor>", only_one=False,
          target=TO_MEGATRON_TP1)
+@example(fmt="optimizer/fully_reshardable", pick=0, kind="rekey", index=5, value=math.nan, only_one=False,
+         target=["--dst-format", "megatron", "--dst-tp", "2", "--quiet"])
 @given(fmt=st.sampled_from(sorted(OPTIMIZER_PICKLES)), pick=st.integers(0, 7),
        kind=st.sampled_from(["set", "set", "set", "delete", "rekey"]), index=st.integers(0, 2000),
        value=OPTIMIZER_VALUES, only_one=st.booleans(), target=TARGETS)

@@ -97,7 +97,8 @@ def _read_buffers(loaded: Any, buffers: list[tuple[list[FlatParam], int]], step:
         held = loaded.get("buckets_coalesced") if isinstance(loaded, dict) else type(loaded).__name__
         raise OptimizerLayoutError(f"{path}: buckets_coalesced={quote(held)}: only the "
                                    "coalesced form (megatron-core >= 0.8) is read")
-    if sorted(k for k in loaded if k != "buckets_coalesced") != list(range(len(buffers))):
+    buffer_keys = [key for key in loaded if key != "buckets_coalesced"]
+    if any(type(key) is not int for key in buffer_keys) or sorted(buffer_keys) != list(range(len(buffers))):
         raise OptimizerLayoutError(f"{path}: buffers {quote(sorted(map(str, loaded)))}; the layout has "
                                    f"{len(buffers)} model chunks with these parameters")
     entries: dict[int, dict[str, Any]] = {}

@@ -8,8 +8,8 @@ is written, what the format's reader hands over (``OptimizerSource.stored_copies
 
 - what every rank saves alike is the same in every copy: the param groups (their number and hyperparameters:
   lr, weight_decay, betas, eps, ...; ``params`` aside, each rank's own positions), the steps, the scheduler state,
-  the grad scaler, the buffers' dtype keys, the iteration and the floating-point operations; a difference is a
-  named error showing both values and both places;
+  the grad scaler, the buffers' dtype keys, the iteration (also the one its directory names) and the
+  floating-point operations; a difference is a named error showing both values and both places;
 - each value's range: a step finite, >= 0 and integral; lr, max_lr, min_lr, lr_mult, wd_mult and weight_decay
   finite and >= 0 (torch.optim.Adam refuses a negative lr or weight decay); betas in [0, 1) (Adam's bounds); eps
   finite and > 0 (Adam divides by ``sqrt(exp_avg_sq) + eps``); a grad scaler's scale finite and > 0;
@@ -110,6 +110,8 @@ def _number(value: Any) -> float | None:
 
 def _text(value: Any) -> str:
     """An untrusted value for a message (``quote``), with dtypes by name and small tensors by their values."""
+    if value is ABSENT:
+        return "absent"
     if isinstance(value, torch.dtype):
         return str(value).removeprefix("torch.")
     if isinstance(value, torch.Tensor) and value.numel() <= 8:
@@ -150,6 +152,9 @@ def _check_groups(copy: StoredCopy, label: str, groups: Any) -> None:
         raise _refuse(copy, label, groups, "expected a list of param groups (dicts)")
     for index, group in enumerate(groups):
         name = f"{label}[{index}]"
+        unnamed = [key for key in group if not isinstance(key, str)]
+        if unnamed:
+            raise _refuse(copy, f"{name} key", unnamed[0], "expected the names of torch.optim settings (str)")
         for key in (key for key in _NON_NEGATIVE if key in group):
             number = _number(group[key])
             if number is None or not math.isfinite(number) or number < 0:
@@ -213,11 +218,17 @@ def _difference(name: str, value_a: Any, value_b: Any) -> tuple[str, Any, Any] |
     if value_a is ABSENT or value_b is ABSENT:
         return None if value_a is value_b else (name, value_a, value_b)
     if isinstance(value_a, dict) and isinstance(value_b, dict):
-        for key in sorted(set(value_a) | set(value_b), key=str):
-            if key != "params":
-                found = _difference(f"{name}.{key}", value_a.get(key, ABSENT), value_b.get(key, ABSENT))
-                if found is not None:
-                    return found
+        # Keys paired by their text: a NaN key read from two files is two objects that are not equal.
+        keys_a, keys_b = ({quote(key): key for key in value} for value in (value_a, value_b))
+        for text in sorted(set(keys_a) | set(keys_b)):
+            key = keys_a[text] if text in keys_a else keys_b[text]
+            if isinstance(key, str) and key == "params":
+                continue
+            found = _difference(f"{name}.{key}" if isinstance(key, str) else f"{name}[{text}]",
+                                value_a[keys_a[text]] if text in keys_a else ABSENT,
+                                value_b[keys_b[text]] if text in keys_b else ABSENT)
+            if found is not None:
+                return found
         return None
     if isinstance(value_a, (list, tuple)) and isinstance(value_b, (list, tuple)) and not _is_dtype_key(value_a):
         if len(value_a) != len(value_b):

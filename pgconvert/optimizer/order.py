@@ -370,13 +370,16 @@ def check_param_groups(slots: Sequence[Sequence[OptimizerSlot]], param_groups: A
         if not isinstance(group, dict):
             raise OptimizerLayoutError(f"{where}: optimizer.param_groups[{index}] is not a dict")
         expected = [slot.position for slot in members]
-        if group.get("params") != expected:
+        params = group.get("params")
+        if not isinstance(params, list) or any(type(position) is not int for position in params) \
+                or params != expected:
             raise OptimizerLayoutError(
                 f"{where}: optimizer.param_groups[{index}].params = {quote(group.get('params'), 120)}, but the "
                 f"model's parameter count gives {quote(expected, 120)} ({_VERSIONS} group order)"
                 f"{grouped_expert_note(members)}")
-        if group.get("wd_mult", _WD_MULT[index]) != _WD_MULT[index] \
-                or bool(group.get("is_expert_parallel", False)) != expert:
+        wd_mult, flag = group.get("wd_mult", _WD_MULT[index]), group.get("is_expert_parallel", False)
+        if not isinstance(wd_mult, (int, float)) or wd_mult != _WD_MULT[index] \
+                or not isinstance(flag, int) or bool(flag) != expert:
             raise OptimizerLayoutError(
                 f"{where}: optimizer.param_groups[{index}]: wd_mult={quote(group.get('wd_mult'))}, "
                 f"is_expert_parallel={quote(group.get('is_expert_parallel'))}: not the group {_VERSIONS} "

@@ -332,18 +332,16 @@ def remove_leftovers(dst: Path) -> None:
         return
     try:
         with _destination_lock(dst):  # its release removes the lock file
-            recover_retired(dst)
-            for stale in partials:
-                log.warning("removing %s, left by an interrupted conversion", stale)
-                shutil.rmtree(stale, ignore_errors=True)
+            _remove_stale_partials(dst, partials)
     except DestinationError:
         log.debug("leaving the hidden siblings of %s to the run that holds its lock", dst)
 
 
-def _remove_stale_partials(dst: Path) -> None:
-    """Partial outputs of killed runs (we hold the lock, so no live run owns them)."""
+def _remove_stale_partials(dst: Path, partials: list[Path] | None = None) -> None:
+    """Partial outputs of killed runs (we hold the lock, so no live run owns them): ``partials``, or every
+    partial sibling; a retired output is restored or removed first."""
     recover_retired(dst)
-    for stale in siblings(dst, PARTIAL_MARKER):
+    for stale in siblings(dst, PARTIAL_MARKER) if partials is None else partials:
         log.warning("removing %s, left by an interrupted conversion", stale)
         shutil.rmtree(stale, ignore_errors=True)
 

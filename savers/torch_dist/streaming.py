@@ -9,9 +9,7 @@ records' ``__1_0.distcp``.
 from __future__ import annotations
 
 import io
-import os
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -21,7 +19,7 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from pgconvert.io.hashing import HashingWriter
+from pgconvert.io.output import OutputFile
 from pgconvert.io.torchzip import PlannedTensor, save_stream
 
 
@@ -47,26 +45,20 @@ class StreamingWriter(FileSystemWriter):
         file_name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
         path = self.directory / file_name
         results = []
-        with open(path, "wb") as handle, ThreadPoolExecutor(1) as hasher:
-            writer = HashingWriter(handle, hasher)
-            try:
-                for item in _write_order(plan.items):
-                    start = writer.offset
-                    _write_item(writer, planner.resolve_data(item))
-                    length = writer.offset - start
-                    results.append(WriteResult(index=item.index, size_in_bytes=length,
-                                               storage_data=_StorageInfo(file_name, start, length)))
-                handle.flush()
-                os.fsync(handle.fileno())
-            except OSError as exc:
-                raise OSError(exc.errno, exc.strerror, str(path)) from exc
+        with OutputFile(path) as writer:
+            for item in _write_order(plan.items):
+                start = writer.offset
+                _write_item(writer, planner.resolve_data(item))
+                length = writer.offset - start
+                results.append(WriteResult(index=item.index, size_in_bytes=length,
+                                           storage_data=_StorageInfo(file_name, start, length)))
         self.sha256, self.size = writer.hexdigest(), writer.offset
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future
 
 
-def _write_item(writer: HashingWriter, data: torch.Tensor | io.BytesIO) -> None:
+def _write_item(writer: OutputFile, data: torch.Tensor | io.BytesIO) -> None:
     """One item as torch's writer writes it: a bytes entry as is, a tensor as ``torch.save`` of a
     tensor owning exactly its bytes (torch clones a view of a larger storage first; the stream
     writes the view's bytes with no clone)."""

@@ -292,3 +292,83 @@ def test_one_parameters_step_planted_in_every_tp_rank_of_the_source_is_named(run
     edited = _copy(source, tmp_path / "source")
     _plant_in_rank_files("rank_plain", edited, "one_parameter_step")  # FC2 on both TP ranks, nothing else
     _assert_named(edited, converted, (FC2, "step"))
+
+
+# Mixture of experts through an EP change: megatron-core's own state (``support.moe_optimizer_runs``) at TP1 EP2,
+# 8 experts, 4 per EP rank; converted to EP1, where the experts join the one (dense) optimizer.
+EXPERT_LOCAL = "decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight"  # on EP rank 1: expert 5
+EXPERT = "decoder.layers.0.mlp.experts.local_experts.5.linear_fc1.weight"
+DENSE = "decoder.layers.1.mlp.linear_fc1.weight"
+EP1_RANK = "mp_rank_00_001"
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path]]:
+    """Per form (fp32 plain, distributed): (the EP2 source, its EP1 conversion)."""
+    pytest.importorskip("megatron.core", reason="megatron-core lays out the MoE optimizer state")
+    from support.moe_optimizer_runs import generate
+
+    root = tmp_path_factory.mktemp("moe")
+    made = {}
+    for form in ("fp32", "distributed"):
+        source = generate(root / form, 1, 1, 2, form)
+        made[form] = (source, pgconvert.convert(source, root / f"{form}_ep1", dst_ep=1).dst)
+    return made
+
+
+def _source_position(source: Path, rank: str, optimizer: int, name: str) -> int:
+    """megatron-core's own position of ``name`` in chained optimizer ``optimizer`` of ``rank``'s file."""
+    positions = json.loads((source.parent / f"{source.name}.positions.json").read_text())[rank][optimizer]
+    state = load_for_test(source / ITER / rank / "model_optim_rng.pt")
+    groups = state["optimizer"][optimizer]["param_groups"]
+    (found,) = [group["params"][index] for group, names in zip(groups, positions)
+                for index, held in enumerate(names) if held == name]
+    return found
+
+
+@pytest.mark.parametrize("form", ["fp32", "distributed"])
+def test_an_ep2_to_ep1_conversion_is_equal(form: str, moe: dict[str, tuple[Path, Path]]) -> None:
+    code, doc, text = _verify(*moe[form])
+    assert code == 0 and doc["optimizer"]["status"] == "compared", text
+
+
+def test_one_element_of_one_experts_state_planted_after_an_ep_change_is_named(moe: dict[str, tuple[Path, Path]],
+                                                                            tmp_path: Path) -> None:
+    source, converted = moe["fp32"]
+    expert_avg = load_for_test(source / ITER / EP1_RANK / "model_optim_rng.pt")["optimizer"][1]["state"][
+        _source_position(source, EP1_RANK, 1, EXPERT_LOCAL)]["exp_avg"]
+    edited = _copy(converted, tmp_path / "edited")
+
+    def change(state: dict[str, Any]) -> None:
+        (position,) = [p for p, entry in state["optimizer"]["state"].items() if torch.equal(entry["exp_avg"], expert_avg)]
+        bump(state["optimizer"]["state"][position]["exp_avg"], (3, 5))
+    _edit_rank_files(edited, change)
+    _assert_named(source, edited, (EXPERT, "exp_avg"))
+
+
+def test_one_element_of_one_experts_flat_state_planted_after_an_ep_change_is_named(
+        moe: dict[str, tuple[Path, Path]], tmp_path: Path) -> None:
+    source, converted = moe["distributed"]
+    edited = _copy(converted, tmp_path / "edited")
+    (path,) = _rank_paths(edited)
+    _plant_in_flat_buffer(path.parent / "distrib_optim.pt", load_for_test(path)["model"][EXPERT], "exp_avg_sq", 3, 5)
+    _assert_named(source, edited, (EXPERT, "exp_avg_sq"))
+
+
+@pytest.mark.parametrize(("rank", "optimizer", "name", "named"), [
+    (EP1_RANK, 1, EXPERT_LOCAL, (EXPERT, "exp_avg")),  # the expert's only copy
+    # the dense optimizer's copy on EP rank 1, which megatron-core keeps equal to EP rank 0's: named as unreadable
+    (EP1_RANK, 0, DENSE, (DENSE, "")),
+])
+def test_a_value_planted_in_the_ep2_source_is_named(rank: str, optimizer: int, name: str, named: tuple[str, str],
+                                                    moe: dict[str, tuple[Path, Path]], tmp_path: Path) -> None:
+    source, converted = moe["fp32"]
+    edited = _copy(source, tmp_path / "source")
+    path = edited / ITER / rank / "model_optim_rng.pt"
+    state = load_for_test(path)
+    bump(state["optimizer"][optimizer]["state"][_source_position(source, rank, optimizer, name)]["exp_avg"], (3, 5))
+    torch.save(state, path, pickle_module=FRAMEWORK_PICKLE)
+    _assert_named(edited, converted, named)
+    if not named[1]:
+        text = _verify(edited, converted)[2]
+        assert "optimizer exp_avg differs between " in text and f"{EP1_RANK}/model_optim_rng.pt" in text, text

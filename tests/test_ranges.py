@@ -180,3 +180,39 @@ def test_file_handles_keep_at_most_their_limit_open(tmp_path: Path, monkeypatch:
     assert len(closed) == 1 and closed[0] != first
     handles.close()
     assert len(closed) == 3
+
+
+def test_safetensors_windows_read_only_their_bytes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from safetensors.torch import save_file
+
+    from pgconvert.formats.hf import read_tensor, read_tensor_range
+
+    tensors = {"a": _random((33, 40, 6), torch.bfloat16, 1), "b": _random((70, 9), torch.float8_e4m3fn, 2),
+               "c": _random((), torch.float32, 3)}
+    path = tmp_path / "model.safetensors"
+    save_file(tensors, str(path))
+    read: list[int] = []
+    real = os.preadv
+    monkeypatch.setattr(os, "preadv", lambda fd, buffers, offset: (read.append(real(fd, buffers, offset)), read[-1])[1])
+    for name, tensor in tensors.items():
+        assert torch.equal(read_tensor(path, name).reshape(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8))
+    assert sum(read) == sum(tensor.nbytes for tensor in tensors.values())  # each read once, through preadv
+    for dim in range(3):
+        read.clear()
+        window = read_tensor_range(path, "a", dim, 2, 5)
+        assert torch.equal(window, tensors["a"].narrow(dim, 2, 3))
+        # Rows: only their bytes; runs under SHORT_RUN bytes: the span that holds them, within the tensor.
+        assert sum(read) == window.nbytes if dim == 0 else window.nbytes < sum(read) < tensors["a"].nbytes
+    assert torch.equal(read_tensor_range(path, "b", 1, 4, 9).view(torch.uint8), tensors["b"][:, 4:9].view(torch.uint8))
+
+
+def test_a_safetensors_entry_whose_offsets_do_not_fit_its_shape_is_named(tmp_path: Path) -> None:
+    import json
+
+    from pgconvert.formats.hf import read_tensor
+
+    header = json.dumps({"w": {"dtype": "F32", "shape": [4, 4], "data_offsets": [0, 60]}}).encode()
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(len(header).to_bytes(8, "little") + header + bytes(64))
+    with pytest.raises(CheckpointError, match=r"model.safetensors: w's data offsets \[0, 60\] do not hold"):
+        read_tensor(path, "w")

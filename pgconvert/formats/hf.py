@@ -15,6 +15,7 @@ DIR, so a crafted index cannot make pgconvert read anything else.
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import math
 import re
@@ -38,6 +39,8 @@ from pgconvert.model.provider import canonical_shapes as provider_shapes
 from pgconvert.semantics import FAMILY_SPECIFIC_SETTINGS
 from pgconvert.semantics.rope import hf_unrepresentable
 from pgconvert.formats.stream import TensorMeta
+from pgconvert.io import sizes
+from pgconvert.io.ranges import FileRegion
 
 if TYPE_CHECKING:
     from pgconvert.formats.hf_quantized import QuantizedTensors
@@ -592,21 +595,58 @@ def read_header(path: Path) -> dict[str, TensorMeta]:
 
 
 def read_tensor(path: Path, name: str) -> torch.Tensor:
-    """One tensor, read through its own ``safe_open``: nothing else of the file stays mapped."""
-    try:
-        with safe_open(str(path), framework="pt") as handle:
-            tensor: torch.Tensor = handle.get_tensor(name)
-            return tensor
-    except SafetensorError as exc:
-        raise CheckpointError(f"{path}: cannot read {name}: {exc}") from exc
+    """One tensor, read with ``preadv`` from the bytes its header entry names (nothing is mapped)."""
+    return _region(path, name).read()
 
 
 def read_tensor_range(path: Path, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
-    """Indices ``[start, stop)`` of ``dim`` of one tensor, reading only those bytes (dim 0 or 1)."""
+    """Indices ``[start, stop)`` of ``dim`` of one tensor, reading only those bytes."""
+    region = _region(path, name)
+    if not 0 <= start <= stop <= (region.shape[dim] if dim < len(region.shape) else -1):
+        raise CheckpointError(f"{path}: cannot read indices [{start}, {stop}) of dim {dim} of {name} "
+                              f"{list(region.shape)}")
+    return region.narrow(dim, start, stop - start).read()
+
+
+def _region(path: Path, name: str) -> FileRegion:
     try:
-        with safe_open(str(path), framework="pt") as handle:
-            piece = handle.get_slice(name)
-            window: torch.Tensor = piece[start:stop] if dim == 0 else piece[:, start:stop]
-            return window.contiguous()
-    except SafetensorError as exc:
-        raise CheckpointError(f"{path}: cannot read {name}: {exc}") from exc
+        stat = path.stat()
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot be read: {exc.strerror or exc}") from exc
+    region = data_regions(path, stat.st_size, stat.st_mtime_ns).get(name)
+    if region is None:
+        raise CheckpointError(f"{path}: cannot read {name}: the file's header has no such tensor")
+    return region
+
+
+@functools.lru_cache(maxsize=64)
+def data_regions(path: Path, size: int, mtime_ns: int) -> dict[str, FileRegion]:
+    """Where each tensor of a safetensors file is (``size`` and ``mtime_ns`` key the cache), from its
+    header: every entry's dtype known, its byte count that of its shape, and its bytes inside the file."""
+    check_header(path)
+    with open(path, "rb") as handle:
+        (length,) = struct.unpack("<Q", handle.read(8))
+        doc = parse_json(handle.read(length), path)
+    if not isinstance(doc, dict):
+        raise CheckpointError(f"{path}: not a readable safetensors file (the header is not an object)")
+    regions = {}
+    for name, entry in doc.items():
+        if name != "__metadata__":
+            regions[name] = _entry_region(path, name, entry, 8 + length, size)
+    return regions
+
+
+def _entry_region(path: Path, name: str, entry: object, data_start: int, size: int) -> FileRegion:
+    dtype_name = entry.get("dtype") if isinstance(entry, dict) else None
+    dtype = SAFETENSORS_DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
+    shape = entry.get("shape") if isinstance(entry, dict) else None
+    offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+    if (dtype is None or not isinstance(shape, list) or not isinstance(offsets, list) or len(offsets) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in [*shape, *offsets])):
+        raise CheckpointError(f"{path}: {name}'s header entry {quote(entry)} is not a dtype pgconvert converts, "
+                              "a shape and two data offsets")
+    begin, end = offsets
+    if end - begin != sizes.nbytes(tuple(shape), dtype) or data_start + end > size:
+        raise CheckpointError(f"{path}: {name}'s data offsets {offsets} do not hold its {dtype} {shape} inside "
+                              f"the file's {size} bytes (truncated?)")
+    return FileRegion.contiguous(path, data_start + begin, tuple(shape), dtype)

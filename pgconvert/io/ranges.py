@@ -39,6 +39,34 @@ class FileRegion:
     stride: tuple[int, ...]
     dtype: torch.dtype
 
+    @classmethod
+    def contiguous(cls, path: Path, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> FileRegion:
+        """A row-major tensor stored whole from ``offset`` (a safetensors entry, a torch storage)."""
+        stride, step = [], 1
+        for size in reversed(shape):
+            stride.append(step)
+            step *= max(size, 1)
+        return cls(path, offset, shape, tuple(reversed(stride)), dtype)
+
+    def narrow(self, dim: int, start: int, length: int) -> FileRegion:
+        """Indices ``[start, start + length)`` of ``dim``, as ``torch.Tensor.narrow``."""
+        if not 0 <= start <= start + length <= self.shape[dim]:
+            raise ValueError(f"indices [{start}, {start + length}) of dim {dim} outside {list(self.shape)}")
+        shape = list(self.shape)
+        shape[dim] = length
+        offset = self.offset + start * self.stride[dim] * torch.empty((), dtype=self.dtype).element_size()
+        return FileRegion(self.path, offset, tuple(shape), self.stride, self.dtype)
+
+    def read(self) -> torch.Tensor:
+        """The region's elements as a new contiguous tensor."""
+        out = torch.empty(self.shape, dtype=self.dtype)
+        fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            read_region(fd, self, out)
+        finally:
+            os.close(fd)
+        return out
+
 
 class FileHandles:
     """Read-only descriptors by path, opened on first use; at most ``OPEN_FILES`` stay open."""

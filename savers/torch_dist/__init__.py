@@ -186,6 +186,8 @@ class TorchDistSaver(Saver):
         options.layout.validate(config, "dst")
         target_vocab_rows(config, source.vocab_rows, options.layout)
         carried_for_target(source, options)
+        if options.max_shard_size is not None and options.max_shard_size < 1:
+            raise ValidationError(f"max_shard_size={options.max_shard_size}: must be a positive byte count")
         if not options.strict:
             return
         if any(extra.holds_state() for extra in source.extra_states().values()):

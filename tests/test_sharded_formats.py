@@ -4,6 +4,7 @@ complete-looking output."""
 
 from __future__ import annotations
 
+import io
 from collections import Counter
 from pathlib import Path
 
@@ -173,3 +174,16 @@ def test_a_failed_share_leaves_no_complete_looking_output_and_its_rerun_complete
     assert rerun.exit_code == 0, rerun.output
     assert_same_bytes(dst, sources[f"{dst_format}_single"])
 
+
+
+@pytest.mark.parametrize("shape,dtype", [((), torch.float32), ((0, 4), torch.bfloat16), ((3, 5), torch.float16),
+                                         ((7,), torch.int64), ((2, 3, 4), torch.float8_e4m3fn)])
+def test_a_records_planned_length_is_the_length_written(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    from pgconvert.io.torchzip import PlannedTensor, save_stream
+    from pgconvert.savers.torch_dist.streaming import archive_length
+
+    values = torch.randn(shape).to(dtype)
+    written = io.BytesIO()
+    save_stream(PlannedTensor(shape, dtype, lambda: values), written, crc32=True)
+
+    assert archive_length(shape, dtype) == len(written.getvalue())

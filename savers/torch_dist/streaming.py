@@ -166,6 +166,8 @@ _ZERO_BLOCK_BYTES = 1 << 24
 
 
 def _zero_parts(numel: int, dtype: torch.dtype) -> Iterator[torch.Tensor]:
+    if not numel:
+        return
     block = torch.zeros(min(numel, max(1, _ZERO_BLOCK_BYTES // itemsize(dtype))), dtype=dtype)
     for start in range(0, numel, block.numel()):
         yield block[:min(block.numel(), numel - start)]

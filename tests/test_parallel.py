@@ -13,7 +13,9 @@ from support.tiny_models import GQA_SWIGLU, MOE
 from support.megatron_fixtures import make_full_model, write_megatron_checkpoint
 from support.toy_format import register
 
+import pgconvert
 from pgconvert.cli import main
+from pgconvert.errors import ValidationError
 from pgconvert.formats import PlannedFile
 from pgconvert.run.sharded import balanced_shares
 
@@ -77,10 +79,9 @@ def test_workers_need_a_format_that_can_be_split(tmp_path: Path, monkeypatch: py
     register(monkeypatch)  # a plugin format whose saver writes its files in one pass
     src = write_megatron_checkpoint(tmp_path / "src", GQA_SWIGLU, make_full_model(GQA_SWIGLU), 2, 1)
 
-    result = CliRunner().invoke(main, ["--workers", "2", "--dst-format", "toy", str(src), str(tmp_path / "toy")])
+    with pytest.raises(ValidationError, match="the toy saver writes its files in one pass"):
+        pgconvert.convert(src, tmp_path / "toy", dst_format="toy", workers=2)
 
-    assert result.exit_code == 2
-    assert "the toy saver writes its files in one pass" in result.output
     assert not (tmp_path / "toy").exists()
 
 

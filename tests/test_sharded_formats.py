@@ -15,6 +15,7 @@ from support.hf_helpers import build_hf_model, save_hf_model
 from support.megatron_fixtures import make_full_model, write_megatron_checkpoint
 from support.tiny_models import MOE
 
+import pgconvert
 from pgconvert.cli import main
 from pgconvert.formats import LoadOptions
 from pgconvert.formats.registry import get_loader
@@ -187,3 +188,14 @@ def test_a_records_planned_length_is_the_length_written(shape: tuple[int, ...], 
     save_stream(PlannedTensor(shape, dtype, lambda: values), written, crc32=True)
 
     assert archive_length(shape, dtype) == len(written.getvalue())
+
+
+def test_workers_carry_the_optimizer_state_into_torch_dist_as_one_process_does(tmp_path: Path) -> None:
+    trained = Path(__file__).parent / "data" / "megatron_lm" / "train_tp2pp2_torch"  # Megatron-LM's own training run
+    _convert(trained, tmp_path / "single", "torch_dist")
+    _convert(trained, tmp_path / "workers", "torch_dist", "--workers", "2")
+
+    assert_same_bytes(tmp_path / "workers", tmp_path / "single")
+    assert len(_data_files(tmp_path / "workers", "torch_dist")) > 2
+    result = pgconvert.verify(trained, tmp_path / "workers")
+    assert result.equal and result.optimizer is not None  # the model and its optimizer state, compared

@@ -5,6 +5,7 @@ tensors of one torch_dist key stored in different dtypes."""
 from __future__ import annotations
 
 import errno
+import os
 import json
 import shutil
 import subprocess
@@ -113,25 +114,23 @@ def test_replicas_that_really_differ_are_still_refused_naming_both_files(src: Pa
 
 @contextmanager
 def _disk_filling_after(nbytes: int) -> Iterator[None]:
-    """Writes to the checkpoint's data file fail with ENOSPC once ``nbytes`` bytes are written, as
-    on a real full disk (the torch_dist saver streams that file through ``HashingWriter``)."""
-    from pgconvert.io.hashing import HashingWriter
-
-    real = HashingWriter.write
+    """Positional writes (how ``OutputFile`` writes every output file) fail with ENOSPC once ``nbytes``
+    bytes are written, as on a real full disk."""
+    real = os.pwrite
     written = 0
 
-    def write(self: HashingWriter, data: bytes | bytearray | memoryview) -> int:
+    def pwrite(fd: int, data: bytes | bytearray | memoryview, offset: int) -> int:
         nonlocal written
         written += memoryview(data).nbytes
         if written > nbytes:
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real(self, data)
+        return real(fd, data, offset)
 
-    HashingWriter.write = write  # type: ignore[method-assign]
+    os.pwrite = pwrite  # type: ignore[assignment]
     try:
         yield
     finally:
-        HashingWriter.write = real  # type: ignore[method-assign]
+        os.pwrite = real
 
 
 def test_torch_dist_on_a_full_disk_gives_the_clean_message(src: Path, tmp_path: Path) -> None:

@@ -36,11 +36,14 @@ from pgconvert.formats.megatron import (
     rank_dir_name,
     resolve_megatron_iteration,
     safe_torch_load,
+    safe_torch_load_located,
     validate_source_layout,
 )
 from pgconvert.io.torch_input import mappable
 from pgconvert.loaders.megatron.optimizer import MegatronOptimizerSource
-from pgconvert.io.memory import concat_releasing, release_mapped_pages
+from pgconvert.io.memory import release_mapped_pages
+from pgconvert.io.ranges import FileHandles, FileRegion, concat_reading
+from pgconvert.io.torch_input import TorchStructure, stored_offset
 from pgconvert.formats.megatron_args import MEGATRON_DEFAULTS
 from pgconvert.formats.mtp_naming import canonical_mtp_key, mtp_module_of
 from pgconvert.io.paths import ensure_within
@@ -190,12 +193,15 @@ class MegatronSource(CanonicalSource):
         ensure_within(self.root, iteration_dir)
         rank_dirs = _rank_dirs(iteration_dir)
         first_name = min(rank_dirs)
+        self._handles = FileHandles()
+        # File and offset of each mapped tensor storage's bytes, by the storage's address (``_locate``).
+        self._stored_at: dict[int, tuple[Path, int]] = {}
         first_file, first_state, args = self._read_first(rank_dirs[first_name] / RANK_FILE)
         layout = layout_from_args(args, first_file, options.strict, self._early_notices)
         check_megatron_layout(layout, "src", first_file)
         self.layout = layout
         options.check_layout(layout, first_file)
-        _check_sizes_against_files(layout, len(rank_dirs), len(first_state), first_file)
+        _check_sizes_against_files(layout, len(rank_dirs), len(first_state[0]), first_file)
         expected = _expected_ranks(iteration_dir, layout, rank_dirs)
         chunk_keys = _chunk_keys(layout)
         self.files: dict[RankCoord, Path] = {}
@@ -215,32 +221,30 @@ class MegatronSource(CanonicalSource):
         self._pieces: dict[str, list[_Piece]] = defaultdict(list)
         self._extra: dict[str, ExtraState] = {}
         self._verified: set[str] = set()
-        self._last_loaded: list[torch.Tensor] = []
         self._index(padded, chunk_keys)
         self._order = canonical_names(config)
         uncovered = sorted(set(self._order) - set(self._pieces))
         if uncovered:
             raise CheckpointError(f"{iteration_dir}: no rank holds {uncovered}")
 
-    def _read_first(self, first_file: Path) -> tuple[Path, dict[str, Any], argparse.Namespace]:
+    def _read_first(self, first_file: Path) -> tuple[Path, tuple[dict[str, Any], TorchStructure], argparse.Namespace]:
         """The first rank file, its state and the ``args`` namespace it carries."""
         if not first_file.is_file():
             raise CheckpointError(f"{first_file}: missing rank file")
         ensure_within(self.root, first_file)
-        first_state = safe_torch_load(first_file)
-        args = first_state.get("args")
+        first_state = safe_torch_load_located(first_file)
+        args = first_state[0].get("args")
         if not isinstance(args, argparse.Namespace):
             raise CheckpointError(f"{first_file}: no 'args' namespace; cannot determine the model and layout")
         return first_file, first_state, args
 
-    def _read_rank(self, path: Path, coord: RankCoord, state: dict[str, Any] | None, chunk_keys: list[str],
-                   models: dict[tuple[RankCoord, str], dict[str, Any]]) -> None:
-        """Record rank ``coord``'s file and add its model chunks to ``models`` (``state``: already read)."""
+    def _read_rank(self, path: Path, coord: RankCoord, located: tuple[dict[str, Any], TorchStructure] | None,
+                   chunk_keys: list[str], models: dict[tuple[RankCoord, str], dict[str, Any]]) -> None:
+        """Record rank ``coord``'s file and add its model chunks to ``models`` (``located``: already read)."""
         if not path.is_file():
             raise CheckpointError(f"{path}: missing rank file")
         ensure_within(self.root, path)
-        if state is None:
-            state = safe_torch_load(path)
+        state, structure = safe_torch_load_located(path) if located is None else located
         present = sorted(key for key in state if isinstance(key, str)
                          and (key == "model" or (key.startswith("model") and key[5:].isdigit())))
         if present != sorted(chunk_keys):
@@ -253,6 +257,33 @@ class MegatronSource(CanonicalSource):
             self._unmapped.add(coord)
         for chunk_key in chunk_keys:
             models[(coord, chunk_key)] = _model_dict(state[chunk_key], path, chunk_key)
+            if structure.is_zip and isinstance(structure.meta, dict):
+                self._record_locations(path, models[(coord, chunk_key)], structure.meta.get(chunk_key))
+
+    def _record_locations(self, path: Path, model: dict[str, Any], meta: object) -> None:
+        """Where in ``path`` each mapped tensor of ``model`` stores its bytes, from the meta tensors the
+        structure check unpickled (a tensor whose meta twin disagrees is left to be read through its mapping)."""
+        if not isinstance(meta, dict):
+            return
+        for key, tensor in model.items():
+            twin = meta.get(key)
+            offset = stored_offset(twin)
+            if (offset is None or not isinstance(tensor, torch.Tensor) or twin.dtype != tensor.dtype
+                    or twin.shape != tensor.shape or twin.stride() != tensor.stride()
+                    or twin.storage_offset() != tensor.storage_offset()):
+                continue
+            start = offset - tensor.storage_offset() * tensor.element_size()
+            self._stored_at.setdefault(tensor.untyped_storage().data_ptr(), (path, start))
+
+    def _locate(self, view: torch.Tensor) -> tuple[int, FileRegion] | None:
+        """The file region holding ``view`` of a mapped tensor (None for one not read from a file)."""
+        found = self._stored_at.get(view.untyped_storage().data_ptr())
+        if found is None:
+            return None
+        path, start = found
+        region = FileRegion(path, start + view.storage_offset() * view.element_size(), tuple(view.shape),
+                            tuple(view.stride()), view.dtype)
+        return self._handles.fd(path), region
 
     def _config(self, models: dict[tuple[RankCoord, str], dict[str, Any]], args: argparse.Namespace,
                 first_file: Path, options: LoadOptions) -> ModelConfig:
@@ -403,17 +434,11 @@ class MegatronSource(CanonicalSource):
         copies = self._copies(name)
         self._verify(name, copies)
         tensors = [self._tensor(p) for p in copies[0]]
-        release_mapped_pages(self._last_loaded)
         with self._concatenating(copies[0]):
             merged = copies[0][0].spec.rule.merge(tensors)
-        mapped = not any(p.coord in self._unmapped for p in copies[0])
-        if mapped and not _aliases(merged, tensors):
-            # A merged copy: the pieces' pages are handed back at once, not held while it is written.
-            release_mapped_pages(tensors)
-            mapped = False
-        # A result that aliases the mapped pieces has its pages handed back one call later, once a
-        # streaming consumer has written it (a late reader would just fault them in again).
-        self._last_loaded = tensors if mapped else []
+            if _aliases(merged, tensors):  # one piece or a replica passed through: read into owned memory
+                merged = concat_reading([merged], 0, self._locate) if merged.dim() else merged.clone()
+        self._release(copies[0])
         return merged
 
     def _load_shard(self, name: str, rule: ShardRule, size: int, rank: int,
@@ -432,9 +457,9 @@ class MegatronSource(CanonicalSource):
         return piece
 
     def _concatenating(self, pieces: list[_Piece]) -> AbstractContextManager[None]:
-        """Joins of mapped pieces hand each piece's pages back once copied (peak: result + one piece)."""
-        mapped = {self._tensor(p).untyped_storage().data_ptr() for p in pieces if p.coord not in self._unmapped}
-        return concatenating_with(partial(concat_releasing, mapped=mapped))
+        """Joins read each piece's bytes from its file into their place in the result (``concat_reading``);
+        nothing is faulted in through the mappings, so resident memory holds the result alone."""
+        return concatenating_with(partial(concat_reading, locate=self._locate))
 
     def _release(self, pieces: list[_Piece]) -> None:
         """Hand back the mapped pages of pieces; a legacy file's tensors live in ordinary memory."""
@@ -456,8 +481,9 @@ class MegatronSource(CanonicalSource):
         return MegatronOptimizerSource(self)
 
     def close(self) -> None:
-        self._last_loaded = []
         self._models.clear()
+        self._stored_at.clear()
+        self._handles.close()
         self._pieces.clear()
 
 

@@ -127,6 +127,10 @@ def check_masters_round(state: dict[str, Any], slots: Sequence[Any], masters: Se
                 f"{' / '.join(MEGATRON_CORE_VERSIONS)} builds")
 
 
+def _tp_order(pieces: list[tuple[_RankOptimizer, OptimizerSlot]]) -> list[tuple[_RankOptimizer, OptimizerSlot]]:
+    return sorted(pieces, key=lambda piece: piece[1].spec.tp_rank)
+
+
 class MegatronOptimizerSource(OptimizerSource):
     """Every rank's optimizer state of a Megatron per-rank source (``MegatronSource``-like: ``config``,
     ``layout``, ``files`` by RankCoord, ``vocab_rows``)."""
@@ -188,18 +192,28 @@ class MegatronOptimizerSource(OptimizerSource):
 
     def _index(self) -> dict[str, list[tuple[_RankOptimizer, OptimizerSlot]]]:
         """Per canonical name, its pieces in TP order, from the first stage/chunk that holds it (a tied
-        output layer's copy on the last stage is the same parameter, kept equal by megatron-core)."""
+        output layer's copy on the last stage is the same parameter, kept equal by megatron-core); the copies
+        other expert-parallel ranks of that stage and chunk hold (a plain optimizer's dense state) in
+        ``_replicas``, read by ``parameter`` to check them."""
         owners: dict[str, tuple[tuple[int, int, int], list[tuple[_RankOptimizer, OptimizerSlot]]]] = {}
+        held_by: dict[tuple[str, int, int, int], list[tuple[_RankOptimizer, OptimizerSlot]]] = {}
         for coord, rank in self.ranks.items():
             for slot in (slot for groups in rank.slots for group in groups for slot in group):
                 where = (coord.pp, slot.chunk, coord.ep)
+                held_by.setdefault((slot.spec.canonical, *where), []).append((rank, slot))
                 held = owners.get(slot.spec.canonical)
                 if held is None or where < held[0]:
                     owners[slot.spec.canonical] = (where, [])
                     held = owners[slot.spec.canonical]
                 if held[0] == where:
                     held[1].append((rank, slot))
-        return {name: sorted(pieces, key=lambda p: p[1].spec.tp_rank) for name, (_, pieces) in owners.items()}
+        self._replicas = {name: [_tp_order(pieces) for (other, pp, chunk, ep), pieces in held_by.items()
+                                 if other == name and (pp, chunk) == first[:2] and ep != first[2]]
+                          for name, (first, _) in owners.items()}
+        return {name: _tp_order(pieces) for name, (_, pieces) in owners.items()}
+
+    def _replica_pieces(self, name: str, key: str) -> list[tuple[str, list[torch.Tensor]]]:
+        return [(str(pieces[0][0].path), self._read(pieces, key)) for pieces in self._replicas.get(name, [])]
 
     def stored_copies(self) -> list[StoredCopy]:
         """Per rank file what every rank saves alike (param groups, grad scalers, a plain optimizer's steps, the
@@ -235,9 +249,13 @@ class MegatronOptimizerSource(OptimizerSource):
         return [(str(Path(where).parent / DISTRIB_OPTIM_FILE), part) for where, part in parts]
 
     def _pieces(self, name: str, key: str) -> list[torch.Tensor]:
+        return self._read(self._owners[name], key)
+
+    @staticmethod
+    def _read(pieces: list[tuple[_RankOptimizer, OptimizerSlot]], key: str) -> list[torch.Tensor]:
         if key == "param":
-            return [rank.masters[slot.optimizer][slot.position] for rank, slot in self._owners[name]]
-        return [rank.inners[slot.optimizer]["state"][slot.position][key] for rank, slot in self._owners[name]]
+            return [rank.masters[slot.optimizer][slot.position] for rank, slot in pieces]
+        return [rank.inners[slot.optimizer]["state"][slot.position][key] for rank, slot in pieces]
 
     def param_group_settings(self, optimizer: int = 0, count: int | None = None) -> list[dict[str, Any]]:
         """The param groups (without ``params``: hyperparameters, lr, wd_mult…) of chained optimizer

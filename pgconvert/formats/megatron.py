@@ -42,7 +42,7 @@ from pgconvert.families import CARRIED_SETTINGS
 from pgconvert.semantics import from_args as semantics_from_args
 from pgconvert.semantics import to_args as semantics_to_args
 from pgconvert.semantics.arg_values import arg
-from pgconvert.io.torch_input import check_torch_file
+from pgconvert.io.torch_input import TorchStructure, read_torch_structure
 
 try:  # numpy >= 2
     from numpy._core import multiarray as numpy_multiarray
@@ -190,11 +190,16 @@ SAFE_GLOBALS: list[Any] = [
 def safe_torch_load(path: Path, list_ok: bool = False) -> Any:
     """``torch.load(weights_only=True, mmap=True)`` with the allowlist; errors name the file. A dict at the top
     level, or with ``list_ok`` a list (a chained optimizer's ``distrib_optim.pt``)."""
+    return safe_torch_load_located(path, list_ok)[0]
+
+
+def safe_torch_load_located(path: Path, list_ok: bool = False) -> tuple[Any, TorchStructure]:
+    """``safe_torch_load`` and the file's structure, which says where each large tensor's bytes are."""
     try:
         with torch.serialization.safe_globals(SAFE_GLOBALS):
-            # Structure and limits first (check_torch_file); a legacy file is read whole, without mmap.
-            mappable = check_torch_file(path)
-            loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=mappable)
+            # Structure and limits first (read_torch_structure); a legacy file is read whole, without mmap.
+            structure = read_torch_structure(path)
+            loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=structure.is_zip)
     except pickle.UnpicklingError as exc:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         detail = _unsafe_global(str(exc))
@@ -211,7 +216,7 @@ def safe_torch_load(path: Path, list_ok: bool = False) -> Any:
         raise CheckpointError(f"{path}: truncated or corrupt torch checkpoint ({quote(first_line, 200)})") from exc
     if not isinstance(loaded, dict) and not (list_ok and isinstance(loaded, list)):
         raise CheckpointError(f"{path}: expected a dict at the top level, found {type(loaded).__name__}")
-    return loaded
+    return loaded, structure
 
 
 def _unsafe_global(message: str) -> str | None:

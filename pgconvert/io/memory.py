@@ -13,7 +13,7 @@ import ctypes
 import logging
 import mmap
 import sys
-from collections.abc import Collection, Iterable
+from collections.abc import Iterable
 
 import torch
 
@@ -44,30 +44,3 @@ def release_mapped_pages(tensors: Iterable[torch.Tensor]) -> None:
         end = -(-(storage.data_ptr() + storage.nbytes()) // page) * page
         if end > start and _libc.madvise(start, end - start, _MADV_DONTNEED) != 0:
             log.debug("madvise failed (errno %d); pages stay resident", ctypes.get_errno())
-
-
-def concat_releasing(views: list[torch.Tensor], dim: int, mapped: Collection[int]) -> torch.Tensor:
-    """``torch.cat(views, dim)``, handing back the pages of each view whose storage starts at one of
-    ``mapped`` (storage addresses of ``torch.load(mmap=True)`` tensors) once its last view is copied.
-
-    ``torch.cat`` faults every piece in before the result is complete, so its peak is the result
-    plus all of its source pages; here it is the result plus one piece.
-    """
-    first = views[0]
-    for view in views[1:]:
-        if view.dtype != first.dtype or view.dim() != first.dim() or any(
-                view.shape[axis] != first.shape[axis] for axis in range(first.dim()) if axis != dim):
-            raise ValueError(f"cannot concatenate {first.dtype} {list(first.shape)} and {view.dtype} "
-                             f"{list(view.shape)} along dim {dim}")
-    shape = list(first.shape)
-    shape[dim] = sum(view.shape[dim] for view in views)
-    out = torch.empty(shape, dtype=first.dtype)
-    last = {view.untyped_storage().data_ptr(): index for index, view in enumerate(views)}
-    offset = 0
-    for index, view in enumerate(views):
-        out.narrow(dim, offset, view.shape[dim]).copy_(view)
-        offset += view.shape[dim]
-        pointer = view.untyped_storage().data_ptr()
-        if pointer in mapped and last[pointer] == index:
-            release_mapped_pages([view])
-    return out

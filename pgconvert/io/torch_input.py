@@ -22,6 +22,7 @@ import struct
 import zipfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -48,6 +49,8 @@ class _Needs:
         self.elements: dict[str, tuple[int, int]] = {}
         # Reads a small record's bytes by storage key (None when it is missing or short).
         self.read_small: Callable[[str, int], bytes | None] | None = None
+        # The file offset of a record's data by storage key (None when it has no record).
+        self.record_offset: Callable[[str], int | None] | None = None
 
     def __call__(self, saved_id: Any) -> Any:
         if not isinstance(saved_id, tuple) or len(saved_id) != (6 if self.legacy else 5):
@@ -69,6 +72,8 @@ class _Needs:
             storage = torch.frombuffer(bytearray(data), dtype=torch.uint8).untyped_storage()
         else:
             storage = torch.UntypedStorage(nbytes, device="meta")
+            # Where the bytes are, as torch.load(map_location="meta") records it (see ``stored_offset``).
+            storage._checkpoint_offset = self.record_offset(key) if self.record_offset else None
         return torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
 
 
@@ -105,7 +110,7 @@ def _zip_records(path: Path | str, handle: BinaryIO, size: int) -> dict[str, tup
     return records
 
 
-def _check_zip(path: Path | str, handle: BinaryIO, size: int) -> None:
+def _check_zip(path: Path | str, handle: BinaryIO, size: int) -> Any:
     records = _zip_records(path, handle, size)
     pickles = [name for name in records if name.endswith("/data.pkl") and name.count("/") == 1]
     if len(pickles) != 1:
@@ -129,8 +134,13 @@ def _check_zip(path: Path | str, handle: BinaryIO, size: int) -> None:
         handle.seek(record[0])
         return handle.read(nbytes)
 
+    def record_offset(key: str) -> int | None:
+        record = records.get(f"{prefix}data/{key}")
+        return None if record is None else record[0]
+
     needs.read_small = read_small
-    _unpickle_for_needs(io.BytesIO(pickled), needs)
+    needs.record_offset = record_offset
+    structure = _unpickle_for_needs(io.BytesIO(pickled), needs)
     for key, needed in sorted(needs.bytes.items()):
         record = records.get(f"{prefix}data/{key}")
         if record is None:
@@ -139,6 +149,7 @@ def _check_zip(path: Path | str, handle: BinaryIO, size: int) -> None:
         if record[1] < needed:
             raise CheckpointError(f"{path}: truncated or corrupt torch checkpoint (record data/{quote(key)} "
                                   f"holds {record[1]} bytes, its tensors need {needed})")
+    return structure
 
 
 def _check_legacy(path: Path | str, handle: BinaryIO, size: int) -> None:
@@ -172,23 +183,52 @@ def _check_legacy(path: Path | str, handle: BinaryIO, size: int) -> None:
 def check_torch_file(path: Path) -> bool:
     """Check a ``torch.save`` file's structure against the limits; True for a zip file (mmap-able),
     False for a legacy one. Raises CheckpointError naming the file and the problem."""
+    return read_torch_structure(path).is_zip
+
+
+@dataclass(frozen=True)
+class TorchStructure:
+    """What checking a ``torch.save`` file learned: whether it is a zip file (mmap-able) and, for one,
+    its object unpickled with the large tensors on the meta device, each storage carrying the file offset
+    of its bytes (``stored_offset``)."""
+
+    is_zip: bool
+    meta: Any = None
+
+
+def read_torch_structure(path: Path) -> TorchStructure:
+    """``check_torch_file``, keeping what the check unpickled."""
     with open(path, "rb") as handle:
-        return check_torch_stream(handle, path)
+        return _structure(handle, path)
 
 
 def check_torch_stream(handle: BinaryIO, path: Path | str) -> bool:
     """``check_torch_file`` of an open file or buffer (left at its start); ``path`` names it in errors."""
+    return _structure(handle, path).is_zip
+
+
+def _structure(handle: BinaryIO, path: Path | str) -> TorchStructure:
     size = handle.seek(0, io.SEEK_END)
     handle.seek(0)
     is_zip = zipfile.is_zipfile(handle)
     handle.seek(0)
+    meta = None
     with _meta_unpickling(path):
         if is_zip:
-            _check_zip(path, handle, size)
+            meta = _check_zip(path, handle, size)
         else:
             _check_legacy(path, handle, size)
     handle.seek(0)
-    return is_zip
+    return TorchStructure(is_zip, meta)
+
+
+def stored_offset(meta: Any) -> int | None:
+    """The file offset of a meta tensor's first element (from ``TorchStructure.meta``); None for a tensor
+    whose bytes were read into memory during the check (small storages) or that has no record."""
+    if not isinstance(meta, torch.Tensor) or meta.device.type != "meta":
+        return None
+    offset = getattr(meta.untyped_storage(), "_checkpoint_offset", None)
+    return None if offset is None else offset + meta.storage_offset() * meta.element_size()
 
 
 @contextmanager

@@ -285,7 +285,9 @@ def _rows_of(shards: Sequence[torch.Tensor], dim: int, start: int, length: int) 
 
 
 def _concat(views: list[torch.Tensor], dim: int) -> torch.Tensor:
-    if len(views) == 1:
+    """The views joined into a tensor of its own (through the installed join, even for one view: a
+    loader's join may read it from its file rather than copy it from a mapping)."""
+    if len(views) == 1 and _CONCAT.get() is None:
         return _owned(views[0])
     return _cat(views, dim)
 

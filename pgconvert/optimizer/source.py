@@ -17,7 +17,7 @@ import torch
 from pgconvert.formats.stream import apply_finite_policy, nonfinite_text
 from pgconvert.model.config import ModelConfig
 from pgconvert.model.layout import ParallelLayout
-from pgconvert.model.rules import ReplicaMismatchError, ShardRule
+from pgconvert.model.rules import ReplicaMismatchError, ShardRule, bitwise_equal
 from pgconvert.optimizer.order import MEGATRON_CORE_VERSIONS, OptimizerLayoutError, OptimizerRules, OptimizerSlot
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -192,11 +192,27 @@ class OptimizerSource:
         return tensor
 
     def parameter(self, name: str) -> dict[str, torch.Tensor]:
-        """The whole (source-padded) fp32 master, both moments and the step of ``name``, their values checked."""
+        """The whole (source-padded) fp32 master, both moments and the step of ``name``, their values checked, and
+        every other stored copy of them (``_replica_pieces``) equal to them, bit for bit."""
         merged = self._parameter(name)
         for key in FIELDS:
             self._finite(name, key, merged[key])
+            for where, pieces in self._replica_pieces(name, key):
+                try:
+                    copy = self.rule(name).merge(pieces)
+                except ReplicaMismatchError as error:
+                    raise self._replicas_differ(name, key, error) from error
+                if not bitwise_equal(copy, merged[key]):
+                    raise OptimizerLayoutError(
+                        f"{name}: optimizer {FIELD_NAMES[key]} differs between {self._owners[name][0][0].path} and "
+                        f"{where}, which {_VERSIONS} keeps equal (the same parameter's state on every rank that holds "
+                        "it)")
         return merged
+
+    def _replica_pieces(self, name: str, key: str) -> list[tuple[str, list[torch.Tensor]]]:
+        """The other stored copies of ``name``'s ``key`` (a plain optimizer's dense state, which every
+        expert-parallel rank saves): per copy, where it lies and its TP pieces. None by default."""
+        return []
 
     def piece(self, name: str, key: str, size: int, rank: int, rows: int | None,
               rule: ShardRule | None = None) -> torch.Tensor:

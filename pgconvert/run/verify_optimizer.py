@@ -7,14 +7,17 @@ a time (``parameter(name)``: the fp32 master ``param``, ``exp_avg``, ``exp_avg_s
 that parameter alone), so memory holds one parameter's state per side whatever the model size:
 
 - ``param``, ``exp_avg``, ``exp_avg_sq``: shape and values with the model's rtol/atol (bit-exact by
-  default); vocab tables over the true vocab rows, rows beyond it reported as padding only;
+  default); vocab tables over every row both sides hold, the padding rows too (a conversion carries the rows that
+  fit), rows one side alone holds reported as padding only;
 - ``step`` exactly, and each parameter's param group;
 - each parameter's param group hyperparameters (lr, weight_decay, betas, eps, ...), matched by the
   parameters a group holds, not by its position: megatron-core chains a second (expert) optimizer at
   expert parallel > 1 and not at 1, so the same groups sit at other positions after an EP change
   (``is_expert_parallel`` says which, and is not compared; the groups' ``step`` is the per-parameter one);
 - the carried counters present on both sides: iteration, ``opt_param_scheduler``,
-  ``num_floating_point_operations_so_far``, the consumed-samples counters in ``args``.
+  ``num_floating_point_operations_so_far``, the consumed-samples counters in ``args``;
+- the grad scaler of each chained optimizer (its scale, growth and hysteresis trackers; one side without one is a
+  difference), as a conversion carries it.
 
 A side without optimizer state (``holds_optimizer`` False: HF, a ``--skip-optimizer`` output) is reported ("only in A"), not a
 difference. A side whose form pgconvert does not read (``UnsupportedOptimizerError``, a
@@ -36,7 +39,8 @@ from pgconvert.formats.stream import CanonicalSource
 from pgconvert.io.limits import quote
 from pgconvert.model.provider import VOCAB_TABLES
 from pgconvert.optimizer.checks import open_checked
-from pgconvert.optimizer.source import CARRIED_KEYS, COUNTERS, FIELDS, OptimizerSource
+from pgconvert.optimizer.scaler import GRAD_SCALER, target_scalers
+from pgconvert.optimizer.source import CARRIED_KEYS, COUNTERS, FIELDS, OptimizerSource, optimizer_label
 from pgconvert.run.comparison import DifferenceKind, TensorDifference, compare_values
 
 
@@ -155,7 +159,10 @@ def _compare_parameter(name: str, optimizer_a: OptimizerSource, optimizer_b: Opt
 
 def _compare_field(name: str, key: str, tensor_a: torch.Tensor, tensor_b: torch.Tensor, rtol: float, atol: float,
                    vocab: int | None, report: OptimizerReport) -> None:
-    """One field of one parameter: a vocab table (``vocab`` set) over its true rows, the padding rows apart."""
+    """One field of one parameter. A vocab table (``vocab`` set) may hold more or fewer padding rows on one side (its
+    padded size follows the layout): every row both sides hold is compared, the padding ones too (a conversion
+    carries the rows that fit, and megatron-core trains the padding rows of the output layer); rows one side
+    alone holds are reported as padding only."""
     shape_a, shape_b = list(tensor_a.shape), list(tensor_b.shape)
     if vocab is not None:
         mismatched = shape_a[1:] != shape_b[1:] or min(shape_a[0], shape_b[0]) < vocab
@@ -168,13 +175,14 @@ def _compare_field(name: str, key: str, tensor_a: torch.Tensor, tensor_b: torch.
         _record(name, key, tensor_a, tensor_b, rtol, atol, report.differences, None)
         return
     _record(name, key, tensor_a[:vocab], tensor_b[:vocab], rtol, atol, report.differences, f"first {vocab} rows")
+    held = min(shape_a[0], shape_b[0])
+    if held > vocab:
+        _record(name, key, tensor_a[vocab:held], tensor_b[vocab:held], rtol, atol, report.differences,
+                f"padding rows {vocab}..{held - 1}")
     if shape_a[0] != shape_b[0]:
         report.padding_differences.append(OptimizerDifference(
-            name, "shape", f"{shape_a[0]} rows in A, {shape_b[0]} in B (padding beyond the true vocab "
-            f"{vocab})", field=key))
-    elif shape_a[0] > vocab:
-        _record(name, key, tensor_a[vocab:], tensor_b[vocab:], rtol, atol, report.padding_differences,
-                f"padding rows {vocab}..{shape_a[0] - 1}")
+            name, "shape", f"{shape_a[0]} rows in A, {shape_b[0]} in B (padding beyond the true vocab {vocab}; the "
+            f"{held} rows both hold are compared)", field=key))
 
 
 def _record(name: str, key: str, tensor_a: torch.Tensor, tensor_b: torch.Tensor, rtol: float, atol: float,
@@ -229,8 +237,15 @@ def _groups_by_parameter(optimizer: OptimizerSource) -> dict[str, tuple[str, dic
 
 
 def _compare_counters(optimizer_a: OptimizerSource, optimizer_b: OptimizerSource, report: OptimizerReport) -> None:
-    """The carried counters (iteration, scheduler, floating-point operations, consumed samples) both sides have."""
+    """The carried counters (iteration, scheduler, floating-point operations, consumed samples) both sides have, and
+    the grad scaler of each chained optimizer (``optimizer.grad_scaler.scale``; None where a side has none), as a
+    conversion carries it: a side without that chained optimizer gives its dense one's (``target_scalers``)."""
     _compare_values("optimizer", _counters(optimizer_a), _counters(optimizer_b), report, skip=set())
+    count = max(len(optimizer.grad_scalers or [None]) for optimizer in (optimizer_a, optimizer_b))
+    scalers = [target_scalers(optimizer, count) for optimizer in (optimizer_a, optimizer_b)]
+    for index in range(count):
+        _compare_values(optimizer_label(index, count), {GRAD_SCALER: scalers[0][index]},
+                        {GRAD_SCALER: scalers[1][index]}, report, skip=set())
 
 
 def _counters(optimizer: OptimizerSource) -> dict[str, Any]:

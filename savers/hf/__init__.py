@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import sys
 from collections.abc import Collection
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import TracebackType
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 
@@ -29,7 +27,7 @@ from pgconvert.io.durable import fsync_file as _fsync
 from pgconvert.errors import CheckpointError, ConfigError, LayoutError, PgconvertError
 from pgconvert.families.table import Family, TensorMapping
 from pgconvert.formats import PlannedFile, Progress, SaveOptions, Saver, SaveResult, target_dtype
-from pgconvert.io.hashing import HashingWriter
+from pgconvert.io.output import OutputFile
 from pgconvert.formats.hf import (
     CONFIG_FILE,
     DEFAULT_MAX_SHARD_SIZE,
@@ -206,10 +204,8 @@ class _SafetensorsWriter:
         self.sha256: str | None = None
         self.size: int | None = None
         self._pending = list(entries)
-        self._file: BinaryIO = open(path, "wb")
-        # The file is hashed on a second thread as it is written, so the manifest need not read it back.
-        self._hasher = ThreadPoolExecutor(1)
-        self._handle = HashingWriter(self._file, self._hasher)
+        # Hashed as it is written (``OutputFile``), so the manifest need not read it back.
+        self._handle = OutputFile(path)
         self._handle.write(len(encoded).to_bytes(8, "little"))
         self._handle.write(encoded)
 
@@ -229,16 +225,12 @@ class _SafetensorsWriter:
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
                  trace: TracebackType | None) -> None:
-        try:
-            if kind is None:
-                if self._pending:
-                    raise AssertionError(f"{self.path}: never written: {[entry[0] for entry in self._pending]}")
-                self._file.flush()
-                os.fsync(self._file.fileno())
-                self.sha256, self.size = self._handle.hexdigest(), self._handle.offset
-        finally:
-            self._file.close()
-            self._hasher.shutdown()
+        if kind is None and self._pending:
+            self._handle.__exit__(AssertionError, None, None)
+            raise AssertionError(f"{self.path}: never written: {[entry[0] for entry in self._pending]}")
+        self._handle.__exit__(kind, error, trace)
+        if kind is None:
+            self.sha256, self.size = self._handle.hexdigest(), self._handle.offset
 
 
 

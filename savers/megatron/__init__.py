@@ -8,10 +8,8 @@ not a rank.
 from __future__ import annotations
 
 import logging
-import os
 from collections import OrderedDict
 from collections.abc import Collection
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +21,7 @@ from pgconvert.io.durable import fsync_file
 from pgconvert.formats import (TRAINING_STATE_NOT_CARRIED, CarriedOptimizer, OptimizerFile, OptimizerOptions,
                                PlannedFile, Progress, SaveOptions, Saver, SaveResult, target_config, target_dtype)
 from pgconvert.model.grid import RankCoord, build_converter_process_groups, iter_ranks
-from pgconvert.io.hashing import HashingWriter
+from pgconvert.io.output import OutputFile
 from pgconvert.formats.hf_side import carried_for_target, write_carried
 from pgconvert.model.layout import ParallelLayout
 from pgconvert.formats.megatron import (
@@ -67,15 +65,9 @@ def save_durably(state: dict[str, Any], path: Path) -> str:
     file. The records' CRC32 is 0, as torch writes with ``compute_crc32`` off: torch's reader does
     not check it, and the sha256 recorded in the manifest covers the file.
     """
-    with open(path, "wb") as handle, ThreadPoolExecutor(1) as hasher:
-        writer = HashingWriter(handle, hasher)
-        try:
-            save_stream(state, writer)  # type: ignore[arg-type]
-            handle.flush()
-            os.fsync(handle.fileno())
-        except OSError as exc:
-            raise OSError(exc.errno, exc.strerror, str(path)) from exc
-    return writer.hexdigest()
+    with OutputFile(path) as output:
+        save_stream(state, output)  # type: ignore[arg-type]
+    return output.hexdigest()
 
 
 @dataclass

@@ -8,7 +8,7 @@ model chunks, fp32), each stored reformulated as megatron-core <= 0.15 stores a 
 rank's ``flattened_range`` of it). megatron-core loads such a record only with its original global shape in
 ``.metadata``: ``metadata.mcore_data[key]['nd_reformulated_orig_global_shape']`` (``strategies/torch.py``,
 ``get_reformulation_metadata``), here set on torch's own Metadata as 0.13.1 / 0.14.0 do. Common state:
-``optimizer = {optimizer: {param_groups}, param_state_sharding_type: 'fully_sharded_model_space'}`` and
+``optimizer = {optimizer: {param_groups}, param_state_sharding_type: 'fully_sharded_model_space'[, grad_scaler]}`` and
 ``content_metadata['distrib_optim_sharding_type']``. Checked with megatron-core 0.15.0, 0.14.0 and 0.13.1 by
 ``scripts/make_fs_model_space_golden.py load DIR DP``; megatron-core 0.16.1 and later cannot load this form.
 """
@@ -29,6 +29,7 @@ from pgconvert.formats import PlannedFile
 from pgconvert.formats.torch_dist import DCP_METADATA_FILE, read_dcp_metadata
 from pgconvert.formats.torch_dist_optimizer import (FS_MODEL_SPACE, MODEL_SPACE_FIELDS, RECORDS_FILE, common_entry,
                                                     state_key)
+from pgconvert.optimizer.scaler import set_scalers, target_scalers
 from pgconvert.optimizer.source import OptimizerSource
 from pgconvert.savers.torch_dist.optimizer_records import (OptimizerPlanner, carry_counters, replace_durably,
                                                            rewrite_common, write_records)
@@ -68,6 +69,8 @@ def _add_common(optimizer: OptimizerSource, iteration_dir: Path) -> None:
 
     def update(common: dict[str, Any]) -> None:
         common["optimizer"] = dict(common_entry(groups), param_state_sharding_type=FS_MODEL_SPACE)
+        # DistributedOptimizer.state_dict's grad_scaler stays plain common state in this form, as in fully_reshardable
+        set_scalers([common["optimizer"]], target_scalers(optimizer, 1))
         carry_counters(optimizer, common)
         common["content_metadata"] = dict(common.get("content_metadata") or {},
                                           distrib_optim_sharding_type=FS_MODEL_SPACE)

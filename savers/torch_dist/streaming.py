@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import functools
 import io
-import os
 from collections.abc import Collection, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -31,7 +29,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from pgconvert.errors import PgconvertError
-from pgconvert.io.hashing import HashingWriter
+from pgconvert.io.output import OutputFile
 from pgconvert.io.sizes import itemsize, nbytes
 from pgconvert.io.torchzip import PlannedTensor, save_stream
 
@@ -95,19 +93,13 @@ class StreamingWriter(FileSystemWriter):
     def _write_file(self, file_name: str, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
         path = self.directory / file_name
         results = []
-        with open(path, "wb") as handle, ThreadPoolExecutor(1) as hasher:
-            writer = HashingWriter(handle, hasher)
-            try:
-                for item in items:
-                    start = writer.offset
-                    _write_item(writer, planner.resolve_data(item))
-                    length = writer.offset - start
-                    results.append(WriteResult(index=item.index, size_in_bytes=length,
-                                               storage_data=_StorageInfo(file_name, start, length)))
-                handle.flush()
-                os.fsync(handle.fileno())
-            except OSError as exc:
-                raise OSError(exc.errno, exc.strerror, str(path)) from exc
+        with OutputFile(path) as writer:
+            for item in items:
+                start = writer.offset
+                _write_item(writer, planner.resolve_data(item))
+                length = writer.offset - start
+                results.append(WriteResult(index=item.index, size_in_bytes=length,
+                                           storage_data=_StorageInfo(file_name, start, length)))
         self.sha256, self.size = writer.hexdigest(), writer.offset
         self.written[file_name] = (self.sha256, self.size)
         return results
@@ -188,7 +180,7 @@ def archive_length(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     return sink.offset
 
 
-def _write_item(writer: HashingWriter, data: torch.Tensor | io.BytesIO) -> None:
+def _write_item(writer: OutputFile, data: torch.Tensor | io.BytesIO) -> None:
     """One item as torch's writer writes it: a bytes entry as is, a tensor as ``torch.save`` of a
     tensor owning exactly its bytes (torch clones a view of a larger storage first; the stream
     writes the view's bytes with no clone)."""

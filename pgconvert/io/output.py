@@ -1,0 +1,178 @@
+"""Writing an output file: bytes staged in aligned buffers, hashed and written on two threads.
+
+Every writer (rank files, safetensors shards, ``.distcp`` files) writes through an ``OutputFile``.
+``write`` copies bytes into one of ``BUFFERS`` page-aligned staging buffers of ``BUFFER_BYTES``; a full
+buffer goes to a hashing thread (sha256, for the manifest) and to a writing thread, which writes it with
+``pwrite`` at its offset, while the caller fills the next buffer. The file is opened with ``O_DIRECT``
+where the file system takes it: the buffers go to the device without being copied into the page cache,
+which on most hosts is the largest CPU cost of writing and leaves the output evicting the source from
+memory. The last partial block is written padded and the file truncated to its size; ``close`` fsyncs.
+Where ``O_DIRECT`` is refused (tmpfs, some network file systems: at open or at the first write), the same
+path runs with buffered writes.
+
+hashlib and positional writes release the GIL, so on a machine with a spare core hashing and writing cost
+little wall time; the manifest's sha256 never reads a file back.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import logging
+import mmap
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from types import TracebackType
+
+log = logging.getLogger(__name__)
+
+BUFFER_BYTES = 8 << 20  # bytes per staging buffer (a multiple of BLOCK)
+BUFFERS = 4  # staging buffers in flight: one filling, the rest hashing or writing
+BLOCK = 4096  # the alignment O_DIRECT needs of offsets, lengths and memory on common devices
+_DIRECT = getattr(os, "O_DIRECT", 0)
+# Environment switch to write through the page cache (for measuring, or a file system that misbehaves).
+BUFFERED_ENV = "PGCONVERT_BUFFERED_WRITES"
+
+
+class OutputFile:
+    """A new file written front to back; ``offset`` counts the bytes written so far.
+
+    Use as a context manager: leaving the block normally writes what is staged, truncates the file to
+    its size and fsyncs it (``sha256`` and ``size`` then hold the digest and the size); leaving it with an
+    exception closes the file as it is. An OSError names the path.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.sha256: str | None = None
+        self.size: int | None = None
+        self._digest = hashlib.sha256()
+        self._fd = self._open(path)
+        self._buffers = [mmap.mmap(-1, BUFFER_BYTES) for _ in range(BUFFERS)]
+        self._views = [memoryview(buffer) for buffer in self._buffers]
+        self._pending: list[list[Future[None]]] = [[] for _ in range(BUFFERS)]
+        self._current = 0
+        self._filled = 0  # bytes staged in the current buffer
+        self._handed = 0  # bytes handed to the threads before it (the file position it starts at)
+        self._hasher = ThreadPoolExecutor(1, thread_name_prefix="pgconvert-hash")
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="pgconvert-write")
+
+    @staticmethod
+    def _open(path: Path) -> int:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
+        if _DIRECT and not os.environ.get(BUFFERED_ENV):
+            try:
+                return os.open(path, flags | _DIRECT, 0o644)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise OSError(exc.errno, exc.strerror, str(path)) from exc
+        return os.open(path, flags, 0o644)
+
+    @property
+    def direct(self) -> bool:
+        """Whether writes bypass the page cache (``O_DIRECT``)."""
+        return bool(_DIRECT and fcntl.fcntl(self._fd, fcntl.F_GETFL) & _DIRECT)
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:
+        source = memoryview(data).cast("B")
+        done = 0
+        while done < len(source):
+            if self._filled == 0:
+                self._reuse(self._current)
+            count = min(len(source) - done, BUFFER_BYTES - self._filled)
+            self._views[self._current][self._filled:self._filled + count] = source[done:done + count]
+            self._filled += count
+            done += count
+            if self._filled == BUFFER_BYTES:
+                self._hand_off()
+        return len(source)
+
+    @property
+    def offset(self) -> int:
+        """Bytes written so far."""
+        return self._handed + self._filled
+
+    def tell(self) -> int:
+        return self.offset
+
+    def flush(self) -> None:
+        """Nothing to do before ``close``: staged bytes are written there (kept for file-like callers)."""
+
+    def hexdigest(self) -> str:
+        """The sha256 of every byte written; only after ``close``."""
+        if self.sha256 is None:
+            raise RuntimeError(f"{self.path}: the digest is known once the file is closed")
+        return self.sha256
+
+    def _reuse(self, index: int) -> None:
+        """Wait until buffer ``index`` is hashed and written (raising what its writing raised)."""
+        pending, self._pending[index] = self._pending[index], []
+        for future in pending:
+            future.result()
+
+    def _hand_off(self) -> None:
+        """Send the current buffer's filled bytes to be hashed and written; move to the next buffer."""
+        view = self._views[self._current][:self._filled]
+        self._pending[self._current] = [self._hasher.submit(self._digest.update, view),
+                                        self._writer.submit(self._write_at, view, self._handed)]
+        self._handed += self._filled
+        self._current = (self._current + 1) % BUFFERS
+        self._filled = 0
+
+    def _write_at(self, view: memoryview, position: int) -> None:
+        """Write ``view`` at ``position``; a refused O_DIRECT write is retried through the page cache."""
+        done = 0
+        while done < len(view):
+            try:
+                written = os.pwrite(self._fd, view[done:], position + done)
+            except OSError as exc:
+                if exc.errno == errno.EINVAL and self.direct:
+                    self._drop_direct()
+                    continue
+                raise OSError(exc.errno, exc.strerror, str(self.path)) from exc
+            if written == 0:
+                raise OSError(errno.EIO, "the file system wrote nothing", str(self.path))
+            if written % BLOCK and self.direct:
+                self._drop_direct()  # a short, unaligned write: finish through the page cache
+            done += written
+
+    def _drop_direct(self) -> None:
+        log.debug("%s: O_DIRECT refused; writing through the page cache", self.path)
+        fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~_DIRECT)
+
+    def __enter__(self) -> OutputFile:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 trace: TracebackType | None) -> None:
+        try:
+            if kind is None:
+                self._finish()
+        finally:
+            self._hasher.shutdown(wait=True)
+            self._writer.shutdown(wait=True)
+            os.close(self._fd)
+            self._pending = [[] for _ in range(BUFFERS)]
+            self._views = []
+            self._buffers = []  # unmapped once the last slice handed to the threads is gone
+
+    def _finish(self) -> None:
+        """Write the staged tail (padded to a block under O_DIRECT), truncate to size, fsync."""
+        size, tail = self.offset, self._filled
+        if tail:
+            padded = -(-tail // BLOCK) * BLOCK if self.direct else tail
+            view = self._views[self._current]
+            view[tail:padded] = bytes(padded - tail)
+            self._pending[self._current] = [self._hasher.submit(self._digest.update, view[:tail]),
+                                            self._writer.submit(self._write_at, view[:padded], self._handed)]
+            self._handed, self._filled = size, 0
+        for index in range(BUFFERS):
+            self._reuse(index)
+        try:
+            os.ftruncate(self._fd, size)
+            os.fsync(self._fd)
+        except OSError as exc:
+            raise OSError(exc.errno, exc.strerror, str(self.path)) from exc
+        self.sha256, self.size = self._digest.hexdigest(), size

@@ -1,0 +1,174 @@
+"""Reading tensors' bytes from files with positional system calls, straight into their destination.
+
+A tensor stored in a checkpoint file is a strided region of that file (``FileRegion``: where its first
+element is, its shape, strides and dtype). ``read_region`` fills a destination tensor, itself possibly a
+strided view of a larger buffer (one source rank's columns of a merged row-parallel weight), with
+``os.preadv``: the runs of bytes that are contiguous in both the file and the destination go, for each
+contiguous stretch of the file, into one call of up to ``IOV_MAX`` buffers, so a merge along rows or
+columns costs about one system call per thousand rows and no copy in user space. Nothing is
+memory-mapped, so no page is faulted in and the process's resident memory holds only the result.
+
+Runs shorter than ``SHORT_RUN`` bytes (a tensor cut along a tiny last dimension) are read as one span
+into a scratch buffer and gathered from there, so no layout costs a system call per few bytes.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pgconvert.errors import CheckpointError
+
+IOV_MAX = 1024  # Linux's UIO_MAXIOV: the most buffers one preadv takes
+SHORT_RUN = 512  # bytes: shorter contiguous runs are read as one span and gathered in memory
+OPEN_FILES = 64  # file descriptors a ``FileHandles`` keeps open at once
+
+
+@dataclass(frozen=True)
+class FileRegion:
+    """A tensor's elements in a file: element 0 at byte ``offset``, ``stride`` in elements."""
+
+    path: Path
+    offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+
+class FileHandles:
+    """Read-only descriptors by path, opened on first use; at most ``OPEN_FILES`` stay open."""
+
+    def __init__(self, limit: int = OPEN_FILES) -> None:
+        self.limit = limit
+        self._open: OrderedDict[Path, int] = OrderedDict()
+
+    def fd(self, path: Path) -> int:
+        fd = self._open.pop(path, None)
+        if fd is None:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            while len(self._open) >= self.limit:
+                os.close(self._open.popitem(last=False)[1])
+        self._open[path] = fd
+        return fd
+
+    def close(self) -> None:
+        while self._open:
+            os.close(self._open.popitem()[1])
+
+
+def _byte_view(tensor: torch.Tensor) -> memoryview:
+    """A writable view of the bytes of ``tensor``'s whole storage."""
+    flat = torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage())
+    return memoryview(flat.numpy()).cast("B")
+
+
+def _runs(shape: Sequence[int], source: Sequence[int], target: Sequence[int]) -> tuple[int, list[tuple[int, int]]]:
+    """(elements per run, [(source element offset, target element offset)] in order): the runs that are
+    contiguous in both strided layouts of ``shape``."""
+    dims = [(n, s, t) for n, s, t in zip(shape, source, target, strict=True) if n != 1]
+    run = 1
+    while dims and dims[-1][1] == run and dims[-1][2] == run:
+        run *= dims.pop()[0]
+    offsets = [(0, 0)]
+    for count, source_step, target_step in dims:
+        offsets = [(a + i * source_step, b + i * target_step) for a, b in offsets for i in range(count)]
+    return run, offsets
+
+
+def read_region(fd: int, region: FileRegion, out: torch.Tensor) -> None:
+    """Fill ``out`` (same shape and dtype as ``region``; any strides) with the region's bytes."""
+    if tuple(out.shape) != region.shape or out.dtype != region.dtype:
+        raise ValueError(f"cannot read {region.dtype} {list(region.shape)} into {out.dtype} {list(out.shape)}")
+    if out.numel() == 0:
+        return
+    itemsize = out.element_size()
+    run, offsets = _runs(region.shape, region.stride, out.stride())
+    run_bytes = run * itemsize
+    if len(offsets) > 1 and run_bytes < SHORT_RUN:
+        _read_gathered(fd, region, out)
+        return
+    target = _byte_view(out)
+    base = out.storage_offset() * itemsize
+    batch: list[memoryview] = []
+    start = end = 0
+    for source_offset, target_offset in offsets:
+        position = region.offset + source_offset * itemsize
+        if batch and (position != end or len(batch) == IOV_MAX):
+            _preadv_all(fd, batch, start, region.path)
+            batch = []
+        if not batch:
+            start = end = position
+        batch.append(target[base + target_offset * itemsize:base + target_offset * itemsize + run_bytes])
+        end += run_bytes
+    _preadv_all(fd, batch, start, region.path)
+
+
+def _read_gathered(fd: int, region: FileRegion, out: torch.Tensor) -> None:
+    """Read the file span that holds the region, then gather its elements into ``out``."""
+    itemsize = out.element_size()
+    span = 1 + sum((n - 1) * s for n, s in zip(region.shape, region.stride))
+    scratch = torch.empty(span * itemsize, dtype=torch.uint8)
+    _preadv_all(fd, [_byte_view(scratch)], region.offset, region.path)
+    out.copy_(torch.as_strided(scratch.view(region.dtype), region.shape, region.stride))
+
+
+def _preadv_all(fd: int, buffers: list[memoryview], position: int, path: Path) -> None:
+    """``os.preadv`` until every buffer is full; the end of the file before that is a truncated file."""
+    wanted = sum(len(buffer) for buffer in buffers)
+    done = os.preadv(fd, buffers, position)
+    while done < wanted:
+        remaining = _after(buffers, done)
+        got = os.preadv(fd, remaining, position + done)
+        if got == 0:
+            raise CheckpointError(f"{path}: the file ends at byte {position + done}, but a tensor's bytes run to "
+                                  f"byte {position + wanted}; the file is truncated")
+        done += got
+
+
+def _after(buffers: list[memoryview], skip: int) -> list[memoryview]:
+    """The parts of ``buffers`` after their first ``skip`` bytes."""
+    rest = []
+    for buffer in buffers:
+        if skip >= len(buffer):
+            skip -= len(buffer)
+            continue
+        rest.append(buffer[skip:])
+        skip = 0
+    return rest
+
+
+Locate = Callable[[torch.Tensor], "tuple[int, FileRegion] | None"]
+
+
+def joined_shape(views: Sequence[torch.Tensor], dim: int) -> list[int]:
+    """The shape of ``views`` joined along ``dim``; a ValueError when they do not fit together."""
+    first = views[0]
+    for view in views[1:]:
+        if view.dtype != first.dtype or view.dim() != first.dim() or any(
+                view.shape[axis] != first.shape[axis] for axis in range(first.dim()) if axis != dim):
+            raise ValueError(f"cannot concatenate {first.dtype} {list(first.shape)} and {view.dtype} "
+                             f"{list(view.shape)} along dim {dim}")
+    shape = list(first.shape)
+    shape[dim] = sum(view.shape[dim] for view in views)
+    return shape
+
+
+def concat_reading(views: list[torch.Tensor], dim: int, locate: Locate) -> torch.Tensor:
+    """``torch.cat(views, dim)``, each view that ``locate`` finds in a file read from there with
+    ``read_region`` straight into its place in the result (the others copied from memory)."""
+    out = torch.empty(joined_shape(views, dim), dtype=views[0].dtype)
+    offset = 0
+    for view in views:
+        target = out.narrow(dim, offset, view.shape[dim])
+        offset += view.shape[dim]
+        found = locate(view) if view.numel() else None
+        if found is None:
+            target.copy_(view)
+        else:
+            read_region(found[0], found[1], target)
+    return out

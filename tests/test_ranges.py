@@ -1,0 +1,182 @@
+"""The byte-range reader against plain tensor indexing: every rule, dtype and odd shape, batching,
+gathering, short reads and truncated files."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from functools import partial
+from pathlib import Path
+
+import pytest
+import torch
+
+import pgconvert.io.ranges as ranges
+from pgconvert.errors import CheckpointError
+from pgconvert.io.ranges import FileHandles, FileRegion, concat_reading, read_region
+from pgconvert.io.torch_input import read_torch_structure, stored_offset
+from pgconvert.model.rules import COLUMN, GATED, REPLICATED, ROW, VOCAB, concatenating_with
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.int64]
+
+
+def _random(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    values = torch.randn(shape, generator=generator) * 4
+    return values.to(dtype) if dtype.is_floating_point else values.round().to(dtype)
+
+
+class Stored:
+    """Tensors saved with torch.save and loaded memory-mapped, with a locate function over the file."""
+
+    def __init__(self, path: Path, tensors: dict[str, torch.Tensor]) -> None:
+        torch.save(tensors, path)
+        self.path = path
+        self.loaded = torch.load(path, mmap=True, weights_only=True)
+        meta = read_torch_structure(path).meta
+        self.starts = {}
+        for key, tensor in self.loaded.items():
+            offset = stored_offset(meta[key])
+            if offset is not None:
+                self.starts[tensor.untyped_storage().data_ptr()] = offset - tensor.storage_offset() * tensor.element_size()
+        self.handles = FileHandles()
+
+    def locate(self, view: torch.Tensor) -> tuple[int, FileRegion] | None:
+        start = self.starts.get(view.untyped_storage().data_ptr())
+        if start is None:
+            return None
+        region = FileRegion(self.path, start + view.storage_offset() * view.element_size(), tuple(view.shape),
+                            tuple(view.stride()), view.dtype)
+        return self.handles.fd(self.path), region
+
+
+@pytest.fixture
+def stored(tmp_path: Path) -> Iterator[Stored]:
+    tensors = {f"{dtype}".replace("torch.", ""): _random((37, 129, 15), dtype, seed)
+               for seed, dtype in enumerate(DTYPES)}
+    store = Stored(tmp_path / "t.pt", tensors)
+    yield store
+    store.handles.close()
+
+
+@pytest.mark.parametrize("dim", [0, 1, 2])
+@pytest.mark.parametrize("key", [f"{dtype}".replace("torch.", "") for dtype in DTYPES])
+def test_a_window_lands_in_a_strided_target_as_indexing_puts_it(stored: Stored, key: str, dim: int) -> None:
+    source = stored.loaded[key]
+    size = source.shape[dim]
+    start, length = size // 3, size - size // 3 - 1  # odd bounds, away from both ends
+    window = source.narrow(dim, start, length)
+    out_shape = list(source.shape)
+    out_shape[dim] = length + 7
+    out = torch.zeros(out_shape, dtype=source.dtype)
+    target = out.narrow(dim, 3, length)  # a strided view of a larger buffer, like one rank's columns
+    fd, region = stored.locate(window)  # type: ignore[misc]
+    read_region(fd, region, target)
+    expected = torch.zeros(out_shape, dtype=source.dtype)
+    expected.narrow(dim, 3, length).copy_(window)
+    assert torch.equal(out.view(torch.uint8), expected.view(torch.uint8))
+
+
+RULE_CASES = [(COLUMN, 4, 2), (COLUMN, 2, 4), (ROW, 4, 2), (ROW, 2, 3), (GATED, 4, 2), (GATED, 2, 4),
+              (REPLICATED, 2, 1)]
+
+
+@pytest.mark.parametrize("rule,have,want", RULE_CASES, ids=lambda value: getattr(value, "name", str(value)))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn])
+def test_every_rule_reshards_from_files_as_it_does_in_memory(tmp_path: Path, rule: object, have: int, want: int,
+                                                             dtype: torch.dtype) -> None:
+    full = _random((480, 360), dtype, 7)  # pieces above the 64 KiB the structure check reads into memory
+    pieces = [full.clone()] * have if rule is REPLICATED else rule.split(full, have)  # type: ignore[attr-defined]
+    store = Stored(tmp_path / "pieces.pt", {f"p{i}": piece.clone() for i, piece in enumerate(pieces)})
+    mapped = [store.loaded[f"p{i}"] for i in range(have)]
+    with concatenating_with(partial(concat_reading, locate=store.locate)):
+        from_files = [rule.reshard(mapped, want, rank) for rank in range(want)]  # type: ignore[attr-defined]
+    in_memory = [rule.reshard(pieces, want, rank) for rank in range(want)]  # type: ignore[attr-defined]
+    for got, expected in zip(from_files, in_memory, strict=True):
+        assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
+    store.handles.close()
+
+
+def test_a_vocab_table_fitted_to_more_rows_reads_the_stored_rows_and_zeros_the_rest(tmp_path: Path) -> None:
+    full = _random((40000, 6), torch.bfloat16, 3)
+    store = Stored(tmp_path / "vocab.pt", {f"p{i}": piece.clone() for i, piece in enumerate(VOCAB.split(full, 4))})
+    mapped = [store.loaded[f"p{i}"] for i in range(4)]
+    with concatenating_with(partial(concat_reading, locate=store.locate)):
+        last = VOCAB.reshard_rows(mapped, 48000, 37000, 2, 1)
+    assert torch.equal(last[:16000], full[24000:]) and not last[16000:].any()
+    store.handles.close()
+
+
+def test_runs_of_more_than_iov_max_rows_take_several_calls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    full = _random((3000, 256), torch.float32, 5)
+    store = Stored(tmp_path / "rows.pt", {"p": full})
+    calls: list[int] = []
+    real = os.preadv
+    monkeypatch.setattr(os, "preadv", lambda fd, buffers, offset: (calls.append(len(buffers)), real(fd, buffers, offset))[1])
+    out = torch.empty(3000, 512)
+    fd, region = store.locate(store.loaded["p"])  # type: ignore[misc]
+    read_region(fd, region, out[:, 256:])  # every row lands strided: 3000 runs, contiguous in the file
+    assert torch.equal(out[:, 256:], full)
+    assert calls == [1024, 1024, 952]
+    store.handles.close()
+
+
+def test_tiny_runs_are_read_as_one_span_and_gathered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    full = _random((8000, 6), torch.bfloat16, 9)
+    store = Stored(tmp_path / "narrow.pt", {"p": full})
+    calls: list[int] = []
+    real = os.preadv
+    monkeypatch.setattr(os, "preadv", lambda fd, buffers, offset: (calls.append(len(buffers)), real(fd, buffers, offset))[1])
+    window = store.loaded["p"][:, 2:5]  # 6-byte runs, 8000 of them
+    out = torch.empty(8000, 3, dtype=torch.bfloat16)
+    fd, region = store.locate(window)  # type: ignore[misc]
+    read_region(fd, region, out)
+    assert torch.equal(out, full[:, 2:5]) and calls == [1]
+    store.handles.close()
+
+
+def test_short_reads_are_continued(stored: Stored, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = os.preadv
+
+    def trickle(fd: int, buffers: list[memoryview], offset: int) -> int:
+        return real(fd, [buffers[0][:1000]], offset)  # the kernel may return fewer bytes than asked
+
+    monkeypatch.setattr(os, "preadv", trickle)
+    source = stored.loaded["bfloat16"]
+    out = torch.empty(source.shape[0], 200, source.shape[2], dtype=source.dtype)
+    fd, region = stored.locate(source)  # type: ignore[misc]
+    read_region(fd, region, out[:, 30:159])
+    assert torch.equal(out[:, 30:159], source)
+
+
+def test_a_truncated_file_is_a_named_error(tmp_path: Path) -> None:
+    full = _random((256, 256), torch.float32, 1)
+    store = Stored(tmp_path / "cut.pt", {"p": full})
+    fd, region = store.locate(store.loaded["p"])  # type: ignore[misc]
+    os.truncate(store.path, region.offset + 1000)
+    with pytest.raises(CheckpointError, match=rf"{store.path}: the file ends at byte {region.offset + 1000}.*truncated"):
+        read_region(fd, region, torch.empty(256, 256))
+    store.handles.close()
+
+
+def test_a_region_and_target_of_other_shapes_are_refused(stored: Stored) -> None:
+    fd, region = stored.locate(stored.loaded["float32"])  # type: ignore[misc]
+    with pytest.raises(ValueError, match="cannot read"):
+        read_region(fd, region, torch.empty(37, 129, 14))
+
+
+def test_file_handles_keep_at_most_their_limit_open(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    paths = [tmp_path / f"f{i}" for i in range(3)]
+    for path in paths:
+        path.write_bytes(b"x")
+    handles = FileHandles(limit=2)
+    closed: list[int] = []
+    real_close = os.close
+    monkeypatch.setattr(ranges.os, "close", lambda fd: (closed.append(fd), real_close(fd))[1])
+    first = handles.fd(paths[0])
+    handles.fd(paths[1])
+    assert handles.fd(paths[0]) == first  # reused, and now the most recent
+    handles.fd(paths[2])  # closes paths[1]'s descriptor, the least recently used
+    assert len(closed) == 1 and closed[0] != first
+    handles.close()
+    assert len(closed) == 3

@@ -226,7 +226,8 @@ def _layout_option(name: str, help_text: str) -> Any:
 @click.option("--dtype", type=click.Choice(list(DTYPE_NAMES)), default="keep", show_default=True,
               help="Cast floating-point tensors.")
 @click.option("--max-shard-size", type=ByteSize(), default=None, metavar="SIZE",
-              help="Largest safetensors shard of an hf DST, e.g. 5GB (default), 500MB, 2GiB.")
+              help="Largest safetensors shard of an hf DST, and largest data file (tensor bytes) of a torch_dist "
+                   "DST, e.g. 5GB (default), 500MB, 2GiB.")
 @click.option("--hf-config", type=click.Path(path_type=Path, exists=True, dir_okay=False), default=None,
               help="config.json for DST (megatron/torch_dist: hf/config.json) instead of the carried one "
                    "or one built from the model; it must describe the model.")

@@ -11,8 +11,11 @@ import pytest
 from click.testing import CliRunner
 from support.tiny_models import GQA_SWIGLU, MOE
 from support.megatron_fixtures import make_full_model, write_megatron_checkpoint
+from support.toy_format import register
 
+import pgconvert
 from pgconvert.cli import main
+from pgconvert.errors import ValidationError
 from pgconvert.formats import PlannedFile
 from pgconvert.run.sharded import balanced_shares
 
@@ -72,14 +75,14 @@ def test_a_memory_budget_below_one_file_still_converts_one_file_at_a_time(src: P
     same_files(tmp_path / "budget", reference)
 
 
-def test_workers_need_a_format_that_can_be_split(tmp_path: Path) -> None:
+def test_workers_need_a_format_that_can_be_split(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    register(monkeypatch)  # a plugin format whose saver writes its files in one pass
     src = write_megatron_checkpoint(tmp_path / "src", GQA_SWIGLU, make_full_model(GQA_SWIGLU), 2, 1)
 
-    result = CliRunner().invoke(main, ["--workers", "2", "--dst-format", "hf", str(src), str(tmp_path / "hf")])
+    with pytest.raises(ValidationError, match="the toy saver writes its files in one pass"):
+        pgconvert.convert(src, tmp_path / "toy", dst_format="toy", workers=2)
 
-    assert result.exit_code == 2
-    assert "the hf saver writes its files in one pass" in result.output
-    assert not (tmp_path / "hf").exists()
+    assert not (tmp_path / "toy").exists()
 
 
 def test_shards_run_separately_rename_only_when_the_last_one_finishes(src: Path, reference: Path,

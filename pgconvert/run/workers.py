@@ -51,7 +51,7 @@ def require_partial(conversion: Plan) -> None:
     if not conversion.saver.supports_partial:
         raise ValidationError(
             f"the {conversion.dst_format} saver writes its files in one pass; --workers and sharded "
-            "runs need a destination format that can be split (megatron)"
+            "runs need a destination format that can be split (megatron, torch_dist, hf)"
         )
 
 

@@ -4,6 +4,9 @@ Shards are written one at a time, each bounded by ``max_shard_size``; the parts 
 tensor (q/k/v, gate/up) always land in the same shard, so every source tensor is read once. Each
 shard is streamed: its header is computed from shapes and dtypes known in advance, then tensors
 are written as they are produced, so only one canonical tensor is in memory, not a whole shard.
+Which tensors go to which shard, and where, follows from the source's metadata alone, so each shard file
+can be written by another process (``--workers``, sharded runs); ``finalize`` writes the index,
+config.json and side files once every shard is.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from collections.abc import Collection
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import TracebackType
@@ -258,6 +262,11 @@ def _write_unit(writer: _SafetensorsWriter, unit: _Unit, source: CanonicalSource
             writer.write(hf_name, torch.stack(stacks.pop(hf_name)))
 
 
+def _shard_entries(shard: _Shard) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """A shard file's tensors in file order: (name, dtype, shape), as its header lists them."""
+    return [(name, meta.dtype, meta.shape) for unit in shard.units for name, meta, _ in unit.entries()]
+
+
 def _write_json(path: Path, doc: dict[str, Any]) -> None:
     path.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     _fsync(path)
@@ -431,31 +440,47 @@ class HFSaver(Saver):
             for name, shard in zip(self._file_names(len(shards)), shards, strict=True)
         ]
 
+    # Every shard file is written on its own from the plan (``save(only=...)``); the index, config.json and side
+    # files are written once by ``finalize``, so --workers and sharded runs split a model by shard files.
+    supports_partial = True
+
     def save(self, source: CanonicalSource, out_dir: Path, options: SaveOptions,
-             progress: Progress) -> SaveResult:
-        config = source.config
-        assert config.vocab_size is not None
-        family, base, guesses = self._target(source, options)
+             progress: Progress, only: Collection[str] | None = None) -> SaveResult:
+        """Write every shard file (or those of ``only``, names as ``plan`` gives them); with every shard, also what
+        ``finalize`` writes."""
+        family, _, _ = self._target(source, options)
         shards = self._shards(source, options)
         result = SaveResult()
-        for guess in guesses:
-            fallback(guess, options.strict, result.notices)
-        weight_map: dict[str, str] = {}
-        total = 0
-        kinds = _HFKinds(layer_kinds(config), norm_weight_names(config), family.hf_rotary_interleaved,
+        kinds = _HFKinds(layer_kinds(source.config), norm_weight_names(source.config), family.hf_rotary_interleaved,
                          family.hf_norms_zero_centred)
         for file_name, shard in zip(self._file_names(len(shards)), shards, strict=True):
-            entries = [(name, meta.dtype, meta.shape) for unit in shard.units for name, meta, _ in unit.entries()]
+            if only is not None and file_name not in only:
+                continue
+            entries = _shard_entries(shard)
             stacks: dict[str, list[torch.Tensor]] = {}
             with _SafetensorsWriter(out_dir / file_name, entries) as writer:
                 for unit in shard.units:
                     _write_unit(writer, unit, source, kinds, stacks)
-            weight_map.update({entry[0]: file_name for entry in entries})
-            total += writer.nbytes
             result.files.append(PlannedFile(file_name, len(entries), writer.nbytes, sha256=writer.sha256,
                                             size=writer.size))
             progress(writer.nbytes)
+        if only is None:
+            result.notices += self.finalize(source, out_dir, options)
+        return result
+
+    def finalize(self, source: CanonicalSource, out_dir: Path, options: SaveOptions) -> list[str]:
+        """What is written once every shard file is: the index (from the plan, not from the files), config.json and
+        the side files."""
+        config = source.config
+        family, base, guesses = self._target(source, options)
+        notices: list[str] = []
+        for guess in guesses:
+            fallback(guess, options.strict, notices)
+        shards = self._shards(source, options)
         if len(shards) > 1:
+            weight_map = {name: file_name for file_name, shard in zip(self._file_names(len(shards)), shards, strict=True)
+                          for name, _, _ in _shard_entries(shard)}
+            total = sum(sizes.nbytes(shape, dtype) for shard in shards for _, dtype, shape in _shard_entries(shard))
             _write_json(out_dir / INDEX_FILE, {
                 "metadata": {"total_size": total},
                 "weight_map": dict(sorted(weight_map.items())),
@@ -463,21 +488,21 @@ class HFSaver(Saver):
         dtype = _out_dtype(source.meta(WORD_EMBEDDINGS).dtype, options)
         doc, written_as = ((mtp.declared_as_converted(family, with_dtype(base, dtype), config)) if base is not None
                            else (hf_config_from_model(family, config, dtype), None))
-        result.notices.extend([written_as] if written_as else [])
-        doc = _quantization_config(doc, source, result.notices)
+        notices.extend([written_as] if written_as else [])
+        doc = _quantization_config(doc, source, notices)
         _write_json(out_dir / CONFIG_FILE, doc)
         if base is None:
             assumed = ", ".join(f"{key}={value!r}" for key, value in family.hf_assumed.items())
-            result.notices.append(
+            notices.append(
                 f"config.json was built from the model as {family.architecture}; settings Megatron does not "
                 "record (token ids) take transformers' defaults"
                 + (f", except {assumed}: how megatron-core behaves" if assumed else "")
             )
-        result.notices.extend(self._copy_side_files(source, options, out_dir))
+        notices.extend(self._copy_side_files(source, options, out_dir))
         # the local spec's entries are None: nothing is dropped (a torch_dist source reports its own)
         if any(extra.holds_state() for extra in source.extra_states().values()):
-            result.notices.append("Transformer Engine _extra_state (FP8 metadata) has no hf equivalent; dropped")
-        return result
+            notices.append("Transformer Engine _extra_state (FP8 metadata) has no hf equivalent; dropped")
+        return notices
 
     @staticmethod
     def _copy_side_files(source: CanonicalSource, options: SaveOptions, out_dir: Path) -> list[str]:

@@ -6,11 +6,15 @@ The files are written by torch.distributed.checkpoint's own ``FileSystemWriter``
 metadata alone, and each chunk's data is produced only when the writer asks for it
 (``resolve_data``), so one canonical tensor is in memory at a time: peak memory is the largest
 canonical tensor plus its copy in the target dtype (and, for a vocab table whose padding changes,
-the refitted table), plus the plan (a few hundred bytes per chunk). The format cannot be written in
-several calls (each ``dcp.save`` writes the one ``.metadata`` index of the directory), so there is
-one call and one data file ``__0_0.distcp``.
+the refitted table), plus the plan (a few hundred bytes per chunk).
 
-That file is written by ``StreamingWriter`` (``streaming.py``), not by torch's ``FileSystemWriter.write_data``: torch's
+The chunks go to data files ``__0_0.distcp``, ``__0_1.distcp``, … of at most ``max_shard_size`` bytes of values
+each (``--max-shard-size``, default 5 GB; one canonical tensor's chunks stay in one file), decided from the plan
+alone. ``save(only=...)`` writes some of them (``--workers``, sharded runs: each process its share), and
+``finalize`` writes ``common.pt``, ``.metadata`` (from the plan: every record's offset is known from its shape and
+dtype, ``streaming.archive_length``), ``metadata.json`` and the tracker, so every split gives the same bytes.
+
+The data files are written by ``StreamingWriter`` (``streaming.py``), not by torch's ``FileSystemWriter.write_data``: torch's
 loop keeps every tensor it wrote in a dict until the file is closed (one per key, so a stacked
 model's embedding, output layer and one layer of each key stay alive), which made the peak about
 three canonical tensors. The bytes are the same: the items in torch's order (``_write_order``),
@@ -24,8 +28,9 @@ from __future__ import annotations
 
 import errno
 import io
+import itertools
 import logging
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,12 +75,18 @@ from pgconvert.model.provider import (
 from pgconvert.model.rules import VOCAB, ShardRule
 from pgconvert.optimizer.source import OptimizerSource
 from pgconvert.savers.torch_dist.optimizer import DST_FORMS, moe_refusal, planned_records, write_optimizer, written_form
-from pgconvert.savers.torch_dist.streaming import StreamingWriter
+from pgconvert.savers.torch_dist.streaming import ItemKey, StreamingWriter
 
 log = logging.getLogger(__name__)
 
-# torch.distributed.checkpoint names rank 0's data files __0_<n>.distcp; one writer thread, one file.
+# torch.distributed.checkpoint names rank 0's data files __0_<n>.distcp (``StreamingWriter`` numbers them); the first
+# holds the _extra_state entries.
 DATA_FILE = "__0_0.distcp"
+DEFAULT_MAX_DATA_FILE_SIZE = 5 * 10**9  # bytes of values, as an hf destination's default shard
+
+
+def data_file_name(number: int) -> str:
+    return f"__0_{number}.distcp"
 
 
 @dataclass(frozen=True)
@@ -175,6 +186,8 @@ class TorchDistSaver(Saver):
         options.layout.validate(config, "dst")
         target_vocab_rows(config, source.vocab_rows, options.layout)
         carried_for_target(source, options)
+        if options.max_shard_size is not None and options.max_shard_size < 1:
+            raise ValidationError(f"max_shard_size={options.max_shard_size}: must be a positive byte count")
         if not options.strict:
             return
         if any(extra.holds_state() for extra in source.extra_states().values()):
@@ -203,54 +216,76 @@ class TorchDistSaver(Saver):
 
     def plan(self, source: CanonicalSource, options: SaveOptions) -> list[PlannedFile]:
         chunks, objects, _ = self._chunks(source, options)
-        return _files(iteration_dir_name(source.iteration or 0, source.release), chunks, objects)
+        directory = iteration_dir_name(*self._iteration(source))
+        return _files(directory, _data_files(chunks, options), objects)
+
+    @staticmethod
+    def _iteration(source: CanonicalSource) -> tuple[int, bool]:
+        return (source.iteration if source.iteration is not None else 0), source.release
+
+    # Each data file is written on its own (``save(only=...)``); ``finalize`` writes the rest once.
+    supports_partial = True
 
     def save(self, source: CanonicalSource, out_dir: Path, options: SaveOptions,
-             progress: Progress) -> SaveResult:
+             progress: Progress, only: Collection[str] | None = None) -> SaveResult:
+        """Write every data file (or those of ``only``, relative paths as ``plan`` names them); with every one,
+        also what ``finalize`` writes."""
+        directory = iteration_dir_name(*self._iteration(source))
+        chunks, objects, rows = self._chunks(source, options)
+        files = _data_files(chunks, options)
+        writes = [number for number in range(len(files))
+                  if only is None or f"{directory}/{data_file_name(number)}" in only]
+        written: dict[str, tuple[str, int]] = {}
+        if writes:
+            (out_dir / directory).mkdir(parents=True, exist_ok=True)
+            planner = _StreamingPlanner(chunks, objects, source, rows, progress)
+            writer = StreamingWriter(out_dir / directory, _file_numbers(files), writes, index=False)
+            with _os_errors_of_torch(out_dir / directory / data_file_name(writes[0])), single_process_calls():
+                dcp.save({}, storage_writer=writer, planner=planner, no_dist=True)
+            written = writer.written
+        if only is not None:
+            return SaveResult(files=[item for item in _files(directory, files, objects, written)
+                                     if item.sha256 is not None])
+        return SaveResult(files=_files(directory, files, objects, written),
+                          notices=self.finalize(source, out_dir, options))
+
+    def finalize(self, source: CanonicalSource, out_dir: Path, options: SaveOptions) -> list[str]:
+        """What is written once every data file is, all from the plan: ``common.pt`` (the args), ``.metadata``
+        (every record's file, offset and length), ``metadata.json``, the tracker and the carried HF files."""
         layout = options.layout
         config = target_config(source.config, options)
-        result = SaveResult()
-        iteration = source.iteration if source.iteration is not None else 0
-        if source.iteration is None and not source.release:
-            result.notices.append("the source has no iteration number; writing iteration 0")
-        iteration_dir = out_dir / iteration_dir_name(iteration, source.release)
+        notices: list[str] = []
+        iteration, release = self._iteration(source)
+        if source.iteration is None and not release:
+            notices.append("the source has no iteration number; writing iteration 0")
+        iteration_dir = out_dir / iteration_dir_name(iteration, release)
         iteration_dir.mkdir(parents=True, exist_ok=True)
         chunks, objects, rows = self._chunks(source, options)
         dtype = options.dtype or params_dtype_for((source.meta(name).dtype for name in source.names()), config)
         args = args_for_target(config, layout, rows, dtype, iteration, source.megatron_args)
         args.ckpt_format = SHARDED_BACKEND
-        # megatron-core writes common.pt first and metadata.json last: a directory without
-        # metadata.json is an incomplete checkpoint to every reader.
-        common = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
-                  "content_metadata": dict(CONTENT_METADATA)}
-        common_path = iteration_dir / COMMON_FILE
-        # Pickled in memory, written by Python: a full disk is then an OSError naming the file,
-        # not torch's "PytorchStreamWriter failed writing file".
-        buffer = io.BytesIO()
-        torch.save(common, buffer, pickle_module=FRAMEWORK_PICKLE)
-        common_path.write_bytes(buffer.getbuffer())
-        fsync_file(common_path)
-        planner = _StreamingPlanner(chunks, objects, source, rows, progress)
-        writer = StreamingWriter(iteration_dir)
-        with _os_errors_of_torch(iteration_dir / DATA_FILE), single_process_calls():
+        _write_common(iteration_dir / COMMON_FILE, {"args": args, "checkpoint_version": CHECKPOINT_VERSION,
+                                                    "iteration": iteration, "content_metadata": dict(CONTENT_METADATA)})
+        planner = _StreamingPlanner(chunks, objects, source, rows, lambda nbytes: None)
+        writer = StreamingWriter(iteration_dir, _file_numbers(_data_files(chunks, options)), writes=(), index=True)
+        with _os_errors_of_torch(iteration_dir / DCP_METADATA_FILE), single_process_calls():
             dcp.save({}, storage_writer=writer, planner=planner, no_dist=True)
+        # megatron-core writes metadata.json last: a directory without it is an incomplete checkpoint to every reader.
         write_checkpoint_config(iteration_dir)
         fsync_file(iteration_dir / CHECKPOINT_CONFIG_FILE)
         tracker = out_dir / TRACKER_FILE
-        tracker.write_text("release" if source.release else str(iteration))
+        tracker.write_text("release" if release else str(iteration))
         fsync_file(tracker)
-        result.files = _files(iteration_dir.relative_to(out_dir).as_posix(), chunks, objects, writer.sha256,
-                              writer.size)
         write_carried(source, options, out_dir)
         if any(extra.holds_state() for extra in source.extra_states().values()):
-            result.notices.append("Transformer Engine _extra_state (FP8 scaling metadata) of the source is not "
-                                  "carried; written empty: FP8 runs re-derive it in their first steps")
+            notices.append("Transformer Engine _extra_state (FP8 scaling metadata) of the source is not "
+                           "carried; written empty: FP8 runs re-derive it in their first steps")
         written = f"torch_dist written with the layout {layout.describe()} recorded in common.pt's args"
         if source.holds_training_state():
             written += (f"; {TRAINING_STATE_NOT_CARRIED}: resume with --no-load-optim --no-load-rng "
                         "(or --finetune)")
-        result.notices.append(written)
-        return result
+        notices.append(written)
+        return notices
 
     # The source's optimizer state, as megatron-core's DistributedOptimizer (or plain optimizer) saves it.
     writes_optimizer = True
@@ -266,7 +301,7 @@ class TorchDistSaver(Saver):
     def plan_optimizer(self, source: CanonicalSource, optimizer: OptimizerSource, form: str, options: SaveOptions,
                        optimizer_options: OptimizerOptions) -> list[OptimizerFile]:
         chunks, _, rows = self._chunks(source, options)
-        directory = iteration_dir_name(source.iteration or 0, source.release)
+        directory = iteration_dir_name(*self._iteration(source))
         return [planned_records(source, optimizer, form, options, optimizer_options.dp, chunks, rows, directory)]
 
     def save_optimizer(self, source: CanonicalSource, optimizer: OptimizerSource, form: str, out_dir: Path,
@@ -274,19 +309,55 @@ class TorchDistSaver(Saver):
                        files: list[PlannedFile]) -> CarriedOptimizer:
         """The optimizer records beside the model's in ``form``; ``common.pt`` and ``.metadata`` updated."""
         chunks, _, rows = self._chunks(source, options)
-        iteration_dir = out_dir / iteration_dir_name(source.iteration or 0, source.release)
+        iteration_dir = out_dir / iteration_dir_name(*self._iteration(source))
         return write_optimizer(source, optimizer, form, iteration_dir, options, optimizer_options.dp, chunks, rows,
                                files)
 
 
-def _files(iteration_dir: str, chunks: list[_Chunk], objects: list[str], sha256: str | None = None,
-           size: int | None = None) -> list[PlannedFile]:
-    """The files of one iteration; the data file holds every chunk and ``_extra_state`` entry (its
-    sha256 and size when written)."""
+def _data_files(chunks: list[_Chunk], options: SaveOptions) -> list[list[_Chunk]]:
+    """The chunks of each data file, in stream order: a new file when the next canonical tensor's chunks would
+    take the file past ``max_shard_size`` bytes of values (a tensor larger than that has a file of its own)."""
+    limit = options.max_shard_size or DEFAULT_MAX_DATA_FILE_SIZE
+    files: list[list[_Chunk]] = [[]]
+    size = 0
+    for _, group in itertools.groupby(chunks, key=lambda chunk: chunk.canonical):
+        tensor = list(group)
+        nbytes = sum(chunk.nbytes for chunk in tensor)
+        if files[-1] and size + nbytes > limit:
+            files.append([])
+            size = 0
+        files[-1] += tensor
+        size += nbytes
+    return files
+
+
+def _file_numbers(files: list[list[_Chunk]]) -> dict[ItemKey, int]:
+    """Each chunk's data file, as the streaming writer takes it (the _extra_state entries go to the first)."""
+    return {(chunk.key, chunk.offsets): number for number, file in enumerate(files) for chunk in file}
+
+
+def _write_common(path: Path, common: dict[str, object]) -> None:
+    """``common.pt``, pickled in memory and written by Python: a full disk is then an OSError naming the file,
+    not torch's "PytorchStreamWriter failed writing file"."""
+    buffer = io.BytesIO()
+    torch.save(common, buffer, pickle_module=FRAMEWORK_PICKLE)
+    path.write_bytes(buffer.getbuffer())
+    fsync_file(path)
+
+
+def _files(iteration_dir: str, files: list[list[_Chunk]], objects: list[str],
+           written: Mapping[str, tuple[str, int]] | None = None) -> list[PlannedFile]:
+    """The files of one iteration; the first data file holds the ``_extra_state`` entries too (each data file's
+    sha256 and size when ``written`` names it)."""
+    data = []
+    for number, chunks in enumerate(files):
+        name = data_file_name(number)
+        sha256, size = (written or {}).get(name, (None, None))
+        data.append(PlannedFile(f"{iteration_dir}/{name}", len(chunks) + (len(objects) if number == 0 else 0),
+                                sum(c.nbytes for c in chunks), sha256=sha256, size=size))
     return [
         PlannedFile(f"{iteration_dir}/{COMMON_FILE}", 0, 0),
-        PlannedFile(f"{iteration_dir}/{DATA_FILE}", len(chunks) + len(objects), sum(c.nbytes for c in chunks),
-                    sha256=sha256, size=size),
+        *data,
         PlannedFile(f"{iteration_dir}/{DCP_METADATA_FILE}", 0, 0),
         PlannedFile(f"{iteration_dir}/{CHECKPOINT_CONFIG_FILE}", 0, 0),
     ]

@@ -2,24 +2,35 @@
 
 torch's own loop keeps every tensor it wrote in a dict until the file is closed; this writer writes the same
 bytes (the items in torch's order, each the ``torch.save`` archive of its chunk, CRC32s included) with nothing
-outliving its record, and hashes the file on the way. Used for the model's ``__0_0.distcp`` and the optimizer
+outliving its record, and hashes the file on the way. Used for the model's ``__0_<n>.distcp`` and the optimizer
 records' ``__1_0.distcp``.
+
+The model's items may be spread over several data files (``files``: which file each item goes to), and a process
+may write only some of them (``writes``): an item's record is a ``torch.save`` archive whose length follows from
+its shape and dtype alone (``archive_length``), so the offsets of the files another process writes are known
+without reading them, and ``.metadata`` is written from the plan (``index``) by the one process that finalizes.
+A file this writer does write is checked against those planned offsets. ``.metadata`` records no path and no
+save id (``storage_meta``), so the same plan gives the same bytes whoever writes it.
 """
 
 from __future__ import annotations
 
+import functools
 import io
-from collections.abc import Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint import FileSystemWriter, SavePlan, SavePlanner
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from pgconvert.errors import PgconvertError
 from pgconvert.io.output import OutputFile
+from pgconvert.io.sizes import itemsize, nbytes
 from pgconvert.io.torchzip import PlannedTensor, save_stream
 
 
@@ -30,32 +41,143 @@ def _write_order(items: Sequence[WriteItem]) -> list[WriteItem]:
             + [item for item in items if item.type != WriteItemType.BYTE_IO])
 
 
-class StreamingWriter(FileSystemWriter):
-    """torch's ``FileSystemWriter`` with the data file written here, item by item (see the module
-    docstring): nothing outlives its record, and the file's sha256 is computed on the way."""
+# Which data file an item goes to, by (key, chunk offsets); an item not named (a bytes entry) goes to file 0.
+ItemKey = tuple[str, tuple[int, ...] | None]
 
-    def __init__(self, directory: Path) -> None:
+
+def item_key(item: WriteItem) -> ItemKey:
+    offset = item.index.offset
+    return item.index.fqn, tuple(offset) if offset is not None else None
+
+
+class StreamingWriter(FileSystemWriter):
+    """torch's ``FileSystemWriter`` with the data files written here, item by item (see the module
+    docstring): nothing outlives its record, and each file's sha256 is computed on the way.
+
+    ``files``: the data file (``<prefix><n>.distcp``) of each item (None: one file); ``writes``: the file numbers
+    this writer writes (None: all), the others' offsets planned; ``index``: whether it writes ``.metadata``.
+    """
+
+    def __init__(self, directory: Path, files: Mapping[ItemKey, int] | None = None,
+                 writes: Collection[int] | None = None, index: bool = True) -> None:
         super().__init__(str(directory), single_file_per_rank=True, sync_files=True, thread_count=1,
                          per_thread_copy_ahead=0)
         self.directory = directory
+        self.files = files
+        self.writes = writes
+        self.index = index
+        # The files written: name -> (sha256, size); ``sha256`` and ``size``: the last one's.
+        self.written: dict[str, tuple[str, int]] = {}
         self.sha256: str | None = None
         self.size: int | None = None
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        file_name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
+        groups: dict[int, list[WriteItem]] = {}
+        for item in plan.items:
+            groups.setdefault(self.files.get(item_key(item), 0) if self.files is not None else 0, []).append(item)
+        results = []
+        for number in sorted(groups):
+            file_name = f"{plan.storage_data.prefix}{number}{DEFAULT_SUFFIX}"
+            items = _write_order(groups[number])
+            if self.writes is not None and number not in self.writes:
+                results += planned_results(file_name, items, planner)
+                continue
+            written = self._write_file(file_name, items, planner)
+            if self.files is not None:
+                _check_planned(self.directory / file_name, written, planned_results(file_name, items, planner))
+            results += written
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(results)
+        return future
+
+    def _write_file(self, file_name: str, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
         path = self.directory / file_name
         results = []
         with OutputFile(path) as writer:
-            for item in _write_order(plan.items):
+            for item in items:
                 start = writer.offset
                 _write_item(writer, planner.resolve_data(item))
                 length = writer.offset - start
                 results.append(WriteResult(index=item.index, size_in_bytes=length,
                                            storage_data=_StorageInfo(file_name, start, length)))
         self.sha256, self.size = writer.hexdigest(), writer.offset
-        future: Future[list[WriteResult]] = Future()
-        future.set_result(results)
-        return future
+        self.written[file_name] = (self.sha256, self.size)
+        return results
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        if self.index:
+            super().finish(metadata, results)
+
+    def storage_meta(self) -> StorageMeta | None:
+        """No checkpoint path (a temporary directory's, renamed after) and no random save id: the same plan
+        gives the same ``.metadata``."""
+        return StorageMeta()
+
+
+def planned_results(file_name: str, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
+    """Where ``items`` lie in ``file_name`` when written in this order, from their shapes and dtypes alone (a bytes
+    entry is resolved: it is small and reads no tensor)."""
+    results = []
+    offset = 0
+    for item in items:
+        if item.type == WriteItemType.BYTE_IO:
+            data = planner.resolve_data(item)
+            assert isinstance(data, io.BytesIO)
+            length = len(data.getbuffer())
+        else:
+            assert item.tensor_data is not None
+            length = archive_length(tuple(item.tensor_data.chunk.sizes), item.tensor_data.properties.dtype)
+        results.append(WriteResult(index=item.index, size_in_bytes=length,
+                                   storage_data=_StorageInfo(file_name, offset, length)))
+        offset += length
+    return results
+
+
+def _check_planned(path: Path, written: list[WriteResult], planned: list[WriteResult]) -> None:
+    """A written file's records lie where the plan put them (the offsets other processes rely on)."""
+    for actual, expected in zip(written, planned, strict=True):
+        if actual.storage_data != expected.storage_data:
+            raise PgconvertError(
+                f"{path}: record {actual.index.fqn} was written at {actual.storage_data.offset} with "
+                f"{actual.storage_data.length} bytes; planned at {expected.storage_data.offset} with "
+                f"{expected.storage_data.length} bytes (its length depends on more than its shape and dtype)")
+
+
+class _CountingSink:
+    """A write-only handle that keeps nothing but the count of bytes written to it."""
+
+    def __init__(self) -> None:
+        self.offset = 0
+
+    def write(self, data: bytes | memoryview) -> int:
+        self.offset += len(data)
+        return len(data)
+
+
+_ZERO_BLOCK_BYTES = 1 << 24
+
+
+def _zero_parts(numel: int, dtype: torch.dtype) -> Iterator[torch.Tensor]:
+    if not numel:
+        return
+    block = torch.zeros(min(numel, max(1, _ZERO_BLOCK_BYTES // itemsize(dtype))), dtype=dtype)
+    for start in range(0, numel, block.numel()):
+        yield block[:min(block.numel(), numel - start)]
+
+
+@functools.lru_cache(maxsize=4096)
+def archive_length(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    """The bytes of one tensor item's record as ``_write_item`` writes it: the archive of a tensor of ``shape``
+    and ``dtype``, written from zeros into a sink that only counts (its layout does not depend on the values)."""
+    sink = _CountingSink()
+    numel = nbytes(shape, dtype) // itemsize(dtype)
+
+    def never() -> torch.Tensor:
+        raise AssertionError("archive_length writes its tensor from parts")
+
+    # No CRC32s: they change the values of the archive, never its length.
+    save_stream(PlannedTensor(shape, dtype, never, parts=lambda: _zero_parts(numel, dtype)), sink)  # type: ignore[arg-type]
+    return sink.offset
 
 
 def _write_item(writer: OutputFile, data: torch.Tensor | io.BytesIO) -> None:

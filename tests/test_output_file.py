@@ -120,3 +120,12 @@ def test_the_environment_switch_writes_through_the_page_cache(tmp_path: Path, mo
         assert not out.direct
         out.write(b"abc")
     assert (tmp_path / "out.bin").read_bytes() == b"abc"
+
+
+def test_an_os_error_raised_inside_the_block_names_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "out.bin"
+    with pytest.raises(OSError) as caught:
+        with OutputFile(path) as out:
+            out.write(b"x")
+            raise OSError(errno.EIO, "Input/output error")
+    assert caught.value.errno == errno.EIO and caught.value.filename == str(path)

@@ -162,7 +162,7 @@ def test_rank_files_are_torch_save_of_the_whole_rank_and_hold_one_tensor_at_a_ti
         real_save(obj, handle, *args, **kwargs)
         for value, produce in zip(plans, producers):
             object.__setattr__(value, "produce", produce)
-        rank_dir = Path(handle.handle.name).parent.name
+        rank_dir = Path(handle.path).parent.name
         expected[rank_dir] = torch_save_bytes(materialised(obj), False)
 
     monkeypatch.setattr(megatron_saver, "save_stream", checked_save)

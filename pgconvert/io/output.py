@@ -41,7 +41,8 @@ class OutputFile:
 
     Use as a context manager: leaving the block normally writes what is staged, truncates the file to
     its size and fsyncs it (``sha256`` and ``size`` then hold the digest and the size); leaving it with an
-    exception closes the file as it is. An OSError names the path.
+    exception closes the file as it is. An OSError, raised here or by the code producing the bytes inside
+    the block, names the path.
     """
 
     def __init__(self, path: Path) -> None:
@@ -150,6 +151,9 @@ class OutputFile:
         try:
             if kind is None:
                 self._finish()
+            elif isinstance(error, OSError) and error.filename is None:
+                # A write error raised while producing this file's bytes names the file too.
+                raise OSError(error.errno, error.strerror, str(self.path)) from error
         finally:
             self._hasher.shutdown(wait=True)
             self._writer.shutdown(wait=True)

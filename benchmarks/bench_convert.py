@@ -14,9 +14,11 @@ each in a child process; the medians are compared, and each run's peak RSS and C
 are kept. Each case's output gets a digest (sha256 over every file's relative path, size and bytes,
 ``pgconvert.json`` aside: it records when it was written), so two versions' outputs can be compared
 byte for byte.
-The shape-only cases plan and dry-run a Llama-405B-shaped model at TP8/PP16 and a 256-expert,
-61-layer MoE at EP64/PP16 from metadata alone (no tensor bytes exist) and report time, peak RSS,
-tensor and file counts.
+The shape-only cases plan and dry-run a Llama-405B-shaped model at TP8/PP16, a 256-expert,
+61-layer MoE and DeepSeek-V3 671B (as its config.json describes it) at EP64/PP16 from metadata alone
+(no tensor bytes exist) and report time, peak RSS, tensor and file counts, and the wall time their
+conversion would take on 1, 8 and 32 hosts (``--shard-index``) at the bytes per second measured for
+``TP8 -> TP2``.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from bench_markdown import markdown, run_context
+from bench_markdown import PROJECTED_HOSTS, PROJECTION_CASE, markdown, projected_text, projection_rate, run_context
 from bench_optimizer import OPTIM_CASES, OPTIM_SCALE, optimizer_plan, optimizer_sources
 from pgconvert.model.config import AttentionConfig, MLPConfig, ModelConfig, MoEConfig, NormConfig, PositionConfig
 from pgconvert.formats import SaveOptions
@@ -423,7 +425,27 @@ def plan_models() -> dict[str, tuple[ModelConfig, ParallelLayout]]:
     return {
         "Llama-405B TP8/PP16": (llama_405b, ParallelLayout(tp=8, pp=16, first_stage_layers=7, last_stage_layers=7)),
         "MoE 256x61 EP64/PP16": (moe_256, ParallelLayout(tp=1, pp=16, ep=64, first_stage_layers=3, last_stage_layers=2)),
+        "DeepSeek-V3 671B EP64/PP16": (deepseek_v3_671b(), ParallelLayout(tp=1, pp=16, ep=64, first_stage_layers=3,
+                                                                          last_stage_layers=2)),
     }
+
+
+def deepseek_v3_671b() -> ModelConfig:
+    """DeepSeek-V3 as its released config.json describes it (MLA, 256 routed experts, one MTP layer, YaRN)."""
+    from pgconvert.formats.hf import model_config_from_hf
+
+    doc = dict(
+        architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", vocab_size=129280, hidden_size=7168,
+        intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128,
+        num_key_value_heads=128, n_shared_experts=1, n_routed_experts=256, num_experts_per_tok=8, n_group=8,
+        topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=3, q_lora_rank=1536,
+        kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, rms_norm_eps=1e-6,
+        max_position_embeddings=163840, tie_word_embeddings=False, torch_dtype="bfloat16", rope_theta=10000,
+        num_nextn_predict_layers=1, scoring_func="sigmoid", topk_method="noaux_tc",
+        rope_scaling={"type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
+                      "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096},
+    )
+    return model_config_from_hf(doc, Path("DeepSeek-V3/config.json"))[1]
 
 
 def plan_child(name: str, report: Path) -> None:
@@ -475,13 +497,16 @@ def print_cases(cases: list[Case]) -> None:
               f"{case.digest[:12]:>13}")
 
 
-def print_plan_cases(cases: list[PlanCase]) -> None:
-    print(f"{'shape-only plan + dry-run':<24} {'layout':<22} {'tensors':>9} {'files':>6} {'planned GiB':>12} "
-          f"{'wall s':>7} {'peak RSS MiB':>13}")
+def print_plan_cases(cases: list[PlanCase], rate: float | None) -> None:
+    hosts = " ".join(f"{f'{count} host(s)':>11}" for count in PROJECTED_HOSTS)
+    print(f"{'shape-only plan + dry-run':<28} {'layout':<22} {'tensors':>9} {'files':>6} {'planned GiB':>12} "
+          f"{'wall s':>7} {'peak RSS MiB':>13}   projected wall: {hosts}")
     for case in cases:
         verdict = "ok" if case.seconds < PLAN_SECONDS_GOAL and case.peak_rss_bytes < PLAN_RSS_GOAL else "over"
-        print(f"{case.name:<24} {case.layout:<22} {case.tensors:>9} {case.files:>6} "
-              f"{case.planned_bytes / 2**30:>12.1f} {case.seconds:>7.2f} {case.peak_rss_bytes / 2**20:>13.1f} {verdict}")
+        projected = " ".join(f"{projected_text(case.planned_bytes, rate, count):>11}" for count in PROJECTED_HOSTS)
+        print(f"{case.name:<28} {case.layout:<22} {case.tensors:>9} {case.files:>6} "
+              f"{case.planned_bytes / 2**30:>12.1f} {case.seconds:>7.2f} {case.peak_rss_bytes / 2**20:>13.1f} {verdict:<4}"
+              f"                   {projected}")
 
 
 def results_doc(summary: dict[str, object], cases: list[Case], plan_cases: list[PlanCase]) -> dict[str, object]:
@@ -491,6 +516,7 @@ def results_doc(summary: dict[str, object], cases: list[Case], plan_cases: list[
                                   "bytes_per_second": case.bytes_per_second,
                                   "cpu_seconds_per_gib": case.cpu_seconds_per_gib} for case in cases],
         "plan_cases": [asdict(case) for case in plan_cases],
+        "projection_rate": projection_rate(cases),
     }
 
 
@@ -513,7 +539,11 @@ def report(options: argparse.Namespace, summary: dict[str, object], cases: list[
               f"largest tensor {int(summary['largest_tensor']) / 2**20:.0f} MiB; {options.repeat} pair(s) per case")
         print_cases(cases)
     if plan_cases:
-        print_plan_cases(plan_cases)
+        rate = doc.get("projection_rate")
+        print_plan_cases(plan_cases, rate if isinstance(rate, float) else None)
+        if isinstance(rate, float):
+            print(f"projected at {rate / 2**20:.0f} MiB/s per host ({PROJECTION_CASE}, one process, measured above); "
+                  "hosts split the files with --shard-index, each reading and writing its own share")
 
 
 def convert_all(options: argparse.Namespace) -> tuple[dict[str, object], list[Case]]:

@@ -150,18 +150,50 @@ def _case_table(cases: list[dict[str, Any]]) -> list[str]:
     return [*lines, ""]
 
 
-def _plan_table(cases: list[dict[str, Any]]) -> list[str]:
+# Hosts a shape-only plan's conversion time is projected for (split with --shard-index), and the measured
+# case whose bytes per second the projection uses.
+PROJECTED_HOSTS = (1, 8, 32)
+PROJECTION_CASE = "TP8 -> TP2"
+
+
+def projection_rate(cases: list[Any]) -> float | None:
+    """Bytes per second of this version's one-process ``PROJECTION_CASE`` (None when it was not run)."""
+    for case in cases:
+        fields = case if isinstance(case, dict) else vars(case)
+        if fields["name"] == PROJECTION_CASE and fields["workers"] == 1 and fields.get("baseline") is not True \
+                and fields["seconds"] and fields.get("python") == sys.executable:
+            return float(fields["bytes_written"] / fields["seconds"])
+    return None
+
+
+def projected_text(planned_bytes: int, rate: float | None, hosts: int) -> str:
+    """The projected wall time of writing ``planned_bytes`` on ``hosts`` hosts at ``rate`` bytes/s each."""
+    if not rate:
+        return "-"
+    seconds = planned_bytes / rate / hosts
+    return f"{seconds / 60:.1f} min" if seconds >= 60 else f"{seconds:.0f} s"
+
+
+def _plan_table(cases: list[dict[str, Any]], rate: float | None) -> list[str]:
     if not cases:
         return []
-    lines = ["| shape-only plan + dry-run | layout | tensors | files | planned | wall s | peak RSS MiB |",
-             "|---|---|---|---|---|---|---|"]
+    hosts = [f"projected, {count} host{'s' if count > 1 else ''}" for count in PROJECTED_HOSTS]
+    lines = ["| shape-only plan + dry-run | layout | tensors | files | planned | wall s | peak RSS MiB | "
+             + " | ".join(hosts) + " |", "|---|---|---|---|---|---|---|" + "---|" * len(hosts)]
     for case in cases:
+        projected = " | ".join(projected_text(case["planned_bytes"], rate, count) for count in PROJECTED_HOSTS)
         lines.append(f"| {_cell(case['name'])} | `{_cell(case['layout'])}` | {case['tensors']:,} | {case['files']:,} | "
-                     f"{_size(case['planned_bytes'])} | {case['seconds']:.2f} | {case['peak_rss_bytes'] / 2**20:.0f} |")
-    return [*lines, ""]
+                     f"{_size(case['planned_bytes'])} | {case['seconds']:.2f} | {case['peak_rss_bytes'] / 2**20:.0f} | "
+                     f"{projected} |")
+    note = (f"Projected: the planned bytes at the measured bytes per second of `{PROJECTION_CASE}` (one process, "
+            f"{rate / 2**20:.0f} MiB/s), divided among hosts that split the files with `--shard-index` "
+            "(each reading and writing its own share at that rate)." if rate else
+            f"No projection: `{PROJECTION_CASE}` was not measured in this run.")
+    return [*lines, "", note, ""]
 
 
 def markdown(doc: dict[str, Any]) -> str:
     """docs/benchmarks.md from the results document."""
-    lines = [*_header(doc), *_case_table(doc["cases"]), *_plan_table(doc["plan_cases"]), COLUMNS]
+    lines = [*_header(doc), *_case_table(doc["cases"]), *_plan_table(doc["plan_cases"], doc.get("projection_rate")),
+             COLUMNS]
     return "\n".join(lines)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -120,6 +122,21 @@ def main() -> None:
 
     Example: pgconvert --dst-tp 2 ckpt_tp8/ ckpt_tp2/
     """
+    _idle_threads_sleep()
+
+
+def _idle_threads_sleep() -> None:
+    """OpenMP worker threads that sleep when idle rather than spin: a conversion runs short parallel kernels
+    (finiteness checks, casts) between reads and writes, and spinning workers burn CPU time for nothing.
+    Set before torch loads (no command imports it before this), and only where the user has not chosen."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def _settle_imports() -> None:
+    """Move everything imported so far out of the garbage collector's sight (``gc.freeze``): the modules,
+    classes and functions of torch and the library are never garbage, and a conversion's allocations
+    would otherwise have the collector walk them again and again."""
+    gc.freeze()
 
 
 HelpSections = Sequence[tuple[str, Sequence[str]]]
@@ -290,6 +307,7 @@ def convert_command(src: Path, dst: Path, src_format: str, dst_format: str, src_
     """Convert SRC into DST (the default command)."""
     from pgconvert.run.convert import ConvertRequest
 
+    _settle_imports()
     _configure_logging(quiet, verbose)
     request = ConvertRequest(
         src=src, dst=dst,
@@ -647,6 +665,8 @@ def batch_command(plan_file: Path, jobs: int, force: bool, verify_hashes: bool, 
     Entries whose destination already holds a matching pgconvert.json are skipped unless --force.
     """
     from pgconvert.run.batch import run_batch
+
+    _settle_imports()
 
     def progress(result: Any) -> None:
         click.echo(f"{result.status:<7} {result.label}: {result.dst}"

@@ -308,6 +308,9 @@ def conversion_plan(src: Path, workdir: Path, workers: int) -> list[tuple[str, l
         plan.append(("torch_dist -> TP2", ["--dst-format", "megatron", "--dst-tp", "2", str(workdir / "dist")],
                      workdir / "dist_tp2", 1))
     plan += optimizer_plan(workdir)
+    # The same conversions with the manifest's sha256 off (``--digest none``: sizes only).
+    plan += [(f"{name} digest none", [*args[:-1], *NO_DIGEST, args[-1]], dst.with_name(dst.name + "_nodigest"), 1)
+             for name, args, dst, _ in list(plan) if name in ("TP8 -> TP2", "TP8 -> HF", "HF -> TP4")]
     if workers > 1:
         plan += [(name, args, dst.with_name(dst.name + "_workers"), workers)
                  for name, args, dst, _ in list(plan) if name.endswith(("TP2", "TP1", "PP2", "TP4"))]
@@ -345,7 +348,7 @@ def run_conversions(options: argparse.Namespace, src: Path, workdir: Path, large
     cases = []
     for name, args, dst, workers in conversion_plan(src, workdir, options.workers):
         # Each source made by a conversion is kept for the case that reads it.
-        readers = {"TP8 -> HF": ("HF -> TP4", *FP8_CASES), "TP8 -> torch_dist": ("torch_dist -> TP2",)}
+        readers = {"TP8 -> HF": ("HF -> TP4", "HF -> TP4 digest none", *FP8_CASES), "TP8 -> torch_dist": ("torch_dist -> TP2",)}
         if wanted is not None and name not in wanted and not wanted & set(readers.get(name, ())):
             continue
         if name in FP8_CASES:
@@ -357,6 +360,8 @@ def run_conversions(options: argparse.Namespace, src: Path, workdir: Path, large
             per_rank, dist, largest = optimizer_sources(workdir, options.optim_scale, bench_config, SeededSource)
             floor_src = dist if "torch_dist(dp)" in name else per_rank
         for python in pythons:
+            if python != sys.executable and NO_DIGEST[0] in args:
+                continue  # an option this version added: the baseline has no such run
             cases.append(measure(name, python, args, dst, workers, floor_src, options.repeat, largest))
         if name not in readers:
             shutil.rmtree(dst, ignore_errors=True)
@@ -364,6 +369,7 @@ def run_conversions(options: argparse.Namespace, src: Path, workdir: Path, large
 
 
 FP8_CASES = ("HF-FP8 -> HF", "HF-FP8 -> HF keep", "HF-FP8 -> TP4")
+NO_DIGEST = ("--digest", "none")
 DEEPSEEK_CASES = ("HF-FP8(DeepSeek) -> TP2/EP4", "HF-FP8(DeepSeek) -> HF")
 
 

@@ -17,7 +17,7 @@ import click
 
 from pgconvert.version import __version__
 from pgconvert.errors import PgconvertError
-from pgconvert.formats.names import DTYPE_NAMES, EXPERT_LAYOUTS, loader_names, saver_names
+from pgconvert.formats.names import DIGEST_CHOICES, DTYPE_NAMES, EXPERT_LAYOUTS, loader_names, saver_names
 from pgconvert.model.config import MTP_LAYER_MODULES
 
 if TYPE_CHECKING:
@@ -152,7 +152,7 @@ CONVERT_HELP_SECTIONS: HelpSections = (
     ("Naming", ("--dst-transformer-impl", "--dst-expert-layout", "--dst-mtp-layer-name")),
     ("HF output", ("--max-shard-size", "--hf-config", "--generation-config", "--tokenizer", "--keep-fp8")),
     ("Optimizer state", ("--skip-optimizer", "--dst-dp", "--dst-optim-form")),
-    ("Safety", ("--strict", "--check-finite", "--skip-finite-check")),
+    ("Safety", ("--strict", "--check-finite", "--skip-finite-check", "--digest")),
     ("Scale-out", ("--workers", "--max-memory", "--shard-index", "--num-shards")),
 )
 # Options click adds to every command itself; a section may place them.
@@ -269,6 +269,10 @@ def _layout_option(name: str, help_text: str) -> Any:
 @click.option("--check-finite", "finite_mode", flag_value="error",
               help="Refuse tensors holding NaN or Inf (by default they are converted with a warning).")
 @click.option("--skip-finite-check", "finite_mode", flag_value="off", help="Do not scan tensors for NaN/Inf.")
+@click.option("--digest", type=click.Choice(DIGEST_CHOICES), default="sha256", show_default=True,
+              help="What pgconvert.json records of each written file besides its size: its sha256, computed as "
+                   "it is written (about 0.8 CPU-seconds per GiB; verify and batch --verify-hashes check it), "
+                   "or none (sizes only; verify still compares every tensor).")
 @click.option("--dry-run", is_flag=True,
               help="Print the plan (each destination file: tensors, bytes, optimizer state carried); write nothing.")
 @click.option("--overwrite", is_flag=True, help="Replace a non-empty DST (only once the new one is complete).")
@@ -300,6 +304,7 @@ def convert_command(src: Path, dst: Path, src_format: str, dst_format: str, src_
                     hf_config: Path | None, generation_config: Path | None, tokenizer: Path | None,
                     workers: int, max_memory: int | None,
                     shard_index: int | None, num_shards: int | None, strict: bool, finite_mode: str | None,
+                    digest: str,
                     dry_run: bool, overwrite: bool,
                     quiet: bool, verbose: bool, keep_fp8: bool = False, skip_optimizer: bool = False,
                     dst_dp: int | None = None, dst_optim_form: str | None = None,
@@ -320,7 +325,7 @@ def convert_command(src: Path, dst: Path, src_format: str, dst_format: str, src_
         dst_pipeline_layout=dst_pipeline_layout,
         dst_transformer_impl=dst_transformer_impl, dst_expert_layout=dst_expert_layout,
         iteration=iteration, true_vocab_size=true_vocab_size, dtype=dtype, overwrite=overwrite,
-        strict=strict, check_finite=finite_mode or "warn",
+        strict=strict, check_finite=finite_mode or "warn", digest=digest,
         max_shard_size=max_shard_size, hf_config=hf_config, workers=workers, max_memory=max_memory,
         generation_config=generation_config, tokenizer=tokenizer,
         keep_fp8=keep_fp8,

@@ -31,3 +31,7 @@ def loader_names() -> list[str]:
 
 def saver_names() -> list[str]:
     return sorted(targets("pgconvert.savers", BUILTIN_SAVERS))
+
+# What the manifest records of each written file besides its size (``--digest``): its sha256, computed as
+# the file is written, or nothing.
+DIGEST_CHOICES = ("sha256", "none")

@@ -18,11 +18,14 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import hashlib
 import logging
 import mmap
 import os
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from contextvars import ContextVar
+from hashlib import sha256
 from pathlib import Path
 from types import TracebackType
 
@@ -34,6 +37,18 @@ BLOCK = 4096  # the alignment O_DIRECT needs of offsets, lengths and memory on c
 _DIRECT = getattr(os, "O_DIRECT", 0)
 # Environment switch to write through the page cache (for measuring, or a file system that misbehaves).
 BUFFERED_ENV = "PGCONVERT_BUFFERED_WRITES"
+# Whether output files opened here are hashed (``--digest``): set around a conversion by ``digests``.
+_DIGESTS: ContextVar[bool] = ContextVar("pgconvert_digests", default=True)
+
+
+@contextmanager
+def digests(enabled: bool) -> Iterator[None]:
+    """Within the block, ``OutputFile`` computes each file's sha256 (``enabled``) or none (``sha256`` None)."""
+    token = _DIGESTS.set(enabled)
+    try:
+        yield
+    finally:
+        _DIGESTS.reset(token)
 
 
 class OutputFile:
@@ -49,7 +64,8 @@ class OutputFile:
         self.path = path
         self.sha256: str | None = None
         self.size: int | None = None
-        self._digest = hashlib.sha256()
+        self._digest = sha256() if _DIGESTS.get() else None
+        self._closed = False
         self._fd = self._open(path)
         self._buffers = [mmap.mmap(-1, BUFFER_BYTES) for _ in range(BUFFERS)]
         self._views = [memoryview(buffer) for buffer in self._buffers]
@@ -101,9 +117,9 @@ class OutputFile:
     def flush(self) -> None:
         """Nothing to do before ``close``: staged bytes are written there (kept for file-like callers)."""
 
-    def hexdigest(self) -> str:
-        """The sha256 of every byte written; only after ``close``."""
-        if self.sha256 is None:
+    def hexdigest(self) -> str | None:
+        """The sha256 of every byte written (None when digests are off); only after ``close``."""
+        if not self._closed:
             raise RuntimeError(f"{self.path}: the digest is known once the file is closed")
         return self.sha256
 
@@ -116,11 +132,13 @@ class OutputFile:
     def _hand_off(self) -> None:
         """Send the current buffer's filled bytes to be hashed and written; move to the next buffer."""
         view = self._views[self._current][:self._filled]
-        self._pending[self._current] = [self._hasher.submit(self._digest.update, view),
-                                        self._writer.submit(self._write_at, view, self._handed)]
+        self._pending[self._current] = [*self._hashed(view), self._writer.submit(self._write_at, view, self._handed)]
         self._handed += self._filled
         self._current = (self._current + 1) % BUFFERS
         self._filled = 0
+
+    def _hashed(self, view: memoryview) -> list[Future[None]]:
+        return [] if self._digest is None else [self._hasher.submit(self._digest.update, view)]
 
     def _write_at(self, view: memoryview, position: int) -> None:
         """Write ``view`` at ``position``; a refused O_DIRECT write is retried through the page cache."""
@@ -169,7 +187,7 @@ class OutputFile:
             padded = -(-tail // BLOCK) * BLOCK if self.direct else tail
             view = self._views[self._current]
             view[tail:padded] = bytes(padded - tail)
-            self._pending[self._current] = [self._hasher.submit(self._digest.update, view[:tail]),
+            self._pending[self._current] = [*self._hashed(view[:tail]),
                                             self._writer.submit(self._write_at, view[:padded], self._handed)]
             self._handed, self._filled = size, 0
         for index in range(BUFFERS):
@@ -179,4 +197,5 @@ class OutputFile:
             os.fsync(self._fd)
         except OSError as exc:
             raise OSError(exc.errno, exc.strerror, str(self.path)) from exc
-        self.sha256, self.size = self._digest.hexdigest(), size
+        self.sha256 = None if self._digest is None else self._digest.hexdigest()
+        self.size, self._closed = size, True

@@ -31,6 +31,8 @@ from pgconvert.errors import ConversionError, DestinationError, StrictModeError,
 from pgconvert.formats import DTYPE_CHOICES, LoadOptions, PlannedFile, SaveOptions, Saver, SaveResult
 from pgconvert.model.layout import ParallelLayout
 from pgconvert.model.layout_spec import LayoutSpec
+from pgconvert.formats.names import DIGEST_CHOICES
+from pgconvert.io.output import digests
 from pgconvert.run.manifest import Manifest, record_files, write_manifest
 from pgconvert.formats.hf_quantized import check_keep_fp8
 from pgconvert.optimizer.carry import carry_training_state, check_optimizer_options, replace_saver_notice
@@ -73,6 +75,7 @@ class ConvertRequest:
     overwrite: bool = False
     strict: bool = False
     check_finite: str = "warn"
+    digest: str = "sha256"
     max_shard_size: int | None = None
     hf_config: Path | None = None
     # HF side files to write (or carry in hf/) instead of the source's: see pgconvert.formats.hf_side.
@@ -227,6 +230,8 @@ def plan(request: ConvertRequest, check_dst: bool = True) -> Plan:
             raise DestinationError(
                 f"--check-finite {request.check_finite}: must be one of {', '.join(CHECK_FINITE_CHOICES)}")
         source.check_finite = request.check_finite
+        if request.digest not in DIGEST_CHOICES:
+            raise DestinationError(f"--digest {request.digest}: must be one of {', '.join(DIGEST_CHOICES)}")
         # A format without parallel layouts (hf) starts from an unsharded layout, not the source's.
         layout_base = source.layout if saver.parallel else None
         save_options = SaveOptions(
@@ -395,16 +400,22 @@ def _save(conversion: Plan, staging: Path, progress: Callable[[int], None]) -> S
     return conversion.saver.save(conversion.source, staging, conversion.save_options, progress)
 
 
+def hashing(request: ConvertRequest) -> bool:
+    """Whether the conversion's output files get a sha256 in the manifest (``--digest``)."""
+    return request.digest != "none"
+
+
 def execute(conversion: Plan, progress: Callable[[int], None] | None = None) -> Report:
     """Write the planned destination; the source is closed afterwards."""
     request = conversion.request
     started = time.perf_counter()
     try:
-        with staged_output(request.dst, request.overwrite) as staging:
+        with digests(hashing(request)), staged_output(request.dst, request.overwrite) as staging:
             result = _save(conversion, staging, progress or (lambda nbytes: None))
             result.notices = replace_saver_notice(result.notices, carry_training_state(conversion, staging, result.files))
             # Inside the staging directory: only an output that is complete ever has a manifest.
-            write_manifest(staging, Manifest.for_conversion(conversion, record_files(staging, result.files)))
+            records = record_files(staging, result.files, hashing(request))
+            write_manifest(staging, Manifest.for_conversion(conversion, records))
     except OSError as exc:
         where = f" ({exc.filename})" if exc.filename else ""
         raise ConversionError(

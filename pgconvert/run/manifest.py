@@ -42,11 +42,12 @@ HASH_CHUNK_BYTES = 8 * 1024 * 1024
 
 @dataclass(frozen=True)
 class FileRecord:
-    """One written file: its path relative to the output root (POSIX separators), size and sha256."""
+    """One written file: its path relative to the output root (POSIX separators), size and sha256 (None when
+    the conversion ran with ``--digest none``)."""
 
     path: str
     size: int
-    sha256: str
+    sha256: str | None
 
 
 @dataclass(frozen=True)
@@ -132,7 +133,7 @@ class Manifest:
             files.append(FileRecord(
                 path=_confined(reader.get(item, "path", str, f"files[{index}]."), where, index),
                 size=reader.get(item, "size", int, f"files[{index}]."),
-                sha256=reader.get(item, "sha256", str, f"files[{index}]."),
+                sha256=reader.get(item, "sha256", (str, type(None)), f"files[{index}]."),
             ))
         return cls(
             tool_version=reader.get(doc, "tool_version", str),
@@ -196,11 +197,11 @@ def hash_file(path: Path, relpath: str) -> FileRecord:
     return FileRecord(relpath, size, digest.hexdigest())
 
 
-def record_files(root: Path, written: Sequence[PlannedFile] = ()) -> list[FileRecord]:
+def record_files(root: Path, written: Sequence[PlannedFile] = (), digests: bool = True) -> list[FileRecord]:
     """Every regular file under ``root`` (but the manifest itself), sorted by relative path.
 
     Files a saver hashed while writing them (``written`` entries with a sha256 and the same size
-    on disk) are not read again.
+    on disk) are not read again; without ``digests`` no file is read (sizes only, sha256 None).
     """
     known = {item.relpath: item for item in written if item.sha256 is not None and item.size is not None}
     records = []
@@ -212,7 +213,9 @@ def record_files(root: Path, written: Sequence[PlannedFile] = ()) -> list[FileRe
             if relpath == MANIFEST_FILE or not path.is_file():
                 continue
             item = known.get(relpath)
-            if item is not None and item.size == path.stat().st_size:
+            if not digests:
+                records.append(FileRecord(relpath, path.stat().st_size, None))
+            elif item is not None and item.size == path.stat().st_size:
                 assert item.sha256 is not None and item.size is not None
                 records.append(FileRecord(relpath, item.size, item.sha256))
             else:
@@ -250,7 +253,8 @@ def _confined(relpath: str, where: Path, index: int) -> str:
 
 
 def file_problems(root: Path, manifest: Manifest, hashes: bool = True) -> list[str]:
-    """Every listed file that is missing, of another size, or (with ``hashes``) of another sha256.
+    """Every listed file that is missing, of another size, or (with ``hashes``) of another sha256 than the
+    one recorded (a file recorded without one, ``--digest none``, is checked by size).
 
     A listed path that leads outside ``root`` (through a symlink) is refused, never read.
     """
@@ -266,8 +270,9 @@ def file_problems(root: Path, manifest: Manifest, hashes: bool = True) -> list[s
         if size != record.size:
             problems.append(f"{record.path}: {size} bytes, {MANIFEST_FILE} records {record.size}")
             continue
-        if hashes:
+        if hashes and record.sha256 is not None:
             actual = hash_file(path, record.path).sha256
+            assert actual is not None
             if actual != record.sha256:
                 problems.append(
                     f"{record.path}: sha256 {actual[:16]}… differs from the {record.sha256[:16]}… in {MANIFEST_FILE}"

@@ -22,7 +22,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Protocol
 
-from pgconvert.run.convert import ConvertRequest, Plan, plan, promote
+from pgconvert.io.output import digests
+from pgconvert.run.convert import ConvertRequest, Plan, hashing, plan, promote
 from pgconvert.run.destination import SHARED_STAGING_MARKER, sibling
 from pgconvert.errors import ConversionError, ValidationError
 from pgconvert.formats import SaveResult
@@ -180,8 +181,9 @@ def run_shard(request: ConvertRequest, index: int, count: int, coordinator_kind:
         coordinator = FileCoordinator(staging, count)
     share = balanced_shares(conversion.files, count)[index]
     try:
-        result = conversion.saver.save(conversion.source, staging, conversion.save_options,
-                                       lambda nbytes: None, only=set(share))
+        with digests(hashing(request)):
+            result = conversion.saver.save(conversion.source, staging, conversion.save_options,
+                                           lambda nbytes: None, only=set(share))
     except BaseException as exc:
         coordinator.shard_failed(index, f"{type(exc).__name__}: {exc}")
         conversion.source.close()
@@ -211,7 +213,8 @@ def convert_shard(request: ConvertRequest, index: int, count: int, coordinator_k
     from pgconvert.run.manifest import Manifest, record_files, write_manifest
 
     def finish(conversion: Plan, staging: Path, result: SaveResult) -> None:
-        write_manifest(staging, Manifest.for_conversion(conversion, record_files(staging, result.files)))
+        write_manifest(staging, Manifest.for_conversion(conversion, record_files(staging, result.files,
+                                                                                 hashing(request))))
 
     try:
         return run_shard(request, index, count, coordinator_kind, finish=finish)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pgconvert.errors import ValidationError
+from pgconvert.io.output import digests
 from pgconvert.formats import PlannedFile, SaveResult
 
 if TYPE_CHECKING:
@@ -63,8 +64,9 @@ def _open_worker_plan(open_plan: PlanOpener, request: ConvertRequest) -> None:
 
 
 def _write(conversion: Plan, staging: str, relpaths: Sequence[str]) -> tuple[list[PlannedFile], list[str]]:
-    result = conversion.saver.save(conversion.source, Path(staging), conversion.save_options,
-                                   lambda nbytes: None, only=set(relpaths))
+    with digests(conversion.request.digest != "none"):
+        result = conversion.saver.save(conversion.source, Path(staging), conversion.save_options,
+                                       lambda nbytes: None, only=set(relpaths))
     return result.files, result.notices
 
 

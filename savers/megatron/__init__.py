@@ -57,8 +57,9 @@ from pgconvert.savers.megatron.optimizer import carry_optimizer, planned_optimiz
 log = logging.getLogger(__name__)
 
 
-def save_durably(state: dict[str, Any], path: Path) -> str:
-    """Write ``state`` in torch.save's format into ``path`` and fsync it; returns the file's sha256.
+def save_durably(state: dict[str, Any], path: Path) -> str | None:
+    """Write ``state`` in torch.save's format into ``path`` and fsync it; returns the file's sha256 (None
+    when digests are off, ``io.output.digests``).
 
     ``PlannedTensor`` values are produced one at a time as their records are written, so memory
     holds one tensor, not the file. A failed write surfaces as the OSError behind it, naming the

@@ -39,7 +39,7 @@ from pgconvert.optimizer.source import (CARRIED_KEYS, FORM_DISTRIBUTED, FORM_FP1
 
 log = logging.getLogger(__name__)
 
-Save = Callable[[dict[str, Any], Path], str]
+Save = Callable[[dict[str, Any], Path], str | None]
 
 
 def _planned(source: OptimizerSource, slot: OptimizerSlot, key: str, rows: int | None) -> PlannedTensor:

@@ -107,12 +107,18 @@ def test_a_vocab_table_fitted_to_more_rows_reads_the_stored_rows_and_zeros_the_r
     store.handles.close()
 
 
-def test_runs_of_more_than_iov_max_rows_take_several_calls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    full = _random((3000, 256), torch.float32, 5)
-    store = Stored(tmp_path / "rows.pt", {"p": full})
+def _counting_preadv_buffers(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Patch ``os.preadv`` to record how many buffers each call fills."""
     calls: list[int] = []
     real = os.preadv
     monkeypatch.setattr(os, "preadv", lambda fd, buffers, offset: (calls.append(len(buffers)), real(fd, buffers, offset))[1])
+    return calls
+
+
+def test_runs_of_more_than_iov_max_rows_take_several_calls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    full = _random((3000, 256), torch.float32, 5)
+    store = Stored(tmp_path / "rows.pt", {"p": full})
+    calls = _counting_preadv_buffers(monkeypatch)
     out = torch.empty(3000, 512)
     fd, region = store.locate(store.loaded["p"])  # type: ignore[misc]
     read_region(fd, region, out[:, 256:])  # every row lands strided: 3000 runs, contiguous in the file
@@ -124,9 +130,7 @@ def test_runs_of_more_than_iov_max_rows_take_several_calls(tmp_path: Path, monke
 def test_tiny_runs_are_read_as_one_span_and_gathered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     full = _random((8000, 6), torch.bfloat16, 9)
     store = Stored(tmp_path / "narrow.pt", {"p": full})
-    calls: list[int] = []
-    real = os.preadv
-    monkeypatch.setattr(os, "preadv", lambda fd, buffers, offset: (calls.append(len(buffers)), real(fd, buffers, offset))[1])
+    calls = _counting_preadv_buffers(monkeypatch)
     window = store.loaded["p"][:, 2:5]  # 6-byte runs, 8000 of them
     out = torch.empty(8000, 3, dtype=torch.bfloat16)
     fd, region = store.locate(window)  # type: ignore[misc]

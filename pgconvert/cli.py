@@ -150,9 +150,10 @@ CONVERT_HELP_SECTIONS: HelpSections = (
                 "--dst-pipeline-layout", "--dst-expert-tp")),
     ("Source", ("--src-format", "--src-tp", "--src-pp", "--src-ep", "--true-vocab-size")),
     ("Naming", ("--dst-transformer-impl", "--dst-expert-layout", "--dst-mtp-layer-name")),
-    ("HF output", ("--max-shard-size", "--hf-config", "--generation-config", "--tokenizer", "--keep-fp8")),
+    ("Output files", ("--max-shard-size", "--digest")),
+    ("HF output", ("--hf-config", "--generation-config", "--tokenizer", "--keep-fp8")),
     ("Optimizer state", ("--skip-optimizer", "--dst-dp", "--dst-optim-form")),
-    ("Safety", ("--strict", "--check-finite", "--skip-finite-check", "--digest")),
+    ("Safety", ("--strict", "--check-finite", "--skip-finite-check")),
     ("Scale-out", ("--workers", "--max-memory", "--shard-index", "--num-shards")),
 )
 # Options click adds to every command itself; a section may place them.

@@ -17,8 +17,8 @@ from click.testing import CliRunner
 from pgconvert.cli import CONVERT_HELP_SECTIONS, SectionedCommand, main
 
 ROOT = Path(__file__).resolve().parent.parent
-CONVERT_HEADINGS = ["Common options", "Layout", "Source", "Naming", "HF output", "Optimizer state", "Safety",
-                    "Scale-out"]
+CONVERT_HEADINGS = ["Common options", "Layout", "Source", "Naming", "Output files", "HF output", "Optimizer state",
+                    "Safety", "Scale-out"]
 
 
 def _option_names(command: click.Command) -> list[str]:

@@ -329,10 +329,7 @@ def convert_command(src: Path, dst: Path, src_format: str, dst_format: str, src_
         strict=strict, check_finite=finite_mode or "warn", digest=digest,
         max_shard_size=max_shard_size, hf_config=hf_config, workers=workers, max_memory=max_memory,
         generation_config=generation_config, tokenizer=tokenizer,
-        keep_fp8=keep_fp8,
-        skip_optimizer=skip_optimizer,
-        dst_dp=dst_dp,
-        dst_optim_form=dst_optim_form,
+        keep_fp8=keep_fp8, skip_optimizer=skip_optimizer, dst_dp=dst_dp, dst_optim_form=dst_optim_form,
         dst_mtp_layer_name=dst_mtp_layer_name,
     )
     try:

@@ -196,6 +196,15 @@ def destination_layout(request: ConvertRequest, src_layout: ParallelLayout | Non
     )
 
 
+def _check_choices(request: ConvertRequest) -> None:
+    """The options that take one of a few values (a library caller passes them unchecked by click)."""
+    for flag, value, choices in (("--dtype", request.dtype, tuple(DTYPE_CHOICES)),
+                                 ("--check-finite", request.check_finite, CHECK_FINITE_CHOICES),
+                                 ("--digest", request.digest, DIGEST_CHOICES)):
+        if value not in choices:
+            raise DestinationError(f"{flag} {value}: must be one of {', '.join(choices)}")
+
+
 def plan(request: ConvertRequest, check_dst: bool = True) -> Plan:
     """Open the source and compute every destination file; validates everything, writes nothing (it
     only removes what killed runs left beside DST, see ``remove_leftovers``).
@@ -213,8 +222,7 @@ def plan(request: ConvertRequest, check_dst: bool = True) -> Plan:
     saver = get_saver(dst_format)
     if request.keep_fp8:
         check_keep_fp8(loader, saver)
-    if request.dtype not in DTYPE_CHOICES:
-        raise DestinationError(f"--dtype {request.dtype}: must be one of {', '.join(DTYPE_CHOICES)}")
+    _check_choices(request)
     source = loader.open(src, LoadOptions(
         iteration=request.iteration,
         src_tp=request.src_tp,
@@ -226,12 +234,7 @@ def plan(request: ConvertRequest, check_dst: bool = True) -> Plan:
         dequantize_dtype=DTYPE_CHOICES[request.dtype],  # one rounding, to the dtype asked for
     ))
     try:
-        if request.check_finite not in CHECK_FINITE_CHOICES:
-            raise DestinationError(
-                f"--check-finite {request.check_finite}: must be one of {', '.join(CHECK_FINITE_CHOICES)}")
         source.check_finite = request.check_finite
-        if request.digest not in DIGEST_CHOICES:
-            raise DestinationError(f"--digest {request.digest}: must be one of {', '.join(DIGEST_CHOICES)}")
         # A format without parallel layouts (hf) starts from an unsharded layout, not the source's.
         layout_base = source.layout if saver.parallel else None
         save_options = SaveOptions(

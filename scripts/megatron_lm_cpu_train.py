@@ -266,7 +266,7 @@ def install_distopt_sharded_load_fix() -> None:
     Also (any device): ``load_parameter_state_from_dp_reshardable`` (distrib_optimizer.py:2071) lacks the
     ``@torch.no_grad()`` of its ``fully_reshardable`` and ``fully_sharded_model_space`` siblings (2105,
     2368); with fp32 weights (no ``--bf16``/``--fp16``) the main params are views of the model's
-    parameters (466), and its copy into them (1225) raises ``RuntimeError: a view of a leaf Variable
+    parameters (467), and its copy into them (1225) raises ``RuntimeError: a view of a leaf Variable
     that requires grad is being used in an in-place operation``. It runs under ``torch.no_grad()`` here."""
     from megatron.core.optimizer import distrib_optimizer
 

@@ -202,10 +202,11 @@ BF16_TOLERANCES = {"exp_avg": (0.0, 0.0, 3e-2), "exp_avg_sq": (0.0, 0.0, 5e-2)}
 # (measured: equal in every digit). bf16: each layout rounds activations to bf16 (8 bits) after sums
 # taken in another order, so the losses differ from iteration 3 on, where both hold the same weights
 # (measured: 5e-6 to 1.9e-5 relative). For scale: the converted fp32 MoE run resumed without its Adam
-# state (--no-load-optim, same lr) prints losses 1.6e-5 and 7.1e-5 apart at iterations 4 and 5, so in
-# bf16 the loss alone cannot tell a lost optimizer state at this size; the state comparison does. A
-# wrong Adam step it tells: with dp_reshardable's stale step (the launcher's step fix undone), the bf16
-# torch_dist case prints losses 1.3e-4 and 3.0e-4 apart at iterations 4 and 5.
+# state (--no-load-optim with --lr 1e-4 --min-lr 1e-4 --lr-warmup-iters 0, the same lr) prints losses
+# 1.6e-5 and 7.1e-5 apart at iterations 4 and 5, so in bf16 the loss alone cannot tell a lost optimizer
+# state at this size; the state comparison does. A wrong Adam step it tells: with dp_reshardable's
+# stale step (the launcher's step fix undone), the bf16 torch_dist case prints losses 1.3e-4 and 3.0e-4
+# apart at iterations 4 and 5.
 FP32_LOSS_RTOL = 1e-6
 BF16_LOSS_RTOL = 5e-5
 # The MoE run that Megatron-LM trains here: TP1 EP2 DP2 (2 ranks), fp32, distributed optimizer, torch_dist.

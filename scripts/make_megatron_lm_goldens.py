@@ -71,11 +71,11 @@ TRAINING_RUNS: dict[str, list[str]] = {
 }
 
 
-def megatron_train(save: Path, flags: list[str], port: int) -> str:
-    """Megatron-LM's pretrain_gpt.py on 4 CPU ranks; its save_checkpoint writes ``save``."""
+def megatron_train(save: Path, flags: list[str], port: int, nproc: int = 4) -> str:
+    """Megatron-LM's pretrain_gpt.py on ``nproc`` CPU ranks; its save_checkpoint writes ``save``."""
     python, env, source = _megatron_env()
     env = dict(env, OMP_NUM_THREADS="1")
-    cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", str(port),
+    cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(port),
            str(LAUNCHER), str(source), *MODEL_FLAGS, *flags, "--save", str(save)]
     print("$", " ".join(cmd[1:]), flush=True)
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)

@@ -215,19 +215,26 @@ def install_sharding_type() -> None:
 
 
 def install_distopt_step_fix() -> None:
-    """Opt-in (``PGCONVERT_FIX_DISTOPT_STEP=1``; the resume check sets it, the goldens never do): two bugs of
-    Megatron-LM's ``DistributedOptimizer`` when it resumes with torch's Adam (no Apex/Transformer Engine),
-    which keeps a ``step`` tensor per parameter. Lines of megatron/core/optimizer/distrib_optimizer.py
-    at d98e8a64 (megatron-core 0.16.1 in brackets):
+    """Opt-in (``PGCONVERT_FIX_DISTOPT_STEP=1``; the resume check sets it, the goldens never do): bugs of
+    Megatron-LM's ``DistributedOptimizer`` when it resumes with torch's Adam (no Apex/Transformer Engine,
+    as on any CPU), which keeps a ``step`` tensor per parameter. They stop even an unconverted checkpoint
+    from resuming. Lines of megatron/core/optimizer/distrib_optimizer.py at d98e8a64 (megatron-core
+    0.16.1 in brackets):
 
-    - ``load_state_dict`` (1024-1031 [817-825]) gives every Adam state the same ``step`` tensor, made
+    - ``load_state_dict`` (1024-1032 [817-825]) gives every Adam state the same ``step`` tensor, made
       from the param groups' step; Adam's step then adds 1 to it once per parameter;
     - ``load_parameter_state`` -> ``_set_main_param_and_optimizer_states`` (1217-1223 [938-940]) copies
       every key of the state, ``step`` included, from the file's tensors, which hold only ``param``,
-      ``exp_avg`` and ``exp_avg_sq``: ``KeyError: 'step'``, so an unconverted checkpoint cannot resume.
+      ``exp_avg`` and ``exp_avg_sq``: ``KeyError: 'step'`` (per-rank ``distrib_optim.pt``);
+    - torch_dist ``dp_reshardable``: ``sharded_param_state_dp_reshardable`` keeps each state's ``step``
+      as a ``LocalNonpersistentObject`` (1963-1966 [1664-1667]), the tensor from before
+      ``load_state_dict`` set the checkpoint's step, and ``load_parameter_state_from_dp_reshardable``
+      hands that stale step to ``_set_main_param_and_optimizer_states`` (2103 [1804]), which copies it
+      over the loaded one.
 
-    Where the per-parameter state is set, each parameter gets its own copy of that step, handed in as
-    the ``step`` to set; the file's tensors are set as Megatron sets them."""
+    Where the per-parameter state is set, each parameter gets its own copy of the step
+    ``load_state_dict`` gave it (megatron-core's rule: the step comes from the param groups), whatever
+    step the caller handed in; the file's tensors are set as Megatron sets them."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     original = DistributedOptimizer._set_main_param_and_optimizer_states
@@ -238,10 +245,53 @@ def install_distopt_step_fix() -> None:
         state = self.optimizer.state[self.optimizer.param_groups[group_index]["params"][group_order]]
         if isinstance(state.get("step"), torch.Tensor):
             state["step"] = state["step"].clone()
-            tensors = {"step": state["step"], **tensors}
+            tensors = {**tensors, "step": state["step"]}
         original(self, model_param, tensors)
 
     DistributedOptimizer._set_main_param_and_optimizer_states = set_states
+
+
+def install_distopt_sharded_load_fix() -> None:
+    """Opt-in with ``install_distopt_step_fix``: a torch_dist checkpoint of the distributed optimizer
+    cannot be loaded with torch's Adam at Megatron-LM d98e8a64. ``load_checkpoint`` ->
+    ``generate_state_dict`` (megatron/training/checkpointing.py:1601) -> ``sharded_state_dict(is_loading=True)``
+    first calls ``state_dict()`` (distrib_optimizer.py:1534), which asserts that the Adam states hold
+    exactly one step (837-839 [megatron-core 0.16.1: 640-642]); a freshly built optimizer holds none:
+    ``AssertionError``. With Apex's or TE's FusedAdam the step lives in the param groups.
+
+    Before a sharded load into an optimizer that holds no state yet, every main param gets the state
+    torch's Adam gives it before its first step (``exp_avg``/``exp_avg_sq`` zeros and a ``step`` of 0);
+    the load overwrites the tensors and ``load_state_dict`` the step.
+
+    Also (any device): ``load_parameter_state_from_dp_reshardable`` (distrib_optimizer.py:2071) lacks the
+    ``@torch.no_grad()`` of its ``fully_reshardable`` and ``fully_sharded_model_space`` siblings (2105,
+    2368); with fp32 weights (no ``--bf16``/``--fp16``) the main params are views of the model's
+    parameters (467), and its copy into them (1225) raises ``RuntimeError: a view of a leaf Variable
+    that requires grad is being used in an in-place operation``. It runs under ``torch.no_grad()`` here."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    from_dp_reshardable = distrib_optimizer.DistributedOptimizer.load_parameter_state_from_dp_reshardable
+
+    def load_dp_reshardable(self: Any, state_dict: Any) -> None:
+        _note("DistributedOptimizer dp_reshardable load", "under torch.no_grad(), as its sibling loads are")
+        with torch.no_grad():
+            from_dp_reshardable(self, state_dict)
+
+    distrib_optimizer.DistributedOptimizer.load_parameter_state_from_dp_reshardable = load_dp_reshardable
+    sharded = distrib_optimizer.DistributedOptimizer.sharded_state_dict
+
+    def sharded_state_dict(self: Any, model_sharded_state_dict: Any = None, is_loading: bool = False,
+                           *args: Any, **kwargs: Any) -> Any:
+        if is_loading and not distrib_optimizer.HAVE_APEX_OR_TE and len(self.optimizer.state) == 0:
+            _note("DistributedOptimizer sharded load", "Adam's initial state (zeros, step 0) before the load")
+            for group in self.optimizer.param_groups:
+                for main in group["params"]:
+                    self.optimizer.state[main] = {"exp_avg": torch.zeros_like(main),
+                                                  "exp_avg_sq": torch.zeros_like(main), "step": torch.tensor(0.0)}
+        return sharded(self, {} if model_sharded_state_dict is None else model_sharded_state_dict, is_loading,
+                       *args, **kwargs)
+
+    distrib_optimizer.DistributedOptimizer.sharded_state_dict = sharded_state_dict
 
 
 def main() -> None:
@@ -250,6 +300,7 @@ def main() -> None:
     install_rng()
     if os.environ.get("PGCONVERT_FIX_DISTOPT_STEP") == "1":
         install_distopt_step_fix()
+        install_distopt_sharded_load_fix()
     install_dataset_helpers(source, Path(os.environ.get("MLM_HELPERS_BUILD", "/tmp/megatron_lm_helpers")))
     sys.argv = [str(source / "pretrain_gpt.py"), *sys.argv[2:]]
     install_sharding_type()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -332,13 +333,27 @@ def test_masters_in_another_order_than_megatron_cores_are_refused(tmp_path: Path
     assert expected in result.output and "Traceback" not in result.output
 
 
+RESUME_CHECK = Path(__file__).parents[1] / "scripts" / "megatron_lm_resume_check.py"
+
+
 @pytest.mark.skipif(not os.environ.get("PGCONVERT_MEGATRON_LM"),
                     reason="needs a Megatron-LM source tree in PGCONVERT_MEGATRON_LM (CI cannot fetch Megatron-LM)")
 def test_megatron_lm_resumes_from_the_converted_optimizer_as_from_the_original(tmp_path: Path) -> None:
-    script = Path(__file__).parents[1] / "scripts" / "megatron_lm_resume_check.py"
-    done = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=2400)
+    done = subprocess.run([sys.executable, str(RESUME_CHECK), str(tmp_path)], capture_output=True, text=True,
+                          timeout=7200)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    assert "agree: max |diff|" in done.stdout
+    for case in ("tp2pp2_torch", "tp2dp2_distopt_bf16_torch", "tp2pp2_distopt_bf16_torch_dist",
+                 "moe_ep2_distopt_torch_dist"):
+        assert re.search(rf"^{case}: resumed at .* agree: lm loss .* state max \|diff\|", done.stdout, re.M), \
+            done.stdout[-4000:]
+
+
+def test_the_resume_check_names_what_it_needs_where_megatron_lm_is_absent(tmp_path: Path) -> None:
+    env = {key: value for key, value in os.environ.items() if key != "PGCONVERT_MEGATRON_LM"}
+    done = subprocess.run([sys.executable, str(RESUME_CHECK), str(tmp_path)], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "PGCONVERT_MEGATRON_LM is not set" in done.stderr and "Traceback" not in done.stderr
 
 
 def test_the_installed_command_carries_the_optimizer_from_any_directory(tmp_path: Path) -> None:

@@ -220,3 +220,15 @@ def test_a_safetensors_entry_whose_offsets_do_not_fit_its_shape_is_named(tmp_pat
     path.write_bytes(len(header).to_bytes(8, "little") + header + bytes(64))
     with pytest.raises(CheckpointError, match=r"model.safetensors: w's data offsets \[0, 60\] do not hold"):
         read_tensor(path, "w")
+
+
+def test_a_transposed_tensor_is_gathered_without_listing_its_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    full = _random((600, 500), torch.float32, 11)
+    store = Stored(tmp_path / "t.pt", {"p": full})
+    monkeypatch.setattr(ranges, "_offsets", lambda dims: pytest.fail("listed 300000 one-element runs"))
+    transposed = store.loaded["p"].t()  # every run one element long
+    out = torch.empty(500, 600)
+    fd, region = store.locate(transposed)  # type: ignore[misc]
+    read_region(fd, region, out)
+    assert torch.equal(out, full.t())
+    store.handles.close()

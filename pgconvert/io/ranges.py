@@ -14,9 +14,10 @@ into a scratch buffer and gathered from there, so no layout costs a system call 
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,17 +96,21 @@ def _byte_view(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.numpy()).cast("B")
 
 
-def _runs(shape: Sequence[int], source: Sequence[int], target: Sequence[int]) -> tuple[int, list[tuple[int, int]]]:
-    """(elements per run, [(source element offset, target element offset)] in order): the runs that are
-    contiguous in both strided layouts of ``shape``."""
+def _runs(shape: Sequence[int], source: Sequence[int], target: Sequence[int]) -> tuple[int, list[tuple[int, int, int]]]:
+    """(elements per run, the outer dimensions as (count, source step, target step)): the runs of ``shape``
+    that are contiguous in both strided layouts, one per index of the outer dimensions."""
     dims = [(n, s, t) for n, s, t in zip(shape, source, target, strict=True) if n != 1]
     run = 1
     while dims and dims[-1][1] == run and dims[-1][2] == run:
         run *= dims.pop()[0]
-    offsets = [(0, 0)]
-    for count, source_step, target_step in dims:
-        offsets = [(a + i * source_step, b + i * target_step) for a, b in offsets for i in range(count)]
-    return run, offsets
+    return run, dims
+
+
+def _offsets(dims: list[tuple[int, int, int]]) -> Iterator[tuple[int, int]]:
+    """(source element offset, target element offset) of each run, in order, produced as they are read."""
+    for index in itertools.product(*(range(count) for count, _, _ in dims)):
+        yield (sum(i * step for i, (_, step, _) in zip(index, dims)),
+               sum(i * step for i, (_, _, step) in zip(index, dims)))
 
 
 def read_region(fd: int, region: FileRegion, out: torch.Tensor) -> None:
@@ -115,16 +120,16 @@ def read_region(fd: int, region: FileRegion, out: torch.Tensor) -> None:
     if out.numel() == 0:
         return
     itemsize = out.element_size()
-    run, offsets = _runs(region.shape, region.stride, out.stride())
+    run, dims = _runs(region.shape, region.stride, out.stride())
     run_bytes = run * itemsize
-    if len(offsets) > 1 and run_bytes < SHORT_RUN:
+    if dims and run_bytes < SHORT_RUN:  # decided before any run is listed: a transposed record has millions
         _read_gathered(fd, region, out)
         return
     target = _byte_view(out)
     base = out.storage_offset() * itemsize
     batch: list[memoryview] = []
     start = end = 0
-    for source_offset, target_offset in offsets:
+    for source_offset, target_offset in _offsets(dims):
         position = region.offset + source_offset * itemsize
         if batch and (position != end or len(batch) == IOV_MAX):
             _preadv_all(fd, batch, start, region.path)

@@ -21,7 +21,10 @@ Shims (each announced on stderr with ``[train-shim]``):
 - ``torch.cuda`` queries answered as for one visible device (``device_count``, ``current_device``,
   ``set_device``, streams, events, ``synchronize``, memory statistics) -- no-ops or zeros;
 - data loaders never pin memory: the pinning thread asks ``torch.accelerator`` for the device, which a
-  CUDA build of torch on a machine without a driver cannot answer (the CPU build never pins).
+  CUDA build of torch on a machine without a driver cannot answer (the CPU build never pins);
+- ``torch.accelerator`` reports none, as on the CPU build: with ``torch.cuda.is_available`` shimmed to True
+  a CUDA build would name CUDA, and ``torch.optim``'s graph-capture check in every Adam step would then
+  initialise the missing driver.
 """
 
 from __future__ import annotations
@@ -137,6 +140,12 @@ def install() -> None:
     cuda.nvtx = types.SimpleNamespace(range_push=lambda *a, **k: None, range_pop=lambda *a, **k: None,
                                       range=lambda *a, **k: contextlib.nullcontext())
     torch.nn.Module.cuda = lambda self, device=None: self
+    # With torch.cuda.is_available() answering True, a CUDA build's torch.accelerator would name CUDA and
+    # its users initialise the driver (torch.optim's graph-capture check in every Adam step asks for the
+    # current stream). The CPU build has no accelerator: answer as it does.
+    _note("torch.accelerator", "none, as on the CPU build (a CUDA build would initialise the missing driver)")
+    torch.accelerator.current_accelerator = lambda check_available=False: None
+    torch.accelerator.is_available = lambda: False
     _note("DataLoader", "pin_memory off: its pinning thread would ask a CUDA build of torch for a device")
     loader_init = torch.utils.data.DataLoader.__init__
 

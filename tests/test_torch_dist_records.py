@@ -1,7 +1,8 @@
 """Reading torch_dist tensor records in place (``loaders/torch_dist/records.py``).
 
-The reader maps each ``.distcp`` file and copies only the bytes a request needs, so a conversion's
-memory is bounded by the piece it reads, not by the stored record it overlaps. Records are parsed
+The reader reads only the bytes a request needs of each ``.distcp`` record, with positional reads into
+the destination, so a conversion's memory is bounded by the piece it reads, not by the stored record it
+overlaps. Records are parsed
 with storages on the meta device; every structural problem is a named error.
 """
 
@@ -9,13 +10,13 @@ from __future__ import annotations
 
 import io
 import json
-import mmap
 import os
 import pickle
 import subprocess
 import sys
 import warnings
 import zipfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -27,10 +28,11 @@ from support.megatron_fixtures import make_full_model, write_megatron_checkpoint
 from torch.distributed.checkpoint import FileSystemReader
 
 import pgconvert
+import pgconvert.io.ranges as ranges
 import pgconvert.loaders.torch_dist.records as records
 from pgconvert.errors import CheckpointError, UnsafePickleError
 from pgconvert.formats import LoadOptions
-from pgconvert.loaders.torch_dist.records import copy_box, parse_tensor_record
+from pgconvert.loaders.torch_dist.records import parse_tensor_record, read_box
 from pgconvert.loaders.torch_dist import TorchDistLoader
 from pgconvert.model.rules import COLUMN
 
@@ -38,11 +40,23 @@ ITERATION_DIR = "iter_0000100"
 PREFIX = b"odd"  # three bytes: the record, and its tensor bytes, are not aligned in the file
 
 
-def mapped_record(tmp_path: Path, payload: bytes) -> tuple[mmap.mmap, int, int]:
-    path = tmp_path / "record.distcp"
-    path.write_bytes(PREFIX + payload + b"trailing bytes of the next record")
-    with open(path, "rb") as handle:
-        return mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ), len(PREFIX), len(payload)
+Record = tuple[int, Path, int, int]  # an open descriptor of the file, its path, the record's offset and length
+
+
+@pytest.fixture
+def stored(tmp_path: Path) -> Iterator[Callable[[bytes], Record]]:
+    """Writes a record between other bytes of a file and opens it (closed after the test)."""
+    opened: list[int] = []
+
+    def store(payload: bytes) -> Record:
+        path = tmp_path / f"record{len(opened)}.distcp"
+        path.write_bytes(PREFIX + payload + b"trailing bytes of the next record")
+        opened.append(os.open(path, os.O_RDONLY))
+        return opened[-1], path, len(PREFIX), len(payload)
+
+    yield store
+    for fd in opened:
+        os.close(fd)
 
 
 def saved(obj: object) -> bytes:
@@ -51,10 +65,11 @@ def saved(obj: object) -> bytes:
     return buffer.getvalue()
 
 
-def read_box(mapped: mmap.mmap, offset: int, length: int, starts: list[int], lengths: list[int]) -> torch.Tensor:
-    record = parse_tensor_record(mapped, offset, length, "record")
+def box_read(stored_record: Record, starts: list[int], lengths: list[int]) -> torch.Tensor:
+    fd, path, offset, length = stored_record
+    record = parse_tensor_record(fd, offset, length, "record")
     out = torch.empty(lengths, dtype=record.dtype)
-    copy_box(mapped, record, starts, lengths, out, "record")
+    read_box(fd, path, record, starts, lengths, out, "record")
     return out
 
 
@@ -79,13 +94,16 @@ VIEWS = {
 }
 
 
+@pytest.mark.parametrize("short_run", [1, ranges.SHORT_RUN])  # 1: every run read by itself, none gathered
 @pytest.mark.parametrize("slab", [1, 8, 64, 2**20])
 @pytest.mark.parametrize("name", VIEWS)
-def test_every_box_of_a_stored_view_reads_back_bit_exact(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                        name: str, slab: int) -> None:
+def test_every_box_of_a_stored_view_reads_back_bit_exact(stored: Callable[[bytes], Record],
+                                                        monkeypatch: pytest.MonkeyPatch, name: str, slab: int,
+                                                        short_run: int) -> None:
     monkeypatch.setattr(records, "SLAB_BYTES", slab)  # 1 byte: element by element
+    monkeypatch.setattr(ranges, "SHORT_RUN", short_run)
     view = VIEWS[name]
-    mapped, offset, length = mapped_record(tmp_path, saved(view))
+    stored_record = stored(saved(view))
     shape = list(view.shape)
     boxes = [([0] * len(shape), shape)]
     for dim, size in enumerate(shape):
@@ -94,20 +112,20 @@ def test_every_box_of_a_stored_view_reads_back_bit_exact(tmp_path: Path, monkeyp
             starts[dim], lengths[dim] = 1, size - 2 if size > 2 else 1
             boxes.append((starts, lengths))
     for starts, lengths in boxes:
-        got = read_box(mapped, offset, length, starts, lengths)
+        got = box_read(stored_record, starts, lengths)
         assert got.dtype == view.dtype and torch.equal(got, box_of(view, starts, lengths)), (starts, lengths)
 
 
-def test_a_box_outside_the_stored_chunk_or_of_another_dtype_is_refused(tmp_path: Path) -> None:
-    mapped, offset, length = mapped_record(tmp_path, saved(BASE))
-    record = parse_tensor_record(mapped, offset, length, "record")
+def test_a_box_outside_the_stored_chunk_or_of_another_dtype_is_refused(stored: Callable[[bytes], Record]) -> None:
+    fd, path, offset, length = stored(saved(BASE))
+    record = parse_tensor_record(fd, offset, length, "record")
 
     with pytest.raises(CheckpointError, match=r"record: the requested box \[5, 0, 0\] \+ \[2, 10, 4\] does not lie "
                                               r"inside the stored chunk of shape \[6, 10, 4\]"):
-        copy_box(mapped, record, [5, 0, 0], [2, 10, 4], torch.empty(2, 10, 4, dtype=torch.bfloat16), "record")
+        read_box(fd, path, record, [5, 0, 0], [2, 10, 4], torch.empty(2, 10, 4, dtype=torch.bfloat16), "record")
     with pytest.raises(CheckpointError, match=r"record: stored as torch.bfloat16 \[6, 10, 4\], but the index "
                                               r"describes torch.float32"):
-        copy_box(mapped, record, [0, 0, 0], [6, 10, 4], torch.empty(6, 10, 4), "record")
+        read_box(fd, path, record, [0, 0, 0], [6, 10, 4], torch.empty(6, 10, 4), "record")
 
 
 # --------------------------------------------------------------------------- malformed records
@@ -123,24 +141,24 @@ def rezipped(payload: bytes, cut_storage_to: int) -> bytes:
     return out.getvalue()
 
 
-def test_a_storage_record_shorter_than_its_tensor_is_named(tmp_path: Path) -> None:
+def test_a_storage_record_shorter_than_its_tensor_is_named(stored: Callable[[bytes], Record]) -> None:
     tensor = torch.arange(100, dtype=torch.float32)
-    mapped, offset, length = mapped_record(tmp_path, rezipped(saved(tensor), 40))
+    fd, _, offset, length = stored(rezipped(saved(tensor), 40))
 
     with pytest.raises(CheckpointError, match=r"record: truncated or corrupt record \(storage '0' holds 40 bytes, "
                                               r"the tensor's storage needs 400\)"):
-        parse_tensor_record(mapped, offset, length, "record")
+        parse_tensor_record(fd, offset, length, "record")
 
 
-def test_bytes_that_are_not_a_torch_zip_are_named(tmp_path: Path) -> None:
-    mapped, offset, length = mapped_record(tmp_path, b"\0" * 200)
+def test_bytes_that_are_not_a_torch_zip_are_named(stored: Callable[[bytes], Record]) -> None:
+    fd, _, offset, length = stored(b"\0" * 200)
 
     with pytest.raises(CheckpointError, match=r"record: truncated or corrupt torch checkpoint"):
-        parse_tensor_record(mapped, offset, length, "record")
+        parse_tensor_record(fd, offset, length, "record")
     # A record cut short: its zip directory, at its end, is gone.
-    mapped, offset, length = mapped_record(tmp_path, saved(BASE))
+    fd, _, offset, length = stored(saved(BASE))
     with pytest.raises(CheckpointError, match=r"record: truncated or corrupt torch checkpoint"):
-        parse_tensor_record(mapped, offset, length - 30, "record")
+        parse_tensor_record(fd, offset, length - 30, "record")
 
 
 class _Exploit:
@@ -151,12 +169,13 @@ class _Exploit:
         return (os.system, (f"touch {self.marker}",))
 
 
-def test_a_record_whose_pickle_runs_code_is_refused_unexecuted(tmp_path: Path) -> None:
+def test_a_record_whose_pickle_runs_code_is_refused_unexecuted(tmp_path: Path,
+                                                               stored: Callable[[bytes], Record]) -> None:
     marker = tmp_path / "pwned"
-    mapped, offset, length = mapped_record(tmp_path, saved([torch.zeros(2), _Exploit(marker)]))
+    fd, _, offset, length = stored(saved([torch.zeros(2), _Exploit(marker)]))
 
     with pytest.raises(UnsafePickleError, match=r"record: refuses to unpickle it"):
-        parse_tensor_record(mapped, offset, length, "record")
+        parse_tensor_record(fd, offset, length, "record")
     assert not marker.exists()
 
 
@@ -275,7 +294,8 @@ def test_reading_half_a_record_holds_the_half_not_the_record(tmp_path: Path) -> 
     peaks = json.loads(result.stdout.strip().splitlines()[-1])
 
     piece = weight.nbytes // 2
-    # torch's own reader loads the whole record first: piece + 64 MiB. Here: piece + one slab.
+    # torch's own reader loads the whole record first: piece + 64 MiB. Here: the piece (a slab of scratch
+    # at most, were its runs gathered).
     assert all(peak <= piece + records.SLAB_BYTES + 8 * 2**20 for peak in peaks), peaks
     assert torch.equal(torch.load(tmp_path / "rows.pt", weights_only=True), weight[2048:])
     assert torch.equal(torch.load(tmp_path / "cols.pt", weights_only=True), weight[:, 2048:])

@@ -7,9 +7,10 @@ Tensors are read through torch.distributed.checkpoint's own ``FileSystemReader``
 one canonical tensor (or one destination piece of it) per ``dcp.load`` call into a buffer of
 exactly that size: only the stored chunks overlapping the request are read, so a stacked
 ``[num_layers, …]`` key costs one layer at a time. torch's reader would load each overlapping
-stored chunk whole before copying the overlap; ``_SafeReader.read_data`` instead maps the file and
-copies only the overlap's bytes (``loaders/torch_dist/records.py``), so peak memory is the requested
-piece plus one slab of the mapping. Two parts of torch's reader unpickle without
+stored chunk whole before copying the overlap; ``_SafeReader.read_data`` instead reads only the
+overlap's bytes, with ``os.preadv`` straight into their place in the buffer
+(``loaders/torch_dist/records.py``), so peak memory is the requested piece and no page of the file
+is mapped. Two parts of torch's reader unpickle without
 limits, so both are replaced: ``.metadata`` is read through an allowlist of torch's metadata classes
 (``read_dcp_metadata``) and bytes entries (``_extra_state``) with ``weights_only=True``.
 """
@@ -21,7 +22,6 @@ import dataclasses
 import io
 import logging
 import math
-import mmap
 import os
 import pickle
 from dataclasses import dataclass
@@ -62,7 +62,7 @@ from pgconvert.io.limits import quote
 from pgconvert.loaders.torch_dist.fs_model_space import chunk_shape, record_box, unflatten
 from pgconvert.loaders.torch_dist.optimizer import TorchDistOptimizerSource
 from pgconvert.loaders.torch_dist.optimizer_forms import sharding_type
-from pgconvert.loaders.torch_dist.records import TensorRecord, check_extent, copy_box, parse_tensor_record
+from pgconvert.loaders.torch_dist.records import TensorRecord, check_extent, parse_tensor_record, read_box, read_bytes
 from pgconvert.io.torch_input import check_torch_stream
 from pgconvert.io.paths import ensure_within
 from pgconvert.model.declared import StoredCounts, check_declared_counts, declaring_settings, named_values, shape_settings
@@ -104,7 +104,8 @@ class _Region:
 
 class _SafeReader(FileSystemReader):
     """torch's reader with the ``.metadata`` pickle read through the allowlist, once, and tensor
-    records read in place (``loaders/torch_dist/records.py``): only the bytes each request needs."""
+    records read in place (``loaders/torch_dist/records.py``): only the bytes each request needs,
+    with positional reads straight into the planner's buffers."""
 
     def __init__(self, directory: Path, metadata: Metadata, root: Path | None = None) -> None:
         super().__init__(directory)
@@ -136,31 +137,30 @@ class _SafeReader(FileSystemReader):
 
     def _read_file(self, relative: str, items: list[ReadItem], planner: LoadPlanner) -> None:
         path = ensure_within(self._root, self._directory / relative)
-        with open(path, "rb") as handle:
-            size = os.fstat(handle.fileno()).st_size
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            size = os.fstat(fd).st_size
             for item in items:
                 info = self.storage_data[item.storage_index]
                 check_extent(path, item.storage_index.fqn, info.offset, info.length, size)
-            mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
-        for item in items:
-            self._read_item(mapped, path, item, planner)
-        # Every view of the mapping was dropped with the call that made it; on an error the mapping
-        # is left to be unmapped with the last reference to it instead.
-        mapped.close()
+            for item in items:
+                self._read_item(fd, path, item, planner)
+        finally:
+            os.close(fd)
 
-    def _read_item(self, mapped: mmap.mmap, path: Path, item: ReadItem, planner: LoadPlanner) -> None:
+    def _read_item(self, fd: int, path: Path, item: ReadItem, planner: LoadPlanner) -> None:
         info = self.storage_data[item.storage_index]
         label = f"{path}: {quote(item.storage_index.fqn)} (offset {info.offset}, length {info.length})"
         if item.type == LoadItemType.BYTE_IO:
-            planner.load_bytes(item, io.BytesIO(mapped[info.offset:info.offset + info.length]))
+            planner.load_bytes(item, io.BytesIO(read_bytes(fd, info.offset, info.length, label)))
             return
         where = (info.relative_path, info.offset, info.length)
         record = self._records.get(where)
         if record is None:
-            record = self._records[where] = parse_tensor_record(mapped, info.offset, info.length, label)
+            record = self._records[where] = parse_tensor_record(fd, info.offset, info.length, label)
         self._check_record(record, item, label)
         target = planner.resolve_tensor(item).detach()
-        copy_box(mapped, record, list(item.storage_offsets), list(item.lengths), target, label)
+        read_box(fd, path, record, list(item.storage_offsets), list(item.lengths), target, label)
         planner.commit_tensor(item, target)
 
     def _check_record(self, record: TensorRecord, item: ReadItem, label: str) -> None:

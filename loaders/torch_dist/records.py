@@ -3,20 +3,22 @@
 torch.distributed.checkpoint stores each chunk as a ``torch.save`` zip of one tensor, at an
 offset and length of a ``.distcp`` file named by ``.metadata``'s ``storage_data``. torch's own
 reader ``torch.load``s every overlapping record whole before copying the requested part, so its
-peak memory is the largest record. Here the file is memory-mapped read-only; the record's zip
-directory and pickle (a few hundred bytes) are parsed with storages on the meta device, which gives
-the tensor's dtype, shape, stride and where its bytes start; the requested box is then copied out of
-the mapping in slabs of at most ``SLAB_BYTES`` of the file, each slab's pages handed back as soon as
-it is copied. Memory is the requested piece plus one slab, whatever the size of the record.
+peak memory is the largest record. Here nothing is memory-mapped: the record's zip directory and
+pickle (a few hundred bytes) are read with ``os.pread`` and parsed with storages on the meta device,
+which gives the tensor's dtype, shape, stride and where its bytes start (after its storage record's
+zip local header); the requested box is then a strided region of the file (``io.ranges.FileRegion``)
+read with ``os.preadv`` straight into its place in the destination tensor (``io.ranges.read_region``),
+in slabs of at most ``SLAB_BYTES`` of the file, so a box of runs too short to read one by one, read
+as one span and gathered, holds at most one slab of scratch. Memory is the requested piece plus at
+most one slab, whatever the size of the record, and no page of the file is faulted in.
 """
 
 from __future__ import annotations
 
 import io
-import mmap
+import os
 import pickle
 import sys
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,19 +28,20 @@ import torch
 from pgconvert.io import limits
 from pgconvert.errors import CheckpointError, UnsafePickleError
 from pgconvert.io.limits import over_limit, quote
-from pgconvert.io.memory import release_mapped_pages
+from pgconvert.io.ranges import FileRegion, read_region
 from pgconvert.io.torch_input import _meta_unpickling, _Needs, _unpickle_for_needs, _zip_records
 
-# The most bytes of a record's mapping resident at once while a box is copied out of it.
+# The most bytes of a record's storage one read of a box spans (its scratch, when short runs are gathered).
 SLAB_BYTES = 16 * 2**20
 
 
 class _Window(io.RawIOBase):
-    """A read-only file over ``length`` bytes of a mapping from ``start`` (one record of a .distcp)."""
+    """A read-only file over ``length`` bytes of an open file from ``start`` (one record of a .distcp),
+    read with ``os.pread``; the file ending early reads as the window's end."""
 
-    def __init__(self, mapped: mmap.mmap, start: int, length: int) -> None:
+    def __init__(self, fd: int, start: int, length: int) -> None:
         super().__init__()
-        self._mapped, self._start, self._length, self._position = mapped, start, length, 0
+        self._fd, self._start, self._length, self._position = fd, start, length, 0
 
     def readable(self) -> bool:
         return True
@@ -58,10 +61,25 @@ class _Window(io.RawIOBase):
 
     def readinto(self, buffer: bytearray | memoryview) -> int:  # type: ignore[override]
         count = max(0, min(len(buffer), self._length - self._position))
-        begin = self._start + self._position
-        memoryview(buffer)[:count] = self._mapped[begin:begin + count]
-        self._position += count
-        return count
+        data = os.pread(self._fd, count, self._start + self._position) if count else b""
+        memoryview(buffer)[:len(data)] = data
+        self._position += len(data)
+        return len(data)
+
+
+def read_bytes(fd: int, offset: int, length: int, label: str) -> bytes:
+    """``length`` bytes of the open file from ``offset`` (``os.pread``); the file ending first is a
+    CheckpointError naming ``label``."""
+    parts: list[bytes] = []
+    done = 0
+    while done < length:
+        part = os.pread(fd, length - done, offset + done)
+        if not part:
+            raise CheckpointError(f"{label}: the file ends at byte {offset + done}, before the record's end at "
+                                  f"byte {offset + length} (truncated checkpoint)")
+        parts.append(part)
+        done += len(part)
+    return b"".join(parts)
 
 
 @dataclass(frozen=True)
@@ -82,9 +100,9 @@ def check_extent(path: Path, key: str, offset: int, length: int, size: int) -> N
                               f"lie inside the file's {size} bytes (truncated or corrupt checkpoint)")
 
 
-def parse_tensor_record(mapped: mmap.mmap, offset: int, length: int, label: str) -> TensorRecord:
-    """The layout of the ``torch.save`` zip at ``offset`` of ``mapped``, read without its tensor bytes."""
-    window = _Window(mapped, offset, length)
+def parse_tensor_record(fd: int, offset: int, length: int, label: str) -> TensorRecord:
+    """The layout of the ``torch.save`` zip at ``offset`` of the open file ``fd``, read without its tensor bytes."""
+    window = _Window(fd, offset, length)
     records = _zip_records(label, window, length)
     pickles = [name for name in records if name.endswith("/data.pkl") and name.count("/") == 1]
     if len(pickles) != 1:
@@ -97,7 +115,7 @@ def parse_tensor_record(mapped: mmap.mmap, offset: int, length: int, label: str)
     needs = _Needs(label, legacy=False)
     try:
         with _meta_unpickling(label):
-            tensor = _unpickle_for_needs(io.BytesIO(mapped[offset + start:offset + start + pickled_length]), needs)
+            tensor = _unpickle_for_needs(io.BytesIO(read_bytes(fd, offset + start, pickled_length, label)), needs)
     except pickle.UnpicklingError as exc:
         raise UnsafePickleError(f"{label}: refuses to unpickle it ({quote(str(exc).strip()[:400], 200)}); "
                                 "nothing from the file was executed") from exc
@@ -153,21 +171,10 @@ def _slabs(starts: list[int], lengths: list[int], stride: tuple[int, ...], items
         yield from _slabs(sub_starts, sub_lengths, stride, itemsize, limit)
 
 
-def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """A uint8 view of ``tensor`` with one more, innermost dimension: its elements' bytes."""
-    itemsize = tensor.element_size()
-    return torch.empty(0, dtype=torch.uint8).set_(
-        tensor.untyped_storage(), tensor.storage_offset() * itemsize,
-        [*tensor.shape, itemsize], [step * itemsize for step in tensor.stride()] + [1])
-
-
-def copy_box(mapped: mmap.mmap, record: TensorRecord, starts: list[int], lengths: list[int],
+def read_box(fd: int, path: Path, record: TensorRecord, starts: list[int], lengths: list[int],
              target: torch.Tensor, label: str) -> None:
-    """Copy the box ``starts``/``lengths`` of the stored chunk into ``target``, slab by slab.
-
-    Copies go byte-wise (records need not be aligned in the file); no view of the mapping outlives
-    this call.
-    """
+    """Read the box ``starts``/``lengths`` of the stored chunk from the open file ``fd`` (at ``path``)
+    straight into ``target`` (any strides: its place in the destination piece), slab by slab."""
     if (len(starts) != len(record.size) or len(lengths) != len(record.size)
             or any(begin + count > total for begin, count, total in zip(starts, lengths, record.size))):
         raise CheckpointError(f"{label}: the requested box {starts} + {lengths} does not lie inside the stored "
@@ -176,19 +183,13 @@ def copy_box(mapped: mmap.mmap, record: TensorRecord, starts: list[int], lengths
         raise CheckpointError(f"{label}: stored as {record.dtype} {list(record.size)}, but the index describes "
                               f"{target.dtype} (a box of {list(target.shape)})")
     itemsize = target.element_size()
+    chunk = FileRegion(path, record.data_offset + record.storage_offset * itemsize, record.size, record.stride,
+                       record.dtype)
     for sub_starts, sub_lengths in _slabs(list(starts), list(lengths), record.stride, itemsize, SLAB_BYTES):
-        count = _span(sub_lengths, record.stride)
-        if count == 0:
+        if _span(sub_lengths, record.stride) == 0:
             continue
-        first = record.storage_offset + sum(begin * step for begin, step in zip(sub_starts, record.stride))
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="The given buffer is not writable")
-            source = torch.frombuffer(mapped, dtype=torch.uint8, count=count * itemsize,
-                                      offset=record.data_offset + first * itemsize)
-        view = source.as_strided([*sub_lengths, itemsize], [step * itemsize for step in record.stride] + [1])
-        destination = target
+        region, destination = chunk, target
         for dim, (begin, sub_length) in enumerate(zip(sub_starts, sub_lengths)):
+            region = region.narrow(dim, begin, sub_length)
             destination = destination.narrow(dim, begin - starts[dim], sub_length)
-        _as_bytes(destination).copy_(view)
-        release_mapped_pages([source])
-        del view, source
+        read_region(fd, region, destination)

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from pgconvert.errors import CheckpointError
+from pgconvert.io import sizes
 
 IOV_MAX = 1024  # Linux's UIO_MAXIOV: the most buffers one preadv takes
 SHORT_RUN = 512  # bytes: shorter contiguous runs are read as one span and gathered in memory
@@ -55,7 +56,7 @@ class FileRegion:
             raise ValueError(f"indices [{start}, {start + length}) of dim {dim} outside {list(self.shape)}")
         shape = list(self.shape)
         shape[dim] = length
-        offset = self.offset + start * self.stride[dim] * torch.empty((), dtype=self.dtype).element_size()
+        offset = self.offset + start * self.stride[dim] * sizes.itemsize(self.dtype)
         return FileRegion(self.path, offset, tuple(shape), self.stride, self.dtype)
 
     def read(self) -> torch.Tensor:

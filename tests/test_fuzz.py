@@ -123,16 +123,22 @@ def _run(workspace: Workspace, case: Case, subprocess_run: bool = False) -> None
 
 # ------------------------------------------------------------------------------------ bytes
 
+def _mutate_one_file(src: Path, suffixes: tuple[str, ...], pick: int, kind: str, at: float, payload: bytes) -> str:
+    """Mutate the bytes of one of the source's files (``pick`` chooses it); what was done, for the report."""
+    files = source_files(src, suffixes)
+    path = files[pick % len(files)]
+    mutate_bytes(path, kind, at, payload)
+    return f"{kind} {path.relative_to(src)} at {at:.4f} with {payload!r}"
+
+
 @budget(60)
 @given(fmt=st.sampled_from(FORMATS), pick=st.integers(0, 63), kind=BYTE_KINDS, at=FRACTIONS,
        payload=st.binary(min_size=1, max_size=64), target=TARGETS)
 def test_fuzz_bytes(workspace: Workspace, fmt: str, pick: int, kind: str, at: float, payload: bytes,
                     target: list[str]) -> None:
     src, dst = workspace(fmt)
-    files = source_files(src, SUFFIXES[fmt])
-    path = files[pick % len(files)]
-    mutate_bytes(path, kind, at, payload)
-    _run(workspace, Case("bytes", f"{kind} {path.relative_to(src)} at {at:.4f} with {payload!r}", src, dst, target))
+    what = _mutate_one_file(src, SUFFIXES[fmt], pick, kind, at, payload)
+    _run(workspace, Case("bytes", what, src, dst, target))
 
 
 # ------------------------------------------------------------------------------------ safetensors header
@@ -290,11 +296,8 @@ def test_fuzz_optimizer_state(workspace: Workspace, fmt: str, pick: int, kind: s
 def test_fuzz_optimizer_bytes(workspace: Workspace, fmt: str, pick: int, kind: str, at: float, payload: bytes,
                               target: list[str]) -> None:
     src, dst = workspace(fmt)
-    files = source_files(src, OPTIMIZER_FILES[fmt])
-    path = files[pick % len(files)]
-    mutate_bytes(path, kind, at, payload)
-    _run(workspace, Case("optimizer-bytes", f"{kind} {path.relative_to(src)} at {at:.4f} with {payload!r}", src, dst,
-                         target))
+    what = _mutate_one_file(src, OPTIMIZER_FILES[fmt], pick, kind, at, payload)
+    _run(workspace, Case("optimizer-bytes", what, src, dst, target))
 
 
 # ------------------------------------------------------------------------------------ JSON

@@ -67,29 +67,41 @@ def holds_state(values: Iterable[object]) -> bool:
     return False
 
 
-# Bytes of a one-byte float (FP8) tensor looked at a time for NaN/Inf.
-FP8_CHECK_CHUNK = 1 << 24
-# Per FP8 dtype: the bits that are all ones in exactly its non-finite values (e4m3fn: NaN is S.1111.111;
-# e5m2: Inf and NaN have the exponent 11111), so a byte is non-finite iff ``byte & bits == bits``.
-FP8_NONFINITE_BITS = {torch.float8_e4m3fn: 0x7F, torch.float8_e5m2: 0x7C}
+# Elements looked at a time for NaN/Inf: the chunk and its masked copy stay in the CPU's cache.
+FINITE_CHECK_CHUNK = 1 << 19
+# Per floating dtype, how its bits show a non-finite value: viewed as the signed integer ``bits`` of its
+# width with the sign bit cleared (``mask``), a value is NaN or Inf iff it is at least ``least`` (the
+# exponent all ones; e4m3fn has no Inf and its only NaN is S.1111.111; e5m2 is IEEE-like).
+_NONFINITE_BITS: dict[torch.dtype, tuple[torch.dtype, int, int]] = {
+    torch.float64: (torch.int64, 0x7FFF_FFFF_FFFF_FFFF, 0x7FF0_0000_0000_0000),
+    torch.float32: (torch.int32, 0x7FFF_FFFF, 0x7F80_0000),
+    torch.bfloat16: (torch.int16, 0x7FFF, 0x7F80),
+    torch.float16: (torch.int16, 0x7FFF, 0x7C00),
+    torch.float8_e4m3fn: (torch.uint8, 0x7F, 0x7F),
+    torch.float8_e5m2: (torch.uint8, 0x7F, 0x7C),
+}
 
 
 def all_finite(tensor: torch.Tensor) -> bool:
-    """No NaN or Inf among a floating tensor's values. ``aminmax`` propagates NaN and reaches ±Inf in
-    one pass with no tensor-sized mask; FP8 (which it cannot read) is checked on its bytes a chunk at a
-    time (another one-byte float is widened to float32)."""
-    if tensor.element_size() > 1:
-        low, high = torch.aminmax(tensor)
-        return bool(torch.isfinite(low)) and bool(torch.isfinite(high))
+    """No NaN or Inf among a floating tensor's values, decided on the bits: a chunk at a time, the sign
+    bit masked off into a cache-sized scratch and its maximum compared with the exponent's all-ones
+    pattern (two integer passes, no float conversion, no tensor-sized mask). A float type without an
+    entry in ``_NONFINITE_BITS`` is widened to float32 a chunk at a time."""
     flat = tensor.reshape(-1)
-    bits = FP8_NONFINITE_BITS.get(tensor.dtype)
-    for start in range(0, flat.numel(), FP8_CHECK_CHUNK):
-        chunk = flat[start:start + FP8_CHECK_CHUNK]
-        if bits is None:
-            finite = bool(torch.isfinite(chunk.float()).all())
-        else:
-            finite = int(torch.bitwise_and(chunk.view(torch.uint8), bits).max()) != bits
-        if not finite:
+    if flat.numel() == 0:
+        return True
+    known = _NONFINITE_BITS.get(tensor.dtype)
+    if known is None:
+        return all(bool(torch.isfinite(flat[start:start + FINITE_CHECK_CHUNK].float()).all())
+                   for start in range(0, flat.numel(), FINITE_CHECK_CHUNK))
+    bits, mask, least = known
+    values = flat.view(bits)
+    scratch = torch.empty(min(values.numel(), FINITE_CHECK_CHUNK), dtype=bits)
+    for start in range(0, values.numel(), FINITE_CHECK_CHUNK):
+        chunk = values[start:start + FINITE_CHECK_CHUNK]
+        masked = scratch[:chunk.numel()]
+        torch.bitwise_and(chunk, mask, out=masked)
+        if int(masked.max()) >= least:
             return False
     return True
 

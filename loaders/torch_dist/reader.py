@@ -59,6 +59,7 @@ from pgconvert.formats.megatron import (
     validate_source_layout,
 )
 from pgconvert.io.limits import quote
+from pgconvert.io.reuse import new_tensor
 from pgconvert.loaders.torch_dist.fs_model_space import chunk_shape, record_box, unflatten
 from pgconvert.loaders.torch_dist.optimizer import TorchDistOptimizerSource
 from pgconvert.loaders.torch_dist.optimizer_forms import sharding_type
@@ -427,7 +428,7 @@ class TorchDistSource(CanonicalSource):
         pairs = []
         for box in boxes:
             offsets, sizes = location.chunk(box.starts, box.lengths)
-            pairs.append((offsets, torch.empty(sizes, dtype=md.properties.dtype)))
+            pairs.append((offsets, new_tensor(sizes, md.properties.dtype)))
         self._read({location.key: pairs}, [])
         return [buffer.view(box.lengths) for (_, buffer), box in zip(pairs, boxes)]
 
@@ -517,7 +518,7 @@ class TorchDistSource(CanonicalSource):
         where = f"{self.directory}: {quote(key)}"
         local = chunk_shape(tuple(md.size), location.global_shape(shape), where)
         offsets, sizes = record_box(*location.chunk((0,) * len(shape), shape), local, md.size[-1], where)
-        buffer = torch.empty(sizes, dtype=md.properties.dtype)
+        buffer = new_tensor(sizes, md.properties.dtype)
         self._read({key: [(offsets, buffer)]}, [])
         return unflatten(buffer, local, location.chunk((0,) * len(shape), shape)[1]).view(shape)
 
@@ -528,7 +529,7 @@ class TorchDistSource(CanonicalSource):
             size = list(md.size) if isinstance(md, TensorStorageMetadata) else None
             raise CheckpointError(f"{self.directory}: {quote(key)} has shape {size}; elements "
                                   f"[{start}, {start + length}) are needed")
-        buffer = torch.empty(length, dtype=md.properties.dtype)
+        buffer = new_tensor((length,), md.properties.dtype)
         self._read({key: [((start,), buffer)]}, [])
         return buffer
 

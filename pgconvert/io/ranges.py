@@ -25,6 +25,7 @@ import torch
 
 from pgconvert.errors import CheckpointError
 from pgconvert.io import sizes
+from pgconvert.io.reuse import new_tensor
 
 IOV_MAX = 1024  # Linux's UIO_MAXIOV: the most buffers one preadv takes
 SHORT_RUN = 512  # bytes: shorter contiguous runs are read as one span and gathered in memory
@@ -61,7 +62,7 @@ class FileRegion:
 
     def read(self) -> torch.Tensor:
         """The region's elements as a new contiguous tensor."""
-        out = torch.empty(self.shape, dtype=self.dtype)
+        out = new_tensor(self.shape, self.dtype)
         fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         try:
             read_region(fd, self, out)
@@ -195,7 +196,7 @@ def joined_shape(views: Sequence[torch.Tensor], dim: int) -> list[int]:
 def concat_reading(views: list[torch.Tensor], dim: int, locate: Locate) -> torch.Tensor:
     """``torch.cat(views, dim)``, each view that ``locate`` finds in a file read from there with
     ``read_region`` straight into its place in the result (the others copied from memory)."""
-    out = torch.empty(joined_shape(views, dim), dtype=views[0].dtype)
+    out = new_tensor(joined_shape(views, dim), views[0].dtype)
     offset = 0
     for view in views:
         target = out.narrow(dim, offset, view.shape[dim])

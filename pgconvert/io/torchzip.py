@@ -24,12 +24,14 @@ import sys
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 import torch
 
 from pgconvert.io import sizes
+from pgconvert.io.reuse import ReusedMemory
 
 ALIGNMENT = 64
 FORMAT_VERSION = b"1"
@@ -72,14 +74,17 @@ class TensorMismatchError(RuntimeError):
     """A planned tensor's producer returned another shape or dtype than planned (a bug)."""
 
 
-def save_stream(obj: Any, handle: BinaryIO, crc32: bool = False) -> None:
+def save_stream(obj: Any, handle: BinaryIO, crc32: bool = False, reuse_memory: bool = True) -> None:
     """Write ``obj`` as ``torch.save(obj, handle)`` would, producing planned tensors one by one.
 
     ``handle`` needs only ``write``. ``crc32`` computes the records' CRC32 (torch's default);
-    without it they are 0, as with torch's ``compute_crc32`` off.
+    without it they are 0, as with torch's ``compute_crc32`` off. ``reuse_memory``: each planned
+    tensor is produced in memory lent from one record to the next (``pgconvert.io.reuse``); off for
+    planned tensors that exist already.
     """
     pickled, storages = _pickle(obj)
     archive = _ZipStream(handle, crc32)
+    memory = ReusedMemory() if reuse_memory else None
     archive.record("data.pkl", pickled)
     archive.record(".format_version", FORMAT_VERSION)
     archive.record(".storage_alignment", str(ALIGNMENT).encode())
@@ -88,7 +93,7 @@ def save_stream(obj: Any, handle: BinaryIO, crc32: bool = False) -> None:
         if isinstance(item, PlannedTensor) and item.parts is not None:
             archive.record_parts(f"data/{key}", item.nbytes, _part_bytes(item))
         else:
-            archive.record(f"data/{key}", _storage_bytes(item))
+            archive.record(f"data/{key}", _storage_bytes(item, memory))
     archive.record("version", FILE_VERSION)
     archive.record(".data/serialization_id", archive.serialization_id().encode())
     archive.finish()
@@ -173,12 +178,14 @@ def _pickle(obj: Any) -> tuple[bytes, list[tuple[str, torch.UntypedStorage | Pla
     return buffer.getvalue(), pickler.storages
 
 
-def _storage_bytes(item: torch.UntypedStorage | PlannedTensor) -> memoryview:
-    """The bytes of a storage record; a planned tensor is produced (and checked) here."""
+def _storage_bytes(item: torch.UntypedStorage | PlannedTensor, memory: ReusedMemory | None) -> memoryview:
+    """The bytes of a storage record; a planned tensor is produced (and checked) here, in ``memory``
+    where its producer makes it through ``reuse.new_tensor``."""
     if isinstance(item, torch.UntypedStorage):
         flat = torch.empty(0, dtype=torch.uint8).set_(item)
     else:
-        tensor = item.produce()
+        with memory.lending(item.nbytes) if memory is not None else nullcontext():
+            tensor = item.produce()
         if tuple(tensor.shape) != item.shape or tensor.dtype != item.dtype or tensor.device.type != "cpu":
             raise TensorMismatchError(f"planned {item.dtype} {item.shape} on cpu, produced {tensor.dtype} "
                                       f"{tuple(tensor.shape)} on {tensor.device}")

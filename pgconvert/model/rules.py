@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from pgconvert.errors import CheckpointError
+from pgconvert.io.reuse import new_tensor
 
 Concat = Callable[[list[torch.Tensor], int], torch.Tensor]
 # How merges and reshards join pieces: torch.cat, unless a loader whose pieces are file mappings
@@ -293,7 +294,8 @@ def _concat(views: list[torch.Tensor], dim: int) -> torch.Tensor:
 
 
 def _owned(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.clone(memory_format=torch.contiguous_format)
+    """A contiguous copy of ``tensor`` (in the memory lent to the record being produced, if it fits)."""
+    return new_tensor(tensor.shape, tensor.dtype).copy_(tensor)
 
 
 REPLICATED = Replicated()

@@ -28,6 +28,7 @@ from pgconvert.errors import CheckpointError, ConfigError, LayoutError, Pgconver
 from pgconvert.families.table import Family, TensorMapping
 from pgconvert.formats import PlannedFile, Progress, SaveOptions, Saver, SaveResult, target_dtype
 from pgconvert.io.output import OutputFile
+from pgconvert.io.reuse import ReusedMemory
 from pgconvert.formats.hf import (
     CONFIG_FILE,
     DEFAULT_MAX_SHARD_SIZE,
@@ -458,9 +459,11 @@ class HFSaver(Saver):
                 continue
             entries = _shard_entries(shard)
             stacks: dict[str, list[torch.Tensor]] = {}
+            memory = ReusedMemory()
             with _SafetensorsWriter(out_dir / file_name, entries) as writer:
                 for unit in shard.units:
-                    _write_unit(writer, unit, source, kinds, stacks)
+                    with memory.lending(source.meta(unit.canonical).nbytes):
+                        _write_unit(writer, unit, source, kinds, stacks)
             result.files.append(PlannedFile(file_name, len(entries), writer.nbytes, sha256=writer.sha256,
                                             size=writer.size))
             progress(writer.nbytes)

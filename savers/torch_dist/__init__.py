@@ -64,6 +64,7 @@ from pgconvert.formats.torch_dist import (
 from pgconvert.io import sizes
 from pgconvert.io.durable import fsync_file
 from pgconvert.io.limits import quote
+from pgconvert.io.reuse import ReusedMemory
 from pgconvert.model.config import ModelConfig
 from pgconvert.model.provider import (
     VOCAB_TABLES,
@@ -149,6 +150,7 @@ class _StreamingPlanner(DefaultSavePlanner):
         self._progress = progress
         # The gate and up chunks of a SwiGLU fc1 are consecutive: the second reuses the first's load.
         self._last: tuple[str, torch.Tensor] | None = None
+        self._memory = ReusedMemory()  # each canonical tensor is loaded into the last one's memory
 
     def create_local_plan(self) -> SavePlan:
         self.plan = SavePlan(self._items)
@@ -170,10 +172,13 @@ class _StreamingPlanner(DefaultSavePlanner):
         if self._last is not None and self._last[0] == name:
             return self._last[1]
         self._last = None
+        meta = self._source.meta(name)
         if name in VOCAB_TABLES:
-            tensor = self._source.load_shard(name, VOCAB, 1, 0, rows=self._vocab_rows)
+            with self._memory.lending(sizes.nbytes((self._vocab_rows, *meta.shape[1:]), meta.dtype)):
+                tensor = self._source.load_shard(name, VOCAB, 1, 0, rows=self._vocab_rows)
         else:
-            tensor = self._source.load(name)
+            with self._memory.lending(meta.nbytes):
+                tensor = self._source.load(name)
         self._last = (name, tensor)
         return tensor
 

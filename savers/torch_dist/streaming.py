@@ -189,4 +189,4 @@ def _write_item(writer: OutputFile, data: torch.Tensor | io.BytesIO) -> None:
         return
     tensor = data.detach().contiguous()
     save_stream(PlannedTensor(tuple(tensor.shape), tensor.dtype, lambda: tensor), writer,  # type: ignore[arg-type]
-                crc32=True)
+                crc32=True, reuse_memory=False)

@@ -1,0 +1,105 @@
+"""Produced tensors are made in memory reused from record to record, never over a tensor still in use."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+from support.cli_helpers import run_cli
+from support.megatron_fixtures import make_full_model, write_megatron_checkpoint
+from support.tiny_models import GQA_SWIGLU
+
+from pgconvert.io import reuse
+from pgconvert.io.reuse import ReusedMemory, new_tensor
+from pgconvert.io.torchzip import PlannedTensor, save_stream
+
+
+def test_the_first_tensor_of_the_records_size_is_made_in_the_lent_block() -> None:
+    memory = ReusedMemory()
+    with memory.lending(4096):
+        smaller = new_tensor((16,), torch.float32)
+        first = new_tensor((32, 32), torch.float32)
+        second = new_tensor((1024,), torch.float32)
+    block = first.untyped_storage().data_ptr()
+    assert block not in (smaller.untyped_storage().data_ptr(), second.untyped_storage().data_ptr())
+    del first
+    with memory.lending(2048):  # a smaller record reuses the same block
+        again = new_tensor((1024,), torch.bfloat16)
+    assert again.untyped_storage().data_ptr() == block
+
+
+def test_a_tensor_still_referred_to_is_not_lent_again() -> None:
+    memory = ReusedMemory()
+    with memory.lending(1024):
+        kept = new_tensor((256,), torch.float32).fill_(7.0)
+    view = kept[10:]  # only a view survives: the block is still in use
+    del kept
+    with memory.lending(1024):
+        other = new_tensor((256,), torch.float32).fill_(-1.0)
+    assert other.untyped_storage().data_ptr() != view.untyped_storage().data_ptr()
+    assert torch.equal(view, torch.full((246,), 7.0))
+
+
+def test_a_stream_whose_producer_keeps_its_tensors_writes_and_keeps_each_intact(tmp_path: Path) -> None:
+    """A producer that holds on to what it made (as a stacked expert or a cached tensor is held) gets new
+    memory for the next record; the one that does not gets the same block each time."""
+    values = [torch.full((64, 64), float(i)) for i in range(4)]
+    kept: list[torch.Tensor] = []
+    seen: list[int] = []
+
+    def producer(index: int, keep: bool) -> PlannedTensor:
+        def produce() -> torch.Tensor:
+            made = new_tensor((64, 64), torch.float32).copy_(values[index])
+            seen.append(made.untyped_storage().data_ptr())
+            if keep:
+                kept.append(made)
+            return made
+        return PlannedTensor((64, 64), torch.float32, produce)
+
+    for keep in (True, False):
+        seen.clear()
+        path = tmp_path / f"keep-{keep}.pt"
+        with path.open("wb") as handle:
+            save_stream({f"t{i}": producer(i, keep) for i in range(4)}, handle)
+        loaded = torch.load(path, weights_only=True)
+        assert all(torch.equal(loaded[f"t{i}"], values[i]) for i in range(4))
+        assert len(set(seen)) == (4 if keep else 1)
+    assert all(torch.equal(tensor, values[i]) for i, tensor in enumerate(kept))
+
+
+@pytest.fixture(scope="module")
+def tp2_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("reuse") / "tp2"
+    write_megatron_checkpoint(root, GQA_SWIGLU, make_full_model(GQA_SWIGLU), tp=2, pp=1)
+    return root
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {str(path.relative_to(root)): path.read_bytes() for path in sorted(root.rglob("*"))
+            if path.is_file() and path.name != "pgconvert.json"}
+
+
+@pytest.mark.parametrize("target", [["--dst-tp", "1"], ["--dst-tp", "4"], ["--dst-format", "hf"],
+                                    ["--dst-format", "torch_dist", "--dst-tp", "1"]],
+                         ids=["tp1", "tp4", "hf", "torch_dist"])
+def test_conversions_reuse_memory_and_write_what_new_memory_writes(tp2_source: Path, tmp_path: Path, target: list[str],
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    outcomes: list[bool] = []  # per record: whether its tensor was made in the lent block
+    original_lending = ReusedMemory.lending
+
+    @contextmanager
+    def watched_lending(self: ReusedMemory, nbytes: int) -> Iterator[None]:
+        with original_lending(self, nbytes):
+            yield
+            outcomes.append(reuse._LENT.get() is None)
+
+    monkeypatch.setattr(ReusedMemory, "lending", watched_lending)
+    done = run_cli("-q", "--src-tp", "2", *target, tp2_source, tmp_path / "reused")
+    assert done.exit_code == 0, done.output
+    assert len(outcomes) > 10 and sum(outcomes) >= 0.9 * len(outcomes), outcomes
+    monkeypatch.setattr(reuse, "_use_count", lambda storage: 2)  # nothing reused: new memory every time
+    assert run_cli("-q", "--src-tp", "2", *target, tp2_source, tmp_path / "new").exit_code == 0
+    assert _files(tmp_path / "reused") == _files(tmp_path / "new")

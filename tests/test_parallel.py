@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from support.format_outputs import assert_same_bytes
 from support.tiny_models import GQA_SWIGLU, MOE
 from support.megatron_fixtures import make_full_model, write_megatron_checkpoint
+from support.torchrun import run_torchrun
 from support.toy_format import register
 
 import pgconvert
@@ -20,15 +19,6 @@ from pgconvert.formats import PlannedFile
 from pgconvert.run.sharded import balanced_shares
 
 TESTS = Path(__file__).parent
-
-
-def same_files(actual: Path, expected: Path) -> None:
-    """Byte-identical rank files and tracker: the shares add up to the single-process output."""
-    names = sorted(str(p.relative_to(expected)) for p in expected.rglob("*") if p.is_file() and p.name != "pgconvert.json")
-    assert sorted(str(p.relative_to(actual)) for p in actual.rglob("*")
-                  if p.is_file() and p.name != "pgconvert.json") == names
-    for name in names:
-        assert (actual / name).read_bytes() == (expected / name).read_bytes(), name
 
 
 @pytest.fixture
@@ -62,7 +52,7 @@ def test_workers_give_the_single_process_output(src: Path, reference: Path, tmp_
     result = CliRunner().invoke(main, ["-q", "--workers", "2", *FLAGS, str(src), str(tmp_path / "workers")])
 
     assert result.exit_code == 0, result.output
-    same_files(tmp_path / "workers", reference)
+    assert_same_bytes(tmp_path / "workers", reference)
     assert (tmp_path / "workers" / "pgconvert.json").is_file()
 
 
@@ -72,7 +62,7 @@ def test_a_memory_budget_below_one_file_still_converts_one_file_at_a_time(src: P
                                        str(tmp_path / "budget")])
 
     assert result.exit_code == 0, result.output
-    same_files(tmp_path / "budget", reference)
+    assert_same_bytes(tmp_path / "budget", reference)
 
 
 def test_workers_need_a_format_that_can_be_split(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -99,7 +89,7 @@ def test_shards_run_separately_rename_only_when_the_last_one_finishes(src: Path,
 
     assert first.exit_code == 0 and last.exit_code == 0, last.output
     assert "every share is complete" in last.output and "every share is complete" not in first.output
-    same_files(dst, reference)
+    assert_same_bytes(dst, reference)
     assert list(tmp_path.glob(".sharded.pgconvert-partial-*")) == []
 
 
@@ -127,35 +117,21 @@ def test_a_failed_shard_keeps_the_output_unrenamed_and_a_rerun_of_it_completes(s
     rerun = runner.invoke(main, ["--shard-index", "0", "--num-shards", "2", *FLAGS, str(src), str(dst)])
 
     assert rerun.exit_code == 0, rerun.output
-    same_files(dst, reference)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _torchrun(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-         "--master-port", str(_free_port()), *args],
-        capture_output=True, text=True, timeout=300,
-    )
+    assert_same_bytes(dst, reference)
 
 
 def test_two_process_torchrun_gives_the_single_process_output(src: Path, reference: Path, tmp_path: Path) -> None:
-    done = _torchrun("-m", "pgconvert", "-q", *FLAGS, str(src), str(tmp_path / "torchrun"))
+    done = run_torchrun("-m", "pgconvert", "-q", *FLAGS, str(src), str(tmp_path / "torchrun"))
 
     assert done.returncode == 0, done.stderr
     assert "every share is complete" in done.stdout
-    same_files(tmp_path / "torchrun", reference)
+    assert_same_bytes(tmp_path / "torchrun", reference)
 
 
 def test_a_failing_torchrun_process_fails_the_run_and_nothing_is_renamed(src: Path, tmp_path: Path) -> None:
     dst = tmp_path / "torchrun"
 
-    done = _torchrun(str(TESTS / "support" / "failing_rank_convert.py"), "1", "-q", *FLAGS, str(src), str(dst))
+    done = run_torchrun(str(TESTS / "support" / "failing_rank_convert.py"), "1", "-q", *FLAGS, str(src), str(dst))
 
     assert done.returncode != 0
     assert "Input/output error (injected)" in done.stdout + done.stderr

@@ -1,6 +1,6 @@
-"""hf and torch_dist destinations written by several processes: --workers and --shard-index/--num-shards give the
-single-process output byte for byte, each process reads only what its share needs, and a failed share leaves no
-complete-looking output."""
+"""hf and torch_dist destinations written by several processes: --workers, --shard-index/--num-shards and a
+torchrun launch give the single-process output byte for byte, each process reads only what its share needs, and a
+failed share leaves no complete-looking output."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from support.hf_helpers import build_hf_model, save_hf_model
-from support.megatron_fixtures import make_full_model, write_megatron_checkpoint
-from support.tiny_models import MOE
+from support.format_outputs import SHARD_SIZE, assert_same_bytes, write_sources
+from support.hf_helpers import build_hf_model
+from support.torchrun import run_torchrun
 
 import pgconvert
 from pgconvert.cli import main
@@ -22,25 +22,11 @@ from pgconvert.formats.registry import get_loader
 from pgconvert.run.convert import convert_request, plan
 from pgconvert.run.sharded import balanced_shares
 
-# Small shard and data files, so a tiny model is split into many.
-SHARD_SIZE = ["--max-shard-size", "40KB"]
 FORMATS = ["hf", "torch_dist"]
 # What makes each destination loadable: without it a directory is not a checkpoint of its format.
 COMPLETE_MARKERS = {"hf": ("config.json", "model.safetensors.index.json"),
                     "torch_dist": ("latest_checkpointed_iteration.txt", "iter_0000100/metadata.json",
                                    "iter_0000100/.metadata")}
-
-
-def _files(root: Path) -> dict[str, bytes]:
-    return {path.relative_to(root).as_posix(): path.read_bytes() for path in sorted(root.rglob("*"))
-            if path.is_file() and path.name != "pgconvert.json"}
-
-
-def assert_same_bytes(actual: Path, expected: Path) -> None:
-    """The same files, each with the same bytes (the manifest aside: it records the run)."""
-    actual_files, expected_files = _files(actual), _files(expected)
-    assert sorted(actual_files) == sorted(expected_files)
-    assert [name for name in expected_files if actual_files[name] != expected_files[name]] == []
 
 
 def _data_files(root: Path, dst_format: str) -> list[Path]:
@@ -57,8 +43,8 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A tiny HF model (for an hf destination: transformers checks what it loads against it) and a TP2 Megatron
     checkpoint with experts (for torch_dist), each with its single-process conversion."""
     root = tmp_path_factory.mktemp("sources")
-    made = {"hf": save_hf_model(build_hf_model("llama"), root / "hf_src"),
-            "torch_dist": write_megatron_checkpoint(root / "megatron_src", MOE, make_full_model(MOE), 2, 1, ep=2)}
+    written = write_sources(root)
+    made = {"hf": written["hf"], "torch_dist": written["megatron"]}
     for dst_format, src in list(made.items()):
         _convert(src, root / f"{dst_format}_single", dst_format)
         made[f"{dst_format}_single"] = root / f"{dst_format}_single"
@@ -74,6 +60,22 @@ def test_workers_write_the_single_process_output(sources: dict[str, Path], dst_f
 
     assert_same_bytes(tmp_path / "workers", single)
     assert (tmp_path / "workers" / "pgconvert.json").is_file()
+
+
+@pytest.mark.parametrize("dst_format", FORMATS)
+def test_two_process_torchrun_writes_the_single_process_output(sources: dict[str, Path], dst_format: str,
+                                                               tmp_path: Path) -> None:
+    dst = tmp_path / "torchrun"
+
+    done = run_torchrun("-m", "pgconvert", "-q", "--dst-format", dst_format, *SHARD_SIZE, str(sources[dst_format]),
+                        str(dst))
+
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "every share is complete" in done.stdout
+    assert [done.stdout.count(f"shard {rank}/2: wrote") for rank in (0, 1)] == [1, 1]  # each process wrote a share
+    assert_same_bytes(dst, sources[f"{dst_format}_single"])
+    assert (dst / "pgconvert.json").is_file()
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["torchrun"]  # no staging left beside it
 
 
 @pytest.mark.parametrize("dst_format", FORMATS)

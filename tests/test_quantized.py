@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 
 from pgconvert.run.convert import convert
 from pgconvert.formats import LoadOptions
+from pgconvert.formats import hf_quantized
 from pgconvert.formats.hf_quantized import (
     BlockSizeError,
     MissingScaleError,
@@ -445,3 +446,24 @@ def test_the_finiteness_check_of_fp8_bytes_agrees_with_float32_on_every_byte(dty
 
     assert finite == torch.isfinite(every_byte.float()).tolist()
     assert all_finite(every_byte) == all(finite)
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_codes_widen_through_the_table_to_the_bits_torch_converts_them_to(dtype: torch.dtype) -> None:
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).reshape(4, 64)
+    assert torch.equal(hf_quantized._widen(codes).view(torch.int32), codes.float().view(torch.int32))
+    assert torch.equal(hf_quantized._widen(codes.t()).view(torch.int32), codes.t().float().view(torch.int32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_dequantization_in_many_strips_of_a_window_equals_the_reference(dtype: torch.dtype,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(hf_quantized, "STRIP_ELEMENTS", 7 * 45)  # strips of 7 rows: they cut across blocks
+    block = (16, 32)
+    generator = torch.Generator().manual_seed(3)
+    weight = torch.randint(0, 256, (70, 45), generator=generator, dtype=torch.int32).to(torch.uint8).view(dtype)
+    scale = torch.rand(5, 2, generator=generator) * 3
+    expected = reference_dequantize(weight, scale, block)
+    assert torch.equal(dequantize_fp8(weight, scale, block).view(torch.int16), expected.view(torch.int16))
+    window = dequantize_fp8(weight[19:61, 5:40], scale[1:, :], block, row0=19, col0=5)
+    assert torch.equal(window.view(torch.int16), expected[19:61, 5:40].view(torch.int16))

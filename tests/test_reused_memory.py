@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ from support.megatron_fixtures import make_full_model, write_megatron_checkpoint
 from support.tiny_models import GQA_SWIGLU
 
 from pgconvert.io import reuse
-from pgconvert.io.reuse import ReusedMemory, new_tensor
+from pgconvert.io.reuse import ReusedMemory, joined, new_tensor
 from pgconvert.io.torchzip import PlannedTensor, save_stream
 
 
@@ -103,3 +104,49 @@ def test_conversions_reuse_memory_and_write_what_new_memory_writes(tp2_source: P
     monkeypatch.setattr(reuse, "_use_count", lambda storage: 2)  # nothing reused: new memory every time
     assert run_cli("-q", "--src-tp", "2", *target, tp2_source, tmp_path / "new").exit_code == 0
     assert _files(tmp_path / "reused") == _files(tmp_path / "new")
+
+
+@pytest.mark.parametrize("shapes,dim", [([(3, 5), (4, 5)], 0), ([(3, 5), (3, 2)], -1), ([(2, 3, 4), (2, 1, 4)], 1)])
+@pytest.mark.parametrize("dtypes", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32)])
+def test_joined_equals_cat_and_takes_the_lent_block(shapes: list[tuple[int, ...]], dim: int,
+                                                    dtypes: tuple[torch.dtype, torch.dtype]) -> None:
+    tensors = [torch.randn(shape).to(dtype) for shape, dtype in zip(shapes, dtypes, strict=True)]
+    expected = torch.cat(tensors, dim=dim)
+    memory = ReusedMemory()
+    with memory.lending(expected.numel() * expected.element_size()):
+        result = joined(tensors, dim)
+        taken = reuse._LENT.get() is None
+    assert result.dtype == expected.dtype and torch.equal(result, expected)
+    assert taken and result.untyped_storage().data_ptr() == memory._block.data_ptr()
+
+
+def test_joined_keeps_torchs_rules_for_what_cat_refuses_or_skips() -> None:
+    legacy = joined([torch.empty(0), torch.ones(2, 3)])  # a 1-d empty tensor is skipped, as torch.cat does
+    assert torch.equal(legacy, torch.ones(2, 3))
+    with pytest.raises(RuntimeError):
+        joined([torch.ones(2, 3), torch.ones(2, 4)], 0)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps_rollup")
+def test_a_record_under_half_the_block_hands_the_rest_of_its_pages_back() -> None:
+    memory = ReusedMemory()
+    with memory.lending(64 << 20):
+        new_tensor((64 << 20,), torch.uint8).fill_(1)  # every page of a 64 MiB block resident
+    before = _anonymous_bytes()
+    with memory.lending(4 << 20):
+        small = new_tensor((4 << 20,), torch.uint8).fill_(2)
+    after = _anonymous_bytes()
+    assert small.untyped_storage().data_ptr() == memory._block.data_ptr()
+    assert before - after > 50 << 20, (before, after)
+    del small
+    with memory.lending(64 << 20):  # the whole block again: the handed-back pages read as zeros
+        again = new_tensor((64 << 20,), torch.uint8)
+    assert int(again[8 << 20:60 << 20].max()) == 0 and int(again[:4 << 20].min()) == 2  # whole pages only
+
+
+def _anonymous_bytes() -> int:
+    with open("/proc/self/smaps_rollup") as handle:
+        for line in handle:
+            if line.startswith("Anonymous:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no Anonymous: line")

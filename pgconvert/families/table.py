@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from pgconvert.io.reuse import joined, new_tensor
 from pgconvert.model.config import ModelConfig
 from pgconvert.model.rules import Window
 from pgconvert.semantics import SEMANTICS
@@ -124,7 +125,7 @@ class FuseQKVByGroup(Transform):
         query, key, value = parts
         groups, q_rows, kv_rows = self._dims(config)
         rest = tuple(query.shape[1:])
-        fused = torch.cat([
+        fused = joined([
             query.reshape(groups, q_rows, *rest),
             key.reshape(groups, kv_rows, *rest),
             value.reshape(groups, kv_rows, *rest),
@@ -173,7 +174,7 @@ class FuseGateUp(Transform):
     parts = 2
 
     def fuse(self, parts: Sequence[torch.Tensor], config: ModelConfig) -> torch.Tensor:
-        return torch.cat(list(parts), dim=0)
+        return joined(list(parts), dim=0)
 
     def split(self, full: torch.Tensor, config: ModelConfig) -> list[torch.Tensor]:
         gate, up = full.chunk(2, dim=0)
@@ -189,8 +190,8 @@ class FuseGateUp(Transform):
                     read_part: PartReader) -> torch.Tensor:
         """Rows of ``[gate; up]`` from the parts they fall in; columns from both parts."""
         if window.dim != 0:
-            return torch.cat([read_part(index, window.dim, window.start, window.start + window.length)
-                              for index in range(self.parts)], dim=0)
+            return joined([read_part(index, window.dim, window.start, window.start + window.length)
+                           for index in range(self.parts)], dim=0)
         part_rows = shape[0] // self.parts
         pieces = []
         for index in range(self.parts):
@@ -198,7 +199,7 @@ class FuseGateUp(Transform):
             hi = min(window.start + window.length, (index + 1) * part_rows)
             if lo < hi:
                 pieces.append(read_part(index, 0, lo - index * part_rows, hi - index * part_rows))
-        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
+        return pieces[0] if len(pieces) == 1 else joined(pieces, dim=0)
 
 
 IDENTITY = Identity()
@@ -225,19 +226,19 @@ class FuseQKVFromConcat(Transform):
         return QKV.fuse(list(parts[0].split(self._rows(config), dim=0)), config)
 
     def split(self, full: torch.Tensor, config: ModelConfig) -> list[torch.Tensor]:
-        return [torch.cat(QKV.split(full, config), dim=0)]
+        return [joined(QKV.split(full, config), dim=0)]
 
     def part_shapes(self, shape: tuple[int, ...], config: ModelConfig) -> list[tuple[int, ...]]:
         return [shape]
 
 
 def _deinterleave(rows: torch.Tensor) -> torch.Tensor:
-    return torch.cat([rows[0::2], rows[1::2]], dim=0)
+    return joined([rows[0::2], rows[1::2]], dim=0)
 
 
 def _interleave(full: torch.Tensor) -> torch.Tensor:
     gate, up = full.chunk(2, dim=0)
-    out = torch.empty_like(full)
+    out = new_tensor(full.shape, full.dtype)
     out[0::2], out[1::2] = gate, up
     return out
 

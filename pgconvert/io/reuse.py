@@ -14,6 +14,9 @@ chunk) is never overwritten: the next record then gets a new block.
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import mmap
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -22,6 +25,7 @@ import torch
 
 from pgconvert.io import sizes
 
+MADV_DONTNEED = 4  # Linux's value (also the BSDs' and macOS's, where it only marks the pages)
 # The memory lending to the record being produced, with the record's size in bytes; None once taken.
 _LENT: ContextVar[tuple[ReusedMemory, int] | None] = ContextVar("pgconvert_lent", default=None)
 
@@ -46,6 +50,37 @@ def new_tensor(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(0, dtype=dtype).set_(block, 0, tuple(shape), _contiguous_stride(shape))
 
 
+def joined(tensors: Sequence[torch.Tensor], dim: int = 0) -> torch.Tensor:
+    """``torch.cat(tensors, dim)``, its result made by ``new_tensor``."""
+    first = tensors[0]
+    if first.dim() == 0 or any(tensor.dim() != first.dim() for tensor in tensors):
+        return torch.cat(list(tensors), dim=dim)  # torch's own error, or its legacy empty-tensor rule
+    axis = dim % first.dim()
+    shape = list(first.shape)
+    shape[axis] = sum(tensor.shape[axis] for tensor in tensors)
+    dtype = functools.reduce(torch.promote_types, (tensor.dtype for tensor in tensors))
+    return torch.cat(list(tensors), dim=axis, out=new_tensor(shape, dtype))
+
+
+def _release_tail(block: torch.UntypedStorage, keep: int) -> None:
+    """Hand the whole pages of ``block`` after its first ``keep`` bytes back to the kernel (``MADV_DONTNEED``:
+    they read as zeros and cost nothing until written again); nothing where madvise is not available."""
+    page = mmap.PAGESIZE
+    start = -(-(block.data_ptr() + keep) // page) * page
+    end = (block.data_ptr() + block.nbytes()) // page * page
+    advise = getattr(_libc(), "madvise", None)  # None without a C library exposing madvise
+    if end > start and advise is not None:
+        advise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTNEED)
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except (OSError, TypeError):  # no process-wide symbol lookup (Windows)
+        return None
+
+
 def _use_count(storage: torch.UntypedStorage) -> int:
     """How many references the storage has (tensors and views on it included); a torch without the
     counter answers "shared", so nothing is reused."""
@@ -60,11 +95,15 @@ class ReusedMemory:
         self._block: torch.UntypedStorage | None = None
 
     def free_block(self, nbytes: int) -> torch.UntypedStorage:
-        """The block, unless it is smaller than ``nbytes`` or still in use: then a new one (kept)."""
+        """The block, unless it is smaller than ``nbytes`` or still in use: then a new one (kept). A
+        record under half the block gets it with the pages past its end handed back (``_release_tail``),
+        so a large first record does not add its size to every later record's memory."""
         block = self._block
         if block is None or block.nbytes() < nbytes or _use_count(block) > 1:
             block = torch.empty(nbytes, dtype=torch.uint8).untyped_storage()
             self._block = block
+        elif 2 * nbytes < block.nbytes():
+            _release_tail(block, nbytes)
         return block
 
     @contextmanager

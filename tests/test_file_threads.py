@@ -217,3 +217,39 @@ def test_single_process_calls_on_two_threads_leave_the_warning_filters_as_they_w
         thread.join()
 
     assert warnings.filters == before
+
+
+def _dry_run_memory_line(src: Path, dst: Path, *flags: str) -> str:
+    result = CliRunner().invoke(main, ["--dry-run", *flags, str(src), str(dst)])
+    assert result.exit_code == 0, result.output
+    return next(line for line in result.output.splitlines() if line.startswith("memory in flight:"))
+
+
+def test_dry_run_counts_the_memory_of_each_thread(sources: dict[str, Path], tmp_path: Path) -> None:
+    from pgconvert.io.output import OUTPUT_STAGING_BYTES
+    from pgconvert.run.convert import convert_request, plan
+
+    conversion = plan(convert_request(sources["megatron"], tmp_path / "dst", dst_tp=1, dst_pp=2, dst_ep=1, threads=2))
+    conversion.source.close()
+    largest = conversion.largest_tensor
+    assert largest > 0 and conversion.files_at_once == 2
+    assert conversion.memory_in_flight == 2 * (largest + OUTPUT_STAGING_BYTES)
+    flags = ["--dst-tp", "1", "--dst-pp", "2", "--dst-ep", "1"]
+
+    one = _dry_run_memory_line(sources["megatron"], tmp_path / "dst", *flags, "--threads", "1")
+    two = _dry_run_memory_line(sources["megatron"], tmp_path / "dst", *flags, "--threads", "2")
+    more_than_files = _dry_run_memory_line(sources["megatron"], tmp_path / "dst", *flags, "--threads", "8")
+    one_pass = _dry_run_memory_line(sources["megatron"], tmp_path / "dst", "--dst-format", "torch_dist", "--threads", "2")
+
+    assert "1 file at once" in one and "2 files at once" in two and "2 files at once" in more_than_files
+    assert "1 file at once" in one_pass  # torch_dist writes its data files in one pass
+
+
+@pytest.mark.parametrize("threads", [0, -1, True, 1.5])
+def test_a_thread_count_below_one_or_not_whole_is_refused(sources: dict[str, Path], tmp_path: Path,
+                                                         threads: object) -> None:
+    from pgconvert.errors import ValidationError
+
+    with pytest.raises(ValidationError, match=r"--threads .*: must be a whole number of at least 1"):
+        convert(sources["megatron"], tmp_path / "dst", dst_tp=1, threads=threads)
+    assert not (tmp_path / "dst").exists()

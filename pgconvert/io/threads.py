@@ -53,6 +53,17 @@ def _run_task(stop: threading.Event, failures: list[BaseException], task: Callab
         raise
 
 
+def serialized(callback: Callable[[int], None]) -> Callable[[int], None]:
+    """``callback`` called by one thread at a time (a progress bar updated from every file's thread)."""
+    lock = threading.Lock()
+
+    def call(value: int) -> None:
+        with lock:
+            callback(value)
+
+    return call
+
+
 def run_each(tasks: Sequence[Callable[[], T]], threads: int) -> list[T]:
     """Each task's result, in the tasks' order, running up to ``threads`` of them at once.
 

@@ -33,6 +33,7 @@ from pgconvert.model.layout import ParallelLayout
 from pgconvert.model.layout_spec import LayoutSpec
 from pgconvert.formats.names import DIGEST_CHOICES
 from pgconvert.io.output import OUTPUT_STAGING_BYTES, digests
+from pgconvert.io.threads import serialized
 from pgconvert.io.sizes import itemsize, numel
 from pgconvert.run.manifest import Manifest, record_files, write_manifest
 from pgconvert.formats.hf_quantized import check_keep_fp8
@@ -439,6 +440,8 @@ def promote(staging: Path, dst: Path, overwrite: bool) -> None:
 
 def _save(conversion: Plan, staging: Path, progress: Callable[[int], None]) -> SaveResult:
     request = conversion.request
+    if conversion.files_at_once > 1:
+        progress = serialized(progress)  # called from each file's thread
     if request.workers > 1:
         return save_with_workers(conversion, staging, request.workers, request.max_memory, progress,
                                  functools.partial(plan, check_dst=False))

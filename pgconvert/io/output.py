@@ -196,6 +196,7 @@ class OutputFile:
             self._handed, self._filled = size, 0
         for index in range(BUFFERS):
             self._reuse(index)
+        check_running()  # no fsync for a file that will be thrown away
         try:
             os.ftruncate(self._fd, size)
             os.fsync(self._fd)

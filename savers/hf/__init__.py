@@ -1,6 +1,7 @@
 """Saver for Hugging Face safetensors checkpoints, loadable with transformers' ``from_pretrained``.
 
-Shards are written one at a time, each bounded by ``max_shard_size``; the parts of one canonical
+Shards are written one at a time (or ``--threads`` at a time, each thread with its own tensor), each
+bounded by ``max_shard_size``; the parts of one canonical
 tensor (q/k/v, gate/up) always land in the same shard, so every source tensor is read once. Each
 shard is streamed: its header is computed from shapes and dtypes known in advance, then tensors
 are written as they are produced, so only one canonical tensor is in memory, not a whole shard.

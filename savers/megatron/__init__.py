@@ -1,8 +1,9 @@
 """Saver for Megatron-LM per-rank checkpoints (``mp_rank_*/model_optim_rng.pt``).
 
-One destination rank file is written at a time, as a stream (``pgconvert.io.torchzip``): each tensor
-is cut from the source when its record is written and dropped after, so memory holds one tensor,
-not a rank.
+Each destination rank file is written as a stream (``pgconvert.io.torchzip``): each tensor is cut from
+the source when its record is written and dropped after, so memory holds one tensor, not a rank. Rank
+files are independent: ``--threads`` writes that many at once (``pgconvert.io.threads``), each thread
+holding its own tensor.
 """
 
 from __future__ import annotations

@@ -120,6 +120,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--markdown", type=Path, default=None, metavar="PATH",
                         help="also write the results as markdown (docs/benchmarks.md): one table, machine and load")
     parser.add_argument("--keep", action="store_true", help="keep the checkpoints afterwards")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="also run TP8 -> TP2, TP8/PP1 -> TP2/PP2 and TP8 -> HF with --threads N (1: skip those rows)")
     parser.add_argument("--workers", type=int, default=2,
                         help="also run the Megatron-output cases with --workers N (1: skip those rows)")
     parser.add_argument("--optim-scale", type=float, default=OPTIM_SCALE,
@@ -278,7 +280,7 @@ def durable_copy(src: Path, dst: Path) -> list[str]:
     return ["sh", "-c", f"cp -r '{src}' '{dst}' && sync"]
 
 
-def conversion_plan(src: Path, workdir: Path, workers: int) -> list[tuple[str, list[str], Path, int]]:
+def conversion_plan(src: Path, workdir: Path, workers: int, threads: int = 1) -> list[tuple[str, list[str], Path, int]]:
     """(name, pgconvert args, destination, workers) of every conversion case."""
     plan: list[tuple[str, list[str], Path, int]] = [
         ("TP8 -> TP2", ["--dst-tp", "2", str(src)], workdir / "tp2", 1),
@@ -311,6 +313,11 @@ def conversion_plan(src: Path, workdir: Path, workers: int) -> list[tuple[str, l
     # The same conversions with the manifest's sha256 off (``--digest none``: sizes only).
     plan += [(f"{name} digest none", [*args[:-1], *NO_DIGEST, args[-1]], dst.with_name(dst.name + "_nodigest"), 1)
              for name, args, dst, _ in list(plan) if name in ("TP8 -> TP2", "TP8 -> HF", "HF -> TP4")]
+    # The same conversions with their destination files written on threads (``--threads``).
+    if threads > 1:
+        plan += [(f"{name} threads {threads}", [*args[:-1], "--threads", str(threads), args[-1]],
+                  dst.with_name(dst.name + "_threads"), 1)
+                 for name, args, dst, _ in list(plan) if name in ("TP8 -> TP2", "TP8/PP1 -> TP2/PP2", "TP8 -> HF")]
     if workers > 1:
         plan += [(name, args, dst.with_name(dst.name + "_workers"), workers)
                  for name, args, dst, _ in list(plan) if name.endswith(("TP2", "TP1", "PP2", "TP4"))]
@@ -346,7 +353,7 @@ def run_conversions(options: argparse.Namespace, src: Path, workdir: Path, large
     wanted = None if options.cases == "all" else {name.strip() for name in options.cases.split(",")}
     pythons = [sys.executable] + ([options.baseline_python] if options.baseline_python else [])
     cases = []
-    for name, args, dst, workers in conversion_plan(src, workdir, options.workers):
+    for name, args, dst, workers in conversion_plan(src, workdir, options.workers, options.threads):
         # Each source made by a conversion is kept for the case that reads it.
         readers = {"TP8 -> HF": ("HF -> TP4", "HF -> TP4 digest none", *FP8_CASES), "TP8 -> torch_dist": ("torch_dist -> TP2",)}
         if wanted is not None and name not in wanted and not wanted & set(readers.get(name, ())):
@@ -360,7 +367,7 @@ def run_conversions(options: argparse.Namespace, src: Path, workdir: Path, large
             per_rank, dist, largest = optimizer_sources(workdir, options.optim_scale, bench_config, SeededSource)
             floor_src = dist if "torch_dist(dp)" in name else per_rank
         for python in pythons:
-            if python != sys.executable and NO_DIGEST[0] in args:
+            if python != sys.executable and set(ADDED_OPTIONS) & set(args):
                 continue  # an option this version added: the baseline has no such run
             cases.append(measure(name, python, args, dst, workers, floor_src, options.repeat, largest))
         if name not in readers:
@@ -370,6 +377,7 @@ def run_conversions(options: argparse.Namespace, src: Path, workdir: Path, large
 
 FP8_CASES = ("HF-FP8 -> HF", "HF-FP8 -> HF keep", "HF-FP8 -> TP4")
 NO_DIGEST = ("--digest", "none")
+ADDED_OPTIONS = ("--digest", "--threads")  # options a baseline version may not have
 DEEPSEEK_CASES = ("HF-FP8(DeepSeek) -> TP2/EP4", "HF-FP8(DeepSeek) -> HF")
 
 

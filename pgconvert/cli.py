@@ -162,7 +162,7 @@ CONVERT_HELP_SECTIONS: HelpSections = (
     ("HF output", ("--hf-config", "--generation-config", "--tokenizer", "--keep-fp8")),
     ("Optimizer state", ("--skip-optimizer", "--dst-dp", "--dst-optim-form")),
     ("Safety", ("--strict", "--check-finite", "--skip-finite-check")),
-    ("Scale-out", ("--workers", "--max-memory", "--shard-index", "--num-shards")),
+    ("Scale-out", ("--threads", "--workers", "--max-memory", "--shard-index", "--num-shards")),
 )
 # Options click adds to every command itself; a section may place them.
 _IMPLICIT_OPTIONS = ("--help",)
@@ -261,6 +261,9 @@ def _layout_option(name: str, help_text: str) -> Any:
               help="generation_config.json for DST (hf: beside the weights; megatron/torch_dist: in hf/).")
 @click.option("--tokenizer", type=click.Path(path_type=Path, exists=True, file_okay=False), default=None,
               metavar="DIR", help="Folder whose tokenizer files and chat templates DST gets instead of the source's.")
+@click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Threads writing independent destination files at once in each process (megatron rank files, "
+                   "hf shards); each holds one more tensor and 32 MiB of write buffers in memory.")
 @click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True,
               help="Worker processes writing independent destination files (megatron DST).")
 @click.option("--max-memory", type=ByteSize(), default=None, metavar="SIZE",
@@ -311,7 +314,7 @@ def convert_command(src: Path, dst: Path, src_format: str, dst_format: str, src_
                     dst_expert_layout: str | None, iteration: int | None,
                     true_vocab_size: int | None, dtype: str, max_shard_size: int | None,
                     hf_config: Path | None, generation_config: Path | None, tokenizer: Path | None,
-                    workers: int, max_memory: int | None,
+                    threads: int, workers: int, max_memory: int | None,
                     shard_index: int | None, num_shards: int | None, strict: bool, finite_mode: str | None,
                     digest: str,
                     dry_run: bool, overwrite: bool,
@@ -335,7 +338,8 @@ def convert_command(src: Path, dst: Path, src_format: str, dst_format: str, src_
         dst_transformer_impl=dst_transformer_impl, dst_expert_layout=dst_expert_layout,
         iteration=iteration, true_vocab_size=true_vocab_size, dtype=dtype, overwrite=overwrite,
         strict=strict, check_finite=finite_mode or "warn", digest=digest,
-        max_shard_size=max_shard_size, hf_config=hf_config, workers=workers, max_memory=max_memory,
+        max_shard_size=max_shard_size, hf_config=hf_config, threads=threads, workers=workers,
+        max_memory=max_memory,
         generation_config=generation_config, tokenizer=tokenizer,
         keep_fp8=keep_fp8, skip_optimizer=skip_optimizer, dst_dp=dst_dp, dst_optim_form=dst_optim_form,
         dst_mtp_layer_name=dst_mtp_layer_name,
@@ -391,6 +395,8 @@ def _run_shard(request: ConvertRequest, index: int, count: int, coordinator: str
 
 
 def _print_plan(conversion: Plan) -> None:
+    from pgconvert.io.output import OUTPUT_STAGING_BYTES
+
     click.echo(
         f"plan: {conversion.src_format} {conversion.src_layout.describe() if conversion.src_layout else ''}"
         f" -> {conversion.dst_format} {conversion.save_options.layout.describe()}"
@@ -398,6 +404,10 @@ def _print_plan(conversion: Plan) -> None:
     for item in conversion.files:
         click.echo(f"  {item.relpath}  {item.tensors} tensors  {item.nbytes} bytes ({_format_bytes(item.nbytes)})")
     click.echo(f"total: {len(conversion.files)} files, {_format_bytes(conversion.total_bytes)}")
+    at_once = conversion.files_at_once
+    click.echo(f"memory in flight: {at_once} file{'s' if at_once > 1 else ''} at once, each up to its largest tensor "
+               f"({_format_bytes(conversion.largest_tensor)}) and {_format_bytes(OUTPUT_STAGING_BYTES)} of write "
+               f"buffers: {_format_bytes(conversion.memory_in_flight)}")
 
 
 def _run_with_progress(conversion: Plan, quiet: bool) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import re
+import threading
 from collections import defaultdict
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -221,6 +222,8 @@ class MegatronSource(CanonicalSource):
         self._pieces: dict[str, list[_Piece]] = defaultdict(list)
         self._extra: dict[str, ExtraState] = {}
         self._verified: set[str] = set()
+        # Two files produced at once (``--threads``) may ask for the same tensor: one verifies it, the other waits.
+        self._verifying = threading.Lock()
         self._index(padded, chunk_keys)
         self._order = canonical_names(config)
         uncovered = sorted(set(self._order) - set(self._pieces))
@@ -408,6 +411,12 @@ class MegatronSource(CanonicalSource):
         """Once per tensor: every replica and every copy must be bit-identical."""
         if name in self._verified:
             return
+        with self._verifying:
+            if name not in self._verified:
+                self._verify_copies(name, copies)
+                self._verified.add(name)
+
+    def _verify_copies(self, name: str, copies: list[list[_Piece]]) -> None:
         reference = copies[0]
         for group in copies:
             if group[0].spec.rule.replicated:
@@ -425,7 +434,6 @@ class MegatronSource(CanonicalSource):
                         f"({mine.spec.local_name}) differ"
                     )
             self._release(group)
-        self._verified.add(name)
 
     def describe(self) -> str:
         return str(self.directory)

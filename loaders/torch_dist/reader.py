@@ -24,6 +24,7 @@ import logging
 import math
 import os
 import pickle
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -246,7 +247,8 @@ class TorchDistSource(CanonicalSource):
         metadata_path = ensure_within(self.root, iteration_dir / DCP_METADATA_FILE)
         self._metadata = read_dcp_metadata(metadata_path)
         self._check_files(metadata_path)
-        self._reader = _SafeReader(iteration_dir, self._metadata, self.root)
+        # torch's reader keeps per-call state (set up by each ``dcp.load``): one per thread (``--threads``).
+        self._readers = threading.local()
         common, common_path = self._read_common()
         args = common.get("args")
         if not isinstance(args, argparse.Namespace):
@@ -404,12 +406,19 @@ class TorchDistSource(CanonicalSource):
                      f"metadata, e.g. {holding[0]}); it is not carried: FP8 runs re-derive it in their first "
                      "steps", self._strict, self.notices)
 
+    def _reader(self) -> _SafeReader:
+        """This thread's reader of the checkpoint's data files."""
+        reader: _SafeReader | None = getattr(self._readers, "reader", None)
+        if reader is None:
+            reader = self._readers.reader = _SafeReader(self.directory, self._metadata, self.root)
+        return reader
+
     def _read(self, regions: dict[str, list[tuple[tuple[int, ...], torch.Tensor]]],
               objects: list[str]) -> dict[str, Any]:
         planner = _RegionPlanner(regions, objects, str(self.directory))
         try:
             with single_process_calls():
-                dcp.load({}, storage_reader=self._reader, planner=planner, no_dist=True)
+                dcp.load({}, storage_reader=self._reader(), planner=planner, no_dist=True)
         except (PgconvertError, OSError):
             raise
         except Exception as exc:  # torch's reader on a corrupt chunk: name the checkpoint

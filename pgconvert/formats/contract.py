@@ -92,6 +92,9 @@ class SaveOptions:
     tokenizer: Path | None = None
     # The MTP inner layer's per-rank key (pgconvert.formats.mtp_naming); None keeps the source's.
     mtp_layer_module: str | None = None
+    # Threads producing independent destination files at once within this process (``--threads``;
+    # pgconvert.io.threads): a saver whose files are independent writes up to this many at a time.
+    threads: int = 1
 
 
 
@@ -219,6 +222,10 @@ class Saver(ABC):
     # Savers that can write any subset of their planned files (``save(only=...)``) and then
     # ``finalize`` the shared metadata support --workers and sharded (multi-process) runs.
     supports_partial: bool = False
+
+    # Savers that write their files on ``SaveOptions.threads`` threads (``pgconvert.io.threads.run_each``);
+    # the others write one file at a time whatever ``--threads`` says.
+    threaded: bool = False
 
     @abstractmethod
     def save(self, source: CanonicalSource, out_dir: Path, options: SaveOptions,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import io
 import logging
+import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -169,6 +170,7 @@ class CanonicalSource:
         self.notices: list[str] = []
         self.check_finite = "warn"
         self._nonfinite_seen: set[str] = set()
+        self._notices_lock = threading.Lock()
 
     def names(self) -> list[str]:
         raise NotImplementedError
@@ -211,8 +213,11 @@ class CanonicalSource:
         found = nonfinite_text(tensor)
         if found is None:
             return tensor
-        apply_finite_policy(self.check_finite, f"{label()}: {found} in {self.describe()}", self.notices)
-        self._nonfinite_seen.add(key)
+        with self._notices_lock:  # two files produced at once (``--threads``) report a tensor once
+            if key in self._nonfinite_seen:
+                return tensor
+            apply_finite_policy(self.check_finite, f"{label()}: {found} in {self.describe()}", self.notices)
+            self._nonfinite_seen.add(key)
         return tensor
 
     def describe(self) -> str:

@@ -41,6 +41,7 @@ import json
 import math
 import os
 import pickle
+import threading
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -241,6 +242,38 @@ def empty_extra_state() -> io.BytesIO:
 # --------------------------------------------------------------------------- torch.distributed.checkpoint calls
 
 
+class _QuietSingleProcess:
+    """torch's single-process warning ignored while any thread is inside ``single_process_calls``.
+
+    ``warnings.catch_warnings`` saves and restores the process's one filter list, so two threads
+    (``--threads``) nesting it out of order would leave the filter in place or drop each other's;
+    here the first thread in installs it and the last one out restores the filters.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._inside = 0
+        self._saved: warnings.catch_warnings | None = None
+
+    def __enter__(self) -> None:
+        with self._lock:
+            if self._inside == 0:
+                self._saved = warnings.catch_warnings()
+                self._saved.__enter__()
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+            self._inside += 1
+
+    def __exit__(self, *exc_info: object) -> None:
+        with self._lock:
+            self._inside -= 1
+            if self._inside == 0 and self._saved is not None:
+                self._saved.__exit__(None, None, None)
+                self._saved = None
+
+
+_QUIET_SINGLE_PROCESS = _QuietSingleProcess()
+
+
 @contextlib.contextmanager
 def single_process_calls() -> Iterator[None]:
     """Around ``dcp.save``/``dcp.load`` with ``no_dist=True``: torch warns at every call that it
@@ -248,8 +281,7 @@ def single_process_calls() -> Iterator[None]:
     itself, not wrapped in torch's ``CheckpointException`` (a BaseException, so ``except Exception``
     would not even see it)."""
     try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        with _QUIET_SINGLE_PROCESS:
             yield
     except CheckpointException as exc:
         for failure in exc.failures.values():

@@ -29,10 +29,13 @@ from hashlib import sha256
 from pathlib import Path
 from types import TracebackType
 
+from pgconvert.io.threads import check_running
+
 log = logging.getLogger(__name__)
 
 BUFFER_BYTES = 8 << 20  # bytes per staging buffer (a multiple of BLOCK)
 BUFFERS = 4  # staging buffers in flight: one filling, the rest hashing or writing
+OUTPUT_STAGING_BYTES = BUFFERS * BUFFER_BYTES  # the memory an open OutputFile holds besides what it is given
 BLOCK = 4096  # the alignment O_DIRECT needs of offsets, lengths and memory on common devices
 _DIRECT = getattr(os, "O_DIRECT", 0)
 # Environment switch to write through the page cache (for measuring, or a file system that misbehaves).
@@ -93,6 +96,7 @@ class OutputFile:
         return bool(_DIRECT and fcntl.fcntl(self._fd, fcntl.F_GETFL) & _DIRECT)
 
     def write(self, data: bytes | bytearray | memoryview) -> int:
+        check_running()  # another file of a ``--threads`` pool failed: stop this one too
         source = memoryview(data).cast("B")
         done = 0
         while done < len(source):
@@ -192,6 +196,7 @@ class OutputFile:
             self._handed, self._filled = size, 0
         for index in range(BUFFERS):
             self._reuse(index)
+        check_running()  # no fsync for a file that will be thrown away
         try:
             os.ftruncate(self._fd, size)
             os.fsync(self._fd)

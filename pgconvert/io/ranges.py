@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ from pgconvert.io.reuse import new_tensor
 
 IOV_MAX = 1024  # Linux's UIO_MAXIOV: the most buffers one preadv takes
 SHORT_RUN = 512  # bytes: shorter contiguous runs are read as one span and gathered in memory
-OPEN_FILES = 64  # file descriptors a ``FileHandles`` keeps open at once
+OPEN_FILES = 64  # file descriptors a ``FileHandles`` keeps open at once, per thread
 
 
 @dataclass(frozen=True)
@@ -72,24 +73,44 @@ class FileRegion:
 
 
 class FileHandles:
-    """Read-only descriptors by path, opened on first use; at most ``OPEN_FILES`` stay open."""
+    """Read-only descriptors by path, opened on first use; at most ``limit`` stay open per thread.
+
+    Each thread has its own descriptors (``--threads`` produces files on several): a descriptor one
+    thread is reading from is never closed, and its number never reused, by another thread's eviction.
+    """
 
     def __init__(self, limit: int = OPEN_FILES) -> None:
         self.limit = limit
-        self._open: OrderedDict[Path, int] = OrderedDict()
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._every: list[OrderedDict[Path, int]] = []  # each thread's descriptors, for ``close``
+
+    def _mine(self) -> OrderedDict[Path, int]:
+        mine: OrderedDict[Path, int] | None = getattr(self._local, "open", None)
+        if mine is None:
+            mine = self._local.open = OrderedDict()
+            with self._lock:
+                self._every.append(mine)
+        return mine
 
     def fd(self, path: Path) -> int:
-        fd = self._open.pop(path, None)
+        mine = self._mine()
+        fd = mine.pop(path, None)
         if fd is None:
             fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-            while len(self._open) >= self.limit:
-                os.close(self._open.popitem(last=False)[1])
-        self._open[path] = fd
+            while len(mine) >= self.limit:
+                os.close(mine.popitem(last=False)[1])
+        mine[path] = fd
         return fd
 
     def close(self) -> None:
-        while self._open:
-            os.close(self._open.popitem()[1])
+        """Close every thread's descriptors (once no thread reads through them any more)."""
+        with self._lock:
+            every, self._every = self._every, []
+            self._local = threading.local()
+        for handles in every:
+            while handles:
+                os.close(handles.popitem()[1])
 
 
 def _byte_view(tensor: torch.Tensor) -> memoryview:

@@ -25,6 +25,8 @@ import torch
 
 from pgconvert.io import sizes
 
+SMALLEST = 1 << 20  # bytes: smaller records are not lent memory
+SHRINK = 4  # a record this many times smaller than the block has the block's unused pages handed back
 MADV_DONTNEED = 4  # Linux's value (also the BSDs' and macOS's, where it only marks the pages)
 # The memory lending to the record being produced, with the record's size in bytes; None once taken.
 _LENT: ContextVar[tuple[ReusedMemory, int] | None] = ContextVar("pgconvert_lent", default=None)
@@ -96,20 +98,22 @@ class ReusedMemory:
 
     def free_block(self, nbytes: int) -> torch.UntypedStorage:
         """The block, unless it is smaller than ``nbytes`` or still in use: then a new one (kept). A
-        record under half the block gets it with the pages past its end handed back (``_release_tail``),
-        so a large first record does not add its size to every later record's memory."""
+        record under a quarter of the block gets it with the pages past its end handed back
+        (``_release_tail``), so one large record (an embedding) does not add its size to every later
+        record's memory, while a layer's tensors (within a few times of each other) keep their pages."""
         block = self._block
         if block is None or block.nbytes() < nbytes or _use_count(block) > 1:
             block = torch.empty(nbytes, dtype=torch.uint8).untyped_storage()
             self._block = block
-        elif 2 * nbytes < block.nbytes():
+        elif SHRINK * nbytes < block.nbytes():
             _release_tail(block, nbytes)
         return block
 
     @contextmanager
     def lending(self, nbytes: int) -> Iterator[None]:
-        """Within the block, the first ``new_tensor`` of ``nbytes`` bytes is made in this memory."""
-        token = _LENT.set((self, nbytes) if nbytes else None)
+        """Within the block, the first ``new_tensor`` of ``nbytes`` bytes is made in this memory (records
+        under ``SMALLEST`` bytes are left to the allocator, which reuses small blocks itself)."""
+        token = _LENT.set((self, nbytes) if nbytes >= SMALLEST else None)
         try:
             yield
         finally:

@@ -32,7 +32,9 @@ from pgconvert.formats import DTYPE_CHOICES, LoadOptions, PlannedFile, SaveOptio
 from pgconvert.model.layout import ParallelLayout
 from pgconvert.model.layout_spec import LayoutSpec
 from pgconvert.formats.names import DIGEST_CHOICES
-from pgconvert.io.output import digests
+from pgconvert.io.output import OUTPUT_STAGING_BYTES, digests
+from pgconvert.io.threads import serialized
+from pgconvert.io.sizes import itemsize, numel
 from pgconvert.run.manifest import Manifest, record_files, write_manifest
 from pgconvert.formats.hf_quantized import check_keep_fp8
 from pgconvert.optimizer.carry import carry_training_state, check_optimizer_options, replace_saver_notice
@@ -85,6 +87,9 @@ class ConvertRequest:
     # files they may hold in memory at once.
     workers: int = 1
     max_memory: int | None = None
+    # Threads writing independent destination files at once within each process (megatron rank files,
+    # hf shards): pgconvert.io.threads.
+    threads: int = 1
     # Write an hf source's quantized tensors unchanged with their scales (hf -> hf only).
     keep_fp8: bool = False
     # Convert the model alone, without the source's optimizer state (pgconvert.optimizer.carry).
@@ -110,10 +115,27 @@ class Plan:
     saver: Saver
     save_options: SaveOptions
     files: list[PlannedFile]
+    # The bytes of the largest tensor a destination file is written from (in the larger of its source and
+    # target dtypes): what producing one file holds in memory besides its write buffers.
+    largest_tensor: int = 0
 
     @property
     def total_bytes(self) -> int:
         return sum(item.nbytes for item in self.files)
+
+    @property
+    def files_at_once(self) -> int:
+        """Destination files produced at the same time: one per ``--workers`` process, else one per
+        ``--threads`` thread of a saver that writes on threads (``Saver.threaded``)."""
+        at_once = self.request.workers if self.request.workers > 1 else (
+            self.request.threads if self.saver.threaded else 1)
+        return max(1, min(at_once, len(self.files)))
+
+    @property
+    def memory_in_flight(self) -> int:
+        """The most bytes the files being produced hold at once: per file, its largest tensor and the
+        write buffers of its ``OutputFile``."""
+        return self.files_at_once * (self.largest_tensor + OUTPUT_STAGING_BYTES)
 
 
 @dataclass
@@ -203,6 +225,9 @@ def _check_choices(request: ConvertRequest) -> None:
                                  ("--digest", request.digest, DIGEST_CHOICES)):
         if value not in choices:
             raise DestinationError(f"{flag} {value}: must be one of {', '.join(choices)}")
+    for flag, count in (("--threads", request.threads), ("--workers", request.workers)):
+        if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+            raise ValidationError(f"{flag} {count!r}: must be a whole number of at least 1")
 
 
 def plan(request: ConvertRequest, check_dst: bool = True) -> Plan:
@@ -248,6 +273,7 @@ def plan(request: ConvertRequest, check_dst: bool = True) -> Plan:
             hf_config=Path(request.hf_config) if request.hf_config is not None else None,
             generation_config=Path(request.generation_config) if request.generation_config is not None else None,
             tokenizer=Path(request.tokenizer) if request.tokenizer is not None else None,
+            threads=request.threads,
         )
         _note_dtype_change(source, save_options)
         if saver.parallel:
@@ -255,12 +281,29 @@ def plan(request: ConvertRequest, check_dst: bool = True) -> Plan:
         check_target(source, dst_format, request.strict, CARRIED_SETTINGS)
         saver.validate(source, save_options)
         files = saver.plan(source, save_options)
-        conversion = Plan(request, src_format, dst_format, source, source.layout, saver, save_options, files)
+        _note_unthreaded(saver, dst_format, request, source)
+        conversion = Plan(request, src_format, dst_format, source, source.layout, saver, save_options, files,
+                          _largest_tensor(source, save_options))
         check_optimizer_options(conversion)  # before anything is written
     except BaseException:
         source.close()
         raise
     return conversion
+
+
+def _largest_tensor(source: CanonicalSource, options: SaveOptions) -> int:
+    """The largest canonical tensor's bytes, in the wider of its dtype and ``--dtype``'s."""
+    largest = 0
+    for meta in map(source.meta, source.names()):
+        size = max(itemsize(meta.dtype), itemsize(options.dtype) if options.dtype is not None else 0)
+        largest = max(largest, numel(meta.shape) * size)
+    return largest
+
+
+def _note_unthreaded(saver: Saver, dst_format: str, request: ConvertRequest, source: CanonicalSource) -> None:
+    if request.threads > 1 and not saver.threaded and request.workers == 1:
+        source.notices.append(f"--threads {request.threads}: the {dst_format} saver writes its files one at a "
+                              "time (one pass of torch.distributed.checkpoint's writer); --workers splits them")
 
 
 def _note_dtype_change(source: CanonicalSource, options: SaveOptions) -> None:
@@ -397,6 +440,8 @@ def promote(staging: Path, dst: Path, overwrite: bool) -> None:
 
 def _save(conversion: Plan, staging: Path, progress: Callable[[int], None]) -> SaveResult:
     request = conversion.request
+    if conversion.files_at_once > 1:
+        progress = serialized(progress)  # called from each file's thread
     if request.workers > 1:
         return save_with_workers(conversion, staging, request.workers, request.max_memory, progress,
                                  functools.partial(plan, check_dst=False))

@@ -1,6 +1,7 @@
 """Saver for Hugging Face safetensors checkpoints, loadable with transformers' ``from_pretrained``.
 
-Shards are written one at a time, each bounded by ``max_shard_size``; the parts of one canonical
+Shards are written one at a time (or ``--threads`` at a time, each thread with its own tensor), each
+bounded by ``max_shard_size``; the parts of one canonical
 tensor (q/k/v, gate/up) always land in the same shard, so every source tensor is read once. Each
 shard is streamed: its header is computed from shapes and dtypes known in advance, then tensors
 are written as they are produced, so only one canonical tensor is in memory, not a whole shard.
@@ -16,6 +17,7 @@ import logging
 import sys
 from collections.abc import Collection
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -29,6 +31,7 @@ from pgconvert.families.table import Family, TensorMapping
 from pgconvert.formats import PlannedFile, Progress, SaveOptions, Saver, SaveResult, target_dtype
 from pgconvert.io.output import OutputFile
 from pgconvert.io.reuse import ReusedMemory
+from pgconvert.io.threads import run_each
 from pgconvert.formats.hf import (
     CONFIG_FILE,
     DEFAULT_MAX_SHARD_SIZE,
@@ -234,6 +237,21 @@ class _SafetensorsWriter:
             self.sha256, self.size = self._handle.hexdigest(), self._handle.offset
 
 
+
+
+def _write_shard(path: Path, shard: _Shard, source: CanonicalSource, kinds: _HFKinds,
+                 progress: Progress) -> PlannedFile:
+    """One shard file, its units produced in turn into one block of reused memory; runs on a ``--threads``
+    thread (a stacked tensor is never split between shards, so its pieces stay in this task)."""
+    entries = _shard_entries(shard)
+    stacks: dict[str, list[torch.Tensor]] = {}
+    memory = ReusedMemory()
+    with _SafetensorsWriter(path, entries) as writer:
+        for unit in shard.units:
+            with memory.lending(source.meta(unit.canonical).nbytes):
+                _write_unit(writer, unit, source, kinds, stacks)
+    progress(writer.nbytes)
+    return PlannedFile(path.name, len(entries), writer.nbytes, sha256=writer.sha256, size=writer.size)
 
 
 def _write_unit(writer: _SafetensorsWriter, unit: _Unit, source: CanonicalSource, kinds: _HFKinds,
@@ -444,6 +462,7 @@ class HFSaver(Saver):
     # Every shard file is written on its own from the plan (``save(only=...)``); the index, config.json and side
     # files are written once by ``finalize``, so --workers and sharded runs split a model by shard files.
     supports_partial = True
+    threaded = True  # each rank file or shard is a task of ``options.threads`` threads
 
     def save(self, source: CanonicalSource, out_dir: Path, options: SaveOptions,
              progress: Progress, only: Collection[str] | None = None) -> SaveResult:
@@ -454,19 +473,10 @@ class HFSaver(Saver):
         result = SaveResult()
         kinds = _HFKinds(layer_kinds(source.config), norm_weight_names(source.config), family.hf_rotary_interleaved,
                          family.hf_norms_zero_centred)
-        for file_name, shard in zip(self._file_names(len(shards)), shards, strict=True):
-            if only is not None and file_name not in only:
-                continue
-            entries = _shard_entries(shard)
-            stacks: dict[str, list[torch.Tensor]] = {}
-            memory = ReusedMemory()
-            with _SafetensorsWriter(out_dir / file_name, entries) as writer:
-                for unit in shard.units:
-                    with memory.lending(source.meta(unit.canonical).nbytes):
-                        _write_unit(writer, unit, source, kinds, stacks)
-            result.files.append(PlannedFile(file_name, len(entries), writer.nbytes, sha256=writer.sha256,
-                                            size=writer.size))
-            progress(writer.nbytes)
+        tasks = [partial(_write_shard, out_dir / file_name, shard, source, kinds, progress)
+                 for file_name, shard in zip(self._file_names(len(shards)), shards, strict=True)
+                 if only is None or file_name in only]
+        result.files += run_each(tasks, options.threads)
         if only is None:
             result.notices += self.finalize(source, out_dir, options)
         return result

@@ -1,8 +1,9 @@
 """Saver for Megatron-LM per-rank checkpoints (``mp_rank_*/model_optim_rng.pt``).
 
-One destination rank file is written at a time, as a stream (``pgconvert.io.torchzip``): each tensor
-is cut from the source when its record is written and dropped after, so memory holds one tensor,
-not a rank.
+Each destination rank file is written as a stream (``pgconvert.io.torchzip``): each tensor is cut from
+the source when its record is written and dropped after, so memory holds one tensor, not a rank. Rank
+files are independent: ``--threads`` writes that many at once (``pgconvert.io.threads``), each thread
+holding its own tensor.
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,7 @@ from pgconvert.formats import (TRAINING_STATE_NOT_CARRIED, CarriedOptimizer, Opt
                                PlannedFile, Progress, SaveOptions, Saver, SaveResult, target_config, target_dtype)
 from pgconvert.model.grid import RankCoord, build_converter_process_groups, iter_ranks
 from pgconvert.io.output import OutputFile
+from pgconvert.io.threads import run_each
 from pgconvert.formats.hf_side import carried_for_target, write_carried
 from pgconvert.model.layout import ParallelLayout
 from pgconvert.formats.megatron import (
@@ -178,6 +181,7 @@ class MegatronSaver(Saver):
         return planned
 
     supports_partial = True
+    threaded = True  # each rank file or shard is a task of ``options.threads`` threads
 
     def save(self, source: CanonicalSource, out_dir: Path, options: SaveOptions,
              progress: Progress, only: Collection[str] | None = None) -> SaveResult:
@@ -192,32 +196,14 @@ class MegatronSaver(Saver):
         dtype = options.dtype or params_dtype_for((source.meta(name).dtype for name in names), config)
         args = args_for_target(config, layout, padded, dtype, iteration, source.megatron_args)
         extra_states = source.extra_states()
-        dropped_extra = False
-        for rank in self._ranks(source, options):
-            relpath = f"{iteration_dir_relpath}/{rank.relpath}"
-            if only is not None and relpath not in only:
-                continue
-            state: dict[str, Any] = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration}
-            nbytes = 0
-            count = 0
-            for chunk_key, shard in rank.chunks:
-                model: OrderedDict[str, Any] = OrderedDict()
-                for spec in shard.specs:
-                    planned = _planned_piece(source, spec, padded, self._dtype(source, spec, options.dtype))
-                    model[spec.local_name] = planned
-                    nbytes += planned.nbytes
-                for local, canonical in self._extra_keys(source, shard, config, layout):
-                    value, carried = _extra_for(extra_states.get(canonical), layout, rank.coord)
-                    dropped_extra |= not carried and _holds_state(extra_states.get(canonical))
-                    model[local] = value
-                state[chunk_key] = model
-                count += len(model)
-            path = out_dir / relpath
-            path.parent.mkdir(parents=True, exist_ok=True)
-            digest = save_durably(state, path)
-            result.files.append(PlannedFile(relpath, count, nbytes, sha256=digest, size=path.stat().st_size))
-            del state
-            progress(nbytes)
+        header = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration}
+        tasks = [partial(self._write_rank, source, out_dir / iteration_dir_relpath, rank, header, padded, options,
+                         progress)
+                 for rank in self._ranks(source, options)
+                 if only is None or f"{iteration_dir_relpath}/{rank.relpath}" in only]
+        written = run_each(tasks, options.threads)
+        result.files += [replace(item, relpath=f"{iteration_dir_relpath}/{item.relpath}") for item, _ in written]
+        dropped_extra = any(dropped for _, dropped in written)
         _notice_renamed_extra_states(source, config, options, result.notices)
         if dropped_extra:
             first = next(iter(extra_states.values()))
@@ -230,6 +216,36 @@ class MegatronSaver(Saver):
         if only is None:
             result.notices += self.finalize(source, out_dir, options)
         return result
+
+    def _write_rank(self, source: CanonicalSource, iteration_dir: Path, rank: _RankPlan, header: dict[str, Any],
+                    padded: int, options: SaveOptions, progress: Progress) -> tuple[PlannedFile, bool]:
+        """One rank file (its path relative to the iteration directory), and whether a non-empty
+        ``_extra_state`` of the source was written empty in it. Runs on a ``--threads`` thread."""
+        layout = options.layout
+        config = target_config(source.config, options)
+        extra_states = source.extra_states()
+        dropped_extra = False
+        state: dict[str, Any] = dict(header)  # args, checkpoint_version, iteration
+        nbytes = 0
+        count = 0
+        for chunk_key, shard in rank.chunks:
+            model: OrderedDict[str, Any] = OrderedDict()
+            for spec in shard.specs:
+                planned = _planned_piece(source, spec, padded, self._dtype(source, spec, options.dtype))
+                model[spec.local_name] = planned
+                nbytes += planned.nbytes
+            for local, canonical in self._extra_keys(source, shard, config, layout):
+                value, carried = _extra_for(extra_states.get(canonical), layout, rank.coord)
+                dropped_extra |= not carried and _holds_state(extra_states.get(canonical))
+                model[local] = value
+            state[chunk_key] = model
+            count += len(model)
+        path = iteration_dir / rank.relpath
+        path.parent.mkdir(parents=True, exist_ok=True)
+        digest = save_durably(state, path)
+        del state
+        progress(nbytes)
+        return PlannedFile(rank.relpath, count, nbytes, sha256=digest, size=path.stat().st_size), dropped_extra
 
     def finalize(self, source: CanonicalSource, out_dir: Path, options: SaveOptions) -> list[str]:
         """What is written once all rank files are: the tracker file Megatron starts from."""

@@ -1,0 +1,90 @@
+"""Independent output files produced on a small pool of threads (``--threads``).
+
+Most of the time of writing a destination file goes to system calls (``preadv``, ``pwrite``, ``fsync``)
+and torch kernels (a join, a cast, a finiteness scan), all of which release the GIL, so two files produced
+at once on two threads use two cores. ``run_each`` runs one task per file:
+
+- each task runs in a copy of the submitting thread's context (``contextvars.copy_context``), taken
+  when it is submitted: threads do not inherit context variables, and ``io.output.digests``, the joins
+  a loader installs (``rules.concatenating_with``) and the memory lent to a record (``io.reuse``) are
+  context variables; each task mutates its own copy, never its neighbour's;
+- the first task to fail stops the others: tasks not started are cancelled, and one in progress
+  stops at its next write (``OutputFile.write`` calls ``check_running``), so the error the caller sees
+  is the failed file's and nothing waits for a file that will be thrown away.
+
+With one thread (or one task) the tasks run here, one after another, exactly as without a pool.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from typing import TypeVar
+
+T = TypeVar("T")
+
+# The event that tells the task this context runs to stop (set when another task of its pool failed).
+_STOP: contextvars.ContextVar[threading.Event | None] = contextvars.ContextVar("pgconvert_stop", default=None)
+
+
+class Stopped(Exception):
+    """Raised in a task whose pool is stopping because another task failed; never reaches the caller."""
+
+
+def check_running() -> None:
+    """Raise ``Stopped`` when another file of this pool failed (a no-op outside a pool)."""
+    stop = _STOP.get()
+    if stop is not None and stop.is_set():
+        raise Stopped
+
+
+def _run_task(stop: threading.Event, failures: list[BaseException], task: Callable[[], T]) -> T:
+    _STOP.set(stop)
+    check_running()
+    try:
+        return task()
+    except Stopped:
+        raise
+    except BaseException as error:
+        failures.append(error)  # before the event, so the first failure is first in the list
+        stop.set()
+        raise
+
+
+def serialized(callback: Callable[[int], None]) -> Callable[[int], None]:
+    """``callback`` called by one thread at a time (a progress bar updated from every file's thread)."""
+    lock = threading.Lock()
+
+    def call(value: int) -> None:
+        with lock:
+            callback(value)
+
+    return call
+
+
+def run_each(tasks: Sequence[Callable[[], T]], threads: int) -> list[T]:
+    """Each task's result, in the tasks' order, running up to ``threads`` of them at once.
+
+    The first task's exception to be raised (a ``Stopped`` never) is raised here once every started
+    task has ended; a ``KeyboardInterrupt`` here stops the tasks the same way.
+    """
+    if threads <= 1 or len(tasks) <= 1:
+        return [task() for task in tasks]
+    stop = threading.Event()
+    failures: list[BaseException] = []
+    with ThreadPoolExecutor(min(threads, len(tasks)), thread_name_prefix="pgconvert-file") as pool:
+        # One copy per task, taken here in the submitting thread: a context runs in one thread at a time.
+        futures: list[Future[T]] = [pool.submit(contextvars.copy_context().run, _run_task, stop, failures, task)
+                                    for task in tasks]
+        try:
+            wait(futures, return_when=FIRST_EXCEPTION)
+        finally:
+            if not all(future.done() for future in futures):
+                stop.set()
+                for future in futures:
+                    future.cancel()
+    if failures:
+        raise failures[0]
+    return [future.result() for future in futures]

@@ -43,7 +43,7 @@ def test_the_first_tensor_of_the_records_size_is_made_in_the_lent_block() -> Non
     block = first.untyped_storage().data_ptr()
     assert block not in (smaller.untyped_storage().data_ptr(), second.untyped_storage().data_ptr())
     del first
-    with memory.lending(2048):  # a smaller record (not under a quarter) reuses the same block
+    with memory.lending(2048):  # a smaller record (not under an eighth) reuses the same block
         again = new_tensor((1024,), torch.bfloat16)
     assert again.untyped_storage().data_ptr() == block
 
@@ -144,12 +144,12 @@ def test_joined_keeps_torchs_rules_for_what_cat_refuses_or_skips() -> None:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps_rollup")
-def test_a_record_under_a_quarter_of_the_block_hands_the_rest_of_its_pages_back() -> None:
+def test_a_record_under_an_eighth_of_the_block_hands_the_rest_of_its_pages_back() -> None:
     memory = ReusedMemory()
     with memory.lending(64 << 20):
         new_tensor((64 << 20,), torch.uint8).fill_(1)  # every page of a 64 MiB block resident
     before = _anonymous_bytes()
-    with memory.lending(4 << 20):  # under a quarter of the block
+    with memory.lending(4 << 20):  # under an eighth of the block
         small = new_tensor((4 << 20,), torch.uint8).fill_(2)
     after = _anonymous_bytes()
     assert small.untyped_storage().data_ptr() == memory._block.data_ptr()

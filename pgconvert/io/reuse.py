@@ -26,7 +26,7 @@ import torch
 from pgconvert.io import sizes
 
 SMALLEST = 1 << 20  # bytes: smaller records are not lent memory
-SHRINK = 4  # a record this many times smaller than the block has the block's unused pages handed back
+SHRINK = 8  # a record this many times smaller than the block has the block's unused pages handed back
 MADV_DONTNEED = 4  # Linux's value (also the BSDs' and macOS's, where it only marks the pages)
 # The memory lending to the record being produced, with the record's size in bytes; None once taken.
 _LENT: ContextVar[tuple[ReusedMemory, int] | None] = ContextVar("pgconvert_lent", default=None)
@@ -98,7 +98,7 @@ class ReusedMemory:
 
     def free_block(self, nbytes: int) -> torch.UntypedStorage:
         """The block, unless it is smaller than ``nbytes`` or still in use: then a new one (kept). A
-        record under a quarter of the block gets it with the pages past its end handed back
+        record under an eighth of the block gets it with the pages past its end handed back
         (``_release_tail``), so one large record (an embedding) does not add its size to every later
         record's memory, while a layer's tensors (within a few times of each other) keep their pages."""
         block = self._block

@@ -20,7 +20,7 @@ import pytest
 import torch
 from support.cli_helpers import assert_clean_refusal, run_cli
 from support.megatron_fixtures import load_for_test
-from support.optimizer_faults import DISTRIBUTED, ITER, PLAIN_BF16, copy_checkpoint, rank_files
+from support.optimizer_faults import DISTRIBUTED, PLAIN_BF16, copy_checkpoint, rank_files
 
 import pgconvert
 import pgconvert.io.ranges as ranges
@@ -40,10 +40,6 @@ ROW_PARALLEL = "decoder.layers.0.self_attention.linear_proj.weight"
 class FileReads:
     """While installed: ``os.preadv`` bytes by file name, every destination ``read_region`` filled, and every
     ``torch.load`` (path, whether it maps the file)."""
-
-    def mapped_loads(self, root: Path) -> list[str]:
-        """The files under ``root`` that a ``torch.load`` mapped, by name."""
-        return sorted(Path(path).name for path, mapped in self.loads if mapped and Path(path).is_relative_to(root))
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.bytes: Counter[str] = Counter()
@@ -68,6 +64,10 @@ class FileReads:
         monkeypatch.setattr(ranges, "read_region", recording)
         monkeypatch.setattr(torch_input, "read_region", recording, raising=False)  # absent before it read by range
         monkeypatch.setattr(torch, "load", loading)
+
+    def mapped_loads(self, root: Path) -> list[str]:
+        """The files under ``root`` that a ``torch.load`` mapped, by name."""
+        return sorted(Path(path).name for path, mapped in self.loads if mapped and Path(path).is_relative_to(root))
 
 
 def mapped_files() -> set[str]:
@@ -147,24 +147,26 @@ def test_a_tp_merge_reads_each_rank_s_slice_straight_into_its_columns(monkeypatc
     assert reads.loads == []
 
 
-def test_a_plain_optimizer_s_state_is_read_from_the_rank_files_into_the_same_output(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    pgconvert.convert(PLAIN_BF16, tmp_path / "in_memory", dst_tp=1)  # the goldens' tensors: all read with the pickle
+@pytest.mark.parametrize("root", [PLAIN_BF16, DISTRIBUTED], ids=["plain", "distributed"])
+def test_the_state_read_by_range_gives_the_same_bytes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, root: Path) -> None:
+    pgconvert.convert(root, tmp_path / "in_memory", dst_tp=1)  # the goldens' tensors: all read with the pickle
     monkeypatch.setattr(torch_input, "_REAL_STORAGE_BYTES", SMALL_STORAGE_BYTES)
-    states = [load_for_test(path)["optimizer"] for path in rank_files(PLAIN_BF16)]
-    in_files = sum(tensor.nbytes for state in states for tensor in _tensors(state)
+    plain = [_tensors(load_for_test(path)["optimizer"]) for path in rank_files(PLAIN_BF16)] if root == PLAIN_BF16 else []
+    in_files = sum(tensor.nbytes for tensors in plain for tensor in tensors
                    if tensor.untyped_storage().nbytes() > SMALL_STORAGE_BYTES)
     reads = FileReads(monkeypatch)
 
-    pgconvert.convert(PLAIN_BF16, tmp_path / "by_range", dst_tp=1)
+    pgconvert.convert(root, tmp_path / "by_range", dst_tp=1)
 
-    # Only the weights' loader maps the rank files (one load each); the optimizer's state is read by range.
-    assert reads.mapped_loads(PLAIN_BF16) == ["model_optim_rng.pt"] * 2  # old code: four more
-    assert reads.bytes["model_optim_rng.pt"] >= in_files > 0
-    written = [load_for_test(tmp_path / name / ITER / "mp_rank_00" / "model_optim_rng.pt")["optimizer"]
-               for name in ("in_memory", "by_range")]
-    assert [list(_tensors(state)) for state in written[:1]] and all(
-        torch.equal(a, b) for a, b in zip(_tensors(written[0]), _tensors(written[1]), strict=True))
+    # Only the weights' loader maps the source's rank files (one load each): the optimizer's state is read by range.
+    assert reads.mapped_loads(root) == ["model_optim_rng.pt"] * 2  # old code: the optimizer's own, mapped too
+    if root == PLAIN_BF16:
+        assert reads.bytes["model_optim_rng.pt"] >= in_files > 0
+    written = {name: {path.relative_to(tmp_path / name): path.read_bytes()
+                      for path in sorted((tmp_path / name).rglob("*.pt"))} for name in ("in_memory", "by_range")}
+    assert len(written["by_range"]) == (2 if root == DISTRIBUTED else 1)
+    assert written["by_range"] == written["in_memory"]
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:

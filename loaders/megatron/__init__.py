@@ -36,7 +36,6 @@ from pgconvert.formats.megatron import (
     list_megatron_iterations,
     rank_dir_name,
     resolve_megatron_iteration,
-    safe_torch_load,
     safe_torch_load_located,
     validate_source_layout,
 )
@@ -194,10 +193,12 @@ class MegatronSource(CanonicalSource):
         ensure_within(self.root, iteration_dir)
         rank_dirs = _rank_dirs(iteration_dir)
         first_name = min(rank_dirs)
-        self._handles = FileHandles()
+        # The rank files (and the distributed optimizer's files beside them) open for reading; closed with the source.
+        self.handles = FileHandles()
         # File and offset of each mapped tensor storage's bytes, by the storage's address (``_locate``).
         self._stored_at: dict[int, tuple[Path, int]] = {}
         first_file, first_state, args = self._read_first(rank_dirs[first_name] / RANK_FILE)
+        self._first_keys = set(first_state[0])  # what the first rank file holds besides the model
         layout = layout_from_args(args, first_file, options.strict, self._early_notices)
         check_megatron_layout(layout, "src", first_file)
         self.layout = layout
@@ -286,7 +287,7 @@ class MegatronSource(CanonicalSource):
         path, start = found
         region = FileRegion(path, start + view.storage_offset() * view.element_size(), tuple(view.shape),
                             tuple(view.stride()), view.dtype)
-        return self._handles.fd(path), region
+        return self.handles.fd(path), region
 
     def _config(self, models: dict[tuple[RankCoord, str], dict[str, Any]], args: argparse.Namespace,
                 first_file: Path, options: LoadOptions) -> ModelConfig:
@@ -477,7 +478,7 @@ class MegatronSource(CanonicalSource):
         return dict(self._extra)
 
     def _first_rank_keys(self) -> set[Any]:
-        return set(safe_torch_load(next(iter(self.files.values()))))
+        return self._first_keys
 
     def holds_training_state(self) -> bool:
         return any(key in TRAINING_STATE_KEYS for key in self._first_rank_keys())
@@ -491,7 +492,7 @@ class MegatronSource(CanonicalSource):
     def close(self) -> None:
         self._models.clear()
         self._stored_at.clear()
-        self._handles.close()
+        self.handles.close()
         self._pieces.clear()
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from pgconvert.formats.megatron import DISTRIB_OPTIM_FILE, safe_torch_load
+from pgconvert.formats.megatron import DISTRIB_OPTIM_FILE, safe_torch_structure
 from pgconvert.io.limits import quote
 from pgconvert.model.config import ModelConfig
 from pgconvert.model.grid import RankCoord
@@ -65,12 +65,13 @@ def read_distributed(config: ModelConfig, layout: ParallelLayout, coord: RankCoo
                      entries: list[Any]) -> list[tuple[dict[str, Any], dict[int, torch.Tensor]] | None]:
     """Per chained optimizer (``entries``: the rank file's entry of each), an ``{"state": position ->
     {step, exp_avg, exp_avg_sq}, "param_groups", "dtype_key", "dtype_keys" (each buffer's)}`` view of its flat
-    buffers and its fp32
-    masters by position (views into the memory-mapped file); None for an optimizer whose state this
+    buffers and its fp32 masters by position: views of the buffers left in the file (meta tensors that know where
+    their bytes are, ``safe_torch_structure``; read with ``io.torch_input.StoredTensors``), nothing mapped or read
+    yet; None for an optimizer whose state this
     rank's file does not hold (``ChainedOptimizer.save_parameter_state`` writes None where the rank is not
     that optimizer's DP rank 0: the dense state of expert-parallel ranks other than 0)."""
     path = rank_file.parent / DISTRIB_OPTIM_FILE
-    loaded = safe_torch_load(path, list_ok=len(entries) > 1)
+    loaded = safe_torch_structure(path, list_ok=len(entries) > 1)
     if len(entries) > 1 and (not isinstance(loaded, list) or len(loaded) != len(entries)):
         raise OptimizerLayoutError(f"{path}: holds {quote(type(loaded).__name__)}; the chained optimizers save "
                                    f"a list of {len(entries)} states (dense, expert-parallel)")

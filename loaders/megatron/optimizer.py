@@ -1,9 +1,12 @@
 """The Megatron optimizer state of a per-rank checkpoint, by canonical parameter.
 
-``MegatronOptimizerSource`` reads the ``optimizer`` entry of every rank file (memory-mapped), checks it
-against the positions ``pgconvert.optimizer.order`` derives, and answers per canonical parameter: the fp32
-master weight, ``exp_avg``, ``exp_avg_sq`` and ``step``, whole (``parameter``) or cut for another
-layout's rank (``piece``) with the parameter's own ShardRule. Three forms are read:
+``MegatronOptimizerSource`` reads the ``optimizer`` entry of every rank file, checks it against the positions
+``pgconvert.optimizer.order`` derives, and answers per canonical parameter: the fp32 master weight, ``exp_avg``,
+``exp_avg_sq`` and ``step``, whole (``parameter``) or cut for another layout's rank (``piece``) with the
+parameter's own ShardRule. Nothing is memory-mapped: the files are read as their structure
+(``formats.megatron.safe_torch_structure``), each large tensor left in its file as a meta tensor that knows
+where its bytes are, and each parameter's pieces are read with ``preadv`` straight into their place in the
+merged or cut result (``io.torch_input.StoredTensors``). Three forms are read:
 
 - FP32Optimizer (fp32 training): ``optimizer = {state, param_groups}``; the master weight is the
   model parameter itself;
@@ -18,22 +21,24 @@ A mixture-of-experts run at expert parallel size > 1 chains two optimizers (dens
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from pgconvert.formats.megatron import DISTRIB_OPTIM_FILE, safe_torch_load
+from pgconvert.formats.megatron import DISTRIB_OPTIM_FILE, safe_torch_structure
 from pgconvert.io.limits import quote
+from pgconvert.io.torch_input import StoredTensors, stored_region
 from pgconvert.loaders.megatron.distrib_optim import read_distributed
 from pgconvert.model.grid import RankCoord
+from pgconvert.model.rules import ReplicaMismatchError, ShardRule, concatenating_with
 from pgconvert.optimizer.order import (MEGATRON_CORE_VERSIONS, OptimizerLayoutError, OptimizerRules, OptimizerSlot,
                                        UnsupportedOptimizerError, chained_slots, check_param_groups,
                                        check_state_shapes)
 from pgconvert.optimizer.scaler import held_scalers
-from pgconvert.optimizer.source import (ABSENT, CARRIED_KEYS, DISTRIBUTED_SHARDING_TYPES, FORM_DISTRIBUTED,
+from pgconvert.optimizer.source import (ABSENT, CARRIED_KEYS, DISTRIBUTED_SHARDING_TYPES, FIELDS, FORM_DISTRIBUTED,
                                         FORM_FP16, FORM_FP32, OptimizerSource, SourceRank, StoredCopy, optimizer_label,
                                         rounds_to)
 
@@ -93,8 +98,8 @@ def _check_distributed(optimizer: dict[str, Any], path: Path) -> None:
 
 
 def _masters(form: str, optimizer: dict[str, Any], state: dict[str, Any], slots: list[list[OptimizerSlot]],
-             chunk_keys: Sequence[str], path: Path) -> list[torch.Tensor]:
-    """The fp32 master weight of every position, in position order."""
+             chunk_keys: Sequence[str], path: Path, stored: StoredTensors) -> list[torch.Tensor]:
+    """The fp32 master weight of every position, in position order (as stored: in memory or in the file)."""
     flat = [slot for group in slots for slot in group]
     if form == FORM_FP32:
         return [state[chunk_keys[slot.chunk]][slot.spec.local_name] for slot in flat]
@@ -109,22 +114,40 @@ def _masters(form: str, optimizer: dict[str, Any], state: dict[str, Any], slots:
         if not isinstance(master, torch.Tensor) or tuple(master.shape) != tuple(slot.spec.local_shape):
             raise OptimizerLayoutError(f"{path}: optimizer.fp32_from_fp16_params[{slot.group}] entry for "
                                        f"{slot.spec.local_name} is not a tensor of shape {slot.spec.local_shape}")
-    check_masters_round(state, flat, masters, chunk_keys, path, "optimizer.fp32_from_fp16_params")
+    check_masters_round(state, flat, masters, chunk_keys, path, "optimizer.fp32_from_fp16_params", stored)
     return masters
 
 
 def check_masters_round(state: dict[str, Any], slots: Sequence[Any], masters: Sequence[torch.Tensor],
-                        chunk_keys: Sequence[str], path: Path, field: str) -> None:
+                        chunk_keys: Sequence[str], path: Path, field: str, stored: StoredTensors) -> None:
     """megatron-core copies each fp32 master into its model parameter after every step: each master
-    must round to the stored weight, or the positions do not map to these parameters."""
+    must round to the stored weight, or the positions do not map to these parameters (both read from
+    their files one parameter at a time)."""
     flat = [slot for item in slots for slot in (item if isinstance(item, list) else [item])]
     for slot, master in zip(flat, masters):
-        model = state[chunk_keys[slot.chunk]][slot.spec.local_name]
-        if not rounds_to(master, model):
+        model = stored.read(state[chunk_keys[slot.chunk]][slot.spec.local_name])
+        if not rounds_to(stored.read(master), model):
             raise OptimizerLayoutError(
                 f"{path}: {field} entry at position {slot.position} (group {slot.group}) does not round to the "
                 f"model's {slot.spec.local_name}: the checkpoint's parameter order is not the one megatron-core "
                 f"{' / '.join(MEGATRON_CORE_VERSIONS)} builds")
+
+
+def _adds_rows(rule: ShardRule, pieces: list[torch.Tensor], rows: int | None, true_rows: int | None, size: int,
+               rank: int) -> bool:
+    """Whether ``rule`` fits piece ``rank`` of ``size`` of a vocab table stored as ``pieces`` to ``rows`` padded rows
+    with new rows of zeros (beyond the stored table)."""
+    if not rule.fits_rows or rows is None:
+        return False
+    have = sum(piece.shape[0] for piece in pieces)
+    return any(window.zeros for window in rule.piece_windows((have, *pieces[0].shape[1:]), size, rank, rows, true_rows))
+
+
+def _own(tensor: torch.Tensor, pieces: list[torch.Tensor]) -> torch.Tensor:
+    """``tensor``, or a copy where it shares memory with one of ``pieces`` (a piece or replica passed through)."""
+    pointer = tensor.untyped_storage().data_ptr()
+    shared = any(piece.device == tensor.device and piece.untyped_storage().data_ptr() == pointer for piece in pieces)
+    return tensor.clone() if shared else tensor
 
 
 def _tp_order(pieces: list[tuple[_RankOptimizer, OptimizerSlot]]) -> list[tuple[_RankOptimizer, OptimizerSlot]]:
@@ -142,6 +165,8 @@ class MegatronOptimizerSource(OptimizerSource):
         self.vocab_rows: int = source.vocab_rows
         self.ranks: dict[RankCoord, _RankOptimizer] = {}
         self.form = ""
+        # The source's open rank files, and those beside them, closed with it.
+        self._stored = StoredTensors(source.handles)
         chunk_keys = [f"model{i}" for i in range(self.layout.virtual_size)] if self.layout.has_virtual_chunks \
             else ["model"]
         for coord, path in sorted(source.files.items(), key=lambda item: (item[0].pp, item[0].ep, item[0].tp)):
@@ -153,7 +178,7 @@ class MegatronOptimizerSource(OptimizerSource):
         self._owners = self._index()
 
     def _read_rank(self, coord: RankCoord, path: Path, chunk_keys: list[str]) -> _RankOptimizer:
-        state = safe_torch_load(path)
+        state = safe_torch_structure(path)
         if "optimizer" not in state:
             raise OptimizerLayoutError(f"{path}: no 'optimizer' entry (saved with --no-save-optim?); "
                                        "pass --skip-optimizer")
@@ -177,7 +202,8 @@ class MegatronOptimizerSource(OptimizerSource):
                     view = ({"state": {}, "param_groups": []}, {})
                 inners.append(view[0])
                 masters.append([view[1][slot.position] for group in chained[index] for slot in group])
-                check_masters_round(state, chained[index], masters[-1], chunk_keys, path, "distrib_optim.pt param")
+                check_masters_round(state, chained[index], masters[-1], chunk_keys, path, "distrib_optim.pt param",
+                                    self._stored)
             return _RankOptimizer(path, extra, chained, inners, masters)
         inners, masters = [], []
         for index, (entry, slots) in enumerate(zip(entries, chained)):
@@ -185,7 +211,7 @@ class MegatronOptimizerSource(OptimizerSource):
             where = str(path) if len(entries) == 1 else f"{path} optimizer[{index}]"
             check_param_groups(slots, inner.get("param_groups"), where, expert=index == 1)
             check_state_shapes(slots, inner.get("state"), where)
-            masters.append(_masters(form, entry, state, slots, chunk_keys, path))
+            masters.append(_masters(form, entry, state, slots, chunk_keys, path, self._stored))
             inners.append(inner)
         extra["grad_scalers"] = held_scalers(entries)  # per chained optimizer
         return _RankOptimizer(path, extra, chained, inners, masters)
@@ -213,7 +239,8 @@ class MegatronOptimizerSource(OptimizerSource):
         return {name: _tp_order(pieces) for name, (_, pieces) in owners.items()}
 
     def _replica_pieces(self, name: str, key: str) -> list[tuple[str, list[torch.Tensor]]]:
-        return [(str(pieces[0][0].path), self._read(pieces, key)) for pieces in self._replicas.get(name, [])]
+        return [(str(pieces[0][0].path), [self._stored.read(piece) for piece in self._read(pieces, key)])
+                for pieces in self._replicas.get(name, [])]
 
     def stored_copies(self) -> list[StoredCopy]:
         """Per rank file what every rank saves alike (param groups, grad scalers, a plain optimizer's steps, the
@@ -249,10 +276,54 @@ class MegatronOptimizerSource(OptimizerSource):
         return [(str(Path(where).parent / DISTRIB_OPTIM_FILE), part) for where, part in parts]
 
     def _pieces(self, name: str, key: str) -> list[torch.Tensor]:
-        return self._read(self._owners[name], key)
+        return [self._stored.read(piece) for piece in self._read(self._owners[name], key)]
+
+    def _parameter(self, name: str) -> dict[str, torch.Tensor]:
+        merged = {key: self._join(name, key, self.rule(name), lambda rule, pieces: rule.merge(pieces))
+                  for key in FIELDS}
+        merged["step"] = self.step(name)
+        return merged
+
+    def _piece(self, name: str, key: str, size: int, rank: int, rows: int | None,
+               rule: ShardRule | None = None) -> torch.Tensor:
+        """``OptimizerSource._piece``, each stored piece read straight into its place in the piece cut."""
+        stored = self.rule(name)
+        target = rule or stored
+
+        def cut(_: ShardRule, pieces: list[torch.Tensor]) -> torch.Tensor:
+            if target != stored:
+                pieces = [stored.merge(pieces)]
+            if target.fits_rows and rows is not None:
+                return target.reshard_rows(pieces, rows, self.config.vocab_size, size, rank)
+            return target.reshard(pieces, size, rank)
+
+        return self._join(name, key, target, cut, padded=_adds_rows(target, self._read(self._owners[name], key),
+                                                                    rows, self.config.vocab_size, size, rank))
+
+    def _join(self, name: str, key: str, target: ShardRule,
+              join: Callable[[ShardRule, list[torch.Tensor]], torch.Tensor], padded: bool = False) -> torch.Tensor:
+        """``join(source rule, pieces)`` of ``name``'s ``key``, a tensor of its own. Its concatenations read each
+        stored piece from its file straight into its place (``StoredTensors.concat``); where the rules do more than
+        concatenate (replicas compared bit for bit, new vocab rows of zeros: ``padded``) the pieces are read
+        whole first."""
+        rule = self.rule(name)
+        stored = self._read(self._owners[name], key)
+        try:
+            if not (rule.replicated or target.replicated or padded):
+                with concatenating_with(self._stored.concat):
+                    joined = join(rule, stored)
+                if joined.device.type != "meta":
+                    return _own(joined, stored)
+                if stored_region(joined) is not None:  # one stored piece passed through
+                    return self._stored.read(joined)
+            pieces = [self._stored.read(piece) for piece in stored]
+            return _own(join(rule, pieces), pieces)
+        except ReplicaMismatchError as error:
+            raise self._replicas_differ(name, key, error) from error
 
     @staticmethod
     def _read(pieces: list[tuple[_RankOptimizer, OptimizerSlot]], key: str) -> list[torch.Tensor]:
+        """``key`` of each piece as stored: in memory, or left in its file (a meta tensor)."""
         if key == "param":
             return [rank.masters[slot.optimizer][slot.position] for rank, slot in pieces]
         return [rank.inners[slot.optimizer]["state"][slot.position][key] for rank, slot in pieces]

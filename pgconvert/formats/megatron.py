@@ -24,7 +24,8 @@ import re
 import signal
 import types
 import zipfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -195,11 +196,29 @@ def safe_torch_load(path: Path, list_ok: bool = False) -> Any:
 
 def safe_torch_load_located(path: Path, list_ok: bool = False) -> tuple[Any, TorchStructure]:
     """``safe_torch_load`` and the file's structure, which says where each large tensor's bytes are."""
+    with _load_errors(path), torch.serialization.safe_globals(SAFE_GLOBALS):
+        # Structure and limits first (read_torch_structure); a legacy file is read whole, without mmap.
+        structure = read_torch_structure(path)
+        loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=structure.is_zip)
+    return _top_level(loaded, path, list_ok), structure
+
+
+def safe_torch_structure(path: Path, list_ok: bool = False) -> Any:
+    """The file's object as ``safe_torch_load`` gives it, with nothing mapped: a zip file's tensors over 64 KiB
+    stay in the file as meta tensors that know their bytes' place (``io.torch_input.stored_region``: read them
+    with ``io.torch_input.StoredTensors``), the small ones in memory; a legacy file is read whole."""
+    with _load_errors(path), torch.serialization.safe_globals(SAFE_GLOBALS):
+        structure = read_torch_structure(path)
+        loaded = structure.meta if structure.is_zip else torch.load(path, map_location="cpu", weights_only=True)
+    return _top_level(loaded, path, list_ok)
+
+
+@contextmanager
+def _load_errors(path: Path) -> Iterator[None]:
+    """Failures of reading a torch file, as CheckpointErrors (UnsafePickleError for a global off the allowlist)
+    naming it."""
     try:
-        with torch.serialization.safe_globals(SAFE_GLOBALS):
-            # Structure and limits first (read_torch_structure); a legacy file is read whole, without mmap.
-            structure = read_torch_structure(path)
-            loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=structure.is_zip)
+        yield
     except pickle.UnpicklingError as exc:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         detail = _unsafe_global(str(exc))
@@ -214,9 +233,12 @@ def safe_torch_load_located(path: Path, list_ok: bool = False) -> tuple[Any, Tor
             raise
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(f"{path}: truncated or corrupt torch checkpoint ({quote(first_line, 200)})") from exc
+
+
+def _top_level(loaded: Any, path: Path, list_ok: bool) -> Any:
     if not isinstance(loaded, dict) and not (list_ok and isinstance(loaded, list)):
         raise CheckpointError(f"{path}: expected a dict at the top level, found {type(loaded).__name__}")
-    return loaded, structure
+    return loaded
 
 
 def _unsafe_global(message: str) -> str | None:

@@ -180,8 +180,9 @@ def _preadv_all(fd: int, buffers: list[memoryview], position: int, path: Path) -
     while done < wanted:
         remaining = _after(buffers, done)
         got = os.preadv(fd, remaining, position + done)
-        if got == 0:
-            raise CheckpointError(f"{path}: the file ends at byte {position + done}, but a tensor's bytes run to "
+        if got == 0:  # the end of the file, which may lie before the region's start
+            ends = min(position + done, os.fstat(fd).st_size)
+            raise CheckpointError(f"{path}: the file ends at byte {ends}, but a tensor's bytes run to "
                                   f"byte {position + wanted}; the file is truncated")
         done += got
 
@@ -222,7 +223,9 @@ def concat_reading(views: list[torch.Tensor], dim: int, locate: Locate) -> torch
     for view in views:
         target = out.narrow(dim, offset, view.shape[dim])
         offset += view.shape[dim]
-        found = locate(view) if view.numel() else None
+        if not view.numel():  # nothing to read (and a meta view has nothing to copy)
+            continue
+        found = locate(view)
         if found is None:
             target.copy_(view)
         else:

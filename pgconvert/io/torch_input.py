@@ -31,6 +31,7 @@ import torch
 from pgconvert.errors import CheckpointError
 from pgconvert.io import limits
 from pgconvert.io.limits import over_limit, quote
+from pgconvert.io.ranges import FileHandles, FileRegion, concat_reading, read_region
 
 _LOCAL_HEADER = struct.Struct("<4s22xHH")
 _LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
@@ -72,8 +73,10 @@ class _Needs:
             storage = torch.frombuffer(bytearray(data), dtype=torch.uint8).untyped_storage()
         else:
             storage = torch.UntypedStorage(nbytes, device="meta")
-            # Where the bytes are, as torch.load(map_location="meta") records it (see ``stored_offset``).
+            # Where the bytes are, as torch.load(map_location="meta") records it (see ``stored_offset``), and in
+            # which file (``stored_region``).
             storage._checkpoint_offset = self.record_offset(key) if self.record_offset else None
+            storage._checkpoint_path = self.path
         return torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
 
 
@@ -229,6 +232,51 @@ def stored_offset(meta: Any) -> int | None:
         return None
     offset = getattr(meta.untyped_storage(), "_checkpoint_offset", None)
     return None if offset is None else offset + meta.storage_offset() * meta.element_size()
+
+
+def stored_region(meta: Any) -> FileRegion | None:
+    """The file region of a meta tensor from ``TorchStructure.meta`` of a file, or of any view of one (a
+    parameter's slice of a flat buffer): its bytes, read with ``io.ranges.read_region``. None as for
+    ``stored_offset``."""
+    offset = stored_offset(meta)
+    path = getattr(meta.untyped_storage(), "_checkpoint_path", None) if offset is not None else None
+    if path is None:
+        return None
+    return FileRegion(Path(path), offset, tuple(meta.shape), tuple(meta.stride()), meta.dtype)
+
+
+class StoredTensors:
+    """Reads of the tensors a structure check left in their files (``stored_region``): whole into memory
+    (``read``), or joined by ``io.ranges.concat_reading`` with each view read straight into its place
+    (``concat``, a ``rules.concatenating_with`` join). Tensors already in memory (small ones) pass as they are."""
+
+    def __init__(self, handles: FileHandles | None = None) -> None:
+        self.handles = FileHandles() if handles is None else handles
+
+    def locate(self, view: torch.Tensor) -> tuple[int, FileRegion] | None:
+        """The open file and region holding ``view`` (None for a tensor in memory)."""
+        if view.device.type != "meta":
+            return None
+        region = stored_region(view)
+        if region is None:
+            raise ValueError(f"a meta tensor {view.dtype} {list(view.shape)} that no file holds")
+        return self.handles.fd(region.path), region
+
+    def read(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor``'s values in memory: one left in its file read into a tensor of its own."""
+        found = self.locate(tensor)
+        if found is None:
+            return tensor
+        out = torch.empty(tuple(tensor.shape), dtype=tensor.dtype)
+        read_region(found[0], found[1], out)
+        return out
+
+    def concat(self, views: list[torch.Tensor], dim: int) -> torch.Tensor:
+        """``torch.cat(views, dim)``, those left in their files read into their place in the result."""
+        return concat_reading(views, dim, self.locate)
+
+    def close(self) -> None:
+        self.handles.close()
 
 
 @contextmanager

@@ -166,3 +166,13 @@ def _anonymous_bytes() -> int:
             if line.startswith("Anonymous:"):
                 return int(line.split()[1]) * 1024
     raise AssertionError("no Anonymous: line")
+
+
+def test_pages_are_handed_back_once_per_shrink_not_at_every_small_record(monkeypatch: pytest.MonkeyPatch) -> None:
+    released: list[int] = []
+    monkeypatch.setattr(reuse, "_release_tail", lambda block, keep: released.append(keep))
+    memory = ReusedMemory()
+    for size in [64, 6, 2, 11, 5, 6, 2, 11, 5]:  # an embedding, then layers of a few sizes (KiB)
+        with memory.lending(size << 10):
+            new_tensor((size << 10,), torch.uint8)
+    assert released == [6 << 10]

@@ -95,18 +95,24 @@ class ReusedMemory:
 
     def __init__(self) -> None:
         self._block: torch.UntypedStorage | None = None
+        self._resident = 0  # bytes at the block's start that may be resident (the rest handed back)
 
     def free_block(self, nbytes: int) -> torch.UntypedStorage:
         """The block, unless it is smaller than ``nbytes`` or still in use: then a new one (kept). A
         record under an eighth of the block gets it with the pages past its end handed back
         (``_release_tail``), so one large record (an embedding) does not add its size to every later
-        record's memory, while a layer's tensors (within a few times of each other) keep their pages."""
+        record's memory, while a layer's tensors (within a few times of each other) keep their pages:
+        what is compared is the part of the block that may still be resident, not its size."""
         block = self._block
         if block is None or block.nbytes() < nbytes or _use_count(block) > 1:
             block = torch.empty(nbytes, dtype=torch.uint8).untyped_storage()
             self._block = block
-        elif SHRINK * nbytes < block.nbytes():
+            self._resident = nbytes
+        elif SHRINK * nbytes < self._resident:
             _release_tail(block, nbytes)
+            self._resident = nbytes
+        else:
+            self._resident = max(self._resident, nbytes)
         return block
 
     @contextmanager

@@ -92,8 +92,9 @@ def save_with_workers(conversion: Plan, staging: Path, workers: int, max_memory:
                       progress: Callable[[int], None], open_plan: PlanOpener) -> SaveResult:
     """Write the planned files with a pool of ``workers`` processes, then finalize here.
 
-    At most ``max_memory`` bytes of destination files are in flight at once (each Megatron rank
-    file is built whole in memory); a single file larger than the budget runs alone. ``open_plan``
+    At most ``max_memory`` bytes of destination files are in flight at once, each file counted at its
+    full size (a bound: a file is streamed, so a worker holds about its largest tensor and its write
+    buffers); a single file larger than the budget runs alone. ``open_plan``
     (picklable) opens the conversion's plan in each worker process.
     """
     require_partial(conversion)

@@ -148,6 +148,11 @@ def main(root: Path, tp: int, pp: int, ep: int, form: str) -> None:
 
     from pgconvert.formats.megatron import rank_dir_name
 
+    # One intra-op thread, so every rank's step is computed the same way whatever the machine's load: under
+    # a loaded CI run this script twice gave the dense parameters' copies on two EP ranks (which megatron-core
+    # keeps equal) different values; the cause was not isolated, and work split over threads is the one
+    # input that differs between two ranks' identical steps.
+    torch.set_num_threads(1)
     model = dataclasses.replace(MOE, dtype=torch.float32)
     write_megatron_checkpoint(root, model, make_full_model(model, seed=5), tp, pp, ep=ep, iteration=2)
     torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]

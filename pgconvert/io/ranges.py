@@ -46,11 +46,7 @@ class FileRegion:
     @classmethod
     def contiguous(cls, path: Path, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> FileRegion:
         """A row-major tensor stored whole from ``offset`` (a safetensors entry, a torch storage)."""
-        stride, step = [], 1
-        for size in reversed(shape):
-            stride.append(step)
-            step *= max(size, 1)
-        return cls(path, offset, shape, tuple(reversed(stride)), dtype)
+        return cls(path, offset, shape, sizes.contiguous_stride(shape), dtype)
 
     def narrow(self, dim: int, start: int, length: int) -> FileRegion:
         """Indices ``[start, start + length)`` of ``dim``, as ``torch.Tensor.narrow``."""

@@ -32,14 +32,6 @@ MADV_DONTNEED = 4  # Linux's value (also the BSDs' and macOS's, where it only ma
 _LENT: ContextVar[tuple[ReusedMemory, int] | None] = ContextVar("pgconvert_lent", default=None)
 
 
-def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
-    stride, step = [], 1
-    for size in reversed(shape):
-        stride.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(stride))
-
-
 def new_tensor(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     """An uninitialized contiguous tensor: in the block lent to the record being produced when it has
     the record's size (the block is then taken), else in new memory."""
@@ -49,7 +41,7 @@ def new_tensor(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(tuple(shape), dtype=dtype)
     _LENT.set(None)
     block = lent[0].free_block(nbytes)
-    return torch.empty(0, dtype=dtype).set_(block, 0, tuple(shape), _contiguous_stride(shape))
+    return torch.empty(0, dtype=dtype).set_(block, 0, tuple(shape), sizes.contiguous_stride(shape))
 
 
 def joined(tensors: Sequence[torch.Tensor], dim: int = 0) -> torch.Tensor:

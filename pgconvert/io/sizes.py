@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -17,3 +18,12 @@ def itemsize(dtype: torch.dtype) -> int:
 
 def nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     return numel(shape) * itemsize(dtype)
+
+
+def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    """The strides, in elements, of a row-major tensor of ``shape`` (as ``torch.empty(shape).stride()``)."""
+    stride, step = [], 1
+    for size in reversed(shape):
+        stride.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(stride))

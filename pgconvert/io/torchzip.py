@@ -62,12 +62,7 @@ class PlannedTensor:
         return sizes.nbytes(self.shape, self.dtype)
 
     def contiguous_stride(self) -> tuple[int, ...]:
-        stride = []
-        step = 1
-        for dim in reversed(self.shape):
-            stride.append(step)
-            step *= max(dim, 1)
-        return tuple(reversed(stride))
+        return sizes.contiguous_stride(self.shape)
 
 
 class TensorMismatchError(RuntimeError):

@@ -116,7 +116,3 @@ class ReusedMemory:
             yield
         finally:
             _LENT.reset(token)
-
-    def release(self) -> None:
-        """Drop the block (what still refers to it keeps it alive)."""
-        self._block = None

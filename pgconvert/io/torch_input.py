@@ -32,6 +32,7 @@ from pgconvert.errors import CheckpointError
 from pgconvert.io import limits
 from pgconvert.io.limits import over_limit, quote
 from pgconvert.io.ranges import FileHandles, FileRegion, concat_reading, read_region
+from pgconvert.io.reuse import new_tensor
 
 _LOCAL_HEADER = struct.Struct("<4s22xHH")
 _LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
@@ -267,7 +268,7 @@ class StoredTensors:
         found = self.locate(tensor)
         if found is None:
             return tensor
-        out = torch.empty(tuple(tensor.shape), dtype=tensor.dtype)
+        out = new_tensor(tuple(tensor.shape), tensor.dtype)
         read_region(found[0], found[1], out)
         return out
 

@@ -321,6 +321,26 @@ def test_mxfp4_decoder_equals_transformers_convert_moe_packed_tensors() -> None:
         assert torch.equal(ours, theirs)
 
 
+def test_mxfp4_strips_and_the_nan_exponent_equal_transformers_bit_for_bit() -> None:
+    """Rows over several strips (the last one partial), and E8M0 code 255 in one strip: transformers' ldexp
+    keeps zeros zero and makes the rest infinite; a table's infinite power would turn the zeros into NaN."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    groups = 90
+    rows_per_strip = hf_quantized.MXFP4_STRIP_VALUES // (groups * 32)
+    blocks, scales = mxfp4_parts(2, 2 * rows_per_strip + 7, groups, 3)
+    blocks[1, rows_per_strip + 2, 5] = torch.tensor([0x00, 0x80, 0x71, 0x0F] * 4, dtype=torch.uint8)
+    scales[1, rows_per_strip + 2, 5] = 255
+
+    for dtype in (torch.bfloat16, torch.float32):
+        ours = dequantize_mxfp4(blocks, scales, dtype)
+        theirs = convert_moe_packed_tensors(blocks.clone(), scales.clone(), dtype=dtype)
+
+        assert torch.isinf(ours).any() and not torch.isnan(ours).any()
+        assert torch.equal(ours, theirs)
+        assert torch.equal(torch.signbit(ours), torch.signbit(theirs))
+
+
 def mxfp4_file(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[dict[str, Path], dict[str, TensorMeta]]:
     save_file(tensors, str(path))
     return {name: path for name in tensors}, {name: _meta(tensor) for name, tensor in tensors.items()}

@@ -48,6 +48,7 @@ MXFP4_BLOCKS_SUFFIX = "_blocks"
 MXFP4_SCALES_SUFFIX = "_scales"
 MXFP4_BYTES_PER_BLOCK = 16  # 32 e2m1 values, two per byte
 E8M0_BIAS = 127
+E8M0_NAN_CODE = 255
 # The e2m1 value of each nibble (sign bit 3, exponent bits 2-1, mantissa bit 0).
 FP4_E2M1_VALUES: tuple[float, ...] = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
                                       -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -55,6 +56,8 @@ FP4_E2M1_VALUES: tuple[float, ...] = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
 DEQUANTIZED_DTYPE = torch.bfloat16
 # Elements dequantized per step: the float32 temporaries stay this size whatever the tensor's.
 STRIP_ELEMENTS = 2**22
+# MXFP4 values dequantized per strip: a strip's float32 values (1 MiB) stay in cache for the transposing write.
+MXFP4_STRIP_VALUES = 2**18
 
 
 class QuantizationError(CheckpointError):
@@ -148,24 +151,56 @@ def mxfp4_shape(blocks_shape: tuple[int, ...]) -> tuple[int, ...]:
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor,
                      dtype: torch.dtype = DEQUANTIZED_DTYPE) -> torch.Tensor:
-    """MXFP4 blocks [E, R, G, 16] and E8M0 scales [E, R, G] as ``dtype`` [E, G * 32, R], one expert at a time.
+    """MXFP4 blocks [E, R, G, 16] and E8M0 scales [E, R, G] as ``dtype`` [E, G * 32, R], a strip of rows at a time.
 
-    Each byte holds two e2m1 values, the low nibble first; each group of 32 values is multiplied by
-    2 ** (scale - 127), computed in float32 and rounded once to ``dtype``.
+    Each byte holds two e2m1 values, the low nibble first: a table of the 256 bytes' value pairs gives
+    both at once. Each group of 32 values is multiplied by 2 ** (scale - 127) from a table of the 256
+    exponents (``torch.ldexp``'s own powers, so the same float32 products), rounded once to ``dtype``
+    and written transposed into ``out`` a strip at a time (a whole-expert transposing copy runs at a
+    third of the speed). A strip with the E8M0 NaN code 255 goes through ``torch.ldexp`` itself, which
+    keeps zeros zero where the table's infinite power would make them NaN (transformers does the same).
     """
     experts, rows, groups, width = blocks.shape
-    table = torch.tensor(FP4_E2M1_VALUES, dtype=torch.float32)
-    out = torch.empty(mxfp4_shape(tuple(blocks.shape)), dtype=dtype)
+    out = new_tensor(mxfp4_shape(tuple(blocks.shape)), dtype)
+    if out.numel() == 0:
+        return out
+    step = max(1, MXFP4_STRIP_VALUES // (groups * width * 2))
+    codes = torch.empty(step * groups * width, dtype=torch.int32)
+    values = torch.empty(step * groups * width, 2, dtype=torch.float32)
+    exponents = torch.empty(step * groups, dtype=torch.int32)
     for expert in range(experts):
-        packed = blocks[expert].to(torch.int64)
-        values = torch.empty(rows, groups, width, 2, dtype=torch.float32)
-        values[..., 0] = table[packed & 0x0F]
-        values[..., 1] = table[packed >> 4]
-        exponents = scales[expert].to(torch.int32) - E8M0_BIAS
-        values = torch.ldexp(values, exponents[:, :, None, None])
-        out[expert] = values.reshape(rows, groups * width * 2).to(dtype).transpose(0, 1)
-        del packed, values
+        for first in range(0, rows, step):
+            count = min(step, rows - first)
+            strip_codes, strip_exponents = codes[:count * groups * width], exponents[:count * groups]
+            strip_codes.view(count, groups, width).copy_(blocks[expert, first:first + count])
+            strip_exponents.view(count, groups).copy_(scales[expert, first:first + count])
+            strip = values[:count * groups * width]
+            torch.index_select(_e2m1_pairs(), 0, strip_codes, out=strip)
+            _scale_by_powers(strip.view(count, groups, width * 2), strip_exponents.view(count, groups, 1))
+            out[expert, :, first:first + count].copy_(strip.view(count, groups * width * 2).T)
     return out
+
+
+def _scale_by_powers(values: torch.Tensor, codes: torch.Tensor) -> None:
+    """Multiply ``values`` in place by 2 ** (code - 127) for E8M0 ``codes`` (broadcast over the last dim)."""
+    if int(codes.max()) == E8M0_NAN_CODE:
+        torch.ldexp(values, codes - E8M0_BIAS, out=values)
+        return
+    values.mul_(torch.index_select(_e8m0_powers(), 0, codes.view(-1)).view(codes.shape))
+
+
+@functools.cache
+def _e2m1_pairs() -> torch.Tensor:
+    """[256, 2] float32: the e2m1 values of each byte's low and high nibble."""
+    nibbles = torch.tensor(FP4_E2M1_VALUES, dtype=torch.float32)
+    codes = torch.arange(256)
+    return torch.stack([nibbles[codes & 0x0F], nibbles[codes >> 4]], dim=1).contiguous()
+
+
+@functools.cache
+def _e8m0_powers() -> torch.Tensor:
+    """[256] float32: 2 ** (code - 127) for each E8M0 code, as ``torch.ldexp`` computes it."""
+    return torch.ldexp(torch.ones(256, dtype=torch.float32), torch.arange(256, dtype=torch.int32) - E8M0_BIAS)
 
 
 # --- the quantized tensors of one checkpoint ---------------------------------------------------

@@ -596,19 +596,25 @@ def read_header(path: Path) -> dict[str, TensorMeta]:
 
 def read_tensor(path: Path, name: str) -> torch.Tensor:
     """One tensor, read with ``preadv`` from the bytes its header entry names (nothing is mapped)."""
-    return _region(path, name).read()
+    return tensor_region(path, name).read()
 
 
 def read_tensor_range(path: Path, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
     """Indices ``[start, stop)`` of ``dim`` of one tensor, reading only those bytes."""
-    region = _region(path, name)
+    return tensor_range_region(path, name, dim, start, stop).read()
+
+
+def tensor_range_region(path: Path, name: str, dim: int, start: int, stop: int) -> FileRegion:
+    """Where indices ``[start, stop)`` of ``dim`` of one tensor are in a safetensors file."""
+    region = tensor_region(path, name)
     if not 0 <= start <= stop <= (region.shape[dim] if dim < len(region.shape) else -1):
         raise CheckpointError(f"{path}: cannot read indices [{start}, {stop}) of dim {dim} of {name} "
                               f"{list(region.shape)}")
-    return region.narrow(dim, start, stop - start).read()
+    return region.narrow(dim, start, stop - start)
 
 
-def _region(path: Path, name: str) -> FileRegion:
+def tensor_region(path: Path, name: str) -> FileRegion:
+    """Where one tensor's bytes are in a safetensors file (read from its header, cached)."""
     try:
         stat = path.stat()
     except OSError as exc:

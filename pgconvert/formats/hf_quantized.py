@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pgconvert.errors import CheckpointError, ValidationError
-from pgconvert.formats.hf import read_tensor, read_tensor_range
+from pgconvert.formats.hf import read_tensor, read_tensor_range, tensor_range_region, tensor_region
+from pgconvert.io.ranges import FileRegion
 from pgconvert.io.limits import quote
 from pgconvert.io.reuse import new_tensor
 from pgconvert.formats.stream import TensorMeta
@@ -91,29 +92,44 @@ def fp8_scale_grid(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int,
     return (*shape[:-2], math.ceil(shape[-2] / block[0]), math.ceil(shape[-1] / block[1]))
 
 
-def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
+def dequantize_fp8(weight: torch.Tensor | FileRegion, scale: torch.Tensor, block: tuple[int, int],
                    row0: int = 0, col0: int = 0, dtype: torch.dtype = DEQUANTIZED_DTYPE) -> torch.Tensor:
     """``weight.float() * scale`` over blocks, rounded once to ``dtype``, a strip of rows at a time.
 
-    ``weight`` may be a window of a larger weight starting at row ``row0``, column ``col0`` of its
-    last two dims; ``scale`` then starts at the block holding that corner. Each strip is widened to
-    float32 (``_widen``), multiplied in place by each column block's scales (broadcast over the block's
-    columns: no scale is repeated per element) and rounded into ``out``.
+    ``weight`` (a tensor, or its bytes in a file: each strip is then read on its own, so no buffer of
+    the whole stored weight is faulted in) may be a window of a larger weight starting at row
+    ``row0``, column ``col0`` of its last two dims; ``scale`` then starts at the block holding that
+    corner. A strip lies in one block row: its values are, per column block, a table of the 256 codes'
+    float32 values times that block's scale, rounded to ``dtype`` (the same product and rounding as
+    element by element), and each code, offset by its column block's table, indexes them straight
+    into ``out``.
     """
-    rows, cols = weight.shape[-2], weight.shape[-1]
-    out = new_tensor(weight.shape, dtype)
-    lead = math.prod(weight.shape[:-2])
-    strip = max(1, STRIP_ELEMENTS // max(1, cols * lead))
-    spans = _column_blocks(col0, cols, block[1])
-    for start in range(0, rows, strip):
-        stop = min(rows, start + strip)
-        row_index = torch.arange(row0 + start, row0 + stop) // block[0] - row0 // block[0]
-        row_scales = scale.index_select(-2, row_index)
-        values = _widen(weight[..., start:stop, :])
-        for index, (first, last) in enumerate(spans):
-            values[..., first:last].mul_(row_scales[..., index:index + 1])
-        out[..., start:stop, :] = values
+    shape = tuple(weight.shape)
+    rows, cols, lead = shape[-2], shape[-1], math.prod(shape[:-2])
+    out = new_tensor(shape, dtype)
+    by_lead = out.view(lead, rows, cols)
+    scales = scale.reshape(lead, scale.shape[-2], scale.shape[-1])
+    table_offsets = (torch.arange(col0, col0 + cols) // block[1] - col0 // block[1]).to(torch.int32) * 256
+    codes = _fp8_table(weight.dtype)
+    limit = max(1, STRIP_ELEMENTS // max(1, cols * lead))
+    start = 0
+    while start < rows:
+        block_row = (row0 + start) // block[0] - row0 // block[0]
+        stop = min(rows, start + limit, (block_row + row0 // block[0] + 1) * block[0] - row0)
+        index = torch.add(_strip(weight, start, stop).view(torch.uint8), table_offsets)
+        values = (codes * scales[:, block_row, :, None]).to(dtype)
+        for item in range(lead):
+            torch.index_select(values[item].view(-1), 0, index.reshape(lead, -1)[item],
+                               out=by_lead[item, start:stop].view(-1))
+        start = stop
     return out
+
+
+def _strip(weight: torch.Tensor | FileRegion, start: int, stop: int) -> torch.Tensor:
+    """Rows ``[start, stop)`` of the last-but-one dim of ``weight``, read from its file if it is a region."""
+    if isinstance(weight, FileRegion):
+        return weight.narrow(len(weight.shape) - 2, start, stop - start).read()
+    return weight[..., start:stop, :]
 
 
 def _column_blocks(col0: int, cols: int, width: int) -> list[tuple[int, int]]:
@@ -124,17 +140,6 @@ def _column_blocks(col0: int, cols: int, width: int) -> list[tuple[int, int]]:
         spans.append((first, last))
         first = last
     return spans
-
-
-def _widen(values: torch.Tensor) -> torch.Tensor:
-    """``values.float()``; an FP8 tensor through a table of its 256 codes' float32 values (torch's own
-    conversion of each code, so the same bits, at a third of the cost of converting element by element)."""
-    if values.dtype not in FP8_DTYPES:
-        return values.float()
-    codes = torch.empty(values.shape, dtype=torch.int32).copy_(values.view(torch.uint8))
-    out = torch.empty(values.shape, dtype=torch.float32)
-    torch.index_select(_fp8_table(values.dtype), 0, codes.view(-1), out=out.view(-1))
-    return out
 
 
 @functools.cache
@@ -373,11 +378,11 @@ class QuantizedTensors:
     def read(self, name: str) -> torch.Tensor:
         """The whole logical tensor, dequantized."""
         entry = self.entries[name]
-        data = read_tensor(self._files[entry.data], entry.data)
         scale = read_tensor(self._files[entry.scale], entry.scale)
         if entry.scheme == "fp8":
-            return dequantize_fp8(data, scale, entry.block, dtype=self.dtype)
-        return dequantize_mxfp4(data, scale, self.dtype)
+            return dequantize_fp8(tensor_region(self._files[entry.data], entry.data), scale, entry.block,
+                                  dtype=self.dtype)
+        return dequantize_mxfp4(read_tensor(self._files[entry.data], entry.data), scale, self.dtype)
 
     def read_range(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
         """Indices ``[start, stop)`` of ``dim`` of the logical tensor, reading only the parts they need
@@ -387,12 +392,13 @@ class QuantizedTensors:
         windowed = stop > start and ((entry.scheme == "fp8" and ndim == 2) or (entry.scheme == "mxfp4" and dim == 0))
         if not windowed:
             return self.read(name).narrow(dim, start, stop - start).contiguous()
-        data = read_tensor_range(self._files[entry.data], entry.data, dim, start, stop)
         if entry.scheme == "mxfp4":
+            data = read_tensor_range(self._files[entry.data], entry.data, dim, start, stop)
             return dequantize_mxfp4(data, read_tensor_range(self._files[entry.scale], entry.scale, 0, start, stop),
                                     self.dtype)
         size = entry.block[dim]
         scale = read_tensor_range(self._files[entry.scale], entry.scale, dim, start // size, (stop - 1) // size + 1)
+        data = tensor_range_region(self._files[entry.data], entry.data, dim, start, stop)
         return dequantize_fp8(data, scale, entry.block, row0=start if dim == 0 else 0, col0=start if dim == 1 else 0,
                               dtype=self.dtype)
 

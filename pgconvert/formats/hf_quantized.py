@@ -112,11 +112,13 @@ def dequantize_fp8(weight: torch.Tensor | FileRegion, scale: torch.Tensor, block
     table_offsets = (torch.arange(col0, col0 + cols) // block[1] - col0 // block[1]).to(torch.int32) * 256
     codes = _fp8_table(weight.dtype)
     limit = max(1, STRIP_ELEMENTS // max(1, cols * lead))
+    indices = torch.empty(lead * min(rows, limit, block[0]) * cols, dtype=torch.int32)
     start = 0
     while start < rows:
         block_row = (row0 + start) // block[0] - row0 // block[0]
         stop = min(rows, start + limit, (block_row + row0 // block[0] + 1) * block[0] - row0)
-        index = torch.add(_strip(weight, start, stop).view(torch.uint8), table_offsets)
+        strip = _strip(weight, start, stop).view(torch.uint8)
+        index = indices[:strip.numel()].view(strip.shape).copy_(strip).add_(table_offsets)
         values = (codes * scales[:, block_row, :, None]).to(dtype)
         for item in range(lead):
             torch.index_select(values[item].view(-1), 0, index.reshape(lead, -1)[item],

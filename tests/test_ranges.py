@@ -119,11 +119,41 @@ def test_runs_of_more_than_iov_max_rows_take_several_calls(tmp_path: Path, monke
     full = _random((3000, 256), torch.float32, 5)
     store = Stored(tmp_path / "rows.pt", {"p": full})
     calls = _counting_preadv_buffers(monkeypatch)
+    monkeypatch.setattr(ranges, "LONG_RUN", 1024)  # the 1 KiB runs are scattered, not read through the scratch
     out = torch.empty(3000, 512)
     fd, region = store.locate(store.loaded["p"])  # type: ignore[misc]
     read_region(fd, region, out[:, 256:])  # every row lands strided: 3000 runs, contiguous in the file
     assert torch.equal(out[:, 256:], full)
     assert calls == [1024, 1024, 952]
+    store.handles.close()
+
+
+def test_short_runs_of_a_tensor_stored_whole_are_read_through_the_scratch_a_piece_at_a_time(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    full = _random((3000, 256), torch.float32, 5)
+    store = Stored(tmp_path / "rows.pt", {"p": full})
+    calls = _counting_preadv_buffers(monkeypatch)
+    monkeypatch.setattr(ranges, "SCRATCH_BYTES", 1024 * 700)  # 700 rows of 1 KiB a piece
+    out = torch.zeros(3000, 512)
+    fd, region = store.locate(store.loaded["p"])  # type: ignore[misc]
+    read_region(fd, region, out[:, 128:384])
+    assert torch.equal(out[:, 128:384], full) and not out[:, :128].any() and not out[:, 384:].any()
+    assert calls == [1] * 5  # 700, 700, 700, 700, 200 rows: one call each, not one buffer per row
+    store.handles.close()
+
+
+@pytest.mark.parametrize("scratch", [64, 5000, 1 << 20])
+def test_a_piece_wider_than_the_scratch_is_read_a_slice_at_a_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                  scratch: int) -> None:
+    full = _random((1, 3, 40, 512), torch.bfloat16, 6)  # a leading unit dim; 1 KiB runs, 40 KiB slices
+    store = Stored(tmp_path / "wide.pt", {"p": full})
+    monkeypatch.setattr(ranges, "SCRATCH_BYTES", scratch)
+    out = torch.zeros(1, 3, 40, 600, dtype=torch.bfloat16)
+    fd, region = store.locate(store.loaded["p"])  # type: ignore[misc]
+    read_region(fd, region, out[..., 20:532])
+    expected = torch.zeros_like(out)
+    expected[..., 20:532] = full
+    assert torch.equal(out.view(torch.int16), expected.view(torch.int16))
     store.handles.close()
 
 

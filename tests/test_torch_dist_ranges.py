@@ -65,6 +65,7 @@ def test_conversions_from_torch_dist_equal_the_writer_at_the_destination_layout(
     full = make_full_model(model)
     dist = to_torch_dist(model, full, source, tmp_path)
     monkeypatch.setattr(ranges, "SHORT_RUN", short_run)
+    monkeypatch.setattr(ranges, "LONG_RUN", ranges.LONG_RUN if short_run > 1 else 1)  # 1: scattered
 
     pgconvert.convert(dist, tmp_path / "dst", src_format="torch_dist", dst_format="megatron", dst_tp=tp, dst_pp=pp,
                       dst_ep=ep)
@@ -126,6 +127,7 @@ def test_a_box_cut_along_dim_1_reads_its_runs_or_their_span(dist_tp1: Path, monk
     name = "decoder.layers.2.self_attention.linear_proj.weight"
     source = TorchDistLoader().open(dist_tp1, LoadOptions())
     monkeypatch.setattr(ranges, "SHORT_RUN", short_run)
+    monkeypatch.setattr(ranges, "LONG_RUN", ranges.LONG_RUN if short_run > 1 else 1)  # 1: scattered
     reads = Reads(monkeypatch)
 
     piece = source.load_shard(name, ROW, 2, 1)  # columns 32..63 of layer 2's [64, 64]: 64 runs of 128 bytes

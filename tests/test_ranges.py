@@ -157,6 +157,32 @@ def test_a_piece_wider_than_the_scratch_is_read_a_slice_at_a_time(tmp_path: Path
     store.handles.close()
 
 
+@pytest.mark.parametrize("scratch,calls", [(100 << 10, 24), (1000, 1800)])
+def test_a_column_window_of_a_record_is_read_by_its_span_a_piece_at_a_time(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, scratch: int, calls: int) -> None:
+    full = _random((600, 1024), torch.float32, 8)
+    store = Stored(tmp_path / "cols.pt", {"p": full})
+    made = _counting_preadv_buffers(monkeypatch)
+    monkeypatch.setattr(ranges, "SCRATCH_BYTES", scratch)  # 25 rows' span a piece; or under one row: its elements
+    out = torch.zeros(600, 700)
+    fd, region = store.locate(store.loaded["p"][:, 256:768])  # type: ignore[misc]
+    read_region(fd, region, out[:, 100:612])
+    assert torch.equal(out[:, 100:612], full[:, 256:768]) and not out[:, :100].any() and not out[:, 612:].any()
+    assert made == [1] * calls
+    store.handles.close()
+
+
+def test_a_sparse_column_window_is_read_run_by_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    full = _random((300, 4096), torch.float32, 4)  # 1 KiB runs, one in 16 of the span's bytes
+    store = Stored(tmp_path / "sparse.pt", {"p": full})
+    calls = _counting_preadv_buffers(monkeypatch)
+    out = torch.empty(300, 256)
+    fd, region = store.locate(store.loaded["p"][:, 1024:1280])  # type: ignore[misc]
+    read_region(fd, region, out)
+    assert torch.equal(out, full[:, 1024:1280]) and calls == [1] * 300  # not 16 times its bytes read
+    store.handles.close()
+
+
 def test_tiny_runs_are_read_as_one_span_and_gathered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     full = _random((8000, 6), torch.bfloat16, 9)
     store = Stored(tmp_path / "narrow.pt", {"p": full})

@@ -4,22 +4,24 @@ A tensor stored in a checkpoint file is a strided region of that file (``FileReg
 element is, its shape, strides and dtype). ``read_region`` fills a destination tensor, itself possibly a
 strided view of a larger buffer (one source rank's columns of a merged row-parallel weight), with
 ``os.preadv``: the runs of bytes that are contiguous in both the file and the destination go, for each
-contiguous stretch of the file, into one call of up to ``IOV_MAX`` buffers, so a merge along rows or
-columns costs about one system call per thousand rows and no copy in user space. Nothing is
-memory-mapped, so no page is faulted in and the process's resident memory holds only the result.
+contiguous stretch of the file, into one call of up to ``IOV_MAX`` buffers, with no copy in user space.
+Nothing is
+memory-mapped, so no page is faulted in and the process's resident memory holds only the result (and
+the scratch buffer below).
 
-Two layouts go through a scratch buffer instead, where a buffer per run would cost more in Python than
-the copy it saves: runs shorter than ``SHORT_RUN`` bytes (a tensor cut along a tiny last dimension) are
-read as the one span that holds them and gathered from there, and a region stored whole whose runs in
-the destination are shorter than ``LONG_RUN`` (one source rank's rows of a row-parallel merge: a few
-KiB each) is read in pieces of ``SCRATCH_BYTES`` into one buffer, each copied into its place (about a
-fifth of the CPU time of listing its runs). Longer runs are scattered by the kernel, as above.
+Short runs go through a scratch buffer instead, where a buffer (and often a call) per run would cost
+more in Python and system calls than the copy it saves: a region whose runs are shorter than
+``LONG_RUN`` (one source rank's rows of a row-parallel merge, a few KiB each; one rank's columns of a
+record stored whole) and whose file span is at most ``SPAN_RATIO`` times its bytes is read a piece of at
+most ``SCRATCH_BYTES`` at a time, each piece's span with one call, and its elements copied into their
+place (about a fifth of the CPU time of one buffer, or one call, per run). Runs shorter
+than ``SHORT_RUN`` bytes (a tensor cut along a tiny last dimension) go this way whatever their density,
+and a transposed record is read as one span and gathered. Longer runs are scattered by the kernel.
 """
 
 from __future__ import annotations
 
 import itertools
-import math
 import os
 import threading
 from collections import OrderedDict
@@ -35,8 +37,9 @@ from pgconvert.io.reuse import new_tensor
 
 IOV_MAX = 1024  # Linux's UIO_MAXIOV: the most buffers one preadv takes
 SHORT_RUN = 512  # bytes: shorter contiguous runs are read as one span and gathered in memory
-LONG_RUN = 16 << 10  # bytes: shorter runs of a region stored whole are read through the scratch buffer
-SCRATCH_BYTES = 4 << 20  # the scratch buffer a region stored whole is read through, piece by piece
+LONG_RUN = 16 << 10  # bytes: shorter runs are read through the scratch buffer (if their span is dense enough)
+SCRATCH_BYTES = 4 << 20  # the scratch buffer a region is read through, piece by piece
+SPAN_RATIO = 8  # runs of LONG_RUN or less go through the scratch if their span is at most this many times them
 OPEN_FILES = 64  # file descriptors a ``FileHandles`` keeps open at once, per thread
 
 
@@ -148,12 +151,14 @@ def read_region(fd: int, region: FileRegion, out: torch.Tensor) -> None:
     itemsize = out.element_size()
     run, dims = _runs(region.shape, region.stride, out.stride())
     run_bytes = run * itemsize
-    if dims and run_bytes < SHORT_RUN:  # decided before any run is listed: a transposed record has millions
-        _read_gathered(fd, region, out)
-        return
-    if dims and run_bytes < LONG_RUN and _stored_whole(region):
-        scratch = torch.empty(min(SCRATCH_BYTES, out.numel() * itemsize), dtype=torch.uint8)
+    # Decided before any run is listed: a transposed record has millions.
+    if dims and run_bytes < LONG_RUN and _nested(region) and (
+            run_bytes < SHORT_RUN or _span(region) <= SPAN_RATIO * out.numel()):
+        scratch = torch.empty(min(SCRATCH_BYTES, _span(region) * itemsize), dtype=torch.uint8)
         _read_through(fd, region, out, scratch)
+        return
+    if dims and run_bytes < SHORT_RUN:
+        _read_gathered(fd, region, out)
         return
     target = _byte_view(out)
     base = out.storage_offset() * itemsize
@@ -171,28 +176,39 @@ def read_region(fd: int, region: FileRegion, out: torch.Tensor) -> None:
     _preadv_all(fd, batch, start, region.path)
 
 
-def _stored_whole(region: FileRegion) -> bool:
-    """Whether the region's elements are one contiguous span of the file, in row-major order."""
-    canonical = sizes.contiguous_stride(region.shape)
-    return all(n == 1 or s == c for n, s, c in zip(region.shape, region.stride, canonical, strict=True))
+def _span(region: FileRegion) -> int:
+    """Elements from the region's first element to its last, inclusive (the file span that holds it)."""
+    return 1 + sum((count - 1) * step for count, step in zip(region.shape, region.stride, strict=True))
+
+
+def _nested(region: FileRegion) -> bool:
+    """Whether each index of a dimension holds a span of the file after the previous index's, as in a
+    row-major tensor or a window of one (not a transposed record): so its slices are read in order."""
+    inner = 1
+    for count, step in reversed([(n, s) for n, s in zip(region.shape, region.stride, strict=True) if n > 1]):
+        if step < inner:
+            return False
+        inner = step * (count - 1) + inner
+    return True
 
 
 def _read_through(fd: int, region: FileRegion, out: torch.Tensor, scratch: torch.Tensor) -> None:
-    """Fill ``out`` from a region stored whole, a piece of at most ``scratch``'s size at a time: each
-    piece's bytes read into ``scratch`` with one call, then copied into its (strided) place in ``out``."""
+    """Fill ``out`` from a nested region a piece at a time: each piece's file span read into ``scratch``
+    with one call, then its elements copied from there into their (possibly strided) place in ``out``."""
+    itemsize = out.element_size()
     dim = next((axis for axis, count in enumerate(region.shape) if count > 1), len(region.shape) - 1)
-    inner = math.prod(region.shape[dim + 1:]) * out.element_size()  # bytes per index of ``dim``
-    if inner > scratch.numel():
+    one = _span(region.narrow(dim, 0, 1))  # elements spanned by one index of ``dim``
+    if one * itemsize > scratch.numel():
         for index in range(region.shape[dim]):
             _read_through(fd, region.narrow(dim, index, 1), out.narrow(dim, index, 1), scratch)
         return
-    step = scratch.numel() // inner
+    step = 1 + (scratch.numel() // itemsize - one) // max(1, region.stride[dim])
     for first in range(0, region.shape[dim], step):
-        count = min(step, region.shape[dim] - first)
-        piece = scratch[:count * inner]
-        _preadv_all(fd, [_byte_view(scratch)[:count * inner]], region.offset + first * inner, region.path)
-        target = out.narrow(dim, first, count)
-        target.copy_(piece.view(out.dtype).view(target.shape))
+        piece = region.narrow(dim, first, min(step, region.shape[dim] - first))
+        nbytes = _span(piece) * itemsize
+        _preadv_all(fd, [_byte_view(scratch)[:nbytes]], piece.offset, region.path)
+        held = torch.as_strided(scratch[:nbytes].view(out.dtype), piece.shape, piece.stride)
+        out.narrow(dim, first, piece.shape[dim]).copy_(held)
 
 
 def _read_gathered(fd: int, region: FileRegion, out: torch.Tensor) -> None:

@@ -21,7 +21,7 @@ COLUMNS = """\
 What the columns say:
 
 - **wall s**: median wall time of the conversion, a child process `python -m pgconvert --quiet …`
-  (start-up and imports included).
+  (start-up and imports included; the package byte-compiled first, as installing it does).
 - **floor s**: median of the durable copies `cp -r SRC X && sync` of the case's source, run in
   alternating pairs with the conversions; **× floor** is wall s over floor s.
 - **CPU s**: median user + system CPU seconds of the conversion process and its children (GNU time

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import io
 import weakref
+import zlib
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from support.torch_save import torch_crc32, torch_save_bytes
 
 import pgconvert
 import pgconvert.savers.megatron as megatron_saver
+from pgconvert.io import torchzip
 from pgconvert.io.torchzip import PlannedTensor, TensorMismatchError, save_stream
 
 
@@ -57,14 +59,22 @@ def mixed_state() -> dict[str, Any]:
             "iteration": 7, "model": model}
 
 
-@pytest.mark.parametrize("crc32", [False, True], ids=["no-crc", "crc"])
-def test_stream_writes_torch_saves_bytes(crc32: bool) -> None:
+@pytest.mark.parametrize("crc32,crc_library", [(False, "zlib"), (True, "zlib"), (True, "isal")],
+                         ids=["no-crc", "crc-zlib", "crc-isal"])
+def test_stream_writes_torch_saves_bytes(crc32: bool, crc_library: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    function = zlib.crc32 if crc_library == "zlib" else pytest.importorskip("isal.isal_zlib").crc32
+    monkeypatch.setattr(torchzip, "crc32_function", lambda: function)
     state = mixed_state()
     streamed = io.BytesIO()
 
     save_stream(state, streamed, crc32=crc32)
 
     assert streamed.getvalue() == torch_save_bytes(materialised(state), crc32)
+
+
+def test_the_isal_crc_is_used_where_installed() -> None:
+    isal_zlib = pytest.importorskip("isal.isal_zlib")  # a test dependency: CI has it
+    assert torchzip.crc32_function() is isal_zlib.crc32
 
 
 def test_stream_file_loads_with_weights_only_and_mmap(tmp_path: Path) -> None:

@@ -12,7 +12,9 @@ for the same object: records ``archive/data.pkl``, ``.format_version``, ``.stora
 carries torch's ``FB`` padding field so data starts on a 64-byte boundary; bit 3 (sizes in a data
 descriptor after the data) and bit 11 (UTF-8 names) are set; zip64 extra fields for records at or
 beyond 4 GiB or of 4 GiB and more; a zip64 end record always. Without ``crc32`` every CRC is 0, as
-torch writes with ``compute_crc32`` off (torch's reader then does not check it).
+torch writes with ``compute_crc32`` off (torch's reader then does not check it). With it, the CRC-32 is
+ISA-L's (``isal``, the ``fast`` extra: a fifth of zlib's CPU time) where installed, else zlib's: the same
+values.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import io
 import pickle
 import struct
+import functools
 import sys
 import zlib
 from collections import OrderedDict
@@ -198,6 +201,16 @@ def _part_bytes(item: PlannedTensor) -> Iterator[memoryview]:
         yield memoryview(part.detach().contiguous().view(torch.uint8).numpy()).cast("B")
 
 
+@functools.cache
+def crc32_function() -> Callable[[Any, int], int]:
+    """``zlib.crc32``, or ISA-L's CRC-32 of the same polynomial where the ``isal`` package is installed."""
+    try:
+        from isal.isal_zlib import crc32
+    except ImportError:
+        return zlib.crc32
+    return crc32  # type: ignore[no-any-return]
+
+
 class _ZipStream:
     """Zip records laid out as torch's miniz-based writer lays them out (see the module docstring)."""
 
@@ -236,7 +249,7 @@ class _ZipStream:
                 continue
             if len(head) < 8:
                 head += bytes(data[:8 - len(head)])
-            crc = zlib.crc32(data, crc) if self.crc32 else 0
+            crc = crc32_function()(data, crc) if self.crc32 else 0
             self._write(data)
             written += len(data)
         if written != size:

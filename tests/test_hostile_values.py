@@ -4,20 +4,18 @@ tensors of one torch_dist key stored in different dtypes."""
 
 from __future__ import annotations
 
-import errno
 import os
 import json
 import shutil
 import subprocess
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from support.cli_helpers import assert_clean_refusal, run_cli
+from support.full_disk import FillingDisk
 from support.tiny_models import GQA_SWIGLU, MOE
 from support.megatron_fixtures import load_for_test, make_full_model, write_megatron_checkpoint
 
@@ -112,31 +110,12 @@ def test_replicas_that_really_differ_are_still_refused_naming_both_files(src: Pa
 # ------------------------------------------------------------------------------------ full disk
 
 
-@contextmanager
-def _disk_filling_after(nbytes: int) -> Iterator[None]:
-    """Positional writes (how ``OutputFile`` writes every output file) fail with ENOSPC once ``nbytes``
-    bytes are written, as on a real full disk."""
-    real = os.pwrite
-    written = 0
-
-    def pwrite(fd: int, data: bytes | bytearray | memoryview, offset: int) -> int:
-        nonlocal written
-        written += memoryview(data).nbytes
-        if written > nbytes:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real(fd, data, offset)
-
-    os.pwrite = pwrite  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        os.pwrite = real
-
-
-def test_torch_dist_on_a_full_disk_gives_the_clean_message(src: Path, tmp_path: Path) -> None:
+def test_torch_dist_on_a_full_disk_gives_the_clean_message(src: Path, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     dst = tmp_path / "dst"
-    with _disk_filling_after(200_000):
-        result = run_cli(src, dst, "--dst-format", "torch_dist")
+    monkeypatch.setattr(os, "pwrite", FillingDisk(200_000).pwrite)
+    result = run_cli(src, dst, "--dst-format", "torch_dist")
+    monkeypatch.undo()
 
     assert_clean_refusal(result, 1, f"writing DST {dst} failed: No space left on device", "nothing was left behind")
     assert sorted(path.name for path in tmp_path.iterdir()) == ["src"]

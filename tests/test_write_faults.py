@@ -5,7 +5,6 @@ gives them: a write that does not fit writes what does, the next one fails with 
 
 from __future__ import annotations
 
-import errno
 import os
 import threading
 from pathlib import Path
@@ -14,6 +13,7 @@ import pytest
 from click.testing import Result
 from support.cli_helpers import assert_clean_refusal, run_cli
 from support.format_outputs import DISTRIBUTED_OPTIMIZER_RUN, SHARD_SIZE, assert_same_bytes, write_sources
+from support.full_disk import FillingDisk
 
 import pgconvert.io.output as output
 from pgconvert.io.output import BLOCK, BUFFER_BYTES, BUFFERS
@@ -34,31 +34,6 @@ COMPLETE_MARKERS = ("pgconvert.json", "latest_checkpointed_iteration.txt", "mode
 # the file is closed; with one buffer of a block it surfaces in a write the saver makes in the middle of the file,
 # inside the saver's own code.
 BUFFERING = {"fails-at-close": (BUFFERS, BUFFER_BYTES), "fails-mid-file": (1, BLOCK)}
-
-
-class FillingDisk:
-    """``os.pwrite`` onto a disk with ``free`` bytes left (whole blocks): a write that does not fit writes what does
-    and returns that count, as the kernel does, and every later write fails with ENOSPC. Records the files written
-    to, in order, and the first that failed."""
-
-    def __init__(self, free: int) -> None:
-        self.free = free - free % BLOCK
-        self.files: list[str] = []
-        self.failed: str | None = None
-        self._real = os.pwrite
-        self._lock = threading.Lock()
-
-    def pwrite(self, fd: int, data: bytes | bytearray | memoryview, offset: int) -> int:
-        path = os.readlink(f"/proc/self/fd/{fd}")
-        with self._lock:
-            if path not in self.files:
-                self.files.append(path)
-            if self.free == 0:
-                self.failed = self.failed or path
-                raise OSError(errno.ENOSPC, "No space left on device")
-            written = self._real(fd, memoryview(data).cast("B")[:self.free], offset)
-            self.free -= written
-            return written
 
 
 class ShortWrites:

@@ -13,7 +13,8 @@ def numel(shape: tuple[int, ...]) -> int:
 
 
 def itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    """Bytes per element of ``dtype`` (``dtype.itemsize``: no tensor is made)."""
+    return dtype.itemsize
 
 
 def nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:

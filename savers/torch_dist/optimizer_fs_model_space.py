@@ -29,7 +29,7 @@ from pgconvert.formats.torch_dist import DCP_METADATA_FILE, read_dcp_metadata
 from pgconvert.formats.torch_dist_optimizer import FS_MODEL_SPACE, MODEL_SPACE_FIELDS, common_entry, state_key
 from pgconvert.optimizer.scaler import set_scalers, target_scalers
 from pgconvert.optimizer.source import OptimizerSource
-from pgconvert.savers.torch_dist.optimizer_records import (RecordsShare, carry_counters, replace_durably,
+from pgconvert.savers.torch_dist.optimizer_records import (RecordsShare, carry_counters, per_field, replace_durably,
                                                            rewrite_common, write_chunk_records)
 
 FIELDS = MODEL_SPACE_FIELDS[FS_MODEL_SPACE]
@@ -77,11 +77,9 @@ def write_fs_model_space(optimizer: OptimizerSource, model_chunks: list[Any], ro
                          iteration_dir: Path, share: RecordsShare) -> list[PlannedFile]:
     """Write the records beside the model's (``model_chunks``: the torch_dist saver's; ``share``: which); returns
     the files added."""
-    names = set(optimizer.names())
-    chunks = [(field, _reformulated(field, chunk)) for chunk in model_chunks if chunk.canonical in names
-              for field in FIELDS]
-    original = {chunk.key: tuple(model.global_shape) for (_, chunk), model in
-                zip(chunks, [m for m in model_chunks if m.canonical in names for _ in FIELDS])}
+    pairs = per_field(model_chunks, set(optimizer.names()), list(FIELDS))
+    chunks = [(field, _reformulated(field, chunk)) for field, chunk in pairs]
+    original = {chunk.key: tuple(model.global_shape) for (_, chunk), (_, model) in zip(chunks, pairs)}
     added = write_chunk_records(optimizer, chunks, rows, fits_rows, iteration_dir, share,
                                 lambda directory, index: _merge_metadata(directory, index, original))
     if share.shared:

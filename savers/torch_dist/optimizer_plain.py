@@ -20,15 +20,16 @@ from pgconvert.formats import PlannedFile
 from pgconvert.formats.torch_dist_optimizer import PLAIN_FIELDS, state_key
 from pgconvert.optimizer.scaler import set_scalers, target_scalers
 from pgconvert.optimizer.source import FORM_FP32, OptimizerSource
-from pgconvert.savers.torch_dist.optimizer_records import (RecordsShare, carry_counters, rewrite_common,
+from pgconvert.savers.torch_dist.optimizer_records import (RecordsShare, carry_counters, per_field, rewrite_common,
                                                            write_chunk_records)
 
 
 def plain_chunks(form: str, names: set[str], model_chunks: list[Any]) -> list[tuple[str, Any]]:
-    """The records of the plain ``form``: (field, chunk) per model chunk of a parameter and stored field, fp32."""
-    return [(field, dataclasses.replace(chunk, key=state_key(stored, chunk.key), dtype=torch.float32))
-            for chunk in model_chunks if chunk.canonical in names
-            for field, stored in PLAIN_FIELDS[form].items() if stored]
+    """The records of the plain ``form``: (field, chunk) per model chunk of a parameter and stored field
+    (``per_field``), fp32."""
+    stored = {field: name for field, name in PLAIN_FIELDS[form].items() if name}
+    return [(field, dataclasses.replace(chunk, key=state_key(stored[field], chunk.key), dtype=torch.float32))
+            for field, chunk in per_field(model_chunks, names, list(stored))]
 
 
 def _common_entry(optimizer: OptimizerSource, group_counts: list[int]) -> dict[Any, Any]:

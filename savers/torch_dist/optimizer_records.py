@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import itertools
 import os
 import pickle
 from collections import Counter
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -185,12 +186,22 @@ def _add_common(optimizer: OptimizerSource, iteration_dir: Path, group_counts: l
     rewrite_common(iteration_dir, update)
 
 
+def per_field(model_chunks: list[Any], names: set[str], fields: Sequence[str]) -> list[tuple[str, Any]]:
+    """(field, model chunk) of every chunk of the tensors ``names``, a tensor's chunks field by field (the gate and up
+    halves of a SwiGLU fc1 one after the other), so that each field of a parameter is cut from the source once."""
+    pairs: list[tuple[str, Any]] = []
+    held = (chunk for chunk in model_chunks if chunk.canonical in names)
+    for _, run in itertools.groupby(held, key=lambda chunk: chunk.canonical):
+        members = list(run)
+        pairs += [(field, chunk) for field in fields for chunk in members]
+    return pairs
+
+
 def optimizer_chunks(optimizer: OptimizerSource, model_chunks: list[Any]) -> list[tuple[str, Any]]:
-    """The fully_reshardable records, (field, chunk) per model chunk and field, fp32."""
+    """The fully_reshardable records, (field, chunk) per model chunk and field (``per_field``), fp32."""
     # parameters only (megatron-core's buffers' param_index_map): not a router's expert_bias buffer
-    names = set(optimizer.names())
     return [(field, dataclasses.replace(chunk, key=state_key(field, chunk.key), dtype=torch.float32))
-            for chunk in model_chunks if chunk.canonical in names for field in FIELDS]
+            for field, chunk in per_field(model_chunks, set(optimizer.names()), FIELDS)]
 
 
 def write_records(iteration_dir: Path, planner: Any, numbers: Mapping[ItemKey, int], share: RecordsShare,

@@ -1,5 +1,5 @@
 """Sharded runs (``--shard-index``/``--num-shards``) carry the optimizer state: four processes, run one after
-another, write the single-process output byte for byte (per-rank plain and distributed optimizer, dense and MoE at
+another, or two under torchrun, write the single-process output byte for byte (per-rank plain and distributed optimizer, dense and MoE at
 EP > 1; torch_dist in every form pgconvert writes), a rank's optimizer state is written by the process that writes
 its rank file, each process reads the optimizer state its share needs once, a failed share leaves nothing
 complete-looking, and megatron-core loads the merged output and steps as from the original checkpoint."""
@@ -16,6 +16,7 @@ from support.format_outputs import assert_same_bytes
 from support.mcore_step_check import BF16_ATOL, BF16_RTOL, assert_same_step, fixed_gradients, run_steps, with_common_pt
 from support.megatron_fixtures import load_for_test
 from support.moe_optimizer_runs import generate
+from support.torchrun import run_torchrun
 
 import pgconvert
 from pgconvert.cli import main
@@ -111,6 +112,19 @@ def test_four_shards_write_the_torch_dist_single_process_output_with_its_optimiz
     assert len(list((single / ITER).glob("__1_*.distcp"))) >= SHARDS  # the records are shared out
     result = pgconvert.verify(src, sharded)
     assert result.equal and result.optimizer is not None, result.differences[:5]
+
+
+@pytest.mark.parametrize("case", ["distributed", "dp_reshardable"])
+def test_a_two_process_torchrun_carries_the_optimizer_state_as_one_process(
+        outputs: dict[str, tuple[Path, Path, Path]], case: str, tmp_path: Path) -> None:
+    src, single, _ = outputs[case]
+    flags = (PER_RANK.get(case) or IN_TORCH_DIST[case])[1]
+
+    done = run_torchrun("-m", "pgconvert", "-q", *flags, str(src), str(tmp_path / "torchrun"))
+
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert [done.stdout.count(f"shard {rank}/2: wrote") for rank in (0, 1)] == [1, 1]
+    assert_same_bytes(tmp_path / "torchrun", single)
 
 
 def test_a_shard_writes_the_optimizer_state_of_the_rank_files_it_writes(tmp_path: Path) -> None:

@@ -1,5 +1,5 @@
 """Sharded runs (``--shard-index``/``--num-shards``) carry the optimizer state: four processes, run one after
-another, or two under torchrun, write the single-process output byte for byte (per-rank plain and distributed optimizer, dense and MoE at
+another, or two under torchrun, or ``--workers`` processes, write the single-process output byte for byte (per-rank plain and distributed optimizer, dense and MoE at
 EP > 1; torch_dist in every form pgconvert writes), a rank's optimizer state is written by the process that writes
 its rank file, each process reads the optimizer state its share needs once, a failed share leaves nothing
 complete-looking, and megatron-core loads the merged output and steps as from the original checkpoint."""
@@ -125,6 +125,25 @@ def test_a_two_process_torchrun_carries_the_optimizer_state_as_one_process(
     assert done.returncode == 0, done.stdout + done.stderr
     assert [done.stdout.count(f"shard {rank}/2: wrote") for rank in (0, 1)] == [1, 1]
     assert_same_bytes(tmp_path / "torchrun", single)
+
+
+@pytest.mark.parametrize("case", ["distributed", "distributed-moe-ep", "dp_reshardable"])
+def test_workers_write_the_optimizer_state_in_their_processes_as_one_process_does(
+        outputs: dict[str, tuple[Path, Path, Path]], case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pgconvert.savers.megatron import MegatronSaver
+    from pgconvert.savers.torch_dist import TorchDistSaver
+
+    src, single, _ = outputs[case]
+    flags = (PER_RANK.get(case) or IN_TORCH_DIST[case])[1]
+    here: list[object] = []  # optimizer state written by this (the main) process, not by the pool's
+    for saver in (MegatronSaver, TorchDistSaver):
+        monkeypatch.setattr(saver, "save_optimizer", lambda self, *args, real=saver.save_optimizer, **kwargs: (
+            here.append(args[0]) or real(self, *args, **kwargs)))
+
+    _convert(src, tmp_path / "workers", *flags, "--workers", "2")
+
+    assert here == []
+    assert_same_bytes(tmp_path / "workers", single)
 
 
 def test_a_shard_writes_the_optimizer_state_of_the_rank_files_it_writes(tmp_path: Path) -> None:

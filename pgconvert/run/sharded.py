@@ -19,7 +19,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import astuple, dataclass, replace
+from dataclasses import astuple, dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Protocol
@@ -28,8 +28,8 @@ from pgconvert.io.output import digests
 from pgconvert.run.convert import ConvertRequest, Plan, hashing, plan, promote
 from pgconvert.run.destination import SHARED_STAGING_MARKER, sibling
 from pgconvert.errors import ConversionError, ValidationError
-from pgconvert.formats import PlannedFile, SaveResult
-from pgconvert.run.workers import balanced_shares, require_partial
+from pgconvert.formats import SaveResult
+from pgconvert.run.workers import balanced_shares, planned_units, require_partial
 from pgconvert.optimizer.carry import (ShardedOptimizer, carry_share, finalize_carried, replace_saver_notice,
                                        sharded_optimizer)
 
@@ -159,21 +159,9 @@ class ShardedResult:
 
 
 def shares(conversion: Plan, carried: ShardedOptimizer | None, count: int) -> list[list[str]]:
-    """The destination's paths each of ``count`` processes writes, one plan for the model and the optimizer state:
-    the model files (``Plan.files``), each weighing its bytes and those of the optimizer files written with it
-    (``OptimizerFile.written_with``: a Megatron rank's optimizer entry and ``distrib_optim.pt`` go with its rank
-    file), and the optimizer files of their own (torch_dist's records files), balanced by bytes."""
-    files = conversion.files
-    if carried is not None:
-        added: dict[str, int] = {}
-        alone = []
-        for item in carried.files:
-            if item.written_with is None:
-                alone.append(PlannedFile(item.relpath, item.tensors, item.nbytes))
-            else:
-                added[item.written_with] = added.get(item.written_with, 0) + item.nbytes
-        files = [replace(item, nbytes=item.nbytes + added.get(item.relpath, 0)) for item in files] + alone
-    return balanced_shares(files, count)
+    """The destination's paths each of ``count`` processes writes: ``workers.planned_units`` (the model files and
+    their optimizer state, and optimizer files of their own), balanced by bytes."""
+    return balanced_shares(planned_units(conversion, carried), count)
 
 
 def _write_share(conversion: Plan, carried: ShardedOptimizer | None, staging: Path, share: set[str]) -> SaveResult:

@@ -1,8 +1,9 @@
 """Sharded runs (``--shard-index``/``--num-shards``) carry the optimizer state: four processes, run one after
-another, or two under torchrun, or ``--workers`` processes, write the single-process output byte for byte (per-rank plain and distributed optimizer, dense and MoE at
-EP > 1; torch_dist in every form pgconvert writes), a rank's optimizer state is written by the process that writes
-its rank file, each process reads the optimizer state its share needs once, a failed share leaves nothing
-complete-looking, and megatron-core loads the merged output and steps as from the original checkpoint."""
+another, or two under torchrun, or ``--workers`` processes, write the single-process output byte for byte
+(per-rank plain and distributed optimizer, dense and MoE at EP > 1; torch_dist in every form pgconvert writes), a
+rank's optimizer state is written by the process that writes its rank file, each process reads the optimizer
+state its share needs once, a failed share leaves nothing complete-looking, and megatron-core loads the merged
+output and steps as from the original checkpoint."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from support.torchrun import run_torchrun
 
 import pgconvert
 from pgconvert.cli import main
-from pgconvert.optimizer.carry import sharded_optimizer
+from pgconvert.optimizer.carry import carry_share, sharded_optimizer
 from pgconvert.optimizer.source import FIELDS
 from pgconvert.run.convert import convert_request, plan
 from pgconvert.run.sharded import shares
@@ -63,12 +64,14 @@ def moe_distributed(tmp_path_factory: pytest.TempPathFactory) -> Path:
 PER_RANK = {
     "distributed": (GOLDENS / "train_tp2dp2_distopt_bf16_torch", ("--dst-pp", "2")),
     "plain-bf16": (GOLDENS / "train_tp2dp2_bf16_torch", ("--dst-pp", "2")),
+    "plain-fp32": (GOLDENS / "train_tp2pp2_torch", ()),  # FP32Optimizer: its masters are the weights
     "distributed-moe-ep": (None, ("--dst-tp", "1", "--dst-ep", "4")),
 }
 # case -> (source, flags): TP1 torch_dist in each form, its records over several files.
 IN_TORCH_DIST = {
     "fully_reshardable": (GOLDENS / "train_tp2dp2_distopt_fully_reshardable_torch_dist", TORCH_DIST),
     "dp_reshardable": (GOLDENS / "train_tp2dp2_distopt_dp_reshardable_torch_dist", TORCH_DIST),
+    "dp_reshardable-dp4": (GOLDENS / "train_tp2dp2_distopt_dp_reshardable_torch_dist", (*TORCH_DIST, "--dst-dp", "4")),
     "plain": (GOLDENS / "train_tp2pp2_bf16_torch_dist", TORCH_DIST),
     "fully_sharded_model_space": (GOLDENS / "mcore015_tp2dp2_distopt_fs_model_space_torch_dist", TORCH_DIST),
     "dp_reshardable-moe-ep": (None, ("--dst-format", "torch_dist", "--dst-optim-form", "dp_reshardable",
@@ -88,7 +91,8 @@ def outputs(tmp_path_factory: pytest.TempPathFactory, moe_distributed: Path) -> 
     made = {}
     for name, case in {**PER_RANK, **IN_TORCH_DIST}.items():
         src, flags = _source(case, moe_distributed)
-        made[name] = (src, _convert(src, root / name / "single", *flags), _sharded(src, root / name / "sharded", *flags))
+        made[name] = (src, _convert(src, root / name / "single", *flags),
+                      _sharded(src, root / name / "sharded", *flags))
     return made
 
 
@@ -129,7 +133,8 @@ def test_a_two_process_torchrun_carries_the_optimizer_state_as_one_process(
 
 @pytest.mark.parametrize("case", ["distributed", "distributed-moe-ep", "dp_reshardable"])
 def test_workers_write_the_optimizer_state_in_their_processes_as_one_process_does(
-        outputs: dict[str, tuple[Path, Path, Path]], case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        outputs: dict[str, tuple[Path, Path, Path]], case: str, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     from pgconvert.savers.megatron import MegatronSaver
     from pgconvert.savers.torch_dist import TorchDistSaver
 
@@ -177,9 +182,7 @@ def test_each_share_reads_the_optimizer_state_it_writes_once(tmp_path: Path, cas
             staging = tmp_path / f"share{index}"
             written = conversion.saver.save(conversion.source, staging, conversion.save_options, lambda nbytes: None,
                                             only=set(share))
-            conversion.saver.save_optimizer(conversion.source, carried.optimizer, carried.form, staging,
-                                            conversion.save_options, pgconvert.optimizer.carry.optimizer_options(
-                                                request), written.files, only=set(share))
+            carry_share(conversion, carried, staging, written.files, set(share))
         finally:
             conversion.source.close()
         reads.append(read)

@@ -337,7 +337,8 @@ class TorchDistSaver(Saver):
     def finalize_optimizer(self, source: CanonicalSource, optimizer: OptimizerSource, form: str, out_dir: Path,
                            options: SaveOptions, optimizer_options: OptimizerOptions,
                            files: list[PlannedFile]) -> CarriedOptimizer:
-        """The records' index merged into ``.metadata`` (from the plan) and ``common.pt`` updated, after ``finalize``."""
+        """The records' index merged into ``.metadata`` (from the plan) and ``common.pt`` updated, after
+        ``finalize``."""
         share = RecordsShare(options.max_shard_size or DEFAULT_MAX_DATA_FILE_SIZE, (), shared=True)
         return self._write_optimizer(source, optimizer, form, out_dir, options, optimizer_options, files, share)
 

@@ -1,8 +1,8 @@
 """Whether a conversion carries its source's optimizer state, and ``convert``'s step that carries it.
 
-One decision for ``convert``, ``--dry-run`` and sharded runs (``carried_optimizer``; a sharded run's
-``sharded_optimizer`` adds the files it shares out, and each process writes its share with ``carry_share``, the
-last one what they have in common with ``finalize_carried``): the state is carried when
+One decision for ``convert``, ``--dry-run``, sharded runs and ``--workers`` (``carried_optimizer``; with several
+processes ``sharded_optimizer`` adds the files they share out, each writes its share with ``carry_share``, and one
+what they have in common with ``finalize_carried``): the state is carried when
 the source holds it (``CanonicalSource.holds_optimizer``), the destination writes it (``Saver.writes_optimizer``)
 and ``--skip-optimizer`` is not given; it is opened and checked by ``pgconvert.optimizer.checks.open_checked``, and
 its values are checked for NaN/Inf on their way to the output (``--check-finite``: refused). State that is held but not carried is named in a notice (``guess:
@@ -78,8 +78,9 @@ def check_optimizer_options(conversion: Plan) -> None:
 
 @dataclass(frozen=True)
 class ShardedOptimizer:
-    """What every process of a sharded run carries: the opened state, the form the destination writes it in, and
-    the destination's optimizer files (``Saver.plan_optimizer``), which the run's plan shares out with the model's."""
+    """What every process of a sharded run (or ``--workers`` pool) carries: the opened state, the form the destination
+    writes it in, and the destination's optimizer files (``Saver.plan_optimizer``), which the run's plan shares out
+    with the model's."""
 
     optimizer: OptimizerSource
     form: str

@@ -12,7 +12,8 @@ from pgconvert.formats.stream import CanonicalSource
 
 ROOT = Path(__file__).resolve().parent.parent
 CONTRACT_ATTRIBUTES = {"layout", "hf_origin", "megatron_args", "parallel", "unrepresentable", "side_files",
-                       "training_state_notice", "writes_optimizer", "optimizer_forms", "sharding", "keeps_quantized"}
+                       "training_state_notice", "writes_optimizer", "optimizer_forms", "sharding", "keeps_quantized",
+                       "optimizer_partial"}
 
 
 def test_source_declares_defaults() -> None:

@@ -296,13 +296,19 @@ def test_optimizer_state_not_carried_is_a_notice_and_refused_under_strict_in_eve
     assert not (tmp_path / "strict").exists()
 
 
-def test_a_sharded_run_names_the_optimizer_it_does_not_carry_and_strict_refuses_it(tmp_path: Path) -> None:
+def test_a_sharded_run_into_a_saver_that_writes_optimizer_state_in_one_pass_names_it_and_strict_refuses_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pgconvert.savers.megatron import MegatronSaver
+
+    monkeypatch.setattr(MegatronSaver, "optimizer_partial", False)  # as a plugin saver that declares no shares
     flags = ("--dst-tp", "1", "--shard-index", "0", "--num-shards", "1")
     result = _cli("convert", DISTOPT, tmp_path / "lenient", *flags)
     assert result.exit_code == 0, result.output
-    assert "note: guess: optimizer state not carried: a sharded run" in result.output
+    assert "note: guess: optimizer state not carried: the megatron saver writes optimizer state in one pass, so a " \
+           "sharded run" in result.output
+    assert list((tmp_path / "lenient").rglob("distrib_optim.pt")) == []
     strict = _cli("convert", DISTOPT, tmp_path / "strict", *flags, "--strict")
-    assert_clean_refusal(strict, 2, "--strict: refusing to guess: optimizer state not carried: a sharded run")
+    assert_clean_refusal(strict, 2, "--strict: refusing to guess: optimizer state not carried: the megatron saver")
     assert not (tmp_path / "strict").exists()
     assert _cli("convert", DISTOPT, tmp_path / "model", *flags, "--skip-optimizer", "--strict").exit_code == 0
 

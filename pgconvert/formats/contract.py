@@ -16,13 +16,15 @@ Optimizer state (megatron-core's, ``pgconvert.optimizer``) goes through declared
   ``--dst-optim-form`` chooses among (``optimizer_forms``); it refuses what it cannot write
   (``optimizer_refusal``, before the state is opened), names the form it writes an opened state in
   (``optimizer_form``), lists it for ``--dry-run`` (``plan_optimizer``) and writes it after the model
-  (``save_optimizer``). ``OptimizerOptions`` carries ``--dst-optim-form`` and ``--dst-dp``.
+  (``save_optimizer``). ``OptimizerOptions`` carries ``--dst-optim-form`` and ``--dst-dp``. A saver that sets
+  ``optimizer_partial`` also writes the state of some files only (``save_optimizer(only=...)``, each process of a
+  sharded run its share) and what those shares have in common once (``finalize_optimizer``).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -154,12 +156,14 @@ class OptimizerOptions:
 
 @dataclass(frozen=True)
 class OptimizerFile:
-    """The optimizer state one destination file will hold (``--dry-run``)."""
+    """The optimizer state one destination file will hold (``--dry-run``); ``written_with``: the model file
+    (a ``Saver.plan`` path) whose process writes it in a sharded run (None: a file of its own there)."""
 
     relpath: str
     what: str
     tensors: int
     nbytes: int
+    written_with: str | None = None
 
 
 @dataclass
@@ -257,8 +261,23 @@ class Saver(ABC):
         """The destination files' optimizer state in ``form``, without writing anything (``--dry-run``)."""
         return []
 
+    # Whether ``save_optimizer`` writes the state of some files alone (``only``) and ``finalize_optimizer`` the rest:
+    # sharded runs carry optimizer state into this format only then.
+    optimizer_partial: bool = False
+
     def save_optimizer(self, source: CanonicalSource, optimizer: OptimizerSource, form: str, out_dir: Path,
                        options: SaveOptions, optimizer_options: OptimizerOptions,
-                       files: list[PlannedFile]) -> CarriedOptimizer:
-        """Write ``optimizer`` in ``form`` into the destination ``save`` wrote under ``out_dir`` (``files``)."""
+                       files: list[PlannedFile], only: Collection[str] | None = None) -> CarriedOptimizer:
+        """Write ``optimizer`` in ``form`` into the destination ``save`` wrote under ``out_dir`` (``files``).
+
+        ``only`` (``optimizer_partial``): the paths of one process's share, model files (``plan``) and optimizer
+        files of their own (``plan_optimizer``, ``written_with`` None): write the state that goes into or beside
+        them and nothing ``finalize_optimizer`` writes; ``files`` are then the share's."""
         raise NotImplementedError(f"{self.name}: writes no optimizer state")
+
+    def finalize_optimizer(self, source: CanonicalSource, optimizer: OptimizerSource, form: str, out_dir: Path,
+                           options: SaveOptions, optimizer_options: OptimizerOptions,
+                           files: list[PlannedFile]) -> CarriedOptimizer:
+        """After every share's ``save_optimizer(only=...)`` and ``finalize``: what the shares' optimizer state has
+        in common, written once (``optimizer_partial``); the same bytes as ``save_optimizer`` without ``only``."""
+        raise NotImplementedError(f"{self.name}: writes no optimizer state in shares")

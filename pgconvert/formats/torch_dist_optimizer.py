@@ -39,8 +39,15 @@ DP_RESHARDABLE = "dp_reshardable"
 FS_MODEL_SPACE = "fully_sharded_model_space"
 # megatron-core's plain (non-distributed) optimizer: no param_state_sharding_type.
 PLAIN = "plain"
-# The optimizer records go to a second data file beside the model's ``__0_0.distcp``.
-RECORDS_FILE = "__1_0.distcp"
+# The optimizer records go to data files of their own beside the model's ``__0_<n>.distcp``: ``__1_0.distcp``,
+# ``__1_1.distcp``, ... (a new one past ``--max-shard-size`` bytes of values, as the model's).
+RECORDS_PREFIX = "__1_"
+RECORDS_FILE = f"{RECORDS_PREFIX}0.distcp"
+
+
+def records_file(number: int) -> str:
+    """The name of the optimizer records' data file ``number``."""
+    return RECORDS_FILE if number == 0 else f"{RECORDS_PREFIX}{number}.distcp"
 # The stored field of each per-parameter key, per model-space form.
 MODEL_SPACE_FIELDS = {
     FULLY_RESHARDABLE: {"param": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"},

@@ -1,6 +1,8 @@
 """Whether a conversion carries its source's optimizer state, and ``convert``'s step that carries it.
 
-One decision for ``convert``, ``--dry-run`` and sharded runs (``carried_optimizer``): the state is carried when
+One decision for ``convert``, ``--dry-run``, sharded runs and ``--workers`` (``carried_optimizer``; with several
+processes ``sharded_optimizer`` adds the files they share out, each writes its share with ``carry_share``, and one
+what they have in common with ``finalize_carried``): the state is carried when
 the source holds it (``CanonicalSource.holds_optimizer``), the destination writes it (``Saver.writes_optimizer``)
 and ``--skip-optimizer`` is not given; it is opened and checked by ``pgconvert.optimizer.checks.open_checked``, and
 its values are checked for NaN/Inf on their way to the output (``--check-finite``: refused). State that is held but not carried is named in a notice (``guess:
@@ -14,12 +16,14 @@ and the consumed-samples counters (in ``args``). Not carried: RNG state (it depe
 
 from __future__ import annotations
 
+from collections.abc import Collection
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pgconvert.errors import ValidationError
-from pgconvert.formats import (TRAINING_STATE_NOT_CARRIED, OptimizerFile, OptimizerOptions, PlannedFile, Saver,
-                               target_config)
+from pgconvert.formats import (TRAINING_STATE_NOT_CARRIED, CarriedOptimizer, OptimizerFile, OptimizerOptions,
+                               PlannedFile, Saver, target_config)
 from pgconvert.formats.names import saver_names
 from pgconvert.formats.registry import get_saver
 from pgconvert.formats.strict import fallback
@@ -72,13 +76,57 @@ def check_optimizer_options(conversion: Plan) -> None:
         raise ValidationError(f"--dst-dp {options.dp}: the source holds no Megatron optimizer state to size")
 
 
-def note_sharded_run(conversion: Plan) -> None:
-    """A sharded run writes the model alone; optimizer state its source holds is named in a notice
-    (``conversion.source.notices``) and refused under --strict, before anything is written."""
-    if _carries(conversion):
-        fallback("optimizer state not carried: a sharded run (--shard-index/--num-shards, or a launcher's RANK "
-                 "and WORLD_SIZE) writes the model alone; convert without sharding to carry it, or pass "
-                 "--skip-optimizer", conversion.request.strict, conversion.source.notices)
+@dataclass(frozen=True)
+class ShardedOptimizer:
+    """What every process of a sharded run (or ``--workers`` pool) carries: the opened state, the form the destination
+    writes it in, and the destination's optimizer files (``Saver.plan_optimizer``), which the run's plan shares out
+    with the model's."""
+
+    optimizer: OptimizerSource
+    form: str
+    files: list[OptimizerFile]
+
+
+def sharded_optimizer(conversion: Plan) -> ShardedOptimizer | None:
+    """A sharded run's decision, the same in every process and made before anything is written: what
+    ``carried_optimizer`` carries, when the destination's saver writes it in shares (``Saver.optimizer_partial``);
+    else None, with what is not carried named in ``conversion.source.notices`` (refused under --strict)."""
+    if not _carries(conversion):
+        return None
+    notices = conversion.source.notices
+    if not conversion.saver.optimizer_partial:
+        fallback(f"optimizer state not carried: the {conversion.dst_format} saver writes optimizer state in one pass, "
+                 "so a sharded run (--shard-index/--num-shards, or a launcher's RANK and WORLD_SIZE) writes the model "
+                 "alone; convert without sharding to carry it, or pass --skip-optimizer",
+                 conversion.request.strict, notices)
+        return None
+    carried = carried_optimizer(conversion, notices)
+    if carried is None:
+        return None
+    optimizer, form = carried
+    files = conversion.saver.plan_optimizer(conversion.source, optimizer, form, conversion.save_options,
+                                            optimizer_options(conversion.request))
+    return ShardedOptimizer(optimizer, form, files)
+
+
+def carry_share(conversion: Plan, carried: ShardedOptimizer, staging: Path, files: list[PlannedFile],
+                share: Collection[str]) -> None:
+    """One process's share of the optimizer state (``Saver.save_optimizer(only=share)``) beside the model files it
+    wrote (``files``, updated in place)."""
+    written = conversion.saver.save_optimizer(conversion.source, carried.optimizer, carried.form, staging,
+                                              conversion.save_options, optimizer_options(conversion.request), files,
+                                              only=share)
+    files[:] = written.files
+
+
+def finalize_carried(conversion: Plan, carried: ShardedOptimizer, staging: Path, files: list[PlannedFile]) -> list[str]:
+    """The finalizing process's step once every share is written (``Saver.finalize_optimizer``); returns the
+    notices, as ``carry_training_state``'s."""
+    written = conversion.saver.finalize_optimizer(conversion.source, carried.optimizer, carried.form, staging,
+                                                  conversion.save_options, optimizer_options(conversion.request),
+                                                  files)
+    files[:] = written.files
+    return _carried_notices(conversion, carried.optimizer, written)
 
 
 def _carries(conversion: Plan) -> bool:
@@ -146,14 +194,19 @@ def carry_training_state(conversion: Plan, staging: Path, files: list[PlannedFil
     if carried is None:
         return notices
     optimizer, form = carried
-    source, options = conversion.source, conversion.save_options
-    written = conversion.saver.save_optimizer(source, optimizer, form, staging, options,
+    written = conversion.saver.save_optimizer(conversion.source, optimizer, form, staging, conversion.save_options,
                                               optimizer_options(conversion.request), files)
     files[:] = written.files
-    # The source's notice that its training state is not converted: the optimizer state now is.
+    return notices + _carried_notices(conversion, optimizer, written)
+
+
+def _carried_notices(conversion: Plan, optimizer: OptimizerSource, written: CarriedOptimizer) -> list[str]:
+    """What a conversion that carried the optimizer state says; the source's notice that its training state is not
+    converted is dropped (the optimizer state now is)."""
+    source, options = conversion.source, conversion.save_options
     source.notices[:] = [note for note in source.notices if note != source.training_state_notice]
-    return notices + [f"optimizer ({written.form}), scheduler, iteration, floating-point operations and consumed "
-                      f"samples carried to {options.layout.describe()}; " + RNG_NOTICE, *written.notices] \
+    return [f"optimizer ({written.form}), scheduler, iteration, floating-point operations and consumed "
+            f"samples carried to {options.layout.describe()}; " + RNG_NOTICE, *written.notices] \
         + qk_norm_decay_notice(optimizer.rules, source.config, target_of(conversion)[0]) + optimizer.notices
 
 

@@ -37,13 +37,14 @@ from pgconvert.io.threads import serialized
 from pgconvert.io.sizes import itemsize, numel
 from pgconvert.run.manifest import Manifest, record_files, write_manifest
 from pgconvert.formats.hf_quantized import check_keep_fp8
-from pgconvert.optimizer.carry import carry_training_state, check_optimizer_options, replace_saver_notice
+from pgconvert.optimizer.carry import (carry_training_state, check_optimizer_options, finalize_carried,
+                                       replace_saver_notice)
 from pgconvert.formats.registry import detect_format, get_loader, get_saver
 from pgconvert.families import CARRIED_SETTINGS
 from pgconvert.semantics import check_target
 from pgconvert.formats.stream import CanonicalSource
 from pgconvert.formats.strict import fallback
-from pgconvert.run.workers import save_with_workers
+from pgconvert.run.workers import carried_in_processes, save_with_workers
 
 log = logging.getLogger(__name__)
 
@@ -439,13 +440,26 @@ def promote(staging: Path, dst: Path, overwrite: bool) -> None:
 
 
 def _save(conversion: Plan, staging: Path, progress: Callable[[int], None]) -> SaveResult:
+    """The model files, and with them the optimizer state: in the worker processes (``--workers``, a saver that
+    writes it in shares), else in this process after the model."""
     request = conversion.request
     if conversion.files_at_once > 1:
         progress = serialized(progress)  # called from each file's thread
+    if request.workers > 1 and conversion.saver.optimizer_partial:
+        carried = carried_in_processes(conversion)  # decided before the pool starts
+        result = save_with_workers(conversion, staging, request.workers, request.max_memory, progress,
+                                   functools.partial(plan, check_dst=False), carried)
+        if carried is not None:
+            result.notices = replace_saver_notice(result.notices,
+                                                  finalize_carried(conversion, carried, staging, result.files))
+        return result
     if request.workers > 1:
-        return save_with_workers(conversion, staging, request.workers, request.max_memory, progress,
-                                 functools.partial(plan, check_dst=False))
-    return conversion.saver.save(conversion.source, staging, conversion.save_options, progress)
+        result = save_with_workers(conversion, staging, request.workers, request.max_memory, progress,
+                                   functools.partial(plan, check_dst=False))
+    else:
+        result = conversion.saver.save(conversion.source, staging, conversion.save_options, progress)
+    result.notices = replace_saver_notice(result.notices, carry_training_state(conversion, staging, result.files))
+    return result
 
 
 def hashing(request: ConvertRequest) -> bool:
@@ -460,7 +474,6 @@ def execute(conversion: Plan, progress: Callable[[int], None] | None = None) -> 
     try:
         with digests(hashing(request)), staged_output(request.dst, request.overwrite) as staging:
             result = _save(conversion, staging, progress or (lambda nbytes: None))
-            result.notices = replace_saver_notice(result.notices, carry_training_state(conversion, staging, result.files))
             # Inside the staging directory: only an output that is complete ever has a manifest.
             records = record_files(staging, result.files, hashing(request))
             write_manifest(staging, Manifest.for_conversion(conversion, records))

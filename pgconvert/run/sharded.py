@@ -5,7 +5,9 @@ takes a deterministic share of the destination files, balanced by bytes. The con
 still runs on fake process groups in each process; torch.distributed is used, when launched by
 torchrun, only for its key-value store (``torch.distributed.rendezvous``), never for a process
 group. Output is complete or absent: shares are written into one staging directory that is
-renamed into place only after every share is done.
+renamed into place only after every share is done. Optimizer state goes with the files of one plan (``shares``):
+a Megatron rank's optimizer state is written by the process that writes its rank file, torch_dist's records files
+are shared out beside the model's data files, and the finalizing process writes what they have in common.
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ from pgconvert.run.convert import ConvertRequest, Plan, hashing, plan, promote
 from pgconvert.run.destination import SHARED_STAGING_MARKER, sibling
 from pgconvert.errors import ConversionError, ValidationError
 from pgconvert.formats import SaveResult
-from pgconvert.run.workers import balanced_shares, require_partial
-from pgconvert.optimizer.carry import note_sharded_run
+from pgconvert.run.workers import balanced_shares, planned_units, require_partial
+from pgconvert.optimizer.carry import (ShardedOptimizer, carry_share, finalize_carried, replace_saver_notice,
+                                       sharded_optimizer)
 
 log = logging.getLogger(__name__)
 
@@ -155,6 +158,22 @@ class ShardedResult:
     finalized: bool
 
 
+def shares(conversion: Plan, carried: ShardedOptimizer | None, count: int) -> list[list[str]]:
+    """The destination's paths each of ``count`` processes writes: ``workers.planned_units`` (the model files and
+    their optimizer state, and optimizer files of their own), balanced by bytes."""
+    return balanced_shares(planned_units(conversion, carried), count)
+
+
+def _write_share(conversion: Plan, carried: ShardedOptimizer | None, staging: Path, share: set[str]) -> SaveResult:
+    """This process's model files and the optimizer state that goes into or beside them, or stands alone in it."""
+    with digests(hashing(conversion.request)):
+        result = conversion.saver.save(conversion.source, staging, conversion.save_options, lambda nbytes: None,
+                                       only=share)
+        if carried is not None:
+            carry_share(conversion, carried, staging, result.files, share)
+    return result
+
+
 def run_shard(request: ConvertRequest, index: int, count: int, coordinator_kind: str = "files",
               timeout: timedelta = timedelta(hours=12),
               finish: Callable[[Plan, Path, SaveResult], None] | None = None) -> ShardedResult:
@@ -167,7 +186,7 @@ def run_shard(request: ConvertRequest, index: int, count: int, coordinator_kind:
     conversion = plan(request)
     require_partial(conversion)
     try:
-        note_sharded_run(conversion)  # the optimizer is not carried by sharded runs
+        carried = sharded_optimizer(conversion)  # every process decides alike, before anything is written
     except BaseException:
         conversion.source.close()
         raise
@@ -179,11 +198,8 @@ def run_shard(request: ConvertRequest, index: int, count: int, coordinator_kind:
         coordinator = StoreCoordinator(run_id(request, count), index, count, timeout)
     else:
         coordinator = FileCoordinator(staging, count)
-    share = balanced_shares(conversion.files, count)[index]
     try:
-        with digests(hashing(request)):
-            result = conversion.saver.save(conversion.source, staging, conversion.save_options,
-                                           lambda nbytes: None, only=set(share))
+        result = _write_share(conversion, carried, staging, set(shares(conversion, carried, count)[index]))
     except BaseException as exc:
         coordinator.shard_failed(index, f"{type(exc).__name__}: {exc}")
         conversion.source.close()
@@ -196,6 +212,9 @@ def run_shard(request: ConvertRequest, index: int, count: int, coordinator_kind:
     try:
         shutil.rmtree(staging / SHARD_MARKERS, ignore_errors=True)
         result.notices += conversion.saver.finalize(conversion.source, staging, conversion.save_options)
+        if carried is not None:
+            result.notices = replace_saver_notice(result.notices,
+                                                  finalize_carried(conversion, carried, staging, result.files))
         if finish is not None:
             finish(conversion, staging, result)
         promote(staging, dst, request.overwrite)

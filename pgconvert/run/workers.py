@@ -1,8 +1,9 @@
 """``--workers``: the files of one conversion written by a pool of processes, then finalized here.
 
 Each worker process opens the conversion's plan once (the pool's initializer) and writes the files
-it is given; the open source lives as long as the pool, which lives as long as the conversion. The
-plan is opened by the function the caller passes (``convert`` passes its own ``plan``), so this
+it is given, with their optimizer state where the destination's saver writes it in shares (the same decision and
+plan as a sharded run's, ``planned_units``); the open source lives as long as the pool, which lives as long as the
+conversion. The plan is opened by the function the caller passes (``convert`` passes its own ``plan``), so this
 module does not import the orchestrator.
 """
 
@@ -15,12 +16,14 @@ import multiprocessing.util
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pgconvert.errors import ValidationError
 from pgconvert.io.output import digests
 from pgconvert.formats import PlannedFile, SaveResult
+from pgconvert.optimizer.carry import ShardedOptimizer, carry_share, sharded_optimizer
 
 if TYPE_CHECKING:
     from pgconvert.run.convert import ConvertRequest, Plan
@@ -29,9 +32,10 @@ log = logging.getLogger(__name__)
 
 PlanOpener = Callable[["ConvertRequest"], "Plan"]
 
-# The plan this worker process writes from; set by ``_open_worker_plan`` (the pool's initializer),
-# so only in pool processes, which end with the conversion.
+# The plan this worker process writes from, and the optimizer state it carries (None: none); set by
+# ``_open_worker_plan`` (the pool's initializer), so only in pool processes, which end with the conversion.
 _worker_plan: Plan | None = None
+_worker_carried: ShardedOptimizer | None = None
 
 
 def balanced_shares(files: Sequence[PlannedFile], count: int) -> list[list[str]]:
@@ -48,6 +52,30 @@ def balanced_shares(files: Sequence[PlannedFile], count: int) -> list[list[str]]
     return shares
 
 
+def planned_units(conversion: Plan, carried: ShardedOptimizer | None) -> list[PlannedFile]:
+    """What processes share out, one plan for the model and its optimizer state: the model files (``Plan.files``),
+    each weighing its bytes and those of the optimizer files written with it (``OptimizerFile.written_with``: a
+    Megatron rank's optimizer entry and ``distrib_optim.pt`` go with its rank file), and the optimizer files of
+    their own (torch_dist's records files)."""
+    if carried is None:
+        return list(conversion.files)
+    added: dict[str, int] = {}
+    alone = []
+    for item in carried.files:
+        if item.written_with is None:
+            alone.append(PlannedFile(item.relpath, item.tensors, item.nbytes))
+        else:
+            added[item.written_with] = added.get(item.written_with, 0) + item.nbytes
+    return [replace(item, nbytes=item.nbytes + added.get(item.relpath, 0)) for item in conversion.files] + alone
+
+
+def carried_in_processes(conversion: Plan) -> ShardedOptimizer | None:
+    """The optimizer state processes carry in shares (``carry.sharded_optimizer``), when the destination's saver
+    writes it in shares (``Saver.optimizer_partial``); None otherwise, with no notice (the single-process step
+    carries it then)."""
+    return sharded_optimizer(conversion) if conversion.saver.optimizer_partial else None
+
+
 def require_partial(conversion: Plan) -> None:
     if not conversion.saver.supports_partial:
         raise ValidationError(
@@ -57,16 +85,21 @@ def require_partial(conversion: Plan) -> None:
 
 
 def _open_worker_plan(open_plan: PlanOpener, request: ConvertRequest) -> None:
-    global _worker_plan
+    global _worker_plan, _worker_carried
     _worker_plan = open_plan(request)
+    _worker_carried = carried_in_processes(_worker_plan)
     # Pool processes run multiprocessing's finalizers when they exit: the source is closed then.
     multiprocessing.util.Finalize(None, _worker_plan.source.close, exitpriority=10)
 
 
-def _write(conversion: Plan, staging: str, relpaths: Sequence[str]) -> tuple[list[PlannedFile], list[str]]:
+def _write(conversion: Plan, carried: ShardedOptimizer | None, staging: str,
+           relpaths: Sequence[str]) -> tuple[list[PlannedFile], list[str]]:
+    """``relpaths``' model files, and the optimizer state that goes into or beside them or stands alone in them."""
     with digests(conversion.request.digest != "none"):
         result = conversion.saver.save(conversion.source, Path(staging), conversion.save_options,
                                        lambda nbytes: None, only=set(relpaths))
+        if carried is not None:
+            carry_share(conversion, carried, Path(staging), result.files, set(relpaths))
     return result.files, result.notices
 
 
@@ -78,30 +111,34 @@ def write_files(request: ConvertRequest, staging: str, relpaths: Sequence[str],
     ``open_plan`` for this call and closed before returning.
     """
     if _worker_plan is not None and _worker_plan.request == request:
-        return _write(_worker_plan, staging, relpaths)
+        return _write(_worker_plan, _worker_carried, staging, relpaths)
     if open_plan is None:
         raise ValueError("write_files outside a worker pool needs open_plan")
     conversion = open_plan(request)
     try:
-        return _write(conversion, staging, relpaths)
+        return _write(conversion, carried_in_processes(conversion), staging, relpaths)
     finally:
         conversion.source.close()
 
 
 def save_with_workers(conversion: Plan, staging: Path, workers: int, max_memory: int | None,
-                      progress: Callable[[int], None], open_plan: PlanOpener) -> SaveResult:
-    """Write the planned files with a pool of ``workers`` processes, then finalize here.
+                      progress: Callable[[int], None], open_plan: PlanOpener,
+                      carried: ShardedOptimizer | None = None) -> SaveResult:
+    """Write the planned files with a pool of ``workers`` processes, then finalize here; with ``carried``
+    (``carried_in_processes``), each file's optimizer state too, and optimizer files of their own, in the same
+    processes (``planned_units``); what they share is the caller's (``carry.finalize_carried``).
 
     At most ``max_memory`` bytes of destination files are in flight at once, each file counted at its
-    full size (a bound: a file is streamed, so a worker holds about its largest tensor and its write
-    buffers); a single file larger than the budget runs alone. ``open_plan``
+    full size with its optimizer state (a bound: a file is streamed, so a worker holds about its largest tensor
+    and its write buffers); a single file larger than the budget runs alone. ``open_plan``
     (picklable) opens the conversion's plan in each worker process.
     """
     require_partial(conversion)
     budget = max_memory if max_memory is not None else float("inf")
-    pending = deque(sorted(conversion.files, key=lambda f: (-f.nbytes, f.relpath)))
+    pending = deque(sorted(planned_units(conversion, carried), key=lambda f: (-f.nbytes, f.relpath)))
     if any(item.nbytes > budget for item in pending):
         log.warning("a destination file is larger than --max-memory; it is written alone")
+    model_bytes = {item.relpath: item.nbytes for item in conversion.files}
     result = SaveResult()
     notices: set[str] = set()
     context = multiprocessing.get_context("spawn")
@@ -122,7 +159,7 @@ def save_with_workers(conversion: Plan, staging: Path, workers: int, max_memory:
                     files, file_notices = future.result()
                     result.files += files
                     notices.update(file_notices)
-                    progress(item.nbytes)
+                    progress(model_bytes.get(item.relpath, 0))  # the bar counts the model's bytes
         except BaseException:
             for future in in_flight:
                 future.cancel()

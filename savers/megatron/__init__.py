@@ -275,17 +275,27 @@ class MegatronSaver(Saver):
         directory = iteration_dir_name(*self._iteration(source))
         return planned_optimizer_files(optimizer, config, options.layout, rows, optimizer_options.dp, directory)
 
+    # A rank's optimizer state goes into its rank file and beside it: a share writes its rank files' own.
+    optimizer_partial = True
+
     def save_optimizer(self, source: CanonicalSource, optimizer: OptimizerSource, form: str, out_dir: Path,
                        options: SaveOptions, optimizer_options: OptimizerOptions,
-                       files: list[PlannedFile]) -> CarriedOptimizer:
-        """Each rank file rewritten with its optimizer entry (and ``distrib_optim.pt`` beside it)."""
+                       files: list[PlannedFile], only: Collection[str] | None = None) -> CarriedOptimizer:
+        """Each rank file (of ``only``, when given) rewritten with its optimizer entry (and ``distrib_optim.pt``
+        beside it)."""
         config = target_config(source.config, options)
         rows = target_vocab_rows(config, source.vocab_rows, options.layout)
         iteration_dir = out_dir / iteration_dir_name(*self._iteration(source))
         rewritten = {item.relpath for item in carry_optimizer(optimizer, config, options.layout, iteration_dir, rows,
-                                                              save_durably, optimizer_options.dp)}
+                                                              save_durably, optimizer_options.dp, only)}
         return CarriedOptimizer([PlannedFile(f.relpath, f.tensors, f.nbytes) if f.relpath in rewritten else f
                                  for f in files], optimizer.form)
+
+    def finalize_optimizer(self, source: CanonicalSource, optimizer: OptimizerSource, form: str, out_dir: Path,
+                           options: SaveOptions, optimizer_options: OptimizerOptions,
+                           files: list[PlannedFile]) -> CarriedOptimizer:
+        """Nothing: every rank's state is in its own files, which its share wrote."""
+        return CarriedOptimizer(list(files), optimizer.form)
 
 
 def _expert_naming_changes(source: CanonicalSource, config: ModelConfig) -> bool:

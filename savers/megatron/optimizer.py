@@ -15,10 +15,11 @@ consumed-samples counters (in ``args``). Not carried: RNG state (it depends on t
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -128,13 +129,17 @@ def _write_distributed(source: OptimizerSource, config: ModelConfig, layout: Par
 
 
 def carry_optimizer(source: OptimizerSource, config: ModelConfig, layout: ParallelLayout, iteration_dir: Path,
-                    padded_rows: int, save: Save, dst_dp: int | None = None) -> list[PlannedFile]:
+                    padded_rows: int, save: Save, dst_dp: int | None = None,
+                    only: Collection[str] | None = None) -> list[PlannedFile]:
     """Add the optimizer and the carried counters to every rank file under ``iteration_dir`` (written by
-    the model saver), rewriting each through ``save``; returns the rewritten files (sha256 filled).
-    ``dst_dp``: the data-parallel size recorded in ``args`` (``--dst-dp``)."""
+    the model saver; of ``only``, paths relative to its parent, when given), rewriting each through ``save``;
+    returns the rewritten files (sha256 not filled). ``dst_dp``: the data-parallel size recorded in ``args``
+    (``--dst-dp``)."""
     rewritten = []
     for coord in iter_ranks(layout):
         relpath = f"{rank_dir_name(coord.tp, coord.pp, coord.ep, layout.pp, layout.ep)}/{RANK_FILE}"
+        if only is not None and f"{iteration_dir.name}/{relpath}" not in only:
+            continue
         path = iteration_dir / relpath
         state = dict(safe_torch_load(path))
         if source.form == FORM_DISTRIBUTED:
@@ -164,9 +169,10 @@ def planned_optimizer_files(optimizer: OptimizerSource, config: ModelConfig, lay
     for coord in iter_ranks(layout):
         rank_dir = f"{directory}/{rank_dir_name(coord.tp, coord.pp, coord.ep, layout.pp, layout.ep)}"
         if optimizer.form == FORM_DISTRIBUTED:
-            files.append(_distrib_optim_file(optimizer, config, layout, coord, rows, dst_dp, rank_dir))
+            planned = _distrib_optim_file(optimizer, config, layout, coord, rows, dst_dp, rank_dir)
         else:
-            files.append(_rank_entry(optimizer, config, layout, coord, rows, f"{rank_dir}/{RANK_FILE}"))
+            planned = _rank_entry(optimizer, config, layout, coord, rows, f"{rank_dir}/{RANK_FILE}")
+        files.append(dataclasses.replace(planned, written_with=f"{rank_dir}/{RANK_FILE}"))  # by the rank's process
     return files
 
 

@@ -28,12 +28,12 @@ from __future__ import annotations
 
 import errno
 import io
-import itertools
 import logging
 from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -76,14 +76,15 @@ from pgconvert.model.provider import (
 from pgconvert.model.rules import VOCAB, ShardRule
 from pgconvert.optimizer.source import OptimizerSource
 from pgconvert.savers.torch_dist.optimizer import DST_FORMS, moe_refusal, planned_records, write_optimizer, written_form
-from pgconvert.savers.torch_dist.streaming import ItemKey, StreamingWriter
+from pgconvert.savers.torch_dist.optimizer_records import RecordsShare
+from pgconvert.savers.torch_dist.streaming import (DEFAULT_MAX_DATA_FILE_SIZE, ItemKey, StreamingWriter,
+                                                   split_by_size)
 
 log = logging.getLogger(__name__)
 
 # torch.distributed.checkpoint names rank 0's data files __0_<n>.distcp (``StreamingWriter`` numbers them); the first
 # holds the _extra_state entries.
 DATA_FILE = "__0_0.distcp"
-DEFAULT_MAX_DATA_FILE_SIZE = 5 * 10**9  # bytes of values, as an hf destination's default shard
 
 
 def data_file_name(number: int) -> str:
@@ -224,6 +225,14 @@ class TorchDistSaver(Saver):
         directory = iteration_dir_name(*self._iteration(source))
         return _files(directory, _data_files(chunks, options), objects)
 
+    def _args(self, source: CanonicalSource, options: SaveOptions, rows: int) -> Any:
+        """The target's Megatron args, as ``common.pt`` holds them."""
+        config = target_config(source.config, options)
+        dtype = options.dtype or params_dtype_for((source.meta(name).dtype for name in source.names()), config)
+        args = args_for_target(config, options.layout, rows, dtype, self._iteration(source)[0], source.megatron_args)
+        args.ckpt_format = SHARDED_BACKEND
+        return args
+
     @staticmethod
     def _iteration(source: CanonicalSource) -> tuple[int, bool]:
         return (source.iteration if source.iteration is not None else 0), source.release
@@ -258,7 +267,6 @@ class TorchDistSaver(Saver):
         """What is written once every data file is, all from the plan: ``common.pt`` (the args), ``.metadata``
         (every record's file, offset and length), ``metadata.json``, the tracker and the carried HF files."""
         layout = options.layout
-        config = target_config(source.config, options)
         notices: list[str] = []
         iteration, release = self._iteration(source)
         if source.iteration is None and not release:
@@ -266,9 +274,7 @@ class TorchDistSaver(Saver):
         iteration_dir = out_dir / iteration_dir_name(iteration, release)
         iteration_dir.mkdir(parents=True, exist_ok=True)
         chunks, objects, rows = self._chunks(source, options)
-        dtype = options.dtype or params_dtype_for((source.meta(name).dtype for name in source.names()), config)
-        args = args_for_target(config, layout, rows, dtype, iteration, source.megatron_args)
-        args.ckpt_format = SHARDED_BACKEND
+        args = self._args(source, options, rows)
         _write_common(iteration_dir / COMMON_FILE, {"args": args, "checkpoint_version": CHECKPOINT_VERSION,
                                                     "iteration": iteration, "content_metadata": dict(CONTENT_METADATA)})
         planner = _StreamingPlanner(chunks, objects, source, rows, lambda nbytes: None)
@@ -307,33 +313,50 @@ class TorchDistSaver(Saver):
                        optimizer_options: OptimizerOptions) -> list[OptimizerFile]:
         chunks, _, rows = self._chunks(source, options)
         directory = iteration_dir_name(*self._iteration(source))
-        return [planned_records(source, optimizer, form, options, optimizer_options.dp, chunks, rows, directory)]
+        return planned_records(source, optimizer, form, options, optimizer_options.dp, chunks, rows, directory,
+                               self._args(source, options, rows))
+
+    # The records files are written on their own (``save_optimizer(only=...)``), their index and the common state
+    # once (``finalize_optimizer``).
+    optimizer_partial = True
 
     def save_optimizer(self, source: CanonicalSource, optimizer: OptimizerSource, form: str, out_dir: Path,
                        options: SaveOptions, optimizer_options: OptimizerOptions,
-                       files: list[PlannedFile]) -> CarriedOptimizer:
-        """The optimizer records beside the model's in ``form``; ``common.pt`` and ``.metadata`` updated."""
+                       files: list[PlannedFile], only: Collection[str] | None = None) -> CarriedOptimizer:
+        """The optimizer records beside the model's in ``form``; ``common.pt`` and ``.metadata`` updated (with
+        ``only``: the records files it names alone)."""
+        limit = options.max_shard_size or DEFAULT_MAX_DATA_FILE_SIZE
+        if only is None:
+            return self._write_optimizer(source, optimizer, form, out_dir, options, optimizer_options, files,
+                                         RecordsShare(limit))
+        directory = iteration_dir_name(*self._iteration(source))
+        names = {relpath.removeprefix(f"{directory}/") for relpath in only if relpath.startswith(f"{directory}/")}
+        return self._write_optimizer(source, optimizer, form, out_dir, options, optimizer_options, files,
+                                     RecordsShare(limit, names, shared=False))
+
+    def finalize_optimizer(self, source: CanonicalSource, optimizer: OptimizerSource, form: str, out_dir: Path,
+                           options: SaveOptions, optimizer_options: OptimizerOptions,
+                           files: list[PlannedFile]) -> CarriedOptimizer:
+        """The records' index merged into ``.metadata`` (from the plan) and ``common.pt`` updated, after
+        ``finalize``."""
+        share = RecordsShare(options.max_shard_size or DEFAULT_MAX_DATA_FILE_SIZE, (), shared=True)
+        return self._write_optimizer(source, optimizer, form, out_dir, options, optimizer_options, files, share)
+
+    def _write_optimizer(self, source: CanonicalSource, optimizer: OptimizerSource, form: str, out_dir: Path,
+                         options: SaveOptions, optimizer_options: OptimizerOptions, files: list[PlannedFile],
+                         share: RecordsShare) -> CarriedOptimizer:
         chunks, _, rows = self._chunks(source, options)
         iteration_dir = out_dir / iteration_dir_name(*self._iteration(source))
+        iteration_dir.mkdir(parents=True, exist_ok=True)
         return write_optimizer(source, optimizer, form, iteration_dir, options, optimizer_options.dp, chunks, rows,
-                               files)
+                               self._args(source, options, rows), files, share)
 
 
 def _data_files(chunks: list[_Chunk], options: SaveOptions) -> list[list[_Chunk]]:
     """The chunks of each data file, in stream order: a new file when the next canonical tensor's chunks would
     take the file past ``max_shard_size`` bytes of values (a tensor larger than that has a file of its own)."""
-    limit = options.max_shard_size or DEFAULT_MAX_DATA_FILE_SIZE
-    files: list[list[_Chunk]] = [[]]
-    size = 0
-    for _, group in itertools.groupby(chunks, key=lambda chunk: chunk.canonical):
-        tensor = list(group)
-        nbytes = sum(chunk.nbytes for chunk in tensor)
-        if files[-1] and size + nbytes > limit:
-            files.append([])
-            size = 0
-        files[-1] += tensor
-        size += nbytes
-    return files
+    return split_by_size(chunks, lambda chunk: chunk.canonical, lambda chunk: chunk.nbytes,
+                         options.max_shard_size or DEFAULT_MAX_DATA_FILE_SIZE)
 
 
 def _file_numbers(files: list[list[_Chunk]]) -> dict[ItemKey, int]:

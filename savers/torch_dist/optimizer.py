@@ -11,24 +11,23 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from pgconvert.errors import PgconvertError, ValidationError
 from pgconvert.formats import CarriedOptimizer, OptimizerFile, PlannedFile, SaveOptions, target_config
-from pgconvert.formats.megatron import args_for_target, safe_torch_load
 from pgconvert.formats.stream import CanonicalSource
 from pgconvert.formats.torch_dist import COMMON_FILE, DCP_METADATA_FILE
 from pgconvert.formats.torch_dist_optimizer import (DP_RESHARDABLE, FS_MODEL_SPACE, FULLY_RESHARDABLE, PLAIN,
-                                                    RECORDS_FILE, moe_form_refusal)
+                                                    moe_form_refusal)
 from pgconvert.model.grid import RankCoord
 from pgconvert.model.layout import ParallelLayout
 from pgconvert.optimizer.data_parallel import dp_size, with_dst_dp
 from pgconvert.optimizer.order import chained_slots
-from pgconvert.optimizer.source import FORM_DISTRIBUTED, FP32_BYTES, OptimizerSource
-from pgconvert.savers.torch_dist.optimizer_dp_reshardable import plan_records, write_dp_reshardable
+from pgconvert.optimizer.source import FORM_DISTRIBUTED, OptimizerSource
+from pgconvert.savers.torch_dist.optimizer_dp_reshardable import planned_files, plan_records, write_dp_reshardable
 from pgconvert.savers.torch_dist.optimizer_fs_model_space import write_fs_model_space
 from pgconvert.savers.torch_dist.optimizer_plain import plain_chunks, write_plain
-from pgconvert.savers.torch_dist.optimizer_records import optimizer_chunks, rewrite_common, write_fully_reshardable
+from pgconvert.savers.torch_dist.optimizer_records import (RecordsShare, chunk_numbers, optimizer_chunks, records_files,
+                                                           rewrite_common, write_fully_reshardable)
+from pgconvert.savers.torch_dist.streaming import DEFAULT_MAX_DATA_FILE_SIZE
 
 # The distributed optimizer's forms a destination may be given (fully_sharded_model_space: for megatron-core
 # <= 0.15.0, which cannot load the others).
@@ -79,43 +78,49 @@ def _group_counts(optimizer: OptimizerSource, source: CanonicalSource, options: 
 
 
 def write_optimizer(source: CanonicalSource, optimizer: OptimizerSource, form: str, iteration_dir: Path,
-                    options: SaveOptions, dst_dp: int | None, model_chunks: list[Any], rows: int,
-                    files: list[PlannedFile]) -> CarriedOptimizer:
-    """The optimizer records in ``form`` beside the torch_dist saver's (``model_chunks``: its chunks), for
-    ``dst_dp`` (default: the written args') data-parallel ranks; ``common.pt`` and ``.metadata`` rewritten."""
+                    options: SaveOptions, dst_dp: int | None, model_chunks: list[Any], rows: int, args: Any,
+                    files: list[PlannedFile], share: RecordsShare) -> CarriedOptimizer:
+    """The optimizer records in ``form`` beside the torch_dist saver's (``model_chunks``: its chunks; ``args``: the
+    target's, as ``common.pt`` holds them), for ``dst_dp`` (default: those args') data-parallel ranks: the records
+    files ``share`` names and, when it says so, what they share (``common.pt`` and ``.metadata`` rewritten)."""
     layout = options.layout
     if dst_dp is not None:
-        rewrite_common(iteration_dir, lambda common: common.update(args=with_dst_dp(common.get("args"), layout,
-                                                                                     dst_dp)))
+        args = with_dst_dp(args, layout, dst_dp)
+        if share.shared:
+            rewrite_common(iteration_dir, lambda common: common.update(args=with_dst_dp(common.get("args"), layout,
+                                                                                         dst_dp)))
     fits_rows = {name for name in optimizer.names() if optimizer.rule(name).fits_rows}
     if form == PLAIN:
         counts = _group_counts(optimizer, source, options, rows)
-        added = write_plain(optimizer, model_chunks, rows, fits_rows, iteration_dir, counts)
+        added = write_plain(optimizer, model_chunks, rows, fits_rows, iteration_dir, counts, share)
     elif form == DP_RESHARDABLE:
-        dp = dst_dp or dp_size(safe_torch_load(iteration_dir / COMMON_FILE).get("args"))
         config = target_config(source.config, options)
-        added = write_dp_reshardable(optimizer, config, layout, rows, dp, iteration_dir)
+        added = write_dp_reshardable(optimizer, config, layout, rows, dst_dp or dp_size(args), iteration_dir, args,
+                                     share)
     elif form == FS_MODEL_SPACE:
-        added = write_fs_model_space(optimizer, model_chunks, rows, fits_rows, iteration_dir)
+        added = write_fs_model_space(optimizer, model_chunks, rows, fits_rows, iteration_dir, share)
     else:
         counts = _group_counts(optimizer, source, options, rows)
-        added = write_fully_reshardable(optimizer, model_chunks, rows, fits_rows, iteration_dir, counts)
+        added = write_fully_reshardable(optimizer, model_chunks, rows, fits_rows, iteration_dir, share, counts)
     names = tuple(f"{iteration_dir.name}/{name}" for name in (COMMON_FILE, DCP_METADATA_FILE))
     written = [PlannedFile(f.relpath, f.tensors, f.nbytes) if f.relpath.endswith(names) else f for f in files]
     return CarriedOptimizer(written + added, f"{optimizer.form}, {form}", destination_notice(optimizer.sharding, form))
 
 
 def planned_records(source: CanonicalSource, optimizer: OptimizerSource, form: str, options: SaveOptions,
-                    dst_dp: int | None, model_chunks: list[Any], rows: int, directory: str) -> OptimizerFile:
-    """``--dry-run``'s records file in ``form``: its records (and objects) and bytes."""
+                    dst_dp: int | None, model_chunks: list[Any], rows: int, directory: str,
+                    args: Any) -> list[OptimizerFile]:
+    """``--dry-run``'s and a sharded run's records files in ``form``: their records (and objects) and bytes."""
     what = f"optimizer records ({optimizer.form}, {form}; common.pt and .metadata updated)"
-    relpath = f"{directory}/{RECORDS_FILE}"
+    limit = options.max_shard_size or DEFAULT_MAX_DATA_FILE_SIZE
     if form in (PLAIN, FULLY_RESHARDABLE, FS_MODEL_SPACE):
         chunks = plain_chunks(optimizer.form, set(optimizer.names()), model_chunks) if form == PLAIN \
             else optimizer_chunks(optimizer, model_chunks)
-        return OptimizerFile(relpath, what, len(chunks), sum(chunk.nbytes for _, chunk in chunks))
-    config = target_config(source.config, options)
-    args = args_for_target(config, options.layout, rows, torch.float32, 0, source.megatron_args)
-    records, objects = plan_records(optimizer, config, options.layout, rows, dst_dp or dp_size(args), args)
-    return OptimizerFile(relpath, what, len(records) + len(objects),
-                         sum(FP32_BYTES * (record.end - record.start) for record in records))
+        files = records_files(directory, {(chunk.key, tuple(chunk.offsets)): chunk.nbytes for _, chunk in chunks},
+                              chunk_numbers(chunks, limit))
+    else:
+        args = with_dst_dp(args, options.layout, dst_dp) if dst_dp is not None else args
+        config = target_config(source.config, options)
+        records, objects = plan_records(optimizer, config, options.layout, rows, dst_dp or dp_size(args), args)
+        files = planned_files(records, objects, limit, directory)
+    return [OptimizerFile(item.relpath, what, item.tensors, item.nbytes) for item in files]

@@ -20,8 +20,9 @@ What ``DistributedOptimizer.sharded_state_dict`` / ``sharded_param_state_dp_resh
 
 The common state holds ``optimizer = {'param_state_sharding_type': 'dp_reshardable'}`` and
 ``content_metadata['distrib_optim_sharding_type']``. As for ``fully_reshardable``
-(``optimizer_records.py``), the records go to ``__1_0.distcp`` through the saver's streaming
-writer (one parameter's piece in memory at a time) and are merged into ``.metadata`` and ``common.pt``.
+(``optimizer_records.py``), the records go to ``__1_<n>.distcp`` through the saver's streaming
+writer (one parameter's piece in memory at a time; a parameter's records of one field in one file) and are merged
+into ``.metadata`` and ``common.pt``.
 
 A MoE model at expert parallel size > 1 (megatron-core chains a dense and an expert distributed
 optimizer, ``get_megatron_optimizer``). ``ChainedOptimizer.sharded_state_dict`` (optimizer.py) prefixes every
@@ -51,10 +52,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from pgconvert.formats import PlannedFile
-from pgconvert.formats.megatron import safe_torch_load
-from pgconvert.formats.torch_dist import COMMON_FILE
-from pgconvert.formats.torch_dist_optimizer import (DP_RESHARDABLE, RECORDS_FILE, bucket_key, object_key,
-                                                    record_prefix, scaler_key)
+from pgconvert.formats.torch_dist_optimizer import DP_RESHARDABLE, bucket_key, object_key, record_prefix, scaler_key
 from pgconvert.model.config import ModelConfig
 from pgconvert.model.grid import RankCoord
 from pgconvert.model.layout import ParallelLayout
@@ -63,7 +61,9 @@ from pgconvert.optimizer.flat import FlatParam, bucket_divisor, bucket_pieces, b
 from pgconvert.optimizer.order import chained_slots, optimizer_count
 from pgconvert.optimizer.scaler import target_scalers
 from pgconvert.optimizer.source import FIELDS, FP32_BYTES, OptimizerSource
-from pgconvert.savers.torch_dist.optimizer_records import carry_counters, rewrite_common, write_records
+from pgconvert.savers.torch_dist.optimizer_records import (RecordsShare, carry_counters, numbered, records_files,
+                                                           rewrite_common, write_records)
+from pgconvert.savers.torch_dist.streaming import ItemKey, split_by_size
 
 
 @dataclass(frozen=True)
@@ -77,6 +77,14 @@ class _Record:
     end: int
     numel: int
     param: FlatParam | None
+
+    @property
+    def item_key(self) -> ItemKey:
+        return self.key, (self.start,)
+
+    @property
+    def nbytes(self) -> int:
+        return FP32_BYTES * (self.end - self.start)
 
     def write_item(self) -> WriteItem:
         offsets, sizes = torch.Size([self.start]), torch.Size([self.end - self.start])
@@ -183,14 +191,33 @@ def _common_update(optimizer: OptimizerSource, count: int = 1) -> Callable[[dict
     return update
 
 
+def record_numbers(records: list[_Record], limit: int) -> dict[ItemKey, int]:
+    """The records file of each record: a parameter's records of one field (its parts in the DP shards and the gaps
+    after them) in one file, so a process reads each piece it writes once."""
+    owners: list[tuple[_Record, object]] = []
+    owner: object = None
+    for record in records:
+        if record.param is not None:
+            owner = (record.coord, record.param.slot.spec.canonical, record.field)
+        owners.append((record, owner))
+    files = split_by_size(owners, lambda pair: pair[1], lambda pair: pair[0].nbytes, limit)
+    return numbered(files, lambda pair: pair[0].item_key)
+
+
+def planned_files(records: list[_Record], objects: dict[str, Any], limit: int, directory: str,
+                  written: dict[str, tuple[str, int]] | None = None) -> list[PlannedFile]:
+    """The records files (``directory``: the iteration's) and what each holds (with ``written``: those it names)."""
+    return records_files(directory, {record.item_key: record.nbytes for record in records},
+                         record_numbers(records, limit), len(objects), written)
+
+
 def write_dp_reshardable(optimizer: OptimizerSource, config: ModelConfig, layout: ParallelLayout, rows: int, dp: int,
-                         iteration_dir: Path) -> list[PlannedFile]:
-    """Write the records beside the torch_dist saver's (for ``dp`` data-parallel ranks at ``layout``);
-    returns the files added."""
-    args = safe_torch_load(iteration_dir / COMMON_FILE).get("args")
+                         iteration_dir: Path, args: Any, share: RecordsShare) -> list[PlannedFile]:
+    """Write the records beside the torch_dist saver's (for ``dp`` data-parallel ranks at ``layout``; ``args``: the
+    target's, as ``common.pt`` holds them; ``share``: which); returns the files added."""
     records, objects = plan_records(optimizer, config, layout, rows, dp, args)
-    writer = write_records(iteration_dir, _Planner(records, objects, optimizer, rows))
-    rewrite_common(iteration_dir, _common_update(optimizer, optimizer_count(config, layout)))
-    nbytes = sum(FP32_BYTES * (record.end - record.start) for record in records)
-    return [PlannedFile(f"{iteration_dir.name}/{RECORDS_FILE}", len(records) + len(objects), nbytes,
-                        sha256=writer.sha256, size=writer.size)]
+    written = write_records(iteration_dir, _Planner(records, objects, optimizer, rows),
+                            record_numbers(records, share.limit), share)
+    if share.shared:
+        rewrite_common(iteration_dir, _common_update(optimizer, optimizer_count(config, layout)))
+    return planned_files(records, objects, share.limit, iteration_dir.name, written)

@@ -22,17 +22,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata
 
 from pgconvert.formats import PlannedFile
 from pgconvert.formats.torch_dist import DCP_METADATA_FILE, read_dcp_metadata
-from pgconvert.formats.torch_dist_optimizer import (FS_MODEL_SPACE, MODEL_SPACE_FIELDS, RECORDS_FILE, common_entry,
-                                                    state_key)
+from pgconvert.formats.torch_dist_optimizer import FS_MODEL_SPACE, MODEL_SPACE_FIELDS, common_entry, state_key
 from pgconvert.optimizer.scaler import set_scalers, target_scalers
 from pgconvert.optimizer.source import OptimizerSource
-from pgconvert.savers.torch_dist.optimizer_records import (OptimizerPlanner, carry_counters, replace_durably,
-                                                           rewrite_common, write_records)
+from pgconvert.savers.torch_dist.optimizer_records import (RecordsShare, carry_counters, per_field, replace_durably,
+                                                           rewrite_common, write_chunk_records)
 
 FIELDS = MODEL_SPACE_FIELDS[FS_MODEL_SPACE]
 
@@ -47,17 +45,14 @@ def _reformulated(field: str, chunk: Any) -> Any:
         global_shape=tuple(g // n for g, n in zip(chunk.global_shape, local)) + (elements,))
 
 
-def _merge_metadata(iteration_dir: Path, added_path: Path, original: dict[str, tuple[int, ...]]) -> None:
-    """The checkpoint's ``.metadata`` with the records added and ``mcore_data`` set on torch's own Metadata, as
-    megatron-core 0.13.1 / 0.14.0 store it (``metadata.mcore_data = ...``; 0.15.0 pickles a subclass instead
-    and reads either: it only asks for the attribute)."""
+def _merge_metadata(iteration_dir: Path, added: Metadata, original: dict[str, tuple[int, ...]]) -> None:
+    """The checkpoint's ``.metadata`` with the records ``added`` indexes and ``mcore_data`` set on torch's own
+    Metadata, as megatron-core 0.13.1 / 0.14.0 store it (``metadata.mcore_data = ...``; 0.15.0 pickles a subclass
+    instead and reads either: it only asks for the attribute)."""
     path = iteration_dir / DCP_METADATA_FILE
     metadata = read_dcp_metadata(path)
-    added = read_dcp_metadata(added_path)
     entries = {**metadata.state_dict_metadata, **added.state_dict_metadata}
-    storage = dict(metadata.storage_data)
-    for index, info in added.storage_data.items():
-        storage[index] = _StorageInfo(RECORDS_FILE, info.offset, info.length, info.transform_descriptors)
+    storage = {**metadata.storage_data, **added.storage_data}
     merged = Metadata(entries, metadata.planner_data, storage, metadata.storage_meta, metadata.version)
     merged.mcore_data = {key: {"nd_reformulated_orig_global_shape": shape} for key, shape in original.items()}
     replace_durably(path, pickle.dumps(merged))
@@ -79,16 +74,14 @@ def _add_common(optimizer: OptimizerSource, iteration_dir: Path) -> None:
 
 
 def write_fs_model_space(optimizer: OptimizerSource, model_chunks: list[Any], rows: int, fits_rows: set[str],
-                         iteration_dir: Path) -> list[PlannedFile]:
-    """Write the records beside the model's (``model_chunks``: the torch_dist saver's); returns the files added."""
-    names = set(optimizer.names())
-    chunks = [(field, _reformulated(field, chunk)) for chunk in model_chunks if chunk.canonical in names
-              for field in FIELDS]
-    original = {chunk.key: tuple(model.global_shape) for (_, chunk), model in
-                zip(chunks, [m for m in model_chunks if m.canonical in names for _ in FIELDS])}
-    writer = write_records(iteration_dir, OptimizerPlanner(chunks, optimizer, rows, fits_rows),
-                           lambda directory, added: _merge_metadata(directory, added, original))
-    _add_common(optimizer, iteration_dir)
-    name = iteration_dir.name
-    return [PlannedFile(f"{name}/{RECORDS_FILE}", len(chunks), sum(chunk.nbytes for _, chunk in chunks),
-                        sha256=writer.sha256, size=writer.size)]
+                         iteration_dir: Path, share: RecordsShare) -> list[PlannedFile]:
+    """Write the records beside the model's (``model_chunks``: the torch_dist saver's; ``share``: which); returns
+    the files added."""
+    pairs = per_field(model_chunks, set(optimizer.names()), list(FIELDS))
+    chunks = [(field, _reformulated(field, chunk)) for field, chunk in pairs]
+    original = {chunk.key: tuple(model.global_shape) for (_, chunk), (_, model) in zip(chunks, pairs)}
+    added = write_chunk_records(optimizer, chunks, rows, fits_rows, iteration_dir, share,
+                                lambda directory, index: _merge_metadata(directory, index, original))
+    if share.shared:
+        _add_common(optimizer, iteration_dir)
+    return added

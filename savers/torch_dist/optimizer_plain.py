@@ -20,14 +20,16 @@ from pgconvert.formats import PlannedFile
 from pgconvert.formats.torch_dist_optimizer import PLAIN_FIELDS, state_key
 from pgconvert.optimizer.scaler import set_scalers, target_scalers
 from pgconvert.optimizer.source import FORM_FP32, OptimizerSource
-from pgconvert.savers.torch_dist.optimizer_records import carry_counters, rewrite_common, write_chunk_records
+from pgconvert.savers.torch_dist.optimizer_records import (RecordsShare, carry_counters, per_field, rewrite_common,
+                                                           write_chunk_records)
 
 
 def plain_chunks(form: str, names: set[str], model_chunks: list[Any]) -> list[tuple[str, Any]]:
-    """The records of the plain ``form``: (field, chunk) per model chunk of a parameter and stored field, fp32."""
-    return [(field, dataclasses.replace(chunk, key=state_key(stored, chunk.key), dtype=torch.float32))
-            for chunk in model_chunks if chunk.canonical in names
-            for field, stored in PLAIN_FIELDS[form].items() if stored]
+    """The records of the plain ``form``: (field, chunk) per model chunk of a parameter and stored field
+    (``per_field``), fp32."""
+    stored = {field: name for field, name in PLAIN_FIELDS[form].items() if name}
+    return [(field, dataclasses.replace(chunk, key=state_key(stored[field], chunk.key), dtype=torch.float32))
+            for field, chunk in per_field(model_chunks, names, list(stored))]
 
 
 def _common_entry(optimizer: OptimizerSource, group_counts: list[int]) -> dict[Any, Any]:
@@ -44,12 +46,14 @@ def _common_entry(optimizer: OptimizerSource, group_counts: list[int]) -> dict[A
 
 
 def write_plain(optimizer: OptimizerSource, model_chunks: list[Any], rows: int, fits_rows: set[str],
-                iteration_dir: Path, group_counts: list[int]) -> list[PlannedFile]:
-    """Write the plain optimizer's records beside the model's (``model_chunks``: the torch_dist saver's) and its
-    entry in ``common.pt`` (``group_counts``: the target's param groups per chained optimizer); returns the files
-    added."""
+                iteration_dir: Path, group_counts: list[int], share: RecordsShare) -> list[PlannedFile]:
+    """Write the plain optimizer's records beside the model's (``model_chunks``: the torch_dist saver's; ``share``:
+    which) and its entry in ``common.pt`` (``group_counts``: the target's param groups per chained optimizer);
+    returns the files added."""
     chunks = plain_chunks(optimizer.form, set(optimizer.names()), model_chunks)
-    added = write_chunk_records(optimizer, chunks, rows, fits_rows, iteration_dir)
+    added = write_chunk_records(optimizer, chunks, rows, fits_rows, iteration_dir, share)
+    if not share.shared:
+        return added
 
     def update(common: dict[str, Any]) -> None:
         common["optimizer"] = _common_entry(optimizer, group_counts)

@@ -6,36 +6,42 @@ form's writer shares: the records file beside the model's, merged into ``.metada
 ``optimizer.state.{param,exp_avg,exp_avg_sq}.<model key>``: fp32, each with its model tensor's global
 shape and chunks; the common state holds ``optimizer = {optimizer: {param_groups}, param_state_sharding_type:
 'fully_reshardable'}`` and ``content_metadata['distrib_optim_sharding_type']``. Run after the torch_dist
-saver: the records go to a second data file (``__1_0.distcp``) written by the saver's streaming writer
-(one record at a time, each produced when written), and are added to ``.metadata`` and ``common.pt``.
+saver: the records go to data files of their own (``__1_0.distcp``, ``__1_1.distcp``, ... of at most
+``--max-shard-size`` bytes of values, a canonical tensor's records in one file) written by the saver's streaming
+writer (one record at a time, each produced when written), and are added to ``.metadata`` and ``common.pt``. A
+sharded run's processes each write their share of the records files (``RecordsShare``); the finalizing one writes
+the index and ``common.pt`` from the plan, the same bytes.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import io
+import itertools
 import os
 import pickle
-import shutil
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner, SavePlan
-from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import WriteItem
+from torch.distributed.checkpoint.storage import WriteResult
 
 from pgconvert.formats import PlannedFile
 from pgconvert.formats.megatron import FRAMEWORK_PICKLE, safe_torch_load
 from pgconvert.formats.torch_dist import COMMON_FILE, DCP_METADATA_FILE, read_dcp_metadata, single_process_calls
-from pgconvert.formats.torch_dist_optimizer import (FULLY_RESHARDABLE, RECORDS_FILE, chained_entries, common_entry,
-                                                    state_key)
+from pgconvert.formats.torch_dist_optimizer import (FULLY_RESHARDABLE, RECORDS_PREFIX, chained_entries, common_entry,
+                                                    records_file, state_key)
 from pgconvert.io.durable import fsync_file
 from pgconvert.optimizer.scaler import set_scalers, target_scalers
 from pgconvert.optimizer.source import CARRIED_KEYS, FIELDS, OptimizerSource
-from pgconvert.savers.torch_dist.streaming import StreamingWriter
+from pgconvert.savers.torch_dist.streaming import ItemKey, StreamingWriter, split_by_size
 
 
 class OptimizerPlanner(DefaultSavePlanner):
@@ -70,15 +76,71 @@ class OptimizerPlanner(DefaultSavePlanner):
         return self._last[1]
 
 
-def _merge_metadata(iteration_dir: Path, added_path: Path) -> None:
-    """Add the records of ``added_path`` (stored in RECORDS_FILE) to the checkpoint's ``.metadata``."""
+def _merge_metadata(iteration_dir: Path, added: Metadata) -> None:
+    """Add the records indexed by ``added`` (stored in the records files) to the checkpoint's ``.metadata``."""
     path = iteration_dir / DCP_METADATA_FILE
     metadata = read_dcp_metadata(path)
-    added = read_dcp_metadata(added_path)
     metadata.state_dict_metadata.update(added.state_dict_metadata)
-    for index, info in added.storage_data.items():
-        metadata.storage_data[index] = _StorageInfo(RECORDS_FILE, info.offset, info.length, info.transform_descriptors)
+    metadata.storage_data.update(added.storage_data)
     replace_durably(path, pickle.dumps(metadata))
+
+
+@dataclass(frozen=True)
+class RecordsShare:
+    """What one process writes of the optimizer records: the records files (``records_file`` names) of ``writes``
+    (None: all) and, when ``shared``, what they have in common (their index merged into ``.metadata``, and
+    ``common.pt``); each records file holds at most ``limit`` bytes of values (``--max-shard-size``)."""
+
+    limit: int
+    writes: Collection[str] | None = None
+    shared: bool = True
+
+
+class _RecordsWriter(StreamingWriter):
+    """The records files ``__1_<n>.distcp`` written straight into the iteration directory, and their index kept in
+    memory (``metadata``) for ``.metadata``: a sharded run's processes write their files into one directory, and
+    the finalizing one indexes them all from the plan."""
+
+    def __init__(self, directory: Path, files: Mapping[ItemKey, int], writes: Collection[int]) -> None:
+        super().__init__(directory, files, writes, index=True, prefix=RECORDS_PREFIX)
+        self.metadata: Metadata | None = None
+
+    def _metadata_exists(self) -> bool:
+        return False  # the model's .metadata: this writer never writes one (torch warns before overwriting it)
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        metadata.storage_data = {result.index: result.storage_data for written in results for result in written}
+        self.metadata = metadata
+
+
+def numbered(files: list[list[Any]], key: Callable[[Any], ItemKey]) -> dict[ItemKey, int]:
+    """Each item's records file, from ``split_by_size``'s files."""
+    return {key(item): number for number, items in enumerate(files) for item in items}
+
+
+def chunk_numbers(chunks: list[tuple[str, Any]], limit: int) -> dict[ItemKey, int]:
+    """The records file of each (field, chunk): a canonical tensor's records in one file, as the model's chunks."""
+    files = split_by_size(chunks, lambda pair: pair[1].canonical, lambda pair: pair[1].nbytes, limit)
+    return numbered(files, lambda pair: (pair[1].key, tuple(pair[1].offsets)))
+
+
+def records_files(directory: str, sizes: Mapping[ItemKey, int], numbers: Mapping[ItemKey, int], objects: int = 0,
+                  written: Mapping[str, tuple[str, int]] | None = None) -> list[PlannedFile]:
+    """Each records file (``directory``: the iteration's), its records (the first: and the ``objects``) and bytes
+    of values (``sizes`` per record); with ``written``, the files it names alone, with their sha256 and size."""
+    tensors: Counter[int] = Counter(numbers[key] for key in sizes)
+    nbytes: Counter[int] = Counter()
+    for key, size in sizes.items():
+        nbytes[numbers[key]] += size
+    files = []
+    for number in sorted(set(numbers.values()) | {0}):
+        name = records_file(number)
+        if written is not None and name not in written:
+            continue
+        sha256, size = (written or {}).get(name, (None, None))
+        files.append(PlannedFile(f"{directory}/{name}", tensors[number] + (objects if number == 0 else 0),
+                                 nbytes[number], sha256=sha256, size=size))
+    return files
 
 
 def replace_durably(path: Path, data: bytes | memoryview) -> None:
@@ -124,47 +186,61 @@ def _add_common(optimizer: OptimizerSource, iteration_dir: Path, group_counts: l
     rewrite_common(iteration_dir, update)
 
 
+def per_field(model_chunks: list[Any], names: set[str], fields: Sequence[str]) -> list[tuple[str, Any]]:
+    """(field, model chunk) of every chunk of the tensors ``names``, a tensor's chunks field by field (the gate and up
+    halves of a SwiGLU fc1 one after the other), so that each field of a parameter is cut from the source once."""
+    pairs: list[tuple[str, Any]] = []
+    held = (chunk for chunk in model_chunks if chunk.canonical in names)
+    for _, run in itertools.groupby(held, key=lambda chunk: chunk.canonical):
+        members = list(run)
+        pairs += [(field, chunk) for field in fields for chunk in members]
+    return pairs
+
+
 def optimizer_chunks(optimizer: OptimizerSource, model_chunks: list[Any]) -> list[tuple[str, Any]]:
-    """The fully_reshardable records, (field, chunk) per model chunk and field, fp32."""
+    """The fully_reshardable records, (field, chunk) per model chunk and field (``per_field``), fp32."""
     # parameters only (megatron-core's buffers' param_index_map): not a router's expert_bias buffer
-    names = set(optimizer.names())
     return [(field, dataclasses.replace(chunk, key=state_key(field, chunk.key), dtype=torch.float32))
-            for chunk in model_chunks if chunk.canonical in names for field in FIELDS]
+            for field, chunk in per_field(model_chunks, set(optimizer.names()), FIELDS)]
 
 
-def write_records(iteration_dir: Path, planner: Any,
-                  merge: Callable[[Path, Path], None] = _merge_metadata) -> Any:
-    """Save what ``planner`` plans (it brings its own items; no state dict) as RECORDS_FILE beside the model's
-    records, then ``merge`` their metadata into the checkpoint's ``.metadata``; returns the streaming writer (its
-    ``sha256`` and ``size``). One staging folder, removed whatever happens."""
-    staging = iteration_dir / ".optimizer_records"
-    staging.mkdir()
-    try:
-        writer = StreamingWriter(staging)
-        with single_process_calls():
-            dcp.save({}, storage_writer=writer, planner=planner, no_dist=True)
-        os.replace(staging / "__0_0.distcp", iteration_dir / RECORDS_FILE)
-        merge(iteration_dir, staging / DCP_METADATA_FILE)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return writer
+def write_records(iteration_dir: Path, planner: Any, numbers: Mapping[ItemKey, int], share: RecordsShare,
+                  merge: Callable[[Path, Metadata], None] = _merge_metadata) -> dict[str, tuple[str, int]]:
+    """Save what ``planner`` plans (it brings its own items; no state dict) into the records files beside the model's
+    (``numbers``: each record's file; the objects go to the first), those ``share.writes`` names, then, when
+    ``share.shared``, ``merge`` the index of every one (planned, for those another process writes) into the
+    checkpoint's ``.metadata``. Returns the files written: name -> (sha256, size)."""
+    every = sorted(set(numbers.values()) | {0})
+    writes = every if share.writes is None else [number for number in every if records_file(number) in share.writes]
+    writer = _RecordsWriter(iteration_dir, numbers, writes)
+    with single_process_calls():
+        dcp.save({}, storage_writer=writer, planner=planner, no_dist=True)
+    if share.shared:
+        assert writer.metadata is not None
+        merge(iteration_dir, writer.metadata)
+    return writer.written
 
 
 def write_chunk_records(optimizer: OptimizerSource, chunks: list[tuple[str, Any]], rows: int, fits_rows: set[str],
-                        iteration_dir: Path) -> list[PlannedFile]:
-    """The records ``chunks`` ((field, chunk) pairs) written to RECORDS_FILE and added to ``.metadata``, each chunk
-    cut from ``optimizer``'s field when written (the model-space forms and the plain form);
-    returns the file added."""
-    writer = write_records(iteration_dir, OptimizerPlanner(chunks, optimizer, rows, fits_rows))
-    return [PlannedFile(f"{iteration_dir.name}/{RECORDS_FILE}", len(chunks), sum(chunk.nbytes for _, chunk in chunks),
-                        sha256=writer.sha256, size=writer.size)]
+                        iteration_dir: Path, share: RecordsShare,
+                        merge: Callable[[Path, Metadata], None] = _merge_metadata) -> list[PlannedFile]:
+    """The records ``chunks`` ((field, chunk) pairs) written to the records files (``share``) and added to
+    ``.metadata``, each chunk cut from ``optimizer``'s field when written (the model-space forms and the plain form);
+    returns the files written."""
+    numbers = chunk_numbers(chunks, share.limit)
+    written = write_records(iteration_dir, OptimizerPlanner(chunks, optimizer, rows, fits_rows), numbers, share, merge)
+    sizes = {(chunk.key, tuple(chunk.offsets)): chunk.nbytes for _, chunk in chunks}
+    return records_files(iteration_dir.name, sizes, numbers, written=written)
 
 
 def write_fully_reshardable(optimizer: OptimizerSource, model_chunks: list[Any], rows: int, fits_rows: set[str],
-                            iteration_dir: Path, group_counts: list[int] | None = None) -> list[PlannedFile]:
+                            iteration_dir: Path, share: RecordsShare,
+                            group_counts: list[int] | None = None) -> list[PlannedFile]:
     """Write the optimizer records beside the model's (``model_chunks``: the torch_dist saver's chunks, expert
-    ones included); ``group_counts``: the target's param groups per chained optimizer. Returns the files added
-    or rewritten."""
-    added = write_chunk_records(optimizer, optimizer_chunks(optimizer, model_chunks), rows, fits_rows, iteration_dir)
-    _add_common(optimizer, iteration_dir, group_counts)
+    ones included; ``share``: which); ``group_counts``: the target's param groups per chained optimizer. Returns
+    the files added."""
+    added = write_chunk_records(optimizer, optimizer_chunks(optimizer, model_chunks), rows, fits_rows, iteration_dir,
+                                share)
+    if share.shared:
+        _add_common(optimizer, iteration_dir, group_counts)
     return added

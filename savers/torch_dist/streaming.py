@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import functools
 import io
-from collections.abc import Collection, Iterator, Mapping, Sequence
+import itertools
+from collections.abc import Callable, Collection, Hashable, Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from torch.distributed.checkpoint import FileSystemWriter, SavePlan, SavePlanner
@@ -41,6 +43,11 @@ def _write_order(items: Sequence[WriteItem]) -> list[WriteItem]:
             + [item for item in items if item.type != WriteItemType.BYTE_IO])
 
 
+Item = TypeVar("Item")
+# At most this many bytes of values in one data file unless --max-shard-size says otherwise, as an hf destination's
+# default shard.
+DEFAULT_MAX_DATA_FILE_SIZE = 5 * 10**9
+
 # Which data file an item goes to, by (key, chunk offsets); an item not named (a bytes entry) goes to file 0.
 ItemKey = tuple[str, tuple[int, ...] | None]
 
@@ -59,13 +66,15 @@ class StreamingWriter(FileSystemWriter):
     """
 
     def __init__(self, directory: Path, files: Mapping[ItemKey, int] | None = None,
-                 writes: Collection[int] | None = None, index: bool = True) -> None:
+                 writes: Collection[int] | None = None, index: bool = True, prefix: str | None = None) -> None:
         super().__init__(str(directory), single_file_per_rank=True, sync_files=True, thread_count=1,
                          per_thread_copy_ahead=0)
         self.directory = directory
         self.files = files
         self.writes = writes
         self.index = index
+        # The data files' name before their number (None: torch's, ``__0_`` for a single process).
+        self.prefix = prefix
         # The files written: name -> (sha256, size); ``sha256`` and ``size``: the last one's.
         self.written: dict[str, tuple[str, int]] = {}
         self.sha256: str | None = None
@@ -77,7 +86,7 @@ class StreamingWriter(FileSystemWriter):
             groups.setdefault(self.files.get(item_key(item), 0) if self.files is not None else 0, []).append(item)
         results = []
         for number in sorted(groups):
-            file_name = f"{plan.storage_data.prefix}{number}{DEFAULT_SUFFIX}"
+            file_name = f"{self.prefix or plan.storage_data.prefix}{number}{DEFAULT_SUFFIX}"
             items = _write_order(groups[number])
             if self.writes is not None and number not in self.writes:
                 results += planned_results(file_name, items, planner)
@@ -112,6 +121,24 @@ class StreamingWriter(FileSystemWriter):
         """No checkpoint path (a temporary directory's, renamed after) and no random save id: the same plan
         gives the same ``.metadata``."""
         return StorageMeta()
+
+
+def split_by_size(items: Sequence[Item], group: Callable[[Item], Hashable], size: Callable[[Item], int],
+                  limit: int) -> list[list[Item]]:
+    """``items`` in order, cut into files of at most ``limit`` bytes (``size``): a new file when the next run of
+    consecutive items of one ``group`` (a canonical tensor's chunks) would take the file past it; a run larger than
+    that has a file of its own. At least one file, empty when there are no items."""
+    files: list[list[Item]] = [[]]
+    held = 0
+    for _, run in itertools.groupby(items, key=group):
+        members = list(run)
+        nbytes = sum(map(size, members))
+        if files[-1] and held + nbytes > limit:
+            files.append([])
+            held = 0
+        files[-1] += members
+        held += nbytes
+    return files
 
 
 def planned_results(file_name: str, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:

@@ -5,9 +5,10 @@ The tiny model keeps the released configuration's structural fields (nvidia/Nemo
 whose values are transformers' NemotronHConfig defaults: relu2 MLP, SiLU Mamba-2 mixers with a
 4-wide biased convolution, grouped-query attention without positions, RMSNorm at 1e-5, untied
 output, no biases) and its ``M-``/``M*-`` rhythm of layers, with every size shrunk. The Megatron side
-is checked by an independent forward pass over the TP-sharded rank files
-(``support.mamba_reference``): megatron-core 0.16.1's MambaMixer needs the ``mamba_ssm`` CUDA kernels
-to be built at all (``HAVE_MAMBA_SSM``) and its only Mamba layer spec Transformer Engine.
+is checked twice: megatron-core 0.16.1's own MambaModel, built from each rank file's args, loads it
+with ``strict=True`` (``support.mcore_mamba``: its forward needs the ``mamba_ssm`` and Triton kernels,
+so only construction runs, with stand-ins named there), and an independent forward pass over the
+TP-sharded rank files (``support.mamba_reference``) computes transformers' logits.
 """
 
 from __future__ import annotations
@@ -110,6 +111,25 @@ def test_pipeline_stages_cut_the_pattern_and_round_trip_bit_exact(tiny: Path, tm
     assert "decoder.layers.1.mixer.in_proj.weight" in stage
     assert "decoder.layers.2.input_layernorm.weight" in stage
     assert "decoder.final_norm.weight" in stage and "embedding.word_embeddings.weight" not in stage
+
+
+@pytest.mark.parametrize("layout", [dict(dst_tp=1), dict(dst_tp=2, dst_pp=2)], ids=["tp1", "tp2pp2"])
+def test_megatron_cores_mamba_model_loads_every_rank_file_strictly(tiny: Path, tmp_path: Path,
+                                                                   layout: dict[str, int]) -> None:
+    pytest.importorskip("megatron.core", reason="megatron-core is the client of the megatron format")
+    from support.mcore_helpers import rank_files
+    from support.mcore_mamba import build_mamba_model
+
+    pgconvert.convert(tiny, tmp_path / "mcore", dst_format="megatron", **layout)
+
+    ranks = rank_files(tmp_path / "mcore")
+    assert len(ranks) == layout["dst_tp"] * layout.get("dst_pp", 1)
+    for rank in ranks:
+        model = build_mamba_model(rank.args, rank.layout)
+        model.load_state_dict(rank.model, strict=True)
+        loaded = model.state_dict()
+        assert all(torch.equal(loaded[name], tensor) for name, tensor in rank.model.items()
+                   if isinstance(tensor, torch.Tensor)), rank.path
 
 
 @pytest.mark.parametrize("tp", [1, 2])

@@ -48,10 +48,10 @@ TENSORS = TensorTable((
 
 
 def _read_layers(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
-    """The layer kinds as transformers' NemotronHConfig reads them: ``layers_block_type``, else the
-    ``hybrid_override_pattern`` string; the layer count is their length (``num_hidden_layers`` is
-    ignored, as transformers ignores it)."""
-    kinds = present.get("layers_block_type")
+    """The layer kinds as transformers' NemotronHConfig reads them: ``layers_block_type`` (or its
+    attribute_map alias ``layer_types``), else the ``hybrid_override_pattern`` string; the layer count
+    is their length (``num_hidden_layers`` is ignored, as transformers ignores it)."""
+    kinds = present.get("layers_block_type", present.get("layer_types"))
     if kinds is not None:
         if not isinstance(kinds, list) or any(kind not in _SYMBOL_OF for kind in kinds):
             raise ValueError(f"layers_block_type={quote(kinds)}: expected a list of {', '.join(_SYMBOL_OF)}")
@@ -102,12 +102,12 @@ NEMOTRON_H = Family(
         ConfigField(("hidden_dropout",), "hidden_dropout", float, default=0.0),
         ConfigField(("mamba_num_heads",), "mamba_num_heads", int, default=128),
         ConfigField(("mamba_head_dim",), "mamba_head_dim", int, default=64),
-        ConfigField(("n_groups",), "mamba_num_groups", int, default=8, aliases=(("mamba_n_groups",),)),
+        ConfigField(("n_groups",), "mamba_num_groups", int, default=8),
         ConfigField(("ssm_state_size",), "mamba_state_dim", int, default=128),
     ),
     rules=(ConfigRule(keys=("layers_block_type", "hybrid_override_pattern", "num_hidden_layers"),
                       model_fields=("num_layers", "hybrid_override_pattern"), read=_read_layers,
-                      write=_write_layers, refuses=_refuses_layers),),
+                      write=_write_layers, refuses=_refuses_layers, legacy_keys=("layer_types",)),),
     fixed={**POSTNORM_OFF, "gated_linear_unit": False, "activation": "squared_relu", "normalization": "RMSNorm",
            "position_embedding_type": "none", "multi_latent_attention": False, "num_experts": None,
            "qk_layernorm": False, "add_qkv_bias": False, "add_bias_linear": False, "sliding_window": None},

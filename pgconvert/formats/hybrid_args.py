@@ -8,9 +8,9 @@ one it ships), ``--is-hybrid-model``, and the Mamba sizes as megatron-core's Tra
 ``mamba_state_dim`` (128), ``mamba_head_dim`` (64), ``mamba_num_groups`` (8), ``mamba_num_heads``
 (None: ``hidden_size * 2 // mamba_head_dim``).
 
-Megatron-LM d98e8a64 renamed the pattern ``--hybrid-layer-pattern`` for its HybridModel, whose pattern
-may also hold pipeline (``|``) and MTP (``/``) separators; such a checkpoint without the older
-field is refused by name.
+Megatron-LM d98e8a64 renamed the pattern ``--hybrid-layer-pattern`` for its HybridModel (a pattern
+that may also hold pipeline ``|`` and MTP ``/`` separators, and a MambaMixer whose convolution is the
+parameters ``conv1d_weight``/``conv1d_bias``); that field is not read: such a checkpoint is not converted.
 """
 
 from __future__ import annotations
@@ -35,10 +35,6 @@ def hybrid_from_args(args: argparse.Namespace, path: Path) -> dict[str, Any]:
     """The hybrid pattern and Mamba sizes ``args`` record; nothing for a GPT model."""
     pattern = getattr(args, "hybrid_override_pattern", None)
     if pattern is None:
-        newer = getattr(args, "hybrid_layer_pattern", None)
-        if newer is not None:
-            raise CheckpointError(f"{path}: args.hybrid_layer_pattern={quote(newer)}: a HybridModel checkpoint of a "
-                                  "newer Megatron-LM; pgconvert reads MambaModel's args.hybrid_override_pattern")
         return {}
     if not isinstance(pattern, str):
         raise CheckpointError(f"{path}: args.hybrid_override_pattern={quote(pattern)}: expected a string")

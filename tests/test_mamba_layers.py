@@ -83,7 +83,7 @@ def test_the_mamba_heads_default_to_megatron_cores_expand_two() -> None:
 @pytest.mark.parametrize(("changes", "message"), [
     (dict(hybrid_override_pattern="M*X-"), "hybrid_override_pattern='M\\*X-': must be one of M \\* - E for each of the 4"),
     (dict(hybrid_override_pattern="M*M"), "for each of the 4 layers"),
-    (dict(hybrid_override_pattern="M*ME"), "E \\(MoE\\) layers and num_experts=None go together"),
+    (dict(hybrid_override_pattern="M*ME"), "hybrid_override_pattern='M\\*ME': E \\(MoE\\) layers need num_experts"),
     (dict(mamba_num_heads=6, mamba_num_groups=4), "mamba_num_groups=4: mamba_num_heads=6 must be a multiple of it"),
     (dict(mamba_state_dim=0), "mamba_state_dim=0: must be a positive integer"),
 ])

@@ -74,10 +74,9 @@ def _write_layers(config: ModelConfig) -> Mapping[str, object]:
 
 
 def _refuses_layers(config: ModelConfig) -> str | None:
+    """A model without a layer pattern; one with E (MoE) layers needs experts, which ``fixed`` refuses."""
     if config.hybrid_override_pattern is None:
         return "hybrid_override_pattern=None (needs a hybrid layer pattern)"
-    if "E" in config.hybrid_override_pattern:
-        return f"hybrid_override_pattern={config.hybrid_override_pattern!r} (MoE layers: the dense variant only)"
     return None
 
 

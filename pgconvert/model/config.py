@@ -525,7 +525,7 @@ def _check_moe(config: ModelConfig) -> None:
 
 
 def _check_hybrid(config: ModelConfig) -> None:
-    """A hybrid pattern: one known symbol per layer, experts where it has E layers; the Mamba sizes
+    """A hybrid pattern: one known symbol per layer, experts for its E layers; the Mamba sizes
     positive, the heads defaulted as megatron-core does and divided into the groups."""
     pattern = config.hybrid_override_pattern
     if pattern is None:
@@ -533,9 +533,8 @@ def _check_hybrid(config: ModelConfig) -> None:
     if not isinstance(pattern, str) or set(pattern) - set(HYBRID_SYMBOLS) or len(pattern) != config.num_layers:
         raise _violates("hybrid_override_pattern", pattern,
                         f"must be one of {' '.join(HYBRID_SYMBOLS)} for each of the {config.num_layers} layers")
-    if ("E" in pattern) != (config.moe.num_experts is not None):
-        raise _violates("hybrid_override_pattern", pattern,
-                        f"E (MoE) layers and num_experts={quote(config.moe.num_experts)} go together")
+    if "E" in pattern and config.moe.num_experts is None:
+        raise _violates("hybrid_override_pattern", pattern, "E (MoE) layers need num_experts")
     if config.mtp_num_layers:
         raise _violates("mtp_num_layers", config.mtp_num_layers, "a hybrid model's MTP layers are not supported")
     mamba = config.mamba

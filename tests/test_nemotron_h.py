@@ -14,6 +14,7 @@ TP-sharded rank files (``support.mamba_reference``) computes transformers' logit
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -184,3 +185,19 @@ def test_layouts_the_hybrid_model_cannot_take_are_refused_by_name(tiny: Path, tm
     assert isinstance(result.exception, SystemExit)
     assert message in result.output
     assert not (tmp_path / "out").exists()
+
+
+def test_a_megatron_checkpoint_without_its_config_json_is_written_as_nemotron_h(tiny: Path, tp2: Path,
+                                                                                tmp_path: Path) -> None:
+    """The family inferred from the args' hybrid pattern; config.json built from the model alone."""
+    bare = tmp_path / "bare"
+    shutil.copytree(tp2, bare)
+    shutil.rmtree(bare / "hf")
+
+    pgconvert.convert(bare, tmp_path / "hf", dst_format="hf")
+
+    written = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (written["architectures"], written["hybrid_override_pattern"]) == (["NemotronHForCausalLM"], PATTERN)
+    assert written["layers_block_type"] == TINY["layers_block_type"]
+    # transformers' default chunk_size (128) scans the 12 tokens in one chunk, the source's in two.
+    torch.testing.assert_close(hf_logits(tmp_path / "hf", _ids()), hf_logits(tiny, _ids()), rtol=1e-5, atol=1e-5)

@@ -63,8 +63,9 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def tp2(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """TP2 with megatron-core's Transformer Engine Mamba spec names: the default for Nemotron-H."""
     out = tmp_path_factory.mktemp("nemotron_h_tp2") / "mcore"
-    pgconvert.convert(tiny, out, dst_format="megatron", dst_tp=2, dst_transformer_impl="transformer_engine")
+    pgconvert.convert(tiny, out, dst_format="megatron", dst_tp=2)
     return out
 
 
@@ -90,6 +91,7 @@ def test_megatron_args_describe_the_hybrid_model_as_pretrain_mamba_does(tp2: Pat
     assert (args.mamba_num_heads, args.mamba_head_dim, args.mamba_num_groups, args.mamba_state_dim) == (8, 16, 2, 8)
     assert (args.position_embedding_type, args.squared_relu, args.swiglu) == ("none", True, False)
     assert args.spec == ["megatron.core.models.mamba.mamba_layer_specs", "mamba_stack_spec"]
+    assert args.transformer_impl == "transformer_engine"
     model = state["model"]
     # Rank 1 of 2: its half of every segment of in_proj (z, x: 64 rows each; B, C: 8; dt: 4) and of conv1d.
     assert model["decoder.layers.0.mixer.in_proj.weight"].shape == (148, 64)
@@ -100,8 +102,10 @@ def test_megatron_args_describe_the_hybrid_model_as_pretrain_mamba_does(tp2: Pat
 
 
 def test_pipeline_stages_cut_the_pattern_and_round_trip_bit_exact(tiny: Path, tmp_path: Path) -> None:
-    pgconvert.convert(tiny, tmp_path / "tp2pp2", dst_format="megatron", dst_tp=2, dst_pp=2)
-    pgconvert.convert(tmp_path / "tp2pp2", tmp_path / "tp1pp3", dst_tp=1, dst_pp=3)
+    pgconvert.convert(tiny, tmp_path / "tp2pp2", dst_format="megatron", dst_tp=2, dst_pp=2,
+                      dst_transformer_impl="local")
+    pgconvert.convert(tmp_path / "tp2pp2", tmp_path / "tp1pp3", dst_tp=1, dst_pp=3,
+                      dst_transformer_impl="transformer_engine")
     pgconvert.convert(tmp_path / "tp1pp3", tmp_path / "hf", dst_format="hf")
 
     assert_same_hf_tensors(tiny, tmp_path / "hf")
@@ -121,7 +125,8 @@ def test_megatron_cores_mamba_model_loads_every_rank_file_strictly(tiny: Path, t
     from support.mcore_helpers import rank_files
     from support.mcore_mamba import build_mamba_model
 
-    pgconvert.convert(tiny, tmp_path / "mcore", dst_format="megatron", **layout)
+    # The local names of the stand-in spec (megatron-core ships a Transformer Engine spec only).
+    pgconvert.convert(tiny, tmp_path / "mcore", dst_format="megatron", dst_transformer_impl="local", **layout)
 
     ranks = rank_files(tmp_path / "mcore")
     assert len(ranks) == layout["dst_tp"] * layout.get("dst_pp", 1)

@@ -111,6 +111,8 @@ NEMOTRON_H = Family(
            "position_embedding_type": "none", "multi_latent_attention": False, "num_experts": None,
            "qk_layernorm": False, "add_qkv_bias": False, "add_bias_linear": False, "sliding_window": None},
     # What megatron-core's MambaMixer and the tensor table assume.
+    # megatron-core ships one Mamba stack spec, of Transformer Engine modules (mamba_stack_spec).
+    megatron_defaults={"transformer_impl": "transformer_engine"},
     hf_fixed={"mlp_hidden_act": "relu2", "mamba_hidden_act": "silu", "conv_kernel": 4, "use_conv_bias": True,
               "use_bias": False, "mamba_proj_bias": False, "mlp_bias": False, "attention_bias": False,
               "num_nextn_predict_layers": 0},

@@ -528,6 +528,9 @@ class Family:
     # How this family's config.json holds a setting of pgconvert.semantics.SEMANTICS (row name ->
     # text), where it differs from the row's own ``hf`` text: documentation, per family.
     hf_notes: Mapping[str, str] = field(default_factory=dict)
+    # The Megatron-only settings of a model read from HF, where they differ from every family's
+    # (pgconvert.formats.hf.LOADED_DEFAULTS: the local layer spec): the layer spec megatron-core ships for it.
+    megatron_defaults: Mapping[str, object] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         mapped = {f.model_field for f in self.fields}

@@ -196,7 +196,7 @@ def model_config_from_hf(doc: dict[str, Any], path: Path, stored_dtype: torch.dt
             check_declared_counts(ruled, stored, str(path), lambda setting: _counted_by(rule, doc), error)
         values.update(ruled)
     values["params_dtype"] = _config_dtype(doc, stored_dtype)
-    values.update(LOADED_DEFAULTS)
+    values.update({**LOADED_DEFAULTS, **family.megatron_defaults})
     try:
         config = ModelConfig.from_settings(values)
     except ConfigError as exc:

@@ -4,7 +4,7 @@ Megatron-LM core_v0.16.1 (megatron/training/arguments.py, mamba_builders.py): ``
 (one symbol per layer, megatron-core's ``Symbols``: M Mamba, * attention, - MLP, E MoE; its length is
 ``--num-layers``), ``--hybrid-attention-ratio`` / ``--hybrid-mlp-ratio`` (0.0 with a pattern),
 ``--spec`` (the module and name of the layer spec: megatron-core's TE ``mamba_stack_spec``, the only
-one it ships), ``--is-hybrid-model``, and the Mamba sizes as megatron-core's TransformerConfig fields
+one it ships, written for Transformer Engine names; a local-named checkpoint needs a spec of the user's), ``--is-hybrid-model``, and the Mamba sizes as megatron-core's TransformerConfig fields
 ``mamba_state_dim`` (128), ``mamba_head_dim`` (64), ``mamba_num_groups`` (8), ``mamba_num_heads``
 (None: ``hidden_size * 2 // mamba_head_dim``).
 
@@ -46,6 +46,8 @@ def hybrid_to_args(config: ModelConfig) -> dict[str, Any]:
     """The args of a hybrid model as Megatron-LM's pretrain_mamba.py records them; nothing for a GPT model."""
     if config.hybrid_override_pattern is None:
         return {}
+    # megatron-core's one Mamba stack spec has Transformer Engine's names; local names have none.
+    spec = list(MAMBA_STACK_SPEC) if config.transformer_impl == "transformer_engine" else None
     return {"hybrid_override_pattern": config.hybrid_override_pattern, "hybrid_attention_ratio": 0.0,
-            "hybrid_mlp_ratio": 0.0, "is_hybrid_model": True, "spec": list(MAMBA_STACK_SPEC),
+            "hybrid_mlp_ratio": 0.0, "is_hybrid_model": True, "spec": spec,
             **{name: config.setting(name) for name in MAMBA_FIELDS}}

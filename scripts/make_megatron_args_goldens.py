@@ -103,7 +103,8 @@ FLAG_VALUES: dict[str, str] = {
     "v_head_dim": "32", "attention_dropout": "0.0", "hidden_dropout": "0.0", "softmax_type": "learnable",
     "glu_linear_offset": "1.0", "activation_func_clamp_value": "7.0", "context_parallel_size": "2",
     "ddp_bucket_size": "1000000", "ddp_num_buckets": "2", "decoupled_lr": "0.001", "decoupled_min_lr": "0.0001",
-    "seq_length": "32",
+    "seq_length": "32", "hybrid_override_pattern": "M*M-", "mamba_state_dim": "16", "mamba_head_dim": "32",
+    "mamba_num_groups": "2", "mamba_num_heads": "4",
 }
 # Flags a field's flag needs beside it (a MoE flag: experts; a YaRN flag: YaRN; a window: the window).
 _YARN = ["--position-embedding-type", "yarn"]
@@ -138,6 +139,8 @@ FLAG_CONTEXT: dict[str, list[str]] = {
                                 "yarn_original_max_position_embeddings", "yarn_beta_fast", "yarn_beta_slow",
                                 "yarn_correction_range_round_to_int")},
     "window_attn_skip_freq": ["--window-size", "(8,0)"],
+    # The default 8 Mamba groups do not divide the base model's two Mamba heads (hidden 64, head dim 64).
+    "hybrid_override_pattern": ["--mamba-num-groups", "2"],
     **{name: MLA for name in ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
                               "rope_type")},
     "multi_latent_attention": MLA[1:],

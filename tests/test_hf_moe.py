@@ -328,7 +328,12 @@ def _shared_expert(family: Family) -> dict[str, object]:
 # What a family's rules need besides its fixed values (Gemma 3's local RoPE base).
 _RULE_EXTRAS: dict[str, dict[str, object]] = {"Gemma3ForCausalLM": {"rotary_base_local": 10000.0}}
 # What a family needs beyond its fixed values to accept a model (GLM-4.5-MoE's shared expert).
-_FAMILY_NEEDS: dict[str, dict[str, object]] = {"Glm4MoeForCausalLM": {"moe_shared_expert_intermediate_size": 6}}
+_FAMILY_NEEDS: dict[str, dict[str, object]] = {
+    "Glm4MoeForCausalLM": {"moe_shared_expert_intermediate_size": 6},
+    # A hybrid layer pattern (a Mamba layer, an MLP) and Mamba sizes that fit the tiny hidden size.
+    "NemotronHForCausalLM": {"hybrid_override_pattern": "M-", "mamba_num_heads": 4, "mamba_head_dim": 2,
+                             "mamba_num_groups": 2, "mamba_state_dim": 2},
+}
 
 
 @pytest.mark.parametrize("architecture", sorted(FAMILIES))

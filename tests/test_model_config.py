@@ -106,6 +106,11 @@ EXPECTED: dict[str, object] = {
     'softmax_scale': 0.25,
     'mtp_num_layers': 1,
     'mtp_layer_module': 'mtp_model_layer',
+    'hybrid_override_pattern': None,
+    'mamba_state_dim': 128,
+    'mamba_head_dim': 64,
+    'mamba_num_groups': 8,
+    'mamba_num_heads': None,
 }
 
 
@@ -123,7 +128,7 @@ def test_every_setting_lives_in_exactly_one_place() -> None:
         assert {item.name for item in dataclasses.fields(cls)} == {
             name for name, where in SETTING_GROUPS.items() if where == group}, group
     assert own == {name for name, where in SETTING_GROUPS.items() if where is None}
-    assert len(SETTING_GROUPS) == 75
+    assert len(SETTING_GROUPS) == 80
 
 
 def test_the_grouped_form_builds_the_same_config() -> None:

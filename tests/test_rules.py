@@ -10,16 +10,21 @@ import torch
 
 from pgconvert.run.example import example_config, example_source
 from pgconvert.model.provider import WORD_EMBEDDINGS
-from pgconvert.model.rules import (COLUMN, GATED, REPLICATED, ROW, VOCAB, Chunked, ReplicaMismatchError, ShardRule, Window,
-                             assemble)
+from pgconvert.model.rules import (COLUMN, GATED, REPLICATED, ROW, VOCAB, Chunked, ReplicaMismatchError, Segmented,
+                                   ShardRule, Window, assemble)
 
 
 def filled(*shape: int) -> torch.Tensor:
     return torch.arange(torch.Size(shape).numel(), dtype=torch.float32).reshape(shape)
 
 
+# Segments of unequal rows, each a multiple of 8 (the largest size the tests cut by): a Mamba in_proj's shape.
+SEGMENTED = Segmented((16, 8, 8))
+
+
 @pytest.mark.parametrize("size", [1, 2, 4])
-@pytest.mark.parametrize("rule", [COLUMN, ROW, GATED, VOCAB], ids=["column", "row", "gated", "vocab"])
+@pytest.mark.parametrize("rule", [COLUMN, ROW, GATED, VOCAB, Segmented((8, 4, 4))],
+                         ids=["column", "row", "gated", "vocab", "segmented"])
 def test_merge_of_split_is_identity(rule: object, size: int) -> None:
     full = filled(16, 8) + torch.randn(16, 8, generator=torch.Generator().manual_seed(size))
 
@@ -75,7 +80,8 @@ def test_replicated_merge_checks_every_replica() -> None:
 
 @pytest.mark.parametrize("src_size", [1, 2, 4, 8])
 @pytest.mark.parametrize("dst_size", [1, 2, 4, 8])
-@pytest.mark.parametrize("rule", [COLUMN, ROW, GATED, REPLICATED], ids=["column", "row", "gated", "replicated"])
+@pytest.mark.parametrize("rule", [COLUMN, ROW, GATED, REPLICATED, SEGMENTED],
+                         ids=["column", "row", "gated", "replicated", "segmented"])
 def test_reshard_equals_shard_of_merge_without_aliasing(rule: object, src_size: int, dst_size: int) -> None:
     full = filled(32, 16)
     pieces = [piece.clone() for piece in rule.split(full, src_size)]

@@ -18,6 +18,7 @@ from pgconvert.families import (
     llama,
     mistral,
     mixtral,
+    nemotron_h,
     olmo,
     phi3,
     qwen,
@@ -35,6 +36,7 @@ from pgconvert.semantics.carried import CarriedSetting
 # Ministral before SmolLM3: both express a window on some layers; SmolLM3 is needed for NoPE layers.
 # Seed-OSS last: every model Llama or Qwen2 fits stays theirs (Seed-OSS computes the same); it takes
 # only the dense models with both add_qkv_bias and add_bias_linear, which no family before it fits.
+# Nemotron-H takes the hybrid models (a layer pattern), which every other family refuses.
 ORDERED: tuple[Family, ...] = (
     deepseek.DEEPSEEK_V3,
     deepseek.DEEPSEEK_V2,
@@ -57,6 +59,7 @@ ORDERED: tuple[Family, ...] = (
     smollm.SMOLLM3,
     phi3.PHI3,
     seed_oss.SEED_OSS,
+    nemotron_h.NEMOTRON_H,
 )
 
 FAMILIES: dict[str, Family] = {family.architecture: family for family in ORDERED}

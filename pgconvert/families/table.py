@@ -31,6 +31,7 @@ from pgconvert.semantics import SEMANTICS
 from pgconvert.semantics.carried import CarriedSetting
 
 SLOT = "{}"
+HYBRID_PATTERN = "hybrid_override_pattern"
 # Rows ``[start, stop)`` along a dim of one HF part of a canonical tensor: (part index, dim, start, stop).
 PartReader = Callable[[int, int, int, int], torch.Tensor]
 
@@ -307,6 +308,10 @@ class TensorMapping:
     # The HF tensors hold every routed expert of a layer stacked on dim 0 (GPT-OSS's
     # ``mlp.experts.gate_up_proj`` [E, ...]); the canonical pattern's last slot, the expert, indexes it.
     stacked: bool = False
+    # The HF pattern is shared with other rows of this flag, for layers of other kinds: a hybrid model's
+    # layers have one HF name for their pre-norm, which each layer kind calls by its own canonical name
+    # (a config gives every layer one kind, so one of the rows applies to each layer).
+    by_layer_kind: bool = False
 
     def __post_init__(self) -> None:
         if len(self.hf) != self.transform.parts:
@@ -336,7 +341,8 @@ class TensorTable:
 
     def __post_init__(self) -> None:
         canonical = [row.canonical for row in self.rows if row.canonical is not None]
-        hf = [pattern for row in self.rows for pattern in row.hf]
+        shared = {pattern for row in self.rows if row.by_layer_kind for pattern in row.hf}
+        hf = [pattern for row in self.rows if not row.by_layer_kind for pattern in row.hf] + sorted(shared)
         for side, patterns in (("canonical", canonical), ("hf", hf)):
             repeated = sorted({p for p in patterns if patterns.count(p) > 1})
             if repeated:
@@ -522,13 +528,19 @@ class Family:
     # How this family's config.json holds a setting of pgconvert.semantics.SEMANTICS (row name ->
     # text), where it differs from the row's own ``hf`` text: documentation, per family.
     hf_notes: Mapping[str, str] = field(default_factory=dict)
+    # The Megatron-only settings of a model read from HF, where they differ from every family's
+    # (pgconvert.formats.hf.LOADED_DEFAULTS: the local layer spec): the layer spec megatron-core ships for it.
+    megatron_defaults: Mapping[str, object] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        mapped = {f.model_field for f in self.fields}
+        ruled = [name for rule in self.rules for name in rule.model_fields]
+        if HYBRID_PATTERN not in mapped | set(ruled) | set(self.fixed):
+            # A family that reads no layer pattern has attention and an MLP in every layer.
+            object.__setattr__(self, "fixed", {**self.fixed, HYBRID_PATTERN: None})
         for name in ("fixed", *_MERGED):
             object.__setattr__(self, name, MappingProxyType(dict(getattr(self, name))))
         object.__setattr__(self, "hf_computes", frozenset(self.hf_computes))
-        mapped = {f.model_field for f in self.fields}
-        ruled = [name for rule in self.rules for name in rule.model_fields]
         unknown = sorted((mapped | set(ruled) | set(self.fixed) | self.hf_computes) - _MODEL_FIELDS)
         if unknown:
             raise ValueError(f"family {self.architecture}: not ModelConfig fields: {unknown}")

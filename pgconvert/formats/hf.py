@@ -31,7 +31,7 @@ from safetensors import SafetensorError, safe_open
 from pgconvert.model.config import DTYPES, ModelConfig
 from pgconvert.errors import CheckpointError, ConfigError, PgconvertError
 from pgconvert.families import FAMILIES, INFERENCE_ORDER, supported_architectures
-from pgconvert.families.table import REQUIRED, SLOT, ConfigField, Family, TensorTable
+from pgconvert.families.table import REQUIRED, SLOT, ConfigField, ConfigRule, Family, TensorTable
 from pgconvert.io.limits import MAX_SAFETENSORS_HEADER_BYTES, over_limit, parse_json, quote, read_json
 from pgconvert.model.declared import LIMITS_ONLY, StoredCounts, check_declared_counts
 from pgconvert.model.provider import LAYER_PREFIX, MTP_PREFIX
@@ -192,9 +192,11 @@ def model_config_from_hf(doc: dict[str, Any], path: Path, stored_dtype: torch.dt
         except ValueError as exc:
             raise error(f"{path}: {exc}") from exc
         assert sorted(ruled) == sorted(rule.model_fields), (family.architecture, sorted(ruled))
+        if stored is not None:  # a count a rule reads (Nemotron-H's layers, from their kinds' list)
+            check_declared_counts(ruled, stored, str(path), lambda setting: _counted_by(rule, doc), error)
         values.update(ruled)
     values["params_dtype"] = _config_dtype(doc, stored_dtype)
-    values.update(LOADED_DEFAULTS)
+    values.update({**LOADED_DEFAULTS, **family.megatron_defaults})
     try:
         config = ModelConfig.from_settings(values)
     except ConfigError as exc:
@@ -231,6 +233,12 @@ def _written_key(doc: dict[str, Any], spec: ConfigField) -> str:
     """The spelling of ``spec`` that config.json holds (its own name where none is present)."""
     where = next((where for where in spec.spellings if get_path(doc, where) is not MISSING), spec.path)
     return ".".join(where)
+
+
+def _counted_by(rule: ConfigRule, doc: dict[str, Any]) -> str:
+    """How a message names a count a rule read: the length of the first of its keys config.json holds."""
+    key = next((key for key in (*rule.keys, *rule.legacy_keys) if doc.get(key) is not None), rule.keys[0])
+    return f"len({key})" if isinstance(doc.get(key), (list, str)) else key
 
 
 def _named_as_written(exc: ConfigError, doc: dict[str, Any], family: Family, read_from: dict[str, str]) -> str:

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from pgconvert.families import CARRIED_SETTINGS
+from pgconvert.formats.hybrid_args import MAMBA_DEFAULTS
 from pgconvert.formats.strict import fallback
 from pgconvert.model.config import POSTNORM_OFF
 from pgconvert.semantics import CORE_ONLY_DEFAULTS, MEGATRON_DEFAULT_DROPOUT
@@ -365,8 +366,22 @@ _RUN_ROWS: tuple[ArgField, ...] = (
       for name in ("sequence_parallel", "apply_query_key_layer_scaling")),
 )
 
+def _hybrid(args: argparse.Namespace) -> bool:
+    return _given(args, "hybrid_override_pattern") is not None
+
+
+_HYBRID = "formats.hybrid_args.hybrid_from_args"
+# Megatron-LM core_v0.16.1's pretrain_mamba.py (hybrid models, pgconvert.formats.hybrid_args); the Mamba
+# sizes are megatron-core TransformerConfig fields, turned into flags with their defaults.
+_HYBRID_ROWS: tuple[ArgField, ...] = (
+    _optional("hybrid_override_pattern", "None", "a GPT model (attention and an MLP in every layer)", _HYBRID),
+    *(_defaulted(name, MAMBA_DEFAULTS[name], _HYBRID, when=_hybrid, origin="Megatron-LM (megatron-core's TransformerConfig)")
+      for name in ("mamba_state_dim", "mamba_head_dim", "mamba_num_groups")),
+    _optional("mamba_num_heads", "None", "hidden_size * 2 // mamba_head_dim (megatron-core's MambaMixer)", _HYBRID),
+)
+
 MEGATRON_ARGS: tuple[ArgField, ...] = (*_LAYOUT_ROWS, *_MODEL_ROWS, *_MOE_ROWS, *_POSITION_ROWS, *_ATTENTION_ROWS,
-                                       *_RUN_ROWS)
+                                       *_HYBRID_ROWS, *_RUN_ROWS)
 ARG_FIELDS: dict[str, ArgField] = {row.name: row for row in MEGATRON_ARGS}
 
 

@@ -60,7 +60,7 @@ from torch.distributed.checkpoint.planner import SavePlan
 
 from pgconvert.io import limits
 from pgconvert.model.config import ModelConfig
-from pgconvert.errors import CheckpointError, UnsafePickleError
+from pgconvert.errors import CheckpointError, UnsafePickleError, ValidationError
 from pgconvert.io.limits import over_limit, quote, read_json
 from pgconvert.formats.megatron import resolve_megatron_iteration
 from pgconvert.model.provider import (EXPERTS_MODULE, EXTRA_STATE_SUFFIX, LAYER_PREFIX, MODEL_MODULE_PREFIXES,
@@ -142,8 +142,19 @@ def _dist_layer_name(kind: TensorKind, config: ModelConfig) -> str:
     return fused_norm_name(kind.canonical) or kind.canonical
 
 
+def refuse_hybrid(config: ModelConfig) -> None:
+    """megatron-core saves a Mamba mixer's ``in_proj`` and ``conv1d`` as one key per segment
+    (``in_proj.weight.z`` … ``.dt``: MambaMixer.sharded_state_dict's ``_split_tensor_factory``) and a
+    hybrid decoder's layers unstacked; pgconvert does not write or read that layout yet."""
+    if config.hybrid_override_pattern is not None:
+        raise ValidationError(f"torch_dist: the hybrid model hybrid_override_pattern="
+                              f"{quote(config.hybrid_override_pattern)} is not supported in distributed "
+                              "checkpoints yet (Mamba layers); convert to or from per-rank megatron or hf")
+
+
 def tensor_locations(config: ModelConfig) -> dict[str, DistLocation]:
     """Every canonical tensor's location, in stream order."""
+    refuse_hybrid(config)
     stacked = stacked_layers(config)
     layers = config.num_layers
     locations: dict[str, DistLocation] = {}

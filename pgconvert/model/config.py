@@ -21,7 +21,7 @@ from typing import Any
 
 from pgconvert.errors import ConfigError
 from pgconvert.io.limits import quote
-from pgconvert.model.layers import LayerSpec, MTPLayerSpec, layer_specs, mtp_layer_specs
+from pgconvert.model.layers import HYBRID_LAYER_KINDS, LayerSpec, MTPLayerSpec, layer_specs, mtp_layer_specs
 
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")
 POSITION_EMBEDDING_TYPES = ("rope", "learned_absolute", "none")
@@ -192,6 +192,45 @@ class NormConfig:
 
 
 @dataclass(frozen=True)
+class MambaConfig:
+    """The Mamba-2 mixers of a hybrid model (megatron-core's TransformerConfig names and defaults).
+
+    ``mamba_num_heads`` None: megatron-core's ``hidden_size * 2 // mamba_head_dim`` (MambaMixer's
+    ``expand=2``; ModelConfig fills it in for a hybrid model). The convolution is megatron-core's
+    fixed ``d_conv=4`` wide, with a bias.
+    """
+
+    mamba_state_dim: int = 128
+    mamba_head_dim: int = 64
+    mamba_num_groups: int = 8
+    mamba_num_heads: int | None = None
+
+    @property
+    def num_heads(self) -> int:
+        assert self.mamba_num_heads is not None
+        return self.mamba_num_heads
+
+    @property
+    def d_inner(self) -> int:
+        """The mixer's inner width: heads × head dim (the rows of x, z and the gated norm)."""
+        return self.num_heads * self.mamba_head_dim
+
+    @property
+    def group_state_rows(self) -> int:
+        """The rows of B (and of C): one state per group."""
+        return self.mamba_num_groups * self.mamba_state_dim
+
+    @property
+    def conv_rows(self) -> int:
+        """The channels of the convolution: x, B and C."""
+        return self.d_inner + 2 * self.group_state_rows
+
+
+# The layer symbols of megatron-core's hybrid_override_pattern (ssm/mamba_hybrid_layer_allocation.py).
+HYBRID_SYMBOLS = tuple(HYBRID_LAYER_KINDS)
+
+
+@dataclass(frozen=True)
 class CarriedConfig:
     """Settings megatron-core's TransformerConfig has no field for, carried in Megatron args and
     pgconvert.json so that a model converts back to the same HF config (pgconvert.semantics)."""
@@ -210,7 +249,7 @@ class CarriedConfig:
 # The sub-configs, by their attribute on ModelConfig.
 GROUPS: dict[str, type] = {
     "attention": AttentionConfig, "mlp": MLPConfig, "moe": MoEConfig, "positions": PositionConfig,
-    "norms": NormConfig, "carried": CarriedConfig,
+    "norms": NormConfig, "carried": CarriedConfig, "mamba": MambaConfig,
 }
 
 # Every setting, in the order to_dict (pgconvert.json, inspect --json) lists them, and where it lives:
@@ -241,7 +280,8 @@ SETTING_GROUPS: dict[str, str | None] = {
     "final_logit_softcapping": "carried", "rotary_base_local": "positions",
     "qk_layernorm_across_heads": "attention", "softmax_type": "attention", "glu_linear_offset": "mlp",
     "activation_func_clamp_value": "mlp", "softmax_scale": "attention", "mtp_num_layers": None,
-    "mtp_layer_module": None,
+    "mtp_layer_module": None, "hybrid_override_pattern": None, "mamba_state_dim": "mamba",
+    "mamba_head_dim": "mamba", "mamba_num_groups": "mamba", "mamba_num_heads": "mamba",
 }
 
 
@@ -304,6 +344,7 @@ class ModelConfig(SettingsByName):
     positions: PositionConfig = field(default_factory=PositionConfig)
     norms: NormConfig = field(default_factory=NormConfig)
     carried: CarriedConfig = field(default_factory=CarriedConfig)
+    mamba: MambaConfig = field(default_factory=MambaConfig)
     vocab_size: int | None = None
     make_vocab_size_divisible_by: int = 128
     tie_embeddings: bool = False
@@ -318,6 +359,9 @@ class ModelConfig(SettingsByName):
     mtp_num_layers: int = 0
     # How per-rank files spell an MTP layer's inner transformer layer (pgconvert.formats.mtp_naming).
     mtp_layer_module: str = "transformer_layer"
+    # A hybrid model's layers, one symbol each (megatron-core's hybrid_override_pattern): M a Mamba-2
+    # mixer, * self-attention, - a dense MLP, E a mixture of experts. None: every layer attention + MLP.
+    hybrid_override_pattern: str | None = None
 
     def __post_init__(self) -> None:
         _check_computation_settings(self)
@@ -348,6 +392,7 @@ class ModelConfig(SettingsByName):
         if positions.max_position_embeddings is not None:
             _require_positive("max_position_embeddings", positions.max_position_embeddings)
         _check_moe(self)
+        _check_hybrid(self)
 
     def _set(self, group: str, **changes: Any) -> None:
         """Replace sub-config ``group`` with a copy holding ``changes`` (a default filled in, a list
@@ -477,6 +522,30 @@ def _check_moe(config: ModelConfig) -> None:
             )
     else:
         _require_positive("moe_layer_freq", freq)
+
+
+def _check_hybrid(config: ModelConfig) -> None:
+    """A hybrid pattern: one known symbol per layer, experts for its E layers; the Mamba sizes
+    positive, the heads defaulted as megatron-core does and divided into the groups."""
+    pattern = config.hybrid_override_pattern
+    if pattern is None:
+        return
+    if not isinstance(pattern, str) or set(pattern) - set(HYBRID_SYMBOLS) or len(pattern) != config.num_layers:
+        raise _violates("hybrid_override_pattern", pattern,
+                        f"must be one of {' '.join(HYBRID_SYMBOLS)} for each of the {config.num_layers} layers")
+    if "E" in pattern and config.moe.num_experts is None:
+        raise _violates("hybrid_override_pattern", pattern, "E (MoE) layers need num_experts")
+    if config.mtp_num_layers:
+        raise _violates("mtp_num_layers", config.mtp_num_layers, "a hybrid model's MTP layers are not supported")
+    mamba = config.mamba
+    for name in ("mamba_state_dim", "mamba_head_dim", "mamba_num_groups"):
+        _require_positive(name, getattr(mamba, name))
+    if mamba.mamba_num_heads is None:
+        config._set("mamba", mamba_num_heads=config.hidden_size * 2 // mamba.mamba_head_dim)
+    _require_positive("mamba_num_heads", config.mamba.mamba_num_heads)
+    if config.mamba.num_heads % mamba.mamba_num_groups:
+        raise _violates("mamba_num_groups", mamba.mamba_num_groups,
+                        f"mamba_num_heads={config.mamba.num_heads} must be a multiple of it")
 
 
 def _check_computation_settings(config: ModelConfig) -> None:

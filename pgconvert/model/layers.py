@@ -7,10 +7,10 @@ routed experts). Each kind is one table of tensors, registered by name in
 layer (MoE or dense, sliding window, RoPE). An MTP layer is a kind too: its own tensors around a
 decoder layer, built with the last decoder layer's spec.
 
-Today's settings describe GPT-shaped layers (every layer the same mixer, the MLP per
-``moe_layer_freq``); a hybrid layer pattern (megatron-core's ``hybrid_override_pattern``: one symbol per
-layer, a Mamba or gated-delta-net mixer, attention, an MLP or MoE) maps each symbol to a spec here,
-a layer without one of the two having ``None`` there.
+A GPT-shaped model has every layer the same mixer and the MLP per ``moe_layer_freq``. A hybrid model
+(megatron-core's ``hybrid_override_pattern``: one symbol per layer) has layers of one sublayer each,
+the other ``None``: ``M`` a Mamba-2 mixer, ``*`` self-attention, ``-`` a dense MLP, ``E`` a mixture of
+experts, numbered as the pattern's symbols (megatron-core's MambaStack).
 """
 
 from __future__ import annotations
@@ -27,6 +27,12 @@ MULTI_LATENT_ATTENTION = "multi_latent_attention"
 DENSE_MLP = "mlp"
 MOE = "moe"
 MTP = "mtp"
+MAMBA = "mamba"
+
+# Each hybrid_override_pattern symbol's layer: (mixer kind, MLP kind).
+HYBRID_LAYER_KINDS: dict[str, tuple[str | None, str | None]] = {
+    "M": (MAMBA, None), "*": (SELF_ATTENTION, None), "-": (None, DENSE_MLP), "E": (None, MOE),
+}
 
 
 @dataclass(frozen=True)
@@ -69,6 +75,10 @@ class MTPLayerSpec:
 
 def layer_specs(config: ModelConfig) -> tuple[LayerSpec, ...]:
     """Every decoder layer's spec, in layer order."""
+    if config.hybrid_override_pattern is not None:
+        return tuple(LayerSpec(*HYBRID_LAYER_KINDS[symbol], window=_is_window_layer(config, layer),
+                               rope=_uses_rope(config, layer))
+                     for layer, symbol in enumerate(config.hybrid_override_pattern))
     mixer = MULTI_LATENT_ATTENTION if config.attention.multi_latent_attention else SELF_ATTENTION
     return tuple(
         LayerSpec(mixer=mixer, mlp=MOE if _is_moe_layer(config, layer) else DENSE_MLP,

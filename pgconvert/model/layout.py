@@ -218,16 +218,10 @@ class ParallelLayout:
         opt = _flag_namer(flag_prefix)
         tp = self.tp
         moe = config.moe
-        checks = [
-            ("num_attention_heads", config.attention.num_attention_heads),
-            ("num_query_groups", config.attention.query_groups),
-            ("ffn_hidden_size", config.mlp.ffn_hidden_size),
-        ]
-        if moe.moe_shared_expert_intermediate_size is not None:
-            checks.append(("moe_shared_expert_intermediate_size", moe.moe_shared_expert_intermediate_size))
-        for field, value in checks:
+        for field, value in _tp_divided(config):
             if value % tp:
                 raise LayoutError(f"{opt('tp', tp)}: {field}={value} is not divisible by {tp}")
+        self._validate_hybrid(config, opt)
         if moe.num_experts is None:
             if self.ep != 1:
                 raise LayoutError(f"{opt('ep', self.ep)}: the model has no experts")
@@ -251,6 +245,20 @@ class ParallelLayout:
         self.virtual_stage_layers(config.num_layers, flag_prefix)
         self._validate_mtp(config)
 
+    def _validate_hybrid(self, config: ModelConfig, opt: Callable[[str, object], str]) -> None:
+        """megatron-core 0.16.1's MambaStack cuts its layer pattern into even (or first/last-uneven)
+        stages and asserts it has no virtual pipeline (``_select_layers_for_pipeline_parallel``); it
+        reads no pipeline layout string."""
+        pattern = config.hybrid_override_pattern
+        if pattern is None:
+            return
+        if self.has_virtual_chunks:
+            raise LayoutError(f"{opt('vpp', self.virtual_size)}: the hybrid model {quote(pattern)} cannot take a "
+                              "virtual pipeline (megatron-core's MambaStack asserts it has none)")
+        if self.pipeline_layout is not None:
+            raise LayoutError(f"pipeline layout {quote(self.pipeline_layout)}: the hybrid model {quote(pattern)} "
+                              "places its layers by the pattern; give even or first/last stage sizes instead")
+
     def _validate_mtp(self, config: ModelConfig) -> None:
         """megatron-core builds MTP layers on the last virtual stage only; a layout string must
         place all of them there (get_mtp_num_layers_to_build counts its "m")."""
@@ -262,6 +270,24 @@ class ParallelLayout:
             raise LayoutError(
                 f"pipeline layout {quote(self.pipeline_layout)}: places {sum(counts)} MTP layers (m){where}; the "
                 f"model has mtp_num_layers={config.mtp_num_layers}, all on the last pipeline stage")
+
+
+def _tp_divided(config: ModelConfig) -> list[tuple[str, int]]:
+    """The settings tensor parallelism splits, by name: a GPT model's heads, groups and MLP; a hybrid
+    model's only for the layer kinds its pattern has (its Mamba mixers split heads and groups)."""
+    pattern = config.hybrid_override_pattern
+    attention = pattern is None or "*" in pattern
+    checks = []
+    if attention:
+        checks += [("num_attention_heads", config.attention.num_attention_heads),
+                   ("num_query_groups", config.attention.query_groups)]
+    if pattern is None or "-" in pattern:
+        checks.append(("ffn_hidden_size", config.mlp.ffn_hidden_size))
+    if pattern is not None and "M" in pattern:
+        checks += [("mamba_num_heads", config.mamba.num_heads), ("mamba_num_groups", config.mamba.mamba_num_groups)]
+    if config.moe.moe_shared_expert_intermediate_size is not None:
+        checks.append(("moe_shared_expert_intermediate_size", config.moe.moe_shared_expert_intermediate_size))
+    return checks
 
 
 def _require_size(name: str, value: object) -> None:

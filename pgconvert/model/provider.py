@@ -37,6 +37,12 @@ OUTPUT_LAYER = "output_layer.weight"
 VOCAB_TABLES: frozenset[str] = frozenset({WORD_EMBEDDINGS, OUTPUT_LAYER})
 FINAL_NORM_WEIGHT = "decoder.final_layernorm.weight"
 FINAL_NORM_BIAS = "decoder.final_layernorm.bias"
+# A hybrid model's decoder (megatron-core's MambaStack) names its final norm ``final_norm``; canonically
+# it is the GPT decoder's ``final_layernorm``.
+HYBRID_FINAL_NORM = "decoder.final_norm."
+# The local spec's separate input norms, one in every layer of their kind (attention, Mamba): a key
+# under one of them is a local-spec key.
+_LOCAL_INPUT_NORMS = ("input_layernorm.", "norm.")
 EXTRA_STATE_SUFFIX = "._extra_state"
 
 
@@ -49,7 +55,7 @@ def layer_spec_of_key(key: str) -> str | None:
     rest = parsed[1]
     if any(rest.startswith(fused) for _, fused in FUSED_NORM_NAMES):
         return "transformer_engine"
-    return "local" if rest.startswith(FUSED_NORM_NAMES[0][0]) else None
+    return "local" if rest.startswith(_LOCAL_INPUT_NORMS) else None
 
 
 @dataclass(frozen=True)
@@ -361,11 +367,18 @@ def _add_layer(config: ModelConfig, add: _SpecAdder, spec: LayerSpec | MTPLayerS
             add(local, tensor.canonical, kind.shape(config), kind.rule_for(config), expert=True)
 
 
+def final_norm_local_name(config: ModelConfig, canonical: str) -> str:
+    """How a rank file names the final norm's ``canonical`` tensor (a hybrid decoder's ``final_norm``)."""
+    if config.hybrid_override_pattern is None:
+        return canonical
+    return HYBRID_FINAL_NORM + canonical.rpartition(".")[2]
+
+
 def _add_final_norm(config: ModelConfig, add: _SpecAdder) -> None:
     """The last stage's final norm."""
-    add(FINAL_NORM_WEIGHT, FINAL_NORM_WEIGHT, (config.hidden_size,), REPLICATED)
+    add(final_norm_local_name(config, FINAL_NORM_WEIGHT), FINAL_NORM_WEIGHT, (config.hidden_size,), REPLICATED)
     if config.norms.normalization == "LayerNorm":
-        add(FINAL_NORM_BIAS, FINAL_NORM_BIAS, (config.hidden_size,), REPLICATED)
+        add(final_norm_local_name(config, FINAL_NORM_BIAS), FINAL_NORM_BIAS, (config.hidden_size,), REPLICATED)
 
 
 def _add_output(config: ModelConfig, add: _SpecAdder, vocab_shape: tuple[int, int], pre_process: bool) -> None:
@@ -430,7 +443,7 @@ def _te_row_names(config: ModelConfig, spec: LayerSpec | MTPLayerSpec, row: TERo
 MODEL_MODULE_PREFIXES = ("embedding.", "decoder.", "output_layer.", "mtp.")
 # Where a non-layer module lives: its entries go to the first or the last pipeline chunk.
 _FIRST_CHUNK_PREFIXES = ("embedding.",)
-_LAST_CHUNK_PREFIXES = ("output_layer.", "decoder.final_layernorm.", MTP_PREFIX)
+_LAST_CHUNK_PREFIXES = ("output_layer.", "decoder.final_layernorm.", HYBRID_FINAL_NORM, MTP_PREFIX)
 
 
 def non_layer_chunk(name: str) -> str | None:

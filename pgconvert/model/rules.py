@@ -264,6 +264,81 @@ class GatedChunked(ShardRule):
         return _concat(views, 0)
 
 
+@dataclass(frozen=True)
+class Segmented(ShardRule):
+    """A tensor whose rows are named segments laid end to end, each split over TP on its own: rank r
+    holds chunk r of every segment, in segment order (megatron-core's Mamba ``in_proj`` = ``[z; x; B;
+    C; dt]`` and ``conv1d`` = ``[x; B; C]``, whose segments have different sizes). ``segments`` are the
+    global row counts; ``names`` say what each segment is (for messages and docs only).
+
+    ::
+
+        full           rank0          rank1
+        ┌ z0 ┐         ┌ z0 ┐         ┌ z1 ┐
+        │ z1 │         │ x0 │         │ x1 │
+        │ x0 │   ──►   └ B0 ┘         └ B1 ┘
+        │ x1 │
+        │ B0 │
+        └ B1 ┘
+
+    A gated ``linear_fc1`` is the two-segment case. Merging concatenates, segment by segment, every
+    rank's chunk of it.
+    """
+
+    segments: tuple[int, ...] = ()
+    names: tuple[str, ...] = ()
+    name = "segmented"
+
+    def __post_init__(self) -> None:
+        if not self.segments or any(rows < 1 for rows in self.segments):
+            raise ValueError(f"segmented rule: segment row counts must be positive, got {self.segments}")
+        if self.names and len(self.names) != len(self.segments):
+            raise ValueError(f"segmented rule: {len(self.names)} names for {len(self.segments)} segments")
+
+    def _check(self, global_rows: int, size: int) -> None:
+        if global_rows != sum(self.segments):
+            raise ValueError(f"segmented rule: {global_rows} rows, but the segments {self.segments} "
+                             f"add up to {sum(self.segments)}")
+        bad = [self._label(index) for index, rows in enumerate(self.segments) if rows % size]
+        if bad:
+            raise ValueError(f"segmented rule: segments {bad} of {self.segments} rows do not divide by {size}")
+
+    def _label(self, index: int) -> str:
+        return self.names[index] if self.names else str(index)
+
+    def local_shape(self, global_shape: Sequence[int], size: int) -> tuple[int, ...]:
+        self._check(global_shape[0], size)
+        return (global_shape[0] // size, *global_shape[1:])
+
+    def piece_windows(self, global_shape: Sequence[int], size: int, rank: int, rows: int | None = None,
+                      true_rows: int | None = None) -> tuple[Window, ...]:
+        """Chunk ``rank`` of each segment, in segment order."""
+        self._check(global_shape[0], size)
+        windows = []
+        start = 0
+        for segment in self.segments:
+            step = segment // size
+            windows.append(Window(0, start + rank * step, step))
+            start += segment
+        return tuple(windows)
+
+    def shard(self, full: torch.Tensor, size: int, rank: int) -> torch.Tensor:
+        return _cut(full, self.piece_windows(full.shape, size, rank))
+
+    def merge(self, shards: Sequence[torch.Tensor]) -> torch.Tensor:
+        if len(shards) == 1:
+            return shards[0]
+        size = len(shards)
+        self._check(shards[0].shape[0] * size, size)
+        views: list[torch.Tensor] = []
+        start = 0
+        for segment in self.segments:
+            local = segment // size
+            views += [shard.narrow(0, start, local) for shard in shards]
+            start += local
+        return _cat(views, 0)
+
+
 def _cut(full: torch.Tensor, windows: Sequence[Window]) -> torch.Tensor:
     """The windows of ``full`` (a view when they are one run of rows)."""
     if len(windows) > 1 and all(a.dim == b.dim and a.start + a.length == b.start for a, b in zip(windows, windows[1:])):

@@ -58,6 +58,7 @@ from pgconvert.formats.torch_dist import (
     empty_extra_state,
     extra_state_keys,
     single_process_calls,
+    refuse_hybrid,
     tensor_locations,
     write_checkpoint_config,
 )
@@ -189,6 +190,7 @@ class TorchDistSaver(Saver):
 
     def validate(self, source: CanonicalSource, options: SaveOptions) -> None:
         config = target_config(source.config, options)
+        refuse_hybrid(config)
         options.layout.validate(config, "dst")
         target_vocab_rows(config, source.vocab_rows, options.layout)
         carried_for_target(source, options)

@@ -43,7 +43,10 @@ LATENT_ATTENTION: dict[str, object] = dict(kv_lora_rank=8, qk_head_dim=4, qk_pos
 # Parts a family may accept, tried all together first; the routed-expert ones only with experts.
 EXPERT_PARTS: tuple[dict[str, object], ...] = (dict(moe_shared_expert_intermediate_size=8),
                                                dict(moe_layer_freq=(0, 1, 1)))
-PARTS: tuple[dict[str, object], ...] = (dict(rotary_base_local=1000.0), dict(mtp_num_layers=1))
+# A hybrid layer pattern (Mamba, attention, MLP) with its Mamba sizes: only a hybrid family accepts it.
+HYBRID: dict[str, object] = dict(hybrid_override_pattern="M*-", mamba_num_heads=4, mamba_head_dim=8,
+                                 mamba_num_groups=2, mamba_state_dim=4)
+PARTS: tuple[dict[str, object], ...] = (dict(rotary_base_local=1000.0), dict(mtp_num_layers=1), HYBRID)
 
 
 def count_keys(family: Family) -> list[str]:

@@ -42,6 +42,8 @@ NEEDED: dict[str, dict[str, Any]] = {
     "olmoe": dict(num_experts=16),
     "glm4_moe": dict(n_routed_experts=16),
     "gpt_oss": dict(num_local_experts=16),
+    # NemotronHConfig's default layers include a MoE layer; the dense variant's kinds, four layers.
+    "nemotron_h": dict(layers_block_type=["linear_attention", "mlp", "full_attention", "mlp"]),
 }
 # References that switch on what the base leaves off, so that the keys read only then are varied too.
 FEATURES: dict[str, tuple[dict[str, Any], ...]] = {

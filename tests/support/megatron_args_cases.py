@@ -83,6 +83,10 @@ def _cases() -> dict[str, Callable[[], argparse.Namespace]]:
         "distributed optimizer": lambda: _args(ModelConfig(**_DENSE), tp2, torch.bfloat16, overlap_grad_reduce=True,
                                                use_distributed_optimizer=True, context_parallel_size=2, world_size=8,
                                                data_parallel_size=2, accumulate_allreduce_grads_in_fp32=True),
+        "hybrid Mamba (Nemotron-H)": lambda: _args(ModelConfig(
+            **{**_DENSE, "num_layers": 4}, hybrid_override_pattern="M*M-", mamba_num_heads=8, mamba_head_dim=16,
+            mamba_num_groups=2, mamba_state_dim=8, position_embedding_type="none", gated_linear_unit=False,
+            activation="squared_relu", transformer_impl="transformer_engine"), tp2, torch.bfloat16),
         "older Megatron-LM": lambda: _args(ModelConfig(**_DENSE), tp2, position_embedding_type=_DELETE,
                                            use_rotary_position_embeddings=True, norm_epsilon=_DELETE,
                                            layernorm_epsilon=1e-6, data_parallel_size=_DELETE, world_size=8),
@@ -99,7 +103,9 @@ def read_all(args: argparse.Namespace, strict: bool = False, notices: list[str] 
     config = config_from_args(args, ARGS_PATH, impl, None, grouped_gemm=bool(getattr(args, "moe_grouped_gemm", False)))
     dp = dp_size(args)
     rules = OptimizerRules.from_args(args, str(ARGS_PATH))
-    buffers = flat_buffers(config, layout, RankCoord(0, 0, 0), rules, PADDED_VOCAB, args, dp)
+    # pgconvert does not carry a hybrid model's optimizer state (the Mamba parameters' order is refused).
+    buffers = (None if config.hybrid_override_pattern is not None
+               else flat_buffers(config, layout, RankCoord(0, 0, 0), rules, PADDED_VOCAB, args, dp))
     target = args_for_target(config, layout, PADDED_VOCAB, torch.float32, 1, args)
     return {"layout": layout, "config": config, "dp": dp, "rules": rules, "buffers": buffers,
             "bucket divisor": bucket_divisor(dp, args), "buffer dtypes": buffer_dtype_key(args),

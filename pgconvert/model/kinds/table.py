@@ -105,6 +105,7 @@ class LayerKind:
 FUSED_NORM_NAMES: tuple[tuple[str, str], ...] = (
     ("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
     ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"),
+    ("norm.", "mixer.in_proj.layer_norm_"),  # a Mamba layer's input norm (pgconvert.model.kinds.mamba)
 )
 
 

@@ -1,0 +1,119 @@
+"""Nemotron-H (``NemotronHForCausalLM``): NVIDIA's hybrid Mamba-2 / attention / MLP decoder, dense.
+
+transformers 5.x (``models/nemotron_h``) names every layer ``backbone.layers.{i}`` (its conversion
+mapping renames ``backbone.`` to ``model.`` on load and back on save) with one pre-norm ``norm`` and
+one ``mixer``, whose kind ``layers_block_type`` gives per layer (older configs: the
+``hybrid_override_pattern`` string, M Mamba-2, * attention, - MLP, E MoE): the same one symbol per
+layer as megatron-core's MambaModel, so the layer indices are the same on both sides
+(``pgconvert.model.layers``). The Mamba mixer's tensors (``in_proj`` = ``[z; x; B; C; dt]``,
+``conv1d`` over ``[x; B; C]``, ``A_log``, ``D``, ``dt_bias``, the gated ``norm``, ``out_proj``) are
+megatron-core's own, row for row (``pgconvert.model.kinds.mamba``); attention is grouped-query without
+positions (megatron-core's ``position_embedding_type='none'``, as Megatron-Bridge's Nemotron-H
+bridge sets it) and the MLP ``up_proj``/``down_proj`` with squared ReLU (``relu2``, Megatron-LM's
+``--squared-relu``).
+
+What megatron-core 0.16.1's MambaMixer fixes and config.json must agree with: a convolution 4 wide
+with a bias, no projection biases, SiLU. Two computations differ and are not carried: transformers
+clamps the softplus time step at ``time_step_min`` from below (megatron-core does not clamp), and its
+gated norm uses ``layer_norm_epsilon`` where megatron-core hard-codes 1e-5.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from pgconvert.io.limits import quote
+from pgconvert.model.config import HYBRID_SYMBOLS, POSTNORM_OFF, ModelConfig
+from pgconvert.families.table import QKV, ConfigField, ConfigRule, Family, TensorMapping, TensorTable
+
+_LAYER = "backbone.layers.{}."
+_MAMBA = "mixer."
+TENSORS = TensorTable((
+    TensorMapping("embedding.word_embeddings.weight", ("backbone.embeddings.weight",)),
+    # Every layer's pre-norm: megatron-core's name depends on the layer's kind.
+    TensorMapping("decoder.layers.{}.norm.weight", (_LAYER + "norm.weight",), by_layer_kind=True),
+    *(TensorMapping(f"decoder.layers.{{}}.mixer.{name}", (_LAYER + _MAMBA + name,))
+      for name in ("dt_bias", "A_log", "D", "in_proj.weight", "conv1d.weight", "conv1d.bias", "norm.weight",
+                   "out_proj.weight")),
+    TensorMapping("decoder.layers.{}.input_layernorm.weight", (_LAYER + "norm.weight",), by_layer_kind=True),
+    TensorMapping("decoder.layers.{}.self_attention.linear_qkv.weight",
+                  tuple(_LAYER + f"mixer.{proj}_proj.weight" for proj in "qkv"), QKV),
+    TensorMapping("decoder.layers.{}.self_attention.linear_proj.weight", (_LAYER + "mixer.o_proj.weight",)),
+    TensorMapping("decoder.layers.{}.pre_mlp_layernorm.weight", (_LAYER + "norm.weight",), by_layer_kind=True),
+    TensorMapping("decoder.layers.{}.mlp.linear_fc1.weight", (_LAYER + "mixer.up_proj.weight",)),
+    TensorMapping("decoder.layers.{}.mlp.linear_fc2.weight", (_LAYER + "mixer.down_proj.weight",)),
+    TensorMapping("decoder.final_layernorm.weight", ("backbone.norm_f.weight",)),
+    TensorMapping("output_layer.weight", ("lm_head.weight",)),
+))
+
+
+def _read_layers(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
+    """The layer kinds as transformers' NemotronHConfig reads them: ``layers_block_type`` (or its
+    attribute_map alias ``layer_types``), else the ``hybrid_override_pattern`` string; the layer count
+    is their length (``num_hidden_layers`` is ignored, as transformers ignores it)."""
+    kinds = present.get("layers_block_type", present.get("layer_types"))
+    if kinds is not None:
+        if not isinstance(kinds, list) or any(kind not in _SYMBOL_OF for kind in kinds):
+            raise ValueError(f"layers_block_type={quote(kinds)}: expected a list of {', '.join(_SYMBOL_OF)}")
+        pattern = "".join(_SYMBOL_OF[kind] for kind in kinds)
+    else:
+        pattern = present.get("hybrid_override_pattern")
+        if not isinstance(pattern, str) or not pattern or set(pattern) - set(HYBRID_SYMBOLS):
+            raise ValueError(f"hybrid_override_pattern={quote(pattern)}: expected a string of "
+                             f"{' '.join(HYBRID_SYMBOLS)} (or give layers_block_type)")
+    return {"num_layers": len(pattern), "hybrid_override_pattern": pattern}
+
+
+def _write_layers(config: ModelConfig) -> Mapping[str, object]:
+    """Both spellings (transformers 5 reads the list, older remote code the string) and the count."""
+    pattern = config.hybrid_override_pattern
+    assert pattern is not None
+    kind_of = {symbol: kind for kind, symbol in _SYMBOL_OF.items()}
+    return {"layers_block_type": [kind_of[symbol] for symbol in pattern], "hybrid_override_pattern": pattern,
+            "num_hidden_layers": len(pattern)}
+
+
+def _refuses_layers(config: ModelConfig) -> str | None:
+    """A model without a layer pattern; one with E (MoE) layers needs experts, which ``fixed`` refuses."""
+    if config.hybrid_override_pattern is None:
+        return "hybrid_override_pattern=None (needs a hybrid layer pattern)"
+    return None
+
+
+# transformers' layers_block_type values by hybrid_override_pattern symbol (NemotronHConfig._pattern_to_list).
+_SYMBOL_OF = {"linear_attention": "M", "full_attention": "*", "mlp": "-", "moe": "E"}
+
+NEMOTRON_H = Family(
+    architecture="NemotronHForCausalLM",
+    model_type="nemotron_h",
+    tensors=TENSORS,
+    fields=(
+        ConfigField(("hidden_size",), "hidden_size", int),
+        ConfigField(("num_attention_heads",), "num_attention_heads", int, default=32),
+        ConfigField(("num_key_value_heads",), "num_query_groups", int, default=8, nullable=True),
+        ConfigField(("head_dim",), "kv_channels", int, default=128),
+        ConfigField(("intermediate_size",), "ffn_hidden_size", int, default=21504),
+        ConfigField(("layer_norm_epsilon",), "norm_epsilon", float, default=1e-5),
+        ConfigField(("max_position_embeddings",), "max_position_embeddings", int, default=4096),
+        ConfigField(("vocab_size",), "vocab_size", int, default=131072),
+        ConfigField(("tie_word_embeddings",), "tie_embeddings", bool, default=False),
+        ConfigField(("attention_dropout",), "attention_dropout", float, default=0.0),
+        ConfigField(("hidden_dropout",), "hidden_dropout", float, default=0.0),
+        ConfigField(("mamba_num_heads",), "mamba_num_heads", int, default=128),
+        ConfigField(("mamba_head_dim",), "mamba_head_dim", int, default=64),
+        ConfigField(("n_groups",), "mamba_num_groups", int, default=8),
+        ConfigField(("ssm_state_size",), "mamba_state_dim", int, default=128),
+    ),
+    rules=(ConfigRule(keys=("layers_block_type", "hybrid_override_pattern", "num_hidden_layers"),
+                      model_fields=("num_layers", "hybrid_override_pattern"), read=_read_layers,
+                      write=_write_layers, refuses=_refuses_layers, legacy_keys=("layer_types",)),),
+    fixed={**POSTNORM_OFF, "gated_linear_unit": False, "activation": "squared_relu", "normalization": "RMSNorm",
+           "position_embedding_type": "none", "multi_latent_attention": False, "num_experts": None,
+           "qk_layernorm": False, "add_qkv_bias": False, "add_bias_linear": False, "sliding_window": None},
+    # What megatron-core's MambaMixer and the tensor table assume.
+    # megatron-core ships one Mamba stack spec, of Transformer Engine modules (mamba_stack_spec).
+    megatron_defaults={"transformer_impl": "transformer_engine"},
+    hf_fixed={"mlp_hidden_act": "relu2", "mamba_hidden_act": "silu", "conv_kernel": 4, "use_conv_bias": True,
+              "use_bias": False, "mamba_proj_bias": False, "mlp_bias": False, "attention_bias": False,
+              "num_nextn_predict_layers": 0},
+)

@@ -1,0 +1,162 @@
+"""Test-only: megatron-core 0.16.1's own MambaModel for one rank of a hybrid checkpoint, built on a CPU.
+
+``pretrain_mamba.py``'s ``mamba_builder`` builds ``MambaModel(config, mamba_stack_spec, vocab_size=
+padded_vocab_size, hybrid_override_pattern=..., pre_process, post_process, position_embedding_type, ...)``
+from the rank file's args. Three things megatron-core ships need what this machine lacks, and each is
+replaced by the narrowest stand-in for construction only (no forward runs here):
+
+- the only Mamba stack spec megatron-core ships (``models/mamba/mamba_layer_specs.py``) is made of
+  Transformer Engine modules; the spec here is megatron-core's own classes with its local linears and
+  norms in the same places (MambaLayer's ``norm`` is the input norm TE fuses into ``in_proj``), i.e.
+  the layout of a ``--transformer-impl local`` rank file;
+- ``ssm/mamba_mixer.py`` imports three Triton kernels of dynamic-batching inference
+  (``inference/contexts/attention_context/triton/tensor_ops.py``, which imports ``triton``, absent
+  here) at module level; without Triton that module is stood in for by one whose three functions
+  raise if called (construction calls none);
+- MambaMixer refuses to be built without ``mamba_ssm`` (``HAVE_MAMBA_SSM``) and ``einops``
+  (``HAVE_EINOPS``, also MambaContextParallel's), which only its forward calls; its gated norm ``ExtendedRMSNorm`` derives
+  from ``mamba_ssm``'s RMSNormGated, replaced by a module holding the same one parameter, ``weight``
+  of ``d_inner_local_tp`` rows. MambaStack's final norm is ``TENorm``, replaced by megatron-core's
+  local ``WrappedTorchNorm``.
+
+Everything else (the mixer's ``in_proj`` rows, ``conv1d`` channels, ``A_log``/``D``/``dt_bias`` heads, the
+layers of each stage, their names) is megatron-core's own. Importing this module imports megatron-core.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from typing import Any
+
+import importlib.util
+import sys
+import types
+
+import torch
+
+
+def _triton_kernels_stand_in() -> None:
+    """``tensor_ops`` without Triton: the three names mamba_mixer imports, each refusing to run."""
+    name = "megatron.core.inference.contexts.attention_context.triton.tensor_ops"
+    if importlib.util.find_spec("triton") is not None or name in sys.modules:
+        return
+    module = types.ModuleType(name)
+    for function in ("tensor_get_slice_after", "tensor_masked_update", "tensor_merge"):
+        def refuse(*args: Any, _name: str = function, **kwargs: Any) -> None:
+            raise RuntimeError(f"{_name}: a Triton kernel of dynamic-batching inference; Triton is not installed")
+        setattr(module, function, refuse)
+    sys.modules[name] = module
+
+
+_triton_kernels_stand_in()
+
+import megatron.core.ssm.mamba_block as mamba_block  # noqa: E402
+import megatron.core.ssm.mamba_context_parallel as mamba_context_parallel  # noqa: E402
+import megatron.core.ssm.mamba_mixer as mamba_mixer  # noqa: E402
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add  # noqa: E402
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
+from megatron.core.models.mamba import MambaModel  # noqa: E402
+from megatron.core.ssm.mamba_block import MambaStack, MambaStackSubmodules  # noqa: E402
+from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules  # noqa: E402
+from megatron.core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules  # noqa: E402
+from megatron.core.ssm.mlp_layer import MLPLayer  # noqa: E402
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear  # noqa: E402
+from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: E402
+from megatron.core.transformer.torch_norm import WrappedTorchNorm  # noqa: E402
+from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules  # noqa: E402
+from support.mcore_helpers import (RankLayout, _NoRngTracker, cpu_forward_patches, fake_group_queries,  # noqa: E402
+                                   fake_pg_collection, restored_attention_backend_env)
+
+
+class GatedNormWeight(torch.nn.Module):
+    """Stands in for ``ExtendedRMSNorm`` (mamba_ssm's RMSNormGated): its one parameter, ``weight``."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, group_size: int | None = None,
+                 norm_before_gate: bool = False, device: Any = None, dtype: Any = None) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=dtype))
+
+
+def local_mamba_stack_spec() -> ModuleSpec:
+    """``mamba_stack_spec`` with megatron-core's local modules in place of Transformer Engine's."""
+    local = get_gpt_layer_local_spec(normalization="RMSNorm").submodules
+    mamba = ModuleSpec(module=MambaLayer, submodules=MambaLayerSubmodules(
+        norm=WrappedTorchNorm,
+        mixer=ModuleSpec(module=MambaMixer, submodules=MambaMixerSubmodules(in_proj=ColumnParallelLinear,
+                                                                            out_proj=RowParallelLinear)),
+        mamba_bda=get_bias_dropout_add))
+    attention = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+        input_layernorm=local.input_layernorm, self_attention=local.self_attention,
+        self_attn_bda=get_bias_dropout_add))
+    mlp = ModuleSpec(module=MLPLayer, submodules=TransformerLayerSubmodules(
+        pre_mlp_layernorm=local.pre_mlp_layernorm, mlp=local.mlp, mlp_bda=get_bias_dropout_add))
+    return ModuleSpec(module=MambaStack, submodules=MambaStackSubmodules(
+        mamba_layer=mamba, attention_layer=attention, mlp_layer=mlp))
+
+
+def _transformer_config(args: argparse.Namespace) -> TransformerConfig:
+    """What Megatron-LM's ``core_transformer_config_from_args`` copies for a Nemotron-H-style model."""
+    return TransformerConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups if args.group_query_attention else None,
+        kv_channels=args.kv_channels, ffn_hidden_size=args.ffn_hidden_size, gated_linear_unit=False,
+        activation_func=lambda x: torch.relu(x).square(), normalization=args.normalization,
+        layernorm_epsilon=args.norm_epsilon, add_bias_linear=args.add_bias_linear, add_qkv_bias=args.add_qkv_bias,
+        mamba_state_dim=args.mamba_state_dim, mamba_head_dim=args.mamba_head_dim,
+        mamba_num_groups=args.mamba_num_groups, mamba_num_heads=args.mamba_num_heads, is_hybrid_model=True,
+        hidden_dropout=0.0, attention_dropout=0.0, params_dtype=args.params_dtype, pipeline_dtype=args.params_dtype,
+        use_cpu_initialization=True, perform_initialization=False,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size, bias_activation_fusion=False,
+        bias_dropout_fusion=False, masked_softmax_fusion=False, gradient_accumulation_fusion=False,
+        persist_layer_norm=False)
+
+
+@contextmanager
+def _construction_stand_ins() -> Iterator[None]:
+    """The stand-ins of the module docstring, and the CPU patches megatron-core's construction needs."""
+    with ExitStack() as stack:
+        stack.enter_context(fake_group_queries())
+        stack.enter_context(restored_attention_backend_env())
+        stack.enter_context(cpu_forward_patches())
+        patch = stack.enter_context(_attributes())
+        patch(mamba_mixer, "HAVE_MAMBA_SSM", True)
+        patch(mamba_mixer, "HAVE_EINOPS", True)
+        patch(mamba_context_parallel, "HAVE_EINOPS", True)
+        patch(mamba_mixer, "ExtendedRMSNorm", GatedNormWeight)
+        patch(mamba_mixer, "get_cuda_rng_tracker", lambda *args, **kwargs: _NoRngTracker())
+        patch(mamba_block, "TENorm", WrappedTorchNorm)
+        yield
+
+
+@contextmanager
+def _attributes() -> Iterator[Any]:
+    saved: list[tuple[object, str, object]] = []
+
+    def patch(owner: object, name: str, value: object) -> None:
+        saved.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, value)
+
+    try:
+        yield patch
+    finally:
+        for owner, name, value in reversed(saved):
+            setattr(owner, name, value)
+
+
+def build_mamba_model(args: argparse.Namespace, layout: RankLayout) -> MambaModel:
+    """megatron-core's MambaModel for one rank, as ``mamba_builder`` builds it from ``args``."""
+    groups = fake_pg_collection(layout.tp, layout.pp, layout.tp_rank, layout.pp_rank)
+    with _construction_stand_ins():
+        model = MambaModel(
+            config=_transformer_config(args), mamba_stack_spec=local_mamba_stack_spec(),
+            vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
+            pre_process=layout.is_first_stage, post_process=layout.is_last_stage,
+            hybrid_attention_ratio=args.hybrid_attention_ratio, hybrid_mlp_ratio=args.hybrid_mlp_ratio,
+            hybrid_override_pattern=args.hybrid_override_pattern,
+            share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+            position_embedding_type=args.position_embedding_type, pg_collection=groups)
+    return model.eval()

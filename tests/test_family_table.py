@@ -103,7 +103,7 @@ def test_the_family_list_gives_the_registry_and_the_inference_order() -> None:
     assert list(families.FAMILIES.values()) == list(families.ORDERED)
     assert families.supported_architectures() == sorted(families.INFERENCE_ORDER)
     assert families.CARRIED_ARGS == ("embedding_multiplier", "residual_multiplier", "logits_scaling",
-                                     "hf_rope_parameters")
+                                     "hf_rope_parameters", "time_step_min")
 
 
 def test_hf_spellings_give_each_familys_note_or_the_rows_text() -> None:

@@ -206,3 +206,51 @@ def test_a_megatron_checkpoint_without_its_config_json_is_written_as_nemotron_h(
     assert written["layers_block_type"] == TINY["layers_block_type"]
     # transformers' default chunk_size (128) scans the 12 tokens in one chunk, the source's in two.
     torch.testing.assert_close(hf_logits(tmp_path / "hf", _ids()), hf_logits(tiny, _ids()), rtol=1e-5, atol=1e-5)
+
+
+def test_the_time_step_clamp_megatron_core_lacks_is_named_carried_and_refused_under_strict(
+        tiny: Path, tmp_path: Path) -> None:
+    """transformers clamps softplus(dt) at time_step_min (0.001 by default); megatron-core does not clamp."""
+    result = CliRunner().invoke(main, ["--dst-format", "megatron", "--dst-tp", "2", str(tiny), str(tmp_path / "mcore")])
+    assert result.exit_code == 0, result.output
+    assert "time_step_min=0.001" in result.output and "megatron-core has no such setting" in result.output
+    args = torch.load(tmp_path / "mcore" / "iter_0000000" / "mp_rank_00" / "model_optim_rng.pt",
+                      weights_only=False)["args"]
+    assert args.time_step_min == 0.001
+
+    pgconvert.convert(tmp_path / "mcore", tmp_path / "hf", dst_format="hf")
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["time_step_min"] == 0.001
+
+    strict = CliRunner().invoke(main, ["--strict", "--dst-format", "megatron", str(tiny), str(tmp_path / "refused")])
+    assert strict.exit_code == 2 and "time_step_min=0.001" in strict.output, strict.output
+    assert not (tmp_path / "refused").exists()
+
+
+def test_a_megatron_model_without_the_clamp_is_written_with_the_clamp_that_clamps_nothing() -> None:
+    from pgconvert.families import FAMILIES
+    from pgconvert.formats.hf import hf_config_from_model
+
+    family = FAMILIES["NemotronHForCausalLM"]
+    config = ModelConfig(num_layers=len(PATTERN), hidden_size=64, num_attention_heads=4, ffn_hidden_size=96,
+                         vocab_size=131, hybrid_override_pattern=PATTERN, mamba_head_dim=16, mamba_num_groups=2,
+                         mamba_state_dim=8, mamba_num_heads=8, **family.fixed)
+
+    assert config.setting("time_step_min") == 0.0
+    assert hf_config_from_model(family, config, torch.bfloat16)["time_step_min"] == 0.0
+
+
+def test_a_gated_norm_epsilon_megatron_core_fixes_otherwise_is_named_and_refused_under_strict(
+        tiny: Path, tmp_path: Path) -> None:
+    source = tmp_path / "eps"
+    shutil.copytree(tiny, source)
+    doc = json.loads((source / "config.json").read_text())
+    doc["layer_norm_epsilon"] = 1e-6
+    doc["time_step_min"] = 0.0  # no clamp: the epsilon is the one difference
+    (source / "config.json").write_text(json.dumps(doc))
+
+    result = CliRunner().invoke(main, ["--dst-format", "megatron", str(source), str(tmp_path / "mcore")])
+    assert result.exit_code == 0, result.output
+    assert "norm_epsilon=1e-06 in the Mamba layers' gated norm" in result.output
+
+    strict = CliRunner().invoke(main, ["--strict", "--dst-format", "megatron", str(source), str(tmp_path / "refused")])
+    assert strict.exit_code == 2 and "Mamba layers' gated norm" in strict.output, strict.output

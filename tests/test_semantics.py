@@ -162,6 +162,7 @@ def test_megatron_arg_names_are_megatron_cores_or_megatron_lms() -> None:
                    "mscale_all_dim", "yarn_correction_range_round_to_int", "original_max_position_embeddings",
                    "beta_fast", "beta_slow"}
     megatron_lm.update({"openai_gelu", "quick_geglu", "squared_relu"})  # --openai-gelu, --quick-geglu, --squared-relu
+    megatron_lm.add("hybrid_override_pattern")  # --hybrid-override-pattern (deprecated for --hybrid-layer-pattern)
     names = {name for row in SEMANTICS for name in row.megatron}
     # Settings megatron-core does not compute that families carry under transformers' names (with a
     # notice); Megatron-Bridge's names for what megatron-core lacks, and pgconvert's own where no

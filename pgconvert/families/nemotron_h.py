@@ -13,16 +13,24 @@ bridge sets it) and the MLP ``up_proj``/``down_proj`` with squared ReLU (``relu2
 ``--squared-relu``).
 
 What megatron-core 0.16.1's MambaMixer fixes and config.json must agree with: a convolution 4 wide
-with a bias, no projection biases, SiLU. Two computations differ and are not carried: transformers
-clamps the softplus time step at ``time_step_min`` from below (megatron-core does not clamp), and its
-gated norm uses ``layer_norm_epsilon`` where megatron-core hard-codes 1e-5.
+with a bias, no projection biases, SiLU. Two computations differ, and a Megatron output names them in
+a notice (``--strict`` refuses it): transformers clamps the softplus time step at ``time_step_min``
+from below, where megatron-core does not clamp (carried in args as ``time_step_min``,
+``pgconvert.semantics.carried``, so converting back restores it; a Megatron model without it is written
+with 0.0, which clamps nothing), and its gated norm uses ``layer_norm_epsilon`` where megatron-core
+fixes 1e-5 (``pgconvert.semantics.mamba``).
 """
 
 from __future__ import annotations
 
+import argparse
+import math
 from collections.abc import Mapping
+from pathlib import Path
 
+from pgconvert.errors import CheckpointError
 from pgconvert.io.limits import quote
+from pgconvert.semantics.carried import CarriedSetting
 from pgconvert.model.config import HYBRID_SYMBOLS, POSTNORM_OFF, ModelConfig
 from pgconvert.families.table import QKV, ConfigField, ConfigRule, Family, TensorMapping, TensorTable
 
@@ -80,6 +88,16 @@ def _refuses_layers(config: ModelConfig) -> str | None:
     return None
 
 
+def _non_negative(args: argparse.Namespace, name: str, default: object, path: Path) -> object:
+    """``args.<name>``, a finite number of at least 0, or ``default`` when absent or None."""
+    value = getattr(args, name, None)
+    if value is None:
+        return default
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
+        raise CheckpointError(f"{path}: args.{name}={quote(value)}: must be a finite number of at least 0")
+    return float(value)
+
+
 # transformers' layers_block_type values by hybrid_override_pattern symbol (NemotronHConfig._pattern_to_list).
 _SYMBOL_OF = {"linear_attention": "M", "full_attention": "*", "mlp": "-", "moe": "E"}
 
@@ -103,6 +121,7 @@ NEMOTRON_H = Family(
         ConfigField(("mamba_head_dim",), "mamba_head_dim", int, default=64),
         ConfigField(("n_groups",), "mamba_num_groups", int, default=8),
         ConfigField(("ssm_state_size",), "mamba_state_dim", int, default=128),
+        ConfigField(("time_step_min",), "time_step_min", float, default=0.001),
     ),
     rules=(ConfigRule(keys=("layers_block_type", "hybrid_override_pattern", "num_hidden_layers"),
                       model_fields=("num_layers", "hybrid_override_pattern"), read=_read_layers,
@@ -113,6 +132,7 @@ NEMOTRON_H = Family(
     # What megatron-core's MambaMixer and the tensor table assume.
     # megatron-core ships one Mamba stack spec, of Transformer Engine modules (mamba_stack_spec).
     megatron_defaults={"transformer_impl": "transformer_engine"},
+    megatron_carried=(CarriedSetting("time_step_min", 0.0, _non_negative),),
     hf_fixed={"mlp_hidden_act": "relu2", "mamba_hidden_act": "silu", "conv_kernel": 4, "use_conv_bias": True,
               "use_bias": False, "mamba_proj_bias": False, "mlp_bias": False, "attention_bias": False,
               "num_nextn_predict_layers": 0},

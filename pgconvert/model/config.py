@@ -244,6 +244,9 @@ class CarriedConfig:
     final_logit_softcapping: float | None = None
     # HF RoPE parameters (JSON text) of a type megatron-core cannot compute (Phi-3's longrope).
     hf_rope_parameters: str | None = None
+    # transformers' Nemotron-H clamps each Mamba time step (softplus(dt + dt_bias)) below at this; 0.0 clamps
+    # nothing, which is what megatron-core's MambaMixer computes.
+    time_step_min: float = 0.0
 
 
 # The sub-configs, by their attribute on ModelConfig.
@@ -281,7 +284,7 @@ SETTING_GROUPS: dict[str, str | None] = {
     "qk_layernorm_across_heads": "attention", "softmax_type": "attention", "glu_linear_offset": "mlp",
     "activation_func_clamp_value": "mlp", "softmax_scale": "attention", "mtp_num_layers": None,
     "mtp_layer_module": None, "hybrid_override_pattern": None, "mamba_state_dim": "mamba",
-    "mamba_head_dim": "mamba", "mamba_num_groups": "mamba", "mamba_num_heads": "mamba",
+    "mamba_head_dim": "mamba", "mamba_num_groups": "mamba", "mamba_num_heads": "mamba", "time_step_min": "carried",
 }
 
 

@@ -33,7 +33,7 @@ from typing import Any
 from pgconvert.errors import CheckpointError, StrictModeError
 from pgconvert.io.limits import quote
 from pgconvert.model.config import ModelConfig
-from pgconvert.semantics import attention_scale, carried, mla, rope, yarn
+from pgconvert.semantics import attention_scale, carried, mamba, mla, rope, yarn
 from pgconvert.semantics.arg_values import arg, flag, number
 from pgconvert.semantics.carried import CarriedSetting
 from pgconvert.semantics.postnorm import megatron_core_gaps, postnorm_from_args, postnorm_to_args
@@ -181,6 +181,17 @@ SEMANTICS: tuple[Setting, ...] = (
             _ARGS.format("attn_logit_softcapping / final_logit_softcapping"), "none"),
     Setting("local rope theta", ("rotary_base_local",), ("rotary_base_local",), _ARGS.format("rotary_base_local"),
             "none", "the sliding-window layers' base; rotary_base and any linear scaling are the full-attention layers'"),
+    # Hybrid models (pgconvert.model.kinds.mamba, pgconvert.semantics.mamba).
+    Setting("hybrid layer pattern and Mamba mixers",
+            ("hybrid_override_pattern", "mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_num_heads"),
+            ("hybrid_override_pattern", "mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_num_heads"),
+            _ARGS.format("hybrid_override_pattern / mamba_state_dim / mamba_head_dim / mamba_num_groups / "
+                         "mamba_num_heads"), "none (other families: no Mamba layers)",
+            "the Mamba mixers' gated norm: megatron-core fixes its epsilon at 1e-5 (another norm_epsilon: notice, "
+            "--strict refuses a Megatron target)"),
+    Setting("Mamba time-step clamp", ("time_step_min",), ("time_step_min",), _ARGS.format("time_step_min"), "none",
+            "megatron-core does not clamp: carried in args and pgconvert.json with a notice on every Megatron "
+            "output; --strict refuses a Megatron target"),
 )
 
 SEMANTIC_FIELDS: tuple[str, ...] = tuple(dict.fromkeys(name for row in SEMANTICS for name in row.fields))
@@ -195,6 +206,7 @@ FAMILY_SPECIFIC_SETTINGS: dict[str, object] = {
     "no_rope_layers": None,
     "hf_rope_parameters": None,
     "softmax_scale": None,
+    "time_step_min": 0.0,
 }
 
 
@@ -358,6 +370,8 @@ def check_target(source: Any, target_format: str, strict: bool,
     config = source.config
     positions = config.positions
     _check_carried(config, strict, source.notices, carried_settings)
+    for message in mamba.megatron_core_gaps(config):
+        lose(message, strict, source.notices)
     if positions.rope_scaling == "llama3" and positions.rope_scaling_factor != MEGATRON_DEFAULT_ROPE_SCALING_FACTOR:
         # Written all the same: megatron-core computes it when it is passed (GPTModel(rope_scaling_factor=)).
         source.notices.append(

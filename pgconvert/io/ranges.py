@@ -5,9 +5,8 @@ element is, its shape, strides and dtype). ``read_region`` fills a destination t
 strided view of a larger buffer (one source rank's columns of a merged row-parallel weight), with
 ``os.preadv``: the runs of bytes that are contiguous in both the file and the destination go, for each
 contiguous stretch of the file, into one call of up to ``IOV_MAX`` buffers, with no copy in user space.
-Nothing is
-memory-mapped, so no page is faulted in and the process's resident memory holds only the result (and
-the scratch buffer below).
+Nothing is memory-mapped, so no page is faulted in and the process's resident memory holds only the
+result (and the scratch buffer below).
 
 Short runs go through a scratch buffer instead, where a buffer (and often a call) per run would cost
 more in Python and system calls than the copy it saves: a region whose runs are shorter than

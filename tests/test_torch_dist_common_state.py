@@ -155,3 +155,22 @@ def test_cli_writes_common_pt_by_default_and_the_store_on_request(megatron: Path
     bad = CliRunner().invoke(main, ["--dst-format", "torch_dist", "--dst-torch-dist-common", "inline", str(megatron),
                                     str(tmp_path / "bad")])
     assert bad.exit_code == 2 and "'inline' is not one of 'store', 'legacy'" in bad.output
+
+
+def test_an_output_whose_manifest_predates_the_option_counts_as_common_pt(megatron: Path, tmp_path: Path) -> None:
+    from pgconvert.run.batch import manifest_mismatch
+    from pgconvert.run.convert import convert_request
+    from pgconvert.run.manifest import MANIFEST_FILE, read_manifest
+
+    out = to_torch_dist(megatron, tmp_path / "dist", "legacy")
+    doc = json.loads((out / MANIFEST_FILE).read_text())
+    del doc["options"]["dst_torch_dist_common"]  # as pgconvert wrote it before the option was recorded
+    (out / MANIFEST_FILE).write_text(json.dumps(doc))
+    manifest = read_manifest(out)
+    assert manifest is not None
+
+    def request(common: str) -> object:
+        return convert_request(megatron, out, dst_format="torch_dist", dst_torch_dist_common=common)
+
+    assert manifest_mismatch(manifest, request("legacy")) is None
+    assert manifest_mismatch(manifest, request("store")) == "dst_torch_dist_common 'legacy', not 'store'"

@@ -171,3 +171,17 @@ def test_megatron_core_loads_pgconvert_output_into_another_layout(tmp_path: Path
 
     assert_loaded_equal_fixture_slices(tmp_path / "job", name, tp, pp, ep, seed=6)
 
+
+
+def test_megatron_core_0_16_cannot_load_the_store_form_which_is_why_common_pt_is_the_default(tmp_path: Path) -> None:
+    # megatron-core 0.18 and older read the common state from common.pt only (0.16.1: TorchCommonLoadStrategy);
+    # the LOAD_CASES above load the default output.
+    name = "gqa_swiglu_rmsnorm_untied"
+    m = MODELS[name]
+    src = write_megatron_checkpoint(tmp_path / "megatron", m, make_full_model(m, seed=6), 2, 1)
+    pgconvert.convert(src, tmp_path / "store", dst_format="torch_dist", dst_tp=1, dst_torch_dist_common="store")
+
+    result = run_megatron_core("load", name, tmp_path / "store" / ITERATION_DIR, tmp_path / "job", seed=6, check=False)
+
+    assert result.returncode != 0, result.stderr[-3000:]
+    assert "No such file or directory" in result.stderr and "common.pt" in result.stderr, result.stderr[-3000:]

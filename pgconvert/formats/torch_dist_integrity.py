@@ -1,6 +1,6 @@
 """megatron-core's integrity manifest of a torch_dist checkpoint (``integrity.json``): written and checked.
 
-megatron-core 0.18.0 and later (``dist_checkpointing/validation.py``: ``save_integrity_manifest``,
+megatron-core 0.17.1 and later (``dist_checkpointing/validation.py``: ``save_integrity_manifest``,
 ``verify_integrity_manifest``; Megatron-LM ``--verify-integrity``) write, after ``metadata.json``, a JSON file
 in the iteration directory::
 

@@ -144,7 +144,7 @@ def _child_rank(rank: int, spec: dict[str, Any]) -> None:
 
 
 def _integrity(spec: dict[str, Any]) -> dict[str, bool]:
-    """``verify_integrity=True`` for ``save``/``load`` where the spec asks (megatron-core 0.18+ only)."""
+    """``verify_integrity=True`` for ``save``/``load`` where the spec asks (megatron-core 0.17.1 and later)."""
     return {"verify_integrity": True} if spec.get("verify_integrity") else {}
 
 

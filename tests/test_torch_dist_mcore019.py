@@ -15,6 +15,9 @@ What 0.19.2 checks:
 2. A checkpoint it saves itself at TP2 (gloo ranks, ``verify_integrity=True``: common state in the store and the
    manifest) is read by pgconvert, manifest checked, to the fixture's per-rank files and to HF, bit for bit.
 3. A changed byte: pgconvert refuses it (``IntegrityError``), and so does 0.19.2's own integrity check.
+4. For a single rank, pgconvert writes what 0.19.2's ``dist_checkpointing.save`` writes: ``metadata.json``, the
+   common state's entries, every key, chunk and tensor, and the manifest's layout (pgconvert's manifest writer
+   gives 0.19.2's own ``integrity.json`` bytes for 0.19.2's files).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from support.megatron_fixtures import _rank_state_dict, make_full_model, write_m
 
 import pgconvert
 from pgconvert.errors import IntegrityError
+from pgconvert.formats.torch_dist_integrity import manifest_text
 
 PYTHON = os.environ.get("PGCONVERT_MCORE019_PYTHON", "/work/venvs/mcore019/bin/python")
 VERSION = "0.19.2"
@@ -127,3 +131,29 @@ def test_a_changed_byte_is_caught_by_pgconvert_and_by_megatron_core_019(tmp_path
 
     assert theirs.returncode != 0
     assert "Checkpoint integrity verification failed" in theirs.stderr and "__0_0.distcp: hash mismatch" in theirs.stderr
+
+
+def test_pgconvert_writes_what_megatron_core_019_writes_for_a_single_rank(tmp_path: Path, model: object) -> None:
+    from support.checkpoint_compare import read_dcp
+    from support.mcore_gpt_models import read_layout
+
+    theirs = tmp_path / "mcore" / ITERATION_DIR
+    run_job("save", theirs, tmp_path / "job", tp=1, verify_integrity=True)
+
+    ours = pgconvert_store(tmp_path, model) / ITERATION_DIR
+
+    assert json.loads((ours / "metadata.json").read_text()) == json.loads((theirs / "metadata.json").read_text())
+    common_ours, common_theirs = read_common(ours), read_common(theirs)
+    assert sorted(common_ours) == sorted(common_theirs)
+    assert common_ours["content_metadata"] == common_theirs["content_metadata"]
+    assert read_layout(ours) == read_layout(theirs)  # every key, shape, dtype and chunk; common_state among the objects
+    _, ours_tensors = read_dcp(ours)
+    _, theirs_tensors = read_dcp(theirs)
+    assert sorted(ours_tensors) == sorted(theirs_tensors)
+    assert all(torch.equal(ours_tensors[key], theirs_tensors[key]) for key in theirs_tensors)
+    for directory in (ours, theirs):  # the manifest's layout: every other file of the directory, by name
+        manifest = json.loads((directory / "integrity.json").read_text())
+        assert list(manifest) == ["algorithm", "files"] and manifest["algorithm"] == "sha256"
+        assert list(manifest["files"]) == sorted(p.name for p in directory.iterdir() if p.name != "integrity.json")
+    # pgconvert's manifest writer gives megatron-core's own bytes for megatron-core's files.
+    assert manifest_text(theirs) == (theirs / "integrity.json").read_text()

@@ -18,6 +18,9 @@ What 0.19.2 checks:
 4. For a single rank, pgconvert writes what 0.19.2's ``dist_checkpointing.save`` writes: ``metadata.json``, the
    common state's entries, every key, chunk and tensor, and the manifest's layout (pgconvert's manifest writer
    gives 0.19.2's own ``integrity.json`` bytes for 0.19.2's files).
+5. MTP: 0.19.2's GPTModel with a multi-token-prediction layer (``mtp_model_layer`` in the module) loads
+   pgconvert's per-rank file written with ``--dst-mtp-layer-name mtp_model_layer`` strictly, and its
+   sharded_state_dict declares exactly the torch_dist keys and chunks pgconvert writes (``transformer_layer``).
 """
 
 from __future__ import annotations
@@ -157,3 +160,30 @@ def test_pgconvert_writes_what_megatron_core_019_writes_for_a_single_rank(tmp_pa
         assert list(manifest["files"]) == sorted(p.name for p in directory.iterdir() if p.name != "integrity.json")
     # pgconvert's manifest writer gives megatron-core's own bytes for megatron-core's files.
     assert manifest_text(theirs) == (theirs / "integrity.json").read_text()
+
+
+def test_megatron_core_019s_mtp_layer_loads_mtp_model_layer_and_declares_transformer_layer_keys(tmp_path: Path) -> None:
+    # 0.19.2's MultiTokenPredictionLayer holds its layer as mtp_model_layer (a per-rank file's spelling, which
+    # --dst-mtp-layer-name writes) and maps it back to transformer_layer in its sharded_state_dict (torch_dist).
+    from support.mcore_gpt_models import read_layout
+    from support.mcore_torch_dist_job import REPO
+    from support.mtp_models import with_mtp
+
+    src = with_mtp("v3", tmp_path / "hf")
+    pgconvert.convert(src, tmp_path / "megatron", dst_format="megatron", dst_tp=1, dst_pp=1, dst_ep=1,
+                      dst_mtp_layer_name="mtp_model_layer")
+    pgconvert.convert(tmp_path / "megatron", tmp_path / "dist", dst_format="torch_dist", dst_torch_dist_common="store")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]))
+    job = subprocess.run([PYTHON, str(REPO / "tests" / "support" / "mcore_mtp_model.py"), str(tmp_path / "megatron"),
+                          str(tmp_path / "layout.json")], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert job.returncode == 0, job.stderr[-6000:]
+    declared = json.loads((tmp_path / "layout.json").read_text())
+
+    assert any(name.startswith("mtp.layers.0.mtp_model_layer.") for name in declared["mtp_names"])
+    (iteration,) = (tmp_path / "dist").glob("iter_*")
+    tensors, objects = read_layout(iteration)
+    assert objects == sorted([*declared["objects"], "common_state/shard_0_1"])
+    assert [key for key in declared["tensors"] if key.startswith("mtp.layers.0.transformer_layer.")]
+    assert sorted(tensors) == sorted(declared["tensors"])
+    for key, (shape, chunks) in declared["tensors"].items():
+        assert list(tensors[key][0]) == shape and [[list(o), list(s)] for o, s in tensors[key][2]] == chunks, key

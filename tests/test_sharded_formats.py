@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from support.checkpoint_compare import integrity_manifest_of
 from support.format_outputs import SHARD_SIZE, assert_same_bytes, write_sources
 from support.hf_helpers import build_hf_model
 from support.torchrun import run_torchrun
@@ -206,5 +207,8 @@ def test_workers_carry_the_optimizer_state_into_torch_dist_as_one_process_does(t
 
     assert_same_bytes(tmp_path / "workers", tmp_path / "single")
     assert len(_data_files(tmp_path / "workers", "torch_dist")) > 2
+    (iteration_dir,) = (tmp_path / "workers").glob("iter_*")
+    if variant == "torch_dist_store":  # written after the optimizer's records, index and common state
+        assert (iteration_dir / "integrity.json").read_text() == integrity_manifest_of(iteration_dir)
     result = pgconvert.verify(trained, tmp_path / "workers")
     assert result.equal and result.optimizer is not None  # the model and its optimizer state, compared

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from support.checkpoint_compare import read_common, read_dcp
+from support.checkpoint_compare import integrity_manifest_of, read_common, read_dcp
 from support.megatron_fixtures import make_full_model, write_megatron_checkpoint
 from support.tiny_models import GQA_SWIGLU
 from torch.distributed.checkpoint import BytesStorageMetadata
@@ -47,13 +47,6 @@ def flip_byte(path: Path, offset: int) -> None:
     path.write_bytes(bytes(data))
 
 
-def manifest_of(directory: Path) -> str:
-    """megatron-core's save_integrity_manifest, recomputed: every file but the manifest, by name, indent=2."""
-    files = {path.name: hashlib.sha256(path.read_bytes()).hexdigest() for path in sorted(directory.iterdir(), key=str)
-             if path.is_file() and path.name != "integrity.json"}
-    return json.dumps({"algorithm": "sha256", "files": files}, indent=2)
-
-
 def test_store_keeps_the_common_state_inside_the_checkpoint_with_megatron_cores_manifest(megatron: Path,
                                                                                          tmp_path: Path) -> None:
     out = to_torch_dist(megatron, tmp_path / "dist", dst_tp=1)
@@ -67,7 +60,7 @@ def test_store_keeps_the_common_state_inside_the_checkpoint_with_megatron_cores_
     assert common["iteration"] == 100 and common["args"].tensor_model_parallel_size == 1
     assert common["content_metadata"] == {"distrib_optim_sharding_type": "dp_reshardable",
                                           "singleton_local_shards": False, "chained_optim_avoid_prefix": True}
-    assert (iteration_dir / "integrity.json").read_text() == manifest_of(iteration_dir)
+    assert (iteration_dir / "integrity.json").read_text() == integrity_manifest_of(iteration_dir)
     assert pgconvert.verify(megatron, out).equal
 
 
@@ -101,7 +94,7 @@ def test_optimizer_state_goes_into_the_store_and_the_manifest_follows_it(tmp_pat
     assert sorted(common["optimizer"]) == ["param_groups", "state"] and common["optimizer"]["param_groups"]
     assert (iteration_dir / "__1_0.distcp").is_file()  # the optimizer's records
     assert common["args"].tensor_model_parallel_size == 1
-    assert (iteration_dir / "integrity.json").read_text() == manifest_of(iteration_dir)
+    assert (iteration_dir / "integrity.json").read_text() == integrity_manifest_of(iteration_dir)
     report = pgconvert.verify(TRAINED, out)
     assert report.equal and report.optimizer is not None and report.optimizer.compared > 0
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import io
+import json
 import warnings
 from pathlib import Path
 
@@ -75,3 +77,11 @@ def read_common(iteration_dir: Path) -> dict[str, object]:
         loaded = torch.load(data, map_location="cpu", weights_only=True)
     assert isinstance(loaded, list) and len(loaded) == 1, type(loaded)
     return loaded[0]
+
+
+def integrity_manifest_of(directory: Path) -> str:
+    """megatron-core's save_integrity_manifest, recomputed with hashlib from the files as they are: every file but
+    the manifest, by name, indent=2."""
+    files = {path.name: hashlib.sha256(path.read_bytes()).hexdigest() for path in sorted(directory.iterdir(), key=str)
+             if path.is_file() and path.name != "integrity.json"}
+    return json.dumps({"algorithm": "sha256", "files": files}, indent=2)

@@ -157,7 +157,7 @@ CONVERT_HELP_SECTIONS: HelpSections = (
     ("Layout", ("--dst-vpp", "--dst-decoder-first-pipeline-num-layers", "--dst-decoder-last-pipeline-num-layers",
                 "--dst-pipeline-layout", "--dst-expert-tp")),
     ("Source", ("--src-format", "--src-tp", "--src-pp", "--src-ep", "--true-vocab-size")),
-    ("Naming", ("--dst-transformer-impl", "--dst-expert-layout", "--dst-mtp-layer-name")),
+    ("Naming", ("--dst-transformer-impl", "--dst-expert-layout", "--dst-mtp-layer-name", "--dst-torch-dist-common")),
     ("Output files", ("--max-shard-size", "--digest")),
     ("HF output", ("--hf-config", "--generation-config", "--tokenizer", "--keep-fp8")),
     ("Optimizer state", ("--skip-optimizer", "--dst-dp", "--dst-optim-form")),
@@ -305,6 +305,10 @@ def _layout_option(name: str, help_text: str) -> Any:
 @click.option("--dst-mtp-layer-name", type=click.Choice(list(MTP_LAYER_MODULES)), default=None,
               help="Megatron per-rank DST: the MTP layer's inner-layer key, transformer_layer (megatron-core 0.16.1) or "
                    "mtp_model_layer (newer Megatron-LM) [default: the source's, else transformer_layer].")
+@click.option("--dst-torch-dist-common", type=click.Choice(["store", "legacy"]), default="legacy", show_default=True,
+              help="torch_dist DST: the common state (args, iteration, optimizer param groups) in common.pt, which "
+                   "every megatron-core reads (legacy), or inside the checkpoint with an integrity.json manifest, as "
+                   "megatron-core 0.19+ writes it (store; 0.18 and older cannot load it).")
 def convert_command(src: Path, dst: Path, src_format: str, dst_format: str, src_tp: int | None,
                     src_pp: int | None, dst_tp: int | None, dst_pp: int | None,
                     dst_decoder_first_pipeline_num_layers: int | None,
@@ -320,7 +324,7 @@ def convert_command(src: Path, dst: Path, src_format: str, dst_format: str, src_
                     dry_run: bool, overwrite: bool,
                     quiet: bool, verbose: bool, keep_fp8: bool = False, skip_optimizer: bool = False,
                     dst_dp: int | None = None, dst_optim_form: str | None = None,
-                    dst_mtp_layer_name: str | None = None) -> None:
+                    dst_mtp_layer_name: str | None = None, dst_torch_dist_common: str = "legacy") -> None:
     """Convert SRC into DST (the default command)."""
     from pgconvert.run.convert import ConvertRequest
 
@@ -342,7 +346,7 @@ def convert_command(src: Path, dst: Path, src_format: str, dst_format: str, src_
         max_memory=max_memory,
         generation_config=generation_config, tokenizer=tokenizer,
         keep_fp8=keep_fp8, skip_optimizer=skip_optimizer, dst_dp=dst_dp, dst_optim_form=dst_optim_form,
-        dst_mtp_layer_name=dst_mtp_layer_name,
+        dst_mtp_layer_name=dst_mtp_layer_name, dst_torch_dist_common=dst_torch_dist_common,
     )
     try:
         shard = _shard_of_this_process(shard_index, num_shards)

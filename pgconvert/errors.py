@@ -60,6 +60,10 @@ class CheckpointError(PgconvertError):
     """A source checkpoint is missing files, corrupt, or inconsistent."""
 
 
+class IntegrityError(CheckpointError):
+    """A file of a checkpoint does not have the digest its integrity manifest records (or is missing)."""
+
+
 class UnsafePickleError(CheckpointError):
     """A pickle in the source refers to a global outside the allowlist."""
 

@@ -15,10 +15,8 @@ eh_proj, shared_head.norm and the copies of the embedding and output layer a rel
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +24,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from support.deepseek_helpers import logits
+from support.mcore_mtp_model import mtp_gpt_model
 from support.mtp_models import LAYERS, assert_same_tensors, from_args_alone, hf_tensors, rank_state, with_mtp
 from safetensors.torch import load_file, save_file
 
@@ -88,55 +87,6 @@ def test_vpp_and_torch_dist_round_trips_are_exact(source: tuple[str, Path], tmp_
 
 
 # --- megatron-core ------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def mtp_gpt_model(args: argparse.Namespace) -> Iterator[Any]:
-    """megatron-core's GPTModel of ``args`` (MLA local spec, TP1/PP1/EP1) with its MTP block: the
-    MTP layer spec is megatron-core's own for the last decoder layer's spec (what
-    get_gpt_mtp_block_spec picks). Runs under ``mla_cpu_patches``; MultiTokenPredictionBlock and its
-    TransformerLayer ask ``ProcessGroupCollection.use_mpu_process_groups`` for their groups (no
-    pg_collection is passed down), and the MTP layer offset, the block's sharded_state_dict and the
-    gather after eh_proj ask parallel_state for the pipeline rank and TP group, so they answer with
-    the model's fake groups (stage 0 of 1) while the model is in use."""
-    from unittest import mock
-
-    import support.mcore_helpers as mcore
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-    from megatron.core.process_groups_config import ProcessGroupCollection
-    import megatron.core.transformer.multi_token_prediction as mtp_module
-    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region as gather
-    from megatron.core.transformer.multi_token_prediction import (MultiTokenPredictionBlockSubmodules,
-                                                                   get_mtp_layer_spec)
-    from support.megatron_mla import CausalAttention, mla_config, mla_cpu_patches
-
-    config = mla_config(args)
-    config.mtp_num_layers = args.mtp_num_layers
-    groups = mcore.fake_pg_collection(1, 1, 0, 0)
-    for name in ("ep", "expt_tp", "expt_dp", "tp_ep", "tp_cp", "dp", "dp_cp", "tp_ep_pp", "tp_dp_cp"):
-        setattr(groups, name, mcore.McoreFakeGroup(name, 1, 0))
-    with mla_cpu_patches(), \
-            mock.patch.object(ProcessGroupCollection, "use_mpu_process_groups", return_value=groups), \
-            mock.patch.object(parallel_state, "get_pipeline_model_parallel_rank", return_value=0), \
-            mock.patch.object(parallel_state, "get_pipeline_model_parallel_world_size", return_value=1), \
-            mock.patch.object(parallel_state, "get_virtual_pipeline_model_parallel_world_size", return_value=None), \
-            mock.patch.object(parallel_state, "get_tensor_model_parallel_group", return_value=groups.tp), \
-            mock.patch.object(mtp_module, "gather_from_tensor_model_parallel_region",
-                              lambda x, group=None: gather(x, group=groups.tp)):
-        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=args.normalization,
-                                          qk_l2_norm=False, vp_stage=None, pp_rank=0)
-        for layer in spec.layer_specs:
-            layer.submodules.self_attention.submodules.core_attention = CausalAttention
-        mtp_spec = MultiTokenPredictionBlockSubmodules(
-            layer_specs=[get_mtp_layer_spec(spec.layer_specs[-1], use_transformer_engine=False)] * args.mtp_num_layers)
-        yield GPTModel(
-            config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
-            max_sequence_length=args.max_position_embeddings, pre_process=True, post_process=True,
-            share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-            position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,
-            pg_collection=groups, mtp_block_spec=mtp_spec).eval()
 
 
 def test_megatron_core_gpt_model_with_mtp_loads_the_written_file_and_declares_its_torch_dist_keys(tmp_path: Path) -> None:

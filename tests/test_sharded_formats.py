@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from support.checkpoint_compare import integrity_manifest_of
 from support.format_outputs import SHARD_SIZE, assert_same_bytes, write_sources
 from support.hf_helpers import build_hf_model
 from support.torchrun import run_torchrun
@@ -23,6 +24,10 @@ from pgconvert.run.convert import convert_request, plan
 from pgconvert.run.sharded import balanced_shares
 
 FORMATS = ["hf", "torch_dist"]
+# The outputs compared with their single-process conversion: each format, and torch_dist in megatron-core 0.19's
+# form (common state in the store, integrity.json), whose common state and manifest are written by the finalizer.
+VARIANTS = {"hf": ("hf", ()), "torch_dist": ("torch_dist", ()),
+            "torch_dist_store": ("torch_dist", ("--dst-torch-dist-common", "store"))}
 # What makes each destination loadable: without it a directory is not a checkpoint of its format.
 COMPLETE_MARKERS = {"hf": ("config.json", "model.safetensors.index.json"),
                     "torch_dist": ("latest_checkpointed_iteration.txt", "iter_0000100/metadata.json",
@@ -33,8 +38,10 @@ def _data_files(root: Path, dst_format: str) -> list[Path]:
     return sorted(root.rglob("*.safetensors" if dst_format == "hf" else "*.distcp"))
 
 
-def _convert(src: Path, dst: Path, dst_format: str, *flags: str) -> None:
-    result = CliRunner().invoke(main, ["-q", "--dst-format", dst_format, *SHARD_SIZE, *flags, str(src), str(dst)])
+def _convert(src: Path, dst: Path, variant: str, *flags: str) -> None:
+    dst_format, variant_flags = VARIANTS[variant]
+    result = CliRunner().invoke(main, ["-q", "--dst-format", dst_format, *SHARD_SIZE, *variant_flags, *flags, str(src),
+                                       str(dst)])
     assert result.exit_code == 0, result.output
 
 
@@ -44,17 +51,17 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     checkpoint with experts (for torch_dist), each with its single-process conversion."""
     root = tmp_path_factory.mktemp("sources")
     written = write_sources(root)
-    made = {"hf": written["hf"], "torch_dist": written["megatron"]}
+    made = {"hf": written["hf"], "torch_dist": written["megatron"], "torch_dist_store": written["megatron"]}
     for dst_format, src in list(made.items()):
         _convert(src, root / f"{dst_format}_single", dst_format)
         made[f"{dst_format}_single"] = root / f"{dst_format}_single"
     return made
 
 
-@pytest.mark.parametrize("dst_format", FORMATS)
+@pytest.mark.parametrize("dst_format", sorted(VARIANTS))
 def test_workers_write_the_single_process_output(sources: dict[str, Path], dst_format: str, tmp_path: Path) -> None:
     single = sources[f"{dst_format}_single"]
-    assert len(_data_files(single, dst_format)) > 2  # the split is exercised
+    assert len(_data_files(single, VARIANTS[dst_format][0])) > 2  # the split is exercised
 
     _convert(sources[dst_format], tmp_path / "workers", dst_format, "--workers", "2")
 
@@ -62,13 +69,13 @@ def test_workers_write_the_single_process_output(sources: dict[str, Path], dst_f
     assert (tmp_path / "workers" / "pgconvert.json").is_file()
 
 
-@pytest.mark.parametrize("dst_format", FORMATS)
+@pytest.mark.parametrize("dst_format", sorted(VARIANTS))
 def test_two_process_torchrun_writes_the_single_process_output(sources: dict[str, Path], dst_format: str,
                                                                tmp_path: Path) -> None:
     dst = tmp_path / "torchrun"
 
-    done = run_torchrun("-m", "pgconvert", "-q", "--dst-format", dst_format, *SHARD_SIZE, str(sources[dst_format]),
-                        str(dst))
+    done = run_torchrun("-m", "pgconvert", "-q", "--dst-format", VARIANTS[dst_format][0], *VARIANTS[dst_format][1],
+                        *SHARD_SIZE, str(sources[dst_format]), str(dst))
 
     assert done.returncode == 0, done.stdout + done.stderr
     assert "every share is complete" in done.stdout
@@ -78,7 +85,7 @@ def test_two_process_torchrun_writes_the_single_process_output(sources: dict[str
     assert sorted(path.name for path in tmp_path.iterdir()) == ["torchrun"]  # no staging left beside it
 
 
-@pytest.mark.parametrize("dst_format", FORMATS)
+@pytest.mark.parametrize("dst_format", sorted(VARIANTS))
 def test_two_shards_run_separately_write_the_single_process_output(sources: dict[str, Path], dst_format: str,
                                                                    tmp_path: Path) -> None:
     dst = tmp_path / "sharded"
@@ -192,12 +199,16 @@ def test_a_records_planned_length_is_the_length_written(shape: tuple[int, ...], 
     assert archive_length(shape, dtype) == len(written.getvalue())
 
 
-def test_workers_carry_the_optimizer_state_into_torch_dist_as_one_process_does(tmp_path: Path) -> None:
+@pytest.mark.parametrize("variant", ["torch_dist", "torch_dist_store"])
+def test_workers_carry_the_optimizer_state_into_torch_dist_as_one_process_does(tmp_path: Path, variant: str) -> None:
     trained = Path(__file__).parent / "data" / "megatron_lm" / "train_tp2pp2_torch"  # Megatron-LM's own training run
-    _convert(trained, tmp_path / "single", "torch_dist")
-    _convert(trained, tmp_path / "workers", "torch_dist", "--workers", "2")
+    _convert(trained, tmp_path / "single", variant)
+    _convert(trained, tmp_path / "workers", variant, "--workers", "2")
 
     assert_same_bytes(tmp_path / "workers", tmp_path / "single")
     assert len(_data_files(tmp_path / "workers", "torch_dist")) > 2
+    (iteration_dir,) = (tmp_path / "workers").glob("iter_*")
+    if variant == "torch_dist_store":  # written after the optimizer's records, index and common state
+        assert (iteration_dir / "integrity.json").read_text() == integrity_manifest_of(iteration_dir)
     result = pgconvert.verify(trained, tmp_path / "workers")
     assert result.equal and result.optimizer is not None  # the model and its optimizer state, compared

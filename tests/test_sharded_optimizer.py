@@ -1,6 +1,7 @@
 """Sharded runs (``--shard-index``/``--num-shards``) carry the optimizer state: four processes, run one after
 another, or two under torchrun, or ``--workers`` processes, write the single-process output byte for byte
-(per-rank plain and distributed optimizer, dense and MoE at EP > 1; torch_dist in every form pgconvert writes), a
+(per-rank plain and distributed optimizer, dense and MoE at EP > 1; torch_dist in every form pgconvert writes, its
+common state in common.pt or, with its integrity.json written last, in the store), a
 rank's optimizer state is written by the process that writes its rank file, each process reads the optimizer
 state its share needs once, a failed share leaves nothing complete-looking, and megatron-core loads the merged
 output and steps as from the original checkpoint."""
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from support.checkpoint_compare import integrity_manifest_of
 from support.format_outputs import assert_same_bytes
 from support.mcore_step_check import BF16_ATOL, BF16_RTOL, assert_same_step, fixed_gradients, run_steps, with_common_pt
 from support.megatron_fixtures import load_for_test
@@ -32,6 +34,9 @@ SHARDS = 4
 ORDER = (2, 0, 3, 1)  # the last to finish finalizes, whichever it is
 RECORDS_SIZE = ("--max-shard-size", "20000")  # several optimizer records files (and model data files) to share out
 TORCH_DIST = ("--dst-format", "torch_dist", "--dst-tp", "1", *RECORDS_SIZE)
+# megatron-core 0.19's form: the common state in the store (rewritten by the optimizer's finalizing step), and
+# integrity.json after it.
+STORE = ("--dst-torch-dist-common", "store")
 # What makes each destination a checkpoint to its readers.
 COMPLETE_MARKERS = {"megatron": ("latest_checkpointed_iteration.txt",),
                     "torch_dist": ("latest_checkpointed_iteration.txt", f"{ITER}/metadata.json", f"{ITER}/.metadata")}
@@ -76,6 +81,12 @@ IN_TORCH_DIST = {
     "fully_sharded_model_space": (GOLDENS / "mcore015_tp2dp2_distopt_fs_model_space_torch_dist", TORCH_DIST),
     "dp_reshardable-moe-ep": (None, ("--dst-format", "torch_dist", "--dst-optim-form", "dp_reshardable",
                                      *RECORDS_SIZE)),
+    "fully_reshardable-store": (GOLDENS / "train_tp2dp2_distopt_fully_reshardable_torch_dist", (*TORCH_DIST, *STORE)),
+    "dp_reshardable-dp4-store": (GOLDENS / "train_tp2dp2_distopt_dp_reshardable_torch_dist",
+                                 (*TORCH_DIST, "--dst-dp", "4", *STORE)),
+    "plain-store": (GOLDENS / "train_tp2pp2_bf16_torch_dist", (*TORCH_DIST, *STORE)),
+    "fully_sharded_model_space-store": (GOLDENS / "mcore015_tp2dp2_distopt_fs_model_space_torch_dist",
+                                        (*TORCH_DIST, *STORE)),
 }
 
 
@@ -114,11 +125,14 @@ def test_four_shards_write_the_torch_dist_single_process_output_with_its_optimiz
 
     assert_same_bytes(sharded, single)
     assert len(list((single / ITER).glob("__1_*.distcp"))) >= SHARDS  # the records are shared out
+    assert (single / ITER / "common.pt").exists() == ("store" not in case)
+    if "store" in case:  # written once, by the finalizing share, after the optimizer's common state and index
+        assert (sharded / ITER / "integrity.json").read_text() == integrity_manifest_of(sharded / ITER)
     result = pgconvert.verify(src, sharded)
     assert result.equal and result.optimizer is not None, result.differences[:5]
 
 
-@pytest.mark.parametrize("case", ["distributed", "dp_reshardable"])
+@pytest.mark.parametrize("case", ["distributed", "dp_reshardable", "dp_reshardable-dp4-store"])
 def test_a_two_process_torchrun_carries_the_optimizer_state_as_one_process(
         outputs: dict[str, tuple[Path, Path, Path]], case: str, tmp_path: Path) -> None:
     src, single, _ = outputs[case]
@@ -131,7 +145,7 @@ def test_a_two_process_torchrun_carries_the_optimizer_state_as_one_process(
     assert_same_bytes(tmp_path / "torchrun", single)
 
 
-@pytest.mark.parametrize("case", ["distributed", "distributed-moe-ep", "dp_reshardable"])
+@pytest.mark.parametrize("case", ["distributed", "distributed-moe-ep", "dp_reshardable", "fully_reshardable-store"])
 def test_workers_write_the_optimizer_state_in_their_processes_as_one_process_does(
         outputs: dict[str, tuple[Path, Path, Path]], case: str, tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:

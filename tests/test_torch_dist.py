@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed
 import torch.distributed.checkpoint as dcp
-from support.checkpoint_compare import assert_same_ranks, read_dcp
+from support.checkpoint_compare import assert_same_ranks, read_common, read_dcp
 from click.testing import CliRunner
 from support.tiny_models import GQA_SWIGLU, MHA_GELU_TIED, MOE, MOE_GROUPED_TE, QK_NORM_TE
 from support.megatron_fixtures import load_for_test, make_full_model, merge_megatron_checkpoint, write_megatron_checkpoint
@@ -114,19 +114,29 @@ def test_cli_converts_megatron_to_torch_dist_and_back(tmp_path: Path) -> None:
     assert_same_ranks(tmp_path / "back", write_megatron_checkpoint(tmp_path / "expected", model, full, 4, 1))
 
 
-def test_files_are_megatron_cores_and_args_record_the_target_layout(tmp_path: Path) -> None:
+# Per --dst-torch-dist-common: the files, megatron-core's CheckpointingConfig as that version's save_config writes
+# it (dist_checkpointing/core.py), and the file the common state is read from.
+COMMON_PLACES = {
+    "store": ([".metadata", "__0_0.distcp", "__0_1.distcp", "integrity.json", "metadata.json"],
+              {"sharded_backend": "torch_dist", "sharded_backend_version": 1}, "the common_state entry"),
+    "legacy": ([".metadata", "__0_0.distcp", "common.pt", "metadata.json"],
+               {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+                "common_backend": "torch", "common_backend_version": 1}, "common.pt"),
+}
+
+
+@pytest.mark.parametrize("common_place", sorted(COMMON_PLACES))
+def test_files_are_megatron_cores_and_args_record_the_target_layout(tmp_path: Path, common_place: str) -> None:
     src = write_megatron_checkpoint(tmp_path / "src", GQA_SWIGLU, make_full_model(GQA_SWIGLU), 2, 1, iteration=1234)
 
-    report = to_torch_dist(src, tmp_path / "dist", dst_tp=4, dst_pp=2)
+    report = to_torch_dist(src, tmp_path / "dist", dst_tp=4, dst_pp=2, dst_torch_dist_common=common_place)
 
+    files, checkpoint_config, place = COMMON_PLACES[common_place]
     iteration_dir = tmp_path / "dist" / "iter_0001234"
     assert (tmp_path / "dist" / "latest_checkpointed_iteration.txt").read_text() == "1234"
-    assert sorted(p.name for p in iteration_dir.iterdir()) == [".metadata", "__0_0.distcp", "common.pt", "metadata.json"]
-    # megatron-core's CheckpointingConfig, verbatim (dist_checkpointing/core.py save_config).
-    assert json.loads((iteration_dir / "metadata.json").read_text()) == {
-        "sharded_backend": "torch_dist", "sharded_backend_version": 1,
-        "common_backend": "torch", "common_backend_version": 1}
-    common = load_for_test(iteration_dir / "common.pt")
+    assert sorted(p.name for p in iteration_dir.iterdir()) == files
+    assert json.loads((iteration_dir / "metadata.json").read_text()) == checkpoint_config
+    common = read_common(iteration_dir)
     assert sorted(common) == ["args", "checkpoint_version", "content_metadata", "iteration"]
     assert (common["checkpoint_version"], common["iteration"]) == (3.0, 1234)
     assert common["content_metadata"] == {"distrib_optim_sharding_type": "dp_reshardable",
@@ -139,7 +149,7 @@ def test_files_are_megatron_cores_and_args_record_the_target_layout(tmp_path: Pa
     metadata, _ = read_dcp(iteration_dir)
     assert tensor_shapes(metadata)["embedding.word_embeddings.weight"] == (1024, 64)
     assert report.dst_layout == "tp=4,pp=2"
-    assert any("tp=4,pp=2 recorded in common.pt's args" in notice for notice in report.notices)
+    assert any(f"tp=4,pp=2 recorded in {place}'s args" in notice for notice in report.notices)
 
 
 # --------------------------------------------------------------------------- key contract

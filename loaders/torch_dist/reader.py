@@ -74,6 +74,7 @@ from pgconvert.model.rules import ShardRule, assemble
 from pgconvert.formats.megatron_args import MEGATRON_DEFAULTS
 from pgconvert.formats.stream import CanonicalSource, ExtraState, TensorMeta, holds_state
 from pgconvert.formats.strict import fallback
+from pgconvert.formats.torch_dist_integrity import check_integrity, integrity_problems
 from pgconvert.formats.torch_dist_optimizer import moe_form_refusal
 from pgconvert.formats.torch_dist import (
     CHECKPOINT_CONFIG_FILE,
@@ -242,9 +243,7 @@ class TorchDistSource(CanonicalSource):
         self.directory = iteration_dir
         self.root = root or iteration_dir
         early_notices: list[str] = []
-        ensure_within(self.root, iteration_dir)
-        read_checkpoint_config(ensure_within(self.root, iteration_dir / CHECKPOINT_CONFIG_FILE))
-        metadata_path = ensure_within(self.root, iteration_dir / DCP_METADATA_FILE)
+        metadata_path = self._check_directory(self.root, iteration_dir, options)
         self._metadata = read_dcp_metadata(metadata_path)
         self._check_files(metadata_path)
         # torch's reader keeps per-call state (set up by each ``dcp.load``): one per thread (``--threads``).
@@ -298,10 +297,23 @@ class TorchDistSource(CanonicalSource):
                                           "converted: resume with --no-load-optim --no-load-rng (or --finetune)")
             self.notices.append(self.training_state_notice)
 
+    @staticmethod
+    def _check_directory(root: Path, iteration_dir: Path, options: LoadOptions) -> Path:
+        """``metadata.json``, then the integrity manifest where there is one, before any other file is parsed (a
+        changed byte is named as such, not as the corruption it causes); the ``.metadata`` path."""
+        ensure_within(root, iteration_dir)
+        read_checkpoint_config(ensure_within(root, iteration_dir / CHECKPOINT_CONFIG_FILE))
+        if options.verify_integrity:
+            check_integrity(iteration_dir)
+        return ensure_within(root, iteration_dir / DCP_METADATA_FILE)
+
+    def integrity_problems(self) -> tuple[bool, list[str]]:
+        return integrity_problems(self.directory)
+
     def _read_common(self) -> tuple[dict[str, Any], Path]:
-        """The checkpoint's common (non-sharded) state: ``common.pt`` (megatron-core before 0.20),
-        or the ``common_state`` object stored inside the checkpoint itself (newer megatron-core
-        ``dist_checkpointing.save`` since then; ``load_common_state_dict`` reads both)."""
+        """The checkpoint's common (non-sharded) state: ``common.pt`` (megatron-core 0.18 and older), or the
+        ``common_state`` object stored inside the checkpoint itself (``dist_checkpointing.save`` of 0.19.0 and
+        later); as megatron-core's ``load_common_state_dict``, common.pt first when there are both."""
         common_path = ensure_within(self.root, self.directory / COMMON_FILE)
         if common_path.is_file():
             common: Any = safe_torch_load(common_path)

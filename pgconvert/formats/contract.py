@@ -65,6 +65,9 @@ class LoadOptions:
     keep_quantized: bool = False
     # The dtype an hf source's quantized tensors are dequantized to (--dtype; None: bfloat16).
     dequantize_dtype: torch.dtype | None = None
+    # Check the source's integrity manifest (torch_dist's integrity.json) when it has one; off only where the
+    # same source was checked already (a --workers pool's processes) or is checked apart (verify).
+    verify_integrity: bool = True
 
     def check_layout(self, layout: ParallelLayout, path: Path) -> None:
         """Refuse a ``--src-tp/pp/ep`` the user gave that the checkpoint's own layout contradicts."""
@@ -94,6 +97,9 @@ class SaveOptions:
     tokenizer: Path | None = None
     # The MTP inner layer's per-rank key (pgconvert.formats.mtp_naming); None keeps the source's.
     mtp_layer_module: str | None = None
+    # torch_dist: where the common state goes, "store" (inside the DCP store, with integrity.json, as megatron-core
+    # >= 0.19 writes it) or "legacy" (common.pt, which megatron-core <= 0.18 reads); torch_dist.COMMON_PLACES.
+    torch_dist_common: str = "legacy"
     # Threads producing independent destination files at once within this process (``--threads``;
     # pgconvert.io.threads): a saver whose files are independent writes up to this many at a time.
     threads: int = 1
@@ -239,6 +245,12 @@ class Saver(ABC):
     def finalize(self, source: CanonicalSource, out_dir: Path, options: SaveOptions) -> list[str]:
         """Write what depends on every file being there (trackers, indexes); returns notices."""
         raise NotImplementedError
+
+    def seal(self, source: CanonicalSource, out_dir: Path, options: SaveOptions,
+             files: list[PlannedFile]) -> None:
+        """Write what must follow every other file of the destination, the optimizer state's included (torch_dist:
+        the integrity manifest), just before the output is renamed into place. ``files``: what was written (a
+        file's sha256 where it was computed on the way). Default: nothing."""
 
     # Optimizer state (see the module docstring). Whether the format writes megatron-core's optimizer state
     # the source holds, and the forms ``--dst-optim-form`` may name (empty: the format has no choice).

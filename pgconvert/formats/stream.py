@@ -243,6 +243,11 @@ class CanonicalSource:
         """Opaque ``_extra_state`` entries by canonical name (empty for formats without them)."""
         return {}
 
+    def integrity_problems(self) -> tuple[bool, list[str]]:
+        """Whether the checkpoint has an integrity manifest of its files (torch_dist's ``integrity.json``), and
+        each listed file that is missing or does not have the digest it records."""
+        return False, []
+
     def holds_training_state(self) -> bool:
         """Whether the checkpoint holds training state a resumed run reads besides the model (optimizer,
         scheduler, RNG): a destination that does not carry it says so only then."""

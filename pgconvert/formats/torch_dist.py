@@ -71,18 +71,28 @@ from pgconvert.model.provider import (EXPERTS_MODULE, EXTRA_STATE_SUFFIX, LAYER_
 
 CHECKPOINT_CONFIG_FILE = "metadata.json"
 COMMON_FILE = "common.pt"
-# Newer megatron-core (0.20.0 at Megatron-LM d98e8a64; 0.16 still writes common.pt) stores the common state (args, iteration,
-# optimizer param groups, ...) inside the checkpoint as this ShardedObject instead of common.pt.
+# megatron-core 0.19.0 and later (``dist_checkpointing.save``) store the common state (args, iteration, optimizer
+# param groups, ...) inside the checkpoint as the ShardedObject ``common_state`` (one bytes entry, the
+# ``torch.save`` of a list of one dict) instead of common.pt; their ``load_common_state_dict`` reads common.pt when
+# there is one, else that entry. megatron-core 0.18.x and older read common.pt only.
 COMMON_STATE_KEY = "common_state/shard_0_1"
+# Where a torch_dist destination keeps the common state (``--dst-torch-dist-common``): "store", inside the DCP
+# store as megatron-core >= 0.19 writes it, with its integrity manifest; "legacy" (the default), common.pt, which
+# every megatron-core reads (0.19+ prefers it when present).
+COMMON_IN_STORE = "store"
+COMMON_LEGACY = "legacy"
+COMMON_PLACES = (COMMON_IN_STORE, COMMON_LEGACY)
 DCP_METADATA_FILE = ".metadata"
 SHARDED_BACKEND = "torch_dist"
-# megatron-core's CheckpointingConfig (dist_checkpointing/core.py) as save_config writes it.
+# megatron-core's CheckpointingConfig (dist_checkpointing/core.py) as save_config writes it: with the common
+# backend up to 0.18.x (common.pt), without from 0.19.0 (the common state is in the store). Both read both.
 CHECKPOINT_CONFIG: dict[str, Any] = {
     "sharded_backend": SHARDED_BACKEND,
     "sharded_backend_version": 1,
     "common_backend": "torch",
     "common_backend_version": 1,
 }
+CHECKPOINT_CONFIG_STORE: dict[str, Any] = {"sharded_backend": SHARDED_BACKEND, "sharded_backend_version": 1}
 # What Megatron-LM (>= core 0.14) passes to sharded_state_dict and stores as common.pt's
 # content_metadata; a loader rebuilds the model's sharded_state_dict with it.
 CONTENT_METADATA: dict[str, Any] = {
@@ -326,9 +336,10 @@ def read_checkpoint_config(path: Path) -> dict[str, Any]:
     return config
 
 
-def write_checkpoint_config(directory: Path) -> Path:
+def write_checkpoint_config(directory: Path, common: str = COMMON_LEGACY) -> Path:
+    """``metadata.json`` as the megatron-core that keeps the common state where ``common`` says writes it."""
     path = directory / CHECKPOINT_CONFIG_FILE
-    path.write_text(json.dumps(CHECKPOINT_CONFIG))
+    path.write_text(json.dumps(CHECKPOINT_CONFIG_STORE if common == COMMON_IN_STORE else CHECKPOINT_CONFIG))
     return path
 
 

@@ -43,7 +43,7 @@ from pgconvert.run.convert import ConvertRequest, convert, convert_request, dest
 from pgconvert.errors import PgconvertError, ValidationError
 from pgconvert.formats import RELEASE, LoadOptions
 from pgconvert.io.limits import MAX_PLACEHOLDER_WIDTH, quote
-from pgconvert.run.manifest import Manifest, file_problems, output_options, read_manifest
+from pgconvert.run.manifest import UNRECORDED_OPTIONS, Manifest, file_problems, output_options, read_manifest
 from pgconvert.formats.registry import detect_format, get_loader
 
 
@@ -353,8 +353,9 @@ def manifest_mismatch(manifest: Manifest, request: ConvertRequest, verify_hashes
         return f"target layout {manifest.target_parallel_layout.describe()}, not {layout.describe()}"
     wanted_options = output_options(request)
     for name, value in wanted_options.items():
-        if manifest.options.get(name) != value:
-            return f"{name} {manifest.options.get(name)!r}, not {value!r}"
+        recorded_value = manifest.options.get(name, UNRECORDED_OPTIONS.get(name))
+        if recorded_value != value:
+            return f"{name} {recorded_value!r}, not {value!r}"
     problems = file_problems(request.dst, manifest, hashes=verify_hashes)
     return "; ".join(problems) if problems else None
 

@@ -32,6 +32,7 @@ from pgconvert.formats import DTYPE_CHOICES, LoadOptions, PlannedFile, SaveOptio
 from pgconvert.model.layout import ParallelLayout
 from pgconvert.model.layout_spec import LayoutSpec
 from pgconvert.formats.names import DIGEST_CHOICES
+from pgconvert.formats.torch_dist import COMMON_PLACES
 from pgconvert.io.output import OUTPUT_STAGING_BYTES, digests
 from pgconvert.io.threads import serialized
 from pgconvert.io.sizes import itemsize, numel
@@ -102,6 +103,9 @@ class ConvertRequest:
     dst_optim_form: str | None = None
     # A Megatron per-rank DST's MTP inner-layer key (pgconvert.formats.mtp_naming); None: the source's.
     dst_mtp_layer_name: str | None = None
+    # Where a torch_dist DST keeps its common state: "store" (megatron-core >= 0.19, with integrity.json) or
+    # "legacy" (common.pt, which megatron-core <= 0.18 reads).
+    dst_torch_dist_common: str = "legacy"
 
 
 @dataclass
@@ -223,7 +227,8 @@ def _check_choices(request: ConvertRequest) -> None:
     """The options that take one of a few values (a library caller passes them unchecked by click)."""
     for flag, value, choices in (("--dtype", request.dtype, tuple(DTYPE_CHOICES)),
                                  ("--check-finite", request.check_finite, CHECK_FINITE_CHOICES),
-                                 ("--digest", request.digest, DIGEST_CHOICES)):
+                                 ("--digest", request.digest, DIGEST_CHOICES),
+                                 ("--dst-torch-dist-common", request.dst_torch_dist_common, COMMON_PLACES)):
         if value not in choices:
             raise DestinationError(f"{flag} {value}: must be one of {', '.join(choices)}")
     for flag, count in (("--threads", request.threads), ("--workers", request.workers)):
@@ -258,6 +263,7 @@ def plan(request: ConvertRequest, check_dst: bool = True) -> Plan:
         strict=request.strict,
         keep_quantized=request.keep_fp8,
         dequantize_dtype=DTYPE_CHOICES[request.dtype],  # one rounding, to the dtype asked for
+        verify_integrity=check_dst,  # a worker's source was checked by the process that planned the run
     ))
     try:
         source.check_finite = request.check_finite
@@ -269,6 +275,7 @@ def plan(request: ConvertRequest, check_dst: bool = True) -> Plan:
             transformer_impl=request.dst_transformer_impl,
             expert_layout=request.dst_expert_layout,
             mtp_layer_module=request.dst_mtp_layer_name,
+            torch_dist_common=request.dst_torch_dist_common,
             strict=request.strict,
             max_shard_size=request.max_shard_size,
             hf_config=Path(request.hf_config) if request.hf_config is not None else None,
@@ -474,6 +481,7 @@ def execute(conversion: Plan, progress: Callable[[int], None] | None = None) -> 
     try:
         with digests(hashing(request)), staged_output(request.dst, request.overwrite) as staging:
             result = _save(conversion, staging, progress or (lambda nbytes: None))
+            conversion.saver.seal(conversion.source, staging, conversion.save_options, result.files)
             # Inside the staging directory: only an output that is complete ever has a manifest.
             records = record_files(staging, result.files, hashing(request))
             write_manifest(staging, Manifest.for_conversion(conversion, records))

@@ -34,7 +34,10 @@ MANIFEST_FILE = "pgconvert.json"
 OUTPUT_OPTIONS = ("dtype", "dst_transformer_impl", "dst_expert_layout", "true_vocab_size", "max_shard_size",
                   "hf_config", "generation_config", "tokenizer",
                   "keep_fp8",  # quantized tensors kept as stored, or dequantized
-                  "dst_mtp_layer_name")  # how per-rank files spell the MTP layer's inner layer
+                  "dst_mtp_layer_name",  # how per-rank files spell the MTP layer's inner layer
+                  "dst_torch_dist_common")  # where a torch_dist DST keeps its common state
+# What an output whose manifest predates an option's recording was written with (pgconvert wrote only that).
+UNRECORDED_OPTIONS = {"dst_torch_dist_common": "legacy"}
 MANIFEST_VERSION = 1
 # Large enough that hashing runs at disk speed, small enough to stay out of the memory budget.
 HASH_CHUNK_BYTES = 8 * 1024 * 1024

@@ -215,6 +215,7 @@ def run_shard(request: ConvertRequest, index: int, count: int, coordinator_kind:
         if carried is not None:
             result.notices = replace_saver_notice(result.notices,
                                                   finalize_carried(conversion, carried, staging, result.files))
+        conversion.saver.seal(conversion.source, staging, conversion.save_options, result.files)
         if finish is not None:
             finish(conversion, staging, result)
         promote(staging, dst, request.overwrite)

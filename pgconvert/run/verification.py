@@ -65,7 +65,9 @@ class VerifyReport:
 
 
 def _open(path: Path, iteration: int | None, true_vocab_size: int | None) -> CanonicalSource:
-    return get_loader(detect_format(path)).open(path, LoadOptions(iteration=iteration, true_vocab_size=true_vocab_size))
+    # The integrity manifest is checked apart (``_check_integrity``), so a mismatch is reported, not raised.
+    return get_loader(detect_format(path)).open(path, LoadOptions(iteration=iteration, true_vocab_size=true_vocab_size,
+                                                                  verify_integrity=False))
 
 
 def _layout_text(source: CanonicalSource) -> str | None:
@@ -96,8 +98,9 @@ def verify(a: str | Path, b: str | Path, rtol: float = 0.0, atol: float = 0.0, *
     try:
         report = VerifyReport(str(a), str(b), source_a.format_name, source_b.format_name,
                               _layout_text(source_a), _layout_text(source_b), rtol, atol)
-        for label, root in (("A", a), ("B", b)):
+        for label, root, source in (("A", a, source_a), ("B", b, source_b)):
             _check_manifest(label, root, report)
+            _check_integrity(label, source, report)
         _compare_sources(source_a, source_b, report, progress or (lambda name: None))
         if not skip_optimizer:
             report.optimizer = compare_optimizers(source_a, source_b, rtol, atol, progress)
@@ -117,6 +120,18 @@ def _check_manifest(label: str, root: Path, report: VerifyReport) -> None:
         return
     report.notes.append(f"{label}: checked {len(manifest.files)} files against {root / MANIFEST_FILE}")
     report.file_problems.extend(f"{label} ({root}): {problem}" for problem in file_problems(root, manifest))
+
+
+def _check_integrity(label: str, source: CanonicalSource, report: VerifyReport) -> None:
+    """The checkpoint's own integrity manifest (torch_dist's integrity.json), where it has one."""
+    try:
+        present, problems = source.integrity_problems()
+    except PgconvertError as exc:  # a manifest that cannot be read is itself a problem of the files
+        report.file_problems.append(f"{label}: {exc}")
+        return
+    if present:
+        report.notes.append(f"{label}: checked the files listed in its integrity.json")
+    report.file_problems.extend(f"{label}: {problem}" for problem in problems)
 
 
 def _true_vocab(source_a: CanonicalSource, source_b: CanonicalSource, report: VerifyReport) -> int | None:

@@ -11,8 +11,10 @@ the refitted table), plus the plan (a few hundred bytes per chunk).
 The chunks go to data files ``__0_0.distcp``, ``__0_1.distcp``, … of at most ``max_shard_size`` bytes of values
 each (``--max-shard-size``, default 5 GB; one canonical tensor's chunks stay in one file), decided from the plan
 alone. ``save(only=...)`` writes some of them (``--workers``, sharded runs: each process its share), and
-``finalize`` writes ``common.pt``, ``.metadata`` (from the plan: every record's offset is known from its shape and
-dtype, ``streaming.archive_length``), ``metadata.json`` and the tracker, so every split gives the same bytes.
+``finalize`` writes the common state (``common.pt``, or ``--dst-torch-dist-common store``: its own data file after the
+model's), ``.metadata`` (from the plan: every record's offset is known from its shape and dtype,
+``streaming.archive_length``), ``metadata.json`` and the tracker, so every split gives the same bytes; ``seal``
+writes ``integrity.json`` (store) after the optimizer state.
 
 The data files are written by ``StreamingWriter`` (``streaming.py``), not by torch's ``FileSystemWriter.write_data``: torch's
 loop keeps every tensor it wrote in a dict until the file is closed (one per key, so a stacked
@@ -21,7 +23,7 @@ three canonical tensors. The bytes are the same: the items in torch's order (``_
 each the ``torch.save`` archive of its chunk (``pgconvert.io.torchzip``, CRC32s included), and the same
 ``WriteResult`` offsets, so torch writes the same ``.metadata``. The file is hashed on the way, so
 the manifest does not read it back. The layout is not in the files: it is the one recorded in
-``common.pt``'s args (``SaveOptions.layout``), what Megatron-LM reads back as the run's.
+common state's args (``SaveOptions.layout``), what Megatron-LM reads back as the run's.
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ from pgconvert.formats.strict import fallback
 from pgconvert.formats.torch_dist import (
     CHECKPOINT_CONFIG_FILE,
     COMMON_FILE,
+    COMMON_IN_STORE,
+    COMMON_STATE_KEY,
     CONTENT_METADATA,
     DCP_METADATA_FILE,
     SHARDED_BACKEND,
@@ -62,6 +66,7 @@ from pgconvert.formats.torch_dist import (
     tensor_locations,
     write_checkpoint_config,
 )
+from pgconvert.formats.torch_dist_integrity import INTEGRITY_FILE, write_integrity_manifest
 from pgconvert.io import sizes
 from pgconvert.io.durable import fsync_file
 from pgconvert.io.limits import quote
@@ -76,6 +81,7 @@ from pgconvert.model.provider import (
 )
 from pgconvert.model.rules import VOCAB, ShardRule
 from pgconvert.optimizer.source import OptimizerSource
+from pgconvert.savers.torch_dist.common_state import common_bytes
 from pgconvert.savers.torch_dist.optimizer import DST_FORMS, moe_refusal, planned_records, write_optimizer, written_form
 from pgconvert.savers.torch_dist.optimizer_records import RecordsShare
 from pgconvert.savers.torch_dist.streaming import (DEFAULT_MAX_DATA_FILE_SIZE, ItemKey, StreamingWriter,
@@ -142,8 +148,9 @@ class _StreamingPlanner(DefaultSavePlanner):
     """A save plan given up front; each chunk's data is produced when the writer asks for it."""
 
     def __init__(self, chunks: list[_Chunk], objects: list[str], source: CanonicalSource, vocab_rows: int,
-                 progress: Progress) -> None:
+                 progress: Progress, common: bytes | None = None) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self._common = common  # the common_state entry (in the store), when it is written
         self._chunks = {(chunk.key, chunk.offsets): chunk for chunk in chunks}
         self._items = [chunk.write_item() for chunk in chunks] + [
             WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO) for key in objects]
@@ -160,6 +167,8 @@ class _StreamingPlanner(DefaultSavePlanner):
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
         if write_item.type == WriteItemType.BYTE_IO:
+            if write_item.index.fqn == COMMON_STATE_KEY and self._common is not None:
+                return io.BytesIO(self._common)
             return empty_extra_state()
         chunk = self._chunks[(write_item.index.fqn, tuple(write_item.index.offset))]
         full = self._canonical(chunk.canonical)
@@ -225,10 +234,10 @@ class TorchDistSaver(Saver):
     def plan(self, source: CanonicalSource, options: SaveOptions) -> list[PlannedFile]:
         chunks, objects, _ = self._chunks(source, options)
         directory = iteration_dir_name(*self._iteration(source))
-        return _files(directory, _data_files(chunks, options), objects)
+        return _files(directory, _data_files(chunks, options), objects, options.torch_dist_common)
 
     def _args(self, source: CanonicalSource, options: SaveOptions, rows: int) -> Any:
-        """The target's Megatron args, as ``common.pt`` holds them."""
+        """The target's Megatron args, as the common state holds them."""
         config = target_config(source.config, options)
         dtype = options.dtype or params_dtype_for((source.meta(name).dtype for name in source.names()), config)
         args = args_for_target(config, options.layout, rows, dtype, self._iteration(source)[0], source.megatron_args)
@@ -259,15 +268,15 @@ class TorchDistSaver(Saver):
             with _os_errors_of_torch(out_dir / directory / data_file_name(writes[0])), single_process_calls():
                 dcp.save({}, storage_writer=writer, planner=planner, no_dist=True)
             written = writer.written
+        planned = _files(directory, files, objects, options.torch_dist_common, written)
         if only is not None:
-            return SaveResult(files=[item for item in _files(directory, files, objects, written)
-                                     if item.sha256 is not None])
-        return SaveResult(files=_files(directory, files, objects, written),
-                          notices=self.finalize(source, out_dir, options))
+            return SaveResult(files=[item for item in planned if item.sha256 is not None])
+        return SaveResult(files=planned, notices=self.finalize(source, out_dir, options))
 
     def finalize(self, source: CanonicalSource, out_dir: Path, options: SaveOptions) -> list[str]:
-        """What is written once every data file is, all from the plan: ``common.pt`` (the args), ``.metadata``
-        (every record's file, offset and length), ``metadata.json``, the tracker and the carried HF files."""
+        """What is written once every data file is, all from the plan: the common state (the args; common.pt, or
+        its own data file in the store), ``.metadata`` (every record's file, offset and length), ``metadata.json``,
+        the tracker and the carried HF files. ``seal`` writes the integrity manifest after the optimizer state."""
         layout = options.layout
         notices: list[str] = []
         iteration, release = self._iteration(source)
@@ -277,14 +286,11 @@ class TorchDistSaver(Saver):
         iteration_dir.mkdir(parents=True, exist_ok=True)
         chunks, objects, rows = self._chunks(source, options)
         args = self._args(source, options, rows)
-        _write_common(iteration_dir / COMMON_FILE, {"args": args, "checkpoint_version": CHECKPOINT_VERSION,
-                                                    "iteration": iteration, "content_metadata": dict(CONTENT_METADATA)})
-        planner = _StreamingPlanner(chunks, objects, source, rows, lambda nbytes: None)
-        writer = StreamingWriter(iteration_dir, _file_numbers(_data_files(chunks, options)), writes=(), index=True)
-        with _os_errors_of_torch(iteration_dir / DCP_METADATA_FILE), single_process_calls():
-            dcp.save({}, storage_writer=writer, planner=planner, no_dist=True)
+        common = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
+                  "content_metadata": dict(CONTENT_METADATA)}
+        self._write_index(iteration_dir, chunks, objects, source, rows, options, common)
         # megatron-core writes metadata.json last: a directory without it is an incomplete checkpoint to every reader.
-        write_checkpoint_config(iteration_dir)
+        write_checkpoint_config(iteration_dir, options.torch_dist_common)
         fsync_file(iteration_dir / CHECKPOINT_CONFIG_FILE)
         tracker = out_dir / TRACKER_FILE
         tracker.write_text("release" if release else str(iteration))
@@ -293,12 +299,47 @@ class TorchDistSaver(Saver):
         if any(extra.holds_state() for extra in source.extra_states().values()):
             notices.append("Transformer Engine _extra_state (FP8 scaling metadata) of the source is not "
                            "carried; written empty: FP8 runs re-derive it in their first steps")
-        written = f"torch_dist written with the layout {layout.describe()} recorded in common.pt's args"
+        place = "the common_state entry" if options.torch_dist_common == COMMON_IN_STORE else COMMON_FILE
+        written = f"torch_dist written with the layout {layout.describe()} recorded in {place}'s args"
         if source.holds_training_state():
             written += (f"; {TRAINING_STATE_NOT_CARRIED}: resume with --no-load-optim --no-load-rng "
                         "(or --finetune)")
         notices.append(written)
         return notices
+
+    @staticmethod
+    def _write_index(iteration_dir: Path, chunks: list[_Chunk], objects: list[str], source: CanonicalSource,
+                     rows: int, options: SaveOptions, common: dict[str, object]) -> None:
+        """The common state and ``.metadata``: in the store, the common state is its own data file after the
+        model's (written here, never by ``save``); else common.pt."""
+        files = _data_files(chunks, options)
+        numbers = _file_numbers(files)
+        writes: tuple[int, ...] = ()
+        stored = None
+        if options.torch_dist_common == COMMON_IN_STORE:
+            stored = common_bytes(common)
+            objects = [*objects, COMMON_STATE_KEY]
+            writes = (len(files),)
+            numbers[(COMMON_STATE_KEY, None)] = len(files)
+        else:
+            _write_common(iteration_dir / COMMON_FILE, common)
+        planner = _StreamingPlanner(chunks, objects, source, rows, lambda nbytes: None, stored)
+        writer = StreamingWriter(iteration_dir, numbers, writes=writes, index=True)
+        with _os_errors_of_torch(iteration_dir / DCP_METADATA_FILE), single_process_calls():
+            dcp.save({}, storage_writer=writer, planner=planner, no_dist=True)
+
+    def seal(self, source: CanonicalSource, out_dir: Path, options: SaveOptions,
+             files: list[PlannedFile]) -> None:
+        """In the megatron-core 0.19 form (common state in the store), megatron-core's ``integrity.json`` of the
+        iteration directory, after every other file of it (the optimizer state's included) is final; digests
+        computed while writing are reused."""
+        if options.torch_dist_common != COMMON_IN_STORE:
+            return
+        directory = iteration_dir_name(*self._iteration(source))
+        known = {Path(item.relpath).name: (item.sha256, item.size) for item in files
+                 if Path(item.relpath).parent.as_posix() == directory and item.sha256 is not None
+                 and item.size is not None}
+        write_integrity_manifest(out_dir / directory, known)
 
     # The source's optimizer state, as megatron-core's DistributedOptimizer (or plain optimizer) saves it.
     writes_optimizer = True
@@ -325,7 +366,7 @@ class TorchDistSaver(Saver):
     def save_optimizer(self, source: CanonicalSource, optimizer: OptimizerSource, form: str, out_dir: Path,
                        options: SaveOptions, optimizer_options: OptimizerOptions,
                        files: list[PlannedFile], only: Collection[str] | None = None) -> CarriedOptimizer:
-        """The optimizer records beside the model's in ``form``; ``common.pt`` and ``.metadata`` updated (with
+        """The optimizer records beside the model's in ``form``; the common state and ``.metadata`` updated (with
         ``only``: the records files it names alone)."""
         limit = options.max_shard_size or DEFAULT_MAX_DATA_FILE_SIZE
         if only is None:
@@ -339,7 +380,7 @@ class TorchDistSaver(Saver):
     def finalize_optimizer(self, source: CanonicalSource, optimizer: OptimizerSource, form: str, out_dir: Path,
                            options: SaveOptions, optimizer_options: OptimizerOptions,
                            files: list[PlannedFile]) -> CarriedOptimizer:
-        """The records' index merged into ``.metadata`` (from the plan) and ``common.pt`` updated, after
+        """The records' index merged into ``.metadata`` (from the plan) and the common state updated, after
         ``finalize``."""
         share = RecordsShare(options.max_shard_size or DEFAULT_MAX_DATA_FILE_SIZE, (), shared=True)
         return self._write_optimizer(source, optimizer, form, out_dir, options, optimizer_options, files, share)
@@ -375,22 +416,25 @@ def _write_common(path: Path, common: dict[str, object]) -> None:
     fsync_file(path)
 
 
-def _files(iteration_dir: str, files: list[list[_Chunk]], objects: list[str],
+def _files(iteration_dir: str, files: list[list[_Chunk]], objects: list[str], common: str,
            written: Mapping[str, tuple[str, int]] | None = None) -> list[PlannedFile]:
     """The files of one iteration; the first data file holds the ``_extra_state`` entries too (each data file's
-    sha256 and size when ``written`` names it)."""
+    sha256 and size when ``written`` names it). The common state is common.pt, or (``common`` "store") a data
+    file of its own after the model's, with the integrity manifest."""
     data = []
     for number, chunks in enumerate(files):
         name = data_file_name(number)
         sha256, size = (written or {}).get(name, (None, None))
         data.append(PlannedFile(f"{iteration_dir}/{name}", len(chunks) + (len(objects) if number == 0 else 0),
                                 sum(c.nbytes for c in chunks), sha256=sha256, size=size))
-    return [
-        PlannedFile(f"{iteration_dir}/{COMMON_FILE}", 0, 0),
-        *data,
-        PlannedFile(f"{iteration_dir}/{DCP_METADATA_FILE}", 0, 0),
-        PlannedFile(f"{iteration_dir}/{CHECKPOINT_CONFIG_FILE}", 0, 0),
-    ]
+    if common != COMMON_IN_STORE:
+        return [PlannedFile(f"{iteration_dir}/{COMMON_FILE}", 0, 0), *data,
+                PlannedFile(f"{iteration_dir}/{DCP_METADATA_FILE}", 0, 0),
+                PlannedFile(f"{iteration_dir}/{CHECKPOINT_CONFIG_FILE}", 0, 0)]
+    return [*data, PlannedFile(f"{iteration_dir}/{data_file_name(len(files))}", 1, 0),
+            PlannedFile(f"{iteration_dir}/{DCP_METADATA_FILE}", 0, 0),
+            PlannedFile(f"{iteration_dir}/{CHECKPOINT_CONFIG_FILE}", 0, 0),
+            PlannedFile(f"{iteration_dir}/{INTEGRITY_FILE}", 0, 0)]
 
 
 @contextmanager

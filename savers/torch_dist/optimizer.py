@@ -14,7 +14,7 @@ from typing import Any
 from pgconvert.errors import PgconvertError, ValidationError
 from pgconvert.formats import CarriedOptimizer, OptimizerFile, PlannedFile, SaveOptions, target_config
 from pgconvert.formats.stream import CanonicalSource
-from pgconvert.formats.torch_dist import COMMON_FILE, DCP_METADATA_FILE
+from pgconvert.formats.torch_dist import DCP_METADATA_FILE
 from pgconvert.formats.torch_dist_optimizer import (DP_RESHARDABLE, FS_MODEL_SPACE, FULLY_RESHARDABLE, PLAIN,
                                                     moe_form_refusal)
 from pgconvert.model.grid import RankCoord
@@ -25,8 +25,9 @@ from pgconvert.optimizer.source import FORM_DISTRIBUTED, OptimizerSource
 from pgconvert.savers.torch_dist.optimizer_dp_reshardable import planned_files, plan_records, write_dp_reshardable
 from pgconvert.savers.torch_dist.optimizer_fs_model_space import write_fs_model_space
 from pgconvert.savers.torch_dist.optimizer_plain import plain_chunks, write_plain
+from pgconvert.savers.torch_dist.common_state import common_relpath, rewrite_common
 from pgconvert.savers.torch_dist.optimizer_records import (RecordsShare, chunk_numbers, optimizer_chunks, records_files,
-                                                           rewrite_common, write_fully_reshardable)
+                                                           write_fully_reshardable)
 from pgconvert.savers.torch_dist.streaming import DEFAULT_MAX_DATA_FILE_SIZE
 
 # The distributed optimizer's forms a destination may be given (fully_sharded_model_space: for megatron-core
@@ -81,8 +82,8 @@ def write_optimizer(source: CanonicalSource, optimizer: OptimizerSource, form: s
                     options: SaveOptions, dst_dp: int | None, model_chunks: list[Any], rows: int, args: Any,
                     files: list[PlannedFile], share: RecordsShare) -> CarriedOptimizer:
     """The optimizer records in ``form`` beside the torch_dist saver's (``model_chunks``: its chunks; ``args``: the
-    target's, as ``common.pt`` holds them), for ``dst_dp`` (default: those args') data-parallel ranks: the records
-    files ``share`` names and, when it says so, what they share (``common.pt`` and ``.metadata`` rewritten)."""
+    target's, as the common state holds them), for ``dst_dp`` (default: those args') data-parallel ranks: the records
+    files ``share`` names and, when it says so, what they share (the common state and ``.metadata`` rewritten)."""
     layout = options.layout
     if dst_dp is not None:
         args = with_dst_dp(args, layout, dst_dp)
@@ -102,7 +103,9 @@ def write_optimizer(source: CanonicalSource, optimizer: OptimizerSource, form: s
     else:
         counts = _group_counts(optimizer, source, options, rows)
         added = write_fully_reshardable(optimizer, model_chunks, rows, fits_rows, iteration_dir, share, counts)
-    names = tuple(f"{iteration_dir.name}/{name}" for name in (COMMON_FILE, DCP_METADATA_FILE))
+    # What the shared step rewrote (a share writes its records files alone): their digests are stale.
+    rewritten = (common_relpath(iteration_dir), DCP_METADATA_FILE) if share.shared else ()
+    names = tuple(f"{iteration_dir.name}/{name}" for name in rewritten)
     written = [PlannedFile(f.relpath, f.tensors, f.nbytes) if f.relpath.endswith(names) else f for f in files]
     return CarriedOptimizer(written + added, f"{optimizer.form}, {form}", destination_notice(optimizer.sharding, form))
 
@@ -111,7 +114,7 @@ def planned_records(source: CanonicalSource, optimizer: OptimizerSource, form: s
                     dst_dp: int | None, model_chunks: list[Any], rows: int, directory: str,
                     args: Any) -> list[OptimizerFile]:
     """``--dry-run``'s and a sharded run's records files in ``form``: their records (and objects) and bytes."""
-    what = f"optimizer records ({optimizer.form}, {form}; common.pt and .metadata updated)"
+    what = f"optimizer records ({optimizer.form}, {form}; common state and .metadata updated)"
     limit = options.max_shard_size or DEFAULT_MAX_DATA_FILE_SIZE
     if form in (PLAIN, FULLY_RESHARDABLE, FS_MODEL_SPACE):
         chunks = plain_chunks(optimizer.form, set(optimizer.names()), model_chunks) if form == PLAIN \

@@ -22,7 +22,7 @@ The common state holds ``optimizer = {'param_state_sharding_type': 'dp_reshardab
 ``content_metadata['distrib_optim_sharding_type']``. As for ``fully_reshardable``
 (``optimizer_records.py``), the records go to ``__1_<n>.distcp`` through the saver's streaming
 writer (one parameter's piece in memory at a time; a parameter's records of one field in one file) and are merged
-into ``.metadata`` and ``common.pt``.
+into ``.metadata`` and the common state.
 
 A MoE model at expert parallel size > 1 (megatron-core chains a dense and an expert distributed
 optimizer, ``get_megatron_optimizer``). ``ChainedOptimizer.sharded_state_dict`` (optimizer.py) prefixes every
@@ -61,8 +61,9 @@ from pgconvert.optimizer.flat import FlatParam, bucket_divisor, bucket_pieces, b
 from pgconvert.optimizer.order import chained_slots, optimizer_count
 from pgconvert.optimizer.scaler import target_scalers
 from pgconvert.optimizer.source import FIELDS, FP32_BYTES, OptimizerSource
+from pgconvert.savers.torch_dist.common_state import rewrite_common
 from pgconvert.savers.torch_dist.optimizer_records import (RecordsShare, carry_counters, numbered, records_files,
-                                                           rewrite_common, write_records)
+                                                           write_records)
 from pgconvert.savers.torch_dist.streaming import ItemKey, split_by_size
 
 
@@ -214,7 +215,7 @@ def planned_files(records: list[_Record], objects: dict[str, Any], limit: int, d
 def write_dp_reshardable(optimizer: OptimizerSource, config: ModelConfig, layout: ParallelLayout, rows: int, dp: int,
                          iteration_dir: Path, args: Any, share: RecordsShare) -> list[PlannedFile]:
     """Write the records beside the torch_dist saver's (for ``dp`` data-parallel ranks at ``layout``; ``args``: the
-    target's, as ``common.pt`` holds them; ``share``: which); returns the files added."""
+    target's, as the common state holds them; ``share``: which); returns the files added."""
     records, objects = plan_records(optimizer, config, layout, rows, dp, args)
     written = write_records(iteration_dir, _Planner(records, objects, optimizer, rows),
                             record_numbers(records, share.limit), share)

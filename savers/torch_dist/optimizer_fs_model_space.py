@@ -29,8 +29,8 @@ from pgconvert.formats.torch_dist import DCP_METADATA_FILE, read_dcp_metadata
 from pgconvert.formats.torch_dist_optimizer import FS_MODEL_SPACE, MODEL_SPACE_FIELDS, common_entry, state_key
 from pgconvert.optimizer.scaler import set_scalers, target_scalers
 from pgconvert.optimizer.source import OptimizerSource
-from pgconvert.savers.torch_dist.optimizer_records import (RecordsShare, carry_counters, per_field, replace_durably,
-                                                           rewrite_common, write_chunk_records)
+from pgconvert.savers.torch_dist.common_state import replace_durably, rewrite_common
+from pgconvert.savers.torch_dist.optimizer_records import RecordsShare, carry_counters, per_field, write_chunk_records
 
 FIELDS = MODEL_SPACE_FIELDS[FS_MODEL_SPACE]
 

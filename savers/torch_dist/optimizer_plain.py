@@ -20,8 +20,8 @@ from pgconvert.formats import PlannedFile
 from pgconvert.formats.torch_dist_optimizer import PLAIN_FIELDS, state_key
 from pgconvert.optimizer.scaler import set_scalers, target_scalers
 from pgconvert.optimizer.source import FORM_FP32, OptimizerSource
-from pgconvert.savers.torch_dist.optimizer_records import (RecordsShare, carry_counters, per_field, rewrite_common,
-                                                           write_chunk_records)
+from pgconvert.savers.torch_dist.common_state import rewrite_common
+from pgconvert.savers.torch_dist.optimizer_records import RecordsShare, carry_counters, per_field, write_chunk_records
 
 
 def plain_chunks(form: str, names: set[str], model_chunks: list[Any]) -> list[tuple[str, Any]]:
@@ -48,7 +48,7 @@ def _common_entry(optimizer: OptimizerSource, group_counts: list[int]) -> dict[A
 def write_plain(optimizer: OptimizerSource, model_chunks: list[Any], rows: int, fits_rows: set[str],
                 iteration_dir: Path, group_counts: list[int], share: RecordsShare) -> list[PlannedFile]:
     """Write the plain optimizer's records beside the model's (``model_chunks``: the torch_dist saver's; ``share``:
-    which) and its entry in ``common.pt`` (``group_counts``: the target's param groups per chained optimizer);
+    which) and its entry in the common state (``group_counts``: the target's param groups per chained optimizer);
     returns the files added."""
     chunks = plain_chunks(optimizer.form, set(optimizer.names()), model_chunks)
     added = write_chunk_records(optimizer, chunks, rows, fits_rows, iteration_dir, share)

@@ -1,6 +1,7 @@
 """The distributed optimizer's state written into a torch_dist destination, in the ``fully_reshardable``
 form (layout-independent: the same records at any TP/PP/DP; the layout is only in ``args``), and what every
-form's writer shares: the records file beside the model's, merged into ``.metadata``, and ``common.pt`` rewritten.
+form's writer shares: the records file beside the model's, merged into ``.metadata``, and the common state rewritten
+(``common_state.rewrite_common``: common.pt or the store's entry).
 
 ``DistributedOptimizer.sharded_param_state_fully_reshardable`` (megatron-core 0.16.1 / 0.20.0) saves
 ``optimizer.state.{param,exp_avg,exp_avg_sq}.<model key>``: fp32, each with its model tensor's global
@@ -8,9 +9,9 @@ shape and chunks; the common state holds ``optimizer = {optimizer: {param_groups
 'fully_reshardable'}`` and ``content_metadata['distrib_optim_sharding_type']``. Run after the torch_dist
 saver: the records go to data files of their own (``__1_0.distcp``, ``__1_1.distcp``, ... of at most
 ``--max-shard-size`` bytes of values, a canonical tensor's records in one file) written by the saver's streaming
-writer (one record at a time, each produced when written), and are added to ``.metadata`` and ``common.pt``. A
+writer (one record at a time, each produced when written), and are added to ``.metadata`` and the common state. A
 sharded run's processes each write their share of the records files (``RecordsShare``); the finalizing one writes
-the index and ``common.pt`` from the plan, the same bytes.
+the index and the common state from the plan, the same bytes.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import io
 import itertools
-import os
 import pickle
 from collections import Counter
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -34,13 +34,12 @@ from torch.distributed.checkpoint.planner import WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 
 from pgconvert.formats import PlannedFile
-from pgconvert.formats.megatron import FRAMEWORK_PICKLE, safe_torch_load
-from pgconvert.formats.torch_dist import COMMON_FILE, DCP_METADATA_FILE, read_dcp_metadata, single_process_calls
+from pgconvert.formats.torch_dist import DCP_METADATA_FILE, read_dcp_metadata, single_process_calls
 from pgconvert.formats.torch_dist_optimizer import (FULLY_RESHARDABLE, RECORDS_PREFIX, chained_entries, common_entry,
                                                     records_file, state_key)
-from pgconvert.io.durable import fsync_file
 from pgconvert.optimizer.scaler import set_scalers, target_scalers
 from pgconvert.optimizer.source import CARRIED_KEYS, FIELDS, OptimizerSource
+from pgconvert.savers.torch_dist.common_state import replace_durably, rewrite_common
 from pgconvert.savers.torch_dist.streaming import ItemKey, StreamingWriter, split_by_size
 
 
@@ -89,7 +88,7 @@ def _merge_metadata(iteration_dir: Path, added: Metadata) -> None:
 class RecordsShare:
     """What one process writes of the optimizer records: the records files (``records_file`` names) of ``writes``
     (None: all) and, when ``shared``, what they have in common (their index merged into ``.metadata``, and
-    ``common.pt``); each records file holds at most ``limit`` bytes of values (``--max-shard-size``)."""
+    the common state); each records file holds at most ``limit`` bytes of values (``--max-shard-size``)."""
 
     limit: int
     writes: Collection[str] | None = None
@@ -141,24 +140,6 @@ def records_files(directory: str, sizes: Mapping[ItemKey, int], numbers: Mapping
         files.append(PlannedFile(f"{directory}/{name}", tensors[number] + (objects if number == 0 else 0),
                                  nbytes[number], sha256=sha256, size=size))
     return files
-
-
-def replace_durably(path: Path, data: bytes | memoryview) -> None:
-    """``path``'s content replaced by ``data``: written beside it, synced, then renamed over it."""
-    partial = path.with_name(path.name + ".optim")
-    partial.write_bytes(data)
-    fsync_file(partial)
-    os.replace(partial, path)
-
-
-def rewrite_common(iteration_dir: Path, update: Callable[[dict[str, Any]], None]) -> None:
-    """``common.pt`` read, changed by ``update`` and written back durably."""
-    path = iteration_dir / COMMON_FILE
-    common = dict(safe_torch_load(path))
-    update(common)
-    buffer = io.BytesIO()
-    torch.save(common, buffer, pickle_module=FRAMEWORK_PICKLE)
-    replace_durably(path, buffer.getbuffer())
 
 
 def carry_counters(optimizer: OptimizerSource, common: dict[str, Any]) -> None:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
+import io
+import json
 import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from support.megatron_fixtures import read_megatron_checkpoint_ranks
+from support.megatron_fixtures import allowed_globals, load_for_test, read_megatron_checkpoint_ranks
 from torch.distributed.checkpoint import FileSystemReader, TensorStorageMetadata
 
 _LAYOUT_ARGS = (
@@ -54,3 +57,31 @@ def read_dcp(iteration_dir: Path) -> tuple[dcp.Metadata, dict[str, torch.Tensor]
         warnings.simplefilter("ignore")
         dcp.load(tensors, storage_reader=FileSystemReader(str(iteration_dir)), no_dist=True)
     return metadata, tensors
+
+
+COMMON_STATE_KEY = "common_state/shard_0_1"  # megatron-core >= 0.19: ShardedObject("common_state", (1,), (0,))
+
+
+def read_common(iteration_dir: Path) -> dict[str, object]:
+    """A torch_dist checkpoint's common state as megatron-core 0.19's ``load_common_state_dict`` reads it:
+    common.pt when there is one, else the ``common_state`` bytes entry (``torch.save([state])``) where torch's
+    ``.metadata`` places it, loaded weights-only as ``load_for_test`` does."""
+    if (iteration_dir / "common.pt").is_file():
+        return load_for_test(iteration_dir / "common.pt")
+    metadata = FileSystemReader(str(iteration_dir)).read_metadata()
+    (info,) = [info for index, info in metadata.storage_data.items() if index.fqn == COMMON_STATE_KEY]
+    with open(iteration_dir / info.relative_path, "rb") as handle:
+        handle.seek(info.offset)
+        data = io.BytesIO(handle.read(info.length))
+    with torch.serialization.safe_globals(allowed_globals()):
+        loaded = torch.load(data, map_location="cpu", weights_only=True)
+    assert isinstance(loaded, list) and len(loaded) == 1, type(loaded)
+    return loaded[0]
+
+
+def integrity_manifest_of(directory: Path) -> str:
+    """megatron-core's save_integrity_manifest, recomputed with hashlib from the files as they are: every file but
+    the manifest, by name, indent=2."""
+    files = {path.name: hashlib.sha256(path.read_bytes()).hexdigest() for path in sorted(directory.iterdir(), key=str)
+             if path.is_file() and path.name != "integrity.json"}
+    return json.dumps({"algorithm": "sha256", "files": files}, indent=2)

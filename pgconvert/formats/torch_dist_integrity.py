@@ -1,0 +1,119 @@
+"""megatron-core's integrity manifest of a torch_dist checkpoint (``integrity.json``): written and checked.
+
+megatron-core 0.17.1 and later (``dist_checkpointing/validation.py``: ``save_integrity_manifest``,
+``verify_integrity_manifest``; Megatron-LM ``--verify-integrity``) write, after ``metadata.json``, a JSON file
+in the iteration directory::
+
+    {
+      "algorithm": "sha256",
+      "files": {
+        ".metadata": "<sha256 hex>",
+        "__0_0.distcp": "...",
+        ...
+      }
+    }
+
+(``json.dump(..., indent=2)``, no trailing newline): the SHA-256 of every regular file of the directory but
+the manifest itself, sorted by name. ``dist_checkpointing.save(verify_integrity=True)`` writes it;
+``dist_checkpointing.load(verify_integrity=True)`` re-hashes every listed file and refuses a mismatch or a
+missing file (files not listed are not looked at), and refuses a checkpoint without the manifest.
+
+pgconvert writes it for every torch_dist output (so a Megatron-LM run with ``--verify-integrity`` loads it),
+from the digests computed while the files were written where it has them, and checks it whenever it reads a
+torch_dist checkpoint that has one: a mismatch is an ``IntegrityError`` naming the file and both digests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+
+from pgconvert.errors import CheckpointError, IntegrityError
+from pgconvert.io.durable import fsync_file
+from pgconvert.io.limits import quote, read_json
+
+INTEGRITY_FILE = "integrity.json"
+INTEGRITY_ALGORITHM = "sha256"
+_READ_BYTES = 1 << 20  # megatron-core's _READ_CHUNK_SIZE
+_DIGEST = re.compile(r"[0-9a-f]{64}")
+
+
+def file_sha256(path: Path) -> str:
+    """The SHA-256 hex digest of ``path``, read in 1 MiB blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(_READ_BYTES):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def manifest_text(directory: Path, known: Mapping[str, tuple[str, int]] | None = None) -> str:
+    """The manifest of ``directory`` as megatron-core writes it. ``known``: name -> (sha256, size) of files
+    whose digest was computed while they were written; one whose size on disk differs is hashed again."""
+    files: dict[str, str] = {}
+    for path in sorted(directory.iterdir(), key=str):
+        if not path.is_file() or path.name == INTEGRITY_FILE:
+            continue
+        digest, size = (known or {}).get(path.name, (None, None))
+        files[path.name] = digest if digest is not None and size == path.stat().st_size else file_sha256(path)
+    return json.dumps({"algorithm": INTEGRITY_ALGORITHM, "files": files}, indent=2)
+
+
+def write_integrity_manifest(directory: Path, known: Mapping[str, tuple[str, int]] | None = None) -> Path:
+    """``integrity.json`` of ``directory``, written last (after every other file of it is final)."""
+    path = directory / INTEGRITY_FILE
+    path.write_text(manifest_text(directory, known), encoding="utf-8")
+    fsync_file(path)
+    return path
+
+
+def _read_manifest(path: Path) -> dict[str, str]:
+    """The manifest's ``files``, each a plain file name with a lowercase SHA-256 hex digest."""
+    doc = read_json(path)
+    if not isinstance(doc, dict) or not isinstance(doc.get("files"), dict):
+        raise CheckpointError(f"{path}: expected a JSON object with a 'files' object (megatron-core's integrity "
+                              "manifest)")
+    algorithm = doc.get("algorithm", INTEGRITY_ALGORITHM)
+    if algorithm != INTEGRITY_ALGORITHM:
+        raise CheckpointError(f"{path}: algorithm={quote(algorithm)}: only {INTEGRITY_ALGORITHM!r} is supported "
+                              "(as by megatron-core)")
+    files: dict[str, str] = doc["files"]
+    for name, digest in files.items():
+        if name in ("", ".", "..") or "/" in name or os.sep in name:
+            raise CheckpointError(f"{path}: file name {quote(name)}: the manifest lists files of its own directory")
+        if not isinstance(digest, str) or not _DIGEST.fullmatch(digest):
+            raise CheckpointError(f"{path}: {quote(name)}: digest {quote(digest)} is not a SHA-256 hex digest")
+    return files
+
+
+def integrity_problems(directory: Path) -> tuple[bool, list[str]]:
+    """Whether ``directory`` has a manifest, and each listed file that is missing or whose SHA-256 differs
+    (file, expected and actual digest)."""
+    path = directory / INTEGRITY_FILE
+    if not path.is_file():
+        return False, []
+    problems = []
+    for name, expected in _read_manifest(path).items():
+        target = directory / name
+        if target.is_symlink() or not target.is_file():
+            problems.append(f"{target}: listed in {INTEGRITY_FILE} (sha256 {expected}) but missing (or not a regular "
+                            "file)")
+            continue
+        actual = file_sha256(target)
+        if actual != expected:
+            problems.append(f"{target}: sha256 {actual}, but {INTEGRITY_FILE} records {expected}")
+    return True, problems
+
+
+def check_integrity(directory: Path) -> bool:
+    """Raise an ``IntegrityError`` naming every listed file that does not match ``integrity.json``; whether the
+    directory has the manifest at all."""
+    present, problems = integrity_problems(directory)
+    if problems:
+        raise IntegrityError(f"{directory / INTEGRITY_FILE}: integrity check failed for {len(problems)} file(s): "
+                             + "; ".join(problems))
+    return present

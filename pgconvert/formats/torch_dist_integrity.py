@@ -18,9 +18,10 @@ the manifest itself, sorted by name. ``dist_checkpointing.save(verify_integrity=
 ``dist_checkpointing.load(verify_integrity=True)`` re-hashes every listed file and refuses a mismatch or a
 missing file (files not listed are not looked at), and refuses a checkpoint without the manifest.
 
-pgconvert writes it for every torch_dist output (so a Megatron-LM run with ``--verify-integrity`` loads it),
-from the digests computed while the files were written where it has them, and checks it whenever it reads a
-torch_dist checkpoint that has one: a mismatch is an ``IntegrityError`` naming the file and both digests.
+pgconvert writes it for a torch_dist output in megatron-core 0.19's form (``--dst-torch-dist-common store``,
+so a Megatron-LM run with ``--verify-integrity`` loads it), from the digests computed while the files were
+written where it has them, and checks it whenever it reads a torch_dist checkpoint that has one: a mismatch
+is an ``IntegrityError`` naming the file and both digests.
 """
 
 from __future__ import annotations

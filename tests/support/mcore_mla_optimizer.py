@@ -47,11 +47,9 @@ def _mla_model(args: Any, tp_rank: int, pp_rank: int, ep_rank: int) -> Iterator[
     import megatron.core.transformer.multi_token_prediction as mtp_module
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.process_groups_config import ProcessGroupCollection
-    from megatron.core.transformer.multi_token_prediction import (MultiTokenPredictionBlockSubmodules,
-                                                                   get_mtp_layer_spec)
-    from support.megatron_mla import CausalAttention, mla_config, mla_cpu_patches
+    from support.mcore_mtp_model import mla_mtp_specs
+    from support.megatron_mla import mla_config, mla_cpu_patches
 
     tp, pp, ep = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.expert_model_parallel_size
     config = dataclasses.replace(mla_config(args), mtp_num_layers=args.mtp_num_layers, tensor_model_parallel_size=tp,
@@ -79,12 +77,7 @@ def _mla_model(args: Any, tp_rank: int, pp_rank: int, ep_rank: int) -> Iterator[
             mock.patch.object(parallel_state, "get_virtual_pipeline_model_parallel_world_size", return_value=None), \
             mock.patch.object(parallel_state, "get_tensor_model_parallel_group", return_value=collection.tp), \
             mock.patch.object(mtp_module, "gather_from_tensor_model_parallel_region", lambda x, group=None: x):
-        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=args.normalization,
-                                          qk_l2_norm=False, vp_stage=None, pp_rank=pp_rank)
-        for layer in spec.layer_specs:
-            layer.submodules.self_attention.submodules.core_attention = CausalAttention
-        mtp_spec = MultiTokenPredictionBlockSubmodules(
-            layer_specs=[get_mtp_layer_spec(spec.layer_specs[-1], use_transformer_engine=False)] * args.mtp_num_layers)
+        spec, mtp_spec = mla_mtp_specs(config, args, pp_rank)
         yield GPTModel(
             config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
             max_sequence_length=args.max_position_embeddings, pre_process=pp_rank == 0, post_process=last,

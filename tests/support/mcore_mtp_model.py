@@ -21,6 +21,24 @@ from typing import Any
 import torch
 
 
+def mla_mtp_specs(config: Any, args: argparse.Namespace, pp_rank: int) -> tuple[Any, Any]:
+    """The MLA local decoder block spec of ``config`` for stage ``pp_rank`` (causal core attention, which runs
+    on the CPU) and megatron-core's MTP block spec for it: its own MTP layer spec for the last decoder layer's
+    spec, ``args.mtp_num_layers`` times (what get_gpt_mtp_block_spec picks)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer.multi_token_prediction import (MultiTokenPredictionBlockSubmodules,
+                                                                   get_mtp_layer_spec)
+    from support.megatron_mla import CausalAttention
+
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=args.normalization,
+                                      qk_l2_norm=False, vp_stage=None, pp_rank=pp_rank)
+    for layer in spec.layer_specs:
+        layer.submodules.self_attention.submodules.core_attention = CausalAttention
+    mtp_spec = MultiTokenPredictionBlockSubmodules(
+        layer_specs=[get_mtp_layer_spec(spec.layer_specs[-1], use_transformer_engine=False)] * args.mtp_num_layers)
+    return spec, mtp_spec
+
+
 @contextlib.contextmanager
 def mtp_gpt_model(args: argparse.Namespace) -> Iterator[Any]:
     """megatron-core's GPTModel of ``args`` (MLA local spec, TP1/PP1/EP1) with its MTP block: the
@@ -35,13 +53,10 @@ def mtp_gpt_model(args: argparse.Namespace) -> Iterator[Any]:
     import support.mcore_helpers as mcore
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.process_groups_config import ProcessGroupCollection
     import megatron.core.transformer.multi_token_prediction as mtp_module
     from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region as gather
-    from megatron.core.transformer.multi_token_prediction import (MultiTokenPredictionBlockSubmodules,
-                                                                   get_mtp_layer_spec)
-    from support.megatron_mla import CausalAttention, mla_config, mla_cpu_patches
+    from support.megatron_mla import mla_config, mla_cpu_patches
 
     config = mla_config(args)
     config.mtp_num_layers = args.mtp_num_layers
@@ -56,12 +71,7 @@ def mtp_gpt_model(args: argparse.Namespace) -> Iterator[Any]:
             mock.patch.object(parallel_state, "get_tensor_model_parallel_group", return_value=groups.tp), \
             mock.patch.object(mtp_module, "gather_from_tensor_model_parallel_region",
                               lambda x, group=None: gather(x, group=groups.tp)):
-        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=args.normalization,
-                                          qk_l2_norm=False, vp_stage=None, pp_rank=0)
-        for layer in spec.layer_specs:
-            layer.submodules.self_attention.submodules.core_attention = CausalAttention
-        mtp_spec = MultiTokenPredictionBlockSubmodules(
-            layer_specs=[get_mtp_layer_spec(spec.layer_specs[-1], use_transformer_engine=False)] * args.mtp_num_layers)
+        spec, mtp_spec = mla_mtp_specs(config, args, pp_rank=0)
         yield GPTModel(
             config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
             max_sequence_length=args.max_position_embeddings, pre_process=True, post_process=True,

@@ -305,10 +305,10 @@ def _layout_option(name: str, help_text: str) -> Any:
 @click.option("--dst-mtp-layer-name", type=click.Choice(list(MTP_LAYER_MODULES)), default=None,
               help="Megatron per-rank DST: the MTP layer's inner-layer key, transformer_layer (megatron-core 0.16.1) or "
                    "mtp_model_layer (newer Megatron-LM) [default: the source's, else transformer_layer].")
-@click.option("--dst-torch-dist-common", type=click.Choice(["store", "legacy"]), default="legacy", show_default=True,
-              help="torch_dist DST: the common state (args, iteration, optimizer param groups) in common.pt, which "
-                   "every megatron-core reads (legacy), or inside the checkpoint with an integrity.json manifest, as "
-                   "megatron-core 0.19+ writes it (store; 0.18 and older cannot load it).")
+@click.option("--dst-torch-dist-common", type=click.Choice(["store", "legacy"]), default="store", show_default=True,
+              help="torch_dist DST: the common state (args, iteration, optimizer param groups) inside the checkpoint "
+                   "with an integrity.json manifest, as megatron-core 0.19+ writes it (store), or in common.pt, "
+                   "which every megatron-core reads (legacy: use it for megatron-core 0.18 and older).")
 def convert_command(src: Path, dst: Path, src_format: str, dst_format: str, src_tp: int | None,
                     src_pp: int | None, dst_tp: int | None, dst_pp: int | None,
                     dst_decoder_first_pipeline_num_layers: int | None,
@@ -324,7 +324,7 @@ def convert_command(src: Path, dst: Path, src_format: str, dst_format: str, src_
                     dry_run: bool, overwrite: bool,
                     quiet: bool, verbose: bool, keep_fp8: bool = False, skip_optimizer: bool = False,
                     dst_dp: int | None = None, dst_optim_form: str | None = None,
-                    dst_mtp_layer_name: str | None = None, dst_torch_dist_common: str = "legacy") -> None:
+                    dst_mtp_layer_name: str | None = None, dst_torch_dist_common: str = "store") -> None:
     """Convert SRC into DST (the default command)."""
     from pgconvert.run.convert import ConvertRequest
 

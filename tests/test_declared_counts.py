@@ -22,6 +22,7 @@ import torch
 from click.testing import CliRunner
 from support.declared_fixtures import Measured, bounded, count_keys, counted_keys, tiny_config, write_family_checkpoint
 from support.megatron_fixtures import load_for_test
+from support.torch_dist_forms import FOR_MCORE_016
 
 import pgconvert
 from pgconvert.cli import main
@@ -172,8 +173,8 @@ def megatron_sources(family_sources: dict[str, Path], tmp_path_factory: pytest.T
     root = tmp_path_factory.mktemp("declared_megatron")
     deepseek, mixtral = family_sources["DeepseekV3ForCausalLM"], family_sources["MixtralForCausalLM"]
     pgconvert.convert(deepseek, root / "megatron", dst_format="megatron", dst_pp=2, dst_first_stage_layers=1, dst_ep=2)
-    pgconvert.convert(deepseek, root / "torch_dist", dst_format="torch_dist", dst_ep=2)
-    pgconvert.convert(mixtral, root / "torch_dist_stacked", dst_format="torch_dist", dst_ep=2)
+    pgconvert.convert(deepseek, root / "torch_dist", dst_format="torch_dist", dst_ep=2, **FOR_MCORE_016)
+    pgconvert.convert(mixtral, root / "torch_dist_stacked", dst_format="torch_dist", dst_ep=2, **FOR_MCORE_016)
     return {name: root / name for name in ("megatron", "torch_dist", "torch_dist_stacked")}
 
 

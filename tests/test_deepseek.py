@@ -22,6 +22,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from support.deepseek_helpers import CASES, build_deepseek, logits, save
+from support.torch_dist_forms import FOR_MCORE_016
 from safetensors.torch import load_file
 
 import pgconvert
@@ -89,7 +90,7 @@ def test_hf_megatron_tp2_ep4_pp2_hf_is_exact_and_logits_match(tmp_path: Path, ca
 def test_vpp_and_torch_dist_round_trips_are_exact(tmp_path: Path) -> None:
     model, src = source(tmp_path, "v3")
     pgconvert.convert(src, tmp_path / "vpp", dst_format="megatron", dst_tp=2, dst_pp=2, dst_vpp=2, dst_ep=2)
-    pgconvert.convert(tmp_path / "vpp", tmp_path / "dist", dst_format="torch_dist", dst_tp=1, dst_pp=2, dst_ep=4,
+    pgconvert.convert(tmp_path / "vpp", tmp_path / "dist", dst_format="torch_dist", dst_tp=1, dst_pp=2, dst_ep=4, **FOR_MCORE_016,
                       dst_vpp=1)
     out = from_args_alone(tmp_path / "dist", tmp_path / "out")
 
@@ -242,7 +243,7 @@ def test_torch_dist_keys_shapes_and_chunks_are_what_megatron_core_declares_for_m
 
     _, src = source(tmp_path, case)
     pgconvert.convert(src, tmp_path / "megatron", dst_format="megatron", dst_tp=1, dst_pp=1, dst_ep=1)
-    pgconvert.convert(tmp_path / "megatron", tmp_path / "dist", dst_format="torch_dist")
+    pgconvert.convert(tmp_path / "megatron", tmp_path / "dist", dst_format="torch_dist", **FOR_MCORE_016)
     (rank,) = mcore.rank_files(tmp_path / "megatron")
     with mla_cpu_patches():
         expected_tensors, expected_objects = megatron_core_layout(build_mla_gpt_model(rank.args))

@@ -57,7 +57,7 @@ def test_converting_the_example_model_names_no_training_state(tmp_path: Path) ->
     assert result.exit_code == 0, result.output
     assert NOT_CARRIED not in result.output and "optimizer" not in result.output
     assert _not_carried(to_torch_dist.notices) == []
-    assert "torch_dist written with the layout tp=8,pp=1 recorded in common.pt's args" in to_torch_dist.notices
+    assert "torch_dist written with the layout tp=8,pp=1 recorded in the common_state entry's args" in to_torch_dist.notices
 
 
 @pytest.mark.parametrize("dst_format", ["megatron", "torch_dist"])

@@ -19,6 +19,7 @@ import torch
 from click.testing import CliRunner, Result
 from support.tiny_models import GQA_SWIGLU
 from support.megatron_fixtures import load_for_test, make_full_model, merge_megatron_checkpoint, write_megatron_checkpoint
+from support.torch_dist_forms import FOR_MCORE_016
 
 import pgconvert
 from pgconvert.io import limits
@@ -222,7 +223,8 @@ def test_tracker_that_is_not_an_ascii_number_is_refused(src: Path, tmp_path: Pat
 
 @pytest.fixture
 def dist(src: Path, tmp_path: Path) -> Path:
-    pgconvert.convert(src, tmp_path / "dist", dst_format="torch_dist", dst_tp=1)
+    # common.pt and no integrity manifest (as megatron-core 0.18 and older write), so each damage reaches its check
+    pgconvert.convert(src, tmp_path / "dist", dst_format="torch_dist", dst_tp=1, **FOR_MCORE_016)
     return tmp_path / "dist"
 
 

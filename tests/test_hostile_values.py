@@ -18,6 +18,7 @@ from support.cli_helpers import assert_clean_refusal, run_cli
 from support.full_disk import FillingDisk
 from support.tiny_models import GQA_SWIGLU, MOE
 from support.megatron_fixtures import load_for_test, make_full_model, write_megatron_checkpoint
+from support.checkpoint_compare import read_common
 
 import pgconvert
 from pgconvert.errors import CheckpointError, LayoutError, PgconvertError
@@ -276,5 +277,5 @@ def test_a_stray_dtype_on_the_first_tensor_does_not_become_the_args_params_dtype
 
     assert_clean_refusal(converted, 0)
     assert_clean_refusal(verified, 0, "equal")
-    written = load_for_test(next(dst.glob("iter_*/*.pt")) if "torch_dist" in target else rank_files(dst)[0])
+    written = read_common(next(dst.glob("iter_*"))) if "torch_dist" in target else load_for_test(rank_files(dst)[0])
     assert written["args"].params_dtype == load_for_test(rank_files(src)[0])["args"].params_dtype == torch.float32

@@ -15,6 +15,7 @@ from click.testing import CliRunner
 from support.megatron_args_cases import ARGS_PATH, CASES, read_all, recording_class
 from support.megatron_fixtures import load_for_test, make_full_model, write_megatron_checkpoint
 from support.tiny_models import GQA_SWIGLU
+from support.torch_dist_forms import FOR_MCORE_016
 
 import pgconvert
 from pgconvert.cli import main
@@ -117,7 +118,9 @@ def golden_reads(tmp_path_factory: pytest.TempPathFactory) -> set[str]:
     tmp = tmp_path_factory.mktemp("golden_reads")
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(torch, "load", recording_load)
-        pgconvert.convert(GOLDENS / "train_tp2dp2_distopt_bf16_torch", tmp / "td", dst_format="torch_dist")
+        # common.pt: its args are read with torch.load, which records them
+        pgconvert.convert(GOLDENS / "train_tp2dp2_distopt_bf16_torch", tmp / "td", dst_format="torch_dist",
+                          **FOR_MCORE_016)
         result = CliRunner().invoke(main, ["export-optimizer", str(tmp / "td"), str(tmp / "exported")])
     assert result.exit_code == 0, result.output
     return reads
@@ -200,7 +203,7 @@ def test_a_checkpoint_with_ffn_hidden_size_none_converts_as_megatron_sized_it(tp
 
 
 def test_the_torch_dist_loader_names_each_none_once_and_strict_refuses(tp2: Path, tmp_path: Path) -> None:
-    pgconvert.convert(tp2, tmp_path / "td", dst_format="torch_dist")
+    pgconvert.convert(tp2, tmp_path / "td", dst_format="torch_dist", **FOR_MCORE_016)
     common_path = tmp_path / "td" / "iter_0000100" / "common.pt"
     common: Any = load_for_test(common_path)
     common["args"].transformer_impl = None

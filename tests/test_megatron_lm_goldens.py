@@ -19,6 +19,7 @@ from support.checkpoint_compare import assert_same_ranks
 from support.tiny_models import GQA_SWIGLU
 from support.megatron_fixtures import (load_for_test, make_full_model, read_megatron_checkpoint, read_megatron_checkpoint_ranks,
                                write_megatron_checkpoint)
+from support.torch_dist_forms import FOR_MCORE_016
 
 import pgconvert
 from pgconvert.formats import megatron as megatron_format
@@ -343,7 +344,7 @@ def test_megatron_lm_accepts_pgconvert_outputs(tmp_path: Path) -> None:
 
 
 def test_torch_dist_without_common_state_is_refused_naming_both_places(tmp_path: Path) -> None:
-    pgconvert.convert(CONVERT_PY[0], tmp_path / "dist", dst_format="torch_dist", dst_tp=1)
+    pgconvert.convert(CONVERT_PY[0], tmp_path / "dist", dst_format="torch_dist", dst_tp=1, **FOR_MCORE_016)
     common = next((tmp_path / "dist").rglob("common.pt"))
     common.unlink()
     with pytest.raises(pgconvert.PgconvertError, match=r"common.pt: missing, and .metadata has no common_state"):

@@ -26,6 +26,7 @@ from click.testing import CliRunner
 from support.deepseek_helpers import logits
 from support.mcore_mtp_model import mtp_gpt_model
 from support.mtp_models import LAYERS, assert_same_tensors, from_args_alone, hf_tensors, rank_state, with_mtp
+from support.torch_dist_forms import FOR_MCORE_016
 from safetensors.torch import load_file, save_file
 
 import pgconvert
@@ -79,7 +80,7 @@ def test_mtp_layer_lives_on_the_last_stage_with_eh_proj_split_by_rows(source: tu
 def test_vpp_and_torch_dist_round_trips_are_exact(source: tuple[str, Path], tmp_path: Path) -> None:
     family, src = source
     pgconvert.convert(src, tmp_path / "vpp", dst_format="megatron", dst_tp=2, dst_pp=2, dst_vpp=2, dst_ep=2)
-    pgconvert.convert(tmp_path / "vpp", tmp_path / "dist", dst_format="torch_dist", dst_tp=1, dst_pp=2, dst_ep=4,
+    pgconvert.convert(tmp_path / "vpp", tmp_path / "dist", dst_format="torch_dist", dst_tp=1, dst_pp=2, dst_ep=4, **FOR_MCORE_016,
                       dst_vpp=1)
     out = from_args_alone(tmp_path / "dist", tmp_path / "out")
 
@@ -96,7 +97,7 @@ def test_megatron_core_gpt_model_with_mtp_loads_the_written_file_and_declares_it
 
     src = with_mtp("v3", tmp_path / "hf")
     pgconvert.convert(src, tmp_path / "megatron", dst_format="megatron", dst_tp=1, dst_pp=1, dst_ep=1)
-    pgconvert.convert(tmp_path / "megatron", tmp_path / "dist", dst_format="torch_dist")
+    pgconvert.convert(tmp_path / "megatron", tmp_path / "dist", dst_format="torch_dist", **FOR_MCORE_016)
     (rank,) = mcore.rank_files(tmp_path / "megatron")
 
     with torch.no_grad(), mtp_gpt_model(rank.args) as model:

@@ -32,6 +32,8 @@ import pytest
 from support.mcore_step_check import (BF16_ATOL, BF16_RTOL, FP32_ATOL, FP32_RTOL, assert_same_step, fixed_gradients,
                                      run_steps, with_common_pt)
 from support.megatron_fixtures import load_for_test
+from support.checkpoint_compare import read_common
+from support.torch_dist_forms import FOR_MCORE_016
 
 pytest.importorskip("megatron.core", reason="megatron-core's own optimizer is the acceptance check")
 
@@ -71,7 +73,7 @@ def test_megatron_core_loads_the_torch_dist_conversion_and_steps_as_the_original
     import pgconvert
 
     source = GOLDENS / f"train_tp2dp2_distopt_{form}_torch_dist"
-    pgconvert.convert(source, tmp_path / "td1", dst_format="torch_dist", dst_tp=1)
+    pgconvert.convert(source, tmp_path / "td1", dst_format="torch_dist", dst_tp=1, **FOR_MCORE_016)
     pgconvert.convert(source, tmp_path / "model", dst_format="megatron", dst_tp=1, skip_optimizer=True)
     fixed_gradients(tmp_path / "model", tmp_path / "grads.pt", scale=3e-2)
     original_dir = with_common_pt(source / "iter_0000002", tmp_path / "src")
@@ -79,6 +81,6 @@ def test_megatron_core_loads_the_torch_dist_conversion_and_steps_as_the_original
             (original_dir, tmp_path / "out_src", 2)]
     target, original = run_steps(tmp_path / "grads.pt", runs)
     assert len(target) == target_dp and len(original) == 4
-    args = load_for_test(original_dir / "common.pt")["args"]
+    args = read_common(original_dir)["args"]
     assert args.use_distributed_optimizer and args.bf16 and args.hidden_size == 16
     assert_same_step(target, original, args, (BF16_RTOL, BF16_ATOL))

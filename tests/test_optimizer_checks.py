@@ -22,6 +22,7 @@ from support.optimizer_cli import run_cli
 from support.optimizer_faults import (BF16_KEY, DISTRIBUTED, ITER, PLAIN_BF16, copy_checkpoint, distributed_groups,
                                       edit_common, edit_distrib_optim, edit_rank_files, rank_files,
                                       replace_stored_object, set_in_groups, stored_object)
+from support.torch_dist_forms import FOR_MCORE_016
 
 import pgconvert
 
@@ -181,7 +182,8 @@ def dp_reshardable(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The distributed-optimizer golden in torch_dist's dp_reshardable form: one param-group object per
     model-parallel rank."""
     out = tmp_path_factory.mktemp("td") / "dp_reshardable"
-    return pgconvert.convert(DISTRIBUTED, out, dst_format="torch_dist", dst_optim_form="dp_reshardable").dst
+    return pgconvert.convert(DISTRIBUTED, out, dst_format="torch_dist", dst_optim_form="dp_reshardable",
+                             **FOR_MCORE_016).dst
 
 
 def test_torch_dist_param_groups_of_one_model_parallel_rank_are_compared(dp_reshardable: Path, tmp_path: Path) -> None:
@@ -239,7 +241,7 @@ def test_a_value_out_of_its_range_is_named_with_the_file_and_the_constraint(case
 def fully_reshardable(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The distributed-optimizer golden in torch_dist's fully_reshardable form: param groups in common.pt."""
     out = tmp_path_factory.mktemp("td") / "fully_reshardable"
-    return pgconvert.convert(DISTRIBUTED, out, dst_format="torch_dist").dst
+    return pgconvert.convert(DISTRIBUTED, out, dst_format="torch_dist", **FOR_MCORE_016).dst
 
 
 def test_torch_dist_common_state_values_are_range_checked(fully_reshardable: Path, tmp_path: Path) -> None:

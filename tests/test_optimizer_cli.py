@@ -21,6 +21,8 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from support.cli_helpers import assert_clean_refusal
 from support.megatron_fixtures import allowed_globals, assert_same_tree, load_for_test
 from support.moe_optimizer_runs import generate
+from support.torch_dist_forms import FOR_MCORE_016_CLI
+from support.checkpoint_compare import read_common
 from pgconvert.cli import main
 from pgconvert.formats.megatron import FRAMEWORK_PICKLE
 from pgconvert.formats.torch_dist import read_dcp_metadata
@@ -43,7 +45,7 @@ def _cli(*args: str | Path) -> Result:
 
 
 def _converted(src: Path, dst: Path, *flags: str | Path) -> Path:
-    result = _cli("convert", src, dst, "-q", *flags)
+    result = _cli("convert", src, dst, "-q", *flags, *FOR_MCORE_016_CLI)
     assert result.exit_code == 0, result.output
     return dst
 
@@ -80,13 +82,13 @@ def test_the_grad_scaler_goes_into_torch_dist_in_both_forms_and_back(tmp_path: P
     src = _per_rank_fp16(tmp_path, scaler)
     fully = _converted(src, tmp_path / "fully", "--dst-format", "torch_dist", "--dst-tp", "1")
     # fully_reshardable: DistributedOptimizer.sharded_state_dict keeps it as common state (common.pt)
-    common = load_for_test(fully / ITER / "common.pt")
+    common = read_common(fully / ITER)
     assert common["optimizer"]["param_state_sharding_type"] == "fully_reshardable"
     assert_same_tree(common["optimizer"]["grad_scaler"], scaler, "common.pt optimizer.grad_scaler")
     # dp_reshardable: a ShardedObject per model-parallel rank g = tp + tp_size * pp
     dp = _converted(fully, tmp_path / "dp", "--dst-format", "torch_dist", "--dst-tp", "2", "--dst-pp", "2",
                     "--dst-optim-form", "dp_reshardable")
-    assert "grad_scaler" not in load_for_test(dp / ITER / "common.pt")["optimizer"]
+    assert "grad_scaler" not in read_common(dp / ITER)["optimizer"]
     for group in range(4):
         stored = _stored_object(dp / ITER, f"optimizer.distributed.dp_group_idx_{group}.grad_scaler/shard_0_1")
         assert_same_tree(stored, scaler, f"dp_group_idx_{group}.grad_scaler")
@@ -98,7 +100,7 @@ def test_the_grad_scaler_goes_into_torch_dist_in_both_forms_and_back(tmp_path: P
         for rank, held in enumerate(scalers):
             assert_same_tree(held, scaler, f"{name} rank {rank} optimizer.grad_scaler")
     again = _converted(dp, tmp_path / "again", "--dst-format", "torch_dist", "--dst-optim-form", "fully_reshardable")
-    assert_same_tree(load_for_test(again / ITER / "common.pt")["optimizer"]["grad_scaler"], scaler, "again")
+    assert_same_tree(read_common(again / ITER)["optimizer"]["grad_scaler"], scaler, "again")
 
 
 def test_a_torch_dist_source_without_a_scaler_writes_none(tmp_path: Path) -> None:
@@ -138,7 +140,7 @@ def test_chained_optimizers_keep_their_own_scalers_through_torch_dist(tmp_path: 
     dense, expert = _scaler(1024.0, 5, 2), _scaler(2048.0, 6, 1)
     src = _moe(tmp_path, "distributed", [dense, expert])
     td = _converted(src, tmp_path / "td", "--dst-format", "torch_dist")
-    common = load_for_test(td / ITER / "common.pt")["optimizer"]
+    common = read_common(td / ITER)["optimizer"]
     assert sorted(common) == [0, 1]
     assert_same_tree(common[0]["grad_scaler"], dense, "dense")
     assert_same_tree(common[1]["grad_scaler"], expert, "expert")

@@ -15,6 +15,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from support.cli_helpers import assert_clean_refusal
 from support.megatron_fixtures import load_for_test
 from support.optimizer_cli import assert_same_parameters, export_optimizer, run_cli
+from support.checkpoint_compare import read_common
 from pgconvert.formats import LoadOptions
 from pgconvert.loaders.torch_dist.fs_model_space import chunk_shape, flatten, unflatten
 from pgconvert.optimizer.order import OptimizerLayoutError
@@ -34,7 +35,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, t
 
 def test_the_golden_is_megatron_core_0_15s_own_fs_model_space_save() -> None:
     iteration = GOLDEN / "iter_0000002"
-    common = load_for_test(iteration / "common.pt")
+    common = read_common(iteration)
     assert common["optimizer"]["param_state_sharding_type"] == "fully_sharded_model_space"
     assert common["content_metadata"]["distrib_optim_sharding_type"] == "fully_sharded_model_space"
     metadata = read_dcp_metadata(iteration / ".metadata")  # megatron-core 0.15's MCoreMetadata, read inert
@@ -87,13 +88,13 @@ def test_to_per_rank_tp1_and_to_torch_dist_at_other_layouts_is_bit_exact(tmp_pat
                   "--dst-pp", "2", "--dst-optim-form", "fully_reshardable")
     assert result.exit_code == 0, result.output
     assert "fully_sharded_model_space form is written as fully_reshardable" in " ".join(result.output.split())
-    common = load_for_test(tmp_path / "tp1pp2" / "iter_0000002" / "common.pt")
+    common = read_common(tmp_path / "tp1pp2" / "iter_0000002")
     assert common["optimizer"]["param_state_sharding_type"] == "fully_reshardable"
     assert_same_parameters(export_optimizer(tmp_path / "tp1pp2", tmp_path / "tp1pp2_export"), reference)
     result = run_cli("convert", GOLDEN, tmp_path / "dp", "-q", "--dst-format", "torch_dist", "--dst-tp", "1",
                   "--dst-optim-form", "dp_reshardable", "--dst-dp", "4")
     assert result.exit_code == 0, result.output
-    assert load_for_test(tmp_path / "dp" / "iter_0000002" / "common.pt")["optimizer"][
+    assert read_common(tmp_path / "dp" / "iter_0000002")["optimizer"][
         "param_state_sharding_type"] == "dp_reshardable"
     assert_same_parameters(export_optimizer(tmp_path / "dp", tmp_path / "dp_export"), reference)
 
@@ -121,7 +122,7 @@ def test_a_torch_dist_destination_keeps_the_form_and_reads_back_bit_exact(tmp_pa
     assert result.exit_code == 0, result.output
     assert "written as" not in result.output
     iteration = tmp_path / "td1" / "iter_0000002"
-    common = load_for_test(iteration / "common.pt")
+    common = read_common(iteration)
     assert common["optimizer"]["param_state_sharding_type"] == "fully_sharded_model_space"
     assert common["content_metadata"]["distrib_optim_sharding_type"] == "fully_sharded_model_space"
     assert [group["step"] for group in common["optimizer"]["optimizer"]["param_groups"]] == [2.0, 2.0]

@@ -28,6 +28,7 @@ from click.testing import CliRunner, Result
 from support.cli_helpers import assert_clean_refusal
 from support.megatron_fixtures import assert_same_tree, load_for_test
 from support.moe_optimizer_runs import ITER, assert_optimizer_files_equal, generate, rank_files
+from support.checkpoint_compare import read_common
 from pgconvert.cli import main
 from pgconvert.formats import LoadOptions
 from pgconvert.model.grid import RankCoord
@@ -237,7 +238,7 @@ def test_grouped_torch_dist_records_are_sequential_ones(distributed: Path, tmp_p
     assert "optimizer.state.exp_avg.decoder.layers.3.mlp.experts.experts.linear_fc2.weight" in records[0]
     for key, tensor in records[0].items():
         assert torch.equal(tensor, records[1][key]), key
-    common = load_for_test(tmp_path / "grp" / ITER / "common.pt")
+    common = read_common(tmp_path / "grp" / ITER)
     assert common["args"].moe_grouped_gemm is True
     _convert(tmp_path / "grp", tmp_path / "back", "--dst-format", "megatron")
     # distrib_optim.pt bit for bit; the rank files' model, iteration and param groups

@@ -19,6 +19,7 @@ from unittest import mock
 import pytest
 from click.testing import CliRunner
 from support.megatron_fixtures import assert_same_tree, load_for_test
+from support.checkpoint_compare import read_common
 
 import pgconvert
 from pgconvert.cli import main
@@ -168,8 +169,8 @@ def test_distributed_through_torch_dist_fully_reshardable_and_back_is_bit_exact(
                                                                                 tmp_path: Path) -> None:
     source = made["tp2ep2"][1]
     _convert(source, tmp_path / "td", "--dst-format", "torch_dist", "--dst-tp", "1", "--dst-ep", "1")
-    (common,) = tmp_path.glob("td/iter_*/common.pt")
-    assert load_for_test(common)["optimizer"]["param_state_sharding_type"] == "fully_reshardable"
+    (iteration_dir,) = tmp_path.glob("td/iter_*")
+    assert read_common(iteration_dir)["optimizer"]["param_state_sharding_type"] == "fully_reshardable"
     _convert(tmp_path / "td", tmp_path / "back", "--dst-format", "megatron", "--dst-tp", "2", "--dst-ep", "2")
     before, after = _files(source), _files(tmp_path / "back")
     assert set(before) == set(after)

@@ -14,6 +14,7 @@ import torch
 from support.cli_helpers import assert_clean_refusal
 from support.megatron_fixtures import load_for_test
 from support.optimizer_cli import assert_same_parameters, dcp_read, export_optimizer, rewrite_metadata, run_cli
+from support.checkpoint_compare import read_common
 from pgconvert.formats import LoadOptions
 from pgconvert.optimizer.order import OptimizerLayoutError, UnsupportedOptimizerError
 from pgconvert.formats.registry import get_loader
@@ -195,7 +196,7 @@ def test_a_torch_dist_destination_holds_the_state_fully_reshardable_at_any_layou
     result = run_cli("convert", src, tmp_path / "td1", "-q", "--dst-format", "torch_dist", "--dst-tp", "1",
                   "--dst-optim-form", "fully_reshardable")  # the default is the source's form
     assert result.exit_code == 0, result.output
-    common = load_for_test(tmp_path / "td1" / "iter_0000002" / "common.pt")
+    common = read_common(tmp_path / "td1" / "iter_0000002")
     assert common["optimizer"]["param_state_sharding_type"] == "fully_reshardable"
     assert common["content_metadata"]["distrib_optim_sharding_type"] == "fully_reshardable"
     assert [group["step"] for group in common["optimizer"]["optimizer"]["param_groups"]] == [2.0, 2.0]

@@ -15,6 +15,7 @@ from support.dp_records import (FULLY, GOLDENS, ITERATION, OWN_LAYOUT, TP2DP2, T
                                 convert_to_torch_dist, optimizer_entries)
 from support.megatron_fixtures import load_for_test
 from support.optimizer_cli import run_cli
+from support.checkpoint_compare import read_common
 from pgconvert.errors import ValidationError
 from pgconvert.formats import LoadOptions
 from pgconvert.formats.registry import get_loader
@@ -24,7 +25,7 @@ from pgconvert.formats.registry import get_loader
 def test_the_goldens_own_layout_is_written_as_megatron_core_writes_it(tmp_path: Path, golden: Path) -> None:
     convert_to_torch_dist(golden, tmp_path / "out", *OWN_LAYOUT[golden])  # default form: the source's
     assert_golden_records_equal(golden, tmp_path / "out")
-    common = load_for_test(tmp_path / "out" / ITERATION / "common.pt")
+    common = read_common(tmp_path / "out" / ITERATION)
     reference = get_loader("torch_dist").open(golden, LoadOptions())
     expected = {"param_state_sharding_type": "dp_reshardable"}
     assert common["optimizer"] == reference.common_state["optimizer"] == expected
@@ -37,7 +38,7 @@ def test_the_goldens_own_layout_is_written_as_megatron_core_writes_it(tmp_path: 
 @pytest.mark.parametrize("golden", [TP2DP2, TP2PP2], ids=["tp2dp2", "tp2pp2"])
 def test_tp1_dp_reshardable_and_back_is_bit_exact(tmp_path: Path, golden: Path) -> None:
     convert_to_torch_dist(golden, tmp_path / "tp1", "--dst-tp", "1", "--dst-pp", "1", "--dst-optim-form", "dp_reshardable")
-    common = load_for_test(tmp_path / "tp1" / ITERATION / "common.pt")
+    common = read_common(tmp_path / "tp1" / ITERATION)
     assert common["optimizer"]["param_state_sharding_type"] == "dp_reshardable"
     keys = optimizer_entries(tmp_path / "tp1" / ITERATION)
     assert {key.split(".")[2] for key in keys} == {"dp_group_idx_0"}  # one model-parallel rank
@@ -49,7 +50,7 @@ def test_a_fully_reshardable_run_written_dp_reshardable_equals_megatron_cores_dp
     # The same seeded run saved by Megatron-LM in both forms: converting one into the other's form
     # gives the other's records.
     convert_to_torch_dist(FULLY, tmp_path / "default", "--dst-tp", "1")
-    assert load_for_test(tmp_path / "default" / ITERATION / "common.pt")["optimizer"][
+    assert read_common(tmp_path / "default" / ITERATION)["optimizer"][
         "param_state_sharding_type"] == "fully_reshardable"
     convert_to_torch_dist(FULLY, tmp_path / "dp", *OWN_LAYOUT[TP2DP2], "--dst-optim-form", "dp_reshardable")
     assert_golden_records_equal(TP2DP2, tmp_path / "dp")
@@ -110,7 +111,7 @@ def test_megatron_core_loads_the_written_dp_reshardable_state_at_dp1_and_dp2(tmp
 def test_a_per_rank_distributed_optimizer_goes_into_dp_reshardable_and_back(tmp_path: Path) -> None:
     src = GOLDENS / "train_tp2dp2_distopt_bf16_torch"
     convert_to_torch_dist(src, tmp_path / "td", "--dst-tp", "1", "--dst-dp", "2", "--dst-optim-form", "dp_reshardable")
-    common = load_for_test(tmp_path / "td" / ITERATION / "common.pt")
+    common = read_common(tmp_path / "td" / ITERATION)
     assert common["optimizer"] == {"param_state_sharding_type": "dp_reshardable"}
     assert common["args"].data_parallel_size == 2
     result = run_cli("convert", tmp_path / "td", tmp_path / "back", "-q", "--dst-format", "megatron", "--dst-tp", "2")
@@ -138,5 +139,5 @@ def test_context_parallel_ranks_share_the_dense_buckets_as_data_parallel_ranks_d
         save_durably(state, path)
     convert_to_torch_dist(src, tmp_path / "dp4", "--dst-tp", "2", "--dst-dp", "4", "--dst-optim-form", "dp_reshardable")
     convert_to_torch_dist(edited, tmp_path / "cp4dp1", "--dst-tp", "2", "--dst-dp", "1", "--dst-optim-form", "dp_reshardable")
-    assert load_for_test(tmp_path / "cp4dp1" / ITERATION / "common.pt")["args"].context_parallel_size == 4
+    assert read_common(tmp_path / "cp4dp1" / ITERATION)["args"].context_parallel_size == 4
     assert_golden_records_equal(tmp_path / "dp4", tmp_path / "cp4dp1")

@@ -24,6 +24,8 @@ from support.cli_helpers import assert_clean_refusal
 from support.dp_records import FIELDS, assert_records_equal, optimizer_entries
 from support.megatron_fixtures import load_for_test
 from support.moe_optimizer_runs import ITER, assert_optimizer_files_equal, generate
+from support.torch_dist_forms import FOR_MCORE_016_CLI
+from support.checkpoint_compare import read_common
 from pgconvert.cli import main
 from pgconvert.formats.torch_dist import read_dcp_metadata
 
@@ -38,7 +40,7 @@ def _cli(*args: str | Path) -> Result:
 
 
 def _convert(src: Path, dst: Path, *flags: str) -> None:
-    result = _cli("convert", src, dst, "-q", "--strict", *flags)
+    result = _cli("convert", src, dst, "-q", "--strict", *flags, *FOR_MCORE_016_CLI)
     assert result.exit_code == 0, result.output
 
 
@@ -85,7 +87,7 @@ def test_pgconverts_records_are_the_ones_megatron_core_declares_and_saves(runs: 
         {(key + "/shard_0_1" if shape is None else key): shape for key, shape in declared.items()}
     _assert_records_equal(runs["saved"], runs["ours"])
     for checkpoint in ("ours", "saved"):
-        common = load_for_test(runs[checkpoint] / ITER / "common.pt")
+        common = read_common(runs[checkpoint] / ITER)
         assert common["optimizer"] == {index: {"param_state_sharding_type": "dp_reshardable"} for index in (0, 1)}
 
 
@@ -116,7 +118,7 @@ def test_megatron_cores_own_save_is_read_and_converted_bit_exactly(runs: dict[st
     # megatron-core's EP2 save -> TP2 x EP1 dp_reshardable (one optimizer) -> TP1 x EP2 x DP4: its records again
     _convert(runs["saved"], tmp_path / "ep1", "--dst-format", "torch_dist", "--dst-tp", "2", "--dst-ep", "1",
              "--dst-dp", "2")
-    common = load_for_test(tmp_path / "ep1" / ITER / "common.pt")
+    common = read_common(tmp_path / "ep1" / ITER)
     assert common["optimizer"] == {"param_state_sharding_type": "dp_reshardable"}
     assert not [key for key in optimizer_entries(tmp_path / "ep1" / ITER) if key.startswith("chained_")]
     _convert(tmp_path / "ep1", tmp_path / "back", "--dst-format", "torch_dist", *DP4)
@@ -170,7 +172,7 @@ def test_a_mismatched_number_of_chained_optimizers_is_a_named_error(runs: dict[s
     result = _cli("convert", bad, tmp_path / "out", "--dst-format", "megatron")
     assert_clean_refusal(result, 1, "common state", "optimizer holds 1 optimizer(s)", "chains 2")
     # and the expert optimizer's param groups object missing
-    common["optimizer"] = load_for_test(runs["ours"] / ITER / "common.pt")["optimizer"]
+    common["optimizer"] = read_common(runs["ours"] / ITER)["optimizer"]
     torch.save(common, path, pickle_module=pickle)
     key = "chained_1.optimizer.distributed.dp_group_idx_0.optimizer/shard_0_1"
     _edit_metadata(bad, lambda entries: entries.pop(key))

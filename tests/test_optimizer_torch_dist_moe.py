@@ -21,6 +21,8 @@ from click.testing import CliRunner, Result
 from support.cli_helpers import assert_clean_refusal
 from support.megatron_fixtures import assert_same_tree, load_for_test
 from support.moe_optimizer_runs import ITER, assert_optimizer_files_equal, generate, optimizer_records, rank_files
+from support.torch_dist_forms import FOR_MCORE_016_CLI
+from support.checkpoint_compare import read_common
 from pgconvert.cli import main
 from pgconvert.formats.torch_dist import read_dcp_metadata
 
@@ -40,7 +42,7 @@ def _cli(*args: str | Path) -> Result:
 
 
 def _convert(src: Path, dst: Path, *flags: str) -> None:
-    result = _cli("convert", src, dst, "-q", "--strict", *flags)
+    result = _cli("convert", src, dst, "-q", "--strict", *flags, *FOR_MCORE_016_CLI)
     assert result.exit_code == 0, result.output
 
 
@@ -52,7 +54,7 @@ def _export(src: Path, out: Path) -> dict[str, dict[str, torch.Tensor]]:
 
 def test_per_rank_ep2_to_torch_dist_and_back_is_bit_exact(distributed: Path, tmp_path: Path) -> None:
     _convert(distributed, tmp_path / "td", "--dst-format", "torch_dist")
-    common = load_for_test(tmp_path / "td" / ITER / "common.pt")
+    common = read_common(tmp_path / "td" / ITER)
     # ChainedOptimizer.sharded_state_dict: {0: dense, 1: expert}, each a DistributedOptimizer's common part.
     assert sorted(common["optimizer"]) == [0, 1]
     assert [len(entry["optimizer"]["param_groups"]) for entry in common["optimizer"].values()] == [2, 1]
@@ -70,7 +72,7 @@ def test_per_rank_ep2_to_torch_dist_and_back_is_bit_exact(distributed: Path, tmp
 
 def test_torch_dist_ep1_tp1_holds_one_optimizer_and_reaches_ep2_again(distributed: Path, tmp_path: Path) -> None:
     _convert(distributed, tmp_path / "td", "--dst-format", "torch_dist", "--dst-tp", "1", "--dst-ep", "1")
-    common = load_for_test(tmp_path / "td" / ITER / "common.pt")
+    common = read_common(tmp_path / "td" / ITER)
     # EP 1: the experts are allreduce parameters, in the one (dense) optimizer: no chaining.
     assert common["optimizer"]["param_state_sharding_type"] == "fully_reshardable"
     assert len(common["optimizer"]["optimizer"]["param_groups"]) == 2
@@ -103,7 +105,7 @@ def test_per_rank_ep2_to_dp_reshardable_at_its_own_layout_and_back_is_bit_exact(
     # the expert ones per TP x EP rank (data_parallel_group_idx tp + 2 * ep)
     _convert(distributed, tmp_path / "td", "--dst-format", "torch_dist", "--dst-optim-form", "dp_reshardable",
              "--dst-dp", "2")
-    common = load_for_test(tmp_path / "td" / ITER / "common.pt")
+    common = read_common(tmp_path / "td" / ITER)
     assert common["optimizer"] == {index: {"param_state_sharding_type": "dp_reshardable"} for index in (0, 1)}
     stored = read_dcp_metadata(tmp_path / "td" / ITER / ".metadata").state_dict_metadata
     groups = {key.split(".optimizer.distributed.")[0] + "." + key.split(".")[3] for key in stored
@@ -162,8 +164,8 @@ def test_megatron_core_declares_loads_and_saves_back_the_same_records(distribute
     assert set(theirs) == set(ours) and len(ours) == 117
     for key, tensor in ours.items():
         assert theirs[key].dtype == tensor.dtype and torch.equal(theirs[key], tensor), key
-    saved_common = load_for_test(tmp_path / "mc" / "saved" / "common.pt")
-    assert saved_common["optimizer"] == load_for_test(tmp_path / "td" / ITER / "common.pt")["optimizer"]
+    saved_common = read_common(tmp_path / "mc" / "saved")
+    assert saved_common["optimizer"] == read_common(tmp_path / "td" / ITER)["optimizer"]
 
 
 def test_a_fully_reshardable_moe_source_labelled_dp_reshardable_is_a_named_error(distributed: Path,

@@ -19,6 +19,8 @@ from support.cli_helpers import assert_clean_refusal
 from support.megatron_fixtures import load_for_test
 from support.moe_optimizer_runs import assert_round_trip, generate, optimizer_records
 from support.optimizer_cli import assert_same_parameters, dcp_read, export_optimizer, rewrite_metadata, run_cli
+from support.torch_dist_forms import FOR_MCORE_016_CLI
+from support.checkpoint_compare import read_common
 
 GOLDENS = Path(__file__).parent / "data" / "megatron_lm"
 PLAIN_TD = GOLDENS / "train_tp2pp2_bf16_torch_dist"
@@ -28,7 +30,7 @@ KEYS = ("param", "exp_avg", "exp_avg_sq", "step")
 
 
 def _convert(src: Path, dst: Path, *flags: str) -> str:
-    result = run_cli("convert", src, dst, "-q", "--strict", *flags)
+    result = run_cli("convert", src, dst, "-q", "--strict", *flags, *FOR_MCORE_016_CLI)
     assert result.exit_code == 0, result.output
     return result.output
 
@@ -64,7 +66,7 @@ def test_plain_torch_dist_to_per_rank_and_torch_dist_tp1_and_back_is_bit_exact(t
         assert_same_parameters(original, export_optimizer(tmp_path / name, tmp_path / f"ex_{name}"))
     rank = load_for_test(tmp_path / "pr1" / ITER / "mp_rank_00" / "model_optim_rng.pt")["optimizer"]
     assert set(rank) == {"optimizer", "fp32_from_fp16_params"}  # Float16OptimizerWithFloat16Params' state_dict
-    common = load_for_test(tmp_path / "td1" / ITER / "common.pt")
+    common = read_common(tmp_path / "td1" / ITER)
     assert set(common["optimizer"]) == {"optimizer"} and float(common["optimizer"]["optimizer"]["state"]
                                                                ["common_step"]) == 2.0
     assert "distrib_optim_sharding_type" not in common["content_metadata"]
@@ -92,7 +94,7 @@ def test_fp32_plain_optimizer_goes_into_torch_dist_without_masters_and_back(tmp_
     _convert(tmp_path / "td1", tmp_path / "pr22", "--dst-format", "megatron", "--dst-tp", "2", "--dst-pp", "2")
     for name in ("td1", "pr22"):
         assert_same_parameters(original, export_optimizer(tmp_path / name, tmp_path / f"ex_{name}"))
-    common = load_for_test(tmp_path / "td1" / ITER / "common.pt")
+    common = read_common(tmp_path / "td1" / ITER)
     assert set(common["optimizer"]) == {"state", "param_groups"}  # FP32Optimizer: the torch optimizer's own
     from pgconvert.formats.torch_dist import read_dcp_metadata
 
@@ -171,7 +173,7 @@ def test_a_moe_runs_chained_plain_optimizers_go_into_torch_dist_at_ep2_and_ep1_a
             for key in KEYS:
                 assert torch.equal(tensors[key], again[parameter][key]), (name, parameter, key)
     assert_round_trip(src, tmp_path / "back", ("optimizer",))
-    common = load_for_test(tmp_path / "td2" / ITER / "common.pt")["optimizer"]
+    common = read_common(tmp_path / "td2" / ITER)["optimizer"]
     step = float(original[next(iter(original))]["step"])
     assert sorted(common) == [0, 1]
     assert [float(entry["optimizer"]["state"]["common_step"]) for entry in common.values()] == [step, step]
@@ -181,7 +183,7 @@ def test_a_moe_runs_chained_plain_optimizers_go_into_torch_dist_at_ep2_and_ep1_a
     keys = set(read_dcp_metadata(tmp_path / "td2" / ITER / ".metadata").state_dict_metadata)
     assert not [key for key in keys if key.startswith("chained_")]
     assert [key for key in keys if key.startswith("optimizer.state.fp32_param.") and ".experts." in key]
-    assert "optimizer" in set(load_for_test(tmp_path / "td1" / ITER / "common.pt")["optimizer"])  # EP1: one
+    assert "optimizer" in set(read_common(tmp_path / "td1" / ITER)["optimizer"])  # EP1: one
 
 
 def test_megatron_core_loads_a_moe_runs_chained_plain_optimizers_from_pgconverts_torch_dist(tmp_path: Path) -> None:
@@ -216,8 +218,8 @@ def test_megatron_core_loads_a_moe_runs_chained_plain_optimizers_from_pgconverts
     assert set(theirs) == set(ours)
     for key, tensor in ours.items():
         assert theirs[key].dtype == tensor.dtype and torch.equal(theirs[key], tensor), key
-    saved_common = load_for_test(tmp_path / "mc" / "saved" / "common.pt")["optimizer"]
-    assert_same_tree(saved_common, load_for_test(tmp_path / "td" / ITER / "common.pt")["optimizer"], "optimizer")
+    saved_common = read_common(tmp_path / "mc" / "saved")["optimizer"]
+    assert_same_tree(saved_common, read_common(tmp_path / "td" / ITER)["optimizer"], "optimizer")
     original = export_optimizer(src, tmp_path / "ex_src")  # pgconvert reads megatron-core's own save of them
     again = export_optimizer(tmp_path / "mc" / "saved", tmp_path / "ex_mc")
     assert set(again) == set(original) and any(".experts." in name for name in original)

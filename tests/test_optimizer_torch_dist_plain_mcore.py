@@ -21,8 +21,9 @@ import pytest
 import torch
 from support.mcore_step_check import (BF16_ATOL, BF16_RTOL, FP32_ATOL, FP32_RTOL, KEYS, assert_same_step, fixed_gradients,
                                      joined, run_steps, with_common_pt)
-from support.megatron_fixtures import load_for_test
 from support.optimizer_cli import export_optimizer, run_cli
+from support.checkpoint_compare import read_common
+from support.torch_dist_forms import FOR_MCORE_016_CLI
 
 pytest.importorskip("megatron.core", reason="megatron-core's own optimizer is the reference")
 
@@ -43,7 +44,7 @@ def saved(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
 
 
 def _convert(src: Path, dst: Path, *flags: str) -> None:
-    result = run_cli("convert", src, dst, "-q", "--strict", *flags)
+    result = run_cli("convert", src, dst, "-q", "--strict", *flags, *FOR_MCORE_016_CLI)
     assert result.exit_code == 0, result.output
 
 
@@ -56,7 +57,7 @@ def _held(root: Path) -> dict[str, dict[str, torch.Tensor]]:
 def test_every_optimizer_tensor_megatron_core_saved_survives_the_reshards(saved: tuple[str, Path],
                                                                           tmp_path: Path) -> None:
     dtype, src = saved
-    common = load_for_test(src / ITER / "common.pt")
+    common = read_common(src / ITER)
     assert "param_state_sharding_type" not in str(common["optimizer"])  # megatron-core's plain optimizer
     original = export_optimizer(src, tmp_path / "ex_src")
     held = _held(src)
@@ -87,7 +88,7 @@ def test_megatron_core_loads_pgconverts_tp1_plain_torch_dist_and_steps_as_the_or
     target, original = run_steps(tmp_path / "grads.pt", [(tmp_path / "td1" / ITER, tmp_path / "out_td1", 1),
                                                      (src / ITER, tmp_path / "out_src", 1)])
     assert len(target) == 1 and len(original) == 2
-    args = load_for_test(src / ITER / "common.pt")["args"]
+    args = read_common(src / ITER)["args"]
     assert not args.use_distributed_optimizer and args.bf16 == (dtype == "bf16")
     tolerance = (BF16_RTOL, BF16_ATOL) if dtype == "bf16" else (FP32_RTOL, FP32_ATOL)
     assert_same_step(target, original, args, tolerance)
@@ -108,6 +109,6 @@ def test_megatron_core_loads_the_conversion_of_megatron_lms_plain_run(tmp_path: 
     target, original = run_steps(tmp_path / "grads.pt", [(tmp_path / "td1" / ITER, tmp_path / "out_td1", 1),
                                                      (original_dir, tmp_path / "out_src", 1)])
     assert len(target) == 1 and len(original) == 4
-    args = load_for_test(original_dir / "common.pt")["args"]
+    args = read_common(original_dir)["args"]
     assert not args.use_distributed_optimizer and args.bf16
     assert_same_step(target, original, args, (BF16_RTOL, BF16_ATOL))

@@ -14,12 +14,13 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from support.checkpoint_compare import integrity_manifest_of
+from support.checkpoint_compare import integrity_manifest_of, read_common
 from support.format_outputs import assert_same_bytes
 from support.mcore_step_check import BF16_ATOL, BF16_RTOL, assert_same_step, fixed_gradients, run_steps, with_common_pt
 from support.megatron_fixtures import load_for_test
 from support.moe_optimizer_runs import generate
 from support.torchrun import run_torchrun
+from support.torch_dist_forms import FOR_MCORE_016_CLI
 
 import pgconvert
 from pgconvert.cli import main
@@ -34,8 +35,10 @@ SHARDS = 4
 ORDER = (2, 0, 3, 1)  # the last to finish finalizes, whichever it is
 RECORDS_SIZE = ("--max-shard-size", "20000")  # several optimizer records files (and model data files) to share out
 TORCH_DIST = ("--dst-format", "torch_dist", "--dst-tp", "1", *RECORDS_SIZE)
-# megatron-core 0.19's form: the common state in the store (rewritten by the optimizer's finalizing step), and
-# integrity.json after it.
+# The cases without "store" in their name: the form megatron-core 0.16.1 (which steps them) reads.
+LEGACY = (*TORCH_DIST, *FOR_MCORE_016_CLI)
+# megatron-core 0.19's form (the default): the common state in the store (rewritten by the optimizer's finalizing
+# step), and integrity.json after it.
 STORE = ("--dst-torch-dist-common", "store")
 # What makes each destination a checkpoint to its readers.
 COMPLETE_MARKERS = {"megatron": ("latest_checkpointed_iteration.txt",),
@@ -74,13 +77,13 @@ PER_RANK = {
 }
 # case -> (source, flags): TP1 torch_dist in each form, its records over several files.
 IN_TORCH_DIST = {
-    "fully_reshardable": (GOLDENS / "train_tp2dp2_distopt_fully_reshardable_torch_dist", TORCH_DIST),
-    "dp_reshardable": (GOLDENS / "train_tp2dp2_distopt_dp_reshardable_torch_dist", TORCH_DIST),
-    "dp_reshardable-dp4": (GOLDENS / "train_tp2dp2_distopt_dp_reshardable_torch_dist", (*TORCH_DIST, "--dst-dp", "4")),
-    "plain": (GOLDENS / "train_tp2pp2_bf16_torch_dist", TORCH_DIST),
-    "fully_sharded_model_space": (GOLDENS / "mcore015_tp2dp2_distopt_fs_model_space_torch_dist", TORCH_DIST),
+    "fully_reshardable": (GOLDENS / "train_tp2dp2_distopt_fully_reshardable_torch_dist", LEGACY),
+    "dp_reshardable": (GOLDENS / "train_tp2dp2_distopt_dp_reshardable_torch_dist", LEGACY),
+    "dp_reshardable-dp4": (GOLDENS / "train_tp2dp2_distopt_dp_reshardable_torch_dist", (*LEGACY, "--dst-dp", "4")),
+    "plain": (GOLDENS / "train_tp2pp2_bf16_torch_dist", LEGACY),
+    "fully_sharded_model_space": (GOLDENS / "mcore015_tp2dp2_distopt_fs_model_space_torch_dist", LEGACY),
     "dp_reshardable-moe-ep": (None, ("--dst-format", "torch_dist", "--dst-optim-form", "dp_reshardable",
-                                     *RECORDS_SIZE)),
+                                     *RECORDS_SIZE, *FOR_MCORE_016_CLI)),
     "fully_reshardable-store": (GOLDENS / "train_tp2dp2_distopt_fully_reshardable_torch_dist", (*TORCH_DIST, *STORE)),
     "dp_reshardable-dp4-store": (GOLDENS / "train_tp2dp2_distopt_dp_reshardable_torch_dist",
                                  (*TORCH_DIST, "--dst-dp", "4", *STORE)),
@@ -275,6 +278,6 @@ def test_megatron_core_steps_the_sharded_torch_dist_outputs_as_the_original(
         (original_dir, tmp_path / "out_src", 2)])
 
     assert [len(target) for target in targets] == [2, 1] and len(original) == 4
-    args = load_for_test(original_dir / "common.pt")["args"]
+    args = read_common(original_dir)["args"]
     for target in targets:
         assert_same_step(target, original, args, (BF16_RTOL, BF16_ATOL))

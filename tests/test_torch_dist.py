@@ -42,7 +42,8 @@ from pgconvert.formats.stream import CanonicalSource, TensorMeta
 import pgconvert.savers.torch_dist as torch_dist_saver
 from pgconvert.savers.torch_dist.streaming import StreamingWriter
 from pgconvert.savers.torch_dist import TorchDistSaver
-from pgconvert.formats.torch_dist import read_dcp_metadata
+from pgconvert.formats.torch_dist import COMMON_STATE_KEY, read_dcp_metadata
+from support.torch_dist_forms import FOR_MCORE_016
 
 ITERATION_DIR = "iter_0000100"
 DENSE_MODELS = {"gqa_swiglu_untied": GQA_SWIGLU, "mha_gelu_tied": MHA_GELU_TIED, "qknorm_te_bf16": QK_NORM_TE}
@@ -52,7 +53,9 @@ MOE_MODELS = {"moe_list_freq_local": MOE, "moe_every_layer_stacked": MOE_STACKED
 
 
 def to_torch_dist(src: Path, dst: Path, src_format: str | None = None, **layout: object) -> pgconvert.Report:
-    return pgconvert.convert(src, dst, src_format=src_format, dst_format="torch_dist", **layout)
+    """torch_dist in the form megatron-core 0.16.1 reads (``common.pt``, no manifest) unless the caller names one."""
+    options = {**FOR_MCORE_016, **layout}
+    return pgconvert.convert(src, dst, src_format=src_format, dst_format="torch_dist", **options)
 
 
 def from_torch_dist(src: Path, dst: Path, dst_format: str = "megatron", **layout: object) -> pgconvert.Report:
@@ -312,7 +315,7 @@ def test_virtual_pipeline_source_and_target_round_trip(tmp_path: Path) -> None:
     from_torch_dist(tmp_path / "dist", tmp_path / "pp4", dst_tp=1, dst_pp=4)
     from_torch_dist(tmp_path / "dist", tmp_path / "back")
 
-    args = load_for_test(tmp_path / "dist" / ITERATION_DIR / "common.pt")["args"]
+    args = read_common(tmp_path / "dist" / ITERATION_DIR)["args"]
     assert args.virtual_pipeline_model_parallel_size == 2
     assert_same_ranks(tmp_path / "pp4", write_megatron_checkpoint(tmp_path / "expected", model, full, 1, 4))
     assert_same_ranks(tmp_path / "back", src)
@@ -351,9 +354,11 @@ def test_torch_dist_to_torch_dist_keeps_tensors_and_rerecords_the_layout(tmp_pat
     metadata_a, tensors_a = read_dcp(tmp_path / "a" / ITERATION_DIR)
     metadata_b, tensors_b = read_dcp(tmp_path / "b" / ITERATION_DIR)
     assert tensor_shapes(metadata_a) == tensor_shapes(metadata_b)
-    assert byte_keys(metadata_a) == byte_keys(metadata_b)
+    # A common.pt source, the default destination form: the common state moves into the store.
+    assert byte_keys(metadata_b) == sorted([*byte_keys(metadata_a), COMMON_STATE_KEY])
+    assert not (tmp_path / "b" / ITERATION_DIR / "common.pt").exists()
     assert all(torch.equal(tensors_a[key], tensors_b[key]) for key in tensors_a)
-    args = load_for_test(tmp_path / "b" / ITERATION_DIR / "common.pt")["args"]
+    args = read_common(tmp_path / "b" / ITERATION_DIR)["args"]
     assert (args.tensor_model_parallel_size, args.expert_model_parallel_size) == (1, 4)
 
 
@@ -362,7 +367,7 @@ def test_expert_tp_that_the_per_rank_format_refuses_is_recorded(tmp_path: Path) 
 
     to_torch_dist(src, tmp_path / "dist", dst_expert_tp=1)
 
-    args = load_for_test(tmp_path / "dist" / ITERATION_DIR / "common.pt")["args"]
+    args = read_common(tmp_path / "dist" / ITERATION_DIR)["args"]
     assert (args.tensor_model_parallel_size, args.expert_tensor_parallel_size) == (2, 1)
     source = TorchDistLoader().open(tmp_path / "dist", LoadOptions())
     assert source.layout.expert_tp == 1
@@ -400,7 +405,7 @@ def test_dtype_option_casts_weights_but_keeps_router_and_expert_bias(tmp_path: P
     assert dtypes["decoder.layers.0.mlp.router.expert_bias"] == torch.float32
     assert dtypes["decoder.layers.0.mlp.experts.experts.linear_fc1.weight"] == torch.float16
     assert torch.equal(tensors["decoder.layers.3.mlp.router.weight"], full["decoder.layers.3.mlp.router.weight"])
-    args = load_for_test(tmp_path / "dist" / ITERATION_DIR / "common.pt")["args"]
+    args = read_common(tmp_path / "dist" / ITERATION_DIR)["args"]
     assert args.params_dtype == torch.float16 and args.fp16
 
 

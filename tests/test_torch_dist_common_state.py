@@ -136,15 +136,16 @@ def test_a_manifest_that_lies_or_names_a_missing_file_is_refused(megatron: Path,
         get_loader("torch_dist").open(out, LoadOptions())
 
 
-def test_cli_writes_common_pt_by_default_and_the_store_on_request(megatron: Path, tmp_path: Path) -> None:
-    for flags, name in (((), "default"), (("--dst-torch-dist-common", "store"), "store")):
+def test_cli_writes_the_store_by_default_and_common_pt_on_request(megatron: Path, tmp_path: Path) -> None:
+    for flags, name in (((), "default"), (("--dst-torch-dist-common", "legacy"), "legacy")):
         result = CliRunner().invoke(main, ["-q", "--dst-format", "torch_dist", *flags, str(megatron),
                                            str(tmp_path / name)])
         assert result.exit_code == 0, result.output
     assert sorted(p.name for p in (tmp_path / "default" / ITERATION).iterdir()) == [
-        ".metadata", "__0_0.distcp", "common.pt", "metadata.json"]
-    assert sorted(p.name for p in (tmp_path / "store" / ITERATION).iterdir()) == [
         ".metadata", "__0_0.distcp", "__0_1.distcp", "integrity.json", "metadata.json"]
+    assert sorted(p.name for p in (tmp_path / "legacy" / ITERATION).iterdir()) == [
+        ".metadata", "__0_0.distcp", "common.pt", "metadata.json"]
+    assert read_common(tmp_path / "default" / ITERATION) == read_common(tmp_path / "legacy" / ITERATION)
     bad = CliRunner().invoke(main, ["--dst-format", "torch_dist", "--dst-torch-dist-common", "inline", str(megatron),
                                     str(tmp_path / "bad")])
     assert bad.exit_code == 2 and "'inline' is not one of 'store', 'legacy'" in bad.output

@@ -37,10 +37,10 @@ with warnings.catch_warnings():
     from support.mcore_gpt_models import build_model, megatron_core_layout, read_layout
     from support.mcore_torch_dist_job import ITERATION_DIR, MODELS, loaded_ranks, run_megatron_core
 
-from support.checkpoint_compare import assert_same_ranks, read_dcp
+from support.checkpoint_compare import assert_same_ranks, read_common, read_dcp
+from support.torch_dist_forms import FOR_MCORE_016
 from support.megatron_fixtures import (
     _rank_state_dict,
-    load_for_test,
     make_full_model,
     padded_vocab_size,
     write_megatron_checkpoint,
@@ -58,12 +58,13 @@ def _leaves_torch_distributed_alone():
 
 
 def pgconvert_torch_dist(tmp_path: Path, name: str, seed: int = 0, tp: int = 1, pp: int = 1, ep: int = 1) -> Path:
-    """Fixture weights written by the independent Megatron writer, converted by pgconvert."""
+    """Fixture weights written by the independent Megatron writer, converted by pgconvert into the form
+    megatron-core 0.16.1 reads."""
     m = MODELS[name]
     src = write_megatron_checkpoint(tmp_path / f"{name}_megatron", m, make_full_model(m, seed=seed), 2, 1,
                                     ep=2 if m.is_moe else 1)
     dst = tmp_path / f"{name}_dist"
-    pgconvert.convert(src, dst, dst_format="torch_dist", dst_tp=tp, dst_pp=pp, dst_ep=ep)
+    pgconvert.convert(src, dst, dst_format="torch_dist", dst_tp=tp, dst_pp=pp, dst_ep=ep, **FOR_MCORE_016)
     return dst
 
 
@@ -112,8 +113,8 @@ def test_pgconvert_writes_the_files_megatron_core_writes_for_a_single_rank(tmp_p
     ours = pgconvert_torch_dist(tmp_path, name, seed=4) / ITERATION_DIR
 
     assert json.loads((ours / "metadata.json").read_text()) == json.loads((theirs / "metadata.json").read_text())
-    common_ours = load_for_test(ours / "common.pt")
-    common_theirs = load_for_test(theirs / "common.pt")
+    common_ours = read_common(ours)
+    common_theirs = read_common(theirs)
     assert sorted(common_ours) == sorted(common_theirs)
     assert common_ours["content_metadata"] == common_theirs["content_metadata"]
     assert read_layout(ours) == read_layout(theirs)
@@ -163,7 +164,7 @@ LOAD_CASES = [
 def test_megatron_core_loads_pgconvert_output_into_another_layout(tmp_path: Path, name: str, recorded_tp: int,
                                                                   tp: int, pp: int, ep: int) -> None:
     dist = pgconvert_torch_dist(tmp_path, name, seed=6, tp=recorded_tp)
-    args = load_for_test(dist / ITERATION_DIR / "common.pt")["args"]
+    args = read_common(dist / ITERATION_DIR)["args"]
     assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) == (recorded_tp, 1)
     assert args.padded_vocab_size == padded_vocab_size(MODELS[name], recorded_tp)
 

@@ -8,7 +8,7 @@ skipped where it does not exist or holds another megatron-core. That venv: Pytho
 
 What 0.19.2 checks:
 
-1. It loads pgconvert's torch_dist output in its own form (``--dst-torch-dist-common store``: the common state
+1. It loads pgconvert's default torch_dist output, in its own form (``--dst-torch-dist-common store``: the common state
    inside the checkpoint, ``integrity.json``) with ``dist_checkpointing.load(verify_integrity=True,
    strict="raise_all")`` and ``load_state_dict(strict=True)``, into a TP2 model from TP1-recorded args; every
    tensor is the fixture's slice for its rank.
@@ -77,7 +77,7 @@ def model() -> object:
 def pgconvert_store(tmp_path: Path, model: object, tp: int = 1) -> Path:
     src = write_megatron_checkpoint(tmp_path / "megatron", model, make_full_model(model, seed=7), 2, 1)
     dst = tmp_path / "dist"
-    pgconvert.convert(src, dst, dst_format="torch_dist", dst_tp=tp, dst_torch_dist_common="store")
+    pgconvert.convert(src, dst, dst_format="torch_dist", dst_tp=tp)  # the default form: 0.19's
     return dst
 
 

@@ -25,6 +25,7 @@ import torch.distributed.checkpoint as dcp
 from support.cli_helpers import assert_clean_refusal, run_cli
 from support.tiny_models import GQA_SWIGLU
 from support.megatron_fixtures import make_full_model, write_megatron_checkpoint
+from support.torch_dist_forms import FOR_MCORE_016
 from torch.distributed.checkpoint import FileSystemReader
 
 import pgconvert
@@ -186,7 +187,7 @@ def test_a_record_whose_pickle_runs_code_is_refused_unexecuted(tmp_path: Path,
 @pytest.fixture
 def dist_checkpoint(tmp_path: Path) -> Path:
     src = write_megatron_checkpoint(tmp_path / "src", GQA_SWIGLU, make_full_model(GQA_SWIGLU), 2, 1)
-    pgconvert.convert(src, tmp_path / "dist", dst_format="torch_dist")
+    pgconvert.convert(src, tmp_path / "dist", dst_format="torch_dist", **FOR_MCORE_016)  # no manifest in front
     return tmp_path / "dist"
 
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 from click.testing import CliRunner, Result
 from support.megatron_fixtures import load_for_test
+from support.torch_dist_forms import FOR_MCORE_016
 
 import pgconvert
 from pgconvert.cli import main
@@ -134,8 +135,9 @@ def test_a_changed_learning_rate_in_a_param_group_is_named(tp1: dict[str, Path],
     assert "differs: optimizer.param_groups[1].lr: 'lr' = " in result.output and " in A, 0.5 in B" in result.output
 
 
-def test_a_changed_learning_rate_in_torch_dist_common_state_is_named(tp1: dict[str, Path], tmp_path: Path) -> None:
-    edited = _tampered_copy(tp1[FULLY], tmp_path)
+def test_a_changed_learning_rate_in_torch_dist_common_state_is_named(tmp_path: Path) -> None:
+    legacy = pgconvert.convert(GOLDENS / FULLY, tmp_path / "legacy", dst_tp=1, dst_pp=1, **FOR_MCORE_016).dst
+    edited = _tampered_copy(legacy, tmp_path)  # common.pt, and no integrity manifest to catch the edit first
     path = edited / ITER / "common.pt"
     common = load_for_test(path)
     common["optimizer"]["optimizer"]["param_groups"][0]["lr"] = 0.25

@@ -26,6 +26,7 @@ from support.megatron_fixtures import load_for_test
 from support.optimizer_cli import dcp_read
 from support.optimizer_faults import edit_common, replace_stored_object, stored_object
 from support.planted_values import bump, edit_record, flat_start, master_position, nudge, record_chunks
+from support.torch_dist_forms import FOR_MCORE_016
 import pgconvert
 from pgconvert.cli import main
 from pgconvert.formats.megatron import FRAMEWORK_PICKLE
@@ -77,9 +78,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path
     distributed = _with_scaler(GOLDENS / "train_tp2dp2_distopt_bf16_torch", root / "distributed")
     made = {"rank_plain": (plain, pgconvert.convert(plain, root / "rank_plain", dst_tp=1).dst),
             "rank_distributed": (distributed, pgconvert.convert(distributed, root / "rank_distributed", dst_tp=1).dst)}
-    for form in TORCH_DIST_FORMS:
+    for form in TORCH_DIST_FORMS:  # common.pt, where values are planted, and no manifest whose sha256s catch them
         made[form] = (distributed, pgconvert.convert(distributed, root / form, dst_format="torch_dist", dst_tp=1,
-                                                     dst_optim_form=form).dst)
+                                                     dst_optim_form=form, **FOR_MCORE_016).dst)
     return made
 
 

@@ -99,7 +99,7 @@ class SaveOptions:
     mtp_layer_module: str | None = None
     # torch_dist: where the common state goes, "store" (inside the DCP store, with integrity.json, as megatron-core
     # >= 0.19 writes it) or "legacy" (common.pt, which megatron-core <= 0.18 reads); torch_dist.COMMON_PLACES.
-    torch_dist_common: str = "legacy"
+    torch_dist_common: str = "store"
     # Threads producing independent destination files at once within this process (``--threads``;
     # pgconvert.io.threads): a saver whose files are independent writes up to this many at a time.
     threads: int = 1

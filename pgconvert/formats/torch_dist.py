@@ -77,8 +77,8 @@ COMMON_FILE = "common.pt"
 # there is one, else that entry. megatron-core 0.18.x and older read common.pt only.
 COMMON_STATE_KEY = "common_state/shard_0_1"
 # Where a torch_dist destination keeps the common state (``--dst-torch-dist-common``): "store", inside the DCP
-# store as megatron-core >= 0.19 writes it, with its integrity manifest; "legacy" (the default), common.pt, which
-# every megatron-core reads (0.19+ prefers it when present).
+# store as megatron-core >= 0.19 writes it, with its integrity manifest (the default); "legacy", common.pt, which
+# every megatron-core reads (0.19+ prefers it when present) and the only place 0.18.x and older look.
 COMMON_IN_STORE = "store"
 COMMON_LEGACY = "legacy"
 COMMON_PLACES = (COMMON_IN_STORE, COMMON_LEGACY)

@@ -105,7 +105,7 @@ class ConvertRequest:
     dst_mtp_layer_name: str | None = None
     # Where a torch_dist DST keeps its common state: "store" (megatron-core >= 0.19, with integrity.json) or
     # "legacy" (common.pt, which megatron-core <= 0.18 reads).
-    dst_torch_dist_common: str = "legacy"
+    dst_torch_dist_common: str = "store"
 
 
 @dataclass

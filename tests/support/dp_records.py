@@ -10,6 +10,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from support.optimizer_cli import run_cli
+from support.torch_dist_forms import FOR_MCORE_016_CLI
 
 from pgconvert.formats import LoadOptions
 from pgconvert.formats.registry import get_loader
@@ -27,8 +28,9 @@ ITERATION = "iter_0000002"
 
 
 def convert_to_torch_dist(src: Path, dst: Path, *options: str) -> None:
-    """``pgconvert convert SRC DST --dst-format torch_dist OPTIONS``, which must succeed."""
-    result = run_cli("convert", src, dst, "-q", "--dst-format", "torch_dist", *options)
+    """``pgconvert convert SRC DST --dst-format torch_dist OPTIONS``, which must succeed, in the form megatron-core
+    0.16.1 (which wrote the goldens and loads the outputs) reads."""
+    result = run_cli("convert", src, dst, "-q", "--dst-format", "torch_dist", *FOR_MCORE_016_CLI, *options)
     assert result.exit_code == 0, result.output
 
 

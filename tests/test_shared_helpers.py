@@ -57,7 +57,7 @@ def test_a_torch_dist_source_refuses_a_contradicting_src_tp(tmp_path: Path) -> N
     src = write_megatron_checkpoint(tmp_path / "src", GQA_SWIGLU, make_full_model(GQA_SWIGLU), 2, 1)
     dist = pgconvert.convert(src, tmp_path / "dist", dst_format="torch_dist").dst
 
-    with pytest.raises(LayoutError, match=r"--src-tp 4: the checkpoint's args say 2 \(.*common_state/shard_0_1\)"):
+    with pytest.raises(LayoutError, match=r"--src-tp 4: the checkpoint's args say 2 \(.*iter_0000100/__0_1\.distcp \(common_state/shard_0_1\)\)"):
         pgconvert.convert(dist, tmp_path / "out", src_tp=4, dst_tp=1)
 
 

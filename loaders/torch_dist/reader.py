@@ -318,7 +318,7 @@ class TorchDistSource(CanonicalSource):
         if common_path.is_file():
             common: Any = safe_torch_load(common_path)
         elif COMMON_STATE_KEY in self._metadata.state_dict_metadata:
-            common_path = self.directory / COMMON_STATE_KEY
+            common_path = self._common_state_label()
             common = self._read({}, [COMMON_STATE_KEY])[COMMON_STATE_KEY]
             # saved as the data of a ShardedObject of global shape (1,): a list of one state dict
             if isinstance(common, list) and len(common) == 1:
@@ -329,6 +329,13 @@ class TorchDistSource(CanonicalSource):
         if not isinstance(common, dict):
             raise CheckpointError(f"{common_path}: not a dict of common state ({quote(type(common).__name__)})")
         return common, common_path
+
+    def _common_state_label(self) -> Path:
+        """How messages name the ``common_state`` entry: the data file that holds it, and the entry's key."""
+        files = [info.relative_path for index, info in self._metadata.storage_data.items()
+                 if getattr(index, "fqn", None) == COMMON_STATE_KEY and isinstance(info.relative_path, str)]
+        where = self.directory / files[0] if len(files) == 1 else self.directory / DCP_METADATA_FILE
+        return Path(f"{where} ({COMMON_STATE_KEY})")
 
     def _index(self, config: ModelConfig, metadata_path: Path) -> tuple[int, int]:
         """Check every key against the model the args describe, and every chunk's file.

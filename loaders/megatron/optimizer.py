@@ -209,7 +209,7 @@ class MegatronOptimizerSource(OptimizerSource):
         for index, (entry, slots) in enumerate(zip(entries, chained)):
             inner = entry if form == FORM_FP32 else entry["optimizer"]
             where = str(path) if len(entries) == 1 else f"{path} optimizer[{index}]"
-            check_param_groups(slots, inner.get("param_groups"), where, expert=index == 1)
+            check_param_groups(slots, inner.get("param_groups"), where, rules, expert=index == 1)
             check_state_shapes(slots, inner.get("state"), where)
             masters.append(_masters(form, entry, state, slots, chunk_keys, path, self._stored))
             inners.append(inner)

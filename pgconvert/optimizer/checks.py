@@ -14,7 +14,7 @@ is written, what the format's reader hands over (``OptimizerSource.stored_copies
   finite and >= 0 (torch.optim.Adam refuses a negative lr or weight decay); betas in [0, 1) (Adam's bounds); eps
   finite and > 0 (Adam divides by ``sqrt(exp_avg_sq) + eps``); a grad scaler's scale finite and > 0;
 - the number of param groups of each chained optimizer is the one megatron-core builds for the model
-  (``order.group_counts``: weight decay and no weight decay);
+  (``order.group_counts``: weight decay, the embedding and output with decoupled_lr, and no weight decay);
 - the distributed optimizer's buffer dtype keys are ``(parameter dtype, grad dtype)`` with the parameter dtype of
   the model's stored weights, and both what the run's args give (``flat.buffer_dtype_key``); a plain optimizer's
   form fits the weights (FP32Optimizer: float32 weights, its masters; fp32 masters beside them: bf16/fp16).
@@ -263,7 +263,7 @@ def _same(value_a: Any, value_b: Any) -> bool:
 
 def _check_group_counts(optimizer: OptimizerSource, copies: list[StoredCopy]) -> None:
     """Each chained optimizer holds the param groups megatron-core builds for the model."""
-    expected = group_counts(optimizer.config, optimizer.layout)
+    expected = group_counts(optimizer.config, optimizer.layout, optimizer.rules)
     for copy in copies:
         for index, count in enumerate(expected):
             label = f"{optimizer_label(index, len(expected))}.param_groups"
@@ -271,7 +271,15 @@ def _check_group_counts(optimizer: OptimizerSource, copies: list[StoredCopy]) ->
             if isinstance(held, list) and len(held) != count:
                 raise OptimizerStateError(
                     f"{copy.where}: {label} holds {len(held)} groups, but {_VERSIONS} builds {count} for this model "
-                    f"({_GROUPS[index]}; layout {optimizer.layout.describe()})")
+                    f"({_group_names(index, optimizer)}; layout {optimizer.layout.describe()})")
+
+
+def _group_names(index: int, optimizer: OptimizerSource) -> str:
+    """What chained optimizer ``index``'s groups are, for a message."""
+    if index == 0 and optimizer.rules.decoupled_lr is not None:
+        return "weight decay, the embedding and output layer (decoupled_lr), then no weight decay: 1-dim parameters " \
+               "and biases"
+    return _GROUPS[index]
 
 
 def _dtype_name(dtype: Any) -> str:

@@ -7,7 +7,8 @@ trainable parameter in the group of its overrides key; the keys are sorted with 
 the standard overrides (``get_standard_config_overrides``: ``wd_mult=0.0`` for 1-dim parameters and
 names ending in ``.bias``; with ``apply_wd_to_qk_layernorm`` the q/k layernorms keep weight decay)
 a dense model has two groups on every rank (the keys are all-gathered, so a rank without a no-decay
-parameter still has the empty group): group 0 weight decay, group 1 no weight decay.
+parameter still has the empty group): group 0 weight decay, group 1 no weight decay (``decoupled_lr``
+adds one between them, below).
 ``optimizer.state`` is indexed by the position in the concatenation of the groups' ``params``.
 
 Reproduced for megatron-core 0.16.1 (pip) and 0.20.0 (Megatron-LM ``d98e8a64``), which build the
@@ -15,8 +16,16 @@ groups the same way, for GPT models with megatron-core's local spec and its Tran
 spec, whose parameters are the same modules' but for the fused norms (``linear_qkv.layer_norm_weight``
 registered before ``linear_qkv.weight``; TE's own parameter order, read from its source, since TE is
 not installed here). Refused, naming the field: grouped-GEMM experts other than TEGroupedMLP's (below),
-``decoupled_lr`` (a third group), any parameter name whose place is not known, and any state whose group
-sizes or tensor shapes do not match.
+any parameter name whose place is not known, and any state whose group sizes or tensor shapes do not match.
+
+``decoupled_lr`` (and ``decoupled_min_lr``): the standard overrides add ``{"max_lr": decoupled_lr[, "min_lr":
+decoupled_min_lr]}`` for the parameters flagged ``is_embedding_or_output_parameter``
+(``LanguageModule.setup_embeddings_and_output_layer``: the word embedding where ``pre_process``, the first
+stage's first model chunk; ``output_layer.weight`` where it exists, so not a last stage's MTP copy of the
+embedding). Keys sort ``None`` first, then as tuples, and ``("max_lr", …)`` sorts before ``("wd_mult", 0.0)``: the
+dense optimizer's groups are weight decay, decoupled LR, no weight decay, the middle one empty on ranks without
+those parameters (the keys are all-gathered). Both flagged parameters are 2-dim, so no parameter combines the two
+overrides. The group keeps ``is_decoupled_lr`` False in 0.16.1 (the override only sets ``max_lr``/``min_lr``).
 
 Grouped-GEMM experts: with the Transformer Engine spec, ``--moe-grouped-gemm`` builds TEGroupedMLP
 (megatron/core/transformer/moe/experts.py, 0.16.1 and 0.20.0), which registers ``linear_fc1`` then
@@ -158,18 +167,32 @@ class OptimizerRules:
     """The run settings that decide the param groups (read from the checkpoint's ``args``)."""
 
     apply_wd_to_qk_layernorm: bool = False
+    # ``decoupled_lr``: the embedding and output parameters' own group (its ``max_lr``), None without one.
+    decoupled_lr: float | None = None
+    # ``decoupled_min_lr``: that group's ``min_lr`` (None: the run's ``min_lr``).
+    decoupled_min_lr: float | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace | None, where: str) -> OptimizerRules:
         if args is None:
             return cls()
-        for name in ("decoupled_lr", "decoupled_min_lr"):
-            if getattr(args, name, None) is not None:
-                raise UnsupportedOptimizerError(
-                    f"{where}: args.{name}={quote(getattr(args, name))}: the embedding/output parameters "
-                    f"then form a third param group, which pgconvert does not reproduce ({_VERSIONS})")
         _refuse_grouped_variants(args, where)
-        return cls(apply_wd_to_qk_layernorm=bool(getattr(args, "apply_wd_to_qk_layernorm", False)))
+        decoupled = [_learning_rate(args, name, where) for name in ("decoupled_lr", "decoupled_min_lr")]
+        if decoupled[0] is None and decoupled[1] is not None:
+            decoupled[1] = None  # megatron-core reads decoupled_min_lr only with decoupled_lr
+        return cls(apply_wd_to_qk_layernorm=bool(getattr(args, "apply_wd_to_qk_layernorm", False)),
+                   decoupled_lr=decoupled[0], decoupled_min_lr=decoupled[1])
+
+
+def _learning_rate(args: argparse.Namespace, name: str, where: str) -> float | None:
+    """``args.<name>``: None, or a finite learning rate >= 0."""
+    value = getattr(args, name, None)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+        raise UnsupportedOptimizerError(f"{where}: args.{name}={quote(value)}: not a learning rate (a finite number "
+                                        ">= 0, or None)")
+    return float(value)
 
 
 # Run settings that replace TEGroupedMLP's per-expert weight{i}/bias{i} parameters: the legacy GroupedMLP
@@ -265,6 +288,21 @@ def is_expert_parallel(spec: TensorSpec, layout: ParallelLayout) -> bool:
     return layout.ep > 1 and f".{EXPERTS_MODULE}" in spec.local_name
 
 
+def _is_embedding_or_output(spec: TensorSpec, coord: RankCoord, chunk: int) -> bool:
+    """megatron-core's ``is_embedding_or_output_parameter``: the word embedding of the first stage's first chunk
+    (``pre_process``), or an output layer's weight."""
+    return spec.local_name == OUTPUT_LAYER or (spec.local_name == WORD_EMBEDDINGS and coord.pp == 0 and chunk == 0)
+
+
+def _dense_group(spec: TensorSpec, rules: OptimizerRules, coord: RankCoord, chunk: int) -> int:
+    """The dense optimizer's group: 0 weight decay; with decoupled_lr 1 the embedding/output parameters; then
+    no weight decay."""
+    decoupled = rules.decoupled_lr is not None
+    if decoupled and _is_embedding_or_output(spec, coord, chunk):
+        return 1
+    return (1 + decoupled) if _no_weight_decay(spec, rules) else 0
+
+
 def _no_weight_decay(spec: TensorSpec, rules: OptimizerRules) -> bool:
     one_dim = len(spec.local_shape) == 1 or spec.local_name.endswith(".bias")
     if rules.apply_wd_to_qk_layernorm:
@@ -289,16 +327,30 @@ def optimizer_count(config: ModelConfig, layout: ParallelLayout) -> int:
     return 2 if config.moe.num_experts and layout.ep > 1 else 1
 
 
-def _group_count(config: ModelConfig, optimizer: int) -> int:
+def _group_count(config: ModelConfig, optimizer: int, rules: OptimizerRules) -> int:
     """Groups per optimizer: keys are all-gathered over the world, so a group exists on every rank once any
-    rank has a member. Dense: weight decay and no weight decay (norms). Experts: no weight decay only
-    with their biases (``add_bias_linear``)."""
-    return 2 if optimizer == 0 or config.add_bias_linear else 1
+    rank has a member. Dense: weight decay, the embedding/output parameters with decoupled_lr, and no weight
+    decay (norms). Experts: no weight decay only with their biases (``add_bias_linear``)."""
+    if optimizer == 0:
+        return 3 if rules.decoupled_lr is not None else 2
+    return 2 if config.add_bias_linear else 1
 
 
-def group_counts(config: ModelConfig, layout: ParallelLayout) -> list[int]:
+def group_counts(config: ModelConfig, layout: ParallelLayout, rules: OptimizerRules = OptimizerRules()) -> list[int]:
     """The param groups megatron-core builds for each chained optimizer (dense, then expert-parallel)."""
-    return [_group_count(config, index) for index in range(optimizer_count(config, layout))]
+    return [_group_count(config, index, rules) for index in range(optimizer_count(config, layout))]
+
+
+def group_overrides(rules: OptimizerRules, optimizer: int) -> list[dict[str, float]]:
+    """Per param group of chained optimizer ``optimizer``: the override fields megatron-core sets on it
+    (``wd_mult`` 0 for no weight decay; ``max_lr``/``min_lr`` for decoupled_lr), ``wd_mult`` 1.0 otherwise."""
+    decayed, undecayed = {"wd_mult": 1.0}, {"wd_mult": 0.0}
+    if optimizer != 0 or rules.decoupled_lr is None:
+        return [decayed, undecayed]
+    decoupled = {"wd_mult": 1.0, "max_lr": rules.decoupled_lr}
+    if rules.decoupled_min_lr is not None:
+        decoupled["min_lr"] = rules.decoupled_min_lr
+    return [decayed, decoupled, undecayed]
 
 
 def chained_slots(config: ModelConfig, layout: ParallelLayout, coord: RankCoord,
@@ -310,11 +362,12 @@ def chained_slots(config: ModelConfig, layout: ParallelLayout, coord: RankCoord,
     check_supported(config, f"layout {layout.describe()}")
     count = optimizer_count(config, layout)
     members: list[list[list[tuple[int, TensorSpec]]]] = [
-        [[] for _ in range(_group_count(config, index))] for index in range(count)]
+        [[] for _ in range(_group_count(config, index, rules))] for index in range(count)]
     for chunk, spec in named_parameters(config, layout, coord, padded_vocab_size):
-        optimizer = 1 if is_expert_parallel(spec, layout) else 0
-        group = 1 if _no_weight_decay(spec, rules) else 0
-        members[optimizer][group].append((chunk, spec))
+        if is_expert_parallel(spec, layout):
+            members[1][1 if _no_weight_decay(spec, rules) else 0].append((chunk, spec))
+        else:
+            members[0][_dense_group(spec, rules, coord, chunk)].append((chunk, spec))
     chained: list[list[list[OptimizerSlot]]] = []
     for optimizer, groups in enumerate(members):
         position, built = 0, []
@@ -332,9 +385,6 @@ def optimizer_slots(config: ModelConfig, layout: ParallelLayout, coord: RankCoor
     """The param groups of rank ``coord``'s optimizers, the chained optimizers' groups one after another
     (each slot names its ``optimizer``; positions count within it)."""
     return [group for groups in chained_slots(config, layout, coord, rules, padded_vocab_size) for group in groups]
-
-
-_WD_MULT = (1.0, 0.0)
 
 
 def grouped_expert_note(slots: Sequence[OptimizerSlot]) -> str:
@@ -357,15 +407,16 @@ def grouped_expert_note(slots: Sequence[OptimizerSlot]) -> str:
 
 
 def check_param_groups(slots: Sequence[Sequence[OptimizerSlot]], param_groups: Any, where: str,
-                       expert: bool = False) -> None:
-    """The stored ``param_groups`` have the groups, sizes, positions and weight-decay multipliers
-    that ``slots`` derive (of the expert-parallel optimizer with ``expert``); refuse (naming the field)
-    otherwise."""
+                       rules: OptimizerRules = OptimizerRules(), expert: bool = False) -> None:
+    """The stored ``param_groups`` have the groups, sizes, positions and overrides (weight-decay multiplier,
+    decoupled learning rates) that ``slots`` and ``rules`` derive (of the expert-parallel optimizer with
+    ``expert``); refuse (naming the field) otherwise."""
     if not isinstance(param_groups, list) or len(param_groups) != len(slots):
         count = len(param_groups) if isinstance(param_groups, list) else quote(type(param_groups).__name__)
         raise OptimizerLayoutError(
             f"{where}: optimizer.param_groups holds {count} groups; {_VERSIONS} builds {len(slots)} for this "
-            "model (weight decay, no weight decay)")
+            "model (weight decay, [decoupled_lr,] no weight decay)")
+    overrides = group_overrides(rules, 1 if expert else 0)
     for index, (group, members) in enumerate(zip(param_groups, slots)):
         if not isinstance(group, dict):
             raise OptimizerLayoutError(f"{where}: optimizer.param_groups[{index}] is not a dict")
@@ -377,13 +428,24 @@ def check_param_groups(slots: Sequence[Sequence[OptimizerSlot]], param_groups: A
                 f"{where}: optimizer.param_groups[{index}].params = {quote(group.get('params'), 120)}, but the "
                 f"model's parameter count gives {quote(expected, 120)} ({_VERSIONS} group order)"
                 f"{grouped_expert_note(members)}")
-        wd_mult, flag = group.get("wd_mult", _WD_MULT[index]), group.get("is_expert_parallel", False)
-        if not isinstance(wd_mult, (int, float)) or wd_mult != _WD_MULT[index] \
-                or not isinstance(flag, int) or bool(flag) != expert:
-            raise OptimizerLayoutError(
-                f"{where}: optimizer.param_groups[{index}]: wd_mult={quote(group.get('wd_mult'))}, "
-                f"is_expert_parallel={quote(group.get('is_expert_parallel'))}: not the group {_VERSIONS} "
-                f"builds there (wd_mult={_WD_MULT[index]}, is_expert_parallel={expert})")
+        _check_group_overrides(group, index, overrides[index], expert, where)
+
+
+def _check_group_overrides(group: dict[Any, Any], index: int, overrides: dict[str, float], expert: bool,
+                           where: str) -> None:
+    """One stored group's ``is_expert_parallel`` and override fields, as megatron-core sets them."""
+    wrong = [name for name, value in overrides.items() if not _same_number(group.get(name, 1.0 if name == "wd_mult"
+                                                                                     else None), value)]
+    flag = group.get("is_expert_parallel", False)
+    if wrong or not isinstance(flag, int) or bool(flag) != expert:
+        held = ", ".join(f"{name}={quote(group.get(name))}" for name in (*overrides, "is_expert_parallel"))
+        wanted = ", ".join(f"{name}={value}" for name, value in (*overrides.items(), ("is_expert_parallel", expert)))
+        raise OptimizerLayoutError(f"{where}: optimizer.param_groups[{index}]: {held}: not the group {_VERSIONS} "
+                                   f"builds there ({wanted}; the run's args decide decoupled_lr)")
+
+
+def _same_number(held: Any, value: float) -> bool:
+    return isinstance(held, (int, float)) and not isinstance(held, bool) and held == value
 
 
 def check_state_shapes(slots: Sequence[Sequence[OptimizerSlot]], state: Mapping[Any, Any], where: str) -> None:

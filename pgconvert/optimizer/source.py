@@ -132,7 +132,8 @@ class OptimizerSource:
         return list(self._owners)
 
     def group_of(self, name: str) -> int:
-        """The param group (0: weight decay, 1: no weight decay) ``name`` is in."""
+        """The param group ``name`` is in (0: weight decay; then with decoupled_lr the embedding and output, then no
+        weight decay)."""
         return self._owners[name][0][1].group
 
     def optimizer_of(self, name: str) -> int:

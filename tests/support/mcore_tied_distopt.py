@@ -11,7 +11,8 @@ with the first stage's word embedding. Two ``optimizer.step()`` calls on gradien
 function of each parameter's value (so both copies of the embedding take the same steps), then what
 Megatron-LM's ``save_checkpoint`` writes per rank: ``model_optim_rng.pt`` (the template's other entries,
 the model's and optimizer's ``state_dict()``, these args, iteration 2) and
-``optimizer.save_parameter_state`` into ``distrib_optim.pt``.
+``optimizer.save_parameter_state`` into ``distrib_optim.pt`` (with ``use_distributed_optimizer``; a plain optimizer's
+state is all in ``model_optim_rng.pt``).
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ def _rank(rank: int, world: int, store: str, args: Any, template: dict[str, Any]
     directory.mkdir(parents=True, exist_ok=True)
     state = dict(template, args=args, iteration=2, model=model.state_dict(), optimizer=optimizer.state_dict())
     torch.save(state, directory / "model_optim_rng.pt", pickle_module=FRAMEWORK_PICKLE)  # args' enum stand-ins
-    optimizer.save_parameter_state(str(directory / "distrib_optim.pt"))
+    if args.use_distributed_optimizer:  # a plain optimizer's state is all in model_optim_rng.pt
+        optimizer.save_parameter_state(str(directory / "distrib_optim.pt"))
     torch.distributed.destroy_process_group()
 
 

@@ -106,10 +106,11 @@ CONTENT_METADATA: dict[str, Any] = {
 TRAINING_STATE_PREFIXES = ("optimizer.", "chained_", "rng_state", "rerun_state_machine_state")
 
 EXPERTS_KEY = EXPERTS_MODULE + "experts."
+OUTPUT_LAYER_MODULE = "output_layer"
 
 # Modules whose ``_extra_state`` megatron-core saves, relative to a layer: the layer kinds' TE modules less the
 # core attention (TEDotProductAttention.sharded_state_dict saves none; provider.te_sharded_modules); GPTModel
-# drops ``output_layer._extra_state``.
+# drops ``output_layer._extra_state``, MambaModel keeps it.
 
 
 @dataclass(frozen=True)
@@ -281,6 +282,10 @@ def extra_state_keys(config: ModelConfig) -> list[str]:
         prefix = f"{MTP_PREFIX}{mtp}."
         keys.append(sharded_object_key(prefix + MTP_EH_PROJ + EXTRA_STATE_SUFFIX, (), ()))
         keys += _layer_extra_state_keys(config, prefix + MTP_LAYER_MODULE, spec.inner, (), ())
+    if config.hybrid_override_pattern is not None:
+        # MambaModel has no sharded_state_dict of its own: it keeps the output layer's (empty) entry, which
+        # GPTModel.sharded_state_dict drops.
+        keys.append(sharded_object_key(OUTPUT_LAYER_MODULE + EXTRA_STATE_SUFFIX, (), ()))
     return keys
 
 

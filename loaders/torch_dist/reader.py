@@ -82,6 +82,7 @@ from pgconvert.formats.torch_dist import (
     COMMON_STATE_KEY,
     DCP_METADATA_FILE,
     EXPERTS_KEY,
+    hybrid_optimizer_refusal,
     is_extra_state,
     is_training_state,
     read_checkpoint_config,
@@ -502,7 +503,11 @@ class TorchDistSource(CanonicalSource):
         return sharding_type(self.common_state, f"{self.directory} (common state)")
 
     def optimizer_refusal(self) -> str | None:
-        """A MoE model's optimizer state is not read from the forms whose expert records are not mapped."""
+        """A hybrid model's optimizer state is not read, nor a MoE model's from the forms whose expert records are
+        not mapped."""
+        hybrid = hybrid_optimizer_refusal(self.config)
+        if hybrid is not None:
+            return hybrid
         if not self.config.moe.num_experts:
             return None
         try:

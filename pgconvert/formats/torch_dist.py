@@ -212,6 +212,16 @@ def refuse_hybrid(config: ModelConfig) -> None:
                               "convert to or from per-rank megatron or hf")
 
 
+def hybrid_optimizer_refusal(config: ModelConfig) -> str | None:
+    """Why a hybrid model's optimizer state is not read or written in a distributed checkpoint (None: the model
+    is not hybrid): its Mamba parameters have no place in pgconvert's megatron-core module order
+    (``optimizer.order``), and no test has megatron-core save or load that state."""
+    if config.hybrid_override_pattern is None:
+        return None
+    return (f"torch_dist: the optimizer state of the hybrid model hybrid_override_pattern="
+            f"{quote(config.hybrid_override_pattern)} (Mamba layers) is not converted; pass --skip-optimizer")
+
+
 def _dist_segments(kind: TensorKind, config: ModelConfig, shape: tuple[int, ...]) -> tuple[DistSegment, ...]:
     """The keys a tensor of ``kind`` is stored as: one per window of its rule's single piece, named by the kind."""
     if not kind.dist_segments:

@@ -61,6 +61,7 @@ from pgconvert.formats.torch_dist import (
     SHARDED_BACKEND,
     empty_extra_state,
     extra_state_keys,
+    hybrid_optimizer_refusal,
     refuse_hybrid,
     single_process_calls,
     tensor_locations,
@@ -351,7 +352,8 @@ class TorchDistSaver(Saver):
 
     def optimizer_refusal(self, source: CanonicalSource, options: SaveOptions,
                           optimizer_options: OptimizerOptions) -> str | None:
-        return moe_refusal(source, options.layout, optimizer_options.form)
+        return (hybrid_optimizer_refusal(target_config(source.config, options))
+                or moe_refusal(source, options.layout, optimizer_options.form))
 
     def optimizer_form(self, optimizer: OptimizerSource, optimizer_options: OptimizerOptions) -> str:
         return written_form(optimizer, optimizer_options.form)

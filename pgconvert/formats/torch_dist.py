@@ -31,6 +31,10 @@ saved with lives only in ``common.pt``'s args. Keys, as megatron-core 0.16.1 bui
   rank's gate and up halves as two chunks of the same key.
 - Each linear's ``_extra_state`` is a bytes entry ``<key>._extra_state/shard_<offsets>_<shape>``
   holding ``torch.save([state])``: one per layer (and expert), replicated over TP, never per rank.
+- A hybrid model (``MambaModel``): one key per layer (MambaStack.sharded_state_dict), the final norm
+  ``decoder.final_norm.weight``, MambaMixer's ``in_proj.weight`` as one key per segment (``.z .x .B .C .dt``,
+  each the segment's global rows) and ``conv1d.weight``/``.bias`` likewise (``.x .B .C``); MambaModel keeps
+  ``output_layer._extra_state``.
 """
 
 from __future__ import annotations

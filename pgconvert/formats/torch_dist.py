@@ -161,10 +161,15 @@ class DistLocation:
         if any(segment.start != end or segment.length < 1 for segment, end in zip(self.segments, ends)):
             raise ValueError(f"{self.key}: segments {self.segments} are not consecutive runs of rows from 0")
 
+    def global_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The key's global shape (one key)."""
+        assert not self.segments, f"{self.key} is stored as segments: ask for its key_shapes"
+        return self.stack + tuple(shape)
+
     def key_shapes(self, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
         """Each key the tensor is stored in, with its global shape."""
         if not self.segments:
-            return {self.key: self.stack + tuple(shape)}
+            return {self.key: self.global_shape(shape)}
         return {self.key + segment.suffix: self.stack + (segment.length, *shape[1:]) for segment in self.segments}
 
     def chunk(self, starts: tuple[int, ...], lengths: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -20,6 +20,7 @@ Transformer Engine spec's names, the only Mamba spec megatron-core ships):
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -58,11 +59,20 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_nemotron_h(tmp_path_factory.mktemp("nemotron_h") / "hf")
 
 
-def _rank_files_at(tiny: Path, out: Path, tp: int, pp: int) -> Path:
-    """pgconvert's rank files at ``tp``×``pp`` in the local spec's names, the names megatron-core's stand-in holds."""
-    if not out.exists():
-        pgconvert.convert(tiny, out, dst_format="megatron", dst_tp=tp, dst_pp=pp, dst_transformer_impl="local")
-    return out
+@pytest.fixture(scope="module")
+def rank_files_at(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[[int, int], Path]:
+    """pgconvert's rank files of the tiny model at a TP×PP, in the local spec's names (those megatron-core's
+    stand-in holds), each layout converted once."""
+    made: dict[tuple[int, int], Path] = {}
+
+    def at(tp: int, pp: int) -> Path:
+        if (tp, pp) not in made:
+            made[(tp, pp)] = tmp_path_factory.mktemp(f"hybrid_ranks_tp{tp}pp{pp}") / "mcore"
+            pgconvert.convert(tiny, made[(tp, pp)], dst_format="megatron", dst_tp=tp, dst_pp=pp,
+                              dst_transformer_impl="local")
+        return made[(tp, pp)]
+
+    return at
 
 
 # --------------------------------------------------------------------------- 1. key naming
@@ -93,25 +103,19 @@ def loaded_by_megatron_core(tiny: Path, tmp_path_factory: pytest.TempPathFactory
     """One megatron-core job loads every case's checkpoint; returns where each rank saved what it holds."""
     root = tmp_path_factory.mktemp("hybrid_loads")
     cases = []
-    for name, recorded_tp, recorded_pp, _, _ in LOAD_CASES:
+    for name, recorded_tp, recorded_pp, tp, pp in LOAD_CASES:
         dist = root / name
         pgconvert.convert(tiny, dist, dst_format="torch_dist", dst_tp=recorded_tp, dst_pp=recorded_pp)
-        cases.append({"name": name, "ckpt": str(dist / ITERATION_DIR), "tp": _load_layout(name)[0],
-                      "pp": _load_layout(name)[1]})
+        cases.append({"name": name, "ckpt": str(dist / ITERATION_DIR), "tp": tp, "pp": pp})
     run_job({"action": "hybrid_load", "world": LOAD_WORLD, "cases": cases}, root / "job")
     return root / "job"
 
 
-def _load_layout(name: str) -> tuple[int, int]:
-    case = next(case for case in LOAD_CASES if case[0] == name)
-    return case[3], case[4]
-
-
-@pytest.mark.parametrize("name", [case[0] for case in LOAD_CASES])
+@pytest.mark.parametrize(("name", "tp", "pp"), [(case[0], case[3], case[4]) for case in LOAD_CASES],
+                         ids=[case[0] for case in LOAD_CASES])
 def test_megatron_core_loads_pgconvert_output_strictly_with_every_value_in_place(
-        tiny: Path, loaded_by_megatron_core: Path, tmp_path_factory: pytest.TempPathFactory, name: str) -> None:
-    tp, pp = _load_layout(name)
-    expected = rank_files(_rank_files_at(tiny, tmp_path_factory.getbasetemp() / f"hybrid_ranks_tp{tp}pp{pp}", tp, pp))
+        loaded_by_megatron_core: Path, rank_files_at: Callable[[int, int], Path], name: str, tp: int, pp: int) -> None:
+    expected = rank_files(rank_files_at(tp, pp))
 
     for rank in expected:
         loaded = torch.load(loaded_by_megatron_core / f"{name}_rank_{rank.layout.tp_rank}_{rank.layout.pp_rank}.pt",
@@ -125,9 +129,9 @@ def test_megatron_core_loads_pgconvert_output_strictly_with_every_value_in_place
 # --------------------------------------------------------------------------- 3. megatron-core saves
 
 
-def test_a_checkpoint_megatron_cores_mamba_model_saved_at_tp2_pp2_reads_back_bit_exact(tiny: Path,
-                                                                                      tmp_path: Path) -> None:
-    source = _rank_files_at(tiny, tmp_path / "ranks", 2, 2)
+def test_a_checkpoint_megatron_cores_mamba_model_saved_at_tp2_pp2_reads_back_bit_exact(
+        tiny: Path, rank_files_at: Callable[[int, int], Path], tmp_path: Path) -> None:
+    source = rank_files_at(2, 2)
     saved = tmp_path / "mcore"
     (saved / "iter_0000100").mkdir(parents=True)
     (saved / "latest_checkpointed_iteration.txt").write_text("100")
@@ -139,7 +143,7 @@ def test_a_checkpoint_megatron_cores_mamba_model_saved_at_tp2_pp2_reads_back_bit
     pgconvert.convert(saved, tmp_path / "hf", dst_format="hf")
 
     assert report.src_layout == "tp=2,pp=2"
-    assert_same_ranks(tmp_path / "tp1", _rank_files_at(tiny, tmp_path / "expected", 1, 1))
+    assert_same_ranks(tmp_path / "tp1", rank_files_at(1, 1))
     assert_same_hf_tensors(tiny, tmp_path / "hf")
     # The keys and global shapes megatron-core wrote are those pgconvert writes (chunks: per rank there).
     pgconvert.convert(tiny, tmp_path / "ours", dst_format="torch_dist", dst_tp=2, dst_pp=2)

@@ -8,10 +8,11 @@ Transformer Engine spec's names, the only Mamba spec megatron-core ships):
 
 1. the keys, global shapes, chunks and objects pgconvert writes are those MambaModel's ``sharded_state_dict()``
    declares for one rank (in this process, on fake groups);
-2. megatron-core loads pgconvert's outputs at TP1/TP2 × PP1/PP2 (and one recorded at TP1 into TP2×PP2) with
-   ``dist_checkpointing.load(strict="raise_all")`` and ``load_state_dict(strict=True)``: one job of gloo ranks for
-   every case, each rank's tensors ``torch.equal`` to the rank files pgconvert writes for that layout, which
-   ``test_nemotron_h.py`` shows load into the same model and compute transformers' logits;
+2. megatron-core loads pgconvert's outputs (``common.pt``: the form 0.16.1 reads) at TP1/TP2 × PP1/PP2 (and one
+   recorded at TP1 into TP2×PP2) with ``dist_checkpointing.load(strict="raise_all")`` and
+   ``load_state_dict(strict=True)``: one job of gloo ranks for every case, each rank's tensors ``torch.equal`` to
+   the rank files pgconvert writes for that layout, which ``test_nemotron_h.py`` shows load into the same model
+   and compute transformers' logits;
 3. pgconvert reads what megatron-core's MambaModel itself saves at TP2×PP2 (``dist_checkpointing.save``) into TP1
    and HF, bit-exact;
 4. round trips through torch_dist are bit-exact, and what pgconvert cannot convert is refused by name.
@@ -28,10 +29,11 @@ import pytest
 import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file
-from support.checkpoint_compare import assert_same_ranks, read_dcp
+from support.checkpoint_compare import assert_same_ranks, read_common, read_dcp
 from support.hf_helpers import assert_same_hf_tensors
 from support.megatron_fixtures import load_for_test, read_megatron_checkpoint_ranks
 from support.nemotron_h_models import write_tiny_nemotron_h
+from support.torch_dist_forms import FOR_MCORE_016
 
 import pgconvert
 from pgconvert.cli import main
@@ -80,8 +82,8 @@ def rank_files_at(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Calla
 
 def test_keys_shapes_chunks_and_objects_are_what_megatron_cores_mamba_model_declares(tiny: Path,
                                                                                     tmp_path: Path) -> None:
-    pgconvert.convert(tiny, tmp_path / "dist", dst_format="torch_dist", dst_tp=1)
-    args = load_for_test(tmp_path / "dist" / ITERATION_DIR / "common.pt")["args"]
+    pgconvert.convert(tiny, tmp_path / "dist", dst_format="torch_dist", dst_tp=1, **FOR_MCORE_016)
+    args = read_common(tmp_path / "dist" / ITERATION_DIR)["args"]
     model = build_mamba_model(args, RankLayout(1, 1, 0, 0))
     expected_tensors, expected_objects = sharded_layout(mamba_sharded_state_dict(model))
 
@@ -105,7 +107,8 @@ def loaded_by_megatron_core(tiny: Path, tmp_path_factory: pytest.TempPathFactory
     cases = []
     for name, recorded_tp, recorded_pp, tp, pp in LOAD_CASES:
         dist = root / name
-        pgconvert.convert(tiny, dist, dst_format="torch_dist", dst_tp=recorded_tp, dst_pp=recorded_pp)
+        pgconvert.convert(tiny, dist, dst_format="torch_dist", dst_tp=recorded_tp, dst_pp=recorded_pp,
+                          **FOR_MCORE_016)
         cases.append({"name": name, "ckpt": str(dist / ITERATION_DIR), "tp": tp, "pp": pp})
     run_job({"action": "hybrid_load", "world": LOAD_WORLD, "cases": cases}, root / "job")
     return root / "job"
@@ -146,9 +149,9 @@ def test_a_checkpoint_megatron_cores_mamba_model_saved_at_tp2_pp2_reads_back_bit
     assert_same_ranks(tmp_path / "tp1", rank_files_at(1, 1))
     assert_same_hf_tensors(tiny, tmp_path / "hf")
     # The keys and global shapes megatron-core wrote are those pgconvert writes (chunks: per rank there).
-    pgconvert.convert(tiny, tmp_path / "ours", dst_format="torch_dist", dst_tp=2, dst_pp=2)
+    pgconvert.convert(tiny, tmp_path / "ours", dst_format="torch_dist", dst_tp=2, dst_pp=2, **FOR_MCORE_016)
     theirs, ours = read_layout(saved / "iter_0000100"), read_layout(tmp_path / "ours" / ITERATION_DIR)
-    assert {key: shape for key, (shape, _, _) in theirs[0].items()} == {key: shape for key, (shape, _, _) in ours[0].items()}
+    assert {key: entry[0] for key, entry in theirs[0].items()} == {key: entry[0] for key, entry in ours[0].items()}
     assert theirs[1] == ours[1]
 
 
@@ -203,7 +206,8 @@ def test_a_hybrid_model_with_moe_layers_is_refused_for_torch_dist_by_name() -> N
 
 @pytest.mark.parametrize(("options", "message"), [
     (["--dst-tp", "4"], "--dst-tp 4: num_query_groups=2 is not divisible by 4"),
-    (["--dst-pp", "2", "--dst-vpp", "2"], "--dst-vpp 2: the hybrid model 'M-M*-M-M*-M-' cannot take a virtual pipeline"),
+    (["--dst-pp", "2", "--dst-vpp", "2"],
+     "--dst-vpp 2: the hybrid model 'M-M*-M-M*-M-' cannot take a virtual pipeline"),
 ])
 def test_layouts_a_hybrid_torch_dist_cannot_take_are_refused_by_name_while_planning(
         tiny: Path, tmp_path: Path, options: list[str], message: str) -> None:
@@ -215,7 +219,7 @@ def test_layouts_a_hybrid_torch_dist_cannot_take_are_refused_by_name_while_plann
 
 
 def test_a_segment_whose_shape_the_args_contradict_is_named(tiny: Path, tmp_path: Path) -> None:
-    pgconvert.convert(tiny, tmp_path / "dist", dst_format="torch_dist")
+    pgconvert.convert(tiny, tmp_path / "dist", dst_format="torch_dist", **FOR_MCORE_016)  # a common.pt to edit
     common_path = tmp_path / "dist" / ITERATION_DIR / "common.pt"
     common: dict[str, Any] = load_for_test(common_path)
     common["args"].mamba_num_groups = 4  # B and C: 4 groups of 8 rows, where 2 are stored
@@ -231,7 +235,7 @@ def test_a_segment_whose_shape_the_args_contradict_is_named(tiny: Path, tmp_path
 
 def test_the_optimizer_state_of_a_hybrid_torch_dist_is_named_not_carried_and_refused_under_strict(
         tiny: Path, tmp_path: Path) -> None:
-    pgconvert.convert(tiny, tmp_path / "dist", dst_format="torch_dist")
+    pgconvert.convert(tiny, tmp_path / "dist", dst_format="torch_dist", **FOR_MCORE_016)  # a common.pt to edit
     common_path = tmp_path / "dist" / ITERATION_DIR / "common.pt"
     common: dict[str, Any] = load_for_test(common_path)
     common["optimizer"] = {"param_groups": []}  # a training checkpoint's: the source holds optimizer state

@@ -1,11 +1,7 @@
 """Nemotron-H (``NemotronHForCausalLM``, dense): HF -> Megatron (TP, PP) -> HF is bit-exact, and the
 Megatron rank files compute transformers' logits.
 
-The tiny model keeps the released configuration's structural fields (nvidia/Nemotron-H-8B-Base-8K,
-whose values are transformers' NemotronHConfig defaults: relu2 MLP, SiLU Mamba-2 mixers with a
-4-wide biased convolution, grouped-query attention without positions, RMSNorm at 1e-5, untied
-output, no biases) and its ``M-``/``M*-`` rhythm of layers, with every size shrunk. The Megatron side
-is checked twice: megatron-core 0.16.1's own MambaModel, built from each rank file's args, loads it
+The tiny model is ``support.nemotron_h_models``'s. The Megatron side is checked twice: megatron-core 0.16.1's own MambaModel, built from each rank file's args, loads it
 with ``strict=True`` (``support.mcore_mamba``: its forward needs the ``mamba_ssm`` and Triton kernels,
 so only construction runs, with stand-ins named there), and an independent forward pass over the
 TP-sharded rank files (``support.mamba_reference``) computes transformers' logits.
@@ -20,45 +16,19 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from support.family_helpers import save_with_side_files, seeded_model
 from support.hf_helpers import assert_same_hf_tensors, hf_logits, input_ids, read_megatron_tp_ranks
 from support.mamba_reference import hybrid_logits
-from transformers import NemotronHConfig, NemotronHForCausalLM
+from support.nemotron_h_models import PATTERN, TINY, write_tiny_nemotron_h
 
 import pgconvert
 from pgconvert.cli import main
 from pgconvert.model.config import ModelConfig
 from pgconvert.model.kinds import mamba
 
-PATTERN = "M-M*-M-M*-M-"
-KINDS = {"M": "linear_attention", "*": "full_attention", "-": "mlp"}
-TINY = dict(
-    vocab_size=131, hidden_size=64, layers_block_type=[KINDS[symbol] for symbol in PATTERN],
-    num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96,
-    mamba_num_heads=8, mamba_head_dim=16, n_groups=2, ssm_state_size=8, conv_kernel=4,
-    mlp_hidden_act="relu2", mamba_hidden_act="silu", use_conv_bias=True, use_bias=False, mlp_bias=False,
-    attention_bias=False, layer_norm_epsilon=1e-5, tie_word_embeddings=False,
-    # Chunks shorter than the test sequence: transformers' chunked scan crosses a chunk boundary.
-    chunk_size=8,
-)
-
-
-def _value(name: str, noise: torch.Tensor) -> torch.Tensor:
-    """Norms near one; the Mamba time-step bias and decay near their initial values (softplus(dt)
-    well above time_step_min, which transformers clamps at and megatron-core does not)."""
-    if name.endswith("norm.weight") or name.endswith("norm_f.weight"):
-        return 1.0 + 0.1 * noise
-    if name.endswith(("dt_bias", "A_log")):
-        return 1.0 + 0.2 * noise
-    if name.endswith(".D"):
-        return 1.0 + 0.1 * noise
-    return 0.1 * noise
-
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    model, _ = seeded_model(NemotronHForCausalLM, NemotronHConfig(**TINY), seed=3, value=_value)
-    return save_with_side_files(model, tmp_path_factory.mktemp("nemotron_h") / "hf")
+    return write_tiny_nemotron_h(tmp_path_factory.mktemp("nemotron_h") / "hf")
 
 
 @pytest.fixture(scope="module")
@@ -179,8 +149,6 @@ def test_a_rule_that_swaps_two_in_proj_segments_gives_other_logits(tiny: Path, t
     (["--dst-format", "megatron", "--dst-pp", "2", "--dst-vpp", "2"],
      "--dst-vpp 2: the hybrid model 'M-M*-M-M*-M-' cannot take a virtual pipeline"),
     (["--dst-format", "megatron", "--dst-pp", "5"], "--dst-pp 5: num_layers=12 is not divisible by 5"),
-    (["--dst-format", "torch_dist"], "torch_dist: the hybrid model hybrid_override_pattern='M-M*-M-M*-M-' is not "
-                                     "supported"),
 ])
 def test_layouts_the_hybrid_model_cannot_take_are_refused_by_name(tiny: Path, tmp_path: Path, options: list[str],
                                                                   message: str) -> None:

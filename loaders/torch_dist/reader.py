@@ -82,6 +82,7 @@ from pgconvert.formats.torch_dist import (
     COMMON_STATE_KEY,
     DCP_METADATA_FILE,
     EXPERTS_KEY,
+    hybrid_optimizer_refusal,
     is_extra_state,
     is_training_state,
     read_checkpoint_config,
@@ -350,17 +351,18 @@ class TorchDistSource(CanonicalSource):
             raise CheckpointError(f"{metadata_path}: no {WORD_EMBEDDINGS}; not a GPT model checkpoint")
         rows = embedding.size[0]
         expected: dict[str, tuple[int, ...]] = {}
+        holders: dict[str, list[str]] = {}  # the canonical tensors each key holds
         for name, shape in canonical_shapes(config, rows).items():
-            location = self._locations[name]
-            expected.setdefault(location.key, location.global_shape(shape))
+            for key, global_shape in self._locations[name].key_shapes(shape).items():
+                expected.setdefault(key, global_shape)
+                holders.setdefault(key, []).append(name)
         missing = sorted(set(expected) - set(tensors))
         training = sorted(key for key in entries if key not in expected and is_training_state(key))
         self._extra_keys = sorted(key for key, md in entries.items()
                                   if isinstance(md, BytesStorageMetadata) and is_extra_state(key))
         unexpected = sorted(set(entries) - set(expected) - set(training) - set(self._extra_keys) - {COMMON_STATE_KEY})
         if missing or unexpected:
-            declared = declaring_settings(config, [name for name, location in self._locations.items()
-                                                   if location.key in missing])
+            declared = declaring_settings(config, [name for key in missing for name in holders[key]])
             raise CheckpointError(
                 f"{metadata_path}: keys do not match the model described by common.pt's args "
                 f"(transformer_impl={config.transformer_impl}, "
@@ -374,7 +376,7 @@ class TorchDistSource(CanonicalSource):
             # Vocab tables may have any padded row count; it is checked against the true vocab below.
             mismatch = found[1:] != shape[1:] if key in vocab_keys else found != shape
             if mismatch:
-                settings = [setting for name, location in self._locations.items() if location.key == key
+                settings = [setting for name in holders[key]
                             for setting in shape_settings(shape_function(config, name), config)]
                 raise CheckpointError(
                     f"{metadata_path}: {key} has global shape {list(found)}, expected {list(shape)} "
@@ -450,23 +452,37 @@ class TorchDistSource(CanonicalSource):
         location = self._locations[name]
         if prefix:
             location = dataclasses.replace(location, key=prefix + location.key)
-        md = self._metadata.state_dict_metadata.get(location.key)
-        if not isinstance(md, TensorStorageMetadata):
-            raise CheckpointError(f"{self.directory}: no tensor {quote(location.key)} (the state of {name})")
-        pairs = []
+        dtype = self._stored_dtype(location.key_shapes(self._shapes[name]), name)
+        regions: dict[str, list[tuple[tuple[int, ...], torch.Tensor]]] = {}
+        buffers = []
         for box in boxes:
-            offsets, sizes = location.chunk(box.starts, box.lengths)
-            pairs.append((offsets, new_tensor(sizes, md.properties.dtype)))
-        self._read({location.key: pairs}, [])
-        return [buffer.view(box.lengths) for (_, buffer), box in zip(pairs, boxes)]
+            buffer = new_tensor(box.lengths, dtype)
+            for piece in location.pieces(box.starts, box.lengths):
+                rows = buffer.narrow(0, piece.row, piece.rows) if box.lengths else buffer
+                regions.setdefault(piece.key, []).append((piece.offsets, rows.view(piece.sizes)))
+            buffers.append(buffer)
+        self._read(regions, [])
+        return buffers
+
+    def _stored_dtype(self, keys: dict[str, tuple[int, ...]], name: str) -> torch.dtype:
+        """The one dtype the keys of canonical tensor ``name`` (or of its state) are stored in."""
+        dtypes = set()
+        for key in keys:
+            md = self._metadata.state_dict_metadata.get(key)
+            if not isinstance(md, TensorStorageMetadata):
+                raise CheckpointError(f"{self.directory}: no tensor {quote(key)} (the state of {name})")
+            dtypes.add(md.properties.dtype)
+        if len(dtypes) > 1:
+            raise CheckpointError(f"{self.directory}: the keys {quote(sorted(keys))} of {name} are stored in "
+                                  f"different dtypes {sorted(map(str, dtypes))}; they make one tensor")
+        return dtypes.pop()
 
     def names(self) -> list[str]:
         return list(self._locations)
 
     def meta(self, name: str) -> TensorMeta:
-        md = self._metadata.state_dict_metadata[self._locations[name].key]
-        assert isinstance(md, TensorStorageMetadata)
-        return TensorMeta(self._shapes[name], md.properties.dtype)
+        return TensorMeta(self._shapes[name], self._stored_dtype(self._locations[name].key_shapes(self._shapes[name]),
+                                                                 name))
 
     def describe(self) -> str:
         return str(self.directory)
@@ -494,7 +510,11 @@ class TorchDistSource(CanonicalSource):
         return sharding_type(self.common_state, f"{self.directory} (common state)")
 
     def optimizer_refusal(self) -> str | None:
-        """A MoE model's optimizer state is not read from the forms whose expert records are not mapped."""
+        """A hybrid model's optimizer state is not read, nor a MoE model's from the forms whose expert records are
+        not mapped."""
+        hybrid = hybrid_optimizer_refusal(self.config)
+        if hybrid is not None:
+            return hybrid
         if not self.config.moe.num_experts:
             return None
         try:

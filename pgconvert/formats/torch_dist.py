@@ -31,6 +31,10 @@ saved with lives only in ``common.pt``'s args. Keys, as megatron-core 0.16.1 bui
   rank's gate and up halves as two chunks of the same key.
 - Each linear's ``_extra_state`` is a bytes entry ``<key>._extra_state/shard_<offsets>_<shape>``
   holding ``torch.save([state])``: one per layer (and expert), replicated over TP, never per rank.
+- A hybrid model (``MambaModel``): one key per layer (MambaStack.sharded_state_dict), the final norm
+  ``decoder.final_norm.weight``, MambaMixer's ``in_proj.weight`` as one key per segment (``.z .x .B .C .dt``,
+  each the segment's global rows) and ``conv1d.weight``/``.bias`` likewise (``.x .B .C``); MambaModel keeps
+  ``output_layer._extra_state``.
 """
 
 from __future__ import annotations
@@ -63,11 +67,12 @@ from pgconvert.model.config import ModelConfig
 from pgconvert.errors import CheckpointError, UnsafePickleError, ValidationError
 from pgconvert.io.limits import over_limit, quote, read_json
 from pgconvert.formats.megatron import resolve_megatron_iteration
-from pgconvert.model.provider import (EXPERTS_MODULE, EXTRA_STATE_SUFFIX, LAYER_PREFIX, MODEL_MODULE_PREFIXES,
-                                TE_DENSE_MLP_LINEARS, TE_EXPERT_LINEARS,
-                                MTP_EH_PROJ, MTP_LAYER_MODULE, MTP_PREFIX, TE_SHARED_EXPERT_LINEARS, LayerTensor, TensorKind,
-                                canonical_names, fused_norm_name, layer_tensors, mtp_layer_is_moe,
-                                mtp_layer_tensors, te_attention_linears)
+from pgconvert.model.layers import LayerSpec
+from pgconvert.model.provider import (EXPERTS_MODULE, EXTRA_STATE_SUFFIX, FINAL_NORM_BIAS, FINAL_NORM_WEIGHT,
+                                      LAYER_PREFIX, MODEL_MODULE_PREFIXES,
+                                      MTP_EH_PROJ, MTP_LAYER_MODULE, MTP_PREFIX, LayerTensor, TensorKind,
+                                      canonical_names, final_norm_local_name, fused_norm_name, layer_tensors,
+                                      mtp_layer_tensors, te_sharded_modules)
 
 CHECKPOINT_CONFIG_FILE = "metadata.json"
 COMMON_FILE = "common.pt"
@@ -105,11 +110,33 @@ CONTENT_METADATA: dict[str, Any] = {
 TRAINING_STATE_PREFIXES = ("optimizer.", "chained_", "rng_state", "rerun_state_machine_state")
 
 EXPERTS_KEY = EXPERTS_MODULE + "experts."
+OUTPUT_LAYER_MODULE = "output_layer"
 
-# Modules whose ``_extra_state`` megatron-core saves, relative to a layer: provider.py's TE modules
-# less the core attention (TEDotProductAttention.sharded_state_dict saves none); GPTModel drops
-# ``output_layer._extra_state``. A layer's own modules are asked of provider.te_attention_linears.
-EXPERT_EXTRA_STATE_MODULES = tuple(EXPERTS_KEY + fc for fc in TE_EXPERT_LINEARS)
+# Modules whose ``_extra_state`` megatron-core saves, relative to a layer: the layer kinds' TE modules less the
+# core attention (TEDotProductAttention.sharded_state_dict saves none; provider.te_sharded_modules); GPTModel
+# drops ``output_layer._extra_state``, MambaModel keeps it.
+
+
+@dataclass(frozen=True)
+class DistSegment:
+    """Rows ``[start, start + length)`` of a canonical tensor's first dimension, stored as a key of their own: the
+    location's key followed by ``suffix``."""
+
+    suffix: str
+    start: int
+    length: int
+
+
+@dataclass(frozen=True)
+class DistPiece:
+    """One stored box of a requested box of a canonical tensor: at ``offsets`` (``sizes``) of ``key``, holding the
+    request's rows ``[row, row + rows)`` of its first dimension."""
+
+    key: str
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    row: int
+    rows: int
 
 
 @dataclass(frozen=True)
@@ -117,29 +144,61 @@ class DistLocation:
     """Where a canonical tensor lives: a global key and its index on the key's leading stacked axes.
 
     ``stack`` holds the sizes of those axes (layers, experts); the key's global shape is ``stack``
-    followed by the canonical tensor's shape.
+    followed by the canonical tensor's shape. With ``segments`` the tensor is stored as several keys, one
+    per run of its rows (``key`` + the segment's suffix), each of global shape ``stack`` followed by the
+    segment's rows and the tensor's other dimensions (megatron-core's MambaMixer ``in_proj``/``conv1d``).
     """
 
     key: str
     index: tuple[int, ...] = ()
     stack: tuple[int, ...] = ()
+    segments: tuple[DistSegment, ...] = ()
 
     def __post_init__(self) -> None:
         if len(self.index) != len(self.stack) or not all(0 <= i < n for i, n in zip(self.index, self.stack)):
             raise ValueError(f"{self.key}: index {self.index} does not fit the stacked axes {self.stack}")
+        ends = [0] + [segment.start + segment.length for segment in self.segments]
+        if any(segment.start != end or segment.length < 1 for segment, end in zip(self.segments, ends)):
+            raise ValueError(f"{self.key}: segments {self.segments} are not consecutive runs of rows from 0")
 
     def global_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The key's global shape (one key)."""
+        assert not self.segments, f"{self.key} is stored as segments: ask for its key_shapes"
         return self.stack + tuple(shape)
 
+    def key_shapes(self, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+        """Each key the tensor is stored in, with its global shape."""
+        if not self.segments:
+            return {self.key: self.global_shape(shape)}
+        return {self.key + segment.suffix: self.stack + (segment.length, *shape[1:]) for segment in self.segments}
+
     def chunk(self, starts: tuple[int, ...], lengths: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """(offsets, sizes) in the key's global tensor of a region of the canonical tensor."""
+        """(offsets, sizes) in the key's global tensor of a region of the canonical tensor (one key)."""
+        assert not self.segments, f"{self.key} is stored as segments: ask for its pieces"
         return self.index + tuple(starts), (1,) * len(self.index) + tuple(lengths)
+
+    def pieces(self, starts: tuple[int, ...], lengths: tuple[int, ...]) -> list[DistPiece]:
+        """The stored boxes a box of the canonical tensor is made of, in row order."""
+        if not self.segments:
+            offsets, sizes = self.chunk(starts, lengths)
+            return [DistPiece(self.key, offsets, sizes, 0, lengths[0] if lengths else 1)]
+        low, high = starts[0], starts[0] + lengths[0]
+        pieces = []
+        for segment in self.segments:
+            first, last = max(low, segment.start), min(high, segment.start + segment.length)
+            if first < last:
+                offsets = self.index + (first - segment.start, *starts[1:])
+                sizes = (1,) * len(self.index) + (last - first, *lengths[1:])
+                pieces.append(DistPiece(self.key + segment.suffix, offsets, sizes, first - low, last - first))
+        return pieces
 
 
 def stacked_layers(config: ModelConfig) -> bool:
     """megatron-core's rule (TransformerBlock.sharded_state_dict): layers share stacked keys unless
-    they may differ, which it infers from ``moe_layer_freq`` being a list or greater than 1."""
-    return not isinstance(config.moe.moe_layer_freq, tuple) and config.moe.moe_layer_freq == 1
+    they may differ, which it infers from ``moe_layer_freq`` being a list or greater than 1. A hybrid
+    decoder (MambaStack.sharded_state_dict) keys every layer by its global index."""
+    return (config.hybrid_override_pattern is None and not isinstance(config.moe.moe_layer_freq, tuple)
+            and config.moe.moe_layer_freq == 1)
 
 
 def _dist_layer_name(kind: TensorKind, config: ModelConfig) -> str:
@@ -153,13 +212,33 @@ def _dist_layer_name(kind: TensorKind, config: ModelConfig) -> str:
 
 
 def refuse_hybrid(config: ModelConfig) -> None:
-    """megatron-core saves a Mamba mixer's ``in_proj`` and ``conv1d`` as one key per segment
-    (``in_proj.weight.z`` … ``.dt``: MambaMixer.sharded_state_dict's ``_split_tensor_factory``) and a
-    hybrid decoder's layers unstacked; pgconvert does not write or read that layout yet."""
-    if config.hybrid_override_pattern is not None:
-        raise ValidationError(f"torch_dist: the hybrid model hybrid_override_pattern="
-                              f"{quote(config.hybrid_override_pattern)} is not supported in distributed "
-                              "checkpoints yet (Mamba layers); convert to or from per-rank megatron or hf")
+    """A hybrid model's MoE layers (``E``) are not written or read in a distributed checkpoint: no test has
+    megatron-core's MambaStack save or load them."""
+    pattern = config.hybrid_override_pattern
+    if pattern is not None and any(spec.moe for spec in config.layers):
+        raise ValidationError(f"torch_dist: the hybrid model hybrid_override_pattern={quote(pattern)} has MoE "
+                              "layers (E), which pgconvert does not convert in distributed checkpoints yet; "
+                              "convert to or from per-rank megatron or hf")
+
+
+def hybrid_optimizer_refusal(config: ModelConfig) -> str | None:
+    """Why a hybrid model's optimizer state is not read or written in a distributed checkpoint (None: the model
+    is not hybrid): its Mamba parameters have no place in pgconvert's megatron-core module order
+    (``optimizer.order``), and no test has megatron-core save or load that state."""
+    if config.hybrid_override_pattern is None:
+        return None
+    return (f"torch_dist: the optimizer state of the hybrid model hybrid_override_pattern="
+            f"{quote(config.hybrid_override_pattern)} (Mamba layers) is not converted; pass --skip-optimizer")
+
+
+def _dist_segments(kind: TensorKind, config: ModelConfig, shape: tuple[int, ...]) -> tuple[DistSegment, ...]:
+    """The keys a tensor of ``kind`` is stored as: one per window of its rule's single piece, named by the kind."""
+    if not kind.dist_segments:
+        return ()
+    windows = kind.rule_for(config).piece_windows(shape, 1, 0)
+    assert len(windows) == len(kind.dist_segments) and all(window.dim == 0 for window in windows), kind.canonical
+    return tuple(DistSegment(f".{name}", window.start, window.length)
+                 for name, window in zip(kind.dist_segments, windows))
 
 
 def tensor_locations(config: ModelConfig) -> dict[str, DistLocation]:
@@ -178,6 +257,8 @@ def tensor_locations(config: ModelConfig) -> dict[str, DistLocation]:
         # transformer_layer saves as a decoder layer does (keys map, experts on an expert axis).
         prefix = f"{MTP_PREFIX}{index}."
         _locate_layer(config, mtp_layer_tensors(config, index), prefix, prefix, ((), ()), locations)
+    for name in (FINAL_NORM_WEIGHT, FINAL_NORM_BIAS):  # MambaStack's final_norm
+        locations[name] = DistLocation(final_norm_local_name(config, name))
     return {name: locations.get(name, DistLocation(name)) for name in canonical_names(config)}
 
 
@@ -197,7 +278,8 @@ def _locate_layer(config: ModelConfig, tensors: list[LayerTensor], prefix: str, 
         # module's name in the spec (the TE spec's fused latent norms and dense pre-MLP norm included).
         name = (tensor.kind.local_name(config) if config.attention.multi_latent_attention
                 else _dist_layer_name(tensor.kind, config))
-        locations[tensor.canonical] = DistLocation(key_prefix + head + name, *layer_axis)
+        segments = _dist_segments(tensor.kind, config, tensor.kind.shape(config))
+        locations[tensor.canonical] = DistLocation(key_prefix + head + name, *layer_axis, segments)
 
 
 def sharded_object_key(key: str, index: tuple[int, ...], stack: tuple[int, ...]) -> str:
@@ -207,38 +289,37 @@ def sharded_object_key(key: str, index: tuple[int, ...], stack: tuple[int, ...])
 
 
 def extra_state_keys(config: ModelConfig) -> list[str]:
-    """The ``_extra_state`` entries megatron-core's GPTModel saves for this model, in layer order."""
+    """The ``_extra_state`` entries megatron-core's GPTModel (or MambaModel) saves for this model, in layer order."""
     stacked = stacked_layers(config)
     layers = config.num_layers
     keys = []
     for layer in range(layers):
         key_prefix = LAYER_PREFIX if stacked else f"{LAYER_PREFIX}{layer}."
         index, stack = ((layer,), (layers,)) if stacked else ((), ())
-        keys += _layer_extra_state_keys(config, key_prefix, config.layers[layer].moe, index, stack)
-    for mtp in range(config.mtp_num_layers):  # eh_proj, then its transformer layer's modules
+        keys += _layer_extra_state_keys(config, key_prefix, config.layers[layer], index, stack)
+    for mtp, spec in enumerate(config.mtp_layers):  # eh_proj, then its transformer layer's modules
         prefix = f"{MTP_PREFIX}{mtp}."
         keys.append(sharded_object_key(prefix + MTP_EH_PROJ + EXTRA_STATE_SUFFIX, (), ()))
-        keys += _layer_extra_state_keys(config, prefix + MTP_LAYER_MODULE, mtp_layer_is_moe(config), (), ())
+        keys += _layer_extra_state_keys(config, prefix + MTP_LAYER_MODULE, spec.inner, (), ())
+    if config.hybrid_override_pattern is not None:
+        # MambaModel has no sharded_state_dict of its own: it keeps the output layer's (empty) entry, which
+        # GPTModel.sharded_state_dict drops.
+        keys.append(sharded_object_key(OUTPUT_LAYER_MODULE + EXTRA_STATE_SUFFIX, (), ()))
     return keys
 
 
-def _layer_extra_state_keys(config: ModelConfig, key_prefix: str, moe: bool, index: tuple[int, ...],
+def _layer_extra_state_keys(config: ModelConfig, key_prefix: str, spec: LayerSpec, index: tuple[int, ...],
                             stack: tuple[int, ...]) -> list[str]:
+    """A layer's modules (its kinds' ``te_modules``, every routed expert's after them)."""
     experts = config.moe.num_experts or 0
-    attention = te_attention_linears(config)  # MLA's projections
-    if not moe:
-        modules = attention + TE_DENSE_MLP_LINEARS
-    elif config.moe.moe_shared_expert_intermediate_size is not None:
-        modules = attention + TE_SHARED_EXPERT_LINEARS
-    else:
-        modules = attention
+    modules, expert_modules = te_sharded_modules(config, spec)
     keys = [sharded_object_key(key_prefix + module + EXTRA_STATE_SUFFIX, index, stack) for module in modules]
-    if moe:
-        keys += [
-            sharded_object_key(key_prefix + module + EXTRA_STATE_SUFFIX, index + (expert,), stack + (experts,))
-            for expert in range(experts)
-            for module in EXPERT_EXTRA_STATE_MODULES
-        ]
+    keys += [
+        sharded_object_key(key_prefix + EXPERTS_KEY + module + EXTRA_STATE_SUFFIX, index + (expert,),
+                           stack + (experts,))
+        for expert in range(experts if expert_modules else 0)
+        for module in expert_modules
+    ]
     return keys
 
 

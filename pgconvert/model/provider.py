@@ -18,9 +18,7 @@ from pgconvert.model.config import MTP_LAYER_MODULES, ModelConfig
 from pgconvert.model.grid import ProcessGroupCollection
 from pgconvert.model.kinds import LAYER_KINDS
 # Besides the provider's own names, other modules import from here the kinds' names of tensors and
-# modules (EXPERTS_MODULE, MTP_LAYER_MODULE, the TE_* lists, fused_norm_name …), TensorKind and REPLICATED.
-from pgconvert.model.kinds.mlp import TE_DENSE_MLP_LINEARS
-from pgconvert.model.kinds.moe import TE_EXPERT_LINEARS, TE_SHARED_EXPERT_LINEARS
+# modules (EXPERTS_MODULE, MTP_LAYER_MODULE, fused_norm_name …), TensorKind and REPLICATED.
 from pgconvert.model.kinds.mtp import MTP_EH_PROJ, MTP_LAYER_MODULE
 from pgconvert.model.kinds.table import (EXPERT_PREFIX, EXPERTS_MODULE, FUSED_NORM_NAMES, InnerLayer, LayerKind,
                                          RoutedExperts, TEModule, TensorKind, TensorRow, TERow, fused_norm_name)
@@ -142,11 +140,6 @@ def attention_tensors(config: ModelConfig) -> tuple[TensorRow, ...]:
     """The attention kind's table (every decoder layer's: one mixer kind per model today)."""
     mixer = config.layers[0].mixer
     return LAYER_KINDS[mixer].tensors if mixer is not None else ()
-
-
-def mtp_layer_is_moe(config: ModelConfig) -> bool:
-    """Megatron-LM builds the MTP layer with the last decoder layer's spec (gpt_builders)."""
-    return config.layers[-1].moe
 
 
 def mtp_layer_tensors(config: ModelConfig, index: int) -> list[LayerTensor]:
@@ -393,12 +386,18 @@ def _add_output(config: ModelConfig, add: _SpecAdder, vocab_shape: tuple[int, in
 
 # Transformer Engine ``_extra_state`` entries: every kind lists its modules (``LayerKind.te_modules``);
 # a TE-spec target made from a source without them gets empty (None) entries.
-def te_attention_linears(config: ModelConfig) -> tuple[str, ...]:
-    """The attention modules of a TE-spec layer whose ``_extra_state`` megatron-core's sharded state dict
-    saves, in registration order."""
-    mixer = config.layers[0].mixer
-    modules = LAYER_KINDS[mixer].te_modules if mixer is not None else ()
-    return tuple(row.name for row in modules if isinstance(row, TEModule) and row.sharded and row.exists(config))
+def te_sharded_modules(config: ModelConfig, spec: LayerSpec) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The modules of a layer of spec ``spec`` whose ``_extra_state`` megatron-core's sharded state dict saves, in
+    registration order: the layer's own (its kinds' in order), and each routed expert's (relative to the experts)."""
+    own: list[str] = []
+    experts: list[str] = []
+    for kind in _kinds(spec):
+        for row in kind.te_modules:
+            if isinstance(row, RoutedExperts):
+                experts += [module.name for module in row.rows if isinstance(module, TEModule)]
+            elif isinstance(row, TEModule) and row.sharded and row.exists(config):
+                own.append(row.name)
+    return tuple(own), tuple(experts)
 
 
 def te_extra_state_names(config: ModelConfig, layers: range, ep_size: int) -> list[str]:

@@ -61,8 +61,9 @@ from pgconvert.formats.torch_dist import (
     SHARDED_BACKEND,
     empty_extra_state,
     extra_state_keys,
-    single_process_calls,
+    hybrid_optimizer_refusal,
     refuse_hybrid,
+    single_process_calls,
     tensor_locations,
     write_checkpoint_config,
 )
@@ -221,13 +222,17 @@ class TorchDistSaver(Saver):
         for name, location in tensor_locations(config).items():
             shape = shapes[name]
             dtype = target_dtype(source.meta(name).dtype, options.dtype, name in keep)
-            global_shape = location.global_shape(shape)
-            # megatron-core's SwiGLU factory saves the gate and up halves as separate chunks.
+            global_shapes = location.key_shapes(shape)
+            # megatron-core's SwiGLU factory saves the gate and up halves as separate chunks; a tensor stored as
+            # segments (Mamba's in_proj) has one key per segment.
             for start, count in _row_runs(rules.get(name), shape):
                 starts = (0,) * len(shape) if start is None else (start, *(0,) * (len(shape) - 1))
                 lengths = shape if count is None else (count, *shape[1:])
-                offsets, sizes = location.chunk(starts, lengths)
-                chunks.append(_Chunk(name, location.key, offsets, sizes, global_shape, dtype, start, count))
+                pieces = location.pieces(starts, lengths)
+                for piece in pieces:
+                    first, count_of = (start, count) if len(pieces) == 1 else ((start or 0) + piece.row, piece.rows)
+                    chunks.append(_Chunk(name, piece.key, piece.offsets, piece.sizes, global_shapes[piece.key], dtype,
+                                         first, count_of))
         _check_one_dtype_per_key(chunks, source)
         return chunks, extra_state_keys(config), rows
 
@@ -347,7 +352,8 @@ class TorchDistSaver(Saver):
 
     def optimizer_refusal(self, source: CanonicalSource, options: SaveOptions,
                           optimizer_options: OptimizerOptions) -> str | None:
-        return moe_refusal(source, options.layout, optimizer_options.form)
+        return (hybrid_optimizer_refusal(target_config(source.config, options))
+                or moe_refusal(source, options.layout, optimizer_options.form))
 
     def optimizer_form(self, optimizer: OptimizerSource, optimizer_options: OptimizerOptions) -> str:
         return written_form(optimizer, optimizer_options.form)

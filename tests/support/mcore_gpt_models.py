@@ -127,9 +127,14 @@ def read_layout(iteration_dir: Path) -> tuple[dict[str, Any], list[str]]:
 
 def megatron_core_layout(model: GPTModel) -> tuple[dict[str, Any], list[str]]:
     """What megatron-core's sharded_state_dict declares: per key global shape, dtype, main-replica chunks."""
+    return sharded_layout(model_sharded_state_dict(model))
+
+
+def sharded_layout(sharded_state_dict: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """What a sharded state dict declares: per key global shape, dtype, main-replica chunks; its objects."""
     tensors: dict[str, Any] = {}
     objects = []
-    for value in nested_values(model_sharded_state_dict(model)):
+    for value in nested_values(sharded_state_dict):
         pieces = value.build() if isinstance(value, ShardedTensorFactory) else [value]
         for piece in pieces:
             if not is_main_replica(piece.replica_id):

@@ -79,16 +79,22 @@ GROUP_QUERY_REPLACEMENTS = {
 
 
 @contextmanager
-def fake_group_queries() -> Iterator[None]:
-    """While active, megatron-core reads ranks and sizes from the groups it is given."""
+def fake_group_queries(run_tp_group: Any = None) -> Iterator[None]:
+    """While active, megatron-core reads ranks and sizes from the groups it is given. ``run_tp_group``: the TP
+    group parallel_state would hold in a run, which ``get_tensor_model_parallel_group_if_none`` answers when
+    given none (megatron-core 0.16.1's MambaMixer passes none for its own parameters); None: no such group."""
     originals = {name: getattr(mcore_utils, name) for name in GROUP_QUERY_REPLACEMENTS}
+    replacements = dict(GROUP_QUERY_REPLACEMENTS)
+    if run_tp_group is not None:
+        replacements["get_tensor_model_parallel_group_if_none"] = (
+            lambda tp_group, is_expert=False, check_initialized=True: run_tp_group if tp_group is None else tp_group)
     swapped: list[tuple[object, str, object]] = []
     try:
         for module_name, module in list(sys.modules.items()):
             if module is None or module_name.split(".")[:2] != ["megatron", "core"]:
                 continue
             namespace = vars(module)
-            for name, replacement in GROUP_QUERY_REPLACEMENTS.items():
+            for name, replacement in replacements.items():
                 if namespace.get(name) is originals[name]:
                     swapped.append((module, name, originals[name]))
                     setattr(module, name, replacement)

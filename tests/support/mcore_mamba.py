@@ -19,6 +19,10 @@ replaced by the narrowest stand-in for construction only (no forward runs here):
   of ``d_inner_local_tp`` rows. MambaStack's final norm is ``TENorm``, replaced by megatron-core's
   local ``WrappedTorchNorm``.
 
+For a distributed checkpoint the local modules save under the TE modules' names (``MAMBA_LAYER_KEYS_MAP`` and
+the local GPT spec's own keys map) and the gated norm's stand-in shards its weight as ExtendedRMSNorm does, so
+``MambaModel.sharded_state_dict()`` declares the keys, shapes and chunks ``mamba_stack_spec`` does.
+
 Everything else (the mixer's ``in_proj`` rows, ``conv1d`` channels, ``A_log``/``D``/``dt_bias`` heads, the
 layers of each stage, their names) is megatron-core's own. Importing this module imports megatron-core.
 """
@@ -53,6 +57,7 @@ def _triton_kernels_stand_in() -> None:
 _triton_kernels_stand_in()
 
 import megatron.core.ssm.mamba_block as mamba_block  # noqa: E402
+from megatron.core import parallel_state  # noqa: E402
 import megatron.core.ssm.mamba_context_parallel as mamba_context_parallel  # noqa: E402
 import megatron.core.ssm.mamba_mixer as mamba_mixer  # noqa: E402
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add  # noqa: E402
@@ -67,17 +72,34 @@ from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: E402
 from megatron.core.transformer.torch_norm import WrappedTorchNorm  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules  # noqa: E402
+from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint  # noqa: E402
+from support.mcore_gpt_models import sharded_metadata  # noqa: E402
 from support.mcore_helpers import (RankLayout, _NoRngTracker, cpu_forward_patches, fake_group_queries,  # noqa: E402
                                    fake_pg_collection, restored_attention_backend_env)
 
 
 class GatedNormWeight(torch.nn.Module):
-    """Stands in for ``ExtendedRMSNorm`` (mamba_ssm's RMSNormGated): its one parameter, ``weight``."""
+    """Stands in for ``ExtendedRMSNorm`` (mamba_ssm's RMSNormGated): its one parameter, ``weight``, and its
+    ``sharded_state_dict`` (mamba_mixer.py:88): the weight split over parallel_state's TP group along axis 0."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-5, group_size: int | None = None,
                  norm_before_gate: bool = False, device: Any = None, dtype: Any = None) -> None:
         super().__init__()
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=dtype))
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
+                           metadata: dict[str, Any] | None = None) -> dict[str, Any]:
+        assert metadata is not None
+        return make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True), prefix, {"weight": 0},
+                                                   sharded_offsets,
+                                                   tp_group=parallel_state.get_tensor_model_parallel_group(),
+                                                   dp_cp_group=metadata["dp_cp_group"])
+
+
+# The local modules save under the names of the Transformer Engine modules they stand for (a norm fused into the
+# linear after it), as megatron-core's own local GPT spec does (``sharded_state_dict_keys_map``): so the keys of
+# ``sharded_state_dict()`` are those of ``mamba_stack_spec`` in a torch_dist checkpoint.
+MAMBA_LAYER_KEYS_MAP = {"norm.": "mixer.in_proj.layer_norm_"}
 
 
 def local_mamba_stack_spec() -> ModuleSpec:
@@ -87,12 +109,13 @@ def local_mamba_stack_spec() -> ModuleSpec:
         norm=WrappedTorchNorm,
         mixer=ModuleSpec(module=MambaMixer, submodules=MambaMixerSubmodules(in_proj=ColumnParallelLinear,
                                                                             out_proj=RowParallelLinear)),
-        mamba_bda=get_bias_dropout_add))
+        mamba_bda=get_bias_dropout_add, sharded_state_dict_keys_map=MAMBA_LAYER_KEYS_MAP))
     attention = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
         input_layernorm=local.input_layernorm, self_attention=local.self_attention,
-        self_attn_bda=get_bias_dropout_add))
+        self_attn_bda=get_bias_dropout_add, sharded_state_dict_keys_map=local.sharded_state_dict_keys_map))
     mlp = ModuleSpec(module=MLPLayer, submodules=TransformerLayerSubmodules(
-        pre_mlp_layernorm=local.pre_mlp_layernorm, mlp=local.mlp, mlp_bda=get_bias_dropout_add))
+        pre_mlp_layernorm=local.pre_mlp_layernorm, mlp=local.mlp, mlp_bda=get_bias_dropout_add,
+        sharded_state_dict_keys_map=local.sharded_state_dict_keys_map))
     return ModuleSpec(module=MambaStack, submodules=MambaStackSubmodules(
         mamba_layer=mamba, attention_layer=attention, mlp_layer=mlp))
 
@@ -160,3 +183,17 @@ def build_mamba_model(args: argparse.Namespace, layout: RankLayout) -> MambaMode
             share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
             position_embedding_type=args.position_embedding_type, pg_collection=groups)
     return model.eval()
+
+
+def mamba_sharded_state_dict(model: MambaModel, dp_size: int = 1, dp_rank: int = 0) -> dict[str, Any]:
+    """``model.sharded_state_dict()`` as in a run. megatron-core 0.16.1's Mamba modules ask parallel_state for
+    groups where the GPT ones use their ``pg_collection`` (MambaLayer keeps no ``tp_group``, so
+    ``MegatronModule.sharded_state_dict`` falls back to it; MambaMixer passes no group for its own parameters;
+    ExtendedRMSNorm takes parallel_state's TP group): here parallel_state answers the model's TP group and the
+    metadata's data-parallel group, as an initialised one does in a run."""
+    metadata = sharded_metadata(dp_size, dp_rank)
+    tp_group = model.decoder.tp_group
+    with fake_group_queries(run_tp_group=tp_group), _attributes() as patch:
+        patch(parallel_state, "get_tensor_model_parallel_group", lambda *args, **kwargs: tp_group)
+        patch(parallel_state, "get_data_parallel_group", lambda *args, **kwargs: metadata["dp_cp_group"])
+        return model.sharded_state_dict(metadata=metadata)

@@ -106,14 +106,24 @@ def _rank_coords(spec: dict[str, Any], rank: int) -> tuple[int, int, int]:
     return rank % tp, rank // (tp * ep), (rank // tp) % ep
 
 
+def _world(spec: dict[str, Any]) -> int:
+    """The job's ranks: the spec's ``world``, else one per rank of its model's layout."""
+    return spec.get("world") or spec["tp"] * spec["pp"] * spec["ep"]
+
+
 def _child_rank(rank: int, spec: dict[str, Any]) -> None:
-    """One rank of the child job: save fixture weights with megatron-core, or load a checkpoint."""
+    """One rank of the child job: save fixture weights with megatron-core, or load a checkpoint; a hybrid
+    model's job is ``support.mcore_mamba_dist``'s."""
     warnings.simplefilter("ignore")
     _cpu_only_shims()
-    world = spec["tp"] * spec["pp"] * spec["ep"]
     torch.distributed.init_process_group("gloo", init_method=f"file://{spec['out']}/store", rank=rank,
-                                         world_size=world)
+                                         world_size=_world(spec))
     try:
+        if spec["action"].startswith("hybrid_"):
+            from support.mcore_mamba_dist import run_hybrid_rank
+
+            run_hybrid_rank(rank, _world(spec), spec)
+            return
         m = MODELS[spec["model"]]
         tp, pp, ep = spec["tp"], spec["pp"], spec["ep"]
         tp_rank, pp_rank, ep_rank = coords = _rank_coords(spec, rank)
@@ -151,8 +161,8 @@ def _integrity(spec: dict[str, Any]) -> dict[str, bool]:
 def _child_main(spec: dict[str, Any]) -> None:
     import torch.multiprocessing
 
-    world = spec["tp"] * spec["pp"] * spec["ep"]
-    torch.multiprocessing.start_processes(_child_rank, args=(spec,), nprocs=world, join=True, start_method="spawn")
+    torch.multiprocessing.start_processes(_child_rank, args=(spec,), nprocs=_world(spec), join=True,
+                                          start_method="spawn")
 
 
 def run_megatron_core(action: str, model: str, ckpt: Path, out: Path, tp: int = 1, pp: int = 1, ep: int = 1,
@@ -161,15 +171,23 @@ def run_megatron_core(action: str, model: str, ckpt: Path, out: Path, tp: int = 
     """Run megatron-core's save or load as a job of tp·pp·ep gloo ranks in a child process of ``python`` (an
     interpreter with megatron-core; default: this one). ``options``: ``verify_integrity``, ``strict`` (load).
     ``check``: the job must succeed."""
-    out.mkdir(parents=True, exist_ok=True)
     if action == "save":
         ckpt.mkdir(parents=True, exist_ok=True)
     spec = {"action": action, "model": model, "ckpt": str(ckpt), "out": str(out), "tp": tp, "pp": pp, "ep": ep,
             "seed": seed, **options}
+    return run_job(spec, out, python, check)
+
+
+def run_job(spec: dict[str, Any], out: Path, python: str = sys.executable,
+            check: bool = True) -> subprocess.CompletedProcess[str]:
+    """Run the job ``spec`` describes (its ``action``; its ranks: ``_world``) in a child process of ``python``,
+    its store and outputs in ``out``. ``check``: the job must succeed."""
+    out.mkdir(parents=True, exist_ok=True)
+    spec = {**spec, "out": str(out)}
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]))
     result = subprocess.run([python, __file__, json.dumps(spec)], cwd=REPO, env=env, capture_output=True,
                             text=True, timeout=CHILD_TIMEOUT_S)
-    assert not check or result.returncode == 0, f"megatron-core {action} failed:\n{result.stderr[-6000:]}"
+    assert not check or result.returncode == 0, f"megatron-core {spec['action']} failed:\n{result.stderr[-6000:]}"
     return result
 
 

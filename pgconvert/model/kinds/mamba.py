@@ -15,6 +15,9 @@ Facts from megatron-core 0.16.1 (``ssm/mamba_layer.py``, ``ssm/mamba_mixer.py``,
 - ``norm`` is the gated RMSNorm over ``d_inner`` with ``group_size = d_inner / ngroups``: the rank's
   ``d_inner / tp`` rows are whole groups (tp divides ngroups), column-parallel.
 - ``out_proj`` is a RowParallelLinear: split by columns.
+- In a distributed checkpoint (``MambaMixer.sharded_state_dict``'s ``_split_tensor_factory``) each segment of
+  ``in_proj.weight`` is a key of its own, ``in_proj.weight.z`` … ``.dt`` of the segment's global rows, and so are
+  ``conv1d.weight``'s and ``conv1d.bias``'s (``.x``, ``.B``, ``.C``): ``dist_segments``.
 - The layer's input norm: the TE spec (the only Mamba spec megatron-core ships) fuses it into
   ``in_proj`` (TELayerNormColumnParallelLinear, ``mixer.in_proj.layer_norm_weight``); canonically it
   is the layer's ``norm`` (MambaLayer's own norm submodule).
@@ -74,9 +77,10 @@ KIND = LayerKind(MAMBA, tensors=(
     TensorKind("mixer.A_log", _heads, COLUMN),
     TensorKind("mixer.D", _heads, COLUMN),
     TensorKind("norm.weight", hidden, REPLICATED, te_name=fused_norm_name("norm.weight"), norm_weight=True),
-    TensorKind("mixer.in_proj.weight", lambda c: (sum(in_proj_rows(c)), c.hidden_size), in_proj_rule),
-    TensorKind("mixer.conv1d.weight", _conv_weight, conv_rule),
-    TensorKind("mixer.conv1d.bias", lambda c: (c.mamba.conv_rows,), conv_rule),
+    TensorKind("mixer.in_proj.weight", lambda c: (sum(in_proj_rows(c)), c.hidden_size), in_proj_rule,
+               dist_segments=IN_PROJ_SEGMENTS),
+    TensorKind("mixer.conv1d.weight", _conv_weight, conv_rule, dist_segments=CONV_SEGMENTS),
+    TensorKind("mixer.conv1d.bias", lambda c: (c.mamba.conv_rows,), conv_rule, dist_segments=CONV_SEGMENTS),
     TensorKind("mixer.norm.weight", lambda c: (c.mamba.d_inner,), COLUMN),
     TensorKind("mixer.out_proj.weight", lambda c: (c.hidden_size, c.mamba.d_inner), ROW),
 ), te_modules=tuple(TEModule(name) for name in TE_MAMBA_LINEARS))

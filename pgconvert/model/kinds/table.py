@@ -46,6 +46,10 @@ class TensorKind:
     # How the rows carry rotary dims: "head" (the dims of one head: q/k norms) or "qkv" (the fused
     # q, k and v heads of each query group); None: no rotary rows.
     rotary: str | None = None
+    # Names of the segments megatron-core's sharded state dict (torch_dist) stores as keys of their own, the
+    # tensor's key followed by ``.<name>``, each the rows of one window of the rule's single piece (MambaMixer's
+    # ``in_proj`` and ``conv1d``); empty: one key holds the tensor.
+    dist_segments: tuple[str, ...] = ()
 
     def rule_for(self, config: ModelConfig) -> ShardRule:
         return self.rule if isinstance(self.rule, ShardRule) else self.rule(config)

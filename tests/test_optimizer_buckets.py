@@ -131,6 +131,12 @@ FIXED = {
     # tied at PP2 without overlap_grad_reduce: only the shared embedding splits a buffer
     "tp2-pp2-dp1-tied-no-overlap": dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
                                         data_parallel_size=1, untie_embeddings_and_output_weights=False),
+    # --ddp-num-buckets: Megatron-LM's get_model sizes the buckets from the rank's parameter count
+    "tp2-dp2-num-buckets": dict(overlap_grad_reduce=True, ddp_num_buckets=3, tensor_model_parallel_size=2,
+                                data_parallel_size=2),
+    "tp1-pp2-dp2-tied-num-buckets": dict(overlap_grad_reduce=True, ddp_num_buckets=4, tensor_model_parallel_size=1,
+                                         pipeline_model_parallel_size=2, data_parallel_size=2,
+                                         untie_embeddings_and_output_weights=False),
 }
 # far more than any buffer: one bucket, closed by the remaining parameters, not by the size
 HUGE = 10 ** 9
@@ -238,9 +244,10 @@ def test_every_parameters_bucket_and_range_are_megatron_cores(
 
 
 def test_a_bucketing_pgconvert_does_not_reproduce_is_refused_by_name(golden: Path) -> None:
-    args = _args(golden, dict(BUCKETING, ddp_num_buckets=4))
-    with pytest.raises(UnsupportedOptimizerError, match="args.ddp_num_buckets=4"):
-        _pgconvert_layout(args)
+    for buckets, size in ((0, None), (2, 5000), (1.5, None)):  # what Megatron-LM's get_model refuses
+        args = _args(golden, dict(overlap_grad_reduce=True, ddp_num_buckets=buckets, ddp_bucket_size=size))
+        with pytest.raises(UnsupportedOptimizerError, match=f"args.ddp_num_buckets={buckets} with ddp_bucket_size"):
+            _pgconvert_layout(args)
     args = _args(golden, dict(overlap_grad_reduce=True, ddp_bucket_size=None, data_parallel_size=30,
                       context_parallel_size=2))
     with pytest.raises(UnsupportedOptimizerError, match="context_parallel_size=2.*0.16.1.*0.20.0"):

@@ -345,7 +345,7 @@ _RUN_ROWS: tuple[ArgField, ...] = (
              when=lambda args: not _given(args, "data_parallel_size")),
     _defaulted("context_parallel_size", 1, f"optimizer, {'formats.megatron.args_for_target'}"),
     _optional("ddp_bucket_size", "None", "DistributedDataParallel's default size", _OPTIMIZER),
-    _optional("ddp_num_buckets", "None", "not given (a value is refused)", _OPTIMIZER),
+    _optional("ddp_num_buckets", "None", "not given (a value: the rank's parameter count over it)", _OPTIMIZER),
     _defaulted("overlap_grad_reduce", False, _OPTIMIZER),
     _defaulted("overlap_param_gather_with_optimizer_step", False, _OPTIMIZER,
                when=lambda args: bool(_given(args, "overlap_grad_reduce"))),

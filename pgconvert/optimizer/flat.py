@@ -71,21 +71,26 @@ def _default_bucket_size(args: argparse.Namespace, dp: int) -> int:
     return size
 
 
-def _bucket_size(args: argparse.Namespace | None, coord: RankCoord, chunk: int, dp: int) -> int | None:
+def _bucket_size(args: argparse.Namespace | None, coord: RankCoord, chunk: int, dp: int,
+                 rank_numel: int) -> int | None:
     """The DDP bucket size of model chunk ``chunk`` (None: one bucket). ``DistributedDataParallel.__init__``
     (megatron-core 0.16.1): None without ``overlap_grad_reduce`` and on pipeline stages after the first;
     Megatron-LM's ``get_model`` passes ``disable_bucketing`` for model chunks after the first and with
-    ``overlap_param_gather_with_optimizer_step``; else ``ddp_bucket_size`` or the default."""
+    ``overlap_param_gather_with_optimizer_step``; else ``ddp_bucket_size``, or with ``ddp_num_buckets`` the rank's
+    parameter count (``rank_numel``: every model chunk's) over it (``get_model`` of the Megatron-LM that ships
+    0.16.1, ``resolve_ddp_bucket_size`` in d98e8a64), or the default."""
     if args is None or not getattr(args, "overlap_grad_reduce", False):
         return None
-    if getattr(args, "ddp_num_buckets", None) is not None:
-        raise UnsupportedOptimizerError(
-            f"args.ddp_num_buckets={quote(getattr(args, 'ddp_num_buckets'))}: the bucket size is then derived from "
-            f"every parameter's count on the rank (Megatron-LM 0.20.0), which pgconvert does not reproduce "
-            f"({_VERSIONS}); pass --skip-optimizer")
     if coord.pp > 0 or chunk > 0 or getattr(args, "overlap_param_gather_with_optimizer_step", False):
         return None
     size = getattr(args, "ddp_bucket_size", None)
+    buckets = getattr(args, "ddp_num_buckets", None)
+    if buckets is not None:
+        if size is not None or isinstance(buckets, bool) or not isinstance(buckets, int) or buckets < 1:
+            raise UnsupportedOptimizerError(
+                f"args.ddp_num_buckets={quote(buckets)} with ddp_bucket_size={quote(size)}: Megatron-LM takes a "
+                "whole number of buckets >= 1 and no bucket size beside it")
+        return rank_numel // buckets
     return int(size) if size is not None else _default_bucket_size(args, dp)
 
 
@@ -138,10 +143,11 @@ def flat_buffers(config: ModelConfig, layout: ParallelLayout, coord: RankCoord, 
     # The buffer follows the chunk's named_parameters() order (reversed), not the param groups'.
     named = [by_param[(chunk, spec.local_name)] for chunk, spec in
              named_parameters(config, layout, coord, padded_vocab_size)]
+    rank_numel = sum(slot.spec.numel for slot in named)  # get_model's num_parameters, every chunk's
     buffers: list[tuple[list[FlatParam], int]] = []
     for chunk in range(layout.virtual_size):
         slots = [slot for slot in named if slot.chunk == chunk and slot.optimizer == optimizer]
-        placed, numel = _place_chunk(slots, _bucket_size(args, coord, chunk, dp),
+        placed, numel = _place_chunk(slots, _bucket_size(args, coord, chunk, dp, rank_numel),
                                      lambda slot: _is_shared_embedding(config, layout, slot.spec))
         if placed:
             buffers.append(([replace(item, buffer=len(buffers)) for item in placed], numel))

@@ -87,10 +87,14 @@ def _build(args: argparse.Namespace, pp_rank: int) -> Any:
         model = Float16Module(config, model)
     # The run's DDP bucketing (Megatron-LM's get_megatron_ddp_config: overlap_grad_reduce,
     # ddp_bucket_size, ddp_pad_buckets_for_high_nccl_busbw); the goldens ran without overlap (one bucket).
+    # --ddp-num-buckets: get_model's bucket size, the rank's parameter count over it (resolve_ddp_bucket_size).
+    bucket_size = getattr(args, "ddp_bucket_size", None)
+    if getattr(args, "ddp_num_buckets", None) is not None:
+        bucket_size = sum(param.nelement() for param in model.parameters()) // args.ddp_num_buckets
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
         overlap_grad_reduce=bool(getattr(args, "overlap_grad_reduce", False)), overlap_param_gather=False,
-        use_distributed_optimizer=args.use_distributed_optimizer, bucket_size=getattr(args, "ddp_bucket_size", None),
+        use_distributed_optimizer=args.use_distributed_optimizer, bucket_size=bucket_size,
         pad_buckets_for_high_nccl_busbw=bool(getattr(args, "ddp_pad_buckets_for_high_nccl_busbw", False)))
     return DistributedDataParallel(config, ddp_config, model)
 

@@ -20,17 +20,14 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import BytesStorageMetadata, TensorStorageMetadata
 
-from pgconvert.model.config import TRANSFORMER_IMPLS, ModelConfig
+from pgconvert.model.config import ModelConfig
 from pgconvert.errors import CheckpointError, PgconvertError
 from pgconvert.formats import LoadOptions
-from pgconvert.formats.dcp_store import DcpStore, Region, region_box
+from pgconvert.formats.dcp_store import DcpStore, Region, check_vocab_rows, model_from_args, read_piece, te_extra_states
 from pgconvert.formats.hf_side import carried_side_files
 from pgconvert.formats.megatron import (
     TRAINING_STATE_KEYS,
     arg_name,
-    check_vocab_multiple,
-    config_from_args,
-    layout_from_args,
     safe_torch_load,
     validate_source_layout,
 )
@@ -42,9 +39,8 @@ from pgconvert.loaders.torch_dist.optimizer_forms import sharding_type
 from pgconvert.io.paths import ensure_within
 from pgconvert.model.declared import StoredCounts, check_declared_counts, declaring_settings, named_values, shape_settings
 from pgconvert.model.provider import (LAYER_PREFIX, MTP_PREFIX, OUTPUT_LAYER, VOCAB_TABLES, WORD_EMBEDDINGS,
-                                      canonical_shapes, shape_function, te_extra_state_names)
-from pgconvert.model.rules import ShardRule, assemble
-from pgconvert.formats.megatron_args import MEGATRON_DEFAULTS
+                                      canonical_shapes, shape_function)
+from pgconvert.model.rules import ShardRule
 from pgconvert.formats.stream import CanonicalSource, ExtraState, TensorMeta, holds_state
 from pgconvert.formats.strict import fallback
 from pgconvert.formats.torch_dist_integrity import check_integrity, integrity_problems
@@ -64,10 +60,6 @@ from pgconvert.formats.torch_dist import (
 )
 
 log = logging.getLogger(__name__)
-
-# Megatron-LM's default --transformer-impl, for args that do not record one.
-DEFAULT_TRANSFORMER_IMPL = MEGATRON_DEFAULTS["transformer_impl"]
-
 
 class TorchDistSource(CanonicalSource):
     """One iteration of a distributed checkpoint: its index is read up front, tensors on demand."""
@@ -93,29 +85,13 @@ class TorchDistSource(CanonicalSource):
                 f"{common_path}: saved with singleton_local_shards=True (one key per expert and per gate/up "
                 "half); pgconvert reads the default naming (singleton_local_shards=False) only"
             )
-        self.layout = layout_from_args(args, common_path, options.strict, early_notices)
-        options.check_layout(self.layout, common_path)
-        impl = getattr(args, "transformer_impl", None)
-        if impl not in TRANSFORMER_IMPLS:
-            if impl is not None or not hasattr(args, "transformer_impl"):  # None: layout_from_args names it
-                fallback(f"{common_path}: args.transformer_impl={impl!r}; assuming Megatron-LM's default "
-                         f"{DEFAULT_TRANSFORMER_IMPL!r} for the key names", options.strict, early_notices)
-            impl = DEFAULT_TRANSFORMER_IMPL
-        config = config_from_args(args, common_path, impl, options.true_vocab_size,
-                                  grouped_gemm=bool(getattr(args, "moe_grouped_gemm", False)))
+        self.layout, config = model_from_args(args, common_path, options, early_notices)
         check_declared_counts(config.to_dict(), _stored_counts(self._metadata, str(metadata_path)), str(common_path),
                               arg_name)
         validate_source_layout(self.layout, config, common_path)
         self._locations = tensor_locations(config)
         rows, training_entries = self._index(config, metadata_path)
-        check_vocab_multiple(args, self.layout.tp, rows, common_path)
-        if config.vocab_size is None:
-            fallback(f"{common_path}: the true vocab size is unknown (no args.vocab_size, no --true-vocab-size); "
-                     f"keeping the padded table of {rows} rows as the vocabulary", options.strict, early_notices)
-        elif config.vocab_size > rows:
-            given = "--true-vocab-size" if options.true_vocab_size is not None else "args.vocab_size"
-            raise CheckpointError(f"{metadata_path}: true vocab size {given}={config.vocab_size} exceeds the {rows} "
-                                  f"rows of {WORD_EMBEDDINGS}")
+        check_vocab_rows(args, self.layout, config, rows, common_path, metadata_path, options, early_notices)
         if iteration is None and isinstance(common.get("iteration"), int) and not release:
             iteration = common["iteration"]
         super().__init__(config, rows, iteration, release)
@@ -256,15 +232,9 @@ class TorchDistSource(CanonicalSource):
         return str(self.directory)
 
     def extra_states(self) -> dict[str, ExtraState]:
-        """The Transformer Engine modules' entries, empty: a distributed checkpoint keeps one
-        ``_extra_state`` per module, not per rank, and it is not carried (``_check_extra_states``);
-        naming the modules gives a TE-spec per-rank target the entries its state dicts require.
-        The local spec's linears need none (megatron-core fills them in on load)."""
-        config = self.config
-        if config.transformer_impl != "transformer_engine":
-            return {}
-        names = te_extra_state_names(config, range(config.num_layers), self.layout.ep)
-        return {name: ExtraState(tp_size=self.layout.tp, ep_size=self.layout.ep) for name in names}
+        """One ``_extra_state`` per module is stored, not per rank, and not carried (``_check_extra_states``)."""
+        assert self.layout is not None
+        return te_extra_states(self.config, self.layout)
 
     def holds_training_state(self) -> bool:
         return self._training_entries > 0 or any(key in self.common_state for key in TRAINING_STATE_KEYS)
@@ -296,15 +266,8 @@ class TorchDistSource(CanonicalSource):
 
     def _load_shard(self, name: str, rule: ShardRule, size: int, rank: int, rows: int | None,
                     prefix: str = "", dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The piece read as the boxes of the rule's windows (one read), zero windows filled."""
-        shape = self._shapes[name]
-        windows = rule.piece_windows(shape, size, rank, rows, self.config.vocab_size)
-        if not windows:
-            return self._load(name, prefix)
-        stored = [window for window in windows if not window.zeros]
-        boxes = [region_box(shape, window.dim, window.start, window.length) for window in stored]
-        read = dict(zip(stored, self._read_boxes(name, boxes, prefix) if boxes else [], strict=True))
-        return assemble(windows, read.__getitem__, shape, dtype or self.meta(name).dtype)
+        return read_piece(self._shapes[name], rule, size, rank, rows, self.config.vocab_size,
+                          dtype or self.meta(name).dtype, lambda boxes: self._read_boxes(name, boxes, prefix))
 
     # Optimizer state read in place, like the model's tensors (loaders/torch_dist/optimizer.py).
     def load_state(self, name: str, prefix: str) -> torch.Tensor:

@@ -17,6 +17,7 @@ import os
 import pickle
 import threading
 from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,12 +37,23 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torch.futures import Future
 
 from pgconvert.errors import CheckpointError, PgconvertError, UnsafePickleError
-from pgconvert.formats.megatron import SAFE_GLOBALS
+from pgconvert.formats.contract import LoadOptions
+from pgconvert.formats.megatron import SAFE_GLOBALS, check_vocab_multiple, config_from_args, layout_from_args
+from pgconvert.formats.megatron_args import MEGATRON_DEFAULTS
+from pgconvert.formats.stream import ExtraState
+from pgconvert.formats.strict import fallback
 from pgconvert.formats.torch_dist import DCP_METADATA_FILE, single_process_calls
 from pgconvert.io.dcp_records import TensorRecord, check_extent, parse_tensor_record, read_box, read_bytes
 from pgconvert.io.limits import quote
 from pgconvert.io.paths import ensure_within
 from pgconvert.io.torch_input import check_torch_stream
+from pgconvert.model.config import TRANSFORMER_IMPLS, ModelConfig
+from pgconvert.model.layout import ParallelLayout
+from pgconvert.model.provider import WORD_EMBEDDINGS, te_extra_state_names
+from pgconvert.model.rules import ShardRule, assemble
+
+# Megatron-LM's default --transformer-impl, for args that do not record one.
+DEFAULT_TRANSFORMER_IMPL = MEGATRON_DEFAULTS["transformer_impl"]
 
 
 @dataclass(frozen=True)
@@ -246,3 +258,56 @@ def region_box(shape: tuple[int, ...], dim: int, start: int, length: int) -> Reg
     lengths = list(shape)
     starts[dim], lengths[dim] = start, length
     return Region(tuple(starts), tuple(lengths))
+
+
+def model_from_args(args: Any, where: Path, options: LoadOptions,
+                    notices: list[str]) -> tuple[ParallelLayout, ModelConfig]:
+    """The layout and model a store's Megatron ``args`` describe (torch_dist, fsdp_dtensor)."""
+    layout = layout_from_args(args, where, options.strict, notices)
+    options.check_layout(layout, where)
+    impl = getattr(args, "transformer_impl", None)
+    if impl not in TRANSFORMER_IMPLS:
+        if impl is not None or not hasattr(args, "transformer_impl"):  # None: layout_from_args names it
+            fallback(f"{where}: args.transformer_impl={impl!r}; assuming Megatron-LM's default "
+                     f"{DEFAULT_TRANSFORMER_IMPL!r} for the key names", options.strict, notices)
+        impl = DEFAULT_TRANSFORMER_IMPL
+    config = config_from_args(args, where, impl, options.true_vocab_size,
+                              grouped_gemm=bool(getattr(args, "moe_grouped_gemm", False)))
+    return layout, config
+
+
+def check_vocab_rows(args: Any, layout: ParallelLayout, config: ModelConfig, rows: int, where: Path,
+                     metadata_path: Path, options: LoadOptions, notices: list[str]) -> None:
+    """The stored vocab tables' ``rows`` against the args' padding multiple and true vocab size."""
+    check_vocab_multiple(args, layout.tp, rows, where)
+    if config.vocab_size is None:
+        fallback(f"{where}: the true vocab size is unknown (no args.vocab_size, no --true-vocab-size); "
+                 f"keeping the padded table of {rows} rows as the vocabulary", options.strict, notices)
+    elif config.vocab_size > rows:
+        given = "--true-vocab-size" if options.true_vocab_size is not None else "args.vocab_size"
+        raise CheckpointError(f"{metadata_path}: true vocab size {given}={config.vocab_size} exceeds the {rows} "
+                              f"rows of {WORD_EMBEDDINGS}")
+
+
+def read_piece(shape: tuple[int, ...], rule: ShardRule, size: int, rank: int, rows: int | None,
+               vocab_size: int | None, dtype: torch.dtype,
+               read_boxes: Callable[[list[Region]], list[torch.Tensor]]) -> torch.Tensor:
+    """Piece ``rank`` of ``size`` of a global tensor of ``shape`` under ``rule``: the boxes of the rule's
+    windows read in one request (``read_boxes``), zero windows (new vocab rows) filled."""
+    windows = rule.piece_windows(shape, size, rank, rows, vocab_size)
+    if not windows:
+        return read_boxes([Region((0,) * len(shape), shape)])[0]
+    stored = [window for window in windows if not window.zeros]
+    boxes = [region_box(shape, window.dim, window.start, window.length) for window in stored]
+    read = dict(zip(stored, read_boxes(boxes) if boxes else [], strict=True))
+    return assemble(windows, read.__getitem__, shape, dtype)
+
+
+def te_extra_states(config: ModelConfig, layout: ParallelLayout) -> dict[str, ExtraState]:
+    """The Transformer Engine modules' entries, empty: a store keeps none per rank (torch_dist one per module,
+    not carried; fsdp_dtensor none), and naming the modules gives a TE-spec per-rank target the entries its
+    state dicts require. The local spec's linears need none (megatron-core fills them in on load)."""
+    if config.transformer_impl != "transformer_engine":
+        return {}
+    names = te_extra_state_names(config, range(config.num_layers), layout.ep)
+    return {name: ExtraState(tp_size=layout.tp, ep_size=layout.ep) for name in names}

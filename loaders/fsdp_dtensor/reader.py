@@ -70,10 +70,21 @@ class FsdpDtensorSource(CanonicalSource):
         self.notices.extend(notices)
         self._shapes = canonical_shapes(config, rows)
         self._training_entries = training_entries
+        self._note_main_weights(args)
         if training_entries:
             self.training_state_notice = (f"{training_entries} optimizer/scheduler/RNG entries of the source are "
                                           "not converted: resume with --no-load-optim --no-load-rng (or --finetune)")
             self.notices.append(self.training_state_notice)
+
+    def _note_main_weights(self, args: argparse.Namespace) -> None:
+        """Megatron-FSDP saves the optimizer's main weights (fp32) as the model even in a bf16/fp16 run; a
+        conversion keeps their dtype unless ``--dtype`` asks for the run's."""
+        run_dtype = "bf16" if getattr(args, "bf16", False) else "fp16" if getattr(args, "fp16", False) else None
+        stored = {self.meta(name).dtype for name in self.names()}
+        if run_dtype and stored == {torch.float32}:
+            self.notices.append(f"{self.directory}: the run trained in {run_dtype} (args.{run_dtype}), but Megatron-FSDP "
+                                f"stores its fp32 main weights: they are written as fp32 unless --dtype {run_dtype} "
+                                "asks for the run's dtype")
 
     def _read_common(self, metadata_path: Path) -> dict[str, Any]:
         """``args`` and ``iteration``, the store's own bytes entries; a store without Megatron-FSDP's model

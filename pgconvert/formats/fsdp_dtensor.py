@@ -41,7 +41,6 @@ from pgconvert.model.config import ModelConfig
 from pgconvert.model.grid import build_converter_process_groups
 from pgconvert.model.layout import ParallelLayout
 from pgconvert.model.provider import provide
-from pgconvert.model.rules import GATED
 
 MODEL_PREFIX = "model.module."
 OPTIMIZER_STATE_PREFIX = "optimizer.state.module.module.module."
@@ -94,7 +93,7 @@ def tensor_locations(config: ModelConfig, rows: int) -> dict[str, FsdpLocation]:
     locations: dict[str, FsdpLocation] = {}
     for spec in provide(config, groups, padded_vocab_size=rows).specs:
         key = MODEL_PREFIX + spec.local_name
-        halves = tuple(key + half for half in GATED_HALVES) if spec.rule is GATED else (key,)
+        halves = tuple(key + half for half in GATED_HALVES) if spec.rule.row_segments == 2 else (key,)
         locations[spec.canonical] = FsdpLocation(halves)
     return locations
 

@@ -17,7 +17,7 @@ import torch
 from support.checkpoint_compare import read_dcp
 
 import pgconvert
-from pgconvert.errors import CheckpointError
+from pgconvert.errors import CheckpointError, StrictModeError
 from pgconvert.formats import LoadOptions
 from pgconvert.formats.registry import detect_format, get_loader
 
@@ -236,3 +236,23 @@ def test_store_without_megatron_fsdp_keys_is_named(copy: Path) -> None:
     _rewrite_metadata(copy, rename)
     with pytest.raises(CheckpointError, match="not one of Megatron-FSDP"):
         _open(copy)
+
+
+def test_optimizer_state_is_named_and_refused_under_strict(copy: Path, tmp_path: Path) -> None:
+    """The golden holds no optimizer state (see the README); an ``exp_avg`` entry named as Megatron-LM names it,
+    stored in a model entry's chunks, stands for it: held, not read, so named in a notice and refused by --strict."""
+    weight = PREFIX + "decoder.final_layernorm.weight"
+    moment = "optimizer.state.module.module.module.decoder.final_layernorm.weight.exp_avg"
+
+    def add_moment(metadata: object) -> None:
+        metadata.state_dict_metadata[moment] = metadata.state_dict_metadata[weight]
+        metadata.storage_data.update({dataclasses.replace(index, fqn=moment): info
+                                      for index, info in metadata.storage_data.items() if index.fqn == weight})
+
+    _rewrite_metadata(copy, add_moment)
+    with pytest.raises(StrictModeError, match="Megatron-FSDP's optimizer state .* is not read yet"):
+        pgconvert.convert(copy, tmp_path / "strict", dst_format="megatron", dst_tp=1, strict=True)
+    report = pgconvert.convert(copy, tmp_path / "out", dst_format="megatron", dst_tp=1)
+    assert any("optimizer state not carried" in notice for notice in report.notices), report.notices
+    report = pgconvert.convert(copy, tmp_path / "skipped", dst_format="megatron", dst_tp=1, skip_optimizer=True)
+    assert any("1 optimizer/scheduler/RNG entries" in notice for notice in report.notices), report.notices

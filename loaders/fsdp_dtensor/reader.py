@@ -10,17 +10,18 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.checkpoint import BytesStorageMetadata, TensorStorageMetadata
 
-from pgconvert.errors import CheckpointError, LayoutError
+from pgconvert.errors import CheckpointError, LayoutError, ValidationError
 from pgconvert.formats import LoadOptions
 from pgconvert.formats.dcp_store import (DcpStore, Region, check_vocab_rows, model_from_args, read_piece,
                                          te_extra_states)
-from pgconvert.formats.fsdp_dtensor import (ARGS_KEY, COMMON_KEYS, ITERATION_KEY, MODEL_PREFIX, FsdpLocation,
-                                            is_training_state, refuse_unread, tensor_locations)
+from pgconvert.formats.fsdp_dtensor import (ARGS_KEY, COMMON_KEYS, FSDP_DTENSOR_FORM, ITERATION_KEY, MODEL_PREFIX,
+                                            OPTIMIZER_STATE_PREFIX, FsdpLocation, is_training_state, refuse_unread,
+                                            tensor_locations)
 from pgconvert.formats.hf_side import carried_side_files
 from pgconvert.formats.megatron import arg_name, validate_source_layout
 from pgconvert.formats.stream import CanonicalSource, ExtraState, TensorMeta
@@ -32,6 +33,9 @@ from pgconvert.model.config import ModelConfig
 from pgconvert.model.declared import StoredCounts, check_declared_counts
 from pgconvert.model.provider import LAYER_PREFIX, VOCAB_TABLES, WORD_EMBEDDINGS, canonical_shapes
 from pgconvert.model.rules import ShardRule
+
+if TYPE_CHECKING:
+    from pgconvert.optimizer.source import OptimizerSource
 
 
 class FsdpDtensorSource(CanonicalSource):
@@ -193,6 +197,20 @@ class FsdpDtensorSource(CanonicalSource):
 
     def holds_training_state(self) -> bool:
         return self._training_entries > 0
+
+    def holds_optimizer(self) -> bool:
+        return any(key.startswith(OPTIMIZER_STATE_PREFIX) for key in self._metadata.state_dict_metadata)
+
+    def stored_optimizer_form(self) -> str | None:
+        return FSDP_DTENSOR_FORM if self.holds_optimizer() else None
+
+    def optimizer_refusal(self) -> str | None:
+        return (f"optimizer state not carried: {self.directory}: Megatron-FSDP's optimizer state ({FSDP_DTENSOR_FORM}: "
+                "exp_avg, exp_avg_sq and step per parameter, the model entries as fp32 masters) is not read yet; "
+                "pass --skip-optimizer to convert the model alone")
+
+    def open_optimizer(self) -> OptimizerSource:
+        raise ValidationError(self.optimizer_refusal() or "")
 
     def _load(self, name: str) -> torch.Tensor:
         shape = self._shapes[name]

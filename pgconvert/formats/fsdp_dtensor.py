@@ -44,6 +44,8 @@ from pgconvert.model.provider import provide
 
 MODEL_PREFIX = "model.module."
 OPTIMIZER_STATE_PREFIX = "optimizer.state.module.module.module."
+# The distributed optimizer's sharding type Megatron-LM asks for with this format (_build_sharded_state_dict_metadata).
+FSDP_DTENSOR_FORM = "fsdp_dtensor"
 # handle_swiglu_in_state_dict's suffixes: the gate half, then the up half, of a gated linear_fc1.
 GATED_HALVES = ("_w", "_v")
 ARGS_KEY = "args"

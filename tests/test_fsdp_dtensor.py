@@ -114,6 +114,7 @@ def test_per_rank_output_loads_strictly_into_megatron_core(tmp_path: Path, refer
 
     report = pgconvert.convert(GOLDEN, tmp_path / "out", dst_format="megatron", dst_tp=tp)
     assert any("fp32 main weights" in notice for notice in report.notices), report.notices
+    assert pgconvert.verify(GOLDEN, tmp_path / "out").equal
     ranks = rank_files(tmp_path / "out")
     assert len(ranks) == tp
     for rank in ranks:

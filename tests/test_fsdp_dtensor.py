@@ -17,7 +17,7 @@ import torch
 from support.checkpoint_compare import read_dcp
 
 import pgconvert
-from pgconvert.errors import CheckpointError, StrictModeError
+from pgconvert.errors import CheckpointError, PluginError, StrictModeError
 from pgconvert.formats import LoadOptions
 from pgconvert.formats.registry import detect_format, get_loader
 
@@ -62,6 +62,12 @@ def test_golden_is_megatron_fsdp_layout(reference: dict[str, torch.Tensor]) -> N
     info = pgconvert.inspect(GOLDEN)
     assert info.format == "fsdp_dtensor" and info.iteration == 2
     assert info.layout is not None and info.layout["tp"] == 2
+
+
+def test_the_destination_format_must_be_named(tmp_path: Path) -> None:
+    with pytest.raises(PluginError, match="fsdp_dtensor checkpoints are read, not written; pass --dst-format"):
+        pgconvert.convert(GOLDEN, tmp_path / "out", dst_tp=1)
+    assert not (tmp_path / "out").exists()
 
 
 def test_every_tensor_reads_bit_exact(reference: dict[str, torch.Tensor]) -> None:

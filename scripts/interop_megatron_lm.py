@@ -15,7 +15,10 @@ Steps (each must succeed):
    --no-load-rng``, no ``--finetune``: its ``check_checkpoint_args`` runs too), one training step
    at learning rate 0, ``save_checkpoint``; pgconvert reads that save back to HF, bit-identical to
    the source;
-5. the TP2/PP2 per-rank output also goes through ``convert.py`` to TP1 and back to HF.
+5. the TP2/PP2 per-rank output also goes through ``convert.py`` to TP1 and back to HF;
+6. Megatron-LM's own Megatron-FSDP save (tests/data/megatron_lm/train_tp2dp2_fsdp_dtensor) -> pgconvert ->
+   per-rank and torch_dist TP2, each resumed by ``pretrain_gpt.py`` as in 4 (the golden's iteration 2, one
+   step at lr 0 to iteration 3); pgconvert reads the save back, equal to the golden bit for bit.
 
 Megatron-LM's Python needs: its source, the shims folder (PGCONVERT_MEGATRON_LM_SHIMS, default
 /work/shared/megatron_lm_cpu) and a Python with triton (PGCONVERT_MEGATRON_LM_PYTHON).
@@ -100,19 +103,21 @@ LOAD_FLAGS = [
 ]
 
 
-def megatron_load_and_train(src: Path, dst: Path, tp: int, pp: int, ckpt_format: str, port: int) -> str:
-    """Megatron-LM's pretrain_gpt.py loads ``src``, trains one step at lr 0 and saves ``dst``."""
+def megatron_load_and_train(src: Path, dst: Path, tp: int, pp: int, ckpt_format: str, port: int,
+                            extra: tuple[str, ...] = (), saved_iteration: int = 1) -> str:
+    """Megatron-LM's pretrain_gpt.py loads ``src``, trains one step at lr 0 and saves ``dst`` (at
+    ``saved_iteration``; ``extra`` flags after the others, which argparse lets win)."""
     python, env, source = _megatron_env()
     env = dict(env, OMP_NUM_THREADS="1")
     launcher = Path(__file__).resolve().parent / "megatron_lm_cpu_train.py"
     cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(tp * pp), "--master-port", str(port),
            str(launcher), str(source), *LOAD_FLAGS, "--tensor-model-parallel-size", str(tp),
            "--pipeline-model-parallel-size", str(pp), "--ckpt-format", ckpt_format,
-           "--load", str(src), "--save", str(dst)]
+           "--load", str(src), "--save", str(dst), *extra]
     print("$", " ".join(cmd[1:]), flush=True)
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     log = done.stdout + done.stderr
-    wanted = ("successfully loaded checkpoint from", "successfully saved checkpoint from iteration       1")
+    wanted = ("successfully loaded checkpoint from", f"successfully saved checkpoint from iteration {saved_iteration:7d}")
     if done.returncode != 0 or not all(w in log for w in wanted):
         raise SystemExit(f"Megatron-LM pretrain_gpt.py failed (exit {done.returncode}):\n{log[-6000:]}")
     for line in log.splitlines():
@@ -141,6 +146,25 @@ def tp2pp2_round_trips(work: Path, hf: Path) -> None:
     same_tensors(hf, back)
 
 
+FSDP_GOLDEN = Path(__file__).resolve().parents[1] / "tests/data/megatron_lm/train_tp2dp2_fsdp_dtensor"
+# the golden's model settings --use-checkpoint-args does not take from its args; a step past its iteration 2
+FSDP_RESUME_FLAGS = ("--norm-epsilon", "1e-5", "--vocab-size", "63", "--make-vocab-size-divisible-by", "32",
+                     "--train-iters", "3")
+
+
+def fsdp_golden_resumes(work: Path) -> None:
+    reference = work / "pgconvert_tp1_from_fsdp_golden"
+    pgconvert("convert", str(FSDP_GOLDEN), str(reference), "--dst-format", "megatron", "--dst-tp", "1", "--overwrite")
+    for fmt, name in (("megatron", "torch"), ("torch_dist", "torch_dist")):
+        ours = work / f"pgconvert_tp2_from_fsdp_golden_{name}"
+        pgconvert("convert", str(FSDP_GOLDEN), str(ours), "--dst-format", fmt, "--dst-tp", "2", "--overwrite")
+        theirs = work / f"megatron_lm_resumed_from_fsdp_golden_{name}"
+        megatron_load_and_train(ours, theirs, 2, 1, name, 29670 + len(name), FSDP_RESUME_FLAGS, saved_iteration=3)
+        back = work / f"pgconvert_tp1_from_megatron_lm_resumed_{name}"
+        pgconvert("convert", str(theirs), str(back), "--dst-format", "megatron", "--dst-tp", "1", "--overwrite")
+        pgconvert("verify", str(reference), str(back))
+
+
 def main(work: Path) -> int:
     work.mkdir(parents=True, exist_ok=True)
     hf = work / "hf"
@@ -164,6 +188,7 @@ def main(work: Path) -> int:
         megatron_convert(again, work / f"megatron_lm_tp{dst_tp}_from_pgconvert_again", dst_tp, 1)
         print("  convert.py: saver printed Done! on pgconvert's rewrite of Megatron-LM's output", flush=True)
     tp2pp2_round_trips(work, hf)
+    fsdp_golden_resumes(work)
     print("interop OK")
     return 0
 

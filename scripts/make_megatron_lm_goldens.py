@@ -68,13 +68,26 @@ TRAINING_RUNS: dict[str, list[str]] = {
     # dp_reshardable over two pipeline stages (model-parallel rank g = tp + 2 * pp), DP1
     "train_tp2pp2_distopt_dp_reshardable_torch_dist": [*_DISTOPT_TORCH_DIST[:2], "--pipeline-model-parallel-size", "2",
                                                        *_DISTOPT_TORCH_DIST[4:]],
+    # Megatron-FSDP (--use-megatron-fsdp, which requires --ckpt-format fsdp_dtensor), TP2 DP2, the smaller
+    # model. Gloo has no PREMUL_SUM reduce-scatter: the gradients are scaled before a SUM instead
+    # (--no-gradient-reduce-div-fusion). Model only: with torch's Adam (no TE/Apex on a CPU) a rank keeps
+    # no optimizer state for a parameter none of whose elements it holds, so the ranks' state dicts differ
+    # and save_checkpoint's collective preprocessing (handle_swiglu_in_state_dict) waits forever.
+    "train_tp2dp2_fsdp_dtensor": ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "1",
+                                  "--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor", "--bf16",
+                                  "--no-gradient-reduce-div-fusion", "--no-save-optim", "--no-save-rng",
+                                  *SMALL_MODEL_FLAGS],
 }
+# Environment a run needs besides _megatron_env's: Megatron-FSDP asserts CUDA_DEVICE_MAX_CONNECTIONS != 1
+# (arguments.py validate_args), which every other run needs at TP > 1.
+TRAINING_ENV: dict[str, dict[str, str]] = {"train_tp2dp2_fsdp_dtensor": {"CUDA_DEVICE_MAX_CONNECTIONS": "8"}}
 
 
-def megatron_train(save: Path, flags: list[str], port: int, nproc: int = 4) -> str:
+def megatron_train(save: Path, flags: list[str], port: int, nproc: int = 4,
+                   extra_env: dict[str, str] | None = None) -> str:
     """Megatron-LM's pretrain_gpt.py on ``nproc`` CPU ranks; its save_checkpoint writes ``save``."""
     python, env, source = _megatron_env()
-    env = dict(env, OMP_NUM_THREADS="1")
+    env = dict(env, OMP_NUM_THREADS="1", **(extra_env or {}))
     cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(port),
            str(LAUNCHER), str(source), *MODEL_FLAGS, *flags, "--save", str(save)]
     print("$", " ".join(cmd[1:]), flush=True)
@@ -89,7 +102,7 @@ def make_training_goldens(names: list[str]) -> None:
     for port, name in enumerate(names, start=29600):
         target = GOLDENS / name
         shutil.rmtree(target, ignore_errors=True)
-        log = megatron_train(target, TRAINING_RUNS[name], port)
+        log = megatron_train(target, TRAINING_RUNS[name], port, extra_env=TRAINING_ENV.get(name))
         shims = sorted({line.strip() for line in log.splitlines() if "shim]" in line and ":" in line})
         print(f"  {name}: saved; shims used:\n    " + "\n    ".join(shims), flush=True)
         # Megatron writes the tokenizer's (empty, NullTokenizer) folder beside a torch_dist iteration

@@ -29,7 +29,7 @@ from support.megatron_fixtures import load_for_test, make_full_model, merge_mega
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter, TensorStorageMetadata
 
 import pgconvert
-from pgconvert.loaders.torch_dist.reader import _SafeReader
+from pgconvert.formats.dcp_store import SafeReader
 from pgconvert.loaders.torch_dist import TorchDistLoader
 from pgconvert.cli import main
 from pgconvert.errors import CheckpointError, LayoutError, PgconvertError, StrictModeError, UnsafePickleError
@@ -484,13 +484,13 @@ def test_loader_reads_only_the_chunks_a_destination_piece_needs(tmp_path: Path, 
     to_torch_dist(src, tmp_path / "dist")
     source = TorchDistLoader().open(tmp_path / "dist", LoadOptions())
     read: list[int] = []
-    original = _SafeReader.read_data
+    original = SafeReader.read_data
 
     def recording(self, plan, planner):  # type: ignore[no-untyped-def]
         read.extend(int(torch.Size(item.lengths).numel()) for item in plan.items)
         return original(self, plan, planner)
 
-    monkeypatch.setattr(_SafeReader, "read_data", recording)
+    monkeypatch.setattr(SafeReader, "read_data", recording)
     piece = source.load_shard("decoder.layers.2.self_attention.linear_qkv.weight", COLUMN, 2, 1)
 
     # Half of one layer of the stacked [4, 128, 64] key.

@@ -1,4 +1,4 @@
-"""torch_dist sources read with positional system calls (``loaders/torch_dist/records.py``, ``io.ranges``).
+"""torch_dist sources read with positional system calls (``pgconvert/io/dcp_records.py``, ``io.ranges``).
 
 The box a request needs of each stored chunk is a strided region of its ``.distcp`` file, read with
 ``os.preadv`` straight into its place in the destination piece; no file is memory-mapped. Conversions
@@ -29,7 +29,7 @@ from pgconvert.errors import CheckpointError
 from pgconvert.formats import LoadOptions
 from pgconvert.formats.torch_dist import read_dcp_metadata
 from pgconvert.loaders.torch_dist import TorchDistLoader
-from pgconvert.loaders.torch_dist.records import parse_tensor_record, read_box
+from pgconvert.io.dcp_records import parse_tensor_record, read_box
 from pgconvert.model.rules import COLUMN, ROW
 
 ITERATION_DIR = "iter_0000100"

@@ -1,4 +1,4 @@
-"""Reading torch_dist tensor records in place (``loaders/torch_dist/records.py``).
+"""Reading torch_dist tensor records in place (``pgconvert/io/dcp_records.py``).
 
 The reader reads only the bytes a request needs of each ``.distcp`` record, with positional reads into
 the destination, so a conversion's memory is bounded by the piece it reads, not by the stored record it
@@ -30,10 +30,10 @@ from torch.distributed.checkpoint import FileSystemReader
 
 import pgconvert
 import pgconvert.io.ranges as ranges
-import pgconvert.loaders.torch_dist.records as records
+import pgconvert.io.dcp_records as records
 from pgconvert.errors import CheckpointError, UnsafePickleError
 from pgconvert.formats import LoadOptions
-from pgconvert.loaders.torch_dist.records import parse_tensor_record, read_box
+from pgconvert.io.dcp_records import parse_tensor_record, read_box
 from pgconvert.loaders.torch_dist import TorchDistLoader
 from pgconvert.model.rules import COLUMN
 
@@ -250,7 +250,7 @@ import json, sys
 from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
-from pgconvert.loaders.torch_dist.reader import _RegionPlanner, _SafeReader
+from pgconvert.formats.dcp_store import RegionPlanner, SafeReader
 from pgconvert.formats.torch_dist import read_dcp_metadata, single_process_calls
 
 def status(field):
@@ -259,7 +259,7 @@ def status(field):
 
 directory = Path(sys.argv[1])
 metadata = read_dcp_metadata(directory / ".metadata")
-reader = _SafeReader(directory, metadata)
+reader = SafeReader(directory, metadata)
 rows, cols = metadata.state_dict_metadata["w"].size
 results = []
 for offsets, shape, out in (((rows // 2, 0), (rows // 2, cols), "rows.pt"), ((0, cols // 2), (rows, cols // 2), "cols.pt")):
@@ -268,7 +268,7 @@ for offsets, shape, out in (((rows // 2, 0), (rows // 2, cols), "rows.pt"), ((0,
         handle.write("5")  # the peak (VmHWM) starts again from the current RSS
     before = status("VmRSS")
     with single_process_calls():
-        dcp.load({}, storage_reader=reader, planner=_RegionPlanner({"w": [(offsets, buffer)]}, [], str(directory)),
+        dcp.load({}, storage_reader=reader, planner=RegionPlanner({"w": [(offsets, buffer)]}, [], str(directory)),
                  no_dist=True)
     results.append(status("VmHWM") - before)
     torch.save(buffer, directory.parent / out)

@@ -105,10 +105,11 @@ class MegatronLoader(Loader):
 
 
 def _is_distributed_checkpoint(path: Path) -> bool:
-    """Megatron's torch_dist layout shares the tracker file and iter_* names but has no rank dirs."""
+    """Megatron's torch_dist and fsdp_dtensor layouts share the tracker file and iter_* names but have no rank
+    dirs: an iteration is a DCP store (``.metadata``; torch_dist's also ``metadata.json``)."""
     candidates = [path, *(child for child in path.iterdir()
                           if child.is_dir() and (child.name == "release" or ITERATION_DIR_RE.match(child.name)))]
-    if not any((candidate / "metadata.json").is_file() for candidate in candidates):
+    if not any((candidate / marker).is_file() for candidate in candidates for marker in ("metadata.json", ".metadata")):
         return False
     return not any(RANK_DIR_RE.match(grandchild.name)
                    for candidate in candidates for grandchild in candidate.iterdir() if grandchild.is_dir())

@@ -3,59 +3,31 @@
 The machinery behind ``loaders/torch_dist/__init__.py``, imported only when a torch_dist source is opened:
 torch.distributed.checkpoint is a heavy import that format detection must not pay.
 
-Tensors are read through torch.distributed.checkpoint's own ``FileSystemReader`` with ``no_dist``,
-one canonical tensor (or one destination piece of it) per ``dcp.load`` call into a buffer of
-exactly that size: only the stored chunks overlapping the request are read, so a stacked
-``[num_layers, …]`` key costs one layer at a time. torch's reader would load each overlapping
-stored chunk whole before copying the overlap; ``_SafeReader.read_data`` instead reads only the
-overlap's bytes, with ``os.preadv`` straight into their place in the buffer
-(``loaders/torch_dist/records.py``), so peak memory is the requested piece and no page of the file
-is mapped. Two parts of torch's reader unpickle without
-limits, so both are replaced: ``.metadata`` is read through an allowlist of torch's metadata classes
-(``read_dcp_metadata``) and bytes entries (``_extra_state``) with ``weights_only=True``.
+Tensors are read from the DCP store with no process group (``pgconvert/formats/dcp_store.py``), one
+canonical tensor (or one destination piece of it) per request into a buffer of exactly that size: only
+the stored chunks overlapping the request are read, and of them only the overlap's bytes, so a stacked
+``[num_layers, …]`` key costs one layer at a time and no page of the file is mapped.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import io
 import logging
-import math
-import os
-import pickle
-import threading
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import (
-    BytesStorageMetadata,
-    DefaultLoadPlanner,
-    FileSystemReader,
-    LoadPlan,
-    Metadata,
-    TensorStorageMetadata,
-)
-from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
-from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
-from torch.futures import Future
+from torch.distributed.checkpoint import BytesStorageMetadata, TensorStorageMetadata
 
-from pgconvert.model.config import TRANSFORMER_IMPLS, ModelConfig
-from pgconvert.errors import CheckpointError, PgconvertError, UnsafePickleError
+from pgconvert.model.config import ModelConfig
+from pgconvert.errors import CheckpointError, PgconvertError
 from pgconvert.formats import LoadOptions
+from pgconvert.formats.dcp_store import DcpStore, Region, check_vocab_rows, model_from_args, read_piece, te_extra_states
 from pgconvert.formats.hf_side import carried_side_files
 from pgconvert.formats.megatron import (
-    SAFE_GLOBALS,
     TRAINING_STATE_KEYS,
     arg_name,
-    check_vocab_multiple,
-    config_from_args,
-    layout_from_args,
     safe_torch_load,
     validate_source_layout,
 )
@@ -64,14 +36,11 @@ from pgconvert.io.reuse import new_tensor
 from pgconvert.loaders.torch_dist.fs_model_space import chunk_shape, record_box, unflatten
 from pgconvert.loaders.torch_dist.optimizer import TorchDistOptimizerSource
 from pgconvert.loaders.torch_dist.optimizer_forms import sharding_type
-from pgconvert.loaders.torch_dist.records import TensorRecord, check_extent, parse_tensor_record, read_box, read_bytes
-from pgconvert.io.torch_input import check_torch_stream
 from pgconvert.io.paths import ensure_within
 from pgconvert.model.declared import StoredCounts, check_declared_counts, declaring_settings, named_values, shape_settings
 from pgconvert.model.provider import (LAYER_PREFIX, MTP_PREFIX, OUTPUT_LAYER, VOCAB_TABLES, WORD_EMBEDDINGS,
-                                      canonical_shapes, shape_function, te_extra_state_names)
-from pgconvert.model.rules import ShardRule, assemble
-from pgconvert.formats.megatron_args import MEGATRON_DEFAULTS
+                                      canonical_shapes, shape_function)
+from pgconvert.model.rules import ShardRule
 from pgconvert.formats.stream import CanonicalSource, ExtraState, TensorMeta, holds_state
 from pgconvert.formats.strict import fallback
 from pgconvert.formats.torch_dist_integrity import check_integrity, integrity_problems
@@ -87,152 +56,11 @@ from pgconvert.formats.torch_dist import (
     is_training_state,
     read_checkpoint_config,
     read_dcp_metadata,
-    single_process_calls,
     stacked_layers,
     tensor_locations,
 )
 
 log = logging.getLogger(__name__)
-
-# Megatron-LM's default --transformer-impl, for args that do not record one.
-DEFAULT_TRANSFORMER_IMPL = MEGATRON_DEFAULTS["transformer_impl"]
-
-
-@dataclass(frozen=True)
-class _Region:
-    """A box of a canonical tensor: ``starts``/``lengths`` per dimension of the canonical shape."""
-
-    starts: tuple[int, ...]
-    lengths: tuple[int, ...]
-
-
-class _SafeReader(FileSystemReader):
-    """torch's reader with the ``.metadata`` pickle read through the allowlist, once, and tensor
-    records read in place (``loaders/torch_dist/records.py``): only the bytes each request needs,
-    with positional reads straight into the planner's buffers."""
-
-    def __init__(self, directory: Path, metadata: Metadata, root: Path | None = None) -> None:
-        super().__init__(directory)
-        self._metadata = metadata
-        self._directory = directory
-        self._root = root or directory
-        self._records: dict[tuple[str, int, int], TensorRecord] = {}
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        return self._metadata
-
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        per_file: dict[str, list[ReadItem]] = {}
-        transformed: list[ReadItem] = []
-        for item in plan.items:
-            info = self.storage_data[item.storage_index]
-            if info.transform_descriptors:  # compressed or otherwise transformed records: torch's own path
-                transformed.append(item)
-            else:
-                per_file.setdefault(info.relative_path, []).append(item)
-        if transformed:
-            super().read_data(LoadPlan(transformed), planner).wait()
-        for relative, items in per_file.items():
-            self._read_file(relative, sorted(items, key=lambda item: self.storage_data[item.storage_index].offset),
-                            planner)
-        done: Future[None] = Future()
-        done.set_result(None)
-        return done
-
-    def _read_file(self, relative: str, items: list[ReadItem], planner: LoadPlanner) -> None:
-        path = ensure_within(self._root, self._directory / relative)
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        try:
-            size = os.fstat(fd).st_size
-            for item in items:
-                info = self.storage_data[item.storage_index]
-                check_extent(path, item.storage_index.fqn, info.offset, info.length, size)
-            for item in items:
-                self._read_item(fd, path, item, planner)
-        finally:
-            os.close(fd)
-
-    def _read_item(self, fd: int, path: Path, item: ReadItem, planner: LoadPlanner) -> None:
-        info = self.storage_data[item.storage_index]
-        label = f"{path}: {quote(item.storage_index.fqn)} (offset {info.offset}, length {info.length})"
-        if item.type == LoadItemType.BYTE_IO:
-            planner.load_bytes(item, io.BytesIO(read_bytes(fd, info.offset, info.length, label)))
-            return
-        where = (info.relative_path, info.offset, info.length)
-        record = self._records.get(where)
-        if record is None:
-            record = self._records[where] = parse_tensor_record(fd, info.offset, info.length, label)
-        self._check_record(record, item, label)
-        target = planner.resolve_tensor(item).detach()
-        read_box(fd, path, record, list(item.storage_offsets), list(item.lengths), target, label)
-        planner.commit_tensor(item, target)
-
-    def _check_record(self, record: TensorRecord, item: ReadItem, label: str) -> None:
-        """A record holds the chunk the index says it does: its shape and dtype."""
-        md = self._metadata.state_dict_metadata.get(item.storage_index.fqn)
-        offset = tuple(item.storage_index.offset or ())
-        sizes = next((tuple(chunk.sizes) for chunk in getattr(md, "chunks", []) if tuple(chunk.offsets) == offset), None)
-        dtype = md.properties.dtype if isinstance(md, TensorStorageMetadata) else None
-        if record.size != sizes or record.dtype != dtype:
-            raise CheckpointError(f"{label}: stored as {record.dtype} {list(record.size)}, but the index describes "
-                                  f"the chunk at {list(offset)} as {dtype} {list(sizes) if sizes else sizes}")
-
-
-class _RegionPlanner(DefaultLoadPlanner):
-    """Reads boxes of global keys into caller-owned buffers, and bytes entries without running code.
-
-    ``regions`` maps a key to ``(offsets, buffer)`` pairs: the box of the key's global tensor at
-    ``offsets`` with the buffer's shape. Every box must be covered exactly once by stored chunks.
-    """
-
-    def __init__(self, regions: dict[str, list[tuple[tuple[int, ...], torch.Tensor]]],
-                 objects: list[str], where: str) -> None:
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self._regions = regions
-        self._objects = objects
-        self._where = where
-        self._buffers = {(key, offsets): buffer for key, pairs in regions.items() for offsets, buffer in pairs}
-        self.loaded_objects: dict[str, Any] = {}
-
-    def create_local_plan(self) -> LoadPlan:
-        assert self.metadata is not None
-        items: list[ReadItem] = []
-        for key, pairs in self._regions.items():
-            chunks = [ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=buffer.size()) for offsets, buffer in pairs]
-            key_items = create_read_items_for_chunk_list(key, self.metadata.state_dict_metadata[key], chunks)
-            covered: dict[tuple[int, ...], int] = {}
-            for item in key_items:
-                offsets = tuple(item.dest_index.offset)
-                covered[offsets] = covered.get(offsets, 0) + math.prod(item.lengths)
-            for offsets, buffer in pairs:
-                if covered.get(offsets, 0) != buffer.numel():
-                    raise CheckpointError(
-                        f"{self._where}: {key} at offsets {list(offsets)}: the stored chunks cover "
-                        f"{covered.get(offsets, 0)} of its {buffer.numel()} values"
-                    )
-            items += key_items
-        if self._objects:
-            items += create_default_local_load_plan(
-                {key: io.BytesIO() for key in self._objects}, self.metadata, strict=True).items
-        return LoadPlan(items)
-
-    def lookup_tensor(self, index: Any) -> torch.Tensor:
-        return self._buffers[(index.fqn, tuple(index.offset))]
-
-    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        key = read_item.dest_index.fqn
-        try:
-            with torch.serialization.safe_globals(SAFE_GLOBALS):
-                check_torch_stream(value, f"{self._where}: {key}")
-                self.loaded_objects[key] = torch.load(value, map_location="cpu", weights_only=True)
-        except pickle.UnpicklingError as exc:
-            raise UnsafePickleError(
-                f"{self._where}: {key}: refuses to unpickle it ({quote(str(exc).strip()[:400], 200)}); "
-                "nothing from the file was executed"
-            ) from exc
-        except (RuntimeError, EOFError, ValueError) as exc:
-            raise CheckpointError(f"{self._where}: {key}: not a readable object ({quote(str(exc), 200)})") from exc
-
 
 class TorchDistSource(CanonicalSource):
     """One iteration of a distributed checkpoint: its index is read up front, tensors on demand."""
@@ -246,9 +74,8 @@ class TorchDistSource(CanonicalSource):
         early_notices: list[str] = []
         metadata_path = self._check_directory(self.root, iteration_dir, options)
         self._metadata = read_dcp_metadata(metadata_path)
-        self._check_files(metadata_path)
-        # torch's reader keeps per-call state (set up by each ``dcp.load``): one per thread (``--threads``).
-        self._readers = threading.local()
+        self._store = DcpStore(iteration_dir, self._metadata, self.root)
+        self._store.check_files(metadata_path)
         common, common_path = self._read_common()
         args = common.get("args")
         if not isinstance(args, argparse.Namespace):
@@ -259,29 +86,13 @@ class TorchDistSource(CanonicalSource):
                 f"{common_path}: saved with singleton_local_shards=True (one key per expert and per gate/up "
                 "half); pgconvert reads the default naming (singleton_local_shards=False) only"
             )
-        self.layout = layout_from_args(args, common_path, options.strict, early_notices)
-        options.check_layout(self.layout, common_path)
-        impl = getattr(args, "transformer_impl", None)
-        if impl not in TRANSFORMER_IMPLS:
-            if impl is not None or not hasattr(args, "transformer_impl"):  # None: layout_from_args names it
-                fallback(f"{common_path}: args.transformer_impl={impl!r}; assuming Megatron-LM's default "
-                         f"{DEFAULT_TRANSFORMER_IMPL!r} for the key names", options.strict, early_notices)
-            impl = DEFAULT_TRANSFORMER_IMPL
-        config = config_from_args(args, common_path, impl, options.true_vocab_size,
-                                  grouped_gemm=bool(getattr(args, "moe_grouped_gemm", False)))
+        self.layout, config = model_from_args(args, common_path, options, early_notices)
         check_declared_counts(config.to_dict(), _stored_counts(self._metadata, str(metadata_path)), str(common_path),
                               arg_name)
         validate_source_layout(self.layout, config, common_path)
         self._locations = tensor_locations(config)
         rows, training_entries = self._index(config, metadata_path)
-        check_vocab_multiple(args, self.layout.tp, rows, common_path)
-        if config.vocab_size is None:
-            fallback(f"{common_path}: the true vocab size is unknown (no args.vocab_size, no --true-vocab-size); "
-                     f"keeping the padded table of {rows} rows as the vocabulary", options.strict, early_notices)
-        elif config.vocab_size > rows:
-            given = "--true-vocab-size" if options.true_vocab_size is not None else "args.vocab_size"
-            raise CheckpointError(f"{metadata_path}: true vocab size {given}={config.vocab_size} exceeds the {rows} "
-                                  f"rows of {WORD_EMBEDDINGS}")
+        check_vocab_rows(args, self.layout, config, rows, common_path, metadata_path, options, early_notices)
         if iteration is None and isinstance(common.get("iteration"), int) and not release:
             iteration = common["iteration"]
         super().__init__(config, rows, iteration, release)
@@ -388,35 +199,6 @@ class TorchDistSource(CanonicalSource):
                                   f"{WORD_EMBEDDINGS} {rows}")
         return rows, len(training)
 
-    def _check_files(self, metadata_path: Path) -> None:
-        """Every chunk's file exists inside the checkpoint and is long enough to hold it."""
-        storage = self._metadata.storage_data
-        if not isinstance(storage, dict):
-            raise CheckpointError(f"{metadata_path}: no storage index (storage_data)")
-        needed: dict[str, int] = {}
-        furthest: dict[str, str] = {}
-        for index, info in storage.items():
-            relative = getattr(info, "relative_path", None)
-            if not isinstance(relative, str):
-                raise CheckpointError(f"{metadata_path}: a chunk has no file name ({quote(info)})")
-            if int(info.offset) + int(info.length) > needed.get(relative, -1):
-                needed[relative] = int(info.offset) + int(info.length)
-                furthest[relative] = f"{quote(index.fqn)} at offset {info.offset}, length {info.length}"
-        referenced = {key.fqn for key in storage}
-        unstored = sorted(key for key in self._metadata.state_dict_metadata if key not in referenced)
-        if unstored:
-            raise CheckpointError(f"{metadata_path}: no stored data for {unstored}")
-        missing = []
-        for relative, end in sorted(needed.items()):
-            path = ensure_within(self.root, self.directory / relative)
-            if not path.is_file():
-                missing.append(relative)
-            elif path.stat().st_size < end:
-                raise CheckpointError(f"{path}: truncated ({path.stat().st_size} bytes, the index needs {end}: "
-                                      f"{furthest[relative]})")
-        if missing:
-            raise CheckpointError(f"{self.directory}: missing data files named by {DCP_METADATA_FILE}: {', '.join(missing)}")
-
     def _check_extra_states(self) -> None:
         """Read every ``_extra_state`` entry (small) so dropped Transformer Engine state is reported."""
         objects = self._read({}, self._extra_keys)
@@ -427,26 +209,11 @@ class TorchDistSource(CanonicalSource):
                      f"metadata, e.g. {holding[0]}); it is not carried: FP8 runs re-derive it in their first "
                      "steps", self._strict, self.notices)
 
-    def _reader(self) -> _SafeReader:
-        """This thread's reader of the checkpoint's data files."""
-        reader: _SafeReader | None = getattr(self._readers, "reader", None)
-        if reader is None:
-            reader = self._readers.reader = _SafeReader(self.directory, self._metadata, self.root)
-        return reader
-
     def _read(self, regions: dict[str, list[tuple[tuple[int, ...], torch.Tensor]]],
               objects: list[str]) -> dict[str, Any]:
-        planner = _RegionPlanner(regions, objects, str(self.directory))
-        try:
-            with single_process_calls():
-                dcp.load({}, storage_reader=self._reader(), planner=planner, no_dist=True)
-        except (PgconvertError, OSError):
-            raise
-        except Exception as exc:  # torch's reader on a corrupt chunk: name the checkpoint
-            raise CheckpointError(f"{self.directory}: reading failed: {type(exc).__name__}: {quote(str(exc), 200)}") from exc
-        return planner.loaded_objects
+        return self._store.read(regions, objects)
 
-    def _read_boxes(self, name: str, boxes: list[_Region], prefix: str = "") -> list[torch.Tensor]:
+    def _read_boxes(self, name: str, boxes: list[Region], prefix: str = "") -> list[torch.Tensor]:
         """The given boxes of canonical tensor ``name`` (or of the tensor stored as ``prefix`` + its key,
         chunked like it: optimizer state), each a fresh tensor."""
         location = self._locations[name]
@@ -488,15 +255,9 @@ class TorchDistSource(CanonicalSource):
         return str(self.directory)
 
     def extra_states(self) -> dict[str, ExtraState]:
-        """The Transformer Engine modules' entries, empty: a distributed checkpoint keeps one
-        ``_extra_state`` per module, not per rank, and it is not carried (``_check_extra_states``);
-        naming the modules gives a TE-spec per-rank target the entries its state dicts require.
-        The local spec's linears need none (megatron-core fills them in on load)."""
-        config = self.config
-        if config.transformer_impl != "transformer_engine":
-            return {}
-        names = te_extra_state_names(config, range(config.num_layers), self.layout.ep)
-        return {name: ExtraState(tp_size=self.layout.tp, ep_size=self.layout.ep) for name in names}
+        """One ``_extra_state`` per module is stored, not per rank, and not carried (``_check_extra_states``)."""
+        assert self.layout is not None
+        return te_extra_states(self.config, self.layout)
 
     def holds_training_state(self) -> bool:
         return self._training_entries > 0 or any(key in self.common_state for key in TRAINING_STATE_KEYS)
@@ -528,19 +289,12 @@ class TorchDistSource(CanonicalSource):
 
     def _load(self, name: str, prefix: str = "") -> torch.Tensor:
         shape = self._shapes[name]
-        return self._read_boxes(name, [_Region((0,) * len(shape), shape)], prefix)[0]
+        return self._read_boxes(name, [Region((0,) * len(shape), shape)], prefix)[0]
 
     def _load_shard(self, name: str, rule: ShardRule, size: int, rank: int, rows: int | None,
                     prefix: str = "", dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The piece read as the boxes of the rule's windows (one read), zero windows filled."""
-        shape = self._shapes[name]
-        windows = rule.piece_windows(shape, size, rank, rows, self.config.vocab_size)
-        if not windows:
-            return self._load(name, prefix)
-        stored = [window for window in windows if not window.zeros]
-        boxes = [_box(shape, window.dim, window.start, window.length) for window in stored]
-        read = dict(zip(stored, self._read_boxes(name, boxes, prefix) if boxes else [], strict=True))
-        return assemble(windows, read.__getitem__, shape, dtype or self.meta(name).dtype)
+        return read_piece(self._shapes[name], rule, size, rank, rows, self.config.vocab_size,
+                          dtype or self.meta(name).dtype, lambda boxes: self._read_boxes(name, boxes, prefix))
 
     # Optimizer state read in place, like the model's tensors (loaders/torch_dist/optimizer.py).
     def load_state(self, name: str, prefix: str) -> torch.Tensor:
@@ -622,10 +376,3 @@ def _stored_counts(metadata: Metadata, where: str) -> StoredCounts:
         if EXPERTS_KEY in key and len(md.size) > int(layer_axis):
             experts = max(experts, md.size[int(layer_axis)])
     return StoredCounts(where, max(len(layers), stacked), experts, len(mtp))
-
-
-def _box(shape: tuple[int, ...], dim: int, start: int, length: int) -> _Region:
-    starts = [0] * len(shape)
-    lengths = list(shape)
-    starts[dim], lengths[dim] = start, length
-    return _Region(tuple(starts), tuple(lengths))

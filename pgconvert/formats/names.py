@@ -9,7 +9,8 @@ from __future__ import annotations
 from importlib.metadata import entry_points
 
 BUILTIN_LOADERS: dict[str, str] = {"megatron": "pgconvert.loaders.megatron:MegatronLoader", "hf": "pgconvert.loaders.hf:HFLoader",
-                                   "torch_dist": "pgconvert.loaders.torch_dist:TorchDistLoader"}
+                                   "torch_dist": "pgconvert.loaders.torch_dist:TorchDistLoader",
+                                   "fsdp_dtensor": "pgconvert.loaders.fsdp_dtensor:FsdpDtensorLoader"}
 BUILTIN_SAVERS: dict[str, str] = {"megatron": "pgconvert.savers.megatron:MegatronSaver", "hf": "pgconvert.savers.hf:HFSaver",
                                   "torch_dist": "pgconvert.savers.torch_dist:TorchDistSaver"}
 # ``--dtype``: keep the source's, or one of these (pgconvert.formats.DTYPE_CHOICES maps them to torch dtypes).

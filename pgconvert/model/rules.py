@@ -105,6 +105,9 @@ class ShardRule:
     # Whether the tensor's rows are a vocabulary padded for the layout: a reader fits the stored
     # table to the destination's padded row count as it cuts it (``reshard_rows``).
     fits_rows: bool = False
+    # How many row segments the global tensor is laid out in end to end, each cut over TP on its own
+    # (a gated linear_fc1: its gate and up halves); formats that store each segment as a key ask it.
+    row_segments: int = 1
 
     def piece_windows(self, global_shape: Sequence[int], size: int, rank: int, rows: int | None = None,
                       true_rows: int | None = None) -> tuple[Window, ...]:
@@ -232,6 +235,7 @@ class GatedChunked(ShardRule):
     """
 
     name = "gated"
+    row_segments = 2
 
     def local_shape(self, global_shape: Sequence[int], size: int) -> tuple[int, ...]:
         return (global_shape[0] // size, *global_shape[1:])
@@ -288,6 +292,10 @@ class Segmented(ShardRule):
     segments: tuple[int, ...] = ()
     names: tuple[str, ...] = ()
     name = "segmented"
+
+    @property
+    def row_segments(self) -> int:  # type: ignore[override]
+        return len(self.segments)
 
     def __post_init__(self) -> None:
         if not self.segments or any(rows < 1 for rows in self.segments):

@@ -27,11 +27,11 @@ from pgconvert.run.destination import (
     sibling,
     siblings,
 )
-from pgconvert.errors import ConversionError, DestinationError, StrictModeError, ValidationError
+from pgconvert.errors import ConversionError, DestinationError, PluginError, StrictModeError, ValidationError
 from pgconvert.formats import DTYPE_CHOICES, LoadOptions, PlannedFile, SaveOptions, Saver, SaveResult
 from pgconvert.model.layout import ParallelLayout
 from pgconvert.model.layout_spec import LayoutSpec
-from pgconvert.formats.names import DIGEST_CHOICES
+from pgconvert.formats.names import DIGEST_CHOICES, saver_names
 from pgconvert.formats.torch_dist import COMMON_PLACES
 from pgconvert.io.output import OUTPUT_STAGING_BYTES, digests
 from pgconvert.io.threads import serialized
@@ -236,6 +236,17 @@ def _check_choices(request: ConvertRequest) -> None:
             raise ValidationError(f"{flag} {count!r}: must be a whole number of at least 1")
 
 
+def _formats(request: ConvertRequest) -> tuple[str, str]:
+    """The source's format (detected unless given) and the destination's (default: the source's, where it is
+    one pgconvert writes)."""
+    src_format = request.src_format or detect_format(request.src)
+    dst_format = request.dst_format or src_format
+    if request.dst_format is None and dst_format not in saver_names():
+        raise PluginError(f"{request.src}: {src_format} checkpoints are read, not written; pass --dst-format "
+                          f"({', '.join(saver_names())})")
+    return src_format, dst_format
+
+
 def plan(request: ConvertRequest, check_dst: bool = True) -> Plan:
     """Open the source and compute every destination file; validates everything, writes nothing (it
     only removes what killed runs left beside DST, see ``remove_leftovers``).
@@ -247,8 +258,7 @@ def plan(request: ConvertRequest, check_dst: bool = True) -> Plan:
         raise DestinationError(f"SRC {src} does not exist")
     if check_dst:
         check_destination(request.dst, request.overwrite, src)
-    src_format = request.src_format or detect_format(src)
-    dst_format = request.dst_format or src_format
+    src_format, dst_format = _formats(request)
     loader = get_loader(src_format)
     saver = get_saver(dst_format)
     if request.keep_fp8:

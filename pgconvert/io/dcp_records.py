@@ -1,4 +1,5 @@
-"""Tensor records of ``*.distcp`` files, read in place: only the bytes a requested box needs.
+"""Tensor records of a torch.distributed.checkpoint store's ``*.distcp`` files (torch_dist and fsdp_dtensor
+sources), read in place: only the bytes a requested box needs.
 
 torch.distributed.checkpoint stores each chunk as a ``torch.save`` zip of one tensor, at an
 offset and length of a ``.distcp`` file named by ``.metadata``'s ``storage_data``. torch's own

@@ -1,0 +1,313 @@
+"""A torch.distributed.checkpoint store (``.metadata`` + ``*.distcp``) read with no process group.
+
+What the torch_dist and fsdp_dtensor sources share: both formats are one DCP store of global tensors (and
+pickled objects); they differ in the keys and in where the args live. Reads go through torch's own
+``FileSystemReader`` with ``no_dist``, one ``dcp.load`` per request into buffers of exactly the requested
+boxes; ``SafeReader.read_data`` reads only each box's bytes, with ``os.preadv`` straight into their place
+(``pgconvert/io/dcp_records.py``), so no page of the file is mapped. Two parts of torch's reader unpickle
+without limits, so both are replaced: ``.metadata`` is read through an allowlist of torch's metadata classes
+(``formats.torch_dist.read_dcp_metadata``) and bytes entries with ``weights_only=True`` and the allowlist.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import pickle
+import threading
+from dataclasses import dataclass
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import (
+    DefaultLoadPlanner,
+    FileSystemReader,
+    LoadPlan,
+    Metadata,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.futures import Future
+
+from pgconvert.errors import CheckpointError, PgconvertError, UnsafePickleError
+from pgconvert.formats.contract import LoadOptions
+from pgconvert.formats.megatron import SAFE_GLOBALS, check_vocab_multiple, config_from_args, layout_from_args
+from pgconvert.formats.megatron_args import MEGATRON_DEFAULTS
+from pgconvert.formats.stream import ExtraState
+from pgconvert.formats.strict import fallback
+from pgconvert.formats.torch_dist import DCP_METADATA_FILE, single_process_calls
+from pgconvert.io.dcp_records import TensorRecord, check_extent, parse_tensor_record, read_box, read_bytes
+from pgconvert.io.limits import quote
+from pgconvert.io.paths import ensure_within
+from pgconvert.io.torch_input import check_torch_stream
+from pgconvert.model.config import TRANSFORMER_IMPLS, ModelConfig
+from pgconvert.model.layout import ParallelLayout
+from pgconvert.model.provider import WORD_EMBEDDINGS, te_extra_state_names
+from pgconvert.model.rules import ShardRule, assemble
+
+# Megatron-LM's default --transformer-impl, for args that do not record one.
+DEFAULT_TRANSFORMER_IMPL = MEGATRON_DEFAULTS["transformer_impl"]
+
+
+@dataclass(frozen=True)
+class Region:
+    """A box of a canonical tensor: ``starts``/``lengths`` per dimension of the canonical shape."""
+
+    starts: tuple[int, ...]
+    lengths: tuple[int, ...]
+
+
+class SafeReader(FileSystemReader):
+    """torch's reader with the ``.metadata`` pickle read through the allowlist, once, and tensor
+    records read in place (``pgconvert/io/dcp_records.py``): only the bytes each request needs,
+    with positional reads straight into the planner's buffers."""
+
+    def __init__(self, directory: Path, metadata: Metadata, root: Path | None = None) -> None:
+        super().__init__(directory)
+        self._metadata = metadata
+        self._directory = directory
+        self._root = root or directory
+        self._records: dict[tuple[str, int, int], TensorRecord] = {}
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        return self._metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        per_file: dict[str, list[ReadItem]] = {}
+        transformed: list[ReadItem] = []
+        for item in plan.items:
+            info = self.storage_data[item.storage_index]
+            if info.transform_descriptors:  # compressed or otherwise transformed records: torch's own path
+                transformed.append(item)
+            else:
+                per_file.setdefault(info.relative_path, []).append(item)
+        if transformed:
+            super().read_data(LoadPlan(transformed), planner).wait()
+        for relative, items in per_file.items():
+            self._read_file(relative, sorted(items, key=lambda item: self.storage_data[item.storage_index].offset),
+                            planner)
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+    def _read_file(self, relative: str, items: list[ReadItem], planner: LoadPlanner) -> None:
+        path = ensure_within(self._root, self._directory / relative)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            size = os.fstat(fd).st_size
+            for item in items:
+                info = self.storage_data[item.storage_index]
+                check_extent(path, item.storage_index.fqn, info.offset, info.length, size)
+            for item in items:
+                self._read_item(fd, path, item, planner)
+        finally:
+            os.close(fd)
+
+    def _read_item(self, fd: int, path: Path, item: ReadItem, planner: LoadPlanner) -> None:
+        info = self.storage_data[item.storage_index]
+        label = f"{path}: {quote(item.storage_index.fqn)} (offset {info.offset}, length {info.length})"
+        if item.type == LoadItemType.BYTE_IO:
+            planner.load_bytes(item, io.BytesIO(read_bytes(fd, info.offset, info.length, label)))
+            return
+        where = (info.relative_path, info.offset, info.length)
+        record = self._records.get(where)
+        if record is None:
+            record = self._records[where] = parse_tensor_record(fd, info.offset, info.length, label)
+        self._check_record(record, item, label)
+        target = planner.resolve_tensor(item).detach()
+        read_box(fd, path, record, list(item.storage_offsets), list(item.lengths), target, label)
+        planner.commit_tensor(item, target)
+
+    def _check_record(self, record: TensorRecord, item: ReadItem, label: str) -> None:
+        """A record holds the chunk the index says it does: its shape and dtype."""
+        md = self._metadata.state_dict_metadata.get(item.storage_index.fqn)
+        offset = tuple(item.storage_index.offset or ())
+        sizes = next((tuple(chunk.sizes) for chunk in getattr(md, "chunks", []) if tuple(chunk.offsets) == offset), None)
+        dtype = md.properties.dtype if isinstance(md, TensorStorageMetadata) else None
+        if record.size != sizes or record.dtype != dtype:
+            raise CheckpointError(f"{label}: stored as {record.dtype} {list(record.size)}, but the index describes "
+                                  f"the chunk at {list(offset)} as {dtype} {list(sizes) if sizes else sizes}")
+
+
+class RegionPlanner(DefaultLoadPlanner):
+    """Reads boxes of global keys into caller-owned buffers, and bytes entries without running code.
+
+    ``regions`` maps a key to ``(offsets, buffer)`` pairs: the box of the key's global tensor at
+    ``offsets`` with the buffer's shape. Every box must be covered exactly once by stored chunks.
+    """
+
+    def __init__(self, regions: dict[str, list[tuple[tuple[int, ...], torch.Tensor]]],
+                 objects: list[str], where: str) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self._regions = regions
+        self._objects = objects
+        self._where = where
+        self._buffers = {(key, offsets): buffer for key, pairs in regions.items() for offsets, buffer in pairs}
+        self.loaded_objects: dict[str, Any] = {}
+
+    def create_local_plan(self) -> LoadPlan:
+        assert self.metadata is not None
+        items: list[ReadItem] = []
+        for key, pairs in self._regions.items():
+            chunks = [ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=buffer.size()) for offsets, buffer in pairs]
+            key_items = create_read_items_for_chunk_list(key, self.metadata.state_dict_metadata[key], chunks)
+            covered: dict[tuple[int, ...], int] = {}
+            for item in key_items:
+                offsets = tuple(item.dest_index.offset)
+                covered[offsets] = covered.get(offsets, 0) + math.prod(item.lengths)
+            for offsets, buffer in pairs:
+                if covered.get(offsets, 0) != buffer.numel():
+                    raise CheckpointError(
+                        f"{self._where}: {key} at offsets {list(offsets)}: the stored chunks cover "
+                        f"{covered.get(offsets, 0)} of its {buffer.numel()} values"
+                    )
+            items += key_items
+        if self._objects:
+            items += create_default_local_load_plan(
+                {key: io.BytesIO() for key in self._objects}, self.metadata, strict=True).items
+        return LoadPlan(items)
+
+    def lookup_tensor(self, index: Any) -> torch.Tensor:
+        return self._buffers[(index.fqn, tuple(index.offset))]
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        key = read_item.dest_index.fqn
+        try:
+            with torch.serialization.safe_globals(SAFE_GLOBALS):
+                check_torch_stream(value, f"{self._where}: {key}")
+                self.loaded_objects[key] = torch.load(value, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as exc:
+            raise UnsafePickleError(
+                f"{self._where}: {key}: refuses to unpickle it ({quote(str(exc).strip()[:400], 200)}); "
+                "nothing from the file was executed"
+            ) from exc
+        except (RuntimeError, EOFError, ValueError) as exc:
+            raise CheckpointError(f"{self._where}: {key}: not a readable object ({quote(str(exc), 200)})") from exc
+
+
+class DcpStore:
+    """One store's index and data files: ``read`` boxes of global tensors and stored objects."""
+
+    def __init__(self, directory: Path, metadata: Metadata, root: Path | None = None) -> None:
+        self.directory = directory
+        self.metadata = metadata
+        self.root = root or directory
+        # torch's reader keeps per-call state (set up by each ``dcp.load``): one per thread (``--threads``).
+        self._readers = threading.local()
+
+    def check_files(self, metadata_path: Path) -> None:
+        """Every chunk's file exists inside the checkpoint and is long enough to hold it."""
+        storage = self.metadata.storage_data
+        if not isinstance(storage, dict):
+            raise CheckpointError(f"{metadata_path}: no storage index (storage_data)")
+        needed: dict[str, int] = {}
+        furthest: dict[str, str] = {}
+        for index, info in storage.items():
+            relative = getattr(info, "relative_path", None)
+            if not isinstance(relative, str):
+                raise CheckpointError(f"{metadata_path}: a chunk has no file name ({quote(info)})")
+            if int(info.offset) + int(info.length) > needed.get(relative, -1):
+                needed[relative] = int(info.offset) + int(info.length)
+                furthest[relative] = f"{quote(index.fqn)} at offset {info.offset}, length {info.length}"
+        referenced = {key.fqn for key in storage}
+        unstored = sorted(key for key in self.metadata.state_dict_metadata if key not in referenced)
+        if unstored:
+            raise CheckpointError(f"{metadata_path}: no stored data for {unstored}")
+        missing = []
+        for relative, end in sorted(needed.items()):
+            path = ensure_within(self.root, self.directory / relative)
+            if not path.is_file():
+                missing.append(relative)
+            elif path.stat().st_size < end:
+                raise CheckpointError(f"{path}: truncated ({path.stat().st_size} bytes, the index needs {end}: "
+                                      f"{furthest[relative]})")
+        if missing:
+            raise CheckpointError(f"{self.directory}: missing data files named by {DCP_METADATA_FILE}: {', '.join(missing)}")
+
+    def _reader(self) -> SafeReader:
+        """This thread's reader of the checkpoint's data files."""
+        reader: SafeReader | None = getattr(self._readers, "reader", None)
+        if reader is None:
+            reader = self._readers.reader = SafeReader(self.directory, self.metadata, self.root)
+        return reader
+
+    def read(self, regions: dict[str, list[tuple[tuple[int, ...], torch.Tensor]]],
+             objects: list[str]) -> dict[str, Any]:
+        """Fill each ``(offsets, buffer)`` box of each key's global tensor; unpickle ``objects``."""
+        planner = RegionPlanner(regions, objects, str(self.directory))
+        try:
+            with single_process_calls():
+                dcp.load({}, storage_reader=self._reader(), planner=planner, no_dist=True)
+        except (PgconvertError, OSError):
+            raise
+        except Exception as exc:  # torch's reader on a corrupt chunk: name the checkpoint
+            raise CheckpointError(f"{self.directory}: reading failed: {type(exc).__name__}: {quote(str(exc), 200)}") from exc
+        return planner.loaded_objects
+
+
+def region_box(shape: tuple[int, ...], dim: int, start: int, length: int) -> Region:
+    """The box of ``shape`` that is ``length`` indices of ``dim`` from ``start``, whole along the others."""
+    starts = [0] * len(shape)
+    lengths = list(shape)
+    starts[dim], lengths[dim] = start, length
+    return Region(tuple(starts), tuple(lengths))
+
+
+def model_from_args(args: Any, where: Path, options: LoadOptions,
+                    notices: list[str]) -> tuple[ParallelLayout, ModelConfig]:
+    """The layout and model a store's Megatron ``args`` describe (torch_dist, fsdp_dtensor)."""
+    layout = layout_from_args(args, where, options.strict, notices)
+    options.check_layout(layout, where)
+    impl = getattr(args, "transformer_impl", None)
+    if impl not in TRANSFORMER_IMPLS:
+        if impl is not None or not hasattr(args, "transformer_impl"):  # None: layout_from_args names it
+            fallback(f"{where}: args.transformer_impl={impl!r}; assuming Megatron-LM's default "
+                     f"{DEFAULT_TRANSFORMER_IMPL!r} for the key names", options.strict, notices)
+        impl = DEFAULT_TRANSFORMER_IMPL
+    config = config_from_args(args, where, impl, options.true_vocab_size,
+                              grouped_gemm=bool(getattr(args, "moe_grouped_gemm", False)))
+    return layout, config
+
+
+def check_vocab_rows(args: Any, layout: ParallelLayout, config: ModelConfig, rows: int, where: Path,
+                     metadata_path: Path, options: LoadOptions, notices: list[str]) -> None:
+    """The stored vocab tables' ``rows`` against the args' padding multiple and true vocab size."""
+    check_vocab_multiple(args, layout.tp, rows, where)
+    if config.vocab_size is None:
+        fallback(f"{where}: the true vocab size is unknown (no args.vocab_size, no --true-vocab-size); "
+                 f"keeping the padded table of {rows} rows as the vocabulary", options.strict, notices)
+    elif config.vocab_size > rows:
+        given = "--true-vocab-size" if options.true_vocab_size is not None else "args.vocab_size"
+        raise CheckpointError(f"{metadata_path}: true vocab size {given}={config.vocab_size} exceeds the {rows} "
+                              f"rows of {WORD_EMBEDDINGS}")
+
+
+def read_piece(shape: tuple[int, ...], rule: ShardRule, size: int, rank: int, rows: int | None,
+               vocab_size: int | None, dtype: torch.dtype,
+               read_boxes: Callable[[list[Region]], list[torch.Tensor]]) -> torch.Tensor:
+    """Piece ``rank`` of ``size`` of a global tensor of ``shape`` under ``rule``: the boxes of the rule's
+    windows read in one request (``read_boxes``), zero windows (new vocab rows) filled."""
+    windows = rule.piece_windows(shape, size, rank, rows, vocab_size)
+    if not windows:
+        return read_boxes([Region((0,) * len(shape), shape)])[0]
+    stored = [window for window in windows if not window.zeros]
+    boxes = [region_box(shape, window.dim, window.start, window.length) for window in stored]
+    read = dict(zip(stored, read_boxes(boxes) if boxes else [], strict=True))
+    return assemble(windows, read.__getitem__, shape, dtype)
+
+
+def te_extra_states(config: ModelConfig, layout: ParallelLayout) -> dict[str, ExtraState]:
+    """The Transformer Engine modules' entries, empty: a store keeps none per rank (torch_dist one per module,
+    not carried; fsdp_dtensor none), and naming the modules gives a TE-spec per-rank target the entries its
+    state dicts require. The local spec's linears need none (megatron-core fills them in on load)."""
+    if config.transformer_impl != "transformer_engine":
+        return {}
+    names = te_extra_state_names(config, range(config.num_layers), layout.ep)
+    return {name: ExtraState(tp_size=layout.tp, ep_size=layout.ep) for name in names}

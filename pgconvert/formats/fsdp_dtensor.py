@@ -1,0 +1,104 @@
+"""Facts of Megatron-FSDP's checkpoint format (``fsdp_dtensor``) shared by its loader (and a saver).
+
+Megatron-LM writes it with ``--use-megatron-fsdp --ckpt-format fsdp_dtensor`` (megatron/training/
+checkpointing.py at d98e8a64: ``generate_state_dict`` takes the wrapped model's ``state_dict()``, whose
+tensors are Megatron-FSDP DTensors, ``preprocess_fsdp_dtensor_state_dict`` renames them, and
+``torch.distributed.checkpoint.save`` writes the lot)::
+
+    ROOT/latest_checkpointed_iteration.txt        "1000"
+    ROOT/iter_0001000/
+        .metadata         torch.distributed.checkpoint's Metadata (no metadata.json, no common.pt)
+        __R_0.distcp      the chunks written by rank R
+
+Entries (tests/data/megatron_lm/train_tp2dp2_fsdp_dtensor holds them as Megatron-LM wrote them):
+
+- bytes entries ``args`` (the run's argparse.Namespace), ``iteration``, ``checkpoint_version``,
+  ``num_floating_point_operations_so_far``, ``opt_param_scheduler.*``, ``rng_state.(<pp>, <tp>).0.*``
+  (python and numpy states; the torch and tracker states are uint8 tensors);
+- ``model.module.<GPTModel parameter name>``: every parameter at its global shape, TP-merged (each
+  DTensor is ``Shard(tp_dim)`` over the TP mesh dimension and ``Shard(0)`` over the data-parallel one,
+  whose chunks need not be even nor row-aligned to the TP pieces: any box is a chunk); layer and
+  expert indices are global; in the optimizer's precision (fp32 main weights, also in a bf16 run);
+- a gated ``linear_fc1`` (``--swiglu``) as two keys ``linear_fc1.weight_w`` (the gate) and
+  ``linear_fc1.weight_v`` (the up projection), each ``[ffn, hidden]`` (``handle_swiglu_in_state_dict``):
+  the canonical ``[gate; up]`` is their concatenation; QKV is megatron-core's fused TP1 layout;
+- no ``_extra_state`` (``handle_fp8_extra_state_case`` drops them);
+- with the optimizer: ``optimizer.state.module.module.module.<parameter name>.{exp_avg,exp_avg_sq,step}``
+  (model-shaped, chunked as the parameter; the fp32 masters are the ``model.`` entries themselves)
+  and ``optimizer.param_to_group_meta.<…>.<field>`` bytes entries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from pgconvert.errors import CheckpointError
+from pgconvert.formats.megatron import resolve_megatron_iteration
+from pgconvert.formats.torch_dist import CHECKPOINT_CONFIG_FILE, DCP_METADATA_FILE
+from pgconvert.io.limits import quote
+from pgconvert.model.config import ModelConfig
+from pgconvert.model.grid import build_converter_process_groups
+from pgconvert.model.layout import ParallelLayout
+from pgconvert.model.provider import provide
+
+MODEL_PREFIX = "model.module."
+OPTIMIZER_STATE_PREFIX = "optimizer.state.module.module.module."
+# The distributed optimizer's sharding type Megatron-LM asks for with this format (_build_sharded_state_dict_metadata).
+FSDP_DTENSOR_FORM = "fsdp_dtensor"
+# handle_swiglu_in_state_dict's suffixes: the gate half, then the up half, of a gated linear_fc1.
+GATED_HALVES = ("_w", "_v")
+ARGS_KEY = "args"
+ITERATION_KEY = "iteration"
+# Entries that are neither model weights nor read: training state, accounted for and named in a notice.
+TRAINING_STATE_PREFIXES = ("optimizer.", "rng_state.", "opt_param_scheduler.", "rerun_state_machine.")
+COMMON_KEYS = (ARGS_KEY, ITERATION_KEY, "checkpoint_version", "num_floating_point_operations_so_far")
+
+
+@dataclass(frozen=True)
+class FsdpLocation:
+    """The keys a canonical tensor is stored under: one, or a gated fc1's halves (stacked on dim 0)."""
+
+    keys: tuple[str, ...]
+
+    def parts(self, rows: int) -> list[tuple[str, int, int]]:
+        """``(key, first row, row count)`` of each key within the canonical tensor of ``rows`` rows."""
+        length = rows // len(self.keys)
+        return [(key, index * length, length) for index, key in enumerate(self.keys)]
+
+
+def is_iteration_dir(path: Path) -> bool:
+    """A DCP store without megatron-core's ``metadata.json`` (which marks a torch_dist iteration)."""
+    return (path / DCP_METADATA_FILE).is_file() and not (path / CHECKPOINT_CONFIG_FILE).exists()
+
+
+def resolve_iteration_dir(root: Path, iteration: int | None) -> tuple[Path, int | None, bool]:
+    return resolve_megatron_iteration(root, iteration, is_iteration_dir)
+
+
+def refuse_unread(config: ModelConfig, where: str) -> None:
+    """Parts of a model whose fsdp_dtensor keys no golden of Megatron-LM's shows yet are refused, not guessed
+    (experts are renamed per EP rank, MTP and fused MLA layers renamed by their own handlers)."""
+    unread = {"num_experts": config.moe.num_experts, "mtp_num_layers": config.mtp_num_layers or None,
+              "multi_latent_attention": config.attention.multi_latent_attention or None,
+              "hybrid_override_pattern": config.hybrid_override_pattern}
+    found = {name: value for name, value in unread.items() if value}
+    if found:
+        raise CheckpointError(f"{where}: fsdp_dtensor checkpoints of models with {quote(found)} are not read yet; "
+                              "pgconvert reads dense GPT models (attention and dense MLP layers) from this format")
+
+
+def tensor_locations(config: ModelConfig, rows: int) -> dict[str, FsdpLocation]:
+    """Every canonical tensor's keys, in stream order: the parameter names of the whole model (a rank of
+    the TP1 PP1 EP1 layout holds every tensor under its global name), a gated fc1 split in two."""
+    groups = build_converter_process_groups(ParallelLayout())
+    locations: dict[str, FsdpLocation] = {}
+    for spec in provide(config, groups, padded_vocab_size=rows).specs:
+        key = MODEL_PREFIX + spec.local_name
+        halves = tuple(key + half for half in GATED_HALVES) if spec.rule.row_segments == 2 else (key,)
+        locations[spec.canonical] = FsdpLocation(halves)
+    return locations
+
+
+def is_training_state(key: str) -> bool:
+    return key.startswith(TRAINING_STATE_PREFIXES)

@@ -313,13 +313,13 @@ _HF_COMMON: dict[str, object] = {**HF_SILU, "attention_bias": False}
 
 # DeepSeek's families carry the score function, scaling, groups and pre-softmax (their fixed values
 # and rules refuse what they cannot write; pre-softmax means nothing to sigmoid scores).
-_DEEPSEEK_COMPUTES = frozenset({"moe_router_score_function", "moe_router_topk_scaling_factor",
+DEEPSEEK_COMPUTES = frozenset({"moe_router_score_function", "moe_router_topk_scaling_factor",
                                 "moe_router_num_groups", "moe_router_pre_softmax"})
 
 DEEPSEEK_V3 = Family(
     architecture="DeepseekV3ForCausalLM",
     model_type="deepseek_v3",
-    hf_computes=_DEEPSEEK_COMPUTES,
+    hf_computes=DEEPSEEK_COMPUTES,
     tensors=DEEPSEEK_TENSORS,
     fields=_fields(experts=256, experts_alias="num_local_experts", topk=8, max_positions=4096, query_groups=128),
     rules=(ROPE_RULE, _MLA_ROPE, _Q_LORA, _layers_rule(default_dense=3), _shared_rule(default=1),
@@ -339,7 +339,7 @@ DEEPSEEK_V3 = Family(
 DEEPSEEK_V2 = Family(
     architecture="DeepseekV2ForCausalLM",
     model_type="deepseek_v2",
-    hf_computes=_DEEPSEEK_COMPUTES,
+    hf_computes=DEEPSEEK_COMPUTES,
     tensors=DEEPSEEK_TENSORS,
     fields=_fields(experts=64, experts_alias="num_experts", topk=None, max_positions=2048, query_groups=None),
     rules=(ROPE_RULE, _MLA_ROPE, _Q_LORA, _layers_rule(default_dense=0), _shared_rule(default=2),

@@ -1,4 +1,4 @@
-"""Nemotron-H (``NemotronHForCausalLM``): NVIDIA's hybrid Mamba-2 / attention / MLP decoder, dense.
+"""Nemotron-H (``NemotronHForCausalLM``): NVIDIA's hybrid Mamba-2 / attention / MLP / MoE decoder.
 
 transformers 5.x (``models/nemotron_h``) names every layer ``backbone.layers.{i}`` (its conversion
 mapping renames ``backbone.`` to ``model.`` on load and back on save) with one pre-norm ``norm`` and
@@ -19,6 +19,17 @@ from below, where megatron-core does not clamp (carried in args as ``time_step_m
 ``pgconvert.semantics.carried``, so converting back restores it; a Megatron model without it is written
 with 0.0, which clamps nothing), and its gated norm uses ``layer_norm_epsilon`` where megatron-core
 fixes 1e-5 (``pgconvert.semantics.mamba``).
+
+MoE layers (``E``, Nemotron 3 Nano): transformers' NemotronHMoE <-> megatron-core's MoELayer, whose
+pre-norm is the layer's ``norm``: the router ``gate.weight`` and its ``e_score_correction_bias``
+(``router.expert_bias``), non-gated relu2 experts ``experts.{j}.up_proj``/``down_proj`` (stored one
+per expert; transformers merges them on load) and one shared expert of
+``moe_shared_expert_intermediate_size`` (transformers ignores ``n_shared_experts``). The router is
+DeepSeek-V3's (``pgconvert.families.deepseek``): sigmoid scores plus the bias choose, the chosen scores
+are renormalized (megatron-core always does with top-k > 1, so ``norm_topk_prob`` must be true) and
+scaled by ``routed_scaling_factor``; groups score by their top-2 sum. ``moe_latent_size`` (latent
+expert projections) is refused. The MoE keys are read only for a pattern with ``E`` (transformers'
+config holds them, unused, for a dense model too).
 """
 
 from __future__ import annotations
@@ -32,6 +43,7 @@ from pgconvert.errors import CheckpointError
 from pgconvert.io.limits import quote
 from pgconvert.semantics.carried import CarriedSetting
 from pgconvert.model.config import HYBRID_SYMBOLS, POSTNORM_OFF, ModelConfig
+from pgconvert.families.deepseek import DEEPSEEK_COMPUTES, router_groups
 from pgconvert.families.table import QKV, ConfigField, ConfigRule, Family, TensorMapping, TensorTable
 
 _LAYER = "backbone.layers.{}."
@@ -50,6 +62,12 @@ TENSORS = TensorTable((
     TensorMapping("decoder.layers.{}.pre_mlp_layernorm.weight", (_LAYER + "norm.weight",), by_layer_kind=True),
     TensorMapping("decoder.layers.{}.mlp.linear_fc1.weight", (_LAYER + "mixer.up_proj.weight",)),
     TensorMapping("decoder.layers.{}.mlp.linear_fc2.weight", (_LAYER + "mixer.down_proj.weight",)),
+    TensorMapping("decoder.layers.{}.mlp.router.weight", (_LAYER + "mixer.gate.weight",)),
+    TensorMapping("decoder.layers.{}.mlp.router.expert_bias", (_LAYER + "mixer.gate.e_score_correction_bias",)),
+    *(TensorMapping(f"decoder.layers.{{}}.mlp.experts.local_experts.{{}}.linear_fc{n}.weight",
+                    (_LAYER + f"mixer.experts.{{}}.{proj}_proj.weight",)) for n, proj in ((1, "up"), (2, "down"))),
+    *(TensorMapping(f"decoder.layers.{{}}.mlp.shared_experts.linear_fc{n}.weight",
+                    (_LAYER + f"mixer.shared_experts.{proj}_proj.weight",)) for n, proj in ((1, "up"), (2, "down"))),
     TensorMapping("decoder.final_layernorm.weight", ("backbone.norm_f.weight",)),
     TensorMapping("output_layer.weight", ("lm_head.weight",)),
 ))
@@ -82,7 +100,7 @@ def _write_layers(config: ModelConfig) -> Mapping[str, object]:
 
 
 def _refuses_layers(config: ModelConfig) -> str | None:
-    """A model without a layer pattern; one with E (MoE) layers needs experts, which ``fixed`` refuses."""
+    """A model without a layer pattern."""
     if config.hybrid_override_pattern is None:
         return "hybrid_override_pattern=None (needs a hybrid layer pattern)"
     return None
@@ -96,6 +114,91 @@ def _non_negative(args: argparse.Namespace, name: str, default: object, path: Pa
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
         raise CheckpointError(f"{path}: args.{name}={quote(value)}: must be a finite number of at least 0")
     return float(value)
+
+
+# NemotronHConfig's defaults of the MoE keys.
+_MOE_DEFAULTS: dict[str, object] = {
+    "n_routed_experts": 8, "moe_intermediate_size": 7688, "num_experts_per_tok": 2,
+    "moe_shared_expert_intermediate_size": 7688, "routed_scaling_factor": 1.0, "norm_topk_prob": True,
+    "moe_latent_size": None}
+# The MoE settings of a model without E layers (ModelConfig's defaults).
+_NO_EXPERTS: dict[str, object] = {
+    "num_experts": None, "moe_ffn_hidden_size": None, "moe_router_topk": 2,
+    "moe_shared_expert_intermediate_size": None, "moe_router_score_function": "softmax",
+    "moe_router_enable_expert_bias": False, "moe_router_num_groups": None, "moe_router_group_topk": None,
+    "moe_router_topk_scaling_factor": None}
+
+
+def _moe_value(present: Mapping[str, object], key: str, kind: type, minimum: float) -> object:
+    """``present[key]`` (NemotronHConfig's default where absent), of ``kind`` and at least ``minimum``."""
+    value = present.get(key, _MOE_DEFAULTS[key])
+    if not isinstance(value, kind) or isinstance(value, bool) != (kind is bool) or (
+            kind is not bool and (not math.isfinite(value) or value < minimum)):  # type: ignore[operator,arg-type]
+        raise ValueError(f"{key}={quote(value)}: expected {kind.__name__ if kind is not float else 'a number'}"
+                         + ("" if kind is bool else f" >= {minimum}"))
+    return value
+
+
+def _read_experts(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
+    """The MoE settings of a pattern with E layers, as NemotronHMoE and its router compute them."""
+    pattern = model["hybrid_override_pattern"]
+    if not isinstance(pattern, str) or "E" not in pattern:
+        return _NO_EXPERTS
+    if present.get("moe_latent_size") is not None:
+        raise ValueError(f"moe_latent_size={quote(present['moe_latent_size'])}: latent expert projections "
+                         "(fc1_latent_proj/fc2_latent_proj) are not converted; needs null")
+    if _moe_value(present, "norm_topk_prob", bool, 0) is not True:
+        raise ValueError("norm_topk_prob=false: megatron-core renormalizes the chosen sigmoid scores; needs true")
+    topk = _moe_value(present, "num_experts_per_tok", int, 1)
+    if topk == 1:
+        raise ValueError("num_experts_per_tok=1: transformers renormalizes the one chosen score to 1 "
+                         "(norm_topk_prob), megatron-core keeps its sigmoid score; no megatron-core equivalent")
+    values = {"num_experts": _moe_value(present, "n_routed_experts", int, 1), "moe_router_topk": topk,
+              "moe_ffn_hidden_size": _moe_value(present, "moe_intermediate_size", int, 1),
+              "moe_shared_expert_intermediate_size": _moe_value(present, "moe_shared_expert_intermediate_size", int, 1),
+              "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
+              "moe_router_topk_scaling_factor": float(_moe_value(present, "routed_scaling_factor", float, 0))}
+    groups = router_groups(present, values, per_group=2, defaults=(1, 1))
+    return {**values, "moe_router_num_groups": groups and groups[0], "moe_router_group_topk": groups and groups[1]}
+
+
+def _write_experts(config: ModelConfig) -> Mapping[str, object]:
+    moe = config.moe
+    if moe.num_experts is None:
+        return {}
+    return {"n_routed_experts": moe.num_experts, "moe_intermediate_size": config.expert_ffn_size,
+            "num_experts_per_tok": moe.moe_router_topk, "n_shared_experts": 1,
+            "moe_shared_expert_intermediate_size": moe.moe_shared_expert_intermediate_size,
+            "routed_scaling_factor": moe.moe_router_topk_scaling_factor or 1.0, "norm_topk_prob": True,
+            "n_group": moe.moe_router_num_groups or 1, "topk_group": moe.moe_router_group_topk or 1,
+            "moe_latent_size": None}
+
+
+def _refuses_experts(config: ModelConfig) -> str | None:
+    """What NemotronHMoE cannot compute: anything but one shared expert and DeepSeek-V3's sigmoid router."""
+    moe, pattern = config.moe, config.hybrid_override_pattern or ""
+    if "E" not in pattern:
+        return None if moe.num_experts is None else f"num_experts={moe.num_experts} (needs E layers in the pattern)"
+    needs = {"moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
+             "moe_shared_expert_gate": False}
+    wrong = [f"{name}={config.setting(name)!r} (needs {value!r})" for name, value in needs.items()
+             if config.setting(name) != value]
+    if moe.moe_shared_expert_intermediate_size is None:
+        wrong.append("moe_shared_expert_intermediate_size=None (NemotronHMoE always has a shared expert)")
+    if moe.moe_router_topk < 2:
+        wrong.append(f"moe_router_topk={moe.moe_router_topk} (the chosen scores are renormalized: needs top-k > 1)")
+    if moe.moe_router_group_topk and moe.moe_router_topk // moe.moe_router_group_topk != 2:
+        wrong.append(f"moe_router_group_topk={moe.moe_router_group_topk} with moe_router_topk={moe.moe_router_topk} "
+                     "(a group scores by its best 2 experts: needs topk // group_topk = 2)")
+    return ", ".join(wrong) or None
+
+
+_EXPERTS = ConfigRule(
+    keys=("n_routed_experts", "moe_intermediate_size", "num_experts_per_tok", "n_shared_experts",
+          "moe_shared_expert_intermediate_size", "routed_scaling_factor", "norm_topk_prob", "n_group", "topk_group",
+          "moe_latent_size"),
+    model_fields=tuple(_NO_EXPERTS), read=_read_experts, write=_write_experts, refuses=_refuses_experts,
+    null_keys=("moe_latent_size",))
 
 
 # transformers' layers_block_type values by hybrid_override_pattern symbol (NemotronHConfig._pattern_to_list).
@@ -125,15 +228,21 @@ NEMOTRON_H = Family(
     ),
     rules=(ConfigRule(keys=("layers_block_type", "hybrid_override_pattern", "num_hidden_layers"),
                       model_fields=("num_layers", "hybrid_override_pattern"), read=_read_layers,
-                      write=_write_layers, refuses=_refuses_layers, legacy_keys=("layer_types",)),),
+                      write=_write_layers, refuses=_refuses_layers, legacy_keys=("layer_types",)), _EXPERTS),
     fixed={**POSTNORM_OFF, "gated_linear_unit": False, "activation": "squared_relu", "normalization": "RMSNorm",
-           "position_embedding_type": "none", "multi_latent_attention": False, "num_experts": None,
+           "position_embedding_type": "none", "multi_latent_attention": False, "moe_router_pre_softmax": False,
            "qk_layernorm": False, "add_qkv_bias": False, "add_bias_linear": False, "sliding_window": None},
     # What megatron-core's MambaMixer and the tensor table assume.
     # megatron-core ships one Mamba stack spec, of Transformer Engine modules (mamba_stack_spec).
-    megatron_defaults={"transformer_impl": "transformer_engine"},
+    # Its E layers' experts are TEGroupedMLP (get_moe_module_spec(moe_grouped_gemm=True)): grouped names.
+    megatron_defaults={"transformer_impl": "transformer_engine", "moe_grouped_gemm": True},
+    hf_computes=DEEPSEEK_COMPUTES,
     megatron_carried=(CarriedSetting("time_step_min", 0.0, _non_negative),),
     hf_fixed={"mlp_hidden_act": "relu2", "mamba_hidden_act": "silu", "conv_kernel": 4, "use_conv_bias": True,
               "use_bias": False, "mamba_proj_bias": False, "mlp_bias": False, "attention_bias": False,
               "num_nextn_predict_layers": 0},
+    hf_notes={"moe score function": "sigmoid with E layers (fixed)",
+              "moe expert bias": "e_score_correction_bias with E layers (fixed)",
+              "moe top-k scaling": "routed_scaling_factor",
+              "moe router groups": "n_group, topk_group (group score: top-2 sum)"},
 )

@@ -37,9 +37,6 @@ from support.torch_dist_forms import FOR_MCORE_016
 
 import pgconvert
 from pgconvert.cli import main
-from pgconvert.errors import ValidationError
-from pgconvert.formats.torch_dist import refuse_hybrid
-from pgconvert.model.config import ModelConfig
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", UserWarning)
@@ -192,16 +189,6 @@ def test_hf_to_torch_dist_to_hf_is_bit_exact_and_each_segment_is_its_rows(tiny: 
     segments = [stored[f"decoder.layers.0.mixer.in_proj.weight.{name}"] for name in ("z", "x", "B", "C", "dt")]
     assert [segment.shape[0] for segment in segments] == [128, 128, 16, 16, 8]
     assert torch.equal(torch.cat(segments), in_proj)
-
-
-def test_a_hybrid_model_with_moe_layers_is_refused_for_torch_dist_by_name() -> None:
-    config = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=96, vocab_size=131,
-                         hybrid_override_pattern="M*ME", mamba_head_dim=16, mamba_num_groups=2, mamba_state_dim=8,
-                         num_experts=2, moe_ffn_hidden_size=32, moe_router_topk=1)
-
-    with pytest.raises(ValidationError, match=r"torch_dist: the hybrid model hybrid_override_pattern='M\*ME' has "
-                                              r"MoE layers \(E\)"):
-        refuse_hybrid(config)
 
 
 @pytest.mark.parametrize(("options", "message"), [

@@ -211,16 +211,6 @@ def _dist_layer_name(kind: TensorKind, config: ModelConfig) -> str:
     return fused_norm_name(kind.canonical) or kind.canonical
 
 
-def refuse_hybrid(config: ModelConfig) -> None:
-    """A hybrid model's MoE layers (``E``) are not written or read in a distributed checkpoint: no test has
-    megatron-core's MambaStack save or load them."""
-    pattern = config.hybrid_override_pattern
-    if pattern is not None and any(spec.moe for spec in config.layers):
-        raise ValidationError(f"torch_dist: the hybrid model hybrid_override_pattern={quote(pattern)} has MoE "
-                              "layers (E), which pgconvert does not convert in distributed checkpoints yet; "
-                              "convert to or from per-rank megatron or hf")
-
-
 def hybrid_optimizer_refusal(config: ModelConfig) -> str | None:
     """Why a hybrid model's optimizer state is not read or written in a distributed checkpoint (None: the model
     is not hybrid): its Mamba parameters have no place in pgconvert's megatron-core module order
@@ -243,7 +233,6 @@ def _dist_segments(kind: TensorKind, config: ModelConfig, shape: tuple[int, ...]
 
 def tensor_locations(config: ModelConfig) -> dict[str, DistLocation]:
     """Every canonical tensor's location, in stream order."""
-    refuse_hybrid(config)
     stacked = stacked_layers(config)
     layers = config.num_layers
     locations: dict[str, DistLocation] = {}
@@ -251,7 +240,9 @@ def tensor_locations(config: ModelConfig) -> dict[str, DistLocation]:
         prefix = f"{LAYER_PREFIX}{layer}."
         key_prefix = LAYER_PREFIX if stacked else prefix
         layer_axis = ((layer,), (layers,)) if stacked else ((), ())
-        _locate_layer(config, layer_tensors(config, layer), prefix, key_prefix, layer_axis, locations)
+        # mamba_stack_spec's MoE layer (a separate TENorm before the MoE) sets no keys map.
+        keys_mapped = config.hybrid_override_pattern is None or not config.layers[layer].moe
+        _locate_layer(config, layer_tensors(config, layer), prefix, key_prefix, layer_axis, locations, keys_mapped)
     for index in range(config.mtp_num_layers):
         # MultiTokenPredictionBlock.sharded_state_dict: one key per MTP layer (no layer axis); its
         # transformer_layer saves as a decoder layer does (keys map, experts on an expert axis).
@@ -263,7 +254,9 @@ def tensor_locations(config: ModelConfig) -> dict[str, DistLocation]:
 
 
 def _locate_layer(config: ModelConfig, tensors: list[LayerTensor], prefix: str, key_prefix: str,
-                  layer_axis: tuple[tuple[int, ...], tuple[int, ...]], locations: dict[str, DistLocation]) -> None:
+                  layer_axis: tuple[tuple[int, ...], tuple[int, ...]], locations: dict[str, DistLocation],
+                  keys_mapped: bool = True) -> None:
+    """``keys_mapped``: the layer's local spec renames its separate norms to the TE spec's fused names."""
     experts = config.moe.num_experts or 0
     for tensor in tensors:
         rest = tensor.canonical[len(prefix):]
@@ -276,7 +269,7 @@ def _locate_layer(config: ModelConfig, tensors: list[LayerTensor], prefix: str, 
             continue
         # megatron-core's MLA layer specs set no sharded_state_dict_keys_map: a key is the
         # module's name in the spec (the TE spec's fused latent norms and dense pre-MLP norm included).
-        name = (tensor.kind.local_name(config) if config.attention.multi_latent_attention
+        name = (tensor.kind.local_name(config) if config.attention.multi_latent_attention or not keys_mapped
                 else _dist_layer_name(tensor.kind, config))
         segments = _dist_segments(tensor.kind, config, tensor.kind.shape(config))
         locations[tensor.canonical] = DistLocation(key_prefix + head + name, *layer_axis, segments)

@@ -62,7 +62,6 @@ from pgconvert.formats.torch_dist import (
     empty_extra_state,
     extra_state_keys,
     hybrid_optimizer_refusal,
-    refuse_hybrid,
     single_process_calls,
     tensor_locations,
     write_checkpoint_config,
@@ -200,7 +199,6 @@ class TorchDistSaver(Saver):
 
     def validate(self, source: CanonicalSource, options: SaveOptions) -> None:
         config = target_config(source.config, options)
-        refuse_hybrid(config)
         options.layout.validate(config, "dst")
         target_vocab_rows(config, source.vocab_rows, options.layout)
         carried_for_target(source, options)

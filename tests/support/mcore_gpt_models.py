@@ -24,7 +24,6 @@ with warnings.catch_warnings():
     )
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-    from megatron.core.process_groups_config import ProcessGroupCollection
 
 from support.megatron_fixtures import TinyModel, make_args
 from torch.distributed.checkpoint import FileSystemReader, TensorStorageMetadata
@@ -75,15 +74,7 @@ def build_model(m: TinyModel, tp: int, pp: int, ep: int, tp_rank: int, pp_rank: 
     )
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=args.normalization,
                                       pp_rank=pp_rank)
-    group = mcore.McoreFakeGroup
-    collection = ProcessGroupCollection()
-    # A job of tp·pp·ep ranks: dense tensors are data-parallel over the expert ranks, experts are not.
-    for name, size, rank in (("tp", tp, tp_rank), ("pp", pp, pp_rank), ("cp", 1, 0), ("ep", ep, ep_rank),
-                             ("expt_tp", tp, tp_rank), ("expt_dp", 1, 0), ("tp_ep", tp * ep, ep_rank * tp + tp_rank),
-                             ("tp_cp", tp, tp_rank), ("tp_dp_cp", tp * ep, ep_rank * tp + tp_rank), ("dp", ep, ep_rank),
-                             ("dp_cp", ep, ep_rank)):
-        setattr(collection, name, group(name, size, rank))
-    collection.embd = None
+    collection = mcore.expert_pg_collection(tp, pp, ep, tp_rank, pp_rank, ep_rank)
     with cpu_current_device(), mcore.fake_group_queries(), mcore.restored_attention_backend_env():
         model = GPTModel(
             config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,

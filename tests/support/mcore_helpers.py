@@ -169,6 +169,8 @@ class RankLayout:
     pp_rank: int
     first_stage_layers: int | None = None
     last_stage_layers: int | None = None
+    ep: int = 1
+    ep_rank: int = 0
 
     @property
     def is_first_stage(self) -> bool:
@@ -197,7 +199,7 @@ COPIED_CONFIG_FIELDS = (
 )
 
 
-def _copied_fields(args: argparse.Namespace) -> dict[str, Any]:
+def copied_config_fields(args: argparse.Namespace) -> dict[str, Any]:
     fields = {name: getattr(args, name) for name in COPIED_CONFIG_FIELDS if hasattr(args, name)}
     if getattr(args, "num_experts", None):
         # Forward only: the load-balancing loss is a training term that changes no logit, and the
@@ -232,7 +234,7 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
     epsilon = getattr(args, "layernorm_epsilon", None) or getattr(args, "norm_epsilon", None) or 1e-5
     activation_func, gated = _activation(args)
     config = TransformerConfig(
-        **_copied_fields(args),
+        **copied_config_fields(args),
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads,
@@ -325,6 +327,20 @@ def build_gpt_model(args: argparse.Namespace, layout: RankLayout) -> GPTModel:
     return model.eval()
 
 
+def expert_pg_collection(tp: int, pp: int, ep: int, tp_rank: int, pp_rank: int,
+                         ep_rank: int) -> ProcessGroupCollection:
+    """Fake groups of one rank of a job of tp·pp·ep ranks (expert TP = TP): dense tensors are data-parallel
+    over the expert ranks, experts are not."""
+    collection = ProcessGroupCollection()
+    for name, size, rank in (("tp", tp, tp_rank), ("pp", pp, pp_rank), ("cp", 1, 0), ("ep", ep, ep_rank),
+                             ("expt_tp", tp, tp_rank), ("expt_dp", 1, 0), ("tp_ep", tp * ep, ep_rank * tp + tp_rank),
+                             ("tp_cp", tp, tp_rank), ("tp_dp_cp", tp * ep, ep_rank * tp + tp_rank), ("dp", ep, ep_rank),
+                             ("dp_cp", ep, ep_rank)):
+        setattr(collection, name, McoreFakeGroup(name, size, rank))
+    collection.embd = None
+    return collection
+
+
 def add_expert_groups(groups: ProcessGroupCollection, args: argparse.Namespace) -> None:
     """The expert-side groups a MoE layer reads, as fake groups of one (EP1, expert TP1 only)."""
     ep = getattr(args, "expert_model_parallel_size", 1)
@@ -360,31 +376,34 @@ class RankFile:
         return self.payload["model"]
 
 
-def _rank_dir(tp_rank: int, pp_rank: int, pp: int) -> str:
-    return f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
-
-
 def rank_files(root: Path) -> list[RankFile]:
-    """Every rank file of the checkpoint at ``root``, in (pp, tp) order, placed by their own args."""
+    """Every rank file of the checkpoint at ``root``, placed by their own args, in a job's rank order (TP rank
+    fastest, then EP, then PP)."""
+    from support.megatron_fixtures import rank_dir_name
+
     ckpt_dir = resolve_checkpoint_dir(root)
-    first_dir = next(ckpt_dir / name for name in ("mp_rank_00", "mp_rank_00_000") if (ckpt_dir / name).is_dir())
+    first_dir = next(path for path in sorted(ckpt_dir.glob("mp_rank_00*")) if path.is_dir())
     args = load_rank_file(first_dir / CHECKPOINT_FILE)["args"]
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    ep = getattr(args, "expert_model_parallel_size", 1) or 1
     files = []
     for pp_rank in range(pp):
-        for tp_rank in range(tp):
-            path = ckpt_dir / _rank_dir(tp_rank, pp_rank, pp) / CHECKPOINT_FILE
-            payload = load_rank_file(path)
-            rank_args = payload["args"]
-            layout = RankLayout(
-                tp=tp,
-                pp=pp,
-                tp_rank=tp_rank,
-                pp_rank=pp_rank,
-                first_stage_layers=rank_args.decoder_first_pipeline_num_layers,
-                last_stage_layers=rank_args.decoder_last_pipeline_num_layers,
-            )
-            files.append(RankFile(path, layout, payload))
+        for ep_rank in range(ep):
+            for tp_rank in range(tp):
+                path = ckpt_dir / rank_dir_name(tp_rank, pp_rank, pp, ep_rank, ep) / CHECKPOINT_FILE
+                payload = load_rank_file(path)
+                rank_args = payload["args"]
+                layout = RankLayout(
+                    tp=tp,
+                    pp=pp,
+                    tp_rank=tp_rank,
+                    pp_rank=pp_rank,
+                    first_stage_layers=rank_args.decoder_first_pipeline_num_layers,
+                    last_stage_layers=rank_args.decoder_last_pipeline_num_layers,
+                    ep=ep,
+                    ep_rank=ep_rank,
+                )
+                files.append(RankFile(path, layout, payload))
     return files
 
 

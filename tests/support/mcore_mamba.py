@@ -7,8 +7,10 @@ replaced by the narrowest stand-in for construction only (no forward runs here):
 
 - the only Mamba stack spec megatron-core ships (``models/mamba/mamba_layer_specs.py``) is made of
   Transformer Engine modules; the spec here is megatron-core's own classes with its local linears and
-  norms in the same places (MambaLayer's ``norm`` is the input norm TE fuses into ``in_proj``), i.e.
-  the layout of a ``--transformer-impl local`` rank file;
+  norms in the same places (MambaLayer's ``norm`` is the input norm TE fuses into ``in_proj``; an ``E``
+  layer is ``MoETransformerLayer`` with a separate ``pre_mlp_layernorm`` and megatron-core's MoE module,
+  whose experts are SequentialMLP's ``local_experts`` where TE's are TEGroupedMLP), i.e. the layout of a
+  ``--transformer-impl local --dst-expert-layout sequential`` rank file;
 - ``ssm/mamba_mixer.py`` imports three Triton kernels of dynamic-batching inference
   (``inference/contexts/attention_context/triton/tensor_ops.py``, which imports ``triton``, absent
   here) at module level; without Triton that module is stood in for by one whose three functions
@@ -62,6 +64,7 @@ import megatron.core.ssm.mamba_context_parallel as mamba_context_parallel  # noq
 import megatron.core.ssm.mamba_mixer as mamba_mixer  # noqa: E402
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
+from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec  # noqa: E402
 from megatron.core.models.mamba import MambaModel  # noqa: E402
 from megatron.core.ssm.mamba_block import MambaStack, MambaStackSubmodules  # noqa: E402
 from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules  # noqa: E402
@@ -71,11 +74,12 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: E402
 from megatron.core.transformer.torch_norm import WrappedTorchNorm  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
-from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules  # noqa: E402
+from megatron.core.transformer.transformer_layer import (MoETransformerLayer, TransformerLayer,  # noqa: E402
+                                                         TransformerLayerSubmodules)
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint  # noqa: E402
 from support.mcore_gpt_models import sharded_metadata  # noqa: E402
-from support.mcore_helpers import (RankLayout, _NoRngTracker, cpu_forward_patches, fake_group_queries,  # noqa: E402
-                                   fake_pg_collection, restored_attention_backend_env)
+from support.mcore_helpers import (RankLayout, _NoRngTracker, copied_config_fields, cpu_forward_patches,  # noqa: E402
+                                   expert_pg_collection, fake_group_queries, restored_attention_backend_env)
 
 
 class GatedNormWeight(torch.nn.Module):
@@ -116,13 +120,23 @@ def local_mamba_stack_spec() -> ModuleSpec:
     mlp = ModuleSpec(module=MLPLayer, submodules=TransformerLayerSubmodules(
         pre_mlp_layernorm=local.pre_mlp_layernorm, mlp=local.mlp, mlp_bda=get_bias_dropout_add,
         sharded_state_dict_keys_map=local.sharded_state_dict_keys_map))
+    # As mamba_stack_spec's: the pre-MLP norm separate (TENorm there), the experts the local backend's.
+    moe = ModuleSpec(module=MoETransformerLayer, submodules=TransformerLayerSubmodules(
+        pre_mlp_layernorm=local.pre_mlp_layernorm, mlp=get_moe_module_spec(use_te=False, num_experts=8),
+        mlp_bda=get_bias_dropout_add))
     return ModuleSpec(module=MambaStack, submodules=MambaStackSubmodules(
-        mamba_layer=mamba, attention_layer=attention, mlp_layer=mlp))
+        mamba_layer=mamba, attention_layer=attention, mlp_layer=mlp, moe_layer=moe))
 
 
 def _transformer_config(args: argparse.Namespace) -> TransformerConfig:
-    """What Megatron-LM's ``core_transformer_config_from_args`` copies for a Nemotron-H-style model."""
+    """What Megatron-LM's ``core_transformer_config_from_args`` copies for a Nemotron-H-style model (the MoE
+    fields by name, as for a GPT model, and the expert layout)."""
+    experts = {name: value for name, value in copied_config_fields(args).items() if name.startswith(("moe_", "num_moe"))}
+    if experts:
+        experts.update(expert_model_parallel_size=args.expert_model_parallel_size,
+                       expert_tensor_parallel_size=args.expert_tensor_parallel_size)
     return TransformerConfig(
+        **experts,
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
         num_query_groups=args.num_query_groups if args.group_query_attention else None,
         kv_channels=args.kv_channels, ffn_hidden_size=args.ffn_hidden_size, gated_linear_unit=False,
@@ -172,7 +186,7 @@ def _attributes() -> Iterator[Any]:
 
 def build_mamba_model(args: argparse.Namespace, layout: RankLayout) -> MambaModel:
     """megatron-core's MambaModel for one rank, as ``mamba_builder`` builds it from ``args``."""
-    groups = fake_pg_collection(layout.tp, layout.pp, layout.tp_rank, layout.pp_rank)
+    groups = expert_pg_collection(layout.tp, layout.pp, layout.ep, layout.tp_rank, layout.pp_rank, layout.ep_rank)
     with _construction_stand_ins():
         model = MambaModel(
             config=_transformer_config(args), mamba_stack_spec=local_mamba_stack_spec(),

@@ -1,4 +1,4 @@
-"""The tiny Nemotron-H (``NemotronHForCausalLM``, dense) several tests convert.
+"""The tiny Nemotron-H models (``NemotronHForCausalLM``, dense and MoE) several tests convert.
 
 It keeps the released configuration's structural fields (nvidia/Nemotron-H-8B-Base-8K, whose values are
 transformers' NemotronHConfig defaults: relu2 MLP, SiLU Mamba-2 mixers with a 4-wide biased convolution,
@@ -42,4 +42,26 @@ def _value(name: str, noise: torch.Tensor) -> torch.Tensor:
 def write_tiny_nemotron_h(directory: Path) -> Path:
     """The tiny model's HF checkpoint (seeded values, side files) in ``directory``."""
     model, _ = seeded_model(NemotronHForCausalLM, NemotronHConfig(**TINY), seed=3, value=_value)
+    return save_with_side_files(model, directory)
+
+
+# Nemotron 3 Nano's rhythm (nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B: Mamba and MoE layers alternating, an
+# attention layer every few) and its MoE settings (sigmoid router with e_score_correction_bias, one
+# group, renormalized top-k scaled by 2.5, one relu2 shared expert twice the routed experts' width), shrunk.
+MOE_PATTERN = "MEM*EMEM*E"
+MOE_KINDS = {**KINDS, "E": "moe"}
+TINY_MOE = dict(
+    TINY, layers_block_type=[MOE_KINDS[symbol] for symbol in MOE_PATTERN], n_routed_experts=8,
+    num_experts_per_tok=4, moe_intermediate_size=32, moe_shared_expert_intermediate_size=64, n_shared_experts=1,
+    routed_scaling_factor=2.5, n_group=1, topk_group=1, norm_topk_prob=True, moe_latent_size=None,
+)
+
+
+def write_tiny_nemotron_h_moe(directory: Path) -> Path:
+    """The tiny MoE model's HF checkpoint; the routers' expert bias (a buffer) seeded after the parameters."""
+    model, generator = seeded_model(NemotronHForCausalLM, NemotronHConfig(**TINY_MOE), seed=5, value=_value)
+    with torch.no_grad():
+        for name, buffer in sorted(model.named_buffers()):
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.05 * torch.randn(buffer.shape, generator=generator))
     return save_with_side_files(model, directory)

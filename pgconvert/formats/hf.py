@@ -420,10 +420,11 @@ def config_disagreements(doc: dict[str, Any], path: Path, config: ModelConfig) -
     ]
     for rule in family.rules:
         in_file, in_model = rule.write(described), rule.write(config)
+        # A key a rule writes for neither (Nemotron-H's MoE keys of a dense model) does not differ.
         differences += [
-            f"{key}: {in_file[key]!r} in the file, {in_model[key]!r} in the model"
+            f"{key}: {in_file.get(key)!r} in the file, {in_model.get(key)!r} in the model"
             for key in rule.keys
-            if in_file[key] != in_model[key]
+            if in_file.get(key) != in_model.get(key)
         ]
     return family, differences
 

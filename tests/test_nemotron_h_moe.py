@@ -157,19 +157,19 @@ def test_a_megatron_checkpoint_without_its_config_json_is_written_as_nemotron_h_
     torch.testing.assert_close(hf_logits(tmp_path / "hf", _ids()), hf_logits(tiny, _ids()), rtol=1e-5, atol=1e-5)
 
 
-def test_grouped_routing_is_carried_both_ways(tiny: Path, tmp_path: Path) -> None:
+def test_grouped_routing_and_an_integer_scaling_factor_are_carried_both_ways(tiny: Path, tmp_path: Path) -> None:
     """n_group=4, topk_group=2 with 4 experts per token: megatron-core scores a group by its best 4 // 2 = 2
     experts, transformers by its top-2 sum: the same routing."""
-    source = _edited(tiny, tmp_path, n_group=4, topk_group=2)
+    source = _edited(tiny, tmp_path, n_group=4, topk_group=2, routed_scaling_factor=2)
 
     pgconvert.convert(source, tmp_path / "mcore", dst_format="megatron", dst_ep=2)
     pgconvert.convert(tmp_path / "mcore", tmp_path / "hf", dst_format="hf")
 
     args = torch.load(tmp_path / "mcore" / ITERATION_DIR / "mp_rank_00_000" / "model_optim_rng.pt",
                       weights_only=False)["args"]
-    assert (args.moe_router_num_groups, args.moe_router_group_topk) == (4, 2)
+    assert (args.moe_router_num_groups, args.moe_router_group_topk, args.moe_router_topk_scaling_factor) == (4, 2, 2.0)
     written = json.loads((tmp_path / "hf" / "config.json").read_text())
-    assert (written["n_group"], written["topk_group"]) == (4, 2)
+    assert (written["n_group"], written["topk_group"], written["routed_scaling_factor"]) == (4, 2, 2.0)
 
 
 # --------------------------------------------------------------------------- 2. megatron-core's MambaModel
@@ -307,7 +307,7 @@ def _edited(tiny: Path, tmp_path: Path, **changes: object) -> Path:
 
 
 @pytest.mark.parametrize(("changes", "message"), [
-    ({"norm_topk_prob": False}, "norm_topk_prob=false: megatron-core renormalizes the chosen sigmoid scores"),
+    ({"norm_topk_prob": False}, "norm_topk_prob=False: megatron-core renormalizes the chosen sigmoid scores"),
     ({"moe_latent_size": 16}, "moe_latent_size=16: latent expert projections"),
     ({"num_experts_per_tok": 1}, "num_experts_per_tok=1: transformers renormalizes the one chosen score"),
     ({"n_group": 4, "topk_group": 1}, "n_group=4, topk_group=1 with num_experts_per_tok=4: transformers scores a "

@@ -120,7 +120,8 @@ def _given(present: Mapping[str, object], key: str, default: object) -> object:
     return value
 
 
-def _count(value: object, key: str, minimum: int = 0) -> int:
+def config_count(value: object, key: str, minimum: int = 0) -> int:
+    """A config.json count: an integer of at least ``minimum``."""
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ValueError(f"{key}={quote(value)}: expected an integer >= {minimum}")
     return value
@@ -135,7 +136,7 @@ def _dense_prefix(config: ModelConfig) -> int | None:
 
 def _layers_rule(default_dense: int) -> ConfigRule:
     def read(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
-        dense = _count(_given(present, "first_k_dense_replace", default_dense), "first_k_dense_replace")
+        dense = config_count(_given(present, "first_k_dense_replace", default_dense), "first_k_dense_replace")
         layers = model["num_layers"]
         assert isinstance(layers, int)
         pattern = tuple(int(layer >= dense) for layer in range(layers))
@@ -157,7 +158,7 @@ def _layers_rule(default_dense: int) -> ConfigRule:
 
 def _shared_rule(default: int) -> ConfigRule:
     def read(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
-        count = _count(present.get("n_shared_experts", default), "n_shared_experts")
+        count = config_count(present.get("n_shared_experts", default), "n_shared_experts")
         size = model["moe_ffn_hidden_size"]
         assert isinstance(size, int)
         return {"moe_shared_expert_intermediate_size": count * size if count else None}
@@ -182,8 +183,8 @@ def router_groups(present: Mapping[str, object], model: Mapping[str, object], pe
     the config class's ``n_group`` and ``topk_group`` where absent (a None one, or a null, is refused:
     transformers' grouped router divides by them as given). A setting megatron-core scores
     differently raises."""
-    groups = _count(_given(present, "n_group", defaults[0]), "n_group", 1)
-    chosen = _count(_given(present, "topk_group", defaults[1]), "topk_group", 1)
+    groups = config_count(_given(present, "n_group", defaults[0]), "n_group", 1)
+    chosen = config_count(_given(present, "topk_group", defaults[1]), "topk_group", 1)
     experts, topk = model["num_experts"], model["moe_router_topk"]
     if not isinstance(topk, int):
         raise ValueError(f"num_experts_per_tok={quote(topk)}: grouped routing needs the number of experts per token")
@@ -201,7 +202,8 @@ def router_groups(present: Mapping[str, object], model: Mapping[str, object], pe
     return groups, chosen
 
 
-def _scaling(present: Mapping[str, object], default: float) -> float:
+def routed_scaling(present: Mapping[str, object], default: float) -> float:
+    """``routed_scaling_factor`` (``default`` where absent), a number."""
     value = present.get("routed_scaling_factor", default)
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise ValueError(f"routed_scaling_factor={quote(value)}: expected a number")
@@ -217,7 +219,7 @@ def _v3_router_read(present: Mapping[str, object], model: Mapping[str, object]) 
                          "(norm_topk_prob), megatron-core keeps its sigmoid score; no megatron-core equivalent")
     groups = router_groups(present, model, per_group=2, defaults=(8, 4))
     return {"moe_router_num_groups": groups and groups[0], "moe_router_group_topk": groups and groups[1],
-            "moe_router_topk_scaling_factor": _scaling(present, 2.5)}
+            "moe_router_topk_scaling_factor": routed_scaling(present, 2.5)}
 
 
 def _v3_router_write(config: ModelConfig) -> Mapping[str, object]:
@@ -244,7 +246,7 @@ def _v2_router_read(present: Mapping[str, object], model: Mapping[str, object]) 
     grouped = method == "group_limited_greedy"
     groups = router_groups(present, model, per_group=1, defaults=(None, None)) if grouped else None
     return {"moe_router_num_groups": groups and groups[0], "moe_router_group_topk": groups and groups[1],
-            "moe_router_topk_scaling_factor": _scaling(present, 1.0)}
+            "moe_router_topk_scaling_factor": routed_scaling(present, 1.0)}
 
 
 def _v2_router_write(config: ModelConfig) -> Mapping[str, object]:
@@ -271,7 +273,7 @@ DEFAULT_Q_LORA = 1536
 def _q_lora_read(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
     """``q_lora_rank``: 1536 where absent (the config classes' default), null: no q down projection."""
     value = present.get("q_lora_rank", DEFAULT_Q_LORA)
-    return {"q_lora_rank": None if value is None else _count(value, "q_lora_rank", 1)}
+    return {"q_lora_rank": None if value is None else config_count(value, "q_lora_rank", 1)}
 
 
 def _q_lora_write(config: ModelConfig) -> Mapping[str, object]:

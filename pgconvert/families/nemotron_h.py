@@ -43,7 +43,7 @@ from pgconvert.errors import CheckpointError
 from pgconvert.io.limits import quote
 from pgconvert.semantics.carried import CarriedSetting
 from pgconvert.model.config import HYBRID_SYMBOLS, POSTNORM_OFF, ModelConfig
-from pgconvert.families.deepseek import DEEPSEEK_COMPUTES, router_groups
+from pgconvert.families.deepseek import DEEPSEEK_COMPUTES, config_count, routed_scaling, router_groups
 from pgconvert.families.table import QKV, ConfigField, ConfigRule, Family, TensorMapping, TensorTable
 
 _LAYER = "backbone.layers.{}."
@@ -119,8 +119,7 @@ def _non_negative(args: argparse.Namespace, name: str, default: object, path: Pa
 # NemotronHConfig's defaults of the MoE keys.
 _MOE_DEFAULTS: dict[str, object] = {
     "n_routed_experts": 8, "moe_intermediate_size": 7688, "num_experts_per_tok": 2,
-    "moe_shared_expert_intermediate_size": 7688, "routed_scaling_factor": 1.0, "norm_topk_prob": True,
-    "moe_latent_size": None}
+    "moe_shared_expert_intermediate_size": 7688}
 # The MoE settings of a model without E layers (ModelConfig's defaults).
 _NO_EXPERTS: dict[str, object] = {
     "num_experts": None, "moe_ffn_hidden_size": None, "moe_router_topk": 2,
@@ -129,14 +128,9 @@ _NO_EXPERTS: dict[str, object] = {
     "moe_router_topk_scaling_factor": None}
 
 
-def _moe_value(present: Mapping[str, object], key: str, kind: type, minimum: float) -> object:
-    """``present[key]`` (NemotronHConfig's default where absent), of ``kind`` and at least ``minimum``."""
-    value = present.get(key, _MOE_DEFAULTS[key])
-    if not isinstance(value, kind) or isinstance(value, bool) != (kind is bool) or (
-            kind is not bool and (not math.isfinite(value) or value < minimum)):  # type: ignore[operator,arg-type]
-        raise ValueError(f"{key}={quote(value)}: expected {kind.__name__ if kind is not float else 'a number'}"
-                         + ("" if kind is bool else f" >= {minimum}"))
-    return value
+def _moe_count(present: Mapping[str, object], key: str, minimum: int = 1) -> int:
+    """``present[key]`` (NemotronHConfig's default where absent), an integer of at least ``minimum``."""
+    return config_count(present.get(key, _MOE_DEFAULTS[key]), key, minimum)
 
 
 def _read_experts(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
@@ -147,17 +141,18 @@ def _read_experts(present: Mapping[str, object], model: Mapping[str, object]) ->
     if present.get("moe_latent_size") is not None:
         raise ValueError(f"moe_latent_size={quote(present['moe_latent_size'])}: latent expert projections "
                          "(fc1_latent_proj/fc2_latent_proj) are not converted; needs null")
-    if _moe_value(present, "norm_topk_prob", bool, 0) is not True:
-        raise ValueError("norm_topk_prob=false: megatron-core renormalizes the chosen sigmoid scores; needs true")
-    topk = _moe_value(present, "num_experts_per_tok", int, 1)
+    if present.get("norm_topk_prob", True) is not True:
+        raise ValueError(f"norm_topk_prob={quote(present['norm_topk_prob'])}: megatron-core renormalizes the chosen "
+                         "sigmoid scores; needs true")
+    topk = _moe_count(present, "num_experts_per_tok")
     if topk == 1:
         raise ValueError("num_experts_per_tok=1: transformers renormalizes the one chosen score to 1 "
                          "(norm_topk_prob), megatron-core keeps its sigmoid score; no megatron-core equivalent")
-    values = {"num_experts": _moe_value(present, "n_routed_experts", int, 1), "moe_router_topk": topk,
-              "moe_ffn_hidden_size": _moe_value(present, "moe_intermediate_size", int, 1),
-              "moe_shared_expert_intermediate_size": _moe_value(present, "moe_shared_expert_intermediate_size", int, 1),
+    values = {"num_experts": _moe_count(present, "n_routed_experts"), "moe_router_topk": topk,
+              "moe_ffn_hidden_size": _moe_count(present, "moe_intermediate_size"),
+              "moe_shared_expert_intermediate_size": _moe_count(present, "moe_shared_expert_intermediate_size"),
               "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
-              "moe_router_topk_scaling_factor": float(_moe_value(present, "routed_scaling_factor", float, 0))}
+              "moe_router_topk_scaling_factor": routed_scaling(present, 1.0)}
     groups = router_groups(present, values, per_group=2, defaults=(1, 1))
     return {**values, "moe_router_num_groups": groups and groups[0], "moe_router_group_topk": groups and groups[1]}
 

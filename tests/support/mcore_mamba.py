@@ -3,7 +3,8 @@
 ``pretrain_mamba.py``'s ``mamba_builder`` builds ``MambaModel(config, mamba_stack_spec, vocab_size=
 padded_vocab_size, hybrid_override_pattern=..., pre_process, post_process, position_embedding_type, ...)``
 from the rank file's args. Three things megatron-core ships need what this machine lacks, and each is
-replaced by the narrowest stand-in for construction only (no forward runs here):
+replaced by the narrowest stand-in for construction only (no Mamba or attention forward runs here; an ``E``
+layer's MoELayer is plain megatron-core and runs its own CPU forward under ``cpu_forward_patches``):
 
 - the only Mamba stack spec megatron-core ships (``models/mamba/mamba_layer_specs.py``) is made of
   Transformer Engine modules; the spec here is megatron-core's own classes with its local linears and
@@ -122,6 +123,7 @@ def local_mamba_stack_spec() -> ModuleSpec:
         sharded_state_dict_keys_map=local.sharded_state_dict_keys_map))
     # As mamba_stack_spec's: the pre-MLP norm separate (TENorm there), the experts the local backend's.
     moe = ModuleSpec(module=MoETransformerLayer, submodules=TransformerLayerSubmodules(
+        # num_experts only guards the spec's construction (mamba_stack_spec passes 8); the config sets the count.
         pre_mlp_layernorm=local.pre_mlp_layernorm, mlp=get_moe_module_spec(use_te=False, num_experts=8),
         mlp_bda=get_bias_dropout_add))
     return ModuleSpec(module=MambaStack, submodules=MambaStackSubmodules(

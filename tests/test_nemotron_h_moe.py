@@ -30,6 +30,7 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 from support.checkpoint_compare import read_common
 from support.hf_helpers import assert_same_hf_tensors, hf_logits, input_ids, read_megatron_tp_ranks
+from support.mamba_reference import hybrid_logits
 from support.nemotron_h_models import MOE_PATTERN, TINY_MOE, write_tiny_nemotron_h_moe
 from support.torch_dist_forms import FOR_MCORE_016
 
@@ -101,6 +102,18 @@ def test_round_trip_through_megatron_is_bit_exact_and_computes_the_same_logits(
                 "moe_shared_expert_intermediate_size", "routed_scaling_factor", "n_group", "topk_group"):
         assert written[key] == TINY_MOE[key], key
     torch.testing.assert_close(hf_logits(tmp_path / "hf", _ids()), hf_logits(tiny, _ids()), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", [dict(dst_tp=1, dst_ep=2), dict(dst_tp=2, dst_ep=2)], ids=["tp1ep2", "tp2ep2"])
+def test_the_rank_files_compute_transformers_logits(tiny: Path, tmp_path: Path, layout: dict[str, int]) -> None:
+    """An independent forward (``support.mamba_reference``, float64) over the TP-sharded, EP-joined rank files of
+    megatron-core's TE Mamba spec (grouped experts)."""
+    pgconvert.convert(tiny, tmp_path / "mcore", dst_format="megatron", **layout)
+    config = json.loads((tiny / "config.json").read_text())
+
+    reference = hybrid_logits(read_megatron_tp_ranks(tmp_path / "mcore"), config, _ids())
+
+    torch.testing.assert_close(reference.to(torch.float32), hf_logits(tiny, _ids()), rtol=1e-5, atol=1e-5)
 
 
 def test_the_args_describe_the_moe_layers_as_megatron_lm_records_them(tiny: Path, tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""An independent forward pass of a hybrid (Mamba-2 / attention / MLP) model over Megatron TP rank files.
+"""An independent forward pass of a hybrid (Mamba-2 / attention / MLP / MoE) model over Megatron TP rank files.
 
 Written from the layer equations and megatron-core 0.16.1's tensor-parallel layout (ssm/mamba_mixer.py),
 not from either implementation: rank r's ``in_proj`` rows are its ``[z_r; x_r; B_r; C_r; dt_r]`` and its
@@ -13,7 +13,10 @@ token at a time (transformers' torch path uses the chunked form), in float64:
 then ``y · silu(z)``, RMS-normalized per group of ``d_inner / ngroups`` channels (eps 1e-5, megatron-core's
 RMSNormGated) and scaled by the norm's weight. Keys are the Transformer-Engine spec's (megatron-core's
 ``mamba_stack_spec``, the only Mamba spec it ships): each layer's input norm is fused into its first
-linear. Nothing here imports pgconvert.
+linear, but an MoE layer's, which is a separate ``pre_mlp_layernorm``. An MoE layer (one group of experts
+only) chooses each token's top-k experts by sigmoid score plus the router's expert bias, weights them by
+their unbiased scores renormalized and scaled by ``routed_scaling_factor``, and adds the shared expert;
+every expert is column/row-parallel over TP like the MLP. Nothing here imports pgconvert.
 """
 
 from __future__ import annotations
@@ -108,16 +111,35 @@ def _attention(models: Ranks, prefix: str, h: torch.Tensor, config: dict[str, An
     return out
 
 
-def _squared_relu_mlp(models: Ranks, prefix: str, h: torch.Tensor) -> torch.Tensor:
-    return sum(torch.relu(h @ model[prefix + "mlp.linear_fc1.weight"].T).square()  # type: ignore[return-value]
-               @ model[prefix + "mlp.linear_fc2.weight"].T for model in models)
+def _squared_relu_mlp(models: Ranks, module: str, h: torch.Tensor) -> torch.Tensor:
+    """``module``'s ``linear_fc1``/``linear_fc2`` (column/row-parallel) with squared ReLU between."""
+    return sum(torch.relu(h @ model[module + "linear_fc1.weight"].T).square()  # type: ignore[return-value]
+               @ model[module + "linear_fc2.weight"].T for model in models)
+
+
+def _moe(models: Ranks, prefix: str, h: torch.Tensor, config: dict[str, Any]) -> torch.Tensor:
+    """Sigmoid routing with the expert bias choosing, the chosen scores renormalized and scaled; every expert
+    computed for every token and weighted (zero where not chosen); plus the shared expert."""
+    assert config.get("n_group", 1) == 1, "the reference routes without expert groups"
+    scores = torch.sigmoid(h @ _replicated(models, prefix + "mlp.router.weight").T)
+    chosen = (scores + _replicated(models, prefix + "mlp.router.expert_bias")).topk(
+        config["num_experts_per_tok"], dim=-1).indices
+    weights = scores.gather(-1, chosen)
+    weights = weights / weights.sum(-1, keepdim=True) * config["routed_scaling_factor"]
+    out = _squared_relu_mlp(models, prefix + "mlp.shared_experts.", h)
+    for expert in range(config["n_routed_experts"]):
+        weight = (weights * (chosen == expert)).sum(-1, keepdim=True)
+        out = out + weight * _squared_relu_mlp(models, prefix + f"mlp.experts.local_experts.{expert}.", h)
+    return out
 
 
 # Each layer kind: its (TE-spec) input norm, and its sublayer.
 _LAYERS = {
     "M": ("mixer.in_proj.layer_norm_weight", lambda models, prefix, h, config: mamba_mixer(models, prefix, h, config)),
     "*": ("self_attention.linear_qkv.layer_norm_weight", _attention),
-    "-": ("mlp.linear_fc1.layer_norm_weight", lambda models, prefix, h, config: _squared_relu_mlp(models, prefix, h)),
+    "-": ("mlp.linear_fc1.layer_norm_weight",
+          lambda models, prefix, h, config: _squared_relu_mlp(models, prefix + "mlp.", h)),
+    "E": ("pre_mlp_layernorm.weight", _moe),
 }
 
 
@@ -126,7 +148,7 @@ SYMBOLS = {"linear_attention": "M", "full_attention": "*", "mlp": "-", "moe": "E
 
 
 def hybrid_logits(models: Ranks, config: dict[str, Any], ids: torch.Tensor) -> torch.Tensor:
-    """Logits of a dense Nemotron-H-style model (``config``: its config.json) from TP rank files."""
+    """Logits of a Nemotron-H-style model (``config``: its config.json) from TP rank files."""
     eps = config["layer_norm_epsilon"]
     x = vocab_parallel_embedding(models, ids)
     for layer, symbol in enumerate(SYMBOLS[kind] for kind in config["layers_block_type"]):

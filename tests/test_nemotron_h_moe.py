@@ -185,6 +185,17 @@ def test_grouped_routing_and_an_integer_scaling_factor_are_carried_both_ways(tin
     assert (written["n_group"], written["topk_group"], written["routed_scaling_factor"]) == (4, 2, 2.0)
 
 
+def test_the_expert_count_under_transformers_alias_num_local_experts_is_read(tiny: Path) -> None:
+    from pgconvert.formats.hf import model_config_from_hf
+
+    doc = json.loads((tiny / "config.json").read_text())
+    doc["num_local_experts"] = doc.pop("n_routed_experts")
+
+    _, config, _ = model_config_from_hf(doc, Path("config.json"))
+
+    assert config.moe.num_experts == 8
+
+
 # --------------------------------------------------------------------------- 2. megatron-core's MambaModel
 
 

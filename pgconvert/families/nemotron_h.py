@@ -24,7 +24,8 @@ MoE layers (``E``, Nemotron 3 Nano): transformers' NemotronHMoE <-> megatron-cor
 pre-norm is the layer's ``norm``: the router ``gate.weight`` and its ``e_score_correction_bias``
 (``router.expert_bias``), non-gated relu2 experts ``experts.{j}.up_proj``/``down_proj`` (stored one
 per expert; transformers merges them on load) and one shared expert of
-``moe_shared_expert_intermediate_size`` (transformers ignores ``n_shared_experts``). The router is
+``moe_shared_expert_intermediate_size`` (transformers ignores ``n_shared_experts``), the names Megatron-Bridge's
+NemotronHBridge maps too. The router is
 DeepSeek-V3's (``pgconvert.families.deepseek``): sigmoid scores plus the bias choose, the chosen scores
 are renormalized (megatron-core always does with top-k > 1, so ``norm_topk_prob`` must be true) and
 scaled by ``routed_scaling_factor``; groups score by their top-2 sum. ``moe_latent_size`` (latent
@@ -118,7 +119,7 @@ def _non_negative(args: argparse.Namespace, name: str, default: object, path: Pa
 
 # NemotronHConfig's defaults of the MoE keys.
 _MOE_DEFAULTS: dict[str, object] = {
-    "n_routed_experts": 8, "moe_intermediate_size": 7688, "num_experts_per_tok": 2,
+    "moe_intermediate_size": 7688, "num_experts_per_tok": 2,
     "moe_shared_expert_intermediate_size": 7688}
 # The MoE settings of a model without E layers (ModelConfig's defaults).
 _NO_EXPERTS: dict[str, object] = {
@@ -148,7 +149,9 @@ def _read_experts(present: Mapping[str, object], model: Mapping[str, object]) ->
     if topk == 1:
         raise ValueError("num_experts_per_tok=1: transformers renormalizes the one chosen score to 1 "
                          "(norm_topk_prob), megatron-core keeps its sigmoid score; no megatron-core equivalent")
-    values = {"num_experts": _moe_count(present, "n_routed_experts"), "moe_router_topk": topk,
+    # num_local_experts: the alias NemotronHConfig's attribute_map reads as n_routed_experts.
+    experts = config_count(present.get("n_routed_experts", present.get("num_local_experts", 8)), "n_routed_experts", 1)
+    values = {"num_experts": experts, "moe_router_topk": topk,
               "moe_ffn_hidden_size": _moe_count(present, "moe_intermediate_size"),
               "moe_shared_expert_intermediate_size": _moe_count(present, "moe_shared_expert_intermediate_size"),
               "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
@@ -193,7 +196,7 @@ _EXPERTS = ConfigRule(
           "moe_shared_expert_intermediate_size", "routed_scaling_factor", "norm_topk_prob", "n_group", "topk_group",
           "moe_latent_size"),
     model_fields=tuple(_NO_EXPERTS), read=_read_experts, write=_write_experts, refuses=_refuses_experts,
-    null_keys=("moe_latent_size",))
+    null_keys=("moe_latent_size",), legacy_keys=("num_local_experts",))
 
 
 # transformers' layers_block_type values by hybrid_override_pattern symbol (NemotronHConfig._pattern_to_list).

@@ -34,6 +34,7 @@ from pgconvert.loaders.torch_dist import TorchDistLoader
 from pgconvert.cli import main
 from pgconvert.errors import CheckpointError, LayoutError, PgconvertError, StrictModeError, UnsafePickleError
 from pgconvert.formats import LoadOptions, SaveOptions
+from pgconvert.model.config import ModelConfig
 from pgconvert.model.layout import ParallelLayout
 from pgconvert.formats.names import loader_names, saver_names
 from pgconvert.formats.registry import detect_format, get_loader
@@ -630,14 +631,26 @@ def test_metadata_json_naming_another_backend_is_refused(dist_checkpoint: Path, 
         from_torch_dist(dist_checkpoint, tmp_path / "dst")
 
 
-def test_singleton_local_shards_naming_is_refused_by_name(dist_checkpoint: Path, tmp_path: Path) -> None:
+def test_singleton_local_shards_metadata_with_stacked_keys_is_named(dist_checkpoint: Path, tmp_path: Path) -> None:
+    # The metadata says one key per layer, gate/up halves apart (test_torch_dist_mcore reads megatron-core's own
+    # such save); the keys are stacked: the mismatch is named with the naming the metadata asked for.
     common_path = dist_checkpoint / ITERATION_DIR / "common.pt"
     common = load_for_test(common_path)
     common["content_metadata"]["singleton_local_shards"] = True
     torch.save(common, common_path)
 
-    with pytest.raises(CheckpointError, match="saved with singleton_local_shards=True"):
+    with pytest.raises(CheckpointError, match=r"one key per layer, singleton_local_shards\); missing: \[.*"
+                                              r"'decoder\.layers\.0\.mlp\.linear_fc1\.weight_w'"):
         from_torch_dist(dist_checkpoint, tmp_path / "dst")
+
+
+def test_singleton_local_shards_of_grouped_gemm_experts_is_refused_by_name() -> None:
+    from pgconvert.formats.torch_dist import refuse_singleton
+
+    config = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=96, vocab_size=128,
+                         num_experts=4, moe_ffn_hidden_size=32, moe_grouped_gemm=True)
+    with pytest.raises(CheckpointError, match="x: saved with singleton_local_shards=True and moe_grouped_gemm=True"):
+        refuse_singleton(config, "x")
 
 
 def test_unknown_tensor_key_is_named_and_training_state_is_reported(dist_checkpoint: Path, tmp_path: Path) -> None:

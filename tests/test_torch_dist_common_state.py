@@ -119,6 +119,24 @@ def test_a_changed_byte_is_named_with_both_digests(megatron: Path, tmp_path: Pat
     assert any(str(data) in problem and expected in problem and actual in problem for problem in report.file_problems)
 
 
+def test_files_are_hashed_alike_one_or_several_at_a_time(megatron: Path, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    import pgconvert.formats.torch_dist_integrity as integrity
+
+    directory = to_torch_dist(megatron, tmp_path / "dist", max_shard_size=20000) / ITERATION
+    data = sorted(directory.glob("__0_*.distcp"))
+    assert len(data) >= 3
+    texts = []
+    for threads in (1, 4):
+        monkeypatch.setattr(integrity, "HASH_THREADS", threads)
+        texts.append(integrity.manifest_text(directory))
+    assert texts[0] == texts[1] == integrity_manifest_of(directory) == (directory / "integrity.json").read_text()
+    for path in (data[0], data[-1]):
+        flip_byte(path, path.stat().st_size // 2)
+    present, problems = integrity.integrity_problems(directory)
+    assert present and [problem.split(":")[0] for problem in problems] == [str(data[0]), str(data[-1])]
+
+
 def test_a_manifest_that_lies_or_names_a_missing_file_is_refused(megatron: Path, tmp_path: Path) -> None:
     out = to_torch_dist(megatron, tmp_path / "dist")
     manifest_path = out / ITERATION / "integrity.json"

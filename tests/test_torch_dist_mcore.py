@@ -123,18 +123,27 @@ def test_pgconvert_writes_the_files_megatron_core_writes_for_a_single_rank(tmp_p
     assert all(torch.equal(ours_tensors[key], theirs_tensors[key]) for key in theirs_tensors)
 
 
-SAVE_CASES = [("gqa_swiglu_rmsnorm_untied", 2, 2, 1), ("mha_gelu_layernorm_bias_tied", 1, 2, 1),
-              ("moe_list_freq", 2, 1, 2), ("moe_every_layer", 1, 2, 2)]
+# (model, tp, pp, ep, singleton_local_shards: one key per layer and expert, gated linear_fc1 halves apart)
+SAVE_CASES = [("gqa_swiglu_rmsnorm_untied", 2, 2, 1, False), ("mha_gelu_layernorm_bias_tied", 1, 2, 1, False),
+              ("moe_list_freq", 2, 1, 2, False), ("moe_every_layer", 1, 2, 2, False),
+              ("gqa_swiglu_rmsnorm_untied", 2, 2, 1, True), ("moe_every_layer", 2, 1, 2, True)]
 
 
-@pytest.mark.parametrize(("name", "tp", "pp", "ep"), SAVE_CASES,
-                         ids=[f"{c[0]}-tp{c[1]}pp{c[2]}ep{c[3]}" for c in SAVE_CASES])
+@pytest.mark.parametrize(("name", "tp", "pp", "ep", "singleton"), SAVE_CASES,
+                         ids=[f"{c[0]}-tp{c[1]}pp{c[2]}ep{c[3]}" + ("-singleton" if c[4] else "") for c in SAVE_CASES])
 def test_checkpoint_saved_by_megatron_core_reads_back_bit_exact(tmp_path: Path, name: str, tp: int, pp: int,
-                                                               ep: int) -> None:
+                                                               ep: int, singleton: bool) -> None:
     m = MODELS[name]
     full = make_full_model(m, seed=5)
     root = tmp_path / "mcore"
-    run_megatron_core("save", name, root / ITERATION_DIR, tmp_path / "job", tp=tp, pp=pp, ep=ep, seed=5)
+    run_megatron_core("save", name, root / ITERATION_DIR, tmp_path / "job", tp=tp, pp=pp, ep=ep, seed=5,
+                      singleton=singleton)
+    if singleton:  # the naming read: gate and up halves apart, one key per layer and per expert
+        keys = set(read_layout(root / ITERATION_DIR)[0])
+        halves = ["decoder.layers.3.mlp.shared_experts.linear_fc1.weight_w",
+                  "decoder.layers.3.mlp.experts.experts.7.linear_fc1.weight_v"] if m.is_moe else [
+                  "decoder.layers.3.mlp.linear_fc1.weight_w", "decoder.layers.3.mlp.linear_fc1.weight_v"]
+        assert set(halves) <= keys and "decoder.layers.self_attention.linear_qkv.weight" not in keys
     (root / "latest_checkpointed_iteration.txt").write_text("100")
 
     report = pgconvert.convert(root, tmp_path / "megatron", src_format="torch_dist", dst_format="megatron",

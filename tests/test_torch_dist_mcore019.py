@@ -8,8 +8,8 @@ skipped where it does not exist or holds another megatron-core. That venv: Pytho
 
 What 0.19.2 checks:
 
-1. It loads pgconvert's default torch_dist output, in its own form (``--dst-torch-dist-common store``: the common state
-   inside the checkpoint, ``integrity.json``) with ``dist_checkpointing.load(verify_integrity=True,
+1. It loads pgconvert's default torch_dist output, in its own form (``--dst-torch-dist-common store``: the common
+   state inside the checkpoint, ``integrity.json``) with ``dist_checkpointing.load(verify_integrity=True,
    strict="raise_all")`` and ``load_state_dict(strict=True)``, into a TP2 model from TP1-recorded args; every
    tensor is the fixture's slice for its rank.
 2. A checkpoint it saves itself at TP2 (gloo ranks, ``verify_integrity=True``: common state in the store and the
@@ -21,6 +21,10 @@ What 0.19.2 checks:
 5. MTP: 0.19.2's GPTModel with a multi-token-prediction layer (``mtp_model_layer`` in the module) loads
    pgconvert's per-rank file written with ``--dst-mtp-layer-name mtp_model_layer`` strictly, and its
    sharded_state_dict declares exactly the torch_dist keys and chunks pgconvert writes (``transformer_layer``).
+6. Optimizer: 0.19.2's own GPTModel, DDP and DistributedOptimizer (``support/mcore_optimizer_step.py``) load
+   pgconvert's TP1 torch_dist conversion of Megatron-LM's TP2 DP2 distributed-optimizer goldens (fully_reshardable
+   at DP2, dp_reshardable at DP1; the default form) with ``dist_checkpointing.load`` and take one step on fixed
+   gradients equal to the step 0.19.2 takes from the golden itself.
 """
 
 from __future__ import annotations
@@ -187,3 +191,24 @@ def test_megatron_core_019s_mtp_layer_loads_mtp_model_layer_and_declares_transfo
     assert sorted(tensors) == sorted(declared["tensors"])
     for key, (shape, chunks) in declared["tensors"].items():
         assert list(tensors[key][0]) == shape and [[list(o), list(s)] for o, s in tensors[key][2]] == chunks, key
+
+
+GOLDENS = Path(__file__).parent / "data" / "megatron_lm"
+
+
+@pytest.mark.parametrize(("form", "target_dp"), [("fully_reshardable", 2), ("dp_reshardable", 1)])
+def test_megatron_core_019_loads_the_optimizer_state_and_steps_as_the_original(tmp_path: Path, form: str,
+                                                                                target_dp: int) -> None:
+    from support.mcore_step_check import BF16_ATOL, BF16_RTOL, assert_same_step, fixed_gradients, run_steps
+
+    source = GOLDENS / f"train_tp2dp2_distopt_{form}_torch_dist"
+    pgconvert.convert(source, tmp_path / "td1", dst_format="torch_dist", dst_tp=1)
+    pgconvert.convert(source, tmp_path / "model", dst_format="megatron", dst_tp=1, skip_optimizer=True)
+    fixed_gradients(tmp_path / "model", tmp_path / "grads.pt", scale=3e-2)
+    runs = [(tmp_path / "td1" / "iter_0000002", tmp_path / "out_td1", target_dp),
+            (source / "iter_0000002", tmp_path / "out_src", 2)]
+    target, original = run_steps(tmp_path / "grads.pt", runs, python=PYTHON)
+    assert len(target) == target_dp and len(original) == 4
+    args = read_common(source / "iter_0000002")["args"]
+    assert args.use_distributed_optimizer and args.bf16
+    assert_same_step(target, original, args, (BF16_RTOL, BF16_ATOL))

@@ -86,7 +86,7 @@ class FsdpDtensorSource(CanonicalSource):
         run_dtype = "bf16" if getattr(args, "bf16", False) else "fp16" if getattr(args, "fp16", False) else None
         stored = {self.meta(name).dtype for name in self.names()}
         if run_dtype and stored == {torch.float32}:
-            self.notices.append(f"{self.directory}: the run trained in {run_dtype} (args.{run_dtype}), but Megatron-FSDP "
+            self.notices.append(f"{self.directory}: the run trained in {run_dtype} (--{run_dtype}), but Megatron-FSDP "
                                 f"stores its fp32 main weights: they are written as fp32 unless --dtype {run_dtype} "
                                 "asks for the run's dtype")
 

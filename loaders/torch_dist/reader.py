@@ -53,6 +53,7 @@ from pgconvert.formats.torch_dist import (
     EXPERTS_KEY,
     hybrid_optimizer_refusal,
     is_extra_state,
+    refuse_singleton,
     is_training_state,
     read_checkpoint_config,
     read_dcp_metadata,
@@ -81,16 +82,15 @@ class TorchDistSource(CanonicalSource):
         if not isinstance(args, argparse.Namespace):
             raise CheckpointError(f"{common_path}: no 'args' namespace; cannot determine the model and layout")
         content = common.get("content_metadata") or {}
-        if isinstance(content, dict) and content.get("singleton_local_shards"):
-            raise CheckpointError(
-                f"{common_path}: saved with singleton_local_shards=True (one key per expert and per gate/up "
-                "half); pgconvert reads the default naming (singleton_local_shards=False) only"
-            )
+        # megatron-core's singleton_local_shards naming: one key per layer and per expert, gate/up halves apart
+        singleton = self._singleton = isinstance(content, dict) and content.get("singleton_local_shards") is True
         self.layout, config = model_from_args(args, common_path, options, early_notices)
+        if singleton:
+            refuse_singleton(config, str(common_path))
         check_declared_counts(config.to_dict(), _stored_counts(self._metadata, str(metadata_path)), str(common_path),
                               arg_name)
         validate_source_layout(self.layout, config, common_path)
-        self._locations = tensor_locations(config)
+        self._locations = tensor_locations(config, singleton)
         rows, training_entries = self._index(config, metadata_path)
         check_vocab_rows(args, self.layout, config, rows, common_path, metadata_path, options, early_notices)
         if iteration is None and isinstance(common.get("iteration"), int) and not release:
@@ -177,7 +177,8 @@ class TorchDistSource(CanonicalSource):
             raise CheckpointError(
                 f"{metadata_path}: keys do not match the model described by common.pt's args "
                 f"(transformer_impl={config.transformer_impl}, "
-                f"{'layers stacked' if stacked_layers(config) else 'one key per layer'}); "
+                f"{'layers stacked' if stacked_layers(config) and not self._singleton else 'one key per layer'}"
+                f"{', singleton_local_shards' if self._singleton else ''}); "
                 f"missing: {missing}; unexpected: {unexpected}"
                 + (f"; the args declare them by {named_values(config, declared, arg_name)}" if declared else "")
             )
@@ -276,6 +277,9 @@ class TorchDistSource(CanonicalSource):
         hybrid = hybrid_optimizer_refusal(self.config)
         if hybrid is not None:
             return hybrid
+        if self._singleton:
+            return (f"{self.directory}: optimizer state saved with singleton_local_shards=True (records per expert "
+                    "and per gate/up half) is not read; pass --skip-optimizer")
         if not self.config.moe.num_experts:
             return None
         try:

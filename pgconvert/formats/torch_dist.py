@@ -211,6 +211,17 @@ def _dist_layer_name(kind: TensorKind, config: ModelConfig) -> str:
     return fused_norm_name(kind.canonical) or kind.canonical
 
 
+def refuse_singleton(config: ModelConfig, where: str) -> None:
+    """What ``singleton_local_shards`` naming is not read for: grouped-GEMM experts (TEGroupedMLP's and the legacy
+    GroupedMLP's keys per local expert), hybrid models."""
+    if config.moe.num_experts and config.moe.moe_grouped_gemm:
+        raise CheckpointError(f"{where}: saved with singleton_local_shards=True and moe_grouped_gemm=True: pgconvert "
+                              "reads that naming for SequentialMLP experts only")
+    if config.hybrid_override_pattern is not None:
+        raise CheckpointError(f"{where}: a hybrid model saved with singleton_local_shards=True: pgconvert reads "
+                              "that naming for GPT models only")
+
+
 def hybrid_optimizer_refusal(config: ModelConfig) -> str | None:
     """Why a hybrid model's optimizer state is not read or written in a distributed checkpoint (None: the model
     is not hybrid): its Mamba parameters have no place in pgconvert's megatron-core module order
@@ -221,19 +232,31 @@ def hybrid_optimizer_refusal(config: ModelConfig) -> str | None:
             f"{quote(config.hybrid_override_pattern)} (Mamba layers) is not converted; pass --skip-optimizer")
 
 
-def _dist_segments(kind: TensorKind, config: ModelConfig, shape: tuple[int, ...]) -> tuple[DistSegment, ...]:
-    """The keys a tensor of ``kind`` is stored as: one per window of its rule's single piece, named by the kind."""
-    if not kind.dist_segments:
+# megatron-core's ``apply_swiglu_sharded_factory`` with ``singleton_local_shards``: a gated linear_fc1's gate and up
+# halves as keys of their own, the key followed by these.
+GATED_HALVES = ("_w", "_v")
+
+
+def _dist_segments(kind: TensorKind, config: ModelConfig, shape: tuple[int, ...],
+                   singleton: bool = False) -> tuple[DistSegment, ...]:
+    """The keys a tensor of ``kind`` is stored as: one per window of its rule's single piece, named by the kind;
+    with ``singleton`` (``singleton_local_shards``) a gated linear's two halves."""
+    rule = kind.rule_for(config)
+    names = tuple(f".{name}" for name in kind.dist_segments)
+    if not names and singleton and rule.row_segments == len(GATED_HALVES):
+        names = GATED_HALVES
+    if not names:
         return ()
-    windows = kind.rule_for(config).piece_windows(shape, 1, 0)
-    assert len(windows) == len(kind.dist_segments) and all(window.dim == 0 for window in windows), kind.canonical
-    return tuple(DistSegment(f".{name}", window.start, window.length)
-                 for name, window in zip(kind.dist_segments, windows))
+    windows = rule.piece_windows(shape, 1, 0)
+    assert len(windows) == len(names) and all(window.dim == 0 for window in windows), kind.canonical
+    return tuple(DistSegment(name, window.start, window.length) for name, window in zip(names, windows))
 
 
-def tensor_locations(config: ModelConfig) -> dict[str, DistLocation]:
-    """Every canonical tensor's location, in stream order."""
-    stacked = stacked_layers(config)
+def tensor_locations(config: ModelConfig, singleton: bool = False) -> dict[str, DistLocation]:
+    """Every canonical tensor's location, in stream order. ``singleton``: as megatron-core saves with the
+    ``singleton_local_shards`` metadata (``refuse_singleton`` says what is read so): one key per layer and per
+    expert, a gated linear_fc1's gate and up halves apart (``GATED_HALVES``)."""
+    stacked = stacked_layers(config) and not singleton
     layers = config.num_layers
     locations: dict[str, DistLocation] = {}
     for layer in range(layers):
@@ -242,12 +265,13 @@ def tensor_locations(config: ModelConfig) -> dict[str, DistLocation]:
         layer_axis = ((layer,), (layers,)) if stacked else ((), ())
         # mamba_stack_spec's MoE layer (a separate TENorm before the MoE) sets no keys map.
         keys_mapped = config.hybrid_override_pattern is None or not config.layers[layer].moe
-        _locate_layer(config, layer_tensors(config, layer), prefix, key_prefix, layer_axis, locations, keys_mapped)
+        _locate_layer(config, layer_tensors(config, layer), prefix, key_prefix, layer_axis, locations, singleton,
+                      keys_mapped)
     for index in range(config.mtp_num_layers):
         # MultiTokenPredictionBlock.sharded_state_dict: one key per MTP layer (no layer axis); its
         # transformer_layer saves as a decoder layer does (keys map, experts on an expert axis).
         prefix = f"{MTP_PREFIX}{index}."
-        _locate_layer(config, mtp_layer_tensors(config, index), prefix, prefix, ((), ()), locations)
+        _locate_layer(config, mtp_layer_tensors(config, index), prefix, prefix, ((), ()), locations, singleton)
     for name in (FINAL_NORM_WEIGHT, FINAL_NORM_BIAS):  # MambaStack's final_norm
         locations[name] = DistLocation(final_norm_local_name(config, name))
     return {name: locations.get(name, DistLocation(name)) for name in canonical_names(config)}
@@ -255,14 +279,19 @@ def tensor_locations(config: ModelConfig) -> dict[str, DistLocation]:
 
 def _locate_layer(config: ModelConfig, tensors: list[LayerTensor], prefix: str, key_prefix: str,
                   layer_axis: tuple[tuple[int, ...], tuple[int, ...]], locations: dict[str, DistLocation],
-                  keys_mapped: bool = True) -> None:
+                  singleton: bool = False, keys_mapped: bool = True) -> None:
     """``keys_mapped``: the layer's local spec renames its separate norms to the TE spec's fused names."""
     experts = config.moe.num_experts or 0
     for tensor in tensors:
         rest = tensor.canonical[len(prefix):]
         head = rest[:len(rest) - len(tensor.kind.canonical)]
+        segments = _dist_segments(tensor.kind, config, tensor.kind.shape(config), singleton)
         if tensor.expert is not None:
             head = rest[:rest.index(EXPERTS_MODULE)]
+            if singleton:  # SequentialMLP: one key per global expert, ``experts.experts.<e>.``
+                locations[tensor.canonical] = DistLocation(
+                    f"{key_prefix}{head}{EXPERTS_KEY}{tensor.expert}.{tensor.kind.canonical}", *layer_axis, segments)
+                continue
             locations[tensor.canonical] = DistLocation(
                 key_prefix + head + EXPERTS_KEY + tensor.kind.canonical,
                 layer_axis[0] + (tensor.expert,), layer_axis[1] + (experts,))
@@ -271,7 +300,6 @@ def _locate_layer(config: ModelConfig, tensors: list[LayerTensor], prefix: str, 
         # module's name in the spec (the TE spec's fused latent norms and dense pre-MLP norm included).
         name = (tensor.kind.local_name(config) if config.attention.multi_latent_attention or not keys_mapped
                 else _dist_layer_name(tensor.kind, config))
-        segments = _dist_segments(tensor.kind, config, tensor.kind.shape(config))
         locations[tensor.canonical] = DistLocation(key_prefix + head + name, *layer_axis, segments)
 
 

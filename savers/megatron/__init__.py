@@ -131,10 +131,11 @@ class MegatronSaver(Saver):
         """(local key, canonical key) of the opaque extra states this chunk carries.
 
         Under the source's own naming the source's entries are kept (they name exactly the modules
-        of the framework version that wrote them). A switch to the TE spec gets TE's standard set;
-        a switch to the local spec gets none (megatron-core fills its own in on load).
+        of the framework version that wrote them). A switch to the TE spec, or a TE-spec target from a source
+        that stores none (Hugging Face), gets TE's standard set: a TE module's ``load_state_dict(strict=True)``
+        expects its key; a switch to the local spec gets none (megatron-core fills its own in on load).
         """
-        if config.transformer_impl == source.config.transformer_impl:
+        if config.transformer_impl == source.config.transformer_impl and source.extra_states():
             names = list(source.extra_states())
             source_ep = {extra.ep_size for extra in source.extra_states().values()}
             if any(map(is_routed_expert, names)) and (source_ep != {layout.ep}

@@ -45,9 +45,15 @@ def cpu_current_device() -> Iterator[None]:
         torch.cuda.current_device = original  # type: ignore[assignment]
 
 
-def sharded_metadata(dp_size: int = 1, dp_rank: int = 0) -> dict[str, Any]:
-    # megatron-LM passes its data-parallel group here; a fake one stands for it.
-    return {**CONTENT_METADATA, "dp_cp_group": mcore.McoreFakeGroup("dp_cp", dp_size, dp_rank)}
+def sharded_metadata(dp_size: int = 1, dp_rank: int = 0, singleton: bool = False) -> dict[str, Any]:
+    # megatron-LM passes its data-parallel group here; a fake one stands for it. ``singleton``: Megatron-LM's
+    # --ckpt-assume-constant-structure-free naming (singleton_local_shards: one key per layer, expert, gate/up half).
+    return {**content_metadata(singleton), "dp_cp_group": mcore.McoreFakeGroup("dp_cp", dp_size, dp_rank)}
+
+
+def content_metadata(singleton: bool = False) -> dict[str, Any]:
+    """The sharding metadata Megatron-LM records in the common state (``content_metadata``)."""
+    return {**CONTENT_METADATA, "singleton_local_shards": singleton}
 
 
 def build_model(m: TinyModel, tp: int, pp: int, ep: int, tp_rank: int, pp_rank: int, ep_rank: int) -> GPTModel:
@@ -85,11 +91,12 @@ def build_model(m: TinyModel, tp: int, pp: int, ep: int, tp_rank: int, pp_rank: 
     return model.eval()
 
 
-def model_sharded_state_dict(model: GPTModel, dp_size: int = 1, dp_rank: int = 0) -> dict[str, Any]:
+def model_sharded_state_dict(model: GPTModel, dp_size: int = 1, dp_rank: int = 0,
+                             singleton: bool = False) -> dict[str, Any]:
     """``dp_size``/``dp_rank``: the rank's data-parallel group, where replicated tensors have their
     replicas (with EP, dense tensors are data-parallel over the expert ranks)."""
     with mcore.fake_group_queries():
-        return model.sharded_state_dict(metadata=sharded_metadata(dp_size, dp_rank))
+        return model.sharded_state_dict(metadata=sharded_metadata(dp_size, dp_rank, singleton))
 
 
 def match_fixture_dtypes(model: GPTModel, expected: dict[str, torch.Tensor | None]) -> None:

@@ -147,12 +147,14 @@ def _gpt(ddp: Any) -> Any:
 
 
 def checkpoint_args(iteration_dir: Path) -> Any:
-    """The ``args`` a checkpoint records: a torch_dist checkpoint's ``common.pt``, or its first rank file's."""
+    """The ``args`` a checkpoint records: a torch_dist checkpoint's common state (``common.pt``, or in megatron-core
+    0.19's form the store's ``common_state`` entry: ``read_common``), or its first rank file's."""
+    from support.checkpoint_compare import read_common
     from support.megatron_fixtures import load_for_test
 
-    common = iteration_dir / "common.pt"
-    path = common if common.is_file() else next(iter(sorted(iteration_dir.glob("mp_rank_*/model_optim_rng.pt"))))
-    return load_for_test(path)["args"]
+    if (iteration_dir / ".metadata").is_file():
+        return read_common(iteration_dir)["args"]
+    return load_for_test(next(iter(sorted(iteration_dir.glob("mp_rank_*/model_optim_rng.pt")))))["args"]
 
 
 def _load_per_rank(model: Any, optimizer: Any, iteration_dir: Path, args: Any, tp_rank: int, pp_rank: int) -> None:

@@ -4,6 +4,7 @@ before and after the step (the source's TP ranks joined by Megatron's TP rules, 
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -76,10 +77,15 @@ def joined(results: list[dict], swiglu: bool) -> dict[str, dict[str, torch.Tenso
     return joined
 
 
-def run_steps(grads: Path, runs: list[tuple[Path, Path, int]]) -> list[list[dict]]:
+def run_steps(grads: Path, runs: list[tuple[Path, Path, int]], python: str = sys.executable) -> list[list[dict]]:
+    """``mcore_optimizer_step.py`` over ``runs`` (iteration dir, output dir, DP) in one child process of ``python``
+    (an interpreter with megatron-core: by default this one; another finds pgconvert and the test support here)."""
     argv = [str(part) for run in runs for part in run]
-    done = subprocess.run([sys.executable, "-W", "ignore", str(SCRIPT), str(grads), *argv], capture_output=True,
-                          text=True, timeout=600)
+    repo = SCRIPT.resolve().parents[2]
+    env = None if python == sys.executable else dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(repo), str(repo / "tests"), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([python, "-W", "ignore", str(SCRIPT), str(grads), *argv], capture_output=True,
+                          text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     return [[torch.load(path, weights_only=True) for path in sorted(out.glob("rank*.pt"))] for _, out, _ in runs]
 

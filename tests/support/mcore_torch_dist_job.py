@@ -41,7 +41,8 @@ with warnings.catch_warnings():
     import support.mcore_helpers as mcore
     from megatron.core import dist_checkpointing
     from megatron.core.models.gpt import GPTModel
-    from support.mcore_gpt_models import CONTENT_METADATA, build_model, match_fixture_dtypes, model_sharded_state_dict
+    from support.mcore_gpt_models import (build_model, content_metadata, match_fixture_dtypes,
+                                          model_sharded_state_dict)
 
 from support.megatron_fixtures import TinyModel, _rank_state_dict, make_args, make_full_model
 from support.tiny_models import MOE
@@ -134,9 +135,11 @@ def _child_rank(rank: int, spec: dict[str, Any]) -> None:
             with mcore.fake_group_queries():
                 model.load_state_dict(expected, strict=True)
             args = make_args(m, tp, pp, None, None, 100, ep=ep)
+            singleton = bool(spec.get("singleton"))
             state = {"args": args, "checkpoint_version": 3.0, "iteration": 100,
-                     "model": model_sharded_state_dict(model, ep, ep_rank)}
-            dist_checkpointing.save(state, spec["ckpt"], content_metadata=dict(CONTENT_METADATA), **_integrity(spec))
+                     "model": model_sharded_state_dict(model, ep, ep_rank, singleton)}
+            dist_checkpointing.save(state, spec["ckpt"], content_metadata=content_metadata(singleton),
+                                    **_integrity(spec))
         else:
             # As megatron-LM's load_checkpoint: the model under "model", the common state's entries beside it.
             # "raise_all": every key of the checkpoint is one the model asks for, and the other way round.

@@ -64,7 +64,7 @@ from torch.distributed.checkpoint.planner import SavePlan
 
 from pgconvert.io import limits
 from pgconvert.model.config import ModelConfig
-from pgconvert.errors import CheckpointError, UnsafePickleError, ValidationError
+from pgconvert.errors import CheckpointError, UnsafePickleError
 from pgconvert.io.limits import over_limit, quote, read_json
 from pgconvert.formats.megatron import resolve_megatron_iteration
 from pgconvert.model.layers import LayerSpec

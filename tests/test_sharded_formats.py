@@ -159,7 +159,7 @@ def test_each_share_reads_only_its_own_tensors_once(sources: dict[str, Path], ds
 def test_a_failed_share_leaves_no_complete_looking_output_and_its_rerun_completes(
         sources: dict[str, Path], dst_format: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import pgconvert.savers.hf as hf_saver
-    import pgconvert.savers.torch_dist.streaming as streaming
+    import pgconvert.io.dcp_writer as streaming
 
     dst = tmp_path / "sharded"
     args = ["--dst-format", dst_format, *SHARD_SIZE, str(sources[dst_format]), str(dst)]
@@ -190,7 +190,7 @@ def test_a_failed_share_leaves_no_complete_looking_output_and_its_rerun_complete
                                          ((7,), torch.int64), ((2, 3, 4), torch.float8_e4m3fn)])
 def test_a_records_planned_length_is_the_length_written(shape: tuple[int, ...], dtype: torch.dtype) -> None:
     from pgconvert.io.torchzip import PlannedTensor, save_stream
-    from pgconvert.savers.torch_dist.streaming import archive_length
+    from pgconvert.io.dcp_writer import archive_length
 
     values = torch.randn(shape).to(dtype)
     written = io.BytesIO()

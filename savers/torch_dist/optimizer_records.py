@@ -40,7 +40,7 @@ from pgconvert.formats.torch_dist_optimizer import (FULLY_RESHARDABLE, RECORDS_P
 from pgconvert.optimizer.scaler import set_scalers, target_scalers
 from pgconvert.optimizer.source import CARRIED_KEYS, FIELDS, OptimizerSource
 from pgconvert.savers.torch_dist.common_state import replace_durably, rewrite_common
-from pgconvert.savers.torch_dist.streaming import ItemKey, StreamingWriter, split_by_size
+from pgconvert.io.dcp_writer import ItemKey, StreamingWriter, split_by_size
 
 
 class OptimizerPlanner(DefaultSavePlanner):

@@ -18,7 +18,13 @@ Steps (each must succeed):
 5. the TP2/PP2 per-rank output also goes through ``convert.py`` to TP1 and back to HF;
 6. Megatron-LM's own Megatron-FSDP save (tests/data/megatron_lm/train_tp2dp2_fsdp_dtensor) -> pgconvert ->
    per-rank and torch_dist TP2, each resumed by ``pretrain_gpt.py`` as in 4 (the golden's iteration 2, one
-   step at lr 0 to iteration 3); pgconvert reads the save back, equal to the golden bit for bit.
+   step at lr 0 to iteration 3); pgconvert reads the save back, equal to the golden bit for bit;
+7. the golden -> pgconvert -> per-rank TP1 -> pgconvert -> fsdp_dtensor TP2 and TP1, resumed by ``pretrain_gpt.py``
+   with Megatron-FSDP (``--use-megatron-fsdp --ckpt-format fsdp_dtensor``) at TP2 DP1 and TP1 DP4 (the golden's run
+   was DP2): the TP2 DP1 run's iteration-3 loss equals (within 1%, bf16) the one Megatron-LM computes resuming the
+   golden itself at TP2 DP2, and each step at lr 0 saves back the tensors it loaded (pgconvert ``verify``).
+
+Run only some steps: ``python scripts/interop_megatron_lm.py WORKDIR fsdp`` runs steps 6 and 7 alone.
 
 Megatron-LM's Python needs: its source, the shims folder (PGCONVERT_MEGATRON_LM_SHIMS, default
 /work/shared/megatron_lm_cpu) and a Python with triton (PGCONVERT_MEGATRON_LM_PYTHON).
@@ -27,6 +33,7 @@ Megatron-LM's Python needs: its source, the shims folder (PGCONVERT_MEGATRON_LM_
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -104,13 +111,14 @@ LOAD_FLAGS = [
 
 
 def megatron_load_and_train(src: Path, dst: Path, tp: int, pp: int, ckpt_format: str, port: int,
-                            extra: tuple[str, ...] = (), saved_iteration: int = 1) -> str:
-    """Megatron-LM's pretrain_gpt.py loads ``src``, trains one step at lr 0 and saves ``dst`` (at
-    ``saved_iteration``; ``extra`` flags after the others, which argparse lets win)."""
+                            extra: tuple[str, ...] = (), saved_iteration: int = 1, dp: int = 1,
+                            extra_env: dict[str, str] | None = None) -> str:
+    """Megatron-LM's pretrain_gpt.py on ``tp * pp * dp`` ranks loads ``src``, trains one step at lr 0 and saves
+    ``dst`` (at ``saved_iteration``; ``extra`` flags after the others, which argparse lets win)."""
     python, env, source = _megatron_env()
-    env = dict(env, OMP_NUM_THREADS="1")
+    env = dict(env, OMP_NUM_THREADS="1", **(extra_env or {}))
     launcher = Path(__file__).resolve().parent / "megatron_lm_cpu_train.py"
-    cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(tp * pp), "--master-port", str(port),
+    cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(tp * pp * dp), "--master-port", str(port),
            str(launcher), str(source), *LOAD_FLAGS, "--tensor-model-parallel-size", str(tp),
            "--pipeline-model-parallel-size", str(pp), "--ckpt-format", ckpt_format,
            "--load", str(src), "--save", str(dst), *extra]
@@ -165,8 +173,59 @@ def fsdp_golden_resumes(work: Path) -> None:
         pgconvert("verify", str(reference), str(back))
 
 
-def main(work: Path) -> int:
+# Megatron-FSDP as the golden's run used it (scripts/make_megatron_lm_goldens.py): model only (a CPU rank's Adam
+# keeps no state for parameters it holds none of, and the save's collectives then wait forever); Megatron-FSDP
+# asserts CUDA_DEVICE_MAX_CONNECTIONS != 1.
+FSDP_RUN_FLAGS = ("--use-megatron-fsdp", "--bf16", "--no-gradient-reduce-div-fusion", "--no-save-optim",
+                  "--no-save-rng")
+FSDP_ENV = {"CUDA_DEVICE_MAX_CONNECTIONS": "8"}
+
+
+def _loss_at(log: str, iteration: int) -> float:
+    """The ``lm loss`` Megatron-LM logs for ``iteration`` (computed on the loaded weights, before the step)."""
+    match = re.search(rf"iteration\s+{iteration}/.*?lm loss: ([0-9.E+-]+)", log)
+    if match is None:
+        raise SystemExit(f"no lm loss logged for iteration {iteration}")
+    return float(match.group(1))
+
+
+def fsdp_dtensor_resumes(work: Path) -> None:
+    """pgconvert's fsdp_dtensor output of a per-rank TP1 checkpoint (the golden's, converted), resumed by Megatron-LM
+    with Megatron-FSDP at data-parallel sizes the golden's run (DP2) did not use: TP2 DP1, whose batch is the
+    golden's continuation's (the same global batch of mock samples), and TP1 DP4 (a global batch of 4). The
+    continuation's loss is the one Megatron-LM computes resuming the golden itself; the step at lr 0 saves back
+    the same tensors."""
+    per_rank = work / "pgconvert_tp1_from_fsdp_golden"  # fsdp_golden_resumes' reference
+    pgconvert("convert", str(FSDP_GOLDEN), str(per_rank), "--dst-format", "megatron", "--dst-tp", "1", "--overwrite")
+    flags = (*FSDP_RUN_FLAGS, *FSDP_RESUME_FLAGS)
+    golden_log = megatron_load_and_train(FSDP_GOLDEN, work / "megatron_lm_resumed_fsdp_golden_itself", 2, 1,
+                                         "fsdp_dtensor", 29691, flags, saved_iteration=3, dp=2, extra_env=FSDP_ENV)
+    expected = _loss_at(golden_log, 3)
+    for tp, dp, batch in ((2, 1, "2"), (1, 4, "4")):
+        ours = work / f"pgconvert_fsdp_dtensor_tp{tp}_from_per_rank_tp1"
+        pgconvert("convert", str(per_rank), str(ours), "--dst-format", "fsdp_dtensor", "--dst-tp", str(tp),
+                  "--overwrite")
+        theirs = work / f"megatron_lm_resumed_from_pgconvert_fsdp_dtensor_tp{tp}_dp{dp}"
+        log = megatron_load_and_train(ours, theirs, tp, 1, "fsdp_dtensor", 29692 + tp, (*flags, "--global-batch-size",
+                                      batch), saved_iteration=3, dp=dp, extra_env=FSDP_ENV)
+        if batch == "2":  # the golden's continuation: the same samples, bf16 compute
+            loss = _loss_at(log, 3)
+            print(f"  iteration 3 lm loss: {loss:.6f} resumed from pgconvert's fsdp_dtensor at TP{tp} DP{dp}, "
+                  f"{expected:.6f} resumed from the golden at TP2 DP2", flush=True)
+            if abs(loss - expected) > 1e-2 * abs(expected):
+                raise SystemExit(f"lm loss {loss} differs from the golden's continuation {expected} by more than 1%")
+        back = work / f"pgconvert_tp1_from_megatron_lm_resumed_fsdp_dtensor_tp{tp}_dp{dp}"
+        pgconvert("convert", str(theirs), str(back), "--dst-format", "megatron", "--dst-tp", "1", "--overwrite")
+        pgconvert("verify", str(per_rank), str(back))
+
+
+def main(work: Path, only: str | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
+    if only == "fsdp":
+        fsdp_golden_resumes(work)
+        fsdp_dtensor_resumes(work)
+        print("interop OK (steps 6 and 7)")
+        return 0
     hf = work / "hf"
     make_hf(hf)
     for src_tp, dst_tp in ((1, 2), (2, 1)):
@@ -189,9 +248,10 @@ def main(work: Path) -> int:
         print("  convert.py: saver printed Done! on pgconvert's rewrite of Megatron-LM's output", flush=True)
     tp2pp2_round_trips(work, hf)
     fsdp_golden_resumes(work)
+    fsdp_dtensor_resumes(work)
     print("interop OK")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(Path(sys.argv[1])))
+    sys.exit(main(Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else None))

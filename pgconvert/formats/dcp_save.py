@@ -25,7 +25,7 @@ from torch.distributed.checkpoint import DefaultSavePlanner, SavePlan
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from pgconvert.formats.contract import Progress, SaveOptions
+from pgconvert.formats.contract import PlannedFile, Progress, SaveOptions
 from pgconvert.formats.stream import CanonicalSource
 from pgconvert.formats.torch_dist import single_process_calls
 from pgconvert.io import sizes
@@ -149,6 +149,33 @@ def data_files(chunks: list[StoredChunk], options: SaveOptions) -> list[list[Sto
 def file_numbers(files: list[list[StoredChunk]]) -> dict[ItemKey, int]:
     """Each chunk's data file, as the streaming writer takes it (a bytes entry not named goes to the first)."""
     return {(chunk.key, chunk.offsets): number for number, file in enumerate(files) for chunk in file}
+
+
+def write_data_files(out_dir: Path, directory: str, chunks: list[StoredChunk], files: list[list[StoredChunk]],
+                     objects: Mapping[str, bytes], source: CanonicalSource, rows: int, progress: Progress,
+                     only: Collection[str] | None) -> dict[str, tuple[str, int]]:
+    """The model's data files ``files`` of the store in ``out_dir / directory`` (those ``only`` names, as relative
+    paths; None: all), ``objects`` in the first; returns each written file's sha256 and size (no ``.metadata``)."""
+    writes = [number for number in range(len(files))
+              if only is None or f"{directory}/{data_file_name(number)}" in only]
+    if not writes:
+        return {}
+    (out_dir / directory).mkdir(parents=True, exist_ok=True)
+    planner = StreamingPlanner(chunks, objects, source, rows, progress)
+    return write_store(out_dir / directory, planner, file_numbers(files), writes, False,
+                       out_dir / directory / data_file_name(writes[0])).written
+
+
+def planned_data_files(directory: str, files: list[list[StoredChunk]], written: Mapping[str, tuple[str, int]],
+                       first_entries: int = 0) -> list[PlannedFile]:
+    """The model's data files as planned (each one's sha256 and size where ``written`` names it); the first also
+    holds ``first_entries`` bytes entries."""
+    planned = []
+    for number, chunks in enumerate(files):
+        sha256, size = written.get(data_file_name(number), (None, None))
+        planned.append(PlannedFile(f"{directory}/{data_file_name(number)}", len(chunks) + (first_entries if number == 0
+                                   else 0), sum(chunk.nbytes for chunk in chunks), sha256=sha256, size=size))
+    return planned
 
 
 def write_store(directory: Path, planner: StreamingPlanner, numbers: dict[ItemKey, int],

@@ -30,7 +30,7 @@ from pgconvert.errors import LayoutError, ValidationError
 from pgconvert.formats import (TRAINING_STATE_NOT_CARRIED, PlannedFile, Progress, SaveOptions, Saver, SaveResult,
                                target_config)
 from pgconvert.formats.dcp_save import (StoredChunk, StreamingPlanner, data_file_name, data_files, file_numbers,
-                                        write_store)
+                                        planned_data_files, write_data_files, write_store)
 from pgconvert.formats.fsdp_dtensor import (ARGS_KEY, FSDP_DTENSOR_FORM, ITERATION_KEY, MODEL_PREFIX, refuse_unknown_keys,
                                             tensor_locations)
 from pgconvert.formats.hf_side import carried_for_target, write_carried
@@ -102,14 +102,7 @@ class FsdpDtensorSaver(Saver):
         directory = iteration_dir_name(*self._iteration(source))
         chunks, rows = self._chunks(source, options)
         files = data_files(chunks, options)
-        writes = [number for number in range(len(files))
-                  if only is None or f"{directory}/{data_file_name(number)}" in only]
-        written: dict[str, tuple[str, int]] = {}
-        if writes:
-            (out_dir / directory).mkdir(parents=True, exist_ok=True)
-            planner = StreamingPlanner(chunks, {}, source, rows, progress)
-            written = write_store(out_dir / directory, planner, file_numbers(files), writes, False,
-                                  out_dir / directory / data_file_name(writes[0])).written
+        written = write_data_files(out_dir, directory, chunks, files, {}, source, rows, progress, only)
         planned = _files(directory, files, written)
         if only is not None:
             return SaveResult(files=[item for item in planned if item.sha256 is not None])
@@ -197,10 +190,5 @@ def _files(iteration_dir: str, files: list[list[StoredChunk]],
            written: dict[str, tuple[str, int]] | None = None) -> list[PlannedFile]:
     """The model's data files (each one's sha256 and size when ``written`` names it), the bytes entries' file
     after them, and ``.metadata``."""
-    planned = []
-    for number, chunks in enumerate(files):
-        sha256, size = (written or {}).get(data_file_name(number), (None, None))
-        planned.append(PlannedFile(f"{iteration_dir}/{data_file_name(number)}", len(chunks),
-                                   sum(chunk.nbytes for chunk in chunks), sha256=sha256, size=size))
-    return [*planned, PlannedFile(f"{iteration_dir}/{data_file_name(len(files))}", len(WRITTEN_ENTRIES), 0),
+    return [*planned_data_files(iteration_dir, files, written or {}), PlannedFile(f"{iteration_dir}/{data_file_name(len(files))}", len(WRITTEN_ENTRIES), 0),
             PlannedFile(f"{iteration_dir}/{DCP_METADATA_FILE}", 0, 0)]

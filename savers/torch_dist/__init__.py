@@ -41,7 +41,7 @@ from pgconvert.errors import ValidationError
 from pgconvert.formats import (TRAINING_STATE_NOT_CARRIED, CarriedOptimizer, OptimizerFile, OptimizerOptions,
                                PlannedFile, Progress, SaveOptions, Saver, SaveResult, target_config, target_dtype)
 from pgconvert.formats.dcp_save import (StoredChunk, StreamingPlanner, data_file_name, data_files, file_numbers,
-                                        layer_rules, row_runs, write_store)
+                                        layer_rules, planned_data_files, row_runs, write_data_files, write_store)
 from pgconvert.formats.hf_side import carried_for_target, write_carried
 from pgconvert.formats.megatron import (CHECKPOINT_VERSION, FRAMEWORK_PICKLE, TRACKER_FILE, args_for_target,
                                        iteration_dir_name, params_dtype_for)
@@ -149,14 +149,8 @@ class TorchDistSaver(Saver):
         directory = iteration_dir_name(*self._iteration(source))
         chunks, objects, rows = self._chunks(source, options)
         files = data_files(chunks, options)
-        writes = [number for number in range(len(files))
-                  if only is None or f"{directory}/{data_file_name(number)}" in only]
-        written: dict[str, tuple[str, int]] = {}
-        if writes:
-            (out_dir / directory).mkdir(parents=True, exist_ok=True)
-            planner = StreamingPlanner(chunks, _empty_extra_states(objects), source, rows, progress)
-            written = write_store(out_dir / directory, planner, file_numbers(files), writes, False,
-                                  out_dir / directory / data_file_name(writes[0])).written
+        written = write_data_files(out_dir, directory, chunks, files, _empty_extra_states(objects), source, rows,
+                                   progress, only)
         planned = _files(directory, files, objects, options.torch_dist_common, written)
         if only is not None:
             return SaveResult(files=[item for item in planned if item.sha256 is not None])
@@ -301,12 +295,7 @@ def _files(iteration_dir: str, files: list[list[StoredChunk]], objects: list[str
     """The files of one iteration; the first data file holds the ``_extra_state`` entries too (each data file's
     sha256 and size when ``written`` names it). The common state is common.pt, or (``common`` "store") a data
     file of its own after the model's, with the integrity manifest."""
-    data = []
-    for number, chunks in enumerate(files):
-        name = data_file_name(number)
-        sha256, size = (written or {}).get(name, (None, None))
-        data.append(PlannedFile(f"{iteration_dir}/{name}", len(chunks) + (len(objects) if number == 0 else 0),
-                                sum(c.nbytes for c in chunks), sha256=sha256, size=size))
+    data = planned_data_files(iteration_dir, files, written or {}, len(objects))
     if common != COMMON_IN_STORE:
         return [PlannedFile(f"{iteration_dir}/{COMMON_FILE}", 0, 0), *data,
                 PlannedFile(f"{iteration_dir}/{DCP_METADATA_FILE}", 0, 0),

@@ -31,8 +31,8 @@ from pgconvert.formats import (TRAINING_STATE_NOT_CARRIED, PlannedFile, Progress
                                target_config)
 from pgconvert.formats.dcp_save import (StoredChunk, StreamingPlanner, data_file_name, data_files, file_numbers,
                                         planned_data_files, write_data_files, write_store)
-from pgconvert.formats.fsdp_dtensor import (ARGS_KEY, FSDP_DTENSOR_FORM, ITERATION_KEY, MODEL_PREFIX, refuse_unknown_keys,
-                                            tensor_locations)
+from pgconvert.formats.fsdp_dtensor import (ARGS_KEY, FSDP_DTENSOR_FORM, ITERATION_KEY, MODEL_PREFIX,
+                                            refuse_unknown_keys, tensor_locations)
 from pgconvert.formats.hf_side import carried_for_target, write_carried
 from pgconvert.formats.megatron import (CHECKPOINT_VERSION, FRAMEWORK_PICKLE, TRACKER_FILE, args_for_target,
                                         iteration_dir_name, params_dtype_for)
@@ -115,8 +115,8 @@ class FsdpDtensorSaver(Saver):
         iteration_dir.mkdir(parents=True, exist_ok=True)
         chunks, rows = self._chunks(source, options)
         files = data_files(chunks, options)
-        entries = {key: _object_bytes(value) for key, value in
-                   zip(WRITTEN_ENTRIES, (self._args(source, options, rows), iteration, CHECKPOINT_VERSION), strict=True)}
+        values = (self._args(source, options, rows), iteration, CHECKPOINT_VERSION)
+        entries = {key: _object_bytes(value) for key, value in zip(WRITTEN_ENTRIES, values, strict=True)}
         numbers = file_numbers(files)
         numbers.update({(key, None): len(files) for key in entries})
         planner = StreamingPlanner(chunks, entries, source, rows, lambda nbytes: None, _planner_data(chunks, entries))
@@ -125,7 +125,7 @@ class FsdpDtensorSaver(Saver):
         tracker.write_text("release" if release else str(iteration))
         fsync_file(tracker)
         write_carried(source, options, out_dir)
-        return self._notices(source, options, iteration)
+        return self._notices(source, options)
 
     def _args(self, source: CanonicalSource, options: SaveOptions, rows: int) -> Any:
         """The target's Megatron args: the layout, and the run's precision (``--dtype``, else the source run's)."""
@@ -148,7 +148,7 @@ class FsdpDtensorSaver(Saver):
             return torch.bfloat16 if getattr(base, "bf16", False) else torch.float16
         return params_dtype_for((source.meta(name).dtype for name in source.names()), source.config)
 
-    def _notices(self, source: CanonicalSource, options: SaveOptions, iteration: int) -> list[str]:
+    def _notices(self, source: CanonicalSource, options: SaveOptions) -> list[str]:
         notices = []
         if source.iteration is None and not source.release:
             notices.append("the source has no iteration number; writing iteration 0")
@@ -190,5 +190,6 @@ def _files(iteration_dir: str, files: list[list[StoredChunk]],
            written: dict[str, tuple[str, int]] | None = None) -> list[PlannedFile]:
     """The model's data files (each one's sha256 and size when ``written`` names it), the bytes entries' file
     after them, and ``.metadata``."""
-    return [*planned_data_files(iteration_dir, files, written or {}), PlannedFile(f"{iteration_dir}/{data_file_name(len(files))}", len(WRITTEN_ENTRIES), 0),
+    return [*planned_data_files(iteration_dir, files, written or {}),
+            PlannedFile(f"{iteration_dir}/{data_file_name(len(files))}", len(WRITTEN_ENTRIES), 0),
             PlannedFile(f"{iteration_dir}/{DCP_METADATA_FILE}", 0, 0)]

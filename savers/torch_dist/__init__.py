@@ -17,8 +17,8 @@ model's), ``.metadata`` (from the plan: every record's offset is known from its 
 writes ``integrity.json`` (store) after the optimizer state.
 
 The data files are written by ``StreamingWriter`` (``pgconvert/io/dcp_writer.py``, through
-``pgconvert/formats/dcp_save.py``, which the fsdp_dtensor saver shares), not by torch's ``FileSystemWriter.write_data``: torch's
-loop keeps every tensor it wrote in a dict until the file is closed (one per key, so a stacked
+``pgconvert/formats/dcp_save.py``, which the fsdp_dtensor saver shares), not by torch's
+``FileSystemWriter.write_data``: torch's loop keeps every tensor it wrote in a dict until the file is closed (one per key, so a stacked
 model's embedding, output layer and one layer of each key stay alive), which made the peak about
 three canonical tensors. The bytes are the same: the items in torch's order (``_write_order``),
 each the ``torch.save`` archive of its chunk (``pgconvert.io.torchzip``, CRC32s included), and the same

@@ -18,7 +18,14 @@ Steps (each must succeed):
 5. the TP2/PP2 per-rank output also goes through ``convert.py`` to TP1 and back to HF;
 6. Megatron-LM's own Megatron-FSDP save (tests/data/megatron_lm/train_tp2dp2_fsdp_dtensor) -> pgconvert ->
    per-rank and torch_dist TP2, each resumed by ``pretrain_gpt.py`` as in 4 (the golden's iteration 2, one
-   step at lr 0 to iteration 3); pgconvert reads the save back, equal to the golden bit for bit.
+   step at lr 0 to iteration 3); pgconvert reads the save back, equal to the golden bit for bit;
+7. Megatron-LM trains a Megatron-FSDP run (fp32, GELU MLP, TP2 DP2; why not bf16 or SwiGLU: ``FSDP_RUN_FLAGS``)
+   -> pgconvert -> per-rank TP1 -> pgconvert -> fsdp_dtensor TP2 and TP1, resumed by ``pretrain_gpt.py
+   --use-megatron-fsdp --ckpt-format fsdp_dtensor`` at TP2 DP1 and TP1 DP4: the TP2 DP1 run's iteration-3 loss
+   equals (rtol 1e-5) the one Megatron-LM computes resuming its own save at TP2 DP2, and each step at lr 0 saves
+   back the tensors it loaded (pgconvert ``verify``).
+
+Run only some steps: ``python scripts/interop_megatron_lm.py WORKDIR fsdp`` runs steps 6 and 7 alone.
 
 Megatron-LM's Python needs: its source, the shims folder (PGCONVERT_MEGATRON_LM_SHIMS, default
 /work/shared/megatron_lm_cpu) and a Python with triton (PGCONVERT_MEGATRON_LM_PYTHON).
@@ -27,6 +34,7 @@ Megatron-LM's Python needs: its source, the shims folder (PGCONVERT_MEGATRON_LM_
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -104,14 +112,17 @@ LOAD_FLAGS = [
 
 
 def megatron_load_and_train(src: Path, dst: Path, tp: int, pp: int, ckpt_format: str, port: int,
-                            extra: tuple[str, ...] = (), saved_iteration: int = 1) -> str:
-    """Megatron-LM's pretrain_gpt.py loads ``src``, trains one step at lr 0 and saves ``dst`` (at
-    ``saved_iteration``; ``extra`` flags after the others, which argparse lets win)."""
+                            extra: tuple[str, ...] = (), saved_iteration: int = 1, dp: int = 1,
+                            extra_env: dict[str, str] | None = None, dropped: tuple[str, ...] = ()) -> str:
+    """Megatron-LM's pretrain_gpt.py on ``tp * pp * dp`` ranks loads ``src``, trains one step at lr 0 and saves
+    ``dst`` (at ``saved_iteration``; ``extra`` flags after the others, which argparse lets win; ``dropped``: flags of
+    ``LOAD_FLAGS`` left out)."""
     python, env, source = _megatron_env()
-    env = dict(env, OMP_NUM_THREADS="1")
+    env = dict(env, OMP_NUM_THREADS="1", **(extra_env or {}))
     launcher = Path(__file__).resolve().parent / "megatron_lm_cpu_train.py"
-    cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(tp * pp), "--master-port", str(port),
-           str(launcher), str(source), *LOAD_FLAGS, "--tensor-model-parallel-size", str(tp),
+    cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(tp * pp * dp), "--master-port", str(port),
+           str(launcher), str(source), *(flag for flag in LOAD_FLAGS if flag not in dropped),
+           "--tensor-model-parallel-size", str(tp),
            "--pipeline-model-parallel-size", str(pp), "--ckpt-format", ckpt_format,
            "--load", str(src), "--save", str(dst), *extra]
     print("$", " ".join(cmd[1:]), flush=True)
@@ -165,8 +176,83 @@ def fsdp_golden_resumes(work: Path) -> None:
         pgconvert("verify", str(reference), str(back))
 
 
-def main(work: Path) -> int:
+# Megatron-FSDP as the golden's run used it (scripts/make_megatron_lm_goldens.py): model only (a CPU rank's Adam
+# keeps no state for parameters it holds none of, and the save's collectives then wait forever); Megatron-FSDP
+# asserts CUDA_DEVICE_MAX_CONNECTIONS != 1. In fp32: Megatron-LM d98e8a64 resumes no bf16/fp16 Megatron-FSDP run
+# without its optimizer state (load_checkpoint calls optimizer.reload_model_params(): "NotImplementedError:
+# Megatron-FSDP does not implement a model-to-main parameter update"), and the golden holds none (loading it with
+# the optimizer waits forever on CPU ranks, as saving it does). Not gated: in an fp32 run (no Float16Module
+# around the model) handle_swiglu_in_state_dict looks up ``module.module.<name>`` and fails ("GPTModel has no
+# attribute `module`"), so the run below is a GELU MLP, trained by Megatron-LM here.
+FSDP_RUN_FLAGS = ("--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor", "--no-gradient-reduce-div-fusion",
+                  "--no-save-optim", "--no-save-rng")
+FSDP_ENV = {"CUDA_DEVICE_MAX_CONNECTIONS": "8"}
+
+
+def _loss_at(log: str, iteration: int) -> float:
+    """The ``lm loss`` Megatron-LM logs for ``iteration`` (computed on the loaded weights, before the step)."""
+    match = re.search(rf"iteration\s+{iteration}/\s*\d+ \|.*?\| lm loss: ([0-9.E+-]+) \|", log)
+    if match is None:
+        raise SystemExit(f"no lm loss logged for iteration {iteration}")
+    return float(match.group(1))
+
+
+def megatron_fsdp_train(save: Path) -> None:
+    """Megatron-LM's pretrain_gpt.py trains the goldens' smaller model with a GELU MLP in fp32 with Megatron-FSDP,
+    TP2 DP2, two iterations, and saves it (fsdp_dtensor, model only)."""
+    from make_megatron_lm_goldens import LAUNCHER, MODEL_FLAGS, SMALL_MODEL_FLAGS
+
+    python, env, source = _megatron_env()
+    env = dict(env, OMP_NUM_THREADS="1", **FSDP_ENV)
+    cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", "29711", str(LAUNCHER),
+           str(source), *(flag for flag in MODEL_FLAGS if flag != "--swiglu"), "--tensor-model-parallel-size", "2",
+           "--pipeline-model-parallel-size", "1", *FSDP_RUN_FLAGS, *SMALL_MODEL_FLAGS, "--save", str(save)]
+    print("$", " ".join(cmd[1:]), flush=True)
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    log = done.stdout + done.stderr
+    if done.returncode != 0 or "successfully saved checkpoint from iteration       2" not in log:
+        raise SystemExit(f"Megatron-LM pretrain_gpt.py failed (exit {done.returncode}):\n{log[-6000:]}")
+
+
+def fsdp_dtensor_resumes(work: Path) -> None:
+    """pgconvert's fsdp_dtensor output of a per-rank TP1 checkpoint (a Megatron-FSDP TP2 DP2 run's, converted),
+    resumed by Megatron-LM with Megatron-FSDP at data-parallel sizes that run did not use: TP2 DP1, whose batch is
+    the run's continuation's (the same global batch of mock samples), and TP1 DP4 (a global batch of 4). The
+    continuation's loss is the one Megatron-LM computes resuming the run's own save at TP2 DP2; each step at lr 0
+    saves back the tensors it loaded."""
+    original = work / "megatron_lm_fsdp_fp32_gelu_tp2dp2"
+    megatron_fsdp_train(original)
+    per_rank = work / "pgconvert_tp1_from_megatron_lm_fsdp_fp32"
+    pgconvert("convert", str(original), str(per_rank), "--dst-format", "megatron", "--dst-tp", "1", "--overwrite")
+    flags = (*FSDP_RUN_FLAGS, *FSDP_RESUME_FLAGS)
+    resumed = work / "megatron_lm_resumed_fsdp_fp32_itself"
+    expected = _loss_at(megatron_load_and_train(original, resumed, 2, 1, "fsdp_dtensor", 29691, flags,
+                                                saved_iteration=3, dp=2, extra_env=FSDP_ENV), 3)
+    for tp, dp, batch in ((2, 1, "2"), (1, 4, "4")):
+        ours = work / f"pgconvert_fsdp_dtensor_tp{tp}_from_per_rank_tp1"
+        pgconvert("convert", str(per_rank), str(ours), "--dst-format", "fsdp_dtensor", "--dst-tp", str(tp),
+                  "--overwrite")
+        theirs = work / f"megatron_lm_resumed_from_pgconvert_fsdp_dtensor_tp{tp}_dp{dp}"
+        log = megatron_load_and_train(ours, theirs, tp, 1, "fsdp_dtensor", 29692 + tp, (*flags, "--global-batch-size",
+                                      batch), saved_iteration=3, dp=dp, extra_env=FSDP_ENV)
+        if batch == "2":  # the run's continuation: the same samples
+            loss = _loss_at(log, 3)
+            print(f"  iteration 3 lm loss: {loss:.6E} resumed from pgconvert's fsdp_dtensor at TP{tp} DP{dp}, "
+                  f"{expected:.6E} resumed from Megatron-LM's own save at TP2 DP2", flush=True)
+            if abs(loss - expected) > 1e-5 * abs(expected):
+                raise SystemExit(f"lm loss {loss} differs from the run's continuation {expected} (rtol 1e-5, fp32)")
+        back = work / f"pgconvert_tp1_from_megatron_lm_resumed_fsdp_dtensor_tp{tp}_dp{dp}"
+        pgconvert("convert", str(theirs), str(back), "--dst-format", "megatron", "--dst-tp", "1", "--overwrite")
+        pgconvert("verify", str(per_rank), str(back))
+
+
+def main(work: Path, only: str | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
+    if only == "fsdp":
+        fsdp_golden_resumes(work)
+        fsdp_dtensor_resumes(work)
+        print("interop OK (steps 6 and 7)")
+        return 0
     hf = work / "hf"
     make_hf(hf)
     for src_tp, dst_tp in ((1, 2), (2, 1)):
@@ -189,9 +275,10 @@ def main(work: Path) -> int:
         print("  convert.py: saver printed Done! on pgconvert's rewrite of Megatron-LM's output", flush=True)
     tp2pp2_round_trips(work, hf)
     fsdp_golden_resumes(work)
+    fsdp_dtensor_resumes(work)
     print("interop OK")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(Path(sys.argv[1])))
+    sys.exit(main(Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else None))

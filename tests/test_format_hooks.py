@@ -60,9 +60,11 @@ def test_converting_the_example_model_names_no_training_state(tmp_path: Path) ->
     assert "torch_dist written with the layout tp=8,pp=1 recorded in the common_state entry's args" in to_torch_dist.notices
 
 
-@pytest.mark.parametrize("dst_format", ["megatron", "torch_dist"])
-def test_a_source_with_training_state_names_what_is_not_carried(tmp_path: Path, dst_format: str) -> None:
-    report = pgconvert.convert(TRAINED, tmp_path / "out", dst_format=dst_format, skip_optimizer=True)
+@pytest.mark.parametrize(("dst_format", "dst_layout"), [("megatron", None), ("torch_dist", None),
+                                                       ("fsdp_dtensor", "tp=2,pp=1")])
+def test_a_source_with_training_state_names_what_is_not_carried(tmp_path: Path, dst_format: str,
+                                                               dst_layout: str | None) -> None:
+    report = pgconvert.convert(TRAINED, tmp_path / "out", dst_layout, dst_format=dst_format, skip_optimizer=True)
 
     assert len(_not_carried(report.notices)) == 1, report.notices
 

@@ -64,12 +64,6 @@ def test_golden_is_megatron_fsdp_layout(reference: dict[str, torch.Tensor]) -> N
     assert info.layout is not None and info.layout["tp"] == 2
 
 
-def test_the_destination_format_must_be_named(tmp_path: Path) -> None:
-    with pytest.raises(PluginError, match="fsdp_dtensor checkpoints are read, not written; pass --dst-format"):
-        pgconvert.convert(GOLDEN, tmp_path / "out", dst_tp=1)
-    assert not (tmp_path / "out").exists()
-
-
 def test_every_tensor_reads_bit_exact(reference: dict[str, torch.Tensor]) -> None:
     expected = _canonical(reference)
     with get_loader("fsdp_dtensor").open(GOLDEN, LoadOptions()) as source:

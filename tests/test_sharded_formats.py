@@ -1,4 +1,4 @@
-"""hf and torch_dist destinations written by several processes: --workers, --shard-index/--num-shards and a
+"""hf, torch_dist and fsdp_dtensor destinations written by several processes: --workers, --shard-index/--num-shards and a
 torchrun launch give the single-process output byte for byte, each process reads only what its share needs, and a
 failed share leaves no complete-looking output."""
 
@@ -27,7 +27,8 @@ FORMATS = ["hf", "torch_dist"]
 # The outputs compared with their single-process conversion: each format, and torch_dist in megatron-core 0.19's
 # form (common state in the store, integrity.json), whose common state and manifest are written by the finalizer.
 VARIANTS = {"hf": ("hf", ()), "torch_dist": ("torch_dist", ()),
-            "torch_dist_store": ("torch_dist", ("--dst-torch-dist-common", "store"))}
+            "torch_dist_store": ("torch_dist", ("--dst-torch-dist-common", "store")),
+            "fsdp_dtensor": ("fsdp_dtensor", ())}
 # What makes each destination loadable: without it a directory is not a checkpoint of its format.
 COMPLETE_MARKERS = {"hf": ("config.json", "model.safetensors.index.json"),
                     "torch_dist": ("latest_checkpointed_iteration.txt", "iter_0000100/metadata.json",
@@ -47,11 +48,13 @@ def _convert(src: Path, dst: Path, variant: str, *flags: str) -> None:
 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """A tiny HF model (for an hf destination: transformers checks what it loads against it) and a TP2 Megatron
-    checkpoint with experts (for torch_dist), each with its single-process conversion."""
+    """A tiny HF model (for an hf destination: transformers checks what it loads against it; and fsdp_dtensor, which
+    holds dense models) and a TP2 Megatron checkpoint with experts (for torch_dist), each with its single-process
+    conversion."""
     root = tmp_path_factory.mktemp("sources")
     written = write_sources(root)
-    made = {"hf": written["hf"], "torch_dist": written["megatron"], "torch_dist_store": written["megatron"]}
+    made = {"hf": written["hf"], "torch_dist": written["megatron"], "torch_dist_store": written["megatron"],
+            "fsdp_dtensor": written["hf"]}
     for dst_format, src in list(made.items()):
         _convert(src, root / f"{dst_format}_single", dst_format)
         made[f"{dst_format}_single"] = root / f"{dst_format}_single"
@@ -159,7 +162,7 @@ def test_each_share_reads_only_its_own_tensors_once(sources: dict[str, Path], ds
 def test_a_failed_share_leaves_no_complete_looking_output_and_its_rerun_completes(
         sources: dict[str, Path], dst_format: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import pgconvert.savers.hf as hf_saver
-    import pgconvert.savers.torch_dist.streaming as streaming
+    import pgconvert.io.dcp_writer as streaming
 
     dst = tmp_path / "sharded"
     args = ["--dst-format", dst_format, *SHARD_SIZE, str(sources[dst_format]), str(dst)]
@@ -190,7 +193,7 @@ def test_a_failed_share_leaves_no_complete_looking_output_and_its_rerun_complete
                                          ((7,), torch.int64), ((2, 3, 4), torch.float8_e4m3fn)])
 def test_a_records_planned_length_is_the_length_written(shape: tuple[int, ...], dtype: torch.dtype) -> None:
     from pgconvert.io.torchzip import PlannedTensor, save_stream
-    from pgconvert.savers.torch_dist.streaming import archive_length
+    from pgconvert.io.dcp_writer import archive_length
 
     values = torch.randn(shape).to(dtype)
     written = io.BytesIO()

@@ -41,7 +41,7 @@ from pgconvert.formats.registry import detect_format, get_loader
 from pgconvert.model.rules import COLUMN
 from pgconvert.formats.stream import CanonicalSource, TensorMeta
 import pgconvert.savers.torch_dist as torch_dist_saver
-from pgconvert.savers.torch_dist.streaming import StreamingWriter
+from pgconvert.io.dcp_writer import StreamingWriter
 from pgconvert.savers.torch_dist import TorchDistSaver
 from pgconvert.formats.torch_dist import COMMON_STATE_KEY, read_dcp_metadata
 from support.torch_dist_forms import FOR_MCORE_016

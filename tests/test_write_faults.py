@@ -1,6 +1,6 @@
 """A full disk and short writes in the middle of a conversion, for every destination format and for a conversion that
 carries the distributed optimizer's state. The faults are planted in ``os.pwrite``, which ``OutputFile`` writes every
-data file with (Megatron rank files and distrib_optim.pt, safetensors shards, torch_dist data files), as a full disk
+data file with (Megatron rank files and distrib_optim.pt, safetensors shards, torch_dist and fsdp_dtensor data files), as a full disk
 gives them: a write that does not fit writes what does, the next one fails with ENOSPC."""
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ CASES: dict[str, tuple[str, list[str], str]] = {
     "megatron": ("megatron", ["--dst-tp", "1", "--dst-pp", "2", "--dst-ep", "4"], "model_optim_rng.pt"),
     "hf": ("hf", ["--dst-format", "hf", *SHARD_SIZE], ".safetensors"),
     "torch_dist": ("megatron", ["--dst-format", "torch_dist", *SHARD_SIZE], ".distcp"),
+    "fsdp_dtensor": ("hf", ["--dst-format", "fsdp_dtensor", *SHARD_SIZE], ".distcp"),
     "megatron_distributed_optimizer": ("optimizer_run", ["--dst-tp", "1"], "distrib_optim.pt"),
 }
 # Files that make a directory look like a complete checkpoint: the manifest, Megatron's tracker, the hf index and
@@ -109,7 +110,7 @@ def test_a_full_disk_mid_run_names_the_file_leaves_nothing_and_a_rerun_completes
     assert list(tmp_path.iterdir()) == [dst]
 
 
-@pytest.mark.parametrize("case", ["megatron", "hf", "torch_dist"])
+@pytest.mark.parametrize("case", ["megatron", "hf", "torch_dist", "fsdp_dtensor"])
 def test_a_full_disk_in_a_share_leaves_no_complete_looking_output_and_its_rerun_completes(
         runs: dict[str, tuple[Path, Path]], case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     src, clean = runs[case]

@@ -20,7 +20,7 @@ from pgconvert.formats import LoadOptions
 from pgconvert.formats.dcp_store import (DcpStore, Region, check_vocab_rows, model_from_args, read_piece,
                                          te_extra_states)
 from pgconvert.formats.fsdp_dtensor import (ARGS_KEY, COMMON_KEYS, FSDP_DTENSOR_FORM, ITERATION_KEY, MODEL_PREFIX,
-                                            OPTIMIZER_STATE_PREFIX, FsdpLocation, is_training_state, refuse_unread,
+                                            OPTIMIZER_STATE_PREFIX, FsdpLocation, is_training_state, refuse_unknown_keys,
                                             tensor_locations)
 from pgconvert.formats.hf_side import carried_side_files
 from pgconvert.formats.megatron import arg_name, validate_source_layout
@@ -59,7 +59,7 @@ class FsdpDtensorSource(CanonicalSource):
         if self.layout.pp > 1 or self.layout.vpp:
             raise LayoutError(f"{where}: pipeline_model_parallel_size={self.layout.pp}, virtual stages "
                               f"{self.layout.vpp}: Megatron-FSDP checkpoints of a pipeline are not read")
-        refuse_unread(config, str(where))
+        refuse_unknown_keys(config, str(where))
         check_declared_counts(config.to_dict(), self._stored_counts(metadata_path), str(where), arg_name)
         validate_source_layout(self.layout, config, where)
         rows = self._vocab_rows(metadata_path)

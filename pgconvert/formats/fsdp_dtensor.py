@@ -1,4 +1,4 @@
-"""Facts of Megatron-FSDP's checkpoint format (``fsdp_dtensor``) shared by its loader (and a saver).
+"""Facts of Megatron-FSDP's checkpoint format (``fsdp_dtensor``) shared by its loader and saver.
 
 Megatron-LM writes it with ``--use-megatron-fsdp --ckpt-format fsdp_dtensor`` (megatron/training/
 checkpointing.py at d98e8a64: ``generate_state_dict`` takes the wrapped model's ``state_dict()``, whose
@@ -76,16 +76,18 @@ def resolve_iteration_dir(root: Path, iteration: int | None) -> tuple[Path, int 
     return resolve_megatron_iteration(root, iteration, is_iteration_dir)
 
 
-def refuse_unread(config: ModelConfig, where: str) -> None:
+def refuse_unknown_keys(config: ModelConfig, where: str, verb: str = "read") -> None:
     """Parts of a model whose fsdp_dtensor keys no golden of Megatron-LM's shows yet are refused, not guessed
-    (experts are renamed per EP rank, MTP and fused MLA layers renamed by their own handlers)."""
-    unread = {"num_experts": config.moe.num_experts, "mtp_num_layers": config.mtp_num_layers or None,
-              "multi_latent_attention": config.attention.multi_latent_attention or None,
-              "hybrid_override_pattern": config.hybrid_override_pattern}
-    found = {name: value for name, value in unread.items() if value}
+    (experts are renamed per EP rank, MTP and fused MLA layers renamed by their own handlers); ``verb``: "read"
+    or "written"."""
+    unknown = {"num_experts": config.moe.num_experts, "mtp_num_layers": config.mtp_num_layers or None,
+               "multi_latent_attention": config.attention.multi_latent_attention or None,
+               "hybrid_override_pattern": config.hybrid_override_pattern}
+    found = {name: value for name, value in unknown.items() if value}
     if found:
-        raise CheckpointError(f"{where}: fsdp_dtensor checkpoints of models with {quote(found)} are not read yet; "
-                              "pgconvert reads dense GPT models (attention and dense MLP layers) from this format")
+        raise CheckpointError(f"{where}: fsdp_dtensor checkpoints of models with {quote(found)} are not {verb} yet; "
+                              f"pgconvert's fsdp_dtensor format holds dense GPT models (attention and dense MLP "
+                              "layers)")
 
 
 def tensor_locations(config: ModelConfig, rows: int) -> dict[str, FsdpLocation]:

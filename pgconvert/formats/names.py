@@ -12,7 +12,8 @@ BUILTIN_LOADERS: dict[str, str] = {"megatron": "pgconvert.loaders.megatron:Megat
                                    "torch_dist": "pgconvert.loaders.torch_dist:TorchDistLoader",
                                    "fsdp_dtensor": "pgconvert.loaders.fsdp_dtensor:FsdpDtensorLoader"}
 BUILTIN_SAVERS: dict[str, str] = {"megatron": "pgconvert.savers.megatron:MegatronSaver", "hf": "pgconvert.savers.hf:HFSaver",
-                                  "torch_dist": "pgconvert.savers.torch_dist:TorchDistSaver"}
+                                  "torch_dist": "pgconvert.savers.torch_dist:TorchDistSaver",
+                                  "fsdp_dtensor": "pgconvert.savers.fsdp_dtensor:FsdpDtensorSaver"}
 # ``--dtype``: keep the source's, or one of these (pgconvert.formats.DTYPE_CHOICES maps them to torch dtypes).
 DTYPE_NAMES = ("keep", "bf16", "fp16", "fp32")
 EXPERT_LAYOUTS = ("sequential", "grouped")

@@ -13,11 +13,12 @@ each (``--max-shard-size``, default 5 GB; one canonical tensor's chunks stay in 
 alone. ``save(only=...)`` writes some of them (``--workers``, sharded runs: each process its share), and
 ``finalize`` writes the common state (``common.pt``, or ``--dst-torch-dist-common store``: its own data file after the
 model's), ``.metadata`` (from the plan: every record's offset is known from its shape and dtype,
-``streaming.archive_length``), ``metadata.json`` and the tracker, so every split gives the same bytes; ``seal``
+``dcp_writer.archive_length``), ``metadata.json`` and the tracker, so every split gives the same bytes; ``seal``
 writes ``integrity.json`` (store) after the optimizer state.
 
-The data files are written by ``StreamingWriter`` (``streaming.py``), not by torch's ``FileSystemWriter.write_data``: torch's
-loop keeps every tensor it wrote in a dict until the file is closed (one per key, so a stacked
+The data files are written by ``StreamingWriter`` (``pgconvert/io/dcp_writer.py``, through
+``pgconvert/formats/dcp_save.py``, which the fsdp_dtensor saver shares), not by torch's
+``FileSystemWriter.write_data``: torch's loop keeps every tensor it wrote in a dict until the file is closed (one per key, so a stacked
 model's embedding, output layer and one layer of each key stay alive), which made the peak about
 three canonical tensors. The bytes are the same: the items in torch's order (``_write_order``),
 each the ``torch.save`` archive of its chunk (``pgconvert.io.torchzip``, CRC32s included), and the same
@@ -28,24 +29,19 @@ common state's args (``SaveOptions.layout``), what Megatron-LM reads back as the
 
 from __future__ import annotations
 
-import errno
 import io
 import logging
-from collections.abc import Collection, Iterator, Mapping
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultSavePlanner, SavePlan
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from pgconvert.errors import ValidationError
 from pgconvert.formats import (TRAINING_STATE_NOT_CARRIED, CarriedOptimizer, OptimizerFile, OptimizerOptions,
                                PlannedFile, Progress, SaveOptions, Saver, SaveResult, target_config, target_dtype)
+from pgconvert.formats.dcp_save import (StoredChunk, StreamingPlanner, data_file_name, data_files, file_numbers,
+                                        layer_rules, planned_data_files, row_runs, write_data_files, write_store)
 from pgconvert.formats.hf_side import carried_for_target, write_carried
 from pgconvert.formats.megatron import (CHECKPOINT_VERSION, FRAMEWORK_PICKLE, TRACKER_FILE, args_for_target,
                                        iteration_dir_name, params_dtype_for)
@@ -62,136 +58,26 @@ from pgconvert.formats.torch_dist import (
     empty_extra_state,
     extra_state_keys,
     hybrid_optimizer_refusal,
-    single_process_calls,
     tensor_locations,
     write_checkpoint_config,
 )
 from pgconvert.formats.torch_dist_integrity import INTEGRITY_FILE, write_integrity_manifest
-from pgconvert.io import sizes
+from pgconvert.io.dcp_writer import DEFAULT_MAX_DATA_FILE_SIZE
 from pgconvert.io.durable import fsync_file
-from pgconvert.io.limits import quote
-from pgconvert.io.reuse import ReusedMemory
-from pgconvert.model.config import ModelConfig
 from pgconvert.model.provider import (
-    VOCAB_TABLES,
     canonical_shapes,
     keep_dtype_names,
-    layer_kinds,
     target_vocab_rows,
 )
-from pgconvert.model.rules import VOCAB, ShardRule
 from pgconvert.optimizer.source import OptimizerSource
 from pgconvert.savers.torch_dist.common_state import common_bytes
 from pgconvert.savers.torch_dist.optimizer import DST_FORMS, moe_refusal, planned_records, write_optimizer, written_form
 from pgconvert.savers.torch_dist.optimizer_records import RecordsShare
-from pgconvert.savers.torch_dist.streaming import (DEFAULT_MAX_DATA_FILE_SIZE, ItemKey, StreamingWriter,
-                                                   split_by_size)
 
 log = logging.getLogger(__name__)
 
-# torch.distributed.checkpoint names rank 0's data files __0_<n>.distcp (``StreamingWriter`` numbers them); the first
-# holds the _extra_state entries.
-DATA_FILE = "__0_0.distcp"
-
-
-def data_file_name(number: int) -> str:
-    return f"__0_{number}.distcp"
-
-
-@dataclass(frozen=True)
-class _Chunk:
-    """One stored chunk: rows ``[row_start, row_start + rows)`` (all rows when None) of a canonical
-    tensor, at ``offsets`` of key ``key`` whose global shape is ``global_shape``."""
-
-    canonical: str
-    key: str
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
-    global_shape: tuple[int, ...]
-    dtype: torch.dtype
-    row_start: int | None = None
-    rows: int | None = None
-
-    @property
-    def nbytes(self) -> int:
-        return sizes.nbytes(self.sizes, self.dtype)
-
-    def write_item(self) -> WriteItem:
-        offsets, sizes = torch.Size(self.offsets), torch.Size(self.sizes)
-        return WriteItem(
-            index=MetadataIndex(self.key, offsets),
-            type=WriteItemType.SHARD,
-            tensor_data=TensorWriteData(
-                chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes),
-                properties=TensorProperties(dtype=self.dtype),
-                size=torch.Size(self.global_shape),
-            ),
-        )
-
-
-def _rules(config: ModelConfig) -> dict[str, ShardRule]:
-    """Each layer tensor's TP rule (the others are whole tensors in one chunk)."""
-    return {name: kind.rule_for(config) for name, kind in layer_kinds(config).items()}  # MTP layers too
-
-
-def _row_runs(rule: ShardRule | None, shape: tuple[int, ...]) -> list[tuple[int | None, int | None]]:
-    """The row runs megatron-core stores a tensor in at TP1: the windows of the rule's one piece
-    (the gate and up halves of a SwiGLU fc1); ``(None, None)``: the whole tensor in one chunk."""
-    windows = rule.piece_windows(shape, 1, 0) if rule is not None else ()
-    if len(windows) < 2:
-        return [(None, None)]
-    assert all(window.dim == 0 and not window.zeros for window in windows)
-    return [(window.start, window.length) for window in windows]
-
-
-class _StreamingPlanner(DefaultSavePlanner):
-    """A save plan given up front; each chunk's data is produced when the writer asks for it."""
-
-    def __init__(self, chunks: list[_Chunk], objects: list[str], source: CanonicalSource, vocab_rows: int,
-                 progress: Progress, common: bytes | None = None) -> None:
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self._common = common  # the common_state entry (in the store), when it is written
-        self._chunks = {(chunk.key, chunk.offsets): chunk for chunk in chunks}
-        self._items = [chunk.write_item() for chunk in chunks] + [
-            WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO) for key in objects]
-        self._source = source
-        self._vocab_rows = vocab_rows
-        self._progress = progress
-        # The gate and up chunks of a SwiGLU fc1 are consecutive: the second reuses the first's load.
-        self._last: tuple[str, torch.Tensor] | None = None
-        self._memory = ReusedMemory()  # each canonical tensor is loaded into the last one's memory
-
-    def create_local_plan(self) -> SavePlan:
-        self.plan = SavePlan(self._items)
-        return self.plan
-
-    def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
-        if write_item.type == WriteItemType.BYTE_IO:
-            if write_item.index.fqn == COMMON_STATE_KEY and self._common is not None:
-                return io.BytesIO(self._common)
-            return empty_extra_state()
-        chunk = self._chunks[(write_item.index.fqn, tuple(write_item.index.offset))]
-        full = self._canonical(chunk.canonical)
-        if chunk.row_start is not None:
-            assert chunk.rows is not None
-            full = full.narrow(0, chunk.row_start, chunk.rows)
-        data = full.to(chunk.dtype).reshape(chunk.sizes)
-        self._progress(chunk.nbytes)
-        return data
-
-    def _canonical(self, name: str) -> torch.Tensor:
-        if self._last is not None and self._last[0] == name:
-            return self._last[1]
-        self._last = None
-        meta = self._source.meta(name)
-        if name in VOCAB_TABLES:
-            with self._memory.lending(sizes.nbytes((self._vocab_rows, *meta.shape[1:]), meta.dtype)):
-                tensor = self._source.load_shard(name, VOCAB, 1, 0, rows=self._vocab_rows)
-        else:
-            with self._memory.lending(meta.nbytes):
-                tensor = self._source.load(name)
-        self._last = (name, tensor)
-        return tensor
+# torch.distributed.checkpoint names rank 0's data files __0_<n>.distcp; the first holds the _extra_state entries.
+DATA_FILE = data_file_name(0)
 
 
 class TorchDistSaver(Saver):
@@ -209,13 +95,13 @@ class TorchDistSaver(Saver):
         if any(extra.holds_state() for extra in source.extra_states().values()):
             fallback("the source's Transformer Engine _extra_state would be written empty", strict=True)
 
-    def _chunks(self, source: CanonicalSource, options: SaveOptions) -> tuple[list[_Chunk], list[str], int]:
+    def _chunks(self, source: CanonicalSource, options: SaveOptions) -> tuple[list[StoredChunk], list[str], int]:
         """The data chunks in stream order, the ``_extra_state`` entries, and the padded vocab rows."""
         config = target_config(source.config, options)
         rows = target_vocab_rows(config, source.vocab_rows, options.layout)
         shapes = canonical_shapes(config, rows)
         keep = keep_dtype_names(config)
-        rules = _rules(config)
+        rules = layer_rules(config)
         chunks = []
         for name, location in tensor_locations(config).items():
             shape = shapes[name]
@@ -223,13 +109,13 @@ class TorchDistSaver(Saver):
             global_shapes = location.key_shapes(shape)
             # megatron-core's SwiGLU factory saves the gate and up halves as separate chunks; a tensor stored as
             # segments (Mamba's in_proj) has one key per segment.
-            for start, count in _row_runs(rules.get(name), shape):
+            for start, count in row_runs(rules.get(name), shape):
                 starts = (0,) * len(shape) if start is None else (start, *(0,) * (len(shape) - 1))
                 lengths = shape if count is None else (count, *shape[1:])
                 pieces = location.pieces(starts, lengths)
                 for piece in pieces:
                     first, count_of = (start, count) if len(pieces) == 1 else ((start or 0) + piece.row, piece.rows)
-                    chunks.append(_Chunk(name, piece.key, piece.offsets, piece.sizes, global_shapes[piece.key], dtype,
+                    chunks.append(StoredChunk(name, piece.key, piece.offsets, piece.sizes, global_shapes[piece.key], dtype,
                                          first, count_of))
         _check_one_dtype_per_key(chunks, source)
         return chunks, extra_state_keys(config), rows
@@ -237,7 +123,7 @@ class TorchDistSaver(Saver):
     def plan(self, source: CanonicalSource, options: SaveOptions) -> list[PlannedFile]:
         chunks, objects, _ = self._chunks(source, options)
         directory = iteration_dir_name(*self._iteration(source))
-        return _files(directory, _data_files(chunks, options), objects, options.torch_dist_common)
+        return _files(directory, data_files(chunks, options), objects, options.torch_dist_common)
 
     def _args(self, source: CanonicalSource, options: SaveOptions, rows: int) -> Any:
         """The target's Megatron args, as the common state holds them."""
@@ -260,17 +146,9 @@ class TorchDistSaver(Saver):
         also what ``finalize`` writes."""
         directory = iteration_dir_name(*self._iteration(source))
         chunks, objects, rows = self._chunks(source, options)
-        files = _data_files(chunks, options)
-        writes = [number for number in range(len(files))
-                  if only is None or f"{directory}/{data_file_name(number)}" in only]
-        written: dict[str, tuple[str, int]] = {}
-        if writes:
-            (out_dir / directory).mkdir(parents=True, exist_ok=True)
-            planner = _StreamingPlanner(chunks, objects, source, rows, progress)
-            writer = StreamingWriter(out_dir / directory, _file_numbers(files), writes, index=False)
-            with _os_errors_of_torch(out_dir / directory / data_file_name(writes[0])), single_process_calls():
-                dcp.save({}, storage_writer=writer, planner=planner, no_dist=True)
-            written = writer.written
+        files = data_files(chunks, options)
+        written = write_data_files(out_dir, directory, chunks, files, _empty_extra_states(objects), source, rows,
+                                   progress, only)
         planned = _files(directory, files, objects, options.torch_dist_common, written)
         if only is not None:
             return SaveResult(files=[item for item in planned if item.sha256 is not None])
@@ -311,25 +189,22 @@ class TorchDistSaver(Saver):
         return notices
 
     @staticmethod
-    def _write_index(iteration_dir: Path, chunks: list[_Chunk], objects: list[str], source: CanonicalSource,
+    def _write_index(iteration_dir: Path, chunks: list[StoredChunk], objects: list[str], source: CanonicalSource,
                      rows: int, options: SaveOptions, common: dict[str, object]) -> None:
         """The common state and ``.metadata``: in the store, the common state is its own data file after the
         model's (written here, never by ``save``); else common.pt."""
-        files = _data_files(chunks, options)
-        numbers = _file_numbers(files)
+        files = data_files(chunks, options)
+        numbers = file_numbers(files)
         writes: tuple[int, ...] = ()
-        stored = None
+        entries = _empty_extra_states(objects)
         if options.torch_dist_common == COMMON_IN_STORE:
-            stored = common_bytes(common)
-            objects = [*objects, COMMON_STATE_KEY]
+            entries[COMMON_STATE_KEY] = common_bytes(common)
             writes = (len(files),)
             numbers[(COMMON_STATE_KEY, None)] = len(files)
         else:
             _write_common(iteration_dir / COMMON_FILE, common)
-        planner = _StreamingPlanner(chunks, objects, source, rows, lambda nbytes: None, stored)
-        writer = StreamingWriter(iteration_dir, numbers, writes=writes, index=True)
-        with _os_errors_of_torch(iteration_dir / DCP_METADATA_FILE), single_process_calls():
-            dcp.save({}, storage_writer=writer, planner=planner, no_dist=True)
+        planner = StreamingPlanner(chunks, entries, source, rows, lambda nbytes: None)
+        write_store(iteration_dir, planner, numbers, writes, True, iteration_dir / DCP_METADATA_FILE)
 
     def seal(self, source: CanonicalSource, out_dir: Path, options: SaveOptions,
              files: list[PlannedFile]) -> None:
@@ -399,16 +274,9 @@ class TorchDistSaver(Saver):
                                self._args(source, options, rows), files, share)
 
 
-def _data_files(chunks: list[_Chunk], options: SaveOptions) -> list[list[_Chunk]]:
-    """The chunks of each data file, in stream order: a new file when the next canonical tensor's chunks would
-    take the file past ``max_shard_size`` bytes of values (a tensor larger than that has a file of its own)."""
-    return split_by_size(chunks, lambda chunk: chunk.canonical, lambda chunk: chunk.nbytes,
-                         options.max_shard_size or DEFAULT_MAX_DATA_FILE_SIZE)
-
-
-def _file_numbers(files: list[list[_Chunk]]) -> dict[ItemKey, int]:
-    """Each chunk's data file, as the streaming writer takes it (the _extra_state entries go to the first)."""
-    return {(chunk.key, chunk.offsets): number for number, file in enumerate(files) for chunk in file}
+def _empty_extra_states(keys: list[str]) -> dict[str, bytes]:
+    """The ``_extra_state`` bytes entries, each empty as megatron-core writes a module's with no FP8 state."""
+    return {key: empty_extra_state().getvalue() for key in keys}
 
 
 def _write_common(path: Path, common: dict[str, object]) -> None:
@@ -420,17 +288,12 @@ def _write_common(path: Path, common: dict[str, object]) -> None:
     fsync_file(path)
 
 
-def _files(iteration_dir: str, files: list[list[_Chunk]], objects: list[str], common: str,
+def _files(iteration_dir: str, files: list[list[StoredChunk]], objects: list[str], common: str,
            written: Mapping[str, tuple[str, int]] | None = None) -> list[PlannedFile]:
     """The files of one iteration; the first data file holds the ``_extra_state`` entries too (each data file's
     sha256 and size when ``written`` names it). The common state is common.pt, or (``common`` "store") a data
     file of its own after the model's, with the integrity manifest."""
-    data = []
-    for number, chunks in enumerate(files):
-        name = data_file_name(number)
-        sha256, size = (written or {}).get(name, (None, None))
-        data.append(PlannedFile(f"{iteration_dir}/{name}", len(chunks) + (len(objects) if number == 0 else 0),
-                                sum(c.nbytes for c in chunks), sha256=sha256, size=size))
+    data = planned_data_files(iteration_dir, files, written or {}, len(objects))
     if common != COMMON_IN_STORE:
         return [PlannedFile(f"{iteration_dir}/{COMMON_FILE}", 0, 0), *data,
                 PlannedFile(f"{iteration_dir}/{DCP_METADATA_FILE}", 0, 0),
@@ -441,29 +304,10 @@ def _files(iteration_dir: str, files: list[list[_Chunk]], objects: list[str], co
             PlannedFile(f"{iteration_dir}/{INTEGRITY_FILE}", 0, 0)]
 
 
-@contextmanager
-def _os_errors_of_torch(path: Path) -> Iterator[None]:
-    """torch's zip writer turns a failed write (a full disk) into ``RuntimeError: unexpected pos``;
-    the ``OSError`` it swallowed is still in the exception's chain: raise that one instead."""
-    try:
-        yield
-    except RuntimeError as exc:
-        cause: BaseException | None = exc
-        seen = set()
-        while cause is not None and id(cause) not in seen and not isinstance(cause, OSError):
-            seen.add(id(cause))
-            cause = cause.__cause__ or cause.__context__
-        if isinstance(cause, OSError):
-            raise OSError(cause.errno, cause.strerror, cause.filename or str(path)) from exc
-        if "unexpected pos" in str(exc) or "failed writing" in str(exc):
-            raise OSError(errno.EIO, f"torch could not write the file ({quote(str(exc), 200)})", str(path)) from exc
-        raise
-
-
-def _check_one_dtype_per_key(chunks: list[_Chunk], source: CanonicalSource) -> None:
+def _check_one_dtype_per_key(chunks: list[StoredChunk], source: CanonicalSource) -> None:
     """A torch_dist key has one dtype, but several canonical tensors may share it (the layers of a
     stacked key): tensors stored in different dtypes cannot be written faithfully."""
-    first: dict[str, _Chunk] = {}
+    first: dict[str, StoredChunk] = {}
     for chunk in chunks:
         other = first.setdefault(chunk.key, chunk)
         if other.dtype != chunk.dtype:

@@ -17,6 +17,7 @@ from pgconvert.formats.stream import CanonicalSource
 from pgconvert.formats.torch_dist import DCP_METADATA_FILE
 from pgconvert.formats.torch_dist_optimizer import (DP_RESHARDABLE, FS_MODEL_SPACE, FULLY_RESHARDABLE, PLAIN,
                                                     moe_form_refusal)
+from pgconvert.io.dcp_writer import DEFAULT_MAX_DATA_FILE_SIZE
 from pgconvert.model.grid import RankCoord
 from pgconvert.model.layout import ParallelLayout
 from pgconvert.optimizer.data_parallel import dp_size, with_dst_dp
@@ -28,7 +29,6 @@ from pgconvert.savers.torch_dist.optimizer_plain import plain_chunks, write_plai
 from pgconvert.savers.torch_dist.common_state import common_relpath, rewrite_common
 from pgconvert.savers.torch_dist.optimizer_records import (RecordsShare, chunk_numbers, optimizer_chunks, records_files,
                                                            write_fully_reshardable)
-from pgconvert.savers.torch_dist.streaming import DEFAULT_MAX_DATA_FILE_SIZE
 
 # The distributed optimizer's forms a destination may be given (fully_sharded_model_space: for megatron-core
 # <= 0.15.0, which cannot load the others).

@@ -20,7 +20,7 @@ What ``DistributedOptimizer.sharded_state_dict`` / ``sharded_param_state_dp_resh
 
 The common state holds ``optimizer = {'param_state_sharding_type': 'dp_reshardable'}`` and
 ``content_metadata['distrib_optim_sharding_type']``. As for ``fully_reshardable``
-(``optimizer_records.py``), the records go to ``__1_<n>.distcp`` through the saver's streaming
+(``optimizer_records.py``), the records go to ``__1_<n>.distcp`` through the streaming
 writer (one parameter's piece in memory at a time; a parameter's records of one field in one file) and are merged
 into ``.metadata`` and the common state.
 
@@ -53,6 +53,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 
 from pgconvert.formats import PlannedFile
 from pgconvert.formats.torch_dist_optimizer import DP_RESHARDABLE, bucket_key, object_key, record_prefix, scaler_key
+from pgconvert.io.dcp_writer import ItemKey, split_by_size
 from pgconvert.model.config import ModelConfig
 from pgconvert.model.grid import RankCoord
 from pgconvert.model.layout import ParallelLayout
@@ -64,7 +65,6 @@ from pgconvert.optimizer.source import FIELDS, FP32_BYTES, OptimizerSource
 from pgconvert.savers.torch_dist.common_state import rewrite_common
 from pgconvert.savers.torch_dist.optimizer_records import (RecordsShare, carry_counters, numbered, records_files,
                                                            write_records)
-from pgconvert.savers.torch_dist.streaming import ItemKey, split_by_size
 
 
 @dataclass(frozen=True)

@@ -37,10 +37,10 @@ from pgconvert.formats import PlannedFile
 from pgconvert.formats.torch_dist import DCP_METADATA_FILE, read_dcp_metadata, single_process_calls
 from pgconvert.formats.torch_dist_optimizer import (FULLY_RESHARDABLE, RECORDS_PREFIX, chained_entries, common_entry,
                                                     records_file, state_key)
+from pgconvert.io.dcp_writer import ItemKey, StreamingWriter, split_by_size
 from pgconvert.optimizer.scaler import set_scalers, target_scalers
 from pgconvert.optimizer.source import CARRIED_KEYS, FIELDS, OptimizerSource
 from pgconvert.savers.torch_dist.common_state import replace_durably, rewrite_common
-from pgconvert.savers.torch_dist.streaming import ItemKey, StreamingWriter, split_by_size
 
 
 class OptimizerPlanner(DefaultSavePlanner):

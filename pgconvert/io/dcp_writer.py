@@ -1,9 +1,10 @@
-"""The torch_dist saver's data-file writer: torch's ``FileSystemWriter`` with the data file written item by item.
+"""A DCP store's data-file writer (the torch_dist and fsdp_dtensor savers', through ``pgconvert/formats/dcp_save.py``):
+torch's ``FileSystemWriter`` with the data file written item by item.
 
 torch's own loop keeps every tensor it wrote in a dict until the file is closed; this writer writes the same
 bytes (the items in torch's order, each the ``torch.save`` archive of its chunk, CRC32s included) with nothing
-outliving its record, and hashes the file on the way. Used for the model's ``__0_<n>.distcp`` and the optimizer
-records' ``__1_0.distcp``.
+outliving its record, and hashes the file on the way. Used for the model's ``__0_<n>.distcp`` and torch_dist's
+optimizer records' ``__1_<n>.distcp``.
 
 The model's items may be spread over several data files (``files``: which file each item goes to), and a process
 may write only some of them (``writes``): an item's record is a ``torch.save`` archive whose length follows from

@@ -1,0 +1,208 @@
+"""A DCP store of global tensors written by one process with no process group: what the torch_dist and
+fsdp_dtensor savers share.
+
+Both savers plan their chunks from the source's metadata alone (``StoredChunk``: a key, its chunk's offsets and
+sizes, and which rows of which canonical tensor it holds), cut them into data files of at most ``--max-shard-size``
+bytes (``data_files``) and write them through ``dcp.save(no_dist=True)`` with ``StreamingPlanner`` (each chunk's
+data produced when the writer asks for it, one canonical tensor in memory at a time) and the streaming writer
+(``pgconvert/io/dcp_writer.py``), which can write some of the data files and plan the others' offsets, so
+``.metadata`` is written from the plan (``write_store``). The formats differ in the keys, the chunks, and the bytes
+entries (``objects``: key -> the entry's bytes) beside the tensors.
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+from collections.abc import Collection, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultSavePlanner, SavePlan
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+from pgconvert.formats.contract import PlannedFile, Progress, SaveOptions
+from pgconvert.formats.stream import CanonicalSource
+from pgconvert.formats.torch_dist import single_process_calls
+from pgconvert.io import sizes
+from pgconvert.io.dcp_writer import DEFAULT_MAX_DATA_FILE_SIZE, ItemKey, StreamingWriter, split_by_size
+from pgconvert.io.limits import quote
+from pgconvert.io.reuse import ReusedMemory
+from pgconvert.model.config import ModelConfig
+from pgconvert.model.provider import VOCAB_TABLES, layer_kinds
+from pgconvert.model.rules import VOCAB, ShardRule
+
+
+def data_file_name(number: int) -> str:
+    """torch.distributed.checkpoint's name of a single process's data file ``number``."""
+    return f"__0_{number}.distcp"
+
+
+@dataclass(frozen=True)
+class StoredChunk:
+    """One stored chunk: rows ``[row_start, row_start + rows)`` (all rows when None) of a canonical
+    tensor, at ``offsets`` of key ``key`` whose global shape is ``global_shape``."""
+
+    canonical: str
+    key: str
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    global_shape: tuple[int, ...]
+    dtype: torch.dtype
+    row_start: int | None = None
+    rows: int | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sizes.nbytes(self.sizes, self.dtype)
+
+    def write_item(self) -> WriteItem:
+        offsets, sizes = torch.Size(self.offsets), torch.Size(self.sizes)
+        return WriteItem(
+            index=MetadataIndex(self.key, offsets),
+            type=WriteItemType.SHARD,
+            tensor_data=TensorWriteData(
+                chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes),
+                properties=TensorProperties(dtype=self.dtype),
+                size=torch.Size(self.global_shape),
+            ),
+        )
+
+
+def layer_rules(config: ModelConfig) -> dict[str, ShardRule]:
+    """Each layer tensor's TP rule (the others are whole tensors in one chunk)."""
+    return {name: kind.rule_for(config) for name, kind in layer_kinds(config).items()}  # MTP layers too
+
+
+def row_runs(rule: ShardRule | None, shape: tuple[int, ...]) -> list[tuple[int | None, int | None]]:
+    """The row runs megatron-core stores a tensor in at TP1: the windows of the rule's one piece
+    (the gate and up halves of a SwiGLU fc1); ``(None, None)``: the whole tensor in one chunk."""
+    windows = rule.piece_windows(shape, 1, 0) if rule is not None else ()
+    if len(windows) < 2:
+        return [(None, None)]
+    assert all(window.dim == 0 and not window.zeros for window in windows)
+    return [(window.start, window.length) for window in windows]
+
+
+class StreamingPlanner(DefaultSavePlanner):
+    """A save plan given up front; each chunk's data is produced when the writer asks for it, each bytes entry
+    is ``objects``' bytes. ``planner_data``: the flattened keys' paths ``.metadata`` records (None: none)."""
+
+    def __init__(self, chunks: list[StoredChunk], objects: Mapping[str, bytes], source: CanonicalSource,
+                 vocab_rows: int, progress: Progress,
+                 planner_data: Mapping[str, tuple[str, ...]] | None = None) -> None:
+        super().__init__(flatten_state_dict=planner_data is not None, flatten_sharded_tensors=False)
+        self._planner_data = dict(planner_data) if planner_data is not None else None
+        self._objects = objects
+        self._chunks = {(chunk.key, chunk.offsets): chunk for chunk in chunks}
+        self._items = [chunk.write_item() for chunk in chunks] + [
+            WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO) for key in objects]
+        self._source = source
+        self._vocab_rows = vocab_rows
+        self._progress = progress
+        # The gate and up chunks of a SwiGLU fc1 are consecutive: the second reuses the first's load.
+        self._last: tuple[str, torch.Tensor] | None = None
+        self._memory = ReusedMemory()  # each canonical tensor is loaded into the last one's memory
+
+    def create_local_plan(self) -> SavePlan:
+        self.plan = SavePlan(self._items, planner_data=self._planner_data)
+        return self.plan
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
+        if write_item.type == WriteItemType.BYTE_IO:
+            return io.BytesIO(self._objects[write_item.index.fqn])
+        chunk = self._chunks[(write_item.index.fqn, tuple(write_item.index.offset))]
+        full = self._canonical(chunk.canonical)
+        if chunk.row_start is not None:
+            assert chunk.rows is not None
+            full = full.narrow(0, chunk.row_start, chunk.rows)
+        data = full.to(chunk.dtype).reshape(chunk.sizes)
+        self._progress(chunk.nbytes)
+        return data
+
+    def _canonical(self, name: str) -> torch.Tensor:
+        if self._last is not None and self._last[0] == name:
+            return self._last[1]
+        self._last = None
+        meta = self._source.meta(name)
+        if name in VOCAB_TABLES:
+            with self._memory.lending(sizes.nbytes((self._vocab_rows, *meta.shape[1:]), meta.dtype)):
+                tensor = self._source.load_shard(name, VOCAB, 1, 0, rows=self._vocab_rows)
+        else:
+            with self._memory.lending(meta.nbytes):
+                tensor = self._source.load(name)
+        self._last = (name, tensor)
+        return tensor
+
+
+def data_files(chunks: list[StoredChunk], options: SaveOptions) -> list[list[StoredChunk]]:
+    """The chunks of each data file, in stream order: a new file when the next canonical tensor's chunks would
+    take the file past ``max_shard_size`` bytes of values (a tensor larger than that has a file of its own)."""
+    return split_by_size(chunks, lambda chunk: chunk.canonical, lambda chunk: chunk.nbytes,
+                         options.max_shard_size or DEFAULT_MAX_DATA_FILE_SIZE)
+
+
+def file_numbers(files: list[list[StoredChunk]]) -> dict[ItemKey, int]:
+    """Each chunk's data file, as the streaming writer takes it (a bytes entry not named goes to the first)."""
+    return {(chunk.key, chunk.offsets): number for number, file in enumerate(files) for chunk in file}
+
+
+def write_data_files(out_dir: Path, directory: str, chunks: list[StoredChunk], files: list[list[StoredChunk]],
+                     objects: Mapping[str, bytes], source: CanonicalSource, rows: int, progress: Progress,
+                     only: Collection[str] | None) -> dict[str, tuple[str, int]]:
+    """The model's data files ``files`` of the store in ``out_dir / directory`` (those ``only`` names, as relative
+    paths; None: all), ``objects`` in the first; returns each written file's sha256 and size (no ``.metadata``)."""
+    writes = [number for number in range(len(files))
+              if only is None or f"{directory}/{data_file_name(number)}" in only]
+    if not writes:
+        return {}
+    (out_dir / directory).mkdir(parents=True, exist_ok=True)
+    planner = StreamingPlanner(chunks, objects, source, rows, progress)
+    return write_store(out_dir / directory, planner, file_numbers(files), writes, False,
+                       out_dir / directory / data_file_name(writes[0])).written
+
+
+def planned_data_files(directory: str, files: list[list[StoredChunk]], written: Mapping[str, tuple[str, int]],
+                       first_entries: int = 0) -> list[PlannedFile]:
+    """The model's data files as planned (each one's sha256 and size where ``written`` names it); the first also
+    holds ``first_entries`` bytes entries."""
+    planned = []
+    for number, chunks in enumerate(files):
+        sha256, size = written.get(data_file_name(number), (None, None))
+        planned.append(PlannedFile(f"{directory}/{data_file_name(number)}", len(chunks) + (first_entries if number == 0
+                                   else 0), sum(chunk.nbytes for chunk in chunks), sha256=sha256, size=size))
+    return planned
+
+
+def write_store(directory: Path, planner: StreamingPlanner, numbers: dict[ItemKey, int],
+                writes: Collection[int] | None, index: bool, first_path: Path) -> StreamingWriter:
+    """The data files numbered ``writes`` (None: all) of a planned store, and with ``index`` its ``.metadata``;
+    a failed write is an OSError naming ``first_path``. Returns the writer (the written files' digests)."""
+    writer = StreamingWriter(directory, numbers, writes, index=index)
+    with os_errors_of_torch(first_path), single_process_calls():
+        dcp.save({}, storage_writer=writer, planner=planner, no_dist=True)
+    return writer
+
+
+@contextmanager
+def os_errors_of_torch(path: Path) -> Iterator[None]:
+    """torch's zip writer turns a failed write (a full disk) into ``RuntimeError: unexpected pos``;
+    the ``OSError`` it swallowed is still in the exception's chain: raise that one instead."""
+    try:
+        yield
+    except RuntimeError as exc:
+        cause: BaseException | None = exc
+        seen = set()
+        while cause is not None and id(cause) not in seen and not isinstance(cause, OSError):
+            seen.add(id(cause))
+            cause = cause.__cause__ or cause.__context__
+        if isinstance(cause, OSError):
+            raise OSError(cause.errno, cause.strerror, cause.filename or str(path)) from exc
+        if "unexpected pos" in str(exc) or "failed writing" in str(exc):
+            raise OSError(errno.EIO, f"torch could not write the file ({quote(str(exc), 200)})", str(path)) from exc
+        raise
+

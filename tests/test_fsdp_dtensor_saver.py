@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from safetensors.torch import load_file
 from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import ReadItem
 from support.checkpoint_compare import read_dcp
 from support.cli_helpers import assert_clean_refusal, run_cli
 from support.megatron_fixtures import allowed_globals
+from support.hf_helpers import load_hf_tensors
 
 import pgconvert
 from pgconvert.errors import CheckpointError
@@ -112,19 +112,12 @@ def test_a_bf16_source_is_widened_and_named(tmp_path: Path) -> None:
         assert torch.equal(written[key], tensor.to(torch.bfloat16).to(torch.float32)), key
 
 
-def _hf_tensors(root: Path) -> dict[str, torch.Tensor]:
-    tensors: dict[str, torch.Tensor] = {}
-    for path in sorted(root.glob("*.safetensors")):
-        tensors.update(load_file(path))
-    return tensors
-
-
 def test_per_rank_through_fsdp_dtensor_to_hf_equals_per_rank_to_hf(per_rank: Path, tmp_path: Path) -> None:
     pgconvert.convert(per_rank, tmp_path / "fsdp", dst_format="fsdp_dtensor", dst_tp=1)
     pgconvert.convert(tmp_path / "fsdp", tmp_path / "via_fsdp", dst_format="hf")
     pgconvert.convert(per_rank, tmp_path / "direct", dst_format="hf")
 
-    via, direct = _hf_tensors(tmp_path / "via_fsdp"), _hf_tensors(tmp_path / "direct")
+    via, direct = load_hf_tensors(tmp_path / "via_fsdp"), load_hf_tensors(tmp_path / "direct")
     assert sorted(via) == sorted(direct) and len(direct) > 10
     assert [name for name, tensor in direct.items() if not torch.equal(via[name], tensor)] == []
     assert (tmp_path / "via_fsdp" / "config.json").read_text() == (tmp_path / "direct" / "config.json").read_text()

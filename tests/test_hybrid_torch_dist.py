@@ -43,7 +43,7 @@ with warnings.catch_warnings():
     pytest.importorskip("megatron.core", reason="megatron-core is the client of the torch_dist format")
     from support.mcore_gpt_models import read_layout, sharded_layout
     from support.mcore_helpers import RankLayout, rank_files
-    from support.mcore_mamba import build_mamba_model, mamba_sharded_state_dict
+    from support.mcore_mamba import assert_loaded_is_rank, build_mamba_model, mamba_sharded_state_dict
     from support.mcore_torch_dist_job import run_job
 
 ITERATION_DIR = "iter_0000000"
@@ -115,15 +115,9 @@ def loaded_by_megatron_core(tiny: Path, tmp_path_factory: pytest.TempPathFactory
                          ids=[case[0] for case in LOAD_CASES])
 def test_megatron_core_loads_pgconvert_output_strictly_with_every_value_in_place(
         loaded_by_megatron_core: Path, rank_files_at: Callable[[int, int], Path], name: str, tp: int, pp: int) -> None:
-    expected = rank_files(rank_files_at(tp, pp))
-
-    for rank in expected:
-        loaded = torch.load(loaded_by_megatron_core / f"{name}_rank_{rank.layout.tp_rank}_{rank.layout.pp_rank}.pt",
-                            weights_only=True)
-        tensors = {key: value for key, value in rank.model.items() if isinstance(value, torch.Tensor)}
-        assert sorted(loaded) == sorted(tensors), rank.path
-        for key, value in tensors.items():
-            assert loaded[key].dtype == value.dtype and torch.equal(loaded[key], value), (rank.path, key)
+    for rank in rank_files(rank_files_at(tp, pp)):
+        assert_loaded_is_rank(loaded_by_megatron_core / f"{name}_rank_{rank.layout.tp_rank}_{rank.layout.pp_rank}.pt",
+                              rank)
 
 
 # --------------------------------------------------------------------------- 3. megatron-core saves

@@ -46,7 +46,8 @@ with warnings.catch_warnings():
     pytest.importorskip("megatron.core", reason="megatron-core is the client of the megatron formats")
     from support.mcore_gpt_models import read_layout, sharded_layout
     from support.mcore_helpers import RankLayout, cpu_forward_patches, fake_group_queries, rank_files
-    from support.mcore_mamba import build_mamba_model, mamba_sharded_state_dict
+    from support.mcore_mamba import (assert_loaded_is_rank, assert_loads_strictly, build_mamba_model,
+                                     mamba_sharded_state_dict)
     from support.mcore_torch_dist_job import run_job
 
 ITERATION_DIR = "iter_0000000"
@@ -205,11 +206,7 @@ def test_megatron_cores_mamba_model_loads_every_rank_file_strictly(rank_files_at
     ranks = rank_files(rank_files_at(**layout))
     assert len(ranks) == layout["tp"] * layout.get("pp", 1) * layout.get("ep", 1)
     for rank in ranks:
-        model = build_mamba_model(rank.args, rank.layout)
-        model.load_state_dict(rank.model, strict=True)
-        loaded = model.state_dict()
-        assert all(torch.equal(loaded[name], tensor) for name, tensor in rank.model.items()
-                   if isinstance(tensor, torch.Tensor)), rank.path
+        loaded = assert_loads_strictly(rank)
         assert any(".mlp.experts.local_experts." in name for name in loaded), rank.path
 
 
@@ -295,12 +292,8 @@ def test_megatron_core_loads_pgconvert_torch_dist_strictly_with_every_value_in_p
         ep: int) -> None:
     for rank in rank_files(rank_files_at(tp=tp, pp=pp, ep=ep)):
         place = rank.layout
-        loaded = torch.load(loaded_by_megatron_core / f"{name}_rank_{place.tp_rank}_{place.pp_rank}_{place.ep_rank}.pt",
-                            weights_only=True)
-        tensors = {key: value for key, value in rank.model.items() if isinstance(value, torch.Tensor)}
-        assert sorted(loaded) == sorted(tensors), rank.path
-        for key, value in tensors.items():
-            assert loaded[key].dtype == value.dtype and torch.equal(loaded[key], value), (rank.path, key)
+        assert_loaded_is_rank(
+            loaded_by_megatron_core / f"{name}_rank_{place.tp_rank}_{place.pp_rank}_{place.ep_rank}.pt", rank)
 
 
 def test_a_torch_dist_megatron_cores_mamba_model_saved_at_tp2_ep2_reads_back_bit_exact(

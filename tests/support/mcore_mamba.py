@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from pathlib import Path
 from typing import Any
 
 import importlib.util
@@ -199,6 +200,27 @@ def build_mamba_model(args: argparse.Namespace, layout: RankLayout) -> MambaMode
             share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
             position_embedding_type=args.position_embedding_type, pg_collection=groups)
     return model.eval()
+
+
+def assert_loads_strictly(rank: Any) -> dict[str, torch.Tensor]:
+    """megatron-core's MambaModel for a rank file (``mcore_helpers.rank_files``) loads its model with
+    ``strict=True``, every tensor in place; its state dict after the load."""
+    model = build_mamba_model(rank.args, rank.layout)
+    model.load_state_dict(rank.model, strict=True)
+    loaded = model.state_dict()
+    assert all(torch.equal(loaded[name], tensor) for name, tensor in rank.model.items()
+               if isinstance(tensor, torch.Tensor)), rank.path
+    return loaded
+
+
+def assert_loaded_is_rank(loaded_path: Path, rank: Any) -> None:
+    """What a megatron-core load job saved for one rank (``mcore_mamba_dist``) is that rank file's tensors, key for
+    key, dtype and value."""
+    loaded = torch.load(loaded_path, weights_only=True)
+    tensors = {key: value for key, value in rank.model.items() if isinstance(value, torch.Tensor)}
+    assert sorted(loaded) == sorted(tensors), rank.path
+    for key, value in tensors.items():
+        assert loaded[key].dtype == value.dtype and torch.equal(loaded[key], value), (rank.path, key)
 
 
 def mamba_sharded_state_dict(model: MambaModel, dp_size: int = 1, dp_rank: int = 0) -> dict[str, Any]:

@@ -47,8 +47,13 @@ def _config_json(src: Path) -> dict[str, Any]:
 
 
 def _key(architecture: str, doc: dict[str, Any], setting: str) -> str:
-    """The config.json key holding ``setting`` (the first spelling the file holds)."""
-    spec = next(spec for spec in FAMILIES[architecture].fields if spec.model_field == setting)
+    """The config.json key holding ``setting`` (the first spelling the file holds): a field's, else the first key of
+    the rule that reads it (Nemotron-H's expert rule: ``n_routed_experts``)."""
+    family = FAMILIES[architecture]
+    spec = next((spec for spec in family.fields if spec.model_field == setting), None)
+    if spec is None:
+        rule = next(rule for rule in family.rules if setting in rule.model_fields)
+        return next(key for key in (*rule.keys, *rule.legacy_keys) if key in doc)
     return next(".".join(where) for where in (spec.path, *spec.legacy) if ".".join(where) in doc)
 
 

@@ -47,6 +47,10 @@ EXPERT_PARTS: tuple[dict[str, object], ...] = (dict(moe_shared_expert_intermedia
 HYBRID: dict[str, object] = dict(hybrid_override_pattern="M*-", mamba_num_heads=4, mamba_head_dim=8,
                                  mamba_num_groups=2, mamba_state_dim=4)
 PARTS: tuple[dict[str, object], ...] = (dict(rotary_base_local=1000.0), dict(mtp_num_layers=1), HYBRID)
+# With experts, a hybrid pattern with two MoE layers (E), routed as Nemotron-H's are (a sigmoid router
+# with expert bias, a shared expert): a hybrid family with experts needs one.
+EXPERT_PARTS += (dict(HYBRID, hybrid_override_pattern="MEE", moe_router_score_function="sigmoid",
+                      moe_router_enable_expert_bias=True, moe_shared_expert_intermediate_size=8),)
 
 
 def count_keys(family: Family) -> list[str]:

@@ -121,6 +121,11 @@ KEPT_NULLS: dict[tuple[str, str, str], Expected] = {
     **{("*", "*", f"older spelling {alias} (attribute_map alias of {real}), null {alias}"): REFUSED
        for alias, real in (("num_experts", "num_local_experts"), ("num_local_experts", "num_experts"),
                            ("num_local_experts", "n_routed_experts"), ("num_experts", "n_routed_experts"))},
+    # A dense Nemotron-H (the base) builds no NemotronHMoE: its expert count and latent size are never read.
+    ("NemotronHForCausalLM", "base", "null num_local_experts"): _same,
+    ("NemotronHForCausalLM", "base",
+     "older spelling num_local_experts (attribute_map alias of n_routed_experts), null num_local_experts"): _same,
+    ("NemotronHForCausalLM", "*", "null moe_latent_size"): _same,
     ("Qwen2MoeForCausalLM", "*", "null num_key_value_heads"): REFUSED,
     # The MTP layer count (num_mtp_layers) null with an MTP layer stored: no count to convert it by.
     ("*", "*", "null num_nextn_predict_layers"): REFUSED,

@@ -334,6 +334,12 @@ _FAMILY_NEEDS: dict[str, dict[str, object]] = {
     "NemotronHForCausalLM": {"hybrid_override_pattern": "M-", "mamba_num_heads": 4, "mamba_head_dim": 2,
                              "mamba_num_groups": 2, "mamba_state_dim": 2},
 }
+# Families that take dense and MoE models, and what their MoE model needs (Nemotron-H: an E layer, routed as its
+# NemotronHMoE routes, with its shared expert).
+_DENSE_AND_MOE: dict[str, dict[str, object]] = {
+    "NemotronHForCausalLM": {"hybrid_override_pattern": "ME", "moe_router_score_function": "sigmoid",
+                             "moe_router_enable_expert_bias": True, "moe_shared_expert_intermediate_size": 6},
+}
 
 
 @pytest.mark.parametrize("architecture", sorted(FAMILIES))
@@ -343,12 +349,14 @@ def test_dense_families_refuse_moe_models_and_moe_families_refuse_dense_ones(arc
     fixed.update(_FAMILY_NEEDS.get(architecture, {}))
     fixed.update(_RULE_EXTRAS.get(architecture, {}))
     is_moe_family = "num_experts" not in family.fixed
+    both = architecture in _DENSE_AND_MOE
     shared = _shared_expert(family)
 
     dense_refusals = family_mismatches(family, _config(**fixed))
-    moe_refusals = family_mismatches(family, _config(**fixed, **shared, num_experts=4))
+    moe_refusals = family_mismatches(family, _config(**{**fixed, **_DENSE_AND_MOE.get(architecture, {})}, **shared,
+                                                     num_experts=4))
 
-    assert dense_refusals == (["num_experts=None (needs routed experts)"] if is_moe_family else [])
+    assert dense_refusals == (["num_experts=None (needs routed experts)"] if is_moe_family and not both else [])
     assert moe_refusals == ([] if is_moe_family else ["num_experts=4 (needs None)"])
 
 

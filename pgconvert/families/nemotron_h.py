@@ -84,8 +84,9 @@ def _read_layers(present: Mapping[str, object], model: Mapping[str, object]) -> 
             raise ValueError(f"layers_block_type={quote(kinds)}: expected a list of {', '.join(_SYMBOL_OF)}")
         pattern = "".join(_SYMBOL_OF[kind] for kind in kinds)
     else:
-        pattern = present.get("hybrid_override_pattern")
-        if not isinstance(pattern, str) or not pattern or set(pattern) - set(HYBRID_SYMBOLS):
+        # Neither given (or null): NemotronHConfig's own default layers.
+        pattern = present.get("hybrid_override_pattern") or _DEFAULT_PATTERN
+        if not isinstance(pattern, str) or set(pattern) - set(HYBRID_SYMBOLS):
             raise ValueError(f"hybrid_override_pattern={quote(pattern)}: expected a string of "
                              f"{' '.join(HYBRID_SYMBOLS)} (or give layers_block_type)")
     return {"num_layers": len(pattern), "hybrid_override_pattern": pattern}
@@ -150,7 +151,9 @@ def _read_experts(present: Mapping[str, object], model: Mapping[str, object]) ->
         raise ValueError("num_experts_per_tok=1: transformers renormalizes the one chosen score to 1 "
                          "(norm_topk_prob), megatron-core keeps its sigmoid score; no megatron-core equivalent")
     # num_local_experts: the alias NemotronHConfig's attribute_map reads as n_routed_experts.
-    experts = config_count(present.get("n_routed_experts", present.get("num_local_experts", 8)), "n_routed_experts", 1)
+    # Given, the alias wins (PretrainedConfig.__init__ sets it after NemotronHConfig's own n_routed_experts).
+    key = "num_local_experts" if "num_local_experts" in present else "n_routed_experts"
+    experts = config_count(present.get(key, 8), key, 1)
     values = {"num_experts": experts, "moe_router_topk": topk,
               "moe_ffn_hidden_size": _moe_count(present, "moe_intermediate_size"),
               "moe_shared_expert_intermediate_size": _moe_count(present, "moe_shared_expert_intermediate_size"),
@@ -199,6 +202,8 @@ _EXPERTS = ConfigRule(
     null_keys=("moe_latent_size",), legacy_keys=("num_local_experts",))
 
 
+# NemotronHConfig's default layers_block_type (linear_attention, moe, full_attention, mlp), as a pattern.
+_DEFAULT_PATTERN = "ME*-"
 # transformers' layers_block_type values by hybrid_override_pattern symbol (NemotronHConfig._pattern_to_list).
 _SYMBOL_OF = {"linear_attention": "M", "full_attention": "*", "mlp": "-", "moe": "E"}
 

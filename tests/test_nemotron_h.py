@@ -19,6 +19,7 @@ from click.testing import CliRunner
 from support.hf_helpers import assert_same_hf_tensors, hf_logits, input_ids, read_megatron_tp_ranks
 from support.mamba_reference import hybrid_logits
 from support.nemotron_h_models import PATTERN, TINY, write_tiny_nemotron_h
+from support.megatron_fixtures import load_for_test
 
 import pgconvert
 from pgconvert.cli import main
@@ -54,7 +55,7 @@ def test_tp2_round_trip_is_bit_exact_and_transformers_computes_the_same_logits(t
 
 
 def test_megatron_args_describe_the_hybrid_model_as_pretrain_mamba_does(tp2: Path) -> None:
-    state = torch.load(tp2 / "iter_0000000" / "mp_rank_01" / "model_optim_rng.pt", weights_only=False)
+    state = load_for_test(tp2 / "iter_0000000" / "mp_rank_01" / "model_optim_rng.pt")
     args = state["args"]
 
     assert (args.hybrid_override_pattern, args.num_layers, args.is_hybrid_model) == (PATTERN, len(PATTERN), True)
@@ -80,8 +81,7 @@ def test_pipeline_stages_cut_the_pattern_and_round_trip_bit_exact(tiny: Path, tm
 
     assert_same_hf_tensors(tiny, tmp_path / "hf")
     # Stage 1 of 2 holds layers 6..11 (-M*-M-) numbered from 0, and the decoder's final_norm.
-    stage = torch.load(tmp_path / "tp2pp2" / "iter_0000000" / "mp_rank_00_001" / "model_optim_rng.pt",
-                       weights_only=False)["model"]
+    stage = load_for_test(tmp_path / "tp2pp2" / "iter_0000000" / "mp_rank_00_001" / "model_optim_rng.pt")["model"]
     assert "decoder.layers.0.pre_mlp_layernorm.weight" in stage
     assert "decoder.layers.1.mixer.in_proj.weight" in stage
     assert "decoder.layers.2.input_layernorm.weight" in stage
@@ -178,8 +178,7 @@ def test_the_time_step_clamp_megatron_core_lacks_is_named_carried_and_refused_un
     result = CliRunner().invoke(main, ["--dst-format", "megatron", "--dst-tp", "2", str(tiny), str(tmp_path / "mcore")])
     assert result.exit_code == 0, result.output
     assert "time_step_min=0.001" in result.output and "megatron-core has no such setting" in result.output
-    args = torch.load(tmp_path / "mcore" / "iter_0000000" / "mp_rank_00" / "model_optim_rng.pt",
-                      weights_only=False)["args"]
+    args = load_for_test(tmp_path / "mcore" / "iter_0000000" / "mp_rank_00" / "model_optim_rng.pt")["args"]
     assert args.time_step_min == 0.001
 
     pgconvert.convert(tmp_path / "mcore", tmp_path / "hf", dst_format="hf")

@@ -33,6 +33,7 @@ from support.hf_helpers import assert_same_hf_tensors, hf_logits, input_ids, rea
 from support.mamba_reference import hybrid_logits
 from support.nemotron_h_models import MOE_PATTERN, TINY_MOE, write_tiny_nemotron_h_moe
 from support.torch_dist_forms import FOR_MCORE_016
+from support.megatron_fixtures import load_for_test
 
 import pgconvert
 from pgconvert.cli import main
@@ -119,8 +120,7 @@ def test_the_rank_files_compute_transformers_logits(tiny: Path, tmp_path: Path, 
 
 def test_the_args_describe_the_moe_layers_as_megatron_lm_records_them(tiny: Path, tmp_path: Path) -> None:
     pgconvert.convert(tiny, tmp_path / "mcore", dst_format="megatron", dst_tp=2, dst_ep=2)
-    state = torch.load(tmp_path / "mcore" / ITERATION_DIR / "mp_rank_01_001" / "model_optim_rng.pt",
-                       weights_only=False)
+    state = load_for_test(tmp_path / "mcore" / ITERATION_DIR / "mp_rank_01_001" / "model_optim_rng.pt")
     args, model = state["args"], state["model"]
 
     assert (args.hybrid_override_pattern, args.num_experts, args.moe_router_topk) == (MOE_PATTERN, 8, 4)
@@ -179,8 +179,7 @@ def test_grouped_routing_and_an_integer_scaling_factor_are_carried_both_ways(tin
     pgconvert.convert(source, tmp_path / "mcore", dst_format="megatron", dst_ep=2)
     pgconvert.convert(tmp_path / "mcore", tmp_path / "hf", dst_format="hf")
 
-    args = torch.load(tmp_path / "mcore" / ITERATION_DIR / "mp_rank_00_000" / "model_optim_rng.pt",
-                      weights_only=False)["args"]
+    args = load_for_test(tmp_path / "mcore" / ITERATION_DIR / "mp_rank_00_000" / "model_optim_rng.pt")["args"]
     assert (args.moe_router_num_groups, args.moe_router_group_topk, args.moe_router_topk_scaling_factor) == (4, 2, 2.0)
     written = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert (written["n_group"], written["topk_group"], written["routed_scaling_factor"]) == (4, 2, 2.0)

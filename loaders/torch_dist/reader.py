@@ -51,6 +51,7 @@ from pgconvert.formats.torch_dist import (
     COMMON_STATE_KEY,
     DCP_METADATA_FILE,
     EXPERTS_KEY,
+    common_state_storage,
     hybrid_optimizer_refusal,
     is_extra_state,
     refuse_singleton,
@@ -144,9 +145,9 @@ class TorchDistSource(CanonicalSource):
 
     def _common_state_label(self) -> Path:
         """How messages name the ``common_state`` entry: the data file that holds it, and the entry's key."""
-        files = [info.relative_path for index, info in self._metadata.storage_data.items()
-                 if getattr(index, "fqn", None) == COMMON_STATE_KEY and isinstance(info.relative_path, str)]
-        where = self.directory / files[0] if len(files) == 1 else self.directory / DCP_METADATA_FILE
+        stored = common_state_storage(self._metadata)
+        relative = stored[1].relative_path if stored is not None else None
+        where = self.directory / (relative if isinstance(relative, str) else DCP_METADATA_FILE)
         return Path(f"{where} ({COMMON_STATE_KEY})")
 
     def _index(self, config: ModelConfig, metadata_path: Path) -> tuple[int, int]:

@@ -496,6 +496,15 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"GLOBAL {module}.{name} is not allowed")
 
 
+def common_state_storage(metadata: Metadata) -> tuple[Any, Any] | None:
+    """The storage index and place (``relative_path``, offset, length) of ``metadata``'s ``common_state`` entry,
+    where it has one."""
+    for index, info in metadata.storage_data.items():
+        if getattr(index, "fqn", None) == COMMON_STATE_KEY:
+            return index, info
+    return None
+
+
 def read_dcp_metadata(path: Path) -> Metadata:
     """torch.distributed.checkpoint's ``.metadata`` through an allowlist of its own classes."""
     try:

@@ -26,7 +26,8 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from pgconvert.errors import CheckpointError
 from pgconvert.formats.megatron import FRAMEWORK_PICKLE, SAFE_GLOBALS, safe_torch_load
-from pgconvert.formats.torch_dist import COMMON_FILE, COMMON_STATE_KEY, DCP_METADATA_FILE, read_dcp_metadata
+from pgconvert.formats.torch_dist import (COMMON_FILE, COMMON_STATE_KEY, DCP_METADATA_FILE, common_state_storage,
+                                          read_dcp_metadata)
 from pgconvert.io.durable import fsync_file
 
 
@@ -49,9 +50,9 @@ def common_bytes(common: dict[str, Any]) -> bytes:
 def _stored_entry(iteration_dir: Path) -> tuple[Metadata, Any, _StorageInfo]:
     """``.metadata``, and the storage index and place of its common_state entry."""
     metadata = read_dcp_metadata(iteration_dir / DCP_METADATA_FILE)
-    for index, info in metadata.storage_data.items():
-        if index.fqn == COMMON_STATE_KEY:
-            return metadata, index, info
+    stored = common_state_storage(metadata)
+    if stored is not None:
+        return metadata, *stored
     raise CheckpointError(f"{iteration_dir}: neither {COMMON_FILE} nor a {COMMON_STATE_KEY} entry in "
                           f"{DCP_METADATA_FILE}")
 

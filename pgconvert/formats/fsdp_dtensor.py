@@ -35,7 +35,8 @@ from pathlib import Path
 
 from pgconvert.errors import CheckpointError
 from pgconvert.formats.megatron import resolve_megatron_iteration
-from pgconvert.formats.torch_dist import CHECKPOINT_CONFIG_FILE, DCP_METADATA_FILE
+# GATED_HALVES: handle_swiglu_in_state_dict's suffixes, megatron-core's singleton_local_shards ones too.
+from pgconvert.formats.torch_dist import CHECKPOINT_CONFIG_FILE, DCP_METADATA_FILE, GATED_HALVES
 from pgconvert.io.limits import quote
 from pgconvert.model.config import ModelConfig
 from pgconvert.model.grid import build_converter_process_groups
@@ -46,8 +47,6 @@ MODEL_PREFIX = "model.module."
 OPTIMIZER_STATE_PREFIX = "optimizer.state.module.module.module."
 # The distributed optimizer's sharding type Megatron-LM asks for with this format (_build_sharded_state_dict_metadata).
 FSDP_DTENSOR_FORM = "fsdp_dtensor"
-# handle_swiglu_in_state_dict's suffixes: the gate half, then the up half, of a gated linear_fc1.
-GATED_HALVES = ("_w", "_v")
 ARGS_KEY = "args"
 ITERATION_KEY = "iteration"
 # Entries that are neither model weights nor read: training state, accounted for and named in a notice.

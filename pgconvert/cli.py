@@ -160,6 +160,7 @@ CONVERT_HELP_SECTIONS: HelpSections = (
     ("Naming", ("--dst-transformer-impl", "--dst-expert-layout", "--dst-mtp-layer-name", "--dst-torch-dist-common")),
     ("Output files", ("--max-shard-size", "--digest")),
     ("HF output", ("--hf-config", "--generation-config", "--tokenizer", "--keep-fp8")),
+    ("Adapters", ("--merge-adapter",)),
     ("Optimizer state", ("--skip-optimizer", "--dst-dp", "--dst-optim-form")),
     ("Safety", ("--strict", "--check-finite", "--skip-finite-check")),
     ("Scale-out", ("--threads", "--workers", "--max-memory", "--shard-index", "--num-shards")),
@@ -309,6 +310,10 @@ def _layout_option(name: str, help_text: str) -> Any:
               help="torch_dist DST: the common state (args, iteration, optimizer param groups) inside the checkpoint "
                    "with an integrity.json manifest, as megatron-core 0.19+ writes it (store), or in common.pt, "
                    "which every megatron-core reads (legacy: use it for megatron-core 0.18 and older).")
+@click.option("--merge-adapter", type=click.Path(path_type=Path, exists=True, file_okay=False), default=None,
+              metavar="DIR", help="Merge a Hugging Face PEFT LoRA adapter (adapter_config.json, "
+                                  "adapter_model.safetensors) into the model: W + (B @ A) * alpha / r in float32, "
+                                  "rounded once to the weight's dtype, at any DST layout.")
 def convert_command(src: Path, dst: Path, src_format: str, dst_format: str, src_tp: int | None,
                     src_pp: int | None, dst_tp: int | None, dst_pp: int | None,
                     dst_decoder_first_pipeline_num_layers: int | None,
@@ -320,11 +325,11 @@ def convert_command(src: Path, dst: Path, src_format: str, dst_format: str, src_
                     hf_config: Path | None, generation_config: Path | None, tokenizer: Path | None,
                     threads: int, workers: int, max_memory: int | None,
                     shard_index: int | None, num_shards: int | None, strict: bool, finite_mode: str | None,
-                    digest: str,
-                    dry_run: bool, overwrite: bool,
+                    digest: str, dry_run: bool, overwrite: bool,
                     quiet: bool, verbose: bool, keep_fp8: bool = False, skip_optimizer: bool = False,
                     dst_dp: int | None = None, dst_optim_form: str | None = None,
-                    dst_mtp_layer_name: str | None = None, dst_torch_dist_common: str = "store") -> None:
+                    dst_mtp_layer_name: str | None = None, dst_torch_dist_common: str = "store",
+                    merge_adapter: Path | None = None) -> None:
     """Convert SRC into DST (the default command)."""
     from pgconvert.run.convert import ConvertRequest
 
@@ -347,6 +352,7 @@ def convert_command(src: Path, dst: Path, src_format: str, dst_format: str, src_
         generation_config=generation_config, tokenizer=tokenizer,
         keep_fp8=keep_fp8, skip_optimizer=skip_optimizer, dst_dp=dst_dp, dst_optim_form=dst_optim_form,
         dst_mtp_layer_name=dst_mtp_layer_name, dst_torch_dist_common=dst_torch_dist_common,
+        merge_adapter=merge_adapter,
     )
     try:
         shard = _shard_of_this_process(shard_index, num_shards)

@@ -540,7 +540,7 @@ def export_optimizer_command(src: Path, out: Path, iteration: int | None) -> Non
 def inspect_command(ckpt: Path, iteration: int | None, show_all: bool, as_json: bool,
                     skip_finite_check: bool) -> None:
     """Describe CKPT: format, layout, model, iterations, tensors, optimizer state, and problems (exit 1 on
-    an error).
+    an error); or a PEFT LoRA adapter directory: its ranks, scalings and the modules it adapts.
 
     The model is shown as its dimensions and the settings that differ from its family's defaults
     (the family its config.json names, or the one an hf target is written as); --all lists every
@@ -569,6 +569,8 @@ def _print_info(info: Any, show_all: bool = False) -> None:
         opened = "release" if info.release else info.iteration
         rows.append(("iterations", ", ".join(map(str, info.iterations))
                      + (f" (opened: {opened})" if info.model_config is not None else "")))
+    if info.adapter is not None:
+        rows += _adapter_rows(info.adapter)
     if info.model_config is not None:
         rows.append(("layout", info.layout_text or "none (unsharded)"))
         rows.append(("tensors", f"{info.tensor_count}, {_format_bytes(info.total_bytes)}"))
@@ -591,6 +593,18 @@ def _print_info(info: Any, show_all: bool = False) -> None:
         click.echo("problems:")
         for problem in info.problems:
             click.echo(f"  {problem.severity}: {problem.message}")
+
+
+def _adapter_rows(adapter: dict[str, Any]) -> list[tuple[str, str]]:
+    layers = adapter["layers"]
+    return [
+        ("base model", adapter["base_model"] or "not recorded"),
+        ("pairs", f"{adapter['pairs']} (rank {', '.join(map(str, adapter['ranks']))}; scaling "
+                  f"{', '.join(f'{value:g}' for value in adapter['scalings'])})"),
+        ("modules", _wrapped(", ".join(adapter["modules"]))),
+        ("layers", f"{len(layers)} ({layers[0]}–{layers[-1]})" if layers else "none"),
+        ("dtypes", f"{', '.join(adapter['dtypes'])}, {_format_bytes(adapter['bytes'])}"),
+    ]
 
 
 def _model_rows(info: Any, show_all: bool) -> list[tuple[str, str]]:

@@ -201,3 +201,25 @@ def test_adapter_merges_into_a_megatron_lm_checkpoint_without_its_optimizer_stat
     back = tmp_path / "back"
     pgconvert.convert(megatron, back, dst_format="hf")
     assert_tensors_equal(peft_merged(as_hf, adapter, tmp_path / "reference", dtype=torch.bfloat16), back)
+
+
+def test_inspect_describes_an_adapter_and_fails_on_a_bad_one(llama: dict[str, Path], tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from pgconvert.cli import main
+
+    result = CliRunner().invoke(main, ["inspect", str(llama["adapter"]), "--json"])
+    assert result.exit_code == 0, result.output
+    described = json.loads(result.output)
+    assert described["format"] == "peft-lora" and described["ok"]
+    adapter = described["adapter"]
+    # r=4, alpha 8 everywhere but layer 1's q_proj (rank 2: 8 / 2) and every down_proj (alpha 3: 3 / 4)
+    assert (adapter["pairs"], adapter["ranks"], adapter["scalings"]) == (4 * 7, [2, 4], [0.75, 2.0, 4.0])
+    assert adapter["modules"] == sorted(f"{part}.{name}" for part, names in (
+        ("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")), ("mlp", ("gate_proj", "up_proj", "down_proj")))
+        for name in names)
+    assert adapter["layers"] == [0, 1, 2, 3]
+    bad = _bad_copy(llama["adapter"], tmp_path)
+    _edit_config(bad, use_dora=True)
+    result = CliRunner().invoke(main, ["inspect", str(bad)])
+    assert result.exit_code == 1 and "use_dora=True" in result.output and "Traceback" not in result.output

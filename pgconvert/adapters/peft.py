@@ -24,6 +24,8 @@ from pgconvert.errors import CheckpointError, ValidationError
 from pgconvert.formats.hf import read_header, read_tensor
 from pgconvert.io.limits import quote, read_json
 
+# What inspect calls an adapter directory's format.
+ADAPTER_FORMAT = "peft-lora"
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 LEGACY_WEIGHTS_FILE = "adapter_model.bin"
@@ -75,6 +77,8 @@ class PeftAdapter:
     directory: Path
     weights_file: Path
     pairs: dict[str, LoraPair]
+    # adapter_config.json's base_model_name_or_path: the model it was trained on, as PEFT recorded it.
+    base_model: str | None = None
 
     @property
     def where(self) -> str:
@@ -87,6 +91,29 @@ class PeftAdapter:
         b = read_tensor(self.weights_file, pair.b_key).to(torch.float32)
         return (b @ a) * pair.scaling
 
+
+
+def is_adapter_directory(path: Path) -> bool:
+    return path.is_dir() and (path / CONFIG_FILE).is_file()
+
+
+def describe_adapter(adapter: PeftAdapter) -> dict[str, Any]:
+    """What ``inspect`` shows of an adapter: its ranks and scalings, the modules it adapts (by their name
+    within a layer) and the layers they are in, its dtypes and bytes."""
+    metas = read_header(adapter.weights_file)
+    layers = sorted({int(found[1]) for weight in adapter.pairs
+                     if (found := re.search(r"\.layers\.(\d+)\.", weight)) is not None})
+    modules = sorted({re.sub(r"^.*\.layers\.\d+\.", "", weight).removesuffix(".weight") for weight in adapter.pairs})
+    return {
+        "base_model": adapter.base_model,
+        "pairs": len(adapter.pairs),
+        "ranks": sorted({pair.rank for pair in adapter.pairs.values()}),
+        "scalings": sorted({pair.scaling for pair in adapter.pairs.values()}),
+        "modules": modules,
+        "layers": layers,
+        "dtypes": sorted({str(meta.dtype).removeprefix("torch.") for meta in metas.values()}),
+        "bytes": sum(meta.nbytes for meta in metas.values()),
+    }
 
 
 def read_peft_adapter(directory: Path) -> PeftAdapter:
@@ -107,7 +134,9 @@ def read_peft_adapter(directory: Path) -> PeftAdapter:
         raise ValidationError(f"{directory}: no {WEIGHTS_FILE}"
                               + (f" ({LEGACY_WEIGHTS_FILE}, a pickle, is not read: save the adapter with "
                                  "safe_serialization=True)" if legacy else ""))
-    return PeftAdapter(directory, weights_file, _pairs(doc, config_path, weights_file))
+    base_model = doc.get("base_model_name_or_path")
+    return PeftAdapter(directory, weights_file, _pairs(doc, config_path, weights_file),
+                       base_model if isinstance(base_model, str) else None)
 
 
 def _check_settings(doc: dict[str, Any], config_path: Path) -> None:

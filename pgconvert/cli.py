@@ -646,8 +646,12 @@ def _model_rows(info: Any, show_all: bool) -> list[tuple[str, str]]:
 @click.option("--json", "as_json", is_flag=True, help="Print the full report as JSON.")
 @click.option("--skip-optimizer", is_flag=True,
               help="Compare the model alone, not the optimizer state (faster).")
+@click.option("--merge-adapter", type=click.Path(path_type=Path, exists=True, file_okay=False), default=None,
+              metavar="DIR", help="Merge this PEFT LoRA adapter into A before comparing (as convert --merge-adapter "
+                                  "does): checks a merged output against its base and adapter.")
 def verify_command(a: Path, b: Path, rtol: float, atol: float, iteration_a: int | None, iteration_b: int | None,
-                   true_vocab_size: int | None, max_listed: int, as_json: bool, skip_optimizer: bool) -> None:
+                   true_vocab_size: int | None, max_listed: int, as_json: bool, skip_optimizer: bool,
+                   merge_adapter: Path | None) -> None:
     """Compare checkpoints A and B tensor by tensor in canonical form (any formats and layouts).
 
     When both hold megatron-core optimizer state, it is compared per parameter too (fp32 master,
@@ -660,7 +664,7 @@ def verify_command(a: Path, b: Path, rtol: float, atol: float, iteration_a: int 
 
     try:
         report = verify(a, b, rtol, atol, iteration_a=iteration_a, iteration_b=iteration_b,
-                        true_vocab_size=true_vocab_size, skip_optimizer=skip_optimizer)
+                        true_vocab_size=true_vocab_size, skip_optimizer=skip_optimizer, merge_adapter=merge_adapter)
     except PgconvertError as error:
         raise PgconvertClickError(error) from error
     if as_json:

@@ -223,3 +223,18 @@ def test_inspect_describes_an_adapter_and_fails_on_a_bad_one(llama: dict[str, Pa
     _edit_config(bad, use_dora=True)
     result = CliRunner().invoke(main, ["inspect", str(bad)])
     assert result.exit_code == 1 and "use_dora=True" in result.output and "Traceback" not in result.output
+
+
+def test_verify_merges_the_adapter_into_a_before_comparing(llama: dict[str, Path], tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from pgconvert.cli import main
+
+    megatron = tmp_path / "megatron"
+    pgconvert.convert(llama["base"], megatron, dst_format="megatron", dst_tp=2, merge_adapter=llama["adapter"])
+    merged = ["verify", str(llama["base"]), str(megatron), "--merge-adapter", str(llama["adapter"])]
+    result = CliRunner().invoke(main, merged)
+    assert result.exit_code == 0, result.output
+    assert "tensors compared (bit-exact): equal" in result.output
+    result = CliRunner().invoke(main, merged[:3])  # the base alone differs in every adapted canonical tensor:
+    assert result.exit_code == 1 and "16 tensor differences" in result.output  # linear_qkv, proj, fc1, fc2 x 4

@@ -109,7 +109,7 @@ class AdapterMerge:
         return (piece.to(torch.float32) + delta).to(piece.dtype)
 
 
-def merge_adapter(source: CanonicalSource, directory: Path, keep_quantized: bool) -> None:
+def attach_adapter(source: CanonicalSource, directory: Path, keep_quantized: bool) -> None:
     """Read the PEFT adapter in ``directory`` and merge it into ``source``'s tensors as they are read."""
     if keep_quantized:
         raise ValidationError(f"--merge-adapter {directory} with --keep-fp8: a merged weight is not the stored "

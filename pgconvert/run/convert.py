@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pgconvert.adapters.merge import merge_adapter
+from pgconvert.adapters.merge import attach_adapter
 from pgconvert.io.durable import fsync_dir
 from pgconvert.run.destination import (
     LOCK_SUFFIX,
@@ -271,7 +271,7 @@ def plan(request: ConvertRequest, check_dst: bool = True) -> Plan:
     try:
         source.check_finite = request.check_finite
         if request.merge_adapter is not None:
-            merge_adapter(source, Path(request.merge_adapter), request.keep_fp8)
+            attach_adapter(source, Path(request.merge_adapter), request.keep_fp8)
         # A format without parallel layouts (hf) starts from an unsharded layout, not the source's.
         layout_base = source.layout if saver.parallel else None
         save_options = SaveOptions(

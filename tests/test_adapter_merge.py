@@ -32,6 +32,11 @@ def assert_tensors_equal(expected_dir: Path, actual_dir: Path) -> None:
     assert not different, different
 
 
+def changed(base_dir: Path, merged_dir: Path) -> set[str]:
+    base, merged = load_hf_tensors(base_dir), load_hf_tensors(merged_dir)
+    return {name for name in base if not torch.equal(base[name], merged[name])}
+
+
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A tiny Llama, a PEFT adapter on every projection (one module of another rank, one of another alpha)
@@ -47,10 +52,7 @@ def test_merged_llama_equals_peft_merge_and_unload(llama: dict[str, Path], tmp_p
     out = tmp_path / "out"
     pgconvert.convert(llama["base"], out, dst_format="hf", merge_adapter=llama["adapter"])
     assert_tensors_equal(llama["merged"], out)
-    base = load_hf_tensors(llama["base"])
-    merged = load_hf_tensors(out)
-    changed = {name for name in base if not torch.equal(base[name], merged[name])}
-    assert len(changed) == 4 * 7  # every adapted projection of the four layers, nothing else
+    assert len(changed(llama["base"], out)) == 4 * 7  # every adapted projection of the four layers, nothing else
     ids = input_ids(1000)
     torch.testing.assert_close(hf_logits(out, ids), hf_logits(llama["merged"], ids), rtol=1e-6, atol=1e-6)
     recorded = json.loads((out / "pgconvert.json").read_text())["options"]["merge_adapter"]
@@ -80,14 +82,18 @@ def test_bf16_merge_is_peft_float32_merge_rounded_once(llama: dict[str, Path], t
     assert next(iter(load_hf_tensors(out).values())).dtype == torch.bfloat16
 
 
-def test_qwen3_moe_attention_adapter_merges_at_tp2_ep2(tmp_path: Path) -> None:
-    """An rsLoRA adapter (alpha / sqrt(r)) on the attention of every layer of a Qwen3-MoE model, merged into
-    a TP2/EP2 Megatron checkpoint. (PEFT turns MLP targets of an MoE model into target_parameters on the fused
-    experts, refused below.)"""
+def test_qwen3_moe_attention_and_experts_adapter_merges_at_tp2_ep2(tmp_path: Path) -> None:
+    """An rsLoRA adapter (alpha / sqrt(r)) on the attention and the MLP of a Qwen3-MoE model, merged into a
+    TP2/EP2 Megatron checkpoint. PEFT turns the MLP targets of an MoE model into target_parameters on
+    transformers' fused experts (gate_up_proj at twice the rank and alpha, down_proj nested around it)."""
     base = save_hf_model(build_hf_model("qwen3_moe", seed=4), tmp_path / "base")
     adapter = make_adapter(base, tmp_path / "adapter", seed=1, r=4, lora_alpha=16, use_rslora=True,
-                           target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+                           target_modules=ATTENTION_AND_MLP)
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert sorted(config["target_parameters"]) == ["down_proj", "gate_up_proj"]
     reference = peft_merged(base, adapter, tmp_path / "reference")
+    # 3 MoE layers x 4 experts x gate, up and down; the dense layer's MLP PEFT leaves alone; q, k, v, o x 4
+    assert len(changed(base, reference)) == 3 * 4 * 3 + 4 * 4
     megatron = tmp_path / "megatron"
     pgconvert.convert(base, megatron, dst_format="megatron", dst_tp=2, dst_ep=2, merge_adapter=adapter)
     back = tmp_path / "back"
@@ -95,16 +101,18 @@ def test_qwen3_moe_attention_adapter_merges_at_tp2_ep2(tmp_path: Path) -> None:
     assert_tensors_equal(reference, back)
 
 
-def test_deepseek_v3_mla_adapter_merges_at_tp2(tmp_path: Path) -> None:
-    """MLA's low-rank projections, fused kv_a_proj_with_mqa included (nn.Linear modules all)."""
+def test_deepseek_v3_mla_and_experts_adapter_merges_at_tp2_ep2(tmp_path: Path) -> None:
+    """MLA's low-rank projections (fused kv_a_proj_with_mqa included) and the routed experts' fused parameters."""
     base = build_deepseek("v3", seed=3)
     base.save_pretrained(tmp_path / "base")
-    targets = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
+    targets = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj",
+               "down_proj"]
     adapter = make_adapter(tmp_path / "base", tmp_path / "adapter", seed=2, r=2, lora_alpha=4,
                            target_modules=targets)
     reference = peft_merged(tmp_path / "base", adapter, tmp_path / "reference")
+    assert sum(".experts." in name for name in changed(tmp_path / "base", reference)) == 3 * 8 * 3  # MoE layers 1-3
     megatron = tmp_path / "megatron"
-    pgconvert.convert(tmp_path / "base", megatron, dst_format="megatron", dst_tp=2, merge_adapter=adapter)
+    pgconvert.convert(tmp_path / "base", megatron, dst_format="megatron", dst_tp=2, dst_ep=2, merge_adapter=adapter)
     back = tmp_path / "back"
     pgconvert.convert(megatron, back, dst_format="hf")
     assert_tensors_equal(reference, back)
@@ -140,10 +148,8 @@ def _rename_keys(adapter: Path, old: str, new: str) -> None:
                                                           r"model \(LlamaForCausalLM, 4 layers\) does not have"),
     (lambda a: _edit_config(a, use_dora=True), "use_dora=True: DoRA rescales each weight"),
     (lambda a: _edit_config(a, init_lora_weights="pissa"), "init_lora_weights='pissa': this initialisation changed"),
-    (lambda a: _edit_config(a, target_parameters=["mlp.experts.gate_up_proj"]),
-     "target_parameters=.*fused experts"),
     (lambda a: _edit_config(a, peft_type="IA3"), "peft_type='IA3': only LORA adapters are merged"),
-], ids=["rank", "alpha", "target", "dora", "pissa", "target_parameters", "ia3"])
+], ids=["rank", "alpha", "target", "dora", "pissa", "ia3"])
 def test_bad_adapter_is_a_named_error_and_writes_nothing(llama: dict[str, Path], tmp_path: Path, damage: object,
                                                          expected: str) -> None:
     adapter = _bad_copy(llama["adapter"], tmp_path)
@@ -238,3 +244,16 @@ def test_verify_merges_the_adapter_into_a_before_comparing(llama: dict[str, Path
     assert "tensors compared (bit-exact): equal" in result.output
     result = CliRunner().invoke(main, merged[:3])  # the base alone differs in every adapted canonical tensor:
     assert result.exit_code == 1 and "16 tensor differences" in result.output  # linear_qkv, proj, fc1, fc2 x 4
+
+
+def test_mixtral_experts_adapter_finds_its_tensors_under_their_stored_names(tmp_path: Path) -> None:
+    """transformers loads Mixtral's block_sparse_moe as mlp, and PEFT names the adapter's modules so (its w1, w3
+    and w2 targets become the fused experts' parameters)."""
+    base = save_hf_model(build_hf_model("mixtral", seed=6), tmp_path / "base")
+    adapter = make_adapter(base, tmp_path / "adapter", seed=3, r=2, lora_alpha=4,
+                           target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "w1", "w2", "w3"])
+    reference = peft_merged(base, adapter, tmp_path / "reference")
+    assert sum(".experts." in name for name in changed(base, reference)) == 4 * 8 * 3
+    out = tmp_path / "out"
+    pgconvert.convert(base, out, dst_format="hf", merge_adapter=adapter)
+    assert_tensors_equal(reference, out)

@@ -5,13 +5,20 @@ PEFT writes ``adapter_config.json`` (``peft_type`` LORA, ``r``, ``lora_alpha``, 
 ``adapter_model.safetensors`` holding ``base_model.model.<module>.lora_A.weight`` (rank x in) and
 ``...lora_B.weight`` (out x rank) for each adapted ``nn.Linear``. The module's weight changes by
 ``(B @ A) * scaling``, ``scaling = alpha / r`` (``alpha / sqrt(r)`` with ``use_rslora``), computed as PEFT's
-``get_delta_weight`` computes it. Settings that make an adapter compute anything else (DoRA, trained
+``get_delta_weight`` computes it.
+
+An MoE model's MLP targets become ``target_parameters`` on transformers' fused experts (PEFT's
+``ParamWrapper``): one pair per fused parameter of a layer's ``experts`` module (``gate_up_proj``, ``down_proj``;
+a second one on the same module is keyed under ``.base_layer``), A holding ``rank x in`` rows per expert
+(expert-major) and B ``out x rank`` columns per expert (rank-major), so expert ``e``'s delta is
+``B[:, e::E] @ A[e*r:(e+1)*r]`` times the scaling of ``<module>.<parameter>``. Settings that make an adapter compute anything else (DoRA, trained
 biases, replaced modules, activated LoRA, initialisations that changed the base weights) are refused
 by name: merging such an adapter as a plain LoRA would silently change the model.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass
@@ -21,7 +28,8 @@ from typing import Any
 import torch
 
 from pgconvert.errors import CheckpointError, ValidationError
-from pgconvert.formats.hf import read_header, read_tensor
+from pgconvert.formats.hf import read_header, read_tensor, read_tensor_range
+from pgconvert.formats.stream import TensorMeta
 from pgconvert.io.limits import quote, read_json
 
 # What inspect calls an adapter directory's format.
@@ -42,7 +50,6 @@ _PLAIN_SETTINGS: tuple[tuple[str, object, str], ...] = (
     ("fan_in_fan_out", False, "the base layers store their weights transposed (GPT-2's Conv1D)"),
     ("modules_to_save", None, "whole modules are replaced by trained copies"),
     ("trainable_token_indices", None, "some embedding rows are trained apart"),
-    ("target_parameters", None, "parameters (fused experts) are adapted, not nn.Linear modules"),
     ("alora_invocation_tokens", None, "activated LoRA applies only after its invocation tokens: it cannot be "
                                       "merged"),
     ("layer_replication", None, "layers are replicated"),
@@ -71,12 +78,46 @@ class LoraPair:
 
 
 @dataclass(frozen=True)
+class ExpertsPair:
+    """One adapted parameter of a fused experts module: the module, its pair's keys and their shapes."""
+
+    module: str
+    a_key: str
+    b_key: str
+    a_shape: tuple[int, ...]
+    b_shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """adapter_config.json's ranks and alphas, and PEFT's choice of them for a module or parameter."""
+
+    r: int
+    lora_alpha: float
+    rank_pattern: dict[str, Any]
+    alpha_pattern: dict[str, Any]
+    use_rslora: bool
+    # target_parameters' names without their module path ("gate_up_proj", "down_proj").
+    parameters: tuple[str, ...] = ()
+
+    def rank(self, name: str) -> Any:
+        return _pattern_value(self.rank_pattern, name, self.r)
+
+    def scaling(self, name: str, rank: int) -> float:
+        alpha = _pattern_value(self.alpha_pattern, name, self.lora_alpha)
+        return alpha / math.sqrt(rank) if self.use_rslora else alpha / rank
+
+
+@dataclass(frozen=True, eq=False)
 class PeftAdapter:
-    """A PEFT LoRA adapter: its directory and the pairs by the HF weight name they change."""
+    """A PEFT LoRA adapter: its directory, the pairs by the HF weight name they change, and the pairs of fused
+    experts' parameters."""
 
     directory: Path
     weights_file: Path
     pairs: dict[str, LoraPair]
+    settings: LoraSettings
+    experts_pairs: tuple[ExpertsPair, ...] = ()
     # adapter_config.json's base_model_name_or_path: the model it was trained on, as PEFT recorded it.
     base_model: str | None = None
 
@@ -91,6 +132,17 @@ class PeftAdapter:
         b = read_tensor(self.weights_file, pair.b_key).to(torch.float32)
         return (b @ a) * pair.scaling
 
+    def expert_delta(self, pair: ExpertsPair, expert: int, experts: int, scaling: float) -> torch.Tensor:
+        """Expert ``expert``'s delta of a fused parameter, float32 (PEFT's ``ParamWrapper`` einsum, one expert)."""
+        rank = pair.a_shape[0] // experts
+        a = read_tensor_range(self.weights_file, pair.a_key, 0, expert * rank, (expert + 1) * rank)
+        b = self._whole(pair.b_key).reshape(pair.b_shape[0], rank, experts)[:, :, expert]
+        return (b @ a.to(torch.float32)) * scaling
+
+    @functools.lru_cache(maxsize=2)  # noqa: B019 - one adapter per conversion; B is read once per layer
+    def _whole(self, key: str) -> torch.Tensor:
+        return read_tensor(self.weights_file, key).to(torch.float32)
+
 
 
 def is_adapter_directory(path: Path) -> bool:
@@ -101,12 +153,13 @@ def describe_adapter(adapter: PeftAdapter) -> dict[str, Any]:
     """What ``inspect`` shows of an adapter: its ranks and scalings, the modules it adapts (by their name
     within a layer) and the layers they are in, its dtypes and bytes."""
     metas = read_header(adapter.weights_file)
-    layers = sorted({int(found[1]) for weight in adapter.pairs
-                     if (found := re.search(r"\.layers\.(\d+)\.", weight)) is not None})
-    modules = sorted({re.sub(r"^.*\.layers\.\d+\.", "", weight).removesuffix(".weight") for weight in adapter.pairs})
+    names = [*adapter.pairs, *(f"{pair.module}.{{{','.join(adapter.settings.parameters)}}}"
+                               for pair in adapter.experts_pairs)]
+    layers = sorted({int(found[1]) for name in names if (found := re.search(r"\.layers\.(\d+)\.", name)) is not None})
+    modules = sorted({re.sub(r"^.*\.layers\.\d+\.", "", name).removesuffix(".weight") for name in names})
     return {
         "base_model": adapter.base_model,
-        "pairs": len(adapter.pairs),
+        "pairs": len(adapter.pairs) + len(adapter.experts_pairs),
         "ranks": sorted({pair.rank for pair in adapter.pairs.values()}),
         "scalings": sorted({pair.scaling for pair in adapter.pairs.values()}),
         "modules": modules,
@@ -135,7 +188,8 @@ def read_peft_adapter(directory: Path) -> PeftAdapter:
                               + (f" ({LEGACY_WEIGHTS_FILE}, a pickle, is not read: save the adapter with "
                                  "safe_serialization=True)" if legacy else ""))
     base_model = doc.get("base_model_name_or_path")
-    return PeftAdapter(directory, weights_file, _pairs(doc, config_path, weights_file),
+    pairs, experts = _pairs(doc, config_path, weights_file)
+    return PeftAdapter(directory, weights_file, pairs, _settings(doc), experts,
                        base_model if isinstance(base_model, str) else None)
 
 
@@ -171,7 +225,21 @@ def _pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
     return default
 
 
-def _pairs(doc: dict[str, Any], config_path: Path, weights_file: Path) -> dict[str, LoraPair]:
+def _settings(doc: dict[str, Any]) -> LoraSettings:
+    parameters = doc.get("target_parameters") or ()
+    return LoraSettings(doc["r"], doc["lora_alpha"], doc.get("rank_pattern") or {}, doc.get("alpha_pattern") or {},
+                        bool(doc.get("use_rslora")), tuple(str(name).rpartition(".")[2] for name in parameters))
+
+
+def _targets_module(module: str, target_modules: Any) -> bool:
+    """Whether ``target_modules`` names ``module``, as PEFT matches them (a regex in full, or a name suffix)."""
+    if isinstance(target_modules, str):
+        return re.fullmatch(target_modules, module) is not None
+    return any(module == name or module.endswith(f".{name}") for name in target_modules or ())
+
+
+def _sides(weights_file: Path) -> tuple[dict[str, TensorMeta], dict[str, dict[str, str]]]:
+    """The file's tensors, and each adapted module's A and B keys (a ParamWrapper's ``.base_layer`` kept)."""
     metas = read_header(weights_file)
     sides: dict[str, dict[str, str]] = {}
     for key in metas:
@@ -180,20 +248,36 @@ def _pairs(doc: dict[str, Any], config_path: Path, weights_file: Path) -> dict[s
             raise ValidationError(f"{weights_file}: {key}: not a LoRA pair's weight (base_model.model.<module>."
                                   "lora_A.weight / lora_B.weight); pgconvert merges plain LoRA adapters only")
         sides.setdefault(match["module"], {})[match["side"]] = key
-    pairs = {}
-    for module, keys in sorted(sides.items()):
+    for keys in sides.values():
         if set(keys) != {"A", "B"}:
             (only,) = keys.values()
             raise ValidationError(f"{weights_file}: {only} has no lora_{'B' if 'A' in keys else 'A'} beside it")
+    return metas, sides
+
+
+def _pairs(doc: dict[str, Any], config_path: Path, weights_file: Path
+           ) -> tuple[dict[str, LoraPair], tuple[ExpertsPair, ...]]:
+    """The pairs of ``nn.Linear`` modules by weight name, and those of fused experts' parameters (a module that
+    ``target_modules`` does not name, or one under a ParamWrapper's ``base_layer``, of a ``target_parameters``
+    adapter)."""
+    metas, sides = _sides(weights_file)
+    settings = _settings(doc)
+    pairs, experts = {}, []
+    for module, keys in sorted(sides.items()):
         a, b = metas[keys["A"]].shape, metas[keys["B"]].shape
-        rank = _pattern_value(doc.get("rank_pattern") or {}, module, doc["r"])
-        if len(a) != 2 or len(b) != 2 or a[0] != b[1] or a[0] != rank:
+        owner = module.replace(".base_layer", "")
+        if len(a) != 2 or len(b) != 2 or a[0] != b[1]:
+            raise ValidationError(f"{weights_file}: {module}: lora_A {list(a)} and lora_B {list(b)} are not a LoRA "
+                                  "pair (A rank x in, B out x rank)")
+        if settings.parameters and (owner != module or not _targets_module(module, doc.get("target_modules"))):
+            experts.append(ExpertsPair(owner, keys["A"], keys["B"], a, b))
+            continue
+        rank = settings.rank(module)
+        if a[0] != rank:
             raise ValidationError(f"{weights_file}: {module}: lora_A {list(a)} and lora_B {list(b)} do not make a "
                                   f"rank-{quote(rank)} pair ({config_path.name} gives r={quote(rank)})")
-        alpha = _pattern_value(doc.get("alpha_pattern") or {}, module, doc["lora_alpha"])
-        scaling = alpha / math.sqrt(rank) if doc.get("use_rslora") else alpha / rank
         weight = f"{module}.weight"
-        pairs[weight] = LoraPair(weight, keys["A"], keys["B"], rank, scaling, (b[0], a[1]))
-    if not pairs:
+        pairs[weight] = LoraPair(weight, keys["A"], keys["B"], rank, settings.scaling(module, rank), (b[0], a[1]))
+    if not pairs and not experts:
         raise CheckpointError(f"{weights_file}: holds no LoRA pairs")
-    return pairs
+    return pairs, tuple(experts)

@@ -102,6 +102,8 @@ KEPT_NULLS: dict[tuple[str, str, str], Expected] = {
         lambda doc: {"rotary_percent": 1.0},
     ("Glm4MoeForCausalLM", "*", "older spelling of rope_theta, null partial_rotary_factor"):
         lambda doc: {"rotary_percent": 1.0},
+    # ERNIE 4.5: nn.Linear(bias=None) builds no bias.
+    ("Ernie4_5ForCausalLM", "*", "null use_bias"): lambda doc: {"add_qkv_bias": False, "add_bias_linear": False},
     # DeepSeek: q_lora_rank None builds q_proj without the low-rank path.
     ("DeepseekV3ForCausalLM", "*", "null q_lora_rank"): lambda doc: {"q_lora_rank": None},
     ("DeepseekV2ForCausalLM", "*", "null q_lora_rank"): lambda doc: {"q_lora_rank": None},

@@ -86,6 +86,10 @@ SOURCES: dict[str, Callable[[Path], Path]] = {
     "seed_oss": _tiny_model("seed_oss"),
     # the same with o and MLP biases (attention_out_bias, mlp_bias: add_bias_linear)
     "seed_oss-every-bias": _tiny_model("seed_oss", attention_out_bias=True, mlp_bias=True),
+    # ERNIE-4.5-0.3B's shape: interleaved rotary over the whole head, 8:1 GQA, head_dim apart, tied
+    "ernie4_5": _tiny_model("ernie4_5"),
+    # the same with use_bias (every linear layer biased)
+    "ernie4_5-bias": _tiny_model("ernie4_5", use_bias=True),
 }
 
 # case -> (source, one of the family's own settings knocked out of the written args)
@@ -102,6 +106,7 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "gpt_oss-clamp": ("gpt_oss", {"activation_func_clamp_value": None}),
     "gpt_oss-yarn": ("gpt_oss-yarn", {"position_embedding_type": "rope"}),
     "seed_oss-rope-base": ("seed_oss", {"rotary_base": 10000.0}),
+    "ernie4_5-interleaved": ("ernie4_5", {"rotary_interleaved": False}),
 }
 
 

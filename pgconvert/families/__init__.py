@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pgconvert.families import (
     deepseek,
+    ernie,
     gemma,
     glm,
     gpt_oss,
@@ -36,6 +37,7 @@ from pgconvert.semantics.carried import CarriedSetting
 # Ministral before SmolLM3: both express a window on some layers; SmolLM3 is needed for NoPE layers.
 # Seed-OSS last: every model Llama or Qwen2 fits stays theirs (Seed-OSS computes the same); it takes
 # only the dense models with both add_qkv_bias and add_bias_linear, which no family before it fits.
+# ERNIE 4.5 after them: a Llama-like model with interleaved rotary stays Llama's (written rotate-half).
 # Nemotron-H takes the hybrid models (a layer pattern), which every other family refuses.
 ORDERED: tuple[Family, ...] = (
     deepseek.DEEPSEEK_V3,
@@ -59,6 +61,7 @@ ORDERED: tuple[Family, ...] = (
     smollm.SMOLLM3,
     phi3.PHI3,
     seed_oss.SEED_OSS,
+    ernie.ERNIE4_5,
     nemotron_h.NEMOTRON_H,
 )
 

@@ -58,6 +58,7 @@ FEATURES: dict[str, tuple[dict[str, Any], ...]] = {
     "phi3": (dict(sliding_window=64),),
     "deepseek_v2": (dict(topk_method="group_limited_greedy", n_group=8, topk_group=6),),
     "glm4_moe": (dict(n_group=4, topk_group=2, num_experts_per_tok=4),),
+    "ernie4_5": (dict(use_bias=True),),
 }
 # Keys to_dict() holds that are no setting (transformers' version, which resolve drops).
 NOT_SETTINGS = ("transformers_version",)

@@ -16,6 +16,7 @@ from pgconvert.families import (
     gpt_oss,
     granite,
     llama,
+    minimax,
     mistral,
     mixtral,
     nemotron_h,
@@ -37,6 +38,8 @@ from pgconvert.semantics.carried import CarriedSetting
 # Seed-OSS last: every model Llama or Qwen2 fits stays theirs (Seed-OSS computes the same); it takes
 # only the dense models with both add_qkv_bias and add_bias_linear, which no family before it fits.
 # Nemotron-H takes the hybrid models (a layer pattern), which every other family refuses.
+# MiniMax-M2 last: it takes only MoE models with a sigmoid router, an expert bias and q/k norms over the
+# whole projection, which no family before it fits (OLMoE's router is a softmax, GLM-4.5-MoE's norms per head).
 ORDERED: tuple[Family, ...] = (
     deepseek.DEEPSEEK_V3,
     deepseek.DEEPSEEK_V2,
@@ -60,6 +63,7 @@ ORDERED: tuple[Family, ...] = (
     phi3.PHI3,
     seed_oss.SEED_OSS,
     nemotron_h.NEMOTRON_H,
+    minimax.MINIMAX_M2,
 )
 
 FAMILIES: dict[str, Family] = {family.architecture: family for family in ORDERED}

@@ -52,6 +52,14 @@ def _glm4_moe(**overrides: Any) -> Callable[[Path], Path]:
     return save
 
 
+def _minimax_m2(**overrides: Any) -> Callable[[Path], Path]:
+    def save(path: Path) -> Path:
+        from support.minimax_m2_helpers import save_minimax_m2
+
+        return save_minimax_m2(path, seed=3, **overrides)
+    return save
+
+
 def _gpt_oss(**overrides: Any) -> Callable[[Path], Path]:
     def save(path: Path) -> Path:
         from support.glm4_moe_gpt_oss_helpers import save_gpt_oss
@@ -86,6 +94,10 @@ SOURCES: dict[str, Callable[[Path], Path]] = {
     "seed_oss": _tiny_model("seed_oss"),
     # the same with o and MLP biases (attention_out_bias, mlp_bias: add_bias_linear)
     "seed_oss-every-bias": _tiny_model("seed_oss", attention_out_bias=True, mlp_bias=True),
+    # MiniMax-M2's shape: q/k norms over the whole projection (a stand-in module: megatron-core's are
+    # per head, tests/support/mcore_helpers.py), partial rotary 0.5, every layer MoE with a sigmoid
+    # router and expert bias, no shared expert
+    "minimax_m2": _minimax_m2(),
 }
 
 # case -> (source, one of the family's own settings knocked out of the written args)
@@ -102,6 +114,7 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "gpt_oss-clamp": ("gpt_oss", {"activation_func_clamp_value": None}),
     "gpt_oss-yarn": ("gpt_oss-yarn", {"position_embedding_type": "rope"}),
     "seed_oss-rope-base": ("seed_oss", {"rotary_base": 10000.0}),
+    "minimax_m2-partial-rotary": ("minimax_m2", {"rotary_percent": 1.0}),
 }
 
 

@@ -17,6 +17,7 @@ from pgconvert.families import (
     gpt_oss,
     granite,
     llama,
+    minimax,
     mistral,
     mixtral,
     nemotron_h,
@@ -39,6 +40,8 @@ from pgconvert.semantics.carried import CarriedSetting
 # only the dense models with both add_qkv_bias and add_bias_linear, which no family before it fits.
 # ERNIE 4.5 after them: a Llama-like model with interleaved rotary stays Llama's (written rotate-half).
 # Nemotron-H takes the hybrid models (a layer pattern), which every other family refuses.
+# MiniMax-M2 last: it takes only MoE models with a sigmoid router, an expert bias and q/k norms over the
+# whole projection, which no family before it fits (OLMoE's router is a softmax, GLM-4.5-MoE's norms per head).
 ORDERED: tuple[Family, ...] = (
     deepseek.DEEPSEEK_V3,
     deepseek.DEEPSEEK_V2,
@@ -63,6 +66,7 @@ ORDERED: tuple[Family, ...] = (
     seed_oss.SEED_OSS,
     ernie.ERNIE4_5,
     nemotron_h.NEMOTRON_H,
+    minimax.MINIMAX_M2,
 )
 
 FAMILIES: dict[str, Family] = {family.architecture: family for family in ORDERED}

@@ -111,6 +111,16 @@ KEPT_NULLS: dict[tuple[str, str, str], Expected] = {
         lambda doc: {"rotary_percent": 1.0},
     ("MiniMaxM2ForCausalLM", "*", "null rotary_dim"): _same,
     ("MiniMaxM2ForCausalLM", "*", "null attn_type_list"): _same,
+    # dots.llm1: its MoE block takes the counts as given (None experts, None x the shared size); a null
+    # norm_topk_prob does not renormalize (`if self.norm_topk_prob`), which megatron-core cannot compute.
+    ("Dots1ForCausalLM", "*", "null n_routed_experts"): REFUSED,
+    ("Dots1ForCausalLM", "*", "null n_shared_experts"): REFUSED,
+    ("Dots1ForCausalLM", "*", "null norm_topk_prob"): REFUSED,
+    # ... a null window marks no layer sliding (its layer_types default), and layer_types given, the period
+    # max_window_layers is unused.
+    **{("Dots1ForCausalLM", variant, "null sliding_window"): _no_window
+       for variant in ("base", "n_group=4, topk_group=2")},
+    ("Dots1ForCausalLM", "*", "null max_window_layers"): _same,
     # DeepSeek: q_lora_rank None builds q_proj without the low-rank path.
     ("DeepseekV3ForCausalLM", "*", "null q_lora_rank"): lambda doc: {"q_lora_rank": None},
     ("DeepseekV2ForCausalLM", "*", "null q_lora_rank"): lambda doc: {"q_lora_rank": None},

@@ -63,6 +63,14 @@ def _minimax_m2(**overrides: Any) -> Callable[[Path], Path]:
     return save
 
 
+def _dots1(**overrides: Any) -> Callable[[Path], Path]:
+    def save(path: Path) -> Path:
+        from support.glm4_moe_gpt_oss_helpers import save_dots1
+
+        return save_dots1(path, seed=3, **overrides)
+    return save
+
+
 def _gpt_oss(**overrides: Any) -> Callable[[Path], Path]:
     def save(path: Path) -> Path:
         from support.glm4_moe_gpt_oss_helpers import save_gpt_oss
@@ -101,6 +109,12 @@ SOURCES: dict[str, Callable[[Path], Path]] = {
     "ernie4_5": _tiny_model("ernie4_5"),
     # the same with use_bias (every linear layer biased)
     "ernie4_5-bias": _tiny_model("ernie4_5", use_bias=True),
+    # dots.llm1's release: per-head q/k norms, MHA, the DeepSeek-V3 router (sigmoid, expert bias, top-6
+    # renormalized, x2.5), two shared experts, a dense first layer
+    "dots1": _dots1(),
+    # windows on layers 2 and 3 (max_window_layers), 4 router groups of which the best 2
+    "dots1-window-groups": _dots1(sliding_window=5, max_window_layers=2, n_group=4, topk_group=2,
+                                  num_experts_per_tok=4),
     # MiniMax-M2's shape: q/k norms over the whole projection (a stand-in module: megatron-core's are
     # per head, tests/support/mcore_helpers.py), partial rotary 0.5, every layer MoE with a sigmoid
     # router and expert bias, no shared expert
@@ -122,6 +136,8 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "gpt_oss-yarn": ("gpt_oss-yarn", {"position_embedding_type": "rope"}),
     "seed_oss-rope-base": ("seed_oss", {"rotary_base": 10000.0}),
     "ernie4_5-interleaved": ("ernie4_5", {"rotary_interleaved": False}),
+    "dots1-scaling": ("dots1", {"moe_router_topk_scaling_factor": None}),
+    "dots1-window": ("dots1-window-groups", {"window_size": None}),
     "minimax_m2-partial-rotary": ("minimax_m2", {"rotary_percent": 1.0}),
 }
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pgconvert.families import (
     deepseek,
+    dots,
     ernie,
     gemma,
     glm,
@@ -40,7 +41,9 @@ from pgconvert.semantics.carried import CarriedSetting
 # only the dense models with both add_qkv_bias and add_bias_linear, which no family before it fits.
 # ERNIE 4.5 after them: a Llama-like model with interleaved rotary stays Llama's (written rotate-half).
 # Nemotron-H takes the hybrid models (a layer pattern), which every other family refuses.
-# MiniMax-M2 last: it takes only MoE models with a sigmoid router, an expert bias and q/k norms over the
+# dots.llm1 last: a model it fits without a window fits GLM-4.5-MoE first, which computes the same (q/k norms per
+# head, its partial rotary written as the whole head); it takes the windowed ones.
+# MiniMax-M2 before it: it takes only MoE models with a sigmoid router, an expert bias and q/k norms over the
 # whole projection, which no family before it fits (OLMoE's router is a softmax, GLM-4.5-MoE's norms per head).
 ORDERED: tuple[Family, ...] = (
     deepseek.DEEPSEEK_V3,
@@ -67,6 +70,7 @@ ORDERED: tuple[Family, ...] = (
     ernie.ERNIE4_5,
     nemotron_h.NEMOTRON_H,
     minimax.MINIMAX_M2,
+    dots.DOTS1,
 )
 
 FAMILIES: dict[str, Family] = {family.architecture: family for family in ORDERED}

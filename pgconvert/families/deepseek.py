@@ -134,7 +134,8 @@ def _dense_prefix(config: ModelConfig) -> int | None:
     return first if all(pattern[first:]) else None
 
 
-def _layers_rule(default_dense: int) -> ConfigRule:
+def dense_prefix_rule(default_dense: int) -> ConfigRule:
+    """``first_k_dense_replace``: the first k layers dense, the rest MoE (``default_dense``: the class's k)."""
     def read(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
         dense = config_count(_given(present, "first_k_dense_replace", default_dense), "first_k_dense_replace")
         layers = model["num_layers"]
@@ -156,9 +157,15 @@ def _layers_rule(default_dense: int) -> ConfigRule:
                       refuses=refuses, null_keys=("first_k_dense_replace",))
 
 
-def _shared_rule(default: int) -> ConfigRule:
+def shared_experts_rule(default: int | None) -> ConfigRule:
+    """``n_shared_experts``: shared experts of the routed experts' FFN size each (``default``: the class's; None:
+    the key must be given, as a class whose MoE block multiplies the size by it as given needs)."""
     def read(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
-        count = config_count(present.get("n_shared_experts", default), "n_shared_experts")
+        given = present.get("n_shared_experts", default)
+        if given is None:
+            raise ValueError("n_shared_experts is absent or null: transformers' MoE block multiplies the experts' "
+                             "FFN size by it as given; config.json must give a count")
+        count = config_count(given, "n_shared_experts")
         size = model["moe_ffn_hidden_size"]
         assert isinstance(size, int)
         return {"moe_shared_expert_intermediate_size": count * size if count else None}
@@ -213,28 +220,54 @@ def routed_scaling(present: Mapping[str, object], default: float) -> float:
 _ROUTER_FIELDS = ("moe_router_num_groups", "moe_router_group_topk", "moe_router_topk_scaling_factor")
 
 
-def _v3_router_read(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
-    if model["moe_router_topk"] == 1:
-        raise ValueError("num_experts_per_tok=1: transformers renormalizes the one chosen score to 1 "
-                         "(norm_topk_prob), megatron-core keeps its sigmoid score; no megatron-core equivalent")
-    groups = router_groups(present, model, per_group=2, defaults=(8, 4))
-    return {"moe_router_num_groups": groups and groups[0], "moe_router_group_topk": groups and groups[1],
-            "moe_router_topk_scaling_factor": routed_scaling(present, 2.5)}
+def _check_renormalized(present: Mapping[str, object], default: bool) -> None:
+    """``norm_topk_prob`` must be true (``default``: the config class's, where absent): megatron-core's
+    sigmoid router always renormalizes the chosen scores."""
+    value = present.get("norm_topk_prob", default)
+    if value is not True:
+        said = " absent (the config class's default false)" if "norm_topk_prob" not in present else f"={quote(value)}"
+        raise ValueError(f"norm_topk_prob{said}: megatron-core's sigmoid router renormalizes the chosen scores "
+                         "for top-k > 1; no megatron-core equivalent")
 
 
-def _v3_router_write(config: ModelConfig) -> Mapping[str, object]:
-    moe = config.moe
-    return {"n_group": moe.moe_router_num_groups or 1, "topk_group": moe.moe_router_group_topk or 1,
-            "routed_scaling_factor": moe.moe_router_topk_scaling_factor or 1.0}
+def sigmoid_group_router(groups: tuple[int | None, int | None], scaling: float,
+                         norm_topk_default: bool | None = None) -> ConfigRule:
+    """DeepSeek-V3's router (sigmoid scores steered by ``e_score_correction_bias``, groups scored by their
+    best two, the chosen scores renormalized and scaled by ``routed_scaling_factor``) as a config.json rule;
+    ``groups`` and ``scaling`` are the config class's defaults. ``norm_topk_default``: the class's
+    ``norm_topk_prob`` default where the rule reads that key (None: the family fixes it in ``hf_fixed``)."""
+    reads_norm = norm_topk_default is not None
+
+    def read(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
+        if reads_norm:
+            _check_renormalized(present, bool(norm_topk_default))
+        if model["moe_router_topk"] == 1:
+            raise ValueError("num_experts_per_tok=1: transformers renormalizes the one chosen score to 1 "
+                             "(norm_topk_prob), megatron-core keeps its sigmoid score; no megatron-core equivalent")
+        chosen = router_groups(present, model, per_group=2, defaults=groups)
+        return {"moe_router_num_groups": chosen and chosen[0], "moe_router_group_topk": chosen and chosen[1],
+                "moe_router_topk_scaling_factor": routed_scaling(present, scaling)}
+
+    def write(config: ModelConfig) -> Mapping[str, object]:
+        moe = config.moe
+        written: dict[str, object] = {"n_group": moe.moe_router_num_groups or 1,
+                                      "topk_group": moe.moe_router_group_topk or 1,
+                                      "routed_scaling_factor": moe.moe_router_topk_scaling_factor or 1.0}
+        return {**written, "norm_topk_prob": True} if reads_norm else written
+
+    norm = ("norm_topk_prob",) if reads_norm else ()
+    return ConfigRule(keys=("n_group", "topk_group", "routed_scaling_factor", *norm), model_fields=_ROUTER_FIELDS,
+                      read=read, write=write, refuses=_sigmoid_router_refuses,
+                      null_keys=("n_group", "topk_group", *norm))
 
 
-def _v3_router_refuses(config: ModelConfig) -> str | None:
+def _sigmoid_router_refuses(config: ModelConfig) -> str | None:
     moe = config.moe
     if moe.moe_router_topk == 1:
-        return "moe_router_topk=1 (DeepseekV3 renormalizes the chosen sigmoid scores: needs top-k > 1)"
+        return "moe_router_topk=1 (transformers renormalizes the chosen sigmoid scores: needs top-k > 1)"
     if moe.moe_router_group_topk and moe.moe_router_topk // moe.moe_router_group_topk != 2:
         return (f"moe_router_group_topk={moe.moe_router_group_topk} with moe_router_topk={moe.moe_router_topk} "
-                "(DeepseekV3 scores a group by its best 2 experts: needs topk // group_topk = 2)")
+                "(transformers scores a group by its best 2 experts: needs topk // group_topk = 2)")
     return None
 
 
@@ -324,10 +357,8 @@ DEEPSEEK_V3 = Family(
     hf_computes=DEEPSEEK_COMPUTES,
     tensors=DEEPSEEK_TENSORS,
     fields=_fields(experts=256, experts_alias="num_local_experts", topk=8, max_positions=4096, query_groups=128),
-    rules=(ROPE_RULE, _MLA_ROPE, _Q_LORA, _layers_rule(default_dense=3), _shared_rule(default=1),
-           ConfigRule(keys=("n_group", "topk_group", "routed_scaling_factor"), model_fields=_ROUTER_FIELDS,
-                      read=_v3_router_read, write=_v3_router_write, refuses=_v3_router_refuses,
-                      null_keys=("n_group", "topk_group"))),
+    rules=(ROPE_RULE, _MLA_ROPE, _Q_LORA, dense_prefix_rule(default_dense=3), shared_experts_rule(default=1),
+           sigmoid_group_router(groups=(8, 4), scaling=2.5)),
     fixed={**_MLA_COMMON, "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True},
     # megatron-core renormalizes the chosen sigmoid scores; its MLA rotary takes interleaved pairs.
     hf_fixed={**_HF_COMMON, "norm_topk_prob": True, "rope_interleave": True},
@@ -344,7 +375,7 @@ DEEPSEEK_V2 = Family(
     hf_computes=DEEPSEEK_COMPUTES,
     tensors=DEEPSEEK_TENSORS,
     fields=_fields(experts=64, experts_alias="num_experts", topk=None, max_positions=2048, query_groups=None),
-    rules=(ROPE_RULE, _MLA_ROPE, _Q_LORA, _layers_rule(default_dense=0), _shared_rule(default=2),
+    rules=(ROPE_RULE, _MLA_ROPE, _Q_LORA, dense_prefix_rule(default_dense=0), shared_experts_rule(default=2),
            ConfigRule(keys=("topk_method", "n_group", "topk_group", "routed_scaling_factor"),
                       model_fields=_ROUTER_FIELDS, read=_v2_router_read, write=_v2_router_write,
                       refuses=_v2_router_refuses, null_keys=("topk_method", "n_group", "topk_group"))),

@@ -1,4 +1,4 @@
-"""Test-only helpers for GLM-4.5-MoE and GPT-OSS: tiny seeded releases, and independent TP forward passes.
+"""Test-only helpers for GLM-4.5-MoE, dots.llm1 and GPT-OSS: tiny seeded releases, and independent TP forward passes.
 
 Nothing here imports pgconvert. The reference forward reads the Megatron rank files (joined over EP
 by ``hf_helpers.read_megatron_tp_ranks``, never through pgconvert's merge) and computes what
@@ -22,6 +22,8 @@ from support.hf_helpers import assert_same_hf_tensors, hf_logits, input_ids
 from support.megatron_fixtures import load_for_test
 from support.hf_side_helpers import BOS, EOS, PAD
 from transformers import (
+    Dots1Config,
+    Dots1ForCausalLM,
     Glm4MoeConfig,
     Glm4MoeForCausalLM,
     GptOssConfig,
@@ -54,6 +56,30 @@ def build_glm4_moe(seed: int = 0, **overrides: Any) -> PreTrainedModel:
     model, generator = seeded_model(Glm4MoeForCausalLM, Glm4MoeConfig(**{**GLM4_MOE_KWARGS, **overrides}), seed, value)
     seed_correction_biases(model, generator)
     return model
+
+
+# dots.llm1's release shrunk: MHA (as many KV heads as heads) with head_dim hidden / heads, q/k norms per head,
+# layer 0 dense, then 8 routed experts (top-6 renormalized, scaled by 2.5) and 2 shared ones of the experts'
+# FFN size, one router group, RoPE base 1e7 over the whole head, no window (max_window_layers = the layers).
+DOTS1_KWARGS: dict[str, Any] = dict(
+    hidden_size=64, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8, intermediate_size=96,
+    moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=6, n_shared_experts=2,
+    first_k_dense_replace=1, norm_topk_prob=True, routed_scaling_factor=2.5, n_group=1, topk_group=1,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000000.0}, max_position_embeddings=32768,
+    rms_norm_eps=1e-5, sliding_window=None, max_window_layers=4, vocab_size=1030, tie_word_embeddings=False,
+    attention_bias=False, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD,
+)
+
+
+def save_dots1(path: Path, seed: int = 0, **overrides: Any) -> Path:
+    """A complete tiny dots.llm1 release, seeded as GLM-4.5-MoE's (routers well separated, biases that steer)."""
+    def value(name: str, noise: torch.Tensor) -> torch.Tensor:
+        if "norm" in name.rsplit(".", 2)[-2]:
+            return 1.0 + 0.1 * noise
+        return noise if name.endswith(".gate.weight") else 0.05 * noise
+    model, generator = seeded_model(Dots1ForCausalLM, Dots1Config(**{**DOTS1_KWARGS, **overrides}), seed, value)
+    seed_correction_biases(model, generator)
+    return save_with_side_files(model, path)
 
 
 def seed_correction_biases(model: PreTrainedModel, generator: torch.Generator) -> None:

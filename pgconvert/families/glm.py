@@ -25,8 +25,8 @@ from collections.abc import Mapping
 
 from pgconvert.io.limits import quote
 from pgconvert.model.config import ModelConfig
-from pgconvert.families.deepseek import EXPERT_BIAS_ROW, SHARED_EXPERTS_ROWS, router_groups
-from pgconvert.families.experts import dense_layers, expert_count, expert_ffn_size
+from pgconvert.families.deepseek import EXPERT_BIAS_ROW, SHARED_EXPERTS_ROWS, dense_prefix_rule, router_groups
+from pgconvert.families.experts import expert_count, expert_ffn_size
 from pgconvert.families.llama import (
     ATTENTION_ROWS,
     DENSE_FFN,
@@ -135,28 +135,6 @@ def _count(value: object, key: str, low: int) -> int:
     return value
 
 
-def _read_first_dense(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
-    """Layer i is MoE iff i >= first_k_dense_replace (transformers' Glm4MoeDecoderLayer)."""
-    first = _count(present.get("first_k_dense_replace", GLM4_MOE_FIRST_DENSE), "first_k_dense_replace", 0)
-    layers = model["num_layers"]
-    assert isinstance(layers, int)
-    pattern = tuple(int(layer >= first) for layer in range(layers))
-    return {"moe_layer_freq": 1 if all(pattern) else pattern}
-
-
-def _write_first_dense(config: ModelConfig) -> Mapping[str, object]:
-    return {"first_k_dense_replace": len(dense_layers(config))}
-
-
-def _refuses_dense_after_moe(config: ModelConfig) -> str | None:
-    if config.moe.num_experts is None:
-        return "num_experts=None (needs routed experts)"
-    dense = dense_layers(config)
-    if dense != list(range(len(dense))):
-        return f"dense layers {dense} (needs the dense layers first: first_k_dense_replace)"
-    return None
-
-
 def _read_shared(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
     shared = _count(present.get("n_shared_experts", GLM4_MOE_SHARED_EXPERTS), "n_shared_experts", 1)
     expert = model["moe_ffn_hidden_size"]
@@ -219,8 +197,7 @@ GLM4_MOE = Family(
         ConfigField(("attention_bias",), "add_qkv_bias", bool, default=False),
     ),
     rules=(
-        ConfigRule(keys=("first_k_dense_replace",), model_fields=("moe_layer_freq",), read=_read_first_dense,
-                   write=_write_first_dense, refuses=_refuses_dense_after_moe),
+        dense_prefix_rule(default_dense=GLM4_MOE_FIRST_DENSE),
         ConfigRule(keys=("n_shared_experts",), model_fields=("moe_shared_expert_intermediate_size",),
                    read=_read_shared, write=_write_shared, refuses=_refuses_shared),
         ConfigRule(keys=("n_group", "topk_group"), model_fields=("moe_router_num_groups", "moe_router_group_topk"),

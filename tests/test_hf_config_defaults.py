@@ -77,10 +77,13 @@ KEPT_NULLS: dict[tuple[str, str, str], Expected] = {
     ("*", "*", "null head_dim"): REFUSED,
     # Mixtral's: getattr(config, "head_dim", None) or hidden_size // num_attention_heads.
     ("MixtralForCausalLM", "*", "null head_dim"): _derived_head_dim,
+    # StarCoder2's: getattr(config, "head_dim", None) or hidden_size // num_attention_heads.
+    ("Starcoder2ForCausalLM", "*", "null head_dim"): _derived_head_dim,
     # Sliding-window attention: no window where sliding_window is None (the masks' create_causal_mask).
     ("MistralForCausalLM", "*", "null sliding_window"): _no_window,
     ("MixtralForCausalLM", "*", "null sliding_window"): _no_window,
     ("Phi3ForCausalLM", "*", "null sliding_window"): _no_window,
+    ("Starcoder2ForCausalLM", "*", "null sliding_window"): _no_window,
     ("Qwen3MoeForCausalLM", "*", "null sliding_window"): _no_window,
     # Layers layer_types marks sliding: create_sliding_window_causal_mask cannot take None.
     ("*", "*", "null sliding_window"): REFUSED,

@@ -111,6 +111,9 @@ SOURCES: dict[str, Callable[[Path], Path]] = {
     "ernie4_5-bias": _tiny_model("ernie4_5", use_bias=True),
     # dots.llm1's release: per-head q/k norms, MHA, the DeepSeek-V3 router (sigmoid, expert bias, top-6
     # renormalized, x2.5), two shared experts, a dense first layer
+    # StarCoder2-3B's shape: LayerNorm with biases, every linear biased, the tanh GELU (activation_func set from
+    # pgconvert's args), a window on every layer, 8:1 GQA, tied
+    "starcoder2": _tiny_model("starcoder2"),
     "dots1": _dots1(),
     # windows on layers 2 and 3 (max_window_layers), 4 router groups of which the best 2
     "dots1-window-groups": _dots1(sliding_window=5, max_window_layers=2, n_group=4, topk_group=2,
@@ -137,6 +140,8 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "seed_oss-rope-base": ("seed_oss", {"rotary_base": 10000.0}),
     "ernie4_5-interleaved": ("ernie4_5", {"rotary_interleaved": False}),
     "dots1-scaling": ("dots1", {"moe_router_topk_scaling_factor": None}),
+    "starcoder2-window": ("starcoder2", {"window_size": None}),
+    "starcoder2-tanh-gelu": ("starcoder2", {"openai_gelu": False}),
     "dots1-window": ("dots1-window-groups", {"window_size": None}),
     "minimax_m2-partial-rotary": ("minimax_m2", {"rotary_percent": 1.0}),
 }

@@ -27,6 +27,7 @@ from pgconvert.families import (
     qwen,
     seed_oss,
     smollm,
+    starcoder2,
 )
 from pgconvert.families.table import Family
 from pgconvert.semantics import SEMANTICS
@@ -37,14 +38,15 @@ from pgconvert.semantics.carried import CarriedSetting
 # and the MoE ones routed experts, so at most one kind fits. Gemma 3 needs a local RoPE base and
 # qk-norm, Gemma 2 neither; OLMo 2 has no pre-norms, OLMoE experts, GLM-4 interleaved rotary.
 # Ministral before SmolLM3: both express a window on some layers; SmolLM3 is needed for NoPE layers.
-# Seed-OSS last: every model Llama or Qwen2 fits stays theirs (Seed-OSS computes the same); it takes
+# Seed-OSS after them: every model Llama or Qwen2 fits stays theirs (Seed-OSS computes the same); it takes
 # only the dense models with both add_qkv_bias and add_bias_linear, which no family before it fits.
 # ERNIE 4.5 after them: a Llama-like model with interleaved rotary stays Llama's (written rotate-half).
 # Nemotron-H takes the hybrid models (a layer pattern), which every other family refuses.
-# dots.llm1 last: a model it fits without a window fits GLM-4.5-MoE first, which computes the same (q/k norms per
-# head, its partial rotary written as the whole head); it takes the windowed ones.
-# MiniMax-M2 before it: it takes only MoE models with a sigmoid router, an expert bias and q/k norms over the
+# MiniMax-M2 after it: it takes only MoE models with a sigmoid router, an expert bias and q/k norms over the
 # whole projection, which no family before it fits (OLMoE's router is a softmax, GLM-4.5-MoE's norms per head).
+# dots.llm1 after them: a model it fits without a window fits GLM-4.5-MoE first, which computes the same (q/k norms
+# per head, its partial rotary written as the whole head); it takes the windowed ones.
+# StarCoder2 last: the only family with LayerNorm and a non-gated tanh GELU.
 ORDERED: tuple[Family, ...] = (
     deepseek.DEEPSEEK_V3,
     deepseek.DEEPSEEK_V2,
@@ -71,6 +73,7 @@ ORDERED: tuple[Family, ...] = (
     nemotron_h.NEMOTRON_H,
     minimax.MINIMAX_M2,
     dots.DOTS1,
+    starcoder2.STARCODER2,
 )
 
 FAMILIES: dict[str, Family] = {family.architecture: family for family in ORDERED}

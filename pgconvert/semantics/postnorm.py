@@ -79,6 +79,10 @@ def megatron_core_gaps(config: ModelConfig) -> tuple[list[str], list[str]]:
         notices.append(
             f"args {', '.join(bridge)}: megatron-core's GPTModel does not compute these; Megatron-Bridge's custom "
             "layers do (its Gemma 2/3 and OLMoE providers), so build the model with them; the args and pgconvert.json carry them")
+    if config.mlp.activation == "gelu_tanh":
+        notices.append(
+            "args.openai_gelu=True (the tanh GELU): Megatron-LM's core_transformer_config_from_args does not read it "
+            "and builds F.gelu; set TransformerConfig.activation_func to the tanh GELU (Megatron-Bridge's providers do)")
     positions = config.positions
     if positions.rotary_base_local is not None and positions.rope_scaling == "linear":
         notices.append(

@@ -63,6 +63,7 @@ FEATURES: dict[str, tuple[dict[str, Any], ...]] = {
     "glm4_moe": (dict(n_group=4, topk_group=2, num_experts_per_tok=4),),
     "ernie4_5": (dict(use_bias=True),),
     "dots1": (dict(sliding_window=64, max_window_layers=2), dict(n_group=4, topk_group=2)),
+    "starcoder2": (dict(sliding_window=64, residual_dropout=0.1, embedding_dropout=0.1),),
     # The release spells the partial rotary as rotary_dim (MiniMaxM2Config reads it as rotary_dim / head_dim).
     "minimax_m2": (dict(rotary_dim=8),),
 }

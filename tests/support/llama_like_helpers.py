@@ -74,6 +74,15 @@ def family_configs() -> dict[str, tuple[Any, Any, dict[str, Any]]]:
             _COMMON, num_attention_heads=16, num_key_value_heads=2, head_dim=8, intermediate_size=192,
             max_position_embeddings=131072, rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
             use_bias=False, tie_word_embeddings=True)),
+        # StarCoder2-3B's shape: 12 query heads per KV head (here 8 : 1), LayerNorm, biases everywhere, the
+        # tanh GELU, a window on every layer, RoPE base ~1e6, dropout 0.1 as released, tied.
+        "starcoder2": (t.Starcoder2Config, t.Starcoder2ForCausalLM, dict(
+            hidden_size=64, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=2,
+            intermediate_size=256, vocab_size=MODEL_VOCAB, max_position_embeddings=16384, norm_epsilon=1e-5,
+            rope_parameters={"rope_type": "default", "rope_theta": 999999.4420358813}, sliding_window=5,
+            use_bias=True, attention_dropout=0.1, residual_dropout=0.1, embedding_dropout=0.1,
+            hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True, bos_token_id=BOS, eos_token_id=EOS,
+            pad_token_id=PAD)),
     }
 
 

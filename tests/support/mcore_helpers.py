@@ -18,6 +18,7 @@ are swapped for the duration of one call and restored (each is explained where i
 from __future__ import annotations
 
 import argparse
+import functools
 import contextlib
 import copy
 import math
@@ -211,13 +212,17 @@ def copied_config_fields(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _activation(args: argparse.Namespace) -> tuple[Any, bool]:
-    """megatron-LM's choice: --swiglu is gated SiLU, --quick-geglu gated quick-GELU, else GELU."""
+    """megatron-LM's choice: --swiglu is gated SiLU, --quick-geglu gated quick-GELU, else GELU; args that record
+    gated_linear_unit (pgconvert's) with openai_gelu ask for the tanh GELU, which megatron-core computes when
+    activation_func is set to it (as Megatron-Bridge's providers set it; Megatron-LM's parser cannot)."""
     if args.swiglu:
         return F.silu, True
     if getattr(args, "quick_geglu", False):
         from megatron.core.fusions.fused_bias_geglu import quick_gelu
 
         return quick_gelu, True
+    if getattr(args, "openai_gelu", False) and hasattr(args, "gated_linear_unit"):
+        return functools.partial(F.gelu, approximate="tanh"), bool(args.gated_linear_unit)
     return F.gelu, False
 
 

@@ -32,7 +32,9 @@ from pgconvert.semantics.carried import CarriedSetting
 # Only multi-latent attention models fit DeepSeek's families. Mistral is Llama with a window on every
 # layer, so a windowed Llama-like model is written as Mistral. Dense families need num_experts=None
 # and the MoE ones routed experts, so at most one kind fits. Gemma 3 needs a local RoPE base and
-# qk-norm, Gemma 2 neither; OLMo 2 has no pre-norms, OLMoE experts, GLM-4 interleaved rotary.
+# qk-norm, Gemma 2 neither; Gemma (1) has no post-norms and is the only family with embeddings scaled
+# and no post-norms, so it takes no model another fits. OLMo 2 has no pre-norms, OLMoE experts, GLM-4
+# interleaved rotary.
 # Ministral before SmolLM3: both express a window on some layers; SmolLM3 is needed for NoPE layers.
 # Seed-OSS last: every model Llama or Qwen2 fits stays theirs (Seed-OSS computes the same); it takes
 # only the dense models with both add_qkv_bias and add_bias_linear, which no family before it fits.
@@ -48,6 +50,7 @@ ORDERED: tuple[Family, ...] = (
     mixtral.MIXTRAL,
     gemma.GEMMA3,
     gemma.GEMMA2,
+    gemma.GEMMA,
     olmo.OLMO2,
     olmo.OLMOE,
     glm.GLM4,

@@ -1,4 +1,4 @@
-"""Gemma 3 (text, ``Gemma3ForCausalLM``) and Gemma 2 (``Gemma2ForCausalLM``).
+"""Gemma 3 (text, ``Gemma3ForCausalLM``), Gemma 2 (``Gemma2ForCausalLM``) and Gemma (``GemmaForCausalLM``).
 
 A Gemma layer is input norm, attention, post-attention norm, pre-FFN norm, GeGLU MLP, post-FFN
 norm: the tensor kinds ``self_attention.linear_proj.post_layernorm.weight`` and
@@ -13,6 +13,14 @@ Gemma's HF norms compute ``x * (1 + w)`` and store ``w``, as megatron-core's zer
 attention, not the pre-MLP norm it is in Llama (that one is ``pre_feedforward_layernorm``).
 ``query_pre_attn_scalar`` is the attention softmax scale's -1/2 power
 (``pgconvert.semantics.attention_scale``).
+
+Gemma (google/gemma-2b, gemma-7b, gemma-1.1) is Llama's layer (a norm before each sublayer only, HF's
+``post_attention_layernorm`` the pre-MLP norm as in Llama) with Gemma's ``(1 + w)`` RMSNorm, embeddings
+times sqrt(hidden) and the gated tanh GELU, ``head_dim`` apart from hidden / heads (256), tied
+embeddings, one RoPE, no soft-capping, window or qk-norm; gemma-2b has one KV head, gemma-7b one per
+head. Its activation is ``hidden_act``: the releases ship ``"gelu"``, which GemmaConfig reads as the
+tanh approximation (``gelu_pytorch_tanh``, its default); the ``hidden_activation`` some releases also
+hold is read by no transformers 5 Gemma class.
 """
 
 from __future__ import annotations
@@ -21,8 +29,8 @@ import math
 from collections.abc import Mapping
 
 from pgconvert.io.limits import quote
-from pgconvert.model.config import ModelConfig
-from pgconvert.families.llama import max_positions
+from pgconvert.model.config import POSTNORM_OFF, ModelConfig
+from pgconvert.families.llama import DECODER_TENSORS, ROPE_DEFAULT, ROPE_RULE, max_positions, rotary_base_field
 from pgconvert.families.sliding_window import layer_types_of, sliding_layers, window_of, window_values_sized
 from pgconvert.families.table import DROP, DROPPED, GATE_UP, QKV, ConfigField, ConfigRule, Family
 from pgconvert.families.table import TensorMapping, TensorTable
@@ -198,9 +206,9 @@ def _softcap(key: str, default: float | None) -> ConfigField:
     return ConfigField((key,), key, float, default=default, nullable=True)
 
 
-# Megatron-Bridge's Gemma 2/3 providers: GeGLU (gated tanh-GELU), RMSNorm with zero-centred gamma,
-# RoPE, sandwich norms, embeddings times sqrt(hidden).
-_GEMMA: dict[str, object] = {
+# Megatron-Bridge's Gemma providers: GeGLU (gated tanh-GELU), RMSNorm with zero-centred gamma, RoPE,
+# no biases (Gemma 2/3 add sandwich norms; all scale the embeddings by sqrt(hidden)).
+_GEMMA_DECODER: dict[str, object] = {
     "gated_linear_unit": True,
     "activation": "gelu_tanh",
     "normalization": "RMSNorm",
@@ -209,6 +217,9 @@ _GEMMA: dict[str, object] = {
     "add_qkv_bias": False,
     "add_bias_linear": False,
     "layernorm_zero_centered_gamma": True,
+}
+_GEMMA: dict[str, object] = {
+    **_GEMMA_DECODER,
     "post_self_attn_layernorm": True,
     "post_mlp_layernorm": True,
     "pre_layernorms": True,
@@ -272,4 +283,57 @@ GEMMA2 = GEMMA3.derive(
     hf_fixed={"use_bidirectional_attention": None},
     hf_notes={"qk-norm": DROP, "local rope theta": DROP,
               "logit soft-capping": "attn_logit_softcapping, final_logit_softcapping (null: off)"},
+)
+
+
+# GemmaConfig's hidden_act: its default, and the releases' "gelu" (GemmaConfig.__post_init__ reads it as
+# the tanh approximation, which those models were trained with).
+_GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu")
+
+
+def _read_gemma_activation(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
+    """``hidden_act`` (absent: the tanh GELU); another activation is refused, and a null (GemmaMLP
+    builds no activation from it)."""
+    value = present.get("hidden_act", _GEMMA_ACTIVATIONS[0])
+    if value not in _GEMMA_ACTIVATIONS:
+        raise ValueError(f"hidden_act={quote(value)}: Gemma is converted with gelu_pytorch_tanh "
+                         "(or 'gelu', which GemmaConfig reads as gelu_pytorch_tanh)")
+    return {}
+
+
+def _write_gemma_activation(config: ModelConfig) -> Mapping[str, object]:
+    return {"hidden_act": _GEMMA_ACTIVATIONS[0]}
+
+
+GEMMA = Family(
+    architecture="GemmaForCausalLM",
+    model_type="gemma",
+    # Llama's layer: HF's post_attention_layernorm is the pre-MLP norm.
+    tensors=DECODER_TENSORS,
+    # GemmaConfig's class defaults (gemma-7b's), which save_pretrained leaves out of config.json.
+    fields=(
+        ConfigField(("hidden_size",), "hidden_size", int, default=3072),
+        ConfigField(("num_hidden_layers",), "num_layers", int, default=28),
+        ConfigField(("num_attention_heads",), "num_attention_heads", int, default=16),
+        ConfigField(("num_key_value_heads",), "num_query_groups", int, default=16),
+        ConfigField(("head_dim",), "kv_channels", int, default=256),
+        ConfigField(("intermediate_size",), "ffn_hidden_size", int, default=24576),
+        ConfigField(("rms_norm_eps",), "norm_epsilon", float, default=1e-6),
+        rotary_base_field(10_000.0),
+        max_positions(8192),
+        ConfigField(("vocab_size",), "vocab_size", int, default=256000),
+        ConfigField(("tie_word_embeddings",), "tie_embeddings", bool, default=True),
+        ConfigField(("attention_dropout",), "attention_dropout", float, default=0.0),
+    ),
+    rules=(ROPE_RULE,
+           ConfigRule(keys=("hidden_act",), model_fields=(), read=_read_gemma_activation,
+                      write=_write_gemma_activation, null_keys=("hidden_act",))),
+    fixed={**POSTNORM_OFF, **_GEMMA_DECODER, "embedding_scale_sqrt_hidden": True, "multi_latent_attention": False,
+           "qk_layernorm": False, "sliding_window": None},
+    # attention_bias biases q, k, v and o but not the MLP: Megatron's add_bias_linear biases both.
+    hf_fixed={"attention_bias": False, "use_bidirectional_attention": None},
+    hf_scratch=ROPE_DEFAULT,
+    hf_norms_zero_centred=True,
+    hf_notes={"activation": "hidden_act = gelu_pytorch_tanh ('gelu' read as it, as GemmaConfig does)",
+              "embedding scale": "always", "sliding window": "none", "linear biases": "none (attention_bias false)"},
 )

@@ -1,4 +1,5 @@
-"""Gemma 3 (text), Gemma 2, OLMo 2, OLMoE, GLM-4: norms after the sublayers and what each adds.
+"""Gemma 3 (text), Gemma 2, OLMo 2, OLMoE, GLM-4: norms after the sublayers and what each adds; Gemma (1): Gemma's
+norms, embedding scale and GeGLU without the norms after the sublayers.
 
 HF -> Megatron TP2/PP2 (OLMoE: TP2/EP2) -> torch_dist -> HF is bit-exact with the same config, generation config,
 tokenizer and logits; the TP rank files compute the HF model's logits in an independent forward
@@ -26,7 +27,7 @@ from support.postnorm_helpers import (
 )
 
 import pgconvert
-from pgconvert.errors import CheckpointError
+from pgconvert.errors import CheckpointError, PgconvertError
 
 FAMILIES = sorted(POSTNORM_MODELS)
 
@@ -198,11 +199,75 @@ def test_olmo2_under_strict_is_refused_for_a_megatron_target_and_converts_with_a
     assert (args.pre_layernorms, args.post_self_attn_layernorm, args.qk_layernorm_across_heads) == (False, True, True)
 
 
-def test_gemma_under_strict_converts_to_megatron(sources: dict[str, Path], tmp_path: Path) -> None:
+@pytest.mark.parametrize("family, named", [("gemma2", "attn_logit_softcapping=2.0"),
+                                           ("gemma", "embedding_scale_sqrt_hidden=True")])
+def test_gemma_under_strict_converts_to_megatron(sources: dict[str, Path], tmp_path: Path, family: str,
+                                                 named: str) -> None:
     """Megatron-Bridge's Gemma layers compute every Gemma setting: a notice, no refusal."""
-    report = pgconvert.convert(sources["gemma2"], tmp_path / "m", dst_format="megatron", dst_tp=2, strict=True)
+    report = pgconvert.convert(sources[family], tmp_path / "m", dst_format="megatron", dst_tp=2, strict=True)
 
-    assert any("attn_logit_softcapping=2.0" in notice for notice in report.notices)
+    assert any(named in notice and "Megatron-Bridge" in notice for notice in report.notices), report.notices
+
+
+def test_gemma_megatron_args_carry_its_norms_embedding_scale_geglu_and_head_dim(sources: dict[str, Path],
+                                                                                 tmp_path: Path) -> None:
+    pgconvert.convert(sources["gemma"], tmp_path / "m", dst_format="megatron", dst_tp=2, dst_pp=1)
+
+    args = _rank_args(tmp_path / "m")
+
+    assert args.layernorm_zero_centered_gamma and args.embedding_scale_sqrt_hidden
+    assert (args.swiglu, args.gated_linear_unit, args.openai_gelu) == (False, True, True)
+    assert (args.post_self_attn_layernorm, args.post_mlp_layernorm, args.qk_layernorm) == (False, False, False)
+    assert (args.kv_channels, args.num_query_groups, args.untie_embeddings_and_output_weights) == (24, 4, False)
+    assert args.softmax_scale is None and args.window_size is None and args.final_logit_softcapping is None
+
+
+def test_gemma_releases_hidden_act_gelu_is_the_tanh_gelu_and_kept(sources: dict[str, Path], tmp_path: Path) -> None:
+    """gemma-2b/7b ship hidden_act "gelu", which GemmaConfig reads as gelu_pytorch_tanh."""
+    src = Path(shutil.copytree(sources["gemma"], tmp_path / "src"))
+    doc = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**doc, "hidden_act": "gelu"}))
+
+    pgconvert.convert(src, tmp_path / "m", dst_format="megatron", dst_tp=2, dst_pp=2)
+    pgconvert.convert(tmp_path / "m", tmp_path / "hf", dst_format="hf", dst_tp=1, dst_pp=1)
+
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["hidden_act"] == "gelu"
+    ids = input_ids(VOCAB)
+    torch.testing.assert_close(hf_logits(tmp_path / "hf", ids), hf_logits(sources["gemma"], ids), rtol=1e-5,
+                               atol=1e-5)
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("hidden_act", "silu", "hidden_act='silu': Gemma is converted with gelu_pytorch_tanh"),
+    ("hidden_act", None, "hidden_act=None"),
+    ("attention_bias", True, "attention_bias=True: GemmaForCausalLM is converted only with attention_bias=False"),
+])
+def test_gemma_config_pgconvert_cannot_convert_is_refused_by_name(sources: dict[str, Path], tmp_path: Path,
+                                                                  key: str, value: object, message: str) -> None:
+    src = Path(shutil.copytree(sources["gemma"], tmp_path / "src"))
+    doc = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**doc, key: value}))
+
+    with pytest.raises(CheckpointError, match="config.json") as caught:
+        pgconvert.convert(src, tmp_path / "m", dst_format="megatron", dst_tp=2)
+
+    assert message in str(caught.value)
+    assert not (tmp_path / "m").exists()
+
+
+def test_gemma_2b_multi_query_attention_converts_at_pp2_and_is_refused_at_tp2_by_name(tmp_path: Path) -> None:
+    """gemma-2b's one KV head: megatron-core splits query groups over TP ranks, so TP2 cannot hold it."""
+    src = save_postnorm_model("gemma", tmp_path / "src", seed=4, num_key_value_heads=1, head_dim=32)
+
+    with pytest.raises(PgconvertError, match="num_query_groups=1 is not divisible by 2"):
+        pgconvert.convert(src, tmp_path / "tp2", dst_format="megatron", dst_tp=2)
+    pgconvert.convert(src, tmp_path / "m", dst_format="megatron", dst_tp=1, dst_pp=2)
+    pgconvert.convert(tmp_path / "m", tmp_path / "hf", dst_format="hf", dst_tp=1, dst_pp=1)
+
+    assert not (tmp_path / "tp2").exists()
+    assert_same_hf_tensors(src, tmp_path / "hf")
+    ids = input_ids(VOCAB)
+    torch.testing.assert_close(hf_logits(tmp_path / "hf", ids), hf_logits(src, ids), rtol=1e-5, atol=1e-5)
 
 
 def test_olmoe_and_glm4_args(sources: dict[str, Path], tmp_path: Path) -> None:

@@ -99,7 +99,7 @@ def test_the_family_list_gives_the_registry_and_the_inference_order() -> None:
         "MistralForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM", "Gemma3ForCausalLM", "Gemma2ForCausalLM",
         "GemmaForCausalLM", "Olmo2ForCausalLM", "OlmoeForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM", "GptOssForCausalLM",
         "Qwen2MoeForCausalLM", "GraniteForCausalLM", "MinistralForCausalLM", "SmolLM3ForCausalLM", "Phi3ForCausalLM",
-        "SeedOssForCausalLM", "NemotronHForCausalLM")
+        "SeedOssForCausalLM", "ArceeForCausalLM", "NemotronHForCausalLM")
     assert list(families.FAMILIES.values()) == list(families.ORDERED)
     assert families.supported_architectures() == sorted(families.INFERENCE_ORDER)
     assert families.CARRIED_ARGS == ("embedding_multiplier", "residual_multiplier", "logits_scaling",

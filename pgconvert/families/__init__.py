@@ -10,6 +10,7 @@ from that list.
 from __future__ import annotations
 
 from pgconvert.families import (
+    arcee,
     deepseek,
     gemma,
     glm,
@@ -38,6 +39,8 @@ from pgconvert.semantics.carried import CarriedSetting
 # Ministral before SmolLM3: both express a window on some layers; SmolLM3 is needed for NoPE layers.
 # Seed-OSS last: every model Llama or Qwen2 fits stays theirs (Seed-OSS computes the same); it takes
 # only the dense models with both add_qkv_bias and add_bias_linear, which no family before it fits.
+# Arcee takes the non-gated squared-ReLU models with attention in every layer (the others fix a gated MLP
+# or another activation).
 # Nemotron-H takes the hybrid models (a layer pattern), which every other family refuses.
 ORDERED: tuple[Family, ...] = (
     deepseek.DEEPSEEK_V3,
@@ -62,6 +65,7 @@ ORDERED: tuple[Family, ...] = (
     smollm.SMOLLM3,
     phi3.PHI3,
     seed_oss.SEED_OSS,
+    arcee.ARCEE,
     nemotron_h.NEMOTRON_H,
 )
 

@@ -210,9 +210,14 @@ def copied_config_fields(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _activation(args: argparse.Namespace) -> tuple[Any, bool]:
-    """megatron-LM's choice: --swiglu is gated SiLU, --quick-geglu gated quick-GELU, else GELU."""
+    """megatron-LM's choice: --swiglu is gated SiLU, --squared-relu squared ReLU, --quick-geglu gated
+    quick-GELU, else GELU."""
     if args.swiglu:
         return F.silu, True
+    if getattr(args, "squared_relu", False):
+        from megatron.core.activations import squared_relu
+
+        return squared_relu, False
     if getattr(args, "quick_geglu", False):
         from megatron.core.fusions.fused_bias_geglu import quick_gelu
 

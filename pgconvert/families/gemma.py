@@ -31,7 +31,7 @@ from collections.abc import Mapping
 from pgconvert.io.limits import quote
 from pgconvert.model.config import POSTNORM_OFF, ModelConfig
 from pgconvert.families.llama import DECODER_TENSORS, ROPE_DEFAULT, ROPE_RULE, max_positions, rotary_base_field
-from pgconvert.families.sliding_window import layer_types_of, sliding_layers, window_of, window_values_sized
+from pgconvert.families.sliding_window import layer_types_window_rule
 from pgconvert.families.table import DROP, DROPPED, GATE_UP, QKV, ConfigField, ConfigRule, Family
 from pgconvert.families.table import TensorMapping, TensorTable
 from pgconvert.semantics import attention_scale
@@ -61,33 +61,7 @@ SANDWICH_ROWS = (
 GEMMA_TENSORS = TensorTable(SANDWICH_ROWS)
 
 
-def _period(present: Mapping[str, object], key: str | None, default: int) -> int:
-    value = present.get(key, default) if key is not None else default
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{key}={quote(value)}: expected a positive integer")
-    return value
-
-
-def _window_rule(period: int, period_key: str | None = None) -> ConfigRule:
-    """``sliding_window`` (transformers' default 4096; null: none, refused with sliding layers) on the
-    layers ``layer_types`` marks sliding (by default every ``period``-th layer full; Gemma 3's
-    config also reads the period from the older ``sliding_window_pattern``, its ``period_key``)."""
-
-    def read(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
-        layers = model["num_layers"]
-        assert isinstance(layers, int)
-        pattern = sliding_layers(present, layers, _period(present, period_key, period))
-        return window_values_sized(window_of(present, 4096), pattern)
-
-    def write(config: ModelConfig) -> Mapping[str, object]:
-        return {"sliding_window": config.attention.sliding_window, "layer_types": layer_types_of(config)}
-
-    return ConfigRule(keys=("sliding_window", "layer_types"), model_fields=("sliding_window", "window_layers"),
-                      read=read, write=write, null_keys=("sliding_window",),
-                      legacy_keys=() if period_key is None else (period_key,))
-
-
-def _theta(params: Mapping[str, object], key: str, present: Mapping[str, object], legacy: str,
+def rope_theta_of(params: Mapping[str, object], key: str, present: Mapping[str, object], legacy: str,
            default: float) -> float:
     """``rope_theta`` of ``params`` (``key``), else the top-level ``legacy`` key (4.x), else ``default``
     (as transformers' ``setdefault`` fills it; a null is refused: its RoPE has no base for it)."""
@@ -108,14 +82,14 @@ def _rope_type(params: Mapping[str, object], key: str, allowed: tuple[str, ...])
     return rope_type
 
 
-def _sub(params: Mapping[str, object], name: str) -> Mapping[str, object]:
+def rope_block(params: Mapping[str, object], name: str) -> Mapping[str, object]:
     value = params.get(name, {})
     if not isinstance(value, dict):
         raise ValueError(f"rope_parameters.{name}={quote(value)}: expected an object")
     return value
 
 
-def _rope_parameters(present: Mapping[str, object], key: str = "rope_parameters") -> Mapping[str, object]:
+def rope_parameters_of(present: Mapping[str, object], key: str = "rope_parameters") -> Mapping[str, object]:
     params = present.get(key, {})
     if not isinstance(params, dict):
         raise ValueError(f"{key}={quote(params)}: expected an object")
@@ -127,17 +101,17 @@ def _read_gemma3_rope(present: Mapping[str, object], model: Mapping[str, object]
     Megatron's rotary_base and rope scaling) and ``sliding_attention`` (base 1e4, plain: rotary_base_local).
     transformers' Gemma3TextConfig also reads 4.x's top-level ``rope_theta``, ``rope_local_base_freq``
     and ``rope_scaling`` (laid over ``full_attention``)."""
-    params = _rope_parameters(present)
+    params = rope_parameters_of(present)
     # Without rope_parameters, transformers starts from {"rope_type": "default"} per layer type, so a
     # 4.x rope_scaling spelling its type "type" stays plain.
-    full = {**(_sub(params, "full_attention") if "rope_parameters" in present else {"rope_type": "default"}),
-            **_rope_parameters(present, "rope_scaling")}
-    local = _sub(params, "sliding_attention")
+    full = {**(rope_block(params, "full_attention") if "rope_parameters" in present else {"rope_type": "default"}),
+            **rope_parameters_of(present, "rope_scaling")}
+    local = rope_block(params, "sliding_attention")
     _rope_type(local, "rope_parameters.sliding_attention", ("default",))
     values: dict[str, object] = {
-        "rotary_base": _theta(full, "rope_parameters.full_attention", present, "rope_theta", 1_000_000.0),
-        "rotary_base_local": _theta(local, "rope_parameters.sliding_attention", present, "rope_local_base_freq",
-                                    10_000.0),
+        "rotary_base": rope_theta_of(full, "rope_parameters.full_attention", present, "rope_theta", 1_000_000.0),
+        "rotary_base_local": rope_theta_of(local, "rope_parameters.sliding_attention", present,
+                                           "rope_local_base_freq", 10_000.0),
         "rope_scaling": None, "rope_scaling_factor": 1.0, "rotary_percent": 1.0,
     }
     if _rope_type(full, "rope_parameters.full_attention", ("default", "linear")) == "linear":
@@ -173,8 +147,8 @@ def _read_plain_rope(present: Mapping[str, object], model: Mapping[str, object])
     instead when it is given, and a top-level ``rope_theta``)."""
     params = rope_parameters(present)
     _rope_type(params, "rope_parameters", ("default",))
-    return {"rotary_base": _theta(params, "rope_parameters", present, "rope_theta", 10_000.0), "rope_scaling": None,
-            "rope_scaling_factor": 1.0, "rotary_percent": 1.0}
+    return {"rotary_base": rope_theta_of(params, "rope_parameters", present, "rope_theta", 10_000.0),
+            "rope_scaling": None, "rope_scaling_factor": 1.0, "rotary_percent": 1.0}
 
 
 def _write_plain_rope(config: ModelConfig) -> Mapping[str, object]:
@@ -255,7 +229,7 @@ GEMMA3 = Family(
                       read=_read_gemma3_rope, write=_write_gemma3_rope, refuses=_refuses_gemma3_rope,
                       null_keys=("rope_theta", "rope_local_base_freq"),
                       legacy_keys=("rope_theta", "rope_local_base_freq", "rope_scaling")),
-           _window_rule(period=6, period_key="sliding_window_pattern"),
+           layer_types_window_rule(period=6, period_key="sliding_window_pattern"),
            ConfigRule(keys=("query_pre_attn_scalar",), model_fields=("softmax_scale",),
                       read=_read_scalar, write=_write_scalar)),
     fixed={**_GEMMA, "qk_layernorm": True},
@@ -278,7 +252,7 @@ GEMMA2 = GEMMA3.derive(
                       model_fields=("rotary_base", "rope_scaling", "rope_scaling_factor", "rotary_percent"),
                       read=_read_plain_rope, write=_write_plain_rope, refuses=_refuses_scaled_rope,
                       null_keys=("rope_theta",), legacy_keys=("rope_theta", "rope_scaling")),
-           _window_rule(period=2)),
+           layer_types_window_rule(period=2)),
     fixed={"qk_layernorm": False, "rotary_base_local": None},
     hf_fixed={"use_bidirectional_attention": None},
     hf_notes={"qk-norm": DROP, "local rope theta": DROP,

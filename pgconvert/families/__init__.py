@@ -35,7 +35,7 @@ from pgconvert.semantics.carried import CarriedSetting
 # and the MoE ones routed experts, so at most one kind fits. Gemma 3 needs a local RoPE base and
 # qk-norm, Gemma 2 neither; Gemma (1) has no post-norms and is the only family with embeddings scaled
 # and no post-norms, so it takes no model another fits. OLMo 2 has no pre-norms, OLMoE experts, GLM-4
-# interleaved rotary.
+# interleaved rotary; OLMo 3 after OLMo 2: it takes OLMo 2's layers with a window, which OLMo 2 refuses.
 # Ministral before SmolLM3: both express a window on some layers; SmolLM3 is needed for NoPE layers.
 # Seed-OSS last: every model Llama or Qwen2 fits stays theirs (Seed-OSS computes the same); it takes
 # only the dense models with both add_qkv_bias and add_bias_linear, which no family before it fits.
@@ -55,6 +55,7 @@ ORDERED: tuple[Family, ...] = (
     gemma.GEMMA2,
     gemma.GEMMA,
     olmo.OLMO2,
+    olmo.OLMO3,
     olmo.OLMOE,
     glm.GLM4,
     glm.GLM4_MOE,

@@ -1,5 +1,6 @@
-"""Test-only helpers for the post-sublayer-norm families (Gemma 3, Gemma 2, OLMo 2, OLMoE, GLM-4) and Gemma (1), which has
-Gemma's norms and embedding scale without the post norms: tiny seeded models as ``save_pretrained`` writes them, and an independent forward pass over Megatron TP rank files.
+"""Test-only helpers for the post-sublayer-norm families (Gemma 3, Gemma 2, OLMo 2, OLMo 3, OLMoE, GLM-4) and
+Gemma (1), which has Gemma's norms and embedding scale without the post norms: tiny seeded models as
+``save_pretrained`` writes them, and an independent forward pass over Megatron TP rank files.
 
 Nothing here imports pgconvert. The reference forward reads rank files with plain ``torch.load``
 (``hf_helpers.read_megatron_tp_ranks``) and the settings from the HF config.json, and computes what
@@ -29,6 +30,8 @@ from transformers import (
     Glm4ForCausalLM,
     Olmo2Config,
     Olmo2ForCausalLM,
+    Olmo3Config,
+    Olmo3ForCausalLM,
     OlmoeConfig,
     OlmoeForCausalLM,
     PretrainedConfig,
@@ -73,6 +76,15 @@ POSTNORM_MODELS: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel], 
         rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
     )),
+    # Olmo-3-7B's: OLMo 2's layers, one KV head per query head, a window on three layers in four (transformers'
+    # default layer_types), RoPE base 5e5 on both layer types (the base release's; the long-context ones' YaRN on
+    # the full-attention layers alone is refused), eps 1e-6, 64K positions, untied.
+    "olmo3": (Olmo3Config, Olmo3ForCausalLM, dict(
+        _PLAIN, num_hidden_layers=4, num_key_value_heads=4, intermediate_size=172, rms_norm_eps=1e-6,
+        sliding_window=WINDOW, max_position_embeddings=65536, tie_word_embeddings=False,
+        rope_parameters={kind: {"rope_type": "default", "rope_theta": 500000.0}
+                         for kind in ("sliding_attention", "full_attention")},
+    )),
     # Every layer MoE (intermediate_size is the experts'), softmax over all experts first
     # (norm_topk_prob false, transformers' default), q/k norms over the whole projection.
     "olmoe": (OlmoeConfig, OlmoeForCausalLM, dict(
@@ -86,10 +98,11 @@ POSTNORM_MODELS: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel], 
     )),
 }
 ARCHITECTURES = {"gemma3": "Gemma3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma": "GemmaForCausalLM",
-                 "olmo2": "Olmo2ForCausalLM", "olmoe": "OlmoeForCausalLM", "glm4": "Glm4ForCausalLM"}
+                 "olmo2": "Olmo2ForCausalLM", "olmo3": "Olmo3ForCausalLM", "olmoe": "OlmoeForCausalLM",
+                 "glm4": "Glm4ForCausalLM"}
 MOE = ("olmoe",)
 _ZERO_CENTRED = ("Gemma3ForCausalLM", "Gemma2ForCausalLM", "GemmaForCausalLM")
-_ACROSS_HEADS = ("Olmo2ForCausalLM", "OlmoeForCausalLM")
+_ACROSS_HEADS = ("Olmo2ForCausalLM", "Olmo3ForCausalLM", "OlmoeForCausalLM")
 
 
 def build_postnorm_model(name: str, seed: int = 0, **overrides: Any) -> PreTrainedModel:
@@ -146,7 +159,7 @@ def _llama3(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
 
 def _layer_rope(hf: dict[str, Any], layer: int) -> dict[str, Any]:
     params = hf["rope_parameters"]
-    if "full_attention" in params:  # Gemma 3: one RoPE per layer type
+    if "full_attention" in params:  # Gemma 3, OLMo 3: one RoPE per layer type
         params = params[hf["layer_types"][layer]]
     return params
 

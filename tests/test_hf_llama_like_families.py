@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from support.hf_helpers import assert_same_hf_tensors, edit_json, hf_logits, read_megatron_tp_ranks
+from support.hf_helpers import assert_same_hf_tensors, edit_json, hf_logits, load_hf_tensors, read_megatron_tp_ranks
 from support.llama_like_helpers import MODEL_VOCAB, MOE_FAMILIES, build_model, input_ids, megatron_args, reference_logits, save_model
 
 import pgconvert
@@ -483,8 +483,10 @@ def test_arcee_megatron_args_hold_squared_relu_without_a_gate_and_its_yarn(sourc
     assert (args.position_embedding_type, args.rotary_scaling_factor, args.yarn_original_max_position_embeddings,
             args.yarn_beta_fast, args.yarn_beta_slow, args.rotary_base) == ("yarn", 20.0, 4096, 32.0, 1.0, 10000.0)
     assert (args.kv_channels, args.num_query_groups, args.max_position_embeddings) == (8, 2, 65536)
-    # up_proj alone is linear_fc1, split by rows: half the FFN on each rank, no [gate; up] halves.
-    assert [rank["decoder.layers.0.mlp.linear_fc1.weight"].shape for rank in ranks] == [(288, 80), (288, 80)]
+    # up_proj alone is linear_fc1, split by rows: rank r holds rows [288 r, 288 (r + 1)), no [gate; up] halves.
+    up = load_hf_tensors(sources["arcee"])["model.layers.0.mlp.up_proj.weight"]
+    for rank, rows in zip(ranks, up.split(288), strict=True):
+        assert torch.equal(rank["decoder.layers.0.mlp.linear_fc1.weight"], rows)
     assert not any("not carried" in notice for notice in report.notices), report.notices
 
 
@@ -511,8 +513,8 @@ def test_native_megatron_arcee_without_carried_config_is_written_as_arcee(source
     written = written_from_args_alone(src, tmp_path, dst_tp=2, dst_pp=2)
 
     assert (written["architectures"], written["hidden_act"]) == (["ArceeForCausalLM"], "relu2")
-    assert {key: written["rope_parameters"][key] for key in ("rope_type", "factor", "original_max_position_embeddings")} \
-        == {"rope_type": "yarn", "factor": 20.0, "original_max_position_embeddings": 4096}
+    rope = written["rope_parameters"]
+    assert (rope["rope_type"], rope["factor"], rope["original_max_position_embeddings"]) == ("yarn", 20.0, 4096)
     assert_same_hf_tensors(src, tmp_path / "hf")
     ids = input_ids()
     torch.testing.assert_close(hf_logits(tmp_path / "hf", ids), hf_logits(src, ids), rtol=1e-5, atol=1e-5)

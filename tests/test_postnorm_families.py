@@ -185,14 +185,15 @@ def test_gemma3_config_pgconvert_cannot_convert_is_refused_by_name(sources: dict
     assert not (tmp_path / "m").exists()
 
 
+@pytest.mark.parametrize("family", ["olmo2", "olmo3"])
 def test_olmo2_under_strict_is_refused_for_a_megatron_target_and_converts_with_a_notice_without(
-        sources: dict[str, Path], tmp_path: Path) -> None:
-    """No megatron-core or Megatron-Bridge layer spec computes OLMo 2's missing pre-norms."""
+        sources: dict[str, Path], tmp_path: Path, family: str) -> None:
+    """No megatron-core or Megatron-Bridge layer spec computes OLMo 2's (and OLMo 3's) missing pre-norms."""
     from pgconvert.errors import StrictModeError
 
     with pytest.raises(StrictModeError, match="pre_layernorms=False"):
-        pgconvert.convert(sources["olmo2"], tmp_path / "strict", dst_format="megatron", dst_tp=2, strict=True)
-    report = pgconvert.convert(sources["olmo2"], tmp_path / "m", dst_format="megatron", dst_tp=2)
+        pgconvert.convert(sources[family], tmp_path / "strict", dst_format="megatron", dst_tp=2, strict=True)
+    report = pgconvert.convert(sources[family], tmp_path / "m", dst_format="megatron", dst_tp=2)
 
     assert not (tmp_path / "strict").exists()
     assert any("not carried: pre_layernorms=False" in notice for notice in report.notices), report.notices

@@ -339,6 +339,17 @@ def _olmo3_with(src: Path, dst: Path, change: dict[str, object], drop: tuple[str
     return dst
 
 
+def test_olmo3_older_top_level_rope_theta_is_the_full_attention_layers_base_only(sources: dict[str, Path],
+                                                                                tmp_path: Path) -> None:
+    """Olmo3Config gives a top-level rope_theta to the full-attention layers; the sliding ones keep 500000."""
+    src = _olmo3_with(sources["olmo3"], tmp_path / "src", {"rope_theta": 10000.0}, drop=("rope_parameters",))
+
+    with pytest.raises(CheckpointError, match="Megatron applies one RoPE to every layer") as caught:
+        pgconvert.convert(src, tmp_path / "m", dst_format="megatron", dst_tp=2)
+
+    assert "'rope_theta': 10000.0" in str(caught.value) and "'rope_theta': 500000.0" in str(caught.value)
+
+
 @pytest.mark.parametrize("spelling", ["rope_parameters", "rope_scaling"])
 def test_olmo3_long_context_releases_yarn_on_full_attention_layers_only_is_refused_by_name(
         sources: dict[str, Path], tmp_path: Path, spelling: str) -> None:

@@ -160,6 +160,7 @@ CONVERT_HELP_SECTIONS: HelpSections = (
     ("Naming", ("--dst-transformer-impl", "--dst-expert-layout", "--dst-mtp-layer-name", "--dst-torch-dist-common")),
     ("Output files", ("--max-shard-size", "--digest")),
     ("HF output", ("--hf-config", "--generation-config", "--tokenizer", "--keep-fp8")),
+    ("Adapters", ("--merge-adapter",)),
     ("Optimizer state", ("--skip-optimizer", "--dst-dp", "--dst-optim-form")),
     ("Safety", ("--strict", "--check-finite", "--skip-finite-check")),
     ("Scale-out", ("--threads", "--workers", "--max-memory", "--shard-index", "--num-shards")),
@@ -309,6 +310,10 @@ def _layout_option(name: str, help_text: str) -> Any:
               help="torch_dist DST: the common state (args, iteration, optimizer param groups) inside the checkpoint "
                    "with an integrity.json manifest, as megatron-core 0.19+ writes it (store), or in common.pt, "
                    "which every megatron-core reads (legacy: use it for megatron-core 0.18 and older).")
+@click.option("--merge-adapter", type=click.Path(path_type=Path, exists=True, file_okay=False), default=None,
+              metavar="DIR", help="Merge a Hugging Face PEFT LoRA adapter (adapter_config.json, "
+                                  "adapter_model.safetensors) into the model: W + (B @ A) * alpha / r in float32, "
+                                  "rounded once to the weight's dtype, at any DST layout.")
 def convert_command(src: Path, dst: Path, src_format: str, dst_format: str, src_tp: int | None,
                     src_pp: int | None, dst_tp: int | None, dst_pp: int | None,
                     dst_decoder_first_pipeline_num_layers: int | None,
@@ -320,11 +325,11 @@ def convert_command(src: Path, dst: Path, src_format: str, dst_format: str, src_
                     hf_config: Path | None, generation_config: Path | None, tokenizer: Path | None,
                     threads: int, workers: int, max_memory: int | None,
                     shard_index: int | None, num_shards: int | None, strict: bool, finite_mode: str | None,
-                    digest: str,
-                    dry_run: bool, overwrite: bool,
+                    digest: str, dry_run: bool, overwrite: bool,
                     quiet: bool, verbose: bool, keep_fp8: bool = False, skip_optimizer: bool = False,
                     dst_dp: int | None = None, dst_optim_form: str | None = None,
-                    dst_mtp_layer_name: str | None = None, dst_torch_dist_common: str = "store") -> None:
+                    dst_mtp_layer_name: str | None = None, dst_torch_dist_common: str = "store",
+                    merge_adapter: Path | None = None) -> None:
     """Convert SRC into DST (the default command)."""
     from pgconvert.run.convert import ConvertRequest
 
@@ -347,6 +352,7 @@ def convert_command(src: Path, dst: Path, src_format: str, dst_format: str, src_
         generation_config=generation_config, tokenizer=tokenizer,
         keep_fp8=keep_fp8, skip_optimizer=skip_optimizer, dst_dp=dst_dp, dst_optim_form=dst_optim_form,
         dst_mtp_layer_name=dst_mtp_layer_name, dst_torch_dist_common=dst_torch_dist_common,
+        merge_adapter=merge_adapter,
     )
     try:
         shard = _shard_of_this_process(shard_index, num_shards)
@@ -534,7 +540,7 @@ def export_optimizer_command(src: Path, out: Path, iteration: int | None) -> Non
 def inspect_command(ckpt: Path, iteration: int | None, show_all: bool, as_json: bool,
                     skip_finite_check: bool) -> None:
     """Describe CKPT: format, layout, model, iterations, tensors, optimizer state, and problems (exit 1 on
-    an error).
+    an error); or a PEFT LoRA adapter directory: its ranks, scalings and the modules it adapts.
 
     The model is shown as its dimensions and the settings that differ from its family's defaults
     (the family its config.json names, or the one an hf target is written as); --all lists every
@@ -563,6 +569,8 @@ def _print_info(info: Any, show_all: bool = False) -> None:
         opened = "release" if info.release else info.iteration
         rows.append(("iterations", ", ".join(map(str, info.iterations))
                      + (f" (opened: {opened})" if info.model_config is not None else "")))
+    if info.adapter is not None:
+        rows += _adapter_rows(info.adapter)
     if info.model_config is not None:
         rows.append(("layout", info.layout_text or "none (unsharded)"))
         rows.append(("tensors", f"{info.tensor_count}, {_format_bytes(info.total_bytes)}"))
@@ -585,6 +593,18 @@ def _print_info(info: Any, show_all: bool = False) -> None:
         click.echo("problems:")
         for problem in info.problems:
             click.echo(f"  {problem.severity}: {problem.message}")
+
+
+def _adapter_rows(adapter: dict[str, Any]) -> list[tuple[str, str]]:
+    layers = adapter["layers"]
+    return [
+        ("base model", adapter["base_model"] or "not recorded"),
+        ("pairs", f"{adapter['pairs']} (rank {', '.join(map(str, adapter['ranks']))}; scaling "
+                  f"{', '.join(f'{value:g}' for value in adapter['scalings'])})"),
+        ("modules", _wrapped(", ".join(adapter["modules"]))),
+        ("layers", f"{len(layers)} ({layers[0]}–{layers[-1]})" if layers else "none"),
+        ("dtypes", f"{', '.join(adapter['dtypes'])}, {_format_bytes(adapter['bytes'])}"),
+    ]
 
 
 def _model_rows(info: Any, show_all: bool) -> list[tuple[str, str]]:
@@ -626,8 +646,12 @@ def _model_rows(info: Any, show_all: bool) -> list[tuple[str, str]]:
 @click.option("--json", "as_json", is_flag=True, help="Print the full report as JSON.")
 @click.option("--skip-optimizer", is_flag=True,
               help="Compare the model alone, not the optimizer state (faster).")
+@click.option("--merge-adapter", type=click.Path(path_type=Path, exists=True, file_okay=False), default=None,
+              metavar="DIR", help="Merge this PEFT LoRA adapter into A before comparing (as convert --merge-adapter "
+                                  "does): checks a merged output against its base and adapter.")
 def verify_command(a: Path, b: Path, rtol: float, atol: float, iteration_a: int | None, iteration_b: int | None,
-                   true_vocab_size: int | None, max_listed: int, as_json: bool, skip_optimizer: bool) -> None:
+                   true_vocab_size: int | None, max_listed: int, as_json: bool, skip_optimizer: bool,
+                   merge_adapter: Path | None) -> None:
     """Compare checkpoints A and B tensor by tensor in canonical form (any formats and layouts).
 
     When both hold megatron-core optimizer state, it is compared per parameter too (fp32 master,
@@ -640,7 +664,7 @@ def verify_command(a: Path, b: Path, rtol: float, atol: float, iteration_a: int 
 
     try:
         report = verify(a, b, rtol, atol, iteration_a=iteration_a, iteration_b=iteration_b,
-                        true_vocab_size=true_vocab_size, skip_optimizer=skip_optimizer)
+                        true_vocab_size=true_vocab_size, skip_optimizer=skip_optimizer, merge_adapter=merge_adapter)
     except PgconvertError as error:
         raise PgconvertClickError(error) from error
     if as_json:

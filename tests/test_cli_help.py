@@ -17,7 +17,7 @@ from click.testing import CliRunner
 from pgconvert.cli import CONVERT_HELP_SECTIONS, SectionedCommand, main
 
 ROOT = Path(__file__).resolve().parent.parent
-CONVERT_HEADINGS = ["Common options", "Layout", "Source", "Naming", "Output files", "HF output", "Optimizer state",
+CONVERT_HEADINGS = ["Common options", "Layout", "Source", "Naming", "Output files", "HF output", "Adapters", "Optimizer state",
                     "Safety", "Scale-out"]
 
 

@@ -105,6 +105,15 @@ KEPT_NULLS: dict[tuple[str, str, str], Expected] = {
         lambda doc: {"rotary_percent": 1.0},
     ("Glm4MoeForCausalLM", "*", "older spelling of rope_theta, null partial_rotary_factor"):
         lambda doc: {"rotary_percent": 1.0},
+    # ERNIE 4.5: nn.Linear(bias=None) builds no bias.
+    ("Ernie4_5ForCausalLM", "*", "null use_bias"): lambda doc: {"add_qkv_bias": False, "add_bias_linear": False},
+    # MiniMax-M2: a top-level null passes MiniMaxM2Config's kwargs.setdefault(rotary_dim / head_dim) and
+    # reaches no rope_parameters: the whole head rotates. A null rotary_dim is no partial rotary
+    # (kwargs.get(...) is None); attn_type_list is read by no transformers code (softmax attention everywhere).
+    ("MiniMaxM2ForCausalLM", "*", "older spelling of rope_theta, null partial_rotary_factor"):
+        lambda doc: {"rotary_percent": 1.0},
+    ("MiniMaxM2ForCausalLM", "*", "null rotary_dim"): _same,
+    ("MiniMaxM2ForCausalLM", "*", "null attn_type_list"): _same,
     # DeepSeek: q_lora_rank None builds q_proj without the low-rank path.
     ("DeepseekV3ForCausalLM", "*", "null q_lora_rank"): lambda doc: {"q_lora_rank": None},
     ("DeepseekV2ForCausalLM", "*", "null q_lora_rank"): lambda doc: {"q_lora_rank": None},

@@ -183,7 +183,8 @@ def test_json_keeps_every_key_and_value_and_adds_the_family_defaults(llama: Path
     config_json = json.loads((llama / "config.json").read_text())
     _, config, _ = model_config_from_hf(config_json, llama / "config.json")
 
-    assert list(doc) == [*JSON_KEYS[:-1], "family_defaults", "ok"]
+    assert list(doc) == [*JSON_KEYS[:-1], "family_defaults", "adapter", "ok"]
+    assert doc["adapter"] is None  # a checkpoint, not an adapter directory
     # The full flat model config, as before: every setting, not only those that differ.
     assert doc["model_config"] == json.loads(json.dumps(config.to_dict()))
     assert list(doc["model_config"]) == list(ModelConfig.setting_names())

@@ -9,6 +9,9 @@ block spec for MoE), loaded with ``strict=True``, and its logits are compared wi
 Each case also has its family's own setting knocked out of the written args (the window, the NoPE
 layers, the router's renormalization, ...): megatron-core then computes other logits, so the check
 sees that setting and the match is not an accident of a setting that does nothing at this size.
+
+MiniMax-M2's q/k norms over the whole projection have no megatron-core module; its layers get a
+stand-in norm (tests/support/mcore_helpers.py), everything else is megatron-core's own.
 """
 
 from __future__ import annotations
@@ -52,6 +55,14 @@ def _glm4_moe(**overrides: Any) -> Callable[[Path], Path]:
     return save
 
 
+def _minimax_m2(**overrides: Any) -> Callable[[Path], Path]:
+    def save(path: Path) -> Path:
+        from support.minimax_m2_helpers import save_minimax_m2
+
+        return save_minimax_m2(path, seed=3, **overrides)
+    return save
+
+
 def _gpt_oss(**overrides: Any) -> Callable[[Path], Path]:
     def save(path: Path) -> Path:
         from support.glm4_moe_gpt_oss_helpers import save_gpt_oss
@@ -88,6 +99,14 @@ SOURCES: dict[str, Callable[[Path], Path]] = {
     "seed_oss-every-bias": _tiny_model("seed_oss", attention_out_bias=True, mlp_bias=True),
     # arcee-ai/AFM-4.5B's shape: non-gated squared-ReLU MLP, 5:1 GQA, its YaRN RoPE (factor 20 over 4096)
     "arcee": _tiny_model("arcee"),
+    # ERNIE-4.5-0.3B's shape: interleaved rotary over the whole head, 8:1 GQA, head_dim apart, tied
+    "ernie4_5": _tiny_model("ernie4_5"),
+    # the same with use_bias (every linear layer biased)
+    "ernie4_5-bias": _tiny_model("ernie4_5", use_bias=True),
+    # MiniMax-M2's shape: q/k norms over the whole projection (a stand-in module: megatron-core's are
+    # per head, tests/support/mcore_helpers.py), partial rotary 0.5, every layer MoE with a sigmoid
+    # router and expert bias, no shared expert
+    "minimax_m2": _minimax_m2(),
 }
 
 # case -> (source, one of the family's own settings knocked out of the written args)
@@ -106,6 +125,8 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "seed_oss-rope-base": ("seed_oss", {"rotary_base": 10000.0}),
     "arcee-squared-relu": ("arcee", {"squared_relu": False}),
     "arcee-yarn": ("arcee", {"position_embedding_type": "rope"}),
+    "ernie4_5-interleaved": ("ernie4_5", {"rotary_interleaved": False}),
+    "minimax_m2-partial-rotary": ("minimax_m2", {"rotary_percent": 1.0}),
 }
 
 
@@ -171,7 +192,7 @@ def test_megatron_core_forward_sees_the_familys_own_setting(converted: Callable[
     assert not torch.allclose(actual, hf_logits(src, ids), **TOL)
 
 
-@pytest.mark.parametrize("case", ["qwen2_moe", "glm4_moe"])
+@pytest.mark.parametrize("case", ["qwen2_moe", "glm4_moe", "minimax_m2"])
 def test_megatron_core_forward_stage_by_stage_at_pp2_equals_transformers(tmp_path: Path, case: str) -> None:
     """megatron-core's MoE decoder block spec, sliced per stage by the args' pipeline layout."""
     import support.mcore_helpers as mcore

@@ -12,11 +12,13 @@ from __future__ import annotations
 from pgconvert.families import (
     arcee,
     deepseek,
+    ernie,
     gemma,
     glm,
     gpt_oss,
     granite,
     llama,
+    minimax,
     mistral,
     mixtral,
     nemotron_h,
@@ -41,7 +43,10 @@ from pgconvert.semantics.carried import CarriedSetting
 # only the dense models with both add_qkv_bias and add_bias_linear, which no family before it fits.
 # Arcee takes the non-gated squared-ReLU models with attention in every layer (the others fix a gated MLP
 # or another activation).
+# ERNIE 4.5 after them: a Llama-like model with interleaved rotary stays Llama's (written rotate-half).
 # Nemotron-H takes the hybrid models (a layer pattern), which every other family refuses.
+# MiniMax-M2 last: it takes only MoE models with a sigmoid router, an expert bias and q/k norms over the
+# whole projection, which no family before it fits (OLMoE's router is a softmax, GLM-4.5-MoE's norms per head).
 ORDERED: tuple[Family, ...] = (
     deepseek.DEEPSEEK_V3,
     deepseek.DEEPSEEK_V2,
@@ -67,7 +72,9 @@ ORDERED: tuple[Family, ...] = (
     phi3.PHI3,
     seed_oss.SEED_OSS,
     arcee.ARCEE,
+    ernie.ERNIE4_5,
     nemotron_h.NEMOTRON_H,
+    minimax.MINIMAX_M2,
 )
 
 FAMILIES: dict[str, Family] = {family.architecture: family for family in ORDERED}

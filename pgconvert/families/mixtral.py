@@ -52,4 +52,5 @@ MIXTRAL = Family(
     hf_fixed=HF_SILU,
     hf_scratch=ROPE_DEFAULT,
     hf_notes={"sliding window": "sliding_window"},
+    hf_loaded_modules=(("block_sparse_moe", "mlp"),),
 )

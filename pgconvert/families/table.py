@@ -528,6 +528,10 @@ class Family:
     # How this family's config.json holds a setting of pgconvert.semantics.SEMANTICS (row name ->
     # text), where it differs from the row's own ``hf`` text: documentation, per family.
     hf_notes: Mapping[str, str] = field(default_factory=dict)
+    # Module renames transformers makes when it loads this family's stored tensors (stored name part -> in
+    # memory), so names given in memory's terms (a PEFT adapter's modules) find their tensors: Mixtral's
+    # ``block_sparse_moe`` is ``mlp`` in memory.
+    hf_loaded_modules: tuple[tuple[str, str], ...] = ()
     # The Megatron-only settings of a model read from HF, where they differ from every family's
     # (pgconvert.formats.hf.LOADED_DEFAULTS: the local layer spec): the layer spec megatron-core ships for it.
     megatron_defaults: Mapping[str, object] = field(default_factory=dict)

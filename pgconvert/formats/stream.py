@@ -22,6 +22,7 @@ from pgconvert.errors import CheckpointError, ValidationError
 from pgconvert.model.rules import ShardRule
 
 if TYPE_CHECKING:
+    from pgconvert.adapters.merge import AdapterMerge
     from pgconvert.formats.hf import HFOrigin
     from pgconvert.formats.hf_side import SideFiles
     from pgconvert.model.layout import ParallelLayout
@@ -168,6 +169,8 @@ class CanonicalSource:
         # The HF side files (tokenizer, config.json, …) the source carries; set by its loader.
         self.side_files: SideFiles | None = None
         self.notices: list[str] = []
+        # An adapter merged into the tensors as they are read (pgconvert.adapters.merge; set by the conversion).
+        self.adapter: AdapterMerge | None = None
         self.check_finite = "warn"
         self._nonfinite_seen: set[str] = set()
         self._notices_lock = threading.Lock()
@@ -179,8 +182,12 @@ class CanonicalSource:
         raise NotImplementedError
 
     def load(self, name: str) -> torch.Tensor:
-        """The full canonical tensor (it may alias the source's memory: do not modify it)."""
-        return self._checked(name, self._load(name))
+        """The full canonical tensor (it may alias the source's memory: do not modify it), with the merged
+        adapter's delta added where one changes it."""
+        tensor = self._load(name)
+        if self.adapter is not None and name in self.adapter:
+            tensor = self.adapter.merged(name, tensor)
+        return self._checked(name, tensor)
 
     def load_shard(self, name: str, rule: ShardRule, size: int, rank: int,
                    rows: int | None = None) -> torch.Tensor:
@@ -188,7 +195,10 @@ class CanonicalSource:
 
         ``rows`` fits a vocab table to a padded row count first.
         """
-        return self._checked(name, self._load_shard(name, rule, size, rank, rows))
+        piece = self._load_shard(name, rule, size, rank, rows)
+        if self.adapter is not None and name in self.adapter:
+            piece = self.adapter.merged_piece(name, piece, rule, size, rank)
+        return self._checked(name, piece)
 
     def _load(self, name: str) -> torch.Tensor:
         raise NotImplementedError

@@ -139,6 +139,9 @@ def _carries(conversion: Plan) -> bool:
 def _not_carried(conversion: Plan) -> str | None:
     """Why the optimizer state of this conversion is not carried, decided before it is opened (None: it is)."""
     request = conversion.request
+    if request.merge_adapter is not None:
+        return (f"--merge-adapter {request.merge_adapter}: the optimizer state (fp32 master weights, moments) is the "
+                "base model's, not the merged one's; pass --skip-optimizer")
     if request.dtype != "keep":
         return (f"--dtype {request.dtype}: optimizer state is not carried across a dtype change (the optimizer "
                 "form changes); pass --skip-optimizer")

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pgconvert.adapters.merge import attach_adapter
 from pgconvert.io.durable import fsync_dir
 from pgconvert.run.destination import (
     LOCK_SUFFIX,
@@ -106,6 +107,8 @@ class ConvertRequest:
     # Where a torch_dist DST keeps its common state: "store" (megatron-core >= 0.19, with integrity.json) or
     # "legacy" (common.pt, which megatron-core <= 0.18 reads).
     dst_torch_dist_common: str = "store"
+    # A Hugging Face PEFT LoRA adapter directory merged into the model as it is converted (pgconvert.adapters).
+    merge_adapter: Path | None = None
 
 
 @dataclass
@@ -264,19 +267,11 @@ def plan(request: ConvertRequest, check_dst: bool = True) -> Plan:
     if request.keep_fp8:
         check_keep_fp8(loader, saver)
     _check_choices(request)
-    source = loader.open(src, LoadOptions(
-        iteration=request.iteration,
-        src_tp=request.src_tp,
-        src_pp=request.src_pp,
-        src_ep=request.src_ep,
-        true_vocab_size=request.true_vocab_size,
-        strict=request.strict,
-        keep_quantized=request.keep_fp8,
-        dequantize_dtype=DTYPE_CHOICES[request.dtype],  # one rounding, to the dtype asked for
-        verify_integrity=check_dst,  # a worker's source was checked by the process that planned the run
-    ))
+    source = loader.open(src, _load_options(request, check_dst))
     try:
         source.check_finite = request.check_finite
+        if request.merge_adapter is not None:
+            attach_adapter(source, Path(request.merge_adapter), request.keep_fp8)
         # A format without parallel layouts (hf) starts from an unsharded layout, not the source's.
         layout_base = source.layout if saver.parallel else None
         save_options = SaveOptions(
@@ -307,6 +302,20 @@ def plan(request: ConvertRequest, check_dst: bool = True) -> Plan:
         source.close()
         raise
     return conversion
+
+
+def _load_options(request: ConvertRequest, check_dst: bool) -> LoadOptions:
+    return LoadOptions(
+        iteration=request.iteration,
+        src_tp=request.src_tp,
+        src_pp=request.src_pp,
+        src_ep=request.src_ep,
+        true_vocab_size=request.true_vocab_size,
+        strict=request.strict,
+        keep_quantized=request.keep_fp8,
+        dequantize_dtype=DTYPE_CHOICES[request.dtype],  # one rounding, to the dtype asked for
+        verify_integrity=check_dst,  # a worker's source was checked by the process that planned the run
+    )
 
 
 def _largest_tensor(source: CanonicalSource, options: SaveOptions) -> int:

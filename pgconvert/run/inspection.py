@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from pgconvert.adapters.peft import ADAPTER_FORMAT, describe_adapter, is_adapter_directory, read_peft_adapter
 from pgconvert.errors import ConfigError, PgconvertError, ValidationError
 from pgconvert.families.table import REQUIRED, ConfigField, Family
 from pgconvert.formats import Iteration, LoadOptions
@@ -99,6 +100,8 @@ class CheckpointInfo:
     problems: list[Problem] = field(default_factory=list)
     # The settings that differ from the family's defaults (None when the checkpoint did not open).
     family_defaults: FamilyDefaults | None = None
+    # A PEFT adapter directory's description (pgconvert.adapters.peft.describe_adapter); None for a checkpoint.
+    adapter: dict[str, Any] | None = None
 
     @property
     def ok(self) -> bool:
@@ -119,6 +122,8 @@ def inspect(path: str | Path, iteration: int | None = None, skip_finite_check: b
     """
     path = Path(path)
     info = CheckpointInfo(path=str(path.absolute()))
+    if is_adapter_directory(path):
+        return _inspect_adapter(path, info)
     try:
         info.format = detect_format(path)
         loader = get_loader(info.format)
@@ -136,6 +141,16 @@ def inspect(path: str | Path, iteration: int | None = None, skip_finite_check: b
     finally:
         source.close()
     _check_manifest(path, info)
+    return info
+
+
+def _inspect_adapter(path: Path, info: CheckpointInfo) -> CheckpointInfo:
+    """A PEFT LoRA adapter directory: what it adapts, checked as --merge-adapter reads it."""
+    info.format = ADAPTER_FORMAT
+    try:
+        info.adapter = describe_adapter(read_peft_adapter(path))
+    except PgconvertError as error:
+        info.problems.append(Problem("error", "unreadable", str(error)))
     return info
 
 

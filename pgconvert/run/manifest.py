@@ -35,7 +35,8 @@ OUTPUT_OPTIONS = ("dtype", "dst_transformer_impl", "dst_expert_layout", "true_vo
                   "hf_config", "generation_config", "tokenizer",
                   "keep_fp8",  # quantized tensors kept as stored, or dequantized
                   "dst_mtp_layer_name",  # how per-rank files spell the MTP layer's inner layer
-                  "dst_torch_dist_common")  # where a torch_dist DST keeps its common state
+                  "dst_torch_dist_common",  # where a torch_dist DST keeps its common state
+                  "merge_adapter")  # the LoRA adapter merged into the model
 # What an output whose manifest predates an option's recording was written with (pgconvert wrote only that).
 UNRECORDED_OPTIONS = {"dst_torch_dist_common": "legacy"}
 MANIFEST_VERSION = 1

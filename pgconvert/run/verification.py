@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from pgconvert.adapters.merge import attach_adapter
 from pgconvert.errors import PgconvertError, ValidationError
 from pgconvert.formats import LoadOptions
 from pgconvert.run.comparison import TensorDifference, compare_values
@@ -78,19 +79,23 @@ def _layout_text(source: CanonicalSource) -> str | None:
 def verify(a: str | Path, b: str | Path, rtol: float = 0.0, atol: float = 0.0, *,
            iteration_a: int | None = None, iteration_b: int | None = None,
            true_vocab_size: int | None = None,
-           progress: Callable[[str], None] | None = None, skip_optimizer: bool = False) -> VerifyReport:
+           progress: Callable[[str], None] | None = None, skip_optimizer: bool = False,
+           merge_adapter: str | Path | None = None) -> VerifyReport:
     """Compare checkpoints ``a`` and ``b`` (any formats and layouts) tensor by tensor.
 
     With ``rtol = atol = 0`` values must be bit-identical. Shapes and dtypes are compared too.
     A ``pgconvert.json`` manifest in either checkpoint has every listed file's size and sha256
     checked. Raises ``PgconvertError`` only when a checkpoint cannot be opened. The optimizer state is
-    compared too when both hold one (``verify_optimizer``), unless ``skip_optimizer``.
+    compared too when both hold one (``verify_optimizer``), unless ``skip_optimizer``. ``merge_adapter``: a PEFT
+    LoRA adapter directory merged into ``a`` as it is read (what ``convert --merge-adapter`` writes).
     """
     if rtol < 0 or atol < 0 or math.isnan(rtol) or math.isnan(atol):
         raise ValidationError(f"rtol={rtol}, atol={atol}: tolerances must be >= 0")
     a, b = Path(a), Path(b)
     source_a = _open(a, iteration_a, true_vocab_size)
     try:
+        if merge_adapter is not None:
+            attach_adapter(source_a, Path(merge_adapter), keep_quantized=False)
         source_b = _open(b, iteration_b, true_vocab_size)
     except BaseException:
         source_a.close()

@@ -3,8 +3,9 @@
 Nothing here imports pgconvert. The reference forward reads the Megatron rank files (joined over EP
 by ``hf_helpers.read_megatron_tp_ranks``, never through pgconvert's merge) and computes what
 megatron-core computes for these settings, written from the architecture: partial rotate-half RoPE
-on the first ``rotary_percent`` of each head, per-head q/k RMSNorm before it, a sigmoid router whose
-expert bias only steers the top-k choice, renormalized and scaled weights, and a shared expert.
+on the first ``rotary_percent`` of each head, q/k RMSNorm before it (per head, or over the whole
+projection as MiniMax-M2's: tests/support/minimax_m2_helpers.py), a sigmoid router whose expert bias
+only steers the top-k choice, renormalized and scaled weights, and a shared expert where there is one.
 """
 
 from __future__ import annotations
@@ -51,11 +52,17 @@ def build_glm4_moe(seed: int = 0, **overrides: Any) -> PreTrainedModel:
             return 1.0 + 0.1 * noise
         return noise if name.endswith(".gate.weight") else 0.05 * noise
     model, generator = seeded_model(Glm4MoeForCausalLM, Glm4MoeConfig(**{**GLM4_MOE_KWARGS, **overrides}), seed, value)
+    seed_correction_biases(model, generator)
+    return model
+
+
+def seed_correction_biases(model: PreTrainedModel, generator: torch.Generator) -> None:
+    """Every ``e_score_correction_bias`` buffer (in name order) 0.5 × standard-normal noise: large
+    enough to change which experts a sigmoid router chooses."""
     with torch.no_grad():
         for name, buffer in sorted(model.named_buffers()):
             if name.endswith("e_score_correction_bias"):
                 buffer.copy_(0.5 * torch.randn(buffer.shape, generator=generator))
-    return model
 
 
 def save_glm4_moe(path: Path, seed: int = 0, **overrides: Any) -> Path:
@@ -89,11 +96,7 @@ def _attention(models: list[dict[str, torch.Tensor]], prefix: str, h: torch.Tens
     if window is not None:
         causal &= ~torch.ones(seq, seq, dtype=torch.bool).tril(-window)
     out = torch.zeros_like(h)
-    for model in models:
-        q, k, v = rank_qkv(model, prefix, h, per_group, head_dim)
-        if c.get("use_qk_norm"):
-            q = _rms_norm(q, _replicated(models, prefix + "self_attention.q_layernorm.weight"), c["rms_norm_eps"])
-            k = _rms_norm(k, _replicated(models, prefix + "self_attention.k_layernorm.weight"), c["rms_norm_eps"])
+    for model, (q, k, v) in zip(models, _normed_qkv(models, prefix, h, c), strict=True):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         q, k = _apply_rope(q, cos, sin, rotary), _apply_rope(k, cos, sin, rotary)
         k, v = k.repeat_interleave(per_group, dim=1), v.repeat_interleave(per_group, dim=1)
@@ -107,6 +110,31 @@ def _attention(models: list[dict[str, torch.Tensor]], prefix: str, h: torch.Tens
         out += (scores @ v).transpose(1, 2).reshape(batch, seq, -1) @ model[
             prefix + "self_attention.linear_proj.weight"].T
     return out
+
+
+def _normed_qkv(models: list[dict[str, torch.Tensor]], prefix: str, h: torch.Tensor,
+                c: dict[str, Any]) -> list[list[torch.Tensor]]:
+    """Each rank's q ``[batch, seq, its heads, head_dim]``, k and v ``[batch, seq, its groups, head_dim]``;
+    q and k RMS-normed per head (``use_qk_norm``), or over the whole projection
+    (``qk_norm_across_heads``: the ranks' sums of squares add up, an all-reduce; the replicated
+    weight's rows of each rank's heads)."""
+    per_group = c["num_attention_heads"] // c["num_key_value_heads"]
+    pieces = [list(rank_qkv(model, prefix, h, per_group, c["head_dim"])) for model in models]
+    for index, name in enumerate(("q_layernorm", "k_layernorm") if c.get("use_qk_norm") else ()):
+        weight = _replicated(models, prefix + f"self_attention.{name}.weight")
+        if not c.get("qk_norm_across_heads"):
+            for piece in pieces:
+                piece[index] = _rms_norm(piece[index], weight, c["rms_norm_eps"])
+            continue
+        width = sum(piece[index][0, 0].numel() for piece in pieces)
+        mean_square = sum(piece[index].pow(2).sum((-2, -1), keepdim=True) for piece in pieces) / width
+        start = 0
+        for piece in pieces:
+            rows = piece[index].shape[-2:]
+            scale = weight[start:start + rows.numel()].view(rows)
+            piece[index] = piece[index] * torch.rsqrt(mean_square + c["rms_norm_eps"]) * scale
+            start += rows.numel()
+    return pieces
 
 
 def _clamped_glu(models: list[dict[str, torch.Tensor]], key: str, h: torch.Tensor, limit: float,
@@ -129,8 +157,10 @@ def _sigmoid_moe(models: list[dict[str, torch.Tensor]], prefix: str, h: torch.Te
     chosen = (scores + bias).topk(c["num_experts_per_tok"], dim=-1).indices
     weights = scores.gather(-1, chosen)
     weights = weights / weights.sum(dim=-1, keepdim=True) * c["routed_scaling_factor"]
-    return tp_swiglu(models, prefix + "mlp.shared_experts.", h) + routed_experts(models, prefix, h, weights, chosen,
-                                                                                   experts)
+    routed = routed_experts(models, prefix, h, weights, chosen, experts)
+    if prefix + "mlp.shared_experts.linear_fc1.weight" not in models[0]:
+        return routed
+    return tp_swiglu(models, prefix + "mlp.shared_experts.", h) + routed
 
 
 def glm4_moe_tp_logits(models: list[dict[str, torch.Tensor]], c: dict[str, Any], ids: torch.Tensor) -> torch.Tensor:

@@ -42,6 +42,7 @@ NEEDED: dict[str, dict[str, Any]] = {
     "olmoe": dict(num_experts=16),
     "glm4_moe": dict(n_routed_experts=16),
     "gpt_oss": dict(num_local_experts=16),
+    "minimax_m2": dict(num_local_experts=16),
     # NemotronHConfig's default layers include a MoE layer; the dense variant's kinds, four layers.
     "nemotron_h": dict(layers_block_type=["linear_attention", "mlp", "full_attention", "mlp"]),
 }
@@ -58,6 +59,9 @@ FEATURES: dict[str, tuple[dict[str, Any], ...]] = {
     "phi3": (dict(sliding_window=64),),
     "deepseek_v2": (dict(topk_method="group_limited_greedy", n_group=8, topk_group=6),),
     "glm4_moe": (dict(n_group=4, topk_group=2, num_experts_per_tok=4),),
+    "ernie4_5": (dict(use_bias=True),),
+    # The release spells the partial rotary as rotary_dim (MiniMaxM2Config reads it as rotary_dim / head_dim).
+    "minimax_m2": (dict(rotary_dim=8),),
 }
 # Keys to_dict() holds that are no setting (transformers' version, which resolve drops).
 NOT_SETTINGS = ("transformers_version",)

@@ -1,5 +1,5 @@
-"""Test helpers: tiny Qwen2-MoE / Granite / SmolLM3 / Ministral / Phi-3 / Seed-OSS / Arcee models, and an
-independent tensor-parallel forward pass over Megatron rank files driven by the files' own ``args``.
+"""Test helpers: tiny Qwen2-MoE / Granite / SmolLM3 / Ministral / Phi-3 / Seed-OSS / ERNIE 4.5 / Arcee models,
+and an independent tensor-parallel forward pass over Megatron rank files driven by the files' own ``args``.
 
 Nothing here imports pgconvert. The reference forward reads each rank's ``model`` dict with
 ``torch.load`` (hf_helpers.read_megatron_tp_ranks) and the model's settings from the rank file's
@@ -73,6 +73,12 @@ def family_configs() -> dict[str, tuple[Any, Any, dict[str, Any]]]:
             rope_parameters={"rope_type": "default", "rope_theta": 1e7}, attention_bias=True,
             attention_out_bias=False, mlp_bias=False, attention_dropout=0.1, residual_dropout=0.1,
             tie_word_embeddings=False)),
+        # ERNIE-4.5-0.3B's ratios: 8 query heads per KV head, head_dim 8 apart from hidden / heads (64 / 16),
+        # FFN 3 x hidden, RoPE base 500000 (interleaved pairs), eps 1e-5, 131072 positions, tied, no biases.
+        "ernie4_5": (t.Ernie4_5Config, t.Ernie4_5ForCausalLM, dict(
+            _COMMON, num_attention_heads=16, num_key_value_heads=2, head_dim=8, intermediate_size=192,
+            max_position_embeddings=131072, rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+            use_bias=False, tie_word_embeddings=True)),
         # arcee-ai/AFM-4.5B's: up_proj -> relu2 -> down_proj (no gate), 5 query heads per KV head with
         # heads x head_dim = hidden, FFN 7.2 x hidden, no biases, untied, eps 1e-5, and its YaRN RoPE
         # (factor 20 over 4096 original positions, 65536 positions).

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import math
 import os
 import sys
@@ -311,6 +312,8 @@ def build_gpt_model(args: argparse.Namespace, layout: RankLayout) -> GPTModel:
         add_expert_groups(groups, args)
     else:
         spec = get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization)
+    if getattr(args, "qk_layernorm_across_heads", False):
+        spec = _with_whole_projection_qk_norms(spec, layout.tp)
     # cpu_forward_patches: the router's expert-bias buffers and the attention-sink offsets are
     # allocated on ``torch.cuda.current_device()`` at construction.
     with fake_group_queries(), restored_attention_backend_env(), cpu_forward_patches():
@@ -330,6 +333,47 @@ def build_gpt_model(args: argparse.Namespace, layout: RankLayout) -> GPTModel:
             pg_collection=groups,
         )
     return model.eval()
+
+
+# pgconvert's qk_layernorm_across_heads (OLMo 2, OLMoE, MiniMax-M2: q and k RMS-normed over the whole
+# projection, a weight of heads × head_dim) has no megatron-core module: SelfAttention builds its q/k
+# norms per head (transformer/attention.py:1281, hidden_size=hidden_size_per_attention_head). At TP1
+# the stand-in below is such a norm (Megatron-Bridge's custom layers also all-reduce the sum of
+# squares over TP); megatron-core applies it where it applies its own, to query [sq, b, np, hn] and
+# key [sq, b, ng, hn] before RoPE (attention.py:1477).
+
+
+class _WholeProjectionRMSNorm(torch.nn.Module):
+    def __init__(self, width: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.flatten(-2)
+        normed = flat * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * normed).view_as(x)
+
+
+class _WholeQueryNorm(_WholeProjectionRMSNorm):
+    def __init__(self, hidden_size: int, config: TransformerConfig, eps: float) -> None:
+        super().__init__(config.num_attention_heads * hidden_size, eps)
+
+
+class _WholeKeyNorm(_WholeProjectionRMSNorm):
+    def __init__(self, hidden_size: int, config: TransformerConfig, eps: float) -> None:
+        super().__init__((config.num_query_groups or config.num_attention_heads) * hidden_size, eps)
+
+
+def _with_whole_projection_qk_norms(spec: Any, tp: int) -> Any:
+    """A copy of the layer (or decoder block) ``spec`` with the stand-in q/k norms (TP1 only)."""
+    if tp != 1:
+        raise ValueError(f"tp={tp}: the whole-projection q/k norm stand-in computes TP1 only")
+    spec = copy.deepcopy(spec)
+    for layer in getattr(spec, "layer_specs", None) or [spec]:
+        attention = layer.submodules.self_attention.submodules
+        attention.q_layernorm, attention.k_layernorm = _WholeQueryNorm, _WholeKeyNorm
+    return spec
 
 
 def expert_pg_collection(tp: int, pp: int, ep: int, tp_rank: int, pp_rank: int,

@@ -1,0 +1,197 @@
+"""A PEFT adapter merged into a source's canonical tensors: ``W' = W + (B @ A) * scaling``.
+
+Each adapted HF weight is one part of a canonical tensor (a fused ``linear_qkv`` is q, k and v
+regrouped by query group; ``linear_fc1`` is gate and up): the canonical delta is the family's own
+transform applied to the parts' deltas (zeros for a part without an adapter), which is exact because
+those transforms only move rows. A piece of the tensor gets the same piece of the delta, cut by the
+piece's own rule, so a merge works at any destination layout without gathering more than one
+tensor's delta. The sum is computed in float32 and rounded once to the tensor's stored dtype.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pgconvert.adapters.peft import ExpertsPair, PeftAdapter, read_peft_adapter
+from pgconvert.errors import ValidationError
+from pgconvert.families import mtp
+from pgconvert.families.table import Family, TensorMapping
+from pgconvert.formats.hf import infer_family
+from pgconvert.formats.stream import CanonicalSource
+from pgconvert.model.provider import VOCAB_TABLES
+from pgconvert.model.rules import ShardRule
+
+log = logging.getLogger(__name__)
+# An expert's weight as HF stores it one by one: ``<experts module>.<expert>.<linear>.weight``.
+_EXPERT_WEIGHT = re.compile(r"(.+)\.(\d+)\.\w+\.weight")
+
+
+@dataclass(frozen=True)
+class _Target:
+    """A canonical tensor some adapter pairs change: its table row and the HF weights it is made of."""
+
+    row: TensorMapping
+    hf_names: tuple[str, ...]
+    part_shapes: tuple[tuple[int, ...], ...]
+    # For one expert of a fused experts parameter's pair: the pair, the expert, how many, the scaling.
+    expert: tuple[ExpertsPair, int, int, float] | None = None
+
+
+class AdapterMerge:
+    """The adapter's deltas by canonical tensor of one source, checked against its shapes."""
+
+    def __init__(self, adapter: PeftAdapter, source: CanonicalSource) -> None:
+        self.adapter = adapter
+        self._source = source
+        self.family = source.hf_origin.family if source.hf_origin is not None else infer_family(source.config)
+        self._targets = self._find_targets()
+        self._targets.update(self._find_expert_targets())
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._targets
+
+    @property
+    def targets(self) -> list[str]:
+        return list(self._targets)
+
+    def _find_targets(self) -> dict[str, _Target]:
+        config = self._source.config
+        wanted = set(self.adapter.pairs)
+        targets: dict[str, _Target] = {}
+        for name in self._source.names():
+            found = self._to_hf(name)
+            if found is None or not wanted.intersection(found[1]):
+                continue
+            row, hf_names = found
+            self._refuse_unmergeable(name, row, hf_names)
+            shapes = tuple(row.transform.part_shapes(self._source.meta(name).shape, config))
+            for hf, shape in zip(hf_names, shapes, strict=True):
+                if hf in wanted and self.adapter.pairs[hf].shape != tuple(shape):
+                    raise ValidationError(f"{self.adapter.where}: {hf}: the adapter's delta is "
+                                          f"{list(self.adapter.pairs[hf].shape)}, the model's weight {list(shape)}: an "
+                                          "adapter trained for another base model")
+            targets[name] = _Target(row, hf_names, shapes)
+        matched = {hf for target in targets.values() for hf in target.hf_names}
+        unmatched = sorted(wanted - matched)
+        if unmatched:
+            raise ValidationError(f"{self.adapter.where}: adapts {unmatched[:4]}{' …' if len(unmatched) > 4 else ''}, "
+                                  f"which the model ({self.family.architecture}, {config.num_layers} layers) "
+                                  "does not have as a linear weight")
+        return targets
+
+    def _find_expert_targets(self) -> dict[str, _Target]:
+        """Each expert's tensor that a fused experts parameter's pair changes, found by the pair's module (the
+        HF experts' common prefix) and the per-expert delta's shape."""
+        if not self.adapter.experts_pairs:
+            return {}
+        by_module = self._stored_experts()
+        targets: dict[str, _Target] = {}
+        for pair in self.adapter.experts_pairs:
+            experts = by_module.get(pair.module)
+            if not experts or pair.a_shape[0] % len(experts):
+                raise ValidationError(
+                    f"{self.adapter.where}: adapts the parameters of {pair.module} ({len(experts or ())} experts "
+                    f"for lora_A's {pair.a_shape[0]} rows), which the model ({self.family.architecture}) does not "
+                    "have as experts stored one by one")
+            for expert, tensors in experts.items():
+                name, target = self._expert_target(pair, expert, len(experts), tensors)
+                targets[name] = target
+        return targets
+
+    def _stored_experts(self) -> dict[str, dict[int, list[tuple[str, TensorMapping, tuple[str, ...]]]]]:
+        """The source's expert tensors by their HF module prefix (``model.layers.3.mlp.experts``) and expert."""
+        found: dict[str, dict[int, list[tuple[str, TensorMapping, tuple[str, ...]]]]] = {}
+        for name in self._source.names():
+            mapped = self._to_hf(name)
+            match = _EXPERT_WEIGHT.fullmatch(mapped[1][0]) if mapped is not None else None
+            if match is not None and all(hf.startswith(f"{match[1]}.{match[2]}.") for hf in mapped[1]):
+                found.setdefault(match[1], {}).setdefault(int(match[2]), []).append((name, *mapped))
+        return found
+
+    def _expert_target(self, pair: ExpertsPair, expert: int, count: int,
+                       tensors: list[tuple[str, TensorMapping, tuple[str, ...]]]) -> tuple[str, _Target]:
+        shape = (pair.b_shape[0], pair.a_shape[1])
+        fitting = [tensor for tensor in tensors if self._source.meta(tensor[0]).shape == shape]
+        if len(fitting) != 1:
+            raise ValidationError(f"{self.adapter.where}: {pair.module}: an expert's delta is {list(shape)}, which "
+                                  f"{'none' if not fitting else 'more than one'} of expert {expert}'s weights "
+                                  f"{[list(self._source.meta(t[0]).shape) for t in tensors]} has")
+        name, row, hf_names = fitting[0]
+        self._refuse_unmergeable(name, row, hf_names)
+        rank, parameter = pair.a_shape[0] // count, self._parameter(pair, name)
+        given = self.adapter.settings.rank(parameter)
+        if given != rank:
+            raise ValidationError(f"{self.adapter.where}: {parameter}: lora_A's {pair.a_shape[0]} rows over {count} "
+                                  f"experts are rank {rank}, adapter_config.json gives r={given}")
+        shapes = tuple(row.transform.part_shapes(shape, self._source.config))
+        return name, _Target(row, hf_names, shapes, (pair, expert, count,
+                                                     self.adapter.settings.scaling(parameter, rank)))
+
+    def _parameter(self, pair: ExpertsPair, name: str) -> str:
+        """The fused parameter a pair adapts, ``<module>.<target_parameters name>``: ``down`` for linear_fc2."""
+        down = name.endswith("linear_fc2.weight")
+        names = [short for short in self.adapter.settings.parameters if ("down" in short) == down]
+        if len(names) != 1:
+            raise ValidationError(f"{self.adapter.where}: {pair.module}: target_parameters "
+                                  f"{list(self.adapter.settings.parameters)} do not say which one adapts {name}")
+        return f"{pair.module}.{names[0]}"
+
+    def _to_hf(self, name: str) -> tuple[TensorMapping, tuple[str, ...]] | None:
+        """The table row of canonical ``name`` and its HF weights as transformers names them in memory (the
+        adapter's names)."""
+        found = self.family.tensors.to_hf(mtp.table_name(name, self._source.config))
+        if found is None or not self.family.hf_loaded_modules:
+            return found
+        row, names = found
+        for stored, loaded in self.family.hf_loaded_modules:
+            names = tuple(hf.replace(f".{stored}.", f".{loaded}.") for hf in names)
+        return row, names
+
+    def _refuse_unmergeable(self, name: str, row: TensorMapping, hf_names: tuple[str, ...]) -> None:
+        config = self._source.config
+        why = None
+        if name in VOCAB_TABLES:
+            why = "the vocab tables are not merged (their padding rows depend on the layout)"
+        elif row.stacked:
+            why = "experts stored stacked are not merged"
+        elif len(self._source.meta(name).shape) != 2:
+            why = "only matrices are merged"
+        elif config.positions.rotary_interleaved and not self.family.hf_rotary_interleaved:
+            why = "the source's rotary rows are interleaved, the adapter's in rotate-half order"
+        if why is not None:
+            raise ValidationError(f"{self.adapter.where}: adapts {', '.join(hf_names)} (pgconvert's {name}): {why}")
+
+    def delta(self, name: str) -> torch.Tensor:
+        """The canonical tensor's whole delta, float32."""
+        target = self._targets[name]
+        if target.expert is not None:  # transformers' fused parameter holds the HF parts' rows back to back
+            whole = self.adapter.expert_delta(*target.expert)
+            parts = list(whole.split([shape[0] for shape in target.part_shapes], dim=0))
+            return target.row.transform.fuse(parts, self._source.config)
+        parts = [self.adapter.delta(hf) if hf in self.adapter.pairs else torch.zeros(shape, dtype=torch.float32)
+                 for hf, shape in zip(target.hf_names, target.part_shapes, strict=True)]
+        return target.row.transform.fuse(parts, self._source.config)
+
+    def merged(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """The whole canonical tensor plus its delta, rounded once to its dtype."""
+        return (tensor.to(torch.float32) + self.delta(name)).to(tensor.dtype)
+
+    def merged_piece(self, name: str, piece: torch.Tensor, rule: ShardRule, size: int, rank: int) -> torch.Tensor:
+        """Piece ``rank`` of ``size`` under ``rule`` plus the same piece of the delta."""
+        delta = rule.reshard_rows([self.delta(name)], None, None, size, rank)
+        return (piece.to(torch.float32) + delta).to(piece.dtype)
+
+
+def attach_adapter(source: CanonicalSource, directory: Path, keep_quantized: bool) -> None:
+    """Read the PEFT adapter in ``directory`` and merge it into ``source``'s tensors as they are read."""
+    if keep_quantized:
+        raise ValidationError(f"--merge-adapter {directory} with --keep-fp8: a merged weight is not the stored "
+                              "quantized one; drop --keep-fp8 to merge into the dequantized weights")
+    merge = AdapterMerge(read_peft_adapter(directory), source)
+    source.adapter = merge
+    log.info("merging the LoRA adapter in %s into %d tensors of %s", directory, len(merge.targets), source.describe())

@@ -1,0 +1,40 @@
+"""Test helpers: LoRA adapters made by PEFT itself, and PEFT's own merge of them as the reference."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def make_adapter(base_dir: Path, out: Path, seed: int = 0, **lora: Any) -> Path:
+    """A PEFT LoRA adapter for the model in ``base_dir``, saved by ``PeftModel.save_pretrained``.
+
+    PEFT starts B at zero (the adapter changes nothing); here A and B are both drawn at random, as a
+    trained adapter's are, so every merged weight differs from the base.
+    """
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(**lora))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if ".lora_A." in name or ".lora_B." in name:
+                param.copy_(0.1 * torch.randn(param.shape, generator=generator))
+    model.save_pretrained(out)
+    return out
+
+
+def peft_merged(base_dir: Path, adapter_dir: Path, out: Path, dtype: torch.dtype = torch.float32) -> Path:
+    """PEFT's ``merge_and_unload`` of the adapter into the base, computed in float32 and saved in ``dtype``
+    (rounded once) with ``save_pretrained``."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
+    merged.to(dtype).save_pretrained(out)
+    return out

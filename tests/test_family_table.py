@@ -97,10 +97,10 @@ def test_the_family_list_gives_the_registry_and_the_inference_order() -> None:
     assert families.INFERENCE_ORDER == (
         "DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM",
         "MistralForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM", "Gemma3ForCausalLM", "Gemma2ForCausalLM",
-        "Olmo2ForCausalLM", "OlmoeForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM", "GptOssForCausalLM",
-        "Qwen2MoeForCausalLM", "GraniteForCausalLM", "MinistralForCausalLM", "SmolLM3ForCausalLM", "Phi3ForCausalLM",
-        "SeedOssForCausalLM", "Ernie4_5ForCausalLM", "NemotronHForCausalLM", "MiniMaxM2ForCausalLM",
-        "Dots1ForCausalLM", "Starcoder2ForCausalLM")
+        "GemmaForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "OlmoeForCausalLM", "Glm4ForCausalLM",
+        "Glm4MoeForCausalLM", "GptOssForCausalLM", "Qwen2MoeForCausalLM", "GraniteForCausalLM", "MinistralForCausalLM",
+        "SmolLM3ForCausalLM", "Phi3ForCausalLM", "SeedOssForCausalLM", "ArceeForCausalLM", "Ernie4_5ForCausalLM",
+        "NemotronHForCausalLM", "MiniMaxM2ForCausalLM", "Dots1ForCausalLM", "Starcoder2ForCausalLM")
     assert list(families.FAMILIES.values()) == list(families.ORDERED)
     assert families.supported_architectures() == sorted(families.INFERENCE_ORDER)
     assert families.CARRIED_ARGS == ("embedding_multiplier", "residual_multiplier", "logits_scaling",

@@ -71,6 +71,9 @@ KEPT_NULLS: dict[tuple[str, str, str], Expected] = {
     ("*", "*", "null rope_parameters.rope_theta"): REFUSED,
     ("*", "*", "older spelling of rope_theta, null rope_theta"): REFUSED,
     ("Gemma3ForCausalLM", "*", "older spelling of rope_theta, null rope_local_base_freq"): REFUSED,
+    # OLMo 3's class has no rope_local_base_freq (Gemma 3's older key for the sliding layers' base): kept as an
+    # unknown attribute and never read; its sliding layers take default_theta.
+    ("Olmo3ForCausalLM", "*", "older spelling of rope_theta, null rope_local_base_freq"): _same,
     # eager_attention_forward: dropout only while training (p=None raises there, not at inference).
     ("*", "*", "null attention_dropout"): _same,
     # Attention modules of classes without head_dim: getattr(config, "head_dim", hidden // heads) is None.

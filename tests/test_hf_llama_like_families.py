@@ -1,5 +1,5 @@
-"""Qwen2-MoE, Granite, SmolLM3, Ministral, Phi-3 and Seed-OSS: HF -> Megatron -> torch_dist -> HF is bit-exact, the
-Megatron rank files compute the HF model's logits, and config, generation config and tokenizer files survive.
+"""Qwen2-MoE, Granite, SmolLM3, Ministral, Phi-3, Seed-OSS and Arcee: HF -> Megatron -> torch_dist -> HF is bit-exact,
+the Megatron rank files compute the HF model's logits, and config, generation config and tokenizer files survive.
 
 The fixtures (tests/support/llama_like_helpers.py) switch each family's own options on; the semantic check reads
 the TP-sharded rank files and their args with torch.load, never through pgconvert's merge.
@@ -15,13 +15,16 @@ from typing import Any
 
 import pytest
 import torch
-from support.hf_helpers import assert_same_hf_tensors, edit_json, hf_logits, read_megatron_tp_ranks
+from support.hf_helpers import assert_same_hf_tensors, edit_json, hf_logits, load_hf_tensors, read_megatron_tp_ranks
 from support.llama_like_helpers import MODEL_VOCAB, MOE_FAMILIES, build_model, input_ids, megatron_args, reference_logits, save_model
 
 import pgconvert
 from pgconvert.errors import CheckpointError, StrictModeError
 
-FAMILIES = ("qwen2_moe", "granite", "smollm3", "ministral", "phi3", "seed_oss")
+FAMILIES = ("qwen2_moe", "granite", "smollm3", "ministral", "phi3", "seed_oss", "arcee")
+# The reference forward below computes neither YaRN nor squared ReLU: Arcee's Megatron files are computed by
+# megatron-core's own forward (tests/test_megatron_core_families.py).
+REFERENCE_FAMILIES = tuple(family for family in FAMILIES if family != "arcee")
 SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
@@ -58,7 +61,7 @@ def _megatron_logits(src: Path, dst: Path, family: str) -> torch.Tensor:
     return reference_logits(read_megatron_tp_ranks(dst), megatron_args(dst), input_ids())
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", REFERENCE_FAMILIES)
 def test_megatron_tp_shards_and_args_compute_the_hf_models_logits(sources: dict[str, Path], tmp_path: Path,
                                                                   family: str) -> None:
     src = sources[family]
@@ -464,3 +467,54 @@ def test_hidden_dropout_is_named_only_for_an_architecture_without_a_key_for_it()
     assert hf_training_notes("LlamaForCausalLM", config) == [
         "not carried (training only): hidden_dropout=0.1: LlamaForCausalLM has no hidden dropout; set it in your "
         "fine-tuning run"]
+
+
+# --- Arcee ---------------------------------------------------------------------------------------
+
+def test_arcee_megatron_args_hold_squared_relu_without_a_gate_and_its_yarn(sources: dict[str, Path],
+                                                                           tmp_path: Path) -> None:
+    report = pgconvert.convert(sources["arcee"], tmp_path / "megatron", dst_format="megatron", dst_tp=2, strict=True)
+
+    args = megatron_args(tmp_path / "megatron")
+    ranks = read_megatron_tp_ranks(tmp_path / "megatron")
+
+    assert (args.squared_relu, args.swiglu, args.add_bias_linear, args.untie_embeddings_and_output_weights) == (
+        True, False, False, True)
+    assert (args.position_embedding_type, args.rotary_scaling_factor, args.yarn_original_max_position_embeddings,
+            args.yarn_beta_fast, args.yarn_beta_slow, args.rotary_base) == ("yarn", 20.0, 4096, 32.0, 1.0, 10000.0)
+    assert (args.kv_channels, args.num_query_groups, args.max_position_embeddings) == (8, 2, 65536)
+    # up_proj alone is linear_fc1, split by rows: rank r holds rows [288 r, 288 (r + 1)), no [gate; up] halves.
+    up = load_hf_tensors(sources["arcee"])["model.layers.0.mlp.up_proj.weight"]
+    for rank, rows in zip(ranks, up.split(288), strict=True):
+        assert torch.equal(rank["decoder.layers.0.mlp.linear_fc1.weight"], rows)
+    assert not any("not carried" in notice for notice in report.notices), report.notices
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"hidden_act": "silu"}, "hidden_act='silu': ArceeForCausalLM is converted only with hidden_act='relu2'"),
+    ({"mlp_bias": True}, "Megatron has one setting (add_bias_linear) for both; they must agree"),
+])
+def test_arcee_config_megatron_cannot_express_is_refused_by_name(sources: dict[str, Path], tmp_path: Path,
+                                                                 change: dict[str, object], message: str) -> None:
+    src = Path(shutil.copytree(sources["arcee"], tmp_path / "src"))
+    edit_json(src / "config.json", lambda doc: doc.update(change))
+
+    with pytest.raises(CheckpointError, match="config.json") as caught:
+        pgconvert.convert(src, tmp_path / "megatron", dst_format="megatron", dst_tp=2)
+
+    assert message in str(caught.value)
+    assert not (tmp_path / "megatron").exists()
+
+
+def test_native_megatron_arcee_without_carried_config_is_written_as_arcee(sources: dict[str, Path],
+                                                                          tmp_path: Path) -> None:
+    """A non-gated squared-ReLU Llama from args alone: Arcee, with its YaRN RoPE."""
+    src = sources["arcee"]
+    written = written_from_args_alone(src, tmp_path, dst_tp=2, dst_pp=2)
+
+    assert (written["architectures"], written["hidden_act"]) == (["ArceeForCausalLM"], "relu2")
+    rope = written["rope_parameters"]
+    assert (rope["rope_type"], rope["factor"], rope["original_max_position_embeddings"]) == ("yarn", 20.0, 4096)
+    assert_same_hf_tensors(src, tmp_path / "hf")
+    ids = input_ids()
+    torch.testing.assert_close(hf_logits(tmp_path / "hf", ids), hf_logits(src, ids), rtol=1e-5, atol=1e-5)

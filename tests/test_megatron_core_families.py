@@ -105,6 +105,8 @@ SOURCES: dict[str, Callable[[Path], Path]] = {
     "seed_oss": _tiny_model("seed_oss"),
     # the same with o and MLP biases (attention_out_bias, mlp_bias: add_bias_linear)
     "seed_oss-every-bias": _tiny_model("seed_oss", attention_out_bias=True, mlp_bias=True),
+    # arcee-ai/AFM-4.5B's shape: non-gated squared-ReLU MLP, 5:1 GQA, its YaRN RoPE (factor 20 over 4096)
+    "arcee": _tiny_model("arcee"),
     # ERNIE-4.5-0.3B's shape: interleaved rotary over the whole head, 8:1 GQA, head_dim apart, tied
     "ernie4_5": _tiny_model("ernie4_5"),
     # the same with use_bias (every linear layer biased)
@@ -138,6 +140,8 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "gpt_oss-clamp": ("gpt_oss", {"activation_func_clamp_value": None}),
     "gpt_oss-yarn": ("gpt_oss-yarn", {"position_embedding_type": "rope"}),
     "seed_oss-rope-base": ("seed_oss", {"rotary_base": 10000.0}),
+    "arcee-squared-relu": ("arcee", {"squared_relu": False}),
+    "arcee-yarn": ("arcee", {"position_embedding_type": "rope"}),
     "ernie4_5-interleaved": ("ernie4_5", {"rotary_interleaved": False}),
     "dots1-scaling": ("dots1", {"moe_router_topk_scaling_factor": None}),
     "starcoder2-window": ("starcoder2", {"window_size": None}),

@@ -1,4 +1,5 @@
-"""Gemma 3 (text), Gemma 2, OLMo 2, OLMoE, GLM-4: norms after the sublayers and what each adds.
+"""Gemma 3 (text), Gemma 2, OLMo 2, OLMo 3, OLMoE, GLM-4: norms after the sublayers and what each adds; Gemma (1):
+Gemma's norms, embedding scale and GeGLU without the norms after the sublayers.
 
 HF -> Megatron TP2/PP2 (OLMoE: TP2/EP2) -> torch_dist -> HF is bit-exact with the same config, generation config,
 tokenizer and logits; the TP rank files compute the HF model's logits in an independent forward
@@ -26,7 +27,7 @@ from support.postnorm_helpers import (
 )
 
 import pgconvert
-from pgconvert.errors import CheckpointError
+from pgconvert.errors import CheckpointError, PgconvertError
 
 FAMILIES = sorted(POSTNORM_MODELS)
 
@@ -89,11 +90,12 @@ def test_megatron_tp_ranks_compute_the_hf_models_logits(tmp_path: Path, family: 
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
 
 
-_CHANGED_FAMILY = {"one-rope-base": "gemma3", "full-rotary": "glm4", "no-post-norm": "olmo2"}
+_CHANGED_FAMILY = {"one-rope-base": "gemma3", "full-rotary": "glm4", "no-post-norm": "olmo2",
+                   "olmo3-no-window": "olmo3"}
 
 
 @pytest.mark.parametrize("change", ["no-softcap", "no-window", "one-rope-base", "pre-norm-as-post", "full-rotary",
-                                    "no-post-norm"])
+                                    "no-post-norm", "olmo3-no-window"])
 def test_reference_forward_depends_on_each_setting(tmp_path: Path, change: str) -> None:
     """The check above is sensitive: dropping any one setting moves the logits beyond its tolerance."""
     family = _CHANGED_FAMILY.get(change, "gemma2")
@@ -105,7 +107,7 @@ def test_reference_forward_depends_on_each_setting(tmp_path: Path, change: str) 
     ids = input_ids(VOCAB)
     if change == "no-softcap":
         hf["attn_logit_softcapping"] = None
-    elif change == "no-window":
+    elif change in ("no-window", "olmo3-no-window"):
         hf["sliding_window"] = 1000
     elif change == "one-rope-base":
         hf["rope_parameters"]["sliding_attention"] = hf["rope_parameters"]["full_attention"]
@@ -183,14 +185,15 @@ def test_gemma3_config_pgconvert_cannot_convert_is_refused_by_name(sources: dict
     assert not (tmp_path / "m").exists()
 
 
+@pytest.mark.parametrize("family", ["olmo2", "olmo3"])
 def test_olmo2_under_strict_is_refused_for_a_megatron_target_and_converts_with_a_notice_without(
-        sources: dict[str, Path], tmp_path: Path) -> None:
-    """No megatron-core or Megatron-Bridge layer spec computes OLMo 2's missing pre-norms."""
+        sources: dict[str, Path], tmp_path: Path, family: str) -> None:
+    """No megatron-core or Megatron-Bridge layer spec computes OLMo 2's (and OLMo 3's) missing pre-norms."""
     from pgconvert.errors import StrictModeError
 
     with pytest.raises(StrictModeError, match="pre_layernorms=False"):
-        pgconvert.convert(sources["olmo2"], tmp_path / "strict", dst_format="megatron", dst_tp=2, strict=True)
-    report = pgconvert.convert(sources["olmo2"], tmp_path / "m", dst_format="megatron", dst_tp=2)
+        pgconvert.convert(sources[family], tmp_path / "strict", dst_format="megatron", dst_tp=2, strict=True)
+    report = pgconvert.convert(sources[family], tmp_path / "m", dst_format="megatron", dst_tp=2)
 
     assert not (tmp_path / "strict").exists()
     assert any("not carried: pre_layernorms=False" in notice for notice in report.notices), report.notices
@@ -198,11 +201,75 @@ def test_olmo2_under_strict_is_refused_for_a_megatron_target_and_converts_with_a
     assert (args.pre_layernorms, args.post_self_attn_layernorm, args.qk_layernorm_across_heads) == (False, True, True)
 
 
-def test_gemma_under_strict_converts_to_megatron(sources: dict[str, Path], tmp_path: Path) -> None:
+@pytest.mark.parametrize("family, named", [("gemma2", "attn_logit_softcapping=2.0"),
+                                           ("gemma", "embedding_scale_sqrt_hidden=True")])
+def test_gemma_under_strict_converts_to_megatron(sources: dict[str, Path], tmp_path: Path, family: str,
+                                                 named: str) -> None:
     """Megatron-Bridge's Gemma layers compute every Gemma setting: a notice, no refusal."""
-    report = pgconvert.convert(sources["gemma2"], tmp_path / "m", dst_format="megatron", dst_tp=2, strict=True)
+    report = pgconvert.convert(sources[family], tmp_path / "m", dst_format="megatron", dst_tp=2, strict=True)
 
-    assert any("attn_logit_softcapping=2.0" in notice for notice in report.notices)
+    assert any(named in notice and "Megatron-Bridge" in notice for notice in report.notices), report.notices
+
+
+def test_gemma_megatron_args_carry_its_norms_embedding_scale_geglu_and_head_dim(sources: dict[str, Path],
+                                                                                 tmp_path: Path) -> None:
+    pgconvert.convert(sources["gemma"], tmp_path / "m", dst_format="megatron", dst_tp=2, dst_pp=1)
+
+    args = _rank_args(tmp_path / "m")
+
+    assert args.layernorm_zero_centered_gamma and args.embedding_scale_sqrt_hidden
+    assert (args.swiglu, args.gated_linear_unit, args.openai_gelu) == (False, True, True)
+    assert (args.post_self_attn_layernorm, args.post_mlp_layernorm, args.qk_layernorm) == (False, False, False)
+    assert (args.kv_channels, args.num_query_groups, args.untie_embeddings_and_output_weights) == (24, 4, False)
+    assert args.softmax_scale is None and args.window_size is None and args.final_logit_softcapping is None
+
+
+def test_gemma_releases_hidden_act_gelu_is_the_tanh_gelu_and_kept(sources: dict[str, Path], tmp_path: Path) -> None:
+    """gemma-2b/7b ship hidden_act "gelu", which GemmaConfig reads as gelu_pytorch_tanh."""
+    src = Path(shutil.copytree(sources["gemma"], tmp_path / "src"))
+    doc = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**doc, "hidden_act": "gelu"}))
+
+    pgconvert.convert(src, tmp_path / "m", dst_format="megatron", dst_tp=2, dst_pp=2)
+    pgconvert.convert(tmp_path / "m", tmp_path / "hf", dst_format="hf", dst_tp=1, dst_pp=1)
+
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["hidden_act"] == "gelu"
+    ids = input_ids(VOCAB)
+    torch.testing.assert_close(hf_logits(tmp_path / "hf", ids), hf_logits(sources["gemma"], ids), rtol=1e-5,
+                               atol=1e-5)
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("hidden_act", "silu", "hidden_act='silu': Gemma is converted with gelu_pytorch_tanh"),
+    ("hidden_act", None, "hidden_act=None"),
+    ("attention_bias", True, "attention_bias=True: GemmaForCausalLM is converted only with attention_bias=False"),
+])
+def test_gemma_config_pgconvert_cannot_convert_is_refused_by_name(sources: dict[str, Path], tmp_path: Path,
+                                                                  key: str, value: object, message: str) -> None:
+    src = Path(shutil.copytree(sources["gemma"], tmp_path / "src"))
+    doc = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**doc, key: value}))
+
+    with pytest.raises(CheckpointError, match="config.json") as caught:
+        pgconvert.convert(src, tmp_path / "m", dst_format="megatron", dst_tp=2)
+
+    assert message in str(caught.value)
+    assert not (tmp_path / "m").exists()
+
+
+def test_gemma_2b_multi_query_attention_converts_at_pp2_and_is_refused_at_tp2_by_name(tmp_path: Path) -> None:
+    """gemma-2b's one KV head: megatron-core splits query groups over TP ranks, so TP2 cannot hold it."""
+    src = save_postnorm_model("gemma", tmp_path / "src", seed=4, num_key_value_heads=1, head_dim=32)
+
+    with pytest.raises(PgconvertError, match="num_query_groups=1 is not divisible by 2"):
+        pgconvert.convert(src, tmp_path / "tp2", dst_format="megatron", dst_tp=2)
+    pgconvert.convert(src, tmp_path / "m", dst_format="megatron", dst_tp=1, dst_pp=2)
+    pgconvert.convert(tmp_path / "m", tmp_path / "hf", dst_format="hf", dst_tp=1, dst_pp=1)
+
+    assert not (tmp_path / "tp2").exists()
+    assert_same_hf_tensors(src, tmp_path / "hf")
+    ids = input_ids(VOCAB)
+    torch.testing.assert_close(hf_logits(tmp_path / "hf", ids), hf_logits(src, ids), rtol=1e-5, atol=1e-5)
 
 
 def test_olmoe_and_glm4_args(sources: dict[str, Path], tmp_path: Path) -> None:
@@ -244,3 +311,77 @@ def test_transformer_engine_naming_is_megatron_bridges_for_gemma3(sources: dict[
             "self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"} <= layer
     assert "input_layernorm.weight" not in layer and "pre_mlp_layernorm.weight" not in layer
     assert_same_hf_tensors(src, tmp_path / "hf")
+
+
+# --- OLMo 3 ---------------------------------------------------------------------------------------
+
+# allenai/Olmo-3-7B's config.json RoPE (4.x's rope_scaling, which Olmo3Config lays over the full-attention layers).
+OLMO3_RELEASED_YARN = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 8192, "beta_fast": 32,
+                       "beta_slow": 1, "attention_factor": 1.2079441541679836}
+
+
+def test_olmo3_megatron_args_hold_its_window_pattern_rope_base_and_norms(sources: dict[str, Path],
+                                                                         tmp_path: Path) -> None:
+    report = pgconvert.convert(sources["olmo3"], tmp_path / "m", dst_format="megatron", dst_tp=2, dst_pp=2)
+
+    args = _rank_args(tmp_path / "m")
+
+    assert (args.window_size, args.window_attn_skip_freq) == ((4, 0), [1, 1, 1, 0])
+    assert (args.rotary_base, args.position_embedding_type, args.num_query_groups) == (500000.0, "rope", 4)
+    assert (args.pre_layernorms, args.post_self_attn_layernorm, args.qk_layernorm_across_heads) == (False, True, True)
+    assert any("not carried: pre_layernorms=False" in notice for notice in report.notices), report.notices
+
+
+def _olmo3_with(src: Path, dst: Path, change: dict[str, object], drop: tuple[str, ...] = ()) -> Path:
+    shutil.copytree(src, dst)
+    doc = {key: value for key, value in json.loads((dst / "config.json").read_text()).items() if key not in drop}
+    (dst / "config.json").write_text(json.dumps({**doc, **change}))
+    return dst
+
+
+def test_olmo3_older_top_level_rope_theta_is_the_full_attention_layers_base_only(sources: dict[str, Path],
+                                                                                tmp_path: Path) -> None:
+    """Olmo3Config gives a top-level rope_theta to the full-attention layers; the sliding ones keep 500000."""
+    src = _olmo3_with(sources["olmo3"], tmp_path / "src", {"rope_theta": 10000.0}, drop=("rope_parameters",))
+
+    with pytest.raises(CheckpointError, match="Megatron applies one RoPE to every layer") as caught:
+        pgconvert.convert(src, tmp_path / "m", dst_format="megatron", dst_tp=2)
+
+    assert "'rope_theta': 10000.0" in str(caught.value) and "'rope_theta': 500000.0" in str(caught.value)
+
+
+@pytest.mark.parametrize("spelling", ["rope_parameters", "rope_scaling"])
+def test_olmo3_long_context_releases_yarn_on_full_attention_layers_only_is_refused_by_name(
+        sources: dict[str, Path], tmp_path: Path, spelling: str) -> None:
+    if spelling == "rope_scaling":  # as the release's config.json holds it
+        change: dict[str, object] = {"rope_scaling": OLMO3_RELEASED_YARN, "rope_theta": 500000}
+        src = _olmo3_with(sources["olmo3"], tmp_path / "src", change, drop=("rope_parameters",))
+    else:
+        blocks = {"sliding_attention": {"rope_type": "default", "rope_theta": 500000.0},
+                  "full_attention": {**OLMO3_RELEASED_YARN, "rope_theta": 500000.0}}
+        src = _olmo3_with(sources["olmo3"], tmp_path / "src", {"rope_parameters": blocks})
+
+    with pytest.raises(CheckpointError, match="config.json") as caught:
+        pgconvert.convert(src, tmp_path / "m", dst_format="megatron", dst_tp=2)
+
+    assert "Megatron applies one RoPE to every layer" in str(caught.value)
+    assert "'rope_type': 'yarn'" in str(caught.value)
+    assert not (tmp_path / "m").exists()
+
+
+def test_olmo3_yarn_on_full_attention_layers_converts_where_every_layer_is_full(sources: dict[str, Path],
+                                                                              tmp_path: Path) -> None:
+    """Without sliding layers only the full-attention layers' RoPE is used: megatron-core's YaRN computes it."""
+    blocks = {"sliding_attention": {"rope_type": "default", "rope_theta": 500000.0},
+              "full_attention": {**OLMO3_RELEASED_YARN, "attention_factor": None, "rope_theta": 500000.0}}
+    src = save_postnorm_model("olmo3", tmp_path / "src", seed=4, rope_parameters=blocks,
+                              layer_types=["full_attention"] * 4)
+
+    pgconvert.convert(src, tmp_path / "m", dst_format="megatron", dst_tp=2, dst_pp=2)
+    pgconvert.convert(tmp_path / "m", tmp_path / "hf", dst_format="hf", dst_tp=1, dst_pp=1)
+
+    args = _rank_args(tmp_path / "m")
+    assert (args.position_embedding_type, args.rotary_scaling_factor, args.window_size) == ("yarn", 8.0, None)
+    assert_same_hf_tensors(src, tmp_path / "hf")
+    ids = input_ids(VOCAB)
+    torch.testing.assert_close(hf_logits(tmp_path / "hf", ids), hf_logits(src, ids), rtol=1e-5, atol=1e-5)

@@ -10,6 +10,7 @@ from that list.
 from __future__ import annotations
 
 from pgconvert.families import (
+    arcee,
     deepseek,
     dots,
     ernie,
@@ -36,10 +37,14 @@ from pgconvert.semantics.carried import CarriedSetting
 # Only multi-latent attention models fit DeepSeek's families. Mistral is Llama with a window on every
 # layer, so a windowed Llama-like model is written as Mistral. Dense families need num_experts=None
 # and the MoE ones routed experts, so at most one kind fits. Gemma 3 needs a local RoPE base and
-# qk-norm, Gemma 2 neither; OLMo 2 has no pre-norms, OLMoE experts, GLM-4 interleaved rotary.
+# qk-norm, Gemma 2 neither; Gemma (1) has no post-norms and is the only family with embeddings scaled
+# and no post-norms, so it takes no model another fits. OLMo 2 has no pre-norms, OLMoE experts, GLM-4
+# interleaved rotary; OLMo 3 after OLMo 2: it takes OLMo 2's layers with a window, which OLMo 2 refuses.
 # Ministral before SmolLM3: both express a window on some layers; SmolLM3 is needed for NoPE layers.
 # Seed-OSS after them: every model Llama or Qwen2 fits stays theirs (Seed-OSS computes the same); it takes
 # only the dense models with both add_qkv_bias and add_bias_linear, which no family before it fits.
+# Arcee takes the non-gated squared-ReLU models with attention in every layer (the others fix a gated MLP
+# or another activation).
 # ERNIE 4.5 after them: a Llama-like model with interleaved rotary stays Llama's (written rotate-half).
 # Nemotron-H takes the hybrid models (a layer pattern), which every other family refuses.
 # MiniMax-M2 after it: it takes only MoE models with a sigmoid router, an expert bias and q/k norms over the
@@ -58,7 +63,9 @@ ORDERED: tuple[Family, ...] = (
     mixtral.MIXTRAL,
     gemma.GEMMA3,
     gemma.GEMMA2,
+    gemma.GEMMA,
     olmo.OLMO2,
+    olmo.OLMO3,
     olmo.OLMOE,
     glm.GLM4,
     glm.GLM4_MOE,
@@ -69,6 +76,7 @@ ORDERED: tuple[Family, ...] = (
     smollm.SMOLLM3,
     phi3.PHI3,
     seed_oss.SEED_OSS,
+    arcee.ARCEE,
     ernie.ERNIE4_5,
     nemotron_h.NEMOTRON_H,
     minimax.MINIMAX_M2,

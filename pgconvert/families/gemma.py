@@ -1,4 +1,4 @@
-"""Gemma 3 (text, ``Gemma3ForCausalLM``) and Gemma 2 (``Gemma2ForCausalLM``).
+"""Gemma 3 (text, ``Gemma3ForCausalLM``), Gemma 2 (``Gemma2ForCausalLM``) and Gemma (``GemmaForCausalLM``).
 
 A Gemma layer is input norm, attention, post-attention norm, pre-FFN norm, GeGLU MLP, post-FFN
 norm: the tensor kinds ``self_attention.linear_proj.post_layernorm.weight`` and
@@ -13,6 +13,14 @@ Gemma's HF norms compute ``x * (1 + w)`` and store ``w``, as megatron-core's zer
 attention, not the pre-MLP norm it is in Llama (that one is ``pre_feedforward_layernorm``).
 ``query_pre_attn_scalar`` is the attention softmax scale's -1/2 power
 (``pgconvert.semantics.attention_scale``).
+
+Gemma (google/gemma-2b, gemma-7b, gemma-1.1) is Llama's layer (a norm before each sublayer only, HF's
+``post_attention_layernorm`` the pre-MLP norm as in Llama) with Gemma's ``(1 + w)`` RMSNorm, embeddings
+times sqrt(hidden) and the gated tanh GELU, ``head_dim`` apart from hidden / heads (256), tied
+embeddings, one RoPE, no soft-capping, window or qk-norm; gemma-2b has one KV head, gemma-7b one per
+head. Its activation is ``hidden_act``: the releases ship ``"gelu"``, which GemmaConfig reads as the
+tanh approximation (``gelu_pytorch_tanh``, its default); the ``hidden_activation`` some releases also
+hold is read by no transformers 5 Gemma class.
 """
 
 from __future__ import annotations
@@ -21,9 +29,9 @@ import math
 from collections.abc import Mapping
 
 from pgconvert.io.limits import quote
-from pgconvert.model.config import ModelConfig
-from pgconvert.families.llama import max_positions
-from pgconvert.families.sliding_window import layer_types_of, sliding_layers, window_of, window_values_sized
+from pgconvert.model.config import POSTNORM_OFF, ModelConfig
+from pgconvert.families.llama import DECODER_TENSORS, ROPE_DEFAULT, ROPE_RULE, max_positions, rotary_base_field
+from pgconvert.families.sliding_window import layer_types_window_rule
 from pgconvert.families.table import DROP, DROPPED, GATE_UP, QKV, ConfigField, ConfigRule, Family
 from pgconvert.families.table import TensorMapping, TensorTable
 from pgconvert.semantics import attention_scale
@@ -53,33 +61,7 @@ SANDWICH_ROWS = (
 GEMMA_TENSORS = TensorTable(SANDWICH_ROWS)
 
 
-def _period(present: Mapping[str, object], key: str | None, default: int) -> int:
-    value = present.get(key, default) if key is not None else default
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{key}={quote(value)}: expected a positive integer")
-    return value
-
-
-def _window_rule(period: int, period_key: str | None = None) -> ConfigRule:
-    """``sliding_window`` (transformers' default 4096; null: none, refused with sliding layers) on the
-    layers ``layer_types`` marks sliding (by default every ``period``-th layer full; Gemma 3's
-    config also reads the period from the older ``sliding_window_pattern``, its ``period_key``)."""
-
-    def read(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
-        layers = model["num_layers"]
-        assert isinstance(layers, int)
-        pattern = sliding_layers(present, layers, _period(present, period_key, period))
-        return window_values_sized(window_of(present, 4096), pattern)
-
-    def write(config: ModelConfig) -> Mapping[str, object]:
-        return {"sliding_window": config.attention.sliding_window, "layer_types": layer_types_of(config)}
-
-    return ConfigRule(keys=("sliding_window", "layer_types"), model_fields=("sliding_window", "window_layers"),
-                      read=read, write=write, null_keys=("sliding_window",),
-                      legacy_keys=() if period_key is None else (period_key,))
-
-
-def _theta(params: Mapping[str, object], key: str, present: Mapping[str, object], legacy: str,
+def rope_theta_of(params: Mapping[str, object], key: str, present: Mapping[str, object], legacy: str,
            default: float) -> float:
     """``rope_theta`` of ``params`` (``key``), else the top-level ``legacy`` key (4.x), else ``default``
     (as transformers' ``setdefault`` fills it; a null is refused: its RoPE has no base for it)."""
@@ -100,14 +82,14 @@ def _rope_type(params: Mapping[str, object], key: str, allowed: tuple[str, ...])
     return rope_type
 
 
-def _sub(params: Mapping[str, object], name: str) -> Mapping[str, object]:
+def rope_block(params: Mapping[str, object], name: str) -> Mapping[str, object]:
     value = params.get(name, {})
     if not isinstance(value, dict):
         raise ValueError(f"rope_parameters.{name}={quote(value)}: expected an object")
     return value
 
 
-def _rope_parameters(present: Mapping[str, object], key: str = "rope_parameters") -> Mapping[str, object]:
+def rope_parameters_of(present: Mapping[str, object], key: str = "rope_parameters") -> Mapping[str, object]:
     params = present.get(key, {})
     if not isinstance(params, dict):
         raise ValueError(f"{key}={quote(params)}: expected an object")
@@ -119,17 +101,17 @@ def _read_gemma3_rope(present: Mapping[str, object], model: Mapping[str, object]
     Megatron's rotary_base and rope scaling) and ``sliding_attention`` (base 1e4, plain: rotary_base_local).
     transformers' Gemma3TextConfig also reads 4.x's top-level ``rope_theta``, ``rope_local_base_freq``
     and ``rope_scaling`` (laid over ``full_attention``)."""
-    params = _rope_parameters(present)
+    params = rope_parameters_of(present)
     # Without rope_parameters, transformers starts from {"rope_type": "default"} per layer type, so a
     # 4.x rope_scaling spelling its type "type" stays plain.
-    full = {**(_sub(params, "full_attention") if "rope_parameters" in present else {"rope_type": "default"}),
-            **_rope_parameters(present, "rope_scaling")}
-    local = _sub(params, "sliding_attention")
+    full = {**(rope_block(params, "full_attention") if "rope_parameters" in present else {"rope_type": "default"}),
+            **rope_parameters_of(present, "rope_scaling")}
+    local = rope_block(params, "sliding_attention")
     _rope_type(local, "rope_parameters.sliding_attention", ("default",))
     values: dict[str, object] = {
-        "rotary_base": _theta(full, "rope_parameters.full_attention", present, "rope_theta", 1_000_000.0),
-        "rotary_base_local": _theta(local, "rope_parameters.sliding_attention", present, "rope_local_base_freq",
-                                    10_000.0),
+        "rotary_base": rope_theta_of(full, "rope_parameters.full_attention", present, "rope_theta", 1_000_000.0),
+        "rotary_base_local": rope_theta_of(local, "rope_parameters.sliding_attention", present,
+                                           "rope_local_base_freq", 10_000.0),
         "rope_scaling": None, "rope_scaling_factor": 1.0, "rotary_percent": 1.0,
     }
     if _rope_type(full, "rope_parameters.full_attention", ("default", "linear")) == "linear":
@@ -165,8 +147,8 @@ def _read_plain_rope(present: Mapping[str, object], model: Mapping[str, object])
     instead when it is given, and a top-level ``rope_theta``)."""
     params = rope_parameters(present)
     _rope_type(params, "rope_parameters", ("default",))
-    return {"rotary_base": _theta(params, "rope_parameters", present, "rope_theta", 10_000.0), "rope_scaling": None,
-            "rope_scaling_factor": 1.0, "rotary_percent": 1.0}
+    return {"rotary_base": rope_theta_of(params, "rope_parameters", present, "rope_theta", 10_000.0),
+            "rope_scaling": None, "rope_scaling_factor": 1.0, "rotary_percent": 1.0}
 
 
 def _write_plain_rope(config: ModelConfig) -> Mapping[str, object]:
@@ -198,9 +180,9 @@ def _softcap(key: str, default: float | None) -> ConfigField:
     return ConfigField((key,), key, float, default=default, nullable=True)
 
 
-# Megatron-Bridge's Gemma 2/3 providers: GeGLU (gated tanh-GELU), RMSNorm with zero-centred gamma,
-# RoPE, sandwich norms, embeddings times sqrt(hidden).
-_GEMMA: dict[str, object] = {
+# Megatron-Bridge's Gemma providers: GeGLU (gated tanh-GELU), RMSNorm with zero-centred gamma, RoPE,
+# no biases (Gemma 2/3 add sandwich norms; all scale the embeddings by sqrt(hidden)).
+_GEMMA_DECODER: dict[str, object] = {
     "gated_linear_unit": True,
     "activation": "gelu_tanh",
     "normalization": "RMSNorm",
@@ -209,6 +191,9 @@ _GEMMA: dict[str, object] = {
     "add_qkv_bias": False,
     "add_bias_linear": False,
     "layernorm_zero_centered_gamma": True,
+}
+_GEMMA: dict[str, object] = {
+    **_GEMMA_DECODER,
     "post_self_attn_layernorm": True,
     "post_mlp_layernorm": True,
     "pre_layernorms": True,
@@ -244,7 +229,7 @@ GEMMA3 = Family(
                       read=_read_gemma3_rope, write=_write_gemma3_rope, refuses=_refuses_gemma3_rope,
                       null_keys=("rope_theta", "rope_local_base_freq"),
                       legacy_keys=("rope_theta", "rope_local_base_freq", "rope_scaling")),
-           _window_rule(period=6, period_key="sliding_window_pattern"),
+           layer_types_window_rule(period=6, period_key="sliding_window_pattern"),
            ConfigRule(keys=("query_pre_attn_scalar",), model_fields=("softmax_scale",),
                       read=_read_scalar, write=_write_scalar)),
     fixed={**_GEMMA, "qk_layernorm": True},
@@ -267,9 +252,62 @@ GEMMA2 = GEMMA3.derive(
                       model_fields=("rotary_base", "rope_scaling", "rope_scaling_factor", "rotary_percent"),
                       read=_read_plain_rope, write=_write_plain_rope, refuses=_refuses_scaled_rope,
                       null_keys=("rope_theta",), legacy_keys=("rope_theta", "rope_scaling")),
-           _window_rule(period=2)),
+           layer_types_window_rule(period=2)),
     fixed={"qk_layernorm": False, "rotary_base_local": None},
     hf_fixed={"use_bidirectional_attention": None},
     hf_notes={"qk-norm": DROP, "local rope theta": DROP,
               "logit soft-capping": "attn_logit_softcapping, final_logit_softcapping (null: off)"},
+)
+
+
+# GemmaConfig's hidden_act: its default, and the releases' "gelu" (GemmaConfig.__post_init__ reads it as
+# the tanh approximation, which those models were trained with).
+_GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu")
+
+
+def _read_gemma_activation(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
+    """``hidden_act`` (absent: the tanh GELU); another activation is refused, and a null (GemmaMLP
+    builds no activation from it)."""
+    value = present.get("hidden_act", _GEMMA_ACTIVATIONS[0])
+    if value not in _GEMMA_ACTIVATIONS:
+        raise ValueError(f"hidden_act={quote(value)}: Gemma is converted with gelu_pytorch_tanh "
+                         "(or 'gelu', which GemmaConfig reads as gelu_pytorch_tanh)")
+    return {}
+
+
+def _write_gemma_activation(config: ModelConfig) -> Mapping[str, object]:
+    return {"hidden_act": _GEMMA_ACTIVATIONS[0]}
+
+
+GEMMA = Family(
+    architecture="GemmaForCausalLM",
+    model_type="gemma",
+    # Llama's layer: HF's post_attention_layernorm is the pre-MLP norm.
+    tensors=DECODER_TENSORS,
+    # GemmaConfig's class defaults (gemma-7b's), which save_pretrained leaves out of config.json.
+    fields=(
+        ConfigField(("hidden_size",), "hidden_size", int, default=3072),
+        ConfigField(("num_hidden_layers",), "num_layers", int, default=28),
+        ConfigField(("num_attention_heads",), "num_attention_heads", int, default=16),
+        ConfigField(("num_key_value_heads",), "num_query_groups", int, default=16),
+        ConfigField(("head_dim",), "kv_channels", int, default=256),
+        ConfigField(("intermediate_size",), "ffn_hidden_size", int, default=24576),
+        ConfigField(("rms_norm_eps",), "norm_epsilon", float, default=1e-6),
+        rotary_base_field(10_000.0),
+        max_positions(8192),
+        ConfigField(("vocab_size",), "vocab_size", int, default=256000),
+        ConfigField(("tie_word_embeddings",), "tie_embeddings", bool, default=True),
+        ConfigField(("attention_dropout",), "attention_dropout", float, default=0.0),
+    ),
+    rules=(ROPE_RULE,
+           ConfigRule(keys=("hidden_act",), model_fields=(), read=_read_gemma_activation,
+                      write=_write_gemma_activation, null_keys=("hidden_act",))),
+    fixed={**POSTNORM_OFF, **_GEMMA_DECODER, "embedding_scale_sqrt_hidden": True, "multi_latent_attention": False,
+           "qk_layernorm": False, "sliding_window": None},
+    # attention_bias biases q, k, v and o but not the MLP: Megatron's add_bias_linear biases both.
+    hf_fixed={"attention_bias": False, "use_bidirectional_attention": None},
+    hf_scratch=ROPE_DEFAULT,
+    hf_norms_zero_centred=True,
+    hf_notes={"activation": "hidden_act = gelu_pytorch_tanh ('gelu' read as it, as GemmaConfig does)",
+              "embedding scale": "always", "sliding window": "none", "linear biases": "none (attention_bias false)"},
 )

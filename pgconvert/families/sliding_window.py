@@ -96,5 +96,39 @@ def every_layer_window(default: int | None) -> ConfigRule:
                       null_keys=("sliding_window",))
 
 
+def _period(present: Mapping[str, object], key: str | None, default: int) -> int:
+    value = present.get(key, default) if key is not None else default
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{key}={quote(value)}: expected a positive integer")
+    return value
+
+
+def layer_types_window(present: Mapping[str, object], model: Mapping[str, object], period: int,
+                       period_key: str | None = None) -> Mapping[str, object]:
+    """``sliding_window`` (transformers' default 4096; null: none, refused with sliding layers) on the
+    layers ``layer_types`` marks sliding (by default every ``period``-th layer full, as Gemma 2/3's and
+    OLMo 3's configs fill it; Gemma 3's also reads the period from the older ``sliding_window_pattern``,
+    its ``period_key``)."""
+    layers = model["num_layers"]
+    assert isinstance(layers, int)
+    pattern = sliding_layers(present, layers, _period(present, period_key, period))
+    return window_values_sized(window_of(present, 4096), pattern)
+
+
+def write_layer_types_window(config: ModelConfig) -> Mapping[str, object]:
+    return {"sliding_window": config.attention.sliding_window, "layer_types": layer_types_of(config)}
+
+
+def layer_types_window_rule(period: int, period_key: str | None = None) -> ConfigRule:
+    """The rule of ``layer_types_window``: keys ``sliding_window`` and ``layer_types``."""
+
+    def read(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
+        return layer_types_window(present, model, period, period_key)
+
+    return ConfigRule(keys=("sliding_window", "layer_types"), model_fields=("sliding_window", "window_layers"),
+                      read=read, write=write_layer_types_window, null_keys=("sliding_window",),
+                      legacy_keys=() if period_key is None else (period_key,))
+
+
 # Mixtral's and Phi-3's: no window unless config.json gives one.
 EVERY_LAYER_WINDOW = every_layer_window(None)

@@ -1,7 +1,7 @@
 """The Megatron args of norms after the sublayers and of the other layers only Megatron-Bridge builds.
 
-The families that have them are Gemma 2/3, OLMo 2, OLMoE and GLM-4 (their modules under
-``pgconvert.families``); Megatron knows them by these settings, whichever family a model came from.
+The families that have them are Gemma 2/3, OLMo 2, OLMoE and GLM-4, and Gemma (its embedding scale; their
+modules under ``pgconvert.families``); Megatron knows them by these settings, whichever family a model came from.
 
 megatron-core 0.16 expresses a zero-centred norm gamma (``layernorm_zero_centered_gamma``), the
 attention ``softmax_scale`` (Gemma's ``query_pre_attn_scalar``: pgconvert.semantics.attention_scale) and a
@@ -78,7 +78,7 @@ def megatron_core_gaps(config: ModelConfig) -> tuple[list[str], list[str]]:
     if bridge:
         notices.append(
             f"args {', '.join(bridge)}: megatron-core's GPTModel does not compute these; Megatron-Bridge's custom "
-            "layers do (its Gemma 2/3 and OLMoE providers), so build the model with them; the args and pgconvert.json carry them")
+            "layers do (its Gemma, Gemma 2/3 and OLMoE providers), so build the model with them; the args and pgconvert.json carry them")
     if config.mlp.activation == "gelu_tanh":
         notices.append(
             "args.openai_gelu=True (the tanh GELU): Megatron-LM's core_transformer_config_from_args does not read it "

@@ -1,5 +1,5 @@
-"""Test helpers: tiny Qwen2-MoE / Granite / SmolLM3 / Ministral / Phi-3 / Seed-OSS / ERNIE 4.5 models, and an
-independent tensor-parallel forward pass over Megatron rank files driven by the files' own ``args``.
+"""Test helpers: tiny Qwen2-MoE / Granite / SmolLM3 / Ministral / Phi-3 / Seed-OSS / ERNIE 4.5 / Arcee models,
+and an independent tensor-parallel forward pass over Megatron rank files driven by the files' own ``args``.
 
 Nothing here imports pgconvert. The reference forward reads each rank's ``model`` dict with
 ``torch.load`` (hf_helpers.read_megatron_tp_ranks) and the model's settings from the rank file's
@@ -26,6 +26,11 @@ MODEL_VOCAB = 300  # not a multiple of 128; the tokenizer's 256 tokens are its f
 _COMMON: dict[str, Any] = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
                                max_position_embeddings=256, vocab_size=MODEL_VOCAB, rms_norm_eps=1e-5,
                                bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD)
+
+
+# arcee-ai/AFM-4.5B's config.json RoPE (its rope_scaling, as transformers 5 reads it).
+AFM_YARN: dict[str, Any] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 20.0, "beta_fast": 32.0,
+                            "beta_slow": 1.0, "mscale": 1.0, "original_max_position_embeddings": 4096}
 
 
 def family_configs() -> dict[str, tuple[Any, Any, dict[str, Any]]]:
@@ -74,6 +79,13 @@ def family_configs() -> dict[str, tuple[Any, Any, dict[str, Any]]]:
             _COMMON, num_attention_heads=16, num_key_value_heads=2, head_dim=8, intermediate_size=192,
             max_position_embeddings=131072, rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
             use_bias=False, tie_word_embeddings=True)),
+        # arcee-ai/AFM-4.5B's: up_proj -> relu2 -> down_proj (no gate), 5 query heads per KV head with
+        # heads x head_dim = hidden, FFN 7.2 x hidden, no biases, untied, eps 1e-5, and its YaRN RoPE
+        # (factor 20 over 4096 original positions, 65536 positions).
+        "arcee": (t.ArceeConfig, t.ArceeForCausalLM, dict(
+            _COMMON, hidden_size=80, num_attention_heads=10, num_key_value_heads=2, head_dim=8, intermediate_size=576,
+            hidden_act="relu2", max_position_embeddings=65536, attention_bias=False, mlp_bias=False,
+            tie_word_embeddings=False, rope_parameters=dict(AFM_YARN))),
         # StarCoder2-3B's shape: 12 query heads per KV head (here 8 : 1), LayerNorm, biases everywhere, the
         # tanh GELU, a window on every layer, RoPE base ~1e6, dropout 0.1 as released, tied.
         "starcoder2": (t.Starcoder2Config, t.Starcoder2ForCausalLM, dict(

@@ -212,11 +212,16 @@ def copied_config_fields(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _activation(args: argparse.Namespace) -> tuple[Any, bool]:
-    """megatron-LM's choice: --swiglu is gated SiLU, --quick-geglu gated quick-GELU, else GELU; args that record
-    gated_linear_unit (pgconvert's) with openai_gelu ask for the tanh GELU, which megatron-core computes when
-    activation_func is set to it (as Megatron-Bridge's providers set it; Megatron-LM's parser cannot)."""
+    """megatron-LM's choice: --swiglu is gated SiLU, --squared-relu squared ReLU, --quick-geglu gated quick-GELU,
+    else GELU; args that record gated_linear_unit (pgconvert's) with openai_gelu ask for the tanh GELU, which
+    megatron-core computes when activation_func is set to it (as Megatron-Bridge's providers set it; Megatron-LM's
+    parser cannot)."""
     if args.swiglu:
         return F.silu, True
+    if getattr(args, "squared_relu", False):
+        from megatron.core.activations import squared_relu
+
+        return squared_relu, False
     if getattr(args, "quick_geglu", False):
         from megatron.core.fusions.fused_bias_geglu import quick_gelu
 

@@ -1,4 +1,5 @@
-"""Test-only helpers for the post-sublayer-norm families (Gemma 3, Gemma 2, OLMo 2, OLMoE, GLM-4): tiny seeded models as
+"""Test-only helpers for the post-sublayer-norm families (Gemma 3, Gemma 2, OLMo 2, OLMo 3, OLMoE, GLM-4) and
+Gemma (1), which has Gemma's norms and embedding scale without the post norms: tiny seeded models as
 ``save_pretrained`` writes them, and an independent forward pass over Megatron TP rank files.
 
 Nothing here imports pgconvert. The reference forward reads rank files with plain ``torch.load``
@@ -23,10 +24,14 @@ from transformers import (
     Gemma2ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
+    GemmaConfig,
+    GemmaForCausalLM,
     Glm4Config,
     Glm4ForCausalLM,
     Olmo2Config,
     Olmo2ForCausalLM,
+    Olmo3Config,
+    Olmo3ForCausalLM,
     OlmoeConfig,
     OlmoeForCausalLM,
     PretrainedConfig,
@@ -58,11 +63,27 @@ POSTNORM_MODELS: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel], 
     "gemma2": (Gemma2Config, Gemma2ForCausalLM, dict(
         _COMMON, num_hidden_layers=4, attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
     )),
+    # gemma-7b's shape: one KV head per query head, head_dim apart from hidden / heads (heads x head_dim =
+    # 1.5 x hidden; 4/3 in the release), FFN 8 x hidden, tied embeddings, RoPE base 1e4, eps 1e-6, 8K positions.
+    "gemma": (GemmaConfig, GemmaForCausalLM, dict(
+        _PLAIN, num_hidden_layers=4, num_key_value_heads=4, head_dim=24, intermediate_size=512, rms_norm_eps=1e-6,
+        max_position_embeddings=8192, hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )),
     # Norms after attention and MLP only; q/k norms over the whole projection; Llama-3 RoPE scaling.
     "olmo2": (Olmo2Config, Olmo2ForCausalLM, dict(
         _PLAIN, num_hidden_layers=4, tie_word_embeddings=False,
         rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    )),
+    # Olmo-3-7B's: OLMo 2's layers, one KV head per query head, a window on three layers in four (transformers'
+    # default layer_types), RoPE base 5e5 on both layer types (the base release's; the long-context ones' YaRN on
+    # the full-attention layers alone is refused), eps 1e-6, 64K positions, untied.
+    "olmo3": (Olmo3Config, Olmo3ForCausalLM, dict(
+        _PLAIN, num_hidden_layers=4, num_key_value_heads=4, intermediate_size=172, rms_norm_eps=1e-6,
+        sliding_window=WINDOW, max_position_embeddings=65536, tie_word_embeddings=False,
+        rope_parameters={kind: {"rope_type": "default", "rope_theta": 500000.0}
+                         for kind in ("sliding_attention", "full_attention")},
     )),
     # Every layer MoE (intermediate_size is the experts'), softmax over all experts first
     # (norm_topk_prob false, transformers' default), q/k norms over the whole projection.
@@ -76,28 +97,29 @@ POSTNORM_MODELS: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel], 
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
     )),
 }
-ARCHITECTURES = {"gemma3": "Gemma3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "olmo2": "Olmo2ForCausalLM",
-                 "olmoe": "OlmoeForCausalLM", "glm4": "Glm4ForCausalLM"}
+ARCHITECTURES = {"gemma3": "Gemma3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma": "GemmaForCausalLM",
+                 "olmo2": "Olmo2ForCausalLM", "olmo3": "Olmo3ForCausalLM", "olmoe": "OlmoeForCausalLM",
+                 "glm4": "Glm4ForCausalLM"}
 MOE = ("olmoe",)
-_ZERO_CENTRED = ("Gemma3ForCausalLM", "Gemma2ForCausalLM")
-_ACROSS_HEADS = ("Olmo2ForCausalLM", "OlmoeForCausalLM")
+_ZERO_CENTRED = ("Gemma3ForCausalLM", "Gemma2ForCausalLM", "GemmaForCausalLM")
+_ACROSS_HEADS = ("Olmo2ForCausalLM", "Olmo3ForCausalLM", "OlmoeForCausalLM")
 
 
-def build_postnorm_model(name: str, seed: int = 0) -> PreTrainedModel:
-    """A tiny fp32 model: every parameter seeded; norm weights near zero for Gemma (it stores w of
-    1 + w), near one for the others; routers well separated."""
+def build_postnorm_model(name: str, seed: int = 0, **overrides: Any) -> PreTrainedModel:
+    """A tiny fp32 model (its config kwargs with ``overrides``): every parameter seeded; norm weights near
+    zero for Gemma (it stores w of 1 + w), near one for the others; routers well separated."""
     config_class, model_class, kwargs = POSTNORM_MODELS[name]
 
     def value(param_name: str, noise: torch.Tensor) -> torch.Tensor:
         if "norm" in param_name:
             return 0.1 * noise + (0.0 if name.startswith("gemma") else 1.0)
         return (1.0 if param_name.endswith("mlp.gate.weight") else 0.05) * noise
-    return seeded_model(model_class, config_class(**kwargs), seed, value)[0]
+    return seeded_model(model_class, config_class(**{**kwargs, **overrides}), seed, value)[0]
 
 
-def save_postnorm_model(name: str, path: Path, seed: int = 0) -> Path:
+def save_postnorm_model(name: str, path: Path, seed: int = 0, **overrides: Any) -> Path:
     """The model, a generation config and a real tokenizer with a chat template, as releases ship."""
-    return save_with_side_files(build_postnorm_model(name, seed), path)
+    return save_with_side_files(build_postnorm_model(name, seed, **overrides), path)
 
 
 # --- an independent tensor-parallel forward pass over Megatron rank files ---------------------
@@ -137,7 +159,7 @@ def _llama3(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
 
 def _layer_rope(hf: dict[str, Any], layer: int) -> dict[str, Any]:
     params = hf["rope_parameters"]
-    if "full_attention" in params:  # Gemma 3: one RoPE per layer type
+    if "full_attention" in params:  # Gemma 3, OLMo 3: one RoPE per layer type
         params = params[hf["layer_types"][layer]]
     return params
 

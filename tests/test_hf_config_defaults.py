@@ -74,6 +74,10 @@ KEPT_NULLS: dict[tuple[str, str, str], Expected] = {
     # OLMo 3's class has no rope_local_base_freq (Gemma 3's older key for the sliding layers' base): kept as an
     # unknown attribute and never read; its sliding layers take default_theta.
     ("Olmo3ForCausalLM", "*", "older spelling of rope_theta, null rope_local_base_freq"): _same,
+    # GPTNeoXConfig has no top-level rope_theta or partial_rotary_factor (its older keys are rotary_emb_base and
+    # rotary_pct): kept as unknown attributes and never read; its RoPE takes default_theta and 0.25.
+    ("GPTNeoXForCausalLM", "*", "older spelling of rope_theta, null rope_theta"): _same,
+    ("GPTNeoXForCausalLM", "*", "older spelling of rope_theta, null partial_rotary_factor"): _same,
     # eager_attention_forward: dropout only while training (p=None raises there, not at inference).
     ("*", "*", "null attention_dropout"): _same,
     # Attention modules of classes without head_dim: getattr(config, "head_dim", hidden // heads) is None.

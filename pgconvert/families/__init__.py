@@ -16,6 +16,7 @@ from pgconvert.families import (
     ernie,
     gemma,
     glm,
+    gpt_neox,
     gpt_oss,
     granite,
     llama,
@@ -51,7 +52,9 @@ from pgconvert.semantics.carried import CarriedSetting
 # whole projection, which no family before it fits (OLMoE's router is a softmax, GLM-4.5-MoE's norms per head).
 # dots.llm1 after them: a model it fits without a window fits GLM-4.5-MoE first, which computes the same (q/k norms
 # per head, its partial rotary written as the whole head); it takes the windowed ones.
-# StarCoder2 last: the only family with LayerNorm and a non-gated tanh GELU.
+# StarCoder2 after them: the only family with LayerNorm and a non-gated tanh GELU.
+# GPT-NeoX last: the only family with LayerNorm and a non-gated exact GELU, and the only one holding
+# use_parallel_residual (a parallel model fits no family before it: formats.hf.unmapped_losses).
 ORDERED: tuple[Family, ...] = (
     deepseek.DEEPSEEK_V3,
     deepseek.DEEPSEEK_V2,
@@ -82,6 +85,7 @@ ORDERED: tuple[Family, ...] = (
     minimax.MINIMAX_M2,
     dots.DOTS1,
     starcoder2.STARCODER2,
+    gpt_neox.GPT_NEOX,
 )
 
 FAMILIES: dict[str, Family] = {family.architecture: family for family in ORDERED}

@@ -247,6 +247,9 @@ class CarriedConfig:
     # transformers' Nemotron-H clamps each Mamba time step (softplus(dt + dt_bias)) below at this; 0.0 clamps
     # nothing, which is what megatron-core's MambaMixer computes.
     time_step_min: float = 0.0
+    # Attention and MLP side by side on the layer's input, x + attn(ln1(x)) + mlp(ln2(x)) (GPT-NeoX's
+    # use_parallel_residual); megatron-core's TransformerLayer runs the MLP on the attention's output.
+    use_parallel_residual: bool = False
 
 
 # The sub-configs, by their attribute on ModelConfig.
@@ -285,6 +288,7 @@ SETTING_GROUPS: dict[str, str | None] = {
     "activation_func_clamp_value": "mlp", "softmax_scale": "attention", "mtp_num_layers": None,
     "mtp_layer_module": None, "hybrid_override_pattern": None, "mamba_state_dim": "mamba",
     "mamba_head_dim": "mamba", "mamba_num_groups": "mamba", "mamba_num_heads": "mamba", "time_step_min": "carried",
+    "use_parallel_residual": "carried",
 }
 
 
@@ -640,9 +644,11 @@ def _check_router_groups(moe: MoEConfig) -> None:
 
 
 def _check_carried(carried: CarriedConfig) -> None:
-    """Granite's multipliers: positive finite numbers."""
+    """Granite's multipliers: positive finite numbers; the parallel layer: a flag."""
     for name in ("embedding_multiplier", "residual_multiplier", "logits_scaling"):
         _require_positive_number(name, getattr(carried, name))
+    if not isinstance(carried.use_parallel_residual, bool):
+        raise _violates("use_parallel_residual", carried.use_parallel_residual, "must be true or false")
 
 
 def _check_no_rope_layers(config: ModelConfig) -> None:

@@ -192,6 +192,12 @@ SEMANTICS: tuple[Setting, ...] = (
     Setting("Mamba time-step clamp", ("time_step_min",), ("time_step_min",), _ARGS.format("time_step_min"), "none",
             "megatron-core does not clamp: carried in args and pgconvert.json with a notice on every Megatron "
             "output; --strict refuses a Megatron target"),
+    Setting("parallel attention and MLP", ("use_parallel_residual",), ("use_parallel_residual",),
+            _ARGS.format("use_parallel_residual"), "none (other families: the MLP after the attention)",
+            "x + attn(ln1(x)) + mlp(ln2(x)); megatron-core 0.16.1's TransformerLayer.forward runs the MLP on the "
+            "attention's output (transformer/transformer_layer.py:513-518) and no config field changes that: "
+            "carried in args and pgconvert.json with a notice on every Megatron output; --strict refuses a "
+            "Megatron target"),
 )
 
 SEMANTIC_FIELDS: tuple[str, ...] = tuple(dict.fromkeys(name for row in SEMANTICS for name in row.fields))
@@ -207,6 +213,7 @@ FAMILY_SPECIFIC_SETTINGS: dict[str, object] = {
     "hf_rope_parameters": None,
     "softmax_scale": None,
     "time_step_min": 0.0,
+    "use_parallel_residual": False,
 }
 
 

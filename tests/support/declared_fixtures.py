@@ -47,6 +47,8 @@ EXPERT_PARTS: tuple[dict[str, object], ...] = (dict(moe_shared_expert_intermedia
 HYBRID: dict[str, object] = dict(hybrid_override_pattern="M*-", mamba_num_heads=4, mamba_head_dim=8,
                                  mamba_num_groups=2, mamba_state_dim=4)
 PARTS: tuple[dict[str, object], ...] = (dict(rotary_base_local=1000.0), dict(mtp_num_layers=1), HYBRID)
+# One key and value head per query head: tried only for a family that refuses BASE's grouped ones (GPT-NeoX).
+ONE_GROUP_PER_HEAD: dict[str, object] = dict(num_query_groups=4)
 # With experts, a hybrid pattern with two MoE layers (E), routed as Nemotron-H's are (a sigmoid router
 # with expert bias, a shared expert): a hybrid family with experts needs one.
 EXPERT_PARTS += (dict(HYBRID, hybrid_override_pattern="MEE", moe_router_score_function="sigmoid",
@@ -79,10 +81,11 @@ def tiny_config(family: Family) -> ModelConfig:
         parts = EXPERT_PARTS + PARTS
     if settings.get("multi_latent_attention"):
         settings.update(LATENT_ATTENTION)
-    for count in range(len(parts), -1, -1):
+    for heads, count in itertools.product(({}, ONE_GROUP_PER_HEAD), range(len(parts), -1, -1)):
         for chosen in itertools.combinations(parts, count):
             try:
-                config = ModelConfig.from_settings({**settings, **{k: v for part in chosen for k, v in part.items()}})
+                config = ModelConfig.from_settings(
+                    {**settings, **heads, **{k: v for part in chosen for k, v in part.items()}})
             except ConfigError:
                 continue
             if not family_mismatches(family, config):

@@ -194,12 +194,28 @@ def _older_window_pattern(doc: dict[str, Any]) -> dict[str, Any] | None:
     return changed
 
 
+def _older_neox_rope(doc: dict[str, Any]) -> dict[str, Any] | None:
+    """GPT-NeoX's ``rope_parameters`` as its releases wrote it: ``rotary_emb_base`` and ``rotary_pct`` (and
+    ``rope_scaling`` for a scaled type)."""
+    params = doc.get("rope_parameters")
+    if not isinstance(params, dict):
+        return None
+    changed, rest = copy.deepcopy(doc), dict(params)
+    del changed["rope_parameters"]
+    changed["rotary_emb_base"] = rest.pop("rope_theta", None)
+    changed["rotary_pct"] = rest.pop("partial_rotary_factor", None)
+    changed["rope_scaling"] = rest if rest.get("rope_type", "default") != "default" else None
+    return changed
+
+
 # How an older spelling a table declares is written, by the key it reads.
 OLDER_SPELLINGS: dict[str, Callable[[dict[str, Any]], dict[str, Any] | None]] = {
     "rope_theta": _older_rope,
     "rope_scaling": _older_rope,
     "rope_local_base_freq": _older_rope,
     "sliding_window_pattern": _older_window_pattern,
+    "rotary_emb_base": _older_neox_rope,
+    "rotary_pct": _older_neox_rope,
 }
 
 

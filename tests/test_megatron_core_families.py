@@ -71,6 +71,14 @@ def _dots1(**overrides: Any) -> Callable[[Path], Path]:
     return save
 
 
+def _parallel_block(name: str, **overrides: Any) -> Callable[[Path], Path]:
+    def save(path: Path) -> Path:
+        from support.parallel_block_helpers import save_parallel_block_model
+
+        return save_parallel_block_model(name, path, seed=3, **overrides)
+    return save
+
+
 def _gpt_oss(**overrides: Any) -> Callable[[Path], Path]:
     def save(path: Path) -> Path:
         from support.glm4_moe_gpt_oss_helpers import save_gpt_oss
@@ -124,6 +132,9 @@ SOURCES: dict[str, Callable[[Path], Path]] = {
     # per head, tests/support/mcore_helpers.py), partial rotary 0.5, every layer MoE with a sigmoid
     # router and expert bias, no shared expert
     "minimax_m2": _minimax_m2(),
+    # pythia's shape with the sequential layer (use_parallel_residual false; megatron-core has no parallel one):
+    # per-head fused QKV, LayerNorm with biases, exact GELU with biases, rotary on a quarter of each head
+    "gpt_neox-sequential": _parallel_block("gpt_neox", use_parallel_residual=False),
 }
 
 # case -> (source, one of the family's own settings knocked out of the written args)
@@ -148,6 +159,7 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "starcoder2-tanh-gelu": ("starcoder2", {"openai_gelu": False}),
     "dots1-window": ("dots1-window-groups", {"window_size": None}),
     "minimax_m2-partial-rotary": ("minimax_m2", {"rotary_percent": 1.0}),
+    "gpt_neox-sequential-partial-rotary": ("gpt_neox-sequential", {"rotary_percent": 1.0}),
 }
 
 
@@ -226,3 +238,25 @@ def test_megatron_core_forward_stage_by_stage_at_pp2_equals_transformers(tmp_pat
 
     assert len(mcore.rank_files(tmp_path / "megatron")) == 2
     torch.testing.assert_close(actual, hf_logits(src, ids), **TOL)
+
+
+def test_megatron_core_computes_a_parallel_gpt_neox_as_the_sequential_layer_the_notice_names(tmp_path: Path) -> None:
+    """pythia's parallel attention and MLP: megatron-core's forward of the written args is the independent
+    reference forward with use_parallel_residual knocked out, not transformers' (hence the notice)."""
+    import support.mcore_helpers as mcore
+    from support.hf_helpers import read_megatron_tp_ranks
+    from support.llama_like_helpers import megatron_args
+    from support.parallel_block_helpers import parallel_block_logits
+
+    src = _parallel_block("gpt_neox")(tmp_path / "src")
+    pgconvert.convert(src, tmp_path / "megatron", dst_format="megatron", dst_tp=1, dst_pp=1)
+    ids = input_ids(_vocab(src))
+    args = megatron_args(tmp_path / "megatron")
+    sequential = argparse.Namespace(**{**vars(args), "use_parallel_residual": False})
+
+    actual = mcore.megatron_core_logits_from_args(tmp_path / "megatron", ids)
+
+    assert args.use_parallel_residual is True
+    assert not torch.allclose(actual, hf_logits(src, ids), **TOL)
+    reference = parallel_block_logits(read_megatron_tp_ranks(tmp_path / "megatron"), sequential, ids)
+    torch.testing.assert_close(actual, reference.float(), **TOL)

@@ -20,6 +20,8 @@ from support.parallel_block_helpers import input_ids, parallel_block_logits, sav
 
 import pgconvert
 from pgconvert.errors import PgconvertError, StrictModeError
+from pgconvert.families import ORDERED
+from pgconvert.formats.hf import family_mismatches, infer_family, model_config_from_hf, unmapped_losses
 
 SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 PARALLEL_NOTICE = "use_parallel_residual=True: megatron-core has no such setting"
@@ -110,11 +112,14 @@ def test_strict_refuses_a_megatron_target_of_the_parallel_layer(source: Path, tm
     assert not (tmp_path / "out").exists()
 
 
-def test_megatron_model_without_the_carried_config_is_written_as_gpt_neox(source: Path,
-                                                                         tp2: tuple[Path, list[str]],
-                                                                         tmp_path: Path) -> None:
+@pytest.mark.parametrize("megatron_format", ["megatron", "torch_dist"])
+def test_megatron_model_without_the_carried_config_is_written_as_gpt_neox(source: Path, tp2: tuple[Path, list[str]],
+                                                                         tmp_path: Path, megatron_format: str) -> None:
     megatron = Path(shutil.copytree(tp2[0], tmp_path / "megatron"))
     shutil.rmtree(megatron / "hf")
+    if megatron_format == "torch_dist":
+        pgconvert.convert(megatron, tmp_path / "dist", dst_format="torch_dist")
+        megatron = tmp_path / "dist"
     pgconvert.convert(megatron, tmp_path / "hf", dst_format="hf", dst_tp=1)
     written = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert written["architectures"] == ["GPTNeoXForCausalLM"]
@@ -135,3 +140,17 @@ def test_settings_megatron_cannot_hold_are_refused_by_name(source: Path, tmp_pat
     with pytest.raises(PgconvertError, match=expected):
         pgconvert.convert(src, tmp_path / "out", dst_format="megatron")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_parallel_model_fits_no_other_family(source: Path) -> None:
+    config = model_config_from_hf(json.loads((source / "config.json").read_text()), source / "config.json")[1]
+    assert config.use_parallel_residual is True
+    assert infer_family(config).architecture == "GPTNeoXForCausalLM"
+    for family in ORDERED[:-1]:
+        assert family_mismatches(family, config) + unmapped_losses(family.architecture, config), family.architecture
+    llama_like = config.replace(normalization="RMSNorm", gated_linear_unit=True, activation="silu",
+                                add_bias_linear=False, rotary_percent=1.0)
+    assert infer_family(llama_like.replace(use_parallel_residual=False)).architecture == "LlamaForCausalLM"
+    with pytest.raises(PgconvertError, match="LlamaForCausalLM: use_parallel_residual=True: LlamaForCausalLM has no "
+                                             "such setting"):
+        infer_family(llama_like)

@@ -12,17 +12,17 @@ checks the args pgconvert writes as well as the tensors.
 from __future__ import annotations
 
 import argparse
-import math
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from support.family_helpers import rank_qkv, save_with_side_files, seeded_model
+from support.family_helpers import save_with_side_files, seeded_model
 from support.family_helpers import vocab_parallel_embedding, vocab_parallel_logits
 from support.hf_helpers import _replicated
 from support.hf_side_helpers import BOS, EOS, PAD
-from support.llama_like_helpers import _apply_rope, _rope_tables
+from support.llama_like_helpers import _attention as llama_like_attention
+from support.llama_like_helpers import _rope_tables
 from transformers import PreTrainedModel
 
 Ranks = list[dict[str, torch.Tensor]]
@@ -86,18 +86,10 @@ def _bias(models: Ranks, key: str, args: argparse.Namespace) -> torch.Tensor | f
 
 def _attention(models: Ranks, prefix: str, h: torch.Tensor, args: argparse.Namespace,
                rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Column-parallel QKV by query group (biased), rotate-half RoPE on the first rotary_percent of each head,
-    causal softmax, row-parallel output summed over the ranks, then its bias."""
-    per_group, head_dim = args.num_attention_heads // args.num_query_groups, args.kv_channels
-    batch, seq, _ = h.shape
-    mask = torch.ones(seq, seq, dtype=torch.bool).tril()
-    out = torch.zeros_like(h)
-    for model in models:
-        q, k, v = (t.transpose(1, 2) for t in rank_qkv(model, prefix, h, per_group, head_dim))
-        q, k = _apply_rope(q, rope), _apply_rope(k, rope)
-        k, v = (t.repeat_interleave(per_group, dim=1) for t in (k, v))
-        scores = ((q @ k.transpose(-1, -2)) / math.sqrt(head_dim)).masked_fill(~mask, float("-inf")).softmax(-1)
-        out += (scores @ v).transpose(1, 2).reshape(batch, seq, -1) @ model[prefix + "self_attention.linear_proj.weight"].T
+    """The Llama-like reference's causal attention (column-parallel QKV by query group with its bias, rotate-half
+    RoPE on the first rotary_percent of each head, row-parallel output summed), then linear_proj's bias."""
+    mask = torch.ones(h.shape[1], h.shape[1], dtype=torch.bool).tril()
+    out = llama_like_attention(models, prefix, h, args, rope, mask)
     return out + _bias(models, prefix + "self_attention.linear_proj.bias", args)
 
 

@@ -101,11 +101,12 @@ def test_the_family_list_gives_the_registry_and_the_inference_order() -> None:
         "Glm4MoeForCausalLM", "GptOssForCausalLM", "Qwen2MoeForCausalLM", "GraniteForCausalLM", "MinistralForCausalLM",
         "SmolLM3ForCausalLM", "Phi3ForCausalLM", "SeedOssForCausalLM", "ArceeForCausalLM", "Ernie4_5ForCausalLM",
         "NemotronHForCausalLM", "MiniMaxM2ForCausalLM", "Dots1ForCausalLM", "Starcoder2ForCausalLM",
-        "GPTNeoXForCausalLM")
+        "GPTNeoXForCausalLM", "CohereForCausalLM")
     assert list(families.FAMILIES.values()) == list(families.ORDERED)
     assert families.supported_architectures() == sorted(families.INFERENCE_ORDER)
     assert families.CARRIED_ARGS == ("embedding_multiplier", "residual_multiplier", "logits_scaling",
-                                     "hf_rope_parameters", "time_step_min", "use_parallel_residual")
+                                     "hf_rope_parameters", "time_step_min", "use_parallel_residual",
+                                     "shared_input_layernorm", "layernorm_bias", "logit_scale")
 
 
 def test_hf_spellings_give_each_familys_note_or_the_rows_text() -> None:

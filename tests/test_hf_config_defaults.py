@@ -78,6 +78,11 @@ KEPT_NULLS: dict[tuple[str, str, str], Expected] = {
     # rotary_pct): kept as unknown attributes and never read; its RoPE takes default_theta and 0.25.
     ("GPTNeoXForCausalLM", "*", "older spelling of rope_theta, null rope_theta"): _same,
     ("GPTNeoXForCausalLM", "*", "older spelling of rope_theta, null partial_rotary_factor"): _same,
+    # CohereLayerNorm: rsqrt(variance + eps) with eps None; CohereForCausalLM: logits * logit_scale with None.
+    ("CohereForCausalLM", "*", "null layer_norm_eps"): REFUSED,
+    ("CohereForCausalLM", "*", "null logit_scale"): REFUSED,
+    # CohereAttention: `if self.use_qk_norm` builds and applies no q/k norm for None.
+    ("CohereForCausalLM", "*", "null use_qk_norm"): _same,
     # eager_attention_forward: dropout only while training (p=None raises there, not at inference).
     ("*", "*", "null attention_dropout"): _same,
     # Attention modules of classes without head_dim: getattr(config, "head_dim", hidden // heads) is None.

@@ -146,7 +146,7 @@ def test_a_parallel_model_fits_no_other_family(source: Path) -> None:
     config = model_config_from_hf(json.loads((source / "config.json").read_text()), source / "config.json")[1]
     assert config.use_parallel_residual is True
     assert infer_family(config).architecture == "GPTNeoXForCausalLM"
-    for family in ORDERED[:-1]:
+    for family in (family for family in ORDERED if family.architecture != "GPTNeoXForCausalLM"):
         assert family_mismatches(family, config) + unmapped_losses(family.architecture, config), family.architecture
     llama_like = config.replace(normalization="RMSNorm", gated_linear_unit=True, activation="silu",
                                 add_bias_linear=False, rotary_percent=1.0)

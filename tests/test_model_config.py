@@ -113,6 +113,9 @@ EXPECTED: dict[str, object] = {
     'mamba_num_heads': None,
     'time_step_min': 0.0,
     'use_parallel_residual': False,
+    'shared_input_layernorm': False,
+    'layernorm_bias': True,
+    'logit_scale': 1.0,
 }
 
 
@@ -130,7 +133,7 @@ def test_every_setting_lives_in_exactly_one_place() -> None:
         assert {item.name for item in dataclasses.fields(cls)} == {
             name for name, where in SETTING_GROUPS.items() if where == group}, group
     assert own == {name for name, where in SETTING_GROUPS.items() if where is None}
-    assert len(SETTING_GROUPS) == 82
+    assert len(SETTING_GROUPS) == 85
 
 
 def test_the_grouped_form_builds_the_same_config() -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pgconvert.families import (
     arcee,
+    cohere,
     deepseek,
     dots,
     ernie,
@@ -55,6 +56,7 @@ from pgconvert.semantics.carried import CarriedSetting
 # StarCoder2 after them: the only family with LayerNorm and a non-gated tanh GELU.
 # GPT-NeoX last: the only family with LayerNorm and a non-gated exact GELU, and the only one holding
 # use_parallel_residual (a parallel model fits no family before it: formats.hf.unmapped_losses).
+# Cohere after it: only a parallel layer with one shared norm, LayerNorms without a bias fits it.
 ORDERED: tuple[Family, ...] = (
     deepseek.DEEPSEEK_V3,
     deepseek.DEEPSEEK_V2,
@@ -86,6 +88,7 @@ ORDERED: tuple[Family, ...] = (
     dots.DOTS1,
     starcoder2.STARCODER2,
     gpt_neox.GPT_NEOX,
+    cohere.COHERE,
 )
 
 FAMILIES: dict[str, Family] = {family.architecture: family for family in ORDERED}

@@ -18,18 +18,14 @@ as megatron-core's does.
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Mapping
-from pathlib import Path
-from typing import Any
 
 from pgconvert.families.llama import ROPE_BASE_NULL, ROPE_DEFAULT, ROPE_RULE, read_rope, write_partial_rope
 from pgconvert.families.table import (DROPPED, ConfigField, ConfigRule, Family, TensorMapping, TensorTable,
                                       read_nothing, write_nothing)
 from pgconvert.io.limits import quote
 from pgconvert.model.config import POSTNORM_OFF, ModelConfig
-from pgconvert.semantics.arg_values import flag
-from pgconvert.semantics.carried import CarriedSetting
+from pgconvert.semantics.carried import CarriedSetting, read_flag
 from pgconvert.semantics.rope import rope_parameters
 
 _L = "gpt_neox.layers.{}."
@@ -53,6 +49,9 @@ GPT_NEOX_TENSORS = TensorTable((
     *(TensorMapping(None, (_L + f"attention.{buffer}",), DROPPED)
       for buffer in ("bias", "masked_bias", "rotary_emb.inv_freq")),
 ))
+
+# transformers' name for the parallel layer (GPT-NeoX's config.json key), carried in Megatron args.
+PARALLEL_RESIDUAL = CarriedSetting("use_parallel_residual", False, read_flag)
 
 # GPTNeoXConfig.convert_rope_params_to_dict: rope_parameters.partial_rotary_factor, else rotary_pct, else 0.25.
 _DEFAULT_PARTIAL = 0.25
@@ -98,10 +97,6 @@ def _refuses_grouped_heads(config: ModelConfig) -> str | None:
     return None
 
 
-def _flag(args: argparse.Namespace, name: str, default: Any, path: Path) -> object:
-    return flag(args, name, path)
-
-
 GPT_NEOX = Family(
     architecture="GPTNeoXForCausalLM",
     model_type="gpt_neox",
@@ -130,7 +125,7 @@ GPT_NEOX = Family(
     hf_fixed={"hidden_act": "gelu", "attention_bias": True},
     hf_scratch=ROPE_DEFAULT,
     hf_computes=frozenset({"rotary_percent"}),
-    megatron_carried=(CarriedSetting("use_parallel_residual", False, _flag),),
+    megatron_carried=(PARALLEL_RESIDUAL,),
     hf_notes={"rope theta": "rope_parameters.rope_theta (older: rotary_emb_base)",
               "rotary percent": "rope_parameters.partial_rotary_factor (older: rotary_pct; absent: 0.25)",
               "normalization": "LayerNorm with biases (fixed)", "norm epsilon": "layer_norm_eps",

@@ -250,6 +250,12 @@ class CarriedConfig:
     # Attention and MLP side by side on the layer's input, x + attn(ln1(x)) + mlp(ln2(x)) (GPT-NeoX's
     # use_parallel_residual); megatron-core's TransformerLayer runs the MLP on the attention's output.
     use_parallel_residual: bool = False
+    # With it, one norm for both sublayers, x + attn(ln(x)) + mlp(ln(x)) (Cohere): no pre_mlp_layernorm.
+    shared_input_layernorm: bool = False
+    # LayerNorms without a bias (Cohere's CohereLayerNorm); megatron-core's LayerNorm always has one.
+    layernorm_bias: bool = True
+    # The logits multiplied by it (Cohere's logit_scale).
+    logit_scale: float = 1.0
 
 
 # The sub-configs, by their attribute on ModelConfig.
@@ -288,7 +294,8 @@ SETTING_GROUPS: dict[str, str | None] = {
     "activation_func_clamp_value": "mlp", "softmax_scale": "attention", "mtp_num_layers": None,
     "mtp_layer_module": None, "hybrid_override_pattern": None, "mamba_state_dim": "mamba",
     "mamba_head_dim": "mamba", "mamba_num_groups": "mamba", "mamba_num_heads": "mamba", "time_step_min": "carried",
-    "use_parallel_residual": "carried",
+    "use_parallel_residual": "carried", "shared_input_layernorm": "carried", "layernorm_bias": "carried",
+    "logit_scale": "carried",
 }
 
 
@@ -415,6 +422,11 @@ class ModelConfig(SettingsByName):
     def mtp_layers(self) -> tuple[MTPLayerSpec, ...]:
         """Every MTP layer's spec (``mtp_num_layers`` of them)."""
         return mtp_layer_specs(self)
+
+    @property
+    def has_norm_bias(self) -> bool:
+        """The norms have a bias: LayerNorm, unless carried without one (Cohere)."""
+        return self.norms.normalization == "LayerNorm" and self.carried.layernorm_bias
 
     @property
     def has_qkv_bias(self) -> bool:
@@ -592,6 +604,8 @@ def _check_computation_settings(config: ModelConfig) -> None:
             _require_positive_number(name, value)
     _check_windows(config)
     _check_carried(config.carried)
+    if config.carried.shared_input_layernorm and config.moe.num_experts is not None:
+        raise _violates("shared_input_layernorm", True, "an MoE layer keeps its pre_mlp_layernorm")
     _check_no_rope_layers(config)
 
 
@@ -644,11 +658,16 @@ def _check_router_groups(moe: MoEConfig) -> None:
 
 
 def _check_carried(carried: CarriedConfig) -> None:
-    """Granite's multipliers: positive finite numbers; the parallel layer: a flag."""
-    for name in ("embedding_multiplier", "residual_multiplier", "logits_scaling"):
+    """Granite's multipliers and Cohere's logit scale: positive finite numbers; the parallel layer's switches and
+    the norm bias: flags, one shared norm only in a parallel layer."""
+    for name in ("embedding_multiplier", "residual_multiplier", "logits_scaling", "logit_scale"):
         _require_positive_number(name, getattr(carried, name))
-    if not isinstance(carried.use_parallel_residual, bool):
-        raise _violates("use_parallel_residual", carried.use_parallel_residual, "must be true or false")
+    for name in ("use_parallel_residual", "shared_input_layernorm", "layernorm_bias"):
+        if not isinstance(getattr(carried, name), bool):
+            raise _violates(name, getattr(carried, name), "must be true or false")
+    if carried.shared_input_layernorm and not carried.use_parallel_residual:
+        raise _violates("shared_input_layernorm", True, "needs use_parallel_residual (the MLP reads the attention's "
+                                                        "input norm only in a parallel layer)")
 
 
 def _check_no_rope_layers(config: ModelConfig) -> None:

@@ -160,7 +160,7 @@ def canonical_names(config: ModelConfig) -> list[str]:
     for layer in range(config.num_layers):
         names.extend(tensor.canonical for tensor in layer_tensors(config, layer))
     names.append(FINAL_NORM_WEIGHT)
-    if config.norms.normalization == "LayerNorm":
+    if config.has_norm_bias:
         names.append(FINAL_NORM_BIAS)
     names.extend(tensor.canonical for tensor in mtp_tensors(config))  # GPTModel registers mtp here
     if not config.tie_embeddings:
@@ -370,7 +370,7 @@ def final_norm_local_name(config: ModelConfig, canonical: str) -> str:
 def _add_final_norm(config: ModelConfig, add: _SpecAdder) -> None:
     """The last stage's final norm."""
     add(final_norm_local_name(config, FINAL_NORM_WEIGHT), FINAL_NORM_WEIGHT, (config.hidden_size,), REPLICATED)
-    if config.norms.normalization == "LayerNorm":
+    if config.has_norm_bias:
         add(final_norm_local_name(config, FINAL_NORM_BIAS), FINAL_NORM_BIAS, (config.hidden_size,), REPLICATED)
 
 

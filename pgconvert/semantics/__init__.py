@@ -192,12 +192,21 @@ SEMANTICS: tuple[Setting, ...] = (
     Setting("Mamba time-step clamp", ("time_step_min",), ("time_step_min",), _ARGS.format("time_step_min"), "none",
             "megatron-core does not clamp: carried in args and pgconvert.json with a notice on every Megatron "
             "output; --strict refuses a Megatron target"),
-    Setting("parallel attention and MLP", ("use_parallel_residual",), ("use_parallel_residual",),
-            _ARGS.format("use_parallel_residual"), "none (other families: the MLP after the attention)",
-            "x + attn(ln1(x)) + mlp(ln2(x)); megatron-core 0.16.1's TransformerLayer.forward runs the MLP on the "
-            "attention's output (transformer/transformer_layer.py:513-518) and no config field changes that: "
+    Setting("parallel attention and MLP", ("use_parallel_residual", "shared_input_layernorm"),
+            ("use_parallel_residual", "shared_input_layernorm"),
+            _ARGS.format("use_parallel_residual / shared_input_layernorm"),
+            "none (other families: the MLP after the attention)",
+            "x + attn(ln1(x)) + mlp(ln2(x)), with one shared norm x + attn(ln(x)) + mlp(ln(x)); megatron-core "
+            "0.16.1's TransformerLayer.forward runs the MLP on the attention's output (transformer/transformer_layer.py:513-518) and no config field changes that: "
             "carried in args and pgconvert.json with a notice on every Megatron output; --strict refuses a "
             "Megatron target"),
+    Setting("LayerNorm bias", ("layernorm_bias",), ("layernorm_bias",), _ARGS.format("layernorm_bias"),
+            "none (other families: LayerNorm with a bias, RMSNorm without)",
+            "False: LayerNorms without a bias (Cohere); megatron-core's LayerNorm always has one "
+            "(transformer/torch_norm.py:38-39, torch.nn.LayerNorm): carried with a notice; --strict refuses"),
+    Setting("logit scale", ("logit_scale",), ("logit_scale",), _ARGS.format("logit_scale"), "none",
+            "the logits multiplied by it (Cohere); megatron-core has no such setting (models/gpt/gpt_model.py:685): "
+            "carried with a notice; --strict refuses"),
 )
 
 SEMANTIC_FIELDS: tuple[str, ...] = tuple(dict.fromkeys(name for row in SEMANTICS for name in row.fields))
@@ -214,6 +223,9 @@ FAMILY_SPECIFIC_SETTINGS: dict[str, object] = {
     "softmax_scale": None,
     "time_step_min": 0.0,
     "use_parallel_residual": False,
+    "shared_input_layernorm": False,
+    "layernorm_bias": True,
+    "logit_scale": 1.0,
 }
 
 

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pgconvert.errors import CheckpointError
+from pgconvert.io.limits import quote
 from pgconvert.model.config import ModelConfig
 
 
@@ -29,6 +31,16 @@ class CarriedSetting:
     name: str
     default: object
     read: Callable[[argparse.Namespace, str, Any, Path], object]
+
+
+def read_flag(args: argparse.Namespace, name: str, default: Any, path: Path) -> bool:
+    """A ``CarriedSetting.read`` of a switch: True or False, ``default`` where absent or None."""
+    value = getattr(args, name, None)
+    if value is None:
+        return bool(default)
+    if not isinstance(value, bool):
+        raise CheckpointError(f"{path}: args.{name}={quote(value)}: expected True or False")
+    return value
 
 
 def from_args(carried: Sequence[CarriedSetting], args: argparse.Namespace, path: Path) -> dict[str, Any]:

@@ -1,28 +1,28 @@
-"""Test helpers for the families whose decoder layer runs attention and MLP side by side (GPT-NeoX): tiny
+"""Test helpers for the families whose decoder layer runs attention and MLP side by side (GPT-NeoX, Cohere): tiny
 seeded models as ``save_pretrained`` writes them, and an independent tensor-parallel forward over Megatron
 rank files driven by the files' own ``args``.
 
 Nothing here imports pgconvert. The reference forward reads each TP rank's ``model`` dict with ``torch.load``
 (hf_helpers.read_megatron_tp_ranks) and the settings from the rank file's ``args`` (normalization and
-norm_epsilon, add_bias_linear, rotary_percent and rotary_base, the activation, and the carried
-``use_parallel_residual``: ``x + attn(ln1(x)) + mlp(ln2(x))`` where true, else the sequential layer), so it
-checks the args pgconvert writes as well as the tensors.
+norm_epsilon, add_bias_linear, rotary_percent, rotary_base and rotary_interleaved, the activation, and the carried
+``use_parallel_residual``: ``x + attn(ln1(x)) + mlp(ln2(x))`` where true, else the sequential layer;
+``shared_input_layernorm``: ``ln2`` is ``ln1``; ``logit_scale``), so it checks the args pgconvert writes as well as
+the tensors; a norm bias is applied where the files hold one.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from support.family_helpers import save_with_side_files, seeded_model
+from support.family_helpers import rank_qkv, save_with_side_files, seeded_model, tp_swiglu
 from support.family_helpers import vocab_parallel_embedding, vocab_parallel_logits
 from support.hf_helpers import _replicated
 from support.hf_side_helpers import BOS, EOS, PAD
-from support.llama_like_helpers import _attention as llama_like_attention
-from support.llama_like_helpers import _rope_tables
 from transformers import PreTrainedModel
 
 Ranks = list[dict[str, torch.Tensor]]
@@ -34,6 +34,13 @@ def parallel_block_configs() -> dict[str, tuple[Any, Any, dict[str, Any]]]:
     import transformers as t
 
     return {
+        # c4ai-command-r-v01's: one norm (LayerNorm without bias) shared by attention and MLP side by side, MHA,
+        # SwiGLU, interleaved rotary over the whole head with base 8e6, logits x 0.0625, no biases, tied.
+        "cohere": (t.CohereConfig, t.CohereForCausalLM, dict(
+            hidden_size=64, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8, intermediate_size=176,
+            vocab_size=VOCAB, max_position_embeddings=131072, layer_norm_eps=1e-5, logit_scale=0.0625,
+            rope_parameters={"rope_type": "default", "rope_theta": 8000000.0}, use_qk_norm=False,
+            attention_bias=False, tie_word_embeddings=True, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD)),
         # pythia-160m / 1.4b's: MHA, head 16 here (64 there) with a quarter of it rotated (rotary_pct 0.25), base
         # 1e4, FFN 4 x hidden, exact GELU, LayerNorm eps 1e-5, biases everywhere, parallel residual, untied
         # embed_out, 2048 positions.
@@ -84,12 +91,36 @@ def _bias(models: Ranks, key: str, args: argparse.Namespace) -> torch.Tensor | f
     return _replicated(models, key) if args.add_bias_linear else 0.0
 
 
-def _attention(models: Ranks, prefix: str, h: torch.Tensor, args: argparse.Namespace,
-               rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """The Llama-like reference's causal attention (column-parallel QKV by query group with its bias, rotate-half
-    RoPE on the first rotary_percent of each head, row-parallel output summed), then linear_proj's bias."""
-    mask = torch.ones(h.shape[1], h.shape[1], dtype=torch.bool).tril()
-    out = llama_like_attention(models, prefix, h, args, rope, mask)
+def _rope(t: torch.Tensor, args: argparse.Namespace) -> torch.Tensor:
+    """RoPE over the first rotary_percent of each head of ``t`` [batch, heads, seq, d]: rotate-half, or with
+    args.rotary_interleaved pairs of neighbouring channels (2i, 2i + 1) turned by the same angle."""
+    dim, seq = int(args.kv_channels * getattr(args, "rotary_percent", 1.0)), t.shape[-2]
+    inv_freq = 1.0 / (args.rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    angles = torch.arange(seq, dtype=torch.float64)[:, None] * inv_freq[None, :]
+    turned, rest = t[..., :dim], t[..., dim:]
+    if getattr(args, "rotary_interleaved", False):
+        angles = angles.repeat_interleave(2, dim=-1)
+        rotated = torch.stack((-turned[..., 1::2], turned[..., 0::2]), dim=-1).flatten(-2)
+    else:
+        angles = torch.cat([angles, angles], dim=-1)
+        first, second = turned.chunk(2, dim=-1)
+        rotated = torch.cat([-second, first], dim=-1)
+    return torch.cat([turned * angles.cos() + rotated * angles.sin(), rest], dim=-1)
+
+
+def _attention(models: Ranks, prefix: str, h: torch.Tensor, args: argparse.Namespace) -> torch.Tensor:
+    """Column-parallel QKV by query group (biased where the files hold a bias), RoPE, causal softmax, row-parallel
+    output summed over the ranks, then linear_proj's bias."""
+    per_group, head_dim = args.num_attention_heads // args.num_query_groups, args.kv_channels
+    batch, seq, _ = h.shape
+    mask = torch.ones(seq, seq, dtype=torch.bool).tril()
+    out = torch.zeros_like(h)
+    for model in models:
+        q, k, v = (t.transpose(1, 2) for t in rank_qkv(model, prefix, h, per_group, head_dim))
+        q, k = _rope(q, args), _rope(k, args)
+        k, v = (t.repeat_interleave(per_group, dim=1) for t in (k, v))
+        scores = ((q @ k.transpose(-1, -2)) / math.sqrt(head_dim)).masked_fill(~mask, float("-inf")).softmax(-1)
+        out += (scores @ v).transpose(1, 2).reshape(batch, seq, -1) @ model[prefix + "self_attention.linear_proj.weight"].T
     return out + _bias(models, prefix + "self_attention.linear_proj.bias", args)
 
 
@@ -100,7 +131,11 @@ def _activation(args: argparse.Namespace) -> Any:
 
 
 def _mlp(models: Ranks, prefix: str, h: torch.Tensor, args: argparse.Namespace) -> torch.Tensor:
-    """Column-parallel fc1 (its bias split with it), the activation, row-parallel fc2 summed, then its bias."""
+    """SwiGLU (``args.swiglu``), or column-parallel fc1 (its bias split with it), the activation, row-parallel fc2
+    summed, then its bias."""
+    if args.swiglu:
+        assert not args.add_bias_linear, "a SwiGLU with biases"
+        return tp_swiglu(models, prefix + "mlp.", h)
     act, out = _activation(args), torch.zeros_like(h)
     for model in models:
         up = h @ model[prefix + "mlp.linear_fc1.weight"].T
@@ -112,16 +147,18 @@ def _mlp(models: Ranks, prefix: str, h: torch.Tensor, args: argparse.Namespace) 
 
 def parallel_block_logits(models: Ranks, args: argparse.Namespace, ids: torch.Tensor) -> torch.Tensor:
     """Logits (float64) of TP-sharded rank files as ``args`` describe the model: each layer
-    ``x + attn(ln1(x)) + mlp(ln2(x))`` where ``args.use_parallel_residual``, else the MLP after the attention's
-    residual add; final norm and vocab-parallel logits."""
-    rope = _rope_tables(args, ids.shape[1])
+    ``x + attn(ln1(x)) + mlp(ln2(x))`` where ``args.use_parallel_residual`` (``ln2`` = ``ln1`` where
+    ``args.shared_input_layernorm``), else the MLP after the attention's residual add; final norm, vocab-parallel
+    logits times ``args.logit_scale``."""
     parallel = getattr(args, "use_parallel_residual", False)
+    shared = getattr(args, "shared_input_layernorm", False)
     x = vocab_parallel_embedding(models, ids)
     for layer in range(args.num_layers):
         prefix = f"decoder.layers.{layer}."
-        attention = _attention(models, prefix, _norm(models, prefix + "input_layernorm", x, args), args, rope)
+        attention_input = _norm(models, prefix + "input_layernorm", x, args)
+        attention = _attention(models, prefix, attention_input, args)
         mlp_input = x if parallel else x + attention
-        mlp = _mlp(models, prefix, _norm(models, prefix + "pre_mlp_layernorm", mlp_input, args), args)
-        x = mlp_input + mlp + (attention if parallel else 0.0)
+        normed = attention_input if shared else _norm(models, prefix + "pre_mlp_layernorm", mlp_input, args)
+        x = mlp_input + _mlp(models, prefix, normed, args) + (attention if parallel else 0.0)
     x = _norm(models, "decoder.final_layernorm", x, args)
-    return vocab_parallel_logits(models, x, args.vocab_size)
+    return vocab_parallel_logits(models, x, args.vocab_size) * (getattr(args, "logit_scale", None) or 1.0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from pgconvert.model.kinds.table import (LayerKind, TEModule, TensorKind, fc1_rule, fused_norm_name, hidden,
-                                         linear_bias, pre_norm, pre_norm_bias)
+                                         linear_bias, pre_mlp_norm, pre_mlp_norm_bias)
 from pgconvert.model.layers import DENSE_MLP
 from pgconvert.model.rules import REPLICATED, ROW
 
@@ -24,9 +24,9 @@ def _fc1_rows(c: ModelConfig) -> tuple[int, ...]:
 
 
 KIND = LayerKind(DENSE_MLP, tensors=(
-    TensorKind("pre_mlp_layernorm.weight", hidden, REPLICATED, pre_norm,
+    TensorKind("pre_mlp_layernorm.weight", hidden, REPLICATED, pre_mlp_norm,
                te_name=fused_norm_name("pre_mlp_layernorm.weight"), norm_weight=True),
-    TensorKind("pre_mlp_layernorm.bias", hidden, REPLICATED, pre_norm_bias,
+    TensorKind("pre_mlp_layernorm.bias", hidden, REPLICATED, pre_mlp_norm_bias,
                te_name=fused_norm_name("pre_mlp_layernorm.bias")),
     TensorKind("mlp.linear_fc1.weight", lambda c: (c.mlp.fc1_rows, c.hidden_size), fc1_rule),
     TensorKind("mlp.linear_fc1.bias", _fc1_rows, fc1_rule, linear_bias),

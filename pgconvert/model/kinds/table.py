@@ -128,8 +128,8 @@ def hidden(config: ModelConfig) -> tuple[int, ...]:
 
 
 def layernorm(config: ModelConfig) -> bool:
-    """LayerNorm (not RMSNorm): norms have a bias."""
-    return config.norms.normalization == "LayerNorm"
+    """LayerNorm (not RMSNorm) with a bias: norms have a bias."""
+    return config.has_norm_bias
 
 
 def linear_bias(config: ModelConfig) -> bool:
@@ -142,6 +142,15 @@ def pre_norm(config: ModelConfig) -> bool:
 
 def pre_norm_bias(config: ModelConfig) -> bool:
     return config.norms.pre_layernorms and layernorm(config)
+
+
+def pre_mlp_norm(config: ModelConfig) -> bool:
+    """The MLP's own pre-norm: none where it reads the attention's input norm (a parallel layer's shared norm)."""
+    return pre_norm(config) and not config.carried.shared_input_layernorm
+
+
+def pre_mlp_norm_bias(config: ModelConfig) -> bool:
+    return pre_mlp_norm(config) and layernorm(config)
 
 
 def fc1_rule(config: ModelConfig) -> ShardRule:

@@ -367,8 +367,8 @@ def _check_carried(config: ModelConfig, strict: bool, notices: list[str],
     if not settings:
         return
     message = (f"{', '.join(settings)}: megatron-core has no such setting, so a Megatron run of this checkpoint "
-               "computes without it; carried in args (transformers' names) and pgconvert.json, so converting "
-               "back to HF restores it")
+               "computes without it; carried in args (transformers' names where it has them) and pgconvert.json, so "
+               "converting back to HF restores it")
     if strict:
         raise StrictModeError(f"--strict: refusing a target that computes differently: {message}")
     notices.append(message)

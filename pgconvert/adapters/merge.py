@@ -20,7 +20,7 @@ import torch
 from pgconvert.adapters.peft import ExpertsPair, PeftAdapter, read_peft_adapter
 from pgconvert.errors import ValidationError
 from pgconvert.families import mtp
-from pgconvert.families.table import Family, TensorMapping
+from pgconvert.families.table import TensorMapping
 from pgconvert.formats.hf import infer_family
 from pgconvert.formats.stream import CanonicalSource
 from pgconvert.model.provider import VOCAB_TABLES

@@ -224,7 +224,7 @@ def test_inspect_describes_an_adapter_and_fails_on_a_bad_one(llama: dict[str, Pa
     assert adapter["modules"] == sorted(f"{part}.{name}" for part, names in (
         ("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")), ("mlp", ("gate_proj", "up_proj", "down_proj")))
         for name in names)
-    assert adapter["layers"] == [0, 1, 2, 3]
+    assert adapter["layers"] == [0, 1, 2, 3] and adapter["saved_weights"] == []
     bad = _bad_copy(llama["adapter"], tmp_path)
     _edit_config(bad, use_dora=True)
     result = CliRunner().invoke(main, ["inspect", str(bad)])

@@ -175,6 +175,8 @@ def describe_adapter(adapter: PeftAdapter) -> dict[str, Any]:
         "scalings": sorted({pair.scaling for pair in adapter.pairs.values()}),
         "modules": modules,
         "layers": layers,
+        # The whole weights it holds (modules_to_save, an adapted embedding's base), which take the model's place.
+        "saved_weights": sorted(adapter.replacements),
         "dtypes": sorted({str(meta.dtype).removeprefix("torch.") for meta in metas.values()}),
         "bytes": sum(meta.nbytes for meta in metas.values()),
     }

@@ -603,6 +603,7 @@ def _adapter_rows(adapter: dict[str, Any]) -> list[tuple[str, str]]:
                   f"{', '.join(f'{value:g}' for value in adapter['scalings'])})"),
         ("modules", _wrapped(", ".join(adapter["modules"]))),
         ("layers", f"{len(layers)} ({layers[0]}–{layers[-1]})" if layers else "none"),
+        ("saved", _wrapped(", ".join(adapter["saved_weights"])) if adapter["saved_weights"] else "none"),
         ("dtypes", f"{', '.join(adapter['dtypes'])}, {_format_bytes(adapter['bytes'])}"),
     ]
 

@@ -224,7 +224,7 @@ def test_inspect_describes_an_adapter_and_fails_on_a_bad_one(llama: dict[str, Pa
     assert adapter["modules"] == sorted(f"{part}.{name}" for part, names in (
         ("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")), ("mlp", ("gate_proj", "up_proj", "down_proj")))
         for name in names)
-    assert adapter["layers"] == [0, 1, 2, 3]
+    assert adapter["layers"] == [0, 1, 2, 3] and adapter["saved_weights"] == []
     bad = _bad_copy(llama["adapter"], tmp_path)
     _edit_config(bad, use_dora=True)
     result = CliRunner().invoke(main, ["inspect", str(bad)])
@@ -257,3 +257,46 @@ def test_mixtral_experts_adapter_finds_its_tensors_under_their_stored_names(tmp_
     out = tmp_path / "out"
     pgconvert.convert(base, out, dst_format="hf", merge_adapter=adapter)
     assert_tensors_equal(reference, out)
+
+
+def test_embedding_and_output_layer_adapters_merge_at_any_vocab_padding(llama: dict[str, Path], tmp_path: Path) -> None:
+    """LoRA on embed_tokens (lora_embedding_A/B, delta (B @ A)^T) and lm_head (a Linear pair), with the base weights
+    PEFT saves beside them: merged at TP2, where Megatron pads the vocab tables, the padding rows untouched."""
+    adapter = make_adapter(llama["base"], tmp_path / "adapter", seed=7, r=2, lora_alpha=4,
+                           target_modules=["q_proj", "embed_tokens", "lm_head"])
+    keys = json.loads((adapter / "adapter_config.json").read_text())["target_modules"]
+    assert sorted(keys) == ["embed_tokens", "lm_head", "q_proj"]
+    reference = peft_merged(llama["base"], adapter, tmp_path / "reference")
+    assert {"model.embed_tokens.weight", "lm_head.weight"} <= changed(llama["base"], reference)
+    megatron = tmp_path / "megatron"
+    pgconvert.convert(llama["base"], megatron, dst_format="megatron", dst_tp=2, merge_adapter=adapter)
+    back = tmp_path / "back"
+    pgconvert.convert(megatron, back, dst_format="hf")
+    assert_tensors_equal(reference, back)
+
+
+def test_modules_to_save_take_the_place_of_the_models_weights(llama: dict[str, Path], tmp_path: Path) -> None:
+    """modules_to_save (a trained copy of the output layer and of one layer's input norm) replace the model's; the
+    LoRA pairs beside them still merge."""
+    adapter = make_adapter(llama["base"], tmp_path / "adapter", seed=8, r=2, lora_alpha=4, target_modules=["v_proj"],
+                           modules_to_save=["lm_head", "layers.2.input_layernorm"])
+    reference = peft_merged(llama["base"], adapter, tmp_path / "reference")
+    assert {"lm_head.weight", "model.layers.2.input_layernorm.weight"} <= changed(llama["base"], reference)
+    out = tmp_path / "out"
+    pgconvert.convert(llama["base"], out, dst_format="megatron", dst_tp=2, dst_pp=2, merge_adapter=adapter)
+    pgconvert.convert(out, tmp_path / "back", dst_format="hf")
+    assert_tensors_equal(reference, tmp_path / "back")
+
+
+def test_an_adapter_for_a_resized_vocabulary_is_refused(llama: dict[str, Path], tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    resized = tmp_path / "resized"
+    model = AutoModelForCausalLM.from_pretrained(llama["base"], dtype=torch.float32)
+    model.resize_token_embeddings(1010)
+    model.save_pretrained(resized)
+    adapter = make_adapter(resized, tmp_path / "adapter", r=2, lora_alpha=4, target_modules=["embed_tokens"])
+    with pytest.raises(ValidationError, match=r"model.embed_tokens.weight: the adapter's (delta|saved weight) is "
+                                              r"\[1010, 64\], the model's weight \[1000, 64\]"):
+        pgconvert.convert(llama["base"], tmp_path / "out", dst_format="hf", merge_adapter=adapter)
+    assert not (tmp_path / "out").exists()

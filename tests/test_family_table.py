@@ -98,7 +98,8 @@ def test_the_family_list_gives_the_registry_and_the_inference_order() -> None:
         "DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM",
         "MistralForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM", "Gemma3ForCausalLM", "Gemma2ForCausalLM",
         "GemmaForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "OlmoeForCausalLM", "Glm4ForCausalLM",
-        "Glm4MoeForCausalLM", "GptOssForCausalLM", "Qwen2MoeForCausalLM", "GraniteForCausalLM", "MinistralForCausalLM",
+        "Glm4MoeForCausalLM", "GptOssForCausalLM", "Qwen2MoeForCausalLM", "GraniteForCausalLM",
+        "GraniteMoeForCausalLM", "MinistralForCausalLM",
         "SmolLM3ForCausalLM", "Phi3ForCausalLM", "SeedOssForCausalLM", "ArceeForCausalLM", "Ernie4_5ForCausalLM",
         "NemotronHForCausalLM", "MiniMaxM2ForCausalLM", "Dots1ForCausalLM", "Starcoder2ForCausalLM",
         "GPTNeoXForCausalLM", "CohereForCausalLM")

@@ -136,6 +136,12 @@ KEPT_NULLS: dict[tuple[str, str, str], Expected] = {
     **{("Dots1ForCausalLM", variant, "null sliding_window"): _no_window
        for variant in ("base", "n_group=4, topk_group=2")},
     ("Dots1ForCausalLM", "*", "null max_window_layers"): _same,
+    # Granite MoE: GraniteMoeConfig keeps a null multiplier, and its model multiplies by it (or scales the
+    # attention by it) as given.
+    **{("GraniteMoeForCausalLM", "*", f"null {key}"): REFUSED
+       for key in ("embedding_multiplier", "residual_multiplier", "logits_scaling", "attention_multiplier")},
+    # Granite MoE: the auxiliary loss is a training term (its coefficient is read only with output_router_logits).
+    ("GraniteMoeForCausalLM", "*", "null router_aux_loss_coef"): _same,
     # DeepSeek: q_lora_rank None builds q_proj without the low-rank path.
     ("DeepseekV3ForCausalLM", "*", "null q_lora_rank"): lambda doc: {"q_lora_rank": None},
     ("DeepseekV2ForCausalLM", "*", "null q_lora_rank"): lambda doc: {"q_lora_rank": None},

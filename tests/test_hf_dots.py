@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.glm4_moe_gpt_oss_helpers import SIDE_FILES, save_dots1
-from support.hf_helpers import assert_same_hf_tensors, edit_json, hf_logits, input_ids
+from support.glm4_moe_gpt_oss_helpers import save_dots1
+from support.hf_helpers import edit_json, hf_logits, input_ids
 from support.llama_like_helpers import megatron_args
+from support.round_trips import assert_round_trip
 
 import pgconvert
 from pgconvert.errors import PgconvertError
@@ -30,17 +31,7 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.mark.parametrize("source", ["release", "window-groups"])
 def test_hf_to_megatron_to_torch_dist_to_hf_is_bit_exact(sources: dict[str, Path], tmp_path: Path,
                                                          source: str) -> None:
-    src = sources[source]
-    pgconvert.convert(src, tmp_path / "megatron", dst_format="megatron", dst_tp=2, dst_pp=2, dst_ep=2, strict=True)
-    pgconvert.convert(tmp_path / "megatron", tmp_path / "dist", dst_format="torch_dist")
-    pgconvert.convert(tmp_path / "dist", tmp_path / "hf", dst_format="hf", dst_tp=1, dst_pp=1, dst_ep=1)
-
-    assert_same_hf_tensors(src, tmp_path / "hf")
-    assert json.loads((tmp_path / "hf" / "config.json").read_text()) == json.loads((src / "config.json").read_text())
-    for name in SIDE_FILES:
-        assert (tmp_path / "hf" / name).read_bytes() == (src / name).read_bytes(), name
-    ids = input_ids(1030)
-    torch.testing.assert_close(hf_logits(tmp_path / "hf", ids), hf_logits(src, ids), rtol=1e-5, atol=1e-5)
+    assert_round_trip(sources[source], tmp_path, input_ids(1030), dst_tp=2, dst_pp=2, dst_ep=2, strict=True)
 
 
 def test_megatron_args_hold_the_router_shared_experts_window_and_qk_norm(sources: dict[str, Path],

@@ -13,11 +13,9 @@ import pytest
 import torch
 from support.hf_helpers import assert_same_hf_tensors, hf_logits
 from support.llama_like_helpers import build_model, input_ids, megatron_args, save_model
+from support.round_trips import assert_round_trip
 
 import pgconvert
-
-SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
-
 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
@@ -29,17 +27,7 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.mark.parametrize("source", ["plain", "bias"])
 def test_hf_to_megatron_to_torch_dist_to_hf_is_bit_exact(sources: dict[str, Path], tmp_path: Path,
                                                          source: str) -> None:
-    src = sources[source]
-    pgconvert.convert(src, tmp_path / "megatron", dst_format="megatron", dst_tp=2, dst_pp=2)
-    pgconvert.convert(tmp_path / "megatron", tmp_path / "dist", dst_format="torch_dist")
-    pgconvert.convert(tmp_path / "dist", tmp_path / "hf", dst_format="hf", dst_tp=1, dst_pp=1)
-
-    assert_same_hf_tensors(src, tmp_path / "hf")
-    assert json.loads((tmp_path / "hf" / "config.json").read_text()) == json.loads((src / "config.json").read_text())
-    for name in SIDE_FILES:
-        assert (tmp_path / "hf" / name).read_bytes() == (src / name).read_bytes(), name
-    ids = input_ids()
-    torch.testing.assert_close(hf_logits(tmp_path / "hf", ids), hf_logits(src, ids), rtol=1e-5, atol=1e-5)
+    assert_round_trip(sources[source], tmp_path, input_ids(), dst_tp=2, dst_pp=2)
 
 
 def test_megatron_args_hold_the_interleaved_rotary_biases_and_release_defaults(sources: dict[str, Path],

@@ -16,16 +16,16 @@ from typing import Any
 import pytest
 import torch
 from support.hf_helpers import assert_same_hf_tensors, edit_json, hf_logits, load_hf_tensors, read_megatron_tp_ranks
+from support.round_trips import assert_round_trip
 from support.llama_like_helpers import MODEL_VOCAB, MOE_FAMILIES, build_model, input_ids, megatron_args, reference_logits, save_model
 
 import pgconvert
 from pgconvert.errors import CheckpointError, StrictModeError
 
-FAMILIES = ("qwen2_moe", "granite", "smollm3", "ministral", "phi3", "seed_oss", "arcee")
+FAMILIES = ("qwen2_moe", "granitemoe", "granite", "smollm3", "ministral", "phi3", "seed_oss", "arcee")
 # The reference forward below computes neither YaRN nor squared ReLU: Arcee's Megatron files are computed by
 # megatron-core's own forward (tests/test_megatron_core_families.py).
 REFERENCE_FAMILIES = tuple(family for family in FAMILIES if family != "arcee")
-SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
 @pytest.fixture(scope="module")
@@ -41,19 +41,7 @@ def _layout(family: str, pp: int) -> dict[str, int]:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_hf_to_megatron_to_torch_dist_to_hf_is_bit_exact_with_the_same_files_and_logits(
         sources: dict[str, Path], tmp_path: Path, family: str) -> None:
-    src = sources[family]
-
-    pgconvert.convert(src, tmp_path / "megatron", dst_format="megatron", **_layout(family, pp=2))
-    pgconvert.convert(tmp_path / "megatron", tmp_path / "dist", dst_format="torch_dist")
-    back = pgconvert.convert(tmp_path / "dist", tmp_path / "hf", dst_format="hf", dst_tp=1, dst_pp=1, dst_ep=1)
-
-    assert back.src_format == "torch_dist"
-    assert_same_hf_tensors(src, tmp_path / "hf")
-    assert json.loads((tmp_path / "hf" / "config.json").read_text()) == json.loads((src / "config.json").read_text())
-    for name in SIDE_FILES:
-        assert (tmp_path / "hf" / name).read_bytes() == (src / name).read_bytes(), name
-    ids = input_ids()
-    torch.testing.assert_close(hf_logits(tmp_path / "hf", ids), hf_logits(src, ids), rtol=1e-5, atol=1e-5)
+    assert_round_trip(sources[family], tmp_path, input_ids(), **_layout(family, pp=2))
 
 
 def _megatron_logits(src: Path, dst: Path, family: str) -> torch.Tensor:
@@ -518,3 +506,35 @@ def test_native_megatron_arcee_without_carried_config_is_written_as_arcee(source
     assert_same_hf_tensors(src, tmp_path / "hf")
     ids = input_ids()
     torch.testing.assert_close(hf_logits(tmp_path / "hf", ids), hf_logits(src, ids), rtol=1e-5, atol=1e-5)
+
+
+# --- Granite MoE ----------------------------------------------------------------------------------
+
+def test_granitemoe_args_hold_its_router_experts_and_multipliers(sources: dict[str, Path], tmp_path: Path) -> None:
+    pgconvert.convert(sources["granitemoe"], tmp_path / "megatron", dst_format="megatron", dst_tp=2, dst_ep=2)
+    args = megatron_args(tmp_path / "megatron")
+    assert (args.num_experts, args.moe_router_topk, args.moe_ffn_hidden_size) == (4, 2, 32)
+    assert (args.moe_router_score_function, args.moe_router_pre_softmax) == ("softmax", False)
+    assert (args.embedding_multiplier, args.residual_multiplier, args.logits_scaling) == (12.0, 0.22, 6.0)
+    assert args.softmax_scale == 0.015625
+
+
+def test_granitemoe_reference_forward_sees_the_router_and_the_multipliers(sources: dict[str, Path],
+                                                                          tmp_path: Path) -> None:
+    """A softmax over all experts before the top-k, or no residual multiplier, computes other logits."""
+    pgconvert.convert(sources["granitemoe"], tmp_path / "megatron", dst_format="megatron", dst_tp=2, dst_ep=2)
+    expected = hf_logits(sources["granitemoe"], input_ids()).to(torch.float64)
+    ranks = read_megatron_tp_ranks(tmp_path / "megatron")
+    for change in ({"moe_router_pre_softmax": True}, {"residual_multiplier": 1.0}):
+        args = megatron_args(tmp_path / "megatron")
+        for name, value in change.items():
+            setattr(args, name, value)
+        assert not torch.allclose(reference_logits(ranks, args, input_ids()), expected, rtol=1e-4, atol=1e-4), change
+
+
+def test_native_megatron_granitemoe_without_carried_config_is_written_as_granitemoe(
+        sources: dict[str, Path], tmp_path: Path) -> None:
+    written = written_from_args_alone(sources["granitemoe"], tmp_path, dst_tp=2, dst_ep=2)
+    assert written["architectures"] == ["GraniteMoeForCausalLM"]
+    assert (written["num_local_experts"], written["intermediate_size"], written["logits_scaling"]) == (4, 32, 6.0)
+    assert_same_hf_tensors(sources["granitemoe"], tmp_path / "hf")

@@ -11,15 +11,12 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
-from support.hf_helpers import assert_same_hf_tensors, edit_json, hf_logits
+from support.hf_helpers import assert_same_hf_tensors, edit_json
 from support.llama_like_helpers import build_model, input_ids, megatron_args, save_model
+from support.round_trips import assert_round_trip
 
 import pgconvert
 from pgconvert.errors import PgconvertError
-
-SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
-
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -27,17 +24,8 @@ def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_hf_to_megatron_to_torch_dist_to_hf_is_bit_exact(source: Path, tmp_path: Path) -> None:
-    report = pgconvert.convert(source, tmp_path / "megatron", dst_format="megatron", dst_tp=2, dst_pp=2)
+    report = assert_round_trip(source, tmp_path, input_ids(), dst_tp=2, dst_pp=2)
     assert any("args.openai_gelu=True (the tanh GELU)" in notice for notice in report.notices), report.notices
-    pgconvert.convert(tmp_path / "megatron", tmp_path / "dist", dst_format="torch_dist")
-    pgconvert.convert(tmp_path / "dist", tmp_path / "hf", dst_format="hf", dst_tp=1, dst_pp=1)
-
-    assert_same_hf_tensors(source, tmp_path / "hf")
-    assert json.loads((tmp_path / "hf" / "config.json").read_text()) == json.loads((source / "config.json").read_text())
-    for name in SIDE_FILES:
-        assert (tmp_path / "hf" / name).read_bytes() == (source / name).read_bytes(), name
-    ids = input_ids()
-    torch.testing.assert_close(hf_logits(tmp_path / "hf", ids), hf_logits(source, ids), rtol=1e-5, atol=1e-5)
 
 
 def test_megatron_args_hold_layernorm_biases_tanh_gelu_window_and_dropout(source: Path, tmp_path: Path) -> None:

@@ -20,8 +20,8 @@ import torch
 from pgconvert.adapters.peft import ExpertsPair, PeftAdapter, read_peft_adapter
 from pgconvert.errors import ValidationError
 from pgconvert.families import mtp
-from pgconvert.families.table import Family, TensorMapping
-from pgconvert.formats.hf import infer_family
+from pgconvert.families.table import TensorMapping
+from pgconvert.formats.hf import infer_family, read_header
 from pgconvert.formats.stream import CanonicalSource
 from pgconvert.model.provider import VOCAB_TABLES
 from pgconvert.model.rules import ShardRule
@@ -40,6 +40,9 @@ class _Target:
     part_shapes: tuple[tuple[int, ...], ...]
     # For one expert of a fused experts parameter's pair: the pair, the expert, how many, the scaling.
     expert: tuple[ExpertsPair, int, int, float] | None = None
+    # Whether the adapter file holds a whole weight for one of the parts, and a pair for one.
+    replaced: bool = False
+    has_delta: bool = True
 
 
 class AdapterMerge:
@@ -49,6 +52,8 @@ class AdapterMerge:
         self.adapter = adapter
         self._source = source
         self.family = source.hf_origin.family if source.hf_origin is not None else infer_family(source.config)
+        self._saved_shapes = {hf: read_header(adapter.weights_file)[key].shape
+                              for hf, key in adapter.replacements.items()}
         self._targets = self._find_targets()
         self._targets.update(self._find_expert_targets())
 
@@ -61,7 +66,7 @@ class AdapterMerge:
 
     def _find_targets(self) -> dict[str, _Target]:
         config = self._source.config
-        wanted = set(self.adapter.pairs)
+        wanted = set(self.adapter.pairs) | set(self.adapter.replacements)
         targets: dict[str, _Target] = {}
         for name in self._source.names():
             found = self._to_hf(name)
@@ -69,20 +74,34 @@ class AdapterMerge:
                 continue
             row, hf_names = found
             self._refuse_unmergeable(name, row, hf_names)
-            shapes = tuple(row.transform.part_shapes(self._source.meta(name).shape, config))
+            shapes = self._part_shapes(name, row)
             for hf, shape in zip(hf_names, shapes, strict=True):
-                if hf in wanted and self.adapter.pairs[hf].shape != tuple(shape):
-                    raise ValidationError(f"{self.adapter.where}: {hf}: the adapter's delta is "
-                                          f"{list(self.adapter.pairs[hf].shape)}, the model's weight {list(shape)}: an "
-                                          "adapter trained for another base model")
-            targets[name] = _Target(row, hf_names, shapes)
+                self._check_shape(hf, shape)
+            targets[name] = _Target(row, hf_names, shapes, replaced=bool(self.adapter.replacements.keys() & hf_names),
+                                    has_delta=bool(self.adapter.pairs.keys() & hf_names))
         matched = {hf for target in targets.values() for hf in target.hf_names}
         unmatched = sorted(wanted - matched)
         if unmatched:
             raise ValidationError(f"{self.adapter.where}: adapts {unmatched[:4]}{' …' if len(unmatched) > 4 else ''}, "
                                   f"which the model ({self.family.architecture}, {config.num_layers} layers) "
-                                  "does not have as a linear weight")
+                                  "does not have as a weight")
         return targets
+
+    def _part_shapes(self, name: str, row: TensorMapping) -> tuple[tuple[int, ...], ...]:
+        """The HF weights' shapes (a vocab table's: the true vocab's rows, not the source's padding)."""
+        shape = self._source.meta(name).shape
+        if name in VOCAB_TABLES:
+            return ((self._source.config.vocab_size, *shape[1:]),)
+        return tuple(tuple(part) for part in row.transform.part_shapes(shape, self._source.config))
+
+    def _check_shape(self, hf: str, shape: tuple[int, ...]) -> None:
+        pair = self.adapter.pairs.get(hf)
+        given = pair.shape if pair is not None else self._saved_shapes.get(hf)
+        if given is not None and tuple(given) != tuple(shape):
+            what = "delta" if pair is not None else "saved weight"
+            raise ValidationError(f"{self.adapter.where}: {hf}: the adapter's {what} is {list(given)}, the model's "
+                                  f"weight {list(shape)}: an adapter trained for another base model (or a resized "
+                                  "vocabulary)")
 
     def _find_expert_targets(self) -> dict[str, _Target]:
         """Each expert's tensor that a fused experts parameter's pair changes, found by the pair's module (the
@@ -154,20 +173,22 @@ class AdapterMerge:
 
     def _refuse_unmergeable(self, name: str, row: TensorMapping, hf_names: tuple[str, ...]) -> None:
         config = self._source.config
+        paired = bool(self.adapter.pairs.keys() & hf_names)
         why = None
-        if name in VOCAB_TABLES:
-            why = "the vocab tables are not merged (their padding rows depend on the layout)"
-        elif row.stacked:
+        if row.stacked:
             why = "experts stored stacked are not merged"
-        elif len(self._source.meta(name).shape) != 2:
+        elif paired and len(self._source.meta(name).shape) != 2:
             why = "only matrices are merged"
         elif config.positions.rotary_interleaved and not self.family.hf_rotary_interleaved:
             why = "the source's rotary rows are interleaved, the adapter's in rotate-half order"
+        elif (config.norms.layernorm_zero_centered_gamma and not self.family.hf_norms_zero_centred
+              and len(self._source.meta(name).shape) == 1):
+            why = "the source's norms are zero-centred (1 + gamma), the adapter's saved ones are not"
         if why is not None:
             raise ValidationError(f"{self.adapter.where}: adapts {', '.join(hf_names)} (pgconvert's {name}): {why}")
 
     def delta(self, name: str) -> torch.Tensor:
-        """The canonical tensor's whole delta, float32."""
+        """The canonical tensor's whole delta, float32 (a vocab table's padding rows zero)."""
         target = self._targets[name]
         if target.expert is not None:  # transformers' fused parameter holds the HF parts' rows back to back
             whole = self.adapter.expert_delta(*target.expert)
@@ -175,16 +196,42 @@ class AdapterMerge:
             return target.row.transform.fuse(parts, self._source.config)
         parts = [self.adapter.delta(hf) if hf in self.adapter.pairs else torch.zeros(shape, dtype=torch.float32)
                  for hf, shape in zip(target.hf_names, target.part_shapes, strict=True)]
+        if name in VOCAB_TABLES:
+            rows = self._source.meta(name).shape[0]
+            return torch.nn.functional.pad(parts[0], (0, 0, 0, rows - parts[0].shape[0]))
         return target.row.transform.fuse(parts, self._source.config)
 
-    def merged(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """The whole canonical tensor plus its delta, rounded once to its dtype."""
-        return (tensor.to(torch.float32) + self.delta(name)).to(tensor.dtype)
+    def needs_whole(self, name: str) -> bool:
+        """Whether a piece of ``name`` is made from the whole tensor (a saved weight takes the place of a part)."""
+        return self._targets[name].replaced
 
-    def merged_piece(self, name: str, piece: torch.Tensor, rule: ShardRule, size: int, rank: int) -> torch.Tensor:
-        """Piece ``rank`` of ``size`` under ``rule`` plus the same piece of the delta."""
-        delta = rule.reshard_rows([self.delta(name)], None, None, size, rank)
+    def merged(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """The whole canonical tensor with its saved weights in place and its delta added, rounded once to its
+        dtype."""
+        target = self._targets[name]
+        base = self._replaced(name, tensor) if target.replaced else tensor
+        if not target.has_delta:
+            return base
+        return (base.to(torch.float32) + self.delta(name)).to(tensor.dtype)
+
+    def merged_piece(self, name: str, piece: torch.Tensor, rule: ShardRule, size: int, rank: int,
+                     rows: int | None) -> torch.Tensor:
+        """Piece ``rank`` of ``size`` under ``rule`` plus the same piece of the delta (``rows``: a vocab table's
+        padded rows, as the piece was cut)."""
+        delta = rule.reshard_rows([self.delta(name)], rows, self._source.config.vocab_size, size, rank)
         return (piece.to(torch.float32) + delta).to(piece.dtype)
+
+    def _replaced(self, name: str, base: torch.Tensor) -> torch.Tensor:
+        """``base`` with the adapter's saved weights in place of its HF parts (a vocab table: its true rows)."""
+        target, config = self._targets[name], self._source.config
+        if name in VOCAB_TABLES:
+            whole = base.clone()
+            whole[:config.vocab_size] = self.adapter.replacement(target.hf_names[0]).to(base.dtype)
+            return whole
+        parts = target.row.transform.split(base, config)
+        saved = [self.adapter.replacement(hf).to(part.dtype) if hf in self.adapter.replacements else part
+                 for hf, part in zip(target.hf_names, parts, strict=True)]
+        return target.row.transform.fuse(saved, config)
 
 
 def attach_adapter(source: CanonicalSource, directory: Path, keep_quantized: bool) -> None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +39,10 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 LEGACY_WEIGHTS_FILE = "adapter_model.bin"
 # PEFT's prefix of every adapter key: the PeftModel's base_model (LoraModel) and its model.
 KEY_PREFIX = "base_model.model."
-_PAIR_KEY = re.compile(r"(?P<module>.+)\.lora_(?P<side>[AB])\.weight")
+_PAIR_KEY = re.compile(r"(?P<module>.+)\.lora_(?P<embedding>embedding_)?(?P<side>[AB])(?P<weight>\.weight)?")
+# A whole weight the adapter file holds: a ``modules_to_save`` module's, or the base weight PEFT saves beside an
+# adapted embedding or output layer (``base_layer``), which loading the adapter puts in place of the model's.
+_SAVED_KEY = re.compile(r"(?P<module>.+?)(?P<base>\.base_layer)?\.(?P<param>weight|bias)")
 
 # adapter_config.json settings under which the adapter computes something a plain LoRA merge does not:
 # the key, the value that is plain LoRA, and what it would do otherwise.
@@ -48,7 +51,6 @@ _PLAIN_SETTINGS: tuple[tuple[str, object, str], ...] = (
     ("lora_bias", False, "the adapter trains a bias of its own"),
     ("bias", "none", "the run trained the base model's biases, which the adapter file holds"),
     ("fan_in_fan_out", False, "the base layers store their weights transposed (GPT-2's Conv1D)"),
-    ("modules_to_save", None, "whole modules are replaced by trained copies"),
     ("trainable_token_indices", None, "some embedding rows are trained apart"),
     ("alora_invocation_tokens", None, "activated LoRA applies only after its invocation tokens: it cannot be "
                                       "merged"),
@@ -75,6 +77,8 @@ class LoraPair:
     rank: int
     scaling: float
     shape: tuple[int, int]  # (out, in): the delta's and the weight's
+    # An embedding's pair (lora_embedding_A [r, vocab], lora_embedding_B [hidden, r]): the delta is (B @ A)^T.
+    embedding: bool = False
 
 
 @dataclass(frozen=True)
@@ -118,6 +122,9 @@ class PeftAdapter:
     pairs: dict[str, LoraPair]
     settings: LoraSettings
     experts_pairs: tuple[ExpertsPair, ...] = ()
+    # Whole weights that take the place of the model's (modules_to_save, an adapted embedding's base): HF weight
+    # name -> the adapter file's key.
+    replacements: dict[str, str] = field(default_factory=dict)
     # adapter_config.json's base_model_name_or_path: the model it was trained on, as PEFT recorded it.
     base_model: str | None = None
 
@@ -130,7 +137,11 @@ class PeftAdapter:
         pair = self.pairs[weight]
         a = read_tensor(self.weights_file, pair.a_key).to(torch.float32)
         b = read_tensor(self.weights_file, pair.b_key).to(torch.float32)
-        return (b @ a) * pair.scaling
+        product = b @ a
+        return (product.T if pair.embedding else product) * pair.scaling
+
+    def replacement(self, weight: str) -> torch.Tensor:
+        return read_tensor(self.weights_file, self.replacements[weight])
 
     def expert_delta(self, pair: ExpertsPair, expert: int, experts: int, scaling: float) -> torch.Tensor:
         """Expert ``expert``'s delta of a fused parameter, float32 (PEFT's ``ParamWrapper`` einsum, one expert)."""
@@ -164,6 +175,8 @@ def describe_adapter(adapter: PeftAdapter) -> dict[str, Any]:
         "scalings": sorted({pair.scaling for pair in adapter.pairs.values()}),
         "modules": modules,
         "layers": layers,
+        # The whole weights it holds (modules_to_save, an adapted embedding's base), which take the model's place.
+        "saved_weights": sorted(adapter.replacements),
         "dtypes": sorted({str(meta.dtype).removeprefix("torch.") for meta in metas.values()}),
         "bytes": sum(meta.nbytes for meta in metas.values()),
     }
@@ -188,8 +201,8 @@ def read_peft_adapter(directory: Path) -> PeftAdapter:
                               + (f" ({LEGACY_WEIGHTS_FILE}, a pickle, is not read: save the adapter with "
                                  "safe_serialization=True)" if legacy else ""))
     base_model = doc.get("base_model_name_or_path")
-    pairs, experts = _pairs(doc, config_path, weights_file)
-    return PeftAdapter(directory, weights_file, pairs, _settings(doc), experts,
+    pairs, experts, saved = _pairs(doc, config_path, weights_file)
+    return PeftAdapter(directory, weights_file, pairs, _settings(doc), experts, saved,
                        base_model if isinstance(base_model, str) else None)
 
 
@@ -238,33 +251,51 @@ def _targets_module(module: str, target_modules: Any) -> bool:
     return any(module == name or module.endswith(f".{name}") for name in target_modules or ())
 
 
-def _sides(weights_file: Path) -> tuple[dict[str, TensorMeta], dict[str, dict[str, str]]]:
-    """The file's tensors, and each adapted module's A and B keys (a ParamWrapper's ``.base_layer`` kept)."""
+def _sides(weights_file: Path, saved_modules: tuple[str, ...]
+           ) -> tuple[dict[str, TensorMeta], dict[str, dict[str, str]], dict[str, str]]:
+    """The file's tensors; each adapted module's A and B keys (a ParamWrapper's ``.base_layer`` kept; an
+    embedding's under ``"embedding"``); and the whole weights it holds by HF weight name (``saved_modules``:
+    modules_to_save)."""
     metas = read_header(weights_file)
     sides: dict[str, dict[str, str]] = {}
+    saved: dict[str, str] = {}
     for key in metas:
-        match = _PAIR_KEY.fullmatch(key.removeprefix(KEY_PREFIX)) if key.startswith(KEY_PREFIX) else None
-        if match is None:
+        name = key.removeprefix(KEY_PREFIX) if key.startswith(KEY_PREFIX) else None
+        match = _PAIR_KEY.fullmatch(name) if name is not None else None
+        whole = _SAVED_KEY.fullmatch(name) if name is not None and match is None else None
+        if match is not None and bool(match["embedding"]) != (match["weight"] is None):
+            match = None
+        if match is not None:
+            sides.setdefault(match["module"], {})[match["side"]] = key
+            if match["embedding"]:
+                sides[match["module"]]["embedding"] = key
+        elif whole is not None and (whole["base"] or _targets_module(whole["module"], list(saved_modules))):
+            saved[f"{whole['module']}.{whole['param']}"] = key
+        else:
             raise ValidationError(f"{weights_file}: {key}: not a LoRA pair's weight (base_model.model.<module>."
-                                  "lora_A.weight / lora_B.weight); pgconvert merges plain LoRA adapters only")
-        sides.setdefault(match["module"], {})[match["side"]] = key
+                                  "lora_A.weight / lora_B.weight) nor a module_to_save's; pgconvert merges plain "
+                                  "LoRA adapters only")
     for keys in sides.values():
-        if set(keys) != {"A", "B"}:
-            (only,) = keys.values()
+        if not {"A", "B"} <= set(keys):
+            only = keys.get("A") or keys.get("B")
             raise ValidationError(f"{weights_file}: {only} has no lora_{'B' if 'A' in keys else 'A'} beside it")
-    return metas, sides
+    return metas, sides, saved
 
 
 def _pairs(doc: dict[str, Any], config_path: Path, weights_file: Path
-           ) -> tuple[dict[str, LoraPair], tuple[ExpertsPair, ...]]:
-    """The pairs of ``nn.Linear`` modules by weight name, and those of fused experts' parameters (a module that
-    ``target_modules`` does not name, or one under a ParamWrapper's ``base_layer``, of a ``target_parameters``
-    adapter)."""
-    metas, sides = _sides(weights_file)
+           ) -> tuple[dict[str, LoraPair], tuple[ExpertsPair, ...], dict[str, str]]:
+    """The pairs of ``nn.Linear`` and embedding modules by weight name, those of fused experts' parameters (a module
+    that ``target_modules`` does not name, or one under a ParamWrapper's ``base_layer``, of a ``target_parameters``
+    adapter), and the whole weights the file holds by weight name."""
+    saved_modules = doc.get("modules_to_save") or ()
+    metas, sides, saved = _sides(weights_file, tuple(saved_modules) if isinstance(saved_modules, list) else ())
     settings = _settings(doc)
     pairs, experts = {}, []
     for module, keys in sorted(sides.items()):
         a, b = metas[keys["A"]].shape, metas[keys["B"]].shape
+        if "embedding" in keys:  # lora_embedding_A [r, vocab], lora_embedding_B [hidden, r]
+            pairs[f"{module}.weight"] = _embedding_pair(module, keys, a, b, settings, weights_file)
+            continue
         owner = module.replace(".base_layer", "")
         if len(a) != 2 or len(b) != 2 or a[0] != b[1]:
             raise ValidationError(f"{weights_file}: {module}: lora_A {list(a)} and lora_B {list(b)} are not a LoRA "
@@ -278,6 +309,16 @@ def _pairs(doc: dict[str, Any], config_path: Path, weights_file: Path
                                   f"rank-{quote(rank)} pair ({config_path.name} gives r={quote(rank)})")
         weight = f"{module}.weight"
         pairs[weight] = LoraPair(weight, keys["A"], keys["B"], rank, settings.scaling(module, rank), (b[0], a[1]))
-    if not pairs and not experts:
+    if not pairs and not experts and not saved:
         raise CheckpointError(f"{weights_file}: holds no LoRA pairs")
-    return pairs, tuple(experts)
+    return pairs, tuple(experts), saved
+
+
+def _embedding_pair(module: str, keys: dict[str, str], a: tuple[int, ...], b: tuple[int, ...],
+                    settings: LoraSettings, weights_file: Path) -> LoraPair:
+    rank = settings.rank(module)
+    if len(a) != 2 or len(b) != 2 or a[0] != b[1] or a[0] != rank:
+        raise ValidationError(f"{weights_file}: {module}: lora_embedding_A {list(a)} and lora_embedding_B {list(b)} "
+                              f"do not make a rank-{quote(rank)} pair")
+    weight = f"{module}.weight"
+    return LoraPair(weight, keys["A"], keys["B"], rank, settings.scaling(module, rank), (a[1], b[0]), embedding=True)

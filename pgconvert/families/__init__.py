@@ -77,6 +77,7 @@ ORDERED: tuple[Family, ...] = (
     gpt_oss.GPT_OSS,
     qwen.QWEN2_MOE,
     granite.GRANITE,
+    granite.GRANITE_MOE,
     mistral.MINISTRAL,
     smollm.SMOLLM3,
     phi3.PHI3,

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from pgconvert.families.llama import (
+    ATTENTION_ROWS,
     EMBEDDING_ROWS,
     ROPE_DEFAULT,
     ROPE_RULE,
@@ -21,23 +22,17 @@ from pgconvert.families.llama import (
     rotary_base_field,
 )
 from pgconvert.families.sliding_window import EVERY_LAYER_WINDOW
-from pgconvert.families.table import DROPPED, QKV, ConfigField, ConfigRule, Family, TensorMapping, TensorTable
+from pgconvert.families.table import DROPPED, ConfigField, ConfigRule, Family, TensorMapping, TensorTable
 from pgconvert.io.limits import quote
 from pgconvert.model.config import POSTNORM_OFF, ModelConfig
 
 _L = "model.layers.{}."
 _D = "decoder.layers.{}."
+# Llama's attention rows (q/k/v and o with their biases, both norms' weights) and the LayerNorms' biases.
 STARCODER2_TENSORS = TensorTable((
     *EMBEDDING_ROWS,
-    TensorMapping(_D + "input_layernorm.weight", (_L + "input_layernorm.weight",)),
+    *ATTENTION_ROWS,
     TensorMapping(_D + "input_layernorm.bias", (_L + "input_layernorm.bias",)),
-    TensorMapping(_D + "self_attention.linear_qkv.weight", (
-        _L + "self_attn.q_proj.weight", _L + "self_attn.k_proj.weight", _L + "self_attn.v_proj.weight"), QKV),
-    TensorMapping(_D + "self_attention.linear_qkv.bias", (
-        _L + "self_attn.q_proj.bias", _L + "self_attn.k_proj.bias", _L + "self_attn.v_proj.bias"), QKV),
-    TensorMapping(_D + "self_attention.linear_proj.weight", (_L + "self_attn.o_proj.weight",)),
-    TensorMapping(_D + "self_attention.linear_proj.bias", (_L + "self_attn.o_proj.bias",)),
-    TensorMapping(_D + "pre_mlp_layernorm.weight", (_L + "post_attention_layernorm.weight",)),
     TensorMapping(_D + "pre_mlp_layernorm.bias", (_L + "post_attention_layernorm.bias",)),
     TensorMapping(_D + "mlp.linear_fc1.weight", (_L + "mlp.c_fc.weight",)),
     TensorMapping(_D + "mlp.linear_fc1.bias", (_L + "mlp.c_fc.bias",)),

@@ -195,9 +195,14 @@ class CanonicalSource:
 
         ``rows`` fits a vocab table to a padded row count first.
         """
-        piece = self._load_shard(name, rule, size, rank, rows)
         if self.adapter is not None and name in self.adapter:
-            piece = self.adapter.merged_piece(name, piece, rule, size, rank)
+            if self.adapter.needs_whole(name):  # a saved weight in place of a part: cut from the whole merged tensor
+                whole = self.adapter.merged(name, self._load(name))
+                return self._checked(name, rule.reshard_rows([whole], rows, self.config.vocab_size, size, rank))
+            piece = self.adapter.merged_piece(name, self._load_shard(name, rule, size, rank, rows), rule, size, rank,
+                                              rows)
+        else:
+            piece = self._load_shard(name, rule, size, rank, rows)
         return self._checked(name, piece)
 
     def _load(self, name: str) -> torch.Tensor:

@@ -46,14 +46,18 @@ GLM4_MOE_KWARGS: dict[str, Any] = dict(
 SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
+def sigmoid_moe_value(name: str, noise: torch.Tensor) -> torch.Tensor:
+    """A parameter of a sigmoid-routed MoE model from its noise: norms near one, routers well separated."""
+    if "norm" in name.rsplit(".", 2)[-2]:
+        return 1.0 + 0.1 * noise
+    return noise if name.endswith(".gate.weight") else 0.05 * noise
+
+
 def build_glm4_moe(seed: int = 0, **overrides: Any) -> PreTrainedModel:
-    """The tiny fp32 model: parameters seeded (norms near one, routers well separated) and the
-    e_score_correction_bias buffers too, large enough to change which experts are chosen."""
-    def value(name: str, noise: torch.Tensor) -> torch.Tensor:
-        if "norm" in name.rsplit(".", 2)[-2]:
-            return 1.0 + 0.1 * noise
-        return noise if name.endswith(".gate.weight") else 0.05 * noise
-    model, generator = seeded_model(Glm4MoeForCausalLM, Glm4MoeConfig(**{**GLM4_MOE_KWARGS, **overrides}), seed, value)
+    """The tiny fp32 model: parameters seeded (``sigmoid_moe_value``) and the e_score_correction_bias buffers
+    too, large enough to change which experts are chosen."""
+    model, generator = seeded_model(Glm4MoeForCausalLM, Glm4MoeConfig(**{**GLM4_MOE_KWARGS, **overrides}), seed,
+                                    sigmoid_moe_value)
     seed_correction_biases(model, generator)
     return model
 
@@ -73,11 +77,8 @@ DOTS1_KWARGS: dict[str, Any] = dict(
 
 def save_dots1(path: Path, seed: int = 0, **overrides: Any) -> Path:
     """A complete tiny dots.llm1 release, seeded as GLM-4.5-MoE's (routers well separated, biases that steer)."""
-    def value(name: str, noise: torch.Tensor) -> torch.Tensor:
-        if "norm" in name.rsplit(".", 2)[-2]:
-            return 1.0 + 0.1 * noise
-        return noise if name.endswith(".gate.weight") else 0.05 * noise
-    model, generator = seeded_model(Dots1ForCausalLM, Dots1Config(**{**DOTS1_KWARGS, **overrides}), seed, value)
+    model, generator = seeded_model(Dots1ForCausalLM, Dots1Config(**{**DOTS1_KWARGS, **overrides}), seed,
+                                    sigmoid_moe_value)
     seed_correction_biases(model, generator)
     return save_with_side_files(model, path)
 

@@ -44,6 +44,13 @@ def family_configs() -> dict[str, tuple[Any, Any, dict[str, Any]]]:
             _COMMON, intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=48,
             num_experts=4, num_experts_per_tok=2, mlp_only_layers=[2], norm_topk_prob=False,
             use_sliding_window=True, sliding_window=5, max_window_layers=3, tie_word_embeddings=False)),
+        # granite-3.1-1b-a400m's: every layer MoE (4 of 32 experts here 2 of 4, softmax over the top-k logits), its
+        # muP multipliers (embedding 12, residual 0.22, attention 1/64, logits 6), 2:1 GQA, tied output.
+        "granitemoe": (t.GraniteMoeConfig, t.GraniteMoeForCausalLM, dict(
+            _COMMON, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=12.0,
+            residual_multiplier=0.22, attention_multiplier=0.015625, logits_scaling=6.0, rms_norm_eps=1e-6,
+            max_position_embeddings=4096, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            tie_word_embeddings=True)),
         # Granite 3's muP multipliers (attention_multiplier other than 1/sqrt(head_dim)), tied output.
         "granite": (t.GraniteConfig, t.GraniteForCausalLM, dict(
             _COMMON, intermediate_size=128, embedding_multiplier=12.0, residual_multiplier=0.22,
@@ -98,7 +105,7 @@ def family_configs() -> dict[str, tuple[Any, Any, dict[str, Any]]]:
     }
 
 
-MOE_FAMILIES = ("qwen2_moe",)
+MOE_FAMILIES = ("qwen2_moe", "granitemoe")
 
 
 def build_model(name: str, seed: int = 0, **overrides: Any) -> PreTrainedModel:
@@ -109,7 +116,7 @@ def build_model(name: str, seed: int = 0, **overrides: Any) -> PreTrainedModel:
         module = param_name.rsplit(".", 1)[0]
         if module.endswith("norm"):
             return 1.0 + 0.1 * noise
-        if module.endswith("mlp.gate"):
+        if module.endswith(("mlp.gate", "block_sparse_moe.router")):
             return noise
         return (0.5 if module.endswith("shared_expert_gate") else 0.05) * noise
     return seeded_model(model_class, config_class(**{**kwargs, **overrides}), seed, value)[0]

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 from support.family_helpers import save_with_side_files, seeded_model
-from support.glm4_moe_gpt_oss_helpers import glm4_moe_tp_logits, seed_correction_biases
+from support.glm4_moe_gpt_oss_helpers import glm4_moe_tp_logits, seed_correction_biases, sigmoid_moe_value
 from support.hf_side_helpers import BOS, EOS, PAD
 from transformers import MiniMaxM2Config, MiniMaxM2ForCausalLM, PreTrainedModel
 
@@ -34,12 +34,8 @@ MINIMAX_M2_KWARGS: dict[str, Any] = dict(
 
 def build_minimax_m2(seed: int = 0, **overrides: Any) -> PreTrainedModel:
     """The tiny fp32 model: norms near one, routers unit-scale (well separated), the rest small."""
-    def value(name: str, noise: torch.Tensor) -> torch.Tensor:
-        if "norm" in name.rsplit(".", 2)[-2]:
-            return 1.0 + 0.1 * noise
-        return noise if name.endswith(".gate.weight") else 0.05 * noise
     config = MiniMaxM2Config(**{**MINIMAX_M2_KWARGS, **overrides})
-    model, generator = seeded_model(MiniMaxM2ForCausalLM, config, seed, value)
+    model, generator = seeded_model(MiniMaxM2ForCausalLM, config, seed, sigmoid_moe_value)
     seed_correction_biases(model, generator)
     return model
 

@@ -11,8 +11,9 @@ import torch
 def make_adapter(base_dir: Path, out: Path, seed: int = 0, **lora: Any) -> Path:
     """A PEFT LoRA adapter for the model in ``base_dir``, saved by ``PeftModel.save_pretrained``.
 
-    PEFT starts B at zero (the adapter changes nothing); here A and B are both drawn at random, as a
-    trained adapter's are, so every merged weight differs from the base.
+    PEFT starts B at zero (the adapter changes nothing) and the modules_to_save as copies of the base; here A and
+    B (an embedding's too) are drawn at random and the copies moved, as a trained adapter's are, so every merged
+    weight differs from the base.
     """
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -22,8 +23,10 @@ def make_adapter(base_dir: Path, out: Path, seed: int = 0, **lora: Any) -> Path:
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):
-            if ".lora_A." in name or ".lora_B." in name:
+            if any(part in name for part in (".lora_A.", ".lora_B.", ".lora_embedding_A.", ".lora_embedding_B.")):
                 param.copy_(0.1 * torch.randn(param.shape, generator=generator))
+            elif ".modules_to_save." in name:
+                param.add_(0.1 * torch.randn(param.shape, generator=generator))
     model.save_pretrained(out)
     return out
 

@@ -112,6 +112,14 @@ EXPECTED: dict[str, object] = {
     'mamba_num_groups': 8,
     'mamba_num_heads': None,
     'time_step_min': 0.0,
+    'attention_output_gate': False,
+    'experimental_attention_variant': None,
+    'linear_attention_freq': None,
+    'linear_conv_kernel_dim': 4,
+    'linear_key_head_dim': 128,
+    'linear_value_head_dim': 128,
+    'linear_num_key_heads': 16,
+    'linear_num_value_heads': 32,
 }
 
 
@@ -129,7 +137,7 @@ def test_every_setting_lives_in_exactly_one_place() -> None:
         assert {item.name for item in dataclasses.fields(cls)} == {
             name for name, where in SETTING_GROUPS.items() if where == group}, group
     assert own == {name for name, where in SETTING_GROUPS.items() if where is None}
-    assert len(SETTING_GROUPS) == 81
+    assert len(SETTING_GROUPS) == 89
 
 
 def test_the_grouped_form_builds_the_same_config() -> None:

@@ -111,6 +111,12 @@ class FuseQKVByGroup(Transform):
         v_proj  [v0    | v1   ]
 
     (each entry is one head of ``kv_channels`` rows; here 4 query heads in 2 groups).
+
+    With the output gate (``attention_output_gate``: Qwen3-Next's ``q_proj`` holds each head's query rows
+    then its gate rows, ``[q0 g0 q1 g1 …]``), a group's rows are its query heads, then their gate heads,
+    then k and v (megatron-core's ``SelfAttention.get_query_key_value_tensors``)::
+
+        q_proj  [q0 g0 q1 g1 | q2 g2 q3 g3]  ->  linear_qkv  [q0 q1 g0 g1 k0 v0 | q2 q3 g2 g3 k1 v1]
     """
 
     name = "fuse-qkv-by-group"
@@ -118,12 +124,26 @@ class FuseQKVByGroup(Transform):
 
     @staticmethod
     def _dims(config: ModelConfig) -> tuple[int, int, int]:
+        """Query groups, a group's query rows (its gate rows with them) and a key (value) head's rows."""
         attention = config.attention
         groups = attention.query_groups
-        return groups, attention.num_attention_heads // groups * attention.head_dim, attention.head_dim
+        gates = 2 if attention.attention_output_gate else 1
+        return groups, attention.num_attention_heads // groups * attention.head_dim * gates, attention.head_dim
+
+    @staticmethod
+    def _gates_by_group(query: torch.Tensor, config: ModelConfig, to_megatron: bool) -> torch.Tensor:
+        """The gated query rows: HF's ``[q0 g0 q1 g1]`` <-> a group's ``[q0 q1 g0 g1]``; ungated rows as given."""
+        attention = config.attention
+        if not attention.attention_output_gate:
+            return query
+        groups, rest = attention.query_groups, tuple(query.shape[1:])
+        heads = (attention.num_attention_heads // groups, 2) if to_megatron else (2, attention.num_attention_heads // groups)
+        by_head = query.reshape(groups, *heads, attention.head_dim, *rest)
+        return by_head.transpose(1, 2).reshape(query.shape)
 
     def fuse(self, parts: Sequence[torch.Tensor], config: ModelConfig) -> torch.Tensor:
         query, key, value = parts
+        query = self._gates_by_group(query, config, to_megatron=True)
         groups, q_rows, kv_rows = self._dims(config)
         rest = tuple(query.shape[1:])
         fused = joined([
@@ -141,7 +161,7 @@ class FuseQKVByGroup(Transform):
         key = by_group.narrow(1, q_rows, kv_rows)
         value = by_group.narrow(1, q_rows + kv_rows, kv_rows)
         return [
-            query.reshape(groups * q_rows, *rest),
+            self._gates_by_group(query.reshape(groups * q_rows, *rest), config, to_megatron=False),
             key.reshape(groups * kv_rows, *rest),
             value.reshape(groups * kv_rows, *rest),
         ]

@@ -1,0 +1,78 @@
+"""An independent forward pass of a gated delta net mixer over Megatron TP rank files.
+
+Written from the layer's equations and megatron-core 0.16.1's tensor-parallel layout
+(ssm/gated_delta_net.py), not from either implementation: rank r's ``in_proj`` rows are its
+``[q_r; k_r; v_r; z_r; beta_r; alpha_r]`` and its ``conv1d`` channels its ``[q_r; k_r; v_r]`` (each segment
+split over TP on its own), ``A_log`` and ``dt_bias`` its value heads, ``out_proj`` its columns (the
+ranks' outputs are summed, as the row-parallel all-reduce does). The delta rule is the plain
+recurrence, one token at a time (transformers' and megatron-core's torch paths use the chunked form), in
+the input's dtype (float64 in the tests):
+
+    S_t = exp(g_t) · S_{t-1};   S_t += k_t ⊗ β_t (v_t − S_tᵀ k_t);   o_t = S_tᵀ q_t
+    g_t = −exp(A_log) · softplus(α_t + dt_bias),   β_t = sigmoid(b_t)
+
+with q and k the SiLU'd causal convolution's channels, L2-normalized per head (eps 1e-6), q scaled by
+1/sqrt(key head dim), each key head read by ``value heads / key heads`` consecutive value heads. The
+output is RMS-normalized per value head (weight ``1 + w`` where the model's norms are zero-centred),
+times silu(z), then ``out_proj``. Keys are the Transformer Engine spec's (the only one megatron-core
+builds the layer with). Nothing here imports pgconvert.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from support.family_helpers import Ranks
+from support.mamba_reference import _causal_depthwise_conv
+
+L2_EPS = 1e-6
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + L2_EPS)
+
+
+def _delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+    """The recurrence over ``q``/``k`` ``[batch, seq, heads, dk]``, ``v`` ``[batch, seq, heads, dv]``,
+    ``g``/``beta`` ``[batch, seq, heads]``."""
+    batch, seq, heads, dk = k.shape
+    state = torch.zeros(batch, heads, dk, v.shape[-1], dtype=v.dtype)
+    outputs = []
+    for t in range(seq):
+        state = state * torch.exp(g[:, t])[..., None, None]
+        remembered = (state * k[:, t, :, :, None]).sum(-2)
+        delta = (v[:, t] - remembered) * beta[:, t, :, None]
+        state = state + k[:, t, :, :, None] * delta[:, :, None, :]
+        outputs.append((state * q[:, t, :, :, None]).sum(-2))
+    return torch.stack(outputs, dim=1)
+
+
+def gdn_rank_output(model: dict[str, torch.Tensor], prefix: str, h: torch.Tensor, tp: int,
+                    config: dict[str, Any], zero_centred: bool = True) -> torch.Tensor:
+    """One TP rank's share of a gated delta net's output (before the all-reduce) for the normed input ``h``."""
+    key_heads, value_heads = config["linear_num_key_heads"] // tp, config["linear_num_value_heads"] // tp
+    dk, dv = config["linear_key_head_dim"], config["linear_value_head_dim"]
+    batch, seq = h.shape[:2]
+    projected = h @ model[prefix + "in_proj.weight"].T
+    qkv, z, b, a = projected.split([2 * key_heads * dk + value_heads * dv, value_heads * dv, value_heads,
+                                    value_heads], dim=-1)
+    conv = model[prefix + "conv1d.weight"]
+    qkv = F.silu(_causal_depthwise_conv(qkv, conv, torch.zeros(conv.shape[0], dtype=conv.dtype)))
+    q, k, v = qkv.split([key_heads * dk, key_heads * dk, value_heads * dv], dim=-1)
+    per_key = value_heads // key_heads
+    q = _l2norm(q.view(batch, seq, key_heads, dk)).repeat_interleave(per_key, dim=2) * dk ** -0.5
+    k = _l2norm(k.view(batch, seq, key_heads, dk)).repeat_interleave(per_key, dim=2)
+    g = -torch.exp(model[prefix + "A_log"]) * F.softplus(a + model[prefix + "dt_bias"])
+    out = _delta_rule(q, k, v.view(batch, seq, value_heads, dv), g, torch.sigmoid(b))
+    weight = model[prefix + "out_norm.weight"] + (1 if zero_centred else 0)
+    normed = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + config["rms_norm_eps"]) * weight
+    gated = normed * F.silu(z.view(batch, seq, value_heads, dv))
+    return gated.reshape(batch, seq, value_heads * dv) @ model[prefix + "out_proj.weight"].T
+
+
+def gdn_mixer(models: Ranks, prefix: str, h: torch.Tensor, config: dict[str, Any], zero_centred: bool = True) -> torch.Tensor:
+    """A gated delta net over every TP rank: the ranks' outputs summed."""
+    return sum(gdn_rank_output(model, prefix, h, len(models), config, zero_centred)  # type: ignore[return-value]
+               for model in models)

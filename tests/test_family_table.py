@@ -99,7 +99,8 @@ def test_the_family_list_gives_the_registry_and_the_inference_order() -> None:
         "MistralForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM", "Gemma3ForCausalLM", "Gemma2ForCausalLM",
         "Olmo2ForCausalLM", "OlmoeForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM", "GptOssForCausalLM",
         "Qwen2MoeForCausalLM", "GraniteForCausalLM", "MinistralForCausalLM", "SmolLM3ForCausalLM", "Phi3ForCausalLM",
-        "SeedOssForCausalLM", "Ernie4_5ForCausalLM", "NemotronHForCausalLM", "MiniMaxM2ForCausalLM")
+        "SeedOssForCausalLM", "Ernie4_5ForCausalLM", "NemotronHForCausalLM", "MiniMaxM2ForCausalLM",
+        "Qwen3NextForCausalLM")
     assert list(families.FAMILIES.values()) == list(families.ORDERED)
     assert families.supported_architectures() == sorted(families.INFERENCE_ORDER)
     assert families.CARRIED_ARGS == ("embedding_multiplier", "residual_multiplier", "logits_scaling",

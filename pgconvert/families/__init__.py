@@ -24,6 +24,7 @@ from pgconvert.families import (
     olmo,
     phi3,
     qwen,
+    qwen3_next,
     seed_oss,
     smollm,
 )
@@ -42,6 +43,7 @@ from pgconvert.semantics.carried import CarriedSetting
 # Nemotron-H takes the hybrid models (a layer pattern), which every other family refuses.
 # MiniMax-M2 last: it takes only MoE models with a sigmoid router, an expert bias and q/k norms over the
 # whole projection, which no family before it fits (OLMoE's router is a softmax, GLM-4.5-MoE's norms per head).
+# Qwen3-Next takes the models with gated delta net layers and gated attention, which every other family refuses.
 ORDERED: tuple[Family, ...] = (
     deepseek.DEEPSEEK_V3,
     deepseek.DEEPSEEK_V2,
@@ -67,6 +69,7 @@ ORDERED: tuple[Family, ...] = (
     ernie.ERNIE4_5,
     nemotron_h.NEMOTRON_H,
     minimax.MINIMAX_M2,
+    qwen3_next.QWEN3_NEXT,
 )
 
 FAMILIES: dict[str, Family] = {family.architecture: family for family in ORDERED}

@@ -32,6 +32,10 @@ from pgconvert.semantics.carried import CarriedSetting
 
 SLOT = "{}"
 HYBRID_PATTERN = "hybrid_override_pattern"
+# The layer structure of a family that neither reads nor fixes these settings: no layer pattern, no
+# linear attention layers, no attention output gate.
+STRUCTURE_UNLESS_READ: dict[str, object] = {HYBRID_PATTERN: None, "experimental_attention_variant": None,
+                                            "attention_output_gate": False}
 # Rows ``[start, stop)`` along a dim of one HF part of a canonical tensor: (part index, dim, start, stop).
 PartReader = Callable[[int, int, int, int], torch.Tensor]
 
@@ -559,9 +563,12 @@ class Family:
     def __post_init__(self) -> None:
         mapped = {f.model_field for f in self.fields}
         ruled = [name for rule in self.rules for name in rule.model_fields]
-        if HYBRID_PATTERN not in mapped | set(ruled) | set(self.fixed):
-            # A family that reads no layer pattern has attention and an MLP in every layer.
-            object.__setattr__(self, "fixed", {**self.fixed, HYBRID_PATTERN: None})
+        # A family that reads no layer pattern has attention and an MLP in every layer; one that reads no
+        # linear attention or output gate has neither.
+        unread = {name: value for name, value in STRUCTURE_UNLESS_READ.items()
+                  if name not in mapped | set(ruled) | set(self.fixed)}
+        if unread:
+            object.__setattr__(self, "fixed", {**self.fixed, **unread})
         for name in ("fixed", *_MERGED):
             object.__setattr__(self, name, MappingProxyType(dict(getattr(self, name))))
         object.__setattr__(self, "hf_computes", frozenset(self.hf_computes))

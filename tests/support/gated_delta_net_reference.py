@@ -16,6 +16,13 @@ with q and k the SiLU'd causal convolution's channels, L2-normalized per head (e
 output is RMS-normalized per value head (weight ``1 + w`` where the model's norms are zero-centred),
 times silu(z), then ``out_proj``. Keys are the Transformer Engine spec's (the only one megatron-core
 builds the layer with). Nothing here imports pgconvert.
+
+``qwen3_next_logits`` is a whole Qwen3-Next model so (megatron-core's TE spec, zero-centred ``1 + w`` norms
+everywhere): gated delta net layers as above; gated attention layers whose ``linear_qkv`` rows hold, per query
+group, its query heads, their gate heads, a key and a value head (per-head q/k norms, partial rotate-half
+RoPE over the first ``partial_rotary_factor`` of each head, the context times sigmoid(gate) before the
+row-parallel ``linear_proj``); MoE blocks with a softmax router (top-k renormalized) and a shared expert
+scaled by sigmoid(``gate_weight`` · h).
 """
 
 from __future__ import annotations
@@ -24,8 +31,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from support.family_helpers import Ranks
-from support.mamba_reference import _causal_depthwise_conv
+import math
+
+from support.family_helpers import Ranks, routed_experts, tp_swiglu, vocab_parallel_embedding, vocab_parallel_logits
+from support.mamba_reference import _causal_depthwise_conv, _replicated
 
 L2_EPS = 1e-6
 
@@ -76,3 +85,71 @@ def gdn_mixer(models: Ranks, prefix: str, h: torch.Tensor, config: dict[str, Any
     """A gated delta net over every TP rank: the ranks' outputs summed."""
     return sum(gdn_rank_output(model, prefix, h, len(models), config, zero_centred)  # type: ignore[return-value]
                for model in models)
+
+
+def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """A zero-centred RMSNorm (``1 + w``)."""
+    return (1 + weight) * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _rope(x: torch.Tensor, config: dict[str, Any]) -> torch.Tensor:
+    """Rotate-half RoPE over the first ``partial_rotary_factor`` of each head of ``x [batch, heads, seq, dim]``."""
+    params = config["rope_parameters"]
+    rotary = int(x.shape[-1] * params.get("partial_rotary_factor", 1.0))
+    inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, rotary, 2, dtype=torch.float64) / rotary))
+    freqs = torch.arange(x.shape[-2], dtype=torch.float64)[:, None] * inv_freq[None, :]
+    cos, sin = torch.cat([freqs, freqs], -1).cos(), torch.cat([freqs, freqs], -1).sin()
+    rotated, kept = x[..., :rotary], x[..., rotary:]
+    first, second = rotated.chunk(2, dim=-1)
+    return torch.cat([rotated * cos + torch.cat([-second, first], dim=-1) * sin, kept], dim=-1)
+
+
+def gated_attention(models: Ranks, prefix: str, h: torch.Tensor, config: dict[str, Any]) -> torch.Tensor:
+    """Causal grouped-query attention with an output gate, over every TP rank (outputs summed)."""
+    heads, groups, head_dim = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+    per_group, eps = heads // groups, config["rms_norm_eps"]
+    batch, seq, _ = h.shape
+    causal = torch.ones(seq, seq, dtype=torch.bool).tril()
+    q_norm = _replicated(models, prefix + "self_attention.q_layernorm.weight")
+    k_norm = _replicated(models, prefix + "self_attention.k_layernorm.weight")
+    out = torch.zeros_like(h)
+    for model in models:
+        rows = (h @ model[prefix + "self_attention.linear_qkv.weight"].T).view(batch, seq, -1, 2 * per_group + 2, head_dim)
+        q = _norm(rows[..., :per_group, :].reshape(batch, seq, -1, head_dim), q_norm, eps).transpose(1, 2)
+        gate = rows[..., per_group:2 * per_group, :].reshape(batch, seq, -1)
+        k = _norm(rows[..., 2 * per_group, :], k_norm, eps).transpose(1, 2).repeat_interleave(per_group, dim=1)
+        v = rows[..., 2 * per_group + 1, :].transpose(1, 2).repeat_interleave(per_group, dim=1)
+        scores = (_rope(q, config) @ _rope(k, config).transpose(-1, -2)) / math.sqrt(head_dim)
+        context = (scores.masked_fill(~causal, float("-inf")).softmax(-1) @ v).transpose(1, 2).reshape(batch, seq, -1)
+        out += (context * torch.sigmoid(gate)) @ model[prefix + "self_attention.linear_proj.weight"].T
+    return out
+
+
+def shared_expert_moe(models: Ranks, prefix: str, h: torch.Tensor, config: dict[str, Any]) -> torch.Tensor:
+    """Softmax routing (top-k renormalized where ``norm_topk_prob``), the routed experts, and the shared expert
+    scaled by its sigmoid gate."""
+    probs = (h @ _replicated(models, prefix + "mlp.router.weight").T).softmax(-1)
+    top, chosen = probs.topk(config["num_experts_per_tok"], dim=-1)
+    if config["norm_topk_prob"]:
+        top = top / top.sum(-1, keepdim=True)
+    shared = torch.sigmoid(h @ _replicated(models, prefix + "mlp.shared_experts.gate_weight").T)
+    return (routed_experts(models, prefix, h, top, chosen, config["num_experts"])
+            + shared * tp_swiglu(models, prefix + "mlp.shared_experts.", h))
+
+
+def qwen3_next_logits(models: Ranks, config: dict[str, Any], ids: torch.Tensor) -> torch.Tensor:
+    """Logits of a Qwen3-Next model (``config``: its config.json) from TP rank files (EP joined)."""
+    eps = config["rms_norm_eps"]
+    x = vocab_parallel_embedding(models, ids)
+    for layer, kind in enumerate(config["layer_types"]):
+        prefix = f"decoder.layers.{layer}."
+        if kind == "linear_attention":
+            h = _norm(x, _replicated(models, prefix + "self_attention.in_proj.layer_norm_weight"), eps)
+            x = x + gdn_mixer(models, prefix + "self_attention.", h, config)
+        else:
+            h = _norm(x, _replicated(models, prefix + "self_attention.linear_qkv.layer_norm_weight"), eps)
+            x = x + gated_attention(models, prefix, h, config)
+        x = x + shared_expert_moe(models, prefix, _norm(x, _replicated(models, prefix + "pre_mlp_layernorm.weight"),
+                                                         eps), config)
+    x = _norm(x, _replicated(models, "decoder.final_layernorm.weight"), eps)
+    return vocab_parallel_logits(models, x, config["vocab_size"])

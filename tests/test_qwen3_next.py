@@ -1,0 +1,142 @@
+"""Qwen3-Next (``Qwen3NextForCausalLM``): gated delta net and gated attention layers, a MoE with a gated shared
+expert in every layer.
+
+The tiny model is ``support.qwen3_next_models``'s, built by transformers in the released configuration. Checked:
+HF -> per-rank Megatron (TP2×PP2×EP2, megatron-core's TE names) -> HF is bit-exact with transformers' logits;
+the config.json written from the Megatron args alone is the source's; the TP2×EP2 rank files compute
+transformers' logits through the independent forward of ``support.gated_delta_net_reference`` (and do not
+when ``in_proj``'s segments are swapped in the rule); the args record the model as megatron-core reads it;
+layouts the linear heads refuse are refused by name while planning.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from click.testing import CliRunner
+from support.gated_delta_net_reference import qwen3_next_logits
+from support.hf_helpers import assert_same_hf_tensors, hf_logits, input_ids, read_megatron_tp_ranks
+from support.megatron_fixtures import load_for_test
+from support.qwen3_next_models import TINY, write_tiny_qwen3_next
+
+import pgconvert
+from pgconvert.cli import main
+from pgconvert.model.kinds import gated_delta_net
+from pgconvert.model.rules import Segmented, Window
+
+ITERATION_DIR = "iter_0000000"
+# Keys transformers writes that are not the model: its version, the saved tensors' dtype, training and generation
+# switches (initialisation, router logits in the output, the cache); and the top-level rope_theta pgconvert
+# writes beside rope_parameters for transformers 4.x.
+UNCOMPARED = ("transformers_version", "dtype", "initializer_range", "output_router_logits", "use_cache", "rope_theta")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_qwen3_next(tmp_path_factory.mktemp("qwen3_next") / "hf")
+
+
+@pytest.fixture(scope="module")
+def tp2pp2ep2(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("qwen3_next_tp2pp2ep2") / "mcore"
+    pgconvert.convert(tiny, out, dst_format="megatron", dst_tp=2, dst_pp=2, dst_ep=2)
+    return out
+
+
+def _ids() -> torch.Tensor:
+    return input_ids(TINY["vocab_size"], seq=12)
+
+
+def test_round_trip_through_tp2_pp2_ep2_is_bit_exact_with_the_same_logits(tiny: Path, tp2pp2ep2: Path,
+                                                                          tmp_path: Path) -> None:
+    pgconvert.convert(tp2pp2ep2, tmp_path / "hf", dst_format="hf")
+
+    assert_same_hf_tensors(tiny, tmp_path / "hf")
+    torch.testing.assert_close(hf_logits(tmp_path / "hf", _ids()), hf_logits(tiny, _ids()), rtol=1e-5, atol=1e-5)
+
+
+def test_config_json_written_from_the_args_alone_is_the_sources(tiny: Path, tp2pp2ep2: Path, tmp_path: Path) -> None:
+    """Without the carried config.json the family is inferred from the args and config.json built from the model."""
+    bare = tmp_path / "bare"
+    shutil.copytree(tp2pp2ep2, bare)
+    shutil.rmtree(bare / "hf")
+
+    pgconvert.convert(bare, tmp_path / "hf", dst_format="hf")
+
+    source = json.loads((tiny / "config.json").read_text())
+    written = json.loads((tmp_path / "hf" / "config.json").read_text())
+    differing = sorted(key for key in set(source) | set(written)
+                       if key not in UNCOMPARED and source.get(key) != written.get(key))
+    assert differing == []
+    assert written["architectures"] == ["Qwen3NextForCausalLM"]
+    assert written["layer_types"] == ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + [
+        "full_attention"]
+    assert_same_hf_tensors(tiny, tmp_path / "hf")
+    torch.testing.assert_close(hf_logits(tmp_path / "hf", _ids()), hf_logits(tiny, _ids()), rtol=1e-5, atol=1e-5)
+
+
+def test_the_args_record_the_model_as_megatron_core_reads_it(tp2pp2ep2: Path) -> None:
+    state = load_for_test(tp2pp2ep2 / ITERATION_DIR / "mp_rank_01_001_001" / "model_optim_rng.pt")
+    args, model = state["args"], state["model"]
+
+    assert (args.experimental_attention_variant, args.linear_attention_freq) == ("gated_delta_net", 4)
+    assert (args.linear_num_key_heads, args.linear_num_value_heads, args.linear_key_head_dim,
+            args.linear_value_head_dim, args.linear_conv_kernel_dim) == (2, 4, 8, 8, 4)
+    assert (args.attention_output_gate, args.apply_layernorm_1p, args.qk_layernorm) == (True, True, True)
+    assert (args.rotary_percent, args.rotary_base, args.moe_shared_expert_gate) == (0.25, 10000000, True)
+    assert (args.transformer_impl, args.moe_grouped_gemm, args.num_experts) == ("transformer_engine", True, 4)
+    # Stage 1 holds layers 4..7 as 0..3: layer 0 (global 4) a gated delta net, TP rank 1's halves of each segment.
+    # q and k: 2 key heads of 8; v and z: 4 value heads of 8; beta and alpha: one per value head.
+    assert model["decoder.layers.0.self_attention.in_proj.weight"].shape == ((16 + 16 + 32 + 32 + 4 + 4) // 2, 32)
+    assert model["decoder.layers.0.self_attention.conv1d.weight"].shape == ((16 + 16 + 32) // 2, 1, 4)
+    assert model["decoder.layers.0.self_attention.in_proj.layer_norm_weight"].shape == (32,)
+    # Layer 3 (global 7) gated attention: 8 query heads, their 8 gates and a key and a value head per rank.
+    assert model["decoder.layers.3.self_attention.linear_qkv.weight"].shape == ((8 + 8 + 2) * 8, 32)
+
+
+def test_the_rank_files_compute_transformers_logits(tiny: Path, tmp_path: Path) -> None:
+    pgconvert.convert(tiny, tmp_path / "mcore", dst_format="megatron", dst_tp=2, dst_ep=2)
+    config = json.loads((tiny / "config.json").read_text())
+
+    reference = qwen3_next_logits(read_megatron_tp_ranks(tmp_path / "mcore"), config, _ids())
+
+    torch.testing.assert_close(reference.to(torch.float32), hf_logits(tiny, _ids()), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("swap", [(0, 1), (2, 3), (4, 5)], ids=["query-key", "value-z", "beta-alpha"])
+def test_a_rule_that_swaps_two_in_proj_segments_gives_other_logits(tiny: Path, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch,
+                                                                   swap: tuple[int, int]) -> None:
+    """The knock-out: in_proj cut with two equal-sized segments' pieces swapped (every shape unchanged)."""
+    first, second = swap
+
+    class Swapped(Segmented):
+        def piece_windows(self, *args: Any, **kwargs: Any) -> tuple[Window, ...]:
+            windows = list(super().piece_windows(*args, **kwargs))
+            if self.names == gated_delta_net.IN_PROJ_SEGMENTS:
+                windows[first], windows[second] = windows[second], windows[first]
+            return tuple(windows)
+
+    monkeypatch.setattr(gated_delta_net, "Segmented", Swapped)
+    pgconvert.convert(tiny, tmp_path / "mcore", dst_format="megatron", dst_tp=2, dst_ep=2)
+    config = json.loads((tiny / "config.json").read_text())
+
+    reference = qwen3_next_logits(read_megatron_tp_ranks(tmp_path / "mcore"), config, _ids())
+
+    assert not torch.allclose(reference.to(torch.float32), hf_logits(tiny, _ids()), rtol=1e-2, atol=1e-2)
+
+
+def test_a_tp_the_linear_heads_cannot_take_is_refused_while_planning(tmp_path: Path) -> None:
+    """Four key-value heads but two linear key heads: TP4 divides the attention, not the gated delta nets."""
+    source = write_tiny_qwen3_next(tmp_path / "hf", num_key_value_heads=4)
+
+    result = CliRunner().invoke(main, ["--dst-format", "megatron", "--dst-tp", "4", str(source), str(tmp_path / "out")])
+
+    assert result.exit_code == 2, result.output
+    assert "--dst-tp 4: linear_num_key_heads=2 is not divisible by 4" in result.output
+    assert not (tmp_path / "out").exists()

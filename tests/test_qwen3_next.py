@@ -140,3 +140,60 @@ def test_a_tp_the_linear_heads_cannot_take_is_refused_while_planning(tmp_path: P
     assert result.exit_code == 2, result.output
     assert "--dst-tp 4: linear_num_key_heads=2 is not divisible by 4" in result.output
     assert not (tmp_path / "out").exists()
+
+
+# --------------------------------------------------------------------------- megatron-core's own model
+
+
+@pytest.fixture(scope="module")
+def tp1(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """TP1 rank files with SequentialMLP experts (megatron-core's local MoE module, as the stand-in model holds)."""
+    out = tmp_path_factory.mktemp("qwen3_next_tp1") / "mcore"
+    pgconvert.convert(tiny, out, dst_format="megatron", dst_expert_layout="sequential")
+    return out
+
+
+def _megatron_core_logits(rank: Any, state: dict[str, Any]) -> torch.Tensor:
+    from support.mcore_helpers import causal_attention_mask
+    from support.mcore_qwen3_next import build_qwen3_next_model, gated_delta_net_on_cpu
+
+    model = build_qwen3_next_model(rank)
+    model.load_state_dict(state, strict=True)
+    ids = _ids()
+    with gated_delta_net_on_cpu(), torch.no_grad():
+        logits = model(ids, torch.arange(ids.shape[1])[None].expand_as(ids), causal_attention_mask(ids.shape[1]))
+    return logits[..., :TINY["vocab_size"]]
+
+
+def test_megatron_cores_model_loads_the_rank_file_strictly_and_computes_transformers_logits(tiny: Path,
+                                                                                             tp1: Path) -> None:
+    """megatron-core 0.16.1's GPTModel with its GatedDeltaNet and gated SelfAttention, built from the written
+    args alone (``support.mcore_qwen3_next``), loads the rank file with ``strict=True`` and runs its CPU forward."""
+    pytest.importorskip("megatron.core")
+    from support.mcore_helpers import rank_files
+
+    rank, = rank_files(tp1)
+
+    logits = _megatron_core_logits(rank, rank.model)
+
+    torch.testing.assert_close(logits, hf_logits(tiny, _ids()), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("knockout", ["beta-alpha rows swapped", "out_norm as HF stores it"])
+def test_megatron_cores_logits_move_with_a_wrong_gated_delta_net_tensor(tiny: Path, tp1: Path, knockout: str) -> None:
+    pytest.importorskip("megatron.core")
+    from support.mcore_helpers import rank_files
+
+    rank, = rank_files(tp1)
+    state = dict(rank.model)
+    layer = "decoder.layers.0.self_attention."
+    if knockout == "beta-alpha rows swapped":
+        rows = state[layer + "in_proj.weight"]
+        heads = TINY["linear_num_value_heads"]
+        state[layer + "in_proj.weight"] = torch.cat([rows[:-2 * heads], rows[-heads:], rows[-2 * heads:-heads]])
+    else:
+        state[layer + "out_norm.weight"] = state[layer + "out_norm.weight"] + 1
+
+    logits = _megatron_core_logits(rank, state)
+
+    assert not torch.allclose(logits, hf_logits(tiny, _ids()), rtol=1e-3, atol=1e-3)

@@ -20,12 +20,13 @@ GatedDeltaNet refuses to be built without flash-linear-attention (``HAVE_FLA``),
 calls: here ``l2norm`` is ``x / sqrt(sum(x^2) + 1e-6)`` (fla's ``l2norm_fwd``), and ``deterministic_mode``
 selects megatron-core's own torch delta rule (``torch_chunk_gated_delta_rule``) over fla's kernel; with no
 ``causal_conv1d`` it runs its own ``nn.Conv1d``. Rank files are read as ``mcore_helpers.rank_files`` reads them
-and compared with ``strict=True``. Importing this module imports megatron-core.
+and compared with ``strict=True``; a distributed checkpoint's keys come from the model's own ``sharded_state_dict()``. Importing this module imports megatron-core.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
@@ -49,8 +50,9 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
-from support.mcore_helpers import (RankFile, add_expert_groups, copied_config_fields, cpu_forward_patches,
-                                   fake_group_queries, fake_pg_collection, restored_attention_backend_env)
+from support.mcore_gpt_models import sharded_metadata
+from support.mcore_helpers import (RankLayout, copied_config_fields, cpu_forward_patches, expert_pg_collection,
+                                   fake_group_queries, restored_attention_backend_env)
 
 # fla's l2norm epsilon (fla.modules.l2norm), as megatron-core's forward calls it.
 L2NORM_EPS = 1e-6
@@ -155,13 +157,14 @@ def gated_delta_net_on_cpu() -> Iterator[None]:
         yield
 
 
-def build_qwen3_next_model(rank: RankFile) -> GPTModel:
-    """megatron-core's GPTModel of a TP1/PP1 rank file, as ``gpt_builder`` builds it from its args."""
-    args = rank.args
-    assert (rank.layout.tp, rank.layout.pp) == (1, 1), rank.path
+def build_qwen3_next_model(args: argparse.Namespace, layout: RankLayout) -> GPTModel:
+    """megatron-core's GPTModel of one rank (any TP, PP1, EP1) on fake groups, as ``gpt_builder`` builds it from
+    ``args`` (the layout's sizes in place of the recorded ones)."""
+    assert (layout.pp, layout.ep) == (1, 1), layout
+    args = copy.copy(args)
+    args.tensor_model_parallel_size = args.expert_tensor_parallel_size = layout.tp
     config = transformer_config(args)
-    groups = fake_pg_collection(1, 1, 0, 0)
-    add_expert_groups(groups, args)
+    groups = expert_pg_collection(layout.tp, 1, 1, layout.tp_rank, 0, 0)
     with gated_delta_net_on_cpu():
         model = GPTModel(config=config, transformer_layer_spec=block_spec(config), vocab_size=args.padded_vocab_size,
                          max_sequence_length=args.max_position_embeddings, pre_process=True, post_process=True,
@@ -169,3 +172,9 @@ def build_qwen3_next_model(rank: RankFile) -> GPTModel:
                          position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
                          rotary_base=args.rotary_base, pg_collection=groups)
     return model.eval()
+
+
+def qwen3_next_sharded_state_dict(model: GPTModel) -> dict[str, Any]:
+    """``model.sharded_state_dict()`` as in a run of one data-parallel replica, on the fake groups."""
+    with fake_group_queries():
+        return model.sharded_state_dict(metadata=sharded_metadata())

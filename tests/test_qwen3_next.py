@@ -244,3 +244,52 @@ def test_hf_to_torch_dist_to_per_rank_to_hf_is_bit_exact(tiny: Path, tmp_path: P
     pgconvert.convert(tmp_path / "dist2", tmp_path / "hf", dst_format="hf")
 
     assert_same_hf_tensors(tiny, tmp_path / "hf")
+
+
+@pytest.fixture(scope="module")
+def loaded_by_megatron_core(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One megatron-core job (two gloo ranks) loads pgconvert's torch_dist outputs: recorded at TP2×EP2 and loaded at
+    TP1 (one replica each) and at TP2, recorded at TP1 and loaded at TP2."""
+    from support.mcore_torch_dist_job import run_job
+    from support.torch_dist_forms import FOR_MCORE_016
+
+    root = tmp_path_factory.mktemp("qwen3_next_loads")
+    cases = []
+    for name, recorded, tp in (("tp2ep2_as_tp1", dict(dst_tp=2, dst_ep=2), 1), ("tp2ep2_as_tp2", dict(dst_tp=2, dst_ep=2), 2),
+                               ("tp1_as_tp2", dict(dst_tp=1), 2)):
+        pgconvert.convert(tiny, root / name, dst_format="torch_dist", **recorded, **FOR_MCORE_016)
+        cases.append({"name": name, "ckpt": str(root / name / ITERATION_DIR), "tp": tp})
+    run_job({"action": "qwen3_next_load", "world": 2, "cases": cases}, root / "job")
+    return root / "job"
+
+
+@pytest.mark.parametrize(("name", "tp"), [("tp2ep2_as_tp1", 1), ("tp2ep2_as_tp2", 2), ("tp1_as_tp2", 2)])
+def test_megatron_core_loads_pgconvert_torch_dist_strictly_with_every_value_in_place(
+        tiny: Path, tmp_path: Path, loaded_by_megatron_core: Path, name: str, tp: int) -> None:
+    """What megatron-core's model holds after ``dist_checkpointing.load`` is the rank files pgconvert writes for that
+    TP (SequentialMLP experts, as the model holds them), which the tests above show compute transformers' logits."""
+    from support.mcore_helpers import rank_files
+
+    pgconvert.convert(tiny, tmp_path / "ranks", dst_format="megatron", dst_tp=tp, dst_expert_layout="sequential")
+    for rank in rank_files(tmp_path / "ranks"):
+        loaded = torch.load(loaded_by_megatron_core / f"{name}_rank_{rank.layout.tp_rank}.pt", weights_only=True)
+        tensors = {key: value for key, value in rank.model.items() if isinstance(value, torch.Tensor)}
+        assert sorted(loaded) == sorted(tensors), rank.path
+        for key, value in tensors.items():
+            assert loaded[key].dtype == value.dtype and torch.equal(loaded[key], value), (rank.path, key)
+
+
+def test_a_checkpoint_megatron_cores_model_saved_at_tp2_reads_back_bit_exact(tiny: Path, tmp_path: Path) -> None:
+    from support.mcore_torch_dist_job import run_job
+
+    pgconvert.convert(tiny, tmp_path / "ranks", dst_format="megatron", dst_tp=2, dst_expert_layout="sequential")
+    saved = tmp_path / "mcore"
+    (saved / "iter_0000100").mkdir(parents=True)
+    (saved / "latest_checkpointed_iteration.txt").write_text("100")
+    run_job({"action": "qwen3_next_save", "world": 2, "source": str(tmp_path / "ranks"),
+             "ckpt": str(saved / "iter_0000100")}, tmp_path / "job")
+
+    report = pgconvert.convert(saved, tmp_path / "hf", dst_format="hf")
+
+    assert report.src_layout == "tp=2,pp=1"
+    assert_same_hf_tensors(tiny, tmp_path / "hf")

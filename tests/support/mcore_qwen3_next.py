@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import copy
 from collections.abc import Iterator
+from pathlib import Path
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
@@ -50,10 +51,11 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
-from support.mcore_gpt_models import sharded_metadata
-from support.mcore_helpers import (RankLayout, copied_config_fields, cpu_forward_patches, expert_pg_collection,
-                                   fake_group_queries, restored_attention_backend_env)
+from support.mcore_gpt_models import CONTENT_METADATA, sharded_metadata
+from support.mcore_helpers import (McoreFakeGroup, RankLayout, copied_config_fields, cpu_forward_patches, expert_pg_collection,
+                                   fake_group_queries, rank_files, restored_attention_backend_env)
 
+CORE_ATTENTION_EXTRA_STATE = "self_attention.core_attention._extra_state"
 # fla's l2norm epsilon (fla.modules.l2norm), as megatron-core's forward calls it.
 L2NORM_EPS = 1e-6
 
@@ -157,14 +159,18 @@ def gated_delta_net_on_cpu() -> Iterator[None]:
         yield
 
 
-def build_qwen3_next_model(args: argparse.Namespace, layout: RankLayout) -> GPTModel:
-    """megatron-core's GPTModel of one rank (any TP, PP1, EP1) on fake groups, as ``gpt_builder`` builds it from
-    ``args`` (the layout's sizes in place of the recorded ones)."""
+def build_qwen3_next_model(args: argparse.Namespace, layout: RankLayout, dp_size: int = 1,
+                           dp_rank: int = 0) -> GPTModel:
+    """megatron-core's GPTModel of one rank (any TP, PP1, EP1; data-parallel replica ``dp_rank`` of ``dp_size``)
+    on fake groups, as ``gpt_builder`` builds it from ``args`` (the layout's sizes in place of the recorded ones)."""
     assert (layout.pp, layout.ep) == (1, 1), layout
     args = copy.copy(args)
     args.tensor_model_parallel_size = args.expert_tensor_parallel_size = layout.tp
+    args.expert_model_parallel_size = 1
     config = transformer_config(args)
     groups = expert_pg_collection(layout.tp, 1, 1, layout.tp_rank, 0, 0)
+    for name in ("dp", "dp_cp", "expt_dp"):
+        setattr(groups, name, McoreFakeGroup(name, dp_size, dp_rank))
     with gated_delta_net_on_cpu():
         model = GPTModel(config=config, transformer_layer_spec=block_spec(config), vocab_size=args.padded_vocab_size,
                          max_sequence_length=args.max_position_embeddings, pre_process=True, post_process=True,
@@ -174,7 +180,44 @@ def build_qwen3_next_model(args: argparse.Namespace, layout: RankLayout) -> GPTM
     return model.eval()
 
 
-def qwen3_next_sharded_state_dict(model: GPTModel) -> dict[str, Any]:
-    """``model.sharded_state_dict()`` as in a run of one data-parallel replica, on the fake groups."""
+def qwen3_next_sharded_state_dict(model: GPTModel, dp_size: int = 1, dp_rank: int = 0) -> dict[str, Any]:
+    """``model.sharded_state_dict()`` as in a run (data-parallel replica ``dp_rank`` of ``dp_size``), on the fake groups."""
     with fake_group_queries():
-        return model.sharded_state_dict(metadata=sharded_metadata())
+        return model.sharded_state_dict(metadata=sharded_metadata(dp_size, dp_rank))
+
+
+def run_qwen3_next_rank(rank: int, world: int, spec: dict[str, Any]) -> None:
+    """One rank of ``support.mcore_torch_dist_job``'s ``qwen3_next_*`` job.
+
+    ``qwen3_next_save``: the rank loads its rank file of the TP-``world`` checkpoint ``source`` (``strict=True``) and
+    ``dist_checkpointing.save`` writes the model's ``sharded_state_dict()`` to ``ckpt`` with that file's args.
+    ``qwen3_next_load``: for each case (``name``, ``ckpt``, ``tp``) it builds rank ``rank % tp`` (the others are
+    data-parallel replicas) from the checkpoint's own args, ``dist_checkpointing.load``s the model's
+    ``sharded_state_dict()`` with ``strict="raise_all"``, then ``load_state_dict(strict=True)``; the first replica
+    saves its tensors as ``<name>_rank_<tp rank>.pt``."""
+    from megatron.core import dist_checkpointing
+
+    if spec["action"] == "qwen3_next_save":
+        source = rank_files(Path(spec["source"]))[rank]
+        model = build_qwen3_next_model(source.args, source.layout)
+        with fake_group_queries():
+            model.load_state_dict(source.model, strict=True)
+        state = {"args": source.args, "checkpoint_version": 3.0, "iteration": 100,
+                 "model": qwen3_next_sharded_state_dict(model)}
+        dist_checkpointing.save(state, spec["ckpt"], content_metadata=dict(CONTENT_METADATA))
+        return
+    for case in spec["cases"]:
+        tp = case["tp"]
+        args = dist_checkpointing.load_common_state_dict(case["ckpt"])["args"]
+        model = build_qwen3_next_model(args, RankLayout(tp, 1, rank % tp, 0), world // tp, rank // tp)
+        sharded = qwen3_next_sharded_state_dict(model, world // tp, rank // tp)
+        loaded = dist_checkpointing.load({"model": sharded}, case["ckpt"], strict="raise_all")
+        # TEDotProductAttention's sharded_state_dict holds no _extra_state (nor does the checkpoint): the stand-in's
+        # empty one is given back as the model holds it; every other key is loaded strictly.
+        state = {**{key: None for key in model.state_dict() if key.endswith(CORE_ATTENTION_EXTRA_STATE)},
+                 **loaded["model"]}
+        with fake_group_queries():
+            model.load_state_dict(state, strict=True)
+        if rank < tp:
+            tensors = {name: value for name, value in model.state_dict().items() if not name.endswith("._extra_state")}
+            torch.save(tensors, Path(spec["out"]) / f"{case['name']}_rank_{rank}.pt")

@@ -166,3 +166,22 @@ def test_tp_must_divide_the_linear_heads(config: ModelConfig, message: str | Non
 
 def test_a_model_of_attention_only_is_not_bound_by_linear_heads() -> None:
     ParallelLayout(tp=4).validate(_config(num_query_groups=4, linear_attention_freq=1))
+
+
+def test_interleaved_rotary_reorders_query_and_key_heads_and_leaves_the_gates() -> None:
+    """Megatron's interleaved rotary written rotate-half (``savers.hf.rotate_half_order``): in a gated ``linear_qkv``
+    each group's query and key heads get evens-then-odds, its gate and value heads keep their rows."""
+    from savers.hf import rotate_half_order
+
+    config = _config(rotary_interleaved=True, num_attention_heads=4, num_query_groups=2, kv_channels=4)
+    rows = torch.arange(config.attention.qkv_rows)
+    order = torch.tensor([0, 2, 1, 3])  # a head of 4 rotated dims: evens, then odds
+
+    reordered = rotate_half_order("qkv", rows, config)
+
+    # Per group (24 rows): q0 q1 (rotated), g0 g1 (kept), k (rotated), v (kept).
+    expected = torch.cat([torch.cat([start + order if rotated else torch.arange(start, start + 4)
+                                     for start, rotated in zip(range(group, group + 24, 4),
+                                                               (True, True, False, False, True, False))])
+                          for group in (0, 24)])
+    assert torch.equal(reordered, expected)

@@ -12,6 +12,7 @@ layouts the linear heads refuse are refused by name while planning.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -293,3 +294,27 @@ def test_a_checkpoint_megatron_cores_model_saved_at_tp2_reads_back_bit_exact(tin
 
     assert report.src_layout == "tp=2,pp=1"
     assert_same_hf_tensors(tiny, tmp_path / "hf")
+
+
+@pytest.mark.parametrize(("key", "value", "message"), [
+    ("layer_types", ["linear_attention"] * 3, "layer_types=.*expected 'linear_attention' or 'full_attention' for each "
+                                              "of the 8 layers"),
+    ("linear_num_value_heads", 3, "linear_num_key_heads=2: linear_num_value_heads=3 must be a multiple of it"),
+    ("full_attention_interval", 0, None),  # layer_types given: transformers ignores the interval, and so does pgconvert
+])
+def test_a_config_json_that_describes_no_model_is_refused_by_name(tiny: Path, tmp_path: Path, key: str, value: object,
+                                                                  message: str | None) -> None:
+    source = tmp_path / "hf"
+    shutil.copytree(tiny, source)
+    doc = json.loads((source / "config.json").read_text())
+    doc[key] = value
+    (source / "config.json").write_text(json.dumps(doc))
+
+    result = CliRunner().invoke(main, ["--dst-format", "megatron", str(source), str(tmp_path / "out")])
+
+    if message is None:
+        assert result.exit_code == 0, result.output
+        return
+    assert result.exit_code in (1, 2) and isinstance(result.exception, SystemExit), result.output
+    assert re.search(message, result.output), result.output
+    assert not (tmp_path / "out").exists()

@@ -318,3 +318,21 @@ def test_a_config_json_that_describes_no_model_is_refused_by_name(tiny: Path, tm
     assert result.exit_code in (1, 2) and isinstance(result.exception, SystemExit), result.output
     assert re.search(message, result.output), result.output
     assert not (tmp_path / "out").exists()
+
+
+def test_stored_multi_token_prediction_layers_are_refused_by_name(tiny: Path, tmp_path: Path) -> None:
+    """The released checkpoints store ``mtp.*`` (transformers loads none of it): not converted, never dropped silently."""
+    from safetensors.torch import save_file
+
+    source = tmp_path / "hf"
+    shutil.copytree(tiny, source)
+    save_file({"mtp.fc.weight": torch.zeros(32, 64), "mtp.norm.weight": torch.zeros(32)}, str(source / "mtp.safetensors"))
+    index = json.loads((source / "model.safetensors.index.json").read_text())
+    index["weight_map"].update({"mtp.fc.weight": "mtp.safetensors", "mtp.norm.weight": "mtp.safetensors"})
+    (source / "model.safetensors.index.json").write_text(json.dumps(index))
+
+    result = CliRunner().invoke(main, ["--dst-format", "megatron", str(source), str(tmp_path / "out")])
+
+    assert result.exit_code == 1, result.output
+    assert "multi-token-prediction tensors ['mtp.fc.weight', 'mtp.norm.weight'] (2) are not converted" in result.output
+    assert not (tmp_path / "out").exists()

@@ -23,7 +23,7 @@ Megatron-Bridge's ``src/megatron/bridge/models/qwen/qwen3_next_bridge.py``:
   gate (megatron-core's ``moe_shared_expert_gate``), as Qwen2-MoE.
 
 The released checkpoints also store multi-token-prediction layers (``mtp.*``), which transformers does not
-load; they are not converted, and stored ones are refused by name (tensors outside the table).
+load; they are not converted, and stored ones are refused by name (``refuse_extra``).
 """
 
 from __future__ import annotations
@@ -162,6 +162,16 @@ QWEN3_NEXT_PARTIAL_ROTARY = 0.25
 _PARTIAL_ROPE_RULE = partial_rope_rule(QWEN3_NEXT_PARTIAL_ROTARY, "Qwen3-Next")
 
 
+def _refuse_mtp(unexpected: Sequence[str], config_json: Mapping[str, object]) -> str | None:
+    """The released checkpoints' multi-token-prediction layers (``mtp.*``, which transformers does not load): not
+    converted, and named rather than dropped."""
+    stored = sorted(name for name in unexpected if name.startswith("mtp."))
+    if not stored:
+        return None
+    return (f"multi-token-prediction tensors {stored[:4]}{' ...' if len(stored) > 4 else ''} ({len(stored)}) are not "
+            "converted (transformers does not load them either); convert a copy without them")
+
+
 def _linear_field(key: str, default: int) -> ConfigField:
     return ConfigField((key,), key, int, default=default)
 
@@ -197,6 +207,7 @@ QWEN3_NEXT = Family(
     hf_fixed={**HF_SILU, "attention_bias": False},
     hf_scratch=ROPE_DEFAULT,
     hf_norms_zero_centred=True,
+    refuse_extra=_refuse_mtp,
     # megatron-core builds gated delta net layers with the Transformer Engine spec only (its grouped experts
     # too, as Megatron-Bridge's Qwen3-Next provider sets moe_grouped_gemm).
     megatron_defaults={"transformer_impl": "transformer_engine", "moe_grouped_gemm": True},

@@ -104,7 +104,9 @@ FLAG_VALUES: dict[str, str] = {
     "glu_linear_offset": "1.0", "activation_func_clamp_value": "7.0", "context_parallel_size": "2",
     "ddp_bucket_size": "1000000", "ddp_num_buckets": "2", "decoupled_lr": "0.001", "decoupled_min_lr": "0.0001",
     "seq_length": "32", "hybrid_override_pattern": "M*M-", "mamba_state_dim": "16", "mamba_head_dim": "32",
-    "mamba_num_groups": "2", "mamba_num_heads": "4",
+    "mamba_num_groups": "2", "mamba_num_heads": "4", "experimental_attention_variant": "gated_delta_net",
+    "linear_attention_freq": "4", "linear_conv_kernel_dim": "3", "linear_key_head_dim": "32",
+    "linear_value_head_dim": "32", "linear_num_key_heads": "4", "linear_num_value_heads": "8",
 }
 # Flags a field's flag needs beside it (a MoE flag: experts; a YaRN flag: YaRN; a window: the window).
 _YARN = ["--position-embedding-type", "yarn"]
@@ -155,6 +157,8 @@ FLAG_CONTEXT: dict[str, list[str]] = {
     "softmax_type": ["--position-embedding-type", "rope"],
     "glu_linear_offset": ["--swiglu"], "activation_func_clamp_value": [*MOE, "--swiglu"],
     "padded_vocab_size": [],
+    # megatron-core's TransformerConfig asserts a pattern for gated delta net layers (and the TE spec builds them).
+    "experimental_attention_variant": ["--linear-attention-freq", "4", "--transformer-impl", "transformer_engine"],
 }
 # Fields whose flags are not cases: sizes every case gives (BASE), and flags that only run-time checks
 # read (no model setting, or refused by validate_args alone).
@@ -490,7 +494,8 @@ def _gpt_model_kwargs(args: Any, config: Any) -> dict[str, Any] | None:
     caught: dict[str, Any] = {}
     saved = {name: getattr(gpt_builders, name) for name in (
         "GPTModel", "_get_transformer_layer_spec", "get_gpt_decoder_block_spec", "get_gpt_mtp_block_spec",
-        "get_gpt_decoder_layer_specs") if hasattr(gpt_builders, name)}
+        "get_gpt_decoder_layer_specs", "get_transformer_block_with_experimental_attention_variant_spec",
+        "get_transformer_layer_with_experimental_attention_variant_spec") if hasattr(gpt_builders, name)}
     gpt_builders.GPTModel = lambda **kwargs: caught.update(kwargs)
     for name in saved:
         if name != "GPTModel":

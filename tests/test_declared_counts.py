@@ -241,4 +241,4 @@ def test_shape_settings_read_every_kinds_shape_as_the_config_gives_it(architectu
         assert read == [tuple(kind.shape(config))], name
         assert settings and set(settings) <= names, (name, settings)
     assert shape_settings(lambda c: c.attention.qkv_rows * c.hidden_size, config) == [
-        "num_attention_heads", "num_query_groups", "kv_channels", "hidden_size"]
+        "num_attention_heads", "num_query_groups", "kv_channels", "attention_output_gate", "hidden_size"]

@@ -117,6 +117,12 @@ KEPT_NULLS: dict[tuple[str, str, str], Expected] = {
         lambda doc: {"rotary_percent": 1.0},
     ("Glm4MoeForCausalLM", "*", "older spelling of rope_theta, null partial_rotary_factor"):
         lambda doc: {"rotary_percent": 1.0},
+    ("Qwen3NextForCausalLM", "*", "older spelling of rope_theta, null partial_rotary_factor"):
+        lambda doc: {"rotary_percent": 1.0},
+    # Qwen3-Next: layer_types given, so full_attention_interval (kwargs.pop(..., 4)) is unused; without
+    # layer_types a null interval is no period ((i + 1) % None raises).
+    ("Qwen3NextForCausalLM", "*", "null full_attention_interval"): _same,
+    ("Qwen3NextForCausalLM", "*", "older spelling of full_attention_interval, null full_attention_interval"): REFUSED,
     # ERNIE 4.5: nn.Linear(bias=None) builds no bias.
     ("Ernie4_5ForCausalLM", "*", "null use_bias"): lambda doc: {"add_qkv_bias": False, "add_bias_linear": False},
     # MiniMax-M2: a top-level null passes MiniMaxM2Config's kwargs.setdefault(rotary_dim / head_dim) and

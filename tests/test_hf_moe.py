@@ -333,6 +333,10 @@ _FAMILY_NEEDS: dict[str, dict[str, object]] = {
     # A hybrid layer pattern (a Mamba layer, an MLP) and Mamba sizes that fit the tiny hidden size.
     "NemotronHForCausalLM": {"hybrid_override_pattern": "M-", "mamba_num_heads": 4, "mamba_head_dim": 2,
                              "mamba_num_groups": 2, "mamba_state_dim": 2},
+    # A gated delta net layer and an attention layer, linear sizes that fit, the only spec megatron-core builds.
+    "Qwen3NextForCausalLM": {"linear_attention_freq": 2, "linear_num_key_heads": 2, "linear_num_value_heads": 2,
+                             "linear_key_head_dim": 2, "linear_value_head_dim": 2,
+                             "transformer_impl": "transformer_engine"},
 }
 # Families that take dense and MoE models, and what their MoE model needs (Nemotron-H: an E layer, routed as its
 # NemotronHMoE routes, with its shared expert).

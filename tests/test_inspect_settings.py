@@ -215,7 +215,10 @@ def test_the_family_defaults_are_transformers_class_defaults(architecture: str) 
     # no default head_dim (its attention takes it as given).
     # NemotronHConfig's default layers hold a MoE layer, which the dense Nemotron-H family refuses.
     needed = {"DeepseekV2ForCausalLM": {"num_experts_per_tok": 6}, "MinistralForCausalLM": {"head_dim": 8},
-              "NemotronHForCausalLM": {"layers_block_type": ["linear_attention", "mlp", "full_attention", "mlp"]}}
+              "NemotronHForCausalLM": {"layers_block_type": ["linear_attention", "mlp", "full_attention", "mlp"]},
+              # Dots1Config has no expert or shared-expert counts, and does not renormalize by default.
+              "Dots1ForCausalLM": {"n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
+                                   "norm_topk_prob": True}}
     doc = AutoConfig.for_model(family.model_type, hidden_size=64, num_hidden_layers=4, num_attention_heads=8,
                                num_key_value_heads=4, intermediate_size=128, vocab_size=1000,
                                **needed.get(architecture, {})).to_dict()

@@ -116,6 +116,14 @@ EXPECTED: dict[str, object] = {
     'shared_input_layernorm': False,
     'layernorm_bias': True,
     'logit_scale': 1.0,
+    'attention_output_gate': False,
+    'experimental_attention_variant': None,
+    'linear_attention_freq': None,
+    'linear_conv_kernel_dim': 4,
+    'linear_key_head_dim': 128,
+    'linear_value_head_dim': 128,
+    'linear_num_key_heads': 16,
+    'linear_num_value_heads': 32,
 }
 
 
@@ -133,7 +141,7 @@ def test_every_setting_lives_in_exactly_one_place() -> None:
         assert {item.name for item in dataclasses.fields(cls)} == {
             name for name, where in SETTING_GROUPS.items() if where == group}, group
     assert own == {name for name, where in SETTING_GROUPS.items() if where is None}
-    assert len(SETTING_GROUPS) == 85
+    assert len(SETTING_GROUPS) == 93
 
 
 def test_the_grouped_form_builds_the_same_config() -> None:

@@ -28,6 +28,7 @@ from pgconvert.families import (
     olmo,
     phi3,
     qwen,
+    qwen3_next,
     seed_oss,
     smollm,
     starcoder2,
@@ -57,6 +58,7 @@ from pgconvert.semantics.carried import CarriedSetting
 # GPT-NeoX last: the only family with LayerNorm and a non-gated exact GELU, and the only one holding
 # use_parallel_residual (a parallel model fits no family before it: formats.hf.unmapped_losses).
 # Cohere after it: only a parallel layer with one shared norm, LayerNorms without a bias fits it.
+# Qwen3-Next takes the models with gated delta net layers and gated attention, which every other family refuses.
 ORDERED: tuple[Family, ...] = (
     deepseek.DEEPSEEK_V3,
     deepseek.DEEPSEEK_V2,
@@ -90,6 +92,7 @@ ORDERED: tuple[Family, ...] = (
     starcoder2.STARCODER2,
     gpt_neox.GPT_NEOX,
     cohere.COHERE,
+    qwen3_next.QWEN3_NEXT,
 )
 
 FAMILIES: dict[str, Family] = {family.architecture: family for family in ORDERED}

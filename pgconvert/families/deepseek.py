@@ -181,7 +181,7 @@ def shared_experts_rule(default: int | None) -> ConfigRule:
         return None
 
     return ConfigRule(keys=("n_shared_experts",), model_fields=("moe_shared_expert_intermediate_size",),
-                      read=read, write=write, refuses=refuses)
+                      read=read, write=write, refuses=refuses, required=default is None)
 
 
 def router_groups(present: Mapping[str, object], model: Mapping[str, object], per_group: int,
@@ -258,7 +258,7 @@ def sigmoid_group_router(groups: tuple[int | None, int | None], scaling: float,
     norm = ("norm_topk_prob",) if reads_norm else ()
     return ConfigRule(keys=("n_group", "topk_group", "routed_scaling_factor", *norm), model_fields=_ROUTER_FIELDS,
                       read=read, write=write, refuses=_sigmoid_router_refuses,
-                      null_keys=("n_group", "topk_group", *norm))
+                      null_keys=("n_group", "topk_group", *norm), required=norm_topk_default is False)
 
 
 def _sigmoid_router_refuses(config: ModelConfig) -> str | None:

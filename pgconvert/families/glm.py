@@ -39,15 +39,13 @@ from pgconvert.families.llama import (
     SWIGLU_RMS_ROPE,
     decoder_fields,
     head_dim_field,
+    partial_rope_rule,
     query_groups_field,
-    read_rope,
-    write_partial_rope,
 )
 from pgconvert.families.mtp import MTP_ROWS
 from pgconvert.families.olmo import PLAIN_SWIGLU
 from pgconvert.families.qwen import QWEN_MOE_ROWS
 from pgconvert.families.table import DROPPED, IDENTITY, QKV, ConfigField, ConfigRule, Family, TensorMapping, TensorTable
-from pgconvert.semantics.rope import rope_parameters
 
 _L = "model.layers.{}."
 _D = "decoder.layers.{}."
@@ -74,21 +72,7 @@ GLM4_TENSORS = TensorTable((
 GLM_PARTIAL_ROTARY = 0.5
 
 
-def _read_glm_rope(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
-    """As Llama's, but an absent ``partial_rotary_factor`` is 0.5 (Glm4Config's and Glm4MoeConfig's
-    ``kwargs.setdefault``); a top-level null is left unset there, so the whole head rotates, and a
-    null in ``rope_parameters`` is refused (GLM's rotary multiplies head_dim by it as given)."""
-    params = rope_parameters(present)
-    if "partial_rotary_factor" in params and params["partial_rotary_factor"] is None:
-        raise ValueError("rope_parameters.partial_rotary_factor=null: GLM's rotary embedding multiplies head_dim "
-                         "by it as given, and null is no fraction")
-    if "partial_rotary_factor" not in params and "partial_rotary_factor" not in present:
-        present = {**present, "partial_rotary_factor": GLM_PARTIAL_ROTARY}
-    return read_rope(present, model)
-
-
-GLM_ROPE_RULE = ConfigRule(keys=ROPE_RULE.keys, model_fields=ROPE_RULE.model_fields, read=_read_glm_rope,
-                           write=write_partial_rope, null_keys=("partial_rotary_factor",))
+GLM_ROPE_RULE = partial_rope_rule(GLM_PARTIAL_ROTARY, "GLM")
 
 
 GLM4 = Family(

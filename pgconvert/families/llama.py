@@ -172,6 +172,25 @@ ROPE_RULE = ConfigRule(keys=("rope_parameters", "rope_scaling", "partial_rotary_
                        read=read_rope, write=write_rope)
 
 
+def partial_rope_rule(default: float, family: str) -> ConfigRule:
+    """As ``ROPE_RULE``, for a config class whose absent ``partial_rotary_factor`` is ``default`` (its
+    ``kwargs.setdefault``: GLM-4's, Qwen3-Next's), written in ``rope_parameters``: a top-level null is left
+    unset there, so the whole head rotates, and a null in ``rope_parameters`` is refused (the family's rotary
+    multiplies head_dim by it as given)."""
+
+    def read(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
+        params = rope_parameters(present)
+        if "partial_rotary_factor" in params and params["partial_rotary_factor"] is None:
+            raise ValueError(f"rope_parameters.partial_rotary_factor=null: {family}'s rotary embedding multiplies "
+                             "head_dim by it as given, and null is no fraction")
+        if "partial_rotary_factor" not in params and "partial_rotary_factor" not in present:
+            present = {**present, "partial_rotary_factor": default}
+        return read_rope(present, model)
+
+    return ConfigRule(keys=ROPE_RULE.keys, model_fields=ROPE_RULE.model_fields, read=read, write=write_partial_rope,
+                      null_keys=("partial_rotary_factor",))
+
+
 # --- what the Llama-style families are in Megatron terms -----------------------------------------
 
 # SwiGLU MLP, RMSNorm, RoPE, norms before the sublayers only (nothing Gemma-specific) and plain

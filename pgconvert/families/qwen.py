@@ -153,29 +153,34 @@ def _sparse_step_from_layers(config: ModelConfig) -> Mapping[str, object]:
     return {"decoder_sparse_step": 1, "mlp_only_layers": dense_layers(config)}
 
 
-_SPARSE_STEP = ConfigRule(keys=("decoder_sparse_step", "mlp_only_layers"), model_fields=("moe_layer_freq",),
+SPARSE_STEP = ConfigRule(keys=("decoder_sparse_step", "mlp_only_layers"), model_fields=("moe_layer_freq",),
                           read=_layers_from_sparse_step, write=_sparse_step_from_layers, refuses=refuses_dense_model)
 
 
-def _read_norm_topk(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
-    """The top-k softmax weights renormalized (norm_topk_prob, transformers' default false) as
-    megatron-core's default router does; without it, softmax over all experts first
-    (megatron-core's moe_router_pre_softmax)."""
-    value = present.get("norm_topk_prob", False)
-    if not isinstance(value, bool):
-        raise ValueError(f"norm_topk_prob={quote(value)}: expected true or false")
-    return {"moe_router_pre_softmax": not value}
+def norm_topk_rule(default: bool) -> ConfigRule:
+    """The top-k softmax weights renormalized (``norm_topk_prob``, absent: the config class's ``default``) as
+    megatron-core's default router does; without it, softmax over all experts first (megatron-core's
+    moe_router_pre_softmax)."""
+
+    def read(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
+        value = present.get("norm_topk_prob", default)
+        if not isinstance(value, bool):
+            raise ValueError(f"norm_topk_prob={quote(value)}: expected true or false")
+        return {"moe_router_pre_softmax": not value}
+
+    return ConfigRule(keys=("norm_topk_prob",), model_fields=("moe_router_pre_softmax",), read=read,
+                      write=_write_norm_topk)
 
 
 def _write_norm_topk(config: ModelConfig) -> Mapping[str, object]:
     return {"norm_topk_prob": not config.moe.moe_router_pre_softmax}
 
 
-NORM_TOPK_RULE = ConfigRule(keys=("norm_topk_prob",), model_fields=("moe_router_pre_softmax",),
-                            read=_read_norm_topk, write=_write_norm_topk)
+# transformers' Qwen3MoeConfig and Qwen2MoeConfig: norm_topk_prob false by default.
+NORM_TOPK_RULE = norm_topk_rule(False)
 # norm_topk_prob false softmaxes over all experts first (megatron-core's moe_router_pre_softmax).
 PRE_SOFTMAX = frozenset({"moe_router_pre_softmax"})
-_NORM_TOPK_NOTE = "norm_topk_prob = not pre_softmax"
+NORM_TOPK_NOTE = "norm_topk_prob = not pre_softmax"
 
 
 def _read_all_or_none_window(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
@@ -210,12 +215,12 @@ QWEN3_MOE = Family(
         ConfigField(("num_experts_per_tok",), "moe_router_topk", int, default=8),
         AUX_LOSS,
     ),
-    rules=(_SPARSE_STEP, ROPE_RULE, _QWEN3_MOE_WINDOW, NORM_TOPK_RULE),
+    rules=(SPARSE_STEP, ROPE_RULE, _QWEN3_MOE_WINDOW, NORM_TOPK_RULE),
     fixed={**ROUTED_EXPERTS_ONLY, "qk_layernorm": True, "add_qkv_bias": False, "add_bias_linear": False},
     hf_fixed={**HF_SILU, "attention_bias": False},
     hf_scratch=ROPE_DEFAULT,
     hf_notes={"sliding window": "use_sliding_window, sliding_window", "qk-norm": "always",
-              "moe pre-softmax": _NORM_TOPK_NOTE},
+              "moe pre-softmax": NORM_TOPK_NOTE},
 )
 
 
@@ -248,16 +253,22 @@ def _write_qwen2_moe_window(config: ModelConfig) -> Mapping[str, object]:
             "max_window_layers": QWEN_MAX_WINDOW_LAYERS, "layer_types": layer_types_of(config)}
 
 
-def _refuses_dense_or_no_shared_expert(config: ModelConfig) -> str | None:
+def refuses_dense_or_no_shared_expert(config: ModelConfig) -> str | None:
     moe = config.moe
     if moe.num_experts is not None and moe.moe_shared_expert_intermediate_size is None:
         return "moe_shared_expert_intermediate_size=None (needs a gated shared expert)"
     return refuses_dense_model(config)
 
 
+# Qwen2-MoE's and Qwen3-Next's MoE layers by decoder_sparse_step, with a gated shared expert.
+SHARED_EXPERT_SPARSE_STEP = ConfigRule(keys=SPARSE_STEP.keys, model_fields=SPARSE_STEP.model_fields,
+                                       read=_layers_from_sparse_step, write=_sparse_step_from_layers,
+                                       refuses=refuses_dense_or_no_shared_expert)
+
+
 # transformers' Qwen2MoeSparseMoeBlock: shared_expert (an MLP) scaled by sigmoid(shared_expert_gate(x)),
 # which is megatron-core's SharedExpertMLP with moe_shared_expert_gate (gate_weight [1, hidden]).
-_QWEN2_SHARED_EXPERT_ROWS = (
+SHARED_EXPERT_ROWS = (
     TensorMapping("decoder.layers.{}.mlp.shared_experts.linear_fc1.weight", (
         "model.layers.{}.mlp.shared_expert.gate_proj.weight",
         "model.layers.{}.mlp.shared_expert.up_proj.weight",
@@ -271,7 +282,7 @@ _QWEN2_SHARED_EXPERT_ROWS = (
 QWEN2_MOE = QWEN3_MOE.derive(
     "Qwen2MoeForCausalLM", "qwen2_moe",
     tensors=TensorTable((*EMBEDDING_ROWS, *ATTENTION_ROWS, *DENSE_MLP_ROWS, *QWEN_MOE_ROWS,
-                         *_QWEN2_SHARED_EXPERT_ROWS, *FINAL_ROWS)),
+                         *SHARED_EXPERT_ROWS, *FINAL_ROWS)),
     fields=(
         # Qwen2MoeConfig's 16 KV heads; it keeps a null, which its attention cannot divide by.
         query_groups_field(16, null_refused="transformers' attention divides the heads by num_key_value_heads as "
@@ -283,8 +294,7 @@ QWEN2_MOE = QWEN3_MOE.derive(
         # q, k and v biases only (o_proj and the MLPs have none): megatron-core's add_qkv_bias.
         ConfigField(("qkv_bias",), "add_qkv_bias", bool, default=True),
     ),
-    rules=(ConfigRule(keys=_SPARSE_STEP.keys, model_fields=_SPARSE_STEP.model_fields, read=_layers_from_sparse_step,
-                      write=_sparse_step_from_layers, refuses=_refuses_dense_or_no_shared_expert),
+    rules=(SHARED_EXPERT_SPARSE_STEP,
            ConfigRule(keys=("use_sliding_window", "sliding_window", "max_window_layers", "layer_types"),
                       model_fields=("sliding_window", "window_layers"),
                       read=_read_qwen2_moe_window, write=_write_qwen2_moe_window, null_keys=("sliding_window",))),

@@ -32,6 +32,10 @@ from pgconvert.semantics.carried import CarriedSetting
 
 SLOT = "{}"
 HYBRID_PATTERN = "hybrid_override_pattern"
+# The layer structure of a family that neither reads nor fixes these settings: no layer pattern, no
+# linear attention layers, no attention output gate.
+STRUCTURE_UNLESS_READ: dict[str, object] = {HYBRID_PATTERN: None, "experimental_attention_variant": None,
+                                            "attention_output_gate": False}
 # Rows ``[start, stop)`` along a dim of one HF part of a canonical tensor: (part index, dim, start, stop).
 PartReader = Callable[[int, int, int, int], torch.Tensor]
 
@@ -111,6 +115,12 @@ class FuseQKVByGroup(Transform):
         v_proj  [v0    | v1   ]
 
     (each entry is one head of ``kv_channels`` rows; here 4 query heads in 2 groups).
+
+    With the output gate (``attention_output_gate``: Qwen3-Next's ``q_proj`` holds each head's query rows
+    then its gate rows, ``[q0 g0 q1 g1 …]``), a group's rows are its query heads, then their gate heads,
+    then k and v (megatron-core's ``SelfAttention.get_query_key_value_tensors``)::
+
+        q_proj  [q0 g0 q1 g1 | q2 g2 q3 g3]  ->  linear_qkv  [q0 q1 g0 g1 k0 v0 | q2 q3 g2 g3 k1 v1]
     """
 
     name = "fuse-qkv-by-group"
@@ -118,12 +128,26 @@ class FuseQKVByGroup(Transform):
 
     @staticmethod
     def _dims(config: ModelConfig) -> tuple[int, int, int]:
+        """Query groups, a group's query rows (its gate rows with them) and a key (value) head's rows."""
         attention = config.attention
         groups = attention.query_groups
-        return groups, attention.num_attention_heads // groups * attention.head_dim, attention.head_dim
+        gates = 2 if attention.attention_output_gate else 1
+        return groups, attention.num_attention_heads // groups * attention.head_dim * gates, attention.head_dim
+
+    @staticmethod
+    def _gates_by_group(query: torch.Tensor, config: ModelConfig, to_megatron: bool) -> torch.Tensor:
+        """The gated query rows: HF's ``[q0 g0 q1 g1]`` <-> a group's ``[q0 q1 g0 g1]``; ungated rows as given."""
+        attention = config.attention
+        if not attention.attention_output_gate:
+            return query
+        groups, rest = attention.query_groups, tuple(query.shape[1:])
+        heads = (attention.num_attention_heads // groups, 2) if to_megatron else (2, attention.num_attention_heads // groups)
+        by_head = query.reshape(groups, *heads, attention.head_dim, *rest)
+        return by_head.transpose(1, 2).reshape(query.shape)
 
     def fuse(self, parts: Sequence[torch.Tensor], config: ModelConfig) -> torch.Tensor:
         query, key, value = parts
+        query = self._gates_by_group(query, config, to_megatron=True)
         groups, q_rows, kv_rows = self._dims(config)
         rest = tuple(query.shape[1:])
         fused = joined([
@@ -141,7 +165,7 @@ class FuseQKVByGroup(Transform):
         key = by_group.narrow(1, q_rows, kv_rows)
         value = by_group.narrow(1, q_rows + kv_rows, kv_rows)
         return [
-            query.reshape(groups * q_rows, *rest),
+            self._gates_by_group(query.reshape(groups * q_rows, *rest), config, to_megatron=False),
             key.reshape(groups * kv_rows, *rest),
             value.reshape(groups * kv_rows, *rest),
         ]
@@ -457,6 +481,9 @@ class ConfigRule:
     # Older spellings ``read`` also gets (transformers still reads them: Gemma 3's top-level
     # ``rope_local_base_freq``), never written.
     legacy_keys: tuple[str, ...] = ()
+    # config.json must state these keys: the config class's default describes no model pgconvert converts
+    # (dots.llm1's shared-expert count and renormalization); a model's family defaults state them as it has them.
+    required: bool = False
 
     def present(self, doc: Mapping[str, Any]) -> dict[str, object]:
         """The values ``read`` gets from config.json ``doc``."""
@@ -539,9 +566,12 @@ class Family:
     def __post_init__(self) -> None:
         mapped = {f.model_field for f in self.fields}
         ruled = [name for rule in self.rules for name in rule.model_fields]
-        if HYBRID_PATTERN not in mapped | set(ruled) | set(self.fixed):
-            # A family that reads no layer pattern has attention and an MLP in every layer.
-            object.__setattr__(self, "fixed", {**self.fixed, HYBRID_PATTERN: None})
+        # A family that reads no layer pattern has attention and an MLP in every layer; one that reads no
+        # linear attention or output gate has neither.
+        unread = {name: value for name, value in STRUCTURE_UNLESS_READ.items()
+                  if name not in mapped | set(ruled) | set(self.fixed)}
+        if unread:
+            object.__setattr__(self, "fixed", {**self.fixed, **unread})
         for name in ("fixed", *_MERGED):
             object.__setattr__(self, name, MappingProxyType(dict(getattr(self, name))))
         object.__setattr__(self, "hf_computes", frozenset(self.hf_computes))

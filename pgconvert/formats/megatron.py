@@ -36,7 +36,8 @@ import torch
 from pgconvert.model.config import ModelConfig
 from pgconvert.errors import CheckpointError, ConfigError, LayoutError, UnsafePickleError
 from pgconvert.formats import RELEASE, Iteration
-from pgconvert.formats.hybrid_args import hybrid_from_args, hybrid_to_args
+from pgconvert.formats.hybrid_args import (hybrid_from_args, hybrid_to_args, linear_attention_from_args,
+                                          linear_attention_to_args)
 from pgconvert.formats.megatron_args import MEGATRON_DEFAULTS, megatron_ffn_hidden_size, none_notices
 from pgconvert.model.layout import ParallelLayout
 from pgconvert.io.limits import MAX_TRACKER_BYTES, over_limit, quote
@@ -360,6 +361,7 @@ def _config_from_args(args: argparse.Namespace, path: Path, transformer_impl: st
         "moe_router_enable_expert_bias": bool(getattr(args, "moe_router_enable_expert_bias", False)),
         "moe_grouped_gemm": grouped_gemm,
         **hybrid_from_args(args, path),
+        **linear_attention_from_args(args, path),
         **semantics_from_args(args, path, CARRIED_SETTINGS),
     })
 
@@ -532,6 +534,7 @@ def args_for_target(config: ModelConfig, layout: ParallelLayout, padded_vocab_si
     values.update(_run_args(padded_vocab_size, dtype, iteration))
     values.update(semantics_to_args(config, CARRIED_SETTINGS))
     values.update(hybrid_to_args(config))
+    values.update(linear_attention_to_args(config))
     if config.vocab_size is not None:
         values["vocab_size"] = config.vocab_size
     if config.moe.num_experts is not None:

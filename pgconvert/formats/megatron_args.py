@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from pgconvert.families import CARRIED_SETTINGS
-from pgconvert.formats.hybrid_args import MAMBA_DEFAULTS
+from pgconvert.formats.hybrid_args import LINEAR_ATTENTION_DEFAULTS, LINEAR_ATTENTION_SIZES, MAMBA_DEFAULTS
 from pgconvert.formats.strict import fallback
 from pgconvert.model.config import POSTNORM_OFF
 from pgconvert.semantics import CORE_ONLY_DEFAULTS, MEGATRON_DEFAULT_DROPOUT
@@ -380,8 +380,26 @@ _HYBRID_ROWS: tuple[ArgField, ...] = (
     _optional("mamba_num_heads", "None", "hidden_size * 2 // mamba_head_dim (megatron-core's MambaMixer)", _HYBRID),
 )
 
+
+def _linear_attention(args: argparse.Namespace) -> bool:
+    return _given(args, "experimental_attention_variant") is not None
+
+
+_LINEAR = "formats.hybrid_args.linear_attention_from_args"
+_CORE_FIELD = "Megatron-LM (megatron-core's TransformerConfig)"
+# Gated delta net layers (Qwen3-Next) and the attention output gate: megatron-core TransformerConfig fields.
+_LINEAR_ATTENTION_ROWS: tuple[ArgField, ...] = (
+    _defaulted("attention_output_gate", False, _LINEAR, origin=_CORE_FIELD),
+    _optional("experimental_attention_variant", "None", "no linear attention (self-attention in every layer)",
+              _LINEAR),
+    _optional("linear_attention_freq", "None", "no linear attention layers; with experimental_attention_variant "
+              "refused by name (megatron-core's TransformerConfig asserts it is set)", _LINEAR),
+    *(_defaulted(name, LINEAR_ATTENTION_DEFAULTS[name], _LINEAR, when=_linear_attention, origin=_CORE_FIELD)
+      for name in LINEAR_ATTENTION_SIZES),
+)
+
 MEGATRON_ARGS: tuple[ArgField, ...] = (*_LAYOUT_ROWS, *_MODEL_ROWS, *_MOE_ROWS, *_POSITION_ROWS, *_ATTENTION_ROWS,
-                                       *_HYBRID_ROWS, *_RUN_ROWS)
+                                       *_HYBRID_ROWS, *_LINEAR_ATTENTION_ROWS, *_RUN_ROWS)
 ARG_FIELDS: dict[str, ArgField] = {row.name: row for row in MEGATRON_ARGS}
 
 

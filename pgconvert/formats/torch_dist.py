@@ -195,10 +195,11 @@ class DistLocation:
 
 def stacked_layers(config: ModelConfig) -> bool:
     """megatron-core's rule (TransformerBlock.sharded_state_dict): layers share stacked keys unless
-    they may differ, which it infers from ``moe_layer_freq`` being a list or greater than 1. A hybrid
-    decoder (MambaStack.sharded_state_dict) keys every layer by its global index."""
+    they may differ, which it infers from ``moe_layer_freq`` or ``linear_attention_freq`` being a list or
+    greater than 1. A hybrid decoder (MambaStack.sharded_state_dict) keys every layer by its global index."""
+    linear = config.linear_attention.linear_attention_freq
     return (config.hybrid_override_pattern is None and not isinstance(config.moe.moe_layer_freq, tuple)
-            and config.moe.moe_layer_freq == 1)
+            and config.moe.moe_layer_freq == 1 and not isinstance(linear, tuple) and (linear or 1) == 1)
 
 
 def _dist_layer_name(kind: TensorKind, config: ModelConfig) -> str:

@@ -3,7 +3,8 @@
 Every setting keeps its megatron-core ``TransformerConfig`` name (Megatron-LM's argument name where
 megatron-core has none): those names are the vocabulary of the family tables, of Megatron args and of
 every output's pgconvert.json. Each setting lives in one place, named in ``SETTING_GROUPS``: a
-sub-config (``attention``, ``mlp``, ``moe``, ``positions``, ``norms``, ``carried``) or the config
+sub-config (``attention``, ``mlp``, ``moe``, ``positions``, ``norms``, ``carried``, ``mamba``,
+``linear_attention``) or the config
 itself (layers, hidden size, vocabulary, embeddings, dtype, layer spec, MTP). The sub-configs are
 plain data; ``ModelConfig`` validates the whole, since several rules span groups (``kv_channels``
 defaults from ``hidden_size``, the per-layer lists have ``num_layers`` entries). Which kind each
@@ -89,6 +90,10 @@ class AttentionConfig:
     qk_head_dim: int = 128
     qk_pos_emb_head_dim: int = 64
     v_head_dim: int = 128
+    # Gated attention (megatron-core's attention_output_gate): each query head has a gate head of its
+    # own in linear_qkv (per query group ``[q heads; gate heads; k; v]``), and the attention's output is
+    # multiplied by sigmoid(gate) before linear_proj.
+    attention_output_gate: bool = False
 
     @property
     def query_groups(self) -> int:
@@ -104,8 +109,10 @@ class AttentionConfig:
 
     @property
     def qkv_rows(self) -> int:
-        """Rows of the fused QKV weight: every query head plus one key and one value head per group."""
-        return (self.num_attention_heads + 2 * self.query_groups) * self.head_dim
+        """Rows of the fused QKV weight: every query head (and its gate head, with the output gate) plus
+        one key and one value head per group."""
+        rows = (self.num_attention_heads + 2 * self.query_groups) * self.head_dim
+        return rows + self.num_attention_heads * self.head_dim if self.attention_output_gate else rows
 
     @property
     def q_head_dim(self) -> int:
@@ -226,6 +233,39 @@ class MambaConfig:
         return self.d_inner + 2 * self.group_state_rows
 
 
+@dataclass(frozen=True)
+class LinearAttentionConfig:
+    """Gated delta net layers beside self-attention (megatron-core's TransformerConfig names and defaults).
+
+    ``experimental_attention_variant`` "gated_delta_net" makes the layers ``linear_attention_freq`` marks
+    gated delta net mixers (pgconvert.model.layers): an int N makes every N-th layer self-attention and
+    the others linear, a 0/1 list gives each layer (1: linear). None: no linear attention.
+    """
+
+    experimental_attention_variant: str | None = None
+    linear_attention_freq: int | tuple[int, ...] | None = None
+    linear_conv_kernel_dim: int = 4
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+
+    @property
+    def key_dim(self) -> int:
+        """The rows of q (and of k): every key head."""
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        """The rows of v (and of the output gate z): every value head."""
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def conv_rows(self) -> int:
+        """The channels of the convolution: q, k and v."""
+        return 2 * self.key_dim + self.value_dim
+
+
 # The layer symbols of megatron-core's hybrid_override_pattern (ssm/mamba_hybrid_layer_allocation.py).
 HYBRID_SYMBOLS = tuple(HYBRID_LAYER_KINDS)
 
@@ -262,6 +302,7 @@ class CarriedConfig:
 GROUPS: dict[str, type] = {
     "attention": AttentionConfig, "mlp": MLPConfig, "moe": MoEConfig, "positions": PositionConfig,
     "norms": NormConfig, "carried": CarriedConfig, "mamba": MambaConfig,
+    "linear_attention": LinearAttentionConfig,
 }
 
 # Every setting, in the order to_dict (pgconvert.json, inspect --json) lists them, and where it lives:
@@ -296,6 +337,10 @@ SETTING_GROUPS: dict[str, str | None] = {
     "mamba_head_dim": "mamba", "mamba_num_groups": "mamba", "mamba_num_heads": "mamba", "time_step_min": "carried",
     "use_parallel_residual": "carried", "shared_input_layernorm": "carried", "layernorm_bias": "carried",
     "logit_scale": "carried",
+    "attention_output_gate": "attention", "experimental_attention_variant": "linear_attention",
+    "linear_attention_freq": "linear_attention", "linear_conv_kernel_dim": "linear_attention",
+    "linear_key_head_dim": "linear_attention", "linear_value_head_dim": "linear_attention",
+    "linear_num_key_heads": "linear_attention", "linear_num_value_heads": "linear_attention",
 }
 
 
@@ -359,6 +404,7 @@ class ModelConfig(SettingsByName):
     norms: NormConfig = field(default_factory=NormConfig)
     carried: CarriedConfig = field(default_factory=CarriedConfig)
     mamba: MambaConfig = field(default_factory=MambaConfig)
+    linear_attention: LinearAttentionConfig = field(default_factory=LinearAttentionConfig)
     vocab_size: int | None = None
     make_vocab_size_divisible_by: int = 128
     tie_embeddings: bool = False
@@ -407,6 +453,7 @@ class ModelConfig(SettingsByName):
             _require_positive("max_position_embeddings", positions.max_position_embeddings)
         _check_moe(self)
         _check_hybrid(self)
+        _check_linear_attention(self)
 
     def _set(self, group: str, **changes: Any) -> None:
         """Replace sub-config ``group`` with a copy holding ``changes`` (a default filled in, a list
@@ -565,6 +612,43 @@ def _check_hybrid(config: ModelConfig) -> None:
     if config.mamba.num_heads % mamba.mamba_num_groups:
         raise _violates("mamba_num_groups", mamba.mamba_num_groups,
                         f"mamba_num_heads={config.mamba.num_heads} must be a multiple of it")
+
+
+# megatron-core 0.16.1's experimental_attention_variant values pgconvert has a layer kind for.
+LINEAR_ATTENTION_VARIANTS = ("gated_delta_net",)
+
+
+def _check_linear_attention(config: ModelConfig) -> None:
+    """Gated delta net layers: a known variant, one 0/1 per layer or a positive interval, positive
+    sizes, the value heads a multiple of the key heads (megatron-core's TransformerConfig asserts it),
+    the Transformer Engine spec (the only one megatron-core builds them with)."""
+    linear = config.linear_attention
+    if linear.experimental_attention_variant is None:
+        return
+    _require_choice("experimental_attention_variant", linear.experimental_attention_variant, LINEAR_ATTENTION_VARIANTS)
+    if config.hybrid_override_pattern is not None:
+        raise _violates("experimental_attention_variant", linear.experimental_attention_variant,
+                        "a hybrid_override_pattern model has no gated delta net layers")
+    freq = linear.linear_attention_freq
+    if isinstance(freq, list):
+        freq = tuple(freq)
+        config._set("linear_attention", linear_attention_freq=freq)
+    if isinstance(freq, tuple):
+        if len(freq) != config.num_layers or set(freq) - {0, 1}:
+            raise _violates("linear_attention_freq", list(freq),
+                            f"must list 0 or 1 for each of the {config.num_layers} layers")
+    else:
+        _require_positive("linear_attention_freq", freq)
+    for name in ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
+                 "linear_num_key_heads", "linear_num_value_heads"):
+        _require_positive(name, getattr(linear, name))
+    if linear.linear_num_value_heads % linear.linear_num_key_heads:
+        raise _violates("linear_num_key_heads", linear.linear_num_key_heads,
+                        f"linear_num_value_heads={linear.linear_num_value_heads} must be a multiple of it")
+    if config.transformer_impl != "transformer_engine":
+        raise _violates("transformer_impl", config.transformer_impl,
+                        "gated delta net layers need 'transformer_engine' (megatron-core builds them with "
+                        "the Transformer Engine spec only)")
 
 
 def _check_computation_settings(config: ModelConfig) -> None:

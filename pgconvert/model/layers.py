@@ -10,7 +10,10 @@ decoder layer, built with the last decoder layer's spec.
 A GPT-shaped model has every layer the same mixer and the MLP per ``moe_layer_freq``. A hybrid model
 (megatron-core's ``hybrid_override_pattern``: one symbol per layer) has layers of one sublayer each,
 the other ``None``: ``M`` a Mamba-2 mixer, ``*`` self-attention, ``-`` a dense MLP, ``E`` a mixture of
-experts, numbered as the pattern's symbols (megatron-core's MambaStack).
+experts, numbered as the pattern's symbols (megatron-core's MambaStack). A GPT-shaped model with
+``experimental_attention_variant`` "gated_delta_net" (Qwen3-Next) has a gated delta net mixer in the layers
+``linear_attention_freq`` marks and self-attention in the others (megatron-core's
+``get_linear_attention_pattern``), the MLP as any GPT layer's.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ DENSE_MLP = "mlp"
 MOE = "moe"
 MTP = "mtp"
 MAMBA = "mamba"
+GATED_DELTA_NET = "gated_delta_net"
 
 # Each hybrid_override_pattern symbol's layer: (mixer kind, MLP kind).
 HYBRID_LAYER_KINDS: dict[str, tuple[str | None, str | None]] = {
@@ -79,9 +83,11 @@ def layer_specs(config: ModelConfig) -> tuple[LayerSpec, ...]:
         return tuple(LayerSpec(*HYBRID_LAYER_KINDS[symbol], window=_is_window_layer(config, layer),
                                rope=_uses_rope(config, layer))
                      for layer, symbol in enumerate(config.hybrid_override_pattern))
-    mixer = MULTI_LATENT_ATTENTION if config.attention.multi_latent_attention else SELF_ATTENTION
+    attention = MULTI_LATENT_ATTENTION if config.attention.multi_latent_attention else SELF_ATTENTION
+    linear = linear_attention_layers(config)
     return tuple(
-        LayerSpec(mixer=mixer, mlp=MOE if _is_moe_layer(config, layer) else DENSE_MLP,
+        LayerSpec(mixer=GATED_DELTA_NET if linear[layer] else attention,
+                  mlp=MOE if _is_moe_layer(config, layer) else DENSE_MLP,
                   window=_is_window_layer(config, layer), rope=_uses_rope(config, layer))
         for layer in range(config.num_layers)
     )
@@ -93,6 +99,20 @@ def mtp_layer_specs(config: ModelConfig) -> tuple[MTPLayerSpec, ...]:
     if not config.mtp_num_layers:
         return ()
     return (MTPLayerSpec(config.layers[-1]),) * config.mtp_num_layers
+
+
+def linear_attention_layers(config: ModelConfig) -> tuple[bool, ...]:
+    """Whether each layer is a gated delta net (megatron-core 0.16.1's ``get_linear_attention_pattern``,
+    models/gpt/experimental_attention_variant_module_specs.py): an int N makes layer i self-attention
+    where ``(i + 1) % N == 0``, a 0/1 list says it per layer (1: linear)."""
+    linear = config.linear_attention
+    if linear.experimental_attention_variant is None:
+        return (False,) * config.num_layers
+    freq = linear.linear_attention_freq
+    if isinstance(freq, tuple):
+        return tuple(value == 1 for value in freq)
+    assert isinstance(freq, int)
+    return tuple((layer + 1) % freq != 0 for layer in range(config.num_layers))
 
 
 def _is_moe_layer(config: ModelConfig, layer: int) -> bool:

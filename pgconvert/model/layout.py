@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pgconvert.model.config import ModelConfig
+from pgconvert.model.layers import linear_attention_layers
 from pgconvert.errors import LayoutError
 from pgconvert.io.limits import MAX_PIPELINE_LAYOUT_CHARS, quote
 
@@ -273,8 +274,9 @@ class ParallelLayout:
 
 
 def _tp_divided(config: ModelConfig) -> list[tuple[str, int]]:
-    """The settings tensor parallelism splits, by name: a GPT model's heads, groups and MLP; a hybrid
-    model's only for the layer kinds its pattern has (its Mamba mixers split heads and groups)."""
+    """The settings tensor parallelism splits, by name: a GPT model's heads, groups and MLP (and its gated
+    delta nets' key and value heads); a hybrid model's only for the layer kinds its pattern has (its Mamba
+    mixers split heads and groups)."""
     pattern = config.hybrid_override_pattern
     attention = pattern is None or "*" in pattern
     checks = []
@@ -285,6 +287,11 @@ def _tp_divided(config: ModelConfig) -> list[tuple[str, int]]:
         checks.append(("ffn_hidden_size", config.mlp.ffn_hidden_size))
     if pattern is not None and "M" in pattern:
         checks += [("mamba_num_heads", config.mamba.num_heads), ("mamba_num_groups", config.mamba.mamba_num_groups)]
+    if any(linear_attention_layers(config)):
+        # GatedDeltaNet splits its key and value heads (megatron-core's TransformerConfig asserts both).
+        linear = config.linear_attention
+        checks += [("linear_num_key_heads", linear.linear_num_key_heads),
+                   ("linear_num_value_heads", linear.linear_num_value_heads)]
     if config.moe.moe_shared_expert_intermediate_size is not None:
         checks.append(("moe_shared_expert_intermediate_size", config.moe.moe_shared_expert_intermediate_size))
     return checks

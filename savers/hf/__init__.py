@@ -137,11 +137,13 @@ def rotate_half_order(rotary: str | None, full: torch.Tensor, config: ModelConfi
     if rotary != "qkv":
         return full
     head, per_group = config.attention.head_dim, config.attention.num_attention_heads // config.attention.query_groups
+    gates = per_group if config.attention.attention_output_gate else 0
     index = torch.arange(full.shape[0])
     for group in range(config.attention.query_groups):
-        # A group's rows: its query heads, one key head (both rotated), one value head (kept).
-        for position in range(per_group + 1):
-            start = (group * (per_group + 2) + position) * head
+        # A group's rows: its query heads, their gate heads (kept) with the output gate, one key head
+        # (rotated, as the query heads), one value head (kept).
+        for position in (*range(per_group), per_group + gates):
+            start = (group * (per_group + gates + 2) + position) * head
             index[start:start + head] = start + order
     return full.index_select(0, index)
 

@@ -40,6 +40,10 @@ BASE: dict[str, object] = dict(num_layers=3, hidden_size=16, num_attention_heads
                                ffn_hidden_size=24, vocab_size=40, params_dtype="float32", max_position_embeddings=64)
 EXPERTS: dict[str, object] = dict(num_experts=4, moe_ffn_hidden_size=8, moe_router_topk=2)
 LATENT_ATTENTION: dict[str, object] = dict(kv_lora_rank=8, qk_head_dim=4, qk_pos_emb_head_dim=2, v_head_dim=4)
+# Gated delta net layers (two of three) and their sizes, under the only spec megatron-core builds them with.
+LINEAR_ATTENTION: dict[str, object] = dict(linear_attention_freq=3, linear_num_key_heads=2, linear_num_value_heads=4,
+                                           linear_key_head_dim=4, linear_value_head_dim=4, linear_conv_kernel_dim=4,
+                                           transformer_impl="transformer_engine")
 # Parts a family may accept, tried all together first; the routed-expert ones only with experts.
 EXPERT_PARTS: tuple[dict[str, object], ...] = (dict(moe_shared_expert_intermediate_size=8),
                                                dict(moe_layer_freq=(0, 1, 1)))
@@ -81,6 +85,8 @@ def tiny_config(family: Family) -> ModelConfig:
         parts = EXPERT_PARTS + PARTS
     if settings.get("multi_latent_attention"):
         settings.update(LATENT_ATTENTION)
+    if settings.get("experimental_attention_variant"):
+        settings.update(LINEAR_ATTENTION)
     for heads, count in itertools.product(({}, ONE_GROUP_PER_HEAD), range(len(parts), -1, -1)):
         for chosen in itertools.combinations(parts, count):
             try:

@@ -179,19 +179,23 @@ def _older_rope(doc: dict[str, Any]) -> dict[str, Any] | None:
     return changed
 
 
-def _older_window_pattern(doc: dict[str, Any]) -> dict[str, Any] | None:
-    """Gemma 3's ``layer_types`` as transformers 4.50 wrote it: ``sliding_window_pattern`` (every
-    n-th layer full attention)."""
-    types = doc.get("layer_types")
-    if not isinstance(types, list):
-        return None
-    period = types.index("full_attention") + 1 if "full_attention" in types else len(types) + 1
-    if types != ["sliding_attention" if (layer + 1) % period else "full_attention" for layer in range(len(types))]:
-        return None
-    changed = copy.deepcopy(doc)
-    del changed["layer_types"]
-    changed["sliding_window_pattern"] = period
-    return changed
+def _older_interval(key: str, other: str) -> Callable[[dict[str, Any]], dict[str, Any] | None]:
+    """``layer_types`` as an interval ``key`` (every n-th layer full attention, the others ``other``): Gemma 3's
+    ``sliding_window_pattern`` (transformers 4.50), Qwen3-Next's ``full_attention_interval`` (its release)."""
+
+    def rewrite(doc: dict[str, Any]) -> dict[str, Any] | None:
+        types = doc.get("layer_types")
+        if not isinstance(types, list):
+            return None
+        period = types.index("full_attention") + 1 if "full_attention" in types else len(types) + 1
+        if types != [other if (layer + 1) % period else "full_attention" for layer in range(len(types))]:
+            return None
+        changed = copy.deepcopy(doc)
+        del changed["layer_types"]
+        changed[key] = period
+        return changed
+
+    return rewrite
 
 
 def _older_neox_rope(doc: dict[str, Any]) -> dict[str, Any] | None:
@@ -213,7 +217,8 @@ OLDER_SPELLINGS: dict[str, Callable[[dict[str, Any]], dict[str, Any] | None]] = 
     "rope_theta": _older_rope,
     "rope_scaling": _older_rope,
     "rope_local_base_freq": _older_rope,
-    "sliding_window_pattern": _older_window_pattern,
+    "sliding_window_pattern": _older_interval("sliding_window_pattern", "sliding_attention"),
+    "full_attention_interval": _older_interval("full_attention_interval", "linear_attention"),
     "rotary_emb_base": _older_neox_rope,
     "rotary_pct": _older_neox_rope,
 }

@@ -114,7 +114,7 @@ def _world(spec: dict[str, Any]) -> int:
 
 def _child_rank(rank: int, spec: dict[str, Any]) -> None:
     """One rank of the child job: save fixture weights with megatron-core, or load a checkpoint; a hybrid
-    model's job is ``support.mcore_mamba_dist``'s."""
+    model's job is ``support.mcore_mamba_dist``'s, a Qwen3-Next model's ``support.mcore_qwen3_next``'s."""
     warnings.simplefilter("ignore")
     _cpu_only_shims()
     torch.distributed.init_process_group("gloo", init_method=f"file://{spec['out']}/store", rank=rank,
@@ -124,6 +124,11 @@ def _child_rank(rank: int, spec: dict[str, Any]) -> None:
             from support.mcore_mamba_dist import run_hybrid_rank
 
             run_hybrid_rank(rank, _world(spec), spec)
+            return
+        if spec["action"].startswith("qwen3_next_"):
+            from support.mcore_qwen3_next import run_qwen3_next_rank
+
+            run_qwen3_next_rank(rank, _world(spec), spec)
             return
         m = MODELS[spec["model"]]
         tp, pp, ep = spec["tp"], spec["pp"], spec["ep"]

@@ -87,6 +87,12 @@ def _cases() -> dict[str, Callable[[], argparse.Namespace]]:
             **{**_DENSE, "num_layers": 4}, hybrid_override_pattern="M*M-", mamba_num_heads=8, mamba_head_dim=16,
             mamba_num_groups=2, mamba_state_dim=8, position_embedding_type="none", gated_linear_unit=False,
             activation="squared_relu", transformer_impl="transformer_engine"), tp2, torch.bfloat16),
+        "gated delta net (Qwen3-Next)": lambda: _args(ModelConfig(
+            **{**_DENSE, "num_layers": 4}, experimental_attention_variant="gated_delta_net", linear_attention_freq=(1, 1, 0, 1),
+            # The heads megatron-core's defaults (16 key, 32 value), so a None read as the default still divides.
+            linear_conv_kernel_dim=3, linear_key_head_dim=8, linear_value_head_dim=4, linear_num_key_heads=16,
+            linear_num_value_heads=32, attention_output_gate=True, layernorm_zero_centered_gamma=True,
+            transformer_impl="transformer_engine"), tp2, torch.bfloat16),
         "older Megatron-LM": lambda: _args(ModelConfig(**_DENSE), tp2, position_embedding_type=_DELETE,
                                            use_rotary_position_embeddings=True, norm_epsilon=_DELETE,
                                            layernorm_epsilon=1e-6, data_parallel_size=_DELETE, world_size=8),
@@ -103,8 +109,10 @@ def read_all(args: argparse.Namespace, strict: bool = False, notices: list[str] 
     config = config_from_args(args, ARGS_PATH, impl, None, grouped_gemm=bool(getattr(args, "moe_grouped_gemm", False)))
     dp = dp_size(args)
     rules = OptimizerRules.from_args(args, str(ARGS_PATH))
-    # pgconvert does not carry a hybrid model's optimizer state (the Mamba parameters' order is refused).
+    # pgconvert does not carry a hybrid model's optimizer state (the Mamba and gated delta net parameters' order
+    # is refused).
     buffers = (None if config.hybrid_override_pattern is not None
+               or config.linear_attention.experimental_attention_variant is not None
                else flat_buffers(config, layout, RankCoord(0, 0, 0), rules, PADDED_VOCAB, args, dp))
     target = args_for_target(config, layout, PADDED_VOCAB, torch.float32, 1, args)
     return {"layout": layout, "config": config, "dp": dp, "rules": rules, "buffers": buffers,

@@ -8,10 +8,11 @@ name, shape, rule and rank-local name from these tables and needs no change.
 
 from __future__ import annotations
 
-from pgconvert.model.kinds import attention, mamba, mla, mlp, moe, mtp
+from pgconvert.model.kinds import attention, gated_delta_net, mamba, mla, mlp, moe, mtp
 from pgconvert.model.kinds.table import LayerKind
 
 # Every kind by name (the names pgconvert.model.layers gives layer specs).
 LAYER_KINDS: dict[str, LayerKind] = {
-    kind.name: kind for kind in (attention.KIND, mla.KIND, mlp.KIND, moe.KIND, mtp.KIND, mamba.KIND)
+    kind.name: kind for kind in (attention.KIND, mla.KIND, mlp.KIND, moe.KIND, mtp.KIND, mamba.KIND,
+                                               gated_delta_net.KIND)
 }

@@ -110,6 +110,9 @@ FUSED_NORM_NAMES: tuple[tuple[str, str], ...] = (
     ("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
     ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"),
     ("norm.", "mixer.in_proj.layer_norm_"),  # a Mamba layer's input norm (pgconvert.model.kinds.mamba)
+    # A gated delta net layer's input norm (pgconvert.model.kinds.gated_delta_net, whose row names it:
+    # fused_norm_name takes the first pair of a local prefix, the attention layer's).
+    ("input_layernorm.", "self_attention.in_proj.layer_norm_"),
 )
 
 

@@ -115,7 +115,7 @@ def test_megatron_model_without_the_carried_config_is_written_as_cohere(source: 
 def test_the_model_fits_no_other_family(source: Path) -> None:
     config = model_config_from_hf(json.loads((source / "config.json").read_text()), source / "config.json")[1]
     assert infer_family(config).architecture == "CohereForCausalLM"
-    for family in ORDERED[:-1]:
+    for family in (family for family in ORDERED if family.architecture != "CohereForCausalLM"):
         assert family_mismatches(family, config) + unmapped_losses(family.architecture, config), family.architecture
 
 

@@ -15,12 +15,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.hf_helpers import assert_same_hf_tensors, edit_json, hf_logits, read_megatron_tp_ranks
+from support.hf_helpers import assert_same_hf_tensors, hf_logits, read_megatron_tp_ranks
 from support.llama_like_helpers import megatron_args
 from support.parallel_block_helpers import input_ids, parallel_block_logits, save_parallel_block_model
+from support.round_trips import assert_config_refused, assert_same_model
 
 import pgconvert
-from pgconvert.errors import PgconvertError, StrictModeError
+from pgconvert.errors import StrictModeError
 from pgconvert.families import ORDERED
 from pgconvert.formats.hf import family_mismatches, infer_family, model_config_from_hf, unmapped_losses
 
@@ -43,12 +44,7 @@ def tp2(source: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _assert_same_model(source: Path, converted: Path) -> None:
-    assert_same_hf_tensors(source, converted)
-    assert json.loads((converted / "config.json").read_text()) == json.loads((source / "config.json").read_text())
-    for name in SIDE_FILES:
-        assert (converted / name).read_bytes() == (source / name).read_bytes(), name
-    ids = input_ids()
-    torch.testing.assert_close(hf_logits(converted, ids), hf_logits(source, ids), rtol=1e-5, atol=1e-5)
+    assert_same_model(source, converted, input_ids(), SIDE_FILES)
 
 
 def test_hf_to_megatron_tp2_pp2_to_hf_is_bit_exact(source: Path, tmp_path: Path) -> None:
@@ -125,8 +121,4 @@ def test_the_model_fits_no_other_family(source: Path) -> None:
 ], ids=["attention-bias", "qk-norm-per-head"])
 def test_settings_megatron_cannot_hold_are_refused_by_name(source: Path, tmp_path: Path, change: dict[str, object],
                                                            expected: str) -> None:
-    src = Path(shutil.copytree(source, tmp_path / "src"))
-    edit_json(src / "config.json", lambda doc: doc.update(change))
-    with pytest.raises(PgconvertError, match=expected):
-        pgconvert.convert(src, tmp_path / "out", dst_format="megatron")
-    assert not (tmp_path / "out").exists()
+    assert_config_refused(source, tmp_path, change, expected)

@@ -12,12 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 from support.glm4_moe_gpt_oss_helpers import save_dots1
-from support.hf_helpers import edit_json, hf_logits, input_ids
+from support.hf_helpers import hf_logits, input_ids
 from support.llama_like_helpers import megatron_args
-from support.round_trips import assert_round_trip
+from support.round_trips import assert_config_refused, assert_round_trip
 
 import pgconvert
-from pgconvert.errors import PgconvertError
 
 
 @pytest.fixture(scope="module")
@@ -53,20 +52,7 @@ def test_megatron_args_hold_the_router_shared_experts_window_and_qk_norm(sources
 ], ids=["no-renormalization", "renormalization-absent", "shared-experts-absent", "attention-bias"])
 def test_settings_megatron_cannot_compute_are_refused_by_name(sources: dict[str, Path], tmp_path: Path,
                                                               change: dict[str, object], expected: str) -> None:
-    import shutil
-
-    src = Path(shutil.copytree(sources["release"], tmp_path / "src"))
-
-    def edit(doc: dict[str, object]) -> None:
-        for key, value in change.items():
-            if value is None:
-                doc.pop(key)
-            else:
-                doc[key] = value
-    edit_json(src / "config.json", edit)
-    with pytest.raises(PgconvertError, match=expected):
-        pgconvert.convert(src, tmp_path / "out", dst_format="megatron")
-    assert not (tmp_path / "out").exists()
+    assert_config_refused(sources["release"], tmp_path, change, expected)
 
 
 def test_native_megatron_model_without_a_window_is_written_as_glm4_moe_with_the_same_logits(

@@ -24,9 +24,36 @@ def assert_round_trip(src: Path, tmp_path: Path, ids: torch.Tensor, side_files: 
     pgconvert.convert(tmp_path / "megatron", tmp_path / "dist", dst_format="torch_dist")
     back = pgconvert.convert(tmp_path / "dist", tmp_path / "hf", dst_format="hf", dst_tp=1, dst_pp=1, dst_ep=1)
     assert back.src_format == "torch_dist"
-    assert_same_hf_tensors(src, tmp_path / "hf")
-    assert json.loads((tmp_path / "hf" / "config.json").read_text()) == json.loads((src / "config.json").read_text())
-    for name in side_files:
-        assert (tmp_path / "hf" / name).read_bytes() == (src / name).read_bytes(), name
-    torch.testing.assert_close(hf_logits(tmp_path / "hf", ids), hf_logits(src, ids), rtol=1e-5, atol=1e-5)
+    assert_same_model(src, tmp_path / "hf", ids, side_files)
     return report
+
+
+def assert_same_model(src: Path, converted: Path, ids: torch.Tensor, side_files: tuple[str, ...] = SIDE_FILES) -> None:
+    """``converted`` is ``src``: every tensor torch.equal, config.json and side files byte for byte, logits."""
+    assert_same_hf_tensors(src, converted)
+    assert json.loads((converted / "config.json").read_text()) == json.loads((src / "config.json").read_text())
+    for name in side_files:
+        assert (converted / name).read_bytes() == (src / name).read_bytes(), name
+    torch.testing.assert_close(hf_logits(converted, ids), hf_logits(src, ids), rtol=1e-5, atol=1e-5)
+
+
+def assert_config_refused(src: Path, tmp_path: Path, change: dict[str, object], expected: str) -> None:
+    """A copy of ``src`` whose config.json has ``change`` (a None value: the key removed) converts to Megatron with
+    an error matching ``expected`` and leaves no destination."""
+    import shutil
+
+    import pytest
+
+    from pgconvert.errors import PgconvertError
+
+    copy = Path(shutil.copytree(src, tmp_path / "src"))
+    doc = json.loads((copy / "config.json").read_text())
+    for key, value in change.items():
+        if value is None:
+            doc.pop(key, None)
+        else:
+            doc[key] = value
+    (copy / "config.json").write_text(json.dumps(doc))
+    with pytest.raises(PgconvertError, match=expected):
+        pgconvert.convert(copy, tmp_path / "out", dst_format="megatron")
+    assert not (tmp_path / "out").exists()

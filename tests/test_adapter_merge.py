@@ -300,3 +300,31 @@ def test_an_adapter_for_a_resized_vocabulary_is_refused(llama: dict[str, Path], 
                                               r"\[1010, 64\], the model's weight \[1000, 64\]"):
         pgconvert.convert(llama["base"], tmp_path / "out", dst_format="hf", merge_adapter=adapter)
     assert not (tmp_path / "out").exists()
+
+
+def test_shards_and_workers_merge_the_adapter_as_one_process_does(llama: dict[str, Path], tmp_path: Path) -> None:
+    """Each process of a sharded run (and each --workers process) attaches the adapter while planning: the output
+    is the single process's, byte for byte."""
+    from click.testing import CliRunner
+    from support.format_outputs import assert_same_bytes
+
+    from pgconvert.cli import main
+
+    def run(dst: Path, *flags: str) -> None:
+        result = CliRunner().invoke(main, ["convert", "-q", "--dst-format", "megatron", "--dst-tp", "2", "--dst-pp", "2",
+                                           "--merge-adapter", str(llama["adapter"]), *flags, str(llama["base"]),
+                                           str(dst)])
+        assert result.exit_code == 0, result.output
+
+    run(tmp_path / "single")
+    run(tmp_path / "sharded", "--shard-index", "1", "--num-shards", "2")
+    run(tmp_path / "sharded", "--shard-index", "0", "--num-shards", "2")
+    run(tmp_path / "workers", "--workers", "2")
+    assert_same_bytes(tmp_path / "sharded", tmp_path / "single")
+    assert_same_bytes(tmp_path / "workers", tmp_path / "single")
+    base = tmp_path / "base_only"
+    run_plain = CliRunner().invoke(main, ["convert", "-q", "--dst-format", "megatron", "--dst-tp", "2", "--dst-pp", "2",
+                                          str(llama["base"]), str(base)])
+    assert run_plain.exit_code == 0, run_plain.output
+    with pytest.raises(AssertionError):  # the check sees the adapter: the base alone writes other bytes
+        assert_same_bytes(base, tmp_path / "single")

@@ -29,7 +29,7 @@ from pgconvert.families.llama import (
     query_groups_field,
     read_rope,
 )
-from pgconvert.families.sliding_window import layer_types_of, sliding_layers, window_of, window_values_sized
+from pgconvert.families.sliding_window import layer_types_of, layer_types_window
 from pgconvert.families.table import (
     IDENTITY,
     INTERLEAVED_GATE_UP,
@@ -70,10 +70,7 @@ GPT_OSS_TENSORS = TensorTable((*EMBEDDING_ROWS, *ATTENTION_ROWS, *_GPT_OSS_ROWS,
 def _read_layer_window(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
     """``sliding_window`` on the layers ``layer_types`` marks; transformers' GptOssConfig default
     alternates, layer 0 sliding."""
-    layers = model["num_layers"]
-    assert isinstance(layers, int)
-    window = window_of(present, GPT_OSS_WINDOW)
-    return window_values_sized(window, sliding_layers(present, layers, period=2))
+    return layer_types_window(present, model, period=2, default_window=GPT_OSS_WINDOW)
 
 
 def _write_layer_window(config: ModelConfig) -> Mapping[str, object]:

@@ -104,15 +104,15 @@ def _period(present: Mapping[str, object], key: str | None, default: int) -> int
 
 
 def layer_types_window(present: Mapping[str, object], model: Mapping[str, object], period: int,
-                       period_key: str | None = None) -> Mapping[str, object]:
-    """``sliding_window`` (transformers' default 4096; null: none, refused with sliding layers) on the
-    layers ``layer_types`` marks sliding (by default every ``period``-th layer full, as Gemma 2/3's and
-    OLMo 3's configs fill it; Gemma 3's also reads the period from the older ``sliding_window_pattern``,
-    its ``period_key``)."""
+                       period_key: str | None = None, default_window: int = 4096) -> Mapping[str, object]:
+    """``sliding_window`` (the config class's ``default_window``, transformers' 4096 but for GPT-OSS's 128; null:
+    none, refused with sliding layers) on the layers ``layer_types`` marks sliding (by default every
+    ``period``-th layer full, as Gemma 2/3's, OLMo 3's and GPT-OSS's configs fill it; Gemma 3's also reads the
+    period from the older ``sliding_window_pattern``, its ``period_key``)."""
     layers = model["num_layers"]
     assert isinstance(layers, int)
     pattern = sliding_layers(present, layers, _period(present, period_key, period))
-    return window_values_sized(window_of(present, 4096), pattern)
+    return window_values_sized(window_of(present, default_window), pattern)
 
 
 def write_layer_types_window(config: ModelConfig) -> Mapping[str, object]:

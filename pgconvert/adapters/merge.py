@@ -21,7 +21,7 @@ from pgconvert.adapters.peft import ExpertsPair, PeftAdapter, read_peft_adapter
 from pgconvert.errors import ValidationError
 from pgconvert.families import mtp
 from pgconvert.families.table import TensorMapping
-from pgconvert.formats.hf import infer_family, read_header
+from pgconvert.formats.hf import infer_family
 from pgconvert.formats.stream import CanonicalSource
 from pgconvert.model.provider import VOCAB_TABLES
 from pgconvert.model.rules import ShardRule
@@ -52,8 +52,6 @@ class AdapterMerge:
         self.adapter = adapter
         self._source = source
         self.family = source.hf_origin.family if source.hf_origin is not None else infer_family(source.config)
-        self._saved_shapes = {hf: read_header(adapter.weights_file)[key].shape
-                              for hf, key in adapter.replacements.items()}
         self._targets = self._find_targets()
         self._targets.update(self._find_expert_targets())
 
@@ -96,7 +94,8 @@ class AdapterMerge:
 
     def _check_shape(self, hf: str, shape: tuple[int, ...]) -> None:
         pair = self.adapter.pairs.get(hf)
-        given = pair.shape if pair is not None else self._saved_shapes.get(hf)
+        saved = self.adapter.replacements.get(hf)
+        given = pair.shape if pair is not None else saved.shape if saved is not None else None
         if given is not None and tuple(given) != tuple(shape):
             what = "delta" if pair is not None else "saved weight"
             raise ValidationError(f"{self.adapter.where}: {hf}: the adapter's {what} is {list(given)}, the model's "

@@ -93,6 +93,14 @@ class ExpertsPair:
 
 
 @dataclass(frozen=True)
+class SavedWeight:
+    """A whole weight the adapter file holds: its key there and its shape."""
+
+    key: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class LoraSettings:
     """adapter_config.json's ranks and alphas, and PEFT's choice of them for a module or parameter."""
 
@@ -122,9 +130,8 @@ class PeftAdapter:
     pairs: dict[str, LoraPair]
     settings: LoraSettings
     experts_pairs: tuple[ExpertsPair, ...] = ()
-    # Whole weights that take the place of the model's (modules_to_save, an adapted embedding's base): HF weight
-    # name -> the adapter file's key.
-    replacements: dict[str, str] = field(default_factory=dict)
+    # Whole weights that take the place of the model's (modules_to_save, an adapted embedding's base) by HF weight name.
+    replacements: dict[str, SavedWeight] = field(default_factory=dict)
     # adapter_config.json's base_model_name_or_path: the model it was trained on, as PEFT recorded it.
     base_model: str | None = None
 
@@ -141,7 +148,7 @@ class PeftAdapter:
         return (product.T if pair.embedding else product) * pair.scaling
 
     def replacement(self, weight: str) -> torch.Tensor:
-        return read_tensor(self.weights_file, self.replacements[weight])
+        return read_tensor(self.weights_file, self.replacements[weight].key)
 
     def expert_delta(self, pair: ExpertsPair, expert: int, experts: int, scaling: float) -> torch.Tensor:
         """Expert ``expert``'s delta of a fused parameter, float32 (PEFT's ``ParamWrapper`` einsum, one expert)."""
@@ -201,8 +208,9 @@ def read_peft_adapter(directory: Path) -> PeftAdapter:
                               + (f" ({LEGACY_WEIGHTS_FILE}, a pickle, is not read: save the adapter with "
                                  "safe_serialization=True)" if legacy else ""))
     base_model = doc.get("base_model_name_or_path")
-    pairs, experts, saved = _pairs(doc, config_path, weights_file)
-    return PeftAdapter(directory, weights_file, pairs, _settings(doc), experts, saved,
+    settings = _settings(doc)
+    pairs, experts, saved = _pairs(doc, settings, config_path, weights_file)
+    return PeftAdapter(directory, weights_file, pairs, settings, experts, saved,
                        base_model if isinstance(base_model, str) else None)
 
 
@@ -282,14 +290,13 @@ def _sides(weights_file: Path, saved_modules: tuple[str, ...]
     return metas, sides, saved
 
 
-def _pairs(doc: dict[str, Any], config_path: Path, weights_file: Path
-           ) -> tuple[dict[str, LoraPair], tuple[ExpertsPair, ...], dict[str, str]]:
+def _pairs(doc: dict[str, Any], settings: LoraSettings, config_path: Path, weights_file: Path
+           ) -> tuple[dict[str, LoraPair], tuple[ExpertsPair, ...], dict[str, SavedWeight]]:
     """The pairs of ``nn.Linear`` and embedding modules by weight name, those of fused experts' parameters (a module
     that ``target_modules`` does not name, or one under a ParamWrapper's ``base_layer``, of a ``target_parameters``
     adapter), and the whole weights the file holds by weight name."""
     saved_modules = doc.get("modules_to_save") or ()
     metas, sides, saved = _sides(weights_file, tuple(saved_modules) if isinstance(saved_modules, list) else ())
-    settings = _settings(doc)
     pairs, experts = {}, []
     for module, keys in sorted(sides.items()):
         a, b = metas[keys["A"]].shape, metas[keys["B"]].shape
@@ -311,7 +318,7 @@ def _pairs(doc: dict[str, Any], config_path: Path, weights_file: Path
         pairs[weight] = LoraPair(weight, keys["A"], keys["B"], rank, settings.scaling(module, rank), (b[0], a[1]))
     if not pairs and not experts and not saved:
         raise CheckpointError(f"{weights_file}: holds no LoRA pairs")
-    return pairs, tuple(experts), saved
+    return pairs, tuple(experts), {name: SavedWeight(key, metas[key].shape) for name, key in saved.items()}
 
 
 def _embedding_pair(module: str, keys: dict[str, str], a: tuple[int, ...], b: tuple[int, ...],

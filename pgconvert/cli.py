@@ -17,7 +17,7 @@ import click
 
 from pgconvert.version import __version__
 from pgconvert.errors import PgconvertError
-from pgconvert.formats.names import DIGEST_CHOICES, DTYPE_NAMES, EXPERT_LAYOUTS, loader_names, saver_names
+from pgconvert.formats.names import DEFAULT_DIGEST, DIGEST_CHOICES, DTYPE_NAMES, EXPERT_LAYOUTS, loader_names, saver_names
 from pgconvert.model.config import MTP_LAYER_MODULES
 
 if TYPE_CHECKING:
@@ -282,10 +282,12 @@ def _layout_option(name: str, help_text: str) -> Any:
 @click.option("--check-finite", "finite_mode", flag_value="error",
               help="Refuse tensors holding NaN or Inf (by default they are converted with a warning).")
 @click.option("--skip-finite-check", "finite_mode", flag_value="off", help="Do not scan tensors for NaN/Inf.")
-@click.option("--digest", type=click.Choice(DIGEST_CHOICES), default="sha256", show_default=True,
-              help="What pgconvert.json records of each written file besides its size: its sha256, computed as "
-                   "it is written (about 0.8 CPU-seconds per GiB; verify and batch --verify-hashes check it), "
-                   "or none (sizes only; verify still compares every tensor).")
+@click.option("--digest", type=click.Choice(DIGEST_CHOICES), default=DEFAULT_DIGEST, show_default=True,
+              help="What pgconvert.json records of each written file besides its size, computed as it is written "
+                   "(verify and batch --verify-hashes check it): xxh3-128 (about 0.05 CPU-seconds per GiB; finds "
+                   "any corruption or change, not made to resist forgery), sha256 (cryptographic, about 0.6 "
+                   "CPU-seconds per GiB) or none (sizes only; verify still compares every tensor). A torch_dist "
+                   "output in megatron-core 0.19's form records sha256 of its files anyway (its integrity.json).")
 @click.option("--dry-run", is_flag=True,
               help="Print the plan (each destination file: tensors, bytes, optimizer state carried); write nothing.")
 @click.option("--overwrite", is_flag=True, help="Replace a non-empty DST (only once the new one is complete).")
@@ -707,7 +709,7 @@ def _print_verify(report: Any, max_listed: int) -> None:
               help="Conversions run at once, each in its own process.")
 @click.option("--force", is_flag=True, help="Convert entries whose output is already complete, replacing it.")
 @click.option("--verify-hashes", is_flag=True,
-              help="Before skipping a complete output, check the sha256 of its files too (not only sizes).")
+              help="Before skipping a complete output, check the digests of its files too (not only sizes).")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def batch_command(plan_file: Path, jobs: int, force: bool, verify_hashes: bool, as_json: bool) -> None:
     """Run the conversions of a TOML PLAN ([defaults] and [[convert]] entries); exit 1 if any failed.

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextvars
 import errno
-import hashlib
 import json
 import os
 import threading
@@ -22,6 +21,7 @@ from pgconvert.cli import main
 from pgconvert.formats.torch_dist import single_process_calls
 from pgconvert.io import output as output_module
 from pgconvert.io import ranges
+from pgconvert.io.digest import Hasher
 from pgconvert.io.output import OutputFile
 from pgconvert.io.ranges import FileHandles
 from pgconvert.io.threads import run_each
@@ -72,12 +72,13 @@ def test_two_threads_write_the_one_thread_output(sources: dict[str, Path], case:
 def test_digest_none_under_threads_hashes_nothing_and_records_sizes(sources: dict[str, Path], tmp_path: Path,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     hashed: list[int] = []
+    real = output_module.new_hasher
 
-    def counting_sha256() -> hashlib._Hash:
+    def counting_hasher(algorithm: str) -> Hasher:
         hashed.append(threading.get_ident())
-        return hashlib.sha256()
+        return real(algorithm)
 
-    monkeypatch.setattr(output_module, "sha256", counting_sha256)
+    monkeypatch.setattr(output_module, "new_hasher", counting_hasher)
     convert(sources["megatron"], tmp_path / "hashed", dst_tp=1, dst_pp=2, dst_ep=1, threads=2)
     assert len(hashed) >= 2  # the counter sees the files' hashes when there are any
     hashed.clear()
@@ -86,7 +87,7 @@ def test_digest_none_under_threads_hashes_nothing_and_records_sizes(sources: dic
 
     assert hashed == []
     records = json.loads((tmp_path / "sizes" / "pgconvert.json").read_text())["files"]
-    assert records and all(record["sha256"] is None and record["size"] > 0 for record in records)
+    assert records and all(record["digest"] is None and record["size"] > 0 for record in records)
     assert_same_bytes(tmp_path / "sizes", tmp_path / "hashed")
 
 

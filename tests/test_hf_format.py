@@ -254,10 +254,10 @@ def test_sharded_output_follows_transformers_layout(hf_sources: dict[str, Path],
 
     index = json.loads((out / "model.safetensors.index.json").read_text())
     count = len(result.files)
-    # the plan knows names, tensor counts and bytes; the written files add their size and sha256
+    # the plan knows names, tensor counts and bytes; the written files add their size and digest
     assert count > 2 and [(f.relpath, f.tensors, f.nbytes) for f in result.files] == [
         (f.relpath, f.tensors, f.nbytes) for f in planned]
-    assert all(f.sha256 is not None and f.size == (out / f.relpath).stat().st_size for f in result.files)
+    assert all(f.digest is not None and f.size == (out / f.relpath).stat().st_size for f in result.files)
     assert [f.relpath for f in result.files] == [
         f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)
     ]

@@ -153,16 +153,16 @@ def test_tied_checkpoint_that_also_stores_lm_head_is_accepted(hf_sources: dict[s
 
 def test_safetensors_shards_are_hashed_as_written_not_read_back(hf_sources: dict[str, Path], tmp_path: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    import hashlib
+    import xxhash
 
     import pgconvert.run.manifest as manifest
 
     pgconvert.convert(hf_sources[FAMILIES[0]], tmp_path / "megatron", dst_format="megatron", dst_tp=2)
     real_hash_file = manifest.hash_file
 
-    def no_shard_rereads(path: Path, relpath: str) -> object:
+    def no_shard_rereads(path: Path, relpath: str, algorithm: str) -> object:
         assert not relpath.endswith(".safetensors"), f"{relpath} was read back to be hashed"
-        return real_hash_file(path, relpath)
+        return real_hash_file(path, relpath, algorithm)
 
     monkeypatch.setattr(manifest, "hash_file", no_shard_rereads)
     pgconvert.convert(tmp_path / "megatron", tmp_path / "hf", dst_format="hf", dst_tp=1, dst_pp=1,
@@ -173,6 +173,6 @@ def test_safetensors_shards_are_hashed_as_written_not_read_back(hf_sources: dict
     assert len(shards) > 1
     for relpath in shards:
         data = (tmp_path / "hf" / relpath).read_bytes()
-        assert recorded[relpath]["sha256"] == hashlib.sha256(data).hexdigest()
+        assert recorded[relpath]["digest"] == "xxh3-128:" + xxhash.xxh3_128(data).hexdigest()
         assert recorded[relpath]["size"] == len(data)
     assert_same_hf_tensors(hf_sources[FAMILIES[0]], tmp_path / "hf")

@@ -143,7 +143,7 @@ def test_torch_dist_on_a_real_full_tmpfs_gives_the_clean_message(src: Path, tmp_
 
 def _listed(dst: Path, path: str) -> None:
     manifest = json.loads((dst / "pgconvert.json").read_text())
-    manifest["files"].append({"path": path, "size": 6, "sha256": "0" * 64})
+    manifest["files"].append({"path": path, "size": 6, "digest": "sha256:" + "0" * 64})
     (dst / "pgconvert.json").write_text(json.dumps(manifest))
 
 
@@ -161,7 +161,7 @@ def test_verify_does_not_read_a_manifest_path_outside_the_checkpoint(src: Path, 
 
     assert_clean_refusal(result, 1, str(dst))
     assert "refusing to read it" in result.output
-    assert "sha256" not in result.output  # nothing outside was hashed and shown
+    assert "digest" not in result.output  # nothing outside was hashed and shown
 
 
 # ------------------------------------------------------------------------------------ unbounded options

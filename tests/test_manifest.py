@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import pathlib
 from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 from click.testing import CliRunner
 from support.tiny_models import GQA_SWIGLU
 from support.megatron_fixtures import load_for_test, make_full_model, write_megatron_checkpoint
@@ -34,7 +34,7 @@ def source(tmp_path: Path) -> Path:
 
 def _files_on_disk(root: Path) -> dict[str, tuple[int, str]]:
     return {
-        path.relative_to(root).as_posix(): (path.stat().st_size, hashlib.sha256(path.read_bytes()).hexdigest())
+        path.relative_to(root).as_posix(): (path.stat().st_size, "xxh3-128:" + xxhash.xxh3_128(path.read_bytes()).hexdigest())
         for path in sorted(root.rglob("*")) if path.is_file() and path.name != MANIFEST_FILE
     }
 
@@ -59,7 +59,7 @@ def test_every_output_has_a_manifest_describing_the_conversion_and_each_written_
                              "layout": dataclasses.asdict(pgconvert.ParallelLayout(**target.given()))}
     assert doc["options"]["dtype"] == "keep"
     assert ModelConfig(**doc["model_config"]).vocab_size == 1000
-    listed = {item["path"]: (item["size"], item["sha256"]) for item in doc["files"]}
+    listed = {item["path"]: (item["size"], item["digest"]) for item in doc["files"]}
     assert listed == _files_on_disk(dst)
     assert {item.relpath for item in report.files} <= set(listed)
 
@@ -128,7 +128,7 @@ def test_verify_names_a_rewritten_rank_file_and_the_replica_it_broke(source: Pat
     assert "mp_rank_02" in report.differences[0].message
 
 
-def test_a_same_size_change_is_caught_by_sha256_and_missed_by_the_size_only_check(
+def test_a_same_size_change_is_caught_by_the_digest_and_missed_by_the_size_only_check(
         source: Path, tmp_path: Path) -> None:
     dst = tmp_path / "dst"
     pgconvert.convert(source, dst, dst_tp=4)
@@ -142,7 +142,7 @@ def test_a_same_size_change_is_caught_by_sha256_and_missed_by_the_size_only_chec
     with_hashes = file_problems(dst, manifest, hashes=True)
     sizes_only = file_problems(dst, manifest, hashes=False)
 
-    assert len(with_hashes) == 1 and with_hashes[0].startswith("iter_0000100/mp_rank_01/model_optim_rng.pt: sha256")
+    assert len(with_hashes) == 1 and with_hashes[0].startswith("iter_0000100/mp_rank_01/model_optim_rng.pt: digest xxh3-128:")
     assert sizes_only == []
 
 

@@ -1,4 +1,4 @@
-"""``OutputFile``: the bytes and sha256 of every size around its block and buffer boundaries, and each
+"""``OutputFile``: the bytes and digest of every size around its block and buffer boundaries, and each
 fallback (O_DIRECT refused at open or at a write, short writes), a full disk and a failed block."""
 
 from __future__ import annotations
@@ -10,9 +10,10 @@ import random
 from pathlib import Path
 
 import pytest
+import xxhash
 
 import pgconvert.io.output as output
-from pgconvert.io.output import BLOCK, BUFFER_BYTES, BUFFERED_ENV, OutputFile
+from pgconvert.io.output import BLOCK, BUFFER_BYTES, BUFFERED_ENV, OutputFile, digests
 
 SIZES = [0, 1, BLOCK - 1, BLOCK, BLOCK + 1, BUFFER_BYTES - 1, BUFFER_BYTES, 5 * BUFFER_BYTES + 12345]
 
@@ -30,11 +31,14 @@ def _write_in_random_pieces(path: Path, data: bytes, seed: int) -> OutputFile:
 
 
 @pytest.mark.parametrize("size", SIZES)
-def test_every_size_is_written_whole_with_its_sha256(tmp_path: Path, size: int) -> None:
+def test_every_size_is_written_whole_with_its_digest(tmp_path: Path, size: int) -> None:
     data = random.Random(size).randbytes(size)
     out = _write_in_random_pieces(tmp_path / "out.bin", data, size)
     assert (tmp_path / "out.bin").read_bytes() == data
-    assert out.sha256 == hashlib.sha256(data).hexdigest() and out.size == size
+    assert out.digest == "xxh3-128:" + xxhash.xxh3_128(data).hexdigest() and out.size == size
+    with digests("sha256"):
+        again = _write_in_random_pieces(tmp_path / "again.bin", data, size)
+    assert again.digest == "sha256:" + hashlib.sha256(data).hexdigest()
 
 
 def test_o_direct_refused_at_open_writes_through_the_page_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -101,7 +105,7 @@ def test_a_full_disk_is_an_error_naming_the_file(tmp_path: Path, monkeypatch: py
         with OutputFile(path) as out:
             out.write(bytes(4 * BUFFER_BYTES))
     assert caught.value.errno == errno.ENOSPC and caught.value.filename == str(path)
-    assert out.sha256 is None
+    assert out.digest is None
 
 
 def test_leaving_the_block_with_an_error_gives_no_digest(tmp_path: Path) -> None:
@@ -109,7 +113,7 @@ def test_leaving_the_block_with_an_error_gives_no_digest(tmp_path: Path) -> None
         with OutputFile(tmp_path / "out.bin") as out:
             out.write(b"x" * 100)
             raise RuntimeError("producer failed")
-    assert out.sha256 is None
+    assert out.digest is None
     with pytest.raises(RuntimeError, match="once the file is closed"):
         out.hexdigest()
 

@@ -7,7 +7,6 @@ own reader (not pgconvert's) where a test looks at keys, shapes and values.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import os
@@ -19,6 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import xxhash
 import torch
 import torch.distributed
 import torch.distributed.checkpoint as dcp
@@ -474,10 +474,11 @@ def test_data_file_is_the_one_torchs_own_writer_writes(tmp_path: Path, model: ob
     ours_md, theirs_md = (read_dcp_metadata(path / ".metadata") for path in (ours, theirs))
     assert ours_md.storage_data == theirs_md.storage_data
     assert ours_md.state_dict_metadata == theirs_md.state_dict_metadata
-    # Hashed on the way: the manifest records the file's sha256 without reading it back.
+    # Hashed on the way: the manifest records the file's digest (``--digest``'s in the legacy form, which has no
+    # integrity.json) without reading it back.
     manifest = json.loads((tmp_path / "ours" / "pgconvert.json").read_text())
-    recorded = {item["path"]: item["sha256"] for item in manifest["files"]}
-    assert recorded[f"{ITERATION_DIR}/{torch_dist_saver.DATA_FILE}"] == hashlib.sha256(data).hexdigest()
+    recorded = {item["path"]: item["digest"] for item in manifest["files"]}
+    assert recorded[f"{ITERATION_DIR}/{torch_dist_saver.DATA_FILE}"] == "xxh3-128:" + xxhash.xxh3_128(data).hexdigest()
 
 
 def test_loader_reads_only_the_chunks_a_destination_piece_needs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

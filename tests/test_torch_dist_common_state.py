@@ -186,3 +186,35 @@ def test_an_output_whose_manifest_predates_the_option_counts_as_common_pt(megatr
 
     assert manifest_mismatch(manifest, request("legacy")) is None
     assert manifest_mismatch(manifest, request("store")) == "dst_torch_dist_common 'legacy', not 'store'"
+
+
+@pytest.mark.parametrize("digest", ["xxh3-128", "none"])
+def test_the_data_files_are_hashed_once_with_sha256_as_written_and_never_read_back(
+        megatron: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, digest: str) -> None:
+    import pgconvert.formats.torch_dist_integrity as integrity
+    import pgconvert.io.output as output
+    import pgconvert.run.manifest as manifest
+
+    algorithms: list[str] = []
+    real_hasher, real_files, real_hash_file = output.new_hasher, integrity.files_sha256, manifest.hash_file
+    reread: list[str] = []
+    monkeypatch.setattr(output, "new_hasher", lambda algorithm: (algorithms.append(algorithm), real_hasher(algorithm))[1])
+    def files_sha256(paths: object) -> dict[Path, str]:
+        listed = list(paths)  # type: ignore[call-overload]
+        reread.extend(path.name for path in listed)
+        return real_files(listed)
+
+    monkeypatch.setattr(integrity, "files_sha256", files_sha256)
+    monkeypatch.setattr(manifest, "hash_file", lambda path, relpath, algorithm: (
+        reread.append(relpath), real_hash_file(path, relpath, algorithm))[1])
+    out = to_torch_dist(megatron, tmp_path / "dist", dst_tp=2, digest=digest)
+
+    assert algorithms and set(algorithms) == {"sha256"}  # every file written through OutputFile: sha256 only
+    model_files = sorted(path.name for path in (out / ITERATION).glob("*.distcp"))[:-1]  # the last: the common state
+    assert model_files and not [name for name in reread if name.split("/")[-1] in model_files]
+    listed = json.loads((out / ITERATION / "integrity.json").read_text())["files"]
+    assert listed == json.loads(integrity_manifest_of(out / ITERATION))["files"]
+    recorded = {item["path"]: item["digest"] for item in json.loads((out / "pgconvert.json").read_text())["files"]}
+    data = [path for path in recorded if path.split("/")[-1] in model_files]
+    assert data and all(recorded[path] == (None if digest == "none" else f"sha256:{listed[path.split('/')[-1]]}")
+                        for path in data)

@@ -134,9 +134,9 @@ class PlannedFile:
     relpath: str
     tensors: int
     nbytes: int
-    # Filled in by savers for files they wrote: the size on disk and sha256, so the manifest
-    # need not read the file again.
-    sha256: str | None = None
+    # Filled in by savers for files they wrote: the size on disk and the labelled digest
+    # (``pgconvert.io.digest``; None when digests are off), so the manifest need not read the file again.
+    digest: str | None = None
     size: int | None = None
 
 
@@ -175,7 +175,7 @@ class OptimizerFile:
 @dataclass
 class CarriedOptimizer:
     """What ``Saver.save_optimizer`` wrote: every destination file (``files``: the model saver's, those it
-    rewrote without their sha256, and those it added), the form as the notice names it, and its own notices."""
+    rewrote without their digest, and those it added), the form as the notice names it, and its own notices."""
 
     files: list[PlannedFile]
     form: str
@@ -250,7 +250,13 @@ class Saver(ABC):
              files: list[PlannedFile]) -> None:
         """Write what must follow every other file of the destination, the optimizer state's included (torch_dist:
         the integrity manifest), just before the output is renamed into place. ``files``: what was written (a
-        file's sha256 where it was computed on the way). Default: nothing."""
+        file's digest where it was computed on the way). Default: nothing."""
+
+    def file_digest(self, options: SaveOptions) -> str | None:
+        """The digest algorithm (``pgconvert.io.digest``) this format records of its own files, computed while they
+        are written in place of ``--digest``'s (torch_dist in megatron-core 0.19's form: sha256, for
+        ``integrity.json``); None (the default): ``--digest``'s."""
+        return None
 
     # Optimizer state (see the module docstring). Whether the format writes megatron-core's optimizer state
     # the source holds, and the forms ``--dst-optim-form`` may name (empty: the format has no choice).

@@ -29,7 +29,7 @@ from pgconvert.formats.contract import PlannedFile, Progress, SaveOptions
 from pgconvert.formats.stream import CanonicalSource
 from pgconvert.formats.torch_dist import single_process_calls
 from pgconvert.io import sizes
-from pgconvert.io.dcp_writer import DEFAULT_MAX_DATA_FILE_SIZE, ItemKey, StreamingWriter, split_by_size
+from pgconvert.io.dcp_writer import DEFAULT_MAX_DATA_FILE_SIZE, ItemKey, StreamingWriter, WrittenFiles, split_by_size
 from pgconvert.io.limits import quote
 from pgconvert.io.reuse import ReusedMemory
 from pgconvert.model.config import ModelConfig
@@ -153,9 +153,9 @@ def file_numbers(files: list[list[StoredChunk]]) -> dict[ItemKey, int]:
 
 def write_data_files(out_dir: Path, directory: str, chunks: list[StoredChunk], files: list[list[StoredChunk]],
                      objects: Mapping[str, bytes], source: CanonicalSource, rows: int, progress: Progress,
-                     only: Collection[str] | None) -> dict[str, tuple[str, int]]:
+                     only: Collection[str] | None) -> WrittenFiles:
     """The model's data files ``files`` of the store in ``out_dir / directory`` (those ``only`` names, as relative
-    paths; None: all), ``objects`` in the first; returns each written file's sha256 and size (no ``.metadata``)."""
+    paths; None: all), ``objects`` in the first; returns each written file's digest and size (no ``.metadata``)."""
     writes = [number for number in range(len(files))
               if only is None or f"{directory}/{data_file_name(number)}" in only]
     if not writes:
@@ -166,15 +166,15 @@ def write_data_files(out_dir: Path, directory: str, chunks: list[StoredChunk], f
                        out_dir / directory / data_file_name(writes[0])).written
 
 
-def planned_data_files(directory: str, files: list[list[StoredChunk]], written: Mapping[str, tuple[str, int]],
+def planned_data_files(directory: str, files: list[list[StoredChunk]], written: WrittenFiles,
                        first_entries: int = 0) -> list[PlannedFile]:
-    """The model's data files as planned (each one's sha256 and size where ``written`` names it); the first also
+    """The model's data files as planned (each one's digest and size where ``written`` names it); the first also
     holds ``first_entries`` bytes entries."""
     planned = []
     for number, chunks in enumerate(files):
-        sha256, size = written.get(data_file_name(number), (None, None))
+        digest, size = written.get(data_file_name(number), (None, None))
         planned.append(PlannedFile(f"{directory}/{data_file_name(number)}", len(chunks) + (first_entries if number == 0
-                                   else 0), sum(chunk.nbytes for chunk in chunks), sha256=sha256, size=size))
+                                   else 0), sum(chunk.nbytes for chunk in chunks), digest=digest, size=size))
     return planned
 
 

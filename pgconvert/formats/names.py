@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from importlib.metadata import entry_points
 
+from pgconvert.io.digest import ALGORITHMS, DEFAULT_ALGORITHM
+
 BUILTIN_LOADERS: dict[str, str] = {"megatron": "pgconvert.loaders.megatron:MegatronLoader", "hf": "pgconvert.loaders.hf:HFLoader",
                                    "torch_dist": "pgconvert.loaders.torch_dist:TorchDistLoader",
                                    "fsdp_dtensor": "pgconvert.loaders.fsdp_dtensor:FsdpDtensorLoader"}
@@ -34,6 +36,7 @@ def loader_names() -> list[str]:
 def saver_names() -> list[str]:
     return sorted(targets("pgconvert.savers", BUILTIN_SAVERS))
 
-# What the manifest records of each written file besides its size (``--digest``): its sha256, computed as
-# the file is written, or nothing.
-DIGEST_CHOICES = ("sha256", "none")
+# What the manifest records of each written file besides its size (``--digest``): a digest computed as the file
+# is written (``pgconvert.io.digest``: xxh3-128 by default, or sha256), or nothing.
+DEFAULT_DIGEST = DEFAULT_ALGORITHM
+DIGEST_CHOICES = (*ALGORITHMS, "none")

@@ -58,9 +58,13 @@ def item_key(item: WriteItem) -> ItemKey:
     return item.index.fqn, tuple(offset) if offset is not None else None
 
 
+# The data files a writer wrote: file name -> (its labelled digest, None when digests are off; its size).
+WrittenFiles = Mapping[str, tuple[str | None, int]]
+
+
 class StreamingWriter(FileSystemWriter):
     """torch's ``FileSystemWriter`` with the data files written here, item by item (see the module
-    docstring): nothing outlives its record, and each file's sha256 is computed on the way.
+    docstring): nothing outlives its record, and each file's digest is computed on the way.
 
     ``files``: the data file (``<prefix><n>.distcp``) of each item (None: one file); ``writes``: the file numbers
     this writer writes (None: all), the others' offsets planned; ``index``: whether it writes ``.metadata``.
@@ -76,9 +80,9 @@ class StreamingWriter(FileSystemWriter):
         self.index = index
         # The data files' name before their number (None: torch's, ``__0_`` for a single process).
         self.prefix = prefix
-        # The files written: name -> (sha256, size); ``sha256`` and ``size``: the last one's.
-        self.written: dict[str, tuple[str, int]] = {}
-        self.sha256: str | None = None
+        # The files written: name -> (labelled digest or None, size); ``digest`` and ``size``: the last one's.
+        self.written: dict[str, tuple[str | None, int]] = {}
+        self.digest: str | None = None
         self.size: int | None = None
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -110,8 +114,8 @@ class StreamingWriter(FileSystemWriter):
                 length = writer.offset - start
                 results.append(WriteResult(index=item.index, size_in_bytes=length,
                                            storage_data=_StorageInfo(file_name, start, length)))
-        self.sha256, self.size = writer.hexdigest(), writer.offset
-        self.written[file_name] = (self.sha256, self.size)
+        self.digest, self.size = writer.hexdigest(), writer.offset
+        self.written[file_name] = (self.digest, self.size)
         return results
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:

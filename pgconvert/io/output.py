@@ -2,7 +2,7 @@
 
 Every writer (rank files, safetensors shards, ``.distcp`` files) writes through an ``OutputFile``.
 ``write`` copies bytes into one of ``BUFFERS`` page-aligned staging buffers of ``BUFFER_BYTES``; a full
-buffer goes to a hashing thread (sha256, for the manifest) and to a writing thread, which writes it with
+buffer goes to a hashing thread (the manifest's digest, ``pgconvert.io.digest``) and to a writing thread, which writes it with
 ``pwrite`` at its offset, while the caller fills the next buffer. The file is opened with ``O_DIRECT``
 where the file system takes it: the buffers go to the device without being copied into the page cache,
 which on most hosts is the largest CPU cost of writing and leaves the output evicting the source from
@@ -10,8 +10,8 @@ memory. The last partial block is written padded and the file truncated to its s
 Where ``O_DIRECT`` is refused (tmpfs, some network file systems: at open or at the first write), the same
 path runs with buffered writes.
 
-hashlib and positional writes release the GIL, so on a machine with a spare core hashing and writing cost
-little wall time; the manifest's sha256 never reads a file back.
+The hashers and positional writes release the GIL, so on a machine with a spare core hashing and writing cost
+little wall time; the manifest's digest never reads a file back.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from contextvars import ContextVar
-from hashlib import sha256
 from pathlib import Path
 from types import TracebackType
 
+from pgconvert.io.digest import DEFAULT_ALGORITHM, Hasher, labelled, new_hasher
 from pgconvert.io.threads import check_running
 
 log = logging.getLogger(__name__)
@@ -40,14 +40,16 @@ BLOCK = 4096  # the alignment O_DIRECT needs of offsets, lengths and memory on c
 _DIRECT = getattr(os, "O_DIRECT", 0)
 # Environment switch to write through the page cache (for measuring, or a file system that misbehaves).
 BUFFERED_ENV = "PGCONVERT_BUFFERED_WRITES"
-# Whether output files opened here are hashed (``--digest``): set around a conversion by ``digests``.
-_DIGESTS: ContextVar[bool] = ContextVar("pgconvert_digests", default=True)
+# The digest output files opened here get (``--digest``; None: none): set around a conversion by ``digests``.
+_DIGESTS: ContextVar[str | None] = ContextVar("pgconvert_digests", default=DEFAULT_ALGORITHM)
 
 
 @contextmanager
-def digests(enabled: bool) -> Iterator[None]:
-    """Within the block, ``OutputFile`` computes each file's sha256 (``enabled``) or none (``sha256`` None)."""
-    token = _DIGESTS.set(enabled)
+def digests(algorithm: str | None) -> Iterator[None]:
+    """Within the block, ``OutputFile`` computes each file's digest with ``algorithm`` (None: none, ``digest``
+    None). A saver whose format records a digest of its own (megatron-core's ``integrity.json``: sha256) sets
+    that algorithm around its writing, so no file is read back to hash it."""
+    token = _DIGESTS.set(algorithm)
     try:
         yield
     finally:
@@ -58,16 +60,17 @@ class OutputFile:
     """A new file written front to back; ``offset`` counts the bytes written so far.
 
     Use as a context manager: leaving the block normally writes what is staged, truncates the file to
-    its size and fsyncs it (``sha256`` and ``size`` then hold the digest and the size); leaving it with an
+    its size and fsyncs it (``digest`` and ``size`` then hold the labelled digest and the size); leaving it with an
     exception closes the file as it is. An OSError, raised here or by the code producing the bytes inside
     the block, names the path.
     """
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.sha256: str | None = None
+        self.digest: str | None = None
         self.size: int | None = None
-        self._digest = sha256() if _DIGESTS.get() else None
+        self._algorithm = _DIGESTS.get()
+        self._digest: Hasher | None = None if self._algorithm is None else new_hasher(self._algorithm)
         self._closed = False
         self._fd = self._open(path)
         self._buffers = [mmap.mmap(-1, BUFFER_BYTES) for _ in range(BUFFERS)]
@@ -122,10 +125,11 @@ class OutputFile:
         """Nothing to do before ``close``: staged bytes are written there (kept for file-like callers)."""
 
     def hexdigest(self) -> str | None:
-        """The sha256 of every byte written (None when digests are off); only after ``close``."""
+        """The labelled digest (``<algorithm>:<hex>``) of every byte written (None when digests are off); only after
+        ``close``."""
         if not self._closed:
             raise RuntimeError(f"{self.path}: the digest is known once the file is closed")
-        return self.sha256
+        return self.digest
 
     def _reuse(self, index: int) -> None:
         """Wait until buffer ``index`` is hashed and written (raising what its writing raised)."""
@@ -202,5 +206,6 @@ class OutputFile:
             os.fsync(self._fd)
         except OSError as exc:
             raise OSError(exc.errno, exc.strerror, str(self.path)) from exc
-        self.sha256 = None if self._digest is None else self._digest.hexdigest()
+        if self._digest is not None and self._algorithm is not None:
+            self.digest = labelled(self._algorithm, self._digest.hexdigest())
         self.size, self._closed = size, True

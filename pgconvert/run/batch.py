@@ -21,7 +21,7 @@ is replaced by the iteration. Each entry runs as one ``pgconvert.run.convert`` c
 
 An entry whose destination holds a ``pgconvert.json`` matching the request (same source path and
 iteration, same target format, layout, dtype and naming options, every listed file present with its
-recorded size, and its sha256 too when asked) is skipped, so re-running a plan only does what is left.
+recorded size, and its digest too when asked) is skipped, so re-running a plan only does what is left.
 """
 
 from __future__ import annotations

@@ -32,12 +32,12 @@ from pgconvert.errors import ConversionError, DestinationError, PluginError, Str
 from pgconvert.formats import DTYPE_CHOICES, LoadOptions, PlannedFile, SaveOptions, Saver, SaveResult
 from pgconvert.model.layout import ParallelLayout
 from pgconvert.model.layout_spec import LayoutSpec
-from pgconvert.formats.names import DIGEST_CHOICES, saver_names
+from pgconvert.formats.names import DEFAULT_DIGEST, DIGEST_CHOICES, saver_names
 from pgconvert.formats.torch_dist import COMMON_PLACES
 from pgconvert.io.output import OUTPUT_STAGING_BYTES, digests
 from pgconvert.io.threads import serialized
 from pgconvert.io.sizes import itemsize, numel
-from pgconvert.run.manifest import Manifest, record_files, write_manifest
+from pgconvert.run.manifest import Manifest, hashing, record_files, write_manifest, writing_digest
 from pgconvert.formats.hf_quantized import check_keep_fp8
 from pgconvert.optimizer.carry import (carry_training_state, check_optimizer_options, finalize_carried,
                                        replace_saver_notice)
@@ -80,7 +80,7 @@ class ConvertRequest:
     overwrite: bool = False
     strict: bool = False
     check_finite: str = "warn"
-    digest: str = "sha256"
+    digest: str = DEFAULT_DIGEST
     max_shard_size: int | None = None
     hf_config: Path | None = None
     # HF side files to write (or carry in hf/) instead of the source's: see pgconvert.formats.hf_side.
@@ -488,17 +488,12 @@ def _save(conversion: Plan, staging: Path, progress: Callable[[int], None]) -> S
     return result
 
 
-def hashing(request: ConvertRequest) -> bool:
-    """Whether the conversion's output files get a sha256 in the manifest (``--digest``)."""
-    return request.digest != "none"
-
-
 def execute(conversion: Plan, progress: Callable[[int], None] | None = None) -> Report:
     """Write the planned destination; the source is closed afterwards."""
     request = conversion.request
     started = time.perf_counter()
     try:
-        with digests(hashing(request)), staged_output(request.dst, request.overwrite) as staging:
+        with digests(writing_digest(conversion)), staged_output(request.dst, request.overwrite) as staging:
             result = _save(conversion, staging, progress or (lambda nbytes: None))
             conversion.saver.seal(conversion.source, staging, conversion.save_options, result.files)
             # Inside the staging directory: only an output that is complete ever has a manifest.

@@ -296,7 +296,7 @@ def _written_family(source: CanonicalSource) -> tuple[Family | None, str]:
 
 
 def _check_manifest(path: Path, info: CheckpointInfo) -> None:
-    """Sizes only: a truncated or missing file shows at once; ``verify`` checks the sha256 too."""
+    """Sizes only: a truncated or missing file shows at once; ``verify`` checks the digests too."""
     try:
         manifest = read_manifest(path)
     except PgconvertError as error:

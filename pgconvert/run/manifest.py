@@ -1,4 +1,4 @@
-"""``pgconvert.json``: what a conversion wrote, from what, and the size and sha256 of every file.
+"""``pgconvert.json``: what a conversion wrote, from what, and the size and digest of every file.
 
 The manifest is written into the staging directory after the saver finishes and before the final
 rename, so it exists only in a complete output: its presence means "pgconvert finished this", and
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import hashlib
 import json
 import os
 from collections.abc import Sequence
@@ -21,6 +20,7 @@ from pgconvert.model.config import ModelConfig
 from pgconvert.errors import CheckpointError
 from pgconvert.formats import PlannedFile, target_config
 from pgconvert.model.layout import ParallelLayout
+from pgconvert.io.digest import algorithm_of, file_digest, labelled
 from pgconvert.io.limits import quote, read_json
 from pgconvert.io.paths import ensure_within
 from pgconvert.version import __version__
@@ -40,18 +40,16 @@ OUTPUT_OPTIONS = ("dtype", "dst_transformer_impl", "dst_expert_layout", "true_vo
 # What an output whose manifest predates an option's recording was written with (pgconvert wrote only that).
 UNRECORDED_OPTIONS = {"dst_torch_dist_common": "legacy"}
 MANIFEST_VERSION = 1
-# Large enough that hashing runs at disk speed, small enough to stay out of the memory budget.
-HASH_CHUNK_BYTES = 8 * 1024 * 1024
 
 
 @dataclass(frozen=True)
 class FileRecord:
-    """One written file: its path relative to the output root (POSIX separators), size and sha256 (None when
-    the conversion ran with ``--digest none``)."""
+    """One written file: its path relative to the output root (POSIX separators), size and labelled digest
+    (``<algorithm>:<hex>``, ``pgconvert.io.digest``; None when the conversion ran with ``--digest none``)."""
 
     path: str
     size: int
-    sha256: str | None
+    digest: str | None
 
 
 @dataclass(frozen=True)
@@ -137,7 +135,7 @@ class Manifest:
             files.append(FileRecord(
                 path=_confined(reader.get(item, "path", str, f"files[{index}]."), where, index),
                 size=reader.get(item, "size", int, f"files[{index}]."),
-                sha256=reader.get(item, "sha256", (str, type(None)), f"files[{index}]."),
+                digest=_recorded_digest(reader, item, index),
             ))
         return cls(
             tool_version=reader.get(doc, "tool_version", str),
@@ -154,6 +152,17 @@ class Manifest:
             model_config=reader.get(doc, "model_config", dict),
             files=tuple(files),
         )
+
+
+def hashing(request: ConvertRequest) -> str | None:
+    """The digest algorithm the manifest records of the output files (``--digest``; None: sizes only)."""
+    return None if request.digest == "none" else request.digest
+
+
+def writing_digest(conversion: Plan) -> str | None:
+    """The digest computed while the output files are written: the format's own (``Saver.file_digest``), else
+    ``--digest``'s."""
+    return conversion.saver.file_digest(conversion.save_options) or hashing(conversion.request)
 
 
 def _written_config(conversion: Plan) -> ModelConfig:
@@ -190,24 +199,32 @@ class _Reader:
         return value
 
 
-def hash_file(path: Path, relpath: str) -> FileRecord:
-    """Size and sha256 of ``path`` in one streaming pass (constant memory, any file size)."""
-    digest = hashlib.sha256()
-    size = 0
-    with open(path, "rb") as handle:
-        while chunk := handle.read(HASH_CHUNK_BYTES):
-            digest.update(chunk)
-            size += len(chunk)
-    return FileRecord(relpath, size, digest.hexdigest())
+def _recorded_digest(reader: _Reader, item: dict[str, Any], index: int) -> str | None:
+    """A file's labelled digest; a manifest from before digests named their algorithm has a ``sha256`` field."""
+    if "digest" not in item and "sha256" in item:
+        legacy = reader.get(item, "sha256", (str, type(None)), f"files[{index}].")
+        digest = None if legacy is None else labelled("sha256", legacy)
+    else:
+        digest = reader.get(item, "digest", (str, type(None)), f"files[{index}].")
+    if digest is not None:
+        algorithm_of(digest, f"{reader.where}: files[{index}]")
+    return digest
 
 
-def record_files(root: Path, written: Sequence[PlannedFile] = (), digests: bool = True) -> list[FileRecord]:
+def hash_file(path: Path, relpath: str, algorithm: str) -> FileRecord:
+    """Size and ``algorithm``'s digest of ``path`` in one streaming pass (constant memory, any file size)."""
+    digest, size = file_digest(path, algorithm)
+    return FileRecord(relpath, size, digest)
+
+
+def record_files(root: Path, written: Sequence[PlannedFile] = (), algorithm: str | None = None) -> list[FileRecord]:
     """Every regular file under ``root`` (but the manifest itself), sorted by relative path.
 
-    Files a saver hashed while writing them (``written`` entries with a sha256 and the same size
-    on disk) are not read again; without ``digests`` no file is read (sizes only, sha256 None).
+    Files a saver hashed while writing them (``written`` entries with a digest, of any algorithm, and the same
+    size on disk) are not read again; the others are hashed with ``algorithm``; without one no file is read
+    (sizes only, digest None).
     """
-    known = {item.relpath: item for item in written if item.sha256 is not None and item.size is not None}
+    known = {item.relpath: item for item in written if item.digest is not None and item.size is not None}
     records = []
     for directory, subdirs, names in os.walk(root):
         subdirs.sort()
@@ -217,13 +234,13 @@ def record_files(root: Path, written: Sequence[PlannedFile] = (), digests: bool 
             if relpath == MANIFEST_FILE or not path.is_file():
                 continue
             item = known.get(relpath)
-            if not digests:
+            if algorithm is None:
                 records.append(FileRecord(relpath, path.stat().st_size, None))
             elif item is not None and item.size == path.stat().st_size:
-                assert item.sha256 is not None and item.size is not None
-                records.append(FileRecord(relpath, item.size, item.sha256))
+                assert item.digest is not None and item.size is not None
+                records.append(FileRecord(relpath, item.size, item.digest))
             else:
-                records.append(hash_file(path, relpath))
+                records.append(hash_file(path, relpath, algorithm))
     return records
 
 
@@ -257,7 +274,7 @@ def _confined(relpath: str, where: Path, index: int) -> str:
 
 
 def file_problems(root: Path, manifest: Manifest, hashes: bool = True) -> list[str]:
-    """Every listed file that is missing, of another size, or (with ``hashes``) of another sha256 than the
+    """Every listed file that is missing, of another size, or (with ``hashes``) of another digest than the
     one recorded (a file recorded without one, ``--digest none``, is checked by size).
 
     A listed path that leads outside ``root`` (through a symlink) is refused, never read.
@@ -274,11 +291,10 @@ def file_problems(root: Path, manifest: Manifest, hashes: bool = True) -> list[s
         if size != record.size:
             problems.append(f"{record.path}: {size} bytes, {MANIFEST_FILE} records {record.size}")
             continue
-        if hashes and record.sha256 is not None:
-            actual = hash_file(path, record.path).sha256
+        if hashes and record.digest is not None:
+            actual = hash_file(path, record.path, algorithm_of(record.digest, root / MANIFEST_FILE)).digest
             assert actual is not None
-            if actual != record.sha256:
-                problems.append(
-                    f"{record.path}: sha256 {actual[:16]}… differs from the {record.sha256[:16]}… in {MANIFEST_FILE}"
-                )
+            if actual != record.digest:
+                problems.append(f"{record.path}: digest {actual[:24]}… differs from the {record.digest[:24]}… in "
+                                f"{MANIFEST_FILE}")
     return problems

@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Protocol
 
 from pgconvert.io.output import digests
-from pgconvert.run.convert import ConvertRequest, Plan, hashing, plan, promote
+from pgconvert.run.convert import ConvertRequest, Plan, plan, promote
+from pgconvert.run.manifest import hashing, writing_digest
 from pgconvert.run.destination import SHARED_STAGING_MARKER, sibling
 from pgconvert.errors import ConversionError, ValidationError
 from pgconvert.formats import SaveResult
@@ -166,7 +167,7 @@ def shares(conversion: Plan, carried: ShardedOptimizer | None, count: int) -> li
 
 def _write_share(conversion: Plan, carried: ShardedOptimizer | None, staging: Path, share: set[str]) -> SaveResult:
     """This process's model files and the optimizer state that goes into or beside them, or stands alone in it."""
-    with digests(hashing(conversion.request)):
+    with digests(writing_digest(conversion)):
         result = conversion.saver.save(conversion.source, staging, conversion.save_options, lambda nbytes: None,
                                        only=share)
         if carried is not None:

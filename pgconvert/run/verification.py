@@ -84,7 +84,7 @@ def verify(a: str | Path, b: str | Path, rtol: float = 0.0, atol: float = 0.0, *
     """Compare checkpoints ``a`` and ``b`` (any formats and layouts) tensor by tensor.
 
     With ``rtol = atol = 0`` values must be bit-identical. Shapes and dtypes are compared too.
-    A ``pgconvert.json`` manifest in either checkpoint has every listed file's size and sha256
+    A ``pgconvert.json`` manifest in either checkpoint has every listed file's size and digest
     checked. Raises ``PgconvertError`` only when a checkpoint cannot be opened. The optimizer state is
     compared too when both hold one (``verify_optimizer``), unless ``skip_optimizer``. ``merge_adapter``: a PEFT
     LoRA adapter directory merged into ``a`` as it is read (what ``convert --merge-adapter`` writes).

@@ -24,6 +24,7 @@ from pgconvert.errors import ValidationError
 from pgconvert.io.output import digests
 from pgconvert.formats import PlannedFile, SaveResult
 from pgconvert.optimizer.carry import ShardedOptimizer, carry_share, sharded_optimizer
+from pgconvert.run.manifest import writing_digest
 
 if TYPE_CHECKING:
     from pgconvert.run.convert import ConvertRequest, Plan
@@ -95,7 +96,7 @@ def _open_worker_plan(open_plan: PlanOpener, request: ConvertRequest) -> None:
 def _write(conversion: Plan, carried: ShardedOptimizer | None, staging: str,
            relpaths: Sequence[str]) -> tuple[list[PlannedFile], list[str]]:
     """``relpaths``' model files, and the optimizer state that goes into or beside them or stands alone in them."""
-    with digests(conversion.request.digest != "none"):
+    with digests(writing_digest(conversion)):
         result = conversion.saver.save(conversion.source, Path(staging), conversion.save_options,
                                        lambda nbytes: None, only=set(relpaths))
         if carried is not None:

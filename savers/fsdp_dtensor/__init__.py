@@ -38,6 +38,7 @@ from pgconvert.formats.megatron import (CHECKPOINT_VERSION, FRAMEWORK_PICKLE, TR
                                         iteration_dir_name, params_dtype_for)
 from pgconvert.formats.stream import CanonicalSource
 from pgconvert.formats.strict import fallback
+from pgconvert.io.dcp_writer import WrittenFiles
 from pgconvert.formats.torch_dist import DCP_METADATA_FILE
 from pgconvert.io.durable import fsync_file
 from pgconvert.model.provider import canonical_shapes, target_vocab_rows
@@ -105,7 +106,7 @@ class FsdpDtensorSaver(Saver):
         written = write_data_files(out_dir, directory, chunks, files, {}, source, rows, progress, only)
         planned = _files(directory, files, written)
         if only is not None:
-            return SaveResult(files=[item for item in planned if item.sha256 is not None])
+            return SaveResult(files=[item for item in planned if item.size is not None])
         return SaveResult(files=planned, notices=self.finalize(source, out_dir, options))
 
     def finalize(self, source: CanonicalSource, out_dir: Path, options: SaveOptions) -> list[str]:
@@ -187,8 +188,8 @@ def _planner_data(chunks: list[StoredChunk], entries: dict[str, bytes]) -> dict[
 
 
 def _files(iteration_dir: str, files: list[list[StoredChunk]],
-           written: dict[str, tuple[str, int]] | None = None) -> list[PlannedFile]:
-    """The model's data files (each one's sha256 and size when ``written`` names it), the bytes entries' file
+           written: WrittenFiles | None = None) -> list[PlannedFile]:
+    """The model's data files (each one's digest and size when ``written`` names it), the bytes entries' file
     after them, and ``.metadata``."""
     return [*planned_data_files(iteration_dir, files, written or {}),
             PlannedFile(f"{iteration_dir}/{data_file_name(len(files))}", len(WRITTEN_ENTRIES), 0),

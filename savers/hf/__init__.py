@@ -207,7 +207,7 @@ class _SafetensorsWriter:
         encoded += b" " * (-len(encoded) % 8)
         self.path = path
         self.nbytes = offset
-        self.sha256: str | None = None
+        self.digest: str | None = None
         self.size: int | None = None
         self._pending = list(entries)
         # Hashed as it is written (``OutputFile``), so the manifest need not read it back.
@@ -236,7 +236,7 @@ class _SafetensorsWriter:
             raise AssertionError(f"{self.path}: never written: {[entry[0] for entry in self._pending]}")
         self._handle.__exit__(kind, error, trace)
         if kind is None:
-            self.sha256, self.size = self._handle.hexdigest(), self._handle.offset
+            self.digest, self.size = self._handle.hexdigest(), self._handle.offset
 
 
 
@@ -253,7 +253,7 @@ def _write_shard(path: Path, shard: _Shard, source: CanonicalSource, kinds: _HFK
             with memory.lending(source.meta(unit.canonical).nbytes):
                 _write_unit(writer, unit, source, kinds, stacks)
     progress(writer.nbytes)
-    return PlannedFile(path.name, len(entries), writer.nbytes, sha256=writer.sha256, size=writer.size)
+    return PlannedFile(path.name, len(entries), writer.nbytes, digest=writer.digest, size=writer.size)
 
 
 def _write_unit(writer: _SafetensorsWriter, unit: _Unit, source: CanonicalSource, kinds: _HFKinds,

@@ -61,13 +61,13 @@ log = logging.getLogger(__name__)
 
 
 def save_durably(state: dict[str, Any], path: Path) -> str | None:
-    """Write ``state`` in torch.save's format into ``path`` and fsync it; returns the file's sha256 (None
+    """Write ``state`` in torch.save's format into ``path`` and fsync it; returns the file's digest (None
     when digests are off, ``io.output.digests``).
 
     ``PlannedTensor`` values are produced one at a time as their records are written, so memory
     holds one tensor, not the file. A failed write surfaces as the OSError behind it, naming the
     file. The records' CRC32 is 0, as torch writes with ``compute_crc32`` off: torch's reader does
-    not check it, and the sha256 recorded in the manifest covers the file.
+    not check it, and the digest recorded in the manifest covers the file.
     """
     with OutputFile(path) as output:
         save_stream(state, output)  # type: ignore[arg-type]
@@ -246,7 +246,7 @@ class MegatronSaver(Saver):
         digest = save_durably(state, path)
         del state
         progress(nbytes)
-        return PlannedFile(rank.relpath, count, nbytes, sha256=digest, size=path.stat().st_size), dropped_extra
+        return PlannedFile(rank.relpath, count, nbytes, digest=digest, size=path.stat().st_size), dropped_extra
 
     def finalize(self, source: CanonicalSource, out_dir: Path, options: SaveOptions) -> list[str]:
         """What is written once all rank files are: the tracker file Megatron starts from."""

@@ -133,7 +133,7 @@ def carry_optimizer(source: OptimizerSource, config: ModelConfig, layout: Parall
                     only: Collection[str] | None = None) -> list[PlannedFile]:
     """Add the optimizer and the carried counters to every rank file under ``iteration_dir`` (written by
     the model saver; of ``only``, paths relative to its parent, when given), rewriting each through ``save``;
-    returns the rewritten files (sha256 not filled). ``dst_dp``: the data-parallel size recorded in ``args``
+    returns the rewritten files (digest not filled). ``dst_dp``: the data-parallel size recorded in ``args``
     (``--dst-dp``)."""
     rewritten = []
     for coord in iter_ranks(layout):
@@ -156,7 +156,7 @@ def carry_optimizer(source: OptimizerSource, config: ModelConfig, layout: Parall
         save(state, partial)
         del state
         os.replace(partial, path)
-        rewritten.append(PlannedFile(f"{iteration_dir.name}/{relpath}", 0, 0, sha256=None))
+        rewritten.append(PlannedFile(f"{iteration_dir.name}/{relpath}", 0, 0, digest=None))
         log.info("%s: optimizer state carried", path)
     return rewritten
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import io
 import logging
-from collections.abc import Collection, Mapping
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -61,8 +61,9 @@ from pgconvert.formats.torch_dist import (
     tensor_locations,
     write_checkpoint_config,
 )
-from pgconvert.formats.torch_dist_integrity import INTEGRITY_FILE, write_integrity_manifest
-from pgconvert.io.dcp_writer import DEFAULT_MAX_DATA_FILE_SIZE
+from pgconvert.formats.torch_dist_integrity import INTEGRITY_ALGORITHM, INTEGRITY_FILE, write_integrity_manifest
+from pgconvert.io.dcp_writer import DEFAULT_MAX_DATA_FILE_SIZE, WrittenFiles
+from pgconvert.io.digest import labelled
 from pgconvert.io.durable import fsync_file
 from pgconvert.model.provider import (
     canonical_shapes,
@@ -78,6 +79,8 @@ log = logging.getLogger(__name__)
 
 # torch.distributed.checkpoint names rank 0's data files __0_<n>.distcp; the first holds the _extra_state entries.
 DATA_FILE = data_file_name(0)
+# The prefix of a digest the integrity manifest can reuse (a file hashed with its algorithm as it was written).
+SHA256_LABEL = labelled(INTEGRITY_ALGORITHM, "")
 
 
 class TorchDistSaver(Saver):
@@ -151,7 +154,7 @@ class TorchDistSaver(Saver):
                                    progress, only)
         planned = _files(directory, files, objects, options.torch_dist_common, written)
         if only is not None:
-            return SaveResult(files=[item for item in planned if item.sha256 is not None])
+            return SaveResult(files=[item for item in planned if item.size is not None])
         return SaveResult(files=planned, notices=self.finalize(source, out_dir, options))
 
     def finalize(self, source: CanonicalSource, out_dir: Path, options: SaveOptions) -> list[str]:
@@ -214,10 +217,14 @@ class TorchDistSaver(Saver):
         if options.torch_dist_common != COMMON_IN_STORE:
             return
         directory = iteration_dir_name(*self._iteration(source))
-        known = {Path(item.relpath).name: (item.sha256, item.size) for item in files
-                 if Path(item.relpath).parent.as_posix() == directory and item.sha256 is not None
-                 and item.size is not None}
+        known = {Path(item.relpath).name: (item.digest.removeprefix(SHA256_LABEL), item.size) for item in files
+                 if Path(item.relpath).parent.as_posix() == directory and item.digest is not None
+                 and item.digest.startswith(SHA256_LABEL) and item.size is not None}
         write_integrity_manifest(out_dir / directory, known)
+
+    def file_digest(self, options: SaveOptions) -> str | None:
+        """sha256 in megatron-core 0.19's form: ``integrity.json`` records it, and the files are hashed as written."""
+        return INTEGRITY_ALGORITHM if options.torch_dist_common == COMMON_IN_STORE else None
 
     # The source's optimizer state, as megatron-core's DistributedOptimizer (or plain optimizer) saves it.
     writes_optimizer = True
@@ -289,9 +296,9 @@ def _write_common(path: Path, common: dict[str, object]) -> None:
 
 
 def _files(iteration_dir: str, files: list[list[StoredChunk]], objects: list[str], common: str,
-           written: Mapping[str, tuple[str, int]] | None = None) -> list[PlannedFile]:
+           written: WrittenFiles | None = None) -> list[PlannedFile]:
     """The files of one iteration; the first data file holds the ``_extra_state`` entries too (each data file's
-    sha256 and size when ``written`` names it). The common state is common.pt, or (``common`` "store") a data
+    digest and size when ``written`` names it). The common state is common.pt, or (``common`` "store") a data
     file of its own after the model's, with the integrity manifest."""
     data = planned_data_files(iteration_dir, files, written or {}, len(objects))
     if common != COMMON_IN_STORE:

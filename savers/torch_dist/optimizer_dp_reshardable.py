@@ -53,7 +53,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 
 from pgconvert.formats import PlannedFile
 from pgconvert.formats.torch_dist_optimizer import DP_RESHARDABLE, bucket_key, object_key, record_prefix, scaler_key
-from pgconvert.io.dcp_writer import ItemKey, split_by_size
+from pgconvert.io.dcp_writer import ItemKey, WrittenFiles, split_by_size
 from pgconvert.model.config import ModelConfig
 from pgconvert.model.grid import RankCoord
 from pgconvert.model.layout import ParallelLayout
@@ -206,7 +206,7 @@ def record_numbers(records: list[_Record], limit: int) -> dict[ItemKey, int]:
 
 
 def planned_files(records: list[_Record], objects: dict[str, Any], limit: int, directory: str,
-                  written: dict[str, tuple[str, int]] | None = None) -> list[PlannedFile]:
+                  written: WrittenFiles | None = None) -> list[PlannedFile]:
     """The records files (``directory``: the iteration's) and what each holds (with ``written``: those it names)."""
     return records_files(directory, {record.item_key: record.nbytes for record in records},
                          record_numbers(records, limit), len(objects), written)

@@ -37,7 +37,7 @@ from pgconvert.formats import PlannedFile
 from pgconvert.formats.torch_dist import DCP_METADATA_FILE, read_dcp_metadata, single_process_calls
 from pgconvert.formats.torch_dist_optimizer import (FULLY_RESHARDABLE, RECORDS_PREFIX, chained_entries, common_entry,
                                                     records_file, state_key)
-from pgconvert.io.dcp_writer import ItemKey, StreamingWriter, split_by_size
+from pgconvert.io.dcp_writer import ItemKey, StreamingWriter, WrittenFiles, split_by_size
 from pgconvert.optimizer.scaler import set_scalers, target_scalers
 from pgconvert.optimizer.source import CARRIED_KEYS, FIELDS, OptimizerSource
 from pgconvert.savers.torch_dist.common_state import replace_durably, rewrite_common
@@ -124,9 +124,9 @@ def chunk_numbers(chunks: list[tuple[str, Any]], limit: int) -> dict[ItemKey, in
 
 
 def records_files(directory: str, sizes: Mapping[ItemKey, int], numbers: Mapping[ItemKey, int], objects: int = 0,
-                  written: Mapping[str, tuple[str, int]] | None = None) -> list[PlannedFile]:
+                  written: WrittenFiles | None = None) -> list[PlannedFile]:
     """Each records file (``directory``: the iteration's), its records (the first: and the ``objects``) and bytes
-    of values (``sizes`` per record); with ``written``, the files it names alone, with their sha256 and size."""
+    of values (``sizes`` per record); with ``written``, the files it names alone, with their digest and size."""
     tensors: Counter[int] = Counter(numbers[key] for key in sizes)
     nbytes: Counter[int] = Counter()
     for key, size in sizes.items():
@@ -136,9 +136,9 @@ def records_files(directory: str, sizes: Mapping[ItemKey, int], numbers: Mapping
         name = records_file(number)
         if written is not None and name not in written:
             continue
-        sha256, size = (written or {}).get(name, (None, None))
+        digest, size = (written or {}).get(name, (None, None))
         files.append(PlannedFile(f"{directory}/{name}", tensors[number] + (objects if number == 0 else 0),
-                                 nbytes[number], sha256=sha256, size=size))
+                                 nbytes[number], digest=digest, size=size))
     return files
 
 
@@ -186,11 +186,11 @@ def optimizer_chunks(optimizer: OptimizerSource, model_chunks: list[Any]) -> lis
 
 
 def write_records(iteration_dir: Path, planner: Any, numbers: Mapping[ItemKey, int], share: RecordsShare,
-                  merge: Callable[[Path, Metadata], None] = _merge_metadata) -> dict[str, tuple[str, int]]:
+                  merge: Callable[[Path, Metadata], None] = _merge_metadata) -> WrittenFiles:
     """Save what ``planner`` plans (it brings its own items; no state dict) into the records files beside the model's
     (``numbers``: each record's file; the objects go to the first), those ``share.writes`` names, then, when
     ``share.shared``, ``merge`` the index of every one (planned, for those another process writes) into the
-    checkpoint's ``.metadata``. Returns the files written: name -> (sha256, size)."""
+    checkpoint's ``.metadata``. Returns the files written: name -> (digest, size)."""
     every = sorted(set(numbers.values()) | {0})
     writes = every if share.writes is None else [number for number in every if records_file(number) in share.writes]
     writer = _RecordsWriter(iteration_dir, numbers, writes)

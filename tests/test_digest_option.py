@@ -146,3 +146,23 @@ def test_a_size_only_manifest_is_checked_by_size_and_verify_still_compares_tenso
 def test_an_unknown_digest_is_an_argument_error(source: Path, tmp_path: Path) -> None:
     result = CliRunner().invoke(main, ["--digest", "md5", "--dst-tp", "1", str(source), str(tmp_path / "dst")])
     assert result.exit_code == 2 and "md5" in result.output and not (tmp_path / "dst").exists()
+
+
+def test_carried_optimizer_files_are_hashed_as_written_and_never_read_back(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Megatron-LM's own distributed-optimizer run to TP1: ``distrib_optim.pt`` and the rewritten rank file are
+    recorded with the digest computed while they were written (a file read back to be hashed would double the
+    cost of carrying optimizer state, which is most of a training checkpoint's bytes)."""
+    source = Path(__file__).parent / "data" / "megatron_lm" / "train_tp2dp2_distopt_bf16_torch"
+    reread: list[str] = []
+    real = manifest.hash_file
+    monkeypatch.setattr(manifest, "hash_file", lambda path, relpath, algorithm: (
+        reread.append(relpath), real(path, relpath, algorithm))[1])
+    dst = tmp_path / "dst"
+    _convert(source, dst)
+    record = read_manifest(dst)
+    assert record is not None
+    optimizer_files = [item.path for item in record.files if item.path.endswith("distrib_optim.pt")]
+    assert optimizer_files and not [path for path in reread if path.endswith(".pt")]
+    assert [item.digest for item in record.files] == [
+        _expected("xxh3-128", (dst / item.path).read_bytes()) for item in record.files]

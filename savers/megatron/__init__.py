@@ -287,10 +287,13 @@ class MegatronSaver(Saver):
         config = target_config(source.config, options)
         rows = target_vocab_rows(config, source.vocab_rows, options.layout)
         iteration_dir = out_dir / iteration_dir_name(*self._iteration(source))
-        rewritten = {item.relpath for item in carry_optimizer(optimizer, config, options.layout, iteration_dir, rows,
-                                                              save_durably, optimizer_options.dp, only)}
-        return CarriedOptimizer([PlannedFile(f.relpath, f.tensors, f.nbytes) if f.relpath in rewritten else f
-                                 for f in files], optimizer.form)
+        written = {item.relpath: item for item in carry_optimizer(optimizer, config, options.layout, iteration_dir,
+                                                                  rows, save_durably, optimizer_options.dp, only)}
+        rewritten = [replace(f, digest=written[f.relpath].digest, size=written[f.relpath].size)
+                     if f.relpath in written else f for f in files]
+        kept = {f.relpath for f in files}
+        return CarriedOptimizer(rewritten + [item for relpath, item in written.items() if relpath not in kept],
+                                optimizer.form)
 
     def finalize_optimizer(self, source: CanonicalSource, optimizer: OptimizerSource, form: str, out_dir: Path,
                            options: SaveOptions, optimizer_options: OptimizerOptions,

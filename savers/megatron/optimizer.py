@@ -101,11 +101,11 @@ def _distributed_entries(source: OptimizerSource, count: int, groups: list[int])
 
 
 def _write_distributed(source: OptimizerSource, config: ModelConfig, layout: ParallelLayout, coord: RankCoord,
-                       padded_rows: int, rank_dir: Path, save: Save, dp: int | None = None) -> Any:
+                       padded_rows: int, rank_dir: Path, save: Save, dp: int | None = None) -> tuple[Any, str | None]:
     """``distrib_optim.pt`` of rank ``coord``: each model chunk's coalesced flat buffers, under the source's
     dtype key, every parameter's piece cut with its rule (built when written); per chained optimizer, None
     for the dense one on expert-parallel ranks other than 0 (not its DP rank 0, as megatron-core saves).
-    Returns the rank file's optimizer entry."""
+    Returns the rank file's optimizer entry and the digest of the file written."""
     args = source.first.extra.get("args")
 
     def piece(slot: OptimizerSlot, key: str) -> torch.Tensor:
@@ -123,9 +123,9 @@ def _write_distributed(source: OptimizerSource, config: ModelConfig, layout: Par
         for number, (placed, numel) in enumerate(buffers):
             content[number] = {source.dtype_key: planned_buffers(placed, numel, piece)}
         contents.append(content)
-    save(contents[0] if count == 1 else contents, rank_dir / DISTRIB_OPTIM_FILE)  # type: ignore[arg-type]
+    digest = save(contents[0] if count == 1 else contents, rank_dir / DISTRIB_OPTIM_FILE)  # type: ignore[arg-type]
     groups = [len(slots) for slots in chained_slots(config, layout, coord, source.rules, padded_rows)]
-    return _distributed_entries(source, count, groups)
+    return _distributed_entries(source, count, groups), digest
 
 
 def carry_optimizer(source: OptimizerSource, config: ModelConfig, layout: ParallelLayout, iteration_dir: Path,
@@ -133,9 +133,10 @@ def carry_optimizer(source: OptimizerSource, config: ModelConfig, layout: Parall
                     only: Collection[str] | None = None) -> list[PlannedFile]:
     """Add the optimizer and the carried counters to every rank file under ``iteration_dir`` (written by
     the model saver; of ``only``, paths relative to its parent, when given), rewriting each through ``save``;
-    returns the rewritten files (digest not filled). ``dst_dp``: the data-parallel size recorded in ``args``
-    (``--dst-dp``)."""
-    rewritten = []
+    returns the files written, each with its digest and size (the rewritten rank files, then each
+    ``distrib_optim.pt``). ``dst_dp``: the data-parallel size recorded in ``args`` (``--dst-dp``)."""
+    rewritten: list[PlannedFile] = []
+    added: list[PlannedFile] = []
     for coord in iter_ranks(layout):
         relpath = f"{rank_dir_name(coord.tp, coord.pp, coord.ep, layout.pp, layout.ep)}/{RANK_FILE}"
         if only is not None and f"{iteration_dir.name}/{relpath}" not in only:
@@ -143,8 +144,9 @@ def carry_optimizer(source: OptimizerSource, config: ModelConfig, layout: Parall
         path = iteration_dir / relpath
         state = dict(safe_torch_load(path))
         if source.form == FORM_DISTRIBUTED:
-            state["optimizer"] = _write_distributed(source, config, layout, coord, padded_rows, path.parent, save,
-                                                    dst_dp)
+            state["optimizer"], digest = _write_distributed(source, config, layout, coord, padded_rows, path.parent,
+                                                            save, dst_dp)
+            added.append(_written(f"{iteration_dir.name}/{relpath}", DISTRIB_OPTIM_FILE, path.parent, digest))
         else:
             state["optimizer"] = rank_optimizer(source, config, layout, coord, padded_rows)
         for key in CARRIED_KEYS:
@@ -153,12 +155,20 @@ def carry_optimizer(source: OptimizerSource, config: ModelConfig, layout: Parall
         if dst_dp is not None:
             state["args"] = with_dst_dp(state.get("args"), layout, dst_dp)
         partial = path.with_name(path.name + ".optim")
-        save(state, partial)
+        digest = save(state, partial)
         del state
         os.replace(partial, path)
-        rewritten.append(PlannedFile(f"{iteration_dir.name}/{relpath}", 0, 0, digest=None))
+        rewritten.append(_written(f"{iteration_dir.name}/{relpath}", RANK_FILE, path.parent, digest))
         log.info("%s: optimizer state carried", path)
-    return rewritten
+    return rewritten + added
+
+
+def _written(rank_file: str, name: str, rank_dir: Path, digest: str | None) -> PlannedFile:
+    """File ``name`` of the rank directory of ``rank_file`` (a path relative to the output root) as written: its
+    size on disk and the digest computed as it was written."""
+    relpath = f"{rank_file.rpartition('/')[0]}/{name}"
+    size = (rank_dir / name).stat().st_size
+    return PlannedFile(relpath, 0, size, digest=digest, size=size)
 
 
 def planned_optimizer_files(optimizer: OptimizerSource, config: ModelConfig, layout: ParallelLayout, rows: int,

@@ -97,7 +97,8 @@ def test_the_family_list_gives_the_registry_and_the_inference_order() -> None:
     assert families.INFERENCE_ORDER == (
         "DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM",
         "MistralForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM", "Gemma3ForCausalLM", "Gemma2ForCausalLM",
-        "GemmaForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "OlmoeForCausalLM", "Glm4ForCausalLM",
+        "GemmaForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "Exaone4ForCausalLM", "OlmoeForCausalLM",
+        "Glm4ForCausalLM",
         "Glm4MoeForCausalLM", "GptOssForCausalLM", "Qwen2MoeForCausalLM", "GraniteForCausalLM",
         "GraniteMoeForCausalLM", "MinistralForCausalLM",
         "SmolLM3ForCausalLM", "Phi3ForCausalLM", "SeedOssForCausalLM", "ArceeForCausalLM", "Ernie4_5ForCausalLM",

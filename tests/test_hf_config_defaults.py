@@ -109,6 +109,10 @@ KEPT_NULLS: dict[tuple[str, str, str], Expected] = {
     ("Gemma2ForCausalLM", "*", "null attn_logit_softcapping"): lambda doc: {"attn_logit_softcapping": None},
     # Gemma 3: layer_types given, so the older period (kwargs.get("sliding_window_pattern", 6)) is unused.
     ("Gemma3ForCausalLM", "*", "null sliding_window_pattern"): _same,
+    # EXAONE 4: layer_types given, so the period is unused; without a window none of its layers is marked sliding.
+    ("Exaone4ForCausalLM", "*", "null sliding_window_pattern"): _same,
+    ("Exaone4ForCausalLM", "sliding_window=None, layer_types=['full_attention', 'full_attention', 'full_attention', "
+                           "'full_attention']", "null sliding_window"): _same,
     # Phi-3: a top-level null is no partial rotary (rope_parameters.setdefault(..., 1.0) keeps the block's).
     ("Phi3ForCausalLM", "*", "null partial_rotary_factor"): _same,
     # GLM: a top-level null passes Glm4Config's kwargs.setdefault(0.5) and reaches no rope_parameters:

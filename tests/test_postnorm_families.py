@@ -1,4 +1,5 @@
-"""Gemma 3 (text), Gemma 2, OLMo 2, OLMo 3, OLMoE, GLM-4: norms after the sublayers and what each adds; Gemma (1):
+"""Gemma 3 (text), Gemma 2, OLMo 2, OLMo 3, OLMoE, GLM-4, EXAONE 4 (its 32B and 1.2B configurations): norms after the
+sublayers and what each adds; Gemma (1):
 Gemma's norms, embedding scale and GeGLU without the norms after the sublayers.
 
 HF -> Megatron TP2/PP2 (OLMoE: TP2/EP2) -> torch_dist -> HF is bit-exact with the same config, generation config,
@@ -18,6 +19,7 @@ import torch
 from support.hf_helpers import assert_same_hf_tensors, hf_logits, input_ids, read_megatron_tp_ranks
 from support.postnorm_helpers import (
     ARCHITECTURES,
+    EXAONE4_ROPE,
     MOE,
     POSTNORM_MODELS,
     VOCAB,
@@ -25,6 +27,7 @@ from support.postnorm_helpers import (
     postnorm_tp_logits,
     save_postnorm_model,
 )
+from support.round_trips import assert_config_refused
 
 import pgconvert
 from pgconvert.errors import CheckpointError, PgconvertError
@@ -91,11 +94,12 @@ def test_megatron_tp_ranks_compute_the_hf_models_logits(tmp_path: Path, family: 
 
 
 _CHANGED_FAMILY = {"one-rope-base": "gemma3", "full-rotary": "glm4", "no-post-norm": "olmo2",
-                   "olmo3-no-window": "olmo3"}
+                   "olmo3-no-window": "olmo3", "exaone4-no-window": "exaone4", "exaone4-rope-everywhere": "exaone4"}
 
 
 @pytest.mark.parametrize("change", ["no-softcap", "no-window", "one-rope-base", "pre-norm-as-post", "full-rotary",
-                                    "no-post-norm", "olmo3-no-window"])
+                                    "no-post-norm", "olmo3-no-window", "exaone4-no-window",
+                                    "exaone4-rope-everywhere"])
 def test_reference_forward_depends_on_each_setting(tmp_path: Path, change: str) -> None:
     """The check above is sensitive: dropping any one setting moves the logits beyond its tolerance."""
     family = _CHANGED_FAMILY.get(change, "gemma2")
@@ -107,8 +111,10 @@ def test_reference_forward_depends_on_each_setting(tmp_path: Path, change: str) 
     ids = input_ids(VOCAB)
     if change == "no-softcap":
         hf["attn_logit_softcapping"] = None
-    elif change in ("no-window", "olmo3-no-window"):
+    elif change in ("no-window", "olmo3-no-window", "exaone4-no-window"):
         hf["sliding_window"] = 1000
+    elif change == "exaone4-rope-everywhere":  # SmolLM3's spelling, which the reference reads first
+        hf["no_rope_layers"] = [1] * hf["num_hidden_layers"]
     elif change == "one-rope-base":
         hf["rope_parameters"]["sliding_attention"] = hf["rope_parameters"]["full_attention"]
     elif change == "full-rotary":
@@ -185,10 +191,10 @@ def test_gemma3_config_pgconvert_cannot_convert_is_refused_by_name(sources: dict
     assert not (tmp_path / "m").exists()
 
 
-@pytest.mark.parametrize("family", ["olmo2", "olmo3"])
+@pytest.mark.parametrize("family", ["olmo2", "olmo3", "exaone4"])
 def test_olmo2_under_strict_is_refused_for_a_megatron_target_and_converts_with_a_notice_without(
         sources: dict[str, Path], tmp_path: Path, family: str) -> None:
-    """No megatron-core or Megatron-Bridge layer spec computes OLMo 2's (and OLMo 3's) missing pre-norms."""
+    """No megatron-core or Megatron-Bridge layer spec computes OLMo 2's (OLMo 3's, EXAONE 4's) missing pre-norms."""
     from pgconvert.errors import StrictModeError
 
     with pytest.raises(StrictModeError, match="pre_layernorms=False"):
@@ -198,7 +204,8 @@ def test_olmo2_under_strict_is_refused_for_a_megatron_target_and_converts_with_a
     assert not (tmp_path / "strict").exists()
     assert any("not carried: pre_layernorms=False" in notice for notice in report.notices), report.notices
     args = _rank_args(tmp_path / "m")
-    assert (args.pre_layernorms, args.post_self_attn_layernorm, args.qk_layernorm_across_heads) == (False, True, True)
+    assert (args.pre_layernorms, args.post_self_attn_layernorm, args.qk_layernorm) == (False, True, True)
+    assert args.qk_layernorm_across_heads == (family != "exaone4")
 
 
 @pytest.mark.parametrize("family, named", [("gemma2", "attn_logit_softcapping=2.0"),
@@ -385,3 +392,71 @@ def test_olmo3_yarn_on_full_attention_layers_converts_where_every_layer_is_full(
     assert_same_hf_tensors(src, tmp_path / "hf")
     ids = input_ids(VOCAB)
     torch.testing.assert_close(hf_logits(tmp_path / "hf", ids), hf_logits(src, ids), rtol=1e-5, atol=1e-5)
+
+
+# --- EXAONE 4 -------------------------------------------------------------------------------------
+
+def test_exaone4_megatron_args_hold_its_window_global_nope_per_head_qk_norm_and_rope(sources: dict[str, Path],
+                                                                                     tmp_path: Path) -> None:
+    pgconvert.convert(sources["exaone4"], tmp_path / "32b", dst_format="megatron", dst_tp=2, dst_pp=2)
+    pgconvert.convert(sources["exaone4-1.2b"], tmp_path / "1.2b", dst_format="megatron", dst_tp=2, dst_pp=2)
+
+    large, small = _rank_args(tmp_path / "32b"), _rank_args(tmp_path / "1.2b")
+
+    assert (large.window_size, large.window_attn_skip_freq, large.no_rope_freq) == ((4, 0), [1, 1, 1, 0], [0, 0, 0, 1])
+    assert (small.window_size, small.no_rope_freq) == (None, None)
+    for args in (large, small):
+        assert (args.qk_layernorm, args.qk_layernorm_across_heads, args.pre_layernorms) == (True, False, False)
+        assert (args.rotary_base, args.rope_scaling_factor, args.kv_channels) == (1_000_000.0, 16.0, 8)
+    assert (large.untie_embeddings_and_output_weights, small.untie_embeddings_and_output_weights) == (True, False)
+
+
+def _exaone4_with(src: Path, dst: Path, change: dict[str, object]) -> Path:
+    """A copy of ``src`` whose config.json has ``change`` (a None value: the key removed)."""
+    shutil.copytree(src, dst)
+    doc = json.loads((dst / "config.json").read_text())
+    doc.update(change)
+    (dst / "config.json").write_text(json.dumps({key: value for key, value in doc.items() if value is not None}))
+    return dst
+
+
+@pytest.mark.parametrize("change", [
+    # the 32B release as first published (transformers 4.54): an integer period, no layer_types, 4.x's RoPE keys
+    {"layer_types": None, "sliding_window_pattern": 4, "rope_parameters": None, "rope_theta": 1000000,
+     "rope_scaling": {key: value for key, value in EXAONE4_ROPE.items() if key != "rope_theta"}},
+    {"sliding_window_pattern": None},  # layer_types given, the period is unused
+], ids=["integer-period-rope-scaling", "no-period"])
+def test_exaone4_released_spellings_read_as_the_same_model(sources: dict[str, Path], tmp_path: Path,
+                                                           change: dict[str, object]) -> None:
+    src = _exaone4_with(sources["exaone4"], tmp_path / "src", change)
+
+    pgconvert.convert(src, tmp_path / "m", dst_format="megatron", dst_tp=2)
+
+    args = _rank_args(tmp_path / "m")
+    assert (args.window_size, args.window_attn_skip_freq, args.no_rope_freq) == ((4, 0), [1, 1, 1, 0], [0, 0, 0, 1])
+    assert (args.rotary_base, args.rope_scaling_factor) == (1_000_000.0, 16.0)
+    ids = input_ids(VOCAB)
+    torch.testing.assert_close(hf_logits(src, ids), hf_logits(sources["exaone4"], ids), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("family, change, expected", [
+    ("exaone4", {"layer_types": None}, "sliding_window_pattern='LLLG' without layer_types: Exaone4Config fills "
+                                       "layer_types only from a positive integer period"),
+    ("exaone4-1.2b", {"layer_types": None}, "sliding_window=null without layer_types"),
+], ids=["string-period-alone", "no-window-no-layer-types"])
+def test_exaone4_configs_transformers_cannot_build_are_refused_by_name(sources: dict[str, Path], tmp_path: Path,
+                                                                       family: str, change: dict[str, object],
+                                                                       expected: str) -> None:
+    assert_config_refused(sources[family], tmp_path, change, expected)
+
+
+def test_exaone4_nope_on_a_sliding_layer_is_not_written_as_exaone4() -> None:
+    from pgconvert.families.exaone import EXAONE4
+    from pgconvert.formats.hf import family_mismatches
+    from pgconvert.model.config import ModelConfig
+
+    config = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=96, sliding_window=5,
+                         window_layers=(1, 1, 1, 0), no_rope_layers=(1, 0, 0, 1))
+
+    assert any("no_rope_layers=[1, 0, 0, 1] (needs [0, 0, 0, 1]" in reason
+               for reason in family_mismatches(EXAONE4, config))

@@ -15,6 +15,7 @@ from pgconvert.families import (
     deepseek,
     dots,
     ernie,
+    exaone,
     gemma,
     glm,
     gpt_neox,
@@ -43,6 +44,7 @@ from pgconvert.semantics.carried import CarriedSetting
 # qk-norm, Gemma 2 neither; Gemma (1) has no post-norms and is the only family with embeddings scaled
 # and no post-norms, so it takes no model another fits. OLMo 2 has no pre-norms, OLMoE experts, GLM-4
 # interleaved rotary; OLMo 3 after OLMo 2: it takes OLMo 2's layers with a window, which OLMo 2 refuses.
+# EXAONE 4 after them: OLMo 2's layers with q/k norms per head (OLMo's are over the whole projection).
 # Ministral before SmolLM3: both express a window on some layers; SmolLM3 is needed for NoPE layers.
 # Seed-OSS after them: every model Llama or Qwen2 fits stays theirs (Seed-OSS computes the same); it takes
 # only the dense models with both add_qkv_bias and add_bias_linear, which no family before it fits.
@@ -73,6 +75,7 @@ ORDERED: tuple[Family, ...] = (
     gemma.GEMMA,
     olmo.OLMO2,
     olmo.OLMO3,
+    exaone.EXAONE4,
     olmo.OLMOE,
     glm.GLM4,
     glm.GLM4_MOE,

@@ -66,6 +66,8 @@ FEATURES: dict[str, tuple[dict[str, Any], ...]] = {
     "starcoder2": (dict(sliding_window=64, residual_dropout=0.1, embedding_dropout=0.1),),
     # The release spells the partial rotary as rotary_dim (MiniMaxM2Config reads it as rotary_dim / head_dim).
     "minimax_m2": (dict(rotary_dim=8),),
+    # EXAONE-4.0-1.2B's: no window (Exaone4Config fills layer_types from no period then: layer_types given).
+    "exaone4": (dict(sliding_window=None, layer_types=["full_attention"] * 4),),
 }
 # Keys to_dict() holds that are no setting (transformers' version, which resolve drops).
 NOT_SETTINGS = ("transformers_version",)

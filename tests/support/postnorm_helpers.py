@@ -1,4 +1,4 @@
-"""Test-only helpers for the post-sublayer-norm families (Gemma 3, Gemma 2, OLMo 2, OLMo 3, OLMoE, GLM-4) and
+"""Test-only helpers for the post-sublayer-norm families (Gemma 3, Gemma 2, OLMo 2, OLMo 3, OLMoE, GLM-4, EXAONE 4) and
 Gemma (1), which has Gemma's norms and embedding scale without the post norms: tiny seeded models as
 ``save_pretrained`` writes them, and an independent forward pass over Megatron TP rank files.
 
@@ -26,6 +26,8 @@ from transformers import (
     Gemma3TextConfig,
     GemmaConfig,
     GemmaForCausalLM,
+    Exaone4Config,
+    Exaone4ForCausalLM,
     Glm4Config,
     Glm4ForCausalLM,
     Olmo2Config,
@@ -50,6 +52,9 @@ _PLAIN: dict[str, Any] = dict(
     hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96, vocab_size=VOCAB,
     max_position_embeddings=256, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD,
 )
+# LGAI-EXAONE/EXAONE-4.0-32B's and -1.2B's config.json RoPE.
+EXAONE4_ROPE: dict[str, Any] = {"rope_type": "llama3", "rope_theta": 1_000_000.0, "factor": 16.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 # name -> (config class, model class, config kwargs), realistic options on.
 POSTNORM_MODELS: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel], dict[str, Any]]] = {
     # 6 layers: transformers' default 5:1 pattern (layers 0-4 sliding, layer 5 full); the full
@@ -91,6 +96,19 @@ POSTNORM_MODELS: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel], 
         _PLAIN, num_hidden_layers=2, num_key_value_heads=4, intermediate_size=32, num_experts=4,
         num_experts_per_tok=2, norm_topk_prob=False, tie_word_embeddings=False,
     )),
+    # EXAONE-4.0-32B's: OLMo 2's layers with q/k norms per head, a window on three layers in four ("LLLG") and no
+    # RoPE on the fourth, head_dim given, 5:1 GQA, Llama-3 RoPE scaling, 128K positions, untied.
+    "exaone4": (Exaone4Config, Exaone4ForCausalLM, dict(
+        _PLAIN, num_hidden_layers=4, num_attention_heads=10, num_key_value_heads=2, head_dim=8, sliding_window=WINDOW,
+        sliding_window_pattern="LLLG", layer_types=["sliding_attention"] * 3 + ["full_attention"],
+        max_position_embeddings=131072, tie_word_embeddings=False, rope_parameters=dict(EXAONE4_ROPE),
+    )),
+    # EXAONE-4.0-1.2B's: no window (every layer full attention, every layer rotated), 4:1 GQA, tied embeddings.
+    "exaone4-1.2b": (Exaone4Config, Exaone4ForCausalLM, dict(
+        _PLAIN, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, head_dim=8, sliding_window=None,
+        layer_types=["full_attention"] * 4, max_position_embeddings=65536, tie_word_embeddings=True,
+        rope_parameters=dict(EXAONE4_ROPE),
+    )),
     # Norms around both sublayers, q/k/v biases, interleaved rotary over half of each head.
     "glm4": (Glm4Config, Glm4ForCausalLM, dict(
         _PLAIN, num_hidden_layers=4, head_dim=16, attention_bias=True, tie_word_embeddings=False,
@@ -99,7 +117,7 @@ POSTNORM_MODELS: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel], 
 }
 ARCHITECTURES = {"gemma3": "Gemma3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma": "GemmaForCausalLM",
                  "olmo2": "Olmo2ForCausalLM", "olmo3": "Olmo3ForCausalLM", "olmoe": "OlmoeForCausalLM",
-                 "glm4": "Glm4ForCausalLM"}
+                 "glm4": "Glm4ForCausalLM", "exaone4": "Exaone4ForCausalLM", "exaone4-1.2b": "Exaone4ForCausalLM"}
 MOE = ("olmoe",)
 _ZERO_CENTRED = ("Gemma3ForCausalLM", "Gemma2ForCausalLM", "GemmaForCausalLM")
 _ACROSS_HEADS = ("Olmo2ForCausalLM", "Olmo3ForCausalLM", "OlmoeForCausalLM")
@@ -162,6 +180,16 @@ def _layer_rope(hf: dict[str, Any], layer: int) -> dict[str, Any]:
     if "full_attention" in params:  # Gemma 3, OLMo 3: one RoPE per layer type
         params = params[hf["layer_types"][layer]]
     return params
+
+
+def _rotates(hf: dict[str, Any], layer: int) -> bool:
+    """Whether ``layer`` rotates q and k: SmolLM3's ``no_rope_layers`` (1: RoPE) where given; EXAONE 4 rotates
+    every layer without a window and only the sliding ones with one; the others every layer."""
+    if "no_rope_layers" in hf:
+        return bool(hf["no_rope_layers"][layer])
+    if hf["architectures"][0] == "Exaone4ForCausalLM" and hf.get("sliding_window") is not None:
+        return hf["layer_types"][layer] == "sliding_attention"
+    return True
 
 
 def _rope(x: torch.Tensor, params: dict[str, Any], interleaved: bool) -> torch.Tensor:
@@ -234,7 +262,8 @@ def _attention(models: Ranks, prefix: str, h: torch.Tensor, hf: dict[str, Any], 
     out = torch.zeros_like(h)
     for model, (q, k, v) in zip(models, _qkv(models, prefix, h, hf), strict=True):
         q, k, v = (t.unflatten(-1, (-1, d)).transpose(1, 2) for t in (q, k, v))
-        q, k = _rope(q, params, interleaved), _rope(k, params, interleaved)
+        if _rotates(hf, layer):
+            q, k = _rope(q, params, interleaved), _rope(k, params, interleaved)
         k, v = k.repeat_interleave(per_group, dim=1), v.repeat_interleave(per_group, dim=1)
         scores = (q @ k.transpose(-1, -2)) * scale
         if hf.get("attn_logit_softcapping") is not None:

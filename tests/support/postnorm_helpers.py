@@ -53,8 +53,9 @@ _PLAIN: dict[str, Any] = dict(
     max_position_embeddings=256, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD,
 )
 # LGAI-EXAONE/EXAONE-4.0-32B's and -1.2B's config.json RoPE.
-EXAONE4_ROPE: dict[str, Any] = {"rope_type": "llama3", "rope_theta": 1_000_000.0, "factor": 16.0, "low_freq_factor": 1.0,
-                                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+EXAONE4_ROPE: dict[str, Any] = {"rope_type": "llama3", "rope_theta": 1_000_000.0, "factor": 16.0,
+                                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                "original_max_position_embeddings": 8192}
 # name -> (config class, model class, config kwargs), realistic options on.
 POSTNORM_MODELS: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel], dict[str, Any]]] = {
     # 6 layers: transformers' default 5:1 pattern (layers 0-4 sliding, layer 5 full); the full

@@ -109,6 +109,8 @@ KEPT_NULLS: dict[tuple[str, str, str], Expected] = {
     ("Gemma2ForCausalLM", "*", "null attn_logit_softcapping"): lambda doc: {"attn_logit_softcapping": None},
     # Gemma 3: layer_types given, so the older period (kwargs.get("sliding_window_pattern", 6)) is unused.
     ("Gemma3ForCausalLM", "*", "null sliding_window_pattern"): _same,
+    # Cohere2: the same (kwargs.pop("sliding_window_pattern", 4) only where layer_types is absent).
+    ("Cohere2ForCausalLM", "*", "null sliding_window_pattern"): _same,
     # EXAONE 4: layer_types given, so the period is unused; without a window none of its layers is marked sliding.
     ("Exaone4ForCausalLM", "*", "null sliding_window_pattern"): _same,
     ("Exaone4ForCausalLM", "sliding_window=None, layer_types=['full_attention', 'full_attention', 'full_attention', "

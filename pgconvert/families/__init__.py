@@ -59,7 +59,8 @@ from pgconvert.semantics.carried import CarriedSetting
 # StarCoder2 after them: the only family with LayerNorm and a non-gated tanh GELU.
 # GPT-NeoX last: the only family with LayerNorm and a non-gated exact GELU, and the only one holding
 # use_parallel_residual (a parallel model fits no family before it: formats.hf.unmapped_losses).
-# Cohere after it: only a parallel layer with one shared norm, LayerNorms without a bias fits it.
+# Cohere after it: only a parallel layer with one shared norm, LayerNorms without a bias fits it. Cohere2 after
+# Cohere: the same layer with RoPE on the windowed layers alone, which Cohere (RoPE on every layer) refuses.
 # Qwen3-Next takes the models with gated delta net layers and gated attention, which every other family refuses.
 ORDERED: tuple[Family, ...] = (
     deepseek.DEEPSEEK_V3,
@@ -95,6 +96,7 @@ ORDERED: tuple[Family, ...] = (
     starcoder2.STARCODER2,
     gpt_neox.GPT_NEOX,
     cohere.COHERE,
+    cohere.COHERE2,
     qwen3_next.QWEN3_NEXT,
 )
 

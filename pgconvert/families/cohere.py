@@ -1,4 +1,5 @@
-"""Cohere (``CohereForCausalLM``: CohereForAI/c4ai-command-r-v01): Llama's tensors in a parallel layer with one norm.
+"""Cohere (``CohereForCausalLM``: CohereForAI/c4ai-command-r-v01): Llama's tensors in a parallel layer with one norm;
+Cohere2 (``Cohere2ForCausalLM``: c4ai-command-r7b-12-2024, c4ai-command-a-03-2025): the same layer with windows.
 
 transformers' CohereDecoderLayer computes ``x + attn(ln(x)) + mlp(ln(x))``: attention and MLP side by side on one
 ``input_layernorm`` (no ``post_attention_layernorm``), which megatron-core 0.16.1 has no layer for
@@ -14,6 +15,11 @@ neighbouring channels (cos/sin repeated pairwise: megatron-core's ``rotary_inter
 ERNIE's), tied embeddings by default. ``attention_bias`` biases q, k, v and o but not the MLP, which megatron-core's
 one ``add_bias_linear`` cannot hold (true is refused, named); ``use_qk_norm`` (command-r-plus) normalizes each head
 with weights of its own (``[heads, head_dim]``), where megatron-core's q/k norm shares one over ``head_dim``: refused.
+
+Cohere2 has no q/k norm and a ``sliding_window`` (4096) on the layers ``layer_types`` marks (older config.json: every
+``sliding_window_pattern``-th layer, 4, full attention; the releases' three local layers to one global). Its
+attention rotates q and k only on the layers with a window: the full-attention layers are megatron-core's
+``no_rope_freq`` layers (without a window, every layer).
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from pgconvert.families.llama import (
     query_groups_field,
     rotary_base_field,
 )
+from pgconvert.families.sliding_window import layer_types_of, layer_types_window, window_of
 from pgconvert.families.table import ConfigField, ConfigRule
 from pgconvert.io.limits import quote
 from pgconvert.model.config import ModelConfig
@@ -61,7 +68,8 @@ def _refuses_qk_norm(config: ModelConfig) -> str | None:
     return f"qk_layernorm=True ({_QK_NORM_PER_HEAD})" if config.attention.qk_layernorm else None
 
 
-COHERE = LLAMA.derive(
+# Cohere's parallel layer without its use_qk_norm switch (Cohere2Config has none): the two families' common part.
+_PARALLEL_LAYER = LLAMA.derive(
     "CohereForCausalLM", "cohere",
     fields=(
         ConfigField(("layer_norm_eps",), "norm_epsilon", float, default=1e-5,
@@ -75,8 +83,6 @@ COHERE = LLAMA.derive(
         ConfigField(("logit_scale",), "logit_scale", float, default=0.0625,
                     null_refused="CohereForCausalLM multiplies the logits by it as given, and null is no factor"),
     ),
-    rules=(ConfigRule(keys=("use_qk_norm",), model_fields=("qk_layernorm",), read=_read_qk_norm,
-                      write=_write_qk_norm, refuses=_refuses_qk_norm, null_keys=("use_qk_norm",)),),
     fixed={"normalization": "LayerNorm", "add_bias_linear": False, "rotary_interleaved": True,
            "use_parallel_residual": True, "shared_input_layernorm": True, "layernorm_bias": False},
     hf_fixed={**HF_SILU, "attention_bias": False},
@@ -87,7 +93,74 @@ COHERE = LLAMA.derive(
     hf_notes={"rotary interleaved": "always (HF's own rotary is interleaved: rows kept as they are)",
               "normalization": "LayerNorm without a bias (CohereLayerNorm, fixed)", "norm epsilon": "layer_norm_eps",
               "linear biases": "attention_bias (q, k, v and o only: must be false)",
-              "qk-norm": "use_qk_norm (a weight per head: must be false)",
               "parallel attention and MLP": "always, one shared norm (fixed)",
               "LayerNorm bias": "never (fixed)", "logit scale": "logit_scale"},
+)
+
+COHERE = _PARALLEL_LAYER.derive(
+    "CohereForCausalLM", "cohere",
+    rules=(ConfigRule(keys=("use_qk_norm",), model_fields=("qk_layernorm",), read=_read_qk_norm,
+                      write=_write_qk_norm, refuses=_refuses_qk_norm, null_keys=("use_qk_norm",)),),
+    hf_notes={"qk-norm": "use_qk_norm (a weight per head: must be false)"},
+)
+
+
+# --- Cohere2: Command R7B, Command A -------------------------------------------------------------
+
+_COHERE2_WINDOW = 4096  # Cohere2Config's sliding_window
+_COHERE2_PERIOD = 4  # Cohere2Config's sliding_window_pattern (read where layer_types is absent)
+
+
+def _read_cohere2_layers(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
+    """The window (4096 where absent) on the layers ``layer_types`` marks sliding, and RoPE on those layers alone
+    (Cohere2Attention rotates q and k only where it has a window). A null window is refused: Cohere2Model builds its
+    sliding-window mask for every model, and transformers' mask builder needs a size."""
+    layers = model["num_layers"]
+    assert isinstance(layers, int)
+    if window_of(present, _COHERE2_WINDOW) is None:
+        raise ValueError("sliding_window=null: Cohere2Model builds a sliding-window mask for every model, whatever "
+                         "layer_types says, and transformers' mask builder needs a size")
+    window = layer_types_window(present, model, _COHERE2_PERIOD, "sliding_window_pattern", _COHERE2_WINDOW)
+    pattern = window["window_layers"] or (int(window["sliding_window"] is not None),) * layers
+    assert isinstance(pattern, tuple)
+    return {**window, "no_rope_layers": None if all(pattern) else tuple(1 - flag for flag in pattern)}
+
+
+def _cohere2_rotated(config: ModelConfig) -> tuple[int, ...]:
+    """The layers Cohere2 rotates: those with a window."""
+    return tuple(int(config.attention.sliding_window is not None and config.layers[layer].window)
+                 for layer in range(config.num_layers))
+
+
+def _write_cohere2_layers(config: ModelConfig) -> Mapping[str, object]:
+    """The layer types and the window; a model without one (every layer full attention) gets the class default,
+    which no layer looks through."""
+    return {"sliding_window": config.attention.sliding_window or _COHERE2_WINDOW, "layer_types": layer_types_of(config)}
+
+
+def _refuses_cohere2_layers(config: ModelConfig) -> str | None:
+    rotated = _cohere2_rotated(config)
+    needed = None if all(rotated) else tuple(1 - flag for flag in rotated)
+    if config.positions.no_rope_layers == needed:
+        return None
+    no_rope = config.positions.no_rope_layers
+    return (f"no_rope_layers={None if no_rope is None else list(no_rope)} "
+            f"(needs {None if needed is None else list(needed)}: RoPE on exactly the windowed layers)")
+
+
+COHERE2_LAYERS = ConfigRule(keys=("sliding_window", "layer_types"),
+                            model_fields=("sliding_window", "window_layers", "no_rope_layers"),
+                            read=_read_cohere2_layers, write=_write_cohere2_layers,
+                            refuses=_refuses_cohere2_layers, null_keys=("sliding_window",),
+                            legacy_keys=("sliding_window_pattern",))
+
+# Cohere2Config's RoPE base is transformers' default 10000 (it has no default_theta of its own).
+COHERE2 = _PARALLEL_LAYER.derive(
+    "Cohere2ForCausalLM", "cohere2",
+    fields=(rotary_base_field(10000.0),),
+    rules=(COHERE2_LAYERS,),
+    hf_notes={"qk-norm": "none (Cohere2Attention has no q/k norm)",
+              "sliding window": "sliding_window on the layers layer_types marks (older: every sliding_window_pattern-th "
+                                "layer full attention)",
+              "NoPE layers": "every layer without a window (always)"},
 )

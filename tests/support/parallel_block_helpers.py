@@ -1,12 +1,12 @@
-"""Test helpers for the families whose decoder layer runs attention and MLP side by side (GPT-NeoX, Cohere): tiny
-seeded models as ``save_pretrained`` writes them, and an independent tensor-parallel forward over Megatron
+"""Test helpers for the families whose decoder layer runs attention and MLP side by side (GPT-NeoX, Cohere,
+Cohere2): tiny seeded models as ``save_pretrained`` writes them, and an independent tensor-parallel forward over Megatron
 rank files driven by the files' own ``args``.
 
 Nothing here imports pgconvert. The reference forward reads each TP rank's ``model`` dict with ``torch.load``
 (hf_helpers.read_megatron_tp_ranks) and the settings from the rank file's ``args`` (normalization and
 norm_epsilon, add_bias_linear, rotary_percent, rotary_base and rotary_interleaved, the activation, and the carried
 ``use_parallel_residual``: ``x + attn(ln1(x)) + mlp(ln2(x))`` where true, else the sequential layer;
-``shared_input_layernorm``: ``ln2`` is ``ln1``; ``logit_scale``), so it checks the args pgconvert writes as well as
+``shared_input_layernorm``: ``ln2`` is ``ln1``; ``logit_scale``; the window and NoPE layers), so it checks the args pgconvert writes as well as
 the tensors; a norm bias is applied where the files hold one.
 """
 
@@ -41,6 +41,15 @@ def parallel_block_configs() -> dict[str, tuple[Any, Any, dict[str, Any]]]:
             vocab_size=VOCAB, max_position_embeddings=131072, layer_norm_eps=1e-5, logit_scale=0.0625,
             rope_parameters={"rope_type": "default", "rope_theta": 8000000.0}, use_qk_norm=False,
             attention_bias=False, tie_word_embeddings=True, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD)),
+        # c4ai-command-r7b-12-2024's: Cohere's layer without q/k norms, a window on three layers in four (the
+        # release's sliding_window_pattern 4) and RoPE on those alone, 4:1 GQA, head_dim given, base 5e4, logits x 0.25,
+        # 128K positions, tied.
+        "cohere2": (t.Cohere2Config, t.Cohere2ForCausalLM, dict(
+            hidden_size=64, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, head_dim=8,
+            intermediate_size=176, vocab_size=VOCAB, max_position_embeddings=132096, layer_norm_eps=1e-5,
+            logit_scale=0.25, sliding_window=5, layer_types=["sliding_attention"] * 3 + ["full_attention"],
+            rope_parameters={"rope_type": "default", "rope_theta": 50000.0}, attention_bias=False,
+            tie_word_embeddings=True, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD)),
         # pythia-160m / 1.4b's: MHA, head 16 here (64 there) with a quarter of it rotated (rotary_pct 0.25), base
         # 1e4, FFN 4 x hidden, exact GELU, LayerNorm eps 1e-5, biases everywhere, parallel residual, untied
         # embed_out, 2048 positions.
@@ -108,16 +117,30 @@ def _rope(t: torch.Tensor, args: argparse.Namespace) -> torch.Tensor:
     return torch.cat([turned * angles.cos() + rotated * angles.sin(), rest], dim=-1)
 
 
-def _attention(models: Ranks, prefix: str, h: torch.Tensor, args: argparse.Namespace) -> torch.Tensor:
-    """Column-parallel QKV by query group (biased where the files hold a bias), RoPE, causal softmax, row-parallel
-    output summed over the ranks, then linear_proj's bias."""
+def _mask(seq: int, args: argparse.Namespace, layer: int) -> torch.Tensor:
+    """Causal, and on the layers ``args.window_attn_skip_freq`` marks 1 (every layer without it) within
+    ``args.window_size`` = (W - 1, 0) positions back."""
+    mask = torch.ones(seq, seq, dtype=torch.bool).tril()
+    window, marked = getattr(args, "window_size", None), getattr(args, "window_attn_skip_freq", None)
+    if window is not None and (marked is None or marked[layer]):
+        positions = torch.arange(seq)
+        mask &= positions[None, :] >= positions[:, None] - window[0]
+    return mask
+
+
+def _attention(models: Ranks, prefix: str, h: torch.Tensor, args: argparse.Namespace, layer: int) -> torch.Tensor:
+    """Column-parallel QKV by query group (biased where the files hold a bias), RoPE (not on the layers
+    ``args.no_rope_freq`` marks 1), causal (windowed) softmax, row-parallel output summed over the ranks, then
+    linear_proj's bias."""
     per_group, head_dim = args.num_attention_heads // args.num_query_groups, args.kv_channels
     batch, seq, _ = h.shape
-    mask = torch.ones(seq, seq, dtype=torch.bool).tril()
+    mask = _mask(seq, args, layer)
+    no_rope = getattr(args, "no_rope_freq", None)
     out = torch.zeros_like(h)
     for model in models:
         q, k, v = (t.transpose(1, 2) for t in rank_qkv(model, prefix, h, per_group, head_dim))
-        q, k = _rope(q, args), _rope(k, args)
+        if not (no_rope and no_rope[layer]):
+            q, k = _rope(q, args), _rope(k, args)
         k, v = (t.repeat_interleave(per_group, dim=1) for t in (k, v))
         scores = ((q @ k.transpose(-1, -2)) / math.sqrt(head_dim)).masked_fill(~mask, float("-inf")).softmax(-1)
         out += (scores @ v).transpose(1, 2).reshape(batch, seq, -1) @ model[prefix + "self_attention.linear_proj.weight"].T
@@ -156,7 +179,7 @@ def parallel_block_logits(models: Ranks, args: argparse.Namespace, ids: torch.Te
     for layer in range(args.num_layers):
         prefix = f"decoder.layers.{layer}."
         attention_input = _norm(models, prefix + "input_layernorm", x, args)
-        attention = _attention(models, prefix, attention_input, args)
+        attention = _attention(models, prefix, attention_input, args, layer)
         mlp_input = x if parallel else x + attention
         normed = attention_input if shared else _norm(models, prefix + "pre_mlp_layernorm", mlp_input, args)
         x = mlp_input + _mlp(models, prefix, normed, args) + (attention if parallel else 0.0)

@@ -160,7 +160,7 @@ COHERE2 = _PARALLEL_LAYER.derive(
     fields=(rotary_base_field(10000.0),),
     rules=(COHERE2_LAYERS,),
     hf_notes={"qk-norm": "none (Cohere2Attention has no q/k norm)",
-              "sliding window": "sliding_window on the layers layer_types marks (older: every sliding_window_pattern-th "
-                                "layer full attention)",
+              "sliding window": "sliding_window on the layers layer_types marks (older: every "
+                                "sliding_window_pattern-th layer full attention)",
               "NoPE layers": "every layer without a window (always)"},
 )

@@ -1,13 +1,13 @@
 """Test helpers for the families whose decoder layer runs attention and MLP side by side (GPT-NeoX, Cohere,
-Cohere2): tiny seeded models as ``save_pretrained`` writes them, and an independent tensor-parallel forward over Megatron
-rank files driven by the files' own ``args``.
+Cohere2): tiny seeded models as ``save_pretrained`` writes them, and an independent tensor-parallel forward over
+Megatron rank files driven by the files' own ``args``.
 
 Nothing here imports pgconvert. The reference forward reads each TP rank's ``model`` dict with ``torch.load``
 (hf_helpers.read_megatron_tp_ranks) and the settings from the rank file's ``args`` (normalization and
 norm_epsilon, add_bias_linear, rotary_percent, rotary_base and rotary_interleaved, the activation, and the carried
 ``use_parallel_residual``: ``x + attn(ln1(x)) + mlp(ln2(x))`` where true, else the sequential layer;
-``shared_input_layernorm``: ``ln2`` is ``ln1``; ``logit_scale``; the window and NoPE layers), so it checks the args pgconvert writes as well as
-the tensors; a norm bias is applied where the files hold one.
+``shared_input_layernorm``: ``ln2`` is ``ln1``; ``logit_scale``; the window and NoPE layers), so it checks the args
+pgconvert writes as well as the tensors; a norm bias is applied where the files hold one.
 """
 
 from __future__ import annotations

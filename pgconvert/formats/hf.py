@@ -31,6 +31,7 @@ from safetensors import SafetensorError, safe_open
 from pgconvert.model.config import DTYPES, ModelConfig
 from pgconvert.errors import CheckpointError, ConfigError, PgconvertError
 from pgconvert.families import FAMILIES, INFERENCE_ORDER, supported_architectures
+from pgconvert.families.refused import REFUSED_ARCHITECTURES
 from pgconvert.families.table import REQUIRED, SLOT, ConfigField, ConfigRule, Family, TensorTable
 from pgconvert.io.limits import MAX_SAFETENSORS_HEADER_BYTES, over_limit, parse_json, quote, read_json
 from pgconvert.model.declared import LIMITS_ONLY, StoredCounts, check_declared_counts
@@ -110,7 +111,8 @@ def family_of(doc: dict[str, Any], path: Path, error: type[PgconvertError] = Che
         raise error(f"{path}: architectures={quote(architectures)}: expected a list naming one of {supported}")
     family = FAMILIES.get(architectures[0])
     if family is None:
-        raise error(f"{path}: architectures[0]={quote(architectures[0])} is not supported; supported: {supported}")
+        reason = REFUSED_ARCHITECTURES.get(architectures[0], f"supported: {supported}")
+        raise error(f"{path}: architectures[0]={quote(architectures[0])} is not supported; {reason}")
     return family
 
 

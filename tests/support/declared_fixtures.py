@@ -53,6 +53,9 @@ HYBRID: dict[str, object] = dict(hybrid_override_pattern="M*-", mamba_num_heads=
 PARTS: tuple[dict[str, object], ...] = (dict(rotary_base_local=1000.0), dict(mtp_num_layers=1), HYBRID)
 # One key and value head per query head: tried only for a family that refuses BASE's grouped ones (GPT-NeoX).
 ONE_GROUP_PER_HEAD: dict[str, object] = dict(num_query_groups=4)
+# A window on the first two layers and no RoPE on the third: tried only for a family that refuses BASE's RoPE on
+# every layer without a window (Cohere2, which rotates only its windowed layers).
+WINDOWED_NOPE: dict[str, object] = dict(sliding_window=4, window_layers=(1, 1, 0), no_rope_layers=(0, 0, 1))
 # With experts, a hybrid pattern with two MoE layers (E), routed as Nemotron-H's are (a sigmoid router
 # with expert bias, a shared expert): a hybrid family with experts needs one.
 EXPERT_PARTS += (dict(HYBRID, hybrid_override_pattern="MEE", moe_router_score_function="sigmoid",
@@ -87,11 +90,11 @@ def tiny_config(family: Family) -> ModelConfig:
         settings.update(LATENT_ATTENTION)
     if settings.get("experimental_attention_variant"):
         settings.update(LINEAR_ATTENTION)
-    for heads, count in itertools.product(({}, ONE_GROUP_PER_HEAD), range(len(parts), -1, -1)):
+    for variant, count in itertools.product(({}, ONE_GROUP_PER_HEAD, WINDOWED_NOPE), range(len(parts), -1, -1)):
         for chosen in itertools.combinations(parts, count):
             try:
                 config = ModelConfig.from_settings(
-                    {**settings, **heads, **{k: v for part in chosen for k, v in part.items()}})
+                    {**settings, **variant, **{k: v for part in chosen for k, v in part.items()}})
             except ConfigError:
                 continue
             if not family_mismatches(family, config):

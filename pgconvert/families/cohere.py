@@ -37,7 +37,14 @@ from pgconvert.families.llama import (
     query_groups_field,
     rotary_base_field,
 )
-from pgconvert.families.sliding_window import layer_types_of, layer_types_window, window_of
+from pgconvert.families.sliding_window import (
+    layer_types_of,
+    layer_types_window,
+    no_rope_of,
+    refuses_other_rope,
+    window_of,
+    windowed_layers,
+)
 from pgconvert.families.table import ConfigField, ConfigRule
 from pgconvert.io.limits import quote
 from pgconvert.model.config import ModelConfig
@@ -123,13 +130,7 @@ def _read_cohere2_layers(present: Mapping[str, object], model: Mapping[str, obje
     window = layer_types_window(present, model, _COHERE2_PERIOD, "sliding_window_pattern", _COHERE2_WINDOW)
     pattern = window["window_layers"] or (int(window["sliding_window"] is not None),) * layers
     assert isinstance(pattern, tuple)
-    return {**window, "no_rope_layers": None if all(pattern) else tuple(1 - flag for flag in pattern)}
-
-
-def _cohere2_rotated(config: ModelConfig) -> tuple[int, ...]:
-    """The layers Cohere2 rotates: those with a window."""
-    return tuple(int(config.attention.sliding_window is not None and config.layers[layer].window)
-                 for layer in range(config.num_layers))
+    return {**window, "no_rope_layers": no_rope_of(pattern)}
 
 
 def _write_cohere2_layers(config: ModelConfig) -> Mapping[str, object]:
@@ -139,13 +140,7 @@ def _write_cohere2_layers(config: ModelConfig) -> Mapping[str, object]:
 
 
 def _refuses_cohere2_layers(config: ModelConfig) -> str | None:
-    rotated = _cohere2_rotated(config)
-    needed = None if all(rotated) else tuple(1 - flag for flag in rotated)
-    if config.positions.no_rope_layers == needed:
-        return None
-    no_rope = config.positions.no_rope_layers
-    return (f"no_rope_layers={None if no_rope is None else list(no_rope)} "
-            f"(needs {None if needed is None else list(needed)}: RoPE on exactly the windowed layers)")
+    return refuses_other_rope(config, windowed_layers(config), "RoPE on exactly the windowed layers")
 
 
 COHERE2_LAYERS = ConfigRule(keys=("sliding_window", "layer_types"),

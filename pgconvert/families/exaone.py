@@ -17,7 +17,15 @@ from pgconvert.io.limits import quote
 from pgconvert.model.config import ModelConfig
 from pgconvert.families.llama import query_groups_field
 from pgconvert.families.olmo import OLMO2
-from pgconvert.families.sliding_window import layer_types, layer_types_of, window_of, window_values_sized
+from pgconvert.families.sliding_window import (
+    layer_types,
+    layer_types_of,
+    no_rope_of,
+    refuses_other_rope,
+    window_of,
+    window_values_sized,
+    windowed_layers,
+)
 from pgconvert.families.table import DROP, ConfigRule
 
 _WINDOW = 4096  # Exaone4Config's sliding_window
@@ -47,8 +55,7 @@ def _read_layers(present: Mapping[str, object], model: Mapping[str, object]) -> 
     assert isinstance(layers, int)
     window = window_of(present, _WINDOW)
     pattern = _sliding_layers(present, layers, window)
-    no_rope = tuple(1 - sliding for sliding in pattern) if window is not None else ()
-    return {**window_values_sized(window, pattern), "no_rope_layers": no_rope if any(no_rope) else None}
+    return {**window_values_sized(window, pattern), "no_rope_layers": no_rope_of(pattern if window else (1,) * layers)}
 
 
 def _unrotated_everywhere(config: ModelConfig) -> bool:
@@ -67,18 +74,11 @@ def _write_layers(config: ModelConfig) -> Mapping[str, object]:
 
 
 def _refuses(config: ModelConfig) -> str | None:
-    """EXAONE 4 rotates every layer without a window and, with one, all but the full-attention layers."""
-    no_rope = config.positions.no_rope_layers
-    if config.attention.sliding_window is None:
-        needed = None
-    else:
-        full = tuple(0 if config.layers[layer].window else 1 for layer in range(config.num_layers))
-        needed = full if any(full) else None
-    if no_rope == needed or _unrotated_everywhere(config):
+    """EXAONE 4 rotates every layer without a window and, with one, the sliding layers alone."""
+    if _unrotated_everywhere(config):
         return None
-    return (f"no_rope_layers={None if no_rope is None else list(no_rope)} (needs "
-            f"{None if needed is None else list(needed)}: no RoPE on exactly the full-attention layers of a "
-            "windowed model)")
+    rotated = windowed_layers(config) if config.attention.sliding_window is not None else (1,) * config.num_layers
+    return refuses_other_rope(config, rotated, "no RoPE on exactly the full-attention layers of a windowed model")
 
 
 LAYERS_RULE = ConfigRule(keys=("sliding_window", "sliding_window_pattern", "layer_types"),

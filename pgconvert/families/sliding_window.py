@@ -5,7 +5,8 @@ layer). config.json spells it per family: ``sliding_window`` on every layer (Mis
 Phi-3: ``every_layer_window``), or on the layers ``layer_types`` marks ``sliding_attention``
 (transformers' own default pattern where it is absent, which each family's rule gives). An absent
 ``sliding_window`` is the config class's default; a null is no window, and refused where layers are
-marked sliding (transformers cannot build that mask).
+marked sliding (transformers cannot build that mask). EXAONE 4 and Cohere2 rotate q and k on their windowed layers
+alone: ``windowed_layers``, ``no_rope_of`` and ``refuses_other_rope`` give and check their ``no_rope_layers``.
 """
 
 from __future__ import annotations
@@ -132,3 +133,26 @@ def layer_types_window_rule(period: int, period_key: str | None = None) -> Confi
 
 # Mixtral's and Phi-3's: no window unless config.json gives one.
 EVERY_LAYER_WINDOW = every_layer_window(None)
+
+
+# --- RoPE on the windowed layers alone (EXAONE 4's and Cohere2's attention) -------------------------
+
+def windowed_layers(config: ModelConfig) -> tuple[int, ...]:
+    """1 for each layer that looks through a window."""
+    return tuple(int(config.attention.sliding_window is not None and config.layers[layer].window)
+                 for layer in range(config.num_layers))
+
+
+def no_rope_of(rotated: tuple[int, ...]) -> tuple[int, ...] | None:
+    """megatron-core's ``no_rope_freq`` (1: no RoPE) of the layers ``rotated`` marks 1; None where every one is."""
+    return None if all(rotated) else tuple(1 - flag for flag in rotated)
+
+
+def refuses_other_rope(config: ModelConfig, rotated: tuple[int, ...], rule: str) -> str | None:
+    """Why ``config`` is not a model that rotates exactly the layers ``rotated`` marks (``rule`` says which those
+    are), None when it is."""
+    no_rope, needed = config.positions.no_rope_layers, no_rope_of(rotated)
+    if no_rope == needed:
+        return None
+    return (f"no_rope_layers={None if no_rope is None else list(no_rope)} "
+            f"(needs {None if needed is None else list(needed)}: {rule})")

@@ -103,7 +103,8 @@ def test_the_family_list_gives_the_registry_and_the_inference_order() -> None:
         "GraniteMoeForCausalLM", "MinistralForCausalLM",
         "SmolLM3ForCausalLM", "Phi3ForCausalLM", "SeedOssForCausalLM", "ArceeForCausalLM", "Ernie4_5ForCausalLM",
         "NemotronHForCausalLM", "MiniMaxM2ForCausalLM", "Dots1ForCausalLM", "Starcoder2ForCausalLM",
-        "GPTNeoXForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "Qwen3NextForCausalLM")
+        "GPTNeoXForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "Qwen3NextForCausalLM",
+        "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
     assert list(families.FAMILIES.values()) == list(families.ORDERED)
     assert families.supported_architectures() == sorted(families.INFERENCE_ORDER)
     assert families.CARRIED_ARGS == ("embedding_multiplier", "residual_multiplier", "logits_scaling",

@@ -129,6 +129,14 @@ KEPT_NULLS: dict[tuple[str, str, str], Expected] = {
     # layer_types a null interval is no period ((i + 1) % None raises).
     ("Qwen3NextForCausalLM", "*", "null full_attention_interval"): _same,
     ("Qwen3NextForCausalLM", "*", "older spelling of full_attention_interval, null full_attention_interval"): REFUSED,
+    # Qwen3.5 (dense and MoE): Qwen3-Next's config class in these (Qwen3_5TextConfig's __post_init__ is its own).
+    **{(architecture, "*", variant): resolution
+       for architecture in ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
+       for variant, resolution in (("older spelling of rope_theta, null partial_rotary_factor",
+                                    lambda doc: {"rotary_percent": 1.0}),
+                                   ("null full_attention_interval", _same),
+                                   ("older spelling of full_attention_interval, null full_attention_interval",
+                                    REFUSED))},
     # ERNIE 4.5: nn.Linear(bias=None) builds no bias.
     ("Ernie4_5ForCausalLM", "*", "null use_bias"): lambda doc: {"add_qkv_bias": False, "add_bias_linear": False},
     # MiniMax-M2: a top-level null passes MiniMaxM2Config's kwargs.setdefault(rotary_dim / head_dim) and

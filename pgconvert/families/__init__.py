@@ -29,6 +29,7 @@ from pgconvert.families import (
     olmo,
     phi3,
     qwen,
+    qwen3_5,
     qwen3_next,
     seed_oss,
     smollm,
@@ -61,7 +62,9 @@ from pgconvert.semantics.carried import CarriedSetting
 # use_parallel_residual (a parallel model fits no family before it: formats.hf.unmapped_losses).
 # Cohere after it: only a parallel layer with one shared norm, LayerNorms without a bias fits it. Cohere2 after
 # Cohere: the same layer with RoPE on the windowed layers alone, which Cohere (RoPE on every layer) refuses.
-# Qwen3-Next takes the models with gated delta net layers and gated attention, which every other family refuses.
+# Qwen3-Next takes the models with gated delta net layers and gated attention, which every other family refuses;
+# Qwen3.5 after it (the same layers, its projections stored apart): dense ones, and MoE ones Qwen3-Next's config
+# cannot hold.
 ORDERED: tuple[Family, ...] = (
     deepseek.DEEPSEEK_V3,
     deepseek.DEEPSEEK_V2,
@@ -98,6 +101,8 @@ ORDERED: tuple[Family, ...] = (
     cohere.COHERE,
     cohere.COHERE2,
     qwen3_next.QWEN3_NEXT,
+    qwen3_5.QWEN3_5,
+    qwen3_5.QWEN3_5_MOE,
 )
 
 FAMILIES: dict[str, Family] = {family.architecture: family for family in ORDERED}

@@ -43,8 +43,8 @@ from pgconvert.io.limits import quote
 from pgconvert.io.reuse import joined
 from pgconvert.model.config import ModelConfig
 
-_LINEAR = "model.layers.{}.linear_attn."
-_GDN = "decoder.layers.{}.self_attention."
+HF_LINEAR_ATTN = "model.layers.{}.linear_attn."
+GDN_PREFIX = "decoder.layers.{}.self_attention."
 LINEAR, FULL = "linear_attention", "full_attention"
 # Qwen3NextConfig's default interval (its __post_init__'s full_attention_interval).
 FULL_ATTENTION_INTERVAL = 4
@@ -117,10 +117,10 @@ GROUPED_QKVZ_BA = GroupedQKVZBA()
 PLAIN_AS_ZERO_CENTRED = PlainAsZeroCentred()
 
 GDN_ROWS = (
-    *(TensorMapping(_GDN + name, (_LINEAR + name,)) for name in ("dt_bias", "A_log", "conv1d.weight", "out_proj.weight")),
-    TensorMapping(_GDN + "in_proj.weight", (_LINEAR + "in_proj_qkvz.weight", _LINEAR + "in_proj_ba.weight"),
+    *(TensorMapping(GDN_PREFIX + name, (HF_LINEAR_ATTN + name,)) for name in ("dt_bias", "A_log", "conv1d.weight", "out_proj.weight")),
+    TensorMapping(GDN_PREFIX + "in_proj.weight", (HF_LINEAR_ATTN + "in_proj_qkvz.weight", HF_LINEAR_ATTN + "in_proj_ba.weight"),
                   GROUPED_QKVZ_BA),
-    TensorMapping(_GDN + "out_norm.weight", (_LINEAR + "norm.weight",), PLAIN_AS_ZERO_CENTRED),
+    TensorMapping(GDN_PREFIX + "out_norm.weight", (HF_LINEAR_ATTN + "norm.weight",), PLAIN_AS_ZERO_CENTRED),
 )
 
 
@@ -159,7 +159,7 @@ LAYER_TYPES_RULE = ConfigRule(keys=("layer_types",), model_fields=("linear_atten
 
 # Qwen3NextConfig computes partial rotary (its rope_parameters' partial_rotary_factor, 0.25 by default).
 QWEN3_NEXT_PARTIAL_ROTARY = 0.25
-_PARTIAL_ROPE_RULE = partial_rope_rule(QWEN3_NEXT_PARTIAL_ROTARY, "Qwen3-Next")
+PARTIAL_ROPE_RULE = partial_rope_rule(QWEN3_NEXT_PARTIAL_ROTARY, "Qwen3-Next")
 
 
 def _refuse_mtp(unexpected: Sequence[str], config_json: Mapping[str, object]) -> str | None:
@@ -172,7 +172,7 @@ def _refuse_mtp(unexpected: Sequence[str], config_json: Mapping[str, object]) ->
             "converted (transformers does not load them either); convert a copy without them")
 
 
-def _linear_field(key: str, default: int) -> ConfigField:
+def linear_field(key: str, default: int) -> ConfigField:
     return ConfigField((key,), key, int, default=default)
 
 
@@ -193,13 +193,13 @@ QWEN3_NEXT = Family(
         ConfigField(("num_experts_per_tok",), "moe_router_topk", int, default=10),
         ConfigField(("shared_expert_intermediate_size",), "moe_shared_expert_intermediate_size", int, default=512),
         AUX_LOSS,
-        _linear_field("linear_conv_kernel_dim", 4),
-        _linear_field("linear_key_head_dim", 128),
-        _linear_field("linear_value_head_dim", 128),
-        _linear_field("linear_num_key_heads", 16),
-        _linear_field("linear_num_value_heads", 32),
+        linear_field("linear_conv_kernel_dim", 4),
+        linear_field("linear_key_head_dim", 128),
+        linear_field("linear_value_head_dim", 128),
+        linear_field("linear_num_key_heads", 16),
+        linear_field("linear_num_value_heads", 32),
     ),
-    rules=(SHARED_EXPERT_SPARSE_STEP, _PARTIAL_ROPE_RULE, LAYER_TYPES_RULE, norm_topk_rule(True)),
+    rules=(SHARED_EXPERT_SPARSE_STEP, PARTIAL_ROPE_RULE, LAYER_TYPES_RULE, norm_topk_rule(True)),
     fixed={**SWIGLU_RMS_ROPE, "qk_layernorm": True, "add_qkv_bias": False, "add_bias_linear": False,
            "moe_shared_expert_gate": True, "moe_router_enable_expert_bias": False, "sliding_window": None,
            "layernorm_zero_centered_gamma": True, "attention_output_gate": True,

@@ -192,39 +192,48 @@ class FuseQKVByGroup(Transform):
         return self.fuse(parts, config.replace(num_query_groups=groups, num_attention_heads=groups * heads_per_group))
 
 
-class FuseGateUp(Transform):
-    """``gate_proj``, ``up_proj`` <-> the gated ``linear_fc1`` = ``[gate; up]`` (gate first)."""
+class ConcatenatedRows(Transform):
+    """HF parts whose rows, one part after the other, are the canonical tensor; ``part_rows`` says how many
+    each holds. A window of rows reads the rows of the parts it falls in, a window of columns those columns of
+    every part."""
 
-    name = "fuse-gate-up"
-    parts = 2
+    def part_rows(self, shape: tuple[int, ...], config: ModelConfig) -> tuple[int, ...]:
+        raise NotImplementedError
 
     def fuse(self, parts: Sequence[torch.Tensor], config: ModelConfig) -> torch.Tensor:
         return joined(list(parts), dim=0)
 
     def split(self, full: torch.Tensor, config: ModelConfig) -> list[torch.Tensor]:
-        gate, up = full.chunk(2, dim=0)
-        return [gate, up]
+        return list(full.split(list(self.part_rows(tuple(full.shape), config)), dim=0))
 
     def part_shapes(self, shape: tuple[int, ...], config: ModelConfig) -> list[tuple[int, ...]]:
-        return [(shape[0] // 2, *shape[1:])] * 2
+        return [(rows, *shape[1:]) for rows in self.part_rows(shape, config)]
 
     def reads_window(self, window: Window, shape: tuple[int, ...], config: ModelConfig) -> bool:
         return True
 
     def read_window(self, window: Window, shape: tuple[int, ...], config: ModelConfig,
                     read_part: PartReader) -> torch.Tensor:
-        """Rows of ``[gate; up]`` from the parts they fall in; columns from both parts."""
         if window.dim != 0:
             return joined([read_part(index, window.dim, window.start, window.start + window.length)
                            for index in range(self.parts)], dim=0)
-        part_rows = shape[0] // self.parts
-        pieces = []
-        for index in range(self.parts):
-            lo = max(window.start, index * part_rows)
-            hi = min(window.start + window.length, (index + 1) * part_rows)
+        pieces, first = [], 0
+        for index, rows in enumerate(self.part_rows(shape, config)):
+            lo, hi = max(window.start, first), min(window.start + window.length, first + rows)
             if lo < hi:
-                pieces.append(read_part(index, 0, lo - index * part_rows, hi - index * part_rows))
+                pieces.append(read_part(index, 0, lo - first, hi - first))
+            first += rows
         return pieces[0] if len(pieces) == 1 else joined(pieces, dim=0)
+
+
+class FuseGateUp(ConcatenatedRows):
+    """``gate_proj``, ``up_proj`` <-> the gated ``linear_fc1`` = ``[gate; up]`` (gate first)."""
+
+    name = "fuse-gate-up"
+    parts = 2
+
+    def part_rows(self, shape: tuple[int, ...], config: ModelConfig) -> tuple[int, ...]:
+        return (shape[0] // 2,) * 2
 
 
 IDENTITY = Identity()

@@ -1,4 +1,5 @@
-"""Test-only: megatron-core 0.16.1's own GPTModel of a Qwen3-Next checkpoint (TP1, PP1), built and run on a CPU.
+"""Test-only: megatron-core 0.16.1's own GPTModel of a Qwen3-Next or Qwen3.5 checkpoint (TP1, PP1), built and run on
+a CPU.
 
 Megatron-LM's ``gpt_builder`` builds a model with ``--experimental-attention-variant gated_delta_net`` from
 ``get_transformer_block_with_experimental_attention_variant_spec`` (models/gpt/experimental_attention_variant_module_specs.py),
@@ -7,7 +8,7 @@ is a gated delta net and which is MoE come from megatron-core's own ``get_linear
 ``get_moe_layer_pattern``; a gated delta net layer is a TransformerLayer around megatron-core's ``GatedDeltaNet``
 (no input norm of its own: it is fused into ``in_proj``), an attention layer megatron-core's ``SelfAttention``
 (with ``attention_output_gate``), each with megatron-core's local MoE module (SequentialMLP experts, the shared
-expert and its gate). Only what stands for a Transformer Engine module is not megatron-core's:
+expert and its gate) or, in a dense layer, megatron-core's MLP. Only what stands for a Transformer Engine module is not megatron-core's:
 
 - ``NormedColumnParallelLinear``: TELayerNormColumnParallelLinear's parameters (``layer_norm_weight``, ``weight``)
   and computation, a zero-centred RMSNorm (``1 + w``, TE's ``zero_centered_gamma``) then megatron-core's own
@@ -47,6 +48,7 @@ from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubm
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -131,17 +133,20 @@ def _layer_spec(linear: bool, moe: bool, config: TransformerConfig) -> ModuleSpe
                             linear_qkv=NormedColumnParallelLinear, core_attention=CoreAttention,
                             linear_proj=RowParallelLinear, q_layernorm=ZeroCentredRMSNorm,
                             k_layernorm=ZeroCentredRMSNorm)))
-    assert moe, "the Qwen3-Next models tested are MoE in every layer"
+    if moe:
+        pre_mlp_norm, mlp = ZeroCentredRMSNorm, get_moe_module_spec(use_te=False, num_experts=config.num_moe_experts,
+                                                                    moe_grouped_gemm=False)
+    else:  # a dense MLP (Qwen3.5): its norm fused into linear_fc1, as TE's layer spec holds it
+        pre_mlp_norm, mlp = IdentityOp, ModuleSpec(module=MLP, submodules=MLPSubmodules(
+            linear_fc1=NormedColumnParallelLinear, linear_fc2=RowParallelLinear))
     return ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
         input_layernorm=IdentityOp, self_attention=mixer, self_attn_bda=get_bias_dropout_add,
-        pre_mlp_layernorm=ZeroCentredRMSNorm,
-        mlp=get_moe_module_spec(use_te=False, num_experts=config.num_moe_experts, moe_grouped_gemm=False),
-        mlp_bda=get_bias_dropout_add))
+        pre_mlp_layernorm=pre_mlp_norm, mlp=mlp, mlp_bda=get_bias_dropout_add))
 
 
 def block_spec(config: TransformerConfig) -> TransformerBlockSubmodules:
     """The block megatron-core's experimental-attention spec builds, layer for layer (PP1)."""
-    layers = [_layer_spec(linear == 1, moe == 1, config)
+    layers = [_layer_spec(linear == 1, moe == 1 and config.num_moe_experts is not None, config)
               for linear, moe in zip(get_linear_attention_pattern(config), get_moe_layer_pattern(config))]
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=ZeroCentredRMSNorm)
 

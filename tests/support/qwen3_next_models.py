@@ -27,7 +27,7 @@ TINY = dict(
 )
 
 
-def _value(name: str, noise: torch.Tensor) -> torch.Tensor:
+def gated_delta_net_value(name: str, noise: torch.Tensor) -> torch.Tensor:
     """The gated delta nets' output norms near one (stored as HF computes with them; megatron-core's are
     zero-centred, w - 1, exact in [0.5, 2]); every other norm (1 + w) and the time-step bias and decay near
     their initial values."""
@@ -42,5 +42,5 @@ def _value(name: str, noise: torch.Tensor) -> torch.Tensor:
 
 def write_tiny_qwen3_next(directory: Path, **changes: object) -> Path:
     """The tiny model's HF checkpoint (seeded values, side files) in ``directory``, with ``changes`` to its config."""
-    model, _ = seeded_model(Qwen3NextForCausalLM, Qwen3NextConfig(**{**TINY, **changes}), seed=11, value=_value)
+    model, _ = seeded_model(Qwen3NextForCausalLM, Qwen3NextConfig(**{**TINY, **changes}), seed=11, value=gated_delta_net_value)
     return save_with_side_files(model, directory)

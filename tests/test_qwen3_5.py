@@ -139,3 +139,27 @@ def test_a_megatron_checkpoint_without_its_hf_config_is_written_as_the_first_fam
 
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == [written_as]
     torch.testing.assert_close(hf_logits(tmp_path / "hf", _ids()), hf_logits(tiny[kind], _ids()), rtol=1e-5, atol=1e-5)
+
+
+def test_an_output_norm_weight_the_zero_centred_storage_rounds_is_named_and_refused_under_strict(
+        tmp_path: Path) -> None:
+    """bf16 ``linear_attn.norm`` weights below 0.5 lose low bits to ``w - 1`` (megatron-core's zero-centred out
+    norm): the conversion names the first such tensor, --strict refuses it; weights in [0.5, 2] pass silently."""
+    src = write_tiny_qwen3_5(tmp_path / "hf", "dense", dtype="bfloat16")
+    for shard in src.glob("*.safetensors"):
+        tensors = {name: tensor.to(torch.bfloat16) for name, tensor in load_file(shard).items()}
+        for name in [name for name in tensors if name == "model.layers.1.linear_attn.norm.weight"]:
+            tensors[name][0] = 0.0107421875  # exact in bf16; 1 - it is not
+        save_file(tensors, shard, metadata={"format": "pt"})
+
+    report = pgconvert.convert(src, tmp_path / "mcore", dst_format="megatron")
+    named = [note for note in report.notices if "not kept exactly" in note]
+    assert named == ["guess: model.layers.1.linear_attn.norm.weight: 1 of 8 values are not kept exactly by the "
+                     "plain-as-zero-centred transform (computed in the tensor's dtype; other tensors of this row may "
+                     "lose bits too)"]
+    with pytest.raises(PgconvertError, match="--strict: refusing to guess: model.layers.1.linear_attn.norm.weight"):
+        pgconvert.convert(src, tmp_path / "strict", dst_format="megatron", strict=True)
+    assert not (tmp_path / "strict").exists()
+    clean = write_tiny_qwen3_5(tmp_path / "clean", "dense")
+    assert not [note for note in pgconvert.convert(clean, tmp_path / "ok", dst_format="megatron").notices
+                if "not kept exactly" in note]

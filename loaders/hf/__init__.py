@@ -138,6 +138,9 @@ class HFSource(CanonicalSource):
         # Stored copies of a canonical tensor (a tied output weight, MTP layers' embedding and head,
         # mtp): (HF name, why it must equal the tensor), checked on every read of the tensor.
         self._copies: dict[str, list[tuple[str, str]]] = {}
+        # Table rows whose transform changed a value (``_notice_changed``), and whether that is refused.
+        self._changed_rows: set[str] = set()
+        self._strict = options.strict
         self._index(family, config, stored)
 
     def _refuse_mismatch(self, family: Family, config: ModelConfig, missing: list[str], unexpected: list[str],
@@ -257,9 +260,22 @@ class HFSource(CanonicalSource):
         else:
             parts = [self._read(hf) for hf in hf_names]
         full = row.transform.fuse(parts, self.config)
+        changed = row.transform.changed_values(parts, full, self.config)
+        if changed:
+            self._notice_changed(row, hf_names, changed, full.numel())
         for copy, why in self._copies.get(name, ()):
             self._check_copy(full, self._read(copy), hf_names[0], copy, why)
         return full
+
+    def _notice_changed(self, row: TensorMapping, hf_names: tuple[str, ...], changed: int, count: int) -> None:
+        """A transform that computes in the tensor's dtype changed values: named once per table row (the first
+        tensor), refused under --strict."""
+        if row.hf[0] in self._changed_rows:
+            return
+        self._changed_rows.add(row.hf[0])
+        fallback(f"{', '.join(hf_names)}: {changed} of {count} values are not kept exactly by the {row.transform.name} "
+                 "transform (computed in the tensor's dtype; other tensors of this row may lose bits too)",
+                 self._strict, self.notices)
 
     def _read(self, hf: str) -> torch.Tensor:
         if hf in self._quantized:

@@ -112,6 +112,10 @@ class PlainAsZeroCentred(Transform):
     def part_shapes(self, shape: tuple[int, ...], config: ModelConfig) -> list[tuple[int, ...]]:
         return [shape]
 
+    def changed_values(self, parts: Sequence[torch.Tensor], fused: torch.Tensor, config: ModelConfig) -> int:
+        """Weights outside [0.5, 2] may lose low bits to ``w - 1`` in their dtype (bf16: below 0.5)."""
+        return int((self.split(fused, config)[0] != parts[0]).sum())
+
 
 GROUPED_QKVZ_BA = GroupedQKVZBA()
 PLAIN_AS_ZERO_CENTRED = PlainAsZeroCentred()

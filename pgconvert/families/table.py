@@ -59,6 +59,11 @@ class Transform:
     # Whether the canonical tensor is nothing (its HF tensor is dropped on purpose).
     drops: bool = False
 
+    def changed_values(self, parts: Sequence[torch.Tensor], fused: torch.Tensor, config: ModelConfig) -> int:
+        """How many values of ``parts`` the canonical tensor ``fused`` does not give back through ``split`` (0: the
+        transform is exact, as every one but those that compute in the tensor's dtype are)."""
+        return 0
+
     def reads_window(self, window: Window, shape: tuple[int, ...], config: ModelConfig) -> bool:
         """Whether ``read_window`` can read ``window`` of the canonical tensor from ranges of the HF
         parts; otherwise a reader fuses the whole tensor and cuts it."""

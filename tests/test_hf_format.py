@@ -155,11 +155,19 @@ def test_table_maps_by_whole_name_with_layer_slots() -> None:
         row.hf for row in DECODER_TENSORS.rows if row.canonical is None] != []
 
 
+# What a dense family's model needs beyond its fixed values (Qwen3.5's gated delta net sizes and the only spec
+# megatron-core builds them with).
+_NEEDS: dict[str, dict[str, object]] = {
+    "Qwen3_5ForCausalLM": {"linear_attention_freq": 2, "linear_num_key_heads": 2, "linear_num_value_heads": 2,
+                           "linear_key_head_dim": 2, "linear_value_head_dim": 2, "transformer_impl": "transformer_engine"},
+}
+
+
 # MoE families are covered with MoE configs by tests/test_hf_moe.py.
 @pytest.mark.parametrize("architecture", sorted(a for a, f in FAMILIES.items() if f.fixed.get("num_experts", 0) is None))
 def test_every_family_table_fills_every_canonical_tensor_of_its_models(architecture: str) -> None:
     family = FAMILIES[architecture]
-    config = _config(heads=4, groups=2, head_dim=2, **family.fixed)
+    config = _config(heads=4, groups=2, head_dim=2, **{**family.fixed, **_NEEDS.get(architecture, {})})
     for tied in (True, False):
         names = canonical_names(config.replace(tie_embeddings=tied))
         assert [name for name in names if family.tensors.to_hf(name) is None] == []

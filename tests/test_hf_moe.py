@@ -337,9 +337,11 @@ _FAMILY_NEEDS: dict[str, dict[str, object]] = {
     # A gated delta net layer and an attention layer, linear sizes that fit, the only spec megatron-core builds.
     # GPT-NeoX's fused per-head QKV: one query group per head.
     "GPTNeoXForCausalLM": {"num_query_groups": 4},
-    "Qwen3NextForCausalLM": {"linear_attention_freq": 2, "linear_num_key_heads": 2, "linear_num_value_heads": 2,
-                             "linear_key_head_dim": 2, "linear_value_head_dim": 2,
-                             "transformer_impl": "transformer_engine"},
+    # Cohere2 rotates only its windowed layers: without a window, no layer rotates.
+    "Cohere2ForCausalLM": {"no_rope_layers": (1, 1)},
+    **{architecture: {"linear_attention_freq": 2, "linear_num_key_heads": 2, "linear_num_value_heads": 2,
+                      "linear_key_head_dim": 2, "linear_value_head_dim": 2, "transformer_impl": "transformer_engine"}
+       for architecture in ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")},
 }
 # Families that take dense and MoE models, and what their MoE model needs (Nemotron-H: an E layer, routed as its
 # NemotronHMoE routes, with its shared expert).

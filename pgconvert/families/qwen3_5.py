@@ -23,15 +23,13 @@ kept for the round trip: on text every position component is the same, which is 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
-from pgconvert.families.experts import AUX_LOSS, expert_count, expert_ffn_size
+from pgconvert.families.experts import AUX_LOSS, EVERY_LAYER_MOE, expert_count, expert_ffn_size
 from pgconvert.families.llama import (ATTENTION_ROWS, DENSE_MLP_ROWS, EMBEDDING_ROWS, FINAL_ROWS, HEAD_DIM_NULL,
                                       decoder_fields, head_dim_field, query_groups_field)
 from pgconvert.families.qwen import QWEN_MOE_ROWS, SHARED_EXPERT_ROWS
 from pgconvert.families.qwen3_next import (GDN_PREFIX, GDN_ROWS, HF_LINEAR_ATTN, LAYER_TYPES_RULE,
                                            PARTIAL_ROPE_RULE, QWEN3_NEXT, linear_field)
-from pgconvert.families.table import ConcatenatedRows, ConfigField, ConfigRule, Family, TensorMapping, TensorTable
+from pgconvert.families.table import ConcatenatedRows, ConfigField, Family, TensorMapping, TensorTable
 from pgconvert.model.config import ModelConfig
 
 
@@ -92,14 +90,6 @@ QWEN3_5 = Family(
 )
 
 
-def _read_expert_ffn(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
-    """No dense MLP: megatron-core's ``ffn_hidden_size`` (which no layer uses) is the experts' size."""
-    return {"ffn_hidden_size": model["moe_ffn_hidden_size"]}
-
-
-_NO_DENSE_FFN = ConfigRule(keys=(), model_fields=("ffn_hidden_size",), read=_read_expert_ffn,
-                           write=lambda config: {})
-
 QWEN3_5_MOE = QWEN3_5.derive(
     "Qwen3_5MoeForCausalLM", "qwen3_5_moe_text",
     tensors=TensorTable((*EMBEDDING_ROWS, *ATTENTION_ROWS, *GDN_SEPARATE_ROWS, *QWEN_MOE_ROWS, *SHARED_EXPERT_ROWS,
@@ -112,9 +102,9 @@ QWEN3_5_MOE = QWEN3_5.derive(
             ConfigField(("shared_expert_intermediate_size",), "moe_shared_expert_intermediate_size", int,
                         default=512),
             AUX_LOSS),
-    rules=(_NO_DENSE_FFN,),
+    rules=(EVERY_LAYER_MOE,),
     fixed={**{key: value for key, value in QWEN3_NEXT.fixed.items() if key.startswith("moe_")},
-           "moe_layer_freq": 1, "moe_router_pre_softmax": False},
+           "moe_router_pre_softmax": False},
     megatron_defaults=QWEN3_NEXT.megatron_defaults,
     hf_notes={"moe pre-softmax": "never (the router renormalizes the top-k weights)"},
 )

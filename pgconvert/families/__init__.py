@@ -29,6 +29,7 @@ from pgconvert.families import (
     phi3,
     qwen,
     qwen3_next,
+    qwen_vl,
     seed_oss,
     smollm,
     starcoder2,
@@ -95,7 +96,11 @@ ORDERED: tuple[Family, ...] = (
     qwen3_next.QWEN3_NEXT,
 )
 
-FAMILIES: dict[str, Family] = {family.architecture: family for family in ORDERED}
+# Vision-language families: a text family's language model with a vision part (pgconvert.families.vision_language);
+# only they take a model with a vision part, which every text family refuses.
+VISION_LANGUAGE: tuple[Family, ...] = (qwen_vl.QWEN2_5_VL,)
+
+FAMILIES: dict[str, Family] = {family.architecture: family for family in (*ORDERED, *VISION_LANGUAGE)}
 # The family written for a source that carries no HF architecture: the first that fits.
 INFERENCE_ORDER: tuple[str, ...] = tuple(FAMILIES)
 # The families' settings megatron-core does not compute, carried in Megatron args under their

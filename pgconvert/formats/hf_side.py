@@ -66,8 +66,12 @@ TOKENIZER_FILES: tuple[str, ...] = (
     "chat_template.jinja",
     "chat_template.json",
 )
+# What transformers' processors of multimodal models save beside the tokenizer (utils/hub.py's
+# PROCESSOR_NAME, IMAGE_PROCESSOR_NAME = FEATURE_EXTRACTOR_NAME, VIDEO_PROCESSOR_NAME).
+PROCESSOR_FILES: tuple[str, ...] = ("processor_config.json", "preprocessor_config.json",
+                                    "video_preprocessor_config.json")
 # Every file a side set may hold, config.json included (an hf target writes its own from it).
-SIDE_FILES: tuple[str, ...] = (CONFIG_FILE, GENERATION_CONFIG_FILE, *TOKENIZER_FILES)
+SIDE_FILES: tuple[str, ...] = (CONFIG_FILE, GENERATION_CONFIG_FILE, *TOKENIZER_FILES, *PROCESSOR_FILES)
 # Side files are copied in pieces of this size, never read whole.
 COPY_CHUNK_BYTES = 8 * 2**20
 # Token ids of generation_config.json: an integer, a list of them, or null.
@@ -263,7 +267,8 @@ def carried_config(doc: dict[str, Any], path: Path,
 def _with_model_values(doc: dict[str, Any], path: Path, family: Family, config: ModelConfig) -> dict[str, Any]:
     """A copy of ``doc`` holding ``config``'s value for every family field and rule key that differs."""
     _, described, _ = model_config_from_hf(doc, path, error=ConfigError)
-    updated = copy.deepcopy(doc)
+    nesting = family.vision_language
+    updated = copy.deepcopy(doc if nesting is None else nesting.flat(doc))
     for spec in family.fields:
         value = spec.value_of(config)
         if value == spec.value_of(described):
@@ -274,7 +279,7 @@ def _with_model_values(doc: dict[str, Any], path: Path, family: Family, config: 
     for rule in family.rules:
         in_file, in_model = rule.write(described), rule.write(config)
         updated.update({key: copy.deepcopy(in_model[key]) for key in rule.keys if in_file[key] != in_model[key]})
-    return updated
+    return updated if nesting is None else nesting.nested(updated)
 
 
 def _put(doc: dict[str, Any], where: tuple[str, ...], value: object, keep_null: bool) -> None:

@@ -1,0 +1,124 @@
+"""The vision part of a vision-language model: the vision tower and its projector, as tensors.
+
+Megatron-Bridge's VL models (``Qwen25VLModel``: ``src/megatron/bridge/models/qwen_vl/modeling_qwen25_vl.py``)
+hold the language model as a megatron-core GPTModel under ``language_model.`` and the vision tower with its
+projector as transformers' own module under ``visual.``, built only where ``pre_process`` (the first pipeline
+stage's first model chunk) and registered before the language model; its bridge maps ``visual.**`` one to one
+(``ReplicatedMapping``): every TP rank holds the whole tensor. So a tower is described here as the names and
+shapes of its tensors, computed from HF's ``vision_config`` (its ``model_type`` picks the description), each
+``visual.<name inside the HF module>``; the provider places them whole on the first chunk.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pgconvert.errors import ConfigError
+from pgconvert.io.limits import quote
+
+# Megatron-Bridge's module names in a VL model: the vision tower and projector, and the language model.
+VISION_MODULE = "visual."
+LANGUAGE_MODEL_MODULE = "language_model."
+
+
+@dataclass(frozen=True)
+class VisionTensor:
+    """One tensor of the vision part: its canonical (Megatron) name, global shape and part."""
+
+    name: str
+    shape: tuple[int, ...]
+    # "tower" (patch embedding, blocks) or "projector" (the merger into the language model's width).
+    part: str
+
+
+TowerDescription = Callable[[Mapping[str, Any]], list[VisionTensor]]
+
+
+def _size(vision: Mapping[str, Any], key: str, default: int | None = None) -> int:
+    """A positive integer of ``vision_config`` (``default`` where absent, as transformers' class has it)."""
+    value = vision.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(f"vision_config.{key}={quote(value)}: must be a positive integer",
+                          setting="vision_config", constraint="must be a positive integer")
+    return value
+
+
+# Qwen2.5-VL's vision tower (transformers' ``Qwen2_5_VisionTransformerPretrainedModel``), in state-dict order:
+# each name with its shape from (hidden, intermediate, merged hidden, out hidden); ``{}`` is a block's index.
+_Sizes = tuple[int, int, int, int]
+_QWEN2_5_VL_BLOCK: tuple[tuple[str, Callable[[_Sizes], tuple[int, ...]]], ...] = (
+    ("norm1.weight", lambda s: (s[0],)), ("norm2.weight", lambda s: (s[0],)),
+    ("attn.qkv.weight", lambda s: (3 * s[0], s[0])), ("attn.qkv.bias", lambda s: (3 * s[0],)),
+    ("attn.proj.weight", lambda s: (s[0], s[0])), ("attn.proj.bias", lambda s: (s[0],)),
+    ("mlp.gate_proj.weight", lambda s: (s[1], s[0])), ("mlp.gate_proj.bias", lambda s: (s[1],)),
+    ("mlp.up_proj.weight", lambda s: (s[1], s[0])), ("mlp.up_proj.bias", lambda s: (s[1],)),
+    ("mlp.down_proj.weight", lambda s: (s[0], s[1])), ("mlp.down_proj.bias", lambda s: (s[0],)),
+)
+_QWEN2_5_VL_MERGER: tuple[tuple[str, Callable[[_Sizes], tuple[int, ...]]], ...] = (
+    ("merger.ln_q.weight", lambda s: (s[0],)), ("merger.mlp.0.weight", lambda s: (s[2], s[2])),
+    ("merger.mlp.0.bias", lambda s: (s[2],)), ("merger.mlp.2.weight", lambda s: (s[3], s[2])),
+    ("merger.mlp.2.bias", lambda s: (s[3],)),
+)
+PATCH_EMBED = "patch_embed.proj.weight"
+BLOCKS = "blocks.{}."
+
+
+def qwen2_5_vl_tower(vision: Mapping[str, Any]) -> list[VisionTensor]:
+    """transformers' ``Qwen2_5_VisionTransformerPretrainedModel`` (defaults of ``Qwen2_5_VLVisionConfig``)."""
+    hidden = _size(vision, "hidden_size", 3584)
+    heads = _size(vision, "num_heads", 16)
+    if hidden % heads:
+        raise ConfigError(f"vision_config.num_heads={heads}: must divide vision_config.hidden_size={hidden}",
+                          setting="vision_config", constraint="num_heads must divide hidden_size")
+    patch = _size(vision, "patch_size", 14)
+    sizes: _Sizes = (hidden, _size(vision, "intermediate_size", 3420),
+                     hidden * _size(vision, "spatial_merge_size", 2) ** 2, _size(vision, "out_hidden_size", 3584))
+    embed = VisionTensor(VISION_MODULE + PATCH_EMBED,
+                         (hidden, _size(vision, "in_channels", 3), _size(vision, "temporal_patch_size", 2), patch, patch),
+                         "tower")
+    blocks = [VisionTensor(VISION_MODULE + BLOCKS.format(index) + name, shape(sizes), "tower")
+              for index in range(_size(vision, "depth", 32)) for name, shape in _QWEN2_5_VL_BLOCK]
+    merger = [VisionTensor(VISION_MODULE + name, shape(sizes), "projector") for name, shape in _QWEN2_5_VL_MERGER]
+    return [embed, *blocks, *merger]
+
+
+# Every tensor name of Qwen2.5-VL's vision part inside its module, ``{}`` for a block's index.
+QWEN2_5_VL_PATTERNS: tuple[str, ...] = (PATCH_EMBED, *(BLOCKS + name for name, _ in _QWEN2_5_VL_BLOCK),
+                                        *(name for name, _ in _QWEN2_5_VL_MERGER))
+
+
+# The towers pgconvert describes, by their ``vision_config.model_type``.
+TOWERS: dict[str, TowerDescription] = {"qwen2_5_vl_vision": qwen2_5_vl_tower}
+
+
+def parse_vision_config(text: str) -> dict[str, Any]:
+    """``vision_config`` (JSON text of HF's object) as a dict; a tower pgconvert describes."""
+    try:
+        vision = json.loads(text)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"vision_config={quote(text)}: not JSON text of an object ({exc})",
+                          setting="vision_config", constraint="must be JSON text of an object") from exc
+    if not isinstance(vision, dict):
+        raise ConfigError(f"vision_config={quote(text)}: must be JSON text of an object",
+                          setting="vision_config", constraint="must be JSON text of an object")
+    if vision.get("model_type") not in TOWERS:
+        raise ConfigError(f"vision_config.model_type={quote(vision.get('model_type'))}: pgconvert describes the vision "
+                          f"towers {', '.join(sorted(TOWERS))}", setting="vision_config",
+                          constraint=f"model_type must be one of {', '.join(sorted(TOWERS))}")
+    return vision
+
+
+def vision_config_text(vision: Mapping[str, Any]) -> str:
+    """The one JSON spelling of a ``vision_config`` (keys sorted), so equal configs compare equal."""
+    return json.dumps(vision, sort_keys=True, separators=(",", ":"))
+
+
+def tower_tensors(vision_config: str | None) -> list[VisionTensor]:
+    """The vision part's tensors, in state-dict order (none for a text model)."""
+    if vision_config is None:
+        return []
+    vision = parse_vision_config(vision_config)
+    return TOWERS[vision["model_type"]](vision)

@@ -1,0 +1,95 @@
+"""Test-only helpers: a tiny Qwen2.5-VL checkpoint as a release ships it, and transformers' logits on it.
+
+The model is transformers' own ``Qwen2_5_VLForConditionalGeneration`` (multimodal RoPE sections, a vision
+tower with a full-attention block and windowed ones, a merger into the text width), saved with
+``save_pretrained`` beside a real word-level tokenizer holding Qwen's vision tokens, a chat template, the image
+processor's ``preprocessor_config.json`` and a generation config. Image inputs are made as
+``Qwen2_5_VLProcessor`` makes them: transformers' image processor on a synthetic image, each image placeholder
+expanded to the image's merged patch count. (``Qwen2_5_VLProcessor`` itself cannot be built here: its video
+processor needs torchvision, which has no CPU build for torch 2.13.0 on the index.) Nothing here imports
+pgconvert.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy
+import torch
+from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+WORDS = 296
+VISION_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
+SPECIAL = ("<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>")
+VOCAB = len(SPECIAL) + WORDS + len(VISION_TOKENS)
+IMAGE_TOKEN, VIDEO_TOKEN, VISION_START, VISION_END = range(len(SPECIAL) + WORDS, VOCAB)
+CHAT_TEMPLATE = "{% for message in messages %}<|im_start|>{{ message['content'] }}<|im_end|>{% endfor %}"
+# 56 x 56 pixels: 4 x 4 patches of 14, merged 2 x 2 into 4 image tokens.
+IMAGE_SIDE = 56
+TEXT = "w1 w2 <|vision_start|><|image_pad|><|vision_end|> w3 w4 w5"
+QWEN2_5_VL: dict[str, Any] = dict(
+    text_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256, rope_theta=1000000.0,
+                     rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}, bos_token_id=1, eos_token_id=3),
+    vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14,
+                       spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1]),
+    image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN, vision_start_token_id=VISION_START,
+    vision_end_token_id=VISION_END, tie_word_embeddings=False,
+)
+
+
+def _tokenizer() -> PreTrainedTokenizerFast:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {token: index for index, token in enumerate((*SPECIAL, *(f"w{i}" for i in range(WORDS)), *VISION_TOKENS))}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                        unk_token="<unk>", additional_special_tokens=list(VISION_TOKENS))
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def _image_processor() -> Any:
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil(min_pixels=IMAGE_SIDE * IMAGE_SIDE, max_pixels=2 * IMAGE_SIDE * IMAGE_SIDE,
+                                    patch_size=14, merge_size=2, temporal_patch_size=2)
+
+
+def build_qwen2_5_vl(path: Path, seed: int = 0) -> Path:
+    """The tiny Qwen2.5-VL checkpoint with its tokenizer, chat template, image processor and generation config."""
+    torch.manual_seed(seed)
+    model = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**QWEN2_5_VL)).eval()
+    with torch.no_grad():  # every parameter seeded away from its initial value (norms near one)
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=torch.Generator().manual_seed(len(name) * 7919 + seed))
+            param.copy_(1.0 + 0.1 * noise if "norm" in name or "ln_q" in name else 0.05 * noise)
+    model.save_pretrained(path)
+    _tokenizer().save_pretrained(path)
+    _image_processor().save_pretrained(path)
+    GenerationConfig(bos_token_id=1, eos_token_id=3, pad_token_id=1).save_pretrained(path)
+    return path
+
+
+def image_text_inputs(path: Path) -> dict[str, torch.Tensor]:
+    """An image and text input as Qwen2_5_VLProcessor makes it, from the processor files in ``path``."""
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    pixels = (numpy.arange(IMAGE_SIDE * IMAGE_SIDE * 3).reshape(IMAGE_SIDE, IMAGE_SIDE, 3) * 37 % 251).astype(numpy.uint8)
+    image = AutoImageProcessor.from_pretrained(path)(images=[pixels], return_tensors="pt")
+    merge = image["image_grid_thw"][0].prod().item() // 4  # the processor's replace_image_token
+    text = TEXT.replace("<|image_pad|>", " <|image_pad|> " * merge)
+    ids = AutoTokenizer.from_pretrained(path)(text, return_tensors="pt")["input_ids"]
+    assert int((ids == IMAGE_TOKEN).sum()) == merge, ids
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), **image}
+
+
+def vl_logits(path: Path, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """transformers' fp32 logits of the VL checkpoint at ``path`` (loaded strictly) on ``inputs``."""
+    model, info = Qwen2_5_VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32,
+                                                                      output_loading_info=True)
+    assert not any(info.get(key) for key in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    with torch.no_grad():
+        return model.eval()(**inputs).logits

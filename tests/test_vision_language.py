@@ -1,0 +1,142 @@
+"""Vision-language models: Qwen2.5-VL through Megatron (TP2, TP2 x PP2, torch_dist) and back, as transformers
+and Megatron-Bridge name it; its language model converted as Qwen2's, its vision tower and merger whole on
+every TP rank of the first stage."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from support.hf_helpers import assert_same_hf_tensors, load_hf_tensors
+from support.vision_language_models import build_qwen2_5_vl, image_text_inputs, vl_logits
+
+import pgconvert
+from pgconvert.errors import PgconvertError
+
+SIDE = ("chat_template.jinja", "tokenizer.json", "tokenizer_config.json", "preprocessor_config.json",
+        "generation_config.json")
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_qwen2_5_vl(tmp_path_factory.mktemp("qwen2_5_vl") / "hf")
+
+
+@pytest.fixture(scope="module")
+def expected(source: Path) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """The source's image + text input and transformers' logits on it."""
+    inputs = image_text_inputs(source)
+    return inputs, vl_logits(source, inputs)
+
+
+@pytest.fixture(scope="module")
+def tp2_pp2(source: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _converted(source, tmp_path_factory.mktemp("tp2_pp2") / "megatron", dst_format="megatron", dst_tp=2,
+                      dst_pp=2)
+
+
+def _converted(src: Path, dst: Path, **options: object) -> Path:
+    pgconvert.convert(src, dst, **options)
+    return dst
+
+
+def _rank_model(root: Path, rank_dir: str) -> dict[str, object]:
+    state = torch.load(root / "iter_0000000" / rank_dir / "model_optim_rng.pt", weights_only=False)
+    return state
+
+
+def _assert_same_vl_model(src: Path, converted: Path, expected: tuple[dict[str, torch.Tensor], torch.Tensor]) -> None:
+    assert_same_hf_tensors(src, converted)
+    for name in SIDE:
+        assert (converted / name).read_bytes() == (src / name).read_bytes(), name
+    inputs, logits = expected
+    torch.testing.assert_close(vl_logits(converted, inputs), logits, rtol=1e-5, atol=1e-5)
+
+
+def test_hf_megatron_tp2_pp2_hf_is_the_same_model(source: Path, tp2_pp2: Path, expected: tuple[dict[str, torch.Tensor],
+                                                                                                 torch.Tensor],
+                                                   tmp_path: Path) -> None:
+    back = _converted(tp2_pp2, tmp_path / "hf", dst_format="hf", dst_tp=1, dst_pp=1)
+    _assert_same_vl_model(source, back, expected)
+    # config.json (nested text_config / vision_config) is read back by transformers as the source's.
+    from transformers import AutoConfig
+
+    def read(path: Path) -> dict[str, object]:
+        return {key: value for key, value in AutoConfig.from_pretrained(path).to_dict().items()
+                if key != "_name_or_path"}
+
+    assert read(back) == read(source)
+
+
+def test_rank_files_hold_the_vision_part_whole_on_the_first_stage(source: Path, tp2_pp2: Path) -> None:
+    stored = load_hf_tensors(source)
+    vision = {name for name in stored if name.startswith("visual.")}
+    first = [_rank_model(tp2_pp2, f"mp_rank_0{tp}_000") for tp in range(2)]
+    last = [_rank_model(tp2_pp2, f"mp_rank_0{tp}_001") for tp in range(2)]
+    for state in first:  # Megatron-Bridge's names: visual.* first (registered first), then language_model.*
+        model = state["model"]
+        names = list(model)
+        assert set(names[:len(vision)]) == vision
+        assert all(name.startswith("language_model.") for name in names[len(vision):])
+        for name in vision:
+            assert torch.equal(model[name], stored[name]), name
+        args = state["args"]
+        assert args.position_embedding_type == "mrope" and args.mrope_section == [2, 3, 3]
+        assert json.loads(args.vision_config) == json.loads((source / "config.json").read_text())["vision_config"]
+    for state in last:
+        assert all(name.startswith("language_model.") for name in state["model"]), list(state["model"])
+    assert "language_model.embedding.word_embeddings.weight" in first[0]["model"]
+    assert "language_model.output_layer.weight" in last[0]["model"]
+
+
+def test_tp2_torch_dist_and_a_config_built_from_the_args(source: Path, expected: tuple[dict[str, torch.Tensor],
+                                                                                       torch.Tensor],
+                                                         tmp_path: Path) -> None:
+    megatron = _converted(source, tmp_path / "megatron", dst_format="megatron", dst_tp=2)
+    dist = _converted(megatron, tmp_path / "dist", dst_format="torch_dist")
+    # Without the carried config.json, config.json is built from the args alone.
+    (dist / "hf" / "config.json").unlink()
+    back = _converted(dist, tmp_path / "hf", dst_format="hf", dst_tp=1)
+    assert_same_hf_tensors(source, back)
+    inputs, logits = expected
+    torch.testing.assert_close(vl_logits(back, inputs), logits, rtol=1e-5, atol=1e-5)
+    written = json.loads((back / "config.json").read_text())
+    original = json.loads((source / "config.json").read_text())
+    assert written["vision_config"] == original["vision_config"]
+    assert written["text_config"]["rope_parameters"]["mrope_section"] == [2, 3, 3]
+    keys = json.loads((dist / "iter_0000000" / "metadata.json").read_text())
+    assert keys["sharded_backend"] == "torch_dist"
+    from torch.distributed.checkpoint import FileSystemReader
+
+    stored = FileSystemReader(str(dist / "iter_0000000")).read_metadata().state_dict_metadata
+    assert "visual.merger.mlp.0.weight" in stored
+    assert "language_model.embedding.word_embeddings.weight" in stored
+
+
+def _edited(source: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(source, tmp_path / "src"))
+
+
+def test_a_vision_config_that_disagrees_with_the_tensors_is_a_named_error(source: Path, tmp_path: Path) -> None:
+    src = _edited(source, tmp_path)
+    doc = json.loads((src / "config.json").read_text())
+    doc["vision_config"]["hidden_size"] = 48
+    (src / "config.json").write_text(json.dumps(doc))
+    with pytest.raises(PgconvertError, match=r"visual\.patch_embed\.proj\.weight.*\[32, 3, 2, 14, 14\].*"
+                                             r"vision_config"):
+        pgconvert.convert(src, tmp_path / "out", dst_format="megatron")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_missing_merger_tensor_is_a_named_error(source: Path, tmp_path: Path) -> None:
+    src = _edited(source, tmp_path)
+    tensors = load_file(str(src / "model.safetensors"))
+    del tensors["visual.merger.mlp.2.weight"]
+    save_file(tensors, str(src / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(PgconvertError, match=r"visual\.merger\.mlp\.2\.weight"):
+        pgconvert.convert(src, tmp_path / "out", dst_format="megatron")
+    assert not (tmp_path / "out").exists()

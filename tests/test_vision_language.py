@@ -140,3 +140,53 @@ def test_a_missing_merger_tensor_is_a_named_error(source: Path, tmp_path: Path) 
     with pytest.raises(PgconvertError, match=r"visual\.merger\.mlp\.2\.weight"):
         pgconvert.convert(src, tmp_path / "out", dst_format="megatron")
     assert not (tmp_path / "out").exists()
+
+
+def _text_logits(path: Path, ids: torch.Tensor, vl: bool) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM, Qwen2_5_VLForConditionalGeneration
+
+    model_class = Qwen2_5_VLForConditionalGeneration if vl else AutoModelForCausalLM
+    model, info = model_class.from_pretrained(path, dtype=torch.float32, output_loading_info=True)
+    assert not any(info.get(key) for key in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    with torch.no_grad():
+        return model.eval()(input_ids=ids).logits
+
+
+def test_text_only_writes_the_language_model_as_qwen2(source: Path, tp2_pp2: Path, tmp_path: Path) -> None:
+    ids = torch.tensor([[5, 6, 7, 40, 41, 42, 299, 8, 9, 10, 11, 12]])
+    expected = _text_logits(source, ids, vl=True)
+    from_hf = pgconvert.convert(source, tmp_path / "from_hf", dst_format="hf", text_only=True)
+    from_megatron = pgconvert.convert(tp2_pp2, tmp_path / "from_megatron", dst_format="hf", dst_tp=1, dst_pp=1,
+                                      text_only=True)
+    stored = load_hf_tensors(source)
+    for report, out in ((from_hf, tmp_path / "from_hf"), (from_megatron, tmp_path / "from_megatron")):
+        doc = json.loads((out / "config.json").read_text())
+        assert doc["architectures"] == ["Qwen2ForCausalLM"] and "vision_config" not in doc and "text_config" not in doc
+        written = load_hf_tensors(out)
+        assert sorted(written) == sorted(name for name in stored if not name.startswith("visual."))
+        assert all(torch.equal(written[name], stored[name]) for name in written)
+        torch.testing.assert_close(_text_logits(out, ids, vl=False), expected, rtol=1e-5, atol=1e-5)
+        notice = next(notice for notice in report.notices if notice.startswith("--text-only"))
+        assert "visual.merger.mlp.2.weight" in notice and "mrope_section=[2, 3, 3]" in notice
+        assert not (out / "preprocessor_config.json").exists()
+        assert (out / "tokenizer.json").read_bytes() == (source / "tokenizer.json").read_bytes()
+    assert "preprocessor_config.json" in next(n for n in from_hf.notices if n.startswith("--text-only"))
+    # HF's own text config is kept (token ids, window settings), less the vision part.
+    doc = json.loads((tmp_path / "from_hf" / "config.json").read_text())
+    assert doc["bos_token_id"] == 1 and doc["rope_parameters"] == {"rope_theta": 1000000.0, "rope_type": "default"}
+
+
+def test_text_only_megatron_output_is_a_text_model(source: Path, tmp_path: Path) -> None:
+    out = _converted(source, tmp_path / "megatron", dst_format="megatron", dst_tp=2, text_only=True)
+    state = _rank_model(out, "mp_rank_00")
+    assert not any(name.startswith(("visual.", "language_model.")) for name in state["model"])
+    assert state["args"].position_embedding_type == "rope" and not hasattr(state["args"], "vision_config")
+
+
+def test_text_only_refuses_a_text_model(tmp_path: Path) -> None:
+    from support.hf_helpers import build_hf_model, save_hf_model
+
+    src = save_hf_model(build_hf_model("qwen2"), tmp_path / "qwen2")
+    with pytest.raises(PgconvertError, match="--text-only: .* is a text model"):
+        pgconvert.convert(src, tmp_path / "out", dst_format="megatron", text_only=True)
+    assert not (tmp_path / "out").exists()

@@ -118,4 +118,4 @@ def hf_spellings(setting: str) -> dict[str, str]:
     """How each family's config.json holds the ``SEMANTICS`` row ``setting``: its own note, else the
     row's text."""
     (row,) = [row for row in SEMANTICS if row.name == setting]
-    return {family.architecture: family.hf_notes.get(setting, row.hf) for family in ORDERED}
+    return {family.architecture: family.hf_notes.get(setting, row.hf) for family in FAMILIES.values()}

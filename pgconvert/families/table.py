@@ -432,6 +432,18 @@ class VisionLanguage:
         view.update({key: doc[key] for key in self.top_level if key in doc})
         return view
 
+    def text_doc(self, doc: Mapping[str, Any]) -> dict[str, Any]:
+        """``doc`` as the text family's config.json: the flat view without the vision keys, the text family's
+        architecture and model type, RoPE parameters without the multimodal sections."""
+        view = {key: value for key, value in self.flat(doc).items() if key not in self.vision_keys}
+        view.update(architectures=[self.text.architecture], model_type=self.text.model_type)
+        for key in ("rope_parameters", "rope_scaling"):
+            params = view.get(key)
+            if isinstance(params, dict) and ("mrope_section" in params or params.get("type") == "mrope"):
+                kept = {name: value for name, value in params.items() if name not in ("mrope_section", "type")}
+                view[key] = kept if key == "rope_parameters" or kept.get("rope_type", "default") != "default" else None
+        return view
+
     def nested(self, doc: Mapping[str, Any]) -> dict[str, Any]:
         """``doc`` (a flat view) as transformers writes it: the text model's keys in the text config."""
         top = (*DOCUMENT_KEYS, *self.top_level, *self.vision_keys)

@@ -60,7 +60,8 @@ def _read_mrope(present: Mapping[str, object], model: Mapping[str, object]) -> M
     if section is not None and (not isinstance(section, list) or not all(
             isinstance(value, int) and not isinstance(value, bool) and value > 0 for value in section)):
         raise ValueError(f"rope_parameters.mrope_section={quote(section)}: expected a list of positive integers")
-    return {**ROPE_RULE.read(present, model), MROPE_SECTION: None if section is None else tuple(section)}
+    return {**ROPE_RULE.read(present, model), MROPE_SECTION: None if section is None else tuple(section),
+            "position_embedding_type": "rope" if section is None else "mrope"}
 
 
 def _write_mrope(config: ModelConfig) -> Mapping[str, object]:
@@ -73,6 +74,7 @@ def _write_mrope(config: ModelConfig) -> Mapping[str, object]:
 
 
 # RoPE as the text family reads it, and the multimodal sections (``rope_parameters.mrope_section``; transformers
-# 4.x: ``rope_scaling`` of type "mrope").
-MROPE_RULE = ConfigRule(keys=ROPE_RULE.keys, model_fields=(*ROPE_RULE.model_fields, MROPE_SECTION),
+# 4.x: ``rope_scaling`` of type "mrope"), with them megatron-core's position_embedding_type 'mrope'.
+MROPE_RULE = ConfigRule(keys=ROPE_RULE.keys, model_fields=(*ROPE_RULE.model_fields, MROPE_SECTION,
+                                                           "position_embedding_type"),
                         read=_read_mrope, write=_write_mrope)

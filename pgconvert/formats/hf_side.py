@@ -17,10 +17,11 @@ They are copied byte for byte, never parsed, except config.json and generation_c
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import os
 import stat
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -100,6 +101,10 @@ class SideFiles:
 
     def get(self, name: str) -> SideFile | None:
         return next((item for item in self.files if item.name == name), None)
+
+    def without(self, names: Collection[str]) -> SideFiles:
+        """These side files less those named."""
+        return dataclasses.replace(self, files=tuple(item for item in self.files if item.name not in names))
 
 
 def _checked(directory: Path, name: str, confine: bool, error: type[PgconvertError]) -> SideFile:

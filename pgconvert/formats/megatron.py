@@ -33,7 +33,7 @@ import numpy
 import numpy.dtypes
 import torch
 
-from pgconvert.model.config import ModelConfig
+from pgconvert.model.config import ROTARY_TYPES, ModelConfig
 from pgconvert.errors import CheckpointError, ConfigError, LayoutError, UnsafePickleError
 from pgconvert.formats import RELEASE, Iteration
 from pgconvert.formats.hybrid_args import (hybrid_from_args, hybrid_to_args, linear_attention_from_args,
@@ -398,15 +398,13 @@ def _mlp_from_args(args: argparse.Namespace, hidden: Any) -> dict[str, Any]:
 
 
 def _position_embedding_type(args: argparse.Namespace, path: Path) -> str:
-    """``args.position_embedding_type`` (older runs: ``use_rotary_position_embeddings``); YaRN and
-    multimodal RoPE are RoPE here."""
+    """``args.position_embedding_type`` (older runs: ``use_rotary_position_embeddings``); YaRN is RoPE here."""
     position = getattr(args, "position_embedding_type", None)
     if position is None:
         position = "rope" if getattr(args, "use_rotary_position_embeddings", False) else "learned_absolute"
-    if position in ("yarn", MROPE):
-        # YaRN-scaled RoPE (pgconvert.semantics.yarn reads its parameters), multimodal RoPE (mrope_section)
-        position = "rope"
-    if position not in ("rope", "learned_absolute", "none"):
+    if position == "yarn":
+        position = "rope"  # YaRN-scaled RoPE: pgconvert.semantics.yarn reads its parameters
+    if position not in ("rope", MROPE, "learned_absolute", "none"):
         raise CheckpointError(f"{path}: args.position_embedding_type={quote(position)} is not supported")
     return position
 
@@ -635,7 +633,7 @@ def _fresh_run_args(config: ModelConfig) -> dict[str, Any]:
     not come from a training run."""
     return {
         "add_position_embedding": config.positions.position_embedding_type == "learned_absolute",
-        "use_rotary_position_embeddings": config.positions.position_embedding_type == "rope",
+        "use_rotary_position_embeddings": config.positions.position_embedding_type in ROTARY_TYPES,
         "layernorm_epsilon": config.norms.norm_epsilon,
         "tokenizer_type": "HuggingFaceTokenizer",
         "seq_length": config.positions.max_position_embeddings,

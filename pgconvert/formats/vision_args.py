@@ -50,8 +50,8 @@ def vision_from_args(args: argparse.Namespace, path: Path) -> dict[str, Any]:
 def vision_to_args(config: ModelConfig) -> dict[str, Any]:
     """The args of a VL model's vision part and multimodal RoPE; nothing for a text model."""
     values: dict[str, Any] = {}
-    if config.positions.mrope_section is not None:
-        values.update(position_embedding_type=MROPE, mrope_section=list(config.positions.mrope_section))
+    if config.positions.mrope_section is not None:  # with position_embedding_type='mrope' (the model args')
+        values["mrope_section"] = list(config.positions.mrope_section)
     if config.vision.vision_config is not None:
         values.update(vision_config=config.vision.vision_config, vision_token_ids=config.vision.vision_token_ids)
     return values

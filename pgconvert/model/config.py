@@ -27,7 +27,9 @@ from pgconvert.model.layers import HYBRID_LAYER_KINDS, LayerSpec, MTPLayerSpec, 
 from pgconvert.model.vision import parse_vision_config, tower_tensors
 
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")
-POSITION_EMBEDDING_TYPES = ("rope", "learned_absolute", "none")
+# mrope: megatron-core's multimodal RoPE (Qwen2.5-VL), rotary with ``mrope_section``.
+POSITION_EMBEDDING_TYPES = ("rope", "mrope", "learned_absolute", "none")
+ROTARY_TYPES = ("rope", "mrope")
 # gelu_tanh: the tanh approximation (HF gelu_pytorch_tanh; pgconvert's Megatron args: openai_gelu with
 # gated_linear_unit recorded: a Megatron-LM run's --openai-gelu computes F.gelu, pgconvert.formats.megatron);
 # quick_gelu: x * sigmoid(1.702 x) (GPT-OSS, Megatron-LM --quick-geglu); squared_relu: relu(x)**2
@@ -184,9 +186,9 @@ class PositionConfig:
     rotary_base_local: float | None = None
     # 0/1 per layer (1: no RoPE, megatron-core's no_rope_freq), None: RoPE on every layer.
     no_rope_layers: tuple[int, ...] | None = None
-    # Multimodal RoPE (Qwen2.5-VL): the rotary frequencies given to the temporal, height and width position
-    # ids (megatron-core's ``mrope_section`` with ``position_embedding_type='mrope'``); None: one position id.
-    # A text-only input gives the three the same ids, which computes plain RoPE.
+    # Multimodal RoPE (Qwen2.5-VL, ``position_embedding_type='mrope'``): the rotary frequencies given to the
+    # temporal, height and width position ids (megatron-core's ``mrope_section``); None: one position id. A
+    # text-only input gives the three the same ids, which computes plain RoPE.
     mrope_section: tuple[int, ...] | None = None
 
 
@@ -451,7 +453,7 @@ class ModelConfig(SettingsByName):
                             ("make_vocab_size_divisible_by", self.make_vocab_size_divisible_by)):
             _require_positive(name, value)
         _require_finite("norm_epsilon", self.norms.norm_epsilon)
-        if self.positions.position_embedding_type == "rope":
+        if self.positions.position_embedding_type in ROTARY_TYPES:
             _require_positive_number("rotary_base", self.positions.rotary_base)
         _require_finite("rotary_base", self.positions.rotary_base)
         _check_heads(self)
@@ -688,6 +690,8 @@ def _check_vision(config: ModelConfig) -> None:
     if section is not None and (not section or not all(
             isinstance(value, int) and not isinstance(value, bool) and value > 0 for value in section)):
         raise _violates("mrope_section", section, "must list positive integers")
+    if (section is not None) != (config.positions.position_embedding_type == "mrope"):
+        raise _violates("mrope_section", section, "given exactly with position_embedding_type='mrope'")
 
 
 def parse_json_object(name: str, text: str) -> dict[str, Any]:

@@ -190,3 +190,27 @@ def test_text_only_refuses_a_text_model(tmp_path: Path) -> None:
     with pytest.raises(PgconvertError, match="--text-only: .* is a text model"):
         pgconvert.convert(src, tmp_path / "out", dst_format="megatron", text_only=True)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_virtual_pipeline_and_the_te_spec_keep_the_vision_part_on_the_first_chunk(source: Path, tp2_pp2: Path,
+                                                                                     tmp_path: Path) -> None:
+    vpp = _converted(tp2_pp2, tmp_path / "vpp", dst_tp=1, dst_pp=2, dst_vpp=2,
+                     dst_transformer_impl="transformer_engine")
+    first, last = _rank_model(vpp, "mp_rank_00_000"), _rank_model(vpp, "mp_rank_00_001")
+    assert [sum(name.startswith("visual.") for name in state[chunk]) for state in (first, last)
+            for chunk in ("model0", "model1")] == [30, 0, 0, 0]
+    assert "language_model.decoder.layers.0.self_attention.linear_qkv.layer_norm_weight" in first["model0"]
+    back = _converted(vpp, tmp_path / "hf", dst_format="hf", dst_tp=1, dst_pp=1)
+    assert_same_hf_tensors(source, back)
+
+
+def test_optimizer_state_and_fsdp_dtensor_refuse_the_vision_part_by_name(tp2_pp2: Path, tmp_path: Path) -> None:
+    with pytest.raises(PgconvertError, match="fsdp_dtensor .*vision_config"):
+        pgconvert.convert(tp2_pp2, tmp_path / "fsdp", dst_format="fsdp_dtensor")
+    from pgconvert.optimizer.order import UnsupportedOptimizerError, check_supported
+    from pgconvert.formats.registry import get_loader
+    from pgconvert.formats import LoadOptions
+
+    with get_loader("megatron").open(tp2_pp2, LoadOptions()) as megatron:
+        with pytest.raises(UnsupportedOptimizerError, match="vision_config is set.*--skip-optimizer"):
+            check_supported(megatron.config, "here")

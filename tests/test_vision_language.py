@@ -170,10 +170,13 @@ def test_text_only_writes_the_language_model_as_qwen2(source: Path, tp2_pp2: Pat
         assert "visual.merger.mlp.2.weight" in notice and "mrope_section=[2, 3, 3]" in notice
         assert not (out / "preprocessor_config.json").exists()
         assert (out / "tokenizer.json").read_bytes() == (source / "tokenizer.json").read_bytes()
+        # HF's own text config is kept (token ids, window settings; through Megatron, the carried config.json),
+        # less the vision part.
+        assert doc["bos_token_id"] == 1 and doc["rope_parameters"] == {"rope_theta": 1000000.0, "rope_type": "default"}
+        assert doc["max_window_layers"] == json.loads((source / "config.json").read_text())["text_config"][
+            "max_window_layers"]
+        assert not any("built from the model" in notice for notice in report.notices), report.notices
     assert "preprocessor_config.json" in next(n for n in from_hf.notices if n.startswith("--text-only"))
-    # HF's own text config is kept (token ids, window settings), less the vision part.
-    doc = json.loads((tmp_path / "from_hf" / "config.json").read_text())
-    assert doc["bos_token_id"] == 1 and doc["rope_parameters"] == {"rope_theta": 1000000.0, "rope_type": "default"}
 
 
 def test_text_only_megatron_output_is_a_text_model(source: Path, tmp_path: Path) -> None:
@@ -181,6 +184,12 @@ def test_text_only_megatron_output_is_a_text_model(source: Path, tmp_path: Path)
     state = _rank_model(out, "mp_rank_00")
     assert not any(name.startswith(("visual.", "language_model.")) for name in state["model"])
     assert state["args"].position_embedding_type == "rope" and not hasattr(state["args"], "vision_config")
+    assert not (out / "hf" / "preprocessor_config.json").exists()
+    # Its carried VL config.json is read as the text model's.
+    back = _converted(out, tmp_path / "hf", dst_format="hf", dst_tp=1)
+    assert json.loads((back / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
+    stored = load_hf_tensors(source)
+    assert all(torch.equal(tensor, stored[name]) for name, tensor in load_hf_tensors(back).items())
 
 
 def test_text_only_refuses_a_text_model(tmp_path: Path) -> None:

@@ -34,6 +34,7 @@ from pgconvert.formats.hf import (
     MISSING,
     config_disagreements,
     family_mismatches,
+    family_of,
     get_path,
     infer_family,
     model_config_from_hf,
@@ -252,8 +253,12 @@ def carried_config(doc: dict[str, Any], path: Path,
     """The family and base config.json of an hf target from a carried config.json, and the guesses
     made (for ``pgconvert.formats.strict.fallback``). It is kept whole where it describes the model; where
     the model's settings differ, the model's values are written and each difference is named. None:
-    a config.json built from the model (the carried one names a family the model cannot be)."""
+    a config.json built from the model (the carried one names a family the model cannot be). A vision-language
+    config.json carried with a model that has no vision part (``--text-only``) is read as its text model's."""
     try:
+        nesting = family_of(doc, path, ConfigError).vision_language
+        if nesting is not None and config.vision.vision_config is None:
+            doc = nesting.text_doc(doc)
         family, differences = config_disagreements(doc, path, config)
     except ConfigError as exc:
         return infer_family(config), None, [f"{path} is not usable ({exc}); config.json is built from the model"]

@@ -5,8 +5,8 @@ part, no multimodal RoPE sections: a text-only input gives the three position id
 computes plain RoPE), its tensors are every canonical tensor but the vision part's, an HF origin's config.json
 is the text model's as the VL family nests it (``VisionLanguage.text_doc``: written as the text family, Qwen2's
 for Qwen2.5-VL), and Megatron args lose the vision settings. What is left out is named in one notice:
-the vision tower's and projector's tensors, the processor files, the carried VL config.json of a Megatron or
-torch_dist source, and the optimizer state (which holds the vision part's parameters too).
+the vision tower's and projector's tensors, the processor files, and the optimizer state (which holds the vision
+part's parameters too); a carried VL config.json stays, read by an hf target as its text model's.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 
 from pgconvert.errors import ValidationError
 from pgconvert.formats.hf import HFOrigin
-from pgconvert.formats.hf_side import CONFIG_FILE, PROCESSOR_FILES, SideFiles
+from pgconvert.formats.hf_side import PROCESSOR_FILES, SideFiles
 from pgconvert.formats.stream import CanonicalSource, ExtraState, TensorMeta
 from pgconvert.formats.vision_args import MROPE, VISION_ARGS
 from pgconvert.model.config import ModelConfig
@@ -50,7 +50,7 @@ class LanguageModelSource(CanonicalSource):
         self.unrepresentable = inner.unrepresentable
         self.megatron_args = _text_args(inner.megatron_args)
         self.hf_origin = _text_origin(inner.hf_origin)
-        self.side_files, dropped = _text_side_files(inner.side_files, inner.hf_origin is None)
+        self.side_files, dropped = _text_side_files(inner.side_files)
         tensors = tower_tensors(config.vision.vision_config)
         parts = {part: [tensor.name for tensor in tensors if tensor.part == part] for part in ("tower", "projector")}
         self.notices.append(
@@ -115,10 +115,9 @@ def _text_origin(origin: HFOrigin | None) -> HFOrigin | None:
     return dataclasses.replace(origin, config_json=nesting.text_doc(origin.config_json), family=nesting.text)
 
 
-def _text_side_files(side_files: SideFiles | None, drop_config: bool) -> tuple[SideFiles | None, list[str]]:
-    """The side files without the processor's (and, carried from a Megatron or torch_dist source, without the VL
-    config.json, which describes the whole model); the names left out."""
+def _text_side_files(side_files: SideFiles | None) -> tuple[SideFiles | None, list[str]]:
+    """The side files without the processor's; the names left out. A carried VL config.json stays: an hf target
+    reads it as its text model's (``hf_side.carried_config``)."""
     if side_files is None:
         return None, []
-    left_out = set(PROCESSOR_FILES) | ({CONFIG_FILE} if drop_config else set())
-    return side_files.without(left_out), sorted(name for name in side_files.names() if name in left_out)
+    return side_files.without(PROCESSOR_FILES), sorted(name for name in side_files.names() if name in PROCESSOR_FILES)

@@ -223,3 +223,38 @@ def test_optimizer_state_and_fsdp_dtensor_refuse_the_vision_part_by_name(tp2_pp2
     with get_loader("megatron").open(tp2_pp2, LoadOptions()) as megatron:
         with pytest.raises(UnsupportedOptimizerError, match="vision_config is set.*--skip-optimizer"):
             check_supported(megatron.config, "here")
+
+
+def test_a_rank_file_without_the_merger_or_with_a_vision_config_of_other_sizes_is_a_named_error(
+        tp2_pp2: Path, tmp_path: Path) -> None:
+    for case, change in (("missing", lambda state: state["model"].pop("visual.merger.mlp.2.weight")),
+                         ("sizes", lambda state: setattr(state["args"], "vision_config", state["args"].vision_config
+                                                         .replace('"hidden_size":32', '"hidden_size":48')))):
+        copy = Path(shutil.copytree(tp2_pp2, tmp_path / case))
+        rank_file = copy / "iter_0000000" / "mp_rank_01_000" / "model_optim_rng.pt"
+        state = torch.load(rank_file, weights_only=False)
+        change(state)
+        torch.save(state, rank_file)
+        expected = (r"mp_rank_01_000.*missing: \['visual\.merger\.mlp\.2\.weight'\]" if case == "missing" else
+                    r"mp_rank_01_000.*visual\.patch_embed\.proj\.weight has shape \[32, 3, 2, 14, 14\], expected "
+                    r"\[48, 3, 2, 14, 14\].*vision_config")
+        if case == "sizes":  # every rank file records the args; the first one read names the model
+            for other in copy.glob("iter_0000000/mp_rank_*/model_optim_rng.pt"):
+                other_state = torch.load(other, weights_only=False)
+                change(other_state)
+                torch.save(other_state, other)
+            expected = expected.replace("mp_rank_01_000", "mp_rank_0[01]_000")
+        with pytest.raises(PgconvertError, match=expected):
+            pgconvert.convert(copy, tmp_path / f"{case}_out", dst_format="hf", dst_tp=1, dst_pp=1)
+        assert not (tmp_path / f"{case}_out").exists()
+
+
+def test_a_projector_that_does_not_write_the_language_models_width_is_a_named_error(source: Path,
+                                                                                      tmp_path: Path) -> None:
+    src = _edited(source, tmp_path)
+    doc = json.loads((src / "config.json").read_text())
+    doc["vision_config"]["out_hidden_size"] = 32
+    (src / "config.json").write_text(json.dumps(doc))
+    with pytest.raises(PgconvertError, match=r"config\.json: describes an impossible model: vision_config\.out_hidden_size=32: must equal the "
+                                             r"language model's hidden_size=64"):
+        pgconvert.convert(src, tmp_path / "out", dst_format="megatron")

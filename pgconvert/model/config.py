@@ -24,7 +24,7 @@ from typing import Any
 from pgconvert.errors import ConfigError
 from pgconvert.io.limits import quote
 from pgconvert.model.layers import HYBRID_LAYER_KINDS, LayerSpec, MTPLayerSpec, layer_specs, mtp_layer_specs
-from pgconvert.model.vision import parse_vision_config, tower_tensors
+from pgconvert.model.vision import check_projector_width, tower_tensors
 
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")
 # mrope: megatron-core's multimodal RoPE (Qwen2.5-VL), rotary with ``mrope_section``.
@@ -677,8 +677,8 @@ def _check_vision(config: ModelConfig) -> None:
     RoPE sections as positive integers."""
     vision = config.vision
     if vision.vision_config is not None:
-        parse_vision_config(vision.vision_config)
         tower_tensors(vision.vision_config)
+        check_projector_width(vision.vision_config, config.hidden_size)
     if vision.vision_token_ids is not None:
         if vision.vision_config is None:
             raise _violates("vision_token_ids", vision.vision_token_ids, "given without a vision_config")

@@ -34,15 +34,20 @@ class VisionTensor:
     part: str
 
 
-TowerDescription = Callable[[Mapping[str, Any]], list[VisionTensor]]
+@dataclass(frozen=True)
+class Tower:
+    """A vision tower pgconvert describes: its tensors from ``vision_config``, and the key (with transformers'
+    default) giving the projector's output width, which must be the language model's hidden size."""
+
+    tensors: Callable[[Mapping[str, Any]], list[VisionTensor]]
+    output_width: tuple[str, int]
 
 
 def _size(vision: Mapping[str, Any], key: str, default: int | None = None) -> int:
     """A positive integer of ``vision_config`` (``default`` where absent, as transformers' class has it)."""
     value = vision.get(key, default)
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ConfigError(f"vision_config.{key}={quote(value)}: must be a positive integer",
-                          setting="vision_config", constraint="must be a positive integer")
+        raise ConfigError(f"vision_config.{key}={quote(value)}: must be a positive integer")
     return value
 
 
@@ -71,8 +76,7 @@ def qwen2_5_vl_tower(vision: Mapping[str, Any]) -> list[VisionTensor]:
     hidden = _size(vision, "hidden_size", 3584)
     heads = _size(vision, "num_heads", 16)
     if hidden % heads:
-        raise ConfigError(f"vision_config.num_heads={heads}: must divide vision_config.hidden_size={hidden}",
-                          setting="vision_config", constraint="num_heads must divide hidden_size")
+        raise ConfigError(f"vision_config.num_heads={heads}: must divide vision_config.hidden_size={hidden}")
     patch = _size(vision, "patch_size", 14)
     sizes: _Sizes = (hidden, _size(vision, "intermediate_size", 3420),
                      hidden * _size(vision, "spatial_merge_size", 2) ** 2, _size(vision, "out_hidden_size", 3584))
@@ -91,7 +95,7 @@ QWEN2_5_VL_PATTERNS: tuple[str, ...] = (PATCH_EMBED, *(BLOCKS + name for name, _
 
 
 # The towers pgconvert describes, by their ``vision_config.model_type``.
-TOWERS: dict[str, TowerDescription] = {"qwen2_5_vl_vision": qwen2_5_vl_tower}
+TOWERS: dict[str, Tower] = {"qwen2_5_vl_vision": Tower(qwen2_5_vl_tower, ("out_hidden_size", 3584))}
 
 
 def parse_vision_config(text: str) -> dict[str, Any]:
@@ -99,15 +103,12 @@ def parse_vision_config(text: str) -> dict[str, Any]:
     try:
         vision = json.loads(text)
     except (TypeError, ValueError) as exc:
-        raise ConfigError(f"vision_config={quote(text)}: not JSON text of an object ({exc})",
-                          setting="vision_config", constraint="must be JSON text of an object") from exc
+        raise ConfigError(f"vision_config={quote(text)}: not JSON text of an object ({exc})") from exc
     if not isinstance(vision, dict):
-        raise ConfigError(f"vision_config={quote(text)}: must be JSON text of an object",
-                          setting="vision_config", constraint="must be JSON text of an object")
+        raise ConfigError(f"vision_config={quote(text)}: must be JSON text of an object")
     if vision.get("model_type") not in TOWERS:
         raise ConfigError(f"vision_config.model_type={quote(vision.get('model_type'))}: pgconvert describes the vision "
-                          f"towers {', '.join(sorted(TOWERS))}", setting="vision_config",
-                          constraint=f"model_type must be one of {', '.join(sorted(TOWERS))}")
+                          f"towers {', '.join(sorted(TOWERS))}")
     return vision
 
 
@@ -121,4 +122,14 @@ def tower_tensors(vision_config: str | None) -> list[VisionTensor]:
     if vision_config is None:
         return []
     vision = parse_vision_config(vision_config)
-    return TOWERS[vision["model_type"]](vision)
+    return TOWERS[vision["model_type"]].tensors(vision)
+
+
+def check_projector_width(vision_config: str, hidden_size: int) -> None:
+    """The projector writes the language model's input: its output width is the hidden size."""
+    vision = parse_vision_config(vision_config)
+    key, default = TOWERS[vision["model_type"]].output_width
+    width = vision.get(key, default)
+    if width != hidden_size:
+        raise ConfigError(f"vision_config.{key}={quote(width)}: must equal the language model's hidden_size="
+                          f"{hidden_size} (the projector's output is the language model's input)")

@@ -13,13 +13,13 @@ from __future__ import annotations
 from pgconvert.families.qwen import QWEN2
 from pgconvert.families.table import TensorTable, VisionLanguage
 from pgconvert.families.vision_language import MROPE_RULE, vision_rule, vision_rows
-from pgconvert.model.vision import QWEN2_5_VL_PATTERNS
+from pgconvert.model.vision import QWEN2_5_VL_MODULE, QWEN2_5_VL_PATTERNS
 
 QWEN_VL_TOKEN_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
 
 QWEN2_5_VL = QWEN2.derive(
     "Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl",
-    tensors=TensorTable((*vision_rows(QWEN2_5_VL_PATTERNS), *QWEN2.tensors.rows)),
+    tensors=TensorTable((*vision_rows(QWEN2_5_VL_MODULE, "visual.", QWEN2_5_VL_PATTERNS), *QWEN2.tensors.rows)),
     rules=(MROPE_RULE, vision_rule(QWEN_VL_TOKEN_KEYS)),
     vision_language=VisionLanguage(text=QWEN2, text_model_type="qwen2_5_vl_text",
                                    vision_keys=("vision_config", *QWEN_VL_TOKEN_KEYS)),

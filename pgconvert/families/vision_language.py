@@ -18,16 +18,16 @@ from pgconvert.families.llama import ROPE_RULE
 from pgconvert.families.table import ConfigRule, TensorMapping
 from pgconvert.io.limits import quote
 from pgconvert.model.config import ModelConfig
-from pgconvert.model.vision import VISION_MODULE, vision_config_text
+from pgconvert.model.vision import vision_config_text
 from pgconvert.semantics.rope import rope_parameters
 
 MROPE_SECTION = "mrope_section"
 
 
-def vision_rows(patterns: Sequence[str]) -> tuple[TensorMapping, ...]:
-    """One identity row per tensor of the vision part: Megatron-Bridge's ``visual.<name>`` is the stored HF
-    tensor of that name (its ``ReplicatedMapping("visual.**")``)."""
-    return tuple(TensorMapping(VISION_MODULE + pattern, (VISION_MODULE + pattern,)) for pattern in patterns)
+def vision_rows(module: str, hf_prefix: str, patterns: Sequence[str]) -> tuple[TensorMapping, ...]:
+    """One identity row per tensor of the vision part: Megatron-Bridge's ``<module><name>`` is the stored HF tensor
+    ``<hf_prefix><name>`` (its ``ReplicatedMapping("visual.**")`` for Qwen2.5-VL: the same names)."""
+    return tuple(TensorMapping(module + pattern, (hf_prefix + pattern,)) for pattern in patterns)
 
 
 def vision_rule(token_keys: tuple[str, ...]) -> ConfigRule:

@@ -24,7 +24,7 @@ from pgconvert.formats.stream import CanonicalSource, ExtraState, TensorMeta
 from pgconvert.formats.vision_args import MROPE, VISION_ARGS
 from pgconvert.model.config import ModelConfig
 from pgconvert.model.rules import ShardRule
-from pgconvert.model.vision import VISION_MODULE, tower_tensors
+from pgconvert.model.vision import is_vision_tensor, tower_tensors
 
 TEXT_ONLY_REFUSAL = "--text-only: the optimizer state holds the vision part's parameters as well; not carried"
 
@@ -54,13 +54,13 @@ class LanguageModelSource(CanonicalSource):
         tensors = tower_tensors(config.vision.vision_config)
         parts = {part: [tensor.name for tensor in tensors if tensor.part == part] for part in ("tower", "projector")}
         self.notices.append(
-            f"--text-only: left out the vision tower ({len(parts['tower'])} tensors: {VISION_MODULE}patch_embed, "
-            f"{VISION_MODULE}blocks.*), the projector ({', '.join(parts['projector'])}), multimodal RoPE "
+            f"--text-only: left out the vision tower ({len(parts['tower'])} tensors: {parts['tower'][0]} … "
+            f"{parts['tower'][-1]}), the projector ({', '.join(parts['projector'])}), multimodal RoPE "
             f"(mrope_section={list(config.positions.mrope_section or ())}: a text input computes plain RoPE)"
             + (f" and the files {', '.join(dropped)}" if dropped else ""))
 
     def names(self) -> list[str]:
-        return [name for name in self.inner.names() if not name.startswith(VISION_MODULE)]
+        return [name for name in self.inner.names() if not is_vision_tensor(name)]
 
     def meta(self, name: str) -> TensorMeta:
         return self.inner.meta(name)

@@ -69,7 +69,7 @@ from pgconvert.errors import CheckpointError, UnsafePickleError
 from pgconvert.io.limits import over_limit, quote, read_json
 from pgconvert.formats.megatron import resolve_megatron_iteration
 from pgconvert.model.layers import LayerSpec
-from pgconvert.model.vision import LANGUAGE_MODEL_MODULE, VISION_MODULE
+from pgconvert.model.vision import LANGUAGE_MODEL_MODULE, is_vision_tensor
 from pgconvert.model.provider import (EXPERTS_MODULE, EXTRA_STATE_SUFFIX, FINAL_NORM_BIAS, FINAL_NORM_WEIGHT,
                                       LAYER_PREFIX, MODEL_MODULE_PREFIXES,
                                       MTP_EH_PROJ, MTP_LAYER_MODULE, MTP_PREFIX, LayerTensor, TensorKind,
@@ -281,7 +281,7 @@ def tensor_locations(config: ModelConfig, singleton: bool = False) -> dict[str, 
     if config.vision.vision_config is None:
         return located
     # A VL model's language model is Megatron-Bridge's module ``language_model`` (pgconvert.model.vision).
-    return {name: location if name.startswith(VISION_MODULE)
+    return {name: location if is_vision_tensor(name)
             else dataclasses.replace(location, key=LANGUAGE_MODEL_MODULE + location.key)
             for name, location in located.items()}
 

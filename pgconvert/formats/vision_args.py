@@ -1,8 +1,8 @@
 """A vision-language model in Megatron checkpoints: its ``args`` and how its rank files name the two parts.
 
 Megatron-Bridge's VL model (``Qwen25VLModel``) holds the language model, a megatron-core GPTModel, under
-``language_model.`` and the vision tower with its projector, transformers' module, under ``visual.``
-(``pgconvert.model.vision``); its provider sets megatron-core's ``position_embedding_type='mrope'`` and
+``language_model.`` and the vision tower with its projector, transformers' module, under its own module
+(``visual.``: ``pgconvert.model.vision``); its provider sets megatron-core's ``position_embedding_type='mrope'`` and
 ``mrope_section``, and keeps HF's ``vision_config`` object. A rank file written by pgconvert records them in
 ``args`` as megatron-core names them: ``position_embedding_type='mrope'``, ``mrope_section`` (a list), and
 ``vision_config`` as JSON text of HF's object (an HF config object does not pickle into ``args``), with
@@ -24,7 +24,7 @@ from typing import Any
 from pgconvert.errors import CheckpointError
 from pgconvert.io.limits import quote
 from pgconvert.model.config import ModelConfig
-from pgconvert.model.vision import LANGUAGE_MODEL_MODULE, VISION_MODULE
+from pgconvert.model.vision import LANGUAGE_MODEL_MODULE, VISION_MODULES, is_vision_tensor
 
 MROPE = "mrope"
 VISION_ARGS = ("vision_config", "vision_token_ids")
@@ -65,16 +65,16 @@ def is_vision_language(args: argparse.Namespace) -> bool:
 def wrapped(model: Mapping[str, Any]) -> OrderedDict[str, Any]:
     """A VL rank file's model dict from the GPT-named one: the language model's keys under ``language_model.``,
     the vision part's as they are (first, as the provider lists them)."""
-    return OrderedDict((key if key.startswith(VISION_MODULE) else LANGUAGE_MODEL_MODULE + key, value)
+    return OrderedDict((key if is_vision_tensor(key) else LANGUAGE_MODEL_MODULE + key, value)
                        for key, value in model.items())
 
 
 def unwrapped(model: Mapping[str, Any], path: Path) -> dict[str, Any]:
     """A VL rank file's model dict with the GPT names inside pgconvert; a key under neither module is an error."""
-    stray = sorted(key for key in model if not key.startswith((LANGUAGE_MODEL_MODULE, VISION_MODULE)))
+    stray = sorted(key for key in model if not key.startswith(LANGUAGE_MODEL_MODULE) and not is_vision_tensor(key))
     if stray:
         raise CheckpointError(f"{path}: args describe a vision-language model, whose keys are under "
-                              f"{LANGUAGE_MODEL_MODULE!r} or {VISION_MODULE!r}; found {stray[:8]}")
+                              f"{LANGUAGE_MODEL_MODULE!r} or a vision module {VISION_MODULES}; found {stray[:8]}")
     return {key.removeprefix(LANGUAGE_MODEL_MODULE): value for key, value in model.items()}
 
 

@@ -25,7 +25,7 @@ from pgconvert.model.kinds.table import (EXPERT_PREFIX, EXPERTS_MODULE, FUSED_NO
 from pgconvert.model.layers import LayerSpec, MTPLayerSpec
 from pgconvert.model.layout import ParallelLayout
 from pgconvert.model.rules import REPLICATED, VOCAB, ShardRule
-from pgconvert.model.vision import VISION_MODULE, tower_tensors
+from pgconvert.model.vision import VISION_MODULES, is_vision_tensor, tower_tensors
 
 LAYER_PREFIX = "decoder.layers."
 MTP_PREFIX = "mtp.layers."
@@ -196,7 +196,7 @@ def shape_function(config: ModelConfig, name: str) -> Callable[[ModelConfig], tu
     ``canonical_shapes`` computes for it, vocab tables with the true vocab)."""
     if name in _NON_LAYER_SHAPES:
         return _NON_LAYER_SHAPES[name]
-    if name.startswith(VISION_MODULE):
+    if is_vision_tensor(name):
         return lambda config: next(tensor.shape for tensor in tower_tensors(config.vision.vision_config)
                                    if tensor.name == name)
     parsed = canonical_layer(name)
@@ -449,9 +449,9 @@ def _te_row_names(config: ModelConfig, spec: LayerSpec | MTPLayerSpec, row: TERo
 
 
 # GPTModel's top-level modules: every model key starts with one of them.
-MODEL_MODULE_PREFIXES = ("embedding.", "decoder.", "output_layer.", "mtp.", VISION_MODULE)
+MODEL_MODULE_PREFIXES = ("embedding.", "decoder.", "output_layer.", "mtp.", *VISION_MODULES)
 # Where a non-layer module lives: its entries go to the first or the last pipeline chunk.
-_FIRST_CHUNK_PREFIXES = ("embedding.", VISION_MODULE)
+_FIRST_CHUNK_PREFIXES = ("embedding.", *VISION_MODULES)
 _LAST_CHUNK_PREFIXES = ("output_layer.", "decoder.final_layernorm.", HYBRID_FINAL_NORM, MTP_PREFIX)
 
 

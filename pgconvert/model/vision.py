@@ -6,7 +6,8 @@ projector as transformers' own module under ``visual.``, built only where ``pre_
 stage's first model chunk) and registered before the language model; its bridge maps ``visual.**`` one to one
 (``ReplicatedMapping``): every TP rank holds the whole tensor. So a tower is described here as the names and
 shapes of its tensors, computed from HF's ``vision_config`` (its ``model_type`` picks the description), each
-``visual.<name inside the HF module>``; the provider places them whole on the first chunk.
+``<Megatron-Bridge's module>.<name inside the HF module>`` (Qwen2.5-VL's module is ``visual.``, Qwen3-VL's
+``vision_model.``: ``Tower.module``); the provider places them whole on the first chunk.
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ from typing import Any
 from pgconvert.errors import ConfigError
 from pgconvert.io.limits import quote
 
-# Megatron-Bridge's module names in a VL model: the vision tower and projector, and the language model.
-VISION_MODULE = "visual."
+# Megatron-Bridge's module of a VL model's language model (the vision part's is its tower's ``module``).
 LANGUAGE_MODEL_MODULE = "language_model."
+QWEN2_5_VL_MODULE = "visual."
 
 
 @dataclass(frozen=True)
@@ -36,9 +37,11 @@ class VisionTensor:
 
 @dataclass(frozen=True)
 class Tower:
-    """A vision tower pgconvert describes: its tensors from ``vision_config``, and the key (with transformers'
-    default) giving the projector's output width, which must be the language model's hidden size."""
+    """A vision tower pgconvert describes: Megatron-Bridge's module holding it, its tensors from ``vision_config``
+    (named under that module), and the key (with transformers' default) giving the projector's output width, which
+    must be the language model's hidden size."""
 
+    module: str
     tensors: Callable[[Mapping[str, Any]], list[VisionTensor]]
     output_width: tuple[str, int]
 
@@ -80,12 +83,12 @@ def qwen2_5_vl_tower(vision: Mapping[str, Any]) -> list[VisionTensor]:
     patch = _size(vision, "patch_size", 14)
     sizes: _Sizes = (hidden, _size(vision, "intermediate_size", 3420),
                      hidden * _size(vision, "spatial_merge_size", 2) ** 2, _size(vision, "out_hidden_size", 3584))
-    embed = VisionTensor(VISION_MODULE + PATCH_EMBED,
+    embed = VisionTensor(QWEN2_5_VL_MODULE + PATCH_EMBED,
                          (hidden, _size(vision, "in_channels", 3), _size(vision, "temporal_patch_size", 2), patch, patch),
                          "tower")
-    blocks = [VisionTensor(VISION_MODULE + BLOCKS.format(index) + name, shape(sizes), "tower")
+    blocks = [VisionTensor(QWEN2_5_VL_MODULE + BLOCKS.format(index) + name, shape(sizes), "tower")
               for index in range(_size(vision, "depth", 32)) for name, shape in _QWEN2_5_VL_BLOCK]
-    merger = [VisionTensor(VISION_MODULE + name, shape(sizes), "projector") for name, shape in _QWEN2_5_VL_MERGER]
+    merger = [VisionTensor(QWEN2_5_VL_MODULE + name, shape(sizes), "projector") for name, shape in _QWEN2_5_VL_MERGER]
     return [embed, *blocks, *merger]
 
 
@@ -95,7 +98,16 @@ QWEN2_5_VL_PATTERNS: tuple[str, ...] = (PATCH_EMBED, *(BLOCKS + name for name, _
 
 
 # The towers pgconvert describes, by their ``vision_config.model_type``.
-TOWERS: dict[str, Tower] = {"qwen2_5_vl_vision": Tower(qwen2_5_vl_tower, ("out_hidden_size", 3584))}
+TOWERS: dict[str, Tower] = {
+    "qwen2_5_vl_vision": Tower(QWEN2_5_VL_MODULE, qwen2_5_vl_tower, ("out_hidden_size", 3584)),
+}
+# Every tower's module: a name under one of them is a vision part's tensor (canonically and in rank files).
+VISION_MODULES: tuple[str, ...] = tuple(dict.fromkeys(tower.module for tower in TOWERS.values()))
+
+
+def is_vision_tensor(name: str) -> bool:
+    """Whether ``name`` (canonical, or a VL rank file's key) is a tensor of a vision part."""
+    return name.startswith(VISION_MODULES)
 
 
 def parse_vision_config(text: str) -> dict[str, Any]:

@@ -255,6 +255,7 @@ def test_a_projector_that_does_not_write_the_language_models_width_is_a_named_er
     doc = json.loads((src / "config.json").read_text())
     doc["vision_config"]["out_hidden_size"] = 32
     (src / "config.json").write_text(json.dumps(doc))
-    with pytest.raises(PgconvertError, match=r"config\.json: describes an impossible model: vision_config\.out_hidden_size=32: must equal the "
-                                             r"language model's hidden_size=64"):
+    with pytest.raises(PgconvertError, match=r"config\.json: describes an impossible model: "
+                                             r"vision_config\.out_hidden_size=32: must equal the language model's "
+                                             r"hidden_size=64"):
         pgconvert.convert(src, tmp_path / "out", dst_format="megatron")

@@ -364,8 +364,9 @@ class TorchDistSource(CanonicalSource):
 
 def _stored_counts(metadata: Metadata, where: str) -> StoredCounts:
     """The decoder layers, routed experts per layer and MTP layers a checkpoint's index holds: one
-    key per layer (``decoder.layers.{i}.…``, a VL model's under ``language_model.``) or the leading layer axis of stacked keys; the expert
-    axis of the experts' keys (after the layer axis of stacked ones); one key per MTP layer."""
+    key per layer (``decoder.layers.{i}.…``, a VL model's under ``language_model.``) or the leading layer axis of
+    stacked keys; the expert axis of the experts' keys (after the layer axis of stacked ones); one key per MTP
+    layer."""
     layers: set[int] = set()
     stacked = experts = 0
     mtp: set[int] = set()

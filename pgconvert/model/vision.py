@@ -83,9 +83,8 @@ def qwen2_5_vl_tower(vision: Mapping[str, Any]) -> list[VisionTensor]:
     patch = _size(vision, "patch_size", 14)
     sizes: _Sizes = (hidden, _size(vision, "intermediate_size", 3420),
                      hidden * _size(vision, "spatial_merge_size", 2) ** 2, _size(vision, "out_hidden_size", 3584))
-    embed = VisionTensor(QWEN2_5_VL_MODULE + PATCH_EMBED,
-                         (hidden, _size(vision, "in_channels", 3), _size(vision, "temporal_patch_size", 2), patch, patch),
-                         "tower")
+    channels, frames = _size(vision, "in_channels", 3), _size(vision, "temporal_patch_size", 2)
+    embed = VisionTensor(QWEN2_5_VL_MODULE + PATCH_EMBED, (hidden, channels, frames, patch, patch), "tower")
     blocks = [VisionTensor(QWEN2_5_VL_MODULE + BLOCKS.format(index) + name, shape(sizes), "tower")
               for index in range(_size(vision, "depth", 32)) for name, shape in _QWEN2_5_VL_BLOCK]
     merger = [VisionTensor(QWEN2_5_VL_MODULE + name, shape(sizes), "projector") for name, shape in _QWEN2_5_VL_MERGER]

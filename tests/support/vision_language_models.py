@@ -77,7 +77,8 @@ def image_text_inputs(path: Path) -> dict[str, torch.Tensor]:
     """An image and text input as Qwen2_5_VLProcessor makes it, from the processor files in ``path``."""
     from transformers import AutoImageProcessor, AutoTokenizer
 
-    pixels = (numpy.arange(IMAGE_SIDE * IMAGE_SIDE * 3).reshape(IMAGE_SIDE, IMAGE_SIDE, 3) * 37 % 251).astype(numpy.uint8)
+    values = numpy.arange(IMAGE_SIDE * IMAGE_SIDE * 3).reshape(IMAGE_SIDE, IMAGE_SIDE, 3) * 37 % 251
+    pixels = values.astype(numpy.uint8)
     image = AutoImageProcessor.from_pretrained(path)(images=[pixels], return_tensors="pt")
     merge = image["image_grid_thw"][0].prod().item() // 4  # the processor's replace_image_token
     text = TEXT.replace("<|image_pad|>", " <|image_pad|> " * merge)

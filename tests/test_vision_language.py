@@ -1,6 +1,6 @@
 """Vision-language models: Qwen2.5-VL through Megatron (TP2, TP2 x PP2, torch_dist) and back, as transformers
 and Megatron-Bridge name it; its language model converted as Qwen2's, its vision tower and merger whole on
-every TP rank of the first stage."""
+every TP rank of the first stage; Qwen3-VL (dense) the same way, its language model as Qwen3's."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from support.hf_helpers import assert_same_hf_tensors, load_hf_tensors
-from support.vision_language_models import build_qwen2_5_vl, image_text_inputs, vl_logits
+from support.vision_language_models import build_vl_model, image_text_inputs, vl_logits
 
 import pgconvert
 from pgconvert.errors import PgconvertError
@@ -23,7 +23,7 @@ SIDE = ("chat_template.jinja", "tokenizer.json", "tokenizer_config.json", "prepr
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_qwen2_5_vl(tmp_path_factory.mktemp("qwen2_5_vl") / "hf")
+    return build_vl_model("qwen2_5_vl", tmp_path_factory.mktemp("qwen2_5_vl") / "hf")
 
 
 @pytest.fixture(scope="module")
@@ -108,6 +108,10 @@ def test_tp2_torch_dist_and_a_config_built_from_the_args(source: Path, expected:
     original = json.loads((source / "config.json").read_text())
     assert written["vision_config"] == original["vision_config"]
     assert written["text_config"]["rope_parameters"]["mrope_section"] == [2, 3, 3]
+    # The sections change these logits: a config.json that lost them would not pass the comparison above.
+    written["text_config"]["rope_parameters"]["mrope_section"] = [3, 3, 2]
+    (back / "config.json").write_text(json.dumps(written))
+    assert not torch.allclose(vl_logits(back, inputs), logits, rtol=1e-4, atol=1e-4)
     keys = json.loads((dist / "iter_0000000" / "metadata.json").read_text())
     assert keys["sharded_backend"] == "torch_dist"
     from torch.distributed.checkpoint import FileSystemReader
@@ -142,11 +146,13 @@ def test_a_missing_merger_tensor_is_a_named_error(source: Path, tmp_path: Path) 
     assert not (tmp_path / "out").exists()
 
 
-def _text_logits(path: Path, ids: torch.Tensor, vl: bool) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM, Qwen2_5_VLForConditionalGeneration
+def _text_logits(path: Path, ids: torch.Tensor) -> torch.Tensor:
+    """transformers' logits on a text input, of the model config.json names (VL or text)."""
+    import transformers
 
-    model_class = Qwen2_5_VLForConditionalGeneration if vl else AutoModelForCausalLM
-    model, info = model_class.from_pretrained(path, dtype=torch.float32, output_loading_info=True)
+    architecture = json.loads((path / "config.json").read_text())["architectures"][0]
+    model, info = getattr(transformers, architecture).from_pretrained(path, dtype=torch.float32,
+                                                                      output_loading_info=True)
     assert not any(info.get(key) for key in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     with torch.no_grad():
         return model.eval()(input_ids=ids).logits
@@ -154,7 +160,7 @@ def _text_logits(path: Path, ids: torch.Tensor, vl: bool) -> torch.Tensor:
 
 def test_text_only_writes_the_language_model_as_qwen2(source: Path, tp2_pp2: Path, tmp_path: Path) -> None:
     ids = torch.tensor([[5, 6, 7, 40, 41, 42, 299, 8, 9, 10, 11, 12]])
-    expected = _text_logits(source, ids, vl=True)
+    expected = _text_logits(source, ids)
     from_hf = pgconvert.convert(source, tmp_path / "from_hf", dst_format="hf", text_only=True)
     from_megatron = pgconvert.convert(tp2_pp2, tmp_path / "from_megatron", dst_format="hf", dst_tp=1, dst_pp=1,
                                       text_only=True)
@@ -165,7 +171,7 @@ def test_text_only_writes_the_language_model_as_qwen2(source: Path, tp2_pp2: Pat
         written = load_hf_tensors(out)
         assert sorted(written) == sorted(name for name in stored if not name.startswith("visual."))
         assert all(torch.equal(written[name], stored[name]) for name in written)
-        torch.testing.assert_close(_text_logits(out, ids, vl=False), expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(_text_logits(out, ids), expected, rtol=1e-5, atol=1e-5)
         notice = next(notice for notice in report.notices if notice.startswith("--text-only"))
         assert "visual.merger.mlp.2.weight" in notice and "mrope_section=[2, 3, 3]" in notice
         assert not (out / "preprocessor_config.json").exists()
@@ -259,3 +265,28 @@ def test_a_projector_that_does_not_write_the_language_models_width_is_a_named_er
                                              r"vision_config\.out_hidden_size=32: must equal the language model's "
                                              r"hidden_size=64"):
         pgconvert.convert(src, tmp_path / "out", dst_format="megatron")
+
+
+@pytest.fixture(scope="module")
+def qwen3_vl(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_vl_model("qwen3_vl", tmp_path_factory.mktemp("qwen3_vl") / "hf")
+
+
+def test_qwen3_vl_through_megatron_tp2_pp2_and_text_only(qwen3_vl: Path, tmp_path: Path) -> None:
+    inputs = image_text_inputs(qwen3_vl)
+    megatron = _converted(qwen3_vl, tmp_path / "megatron", dst_format="megatron", dst_tp=2, dst_pp=2)
+    first = _rank_model(megatron, "mp_rank_01_000")["model"]
+    stored = load_hf_tensors(qwen3_vl)
+    vision = [name for name in stored if name.startswith("model.visual.")]
+    # Megatron-Bridge's Qwen3VLModel: the vision part as vision_model.*, whole on every TP rank of the first stage.
+    assert set(list(first)[:len(vision)]) == {name.replace("model.visual.", "vision_model.") for name in vision}
+    assert all(torch.equal(first[name.replace("model.visual.", "vision_model.")], stored[name]) for name in vision)
+    assert "vision_model.deepstack_merger_list.1.linear_fc2.weight" in first
+    back = _converted(megatron, tmp_path / "hf", dst_format="hf", dst_tp=1, dst_pp=1)
+    assert_same_hf_tensors(qwen3_vl, back)
+    torch.testing.assert_close(vl_logits(back, inputs), vl_logits(qwen3_vl, inputs), rtol=1e-5, atol=1e-5)
+    text = _converted(megatron, tmp_path / "text", dst_format="hf", dst_tp=1, dst_pp=1, text_only=True)
+    doc = json.loads((text / "config.json").read_text())
+    assert doc["architectures"] == ["Qwen3ForCausalLM"] and "mrope_interleaved" not in doc["rope_parameters"]
+    ids = torch.tensor([[5, 6, 7, 40, 41, 42, 299, 8, 9, 10, 11, 12]])
+    torch.testing.assert_close(_text_logits(text, ids), _text_logits(qwen3_vl, ids), rtol=1e-5, atol=1e-5)

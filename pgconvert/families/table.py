@@ -440,7 +440,8 @@ class VisionLanguage:
         for key in ("rope_parameters", "rope_scaling"):
             params = view.get(key)
             if isinstance(params, dict) and ("mrope_section" in params or params.get("type") == "mrope"):
-                kept = {name: value for name, value in params.items() if name not in ("mrope_section", "type")}
+                kept = {name: value for name, value in params.items()
+                        if name not in ("mrope_section", "mrope_interleaved", "type")}
                 view[key] = kept if key == "rope_parameters" or kept.get("rope_type", "default") != "default" else None
         return view
 

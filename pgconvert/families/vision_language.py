@@ -11,17 +11,28 @@ transformers 5's ``save_pretrained`` writes too: it renames its in-memory ``mode
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 
 from pgconvert.families.llama import ROPE_RULE
-from pgconvert.families.table import ConfigRule, TensorMapping
+from pgconvert.families.table import ConfigRule, TensorMapping, TensorTable
 from pgconvert.io.limits import quote
 from pgconvert.model.config import ModelConfig
 from pgconvert.model.vision import vision_config_text
 from pgconvert.semantics.rope import rope_parameters
 
 MROPE_SECTION = "mrope_section"
+
+
+def language_model_rows(table: TensorTable, prefix: str = "model.", nested: str = "model.language_model.",
+                        ) -> tuple[TensorMapping, ...]:
+    """A text family's rows with the HF names under ``prefix`` moved under ``nested`` (transformers' own VL names,
+    as Qwen3-VL stores them: ``model.language_model.layers.{i}…``; ``lm_head`` stays)."""
+    def moved(pattern: str) -> str:
+        return nested + pattern.removeprefix(prefix) if pattern.startswith(prefix) else pattern
+
+    return tuple(dataclasses.replace(row, hf=tuple(map(moved, row.hf))) for row in table.rows)
 
 
 def vision_rows(module: str, hf_prefix: str, patterns: Sequence[str]) -> tuple[TensorMapping, ...]:
@@ -64,17 +75,19 @@ def _read_mrope(present: Mapping[str, object], model: Mapping[str, object]) -> M
             "position_embedding_type": "rope" if section is None else "mrope"}
 
 
-def _write_mrope(config: ModelConfig) -> Mapping[str, object]:
-    written = dict(ROPE_RULE.write(config))
-    section = config.positions.mrope_section
-    if section is not None:  # as transformers 5 writes a VL text config's
-        written["rope_parameters"] = {**written["rope_parameters"], "type": "mrope",  # type: ignore[dict-item]
-                                      MROPE_SECTION: list(section)}
-    return written
+def mrope_rule(written: Mapping[str, object]) -> ConfigRule:
+    """RoPE as the text family reads it, and the multimodal sections (``rope_parameters.mrope_section``; transformers
+    4.x: ``rope_scaling`` of type "mrope"), with them megatron-core's position_embedding_type 'mrope'; ``written``:
+    what the family's config class writes beside the sections (Qwen2.5-VL ``type: mrope``, Qwen3-VL
+    ``mrope_interleaved: true``: its rotary always interleaves them)."""
 
+    def write(config: ModelConfig) -> Mapping[str, object]:
+        rope = dict(ROPE_RULE.write(config))
+        section = config.positions.mrope_section
+        if section is not None:
+            rope["rope_parameters"] = {**rope["rope_parameters"], **written,  # type: ignore[dict-item]
+                                       MROPE_SECTION: list(section)}
+        return rope
 
-# RoPE as the text family reads it, and the multimodal sections (``rope_parameters.mrope_section``; transformers
-# 4.x: ``rope_scaling`` of type "mrope"), with them megatron-core's position_embedding_type 'mrope'.
-MROPE_RULE = ConfigRule(keys=ROPE_RULE.keys, model_fields=(*ROPE_RULE.model_fields, MROPE_SECTION,
-                                                           "position_embedding_type"),
-                        read=_read_mrope, write=_write_mrope)
+    return ConfigRule(keys=ROPE_RULE.keys, model_fields=(*ROPE_RULE.model_fields, MROPE_SECTION, "position_embedding_type"),
+                      read=_read_mrope, write=write)

@@ -96,9 +96,69 @@ QWEN2_5_VL_PATTERNS: tuple[str, ...] = (PATCH_EMBED, *(BLOCKS + name for name, _
                                         *(name for name, _ in _QWEN2_5_VL_MERGER))
 
 
+# Qwen3-VL's vision tower (transformers' ``Qwen3VLVisionModel``): LayerNorms, gelu MLPs, a learned position table, the
+# merger and one "deepstack" merger per ``deepstack_visual_indexes`` entry (its features are added to the language
+# model's first layers); shapes from (hidden, intermediate, merged hidden, out hidden). Megatron-Bridge's
+# ``Qwen3VLBridge`` holds it as ``vision_model.`` (``ReplicatedMapping("vision_model.**", "model.visual.**")``).
+QWEN3_VL_MODULE = "vision_model."
+_QWEN3_VL_BLOCK: tuple[tuple[str, Callable[[_Sizes], tuple[int, ...]]], ...] = (
+    ("norm1.weight", lambda s: (s[0],)), ("norm1.bias", lambda s: (s[0],)),
+    ("norm2.weight", lambda s: (s[0],)), ("norm2.bias", lambda s: (s[0],)),
+    ("attn.qkv.weight", lambda s: (3 * s[0], s[0])), ("attn.qkv.bias", lambda s: (3 * s[0],)),
+    ("attn.proj.weight", lambda s: (s[0], s[0])), ("attn.proj.bias", lambda s: (s[0],)),
+    ("mlp.linear_fc1.weight", lambda s: (s[1], s[0])), ("mlp.linear_fc1.bias", lambda s: (s[1],)),
+    ("mlp.linear_fc2.weight", lambda s: (s[0], s[1])), ("mlp.linear_fc2.bias", lambda s: (s[0],)),
+)
+# A merger: its norm before the 2 x 2 merge (the main merger: the tower's width) or after it (deepstack's).
+_QWEN3_VL_MERGER: tuple[tuple[str, Callable[[_Sizes], tuple[int, ...]]], ...] = (
+    ("linear_fc1.weight", lambda s: (s[2], s[2])), ("linear_fc1.bias", lambda s: (s[2],)),
+    ("linear_fc2.weight", lambda s: (s[3], s[2])), ("linear_fc2.bias", lambda s: (s[3],)),
+)
+DEEPSTACK_MERGERS = "deepstack_merger_list.{}."
+
+
+def _qwen3_vl_mergers(vision: Mapping[str, Any], sizes: _Sizes) -> list[VisionTensor]:
+    """The merger (norm over the tower's width) and the deepstack mergers (norm over the merged width)."""
+    indexes = vision.get("deepstack_visual_indexes", (8, 16, 24))
+    if not isinstance(indexes, (list, tuple)) or not all(isinstance(index, int) for index in indexes):
+        raise ConfigError(f"vision_config.deepstack_visual_indexes={quote(indexes)}: expected a list of block indices")
+    mergers = [("merger.", sizes[0])] + [(DEEPSTACK_MERGERS.format(j), sizes[2]) for j in range(len(indexes))]
+    return [VisionTensor(QWEN3_VL_MODULE + prefix + name, shape, "projector")
+            for prefix, width in mergers
+            for name, shape in (("norm.weight", (width,)), ("norm.bias", (width,)),
+                                *((name, shape(sizes)) for name, shape in _QWEN3_VL_MERGER))]
+
+
+def qwen3_vl_tower(vision: Mapping[str, Any]) -> list[VisionTensor]:
+    """transformers' ``Qwen3VLVisionModel`` (defaults of ``Qwen3VLVisionConfig``), in state-dict order."""
+    hidden = _size(vision, "hidden_size", 1152)
+    heads = _size(vision, "num_heads", 16)
+    if hidden % heads:
+        raise ConfigError(f"vision_config.num_heads={heads}: must divide vision_config.hidden_size={hidden}")
+    patch = _size(vision, "patch_size", 16)
+    sizes: _Sizes = (hidden, _size(vision, "intermediate_size", 4304),
+                     hidden * _size(vision, "spatial_merge_size", 2) ** 2, _size(vision, "out_hidden_size", 3584))
+    channels, frames = _size(vision, "in_channels", 3), _size(vision, "temporal_patch_size", 2)
+    embed = [VisionTensor(QWEN3_VL_MODULE + PATCH_EMBED, (hidden, channels, frames, patch, patch), "tower"),
+             VisionTensor(QWEN3_VL_MODULE + "patch_embed.proj.bias", (hidden,), "tower"),
+             VisionTensor(QWEN3_VL_MODULE + "pos_embed.weight", (_size(vision, "num_position_embeddings", 2304), hidden),
+                          "tower")]
+    blocks = [VisionTensor(QWEN3_VL_MODULE + BLOCKS.format(index) + name, shape(sizes), "tower")
+              for index in range(_size(vision, "depth", 27)) for name, shape in _QWEN3_VL_BLOCK]
+    return [*embed, *blocks, *_qwen3_vl_mergers(vision, sizes)]
+
+
+# Every tensor name of Qwen3-VL's vision part inside its module, ``{}`` for a block's or a deepstack merger's index.
+QWEN3_VL_PATTERNS: tuple[str, ...] = (
+    PATCH_EMBED, "patch_embed.proj.bias", "pos_embed.weight", *(BLOCKS + name for name, _ in _QWEN3_VL_BLOCK),
+    *(prefix + name for prefix in ("merger.", DEEPSTACK_MERGERS)
+      for name in ("norm.weight", "norm.bias", *(name for name, _ in _QWEN3_VL_MERGER))))
+
+
 # The towers pgconvert describes, by their ``vision_config.model_type``.
 TOWERS: dict[str, Tower] = {
     "qwen2_5_vl_vision": Tower(QWEN2_5_VL_MODULE, qwen2_5_vl_tower, ("out_hidden_size", 3584)),
+    "qwen3_vl_vision": Tower(QWEN3_VL_MODULE, qwen3_vl_tower, ("out_hidden_size", 3584)),
 }
 # Every tower's module: a name under one of them is a vision part's tensor (canonically and in rank files).
 VISION_MODULES: tuple[str, ...] = tuple(dict.fromkeys(tower.module for tower in TOWERS.values()))

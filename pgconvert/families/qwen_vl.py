@@ -28,7 +28,7 @@ QWEN_VL_TOKEN_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id
 QWEN2_5_VL = QWEN2.derive(
     "Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl",
     tensors=TensorTable((*vision_rows(QWEN2_5_VL_MODULE, "visual.", QWEN2_5_VL_PATTERNS), *QWEN2.tensors.rows)),
-    rules=(mrope_rule({"type": "mrope"}), vision_rule(QWEN_VL_TOKEN_KEYS)),
+    rules=(mrope_rule({"type": "mrope"}), vision_rule("qwen2_5_vl_vision", QWEN_VL_TOKEN_KEYS)),
     vision_language=VisionLanguage(text=QWEN2, text_model_type="qwen2_5_vl_text",
                                    vision_keys=("vision_config", *QWEN_VL_TOKEN_KEYS)),
     # A 4.x config.json's rope_scaling of type "mrope": its sections are read by the mrope rule.
@@ -39,7 +39,7 @@ QWEN3_VL = QWEN3.derive(
     "Qwen3VLForConditionalGeneration", "qwen3_vl",
     tensors=TensorTable((*vision_rows(QWEN3_VL_MODULE, "model.visual.", QWEN3_VL_PATTERNS),
                          *language_model_rows(QWEN3.tensors))),
-    rules=(mrope_rule({"mrope_interleaved": True}), vision_rule(QWEN_VL_TOKEN_KEYS)),
+    rules=(mrope_rule({"mrope_interleaved": True}), vision_rule("qwen3_vl_vision", QWEN_VL_TOKEN_KEYS)),
     vision_language=VisionLanguage(text=QWEN3, text_model_type="qwen3_vl_text",
                                    vision_keys=("vision_config", *QWEN_VL_TOKEN_KEYS)),
 )

@@ -41,14 +41,19 @@ def vision_rows(module: str, hf_prefix: str, patterns: Sequence[str]) -> tuple[T
     return tuple(TensorMapping(module + pattern, (hf_prefix + pattern,)) for pattern in patterns)
 
 
-def vision_rule(token_keys: tuple[str, ...]) -> ConfigRule:
-    """``vision_config`` (required: transformers' default describes a full-size tower) and the top-level
-    ``token_keys`` <-> ``ModelConfig.vision``."""
+def vision_rule(tower: str, token_keys: tuple[str, ...]) -> ConfigRule:
+    """``vision_config`` (required: transformers' default describes a full-size tower), of the family's ``tower``
+    (its ``model_type``; absent, transformers' class sets it), and the top-level ``token_keys`` <->
+    ``ModelConfig.vision``."""
 
     def read(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
         vision = present.get("vision_config")
         if not isinstance(vision, dict):
             raise ValueError(f"vision_config={quote(vision)}: expected the vision tower's config object")
+        vision = {**vision, "model_type": vision.get("model_type", tower)}
+        if vision["model_type"] != tower:
+            raise ValueError(f"vision_config.model_type={quote(vision['model_type'])}: this architecture's vision "
+                             f"tower is {tower!r}")
         ids = {key: present[key] for key in token_keys if key in present}
         return {"vision_config": vision_config_text(vision), "vision_token_ids": json.dumps(ids, sort_keys=True)}
 
@@ -59,8 +64,10 @@ def vision_rule(token_keys: tuple[str, ...]) -> ConfigRule:
         return {"vision_config": json.loads(config.vision.vision_config), **ids}
 
     def refuses(config: ModelConfig) -> str | None:
-        return "vision_config=None (needs the vision tower's config: a text model)" \
-            if config.vision.vision_config is None else None
+        if config.vision.vision_config is None:
+            return "vision_config=None (needs the vision tower's config: a text model)"
+        given = json.loads(config.vision.vision_config).get("model_type")
+        return None if given == tower else f"vision_config.model_type={given!r} (needs {tower!r})"
 
     return ConfigRule(keys=("vision_config", *token_keys), model_fields=("vision_config", "vision_token_ids"),
                       read=read, write=write, refuses=refuses, required=True)

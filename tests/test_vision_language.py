@@ -290,3 +290,20 @@ def test_qwen3_vl_through_megatron_tp2_pp2_and_text_only(qwen3_vl: Path, tmp_pat
     assert doc["architectures"] == ["Qwen3ForCausalLM"] and "mrope_interleaved" not in doc["rope_parameters"]
     ids = torch.tensor([[5, 6, 7, 40, 41, 42, 299, 8, 9, 10, 11, 12]])
     torch.testing.assert_close(_text_logits(text, ids), _text_logits(qwen3_vl, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_megatron_core_and_the_hf_vision_module_load_the_tp1_rank_file_and_compute_transformers_logits(
+        source: Path, expected: tuple[dict[str, torch.Tensor], torch.Tensor], tmp_path: Path) -> None:
+    """As Megatron-Bridge's Qwen25VLModel: transformers' vision module (visual.*) and megatron-core's GPTModel with
+    multimodal RoPE (language_model.*), each loaded strictly, give the source's logits on an image + text input."""
+    from support.mcore_helpers import rank_files
+    from support.mcore_vision_language import bridge_logits
+
+    (rank,) = rank_files(_converted(source, tmp_path / "megatron", dst_format="megatron", dst_tp=1))
+    inputs, logits = expected
+    computed = bridge_logits(rank, inputs)[..., :logits.shape[-1]]
+    torch.testing.assert_close(computed, logits, rtol=1e-5, atol=1e-5)
+    # Without the image's 3D positions (every position id alike) the logits move: megatron-core computes the sections.
+    assert rank.args.position_embedding_type == "mrope" and rank.args.mrope_section == [2, 3, 3]
+    flat = bridge_logits(rank, inputs, image_positions=False)[..., :logits.shape[-1]]
+    assert not torch.allclose(flat, logits, rtol=1e-4, atol=1e-4)

@@ -103,7 +103,7 @@ def test_the_family_list_gives_the_registry_and_the_inference_order() -> None:
         "SmolLM3ForCausalLM", "Phi3ForCausalLM", "SeedOssForCausalLM", "ArceeForCausalLM", "Ernie4_5ForCausalLM",
         "NemotronHForCausalLM", "MiniMaxM2ForCausalLM", "Dots1ForCausalLM", "Starcoder2ForCausalLM",
         "GPTNeoXForCausalLM", "CohereForCausalLM", "Qwen3NextForCausalLM", "Qwen2_5_VLForConditionalGeneration",
-        "Qwen3VLForConditionalGeneration")
+        "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration")
     assert list(families.FAMILIES.values()) == [*families.ORDERED, *families.VISION_LANGUAGE]
     assert families.supported_architectures() == sorted(families.INFERENCE_ORDER)
     assert families.CARRIED_ARGS == ("embedding_multiplier", "residual_multiplier", "logits_scaling",

@@ -307,3 +307,22 @@ def test_megatron_core_and_the_hf_vision_module_load_the_tp1_rank_file_and_compu
     assert rank.args.position_embedding_type == "mrope" and rank.args.mrope_section == [2, 3, 3]
     flat = bridge_logits(rank, inputs, image_positions=False)[..., :logits.shape[-1]]
     assert not torch.allclose(flat, logits, rtol=1e-4, atol=1e-4)
+
+
+def test_qwen3_vl_moe_through_megatron_tp2_pp2_ep2_and_text_only(tmp_path: Path) -> None:
+    source = build_vl_model("qwen3_vl_moe", tmp_path / "hf")
+    inputs = image_text_inputs(source)
+    megatron = _converted(source, tmp_path / "megatron", dst_format="megatron", dst_tp=2, dst_pp=2, dst_ep=2)
+    last = _rank_model(megatron, "mp_rank_01_001_001")["model"]
+    stored = load_hf_tensors(source)
+    # EP rank 1 holds experts 2 and 3 of the stacked HF tensor, as local experts 0 and 1.
+    local = last["language_model.decoder.layers.0.mlp.experts.local_experts.1.linear_fc2.weight"]
+    assert torch.equal(local, stored["model.language_model.layers.1.mlp.experts.down_proj"][3][:, 16:])
+    back = _converted(megatron, tmp_path / "back", dst_format="hf", dst_tp=1, dst_pp=1, dst_ep=1)
+    assert_same_hf_tensors(source, back)
+    torch.testing.assert_close(vl_logits(back, inputs), vl_logits(source, inputs), rtol=1e-5, atol=1e-5)
+    text = _converted(megatron, tmp_path / "text", dst_format="hf", dst_tp=1, dst_pp=1, dst_ep=1, text_only=True)
+    doc = json.loads((text / "config.json").read_text())
+    assert doc["architectures"] == ["Qwen3MoeForCausalLM"] and doc["norm_topk_prob"] is True
+    ids = torch.tensor([[5, 6, 7, 40, 41, 42, 299, 8, 9, 10, 11, 12]])
+    torch.testing.assert_close(_text_logits(text, ids), _text_logits(source, ids), rtol=1e-5, atol=1e-5)

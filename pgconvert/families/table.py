@@ -420,6 +420,9 @@ class VisionLanguage:
     top_level: tuple[str, ...] = ("tie_word_embeddings", "dtype", "torch_dtype")
     # config.json's top-level keys the vision rule reads (the vision config, token ids); never nested.
     vision_keys: tuple[str, ...] = ()
+    # What the text family's config.json states that the VL text config leaves to its class (Qwen3-VL-MoE's router
+    # always renormalizes: the text family's ``norm_topk_prob: true``).
+    text_settings: Mapping[str, Any] = field(default_factory=dict)
 
     def flat(self, doc: Mapping[str, Any]) -> dict[str, Any]:
         """One flat view of ``doc``: the text config's keys over the top level's, ``top_level`` keys from the
@@ -436,7 +439,7 @@ class VisionLanguage:
         """``doc`` as the text family's config.json: the flat view without the vision keys, the text family's
         architecture and model type, RoPE parameters without the multimodal sections."""
         view = {key: value for key, value in self.flat(doc).items() if key not in self.vision_keys}
-        view.update(architectures=[self.text.architecture], model_type=self.text.model_type)
+        view.update(architectures=[self.text.architecture], model_type=self.text.model_type, **self.text_settings)
         for key in ("rope_parameters", "rope_scaling"):
             params = view.get(key)
             if isinstance(params, dict) and ("mrope_section" in params or params.get("type") == "mrope"):

@@ -159,6 +159,8 @@ QWEN3_VL_PATTERNS: tuple[str, ...] = (
 TOWERS: dict[str, Tower] = {
     "qwen2_5_vl_vision": Tower(QWEN2_5_VL_MODULE, qwen2_5_vl_tower, ("out_hidden_size", 3584)),
     "qwen3_vl_vision": Tower(QWEN3_VL_MODULE, qwen3_vl_tower, ("out_hidden_size", 3584)),
+    # Qwen3-VL-MoE's tower is Qwen3-VL's (transformers' Qwen3VLMoeVisionModel, the same modules and defaults).
+    "qwen3_vl_moe_vision": Tower(QWEN3_VL_MODULE, qwen3_vl_tower, ("out_hidden_size", 3584)),
 }
 # Every tower's module: a name under one of them is a vision part's tensor (canonically and in rank files).
 VISION_MODULES: tuple[str, ...] = tuple(dict.fromkeys(tower.module for tower in TOWERS.values()))

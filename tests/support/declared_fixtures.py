@@ -52,7 +52,7 @@ VISIONS: tuple[dict[str, object], ...] = tuple(
                                        in_channels=3, num_position_embeddings=4, deepstack_visual_indexes=[1]),
                                   sort_keys=True, separators=(",", ":")),
          vision_token_ids=json.dumps({"image_token_id": 36}), mrope_section=(1,), position_embedding_type="mrope")
-    for tower in ("qwen2_5_vl_vision", "qwen3_vl_vision"))
+    for tower in ("qwen2_5_vl_vision", "qwen3_vl_vision", "qwen3_vl_moe_vision"))
 # Parts a family may accept, tried all together first; the routed-expert ones only with experts.
 EXPERT_PARTS: tuple[dict[str, object], ...] = (dict(moe_shared_expert_intermediate_size=8),
                                                dict(moe_layer_freq=(0, 1, 1)))

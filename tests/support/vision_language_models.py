@@ -21,7 +21,8 @@ import numpy
 import torch
 import transformers
 from transformers import (GenerationConfig, PreTrainedModel, PreTrainedTokenizerFast, Qwen2_5_VLConfig,
-                          Qwen2_5_VLForConditionalGeneration, Qwen3VLConfig, Qwen3VLForConditionalGeneration)
+                          Qwen2_5_VLForConditionalGeneration, Qwen3VLConfig, Qwen3VLForConditionalGeneration,
+                          Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration)
 
 WORDS = 296
 VISION_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
@@ -52,10 +53,15 @@ QWEN3_VL: dict[str, Any] = dict(
     image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN, vision_start_token_id=VISION_START,
     vision_end_token_id=VISION_END, tie_word_embeddings=False,
 )
+QWEN3_VL_MOE: dict[str, Any] = dict(
+    QWEN3_VL, text_config=dict(QWEN3_VL["text_config"], num_hidden_layers=2, moe_intermediate_size=32, num_experts=4,
+                               num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[]),
+    vision_config=dict(QWEN3_VL["vision_config"], depth=2, deepstack_visual_indexes=[0]))
 # name -> (config class, model class, settings, vision patch size)
 MODELS: dict[str, tuple[type[Any], type[PreTrainedModel], dict[str, Any], int]] = {
     "qwen2_5_vl": (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, QWEN2_5_VL, 14),
     "qwen3_vl": (Qwen3VLConfig, Qwen3VLForConditionalGeneration, QWEN3_VL, 16),
+    "qwen3_vl_moe": (Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration, QWEN3_VL_MOE, 16),
 }
 
 

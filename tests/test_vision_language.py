@@ -326,3 +326,49 @@ def test_qwen3_vl_moe_through_megatron_tp2_pp2_ep2_and_text_only(tmp_path: Path)
     assert doc["architectures"] == ["Qwen3MoeForCausalLM"] and doc["norm_topk_prob"] is True
     ids = torch.tensor([[5, 6, 7, 40, 41, 42, 299, 8, 9, 10, 11, 12]])
     torch.testing.assert_close(_text_logits(text, ids), _text_logits(source, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_a_towers_tensor_megatron_shards_is_cut_by_its_rule(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A made-up tower whose projector is a column-parallel linear (as Megatron-Bridge's Gemma 3 projector): one
+    entry in TOWERS; the provider cuts it by its rule and the Megatron format merges it back."""
+    from pgconvert.formats.stream import InMemorySource
+    from pgconvert.model.config import ModelConfig
+    from pgconvert.model.grid import build_converter_process_groups, iter_ranks
+    from pgconvert.model.layout import ParallelLayout
+    from pgconvert.formats import SaveOptions
+    from pgconvert.model.provider import canonical_shapes, provide
+    from pgconvert.model.rules import COLUMN
+    from pgconvert.savers.megatron import MegatronSaver
+    from pgconvert.model.vision import TOWERS, Tower, VisionTensor
+
+    def tower(vision: dict[str, object]) -> list[VisionTensor]:
+        return [VisionTensor("visual.norm.weight", (4,), "tower"),
+                VisionTensor("visual.proj.weight", (16, 4), "projector", COLUMN)]
+
+    monkeypatch.setitem(TOWERS, "made_up_vision", Tower("visual.", tower, ("out_hidden_size", 16)))
+    config = ModelConfig(num_layers=2, hidden_size=16, num_attention_heads=4, ffn_hidden_size=32, vocab_size=64,
+                         params_dtype="float32", vision_config=json.dumps({"model_type": "made_up_vision"}),
+                         vision_token_ids="{}")
+    layout = ParallelLayout(tp=2, pp=2)
+    groups = build_converter_process_groups(layout)
+    held = {}
+    for coord in iter_ranks(layout):
+        groups.set_coord(coord)
+        held[(coord.tp, coord.pp)] = {spec.local_name: spec.local_shape for spec in provide(config, groups).specs
+                                      if spec.local_name.startswith("visual.")}
+    assert held[(0, 0)] == held[(1, 0)] == {"visual.norm.weight": (4,), "visual.proj.weight": (8, 4)}
+    assert held[(0, 1)] == held[(1, 1)] == {}
+    tensors = {name: torch.randn(shape, generator=torch.Generator().manual_seed(index))
+               for index, (name, shape) in enumerate(canonical_shapes(config).items())}
+    out = tmp_path / "megatron"
+    MegatronSaver().save(InMemorySource(config, tensors), out, SaveOptions(layout=layout), lambda nbytes: None)
+    first = [_rank_model(out, f"mp_rank_0{tp}_000")["model"] for tp in range(2)]
+    assert torch.equal(torch.cat([model["visual.proj.weight"] for model in first]), tensors["visual.proj.weight"])
+    from pgconvert.formats import LoadOptions
+    from pgconvert.formats.registry import get_loader
+
+    dist = _converted(out, tmp_path / "dist", dst_format="torch_dist")
+    for path, format_name in ((out, "megatron"), (dist, "torch_dist")):
+        with get_loader(format_name).open(path, LoadOptions()) as loaded:  # vocab tables come back padded
+            assert [name for name, tensor in tensors.items()
+                    if not torch.equal(loaded.load(name)[:len(tensor)], tensor)] == [], format_name

@@ -273,9 +273,9 @@ def provide(
     specs = _SpecAdder(shard, groups)
     vocab_shape = (padded_vocab_size, config.hidden_size)
     experts = _local_experts(config, groups.ep.size(), groups.ep.rank())
-    if pre_process:  # a VL model's vision part, whole on every TP rank (Megatron-Bridge's ReplicatedMapping)
+    if pre_process:  # a VL model's vision part (whole on every TP rank where Megatron-Bridge replicates it)
         for tensor in tower_tensors(config.vision.vision_config):
-            specs(tensor.name, tensor.name, tensor.shape, REPLICATED)
+            specs(tensor.name, tensor.name, tensor.shape, tensor.rule)
     # The MTP stage (the last) holds its own copy of the embedding (GPTModel: pre_process or mtp_process).
     if pre_process or (post_process and config.mtp_num_layers):
         _add_embeddings(config, specs, vocab_shape)

@@ -7,7 +7,8 @@ stage's first model chunk) and registered before the language model; its bridge 
 (``ReplicatedMapping``): every TP rank holds the whole tensor. So a tower is described here as the names and
 shapes of its tensors, computed from HF's ``vision_config`` (its ``model_type`` picks the description), each
 ``<Megatron-Bridge's module>.<name inside the HF module>`` (Qwen2.5-VL's module is ``visual.``, Qwen3-VL's
-``vision_model.``: ``Tower.module``); the provider places them whole on the first chunk.
+``vision_model.``: ``Tower.module``); the provider places them on the first chunk, each cut by its rule (whole on
+every TP rank unless the tower says Megatron shards it).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 
 from pgconvert.errors import ConfigError
 from pgconvert.io.limits import quote
+from pgconvert.model.rules import REPLICATED, ShardRule
 
 # Megatron-Bridge's module of a VL model's language model (the vision part's is its tower's ``module``).
 LANGUAGE_MODEL_MODULE = "language_model."
@@ -27,12 +29,15 @@ QWEN2_5_VL_MODULE = "visual."
 
 @dataclass(frozen=True)
 class VisionTensor:
-    """One tensor of the vision part: its canonical (Megatron) name, global shape and part."""
+    """One tensor of the vision part: its canonical (Megatron) name, global shape, part and TP rule."""
 
     name: str
     shape: tuple[int, ...]
     # "tower" (patch embedding, blocks) or "projector" (the merger into the language model's width).
     part: str
+    # How TP ranks hold it: whole (a transformers module Megatron-Bridge replicates), or a megatron-core module's
+    # rule where Megatron shards it (Gemma 3's projector is a ColumnParallelLinear: ``rules.COLUMN``).
+    rule: ShardRule = REPLICATED
 
 
 @dataclass(frozen=True)

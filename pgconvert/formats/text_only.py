@@ -51,13 +51,7 @@ class LanguageModelSource(CanonicalSource):
         self.megatron_args = _text_args(inner.megatron_args)
         self.hf_origin = _text_origin(inner.hf_origin)
         self.side_files, dropped = _text_side_files(inner.side_files)
-        tensors = tower_tensors(config.vision.vision_config)
-        parts = {part: [tensor.name for tensor in tensors if tensor.part == part] for part in ("tower", "projector")}
-        self.notices.append(
-            f"--text-only: left out the vision tower ({len(parts['tower'])} tensors: {parts['tower'][0]} … "
-            f"{parts['tower'][-1]}), the projector ({', '.join(parts['projector'])}), multimodal RoPE "
-            f"(mrope_section={list(config.positions.mrope_section or ())}: a text input computes plain RoPE)"
-            + (f" and the files {', '.join(dropped)}" if dropped else ""))
+        self.notices.append(_left_out(config, dropped))
 
     def names(self) -> list[str]:
         return [name for name in self.inner.names() if not is_vision_tensor(name)]
@@ -65,11 +59,13 @@ class LanguageModelSource(CanonicalSource):
     def meta(self, name: str) -> TensorMeta:
         return self.inner.meta(name)
 
+    # The wrapped source's reads as they are: this source's ``load`` / ``load_shard`` add a merged adapter and check
+    # the values, once.
     def _load(self, name: str) -> torch.Tensor:
-        return self.inner.load(name)
+        return self.inner._load(name)
 
     def _load_shard(self, name: str, rule: ShardRule, size: int, rank: int, rows: int | None) -> torch.Tensor:
-        return self.inner.load_shard(name, rule, size, rank, rows)
+        return self.inner._load_shard(name, rule, size, rank, rows)
 
     def describe(self) -> str:
         return f"{self.inner.describe()} (its language model)"
@@ -94,6 +90,17 @@ class LanguageModelSource(CanonicalSource):
 
     def close(self) -> None:
         self.inner.close()
+
+
+def _left_out(config: ModelConfig, files: list[str]) -> str:
+    """The notice naming what ``--text-only`` leaves out of a VL model."""
+    tensors = tower_tensors(config.vision.vision_config)
+    parts = {part: [tensor.name for tensor in tensors if tensor.part == part] for part in ("tower", "projector")}
+    named = {part: f"{len(names)} tensors: {names[0]} … {names[-1]}" if len(names) > 2 else ", ".join(names)
+             for part, names in parts.items()}
+    return (f"--text-only: left out the vision tower ({named['tower']}), the projector ({named['projector']}), "
+            f"multimodal RoPE (mrope_section={list(config.positions.mrope_section or ())}: a text input computes "
+            "plain RoPE)" + (f" and the files {', '.join(files)}" if files else ""))
 
 
 def _text_args(args: argparse.Namespace | None) -> argparse.Namespace | None:

@@ -373,3 +373,32 @@ def test_a_towers_tensor_megatron_shards_is_cut_by_its_rule(monkeypatch: pytest.
         with get_loader(format_name).open(path, LoadOptions()) as loaded:  # vocab tables come back padded
             assert [name for name, tensor in tensors.items()
                     if not torch.equal(loaded.load(name)[:len(tensor)], tensor)] == [], format_name
+
+
+def _released_layout(source: Path, tmp_path: Path) -> Path:
+    """The source with config.json as Qwen2.5-VL's release ships it (transformers 4.x): the text settings at the top
+    level, RoPE as ``rope_scaling`` of type "mrope", no ``model_type`` in ``vision_config``."""
+    src = _edited(source, tmp_path)
+    doc = json.loads((src / "config.json").read_text())
+    text = doc.pop("text_config")
+    rope = text.pop("rope_parameters")
+    doc["vision_config"].pop("model_type")
+    doc.update({key: value for key, value in text.items() if key not in ("model_type", "layer_types")},
+               rope_theta=rope["rope_theta"], rope_scaling={"type": "mrope", "mrope_section": rope["mrope_section"]})
+    (src / "config.json").write_text(json.dumps(doc))
+    return src
+
+
+def test_the_released_flat_config_json_reads_as_the_nested_one(source: Path, tp2_pp2: Path, expected: tuple[
+        dict[str, torch.Tensor], torch.Tensor], tmp_path: Path) -> None:
+    released = _released_layout(source, tmp_path)
+    inputs, logits = expected
+    torch.testing.assert_close(vl_logits(released, inputs), logits, rtol=0, atol=0)  # transformers reads both alike
+    megatron = _converted(released, tmp_path / "megatron", dst_format="megatron", dst_tp=2, dst_pp=2)
+    for rank_dir in ("mp_rank_00_000", "mp_rank_01_001"):
+        assert vars(_rank_model(megatron, rank_dir)["args"]) == vars(_rank_model(tp2_pp2, rank_dir)["args"])
+    (megatron / "hf" / "config.json").unlink()  # config.json built from the args: the nested form
+    back = _converted(megatron, tmp_path / "hf", dst_format="hf", dst_tp=1, dst_pp=1)
+    assert "text_config" in json.loads((back / "config.json").read_text())
+    assert_same_hf_tensors(source, back)
+    torch.testing.assert_close(vl_logits(back, inputs), logits, rtol=1e-5, atol=1e-5)

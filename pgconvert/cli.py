@@ -156,7 +156,7 @@ CONVERT_HELP_SECTIONS: HelpSections = (
                         "--overwrite", "--quiet", "--verbose", "--help")),
     ("Layout", ("--dst-vpp", "--dst-decoder-first-pipeline-num-layers", "--dst-decoder-last-pipeline-num-layers",
                 "--dst-pipeline-layout", "--dst-expert-tp")),
-    ("Source", ("--src-format", "--src-tp", "--src-pp", "--src-ep", "--true-vocab-size")),
+    ("Source", ("--src-format", "--src-tp", "--src-pp", "--src-ep", "--true-vocab-size", "--text-only")),
     ("Naming", ("--dst-transformer-impl", "--dst-expert-layout", "--dst-mtp-layer-name", "--dst-torch-dist-common")),
     ("Output files", ("--max-shard-size", "--digest")),
     ("HF output", ("--hf-config", "--generation-config", "--tokenizer", "--keep-fp8")),
@@ -316,6 +316,10 @@ def _layout_option(name: str, help_text: str) -> Any:
               metavar="DIR", help="Merge a Hugging Face PEFT LoRA adapter (adapter_config.json, "
                                   "adapter_model.safetensors) into the model: W + (B @ A) * alpha / r in float32, "
                                   "rounded once to the weight's dtype, at any DST layout.")
+@click.option("--text-only", is_flag=True,
+              help="A vision-language source: convert its language model alone (hf: written as the text model's "
+                   "own architecture and config); what is left out (vision tower, projector, processor files) is "
+                   "named in a notice.")
 def convert_command(src: Path, dst: Path, src_format: str, dst_format: str, src_tp: int | None,
                     src_pp: int | None, dst_tp: int | None, dst_pp: int | None,
                     dst_decoder_first_pipeline_num_layers: int | None,
@@ -331,7 +335,7 @@ def convert_command(src: Path, dst: Path, src_format: str, dst_format: str, src_
                     quiet: bool, verbose: bool, keep_fp8: bool = False, skip_optimizer: bool = False,
                     dst_dp: int | None = None, dst_optim_form: str | None = None,
                     dst_mtp_layer_name: str | None = None, dst_torch_dist_common: str = "store",
-                    merge_adapter: Path | None = None) -> None:
+                    merge_adapter: Path | None = None, text_only: bool = False) -> None:
     """Convert SRC into DST (the default command)."""
     from pgconvert.run.convert import ConvertRequest
 
@@ -354,7 +358,7 @@ def convert_command(src: Path, dst: Path, src_format: str, dst_format: str, src_
         generation_config=generation_config, tokenizer=tokenizer,
         keep_fp8=keep_fp8, skip_optimizer=skip_optimizer, dst_dp=dst_dp, dst_optim_form=dst_optim_form,
         dst_mtp_layer_name=dst_mtp_layer_name, dst_torch_dist_common=dst_torch_dist_common,
-        merge_adapter=merge_adapter,
+        merge_adapter=merge_adapter, text_only=text_only,
     )
     try:
         shard = _shard_of_this_process(shard_index, num_shards)

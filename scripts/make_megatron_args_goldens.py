@@ -107,6 +107,7 @@ FLAG_VALUES: dict[str, str] = {
     "mamba_num_groups": "2", "mamba_num_heads": "4", "experimental_attention_variant": "gated_delta_net",
     "linear_attention_freq": "4", "linear_conv_kernel_dim": "3", "linear_key_head_dim": "32",
     "linear_value_head_dim": "32", "linear_num_key_heads": "4", "linear_num_value_heads": "8",
+    "mrope_section": "8",
 }
 # Flags a field's flag needs beside it (a MoE flag: experts; a YaRN flag: YaRN; a window: the window).
 _YARN = ["--position-embedding-type", "yarn"]
@@ -157,6 +158,7 @@ FLAG_CONTEXT: dict[str, list[str]] = {
     "softmax_type": ["--position-embedding-type", "rope"],
     "glu_linear_offset": ["--swiglu"], "activation_func_clamp_value": [*MOE, "--swiglu"],
     "padded_vocab_size": [],
+    "mrope_section": ["--position-embedding-type", "mrope"],
     # megatron-core's TransformerConfig asserts a pattern for gated delta net layers (and the TE spec builds them).
     "experimental_attention_variant": ["--linear-attention-freq", "4", "--transformer-impl", "transformer_engine"],
 }

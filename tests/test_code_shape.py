@@ -41,7 +41,7 @@ def test_the_check_sees_a_long_function(tmp_path: Path) -> None:
 DEFINERS = {"pgconvert/model/rules.py", "pgconvert/families/table.py"}
 # The owners of tensor names: the layer kinds' tables define them, the provider (which re-exports them)
 # answers whether a name is a routed expert's, a fused norm's, …
-NAME_OWNERS = re.compile(r"pgconvert/model/(provider|kinds/\w+)\.py")
+NAME_OWNERS = re.compile(r"pgconvert/model/(provider|vision|kinds/\w+)\.py")
 PACKAGE_FOLDERS = ("pgconvert", "loaders", "savers")
 
 

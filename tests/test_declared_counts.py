@@ -46,7 +46,8 @@ HF_CASES = [(family.architecture, key) for family in ORDERED for key in count_ke
 @pytest.fixture(scope="module")
 def family_sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("declared_families")
-    return {family.architecture: write_family_checkpoint(family, root / family.architecture) for family in ORDERED}
+    return {architecture: write_family_checkpoint(family, root / architecture)
+            for architecture, family in FAMILIES.items()}
 
 
 def _tensors(src: Path) -> dict[str, tuple[int, ...]]:

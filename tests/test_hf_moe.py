@@ -342,6 +342,21 @@ _FAMILY_NEEDS: dict[str, dict[str, object]] = {
     **{architecture: {"linear_attention_freq": 2, "linear_num_key_heads": 2, "linear_num_value_heads": 2,
                       "linear_key_head_dim": 2, "linear_value_head_dim": 2, "transformer_impl": "transformer_engine"}
        for architecture in ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")},
+    # A vision part whose projector writes the tiny hidden size, and multimodal RoPE.
+    "Qwen2_5_VLForConditionalGeneration": {
+        "vision_config": json.dumps({"model_type": "qwen2_5_vl_vision", "depth": 1, "hidden_size": 4, "num_heads": 2,
+                                     "intermediate_size": 6, "out_hidden_size": 8, "patch_size": 2}),
+        "vision_token_ids": "{}", "position_embedding_type": "mrope", "mrope_section": (1,)},
+    "Qwen3VLForConditionalGeneration": {
+        "vision_config": json.dumps({"model_type": "qwen3_vl_vision", "depth": 1, "hidden_size": 4, "num_heads": 2,
+                                     "intermediate_size": 6, "out_hidden_size": 8, "patch_size": 2,
+                                     "num_position_embeddings": 4, "deepstack_visual_indexes": [0]}),
+        "vision_token_ids": "{}", "position_embedding_type": "mrope", "mrope_section": (1,)},
+    "Qwen3VLMoeForConditionalGeneration": {
+        "vision_config": json.dumps({"model_type": "qwen3_vl_moe_vision", "depth": 1, "hidden_size": 4, "num_heads": 2,
+                                     "intermediate_size": 6, "out_hidden_size": 8, "patch_size": 2,
+                                     "num_position_embeddings": 4, "deepstack_visual_indexes": [0]}),
+        "vision_token_ids": "{}", "position_embedding_type": "mrope", "mrope_section": (1,)},
 }
 # Families that take dense and MoE models, and what their MoE model needs (Nemotron-H: an E layer, routed as its
 # NemotronHMoE routes, with its shared expert).

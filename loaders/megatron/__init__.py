@@ -65,6 +65,7 @@ from pgconvert.model.provider import (
 from pgconvert.model.rules import ReplicaMismatchError, ShardRule, bitwise_equal, concatenating_with
 from pgconvert.formats.stream import CanonicalSource, ExtraState, TensorMeta
 from pgconvert.formats.strict import fallback
+from pgconvert.formats.vision_args import is_vision_language, unwrapped
 
 log = logging.getLogger(__name__)
 
@@ -200,6 +201,8 @@ class MegatronSource(CanonicalSource):
         self._stored_at: dict[int, tuple[Path, int]] = {}
         first_file, first_state, args = self._read_first(rank_dirs[first_name] / RANK_FILE)
         self._first_keys = set(first_state[0])  # what the first rank file holds besides the model
+        # A VL model's rank files hold the language model under ``language_model.`` (pgconvert.formats.vision_args).
+        self._vision_language = is_vision_language(args)
         layout = layout_from_args(args, first_file, options.strict, self._early_notices)
         check_megatron_layout(layout, "src", first_file)
         self.layout = layout
@@ -261,9 +264,15 @@ class MegatronSource(CanonicalSource):
         if not mappable(path):
             self._unmapped.add(coord)
         for chunk_key in chunk_keys:
-            models[(coord, chunk_key)] = _model_dict(state[chunk_key], path, chunk_key)
+            models[(coord, chunk_key)] = self._named(_model_dict(state[chunk_key], path, chunk_key), path)
             if structure.is_zip and isinstance(structure.meta, dict):
-                self._record_locations(path, models[(coord, chunk_key)], structure.meta.get(chunk_key))
+                meta = structure.meta.get(chunk_key)
+                self._record_locations(path, models[(coord, chunk_key)],
+                                       self._named(meta, path) if isinstance(meta, dict) else meta)
+
+    def _named(self, model: dict[str, Any], path: Path) -> dict[str, Any]:
+        """A model chunk by the GPT names pgconvert uses (a VL model's language model unwrapped)."""
+        return unwrapped(model, path) if self._vision_language else model
 
     def _record_locations(self, path: Path, model: dict[str, Any], meta: object) -> None:
         """Where in ``path`` each mapped tensor of ``model`` stores its bytes, from the meta tensors the

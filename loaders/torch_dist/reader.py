@@ -38,6 +38,7 @@ from pgconvert.loaders.torch_dist.optimizer import TorchDistOptimizerSource
 from pgconvert.loaders.torch_dist.optimizer_forms import sharding_type
 from pgconvert.io.paths import ensure_within
 from pgconvert.model.declared import StoredCounts, check_declared_counts, declaring_settings, named_values, shape_settings
+from pgconvert.model.vision import LANGUAGE_MODEL_MODULE
 from pgconvert.model.provider import (LAYER_PREFIX, MTP_PREFIX, OUTPUT_LAYER, VOCAB_TABLES, WORD_EMBEDDINGS,
                                       canonical_shapes, shape_function)
 from pgconvert.model.rules import ShardRule
@@ -363,14 +364,16 @@ class TorchDistSource(CanonicalSource):
 
 def _stored_counts(metadata: Metadata, where: str) -> StoredCounts:
     """The decoder layers, routed experts per layer and MTP layers a checkpoint's index holds: one
-    key per layer (``decoder.layers.{i}.…``) or the leading layer axis of stacked keys; the expert
-    axis of the experts' keys (after the layer axis of stacked ones); one key per MTP layer."""
+    key per layer (``decoder.layers.{i}.…``, a VL model's under ``language_model.``) or the leading layer axis of
+    stacked keys; the expert axis of the experts' keys (after the layer axis of stacked ones); one key per MTP
+    layer."""
     layers: set[int] = set()
     stacked = experts = 0
     mtp: set[int] = set()
-    for key, md in metadata.state_dict_metadata.items():
+    for stored_key, md in metadata.state_dict_metadata.items():
         if not isinstance(md, TensorStorageMetadata) or not md.size:
             continue
+        key = stored_key.removeprefix(LANGUAGE_MODEL_MODULE)  # a VL model's language model (pgconvert.model.vision)
         for prefix, indices in ((LAYER_PREFIX, layers), (MTP_PREFIX, mtp)):
             index = key[len(prefix):].partition(".")[0] if key.startswith(prefix) else ""
             if index.isdigit():

@@ -31,6 +31,7 @@ from pgconvert.families import (
     qwen,
     qwen3_5,
     qwen3_next,
+    qwen_vl,
     seed_oss,
     smollm,
     starcoder2,
@@ -105,7 +106,11 @@ ORDERED: tuple[Family, ...] = (
     qwen3_5.QWEN3_5_MOE,
 )
 
-FAMILIES: dict[str, Family] = {family.architecture: family for family in ORDERED}
+# Vision-language families: a text family's language model with a vision part (pgconvert.families.vision_language);
+# only they take a model with a vision part, which every text family refuses.
+VISION_LANGUAGE: tuple[Family, ...] = (qwen_vl.QWEN2_5_VL, qwen_vl.QWEN3_VL, qwen_vl.QWEN3_VL_MOE)
+
+FAMILIES: dict[str, Family] = {family.architecture: family for family in (*ORDERED, *VISION_LANGUAGE)}
 # The family written for a source that carries no HF architecture: the first that fits.
 INFERENCE_ORDER: tuple[str, ...] = tuple(FAMILIES)
 # The families' settings megatron-core does not compute, carried in Megatron args under their
@@ -123,4 +128,4 @@ def hf_spellings(setting: str) -> dict[str, str]:
     """How each family's config.json holds the ``SEMANTICS`` row ``setting``: its own note, else the
     row's text."""
     (row,) = [row for row in SEMANTICS if row.name == setting]
-    return {family.architecture: family.hf_notes.get(setting, row.hf) for family in ORDERED}
+    return {family.architecture: family.hf_notes.get(setting, row.hf) for family in FAMILIES.values()}

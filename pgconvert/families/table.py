@@ -33,9 +33,10 @@ from pgconvert.semantics.carried import CarriedSetting
 SLOT = "{}"
 HYBRID_PATTERN = "hybrid_override_pattern"
 # The layer structure of a family that neither reads nor fixes these settings: no layer pattern, no
-# linear attention layers, no attention output gate.
+# linear attention layers, no attention output gate, no vision part or multimodal RoPE.
 STRUCTURE_UNLESS_READ: dict[str, object] = {HYBRID_PATTERN: None, "experimental_attention_variant": None,
-                                            "attention_output_gate": False}
+                                            "attention_output_gate": False, "vision_config": None,
+                                            "vision_token_ids": None, "mrope_section": None}
 # Rows ``[start, stop)`` along a dim of one HF part of a canonical tensor: (part index, dim, start, stop).
 PartReader = Callable[[int, int, int, int], torch.Tensor]
 
@@ -415,6 +416,59 @@ class TensorTable:
 
 REQUIRED = object()
 
+# The keys of a config.json that describe the file, not the model: never nested in a text config.
+DOCUMENT_KEYS = ("architectures", "model_type", "transformers_version")
+
+
+@dataclass(frozen=True)
+class VisionLanguage:
+    """How a vision-language architecture's config.json holds its language model, as transformers reads it:
+    the text model's settings in the object ``text_config_key`` (``model_type`` ``text_model_type``), the
+    ``top_level`` keys beside it (their top-level value wins: transformers' VL classes keep
+    ``tie_word_embeddings`` and the dtype there), the vision part's keys at the top level. ``text`` is the
+    language model's own family (Qwen2.5-VL's is Qwen2): ``--text-only`` writes it."""
+
+    text: Family
+    text_model_type: str
+    text_config_key: str = "text_config"
+    top_level: tuple[str, ...] = ("tie_word_embeddings", "dtype", "torch_dtype")
+    # config.json's top-level keys the vision rule reads (the vision config, token ids); never nested.
+    vision_keys: tuple[str, ...] = ()
+    # What the text family's config.json states that the VL text config leaves to its class (Qwen3-VL-MoE's router
+    # always renormalizes: the text family's ``norm_topk_prob: true``).
+    text_settings: Mapping[str, Any] = field(default_factory=dict)
+
+    def flat(self, doc: Mapping[str, Any]) -> dict[str, Any]:
+        """One flat view of ``doc``: the text config's keys over the top level's, ``top_level`` keys from the
+        top; a config.json without a text config (transformers 4's) is read as it is."""
+        nested = doc.get(self.text_config_key)
+        if not isinstance(nested, dict):
+            return {key: value for key, value in doc.items() if key != self.text_config_key}
+        view = {key: value for key, value in doc.items() if key != self.text_config_key}
+        view.update({key: value for key, value in nested.items() if key not in DOCUMENT_KEYS})
+        view.update({key: doc[key] for key in self.top_level if key in doc})
+        return view
+
+    def text_doc(self, doc: Mapping[str, Any]) -> dict[str, Any]:
+        """``doc`` as the text family's config.json: the flat view without the vision keys, the text family's
+        architecture and model type, RoPE parameters without the multimodal sections."""
+        view = {key: value for key, value in self.flat(doc).items() if key not in self.vision_keys}
+        view.update(architectures=[self.text.architecture], model_type=self.text.model_type, **self.text_settings)
+        for key in ("rope_parameters", "rope_scaling"):
+            params = view.get(key)
+            if isinstance(params, dict) and ("mrope_section" in params or params.get("type") == "mrope"):
+                kept = {name: value for name, value in params.items()
+                        if name not in ("mrope_section", "mrope_interleaved", "type")}
+                view[key] = kept if key == "rope_parameters" or kept.get("rope_type", "default") != "default" else None
+        return view
+
+    def nested(self, doc: Mapping[str, Any]) -> dict[str, Any]:
+        """``doc`` (a flat view) as transformers writes it: the text model's keys in the text config."""
+        top = (*DOCUMENT_KEYS, *self.top_level, *self.vision_keys)
+        text = {key: value for key, value in doc.items() if key not in top}
+        return {**{key: value for key, value in doc.items() if key in top},
+                self.text_config_key: {**text, "model_type": self.text_model_type}}
+
 
 @dataclass(frozen=True)
 class ConfigField:
@@ -576,6 +630,8 @@ class Family:
     # The Megatron-only settings of a model read from HF, where they differ from every family's
     # (pgconvert.formats.hf.LOADED_DEFAULTS: the local layer spec): the layer spec megatron-core ships for it.
     megatron_defaults: Mapping[str, object] = field(default_factory=dict)
+    # A vision-language architecture: how its config.json nests the language model's, and that model's family.
+    vision_language: VisionLanguage | None = None
 
     def __post_init__(self) -> None:
         mapped = {f.model_field for f in self.fields}

@@ -81,7 +81,8 @@ def refuse_unknown_keys(config: ModelConfig, where: str, verb: str = "read") -> 
     or "written"."""
     unknown = {"num_experts": config.moe.num_experts, "mtp_num_layers": config.mtp_num_layers or None,
                "multi_latent_attention": config.attention.multi_latent_attention or None,
-               "hybrid_override_pattern": config.hybrid_override_pattern}
+               "hybrid_override_pattern": config.hybrid_override_pattern,
+               "vision_config": "set" if config.vision.vision_config is not None else None}
     found = {name: value for name, value in unknown.items() if value}
     if found:
         raise CheckpointError(f"{where}: fsdp_dtensor checkpoints of models with {quote(found)} are not {verb} yet; "

@@ -178,6 +178,8 @@ def model_config_from_hf(doc: dict[str, Any], path: Path, stored_dtype: torch.dt
     ``stored``, what the checkpoint stores (``stored_counts``), bounds the declared layer and expert
     counts before anything loops over them, the family's rules included (their per-layer lists)."""
     family = family_of(doc, path, error)
+    if family.vision_language is not None:  # the language model's settings nested in its text config
+        doc = family.vision_language.flat(doc)
     for key, expected in family.hf_fixed.items():
         value = doc.get(key, expected)
         if value != expected:
@@ -343,7 +345,7 @@ def hf_config_from_model(family: Family, config: ModelConfig, dtype: torch.dtype
     if family.hf_mtp_layers_key is not None:
         doc[family.hf_mtp_layers_key] = config.mtp_num_layers
     doc["dtype"] = str(dtype).removeprefix("torch.")
-    return doc
+    return doc if family.vision_language is None else family.vision_language.nested(doc)
 
 
 # --- what an HF family cannot express ------------------------------------------------------------

@@ -17,10 +17,11 @@ They are copied byte for byte, never parsed, except config.json and generation_c
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import os
 import stat
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ from pgconvert.formats.hf import (
     MISSING,
     config_disagreements,
     family_mismatches,
+    family_of,
     get_path,
     infer_family,
     model_config_from_hf,
@@ -66,8 +68,12 @@ TOKENIZER_FILES: tuple[str, ...] = (
     "chat_template.jinja",
     "chat_template.json",
 )
+# What transformers' processors of multimodal models save beside the tokenizer (utils/hub.py's
+# PROCESSOR_NAME, IMAGE_PROCESSOR_NAME = FEATURE_EXTRACTOR_NAME, VIDEO_PROCESSOR_NAME).
+PROCESSOR_FILES: tuple[str, ...] = ("processor_config.json", "preprocessor_config.json",
+                                    "video_preprocessor_config.json")
 # Every file a side set may hold, config.json included (an hf target writes its own from it).
-SIDE_FILES: tuple[str, ...] = (CONFIG_FILE, GENERATION_CONFIG_FILE, *TOKENIZER_FILES)
+SIDE_FILES: tuple[str, ...] = (CONFIG_FILE, GENERATION_CONFIG_FILE, *TOKENIZER_FILES, *PROCESSOR_FILES)
 # Side files are copied in pieces of this size, never read whole.
 COPY_CHUNK_BYTES = 8 * 2**20
 # Token ids of generation_config.json: an integer, a list of them, or null.
@@ -96,6 +102,10 @@ class SideFiles:
 
     def get(self, name: str) -> SideFile | None:
         return next((item for item in self.files if item.name == name), None)
+
+    def without(self, names: Collection[str]) -> SideFiles:
+        """These side files less those named."""
+        return dataclasses.replace(self, files=tuple(item for item in self.files if item.name not in names))
 
 
 def _checked(directory: Path, name: str, confine: bool, error: type[PgconvertError]) -> SideFile:
@@ -243,8 +253,12 @@ def carried_config(doc: dict[str, Any], path: Path,
     """The family and base config.json of an hf target from a carried config.json, and the guesses
     made (for ``pgconvert.formats.strict.fallback``). It is kept whole where it describes the model; where
     the model's settings differ, the model's values are written and each difference is named. None:
-    a config.json built from the model (the carried one names a family the model cannot be)."""
+    a config.json built from the model (the carried one names a family the model cannot be). A vision-language
+    config.json carried with a model that has no vision part (``--text-only``) is read as its text model's."""
     try:
+        nesting = family_of(doc, path, ConfigError).vision_language
+        if nesting is not None and config.vision.vision_config is None:
+            doc = nesting.text_doc(doc)
         family, differences = config_disagreements(doc, path, config)
     except ConfigError as exc:
         return infer_family(config), None, [f"{path} is not usable ({exc}); config.json is built from the model"]
@@ -263,7 +277,8 @@ def carried_config(doc: dict[str, Any], path: Path,
 def _with_model_values(doc: dict[str, Any], path: Path, family: Family, config: ModelConfig) -> dict[str, Any]:
     """A copy of ``doc`` holding ``config``'s value for every family field and rule key that differs."""
     _, described, _ = model_config_from_hf(doc, path, error=ConfigError)
-    updated = copy.deepcopy(doc)
+    nesting = family.vision_language
+    updated = copy.deepcopy(doc if nesting is None else nesting.flat(doc))
     for spec in family.fields:
         value = spec.value_of(config)
         if value == spec.value_of(described):
@@ -274,7 +289,7 @@ def _with_model_values(doc: dict[str, Any], path: Path, family: Family, config: 
     for rule in family.rules:
         in_file, in_model = rule.write(described), rule.write(config)
         updated.update({key: copy.deepcopy(in_model[key]) for key in rule.keys if in_file[key] != in_model[key]})
-    return updated
+    return updated if nesting is None else nesting.nested(updated)
 
 
 def _put(doc: dict[str, Any], where: tuple[str, ...], value: object, keep_null: bool) -> None:

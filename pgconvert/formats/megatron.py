@@ -33,11 +33,12 @@ import numpy
 import numpy.dtypes
 import torch
 
-from pgconvert.model.config import ModelConfig
+from pgconvert.model.config import ROTARY_TYPES, ModelConfig
 from pgconvert.errors import CheckpointError, ConfigError, LayoutError, UnsafePickleError
 from pgconvert.formats import RELEASE, Iteration
 from pgconvert.formats.hybrid_args import (hybrid_from_args, hybrid_to_args, linear_attention_from_args,
                                           linear_attention_to_args)
+from pgconvert.formats.vision_args import MROPE, vision_from_args, vision_to_args
 from pgconvert.formats.megatron_args import MEGATRON_DEFAULTS, megatron_ffn_hidden_size, none_notices
 from pgconvert.model.layout import ParallelLayout
 from pgconvert.io.limits import MAX_TRACKER_BYTES, over_limit, quote
@@ -363,6 +364,7 @@ def _config_from_args(args: argparse.Namespace, path: Path, transformer_impl: st
         **hybrid_from_args(args, path),
         **linear_attention_from_args(args, path),
         **semantics_from_args(args, path, CARRIED_SETTINGS),
+        **vision_from_args(args, path),
     })
 
 
@@ -402,7 +404,7 @@ def _position_embedding_type(args: argparse.Namespace, path: Path) -> str:
         position = "rope" if getattr(args, "use_rotary_position_embeddings", False) else "learned_absolute"
     if position == "yarn":
         position = "rope"  # YaRN-scaled RoPE: pgconvert.semantics.yarn reads its parameters
-    if position not in ("rope", "learned_absolute", "none"):
+    if position not in ("rope", MROPE, "learned_absolute", "none"):
         raise CheckpointError(f"{path}: args.position_embedding_type={quote(position)} is not supported")
     return position
 
@@ -535,6 +537,7 @@ def args_for_target(config: ModelConfig, layout: ParallelLayout, padded_vocab_si
     values.update(semantics_to_args(config, CARRIED_SETTINGS))
     values.update(hybrid_to_args(config))
     values.update(linear_attention_to_args(config))
+    values.update(vision_to_args(config))
     if config.vocab_size is not None:
         values["vocab_size"] = config.vocab_size
     if config.moe.num_experts is not None:
@@ -630,7 +633,7 @@ def _fresh_run_args(config: ModelConfig) -> dict[str, Any]:
     not come from a training run."""
     return {
         "add_position_embedding": config.positions.position_embedding_type == "learned_absolute",
-        "use_rotary_position_embeddings": config.positions.position_embedding_type == "rope",
+        "use_rotary_position_embeddings": config.positions.position_embedding_type in ROTARY_TYPES,
         "layernorm_epsilon": config.norms.norm_epsilon,
         "tokenizer_type": "HuggingFaceTokenizer",
         "seq_length": config.positions.max_position_embeddings,

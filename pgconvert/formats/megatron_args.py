@@ -398,8 +398,19 @@ _LINEAR_ATTENTION_ROWS: tuple[ArgField, ...] = (
       for name in LINEAR_ATTENTION_SIZES),
 )
 
+_VISION = "formats.vision_args.vision_from_args"
+_PGCONVERT_VISION = "pgconvert (Megatron-Bridge's VL provider keeps HF's config object)"
+# A vision-language model (pgconvert.formats.vision_args): megatron-core's multimodal RoPE sections, and the vision
+# part's HF config and token ids, which pgconvert records as JSON text.
+_VISION_ROWS: tuple[ArgField, ...] = (
+    _optional("mrope_section", "None", "no multimodal RoPE (read only with position_embedding_type='mrope')",
+              _VISION),
+    _optional("vision_config", "None", "a text model (no vision part)", _VISION, origin=_PGCONVERT_VISION),
+    _optional("vision_token_ids", "None", "no image or video token ids", _VISION, origin=_PGCONVERT_VISION),
+)
+
 MEGATRON_ARGS: tuple[ArgField, ...] = (*_LAYOUT_ROWS, *_MODEL_ROWS, *_MOE_ROWS, *_POSITION_ROWS, *_ATTENTION_ROWS,
-                                       *_HYBRID_ROWS, *_LINEAR_ATTENTION_ROWS, *_RUN_ROWS)
+                                       *_HYBRID_ROWS, *_LINEAR_ATTENTION_ROWS, *_VISION_ROWS, *_RUN_ROWS)
 ARG_FIELDS: dict[str, ArgField] = {row.name: row for row in MEGATRON_ARGS}
 
 

@@ -40,6 +40,7 @@ saved with lives only in ``common.pt``'s args. Keys, as megatron-core 0.16.1 bui
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import math
@@ -68,6 +69,7 @@ from pgconvert.errors import CheckpointError, UnsafePickleError
 from pgconvert.io.limits import over_limit, quote, read_json
 from pgconvert.formats.megatron import resolve_megatron_iteration
 from pgconvert.model.layers import LayerSpec
+from pgconvert.model.vision import LANGUAGE_MODEL_MODULE, is_vision_tensor
 from pgconvert.model.provider import (EXPERTS_MODULE, EXTRA_STATE_SUFFIX, FINAL_NORM_BIAS, FINAL_NORM_WEIGHT,
                                       LAYER_PREFIX, MODEL_MODULE_PREFIXES,
                                       MTP_EH_PROJ, MTP_LAYER_MODULE, MTP_PREFIX, LayerTensor, TensorKind,
@@ -275,7 +277,13 @@ def tensor_locations(config: ModelConfig, singleton: bool = False) -> dict[str, 
         _locate_layer(config, mtp_layer_tensors(config, index), prefix, prefix, ((), ()), locations, singleton)
     for name in (FINAL_NORM_WEIGHT, FINAL_NORM_BIAS):  # MambaStack's final_norm
         locations[name] = DistLocation(final_norm_local_name(config, name))
-    return {name: locations.get(name, DistLocation(name)) for name in canonical_names(config)}
+    located = {name: locations.get(name, DistLocation(name)) for name in canonical_names(config)}
+    if config.vision.vision_config is None:
+        return located
+    # A VL model's language model is Megatron-Bridge's module ``language_model`` (pgconvert.model.vision).
+    return {name: location if is_vision_tensor(name)
+            else dataclasses.replace(location, key=LANGUAGE_MODEL_MODULE + location.key)
+            for name, location in located.items()}
 
 
 def _locate_layer(config: ModelConfig, tensors: list[LayerTensor], prefix: str, key_prefix: str,

@@ -4,7 +4,7 @@ Every setting keeps its megatron-core ``TransformerConfig`` name (Megatron-LM's 
 megatron-core has none): those names are the vocabulary of the family tables, of Megatron args and of
 every output's pgconvert.json. Each setting lives in one place, named in ``SETTING_GROUPS``: a
 sub-config (``attention``, ``mlp``, ``moe``, ``positions``, ``norms``, ``carried``, ``mamba``,
-``linear_attention``) or the config
+``linear_attention``, ``vision``) or the config
 itself (layers, hidden size, vocabulary, embeddings, dtype, layer spec, MTP). The sub-configs are
 plain data; ``ModelConfig`` validates the whole, since several rules span groups (``kv_channels``
 defaults from ``hidden_size``, the per-layer lists have ``num_layers`` entries). Which kind each
@@ -14,6 +14,7 @@ layer is comes from the settings once (``ModelConfig.layers``, pgconvert.model.l
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -23,9 +24,12 @@ from typing import Any
 from pgconvert.errors import ConfigError
 from pgconvert.io.limits import quote
 from pgconvert.model.layers import HYBRID_LAYER_KINDS, LayerSpec, MTPLayerSpec, layer_specs, mtp_layer_specs
+from pgconvert.model.vision import check_projector_width, tower_tensors
 
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")
-POSITION_EMBEDDING_TYPES = ("rope", "learned_absolute", "none")
+# mrope: megatron-core's multimodal RoPE (Qwen2.5-VL), rotary with ``mrope_section``.
+POSITION_EMBEDDING_TYPES = ("rope", "mrope", "learned_absolute", "none")
+ROTARY_TYPES = ("rope", "mrope")
 # gelu_tanh: the tanh approximation (HF gelu_pytorch_tanh; pgconvert's Megatron args: openai_gelu with
 # gated_linear_unit recorded: a Megatron-LM run's --openai-gelu computes F.gelu, pgconvert.formats.megatron);
 # quick_gelu: x * sigmoid(1.702 x) (GPT-OSS, Megatron-LM --quick-geglu); squared_relu: relu(x)**2
@@ -182,6 +186,20 @@ class PositionConfig:
     rotary_base_local: float | None = None
     # 0/1 per layer (1: no RoPE, megatron-core's no_rope_freq), None: RoPE on every layer.
     no_rope_layers: tuple[int, ...] | None = None
+    # Multimodal RoPE (Qwen2.5-VL, ``position_embedding_type='mrope'``): the rotary frequencies given to the
+    # temporal, height and width position ids (megatron-core's ``mrope_section``); None: one position id. A
+    # text-only input gives the three the same ids, which computes plain RoPE.
+    mrope_section: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """The vision part of a vision-language model (pgconvert.model.vision): HF's ``vision_config`` as JSON
+    text (keys sorted), from which the tower's and projector's tensors follow, and the top-level settings
+    of config.json that tie the two parts (image and video token ids) as JSON text; None: a text model."""
+
+    vision_config: str | None = None
+    vision_token_ids: str | None = None
 
 
 @dataclass(frozen=True)
@@ -302,7 +320,7 @@ class CarriedConfig:
 GROUPS: dict[str, type] = {
     "attention": AttentionConfig, "mlp": MLPConfig, "moe": MoEConfig, "positions": PositionConfig,
     "norms": NormConfig, "carried": CarriedConfig, "mamba": MambaConfig,
-    "linear_attention": LinearAttentionConfig,
+    "linear_attention": LinearAttentionConfig, "vision": VisionConfig,
 }
 
 # Every setting, in the order to_dict (pgconvert.json, inspect --json) lists them, and where it lives:
@@ -341,6 +359,7 @@ SETTING_GROUPS: dict[str, str | None] = {
     "linear_attention_freq": "linear_attention", "linear_conv_kernel_dim": "linear_attention",
     "linear_key_head_dim": "linear_attention", "linear_value_head_dim": "linear_attention",
     "linear_num_key_heads": "linear_attention", "linear_num_value_heads": "linear_attention",
+    "mrope_section": "positions", "vision_config": "vision", "vision_token_ids": "vision",
 }
 
 
@@ -405,6 +424,7 @@ class ModelConfig(SettingsByName):
     carried: CarriedConfig = field(default_factory=CarriedConfig)
     mamba: MambaConfig = field(default_factory=MambaConfig)
     linear_attention: LinearAttentionConfig = field(default_factory=LinearAttentionConfig)
+    vision: VisionConfig = field(default_factory=VisionConfig)
     vocab_size: int | None = None
     make_vocab_size_divisible_by: int = 128
     tie_embeddings: bool = False
@@ -433,7 +453,7 @@ class ModelConfig(SettingsByName):
                             ("make_vocab_size_divisible_by", self.make_vocab_size_divisible_by)):
             _require_positive(name, value)
         _require_finite("norm_epsilon", self.norms.norm_epsilon)
-        if self.positions.position_embedding_type == "rope":
+        if self.positions.position_embedding_type in ROTARY_TYPES:
             _require_positive_number("rotary_base", self.positions.rotary_base)
         _require_finite("rotary_base", self.positions.rotary_base)
         _check_heads(self)
@@ -454,6 +474,7 @@ class ModelConfig(SettingsByName):
         _check_moe(self)
         _check_hybrid(self)
         _check_linear_attention(self)
+        _check_vision(self)
 
     def _set(self, group: str, **changes: Any) -> None:
         """Replace sub-config ``group`` with a copy holding ``changes`` (a default filled in, a list
@@ -649,6 +670,39 @@ def _check_linear_attention(config: ModelConfig) -> None:
         raise _violates("transformer_impl", config.transformer_impl,
                         "gated delta net layers need 'transformer_engine' (megatron-core builds them with "
                         "the Transformer Engine spec only)")
+
+
+def _check_vision(config: ModelConfig) -> None:
+    """The vision part: a tower pgconvert describes, its sizes valid, token ids as a JSON object; multimodal
+    RoPE sections as positive integers."""
+    vision = config.vision
+    if vision.vision_config is not None:
+        tower_tensors(vision.vision_config)
+        check_projector_width(vision.vision_config, config.hidden_size)
+    if vision.vision_token_ids is not None:
+        if vision.vision_config is None:
+            raise _violates("vision_token_ids", vision.vision_token_ids, "given without a vision_config")
+        parse_json_object("vision_token_ids", vision.vision_token_ids)
+    section = config.positions.mrope_section
+    if isinstance(section, list):
+        section = tuple(section)
+        config._set("positions", mrope_section=section)
+    if section is not None and (not section or not all(
+            isinstance(value, int) and not isinstance(value, bool) and value > 0 for value in section)):
+        raise _violates("mrope_section", section, "must list positive integers")
+    if (section is not None) != (config.positions.position_embedding_type == "mrope"):
+        raise _violates("mrope_section", section, "given exactly with position_embedding_type='mrope'")
+
+
+def parse_json_object(name: str, text: str) -> dict[str, Any]:
+    """A setting held as JSON text of an object."""
+    try:
+        value = json.loads(text)
+    except (TypeError, ValueError):
+        value = None
+    if not isinstance(value, dict):
+        raise _violates(name, text, "must be JSON text of an object")
+    return value
 
 
 def _check_computation_settings(config: ModelConfig) -> None:

@@ -134,6 +134,6 @@ def _is_window_layer(config: ModelConfig, layer: int) -> bool:
 
 def _uses_rope(config: ModelConfig, layer: int) -> bool:
     positions = config.positions
-    if positions.position_embedding_type != "rope":
+    if positions.position_embedding_type not in ("rope", "mrope"):  # mrope: multimodal RoPE (config.ROTARY_TYPES)
         return False
     return positions.no_rope_layers is None or positions.no_rope_layers[layer] == 0

@@ -25,6 +25,7 @@ from pgconvert.model.kinds.table import (EXPERT_PREFIX, EXPERTS_MODULE, FUSED_NO
 from pgconvert.model.layers import LayerSpec, MTPLayerSpec
 from pgconvert.model.layout import ParallelLayout
 from pgconvert.model.rules import REPLICATED, VOCAB, ShardRule
+from pgconvert.model.vision import VISION_MODULES, is_vision_tensor, tower_tensors
 
 LAYER_PREFIX = "decoder.layers."
 MTP_PREFIX = "mtp.layers."
@@ -153,8 +154,10 @@ def mtp_tensors(config: ModelConfig) -> list[LayerTensor]:
 
 
 def canonical_names(config: ModelConfig) -> list[str]:
-    """Every global tensor of the model, in layer order (the canonical stream's order)."""
-    names = [WORD_EMBEDDINGS]
+    """Every global tensor of the model, in layer order (the canonical stream's order): a VL model's vision
+    part first (Megatron-Bridge registers it before the language model)."""
+    names = [tensor.name for tensor in tower_tensors(config.vision.vision_config)]
+    names.append(WORD_EMBEDDINGS)
     if config.positions.position_embedding_type == "learned_absolute":
         names.append(POSITION_EMBEDDINGS)
     for layer in range(config.num_layers):
@@ -193,6 +196,9 @@ def shape_function(config: ModelConfig, name: str) -> Callable[[ModelConfig], tu
     ``canonical_shapes`` computes for it, vocab tables with the true vocab)."""
     if name in _NON_LAYER_SHAPES:
         return _NON_LAYER_SHAPES[name]
+    if is_vision_tensor(name):
+        return lambda config: next(tensor.shape for tensor in tower_tensors(config.vision.vision_config)
+                                   if tensor.name == name)
     parsed = canonical_layer(name)
     tensors = layer_tensors(config, parsed[0]) if parsed is not None else mtp_tensors(config)
     kind = next(tensor.kind for tensor in tensors if tensor.canonical == name)
@@ -206,6 +212,7 @@ def canonical_shapes(config: ModelConfig, vocab_rows: int | None = None) -> dict
     if rows is None:
         raise LayoutError("vocab_size: unknown; the true vocab size is needed (pass --true-vocab-size)")
     shapes: dict[str, tuple[int, ...]] = {name: (rows, config.hidden_size) for name in VOCAB_TABLES}
+    shapes.update({tensor.name: tensor.shape for tensor in tower_tensors(config.vision.vision_config)})
     shapes[FINAL_NORM_WEIGHT] = shapes[FINAL_NORM_BIAS] = _NON_LAYER_SHAPES[FINAL_NORM_WEIGHT](config)
     if config.positions.max_position_embeddings is not None:
         shapes[POSITION_EMBEDDINGS] = _position_shape(config)
@@ -266,6 +273,9 @@ def provide(
     specs = _SpecAdder(shard, groups)
     vocab_shape = (padded_vocab_size, config.hidden_size)
     experts = _local_experts(config, groups.ep.size(), groups.ep.rank())
+    if pre_process:  # a VL model's vision part (whole on every TP rank where Megatron-Bridge replicates it)
+        for tensor in tower_tensors(config.vision.vision_config):
+            specs(tensor.name, tensor.name, tensor.shape, tensor.rule)
     # The MTP stage (the last) holds its own copy of the embedding (GPTModel: pre_process or mtp_process).
     if pre_process or (post_process and config.mtp_num_layers):
         _add_embeddings(config, specs, vocab_shape)
@@ -439,9 +449,9 @@ def _te_row_names(config: ModelConfig, spec: LayerSpec | MTPLayerSpec, row: TERo
 
 
 # GPTModel's top-level modules: every model key starts with one of them.
-MODEL_MODULE_PREFIXES = ("embedding.", "decoder.", "output_layer.", "mtp.")
+MODEL_MODULE_PREFIXES = ("embedding.", "decoder.", "output_layer.", "mtp.", *VISION_MODULES)
 # Where a non-layer module lives: its entries go to the first or the last pipeline chunk.
-_FIRST_CHUNK_PREFIXES = ("embedding.",)
+_FIRST_CHUNK_PREFIXES = ("embedding.", *VISION_MODULES)
 _LAST_CHUNK_PREFIXES = ("output_layer.", "decoder.final_layernorm.", HYBRID_FINAL_NORM, MTP_PREFIX)
 
 

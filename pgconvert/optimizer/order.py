@@ -217,6 +217,10 @@ def _refuse_grouped_variants(args: argparse.Namespace, where: str) -> None:
 
 def check_supported(config: ModelConfig, where: str) -> None:
     """Refuse models whose optimizer layout is not reproduced, naming the field."""
+    if config.vision.vision_config is not None:
+        raise UnsupportedOptimizerError(
+            f"{where}: vision_config is set: the parameter order of a vision-language model (Megatron-Bridge's "
+            f"VL model: the vision part, then the language model) is not mapped; pass --skip-optimizer")
     if config.moe.num_experts and config.moe.moe_grouped_gemm and config.transformer_impl != "transformer_engine":
         # TEGroupedMLP (the Transformer Engine spec) is mapped; the local spec's grouped GEMM is not.
         raise UnsupportedOptimizerError(

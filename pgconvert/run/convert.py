@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pgconvert.adapters.merge import attach_adapter
+from pgconvert.formats.text_only import LanguageModelSource
 from pgconvert.io.durable import fsync_dir
 from pgconvert.run.destination import (
     LOCK_SUFFIX,
@@ -109,6 +110,8 @@ class ConvertRequest:
     dst_torch_dist_common: str = "store"
     # A Hugging Face PEFT LoRA adapter directory merged into the model as it is converted (pgconvert.adapters).
     merge_adapter: Path | None = None
+    # A vision-language source's language model alone (pgconvert.formats.text_only).
+    text_only: bool = False
 
 
 @dataclass
@@ -268,6 +271,8 @@ def plan(request: ConvertRequest, check_dst: bool = True) -> Plan:
         check_keep_fp8(loader, saver)
     _check_choices(request)
     source = loader.open(src, _load_options(request, check_dst))
+    if request.text_only:
+        source = _language_model_only(source)
     try:
         source.check_finite = request.check_finite
         if request.merge_adapter is not None:
@@ -302,6 +307,15 @@ def plan(request: ConvertRequest, check_dst: bool = True) -> Plan:
         source.close()
         raise
     return conversion
+
+
+def _language_model_only(source: CanonicalSource) -> CanonicalSource:
+    """``--text-only``: the source's language model (a text model is refused, the source closed)."""
+    try:
+        return LanguageModelSource(source)
+    except BaseException:
+        source.close()
+        raise
 
 
 def _load_options(request: ConvertRequest, check_dst: bool) -> LoadOptions:

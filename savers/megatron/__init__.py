@@ -53,6 +53,7 @@ from pgconvert.io.sizes import itemsize
 from pgconvert.formats.stream import CanonicalSource, ExtraState
 from pgconvert.formats.strict import fallback
 from pgconvert.formats.mtp_naming import local_mtp_key
+from pgconvert.formats.vision_args import wrapped
 from pgconvert.io.torchzip import PlannedTensor, save_stream
 from pgconvert.optimizer.source import OptimizerSource
 from pgconvert.savers.megatron.optimizer import carry_optimizer, planned_optimizer_files
@@ -239,7 +240,7 @@ class MegatronSaver(Saver):
                 value, carried = _extra_for(extra_states.get(canonical), layout, rank.coord)
                 dropped_extra |= not carried and _holds_state(extra_states.get(canonical))
                 model[local] = value
-            state[chunk_key] = model
+            state[chunk_key] = wrapped(model) if config.vision.vision_config is not None else model
             count += len(model)
         path = iteration_dir / rank.relpath
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -44,6 +44,15 @@ LATENT_ATTENTION: dict[str, object] = dict(kv_lora_rank=8, qk_head_dim=4, qk_pos
 LINEAR_ATTENTION: dict[str, object] = dict(linear_attention_freq=3, linear_num_key_heads=2, linear_num_value_heads=4,
                                            linear_key_head_dim=4, linear_value_head_dim=4, linear_conv_kernel_dim=4,
                                            transformer_impl="transformer_engine")
+# A vision part (a two-block tower of each kind) and multimodal RoPE: only a vision-language family accepts one,
+# the one of its tower.
+VISIONS: tuple[dict[str, object], ...] = tuple(
+    dict(vision_config=json.dumps(dict(model_type=tower, depth=2, hidden_size=8, intermediate_size=12, num_heads=2,
+                                       out_hidden_size=16, patch_size=2, spatial_merge_size=2, temporal_patch_size=2,
+                                       in_channels=3, num_position_embeddings=4, deepstack_visual_indexes=[1]),
+                                  sort_keys=True, separators=(",", ":")),
+         vision_token_ids=json.dumps({"image_token_id": 36}), mrope_section=(1,), position_embedding_type="mrope")
+    for tower in ("qwen2_5_vl_vision", "qwen3_vl_vision", "qwen3_vl_moe_vision"))
 # Parts a family may accept, tried all together first; the routed-expert ones only with experts.
 EXPERT_PARTS: tuple[dict[str, object], ...] = (dict(moe_shared_expert_intermediate_size=8),
                                                dict(moe_layer_freq=(0, 1, 1)))
@@ -90,11 +99,13 @@ def tiny_config(family: Family) -> ModelConfig:
         settings.update(LATENT_ATTENTION)
     if settings.get("experimental_attention_variant"):
         settings.update(LINEAR_ATTENTION)
-    for variant, count in itertools.product(({}, ONE_GROUP_PER_HEAD, WINDOWED_NOPE), range(len(parts), -1, -1)):
+    visions = VISIONS if "vision_config" not in family.fixed else ({},)
+    for vision, heads, count in itertools.product(visions, ({}, ONE_GROUP_PER_HEAD, WINDOWED_NOPE),
+                                                  range(len(parts), -1, -1)):
         for chosen in itertools.combinations(parts, count):
             try:
                 config = ModelConfig.from_settings(
-                    {**settings, **variant, **{k: v for part in chosen for k, v in part.items()}})
+                    {**settings, **vision, **heads, **{k: v for part in chosen for k, v in part.items()}})
             except ConfigError:
                 continue
             if not family_mismatches(family, config):

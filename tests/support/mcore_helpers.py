@@ -197,7 +197,7 @@ COPIED_CONFIG_FIELDS = (
     "moe_layer_freq", "moe_router_topk", "moe_router_score_function", "moe_router_pre_softmax",
     "moe_router_enable_expert_bias", "moe_router_num_groups", "moe_router_group_topk",
     "moe_router_topk_scaling_factor", "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
-    "moe_grouped_gemm",
+    "moe_grouped_gemm", "mrope_section",
 )
 
 

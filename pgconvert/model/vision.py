@@ -1,0 +1,213 @@
+"""The vision part of a vision-language model: the vision tower and its projector, as tensors.
+
+Megatron-Bridge's VL models (``Qwen25VLModel``: ``src/megatron/bridge/models/qwen_vl/modeling_qwen25_vl.py``)
+hold the language model as a megatron-core GPTModel under ``language_model.`` and the vision tower with its
+projector as transformers' own module under ``visual.``, built only where ``pre_process`` (the first pipeline
+stage's first model chunk) and registered before the language model; its bridge maps ``visual.**`` one to one
+(``ReplicatedMapping``): every TP rank holds the whole tensor. So a tower is described here as the names and
+shapes of its tensors, computed from HF's ``vision_config`` (its ``model_type`` picks the description), each
+``<Megatron-Bridge's module>.<name inside the HF module>`` (Qwen2.5-VL's module is ``visual.``, Qwen3-VL's
+``vision_model.``: ``Tower.module``); the provider places them on the first chunk, each cut by its rule (whole on
+every TP rank unless the tower says Megatron shards it).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pgconvert.errors import ConfigError
+from pgconvert.io.limits import quote
+from pgconvert.model.rules import REPLICATED, ShardRule
+
+# Megatron-Bridge's module of a VL model's language model (the vision part's is its tower's ``module``).
+LANGUAGE_MODEL_MODULE = "language_model."
+QWEN2_5_VL_MODULE = "visual."
+
+
+@dataclass(frozen=True)
+class VisionTensor:
+    """One tensor of the vision part: its canonical (Megatron) name, global shape, part and TP rule."""
+
+    name: str
+    shape: tuple[int, ...]
+    # "tower" (patch embedding, blocks) or "projector" (the merger into the language model's width).
+    part: str
+    # How TP ranks hold it: whole (a transformers module Megatron-Bridge replicates), or a megatron-core module's
+    # rule where Megatron shards it (Gemma 3's projector is a ColumnParallelLinear: ``rules.COLUMN``).
+    rule: ShardRule = REPLICATED
+
+
+@dataclass(frozen=True)
+class Tower:
+    """A vision tower pgconvert describes: Megatron-Bridge's module holding it, its tensors from ``vision_config``
+    (named under that module), and the key (with transformers' default) giving the projector's output width, which
+    must be the language model's hidden size."""
+
+    module: str
+    tensors: Callable[[Mapping[str, Any]], list[VisionTensor]]
+    output_width: tuple[str, int]
+
+
+def _size(vision: Mapping[str, Any], key: str, default: int | None = None) -> int:
+    """A positive integer of ``vision_config`` (``default`` where absent, as transformers' class has it)."""
+    value = vision.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(f"vision_config.{key}={quote(value)}: must be a positive integer")
+    return value
+
+
+# Qwen2.5-VL's vision tower (transformers' ``Qwen2_5_VisionTransformerPretrainedModel``), in state-dict order:
+# each name with its shape from (hidden, intermediate, merged hidden, out hidden); ``{}`` is a block's index.
+_Sizes = tuple[int, int, int, int]
+_QWEN2_5_VL_BLOCK: tuple[tuple[str, Callable[[_Sizes], tuple[int, ...]]], ...] = (
+    ("norm1.weight", lambda s: (s[0],)), ("norm2.weight", lambda s: (s[0],)),
+    ("attn.qkv.weight", lambda s: (3 * s[0], s[0])), ("attn.qkv.bias", lambda s: (3 * s[0],)),
+    ("attn.proj.weight", lambda s: (s[0], s[0])), ("attn.proj.bias", lambda s: (s[0],)),
+    ("mlp.gate_proj.weight", lambda s: (s[1], s[0])), ("mlp.gate_proj.bias", lambda s: (s[1],)),
+    ("mlp.up_proj.weight", lambda s: (s[1], s[0])), ("mlp.up_proj.bias", lambda s: (s[1],)),
+    ("mlp.down_proj.weight", lambda s: (s[0], s[1])), ("mlp.down_proj.bias", lambda s: (s[0],)),
+)
+_QWEN2_5_VL_MERGER: tuple[tuple[str, Callable[[_Sizes], tuple[int, ...]]], ...] = (
+    ("merger.ln_q.weight", lambda s: (s[0],)), ("merger.mlp.0.weight", lambda s: (s[2], s[2])),
+    ("merger.mlp.0.bias", lambda s: (s[2],)), ("merger.mlp.2.weight", lambda s: (s[3], s[2])),
+    ("merger.mlp.2.bias", lambda s: (s[3],)),
+)
+PATCH_EMBED = "patch_embed.proj.weight"
+BLOCKS = "blocks.{}."
+
+
+def qwen2_5_vl_tower(vision: Mapping[str, Any]) -> list[VisionTensor]:
+    """transformers' ``Qwen2_5_VisionTransformerPretrainedModel`` (defaults of ``Qwen2_5_VLVisionConfig``)."""
+    hidden = _size(vision, "hidden_size", 3584)
+    heads = _size(vision, "num_heads", 16)
+    if hidden % heads:
+        raise ConfigError(f"vision_config.num_heads={heads}: must divide vision_config.hidden_size={hidden}")
+    patch = _size(vision, "patch_size", 14)
+    sizes: _Sizes = (hidden, _size(vision, "intermediate_size", 3420),
+                     hidden * _size(vision, "spatial_merge_size", 2) ** 2, _size(vision, "out_hidden_size", 3584))
+    channels, frames = _size(vision, "in_channels", 3), _size(vision, "temporal_patch_size", 2)
+    embed = VisionTensor(QWEN2_5_VL_MODULE + PATCH_EMBED, (hidden, channels, frames, patch, patch), "tower")
+    blocks = [VisionTensor(QWEN2_5_VL_MODULE + BLOCKS.format(index) + name, shape(sizes), "tower")
+              for index in range(_size(vision, "depth", 32)) for name, shape in _QWEN2_5_VL_BLOCK]
+    merger = [VisionTensor(QWEN2_5_VL_MODULE + name, shape(sizes), "projector") for name, shape in _QWEN2_5_VL_MERGER]
+    return [embed, *blocks, *merger]
+
+
+# Every tensor name of Qwen2.5-VL's vision part inside its module, ``{}`` for a block's index.
+QWEN2_5_VL_PATTERNS: tuple[str, ...] = (PATCH_EMBED, *(BLOCKS + name for name, _ in _QWEN2_5_VL_BLOCK),
+                                        *(name for name, _ in _QWEN2_5_VL_MERGER))
+
+
+# Qwen3-VL's vision tower (transformers' ``Qwen3VLVisionModel``): LayerNorms, gelu MLPs, a learned position table, the
+# merger and one "deepstack" merger per ``deepstack_visual_indexes`` entry (its features are added to the language
+# model's first layers); shapes from (hidden, intermediate, merged hidden, out hidden). Megatron-Bridge's
+# ``Qwen3VLBridge`` holds it as ``vision_model.`` (``ReplicatedMapping("vision_model.**", "model.visual.**")``).
+QWEN3_VL_MODULE = "vision_model."
+_QWEN3_VL_BLOCK: tuple[tuple[str, Callable[[_Sizes], tuple[int, ...]]], ...] = (
+    ("norm1.weight", lambda s: (s[0],)), ("norm1.bias", lambda s: (s[0],)),
+    ("norm2.weight", lambda s: (s[0],)), ("norm2.bias", lambda s: (s[0],)),
+    ("attn.qkv.weight", lambda s: (3 * s[0], s[0])), ("attn.qkv.bias", lambda s: (3 * s[0],)),
+    ("attn.proj.weight", lambda s: (s[0], s[0])), ("attn.proj.bias", lambda s: (s[0],)),
+    ("mlp.linear_fc1.weight", lambda s: (s[1], s[0])), ("mlp.linear_fc1.bias", lambda s: (s[1],)),
+    ("mlp.linear_fc2.weight", lambda s: (s[0], s[1])), ("mlp.linear_fc2.bias", lambda s: (s[0],)),
+)
+# A merger: its norm before the 2 x 2 merge (the main merger: the tower's width) or after it (deepstack's).
+_QWEN3_VL_MERGER: tuple[tuple[str, Callable[[_Sizes], tuple[int, ...]]], ...] = (
+    ("linear_fc1.weight", lambda s: (s[2], s[2])), ("linear_fc1.bias", lambda s: (s[2],)),
+    ("linear_fc2.weight", lambda s: (s[3], s[2])), ("linear_fc2.bias", lambda s: (s[3],)),
+)
+DEEPSTACK_MERGERS = "deepstack_merger_list.{}."
+
+
+def _qwen3_vl_mergers(vision: Mapping[str, Any], sizes: _Sizes) -> list[VisionTensor]:
+    """The merger (norm over the tower's width) and the deepstack mergers (norm over the merged width)."""
+    indexes = vision.get("deepstack_visual_indexes", (8, 16, 24))
+    if not isinstance(indexes, (list, tuple)) or not all(isinstance(index, int) for index in indexes):
+        raise ConfigError(f"vision_config.deepstack_visual_indexes={quote(indexes)}: expected a list of block indices")
+    mergers = [("merger.", sizes[0])] + [(DEEPSTACK_MERGERS.format(j), sizes[2]) for j in range(len(indexes))]
+    return [VisionTensor(QWEN3_VL_MODULE + prefix + name, shape, "projector")
+            for prefix, width in mergers
+            for name, shape in (("norm.weight", (width,)), ("norm.bias", (width,)),
+                                *((name, shape(sizes)) for name, shape in _QWEN3_VL_MERGER))]
+
+
+def qwen3_vl_tower(vision: Mapping[str, Any]) -> list[VisionTensor]:
+    """transformers' ``Qwen3VLVisionModel`` (defaults of ``Qwen3VLVisionConfig``), in state-dict order."""
+    hidden = _size(vision, "hidden_size", 1152)
+    heads = _size(vision, "num_heads", 16)
+    if hidden % heads:
+        raise ConfigError(f"vision_config.num_heads={heads}: must divide vision_config.hidden_size={hidden}")
+    patch = _size(vision, "patch_size", 16)
+    sizes: _Sizes = (hidden, _size(vision, "intermediate_size", 4304),
+                     hidden * _size(vision, "spatial_merge_size", 2) ** 2, _size(vision, "out_hidden_size", 3584))
+    channels, frames = _size(vision, "in_channels", 3), _size(vision, "temporal_patch_size", 2)
+    embed = [VisionTensor(QWEN3_VL_MODULE + PATCH_EMBED, (hidden, channels, frames, patch, patch), "tower"),
+             VisionTensor(QWEN3_VL_MODULE + "patch_embed.proj.bias", (hidden,), "tower"),
+             VisionTensor(QWEN3_VL_MODULE + "pos_embed.weight", (_size(vision, "num_position_embeddings", 2304), hidden),
+                          "tower")]
+    blocks = [VisionTensor(QWEN3_VL_MODULE + BLOCKS.format(index) + name, shape(sizes), "tower")
+              for index in range(_size(vision, "depth", 27)) for name, shape in _QWEN3_VL_BLOCK]
+    return [*embed, *blocks, *_qwen3_vl_mergers(vision, sizes)]
+
+
+# Every tensor name of Qwen3-VL's vision part inside its module, ``{}`` for a block's or a deepstack merger's index.
+QWEN3_VL_PATTERNS: tuple[str, ...] = (
+    PATCH_EMBED, "patch_embed.proj.bias", "pos_embed.weight", *(BLOCKS + name for name, _ in _QWEN3_VL_BLOCK),
+    *(prefix + name for prefix in ("merger.", DEEPSTACK_MERGERS)
+      for name in ("norm.weight", "norm.bias", *(name for name, _ in _QWEN3_VL_MERGER))))
+
+
+# The towers pgconvert describes, by their ``vision_config.model_type``.
+TOWERS: dict[str, Tower] = {
+    "qwen2_5_vl_vision": Tower(QWEN2_5_VL_MODULE, qwen2_5_vl_tower, ("out_hidden_size", 3584)),
+    "qwen3_vl_vision": Tower(QWEN3_VL_MODULE, qwen3_vl_tower, ("out_hidden_size", 3584)),
+    # Qwen3-VL-MoE's tower is Qwen3-VL's (transformers' Qwen3VLMoeVisionModel, the same modules and defaults).
+    "qwen3_vl_moe_vision": Tower(QWEN3_VL_MODULE, qwen3_vl_tower, ("out_hidden_size", 3584)),
+}
+# Every tower's module: a name under one of them is a vision part's tensor (canonically and in rank files).
+VISION_MODULES: tuple[str, ...] = tuple(dict.fromkeys(tower.module for tower in TOWERS.values()))
+
+
+def is_vision_tensor(name: str) -> bool:
+    """Whether ``name`` (canonical, or a VL rank file's key) is a tensor of a vision part."""
+    return name.startswith(VISION_MODULES)
+
+
+def parse_vision_config(text: str) -> dict[str, Any]:
+    """``vision_config`` (JSON text of HF's object) as a dict; a tower pgconvert describes."""
+    try:
+        vision = json.loads(text)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"vision_config={quote(text)}: not JSON text of an object ({exc})") from exc
+    if not isinstance(vision, dict):
+        raise ConfigError(f"vision_config={quote(text)}: must be JSON text of an object")
+    if vision.get("model_type") not in TOWERS:
+        raise ConfigError(f"vision_config.model_type={quote(vision.get('model_type'))}: pgconvert describes the vision "
+                          f"towers {', '.join(sorted(TOWERS))}")
+    return vision
+
+
+def vision_config_text(vision: Mapping[str, Any]) -> str:
+    """The one JSON spelling of a ``vision_config`` (keys sorted), so equal configs compare equal."""
+    return json.dumps(vision, sort_keys=True, separators=(",", ":"))
+
+
+def tower_tensors(vision_config: str | None) -> list[VisionTensor]:
+    """The vision part's tensors, in state-dict order (none for a text model)."""
+    if vision_config is None:
+        return []
+    vision = parse_vision_config(vision_config)
+    return TOWERS[vision["model_type"]].tensors(vision)
+
+
+def check_projector_width(vision_config: str, hidden_size: int) -> None:
+    """The projector writes the language model's input: its output width is the hidden size."""
+    vision = parse_vision_config(vision_config)
+    key, default = TOWERS[vision["model_type"]].output_width
+    width = vision.get(key, default)
+    if width != hidden_size:
+        raise ConfigError(f"vision_config.{key}={quote(width)}: must equal the language model's hidden_size="
+                          f"{hidden_size} (the projector's output is the language model's input)")

@@ -1,0 +1,58 @@
+"""Test-only: a Qwen2.5-VL rank file computed as Megatron-Bridge's ``Qwen25VLModel`` computes it.
+
+Megatron-Bridge's model (``src/megatron/bridge/models/qwen_vl/modeling_qwen25_vl.py``) is transformers'
+``Qwen2_5_VisionTransformerPretrainedModel`` as ``visual`` and megatron-core's GPTModel (``mrope``) as
+``language_model``; its forward embeds the tokens with the GPTModel's embedding, puts the image features of
+``get_image_features`` where the image tokens are (``get_placeholder_mask``), takes the 3D positions of
+``get_rope_index`` and runs the GPTModel on that ``decoder_input``. Here transformers' ``Qwen2_5_VLModel`` built
+from the rank file's ``args.vision_config`` with no weights of its own lends those three methods and its vision
+module, into which the rank file's ``visual.*`` tensors load strictly; the rank file's ``language_model.*`` load
+strictly into megatron-core's GPTModel (megatron-core 0.16.1, local spec, CPU). Bridge itself is not installed.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from support.mcore_helpers import (RankFile, build_gpt_model, causal_attention_mask, cpu_forward_patches,
+                                   fake_group_queries)
+
+
+def _hf_parts(rank: RankFile) -> torch.nn.Module:
+    """transformers' Qwen2_5_VLModel of the rank's config (for its methods), its vision module holding the rank's
+    ``visual.*`` tensors."""
+    from transformers import Qwen2_5_VLConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel
+
+    args = rank.args
+    text = dict(hidden_size=args.hidden_size, num_hidden_layers=1, num_attention_heads=args.num_attention_heads,
+                num_key_value_heads=args.num_query_groups, intermediate_size=args.ffn_hidden_size,
+                vocab_size=args.padded_vocab_size, rope_scaling={"type": "mrope", "mrope_section": args.mrope_section})
+    config = Qwen2_5_VLConfig(text_config=text, vision_config=json.loads(args.vision_config),
+                              **json.loads(args.vision_token_ids))
+    model = Qwen2_5_VLModel(config).eval()
+    visual = {name.removeprefix("visual."): tensor for name, tensor in rank.model.items() if name.startswith("visual.")}
+    model.visual.load_state_dict(visual, strict=True)
+    return model
+
+
+def bridge_logits(rank: RankFile, inputs: dict[str, torch.Tensor], image_positions: bool = True) -> torch.Tensor:
+    """The logits of a TP1 PP1 rank file on an image + text input (vocab padding included); ``image_positions``
+    False: every token's three position ids alike, as for text (a knock-out of the multimodal positions)."""
+    hf = _hf_parts(rank)
+    ids = inputs["input_ids"]
+    language = {name.removeprefix("language_model."): tensor for name, tensor in rank.model.items()
+                if name.startswith("language_model.")}
+    with torch.no_grad(), fake_group_queries(), cpu_forward_patches():
+        gpt = build_gpt_model(rank.args, rank.layout)
+        gpt.load_state_dict(language, strict=True)
+        embeds = gpt.embedding(input_ids=ids, position_ids=None).transpose(0, 1)  # [b, s, h]
+        image = torch.cat(hf.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"]).pooler_output)
+        mask, _ = hf.get_placeholder_mask(ids, inputs_embeds=embeds, image_features=image)
+        embeds = embeds.masked_scatter(mask, image)
+        positions, _ = hf.get_rope_index(ids, inputs["mm_token_type_ids"], inputs["image_grid_thw"])
+        if not image_positions:
+            positions = torch.arange(ids.shape[1]).expand_as(positions)
+        return gpt(input_ids=None, position_ids=positions, decoder_input=embeds.transpose(0, 1).contiguous(),
+                   attention_mask=causal_attention_mask(ids.shape[1]))

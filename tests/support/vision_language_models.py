@@ -1,0 +1,129 @@
+"""Test-only helpers: tiny Qwen2.5-VL and Qwen3-VL checkpoints as releases ship them, and transformers' logits.
+
+Each model is transformers' own ``Qwen2_5_VLForConditionalGeneration`` (multimodal RoPE sections, a vision
+tower with a full-attention block and windowed ones, a merger into the text width) or
+``Qwen3VLForConditionalGeneration`` (interleaved sections, a tower with a position table, deepstack mergers), saved with
+``save_pretrained`` beside a real word-level tokenizer holding Qwen's vision tokens, a chat template, the image
+processor's ``preprocessor_config.json`` and a generation config. Image inputs are made as the models'
+processors make them: transformers' image processor on a synthetic image, each image placeholder expanded to the
+image's merged patch count, ``mm_token_type_ids`` marking the image tokens. (The processors themselves cannot be
+built here: their video processor needs torchvision, which has no CPU build for torch 2.13.0 on the index.)
+Nothing here imports pgconvert.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy
+import torch
+import transformers
+from transformers import (GenerationConfig, PreTrainedModel, PreTrainedTokenizerFast, Qwen2_5_VLConfig,
+                          Qwen2_5_VLForConditionalGeneration, Qwen3VLConfig, Qwen3VLForConditionalGeneration,
+                          Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration)
+
+WORDS = 296
+VISION_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
+SPECIAL = ("<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>")
+VOCAB = len(SPECIAL) + WORDS + len(VISION_TOKENS)
+IMAGE_TOKEN, VIDEO_TOKEN, VISION_START, VISION_END = range(len(SPECIAL) + WORDS, VOCAB)
+CHAT_TEMPLATE = "{% for message in messages %}<|im_start|>{{ message['content'] }}<|im_end|>{% endfor %}"
+# An image of 4 x 4 patches, merged 2 x 2 into 4 image tokens.
+PATCHES = 4
+TEXT = "w1 w2 <|vision_start|><|image_pad|><|vision_end|> w3 w4 w5"
+QWEN2_5_VL: dict[str, Any] = dict(
+    text_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256, rope_theta=1000000.0,
+                     rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}, bos_token_id=1, eos_token_id=3),
+    vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14,
+                       spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1]),
+    image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN, vision_start_token_id=VISION_START,
+    vision_end_token_id=VISION_END, tie_word_embeddings=False,
+)
+QWEN3_VL: dict[str, Any] = dict(
+    text_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, head_dim=16,
+                     num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256,
+                     rope_parameters={"rope_type": "default", "rope_theta": 5000000.0, "mrope_section": [2, 3, 3],
+                                      "mrope_interleaved": True}),
+    vision_config=dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=16,
+                       spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16,
+                       deepstack_visual_indexes=[0, 1]),
+    image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN, vision_start_token_id=VISION_START,
+    vision_end_token_id=VISION_END, tie_word_embeddings=False,
+)
+QWEN3_VL_MOE: dict[str, Any] = dict(
+    QWEN3_VL, text_config=dict(QWEN3_VL["text_config"], num_hidden_layers=2, moe_intermediate_size=32, num_experts=4,
+                               num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[]),
+    vision_config=dict(QWEN3_VL["vision_config"], depth=2, deepstack_visual_indexes=[0]))
+# name -> (config class, model class, settings, vision patch size)
+MODELS: dict[str, tuple[type[Any], type[PreTrainedModel], dict[str, Any], int]] = {
+    "qwen2_5_vl": (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, QWEN2_5_VL, 14),
+    "qwen3_vl": (Qwen3VLConfig, Qwen3VLForConditionalGeneration, QWEN3_VL, 16),
+    "qwen3_vl_moe": (Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration, QWEN3_VL_MOE, 16),
+}
+
+
+def _tokenizer() -> PreTrainedTokenizerFast:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {token: index for index, token in enumerate((*SPECIAL, *(f"w{i}" for i in range(WORDS)), *VISION_TOKENS))}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                        unk_token="<unk>", additional_special_tokens=list(VISION_TOKENS))
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def _image_processor(patch: int) -> Any:
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    side = PATCHES * patch
+    return Qwen2VLImageProcessorPil(min_pixels=side * side, max_pixels=2 * side * side, patch_size=patch, merge_size=2,
+                                    temporal_patch_size=2)
+
+
+def build_vl_model(name: str, path: Path, seed: int = 0) -> Path:
+    """The tiny VL checkpoint ``name`` (of ``MODELS``) with its tokenizer, chat template, image processor and
+    generation config."""
+    config_class, model_class, settings, patch = MODELS[name]
+    torch.manual_seed(seed)
+    model = model_class(config_class(**settings)).eval()
+    with torch.no_grad():  # every parameter seeded away from its initial value (norms near one)
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=torch.Generator().manual_seed(len(name) * 7919 + seed))
+            param.copy_(1.0 + 0.1 * noise if "norm" in name or "ln_q" in name else 0.05 * noise)
+    model.save_pretrained(path)
+    _tokenizer().save_pretrained(path)
+    _image_processor(patch).save_pretrained(path)
+    GenerationConfig(bos_token_id=1, eos_token_id=3, pad_token_id=1).save_pretrained(path)
+    return path
+
+
+def image_text_inputs(path: Path) -> dict[str, torch.Tensor]:
+    """An image and text input as the model's processor makes it, from the processor files in ``path``."""
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    processor = AutoImageProcessor.from_pretrained(path)
+    side = PATCHES * processor.patch_size
+    values = numpy.arange(side * side * 3).reshape(side, side, 3) * 37 % 251
+    pixels = values.astype(numpy.uint8)
+    image = processor(images=[pixels], return_tensors="pt")
+    merge = image["image_grid_thw"][0].prod().item() // 4  # the processor's replace_image_token
+    text = TEXT.replace("<|image_pad|>", " <|image_pad|> " * merge)
+    ids = AutoTokenizer.from_pretrained(path)(text, return_tensors="pt")["input_ids"]
+    assert int((ids == IMAGE_TOKEN).sum()) == merge, ids
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "mm_token_type_ids": (ids == IMAGE_TOKEN).int(),
+            **image}
+
+
+def vl_logits(path: Path, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """transformers' fp32 logits of the VL checkpoint at ``path`` (loaded strictly) on ``inputs``."""
+    architecture = json.loads((path / "config.json").read_text())["architectures"][0]
+    model, info = getattr(transformers, architecture).from_pretrained(path, dtype=torch.float32,
+                                                                      output_loading_info=True)
+    assert not any(info.get(key) for key in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    with torch.no_grad():
+        return model.eval()(**inputs).logits

@@ -275,7 +275,7 @@ def provide(
     experts = _local_experts(config, groups.ep.size(), groups.ep.rank())
     if pre_process:  # a VL model's vision part (whole on every TP rank where Megatron-Bridge replicates it)
         for tensor in tower_tensors(config.vision.vision_config):
-            specs(tensor.name, tensor.name, tensor.shape, tensor.rule)
+            specs(tensor.name, tensor.name, tensor.shape, tensor.rule or REPLICATED)
     # The MTP stage (the last) holds its own copy of the embedding (GPTModel: pre_process or mtp_process).
     if pre_process or (post_process and config.mtp_num_layers):
         _add_embeddings(config, specs, vocab_shape)

@@ -16,11 +16,13 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pgconvert.errors import ConfigError
 from pgconvert.io.limits import quote
-from pgconvert.model.rules import REPLICATED, ShardRule
+
+if TYPE_CHECKING:  # rules import torch; a config (and so --help) is checked without it
+    from pgconvert.model.rules import ShardRule
 
 # Megatron-Bridge's module of a VL model's language model (the vision part's is its tower's ``module``).
 LANGUAGE_MODEL_MODULE = "language_model."
@@ -35,9 +37,10 @@ class VisionTensor:
     shape: tuple[int, ...]
     # "tower" (patch embedding, blocks) or "projector" (the merger into the language model's width).
     part: str
-    # How TP ranks hold it: whole (a transformers module Megatron-Bridge replicates), or a megatron-core module's
-    # rule where Megatron shards it (Gemma 3's projector is a ColumnParallelLinear: ``rules.COLUMN``).
-    rule: ShardRule = REPLICATED
+    # How TP ranks hold it: None, whole (a transformers module Megatron-Bridge replicates, ``rules.REPLICATED``), or
+    # a megatron-core module's rule where Megatron shards it (Gemma 3's projector is a ColumnParallelLinear:
+    # ``rules.COLUMN``).
+    rule: ShardRule | None = None
 
 
 @dataclass(frozen=True)

@@ -82,17 +82,25 @@ PATCH_EMBED = "patch_embed.proj.weight"
 BLOCKS = "blocks.{}."
 
 
+def _tower_sizes(vision: Mapping[str, Any], hidden: int, patch: int,
+                 intermediate: int) -> tuple[_Sizes, tuple[int, ...]]:
+    """(hidden, intermediate, merged hidden, out hidden) of a Qwen vision tower and its patch embedding's shape,
+    from ``vision_config`` with its class's defaults (``hidden``, ``patch``, ``intermediate``)."""
+    width = _size(vision, "hidden_size", hidden)
+    heads = _size(vision, "num_heads", 16)
+    if width % heads:
+        raise ConfigError(f"vision_config.num_heads={heads}: must divide vision_config.hidden_size={width}")
+    side = _size(vision, "patch_size", patch)
+    sizes: _Sizes = (width, _size(vision, "intermediate_size", intermediate),
+                     width * _size(vision, "spatial_merge_size", 2) ** 2, _size(vision, "out_hidden_size", 3584))
+    embed = (width, _size(vision, "in_channels", 3), _size(vision, "temporal_patch_size", 2), side, side)
+    return sizes, embed
+
+
 def qwen2_5_vl_tower(vision: Mapping[str, Any]) -> list[VisionTensor]:
     """transformers' ``Qwen2_5_VisionTransformerPretrainedModel`` (defaults of ``Qwen2_5_VLVisionConfig``)."""
-    hidden = _size(vision, "hidden_size", 3584)
-    heads = _size(vision, "num_heads", 16)
-    if hidden % heads:
-        raise ConfigError(f"vision_config.num_heads={heads}: must divide vision_config.hidden_size={hidden}")
-    patch = _size(vision, "patch_size", 14)
-    sizes: _Sizes = (hidden, _size(vision, "intermediate_size", 3420),
-                     hidden * _size(vision, "spatial_merge_size", 2) ** 2, _size(vision, "out_hidden_size", 3584))
-    channels, frames = _size(vision, "in_channels", 3), _size(vision, "temporal_patch_size", 2)
-    embed = VisionTensor(QWEN2_5_VL_MODULE + PATCH_EMBED, (hidden, channels, frames, patch, patch), "tower")
+    sizes, embed_shape = _tower_sizes(vision, hidden=3584, patch=14, intermediate=3420)
+    embed = VisionTensor(QWEN2_5_VL_MODULE + PATCH_EMBED, embed_shape, "tower")
     blocks = [VisionTensor(QWEN2_5_VL_MODULE + BLOCKS.format(index) + name, shape(sizes), "tower")
               for index in range(_size(vision, "depth", 32)) for name, shape in _QWEN2_5_VL_BLOCK]
     merger = [VisionTensor(QWEN2_5_VL_MODULE + name, shape(sizes), "projector") for name, shape in _QWEN2_5_VL_MERGER]
@@ -139,15 +147,9 @@ def _qwen3_vl_mergers(vision: Mapping[str, Any], sizes: _Sizes) -> list[VisionTe
 
 def qwen3_vl_tower(vision: Mapping[str, Any]) -> list[VisionTensor]:
     """transformers' ``Qwen3VLVisionModel`` (defaults of ``Qwen3VLVisionConfig``), in state-dict order."""
-    hidden = _size(vision, "hidden_size", 1152)
-    heads = _size(vision, "num_heads", 16)
-    if hidden % heads:
-        raise ConfigError(f"vision_config.num_heads={heads}: must divide vision_config.hidden_size={hidden}")
-    patch = _size(vision, "patch_size", 16)
-    sizes: _Sizes = (hidden, _size(vision, "intermediate_size", 4304),
-                     hidden * _size(vision, "spatial_merge_size", 2) ** 2, _size(vision, "out_hidden_size", 3584))
-    channels, frames = _size(vision, "in_channels", 3), _size(vision, "temporal_patch_size", 2)
-    embed = [VisionTensor(QWEN3_VL_MODULE + PATCH_EMBED, (hidden, channels, frames, patch, patch), "tower"),
+    sizes, embed_shape = _tower_sizes(vision, hidden=1152, patch=16, intermediate=4304)
+    hidden = sizes[0]
+    embed = [VisionTensor(QWEN3_VL_MODULE + PATCH_EMBED, embed_shape, "tower"),
              VisionTensor(QWEN3_VL_MODULE + "patch_embed.proj.bias", (hidden,), "tower"),
              VisionTensor(QWEN3_VL_MODULE + "pos_embed.weight", (_size(vision, "num_position_embeddings", 2304), hidden),
                           "tower")]

@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from support.hf_helpers import assert_same_hf_tensors, load_hf_tensors
+from support.megatron_fixtures import load_for_test
 from support.vision_language_models import build_vl_model, image_text_inputs, vl_logits
 
 import pgconvert
@@ -45,8 +46,7 @@ def _converted(src: Path, dst: Path, **options: object) -> Path:
 
 
 def _rank_model(root: Path, rank_dir: str) -> dict[str, object]:
-    state = torch.load(root / "iter_0000000" / rank_dir / "model_optim_rng.pt", weights_only=False)
-    return state
+    return load_for_test(root / "iter_0000000" / rank_dir / "model_optim_rng.pt")
 
 
 def _assert_same_vl_model(src: Path, converted: Path, expected: tuple[dict[str, torch.Tensor], torch.Tensor]) -> None:
@@ -239,7 +239,7 @@ def test_a_rank_file_without_the_merger_or_with_a_vision_config_of_other_sizes_i
                                                          .replace('"hidden_size":32', '"hidden_size":48')))):
         copy = Path(shutil.copytree(tp2_pp2, tmp_path / case))
         rank_file = copy / "iter_0000000" / "mp_rank_01_000" / "model_optim_rng.pt"
-        state = torch.load(rank_file, weights_only=False)
+        state = load_for_test(rank_file)
         change(state)
         torch.save(state, rank_file)
         expected = (r"mp_rank_01_000.*missing: \['visual\.merger\.mlp\.2\.weight'\]" if case == "missing" else
@@ -247,7 +247,7 @@ def test_a_rank_file_without_the_merger_or_with_a_vision_config_of_other_sizes_i
                     r"\[48, 3, 2, 14, 14\].*vision_config")
         if case == "sizes":  # every rank file records the args; the first one read names the model
             for other in copy.glob("iter_0000000/mp_rank_*/model_optim_rng.pt"):
-                other_state = torch.load(other, weights_only=False)
+                other_state = load_for_test(other)
                 change(other_state)
                 torch.save(other_state, other)
             expected = expected.replace("mp_rank_01_000", "mp_rank_0[01]_000")

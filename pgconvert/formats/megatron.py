@@ -33,7 +33,8 @@ import numpy
 import numpy.dtypes
 import torch
 
-from pgconvert.model.config import ROTARY_TYPES, ModelConfig
+from pgconvert.model.config import ModelConfig
+from pgconvert.model.layers import ROTARY_TYPES
 from pgconvert.errors import CheckpointError, ConfigError, LayoutError, UnsafePickleError
 from pgconvert.formats import RELEASE, Iteration
 from pgconvert.formats.hybrid_args import (hybrid_from_args, hybrid_to_args, linear_attention_from_args,

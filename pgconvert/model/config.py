@@ -23,13 +23,13 @@ from typing import Any
 
 from pgconvert.errors import ConfigError
 from pgconvert.io.limits import quote
-from pgconvert.model.layers import HYBRID_LAYER_KINDS, LayerSpec, MTPLayerSpec, layer_specs, mtp_layer_specs
+from pgconvert.model.layers import (HYBRID_LAYER_KINDS, ROTARY_TYPES, LayerSpec, MTPLayerSpec, layer_specs,
+                                    mtp_layer_specs)
 from pgconvert.model.vision import check_projector_width, tower_tensors
 
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")
 # mrope: megatron-core's multimodal RoPE (Qwen2.5-VL), rotary with ``mrope_section``.
 POSITION_EMBEDDING_TYPES = ("rope", "mrope", "learned_absolute", "none")
-ROTARY_TYPES = ("rope", "mrope")
 # gelu_tanh: the tanh approximation (HF gelu_pytorch_tanh; pgconvert's Megatron args: openai_gelu with
 # gated_linear_unit recorded: a Megatron-LM run's --openai-gelu computes F.gelu, pgconvert.formats.megatron);
 # quick_gelu: x * sigmoid(1.702 x) (GPT-OSS, Megatron-LM --quick-geglu); squared_relu: relu(x)**2

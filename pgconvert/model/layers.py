@@ -24,6 +24,10 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from pgconvert.model.config import ModelConfig
 
+# The position embeddings that rotate queries and keys: RoPE and megatron-core's multimodal RoPE (``mrope``:
+# Qwen2.5-VL's, rotary with ``mrope_section``).
+ROTARY_TYPES = ("rope", "mrope")
+
 # The kinds' names in pgconvert.model.kinds.LAYER_KINDS.
 SELF_ATTENTION = "self_attention"
 MULTI_LATENT_ATTENTION = "multi_latent_attention"
@@ -134,6 +138,6 @@ def _is_window_layer(config: ModelConfig, layer: int) -> bool:
 
 def _uses_rope(config: ModelConfig, layer: int) -> bool:
     positions = config.positions
-    if positions.position_embedding_type not in ("rope", "mrope"):  # mrope: multimodal RoPE (config.ROTARY_TYPES)
+    if positions.position_embedding_type not in ROTARY_TYPES:
         return False
     return positions.no_rope_layers is None or positions.no_rope_layers[layer] == 0

@@ -13,6 +13,7 @@ every TP rank unless the tower says Megatron shards it).
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -200,12 +201,14 @@ def vision_config_text(vision: Mapping[str, Any]) -> str:
     return json.dumps(vision, sort_keys=True, separators=(",", ":"))
 
 
-def tower_tensors(vision_config: str | None) -> list[VisionTensor]:
-    """The vision part's tensors, in state-dict order (none for a text model)."""
+@functools.lru_cache(maxsize=8)
+def tower_tensors(vision_config: str | None) -> tuple[VisionTensor, ...]:
+    """The vision part's tensors, in state-dict order (none for a text model); computed once per vision config
+    (every ModelConfig checks it, and the provider asks it per tensor)."""
     if vision_config is None:
-        return []
+        return ()
     vision = parse_vision_config(vision_config)
-    return TOWERS[vision["model_type"]].tensors(vision)
+    return tuple(TOWERS[vision["model_type"]].tensors(vision))
 
 
 def check_projector_width(vision_config: str, hidden_size: int) -> None:

@@ -22,12 +22,11 @@ pgconvert writes it for a torch_dist output in megatron-core 0.19's form (``--ds
 so a Megatron-LM run with ``--verify-integrity`` loads it), from the digests computed while the files were
 written where it has them, and checks it whenever it reads a torch_dist checkpoint that has one: a mismatch
 is an ``IntegrityError`` naming the file and both digests. Files are hashed several at once (``HASH_THREADS``:
-hashlib and file reads release the GIL), so the check runs at the disk's speed on a machine with the cores.
+the hasher and file reads release the GIL), so the check runs at the disk's speed on a machine with the cores.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -36,6 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from pgconvert.errors import CheckpointError, IntegrityError
+from pgconvert.io.digest import file_hexdigest
 from pgconvert.io.durable import fsync_file
 from pgconvert.io.limits import quote, read_json
 
@@ -49,11 +49,7 @@ HASH_THREADS = min(8, os.cpu_count() or 1)
 
 def file_sha256(path: Path) -> str:
     """The SHA-256 hex digest of ``path``, read in 1 MiB blocks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while block := handle.read(_READ_BYTES):
-            digest.update(block)
-    return digest.hexdigest()
+    return file_hexdigest(path, INTEGRITY_ALGORITHM, _READ_BYTES)[0]
 
 
 def files_sha256(paths: Iterable[Path]) -> dict[Path, str]:

@@ -59,12 +59,24 @@ def algorithm_of(digest: str, where: Path | str) -> str:
     return algorithm
 
 
-def file_digest(path: Path, algorithm: str) -> tuple[str, int]:
-    """The labelled digest and size of ``path`` in one streaming pass (constant memory, any file size)."""
+def hex_of(digest: str, algorithm: str) -> str | None:
+    """The hex digits of a labelled digest when ``algorithm`` made it, else None."""
+    named, _, hexdigest = digest.partition(":")
+    return hexdigest if named == algorithm else None
+
+
+def file_hexdigest(path: Path, algorithm: str, block: int = READ_BYTES) -> tuple[str, int]:
+    """``algorithm``'s hex digest and the size of ``path`` in one streaming pass, ``block`` bytes in memory."""
     hasher = new_hasher(algorithm)
     size = 0
     with open(path, "rb") as handle:
-        while chunk := handle.read(READ_BYTES):
+        while chunk := handle.read(block):
             hasher.update(chunk)
             size += len(chunk)
-    return labelled(algorithm, hasher.hexdigest()), size
+    return hasher.hexdigest(), size
+
+
+def file_digest(path: Path, algorithm: str) -> tuple[str, int]:
+    """The labelled digest and size of ``path`` in one streaming pass (constant memory, any file size)."""
+    hexdigest, size = file_hexdigest(path, algorithm)
+    return labelled(algorithm, hexdigest), size

@@ -63,7 +63,7 @@ from pgconvert.formats.torch_dist import (
 )
 from pgconvert.formats.torch_dist_integrity import INTEGRITY_ALGORITHM, INTEGRITY_FILE, write_integrity_manifest
 from pgconvert.io.dcp_writer import DEFAULT_MAX_DATA_FILE_SIZE, WrittenFiles
-from pgconvert.io.digest import labelled
+from pgconvert.io.digest import hex_of
 from pgconvert.io.durable import fsync_file
 from pgconvert.model.provider import (
     canonical_shapes,
@@ -79,8 +79,6 @@ log = logging.getLogger(__name__)
 
 # torch.distributed.checkpoint names rank 0's data files __0_<n>.distcp; the first holds the _extra_state entries.
 DATA_FILE = data_file_name(0)
-# The prefix of a digest the integrity manifest can reuse (a file hashed with its algorithm as it was written).
-SHA256_LABEL = labelled(INTEGRITY_ALGORITHM, "")
 
 
 class TorchDistSaver(Saver):
@@ -217,9 +215,13 @@ class TorchDistSaver(Saver):
         if options.torch_dist_common != COMMON_IN_STORE:
             return
         directory = iteration_dir_name(*self._iteration(source))
-        known = {Path(item.relpath).name: (item.digest.removeprefix(SHA256_LABEL), item.size) for item in files
-                 if Path(item.relpath).parent.as_posix() == directory and item.digest is not None
-                 and item.digest.startswith(SHA256_LABEL) and item.size is not None}
+        known = {}
+        for item in files:
+            if Path(item.relpath).parent.as_posix() != directory or item.digest is None or item.size is None:
+                continue
+            sha256 = hex_of(item.digest, INTEGRITY_ALGORITHM)
+            if sha256 is not None:
+                known[Path(item.relpath).name] = (sha256, item.size)
         write_integrity_manifest(out_dir / directory, known)
 
     def file_digest(self, options: SaveOptions) -> str | None:

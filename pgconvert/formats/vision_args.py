@@ -15,7 +15,6 @@ Inside pgconvert the language model's tensors keep the GPT names (the text famil
 from __future__ import annotations
 
 import argparse
-import json
 from collections import OrderedDict
 from collections.abc import Mapping
 from pathlib import Path
@@ -23,7 +22,7 @@ from typing import Any
 
 from pgconvert.errors import CheckpointError
 from pgconvert.io.limits import quote
-from pgconvert.model.config import ModelConfig
+from pgconvert.model.config import ModelConfig, parse_json_object
 from pgconvert.model.vision import LANGUAGE_MODEL_MODULE, VISION_MODULES, is_vision_tensor
 
 MROPE = "mrope"
@@ -81,4 +80,4 @@ def unwrapped(model: Mapping[str, Any], path: Path) -> dict[str, Any]:
 def token_ids(config: ModelConfig) -> dict[str, Any]:
     """The image and video token ids a VL config.json holds at its top level."""
     text = config.vision.vision_token_ids
-    return {} if text is None else dict(json.loads(text))
+    return {} if text is None else parse_json_object("vision_token_ids", text)

@@ -21,6 +21,8 @@ from pgconvert.families.sliding_window import (
     layer_types,
     layer_types_of,
     no_rope_of,
+    period_of,
+    periodic_layers,
     refuses_other_rope,
     window_of,
     window_values_sized,
@@ -46,7 +48,7 @@ def _sliding_layers(present: Mapping[str, object], layers: int, window: int | No
     if not isinstance(period, int) or isinstance(period, bool) or period < 1:
         raise ValueError(f"sliding_window_pattern={quote(period)} without layer_types: Exaone4Config fills "
                          "layer_types only from a positive integer period; give layer_types")
-    return tuple(int((layer + 1) % period != 0) for layer in range(layers))
+    return periodic_layers(layers, period)
 
 
 def _read_layers(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
@@ -67,9 +69,7 @@ def _unrotated_everywhere(config: ModelConfig) -> bool:
 def _write_layers(config: ModelConfig) -> Mapping[str, object]:
     types = layer_types_of(config)
     window = _WINDOW if _unrotated_everywhere(config) else config.attention.sliding_window
-    period = next((period for period in range(1, len(types) + 1)
-                   if types == ["full_attention" if (layer + 1) % period == 0 else "sliding_attention"
-                                for layer in range(len(types))]), None)
+    period = period_of(tuple(int(kind == "sliding_attention") for kind in types))
     return {"sliding_window": window, "layer_types": types, "sliding_window_pattern": period if window else 0}
 
 

@@ -38,6 +38,7 @@ from pgconvert.families.llama import (ATTENTION_ROWS, DENSE_MLP_ROWS, EMBEDDING_
                                       partial_rope_rule, query_groups_field)
 from pgconvert.families.qwen import (NORM_TOPK_NOTE, PRE_SOFTMAX, QWEN_MOE_ROWS, SHARED_EXPERT_ROWS,
                                      SHARED_EXPERT_SPARSE_STEP, norm_topk_rule)
+from pgconvert.families.sliding_window import period_of, periodic_layers
 from pgconvert.families.table import ConfigField, ConfigRule, Family, TensorMapping, TensorTable, Transform
 from pgconvert.io.limits import quote
 from pgconvert.io.reuse import joined
@@ -139,7 +140,7 @@ def _pattern_of(present: Mapping[str, object], layers: int) -> tuple[int, ...]:
     interval = present.get("full_attention_interval", FULL_ATTENTION_INTERVAL)
     if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
         raise ValueError(f"full_attention_interval={quote(interval)}: expected a positive integer")
-    return tuple(int((layer + 1) % interval != 0) for layer in range(layers))
+    return periodic_layers(layers, interval)
 
 
 def _read_layer_types(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
@@ -147,10 +148,7 @@ def _read_layer_types(present: Mapping[str, object], model: Mapping[str, object]
     layers = model["num_layers"]
     assert isinstance(layers, int)
     pattern = _pattern_of(present, layers)
-    for interval in range(1, layers + 1):
-        if pattern == tuple(int((layer + 1) % interval != 0) for layer in range(layers)):
-            return {"linear_attention_freq": interval}
-    return {"linear_attention_freq": pattern}
+    return {"linear_attention_freq": period_of(pattern) or pattern}
 
 
 def _write_layer_types(config: ModelConfig) -> Mapping[str, object]:

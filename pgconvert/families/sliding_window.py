@@ -53,13 +53,23 @@ def layer_types(present: Mapping[str, object], layers: int) -> tuple[int, ...] |
     return tuple(int(kind == "sliding_attention") for kind in types)
 
 
+def periodic_layers(layers: int, period: int) -> tuple[int, ...]:
+    """1 on every layer but each ``period``-th (1-based), which is 0: the configs' "every N-th layer" default (full
+    attention among sliding or linear layers, a layer without RoPE)."""
+    return tuple(int((layer + 1) % period != 0) for layer in range(layers))
+
+
+def period_of(pattern: tuple[int, ...]) -> int | None:
+    """The period whose ``periodic_layers`` is ``pattern``; None when no period gives it."""
+    return next((period for period in range(1, len(pattern) + 1)
+                 if pattern == periodic_layers(len(pattern), period)), None)
+
+
 def sliding_layers(present: Mapping[str, object], layers: int, period: int) -> tuple[int, ...]:
     """``layer_types`` as a 0/1 per layer, by default every ``period``-th layer full attention and
     the others sliding (transformers' Gemma 2/3 and GPT-OSS configs)."""
     pattern = layer_types(present, layers)
-    if pattern is None:
-        return tuple(int((layer + 1) % period != 0) for layer in range(layers))
-    return pattern
+    return periodic_layers(layers, period) if pattern is None else pattern
 
 
 def window_values(window: int | None, pattern: tuple[int, ...]) -> Mapping[str, object]:

@@ -22,6 +22,7 @@ from pgconvert.families.llama import (
 from pgconvert.families.sliding_window import (
     layer_types,
     layer_types_of,
+    periodic_layers,
     window_or_none,
     window_values,
     window_values_sized,
@@ -37,7 +38,7 @@ def _rope_flags(present: Mapping[str, object], layers: int) -> tuple[int, ...]:
         interval = present.get("no_rope_layer_interval", 4)
         if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
             raise ValueError(f"no_rope_layer_interval={quote(interval)}: expected a positive integer")
-        return tuple(int((layer + 1) % interval != 0) for layer in range(layers))
+        return periodic_layers(layers, interval)
     if (not isinstance(flags, list) or len(flags) != layers
             or not all(v in (0, 1) and not isinstance(v, bool) for v in flags)):
         raise ValueError(f"no_rope_layers={quote(flags)}: expected {layers} of 0 or 1")

@@ -137,6 +137,10 @@ KEPT_NULLS: dict[tuple[str, str, str], Expected] = {
                                    ("null full_attention_interval", _same),
                                    ("older spelling of full_attention_interval, null full_attention_interval",
                                     REFUSED))},
+    # Nemotron: NemotronAttention computes heads // num_key_value_heads with None; a top-level null partial rotary
+    # reaches no rope_parameters, where NemotronAttention reads it (KeyError).
+    ("NemotronForCausalLM", "*", "null num_key_value_heads"): REFUSED,
+    ("NemotronForCausalLM", "*", "older spelling of rope_theta, null partial_rotary_factor"): REFUSED,
     # ERNIE 4.5: nn.Linear(bias=None) builds no bias.
     ("Ernie4_5ForCausalLM", "*", "null use_bias"): lambda doc: {"add_qkv_bias": False, "add_bias_linear": False},
     # MiniMax-M2: a top-level null passes MiniMaxM2Config's kwargs.setdefault(rotary_dim / head_dim) and

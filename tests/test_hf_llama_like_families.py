@@ -1,4 +1,4 @@
-"""Qwen2-MoE, Granite, SmolLM3, Ministral, Phi-3, Seed-OSS and Arcee: HF -> Megatron -> torch_dist -> HF is bit-exact,
+"""Qwen2-MoE, Granite, SmolLM3, Ministral, Phi-3, Seed-OSS, Arcee and Nemotron: HF -> Megatron -> torch_dist -> HF is bit-exact,
 the Megatron rank files compute the HF model's logits, and config, generation config and tokenizer files survive.
 
 The fixtures (tests/support/llama_like_helpers.py) switch each family's own options on; the semantic check reads
@@ -22,10 +22,10 @@ from support.llama_like_helpers import MODEL_VOCAB, MOE_FAMILIES, build_model, i
 import pgconvert
 from pgconvert.errors import CheckpointError, StrictModeError
 
-FAMILIES = ("qwen2_moe", "granitemoe", "granite", "smollm3", "ministral", "phi3", "seed_oss", "arcee")
-# The reference forward below computes neither YaRN nor squared ReLU: Arcee's Megatron files are computed by
-# megatron-core's own forward (tests/test_megatron_core_families.py).
-REFERENCE_FAMILIES = tuple(family for family in FAMILIES if family != "arcee")
+FAMILIES = ("qwen2_moe", "granitemoe", "granite", "smollm3", "ministral", "phi3", "seed_oss", "arcee", "nemotron")
+# The reference forward below computes neither YaRN, squared ReLU nor LayerNorm: Arcee's and Nemotron's Megatron files
+# are computed by megatron-core's own forward (tests/test_megatron_core_families.py).
+REFERENCE_FAMILIES = tuple(family for family in FAMILIES if family not in ("arcee", "nemotron"))
 
 
 @pytest.fixture(scope="module")
@@ -503,6 +503,61 @@ def test_native_megatron_arcee_without_carried_config_is_written_as_arcee(source
     assert (written["architectures"], written["hidden_act"]) == (["ArceeForCausalLM"], "relu2")
     rope = written["rope_parameters"]
     assert (rope["rope_type"], rope["factor"], rope["original_max_position_embeddings"]) == ("yarn", 20.0, 4096)
+    assert_same_hf_tensors(src, tmp_path / "hf")
+    ids = input_ids()
+    torch.testing.assert_close(hf_logits(tmp_path / "hf", ids), hf_logits(src, ids), rtol=1e-5, atol=1e-5)
+
+
+# --- Nemotron -------------------------------------------------------------------------------------
+
+def test_nemotron_megatron_args_hold_its_norms_activation_and_partial_rotary(sources: dict[str, Path],
+                                                                            tmp_path: Path) -> None:
+    src = sources["nemotron"]
+    report = pgconvert.convert(src, tmp_path / "megatron", dst_format="megatron", dst_tp=2, strict=True)
+
+    args = megatron_args(tmp_path / "megatron")
+    ranks = read_megatron_tp_ranks(tmp_path / "megatron")
+
+    assert (args.normalization, args.layernorm_zero_centered_gamma, args.apply_layernorm_1p) == ("LayerNorm", True, True)
+    assert (args.squared_relu, args.swiglu, args.add_bias_linear, args.rotary_percent) == (True, False, False, 0.5)
+    assert (args.kv_channels, args.num_query_groups, args.num_attention_heads, args.hidden_size) == (8, 2, 12, 64)
+    hf = load_hf_tensors(src)
+    # NemotronLayerNorm1P's stored weight is megatron-core's zero-centred gamma: the same numbers, not 1 + w.
+    for rank in ranks:
+        assert torch.equal(rank["decoder.layers.1.input_layernorm.weight"], hf["model.layers.1.input_layernorm.weight"])
+        assert torch.equal(rank["decoder.layers.1.pre_mlp_layernorm.bias"],
+                           hf["model.layers.1.post_attention_layernorm.bias"])
+    for rank, rows in zip(ranks, hf["model.layers.0.mlp.up_proj.weight"].split(128), strict=True):
+        assert torch.equal(rank["decoder.layers.0.mlp.linear_fc1.weight"], rows)
+    assert not any("not carried" in notice for notice in report.notices), report.notices
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"hidden_act": "silu"}, "hidden_act='silu': NemotronForCausalLM is converted only with hidden_act='relu2'"),
+    ({"mlp_bias": True}, "Megatron has one setting (add_bias_linear) for both; they must agree"),
+    ({"num_key_value_heads": None}, "NemotronAttention divides num_attention_heads by num_key_value_heads"),
+])
+def test_nemotron_config_megatron_cannot_express_is_refused_by_name(sources: dict[str, Path], tmp_path: Path,
+                                                                    change: dict[str, object], message: str) -> None:
+    src = Path(shutil.copytree(sources["nemotron"], tmp_path / "src"))
+    edit_json(src / "config.json", lambda doc: doc.update(change))
+
+    with pytest.raises(CheckpointError, match="config.json") as caught:
+        pgconvert.convert(src, tmp_path / "megatron", dst_format="megatron", dst_tp=2)
+
+    assert message in str(caught.value)
+    assert not (tmp_path / "megatron").exists()
+
+
+def test_native_megatron_nemotron_without_carried_config_is_written_as_nemotron(sources: dict[str, Path],
+                                                                                tmp_path: Path) -> None:
+    """LayerNorm with zero-centred gamma and a non-gated squared ReLU from args alone: Nemotron, its half-head RoPE."""
+    src = sources["nemotron"]
+    written = written_from_args_alone(src, tmp_path, dst_tp=2, dst_pp=2)
+
+    assert (written["architectures"], written["hidden_act"], written["norm_eps"]) == (
+        ["NemotronForCausalLM"], "relu2", 1e-5)
+    assert written["rope_parameters"]["partial_rotary_factor"] == 0.5
     assert_same_hf_tensors(src, tmp_path / "hf")
     ids = input_ids()
     torch.testing.assert_close(hf_logits(tmp_path / "hf", ids), hf_logits(src, ids), rtol=1e-5, atol=1e-5)

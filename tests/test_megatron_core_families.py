@@ -124,6 +124,9 @@ SOURCES: dict[str, Callable[[Path], Path]] = {
     # StarCoder2-3B's shape: LayerNorm with biases, every linear biased, the tanh GELU (activation_func set from
     # pgconvert's args), a window on every layer, 8:1 GQA, tied
     "starcoder2": _tiny_model("starcoder2"),
+    # Minitron-8B's shape: LayerNorm1P (zero-centred gamma, with biases), non-gated squared ReLU, RoPE on half of
+    # each head, 6:1 GQA with heads x head_dim apart from hidden
+    "nemotron": _tiny_model("nemotron"),
     "dots1": _dots1(),
     # windows on layers 2 and 3 (max_window_layers), 4 router groups of which the best 2
     "dots1-window-groups": _dots1(sliding_window=5, max_window_layers=2, n_group=4, topk_group=2,
@@ -155,6 +158,9 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "arcee-yarn": ("arcee", {"position_embedding_type": "rope"}),
     "ernie4_5-interleaved": ("ernie4_5", {"rotary_interleaved": False}),
     "dots1-scaling": ("dots1", {"moe_router_topk_scaling_factor": None}),
+    "nemotron-zero-centred-gamma": ("nemotron", {"layernorm_zero_centered_gamma": False}),
+    "nemotron-squared-relu": ("nemotron", {"squared_relu": False}),
+    "nemotron-partial-rotary": ("nemotron", {"rotary_percent": 1.0}),
     "starcoder2-window": ("starcoder2", {"window_size": None}),
     "starcoder2-tanh-gelu": ("starcoder2", {"openai_gelu": False}),
     "dots1-window": ("dots1-window-groups", {"window_size": None}),

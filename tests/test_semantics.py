@@ -277,9 +277,7 @@ def mcore_logits(root: Path, tokens: torch.Tensor, vocab: int, **arg_changes: An
                                "original_max_position_embeddings", "beta_fast", "beta_slow",
                                "correction_range_round_to_int"))):
             setattr(config, f"yarn_{field}", getattr(args, arg))
-    weights = dict(rank.model)
-    if args.layernorm_zero_centered_gamma:
-        weights = {key: value + 1 if key.endswith("layernorm.weight") else value for key, value in weights.items()}
+    weights = mcore.norms_as_computed(args, dict(rank.model))
     spec = get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization)
     positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
     with torch.no_grad(), mcore.fake_group_queries(), mcore.restored_attention_backend_env(), \

@@ -25,6 +25,7 @@ from pgconvert.families import (
     minimax,
     mistral,
     mixtral,
+    nemotron,
     nemotron_h,
     olmo,
     phi3,
@@ -51,7 +52,7 @@ from pgconvert.semantics.carried import CarriedSetting
 # Seed-OSS after them: every model Llama or Qwen2 fits stays theirs (Seed-OSS computes the same); it takes
 # only the dense models with both add_qkv_bias and add_bias_linear, which no family before it fits.
 # Arcee takes the non-gated squared-ReLU models with attention in every layer (the others fix a gated MLP
-# or another activation).
+# or another activation); Nemotron after it: the only family with LayerNorm (zero-centred gamma) and squared ReLU.
 # ERNIE 4.5 after them: a Llama-like model with interleaved rotary stays Llama's (written rotate-half).
 # Nemotron-H takes the hybrid models (a layer pattern), which every other family refuses.
 # MiniMax-M2 after it: it takes only MoE models with a sigmoid router, an expert bias and q/k norms over the
@@ -93,6 +94,7 @@ ORDERED: tuple[Family, ...] = (
     phi3.PHI3,
     seed_oss.SEED_OSS,
     arcee.ARCEE,
+    nemotron.NEMOTRON,
     ernie.ERNIE4_5,
     nemotron_h.NEMOTRON_H,
     minimax.MINIMAX_M2,

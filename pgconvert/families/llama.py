@@ -172,17 +172,21 @@ ROPE_RULE = ConfigRule(keys=("rope_parameters", "rope_scaling", "partial_rotary_
                        read=read_rope, write=write_rope)
 
 
-def partial_rope_rule(default: float, family: str) -> ConfigRule:
+def partial_rope_rule(default: float, family: str, top_level_null_refused: str | None = None) -> ConfigRule:
     """As ``ROPE_RULE``, for a config class whose absent ``partial_rotary_factor`` is ``default`` (its
     ``kwargs.setdefault``: GLM-4's, Qwen3-Next's), written in ``rope_parameters``: a top-level null is left
-    unset there, so the whole head rotates, and a null in ``rope_parameters`` is refused (the family's rotary
-    multiplies head_dim by it as given)."""
+    unset there, so the whole head rotates (refused, saying why, where ``top_level_null_refused``: the family's
+    attention needs it there), and a null in ``rope_parameters`` is refused (the family's rotary multiplies
+    head_dim by it as given)."""
 
     def read(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
         params = rope_parameters(present)
         if "partial_rotary_factor" in params and params["partial_rotary_factor"] is None:
             raise ValueError(f"rope_parameters.partial_rotary_factor=null: {family}'s rotary embedding multiplies "
                              "head_dim by it as given, and null is no fraction")
+        if (top_level_null_refused is not None and "partial_rotary_factor" not in params
+                and "partial_rotary_factor" in present and present["partial_rotary_factor"] is None):
+            raise ValueError(f"partial_rotary_factor=null: {top_level_null_refused}")
         if "partial_rotary_factor" not in params and "partial_rotary_factor" not in present:
             present = {**present, "partial_rotary_factor": default}
         return read_rope(present, model)

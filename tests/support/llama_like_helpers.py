@@ -1,4 +1,4 @@
-"""Test helpers: tiny Qwen2-MoE / Granite / SmolLM3 / Ministral / Phi-3 / Seed-OSS / ERNIE 4.5 / Arcee models,
+"""Test helpers: tiny Qwen2-MoE / Granite / SmolLM3 / Ministral / Phi-3 / Seed-OSS / ERNIE 4.5 / Arcee / Nemotron models,
 and an independent tensor-parallel forward pass over Megatron rank files driven by the files' own ``args``.
 
 Nothing here imports pgconvert. The reference forward reads each rank's ``model`` dict with
@@ -93,6 +93,14 @@ def family_configs() -> dict[str, tuple[Any, Any, dict[str, Any]]]:
             _COMMON, hidden_size=80, num_attention_heads=10, num_key_value_heads=2, head_dim=8, intermediate_size=576,
             hidden_act="relu2", max_position_embeddings=65536, attention_bias=False, mlp_bias=False,
             tie_word_embeddings=False, rope_parameters=dict(AFM_YARN))),
+        # nvidia/Minitron-8B-Base's shape: 6 query heads per KV head with heads x head_dim = 1.5 x hidden (48 x 128
+        # over 4096), FFN 4 x hidden, LayerNorm1P (1 + weight, with biases), up_proj -> relu2 -> down_proj, RoPE on
+        # half of each head (its top-level partial_rotary_factor 0.5), base 1e4, eps 1e-5, 4096 positions, untied.
+        "nemotron": (t.NemotronConfig, t.NemotronForCausalLM, dict(
+            hidden_size=64, num_hidden_layers=4, num_attention_heads=12, num_key_value_heads=2, head_dim=8,
+            intermediate_size=256, vocab_size=MODEL_VOCAB, max_position_embeddings=4096, norm_eps=1e-5,
+            hidden_act="relu2", partial_rotary_factor=0.5, rope_theta=10000.0, attention_bias=False, mlp_bias=False,
+            tie_word_embeddings=False, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD)),
         # StarCoder2-3B's shape: 12 query heads per KV head (here 8 : 1), LayerNorm, biases everywhere, the
         # tanh GELU, a window on every layer, RoPE base ~1e6, dropout 0.1 as released, tied.
         "starcoder2": (t.Starcoder2Config, t.Starcoder2ForCausalLM, dict(

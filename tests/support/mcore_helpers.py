@@ -466,8 +466,17 @@ def load_rank_into_gpt_model(rank: RankFile) -> GPTModel:
     model = build_gpt_model(rank.args, rank.layout)
     # load_state_dict copies the dict first, so megatron-core's pre-hooks (which setdefault the
     # linear layers' ``_extra_state``) never touch ``rank.model``.
-    model.load_state_dict(rank.model, strict=True)
+    model.load_state_dict(norms_as_computed(rank.args, rank.model), strict=True)
     return model
+
+
+def norms_as_computed(args: argparse.Namespace, state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` as megatron-core's local spec computes it: that spec cannot run zero-centred gamma (its torch norm
+    asserts, torch_norm.py:26), so a model with ``layernorm_zero_centered_gamma`` loads ``1 + gamma`` into the plain
+    norms, which is what megatron-core's fused norms compute (``weight + 1``)."""
+    if not getattr(args, "layernorm_zero_centered_gamma", False):
+        return state
+    return {key: value + 1 if key.endswith("layernorm.weight") else value for key, value in state.items()}
 
 
 # --------------------------------------------------------------------------- forward

@@ -162,7 +162,9 @@ def test_an_untied_output_layer_that_is_not_stored_is_refused_naming_tie_word_em
 # ------------------------------------------------------------------------------------ MTP layers
 
 def _mtp(name: str) -> bool:
-    return name.startswith("mtp.layers.")
+    """A tensor of an MTP layer as the family's checkpoint stores it apart (Qwen3-Next's ``mtp.*``), or of its
+    megatron-core name."""
+    return name.startswith("mtp.")
 
 
 def _mtp_copies(architecture: str) -> Callable[[str], bool]:
@@ -176,7 +178,8 @@ def test_declared_mtp_layers_none_of_which_is_stored_are_refused_under_strict(
         family_sources: dict[str, Path], tmp_path: Path, architecture: str) -> None:
     src, _ = _without(family_sources[architecture], tmp_path, _mtp, _mtp_copies(architecture))
 
-    with pytest.raises(StrictModeError, match="num_nextn_predict_layers=1, but no tensor of a multi-token prediction"):
+    key = FAMILIES[architecture].hf_mtp_layers_key
+    with pytest.raises(StrictModeError, match=f"{key}=1, but no tensor of a multi-token prediction"):
         pgconvert.convert(src, tmp_path / "out", dst_format="megatron", strict=True)
 
 
@@ -189,10 +192,11 @@ def test_declared_mtp_layers_none_of_which_is_stored_convert_without_them_and_ar
     pgconvert.convert(src, tmp_path / "megatron", dst_format="megatron", dst_tp=2)
     back = pgconvert.convert(tmp_path / "megatron", tmp_path / "back", dst_format="hf")
 
-    assert any("num_nextn_predict_layers=1, but no tensor" in notice for notice in report.notices)
-    assert any("num_nextn_predict_layers=1 written as 0" in notice for notice in back.notices)
+    key = FAMILIES[architecture].hf_mtp_layers_key
+    assert any(f"{key}=1, but no tensor" in notice for notice in report.notices)
+    assert any(f"{key}=1 written as 0" in notice for notice in back.notices)
     for out in (tmp_path / "hf", tmp_path / "back"):
-        assert _config_json(out) == {**_config_json(src), "num_nextn_predict_layers": 0}
+        assert _config_json(out) == {**_config_json(src), key: 0}
         written = load_file(str(out / "model.safetensors"))
         assert not set(dropped) & set(written)
         assert pgconvert.verify(src, out).equal

@@ -193,17 +193,22 @@ KEPT_NULLS: dict[tuple[str, str, str], Expected] = {
     ("Qwen2MoeForCausalLM", "*", "null num_key_value_heads"): REFUSED,
     # The MTP layer count (num_mtp_layers) null with an MTP layer stored: no count to convert it by.
     ("*", "*", "null num_nextn_predict_layers"): REFUSED,
+    # Qwen3-Next's and Qwen3.5's count of their separate MTP module (not a config class attribute: kept as given).
+    ("*", "*", "null mtp_num_hidden_layers"): REFUSED,
     ("*", "*", "older spelling num_mtp_layers (attribute_map alias of num_nextn_predict_layers), "
                "null num_mtp_layers"): REFUSED,
 }
 
 
 def _reading(family: Family, doc: dict[str, Any]) -> Reading:
-    """pgconvert's model of a config.json, with one MTP layer stored where the family has them."""
+    """pgconvert's model of a config.json, with one MTP layer stored where the family has them (a separate MTP
+    module: where config.json counts it, as its absence means none)."""
     try:
         _, config, _ = model_config_from_hf(copy.deepcopy(doc), PATH)
-        if family.hf_mtp_layers_key is not None:
-            stored = {f"model.layers.{config.num_layers}.eh_proj.weight": None}
+        block = family.hf_mtp_block
+        if family.hf_mtp_layers_key is not None and (block is None or family.hf_mtp_layers_key in doc):
+            stored = {(block.own["eh_proj.weight"] if block is not None
+                       else f"model.layers.{config.num_layers}.eh_proj.weight"): None}
             config, _ = mtp.resolve_hf_count(family, doc, config, stored, PATH)
     except PgconvertError as exc:
         return Refused(str(exc))

@@ -108,7 +108,26 @@ def test_megatron_cores_logits_move_when_in_proj_takes_beta_and_alpha_in_the_oth
                               rtol=1e-2, atol=1e-2)
 
 
-def test_stored_multi_token_prediction_layers_are_refused_by_name(tiny: dict[str, Path], tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_the_released_mtp_module_round_trips_bit_exact_through_tp2_pp2_and_torch_dist(tmp_path: Path,
+                                                                                      kind: str) -> None:
+    """The releases' ``mtp.*`` module (a gated-attention layer with the model's MLP or MoE block) is megatron-core's
+    MTP layer, as Qwen3-Next's."""
+    from support.qwen3_5_models import MODELS
+    from support.qwen3_next_models import write_with_mtp_module
+
+    source, _ = write_with_mtp_module(*MODELS[kind], 12, tmp_path / "made")
+    layout = {"dst_tp": 2, "dst_pp": 2, "dst_ep": 2 if kind == "moe" else 1}
+
+    assert_round_trip(source, tmp_path, _ids(), **layout)
+
+    last = load_for_test(next((tmp_path / "megatron").glob("iter_*/mp_rank_00_001*/model_optim_rng.pt")))
+    assert last["args"].mtp_num_layers == 1
+    assert last["model"]["mtp.layers.0.eh_proj.weight"].shape == (TEXT["hidden_size"] // 2, 2 * TEXT["hidden_size"])
+
+
+def test_stored_mtp_tensors_config_json_does_not_declare_are_refused_by_name(tiny: dict[str, Path],
+                                                                             tmp_path: Path) -> None:
     copy = Path(shutil.copytree(tiny["dense"], tmp_path / "src"))
     shard = sorted(copy.glob("*.safetensors"))[0]
     tensors = load_file(shard)
@@ -120,7 +139,8 @@ def test_stored_multi_token_prediction_layers_are_refused_by_name(tiny: dict[str
         doc["weight_map"]["mtp.fc.weight"] = shard.name
         index.write_text(json.dumps(doc))
 
-    with pytest.raises(PgconvertError, match=r"multi-token-prediction tensors \['mtp.fc.weight'\]"):
+    with pytest.raises(PgconvertError, match=r"mtp_num_hidden_layers absent, but the checkpoint stores multi-token "
+                                             r"prediction layer tensors of layers \[0\] .*\['mtp.fc.weight'\]"):
         pgconvert.convert(copy, tmp_path / "out", dst_format="megatron")
     assert not (tmp_path / "out").exists()
 

@@ -23,7 +23,7 @@ from click.testing import CliRunner
 from support.gated_delta_net_reference import qwen3_next_logits
 from support.hf_helpers import assert_same_hf_tensors, hf_logits, input_ids, read_megatron_tp_ranks
 from support.megatron_fixtures import load_for_test
-from support.qwen3_next_models import TINY, write_tiny_qwen3_next
+from support.qwen3_next_models import TINY, write_tiny_qwen3_next, write_tiny_qwen3_next_with_mtp
 
 import pgconvert
 from pgconvert.cli import main
@@ -320,19 +320,156 @@ def test_a_config_json_that_describes_no_model_is_refused_by_name(tiny: Path, tm
     assert not (tmp_path / "out").exists()
 
 
-def test_stored_multi_token_prediction_layers_are_refused_by_name(tiny: Path, tmp_path: Path) -> None:
-    """The released checkpoints store ``mtp.*`` (transformers loads none of it): not converted, never dropped silently."""
-    from safetensors.torch import save_file
+# --------------------------------------------------------------------------- the released MTP module
 
-    source = tmp_path / "hf"
-    shutil.copytree(tiny, source)
-    save_file({"mtp.fc.weight": torch.zeros(32, 64), "mtp.norm.weight": torch.zeros(32)}, str(source / "mtp.safetensors"))
-    index = json.loads((source / "model.safetensors.index.json").read_text())
-    index["weight_map"].update({"mtp.fc.weight": "mtp.safetensors", "mtp.norm.weight": "mtp.safetensors"})
-    (source / "model.safetensors.index.json").write_text(json.dumps(index))
+
+@pytest.fixture(scope="module")
+def with_mtp(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(the tiny model with the releases' ``mtp.*`` module, the same model with its MTP layer as a decoder layer)."""
+    return write_tiny_qwen3_next_with_mtp(tmp_path_factory.mktemp("qwen3_next_mtp"))
+
+
+def test_the_released_mtp_module_round_trips_bit_exact_through_tp2_pp2_ep2_and_torch_dist(
+        with_mtp: tuple[Path, Path], tmp_path: Path) -> None:
+    source, _ = with_mtp
+    report = pgconvert.convert(source, tmp_path / "mcore", dst_format="megatron", dst_tp=2, dst_pp=2, dst_ep=2,
+                               strict=True)
+    pgconvert.convert(tmp_path / "mcore", tmp_path / "dist", dst_format="torch_dist")
+    pgconvert.convert(tmp_path / "dist", tmp_path / "hf", dst_format="hf")
+
+    assert_same_hf_tensors(source, tmp_path / "hf")
+    assert json.loads((tmp_path / "hf" / "config.json").read_text()) == json.loads((source / "config.json").read_text())
+    torch.testing.assert_close(hf_logits(tmp_path / "hf", _ids()), hf_logits(source, _ids()), rtol=1e-5, atol=1e-5)
+    assert not any("multi-token" in notice for notice in report.notices), report.notices
+
+
+def test_the_mtp_module_is_megatron_cores_mtp_layer_on_the_last_stage(with_mtp: tuple[Path, Path],
+                                                                      tmp_path: Path) -> None:
+    """``mtp.fc`` is eh_proj (split by rows), the pre-fc norms enorm and hnorm, ``mtp.norm`` the final norm, and the
+    layer megatron-core's transformer layer with TE's fused names; the count key is written from the args alone."""
+    from safetensors.torch import load_file
+
+    source, _ = with_mtp
+    pgconvert.convert(source, tmp_path / "mcore", dst_format="megatron", dst_tp=2, dst_pp=2, dst_ep=2)
+    hf = load_file(source / "model.safetensors")
+    first = load_for_test(tmp_path / "mcore" / ITERATION_DIR / "mp_rank_00_000_000" / "model_optim_rng.pt")
+    last = [load_for_test(tmp_path / "mcore" / ITERATION_DIR / f"mp_rank_0{tp}_001_000" / "model_optim_rng.pt")
+            for tp in (0, 1)]
+
+    assert not any(name.startswith("mtp.") for name in first["model"])
+    assert last[0]["args"].mtp_num_layers == 1
+    for tp, state in enumerate(last):
+        model = state["model"]
+        assert torch.equal(model["mtp.layers.0.eh_proj.weight"], hf["mtp.fc.weight"].chunk(2)[tp])
+        assert torch.equal(model["mtp.layers.0.enorm.weight"], hf["mtp.pre_fc_norm_embedding.weight"])
+        assert torch.equal(model["mtp.layers.0.hnorm.weight"], hf["mtp.pre_fc_norm_hidden.weight"])
+        assert torch.equal(model["mtp.layers.0.final_layernorm.weight"], hf["mtp.norm.weight"])
+        assert torch.equal(model["mtp.layers.0.transformer_layer.self_attention.linear_qkv.layer_norm_weight"],
+                           hf["mtp.layers.0.input_layernorm.weight"])
+    bare = tmp_path / "bare"
+    shutil.copytree(tmp_path / "mcore", bare)
+    shutil.rmtree(bare / "hf")
+    pgconvert.convert(bare, tmp_path / "hf", dst_format="hf")
+    written = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (written["mtp_num_hidden_layers"], written["mtp_use_dedicated_embeddings"]) == (1, False)
+    assert_same_hf_tensors(source, tmp_path / "hf")
+
+
+def _zero_centred_rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1 + weight)
+
+
+def reference_mtp_layer(source: Path, as_layer: Path, ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """Qwen3-Next's MTP module (vLLM's Qwen3NextMultiTokenPredictor) written plainly on the source's HF tensors: the
+    next token's embedding and the hidden state, each normed (``pre_fc_norm_embedding``, ``pre_fc_norm_hidden``,
+    Qwen3NextRMSNorm's ``1 + w``), concatenated in that order, projected by ``fc``, through transformers' own
+    Qwen3NextDecoderLayer holding the ``mtp.layers.0`` tensors (the ``as_layer`` model's last layer), normed by
+    ``mtp.norm``. The last position's next token is id 0 (megatron-core's roll_tensor)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(as_layer, dtype=torch.float32, attn_implementation="eager").eval()
+    tensors, eps = load_file(source / "model.safetensors"), model.config.rms_norm_eps
+    following = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1)
+    x = torch.cat([_zero_centred_rms(tensors["model.embed_tokens.weight"][following],
+                                     tensors["mtp.pre_fc_norm_embedding.weight"], eps),
+                   _zero_centred_rms(hidden, tensors["mtp.pre_fc_norm_hidden.weight"], eps)], dim=-1)
+    x = x @ tensors["mtp.fc.weight"].T
+    seq = ids.shape[1]
+    positions = torch.arange(seq)[None].expand_as(ids)
+    mask = torch.full((seq, seq), float("-inf")).triu(1).expand(ids.shape[0], 1, seq, seq)
+    with torch.no_grad():
+        x = model.model.layers[TINY["num_hidden_layers"]](x, position_embeddings=model.model.rotary_emb(x, positions),
+                                                          attention_mask=mask, position_ids=positions)
+    return _zero_centred_rms(x, tensors["mtp.norm.weight"], eps)
+
+
+@pytest.fixture(scope="module")
+def mtp_tp1(with_mtp: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("qwen3_next_mtp_tp1") / "mcore"
+    pgconvert.convert(with_mtp[0], out, dst_format="megatron", dst_expert_layout="sequential")
+    return out
+
+
+@pytest.mark.parametrize("knockout", [None, "enorm and hnorm swapped", "eh_proj halves swapped"])
+def test_megatron_cores_mtp_layer_computes_qwens_mtp_module(with_mtp: tuple[Path, Path], mtp_tp1: Path,
+                                                            knockout: str | None) -> None:
+    """megatron-core's GPTModel with its MTP block, built from the written args alone, loads the rank file with
+    ``strict=True``; its MultiTokenPredictionLayer computes the plain reference on the HF tensors, and does not
+    when the two norms or the halves of eh_proj's input are exchanged."""
+    pytest.importorskip("megatron.core")
+    from support.mcore_helpers import rank_files
+    from support.mcore_qwen3_next import build_qwen3_next_model, mtp_layer_output
+
+    rank, = rank_files(mtp_tp1)
+    state = dict(rank.model)
+    if knockout == "enorm and hnorm swapped":
+        state["mtp.layers.0.enorm.weight"], state["mtp.layers.0.hnorm.weight"] = (
+            state["mtp.layers.0.hnorm.weight"], state["mtp.layers.0.enorm.weight"])
+    elif knockout == "eh_proj halves swapped":
+        state["mtp.layers.0.eh_proj.weight"] = state["mtp.layers.0.eh_proj.weight"].roll(TINY["hidden_size"], dims=1)
+    model = build_qwen3_next_model(rank.args, rank.layout)
+    model.load_state_dict(state, strict=True)
+    ids = _ids()
+    hidden = torch.randn(*ids.shape, TINY["hidden_size"], generator=torch.Generator().manual_seed(3))
+
+    actual = mtp_layer_output(model, ids, hidden)
+
+    expected = reference_mtp_layer(*with_mtp, ids, hidden)
+    if knockout is None:
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+    else:
+        assert not torch.allclose(actual, expected, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"mtp_use_dedicated_embeddings": True}, "mtp_use_dedicated_embeddings=True: an embedding of the MTP module's own"),
+    ({"mtp_num_hidden_layers": 2}, "mtp_num_hidden_layers=2: Qwen3NextForCausalLM's MTP module shares one fc"),
+    ({"mtp_num_hidden_layers": 0}, "mtp_num_hidden_layers=0, but the checkpoint stores multi-token prediction layer "
+                                   "tensors of layers [0]"),
+    ({"layer_types": ["linear_attention"] * 8}, "with a gated delta net as the last layer"),
+])
+def test_an_mtp_module_megatron_core_cannot_hold_is_refused_by_name(with_mtp: tuple[Path, Path], tmp_path: Path,
+                                                                    change: dict[str, object], message: str) -> None:
+    source = Path(shutil.copytree(with_mtp[0], tmp_path / "hf"))
+    doc = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**doc, **change}))
 
     result = CliRunner().invoke(main, ["--dst-format", "megatron", str(source), str(tmp_path / "out")])
 
-    assert result.exit_code == 1, result.output
-    assert "multi-token-prediction tensors ['mtp.fc.weight', 'mtp.norm.weight'] (2) are not converted" in result.output
+    assert result.exit_code != 0, result.output
+    assert message in " ".join(result.output.split()), result.output
     assert not (tmp_path / "out").exists()
+
+
+def test_a_declared_mtp_module_that_is_not_stored_is_named_and_refused_under_strict(tiny: Path, tmp_path: Path) -> None:
+    source = Path(shutil.copytree(tiny, tmp_path / "hf"))
+    doc = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**doc, "mtp_num_hidden_layers": 1}))
+
+    report = pgconvert.convert(source, tmp_path / "out", dst_format="megatron")
+    strict = CliRunner().invoke(main, ["--dst-format", "megatron", "--strict", str(source), str(tmp_path / "strict")])
+
+    assert any("mtp_num_hidden_layers=1, but no tensor of a multi-token prediction layer" in notice
+               for notice in report.notices), report.notices
+    assert strict.exit_code != 0 and not (tmp_path / "strict").exists()

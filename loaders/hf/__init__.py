@@ -22,6 +22,7 @@ from pgconvert.formats.hf import (
     HFOrigin,
     canonical_shapes,
     described_by,
+    family_mismatches,
     family_of,
     model_config_from_hf,
     parse_index,
@@ -114,6 +115,9 @@ class HFSource(CanonicalSource):
         counts = stored_counts(family.tensors, stored, str(weights))
         family, config, notices = model_config_from_hf(doc, config_path, stored_dtype, stored=counts)
         config, mtp_notice = mtp.resolve_hf_count(family, doc, config, stored, config_path)
+        mismatches = family_mismatches(family, config)
+        if mismatches:  # what the tensors add to config.json (MTP layers) may be a model the family cannot hold
+            raise CheckpointError(f"{config_path}: {family.architecture} cannot hold this model: {', '.join(mismatches)}")
         _check_options(options, config, config_path)
         assert config.vocab_size is not None
         super().__init__(config, vocab_rows=config.vocab_size, iteration=None)
@@ -164,7 +168,7 @@ class HFSource(CanonicalSource):
         table = family.tensors
         unfilled = []
         for canonical in self._order:
-            found = table.to_hf(mtp.table_name(canonical, config))
+            found = mtp.to_hf(family, canonical, config)
             if found is None:
                 unfilled.append(canonical)
             else:

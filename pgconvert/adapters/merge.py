@@ -162,7 +162,7 @@ class AdapterMerge:
     def _to_hf(self, name: str) -> tuple[TensorMapping, tuple[str, ...]] | None:
         """The table row of canonical ``name`` and its HF weights as transformers names them in memory (the
         adapter's names)."""
-        found = self.family.tensors.to_hf(mtp.table_name(name, self._source.config))
+        found = mtp.to_hf(self.family, name, self._source.config)
         if found is None or not self.family.hf_loaded_modules:
             return found
         row, names = found

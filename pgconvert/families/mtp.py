@@ -10,6 +10,12 @@ DeepSeek-V3 bridges map the same names and leave the copies out).
 A family's table spells MTP rows with the HF layer index in the slot: ``table_name`` turns a
 canonical ``mtp.layers.{i}.X`` into the name its row matches (``mtp.layers.{N+i}.X``, and
 ``decoder.layers.{N+i}.rest`` for the transformer layer, which the family's decoder rows map).
+
+Qwen3-Next's and Qwen3.5's checkpoints store the MTP module apart (``Family.hf_mtp_block``): ``mtp.fc``
+(``eh_proj``, input ``[embedding; hidden]`` as megatron-core's), ``mtp.pre_fc_norm_embedding`` (``enorm``),
+``mtp.pre_fc_norm_hidden`` (``hnorm``), ``mtp.norm`` (``final_layernorm``) and the layer ``mtp.layers.0.*``
+(Megatron-Bridge's qwen3_next bridge maps the same); ``to_hf`` gives the stored names, and their count key
+(``mtp_num_hidden_layers``) is absent where there is none.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from typing import Any
 
 from pgconvert.model.config import ModelConfig
 from pgconvert.errors import CheckpointError, ConfigError
-from pgconvert.families.table import Family, TensorMapping, TensorTable
+from pgconvert.families.table import Family, MTPBlock, TensorMapping, TensorTable
 from pgconvert.io.limits import quote
 from pgconvert.model.provider import LAYER_PREFIX, MTP_PREFIX, OUTPUT_LAYER, WORD_EMBEDDINGS, mtp_layer
 
@@ -50,6 +56,24 @@ def table_name(canonical: str, config: ModelConfig) -> str:
     if layer is not None:
         return f"{LAYER_PREFIX}{hf_index}.{layer[1]}"
     return f"{MTP_PREFIX}{hf_index}.{rest}"
+
+
+def to_hf(family: Family, canonical: str, config: ModelConfig) -> tuple[TensorMapping, tuple[str, ...]] | None:
+    """The table row of ``canonical`` and the HF names it is stored under."""
+    found = family.tensors.to_hf(table_name(canonical, config))
+    block = family.hf_mtp_block
+    if found is None or block is None or not canonical.startswith(MTP_PREFIX):
+        return found
+    row, names = found
+    index = int(canonical[len(MTP_PREFIX):].partition(".")[0])
+    return row, tuple(_block_name(block, name, config.num_layers + index, index) for name in names)
+
+
+def _block_name(block: MTPBlock, name: str, hf_index: int, index: int) -> str:
+    prefix = HF_LAYER.format(hf_index)
+    assert name.startswith(prefix), (name, prefix)
+    rest = name[len(prefix):]
+    return block.own.get(rest, f"{block.layers}{index}.{rest}")
 
 
 def copied_tensor(config: ModelConfig, copy: str) -> str:
@@ -82,9 +106,16 @@ HF_MTP_LAYERS_DEFAULT = 1
 HF_MTP_LAYERS_ALIAS = "num_mtp_layers"
 
 
-def _declaration(key: str, doc: Mapping[str, Any]) -> tuple[str, object]:
+def _declaration(family: Family, doc: Mapping[str, Any]) -> tuple[str, object]:
     """How config.json declares the MTP layers (``key=value``, or the key absent) and the count (the
     default where absent)."""
+    key = family.hf_mtp_layers_key
+    assert key is not None
+    block = family.hf_mtp_block
+    if block is not None:
+        if key not in doc:
+            return f"{key} absent", block.absent_count
+        return f"{key}={quote(doc[key])}", doc[key]
     if key not in doc and HF_MTP_LAYERS_ALIAS in doc:
         key = HF_MTP_LAYERS_ALIAS
     if key not in doc:
@@ -93,11 +124,37 @@ def _declaration(key: str, doc: Mapping[str, Any]) -> tuple[str, object]:
 
 
 def _declared(family: Family, doc: Mapping[str, Any], path: Path) -> int | None:
-    assert family.hf_mtp_layers_key is not None
-    declared, value = _declaration(family.hf_mtp_layers_key, doc)
+    declared, value = _declaration(family, doc)
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
         raise CheckpointError(f"{path}: {declared}: expected an integer >= 0")
+    block = family.hf_mtp_block
+    if block is not None and block.own_embedding_key is not None and doc.get(block.own_embedding_key):
+        raise CheckpointError(
+            f"{path}: {block.own_embedding_key}={quote(doc[block.own_embedding_key])}: an embedding of the MTP "
+            "module's own, which megatron-core's MTP layer (it embeds with the model's) has no tensor for")
+    if block is not None and value is not None and value > 1:
+        raise CheckpointError(
+            f"{path}: {declared}: {family.architecture}'s MTP module shares one fc and its norms among its layers "
+            "(one layer per prediction step), which megatron-core's MTP layers (each with its own eh_proj and norms) "
+            "do not; only one is converted")
     return value
+
+
+def _stored_layers(family: Family, stored: Mapping[str, object], layers: int) -> dict[int, list[str]]:
+    """The stored tensors of each MTP layer, by the index the checkpoint numbers it with (a decoder layer index
+    ``num_hidden_layers + i``, or ``i`` in a separate MTP module)."""
+    found: dict[int, list[str]] = {}
+    block = family.hf_mtp_block
+    for name in stored:
+        if block is not None:
+            match = re.match(re.escape(block.layers) + r"(\d+)\.", name)
+            if match or name in block.own.values():
+                found.setdefault(int(match.group(1)) if match else 0, []).append(name)
+            continue
+        match = _HF_LAYER_INDEX.match(name)
+        if match and int(match.group(1)) >= layers:
+            found.setdefault(int(match.group(1)), []).append(name)
+    return found
 
 
 def resolve_hf_count(family: Family, doc: Mapping[str, Any], config: ModelConfig, stored: Mapping[str, object],
@@ -111,27 +168,23 @@ def resolve_hf_count(family: Family, doc: Mapping[str, Any], config: ModelConfig
         return config, None
     key = family.hf_mtp_layers_key
     declared = _declared(family, doc, path)
-    said = _declaration(key, doc)[0]
+    said = _declaration(family, doc)[0]
     layers = config.num_layers
-    extra: dict[int, list[str]] = {}
-    for name in stored:
-        match = _HF_LAYER_INDEX.match(name)
-        if match and int(match.group(1)) >= layers:
-            extra.setdefault(int(match.group(1)), []).append(name)
+    extra = _stored_layers(family, stored, layers)
+    first, where = ((0, f"MTP layer i is {family.hf_mtp_block.layers}i") if family.hf_mtp_block is not None
+                    else (layers, f"num_hidden_layers={layers}; MTP layer i is layer num_hidden_layers + i"))
     if not extra:
         if not declared:
             return config, None
-        return config, (f"{path}: {said}, but no tensor of a multi-token prediction layer (layer "
-                        f"num_hidden_layers + i = {layers}, …) is stored: converted without them, and an hf "
-                        f"target's config.json declares {key}=0")
+        return config, (f"{path}: {said}, but no tensor of a multi-token prediction layer ({where}) is stored: "
+                        f"converted without them, and an hf target's config.json declares {key}=0")
     count = declared or 0
-    if count != len(extra) or any(not layers <= index < layers + count for index in extra):
-        first = sorted(extra)[-1]
-        shown = sorted(extra[first])[:3]
+    if count != len(extra) or any(not first <= index < first + count for index in extra):
+        last = sorted(extra)[-1]
+        shown = sorted(extra[last])[:3]
         raise CheckpointError(
             f"{path}: {said}, but the checkpoint stores multi-token prediction "
-            f"layer tensors of layers {sorted(extra)} (num_hidden_layers={layers}; MTP layer i is layer "
-            f"num_hidden_layers + i), e.g. {shown}")
+            f"layer tensors of layers {sorted(extra)} ({where}), e.g. {shown}")
     return config.replace(mtp_num_layers=declared), None
 
 
@@ -139,7 +192,7 @@ def declared_as_converted(family: Family, doc: dict[str, Any], config: ModelConf
     """``doc`` (an hf target's config.json) declaring no more MTP layers than the model converted
     has, and a notice where it declared more."""
     key = family.hf_mtp_layers_key
-    said, declared = _declaration(key, doc) if key is not None else ("", None)
+    said, declared = _declaration(family, doc) if key is not None else ("", None)
     if key is None or not isinstance(declared, int) or declared <= config.mtp_num_layers:
         return doc, None
     written = {name: value for name, value in doc.items() if name != HF_MTP_LAYERS_ALIAS}
@@ -148,12 +201,23 @@ def declared_as_converted(family: Family, doc: dict[str, Any], config: ModelConf
         f"{config.mtp_num_layers} multi-token prediction layers")
 
 
+def written_declaration(family: Family, config: ModelConfig) -> dict[str, object]:
+    """The config.json keys that declare ``config``'s MTP layers for ``family`` (built from the model alone): the
+    count (a separate MTP module's only where there is one, as its absence means none) and its embedding switch."""
+    key, block = family.hf_mtp_layers_key, family.hf_mtp_block
+    if key is None or (block is not None and not config.mtp_num_layers):
+        return {}
+    if block is None or block.own_embedding_key is None:
+        return {key: config.mtp_num_layers}
+    return {key: config.mtp_num_layers, block.own_embedding_key: False}
+
+
 def check_hf_target(family: Family, doc: Mapping[str, Any] | None, config: ModelConfig, where: str) -> None:
     """An hf target's config.json must declare the MTP layers it is written with."""
     if not config.mtp_num_layers or doc is None:
         return
     key = family.hf_mtp_layers_key
-    said, declared = _declaration(key, doc) if key is not None else ("num_nextn_predict_layers=None", None)
+    said, declared = _declaration(family, doc) if key is not None else ("num_nextn_predict_layers=None", None)
     if declared != config.mtp_num_layers:
         raise ConfigError(f"{where}: {said}, but the model has mtp_num_layers={config.mtp_num_layers} "
                           "multi-token prediction layers")

@@ -16,8 +16,7 @@ norms and the gated delta net's output norm computing with ``w`` as stored. What
   the experts' size, which no layer uses).
 
 The released checkpoints are the vision-language ``Qwen3_5ForConditionalGeneration`` (their language model under
-``model.language_model.``) and store multi-token-prediction layers (``mtp.*``), refused by name as for
-Qwen3-Next. ``rope_parameters``' ``mrope_section`` / ``mrope_interleaved`` (the vision model's 3-D positions) are
+``model.language_model.``) and store a multi-token-prediction layer (``mtp.*``), converted as Qwen3-Next's. ``rope_parameters``' ``mrope_section`` / ``mrope_interleaved`` (the vision model's 3-D positions) are
 kept for the round trip: on text every position component is the same, which is plain RoPE.
 """
 
@@ -27,8 +26,8 @@ from pgconvert.families.experts import AUX_LOSS, EVERY_LAYER_MOE, expert_count, 
 from pgconvert.families.llama import (ATTENTION_ROWS, DENSE_MLP_ROWS, EMBEDDING_ROWS, FINAL_ROWS, HEAD_DIM_NULL,
                                       decoder_fields, head_dim_field, query_groups_field)
 from pgconvert.families.qwen import QWEN_MOE_ROWS, SHARED_EXPERT_ROWS
-from pgconvert.families.qwen3_next import (GDN_PREFIX, GDN_ROWS, HF_LINEAR_ATTN, LAYER_TYPES_RULE,
-                                           PARTIAL_ROPE_RULE, QWEN3_NEXT, linear_field)
+from pgconvert.families.qwen3_next import (GDN_PREFIX, GDN_ROWS, HF_LINEAR_ATTN, LAYER_TYPES_RULE, MTP_OWN_ROWS,
+                                           MTP_RULE, PARTIAL_ROPE_RULE, QWEN3_NEXT, linear_field)
 from pgconvert.families.table import ConcatenatedRows, ConfigField, Family, TensorMapping, TensorTable
 from pgconvert.model.config import ModelConfig
 
@@ -76,15 +75,17 @@ QWEN3_5 = Family(
     architecture="Qwen3_5ForCausalLM",
     model_type="qwen3_5_text",
     hf_computes=frozenset({"rotary_percent"}),
-    tensors=TensorTable((*EMBEDDING_ROWS, *ATTENTION_ROWS, *GDN_SEPARATE_ROWS, *DENSE_MLP_ROWS, *FINAL_ROWS)),
+    tensors=TensorTable((*EMBEDDING_ROWS, *ATTENTION_ROWS, *GDN_SEPARATE_ROWS, *DENSE_MLP_ROWS, *FINAL_ROWS,
+                         *MTP_OWN_ROWS)),
     fields=(*_decoder_fields(4), ConfigField(("intermediate_size",), "ffn_hidden_size", int, default=12288)),
-    rules=(PARTIAL_ROPE_RULE, LAYER_TYPES_RULE),
+    rules=(PARTIAL_ROPE_RULE, LAYER_TYPES_RULE, MTP_RULE),
     fixed={**{key: value for key, value in QWEN3_NEXT.fixed.items() if not key.startswith("moe_")},
            "num_experts": None},
     hf_fixed=QWEN3_NEXT.hf_fixed,
     hf_scratch=QWEN3_NEXT.hf_scratch,
     hf_norms_zero_centred=True,
-    refuse_extra=QWEN3_NEXT.refuse_extra,
+    hf_mtp_layers_key=QWEN3_NEXT.hf_mtp_layers_key,
+    hf_mtp_block=QWEN3_NEXT.hf_mtp_block,
     megatron_defaults={"transformer_impl": "transformer_engine"},
     hf_notes={key: value for key, value in QWEN3_NEXT.hf_notes.items() if not key.startswith("moe")},
 )
@@ -93,7 +94,7 @@ QWEN3_5 = Family(
 QWEN3_5_MOE = QWEN3_5.derive(
     "Qwen3_5MoeForCausalLM", "qwen3_5_moe_text",
     tensors=TensorTable((*EMBEDDING_ROWS, *ATTENTION_ROWS, *GDN_SEPARATE_ROWS, *QWEN_MOE_ROWS, *SHARED_EXPERT_ROWS,
-                         *FINAL_ROWS)),
+                         *FINAL_ROWS, *MTP_OWN_ROWS)),
     fields=(*_decoder_fields(2),
             ConfigField(("moe_intermediate_size",), "moe_ffn_hidden_size", int, default=512,
                         written=expert_ffn_size),

@@ -22,8 +22,10 @@ Megatron-Bridge's ``src/megatron/bridge/models/qwen/qwen3_next_bridge.py``:
   softmax routing with ``norm_topk_prob`` (true by default here), and a shared expert behind a sigmoid
   gate (megatron-core's ``moe_shared_expert_gate``), as Qwen2-MoE.
 
-The released checkpoints also store multi-token-prediction layers (``mtp.*``), which transformers does not
-load; they are not converted, and stored ones are refused by name (``refuse_extra``).
+The released checkpoints also store a multi-token-prediction layer (``mtp.*``, ``mtp_num_hidden_layers`` 1), which
+transformers does not load: megatron-core's ``mtp.layers.0`` (``pgconvert.families.mtp``, ``MTP_BLOCK``), whose
+transformer layer is the last decoder layer's kind (Megatron-LM's ``gpt_builder``), so that layer must be gated
+attention, as Qwen's MTP layer is. ``mtp_use_dedicated_embeddings`` (an MTP embedding of its own) is refused.
 """
 
 from __future__ import annotations
@@ -39,10 +41,13 @@ from pgconvert.families.llama import (ATTENTION_ROWS, DENSE_MLP_ROWS, EMBEDDING_
 from pgconvert.families.qwen import (NORM_TOPK_NOTE, PRE_SOFTMAX, QWEN_MOE_ROWS, SHARED_EXPERT_ROWS,
                                      SHARED_EXPERT_SPARSE_STEP, norm_topk_rule)
 from pgconvert.families.sliding_window import period_of, periodic_layers
-from pgconvert.families.table import ConfigField, ConfigRule, Family, TensorMapping, TensorTable, Transform
+from pgconvert.families.mtp import HF_LAYER, MTP_ROWS
+from pgconvert.families.table import (ConfigField, ConfigRule, Family, MTPBlock, TensorMapping, TensorTable, Transform,
+                                      read_nothing, write_nothing)
 from pgconvert.io.limits import quote
 from pgconvert.io.reuse import joined
 from pgconvert.model.config import ModelConfig
+from pgconvert.model.layers import SELF_ATTENTION
 
 HF_LINEAR_ATTN = "model.layers.{}.linear_attn."
 GDN_PREFIX = "decoder.layers.{}.self_attention."
@@ -152,7 +157,7 @@ def _read_layer_types(present: Mapping[str, object], model: Mapping[str, object]
 
 
 def _write_layer_types(config: ModelConfig) -> Mapping[str, object]:
-    return {"layer_types": [LINEAR if layer.mixer != "self_attention" else FULL for layer in config.layers]}
+    return {"layer_types": [LINEAR if layer.mixer != SELF_ATTENTION else FULL for layer in config.layers]}
 
 
 LAYER_TYPES_RULE = ConfigRule(keys=("layer_types",), model_fields=("linear_attention_freq",), read=_read_layer_types,
@@ -164,14 +169,24 @@ QWEN3_NEXT_PARTIAL_ROTARY = 0.25
 PARTIAL_ROPE_RULE = partial_rope_rule(QWEN3_NEXT_PARTIAL_ROTARY, "Qwen3-Next")
 
 
-def _refuse_mtp(unexpected: Sequence[str], config_json: Mapping[str, object]) -> str | None:
-    """The released checkpoints' multi-token-prediction layers (``mtp.*``, which transformers does not load): not
-    converted, and named rather than dropped."""
-    stored = sorted(name for name in unexpected if name.startswith("mtp."))
-    if not stored:
-        return None
-    return (f"multi-token-prediction tensors {stored[:4]}{' ...' if len(stored) > 4 else ''} ({len(stored)}) are not "
-            "converted (transformers does not load them either); convert a copy without them")
+# The released checkpoints' MTP module (Megatron-Bridge's qwen3_next bridge maps the same names): its own tensors
+# by the rest of the table's name (pgconvert.families.mtp.MTP_ROWS), its layer under mtp.layers.0.
+MTP_BLOCK = MTPBlock(own={"eh_proj.weight": "mtp.fc.weight", "enorm.weight": "mtp.pre_fc_norm_embedding.weight",
+                          "hnorm.weight": "mtp.pre_fc_norm_hidden.weight", "shared_head.norm.weight": "mtp.norm.weight"},
+                     layers="mtp.layers.", own_embedding_key="mtp_use_dedicated_embeddings")
+MTP_OWN_ROWS = tuple(row for row in MTP_ROWS if row.hf[0].removeprefix(HF_LAYER) in MTP_BLOCK.own)
+
+
+def _refuses_linear_mtp_layer(config: ModelConfig) -> str | None:
+    """Megatron-LM builds the MTP layer as the last decoder layer; Qwen's MTP layer is gated attention."""
+    if config.mtp_num_layers and config.layers[-1].mixer != SELF_ATTENTION:
+        return (f"mtp_num_layers={config.mtp_num_layers} with a gated delta net as the last layer (megatron-core's MTP "
+                "layer is built as the last decoder layer; Qwen's is gated attention)")
+    return None
+
+
+MTP_RULE = ConfigRule(keys=(), model_fields=(), read=read_nothing, write=write_nothing,
+                      refuses=_refuses_linear_mtp_layer)
 
 
 def linear_field(key: str, default: int) -> ConfigField:
@@ -183,7 +198,7 @@ QWEN3_NEXT = Family(
     model_type="qwen3_next",
     hf_computes=PRE_SOFTMAX | {"rotary_percent"},
     tensors=TensorTable((*EMBEDDING_ROWS, *ATTENTION_ROWS, *GDN_ROWS, *DENSE_MLP_ROWS, *QWEN_MOE_ROWS,
-                         *SHARED_EXPERT_ROWS, *FINAL_ROWS)),
+                         *SHARED_EXPERT_ROWS, *FINAL_ROWS, *MTP_OWN_ROWS)),
     fields=(
         *decoder_fields(max_position_embeddings=32768,
                         query_groups=query_groups_field(2, null_refused="transformers' attention divides the heads "
@@ -201,7 +216,7 @@ QWEN3_NEXT = Family(
         linear_field("linear_num_key_heads", 16),
         linear_field("linear_num_value_heads", 32),
     ),
-    rules=(SHARED_EXPERT_SPARSE_STEP, PARTIAL_ROPE_RULE, LAYER_TYPES_RULE, norm_topk_rule(True)),
+    rules=(SHARED_EXPERT_SPARSE_STEP, PARTIAL_ROPE_RULE, LAYER_TYPES_RULE, norm_topk_rule(True), MTP_RULE),
     fixed={**SWIGLU_RMS_ROPE, "qk_layernorm": True, "add_qkv_bias": False, "add_bias_linear": False,
            "moe_shared_expert_gate": True, "moe_router_enable_expert_bias": False, "sliding_window": None,
            "layernorm_zero_centered_gamma": True, "attention_output_gate": True,
@@ -209,7 +224,8 @@ QWEN3_NEXT = Family(
     hf_fixed={**HF_SILU, "attention_bias": False},
     hf_scratch=ROPE_DEFAULT,
     hf_norms_zero_centred=True,
-    refuse_extra=_refuse_mtp,
+    hf_mtp_layers_key="mtp_num_hidden_layers",
+    hf_mtp_block=MTP_BLOCK,
     # megatron-core builds gated delta net layers with the Transformer Engine spec only (its grouped experts
     # too, as Megatron-Bridge's Qwen3-Next provider sets moe_grouped_gemm).
     megatron_defaults={"transformer_impl": "transformer_engine", "moe_grouped_gemm": True},

@@ -578,6 +578,23 @@ def _repeated(items: Sequence[str]) -> list[str]:
 
 
 @dataclass(frozen=True)
+class MTPBlock:
+    """An HF checkpoint's MTP module stored apart from the decoder, as Qwen3-Next's and Qwen3.5's releases store it
+    (vLLM's ``Qwen3NextMultiTokenPredictor``; transformers builds none and skips ``mtp.*``): one set of the MTP
+    layer's own tensors under fixed names (``own``: the rest of the table's name after ``model.layers.{N}.`` -> the
+    stored name) and its decoder layer under ``layers`` + ``0.``. The table spells them as the layer index
+    ``num_hidden_layers`` (``pgconvert.families.mtp.MTP_ROWS``); the own tensors have no index, so one MTP layer."""
+
+    own: Mapping[str, str]
+    layers: str
+    # The config.json switch that gives the MTP module an embedding of its own (megatron-core's MTP layer embeds
+    # with the model's, so true is refused); written false beside a non-zero count.
+    own_embedding_key: str | None = None
+    # config.json's count where absent: transformers' config class has no such attribute, so none.
+    absent_count: int = 0
+
+
+@dataclass(frozen=True)
 class Family:
     """One HF architecture.
 
@@ -617,6 +634,9 @@ class Family:
     # The config.json key counting multi-token-prediction layers (stored as layers
     # num_hidden_layers + i, pgconvert.families.mtp); None: the family has none.
     hf_mtp_layers_key: str | None = None
+    # Where the checkpoint stores its MTP module apart from the decoder (Qwen3-Next's ``mtp.*``) rather than as
+    # layers num_hidden_layers + i: how the table's names for it are stored (pgconvert.families.mtp).
+    hf_mtp_block: MTPBlock | None = None
     # Settings of this family that megatron-core does not compute, carried in Megatron args under
     # their own names (Granite's multipliers): read from and written to every Megatron checkpoint.
     megatron_carried: tuple[CarriedSetting, ...] = ()

@@ -30,7 +30,7 @@ from safetensors import SafetensorError, safe_open
 
 from pgconvert.model.config import DTYPES, ModelConfig
 from pgconvert.errors import CheckpointError, ConfigError, PgconvertError
-from pgconvert.families import FAMILIES, INFERENCE_ORDER, supported_architectures
+from pgconvert.families import FAMILIES, INFERENCE_ORDER, mtp, supported_architectures
 from pgconvert.families.refused import REFUSED_ARCHITECTURES
 from pgconvert.families.table import REQUIRED, SLOT, ConfigField, ConfigRule, Family, TensorTable
 from pgconvert.io.limits import MAX_SAFETENSORS_HEADER_BYTES, over_limit, parse_json, quote, read_json
@@ -342,8 +342,7 @@ def hf_config_from_model(family: Family, config: ModelConfig, dtype: torch.dtype
             set_path(doc, where, value)
     for rule in family.rules:
         doc.update(copy.deepcopy(dict(rule.write(config))))
-    if family.hf_mtp_layers_key is not None:
-        doc[family.hf_mtp_layers_key] = config.mtp_num_layers
+    doc.update(mtp.written_declaration(family, config))
     doc["dtype"] = str(dtype).removeprefix("torch.")
     return doc if family.vision_language is None else family.vision_language.nested(doc)
 

@@ -416,7 +416,7 @@ class HFSaver(Saver):
         units = []
         unmapped = []
         for name in source.names():
-            found = family.tensors.to_hf(mtp.table_name(name, config))
+            found = mtp.to_hf(family, name, config)
             if found is None:
                 unmapped.append(name)
                 continue

@@ -40,22 +40,36 @@ def mla_mtp_specs(config: Any, args: argparse.Namespace, pp_rank: int) -> tuple[
 
 
 @contextlib.contextmanager
-def mtp_gpt_model(args: argparse.Namespace) -> Iterator[Any]:
-    """megatron-core's GPTModel of ``args`` (MLA local spec, TP1/PP1/EP1) with its MTP block: the
-    MTP layer spec is megatron-core's own for the last decoder layer's spec (what
-    get_gpt_mtp_block_spec picks). Runs under ``mla_cpu_patches``; MultiTokenPredictionBlock and its
-    TransformerLayer ask ``ProcessGroupCollection.use_mpu_process_groups`` for their groups (no
-    pg_collection is passed down), and the MTP layer offset, the block's sharded_state_dict and the
-    gather after eh_proj ask parallel_state for the pipeline rank and TP group, so they answer with
-    the model's fake groups (stage 0 of 1) while the model is in use."""
+def mtp_process_groups(groups: Any) -> Iterator[None]:
+    """MultiTokenPredictionBlock and its TransformerLayer ask ``ProcessGroupCollection.use_mpu_process_groups`` for
+    their groups (no pg_collection is passed down), and the MTP layer offset, the block's sharded_state_dict and the
+    gather after eh_proj ask parallel_state for the pipeline rank and TP group: they answer with ``groups`` (a fake
+    collection, stage 0 of 1) while this is entered."""
     from unittest import mock
 
-    import support.mcore_helpers as mcore
     from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
     from megatron.core.process_groups_config import ProcessGroupCollection
     import megatron.core.transformer.multi_token_prediction as mtp_module
     from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region as gather
+
+    with mock.patch.object(ProcessGroupCollection, "use_mpu_process_groups", return_value=groups), \
+            mock.patch.object(parallel_state, "get_pipeline_model_parallel_rank", return_value=0), \
+            mock.patch.object(parallel_state, "get_pipeline_model_parallel_world_size", return_value=1), \
+            mock.patch.object(parallel_state, "get_virtual_pipeline_model_parallel_world_size", return_value=None), \
+            mock.patch.object(parallel_state, "get_tensor_model_parallel_group", return_value=groups.tp), \
+            mock.patch.object(mtp_module, "gather_from_tensor_model_parallel_region",
+                              lambda x, group=None: gather(x, group=groups.tp)):
+        yield
+
+
+@contextlib.contextmanager
+def mtp_gpt_model(args: argparse.Namespace) -> Iterator[Any]:
+    """megatron-core's GPTModel of ``args`` (MLA local spec, TP1/PP1/EP1) with its MTP block: the
+    MTP layer spec is megatron-core's own for the last decoder layer's spec (what
+    get_gpt_mtp_block_spec picks). Runs under ``mla_cpu_patches`` and ``mtp_process_groups`` while the model is
+    in use."""
+    import support.mcore_helpers as mcore
+    from megatron.core.models.gpt import GPTModel
     from support.megatron_mla import mla_config, mla_cpu_patches
 
     config = mla_config(args)
@@ -63,14 +77,7 @@ def mtp_gpt_model(args: argparse.Namespace) -> Iterator[Any]:
     groups = mcore.fake_pg_collection(1, 1, 0, 0)
     for name in ("ep", "expt_tp", "expt_dp", "tp_ep", "tp_cp", "dp", "dp_cp", "tp_ep_pp", "tp_dp_cp"):
         setattr(groups, name, mcore.McoreFakeGroup(name, 1, 0))
-    with mla_cpu_patches(), \
-            mock.patch.object(ProcessGroupCollection, "use_mpu_process_groups", return_value=groups), \
-            mock.patch.object(parallel_state, "get_pipeline_model_parallel_rank", return_value=0), \
-            mock.patch.object(parallel_state, "get_pipeline_model_parallel_world_size", return_value=1), \
-            mock.patch.object(parallel_state, "get_virtual_pipeline_model_parallel_world_size", return_value=None), \
-            mock.patch.object(parallel_state, "get_tensor_model_parallel_group", return_value=groups.tp), \
-            mock.patch.object(mtp_module, "gather_from_tensor_model_parallel_region",
-                              lambda x, group=None: gather(x, group=groups.tp)):
+    with mla_cpu_patches(), mtp_process_groups(groups):
         spec, mtp_spec = mla_mtp_specs(config, args, pp_rank=0)
         yield GPTModel(
             config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,

@@ -49,11 +49,15 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.multi_token_prediction import (MultiTokenPredictionBlockSubmodules,
+                                                               MultiTokenPredictionLayer,
+                                                               MultiTokenPredictionLayerSubmodules)
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 from support.mcore_gpt_models import CONTENT_METADATA, sharded_metadata
+from support.mcore_mtp_model import mtp_process_groups
 from support.mcore_helpers import (McoreFakeGroup, RankLayout, copied_config_fields, cpu_forward_patches, expert_pg_collection,
                                    fake_group_queries, rank_files, restored_attention_backend_env)
 
@@ -176,13 +180,43 @@ def build_qwen3_next_model(args: argparse.Namespace, layout: RankLayout, dp_size
     groups = expert_pg_collection(layout.tp, 1, 1, layout.tp_rank, 0, 0)
     for name in ("dp", "dp_cp", "expt_dp"):
         setattr(groups, name, McoreFakeGroup(name, dp_size, dp_rank))
-    with gated_delta_net_on_cpu():
-        model = GPTModel(config=config, transformer_layer_spec=block_spec(config), vocab_size=args.padded_vocab_size,
+    config.mtp_num_layers = getattr(args, "mtp_num_layers", None)
+    block = block_spec(config)
+    with gated_delta_net_on_cpu(), mtp_process_groups(groups):
+        model = GPTModel(config=config, transformer_layer_spec=block, vocab_size=args.padded_vocab_size,
                          max_sequence_length=args.max_position_embeddings, pre_process=True, post_process=True,
                          share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
                          position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
-                         rotary_base=args.rotary_base, pg_collection=groups)
+                         rotary_base=args.rotary_base, pg_collection=groups,
+                         mtp_block_spec=mtp_block_spec(block, config.mtp_num_layers))
     return model.eval()
+
+
+def mtp_block_spec(block: TransformerBlockSubmodules, layers: int | None) -> MultiTokenPredictionBlockSubmodules | None:
+    """Megatron-LM's ``gpt_builder`` MTP block: ``layers`` of megatron-core's MultiTokenPredictionLayer around the
+    last decoder layer's spec (TE's backend: its norms zero-centred, here the stand-in; eh_proj megatron-core's
+    ColumnParallelLinear)."""
+    if not layers:
+        return None
+    layer = ModuleSpec(module=MultiTokenPredictionLayer, submodules=MultiTokenPredictionLayerSubmodules(
+        enorm=ZeroCentredRMSNorm, hnorm=ZeroCentredRMSNorm, eh_proj=ColumnParallelLinear,
+        transformer_layer=block.layer_specs[-1], layer_norm=ZeroCentredRMSNorm))
+    return MultiTokenPredictionBlockSubmodules(layer_specs=[layer] * layers)
+
+
+def mtp_layer_output(model: GPTModel, ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """The model's first MTP layer on ``hidden`` ([batch, seq, hidden]: the decoder's output) for tokens ``ids``, as
+    GPTModel's forward calls it (the rotary embedding of the sequence, the causal mask, the model's embedding):
+    [batch, seq, hidden]."""
+    from support.mcore_helpers import causal_attention_mask
+
+    seq = ids.shape[1]
+    positions = torch.arange(seq)[None].expand_as(ids)
+    with gated_delta_net_on_cpu(), mtp_process_groups(model.pg_collection), torch.no_grad():
+        out = model.mtp.layers[0](input_ids=ids, position_ids=positions, hidden_states=hidden.transpose(0, 1),
+                                  attention_mask=causal_attention_mask(seq), rotary_pos_emb=model.rotary_pos_emb(seq),
+                                  embedding=model.embedding)
+    return (out[0] if isinstance(out, tuple) else out).transpose(0, 1)
 
 
 def qwen3_next_sharded_state_dict(model: GPTModel, dp_size: int = 1, dp_rank: int = 0) -> dict[str, Any]:

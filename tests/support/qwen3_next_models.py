@@ -10,7 +10,10 @@ shrunk.
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 from support.family_helpers import save_with_side_files, seeded_model
@@ -44,3 +47,45 @@ def write_tiny_qwen3_next(directory: Path, **changes: object) -> Path:
     """The tiny model's HF checkpoint (seeded values, side files) in ``directory``, with ``changes`` to its config."""
     model, _ = seeded_model(Qwen3NextForCausalLM, Qwen3NextConfig(**{**TINY, **changes}), seed=11, value=gated_delta_net_value)
     return save_with_side_files(model, directory)
+
+
+# The released checkpoints' MTP module (Qwen/Qwen3-Next-80B-A3B-Instruct's model.safetensors.index.json): its own
+# tensors beside the layer ``mtp.layers.0.*``, a gated-attention decoder layer with the model's MoE block.
+MTP_OWN = ("mtp.fc.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight", "mtp.norm.weight")
+
+
+def write_tiny_qwen3_next_with_mtp(directory: Path) -> tuple[Path, Path]:
+    """The tiny model as the releases store it, with ``mtp_num_hidden_layers`` 1 (``directory / "hf"``), and the
+    same model with its MTP layer as decoder layer ``num_hidden_layers`` (``directory / "mtp-as-layer"``)."""
+    return write_with_mtp_module(Qwen3NextForCausalLM, Qwen3NextConfig, TINY, 11, directory)
+
+
+def write_with_mtp_module(model_class: Any, config_class: Any, config: dict[str, Any], seed: int,
+                          directory: Path) -> tuple[Path, Path]:
+    """A Qwen3-Next-style model of ``config`` (a gated-attention layer every fourth) as the releases store it, with
+    ``mtp_num_hidden_layers`` 1 (``directory / "hf"``), and the same model with its MTP layer as decoder layer
+    ``num_hidden_layers`` (``directory / "mtp-as-layer"``), which transformers builds and runs (it builds no MTP
+    module and skips ``mtp.*``)."""
+    from safetensors.torch import load_file, save_file
+
+    layers = int(config["num_hidden_layers"])
+    kinds = ["linear_attention" if (layer + 1) % 4 else "full_attention" for layer in range(layers)] + ["full_attention"]
+    model, generator = seeded_model(model_class, config_class(**{**config, "num_hidden_layers": layers + 1,
+                                                                 "layer_types": kinds}),
+                                    seed=seed, value=gated_delta_net_value)
+    as_layer = save_with_side_files(model, directory / "mtp-as-layer")
+    prefix = f"model.layers.{layers}."
+    tensors = {("mtp.layers.0." + name.removeprefix(prefix) if name.startswith(prefix) else name): tensor
+               for path in sorted(as_layer.glob("*.safetensors")) for name, tensor in load_file(path).items()}
+    hidden = int(config["hidden_size"])
+    for name in MTP_OWN:
+        shape = (hidden, 2 * hidden) if name == "mtp.fc.weight" else (hidden,)
+        tensors[name] = 0.1 * torch.randn(shape, generator=generator)
+    source = directory / "hf"
+    shutil.copytree(as_layer, source, ignore=shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json"))
+    save_file(tensors, str(source / "model.safetensors"), metadata={"format": "pt"})
+    doc = json.loads((source / "config.json").read_text())
+    doc.update(num_hidden_layers=layers, layer_types=kinds[:layers], mtp_num_hidden_layers=1,
+               mtp_use_dedicated_embeddings=False)
+    (source / "config.json").write_text(json.dumps(doc, indent=2))
+    return source, as_layer

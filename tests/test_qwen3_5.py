@@ -172,11 +172,12 @@ def test_an_output_norm_weight_the_zero_centred_storage_rounds_is_named_and_refu
             tensors[name][0] = 0.0107421875  # exact in bf16; 1 - it is not
         save_file(tensors, shard, metadata={"format": "pt"})
 
-    report = pgconvert.convert(src, tmp_path / "mcore", dst_format="megatron")
-    named = [note for note in report.notices if "not kept exactly" in note]
-    assert named == ["guess: model.layers.1.linear_attn.norm.weight: 1 of 8 values are not kept exactly by the "
-                     "plain-as-zero-centred transform (computed in the tensor's dtype; other tensors of this row may "
-                     "lose bits too)"]
+    for workers in (1, 2):  # named also when a worker process reads the tensor
+        report = pgconvert.convert(src, tmp_path / f"mcore{workers}", dst_format="megatron", workers=workers)
+        named = [note for note in report.notices if "not kept exactly" in note]
+        assert named == ["guess: model.layers.1.linear_attn.norm.weight: 1 of 8 values are not kept exactly by the "
+                         "plain-as-zero-centred transform (computed in the tensor's dtype; other tensors of this row "
+                         "may lose bits too)"], workers
     with pytest.raises(PgconvertError, match="--strict: refusing to guess: model.layers.1.linear_attn.norm.weight"):
         pgconvert.convert(src, tmp_path / "strict", dst_format="megatron", strict=True)
     assert not (tmp_path / "strict").exists()

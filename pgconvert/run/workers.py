@@ -95,13 +95,16 @@ def _open_worker_plan(open_plan: PlanOpener, request: ConvertRequest) -> None:
 
 def _write(conversion: Plan, carried: ShardedOptimizer | None, staging: str,
            relpaths: Sequence[str]) -> tuple[list[PlannedFile], list[str]]:
-    """``relpaths``' model files, and the optimizer state that goes into or beside them or stands alone in them."""
+    """``relpaths``' model files, and the optimizer state that goes into or beside them or stands alone in them;
+    the saver's notices and those the source gave while its tensors were read for them (a worker process's source
+    is its own: what it names would be lost otherwise)."""
+    named = len(conversion.source.notices)
     with digests(writing_digest(conversion)):
         result = conversion.saver.save(conversion.source, Path(staging), conversion.save_options,
                                        lambda nbytes: None, only=set(relpaths))
         if carried is not None:
             carry_share(conversion, carried, Path(staging), result.files, set(relpaths))
-    return result.files, result.notices
+    return result.files, result.notices + conversion.source.notices[named:]
 
 
 def write_files(request: ConvertRequest, staging: str, relpaths: Sequence[str],
@@ -167,6 +170,6 @@ def save_with_workers(conversion: Plan, staging: Path, workers: int, max_memory:
             raise
     order = {item.relpath: index for index, item in enumerate(conversion.files)}
     result.files.sort(key=lambda f: order.get(f.relpath, len(order)))
-    result.notices = sorted(notices)
+    result.notices = sorted(notices - set(conversion.source.notices))
     result.notices += conversion.saver.finalize(conversion.source, staging, conversion.save_options)
     return result

@@ -178,9 +178,19 @@ def test_an_output_norm_weight_the_zero_centred_storage_rounds_is_named_and_refu
         assert named == ["guess: model.layers.1.linear_attn.norm.weight: 1 of 8 values are not kept exactly by the "
                          "plain-as-zero-centred transform (computed in the tensor's dtype; other tensors of this row "
                          "may lose bits too)"], workers
+    # verify compares in canonical form, where the rounded weight is equal on both sides: the stored value it
+    # cannot hold is named as a difference, not hidden.
+    pgconvert.convert(tmp_path / "mcore1", tmp_path / "back", dst_format="hf")
+    verified = pgconvert.verify(src, tmp_path / "back")
+    assert not verified.equal
+    assert [(item.name, item.kind) for item in verified.differences] == [
+        ("decoder.layers.1.self_attention.out_norm.weight", "inexact")]
+    assert "A stores values its canonical form does not hold: model.layers.1.linear_attn.norm.weight: 1 of 8" in (
+        verified.differences[0].message)
     with pytest.raises(PgconvertError, match="--strict: refusing to guess: model.layers.1.linear_attn.norm.weight"):
         pgconvert.convert(src, tmp_path / "strict", dst_format="megatron", strict=True)
     assert not (tmp_path / "strict").exists()
     clean = write_tiny_qwen3_5(tmp_path / "clean", "dense")
     assert not [note for note in pgconvert.convert(clean, tmp_path / "ok", dst_format="megatron").notices
                 if "not kept exactly" in note]
+    assert pgconvert.verify(clean, tmp_path / "ok").equal

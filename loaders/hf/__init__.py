@@ -142,8 +142,10 @@ class HFSource(CanonicalSource):
         # Stored copies of a canonical tensor (a tied output weight, MTP layers' embedding and head,
         # mtp): (HF name, why it must equal the tensor), checked on every read of the tensor.
         self._copies: dict[str, list[tuple[str, str]]] = {}
-        # Table rows whose transform changed a value (``_notice_changed``), and whether that is refused.
+        # Table rows whose transform changed a value (``_notice_changed``), and whether that is refused; the
+        # canonical tensors whose load did, with what changed (``inexact``).
         self._changed_rows: set[str] = set()
+        self._inexact: dict[str, str] = {}
         self._strict = options.strict
         self._index(family, config, stored)
 
@@ -245,6 +247,9 @@ class HFSource(CanonicalSource):
         _, hf_names = self._rows[name]
         return [part for hf in hf_names for part in self._stored_parts(hf)]
 
+    def inexact(self, name: str) -> str | None:
+        return self._inexact.get(name)
+
     def nonfinite_parts(self, name: str) -> list[str]:
         _, hf_names = self._rows[name]
         found = [part for hf in hf_names for part in self._stored_parts(hf)
@@ -266,6 +271,8 @@ class HFSource(CanonicalSource):
         full = row.transform.fuse(parts, self.config)
         changed = row.transform.changed_values(parts, full, self.config)
         if changed:
+            self._inexact[name] = (f"{', '.join(hf_names)}: {changed} of {full.numel()} values are not kept exactly "
+                                   f"by the {row.transform.name} transform")
             self._notice_changed(row, hf_names, changed, full.numel())
         for copy, why in self._copies.get(name, ()):
             self._check_copy(full, self._read(copy), hf_names[0], copy, why)

@@ -249,6 +249,11 @@ class CanonicalSource:
         asked only once a non-finite value is found."""
         return self.stored_names(name)
 
+    def inexact(self, name: str) -> str | None:
+        """Why canonical tensor ``name``, as loaded, does not hold every value this source stores for it (a
+        transform that computes in the tensor's dtype changed some), asked after it was loaded; None: it does."""
+        return None
+
     @staticmethod
     def named(name: str, stored: list[str]) -> str:
         """A canonical tensor as the source names it, with pgconvert's name beside it where they differ."""

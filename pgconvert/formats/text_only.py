@@ -73,6 +73,9 @@ class LanguageModelSource(CanonicalSource):
     def stored_names(self, name: str) -> list[str]:
         return self.inner.stored_names(name)
 
+    def inexact(self, name: str) -> str | None:
+        return self.inner.inexact(name)
+
     def extra_states(self) -> dict[str, ExtraState]:
         return self.inner.extra_states()
 

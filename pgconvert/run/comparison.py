@@ -12,7 +12,7 @@ import torch
 # Elements compared at a time, in float64: 32 MiB per operand.
 COMPARE_BLOCK = 4 * 1024 * 1024
 
-DifferenceKind = Literal["values", "shape", "dtype", "missing", "unreadable", "config"]
+DifferenceKind = Literal["values", "shape", "dtype", "missing", "unreadable", "config", "inexact"]
 
 
 @dataclass(frozen=True)

@@ -2,23 +2,21 @@
 TP, PP and EP changes, on state megatron-core 0.16.1 laid out.
 
 A tiny HF DeepSeek-V3 with an MTP layer (``test_mtp.with_mtp``) is written per rank by pgconvert; then
-``mcore_mla_optimizer.py`` (a subprocess) builds megatron-core's own GPTModel on every rank (MLA local spec, MoE,
+``mcore_optimizer_layout.py`` (a subprocess) builds megatron-core's own GPTModel on every rank (MLA local spec, MoE,
 ``mtp_block_spec`` on the last stage), loads the rank's weights strictly, and records its ``_get_param_groups``
 positions and its ``_ParamAndGradBuffer`` offsets after two AdamW steps (plain and distributed forms).
 """
 
 from __future__ import annotations
 
-import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 from unittest import mock
 
 import pytest
 from click.testing import CliRunner
 from support.megatron_fixtures import assert_same_tree, load_for_test
+from support.optimizer_layouts import assert_megatron_cores_layout, assert_same_files, lay_out, per_rank_files
 from support.checkpoint_compare import read_common
 
 import pgconvert
@@ -31,7 +29,6 @@ from pgconvert.optimizer.order import OptimizerRules, chained_slots
 
 pytest.importorskip("megatron.core", reason="megatron-core lays out the reference optimizer state")
 
-SCRIPT = Path(__file__).parent / "support" / "mcore_mla_optimizer.py"
 MTP = "mtp.layers.0."
 MTP_ATTENTION = MTP + "transformer_layer.self_attention."
 # name -> (DeepSeek case, tp, pp, ep, apply_wd_to_qk_layernorm)
@@ -57,10 +54,8 @@ def made(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path
         weights = root / f"{name}_weights"
         pgconvert.convert(sources[case], weights, dst_format="megatron", dst_tp=tp, dst_pp=pp, dst_ep=ep)
         made[name] = (root / f"{name}_plain", root / f"{name}_dist")
-        jobs += [str(weights), *map(str, made[name]), "qkwd" if qkwd else "-"]
-    done = subprocess.run([sys.executable, "-W", "ignore", str(SCRIPT), *jobs], capture_output=True, text=True,
-                          timeout=900)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        jobs += ["mla", str(weights), *map(str, made[name]), "qkwd" if qkwd else "-"]
+    lay_out(jobs)
     return made
 
 
@@ -69,46 +64,12 @@ def _convert(src: Path, dst: Path, *flags: str) -> None:
     assert result.exit_code == 0, result.output
 
 
-def _files(root: Path) -> dict[str, dict]:
-    return {str(path.relative_to(root)): load_for_test(path) for path in sorted(root.glob("iter_*/mp_rank_*/*.pt"))}
-
-
-def _assert_same(original: Path, again: Path, keys: tuple[str, ...] = ("optimizer", "model", "iteration")) -> None:
-    """Every optimizer tensor of every rank (``distrib_optim.pt`` whole), the model and the iteration: equal."""
-    before, after = _files(original), _files(again)
-    assert set(before) == set(after) and before
-    for name, content in before.items():
-        if not name.endswith("model_optim_rng.pt"):
-            assert_same_tree(content, after[name], name)
-            continue
-        for key in keys:
-            assert_same_tree(content[key], after[name][key], f"{name}.{key}")
-
-
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_positions_and_flat_offsets_are_megatron_cores_on_every_rank(made: dict[str, tuple[Path, Path]],
                                                                     name: str) -> None:
     plain, dist = made[name]
-    positions = json.loads((plain.parent / f"{plain.name}.positions.json").read_text())
-    offsets = json.loads((dist.parent / f"{dist.name}.buffers.json").read_text())
-    (iteration,) = dist.glob("iter_*")
-    source = MegatronSource(iteration, 2, False, LoadOptions())
-    assert len(source.files) == CASES[name][1] * CASES[name][2] * CASES[name][3]
-    last_stage = max(source.files, key=lambda coord: (coord.pp, coord.tp, coord.ep))
-    for coord, path in source.files.items():
-        state = safe_torch_load(path)
-        rules = OptimizerRules.from_args(state["args"], str(path))
-        chained = chained_slots(source.config, source.layout, coord, rules, source.vocab_rows)
-        derived = [[[slot.spec.local_name for slot in group] for group in groups] for groups in chained]
-        assert derived == positions[path.parent.name], path.parent.name
-        if coord == last_stage:
-            last = derived[0]  # the MTP stage's dense optimizer
-        for index in range(len(chained)):
-            buffers = flat_buffers(source.config, source.layout, coord, rules, source.vocab_rows, state["args"],
-                                   1, index)
-            placed = {item.slot.spec.local_name: [item.start, item.end, item.bucket_start]
-                      for items, _ in buffers for item in items}
-            assert placed == offsets[path.parent.name][index], (path.parent.name, index)
+    derived = assert_megatron_cores_layout(plain, dist, CASES[name][1] * CASES[name][2] * CASES[name][3])
+    last = derived[max(derived, key=lambda coord: (coord.pp, coord.tp, coord.ep))][0]  # the MTP stage's dense optimizer
     assert MTP + "eh_proj.weight" in last[0] and MTP_ATTENTION + "kv_layernorm.weight" in last[1]
     q_norm = MTP_ATTENTION + "q_layernorm.weight"
     # apply_wd_to_qk_layernorm keeps weight decay on q_layernorm, not on kv_layernorm ("kv_layernorm." is
@@ -121,10 +82,10 @@ def test_tp2_ep2_to_one_rank_and_back_is_bit_exact(made: dict[str, tuple[Path, P
                                                    tmp_path: Path) -> None:
     source = made["tp2ep2"][form]
     _convert(source, tmp_path / "one", "--dst-tp", "1", "--dst-ep", "1")
-    (one,) = [state for key, state in _files(tmp_path / "one").items() if key.endswith("model_optim_rng.pt")]
+    (one,) = [state for key, state in per_rank_files(tmp_path / "one").items() if key.endswith("model_optim_rng.pt")]
     assert isinstance(one["optimizer"], dict)  # EP 1: one optimizer, the experts among the dense parameters
     _convert(tmp_path / "one", tmp_path / "back", "--dst-tp", "2", "--dst-ep", "2")
-    _assert_same(source, tmp_path / "back")
+    assert_same_files(source, tmp_path / "back")
 
 
 @pytest.mark.parametrize("form", [0, 1], ids=["plain", "distributed"])
@@ -133,9 +94,9 @@ def test_pp2_reaches_megatron_cores_own_tp2_ep2_state_and_back(made: dict[str, t
     # The gradients and AdamW are elementwise functions of each parameter, so megatron-core's own TP2·EP2 state
     # is the PP2 state resharded: pgconvert's conversion must give it bit for bit.
     _convert(made["pp2"][form], tmp_path / "tp2ep2", "--dst-tp", "2", "--dst-pp", "1", "--dst-ep", "2")
-    _assert_same(made["tp2ep2"][form], tmp_path / "tp2ep2")
+    assert_same_files(made["tp2ep2"][form], tmp_path / "tp2ep2")
     _convert(tmp_path / "tp2ep2", tmp_path / "back", "--dst-tp", "1", "--dst-pp", "2", "--dst-ep", "1")
-    _assert_same(made["pp2"][form], tmp_path / "back")
+    assert_same_files(made["pp2"][form], tmp_path / "back")
 
 
 def test_distributed_vpp2_with_mtp_in_the_last_chunk_and_back_is_bit_exact(made: dict[str, tuple[Path, Path]],
@@ -150,7 +111,7 @@ def test_distributed_vpp2_with_mtp_in_the_last_chunk_and_back_is_bit_exact(made:
     assert len(chunks) == 2 and MTP + "eh_proj.weight" in chunks[1] and not any(n.startswith(MTP) for n in chunks[0])
     assert "embedding.word_embeddings.weight" in chunks[1]  # the MTP chunk's embedding copy
     _convert(tmp_path / "vpp", tmp_path / "back", "--dst-tp", "2", "--dst-pp", "1", "--dst-vpp", "1", "--dst-ep", "2")
-    _assert_same(source, tmp_path / "back", ("optimizer", "iteration"))  # --dst-vpp 1 names the chunk model0
+    assert_same_files(source, tmp_path / "back", ("optimizer", "iteration"))  # --dst-vpp 1 names the chunk model0
 
 
 @pytest.mark.parametrize("name", ["qkwd", "no_q_lora"])
@@ -162,7 +123,7 @@ def test_qk_weight_decay_and_no_q_lora_round_trips_are_bit_exact(made: dict[str,
     _convert(source, tmp_path / "other", *flags)
     _convert(tmp_path / "other", tmp_path / "back", "--dst-tp", str(CASES[name][1]), "--dst-pp", str(CASES[name][2]),
              "--dst-ep", str(CASES[name][3]))
-    _assert_same(source, tmp_path / "back")
+    assert_same_files(source, tmp_path / "back")
 
 
 def test_distributed_through_torch_dist_fully_reshardable_and_back_is_bit_exact(made: dict[str, tuple[Path, Path]],
@@ -172,7 +133,7 @@ def test_distributed_through_torch_dist_fully_reshardable_and_back_is_bit_exact(
     (iteration_dir,) = tmp_path.glob("td/iter_*")
     assert read_common(iteration_dir)["optimizer"]["param_state_sharding_type"] == "fully_reshardable"
     _convert(tmp_path / "td", tmp_path / "back", "--dst-format", "megatron", "--dst-tp", "2", "--dst-ep", "2")
-    before, after = _files(source), _files(tmp_path / "back")
+    before, after = per_rank_files(source), per_rank_files(tmp_path / "back")
     assert set(before) == set(after)
     for name, content in before.items():
         if name.endswith("distrib_optim.pt"):
@@ -201,7 +162,7 @@ def test_plain_state_through_te_naming_and_back_is_bit_exact(made: dict[str, tup
     assert tuple(state["optimizer"]["state"][by_name[norm]]["exp_avg"].shape) == tuple(state["model"][norm].shape) \
         == (16,)
     _convert(tmp_path / "te", tmp_path / "back", "--dst-transformer-impl", "local")
-    _assert_same(source, tmp_path / "back")
+    assert_same_files(source, tmp_path / "back")
 
 
 def test_a_spec_change_that_moves_the_q_norm_between_weight_decay_groups_says_so(
@@ -252,7 +213,7 @@ def test_tp2_spec_change_and_back_is_bit_exact(made: dict[str, tuple[Path, Path]
         dense = state["optimizer"][0]  # EP2: the chained dense and expert-parallel optimizers
         assert tuple(dense["state"][position]["exp_avg"].shape) == (24, 64)
     _convert(tmp_path / "te", tmp_path / "back", "--dst-transformer-impl", "local")
-    _assert_same(source, tmp_path / "back")
+    assert_same_files(source, tmp_path / "back")
 
 
 @pytest.mark.parametrize("form", [0, 1], ids=["plain", "distributed"])
@@ -265,7 +226,7 @@ def test_mtp_model_layer_spelling_carries_the_same_state(made: dict[str, tuple[P
     d98 = respelled(made["pp2"][form], tmp_path / "d98")
     _convert(d98, tmp_path / "tp2ep2", "--dst-tp", "2", "--dst-pp", "1", "--dst-ep", "2")
     assert any(".mtp_model_layer." in key for key in model_keys(tmp_path / "tp2ep2"))
-    _assert_same(respelled(made["tp2ep2"][form], tmp_path / "expected"), tmp_path / "tp2ep2")
+    assert_same_files(respelled(made["tp2ep2"][form], tmp_path / "expected"), tmp_path / "tp2ep2")
     _convert(tmp_path / "tp2ep2", tmp_path / "back", "--dst-tp", "1", "--dst-pp", "2", "--dst-ep", "1",
              "--dst-mtp-layer-name", "transformer_layer")
-    _assert_same(made["pp2"][form], tmp_path / "back")
+    assert_same_files(made["pp2"][form], tmp_path / "back")

@@ -208,7 +208,8 @@ class TorchDistOptimizerSource(OptimizerSource):
             return parts
         prefix = self._model_space_prefix(key)
         read = self.source.load_flattened_state if self.sharding == FS_MODEL_SPACE else self.source.load_state
-        return [(f"{where}: {prefix}{self.source.model_key(name)}", read(name, prefix))]
+        keys = ", ".join(prefix + key for key in self.source.model_keys(name))
+        return [(f"{where}: {keys}", read(name, prefix))]
 
     @staticmethod
     def _groups(value: Any, count: int, where: str) -> list[dict[str, Any]]:
@@ -255,7 +256,7 @@ class TorchDistOptimizerSource(OptimizerSource):
             expected = self._flat_expected()
             extra = sorted(key for key in stored if key.startswith(("optimizer.", "chained_")) and key not in expected)
         else:
-            model_keys = {self.source.model_key(name) for name in self.names()}
+            model_keys = {key for name in self.names() for key in self.source.model_keys(name)}
             expected = {self._model_space_prefix(key) + model_key: stored[model_key]
                         for model_key in model_keys for key in FIELDS}
             extra = []

@@ -350,6 +350,11 @@ class TorchDistSource(CanonicalSource):
         """The key ``name`` is stored under (a stacked key holds every layer's)."""
         return self._locations[name].key
 
+    def model_keys(self, name: str) -> list[str]:
+        """Every key ``name`` is stored in: its key, or one per segment of its rows (a gated delta net's or Mamba
+        mixer's ``in_proj``)."""
+        return list(self._locations[name].key_shapes(self._shapes[name]))
+
     def holds_entry(self, key: str) -> bool:
         """Whether the checkpoint's index has the entry ``key`` (a tensor or a stored object)."""
         return key in self._metadata.state_dict_metadata

@@ -377,7 +377,11 @@ def _concat(views: list[torch.Tensor], dim: int) -> torch.Tensor:
 
 
 def _owned(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous copy of ``tensor`` (in the memory lent to the record being produced, if it fits)."""
+    """A contiguous copy of ``tensor`` (in the memory lent to the record being produced, if it fits); a meta tensor
+    (a loader's stand-in for pieces left in their files, which its join could not read into place) as it is, for
+    the loader to read the pieces whole instead."""
+    if tensor.device.type == "meta":
+        return tensor
     return new_tensor(tensor.shape, tensor.dtype).copy_(tensor)
 
 

@@ -113,6 +113,12 @@ _LOCAL_LAYER_ORDER = (
     "self_attention.q_layernorm.weight", "self_attention.q_layernorm.bias",
     "self_attention.k_layernorm.weight", "self_attention.k_layernorm.bias",
     "self_attention.kv_layernorm.weight", "self_attention.kv_layernorm.bias",
+    # GatedDeltaNet (ssm/gated_delta_net.py, 0.16.1) builds in_proj, conv1d, then its own dt_bias and A_log, then
+    # out_norm and out_proj; named_parameters() yields the module's own parameters before its children's.
+    "self_attention.dt_bias", "self_attention.A_log",
+    "self_attention.in_proj.layer_norm_weight", "self_attention.in_proj.weight", "self_attention.in_proj.bias",
+    "self_attention.conv1d.weight", "self_attention.conv1d.bias",
+    "self_attention.out_norm.weight", "self_attention.out_proj.weight", "self_attention.out_proj.bias",
     "pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias",
     "mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.layer_norm_bias",
     "mlp.linear_fc1.weight", "mlp.linear_fc1.bias",

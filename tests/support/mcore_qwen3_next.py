@@ -89,6 +89,10 @@ class NormedColumnParallelLinear(ColumnParallelLinear):
     def __init__(self, input_size: int, output_size: int, *, config: TransformerConfig, **kwargs: Any) -> None:
         super().__init__(input_size, output_size, config=config, **kwargs)
         self.layer_norm_weight = torch.nn.Parameter(torch.zeros(input_size, dtype=config.params_dtype))
+        # te.pytorch.LayerNormLinear registers layer_norm_weight before weight: the order named_parameters() gives
+        # megatron-core's optimizer and its flat buffers.
+        self._parameters = type(self._parameters)(
+            sorted(self._parameters.items(), key=lambda item: item[0] != "layer_norm_weight"))
         self.norm_eps = config.layernorm_epsilon
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -156,10 +160,11 @@ def block_spec(config: TransformerConfig) -> TransformerBlockSubmodules:
 
 
 @contextmanager
-def gated_delta_net_on_cpu() -> Iterator[None]:
-    """GatedDeltaNet built and run without flash-linear-attention (the module docstring), on the CPU patches."""
+def gated_delta_net_on_cpu(run_tp_group: Any = None) -> Iterator[None]:
+    """GatedDeltaNet built and run without flash-linear-attention (the module docstring), on the CPU patches
+    (``run_tp_group``: what a module built without a TP group takes, ``fake_group_queries``)."""
     with ExitStack() as stack:
-        stack.enter_context(fake_group_queries())
+        stack.enter_context(fake_group_queries(run_tp_group))
         stack.enter_context(restored_attention_backend_env())
         stack.enter_context(cpu_forward_patches())
         saved = (gated_delta_net.HAVE_FLA, getattr(gated_delta_net, "l2norm", None))
@@ -182,7 +187,8 @@ def build_qwen3_next_model(args: argparse.Namespace, layout: RankLayout, dp_size
         setattr(groups, name, McoreFakeGroup(name, dp_size, dp_rank))
     config.mtp_num_layers = getattr(args, "mtp_num_layers", None)
     block = block_spec(config)
-    with gated_delta_net_on_cpu(), mtp_process_groups(groups):
+    # The MTP layer's eh_proj is built without a TP group: megatron-core then takes parallel_state's.
+    with gated_delta_net_on_cpu(groups.tp), mtp_process_groups(groups):
         model = GPTModel(config=config, transformer_layer_spec=block, vocab_size=args.padded_vocab_size,
                          max_sequence_length=args.max_position_embeddings, pre_process=True, post_process=True,
                          share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,

@@ -1,12 +1,13 @@
-"""Run as a script: optimizer state that megatron-core 0.16.1 itself laid out, for a DeepSeek-V3-class model
-(multi-latent attention with or without q-LoRA, MoE with shared experts, one multi-token-prediction layer).
+"""Run as a script: optimizer state that megatron-core 0.16.1 itself laid out, for a model megatron-core builds on
+the CPU: ``mla``, a DeepSeek-V3-class model (multi-latent attention with or without q-LoRA, MoE with shared experts,
+one multi-token-prediction layer), or ``qwen3_next``, a Qwen3-Next model (gated delta nets and gated attention, MoE
+with a gated shared expert, the released MTP layer; any TP, PP1, EP1: ``support.mcore_qwen3_next``).
 
-argv: SRC PLAIN DIST QKWD (``qkwd`` or ``-``), repeated for several jobs. SRC is a per-rank Megatron
-checkpoint of that model (pgconvert wrote it from a tiny HF DeepSeek-V3 with an MTP layer, at any TP/PP/EP).
-Per rank, megatron-core builds its own GPTModel (MLA local spec, MoE, ``mtp_block_spec`` on the last
-pipeline stage only, as ``get_gpt_mtp_block_spec`` gives it; fake process groups at the rank's
-coordinates) and loads the rank's weights strictly. Its
-``_get_param_groups`` groups the parameters (a one-process gloo world; ``apply_wd_to_qk_layernorm`` with
+argv: KIND SRC PLAIN DIST QKWD (``qkwd`` or ``-``), repeated for several jobs. SRC is a per-rank Megatron
+checkpoint of that model (pgconvert wrote it from a tiny HF model). Per rank, megatron-core builds its own GPTModel
+(the MLA local spec, MoE, ``mtp_block_spec`` on the last pipeline stage only, as ``get_gpt_mtp_block_spec`` gives
+it; or the Qwen3-Next block; fake process groups at the rank's coordinates) and loads the rank's weights strictly.
+Its ``_get_param_groups`` groups the parameters (a one-process gloo world; ``apply_wd_to_qk_layernorm`` with
 QKWD) into the dense and, at EP > 1, the expert-parallel optimizer (``get_megatron_optimizer``'s chain),
 each torch's AdamW, two steps on gradients that are a fixed function of each parameter's value.
 
@@ -86,6 +87,19 @@ def _mla_model(args: Any, tp_rank: int, pp_rank: int, ep_rank: int) -> Iterator[
             pg_collection=collection, mtp_block_spec=mtp_spec if last else None)
 
 
+@contextlib.contextmanager
+def _qwen3_next_model(args: Any, tp_rank: int, pp_rank: int, ep_rank: int) -> Iterator[Any]:
+    """megatron-core's GPTModel of one rank of a Qwen3-Next checkpoint (``support.mcore_qwen3_next``: PP1, EP1)."""
+    from support.mcore_helpers import RankLayout
+    from support.mcore_qwen3_next import build_qwen3_next_model
+
+    assert (pp_rank, ep_rank) == (0, 0)
+    yield build_qwen3_next_model(args, RankLayout(args.tensor_model_parallel_size, 1, tp_rank, 0))
+
+
+MODELS = {"mla": _mla_model, "qwen3_next": _qwen3_next_model}
+
+
 def _buffer_ranges(model: torch.nn.Module, expert: bool, group: Any) -> list[dict[str, Any]]:
     """megatron-core's ``_ParamAndGradBuffer`` (distributed optimizer, no bucket size) for the dense (or
     expert-parallel) parameters: each parameter's range in the coalesced buffer (every bucket's padding
@@ -118,7 +132,7 @@ def _buffer_ranges(model: torch.nn.Module, expert: bool, group: Any) -> list[dic
              "names": {names[p]: [*r, bucket_starts[p]] for p, r in ranges.items()}}]
 
 
-def _train_rank(src: Path, outs: tuple[Path, Path], coords: tuple[int, int, int], qkwd: bool,
+def _train_rank(kind: str, src: Path, outs: tuple[Path, Path], coords: tuple[int, int, int], qkwd: bool,
                 group: Any) -> tuple[list[list[list[str]]], list[dict[str, list[int]]]]:
     """Train one rank; write its plain and distributed forms; return megatron-core's names per optimizer,
     group and position, and per optimizer each parameter's range in the coalesced buffer."""
@@ -130,7 +144,7 @@ def _train_rank(src: Path, outs: tuple[Path, Path], coords: tuple[int, int, int]
 
     payload = load_for_test(src)
     args = payload["args"]
-    with _mla_model(args, *coords) as model:
+    with MODELS[kind](args, *coords) as model:
         match_fixture_dtypes(model, payload["model"])
         with mcore.fake_group_queries():
             model.load_state_dict(payload["model"], strict=True)
@@ -164,7 +178,7 @@ def _train_rank(src: Path, outs: tuple[Path, Path], coords: tuple[int, int, int]
     return positions, [buffer["names"] for index in range(len(optimizers)) for buffer in ranges[index]]
 
 
-def main(jobs: list[tuple[Path, Path, Path, bool]]) -> None:
+def main(jobs: list[tuple[str, Path, Path, Path, bool]]) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     warnings.simplefilter("ignore")
     torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
@@ -172,13 +186,13 @@ def main(jobs: list[tuple[Path, Path, Path, bool]]) -> None:
         torch.distributed.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
         try:
             group = torch.distributed.new_group([0], backend="gloo")
-            for src, plain, dist, qkwd in jobs:
-                _job(src, plain, dist, qkwd, group)
+            for kind, src, plain, dist, qkwd in jobs:
+                _job(kind, src, plain, dist, qkwd, group)
         finally:
             torch.distributed.destroy_process_group()
 
 
-def _job(src: Path, plain: Path, dist: Path, qkwd: bool, group: Any) -> None:
+def _job(kind: str, src: Path, plain: Path, dist: Path, qkwd: bool, group: Any) -> None:
     for out in (plain, dist):
         shutil.copytree(src, out, ignore=shutil.ignore_patterns("model_optim_rng.pt"))
     positions, buffers = {}, {}
@@ -188,7 +202,8 @@ def _job(src: Path, plain: Path, dist: Path, qkwd: bool, group: Any) -> None:
         args = _args_of(path)
         coords = (fields[0], fields[1] if args.pipeline_model_parallel_size > 1 else 0,
                   fields[-1] if args.expert_model_parallel_size > 1 else 0)
-        positions[path.parent.name], buffers[path.parent.name] = _train_rank(path, (plain, dist), coords, qkwd, group)
+        positions[path.parent.name], buffers[path.parent.name] = _train_rank(kind, path, (plain, dist), coords, qkwd,
+                                                                             group)
     for out in (plain, dist):
         (out.parent / f"{out.name}.positions.json").write_text(json.dumps(positions))
         (out.parent / f"{out.name}.buffers.json").write_text(json.dumps(buffers))
@@ -203,5 +218,5 @@ def _args_of(path: Path) -> Any:
 if __name__ == "__main__":
     os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
     words = sys.argv[1:]
-    main([(Path(words[i]), Path(words[i + 1]), Path(words[i + 2]), words[i + 3] == "qkwd")
-          for i in range(0, len(words), 4)])
+    main([(words[i], Path(words[i + 1]), Path(words[i + 2]), Path(words[i + 3]), words[i + 4] == "qkwd")
+          for i in range(0, len(words), 5)])

@@ -104,7 +104,8 @@ def test_the_family_list_gives_the_registry_and_the_inference_order() -> None:
         "SmolLM3ForCausalLM", "Phi3ForCausalLM", "SeedOssForCausalLM", "ArceeForCausalLM", "Ernie4_5ForCausalLM",
         "NemotronHForCausalLM", "MiniMaxM2ForCausalLM", "Dots1ForCausalLM", "Starcoder2ForCausalLM",
         "GPTNeoXForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "Qwen3NextForCausalLM",
-        "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen2_5_VLForConditionalGeneration",
+        "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Ernie4_5_MoeForCausalLM",
+        "Qwen2_5_VLForConditionalGeneration",
         "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration")
     assert list(families.FAMILIES.values()) == [*families.ORDERED, *families.VISION_LANGUAGE]
     assert families.supported_architectures() == sorted(families.INFERENCE_ORDER)

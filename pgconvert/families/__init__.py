@@ -66,6 +66,7 @@ from pgconvert.semantics.carried import CarriedSetting
 # Qwen3-Next takes the models with gated delta net layers and gated attention, which every other family refuses;
 # Qwen3.5 after it (the same layers, its projections stored apart): dense ones, and MoE ones Qwen3-Next's config
 # cannot hold.
+# ERNIE 4.5 MoE takes the MoE models with a softmax router steered by an expert bias, which no other family fits.
 ORDERED: tuple[Family, ...] = (
     deepseek.DEEPSEEK_V3,
     deepseek.DEEPSEEK_V2,
@@ -104,6 +105,7 @@ ORDERED: tuple[Family, ...] = (
     qwen3_next.QWEN3_NEXT,
     qwen3_5.QWEN3_5,
     qwen3_5.QWEN3_5_MOE,
+    ernie.ERNIE4_5_MOE,
 )
 
 # Vision-language families: a text family's language model with a vision part (pgconvert.families.vision_language);

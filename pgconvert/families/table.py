@@ -322,10 +322,29 @@ class Transposed(Transform):
         return [tuple(reversed(shape))]
 
 
+class LeadingUnitAxis(Transform):
+    """One HF tensor holding the canonical tensor under a leading axis of one (ERNIE 4.5 MoE's
+    ``e_score_correction_bias`` [1, experts], its one group of experts) <-> megatron-core's (``expert_bias``
+    [experts]); the same values in the same order."""
+
+    name = "leading unit axis"
+    parts = 1
+
+    def fuse(self, parts: Sequence[torch.Tensor], config: ModelConfig) -> torch.Tensor:
+        return parts[0].reshape(parts[0].shape[1:])
+
+    def split(self, full: torch.Tensor, config: ModelConfig) -> list[torch.Tensor]:
+        return [full.reshape(1, *full.shape)]
+
+    def part_shapes(self, shape: tuple[int, ...], config: ModelConfig) -> list[tuple[int, ...]]:
+        return [(1, *shape)]
+
+
 QKV_CONCAT = FuseQKVFromConcat()
 INTERLEAVED_GATE_UP = InterleavedGateUp(transposed=False)
 INTERLEAVED_GATE_UP_TRANSPOSED = InterleavedGateUp(transposed=True)
 TRANSPOSED = Transposed()
+LEADING_UNIT_AXIS = LeadingUnitAxis()
 
 
 def _slot_pattern(pattern: str) -> re.Pattern[str]:

@@ -1,4 +1,5 @@
-"""Test helpers: tiny Qwen2-MoE / Granite / SmolLM3 / Ministral / Phi-3 / Seed-OSS / ERNIE 4.5 / Arcee models,
+"""Test helpers: tiny Qwen2-MoE / Granite / SmolLM3 / Ministral / Phi-3 / Seed-OSS / ERNIE 4.5 (dense, MoE) / Arcee /
+HunYuan (dense, MoE) models,
 and an independent tensor-parallel forward pass over Megatron rank files driven by the files' own ``args``.
 
 Nothing here imports pgconvert. The reference forward reads each rank's ``model`` dict with
@@ -86,6 +87,16 @@ def family_configs() -> dict[str, tuple[Any, Any, dict[str, Any]]]:
             _COMMON, num_attention_heads=16, num_key_value_heads=2, head_dim=8, intermediate_size=192,
             max_position_embeddings=131072, rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
             use_bias=False, tie_word_embeddings=True)),
+        # baidu/ERNIE-4.5-21B-A3B-PT's config.json shrunk: layer 0 dense, layers 1 to the last MoE (start 1, end the
+        # last index, interval 1), top-6 routing (of 64 experts, here 8) steered by e_score_correction_bias, two shared
+        # experts of moe_intermediate_size, 5 query heads per KV head with head_dim hidden / heads (no head_dim key),
+        # interleaved RoPE base 500000, eps 1e-5, 131072 positions, tied, no biases, moe_norm_min 1e-12.
+        "ernie4_5_moe": (t.Ernie4_5_MoeConfig, t.Ernie4_5_MoeForCausalLM, dict(
+            _COMMON, hidden_size=80, num_attention_heads=10, num_key_value_heads=2, intermediate_size=96,
+            moe_intermediate_size=16, moe_num_experts=8, moe_k=6, moe_num_shared_experts=2, moe_layer_start_index=1,
+            moe_layer_end_index=3, moe_layer_interval=1, moe_norm_min=1e-12, max_position_embeddings=131072,
+            rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, use_bias=False,
+            tie_word_embeddings=True)),
         # arcee-ai/AFM-4.5B's: up_proj -> relu2 -> down_proj (no gate), 5 query heads per KV head with
         # heads x head_dim = hidden, FFN 7.2 x hidden, no biases, untied, eps 1e-5, and its YaRN RoPE
         # (factor 20 over 4096 original positions, 65536 positions).
@@ -116,8 +127,10 @@ def build_model(name: str, seed: int = 0, **overrides: Any) -> PreTrainedModel:
         module = param_name.rsplit(".", 1)[0]
         if module.endswith("norm"):
             return 1.0 + 0.1 * noise
-        if module.endswith(("mlp.gate", "block_sparse_moe.router")):
+        if module.endswith(("mlp.gate", "block_sparse_moe.router", "gate.wg")):
             return noise
+        if module.endswith("moe_statics"):  # ERNIE's expert bias: large enough to change the softmax's choice
+            return 0.2 * noise
         return (0.5 if module.endswith("shared_expert_gate") else 0.05) * noise
     return seeded_model(model_class, config_class(**{**kwargs, **overrides}), seed, value)[0]
 
@@ -161,7 +174,8 @@ def _attention(models: list[dict[str, torch.Tensor]], prefix: str, h: torch.Tens
     for model in models:
         q, k, v = (t.transpose(1, 2) for t in rank_qkv(model, prefix, h, per_group, head_dim))
         if rope is not None:
-            q, k = _apply_rope(q, rope), _apply_rope(k, rope)
+            interleaved = getattr(args, "rotary_interleaved", False)
+            q, k = _apply_rope(q, rope, interleaved), _apply_rope(k, rope, interleaved)
         k, v = (t.repeat_interleave(per_group, dim=1) for t in (k, v))
         scores = ((q @ k.transpose(-1, -2)) * scale).masked_fill(~mask, float("-inf")).softmax(-1)
         context = (scores @ v).transpose(1, 2).reshape(batch, seq, -1)
@@ -169,11 +183,17 @@ def _attention(models: list[dict[str, torch.Tensor]], prefix: str, h: torch.Tens
     return out
 
 
-def _apply_rope(t: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Rotate-half RoPE on the first dims of each head (partial rotary), the rest passed through."""
+def _apply_rope(t: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], interleaved: bool = False) -> torch.Tensor:
+    """Rotate-half RoPE on the first dims of each head (partial rotary), the rest passed through; ``interleaved``:
+    megatron-core's rotary_interleaved, pairs of neighbouring channels turned by one frequency each."""
     cos, sin = rope
     dim = cos.shape[-1]
     rotated, rest = t[..., :dim], t[..., dim:]
+    if interleaved:
+        half = dim // 2
+        cos, sin = cos[..., :half].repeat_interleave(2, -1), sin[..., :half].repeat_interleave(2, -1)
+        turned = torch.stack((-rotated[..., 1::2], rotated[..., 0::2]), dim=-1).flatten(-2)
+        return torch.cat([rotated * cos + turned * sin, rest], dim=-1)
     return torch.cat([rotated * cos + _rotate_half(rotated) * sin, rest], dim=-1)
 
 
@@ -182,7 +202,14 @@ def _moe(models: list[dict[str, torch.Tensor]], prefix: str, h: torch.Tensor, ar
     plus the shared expert, scaled by sigmoid(gate_weight · h) when it has a gate."""
     router = _replicated(models, prefix + "mlp.router.weight")
     logits = h @ router.T
-    if getattr(args, "moe_router_pre_softmax", False):
+    if getattr(args, "moe_router_enable_expert_bias", False):
+        assert args.moe_router_score_function == "softmax", args.moe_router_score_function
+        # ERNIE 4.5 MoE: the softmax plus the bias chooses, the chosen softmax weights renormalized
+        probs = logits.softmax(-1)
+        chosen = (probs + _replicated(models, prefix + "mlp.router.expert_bias")).topk(args.moe_router_topk, -1).indices
+        top = probs.gather(-1, chosen)
+        top = top / top.sum(-1, keepdim=True)
+    elif getattr(args, "moe_router_pre_softmax", False):
         top, chosen = logits.softmax(-1).topk(args.moe_router_topk, dim=-1)
     else:
         top, chosen = logits.topk(args.moe_router_topk, dim=-1)

@@ -207,6 +207,13 @@ SEMANTICS: tuple[Setting, ...] = (
     Setting("logit scale", ("logit_scale",), ("logit_scale",), _ARGS.format("logit_scale"), "none",
             "the logits multiplied by it (Cohere); megatron-core has no such setting (models/gpt/gpt_model.py:685): "
             "carried with a notice; --strict refuses"),
+    Setting("qk-norm after RoPE", ("qk_layernorm_after_rope",), ("qk_layernorm_after_rope",),
+            _ARGS.format("qk_layernorm_after_rope"), "none (other families: q/k norms before RoPE)",
+            "HunYuan normalizes the rotated q/k heads; megatron-core 0.16.1 applies q_layernorm / k_layernorm in "
+            "get_query_key_value_tensors (transformer/attention.py:1478-1481), before the rotary in Attention.forward "
+            "(:1097-1110), and no "
+            "config field moves them; the same only where each rotated pair's two norm weights are equal: carried "
+            "with a notice; --strict refuses"),
 )
 
 SEMANTIC_FIELDS: tuple[str, ...] = tuple(dict.fromkeys(name for row in SEMANTICS for name in row.fields))
@@ -226,6 +233,7 @@ FAMILY_SPECIFIC_SETTINGS: dict[str, object] = {
     "shared_input_layernorm": False,
     "layernorm_bias": True,
     "logit_scale": 1.0,
+    "qk_layernorm_after_rope": False,
 }
 
 

@@ -34,6 +34,11 @@ AFM_YARN: dict[str, Any] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor"
                             "beta_slow": 1.0, "mscale": 1.0, "original_max_position_embeddings": 4096}
 
 
+# tencent/Hunyuan-7B-Instruct's and Hunyuan-A13B-Instruct's config.json rope_scaling: transformers' NTK-alpha.
+HUNYUAN_NTK_ALPHA: dict[str, Any] = {"alpha": 1000.0, "beta_fast": 32, "beta_slow": 1, "factor": 1.0, "mscale": 1.0,
+                                     "mscale_all_dim": 1.0, "type": "dynamic"}
+
+
 def family_configs() -> dict[str, tuple[Any, Any, dict[str, Any]]]:
     """name -> (config class, model class, kwargs): realistic options on."""
     import transformers as t
@@ -97,6 +102,21 @@ def family_configs() -> dict[str, tuple[Any, Any, dict[str, Any]]]:
             moe_layer_end_index=3, moe_layer_interval=1, moe_norm_min=1e-12, max_position_embeddings=131072,
             rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, use_bias=False,
             tie_word_embeddings=True)),
+        # tencent/Hunyuan-7B-Instruct's config.json shrunk: 4 query heads per KV head, head_dim hidden / heads given,
+        # FFN 3.5 x hidden, per-head q/k norms after RoPE, its NTK-alpha RoPE (rope_scaling type dynamic, alpha 1000,
+        # as 4.x wrote it, with its unused YaRN-style keys), eps 1e-5, 32768 positions, tied, no biases, no CLA.
+        "hunyuan_dense": (t.HunYuanDenseV1Config, t.HunYuanDenseV1ForCausalLM, dict(
+            _COMMON, num_key_value_heads=2, head_dim=8, intermediate_size=224, max_position_embeddings=32768,
+            rope_theta=10000.0, rope_scaling=dict(HUNYUAN_NTK_ALPHA), attention_bias=False, mlp_bias=False,
+            use_qk_norm=True, use_cla=False, tie_word_embeddings=True)),
+        # tencent/Hunyuan-A13B-Instruct's shrunk: Hunyuan-7B's attention and RoPE, every layer MoE with 8 experts
+        # (of 64) and top-2 (of 8) per layer, one shared MLP per layer, experts and shared MLP intermediate_size wide
+        # (0.75 x hidden), the releases' per-layer lists.
+        "hunyuan_moe": (t.HunYuanMoEV1Config, t.HunYuanMoEV1ForCausalLM, dict(
+            _COMMON, num_key_value_heads=2, head_dim=8, intermediate_size=48, max_position_embeddings=32768,
+            rope_theta=10000.0, rope_scaling=dict(HUNYUAN_NTK_ALPHA), attention_bias=False, mlp_bias=False,
+            use_qk_norm=True, use_cla=False, tie_word_embeddings=True, num_experts=8, moe_topk=[2] * 4,
+            num_shared_expert=[1] * 4, moe_intermediate_size=[48] * 4, use_mixed_mlp_moe=True)),
         # arcee-ai/AFM-4.5B's: up_proj -> relu2 -> down_proj (no gate), 5 query heads per KV head with
         # heads x head_dim = hidden, FFN 7.2 x hidden, no biases, untied, eps 1e-5, and its YaRN RoPE
         # (factor 20 over 4096 original positions, 65536 positions).
@@ -173,14 +193,30 @@ def _attention(models: list[dict[str, torch.Tensor]], prefix: str, h: torch.Tens
     out = torch.zeros_like(h)
     for model in models:
         q, k, v = (t.transpose(1, 2) for t in rank_qkv(model, prefix, h, per_group, head_dim))
-        if rope is not None:
-            interleaved = getattr(args, "rotary_interleaved", False)
-            q, k = _apply_rope(q, rope, interleaved), _apply_rope(k, rope, interleaved)
+        q, k = _positioned_qk(models, prefix, q, k, args, rope)
         k, v = (t.repeat_interleave(per_group, dim=1) for t in (k, v))
         scores = ((q @ k.transpose(-1, -2)) * scale).masked_fill(~mask, float("-inf")).softmax(-1)
         context = (scores @ v).transpose(1, 2).reshape(batch, seq, -1)
         out += context @ model[prefix + "self_attention.linear_proj.weight"].T  # row-parallel: summed
     return out
+
+
+def _positioned_qk(models: list[dict[str, torch.Tensor]], prefix: str, q: torch.Tensor, k: torch.Tensor,
+                   args: argparse.Namespace, rope: tuple[torch.Tensor, torch.Tensor] | None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k with RoPE and, where args.qk_layernorm, their per-head RMSNorms: before RoPE as megatron-core applies
+    them, after it where args.qk_layernorm_after_rope (HunYuan)."""
+    def norm(t: torch.Tensor, name: str) -> torch.Tensor:
+        if not getattr(args, "qk_layernorm", False):
+            return t
+        return _rms_norm(t, _replicated(models, prefix + f"self_attention.{name}.weight"), args.norm_epsilon)
+
+    def rotate(t: torch.Tensor) -> torch.Tensor:
+        return t if rope is None else _apply_rope(t, rope, getattr(args, "rotary_interleaved", False))
+
+    if getattr(args, "qk_layernorm_after_rope", False):
+        return norm(rotate(q), "q_layernorm"), norm(rotate(k), "k_layernorm")
+    return rotate(norm(q, "q_layernorm")), rotate(norm(k, "k_layernorm"))
 
 
 def _apply_rope(t: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], interleaved: bool = False) -> torch.Tensor:

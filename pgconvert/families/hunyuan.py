@@ -79,6 +79,9 @@ def _read_rope(present: Mapping[str, object], model: Mapping[str, object]) -> Ma
     ``rope_theta``): NTK-alpha becomes the base it computes; the others as every family reads them."""
     params = rope_parameters(present)
     theta = _number(params.get("rope_theta", present.get("rope_theta", _ROPE_BASE)), "rope_theta")
+    if params.get("partial_rotary_factor", present.get("partial_rotary_factor")) not in (None, 1, 1.0):
+        raise ValueError("partial_rotary_factor: transformers' HunYuan rotary (default and NTK-alpha) turns the whole "
+                         "head whatever it says")
     if rope_type_of(params) != "dynamic":
         return {**read_rope(present, model), "rotary_base": theta}
     alpha = params.get("alpha")

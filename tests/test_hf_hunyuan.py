@@ -148,7 +148,7 @@ def test_megatron_hunyuan_without_a_carried_config_is_written_as_hunyuan(sources
 @pytest.mark.parametrize("family,change,expected", [
     ("hunyuan_dense", {"rope_scaling": {"type": "dynamic", "factor": 2.0}},
      r"type 'dynamic' without alpha .* megatron-core has no such RoPE"),
-    ("hunyuan_dense", {"partial_rotary_factor": 0.5}, r"partial_rotary_factor: transformers' HunYuan rotary"),
+    ("hunyuan_dense", {"partial_rotary_factor": 0.5}, r"partial_rotary_factor=0.5: transformers' HunYuan rotary"),
     ("hunyuan_dense", {"use_cla": True}, r"use_cla=True: cross-layer K/V sharing"),
     ("hunyuan_dense", {"use_qk_norm": False}, r"use_qk_norm=False: transformers' HunYuan always applies"),
     ("hunyuan_dense", {"attention_bias": True}, r"attention_bias=True: q/k/v and o biases without MLP biases"),

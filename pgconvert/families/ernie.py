@@ -53,6 +53,7 @@ from pgconvert.families.table import (
     Family,
     TensorMapping,
     TensorTable,
+    false_only,
     write_nothing,
 )
 from pgconvert.io.limits import quote
@@ -181,18 +182,6 @@ def _check_norm_min(present: Mapping[str, object], model: Mapping[str, object]) 
     return {}
 
 
-def _refuse_moe_use_bias(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
-    value = present.get("use_bias")
-    if value not in (None, False):
-        raise ValueError(f"use_bias={quote(value)}: ERNIE 4.5 MoE biases the attention, dense MLPs and shared experts "
-                         "but not the routed experts; megatron-core's add_bias_linear biases the routed experts too")
-    return {}
-
-
-def _write_no_bias(config: ModelConfig) -> Mapping[str, object]:
-    return {"use_bias": False}
-
-
 ERNIE4_5_MOE = Family(
     architecture="Ernie4_5_MoeForCausalLM",
     model_type="ernie4_5_moe",
@@ -215,8 +204,8 @@ ERNIE4_5_MOE = Family(
         shared_experts_rule(default=2, key="moe_num_shared_experts", null_refused=True),
         ConfigRule(keys=("moe_norm_min",), model_fields=(), read=_check_norm_min, write=write_nothing,
                    null_keys=("moe_norm_min",)),
-        ConfigRule(keys=("use_bias",), model_fields=(), read=_refuse_moe_use_bias, write=_write_no_bias,
-                   null_keys=("use_bias",)),
+        false_only("use_bias", "ERNIE 4.5 MoE biases the attention, dense MLPs and shared experts but not the "
+                               "routed experts; megatron-core's add_bias_linear biases the routed experts too"),
         ROPE_RULE,
     ),
     fixed={

@@ -37,7 +37,15 @@ from pgconvert.families.llama import (
     write_rope,
 )
 from pgconvert.families.qwen import QWEN_MOE_ROWS
-from pgconvert.families.table import GATE_UP, ConfigField, ConfigRule, TensorMapping, TensorTable, write_nothing
+from pgconvert.families.table import (
+    GATE_UP,
+    ConfigField,
+    ConfigRule,
+    TensorMapping,
+    TensorTable,
+    false_only,
+    write_nothing,
+)
 from pgconvert.io.limits import quote
 from pgconvert.model.config import ModelConfig
 from pgconvert.semantics import yarn
@@ -79,9 +87,10 @@ def _read_rope(present: Mapping[str, object], model: Mapping[str, object]) -> Ma
     ``rope_theta``): NTK-alpha becomes the base it computes; the others as every family reads them."""
     params = rope_parameters(present)
     theta = _number(params.get("rope_theta", present.get("rope_theta", _ROPE_BASE)), "rope_theta")
-    if params.get("partial_rotary_factor", present.get("partial_rotary_factor")) not in (None, 1, 1.0):
-        raise ValueError("partial_rotary_factor: transformers' HunYuan rotary (default and NTK-alpha) turns the whole "
-                         "head whatever it says")
+    partial = params.get("partial_rotary_factor", present.get("partial_rotary_factor"))
+    if partial not in (None, 1, 1.0):
+        raise ValueError(f"partial_rotary_factor={quote(partial)}: transformers' HunYuan rotary (default and NTK-alpha) "
+                         "turns the whole head whatever it says")
     if rope_type_of(params) != "dynamic":
         return {**read_rope(present, model), "rotary_base": theta}
     alpha = params.get("alpha")
@@ -106,15 +115,6 @@ _ROPE_RULE = ConfigRule(keys=(*ROPE_RULE.keys, "rope_theta"), model_fields=(*ROP
                         read=_read_rope, write=_write_rope, null_keys=(*ROPE_RULE.null_keys, "rope_theta"))
 
 
-def _refuse_true(key: str, why: str) -> ConfigRule:
-    """A switch transformers' model takes as false (absent, null or false); true is refused, ``why``."""
-    def read(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
-        if present.get(key) not in (None, False):
-            raise ValueError(f"{key}={quote(present.get(key))}: {why}")
-        return {}
-    return ConfigRule(keys=(key,), model_fields=(), read=read, write=lambda config: {key: False}, null_keys=(key,))
-
-
 def _check_switches(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
     """Tencent's switches transformers' model does not read: refused where the release's own code would compute
     otherwise than transformers' (which always builds q/k norms and never shares K/V across layers)."""
@@ -137,7 +137,7 @@ HUNYUAN_DENSE = LLAMA.derive(
             ConfigField(("rms_norm_eps",), "norm_epsilon", float, default=1e-5),
             ConfigField(("intermediate_size",), "ffn_hidden_size", int, default=_INTERMEDIATE_SIZE)),
     rules=(_ROPE_RULE,
-           _refuse_true("attention_bias", "q/k/v and o biases without MLP biases; megatron-core's add_bias_linear "
+           false_only("attention_bias", "q/k/v and o biases without MLP biases; megatron-core's add_bias_linear "
                                           "biases the MLPs too"),
            _SWITCHES),
     fixed={"qk_layernorm": True, "qk_layernorm_after_rope": True, "add_bias_linear": False},

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from pgconvert.io.limits import quote
 from pgconvert.io.reuse import joined, new_tensor
 from pgconvert.model.config import ModelConfig
 from pgconvert.model.rules import Window
@@ -576,6 +577,20 @@ class ConfigRule:
         """The values ``read`` gets from config.json ``doc``."""
         return {key: doc[key] for key in (*self.keys, *self.legacy_keys)
                 if key in doc and (doc[key] is not None or key in self.null_keys)}
+
+
+def false_only(key: str, why: str) -> ConfigRule:
+    """A config.json switch the family converts only off (absent, null or false: transformers' model builds nothing
+    from a null); true is refused, ``why``. Written false."""
+    def read(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
+        if present.get(key) not in (None, False):
+            raise ValueError(f"{key}={quote(present.get(key))}: {why}")
+        return {}
+
+    def write(config: ModelConfig) -> Mapping[str, object]:
+        return {key: False}
+
+    return ConfigRule(keys=(key,), model_fields=(), read=read, write=write, null_keys=(key,))
 
 
 _MODEL_FIELDS = frozenset(ModelConfig.setting_names())

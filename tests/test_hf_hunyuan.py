@@ -120,6 +120,15 @@ def test_megatron_core_computes_the_norms_before_rope_as_the_notice_names(source
     torch.testing.assert_close(actual, before_rope.float(), rtol=1e-5, atol=5e-5)
 
 
+def test_q_k_norms_after_rope_need_q_k_norms() -> None:
+    from pgconvert.errors import ConfigError
+    from pgconvert.model.config import ModelConfig
+
+    with pytest.raises(ConfigError, match="qk_layernorm_after_rope=True: needs qk_layernorm"):
+        ModelConfig(num_layers=2, hidden_size=16, num_attention_heads=2, ffn_hidden_size=32, vocab_size=10,
+                    qk_layernorm_after_rope=True)
+
+
 def test_strict_refuses_a_megatron_target_naming_the_qk_norm_order(sources: dict[str, Path], tmp_path: Path) -> None:
     with pytest.raises(StrictModeError, match=NOTICE):
         pgconvert.convert(sources["hunyuan_dense"], tmp_path / "out", dst_format="megatron", strict=True)

@@ -99,6 +99,8 @@ def _read_rope(present: Mapping[str, object], model: Mapping[str, object]) -> Ma
                          "NTK scaling grows the RoPE base with the sequence length; megatron-core has no such RoPE")
     head_dim = model["kv_channels"]
     assert isinstance(head_dim, int)
+    if head_dim <= 2:
+        raise ValueError(f"head_dim={head_dim} with NTK-alpha RoPE: its base divides by head_dim - 2")
     # transformers' HunYuan*RotaryEmbedding.compute_ntk_alpha_rope_parameters, in the same float arithmetic.
     base = theta * _number(alpha, "rope_parameters.alpha") ** (head_dim / (head_dim - 2))
     return {**yarn.YARN_DEFAULTS, "rope_scaling": None, "rope_scaling_factor": 1.0, "rotary_percent": 1.0,

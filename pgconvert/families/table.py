@@ -645,8 +645,9 @@ class Family:
     # beyond every family's, so pgconvert.formats.hf.hf_losses does not name them as lost (partial
     # rotary, a router's score function, scaling, groups or pre-softmax, a clamped GLU).
     hf_computes: frozenset[str] = frozenset()
-    # HF rope_type values carried as they are in ModelConfig.carried.hf_rope_parameters (Phi-3's longrope
-    # and su): pgconvert.semantics.rope.hf_unrepresentable does not name them.
+    # HF rope_type values the family's rules carry: as they are in ModelConfig.carried.hf_rope_parameters (Phi-3's
+    # longrope and su), or as the settings they compute (HunYuan's dynamic with alpha: a RoPE base; its rule refuses
+    # the rest): pgconvert.semantics.rope.hf_unrepresentable does not name them.
     hf_rope_types_carried: tuple[str, ...] = ()
     # The config.json key counting multi-token-prediction layers (stored as layers
     # num_hidden_layers + i, pgconvert.families.mtp); None: the family has none.

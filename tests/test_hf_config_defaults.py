@@ -143,6 +143,20 @@ KEPT_NULLS: dict[tuple[str, str, str], Expected] = {
     ("NemotronForCausalLM", "*", "older spelling of rope_theta, null partial_rotary_factor"): REFUSED,
     # ERNIE 4.5: nn.Linear(bias=None) builds no bias.
     ("Ernie4_5ForCausalLM", "*", "null use_bias"): lambda doc: {"add_qkv_bias": False, "add_bias_linear": False},
+    # ERNIE 4.5 MoE: the attention, router, statics, decoder layer and MoE block take these as given (heads // None,
+    # topk(k=None), zeros(1, None), (i + 1) % None, None > 0, clamp(min=None)); the aux loss is a training term.
+    **{("Ernie4_5_MoeForCausalLM", "*", f"null {key}"): REFUSED
+       for key in ("num_key_value_heads", "moe_num_experts", "moe_k", "moe_layer_start_index", "moe_layer_end_index",
+                   "moe_layer_interval", "moe_num_shared_experts", "moe_norm_min")},
+    ("Ernie4_5_MoeForCausalLM", "*", "null router_aux_loss_coef"): _same,
+    ("Ernie4_5_MoeForCausalLM", "*", "null use_bias"): _same,
+    # HunYuan: transformers' model never reads Tencent's switches and per-layer sizes (it always applies its q/k
+    # norms and shared MLP, sizes every expert by intermediate_size); its router takes moe_topk[layer] of a null.
+    **{(architecture, "*", f"null {key}"): _same
+       for architecture in ("HunYuanDenseV1ForCausalLM", "HunYuanMoEV1ForCausalLM")
+       for key in ("use_qk_norm", "use_cla", "moe_intermediate_size", "num_shared_expert", "use_mixed_mlp_moe")},
+    ("HunYuanMoEV1ForCausalLM", "*",
+     "older spelling num_experts_per_tok (attribute_map alias of moe_topk), null num_experts_per_tok"): REFUSED,
     # MiniMax-M2: a top-level null passes MiniMaxM2Config's kwargs.setdefault(rotary_dim / head_dim) and
     # reaches no rope_parameters: the whole head rotates. A null rotary_dim is no partial rotary
     # (kwargs.get(...) is None); attn_type_list is read by no transformers code (softmax attention everywhere).

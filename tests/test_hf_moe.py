@@ -331,6 +331,8 @@ _RULE_EXTRAS: dict[str, dict[str, object]] = {"Gemma3ForCausalLM": {"rotary_base
 # What a family needs beyond its fixed values to accept a model (GLM-4.5-MoE's shared expert).
 _FAMILY_NEEDS: dict[str, dict[str, object]] = {
     "Glm4MoeForCausalLM": {"moe_shared_expert_intermediate_size": 6},
+    # HunYuan's shared MLP is as wide as its experts and dense FFN.
+    "HunYuanMoEV1ForCausalLM": {"moe_shared_expert_intermediate_size": 6},
     # A hybrid layer pattern (a Mamba layer, an MLP) and Mamba sizes that fit the tiny hidden size.
     "NemotronHForCausalLM": {"hybrid_override_pattern": "M-", "mamba_num_heads": 4, "mamba_head_dim": 2,
                              "mamba_num_groups": 2, "mamba_state_dim": 2},

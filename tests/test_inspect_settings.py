@@ -217,6 +217,8 @@ def test_the_family_defaults_are_transformers_class_defaults(architecture: str) 
     needed = {"DeepseekV2ForCausalLM": {"num_experts_per_tok": 6}, "MinistralForCausalLM": {"head_dim": 8},
               "NemotronHForCausalLM": {"layers_block_type": ["linear_attention", "mlp", "full_attention", "mlp"]},
               # Dots1Config has no expert or shared-expert counts, and does not renormalize by default.
+              # HunYuan's attention takes head_dim as given (its class default is None).
+              "HunYuanDenseV1ForCausalLM": {"head_dim": 8}, "HunYuanMoEV1ForCausalLM": {"head_dim": 8},
               "Dots1ForCausalLM": {"n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
                                    "norm_topk_prob": True}}
     doc = AutoConfig.for_model(family.model_type, hidden_size=64, num_hidden_layers=4, num_attention_heads=8,

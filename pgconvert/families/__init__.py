@@ -21,6 +21,7 @@ from pgconvert.families import (
     gpt_neox,
     gpt_oss,
     granite,
+    hunyuan,
     llama,
     minimax,
     mistral,
@@ -67,6 +68,8 @@ from pgconvert.semantics.carried import CarriedSetting
 # Qwen3-Next takes the models with gated delta net layers and gated attention, which every other family refuses;
 # Qwen3.5 after it (the same layers, its projections stored apart): dense ones, and MoE ones Qwen3-Next's config
 # cannot hold.
+# ERNIE 4.5 MoE takes the MoE models with a softmax router steered by an expert bias, which no other family fits.
+# HunYuan (dense, MoE) takes the models with q/k norms after RoPE, which no other family holds.
 ORDERED: tuple[Family, ...] = (
     deepseek.DEEPSEEK_V3,
     deepseek.DEEPSEEK_V2,
@@ -106,6 +109,9 @@ ORDERED: tuple[Family, ...] = (
     qwen3_next.QWEN3_NEXT,
     qwen3_5.QWEN3_5,
     qwen3_5.QWEN3_5_MOE,
+    ernie.ERNIE4_5_MOE,
+    hunyuan.HUNYUAN_DENSE,
+    hunyuan.HUNYUAN_MOE,
 )
 
 # Vision-language families: a text family's language model with a vision part (pgconvert.families.vision_language);

@@ -157,31 +157,34 @@ def dense_prefix_rule(default_dense: int) -> ConfigRule:
                       refuses=refuses, null_keys=("first_k_dense_replace",))
 
 
-def shared_experts_rule(default: int | None) -> ConfigRule:
-    """``n_shared_experts``: shared experts of the routed experts' FFN size each (``default``: the class's; None:
-    the key must be given, as a class whose MoE block multiplies the size by it as given needs)."""
+def shared_experts_rule(default: int | None, key: str = "n_shared_experts", null_refused: bool = False) -> ConfigRule:
+    """``key`` (``n_shared_experts``; ERNIE 4.5 MoE: ``moe_num_shared_experts``): shared experts of the routed
+    experts' FFN size each (``default``: the class's; None: the key must be given, as a class whose MoE block
+    multiplies the size by it as given needs; ``null_refused``: a null is refused too, as a class that compares
+    it with 0 as given needs)."""
     def read(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
-        given = present.get("n_shared_experts", default)
+        given = present.get(key, default)
         if given is None:
-            raise ValueError("n_shared_experts is absent or null: transformers' MoE block multiplies the experts' "
-                             "FFN size by it as given; config.json must give a count")
-        count = config_count(given, "n_shared_experts")
+            raise ValueError(f"{key} is absent or null: transformers' MoE block computes with it as given; "
+                             "config.json must give a count")
+        count = config_count(given, key)
         size = model["moe_ffn_hidden_size"]
         assert isinstance(size, int)
         return {"moe_shared_expert_intermediate_size": count * size if count else None}
 
     def write(config: ModelConfig) -> Mapping[str, object]:
-        return {"n_shared_experts": (config.moe.moe_shared_expert_intermediate_size or 0) // config.expert_ffn_size}
+        return {key: (config.moe.moe_shared_expert_intermediate_size or 0) // config.expert_ffn_size}
 
     def refuses(config: ModelConfig) -> str | None:
         shared = config.moe.moe_shared_expert_intermediate_size
         if shared is not None and shared % config.expert_ffn_size:
             return (f"moe_shared_expert_intermediate_size={shared} (needs a multiple of the experts' "
-                    f"{config.expert_ffn_size}: n_shared_experts)")
+                    f"{config.expert_ffn_size}: {key})")
         return None
 
-    return ConfigRule(keys=("n_shared_experts",), model_fields=("moe_shared_expert_intermediate_size",),
-                      read=read, write=write, refuses=refuses, required=default is None)
+    return ConfigRule(keys=(key,), model_fields=("moe_shared_expert_intermediate_size",),
+                      read=read, write=write, refuses=refuses, required=default is None,
+                      null_keys=(key,) if null_refused else ())
 
 
 def router_groups(present: Mapping[str, object], model: Mapping[str, object], per_group: int,

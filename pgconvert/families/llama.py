@@ -92,7 +92,7 @@ def rotary_base_field(default: float) -> ConfigField:
 
 def decoder_fields(max_position_embeddings: int, norm_epsilon: float = 1e-6, rotary_base: float = 10000.0,
                    query_groups: ConfigField | None = None,
-                   head_dim: ConfigField | None = None) -> tuple[ConfigField, ...]:
+                   head_dim: ConfigField | None = None, tie_embeddings: bool = False) -> tuple[ConfigField, ...]:
     """The config.json fields of a Llama-style decoder but its FFN size; defaults are transformers'
     class defaults (``query_groups`` and ``head_dim``: Llama's unless given)."""
     return (
@@ -106,7 +106,7 @@ def decoder_fields(max_position_embeddings: int, norm_epsilon: float = 1e-6, rot
         ConfigField(("max_position_embeddings",), "max_position_embeddings", int,
                     default=max_position_embeddings),
         ConfigField(("vocab_size",), "vocab_size", int),
-        ConfigField(("tie_word_embeddings",), "tie_embeddings", bool, default=False),
+        ConfigField(("tie_word_embeddings",), "tie_embeddings", bool, default=tie_embeddings),
         ConfigField(("attention_dropout",), "attention_dropout", float, default=0.0),
     )
 

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from pgconvert.io.limits import quote
 from pgconvert.io.reuse import joined, new_tensor
 from pgconvert.model.config import ModelConfig
 from pgconvert.model.rules import Window
@@ -322,10 +323,29 @@ class Transposed(Transform):
         return [tuple(reversed(shape))]
 
 
+class LeadingUnitAxis(Transform):
+    """One HF tensor holding the canonical tensor under a leading axis of one (ERNIE 4.5 MoE's
+    ``e_score_correction_bias`` [1, experts], its one group of experts) <-> megatron-core's (``expert_bias``
+    [experts]); the same values in the same order."""
+
+    name = "leading unit axis"
+    parts = 1
+
+    def fuse(self, parts: Sequence[torch.Tensor], config: ModelConfig) -> torch.Tensor:
+        return parts[0].reshape(parts[0].shape[1:])
+
+    def split(self, full: torch.Tensor, config: ModelConfig) -> list[torch.Tensor]:
+        return [full.reshape(1, *full.shape)]
+
+    def part_shapes(self, shape: tuple[int, ...], config: ModelConfig) -> list[tuple[int, ...]]:
+        return [(1, *shape)]
+
+
 QKV_CONCAT = FuseQKVFromConcat()
 INTERLEAVED_GATE_UP = InterleavedGateUp(transposed=False)
 INTERLEAVED_GATE_UP_TRANSPOSED = InterleavedGateUp(transposed=True)
 TRANSPOSED = Transposed()
+LEADING_UNIT_AXIS = LeadingUnitAxis()
 
 
 def _slot_pattern(pattern: str) -> re.Pattern[str]:
@@ -559,6 +579,20 @@ class ConfigRule:
                 if key in doc and (doc[key] is not None or key in self.null_keys)}
 
 
+def false_only(key: str, why: str) -> ConfigRule:
+    """A config.json switch the family converts only off (absent, null or false: transformers' model builds nothing
+    from a null); true is refused, ``why``. Written false."""
+    def read(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
+        if present.get(key) not in (None, False):
+            raise ValueError(f"{key}={quote(present.get(key))}: {why}")
+        return {}
+
+    def write(config: ModelConfig) -> Mapping[str, object]:
+        return {key: False}
+
+    return ConfigRule(keys=(key,), model_fields=(), read=read, write=write, null_keys=(key,))
+
+
 _MODEL_FIELDS = frozenset(ModelConfig.setting_names())
 _SEMANTIC_ROWS = frozenset(row.name for row in SEMANTICS)
 # The mappings of a Family that derive merges; DROP as a value there removes the key.
@@ -628,8 +662,9 @@ class Family:
     # beyond every family's, so pgconvert.formats.hf.hf_losses does not name them as lost (partial
     # rotary, a router's score function, scaling, groups or pre-softmax, a clamped GLU).
     hf_computes: frozenset[str] = frozenset()
-    # HF rope_type values carried as they are in ModelConfig.carried.hf_rope_parameters (Phi-3's longrope
-    # and su): pgconvert.semantics.rope.hf_unrepresentable does not name them.
+    # HF rope_type values the family's rules carry: as they are in ModelConfig.carried.hf_rope_parameters (Phi-3's
+    # longrope and su), or as the settings they compute (HunYuan's dynamic with alpha: a RoPE base; its rule refuses
+    # the rest): pgconvert.semantics.rope.hf_unrepresentable does not name them.
     hf_rope_types_carried: tuple[str, ...] = ()
     # The config.json key counting multi-token-prediction layers (stored as layers
     # num_hidden_layers + i, pgconvert.families.mtp); None: the family has none.

@@ -314,6 +314,9 @@ class CarriedConfig:
     layernorm_bias: bool = True
     # The logits multiplied by it (Cohere's logit_scale).
     logit_scale: float = 1.0
+    # The q/k norms applied after RoPE (HunYuan's query_layernorm / key_layernorm); megatron-core applies its
+    # q_layernorm / k_layernorm before (SelfAttention.get_query_key_value_tensors, then the rotary in Attention.forward).
+    qk_layernorm_after_rope: bool = False
 
 
 # The sub-configs, by their attribute on ModelConfig.
@@ -354,7 +357,7 @@ SETTING_GROUPS: dict[str, str | None] = {
     "mtp_layer_module": None, "hybrid_override_pattern": None, "mamba_state_dim": "mamba",
     "mamba_head_dim": "mamba", "mamba_num_groups": "mamba", "mamba_num_heads": "mamba", "time_step_min": "carried",
     "use_parallel_residual": "carried", "shared_input_layernorm": "carried", "layernorm_bias": "carried",
-    "logit_scale": "carried",
+    "logit_scale": "carried", "qk_layernorm_after_rope": "carried",
     "attention_output_gate": "attention", "experimental_attention_variant": "linear_attention",
     "linear_attention_freq": "linear_attention", "linear_conv_kernel_dim": "linear_attention",
     "linear_key_head_dim": "linear_attention", "linear_value_head_dim": "linear_attention",
@@ -744,6 +747,8 @@ def _check_computation_settings(config: ModelConfig) -> None:
     _check_carried(config.carried)
     if config.carried.shared_input_layernorm and config.moe.num_experts is not None:
         raise _violates("shared_input_layernorm", True, "an MoE layer keeps its pre_mlp_layernorm")
+    if config.carried.qk_layernorm_after_rope and not config.attention.qk_layernorm:
+        raise _violates("qk_layernorm_after_rope", True, "needs qk_layernorm (q/k norms to apply)")
     _check_no_rope_layers(config)
 
 
@@ -800,7 +805,7 @@ def _check_carried(carried: CarriedConfig) -> None:
     the norm bias: flags, one shared norm only in a parallel layer."""
     for name in ("embedding_multiplier", "residual_multiplier", "logits_scaling", "logit_scale"):
         _require_positive_number(name, getattr(carried, name))
-    for name in ("use_parallel_residual", "shared_input_layernorm", "layernorm_bias"):
+    for name in ("use_parallel_residual", "shared_input_layernorm", "layernorm_bias", "qk_layernorm_after_rope"):
         if not isinstance(getattr(carried, name), bool):
             raise _violates(name, getattr(carried, name), "must be true or false")
     if carried.shared_input_layernorm and not carried.use_parallel_residual:

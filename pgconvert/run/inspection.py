@@ -233,10 +233,11 @@ def family_default_config(family: Family | None, config: ModelConfig) -> ModelCo
             value = 1  # the true vocab is unknown: any stands in, the dimensions are not compared
         if value is not None:
             set_path(doc, spec.path, value)
-    # A rule that reads the layer count (Nemotron-H's layer kinds) states it, with what it reads with it, and so
-    # does a rule whose keys have no default that describes a model (``ConfigRule.required``).
+    # A rule that reads a dimension (the layer count: Nemotron-H's layer kinds; the FFN size: HunYuan MoE's, with its
+    # experts') states it, with what it reads with it, and so does a rule whose keys have no default that describes
+    # a model (``ConfigRule.required``).
     for rule in family.rules:
-        if "num_layers" in rule.model_fields or rule.required:
+        if set(rule.model_fields) & set(DIMENSIONS) or rule.required:
             doc.update({key: value for key, value in rule.write(config).items() if value is not None})
     _, defaults, _ = model_config_from_hf(doc, Path(CONFIG_FILE), error=ConfigError)
     return defaults

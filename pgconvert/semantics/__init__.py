@@ -207,6 +207,13 @@ SEMANTICS: tuple[Setting, ...] = (
     Setting("logit scale", ("logit_scale",), ("logit_scale",), _ARGS.format("logit_scale"), "none",
             "the logits multiplied by it (Cohere); megatron-core has no such setting (models/gpt/gpt_model.py:685): "
             "carried with a notice; --strict refuses"),
+    Setting("qk-norm after RoPE", ("qk_layernorm_after_rope",), ("qk_layernorm_after_rope",),
+            _ARGS.format("qk_layernorm_after_rope"), "none (other families: q/k norms before RoPE)",
+            "HunYuan normalizes the rotated q/k heads; megatron-core 0.16.1 applies q_layernorm / k_layernorm in "
+            "get_query_key_value_tensors (transformer/attention.py:1478-1481), before the rotary in Attention.forward "
+            "(:1097-1110), and no "
+            "config field moves them; the same only where each rotated pair's two norm weights are equal: carried "
+            "with a notice; --strict refuses"),
 )
 
 SEMANTIC_FIELDS: tuple[str, ...] = tuple(dict.fromkeys(name for row in SEMANTICS for name in row.fields))
@@ -226,6 +233,7 @@ FAMILY_SPECIFIC_SETTINGS: dict[str, object] = {
     "shared_input_layernorm": False,
     "layernorm_bias": True,
     "logit_scale": 1.0,
+    "qk_layernorm_after_rope": False,
 }
 
 
@@ -366,12 +374,27 @@ def _check_carried(config: ModelConfig, strict: bool, notices: list[str],
     settings = carried.uncomputed(carried_settings, config)
     if not settings:
         return
-    message = (f"{', '.join(settings)}: megatron-core has no such setting, so a Megatron run of this checkpoint "
-               "computes without it; carried in args (transformers' names where it has them) and pgconvert.json, so "
-               "converting back to HF restores it")
+    computes_differently(f"{', '.join(settings)}: megatron-core has no such setting, so a Megatron run of this "
+                         "checkpoint computes without it; carried in args (transformers' names where it has them) and "
+                         "pgconvert.json, so converting back to HF restores it", strict, notices)
+
+
+def computes_differently(message: str, strict: bool, notices: list[str]) -> None:
+    """A Megatron target that holds a setting megatron-core computes otherwise: a notice, under ``strict`` an error."""
     if strict:
         raise StrictModeError(f"--strict: refusing a target that computes differently: {message}")
     notices.append(message)
+
+
+def router_gaps(config: ModelConfig) -> list[str]:
+    """Routers megatron-core does not compute: an expert bias steering a softmax router's choice (ERNIE 4.5 MoE)."""
+    moe = config.moe
+    if moe.num_experts is None or not moe.moe_router_enable_expert_bias or moe.moe_router_score_function != "softmax":
+        return []
+    return ["moe_router_enable_expert_bias=True with moe_router_score_function='softmax' (the top-k chosen by the "
+            "softmax plus the expert bias, the unbiased weights renormalized): megatron-core 0.16.1 computes an expert "
+            "bias only with the sigmoid router (its TransformerConfig refuses this pair); carried in args and "
+            "pgconvert.json, so converting back to HF restores it"]
 
 
 def check_target(source: Any, target_format: str, strict: bool,
@@ -391,6 +414,8 @@ def check_target(source: Any, target_format: str, strict: bool,
     _check_carried(config, strict, source.notices, carried_settings)
     for message in mamba.megatron_core_gaps(config):
         lose(message, strict, source.notices)
+    for message in router_gaps(config):
+        computes_differently(message, strict, source.notices)
     if positions.rope_scaling == "llama3" and positions.rope_scaling_factor != MEGATRON_DEFAULT_ROPE_SCALING_FACTOR:
         # Written all the same: megatron-core computes it when it is passed (GPTModel(rope_scaling_factor=)).
         source.notices.append(

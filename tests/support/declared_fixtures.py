@@ -65,6 +65,8 @@ ONE_GROUP_PER_HEAD: dict[str, object] = dict(num_query_groups=4)
 # A window on the first two layers and no RoPE on the third: tried only for a family that refuses BASE's RoPE on
 # every layer without a window (Cohere2, which rotates only its windowed layers).
 WINDOWED_NOPE: dict[str, object] = dict(sliding_window=4, window_layers=(1, 1, 0), no_rope_layers=(0, 0, 1))
+# Experts and a shared expert as wide as the dense FFN: tried only for a family that refuses other widths (HunYuan).
+FFN_WIDE_EXPERTS: dict[str, object] = dict(moe_ffn_hidden_size=24, moe_shared_expert_intermediate_size=24)
 # With experts, a hybrid pattern with two MoE layers (E), routed as Nemotron-H's are (a sigmoid router
 # with expert bias, a shared expert): a hybrid family with experts needs one.
 EXPERT_PARTS += (dict(HYBRID, hybrid_override_pattern="MEE", moe_router_score_function="sigmoid",
@@ -100,7 +102,7 @@ def tiny_config(family: Family) -> ModelConfig:
     if settings.get("experimental_attention_variant"):
         settings.update(LINEAR_ATTENTION)
     visions = VISIONS if "vision_config" not in family.fixed else ({},)
-    for vision, heads, count in itertools.product(visions, ({}, ONE_GROUP_PER_HEAD, WINDOWED_NOPE),
+    for vision, heads, count in itertools.product(visions, ({}, ONE_GROUP_PER_HEAD, WINDOWED_NOPE, FFN_WIDE_EXPERTS),
                                                   range(len(parts), -1, -1)):
         for chosen in itertools.combinations(parts, count):
             try:

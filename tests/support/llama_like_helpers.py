@@ -1,4 +1,5 @@
-"""Test helpers: tiny Qwen2-MoE / Granite / SmolLM3 / Ministral / Phi-3 / Seed-OSS / ERNIE 4.5 / Arcee / Nemotron models,
+"""Test helpers: tiny Qwen2-MoE / Granite / SmolLM3 / Ministral / Phi-3 / Seed-OSS / ERNIE 4.5 (dense, MoE) / Arcee /
+Nemotron / HunYuan (dense, MoE) models,
 and an independent tensor-parallel forward pass over Megatron rank files driven by the files' own ``args``.
 
 Nothing here imports pgconvert. The reference forward reads each rank's ``model`` dict with
@@ -31,6 +32,11 @@ _COMMON: dict[str, Any] = dict(hidden_size=64, num_hidden_layers=4, num_attentio
 # arcee-ai/AFM-4.5B's config.json RoPE (its rope_scaling, as transformers 5 reads it).
 AFM_YARN: dict[str, Any] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 20.0, "beta_fast": 32.0,
                             "beta_slow": 1.0, "mscale": 1.0, "original_max_position_embeddings": 4096}
+
+
+# tencent/Hunyuan-7B-Instruct's and Hunyuan-A13B-Instruct's config.json rope_scaling: transformers' NTK-alpha.
+HUNYUAN_NTK_ALPHA: dict[str, Any] = {"alpha": 1000.0, "beta_fast": 32, "beta_slow": 1, "factor": 1.0, "mscale": 1.0,
+                                     "mscale_all_dim": 1.0, "type": "dynamic"}
 
 
 def family_configs() -> dict[str, tuple[Any, Any, dict[str, Any]]]:
@@ -86,6 +92,31 @@ def family_configs() -> dict[str, tuple[Any, Any, dict[str, Any]]]:
             _COMMON, num_attention_heads=16, num_key_value_heads=2, head_dim=8, intermediate_size=192,
             max_position_embeddings=131072, rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
             use_bias=False, tie_word_embeddings=True)),
+        # baidu/ERNIE-4.5-21B-A3B-PT's config.json shrunk: layer 0 dense, layers 1 to the last MoE (start 1, end the
+        # last index, interval 1), top-6 routing (of 64 experts, here 8) steered by e_score_correction_bias, two shared
+        # experts of moe_intermediate_size, 5 query heads per KV head with head_dim hidden / heads (no head_dim key),
+        # interleaved RoPE base 500000, eps 1e-5, 131072 positions, tied, no biases, moe_norm_min 1e-12.
+        "ernie4_5_moe": (t.Ernie4_5_MoeConfig, t.Ernie4_5_MoeForCausalLM, dict(
+            _COMMON, hidden_size=80, num_attention_heads=10, num_key_value_heads=2, intermediate_size=96,
+            moe_intermediate_size=16, moe_num_experts=8, moe_k=6, moe_num_shared_experts=2, moe_layer_start_index=1,
+            moe_layer_end_index=3, moe_layer_interval=1, moe_norm_min=1e-12, max_position_embeddings=131072,
+            rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, use_bias=False,
+            tie_word_embeddings=True)),
+        # tencent/Hunyuan-7B-Instruct's config.json shrunk: 4 query heads per KV head, head_dim hidden / heads given,
+        # FFN 3.5 x hidden, per-head q/k norms after RoPE, its NTK-alpha RoPE (rope_scaling type dynamic, alpha 1000,
+        # as 4.x wrote it, with its unused YaRN-style keys), eps 1e-5, 32768 positions, tied, no biases, no CLA.
+        "hunyuan_dense": (t.HunYuanDenseV1Config, t.HunYuanDenseV1ForCausalLM, dict(
+            _COMMON, num_key_value_heads=2, head_dim=8, intermediate_size=224, max_position_embeddings=32768,
+            rope_theta=10000.0, rope_scaling=dict(HUNYUAN_NTK_ALPHA), attention_bias=False, mlp_bias=False,
+            use_qk_norm=True, use_cla=False, tie_word_embeddings=True)),
+        # tencent/Hunyuan-A13B-Instruct's shrunk: Hunyuan-7B's attention and RoPE, every layer MoE with 8 experts
+        # (of 64) and top-2 (of 8) per layer, one shared MLP per layer, experts and shared MLP intermediate_size wide
+        # (0.75 x hidden), the releases' per-layer lists.
+        "hunyuan_moe": (t.HunYuanMoEV1Config, t.HunYuanMoEV1ForCausalLM, dict(
+            _COMMON, num_key_value_heads=2, head_dim=8, intermediate_size=48, max_position_embeddings=32768,
+            rope_theta=10000.0, rope_scaling=dict(HUNYUAN_NTK_ALPHA), attention_bias=False, mlp_bias=False,
+            use_qk_norm=True, use_cla=False, tie_word_embeddings=True, num_experts=8, moe_topk=[2] * 4,
+            num_shared_expert=[1] * 4, moe_intermediate_size=[48] * 4, use_mixed_mlp_moe=True)),
         # arcee-ai/AFM-4.5B's: up_proj -> relu2 -> down_proj (no gate), 5 query heads per KV head with
         # heads x head_dim = hidden, FFN 7.2 x hidden, no biases, untied, eps 1e-5, and its YaRN RoPE
         # (factor 20 over 4096 original positions, 65536 positions).
@@ -124,8 +155,10 @@ def build_model(name: str, seed: int = 0, **overrides: Any) -> PreTrainedModel:
         module = param_name.rsplit(".", 1)[0]
         if module.endswith("norm"):
             return 1.0 + 0.1 * noise
-        if module.endswith(("mlp.gate", "block_sparse_moe.router")):
+        if module.endswith(("mlp.gate", "block_sparse_moe.router", "gate.wg")):
             return noise
+        if module.endswith("moe_statics"):  # ERNIE's expert bias: large enough to change the softmax's choice
+            return 0.2 * noise
         return (0.5 if module.endswith("shared_expert_gate") else 0.05) * noise
     return seeded_model(model_class, config_class(**{**kwargs, **overrides}), seed, value)[0]
 
@@ -168,8 +201,7 @@ def _attention(models: list[dict[str, torch.Tensor]], prefix: str, h: torch.Tens
     out = torch.zeros_like(h)
     for model in models:
         q, k, v = (t.transpose(1, 2) for t in rank_qkv(model, prefix, h, per_group, head_dim))
-        if rope is not None:
-            q, k = _apply_rope(q, rope), _apply_rope(k, rope)
+        q, k = _positioned_qk(models, prefix, q, k, args, rope)
         k, v = (t.repeat_interleave(per_group, dim=1) for t in (k, v))
         scores = ((q @ k.transpose(-1, -2)) * scale).masked_fill(~mask, float("-inf")).softmax(-1)
         context = (scores @ v).transpose(1, 2).reshape(batch, seq, -1)
@@ -177,11 +209,35 @@ def _attention(models: list[dict[str, torch.Tensor]], prefix: str, h: torch.Tens
     return out
 
 
-def _apply_rope(t: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Rotate-half RoPE on the first dims of each head (partial rotary), the rest passed through."""
+def _positioned_qk(models: list[dict[str, torch.Tensor]], prefix: str, q: torch.Tensor, k: torch.Tensor,
+                   args: argparse.Namespace, rope: tuple[torch.Tensor, torch.Tensor] | None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k with RoPE and, where args.qk_layernorm, their per-head RMSNorms: before RoPE as megatron-core applies
+    them, after it where args.qk_layernorm_after_rope (HunYuan)."""
+    def norm(t: torch.Tensor, name: str) -> torch.Tensor:
+        if not getattr(args, "qk_layernorm", False):
+            return t
+        return _rms_norm(t, _replicated(models, prefix + f"self_attention.{name}.weight"), args.norm_epsilon)
+
+    def rotate(t: torch.Tensor) -> torch.Tensor:
+        return t if rope is None else _apply_rope(t, rope, getattr(args, "rotary_interleaved", False))
+
+    if getattr(args, "qk_layernorm_after_rope", False):
+        return norm(rotate(q), "q_layernorm"), norm(rotate(k), "k_layernorm")
+    return rotate(norm(q, "q_layernorm")), rotate(norm(k, "k_layernorm"))
+
+
+def _apply_rope(t: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], interleaved: bool = False) -> torch.Tensor:
+    """Rotate-half RoPE on the first dims of each head (partial rotary), the rest passed through; ``interleaved``:
+    megatron-core's rotary_interleaved, pairs of neighbouring channels turned by one frequency each."""
     cos, sin = rope
     dim = cos.shape[-1]
     rotated, rest = t[..., :dim], t[..., dim:]
+    if interleaved:
+        half = dim // 2
+        cos, sin = cos[..., :half].repeat_interleave(2, -1), sin[..., :half].repeat_interleave(2, -1)
+        turned = torch.stack((-rotated[..., 1::2], rotated[..., 0::2]), dim=-1).flatten(-2)
+        return torch.cat([rotated * cos + turned * sin, rest], dim=-1)
     return torch.cat([rotated * cos + _rotate_half(rotated) * sin, rest], dim=-1)
 
 
@@ -190,7 +246,14 @@ def _moe(models: list[dict[str, torch.Tensor]], prefix: str, h: torch.Tensor, ar
     plus the shared expert, scaled by sigmoid(gate_weight · h) when it has a gate."""
     router = _replicated(models, prefix + "mlp.router.weight")
     logits = h @ router.T
-    if getattr(args, "moe_router_pre_softmax", False):
+    if getattr(args, "moe_router_enable_expert_bias", False):
+        assert args.moe_router_score_function == "softmax", args.moe_router_score_function
+        # ERNIE 4.5 MoE: the softmax plus the bias chooses, the chosen softmax weights renormalized
+        probs = logits.softmax(-1)
+        chosen = (probs + _replicated(models, prefix + "mlp.router.expert_bias")).topk(args.moe_router_topk, -1).indices
+        top = probs.gather(-1, chosen)
+        top = top / top.sum(-1, keepdim=True)
+    elif getattr(args, "moe_router_pre_softmax", False):
         top, chosen = logits.softmax(-1).topk(args.moe_router_topk, dim=-1)
     else:
         top, chosen = logits.topk(args.moe_router_topk, dim=-1)

@@ -104,13 +104,14 @@ def test_the_family_list_gives_the_registry_and_the_inference_order() -> None:
         "SmolLM3ForCausalLM", "Phi3ForCausalLM", "SeedOssForCausalLM", "ArceeForCausalLM", "Ernie4_5ForCausalLM",
         "NemotronHForCausalLM", "MiniMaxM2ForCausalLM", "Dots1ForCausalLM", "Starcoder2ForCausalLM",
         "GPTNeoXForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "Qwen3NextForCausalLM",
-        "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen2_5_VLForConditionalGeneration",
+        "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Llama4ForCausalLM", "Qwen2_5_VLForConditionalGeneration",
         "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration")
     assert list(families.FAMILIES.values()) == [*families.ORDERED, *families.VISION_LANGUAGE]
     assert families.supported_architectures() == sorted(families.INFERENCE_ORDER)
     assert families.CARRIED_ARGS == ("embedding_multiplier", "residual_multiplier", "logits_scaling",
                                      "hf_rope_parameters", "time_step_min", "use_parallel_residual",
-                                     "shared_input_layernorm", "layernorm_bias", "logit_scale")
+                                     "shared_input_layernorm", "layernorm_bias", "logit_scale",
+                                     "attention_chunk_size", "attn_temperature_tuning", "floor_scale", "attn_scale")
 
 
 def test_hf_spellings_give_each_familys_note_or_the_rows_text() -> None:

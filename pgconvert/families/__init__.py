@@ -22,6 +22,7 @@ from pgconvert.families import (
     gpt_oss,
     granite,
     llama,
+    llama4,
     minimax,
     mistral,
     mixtral,
@@ -66,6 +67,7 @@ from pgconvert.semantics.carried import CarriedSetting
 # Qwen3-Next takes the models with gated delta net layers and gated attention, which every other family refuses;
 # Qwen3.5 after it (the same layers, its projections stored apart): dense ones, and MoE ones Qwen3-Next's config
 # cannot hold.
+# Llama 4 last: the only family with the qk L2 norm and the router score on the expert's input.
 ORDERED: tuple[Family, ...] = (
     deepseek.DEEPSEEK_V3,
     deepseek.DEEPSEEK_V2,
@@ -104,6 +106,7 @@ ORDERED: tuple[Family, ...] = (
     qwen3_next.QWEN3_NEXT,
     qwen3_5.QWEN3_5,
     qwen3_5.QWEN3_5_MOE,
+    llama4.LLAMA4,
 )
 
 # Vision-language families: a text family's language model with a vision part (pgconvert.families.vision_language);

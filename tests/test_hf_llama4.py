@@ -71,10 +71,11 @@ def _set_args(changes: dict[str, Any]) -> Any:
 
 
 def test_scout_to_megatron_tp2_pp2_ep2_to_torch_dist_and_back_is_bit_exact(scout: Path, tmp_path: Path) -> None:
-    pgconvert.convert(scout, tmp_path / "megatron", dst_format="megatron", dst_tp=2, dst_pp=2, dst_ep=2)
+    there = pgconvert.convert(scout, tmp_path / "megatron", dst_format="megatron", dst_tp=2, dst_pp=2, dst_ep=2)
     pgconvert.convert(tmp_path / "megatron", tmp_path / "dist", dst_format="torch_dist")
     back = pgconvert.convert(tmp_path / "dist", tmp_path / "hf", dst_format="hf")
 
+    assert [notice for notice in there.notices if "get_llama4_layer_spec" in notice]
     assert not [notice for notice in back.notices if "not carried" in notice]
     assert_same_hf_tensors(scout, tmp_path / "hf")
     assert json.loads((tmp_path / "hf" / "config.json").read_text()) == json.loads((scout / "config.json").read_text())
@@ -111,6 +112,34 @@ def test_megatron_core_forward_of_the_tp1_rank_file_equals_transformers(megatron
     actual = mcore.megatron_core_logits_from_args(megatron, ids)
 
     torch.testing.assert_close(actual, hf_logits(src, ids), **MCORE_TOL)
+
+
+def test_megatron_core_forward_stage_by_stage_at_pp2_equals_transformers(scout: Path, tmp_path: Path) -> None:
+    """The L2 norms leave the NoPE layer by its global index on the second stage too."""
+    import support.mcore_helpers as mcore
+
+    pgconvert.convert(scout, tmp_path / "megatron", dst_format="megatron", dst_tp=1, dst_pp=2, dst_ep=1)
+    ids = input_ids(VOCAB)
+
+    actual = mcore.megatron_core_logits_from_args(tmp_path / "megatron", ids)
+
+    assert len(mcore.rank_files(tmp_path / "megatron")) == 2
+    torch.testing.assert_close(actual, hf_logits(scout, ids), **MCORE_TOL)
+
+
+def test_megatron_cores_own_spec_normalizes_the_nope_layer_too_as_the_notice_says(
+        megatron_tp1: Callable, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Built with megatron-core's decoder block spec as it is (the L2 norm in every layer), the model computes
+    otherwise: hence the notice naming Megatron-Bridge's get_llama4_layer_spec."""
+    import support.mcore_helpers as mcore
+
+    src, megatron = megatron_tp1("scout")
+    monkeypatch.setattr(mcore, "_l2_norms_on_rope_layers", lambda spec, config, pp_rank: spec)
+    ids = input_ids(VOCAB)
+
+    actual = mcore.megatron_core_logits_from_args(megatron, ids)
+
+    assert not torch.allclose(actual, hf_logits(src, ids), **MCORE_TOL)
 
 
 def _swap_expert_gate_up(payload: dict[str, Any]) -> None:

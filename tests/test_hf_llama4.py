@@ -83,8 +83,12 @@ def test_scout_to_megatron_tp2_pp2_ep2_to_torch_dist_and_back_is_bit_exact(scout
     torch.testing.assert_close(hf_logits(tmp_path / "hf", ids), hf_logits(scout, ids), **TOL)
 
 
-def test_scout_through_a_virtual_pipeline_and_back_is_bit_exact(scout: Path, tmp_path: Path) -> None:
-    pgconvert.convert(scout, tmp_path / "megatron", dst_format="megatron", dst_pp=2, dst_vpp=2, dst_ep=4)
+@pytest.mark.parametrize("layout", [dict(dst_pp=2, dst_vpp=2, dst_ep=4),
+                                    dict(dst_tp=2, dst_ep=2, dst_transformer_impl="transformer_engine",
+                                         dst_expert_layout="grouped")], ids=["pp2vpp2ep4", "te-grouped-tp2ep2"])
+def test_scout_through_other_layouts_and_back_is_bit_exact(scout: Path, tmp_path: Path,
+                                                           layout: dict[str, Any]) -> None:
+    pgconvert.convert(scout, tmp_path / "megatron", dst_format="megatron", **layout)
     pgconvert.convert(tmp_path / "megatron", tmp_path / "hf", dst_format="hf")
 
     assert_same_hf_tensors(scout, tmp_path / "hf")

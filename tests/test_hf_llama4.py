@@ -94,6 +94,27 @@ def test_scout_through_other_layouts_and_back_is_bit_exact(scout: Path, tmp_path
     assert_same_hf_tensors(scout, tmp_path / "hf")
 
 
+def test_torch_dist_keys_shapes_and_chunks_are_what_megatron_core_declares(megatron_tp1: Callable,
+                                                                           tmp_path: Path) -> None:
+    """megatron-core's GPTModel built from the args (its L2 norms hold no tensor, the shared expert no gate)
+    declares the keys pgconvert writes."""
+    import support.mcore_helpers as mcore
+    from support.mcore_gpt_models import megatron_core_layout, read_layout
+    from support.torch_dist_forms import FOR_MCORE_016
+
+    _, megatron = megatron_tp1("maverick")
+    pgconvert.convert(megatron, tmp_path / "dist", dst_format="torch_dist", **FOR_MCORE_016)
+    expected, expected_objects = megatron_core_layout(mcore.load_rank_into_gpt_model(mcore.rank_files(megatron)[0]))
+
+    tensors, objects = read_layout(tmp_path / "dist" / "iter_0000000")
+
+    assert any("shared_experts.linear_fc1" in key for key in expected) and any(".experts." in key for key in expected)
+    assert objects == expected_objects
+    assert sorted(tensors) == sorted(expected)
+    for key, (shape, _, chunks) in expected.items():
+        assert tensors[key][0] == shape and tensors[key][2] == chunks, key
+
+
 def test_megatron_args_carry_every_llama4_setting(megatron_tp1: Callable) -> None:
     _, megatron = megatron_tp1("scout")
     args = _load_rank(_rank_files(megatron)[0])["args"]

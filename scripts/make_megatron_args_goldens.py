@@ -119,6 +119,8 @@ FLAG_CONTEXT: dict[str, list[str]] = {
         "moe_router_topk_scaling_factor", "moe_aux_loss_coeff", "moe_single_grouped_weight",
         "moe_single_grouped_bias")},
     "moe_grouped_gemm": [*MOE, "--bf16"],
+    # megatron-core's experts take the probability on their input with top-1 routing only.
+    "moe_apply_probs_on_input": [*MOE, "--moe-router-topk", "1", "--disable-bias-linear"],
     "moe_router_num_groups": [*MOE, "--moe-router-group-topk", "1", "--expert-model-parallel-size", "2"],
     "moe_router_group_topk": [*MOE, "--moe-router-num-groups", "2", "--expert-model-parallel-size", "2"],
     # pgconvert refuses shared-expert biases (add_bias_linear is Megatron-LM's default): named, not read

@@ -106,14 +106,16 @@ def test_the_family_list_gives_the_registry_and_the_inference_order() -> None:
         "NemotronHForCausalLM", "MiniMaxM2ForCausalLM", "Dots1ForCausalLM", "Starcoder2ForCausalLM",
         "GPTNeoXForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "Qwen3NextForCausalLM",
         "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Ernie4_5_MoeForCausalLM",
-        "HunYuanDenseV1ForCausalLM", "HunYuanMoEV1ForCausalLM", "Qwen2_5_VLForConditionalGeneration",
+        "HunYuanDenseV1ForCausalLM", "HunYuanMoEV1ForCausalLM", "Llama4ForCausalLM",
+        "Qwen2_5_VLForConditionalGeneration",
         "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration")
     assert list(families.FAMILIES.values()) == [*families.ORDERED, *families.VISION_LANGUAGE]
     assert families.supported_architectures() == sorted(families.INFERENCE_ORDER)
     assert families.CARRIED_ARGS == ("embedding_multiplier", "residual_multiplier", "logits_scaling",
                                      "hf_rope_parameters", "time_step_min", "use_parallel_residual",
                                      "shared_input_layernorm", "layernorm_bias", "logit_scale",
-                                     "qk_layernorm_after_rope")
+                                     "qk_layernorm_after_rope", "attention_chunk_size", "attn_temperature_tuning",
+                                     "floor_scale", "attn_scale")
 
 
 def test_hf_spellings_give_each_familys_note_or_the_rows_text() -> None:

@@ -166,6 +166,8 @@ KEPT_NULLS: dict[tuple[str, str, str], Expected] = {
     ("MiniMaxM2ForCausalLM", "*", "null attn_type_list"): _same,
     # dots.llm1: its MoE block takes the counts as given (None experts, None x the shared size); a null
     # norm_topk_prob does not renormalize (`if self.norm_topk_prob`), which megatron-core cannot compute.
+    # Llama 4: layer_types given marks chunked layers, whose mask transformers cannot build without a chunk size.
+    ("Llama4ForCausalLM", "*", "null attention_chunk_size"): REFUSED,
     ("Dots1ForCausalLM", "*", "null n_routed_experts"): REFUSED,
     ("Dots1ForCausalLM", "*", "null n_shared_experts"): REFUSED,
     ("Dots1ForCausalLM", "*", "null norm_topk_prob"): REFUSED,

@@ -339,6 +339,8 @@ _FAMILY_NEEDS: dict[str, dict[str, object]] = {
     # A gated delta net layer and an attention layer, linear sizes that fit, the only spec megatron-core builds.
     # GPT-NeoX's fused per-head QKV: one query group per head.
     "GPTNeoXForCausalLM": {"num_query_groups": 4},
+    # Llama 4: one shared expert of the experts' size.
+    "Llama4ForCausalLM": {"moe_shared_expert_intermediate_size": 6},
     # Cohere2 rotates only its windowed layers: without a window, no layer rotates.
     "Cohere2ForCausalLM": {"no_rope_layers": (1, 1)},
     **{architecture: {"linear_attention_freq": 2, "linear_num_key_heads": 2, "linear_num_value_heads": 2,

@@ -23,6 +23,7 @@ from pgconvert.families import (
     granite,
     hunyuan,
     llama,
+    llama4,
     minimax,
     mistral,
     mixtral,
@@ -70,6 +71,7 @@ from pgconvert.semantics.carried import CarriedSetting
 # cannot hold.
 # ERNIE 4.5 MoE takes the MoE models with a softmax router steered by an expert bias, which no other family fits.
 # HunYuan (dense, MoE) takes the models with q/k norms after RoPE, which no other family holds.
+# Llama 4 last: the only family with the qk L2 norm and the router score on the expert's input.
 ORDERED: tuple[Family, ...] = (
     deepseek.DEEPSEEK_V3,
     deepseek.DEEPSEEK_V2,
@@ -112,6 +114,7 @@ ORDERED: tuple[Family, ...] = (
     ernie.ERNIE4_5_MOE,
     hunyuan.HUNYUAN_DENSE,
     hunyuan.HUNYUAN_MOE,
+    llama4.LLAMA4,
 )
 
 # Vision-language families: a text family's language model with a vision part (pgconvert.families.vision_language);

@@ -30,12 +30,16 @@ from pgconvert.families.sliding_window import (
 from pgconvert.families.table import ConfigField, ConfigRule
 
 
-def _rope_flags(present: Mapping[str, object], layers: int) -> tuple[int, ...]:
-    """SmolLM3's ``no_rope_layers`` (1: the layer uses RoPE), by default every
-    ``no_rope_layer_interval``-th (1-based) layer without, as transformers' SmolLM3Config fills it."""
+# SmolLM3Config's and Llama4TextConfig's default no_rope_layer_interval.
+NOPE_INTERVAL = 4
+
+
+def rope_flags(present: Mapping[str, object], layers: int) -> tuple[int, ...]:
+    """``no_rope_layers`` (1: the layer uses RoPE), by default every ``no_rope_layer_interval``-th (1-based) layer
+    without, as transformers' SmolLM3Config and Llama4TextConfig fill it."""
     flags = present.get("no_rope_layers")
     if flags is None:
-        interval = present.get("no_rope_layer_interval", 4)
+        interval = present.get("no_rope_layer_interval", NOPE_INTERVAL)
         if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
             raise ValueError(f"no_rope_layer_interval={quote(interval)}: expected a positive integer")
         return periodic_layers(layers, interval)
@@ -50,7 +54,7 @@ def _read_layers(present: Mapping[str, object], model: Mapping[str, object]) -> 
     window, on the layers ``layer_types`` marks (by default the NoPE ones) when ``use_sliding_window``."""
     layers = model["num_layers"]
     assert isinstance(layers, int)
-    rope = _rope_flags(present, layers)
+    rope = rope_flags(present, layers)
     use = present.get("use_sliding_window", False)
     if not isinstance(use, bool):
         raise ValueError(f"use_sliding_window={quote(use)}: expected true or false")
@@ -67,7 +71,7 @@ def _read_layers(present: Mapping[str, object], model: Mapping[str, object]) -> 
 def _write_layers(config: ModelConfig) -> Mapping[str, object]:
     no_rope = config.positions.no_rope_layers or (0,) * config.num_layers
     window = config.attention.sliding_window
-    return {"no_rope_layers": [1 - flag for flag in no_rope], "no_rope_layer_interval": 4,
+    return {"no_rope_layers": [1 - flag for flag in no_rope], "no_rope_layer_interval": NOPE_INTERVAL,
             "use_sliding_window": window is not None, "sliding_window": window,
             "layer_types": layer_types_of(config)}
 

@@ -282,6 +282,7 @@ _MOE_ROWS: tuple[ArgField, ...] = (
     _defaulted("moe_aux_loss_coeff", MEGATRON_DEFAULTS["moe_aux_loss_coeff"], _SEMANTICS, when=_experts),
     _optional("moe_router_num_groups", "None", "no router groups", "semantics.mla"),
     _optional("moe_router_group_topk", "None", "no router groups", "semantics.mla"),
+    _defaulted("moe_apply_probs_on_input", False, _SEMANTICS, when=_experts),
 )
 
 _POSITION_ROWS: tuple[ArgField, ...] = (
@@ -314,6 +315,7 @@ _ATTENTION_ROWS: tuple[ArgField, ...] = (
     *(_defaulted(name, default, "semantics.mla", when=_mla)
       for name, default in MEGATRON_MLA_DEFAULTS.items() if default is not None),
     _defaulted("layernorm_zero_centered_gamma", False, _SEMANTICS),
+    _defaulted("qk_l2_norm", False, _SEMANTICS),
     _defaulted("apply_layernorm_1p", False, _SEMANTICS, origin="Megatron-LM before core_v0.16"),
     _defaulted("attention_dropout", MEGATRON_DEFAULT_DROPOUT, _SEMANTICS),
     _defaulted("hidden_dropout", MEGATRON_DEFAULT_DROPOUT, _SEMANTICS),

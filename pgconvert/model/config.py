@@ -98,6 +98,9 @@ class AttentionConfig:
     # own in linear_qkv (per query group ``[q heads; gate heads; k; v]``), and the attention's output is
     # multiplied by sigmoid(gate) before linear_proj.
     attention_output_gate: bool = False
+    # q and k RMS-normalized per head without a weight (megatron-core's L2Norm, Llama 4's use_qk_norm), on the
+    # layers with RoPE only (Megatron-Bridge's Llama 4 layer spec, as transformers).
+    qk_l2_norm: bool = False
 
     @property
     def query_groups(self) -> int:
@@ -161,6 +164,8 @@ class MoEConfig:
     # Group-limited routing.
     moe_router_num_groups: int | None = None
     moe_router_group_topk: int | None = None
+    # The router's probability scales the routed expert's input instead of its output (top-1 only).
+    moe_apply_probs_on_input: bool = False
 
 
 @dataclass(frozen=True)
@@ -317,6 +322,12 @@ class CarriedConfig:
     # The q/k norms applied after RoPE (HunYuan's query_layernorm / key_layernorm); megatron-core applies its
     # q_layernorm / k_layernorm before (SelfAttention.get_query_key_value_tensors, then the rotary in Attention.forward).
     qk_layernorm_after_rope: bool = False
+    # Llama 4: attention within blocks of this many tokens on the RoPE layers (None: none), and the NoPE layers'
+    # queries scaled by 1 + attn_scale * log1p(floor((position + 1) / floor_scale)) where attn_temperature_tuning.
+    attention_chunk_size: int | None = None
+    attn_temperature_tuning: bool = False
+    floor_scale: int = 8192
+    attn_scale: float = 0.1
 
 
 # The sub-configs, by their attribute on ModelConfig.
@@ -363,6 +374,8 @@ SETTING_GROUPS: dict[str, str | None] = {
     "linear_key_head_dim": "linear_attention", "linear_value_head_dim": "linear_attention",
     "linear_num_key_heads": "linear_attention", "linear_num_value_heads": "linear_attention",
     "mrope_section": "positions", "vision_config": "vision", "vision_token_ids": "vision",
+    "qk_l2_norm": "attention", "moe_apply_probs_on_input": "moe", "attention_chunk_size": "carried",
+    "attn_temperature_tuning": "carried", "floor_scale": "carried", "attn_scale": "carried",
 }
 
 
@@ -612,6 +625,9 @@ def _check_moe(config: ModelConfig) -> None:
             )
     else:
         _require_positive("moe_layer_freq", freq)
+    if config.moe.moe_apply_probs_on_input and config.moe.moe_router_topk != 1:
+        # megatron-core's experts assert it (transformer/moe/experts.py:229).
+        raise _violates("moe_apply_probs_on_input", True, f"needs moe_router_topk=1, not {config.moe.moe_router_topk}")
 
 
 def _check_hybrid(config: ModelConfig) -> None:
@@ -750,6 +766,9 @@ def _check_computation_settings(config: ModelConfig) -> None:
     if config.carried.qk_layernorm_after_rope and not config.attention.qk_layernorm:
         raise _violates("qk_layernorm_after_rope", True, "needs qk_layernorm (q/k norms to apply)")
     _check_no_rope_layers(config)
+    if attention.qk_l2_norm and attention.qk_layernorm:
+        # megatron-core's layer specs build L2Norm in place of the q/k norms (gpt_layer_specs.py:148).
+        raise _violates("qk_l2_norm", True, "excludes qk_layernorm (the L2 norm takes the q/k norms' place)")
 
 
 def _check_windows(config: ModelConfig) -> None:
@@ -808,6 +827,12 @@ def _check_carried(carried: CarriedConfig) -> None:
     for name in ("use_parallel_residual", "shared_input_layernorm", "layernorm_bias", "qk_layernorm_after_rope"):
         if not isinstance(getattr(carried, name), bool):
             raise _violates(name, getattr(carried, name), "must be true or false")
+    if carried.attention_chunk_size is not None:
+        _require_positive("attention_chunk_size", carried.attention_chunk_size)
+    _require_positive("floor_scale", carried.floor_scale)
+    _require_finite("attn_scale", carried.attn_scale)
+    if not isinstance(carried.attn_temperature_tuning, bool):
+        raise _violates("attn_temperature_tuning", carried.attn_temperature_tuning, "must be true or false")
     if carried.shared_input_layernorm and not carried.use_parallel_residual:
         raise _violates("shared_input_layernorm", True, "needs use_parallel_residual (the MLP reads the attention's "
                                                         "input norm only in a parallel layer)")

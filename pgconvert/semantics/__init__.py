@@ -214,6 +214,19 @@ SEMANTICS: tuple[Setting, ...] = (
             "(:1097-1110), and no "
             "config field moves them; the same only where each rotated pair's two norm weights are equal: carried "
             "with a notice; --strict refuses"),
+    # Llama 4 (pgconvert.families.llama4).
+    Setting("qk L2 norm", ("qk_l2_norm",), ("qk_l2_norm",), _ARGS.format("qk_l2_norm"), "never (other families)",
+            "q and k RMS-normalized per head without a weight, on the RoPE layers only: Megatron-Bridge's Llama 4 "
+            "layer spec; megatron-core's own specs normalize every layer (a notice names it with NoPE layers)"),
+    Setting("moe probs on input", ("moe_apply_probs_on_input",), ("moe_apply_probs_on_input",),
+            _ARGS.format("moe_apply_probs_on_input"), "never (other families: the probability scales the output)",
+            "top-1 only (megatron-core's experts assert it)"),
+    Setting("chunked attention and attention temperature",
+            ("attention_chunk_size", "attn_temperature_tuning", "floor_scale", "attn_scale"),
+            ("attention_chunk_size", "attn_temperature_tuning", "floor_scale", "attn_scale"),
+            _ARGS.format("attention_chunk_size / attn_temperature_tuning / floor_scale / attn_scale"), "none",
+            "megatron-core 0.16.1 computes neither (Megatron-Bridge's Llama4SelfAttention chunks, on every layer): "
+            "carried in args and pgconvert.json with a notice on every Megatron output; --strict refuses"),
 )
 
 SEMANTIC_FIELDS: tuple[str, ...] = tuple(dict.fromkeys(name for row in SEMANTICS for name in row.fields))
@@ -234,6 +247,12 @@ FAMILY_SPECIFIC_SETTINGS: dict[str, object] = {
     "layernorm_bias": True,
     "logit_scale": 1.0,
     "qk_layernorm_after_rope": False,
+    "qk_l2_norm": False,
+    "moe_apply_probs_on_input": False,
+    "attention_chunk_size": None,
+    "attn_temperature_tuning": False,
+    "floor_scale": 8192,
+    "attn_scale": 0.1,
 }
 
 
@@ -272,6 +291,9 @@ def _window_from_args(args: argparse.Namespace, path: Path) -> dict[str, Any]:
 # sinks and the clamped GLU (GPT-OSS's), with megatron-core's defaults.
 CORE_ONLY_DEFAULTS: dict[str, Any] = {"softmax_type": "vanilla", "glu_linear_offset": 0.0,
                                       "activation_func_clamp_value": None}
+# megatron-core TransformerConfig switches Megatron-LM's parser makes from the config (its ArgumentGroupFactory),
+# written only where set, so other models' args stay as they were.
+CORE_SWITCHES: tuple[str, ...] = ("qk_l2_norm", "moe_apply_probs_on_input")
 
 
 def _core_only_from_args(args: argparse.Namespace, path: Path) -> dict[str, Any]:
@@ -304,6 +326,7 @@ def from_args(args: argparse.Namespace, path: Path, carried_settings: Sequence[C
         **attention_scale.from_args(args, path),
     }
     values.update(_core_only_from_args(args, path))
+    values["qk_l2_norm"] = flag(args, "qk_l2_norm", path)
     if getattr(args, "num_experts", None):
         scaling = getattr(args, "moe_router_topk_scaling_factor", None)
         values.update({
@@ -312,6 +335,7 @@ def from_args(args: argparse.Namespace, path: Path, carried_settings: Sequence[C
             "moe_router_topk_scaling_factor": None if scaling is None
             else number(args, "moe_router_topk_scaling_factor", 1.0, path),
             "moe_aux_loss_coeff": number(args, "moe_aux_loss_coeff", 0.0, path),
+            "moe_apply_probs_on_input": flag(args, "moe_apply_probs_on_input", path),
         })
     return values
 
@@ -346,6 +370,7 @@ def to_args(config: ModelConfig, carried_settings: Sequence[CarriedSetting] = ()
     # Written only where they differ from megatron-core's defaults (other outputs are unchanged).
     values.update({name: config.setting(name) for name, default in CORE_ONLY_DEFAULTS.items()
                    if config.setting(name) != default})
+    values.update({name: True for name in CORE_SWITCHES if config.setting(name)})
     moe = config.moe
     if moe.num_experts is not None:
         values.update({

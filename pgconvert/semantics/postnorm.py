@@ -89,6 +89,11 @@ def megatron_core_gaps(config: ModelConfig) -> tuple[list[str], list[str]]:
             f"args.rotary_seq_len_interpolation_factor={positions.rope_scaling_factor}: with rotary_base_local it scales "
             "the full-attention layers' RoPE only (Megatron-Bridge's Gemma3RotaryEmbedding takes it as "
             "rope_scaling_factor); the sliding layers' RoPE is unscaled")
+    if config.attention.qk_l2_norm and config.positions.no_rope_layers:
+        notices.append(
+            "args.qk_l2_norm=True with no_rope_freq: megatron-core's layer specs put the L2 norm in every layer "
+            "(models/gpt/gpt_layer_specs.py:148), transformers' Llama 4 only in the layers with RoPE, as Megatron-Bridge's "
+            "get_llama4_layer_spec does, so build the model with that spec")
     refused = [] if config.norms.pre_layernorms else [
         "pre_layernorms=False (norms after the sublayers only, OLMo 2): no megatron-core or Megatron-Bridge layer "
         "spec computes it; the args and pgconvert.json carry it"]

@@ -95,7 +95,8 @@ def tiny_config(family: Family) -> ModelConfig:
     settings = {**BASE, **family.fixed}
     parts = PARTS
     if "num_experts" not in family.fixed:
-        settings.update(EXPERTS)
+        # The family's fixed values win (Llama 4's top-1 routing).
+        settings = {**BASE, **EXPERTS, **family.fixed}
         parts = EXPERT_PARTS + PARTS
     if settings.get("multi_latent_attention"):
         settings.update(LATENT_ATTENTION)

@@ -197,7 +197,7 @@ COPIED_CONFIG_FIELDS = (
     "moe_layer_freq", "moe_router_topk", "moe_router_score_function", "moe_router_pre_softmax",
     "moe_router_enable_expert_bias", "moe_router_num_groups", "moe_router_group_topk",
     "moe_router_topk_scaling_factor", "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
-    "moe_grouped_gemm", "mrope_section",
+    "moe_grouped_gemm", "mrope_section", "qk_l2_norm", "moe_apply_probs_on_input",
 )
 
 
@@ -313,7 +313,8 @@ def build_gpt_model(args: argparse.Namespace, layout: RankLayout) -> GPTModel:
         # megatron-LM's gpt_builder: with --num-experts, megatron-core's decoder block spec (dense
         # and MoE layers by moe_layer_freq; shared experts, their gate and the router from config).
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=args.normalization,
-                                          qk_l2_norm=False, vp_stage=None, pp_rank=layout.pp_rank)
+                                          qk_l2_norm=config.qk_l2_norm, vp_stage=None, pp_rank=layout.pp_rank)
+        spec = _l2_norms_on_rope_layers(spec, config, layout.pp_rank)
         add_expert_groups(groups, args)
     else:
         spec = get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization)
@@ -338,6 +339,26 @@ def build_gpt_model(args: argparse.Namespace, layout: RankLayout) -> GPTModel:
             pg_collection=groups,
         )
     return model.eval()
+
+
+def _l2_norms_on_rope_layers(spec: Any, config: TransformerConfig, pp_rank: int) -> Any:
+    """The block ``spec`` without the q/k L2 norms of the layers ``no_rope_freq`` marks, as Megatron-Bridge's
+    ``get_llama4_layer_spec`` builds Llama 4 (transformers normalizes q and k on the RoPE layers only);
+    megatron-core's own specs put them in every layer."""
+    if not config.qk_l2_norm or not config.no_rope_freq:
+        return spec
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    spec = copy.copy(spec)
+    # One copy per layer: megatron-core's block spec repeats one layer spec object.
+    spec.layer_specs = [copy.deepcopy(layer) for layer in spec.layer_specs]
+    offset = get_transformer_layer_offset(config, vp_stage=None, pp_rank=pp_rank)
+    for index, layer in enumerate(spec.layer_specs):
+        if config.no_rope_freq[offset + index]:
+            attention = layer.submodules.self_attention.submodules
+            attention.q_layernorm = attention.k_layernorm = IdentityOp
+    return spec
 
 
 # pgconvert's qk_layernorm_across_heads (OLMo 2, OLMoE, MiniMax-M2: q and k RMS-normed over the whole

@@ -23,7 +23,19 @@ Routers (transformers <-> megatron-core's ``topk_routing_with_score_function``):
 A group setting that chooses every group routes as no groups and is read as none.
 GLM-4.5-MoE's router (top-2 group score, as V3) reads its groups with ``router_groups``.
 Multi-token prediction layers (``num_nextn_predict_layers``; HF keeps them as layer index
-``num_hidden_layers + i``) are megatron-core's ``mtp.layers.{i}`` (V3 only; ``pgconvert.families.mtp``).
+``num_hidden_layers + i``) are megatron-core's ``mtp.layers.{i}`` (V3 and V3.2; ``pgconvert.families.mtp``).
+
+DeepSeek-V3.2 (``DeepseekV32ForCausalLM``, deepseek-ai/DeepSeek-V3.2-Exp) is V3 with DeepSeek Sparse Attention:
+every layer's ``self_attn.indexer`` (``wq_b``, ``wk``, LayerNorm ``k_norm`` with bias, ``weights_proj``) is
+megatron-core's ``self_attention.core_attention.indexer`` (``linear_wq_b``, ``linear_wk``, ``k_norm``,
+``linear_weights_proj``; Megatron-Bridge's names), one to one: from core_v0.19.0 on megatron-core's DSAIndexer,
+as transformers', rotates the first ``qk_rope_head_dim`` dims of each indexer head rotate-half (not interleaved)
+and leaves the rest (Megatron-LM b0eb9143; before it the rotated dims were the last ones, interleaved).
+``index_n_heads``, ``index_head_dim``, ``index_topk`` are ``dsa_indexer_n_heads``, ``dsa_indexer_head_dim``,
+``dsa_indexer_topk``; which layers are MoE is ``mlp_layer_types`` (``dense``/``sparse`` per layer; absent:
+``first_k_dense_replace``); every layer is ``indexed_attention``. The indexer's ``k_norm`` epsilon is 1e-6 in
+transformers whatever ``rms_norm_eps`` is (megatron: ``dsa_indexer_k_norm_epsilon``,
+``pgconvert.semantics.mla``).
 """
 
 from __future__ import annotations
@@ -47,7 +59,8 @@ from pgconvert.families.llama import (
 from pgconvert.families.experts import expert_count
 from pgconvert.families.mtp import MTP_ROWS
 from pgconvert.families.qwen import QWEN_MOE_ROWS
-from pgconvert.families.table import GATE_UP, ConfigField, ConfigRule, Family, TensorMapping, TensorTable, write_nothing
+from pgconvert.families.table import (DROP, GATE_UP, ConfigField, ConfigRule, Family, TensorMapping, TensorTable,
+                                      write_nothing)
 
 _ATTN = "model.layers.{}.self_attn."
 _MLA = "decoder.layers.{}.self_attention."
@@ -76,6 +89,16 @@ SHARED_EXPERTS_ROWS = (
 )
 _MOE_ROWS = (QWEN_MOE_ROWS[0], EXPERT_BIAS_ROW, *QWEN_MOE_ROWS[1:], *SHARED_EXPERTS_ROWS)
 DEEPSEEK_TENSORS = TensorTable((*EMBEDDING_ROWS, *_MLA_ROWS, *DENSE_MLP_ROWS, *_MOE_ROWS, *FINAL_ROWS, *MTP_ROWS))
+_INDEXER = _ATTN + "indexer."
+_DSA_INDEXER = _MLA + "core_attention.indexer."
+# DeepSeek Sparse Attention's lightning indexer (transformers' DeepseekV32Indexer <-> megatron-core's DSAIndexer).
+DSA_INDEXER_ROWS = (
+    TensorMapping(_DSA_INDEXER + "linear_wq_b.weight", (_INDEXER + "wq_b.weight",)),
+    TensorMapping(_DSA_INDEXER + "linear_wk.weight", (_INDEXER + "wk.weight",)),
+    TensorMapping(_DSA_INDEXER + "k_norm.weight", (_INDEXER + "k_norm.weight",)),
+    TensorMapping(_DSA_INDEXER + "k_norm.bias", (_INDEXER + "k_norm.bias",)),
+    TensorMapping(_DSA_INDEXER + "linear_weights_proj.weight", (_INDEXER + "weights_proj.weight",)),
+)
 
 
 # DeepseekV3Config keeps these nulls, and its modules compute nothing from them.
@@ -385,4 +408,85 @@ DEEPSEEK_V2 = Family(
     hf_scratch=ROPE_DEFAULT,
     hf_notes={"moe score function": "softmax (fixed)", "moe top-k scaling": "routed_scaling_factor",
               "moe router groups": "topk_method=group_limited_greedy, n_group, topk_group (group score: best)"},
+)
+
+
+# DeepseekV32Config's null-free sizes: its dataclass types them int, and its indexer is built from them as given.
+_INDEX_NULL = "DeepseekV32Config types it an integer and its indexer is built from it as given"
+_DSA_FIELDS = (
+    ConfigField(("index_n_heads",), "dsa_indexer_n_heads", int, default=64, null_refused=_INDEX_NULL),
+    ConfigField(("index_head_dim",), "dsa_indexer_head_dim", int, default=128, null_refused=_INDEX_NULL),
+    ConfigField(("index_topk",), "dsa_indexer_topk", int, default=2048, null_refused=_INDEX_NULL),
+)
+_MLP_TYPES = {"dense": 0, "sparse": 1}
+
+
+def _moe_pattern(config: ModelConfig) -> list[int]:
+    return [int(config.layers[layer].moe) for layer in range(config.num_layers)]
+
+
+def mlp_layer_types_rule(default_dense: int) -> ConfigRule:
+    """``mlp_layer_types`` (``dense``/``sparse`` per layer, which transformers builds from), else the first
+    ``first_k_dense_replace`` layers dense (``default_dense``: the class's k) and the rest MoE."""
+    def read(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
+        layers = model["num_layers"]
+        assert isinstance(layers, int)
+        types = present.get("mlp_layer_types")
+        if types is None:
+            dense = config_count(_given(present, "first_k_dense_replace", default_dense), "first_k_dense_replace")
+            pattern = tuple(int(layer >= dense) for layer in range(layers))
+        elif (not isinstance(types, list) or len(types) != layers
+              or any(not isinstance(kind, str) or kind not in _MLP_TYPES for kind in types)):
+            raise ValueError(f"mlp_layer_types={quote(types)}: expected 'dense' or 'sparse' for each of the {layers} "
+                             "layers")
+        else:
+            pattern = tuple(_MLP_TYPES[kind] for kind in types)
+        return {"moe_layer_freq": 1 if all(pattern) else pattern}
+
+    def write(config: ModelConfig) -> Mapping[str, object]:
+        pattern = _moe_pattern(config)
+        leading = pattern.index(1) if 1 in pattern else len(pattern)
+        return {"first_k_dense_replace": leading, "mlp_layer_types": ["sparse" if moe else "dense" for moe in pattern]}
+
+    def refuses(config: ModelConfig) -> str | None:
+        return "num_experts=None (needs routed experts)" if config.moe.num_experts is None else None
+
+    return ConfigRule(keys=("first_k_dense_replace", "mlp_layer_types"), model_fields=("moe_layer_freq",), read=read,
+                      write=write, refuses=refuses, null_keys=("first_k_dense_replace",))
+
+
+_INDEXED = "indexed_attention"
+
+
+def _indexed_layers_read(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
+    types = present.get("layer_types")
+    if types is not None and (not isinstance(types, list) or len(types) != model["num_layers"]
+                              or any(kind != _INDEXED for kind in types)):
+        raise ValueError(f"layer_types={quote(types)}: DeepSeek-V3.2 has sparse attention ('{_INDEXED}') in each of "
+                         f"the {model['num_layers']} layers")
+    return {}
+
+
+def _indexed_layers_write(config: ModelConfig) -> Mapping[str, object]:
+    return {"layer_types": [_INDEXED] * config.num_layers}
+
+
+def _indexed_layers_refuses(config: ModelConfig) -> str | None:
+    return None if config.attention.sparse else "dsa_indexer_n_heads=None (needs a sparse attention indexer)"
+
+
+# Every layer's attention is sparse (DeepseekV32Config's layer_types); nothing else is expressible.
+_INDEXED_LAYERS = ConfigRule(keys=("layer_types",), model_fields=(), read=_indexed_layers_read,
+                             write=_indexed_layers_write, refuses=_indexed_layers_refuses)
+
+DEEPSEEK_V32 = DEEPSEEK_V3.derive(
+    "DeepseekV32ForCausalLM", "deepseek_v32",
+    rows=DSA_INDEXER_ROWS,
+    fields=(*_fields(experts=256, experts_alias="num_local_experts", topk=8, max_positions=163840, query_groups=128),
+            *_DSA_FIELDS),
+    rules=(mlp_layer_types_rule(default_dense=3), _INDEXED_LAYERS),
+    # transformers' V3.2 rotates MLA's rope dims interleaved whatever rope_interleave says (its config has none).
+    hf_fixed={"rope_interleave": DROP},
+    # megatron-core builds sparse attention with Transformer Engine's linears only (backend.linear()).
+    megatron_defaults={"transformer_impl": "transformer_engine"},
 )

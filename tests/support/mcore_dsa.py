@@ -1,0 +1,117 @@
+"""Test-only: megatron-core 0.16.1's GPTModel with DeepSeek Sparse Attention (DSAttention, DSAIndexer) and MoE,
+built from a written TP1/PP1/EP1 rank file's args and run on CPU.
+
+megatron-core 0.16.1 cannot build a sparse attention GPT model as Megatron-LM would: its
+``get_experimental_attention_variant_module_spec`` raises for ``'dsa'``, its ``get_dsa_module_spec_for_backend``
+fuses the q latent norm into ``linear_q_up_proj`` (the indexer then takes the q latent before the norm) and builds
+the indexer's linears with ``backend.linear()``, which only Transformer Engine's provider has (TELinear, CUDA).
+core_v0.19.0 (Megatron-LM b0eb9143, d98e8a64) builds it from AbsorbedMLASelfAttention with the latent norms kept
+apart, whose state dict is MLASelfAttention's. The model here is megatron-core's MLA local decoder block spec
+(``support.megatron_mla``) with megatron-core's own DSAttention and DSAIndexer as the core attention, and
+``experimental_attention_variant='dsa'`` in its config (MLASelfAttention then hands the indexer the hidden states
+and the normalized q latent). Stand-ins, each for what needs Transformer Engine or CUDA or changed after 0.16.1:
+
+- ``DuplicatedLinear``: TELinear ``parallel_mode='duplicated'`` (``weight`` whole on every rank, ``x W^T``);
+- ``IndexerKeyNorm``: TENorm as a LayerNorm (``weight``, ``bias``; the epsilon DSAIndexer passes);
+- ``DSAIndexer._apply_rope``: core_v0.19.0's (the first ``qk_pos_emb_head_dim`` dims of each head rotated
+  rotate-half, the rest left; 0.16.1 rotated the last ones, interleaved: the bug b0eb9143 fixed);
+- ``dsa.rotate_activation``: the identity. Its Hadamard rotation (fast_hadamard_transform, CUDA, bf16 only) is
+  orthogonal, so it leaves every q.k product, and so the index scores, as they are (transformers skips it too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+from megatron.core.transformer.experimental_attention_variant import dsa
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+import support.mcore_helpers as mcore
+from support.megatron_mla import mla_config, mla_cpu_patches
+
+DSA_FIELDS = ("experimental_attention_variant", "dsa_indexer_n_heads", "dsa_indexer_head_dim", "dsa_indexer_topk")
+
+
+class DuplicatedLinear(torch.nn.Module):
+    """TELinear(parallel_mode='duplicated'): the whole weight on every rank, ``x W^T``, no bias."""
+
+    def __init__(self, input_size: int, output_size: int, *, config: Any, parallel_mode: str | None = None,
+                 bias: bool = False, **kwargs: Any) -> None:
+        super().__init__()
+        assert parallel_mode == "duplicated" and not bias
+        self.weight = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return F.linear(x, self.weight), None
+
+
+class IndexerKeyNorm(torch.nn.LayerNorm):
+    """TENorm with ``normalization='LayerNorm'`` (DSAIndexer's k_norm): weight and bias."""
+
+    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5) -> None:
+        assert config.normalization == "LayerNorm"
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
+
+
+def _apply_rope_first_dims(self: Any, x: torch.Tensor, rotary_pos_emb: torch.Tensor, mscale: float) -> torch.Tensor:
+    """core_v0.19.0's DSAIndexer._apply_rope (``mla_rotary_interleaved=False``, unfused)."""
+    x_pe, x_nope = torch.split(x, [self.qk_pos_emb_head_dim, self.index_head_dim - self.qk_pos_emb_head_dim], dim=-1)
+    x_pe = _apply_rotary_pos_emb_bshd(x_pe, rotary_pos_emb, rotary_interleaved=False, multi_latent_attention=False,
+                                      mscale=mscale)
+    return torch.cat([x_pe, x_nope], dim=-1)
+
+
+@contextlib.contextmanager
+def dsa_cpu_patches() -> Iterator[None]:
+    saved = (dsa.rotate_activation, dsa.DSAIndexer._apply_rope)
+    dsa.rotate_activation = lambda x: x
+    dsa.DSAIndexer._apply_rope = _apply_rope_first_dims
+    try:
+        with mla_cpu_patches():
+            yield
+    finally:
+        dsa.rotate_activation, dsa.DSAIndexer._apply_rope = saved
+
+
+def build_dsa_gpt_model(args: argparse.Namespace) -> Any:
+    """The TP1/PP1/EP1 GPTModel of ``args`` (sparse attention in every layer); call under ``dsa_cpu_patches``."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    config = mla_config(args)
+    for name in DSA_FIELDS:
+        setattr(config, name, getattr(args, name))
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=args.normalization,
+                                      qk_l2_norm=False, vp_stage=None, pp_rank=0)
+    indexer = ModuleSpec(module=dsa.DSAIndexer, submodules=dsa.DSAIndexerSubmodules(
+        linear_wq_b=DuplicatedLinear, linear_wk=DuplicatedLinear, k_norm=IndexerKeyNorm,
+        linear_weights_proj=DuplicatedLinear))
+    for layer in spec.layer_specs:
+        layer.submodules.self_attention.submodules.core_attention = ModuleSpec(
+            module=dsa.DSAttention, submodules=dsa.DSAttentionSubmodules(indexer=indexer))
+    groups = mcore.fake_pg_collection(1, 1, 0, 0)
+    mcore.add_expert_groups(groups, args)
+    return GPTModel(
+        config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings, pre_process=True, post_process=True,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,
+        pg_collection=groups).eval()
+
+
+def dsa_logits(root: Any, tokens: torch.Tensor, vocab: int) -> torch.Tensor:
+    """megatron-core's logits of the TP1/PP1/EP1 checkpoint at ``root`` (loaded with ``strict=True``)."""
+    (rank,) = mcore.rank_files(root)
+    with torch.no_grad(), dsa_cpu_patches():
+        model = build_dsa_gpt_model(rank.args)
+        model.load_state_dict(dict(rank.model), strict=True)
+        positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+        out = model(input_ids=tokens, position_ids=positions,
+                    attention_mask=mcore.causal_attention_mask(tokens.shape[1]))
+    return out[..., :vocab]

@@ -1,0 +1,254 @@
+"""DeepSeek-V3.2 (DeepSeek Sparse Attention: a lightning indexer beside multi-latent attention) through pgconvert.
+
+The source is transformers' own tiny DeepSeek-V3.2 in the released configuration (``support.deepseek_v32_models``),
+whose indexer keeps 4 of up to 12 keys per query:
+
+* HF -> Megatron TP2/PP2/EP2 -> torch_dist -> HF (config.json rebuilt from the Megatron args alone) is bit-exact
+  and transformers' logits of the output equal the source's;
+* the rank files hold the indexer as megatron-core's sparse attention spec does: whole on every TP rank, the q/kv
+  latent norms apart from the up projections even in the Transformer Engine spec;
+* megatron-core's own GPTModel with DSAttention/DSAIndexer, built from the written args, loads the TP1 rank file
+  with ``strict=True`` and its CPU forward equals transformers' (``support.mcore_dsa`` says what stands in);
+* knock-outs: the indexer's rotary dims placed as megatron-core 0.16.1 takes them, another top-k, or the
+  indexers of two layers swapped change the logits; settings with no equivalent are refused by name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from support.deepseek_v32_models import SEQ, TINY, input_ids, logits, write_tiny
+
+import pgconvert
+from pgconvert.errors import PgconvertError
+from pgconvert.semantics import mla
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+# megatron-core sums in another order (MoE unpermute, router, rotary); measured 5e-6 on logits of size ~9.
+MCORE_TOL = dict(rtol=1e-4, atol=5e-5)
+_INDEXER = "model.layers.{}.self_attn.indexer."
+
+
+def hf_tensors(path: Path) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(path.glob("*.safetensors")):
+        tensors.update(load_file(file))
+    return tensors
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny(tmp_path_factory.mktemp("v32") / "hf")
+
+
+@pytest.fixture(scope="module")
+def source_logits(source: Path) -> torch.Tensor:
+    return logits(source, input_ids())
+
+
+@pytest.fixture(scope="module")
+def megatron_tp2(source: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("v32-megatron") / "megatron"
+    pgconvert.convert(source, out, dst_format="megatron", dst_tp=2, dst_pp=2, dst_ep=2)
+    return out
+
+
+def _rank(root: Path, name: str) -> dict[str, Any]:
+    (path,) = root.glob(f"*/{name}/model_optim_rng.pt")
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def test_the_indexer_chooses_a_subset_that_changes_the_logits(source: Path, source_logits: torch.Tensor,
+                                                              tmp_path: Path) -> None:
+    dense = tmp_path / "dense"
+    shutil.copytree(source, dense)
+    (dense / "config.json").write_text(json.dumps({**TINY, "index_topk": SEQ}))
+
+    assert TINY["index_topk"] < SEQ
+    assert not torch.allclose(logits(dense, input_ids()), source_logits, **TOL)
+
+
+def test_hf_megatron_tp2_pp2_ep2_torch_dist_hf_is_exact_and_logits_equal(
+        source: Path, source_logits: torch.Tensor, megatron_tp2: Path, tmp_path: Path) -> None:
+    args_alone = tmp_path / "megatron"
+    shutil.copytree(megatron_tp2, args_alone)
+    shutil.rmtree(args_alone / "hf")
+    pgconvert.convert(args_alone, tmp_path / "dist", dst_format="torch_dist", dst_tp=1, dst_pp=2, dst_ep=1)
+    pgconvert.convert(tmp_path / "dist", tmp_path / "out", dst_format="hf")
+
+    before, after = hf_tensors(source), hf_tensors(tmp_path / "out")
+    assert sorted(before) == sorted(after)
+    assert all(torch.equal(before[name], after[name]) for name in before)
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert written["architectures"] == ["DeepseekV32ForCausalLM"]
+    assert {key: written[key] for key in ("index_n_heads", "index_head_dim", "index_topk")} == {
+        "index_n_heads": 4, "index_head_dim": 16, "index_topk": 4}
+    assert written["mlp_layer_types"] == ["dense", "sparse", "sparse", "sparse"]
+    assert written["layer_types"] == ["indexed_attention"] * 4
+    torch.testing.assert_close(logits(tmp_path / "out", input_ids()), source_logits, **TOL)
+
+
+def test_rank_files_hold_the_indexer_whole_and_the_latent_norms_apart(source: Path, megatron_tp2: Path) -> None:
+    hf = hf_tensors(source)
+    ranks = [_rank(megatron_tp2, f"mp_rank_{tp:02d}_000_000") for tp in (0, 1)]
+    layer = "decoder.layers.0.self_attention."
+    pairs = {"core_attention.indexer.linear_wq_b.weight": "wq_b.weight", "core_attention.indexer.linear_wk.weight":
+             "wk.weight", "core_attention.indexer.k_norm.weight": "k_norm.weight",
+             "core_attention.indexer.k_norm.bias": "k_norm.bias",
+             "core_attention.indexer.linear_weights_proj.weight": "weights_proj.weight"}
+
+    for rank in ranks:
+        for megatron, name in pairs.items():
+            assert torch.equal(rank["model"][layer + megatron], hf[_INDEXER.format(0) + name])
+        assert torch.equal(rank["model"][layer + "linear_q_down_proj.weight"], hf["model.layers.0.self_attn.q_a_proj.weight"])
+        assert {layer + "q_layernorm.weight", layer + "kv_layernorm.weight"} <= set(rank["model"])
+        assert not any(name.endswith("up_proj.layer_norm_weight") for name in rank["model"])
+        assert layer + "core_attention.indexer.linear_wq_b._extra_state" in rank["model"]
+        assert layer + "core_attention._extra_state" not in rank["model"]
+    args = ranks[0]["args"]
+    assert (args.experimental_attention_variant, args.dsa_indexer_n_heads, args.dsa_indexer_head_dim,
+            args.dsa_indexer_topk, args.transformer_impl) == ("dsa", 4, 16, 4, "transformer_engine")
+    assert (args.dsa_indexer_rope_interleaved, args.dsa_indexer_k_norm_epsilon, args.dsa_indexer_topk_freq) == (
+        False, 1e-6, 1)
+
+
+# --- megatron-core's own model ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def megatron_tp1(source: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("v32-tp1") / "megatron"
+    pgconvert.convert(source, out, dst_format="megatron", dst_tp=1, dst_pp=1, dst_ep=1, dst_transformer_impl="local")
+    return out
+
+
+def _mcore_logits(root: Path) -> torch.Tensor:
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+    from support.mcore_dsa import dsa_logits
+
+    return dsa_logits(root, input_ids(), TINY["vocab_size"])
+
+
+def test_megatron_core_sparse_attention_forward_of_the_written_checkpoint_equals_transformers(
+        megatron_tp1: Path, source_logits: torch.Tensor) -> None:
+    torch.testing.assert_close(_mcore_logits(megatron_tp1), source_logits, **MCORE_TOL)
+
+
+def _edit_rank(root: Path, tmp_path: Path, edit: Any) -> Path:
+    copy = tmp_path / "edited"
+    shutil.copytree(root, copy)
+    (path,) = copy.glob("*/mp_rank_00/model_optim_rng.pt")
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    edit(state)
+    torch.save(state, path)
+    return copy
+
+
+def _rope_dims_last_interleaved(state: dict[str, Any]) -> None:
+    """The indexer rows as megatron-core 0.16.1's DSAIndexer takes them: per head [no-rope; rope interleaved]."""
+    rope, head = TINY["qk_rope_head_dim"], TINY["index_head_dim"]
+    order = torch.cat([torch.arange(rope, head), torch.stack([torch.arange(rope // 2),
+                                                             torch.arange(rope // 2, rope)], 1).flatten()])
+    for name, tensor in state["model"].items():
+        if name.endswith(("indexer.linear_wq_b.weight",)):
+            heads = tensor.view(-1, head, tensor.shape[-1])
+            state["model"][name] = heads[:, order].reshape(tensor.shape).clone()
+        elif name.endswith(("indexer.linear_wk.weight", "indexer.k_norm.weight", "indexer.k_norm.bias")):
+            state["model"][name] = tensor[order].clone()
+
+
+def _swap_layers_indexers(state: dict[str, Any]) -> None:
+    model = state["model"]
+    for name in [name for name in model if name.startswith("decoder.layers.1.") and ".indexer." in name]:
+        other = name.replace("decoder.layers.1.", "decoder.layers.2.")
+        model[name], model[other] = model[other], model[name]
+
+
+def _other_topk(state: dict[str, Any]) -> None:
+    state["args"].dsa_indexer_topk = TINY["index_topk"] + 2
+
+
+@pytest.mark.parametrize("edit", [_rope_dims_last_interleaved, _swap_layers_indexers, _other_topk])
+def test_a_knocked_out_indexer_setting_changes_megatron_cores_logits(
+        megatron_tp1: Path, source_logits: torch.Tensor, tmp_path: Path, edit: Any) -> None:
+    mcore = _mcore_logits(_edit_rank(megatron_tp1, tmp_path, edit))
+
+    assert not torch.allclose(mcore, source_logits, **MCORE_TOL)
+
+
+# --- what is refused -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("changes,named", [
+    ({"index_n_heads": 8}, r"indexer.wq_b.weight has shape \[64, 24\], expected \[128, 24\].*index_n_heads=8"),
+    ({"index_head_dim": 32}, r"indexer.wq_b.weight has shape \[64, 24\], expected \[128, 24\].*index_head_dim=32"),
+    ({"index_topk": None}, "index_topk"),
+    ({"q_lora_rank": None}, "q_lora_rank"),
+    ({"layer_types": ["indexed_attention", "full_attention", "indexed_attention", "indexed_attention"]}, "layer_types"),
+    ({"mlp_layer_types": ["dense", "sparse"]}, "mlp_layer_types"),
+    ({"index_head_dim": 4}, "dsa_indexer_head_dim"),
+])
+def test_a_config_json_that_does_not_describe_the_stored_indexer_is_refused_by_name(
+        source: Path, tmp_path: Path, changes: dict[str, Any], named: str) -> None:
+    edited = tmp_path / "hf"
+    shutil.copytree(source, edited)
+    (edited / "config.json").write_text(json.dumps({**TINY, **changes}))
+
+    with pytest.raises(PgconvertError, match=named):
+        pgconvert.convert(edited, tmp_path / "out", dst_format="megatron")
+    assert not (tmp_path / "out").exists()
+
+
+def test_mlp_layer_types_decide_the_moe_layers_as_transformers_builds_them(source: Path, tmp_path: Path) -> None:
+    edited = tmp_path / "hf"
+    shutil.copytree(source, edited)
+    tensors = hf_tensors(source)
+    (edited / "config.json").write_text(json.dumps({**TINY, "mlp_layer_types": ["dense", "sparse", "dense", "sparse"]}))
+    for name in [name for name in tensors if name.startswith("model.layers.2.mlp.")]:
+        del tensors[name]
+    tensors.update({f"model.layers.2.mlp.{part}.weight": tensors[f"model.layers.0.mlp.{part}.weight"].clone()
+                    for part in ("gate_proj", "up_proj", "down_proj")})
+    for file in edited.glob("*.safetensors"):
+        file.unlink()
+    (edited / "model.safetensors.index.json").unlink(missing_ok=True)
+    save_file(tensors, edited / "model.safetensors", metadata={"format": "pt"})
+
+    pgconvert.convert(edited, tmp_path / "megatron", dst_format="megatron")
+    args = _rank(tmp_path / "megatron", "mp_rank_00")["args"]
+    assert args.moe_layer_freq == [0, 1, 0, 1]
+    pgconvert.convert(tmp_path / "megatron", tmp_path / "out", dst_format="hf")
+    torch.testing.assert_close(logits(tmp_path / "out", input_ids()), logits(edited, input_ids()), **TOL)
+
+
+def _args(**changes: Any) -> argparse.Namespace:
+    return argparse.Namespace(**{"multi_latent_attention": True, "experimental_attention_variant": "dsa",
+                                 "dsa_indexer_n_heads": 4, "dsa_indexer_head_dim": 16, "dsa_indexer_topk": 4,
+                                 "norm_epsilon": 1e-6, **changes})
+
+
+@pytest.mark.parametrize("changes,named", [
+    ({"dsa_indexer_rope_interleaved": True}, "dsa_indexer_rope_interleaved=True"),
+    ({"dsa_indexer_topk_freq": 2}, "dsa_indexer_topk_freq=2"),
+    ({"dsa_indexer_skip_topk_offset": 1}, "dsa_indexer_skip_topk_offset=1"),
+    ({"dsa_indexer_scoring_relu": False}, "dsa_indexer_scoring_relu=False"),
+    ({"dsa_indexer_k_norm_epsilon": 1e-5}, "k_norm epsilon is 1e-05"),
+    ({"norm_epsilon": 1e-5}, "k_norm epsilon is 1e-05"),
+    ({"dsa_indexer_topk": None}, "args.dsa_indexer_topk is missing"),
+    ({"multi_latent_attention": False}, "without multi_latent_attention"),
+])
+def test_megatron_args_of_another_indexer_are_refused_by_name(changes: dict[str, Any], named: str) -> None:
+    with pytest.raises(PgconvertError, match=named):
+        mla.from_args(_args(**changes), Path("args"))
+
+
+def test_megatron_args_of_a_dsa_run_read_as_the_indexer() -> None:
+    assert mla.from_args(_args(dsa_indexer_k_norm_epsilon=1e-6, norm_epsilon=1e-5), Path("args"))["dsa_indexer_topk"] == 4

@@ -1,4 +1,5 @@
-"""DeepSeek-V3.2 (DeepSeek Sparse Attention: a lightning indexer beside multi-latent attention) through pgconvert.
+"""DeepSeek-V3.2 and GLM-5 (DeepSeek Sparse Attention: a lightning indexer beside multi-latent attention) through
+pgconvert.
 
 The source is transformers' own tiny DeepSeek-V3.2 in the released configuration (``support.deepseek_v32_models``),
 whose indexer keeps 4 of up to 12 keys per query:
@@ -10,7 +11,9 @@ whose indexer keeps 4 of up to 12 keys per query:
 * megatron-core's own GPTModel with DSAttention/DSAIndexer, built from the written args, loads the TP1 rank file
   with ``strict=True`` and its CPU forward equals transformers' (``support.mcore_dsa`` says what stands in);
 * knock-outs: the indexer's rotary dims placed as megatron-core 0.16.1 takes them, another top-k, or the
-  indexers of two layers swapped change the logits; settings with no equivalent are refused by name.
+  indexers of two layers swapped change the logits; settings with no equivalent are refused by name;
+* GLM-5 (transformers' GlmMoeDsa: V3.2's layers, its indexer's RoPE interleaved): the same round trip and
+  megatron-core forward, the interleaving knocked out, cross-layer top-k sharing refused by name.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from support.deepseek_v32_models import SEQ, TINY, input_ids, logits, write_tiny
+from support.deepseek_v32_models import GLM5_TINY, SEQ, TINY, input_ids, logits, write_tiny
 
 import pgconvert
 from pgconvert.errors import PgconvertError
@@ -236,7 +239,7 @@ def _args(**changes: Any) -> argparse.Namespace:
 
 
 @pytest.mark.parametrize("changes,named", [
-    ({"dsa_indexer_rope_interleaved": True}, "dsa_indexer_rope_interleaved=True"),
+    ({"dsa_indexer_rope_interleaved": "yes"}, "dsa_indexer_rope_interleaved='yes': expected true or false"),
     ({"dsa_indexer_topk_freq": 2}, "dsa_indexer_topk_freq=2"),
     ({"dsa_indexer_skip_topk_offset": 1}, "dsa_indexer_skip_topk_offset=1"),
     ({"dsa_indexer_scoring_relu": False}, "dsa_indexer_scoring_relu=False"),
@@ -251,4 +254,58 @@ def test_megatron_args_of_another_indexer_are_refused_by_name(changes: dict[str,
 
 
 def test_megatron_args_of_a_dsa_run_read_as_the_indexer() -> None:
-    assert mla.from_args(_args(dsa_indexer_k_norm_epsilon=1e-6, norm_epsilon=1e-5), Path("args"))["dsa_indexer_topk"] == 4
+    read = mla.from_args(_args(dsa_indexer_k_norm_epsilon=1e-6, norm_epsilon=1e-5, dsa_indexer_rope_interleaved=True),
+                         Path("args"))
+    assert (read["dsa_indexer_topk"], read["dsa_indexer_rope_interleaved"]) == (4, True)
+    assert mla.from_args(_args(), Path("args"))["dsa_indexer_rope_interleaved"] is False
+
+
+# --- GLM-5 -----------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def glm5(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny(tmp_path_factory.mktemp("glm5") / "hf", base=GLM5_TINY)
+
+
+def test_glm5_round_trips_exactly_through_megatron_args_alone_and_torch_dist(glm5: Path, tmp_path: Path) -> None:
+    pgconvert.convert(glm5, tmp_path / "megatron", dst_format="megatron", dst_tp=2, dst_pp=2, dst_ep=2)
+    shutil.rmtree(tmp_path / "megatron" / "hf")
+    assert _rank(tmp_path / "megatron", "mp_rank_00_000_000")["args"].dsa_indexer_rope_interleaved is True
+    pgconvert.convert(tmp_path / "megatron", tmp_path / "dist", dst_format="torch_dist", dst_tp=1, dst_pp=1)
+    pgconvert.convert(tmp_path / "dist", tmp_path / "out", dst_format="hf")
+
+    before, after = hf_tensors(glm5), hf_tensors(tmp_path / "out")
+    assert sorted(before) == sorted(after)
+    assert all(torch.equal(before[name], after[name]) for name in before)
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (written["architectures"], written["indexer_types"]) == (["GlmMoeDsaForCausalLM"], ["full"] * 4)
+    torch.testing.assert_close(logits(tmp_path / "out", input_ids()), logits(glm5, input_ids()), **TOL)
+
+
+def _rotate_half_indexer(state: dict[str, Any]) -> None:
+    state["args"].dsa_indexer_rope_interleaved = False
+
+
+@pytest.mark.parametrize("edit", [None, _rotate_half_indexer])
+def test_glm5_megatron_core_forward_equals_transformers_and_needs_the_interleaved_indexer(
+        glm5: Path, tmp_path: Path, edit: Any) -> None:
+    pgconvert.convert(glm5, tmp_path / "megatron", dst_format="megatron", dst_transformer_impl="local")
+    root = tmp_path / "megatron" if edit is None else _edit_rank(tmp_path / "megatron", tmp_path, edit)
+
+    mcore, hf = _mcore_logits(root), logits(glm5, input_ids())
+
+    assert torch.allclose(mcore, hf, **MCORE_TOL) == (edit is None)
+
+
+@pytest.mark.parametrize("changes", [{"indexer_types": ["full", "shared", "full", "shared"]},
+                                     {"index_topk_freq": 2, "index_skip_topk_offset": 1},
+                                     {"index_topk_pattern": "FSFS"}])
+def test_glm5_cross_layer_top_k_sharing_is_refused_by_name(glm5: Path, tmp_path: Path,
+                                                           changes: dict[str, Any]) -> None:
+    edited = tmp_path / "hf"
+    shutil.copytree(glm5, edited)
+    (edited / "config.json").write_text(json.dumps({**GLM5_TINY, **changes}))
+
+    with pytest.raises(PgconvertError, match="cross-layer top-k sharing"):
+        pgconvert.convert(edited, tmp_path / "out", dst_format="megatron")

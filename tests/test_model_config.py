@@ -88,6 +88,7 @@ EXPECTED: dict[str, object] = {
     'dsa_indexer_n_heads': None,
     'dsa_indexer_head_dim': None,
     'dsa_indexer_topk': None,
+    'dsa_indexer_rope_interleaved': False,
     'moe_router_num_groups': 2,
     'moe_router_group_topk': 1,
     'embedding_multiplier': 12.0,
@@ -147,7 +148,7 @@ def test_every_setting_lives_in_exactly_one_place() -> None:
         assert {item.name for item in dataclasses.fields(cls)} == {
             name for name, where in SETTING_GROUPS.items() if where == group}, group
     assert own == {name for name, where in SETTING_GROUPS.items() if where is None}
-    assert len(SETTING_GROUPS) == 99
+    assert len(SETTING_GROUPS) == 100
 
 
 def test_the_grouped_form_builds_the_same_config() -> None:

@@ -42,7 +42,7 @@ from pgconvert.semantics import SEMANTICS
 from pgconvert.semantics.carried import CarriedSetting
 
 # Only multi-latent attention models fit DeepSeek's families, and only those with a sparse attention indexer
-# DeepSeek-V3.2 (which every other family refuses). Mistral is Llama with a window on every
+# DeepSeek-V3.2 (a rotate-half indexer) and GLM-5 (an interleaved one), which every other family refuses. Mistral is Llama with a window on every
 # layer, so a windowed Llama-like model is written as Mistral. Dense families need num_experts=None
 # and the MoE ones routed experts, so at most one kind fits. Gemma 3 needs a local RoPE base and
 # qk-norm, Gemma 2 neither; Gemma (1) has no post-norms and is the only family with embeddings scaled
@@ -72,6 +72,7 @@ ORDERED: tuple[Family, ...] = (
     deepseek.DEEPSEEK_V3,
     deepseek.DEEPSEEK_V2,
     deepseek.DEEPSEEK_V32,
+    glm.GLM_MOE_DSA,
     qwen.QWEN3,
     qwen.QWEN2,
     llama.LLAMA,

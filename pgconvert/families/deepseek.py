@@ -106,15 +106,17 @@ _TOPK_NULL = "transformers' router takes the top-k as given, and null is no coun
 _V_HEAD_NULL = "transformers' attention takes v_head_dim as given, and null is no size"
 
 
-def _fields(experts: int, experts_alias: str, topk: int | None, max_positions: int,
-            query_groups: int | None) -> tuple[ConfigField, ...]:
-    """config.json fields of both versions; defaults are transformers' class defaults."""
+def deepseek_fields(experts: int, experts_alias: str, topk: int | None, max_positions: int,
+                    query_groups: int | None, norm_epsilon: float = 1e-6,
+                    head_dims: tuple[int, int] = (128, 128)) -> tuple[ConfigField, ...]:
+    """config.json fields of DeepSeek's and its derivatives' config classes, with their defaults: ``head_dims``
+    are ``qk_nope_head_dim`` and ``v_head_dim``."""
     return (
         ConfigField(("hidden_size",), "hidden_size", int),
         ConfigField(("num_hidden_layers",), "num_layers", int),
         ConfigField(("num_attention_heads",), "num_attention_heads", int),
         query_groups_field(query_groups),
-        ConfigField(("rms_norm_eps",), "norm_epsilon", float, default=1e-6),
+        ConfigField(("rms_norm_eps",), "norm_epsilon", float, default=norm_epsilon),
         rotary_base_field(10000.0),
         ConfigField(("max_position_embeddings",), "max_position_embeddings", int, default=max_positions),
         ConfigField(("vocab_size",), "vocab_size", int),
@@ -125,9 +127,9 @@ def _fields(experts: int, experts_alias: str, topk: int | None, max_positions: i
         expert_count("n_routed_experts", experts, experts_alias),
         ConfigField(("num_experts_per_tok",), "moe_router_topk", int, default=topk, null_refused=_TOPK_NULL),
         ConfigField(("kv_lora_rank",), "kv_lora_rank", int, default=512),
-        ConfigField(("qk_nope_head_dim",), "qk_head_dim", int, default=128),
+        ConfigField(("qk_nope_head_dim",), "qk_head_dim", int, default=head_dims[0]),
         ConfigField(("qk_rope_head_dim",), "qk_pos_emb_head_dim", int, default=64),
-        ConfigField(("v_head_dim",), "v_head_dim", int, default=128, null_refused=_V_HEAD_NULL),
+        ConfigField(("v_head_dim",), "v_head_dim", int, default=head_dims[1], null_refused=_V_HEAD_NULL),
     )
 
 
@@ -321,20 +323,18 @@ def _v2_router_refuses(config: ModelConfig) -> str | None:
     return None
 
 
-# The q down projection's width (q_lora_rank) where config.json leaves it out: DeepseekV2Config's and
-# DeepseekV3Config's default.
-DEFAULT_Q_LORA = 1536
+def q_lora_rule(default: int) -> ConfigRule:
+    """``q_lora_rank``: ``default`` where absent (the config class's), null: no q down projection."""
+    def read(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
+        value = present.get("q_lora_rank", default)
+        return {"q_lora_rank": None if value is None else config_count(value, "q_lora_rank", 1)}
 
+    def write(config: ModelConfig) -> Mapping[str, object]:
+        # Written even when null: the class default would otherwise build a q-LoRA model.
+        return {"q_lora_rank": config.attention.q_lora_rank}
 
-def _q_lora_read(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
-    """``q_lora_rank``: 1536 where absent (the config classes' default), null: no q down projection."""
-    value = present.get("q_lora_rank", DEFAULT_Q_LORA)
-    return {"q_lora_rank": None if value is None else config_count(value, "q_lora_rank", 1)}
-
-
-def _q_lora_write(config: ModelConfig) -> Mapping[str, object]:
-    # Written even when null: transformers' default (1536) would otherwise build a q-LoRA model.
-    return {"q_lora_rank": config.attention.q_lora_rank}
+    return ConfigRule(keys=("q_lora_rank",), model_fields=("q_lora_rank",), read=read, write=write,
+                      null_keys=("q_lora_rank",))
 
 
 def _mla_rope_read(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
@@ -353,8 +353,8 @@ def _mla_rope_refuses(config: ModelConfig) -> str | None:
 # Runs after ROPE_RULE (a rule sees the values earlier rules read).
 _MLA_ROPE = ConfigRule(keys=(), model_fields=(), read=_mla_rope_read, write=write_nothing,
                        refuses=_mla_rope_refuses)
-_Q_LORA = ConfigRule(keys=("q_lora_rank",), model_fields=("q_lora_rank",), read=_q_lora_read, write=_q_lora_write,
-                     null_keys=("q_lora_rank",))
+# DeepseekV2Config's and DeepseekV3Config's q_lora_rank default.
+_Q_LORA = q_lora_rule(default=1536)
 
 _MLA_COMMON: dict[str, object] = {
     **SWIGLU_RMS_ROPE,
@@ -379,7 +379,7 @@ DEEPSEEK_V3 = Family(
     model_type="deepseek_v3",
     hf_computes=DEEPSEEK_COMPUTES,
     tensors=DEEPSEEK_TENSORS,
-    fields=_fields(experts=256, experts_alias="num_local_experts", topk=8, max_positions=4096, query_groups=128),
+    fields=deepseek_fields(experts=256, experts_alias="num_local_experts", topk=8, max_positions=4096, query_groups=128),
     rules=(ROPE_RULE, _MLA_ROPE, _Q_LORA, dense_prefix_rule(default_dense=3), shared_experts_rule(default=1),
            sigmoid_group_router(groups=(8, 4), scaling=2.5)),
     fixed={**_MLA_COMMON, "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True},
@@ -397,7 +397,7 @@ DEEPSEEK_V2 = Family(
     model_type="deepseek_v2",
     hf_computes=DEEPSEEK_COMPUTES,
     tensors=DEEPSEEK_TENSORS,
-    fields=_fields(experts=64, experts_alias="num_experts", topk=None, max_positions=2048, query_groups=None),
+    fields=deepseek_fields(experts=64, experts_alias="num_experts", topk=None, max_positions=2048, query_groups=None),
     rules=(ROPE_RULE, _MLA_ROPE, _Q_LORA, dense_prefix_rule(default_dense=0), shared_experts_rule(default=2),
            ConfigRule(keys=("topk_method", "n_group", "topk_group", "routed_scaling_factor"),
                       model_fields=_ROUTER_FIELDS, read=_v2_router_read, write=_v2_router_write,
@@ -413,11 +413,15 @@ DEEPSEEK_V2 = Family(
 
 # DeepseekV32Config's null-free sizes: its dataclass types them int, and its indexer is built from them as given.
 _INDEX_NULL = "DeepseekV32Config types it an integer and its indexer is built from it as given"
-_DSA_FIELDS = (
-    ConfigField(("index_n_heads",), "dsa_indexer_n_heads", int, default=64, null_refused=_INDEX_NULL),
-    ConfigField(("index_head_dim",), "dsa_indexer_head_dim", int, default=128, null_refused=_INDEX_NULL),
-    ConfigField(("index_topk",), "dsa_indexer_topk", int, default=2048, null_refused=_INDEX_NULL),
-)
+
+
+def indexer_fields(heads: int) -> tuple[ConfigField, ...]:
+    """The indexer's sizes (``heads``: the config class's ``index_n_heads``)."""
+    return (
+        ConfigField(("index_n_heads",), "dsa_indexer_n_heads", int, default=heads, null_refused=_INDEX_NULL),
+        ConfigField(("index_head_dim",), "dsa_indexer_head_dim", int, default=128, null_refused=_INDEX_NULL),
+        ConfigField(("index_topk",), "dsa_indexer_topk", int, default=2048, null_refused=_INDEX_NULL),
+    )
 _MLP_TYPES = {"dense": 0, "sparse": 1}
 
 
@@ -482,10 +486,12 @@ _INDEXED_LAYERS = ConfigRule(keys=("layer_types",), model_fields=(), read=_index
 DEEPSEEK_V32 = DEEPSEEK_V3.derive(
     "DeepseekV32ForCausalLM", "deepseek_v32",
     rows=DSA_INDEXER_ROWS,
-    fields=(*_fields(experts=256, experts_alias="num_local_experts", topk=8, max_positions=163840, query_groups=128),
-            *_DSA_FIELDS),
+    fields=(*deepseek_fields(experts=256, experts_alias="num_local_experts", topk=8, max_positions=163840,
+                             query_groups=128), *indexer_fields(heads=64)),
     rules=(mlp_layer_types_rule(default_dense=3), _INDEXED_LAYERS),
-    # transformers' V3.2 rotates MLA's rope dims interleaved whatever rope_interleave says (its config has none).
+    # transformers' V3.2 rotates MLA's rope dims interleaved whatever rope_interleave says (its config has none);
+    # its indexer rotate-half.
+    fixed={"dsa_indexer_rope_interleaved": False},
     hf_fixed={"rope_interleave": DROP},
     # megatron-core builds sparse attention with Transformer Engine's linears only (backend.linear()).
     megatron_defaults={"transformer_impl": "transformer_engine"},

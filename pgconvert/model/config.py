@@ -101,6 +101,8 @@ class AttentionConfig:
     dsa_indexer_n_heads: int | None = None
     dsa_indexer_head_dim: int | None = None
     dsa_indexer_topk: int | None = None
+    # The indexer rotates its rotary dims as interleaved pairs (GLM-5) rather than rotate-half (DeepSeek-V3.2).
+    dsa_indexer_rope_interleaved: bool = False
     # Gated attention (megatron-core's attention_output_gate): each query head has a gate head of its
     # own in linear_qkv (per query group ``[q heads; gate heads; k; v]``), and the attention's output is
     # multiplied by sigmoid(gate) before linear_proj.
@@ -356,7 +358,8 @@ SETTING_GROUPS: dict[str, str | None] = {
     "yarn_correction_range_round_to_int": "positions", "multi_latent_attention": "attention",
     "q_lora_rank": "attention", "kv_lora_rank": "attention", "qk_head_dim": "attention",
     "qk_pos_emb_head_dim": "attention", "v_head_dim": "attention", "dsa_indexer_n_heads": "attention",
-    "dsa_indexer_head_dim": "attention", "dsa_indexer_topk": "attention", "moe_router_num_groups": "moe",
+    "dsa_indexer_head_dim": "attention", "dsa_indexer_topk": "attention", "dsa_indexer_rope_interleaved": "attention",
+    "moe_router_num_groups": "moe",
     "moe_router_group_topk": "moe", "embedding_multiplier": "carried", "residual_multiplier": "carried",
     "logits_scaling": "carried", "no_rope_layers": "positions", "hf_rope_parameters": "carried",
     "post_self_attn_layernorm": "norms", "post_mlp_layernorm": "norms", "pre_layernorms": "norms",
@@ -801,7 +804,11 @@ def _check_sparse_attention(attention: AttentionConfig) -> None:
     """DeepSeek Sparse Attention: all three sizes or none, positive; an indexer beside multi-latent attention
     with a q down projection (its queries are the q latent), its head at least the rotary dims."""
     given = {name: getattr(attention, name) for name in DSA_SETTINGS}
+    if not isinstance(attention.dsa_indexer_rope_interleaved, bool):
+        raise _violates("dsa_indexer_rope_interleaved", attention.dsa_indexer_rope_interleaved, "must be true or false")
     if all(value is None for value in given.values()):
+        if attention.dsa_indexer_rope_interleaved:
+            raise _violates("dsa_indexer_rope_interleaved", True, "needs a sparse attention indexer")
         return
     for name, value in given.items():
         _require_positive(name, value)

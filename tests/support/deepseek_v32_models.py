@@ -1,4 +1,4 @@
-"""Test-only: a tiny DeepSeek-V3.2 (DeepSeek Sparse Attention) in the released configuration.
+"""Test-only: a tiny DeepSeek-V3.2 (DeepSeek Sparse Attention) in the released configuration, and a tiny GLM-5.
 
 ``RELEASED`` is deepseek-ai/DeepSeek-V3.2-Exp's config.json as published, its sizes shrunk (``SIZES``) and nothing
 else changed but ``quantization_config`` (the tiny weights are float32, not FP8 blocks): YaRN as released, the
@@ -6,6 +6,10 @@ sigmoid grouped router (``n_group`` 8, ``topk_group`` 4 over 8 experts per token
 experts per token: transformers and megatron-core both score a group by its best 2), one shared expert, an MTP layer
 declared (transformers builds none, so none is stored), ``index_topk`` 4 so that from the fifth token on the indexer
 keeps a strict subset of the keys at ``SEQ`` tokens.
+
+``GLM5_TINY`` is GlmMoeDsaConfig's defaults (transformers' GLM-5 class; no released config.json is at hand here)
+shrunk the same way: no router groups, ``rms_norm_eps`` 1e-5 (the indexer's k_norm keeps 1e-6), the indexer's RoPE
+interleaved, every layer's indexer ``full``.
 """
 
 from __future__ import annotations
@@ -39,6 +43,11 @@ SIZES: dict[str, Any] = {
     "vocab_size": 250, "torch_dtype": "float32",
 }
 TINY: dict[str, Any] = {**RELEASED, **SIZES}
+GLM5_TINY: dict[str, Any] = {
+    **SIZES, "architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa", "n_group": 1, "topk_group": 1,
+    "rms_norm_eps": 1e-5, "num_nextn_predict_layers": 1, "tie_word_embeddings": False,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+}
 SEQ = 12
 
 
@@ -46,13 +55,13 @@ def input_ids(seed: int = 1) -> torch.Tensor:
     return torch.randint(0, TINY["vocab_size"], (2, SEQ), generator=torch.Generator().manual_seed(seed))
 
 
-def write_tiny(path: Path, seed: int = 0, **changes: Any) -> Path:
-    """The tiny model saved by transformers (its config.json then set back to ``TINY`` plus ``changes``, as
-    released), every parameter and router bias drawn at random."""
+def write_tiny(path: Path, seed: int = 0, base: dict[str, Any] = TINY) -> Path:
+    """The tiny model saved by transformers (its config.json then set back to ``base``, as released), every
+    parameter and router bias drawn at random."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path.mkdir(parents=True)
-    doc = {**TINY, **changes}
+    doc = dict(base)
     (path / "config.json").write_text(json.dumps(doc))
     config = AutoConfig.from_pretrained(path)
     torch.manual_seed(seed)

@@ -12,9 +12,11 @@ apart, whose state dict is MLASelfAttention's. The model here is megatron-core's
 and the normalized q latent). Stand-ins, each for what needs Transformer Engine or CUDA or changed after 0.16.1:
 
 - ``DuplicatedLinear``: TELinear ``parallel_mode='duplicated'`` (``weight`` whole on every rank, ``x W^T``);
-- ``IndexerKeyNorm``: TENorm as a LayerNorm (``weight``, ``bias``; the epsilon DSAIndexer passes);
-- ``DSAIndexer._apply_rope``: core_v0.19.0's (the first ``qk_pos_emb_head_dim`` dims of each head rotated
-  rotate-half, the rest left; 0.16.1 rotated the last ones, interleaved: the bug b0eb9143 fixed);
+- ``IndexerKeyNorm``: TENorm as a LayerNorm (``weight``, ``bias``) with core_v0.19.0's epsilon
+  (``dsa_indexer_k_norm_epsilon``, else the one DSAIndexer passes, the norm epsilon);
+- ``DSAIndexer._apply_rope``: core_v0.19.0's (the first ``qk_pos_emb_head_dim`` dims of each head rotated,
+  rotate-half or, with ``dsa_indexer_rope_interleaved``, as interleaved pairs; the rest left; 0.16.1 rotated the
+  last ones, always interleaved: the bug b0eb9143 fixed);
 - ``dsa.rotate_activation``: the identity. Its Hadamard rotation (fast_hadamard_transform, CUDA, bf16 only) is
   orthogonal, so it leaves every q.k product, and so the index scores, as they are (transformers skips it too).
 """
@@ -35,7 +37,8 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 import support.mcore_helpers as mcore
 from support.megatron_mla import mla_config, mla_cpu_patches
 
-DSA_FIELDS = ("experimental_attention_variant", "dsa_indexer_n_heads", "dsa_indexer_head_dim", "dsa_indexer_topk")
+DSA_FIELDS = ("experimental_attention_variant", "dsa_indexer_n_heads", "dsa_indexer_head_dim", "dsa_indexer_topk",
+              "dsa_indexer_rope_interleaved", "dsa_indexer_k_norm_epsilon")
 
 
 class DuplicatedLinear(torch.nn.Module):
@@ -56,14 +59,15 @@ class IndexerKeyNorm(torch.nn.LayerNorm):
 
     def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5) -> None:
         assert config.normalization == "LayerNorm"
-        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
+        super().__init__(hidden_size, eps=getattr(config, "dsa_indexer_k_norm_epsilon", None) or eps,
+                         dtype=config.params_dtype)
 
 
 def _apply_rope_first_dims(self: Any, x: torch.Tensor, rotary_pos_emb: torch.Tensor, mscale: float) -> torch.Tensor:
-    """core_v0.19.0's DSAIndexer._apply_rope (``mla_rotary_interleaved=False``, unfused)."""
+    """core_v0.19.0's DSAIndexer._apply_rope (``mla_rotary_interleaved=dsa_indexer_rope_interleaved``, unfused)."""
     x_pe, x_nope = torch.split(x, [self.qk_pos_emb_head_dim, self.index_head_dim - self.qk_pos_emb_head_dim], dim=-1)
-    x_pe = _apply_rotary_pos_emb_bshd(x_pe, rotary_pos_emb, rotary_interleaved=False, multi_latent_attention=False,
-                                      mscale=mscale)
+    x_pe = _apply_rotary_pos_emb_bshd(x_pe, rotary_pos_emb, rotary_interleaved=False,
+                                      multi_latent_attention=self.config.dsa_indexer_rope_interleaved, mscale=mscale)
     return torch.cat([x_pe, x_nope], dim=-1)
 
 
@@ -85,7 +89,7 @@ def build_dsa_gpt_model(args: argparse.Namespace) -> Any:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     config = mla_config(args)
-    for name in DSA_FIELDS:
+    for name in DSA_FIELDS:  # core_v0.19.0's fields that 0.16.1's config lacks are set on it as well
         setattr(config, name, getattr(args, name))
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=args.normalization,
                                       qk_l2_norm=False, vp_stage=None, pp_rank=0)

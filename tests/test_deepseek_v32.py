@@ -309,3 +309,31 @@ def test_glm5_cross_layer_top_k_sharing_is_refused_by_name(glm5: Path, tmp_path:
 
     with pytest.raises(PgconvertError, match="cross-layer top-k sharing"):
         pgconvert.convert(edited, tmp_path / "out", dst_format="megatron")
+
+
+def test_a_stored_multi_token_prediction_layer_keeps_its_indexer_through_megatron(source: Path, tmp_path: Path) -> None:
+    """transformers' V3.2 builds no MTP module (it ignores layer num_hidden_layers); a stored one (as the release
+    stores layer 61) converts with its transformer layer's indexer as a decoder layer's, bit-exact both ways."""
+    edited = tmp_path / "hf"
+    shutil.copytree(source, edited)
+    tensors, last = hf_tensors(source), TINY["num_hidden_layers"] - 1
+    mtp = {name.replace(f"model.layers.{last}.", f"model.layers.{last + 1}."): tensor.clone()
+           for name, tensor in tensors.items() if name.startswith(f"model.layers.{last}.")}
+    hidden = TINY["hidden_size"]
+    mtp.update({f"model.layers.{last + 1}.{name}": torch.rand(shape) for name, shape in (
+        ("enorm.weight", (hidden,)), ("hnorm.weight", (hidden,)), ("eh_proj.weight", (hidden, 2 * hidden)),
+        ("shared_head.norm.weight", (hidden,)))})
+    mtp[f"model.layers.{last + 1}.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+    mtp[f"model.layers.{last + 1}.shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    for file in edited.glob("*.safetensors"):
+        file.unlink()
+    save_file({**tensors, **mtp}, edited / "model.safetensors", metadata={"format": "pt"})
+
+    pgconvert.convert(edited, tmp_path / "megatron", dst_format="megatron", dst_tp=2, dst_pp=2)
+    last_stage = _rank(tmp_path / "megatron", "mp_rank_01_001")["model"]
+    assert "mtp.layers.0.transformer_layer.self_attention.core_attention.indexer.linear_wq_b.weight" in last_stage
+    pgconvert.convert(tmp_path / "megatron", tmp_path / "out", dst_format="hf")
+
+    after = hf_tensors(tmp_path / "out")
+    assert sorted(after) == sorted({**tensors, **mtp})
+    assert all(torch.equal(after[name], tensor) for name, tensor in {**tensors, **mtp}.items())

@@ -145,6 +145,17 @@ def test_megatron_core_sparse_attention_forward_of_the_written_checkpoint_equals
     torch.testing.assert_close(_mcore_logits(megatron_tp1), source_logits, **MCORE_TOL)
 
 
+def test_local_names_for_sparse_attention_are_named_and_refused_under_strict(source: Path, tmp_path: Path) -> None:
+    no_mtp = tmp_path / "hf"
+    shutil.copytree(source, no_mtp)
+    (no_mtp / "config.json").write_text(json.dumps({**TINY, "num_nextn_predict_layers": 0}))
+    report = pgconvert.convert(no_mtp, tmp_path / "local", dst_format="megatron", dst_transformer_impl="local")
+    assert any("Transformer Engine's linears only" in notice for notice in report.notices)
+    with pytest.raises(PgconvertError, match="--strict: transformer_impl='local' with sparse attention"):
+        pgconvert.convert(no_mtp, tmp_path / "strict", dst_format="megatron", dst_transformer_impl="local",
+                          strict=True)
+
+
 def _edit_rank(root: Path, tmp_path: Path, edit: Any) -> Path:
     copy = tmp_path / "edited"
     shutil.copytree(root, copy)

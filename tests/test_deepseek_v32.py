@@ -27,7 +27,8 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from support.deepseek_v32_models import GLM5_TINY, SEQ, TINY, input_ids, logits, write_tiny
+from support.deepseek_v32_models import GLM5_TINY, RELEASED, SEQ, TINY, input_ids, logits, write_tiny
+from support.torch_dist_forms import FOR_MCORE_016
 
 import pgconvert
 from pgconvert.errors import PgconvertError
@@ -154,6 +155,45 @@ def test_local_names_for_sparse_attention_are_named_and_refused_under_strict(sou
     with pytest.raises(PgconvertError, match="--strict: transformer_impl='local' with sparse attention"):
         pgconvert.convert(no_mtp, tmp_path / "strict", dst_format="megatron", dst_transformer_impl="local",
                           strict=True)
+
+
+def test_torch_dist_keys_shapes_and_chunks_are_what_megatron_core_declares_for_sparse_attention(
+        megatron_tp1: Path, tmp_path: Path) -> None:
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+    import support.mcore_helpers as mcore
+    from support.mcore_dsa import build_dsa_gpt_model, dsa_cpu_patches
+    from support.mcore_gpt_models import megatron_core_layout, read_layout
+
+    pgconvert.convert(megatron_tp1, tmp_path / "dist", dst_format="torch_dist", **FOR_MCORE_016)
+    (rank,) = mcore.rank_files(megatron_tp1)
+    with dsa_cpu_patches():
+        expected_tensors, expected_objects = megatron_core_layout(build_dsa_gpt_model(rank.args))
+
+    (iteration,) = (tmp_path / "dist").glob("iter_*")
+    tensors, objects = read_layout(iteration)
+    assert objects == expected_objects
+    assert sorted(tensors) == sorted(expected_tensors)
+    assert "decoder.layers.0.self_attention.core_attention.indexer.linear_wq_b.weight" in tensors
+    for key, (shape, _, chunks) in expected_tensors.items():
+        assert tensors[key][0] == shape and tensors[key][2] == chunks, key
+
+
+def test_the_released_config_reads_into_megatron_args() -> None:
+    from pgconvert.formats.hf import model_config_from_hf
+    from pgconvert.formats.megatron import args_for_target
+    from pgconvert.model.layout import ParallelLayout
+
+    family, config, notices = model_config_from_hf(RELEASED, Path("config.json"))
+    args = args_for_target(config, ParallelLayout(), 129280, torch.bfloat16, None, None)
+
+    assert notices == [] and family.architecture == "DeepseekV32ForCausalLM"
+    assert (args.experimental_attention_variant, args.dsa_indexer_n_heads, args.dsa_indexer_head_dim,
+            args.dsa_indexer_topk, args.dsa_indexer_rope_interleaved) == ("dsa", 64, 128, 2048, False)
+    assert (args.q_lora_rank, args.kv_lora_rank, args.qk_head_dim, args.qk_pos_emb_head_dim, args.v_head_dim) == (
+        1536, 512, 128, 64, 128)
+    assert (args.moe_router_num_groups, args.moe_router_group_topk, args.moe_router_topk_scaling_factor) == (8, 4, 2.5)
+    assert args.moe_layer_freq == [0] * 3 + [1] * 58
+    assert (args.rope_type, args.rotary_scaling_factor, args.transformer_impl) == ("yarn", 40.0, "transformer_engine")
 
 
 def _edit_rank(root: Path, tmp_path: Path, edit: Any) -> Path:

@@ -11,7 +11,8 @@ apart, whose state dict is MLASelfAttention's. The model here is megatron-core's
 ``experimental_attention_variant='dsa'`` in its config (MLASelfAttention then hands the indexer the hidden states
 and the normalized q latent). Stand-ins, each for what needs Transformer Engine or CUDA or changed after 0.16.1:
 
-- ``DuplicatedLinear``: TELinear ``parallel_mode='duplicated'`` (``weight`` whole on every rank, ``x W^T``);
+- ``DuplicatedLinear``: TELinear ``parallel_mode='duplicated'`` (``weight`` whole on every rank, ``x W^T``), with an
+  ``_extra_state`` as megatron-core's local linears hold it (None, defaulted when a state dict has none);
 - ``IndexerKeyNorm``: TENorm as a LayerNorm (``weight``, ``bias``) with core_v0.19.0's epsilon
   (``dsa_indexer_k_norm_epsilon``, else the one DSAIndexer passes, the norm epsilon);
 - ``DSAIndexer._apply_rope``: core_v0.19.0's (the first ``qk_pos_emb_head_dim`` dims of each head rotated,
@@ -49,6 +50,14 @@ class DuplicatedLinear(torch.nn.Module):
         super().__init__()
         assert parallel_mode == "duplicated" and not bias
         self.weight = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype))
+        self._register_load_state_dict_pre_hook(
+            lambda state_dict, prefix, *args, **kwargs: state_dict.setdefault(f"{prefix}_extra_state"))
+
+    def get_extra_state(self) -> None:
+        return None
+
+    def set_extra_state(self, state: Any) -> None:
+        pass
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
         return F.linear(x, self.weight), None
@@ -101,12 +110,18 @@ def build_dsa_gpt_model(args: argparse.Namespace) -> Any:
             module=dsa.DSAttention, submodules=dsa.DSAttentionSubmodules(indexer=indexer))
     groups = mcore.fake_pg_collection(1, 1, 0, 0)
     mcore.add_expert_groups(groups, args)
-    return GPTModel(
+    model = GPTModel(
         config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings, pre_process=True, post_process=True,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,
         pg_collection=groups).eval()
+    # 0.16.1's DSAttention and DSAIndexer keep no tp_group, so MegatronModule.sharded_state_dict asks parallel_state
+    # for the one a run initializes: here the model's own.
+    for module in model.modules():
+        if isinstance(module, (dsa.DSAttention, dsa.DSAIndexer)):
+            module.tp_group = groups.tp
+    return model
 
 
 def dsa_logits(root: Any, tokens: torch.Tensor, vocab: int) -> torch.Tensor:

@@ -152,10 +152,19 @@ def config_count(value: object, key: str, minimum: int = 0) -> int:
     return value
 
 
+def _moe_pattern(config: ModelConfig) -> list[int]:
+    """1 for each MoE layer, 0 for each dense one."""
+    return [int(config.layers[layer].moe) for layer in range(config.num_layers)]
+
+
+def _leading_dense(pattern: list[int]) -> int:
+    return pattern.index(1) if 1 in pattern else len(pattern)
+
+
 def _dense_prefix(config: ModelConfig) -> int | None:
     """How many leading dense layers, when the rest are MoE (DeepSeek's only pattern); else None."""
-    pattern = [int(config.layers[layer].moe) for layer in range(config.num_layers)]
-    first = pattern.index(1) if 1 in pattern else len(pattern)
+    pattern = _moe_pattern(config)
+    first = _leading_dense(pattern)
     return first if all(pattern[first:]) else None
 
 
@@ -425,32 +434,27 @@ def indexer_fields(heads: int) -> tuple[ConfigField, ...]:
 _MLP_TYPES = {"dense": 0, "sparse": 1}
 
 
-def _moe_pattern(config: ModelConfig) -> list[int]:
-    return [int(config.layers[layer].moe) for layer in range(config.num_layers)]
-
-
 def mlp_layer_types_rule(default_dense: int) -> ConfigRule:
     """``mlp_layer_types`` (``dense``/``sparse`` per layer, which transformers builds from), else the first
     ``first_k_dense_replace`` layers dense (``default_dense``: the class's k) and the rest MoE."""
+    prefix = dense_prefix_rule(default_dense)
+
     def read(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
         layers = model["num_layers"]
-        assert isinstance(layers, int)
         types = present.get("mlp_layer_types")
         if types is None:
-            dense = config_count(_given(present, "first_k_dense_replace", default_dense), "first_k_dense_replace")
-            pattern = tuple(int(layer >= dense) for layer in range(layers))
-        elif (not isinstance(types, list) or len(types) != layers
-              or any(not isinstance(kind, str) or kind not in _MLP_TYPES for kind in types)):
+            return prefix.read(present, model)
+        if (not isinstance(types, list) or len(types) != layers
+                or any(not isinstance(kind, str) or kind not in _MLP_TYPES for kind in types)):
             raise ValueError(f"mlp_layer_types={quote(types)}: expected 'dense' or 'sparse' for each of the {layers} "
                              "layers")
-        else:
-            pattern = tuple(_MLP_TYPES[kind] for kind in types)
+        pattern = tuple(_MLP_TYPES[kind] for kind in types)
         return {"moe_layer_freq": 1 if all(pattern) else pattern}
 
     def write(config: ModelConfig) -> Mapping[str, object]:
         pattern = _moe_pattern(config)
-        leading = pattern.index(1) if 1 in pattern else len(pattern)
-        return {"first_k_dense_replace": leading, "mlp_layer_types": ["sparse" if moe else "dense" for moe in pattern]}
+        return {"first_k_dense_replace": _leading_dense(pattern),
+                "mlp_layer_types": ["sparse" if moe else "dense" for moe in pattern]}
 
     def refuses(config: ModelConfig) -> str | None:
         return "num_experts=None (needs routed experts)" if config.moe.num_experts is None else None

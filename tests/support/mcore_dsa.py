@@ -36,7 +36,7 @@ from megatron.core.transformer.experimental_attention_variant import dsa
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 import support.mcore_helpers as mcore
-from support.megatron_mla import mla_config, mla_cpu_patches
+from support.megatron_mla import build_mla_gpt_model, mla_cpu_patches
 
 DSA_FIELDS = ("experimental_attention_variant", "dsa_indexer_n_heads", "dsa_indexer_head_dim", "dsa_indexer_topk",
               "dsa_indexer_rope_interleaved", "dsa_indexer_k_norm_epsilon")
@@ -94,33 +94,17 @@ def dsa_cpu_patches() -> Iterator[None]:
 
 def build_dsa_gpt_model(args: argparse.Namespace) -> Any:
     """The TP1/PP1/EP1 GPTModel of ``args`` (sparse attention in every layer); call under ``dsa_cpu_patches``."""
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-
-    config = mla_config(args)
-    for name in DSA_FIELDS:  # core_v0.19.0's fields that 0.16.1's config lacks are set on it as well
-        setattr(config, name, getattr(args, name))
-    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=args.normalization,
-                                      qk_l2_norm=False, vp_stage=None, pp_rank=0)
     indexer = ModuleSpec(module=dsa.DSAIndexer, submodules=dsa.DSAIndexerSubmodules(
         linear_wq_b=DuplicatedLinear, linear_wk=DuplicatedLinear, k_norm=IndexerKeyNorm,
         linear_weights_proj=DuplicatedLinear))
-    for layer in spec.layer_specs:
-        layer.submodules.self_attention.submodules.core_attention = ModuleSpec(
-            module=dsa.DSAttention, submodules=dsa.DSAttentionSubmodules(indexer=indexer))
-    groups = mcore.fake_pg_collection(1, 1, 0, 0)
-    mcore.add_expert_groups(groups, args)
-    model = GPTModel(
-        config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
-        max_sequence_length=args.max_position_embeddings, pre_process=True, post_process=True,
-        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,
-        pg_collection=groups).eval()
+    core_attention = ModuleSpec(module=dsa.DSAttention, submodules=dsa.DSAttentionSubmodules(indexer=indexer))
+    # core_v0.19.0's fields that 0.16.1's config lacks are set on it as well.
+    model = build_mla_gpt_model(args, core_attention, DSA_FIELDS)
     # 0.16.1's DSAttention and DSAIndexer keep no tp_group, so MegatronModule.sharded_state_dict asks parallel_state
     # for the one a run initializes: here the model's own.
     for module in model.modules():
         if isinstance(module, (dsa.DSAttention, dsa.DSAIndexer)):
-            module.tp_group = groups.tp
+            module.tp_group = (module.indexer if isinstance(module, dsa.DSAttention) else module).pg_collection.tp
     return model
 
 

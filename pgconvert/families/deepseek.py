@@ -431,6 +431,8 @@ def indexer_fields(heads: int) -> tuple[ConfigField, ...]:
         ConfigField(("index_head_dim",), "dsa_indexer_head_dim", int, default=128, null_refused=_INDEX_NULL),
         ConfigField(("index_topk",), "dsa_indexer_topk", int, default=2048, null_refused=_INDEX_NULL),
     )
+
+
 _MLP_TYPES = {"dense": 0, "sparse": 1}
 
 

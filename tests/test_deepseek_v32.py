@@ -178,6 +178,27 @@ def test_torch_dist_keys_shapes_and_chunks_are_what_megatron_core_declares_for_s
         assert tensors[key][0] == shape and tensors[key][2] == chunks, key
 
 
+def test_parameter_order_is_megatron_cores(megatron_tp1: Path) -> None:
+    """The order megatron-core's optimizer takes the parameters in (pgconvert.optimizer.order) holds the indexer's
+    where megatron-core's model registers them."""
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+    import support.mcore_helpers as mcore
+    from support.mcore_dsa import build_dsa_gpt_model, dsa_cpu_patches
+
+    from pgconvert.formats.megatron import config_from_args
+    from pgconvert.model.grid import RankCoord
+    from pgconvert.model.layout import ParallelLayout
+    from pgconvert.optimizer.order import named_parameters
+
+    (rank,) = mcore.rank_files(megatron_tp1)
+    with dsa_cpu_patches():
+        expected = [name for name, _ in build_dsa_gpt_model(rank.args).named_parameters()]
+    config = config_from_args(rank.args, megatron_tp1, "local", TINY["vocab_size"])
+    ordered = [spec.local_name for _, spec in named_parameters(config, ParallelLayout(), RankCoord(0, 0))]
+
+    assert ordered == expected
+
+
 def test_the_released_config_reads_into_megatron_args() -> None:
     from pgconvert.formats.hf import model_config_from_hf
     from pgconvert.formats.megatron import args_for_target

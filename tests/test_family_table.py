@@ -95,7 +95,8 @@ def test_hf_notes_must_name_a_semantics_row() -> None:
 
 def test_the_family_list_gives_the_registry_and_the_inference_order() -> None:
     assert families.INFERENCE_ORDER == (
-        "DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM",
+        "DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM",
+        "Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM",
         "MistralForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM", "Gemma3ForCausalLM", "Gemma2ForCausalLM",
         "GemmaForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "Exaone4ForCausalLM", "OlmoeForCausalLM",
         "Glm4ForCausalLM",

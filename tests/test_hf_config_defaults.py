@@ -79,6 +79,10 @@ KEPT_NULLS: dict[tuple[str, str, str], Expected] = {
     ("GPTNeoXForCausalLM", "*", "older spelling of rope_theta, null rope_theta"): _same,
     ("GPTNeoXForCausalLM", "*", "older spelling of rope_theta, null partial_rotary_factor"): _same,
     # CohereLayerNorm: rsqrt(variance + eps) with eps None; CohereForCausalLM: logits * logit_scale with None.
+    # GlmMoeDsaConfig keeps these schedule keys as given; a stated indexer_types wins over them, as in pgconvert.
+    **{("GlmMoeDsaForCausalLM", "*", f"{spelling}null {key}"): _same
+       for key in ("index_topk_pattern", "index_topk_freq", "index_skip_topk_offset")
+       for spelling in ("", "older spelling of index_topk_pattern, ", "older spelling of index_topk_freq, ")},
     ("CohereForCausalLM", "*", "null layer_norm_eps"): REFUSED,
     ("CohereForCausalLM", "*", "null logit_scale"): REFUSED,
     # CohereAttention: `if self.use_qk_norm` builds and applies no q/k norm for None.

@@ -333,6 +333,9 @@ _FAMILY_NEEDS: dict[str, dict[str, object]] = {
     "Glm4MoeForCausalLM": {"moe_shared_expert_intermediate_size": 6},
     # HunYuan's shared MLP is as wide as its experts and dense FFN.
     "HunYuanMoEV1ForCausalLM": {"moe_shared_expert_intermediate_size": 6},
+    # A sparse attention indexer (its queries are the q latent; its head holds the rotary dims).
+    **{architecture: {"q_lora_rank": 4, "dsa_indexer_n_heads": 2, "dsa_indexer_head_dim": 64, "dsa_indexer_topk": 2}
+       for architecture in ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")},
     # A hybrid layer pattern (a Mamba layer, an MLP) and Mamba sizes that fit the tiny hidden size.
     "NemotronHForCausalLM": {"hybrid_override_pattern": "M-", "mamba_num_heads": 4, "mamba_head_dim": 2,
                              "mamba_num_groups": 2, "mamba_state_dim": 2},

@@ -43,7 +43,8 @@ from pgconvert.families.table import Family
 from pgconvert.semantics import SEMANTICS
 from pgconvert.semantics.carried import CarriedSetting
 
-# Only multi-latent attention models fit DeepSeek's families. Mistral is Llama with a window on every
+# Only multi-latent attention models fit DeepSeek's families, and only those with a sparse attention indexer
+# DeepSeek-V3.2 (a rotate-half indexer) and GLM-5 (an interleaved one), which every other family refuses. Mistral is Llama with a window on every
 # layer, so a windowed Llama-like model is written as Mistral. Dense families need num_experts=None
 # and the MoE ones routed experts, so at most one kind fits. Gemma 3 needs a local RoPE base and
 # qk-norm, Gemma 2 neither; Gemma (1) has no post-norms and is the only family with embeddings scaled
@@ -75,6 +76,8 @@ from pgconvert.semantics.carried import CarriedSetting
 ORDERED: tuple[Family, ...] = (
     deepseek.DEEPSEEK_V3,
     deepseek.DEEPSEEK_V2,
+    deepseek.DEEPSEEK_V32,
+    glm.GLM_MOE_DSA,
     qwen.QWEN3,
     qwen.QWEN2,
     llama.LLAMA,

@@ -23,7 +23,19 @@ Routers (transformers <-> megatron-core's ``topk_routing_with_score_function``):
 A group setting that chooses every group routes as no groups and is read as none.
 GLM-4.5-MoE's router (top-2 group score, as V3) reads its groups with ``router_groups``.
 Multi-token prediction layers (``num_nextn_predict_layers``; HF keeps them as layer index
-``num_hidden_layers + i``) are megatron-core's ``mtp.layers.{i}`` (V3 only; ``pgconvert.families.mtp``).
+``num_hidden_layers + i``) are megatron-core's ``mtp.layers.{i}`` (V3 and V3.2; ``pgconvert.families.mtp``).
+
+DeepSeek-V3.2 (``DeepseekV32ForCausalLM``, deepseek-ai/DeepSeek-V3.2-Exp) is V3 with DeepSeek Sparse Attention:
+every layer's ``self_attn.indexer`` (``wq_b``, ``wk``, LayerNorm ``k_norm`` with bias, ``weights_proj``) is
+megatron-core's ``self_attention.core_attention.indexer`` (``linear_wq_b``, ``linear_wk``, ``k_norm``,
+``linear_weights_proj``; Megatron-Bridge's names), one to one: from core_v0.19.0 on megatron-core's DSAIndexer,
+as transformers', rotates the first ``qk_rope_head_dim`` dims of each indexer head rotate-half (not interleaved)
+and leaves the rest (Megatron-LM b0eb9143; before it the rotated dims were the last ones, interleaved).
+``index_n_heads``, ``index_head_dim``, ``index_topk`` are ``dsa_indexer_n_heads``, ``dsa_indexer_head_dim``,
+``dsa_indexer_topk``; which layers are MoE is ``mlp_layer_types`` (``dense``/``sparse`` per layer; absent:
+``first_k_dense_replace``); every layer is ``indexed_attention``. The indexer's ``k_norm`` epsilon is 1e-6 in
+transformers whatever ``rms_norm_eps`` is (megatron: ``dsa_indexer_k_norm_epsilon``,
+``pgconvert.semantics.mla``).
 """
 
 from __future__ import annotations
@@ -47,7 +59,8 @@ from pgconvert.families.llama import (
 from pgconvert.families.experts import expert_count
 from pgconvert.families.mtp import MTP_ROWS
 from pgconvert.families.qwen import QWEN_MOE_ROWS
-from pgconvert.families.table import GATE_UP, ConfigField, ConfigRule, Family, TensorMapping, TensorTable, write_nothing
+from pgconvert.families.table import (DROP, GATE_UP, ConfigField, ConfigRule, Family, TensorMapping, TensorTable,
+                                      write_nothing)
 
 _ATTN = "model.layers.{}.self_attn."
 _MLA = "decoder.layers.{}.self_attention."
@@ -76,6 +89,16 @@ SHARED_EXPERTS_ROWS = (
 )
 _MOE_ROWS = (QWEN_MOE_ROWS[0], EXPERT_BIAS_ROW, *QWEN_MOE_ROWS[1:], *SHARED_EXPERTS_ROWS)
 DEEPSEEK_TENSORS = TensorTable((*EMBEDDING_ROWS, *_MLA_ROWS, *DENSE_MLP_ROWS, *_MOE_ROWS, *FINAL_ROWS, *MTP_ROWS))
+_INDEXER = _ATTN + "indexer."
+_DSA_INDEXER = _MLA + "core_attention.indexer."
+# DeepSeek Sparse Attention's lightning indexer (transformers' DeepseekV32Indexer <-> megatron-core's DSAIndexer).
+DSA_INDEXER_ROWS = (
+    TensorMapping(_DSA_INDEXER + "linear_wq_b.weight", (_INDEXER + "wq_b.weight",)),
+    TensorMapping(_DSA_INDEXER + "linear_wk.weight", (_INDEXER + "wk.weight",)),
+    TensorMapping(_DSA_INDEXER + "k_norm.weight", (_INDEXER + "k_norm.weight",)),
+    TensorMapping(_DSA_INDEXER + "k_norm.bias", (_INDEXER + "k_norm.bias",)),
+    TensorMapping(_DSA_INDEXER + "linear_weights_proj.weight", (_INDEXER + "weights_proj.weight",)),
+)
 
 
 # DeepseekV3Config keeps these nulls, and its modules compute nothing from them.
@@ -83,15 +106,17 @@ _TOPK_NULL = "transformers' router takes the top-k as given, and null is no coun
 _V_HEAD_NULL = "transformers' attention takes v_head_dim as given, and null is no size"
 
 
-def _fields(experts: int, experts_alias: str, topk: int | None, max_positions: int,
-            query_groups: int | None) -> tuple[ConfigField, ...]:
-    """config.json fields of both versions; defaults are transformers' class defaults."""
+def deepseek_fields(experts: int, experts_alias: str, topk: int | None, max_positions: int,
+                    query_groups: int | None, norm_epsilon: float = 1e-6,
+                    head_dims: tuple[int, int] = (128, 128)) -> tuple[ConfigField, ...]:
+    """config.json fields of DeepSeek's and its derivatives' config classes, with their defaults: ``head_dims``
+    are ``qk_nope_head_dim`` and ``v_head_dim``."""
     return (
         ConfigField(("hidden_size",), "hidden_size", int),
         ConfigField(("num_hidden_layers",), "num_layers", int),
         ConfigField(("num_attention_heads",), "num_attention_heads", int),
         query_groups_field(query_groups),
-        ConfigField(("rms_norm_eps",), "norm_epsilon", float, default=1e-6),
+        ConfigField(("rms_norm_eps",), "norm_epsilon", float, default=norm_epsilon),
         rotary_base_field(10000.0),
         ConfigField(("max_position_embeddings",), "max_position_embeddings", int, default=max_positions),
         ConfigField(("vocab_size",), "vocab_size", int),
@@ -102,9 +127,9 @@ def _fields(experts: int, experts_alias: str, topk: int | None, max_positions: i
         expert_count("n_routed_experts", experts, experts_alias),
         ConfigField(("num_experts_per_tok",), "moe_router_topk", int, default=topk, null_refused=_TOPK_NULL),
         ConfigField(("kv_lora_rank",), "kv_lora_rank", int, default=512),
-        ConfigField(("qk_nope_head_dim",), "qk_head_dim", int, default=128),
+        ConfigField(("qk_nope_head_dim",), "qk_head_dim", int, default=head_dims[0]),
         ConfigField(("qk_rope_head_dim",), "qk_pos_emb_head_dim", int, default=64),
-        ConfigField(("v_head_dim",), "v_head_dim", int, default=128, null_refused=_V_HEAD_NULL),
+        ConfigField(("v_head_dim",), "v_head_dim", int, default=head_dims[1], null_refused=_V_HEAD_NULL),
     )
 
 
@@ -127,10 +152,19 @@ def config_count(value: object, key: str, minimum: int = 0) -> int:
     return value
 
 
+def _moe_pattern(config: ModelConfig) -> list[int]:
+    """1 for each MoE layer, 0 for each dense one."""
+    return [int(config.layers[layer].moe) for layer in range(config.num_layers)]
+
+
+def _leading_dense(pattern: list[int]) -> int:
+    return pattern.index(1) if 1 in pattern else len(pattern)
+
+
 def _dense_prefix(config: ModelConfig) -> int | None:
     """How many leading dense layers, when the rest are MoE (DeepSeek's only pattern); else None."""
-    pattern = [int(config.layers[layer].moe) for layer in range(config.num_layers)]
-    first = pattern.index(1) if 1 in pattern else len(pattern)
+    pattern = _moe_pattern(config)
+    first = _leading_dense(pattern)
     return first if all(pattern[first:]) else None
 
 
@@ -301,20 +335,18 @@ def _v2_router_refuses(config: ModelConfig) -> str | None:
     return None
 
 
-# The q down projection's width (q_lora_rank) where config.json leaves it out: DeepseekV2Config's and
-# DeepseekV3Config's default.
-DEFAULT_Q_LORA = 1536
+def q_lora_rule(default: int) -> ConfigRule:
+    """``q_lora_rank``: ``default`` where absent (the config class's), null: no q down projection."""
+    def read(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
+        value = present.get("q_lora_rank", default)
+        return {"q_lora_rank": None if value is None else config_count(value, "q_lora_rank", 1)}
 
+    def write(config: ModelConfig) -> Mapping[str, object]:
+        # Written even when null: the class default would otherwise build a q-LoRA model.
+        return {"q_lora_rank": config.attention.q_lora_rank}
 
-def _q_lora_read(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
-    """``q_lora_rank``: 1536 where absent (the config classes' default), null: no q down projection."""
-    value = present.get("q_lora_rank", DEFAULT_Q_LORA)
-    return {"q_lora_rank": None if value is None else config_count(value, "q_lora_rank", 1)}
-
-
-def _q_lora_write(config: ModelConfig) -> Mapping[str, object]:
-    # Written even when null: transformers' default (1536) would otherwise build a q-LoRA model.
-    return {"q_lora_rank": config.attention.q_lora_rank}
+    return ConfigRule(keys=("q_lora_rank",), model_fields=("q_lora_rank",), read=read, write=write,
+                      null_keys=("q_lora_rank",))
 
 
 def _mla_rope_read(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
@@ -333,8 +365,8 @@ def _mla_rope_refuses(config: ModelConfig) -> str | None:
 # Runs after ROPE_RULE (a rule sees the values earlier rules read).
 _MLA_ROPE = ConfigRule(keys=(), model_fields=(), read=_mla_rope_read, write=write_nothing,
                        refuses=_mla_rope_refuses)
-_Q_LORA = ConfigRule(keys=("q_lora_rank",), model_fields=("q_lora_rank",), read=_q_lora_read, write=_q_lora_write,
-                     null_keys=("q_lora_rank",))
+# DeepseekV2Config's and DeepseekV3Config's q_lora_rank default.
+_Q_LORA = q_lora_rule(default=1536)
 
 _MLA_COMMON: dict[str, object] = {
     **SWIGLU_RMS_ROPE,
@@ -359,7 +391,7 @@ DEEPSEEK_V3 = Family(
     model_type="deepseek_v3",
     hf_computes=DEEPSEEK_COMPUTES,
     tensors=DEEPSEEK_TENSORS,
-    fields=_fields(experts=256, experts_alias="num_local_experts", topk=8, max_positions=4096, query_groups=128),
+    fields=deepseek_fields(experts=256, experts_alias="num_local_experts", topk=8, max_positions=4096, query_groups=128),
     rules=(ROPE_RULE, _MLA_ROPE, _Q_LORA, dense_prefix_rule(default_dense=3), shared_experts_rule(default=1),
            sigmoid_group_router(groups=(8, 4), scaling=2.5)),
     fixed={**_MLA_COMMON, "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True},
@@ -377,7 +409,7 @@ DEEPSEEK_V2 = Family(
     model_type="deepseek_v2",
     hf_computes=DEEPSEEK_COMPUTES,
     tensors=DEEPSEEK_TENSORS,
-    fields=_fields(experts=64, experts_alias="num_experts", topk=None, max_positions=2048, query_groups=None),
+    fields=deepseek_fields(experts=64, experts_alias="num_experts", topk=None, max_positions=2048, query_groups=None),
     rules=(ROPE_RULE, _MLA_ROPE, _Q_LORA, dense_prefix_rule(default_dense=0), shared_experts_rule(default=2),
            ConfigRule(keys=("topk_method", "n_group", "topk_group", "routed_scaling_factor"),
                       model_fields=_ROUTER_FIELDS, read=_v2_router_read, write=_v2_router_write,
@@ -388,4 +420,88 @@ DEEPSEEK_V2 = Family(
     hf_scratch=ROPE_DEFAULT,
     hf_notes={"moe score function": "softmax (fixed)", "moe top-k scaling": "routed_scaling_factor",
               "moe router groups": "topk_method=group_limited_greedy, n_group, topk_group (group score: best)"},
+)
+
+
+# DeepseekV32Config's null-free sizes: its dataclass types them int, and its indexer is built from them as given.
+_INDEX_NULL = "DeepseekV32Config types it an integer and its indexer is built from it as given"
+
+
+def indexer_fields(heads: int) -> tuple[ConfigField, ...]:
+    """The indexer's sizes (``heads``: the config class's ``index_n_heads``)."""
+    return (
+        ConfigField(("index_n_heads",), "dsa_indexer_n_heads", int, default=heads, null_refused=_INDEX_NULL),
+        ConfigField(("index_head_dim",), "dsa_indexer_head_dim", int, default=128, null_refused=_INDEX_NULL),
+        ConfigField(("index_topk",), "dsa_indexer_topk", int, default=2048, null_refused=_INDEX_NULL),
+    )
+
+
+_MLP_TYPES = {"dense": 0, "sparse": 1}
+
+
+def mlp_layer_types_rule(default_dense: int) -> ConfigRule:
+    """``mlp_layer_types`` (``dense``/``sparse`` per layer, which transformers builds from), else the first
+    ``first_k_dense_replace`` layers dense (``default_dense``: the class's k) and the rest MoE."""
+    prefix = dense_prefix_rule(default_dense)
+
+    def read(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
+        layers = model["num_layers"]
+        types = present.get("mlp_layer_types")
+        if types is None:
+            return prefix.read(present, model)
+        if (not isinstance(types, list) or len(types) != layers
+                or any(not isinstance(kind, str) or kind not in _MLP_TYPES for kind in types)):
+            raise ValueError(f"mlp_layer_types={quote(types)}: expected 'dense' or 'sparse' for each of the {layers} "
+                             "layers")
+        pattern = tuple(_MLP_TYPES[kind] for kind in types)
+        return {"moe_layer_freq": 1 if all(pattern) else pattern}
+
+    def write(config: ModelConfig) -> Mapping[str, object]:
+        pattern = _moe_pattern(config)
+        return {"first_k_dense_replace": _leading_dense(pattern),
+                "mlp_layer_types": ["sparse" if moe else "dense" for moe in pattern]}
+
+    def refuses(config: ModelConfig) -> str | None:
+        return "num_experts=None (needs routed experts)" if config.moe.num_experts is None else None
+
+    return ConfigRule(keys=("first_k_dense_replace", "mlp_layer_types"), model_fields=("moe_layer_freq",), read=read,
+                      write=write, refuses=refuses, null_keys=("first_k_dense_replace",))
+
+
+_INDEXED = "indexed_attention"
+
+
+def _indexed_layers_read(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
+    types = present.get("layer_types")
+    if types is not None and (not isinstance(types, list) or len(types) != model["num_layers"]
+                              or any(kind != _INDEXED for kind in types)):
+        raise ValueError(f"layer_types={quote(types)}: DeepSeek-V3.2 has sparse attention ('{_INDEXED}') in each of "
+                         f"the {model['num_layers']} layers")
+    return {}
+
+
+def _indexed_layers_write(config: ModelConfig) -> Mapping[str, object]:
+    return {"layer_types": [_INDEXED] * config.num_layers}
+
+
+def _indexed_layers_refuses(config: ModelConfig) -> str | None:
+    return None if config.attention.sparse else "dsa_indexer_n_heads=None (needs a sparse attention indexer)"
+
+
+# Every layer's attention is sparse (DeepseekV32Config's layer_types); nothing else is expressible.
+_INDEXED_LAYERS = ConfigRule(keys=("layer_types",), model_fields=(), read=_indexed_layers_read,
+                             write=_indexed_layers_write, refuses=_indexed_layers_refuses)
+
+DEEPSEEK_V32 = DEEPSEEK_V3.derive(
+    "DeepseekV32ForCausalLM", "deepseek_v32",
+    rows=DSA_INDEXER_ROWS,
+    fields=(*deepseek_fields(experts=256, experts_alias="num_local_experts", topk=8, max_positions=163840,
+                             query_groups=128), *indexer_fields(heads=64)),
+    rules=(mlp_layer_types_rule(default_dense=3), _INDEXED_LAYERS),
+    # transformers' V3.2 rotates MLA's rope dims interleaved whatever rope_interleave says (its config has none);
+    # its indexer rotate-half.
+    fixed={"dsa_indexer_rope_interleaved": False},
+    hf_fixed={"rope_interleave": DROP},
+    # megatron-core builds sparse attention with Transformer Engine's linears only (backend.linear()).
+    megatron_defaults={"transformer_impl": "transformer_engine"},
 )

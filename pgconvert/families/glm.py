@@ -1,4 +1,4 @@
-"""GLM-4 (``Glm4ForCausalLM``) and GLM-4.5-MoE (``Glm4MoeForCausalLM``).
+"""GLM-4 (``Glm4ForCausalLM``), GLM-4.5-MoE (``Glm4MoeForCausalLM``) and GLM-5 (``GlmMoeDsaForCausalLM``).
 
 GLM-4 has norms around both sublayers (HF's ``post_self_attn_layernorm`` and
 ``post_mlp_layernorm`` after them, ``post_attention_layernorm`` the pre-MLP norm as in Llama), q/k/v
@@ -17,6 +17,13 @@ sigmoid router whose ``e_score_correction_bias`` only steers the choice (megatro
 true) and scaled by ``routed_scaling_factor`` (``moe_router_topk_scaling_factor``). Its router
 scores a group of experts as DeepSeek-V3's does (``pgconvert.families.deepseek.router_groups``);
 its multi-token-prediction layers are ``pgconvert.families.mtp``'s.
+
+GLM-5 (transformers' ``models/glm_moe_dsa``, zai-org/GLM-5) is built on DeepSeek-V3.2's classes
+(``pgconvert.families.deepseek.DEEPSEEK_V32``: multi-latent attention with the sparse attention indexer, DeepSeek-V3's
+router and shared experts, ``mlp_layer_types``) with its own defaults and an indexer that rotates its rotary dims as
+interleaved pairs (megatron-core's ``dsa_indexer_rope_interleaved``, core_v0.19.0 on). Its cross-layer top-k sharing
+(``indexer_types`` ``shared`` layers, which hold no indexer and reuse the previous layer's choice; megatron-core's
+``dsa_indexer_topk_freq`` / ``dsa_indexer_skip_topk_offset``) is refused by name: every layer must be ``full``.
 """
 
 from __future__ import annotations
@@ -25,7 +32,17 @@ from collections.abc import Mapping
 
 from pgconvert.io.limits import quote
 from pgconvert.model.config import ModelConfig
-from pgconvert.families.deepseek import EXPERT_BIAS_ROW, SHARED_EXPERTS_ROWS, dense_prefix_rule, router_groups
+from pgconvert.families.deepseek import (
+    DEEPSEEK_V32,
+    EXPERT_BIAS_ROW,
+    SHARED_EXPERTS_ROWS,
+    deepseek_fields,
+    dense_prefix_rule,
+    indexer_fields,
+    q_lora_rule,
+    router_groups,
+    sigmoid_group_router,
+)
 from pgconvert.families.experts import expert_count, expert_ffn_size
 from pgconvert.families.llama import (
     ATTENTION_ROWS,
@@ -212,4 +229,54 @@ GLM4_MOE = Family(
         "moe expert bias": "always: mlp.gate.e_score_correction_bias (fp32)",
         "moe top-k scaling": "routed_scaling_factor",
     },
+)
+
+
+_FULL = "full"
+
+
+def _indexer_types(present: Mapping[str, object], layers: int) -> object:
+    """``indexer_types`` as GlmMoeDsaConfig resolves it: given, else from ``index_topk_pattern`` (F full, S shared),
+    else every ``index_topk_freq``-th layer from ``index_skip_topk_offset`` on full (1 and 2: all full)."""
+    if present.get("indexer_types") is not None:
+        return present["indexer_types"]
+    pattern = present.get("index_topk_pattern")
+    if isinstance(pattern, str):
+        return [{"F": _FULL, "S": "shared"}.get(symbol, symbol) for symbol in pattern]
+    if pattern is not None:
+        return pattern
+    freq, offset = present.get("index_topk_freq", 1), present.get("index_skip_topk_offset", 2)
+    if not isinstance(freq, int) or not isinstance(offset, int):
+        raise ValueError(f"index_topk_freq={quote(freq)}, index_skip_topk_offset={quote(offset)}: expected integers")
+    return [_FULL if max(layer - offset + 1, 0) % max(freq, 1) == 0 else "shared" for layer in range(layers)]
+
+
+def _indexer_types_read(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
+    layers = model["num_layers"]
+    assert isinstance(layers, int)
+    types = _indexer_types(present, layers)
+    if not isinstance(types, list) or len(types) != layers or any(kind != _FULL for kind in types):
+        raise ValueError(f"indexer_types={quote(types)}: GLM-5's cross-layer top-k sharing ('shared' layers reuse an "
+                         f"earlier layer's choice and hold no indexer) is not converted; every one of the {layers} "
+                         "layers must be 'full'")
+    return {}
+
+
+def _indexer_types_write(config: ModelConfig) -> Mapping[str, object]:
+    return {"indexer_types": [_FULL] * config.num_layers}
+
+
+# Every layer runs its own indexer; the keys GlmMoeDsaConfig derives indexer_types from are read as it does.
+_FULL_INDEXERS = ConfigRule(keys=("indexer_types",), model_fields=(), read=_indexer_types_read,
+                            write=_indexer_types_write,
+                            legacy_keys=("index_topk_pattern", "index_topk_freq", "index_skip_topk_offset"))
+
+GLM_MOE_DSA = DEEPSEEK_V32.derive(
+    "GlmMoeDsaForCausalLM", "glm_moe_dsa",
+    # GlmMoeDsaConfig's defaults (GLM-5).
+    fields=(*deepseek_fields(experts=256, experts_alias="num_local_experts", topk=8, max_positions=202752,
+                             query_groups=64, norm_epsilon=1e-5, head_dims=(192, 256)), *indexer_fields(heads=32)),
+    rules=(q_lora_rule(default=2048), sigmoid_group_router(groups=(1, 1), scaling=2.5), _FULL_INDEXERS),
+    # Its indexer rotates interleaved pairs (apply_rotary_pos_emb_interleave), as its multi-latent attention does.
+    fixed={"dsa_indexer_rope_interleaved": True},
 )

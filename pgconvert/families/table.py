@@ -34,10 +34,11 @@ from pgconvert.semantics.carried import CarriedSetting
 SLOT = "{}"
 HYBRID_PATTERN = "hybrid_override_pattern"
 # The layer structure of a family that neither reads nor fixes these settings: no layer pattern, no
-# linear attention layers, no attention output gate, no vision part or multimodal RoPE.
+# linear attention layers, no attention output gate, no sparse attention indexer, no vision part or multimodal RoPE.
 STRUCTURE_UNLESS_READ: dict[str, object] = {HYBRID_PATTERN: None, "experimental_attention_variant": None,
-                                            "attention_output_gate": False, "vision_config": None,
-                                            "vision_token_ids": None, "mrope_section": None}
+                                            "attention_output_gate": False, "dsa_indexer_n_heads": None,
+                                            "dsa_indexer_head_dim": None, "dsa_indexer_topk": None,
+                                            "vision_config": None, "vision_token_ids": None, "mrope_section": None}
 # Rows ``[start, stop)`` along a dim of one HF part of a canonical tensor: (part index, dim, start, stop).
 PartReader = Callable[[int, int, int, int], torch.Tensor]
 

@@ -30,6 +30,7 @@ from pgconvert.errors import CheckpointError
 from pgconvert.io.limits import quote
 from pgconvert.model.config import LinearAttentionConfig, MambaConfig, ModelConfig
 from pgconvert.semantics.arg_values import arg
+from pgconvert.semantics.mla import SPARSE_VARIANT
 
 MAMBA_FIELDS = ("mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_num_heads")
 # megatron-core 0.16.1's TransformerConfig defaults for the Mamba sizes.
@@ -72,7 +73,7 @@ def linear_attention_from_args(args: argparse.Namespace, path: Path) -> dict[str
         raise CheckpointError(f"{path}: args.attention_output_gate={quote(gate)}: expected true or false")
     read: dict[str, Any] = {"attention_output_gate": bool(gate)}
     variant = getattr(args, "experimental_attention_variant", None)
-    if variant is None:
+    if variant is None or variant == SPARSE_VARIANT:  # sparse attention: pgconvert.semantics.mla
         return read
     freq = getattr(args, "linear_attention_freq", None)
     return {**read, "experimental_attention_variant": variant,

@@ -94,6 +94,15 @@ class AttentionConfig:
     qk_head_dim: int = 128
     qk_pos_emb_head_dim: int = 64
     v_head_dim: int = 128
+    # DeepSeek Sparse Attention (megatron-core's DSAttention, ``experimental_attention_variant="dsa"``): a
+    # lightning indexer beside multi-latent attention scores every key with ``dsa_indexer_n_heads`` heads of
+    # ``dsa_indexer_head_dim`` (its first ``qk_pos_emb_head_dim`` dims rotated, rotate-half) and each query
+    # attends to the ``dsa_indexer_topk`` best. None: dense attention.
+    dsa_indexer_n_heads: int | None = None
+    dsa_indexer_head_dim: int | None = None
+    dsa_indexer_topk: int | None = None
+    # The indexer rotates its rotary dims as interleaved pairs (GLM-5) rather than rotate-half (DeepSeek-V3.2).
+    dsa_indexer_rope_interleaved: bool = False
     # Gated attention (megatron-core's attention_output_gate): each query head has a gate head of its
     # own in linear_qkv (per query group ``[q heads; gate heads; k; v]``), and the attention's output is
     # multiplied by sigmoid(gate) before linear_proj.
@@ -120,6 +129,11 @@ class AttentionConfig:
         one key and one value head per group."""
         rows = (self.num_attention_heads + 2 * self.query_groups) * self.head_dim
         return rows + self.num_attention_heads * self.head_dim if self.attention_output_gate else rows
+
+    @property
+    def sparse(self) -> bool:
+        """Whether a DeepSeek Sparse Attention indexer chooses the keys each query attends to."""
+        return self.dsa_indexer_n_heads is not None
 
     @property
     def q_head_dim(self) -> int:
@@ -357,7 +371,9 @@ SETTING_GROUPS: dict[str, str | None] = {
     "yarn_beta_slow": "positions", "yarn_mscale": "positions", "yarn_mscale_all_dim": "positions",
     "yarn_correction_range_round_to_int": "positions", "multi_latent_attention": "attention",
     "q_lora_rank": "attention", "kv_lora_rank": "attention", "qk_head_dim": "attention",
-    "qk_pos_emb_head_dim": "attention", "v_head_dim": "attention", "moe_router_num_groups": "moe",
+    "qk_pos_emb_head_dim": "attention", "v_head_dim": "attention", "dsa_indexer_n_heads": "attention",
+    "dsa_indexer_head_dim": "attention", "dsa_indexer_topk": "attention", "dsa_indexer_rope_interleaved": "attention",
+    "moe_router_num_groups": "moe",
     "moe_router_group_topk": "moe", "embedding_multiplier": "carried", "residual_multiplier": "carried",
     "logits_scaling": "carried", "no_rope_layers": "positions", "hf_rope_parameters": "carried",
     "post_self_attn_layernorm": "norms", "post_mlp_layernorm": "norms", "pre_layernorms": "norms",
@@ -801,6 +817,35 @@ def _check_mla(attention: AttentionConfig) -> None:
             _require_positive(name, getattr(attention, name))
         if attention.q_lora_rank is not None:
             _require_positive("q_lora_rank", attention.q_lora_rank)
+    _check_sparse_attention(attention)
+
+
+# The DeepSeek Sparse Attention settings: all given (an indexer) or none.
+DSA_SETTINGS = ("dsa_indexer_n_heads", "dsa_indexer_head_dim", "dsa_indexer_topk")
+
+
+def _check_sparse_attention(attention: AttentionConfig) -> None:
+    """DeepSeek Sparse Attention: all three sizes or none, positive; an indexer beside multi-latent attention
+    with a q down projection (its queries are the q latent), its head at least the rotary dims."""
+    given = {name: getattr(attention, name) for name in DSA_SETTINGS}
+    if not isinstance(attention.dsa_indexer_rope_interleaved, bool):
+        raise _violates("dsa_indexer_rope_interleaved", attention.dsa_indexer_rope_interleaved, "must be true or false")
+    if all(value is None for value in given.values()):
+        if attention.dsa_indexer_rope_interleaved:
+            raise _violates("dsa_indexer_rope_interleaved", True, "needs a sparse attention indexer")
+        return
+    for name, value in given.items():
+        _require_positive(name, value)
+    if not attention.multi_latent_attention or attention.q_lora_rank is None:
+        raise _violates("dsa_indexer_n_heads", attention.dsa_indexer_n_heads,
+                        "a sparse attention indexer needs multi-latent attention with a q_lora_rank (its queries "
+                        "are the q latent)")
+    assert attention.dsa_indexer_head_dim is not None
+    if attention.dsa_indexer_head_dim < attention.qk_pos_emb_head_dim:
+        # Named as the rotated dims, which a config.json names either way (a huge one is what is wrong there).
+        raise _violates("qk_pos_emb_head_dim", attention.qk_pos_emb_head_dim,
+                        f"must be at most dsa_indexer_head_dim={attention.dsa_indexer_head_dim} (an indexer head "
+                        "holds the rotated dims)")
 
 
 def _check_router_groups(moe: MoEConfig) -> None:

@@ -96,6 +96,11 @@ _VERSIONS = "megatron-core " + " / ".join(MEGATRON_CORE_VERSIONS)
 # k_layernorm), pre_mlp_layernorm, mlp (linear_fc1, linear_fc2); each module's weight before its bias.
 _LOCAL_LAYER_ORDER = (
     "input_layernorm.weight", "input_layernorm.bias",
+    # Sparse attention's core attention (DSAttention, built before linear_proj) holds the indexer: DSAIndexer registers
+    # linear_wq_b, linear_wk, k_norm, linear_weights_proj (0.16.1 and core_v0.19.0's AbsorbedMLASelfAttention alike).
+    "self_attention.core_attention.indexer.linear_wq_b.weight", "self_attention.core_attention.indexer.linear_wk.weight",
+    "self_attention.core_attention.indexer.k_norm.weight", "self_attention.core_attention.indexer.k_norm.bias",
+    "self_attention.core_attention.indexer.linear_weights_proj.weight",
     "self_attention.linear_proj.weight", "self_attention.linear_proj.bias",
     # The Transformer Engine spec fuses the input and pre-MLP norms into linear_qkv / linear_fc1
     # (TELayerNormColumnParallelLinear = te.pytorch.LayerNormLinear, whose __init__ registers

@@ -359,19 +359,25 @@ def _note_dtype_change(source: CanonicalSource, options: SaveOptions) -> None:
 
 
 def _note_unrunnable_layout(source: CanonicalSource, options: SaveOptions) -> None:
-    """A virtual pipeline on one pipeline stage is written, but no Megatron can run it: megatron-core's
-    ``initialize_model_parallel`` raises "pipeline-model-parallel size should be greater than 1 with interleaved
-    schedule" (parallel_state.py, 0.16.1). Named in a notice; refused under --strict."""
-    layout = options.layout
-    if layout.pp > 1 or layout.virtual_size == 1:
-        return
-    message = (f"destination layout {layout.describe()}: {layout.virtual_size} virtual pipeline chunks on pp=1; "
-               "megatron-core refuses a virtual pipeline unless pipeline-model-parallel size > 1, so Megatron cannot "
-               "resume from it (give --dst-pp > 1)")
-    if options.strict:
-        raise StrictModeError(f"--strict: {message}")
-    log.warning("%s", message)
-    source.notices.append(message)
+    """A destination written but that no Megatron can run, named in a notice and refused under --strict: a virtual
+    pipeline on one pipeline stage (megatron-core's ``initialize_model_parallel`` raises "pipeline-model-parallel
+    size should be greater than 1 with interleaved schedule", parallel_state.py, 0.16.1); sparse attention under
+    the local spec (megatron-core builds the indexer's linears with ``backend.linear()``, which only the Transformer
+    Engine provider has)."""
+    layout, messages = options.layout, []
+    if layout.pp == 1 and layout.virtual_size > 1:
+        messages.append(f"destination layout {layout.describe()}: {layout.virtual_size} virtual pipeline chunks on "
+                        "pp=1; megatron-core refuses a virtual pipeline unless pipeline-model-parallel size > 1, so "
+                        "Megatron cannot resume from it (give --dst-pp > 1)")
+    if source.config.attention.sparse and (options.transformer_impl or source.config.transformer_impl) == "local":
+        messages.append("transformer_impl='local' with sparse attention (dsa_indexer_*): megatron-core builds the "
+                        "indexer with Transformer Engine's linears only, so Megatron cannot build this model from "
+                        "local names (give --dst-transformer-impl transformer_engine)")
+    for message in messages:
+        if options.strict:
+            raise StrictModeError(f"--strict: {message}")
+        log.warning("%s", message)
+        source.notices.append(message)
 
 
 @contextmanager

@@ -59,7 +59,11 @@ EXPERT_PARTS: tuple[dict[str, object], ...] = (dict(moe_shared_expert_intermedia
 # A hybrid layer pattern (Mamba, attention, MLP) with its Mamba sizes: only a hybrid family accepts it.
 HYBRID: dict[str, object] = dict(hybrid_override_pattern="M*-", mamba_num_heads=4, mamba_head_dim=8,
                                  mamba_num_groups=2, mamba_state_dim=4)
-PARTS: tuple[dict[str, object], ...] = (dict(rotary_base_local=1000.0), dict(mtp_num_layers=1), HYBRID)
+# A sparse attention indexer beside multi-latent attention (its queries are the q latent): only DeepSeek-V3.2 accepts it.
+SPARSE_ATTENTION: dict[str, object] = dict(q_lora_rank=6, dsa_indexer_n_heads=2, dsa_indexer_head_dim=4,
+                                           dsa_indexer_topk=2)
+PARTS: tuple[dict[str, object], ...] = (dict(rotary_base_local=1000.0), dict(mtp_num_layers=1), HYBRID,
+                                        SPARSE_ATTENTION)
 # One key and value head per query head: tried only for a family that refuses BASE's grouped ones (GPT-NeoX).
 ONE_GROUP_PER_HEAD: dict[str, object] = dict(num_query_groups=4)
 # A window on the first two layers and no RoPE on the third: tried only for a family that refuses BASE's RoPE on

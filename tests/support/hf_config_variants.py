@@ -214,6 +214,26 @@ def _older_neox_rope(doc: dict[str, Any]) -> dict[str, Any] | None:
     return changed
 
 
+def _indexer_pattern(doc: dict[str, Any]) -> dict[str, Any] | None:
+    """GLM-5's ``indexer_types`` as ``index_topk_pattern`` (F full, S shared), which GlmMoeDsaConfig expands."""
+    types = doc.get("indexer_types")
+    if not isinstance(types, list):
+        return None
+    changed = copy.deepcopy(doc)
+    changed["index_topk_pattern"] = "".join("F" if kind == "full" else "S" for kind in changed.pop("indexer_types"))
+    return changed
+
+
+def _indexer_schedule(doc: dict[str, Any]) -> dict[str, Any] | None:
+    """GLM-5's ``indexer_types`` as ``index_topk_freq`` / ``index_skip_topk_offset`` (every layer full: 1 and 0)."""
+    if doc.get("indexer_types") != ["full"] * len(doc.get("indexer_types") or [0]):
+        return None
+    changed = copy.deepcopy(doc)
+    del changed["indexer_types"]
+    changed.update(index_topk_freq=1, index_skip_topk_offset=0)
+    return changed
+
+
 # How an older spelling a table declares is written, by the key it reads.
 OLDER_SPELLINGS: dict[str, Callable[[dict[str, Any]], dict[str, Any] | None]] = {
     "rope_theta": _older_rope,
@@ -223,6 +243,9 @@ OLDER_SPELLINGS: dict[str, Callable[[dict[str, Any]], dict[str, Any] | None]] = 
     "full_attention_interval": _older_interval("full_attention_interval", "linear_attention"),
     "rotary_emb_base": _older_neox_rope,
     "rotary_pct": _older_neox_rope,
+    "index_topk_pattern": _indexer_pattern,
+    "index_topk_freq": _indexer_schedule,
+    "index_skip_topk_offset": _indexer_schedule,
 }
 
 

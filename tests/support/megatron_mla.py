@@ -88,16 +88,20 @@ def mla_config(args: argparse.Namespace) -> Any:
         **{name: getattr(args, name) for name in names})
 
 
-def build_mla_gpt_model(args: argparse.Namespace) -> Any:
-    """The TP1/PP1/EP1 GPTModel of ``args``; call under ``mla_cpu_patches``."""
+def build_mla_gpt_model(args: argparse.Namespace, core_attention: Any = CausalAttention,
+                        config_fields: tuple[str, ...] = ()) -> Any:
+    """The TP1/PP1/EP1 GPTModel of ``args`` with ``core_attention`` in every layer and ``config_fields`` of args set
+    on its config as they are (fields 0.16.1's config may lack); call under ``mla_cpu_patches``."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     config = mla_config(args)
+    for name in config_fields:
+        setattr(config, name, getattr(args, name))
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=args.normalization,
                                       qk_l2_norm=False, vp_stage=None, pp_rank=0)
     for layer in spec.layer_specs:
-        layer.submodules.self_attention.submodules.core_attention = CausalAttention
+        layer.submodules.self_attention.submodules.core_attention = core_attention
     groups = mcore.fake_pg_collection(1, 1, 0, 0)
     mcore.add_expert_groups(groups, args)
     return GPTModel(

@@ -40,6 +40,9 @@ class TensorKind:
     rule: ShardRule | Callable[[ModelConfig], ShardRule]
     exists: Condition = always
     te_name: str | None = None
+    # When the Transformer Engine spec holds the tensor under ``te_name`` (a norm fused into the next linear);
+    # otherwise it keeps the canonical name there too.
+    te_fused: Condition = always
     keep_dtype: bool = False
     # A norm's weight (gamma): megatron-core's --apply-layernorm-1p computes with 1 + gamma.
     norm_weight: bool = False
@@ -55,7 +58,7 @@ class TensorKind:
         return self.rule if isinstance(self.rule, ShardRule) else self.rule(config)
 
     def local_name(self, config: ModelConfig) -> str:
-        if config.transformer_impl == "transformer_engine" and self.te_name is not None:
+        if config.transformer_impl == "transformer_engine" and self.te_name is not None and self.te_fused(config):
             return self.te_name
         return self.canonical
 

@@ -157,6 +157,23 @@ def test_local_names_for_sparse_attention_are_named_and_refused_under_strict(sou
                           strict=True)
 
 
+def test_a_config_json_without_an_mtp_count_declares_none_as_its_config_class_reads_it(source: Path,
+                                                                                    tmp_path: Path) -> None:
+    """DeepseekV32Config has no MTP attribute: an absent num_nextn_predict_layers is no MTP layer (not V3's default 1),
+    so nothing declared is missing and --strict converts it; written back, the count stays absent."""
+    bare = tmp_path / "hf"
+    shutil.copytree(source, bare)
+    (bare / "config.json").write_text(json.dumps({key: value for key, value in TINY.items()
+                                                  if key != "num_nextn_predict_layers"}))
+
+    report = pgconvert.convert(bare, tmp_path / "megatron", dst_format="megatron", strict=True)
+    shutil.rmtree(tmp_path / "megatron" / "hf")
+    pgconvert.convert(tmp_path / "megatron", tmp_path / "back", dst_format="hf", strict=True)
+
+    assert not any("multi-token" in notice for notice in report.notices), report.notices
+    assert "num_nextn_predict_layers" not in json.loads((tmp_path / "back" / "config.json").read_text())
+
+
 def test_torch_dist_keys_shapes_and_chunks_are_what_megatron_core_declares_for_sparse_attention(
         megatron_tp1: Path, tmp_path: Path) -> None:
     pytest.importorskip("megatron.core", reason="megatron-core is not installed")

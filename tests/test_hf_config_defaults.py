@@ -221,12 +221,12 @@ KEPT_NULLS: dict[tuple[str, str, str], Expected] = {
 
 
 def _reading(family: Family, doc: dict[str, Any]) -> Reading:
-    """pgconvert's model of a config.json, with one MTP layer stored where the family has them (a separate MTP
-    module: where config.json counts it, as its absence means none)."""
+    """pgconvert's model of a config.json, with one MTP layer stored where the family has them (where config.json
+    counts them, if its absence means none)."""
     try:
         _, config, _ = model_config_from_hf(copy.deepcopy(doc), PATH)
         block = family.hf_mtp_block
-        if family.hf_mtp_layers_key is not None and (block is None or family.hf_mtp_layers_key in doc):
+        if family.hf_mtp_layers_key is not None and (family.hf_mtp_layers_absent or family.hf_mtp_layers_key in doc):
             stored = {(block.own["eh_proj.weight"] if block is not None
                        else f"model.layers.{config.num_layers}.eh_proj.weight"): None}
             config, _ = mtp.resolve_hf_count(family, doc, config, stored, PATH)

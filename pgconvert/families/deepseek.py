@@ -504,4 +504,7 @@ DEEPSEEK_V32 = DEEPSEEK_V3.derive(
     hf_fixed={"rope_interleave": DROP},
     # megatron-core builds sparse attention with Transformer Engine's linears only (backend.linear()).
     megatron_defaults={"transformer_impl": "transformer_engine"},
+    # DeepseekV32Config has no MTP attribute: an absent num_nextn_predict_layers declares none (the release gives 1).
+    hf_mtp_layers_absent=0,
+    hf_mtp_layers_alias=None,
 )

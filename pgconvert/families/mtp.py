@@ -100,26 +100,17 @@ def copy_reason(hf_name: str, canonical: str) -> str:
             f"of its own), so a copy that differs would be lost; {hf_name} cannot be converted")
 
 
-# DeepseekV3Config's and Glm4MoeConfig's num_mtp_layers (their attribute_map's name for
-# num_nextn_predict_layers, which config.json may also use) where config.json gives neither.
-HF_MTP_LAYERS_DEFAULT = 1
-HF_MTP_LAYERS_ALIAS = "num_mtp_layers"
-
-
 def _declaration(family: Family, doc: Mapping[str, Any]) -> tuple[str, object]:
-    """How config.json declares the MTP layers (``key=value``, or the key absent) and the count (the
-    default where absent)."""
+    """How config.json declares the MTP layers (``key=value``, or the key absent) and the count (the family's
+    config class's default where absent: ``Family.hf_mtp_layers_absent``)."""
     key = family.hf_mtp_layers_key
     assert key is not None
-    block = family.hf_mtp_block
-    if block is not None:
-        if key not in doc:
-            return f"{key} absent", block.absent_count
-        return f"{key}={quote(doc[key])}", doc[key]
-    if key not in doc and HF_MTP_LAYERS_ALIAS in doc:
-        key = HF_MTP_LAYERS_ALIAS
+    alias = family.hf_mtp_layers_alias
+    if key not in doc and alias is not None and alias in doc:
+        key = alias
     if key not in doc:
-        return f"{key} absent (transformers' default {HF_MTP_LAYERS_DEFAULT})", HF_MTP_LAYERS_DEFAULT
+        absent = family.hf_mtp_layers_absent
+        return (f"{key} absent (transformers' default {absent})" if absent else f"{key} absent"), absent
     return f"{key}={quote(doc[key])}", doc[key]
 
 
@@ -195,7 +186,7 @@ def declared_as_converted(family: Family, doc: dict[str, Any], config: ModelConf
     said, declared = _declaration(family, doc) if key is not None else ("", None)
     if key is None or not isinstance(declared, int) or declared <= config.mtp_num_layers:
         return doc, None
-    written = {name: value for name, value in doc.items() if name != HF_MTP_LAYERS_ALIAS}
+    written = {name: value for name, value in doc.items() if name != family.hf_mtp_layers_alias}
     return {**written, key: config.mtp_num_layers}, (
         f"config.json: {said} written as {config.mtp_num_layers}: the model converted has "
         f"{config.mtp_num_layers} multi-token prediction layers")
@@ -203,9 +194,9 @@ def declared_as_converted(family: Family, doc: dict[str, Any], config: ModelConf
 
 def written_declaration(family: Family, config: ModelConfig) -> dict[str, object]:
     """The config.json keys that declare ``config``'s MTP layers for ``family`` (built from the model alone): the
-    count (a separate MTP module's only where there is one, as its absence means none) and its embedding switch."""
+    count (only where there is one if its absence means none) and a separate MTP module's embedding switch."""
     key, block = family.hf_mtp_layers_key, family.hf_mtp_block
-    if key is None or (block is not None and not config.mtp_num_layers):
+    if key is None or (not family.hf_mtp_layers_absent and not config.mtp_num_layers):
         return {}
     if block is None or block.own_embedding_key is None:
         return {key: config.mtp_num_layers}

@@ -225,6 +225,8 @@ QWEN3_NEXT = Family(
     hf_scratch=ROPE_DEFAULT,
     hf_norms_zero_centred=True,
     hf_mtp_layers_key="mtp_num_hidden_layers",
+    hf_mtp_layers_absent=0,
+    hf_mtp_layers_alias=None,
     hf_mtp_block=MTP_BLOCK,
     # megatron-core builds gated delta net layers with the Transformer Engine spec only (its grouped experts
     # too, as Megatron-Bridge's Qwen3-Next provider sets moe_grouped_gemm).

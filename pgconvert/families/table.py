@@ -625,8 +625,6 @@ class MTPBlock:
     # The config.json switch that gives the MTP module an embedding of its own (megatron-core's MTP layer embeds
     # with the model's, so true is refused); written false beside a non-zero count.
     own_embedding_key: str | None = None
-    # config.json's count where absent: transformers' config class has no such attribute, so none.
-    absent_count: int = 0
 
 
 @dataclass(frozen=True)
@@ -670,6 +668,11 @@ class Family:
     # The config.json key counting multi-token-prediction layers (stored as layers
     # num_hidden_layers + i, pgconvert.families.mtp); None: the family has none.
     hf_mtp_layers_key: str | None = None
+    # What an absent count means (its config class's default: DeepseekV3Config's and Glm4MoeConfig's 1; 0 where the
+    # class has no such attribute, as DeepseekV32Config, GlmMoeDsaConfig and Qwen3NextConfig), and the other name
+    # its class accepts for it (attribute_map; None: none).
+    hf_mtp_layers_absent: int = 1
+    hf_mtp_layers_alias: str | None = "num_mtp_layers"
     # Where the checkpoint stores its MTP module apart from the decoder (Qwen3-Next's ``mtp.*``) rather than as
     # layers num_hidden_layers + i: how the table's names for it are stored (pgconvert.families.mtp).
     hf_mtp_block: MTPBlock | None = None

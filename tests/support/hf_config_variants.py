@@ -23,7 +23,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from pgconvert.families.mtp import HF_MTP_LAYERS_ALIAS
 from pgconvert.families.table import Family
 
 # Every family's reference sizes: 128 heads so that any class default of num_key_value_heads (up to
@@ -256,8 +255,8 @@ def _aliases(family: Family) -> dict[str, str]:
 
     read = {".".join(path) for path in read_keys(family)}
     mapped = dict(type(AutoConfig.for_model(family.model_type)).attribute_map)
-    if family.hf_mtp_layers_key is not None:
-        mapped.setdefault(HF_MTP_LAYERS_ALIAS, family.hf_mtp_layers_key)
+    if family.hf_mtp_layers_key is not None and family.hf_mtp_layers_alias is not None:
+        mapped.setdefault(family.hf_mtp_layers_alias, family.hf_mtp_layers_key)
     return {alias: real for alias, real in mapped.items() if real in read}
 
 

@@ -21,12 +21,8 @@ transformers 5.24's ``models/llama4`` in Megatron terms (megatron-core 0.16.1, M
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Mapping
-from pathlib import Path
-from typing import Any
 
-from pgconvert.errors import CheckpointError
 from pgconvert.io.limits import quote
 from pgconvert.model.config import ModelConfig
 from pgconvert.families.experts import AUX_LOSS, dense_layers, expert_count, expert_ffn_size, refuses_dense_model
@@ -51,7 +47,7 @@ from pgconvert.families.table import (
     TensorMapping,
     TensorTable,
 )
-from pgconvert.semantics.arg_values import number
+from pgconvert.semantics.arg_values import number, positive_int
 from pgconvert.semantics.carried import CarriedSetting, read_flag
 
 # Llama4TextConfig's defaults (Llama-4-Scout-17B-16E's sizes).
@@ -173,24 +169,11 @@ def _refuses_moe_layers(config: ModelConfig) -> str | None:
     return None
 
 
-def _read_int(args: argparse.Namespace, name: str, default: Any, path: Path) -> object:
-    value = getattr(args, name, None)
-    if value is None:
-        return default
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise CheckpointError(f"{path}: args.{name}={quote(value)}: expected a positive integer")
-    return value
-
-
-def _read_number(args: argparse.Namespace, name: str, default: Any, path: Path) -> object:
-    return number(args, name, default, path)
-
-
 LLAMA4_CARRIED = (
-    CarriedSetting("attention_chunk_size", None, _read_int),
+    CarriedSetting("attention_chunk_size", None, positive_int),
     CarriedSetting("attn_temperature_tuning", False, read_flag),
-    CarriedSetting("floor_scale", LLAMA4_FLOOR_SCALE, _read_int),
-    CarriedSetting("attn_scale", LLAMA4_ATTN_SCALE, _read_number),
+    CarriedSetting("floor_scale", LLAMA4_FLOOR_SCALE, positive_int),
+    CarriedSetting("attn_scale", LLAMA4_ATTN_SCALE, number),
 )
 
 LLAMA4 = Family(

@@ -43,3 +43,14 @@ def positive(args: argparse.Namespace, name: str, default: float | None, path: P
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
         raise CheckpointError(f"{path}: args.{name}={quote(value)}: must be a positive finite number")
     return float(value)
+
+
+def positive_int(args: argparse.Namespace, name: str, default: Any, path: Path) -> Any:
+    """``args.<name>``, a positive integer; ``default`` when absent or None (Megatron-LM's, for a None it never
+    writes: pgconvert.formats.megatron_args names that in a notice)."""
+    value = getattr(args, name, None)
+    if value is None:
+        return default
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise CheckpointError(f"{path}: args.{name}={quote(value)}: must be a positive integer")
+    return value

@@ -27,22 +27,12 @@ from typing import Any
 from pgconvert.model.config import ModelConfig
 from pgconvert.errors import CheckpointError
 from pgconvert.io.limits import quote
+from pgconvert.semantics.arg_values import positive_int
 
 # Megatron-LM's argument defaults (arguments.py _add_mla_args).
 MEGATRON_MLA_DEFAULTS: dict[str, int | None] = {
     "q_lora_rank": None, "kv_lora_rank": 32, "qk_head_dim": 128, "qk_pos_emb_head_dim": 64, "v_head_dim": 128,
 }
-
-
-def _optional_int(args: argparse.Namespace, name: str, default: int | None, path: Path) -> int | None:
-    """``args.<name>``, a positive integer; ``default`` when absent or None (Megatron-LM's, for a None it
-    never writes: pgconvert.formats.megatron_args names that in a notice)."""
-    value = getattr(args, name, None)
-    if value is None:
-        return default
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise CheckpointError(f"{path}: args.{name}={quote(value)}: must be a positive integer")
-    return value
 
 
 SPARSE_VARIANT = "dsa"
@@ -65,7 +55,7 @@ def _sparse_from_args(args: argparse.Namespace, path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path}: args.dsa_indexer_rope_interleaved={quote(interleaved)}: expected true or false")
     sizes: dict[str, Any] = {"dsa_indexer_rope_interleaved": bool(interleaved)}
     for name in DSA_SIZES:
-        sizes[name] = _optional_int(args, name, None, path)
+        sizes[name] = positive_int(args, name, None, path)
         if sizes[name] is None:
             raise CheckpointError(f"{path}: args.{name} is missing with experimental_attention_variant='dsa'")
     for name, value in DSA_FIXED.items():
@@ -89,12 +79,12 @@ def from_args(args: argparse.Namespace, path: Path) -> dict[str, Any]:
     if getattr(args, "multi_latent_attention", False):
         values["multi_latent_attention"] = True
         for name, default in MEGATRON_MLA_DEFAULTS.items():
-            values[name] = _optional_int(args, name, default, path)
+            values[name] = positive_int(args, name, default, path)
     if getattr(args, "experimental_attention_variant", None) == SPARSE_VARIANT:
         values.update(_sparse_from_args(args, path))
     if getattr(args, "num_experts", None):
-        groups = _optional_int(args, "moe_router_num_groups", None, path)
-        chosen = _optional_int(args, "moe_router_group_topk", None, path)
+        groups = positive_int(args, "moe_router_num_groups", None, path)
+        chosen = positive_int(args, "moe_router_group_topk", None, path)
         if groups is not None and chosen is not None:
             values.update(moe_router_num_groups=groups, moe_router_group_topk=chosen)
     return values

@@ -92,12 +92,31 @@ def _distributed_entry(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     return {"optimizer": {"param_groups": groups}, "param_state_sharding_type": "dp_reshardable"}
 
 
+def two_steps(model: torch.nn.Module, config: Any) -> tuple[list[list[list[str]]], list[torch.optim.Optimizer]]:
+    """megatron-core's ``_get_param_groups`` of ``model`` under ``config`` split into the dense and the
+    expert-parallel optimizer (``get_megatron_optimizer``'s chain), each torch's AdamW, and two steps on ``_grads``:
+    the parameter names per optimizer, group and position, and the optimizers."""
+    from megatron.core.optimizer import _get_param_groups
+
+    groups = _get_param_groups([model], config, None)
+    chained = [[g for g in groups if not g["is_expert_parallel"]], [g for g in groups if g["is_expert_parallel"]]]
+    chained = [groups for groups in chained if groups]
+    names = {id(p): n for n, p in model.named_parameters()}
+    positions = [[[names[id(p)] for p in g["params"]] for g in groups] for groups in chained]
+    optimizers = [torch.optim.AdamW(g, lr=1e-3, weight_decay=0.1) for g in chained]
+    for _ in range(2):
+        _grads(model)
+        for optimizer in optimizers:
+            optimizer.step()
+    return positions, optimizers
+
+
 def _train_rank(path: Path, coords: tuple[int, int, int], sizes: tuple[int, int, int], form: str,
                 group: Any) -> list[list[list[str]]]:
     """Train one rank and rewrite its files; returns megatron-core's parameter names per optimizer, group
     and position."""
     import support.mcore_helpers as mcore
-    from megatron.core.optimizer import OptimizerConfig, _get_param_groups
+    from megatron.core.optimizer import OptimizerConfig
     from support.megatron_fixtures import load_for_test
     from support.mcore_gpt_models import build_model, match_fixture_dtypes
 
@@ -108,17 +127,7 @@ def _train_rank(path: Path, coords: tuple[int, int, int], sizes: tuple[int, int,
     match_fixture_dtypes(model, payload["model"])
     with mcore.fake_group_queries():
         model.load_state_dict(payload["model"], strict=True)
-    groups = _get_param_groups([model], OptimizerConfig(optimizer="adam", lr=1e-3, min_lr=1e-4, weight_decay=0.1),
-                               None)
-    chained = [[g for g in groups if not g["is_expert_parallel"]], [g for g in groups if g["is_expert_parallel"]]]
-    chained = [groups for groups in chained if groups]
-    names = {id(p): n for n, p in model.named_parameters()}
-    positions = [[[names[id(p)] for p in g["params"]] for g in groups] for groups in chained]
-    optimizers = [torch.optim.AdamW(g, lr=1e-3, weight_decay=0.1) for g in chained]
-    for _ in range(2):
-        _grads(model)
-        for optimizer in optimizers:
-            optimizer.step()
+    positions, optimizers = two_steps(model, OptimizerConfig(optimizer="adam", lr=1e-3, min_lr=1e-4, weight_decay=0.1))
     payload["model"] = {k: v for k, v in model.state_dict().items() if k in payload["model"]}
     payload["iteration"] = 2
     payload["args"].use_distributed_optimizer = form == "distributed"

@@ -137,8 +137,8 @@ def _train_rank(kind: str, src: Path, outs: tuple[Path, Path], coords: tuple[int
     """Train one rank; write its plain and distributed forms; return megatron-core's names per optimizer,
     group and position, and per optimizer each parameter's range in the coalesced buffer."""
     import support.mcore_helpers as mcore
-    from support.mcore_moe_optimizer import _distributed_entry, _flat_state, _grads
-    from megatron.core.optimizer import OptimizerConfig, _get_param_groups
+    from support.mcore_moe_optimizer import _distributed_entry, _flat_state, two_steps
+    from megatron.core.optimizer import OptimizerConfig
     from support.megatron_fixtures import load_for_test
     from support.mcore_gpt_models import match_fixture_dtypes
 
@@ -149,16 +149,7 @@ def _train_rank(kind: str, src: Path, outs: tuple[Path, Path], coords: tuple[int
         with mcore.fake_group_queries():
             model.load_state_dict(payload["model"], strict=True)
     config = OptimizerConfig(optimizer="adam", lr=1e-3, min_lr=1e-4, weight_decay=0.1, apply_wd_to_qk_layernorm=qkwd)
-    groups = _get_param_groups([model], config, None)
-    chained = [[g for g in groups if not g["is_expert_parallel"]], [g for g in groups if g["is_expert_parallel"]]]
-    chained = [groups for groups in chained if groups]
-    names = {id(p): n for n, p in model.named_parameters()}
-    positions = [[[names[id(p)] for p in g["params"]] for g in groups] for groups in chained]
-    optimizers = [torch.optim.AdamW(g, lr=1e-3, weight_decay=0.1) for g in chained]
-    for _ in range(2):
-        _grads(model)
-        for optimizer in optimizers:
-            optimizer.step()
+    positions, optimizers = two_steps(model, config)
     payload["model"] = {k: v for k, v in model.state_dict().items() if k in payload["model"]}
     args.apply_wd_to_qk_layernorm = qkwd
     ranges = [_buffer_ranges(model, index == 1, group) for index in range(len(optimizers))]

@@ -136,3 +136,15 @@ def test_the_families_doc_check_sees_a_missing_architecture() -> None:
 
     assert "Gemma2ForCausalLM" not in _doc_architectures(without)
     assert sorted(_doc_architectures(without)) != supported_architectures()
+
+
+def test_the_readme_support_table_counts_the_supported_architectures() -> None:
+    """README's support table states how many architectures pgconvert converts; it is their number."""
+    import re
+
+    from pgconvert.families import supported_architectures
+
+    readme = (ROOT / "README.md").read_text()
+    (row,) = [line for line in readme.splitlines() if line.startswith("| families |")]
+
+    assert re.match(r"\| families \| (\d+) architectures:", row).group(1) == str(len(supported_architectures()))

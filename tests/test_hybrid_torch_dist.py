@@ -210,21 +210,3 @@ def test_a_segment_whose_shape_the_args_contradict_is_named(tiny: Path, tmp_path
             and "mamba_num_groups=4" in result.output), result.output
     assert not (tmp_path / "out").exists()
 
-
-def test_the_optimizer_state_of_a_hybrid_torch_dist_is_named_not_carried_and_refused_under_strict(
-        tiny: Path, tmp_path: Path) -> None:
-    pgconvert.convert(tiny, tmp_path / "dist", dst_format="torch_dist", **FOR_MCORE_016)  # a common.pt to edit
-    common_path = tmp_path / "dist" / ITERATION_DIR / "common.pt"
-    common: dict[str, Any] = load_for_test(common_path)
-    common["optimizer"] = {"param_groups": []}  # a training checkpoint's: the source holds optimizer state
-    common["args"].time_step_min = 0.0  # no clamp, which megatron-core lacks: --strict has nothing else to refuse
-    torch.save(common, common_path)
-
-    result = CliRunner().invoke(main, ["--dst-format", "torch_dist", str(tmp_path / "dist"), str(tmp_path / "out")])
-    strict = CliRunner().invoke(main, ["--strict", "--dst-format", "torch_dist", str(tmp_path / "dist"),
-                                       str(tmp_path / "refused")])
-
-    message = "the optimizer state of the hybrid model hybrid_override_pattern='M-M*-M-M*-M-' (Mamba layers) is not"
-    assert result.exit_code == 0 and message in result.output, result.output
-    assert strict.exit_code == 2 and message in strict.output, strict.output
-    assert not (tmp_path / "refused").exists()

@@ -53,7 +53,6 @@ from pgconvert.formats.torch_dist import (
     DCP_METADATA_FILE,
     EXPERTS_KEY,
     common_state_storage,
-    hybrid_optimizer_refusal,
     is_extra_state,
     refuse_singleton,
     is_training_state,
@@ -274,11 +273,7 @@ class TorchDistSource(CanonicalSource):
         return sharding_type(self.common_state, f"{self.directory} (common state)")
 
     def optimizer_refusal(self) -> str | None:
-        """A hybrid model's optimizer state is not read, nor a MoE model's from the forms whose expert records are
-        not mapped."""
-        hybrid = hybrid_optimizer_refusal(self.config)
-        if hybrid is not None:
-            return hybrid
+        """A MoE model's optimizer state is not read from the forms whose expert records are not mapped."""
         if self._singleton:
             return (f"{self.directory}: optimizer state saved with singleton_local_shards=True (records per expert "
                     "and per gate/up half) is not read; pass --skip-optimizer")

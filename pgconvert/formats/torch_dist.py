@@ -225,16 +225,6 @@ def refuse_singleton(config: ModelConfig, where: str) -> None:
                               "that naming for GPT models only")
 
 
-def hybrid_optimizer_refusal(config: ModelConfig) -> str | None:
-    """Why a hybrid model's optimizer state is not read or written in a distributed checkpoint (None: the model
-    is not hybrid): its Mamba parameters have no place in pgconvert's megatron-core module order
-    (``optimizer.order``), and no test has megatron-core save or load that state."""
-    if config.hybrid_override_pattern is None:
-        return None
-    return (f"torch_dist: the optimizer state of the hybrid model hybrid_override_pattern="
-            f"{quote(config.hybrid_override_pattern)} (Mamba layers) is not converted; pass --skip-optimizer")
-
-
 # megatron-core's ``apply_swiglu_sharded_factory`` with ``singleton_local_shards``: a gated linear_fc1's gate and up
 # halves as keys of their own, the key followed by these.
 GATED_HALVES = ("_w", "_v")

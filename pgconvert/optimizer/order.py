@@ -84,7 +84,8 @@ from pgconvert.errors import CheckpointError, ValidationError
 from pgconvert.model.grid import RankCoord, build_converter_process_groups
 from pgconvert.model.layout import ParallelLayout
 from pgconvert.io.limits import quote
-from pgconvert.model.provider import (EXPERT_PREFIX, EXPERTS_MODULE, FINAL_NORM_BIAS, FINAL_NORM_WEIGHT, LAYER_PREFIX,
+from pgconvert.model.provider import (EXPERT_PREFIX, EXPERTS_MODULE, FINAL_NORM_BIAS, FINAL_NORM_WEIGHT,
+                                HYBRID_FINAL_NORM, LAYER_PREFIX,
                                 MTP_PREFIX, OUTPUT_LAYER, POSITION_EMBEDDINGS, WORD_EMBEDDINGS,
                                 TensorSpec, provide)
 
@@ -124,6 +125,13 @@ _LOCAL_LAYER_ORDER = (
     "self_attention.in_proj.layer_norm_weight", "self_attention.in_proj.weight", "self_attention.in_proj.bias",
     "self_attention.conv1d.weight", "self_attention.conv1d.bias",
     "self_attention.out_norm.weight", "self_attention.out_proj.weight", "self_attention.out_proj.bias",
+    # MambaLayer (ssm/mamba_layer.py, 0.16.1) registers its mixer, then its norm (the local spec's input norm; TE's
+    # is fused into in_proj); MambaMixer builds in_proj, conv1d, its own dt_bias, A_log and D, its gated norm and
+    # out_proj, and named_parameters() yields its own parameters first.
+    "mixer.dt_bias", "mixer.A_log", "mixer.D",
+    "mixer.in_proj.layer_norm_weight", "mixer.in_proj.weight", "mixer.in_proj.bias",
+    "mixer.conv1d.weight", "mixer.conv1d.bias", "mixer.norm.weight", "mixer.out_proj.weight", "mixer.out_proj.bias",
+    "norm.weight", "norm.bias",
     "pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias",
     "mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.layer_norm_bias",
     "mlp.linear_fc1.weight", "mlp.linear_fc1.bias",
@@ -145,7 +153,9 @@ _GROUPED_NAME = re.compile(r"(linear_fc[12])\.(weight|bias)(0|[1-9][0-9]*)")
 _BUFFERS = ("mlp.router.expert_bias",)
 # GPTModel: embedding (word, then position), decoder (layers, then final_layernorm), mtp, output_layer.
 _BEFORE_LAYERS = (WORD_EMBEDDINGS, POSITION_EMBEDDINGS)
-_AFTER_LAYERS = (FINAL_NORM_WEIGHT, FINAL_NORM_BIAS, MTP_PREFIX, OUTPUT_LAYER)
+# A hybrid model's MambaStack: its layers, then final_norm (MambaModel: embedding, decoder, output_layer).
+_AFTER_LAYERS = (FINAL_NORM_WEIGHT, FINAL_NORM_BIAS, HYBRID_FINAL_NORM + "weight", HYBRID_FINAL_NORM + "bias",
+                 MTP_PREFIX, OUTPUT_LAYER)
 # A MultiTokenPredictionLayer registers enorm, hnorm, eh_proj, transformer_layer (a decoder layer's
 # modules; ``mtp_model_layer`` in d98e8a64, same place), final_layernorm (0.16.1 and d98e8a64).
 _MTP_BEFORE_LAYER = ("enorm.weight", "enorm.bias", "hnorm.weight", "hnorm.bias", "eh_proj.weight")

@@ -57,7 +57,6 @@ from pgconvert.formats.torch_dist import (
     SHARDED_BACKEND,
     empty_extra_state,
     extra_state_keys,
-    hybrid_optimizer_refusal,
     tensor_locations,
     write_checkpoint_config,
 )
@@ -234,8 +233,7 @@ class TorchDistSaver(Saver):
 
     def optimizer_refusal(self, source: CanonicalSource, options: SaveOptions,
                           optimizer_options: OptimizerOptions) -> str | None:
-        return (hybrid_optimizer_refusal(target_config(source.config, options))
-                or moe_refusal(source, options.layout, optimizer_options.form))
+        return moe_refusal(source, options.layout, optimizer_options.form)
 
     def optimizer_form(self, optimizer: OptimizerSource, optimizer_options: OptimizerOptions) -> str:
         return written_form(optimizer, optimizer_options.form)

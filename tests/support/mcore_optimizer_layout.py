@@ -1,7 +1,9 @@
 """Run as a script: optimizer state that megatron-core 0.16.1 itself laid out, for a model megatron-core builds on
 the CPU: ``mla``, a DeepSeek-V3-class model (multi-latent attention with or without q-LoRA, MoE with shared experts,
-one multi-token-prediction layer), or ``qwen3_next``, a Qwen3-Next model (gated delta nets and gated attention, MoE
-with a gated shared expert, the released MTP layer; any TP, PP1, EP1: ``support.mcore_qwen3_next``).
+one multi-token-prediction layer), ``qwen3_next``, a Qwen3-Next model (gated delta nets and gated attention, MoE
+with a gated shared expert, the released MTP layer; any TP, PP1, EP1: ``support.mcore_qwen3_next``), or ``mamba``, a
+hybrid model (Mamba-2 mixers, attention, MLP and MoE layers; megatron-core's MambaModel in its local layout:
+``support.mcore_mamba``).
 
 argv: KIND SRC PLAIN DIST QKWD (``qkwd`` or ``-``), repeated for several jobs. SRC is a per-rank Megatron
 checkpoint of that model (pgconvert wrote it from a tiny HF model). Per rank, megatron-core builds its own GPTModel
@@ -97,7 +99,18 @@ def _qwen3_next_model(args: Any, tp_rank: int, pp_rank: int, ep_rank: int) -> It
     yield build_qwen3_next_model(args, RankLayout(args.tensor_model_parallel_size, 1, tp_rank, 0))
 
 
-MODELS = {"mla": _mla_model, "qwen3_next": _qwen3_next_model}
+@contextlib.contextmanager
+def _mamba_model(args: Any, tp_rank: int, pp_rank: int, ep_rank: int) -> Iterator[Any]:
+    """megatron-core's MambaModel of one rank of a hybrid checkpoint (``support.mcore_mamba``: its local layout)."""
+    from support.mcore_helpers import RankLayout
+    from support.mcore_mamba import build_mamba_model
+
+    layout = RankLayout(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, tp_rank, pp_rank,
+                        ep=args.expert_model_parallel_size, ep_rank=ep_rank)
+    yield build_mamba_model(args, layout)
+
+
+MODELS = {"mla": _mla_model, "qwen3_next": _qwen3_next_model, "mamba": _mamba_model}
 
 
 def _buffer_ranges(model: torch.nn.Module, expert: bool, group: Any) -> list[dict[str, Any]]:

@@ -67,3 +67,17 @@ def assert_same_files(original: Path, again: Path, keys: tuple[str, ...] = ("opt
             continue
         for key in keys:
             assert_same_tree(content[key], after[name][key], f"{name}.{key}")
+
+
+def assert_same_through_torch_dist(original: Path, again: Path) -> None:
+    """``again`` (``original`` through torch_dist and back) holds the same state: a plain optimizer's entries whole; a
+    distributed one's ``distrib_optim.pt`` whole and param groups (its entry's ``param_state_sharding_type`` says how
+    the state was saved, which torch_dist does not keep); and the model."""
+    assert_same_files(original, again, ("model",))
+    before, after = per_rank_files(original), per_rank_files(again)
+    for name, content in before.items():
+        if name.endswith("model_optim_rng.pt"):
+            held, back = content["optimizer"], after[name]["optimizer"]
+            if "optimizer" in held:  # the distributed optimizer's entry (a plain one is the state_dict itself)
+                held, back = held["optimizer"]["param_groups"], back["optimizer"]["param_groups"]
+            assert_same_tree(held, back, f"{name}.optimizer")

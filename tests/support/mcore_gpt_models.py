@@ -63,9 +63,6 @@ def build_model(m: TinyModel, tp: int, pp: int, ep: int, tp_rank: int, pp_rank: 
     if not m.is_moe:
         return mcore.build_gpt_model(args, mcore.RankLayout(tp, pp, tp_rank, pp_rank))
     freq = m.moe_layer_freq if isinstance(m.moe_layer_freq, int) else list(m.moe_layer_freq)
-    # transformer_config_from_args copies the args' MoE fields as megatron-LM does; megatron-core
-    # allows the expert bias only with sigmoid scores, which these fixture args do not name.
-    args.moe_router_score_function = "sigmoid" if m.moe_router_enable_expert_bias else "softmax"
     config = dataclasses.replace(
         mcore.transformer_config_from_args(args),
         num_moe_experts=m.num_experts, moe_ffn_hidden_size=m.expert_ffn_hidden_size, moe_layer_freq=freq,

@@ -337,9 +337,12 @@ def make_args(
     ep: int = 1,
     vpp: int | None = None,
 ) -> argparse.Namespace:
-    """The ``args`` Namespace stored in every rank file."""
+    """The ``args`` Namespace stored in every rank file (a MoE model's router with its expert bias scores by sigmoid:
+    megatron-core's TransformerConfig refuses the bias with any other score function, so Megatron-LM records it)."""
     freq = m.moe_layer_freq if isinstance(m.moe_layer_freq, int) else list(m.moe_layer_freq)
+    scores = {"moe_router_score_function": "sigmoid"} if m.is_moe and m.moe_router_enable_expert_bias else {}
     return argparse.Namespace(
+        **scores,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         expert_model_parallel_size=ep,

@@ -119,6 +119,8 @@ SOURCES: dict[str, Callable[[Path], Path]] = {
     "ernie4_5": _tiny_model("ernie4_5"),
     # the same with use_bias (every linear layer biased)
     "ernie4_5-bias": _tiny_model("ernie4_5", use_bias=True),
+    # a partial_rotary_factor in config.json, which ERNIE's rotary ignores (it turns the whole head)
+    "ernie4_5-partial-rotary-key": _tiny_model("ernie4_5", partial_rotary_factor=0.5),
     # dots.llm1's release: per-head q/k norms, MHA, the DeepSeek-V3 router (sigmoid, expert bias, top-6
     # renormalized, x2.5), two shared experts, a dense first layer
     # StarCoder2-3B's shape: LayerNorm with biases, every linear biased, the tanh GELU (activation_func set from

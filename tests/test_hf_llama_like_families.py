@@ -485,6 +485,9 @@ def test_arcee_megatron_args_hold_squared_relu_without_a_gate_and_its_yarn(sourc
      "hidden_act='silu': NemotronForCausalLM is converted only with hidden_act='relu2'"),
     ("nemotron", {"mlp_bias": True}, "Megatron has one setting (add_bias_linear) for both; they must agree"),
     ("nemotron", {"num_key_value_heads": None}, "NemotronAttention divides num_attention_heads by num_key_value_heads"),
+    # Arcee's attention rotates the whole head; its YaRN would size the frequencies by the factor (transformers fails).
+    ("arcee", {"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5 with rope_type 'yarn': that type sizes its "
+                                              "frequencies by the factor"),
 ])
 def test_a_config_megatron_cannot_express_is_refused_by_name(sources: dict[str, Path], tmp_path: Path, family: str,
                                                              change: dict[str, object], message: str) -> None:

@@ -175,21 +175,27 @@ def test_megatron_arg_names_are_megatron_cores_or_megatron_lms() -> None:
 
 
 
-def test_hf_partial_rotary_and_linear_rope_read_into_megatron_args() -> None:
+def test_hf_linear_rope_reads_into_megatron_args_and_a_partial_rotary_llama_cannot_compute_is_refused() -> None:
+    """Llama's attention rotates the whole head: a partial_rotary_factor with a scaled RoPE type sizes frequencies
+    it cannot apply (transformers raises on the first forward), so pgconvert refuses it by name; without it the
+    linear scaling is megatron-core's ``rotary_seq_len_interpolation_factor``."""
+    from pgconvert.errors import PgconvertError
     from pgconvert.formats.hf import model_config_from_hf
     from pgconvert.model.layout import ParallelLayout
     from pgconvert.formats.megatron import args_for_target
 
     doc = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
            "intermediate_size": 128, "vocab_size": 256, "hidden_act": "silu", "attention_dropout": 0.0,
-           "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000.0,
-                               "partial_rotary_factor": 0.5}}
+           "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000.0}}
     _, config, notices = model_config_from_hf(doc, Path("config.json"))
     args = args_for_target(config, ParallelLayout(), 256, torch.float32, None, None)
 
-    assert (config.rotary_percent, config.rope_scaling, config.rope_scaling_factor) == (0.5, "linear", 2.0)
-    assert (args.rotary_percent, args.rotary_seq_len_interpolation_factor, args.rotary_base) == (0.5, 2.0, 1000.0)
+    assert (config.rotary_percent, config.rope_scaling, config.rope_scaling_factor) == (1.0, "linear", 2.0)
+    assert (args.rotary_percent, args.rotary_seq_len_interpolation_factor, args.rotary_base) == (1.0, 2.0, 1000.0)
     assert notices == []
+    partial = {**doc, "rope_parameters": {**doc["rope_parameters"], "partial_rotary_factor": 0.5}}
+    with pytest.raises(PgconvertError, match="partial_rotary_factor=0.5 with rope_type 'linear'"):
+        model_config_from_hf(partial, Path("config.json"))
 
 
 # --- HF -> Megatron -> HF ------------------------------------------------------------------------------

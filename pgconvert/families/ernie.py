@@ -24,7 +24,6 @@ bias too: refused.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 
 from pgconvert.families.deepseek import SHARED_EXPERTS_ROWS, config_count, shared_experts_rule
@@ -44,11 +43,9 @@ from pgconvert.families.llama import (
     head_dim_field,
     max_positions,
     query_groups_field,
-    read_rope,
     rotary_base_field,
 )
 from pgconvert.families.qwen import QWEN_MOE_ROWS
-from pgconvert.semantics.rope import rope_parameters
 from pgconvert.families.table import (
     LEADING_UNIT_AXIS,
     ConfigField,
@@ -85,19 +82,6 @@ def _refuses_split_biases(config: ModelConfig) -> str | None:
     return None
 
 
-def _read_whole_head_rope(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
-    """Llama's RoPE reading without ``partial_rotary_factor``: ERNIE's rotary turns the whole head whatever
-    config.json says (Ernie4_5RotaryEmbedding's frequencies over head_dim, its apply_rotary_pos_emb over every
-    channel; the MoE model's alike), so a factor there is not the model's."""
-    given = {key: value for key, value in present.items()
-             if key not in ("partial_rotary_factor", "rope_scaling", "rope_parameters")}
-    params = {key: value for key, value in rope_parameters(present).items() if key != "partial_rotary_factor"}
-    return read_rope({**given, "rope_parameters": params}, model)
-
-
-WHOLE_HEAD_ROPE_RULE = dataclasses.replace(ROPE_RULE, read=_read_whole_head_rope)
-
-
 ERNIE4_5 = LLAMA.derive(
     "Ernie4_5ForCausalLM", "ernie4_5",
     fields=(
@@ -109,8 +93,7 @@ ERNIE4_5 = LLAMA.derive(
         ConfigField(("tie_word_embeddings",), "tie_embeddings", bool, default=True),
     ),
     rules=(ConfigRule(keys=("use_bias",), model_fields=("add_qkv_bias", "add_bias_linear"), read=_read_use_bias,
-                      write=_write_use_bias, refuses=_refuses_split_biases, null_keys=("use_bias",)),
-           WHOLE_HEAD_ROPE_RULE),
+                      write=_write_use_bias, refuses=_refuses_split_biases, null_keys=("use_bias",)),),
     fixed={"rotary_interleaved": True},
     hf_scratch=ROPE_DEFAULT,
     hf_rotary_interleaved=True,
@@ -223,7 +206,7 @@ ERNIE4_5_MOE = Family(
                    null_keys=("moe_norm_min",)),
         false_only("use_bias", "ERNIE 4.5 MoE biases the attention, dense MLPs and shared experts but not the "
                                "routed experts; megatron-core's add_bias_linear biases the routed experts too"),
-        WHOLE_HEAD_ROPE_RULE,
+        ROPE_RULE,
     ),
     fixed={
         **SWIGLU_RMS_ROPE,

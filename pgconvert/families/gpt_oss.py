@@ -27,7 +27,7 @@ from pgconvert.families.llama import (
     decoder_fields,
     head_dim_field,
     query_groups_field,
-    read_rope,
+    read_whole_head_rope,
 )
 from pgconvert.families.sliding_window import layer_types_of, layer_types_window
 from pgconvert.families.table import (
@@ -81,7 +81,7 @@ def _read_rope(present: Mapping[str, object], model: Mapping[str, object]) -> Ma
     """As every family's, but no ``rope_parameters`` (absent or null) nor ``rope_scaling`` is GptOssConfig's YaRN."""
     if present.get("rope_parameters") is None and not present.get("rope_scaling"):
         present = {**present, "rope_parameters": GPT_OSS_ROPE}
-    return read_rope(present, model)
+    return read_whole_head_rope(present, model)
 
 
 GPT_OSS = Family(

@@ -167,9 +167,26 @@ def write_partial_rope(config: ModelConfig) -> Mapping[str, object]:
     return written
 
 
+def read_whole_head_rope(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
+    """``read_rope`` for a family whose attention rotates the whole head (transformers' default rotary over
+    head_dim, whatever ``partial_rotary_factor`` says): a factor in config.json is not the model's, and is not read
+    (as ``write_rope`` writes none). The other RoPE types size their frequencies by it, which such an attention
+    cannot run (transformers fails): refused."""
+    params = rope_parameters(present)
+    partial = params.get("partial_rotary_factor", present.get("partial_rotary_factor"))
+    if partial is not None and partial != 1 and rope_type_of(params) != "default":
+        raise ValueError(f"partial_rotary_factor={quote(partial)} with rope_type {quote(rope_type_of(params))}: that "
+                         "type sizes its frequencies by the factor, and this family's attention rotates the whole head "
+                         "(transformers cannot run it)")
+    return read_rope({"rope_parameters": {key: value for key, value in params.items()
+                                          if key != "partial_rotary_factor"}}, model)
+
+
+# The families whose attention rotates the whole head; those that compute a partial rotary read it with
+# ``read_rope`` (``partial_rope_rule``, GPT-NeoX's, Phi-3's).
 ROPE_RULE = ConfigRule(keys=("rope_parameters", "rope_scaling", "partial_rotary_factor"),
                        model_fields=("rope_scaling", "rope_scaling_factor", "rotary_percent", *yarn.YARN_FIELDS),
-                       read=read_rope, write=write_rope)
+                       read=read_whole_head_rope, write=write_rope)
 
 
 def partial_rope_rule(default: float, family: str, top_level_null_refused: str | None = None) -> ConfigRule:

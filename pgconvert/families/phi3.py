@@ -26,6 +26,7 @@ from pgconvert.families.llama import (
     head_dim_field,
     max_positions,
     query_groups_field,
+    read_rope,
 )
 from pgconvert.families.mistral import MISTRAL
 from pgconvert.families.sliding_window import EVERY_LAYER_WINDOW
@@ -65,14 +66,14 @@ def _carried(params: Mapping[str, object], present: Mapping[str, object]) -> str
 
 
 def _read_rope(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
-    """Partial rotary and RoPE scaling as every family reads them; a longrope type, which
+    """Partial rotary (which Phi-3 computes) and RoPE scaling as ``read_rope`` reads them; a longrope type, which
     megatron-core cannot compute, is carried whole (``_carried``)."""
     params = rope_parameters(present)
     if rope_type_of(params) not in _CARRIED_ROPE_TYPES:
-        return {**ROPE_RULE.read(present, model), "hf_rope_parameters": None}
+        return {**read_rope(present, model), "hf_rope_parameters": None}
     plain = {"rope_parameters": {key: value for key, value in params.items() if key == "partial_rotary_factor"},
              "partial_rotary_factor": present.get("partial_rotary_factor")}
-    values = dict(ROPE_RULE.read(plain, model))
+    values = dict(read_rope(plain, model))
     return {**values, **yarn.YARN_DEFAULTS, "hf_rope_parameters": _carried(params, present)}
 
 

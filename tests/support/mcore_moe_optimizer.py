@@ -44,22 +44,32 @@ def _grads(model: torch.nn.Module) -> None:
         param.grad = torch.cos(param.detach() * 7.0) * 0.01 + 0.001
 
 
-def _buffer_ranges(model: torch.nn.Module, expert: bool, group: Any) -> list[dict[str, Any]]:
-    """megatron-core's ``_ParamAndGradBuffer`` for the dense (or expert-parallel) parameters: per
-    parameter its (start, end) in the buffer, and the unpadded size."""
+def param_and_grad_buffer(model: torch.nn.Module, expert: bool, group: Any) -> tuple[Any, list[Any]] | None:
+    """megatron-core's ``_ParamAndGradBuffer`` (distributed optimizer, no bucket size) over the dense (or
+    expert-parallel) parameters of ``model``, and those parameters; None where there are none."""
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBuffer
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     params = [p for p in model.parameters() if (not getattr(p, "allreduce", True)) == expert]
     if not params:
-        return []
+        return None
     collection = ProcessGroupCollection()
     collection.tp, collection.dp_cp = group, group
     names = {p: n for n, p in model.named_parameters()}
     buffer = _ParamAndGradBuffer(DistributedDataParallelConfig(use_distributed_optimizer=True), torch.float32,
                                  torch.float32, params, group, None, names, 1.0, list(range(len(params))), False,
                                  collection)
+    return buffer, params
+
+
+def _buffer_ranges(model: torch.nn.Module, expert: bool, group: Any) -> list[dict[str, Any]]:
+    """megatron-core's ``_ParamAndGradBuffer`` for the dense (or expert-parallel) parameters: per
+    parameter its (start, end) in the buffer, and the unpadded size."""
+    made = param_and_grad_buffer(model, expert, group)
+    if made is None:
+        return []
+    buffer, params = made
     assert len(buffer.buckets) == 1
     return [{"numel": buffer.numel_unpadded,
              "ranges": {p: buffer.param_index_map[p][:2] for p in params}}]

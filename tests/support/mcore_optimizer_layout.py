@@ -117,19 +117,13 @@ def _buffer_ranges(model: torch.nn.Module, expert: bool, group: Any) -> list[dic
     """megatron-core's ``_ParamAndGradBuffer`` (distributed optimizer, no bucket size) for the dense (or
     expert-parallel) parameters: each parameter's range in the coalesced buffer (every bucket's padding
     dropped, as ``get_parameter_state_dp_zero`` writes it) and that buffer's size."""
-    from megatron.core.distributed import DistributedDataParallelConfig
-    from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBuffer
-    from megatron.core.process_groups_config import ProcessGroupCollection
+    from support.mcore_moe_optimizer import param_and_grad_buffer
 
-    params = [p for p in model.parameters() if (not getattr(p, "allreduce", True)) == expert]
-    if not params:
+    made = param_and_grad_buffer(model, expert, group)
+    if made is None:
         return []
-    collection = ProcessGroupCollection()
-    collection.tp, collection.dp_cp = group, group
+    buffer, params = made
     names = {p: n for n, p in model.named_parameters()}
-    buffer = _ParamAndGradBuffer(DistributedDataParallelConfig(use_distributed_optimizer=True), torch.float32,
-                                 torch.float32, params, group, None, names, 1.0, list(range(len(params))), False,
-                                 collection)
     starts, total = [], 0
     for bucket in buffer.buckets:  # each bucket's start in the coalesced buffer
         starts.append((bucket.offset, total))

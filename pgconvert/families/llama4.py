@@ -25,7 +25,7 @@ from collections.abc import Mapping
 
 from pgconvert.io.limits import quote
 from pgconvert.model.config import ModelConfig
-from pgconvert.families.experts import AUX_LOSS, dense_layers, expert_count, expert_ffn_size, refuses_dense_model
+from pgconvert.families.experts import AUX_LOSS, expert_count, expert_ffn_size, refuses_dense_model
 from pgconvert.families.llama import (
     ATTENTION_ROWS,
     EMBEDDING_ROWS,
@@ -36,7 +36,7 @@ from pgconvert.families.llama import (
     head_dim_field,
     query_groups_field,
 )
-from pgconvert.families.sliding_window import period_of
+from pgconvert.families.sliding_window import period_of, periodic_layers
 from pgconvert.families.smollm import NOPE_INTERVAL, rope_flags
 from pgconvert.families.table import (
     GATE_UP,
@@ -96,7 +96,7 @@ def _read_moe_layers(present: Mapping[str, object], model: Mapping[str, object])
         step = present.get("interleave_moe_layer_step", 1)
         if not isinstance(step, int) or isinstance(step, bool) or step < 1:
             raise ValueError(f"interleave_moe_layer_step={quote(step)}: expected a positive integer")
-        chosen = list(range(step - 1, layers, step))
+        chosen = [layer for layer, dense in enumerate(periodic_layers(layers, step)) if not dense]
     moe = set(_index_list(chosen, "moe_layers", layers))
     pattern = tuple(int(layer in moe) for layer in range(layers))
     # Each MoE layer's shared_expert is Llama4TextMLP(config): the experts' intermediate_size.
@@ -105,11 +105,11 @@ def _read_moe_layers(present: Mapping[str, object], model: Mapping[str, object])
 
 
 def _write_moe_layers(config: ModelConfig) -> Mapping[str, object]:
-    dense = set(dense_layers(config))
-    moe = [layer for layer in range(config.num_layers) if layer not in dense]
-    step = next((step for step in range(1, config.num_layers + 1)
-                 if moe == list(range(step - 1, config.num_layers, step))), 1)
-    return {"moe_layers": moe, "interleave_moe_layer_step": step}
+    """The MoE layers, and the step that gives them where one does (MoE every step-th layer: its dense layers are
+    ``periodic_layers``)."""
+    dense = tuple(int(not layer.moe) for layer in config.layers)
+    return {"moe_layers": [layer for layer, flag in enumerate(dense) if not flag],
+            "interleave_moe_layer_step": period_of(dense) or 1}
 
 
 def _layer_types(rope: tuple[int, ...], chunk: int | None) -> list[str]:

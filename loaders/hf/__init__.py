@@ -273,20 +273,19 @@ class HFSource(CanonicalSource):
         if changed:
             self._inexact[name] = (f"{', '.join(hf_names)}: {changed} of {full.numel()} values are not kept exactly "
                                    f"by the {row.transform.name} transform")
-            self._notice_changed(row, hf_names, changed, full.numel())
+            self._notice_changed(row, self._inexact[name])
         for copy, why in self._copies.get(name, ()):
             self._check_copy(full, self._read(copy), hf_names[0], copy, why)
         return full
 
-    def _notice_changed(self, row: TensorMapping, hf_names: tuple[str, ...], changed: int, count: int) -> None:
-        """A transform that computes in the tensor's dtype changed values: named once per table row (the first
-        tensor), refused under --strict."""
+    def _notice_changed(self, row: TensorMapping, what: str) -> None:
+        """A transform that computes in the tensor's dtype changed values (``what``): named once per table row (the
+        first tensor), refused under --strict."""
         if row.hf[0] in self._changed_rows:
             return
         self._changed_rows.add(row.hf[0])
-        fallback(f"{', '.join(hf_names)}: {changed} of {count} values are not kept exactly by the {row.transform.name} "
-                 "transform (computed in the tensor's dtype; other tensors of this row may lose bits too)",
-                 self._strict, self.notices)
+        fallback(f"{what} (computed in the tensor's dtype; other tensors of this row may lose bits too)", self._strict,
+                 self.notices)
 
     def _read(self, hf: str) -> torch.Tensor:
         if hf in self._quantized:

@@ -56,7 +56,7 @@ from pgconvert.families.llama import (
     query_groups_field,
     rotary_base_field,
 )
-from pgconvert.families.experts import expert_count
+from pgconvert.families.experts import expert_count, refuses_dense_model
 from pgconvert.families.mtp import MTP_ROWS
 from pgconvert.families.qwen import QWEN_MOE_ROWS
 from pgconvert.families.table import (DROP, GATE_UP, ConfigField, ConfigRule, Family, TensorMapping, TensorTable,
@@ -181,8 +181,9 @@ def dense_prefix_rule(default_dense: int) -> ConfigRule:
         return {"first_k_dense_replace": _dense_prefix(config)}
 
     def refuses(config: ModelConfig) -> str | None:
-        if config.moe.num_experts is None:
-            return "num_experts=None (needs routed experts)"
+        dense = refuses_dense_model(config)
+        if dense is not None:
+            return dense
         if _dense_prefix(config) is None:
             return f"moe_layer_freq={config.moe.moe_layer_freq!r} (needs k dense layers, then MoE layers only)"
         return None
@@ -461,11 +462,8 @@ def mlp_layer_types_rule(default_dense: int) -> ConfigRule:
         return {"first_k_dense_replace": _leading_dense(pattern),
                 "mlp_layer_types": ["sparse" if moe else "dense" for moe in pattern]}
 
-    def refuses(config: ModelConfig) -> str | None:
-        return "num_experts=None (needs routed experts)" if config.moe.num_experts is None else None
-
     return ConfigRule(keys=("first_k_dense_replace", "mlp_layer_types"), model_fields=("moe_layer_freq",), read=read,
-                      write=write, refuses=refuses, null_keys=("first_k_dense_replace",))
+                      write=write, refuses=refuses_dense_model, null_keys=("first_k_dense_replace",))
 
 
 _INDEXED = "indexed_attention"

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from pgconvert.families.deepseek import SHARED_EXPERTS_ROWS, config_count, shared_experts_rule
-from pgconvert.families.experts import AUX_LOSS, expert_count, expert_ffn_size
+from pgconvert.families.experts import AUX_LOSS, expert_count, expert_ffn_size, refuses_dense_model
 from pgconvert.families.llama import (
     ATTENTION_ROWS,
     DENSE_MLP_ROWS,
@@ -159,8 +159,9 @@ def _write_moe_layers(config: ModelConfig) -> Mapping[str, object]:
 
 
 def _refuses_moe_layers(config: ModelConfig) -> str | None:
-    if config.moe.num_experts is None:
-        return "num_experts=None (needs routed experts)"
+    dense = refuses_dense_model(config)
+    if dense is not None:
+        return dense
     if _moe_layer_settings(config) is None:
         freq = config.moe.moe_layer_freq
         return (f"moe_layer_freq={list(freq) if isinstance(freq, tuple) else freq!r} (needs the MoE layers every k-th "

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from pgconvert.families.experts import expert_count
+from pgconvert.families.experts import dense_layers, expert_count, refuses_dense_model
 from pgconvert.families.llama import (
     ATTENTION_ROWS,
     DENSE_MLP_ROWS,
@@ -212,14 +212,14 @@ def _write_experts(config: ModelConfig) -> Mapping[str, object]:
 
 
 def _refuses_experts(config: ModelConfig) -> str | None:
-    moe = config.moe
-    if moe.num_experts is None:
-        return "num_experts=None (needs routed experts)"
+    moe, no_experts = config.moe, refuses_dense_model(config)
+    if no_experts is not None:
+        return no_experts
     if config.expert_ffn_size != config.ffn_hidden_size or moe.moe_shared_expert_intermediate_size != config.ffn_hidden_size:
         return (f"moe_ffn_hidden_size={config.expert_ffn_size}, moe_shared_expert_intermediate_size="
                 f"{moe.moe_shared_expert_intermediate_size} (HunYuan's experts and shared MLP are ffn_hidden_size="
                 f"{config.ffn_hidden_size} wide)")
-    dense = [layer for layer in range(config.num_layers) if not config.layers[layer].moe]
+    dense = dense_layers(config)
     return f"moe_layer_freq={moe.moe_layer_freq!r} (needs every layer MoE; dense layers: {dense})" if dense else None
 
 

@@ -251,7 +251,8 @@ def _layout_option(name: str, help_text: str) -> Any:
 @click.option("--true-vocab-size", type=click.IntRange(min=1), default=None,
               help="Tokenizer vocab size, to strip padding rows and re-pad for the target.")
 @click.option("--dtype", type=click.Choice(list(DTYPE_NAMES)), default="keep", show_default=True,
-              help="Cast floating-point tensors.")
+              help="Cast floating-point tensors; a Megatron run's optimizer state is carried, its weights "
+                   "re-derived from the fp32 masters.")
 @click.option("--max-shard-size", type=ByteSize(), default=None, metavar="SIZE",
               help="Largest safetensors shard of an hf DST, and largest data file (tensor bytes) of a torch_dist "
                    "DST, e.g. 5GB (default), 500MB, 2GiB.")

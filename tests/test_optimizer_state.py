@@ -467,18 +467,3 @@ def test_the_virtual_pipeline_positions_are_megatron_cores_param_groups(tmp_path
     expected = json.loads(done.stdout.strip().splitlines()[-1])
     assert [[[slot.chunk, slot.spec.local_name] for slot in group] for group in slots] == expected
     assert {chunk for group in expected for chunk, _ in group} == {0, 1}
-
-
-def test_a_dtype_change_names_the_optimizer_state_it_drops(tmp_path: Path) -> None:
-    # The bf16 golden's Float16Optimizer state belongs to bf16 weights: fp32 weights would need the plain
-    # optimizer form, so it is not carried; a notice names it (--strict refuses any --dtype cast earlier).
-    src = GOLDENS / "train_tp2dp2_bf16_torch"
-    from click.testing import CliRunner
-    from pgconvert.cli import main
-
-    loose = CliRunner().invoke(main, ["convert", str(src), str(tmp_path / "out"), "--dst-tp", "1", "--dtype", "fp32"],
-                               prog_name="pgconvert")
-    assert loose.exit_code == 0, loose.output
-    assert "--dtype fp32: optimizer state is not carried across a dtype change" in loose.output
-    written = load_for_test(tmp_path / "out" / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt")
-    assert "optimizer" not in written and written["model"]["embedding.word_embeddings.weight"].dtype == torch.float32

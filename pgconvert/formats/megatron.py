@@ -534,7 +534,7 @@ def args_for_target(config: ModelConfig, layout: ParallelLayout, padded_vocab_si
     args = argparse.Namespace(**vars(base)) if base is not None else argparse.Namespace()
     values = _model_args(config)
     values.update(_layout_args(config, layout))
-    values.update(_run_args(padded_vocab_size, dtype, iteration))
+    values.update(_run_args(padded_vocab_size, dtype, iteration, base))
     values.update(semantics_to_args(config, CARRIED_SETTINGS))
     values.update(hybrid_to_args(config))
     values.update(linear_attention_to_args(config))
@@ -601,17 +601,23 @@ def _layout_args(config: ModelConfig, layout: ParallelLayout) -> dict[str, Any]:
     }
 
 
-def _run_args(padded_vocab_size: int, dtype: torch.dtype, iteration: int | None) -> dict[str, Any]:
+def _run_args(padded_vocab_size: int, dtype: torch.dtype, iteration: int | None,
+              base: argparse.Namespace | None) -> dict[str, Any]:
     """The vocab padding, dtype flags, iteration and checkpoint format of the written files."""
+    return {"padded_vocab_size": padded_vocab_size, **run_dtype_args(dtype, base), "iteration": iteration,
+            "ckpt_format": "torch"}
+
+
+def run_dtype_args(dtype: torch.dtype, base: argparse.Namespace | None) -> dict[str, Any]:
+    """The dtype flags of a run in ``dtype`` whose other args are ``base``'s. A run changed to bfloat16 also gets
+    what Megatron-LM's validate_args sets for one: gradients accumulated and all-reduced in fp32 unless
+    ``main_grads_dtype`` is bf16 (it keys the distributed optimizer's flat buffers, ``optimizer.flat``)."""
     dtype_name = str(dtype).removeprefix("torch.")
-    return {
-        "padded_vocab_size": padded_vocab_size,
-        "params_dtype": dtype,
-        "bf16": dtype_name == "bfloat16",
-        "fp16": dtype_name == "float16",
-        "iteration": iteration,
-        "ckpt_format": "torch",
-    }
+    values: dict[str, Any] = {"params_dtype": dtype, "bf16": dtype_name == "bfloat16", "fp16": dtype_name == "float16"}
+    if dtype == torch.bfloat16 and base is not None and _dtype_name(base) != "bfloat16":
+        main_grads = str(getattr(base, "main_grads_dtype", "fp32")).removeprefix("torch.")
+        values["accumulate_allreduce_grads_in_fp32"] = main_grads in ("fp32", "float32")
+    return values
 
 
 def _moe_args(config: ModelConfig) -> dict[str, Any]:

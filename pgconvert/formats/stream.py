@@ -23,6 +23,7 @@ from pgconvert.model.rules import ShardRule
 
 if TYPE_CHECKING:
     from pgconvert.adapters.merge import AdapterMerge
+    from pgconvert.optimizer.retype import MasterWeights
     from pgconvert.formats.hf import HFOrigin
     from pgconvert.formats.hf_side import SideFiles
     from pgconvert.model.layout import ParallelLayout
@@ -171,6 +172,9 @@ class CanonicalSource:
         self.notices: list[str] = []
         # An adapter merged into the tensors as they are read (pgconvert.adapters.merge; set by the conversion).
         self.adapter: AdapterMerge | None = None
+        # The optimizer's fp32 masters read in place of the stored weights: a run carried to another --dtype
+        # (pgconvert.optimizer.retype; set by the conversion).
+        self.masters: MasterWeights | None = None
         self.check_finite = "warn"
         self._nonfinite_seen: set[str] = set()
         self._notices_lock = threading.Lock()
@@ -184,6 +188,8 @@ class CanonicalSource:
     def load(self, name: str) -> torch.Tensor:
         """The full canonical tensor (it may alias the source's memory: do not modify it), with the merged
         adapter's delta added where one changes it."""
+        if self.masters is not None and name in self.masters:
+            return self._checked(name, self.masters.whole(name))
         tensor = self._load(name)
         if self.adapter is not None and name in self.adapter:
             tensor = self.adapter.merged(name, tensor)
@@ -195,6 +201,8 @@ class CanonicalSource:
 
         ``rows`` fits a vocab table to a padded row count first.
         """
+        if self.masters is not None and name in self.masters:
+            return self._checked(name, self.masters.piece(name, rule, size, rank, rows))
         if self.adapter is not None and name in self.adapter:
             if self.adapter.needs_whole(name):  # a saved weight in place of a part: cut from the whole merged tensor
                 whole = self.adapter.merged(name, self._load(name))

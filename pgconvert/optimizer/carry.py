@@ -34,6 +34,7 @@ from pgconvert.optimizer.checks import open_checked
 from pgconvert.optimizer.data_parallel import check_dst_dp
 from pgconvert.optimizer.mla_weight_decay import qk_norm_decay_notice
 from pgconvert.optimizer.order import OptimizerLayoutError, optimizer_count
+from pgconvert.optimizer.retype import float32_load_notice, retype_refusal, retyped
 from pgconvert.optimizer.scaler import lost_scaler
 from pgconvert.optimizer.source import OptimizerSource
 
@@ -142,10 +143,8 @@ def _not_carried(conversion: Plan) -> str | None:
     if request.merge_adapter is not None:
         return (f"--merge-adapter {request.merge_adapter}: the optimizer state (fp32 master weights, moments) is the "
                 "base model's, not the merged one's; pass --skip-optimizer")
-    if request.dtype != "keep":
-        return (f"--dtype {request.dtype}: optimizer state is not carried across a dtype change (the optimizer "
-                "form changes); pass --skip-optimizer")
-    return conversion.source.optimizer_refusal() or conversion.saver.optimizer_refusal(
+    return retype_refusal(conversion.source, conversion.save_options.dtype) \
+        or conversion.source.optimizer_refusal() or conversion.saver.optimizer_refusal(
         conversion.source, conversion.save_options, optimizer_options(request))
 
 
@@ -153,7 +152,24 @@ def carried_optimizer(conversion: Plan, notices: list[str]) -> tuple[OptimizerSo
     """The source's optimizer state and the form the destination writes it in, when this conversion carries
     it, else None. One rule for every source and destination: state that is held but not carried is named
     in a notice (``guess: optimizer state not carried: ...``), and refused under --strict; a broken one is
-    a named error."""
+    a named error. Decided once per conversion (the state is opened and checked once); ``notices`` gets the
+    decision's notices each time."""
+    if conversion.optimizer_decision is None:
+        said: list[str] = []
+        conversion.optimizer_decision = (_decide(conversion, said), said)
+    carried, said = conversion.optimizer_decision
+    notices.extend(said)
+    return carried
+
+
+def attach_masters(conversion: Plan) -> None:
+    """A conversion to another ``--dtype`` that carries the optimizer state decides it while planning: its model
+    weights are then read from the optimizer's masters (``retype.retyped``)."""
+    if conversion.save_options.dtype is not None:
+        carried_optimizer(conversion, [])
+
+
+def _decide(conversion: Plan, notices: list[str]) -> tuple[OptimizerSource, str] | None:
     if not _carries(conversion):
         return None
     strict = conversion.request.strict
@@ -170,6 +186,7 @@ def carried_optimizer(conversion: Plan, notices: list[str]) -> tuple[OptimizerSo
         if "--skip-optimizer" in str(exc):
             raise
         raise OptimizerLayoutError(f"{exc}; pass --skip-optimizer to convert the model alone") from exc
+    optimizer = retyped(conversion.source, optimizer, conversion.save_options.dtype)
     try:
         form = conversion.saver.optimizer_form(optimizer, optimizer_options(conversion.request))
     except ValidationError as exc:
@@ -210,7 +227,8 @@ def _carried_notices(conversion: Plan, optimizer: OptimizerSource, written: Carr
     source.notices[:] = [note for note in source.notices if note != source.training_state_notice]
     return [f"optimizer ({written.form}), scheduler, iteration, floating-point operations and consumed "
             f"samples carried to {options.layout.describe()}; " + RNG_NOTICE, *written.notices] \
-        + qk_norm_decay_notice(optimizer.rules, source.config, target_of(conversion)[0]) + optimizer.notices
+        + qk_norm_decay_notice(optimizer.rules, source.config, target_of(conversion)[0]) \
+        + float32_load_notice(optimizer, written.form) + optimizer.notices
 
 
 def plan_optimizer(conversion: Plan) -> tuple[list[OptimizerFile], list[str]]:

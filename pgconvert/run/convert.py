@@ -40,8 +40,9 @@ from pgconvert.io.threads import serialized
 from pgconvert.io.sizes import itemsize, numel
 from pgconvert.run.manifest import Manifest, hashing, record_files, write_manifest, writing_digest
 from pgconvert.formats.hf_quantized import check_keep_fp8
-from pgconvert.optimizer.carry import (carry_training_state, check_optimizer_options, finalize_carried,
-                                       replace_saver_notice)
+from pgconvert.optimizer.carry import (attach_masters, carry_training_state, check_optimizer_options,
+                                       finalize_carried, replace_saver_notice)
+from pgconvert.optimizer.source import OptimizerSource
 from pgconvert.formats.registry import detect_format, get_loader, get_saver
 from pgconvert.families import CARRIED_SETTINGS
 from pgconvert.semantics import check_target
@@ -129,6 +130,9 @@ class Plan:
     # The bytes of the largest tensor a destination file is written from (in the larger of its source and
     # target dtypes): what producing one file holds in memory besides its write buffers.
     largest_tensor: int = 0
+    # The optimizer state this conversion carries (or None) and the notices that decision gave, once decided
+    # (``pgconvert.optimizer.carry.carried_optimizer``).
+    optimizer_decision: tuple[tuple[OptimizerSource, str] | None, list[str]] | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -303,6 +307,7 @@ def plan(request: ConvertRequest, check_dst: bool = True) -> Plan:
         conversion = Plan(request, src_format, dst_format, source, source.layout, saver, save_options, files,
                           _largest_tensor(source, save_options))
         check_optimizer_options(conversion)  # before anything is written
+        attach_masters(conversion)
     except BaseException:
         source.close()
         raise

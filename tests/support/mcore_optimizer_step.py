@@ -157,6 +157,16 @@ def checkpoint_args(iteration_dir: Path) -> Any:
     return load_for_test(next(iter(sorted(iteration_dir.glob("mp_rank_*/model_optim_rng.pt")))))["args"]
 
 
+def state_loading() -> Any:
+    """How the distributed optimizer's state is loaded: under ``torch.no_grad()``. A float32 run's main params are
+    views of the model's leaf parameters, and megatron-core's per-rank and dp_reshardable loaders
+    (``load_parameter_state_from_dp_zero`` and ``_from_dp_reshardable``, 0.16.1 and Megatron-LM main) copy into them
+    without the ``torch.no_grad()`` its fully_reshardable and model-space loaders have: they raise "a view of a leaf
+    Variable that requires grad is being used in an in-place operation". A bf16 run's main params are fp32 copies,
+    which loading alike under no_grad leaves as they are."""
+    return torch.no_grad()
+
+
 def _load_per_rank(model: Any, optimizer: Any, iteration_dir: Path, args: Any, tp_rank: int, pp_rank: int) -> None:
     from support.megatron_fixtures import load_for_test
 
@@ -166,7 +176,8 @@ def _load_per_rank(model: Any, optimizer: Any, iteration_dir: Path, args: Any, t
     model.load_state_dict(state["model"], strict=True)
     optimizer.load_state_dict(state["optimizer"])
     if args.use_distributed_optimizer:
-        optimizer.load_parameter_state(str(path.parent / "distrib_optim.pt"))
+        with state_loading():
+            optimizer.load_parameter_state(str(path.parent / "distrib_optim.pt"))
 
 
 def _load_torch_dist(model: Any, optimizer: Any, iteration_dir: Path) -> None:
@@ -185,7 +196,8 @@ def _load_torch_dist(model: Any, optimizer: Any, iteration_dir: Path) -> None:
         sharded["optimizer"] = optimizer.sharded_state_dict(sharded, is_loading=True, metadata=metadata)
         loaded = dist_checkpointing.load(sharded, str(iteration_dir))
     model.load_state_dict(loaded["model"], strict=True)
-    optimizer.load_state_dict(loaded["optimizer"])
+    with state_loading():
+        optimizer.load_state_dict(loaded["optimizer"])
 
 
 def _rank(rank: int, world: int, store: str, iteration_dir: Path, grads_path: Path, out_dir: Path) -> None:

@@ -181,13 +181,43 @@ def test_a_mismatched_number_of_chained_optimizers_is_a_named_error(runs: dict[s
     assert not (tmp_path / "out").exists()
 
 
-def test_an_expert_tensor_parallel_size_other_than_tp_is_named_and_refused(runs: dict[str, Path],
-                                                                           tmp_path: Path) -> None:
-    args = ("convert", runs["source"], tmp_path / "out", "--dst-format", "torch_dist", "--dst-optim-form",
-            "dp_reshardable", "--dst-tp", "2", "--dst-expert-tp", "1", "--dst-ep", "2", "--dst-dp", "2", "--strict")
-    assert_clean_refusal(_cli(*args), 2, "expert tensor parallel size 1 differs from tensor parallel size 2",
-                         "not into dp_reshardable", "--dst-optim-form fully_reshardable")
-    assert not (tmp_path / "out").exists()
+ETP1 = ("--dst-tp", "2", "--dst-expert-tp", "1", "--dst-ep", "2", "--dst-dp", "2")
+
+
+def test_an_expert_tensor_parallel_size_other_than_tp_is_carried_in_dp_reshardable(runs: dict[str, Path],
+                                                                                    tmp_path: Path) -> None:
+    """TP2 with expert TP1, EP2, DP2 (4 gloo ranks; expert data-parallel size 2 * 2 / (1 * 2) = 2): megatron-core
+    declares pgconvert's records, holds the source's state for every whole expert it loads from them, and its own
+    save of what it loaded goes back to the source's per-rank files (expert TP = TP) bit for bit."""
+    _convert(runs["source"], tmp_path / "ours", "--dst-format", "torch_dist", *ETP1, "--dst-optim-form",
+             "dp_reshardable")
+    script = Path(__file__).parent / "support" / "mcore_moe_dp_reshardable.py"
+    done = subprocess.run([sys.executable, "-W", "ignore", str(script), str(tmp_path / "ours" / ITER),
+                           str(tmp_path / "mc")], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    reference = _export(runs["source"], tmp_path / "reference")
+    declared: dict[str, object] = {}
+    experts = 0
+    for rank in range(4):
+        report = torch.load(tmp_path / "mc" / f"rank{rank}.pt", weights_only=True)
+        # the expert optimizer's data_parallel_group_idx: the rank in expert tp-ep-pp, here the EP rank
+        assert report["groups"]["expert_dp_size"] == 2 and report["groups"]["idx"][1] == rank % 2
+        declared.update(report["declared"])
+        for name, (offset, tensors) in report["held"][1].items():
+            for key in FIELDS:
+                whole = reference[name][key].reshape(-1)
+                assert torch.equal(tensors[key], whole[offset:offset + tensors[key].numel()]), f"{name}.{key}"
+            experts += tensors["param"].numel()
+    assert experts == sum(tensors["param"].numel() for name, tensors in reference.items() if ".local_experts." in name)
+    stored = optimizer_entries(tmp_path / "ours" / ITER)
+    assert {key: list(md.size) if hasattr(md, "chunks") else None for key, md in stored.items()} == \
+        {(key + "/shard_0_1" if shape is None else key): shape for key, shape in declared.items()}
+    (tmp_path / "saved").mkdir()
+    shutil.move(tmp_path / "mc" / "saved", tmp_path / "saved" / ITER)
+    (tmp_path / "saved" / "latest_checkpointed_iteration.txt").write_text("2")
+    assert assert_records_equal(tmp_path / "saved", tmp_path / "ours", ITER, zero_gaps=False)
+    _convert(tmp_path / "saved", tmp_path / "per_rank", "--dst-format", "megatron", "--dst-tp", "2", "--dst-ep", "2")
+    assert_optimizer_files_equal(runs["source"], tmp_path / "per_rank")
 
 
 def test_record_prefixes_are_the_ranks_in_megatron_cores_model_parallel_groups() -> None:
@@ -216,5 +246,13 @@ def test_record_prefixes_are_the_ranks_in_megatron_cores_model_parallel_groups()
         coord = RankCoord(tp=rank % 2, pp=rank // 8, ep=index(expert.get_ranks("ep"), rank))
         assert record_prefix(config, layout, coord, 0) == \
             f"chained_0.optimizer.distributed.dp_group_idx_{index(dense.get_ranks('tp-pp'), rank)}"
+        assert record_prefix(config, layout, coord, 1) == \
+            f"chained_1.optimizer.distributed.dp_group_idx_{index(expert.get_ranks('tp-ep-pp'), rank)}"
+    # expert TP 1 at TP 2: the expert grid is expert tp 1 x ep 2 x expert dp 4 x pp 2
+    expert = RankGenerator(tp=1, ep=2, dp=4, pp=2, cp=1, order=order, rank_offset=0)
+    layout = ParallelLayout(tp=2, pp=2, ep=2, expert_tp=1)
+    assert optimizer_dp(config, layout, 4, None, 1, "here") == 4
+    for rank in range(16):
+        coord = RankCoord(tp=0, pp=rank // 8, ep=index(expert.get_ranks("ep"), rank), etp=0)
         assert record_prefix(config, layout, coord, 1) == \
             f"chained_1.optimizer.distributed.dp_group_idx_{index(expert.get_ranks('tp-ep-pp'), rank)}"

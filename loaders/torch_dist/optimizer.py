@@ -96,7 +96,7 @@ class TorchDistOptimizerSource(OptimizerSource):
         self.rules = OptimizerRules.from_args(args, where)
         self.form = plain or FORM_DISTRIBUTED  # a plain source presents itself in its per-rank form
         self.args = args
-        self._owners, self._slots = self._index_slots()
+        self._owners = self._index_slots()
         chained = self._chained = self._chained_groups(common, where)
         self._step = plain_step(common["optimizer"], plain, where) if plain else \
             _one_step([group for groups in chained for group in groups], where)
@@ -111,19 +111,23 @@ class TorchDistOptimizerSource(OptimizerSource):
         if self.form != FORM_FP32:  # FP32Optimizer keeps no masters: the weights are
             self._check_masters()
 
-    def _index_slots(self) -> tuple[dict[str, list[tuple[_Owner, OptimizerSlot]]], dict[RankCoord, list]]:
-        """Per canonical name its TP pieces (from the first stage holding it), and each rank's slots."""
+    def _index_slots(self) -> dict[str, list[tuple[_Owner, OptimizerSlot]]]:
+        """Per canonical name its TP pieces (expert TP pieces for an expert), from the first stage holding it: every
+        expert-parallel rank's experts, a dense parameter's pieces from EP rank 0. With an expert tensor-parallel
+        size other than TP, the experts come from the expert optimizer's own ranks (``optimizer_ranks``)."""
         owners: dict[str, tuple[tuple[int, int, int], list[tuple[_Owner, OptimizerSlot]]]] = {}
-        slots: dict[RankCoord, list] = {}
-        # every expert-parallel rank (its experts); a dense parameter's pieces from EP rank 0
-        for pp, ep, tp in itertools.product(range(self.layout.pp), range(self.layout.ep), range(self.layout.tp)):
-            coord = RankCoord(tp=tp, pp=pp, ep=ep)
-            slots[coord] = optimizer_slots(self.config, self.layout, coord, self.rules, self.vocab_rows)
-            for slot in (slot for group in slots[coord] for slot in group):
-                held = owners.setdefault(slot.spec.canonical, ((pp, slot.chunk, ep), []))
-                if held[0] == (pp, slot.chunk, ep):
+        apart = self.layout.expert_tp_size != self.layout.tp and optimizer_count(self.config, self.layout) > 1
+        coords = [RankCoord(tp=tp, pp=pp, ep=ep) for pp, ep, tp in
+                  itertools.product(range(self.layout.pp), range(self.layout.ep), range(self.layout.tp))]
+        for coord in coords + (optimizer_ranks(self.config, self.layout, 1) if apart else []):
+            for slot in (slot for group in optimizer_slots(self.config, self.layout, coord, self.rules,
+                                                           self.vocab_rows) for slot in group):
+                if apart and (slot.optimizer == 1) != (coord.etp is not None):
+                    continue
+                held = owners.setdefault(slot.spec.canonical, ((coord.pp, slot.chunk, coord.ep), []))
+                if held[0] == (coord.pp, slot.chunk, coord.ep):
                     held[1].append((_Owner(self.source.directory, coord), slot))
-        return {name: sorted(pieces, key=lambda p: p[1].spec.tp_rank) for name, (_, pieces) in owners.items()}, slots
+        return {name: sorted(pieces, key=lambda p: p[1].spec.tp_rank) for name, (_, pieces) in owners.items()}
 
     def _chained_groups(self, common: dict[str, Any], where: str) -> list[list[dict[str, Any]]]:
         """Per chained optimizer (dense, then expert-parallel), its param groups (hyperparameters and

@@ -283,7 +283,7 @@ class TorchDistSource(CanonicalSource):
             form = self.stored_optimizer_form()
         except PgconvertError:
             return None  # open_optimizer names it
-        return moe_form_refusal(self.config.moe.num_experts, "from", form, self.layout)
+        return moe_form_refusal(self.config.moe.num_experts, "from", form)
 
     def open_optimizer(self) -> TorchDistOptimizerSource:
         return TorchDistOptimizerSource(self)

@@ -65,9 +65,13 @@ def state_key(stored_field: str, model_key: str) -> str:
 
 def record_prefix(config: ModelConfig, layout: ParallelLayout, coord: RankCoord, optimizer: int = 0) -> str:
     """``[chained_<i>.]optimizer.distributed.dp_group_idx_<g>`` of chained optimizer ``optimizer`` on rank ``coord``:
-    ``g`` the rank in its model-parallel group (dense: tp-pp; expert: tp-ep-pp, tp fastest)."""
+    ``g`` the rank in its model-parallel group (dense: tp-pp; expert: expert tp-ep-pp, expert tp fastest)."""
     chained = f"chained_{optimizer}." if optimizer_count(config, layout) > 1 else ""
-    index = coord.tp + layout.tp * (coord.pp if optimizer == 0 else coord.ep + layout.ep * coord.pp)
+    if optimizer == 0:
+        index = coord.tp + layout.tp * coord.pp
+    else:
+        etp = coord.tp if coord.etp is None else coord.etp
+        index = etp + layout.expert_tp_size * (coord.ep + layout.ep * coord.pp)
     return f"{chained}optimizer.distributed.dp_group_idx_{index}"
 
 
@@ -101,19 +105,12 @@ def common_entry(groups: list[list[dict[str, Any]]]) -> dict[Any, Any]:
     return entries[0] if len(entries) == 1 else dict(enumerate(entries))
 
 
-def moe_form_refusal(num_experts: int, side: str, form: str | None, layout: ParallelLayout) -> str | None:
-    """Why a MoE model's optimizer state is not carried ``side`` ("from" or "into") torch_dist in ``form`` at
-    ``layout`` (None: it is): not in the fully_sharded_model_space form, nor dp_reshardable at expert parallel
-    size > 1 with an expert tensor parallel size other than the tensor parallel size (the expert optimizer's
-    records are mapped only for equal sizes)."""
+def moe_form_refusal(num_experts: int, side: str, form: str | None) -> str | None:
+    """Why a MoE model's optimizer state is not carried ``side`` ("from" or "into") torch_dist in ``form`` (None: it
+    is): not in the fully_sharded_model_space form."""
     hint = "--skip-optimizer" if side == "from" else "--dst-optim-form fully_reshardable or --skip-optimizer"
     if form == FS_MODEL_SPACE:
         return (f"optimizer state not carried: num_experts={num_experts}: a MoE model's optimizer "
                 "state (megatron-core's chained dense and expert optimizers) is carried from or into torch_dist "
                 f"in the fully_reshardable and dp_reshardable forms only, not {side} {form}; pass {hint}")
-    if form == DP_RESHARDABLE and layout.ep > 1 and layout.expert_tp_size != layout.tp:
-        return (f"optimizer state not carried: num_experts={num_experts}: expert tensor parallel "
-                f"size {layout.expert_tp_size} differs from tensor parallel size {layout.tp}: the expert "
-                f"optimizer's dp_reshardable records are not mapped for that, not {side} dp_reshardable; "
-                f"pass {hint}")
     return None

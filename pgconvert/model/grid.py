@@ -44,11 +44,13 @@ class FakeProcessGroup:
 
 @dataclass(frozen=True)
 class RankCoord:
-    """One rank of a layout: its tensor, pipeline and expert parallel ranks."""
+    """One rank of a layout: its tensor, pipeline and expert parallel ranks, and its expert tensor-parallel rank where
+    the expert tensor-parallel size differs from the tensor-parallel size (None: the tensor-parallel rank, or 0)."""
 
     tp: int
     pp: int
     ep: int = 0
+    etp: int | None = None
 
 
 @dataclass
@@ -80,7 +82,7 @@ class ProcessGroupCollection:
             self.ep.set_rank(ep)
 
     def set_coord(self, coord: RankCoord) -> None:
-        self.set_ranks(tp=coord.tp, pp=coord.pp, ep=coord.ep)
+        self.set_ranks(tp=coord.tp, pp=coord.pp, ep=coord.ep, expt_tp=coord.etp)
 
     @property
     def coord(self) -> RankCoord:

@@ -25,12 +25,10 @@ from pgconvert.formats.megatron_args import megatron_data_parallel_size
 from pgconvert.model.config import ModelConfig
 from pgconvert.model.grid import RankCoord
 from pgconvert.model.layout import ParallelLayout
-from pgconvert.optimizer.order import MEGATRON_CORE_VERSIONS, UnsupportedOptimizerError
+from pgconvert.optimizer.order import UnsupportedOptimizerError
 
 if TYPE_CHECKING:
     from pgconvert.formats import Saver
-
-_VERSIONS = "megatron-core " + " / ".join(MEGATRON_CORE_VERSIONS)
 
 
 def dp_size(args: argparse.Namespace | None) -> int:
@@ -70,10 +68,16 @@ def with_dst_dp(args: Any, layout: ParallelLayout, dp: int) -> Any:
 
 
 def optimizer_ranks(config: ModelConfig, layout: ParallelLayout, optimizer: int) -> list[RankCoord]:
-    """The ranks whose state chained optimizer ``optimizer`` keeps apart: dense, one per TP x PP (its
-    parameters are the same on every EP rank); expert, one per TP x EP x PP."""
-    eps = range(layout.ep) if optimizer == 1 else range(1)
-    return [RankCoord(tp=tp, pp=pp, ep=ep) for pp in range(layout.pp) for ep in eps for tp in range(layout.tp)]
+    """The ranks whose state chained optimizer ``optimizer`` keeps apart, in megatron-core's model-parallel order:
+    dense, one per TP x PP (its parameters are the same on every EP rank); expert, one per expert TP x EP x PP (with an
+    expert tensor-parallel size other than TP, each named by its ``etp`` rank)."""
+    if optimizer == 0:
+        return [RankCoord(tp=tp, pp=pp) for pp in range(layout.pp) for tp in range(layout.tp)]
+    if layout.expert_tp_size == layout.tp:
+        return [RankCoord(tp=tp, pp=pp, ep=ep) for pp in range(layout.pp) for ep in range(layout.ep)
+                for tp in range(layout.tp)]
+    return [RankCoord(tp=0, pp=pp, ep=ep, etp=etp) for pp in range(layout.pp) for ep in range(layout.ep)
+            for etp in range(layout.expert_tp_size)]
 
 
 def optimizer_dp(config: ModelConfig, layout: ParallelLayout, dp: int, args: Any, optimizer: int, where: str) -> int:
@@ -83,11 +87,6 @@ def optimizer_dp(config: ModelConfig, layout: ParallelLayout, dp: int, args: Any
     cp = int(getattr(args, "context_parallel_size", None) or 1)
     if optimizer == 0:
         return dp * cp
-    if layout.expert_tp_size != layout.tp:
-        raise UnsupportedOptimizerError(
-            f"{where}: expert tensor parallel size {layout.expert_tp_size} differs from tensor parallel size "
-            f"{layout.tp}: the expert optimizer's dp_reshardable records are not mapped for that ({_VERSIONS}); "
-            "pass --skip-optimizer, or the fully_reshardable form")
     ranks = layout.tp * cp * dp
     if ranks % (layout.expert_tp_size * layout.ep):
         raise UnsupportedOptimizerError(

@@ -233,7 +233,7 @@ class TorchDistSaver(Saver):
 
     def optimizer_refusal(self, source: CanonicalSource, options: SaveOptions,
                           optimizer_options: OptimizerOptions) -> str | None:
-        return moe_refusal(source, options.layout, optimizer_options.form)
+        return moe_refusal(source, optimizer_options.form)
 
     def optimizer_form(self, optimizer: OptimizerSource, optimizer_options: OptimizerOptions) -> str:
         return written_form(optimizer, optimizer_options.form)

@@ -19,7 +19,6 @@ from pgconvert.formats.torch_dist_optimizer import (DP_RESHARDABLE, FS_MODEL_SPA
                                                     moe_form_refusal)
 from pgconvert.io.dcp_writer import DEFAULT_MAX_DATA_FILE_SIZE
 from pgconvert.model.grid import RankCoord
-from pgconvert.model.layout import ParallelLayout
 from pgconvert.optimizer.data_parallel import dp_size, with_dst_dp
 from pgconvert.optimizer.order import chained_slots
 from pgconvert.optimizer.source import FORM_DISTRIBUTED, OptimizerSource
@@ -35,16 +34,16 @@ from pgconvert.savers.torch_dist.optimizer_records import (RecordsShare, chunk_n
 DST_FORMS = (FULLY_RESHARDABLE, DP_RESHARDABLE, FS_MODEL_SPACE)
 
 
-def moe_refusal(source: CanonicalSource, layout: ParallelLayout, requested: str | None) -> str | None:
-    """Why a MoE model's optimizer state is not written into this destination's form at ``layout`` (None: it
-    is): the form requested, else the source's own, else fully_reshardable (``moe_form_refusal``)."""
+def moe_refusal(source: CanonicalSource, requested: str | None) -> str | None:
+    """Why a MoE model's optimizer state is not written into this destination's form (None: it is): the form
+    requested, else the source's own, else fully_reshardable (``moe_form_refusal``)."""
     if not source.config.moe.num_experts:
         return None
     try:
         own = source.stored_optimizer_form()
     except PgconvertError:
         return None  # the source's open_optimizer names it
-    return moe_form_refusal(source.config.moe.num_experts, "into", requested or own or FULLY_RESHARDABLE, layout)
+    return moe_form_refusal(source.config.moe.num_experts, "into", requested or own or FULLY_RESHARDABLE)
 
 
 def written_form(optimizer: OptimizerSource, requested: str | None) -> str:

@@ -69,14 +69,15 @@ def _rank(rank: int, world: int, store: str, iteration_dir: Path, out_dir: Path)
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     from support.megatron_fixtures import allowed_globals, load_for_test
-    from support.mcore_moe_fully_reshardable import _model
+    from support.mcore_moe_fully_reshardable import _model, expert_tp
 
     mcore_cpu_shim.install()
     common = load_for_test(iteration_dir / "common.pt")
     args = common["args"]
     tp, ep = args.tensor_model_parallel_size, args.expert_model_parallel_size
     torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    parallel_state.initialize_model_parallel(tp, 1, expert_model_parallel_size=ep, expert_tensor_parallel_size=tp)
+    parallel_state.initialize_model_parallel(tp, 1, expert_model_parallel_size=ep,
+                                             expert_tensor_parallel_size=expert_tp(args))
     ddp = _model(args)
     optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, min_lr=1e-4, weight_decay=0.1,
                                                        use_distributed_optimizer=True), [ddp])

@@ -49,7 +49,7 @@ def _model(args: Any) -> Any:
         moe_layer_freq=list(m.moe_layer_freq), moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,
         moe_shared_expert_gate=m.moe_shared_expert_gate, moe_router_enable_expert_bias=m.moe_router_enable_expert_bias,
         moe_router_score_function="sigmoid", moe_router_topk=2, expert_model_parallel_size=ep,
-        expert_tensor_parallel_size=tp, moe_token_dispatcher_type="allgather", add_bias_linear=False,
+        expert_tensor_parallel_size=expert_tp(args), moe_token_dispatcher_type="allgather", add_bias_linear=False,
         perform_initialization=True)
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=args.normalization)
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
@@ -60,6 +60,11 @@ def _model(args: Any) -> Any:
     ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=distributed, overlap_grad_reduce=False,
                                                overlap_param_gather=False)
     return DistributedDataParallel(config, ddp_config, model)
+
+
+def expert_tp(args: Any) -> int:
+    """The checkpoint's expert tensor-parallel size (its tensor-parallel size where it records none)."""
+    return getattr(args, "expert_tensor_parallel_size", None) or args.tensor_model_parallel_size
 
 
 def _declared(sharded: Any) -> dict[str, list[int]]:
@@ -93,7 +98,8 @@ def _rank(rank: int, world: int, store: str, iteration_dir: Path, out_dir: Path)
     args = load_for_test(iteration_dir / "common.pt")["args"]
     tp, ep = args.tensor_model_parallel_size, args.expert_model_parallel_size
     torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    parallel_state.initialize_model_parallel(tp, 1, expert_model_parallel_size=ep, expert_tensor_parallel_size=tp)
+    parallel_state.initialize_model_parallel(tp, 1, expert_model_parallel_size=ep,
+                                             expert_tensor_parallel_size=expert_tp(args))
     ddp = _model(args)
     distributed = bool(getattr(args, "use_distributed_optimizer", True))  # or the chained plain ones
     optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, min_lr=1e-4, weight_decay=0.1,

@@ -97,7 +97,7 @@ class LanguageModelSource(CanonicalSource):
 
 def _left_out(config: ModelConfig, files: list[str]) -> str:
     """The notice naming what ``--text-only`` leaves out of a VL model."""
-    tensors = tower_tensors(config.vision.vision_config)
+    tensors = tower_tensors(config.vision.vision_config, config.hidden_size)
     parts = {part: [tensor.name for tensor in tensors if tensor.part == part] for part in ("tower", "projector")}
     named = {part: f"{len(names)} tensors: {names[0]} … {names[-1]}" if len(names) > 2 else ", ".join(names)
              for part, names in parts.items()}

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from support.cli_helpers import assert_clean_refusal, run_cli
 from support.hf_helpers import assert_same_hf_tensors, load_hf_tensors
 from support.megatron_fixtures import load_for_test
 from support.vision_language_models import build_gemma3_vl_model, gemma3_image_text_inputs, vl_logits
@@ -224,8 +225,20 @@ def test_a_missing_projector_tensor_is_a_named_error(source: Path, tmp_path: Pat
     tensors = load_file(str(src / "model.safetensors"))
     del tensors[PROJECTION]
     save_file(tensors, str(src / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(PgconvertError, match=r"missing: \['multi_modal_projector\.mm_input_projection_weight'\]"):
-        pgconvert.convert(src, tmp_path / "out", dst_format="megatron", dst_tp=2)
+    result = run_cli(src, tmp_path / "out", "--dst-format", "megatron", "--dst-tp", "2")
+    assert_clean_refusal(result, 1, "missing: ['multi_modal_projector.mm_input_projection_weight']")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_tower_tensor_stored_under_both_names_is_a_named_error(source: Path, tmp_path: Path) -> None:
+    src = _edited(source, tmp_path)
+    tensors = load_file(str(src / "model.safetensors"))
+    name = "vision_tower.post_layernorm.weight"
+    tensors[name.replace("vision_tower.", "vision_tower.vision_model.")] = tensors[name].clone()
+    save_file(tensors, str(src / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(PgconvertError, match=r"stores vision_tower\.post_layernorm\.weight twice: under that name and "
+                                             r"as vision_tower\.vision_model\.post_layernorm\.weight"):
+        pgconvert.convert(src, tmp_path / "out", dst_format="megatron")
     assert not (tmp_path / "out").exists()
 
 
@@ -238,3 +251,33 @@ def test_a_rank_file_without_the_projection_is_a_named_error(tp2_pp2: Path, tmp_
     with pytest.raises(PgconvertError, match=r"mp_rank_01_000.*missing: \['multi_modal_projector\.proj\.weight'\]"):
         pgconvert.convert(copy, tmp_path / "out", dst_format="hf", dst_tp=1, dst_pp=1)
     assert not (tmp_path / "out").exists()
+
+
+def test_the_first_stage_holds_megatron_bridges_vision_modules_giving_transformers_image_features(
+        source: Path, tp2_pp2: Path, expected: Expected) -> None:
+    """As Megatron-Bridge's Gemma3VLModel builds its vision part: transformers' SigLIP vision model from
+    ``args.vision_config`` takes a rank file's ``vision_tower.*`` strictly, and its Gemma3VLMultimodalProjector (average
+    pooling to mm_tokens_per_image, a zero-centred RMSNorm, the column-parallel ``proj`` gathered over TP) gives the
+    image features transformers computes from the source."""
+    from transformers import AutoModel, Gemma3ForConditionalGeneration, SiglipVisionConfig
+
+    ranks = [_rank_model(tp2_pp2, f"mp_rank_0{tp}_000") for tp in range(2)]
+    args = ranks[1]["args"]
+    vision = {key: value for key, value in json.loads(args.vision_config).items() if key != "model_type"}
+    built = AutoModel.from_config(SiglipVisionConfig(**vision))
+    tower = getattr(built, "vision_model", built).eval()  # Bridge's unwrapping (transformers 5 has no wrapper)
+    tower.load_state_dict({name.removeprefix("vision_tower."): tensor for name, tensor in ranks[1]["model"].items()
+                           if name.startswith("vision_tower.")}, strict=True)
+    pixels = expected[0]["pixel_values"]
+    tokens = json.loads(args.vision_token_ids)["mm_tokens_per_image"]
+    with torch.no_grad():
+        hidden = tower(pixel_values=pixels).last_hidden_state  # [b, patches, vision hidden]
+        side = vision["image_size"] // vision["patch_size"]
+        grid = hidden.transpose(1, 2).reshape(hidden.shape[0], hidden.shape[2], side, side)
+        pooled = torch.nn.functional.avg_pool2d(grid, side // int(tokens ** 0.5)).flatten(2).transpose(1, 2)
+        norm = ranks[0]["model"]["multi_modal_projector.mm_soft_embed_norm.weight"]
+        normed = pooled * torch.rsqrt(pooled.pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + norm)
+        features = normed @ torch.cat([rank["model"]["multi_modal_projector.proj.weight"] for rank in ranks]).t()
+        hf = Gemma3ForConditionalGeneration.from_pretrained(source, dtype=torch.float32).eval()
+        reference = hf.model.get_image_features(pixel_values=pixels).pooler_output
+    torch.testing.assert_close(features, reference, rtol=1e-5, atol=1e-5)

@@ -1,4 +1,4 @@
-"""Gemma 3 image-text (``Gemma3ForConditionalGeneration``): Gemma 3's language model with a SigLIP tower and a projector.
+"""Gemma 3 image-text (``Gemma3ForConditionalGeneration``): Gemma 3's language model, a SigLIP tower, a projector.
 
 A checkpoint (released, or saved by transformers 5) stores Gemma 3's tensors under ``language_model.model.`` (the
 output layer is tied: no ``lm_head``), the tower under ``vision_tower.`` (the releases: under SigLIP's wrapper,

@@ -200,7 +200,8 @@ def _siglip_embeddings(vision: Mapping[str, Any], width: int) -> list[VisionTens
     """The patch embedding (a convolution of ``patch_size`` stride) and the position table, one row per patch."""
     patch, image = _size(vision, "patch_size", 16), _size(vision, "image_size", 224)
     shapes = ((width, _size(vision, "num_channels", 3), patch, patch), (width,), ((image // patch) ** 2, width))
-    return [VisionTensor(SIGLIP_MODULE + name, shape, "tower") for name, shape in zip(_SIGLIP_EMBEDDINGS, shapes)]
+    return [VisionTensor(SIGLIP_MODULE + name, shape, "tower")
+            for name, shape in zip(_SIGLIP_EMBEDDINGS, shapes, strict=True)]
 
 
 def gemma3_vision(vision: Mapping[str, Any], hidden_size: int) -> list[VisionTensor]:

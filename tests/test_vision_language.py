@@ -342,7 +342,7 @@ def test_a_towers_tensor_megatron_shards_is_cut_by_its_rule(monkeypatch: pytest.
     from pgconvert.savers.megatron import MegatronSaver
     from pgconvert.model.vision import TOWERS, Tower, VisionTensor
 
-    def tower(vision: dict[str, object]) -> list[VisionTensor]:
+    def tower(vision: dict[str, object], hidden_size: int) -> list[VisionTensor]:
         return [VisionTensor("visual.norm.weight", (4,), "tower"),
                 VisionTensor("visual.proj.weight", (16, 4), "projector", COLUMN)]
 

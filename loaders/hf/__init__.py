@@ -93,6 +93,24 @@ def _locate_tensors(directory: Path) -> tuple[dict[str, Path], dict[str, TensorM
     return files, metas
 
 
+def _table_names(family: Family, files: dict[str, Path], stored: dict[str, TensorMeta], directory: Path,
+                 ) -> tuple[dict[str, Path], dict[str, TensorMeta], dict[str, str]]:
+    """``files`` and ``stored`` by the table's names where a tensor is stored under an older prefix the family
+    accepts (``Family.hf_stored_prefixes``), and each such tensor's stored name by its table name."""
+    stored_as: dict[str, str] = {}
+    for name in stored:
+        for older, current in family.hf_stored_prefixes:
+            if name.startswith(older):
+                stored_as[current + name.removeprefix(older)] = name
+                break
+    twice = sorted(set(stored_as) & set(stored))
+    if twice:
+        raise CheckpointError(f"{directory}: stores {twice[0]} twice: under that name and as {stored_as[twice[0]]}")
+    table_name = {name: table for table, name in stored_as.items()}
+    return ({table_name.get(name, name): path for name, path in files.items()},
+            {table_name.get(name, name): meta for name, meta in stored.items()}, stored_as)
+
+
 class HFSource(CanonicalSource):
     """An HF checkpoint seen as the canonical stream; it has no parallel layout."""
 
@@ -109,6 +127,8 @@ class HFSource(CanonicalSource):
         self._quantized = QuantizedTensors.find(doc, config_path, self._files, stored, options.keep_quantized,
                                                 options.dequantize_dtype)
         self._files, stored = self._quantized.logical()
+        # The table's name of a tensor stored under an older prefix -> its stored name.
+        self._files, stored, self._stored_as = _table_names(family, self._files, stored, directory)
         embedding = family.tensors.to_hf(WORD_EMBEDDINGS)
         stored_dtype = stored[embedding[1][0]].dtype if embedding and embedding[1][0] in stored else None
         weights = directory / (SINGLE_FILE if (directory / SINGLE_FILE).is_file() else INDEX_FILE)
@@ -198,8 +218,8 @@ class HFSource(CanonicalSource):
                 found_shape = stored[name].shape
                 if found_shape != shape:
                     raise CheckpointError(
-                        f"{self._files[name]}: {name} has shape {list(found_shape)}, expected {list(shape)} "
-                        f"from config.json ({self._shape_keys(family, config, canonical, row)})"
+                        f"{self._files[name]}: {self._stored(name)} has shape {list(found_shape)}, expected "
+                        f"{list(shape)} from config.json ({self._shape_keys(family, config, canonical, row)})"
                     )
             dtypes = {stored[name].dtype for name in names}
             if len(dtypes) > 1:
@@ -253,13 +273,18 @@ class HFSource(CanonicalSource):
     def nonfinite_parts(self, name: str) -> list[str]:
         _, hf_names = self._rows[name]
         found = [part for hf in hf_names for part in self._stored_parts(hf)
-                 if not all_finite(self._quantized.read_stored(part) if hf in self._quantized
-                                    else read_tensor(self._files[hf], hf))]
+                 if not all_finite(self._quantized.read_stored(part) if self._stored(hf) in self._quantized
+                                   else read_tensor(self._files[hf], part))]
         return found or self.stored_names(name)  # finite parts that dequantize to Inf: name them all
+
+    def _stored(self, hf: str) -> str:
+        """The stored (logical) name of the table's HF tensor ``hf``."""
+        return self._stored_as.get(hf, hf)
 
     def _stored_parts(self, hf: str) -> tuple[str, ...]:
         """An HF tensor's stored tensors: itself, or a quantized one's data and scale."""
-        return self._quantized.entries[hf].parts if hf in self._quantized else (hf,)
+        name = self._stored(hf)
+        return self._quantized.entries[name].parts if name in self._quantized else (name,)
 
     def _load(self, name: str) -> torch.Tensor:
         row, hf_names = self._rows[name]
@@ -288,14 +313,16 @@ class HFSource(CanonicalSource):
                  self.notices)
 
     def _read(self, hf: str) -> torch.Tensor:
-        if hf in self._quantized:
-            return self._quantized.read(hf)
-        return read_tensor(self._files[hf], hf)
+        name = self._stored(hf)
+        if name in self._quantized:
+            return self._quantized.read(name)
+        return read_tensor(self._files[hf], name)
 
     def _read_range(self, hf: str, dim: int, start: int, stop: int) -> torch.Tensor:
-        if hf in self._quantized:
-            return self._quantized.read_range(hf, dim, start, stop)
-        return read_tensor_range(self._files[hf], hf, dim, start, stop)
+        name = self._stored(hf)
+        if name in self._quantized:
+            return self._quantized.read_range(name, dim, start, stop)
+        return read_tensor_range(self._files[hf], name, dim, start, stop)
 
     def _check_copy(self, tensor: torch.Tensor, stored: torch.Tensor, tensor_name: str, copy: str, why: str) -> None:
         """A stored copy (a tied model's output weight, an MTP layer's embedding or head) must equal

@@ -17,6 +17,7 @@ from pgconvert.families import (
     ernie,
     exaone,
     gemma,
+    gemma_vl,
     glm,
     gpt_neox,
     gpt_oss,
@@ -122,7 +123,8 @@ ORDERED: tuple[Family, ...] = (
 
 # Vision-language families: a text family's language model with a vision part (pgconvert.families.vision_language);
 # only they take a model with a vision part, which every text family refuses.
-VISION_LANGUAGE: tuple[Family, ...] = (qwen_vl.QWEN2_5_VL, qwen_vl.QWEN3_VL, qwen_vl.QWEN3_VL_MOE)
+VISION_LANGUAGE: tuple[Family, ...] = (qwen_vl.QWEN2_5_VL, qwen_vl.QWEN3_VL, qwen_vl.QWEN3_VL_MOE,
+                                       gemma_vl.GEMMA3_VL)
 
 FAMILIES: dict[str, Family] = {family.architecture: family for family in (*ORDERED, *VISION_LANGUAGE)}
 # The family written for a source that carries no HF architecture: the first that fits.

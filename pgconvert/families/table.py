@@ -686,6 +686,10 @@ class Family:
     # memory), so names given in memory's terms (a PEFT adapter's modules) find their tensors: Mixtral's
     # ``block_sparse_moe`` is ``mlp`` in memory.
     hf_loaded_modules: tuple[tuple[str, str], ...] = ()
+    # Older prefixes of stored names the reader accepts too (stored -> the table's), which transformers still loads:
+    # Gemma 3's released checkpoints hold the SigLIP tower under its wrapper's ``vision_tower.vision_model.``, which
+    # transformers 5 writes as ``vision_tower.``. A saver writes the table's names.
+    hf_stored_prefixes: tuple[tuple[str, str], ...] = ()
     # The Megatron-only settings of a model read from HF, where they differ from every family's
     # (pgconvert.formats.hf.LOADED_DEFAULTS: the local layer spec): the layer spec megatron-core ships for it.
     megatron_defaults: Mapping[str, object] = field(default_factory=dict)

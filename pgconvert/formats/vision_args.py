@@ -6,7 +6,8 @@ Megatron-Bridge's VL model (``Qwen25VLModel``) holds the language model, a megat
 ``mrope_section``, and keeps HF's ``vision_config`` object. A rank file written by pgconvert records them in
 ``args`` as megatron-core names them: ``position_embedding_type='mrope'``, ``mrope_section`` (a list), and
 ``vision_config`` as JSON text of HF's object (an HF config object does not pickle into ``args``), with
-``vision_token_ids`` (JSON text: the image and video token ids of config.json).
+``vision_token_ids`` (JSON text: the image and video token ids of config.json, and Gemma 3's
+``mm_tokens_per_image``).
 
 Inside pgconvert the language model's tensors keep the GPT names (the text family's rules apply unchanged);
 ``language_model.`` is added and taken off at the rank file (``wrapped`` / ``unwrapped``).

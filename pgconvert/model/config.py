@@ -215,7 +215,8 @@ class PositionConfig:
 class VisionConfig:
     """The vision part of a vision-language model (pgconvert.model.vision): HF's ``vision_config`` as JSON
     text (keys sorted), from which the tower's and projector's tensors follow, and the top-level settings
-    of config.json that tie the two parts (image and video token ids) as JSON text; None: a text model."""
+    of config.json that tie the two parts (image and video token ids; Gemma 3's image tokens per image too) as
+    JSON text; None: a text model."""
 
     vision_config: str | None = None
     vision_token_ids: str | None = None
@@ -712,7 +713,7 @@ def _check_vision(config: ModelConfig) -> None:
     RoPE sections as positive integers."""
     vision = config.vision
     if vision.vision_config is not None:
-        tower_tensors(vision.vision_config)
+        tower_tensors(vision.vision_config, config.hidden_size)
         check_projector_width(vision.vision_config, config.hidden_size)
     if vision.vision_token_ids is not None:
         if vision.vision_config is None:

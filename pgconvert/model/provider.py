@@ -25,7 +25,7 @@ from pgconvert.model.kinds.table import (EXPERT_PREFIX, EXPERTS_MODULE, FUSED_NO
 from pgconvert.model.layers import LayerSpec, MTPLayerSpec
 from pgconvert.model.layout import ParallelLayout
 from pgconvert.model.rules import REPLICATED, VOCAB, ShardRule
-from pgconvert.model.vision import VISION_MODULES, is_vision_tensor, tower_tensors
+from pgconvert.model.vision import VISION_MODULES, VisionTensor, is_vision_tensor, tower_tensors
 
 LAYER_PREFIX = "decoder.layers."
 MTP_PREFIX = "mtp.layers."
@@ -153,10 +153,15 @@ def mtp_tensors(config: ModelConfig) -> list[LayerTensor]:
     return [tensor for index in range(config.mtp_num_layers) for tensor in mtp_layer_tensors(config, index)]
 
 
+def _vision_tensors(config: ModelConfig) -> tuple[VisionTensor, ...]:
+    """A VL model's vision part (none for a text model)."""
+    return tower_tensors(config.vision.vision_config, config.hidden_size)
+
+
 def canonical_names(config: ModelConfig) -> list[str]:
     """Every global tensor of the model, in layer order (the canonical stream's order): a VL model's vision
     part first (Megatron-Bridge registers it before the language model)."""
-    names = [tensor.name for tensor in tower_tensors(config.vision.vision_config)]
+    names = [tensor.name for tensor in _vision_tensors(config)]
     names.append(WORD_EMBEDDINGS)
     if config.positions.position_embedding_type == "learned_absolute":
         names.append(POSITION_EMBEDDINGS)
@@ -197,7 +202,7 @@ def shape_function(config: ModelConfig, name: str) -> Callable[[ModelConfig], tu
     if name in _NON_LAYER_SHAPES:
         return _NON_LAYER_SHAPES[name]
     if is_vision_tensor(name):
-        return lambda config: next(tensor.shape for tensor in tower_tensors(config.vision.vision_config)
+        return lambda config: next(tensor.shape for tensor in _vision_tensors(config)
                                    if tensor.name == name)
     parsed = canonical_layer(name)
     tensors = layer_tensors(config, parsed[0]) if parsed is not None else mtp_tensors(config)
@@ -212,7 +217,7 @@ def canonical_shapes(config: ModelConfig, vocab_rows: int | None = None) -> dict
     if rows is None:
         raise LayoutError("vocab_size: unknown; the true vocab size is needed (pass --true-vocab-size)")
     shapes: dict[str, tuple[int, ...]] = {name: (rows, config.hidden_size) for name in VOCAB_TABLES}
-    shapes.update({tensor.name: tensor.shape for tensor in tower_tensors(config.vision.vision_config)})
+    shapes.update({tensor.name: tensor.shape for tensor in _vision_tensors(config)})
     shapes[FINAL_NORM_WEIGHT] = shapes[FINAL_NORM_BIAS] = _NON_LAYER_SHAPES[FINAL_NORM_WEIGHT](config)
     if config.positions.max_position_embeddings is not None:
         shapes[POSITION_EMBEDDINGS] = _position_shape(config)
@@ -274,7 +279,7 @@ def provide(
     vocab_shape = (padded_vocab_size, config.hidden_size)
     experts = _local_experts(config, groups.ep.size(), groups.ep.rank())
     if pre_process:  # a VL model's vision part (whole on every TP rank where Megatron-Bridge replicates it)
-        for tensor in tower_tensors(config.vision.vision_config):
+        for tensor in _vision_tensors(config):
             specs(tensor.name, tensor.name, tensor.shape, tensor.rule or REPLICATED)
     # The MTP stage (the last) holds its own copy of the embedding (GPTModel: pre_process or mtp_process).
     if pre_process or (post_process and config.mtp_num_layers):

@@ -7,8 +7,9 @@ stage's first model chunk) and registered before the language model; its bridge 
 (``ReplicatedMapping``): every TP rank holds the whole tensor. So a tower is described here as the names and
 shapes of its tensors, computed from HF's ``vision_config`` (its ``model_type`` picks the description), each
 ``<Megatron-Bridge's module>.<name inside the HF module>`` (Qwen2.5-VL's module is ``visual.``, Qwen3-VL's
-``vision_model.``: ``Tower.module``); the provider places them on the first chunk, each cut by its rule (whole on
-every TP rank unless the tower says Megatron shards it).
+``vision_model.``: ``Tower.module``; Gemma 3's tower is ``vision_tower.`` and its projector, a module of
+Megatron-Bridge's own, ``multi_modal_projector.``: ``Tower.projector_module``); the provider places them on the first
+chunk, each cut by its rule (whole on every TP rank unless the tower says Megatron shards it).
 """
 
 from __future__ import annotations
@@ -46,13 +47,16 @@ class VisionTensor:
 
 @dataclass(frozen=True)
 class Tower:
-    """A vision tower pgconvert describes: Megatron-Bridge's module holding it, its tensors from ``vision_config``
-    (named under that module), and the key (with transformers' default) giving the projector's output width, which
-    must be the language model's hidden size."""
+    """A vision tower pgconvert describes: Megatron-Bridge's module holding it, its tensors from ``vision_config`` and
+    the language model's hidden size (named under that module, or ``projector_module``), and the key (with
+    transformers' default) giving the projector's output width, which must be the language model's hidden size
+    (None: the projector is built with that width)."""
 
     module: str
-    tensors: Callable[[Mapping[str, Any]], list[VisionTensor]]
-    output_width: tuple[str, int]
+    tensors: Callable[[Mapping[str, Any], int], list[VisionTensor]]
+    output_width: tuple[str, int] | None
+    # Megatron-Bridge's module of the projector where it is not the tower's (Gemma 3's ``multi_modal_projector.``).
+    projector_module: str | None = None
 
 
 def _size(vision: Mapping[str, Any], key: str, default: int | None = None) -> int:
@@ -98,7 +102,7 @@ def _tower_sizes(vision: Mapping[str, Any], hidden: int, patch: int,
     return sizes, embed
 
 
-def qwen2_5_vl_tower(vision: Mapping[str, Any]) -> list[VisionTensor]:
+def qwen2_5_vl_tower(vision: Mapping[str, Any], hidden_size: int) -> list[VisionTensor]:
     """transformers' ``Qwen2_5_VisionTransformerPretrainedModel`` (defaults of ``Qwen2_5_VLVisionConfig``)."""
     sizes, embed_shape = _tower_sizes(vision, hidden=3584, patch=14, intermediate=3420)
     embed = VisionTensor(QWEN2_5_VL_MODULE + PATCH_EMBED, embed_shape, "tower")
@@ -146,7 +150,7 @@ def _qwen3_vl_mergers(vision: Mapping[str, Any], sizes: _Sizes) -> list[VisionTe
                                 *((name, shape(sizes)) for name, shape in _QWEN3_VL_MERGER))]
 
 
-def qwen3_vl_tower(vision: Mapping[str, Any]) -> list[VisionTensor]:
+def qwen3_vl_tower(vision: Mapping[str, Any], hidden_size: int) -> list[VisionTensor]:
     """transformers' ``Qwen3VLVisionModel`` (defaults of ``Qwen3VLVisionConfig``), in state-dict order."""
     sizes, embed_shape = _tower_sizes(vision, hidden=1152, patch=16, intermediate=4304)
     hidden = sizes[0]
@@ -166,15 +170,78 @@ QWEN3_VL_PATTERNS: tuple[str, ...] = (
       for name in ("norm.weight", "norm.bias", *(name for name, _ in _QWEN3_VL_MERGER))))
 
 
+# Gemma 3's vision part (transformers' ``Gemma3Model``): a SigLIP tower (``SiglipVisionTransformer``, in state-dict
+# order; shapes from (hidden, intermediate)) and the projector (``Gemma3MultiModalProjector``: average pooling to
+# ``mm_tokens_per_image``, an RMSNorm over the tower's width, a bias-free projection to the language model's).
+# Megatron-Bridge's ``Gemma3VLModel`` holds the tower as ``vision_tower.`` (``ReplicatedMapping("vision_tower.**")``)
+# and the projector as a module of its own: ``mm_soft_embed_norm`` (a TENorm, replicated) and ``proj``, a
+# ColumnParallelLinear ``[text hidden, vision hidden]`` holding HF's ``mm_input_projection_weight`` transposed, its
+# rows split over TP.
+SIGLIP_MODULE = "vision_tower."
+GEMMA3_PROJECTOR_MODULE = "multi_modal_projector."
+GEMMA3_PROJECTOR_NORM = "mm_soft_embed_norm.weight"
+GEMMA3_PROJECTION = "proj.weight"
+SIGLIP_LAYERS = "encoder.layers.{}."
+_SIGLIP_EMBEDDINGS = ("embeddings.patch_embedding.weight", "embeddings.patch_embedding.bias",
+                      "embeddings.position_embedding.weight")
+_Widths = tuple[int, int]
+_SIGLIP_LAYER: tuple[tuple[str, Callable[[_Widths], tuple[int, ...]]], ...] = (
+    ("layer_norm1.weight", lambda s: (s[0],)), ("layer_norm1.bias", lambda s: (s[0],)),
+    *((f"self_attn.{proj}.{kind}", (lambda s: (s[0], s[0])) if kind == "weight" else (lambda s: (s[0],)))
+      for proj in ("k_proj", "v_proj", "q_proj", "out_proj") for kind in ("weight", "bias")),
+    ("layer_norm2.weight", lambda s: (s[0],)), ("layer_norm2.bias", lambda s: (s[0],)),
+    ("mlp.fc1.weight", lambda s: (s[1], s[0])), ("mlp.fc1.bias", lambda s: (s[1],)),
+    ("mlp.fc2.weight", lambda s: (s[0], s[1])), ("mlp.fc2.bias", lambda s: (s[0],)),
+)
+_SIGLIP_POST_NORM = ("post_layernorm.weight", "post_layernorm.bias")
+
+
+def _siglip_embeddings(vision: Mapping[str, Any], width: int) -> list[VisionTensor]:
+    """The patch embedding (a convolution of ``patch_size`` stride) and the position table, one row per patch."""
+    patch, image = _size(vision, "patch_size", 16), _size(vision, "image_size", 224)
+    shapes = ((width, _size(vision, "num_channels", 3), patch, patch), (width,), ((image // patch) ** 2, width))
+    return [VisionTensor(SIGLIP_MODULE + name, shape, "tower")
+            for name, shape in zip(_SIGLIP_EMBEDDINGS, shapes, strict=True)]
+
+
+def gemma3_vision(vision: Mapping[str, Any], hidden_size: int) -> list[VisionTensor]:
+    """transformers' ``SiglipVisionTransformer`` (defaults of ``SiglipVisionConfig``) without its pooling head, and
+    Gemma 3's projector into ``hidden_size``."""
+    from pgconvert.model.rules import COLUMN
+
+    if vision.get("vision_use_head", True) is not False:
+        raise ConfigError(f"vision_config.vision_use_head={quote(vision.get('vision_use_head'))}: Gemma 3's tower has "
+                          "no pooling head (needs false; absent, SiglipVisionConfig builds one)")
+    width = _size(vision, "hidden_size", 768)
+    heads = _size(vision, "num_attention_heads", 12)
+    if width % heads:
+        raise ConfigError(f"vision_config.num_attention_heads={heads}: must divide vision_config.hidden_size={width}")
+    widths: _Widths = (width, _size(vision, "intermediate_size", 3072))
+    layers = [VisionTensor(SIGLIP_MODULE + SIGLIP_LAYERS.format(index) + name, shape(widths), "tower")
+              for index in range(_size(vision, "num_hidden_layers", 12)) for name, shape in _SIGLIP_LAYER]
+    post_norm = [VisionTensor(SIGLIP_MODULE + name, (width,), "tower") for name in _SIGLIP_POST_NORM]
+    projector = [VisionTensor(GEMMA3_PROJECTOR_MODULE + GEMMA3_PROJECTOR_NORM, (width,), "projector"),
+                 VisionTensor(GEMMA3_PROJECTOR_MODULE + GEMMA3_PROJECTION, (hidden_size, width), "projector", COLUMN)]
+    return [*_siglip_embeddings(vision, width), *layers, *post_norm, *projector]
+
+
+# Every tensor name of the SigLIP tower inside its module, ``{}`` for a layer's index.
+SIGLIP_PATTERNS: tuple[str, ...] = (*_SIGLIP_EMBEDDINGS, *(SIGLIP_LAYERS + name for name, _ in _SIGLIP_LAYER),
+                                    *_SIGLIP_POST_NORM)
+
+
 # The towers pgconvert describes, by their ``vision_config.model_type``.
 TOWERS: dict[str, Tower] = {
     "qwen2_5_vl_vision": Tower(QWEN2_5_VL_MODULE, qwen2_5_vl_tower, ("out_hidden_size", 3584)),
     "qwen3_vl_vision": Tower(QWEN3_VL_MODULE, qwen3_vl_tower, ("out_hidden_size", 3584)),
     # Qwen3-VL-MoE's tower is Qwen3-VL's (transformers' Qwen3VLMoeVisionModel, the same modules and defaults).
     "qwen3_vl_moe_vision": Tower(QWEN3_VL_MODULE, qwen3_vl_tower, ("out_hidden_size", 3584)),
+    # Gemma 3's (transformers' SiglipVisionModel, as Gemma3Model builds it from ``vision_config``).
+    "siglip_vision_model": Tower(SIGLIP_MODULE, gemma3_vision, None, GEMMA3_PROJECTOR_MODULE),
 }
 # Every tower's module: a name under one of them is a vision part's tensor (canonically and in rank files).
-VISION_MODULES: tuple[str, ...] = tuple(dict.fromkeys(tower.module for tower in TOWERS.values()))
+VISION_MODULES: tuple[str, ...] = tuple(dict.fromkeys(module for tower in TOWERS.values()
+                                                      for module in (tower.module, tower.projector_module) if module))
 
 
 def is_vision_tensor(name: str) -> bool:
@@ -202,19 +269,23 @@ def vision_config_text(vision: Mapping[str, Any]) -> str:
 
 
 @functools.lru_cache(maxsize=8)
-def tower_tensors(vision_config: str | None) -> tuple[VisionTensor, ...]:
-    """The vision part's tensors, in state-dict order (none for a text model); computed once per vision config
-    (every ModelConfig checks it, and the provider asks it per tensor)."""
+def tower_tensors(vision_config: str | None, hidden_size: int) -> tuple[VisionTensor, ...]:
+    """The vision part's tensors, in state-dict order (none for a text model), for a language model of
+    ``hidden_size``; computed once per vision config (every ModelConfig checks it, and the provider asks it per
+    tensor)."""
     if vision_config is None:
         return ()
     vision = parse_vision_config(vision_config)
-    return tuple(TOWERS[vision["model_type"]].tensors(vision))
+    return tuple(TOWERS[vision["model_type"]].tensors(vision, hidden_size))
 
 
 def check_projector_width(vision_config: str, hidden_size: int) -> None:
     """The projector writes the language model's input: its output width is the hidden size."""
     vision = parse_vision_config(vision_config)
-    key, default = TOWERS[vision["model_type"]].output_width
+    output_width = TOWERS[vision["model_type"]].output_width
+    if output_width is None:
+        return
+    key, default = output_width
     width = vision.get(key, default)
     if width != hidden_size:
         raise ConfigError(f"vision_config.{key}={quote(width)}: must equal the language model's hidden_size="

@@ -8,6 +8,11 @@ processor's ``preprocessor_config.json`` and a generation config. Image inputs a
 processors make them: transformers' image processor on a synthetic image, each image placeholder expanded to the
 image's merged patch count, ``mm_token_type_ids`` marking the image tokens. (The processors themselves cannot be
 built here: their video processor needs torchvision, which has no CPU build for torch 2.13.0 on the index.)
+
+Gemma 3 (``Gemma3ForConditionalGeneration``) is gemma-3-4b-it's configuration scaled down: five sliding-window layers
+to one full-attention layer, linear RoPE scaling on the full ones, tied embeddings, a SigLIP tower without its pooling
+head, each image pooled to ``mm_tokens_per_image`` tokens; it is saved with transformers' own ``Gemma3Processor``
+(its PIL image processor and a word-level tokenizer holding Gemma's image tokens), whose output is the input.
 Nothing here imports pgconvert.
 """
 
@@ -20,7 +25,8 @@ from typing import Any
 import numpy
 import torch
 import transformers
-from transformers import (GenerationConfig, PreTrainedModel, PreTrainedTokenizerFast, Qwen2_5_VLConfig,
+from transformers import (Gemma3Config, Gemma3ForConditionalGeneration, GenerationConfig, PreTrainedModel,
+                          PreTrainedTokenizerFast, Qwen2_5_VLConfig,
                           Qwen2_5_VLForConditionalGeneration, Qwen3VLConfig, Qwen3VLForConditionalGeneration,
                           Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration)
 
@@ -65,14 +71,19 @@ MODELS: dict[str, tuple[type[Any], type[PreTrainedModel], dict[str, Any], int]] 
 }
 
 
-def _tokenizer() -> PreTrainedTokenizerFast:
+def _word_level(special: tuple[str, ...], vision: tuple[str, ...], **tokens: Any) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer of ``special`` tokens, the words and the ``vision`` tokens, in that order."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    vocab = {token: index for index, token in enumerate((*SPECIAL, *(f"w{i}" for i in range(WORDS)), *VISION_TOKENS))}
+    vocab = {token: index for index, token in enumerate((*special, *(f"w{i}" for i in range(WORDS)), *vision))}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                        unk_token="<unk>", additional_special_tokens=list(VISION_TOKENS))
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", **tokens)
+
+
+def _tokenizer() -> PreTrainedTokenizerFast:
+    tokenizer = _word_level(SPECIAL, VISION_TOKENS, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                            additional_special_tokens=list(VISION_TOKENS))
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
 
@@ -89,17 +100,27 @@ def build_vl_model(name: str, path: Path, seed: int = 0) -> Path:
     """The tiny VL checkpoint ``name`` (of ``MODELS``) with its tokenizer, chat template, image processor and
     generation config."""
     config_class, model_class, settings, patch = MODELS[name]
-    torch.manual_seed(seed)
-    model = model_class(config_class(**settings)).eval()
-    with torch.no_grad():  # every parameter seeded away from its initial value (norms near one)
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=torch.Generator().manual_seed(len(name) * 7919 + seed))
-            param.copy_(1.0 + 0.1 * noise if "norm" in name or "ln_q" in name else 0.05 * noise)
-    model.save_pretrained(path)
+    _seeded(model_class(config_class(**settings)), seed).save_pretrained(path)
     _tokenizer().save_pretrained(path)
     _image_processor(patch).save_pretrained(path)
     GenerationConfig(bos_token_id=1, eos_token_id=3, pad_token_id=1).save_pretrained(path)
     return path
+
+
+def _seeded(model: PreTrainedModel, seed: int) -> PreTrainedModel:
+    """``model`` with every parameter seeded away from its initial value (norms near one)."""
+    torch.manual_seed(seed)
+    model.eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=torch.Generator().manual_seed(len(name) * 7919 + seed))
+            param.copy_(1.0 + 0.1 * noise if "norm" in name or "ln_q" in name else 0.05 * noise)
+    return model
+
+
+def _pixels(side: int) -> numpy.ndarray:
+    """A synthetic ``side`` x ``side`` RGB image."""
+    return (numpy.arange(side * side * 3).reshape(side, side, 3) * 37 % 251).astype(numpy.uint8)
 
 
 def image_text_inputs(path: Path) -> dict[str, torch.Tensor]:
@@ -107,10 +128,7 @@ def image_text_inputs(path: Path) -> dict[str, torch.Tensor]:
     from transformers import AutoImageProcessor, AutoTokenizer
 
     processor = AutoImageProcessor.from_pretrained(path)
-    side = PATCHES * processor.patch_size
-    values = numpy.arange(side * side * 3).reshape(side, side, 3) * 37 % 251
-    pixels = values.astype(numpy.uint8)
-    image = processor(images=[pixels], return_tensors="pt")
+    image = processor(images=[_pixels(PATCHES * processor.patch_size)], return_tensors="pt")
     merge = image["image_grid_thw"][0].prod().item() // 4  # the processor's replace_image_token
     text = TEXT.replace("<|image_pad|>", " <|image_pad|> " * merge)
     ids = AutoTokenizer.from_pretrained(path)(text, return_tensors="pt")["input_ids"]
@@ -127,3 +145,57 @@ def vl_logits(path: Path, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
     assert not any(info.get(key) for key in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     with torch.no_grad():
         return model.eval()(**inputs).logits
+
+
+GEMMA3_SPECIAL = ("<pad>", "<eos>", "<bos>", "<unk>")
+GEMMA3_VISION_TOKENS = ("<start_of_image>", "<end_of_image>", "<image_soft_token>")
+GEMMA3_VOCAB = len(GEMMA3_SPECIAL) + WORDS + len(GEMMA3_VISION_TOKENS)
+GEMMA3_BOI, GEMMA3_EOI, GEMMA3_IMAGE = range(len(GEMMA3_SPECIAL) + WORDS, GEMMA3_VOCAB)
+# A 28 x 28 image of 4 x 4 patches, pooled to 4 image tokens; longer than the sliding window.
+GEMMA3_IMAGE_SIDE = 28
+GEMMA3_TEXT = "w1 w2 <start_of_image> w3 w4 w5 w6 w7 w8"
+GEMMA3_VL: dict[str, Any] = dict(
+    text_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, vocab_size=GEMMA3_VOCAB,
+                     max_position_embeddings=256, sliding_window=4, sliding_window_pattern=6,
+                     rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+                                      "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+                     bos_token_id=2, eos_token_id=1, pad_token_id=0),
+    vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                       image_size=GEMMA3_IMAGE_SIDE, patch_size=7, vision_use_head=False),
+    mm_tokens_per_image=4, boi_token_index=GEMMA3_BOI, eoi_token_index=GEMMA3_EOI, image_token_index=GEMMA3_IMAGE,
+    tie_word_embeddings=True,
+)
+
+
+def _gemma3_processor() -> Any:
+    """transformers' Gemma3Processor: its PIL image processor and a tokenizer holding Gemma's image tokens."""
+    from transformers import Gemma3Processor
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    tokens = dict(zip(("boi_token", "eoi_token", "image_token"), GEMMA3_VISION_TOKENS))
+    tokenizer = _word_level(GEMMA3_SPECIAL, GEMMA3_VISION_TOKENS, pad_token="<pad>", eos_token="<eos>",
+                            bos_token="<bos>", extra_special_tokens=tokens)
+    image_processor = Gemma3ImageProcessorPil(size={"height": GEMMA3_IMAGE_SIDE, "width": GEMMA3_IMAGE_SIDE})
+    return Gemma3Processor(image_processor=image_processor, tokenizer=tokenizer, chat_template=CHAT_TEMPLATE,
+                           image_seq_length=GEMMA3_VL["mm_tokens_per_image"])
+
+
+def build_gemma3_vl_model(path: Path, seed: int = 0) -> Path:
+    """The tiny Gemma 3 image-text checkpoint with its processor (tokenizer, chat template, image processor) and
+    generation config."""
+    _seeded(Gemma3ForConditionalGeneration(Gemma3Config(**GEMMA3_VL)), seed).save_pretrained(path)
+    _gemma3_processor().save_pretrained(path)
+    GenerationConfig(bos_token_id=2, eos_token_id=1, pad_token_id=0).save_pretrained(path)
+    return path
+
+
+def gemma3_image_text_inputs(path: Path) -> dict[str, torch.Tensor]:
+    """An image and text input as the Gemma3Processor saved in ``path`` makes it (``token_type_ids`` marking the
+    image tokens, which attend to each other both ways)."""
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(path)
+    inputs = dict(processor(text=GEMMA3_TEXT, images=[_pixels(GEMMA3_IMAGE_SIDE)], return_tensors="pt"))
+    assert int((inputs["input_ids"] == GEMMA3_IMAGE).sum()) == GEMMA3_VL["mm_tokens_per_image"], inputs
+    return inputs

@@ -26,6 +26,7 @@ from pgconvert.families import (
     llama4,
     minimax,
     mistral,
+    mistral_vl,
     mixtral,
     nemotron,
     nemotron_h,
@@ -122,7 +123,7 @@ ORDERED: tuple[Family, ...] = (
 
 # Vision-language families: a text family's language model with a vision part (pgconvert.families.vision_language);
 # only they take a model with a vision part, which every text family refuses.
-VISION_LANGUAGE: tuple[Family, ...] = (qwen_vl.QWEN2_5_VL, qwen_vl.QWEN3_VL, qwen_vl.QWEN3_VL_MOE)
+VISION_LANGUAGE: tuple[Family, ...] = (qwen_vl.QWEN2_5_VL, qwen_vl.QWEN3_VL, qwen_vl.QWEN3_VL_MOE, mistral_vl.MISTRAL3)
 
 FAMILIES: dict[str, Family] = {family.architecture: family for family in (*ORDERED, *VISION_LANGUAGE)}
 # The family written for a source that carries no HF architecture: the first that fits.

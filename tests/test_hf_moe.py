@@ -364,6 +364,11 @@ _FAMILY_NEEDS: dict[str, dict[str, object]] = {
                                      "intermediate_size": 6, "out_hidden_size": 8, "patch_size": 2,
                                      "num_position_embeddings": 4, "deepstack_visual_indexes": [0]}),
         "vision_token_ids": "{}", "position_embedding_type": "mrope", "mrope_section": (1,)},
+    "Mistral3ForConditionalGeneration": {
+        "vision_config": json.dumps({"model_type": "pixtral", "num_hidden_layers": 1, "hidden_size": 4,
+                                     "num_attention_heads": 2, "intermediate_size": 6, "patch_size": 2,
+                                     "text_hidden_size": 8}),
+        "vision_token_ids": "{}"},
 }
 # Families that take dense and MoE models, and what their MoE model needs (Nemotron-H: an E layer, routed as its
 # NemotronHMoE routes, with its shared expert).

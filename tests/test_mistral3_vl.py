@@ -200,3 +200,17 @@ def test_a_missing_projector_tensor_is_a_named_error(source: Path, tp2_pp2: Path
     with pytest.raises(PgconvertError, match=r"mp_rank_01_000.*missing: \['multi_modal_projector\.linear_1\.weight'\]"):
         pgconvert.convert(copy, tmp_path / "back", dst_format="hf", dst_tp=1, dst_pp=1)
     assert not (tmp_path / "back").exists()
+
+
+def test_megatron_core_and_the_hf_modules_load_the_tp1_rank_file_and_compute_transformers_logits(
+        source: Path, expected: Expected, tmp_path: Path) -> None:
+    """As Megatron-Bridge's Ministral3Model: transformers' vision tower and projector built from the rank file's args
+    (vision_tower.*, multi_modal_projector.*) and megatron-core's GPTModel (language_model.*), each loaded strictly,
+    give the source's logits on an image + text input."""
+    from support.mcore_helpers import rank_files
+    from support.mcore_vision_language import mistral3_bridge_logits
+
+    (rank,) = rank_files(_converted(source, tmp_path / "megatron", dst_format="megatron", dst_tp=1))
+    inputs, logits = expected
+    torch.testing.assert_close(mistral3_bridge_logits(rank, inputs)[..., :logits.shape[-1]], logits, rtol=1e-5,
+                               atol=1e-5)

@@ -143,7 +143,12 @@ def test_text_only_writes_the_language_model_as_mistral(source: Path, tp2_pp2: P
     language = {name.removeprefix("language_model."): tensor for name, tensor in stored.items()
                 if name.startswith("language_model.")}
     for src in (source, tp2_pp2):
-        out = _converted(src, tmp_path / src.name, dst_format="hf", dst_tp=1, dst_pp=1, text_only=True)
+        out = tmp_path / src.name
+        report = pgconvert.convert(src, out, dst_format="hf", dst_tp=1, dst_pp=1, text_only=True)
+        notice = next(notice for notice in report.notices if notice.startswith("--text-only"))
+        assert ("the vision tower (20 tensors: vision_tower.patch_conv.weight … vision_tower.transformer.layers.1"
+                ".feed_forward.down_proj.weight), the projector (4 tensors: multi_modal_projector.norm.weight … "
+                "multi_modal_projector.linear_2.weight)") in notice and "mrope" not in notice, notice
         doc = json.loads((out / "config.json").read_text())
         assert doc["architectures"] == ["MistralForCausalLM"] and doc["model_type"] == "mistral"
         assert not {"vision_config", "text_config", "image_token_index", "spatial_merge_size"} & set(doc)

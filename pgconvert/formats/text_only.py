@@ -101,9 +101,11 @@ def _left_out(config: ModelConfig, files: list[str]) -> str:
     parts = {part: [tensor.name for tensor in tensors if tensor.part == part] for part in ("tower", "projector")}
     named = {part: f"{len(names)} tensors: {names[0]} … {names[-1]}" if len(names) > 2 else ", ".join(names)
              for part, names in parts.items()}
-    return (f"--text-only: left out the vision tower ({named['tower']}), the projector ({named['projector']}), "
-            f"multimodal RoPE (mrope_section={list(config.positions.mrope_section or ())}: a text input computes "
-            "plain RoPE)" + (f" and the files {', '.join(files)}" if files else ""))
+    section = config.positions.mrope_section
+    rope = "" if section is None else (f", multimodal RoPE (mrope_section={list(section)}: a text input computes "
+                                       "plain RoPE)")
+    return (f"--text-only: left out the vision tower ({named['tower']}), the projector ({named['projector']})"
+            + rope + (f" and the files {', '.join(files)}" if files else ""))
 
 
 def _text_args(args: argparse.Namespace | None) -> argparse.Namespace | None:

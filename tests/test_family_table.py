@@ -110,7 +110,7 @@ def test_the_family_list_gives_the_registry_and_the_inference_order() -> None:
         "HunYuanDenseV1ForCausalLM", "HunYuanMoEV1ForCausalLM", "Llama4ForCausalLM",
         "Qwen2_5_VLForConditionalGeneration",
         "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration",
-        "Gemma3ForConditionalGeneration")
+        "Gemma3ForConditionalGeneration", "Mistral3ForConditionalGeneration")
     assert list(families.FAMILIES.values()) == [*families.ORDERED, *families.VISION_LANGUAGE]
     assert families.supported_architectures() == sorted(families.INFERENCE_ORDER)
     assert families.CARRIED_ARGS == ("embedding_multiplier", "residual_multiplier", "logits_scaling",

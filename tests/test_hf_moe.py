@@ -327,7 +327,8 @@ def _shared_expert(family: Family) -> dict[str, object]:
     """A shared expert for a family whose experts have a gated one (Qwen2-MoE)."""
     return {"moe_shared_expert_intermediate_size": 6} if family.fixed.get("moe_shared_expert_gate") else {}
 # What a family's rules need besides its fixed values (Gemma 3's local RoPE base).
-_RULE_EXTRAS: dict[str, dict[str, object]] = {"Gemma3ForCausalLM": {"rotary_base_local": 10000.0}}
+_RULE_EXTRAS: dict[str, dict[str, object]] = {"Gemma3ForCausalLM": {"rotary_base_local": 10000.0},
+                                              "Gemma3ForConditionalGeneration": {"rotary_base_local": 10000.0}}
 # What a family needs beyond its fixed values to accept a model (GLM-4.5-MoE's shared expert).
 _FAMILY_NEEDS: dict[str, dict[str, object]] = {
     "Glm4MoeForCausalLM": {"moe_shared_expert_intermediate_size": 6},
@@ -364,6 +365,15 @@ _FAMILY_NEEDS: dict[str, dict[str, object]] = {
                                      "intermediate_size": 6, "out_hidden_size": 8, "patch_size": 2,
                                      "num_position_embeddings": 4, "deepstack_visual_indexes": [0]}),
         "vision_token_ids": "{}", "position_embedding_type": "mrope", "mrope_section": (1,)},
+    "Mistral3ForConditionalGeneration": {
+        "vision_config": json.dumps({"model_type": "pixtral", "num_hidden_layers": 1, "hidden_size": 4,
+                                     "num_attention_heads": 2, "intermediate_size": 6, "patch_size": 2}),
+        "vision_token_ids": "{}"},
+    "Gemma3ForConditionalGeneration": {
+        "vision_config": json.dumps({"model_type": "siglip_vision_model", "num_hidden_layers": 1, "hidden_size": 4,
+                                     "num_attention_heads": 2, "intermediate_size": 6, "patch_size": 2,
+                                     "image_size": 4, "vision_use_head": False}),
+        "vision_token_ids": "{}"},
 }
 # Families that take dense and MoE models, and what their MoE model needs (Nemotron-H: an E layer, routed as its
 # NemotronHMoE routes, with its shared expert).

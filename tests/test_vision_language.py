@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from support.hf_helpers import assert_same_hf_tensors, load_hf_tensors
 from support.megatron_fixtures import load_for_test
-from support.vision_language_models import build_vl_model, image_text_inputs, vl_logits
+from support.vision_language_models import build_vl_model, image_text_inputs, text_logits, vl_logits
 
 import pgconvert
 from pgconvert.errors import PgconvertError
@@ -146,21 +146,9 @@ def test_a_missing_merger_tensor_is_a_named_error(source: Path, tmp_path: Path) 
     assert not (tmp_path / "out").exists()
 
 
-def _text_logits(path: Path, ids: torch.Tensor) -> torch.Tensor:
-    """transformers' logits on a text input, of the model config.json names (VL or text)."""
-    import transformers
-
-    architecture = json.loads((path / "config.json").read_text())["architectures"][0]
-    model, info = getattr(transformers, architecture).from_pretrained(path, dtype=torch.float32,
-                                                                      output_loading_info=True)
-    assert not any(info.get(key) for key in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
-    with torch.no_grad():
-        return model.eval()(input_ids=ids).logits
-
-
 def test_text_only_writes_the_language_model_as_qwen2(source: Path, tp2_pp2: Path, tmp_path: Path) -> None:
     ids = torch.tensor([[5, 6, 7, 40, 41, 42, 299, 8, 9, 10, 11, 12]])
-    expected = _text_logits(source, ids)
+    expected = text_logits(source, ids)
     from_hf = pgconvert.convert(source, tmp_path / "from_hf", dst_format="hf", text_only=True)
     from_megatron = pgconvert.convert(tp2_pp2, tmp_path / "from_megatron", dst_format="hf", dst_tp=1, dst_pp=1,
                                       text_only=True)
@@ -171,7 +159,7 @@ def test_text_only_writes_the_language_model_as_qwen2(source: Path, tp2_pp2: Pat
         written = load_hf_tensors(out)
         assert sorted(written) == sorted(name for name in stored if not name.startswith("visual."))
         assert all(torch.equal(written[name], stored[name]) for name in written)
-        torch.testing.assert_close(_text_logits(out, ids), expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(text_logits(out, ids), expected, rtol=1e-5, atol=1e-5)
         notice = next(notice for notice in report.notices if notice.startswith("--text-only"))
         assert "5 tensors: visual.merger.ln_q.weight … visual.merger.mlp.2.bias" in notice
         assert "mrope_section=[2, 3, 3]" in notice
@@ -290,7 +278,7 @@ def test_qwen3_vl_through_megatron_tp2_pp2_and_text_only(qwen3_vl: Path, tmp_pat
     doc = json.loads((text / "config.json").read_text())
     assert doc["architectures"] == ["Qwen3ForCausalLM"] and "mrope_interleaved" not in doc["rope_parameters"]
     ids = torch.tensor([[5, 6, 7, 40, 41, 42, 299, 8, 9, 10, 11, 12]])
-    torch.testing.assert_close(_text_logits(text, ids), _text_logits(qwen3_vl, ids), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(text_logits(text, ids), text_logits(qwen3_vl, ids), rtol=1e-5, atol=1e-5)
 
 
 def test_megatron_core_and_the_hf_vision_module_load_the_tp1_rank_file_and_compute_transformers_logits(
@@ -326,7 +314,7 @@ def test_qwen3_vl_moe_through_megatron_tp2_pp2_ep2_and_text_only(tmp_path: Path)
     doc = json.loads((text / "config.json").read_text())
     assert doc["architectures"] == ["Qwen3MoeForCausalLM"] and doc["norm_topk_prob"] is True
     ids = torch.tensor([[5, 6, 7, 40, 41, 42, 299, 8, 9, 10, 11, 12]])
-    torch.testing.assert_close(_text_logits(text, ids), _text_logits(source, ids), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(text_logits(text, ids), text_logits(source, ids), rtol=1e-5, atol=1e-5)
 
 
 def test_a_towers_tensor_megatron_shards_is_cut_by_its_rule(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -27,6 +27,7 @@ from pgconvert.families import (
     llama4,
     minimax,
     mistral,
+    mistral_vl,
     mixtral,
     nemotron,
     nemotron_h,
@@ -124,7 +125,7 @@ ORDERED: tuple[Family, ...] = (
 # Vision-language families: a text family's language model with a vision part (pgconvert.families.vision_language);
 # only they take a model with a vision part, which every text family refuses.
 VISION_LANGUAGE: tuple[Family, ...] = (qwen_vl.QWEN2_5_VL, qwen_vl.QWEN3_VL, qwen_vl.QWEN3_VL_MOE,
-                                       gemma_vl.GEMMA3_VL)
+                                       gemma_vl.GEMMA3_VL, mistral_vl.MISTRAL3)
 
 FAMILIES: dict[str, Family] = {family.architecture: family for family in (*ORDERED, *VISION_LANGUAGE)}
 # The family written for a source that carries no HF architecture: the first that fits.

@@ -458,6 +458,18 @@ class VisionLanguage:
     # What the text family's config.json states that the VL text config leaves to its class (Qwen3-VL-MoE's router
     # always renormalizes: the text family's ``norm_topk_prob: true``).
     text_settings: Mapping[str, Any] = field(default_factory=dict)
+    # Other text model types the architecture's config class takes, refused: model_type -> why (Mistral 3's
+    # ``ministral3``); any other than ``text_model_type`` is refused too.
+    refused_text_models: Mapping[str, str] = field(default_factory=dict)
+
+    def text_model_refusal(self, doc: Mapping[str, Any]) -> str | None:
+        """Why config.json ``doc``'s text config is not this architecture's language model; None when it is."""
+        nested = doc.get(self.text_config_key)
+        given = nested.get("model_type") if isinstance(nested, dict) else None
+        if given is None or given == self.text_model_type:
+            return None
+        why = self.refused_text_models.get(given, f"converted with {self.text_model_type!r} only")
+        return f"{self.text_config_key}.model_type={given!r}: {why}"
 
     def flat(self, doc: Mapping[str, Any]) -> dict[str, Any]:
         """One flat view of ``doc``: the text config's keys over the top level's, ``top_level`` keys from the

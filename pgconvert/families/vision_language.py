@@ -41,10 +41,13 @@ def vision_rows(module: str, hf_prefix: str, patterns: Sequence[str]) -> tuple[T
     return tuple(TensorMapping(module + pattern, (hf_prefix + pattern,)) for pattern in patterns)
 
 
-def vision_rule(tower: str, token_keys: tuple[str, ...]) -> ConfigRule:
+def vision_rule(tower: str, token_keys: tuple[str, ...], folded: Mapping[str, object] | None = None) -> ConfigRule:
     """``vision_config`` (required: transformers' default describes a full-size tower), of the family's ``tower``
     (its ``model_type``; absent, transformers' class sets it), and the top-level ``token_keys`` <->
-    ``ModelConfig.vision``."""
+    ``ModelConfig.vision``. ``folded``: top-level settings of the vision part (Mistral 3's projector), with their
+    config class's defaults, held inside the vision config, where the tower's shapes are computed from it; written
+    back at the top level."""
+    folded = dict(folded or {})
 
     def read(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
         vision = present.get("vision_config")
@@ -54,14 +57,16 @@ def vision_rule(tower: str, token_keys: tuple[str, ...]) -> ConfigRule:
         if vision["model_type"] != tower:
             raise ValueError(f"vision_config.model_type={quote(vision['model_type'])}: this architecture's vision "
                              f"tower is {tower!r}")
+        vision.update({key: present.get(key, default) for key, default in folded.items()})
         ids = {key: present[key] for key in token_keys if key in present}
         return {"vision_config": vision_config_text(vision), "vision_token_ids": json.dumps(ids, sort_keys=True)}
 
     def write(config: ModelConfig) -> Mapping[str, object]:
         if config.vision.vision_config is None:
             return {}
-        ids = json.loads(config.vision.vision_token_ids or "{}")
-        return {"vision_config": json.loads(config.vision.vision_config), **ids}
+        vision = json.loads(config.vision.vision_config)
+        top = {key: vision.pop(key, default) for key, default in folded.items()}
+        return {"vision_config": vision, **top, **json.loads(config.vision.vision_token_ids or "{}")}
 
     def refuses(config: ModelConfig) -> str | None:
         if config.vision.vision_config is None:
@@ -69,7 +74,7 @@ def vision_rule(tower: str, token_keys: tuple[str, ...]) -> ConfigRule:
         given = json.loads(config.vision.vision_config).get("model_type")
         return None if given == tower else f"vision_config.model_type={given!r} (needs {tower!r})"
 
-    return ConfigRule(keys=("vision_config", *token_keys), model_fields=("vision_config", "vision_token_ids"),
+    return ConfigRule(keys=("vision_config", *token_keys, *folded), model_fields=("vision_config", "vision_token_ids"),
                       read=read, write=write, refuses=refuses, required=True)
 
 

@@ -179,6 +179,9 @@ def model_config_from_hf(doc: dict[str, Any], path: Path, stored_dtype: torch.dt
     counts before anything loops over them, the family's rules included (their per-layer lists)."""
     family = family_of(doc, path, error)
     if family.vision_language is not None:  # the language model's settings nested in its text config
+        refusal = family.vision_language.text_model_refusal(doc)
+        if refusal is not None:
+            raise error(f"{path}: {refusal}")
         doc = family.vision_language.flat(doc)
     for key, expected in family.hf_fixed.items():
         value = doc.get(key, expected)

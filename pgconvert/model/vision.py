@@ -230,6 +230,75 @@ SIGLIP_PATTERNS: tuple[str, ...] = (*_SIGLIP_EMBEDDINGS, *(SIGLIP_LAYERS + name 
                                     *_SIGLIP_POST_NORM)
 
 
+# Mistral 3's vision part (transformers' ``Mistral3Model``): the Pixtral tower (``PixtralVisionModel``: a patch
+# convolution, RMSNorms, gated SiLU MLPs and 2-D RoPE without tensors; no biases) and the multimodal projector
+# (``Mistral3MultiModalProjector``: an RMSNorm, the patch merger's linear over ``spatial_merge_size``² patches, two
+# linears with ``projector_hidden_act`` between into the language model's width). The projector's settings are
+# config.json's top-level keys, folded into the vision config pgconvert holds (``MISTRAL3_PROJECTOR_KEYS``); its
+# output is the language model's width. Megatron-Bridge's ``Ministral3Bridge`` holds them as transformers'
+# modules ``vision_tower.`` and ``multi_modal_projector.`` (``ReplicatedMapping("vision_tower.**")``, and the same for
+# the projector), on the first stage.
+MISTRAL3_TOWER_MODULE = "vision_tower."
+MISTRAL3_PROJECTOR_MODULE = "multi_modal_projector."
+# Mistral3Config's top-level projector settings and their defaults.
+MISTRAL3_PROJECTOR_KEYS: dict[str, Any] = {"spatial_merge_size": 2, "vision_feature_layer": -1,
+                                           "multimodal_projector_bias": False, "projector_hidden_act": "gelu"}
+PIXTRAL_LAYERS = "transformer.layers.{}."
+# A Pixtral layer's tensors, shapes from (hidden, intermediate).
+_PIXTRAL_LAYER: tuple[tuple[str, Callable[[tuple[int, int]], tuple[int, ...]]], ...] = (
+    ("attention_norm.weight", lambda s: (s[0],)), ("ffn_norm.weight", lambda s: (s[0],)),
+    *((f"attention.{name}_proj.weight", lambda s: (s[0], s[0])) for name in ("q", "k", "v", "o")),
+    ("feed_forward.gate_proj.weight", lambda s: (s[1], s[0])), ("feed_forward.up_proj.weight", lambda s: (s[1], s[0])),
+    ("feed_forward.down_proj.weight", lambda s: (s[0], s[1])),
+)
+PIXTRAL_PATTERNS: tuple[str, ...] = ("patch_conv.weight", "ln_pre.weight",
+                                     *(PIXTRAL_LAYERS + name for name, _ in _PIXTRAL_LAYER))
+MISTRAL3_PROJECTOR_PATTERNS: tuple[str, ...] = ("norm.weight", "patch_merger.merging_layer.weight",
+                                                "linear_1.weight", "linear_1.bias", "linear_2.weight",
+                                                "linear_2.bias")
+
+
+def _feature_layers(vision: Mapping[str, Any]) -> int:
+    """How many tower layers' outputs the projector reads, concatenated (``vision_feature_layer``: one or a list)."""
+    layers = vision.get("vision_feature_layer", -1)
+    if isinstance(layers, int) and not isinstance(layers, bool):
+        return 1
+    if isinstance(layers, list) and layers and all(isinstance(layer, int) for layer in layers):
+        return len(layers)
+    raise ConfigError(f"vision_feature_layer={quote(layers)}: expected a layer index or a list of them")
+
+
+def _mistral3_projector(vision: Mapping[str, Any], width: int, text: int) -> list[VisionTensor]:
+    """``Mistral3MultiModalProjector``'s tensors (``width``: the tower's, ``text``: the language model's); biases with
+    ``multimodal_projector_bias``."""
+    merged = width * _size(vision, "spatial_merge_size", 2) ** 2
+    bias = vision.get("multimodal_projector_bias", False)
+    if not isinstance(bias, bool):
+        raise ConfigError(f"multimodal_projector_bias={quote(bias)}: must be true or false")
+    shapes = {"norm.weight": (width,), "patch_merger.merging_layer.weight": (width, merged),
+              "linear_1.weight": (text, width * _feature_layers(vision)), "linear_1.bias": (text,),
+              "linear_2.weight": (text, text), "linear_2.bias": (text,)}
+    return [VisionTensor(MISTRAL3_PROJECTOR_MODULE + name, shape, "projector") for name, shape in shapes.items()
+            if bias or not name.endswith(".bias")]
+
+
+def pixtral_tower(vision: Mapping[str, Any], hidden_size: int) -> list[VisionTensor]:
+    """transformers' ``PixtralVisionModel`` (defaults of ``PixtralVisionConfig``) and Mistral 3's projector into
+    ``hidden_size``, in state-dict order."""
+    hidden = _size(vision, "hidden_size", 1024)
+    heads = _size(vision, "num_attention_heads", 16)
+    if hidden % heads:
+        raise ConfigError(f"vision_config.num_attention_heads={heads}: must divide vision_config.hidden_size={hidden}")
+    side = _size(vision, "patch_size", 16)
+    sizes = (hidden, _size(vision, "intermediate_size", 4096))
+    embed = [VisionTensor(MISTRAL3_TOWER_MODULE + "patch_conv.weight",
+                          (hidden, _size(vision, "num_channels", 3), side, side), "tower"),
+             VisionTensor(MISTRAL3_TOWER_MODULE + "ln_pre.weight", (hidden,), "tower")]
+    layers = [VisionTensor(MISTRAL3_TOWER_MODULE + PIXTRAL_LAYERS.format(index) + name, shape(sizes), "tower")
+              for index in range(_size(vision, "num_hidden_layers", 24)) for name, shape in _PIXTRAL_LAYER]
+    return [*embed, *layers, *_mistral3_projector(vision, hidden, hidden_size)]
+
+
 # The towers pgconvert describes, by their ``vision_config.model_type``.
 TOWERS: dict[str, Tower] = {
     "qwen2_5_vl_vision": Tower(QWEN2_5_VL_MODULE, qwen2_5_vl_tower, ("out_hidden_size", 3584)),
@@ -238,6 +307,8 @@ TOWERS: dict[str, Tower] = {
     "qwen3_vl_moe_vision": Tower(QWEN3_VL_MODULE, qwen3_vl_tower, ("out_hidden_size", 3584)),
     # Gemma 3's (transformers' SiglipVisionModel, as Gemma3Model builds it from ``vision_config``).
     "siglip_vision_model": Tower(SIGLIP_MODULE, gemma3_vision, None, GEMMA3_PROJECTOR_MODULE),
+    # Pixtral as Mistral 3 holds it, with Mistral 3's projector.
+    "pixtral": Tower(MISTRAL3_TOWER_MODULE, pixtral_tower, None, MISTRAL3_PROJECTOR_MODULE),
 }
 # Every tower's module: a name under one of them is a vision part's tensor (canonically and in rank files).
 VISION_MODULES: tuple[str, ...] = tuple(dict.fromkeys(module for tower in TOWERS.values()

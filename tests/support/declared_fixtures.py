@@ -52,7 +52,20 @@ VISIONS: tuple[dict[str, object], ...] = tuple(
                                        in_channels=3, num_position_embeddings=4, deepstack_visual_indexes=[1]),
                                   sort_keys=True, separators=(",", ":")),
          vision_token_ids=json.dumps({"image_token_id": 36}), mrope_section=(1,), position_embedding_type="mrope")
-    for tower in ("qwen2_5_vl_vision", "qwen3_vl_vision", "qwen3_vl_moe_vision"))
+    for tower in ("qwen2_5_vl_vision", "qwen3_vl_vision", "qwen3_vl_moe_vision")) + (
+    # Pixtral with Mistral 3's projector, its top-level settings folded in, biases on; plain RoPE.
+    dict(vision_config=json.dumps(dict(model_type="pixtral", num_hidden_layers=2, hidden_size=8, intermediate_size=12,
+                                       num_attention_heads=2, patch_size=2, num_channels=3, spatial_merge_size=2,
+                                       vision_feature_layer=-1, multimodal_projector_bias=True,
+                                       projector_hidden_act="gelu"),
+                                  sort_keys=True, separators=(",", ":")),
+         vision_token_ids=json.dumps({"image_token_index": 36})),
+    # SigLIP without its pooling head, with Gemma 3's projector; plain RoPE.
+    dict(vision_config=json.dumps(dict(model_type="siglip_vision_model", num_hidden_layers=2, hidden_size=8,
+                                       intermediate_size=12, num_attention_heads=2, image_size=4, patch_size=2,
+                                       num_channels=3, vision_use_head=False),
+                                  sort_keys=True, separators=(",", ":")),
+         vision_token_ids=json.dumps({"mm_tokens_per_image": 4, "image_token_index": 36})),)
 # Parts a family may accept, tried all together first; the routed-expert ones only with experts.
 EXPERT_PARTS: tuple[dict[str, object], ...] = (dict(moe_shared_expert_intermediate_size=8),
                                                dict(moe_layer_freq=(0, 1, 1)))

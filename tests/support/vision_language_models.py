@@ -1,4 +1,5 @@
-"""Test-only helpers: tiny Qwen2.5-VL and Qwen3-VL checkpoints as releases ship them, and transformers' logits.
+"""Test-only helpers: tiny Qwen2.5-VL, Qwen3-VL, Gemma 3 and Mistral 3 checkpoints as releases ship them, and transformers'
+logits.
 
 Each model is transformers' own ``Qwen2_5_VLForConditionalGeneration`` (multimodal RoPE sections, a vision
 tower with a full-attention block and windowed ones, a merger into the text width) or
@@ -13,6 +14,9 @@ Gemma 3 (``Gemma3ForConditionalGeneration``) is gemma-3-4b-it's configuration sc
 to one full-attention layer, linear RoPE scaling on the full ones, tied embeddings, a SigLIP tower without its pooling
 head, each image pooled to ``mm_tokens_per_image`` tokens; it is saved with transformers' own ``Gemma3Processor``
 (its PIL image processor and a word-level tokenizer holding Gemma's image tokens), whose output is the input.
+
+Mistral 3's (``Mistral3ForConditionalGeneration``: Mistral's language model, the Pixtral tower, its projector) is made
+as the Qwen models are, its image placeholder expanded as ``PixtralProcessor`` does (which needs torchvision as well).
 Nothing here imports pgconvert.
 """
 
@@ -137,14 +141,19 @@ def image_text_inputs(path: Path) -> dict[str, torch.Tensor]:
             **image}
 
 
-def vl_logits(path: Path, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-    """transformers' fp32 logits of the VL checkpoint at ``path`` (loaded strictly) on ``inputs``."""
+def _loaded(path: Path) -> PreTrainedModel:
+    """The model config.json names (VL or text), in fp32, loaded strictly, in eval mode."""
     architecture = json.loads((path / "config.json").read_text())["architectures"][0]
     model, info = getattr(transformers, architecture).from_pretrained(path, dtype=torch.float32,
                                                                       output_loading_info=True)
     assert not any(info.get(key) for key in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    return model.eval()
+
+
+def vl_logits(path: Path, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """transformers' fp32 logits of the VL checkpoint at ``path`` (loaded strictly) on ``inputs``."""
     with torch.no_grad():
-        return model.eval()(**inputs).logits
+        return _loaded(path)(**inputs).logits
 
 
 GEMMA3_SPECIAL = ("<pad>", "<eos>", "<bos>", "<unk>")
@@ -199,3 +208,88 @@ def gemma3_image_text_inputs(path: Path) -> dict[str, torch.Tensor]:
     inputs = dict(processor(text=GEMMA3_TEXT, images=[_pixels(GEMMA3_IMAGE_SIDE)], return_tensors="pt"))
     assert int((inputs["input_ids"] == GEMMA3_IMAGE).sum()) == GEMMA3_VL["mm_tokens_per_image"], inputs
     return inputs
+
+
+# Mistral 3 (Mistral-Small-3.1's config.json scaled down: head_dim apart from hidden / heads, no window, RoPE base
+# 1e9, an untied head; the Pixtral tower; the image tokens at Mistral's ids [IMG] 10, [IMG_BREAK] 12, [IMG_END] 13).
+MISTRAL3_SPECIAL = ("<unk>", "<s>", "</s>", *(f"<SPECIAL_{i}>" for i in range(3, 10)), "[IMG]", "<pad>",
+                    "[IMG_BREAK]", "[IMG_END]")
+MISTRAL3_VOCAB = len(MISTRAL3_SPECIAL) + WORDS
+MISTRAL3_IMAGE_TOKEN = 10
+MISTRAL3_PATCH = 14
+MISTRAL3: dict[str, Any] = dict(
+    text_config=dict(model_type="mistral", hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=MISTRAL3_VOCAB,
+                     max_position_embeddings=256, rope_theta=1000000000.0, sliding_window=None, rms_norm_eps=1e-5,
+                     tie_word_embeddings=False),
+    vision_config=dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=2, head_dim=16, patch_size=MISTRAL3_PATCH, image_size=112),
+    image_token_index=MISTRAL3_IMAGE_TOKEN, spatial_merge_size=2, vision_feature_layer=-1,
+    multimodal_projector_bias=False, projector_hidden_act="gelu", tie_word_embeddings=False,
+)
+MISTRAL3_TEXT = "w1 w2 [IMG] w3 w4 w5"
+
+
+def _mistral3_tokenizer() -> PreTrainedTokenizerFast:
+    """A word-level tokenizer with Mistral's image tokens at their ids."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {token: index for index, token in enumerate((*MISTRAL3_SPECIAL, *(f"w{i}" for i in range(WORDS))))}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>",
+                                        pad_token="<pad>", unk_token="<unk>",
+                                        additional_special_tokens=["[IMG]", "[IMG_BREAK]", "[IMG_END]"])
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def _mistral3_image_processor() -> Any:
+    """The Pixtral image processor as ``PixtralProcessor`` runs it: images resized to whole merged patches (the patch
+    times ``spatial_merge_size``), at most 4 x 4 patches."""
+    from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
+
+    merged = 2 * MISTRAL3_PATCH
+    return PixtralImageProcessorPil(size={"longest_edge": PATCHES * MISTRAL3_PATCH},
+                                    patch_size={"height": merged, "width": merged})
+
+
+def build_mistral3_model(path: Path, seed: int = 0, **changes: Any) -> Path:
+    """A tiny ``Mistral3ForConditionalGeneration`` (``MISTRAL3`` with ``changes``) saved with its processor (tokenizer,
+    chat template, image processor) and a generation config."""
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+    torch.manual_seed(seed)
+    model = Mistral3ForConditionalGeneration(Mistral3Config(**{**MISTRAL3, **changes})).eval()
+    with torch.no_grad():  # every parameter seeded away from its initial value (norms near one)
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=torch.Generator().manual_seed(len(name) * 7919 + seed))
+            param.copy_(1.0 + 0.1 * noise if "norm" in name or "ln_pre" in name else 0.05 * noise)
+    model.save_pretrained(path)
+    _mistral3_tokenizer().save_pretrained(path)
+    _mistral3_image_processor().save_pretrained(path)
+    GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=11).save_pretrained(path)
+    return path
+
+
+def mistral3_inputs(path: Path) -> dict[str, torch.Tensor]:
+    """An image and text input as ``PixtralProcessor`` makes it (its ``replace_image_token``: a row of [IMG] per merged
+    patch row, each ended by [IMG_BREAK], the last by [IMG_END]), from the files in ``path`` on a synthetic image.
+    (The processor itself needs torchvision, which has no CPU build for torch 2.13.0 on the index.)"""
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    side = PATCHES * MISTRAL3_PATCH
+    pixels = (numpy.arange(side * side * 3).reshape(side, side, 3) * 37 % 251).astype(numpy.uint8)
+    image = AutoImageProcessor.from_pretrained(path)(images=[pixels], return_tensors="pt")
+    height, width = (int(size) // (2 * MISTRAL3_PATCH) for size in image["image_sizes"][0])
+    tokens = ((["[IMG]"] * width + ["[IMG_BREAK]"]) * height)[:-1] + ["[IMG_END]"]
+    text = MISTRAL3_TEXT.replace("[IMG]", " ".join(tokens))
+    ids = AutoTokenizer.from_pretrained(path)(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+    assert int((ids == MISTRAL3_IMAGE_TOKEN).sum()) == height * width == (PATCHES // 2) ** 2, ids
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), **image}
+
+
+def text_logits(path: Path, ids: torch.Tensor) -> torch.Tensor:
+    """transformers' fp32 logits on a text input of the model config.json names (VL or text), loaded strictly."""
+    with torch.no_grad():
+        return _loaded(path)(input_ids=ids).logits

@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from support.cli_helpers import assert_clean_refusal, run_cli
 from support.hf_helpers import assert_same_hf_tensors, load_hf_tensors
-from support.megatron_fixtures import load_for_test
 from support.vision_language_models import build_gemma3_vl_model, gemma3_image_text_inputs, vl_logits
+from support.vl_runs import config_read_by_transformers, converted, edited_copy, rank_file
 
 import pgconvert
 from pgconvert.errors import PgconvertError
@@ -42,35 +42,22 @@ def expected(source: Path) -> Expected:
 
 @pytest.fixture(scope="module")
 def tp2_pp2(source: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _converted(source, tmp_path_factory.mktemp("tp2_pp2") / "megatron", dst_format="megatron", dst_tp=2,
+    return converted(source, tmp_path_factory.mktemp("tp2_pp2") / "megatron", dst_format="megatron", dst_tp=2,
                       dst_pp=2)
 
 
-def _converted(src: Path, dst: Path, **options: object) -> Path:
-    pgconvert.convert(src, dst, **options)
-    return dst
-
-
-def _rank_model(root: Path, rank_dir: str) -> dict[str, object]:
-    return load_for_test(root / "iter_0000000" / rank_dir / "model_optim_rng.pt")
-
-
-def _config_read_by_transformers(path: Path) -> dict[str, object]:
-    from transformers import AutoConfig
-
-    return {key: value for key, value in AutoConfig.from_pretrained(path).to_dict().items() if key != "_name_or_path"}
 
 
 def test_hf_megatron_tp2_pp2_hf_is_the_same_model(source: Path, tp2_pp2: Path, expected: Expected,
                                                    tmp_path: Path) -> None:
-    back = _converted(tp2_pp2, tmp_path / "hf", dst_format="hf", dst_tp=1, dst_pp=1)
+    back = converted(tp2_pp2, tmp_path / "hf", dst_format="hf", dst_tp=1, dst_pp=1)
     assert_same_hf_tensors(source, back)
     for name in SIDE:  # the processor, tokenizer and chat template carried as they are
         assert (back / name).read_bytes() == (source / name).read_bytes(), name
     inputs, logits = expected
     assert int(inputs["token_type_ids"].sum()) == 4  # the image's tokens, which attend to each other both ways
     torch.testing.assert_close(vl_logits(back, inputs), logits, rtol=1e-5, atol=1e-5)
-    assert _config_read_by_transformers(back) == _config_read_by_transformers(source)
+    assert config_read_by_transformers(back) == config_read_by_transformers(source)
 
 
 def test_rank_files_hold_the_tower_whole_and_the_projection_split_on_the_first_stage(source: Path,
@@ -79,7 +66,7 @@ def test_rank_files_hold_the_tower_whole_and_the_projection_split_on_the_first_s
     tower = [name for name in stored if name.startswith("vision_tower.")]
     projection = stored[PROJECTION].t()  # Megatron-Bridge's proj.weight: [text hidden, vision hidden]
     for tp in range(2):
-        state = _rank_model(tp2_pp2, f"mp_rank_0{tp}_000")
+        state = rank_file(tp2_pp2, f"mp_rank_0{tp}_000")
         model = state["model"]
         names = list(model)
         # Megatron-Bridge's Gemma3VLModel: vision_tower.*, then multi_modal_projector.*, then language_model.*.
@@ -96,13 +83,13 @@ def test_rank_files_hold_the_tower_whole_and_the_projection_split_on_the_first_s
         assert json.loads(args.vision_config) == written["vision_config"]
         assert json.loads(args.vision_token_ids) == {key: written[key] for key in (
             "mm_tokens_per_image", "boi_token_index", "eoi_token_index", "image_token_index")}
-        last = _rank_model(tp2_pp2, f"mp_rank_0{tp}_001")["model"]
+        last = rank_file(tp2_pp2, f"mp_rank_0{tp}_001")["model"]
         assert all(name.startswith("language_model.") for name in last), list(last)
 
 
 def test_tp2_torch_dist_and_a_config_built_from_the_args(source: Path, expected: Expected, tmp_path: Path) -> None:
-    megatron = _converted(source, tmp_path / "megatron", dst_format="megatron", dst_tp=2)
-    dist = _converted(megatron, tmp_path / "dist", dst_format="torch_dist")
+    megatron = converted(source, tmp_path / "megatron", dst_format="megatron", dst_tp=2)
+    dist = converted(megatron, tmp_path / "dist", dst_format="torch_dist")
     from torch.distributed.checkpoint import FileSystemReader
 
     stored = FileSystemReader(str(dist / "iter_0000000")).read_metadata().state_dict_metadata
@@ -110,7 +97,7 @@ def test_tp2_torch_dist_and_a_config_built_from_the_args(source: Path, expected:
             "language_model.embedding.word_embeddings.weight"} <= set(stored)
     assert list(stored["multi_modal_projector.proj.weight"].size) == [64, 32]
     (dist / "hf" / "config.json").unlink()  # config.json built from the args alone
-    back = _converted(dist, tmp_path / "hf", dst_format="hf", dst_tp=1)
+    back = converted(dist, tmp_path / "hf", dst_format="hf", dst_tp=1)
     assert_same_hf_tensors(source, back)
     inputs, logits = expected
     torch.testing.assert_close(vl_logits(back, inputs), logits, rtol=1e-5, atol=1e-5)
@@ -150,12 +137,12 @@ def test_the_released_names_and_config_json_read_as_transformers_5s(source: Path
     assert any(name.startswith("vision_tower.vision_model.") for name in load_hf_tensors(released))
     inputs, logits = expected
     torch.testing.assert_close(vl_logits(released, inputs), logits, rtol=0, atol=0)  # transformers reads both alike
-    megatron = _converted(released, tmp_path / "megatron", dst_format="megatron", dst_tp=2, dst_pp=2)
+    megatron = converted(released, tmp_path / "megatron", dst_format="megatron", dst_tp=2, dst_pp=2)
     for rank_dir in ("mp_rank_00_000", "mp_rank_01_001"):
-        ours, theirs = _rank_model(megatron, rank_dir), _rank_model(tp2_pp2, rank_dir)
+        ours, theirs = rank_file(megatron, rank_dir), rank_file(tp2_pp2, rank_dir)
         assert list(ours["model"]) == list(theirs["model"])
         assert all(torch.equal(ours["model"][name], theirs["model"][name]) for name in theirs["model"])
-    back = _converted(megatron, tmp_path / "hf", dst_format="hf", dst_tp=1, dst_pp=1)
+    back = converted(megatron, tmp_path / "hf", dst_format="hf", dst_tp=1, dst_pp=1)
     assert_same_hf_tensors(source, back)  # written with transformers 5's names
     torch.testing.assert_close(vl_logits(back, inputs), logits, rtol=1e-5, atol=1e-5)
 
@@ -243,11 +230,8 @@ def test_a_tower_tensor_stored_under_both_names_is_a_named_error(source: Path, t
 
 
 def test_a_rank_file_without_the_projection_is_a_named_error(tp2_pp2: Path, tmp_path: Path) -> None:
-    copy = Path(shutil.copytree(tp2_pp2, tmp_path / "megatron"))
-    rank_file = copy / "iter_0000000" / "mp_rank_01_000" / "model_optim_rng.pt"
-    state = load_for_test(rank_file)
-    del state["model"]["multi_modal_projector.proj.weight"]
-    torch.save(state, rank_file)
+    copy = edited_copy(tp2_pp2, tmp_path / "megatron", "mp_rank_01_000",
+                       lambda state: state["model"].pop("multi_modal_projector.proj.weight"))
     with pytest.raises(PgconvertError, match=r"mp_rank_01_000.*missing: \['multi_modal_projector\.proj\.weight'\]"):
         pgconvert.convert(copy, tmp_path / "out", dst_format="hf", dst_tp=1, dst_pp=1)
     assert not (tmp_path / "out").exists()
@@ -261,7 +245,7 @@ def test_the_first_stage_holds_megatron_bridges_vision_modules_giving_transforme
     image features transformers computes from the source."""
     from transformers import AutoModel, Gemma3ForConditionalGeneration, SiglipVisionConfig
 
-    ranks = [_rank_model(tp2_pp2, f"mp_rank_0{tp}_000") for tp in range(2)]
+    ranks = [rank_file(tp2_pp2, f"mp_rank_0{tp}_000") for tp in range(2)]
     args = ranks[1]["args"]
     vision = {key: value for key, value in json.loads(args.vision_config).items() if key != "model_type"}
     built = AutoModel.from_config(SiglipVisionConfig(**vision))

@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from support.hf_helpers import assert_same_hf_tensors, load_hf_tensors
-from support.megatron_fixtures import load_for_test
 from support.vision_language_models import build_mistral3_model, mistral3_inputs, text_logits, vl_logits
+from support.vl_runs import config_read_by_transformers, converted, edited_copy, rank_file
 
 import pgconvert
 from pgconvert.errors import PgconvertError
@@ -39,22 +39,15 @@ def expected(source: Path) -> Expected:
 
 @pytest.fixture(scope="module")
 def tp2_pp2(source: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _converted(source, tmp_path_factory.mktemp("tp2_pp2") / "megatron", dst_format="megatron", dst_tp=2,
+    return converted(source, tmp_path_factory.mktemp("tp2_pp2") / "megatron", dst_format="megatron", dst_tp=2,
                       dst_pp=2)
 
 
-def _converted(src: Path, dst: Path, **options: object) -> Path:
-    pgconvert.convert(src, dst, **options)
-    return dst
-
-
-def _rank_model(root: Path, rank_dir: str) -> dict[str, object]:
-    return load_for_test(root / "iter_0000000" / rank_dir / "model_optim_rng.pt")
 
 
 def test_hf_megatron_tp2_pp2_hf_is_the_same_model(source: Path, tp2_pp2: Path, expected: Expected,
                                                    tmp_path: Path) -> None:
-    back = _converted(tp2_pp2, tmp_path / "hf", dst_format="hf", dst_tp=1, dst_pp=1)
+    back = converted(tp2_pp2, tmp_path / "hf", dst_format="hf", dst_tp=1, dst_pp=1)
     assert_same_hf_tensors(source, back)
     for name in SIDE:
         assert (back / name).read_bytes() == (source / name).read_bytes(), name
@@ -63,13 +56,7 @@ def test_hf_megatron_tp2_pp2_hf_is_the_same_model(source: Path, tp2_pp2: Path, e
     # The image changes these logits: a vision part lost or misplaced would not pass the comparison above.
     blank = {**inputs, "pixel_values": torch.zeros_like(inputs["pixel_values"])}
     assert not torch.allclose(vl_logits(back, blank), logits, rtol=1e-4, atol=1e-4)
-    from transformers import AutoConfig
-
-    def read(path: Path) -> dict[str, object]:
-        return {key: value for key, value in AutoConfig.from_pretrained(path).to_dict().items()
-                if key != "_name_or_path"}
-
-    assert read(back) == read(source)
+    assert config_read_by_transformers(back) == config_read_by_transformers(source)
 
 
 def test_rank_files_hold_the_vision_part_whole_on_the_first_stage(source: Path, tp2_pp2: Path) -> None:
@@ -78,7 +65,7 @@ def test_rank_files_hold_the_vision_part_whole_on_the_first_stage(source: Path, 
     assert any(name.startswith("multi_modal_projector.patch_merger.") for name in vision)
     config = json.loads((source / "config.json").read_text())
     for tp in range(2):
-        state = _rank_model(tp2_pp2, f"mp_rank_0{tp}_000")
+        state = rank_file(tp2_pp2, f"mp_rank_0{tp}_000")
         names = list(state["model"])
         # Megatron-Bridge's Ministral3Model registers vision_tower, multi_modal_projector, then language_model.
         assert names[:len(vision)] == sorted(vision, key=lambda name: (not name.startswith("vision_tower."),
@@ -92,23 +79,23 @@ def test_rank_files_hold_the_vision_part_whole_on_the_first_stage(source: Path, 
             "projector_hidden_act": "gelu"}
         assert held == config["vision_config"]
         assert json.loads(state["args"].vision_token_ids) == {"image_token_index": 10}
-        last = _rank_model(tp2_pp2, f"mp_rank_0{tp}_001")["model"]
+        last = rank_file(tp2_pp2, f"mp_rank_0{tp}_001")["model"]
         assert all(name.startswith("language_model.") for name in last) and "language_model.output_layer.weight" in last
-    first = _rank_model(tp2_pp2, "mp_rank_00_000")["model"]
+    first = rank_file(tp2_pp2, "mp_rank_00_000")["model"]
     assert torch.equal(first["language_model.decoder.layers.0.self_attention.linear_proj.weight"],
                        stored["language_model.model.layers.0.self_attn.o_proj.weight"][:, :16])
 
 
 def test_tp2_torch_dist_and_a_config_built_from_the_args(source: Path, expected: Expected, tmp_path: Path) -> None:
-    megatron = _converted(source, tmp_path / "megatron", dst_format="megatron", dst_tp=2)
-    dist = _converted(megatron, tmp_path / "dist", dst_format="torch_dist")
+    megatron = converted(source, tmp_path / "megatron", dst_format="megatron", dst_tp=2)
+    dist = converted(megatron, tmp_path / "dist", dst_format="torch_dist")
     from torch.distributed.checkpoint import FileSystemReader
 
     stored = FileSystemReader(str(dist / "iter_0000000")).read_metadata().state_dict_metadata
     assert {"vision_tower.patch_conv.weight", "multi_modal_projector.linear_2.weight",
             "language_model.embedding.word_embeddings.weight"} <= set(stored)
     (dist / "hf" / "config.json").unlink()  # config.json built from the args alone
-    back = _converted(dist, tmp_path / "hf", dst_format="hf", dst_tp=1)
+    back = converted(dist, tmp_path / "hf", dst_format="hf", dst_tp=1)
     assert_same_hf_tensors(source, back)
     inputs, logits = expected
     torch.testing.assert_close(vl_logits(back, inputs), logits, rtol=1e-5, atol=1e-5)
@@ -122,9 +109,9 @@ def test_tp2_torch_dist_and_a_config_built_from_the_args(source: Path, expected:
 def test_projector_biases_and_other_feature_layers_round_trip(tmp_path: Path) -> None:
     source = build_mistral3_model(tmp_path / "hf", seed=1, multimodal_projector_bias=True, vision_feature_layer=-2,
                                   projector_hidden_act="silu")
-    megatron = _converted(source, tmp_path / "megatron", dst_format="megatron", dst_tp=2)
-    assert "multi_modal_projector.linear_2.bias" in _rank_model(megatron, "mp_rank_01")["model"]
-    back = _converted(megatron, tmp_path / "back", dst_format="hf", dst_tp=1)
+    megatron = converted(source, tmp_path / "megatron", dst_format="megatron", dst_tp=2)
+    assert "multi_modal_projector.linear_2.bias" in rank_file(megatron, "mp_rank_01")["model"]
+    back = converted(megatron, tmp_path / "back", dst_format="hf", dst_tp=1)
     assert_same_hf_tensors(source, back)
     inputs = mistral3_inputs(source)
     torch.testing.assert_close(vl_logits(back, inputs), vl_logits(source, inputs), rtol=1e-5, atol=1e-5)
@@ -132,8 +119,8 @@ def test_projector_biases_and_other_feature_layers_round_trip(tmp_path: Path) ->
     # then fails on the concatenated features: tensors only).
     several = build_mistral3_model(tmp_path / "several", vision_feature_layer=[-1, -2])
     assert load_hf_tensors(several)["multi_modal_projector.linear_1.weight"].shape == (64, 64)
-    megatron = _converted(several, tmp_path / "several_megatron", dst_format="megatron", dst_tp=2)
-    assert_same_hf_tensors(several, _converted(megatron, tmp_path / "several_back", dst_format="hf", dst_tp=1))
+    megatron = converted(several, tmp_path / "several_megatron", dst_format="megatron", dst_tp=2)
+    assert_same_hf_tensors(several, converted(megatron, tmp_path / "several_back", dst_format="hf", dst_tp=1))
 
 
 def test_text_only_writes_the_language_model_as_mistral(source: Path, tp2_pp2: Path, tmp_path: Path) -> None:
@@ -196,11 +183,8 @@ def test_a_missing_projector_tensor_is_a_named_error(source: Path, tp2_pp2: Path
     with pytest.raises(PgconvertError, match=r"multi_modal_projector\.patch_merger\.merging_layer\.weight"):
         pgconvert.convert(src, tmp_path / "out", dst_format="megatron")
     assert not (tmp_path / "out").exists()
-    copy = Path(shutil.copytree(tp2_pp2, tmp_path / "megatron"))
-    rank_file = copy / "iter_0000000" / "mp_rank_01_000" / "model_optim_rng.pt"
-    state = load_for_test(rank_file)
-    del state["model"]["multi_modal_projector.linear_1.weight"]
-    torch.save(state, rank_file)
+    copy = edited_copy(tp2_pp2, tmp_path / "megatron", "mp_rank_01_000",
+                       lambda state: state["model"].pop("multi_modal_projector.linear_1.weight"))
     with pytest.raises(PgconvertError, match=r"mp_rank_01_000.*missing: \['multi_modal_projector\.linear_1\.weight'\]"):
         pgconvert.convert(copy, tmp_path / "back", dst_format="hf", dst_tp=1, dst_pp=1)
     assert not (tmp_path / "back").exists()
@@ -214,7 +198,7 @@ def test_megatron_core_and_the_hf_modules_load_the_tp1_rank_file_and_compute_tra
     from support.mcore_helpers import rank_files
     from support.mcore_vision_language import mistral3_bridge_logits
 
-    (rank,) = rank_files(_converted(source, tmp_path / "megatron", dst_format="megatron", dst_tp=1))
+    (rank,) = rank_files(converted(source, tmp_path / "megatron", dst_format="megatron", dst_tp=1))
     inputs, logits = expected
     torch.testing.assert_close(mistral3_bridge_logits(rank, inputs)[..., :logits.shape[-1]], logits, rtol=1e-5,
                                atol=1e-5)

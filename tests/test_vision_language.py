@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from support.hf_helpers import assert_same_hf_tensors, load_hf_tensors
 from support.megatron_fixtures import load_for_test
 from support.vision_language_models import build_vl_model, image_text_inputs, text_logits, vl_logits
+from support.vl_runs import config_read_by_transformers, converted, edited_copy, rank_file
 
 import pgconvert
 from pgconvert.errors import PgconvertError
@@ -36,17 +37,10 @@ def expected(source: Path) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def tp2_pp2(source: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _converted(source, tmp_path_factory.mktemp("tp2_pp2") / "megatron", dst_format="megatron", dst_tp=2,
+    return converted(source, tmp_path_factory.mktemp("tp2_pp2") / "megatron", dst_format="megatron", dst_tp=2,
                       dst_pp=2)
 
 
-def _converted(src: Path, dst: Path, **options: object) -> Path:
-    pgconvert.convert(src, dst, **options)
-    return dst
-
-
-def _rank_model(root: Path, rank_dir: str) -> dict[str, object]:
-    return load_for_test(root / "iter_0000000" / rank_dir / "model_optim_rng.pt")
 
 
 def _assert_same_vl_model(src: Path, converted: Path, expected: tuple[dict[str, torch.Tensor], torch.Tensor]) -> None:
@@ -60,23 +54,17 @@ def _assert_same_vl_model(src: Path, converted: Path, expected: tuple[dict[str, 
 def test_hf_megatron_tp2_pp2_hf_is_the_same_model(source: Path, tp2_pp2: Path, expected: tuple[dict[str, torch.Tensor],
                                                                                                  torch.Tensor],
                                                    tmp_path: Path) -> None:
-    back = _converted(tp2_pp2, tmp_path / "hf", dst_format="hf", dst_tp=1, dst_pp=1)
+    back = converted(tp2_pp2, tmp_path / "hf", dst_format="hf", dst_tp=1, dst_pp=1)
     _assert_same_vl_model(source, back, expected)
     # config.json (nested text_config / vision_config) is read back by transformers as the source's.
-    from transformers import AutoConfig
-
-    def read(path: Path) -> dict[str, object]:
-        return {key: value for key, value in AutoConfig.from_pretrained(path).to_dict().items()
-                if key != "_name_or_path"}
-
-    assert read(back) == read(source)
+    assert config_read_by_transformers(back) == config_read_by_transformers(source)
 
 
 def test_rank_files_hold_the_vision_part_whole_on_the_first_stage(source: Path, tp2_pp2: Path) -> None:
     stored = load_hf_tensors(source)
     vision = {name for name in stored if name.startswith("visual.")}
-    first = [_rank_model(tp2_pp2, f"mp_rank_0{tp}_000") for tp in range(2)]
-    last = [_rank_model(tp2_pp2, f"mp_rank_0{tp}_001") for tp in range(2)]
+    first = [rank_file(tp2_pp2, f"mp_rank_0{tp}_000") for tp in range(2)]
+    last = [rank_file(tp2_pp2, f"mp_rank_0{tp}_001") for tp in range(2)]
     for state in first:  # Megatron-Bridge's names: visual.* first (registered first), then language_model.*
         model = state["model"]
         names = list(model)
@@ -96,11 +84,11 @@ def test_rank_files_hold_the_vision_part_whole_on_the_first_stage(source: Path, 
 def test_tp2_torch_dist_and_a_config_built_from_the_args(source: Path, expected: tuple[dict[str, torch.Tensor],
                                                                                        torch.Tensor],
                                                          tmp_path: Path) -> None:
-    megatron = _converted(source, tmp_path / "megatron", dst_format="megatron", dst_tp=2)
-    dist = _converted(megatron, tmp_path / "dist", dst_format="torch_dist")
+    megatron = converted(source, tmp_path / "megatron", dst_format="megatron", dst_tp=2)
+    dist = converted(megatron, tmp_path / "dist", dst_format="torch_dist")
     # Without the carried config.json, config.json is built from the args alone.
     (dist / "hf" / "config.json").unlink()
-    back = _converted(dist, tmp_path / "hf", dst_format="hf", dst_tp=1)
+    back = converted(dist, tmp_path / "hf", dst_format="hf", dst_tp=1)
     assert_same_hf_tensors(source, back)
     inputs, logits = expected
     torch.testing.assert_close(vl_logits(back, inputs), logits, rtol=1e-5, atol=1e-5)
@@ -175,13 +163,13 @@ def test_text_only_writes_the_language_model_as_qwen2(source: Path, tp2_pp2: Pat
 
 
 def test_text_only_megatron_output_is_a_text_model(source: Path, tmp_path: Path) -> None:
-    out = _converted(source, tmp_path / "megatron", dst_format="megatron", dst_tp=2, text_only=True)
-    state = _rank_model(out, "mp_rank_00")
+    out = converted(source, tmp_path / "megatron", dst_format="megatron", dst_tp=2, text_only=True)
+    state = rank_file(out, "mp_rank_00")
     assert not any(name.startswith(("visual.", "language_model.")) for name in state["model"])
     assert state["args"].position_embedding_type == "rope" and not hasattr(state["args"], "vision_config")
     assert not (out / "hf" / "preprocessor_config.json").exists()
     # Its carried VL config.json is read as the text model's.
-    back = _converted(out, tmp_path / "hf", dst_format="hf", dst_tp=1)
+    back = converted(out, tmp_path / "hf", dst_format="hf", dst_tp=1)
     assert json.loads((back / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
     stored = load_hf_tensors(source)
     assert all(torch.equal(tensor, stored[name]) for name, tensor in load_hf_tensors(back).items())
@@ -198,13 +186,13 @@ def test_text_only_refuses_a_text_model(tmp_path: Path) -> None:
 
 def test_a_virtual_pipeline_and_the_te_spec_keep_the_vision_part_on_the_first_chunk(source: Path, tp2_pp2: Path,
                                                                                      tmp_path: Path) -> None:
-    vpp = _converted(tp2_pp2, tmp_path / "vpp", dst_tp=1, dst_pp=2, dst_vpp=2,
+    vpp = converted(tp2_pp2, tmp_path / "vpp", dst_tp=1, dst_pp=2, dst_vpp=2,
                      dst_transformer_impl="transformer_engine")
-    first, last = _rank_model(vpp, "mp_rank_00_000"), _rank_model(vpp, "mp_rank_00_001")
+    first, last = rank_file(vpp, "mp_rank_00_000"), rank_file(vpp, "mp_rank_00_001")
     assert [sum(name.startswith("visual.") for name in state[chunk]) for state in (first, last)
             for chunk in ("model0", "model1")] == [30, 0, 0, 0]
     assert "language_model.decoder.layers.0.self_attention.linear_qkv.layer_norm_weight" in first["model0"]
-    back = _converted(vpp, tmp_path / "hf", dst_format="hf", dst_tp=1, dst_pp=1)
+    back = converted(vpp, tmp_path / "hf", dst_format="hf", dst_tp=1, dst_pp=1)
     assert_same_hf_tensors(source, back)
 
 
@@ -225,11 +213,7 @@ def test_a_rank_file_without_the_merger_or_with_a_vision_config_of_other_sizes_i
     for case, change in (("missing", lambda state: state["model"].pop("visual.merger.mlp.2.weight")),
                          ("sizes", lambda state: setattr(state["args"], "vision_config", state["args"].vision_config
                                                          .replace('"hidden_size":32', '"hidden_size":48')))):
-        copy = Path(shutil.copytree(tp2_pp2, tmp_path / case))
-        rank_file = copy / "iter_0000000" / "mp_rank_01_000" / "model_optim_rng.pt"
-        state = load_for_test(rank_file)
-        change(state)
-        torch.save(state, rank_file)
+        copy = edited_copy(tp2_pp2, tmp_path / case, "mp_rank_01_000", change)
         expected = (r"mp_rank_01_000.*missing: \['visual\.merger\.mlp\.2\.weight'\]" if case == "missing" else
                     r"mp_rank_01_000.*visual\.patch_embed\.proj\.weight has shape \[32, 3, 2, 14, 14\], expected "
                     r"\[48, 3, 2, 14, 14\].*vision_config")
@@ -263,18 +247,18 @@ def qwen3_vl(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_qwen3_vl_through_megatron_tp2_pp2_and_text_only(qwen3_vl: Path, tmp_path: Path) -> None:
     inputs = image_text_inputs(qwen3_vl)
-    megatron = _converted(qwen3_vl, tmp_path / "megatron", dst_format="megatron", dst_tp=2, dst_pp=2)
-    first = _rank_model(megatron, "mp_rank_01_000")["model"]
+    megatron = converted(qwen3_vl, tmp_path / "megatron", dst_format="megatron", dst_tp=2, dst_pp=2)
+    first = rank_file(megatron, "mp_rank_01_000")["model"]
     stored = load_hf_tensors(qwen3_vl)
     vision = [name for name in stored if name.startswith("model.visual.")]
     # Megatron-Bridge's Qwen3VLModel: the vision part as vision_model.*, whole on every TP rank of the first stage.
     assert set(list(first)[:len(vision)]) == {name.replace("model.visual.", "vision_model.") for name in vision}
     assert all(torch.equal(first[name.replace("model.visual.", "vision_model.")], stored[name]) for name in vision)
     assert "vision_model.deepstack_merger_list.1.linear_fc2.weight" in first
-    back = _converted(megatron, tmp_path / "hf", dst_format="hf", dst_tp=1, dst_pp=1)
+    back = converted(megatron, tmp_path / "hf", dst_format="hf", dst_tp=1, dst_pp=1)
     assert_same_hf_tensors(qwen3_vl, back)
     torch.testing.assert_close(vl_logits(back, inputs), vl_logits(qwen3_vl, inputs), rtol=1e-5, atol=1e-5)
-    text = _converted(megatron, tmp_path / "text", dst_format="hf", dst_tp=1, dst_pp=1, text_only=True)
+    text = converted(megatron, tmp_path / "text", dst_format="hf", dst_tp=1, dst_pp=1, text_only=True)
     doc = json.loads((text / "config.json").read_text())
     assert doc["architectures"] == ["Qwen3ForCausalLM"] and "mrope_interleaved" not in doc["rope_parameters"]
     ids = torch.tensor([[5, 6, 7, 40, 41, 42, 299, 8, 9, 10, 11, 12]])
@@ -288,7 +272,7 @@ def test_megatron_core_and_the_hf_vision_module_load_the_tp1_rank_file_and_compu
     from support.mcore_helpers import rank_files
     from support.mcore_vision_language import bridge_logits
 
-    (rank,) = rank_files(_converted(source, tmp_path / "megatron", dst_format="megatron", dst_tp=1))
+    (rank,) = rank_files(converted(source, tmp_path / "megatron", dst_format="megatron", dst_tp=1))
     inputs, logits = expected
     computed = bridge_logits(rank, inputs)[..., :logits.shape[-1]]
     torch.testing.assert_close(computed, logits, rtol=1e-5, atol=1e-5)
@@ -301,16 +285,16 @@ def test_megatron_core_and_the_hf_vision_module_load_the_tp1_rank_file_and_compu
 def test_qwen3_vl_moe_through_megatron_tp2_pp2_ep2_and_text_only(tmp_path: Path) -> None:
     source = build_vl_model("qwen3_vl_moe", tmp_path / "hf")
     inputs = image_text_inputs(source)
-    megatron = _converted(source, tmp_path / "megatron", dst_format="megatron", dst_tp=2, dst_pp=2, dst_ep=2)
-    last = _rank_model(megatron, "mp_rank_01_001_001")["model"]
+    megatron = converted(source, tmp_path / "megatron", dst_format="megatron", dst_tp=2, dst_pp=2, dst_ep=2)
+    last = rank_file(megatron, "mp_rank_01_001_001")["model"]
     stored = load_hf_tensors(source)
     # EP rank 1 holds experts 2 and 3 of the stacked HF tensor, as local experts 0 and 1.
     local = last["language_model.decoder.layers.0.mlp.experts.local_experts.1.linear_fc2.weight"]
     assert torch.equal(local, stored["model.language_model.layers.1.mlp.experts.down_proj"][3][:, 16:])
-    back = _converted(megatron, tmp_path / "back", dst_format="hf", dst_tp=1, dst_pp=1, dst_ep=1)
+    back = converted(megatron, tmp_path / "back", dst_format="hf", dst_tp=1, dst_pp=1, dst_ep=1)
     assert_same_hf_tensors(source, back)
     torch.testing.assert_close(vl_logits(back, inputs), vl_logits(source, inputs), rtol=1e-5, atol=1e-5)
-    text = _converted(megatron, tmp_path / "text", dst_format="hf", dst_tp=1, dst_pp=1, dst_ep=1, text_only=True)
+    text = converted(megatron, tmp_path / "text", dst_format="hf", dst_tp=1, dst_pp=1, dst_ep=1, text_only=True)
     doc = json.loads((text / "config.json").read_text())
     assert doc["architectures"] == ["Qwen3MoeForCausalLM"] and doc["norm_topk_prob"] is True
     ids = torch.tensor([[5, 6, 7, 40, 41, 42, 299, 8, 9, 10, 11, 12]])
@@ -351,12 +335,12 @@ def test_a_towers_tensor_megatron_shards_is_cut_by_its_rule(monkeypatch: pytest.
                for index, (name, shape) in enumerate(canonical_shapes(config).items())}
     out = tmp_path / "megatron"
     MegatronSaver().save(InMemorySource(config, tensors), out, SaveOptions(layout=layout), lambda nbytes: None)
-    first = [_rank_model(out, f"mp_rank_0{tp}_000")["model"] for tp in range(2)]
+    first = [rank_file(out, f"mp_rank_0{tp}_000")["model"] for tp in range(2)]
     assert torch.equal(torch.cat([model["visual.proj.weight"] for model in first]), tensors["visual.proj.weight"])
     from pgconvert.formats import LoadOptions
     from pgconvert.formats.registry import get_loader
 
-    dist = _converted(out, tmp_path / "dist", dst_format="torch_dist")
+    dist = converted(out, tmp_path / "dist", dst_format="torch_dist")
     for path, format_name in ((out, "megatron"), (dist, "torch_dist")):
         with get_loader(format_name).open(path, LoadOptions()) as loaded:  # vocab tables come back padded
             assert [name for name, tensor in tensors.items()
@@ -382,11 +366,11 @@ def test_the_released_flat_config_json_reads_as_the_nested_one(source: Path, tp2
     released = _released_layout(source, tmp_path)
     inputs, logits = expected
     torch.testing.assert_close(vl_logits(released, inputs), logits, rtol=0, atol=0)  # transformers reads both alike
-    megatron = _converted(released, tmp_path / "megatron", dst_format="megatron", dst_tp=2, dst_pp=2)
+    megatron = converted(released, tmp_path / "megatron", dst_format="megatron", dst_tp=2, dst_pp=2)
     for rank_dir in ("mp_rank_00_000", "mp_rank_01_001"):
-        assert vars(_rank_model(megatron, rank_dir)["args"]) == vars(_rank_model(tp2_pp2, rank_dir)["args"])
+        assert vars(rank_file(megatron, rank_dir)["args"]) == vars(rank_file(tp2_pp2, rank_dir)["args"])
     (megatron / "hf" / "config.json").unlink()  # config.json built from the args: the nested form
-    back = _converted(megatron, tmp_path / "hf", dst_format="hf", dst_tp=1, dst_pp=1)
+    back = converted(megatron, tmp_path / "hf", dst_format="hf", dst_tp=1, dst_pp=1)
     assert "text_config" in json.loads((back / "config.json").read_text())
     assert_same_hf_tensors(source, back)
     torch.testing.assert_close(vl_logits(back, inputs), logits, rtol=1e-5, atol=1e-5)

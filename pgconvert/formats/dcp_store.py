@@ -49,7 +49,7 @@ from pgconvert.io.paths import ensure_within
 from pgconvert.io.torch_input import check_torch_stream
 from pgconvert.model.config import TRANSFORMER_IMPLS, ModelConfig
 from pgconvert.model.layout import ParallelLayout
-from pgconvert.model.provider import WORD_EMBEDDINGS, te_extra_state_names, te_mtp_extra_state_names
+from pgconvert.model.provider import WORD_EMBEDDINGS, te_extra_state_names
 from pgconvert.model.rules import ShardRule, assemble
 
 # Megatron-LM's default --transformer-impl, for args that do not record one.
@@ -309,6 +309,5 @@ def te_extra_states(config: ModelConfig, layout: ParallelLayout) -> dict[str, Ex
     state dicts require. The local spec's linears need none (megatron-core fills them in on load)."""
     if config.transformer_impl != "transformer_engine":
         return {}
-    names = te_extra_state_names(config, range(config.num_layers), layout.ep) + te_mtp_extra_state_names(config,
-                                                                                                       layout.ep)
+    names = te_extra_state_names(config, range(config.num_layers), layout.ep)
     return {name: ExtraState(tp_size=layout.tp, ep_size=layout.ep) for name in names}

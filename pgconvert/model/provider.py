@@ -416,17 +416,11 @@ def te_sharded_modules(config: ModelConfig, spec: LayerSpec) -> tuple[tuple[str,
 
 
 def te_extra_state_names(config: ModelConfig, layers: range, ep_size: int) -> list[str]:
-    """``_extra_state`` keys (global layer, local expert index) a TE-spec model chunk holds at
-    expert-parallel size ``ep_size``."""
+    """``_extra_state`` keys (global layer, local expert index) of a TE-spec model's ``layers`` and of its MTP layers
+    (which only the last chunk holds: a caller placing them keeps them there) at expert-parallel size ``ep_size``."""
     names = []
     for layer in layers:
         names += _te_names(config, config.layers[layer], f"{LAYER_PREFIX}{layer}.", ep_size)
-    return names
-
-
-def te_mtp_extra_state_names(config: ModelConfig, ep_size: int) -> list[str]:
-    """The ``_extra_state`` keys of a TE-spec model's MTP layers, on the last chunk only."""
-    names = []
     for index, spec in enumerate(config.mtp_layers):
         names += _te_names(config, spec, f"{MTP_PREFIX}{index}.", ep_size)
     return names

@@ -47,7 +47,6 @@ from pgconvert.model.provider import (
     provide,
     target_vocab_rows,
     te_extra_state_names,
-    te_mtp_extra_state_names,
 )
 from pgconvert.io.sizes import itemsize
 from pgconvert.formats.stream import CanonicalSource, ExtraState
@@ -145,11 +144,10 @@ class MegatronSaver(Saver):
                 # (and another count of them) once EP changes, and by module, which differs between
                 # SequentialMLP and grouped GEMM: name them for this layout instead.
                 names = [name for name in names if not is_routed_expert(name)] + [
-                    name for name in te_extra_state_names(config, shard.layers, layout.ep)
-                    + te_mtp_extra_state_names(config, layout.ep) if is_routed_expert(name)
+                    name for name in te_extra_state_names(config, shard.layers, layout.ep) if is_routed_expert(name)
                 ]
         elif config.transformer_impl == "transformer_engine":
-            names = te_extra_state_names(config, shard.layers, layout.ep) + te_mtp_extra_state_names(config, layout.ep)
+            names = te_extra_state_names(config, shard.layers, layout.ep)
         else:
             return []
         first = shard.pp_rank == 0 and shard.chunk in (None, 0)

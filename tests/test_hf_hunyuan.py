@@ -157,7 +157,8 @@ def test_megatron_hunyuan_without_a_carried_config_is_written_as_hunyuan(sources
 @pytest.mark.parametrize("family,change,expected", [
     ("hunyuan_dense", {"rope_scaling": {"type": "dynamic", "factor": 2.0}},
      r"type 'dynamic' without alpha .* megatron-core has no such RoPE"),
-    ("hunyuan_dense", {"partial_rotary_factor": 0.5}, r"partial_rotary_factor=0.5: transformers' HunYuan rotary"),
+    ("hunyuan_dense", {"partial_rotary_factor": 0.5, "rope_scaling": {"type": "linear", "factor": 2.0}},
+     r"partial_rotary_factor=0.5 with rope_type 'linear': that type sizes its frequencies by the factor"),
     ("hunyuan_dense", {"use_cla": True}, r"use_cla=True: cross-layer K/V sharing"),
     ("hunyuan_dense", {"use_qk_norm": False}, r"use_qk_norm=False: transformers' HunYuan always applies"),
     ("hunyuan_dense", {"attention_bias": True}, r"attention_bias=True: q/k/v and o biases without MLP biases"),
@@ -170,3 +171,17 @@ def test_megatron_hunyuan_without_a_carried_config_is_written_as_hunyuan(sources
 def test_settings_transformers_or_megatron_core_cannot_compute_are_refused_naming_the_key(
         sources: dict[str, Path], tmp_path: Path, family: str, change: dict[str, object], expected: str) -> None:
     assert_config_refused(sources[family], tmp_path, change, expected)
+
+
+def test_a_partial_rotary_factor_under_default_rope_is_not_read_as_transformers_rotates_the_whole_head(
+        sources: dict[str, Path], tmp_path: Path) -> None:
+    src = Path(shutil.copytree(sources["hunyuan_dense"], tmp_path / "src"))
+    doc = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**doc, "partial_rotary_factor": 0.5}))
+    pgconvert.convert(src, tmp_path / "megatron", dst_format="megatron", dst_tp=2)
+    assert megatron_args(tmp_path / "megatron").rotary_percent == 1.0
+    pgconvert.convert(tmp_path / "megatron", tmp_path / "hf", dst_format="hf")
+    ids = input_ids()
+    # transformers' HunYuan computes the same logits with the factor and without it (the back conversion writes none)
+    torch.testing.assert_close(hf_logits(tmp_path / "hf", ids), hf_logits(src, ids), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(hf_logits(src, ids), hf_logits(sources["hunyuan_dense"], ids), rtol=0, atol=0)

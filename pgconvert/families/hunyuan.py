@@ -33,7 +33,7 @@ from pgconvert.families.llama import (
     FINAL_ROWS,
     LLAMA,
     ROPE_RULE,
-    read_rope,
+    read_whole_head_rope,
     write_rope,
 )
 from pgconvert.families.qwen import QWEN_MOE_ROWS
@@ -84,15 +84,13 @@ def _number(value: object, key: str) -> float:
 
 def _read_rope(present: Mapping[str, object], model: Mapping[str, object]) -> Mapping[str, object]:
     """``rope_theta`` and the RoPE scaling (``rope_parameters``; 4.x: ``rope_scaling`` and a top-level
-    ``rope_theta``): NTK-alpha becomes the base it computes; the others as every family reads them."""
+    ``rope_theta``): NTK-alpha becomes the base it computes; the others as every family whose attention rotates the
+    whole head reads them (``read_whole_head_rope``; NTK-alpha rotates the whole head too, whatever
+    ``partial_rotary_factor`` says)."""
     params = rope_parameters(present)
     theta = _number(params.get("rope_theta", present.get("rope_theta", _ROPE_BASE)), "rope_theta")
-    partial = params.get("partial_rotary_factor", present.get("partial_rotary_factor"))
-    if partial not in (None, 1, 1.0):
-        raise ValueError(f"partial_rotary_factor={quote(partial)}: transformers' HunYuan rotary (default and NTK-alpha) "
-                         "turns the whole head whatever it says")
     if rope_type_of(params) != "dynamic":
-        return {**read_rope(present, model), "rotary_base": theta}
+        return {**read_whole_head_rope(present, model), "rotary_base": theta}
     alpha = params.get("alpha")
     if not alpha:
         raise ValueError(f"rope_parameters type 'dynamic' without alpha (alpha={quote(alpha)}): transformers' dynamic "

@@ -26,6 +26,7 @@ from support.mcore_step_check import FP32_ATOL, FP32_RTOL, KEYS, fixed_gradients
 from support.torch_dist_forms import FOR_MCORE_016
 
 import pgconvert
+from pgconvert.errors import StrictModeError
 from pgconvert.optimizer.order import OptimizerLayoutError
 
 GOLDEN = Path(__file__).parent / "data" / "megatron_lm" / "train_tp2dp2_fsdp_dtensor_optim"
@@ -181,3 +182,51 @@ def test_bad_optimizer_state_is_named_and_nothing_written(copy: Path, tmp_path: 
     assert not (tmp_path / "cli").exists()
     report = pgconvert.convert(copy, tmp_path / "model", dst_format="megatron", dst_tp=1, skip_optimizer=True)
     assert (tmp_path / "model" / "latest_checkpointed_iteration.txt").is_file(), report.notices
+
+
+def test_param_group_members_that_disagree_are_named(copy: Path, tmp_path: Path) -> None:
+    """A no-weight-decay parameter whose stored ``wd_mult`` is the decayed one's (its bytes entry pointed at the
+    output layer's): the groups megatron-core builds cannot be rebuilt, so the state is refused by name."""
+    meta = "optimizer.param_to_group_meta.module.module.module."
+    target, donor = meta + "decoder.final_layernorm.weight.wd_mult", meta + "output_layer.weight.wd_mult"
+
+    def repoint(metadata: Any) -> None:
+        (info,) = [info for index, info in metadata.storage_data.items() if index.fqn == donor]
+        metadata.storage_data = {index: info if index.fqn == target else held
+                                 for index, held in metadata.storage_data.items()}
+
+    rewrite_dcp_metadata(copy / "iter_0000002", repoint)
+    with pytest.raises(OptimizerLayoutError, match=r"decoder\.final_layernorm\.weight = .*'wd_mult': 1\.0.* differs "
+                                                   r"from .*0\.0.* param group 1"):
+        pgconvert.convert(copy, tmp_path / "out", dst_format="megatron", dst_tp=1)
+    assert not (tmp_path / "out").exists()
+
+
+def test_fp16_run_is_refused_by_name(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Megatron-FSDP saves no grad scaler: an fp16 run's state (the golden's args made fp16's) is not carried, which a
+    notice names and --strict refuses."""
+    from pgconvert.loaders.fsdp_dtensor.reader import FsdpDtensorSource
+
+    opened = FsdpDtensorSource.__init__
+
+    def as_fp16(self: FsdpDtensorSource, *args: Any, **kwargs: Any) -> None:
+        opened(self, *args, **kwargs)
+        self.megatron_args.fp16, self.megatron_args.bf16 = True, False
+
+    monkeypatch.setattr(FsdpDtensorSource, "__init__", as_fp16)
+    refusal = "an fp16 run's Megatron-FSDP checkpoint holds no grad scaler"
+    with pytest.raises(StrictModeError, match=refusal):
+        pgconvert.convert(GOLDEN, tmp_path / "strict", dst_format="megatron", dst_tp=1, strict=True)
+    assert not (tmp_path / "strict").exists()
+    report = pgconvert.convert(GOLDEN, tmp_path / "out", dst_format="megatron", dst_tp=1)
+    assert any(refusal in notice for notice in report.notices), report.notices
+    assert not list((tmp_path / "out").rglob("distrib_optim.pt"))
+
+
+def test_dry_run_lists_the_carried_state(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-m", "pgconvert", "convert", str(GOLDEN), str(tmp_path / "out"),
+                           "--dst-format", "megatron", "--dst-tp", "2", "--dtype", "bf16", "--dry-run"],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "iter_0000002/mp_rank_01/distrib_optim.pt  + flat buffers (distributed)" in done.stdout
+    assert not (tmp_path / "out").exists()

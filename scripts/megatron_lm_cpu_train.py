@@ -24,7 +24,9 @@ Shims (each announced on stderr with ``[train-shim]``):
   CUDA build of torch on a machine without a driver cannot answer (the CPU build never pins);
 - ``torch.accelerator`` reports none, as on the CPU build: with ``torch.cuda.is_available`` shimmed to True
   a CUDA build would name CUDA, and ``torch.optim``'s graph-capture check in every Adam step would then
-  initialise the missing driver.
+  initialise the missing driver;
+- a Megatron-FSDP save with its optimizer state: a rank's parameters whose shard is empty get the Adam state torch's
+  Adam never creates for them there (``install_fsdp_empty_shard_state``), or the save's collectives wait forever.
 """
 
 from __future__ import annotations

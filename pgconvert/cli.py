@@ -523,9 +523,9 @@ def _echo_json(doc: object) -> None:
 @click.option("--iteration", type=click.IntRange(min=0), default=None,
               help="Iteration to open [default: latest_checkpointed_iteration.txt].")
 def export_optimizer_command(src: Path, out: Path, iteration: int | None) -> None:
-    """Write the optimizer state of Megatron per-rank or torch_dist SRC into OUT, layout-independent: one
-    <canonical name>.pt per parameter (fp32 master 'param', 'exp_avg', 'exp_avg_sq', 'step'), written
-    one parameter at a time, and optimizer.json (groups, scheduler, iteration, counters)."""
+    """Write the optimizer state of Megatron per-rank, torch_dist or fsdp_dtensor SRC into OUT,
+    layout-independent: one <canonical name>.pt per parameter (fp32 master 'param', 'exp_avg', 'exp_avg_sq',
+    'step'), written one parameter at a time, and optimizer.json (groups, scheduler, iteration, counters)."""
     from pgconvert.optimizer.export import export_from_path
 
     try:

@@ -47,6 +47,9 @@ SMALL_MODEL_FLAGS = ["--hidden-size", "16", "--ffn-hidden-size", "32", "--vocab-
 _DISTOPT_TORCH_DIST = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "1",
                        "--ckpt-format", "torch_dist", "--use-distributed-optimizer", "--bf16", "--no-save-rng",
                        *SMALL_MODEL_FLAGS]
+_FSDP_DTENSOR = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "1", "--use-megatron-fsdp",
+                 "--ckpt-format", "fsdp_dtensor", "--bf16", "--no-gradient-reduce-div-fusion", "--no-save-optim",
+                 "--no-save-rng", *SMALL_MODEL_FLAGS]
 # golden directory -> the flags that make it (all 4 ranks)
 TRAINING_RUNS: dict[str, list[str]] = {
     "train_tp2pp2_torch": ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
@@ -73,14 +76,16 @@ TRAINING_RUNS: dict[str, list[str]] = {
     # (--no-gradient-reduce-div-fusion). Model only: with torch's Adam (no TE/Apex on a CPU) a rank keeps
     # no optimizer state for a parameter none of whose elements it holds, so the ranks' state dicts differ
     # and save_checkpoint's collective preprocessing (handle_swiglu_in_state_dict) waits forever.
-    "train_tp2dp2_fsdp_dtensor": ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "1",
-                                  "--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor", "--bf16",
-                                  "--no-gradient-reduce-div-fusion", "--no-save-optim", "--no-save-rng",
-                                  *SMALL_MODEL_FLAGS],
+    "train_tp2dp2_fsdp_dtensor": _FSDP_DTENSOR,
+    # The same run with its optimizer state: scripts/megatron_lm_cpu_train.py gives a rank's parameters whose shard
+    # is empty the Adam state (empty zeros, the common step) torch's Adam never creates for them there, so the
+    # save's collectives see every key on every rank.
+    "train_tp2dp2_fsdp_dtensor_optim": [flag for flag in _FSDP_DTENSOR if flag != "--no-save-optim"],
 }
 # Environment a run needs besides _megatron_env's: Megatron-FSDP asserts CUDA_DEVICE_MAX_CONNECTIONS != 1
 # (arguments.py validate_args), which every other run needs at TP > 1.
-TRAINING_ENV: dict[str, dict[str, str]] = {"train_tp2dp2_fsdp_dtensor": {"CUDA_DEVICE_MAX_CONNECTIONS": "8"}}
+TRAINING_ENV: dict[str, dict[str, str]] = {name: {"CUDA_DEVICE_MAX_CONNECTIONS": "8"} for name in
+                                           ("train_tp2dp2_fsdp_dtensor", "train_tp2dp2_fsdp_dtensor_optim")}
 
 
 def megatron_train(save: Path, flags: list[str], port: int, nproc: int = 4,

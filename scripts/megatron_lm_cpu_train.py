@@ -24,7 +24,9 @@ Shims (each announced on stderr with ``[train-shim]``):
   CUDA build of torch on a machine without a driver cannot answer (the CPU build never pins);
 - ``torch.accelerator`` reports none, as on the CPU build: with ``torch.cuda.is_available`` shimmed to True
   a CUDA build would name CUDA, and ``torch.optim``'s graph-capture check in every Adam step would then
-  initialise the missing driver.
+  initialise the missing driver;
+- a Megatron-FSDP save with its optimizer state: a rank's parameters whose shard is empty get the Adam state torch's
+  Adam never creates for them there (``install_fsdp_empty_shard_state``), or the save's collectives wait forever.
 """
 
 from __future__ import annotations
@@ -303,6 +305,39 @@ def install_distopt_sharded_load_fix() -> None:
     distrib_optimizer.DistributedOptimizer.sharded_state_dict = sharded_state_dict
 
 
+def install_fsdp_empty_shard_state() -> None:
+    """Megatron-FSDP's optimizer state on a rank that holds none of a parameter's elements. Its
+    ``update_main_grads`` (megatron/core/distributed/fsdp/src/megatron_fsdp/param_and_grad_buffer.py:3401 at
+    d98e8a64) gives such a parameter no gradient (``grad = None`` for an empty shard), so torch's Adam (no
+    Apex/Transformer Engine on a CPU) never creates its state there; ``save_checkpoint`` ->
+    ``preprocess_fsdp_dtensor_state_dict`` -> ``handle_swiglu_in_state_dict`` then makes DTensors of the moments
+    collectively, key by key, and the ranks whose state lacks a key wait forever.
+
+    Before ``DistributedOptimizer.sharded_param_state_fsdp_dtensor`` saves, such a parameter gets the state Adam
+    gives every other one: ``exp_avg``/``exp_avg_sq`` zeros of its (empty) shard and the step the rank's other
+    parameters hold (all equal, or the shim refuses). No element of any saved tensor changes."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original = DistributedOptimizer.sharded_param_state_fsdp_dtensor
+
+    def sharded_param_state_fsdp_dtensor(self: Any, is_loading: bool = False) -> Any:
+        state = self.optimizer.state
+        params = [param for group in self.optimizer.param_groups for param in group["params"]]
+        missing = [param for param in params if not state.get(param)]
+        if not is_loading and missing and len(missing) < len(params):
+            steps = [held["step"] for held in state.values() if "step" in held]
+            if any(not torch.equal(steps[0], step) for step in steps) or any(
+                    param.to_local().numel() for param in missing):
+                raise RuntimeError("Megatron-FSDP Adam state: the steps differ, or a held shard has no state")
+            _note("Megatron-FSDP empty-shard Adam state", "zeros of the empty shard and the common step")
+            for param in missing:
+                state[param] = {"step": steps[0].clone(), "exp_avg": torch.zeros_like(param),
+                                "exp_avg_sq": torch.zeros_like(param)}
+        return original(self, is_loading)
+
+    DistributedOptimizer.sharded_param_state_fsdp_dtensor = sharded_param_state_fsdp_dtensor
+
+
 def main() -> None:
     source = Path(sys.argv[1])
     install()
@@ -313,6 +348,7 @@ def main() -> None:
     install_dataset_helpers(source, Path(os.environ.get("MLM_HELPERS_BUILD", "/tmp/megatron_lm_helpers")))
     sys.argv = [str(source / "pretrain_gpt.py"), *sys.argv[2:]]
     install_sharding_type()
+    install_fsdp_empty_shard_state()
     runpy.run_path(str(source / "pretrain_gpt.py"), run_name="__main__")
 
 

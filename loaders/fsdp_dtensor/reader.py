@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.distributed.checkpoint import BytesStorageMetadata, TensorStorageMetadata
 
-from pgconvert.errors import CheckpointError, LayoutError, ValidationError
+from pgconvert.errors import CheckpointError, LayoutError
 from pgconvert.formats import LoadOptions
 from pgconvert.formats.dcp_store import (DcpStore, Region, check_vocab_rows, model_from_args, read_piece,
                                          te_extra_states)
-from pgconvert.formats.fsdp_dtensor import (ARGS_KEY, COMMON_KEYS, FSDP_DTENSOR_FORM, ITERATION_KEY, MODEL_PREFIX,
-                                            OPTIMIZER_STATE_PREFIX, FsdpLocation, is_training_state, refuse_unknown_keys,
-                                            tensor_locations)
+from pgconvert.formats.fsdp_dtensor import (ARGS_KEY, COMMON_KEYS, FLOPS_KEY, FSDP_DTENSOR_FORM, ITERATION_KEY,
+                                            MODEL_PREFIX, OPTIMIZER_STATE_PREFIX, SCHEDULER_PREFIX, FsdpLocation,
+                                            is_training_state, refuse_unknown_keys, tensor_locations)
 from pgconvert.formats.hf_side import carried_side_files
 from pgconvert.formats.megatron import arg_name, validate_source_layout
 from pgconvert.formats.stream import CanonicalSource, ExtraState, TensorMeta
@@ -33,6 +33,7 @@ from pgconvert.model.config import ModelConfig
 from pgconvert.model.declared import StoredCounts, check_declared_counts
 from pgconvert.model.provider import LAYER_PREFIX, VOCAB_TABLES, WORD_EMBEDDINGS, canonical_shapes
 from pgconvert.model.rules import ShardRule
+from pgconvert.optimizer.order import UnsupportedOptimizerError
 
 if TYPE_CHECKING:
     from pgconvert.optimizer.source import OptimizerSource
@@ -158,15 +159,17 @@ class FsdpDtensorSource(CanonicalSource):
         assert isinstance(md, TensorStorageMetadata)
         return md.properties.dtype
 
-    def _read_boxes(self, name: str, boxes: list[Region]) -> list[torch.Tensor]:
-        """The given boxes of canonical tensor ``name``, each a fresh tensor; a box spanning a gated fc1's
-        halves is read from both keys into its two row ranges."""
-        location: FsdpLocation = self._locations[name]
+    def _read_boxes(self, name: str, boxes: list[Region], location: FsdpLocation | None = None,
+                    dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+        """The given boxes of canonical tensor ``name`` (or of what ``location``'s keys hold of it: its optimizer
+        state), each a fresh tensor; a box spanning a gated fc1's halves is read from both keys into its two
+        row ranges."""
+        location = location or self._locations[name]
         rows = self._shapes[name][0]
         regions: dict[str, list[tuple[tuple[int, ...], torch.Tensor]]] = {}
         buffers = []
         for box in boxes:
-            buffer = new_tensor(box.lengths, self.meta(name).dtype)
+            buffer = new_tensor(box.lengths, dtype or self.meta(name).dtype)
             buffers.append(buffer)
             first, last = box.starts[0], box.starts[0] + box.lengths[0]
             for key, start, length in location.parts(rows):
@@ -204,13 +207,63 @@ class FsdpDtensorSource(CanonicalSource):
     def stored_optimizer_form(self) -> str | None:
         return FSDP_DTENSOR_FORM if self.holds_optimizer() else None
 
-    def optimizer_refusal(self) -> str | None:
-        return (f"optimizer state not carried: {self.directory}: Megatron-FSDP's optimizer state ({FSDP_DTENSOR_FORM}: "
-                "exp_avg, exp_avg_sq and step per parameter, the model entries as fp32 masters) is not read yet; "
-                "pass --skip-optimizer to convert the model alone")
-
     def open_optimizer(self) -> OptimizerSource:
-        raise ValidationError(self.optimizer_refusal() or "")
+        from pgconvert.loaders.fsdp_dtensor.optimizer import FsdpDtensorOptimizerSource
+
+        if not self.holds_optimizer():
+            raise UnsupportedOptimizerError(f"{self.directory}: no optimizer.* entries (saved with --no-save-optim?): "
+                                            "no optimizer state to carry; pass --skip-optimizer")
+        return FsdpDtensorOptimizerSource(self)
+
+    # What the optimizer reader (``loaders/fsdp_dtensor/optimizer.py``) reads of the store.
+    def entry_metadata(self) -> dict[str, Any]:
+        return self._metadata.state_dict_metadata
+
+    def entry_names(self) -> list[str]:
+        return list(self._metadata.state_dict_metadata)
+
+    def location(self, name: str) -> FsdpLocation:
+        return self._locations[name]
+
+    @staticmethod
+    def parameter_key(model_key: str) -> str:
+        """A model entry's parameter name (``model.module.`` stripped; a gated fc1's half keeps its suffix)."""
+        return model_key[len(MODEL_PREFIX):]
+
+    def read_whole(self, key: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """Tensor entry ``key`` (of global ``shape``, fp32) whole."""
+        buffer = new_tensor(shape, torch.float32)
+        self._store.read({key: [((0,) * len(shape), buffer)]}, [])
+        return buffer
+
+    def group_metas(self, prefix: str) -> dict[str, dict[str, Any]]:
+        """Per parameter name, its ``prefix<name>.<field>`` bytes entries as ``{field: value}``."""
+        keys = [key for key, md in self.entry_metadata().items()
+                if key.startswith(prefix) and isinstance(md, BytesStorageMetadata)]
+        metas: dict[str, dict[str, Any]] = {}
+        for key, value in self._store.read({}, keys).items():
+            name, _, field = key[len(prefix):].rpartition(".")
+            metas.setdefault(name, {})[field] = value
+        return metas
+
+    def common_entries(self) -> dict[str, Any]:
+        """The carried counters: ``iteration``, ``num_floating_point_operations_so_far`` and the scheduler (its
+        ``opt_param_scheduler.<field>`` entries as one dict), where stored."""
+        entries = self.entry_metadata()
+        keys = [key for key in entries if key in (ITERATION_KEY, FLOPS_KEY) or key.startswith(SCHEDULER_PREFIX)]
+        read = self._store.read({}, keys)
+        common = {key: read[key] for key in (ITERATION_KEY, FLOPS_KEY) if key in read}
+        scheduler = {key[len(SCHEDULER_PREFIX):]: value for key, value in read.items()
+                     if key.startswith(SCHEDULER_PREFIX)}
+        if scheduler:
+            common["opt_param_scheduler"] = scheduler
+        return common
+
+    def read_state_piece(self, name: str, location: FsdpLocation, rule: ShardRule, size: int, rank: int,
+                         rows: int | None) -> torch.Tensor:
+        """Piece ``rank`` of ``size`` (cut with ``rule``) of what ``location``'s keys hold of ``name`` (fp32)."""
+        return read_piece(self._shapes[name], rule, size, rank, rows, self.config.vocab_size, torch.float32,
+                          lambda boxes: self._read_boxes(name, boxes, location, torch.float32))
 
     def _load(self, name: str) -> torch.Tensor:
         shape = self._shapes[name]

@@ -23,9 +23,12 @@ Entries (tests/data/megatron_lm/train_tp2dp2_fsdp_dtensor holds them as Megatron
   ``linear_fc1.weight_v`` (the up projection), each ``[ffn, hidden]`` (``handle_swiglu_in_state_dict``):
   the canonical ``[gate; up]`` is their concatenation; QKV is megatron-core's fused TP1 layout;
 - no ``_extra_state`` (``handle_fp8_extra_state_case`` drops them);
-- with the optimizer: ``optimizer.state.module.module.module.<parameter name>.{exp_avg,exp_avg_sq,step}``
-  (model-shaped, chunked as the parameter; the fp32 masters are the ``model.`` entries themselves)
-  and ``optimizer.param_to_group_meta.<…>.<field>`` bytes entries.
+- with the optimizer (tests/data/megatron_lm/train_tp2dp2_fsdp_dtensor_optim):
+  ``optimizer.state.module.module.module.<parameter name>.{exp_avg,exp_avg_sq}`` (fp32, the model key's global
+  shape, chunked as the parameter; a gated fc1's as ``weight_w``/``weight_v``), ``<…>.step`` (torch Adam's 0-dim
+  fp32 step per parameter), ``optimizer.param_to_group_meta.module.module.module.<parameter name>.<field>``
+  bytes entries (each parameter's param-group hyperparameters, unsplit names); the fp32 masters are the
+  ``model.`` entries themselves (``loaders/fsdp_dtensor/optimizer.py``).
 """
 
 from __future__ import annotations
@@ -44,14 +47,18 @@ from pgconvert.model.layout import ParallelLayout
 from pgconvert.model.provider import provide
 
 MODEL_PREFIX = "model.module."
-OPTIMIZER_STATE_PREFIX = "optimizer.state.module.module.module."
+# Followed by the wrapper modules' prefix (``module.module.module.`` in a bf16 run) and the parameter name.
+OPTIMIZER_STATE_PREFIX = "optimizer.state."
+OPTIMIZER_GROUP_PREFIX = "optimizer.param_to_group_meta."
+SCHEDULER_PREFIX = "opt_param_scheduler."
 # The distributed optimizer's sharding type Megatron-LM asks for with this format (_build_sharded_state_dict_metadata).
 FSDP_DTENSOR_FORM = "fsdp_dtensor"
 ARGS_KEY = "args"
 ITERATION_KEY = "iteration"
 # Entries that are neither model weights nor read: training state, accounted for and named in a notice.
-TRAINING_STATE_PREFIXES = ("optimizer.", "rng_state.", "opt_param_scheduler.", "rerun_state_machine.")
-COMMON_KEYS = (ARGS_KEY, ITERATION_KEY, "checkpoint_version", "num_floating_point_operations_so_far")
+TRAINING_STATE_PREFIXES = ("optimizer.", "rng_state.", SCHEDULER_PREFIX, "rerun_state_machine.")
+FLOPS_KEY = "num_floating_point_operations_so_far"
+COMMON_KEYS = (ARGS_KEY, ITERATION_KEY, "checkpoint_version", FLOPS_KEY)
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,10 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import pickle
 import warnings
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -57,6 +59,15 @@ def read_dcp(iteration_dir: Path) -> tuple[dcp.Metadata, dict[str, torch.Tensor]
         warnings.simplefilter("ignore")
         dcp.load(tensors, storage_reader=FileSystemReader(str(iteration_dir)), no_dist=True)
     return metadata, tensors
+
+
+def rewrite_dcp_metadata(iteration_dir: Path, change: Callable[[dcp.Metadata], None]) -> None:
+    """A distributed checkpoint's ``.metadata`` read with torch's reader, changed in place by ``change``, written
+    back (pickled as torch writes it): a stored index that disagrees with the data, for bad-input tests."""
+    path = iteration_dir / ".metadata"
+    metadata = FileSystemReader(str(iteration_dir)).read_metadata()
+    change(metadata)
+    path.write_bytes(pickle.dumps(metadata))
 
 
 COMMON_STATE_KEY = "common_state/shard_0_1"  # megatron-core >= 0.19: ShardedObject("common_state", (1,), (0,))

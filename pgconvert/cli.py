@@ -535,6 +535,30 @@ def export_optimizer_command(src: Path, out: Path, iteration: int | None) -> Non
     click.echo(f"wrote {out}: optimizer state of {count} parameters")
 
 
+@main.command("export-adapter")
+@click.argument("src", type=click.Path(path_type=Path, exists=True, file_okay=False))
+@click.argument("dst", type=click.Path(path_type=Path))
+@click.option("--base", type=click.Path(path_type=Path, exists=True), required=True, metavar="CKPT",
+              help="The base model the adapter was trained on, any format pgconvert reads (a Megatron or torch_dist "
+                   "checkpoint, an HF directory): it gives the family the adapter is named for and the shapes it is "
+                   "checked against.")
+@click.option("--iteration", type=click.IntRange(min=0), default=None,
+              help="Iteration of --base to open [default: latest_checkpointed_iteration.txt].")
+def export_adapter_command(src: Path, dst: Path, base: Path, iteration: int | None) -> None:
+    """Write the Megatron-Bridge LoRA adapter SRC (a LoRA run's torch_dist checkpoint of adapter weights and
+    run_config.yaml, at any TP) into DST as a Hugging Face PEFT adapter directory (adapter_config.json,
+    adapter_model.safetensors), unmerged: a fused linear_qkv's and linear_fc1's pairs become q/k/v and gate/up pairs
+    sharing lora_A, r = dim and lora_alpha = alpha. DST must not exist; nothing is written when the adapter does
+    not fit --base."""
+    from pgconvert.run.adapter_export import export_adapter
+
+    try:
+        written = export_adapter(src, dst, base, iteration)
+    except PgconvertError as error:
+        raise PgconvertClickError(error) from error
+    click.echo(f"wrote {dst}: {written.pairs} LoRA pairs on {', '.join(written.modules)}")
+
+
 @main.command("inspect")
 @click.argument("ckpt", type=click.Path(path_type=Path, exists=True))
 @click.option("--iteration", type=click.IntRange(min=0), default=None,

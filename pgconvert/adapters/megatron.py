@@ -29,7 +29,7 @@ import torch
 
 from pgconvert.adapters.peft import KEY_PREFIX, AdapterTensors, PeftAdapter, peft_adapter
 from pgconvert.errors import CheckpointError, PgconvertError, ValidationError
-from pgconvert.adapters.merge import loaded_hf_weights
+from pgconvert.adapters.names import loaded_hf_weights
 from pgconvert.families.table import Family
 from pgconvert.io.limits import MAX_JSON_BYTES, quote
 from pgconvert.model.config import ModelConfig
@@ -74,12 +74,19 @@ def find_adapter_store(path: Path) -> Path | None:
         return None
     try:
         store = resolve_iteration_dir(path, None)[0]
-        if not (store / DCP_METADATA_FILE).is_file():
+        if not (store / DCP_METADATA_FILE).is_file() or _run_config(store) is None:
             return None
         keys = _tensor_keys(read_dcp_metadata(store / DCP_METADATA_FILE))
     except PgconvertError:
         return None
     return store if keys and all(".adapter." in key for key in keys) else None
+
+
+def _run_config(store: Path) -> Path | None:
+    """run_config.yaml, which Megatron-Bridge writes in the iteration's directory (its run's directory has one too
+    when an export looks there)."""
+    return next((where / RUN_CONFIG_FILE for where in (store, store.parent) if (where / RUN_CONFIG_FILE).is_file()),
+                None)
 
 
 def _tensor_keys(metadata: Any) -> list[str]:
@@ -93,12 +100,9 @@ def read_megatron_adapter(path: Path) -> MegatronAdapter:
     store = find_adapter_store(path)
     if store is None:
         raise ValidationError(f"{path}: not a Megatron-Bridge LoRA checkpoint (a torch_dist store of "
-                              "'.adapter.' keys alone, as a LoRA run saves)")
-    run_config = next((where / RUN_CONFIG_FILE for where in (store, store.parent)
-                       if (where / RUN_CONFIG_FILE).is_file()), None)
-    if run_config is None:
-        raise ValidationError(f"{store}: no {RUN_CONFIG_FILE} beside the adapter (its peft section gives the "
-                              "LoRA's dim and alpha)")
+                              f"'.adapter.' keys alone, as a LoRA run saves, with its {RUN_CONFIG_FILE})")
+    run_config = _run_config(store)
+    assert run_config is not None  # find_adapter_store found it
     settings = _peft_settings(run_config)
     dim, alpha = settings["dim"], settings["alpha"]
     pairs = _read_pairs(store, dim, run_config)

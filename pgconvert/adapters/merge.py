@@ -17,37 +17,18 @@ from pathlib import Path
 
 import torch
 
+from pgconvert.adapters.megatron import as_peft_adapter, find_adapter_store, read_megatron_adapter
+from pgconvert.adapters.names import loaded_hf_weights, source_family
 from pgconvert.adapters.peft import ExpertsPair, PeftAdapter, is_adapter_directory, read_peft_adapter
 from pgconvert.errors import ValidationError
-from pgconvert.families import mtp
-from pgconvert.families.table import Family, TensorMapping
-from pgconvert.formats.hf import infer_family
+from pgconvert.families.table import TensorMapping
 from pgconvert.formats.stream import CanonicalSource
-from pgconvert.model.config import ModelConfig
 from pgconvert.model.provider import VOCAB_TABLES
 from pgconvert.model.rules import ShardRule
 
 log = logging.getLogger(__name__)
 # An expert's weight as HF stores it one by one: ``<experts module>.<expert>.<linear>.weight``.
 _EXPERT_WEIGHT = re.compile(r"(.+)\.(\d+)\.\w+\.weight")
-
-
-def source_family(source: CanonicalSource) -> Family:
-    """The family an adapter's HF names are read in: the one an HF source names, the one a Megatron source is
-    written as."""
-    return source.hf_origin.family if source.hf_origin is not None else infer_family(source.config)
-
-
-def loaded_hf_weights(family: Family, name: str, config: ModelConfig) -> tuple[TensorMapping, tuple[str, ...]] | None:
-    """The table row of canonical ``name`` and its HF weights as transformers names them in memory (an adapter's
-    names)."""
-    found = mtp.to_hf(family, name, config)
-    if found is None or not family.hf_loaded_modules:
-        return found
-    row, names = found
-    for stored, loaded in family.hf_loaded_modules:
-        names = tuple(hf.replace(f".{stored}.", f".{loaded}.") for hf in names)
-    return row, names
 
 
 @dataclass(frozen=True)
@@ -247,8 +228,6 @@ class AdapterMerge:
 def read_adapter(directory: Path, source: CanonicalSource) -> PeftAdapter:
     """The adapter at ``directory`` as PEFT pairs: a PEFT adapter directory, or a Megatron-Bridge LoRA checkpoint
     put in PEFT's names for ``source``'s family."""
-    from pgconvert.adapters.megatron import as_peft_adapter, find_adapter_store, read_megatron_adapter
-
     if not is_adapter_directory(directory) and find_adapter_store(directory) is not None:
         return as_peft_adapter(read_megatron_adapter(directory), source_family(source), source.config)
     return read_peft_adapter(directory)

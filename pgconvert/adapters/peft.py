@@ -220,7 +220,8 @@ def read_peft_adapter(directory: Path) -> PeftAdapter:
     config_path = directory / CONFIG_FILE
     if not config_path.is_file():
         raise ValidationError(f"--merge-adapter {directory}: no {CONFIG_FILE} (a Hugging Face PEFT adapter "
-                              "directory, as PeftModel.save_pretrained writes it)")
+                              "directory, as PeftModel.save_pretrained writes it), nor a Megatron-Bridge LoRA "
+                              "checkpoint (a torch_dist store of adapter weights with its run_config.yaml)")
     doc = read_json(config_path, ValidationError)
     if not isinstance(doc, dict):
         raise ValidationError(f"{config_path}: expected a JSON object")

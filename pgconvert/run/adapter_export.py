@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pgconvert.adapters.megatron import as_peft_adapter, read_megatron_adapter
-from pgconvert.adapters.merge import AdapterMerge, source_family
+from pgconvert.adapters.merge import AdapterMerge
+from pgconvert.adapters.names import source_family
 from pgconvert.adapters.peft import CONFIG_FILE, WEIGHTS_FILE, PeftAdapter
 from pgconvert.errors import DestinationError
 from pgconvert.formats import LoadOptions

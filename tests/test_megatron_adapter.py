@@ -1,0 +1,232 @@
+"""A LoRA adapter as Megatron-Bridge saves it for a Megatron model: exported unmerged as a PEFT adapter, merged by
+``--merge-adapter``, described by ``inspect``.
+
+The adapter is made by megatron-core 0.16.1 as Megatron-Bridge makes one (``support/mcore_bridge_lora.py`` names the
+Megatron-Bridge source lines it follows): a tiny Llama converted to a TP2 Megatron checkpoint, each layer's
+linear_qkv, linear_proj, linear_fc1 and linear_fc2 wrapped with a ParallelLinearAdapter on two gloo ranks, the
+adapter-only state saved with ``dist_checkpointing.save``. The reference is computed on the Megatron side from what
+each rank holds: every rank's weight merged as Megatron-Bridge's ``LoRAMerge`` merges it (written out below), the
+model run rank by rank (``megatron_tp_logits``). The export must give transformers + PEFT the same logits.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import pgconvert
+from pgconvert.cli import main
+from support.hf_helpers import build_hf_model, input_ids, load_hf_tensors, megatron_tp_logits, read_megatron_tp_ranks
+from support.hf_helpers import save_hf_model
+
+pytest.importorskip("peft")
+
+DIM, ALPHA = 4, 6  # Megatron-Bridge's scaling alpha / dim = 1.5
+ROW_PARALLEL = ("linear_proj", "linear_fc2")
+
+
+@pytest.fixture(scope="module")
+def bridge(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The HF base, its TP2 Megatron form, the Megatron-Bridge LoRA run's checkpoint at TP2 and what each rank
+    held."""
+    from support.mcore_bridge_lora import bridge_lora_checkpoint
+
+    root = tmp_path_factory.mktemp("bridge_lora")
+    hf = save_hf_model(build_hf_model("llama", seed=2), root / "hf")
+    pgconvert.convert(hf, root / "megatron", dst_format="megatron", dst_tp=2)
+    lora = bridge_lora_checkpoint(root / "megatron", root / "lora", root / "held", DIM, ALPHA)
+    exported = root / "exported"
+    pgconvert.export_adapter(lora, exported, base=root / "megatron")
+    return {"hf": hf, "megatron": root / "megatron", "lora": lora, "held": root / "held", "exported": exported}
+
+
+def megatron_merged_logits(paths: dict[str, Path], ids: torch.Tensor) -> torch.Tensor:
+    """The TP2 model with each rank's weights merged as Megatron-Bridge's LoRAMerge (peft/lora_merge.py:65-87)
+    merges them, run rank by rank: a column-parallel base (linear_qkv, linear_fc1) adds ``linear_out_r @ cat(linear_in
+    over ranks)``, a row-parallel one (linear_proj, linear_fc2) ``cat(linear_out over ranks) @ linear_in_r``, both
+    times alpha / dim."""
+    models = read_megatron_tp_ranks(paths["megatron"])
+    held = [torch.load(paths["held"] / f"rank{rank}.pt", weights_only=True) for rank in range(len(models))]
+    for module in held[0]:
+        linear_in = [pieces[module]["linear_in"].double() for pieces in held]
+        linear_out = [pieces[module]["linear_out"].double() for pieces in held]
+        for rank, model in enumerate(models):
+            if module.endswith(ROW_PARALLEL):
+                delta = torch.cat(linear_out) @ linear_in[rank]
+            else:
+                delta = linear_out[rank] @ torch.cat(linear_in)
+            model[f"{module}.weight"] = model[f"{module}.weight"] + ALPHA / DIM * delta
+    config = json.loads((paths["hf"] / "config.json").read_text())
+    return megatron_tp_logits(models, config, ids).to(torch.float32)
+
+
+def peft_logits(base: Path, adapter: Path, ids: torch.Tensor) -> torch.Tensor:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), adapter)
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def test_exported_adapter_gives_peft_the_megatron_merged_logits(bridge: dict[str, Path]) -> None:
+    ids = input_ids(1000)
+    expected = megatron_merged_logits(bridge, ids)
+    actual = peft_logits(bridge["hf"], bridge["exported"], ids)
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+    from support.hf_helpers import hf_logits
+
+    assert not torch.allclose(hf_logits(bridge["hf"], ids), expected, rtol=1e-3, atol=1e-3)  # the adapter matters
+    config = json.loads((bridge["exported"] / "adapter_config.json").read_text())
+    assert (config["peft_type"], config["r"], config["lora_alpha"], config["use_rslora"]) == ("LORA", DIM, ALPHA, False)
+    assert config["target_modules"] == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+    tensors = load_hf_tensors(bridge["exported"])
+    assert len(tensors) == 4 * 7 * 2
+    prefix = "base_model.model.model.layers.1."
+    shared = [tensors[f"{prefix}{module}.lora_A.weight"] for module in ("self_attn.q_proj", "self_attn.k_proj",
+                                                                        "self_attn.v_proj")]
+    assert all(torch.equal(shared[0], other) for other in shared[1:])  # q, k and v share linear_qkv's linear_in
+
+
+def test_export_reads_the_base_family_from_any_format(bridge: dict[str, Path], tmp_path: Path) -> None:
+    """The HF base (its config.json) and the TP2 Megatron base name the same modules: the same export."""
+    pgconvert.export_adapter(bridge["lora"], tmp_path / "from_hf", base=bridge["hf"])
+    expected, actual = load_hf_tensors(bridge["exported"]), load_hf_tensors(tmp_path / "from_hf")
+    assert sorted(expected) == sorted(actual)
+    assert all(torch.equal(expected[name], actual[name]) for name in expected)
+
+
+def test_merge_adapter_merges_a_megatron_adapter_as_its_peft_export(bridge: dict[str, Path], tmp_path: Path) -> None:
+    """--merge-adapter takes the Megatron-Bridge checkpoint itself: the same bytes as merging its PEFT export, and the
+    merged model computes the Megatron-side merge's logits."""
+    pgconvert.convert(bridge["hf"], tmp_path / "merged", dst_format="hf", merge_adapter=bridge["lora"])
+    pgconvert.convert(bridge["hf"], tmp_path / "merged_peft", dst_format="hf", merge_adapter=bridge["exported"])
+    expected, actual = load_hf_tensors(tmp_path / "merged_peft"), load_hf_tensors(tmp_path / "merged")
+    assert all(torch.equal(expected[name], actual[name]) for name in expected)
+    from support.hf_helpers import hf_logits
+
+    ids = input_ids(1000)
+    torch.testing.assert_close(hf_logits(tmp_path / "merged", ids), megatron_merged_logits(bridge, ids),
+                               rtol=1e-5, atol=1e-5)
+    pgconvert.convert(bridge["megatron"], tmp_path / "tp1", dst_format="megatron", dst_tp=1,
+                      merge_adapter=bridge["lora"])
+    pgconvert.convert(tmp_path / "tp1", tmp_path / "back", dst_format="hf")
+    back = load_hf_tensors(tmp_path / "back")
+    assert all(torch.equal(expected[name], back[name]) for name in expected)
+
+
+def test_export_adapter_from_the_command_line_and_inspect(bridge: dict[str, Path], tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, ["export-adapter", str(bridge["lora"]), str(out), "--base", str(bridge["hf"])])
+    assert result.exit_code == 0, result.output
+    assert "28 LoRA pairs" in result.output
+    assert (out / "adapter_model.safetensors").read_bytes() == (bridge["exported"] / "adapter_model.safetensors").read_bytes()
+    result = CliRunner().invoke(main, ["inspect", str(bridge["lora"]), "--json"])
+    assert result.exit_code == 0, result.output
+    described = json.loads(result.output)
+    assert described["format"] == "megatron-bridge-lora" and described["ok"]
+    adapter = described["adapter"]
+    assert (adapter["pairs"], adapter["ranks"], adapter["scalings"], adapter["layers"]) == (16, [DIM], [1.5],
+                                                                                            [0, 1, 2, 3])
+    assert adapter["modules"] == ["mlp.linear_fc1", "mlp.linear_fc2", "self_attention.linear_proj",
+                                  "self_attention.linear_qkv"]
+
+
+# --------------------------------------------------------------------------- bad adapters
+
+
+def _copy(bridge: dict[str, Path], tmp_path: Path) -> Path:
+    return Path(shutil.copytree(bridge["lora"], tmp_path / "bad_lora"))
+
+
+def _edit_run_config(lora: Path, **changes: object) -> None:
+    import yaml
+
+    path = next(lora.glob("iter_*")) / "run_config.yaml"
+    doc = yaml.safe_load(path.read_text())
+    for key, value in changes.items():
+        if value is None:
+            doc["peft"].pop(key)
+        else:
+            doc["peft"][key] = value
+    path.write_text(yaml.safe_dump(doc))
+
+
+def _rewrite_store(lora: Path, change: object) -> None:
+    """The store's tensors, read and written back by torch.distributed.checkpoint (one process) after ``change``
+    edits the dict of them; megatron-core's metadata.json, common.pt and run_config.yaml kept."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader, TensorStorageMetadata
+
+    store = next(lora.glob("iter_*"))
+    metadata = FileSystemReader(str(store)).read_metadata()
+    tensors = {key: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+               for key, meta in metadata.state_dict_metadata.items() if isinstance(meta, TensorStorageMetadata)}
+    dcp.load(tensors, checkpoint_id=str(store), no_dist=True)
+    change(tensors)  # type: ignore[operator]
+    for data in [*store.glob("*.distcp"), store / ".metadata"]:
+        data.unlink()
+    dcp.save(tensors, checkpoint_id=str(store), no_dist=True)
+
+
+def _narrow_linear_out(tensors: dict[str, torch.Tensor]) -> None:
+    key = "decoder.layers.mlp.linear_fc2.adapter.linear_out.weight"
+    tensors[key] = tensors[key][:, :, :2].contiguous()
+
+
+def _layer_nine(tensors: dict[str, torch.Tensor]) -> None:
+    """Layer 3's linear_qkv adapter stored under its own key as layer 9's (megatron-core's per-layer naming)."""
+    for side in ("in", "out"):
+        key = f"decoder.layers.self_attention.linear_qkv.adapter.linear_{side}.weight"
+        tensors[f"decoder.layers.9.self_attention.linear_qkv.adapter.linear_{side}.weight"] = tensors[key][3].clone()
+        tensors[key] = tensors[key][:3].contiguous()
+
+
+@pytest.mark.parametrize("damage, expected", [
+    (lambda lora: _rewrite_store(lora, _narrow_linear_out),
+     r"decoder.layers.\d.mlp.linear_fc2.adapter: linear_in \[4, 128\] and linear_out \[64, 2\] do not make a "
+     r"rank-4 pair \(run_config.yaml gives dim=4\)"),
+    (lambda lora: _rewrite_store(lora, _layer_nine),
+     r"adapts \['model.layers.9.self_attn.k_proj.weight', .*which the model \(LlamaForCausalLM, 4 layers\) does not "
+     r"have"),
+    (lambda lora: _edit_run_config(lora, alpha=None), r"run_config.yaml: peft.alpha is missing: expected a positive"),
+    (lambda lora: _edit_run_config(lora, _target_="megatron.bridge.peft.dora.DoRA"),
+     r"peft._target_='megatron.bridge.peft.dora.DoRA': only Megatron-Bridge's plain LoRA"),
+], ids=["rank", "target", "alpha", "dora"])
+def test_bad_megatron_adapter_is_a_named_error_and_writes_nothing(bridge: dict[str, Path], tmp_path: Path,
+                                                                  damage: object, expected: str) -> None:
+    lora = _copy(bridge, tmp_path)
+    damage(lora)  # type: ignore[operator]
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, ["export-adapter", str(lora), str(out), "--base", str(bridge["megatron"])])
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert str(lora) in result.output and _matches(expected, result.output), result.output
+    assert not out.exists() and not list(tmp_path.glob(".out*"))
+    result = CliRunner().invoke(main, ["convert", str(bridge["hf"]), str(out), "--dst-format", "hf",
+                                       "--merge-adapter", str(lora), "-q"])
+    assert result.exit_code == 2 and _matches(expected, result.output), result.output
+    assert not out.exists()
+    result = CliRunner().invoke(main, ["inspect", str(lora)])
+    if "layers.9" not in expected:  # inspect reads the adapter alone: it has no model to miss a layer of
+        assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+
+
+def _matches(pattern: str, output: str) -> bool:
+    import re
+
+    return re.search(pattern, " ".join(output.split())) is not None
+
+
+def test_megatron_adapter_for_another_base_shape_is_refused(bridge: dict[str, Path], tmp_path: Path) -> None:
+    other = save_hf_model(build_hf_model("llama", intermediate_size=96), tmp_path / "other_base")
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, ["export-adapter", str(bridge["lora"]), str(out), "--base", str(other)])
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert _matches(r"model.layers.0.mlp.gate_proj.weight: the adapter's delta is \[128, 64\], the model's weight "
+                    r"\[96, 64\]: an adapter trained for another base model", result.output), result.output
+    assert not out.exists()

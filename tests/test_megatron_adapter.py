@@ -120,6 +120,22 @@ def test_merge_adapter_merges_a_megatron_adapter_as_its_peft_export(bridge: dict
     assert all(torch.equal(expected[name], back[name]) for name in expected)
 
 
+def test_the_runs_optimizer_state_beside_the_adapter_is_left_out(bridge: dict[str, Path], tmp_path: Path) -> None:
+    """A LoRA run saves its optimizer state in the same store (megatron-core's ``optimizer.state.<state>.<key>``):
+    the export is the adapter's alone."""
+    lora = _copy(bridge, tmp_path)
+
+    def add_optimizer_state(tensors: dict[str, torch.Tensor]) -> None:
+        for key in list(tensors):
+            tensors[f"optimizer.state.exp_avg.{key}"] = torch.ones_like(tensors[key])
+
+    _rewrite_store(lora, add_optimizer_state)
+    pgconvert.export_adapter(lora, tmp_path / "out", base=bridge["megatron"])
+    expected, actual = load_hf_tensors(bridge["exported"]), load_hf_tensors(tmp_path / "out")
+    assert sorted(expected) == sorted(actual)
+    assert all(torch.equal(expected[name], actual[name]) for name in expected)
+
+
 def test_export_adapter_from_the_command_line_and_inspect(bridge: dict[str, Path], tmp_path: Path) -> None:
     out = tmp_path / "out"
     result = CliRunner().invoke(main, ["export-adapter", str(bridge["lora"]), str(out), "--base", str(bridge["hf"])])

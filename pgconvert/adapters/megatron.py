@@ -39,6 +39,9 @@ ADAPTER_FORMAT = "megatron-bridge-lora"
 RUN_CONFIG_FILE = "run_config.yaml"
 # Megatron-Bridge's plain LoRA (peft/lora.py); its other PEFT methods compute something else or store other keys.
 _LORA_TARGETS = ("megatron.bridge.peft.lora.LoRA",)
+# The optimizer state's keys (megatron-core's ``optimizer.state.<state>.<parameter key>``; a chained optimizer's under
+# ``chained_<i>.``): the adapter run's, not carried.
+_OPTIMIZER_KEY = re.compile(r"(chained_\d+\.)?optimizer\.")
 _ADAPTER_KEY = re.compile(r"decoder\.layers\.(?:(?P<layer>\d+)\.)?(?P<module>(?:\w+\.)*?\w+)"
                           r"\.adapter\.linear_(?P<side>in|out)\.weight")
 
@@ -90,9 +93,11 @@ def _run_config(store: Path) -> Path | None:
 
 
 def _tensor_keys(metadata: Any) -> list[str]:
+    """The model's tensor keys (the optimizer state's left out)."""
     from torch.distributed.checkpoint import TensorStorageMetadata
 
-    return [key for key, value in metadata.state_dict_metadata.items() if isinstance(value, TensorStorageMetadata)]
+    return [key for key, value in metadata.state_dict_metadata.items()
+            if isinstance(value, TensorStorageMetadata) and not _OPTIMIZER_KEY.match(key)]
 
 
 def read_megatron_adapter(path: Path) -> MegatronAdapter:
@@ -174,7 +179,8 @@ def _read_pairs(store: Path, dim: int, run_config: Path) -> dict[str, MegatronPa
 
 
 def _layer_tensors(reader: Any, key: str, meta: Any, layer: str | None) -> list[tuple[int, torch.Tensor]]:
-    """The key's tensor per layer: one (a key per layer), or each layer a stacked key holds chunks of."""
+    """The key's tensor per layer: one (a key per layer), or each layer a stacked key holds chunks of (megatron-core
+    writes a chunk per layer and rank; a store written whole has one chunk of every layer)."""
     shape = tuple(meta.size)
     if layer is not None:
         buffer = torch.empty(shape, dtype=meta.properties.dtype)
@@ -183,7 +189,8 @@ def _layer_tensors(reader: Any, key: str, meta: Any, layer: str | None) -> list[
     if len(shape) != 3:
         raise CheckpointError(f"{reader.directory}: {key}: global shape {list(shape)}, expected [layers, rows, "
                               "columns]")
-    layers = sorted({int(chunk.offsets[0]) for chunk in meta.chunks})
+    layers = sorted({layer for chunk in meta.chunks
+                     for layer in range(int(chunk.offsets[0]), int(chunk.offsets[0]) + int(chunk.sizes[0]))})
     buffers = [torch.empty((1, *shape[1:]), dtype=meta.properties.dtype) for _ in layers]
     reader.read({key: [((index, 0, 0), buffer) for index, buffer in zip(layers, buffers, strict=True)]}, [])
     return [(index, buffer[0]) for index, buffer in zip(layers, buffers, strict=True)]

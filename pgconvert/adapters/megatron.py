@@ -118,10 +118,8 @@ def read_megatron_adapter(path: Path) -> MegatronAdapter:
 
 def _peft_settings(run_config: Path) -> dict[str, Any]:
     """run_config.yaml's ``peft`` section, checked to be a plain LoRA with a positive ``dim`` and ``alpha``."""
-    try:
-        import yaml
-    except ImportError as exc:
-        raise ValidationError(f"{run_config}: reading it needs PyYAML (pip install pyyaml)") from exc
+    import yaml
+
     with open(run_config, "rb") as handle:
         text = handle.read(MAX_JSON_BYTES + 1)
     if len(text) > MAX_JSON_BYTES:

@@ -315,8 +315,9 @@ def _layout_option(name: str, help_text: str) -> Any:
                    "which every megatron-core reads (legacy: use it for megatron-core 0.18 and older).")
 @click.option("--merge-adapter", type=click.Path(path_type=Path, exists=True, file_okay=False), default=None,
               metavar="DIR", help="Merge a Hugging Face PEFT LoRA adapter (adapter_config.json, "
-                                  "adapter_model.safetensors) into the model: W + (B @ A) * alpha / r in float32, "
-                                  "rounded once to the weight's dtype, at any DST layout.")
+                                  "adapter_model.safetensors) or a Megatron-Bridge LoRA checkpoint into the model: "
+                                  "W + (B @ A) * alpha / r in float32, rounded once to the weight's dtype, at any DST "
+                                  "layout.")
 @click.option("--text-only", is_flag=True,
               help="A vision-language source: convert its language model alone (hf: written as the text model's "
                    "own architecture and config); what is left out (vision tower, projector, processor files) is "
@@ -679,8 +680,9 @@ def _model_rows(info: Any, show_all: bool) -> list[tuple[str, str]]:
 @click.option("--skip-optimizer", is_flag=True,
               help="Compare the model alone, not the optimizer state (faster).")
 @click.option("--merge-adapter", type=click.Path(path_type=Path, exists=True, file_okay=False), default=None,
-              metavar="DIR", help="Merge this PEFT LoRA adapter into A before comparing (as convert --merge-adapter "
-                                  "does): checks a merged output against its base and adapter.")
+              metavar="DIR", help="Merge this PEFT LoRA adapter (or Megatron-Bridge LoRA checkpoint) into A before "
+                                  "comparing (as convert --merge-adapter does): checks a merged output against its "
+                                  "base and adapter.")
 def verify_command(a: Path, b: Path, rtol: float, atol: float, iteration_a: int | None, iteration_b: int | None,
                    true_vocab_size: int | None, max_listed: int, as_json: bool, skip_optimizer: bool,
                    merge_adapter: Path | None) -> None:

@@ -103,7 +103,7 @@ def test_export_reads_the_base_family_from_any_format(bridge: dict[str, Path], t
 
 def test_merge_adapter_merges_a_megatron_adapter_as_its_peft_export(bridge: dict[str, Path], tmp_path: Path) -> None:
     """--merge-adapter takes the Megatron-Bridge checkpoint itself: the same bytes as merging its PEFT export, and the
-    merged model computes the Megatron-side merge's logits."""
+    merged model computes the Megatron-side merge's logits; verify --merge-adapter checks such an output."""
     pgconvert.convert(bridge["hf"], tmp_path / "merged", dst_format="hf", merge_adapter=bridge["lora"])
     pgconvert.convert(bridge["hf"], tmp_path / "merged_peft", dst_format="hf", merge_adapter=bridge["exported"])
     expected, actual = load_hf_tensors(tmp_path / "merged_peft"), load_hf_tensors(tmp_path / "merged")
@@ -118,6 +118,9 @@ def test_merge_adapter_merges_a_megatron_adapter_as_its_peft_export(bridge: dict
     pgconvert.convert(tmp_path / "tp1", tmp_path / "back", dst_format="hf")
     back = load_hf_tensors(tmp_path / "back")
     assert all(torch.equal(expected[name], back[name]) for name in expected)
+    report = pgconvert.verify(bridge["megatron"], tmp_path / "tp1", merge_adapter=bridge["lora"])
+    assert report.equal and report.compared > 0, report.to_dict()
+    assert not pgconvert.verify(bridge["megatron"], tmp_path / "tp1").equal  # the base alone differs
 
 
 def test_the_runs_optimizer_state_beside_the_adapter_is_left_out(bridge: dict[str, Path], tmp_path: Path) -> None:
@@ -203,6 +206,11 @@ def _layer_nine(tensors: dict[str, torch.Tensor]) -> None:
         tensors[key] = tensors[key][:3].contiguous()
 
 
+def _expert_adapter(tensors: dict[str, torch.Tensor]) -> None:
+    """A grouped experts' fc1 adapter (megatron-core's TEGroupedMLP names), which is not read yet."""
+    tensors["decoder.layers.mlp.experts.linear_fc1.adapter.linear_in.weight"] = torch.zeros(4, 4, 64)
+
+
 @pytest.mark.parametrize("damage, expected", [
     (lambda lora: _rewrite_store(lora, _narrow_linear_out),
      r"decoder.layers.\d.mlp.linear_fc2.adapter: linear_in \[4, 128\] and linear_out \[64, 2\] do not make a "
@@ -210,10 +218,13 @@ def _layer_nine(tensors: dict[str, torch.Tensor]) -> None:
     (lambda lora: _rewrite_store(lora, _layer_nine),
      r"adapts \['model.layers.9.self_attn.k_proj.weight', .*which the model \(LlamaForCausalLM, 4 layers\) does not "
      r"have"),
+    (lambda lora: _rewrite_store(lora, _expert_adapter),
+     r"decoder.layers.mlp.experts.linear_fc1.adapter.linear_in.weight: not a LoRA adapter key of a decoder layer .*the "
+     r"experts'"),
     (lambda lora: _edit_run_config(lora, alpha=None), r"run_config.yaml: peft.alpha is missing: expected a positive"),
     (lambda lora: _edit_run_config(lora, _target_="megatron.bridge.peft.dora.DoRA"),
      r"peft._target_='megatron.bridge.peft.dora.DoRA': only Megatron-Bridge's plain LoRA"),
-], ids=["rank", "target", "alpha", "dora"])
+], ids=["rank", "target", "experts", "alpha", "dora"])
 def test_bad_megatron_adapter_is_a_named_error_and_writes_nothing(bridge: dict[str, Path], tmp_path: Path,
                                                                   damage: object, expected: str) -> None:
     lora = _copy(bridge, tmp_path)

@@ -155,7 +155,7 @@ def _read_pairs(store: Path, dim: int, run_config: Path) -> dict[str, MegatronPa
     reader = DcpStore(store, metadata)
     for key in sorted(_tensor_keys(metadata)):
         match = _ADAPTER_KEY.fullmatch(key)
-        if match is None:
+        if match is None or ".experts." in match["module"]:
             raise ValidationError(f"{store}: {key}: not a LoRA adapter key of a decoder layer "
                                   "(decoder.layers.<module>.adapter.linear_in/linear_out.weight); the experts', "
                                   "MTP layers' and other models' adapters are not read yet")

@@ -546,18 +546,19 @@ def export_optimizer_command(src: Path, out: Path, iteration: int | None) -> Non
 @click.option("--iteration", type=click.IntRange(min=0), default=None,
               help="Iteration of --base to open [default: latest_checkpointed_iteration.txt].")
 def export_adapter_command(src: Path, dst: Path, base: Path, iteration: int | None) -> None:
-    """Write the Megatron-Bridge LoRA adapter SRC (a LoRA run's torch_dist checkpoint of adapter weights and
-    run_config.yaml, at any TP) into DST as a Hugging Face PEFT adapter directory (adapter_config.json,
-    adapter_model.safetensors), unmerged: a fused linear_qkv's and linear_fc1's pairs become q/k/v and gate/up pairs
-    sharing lora_A, r = dim and lora_alpha = alpha. DST must not exist; nothing is written when the adapter does
-    not fit --base."""
+    """Write the LoRA adapter SRC into DST, unmerged, in the other form, for the model --base: a Megatron-Bridge LoRA
+    checkpoint (a LoRA run's torch_dist store of adapter weights and run_config.yaml, any TP) as a Hugging Face PEFT
+    adapter directory (adapter_config.json, adapter_model.safetensors: fused linear_qkv and linear_fc1 pairs become
+    q/k/v and gate/up pairs sharing lora_A, r = dim, lora_alpha = alpha), or a PEFT adapter directory as a
+    Megatron-Bridge checkpoint megatron-core loads at any TP. DST must not exist; nothing is written when the adapter
+    does not fit --base or has no exact form in the other."""
     from pgconvert.run.adapter_export import export_adapter
 
     try:
         written = export_adapter(src, dst, base, iteration)
     except PgconvertError as error:
         raise PgconvertClickError(error) from error
-    click.echo(f"wrote {dst}: {written.pairs} LoRA pairs on {', '.join(written.modules)}")
+    click.echo(f"wrote {dst}: {written.pairs} LoRA pairs ({written.form})")
 
 
 @main.command("inspect")

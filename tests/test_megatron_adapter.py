@@ -45,7 +45,7 @@ def bridge(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"hf": hf, "megatron": root / "megatron", "lora": lora, "held": root / "held", "exported": exported}
 
 
-def megatron_merged_logits(paths: dict[str, Path], ids: torch.Tensor) -> torch.Tensor:
+def megatron_merged_logits(paths: dict[str, Path], ids: torch.Tensor, scaling: float = ALPHA / DIM) -> torch.Tensor:
     """The TP2 model with each rank's weights merged as Megatron-Bridge's LoRAMerge (peft/lora_merge.py:65-87)
     merges them, run rank by rank: a column-parallel base (linear_qkv, linear_fc1) adds ``linear_out_r @ cat(linear_in
     over ranks)``, a row-parallel one (linear_proj, linear_fc2) ``cat(linear_out over ranks) @ linear_in_r``, both
@@ -60,7 +60,7 @@ def megatron_merged_logits(paths: dict[str, Path], ids: torch.Tensor) -> torch.T
                 delta = torch.cat(linear_out) @ linear_in[rank]
             else:
                 delta = linear_out[rank] @ torch.cat(linear_in)
-            model[f"{module}.weight"] = model[f"{module}.weight"] + ALPHA / DIM * delta
+            model[f"{module}.weight"] = model[f"{module}.weight"] + scaling * delta
     config = json.loads((paths["hf"] / "config.json").read_text())
     return megatron_tp_logits(models, config, ids).to(torch.float32)
 
@@ -143,7 +143,7 @@ def test_export_adapter_from_the_command_line_and_inspect(bridge: dict[str, Path
     out = tmp_path / "out"
     result = CliRunner().invoke(main, ["export-adapter", str(bridge["lora"]), str(out), "--base", str(bridge["hf"])])
     assert result.exit_code == 0, result.output
-    assert "28 LoRA pairs" in result.output
+    assert "28 LoRA pairs (peft)" in result.output
     assert (out / "adapter_model.safetensors").read_bytes() == (bridge["exported"] / "adapter_model.safetensors").read_bytes()
     result = CliRunner().invoke(main, ["inspect", str(bridge["lora"]), "--json"])
     assert result.exit_code == 0, result.output
@@ -154,6 +154,81 @@ def test_export_adapter_from_the_command_line_and_inspect(bridge: dict[str, Path
                                                                                             [0, 1, 2, 3])
     assert adapter["modules"] == ["mlp.linear_fc1", "mlp.linear_fc2", "self_attention.linear_proj",
                                   "self_attention.linear_qkv"]
+
+
+# --------------------------------------------------------------------------- PEFT -> Megatron-Bridge
+
+
+def store_tensors(root: Path) -> dict[str, torch.Tensor]:
+    """A torch_dist store's tensors, read whole by torch.distributed.checkpoint alone."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader, TensorStorageMetadata
+
+    from pgconvert.formats.torch_dist import resolve_iteration_dir
+
+    store = resolve_iteration_dir(root, None)[0]
+    metadata = FileSystemReader(str(store)).read_metadata()
+    tensors = {key: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+               for key, meta in metadata.state_dict_metadata.items() if isinstance(meta, TensorStorageMetadata)}
+    dcp.load(tensors, checkpoint_id=str(store), no_dist=True)
+    return tensors
+
+
+def test_peft_export_goes_back_to_the_megatron_bridge_checkpoint(bridge: dict[str, Path], tmp_path: Path) -> None:
+    """Megatron-Bridge -> PEFT -> Megatron-Bridge gives the run's adapter tensors back, and megatron-core loads the
+    written store into the TP2 model wrapped as Megatron-Bridge wraps it: every rank holds what the run held."""
+    from support.mcore_bridge_lora import load_bridge_lora
+
+    back = tmp_path / "back"
+    written = pgconvert.export_adapter(bridge["exported"], back, base=bridge["megatron"])
+    assert (written.form, written.pairs) == ("megatron-bridge", 16)
+    expected, actual = store_tensors(bridge["lora"]), store_tensors(back)
+    assert sorted(expected) == sorted(actual)
+    assert all(torch.equal(expected[key], actual[key]) for key in expected)
+    import yaml
+
+    peft = yaml.safe_load((back / "release" / "run_config.yaml").read_text())["peft"]
+    assert (peft["_target_"], peft["dim"], peft["alpha"]) == ("megatron.bridge.peft.lora.LoRA", DIM, ALPHA)
+    load_bridge_lora(bridge["megatron"], back / "release", tmp_path / "loaded", DIM, ALPHA)
+    for rank in range(2):
+        held = torch.load(bridge["held"] / f"rank{rank}.pt", weights_only=True)
+        loaded = torch.load(tmp_path / "loaded" / f"rank{rank}.pt", weights_only=True)
+        assert all(torch.equal(held[module][side], loaded[module][side]) for module in held for side in held[module])
+
+
+def test_a_peft_adapter_becomes_a_megatron_bridge_adapter_megatron_core_loads(bridge: dict[str, Path],
+                                                                              tmp_path: Path) -> None:
+    """An adapter PEFT made on the HF model (q_proj alone of q/k/v, up_proj alone of gate/up: the others' rows are
+    zero, their lora_A the one present), written as Megatron-Bridge's and loaded by megatron-core at TP1: the
+    Megatron-side merge computes PEFT's logits."""
+    from support.mcore_bridge_lora import load_bridge_lora
+    from support.peft_adapters import make_adapter
+
+    adapter = make_adapter(bridge["hf"], tmp_path / "peft", seed=4, r=2, lora_alpha=5,
+                           target_modules=["q_proj", "o_proj", "up_proj", "down_proj"])
+    pgconvert.convert(bridge["hf"], tmp_path / "tp1", dst_format="megatron", dst_tp=1)
+    result = CliRunner().invoke(main, ["export-adapter", str(adapter), str(tmp_path / "lora"), "--base",
+                                       str(tmp_path / "tp1")])
+    assert result.exit_code == 0 and "16 LoRA pairs (megatron-bridge)" in result.output, result.output
+    load_bridge_lora(tmp_path / "tp1", tmp_path / "lora" / "release", tmp_path / "held", 2, 5)
+    ids = input_ids(1000)
+    paths = {"hf": bridge["hf"], "megatron": tmp_path / "tp1", "held": tmp_path / "held"}
+    torch.testing.assert_close(peft_logits(bridge["hf"], adapter, ids), megatron_merged_logits(paths, ids, 5 / 2),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_a_peft_adapter_with_no_exact_megatron_bridge_form_is_refused(bridge: dict[str, Path], tmp_path: Path) -> None:
+    """PEFT trains q_proj, k_proj and v_proj with a lora_A each; Megatron-Bridge's linear_qkv has one."""
+    from support.peft_adapters import make_adapter
+
+    adapter = make_adapter(bridge["hf"], tmp_path / "peft", r=2, lora_alpha=4, target_modules=["q_proj", "k_proj"])
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, ["export-adapter", str(adapter), str(out), "--base", str(bridge["megatron"])])
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert _matches(r"model.layers.0.self_attn.q_proj, model.layers.0.self_attn.k_proj have different lora_A: "
+                    r"Megatron-Bridge's one linear_in of decoder.layers.0.self_attention.linear_qkv cannot hold them",
+                    result.output), result.output
+    assert not out.exists() and not list(tmp_path.glob(".out*"))
 
 
 # --------------------------------------------------------------------------- bad adapters

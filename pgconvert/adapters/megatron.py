@@ -30,7 +30,7 @@ import torch
 from pgconvert.adapters.peft import KEY_PREFIX, AdapterTensors, PeftAdapter, peft_adapter
 from pgconvert.errors import CheckpointError, PgconvertError, ValidationError
 from pgconvert.adapters.names import loaded_hf_weights
-from pgconvert.families.table import Family
+from pgconvert.families.table import Family, Transform
 from pgconvert.io.limits import MAX_JSON_BYTES, quote
 from pgconvert.model.config import ModelConfig
 
@@ -38,10 +38,8 @@ from pgconvert.model.config import ModelConfig
 ADAPTER_FORMAT = "megatron-bridge-lora"
 RUN_CONFIG_FILE = "run_config.yaml"
 # Megatron-Bridge's plain LoRA (peft/lora.py); its other PEFT methods compute something else or store other keys.
-_LORA_TARGETS = ("megatron.bridge.peft.lora.LoRA",)
-# The optimizer state's keys (megatron-core's ``optimizer.state.<state>.<parameter key>``; a chained optimizer's under
-# ``chained_<i>.``): the adapter run's, not carried.
-_OPTIMIZER_KEY = re.compile(r"(chained_\d+\.)?optimizer\.")
+LORA_TARGET = "megatron.bridge.peft.lora.LoRA"
+_LORA_TARGETS = (LORA_TARGET,)
 _ADAPTER_KEY = re.compile(r"decoder\.layers\.(?:(?P<layer>\d+)\.)?(?P<module>(?:\w+\.)*?\w+)"
                           r"\.adapter\.linear_(?P<side>in|out)\.weight")
 
@@ -93,11 +91,13 @@ def _run_config(store: Path) -> Path | None:
 
 
 def _tensor_keys(metadata: Any) -> list[str]:
-    """The model's tensor keys (the optimizer state's left out)."""
+    """The model's tensor keys (the run's optimizer state, ``optimizer.state.<state>.<parameter key>``, left out)."""
     from torch.distributed.checkpoint import TensorStorageMetadata
 
+    from pgconvert.formats.torch_dist import TRAINING_STATE_PREFIXES
+
     return [key for key, value in metadata.state_dict_metadata.items()
-            if isinstance(value, TensorStorageMetadata) and not _OPTIMIZER_KEY.match(key)]
+            if isinstance(value, TensorStorageMetadata) and not key.startswith(TRAINING_STATE_PREFIXES)]
 
 
 def read_megatron_adapter(path: Path) -> MegatronAdapter:
@@ -217,6 +217,13 @@ def peft_tensors(adapter: MegatronAdapter, family: Family, config: ModelConfig) 
     return tensors
 
 
+def moves_rows(transform: Transform, shape: tuple[int, ...], config: ModelConfig) -> bool:
+    """Whether ``transform`` makes a canonical weight of ``shape`` of its HF parts by moving whole rows (then a
+    pair's B is cut or joined as the weight's rows are, its A the same for every part)."""
+    parts = transform.part_shapes(shape, config)
+    return sum(part[0] for part in parts) == shape[0] and all(tuple(part[1:]) == shape[1:] for part in parts)
+
+
 def _hf_parts(adapter: MegatronAdapter, family: Family, config: ModelConfig,
               pair: MegatronPair) -> tuple[tuple[str, ...], list[torch.Tensor]]:
     """The HF weights (as transformers names them in memory) of the pair's canonical weight, and each one's lora_B
@@ -226,11 +233,9 @@ def _hf_parts(adapter: MegatronAdapter, family: Family, config: ModelConfig,
         raise ValidationError(f"{adapter.directory}: adapts {pair.weight}, which the model "
                               f"({family.architecture}, {config.num_layers} layers) does not have as a weight")
     row, names = found
-    out, rank, inputs = pair.linear_out.shape[0], pair.linear_out.shape[1], pair.linear_in.shape[1]
-    weight_parts = row.transform.part_shapes((out, inputs), config)
-    parts = row.transform.split(pair.linear_out, config)
-    if len(parts) != len(names) or any(tuple(part.shape) != (shape[0], rank) or tuple(shape[1:]) != (inputs,)
-                                       for part, shape in zip(parts, weight_parts, strict=True)):
+    shape = (pair.linear_out.shape[0], pair.linear_in.shape[1])
+    parts = row.transform.split(pair.linear_out, config) if moves_rows(row.transform, shape, config) else []
+    if len(parts) != len(names):
         raise ValidationError(f"{adapter.directory}: {pair.weight}: the family's {row.transform.name} transform into "
                               f"{', '.join(names)} does not only move rows: no exact split of linear_out")
     return names, parts

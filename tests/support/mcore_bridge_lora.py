@@ -28,7 +28,9 @@ rank job does those steps with megatron-core's classes (one gloo process per TP 
   ``dist_checkpointing.save`` (torch_dist); ``checkpointing.py:1460-1494``: ``run_config.yaml`` beside it holds
   the run's config, its ``peft`` section the LoRA settings (``_target_``, ``dim``, ``alpha``, ...).
 
-Each rank also writes what it holds (``rank{R}.pt``: per adapted module its local ``linear_in`` and ``linear_out``)
+``bridge_lora_load`` loads such a store back into the wrapped model at any TP, as Megatron-Bridge's
+``load_peft_adapter_checkpoint`` does (``peft/utils.py:418-478``: the adapter-filtered sharded state dict,
+``dist_checkpointing.load``). Each rank also writes what it holds (``rank{R}.pt``: per adapted module its local ``linear_in`` and ``linear_out``)
 so a test can merge on the Megatron side by lora_merge.py's rules, independently of the checkpoint's layout.
 """
 
@@ -96,38 +98,57 @@ def _values(name: str, tp_rank: int, shape: torch.Size) -> torch.Tensor:
     return 0.1 * torch.randn(shape, generator=generator)
 
 
-def run_bridge_lora_rank(rank: int, world: int, spec: dict[str, Any]) -> None:
-    """One TP rank: the base's rank file in megatron-core's GPTModel, every target wrapped with a LoRA adapter of
-    random values, its adapter-only sharded state dict saved with dist_checkpointing (spec: base, ckpt, out, dim,
-    alpha)."""
+def _wrapped_model(rank: int, world: int, spec: dict[str, Any]) -> tuple[Any, dict[str, BridgeAdapter]]:
+    """The base's rank file in megatron-core's GPTModel, every target wrapped with an adapter (zeros)."""
     import support.mcore_helpers as mcore
-    from megatron.core import dist_checkpointing
-    from support.mcore_gpt_models import content_metadata, model_sharded_state_dict
 
-    rank_file = mcore.rank_files(Path(spec["base"]))[rank]
-    model = mcore.load_rank_into_gpt_model(rank_file)
+    model = mcore.load_rank_into_gpt_model(mcore.rank_files(Path(spec["base"]))[rank])
     tp_group = mcore.McoreFakeGroup("tp", world, rank)
-    held: dict[str, dict[str, torch.Tensor]] = {}
+    adapters = {}
     with mcore.fake_group_queries():
         for index, layer in enumerate(model.decoder.layers):
-            for target in spec.get("targets", TARGETS):
+            for target in TARGETS:
                 owner_name, _, attribute = target.rpartition(".")
                 owner = getattr(layer, owner_name)
                 base = getattr(owner, attribute)
                 gated = attribute == "linear_fc1" and model.config.gated_linear_unit
-                adapter = BridgeAdapter(base, spec["dim"], spec["alpha"], gated, tp_group)
-                module = f"decoder.layers.{index}.{target}"
-                with torch.no_grad():
-                    for side in ("linear_in", "linear_out"):
-                        weight = getattr(adapter, side).weight
-                        weight.copy_(_values(f"{module}.{side}", rank, weight.shape))
-                held[module] = {side: getattr(adapter, side).weight.detach().clone()
-                                for side in ("linear_in", "linear_out")}
+                adapter = adapters[f"decoder.layers.{index}.{target}"] = BridgeAdapter(base, spec["dim"], spec["alpha"],
+                                                                                      gated, tp_group)
                 setattr(owner, attribute, LoRALinear(base, adapter))
+    return model, adapters
+
+
+def _adapter_state(model: Any) -> dict[str, Any]:
+    """The model's sharded state dict as an adapter run saves and loads it (checkpointing.py:3332-3360)."""
+    from support.mcore_gpt_models import model_sharded_state_dict
+
     sharded = model_sharded_state_dict(model)
-    adapter_only = {key: value for key, value in sharded.items() if ".adapter." in key and "_extra_state" not in key}
-    state = {"model": adapter_only, "checkpoint_version": 3.0, "iteration": ITERATION}
-    dist_checkpointing.save(state, spec["ckpt"], content_metadata=content_metadata())
+    return {key: value for key, value in sharded.items() if ".adapter." in key and "_extra_state" not in key}
+
+
+def run_bridge_lora_rank(rank: int, world: int, spec: dict[str, Any]) -> None:
+    """One TP rank (spec: base, ckpt, out, dim, alpha). ``bridge_lora``: the adapters get random values and the
+    adapter-only state is saved with dist_checkpointing; ``bridge_lora_load``: it is loaded from ``ckpt`` with
+    dist_checkpointing.load, as Megatron-Bridge's load_peft_adapter_checkpoint does (peft/utils.py:418-478). Either
+    way the rank's pieces go to ``out``/rank{R}.pt."""
+    from megatron.core import dist_checkpointing
+    from support.mcore_gpt_models import content_metadata
+
+    model, adapters = _wrapped_model(rank, world, spec)
+    if spec["action"] == "bridge_lora_load":
+        loaded = dist_checkpointing.load({"model": _adapter_state(model)}, spec["ckpt"], strict="raise_all")["model"]
+        held = {module: {side: loaded[f"{module}.adapter.{side}.weight"] for side in ("linear_in", "linear_out")}
+                for module in adapters}
+    else:
+        with torch.no_grad():
+            for module, adapter in adapters.items():
+                for side in ("linear_in", "linear_out"):
+                    weight = getattr(adapter, side).weight
+                    weight.copy_(_values(f"{module}.{side}", rank, weight.shape))
+        held = {module: {side: getattr(adapter, side).weight.detach().clone() for side in ("linear_in", "linear_out")}
+                for module, adapter in adapters.items()}
+        state = {"model": _adapter_state(model), "checkpoint_version": 3.0, "iteration": ITERATION}
+        dist_checkpointing.save(state, spec["ckpt"], content_metadata=content_metadata())
     torch.save(held, Path(spec["out"]) / f"rank{rank}.pt")
 
 
@@ -161,3 +182,14 @@ def bridge_lora_checkpoint(base: Path, root: Path, out: Path, dim: int, alpha: f
     write_run_config(iteration_dir, dim, alpha, tp)
     (root / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
     return root
+
+
+def load_bridge_lora(base: Path, store: Path, out: Path, dim: int, alpha: float) -> None:
+    """megatron-core's dist_checkpointing.load of the adapter store ``store`` into the TP model ``base`` wrapped as
+    Megatron-Bridge wraps it; each rank's pieces in ``out``."""
+    from support.mcore_helpers import rank_files
+    from support.mcore_torch_dist_job import run_job
+
+    tp = rank_files(base)[0].layout.tp
+    run_job({"action": "bridge_lora_load", "base": str(base), "ckpt": str(store), "world": tp, "tp": tp, "pp": 1,
+             "ep": 1, "dim": dim, "alpha": alpha}, out)

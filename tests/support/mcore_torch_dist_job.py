@@ -125,7 +125,7 @@ def _child_rank(rank: int, spec: dict[str, Any]) -> None:
 
             run_hybrid_rank(rank, _world(spec), spec)
             return
-        if spec["action"] == "bridge_lora":
+        if spec["action"].startswith("bridge_lora"):
             from support.mcore_bridge_lora import run_bridge_lora_rank
 
             run_bridge_lora_rank(rank, _world(spec), spec)

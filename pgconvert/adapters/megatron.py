@@ -31,6 +31,7 @@ from pgconvert.adapters.peft import KEY_PREFIX, AdapterTensors, PeftAdapter, pef
 from pgconvert.errors import CheckpointError, PgconvertError, ValidationError
 from pgconvert.adapters.names import loaded_hf_weights
 from pgconvert.families.table import Family, Transform
+from pgconvert.io import limits
 from pgconvert.io.limits import MAX_JSON_BYTES, quote
 from pgconvert.model.config import ModelConfig
 
@@ -62,25 +63,25 @@ class MegatronAdapter:
     dim: int
     alpha: float
     dropout: float
-    target_modules: tuple[str, ...]
     pairs: dict[str, MegatronPair]
 
 
-def find_adapter_store(path: Path) -> Path | None:
-    """The torch_dist store of a Megatron-Bridge adapter run at ``path`` (the run's directory or an iteration's),
-    or None when ``path`` is none: a store whose every tensor is an adapter's."""
+def find_adapter_store(path: Path) -> tuple[Path, Path] | None:
+    """The torch_dist store of a Megatron-Bridge adapter run at ``path`` (the run's directory or an iteration's) and
+    its run_config.yaml, or None when ``path`` is none: a store whose every model tensor is an adapter's."""
     from pgconvert.formats.torch_dist import DCP_METADATA_FILE, read_dcp_metadata, resolve_iteration_dir
 
     if not path.is_dir():
         return None
     try:
         store = resolve_iteration_dir(path, None)[0]
-        if not (store / DCP_METADATA_FILE).is_file() or _run_config(store) is None:
+        run_config = _run_config(store)
+        if not (store / DCP_METADATA_FILE).is_file() or run_config is None:
             return None
         keys = _tensor_keys(read_dcp_metadata(store / DCP_METADATA_FILE))
     except PgconvertError:
         return None
-    return store if keys and all(".adapter." in key for key in keys) else None
+    return (store, run_config) if keys and all(".adapter." in key for key in keys) else None
 
 
 def _run_config(store: Path) -> Path | None:
@@ -102,18 +103,17 @@ def _tensor_keys(metadata: Any) -> list[str]:
 
 def read_megatron_adapter(path: Path) -> MegatronAdapter:
     """The Megatron-Bridge LoRA adapter at ``path``, its settings checked and its pairs read whole."""
-    store = find_adapter_store(path)
-    if store is None:
+    found = find_adapter_store(path)
+    if found is None:
         raise ValidationError(f"{path}: not a Megatron-Bridge LoRA checkpoint (a torch_dist store of "
                               f"'.adapter.' keys alone, as a LoRA run saves, with its {RUN_CONFIG_FILE})")
-    run_config = _run_config(store)
-    assert run_config is not None  # find_adapter_store found it
+    store, run_config = found
     settings = _peft_settings(run_config)
     dim, alpha = settings["dim"], settings["alpha"]
-    pairs = _read_pairs(store, dim, run_config)
-    targets = settings.get("target_modules") or ()
-    return MegatronAdapter(store, run_config, dim, alpha, float(settings.get("dropout") or 0.0),
-                           tuple(str(name) for name in targets), pairs)
+    dropout = settings.get("dropout") or 0.0
+    if not isinstance(dropout, (int, float)):
+        raise ValidationError(f"{run_config}: peft.dropout={quote(dropout)}: expected a number")
+    return MegatronAdapter(store, run_config, dim, alpha, float(dropout), _read_pairs(store, dim, run_config))
 
 
 def _peft_settings(run_config: Path) -> dict[str, Any]:
@@ -180,6 +180,8 @@ def _layer_tensors(reader: Any, key: str, meta: Any, layer: str | None) -> list[
     """The key's tensor per layer: one (a key per layer), or each layer a stacked key holds chunks of (megatron-core
     writes a chunk per layer and rank; a store written whole has one chunk of every layer)."""
     shape = tuple(meta.size)
+    if layer is not None and int(layer) > limits.MAX_LAYERS:
+        raise limits.over_limit(f"{reader.directory}: {key}", "the layer index", int(layer), "MAX_LAYERS")
     if layer is not None:
         buffer = torch.empty(shape, dtype=meta.properties.dtype)
         reader.read({key: [((0,) * len(shape), buffer)]}, [])
@@ -187,6 +189,8 @@ def _layer_tensors(reader: Any, key: str, meta: Any, layer: str | None) -> list[
     if len(shape) != 3:
         raise CheckpointError(f"{reader.directory}: {key}: global shape {list(shape)}, expected [layers, rows, "
                               "columns]")
+    if shape[0] > limits.MAX_LAYERS:
+        raise limits.over_limit(f"{reader.directory}: {key}", "the stacked layer count", shape[0], "MAX_LAYERS")
     layers = sorted({layer for chunk in meta.chunks
                      for layer in range(int(chunk.offsets[0]), int(chunk.offsets[0]) + int(chunk.sizes[0]))})
     buffers = [torch.empty((1, *shape[1:]), dtype=meta.properties.dtype) for _ in layers]

@@ -189,6 +189,9 @@ def test_peft_export_goes_back_to_the_megatron_bridge_checkpoint(bridge: dict[st
 
     peft = yaml.safe_load((back / "release" / "run_config.yaml").read_text())["peft"]
     assert (peft["_target_"], peft["dim"], peft["alpha"]) == ("megatron.bridge.peft.lora.LoRA", DIM, ALPHA)
+    pgconvert.export_adapter(back / "release", tmp_path / "again", base=bridge["hf"])  # read back by pgconvert
+    again, exported = load_hf_tensors(tmp_path / "again"), load_hf_tensors(bridge["exported"])
+    assert sorted(again) == sorted(exported) and all(torch.equal(exported[key], again[key]) for key in exported)
     load_bridge_lora(bridge["megatron"], back / "release", tmp_path / "loaded", DIM, ALPHA)
     for rank in range(2):
         held = torch.load(bridge["held"] / f"rank{rank}.pt", weights_only=True)

@@ -79,7 +79,7 @@ def find_adapter_store(path: Path) -> tuple[Path, Path] | None:
         if not (store / DCP_METADATA_FILE).is_file() or run_config is None:
             return None
         keys = _tensor_keys(read_dcp_metadata(store / DCP_METADATA_FILE))
-    except PgconvertError:
+    except (PgconvertError, OSError):  # not a Megatron checkpoint: what it is, its reader says
         return None
     return (store, run_config) if keys and all(".adapter." in key for key in keys) else None
 

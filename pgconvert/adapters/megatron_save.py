@@ -66,13 +66,13 @@ def _fused_pair(adapter: PeftAdapter, name: str, row: TensorMapping, hf_names: t
         raise ValidationError(f"{adapter.where}: adapts {', '.join(hf_names)} (pgconvert's {name}), which "
                               "Megatron-Bridge's LoRA adapts as no linear of a decoder layer whose rows they are")
     present = [hf for hf in hf_names if hf in adapter.pairs]
-    shared = [adapter.weights_file.tensor(adapter.pairs[hf].a_key) for hf in present]
+    shared = [adapter.tensors.tensor(adapter.pairs[hf].a_key) for hf in present]
     if any(not torch.equal(shared[0], other) for other in shared[1:]):
         modules = ", ".join(hf.removesuffix(".weight") for hf in present)
         raise ValidationError(f"{adapter.where}: {modules} have different lora_A: Megatron-Bridge's one "
                               f"linear_in of {name.removesuffix('.weight')} cannot hold them (no exact form)")
     rank = shared[0].shape[0]
-    outs = [adapter.weights_file.tensor(adapter.pairs[hf].b_key) if hf in adapter.pairs
+    outs = [adapter.tensors.tensor(adapter.pairs[hf].b_key) if hf in adapter.pairs
             else torch.zeros((part[0], rank), dtype=shared[0].dtype)
             for hf, part in zip(hf_names, row.transform.part_shapes(shape, config), strict=True)]
     return MegatronPair(name, shared[0], row.transform.fuse(outs, config).contiguous())

@@ -148,7 +148,7 @@ class PeftAdapter:
     experts' parameters."""
 
     directory: Path
-    weights_file: AdapterTensors
+    tensors: AdapterTensors  # its tensors (a safetensors file, or made in memory)
     pairs: dict[str, LoraPair]
     settings: LoraSettings
     experts_pairs: tuple[ExpertsPair, ...] = ()
@@ -166,24 +166,24 @@ class PeftAdapter:
     def delta(self, weight: str) -> torch.Tensor:
         """``(B @ A) * scaling`` in float32, as PEFT's ``get_delta_weight`` computes it."""
         pair = self.pairs[weight]
-        a = self.weights_file.tensor(pair.a_key).to(torch.float32)
-        b = self.weights_file.tensor(pair.b_key).to(torch.float32)
+        a = self.tensors.tensor(pair.a_key).to(torch.float32)
+        b = self.tensors.tensor(pair.b_key).to(torch.float32)
         product = b @ a
         return (product.T if pair.embedding else product) * pair.scaling
 
     def replacement(self, weight: str) -> torch.Tensor:
-        return self.weights_file.tensor(self.replacements[weight].key)
+        return self.tensors.tensor(self.replacements[weight].key)
 
     def expert_delta(self, pair: ExpertsPair, expert: int, experts: int, scaling: float) -> torch.Tensor:
         """Expert ``expert``'s delta of a fused parameter, float32 (PEFT's ``ParamWrapper`` einsum, one expert)."""
         rank = pair.a_shape[0] // experts
-        a = self.weights_file.rows(pair.a_key, expert * rank, (expert + 1) * rank)
+        a = self.tensors.rows(pair.a_key, expert * rank, (expert + 1) * rank)
         b = self._whole(pair.b_key).reshape(pair.b_shape[0], rank, experts)[:, :, expert]
         return (b @ a.to(torch.float32)) * scaling
 
     @functools.lru_cache(maxsize=2)  # noqa: B019 - one adapter per conversion; B is read once per layer
     def _whole(self, key: str) -> torch.Tensor:
-        return self.weights_file.tensor(key).to(torch.float32)
+        return self.tensors.tensor(key).to(torch.float32)
 
 
 
@@ -194,7 +194,7 @@ def is_adapter_directory(path: Path) -> bool:
 def describe_adapter(adapter: PeftAdapter) -> dict[str, Any]:
     """What ``inspect`` shows of an adapter: its ranks and scalings, the modules it adapts (by their name
     within a layer) and the layers they are in, its dtypes and bytes."""
-    metas = adapter.weights_file.header()
+    metas = adapter.tensors.header()
     names = [*adapter.pairs, *(f"{pair.module}.{{{','.join(adapter.settings.parameters)}}}"
                                for pair in adapter.experts_pairs)]
     layers = sorted({int(found[1]) for name in names if (found := re.search(r"\.layers\.(\d+)\.", name)) is not None})

@@ -77,7 +77,7 @@ def _write_peft(adapter: PeftAdapter, staging: Path) -> None:
     """adapter_model.safetensors and adapter_config.json."""
     from safetensors.torch import save_file
 
-    tensors = {key: adapter.weights_file.tensor(key) for key in adapter.weights_file.header()}
+    tensors = {key: adapter.tensors.tensor(key) for key in adapter.tensors.header()}
     save_file(tensors, str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
     (staging / CONFIG_FILE).write_text(json.dumps(adapter.settings_doc, indent=2, sort_keys=True) + "\n")
 

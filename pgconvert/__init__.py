@@ -16,6 +16,7 @@ _EXPORTS: dict[str, str] = {
     **dict.fromkeys(("BatchReport", "EntryResult", "read_plan", "run_batch", "run_plan"), "pgconvert.run.batch"),
     **dict.fromkeys(("ConvertRequest", "Report", "convert", "convert_request", "plan"), "pgconvert.run.convert"),
     "PgconvertError": "pgconvert.errors",
+    **dict.fromkeys(("AdapterExport", "export_adapter"), "pgconvert.run.adapter_export"),
     **dict.fromkeys(("CheckpointInfo", "Problem", "inspect"), "pgconvert.run.inspection"),
     "ParallelLayout": "pgconvert.model.layout",
     "LayoutSpec": "pgconvert.model.layout_spec",
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
     from pgconvert.errors import PgconvertError
     from pgconvert.model.layout import ParallelLayout
     from pgconvert.model.layout_spec import LayoutSpec
+    from pgconvert.run.adapter_export import AdapterExport, export_adapter
     from pgconvert.run.batch import BatchReport, EntryResult, read_plan, run_batch, run_plan
     from pgconvert.run.convert import ConvertRequest, Report, convert, convert_request, plan
     from pgconvert.run.inspection import CheckpointInfo, Problem, inspect
@@ -48,7 +50,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
-    "MANIFEST_FILE", "BatchReport", "CheckpointInfo", "ConvertRequest", "EntryResult", "LayoutSpec", "Manifest",
+    "MANIFEST_FILE", "AdapterExport", "BatchReport", "CheckpointInfo", "ConvertRequest", "EntryResult", "LayoutSpec", "Manifest",
     "ParallelLayout", "PgconvertError", "Problem", "Report", "TensorDifference", "VerifyReport", "__version__",
-    "convert", "convert_request", "inspect", "plan", "read_manifest", "read_plan", "run_batch", "run_plan", "verify",
+    "convert", "convert_request", "export_adapter", "inspect", "plan", "read_manifest", "read_plan", "run_batch", "run_plan", "verify",
 ]

@@ -315,8 +315,9 @@ def _layout_option(name: str, help_text: str) -> Any:
                    "which every megatron-core reads (legacy: use it for megatron-core 0.18 and older).")
 @click.option("--merge-adapter", type=click.Path(path_type=Path, exists=True, file_okay=False), default=None,
               metavar="DIR", help="Merge a Hugging Face PEFT LoRA adapter (adapter_config.json, "
-                                  "adapter_model.safetensors) into the model: W + (B @ A) * alpha / r in float32, "
-                                  "rounded once to the weight's dtype, at any DST layout.")
+                                  "adapter_model.safetensors) or a Megatron-Bridge LoRA checkpoint into the model: "
+                                  "W + (B @ A) * alpha / r in float32, rounded once to the weight's dtype, at any DST "
+                                  "layout.")
 @click.option("--text-only", is_flag=True,
               help="A vision-language source: convert its language model alone (hf: written as the text model's "
                    "own architecture and config); what is left out (vision tower, projector, processor files) is "
@@ -535,6 +536,31 @@ def export_optimizer_command(src: Path, out: Path, iteration: int | None) -> Non
     click.echo(f"wrote {out}: optimizer state of {count} parameters")
 
 
+@main.command("export-adapter")
+@click.argument("src", type=click.Path(path_type=Path, exists=True, file_okay=False))
+@click.argument("dst", type=click.Path(path_type=Path))
+@click.option("--base", type=click.Path(path_type=Path, exists=True), required=True, metavar="CKPT",
+              help="The base model the adapter was trained on, any format pgconvert reads (a Megatron or torch_dist "
+                   "checkpoint, an HF directory): it gives the family the adapter is named for and the shapes it is "
+                   "checked against.")
+@click.option("--iteration", type=click.IntRange(min=0), default=None,
+              help="Iteration of --base to open [default: latest_checkpointed_iteration.txt].")
+def export_adapter_command(src: Path, dst: Path, base: Path, iteration: int | None) -> None:
+    """Write the LoRA adapter SRC into DST, unmerged, in the other form, for the model --base: a Megatron-Bridge LoRA
+    checkpoint (a LoRA run's torch_dist store of adapter weights and run_config.yaml, any TP) as a Hugging Face PEFT
+    adapter directory (adapter_config.json, adapter_model.safetensors: fused linear_qkv and linear_fc1 pairs become
+    q/k/v and gate/up pairs sharing lora_A, r = dim, lora_alpha = alpha), or a PEFT adapter directory as a
+    Megatron-Bridge checkpoint megatron-core loads at any TP. DST must not exist; nothing is written when the adapter
+    does not fit --base or has no exact form in the other."""
+    from pgconvert.run.adapter_export import export_adapter
+
+    try:
+        written = export_adapter(src, dst, base, iteration)
+    except PgconvertError as error:
+        raise PgconvertClickError(error) from error
+    click.echo(f"wrote {dst}: {written.pairs} LoRA pairs ({written.form})")
+
+
 @main.command("inspect")
 @click.argument("ckpt", type=click.Path(path_type=Path, exists=True))
 @click.option("--iteration", type=click.IntRange(min=0), default=None,
@@ -655,8 +681,9 @@ def _model_rows(info: Any, show_all: bool) -> list[tuple[str, str]]:
 @click.option("--skip-optimizer", is_flag=True,
               help="Compare the model alone, not the optimizer state (faster).")
 @click.option("--merge-adapter", type=click.Path(path_type=Path, exists=True, file_okay=False), default=None,
-              metavar="DIR", help="Merge this PEFT LoRA adapter into A before comparing (as convert --merge-adapter "
-                                  "does): checks a merged output against its base and adapter.")
+              metavar="DIR", help="Merge this PEFT LoRA adapter (or Megatron-Bridge LoRA checkpoint) into A before "
+                                  "comparing (as convert --merge-adapter does): checks a merged output against its "
+                                  "base and adapter.")
 def verify_command(a: Path, b: Path, rtol: float, atol: float, iteration_a: int | None, iteration_b: int | None,
                    true_vocab_size: int | None, max_listed: int, as_json: bool, skip_optimizer: bool,
                    merge_adapter: Path | None) -> None:

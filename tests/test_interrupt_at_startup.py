@@ -36,6 +36,7 @@ def _run(argv: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
     (["--version"], 0, "pgconvert, version"),
     (["convert", "--help"], 0, "--dst-tp"),
     (["verify", "--help"], 0, "verify [OPTIONS] A B"),
+    (["export-adapter", "--help"], 0, "export-adapter [OPTIONS] SRC DST"),
     (["src", "dst", "--dst-tp", "x"], 2, "'x' is not a valid integer"),
     (["src", "dst", "--dtype", "fp7"], 2, "'fp7' is not one of"),
     (["src", "dst", "--src-format", "nope"], 2, "'nope' is not one of"),

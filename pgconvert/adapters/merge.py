@@ -17,11 +17,11 @@ from pathlib import Path
 
 import torch
 
-from pgconvert.adapters.peft import ExpertsPair, PeftAdapter, read_peft_adapter
+from pgconvert.adapters.megatron import as_peft_adapter, find_adapter_store, read_megatron_adapter
+from pgconvert.adapters.names import loaded_hf_weights, source_family
+from pgconvert.adapters.peft import ExpertsPair, PeftAdapter, is_adapter_directory, read_peft_adapter
 from pgconvert.errors import ValidationError
-from pgconvert.families import mtp
 from pgconvert.families.table import TensorMapping
-from pgconvert.formats.hf import infer_family
 from pgconvert.formats.stream import CanonicalSource
 from pgconvert.model.provider import VOCAB_TABLES
 from pgconvert.model.rules import ShardRule
@@ -51,7 +51,7 @@ class AdapterMerge:
     def __init__(self, adapter: PeftAdapter, source: CanonicalSource) -> None:
         self.adapter = adapter
         self._source = source
-        self.family = source.hf_origin.family if source.hf_origin is not None else infer_family(source.config)
+        self.family = source_family(source)
         self._targets = self._find_targets()
         self._targets.update(self._find_expert_targets())
 
@@ -160,15 +160,7 @@ class AdapterMerge:
         return f"{pair.module}.{names[0]}"
 
     def _to_hf(self, name: str) -> tuple[TensorMapping, tuple[str, ...]] | None:
-        """The table row of canonical ``name`` and its HF weights as transformers names them in memory (the
-        adapter's names)."""
-        found = mtp.to_hf(self.family, name, self._source.config)
-        if found is None or not self.family.hf_loaded_modules:
-            return found
-        row, names = found
-        for stored, loaded in self.family.hf_loaded_modules:
-            names = tuple(hf.replace(f".{stored}.", f".{loaded}.") for hf in names)
-        return row, names
+        return loaded_hf_weights(self.family, name, self._source.config)
 
     def _refuse_unmergeable(self, name: str, row: TensorMapping, hf_names: tuple[str, ...]) -> None:
         config = self._source.config
@@ -233,11 +225,20 @@ class AdapterMerge:
         return target.row.transform.fuse(saved, config)
 
 
+def read_adapter(directory: Path, source: CanonicalSource) -> PeftAdapter:
+    """The adapter at ``directory`` as PEFT pairs: a PEFT adapter directory, or a Megatron-Bridge LoRA checkpoint
+    put in PEFT's names for ``source``'s family."""
+    if not is_adapter_directory(directory) and find_adapter_store(directory) is not None:
+        return as_peft_adapter(read_megatron_adapter(directory), source_family(source), source.config)
+    return read_peft_adapter(directory)
+
+
 def attach_adapter(source: CanonicalSource, directory: Path, keep_quantized: bool) -> None:
-    """Read the PEFT adapter in ``directory`` and merge it into ``source``'s tensors as they are read."""
+    """Read the adapter at ``directory`` (PEFT or Megatron-Bridge) and merge it into ``source``'s tensors as they
+    are read."""
     if keep_quantized:
         raise ValidationError(f"--merge-adapter {directory} with --keep-fp8: a merged weight is not the stored "
                               "quantized one; drop --keep-fp8 to merge into the dequantized weights")
-    merge = AdapterMerge(read_peft_adapter(directory), source)
+    merge = AdapterMerge(read_adapter(directory, source), source)
     source.adapter = merge
     log.info("merging the LoRA adapter in %s into %d tensors of %s", directory, len(merge.targets), source.describe())

@@ -120,13 +120,35 @@ class LoraSettings:
         return alpha / math.sqrt(rank) if self.use_rslora else alpha / rank
 
 
+class AdapterTensors:
+    """Where an adapter's tensors are: a safetensors file read in place, or (``stored``) tensors made in memory
+    from another adapter format (a Megatron-Bridge adapter in PEFT's names)."""
+
+    def __init__(self, path: Path, stored: dict[str, torch.Tensor] | None = None) -> None:
+        self.path = path
+        self._stored = stored
+
+    def header(self) -> dict[str, TensorMeta]:
+        if self._stored is None:
+            return read_header(self.path)
+        return {key: TensorMeta(tuple(value.shape), value.dtype) for key, value in self._stored.items()}
+
+    def tensor(self, key: str) -> torch.Tensor:
+        return read_tensor(self.path, key) if self._stored is None else self._stored[key]
+
+    def rows(self, key: str, start: int, stop: int) -> torch.Tensor:
+        if self._stored is None:
+            return read_tensor_range(self.path, key, 0, start, stop)
+        return self._stored[key][start:stop]
+
+
 @dataclass(frozen=True, eq=False)
 class PeftAdapter:
     """A PEFT LoRA adapter: its directory, the pairs by the HF weight name they change, and the pairs of fused
     experts' parameters."""
 
     directory: Path
-    weights_file: Path
+    tensors: AdapterTensors  # its tensors (a safetensors file, or made in memory)
     pairs: dict[str, LoraPair]
     settings: LoraSettings
     experts_pairs: tuple[ExpertsPair, ...] = ()
@@ -134,6 +156,8 @@ class PeftAdapter:
     replacements: dict[str, SavedWeight] = field(default_factory=dict)
     # adapter_config.json's base_model_name_or_path: the model it was trained on, as PEFT recorded it.
     base_model: str | None = None
+    # adapter_config.json's settings as read (or made, for an adapter of another format).
+    settings_doc: dict[str, Any] = field(default_factory=dict)
 
     @property
     def where(self) -> str:
@@ -142,24 +166,24 @@ class PeftAdapter:
     def delta(self, weight: str) -> torch.Tensor:
         """``(B @ A) * scaling`` in float32, as PEFT's ``get_delta_weight`` computes it."""
         pair = self.pairs[weight]
-        a = read_tensor(self.weights_file, pair.a_key).to(torch.float32)
-        b = read_tensor(self.weights_file, pair.b_key).to(torch.float32)
+        a = self.tensors.tensor(pair.a_key).to(torch.float32)
+        b = self.tensors.tensor(pair.b_key).to(torch.float32)
         product = b @ a
         return (product.T if pair.embedding else product) * pair.scaling
 
     def replacement(self, weight: str) -> torch.Tensor:
-        return read_tensor(self.weights_file, self.replacements[weight].key)
+        return self.tensors.tensor(self.replacements[weight].key)
 
     def expert_delta(self, pair: ExpertsPair, expert: int, experts: int, scaling: float) -> torch.Tensor:
         """Expert ``expert``'s delta of a fused parameter, float32 (PEFT's ``ParamWrapper`` einsum, one expert)."""
         rank = pair.a_shape[0] // experts
-        a = read_tensor_range(self.weights_file, pair.a_key, 0, expert * rank, (expert + 1) * rank)
+        a = self.tensors.rows(pair.a_key, expert * rank, (expert + 1) * rank)
         b = self._whole(pair.b_key).reshape(pair.b_shape[0], rank, experts)[:, :, expert]
         return (b @ a.to(torch.float32)) * scaling
 
     @functools.lru_cache(maxsize=2)  # noqa: B019 - one adapter per conversion; B is read once per layer
     def _whole(self, key: str) -> torch.Tensor:
-        return read_tensor(self.weights_file, key).to(torch.float32)
+        return self.tensors.tensor(key).to(torch.float32)
 
 
 
@@ -170,7 +194,7 @@ def is_adapter_directory(path: Path) -> bool:
 def describe_adapter(adapter: PeftAdapter) -> dict[str, Any]:
     """What ``inspect`` shows of an adapter: its ranks and scalings, the modules it adapts (by their name
     within a layer) and the layers they are in, its dtypes and bytes."""
-    metas = read_header(adapter.weights_file)
+    metas = adapter.tensors.header()
     names = [*adapter.pairs, *(f"{pair.module}.{{{','.join(adapter.settings.parameters)}}}"
                                for pair in adapter.experts_pairs)]
     layers = sorted({int(found[1]) for name in names if (found := re.search(r"\.layers\.(\d+)\.", name)) is not None})
@@ -196,22 +220,30 @@ def read_peft_adapter(directory: Path) -> PeftAdapter:
     config_path = directory / CONFIG_FILE
     if not config_path.is_file():
         raise ValidationError(f"--merge-adapter {directory}: no {CONFIG_FILE} (a Hugging Face PEFT adapter "
-                              "directory, as PeftModel.save_pretrained writes it)")
+                              "directory, as PeftModel.save_pretrained writes it), nor a Megatron-Bridge LoRA "
+                              "checkpoint (a torch_dist store of adapter weights with its run_config.yaml)")
     doc = read_json(config_path, ValidationError)
     if not isinstance(doc, dict):
         raise ValidationError(f"{config_path}: expected a JSON object")
-    _check_settings(doc, config_path)
     weights_file = directory / WEIGHTS_FILE
     if not weights_file.is_file():
+        _check_settings(doc, config_path)
         legacy = (directory / LEGACY_WEIGHTS_FILE).is_file()
         raise ValidationError(f"{directory}: no {WEIGHTS_FILE}"
                               + (f" ({LEGACY_WEIGHTS_FILE}, a pickle, is not read: save the adapter with "
                                  "safe_serialization=True)" if legacy else ""))
+    return peft_adapter(directory, doc, AdapterTensors(weights_file), config_path)
+
+
+def peft_adapter(directory: Path, doc: dict[str, Any], tensors: AdapterTensors, config_path: Path) -> PeftAdapter:
+    """The adapter ``doc`` (adapter_config.json's settings) and ``tensors`` (PEFT's keys) describe, checked;
+    ``config_path`` names the settings in errors."""
+    _check_settings(doc, config_path)
     base_model = doc.get("base_model_name_or_path")
     settings = _settings(doc)
-    pairs, experts, saved = _pairs(doc, settings, config_path, weights_file)
-    return PeftAdapter(directory, weights_file, pairs, settings, experts, saved,
-                       base_model if isinstance(base_model, str) else None)
+    pairs, experts, saved = _pairs(doc, settings, config_path, tensors)
+    return PeftAdapter(directory, tensors, pairs, settings, experts, saved,
+                       base_model if isinstance(base_model, str) else None, doc)
 
 
 def _check_settings(doc: dict[str, Any], config_path: Path) -> None:
@@ -259,12 +291,12 @@ def _targets_module(module: str, target_modules: Any) -> bool:
     return any(module == name or module.endswith(f".{name}") for name in target_modules or ())
 
 
-def _sides(weights_file: Path, saved_modules: tuple[str, ...]
+def _sides(weights_file: AdapterTensors, saved_modules: tuple[str, ...]
            ) -> tuple[dict[str, TensorMeta], dict[str, dict[str, str]], dict[str, str]]:
     """The file's tensors; each adapted module's A and B keys (a ParamWrapper's ``.base_layer`` kept; an
     embedding's under ``"embedding"``); and the whole weights it holds by HF weight name (``saved_modules``:
     modules_to_save)."""
-    metas = read_header(weights_file)
+    metas = weights_file.header()
     sides: dict[str, dict[str, str]] = {}
     saved: dict[str, str] = {}
     for key in metas:
@@ -280,17 +312,17 @@ def _sides(weights_file: Path, saved_modules: tuple[str, ...]
         elif whole is not None and (whole["base"] or _targets_module(whole["module"], list(saved_modules))):
             saved[f"{whole['module']}.{whole['param']}"] = key
         else:
-            raise ValidationError(f"{weights_file}: {key}: not a LoRA pair's weight (base_model.model.<module>."
+            raise ValidationError(f"{weights_file.path}: {key}: not a LoRA pair's weight (base_model.model.<module>."
                                   "lora_A.weight / lora_B.weight) nor a module_to_save's; pgconvert merges plain "
                                   "LoRA adapters only")
     for keys in sides.values():
         if not {"A", "B"} <= set(keys):
             only = keys.get("A") or keys.get("B")
-            raise ValidationError(f"{weights_file}: {only} has no lora_{'B' if 'A' in keys else 'A'} beside it")
+            raise ValidationError(f"{weights_file.path}: {only} has no lora_{'B' if 'A' in keys else 'A'} beside it")
     return metas, sides, saved
 
 
-def _pairs(doc: dict[str, Any], settings: LoraSettings, config_path: Path, weights_file: Path
+def _pairs(doc: dict[str, Any], settings: LoraSettings, config_path: Path, weights_file: AdapterTensors
            ) -> tuple[dict[str, LoraPair], tuple[ExpertsPair, ...], dict[str, SavedWeight]]:
     """The pairs of ``nn.Linear`` and embedding modules by weight name, those of fused experts' parameters (a module
     that ``target_modules`` does not name, or one under a ParamWrapper's ``base_layer``, of a ``target_parameters``
@@ -305,27 +337,27 @@ def _pairs(doc: dict[str, Any], settings: LoraSettings, config_path: Path, weigh
             continue
         owner = module.replace(".base_layer", "")
         if len(a) != 2 or len(b) != 2 or a[0] != b[1]:
-            raise ValidationError(f"{weights_file}: {module}: lora_A {list(a)} and lora_B {list(b)} are not a LoRA "
+            raise ValidationError(f"{weights_file.path}: {module}: lora_A {list(a)} and lora_B {list(b)} are not a LoRA "
                                   "pair (A rank x in, B out x rank)")
         if settings.parameters and (owner != module or not _targets_module(module, doc.get("target_modules"))):
             experts.append(ExpertsPair(owner, keys["A"], keys["B"], a, b))
             continue
         rank = settings.rank(module)
         if a[0] != rank:
-            raise ValidationError(f"{weights_file}: {module}: lora_A {list(a)} and lora_B {list(b)} do not make a "
+            raise ValidationError(f"{weights_file.path}: {module}: lora_A {list(a)} and lora_B {list(b)} do not make a "
                                   f"rank-{quote(rank)} pair ({config_path.name} gives r={quote(rank)})")
         weight = f"{module}.weight"
         pairs[weight] = LoraPair(weight, keys["A"], keys["B"], rank, settings.scaling(module, rank), (b[0], a[1]))
     if not pairs and not experts and not saved:
-        raise CheckpointError(f"{weights_file}: holds no LoRA pairs")
+        raise CheckpointError(f"{weights_file.path}: holds no LoRA pairs")
     return pairs, tuple(experts), {name: SavedWeight(key, metas[key].shape) for name, key in saved.items()}
 
 
 def _embedding_pair(module: str, keys: dict[str, str], a: tuple[int, ...], b: tuple[int, ...],
-                    settings: LoraSettings, weights_file: Path) -> LoraPair:
+                    settings: LoraSettings, weights_file: AdapterTensors) -> LoraPair:
     rank = settings.rank(module)
     if len(a) != 2 or len(b) != 2 or a[0] != b[1] or a[0] != rank:
-        raise ValidationError(f"{weights_file}: {module}: lora_embedding_A {list(a)} and lora_embedding_B {list(b)} "
+        raise ValidationError(f"{weights_file.path}: {module}: lora_embedding_A {list(a)} and lora_embedding_B {list(b)} "
                               f"do not make a rank-{quote(rank)} pair")
     weight = f"{module}.weight"
     return LoraPair(weight, keys["A"], keys["B"], rank, settings.scaling(module, rank), (a[1], b[0]), embedding=True)

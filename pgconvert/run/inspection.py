@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from pgconvert.adapters.megatron import ADAPTER_FORMAT as MEGATRON_ADAPTER_FORMAT
+from pgconvert.adapters.megatron import describe_megatron_adapter, find_adapter_store, read_megatron_adapter
 from pgconvert.adapters.peft import ADAPTER_FORMAT, describe_adapter, is_adapter_directory, read_peft_adapter
 from pgconvert.errors import ConfigError, PgconvertError, ValidationError
 from pgconvert.families.table import REQUIRED, ConfigField, Family
@@ -100,7 +102,8 @@ class CheckpointInfo:
     problems: list[Problem] = field(default_factory=list)
     # The settings that differ from the family's defaults (None when the checkpoint did not open).
     family_defaults: FamilyDefaults | None = None
-    # A PEFT adapter directory's description (pgconvert.adapters.peft.describe_adapter); None for a checkpoint.
+    # An adapter's description (pgconvert.adapters.peft.describe_adapter, adapters.megatron.describe_megatron_adapter);
+    # None for a checkpoint.
     adapter: dict[str, Any] | None = None
 
     @property
@@ -124,6 +127,8 @@ def inspect(path: str | Path, iteration: int | None = None, skip_finite_check: b
     info = CheckpointInfo(path=str(path.absolute()))
     if is_adapter_directory(path):
         return _inspect_adapter(path, info)
+    if find_adapter_store(path) is not None:
+        return _inspect_megatron_adapter(path, info)
     try:
         info.format = detect_format(path)
         loader = get_loader(info.format)
@@ -149,6 +154,16 @@ def _inspect_adapter(path: Path, info: CheckpointInfo) -> CheckpointInfo:
     info.format = ADAPTER_FORMAT
     try:
         info.adapter = describe_adapter(read_peft_adapter(path))
+    except PgconvertError as error:
+        info.problems.append(Problem("error", "unreadable", str(error)))
+    return info
+
+
+def _inspect_megatron_adapter(path: Path, info: CheckpointInfo) -> CheckpointInfo:
+    """A Megatron-Bridge LoRA checkpoint: what it adapts, checked as export-adapter reads it."""
+    info.format = MEGATRON_ADAPTER_FORMAT
+    try:
+        info.adapter = describe_megatron_adapter(read_megatron_adapter(path))
     except PgconvertError as error:
         info.problems.append(Problem("error", "unreadable", str(error)))
     return info

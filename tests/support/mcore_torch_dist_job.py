@@ -125,6 +125,11 @@ def _child_rank(rank: int, spec: dict[str, Any]) -> None:
 
             run_hybrid_rank(rank, _world(spec), spec)
             return
+        if spec["action"].startswith("bridge_lora"):
+            from support.mcore_bridge_lora import run_bridge_lora_rank
+
+            run_bridge_lora_rank(rank, _world(spec), spec)
+            return
         if spec["action"].startswith("qwen3_next_"):
             from support.mcore_qwen3_next import run_qwen3_next_rank
 

@@ -1,0 +1,275 @@
+"""A LoRA adapter as Megatron-Bridge saves it for a Megatron GPT model, read and put in PEFT's form.
+
+Megatron-Bridge's ``LoRA`` wraps each targeted megatron-core linear of a layer (``linear_qkv``, ``linear_proj``,
+``linear_fc1``, ``linear_fc2``) with a ``ParallelLinearAdapter``: ``linear_in`` (A, ``[dim, in]``) and
+``linear_out`` (B, ``[out, dim]``), its output scaled by ``alpha / dim``. An adapter run's checkpoint is a
+torch_dist store of the adapter keys alone (``decoder.layers.<module>.adapter.linear_in.weight``, the layers
+stacked on a leading axis, or one key per layer ``decoder.layers.<L>.<module>…``) beside ``run_config.yaml``,
+whose ``peft`` section gives ``dim``, ``alpha``, ``dropout`` and ``target_modules``. The store holds global
+shapes, so what is read is the same at any TP: ``linear_in`` whole (TP split its ``dim`` rows for a
+column-parallel base, its ``in`` columns for a row-parallel one) and ``linear_out`` whole, its rows in the base
+weight's canonical order (a fused ``linear_qkv``'s by query group; a gated ``linear_fc1``'s ``[gate; up]``, which
+megatron-core's swiglu factory stores apart per rank, as it does the base's).
+
+In PEFT's names a canonical module's pair becomes one pair per HF weight of it: lora_A is ``linear_in``, the same
+for every part; lora_B is the part's rows of ``linear_out``, cut by the family transform's ``split``. Those
+transforms only move rows, so each part's ``B @ A`` is exactly the part's rows of the canonical delta; ``r`` is
+``dim`` and ``lora_alpha`` is ``alpha``, so PEFT's scaling is Megatron-Bridge's. This is the form
+Megatron-Bridge's own ``save_hf_adapter`` writes (q/k/v and gate/up sharing lora_A).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pgconvert.adapters.peft import KEY_PREFIX, AdapterTensors, PeftAdapter, peft_adapter
+from pgconvert.errors import CheckpointError, PgconvertError, ValidationError
+from pgconvert.adapters.names import loaded_hf_weights
+from pgconvert.families.table import Family, Transform
+from pgconvert.io import limits
+from pgconvert.io.limits import MAX_JSON_BYTES, quote
+from pgconvert.model.config import ModelConfig
+
+# What inspect calls a Megatron-Bridge adapter checkpoint's format.
+ADAPTER_FORMAT = "megatron-bridge-lora"
+RUN_CONFIG_FILE = "run_config.yaml"
+# Megatron-Bridge's plain LoRA (peft/lora.py); its other PEFT methods compute something else or store other keys.
+LORA_TARGET = "megatron.bridge.peft.lora.LoRA"
+_LORA_TARGETS = (LORA_TARGET,)
+_ADAPTER_KEY = re.compile(r"decoder\.layers\.(?:(?P<layer>\d+)\.)?(?P<module>(?:\w+\.)*?\w+)"
+                          r"\.adapter\.linear_(?P<side>in|out)\.weight")
+
+
+@dataclass(frozen=True)
+class MegatronPair:
+    """One adapted canonical module: ``linear_in`` ``[dim, in]`` and ``linear_out`` ``[out, dim]``, whole."""
+
+    weight: str  # the canonical weight it changes: decoder.layers.3.self_attention.linear_qkv.weight
+    linear_in: torch.Tensor
+    linear_out: torch.Tensor
+
+
+@dataclass(frozen=True, eq=False)
+class MegatronAdapter:
+    """A Megatron-Bridge LoRA checkpoint: where it is, its settings and its pairs by canonical weight."""
+
+    directory: Path
+    run_config: Path
+    dim: int
+    alpha: float
+    dropout: float
+    pairs: dict[str, MegatronPair]
+
+
+def find_adapter_store(path: Path) -> tuple[Path, Path] | None:
+    """The torch_dist store of a Megatron-Bridge adapter run at ``path`` (the run's directory or an iteration's) and
+    its run_config.yaml, or None when ``path`` is none: a store whose every model tensor is an adapter's."""
+    from pgconvert.formats.torch_dist import DCP_METADATA_FILE, read_dcp_metadata, resolve_iteration_dir
+
+    if not path.is_dir():
+        return None
+    try:
+        store = resolve_iteration_dir(path, None)[0]
+        run_config = _run_config(store)
+        if not (store / DCP_METADATA_FILE).is_file() or run_config is None:
+            return None
+        keys = _tensor_keys(read_dcp_metadata(store / DCP_METADATA_FILE))
+    except (PgconvertError, OSError):  # not a Megatron checkpoint: what it is, its reader says
+        return None
+    return (store, run_config) if keys and all(".adapter." in key for key in keys) else None
+
+
+def _run_config(store: Path) -> Path | None:
+    """run_config.yaml, which Megatron-Bridge writes in the iteration's directory (its run's directory has one too
+    when an export looks there)."""
+    return next((where / RUN_CONFIG_FILE for where in (store, store.parent) if (where / RUN_CONFIG_FILE).is_file()),
+                None)
+
+
+def _tensor_keys(metadata: Any) -> list[str]:
+    """The model's tensor keys (the run's optimizer state, ``optimizer.state.<state>.<parameter key>``, left out)."""
+    from torch.distributed.checkpoint import TensorStorageMetadata
+
+    from pgconvert.formats.torch_dist import TRAINING_STATE_PREFIXES
+
+    return [key for key, value in metadata.state_dict_metadata.items()
+            if isinstance(value, TensorStorageMetadata) and not key.startswith(TRAINING_STATE_PREFIXES)]
+
+
+def read_megatron_adapter(path: Path) -> MegatronAdapter:
+    """The Megatron-Bridge LoRA adapter at ``path``, its settings checked and its pairs read whole."""
+    found = find_adapter_store(path)
+    if found is None:
+        raise ValidationError(f"{path}: not a Megatron-Bridge LoRA checkpoint (a torch_dist store of "
+                              f"'.adapter.' keys alone, as a LoRA run saves, with its {RUN_CONFIG_FILE})")
+    store, run_config = found
+    settings = _peft_settings(run_config)
+    dim, alpha = settings["dim"], settings["alpha"]
+    dropout = settings.get("dropout") or 0.0
+    if not isinstance(dropout, (int, float)):
+        raise ValidationError(f"{run_config}: peft.dropout={quote(dropout)}: expected a number")
+    return MegatronAdapter(store, run_config, dim, alpha, float(dropout), _read_pairs(store, dim, run_config))
+
+
+def _peft_settings(run_config: Path) -> dict[str, Any]:
+    """run_config.yaml's ``peft`` section, checked to be a plain LoRA with a positive ``dim`` and ``alpha``."""
+    import yaml
+
+    with open(run_config, "rb") as handle:
+        text = handle.read(MAX_JSON_BYTES + 1)
+    if len(text) > MAX_JSON_BYTES:
+        raise CheckpointError(f"{run_config}: larger than {MAX_JSON_BYTES} bytes")
+    try:
+        doc = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise CheckpointError(f"{run_config}: not YAML ({quote(str(exc), 200)})") from exc
+    peft = doc.get("peft") if isinstance(doc, dict) else None
+    if not isinstance(peft, dict):
+        raise ValidationError(f"{run_config}: no peft section: not a PEFT run's checkpoint")
+    target = peft.get("_target_")
+    if target not in _LORA_TARGETS:
+        raise ValidationError(f"{run_config}: peft._target_={quote(target)}: only Megatron-Bridge's plain LoRA "
+                              f"({', '.join(_LORA_TARGETS)}) is read")
+    for key in ("dim", "alpha"):
+        value = peft.get(key)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+            said = "is missing" if key not in peft else f"={quote(value)}"
+            raise ValidationError(f"{run_config}: peft.{key} {said}: expected a positive number")
+    if not isinstance(peft["dim"], int):
+        raise ValidationError(f"{run_config}: peft.dim={quote(peft['dim'])}: expected an integer")
+    return peft
+
+
+def _read_pairs(store: Path, dim: int, run_config: Path) -> dict[str, MegatronPair]:
+    """Every adapted module's ``linear_in`` and ``linear_out``, whole, by the canonical weight they change."""
+    from pgconvert.formats.dcp_store import DcpStore
+    from pgconvert.formats.torch_dist import DCP_METADATA_FILE, read_dcp_metadata
+
+    metadata = read_dcp_metadata(store / DCP_METADATA_FILE)
+    sides: dict[str, dict[str, torch.Tensor]] = {}
+    reader = DcpStore(store, metadata)
+    for key in sorted(_tensor_keys(metadata)):
+        match = _ADAPTER_KEY.fullmatch(key)
+        if match is None or ".experts." in match["module"]:
+            raise ValidationError(f"{store}: {key}: not a LoRA adapter key of a decoder layer "
+                                  "(decoder.layers.<module>.adapter.linear_in/linear_out.weight); the experts', "
+                                  "MTP layers' and other models' adapters are not read yet")
+        for layer, tensor in _layer_tensors(reader, key, metadata.state_dict_metadata[key], match["layer"]):
+            weight = f"decoder.layers.{layer}.{match['module']}.weight"
+            sides.setdefault(weight, {})[match["side"]] = tensor
+    pairs = {}
+    for weight, found in sorted(sides.items()):
+        if set(found) != {"in", "out"}:
+            raise CheckpointError(f"{store}: {weight.removesuffix('.weight')}.adapter has linear_{''.join(found)} "
+                                  "alone")
+        a, b = found["in"], found["out"]
+        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != dim or b.shape[1] != dim:
+            raise ValidationError(f"{store}: {weight.removesuffix('.weight')}.adapter: linear_in {list(a.shape)} and "
+                                  f"linear_out {list(b.shape)} do not make a rank-{dim} pair ({run_config.name} "
+                                  f"gives dim={dim})")
+        pairs[weight] = MegatronPair(weight, a, b)
+    return pairs
+
+
+def _layer_tensors(reader: Any, key: str, meta: Any, layer: str | None) -> list[tuple[int, torch.Tensor]]:
+    """The key's tensor per layer: one (a key per layer), or each layer a stacked key holds chunks of (megatron-core
+    writes a chunk per layer and rank; a store written whole has one chunk of every layer)."""
+    shape = tuple(meta.size)
+    if layer is not None and int(layer) > limits.MAX_LAYERS:
+        raise limits.over_limit(f"{reader.directory}: {key}", "the layer index", int(layer), "MAX_LAYERS")
+    if layer is not None:
+        buffer = torch.empty(shape, dtype=meta.properties.dtype)
+        reader.read({key: [((0,) * len(shape), buffer)]}, [])
+        return [(int(layer), buffer)]
+    if len(shape) != 3:
+        raise CheckpointError(f"{reader.directory}: {key}: global shape {list(shape)}, expected [layers, rows, "
+                              "columns]")
+    if shape[0] > limits.MAX_LAYERS:
+        raise limits.over_limit(f"{reader.directory}: {key}", "the stacked layer count", shape[0], "MAX_LAYERS")
+    layers = sorted({layer for chunk in meta.chunks
+                     for layer in range(int(chunk.offsets[0]), int(chunk.offsets[0]) + int(chunk.sizes[0]))})
+    buffers = [torch.empty((1, *shape[1:]), dtype=meta.properties.dtype) for _ in layers]
+    reader.read({key: [((index, 0, 0), buffer) for index, buffer in zip(layers, buffers, strict=True)]}, [])
+    return [(index, buffer[0]) for index, buffer in zip(layers, buffers, strict=True)]
+
+
+def peft_settings(adapter: MegatronAdapter, modules: list[str], base_model: str | None) -> dict[str, Any]:
+    """adapter_config.json for the adapter's pairs on HF ``modules``: Megatron-Bridge's ``build_adapter_config_dict``
+    (models/conversion/peft_bridge.py), ``r = dim`` and ``lora_alpha = alpha``."""
+    return {
+        "peft_type": "LORA", "auto_mapping": None, "base_model_name_or_path": base_model or "", "bias": "none",
+        "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True, "lora_alpha": adapter.alpha,
+        "lora_dropout": adapter.dropout, "modules_to_save": None, "r": adapter.dim, "rank_pattern": {},
+        "alpha_pattern": {}, "target_modules": sorted({module.rpartition(".")[2] for module in modules}),
+        "task_type": "CAUSAL_LM", "use_dora": False, "use_rslora": False,
+    }
+
+
+def peft_tensors(adapter: MegatronAdapter, family: Family, config: ModelConfig) -> dict[str, torch.Tensor]:
+    """The adapter's pairs in PEFT's keys for ``family``: lora_A shared by a fused module's parts, lora_B cut."""
+    tensors: dict[str, torch.Tensor] = {}
+    for weight, pair in adapter.pairs.items():
+        for hf, b in zip(*_hf_parts(adapter, family, config, pair), strict=True):
+            module = KEY_PREFIX + hf.removesuffix(".weight")
+            tensors[f"{module}.lora_A.weight"] = pair.linear_in.clone()
+            tensors[f"{module}.lora_B.weight"] = b.contiguous()
+    return tensors
+
+
+def moves_rows(transform: Transform, shape: tuple[int, ...], config: ModelConfig) -> bool:
+    """Whether ``transform`` makes a canonical weight of ``shape`` of its HF parts by moving whole rows (then a
+    pair's B is cut or joined as the weight's rows are, its A the same for every part)."""
+    parts = transform.part_shapes(shape, config)
+    return sum(part[0] for part in parts) == shape[0] and all(tuple(part[1:]) == shape[1:] for part in parts)
+
+
+def _hf_parts(adapter: MegatronAdapter, family: Family, config: ModelConfig,
+              pair: MegatronPair) -> tuple[tuple[str, ...], list[torch.Tensor]]:
+    """The HF weights (as transformers names them in memory) of the pair's canonical weight, and each one's lora_B
+    rows; refused where the family's transform does not only move rows."""
+    found = loaded_hf_weights(family, pair.weight, config)
+    if found is None:
+        raise ValidationError(f"{adapter.directory}: adapts {pair.weight}, which the model "
+                              f"({family.architecture}, {config.num_layers} layers) does not have as a weight")
+    row, names = found
+    shape = (pair.linear_out.shape[0], pair.linear_in.shape[1])
+    parts = row.transform.split(pair.linear_out, config) if moves_rows(row.transform, shape, config) else []
+    if len(parts) != len(names):
+        raise ValidationError(f"{adapter.directory}: {pair.weight}: the family's {row.transform.name} transform into "
+                              f"{', '.join(names)} does not only move rows: no exact split of linear_out")
+    return names, parts
+
+
+def as_peft_adapter(adapter: MegatronAdapter, family: Family, config: ModelConfig,
+                    base_model: str | None = None) -> PeftAdapter:
+    """The adapter as a PEFT adapter in memory (checked as a PEFT directory is): what a merge reads."""
+    tensors = peft_tensors(adapter, family, config)
+    modules = [key.removeprefix(KEY_PREFIX).removesuffix(".lora_A.weight") for key in tensors
+               if key.endswith(".lora_A.weight")]
+    return peft_adapter(adapter.directory, peft_settings(adapter, modules, base_model),
+                        AdapterTensors(adapter.directory, tensors), adapter.run_config)
+
+
+def describe_megatron_adapter(adapter: MegatronAdapter) -> dict[str, Any]:
+    """What ``inspect`` shows of a Megatron-Bridge adapter: settings, modules (by their name within a layer),
+    layers, dtypes and bytes."""
+    tensors = [tensor for pair in adapter.pairs.values() for tensor in (pair.linear_in, pair.linear_out)]
+    layers = sorted({int(found[1]) for weight in adapter.pairs
+                     if (found := re.match(r"decoder\.layers\.(\d+)\.", weight)) is not None})
+    return {
+        "base_model": None,
+        "pairs": len(adapter.pairs),
+        "ranks": [adapter.dim],
+        "scalings": [adapter.alpha / adapter.dim],
+        "modules": sorted({re.sub(r"^decoder\.layers\.\d+\.", "", weight).removesuffix(".weight")
+                           for weight in adapter.pairs}),
+        "layers": layers,
+        "saved_weights": [],
+        "dtypes": sorted({str(tensor.dtype).removeprefix("torch.") for tensor in tensors}),
+        "bytes": sum(tensor.numel() * tensor.element_size() for tensor in tensors),
+    }

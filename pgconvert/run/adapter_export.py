@@ -1,0 +1,103 @@
+"""``export-adapter``: a LoRA adapter written, unmerged, in the other form: a Megatron-Bridge LoRA checkpoint as a
+Hugging Face PEFT adapter directory, or a PEFT adapter directory as a Megatron-Bridge LoRA checkpoint.
+
+The base checkpoint (any format pgconvert reads) gives the family and the shapes: the adapter is put in the other
+form's names for that family (``adapters.megatron``, ``adapters.megatron_save``) and checked as ``--merge-adapter``
+checks one (every adapted weight is the model's, of the model's shape) before anything is written. The output is
+written in a hidden sibling of DST and renamed into place, so a failed export leaves no DST.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+from pgconvert.adapters.megatron import as_peft_adapter, read_megatron_adapter
+from pgconvert.adapters.megatron_save import write_bridge_adapter
+from pgconvert.adapters.merge import AdapterMerge
+from pgconvert.adapters.names import source_family
+from pgconvert.adapters.peft import CONFIG_FILE, WEIGHTS_FILE, PeftAdapter, is_adapter_directory, read_peft_adapter
+from pgconvert.errors import DestinationError
+from pgconvert.formats import LoadOptions
+from pgconvert.formats.registry import detect_format, get_loader
+from pgconvert.formats.stream import CanonicalSource
+from pgconvert.io.durable import fsync_dir
+from pgconvert.run.destination import PARTIAL_MARKER, refuse_unusable_name, sibling
+
+log = logging.getLogger(__name__)
+Written = TypeVar("Written")
+PEFT_FORM = "peft"
+MEGATRON_BRIDGE_FORM = "megatron-bridge"
+
+
+@dataclass(frozen=True)
+class AdapterExport:
+    """What ``export-adapter`` wrote: the directory, its form (``peft`` or ``megatron-bridge``) and pair count."""
+
+    path: Path
+    form: str
+    pairs: int
+
+
+def export_adapter(src: Path, dst: Path, base: Path, iteration: int | None = None) -> AdapterExport:
+    """Write the adapter ``src`` into ``dst`` (which must not exist) in the other form, for the model ``base`` (its
+    ``iteration``): a PEFT adapter directory as a Megatron-Bridge checkpoint, anything else read as a
+    Megatron-Bridge checkpoint and written as a PEFT adapter directory."""
+    refuse_unusable_name(dst)
+    if dst.exists():
+        raise DestinationError(f"DST {dst}: exists; export-adapter writes a new directory")
+    source = get_loader(detect_format(base)).open(base, LoadOptions(iteration=iteration))
+    try:
+        if is_adapter_directory(src):
+            return _to_megatron_bridge(read_peft_adapter(src), source, dst)
+        adapter = as_peft_adapter(read_megatron_adapter(src), source_family(source), source.config,
+                                  base_model=str(base))
+        AdapterMerge(adapter, source)  # every pair on one of the model's weights, of its shape
+        _staged(dst, lambda staging: _write_peft(adapter, staging))
+        return AdapterExport(dst, PEFT_FORM, len(adapter.pairs))
+    finally:
+        source.close()
+
+
+def _to_megatron_bridge(adapter: PeftAdapter, source: CanonicalSource, dst: Path) -> AdapterExport:
+    AdapterMerge(adapter, source)  # every pair on one of the model's weights, of its shape
+    family = source_family(source)
+    pairs = _staged(dst, lambda staging: write_bridge_adapter(adapter, source, family, staging))
+    return AdapterExport(dst, MEGATRON_BRIDGE_FORM, pairs)
+
+
+def _write_peft(adapter: PeftAdapter, staging: Path) -> None:
+    """adapter_model.safetensors and adapter_config.json."""
+    from safetensors.torch import save_file
+
+    tensors = {key: adapter.tensors.tensor(key) for key in adapter.tensors.header()}
+    save_file(tensors, str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
+    (staging / CONFIG_FILE).write_text(json.dumps(adapter.settings_doc, indent=2, sort_keys=True) + "\n")
+
+
+def _staged(dst: Path, write: Callable[[Path], Written]) -> Written:
+    """``write(staging)`` into a hidden sibling of ``dst``, its files synced and the directory renamed to ``dst``
+    when complete; removed when anything fails."""
+    from pgconvert.io.durable import fsync_file
+
+    staging = sibling(dst, f"{PARTIAL_MARKER}{uuid.uuid4().hex[:16]}")
+    staging.mkdir(parents=True)
+    try:
+        written = write(staging)
+        for path in staging.rglob("*"):
+            if path.is_file():
+                fsync_file(path)
+        os.rename(staging, dst)
+        fsync_dir(dst.parent)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    log.info("wrote %s", dst)
+    return written

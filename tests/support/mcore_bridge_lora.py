@@ -1,0 +1,195 @@
+"""A LoRA adapter as Megatron-Bridge trains and saves one for a Megatron GPT model, made with megatron-core 0.16.1.
+
+Megatron-Bridge itself needs Transformer Engine and GPUs; what it saves is megatron-core's own work, so this
+rank job does those steps with megatron-core's classes (one gloo process per TP rank, the model's groups fake,
+``support.mcore_torch_dist_job`` runs it). The Megatron-Bridge facts followed, from its source
+(NVIDIA-NeMo/Megatron-Bridge 067f987d, ``src/megatron/bridge/``):
+
+- ``peft/lora.py:143-157``: ``LoRA(target_modules=[linear_qkv, linear_proj, linear_fc1, linear_fc2], dim, alpha,
+  dropout)``; ``lora.py:189-261``: a megatron-core parallel linear is wrapped by ``LoRALinear(module,
+  ParallelLinearAdapter(in_features, out_features, dim, alpha=..., input_is_parallel=...))``.
+- ``peft/utils.py:660-669``: for ``ColumnParallelLinear`` (linear_qkv, linear_fc1) ``input_is_parallel=False``,
+  for ``RowParallelLinear`` (linear_proj, linear_fc2) ``True``; in/out features are the base's global
+  ``input_size``/``output_size``.
+- ``peft/utils.py:1042-1083``: ``linear_in`` is ``RowParallelLinear(in, dim, input_is_parallel=True, bias=False)``
+  for a row-parallel base (its columns split over TP) and ``ColumnParallelLinear(in, dim, gather_output=True,
+  bias=False)`` for a column-parallel one (its ``dim`` rows split over TP); ``linear_out`` is always
+  ``ColumnParallelLinear(dim, out, bias=False)`` (its rows split over TP; gathered for a row-parallel base).
+  ``utils.py:1271``: the output is scaled by ``alpha / dim``.
+- ``peft/lora_merge.py:65-87``: the merged weight of a rank: column-parallel base ``W_r + alpha/dim ·
+  linear_out_r @ cat(linear_in over TP)``, row-parallel base ``W_r + alpha/dim · cat(linear_out over TP) @
+  linear_in_r``.
+- ``peft/adapter_wrapper.py:204-276``: the wrapper's state dict is the base's plus the adapter's under
+  ``<module>.adapter.`` (``…linear_qkv.adapter.linear_in.weight``); ``utils.py:1513-1605``: the adapter's sharded
+  state dict is ``linear_in``'s and ``linear_out``'s, a gated ``linear_fc1``'s ``linear_out`` through megatron-core's
+  ``apply_swiglu_sharded_factory`` (its gate and up rows sharded apart, as the base's).
+- ``training/checkpointing.py:1294-1298, 3332-3360`` and ``peft/base.py:230-248``: an adapter run's checkpoint is
+  the model's sharded state dict filtered to the ``.adapter.`` keys (no ``_extra_state``), saved with
+  ``dist_checkpointing.save`` (torch_dist); ``checkpointing.py:1460-1494``: ``run_config.yaml`` beside it holds
+  the run's config, its ``peft`` section the LoRA settings (``_target_``, ``dim``, ``alpha``, ...).
+
+``bridge_lora_load`` loads such a store back into the wrapped model at any TP, as Megatron-Bridge's
+``load_peft_adapter_checkpoint`` does (``peft/utils.py:418-478``: the adapter-filtered sharded state dict,
+``dist_checkpointing.load``). Each rank also writes what it holds (``rank{R}.pt``: per adapted module its local ``linear_in`` and ``linear_out``)
+so a test can merge on the Megatron side by lora_merge.py's rules, independently of the checkpoint's layout.
+"""
+
+from __future__ import annotations
+
+import zlib
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ITERATION = 10
+TARGETS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+_ROW_PARALLEL = ("linear_proj", "linear_fc2")
+
+
+class BridgeAdapter(torch.nn.Module):
+    """Megatron-Bridge's ``ParallelLinearAdapter`` (peft/utils.py:923): its parameters and checkpoint layout."""
+
+    def __init__(self, base: Any, dim: int, alpha: float, gated: bool, tp_group: Any) -> None:
+        from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+        super().__init__()
+        self.dim, self.alpha, self.gated = dim, alpha, gated
+        config = base.config
+        input_is_parallel = isinstance(base, RowParallelLinear)
+        if input_is_parallel:
+            self.linear_in = RowParallelLinear(base.input_size, dim, config=config, input_is_parallel=True,
+                                               skip_bias_add=True, bias=False, init_method=torch.nn.init.zeros_,
+                                               tp_group=tp_group)
+        else:
+            self.linear_in = ColumnParallelLinear(base.input_size, dim, config=config, bias=False, gather_output=True,
+                                                  init_method=torch.nn.init.zeros_, tp_group=tp_group)
+        self.linear_out = ColumnParallelLinear(dim, base.output_size, config=config, bias=False,
+                                               gather_output=input_is_parallel, init_method=torch.nn.init.zeros_,
+                                               tp_group=tp_group)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
+        from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+
+        linear_in = self.linear_in.sharded_state_dict(f"{prefix}linear_in.", sharded_offsets, metadata)
+        linear_out = self.linear_out.sharded_state_dict(f"{prefix}linear_out.", sharded_offsets, metadata)
+        if self.gated:  # utils.py:1535, 1562-1565
+            key = f"{prefix}linear_out.weight"
+            linear_out[key] = apply_swiglu_sharded_factory(linear_out[key], sharded_offsets)
+        return {**linear_in, **linear_out}
+
+
+class LoRALinear(torch.nn.Module):
+    """Megatron-Bridge's ``AdapterWrapper`` (peft/adapter_wrapper.py:93): the base under ``to_wrap``, its keys as they
+    were, the adapter's under ``adapter.``."""
+
+    def __init__(self, to_wrap: Any, adapter: BridgeAdapter) -> None:
+        super().__init__()
+        self.to_wrap, self.adapter = to_wrap, adapter
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
+        return {**self.to_wrap.sharded_state_dict(prefix, sharded_offsets, metadata),
+                **self.adapter.sharded_state_dict(f"{prefix}adapter.", sharded_offsets, metadata)}
+
+
+def _values(name: str, tp_rank: int, shape: torch.Size) -> torch.Tensor:
+    """A trained-looking piece: fixed by the module, side and TP rank."""
+    generator = torch.Generator().manual_seed(zlib.crc32(f"{name}/{tp_rank}".encode()))
+    return 0.1 * torch.randn(shape, generator=generator)
+
+
+def _wrapped_model(rank: int, world: int, spec: dict[str, Any]) -> tuple[Any, dict[str, BridgeAdapter]]:
+    """The base's rank file in megatron-core's GPTModel, every target wrapped with an adapter (zeros)."""
+    import support.mcore_helpers as mcore
+
+    model = mcore.load_rank_into_gpt_model(mcore.rank_files(Path(spec["base"]))[rank])
+    tp_group = mcore.McoreFakeGroup("tp", world, rank)
+    adapters = {}
+    with mcore.fake_group_queries():
+        for index, layer in enumerate(model.decoder.layers):
+            for target in TARGETS:
+                owner_name, _, attribute = target.rpartition(".")
+                owner = getattr(layer, owner_name)
+                base = getattr(owner, attribute)
+                gated = attribute == "linear_fc1" and model.config.gated_linear_unit
+                adapter = adapters[f"decoder.layers.{index}.{target}"] = BridgeAdapter(base, spec["dim"], spec["alpha"],
+                                                                                      gated, tp_group)
+                setattr(owner, attribute, LoRALinear(base, adapter))
+    return model, adapters
+
+
+def _adapter_state(model: Any) -> dict[str, Any]:
+    """The model's sharded state dict as an adapter run saves and loads it (checkpointing.py:3332-3360)."""
+    from support.mcore_gpt_models import model_sharded_state_dict
+
+    sharded = model_sharded_state_dict(model)
+    return {key: value for key, value in sharded.items() if ".adapter." in key and "_extra_state" not in key}
+
+
+def run_bridge_lora_rank(rank: int, world: int, spec: dict[str, Any]) -> None:
+    """One TP rank (spec: base, ckpt, out, dim, alpha). ``bridge_lora``: the adapters get random values and the
+    adapter-only state is saved with dist_checkpointing; ``bridge_lora_load``: it is loaded from ``ckpt`` with
+    dist_checkpointing.load, as Megatron-Bridge's load_peft_adapter_checkpoint does (peft/utils.py:418-478). Either
+    way the rank's pieces go to ``out``/rank{R}.pt."""
+    from megatron.core import dist_checkpointing
+    from support.mcore_gpt_models import content_metadata
+
+    model, adapters = _wrapped_model(rank, world, spec)
+    if spec["action"] == "bridge_lora_load":
+        loaded = dist_checkpointing.load({"model": _adapter_state(model)}, spec["ckpt"], strict="raise_all")["model"]
+        held = {module: {side: loaded[f"{module}.adapter.{side}.weight"] for side in ("linear_in", "linear_out")}
+                for module in adapters}
+    else:
+        with torch.no_grad():
+            for module, adapter in adapters.items():
+                for side in ("linear_in", "linear_out"):
+                    weight = getattr(adapter, side).weight
+                    weight.copy_(_values(f"{module}.{side}", rank, weight.shape))
+        held = {module: {side: getattr(adapter, side).weight.detach().clone() for side in ("linear_in", "linear_out")}
+                for module, adapter in adapters.items()}
+        state = {"model": _adapter_state(model), "checkpoint_version": 3.0, "iteration": ITERATION}
+        dist_checkpointing.save(state, spec["ckpt"], content_metadata=content_metadata())
+    torch.save(held, Path(spec["out"]) / f"rank{rank}.pt")
+
+
+def write_run_config(iteration_dir: Path, dim: int, alpha: float, tp: int,
+                     targets: tuple[str, ...] = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")) -> None:
+    """``run_config.yaml`` with the ``peft`` section Megatron-Bridge's ``cfg.to_yaml`` writes for a LoRA run (the
+    LoRA dataclass's fields, lora.py:143-157) and the model's parallel sizes."""
+    import yaml
+
+    config = {
+        "model": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": 1},
+        "peft": {"_target_": "megatron.bridge.peft.lora.LoRA", "target_modules": list(targets), "exclude_modules": [],
+                 "dim": dim, "alpha": alpha, "dropout": 0.0, "dropout_position": "pre",
+                 "lora_A_init_method": "xavier", "lora_B_init_method": "zero", "a2a_experimental": False,
+                 "lora_dtype": None, "normalize_moe_lora": False, "share_expert_adapters": True},
+    }
+    (iteration_dir / "run_config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+
+
+def bridge_lora_checkpoint(base: Path, root: Path, out: Path, dim: int, alpha: float) -> Path:
+    """A Megatron-Bridge LoRA run's checkpoint directory at ``root`` (``iter_*`` with the adapter-only torch_dist store
+    and run_config.yaml, the tracker) for the TP Megatron checkpoint ``base``; ``out``: the ranks' held pieces."""
+    from support.mcore_helpers import rank_files
+    from support.mcore_torch_dist_job import run_job
+
+    tp = rank_files(base)[0].layout.tp
+    iteration_dir = root / f"iter_{ITERATION:07d}"
+    iteration_dir.mkdir(parents=True)
+    run_job({"action": "bridge_lora", "base": str(base), "ckpt": str(iteration_dir), "world": tp, "tp": tp, "pp": 1,
+             "ep": 1, "dim": dim, "alpha": alpha}, out)
+    write_run_config(iteration_dir, dim, alpha, tp)
+    (root / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
+    return root
+
+
+def load_bridge_lora(base: Path, store: Path, out: Path, dim: int, alpha: float) -> None:
+    """megatron-core's dist_checkpointing.load of the adapter store ``store`` into the TP model ``base`` wrapped as
+    Megatron-Bridge wraps it; each rank's pieces in ``out``."""
+    from support.mcore_helpers import rank_files
+    from support.mcore_torch_dist_job import run_job
+
+    tp = rank_files(base)[0].layout.tp
+    run_job({"action": "bridge_lora_load", "base": str(base), "ckpt": str(store), "world": tp, "tp": tp, "pp": 1,
+             "ep": 1, "dim": dim, "alpha": alpha}, out)

@@ -128,7 +128,7 @@ def inspect(path: str | Path, iteration: int | None = None, skip_finite_check: b
     if is_adapter_directory(path):
         return _inspect_adapter(path, info)
     if find_adapter_store(path) is not None:
-        return _inspect_megatron_adapter(path, info)
+        return _inspect_adapter(path, info, megatron=True)
     try:
         info.format = detect_format(path)
         loader = get_loader(info.format)
@@ -149,21 +149,13 @@ def inspect(path: str | Path, iteration: int | None = None, skip_finite_check: b
     return info
 
 
-def _inspect_adapter(path: Path, info: CheckpointInfo) -> CheckpointInfo:
-    """A PEFT LoRA adapter directory: what it adapts, checked as --merge-adapter reads it."""
-    info.format = ADAPTER_FORMAT
+def _inspect_adapter(path: Path, info: CheckpointInfo, megatron: bool = False) -> CheckpointInfo:
+    """An adapter: a PEFT LoRA directory, or (``megatron``) a Megatron-Bridge LoRA checkpoint; what it adapts, checked
+    as --merge-adapter and export-adapter read it."""
+    info.format = MEGATRON_ADAPTER_FORMAT if megatron else ADAPTER_FORMAT
     try:
-        info.adapter = describe_adapter(read_peft_adapter(path))
-    except PgconvertError as error:
-        info.problems.append(Problem("error", "unreadable", str(error)))
-    return info
-
-
-def _inspect_megatron_adapter(path: Path, info: CheckpointInfo) -> CheckpointInfo:
-    """A Megatron-Bridge LoRA checkpoint: what it adapts, checked as export-adapter reads it."""
-    info.format = MEGATRON_ADAPTER_FORMAT
-    try:
-        info.adapter = describe_megatron_adapter(read_megatron_adapter(path))
+        info.adapter = describe_megatron_adapter(read_megatron_adapter(path)) if megatron else \
+            describe_adapter(read_peft_adapter(path))
     except PgconvertError as error:
         info.problems.append(Problem("error", "unreadable", str(error)))
     return info

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -33,6 +34,7 @@ GOLDENS = Path(__file__).parent / "data" / "megatron_lm"
 GOLDEN = GOLDENS / "train_tp2dp2_fsdp_dtensor_optim"
 PER_RANK_BF16 = GOLDENS / "train_tp2dp2_distopt_bf16_torch"
 ITERATION = "iter_0000002"
+MODEL = "model.module."
 STATE = "optimizer.state.module.module.module."
 # Entries that depend on the run's ranks (RNG) or name its layout (args): not compared.
 UNCOMPARED = ("rng_state.", "args")
@@ -124,6 +126,39 @@ def test_bf16_per_rank_run_gives_its_fp32_masters_as_the_model(tmp_path: Path) -
             assert torch.equal(state, held[field]), f"{name} {field}"
         differ += not torch.equal(model, model.to(torch.bfloat16).float())
     assert differ == len(index["parameters"])  # none is its bf16 weight widened
+
+
+# megatron-core's local spec saves its layer norms under the TE names (its sharded_state_dict_keys_map).
+TE_NAMES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+            "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
+
+
+def _torch_dist_record(records: dict[str, torch.Tensor], field: str, parameter: str) -> torch.Tensor:
+    """A torch_dist fully_reshardable record of an fsdp_dtensor parameter name: layers stacked on dim 0, a SwiGLU
+    fc1 whole (``[gate; up]``, the ``_w``/``_v`` halves its first and second half)."""
+    stem = parameter.removesuffix("_w").removesuffix("_v")
+    match = re.fullmatch(r"decoder\.layers\.(\d+)\.(.*)", stem)
+    key = f"optimizer.state.{field}." + (f"decoder.layers.{TE_NAMES.get(match.group(2), match.group(2))}" if match
+                                         else stem)
+    record = records[key][int(match.group(1))] if match else records[key]
+    return record.chunk(2)[parameter.endswith("_v")] if stem != parameter else record
+
+
+def test_torch_dist_run_gives_its_masters_and_moments(tmp_path: Path) -> None:
+    """Megatron-LM's bf16 fully_reshardable torch_dist save (read with torch's DCP alone): its fp32 ``param`` records
+    are the model entries, its moments the optimizer records, whatever TP the destination names."""
+    source = GOLDENS / "train_tp2dp2_distopt_fully_reshardable_torch_dist"
+    pgconvert.convert(source, tmp_path / "fsdp", dst_format="fsdp_dtensor", dst_tp=1)
+    _, records = read_dcp(source / ITERATION)
+    _, tensors = read_dcp(tmp_path / "fsdp" / ITERATION)
+    parameters = [key[len(MODEL):] for key in tensors if key.startswith(MODEL)]
+    assert len(parameters) == 17
+    for parameter in parameters:
+        assert torch.equal(tensors[MODEL + parameter], _torch_dist_record(records, "param", parameter)), parameter
+        for field in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(tensors[f"{STATE}{parameter}.{field}"],
+                               _torch_dist_record(records, field, parameter)), f"{parameter} {field}"
+        assert float(tensors[f"{STATE}{parameter}.step"]) == 2.0
 
 
 def test_worker_processes_write_the_same_store(written: dict[str, Path], tmp_path: Path) -> None:

@@ -166,6 +166,13 @@ def test_worker_processes_write_the_same_store(written: dict[str, Path], tmp_pat
     _assert_store_is_the_golden(tmp_path / "workers")
 
 
+def test_dst_dp_is_recorded_in_the_args(tmp_path: Path) -> None:
+    pgconvert.convert(GOLDEN, tmp_path / "fsdp", dst_format="fsdp_dtensor", dst_tp=2, dst_dp=4)
+    args = get_loader("fsdp_dtensor").open(tmp_path / "fsdp", LoadOptions()).megatron_args
+    assert (args.data_parallel_size, args.world_size) == (4, 8)
+    _assert_store_is_the_golden(tmp_path / "fsdp")
+
+
 def test_missing_record_is_named_and_nothing_written(tmp_path: Path) -> None:
     copy = tmp_path / "ckpt"
     shutil.copytree(GOLDEN, copy)

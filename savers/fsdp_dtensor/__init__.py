@@ -43,6 +43,7 @@ from pgconvert.io.dcp_writer import ItemKey, WrittenFiles
 from pgconvert.formats.torch_dist import DCP_METADATA_FILE
 from pgconvert.io.durable import fsync_file
 from pgconvert.model.provider import canonical_shapes, target_vocab_rows
+from pgconvert.optimizer.data_parallel import with_dst_dp
 from pgconvert.optimizer.source import OptimizerSource
 from pgconvert.savers.fsdp_dtensor.optimizer import (optimizer_entries, run_wrappers, state_chunks, state_paths,
                                                     state_reader)
@@ -124,11 +125,16 @@ class FsdpDtensorSaver(Saver):
         write_carried(source, options, out_dir)
         return self._notices(source, options)
 
-    def _store(self, source: CanonicalSource, options: SaveOptions, optimizer: OptimizerSource | None = None) -> _Store:
-        """Every chunk and bytes entry of the store (with ``optimizer``: its state too) and their paths."""
+    def _store(self, source: CanonicalSource, options: SaveOptions, optimizer: OptimizerSource | None = None,
+               dst_dp: int | None = None) -> _Store:
+        """Every chunk and bytes entry of the store (with ``optimizer``: its state too) and their paths; ``dst_dp``
+        (``--dst-dp``): the data-parallel size the args record (the store itself is the same at any)."""
         chunks, rows = self._chunks(source, options)
         files = data_files(chunks, options)
-        values = (self._args(source, options, rows), self._iteration(source)[0], CHECKPOINT_VERSION)
+        args = self._args(source, options, rows)
+        if dst_dp is not None:
+            args = with_dst_dp(args, options.layout, dst_dp)
+        values = (args, self._iteration(source)[0], CHECKPOINT_VERSION)
         entries = {key: _object_bytes(value) for key, value in zip(WRITTEN_ENTRIES, values, strict=True)}
         paths = _planner_data(chunks, entries)
         if optimizer is None:
@@ -183,7 +189,7 @@ class FsdpDtensorSaver(Saver):
                        options: SaveOptions, optimizer_options: OptimizerOptions,
                        files: list[PlannedFile], only: Collection[str] | None = None) -> CarriedOptimizer:
         """The state's data files (those ``only`` names; None: all, and then what ``finalize_optimizer`` writes)."""
-        store = self._store(source, options, optimizer)
+        store = self._store(source, options, optimizer, optimizer_options.dp)
         directory = iteration_dir_name(*self._iteration(source))
         writes = [number for number in store.state_numbers
                   if only is None or f"{directory}/{data_file_name(number)}" in only]
@@ -201,7 +207,7 @@ class FsdpDtensorSaver(Saver):
                            options: SaveOptions, optimizer_options: OptimizerOptions,
                            files: list[PlannedFile]) -> CarriedOptimizer:
         """The bytes entries' file with the optimizer's entries, and ``.metadata`` with every record (from the plan)."""
-        store = self._store(source, options, optimizer)
+        store = self._store(source, options, optimizer, optimizer_options.dp)
         self._write(source, out_dir, store, (store.entries_file,), True)
         return CarriedOptimizer(_rewritten(files, iteration_dir_name(*self._iteration(source)), store),
                                 f"{optimizer.form}, {form}")

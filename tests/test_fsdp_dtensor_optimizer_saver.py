@@ -26,6 +26,7 @@ from support.megatron_fixtures import load_for_test
 from torch.distributed.checkpoint import BytesStorageMetadata, FileSystemReader
 
 import pgconvert
+from pgconvert.errors import StrictModeError
 from pgconvert.formats import LoadOptions
 from pgconvert.formats.registry import get_loader
 from pgconvert.optimizer.order import OptimizerLayoutError
@@ -171,6 +172,22 @@ def test_dst_dp_is_recorded_in_the_args(tmp_path: Path) -> None:
     args = get_loader("fsdp_dtensor").open(tmp_path / "fsdp", LoadOptions()).megatron_args
     assert (args.data_parallel_size, args.world_size) == (4, 8)
     _assert_store_is_the_golden(tmp_path / "fsdp")
+
+
+def test_fp16_run_is_written_without_its_state_by_name(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """fsdp_dtensor saves no grad scaler: a run written as fp16 (the saver's run precision made fp16) gets the model
+    alone, which a notice names and --strict refuses."""
+    from pgconvert.savers.fsdp_dtensor import FsdpDtensorSaver
+
+    monkeypatch.setattr(FsdpDtensorSaver, "_run_dtype", staticmethod(lambda source, options: torch.float16))
+    refusal = "fsdp_dtensor holds no grad scaler, so an fp16 run's state"
+    with pytest.raises(StrictModeError, match=refusal):
+        pgconvert.convert(GOLDEN, tmp_path / "strict", dst_format="fsdp_dtensor", dst_tp=1, strict=True)
+    assert not (tmp_path / "strict").exists()
+    report = pgconvert.convert(GOLDEN, tmp_path / "out", dst_format="fsdp_dtensor", dst_tp=1)
+    assert any(refusal in notice for notice in report.notices), report.notices
+    entries = FileSystemReader(str(tmp_path / "out" / ITERATION)).read_metadata().state_dict_metadata
+    assert not any(key.startswith("optimizer.") for key in entries)
 
 
 def test_missing_record_is_named_and_nothing_written(tmp_path: Path) -> None:

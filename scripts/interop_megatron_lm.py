@@ -25,7 +25,14 @@ Steps (each must succeed):
    equals (rtol 1e-5) the one Megatron-LM computes resuming its own save at TP2 DP2, and each step at lr 0 saves
    back the tensors it loaded (pgconvert ``verify``).
 
-Run only some steps: ``python scripts/interop_megatron_lm.py WORKDIR fsdp`` runs steps 6 and 7 alone.
+8. Megatron-LM's bf16 SwiGLU Megatron-FSDP save with its optimizer state (tests/data/megatron_lm/
+   train_tp2dp2_fsdp_dtensor_optim) -> pgconvert -> per-rank TP1 bf16 -> pgconvert -> fsdp_dtensor TP2 with the
+   optimizer state, resumed by ``pretrain_gpt.py`` at TP2 DP2 loading the optimizer, one step at the checkpoint's
+   learning rate: the iteration-3 loss and the saved weights, moments and steps are those of Megatron-LM resuming
+   its own save (bit-exact, read with torch's DCP).
+
+Run only some steps: ``python scripts/interop_megatron_lm.py WORKDIR fsdp`` runs steps 6 to 8 alone,
+``fsdp-optim`` step 8.
 
 Megatron-LM's Python needs: its source, the shims folder (PGCONVERT_MEGATRON_LM_SHIMS, default
 /work/shared/megatron_lm_cpu) and a Python with triton (PGCONVERT_MEGATRON_LM_PYTHON).
@@ -246,12 +253,76 @@ def fsdp_dtensor_resumes(work: Path) -> None:
         pgconvert("verify", str(per_rank), str(back))
 
 
+FSDP_OPTIM_GOLDEN = FSDP_GOLDEN.parent / "train_tp2dp2_fsdp_dtensor_optim"
+# Megatron-FSDP resumed with its optimizer state and the checkpoint's learning-rate schedule (the step at iteration 3
+# moves the weights and the moments), saving them again (the launcher's empty-shard shim lets the save finish).
+FSDP_OPTIM_FLAGS = ("--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor", "--no-gradient-reduce-div-fusion",
+                    "--no-save-rng", "--bf16", "--use-checkpoint-opt_param-scheduler", *FSDP_RESUME_FLAGS)
+
+
+def fsdp_optimizer_resumes(work: Path) -> None:
+    """Megatron-LM's bf16 SwiGLU Megatron-FSDP save with its optimizer state (the golden) -> pgconvert -> per-rank
+    TP1 in bf16 (the masters in distrib_optim.pt) -> pgconvert -> fsdp_dtensor TP2 with the optimizer state (the
+    model entries the masters again), resumed by ``pretrain_gpt.py`` at TP2 DP2 loading the optimizer: the
+    iteration-3 loss and the state it saves after a step at the run's learning rate (weights, moments and steps
+    bit-exact) are those of Megatron-LM resuming its own save."""
+    expected_dir = work / "megatron_lm_resumed_fsdp_optim_itself"
+    expected = _loss_at(megatron_load_and_train(FSDP_OPTIM_GOLDEN, expected_dir, 2, 1, "fsdp_dtensor", 29721,
+                                                FSDP_OPTIM_FLAGS, saved_iteration=3, dp=2, extra_env=FSDP_ENV,
+                                                dropped=("--no-load-optim",)), 3)
+    per_rank = work / "pgconvert_tp1_bf16_from_fsdp_optim_golden"
+    pgconvert("convert", str(FSDP_OPTIM_GOLDEN), str(per_rank), "--dst-format", "megatron", "--dst-tp", "1",
+              "--dtype", "bf16", "--overwrite")
+    ours = work / "pgconvert_fsdp_dtensor_tp2_optim_from_per_rank_tp1"
+    pgconvert("convert", str(per_rank), str(ours), "--dst-format", "fsdp_dtensor", "--dst-tp", "2", "--overwrite",
+              "--strict")
+    pgconvert("verify", str(FSDP_OPTIM_GOLDEN), str(ours))
+    theirs = work / "megatron_lm_resumed_from_pgconvert_fsdp_dtensor_optim"
+    log = megatron_load_and_train(ours, theirs, 2, 1, "fsdp_dtensor", 29722, FSDP_OPTIM_FLAGS, saved_iteration=3,
+                                  dp=2, extra_env=FSDP_ENV, dropped=("--no-load-optim",))
+    loss = _loss_at(log, 3)
+    print(f"  iteration 3 lm loss: {loss:.6E} resumed from pgconvert's fsdp_dtensor with its optimizer state, "
+          f"{expected:.6E} resumed from Megatron-LM's own save", flush=True)
+    if loss != expected:
+        raise SystemExit(f"lm loss {loss} differs from the run's continuation {expected}")
+    same_store_tensors(expected_dir / "iter_0000003", theirs / "iter_0000003")
+
+
+def same_store_tensors(expected: Path, actual: Path) -> None:
+    """Every tensor entry of two DCP stores (model, moments, steps), read by torch.distributed.checkpoint alone, equal
+    bit for bit (pgconvert's ``verify`` refuses these saves: on CPU ranks a parameter whose shard a rank holds none
+    of gets no gradient there, so its saved Adam step can stay one behind the others', in both saves alike)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader, TensorStorageMetadata
+
+    def read(directory: Path) -> dict[str, torch.Tensor]:
+        entries = FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+        tensors = {key: torch.empty(tuple(md.size), dtype=md.properties.dtype) for key, md in entries.items()
+                   if isinstance(md, TensorStorageMetadata) and not key.startswith("rng_state.")}
+        dcp.load(tensors, storage_reader=FileSystemReader(str(directory)), no_dist=True)
+        return tensors
+
+    a, b = read(expected), read(actual)
+    if a.keys() != b.keys():
+        raise SystemExit(f"the saves' keys differ: {sorted(set(a) ^ set(b))[:8]}")
+    bad = [key for key in a if a[key].dtype != b[key].dtype or not torch.equal(a[key], b[key])]
+    if bad:
+        raise SystemExit(f"the saves differ in {bad[:8]}")
+    moments = sum(key.startswith("optimizer.state.") for key in a)
+    print(f"  {len(a)} tensors of the saves bit-identical ({moments} optimizer records)", flush=True)
+
+
 def main(work: Path, only: str | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
+    if only == "fsdp-optim":
+        fsdp_optimizer_resumes(work)
+        print("interop OK (step 8)")
+        return 0
     if only == "fsdp":
         fsdp_golden_resumes(work)
         fsdp_dtensor_resumes(work)
-        print("interop OK (steps 6 and 7)")
+        fsdp_optimizer_resumes(work)
+        print("interop OK (steps 6 to 8)")
         return 0
     hf = work / "hf"
     make_hf(hf)
@@ -276,6 +347,7 @@ def main(work: Path, only: str | None = None) -> int:
     tp2pp2_round_trips(work, hf)
     fsdp_golden_resumes(work)
     fsdp_dtensor_resumes(work)
+    fsdp_optimizer_resumes(work)
     print("interop OK")
     return 0
 

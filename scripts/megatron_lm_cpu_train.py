@@ -25,8 +25,8 @@ Shims (each announced on stderr with ``[train-shim]``):
 - ``torch.accelerator`` reports none, as on the CPU build: with ``torch.cuda.is_available`` shimmed to True
   a CUDA build would name CUDA, and ``torch.optim``'s graph-capture check in every Adam step would then
   initialise the missing driver;
-- a Megatron-FSDP save with its optimizer state: a rank's parameters whose shard is empty get the Adam state torch's
-  Adam never creates for them there (``install_fsdp_empty_shard_state``), or the save's collectives wait forever.
+- a Megatron-FSDP save or load with its optimizer state: a rank's parameters whose shard is empty get the Adam state
+  torch's Adam never creates for them there (``install_fsdp_empty_shard_state``), or the collectives wait forever.
 """
 
 from __future__ import annotations
@@ -305,37 +305,51 @@ def install_distopt_sharded_load_fix() -> None:
     distrib_optimizer.DistributedOptimizer.sharded_state_dict = sharded_state_dict
 
 
+def _fill_empty_shard_state(optimizer: Any) -> None:
+    """Adam's state for the parameters of ``optimizer`` (a DistributedOptimizer) whose shard on this rank is empty:
+    zeros of the empty shard and the step every other parameter holds (all equal, or this refuses)."""
+    state = optimizer.optimizer.state
+    params = [param for group in optimizer.optimizer.param_groups for param in group["params"]]
+    missing = [param for param in params if not state.get(param)]
+    if not missing or len(missing) == len(params):
+        return
+    steps = [held["step"] for held in state.values() if "step" in held]
+    if any(not torch.equal(steps[0], step) for step in steps) or any(param.to_local().numel() for param in missing):
+        raise RuntimeError("Megatron-FSDP Adam state: the steps differ, or a held shard has no state")
+    _note("Megatron-FSDP empty-shard Adam state", "zeros of the empty shard and the common step")
+    for param in missing:
+        state[param] = {"step": steps[0].clone(), "exp_avg": torch.zeros_like(param),
+                        "exp_avg_sq": torch.zeros_like(param)}
+
+
 def install_fsdp_empty_shard_state() -> None:
     """Megatron-FSDP's optimizer state on a rank that holds none of a parameter's elements. Its
     ``update_main_grads`` (megatron/core/distributed/fsdp/src/megatron_fsdp/param_and_grad_buffer.py:3401 at
     d98e8a64) gives such a parameter no gradient (``grad = None`` for an empty shard), so torch's Adam (no
     Apex/Transformer Engine on a CPU) never creates its state there; ``save_checkpoint`` ->
     ``preprocess_fsdp_dtensor_state_dict`` -> ``handle_swiglu_in_state_dict`` then makes DTensors of the moments
-    collectively, key by key, and the ranks whose state lacks a key wait forever.
+    collectively, key by key, and the ranks whose state lacks a key wait forever. Loading alike:
+    ``_init_optimizer_states_with_dummy_values`` skips an empty shard, so its dummy state is missing there too.
 
-    Before ``DistributedOptimizer.sharded_param_state_fsdp_dtensor`` saves, such a parameter gets the state Adam
-    gives every other one: ``exp_avg``/``exp_avg_sq`` zeros of its (empty) shard and the step the rank's other
-    parameters hold (all equal, or the shim refuses). No element of any saved tensor changes."""
+    Before ``DistributedOptimizer.sharded_param_state_fsdp_dtensor`` saves, and after the dummy state a load starts
+    from, such a parameter gets the state Adam gives every other one: ``exp_avg``/``exp_avg_sq`` zeros of its
+    (empty) shard and the step the rank's other parameters hold. No element of any saved or loaded tensor changes."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     original = DistributedOptimizer.sharded_param_state_fsdp_dtensor
+    dummy = DistributedOptimizer._init_optimizer_states_with_dummy_values
 
     def sharded_param_state_fsdp_dtensor(self: Any, is_loading: bool = False) -> Any:
-        state = self.optimizer.state
-        params = [param for group in self.optimizer.param_groups for param in group["params"]]
-        missing = [param for param in params if not state.get(param)]
-        if not is_loading and missing and len(missing) < len(params):
-            steps = [held["step"] for held in state.values() if "step" in held]
-            if any(not torch.equal(steps[0], step) for step in steps) or any(
-                    param.to_local().numel() for param in missing):
-                raise RuntimeError("Megatron-FSDP Adam state: the steps differ, or a held shard has no state")
-            _note("Megatron-FSDP empty-shard Adam state", "zeros of the empty shard and the common step")
-            for param in missing:
-                state[param] = {"step": steps[0].clone(), "exp_avg": torch.zeros_like(param),
-                                "exp_avg_sq": torch.zeros_like(param)}
+        if not is_loading:
+            _fill_empty_shard_state(self)
         return original(self, is_loading)
 
+    def init_optimizer_states_with_dummy_values(self: Any) -> None:
+        dummy(self)
+        _fill_empty_shard_state(self)
+
     DistributedOptimizer.sharded_param_state_fsdp_dtensor = sharded_param_state_fsdp_dtensor
+    DistributedOptimizer._init_optimizer_states_with_dummy_values = init_optimizer_states_with_dummy_values
 
 
 def main() -> None:

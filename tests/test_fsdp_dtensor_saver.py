@@ -29,7 +29,7 @@ GOLDEN = Path(__file__).parent / "data" / "megatron_lm" / "train_tp2dp2_fsdp_dte
 GOLDEN_ITERATION = GOLDEN / "iter_0000002"
 ITERATION_DIR = "iter_0000002"
 # The golden's entries pgconvert does not write: a counter Megatron-LM reads as 0 when absent, carried by
-# pgconvert's conversions only with the optimizer state (which this destination does not write).
+# pgconvert's conversions only with the optimizer state (which this model-only golden does not hold).
 NOT_WRITTEN = {"num_floating_point_operations_so_far"}
 
 
@@ -132,7 +132,8 @@ def test_the_default_destination_of_an_fsdp_dtensor_source_is_fsdp_dtensor(tmp_p
 
 def test_the_saver_is_registered() -> None:
     saver = get_saver("fsdp_dtensor")
-    assert saver.parallel is True and saver.supports_partial is True and saver.writes_optimizer is False
+    assert saver.parallel is True and saver.supports_partial is True and saver.writes_optimizer is True
+    assert saver.stores_masters is True and saver.optimizer_partial is True and saver.optimizer_forms == ()
 
 
 # ------------------------------------------------------------------ bad destinations

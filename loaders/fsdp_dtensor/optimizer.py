@@ -31,7 +31,7 @@ import torch
 from torch.distributed.checkpoint import TensorStorageMetadata
 
 from pgconvert.formats.fsdp_dtensor import (FSDP_DTENSOR_FORM, OPTIMIZER_GROUP_PREFIX, OPTIMIZER_STATE_PREFIX,
-                                            FsdpLocation)
+                                            STEP_FIELD, FsdpLocation, state_key)
 from pgconvert.formats.megatron import run_dtype_args
 from pgconvert.io.limits import quote
 from pgconvert.model.grid import RankCoord
@@ -47,7 +47,6 @@ if TYPE_CHECKING:
     from pgconvert.loaders.fsdp_dtensor.reader import FsdpDtensorSource
 
 _VERSIONS = "megatron-core " + " / ".join(MEGATRON_CORE_VERSIONS)
-_STEP = "step"
 
 
 @dataclass(frozen=True)
@@ -114,8 +113,7 @@ class FsdpDtensorOptimizerSource(OptimizerSource):
         model = self.source.location(name)
         if field == "param":
             return model.keys
-        return tuple(OPTIMIZER_STATE_PREFIX + self.wrappers + self.source.parameter_key(key) + "." + field
-                     for key in model.keys)
+        return tuple(state_key(self.wrappers, key, field) for key in model.keys)
 
     def _check_records(self) -> None:
         """Every record the model needs is there with the model key's global shape (a 0-dim step), and no other."""
@@ -126,7 +124,7 @@ class FsdpDtensorOptimizerSource(OptimizerSource):
                 shape = tuple(entries[model_key].size)
                 base = key[:-len(MOMENTS[0])]
                 expected.update({base + field: shape for field in MOMENTS})
-                expected[base + _STEP] = ()
+                expected[base + STEP_FIELD] = ()
         for key, shape in expected.items():
             held = entries.get(key)
             if not isinstance(held, TensorStorageMetadata):
@@ -146,7 +144,7 @@ class FsdpDtensorOptimizerSource(OptimizerSource):
                                        "of a parameter of the model its args describe")
 
     def _step_of(self, name: str) -> torch.Tensor:
-        keys = [key[:-len(MOMENTS[0])] + _STEP for key in self.state_keys(name, MOMENTS[0])]
+        keys = [key[:-len(MOMENTS[0])] + STEP_FIELD for key in self.state_keys(name, MOMENTS[0])]
         steps = [self.source.read_whole(key, ()) for key in keys]
         for key, step in zip(keys, steps):
             value = float(step)
@@ -203,7 +201,7 @@ class FsdpDtensorOptimizerSource(OptimizerSource):
 
     def _parameter(self, name: str) -> dict[str, torch.Tensor]:
         merged = {key: self._read(name, key, self.rule(name), 1, 0, None) for key in FIELDS}
-        merged[_STEP] = self.step(name)
+        merged[STEP_FIELD] = self.step(name)
         return merged
 
     def _piece(self, name: str, key: str, size: int, rank: int, rows: int | None,

@@ -225,11 +225,6 @@ class FsdpDtensorSource(CanonicalSource):
     def location(self, name: str) -> FsdpLocation:
         return self._locations[name]
 
-    @staticmethod
-    def parameter_key(model_key: str) -> str:
-        """A model entry's parameter name (``model.module.`` stripped; a gated fc1's half keeps its suffix)."""
-        return model_key[len(MODEL_PREFIX):]
-
     def read_whole(self, key: str, shape: tuple[int, ...]) -> torch.Tensor:
         """Tensor entry ``key`` (of global ``shape``, fp32) whole."""
         buffer = new_tensor(shape, torch.float32)

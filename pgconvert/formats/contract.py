@@ -16,7 +16,8 @@ Optimizer state (megatron-core's, ``pgconvert.optimizer``) goes through declared
   ``--dst-optim-form`` chooses among (``optimizer_forms``); it refuses what it cannot write
   (``optimizer_refusal``, before the state is opened), names the form it writes an opened state in
   (``optimizer_form``), lists it for ``--dry-run`` (``plan_optimizer``) and writes it after the model
-  (``save_optimizer``). ``OptimizerOptions`` carries ``--dst-optim-form`` and ``--dst-dp``. A saver that sets
+  (``save_optimizer``); one whose model weights are the optimizer's fp32 masters declares ``stores_masters``.
+  ``OptimizerOptions`` carries ``--dst-optim-form`` and ``--dst-dp``. A saver that sets
   ``optimizer_partial`` also writes the state of some files only (``save_optimizer(only=...)``, each process of a
   sharded run its share) and what those shares have in common once (``finalize_optimizer``).
 """
@@ -262,6 +263,10 @@ class Saver(ABC):
     # the source holds, and the forms ``--dst-optim-form`` may name (empty: the format has no choice).
     writes_optimizer: bool = False
     optimizer_forms: tuple[str, ...] = ()
+    # Whether the model weights it writes are the optimizer's fp32 masters (Megatron-FSDP's main weights): when it
+    # carries a source's optimizer state, the model is read from that state's masters (``CanonicalSource.masters``),
+    # not from the source's weights widened.
+    stores_masters: bool = False
 
     def optimizer_refusal(self, source: CanonicalSource, options: SaveOptions,
                           optimizer_options: OptimizerOptions) -> str | None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import errno
 import io
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,7 +45,8 @@ def data_file_name(number: int) -> str:
 @dataclass(frozen=True)
 class StoredChunk:
     """One stored chunk: rows ``[row_start, row_start + rows)`` (all rows when None) of a canonical
-    tensor, at ``offsets`` of key ``key`` whose global shape is ``global_shape``."""
+    tensor, at ``offsets`` of key ``key`` whose global shape is ``global_shape``; ``field``: which of the tensor's
+    optimizer state it holds (``exp_avg``, ``exp_avg_sq``, ``step``; None: the tensor itself)."""
 
     canonical: str
     key: str
@@ -55,6 +56,7 @@ class StoredChunk:
     dtype: torch.dtype
     row_start: int | None = None
     rows: int | None = None
+    field: str | None = None
 
     @property
     def nbytes(self) -> int:
@@ -88,13 +90,18 @@ def row_runs(rule: ShardRule | None, shape: tuple[int, ...]) -> list[tuple[int |
     return [(window.start, window.length) for window in windows]
 
 
+# A canonical tensor's optimizer state field, whole (at the target's padded vocab rows): ``(name, field)`` -> tensor.
+StateReader = Callable[[str, str], torch.Tensor]
+
+
 class StreamingPlanner(DefaultSavePlanner):
-    """A save plan given up front; each chunk's data is produced when the writer asks for it, each bytes entry
-    is ``objects``' bytes. ``planner_data``: the flattened keys' paths ``.metadata`` records (None: none)."""
+    """A save plan given up front; each chunk's data is produced when the writer asks for it (a chunk of optimizer
+    state from ``state``), each bytes entry is ``objects``' bytes. ``planner_data``: the flattened keys' paths
+    ``.metadata`` records (None: none)."""
 
     def __init__(self, chunks: list[StoredChunk], objects: Mapping[str, bytes], source: CanonicalSource,
                  vocab_rows: int, progress: Progress,
-                 planner_data: Mapping[str, tuple[str, ...]] | None = None) -> None:
+                 planner_data: Mapping[str, tuple[str, ...]] | None = None, state: StateReader | None = None) -> None:
         super().__init__(flatten_state_dict=planner_data is not None, flatten_sharded_tensors=False)
         self._planner_data = dict(planner_data) if planner_data is not None else None
         self._objects = objects
@@ -104,8 +111,9 @@ class StreamingPlanner(DefaultSavePlanner):
         self._source = source
         self._vocab_rows = vocab_rows
         self._progress = progress
+        self._state = state
         # The gate and up chunks of a SwiGLU fc1 are consecutive: the second reuses the first's load.
-        self._last: tuple[str, torch.Tensor] | None = None
+        self._last: tuple[tuple[str, str | None], torch.Tensor] | None = None
         self._memory = ReusedMemory()  # each canonical tensor is loaded into the last one's memory
 
     def create_local_plan(self) -> SavePlan:
@@ -116,7 +124,7 @@ class StreamingPlanner(DefaultSavePlanner):
         if write_item.type == WriteItemType.BYTE_IO:
             return io.BytesIO(self._objects[write_item.index.fqn])
         chunk = self._chunks[(write_item.index.fqn, tuple(write_item.index.offset))]
-        full = self._canonical(chunk.canonical)
+        full = self._canonical(chunk.canonical, chunk.field)
         if chunk.row_start is not None:
             assert chunk.rows is not None
             full = full.narrow(0, chunk.row_start, chunk.rows)
@@ -124,18 +132,21 @@ class StreamingPlanner(DefaultSavePlanner):
         self._progress(chunk.nbytes)
         return data
 
-    def _canonical(self, name: str) -> torch.Tensor:
-        if self._last is not None and self._last[0] == name:
+    def _canonical(self, name: str, field: str | None) -> torch.Tensor:
+        if self._last is not None and self._last[0] == (name, field):
             return self._last[1]
         self._last = None
         meta = self._source.meta(name)
-        if name in VOCAB_TABLES:
+        if field is not None:
+            assert self._state is not None, f"{name}.{field}: a chunk of optimizer state with no state to read"
+            tensor = self._state(name, field)
+        elif name in VOCAB_TABLES:
             with self._memory.lending(sizes.nbytes((self._vocab_rows, *meta.shape[1:]), meta.dtype)):
                 tensor = self._source.load_shard(name, VOCAB, 1, 0, rows=self._vocab_rows)
         else:
             with self._memory.lending(meta.nbytes):
                 tensor = self._source.load(name)
-        self._last = (name, tensor)
+        self._last = ((name, field), tensor)
         return tensor
 
 

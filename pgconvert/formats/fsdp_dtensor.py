@@ -51,6 +51,12 @@ MODEL_PREFIX = "model.module."
 OPTIMIZER_STATE_PREFIX = "optimizer.state."
 OPTIMIZER_GROUP_PREFIX = "optimizer.param_to_group_meta."
 SCHEDULER_PREFIX = "opt_param_scheduler."
+# torch Adam's per-parameter step, a 0-dim fp32 record beside the moments.
+STEP_FIELD = "step"
+# The optimizer names a parameter by the wrapped model chunk's ``named_parameters()``: Megatron-FSDP's
+# FullyShardedDataParallel and MegatronFSDP modules, and in a bf16/fp16 run Float16Module, around the GPTModel.
+FP32_RUN_WRAPPERS = "module.module."
+HALF_RUN_WRAPPERS = "module.module.module."
 # The distributed optimizer's sharding type Megatron-LM asks for with this format (_build_sharded_state_dict_metadata).
 FSDP_DTENSOR_FORM = "fsdp_dtensor"
 ARGS_KEY = "args"
@@ -107,6 +113,16 @@ def tensor_locations(config: ModelConfig, rows: int) -> dict[str, FsdpLocation]:
         halves = tuple(key + half for half in GATED_HALVES) if spec.rule.row_segments == 2 else (key,)
         locations[spec.canonical] = FsdpLocation(halves)
     return locations
+
+
+def parameter_key(model_key: str) -> str:
+    """A model entry's parameter name (``model.module.`` stripped; a gated fc1's half keeps its suffix)."""
+    return model_key[len(MODEL_PREFIX):]
+
+
+def state_key(wrappers: str, model_key: str, field: str) -> str:
+    """The optimizer record of ``field`` of the parameter stored under ``model_key``."""
+    return OPTIMIZER_STATE_PREFIX + wrappers + parameter_key(model_key) + "." + field
 
 
 def is_training_state(key: str) -> bool:

@@ -122,6 +122,11 @@ class StreamingWriter(FileSystemWriter):
         if self.index:
             super().finish(metadata, results)
 
+    def _metadata_exists(self) -> bool:
+        # A .metadata there is pgconvert's own, in the output it is writing (an index written again with the
+        # optimizer state's records, or one another writer keeps): torch would warn before replacing it.
+        return False
+
     def storage_meta(self) -> StorageMeta | None:
         """No checkpoint path (a temporary directory's, renamed after) and no random save id: the same plan
         gives the same ``.metadata``."""

@@ -34,7 +34,7 @@ from pgconvert.optimizer.checks import open_checked
 from pgconvert.optimizer.data_parallel import check_dst_dp
 from pgconvert.optimizer.mla_weight_decay import qk_norm_decay_notice
 from pgconvert.optimizer.order import OptimizerLayoutError, optimizer_count
-from pgconvert.optimizer.retype import float32_load_notice, retype_refusal, retyped
+from pgconvert.optimizer.retype import float32_load_notice, masters_for_destination, retype_refusal, retyped
 from pgconvert.optimizer.scaler import lost_scaler
 from pgconvert.optimizer.source import OptimizerSource
 
@@ -163,9 +163,10 @@ def carried_optimizer(conversion: Plan, notices: list[str]) -> tuple[OptimizerSo
 
 
 def attach_masters(conversion: Plan) -> None:
-    """A conversion to another ``--dtype`` that carries the optimizer state decides it while planning: its model
-    weights are then read from the optimizer's masters (``retype.retyped``)."""
-    if conversion.save_options.dtype is not None:
+    """A conversion to another ``--dtype``, or into a destination that stores the optimizer's masters as its model
+    (``Saver.stores_masters``), that carries the optimizer state decides it while planning: its model weights are
+    then read from the optimizer's masters (``retype.retyped``, ``retype.masters_for_destination``)."""
+    if conversion.save_options.dtype is not None or conversion.saver.stores_masters:
         carried_optimizer(conversion, [])
 
 
@@ -187,6 +188,8 @@ def _decide(conversion: Plan, notices: list[str]) -> tuple[OptimizerSource, str]
             raise
         raise OptimizerLayoutError(f"{exc}; pass --skip-optimizer to convert the model alone") from exc
     optimizer = retyped(conversion.source, optimizer, conversion.save_options.dtype)
+    if conversion.saver.stores_masters:
+        masters_for_destination(conversion.source, optimizer, conversion.dst_format)
     try:
         form = conversion.saver.optimizer_form(optimizer, optimizer_options(conversion.request))
     except ValidationError as exc:

@@ -118,6 +118,23 @@ def _kept_scaler(scaler: Any, dtype: torch.dtype, form: str) -> Any:
     return scaler if dtype == torch.float16 or scaler == {} else None
 
 
+def read_masters(source: CanonicalSource, optimizer: OptimizerSource, notice: str) -> None:
+    """The model's weights read from ``optimizer``'s fp32 masters (``source.masters``, with ``notice``) where they
+    are not the stored weights: the optimizer keeps masters beside weights narrower than float32."""
+    if source.masters is not None or optimizer.form == FORM_FP32 or weights_dtype(source, optimizer) == torch.float32:
+        return
+    source.masters = MasterWeights(optimizer)
+    source.notices.append(notice)
+
+
+def masters_for_destination(source: CanonicalSource, optimizer: OptimizerSource, dst_format: str) -> None:
+    """A destination that stores the optimizer's masters as its model (``Saver.stores_masters``) and carries the
+    state: its model is the masters, not the weights widened."""
+    stored = dtype_name(weights_dtype(source, optimizer))
+    read_masters(source, optimizer, f"{dst_format} stores the optimizer's fp32 master weights as the model: they are "
+                 f"read from the source's optimizer state, not its {stored} weights widened")
+
+
 def retyped(source: CanonicalSource, optimizer: OptimizerSource, dtype: torch.dtype | None) -> OptimizerSource:
     """``optimizer`` as a run in ``dtype`` carries it (itself when the weights are already in ``dtype``); where the
     masters are not the weights, they become the model's weights (``source.masters``), with a notice."""
@@ -125,12 +142,10 @@ def retyped(source: CanonicalSource, optimizer: OptimizerSource, dtype: torch.dt
     if dtype is None or dtype == stored:
         return optimizer
     view = RetypedOptimizer(optimizer, dtype)
-    if optimizer.form != FORM_FP32 and stored != torch.float32:
-        source.masters = MasterWeights(optimizer)
-        rounded = "" if dtype == torch.float32 else f" rounded to {dtype_name(dtype)}"
-        source.notices.append(
-            f"--dtype {dtype_name(dtype)}: the model's weights are the optimizer's fp32 master weights{rounded} (what "
-            f"megatron-core copies into the model after each step), not the {dtype_name(stored)} weights cast")
+    rounded = "" if dtype == torch.float32 else f" rounded to {dtype_name(dtype)}"
+    read_masters(source, optimizer, f"--dtype {dtype_name(dtype)}: the model's weights are the optimizer's fp32 master "
+                 f"weights{rounded} (what megatron-core copies into the model after each step), not the "
+                 f"{dtype_name(stored)} weights cast")
     if any(before is not None and after is None
            for before, after in zip(getattr(optimizer, "grad_scalers", []), view.grad_scalers)):
         source.notices.append(f"--dtype {dtype_name(dtype)}: the float16 run's dynamic grad scaler is not carried "
@@ -138,8 +153,9 @@ def retyped(source: CanonicalSource, optimizer: OptimizerSource, dtype: torch.dt
     return view
 
 
-# The distributed optimizer's forms megatron-core loads into a float32 run (its other loaders raise there).
-FLOAT32_LOADABLE = ("fully_reshardable", "fully_sharded_model_space")
+# The distributed optimizer's forms megatron-core loads into a float32 run (its other loaders raise there;
+# Megatron-FSDP's fsdp_dtensor state is loaded into torch's optimizer itself).
+FLOAT32_LOADABLE = ("fully_reshardable", "fully_sharded_model_space", "fsdp_dtensor")
 
 
 def float32_load_notice(optimizer: OptimizerSource, written_form: str) -> list[str]:

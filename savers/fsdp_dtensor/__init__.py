@@ -21,16 +21,17 @@ from __future__ import annotations
 
 import io
 from collections.abc import Collection
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from pgconvert.errors import LayoutError, ValidationError
-from pgconvert.formats import (TRAINING_STATE_NOT_CARRIED, PlannedFile, Progress, SaveOptions, Saver, SaveResult,
-                               target_config)
-from pgconvert.formats.dcp_save import (StoredChunk, StreamingPlanner, data_file_name, data_files, file_numbers,
-                                        planned_data_files, write_data_files, write_store)
+from pgconvert.formats import (TRAINING_STATE_NOT_CARRIED, CarriedOptimizer, OptimizerFile, OptimizerOptions,
+                               PlannedFile, Progress, SaveOptions, Saver, SaveResult, target_config)
+from pgconvert.formats.dcp_save import (StateReader, StoredChunk, StreamingPlanner, data_file_name, data_files,
+                                        file_numbers, planned_data_files, write_data_files, write_store)
 from pgconvert.formats.fsdp_dtensor import (ARGS_KEY, FSDP_DTENSOR_FORM, ITERATION_KEY, MODEL_PREFIX,
                                             refuse_unknown_keys, tensor_locations)
 from pgconvert.formats.hf_side import carried_for_target, write_carried
@@ -38,10 +39,14 @@ from pgconvert.formats.megatron import (CHECKPOINT_VERSION, FRAMEWORK_PICKLE, TR
                                         iteration_dir_name, params_dtype_for)
 from pgconvert.formats.stream import CanonicalSource
 from pgconvert.formats.strict import fallback
-from pgconvert.io.dcp_writer import WrittenFiles
+from pgconvert.io.dcp_writer import ItemKey, WrittenFiles
 from pgconvert.formats.torch_dist import DCP_METADATA_FILE
 from pgconvert.io.durable import fsync_file
 from pgconvert.model.provider import canonical_shapes, target_vocab_rows
+from pgconvert.optimizer.data_parallel import with_dst_dp
+from pgconvert.optimizer.source import OptimizerSource
+from pgconvert.savers.fsdp_dtensor.optimizer import (optimizer_entries, run_wrappers, state_chunks, state_paths,
+                                                    state_reader)
 
 CHECKPOINT_VERSION_KEY = "checkpoint_version"
 # The bytes entries written, in this order, to the data file after the model's.
@@ -112,21 +117,100 @@ class FsdpDtensorSaver(Saver):
     def finalize(self, source: CanonicalSource, out_dir: Path, options: SaveOptions) -> list[str]:
         """The bytes entries' data file, ``.metadata`` (from the plan), the tracker and the carried HF files."""
         iteration, release = self._iteration(source)
-        iteration_dir = out_dir / iteration_dir_name(iteration, release)
-        iteration_dir.mkdir(parents=True, exist_ok=True)
-        chunks, rows = self._chunks(source, options)
-        files = data_files(chunks, options)
-        values = (self._args(source, options, rows), iteration, CHECKPOINT_VERSION)
-        entries = {key: _object_bytes(value) for key, value in zip(WRITTEN_ENTRIES, values, strict=True)}
-        numbers = file_numbers(files)
-        numbers.update({(key, None): len(files) for key in entries})
-        planner = StreamingPlanner(chunks, entries, source, rows, lambda nbytes: None, _planner_data(chunks, entries))
-        write_store(iteration_dir, planner, numbers, (len(files),), True, iteration_dir / DCP_METADATA_FILE)
+        store = self._store(source, options)
+        self._write(source, out_dir, store, (store.entries_file,), True)
         tracker = out_dir / TRACKER_FILE
         tracker.write_text("release" if release else str(iteration))
         fsync_file(tracker)
         write_carried(source, options, out_dir)
         return self._notices(source, options)
+
+    def _store(self, source: CanonicalSource, options: SaveOptions, optimizer: OptimizerSource | None = None,
+               dst_dp: int | None = None) -> _Store:
+        """Every chunk and bytes entry of the store (with ``optimizer``: its state too) and their paths; ``dst_dp``
+        (``--dst-dp``): the data-parallel size the args record (the store itself is the same at any)."""
+        chunks, rows = self._chunks(source, options)
+        files = data_files(chunks, options)
+        args = self._args(source, options, rows)
+        if dst_dp is not None:
+            args = with_dst_dp(args, options.layout, dst_dp)
+        values = (args, self._iteration(source)[0], CHECKPOINT_VERSION)
+        entries = {key: _object_bytes(value) for key, value in zip(WRITTEN_ENTRIES, values, strict=True)}
+        paths = _planner_data(chunks, entries)
+        if optimizer is None:
+            return _Store(chunks, files, [], entries, paths, rows, None)
+        config = target_config(source.config, options)
+        wrappers = run_wrappers(self._run_dtype(source, options))
+        state = state_chunks(optimizer, chunks, wrappers)
+        added, added_paths = optimizer_entries(optimizer, config, options.layout, rows, wrappers, _object_bytes)
+        return _Store(chunks + state, files, data_files(state, options), {**entries, **added},
+                      {**paths, **state_paths(state), **added_paths}, rows, state_reader(optimizer, rows))
+
+    def _write(self, source: CanonicalSource, out_dir: Path, store: _Store, writes: Collection[int],
+               index: bool) -> WrittenFiles:
+        """The store's data files numbered ``writes`` (the others' offsets planned) and, with ``index``,
+        ``.metadata``; returns the files written."""
+        iteration_dir = out_dir / iteration_dir_name(*self._iteration(source))
+        iteration_dir.mkdir(parents=True, exist_ok=True)
+        planner = StreamingPlanner(store.chunks, store.entries, source, store.rows, lambda nbytes: None, store.paths,
+                                   store.state)
+        first = iteration_dir / (data_file_name(min(writes)) if writes else DCP_METADATA_FILE)
+        return write_store(iteration_dir, planner, store.numbers(), writes, index, first).written
+
+    # Megatron-FSDP's optimizer state (``optimizer.py``); the model entries are then the optimizer's fp32 masters.
+    writes_optimizer = True
+    stores_masters = True
+
+    def optimizer_refusal(self, source: CanonicalSource, options: SaveOptions,
+                          optimizer_options: OptimizerOptions) -> str | None:
+        if self._run_dtype(source, options) == torch.float16:
+            return ("optimizer state not carried: fsdp_dtensor holds no grad scaler, so an fp16 run's state (its loss "
+                    "scale and trackers) cannot be written; pass --skip-optimizer, or --dtype bf16")
+        return None
+
+    def optimizer_form(self, optimizer: OptimizerSource, optimizer_options: OptimizerOptions) -> str:
+        return FSDP_DTENSOR_FORM
+
+    def plan_optimizer(self, source: CanonicalSource, optimizer: OptimizerSource, form: str, options: SaveOptions,
+                       optimizer_options: OptimizerOptions) -> list[OptimizerFile]:
+        store = self._store(source, options, optimizer)
+        directory = iteration_dir_name(*self._iteration(source))
+        what = (f"optimizer state ({optimizer.form}, {form}; param groups and scheduler added to the bytes entries' "
+                "file and .metadata)")
+        return [OptimizerFile(f"{directory}/{data_file_name(number)}", what, len(chunks),
+                              sum(chunk.nbytes for chunk in chunks))
+                for number, chunks in zip(store.state_numbers, store.state_files)]
+
+    # The state's data files are written on their own (``save_optimizer(only=...)``), the bytes entries' file and
+    # ``.metadata`` once (``finalize_optimizer``).
+    optimizer_partial = True
+
+    def save_optimizer(self, source: CanonicalSource, optimizer: OptimizerSource, form: str, out_dir: Path,
+                       options: SaveOptions, optimizer_options: OptimizerOptions,
+                       files: list[PlannedFile], only: Collection[str] | None = None) -> CarriedOptimizer:
+        """The state's data files (those ``only`` names; None: all, and then what ``finalize_optimizer`` writes)."""
+        store = self._store(source, options, optimizer, optimizer_options.dp)
+        directory = iteration_dir_name(*self._iteration(source))
+        writes = [number for number in store.state_numbers
+                  if only is None or f"{directory}/{data_file_name(number)}" in only]
+        if only is None:
+            writes.append(store.entries_file)
+        written = self._write(source, out_dir, store, writes, only is None)
+        added = [PlannedFile(f"{directory}/{data_file_name(number)}", len(chunks),
+                             sum(chunk.nbytes for chunk in chunks), *written[data_file_name(number)])
+                 for number, chunks in zip(store.state_numbers, store.state_files)
+                 if data_file_name(number) in written]
+        kept = _rewritten(files, directory, store) if only is None else files
+        return CarriedOptimizer(kept + added, f"{optimizer.form}, {form}")
+
+    def finalize_optimizer(self, source: CanonicalSource, optimizer: OptimizerSource, form: str, out_dir: Path,
+                           options: SaveOptions, optimizer_options: OptimizerOptions,
+                           files: list[PlannedFile]) -> CarriedOptimizer:
+        """The bytes entries' file with the optimizer's entries, and ``.metadata`` with every record (from the plan)."""
+        store = self._store(source, options, optimizer, optimizer_options.dp)
+        self._write(source, out_dir, store, (store.entries_file,), True)
+        return CarriedOptimizer(_rewritten(files, iteration_dir_name(*self._iteration(source)), store),
+                                f"{optimizer.form}, {form}")
 
     def _args(self, source: CanonicalSource, options: SaveOptions, rows: int) -> Any:
         """The target's Megatron args: the layout, and the run's precision (``--dtype``, else the source run's)."""
@@ -153,8 +237,9 @@ class FsdpDtensorSaver(Saver):
         notices = []
         if source.iteration is None and not source.release:
             notices.append("the source has no iteration number; writing iteration 0")
+        masters = source.masters if source.masters is not None else ()
         narrower = sorted({str(source.meta(name).dtype).removeprefix("torch.") for name in source.names()
-                           if source.meta(name).dtype.is_floating_point
+                           if source.meta(name).dtype.is_floating_point and name not in masters
                            and source.meta(name).dtype.itemsize < MAIN_WEIGHTS_DTYPE.itemsize})
         if narrower:
             notices.append(f"fsdp_dtensor stores fp32 main weights: the source's {', '.join(narrower)} values are "
@@ -168,6 +253,44 @@ class FsdpDtensorSaver(Saver):
             written += f"; {TRAINING_STATE_NOT_CARRIED}: resume with --no-load-optim --no-load-rng (or --finetune)"
         notices.append(written)
         return notices
+
+
+@dataclass(frozen=True)
+class _Store:
+    """What one store holds: the chunks (the model's, then the optimizer state's), the model's data files, the
+    optimizer state's (numbered after the bytes entries' file), the bytes entries, each key's path in Megatron-LM's
+    nested state dict, the padded vocab rows, and where the optimizer state's chunks are read from."""
+
+    chunks: list[StoredChunk]
+    files: list[list[StoredChunk]]
+    state_files: list[list[StoredChunk]]
+    entries: dict[str, bytes]
+    paths: dict[str, tuple[str, ...]]
+    rows: int
+    state: StateReader | None
+
+    @property
+    def entries_file(self) -> int:
+        return len(self.files)
+
+    @property
+    def state_numbers(self) -> list[int]:
+        return [self.entries_file + 1 + number for number in range(len(self.state_files))]
+
+    def numbers(self) -> dict[ItemKey, int]:
+        numbers = file_numbers(self.files)
+        numbers.update({(key, None): self.entries_file for key in self.entries})
+        numbers.update({key: self.entries_file + 1 + number for key, number in file_numbers(self.state_files).items()})
+        return numbers
+
+
+def _rewritten(files: list[PlannedFile], directory: str, store: _Store) -> list[PlannedFile]:
+    """The model saver's files with the bytes entries' file and ``.metadata`` as written again (no digest: the
+    manifest computes it)."""
+    again = {f"{directory}/{data_file_name(store.entries_file)}": len(store.entries),
+             f"{directory}/{DCP_METADATA_FILE}": 0}
+    return [PlannedFile(item.relpath, again[item.relpath], item.nbytes) if item.relpath in again else item
+            for item in files]
 
 
 def _object_bytes(value: object) -> bytes:

@@ -104,9 +104,6 @@ class _RecordsWriter(StreamingWriter):
         super().__init__(directory, files, writes, index=True, prefix=RECORDS_PREFIX)
         self.metadata: Metadata | None = None
 
-    def _metadata_exists(self) -> bool:
-        return False  # the model's .metadata: this writer never writes one (torch warns before overwriting it)
-
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         metadata.storage_data = {result.index: result.storage_data for written in results for result in written}
         self.metadata = metadata

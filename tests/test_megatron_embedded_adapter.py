@@ -162,3 +162,25 @@ def test_export_adapter_of_an_adapter_alone_needs_a_base(run: dict[str, Path], t
     assert _matches(r"holds an adapter alone, not its base model: name the model it was trained on with --base",
                     result.output), result.output
     assert not (tmp_path / "out").exists()
+
+
+def test_a_rank_file_holding_an_adapter_is_refused_by_name(run: dict[str, Path], tmp_path: Path) -> None:
+    """Per-rank files with a wrapped model's adapter keys (its ``state_dict``, adapter_wrapper.py:204-229: the base
+    under its plain names, the adapter under ``<module>.adapter.``): not read, and said so, nothing written."""
+    import shutil
+
+    from pgconvert.formats.megatron import FRAMEWORK_PICKLE
+    from support.megatron_fixtures import load_for_test
+
+    megatron = Path(shutil.copytree(run["megatron"], tmp_path / "megatron"))
+    for path in sorted(megatron.glob("iter_*/mp_rank_*/model_optim_rng.pt")):
+        state = load_for_test(path)
+        state["model"]["decoder.layers.0.self_attention.linear_qkv.adapter.linear_in.weight"] = torch.zeros(2, 64)
+        torch.save(state, path, pickle_module=FRAMEWORK_PICKLE)
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, ["convert", str(megatron), str(out), "--dst-format", "hf", "-q"])
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert _matches(r"model_optim_rng.pt: holds LoRA adapter keys beside the model \(1, e.g. "
+                    r"decoder.layers.0.self_attention.linear_qkv.adapter.linear_in.weight\): an adapter is read beside "
+                    r"its model from a torch_dist checkpoint only", result.output), result.output
+    assert not out.exists()

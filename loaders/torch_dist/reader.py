@@ -28,6 +28,7 @@ from pgconvert.formats.hf_side import carried_side_files
 from pgconvert.formats.megatron import (
     TRAINING_STATE_KEYS,
     arg_name,
+    is_adapter_key,
     safe_torch_load,
     validate_source_layout,
 )
@@ -53,7 +54,6 @@ from pgconvert.formats.torch_dist import (
     DCP_METADATA_FILE,
     EXPERTS_KEY,
     common_state_storage,
-    is_adapter_key,
     is_extra_state,
     refuse_singleton,
     is_training_state,
@@ -173,7 +173,7 @@ class TorchDistSource(CanonicalSource):
                 holders.setdefault(key, []).append(name)
         missing = sorted(set(expected) - set(tensors))
         training = sorted(key for key in entries if key not in expected and is_training_state(key))
-        adapter = {key for key in entries if key not in expected and is_adapter_key(key)}
+        adapter = {key for key in entries if key not in expected and is_adapter_key(key) and not is_training_state(key)}
         self._adapter_keys = tuple(sorted(key for key in adapter if key in tensors))
         self._extra_keys = sorted(key for key, md in entries.items() if isinstance(md, BytesStorageMetadata)
                                   and is_extra_state(key) and key not in adapter)

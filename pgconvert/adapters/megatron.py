@@ -35,6 +35,7 @@ from pgconvert.adapters.names import loaded_hf_weights
 from pgconvert.families.table import Family, Transform
 from pgconvert.io import limits
 from pgconvert.io.limits import MAX_JSON_BYTES, quote
+from pgconvert.formats.megatron import is_adapter_key
 from pgconvert.model.config import ModelConfig
 
 # What inspect calls a Megatron-Bridge adapter checkpoint's format.
@@ -73,7 +74,6 @@ def find_adapter_store(path: Path, beside_model: bool = False) -> tuple[Path, Pa
     its run_config.yaml, or None when ``path`` is none: a store whose every model tensor is an adapter's, or
     (``beside_model``) one that holds adapter tensors beside others (the wrapped model saved whole)."""
     from pgconvert.formats.torch_dist import DCP_METADATA_FILE, read_dcp_metadata, resolve_iteration_dir
-    from pgconvert.formats.torch_dist import is_adapter_key
 
     if not path.is_dir():
         return None
@@ -153,7 +153,7 @@ def _peft_settings(run_config: Path) -> dict[str, Any]:
 def _read_pairs(store: Path, dim: int, run_config: Path) -> dict[str, MegatronPair]:
     """Every adapted module's ``linear_in`` and ``linear_out``, whole, by the canonical weight they change."""
     from pgconvert.formats.dcp_store import DcpStore
-    from pgconvert.formats.torch_dist import DCP_METADATA_FILE, is_adapter_key, read_dcp_metadata
+    from pgconvert.formats.torch_dist import DCP_METADATA_FILE, read_dcp_metadata
 
     metadata = read_dcp_metadata(store / DCP_METADATA_FILE)
     sides: dict[str, dict[str, torch.Tensor]] = {}

@@ -110,8 +110,6 @@ CONTENT_METADATA: dict[str, Any] = {
 # Entries of a training checkpoint that are not model weights: optimizer state (ShardedTensors and
 # objects, ``chained_N.`` before chained_optim_avoid_prefix), RNG and rerun-machine state.
 TRAINING_STATE_PREFIXES = ("optimizer.", "chained_", "rng_state", "rerun_state_machine_state")
-# What names a LoRA adapter's state in a Megatron-Bridge run's checkpoint (peft/adapter_wrapper.py).
-ADAPTER_KEY_PART = ".adapter."
 
 EXPERTS_KEY = EXPERTS_MODULE + "experts."
 OUTPUT_LAYER_MODULE = "output_layer"
@@ -353,11 +351,6 @@ def is_extra_state(key: str) -> bool:
 def is_training_state(key: str) -> bool:
     return key.startswith(TRAINING_STATE_PREFIXES)
 
-
-def is_adapter_key(key: str) -> bool:
-    """A key of an adapter Megatron-Bridge wraps a linear with (``<module>.adapter.linear_in.weight``, its
-    ``_extra_state``): peft/adapter_wrapper.py names the adapter's state ``<prefix>adapter.``."""
-    return ADAPTER_KEY_PART in key and not is_training_state(key)
 
 
 def empty_extra_state() -> io.BytesIO:

@@ -73,7 +73,8 @@ def test_a_plain_conversion_is_refused_by_name_and_writes_nothing(run: dict[str,
     assert _matches(rf"{re.escape(store)}: holds a LoRA adapter beside the model \(8 adapter keys, e.g. "
                     r"decoder.layers.mlp.linear_fc1.adapter.linear_in.weight\): pass --merge-adapter "
                     rf"{re.escape(store)} to merge it, --drop-adapter to convert the base model alone, or take the "
-                    rf"adapter out with 'pgconvert export-adapter {re.escape(store)} DST'", result.output), result.output
+                    rf"adapter out with 'pgconvert export-adapter {re.escape(store)} DST'",
+                    result.output), result.output
     assert not out.exists() and not list(tmp_path.glob(".out*"))
 
 
@@ -124,6 +125,9 @@ def test_drop_adapter_converts_the_base_alone(run: dict[str, Path], tmp_path: Pa
     expected, actual = load_hf_tensors(run["hf"]), load_hf_tensors(tmp_path / "base")
     assert sorted(expected) == sorted(actual)
     assert all(torch.equal(expected[name], actual[name]) for name in expected)
+    verified = pgconvert.verify(run["full"], tmp_path / "base")
+    assert verified.equal and any("the base model alone is compared" in note for note in verified.notes), \
+        verified.to_dict()
 
 
 def test_inspect_describes_the_model_and_its_adapter(run: dict[str, Path]) -> None:

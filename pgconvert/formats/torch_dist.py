@@ -352,7 +352,6 @@ def is_training_state(key: str) -> bool:
     return key.startswith(TRAINING_STATE_PREFIXES)
 
 
-
 def empty_extra_state() -> io.BytesIO:
     """A bytes entry as megatron-core writes it for a module without state (the local spec's
     linears): the list of the rank's local objects for that key, here the one ``None``."""

@@ -160,7 +160,7 @@ CONVERT_HELP_SECTIONS: HelpSections = (
     ("Naming", ("--dst-transformer-impl", "--dst-expert-layout", "--dst-mtp-layer-name", "--dst-torch-dist-common")),
     ("Output files", ("--max-shard-size", "--digest")),
     ("HF output", ("--hf-config", "--generation-config", "--tokenizer", "--keep-fp8")),
-    ("Adapters", ("--merge-adapter",)),
+    ("Adapters", ("--merge-adapter", "--drop-adapter")),
     ("Optimizer state", ("--skip-optimizer", "--dst-dp", "--dst-optim-form")),
     ("Safety", ("--strict", "--check-finite", "--skip-finite-check")),
     ("Scale-out", ("--threads", "--workers", "--max-memory", "--shard-index", "--num-shards")),
@@ -317,7 +317,11 @@ def _layout_option(name: str, help_text: str) -> Any:
               metavar="DIR", help="Merge a Hugging Face PEFT LoRA adapter (adapter_config.json, "
                                   "adapter_model.safetensors) or a Megatron-Bridge LoRA checkpoint into the model: "
                                   "W + (B @ A) * alpha / r in float32, rounded once to the weight's dtype, at any DST "
-                                  "layout.")
+                                  "layout; SRC itself when it holds a LoRA adapter beside its model.")
+@click.option("--drop-adapter", is_flag=True,
+              help="A Megatron-Bridge checkpoint that holds a LoRA adapter beside its model: convert the base model "
+                   "alone, the adapter left out with a notice (without it such a SRC is refused; --merge-adapter SRC "
+                   "merges the adapter, export-adapter takes it out).")
 @click.option("--text-only", is_flag=True,
               help="A vision-language source: convert its language model alone (hf: written as the text model's "
                    "own architecture and config); what is left out (vision tower, projector, processor files) is "
@@ -337,7 +341,7 @@ def convert_command(src: Path, dst: Path, src_format: str, dst_format: str, src_
                     quiet: bool, verbose: bool, keep_fp8: bool = False, skip_optimizer: bool = False,
                     dst_dp: int | None = None, dst_optim_form: str | None = None,
                     dst_mtp_layer_name: str | None = None, dst_torch_dist_common: str = "store",
-                    merge_adapter: Path | None = None, text_only: bool = False) -> None:
+                    merge_adapter: Path | None = None, drop_adapter: bool = False, text_only: bool = False) -> None:
     """Convert SRC into DST (the default command)."""
     from pgconvert.run.convert import ConvertRequest
 
@@ -360,7 +364,7 @@ def convert_command(src: Path, dst: Path, src_format: str, dst_format: str, src_
         generation_config=generation_config, tokenizer=tokenizer,
         keep_fp8=keep_fp8, skip_optimizer=skip_optimizer, dst_dp=dst_dp, dst_optim_form=dst_optim_form,
         dst_mtp_layer_name=dst_mtp_layer_name, dst_torch_dist_common=dst_torch_dist_common,
-        merge_adapter=merge_adapter, text_only=text_only,
+        merge_adapter=merge_adapter, drop_adapter=drop_adapter, text_only=text_only,
     )
     try:
         shard = _shard_of_this_process(shard_index, num_shards)
@@ -539,19 +543,20 @@ def export_optimizer_command(src: Path, out: Path, iteration: int | None) -> Non
 @main.command("export-adapter")
 @click.argument("src", type=click.Path(path_type=Path, exists=True, file_okay=False))
 @click.argument("dst", type=click.Path(path_type=Path))
-@click.option("--base", type=click.Path(path_type=Path, exists=True), required=True, metavar="CKPT",
+@click.option("--base", type=click.Path(path_type=Path, exists=True), default=None, metavar="CKPT",
               help="The base model the adapter was trained on, any format pgconvert reads (a Megatron or torch_dist "
                    "checkpoint, an HF directory): it gives the family the adapter is named for and the shapes it is "
-                   "checked against.")
+                   "checked against [default: SRC, when it holds the adapter beside its model].")
 @click.option("--iteration", type=click.IntRange(min=0), default=None,
               help="Iteration of --base to open [default: latest_checkpointed_iteration.txt].")
-def export_adapter_command(src: Path, dst: Path, base: Path, iteration: int | None) -> None:
+def export_adapter_command(src: Path, dst: Path, base: Path | None, iteration: int | None) -> None:
     """Write the LoRA adapter SRC into DST, unmerged, in the other form, for the model --base: a Megatron-Bridge LoRA
     checkpoint (a LoRA run's torch_dist store of adapter weights and run_config.yaml, any TP) as a Hugging Face PEFT
     adapter directory (adapter_config.json, adapter_model.safetensors: fused linear_qkv and linear_fc1 pairs become
     q/k/v and gate/up pairs sharing lora_A, r = dim, lora_alpha = alpha), or a PEFT adapter directory as a
-    Megatron-Bridge checkpoint megatron-core loads at any TP. DST must not exist; nothing is written when the adapter
-    does not fit --base or has no exact form in the other."""
+    Megatron-Bridge checkpoint megatron-core loads at any TP. A Megatron-Bridge checkpoint that holds the model too
+    (the wrapped model saved whole) is its own base. DST must not exist; nothing is written when the adapter does not
+    fit --base or has no exact form in the other."""
     from pgconvert.run.adapter_export import export_adapter
 
     try:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from pgconvert.model.config import ModelConfig
-from pgconvert.errors import CheckpointError
+from pgconvert.errors import CheckpointError, ValidationError
 from pgconvert.formats import Iteration, Loader, LoadOptions
 from pgconvert.model.grid import RankCoord, build_converter_process_groups, iter_ranks
 from pgconvert.formats.hf_side import carried_side_files
@@ -30,6 +30,7 @@ from pgconvert.formats.megatron import (
     TRAINING_STATE_KEYS,
     arg_name,
     check_megatron_layout,
+    is_adapter_key,
     check_vocab_multiple,
     config_from_args,
     layout_from_args,
@@ -180,6 +181,18 @@ def _expected_ranks(iteration_dir: Path, layout: ParallelLayout, rank_dirs: dict
             + ", ".join(unexpected)
         )
     return expected
+
+
+def _refuse_adapter(where: str, unexpected: list[str]) -> None:
+    """A rank file that holds a LoRA adapter's keys beside the model's: Megatron-Bridge and NeMo save a LoRA run as
+    torch_dist (their per-rank ``torch`` format is for local, non-persistent checkpoints), which is where pgconvert
+    reads an adapter beside a model."""
+    adapter = sorted(key for key in unexpected if is_adapter_key(key))
+    if adapter:
+        raise ValidationError(f"{where}: holds LoRA adapter keys beside the model ({len(adapter)}, e.g. {adapter[0]}): "
+                              "an adapter is read beside its model from a torch_dist checkpoint only (what "
+                              "Megatron-Bridge saves); save the run with ckpt_format='torch_dist', or the adapter "
+                              "alone, and pass it to --merge-adapter")
 
 
 class MegatronSource(CanonicalSource):
@@ -383,6 +396,7 @@ class MegatronSource(CanonicalSource):
                 )
             self._pieces[spec.canonical].append(_Piece(coord, chunk_key, spec))
         missing = sorted(set(specs) - set(model))
+        _refuse_adapter(where, unexpected)
         if missing or unexpected:
             declared = declaring_settings(self.config, {specs[name].canonical for name in missing},
                                           {spec.canonical for spec in specs.values()})

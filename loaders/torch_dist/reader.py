@@ -28,6 +28,7 @@ from pgconvert.formats.hf_side import carried_side_files
 from pgconvert.formats.megatron import (
     TRAINING_STATE_KEYS,
     arg_name,
+    is_adapter_key,
     safe_torch_load,
     validate_source_layout,
 )
@@ -42,7 +43,7 @@ from pgconvert.model.vision import LANGUAGE_MODEL_MODULE
 from pgconvert.model.provider import (LAYER_PREFIX, MTP_PREFIX, OUTPUT_LAYER, VOCAB_TABLES, WORD_EMBEDDINGS,
                                       canonical_shapes, shape_function)
 from pgconvert.model.rules import ShardRule
-from pgconvert.formats.stream import CanonicalSource, ExtraState, TensorMeta, holds_state
+from pgconvert.formats.stream import CanonicalSource, EmbeddedAdapter, ExtraState, TensorMeta, holds_state
 from pgconvert.formats.strict import fallback
 from pgconvert.formats.torch_dist_integrity import check_integrity, integrity_problems
 from pgconvert.formats.torch_dist_optimizer import moe_form_refusal
@@ -104,6 +105,8 @@ class TorchDistSource(CanonicalSource):
         self._strict = options.strict
         self._shapes = canonical_shapes(config, rows)
         self._check_extra_states()
+        if self._adapter_keys:
+            self.embedded_adapter = EmbeddedAdapter(iteration_dir, self._adapter_keys)
         self._training_entries = training_entries
         if training_entries:
             self.training_state_notice = (f"{training_entries} optimizer/RNG/rerun entries of the source are not "
@@ -170,9 +173,12 @@ class TorchDistSource(CanonicalSource):
                 holders.setdefault(key, []).append(name)
         missing = sorted(set(expected) - set(tensors))
         training = sorted(key for key in entries if key not in expected and is_training_state(key))
-        self._extra_keys = sorted(key for key, md in entries.items()
-                                  if isinstance(md, BytesStorageMetadata) and is_extra_state(key))
-        unexpected = sorted(set(entries) - set(expected) - set(training) - set(self._extra_keys) - {COMMON_STATE_KEY})
+        adapter = {key for key in entries if key not in expected and is_adapter_key(key) and not is_training_state(key)}
+        self._adapter_keys = tuple(sorted(key for key in adapter if key in tensors))
+        self._extra_keys = sorted(key for key, md in entries.items() if isinstance(md, BytesStorageMetadata)
+                                  and is_extra_state(key) and key not in adapter)
+        unexpected = sorted(set(entries) - set(expected) - set(training) - set(self._extra_keys) - adapter
+                            - {COMMON_STATE_KEY})
         if missing or unexpected:
             declared = declaring_settings(config, [name for key in missing for name in holders[key]])
             raise CheckpointError(

@@ -5,8 +5,10 @@ Megatron-Bridge's ``LoRA`` wraps each targeted megatron-core linear of a layer (
 ``linear_out`` (B, ``[out, dim]``), its output scaled by ``alpha / dim``. An adapter run's checkpoint is a
 torch_dist store of the adapter keys alone (``decoder.layers.<module>.adapter.linear_in.weight``, the layers
 stacked on a leading axis, or one key per layer ``decoder.layers.<L>.<module>…``) beside ``run_config.yaml``,
-whose ``peft`` section gives ``dim``, ``alpha``, ``dropout`` and ``target_modules``. The store holds global
-shapes, so what is read is the same at any TP: ``linear_in`` whole (TP split its ``dim`` rows for a
+whose ``peft`` section gives ``dim``, ``alpha``, ``dropout`` and ``target_modules``. A checkpoint of the wrapped
+model saved whole holds the same adapter keys beside the base model's (under their plain names: the wrapper gives
+``to_wrap`` its own prefix); they are read the same way, the base's left to the checkpoint's loader. The store
+holds global shapes, so what is read is the same at any TP: ``linear_in`` whole (TP split its ``dim`` rows for a
 column-parallel base, its ``in`` columns for a row-parallel one) and ``linear_out`` whole, its rows in the base
 weight's canonical order (a fused ``linear_qkv``'s by query group; a gated ``linear_fc1``'s ``[gate; up]``, which
 megatron-core's swiglu factory stores apart per rank, as it does the base's).
@@ -33,6 +35,7 @@ from pgconvert.adapters.names import loaded_hf_weights
 from pgconvert.families.table import Family, Transform
 from pgconvert.io import limits
 from pgconvert.io.limits import MAX_JSON_BYTES, quote
+from pgconvert.formats.megatron import is_adapter_key
 from pgconvert.model.config import ModelConfig
 
 # What inspect calls a Megatron-Bridge adapter checkpoint's format.
@@ -66,9 +69,10 @@ class MegatronAdapter:
     pairs: dict[str, MegatronPair]
 
 
-def find_adapter_store(path: Path) -> tuple[Path, Path] | None:
+def find_adapter_store(path: Path, beside_model: bool = False) -> tuple[Path, Path] | None:
     """The torch_dist store of a Megatron-Bridge adapter run at ``path`` (the run's directory or an iteration's) and
-    its run_config.yaml, or None when ``path`` is none: a store whose every model tensor is an adapter's."""
+    its run_config.yaml, or None when ``path`` is none: a store whose every model tensor is an adapter's, or
+    (``beside_model``) one that holds adapter tensors beside others (the wrapped model saved whole)."""
     from pgconvert.formats.torch_dist import DCP_METADATA_FILE, read_dcp_metadata, resolve_iteration_dir
 
     if not path.is_dir():
@@ -81,7 +85,8 @@ def find_adapter_store(path: Path) -> tuple[Path, Path] | None:
         keys = _tensor_keys(read_dcp_metadata(store / DCP_METADATA_FILE))
     except (PgconvertError, OSError):  # not a Megatron checkpoint: what it is, its reader says
         return None
-    return (store, run_config) if keys and all(".adapter." in key for key in keys) else None
+    adapted = [key for key in keys if is_adapter_key(key)]
+    return (store, run_config) if adapted and (beside_model or len(adapted) == len(keys)) else None
 
 
 def _run_config(store: Path) -> Path | None:
@@ -103,10 +108,10 @@ def _tensor_keys(metadata: Any) -> list[str]:
 
 def read_megatron_adapter(path: Path) -> MegatronAdapter:
     """The Megatron-Bridge LoRA adapter at ``path``, its settings checked and its pairs read whole."""
-    found = find_adapter_store(path)
+    found = find_adapter_store(path, beside_model=True)
     if found is None:
-        raise ValidationError(f"{path}: not a Megatron-Bridge LoRA checkpoint (a torch_dist store of "
-                              f"'.adapter.' keys alone, as a LoRA run saves, with its {RUN_CONFIG_FILE})")
+        raise ValidationError(f"{path}: not a Megatron-Bridge LoRA checkpoint (a torch_dist store of '.adapter.' "
+                              f"keys, alone or beside the model's, as a LoRA run saves, with its {RUN_CONFIG_FILE})")
     store, run_config = found
     settings = _peft_settings(run_config)
     dim, alpha = settings["dim"], settings["alpha"]
@@ -153,7 +158,7 @@ def _read_pairs(store: Path, dim: int, run_config: Path) -> dict[str, MegatronPa
     metadata = read_dcp_metadata(store / DCP_METADATA_FILE)
     sides: dict[str, dict[str, torch.Tensor]] = {}
     reader = DcpStore(store, metadata)
-    for key in sorted(_tensor_keys(metadata)):
+    for key in sorted(key for key in _tensor_keys(metadata) if is_adapter_key(key)):  # the base model's left out
         match = _ADAPTER_KEY.fullmatch(key)
         if match is None or ".experts." in match["module"]:
             raise ValidationError(f"{store}: {key}: not a LoRA adapter key of a decoder layer "

@@ -20,7 +20,7 @@ import torch
 from pgconvert.adapters.megatron import as_peft_adapter, find_adapter_store, read_megatron_adapter
 from pgconvert.adapters.names import loaded_hf_weights, source_family
 from pgconvert.adapters.peft import ExpertsPair, PeftAdapter, is_adapter_directory, read_peft_adapter
-from pgconvert.errors import ValidationError
+from pgconvert.errors import PgconvertError, ValidationError
 from pgconvert.families.table import TensorMapping
 from pgconvert.formats.stream import CanonicalSource
 from pgconvert.model.provider import VOCAB_TABLES
@@ -228,7 +228,9 @@ class AdapterMerge:
 def read_adapter(directory: Path, source: CanonicalSource) -> PeftAdapter:
     """The adapter at ``directory`` as PEFT pairs: a PEFT adapter directory, or a Megatron-Bridge LoRA checkpoint
     put in PEFT's names for ``source``'s family."""
-    if not is_adapter_directory(directory) and find_adapter_store(directory) is not None:
+    embedded = source.embedded_adapter
+    if not is_adapter_directory(directory) and (find_adapter_store(directory, beside_model=True) is not None or (
+            embedded is not None and _same_store(directory, embedded.store))):
         return as_peft_adapter(read_megatron_adapter(directory), source_family(source), source.config)
     return read_peft_adapter(directory)
 
@@ -242,3 +244,37 @@ def attach_adapter(source: CanonicalSource, directory: Path, keep_quantized: boo
     merge = AdapterMerge(read_adapter(directory, source), source)
     source.adapter = merge
     log.info("merging the LoRA adapter in %s into %d tensors of %s", directory, len(merge.targets), source.describe())
+
+
+def attach_adapters(source: CanonicalSource, merge_adapter: Path | None, drop_adapter: bool,
+                    keep_quantized: bool) -> None:
+    """What a conversion does with adapters: ``--merge-adapter`` merged (``attach_adapter``), and a LoRA adapter the
+    checkpoint holds beside its model merged (``--merge-adapter`` names the same checkpoint), left out with a notice
+    (``--drop-adapter``) or refused: converting the base alone would lose it without a word."""
+    embedded = source.embedded_adapter
+    merges_embedded = embedded is not None and merge_adapter is not None and _same_store(merge_adapter, embedded.store)
+    if embedded is None and drop_adapter:
+        raise ValidationError(f"--drop-adapter: {source.describe()} holds no LoRA adapter beside its model")
+    if embedded is not None and merges_embedded and drop_adapter:
+        raise ValidationError(f"--merge-adapter {merge_adapter} with --drop-adapter: the adapter {embedded.store} "
+                              "holds is either merged or left out; pass one of them")
+    if embedded is not None and not merges_embedded and not drop_adapter:
+        raise ValidationError(
+            f"{embedded.store}: holds a LoRA adapter beside the model ({len(embedded.keys)} adapter keys, e.g. "
+            f"{embedded.keys[0]}): pass --merge-adapter {embedded.store} to merge it, --drop-adapter to convert the "
+            f"base model alone, or take the adapter out with 'pgconvert export-adapter {embedded.store} DST'")
+    if embedded is not None and drop_adapter:
+        source.notices.append(f"{embedded.store}: the LoRA adapter it holds beside the model ({len(embedded.keys)} "
+                              "tensors) is left out (--drop-adapter): the base model alone is converted")
+    if merge_adapter is not None:
+        attach_adapter(source, merge_adapter, keep_quantized)
+
+
+def _same_store(directory: Path, store: Path) -> bool:
+    """Whether the Megatron checkpoint ``directory`` (a run's or an iteration's) is the store ``store``."""
+    from pgconvert.formats.torch_dist import resolve_iteration_dir
+
+    try:
+        return resolve_iteration_dir(directory, None)[0].resolve() == store.resolve()
+    except (PgconvertError, OSError):
+        return False

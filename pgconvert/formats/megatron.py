@@ -63,9 +63,17 @@ RANK_FILE = "model_optim_rng.pt"
 DISTRIB_OPTIM_FILE = "distrib_optim.pt"
 # A rank file's training state (Megatron-LM's ``generate_state_dict``): what a resumed run reads besides the model.
 TRAINING_STATE_KEYS = ("optimizer", "opt_param_scheduler", "rng_state", "rerun_state_machine")
+# What names a LoRA adapter's state in a Megatron-Bridge run's checkpoint (peft/adapter_wrapper.py).
+ADAPTER_KEY_PART = ".adapter."
 CHECKPOINT_VERSION = 3.0
 ITERATION_DIR_RE = re.compile(r"^iter_(\d{7,})$")
 RANK_DIR_RE = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
+
+
+def is_adapter_key(key: str) -> bool:
+    """A model key of an adapter Megatron-Bridge wraps a linear with (``<module>.adapter.linear_in.weight``, its
+    ``_extra_state``): peft/adapter_wrapper.py names the adapter's state ``<prefix>adapter.``."""
+    return ADAPTER_KEY_PART in key
 
 
 def iteration_dir_name(iteration: int | None, release: bool) -> str:

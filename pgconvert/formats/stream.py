@@ -12,6 +12,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -30,6 +31,14 @@ if TYPE_CHECKING:
     from pgconvert.optimizer.source import OptimizerSource
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EmbeddedAdapter:
+    """The LoRA adapter a checkpoint holds beside its model: the store it is in and its tensor keys."""
+
+    store: Path
+    keys: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -172,6 +181,9 @@ class CanonicalSource:
         self.notices: list[str] = []
         # An adapter merged into the tensors as they are read (pgconvert.adapters.merge; set by the conversion).
         self.adapter: AdapterMerge | None = None
+        # A LoRA adapter the checkpoint holds beside the model (set by its loader; its keys are not the model's):
+        # what a conversion does with it is ``pgconvert.adapters.merge.attach_adapters``' choice.
+        self.embedded_adapter: EmbeddedAdapter | None = None
         # The optimizer's fp32 masters read in place of the stored weights: a run carried to another --dtype
         # (pgconvert.optimizer.retype; set by the conversion).
         self.masters: MasterWeights | None = None

@@ -19,12 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from pgconvert.adapters.megatron import as_peft_adapter, read_megatron_adapter
+from pgconvert.adapters.megatron import as_peft_adapter, find_adapter_store, read_megatron_adapter
 from pgconvert.adapters.megatron_save import write_bridge_adapter
 from pgconvert.adapters.merge import AdapterMerge
 from pgconvert.adapters.names import source_family
 from pgconvert.adapters.peft import CONFIG_FILE, WEIGHTS_FILE, PeftAdapter, is_adapter_directory, read_peft_adapter
-from pgconvert.errors import DestinationError
+from pgconvert.errors import DestinationError, ValidationError
 from pgconvert.formats import LoadOptions
 from pgconvert.formats.registry import detect_format, get_loader
 from pgconvert.formats.stream import CanonicalSource
@@ -46,24 +46,36 @@ class AdapterExport:
     pairs: int
 
 
-def export_adapter(src: Path, dst: Path, base: Path, iteration: int | None = None) -> AdapterExport:
+def export_adapter(src: Path, dst: Path, base: Path | None = None, iteration: int | None = None) -> AdapterExport:
     """Write the adapter ``src`` into ``dst`` (which must not exist) in the other form, for the model ``base`` (its
     ``iteration``): a PEFT adapter directory as a Megatron-Bridge checkpoint, anything else read as a
-    Megatron-Bridge checkpoint and written as a PEFT adapter directory."""
+    Megatron-Bridge checkpoint and written as a PEFT adapter directory. Without ``base``, ``src`` is its own: a
+    checkpoint that holds the adapter beside its model (the adapter then read from the iteration opened)."""
     refuse_unusable_name(dst)
     if dst.exists():
         raise DestinationError(f"DST {dst}: exists; export-adapter writes a new directory")
-    source = get_loader(detect_format(base)).open(base, LoadOptions(iteration=iteration))
+    if base is None and (is_adapter_directory(src) or find_adapter_store(src) is not None):
+        raise ValidationError(f"export-adapter {src}: holds an adapter alone, not its base model: name the model it "
+                              "was trained on with --base")
+    source = get_loader(detect_format(base or src)).open(base or src, LoadOptions(iteration=iteration))
     try:
         if is_adapter_directory(src):
             return _to_megatron_bridge(read_peft_adapter(src), source, dst)
-        adapter = as_peft_adapter(read_megatron_adapter(src), source_family(source), source.config,
-                                  base_model=str(base))
+        where = src if base is not None else _embedded_store(source, src)
+        adapter = as_peft_adapter(read_megatron_adapter(where), source_family(source), source.config,
+                                  base_model=str(base or src))
         AdapterMerge(adapter, source)  # every pair on one of the model's weights, of its shape
         _staged(dst, lambda staging: _write_peft(adapter, staging))
         return AdapterExport(dst, PEFT_FORM, len(adapter.pairs))
     finally:
         source.close()
+
+
+def _embedded_store(source: CanonicalSource, src: Path) -> Path:
+    """The store of the adapter ``src`` holds beside its model: the iteration opened."""
+    if source.embedded_adapter is None:
+        raise ValidationError(f"export-adapter {src}: holds no LoRA adapter (no '.adapter.' keys beside its model)")
+    return source.embedded_adapter.store
 
 
 def _to_megatron_bridge(adapter: PeftAdapter, source: CanonicalSource, dst: Path) -> AdapterExport:

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pgconvert.adapters.merge import attach_adapter
+from pgconvert.adapters.merge import attach_adapters
 from pgconvert.formats.text_only import LanguageModelSource
 from pgconvert.io.durable import fsync_dir
 from pgconvert.run.destination import (
@@ -111,6 +111,8 @@ class ConvertRequest:
     dst_torch_dist_common: str = "store"
     # A Hugging Face PEFT LoRA adapter directory merged into the model as it is converted (pgconvert.adapters).
     merge_adapter: Path | None = None
+    # A LoRA adapter the source holds beside its model left out, the base model alone converted (with a notice).
+    drop_adapter: bool = False
     # A vision-language source's language model alone (pgconvert.formats.text_only).
     text_only: bool = False
 
@@ -279,8 +281,8 @@ def plan(request: ConvertRequest, check_dst: bool = True) -> Plan:
         source = _language_model_only(source)
     try:
         source.check_finite = request.check_finite
-        if request.merge_adapter is not None:
-            attach_adapter(source, Path(request.merge_adapter), request.keep_fp8)
+        attach_adapters(source, None if request.merge_adapter is None else Path(request.merge_adapter),
+                        request.drop_adapter, request.keep_fp8)
         # A format without parallel layouts (hf) starts from an unsharded layout, not the source's.
         layout_base = source.layout if saver.parallel else None
         save_options = SaveOptions(

@@ -102,8 +102,8 @@ class CheckpointInfo:
     problems: list[Problem] = field(default_factory=list)
     # The settings that differ from the family's defaults (None when the checkpoint did not open).
     family_defaults: FamilyDefaults | None = None
-    # An adapter's description (pgconvert.adapters.peft.describe_adapter, adapters.megatron.describe_megatron_adapter);
-    # None for a checkpoint.
+    # An adapter's description (pgconvert.adapters.peft.describe_adapter, adapters.megatron.describe_megatron_adapter):
+    # an adapter's, or the one a checkpoint holds beside its model; None for a checkpoint without one.
     adapter: dict[str, Any] | None = None
 
     @property
@@ -141,6 +141,8 @@ def inspect(path: str | Path, iteration: int | None = None, skip_finite_check: b
     try:
         _describe(source, info)
         _check_optimizer(source, info, not skip_finite_check)
+        if source.embedded_adapter is not None:
+            _describe_embedded_adapter(source.embedded_adapter.store, info)
     except PgconvertError as error:
         info.problems.append(Problem("error", "unreadable", str(error)))
     finally:
@@ -159,6 +161,17 @@ def _inspect_adapter(path: Path, info: CheckpointInfo, megatron: bool = False) -
     except PgconvertError as error:
         info.problems.append(Problem("error", "unreadable", str(error)))
     return info
+
+
+def _describe_embedded_adapter(store: Path, info: CheckpointInfo) -> None:
+    """The LoRA adapter a checkpoint holds beside its model, described as a Megatron-Bridge adapter checkpoint is;
+    a notice says what a conversion needs to be told."""
+    info.notices.append(f"{store}: holds a LoRA adapter beside the model: convert --merge-adapter {store} merges it, "
+                        "--drop-adapter leaves it out, export-adapter takes it out")
+    try:
+        info.adapter = describe_megatron_adapter(read_megatron_adapter(store))
+    except PgconvertError as error:
+        info.problems.append(Problem("error", "unreadable", f"its LoRA adapter: {error}"))
 
 
 def _describe(source: CanonicalSource, info: CheckpointInfo) -> None:

@@ -106,6 +106,7 @@ def verify(a: str | Path, b: str | Path, rtol: float = 0.0, atol: float = 0.0, *
         for label, root, source in (("A", a, source_a), ("B", b, source_b)):
             _check_manifest(label, root, report)
             _check_integrity(label, source, report)
+            _note_embedded_adapter(label, source, report)
         _compare_sources(source_a, source_b, report, progress or (lambda name: None))
         if not skip_optimizer:
             report.optimizer = compare_optimizers(source_a, source_b, rtol, atol, progress)
@@ -113,6 +114,14 @@ def verify(a: str | Path, b: str | Path, rtol: float = 0.0, atol: float = 0.0, *
         source_a.close()
         source_b.close()
     return report
+
+
+def _note_embedded_adapter(label: str, source: CanonicalSource, report: VerifyReport) -> None:
+    """A LoRA adapter the checkpoint holds beside its model and that is not merged: what is compared is said."""
+    embedded = source.embedded_adapter
+    if embedded is not None and source.adapter is None:
+        report.notes.append(f"{label}: {embedded.store} holds a LoRA adapter beside the model: the base model alone is "
+                            f"compared (--merge-adapter {embedded.store} compares it merged)")
 
 
 def _check_manifest(label: str, root: Path, report: VerifyReport) -> None:

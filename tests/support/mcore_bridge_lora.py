@@ -26,7 +26,12 @@ rank job does those steps with megatron-core's classes (one gloo process per TP 
 - ``training/checkpointing.py:1294-1298, 3332-3360`` and ``peft/base.py:230-248``: an adapter run's checkpoint is
   the model's sharded state dict filtered to the ``.adapter.`` keys (no ``_extra_state``), saved with
   ``dist_checkpointing.save`` (torch_dist); ``checkpointing.py:1460-1494``: ``run_config.yaml`` beside it holds
-  the run's config, its ``peft`` section the LoRA settings (``_target_``, ``dim``, ``alpha``, ...).
+  the run's config, its ``peft`` section the LoRA settings (``_target_``, ``dim``, ``alpha``, ...). Saved with no
+  adapter filter (``checkpointing.py:1294-1298`` applies it only when ``cfg.peft`` is set;
+  ``training/model_load_save.py:505`` ``save_megatron_model`` sets none), the checkpoint is the whole wrapped model's sharded state dict:
+  ``adapter_wrapper.py:259-262`` gives ``to_wrap`` the wrapper's own prefix, so the base keeps its plain names
+  (``…linear_qkv.weight``, no ``to_wrap.``), and ``adapter_wrapper.py:266-275`` adds the adapter's under
+  ``<module>.adapter.``.
 
 ``bridge_lora_load`` loads such a store back into the wrapped model at any TP, as Megatron-Bridge's
 ``load_peft_adapter_checkpoint`` does (``peft/utils.py:418-478``: the adapter-filtered sharded state dict,
@@ -126,9 +131,20 @@ def _adapter_state(model: Any) -> dict[str, Any]:
     return {key: value for key, value in sharded.items() if ".adapter." in key and "_extra_state" not in key}
 
 
+def _saved_state(model: Any, spec: dict[str, Any]) -> dict[str, Any]:
+    """What the run saves: the adapter alone (``bridge_lora``) or, with no adapter filter (``bridge_lora_full``,
+    checkpointing.py:1294-1298 filters only when ``cfg.peft`` is set), the whole wrapped model's sharded state dict:
+    the base under its plain names (adapter_wrapper.py:259-260 passes the wrapper's own prefix to ``to_wrap``, so
+    no ``to_wrap.`` appears) beside the adapter's ``<module>.adapter.`` keys (adapter_wrapper.py:266-270)."""
+    from support.mcore_gpt_models import model_sharded_state_dict
+
+    return model_sharded_state_dict(model) if spec["action"] == "bridge_lora_full" else _adapter_state(model)
+
+
 def run_bridge_lora_rank(rank: int, world: int, spec: dict[str, Any]) -> None:
     """One TP rank (spec: base, ckpt, out, dim, alpha). ``bridge_lora``: the adapters get random values and the
-    adapter-only state is saved with dist_checkpointing; ``bridge_lora_load``: it is loaded from ``ckpt`` with
+    adapter-only state is saved with dist_checkpointing (``bridge_lora_full``: the whole wrapped model's, with the
+    base's args in the common state); ``bridge_lora_load``: it is loaded from ``ckpt`` with
     dist_checkpointing.load, as Megatron-Bridge's load_peft_adapter_checkpoint does (peft/utils.py:418-478). Either
     way the rank's pieces go to ``out``/rank{R}.pt."""
     from megatron.core import dist_checkpointing
@@ -147,7 +163,11 @@ def run_bridge_lora_rank(rank: int, world: int, spec: dict[str, Any]) -> None:
                     weight.copy_(_values(f"{module}.{side}", rank, weight.shape))
         held = {module: {side: getattr(adapter, side).weight.detach().clone() for side in ("linear_in", "linear_out")}
                 for module, adapter in adapters.items()}
-        state = {"model": _adapter_state(model), "checkpoint_version": 3.0, "iteration": ITERATION}
+        state = {"model": _saved_state(model, spec), "checkpoint_version": 3.0, "iteration": ITERATION}
+        if spec["action"] == "bridge_lora_full":
+            import support.mcore_helpers as mcore
+
+            state["args"] = mcore.rank_files(Path(spec["base"]))[rank].args
         dist_checkpointing.save(state, spec["ckpt"], content_metadata=content_metadata())
     torch.save(held, Path(spec["out"]) / f"rank{rank}.pt")
 
@@ -168,17 +188,19 @@ def write_run_config(iteration_dir: Path, dim: int, alpha: float, tp: int,
     (iteration_dir / "run_config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
 
 
-def bridge_lora_checkpoint(base: Path, root: Path, out: Path, dim: int, alpha: float) -> Path:
+def bridge_lora_checkpoint(base: Path, root: Path, out: Path, dim: int, alpha: float, whole: bool = False) -> Path:
     """A Megatron-Bridge LoRA run's checkpoint directory at ``root`` (``iter_*`` with the adapter-only torch_dist store
-    and run_config.yaml, the tracker) for the TP Megatron checkpoint ``base``; ``out``: the ranks' held pieces."""
+    and run_config.yaml, the tracker) for the TP Megatron checkpoint ``base``; ``out``: the ranks' held pieces.
+    ``whole``: the wrapped model saved whole instead (base and adapter in one store, megatron-core's ``args`` in its
+    common state); the adapters get the same values either way."""
     from support.mcore_helpers import rank_files
     from support.mcore_torch_dist_job import run_job
 
     tp = rank_files(base)[0].layout.tp
     iteration_dir = root / f"iter_{ITERATION:07d}"
     iteration_dir.mkdir(parents=True)
-    run_job({"action": "bridge_lora", "base": str(base), "ckpt": str(iteration_dir), "world": tp, "tp": tp, "pp": 1,
-             "ep": 1, "dim": dim, "alpha": alpha}, out)
+    run_job({"action": "bridge_lora_full" if whole else "bridge_lora", "base": str(base), "ckpt": str(iteration_dir),
+             "world": tp, "tp": tp, "pp": 1, "ep": 1, "dim": dim, "alpha": alpha}, out)
     write_run_config(iteration_dir, dim, alpha, tp)
     (root / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
     return root

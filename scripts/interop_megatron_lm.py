@@ -27,9 +27,10 @@ Steps (each must succeed):
 
 8. Megatron-LM's bf16 SwiGLU Megatron-FSDP save with its optimizer state (tests/data/megatron_lm/
    train_tp2dp2_fsdp_dtensor_optim) -> pgconvert -> per-rank TP1 bf16 -> pgconvert -> fsdp_dtensor TP2 with the
-   optimizer state, resumed by ``pretrain_gpt.py`` at TP2 DP2 loading the optimizer, one step at the checkpoint's
-   learning rate: the iteration-3 loss and the saved weights, moments and steps are those of Megatron-LM resuming
-   its own save (bit-exact, read with torch's DCP).
+   optimizer state, resumed by ``pretrain_gpt.py`` at TP2 DP2 and TP2 DP1 loading the optimizer, one step at the
+   checkpoint's learning rate: at each, the iteration-3 loss and the saved weights, moments and steps are those of
+   Megatron-LM resuming its own save there (bit-exact, read with torch's DCP), and DP1's loss is the run's
+   continuation within one bf16 ulp.
 
 Run only some steps: ``python scripts/interop_megatron_lm.py WORKDIR fsdp`` runs steps 6 to 8 alone,
 ``fsdp-optim`` step 8.
@@ -261,15 +262,12 @@ FSDP_OPTIM_FLAGS = ("--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor", "--n
 
 
 def fsdp_optimizer_resumes(work: Path) -> None:
-    """Megatron-LM's bf16 SwiGLU Megatron-FSDP save with its optimizer state (the golden) -> pgconvert -> per-rank
-    TP1 in bf16 (the masters in distrib_optim.pt) -> pgconvert -> fsdp_dtensor TP2 with the optimizer state (the
-    model entries the masters again), resumed by ``pretrain_gpt.py`` at TP2 DP2 loading the optimizer: the
-    iteration-3 loss and the state it saves after a step at the run's learning rate (weights, moments and steps
-    bit-exact) are those of Megatron-LM resuming its own save."""
-    expected_dir = work / "megatron_lm_resumed_fsdp_optim_itself"
-    expected = _loss_at(megatron_load_and_train(FSDP_OPTIM_GOLDEN, expected_dir, 2, 1, "fsdp_dtensor", 29721,
-                                                FSDP_OPTIM_FLAGS, saved_iteration=3, dp=2, extra_env=FSDP_ENV,
-                                                dropped=("--no-load-optim",)), 3)
+    """Megatron-LM's bf16 SwiGLU Megatron-FSDP save with its optimizer state (the golden, TP2 DP2) -> pgconvert ->
+    per-rank TP1 in bf16 (the masters in distrib_optim.pt) -> pgconvert -> fsdp_dtensor TP2 with the optimizer state
+    (the model entries the masters again), resumed by ``pretrain_gpt.py`` at TP2 DP2 and at TP2 DP1 (a data-parallel
+    size the run did not use; the same global batch) loading the optimizer: at each, the iteration-3 loss and the
+    state it saves after a step at the run's learning rate (weights, moments and steps bit-exact) are those of
+    Megatron-LM resuming its own save there, and DP1's loss is the run's continuation (DP2's) within one bf16 ulp."""
     per_rank = work / "pgconvert_tp1_bf16_from_fsdp_optim_golden"
     pgconvert("convert", str(FSDP_OPTIM_GOLDEN), str(per_rank), "--dst-format", "megatron", "--dst-tp", "1",
               "--dtype", "bf16", "--overwrite")
@@ -277,15 +275,24 @@ def fsdp_optimizer_resumes(work: Path) -> None:
     pgconvert("convert", str(per_rank), str(ours), "--dst-format", "fsdp_dtensor", "--dst-tp", "2", "--overwrite",
               "--strict")
     pgconvert("verify", str(FSDP_OPTIM_GOLDEN), str(ours))
-    theirs = work / "megatron_lm_resumed_from_pgconvert_fsdp_dtensor_optim"
-    log = megatron_load_and_train(ours, theirs, 2, 1, "fsdp_dtensor", 29722, FSDP_OPTIM_FLAGS, saved_iteration=3,
-                                  dp=2, extra_env=FSDP_ENV, dropped=("--no-load-optim",))
-    loss = _loss_at(log, 3)
-    print(f"  iteration 3 lm loss: {loss:.6E} resumed from pgconvert's fsdp_dtensor with its optimizer state, "
-          f"{expected:.6E} resumed from Megatron-LM's own save", flush=True)
-    if loss != expected:
-        raise SystemExit(f"lm loss {loss} differs from the run's continuation {expected}")
-    same_store_tensors(expected_dir / "iter_0000003", theirs / "iter_0000003")
+    continuation = None
+    for dp in (2, 1):
+        expected_dir = work / f"megatron_lm_resumed_fsdp_optim_itself_dp{dp}"
+        expected = _loss_at(megatron_load_and_train(FSDP_OPTIM_GOLDEN, expected_dir, 2, 1, "fsdp_dtensor",
+                                                    29721 + 2 * dp, FSDP_OPTIM_FLAGS, saved_iteration=3, dp=dp,
+                                                    extra_env=FSDP_ENV, dropped=("--no-load-optim",)), 3)
+        theirs = work / f"megatron_lm_resumed_from_pgconvert_fsdp_dtensor_optim_dp{dp}"
+        log = megatron_load_and_train(ours, theirs, 2, 1, "fsdp_dtensor", 29722 + 2 * dp, FSDP_OPTIM_FLAGS,
+                                      saved_iteration=3, dp=dp, extra_env=FSDP_ENV, dropped=("--no-load-optim",))
+        loss = _loss_at(log, 3)
+        continuation = expected if continuation is None else continuation
+        print(f"  TP2 DP{dp}: iteration 3 lm loss: {loss:.6E} resumed from pgconvert's fsdp_dtensor with its optimizer "
+              f"state, {expected:.6E} resumed from Megatron-LM's own save, {continuation:.6E} the run's continuation "
+              "(DP2)", flush=True)
+        if loss != expected or abs(loss - continuation) > 2 ** -7 * abs(continuation):
+            raise SystemExit(f"TP2 DP{dp}: lm loss {loss} differs from Megatron-LM's {expected} or the run's "
+                             f"continuation {continuation}")
+        same_store_tensors(expected_dir / "iter_0000003", theirs / "iter_0000003")
 
 
 def same_store_tensors(expected: Path, actual: Path) -> None:

@@ -115,7 +115,7 @@ class ConvertByDefault(click.Group):
 @click.version_option(__version__, prog_name="pgconvert")
 def main() -> None:
     """Reshard a checkpoint between tensor/pipeline/expert-parallel layouts and formats
-    (megatron per-rank, torch_dist, hf), on the CPU.
+    (megatron per-rank, torch_dist, Megatron-FSDP fsdp_dtensor, hf), on the CPU.
 
     SRC is read, DST is written complete or not at all. Every rank of both layouts is played in
     this one process on fake process groups: no GPU, no torch.distributed job, no training framework.

@@ -328,3 +328,18 @@ def test_shards_and_workers_merge_the_adapter_as_one_process_does(llama: dict[st
     assert run_plain.exit_code == 0, run_plain.output
     with pytest.raises(AssertionError):  # the check sees the adapter: the base alone writes other bytes
         assert_same_bytes(base, tmp_path / "single")
+
+
+def test_an_adapter_left_beside_the_model_as_verl_leaves_it_is_named_until_merged(llama: dict[str, Path],
+                                                                                 tmp_path: Path) -> None:
+    # verl's model merger saves a LoRA run as the base model with its adapter, unmerged, in lora_adapter/ beside it
+    run = Path(shutil.copytree(llama["base"], tmp_path / "verl_hf"))
+    shutil.copytree(llama["adapter"], run / "lora_adapter")
+    plain = pgconvert.convert(run, tmp_path / "plain", dst_format="hf")
+    named = [notice for notice in plain.notices if "lora_adapter: a PEFT LoRA adapter beside this model is not merged"
+             in notice and f"--merge-adapter {run / 'lora_adapter'}" in notice]
+    assert len(named) == 1, plain.notices
+    assert_tensors_equal(llama["base"], tmp_path / "plain")
+    merged = pgconvert.convert(run, tmp_path / "merged", dst_format="hf", merge_adapter=run / "lora_adapter")
+    assert not any("beside this model" in notice for notice in merged.notices), merged.notices
+    assert_tensors_equal(llama["merged"], tmp_path / "merged")

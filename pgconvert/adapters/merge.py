@@ -266,8 +266,24 @@ def attach_adapters(source: CanonicalSource, merge_adapter: Path | None, drop_ad
     if embedded is not None and drop_adapter:
         source.notices.append(f"{embedded.store}: the LoRA adapter it holds beside the model ({len(embedded.keys)} "
                               "tensors) is left out (--drop-adapter): the base model alone is converted")
+    beside = adapter_beside(source)
+    if beside is not None and (merge_adapter is None or merge_adapter.resolve() != beside.resolve()):
+        source.notices.append(f"{beside}: a PEFT LoRA adapter beside this model is not merged (verl's model merger "
+                              "writes a LoRA run's adapter there, unmerged, and the model beside it is the base): "
+                              f"pass --merge-adapter {beside} to merge it")
     if merge_adapter is not None:
         attach_adapter(source, merge_adapter, keep_quantized)
+
+
+# Where verl's model merger writes a LoRA run's adapter, beside the base model it saves (``save_lora_adapter``).
+ADAPTER_BESIDE_HF = "lora_adapter"
+
+
+def adapter_beside(source: CanonicalSource) -> Path | None:
+    """The PEFT adapter directory an HF source's directory holds (``lora_adapter/``), None if it holds none."""
+    origin = source.hf_origin
+    beside = origin.directory / ADAPTER_BESIDE_HF if origin is not None else None
+    return beside if beside is not None and is_adapter_directory(beside) else None
 
 
 def _same_store(directory: Path, store: Path) -> bool:

@@ -35,6 +35,7 @@ from pgconvert.adapters.names import loaded_hf_weights
 from pgconvert.families.table import Family, Transform
 from pgconvert.io import limits
 from pgconvert.io.limits import MAX_JSON_BYTES, quote
+from pgconvert.io.sizes import dtype_name
 from pgconvert.formats.megatron import is_adapter_key
 from pgconvert.model.config import ModelConfig
 
@@ -275,6 +276,6 @@ def describe_megatron_adapter(adapter: MegatronAdapter) -> dict[str, Any]:
                            for weight in adapter.pairs}),
         "layers": layers,
         "saved_weights": [],
-        "dtypes": sorted({str(tensor.dtype).removeprefix("torch.") for tensor in tensors}),
+        "dtypes": sorted({dtype_name(tensor.dtype) for tensor in tensors}),
         "bytes": sum(tensor.numel() * tensor.element_size() for tensor in tensors),
     }

@@ -34,6 +34,7 @@ from pgconvert.errors import CheckpointError, ValidationError
 from pgconvert.formats.hf import read_tensor, read_tensor_range, tensor_range_region, tensor_region
 from pgconvert.io.ranges import FileRegion
 from pgconvert.io.limits import quote
+from pgconvert.io.sizes import dtype_name
 from pgconvert.io.reuse import new_tensor
 from pgconvert.formats.stream import TensorMeta
 
@@ -265,7 +266,7 @@ def _paired_scale(files: dict[str, Path], stored: dict[str, TensorMeta], name: s
         raise MissingScaleError(f"{files[name]}: {missing}")
     scale_meta = stored[scale]
     if scale_meta.dtype != dtype:
-        raise ScaleDtypeError(f"{files[scale]}: {scale} has dtype {_dtype(scale_meta.dtype)}; {needs}")
+        raise ScaleDtypeError(f"{files[scale]}: {scale} has dtype {dtype_name(scale_meta.dtype)}; {needs}")
     return scale_meta
 
 
@@ -282,7 +283,7 @@ def _fp8_entries(doc: dict[str, Any], config_path: Path, files: dict[str, Path],
         meta, scale = stored[name], name + FP8_SCALE_SUFFIX
         scale_meta = _paired_scale(
             files, stored, name, scale, torch.float32,
-            f"{name} is {_dtype(meta.dtype)} {list(meta.shape)}, but its scale {scale} is not in the checkpoint; "
+            f"{name} is {dtype_name(meta.dtype)} {list(meta.shape)}, but its scale {scale} is not in the checkpoint; "
             "every fp8 weight needs its float32 block scales", f"the block scales of {name} must be float32")
         grid = fp8_scale_grid(meta.shape, block) if len(meta.shape) >= 2 else None
         if scale_meta.shape != grid:
@@ -294,7 +295,7 @@ def _fp8_entries(doc: dict[str, Any], config_path: Path, files: dict[str, Path],
     for scale in scales:
         weight = scale.removesuffix(FP8_SCALE_SUFFIX)
         if weight not in weights:
-            what = f"stored as {_dtype(stored[weight].dtype)}, not fp8" if weight in stored else "not in the checkpoint"
+            what = f"stored as {dtype_name(stored[weight].dtype)}, not fp8" if weight in stored else "not in the checkpoint"
             raise MissingScaleError(f"{files[scale]}: {scale} scales {weight}, which is {what}")
     return found
 
@@ -329,10 +330,6 @@ def _mxfp4_entries(files: dict[str, Path], stored: dict[str, TensorMeta], dtype:
             raise MissingScaleError(f"{files[name]}: {name} holds mxfp4 scales, but their blocks {blocks} are "
                                     "not in the checkpoint (or are not uint8)")
     return found
-
-
-def _dtype(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 class QuantizedTensors:
@@ -420,7 +417,7 @@ class QuantizedTensors:
         what = " and ".join(f"{count} {scheme}" for scheme, count in counts.items() if count)
         if self.keep:
             return f"{where}: {what} quantized tensors are written unchanged with their scales (--keep-fp8)"
-        return (f"{where}: {what} quantized tensors are dequantized to {_dtype(self.dtype)} while reading (each "
+        return (f"{where}: {what} quantized tensors are dequantized to {dtype_name(self.dtype)} while reading (each "
                 f"value rounded once from its float32 scaled product); an hf target's config.json drops {QUANTIZATION_CONFIG} "
                 "(--keep-fp8 keeps them quantized for an hf target)")
 

@@ -620,8 +620,7 @@ def run_dtype_args(dtype: torch.dtype, base: argparse.Namespace | None) -> dict[
     """The dtype flags of a run in ``dtype`` whose other args are ``base``'s. A run changed to bfloat16 also gets
     what Megatron-LM's validate_args sets for one: gradients accumulated and all-reduced in fp32 unless
     ``main_grads_dtype`` is bf16 (it keys the distributed optimizer's flat buffers, ``optimizer.flat``)."""
-    dtype_name = str(dtype).removeprefix("torch.")
-    values: dict[str, Any] = {"params_dtype": dtype, "bf16": dtype_name == "bfloat16", "fp16": dtype_name == "float16"}
+    values: dict[str, Any] = {"params_dtype": dtype, "bf16": dtype == torch.bfloat16, "fp16": dtype == torch.float16}
     if dtype == torch.bfloat16 and base is not None and _dtype_name(base) != "bfloat16":
         main_grads = str(getattr(base, "main_grads_dtype", "fp32")).removeprefix("torch.")
         values["accumulate_allreduce_grads_in_fp32"] = main_grads in ("fp32", "float32")

@@ -17,6 +17,11 @@ def itemsize(dtype: torch.dtype) -> int:
     return dtype.itemsize
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """``dtype`` as messages and configs name it: ``bfloat16``, ``float32``."""
+    return str(dtype).removeprefix("torch.")
+
+
 def nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     return numel(shape) * itemsize(dtype)
 

@@ -33,6 +33,7 @@ import torch
 
 from pgconvert.formats.stream import CanonicalSource
 from pgconvert.io.limits import quote
+from pgconvert.io.sizes import dtype_name
 from pgconvert.optimizer.flat import buffer_dtype_key
 from pgconvert.optimizer.order import MEGATRON_CORE_VERSIONS, OptimizerLayoutError, group_counts
 from pgconvert.optimizer.source import (ABSENT, FORM_DISTRIBUTED, FORM_FP16, FORM_FP32, OptimizerSource,
@@ -282,10 +283,6 @@ def _group_names(index: int, optimizer: OptimizerSource) -> str:
     return _GROUPS[index]
 
 
-def _dtype_name(dtype: Any) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def _check_dtype_keys(optimizer: OptimizerSource, copies: list[StoredCopy],
                       weight_dtypes: dict[str, torch.dtype]) -> None:
     """Each buffer's ``(param dtype, grad dtype)`` key: DDP keys a buffer by its parameters' dtype (the model's
@@ -298,10 +295,10 @@ def _check_dtype_keys(optimizer: OptimizerSource, copies: list[StoredCopy],
                 raise _refuse(copy, "buffer dtype key", key, "expected (parameter dtype, grad dtype)")
             other = sorted(name for name, dtype in weight_dtypes.items() if dtype != key[0])
             if other:
-                held = _dtype_name(weight_dtypes[other[0]])
+                held = dtype_name(weight_dtypes[other[0]])
                 raise _refuse(copy, "buffer dtype key", key,
                               f"the model's {other[0]} is stored in {held} ({len(other)} of its "
-                              f"{len(weight_dtypes)} parameters are not {_dtype_name(key[0])}); DDP keys a buffer by "
+                              f"{len(weight_dtypes)} parameters are not {dtype_name(key[0])}); DDP keys a buffer by "
                               "its parameters' dtype")
             if expected is not None and key != expected:
                 raise _refuse(copy, "buffer dtype key", key,
@@ -314,7 +311,7 @@ def _check_dtype_keys(optimizer: OptimizerSource, copies: list[StoredCopy],
 def _check_plain_form(optimizer: OptimizerSource, weight_dtypes: dict[str, torch.dtype]) -> None:
     """FP32Optimizer keeps no masters (the float32 weights are), Float16OptimizerWithFloat16Params keeps fp32
     masters beside bf16/fp16 weights: the form must fit the weights."""
-    dtypes = sorted({_dtype_name(dtype) for dtype in weight_dtypes.values()})
+    dtypes = sorted({dtype_name(dtype) for dtype in weight_dtypes.values()})
     if optimizer.form == FORM_FP32 and dtypes not in ([], ["float32"]):
         raise OptimizerStateError(
             f"{optimizer.first.path}: FP32Optimizer state (its masters are the weights), but the model's weights are "

@@ -25,13 +25,10 @@ import torch
 
 from pgconvert.formats.megatron import run_dtype_args
 from pgconvert.formats.stream import CanonicalSource
+from pgconvert.io.sizes import dtype_name
 from pgconvert.model.rules import ShardRule
 from pgconvert.optimizer.flat import buffer_dtype_key
 from pgconvert.optimizer.source import FORM_DISTRIBUTED, FORM_FP16, FORM_FP32, OptimizerSource, SourceRank, StoredCopy
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def weights_dtype(source: CanonicalSource, optimizer: OptimizerSource) -> torch.dtype:

@@ -42,6 +42,7 @@ from pgconvert.formats.strict import fallback
 from pgconvert.io.dcp_writer import ItemKey, WrittenFiles
 from pgconvert.formats.torch_dist import DCP_METADATA_FILE
 from pgconvert.io.durable import fsync_file
+from pgconvert.io.sizes import dtype_name
 from pgconvert.model.provider import canonical_shapes, target_vocab_rows
 from pgconvert.optimizer.data_parallel import with_dst_dp
 from pgconvert.optimizer.source import OptimizerSource
@@ -238,7 +239,7 @@ class FsdpDtensorSaver(Saver):
         if source.iteration is None and not source.release:
             notices.append("the source has no iteration number; writing iteration 0")
         masters = source.masters if source.masters is not None else ()
-        narrower = sorted({str(source.meta(name).dtype).removeprefix("torch.") for name in source.names()
+        narrower = sorted({dtype_name(source.meta(name).dtype) for name in source.names()
                            if source.meta(name).dtype.is_floating_point and name not in masters
                            and source.meta(name).dtype.itemsize < MAIN_WEIGHTS_DTYPE.itemsize})
         if narrower:

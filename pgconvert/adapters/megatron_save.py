@@ -18,7 +18,6 @@ megatron-core cuts each rank's pieces when it loads them.
 from __future__ import annotations
 
 import io
-import json
 from pathlib import Path
 
 import torch
@@ -97,18 +96,18 @@ def stacked_tensors(pairs: dict[str, MegatronPair], num_layers: int, where: str)
     return tensors
 
 
-def write_store(tensors: dict[str, torch.Tensor], directory: Path) -> None:
+def write_adapter_store(tensors: dict[str, torch.Tensor], directory: Path) -> None:
     """A torch_dist store of ``tensors`` as megatron-core 0.16 loads one: ``.metadata`` and a data file written by
     torch's DCP in this process, ``metadata.json`` and ``common.pt``."""
     import torch.distributed.checkpoint as dcp
 
     from pgconvert.formats.megatron import CHECKPOINT_VERSION, FRAMEWORK_PICKLE
-    from pgconvert.formats.torch_dist import CHECKPOINT_CONFIG, CHECKPOINT_CONFIG_FILE, COMMON_FILE, CONTENT_METADATA
-    from pgconvert.formats.torch_dist import single_process_calls
+    from pgconvert.formats.torch_dist import (COMMON_FILE, CONTENT_METADATA, single_process_calls,
+                                              write_checkpoint_config)
 
     with single_process_calls():
         dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(directory)), no_dist=True)
-    (directory / CHECKPOINT_CONFIG_FILE).write_text(json.dumps(CHECKPOINT_CONFIG))
+    write_checkpoint_config(directory)
     common = io.BytesIO()
     torch.save({"checkpoint_version": CHECKPOINT_VERSION, "content_metadata": dict(CONTENT_METADATA)}, common,
                pickle_module=FRAMEWORK_PICKLE)
@@ -133,7 +132,7 @@ def write_bridge_adapter(adapter: PeftAdapter, source: CanonicalSource, family: 
     tensors = stacked_tensors(pairs, source.config.num_layers, adapter.where)
     store = staging / iteration_dir_name(None, release=True)
     store.mkdir()
-    write_store(tensors, store)
+    write_adapter_store(tensors, store)
     dropout = adapter.settings_doc.get("lora_dropout") or 0.0
     modules = [key.removeprefix(_LAYER_PREFIX).removesuffix(".adapter.linear_in.weight") for key in tensors
                if key.endswith(".linear_in.weight")]

@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,8 +25,9 @@ from pgconvert.errors import DestinationError, ValidationError
 from pgconvert.formats import LoadOptions
 from pgconvert.formats.registry import detect_format, get_loader
 from pgconvert.formats.stream import CanonicalSource
-from pgconvert.io.durable import fsync_dir
-from pgconvert.run.destination import PARTIAL_MARKER, refuse_unusable_name, sibling
+from pgconvert.io.durable import fsync_file
+from pgconvert.run.convert import staged_output
+from pgconvert.run.destination import refuse_unusable_name
 
 log = logging.getLogger(__name__)
 Written = TypeVar("Written")
@@ -95,21 +93,12 @@ def _write_peft(adapter: PeftAdapter, staging: Path) -> None:
 
 
 def _staged(dst: Path, write: Callable[[Path], Written]) -> Written:
-    """``write(staging)`` into a hidden sibling of ``dst``, its files synced and the directory renamed to ``dst``
-    when complete; removed when anything fails."""
-    from pgconvert.io.durable import fsync_file
-
-    staging = sibling(dst, f"{PARTIAL_MARKER}{uuid.uuid4().hex[:16]}")
-    staging.mkdir(parents=True)
-    try:
+    """``write(staging)`` into the hidden sibling of ``dst`` a conversion writes in (``convert.staged_output``: one
+    writer per destination, renamed to ``dst`` when complete, removed when anything fails), its files synced."""
+    with staged_output(dst, overwrite=False) as staging:
         written = write(staging)
         for path in staging.rglob("*"):
             if path.is_file():
                 fsync_file(path)
-        os.rename(staging, dst)
-        fsync_dir(dst.parent)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     log.info("wrote %s", dst)
     return written

@@ -34,7 +34,7 @@ from pgconvert.errors import CheckpointError, PgconvertError, ValidationError
 from pgconvert.adapters.names import loaded_hf_weights
 from pgconvert.families.table import Family, Transform
 from pgconvert.io import limits
-from pgconvert.io.limits import MAX_JSON_BYTES, quote
+from pgconvert.io.limits import MAX_JSON_BYTES, quote, read_config_bytes
 from pgconvert.io.sizes import dtype_name
 from pgconvert.formats.megatron import is_adapter_key
 from pgconvert.model.config import ModelConfig
@@ -74,6 +74,12 @@ def find_adapter_store(path: Path, beside_model: bool = False) -> tuple[Path, Pa
     """The torch_dist store of a Megatron-Bridge adapter run at ``path`` (the run's directory or an iteration's) and
     its run_config.yaml, or None when ``path`` is none: a store whose every model tensor is an adapter's, or
     (``beside_model``) one that holds adapter tensors beside others (the wrapped model saved whole)."""
+    found = _found_store(path, beside_model)
+    return None if found is None else found[:2]
+
+
+def _found_store(path: Path, beside_model: bool) -> tuple[Path, Path, Any] | None:
+    """``find_adapter_store`` with the store's ``.metadata`` as read."""
     from pgconvert.formats.torch_dist import DCP_METADATA_FILE, read_dcp_metadata, resolve_iteration_dir
 
     if not path.is_dir():
@@ -83,11 +89,12 @@ def find_adapter_store(path: Path, beside_model: bool = False) -> tuple[Path, Pa
         run_config = _run_config(store)
         if not (store / DCP_METADATA_FILE).is_file() or run_config is None:
             return None
-        keys = _tensor_keys(read_dcp_metadata(store / DCP_METADATA_FILE))
+        metadata = read_dcp_metadata(store / DCP_METADATA_FILE)
     except (PgconvertError, OSError):  # not a Megatron checkpoint: what it is, its reader says
         return None
+    keys = _tensor_keys(metadata)
     adapted = [key for key in keys if is_adapter_key(key)]
-    return (store, run_config) if adapted and (beside_model or len(adapted) == len(keys)) else None
+    return (store, run_config, metadata) if adapted and (beside_model or len(adapted) == len(keys)) else None
 
 
 def _run_config(store: Path) -> Path | None:
@@ -109,25 +116,25 @@ def _tensor_keys(metadata: Any) -> list[str]:
 
 def read_megatron_adapter(path: Path) -> MegatronAdapter:
     """The Megatron-Bridge LoRA adapter at ``path``, its settings checked and its pairs read whole."""
-    found = find_adapter_store(path, beside_model=True)
+    found = _found_store(path, beside_model=True)
     if found is None:
         raise ValidationError(f"{path}: not a Megatron-Bridge LoRA checkpoint (a torch_dist store of '.adapter.' "
                               f"keys, alone or beside the model's, as a LoRA run saves, with its {RUN_CONFIG_FILE})")
-    store, run_config = found
+    store, run_config, metadata = found
     settings = _peft_settings(run_config)
     dim, alpha = settings["dim"], settings["alpha"]
     dropout = settings.get("dropout") or 0.0
     if not isinstance(dropout, (int, float)):
         raise ValidationError(f"{run_config}: peft.dropout={quote(dropout)}: expected a number")
-    return MegatronAdapter(store, run_config, dim, alpha, float(dropout), _read_pairs(store, dim, run_config))
+    return MegatronAdapter(store, run_config, dim, alpha, float(dropout),
+                           _read_pairs(store, metadata, dim, run_config))
 
 
 def _peft_settings(run_config: Path) -> dict[str, Any]:
     """run_config.yaml's ``peft`` section, checked to be a plain LoRA with a positive ``dim`` and ``alpha``."""
     import yaml
 
-    with open(run_config, "rb") as handle:
-        text = handle.read(MAX_JSON_BYTES + 1)
+    text = read_config_bytes(run_config)
     if len(text) > MAX_JSON_BYTES:
         raise CheckpointError(f"{run_config}: larger than {MAX_JSON_BYTES} bytes")
     try:
@@ -151,12 +158,11 @@ def _peft_settings(run_config: Path) -> dict[str, Any]:
     return peft
 
 
-def _read_pairs(store: Path, dim: int, run_config: Path) -> dict[str, MegatronPair]:
-    """Every adapted module's ``linear_in`` and ``linear_out``, whole, by the canonical weight they change."""
+def _read_pairs(store: Path, metadata: Any, dim: int, run_config: Path) -> dict[str, MegatronPair]:
+    """Every adapted module's ``linear_in`` and ``linear_out`` (``metadata``: the store's ``.metadata``), whole, by the
+    canonical weight they change."""
     from pgconvert.formats.dcp_store import DcpStore
-    from pgconvert.formats.torch_dist import DCP_METADATA_FILE, read_dcp_metadata
 
-    metadata = read_dcp_metadata(store / DCP_METADATA_FILE)
     sides: dict[str, dict[str, torch.Tensor]] = {}
     reader = DcpStore(store, metadata)
     for key in sorted(key for key in _tensor_keys(metadata) if is_adapter_key(key)):  # the base model's left out

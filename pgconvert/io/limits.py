@@ -159,14 +159,19 @@ def parse_json(data: bytes, path: Path | str, error: type[PgconvertError] = Chec
         raise error(f"{path}: not valid JSON ({quote(str(exc), 200)})") from None
 
 
-def read_json(path: Path, error: type[PgconvertError] = CheckpointError) -> Any:
-    """``parse_json`` of a file, read no further than the size limit."""
+def read_config_bytes(path: Path, error: type[PgconvertError] = CheckpointError) -> bytes:
+    """A small config file's bytes (JSON, YAML), read no further than one byte past ``MAX_JSON_BYTES`` (the caller
+    refuses more)."""
     try:
         with open(path, "rb") as handle:
-            data = handle.read(MAX_JSON_BYTES + 1)
+            return handle.read(MAX_JSON_BYTES + 1)
     except OSError as exc:
         raise error(f"{path}: cannot be read: {exc.strerror or exc}") from exc
-    return parse_json(data, path, error)
+
+
+def read_json(path: Path, error: type[PgconvertError] = CheckpointError) -> Any:
+    """``parse_json`` of a file, read no further than the size limit."""
+    return parse_json(read_config_bytes(path, error), path, error)
 
 
 # --------------------------------------------------------------------------- numbers

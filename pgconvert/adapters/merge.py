@@ -252,20 +252,21 @@ def attach_adapters(source: CanonicalSource, merge_adapter: Path | None, drop_ad
     checkpoint holds beside its model merged (``--merge-adapter`` names the same checkpoint), left out with a notice
     (``--drop-adapter``) or refused: converting the base alone would lose it without a word."""
     embedded = source.embedded_adapter
-    merges_embedded = embedded is not None and merge_adapter is not None and _same_store(merge_adapter, embedded.store)
-    if embedded is None and drop_adapter:
-        raise ValidationError(f"--drop-adapter: {source.describe()} holds no LoRA adapter beside its model")
-    if embedded is not None and merges_embedded and drop_adapter:
-        raise ValidationError(f"--merge-adapter {merge_adapter} with --drop-adapter: the adapter {embedded.store} "
-                              "holds is either merged or left out; pass one of them")
-    if embedded is not None and not merges_embedded and not drop_adapter:
+    if embedded is None:
+        if drop_adapter:
+            raise ValidationError(f"--drop-adapter: {source.describe()} holds no LoRA adapter beside its model")
+    elif merge_adapter is not None and _same_store(merge_adapter, embedded.store):
+        if drop_adapter:
+            raise ValidationError(f"--merge-adapter {merge_adapter} with --drop-adapter: the adapter {embedded.store} "
+                                  "holds is either merged or left out; pass one of them")
+    elif drop_adapter:
+        source.notices.append(f"{embedded.store}: the LoRA adapter it holds beside the model ({len(embedded.keys)} "
+                              "tensors) is left out (--drop-adapter): the base model alone is converted")
+    else:
         raise ValidationError(
             f"{embedded.store}: holds a LoRA adapter beside the model ({len(embedded.keys)} adapter keys, e.g. "
             f"{embedded.keys[0]}): pass --merge-adapter {embedded.store} to merge it, --drop-adapter to convert the "
             f"base model alone, or take the adapter out with 'pgconvert export-adapter {embedded.store} DST'")
-    if embedded is not None and drop_adapter:
-        source.notices.append(f"{embedded.store}: the LoRA adapter it holds beside the model ({len(embedded.keys)} "
-                              "tensors) is left out (--drop-adapter): the base model alone is converted")
     beside = adapter_beside(source)
     if beside is not None and (merge_adapter is None or merge_adapter.resolve() != beside.resolve()):
         source.notices.append(f"{beside}: a PEFT LoRA adapter beside this model is not merged (verl's model merger "

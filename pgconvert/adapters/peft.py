@@ -291,12 +291,12 @@ def _targets_module(module: str, target_modules: Any) -> bool:
     return any(module == name or module.endswith(f".{name}") for name in target_modules or ())
 
 
-def _sides(weights_file: AdapterTensors, saved_modules: tuple[str, ...]
+def _sides(tensors: AdapterTensors, saved_modules: tuple[str, ...]
            ) -> tuple[dict[str, TensorMeta], dict[str, dict[str, str]], dict[str, str]]:
-    """The file's tensors; each adapted module's A and B keys (a ParamWrapper's ``.base_layer`` kept; an
+    """The adapter's tensors; each adapted module's A and B keys (a ParamWrapper's ``.base_layer`` kept; an
     embedding's under ``"embedding"``); and the whole weights it holds by HF weight name (``saved_modules``:
     modules_to_save)."""
-    metas = weights_file.header()
+    metas = tensors.header()
     sides: dict[str, dict[str, str]] = {}
     saved: dict[str, str] = {}
     for key in metas:
@@ -312,52 +312,52 @@ def _sides(weights_file: AdapterTensors, saved_modules: tuple[str, ...]
         elif whole is not None and (whole["base"] or _targets_module(whole["module"], list(saved_modules))):
             saved[f"{whole['module']}.{whole['param']}"] = key
         else:
-            raise ValidationError(f"{weights_file.path}: {key}: not a LoRA pair's weight (base_model.model.<module>."
+            raise ValidationError(f"{tensors.path}: {key}: not a LoRA pair's weight (base_model.model.<module>."
                                   "lora_A.weight / lora_B.weight) nor a module_to_save's; pgconvert merges plain "
                                   "LoRA adapters only")
     for keys in sides.values():
         if not {"A", "B"} <= set(keys):
             only = keys.get("A") or keys.get("B")
-            raise ValidationError(f"{weights_file.path}: {only} has no lora_{'B' if 'A' in keys else 'A'} beside it")
+            raise ValidationError(f"{tensors.path}: {only} has no lora_{'B' if 'A' in keys else 'A'} beside it")
     return metas, sides, saved
 
 
-def _pairs(doc: dict[str, Any], settings: LoraSettings, config_path: Path, weights_file: AdapterTensors
+def _pairs(doc: dict[str, Any], settings: LoraSettings, config_path: Path, tensors: AdapterTensors
            ) -> tuple[dict[str, LoraPair], tuple[ExpertsPair, ...], dict[str, SavedWeight]]:
     """The pairs of ``nn.Linear`` and embedding modules by weight name, those of fused experts' parameters (a module
     that ``target_modules`` does not name, or one under a ParamWrapper's ``base_layer``, of a ``target_parameters``
     adapter), and the whole weights the file holds by weight name."""
     saved_modules = doc.get("modules_to_save") or ()
-    metas, sides, saved = _sides(weights_file, tuple(saved_modules) if isinstance(saved_modules, list) else ())
+    metas, sides, saved = _sides(tensors, tuple(saved_modules) if isinstance(saved_modules, list) else ())
     pairs, experts = {}, []
     for module, keys in sorted(sides.items()):
         a, b = metas[keys["A"]].shape, metas[keys["B"]].shape
         if "embedding" in keys:  # lora_embedding_A [r, vocab], lora_embedding_B [hidden, r]
-            pairs[f"{module}.weight"] = _embedding_pair(module, keys, a, b, settings, weights_file)
+            pairs[f"{module}.weight"] = _embedding_pair(module, keys, a, b, settings, tensors)
             continue
         owner = module.replace(".base_layer", "")
         if len(a) != 2 or len(b) != 2 or a[0] != b[1]:
-            raise ValidationError(f"{weights_file.path}: {module}: lora_A {list(a)} and lora_B {list(b)} are not a LoRA "
+            raise ValidationError(f"{tensors.path}: {module}: lora_A {list(a)} and lora_B {list(b)} are not a LoRA "
                                   "pair (A rank x in, B out x rank)")
         if settings.parameters and (owner != module or not _targets_module(module, doc.get("target_modules"))):
             experts.append(ExpertsPair(owner, keys["A"], keys["B"], a, b))
             continue
         rank = settings.rank(module)
         if a[0] != rank:
-            raise ValidationError(f"{weights_file.path}: {module}: lora_A {list(a)} and lora_B {list(b)} do not make a "
+            raise ValidationError(f"{tensors.path}: {module}: lora_A {list(a)} and lora_B {list(b)} do not make a "
                                   f"rank-{quote(rank)} pair ({config_path.name} gives r={quote(rank)})")
         weight = f"{module}.weight"
         pairs[weight] = LoraPair(weight, keys["A"], keys["B"], rank, settings.scaling(module, rank), (b[0], a[1]))
     if not pairs and not experts and not saved:
-        raise CheckpointError(f"{weights_file.path}: holds no LoRA pairs")
+        raise CheckpointError(f"{tensors.path}: holds no LoRA pairs")
     return pairs, tuple(experts), {name: SavedWeight(key, metas[key].shape) for name, key in saved.items()}
 
 
 def _embedding_pair(module: str, keys: dict[str, str], a: tuple[int, ...], b: tuple[int, ...],
-                    settings: LoraSettings, weights_file: AdapterTensors) -> LoraPair:
+                    settings: LoraSettings, tensors: AdapterTensors) -> LoraPair:
     rank = settings.rank(module)
     if len(a) != 2 or len(b) != 2 or a[0] != b[1] or a[0] != rank:
-        raise ValidationError(f"{weights_file.path}: {module}: lora_embedding_A {list(a)} and lora_embedding_B {list(b)} "
+        raise ValidationError(f"{tensors.path}: {module}: lora_embedding_A {list(a)} and lora_embedding_B {list(b)} "
                               f"do not make a rank-{quote(rank)} pair")
     weight = f"{module}.weight"
     return LoraPair(weight, keys["A"], keys["B"], rank, settings.scaling(module, rank), (a[1], b[0]), embedding=True)

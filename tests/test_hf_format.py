@@ -80,16 +80,20 @@ def test_gate_up_fuse_puts_gate_first_and_split_inverts_it() -> None:
     assert GATE_UP.part_shapes((12, 2), config) == [(6, 2), (6, 2)]
 
 
+@pytest.mark.parametrize("into", [False, True], ids=["read", "into"])
 @pytest.mark.parametrize("size", [1, 2, 4])
-@pytest.mark.parametrize(("transform", "rule"), [(IDENTITY, COLUMN), (IDENTITY, ROW), (GATE_UP, GATED),
-                                                  (GATE_UP, ROW), (QKV, COLUMN)],
-                         ids=["identity-column", "identity-row", "gate-up-gated", "gate-up-columns", "qkv-column"])
-def test_a_transform_reads_each_window_of_a_piece_from_ranges_of_its_parts(transform: object, rule: object,
-                                                                          size: int) -> None:
-    config = _config(heads=8, groups=4, head_dim=2)
-    parts = [torch.arange(n * 8.0).reshape(n, 8) + 1000 * i
-             for i, n in enumerate({"identity": [16], "fuse-gate-up": [8, 8], "fuse-qkv-by-group": [16, 8, 8]}[
-                 transform.name])]
+@pytest.mark.parametrize(("transform", "rule", "gated"), [(IDENTITY, COLUMN, False), (IDENTITY, ROW, False),
+                                                           (GATE_UP, GATED, False), (GATE_UP, ROW, False),
+                                                           (QKV, COLUMN, False), (QKV, COLUMN, True)],
+                         ids=["identity-column", "identity-row", "gate-up-gated", "gate-up-columns", "qkv-column",
+                              "gated-qkv-column"])
+def test_a_transform_reads_each_window_of_a_piece_from_ranges_of_its_parts(transform: object, rule: object, gated: bool,
+                                                                          size: int, into: bool) -> None:
+    """Each piece read window by window (``read_window``, or ``read_window_into`` straight into the piece) equals
+    the rule's cut of the fused tensor, and the parts' elements are read once in all."""
+    config = _config(heads=8, groups=4, head_dim=2, attention_output_gate=gated)
+    rows = {"identity": [16], "fuse-gate-up": [8, 8], "fuse-qkv-by-group": [32 if gated else 16, 8, 8]}[transform.name]
+    parts = [torch.randn(n, 8) + 1000 * i for i, n in enumerate(rows)]
     full = transform.fuse(parts, config)
     reads: list[tuple[int, int, int, int]] = []
 
@@ -97,13 +101,38 @@ def test_a_transform_reads_each_window_of_a_piece_from_ranges_of_its_parts(trans
         reads.append((part, dim, start, stop))
         return parts[part].narrow(dim, start, stop - start)
 
+    def read_into(part: int, dim: int, start: int, stop: int, out: torch.Tensor) -> None:
+        out.copy_(read_part(part, dim, start, stop).reshape(out.shape))
+
+    shape = tuple(full.shape)
     for rank in range(size):
-        windows = rule.piece_windows(tuple(full.shape), size, rank)
-        assert all(transform.reads_window(w, tuple(full.shape), config) for w in windows)
-        piece = assemble(windows, lambda w: transform.read_window(w, tuple(full.shape), config, read_part),
-                         full.shape, full.dtype)
+        windows = rule.piece_windows(shape, size, rank)
+        assert all(transform.reads_window(w, shape, config) for w in windows)
+        if into:
+            piece = assemble(windows, lambda w, out: transform.read_window_into(w, shape, config, read_into, out),
+                             full.shape, full.dtype)
+        else:
+            piece = assemble(windows, lambda w, out: out.copy_(transform.read_window(w, shape, config, read_part)),
+                             full.shape, full.dtype)
         assert torch.equal(piece, rule.shard(full, size, rank))
     assert sum((stop - start) * parts[part].shape[1 - dim] for part, dim, start, stop in reads) == full.numel()
+
+
+def test_a_window_read_into_a_strided_place_equals_the_window() -> None:
+    """A QKV window read into a place that is not contiguous (a column slice of a larger tensor) is read and
+    copied: the same values."""
+    config = _config(heads=8, groups=4, head_dim=2)
+    parts = [torch.randn(16, 8), torch.randn(8, 8), torch.randn(8, 8)]
+    full = QKV.fuse(parts, config)
+    window = Window(0, 8, 16)
+
+    def read_into(part: int, dim: int, start: int, stop: int, out: torch.Tensor) -> None:
+        out.copy_(parts[part].narrow(dim, start, stop - start).reshape(out.shape))
+
+    wide = torch.zeros(16, 12)
+    QKV.read_window_into(window, tuple(full.shape), config, read_into, wide[:, 2:10])
+    assert torch.equal(wide[:, 2:10], full[8:24])
+    assert torch.equal(wide[:, :2], torch.zeros(16, 2)) and torch.equal(wide[:, 10:], torch.zeros(16, 2))
 
 
 def test_fused_qkv_reads_only_windows_on_query_group_boundaries() -> None:

@@ -225,6 +225,22 @@ def test_a_region_and_target_of_other_shapes_are_refused(stored: Stored) -> None
         read_region(fd, region, torch.empty(37, 129, 14))
 
 
+@pytest.mark.parametrize("key", ["bfloat16", "float8_e4m3fn", "int64"])
+def test_rows_read_into_a_place_of_another_shape_hold_them_in_row_major_order(stored: Stored, key: str) -> None:
+    """Rows of a stored tensor read straight into a strided place of another shape with the same element count
+    (one query group's heads inside a fused QKV piece): as reshaping the rows and copying them there."""
+    tensor = stored.loaded[key]
+    _, region = stored.locate(tensor)  # type: ignore[misc]
+    rows = region.narrow(0, 5, 12)  # 12 x 129 x 15 elements, contiguous in the file
+    grouped = torch.zeros(4, 5, 129 * 15, dtype=tensor.dtype)
+    rows.read_into(grouped.view(4, 5, 129 * 15).narrow(1, 1, 3))
+    expected = torch.zeros(4, 5, 129 * 15, dtype=tensor.dtype)
+    expected.narrow(1, 1, 3).copy_(tensor[5:17].reshape(4, 3, 129 * 15))
+    assert torch.equal(grouped.view(torch.uint8), expected.view(torch.uint8))
+    with pytest.raises(ValueError, match="cannot view"):  # columns are not contiguous: no other shape
+        region.narrow(1, 0, 2).read_into(torch.empty(37 * 2 * 15, dtype=tensor.dtype))
+
+
 def test_file_handles_keep_at_most_their_limit_open(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     paths = [tmp_path / f"f{i}" for i in range(3)]
     for path in paths:

@@ -126,7 +126,7 @@ def test_piece_windows_gated_are_gate_r_then_up_r() -> None:
     # global [gate (8 rows); up (8 rows)], tp 4: rank 2 holds gate rows 4..6 and up rows 12..14
     assert GATED.piece_windows((16, 3), 4, 2) == (Window(0, 4, 2), Window(0, 12, 2))
     full = torch.arange(16 * 3).reshape(16, 3)
-    piece = assemble(GATED.piece_windows(full.shape, 4, 2), lambda w: full.narrow(w.dim, w.start, w.length),
+    piece = assemble(GATED.piece_windows(full.shape, 4, 2), lambda w, out: out.copy_(full.narrow(w.dim, w.start, w.length)),
                      full.shape, full.dtype)
     assert torch.equal(piece, torch.cat([full[4:6], full[12:14]]))
     assert torch.equal(piece, GATED.shard(full, 4, 2))
@@ -141,7 +141,7 @@ def test_piece_windows_vocab_zero_fill_past_stored_rows() -> None:
     # shrinking keeps the first rows (the padding beyond is dropped)
     assert VOCAB.piece_windows((16, 4), 2, 1, rows=12) == (Window(0, 6, 6),)
     full = torch.arange(1.0, 41.0).reshape(10, 4)
-    piece = assemble(VOCAB.piece_windows(full.shape, 2, 1, rows=16), lambda w: full.narrow(0, w.start, w.length),
+    piece = assemble(VOCAB.piece_windows(full.shape, 2, 1, rows=16), lambda w, out: out.copy_(full.narrow(0, w.start, w.length)),
                      full.shape, full.dtype)
     assert torch.equal(piece, torch.cat([full[8:10], torch.zeros(6, 4)]))
     assert torch.equal(piece, VOCAB.reshard_rows([full], 16, 10, 2, 1))

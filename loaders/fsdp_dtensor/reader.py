@@ -25,7 +25,8 @@ from pgconvert.formats.fsdp_dtensor import (ARGS_KEY, COMMON_KEYS, FLOPS_KEY, FS
 from pgconvert.formats.hf_side import carried_side_files
 from pgconvert.formats.megatron import arg_name, validate_source_layout
 from pgconvert.formats.stream import CanonicalSource, ExtraState, TensorMeta
-from pgconvert.formats.torch_dist import DCP_METADATA_FILE, read_dcp_metadata
+from pgconvert.formats.dcp_layout import DCP_METADATA_FILE
+from pgconvert.formats.torch_dist import read_dcp_metadata
 from pgconvert.io.limits import quote
 from pgconvert.io.paths import ensure_within
 from pgconvert.io.reuse import new_tensor
@@ -160,16 +161,16 @@ class FsdpDtensorSource(CanonicalSource):
         return md.properties.dtype
 
     def _read_boxes(self, name: str, boxes: list[Region], location: FsdpLocation | None = None,
-                    dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+                    dtype: torch.dtype | None = None, into: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """The given boxes of canonical tensor ``name`` (or of what ``location``'s keys hold of it: its optimizer
-        state), each a fresh tensor; a box spanning a gated fc1's halves is read from both keys into its two
-        row ranges."""
+        state), each read into its tensor of ``into`` (contiguous) or a fresh one; a box spanning a gated fc1's
+        halves is read from both keys into its two row ranges."""
         location = location or self._locations[name]
         rows = self._shapes[name][0]
         regions: dict[str, list[tuple[tuple[int, ...], torch.Tensor]]] = {}
         buffers = []
-        for box in boxes:
-            buffer = new_tensor(box.lengths, dtype or self.meta(name).dtype)
+        for index, box in enumerate(boxes):
+            buffer = new_tensor(box.lengths, dtype or self.meta(name).dtype) if into is None else into[index]
             buffers.append(buffer)
             first, last = box.starts[0], box.starts[0] + box.lengths[0]
             for key, start, length in location.parts(rows):
@@ -258,7 +259,7 @@ class FsdpDtensorSource(CanonicalSource):
                          rows: int | None) -> torch.Tensor:
         """Piece ``rank`` of ``size`` (cut with ``rule``) of what ``location``'s keys hold of ``name`` (fp32)."""
         return read_piece(self._shapes[name], rule, size, rank, rows, self.config.vocab_size, torch.float32,
-                          lambda boxes: self._read_boxes(name, boxes, location, torch.float32))
+                          lambda boxes, into: self._read_boxes(name, boxes, location, torch.float32, into))
 
     def _load(self, name: str) -> torch.Tensor:
         shape = self._shapes[name]
@@ -266,4 +267,4 @@ class FsdpDtensorSource(CanonicalSource):
 
     def _load_shard(self, name: str, rule: ShardRule, size: int, rank: int, rows: int | None) -> torch.Tensor:
         return read_piece(self._shapes[name], rule, size, rank, rows, self.config.vocab_size, self.meta(name).dtype,
-                          lambda boxes: self._read_boxes(name, boxes))
+                          lambda boxes, into: self._read_boxes(name, boxes, into=into))

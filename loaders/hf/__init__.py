@@ -13,7 +13,7 @@ import torch
 
 from pgconvert.model.config import ModelConfig
 from pgconvert.errors import CheckpointError, ConfigError, LayoutError, ValidationError
-from pgconvert.families.table import Family, PartReader, TensorMapping, TensorTable
+from pgconvert.families.table import Family, PartInto, TensorMapping, TensorTable
 from pgconvert.formats import Loader, LoadOptions
 from pgconvert.formats.hf import (
     CONFIG_FILE,
@@ -32,6 +32,7 @@ from pgconvert.formats.hf import (
     read_tensor_range,
     resolve_inside,
     stored_counts,
+    tensor_range_region,
 )
 from pgconvert.formats.hf_side import find_side_files
 from pgconvert.families import mtp
@@ -348,25 +349,31 @@ class HFSource(CanonicalSource):
         windows = rule.piece_windows(meta.shape, size, rank, rows, self.config.vocab_size)
         transform = row.transform
         if windows and all(w.zeros or transform.reads_window(w, meta.shape, self.config) for w in windows):
-            read_part = self._part_reader(hf_names)
-            piece = assemble(windows, lambda w: transform.read_window(w, meta.shape, self.config, read_part),
-                             meta.shape, meta.dtype)
+            read_into = self._part_into(hf_names)
+            piece = assemble(windows, lambda w, out: transform.read_window_into(w, meta.shape, self.config, read_into,
+                                                                                out), meta.shape, meta.dtype)
             for copy_name, why in self._copies.get(name, ()):
-                copy = self._part_reader((copy_name,))
-                stored = assemble(windows, lambda w: copy(0, w.dim, w.start, w.start + w.length), meta.shape, meta.dtype)
+                copy = self._part_into((copy_name,))
+                stored = assemble(windows, lambda w, out: copy(0, w.dim, w.start, w.start + w.length, out), meta.shape,
+                                  meta.dtype)
                 self._check_copy(piece, stored, hf_names[0], copy_name, why)
             return piece
         if name in self._copies:
             self._load(name)  # checks the stored copies
         return super()._load_shard(name, rule, size, rank, rows)
 
-    def _part_reader(self, hf_names: tuple[str, ...]) -> PartReader:
-        """Reads rows ``[start, stop)`` along ``dim`` of HF tensor ``hf_names[part]``."""
-        def read(part: int, dim: int, start: int, stop: int) -> torch.Tensor:
+    def _part_into(self, hf_names: tuple[str, ...]) -> PartInto:
+        """Reads rows ``[start, stop)`` along ``dim`` of HF tensor ``hf_names[part]`` into a tensor holding their
+        elements (straight from the file where they are stored as they are; dequantized and copied otherwise)."""
+        def read_into(part: int, dim: int, start: int, stop: int, out: torch.Tensor) -> None:
             hf = hf_names[part]
-            return self._read_range(hf, dim, start, stop)
+            name = self._stored(hf)
+            if name in self._quantized:
+                out.copy_(self._quantized.read_range(name, dim, start, stop).view(out.shape))
+            else:
+                tensor_range_region(self._files[hf], name, dim, start, stop).read_into(out)
 
-        return read
+        return read_into
 
     def close(self) -> None:
         self._files.clear()

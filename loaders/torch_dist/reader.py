@@ -47,11 +47,10 @@ from pgconvert.formats.stream import CanonicalSource, EmbeddedAdapter, ExtraStat
 from pgconvert.formats.strict import fallback
 from pgconvert.formats.torch_dist_integrity import check_integrity, integrity_problems
 from pgconvert.formats.torch_dist_optimizer import moe_form_refusal
+from pgconvert.formats.dcp_layout import CHECKPOINT_CONFIG_FILE, DCP_METADATA_FILE
 from pgconvert.formats.torch_dist import (
-    CHECKPOINT_CONFIG_FILE,
     COMMON_FILE,
     COMMON_STATE_KEY,
-    DCP_METADATA_FILE,
     EXPERTS_KEY,
     common_state_storage,
     is_extra_state,
@@ -119,8 +118,8 @@ class TorchDistSource(CanonicalSource):
         changed byte is named as such, not as the corruption it causes); the ``.metadata`` path."""
         ensure_within(root, iteration_dir)
         read_checkpoint_config(ensure_within(root, iteration_dir / CHECKPOINT_CONFIG_FILE))
-        if options.verify_integrity:
-            check_integrity(iteration_dir)
+        if options.verify_integrity != "off":
+            check_integrity(iteration_dir, data_files=options.verify_integrity == "full")
         return ensure_within(root, iteration_dir / DCP_METADATA_FILE)
 
     def integrity_problems(self) -> tuple[bool, list[str]]:
@@ -221,17 +220,18 @@ class TorchDistSource(CanonicalSource):
               objects: list[str]) -> dict[str, Any]:
         return self._store.read(regions, objects)
 
-    def _read_boxes(self, name: str, boxes: list[Region], prefix: str = "") -> list[torch.Tensor]:
+    def _read_boxes(self, name: str, boxes: list[Region], prefix: str = "",
+                    into: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """The given boxes of canonical tensor ``name`` (or of the tensor stored as ``prefix`` + its key,
-        chunked like it: optimizer state), each a fresh tensor."""
+        chunked like it: optimizer state), each read into its tensor of ``into`` (contiguous) or a fresh one."""
         location = self._locations[name]
         if prefix:
             location = dataclasses.replace(location, key=prefix + location.key)
         dtype = self._stored_dtype(location.key_shapes(self._shapes[name]), name)
         regions: dict[str, list[tuple[tuple[int, ...], torch.Tensor]]] = {}
         buffers = []
-        for box in boxes:
-            buffer = new_tensor(box.lengths, dtype)
+        for index, box in enumerate(boxes):
+            buffer = new_tensor(box.lengths, dtype) if into is None else into[index]
             for piece in location.pieces(box.starts, box.lengths):
                 rows = buffer.narrow(0, piece.row, piece.rows) if box.lengths else buffer
                 regions.setdefault(piece.key, []).append((piece.offsets, rows.view(piece.sizes)))
@@ -301,7 +301,8 @@ class TorchDistSource(CanonicalSource):
     def _load_shard(self, name: str, rule: ShardRule, size: int, rank: int, rows: int | None,
                     prefix: str = "", dtype: torch.dtype | None = None) -> torch.Tensor:
         return read_piece(self._shapes[name], rule, size, rank, rows, self.config.vocab_size,
-                          dtype or self.meta(name).dtype, lambda boxes: self._read_boxes(name, boxes, prefix))
+                          dtype or self.meta(name).dtype,
+                          lambda boxes, into: self._read_boxes(name, boxes, prefix, into))
 
     # Optimizer state read in place, like the model's tensors (loaders/torch_dist/optimizer.py).
     def load_state(self, name: str, prefix: str) -> torch.Tensor:

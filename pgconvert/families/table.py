@@ -41,6 +41,9 @@ STRUCTURE_UNLESS_READ: dict[str, object] = {HYBRID_PATTERN: None, "experimental_
                                             "vision_config": None, "vision_token_ids": None, "mrope_section": None}
 # Rows ``[start, stop)`` along a dim of one HF part of a canonical tensor: (part index, dim, start, stop).
 PartReader = Callable[[int, int, int, int], torch.Tensor]
+# The same rows read straight into a tensor holding their elements in row-major order (of any shape: the
+# rows of one query group's heads in a fused QKV piece): (part index, dim, start, stop, destination).
+PartInto = Callable[[int, int, int, int, torch.Tensor], None]
 
 
 class Transform:
@@ -77,6 +80,21 @@ class Transform:
         """``window`` of the canonical tensor of ``shape``, read as ranges of its HF parts."""
         raise NotImplementedError(f"{self.name} cannot read a window of its parts")
 
+    def read_window_into(self, window: Window, shape: tuple[int, ...], config: ModelConfig, read_into: PartInto,
+                         out: torch.Tensor) -> None:
+        """``read_window`` into ``out`` (the window's place in the piece being made); a transform whose parts
+        land in ``out`` unchanged reads them straight there, others read the window and copy it."""
+        part_shapes = self.part_shapes(shape, config)
+
+        def read(part: int, dim: int, start: int, stop: int) -> torch.Tensor:
+            rows = list(part_shapes[part])
+            rows[dim] = stop - start
+            piece = torch.empty(rows, dtype=out.dtype)
+            read_into(part, dim, start, stop, piece)
+            return piece
+
+        out.copy_(self.read_window(window, shape, config, read))
+
     def __repr__(self) -> str:
         return f"<transform {self.name}>"
 
@@ -102,6 +120,10 @@ class Identity(Transform):
     def read_window(self, window: Window, shape: tuple[int, ...], config: ModelConfig,
                     read_part: PartReader) -> torch.Tensor:
         return read_part(0, window.dim, window.start, window.start + window.length)
+
+    def read_window_into(self, window: Window, shape: tuple[int, ...], config: ModelConfig, read_into: PartInto,
+                         out: torch.Tensor) -> None:
+        read_into(0, window.dim, window.start, window.start + window.length, out)
 
 
 class Dropped(Transform):
@@ -199,6 +221,22 @@ class FuseQKVByGroup(Transform):
         heads_per_group = config.attention.num_attention_heads // groups_total
         return self.fuse(parts, config.replace(num_query_groups=groups, num_attention_heads=groups * heads_per_group))
 
+    def read_window_into(self, window: Window, shape: tuple[int, ...], config: ModelConfig, read_into: PartInto,
+                         out: torch.Tensor) -> None:
+        """Each group's q, k and v rows read straight into their rows of ``out`` (gated queries, whose heads are
+        reordered, and a strided ``out`` are read and copied)."""
+        if config.attention.attention_output_gate or not out.is_contiguous():
+            super().read_window_into(window, shape, config, read_into, out)
+            return
+        _, q_rows, kv_rows = self._dims(config)
+        group_rows = q_rows + 2 * kv_rows
+        first, groups = window.start // group_rows, window.length // group_rows
+        by_group = out.view(groups, group_rows, *shape[1:])
+        offset = 0
+        for index, step in enumerate((q_rows, kv_rows, kv_rows)):
+            read_into(index, 0, first * step, (first + groups) * step, by_group.narrow(1, offset, step))
+            offset += step
+
 
 class ConcatenatedRows(Transform):
     """HF parts whose rows, one part after the other, are the canonical tensor; ``part_rows`` says how many
@@ -232,6 +270,20 @@ class ConcatenatedRows(Transform):
                 pieces.append(read_part(index, 0, lo - first, hi - first))
             first += rows
         return pieces[0] if len(pieces) == 1 else joined(pieces, dim=0)
+
+    def read_window_into(self, window: Window, shape: tuple[int, ...], config: ModelConfig, read_into: PartInto,
+                         out: torch.Tensor) -> None:
+        """Each part's rows in the window (a window of columns: those columns of every part) read straight into
+        their rows of ``out``."""
+        first = 0
+        for index, rows in enumerate(self.part_rows(shape, config)):
+            if window.dim != 0:
+                read_into(index, window.dim, window.start, window.start + window.length, out.narrow(0, first, rows))
+            else:
+                lo, hi = max(window.start, first), min(window.start + window.length, first + rows)
+                if lo < hi:
+                    read_into(index, 0, lo - first, hi - first, out.narrow(0, lo - window.start, hi - lo))
+            first += rows
 
 
 class FuseGateUp(ConcatenatedRows):

@@ -42,15 +42,17 @@ from pgconvert.formats.megatron import SAFE_GLOBALS, check_vocab_multiple, confi
 from pgconvert.formats.megatron_args import MEGATRON_DEFAULTS
 from pgconvert.formats.stream import ExtraState
 from pgconvert.formats.strict import fallback
-from pgconvert.formats.torch_dist import DCP_METADATA_FILE, single_process_calls
+from pgconvert.formats.dcp_layout import DCP_METADATA_FILE
+from pgconvert.formats.torch_dist import single_process_calls
 from pgconvert.io.dcp_records import TensorRecord, check_extent, parse_tensor_record, read_box, read_bytes
 from pgconvert.io.limits import quote
 from pgconvert.io.paths import ensure_within
+from pgconvert.io.reuse import new_tensor
 from pgconvert.io.torch_input import check_torch_stream
 from pgconvert.model.config import TRANSFORMER_IMPLS, ModelConfig
 from pgconvert.model.layout import ParallelLayout
 from pgconvert.model.provider import WORD_EMBEDDINGS, te_extra_state_names
-from pgconvert.model.rules import ShardRule, assemble
+from pgconvert.model.rules import ShardRule, piece_targets
 
 # Megatron-LM's default --transformer-impl, for args that do not record one.
 DEFAULT_TRANSFORMER_IMPL = MEGATRON_DEFAULTS["transformer_impl"]
@@ -291,16 +293,24 @@ def check_vocab_rows(args: Any, layout: ParallelLayout, config: ModelConfig, row
 
 def read_piece(shape: tuple[int, ...], rule: ShardRule, size: int, rank: int, rows: int | None,
                vocab_size: int | None, dtype: torch.dtype,
-               read_boxes: Callable[[list[Region]], list[torch.Tensor]]) -> torch.Tensor:
+               read_boxes: Callable[[list[Region], list[torch.Tensor]], object]) -> torch.Tensor:
     """Piece ``rank`` of ``size`` of a global tensor of ``shape`` under ``rule``: the boxes of the rule's
-    windows read in one request (``read_boxes``), zero windows (new vocab rows) filled."""
+    windows read in one request (``read_boxes``) straight into their places in the piece, zero windows (new
+    vocab rows) filled."""
     windows = rule.piece_windows(shape, size, rank, rows, vocab_size)
-    if not windows:
-        return read_boxes([Region((0,) * len(shape), shape)])[0]
-    stored = [window for window in windows if not window.zeros]
-    boxes = [region_box(shape, window.dim, window.start, window.length) for window in stored]
-    read = dict(zip(stored, read_boxes(boxes) if boxes else [], strict=True))
-    return assemble(windows, read.__getitem__, shape, dtype)
+    if not windows:  # a 0-dim tensor: the whole of it
+        piece = new_tensor(shape, dtype)
+        read_boxes([Region((0,) * len(shape), shape)], [piece])
+        return piece
+    piece, targets = piece_targets(windows, shape, dtype)
+    boxes = [region_box(shape, window.dim, window.start, window.length) for window, _ in targets]
+    places = [target if target.is_contiguous() else new_tensor(target.shape, dtype) for _, target in targets]
+    if boxes:
+        read_boxes(boxes, places)
+    for (_, target), place in zip(targets, places, strict=True):
+        if place is not target:
+            target.copy_(place)
+    return piece
 
 
 def te_extra_states(config: ModelConfig, layout: ParallelLayout) -> dict[str, ExtraState]:

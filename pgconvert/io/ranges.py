@@ -66,14 +66,27 @@ class FileRegion:
         offset = self.offset + start * self.stride[dim] * sizes.itemsize(self.dtype)
         return FileRegion(self.path, offset, tuple(shape), self.stride, self.dtype)
 
+    def reshape(self, shape: Sequence[int]) -> FileRegion:
+        """The same elements in row-major order seen as ``shape`` (a contiguous region only)."""
+        dense = all(step == want for count, step, want in zip(self.shape, self.stride, sizes.contiguous_stride(self.shape))
+                    if count > 1)
+        if not dense or sizes.numel(tuple(shape)) != sizes.numel(self.shape):
+            raise ValueError(f"cannot view {list(self.shape)} with strides {list(self.stride)} as {list(shape)}")
+        return FileRegion.contiguous(self.path, self.offset, tuple(shape), self.dtype)
+
+    def read_into(self, out: torch.Tensor) -> None:
+        """Fill ``out`` (any strides) with the region's elements, seen in ``out``'s shape where it differs."""
+        region = self if tuple(out.shape) == self.shape else self.reshape(out.shape)
+        fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            read_region(fd, region, out)
+        finally:
+            os.close(fd)
+
     def read(self) -> torch.Tensor:
         """The region's elements as a new contiguous tensor."""
         out = new_tensor(self.shape, self.dtype)
-        fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        try:
-            read_region(fd, self, out)
-        finally:
-            os.close(fd)
+        self.read_into(out)
         return out
 
 

@@ -85,11 +85,32 @@ class Window:
         return tuple(shape)
 
 
-def assemble(windows: Sequence[Window], read: Callable[[Window], torch.Tensor], global_shape: Sequence[int],
-             dtype: torch.dtype) -> torch.Tensor:
-    """The piece made of ``windows``: each read with ``read`` (or zeros), joined along their dim."""
-    pieces = [torch.zeros(w.shape(global_shape), dtype=dtype) if w.zeros else read(w) for w in windows]
-    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=windows[0].dim)
+def piece_targets(windows: Sequence[Window], global_shape: Sequence[int],
+                  dtype: torch.dtype) -> tuple[torch.Tensor, list[tuple[Window, torch.Tensor]]]:
+    """The piece made of ``windows`` joined along their dim, made once (``new_tensor``) with its zero windows
+    filled, and the place in it of each window to be read: a reader reads each straight there (no join)."""
+    dim = windows[0].dim
+    shape = list(global_shape)
+    shape[dim] = sum(window.length for window in windows)
+    piece = new_tensor(shape, dtype)
+    targets, offset = [], 0
+    for window in windows:
+        target = piece.narrow(dim, offset, window.length)
+        offset += window.length
+        if window.zeros:
+            target.zero_()
+        else:
+            targets.append((window, target))
+    return piece, targets
+
+
+def assemble(windows: Sequence[Window], read_into: Callable[[Window, torch.Tensor], None],
+             global_shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """The piece made of ``windows``: each read with ``read_into`` straight into its place (or zeros)."""
+    piece, targets = piece_targets(windows, global_shape, dtype)
+    for window, target in targets:
+        read_into(window, target)
+    return piece
 
 
 def _whole(global_shape: Sequence[int], dim: int = 0) -> tuple[Window, ...]:

@@ -10,13 +10,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pgconvert.formats import Iteration, Loader, LoadOptions
+from pgconvert.formats.dcp_layout import CHECKPOINT_CONFIG_FILE
 from pgconvert.formats.megatron import ITERATION_DIR_RE, list_megatron_iterations
 
 if TYPE_CHECKING:
     from pgconvert.loaders.torch_dist.reader import TorchDistSource
 
-# megatron-core's dist_checkpointing writes this beside .metadata in every iteration directory.
-CHECKPOINT_CONFIG_FILE = "metadata.json"
 
 
 def _is_iteration_dir(path: Path) -> bool:

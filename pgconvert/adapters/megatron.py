@@ -80,7 +80,8 @@ def find_adapter_store(path: Path, beside_model: bool = False) -> tuple[Path, Pa
 
 def _found_store(path: Path, beside_model: bool) -> tuple[Path, Path, Any] | None:
     """``find_adapter_store`` with the store's ``.metadata`` as read."""
-    from pgconvert.formats.torch_dist import DCP_METADATA_FILE, read_dcp_metadata, resolve_iteration_dir
+    from pgconvert.formats.dcp_layout import DCP_METADATA_FILE
+    from pgconvert.formats.torch_dist import read_dcp_metadata, resolve_iteration_dir
 
     if not path.is_dir():
         return None

@@ -39,7 +39,7 @@ from pathlib import Path
 from pgconvert.errors import CheckpointError
 from pgconvert.formats.megatron import resolve_megatron_iteration
 # GATED_HALVES: handle_swiglu_in_state_dict's suffixes, megatron-core's singleton_local_shards ones too.
-from pgconvert.formats.torch_dist import CHECKPOINT_CONFIG_FILE, DCP_METADATA_FILE, GATED_HALVES
+from pgconvert.formats.dcp_layout import CHECKPOINT_CONFIG_FILE, DCP_METADATA_FILE, GATED_HALVES
 from pgconvert.io.limits import quote
 from pgconvert.model.config import ModelConfig
 from pgconvert.model.grid import build_converter_process_groups

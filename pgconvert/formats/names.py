@@ -19,6 +19,12 @@ BUILTIN_SAVERS: dict[str, str] = {"megatron": "pgconvert.savers.megatron:Megatro
 # ``--dtype``: keep the source's, or one of these (pgconvert.formats.DTYPE_CHOICES maps them to torch dtypes).
 DTYPE_NAMES = ("keep", "bf16", "fp16", "fp32")
 EXPERT_LAYOUTS = ("sequential", "grouped")
+# Where a torch_dist destination keeps the common state (``--dst-torch-dist-common``): "store", inside the DCP
+# store as megatron-core >= 0.19 writes it, with its integrity manifest (the default); "legacy", common.pt, which
+# every megatron-core reads (0.19+ prefers it when present) and the only place 0.18.x and older look.
+COMMON_IN_STORE = "store"
+COMMON_LEGACY = "legacy"
+COMMON_PLACES = (COMMON_IN_STORE, COMMON_LEGACY)
 
 
 def targets(group: str, builtins: dict[str, str]) -> dict[str, str]:

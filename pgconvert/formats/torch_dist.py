@@ -68,6 +68,8 @@ from pgconvert.model.config import ModelConfig
 from pgconvert.errors import CheckpointError, UnsafePickleError
 from pgconvert.io.limits import over_limit, quote, read_json
 from pgconvert.formats.megatron import resolve_megatron_iteration
+from pgconvert.formats.dcp_layout import CHECKPOINT_CONFIG_FILE, GATED_HALVES
+from pgconvert.formats.names import COMMON_IN_STORE, COMMON_LEGACY
 from pgconvert.model.layers import LayerSpec
 from pgconvert.model.vision import LANGUAGE_MODEL_MODULE, is_vision_tensor
 from pgconvert.model.provider import (EXPERTS_MODULE, EXTRA_STATE_SUFFIX, FINAL_NORM_BIAS, FINAL_NORM_WEIGHT,
@@ -76,20 +78,12 @@ from pgconvert.model.provider import (EXPERTS_MODULE, EXTRA_STATE_SUFFIX, FINAL_
                                       canonical_names, final_norm_local_name, fused_norm_name, layer_tensors,
                                       mtp_layer_tensors, te_sharded_modules)
 
-CHECKPOINT_CONFIG_FILE = "metadata.json"
 COMMON_FILE = "common.pt"
 # megatron-core 0.19.0 and later (``dist_checkpointing.save``) store the common state (args, iteration, optimizer
 # param groups, ...) inside the checkpoint as the ShardedObject ``common_state`` (one bytes entry, the
 # ``torch.save`` of a list of one dict) instead of common.pt; their ``load_common_state_dict`` reads common.pt when
 # there is one, else that entry. megatron-core 0.18.x and older read common.pt only.
 COMMON_STATE_KEY = "common_state/shard_0_1"
-# Where a torch_dist destination keeps the common state (``--dst-torch-dist-common``): "store", inside the DCP
-# store as megatron-core >= 0.19 writes it, with its integrity manifest (the default); "legacy", common.pt, which
-# every megatron-core reads (0.19+ prefers it when present) and the only place 0.18.x and older look.
-COMMON_IN_STORE = "store"
-COMMON_LEGACY = "legacy"
-COMMON_PLACES = (COMMON_IN_STORE, COMMON_LEGACY)
-DCP_METADATA_FILE = ".metadata"
 SHARDED_BACKEND = "torch_dist"
 # megatron-core's CheckpointingConfig (dist_checkpointing/core.py) as save_config writes it: with the common
 # backend up to 0.18.x (common.pt), without from 0.19.0 (the common state is in the store). Both read both.
@@ -225,9 +219,6 @@ def refuse_singleton(config: ModelConfig, where: str) -> None:
                               "that naming for GPT models only")
 
 
-# megatron-core's ``apply_swiglu_sharded_factory`` with ``singleton_local_shards``: a gated linear_fc1's gate and up
-# halves as keys of their own, the key followed by these.
-GATED_HALVES = ("_w", "_v")
 
 
 def _dist_segments(kind: TensorKind, config: ModelConfig, shape: tuple[int, ...],

@@ -40,7 +40,7 @@ from pgconvert.formats.megatron import (CHECKPOINT_VERSION, FRAMEWORK_PICKLE, TR
 from pgconvert.formats.stream import CanonicalSource
 from pgconvert.formats.strict import fallback
 from pgconvert.io.dcp_writer import ItemKey, WrittenFiles
-from pgconvert.formats.torch_dist import DCP_METADATA_FILE
+from pgconvert.formats.dcp_layout import DCP_METADATA_FILE
 from pgconvert.io.durable import fsync_file
 from pgconvert.io.sizes import dtype_name
 from pgconvert.model.provider import canonical_shapes, target_vocab_rows

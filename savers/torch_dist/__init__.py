@@ -46,14 +46,13 @@ from pgconvert.formats.hf_side import carried_for_target, write_carried
 from pgconvert.formats.megatron import (CHECKPOINT_VERSION, FRAMEWORK_PICKLE, TRACKER_FILE, args_for_target,
                                        iteration_dir_name, params_dtype_for)
 from pgconvert.formats.stream import CanonicalSource
+from pgconvert.formats.names import COMMON_IN_STORE
 from pgconvert.formats.strict import fallback
+from pgconvert.formats.dcp_layout import CHECKPOINT_CONFIG_FILE, DCP_METADATA_FILE
 from pgconvert.formats.torch_dist import (
-    CHECKPOINT_CONFIG_FILE,
     COMMON_FILE,
-    COMMON_IN_STORE,
     COMMON_STATE_KEY,
     CONTENT_METADATA,
-    DCP_METADATA_FILE,
     SHARDED_BACKEND,
     empty_extra_state,
     extra_state_keys,

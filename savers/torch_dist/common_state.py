@@ -1,5 +1,5 @@
 """The common state of a torch_dist destination (args, iteration, content_metadata, the optimizer's param groups),
-in either place megatron-core keeps it (``pgconvert.formats.torch_dist.COMMON_PLACES``).
+in either place megatron-core keeps it (``pgconvert.formats.names.COMMON_PLACES``).
 
 - ``store`` (megatron-core >= 0.19.0, ``dist_checkpointing.save``): the bytes entry ``common_state/shard_0_1`` of
   the DCP store, ``torch.save([common])``. pgconvert writes it to a data file of its own, ``__0_<n>.distcp`` after the
@@ -26,8 +26,8 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from pgconvert.errors import CheckpointError
 from pgconvert.formats.megatron import FRAMEWORK_PICKLE, SAFE_GLOBALS, safe_torch_load
-from pgconvert.formats.torch_dist import (COMMON_FILE, COMMON_STATE_KEY, DCP_METADATA_FILE, common_state_storage,
-                                          read_dcp_metadata)
+from pgconvert.formats.dcp_layout import DCP_METADATA_FILE
+from pgconvert.formats.torch_dist import COMMON_FILE, COMMON_STATE_KEY, common_state_storage, read_dcp_metadata
 from pgconvert.io.durable import fsync_file
 
 

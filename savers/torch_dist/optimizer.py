@@ -14,7 +14,7 @@ from typing import Any
 from pgconvert.errors import PgconvertError, ValidationError
 from pgconvert.formats import CarriedOptimizer, OptimizerFile, PlannedFile, SaveOptions, target_config
 from pgconvert.formats.stream import CanonicalSource
-from pgconvert.formats.torch_dist import DCP_METADATA_FILE
+from pgconvert.formats.dcp_layout import DCP_METADATA_FILE
 from pgconvert.formats.torch_dist_optimizer import (DP_RESHARDABLE, FS_MODEL_SPACE, FULLY_RESHARDABLE, PLAIN,
                                                     moe_form_refusal)
 from pgconvert.io.dcp_writer import DEFAULT_MAX_DATA_FILE_SIZE

@@ -25,7 +25,8 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
 from pgconvert.formats import PlannedFile
-from pgconvert.formats.torch_dist import DCP_METADATA_FILE, read_dcp_metadata
+from pgconvert.formats.dcp_layout import DCP_METADATA_FILE
+from pgconvert.formats.torch_dist import read_dcp_metadata
 from pgconvert.formats.torch_dist_optimizer import FS_MODEL_SPACE, MODEL_SPACE_FIELDS, common_entry, state_key
 from pgconvert.optimizer.scaler import set_scalers, target_scalers
 from pgconvert.optimizer.source import OptimizerSource

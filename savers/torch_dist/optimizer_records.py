@@ -34,7 +34,8 @@ from torch.distributed.checkpoint.planner import WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 
 from pgconvert.formats import PlannedFile
-from pgconvert.formats.torch_dist import DCP_METADATA_FILE, read_dcp_metadata, single_process_calls
+from pgconvert.formats.dcp_layout import DCP_METADATA_FILE
+from pgconvert.formats.torch_dist import read_dcp_metadata, single_process_calls
 from pgconvert.formats.torch_dist_optimizer import (FULLY_RESHARDABLE, RECORDS_PREFIX, chained_entries, common_entry,
                                                     records_file, state_key)
 from pgconvert.io.dcp_writer import ItemKey, StreamingWriter, WrittenFiles, split_by_size

@@ -17,7 +17,8 @@ import click
 
 from pgconvert.version import __version__
 from pgconvert.errors import PgconvertError
-from pgconvert.formats.names import DEFAULT_DIGEST, DIGEST_CHOICES, DTYPE_NAMES, EXPERT_LAYOUTS, loader_names, saver_names
+from pgconvert.formats.names import (COMMON_IN_STORE, COMMON_PLACES, DEFAULT_DIGEST, DIGEST_CHOICES, DTYPE_NAMES,
+                                     EXPERT_LAYOUTS, loader_names, saver_names)
 from pgconvert.model.config import MTP_LAYER_MODULES
 
 if TYPE_CHECKING:
@@ -162,7 +163,7 @@ CONVERT_HELP_SECTIONS: HelpSections = (
     ("HF output", ("--hf-config", "--generation-config", "--tokenizer", "--keep-fp8")),
     ("Adapters", ("--merge-adapter", "--drop-adapter")),
     ("Optimizer state", ("--skip-optimizer", "--dst-dp", "--dst-optim-form")),
-    ("Safety", ("--strict", "--check-finite", "--skip-finite-check")),
+    ("Safety", ("--strict", "--check-finite", "--skip-finite-check", "--verify-integrity")),
     ("Scale-out", ("--threads", "--workers", "--max-memory", "--shard-index", "--num-shards")),
 )
 # Options click adds to every command itself; a section may place them.
@@ -309,7 +310,7 @@ def _layout_option(name: str, help_text: str) -> Any:
 @click.option("--dst-mtp-layer-name", type=click.Choice(list(MTP_LAYER_MODULES)), default=None,
               help="Megatron per-rank DST: the MTP layer's inner-layer key, transformer_layer (megatron-core 0.16.1) or "
                    "mtp_model_layer (newer Megatron-LM) [default: the source's, else transformer_layer].")
-@click.option("--dst-torch-dist-common", type=click.Choice(["store", "legacy"]), default="store", show_default=True,
+@click.option("--dst-torch-dist-common", type=click.Choice(COMMON_PLACES), default=COMMON_IN_STORE, show_default=True,
               help="torch_dist DST: the common state (args, iteration, optimizer param groups) inside the checkpoint "
                    "with an integrity.json manifest, as megatron-core 0.19+ writes it (store), or in common.pt, "
                    "which every megatron-core reads (legacy: use it for megatron-core 0.18 and older).")
@@ -326,6 +327,10 @@ def _layout_option(name: str, help_text: str) -> Any:
               help="A vision-language source: convert its language model alone (hf: written as the text model's "
                    "own architecture and config); what is left out (vision tower, projector, processor files) is "
                    "named in a notice.")
+@click.option("--verify-integrity", is_flag=True,
+              help="A torch_dist SRC with an integrity.json: re-hash every file it lists, the data files too (about "
+                   "0.6 CPU-seconds per GiB; as Megatron-LM's --verify-integrity). By default its small files are "
+                   "re-hashed and its data files only required to be there; verify always re-hashes them all.")
 def convert_command(src: Path, dst: Path, src_format: str, dst_format: str, src_tp: int | None,
                     src_pp: int | None, dst_tp: int | None, dst_pp: int | None,
                     dst_decoder_first_pipeline_num_layers: int | None,
@@ -341,7 +346,8 @@ def convert_command(src: Path, dst: Path, src_format: str, dst_format: str, src_
                     quiet: bool, verbose: bool, keep_fp8: bool = False, skip_optimizer: bool = False,
                     dst_dp: int | None = None, dst_optim_form: str | None = None,
                     dst_mtp_layer_name: str | None = None, dst_torch_dist_common: str = "store",
-                    merge_adapter: Path | None = None, drop_adapter: bool = False, text_only: bool = False) -> None:
+                    merge_adapter: Path | None = None, drop_adapter: bool = False, text_only: bool = False,
+                    verify_integrity: bool = False) -> None:
     """Convert SRC into DST (the default command)."""
     from pgconvert.run.convert import ConvertRequest
 
@@ -360,12 +366,10 @@ def convert_command(src: Path, dst: Path, src_format: str, dst_format: str, src_
         iteration=iteration, true_vocab_size=true_vocab_size, dtype=dtype, overwrite=overwrite,
         strict=strict, check_finite=finite_mode or "warn", digest=digest,
         max_shard_size=max_shard_size, hf_config=hf_config, threads=threads, workers=workers,
-        max_memory=max_memory,
-        generation_config=generation_config, tokenizer=tokenizer,
+        max_memory=max_memory, generation_config=generation_config, tokenizer=tokenizer,
         keep_fp8=keep_fp8, skip_optimizer=skip_optimizer, dst_dp=dst_dp, dst_optim_form=dst_optim_form,
         dst_mtp_layer_name=dst_mtp_layer_name, dst_torch_dist_common=dst_torch_dist_common,
-        merge_adapter=merge_adapter, drop_adapter=drop_adapter, text_only=text_only,
-    )
+        merge_adapter=merge_adapter, drop_adapter=drop_adapter, text_only=text_only, verify_integrity=verify_integrity)
     try:
         shard = _shard_of_this_process(shard_index, num_shards)
         if shard is not None and not dry_run:

@@ -99,7 +99,7 @@ def test_optimizer_state_goes_into_the_store_and_the_manifest_follows_it(tmp_pat
     assert report.equal and report.optimizer is not None and report.optimizer.compared > 0
 
 
-def test_a_changed_byte_is_named_with_both_digests(megatron: Path, tmp_path: Path) -> None:
+def test_a_changed_data_byte_is_named_with_both_digests_by_verify_integrity(megatron: Path, tmp_path: Path) -> None:
     out = to_torch_dist(megatron, tmp_path / "dist")
     data = out / ITERATION / "__0_0.distcp"
     expected = hashlib.sha256(data.read_bytes()).hexdigest()
@@ -107,16 +107,52 @@ def test_a_changed_byte_is_named_with_both_digests(megatron: Path, tmp_path: Pat
     actual = hashlib.sha256(data.read_bytes()).hexdigest()
 
     with pytest.raises(IntegrityError) as raised:
-        pgconvert.convert(out, tmp_path / "back", dst_format="megatron")
+        pgconvert.convert(out, tmp_path / "back", dst_format="megatron", verify_integrity=True)
     assert str(data) in str(raised.value) and expected in str(raised.value) and actual in str(raised.value)
     assert not (tmp_path / "back").exists()
 
-    result = CliRunner().invoke(main, ["-q", "--dst-format", "megatron", str(out), str(tmp_path / "cli")])
+    result = CliRunner().invoke(main, ["-q", "--verify-integrity", "--dst-format", "megatron", str(out),
+                                       str(tmp_path / "cli")])
     assert result.exit_code == 1 and "integrity check failed" in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "cli").exists()
 
     report = pgconvert.verify(megatron, out)
     assert not report.equal
     assert any(str(data) in problem and expected in problem and actual in problem for problem in report.file_problems)
+
+
+def test_reading_re_hashes_the_small_files_and_requires_the_data_files(megatron: Path, tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """By default a source's .metadata, metadata.json and common state are re-hashed and its data files only
+    required to be there; --verify-integrity re-hashes those too."""
+    import pgconvert.formats.torch_dist_integrity as integrity
+
+    out = to_torch_dist(megatron, tmp_path / "dist")
+    directory = out / ITERATION
+    hashed: list[set[str]] = []
+    real = integrity.files_sha256
+
+    def recording(paths: object) -> dict[Path, str]:
+        found = real(paths)  # type: ignore[arg-type]
+        hashed.append({path.name for path in found})
+        return found
+
+    monkeypatch.setattr(integrity, "files_sha256", recording)
+    get_loader("torch_dist").open(out, LoadOptions())
+    get_loader("torch_dist").open(out, LoadOptions(verify_integrity="full"))
+    listed = set(json.loads((directory / "integrity.json").read_text())["files"])
+    data = {name for name in listed if name.endswith(".distcp")}
+    assert data and hashed == [listed - data, listed]
+
+    metadata = directory / ".metadata"
+    flip_byte(metadata, metadata.stat().st_size // 2)
+    with pytest.raises(IntegrityError, match=r"\.metadata: sha256"):
+        pgconvert.convert(out, tmp_path / "back", dst_format="megatron")
+    flip_byte(metadata, metadata.stat().st_size // 2)
+    (directory / sorted(data)[0]).unlink()
+    with pytest.raises(IntegrityError, match="listed in integrity.json .* but missing"):
+        pgconvert.convert(out, tmp_path / "back", dst_format="megatron")
+    assert not (tmp_path / "back").exists()
 
 
 def test_files_are_hashed_alike_one_or_several_at_a_time(megatron: Path, tmp_path: Path,

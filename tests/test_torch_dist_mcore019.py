@@ -14,7 +14,8 @@ What 0.19.2 checks:
    tensor is the fixture's slice for its rank.
 2. A checkpoint it saves itself at TP2 (gloo ranks, ``verify_integrity=True``: common state in the store and the
    manifest) is read by pgconvert, manifest checked, to the fixture's per-rank files and to HF, bit for bit.
-3. A changed byte: pgconvert refuses it (``IntegrityError``), and so does 0.19.2's own integrity check.
+3. A changed byte: pgconvert refuses it with ``--verify-integrity`` (``IntegrityError``), and so does 0.19.2's own
+   integrity check with ``verify_integrity=True``.
 4. For a single rank, pgconvert writes what 0.19.2's ``dist_checkpointing.save`` writes: ``metadata.json``, the
    common state's entries, every key, chunk and tensor, and the manifest's layout (pgconvert's manifest writer
    gives 0.19.2's own ``integrity.json`` bytes for 0.19.2's files).
@@ -133,7 +134,7 @@ def test_a_changed_byte_is_caught_by_pgconvert_and_by_megatron_core_019(tmp_path
     data.write_bytes(bytes(content))
 
     with pytest.raises(IntegrityError, match="__0_0.distcp: sha256"):
-        pgconvert.convert(dist, tmp_path / "back", dst_format="megatron")
+        pgconvert.convert(dist, tmp_path / "back", dst_format="megatron", verify_integrity=True)
     theirs = run_job("load", dist / ITERATION_DIR, tmp_path / "job", tp=1, check=False, verify_integrity=True)
 
     assert theirs.returncode != 0

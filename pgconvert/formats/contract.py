@@ -66,9 +66,11 @@ class LoadOptions:
     keep_quantized: bool = False
     # The dtype an hf source's quantized tensors are dequantized to (--dtype; None: bfloat16).
     dequantize_dtype: torch.dtype | None = None
-    # Check the source's integrity manifest (torch_dist's integrity.json) when it has one; off only where the
-    # same source was checked already (a --workers pool's processes) or is checked apart (verify).
-    verify_integrity: bool = True
+    # How much of the source's integrity manifest (torch_dist's integrity.json) is checked when it has one
+    # (``pgconvert.formats.torch_dist_integrity.INTEGRITY_CHECKS``): "full" (every listed file re-hashed:
+    # --verify-integrity), "metadata" (the data files found, the others re-hashed) or "off" (a --workers pool's
+    # processes, whose source was checked by the process that planned the run; verify, which checks apart).
+    verify_integrity: str = "metadata"
 
     def check_layout(self, layout: ParallelLayout, path: Path) -> None:
         """Refuse a ``--src-tp/pp/ep`` the user gave that the checkpoint's own layout contradicts."""
@@ -99,7 +101,7 @@ class SaveOptions:
     # The MTP inner layer's per-rank key (pgconvert.formats.mtp_naming); None keeps the source's.
     mtp_layer_module: str | None = None
     # torch_dist: where the common state goes, "store" (inside the DCP store, with integrity.json, as megatron-core
-    # >= 0.19 writes it) or "legacy" (common.pt, which megatron-core <= 0.18 reads); torch_dist.COMMON_PLACES.
+    # >= 0.19 writes it) or "legacy" (common.pt, which megatron-core <= 0.18 reads); names.COMMON_PLACES.
     torch_dist_common: str = "store"
     # Threads producing independent destination files at once within this process (``--threads``;
     # pgconvert.io.threads): a saver whose files are independent writes up to this many at a time.

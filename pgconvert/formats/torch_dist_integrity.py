@@ -21,7 +21,9 @@ missing file (files not listed are not looked at), and refuses a checkpoint with
 pgconvert writes it for a torch_dist output in megatron-core 0.19's form (``--dst-torch-dist-common store``,
 so a Megatron-LM run with ``--verify-integrity`` loads it), from the digests computed while the files were
 written where it has them, and checks it whenever it reads a torch_dist checkpoint that has one: a mismatch
-is an ``IntegrityError`` naming the file and both digests. Files are hashed several at once (``HASH_THREADS``:
+is an ``IntegrityError`` naming the file and both digests. Reading re-hashes the small files and requires the
+data files to be there (``INTEGRITY_CHECKS``); ``--verify-integrity`` and ``verify`` re-hash the data files too,
+which costs what hashing costs (about 0.6 CPU-seconds per GiB), as megatron-core's own load does only when asked. Files are hashed several at once (``HASH_THREADS``:
 the hasher and file reads release the GIL), so the check runs at the disk's speed on a machine with the cores.
 """
 
@@ -41,6 +43,12 @@ from pgconvert.io.limits import quote, read_json
 
 INTEGRITY_FILE = "integrity.json"
 INTEGRITY_ALGORITHM = "sha256"
+DATA_SUFFIX = ".distcp"  # the store's data files: all but a few KiB to MiB of a checkpoint's bytes
+# How much of a source's manifest is checked when it is read (``LoadOptions.verify_integrity``): every listed file
+# re-hashed (``--verify-integrity``, as Megatron-LM's flag of that name), the data files only found and the rest
+# re-hashed (the default: a changed .metadata or common state is caught, a changed tensor byte is not), or nothing
+# (a ``--workers`` pool's processes, whose source the planning process checked).
+INTEGRITY_CHECKS = ("full", "metadata", "off")
 _READ_BYTES = 1 << 20  # megatron-core's _READ_CHUNK_SIZE
 _DIGEST = re.compile(r"[0-9a-f]{64}")
 # Files hashed at once: one 1 MiB block each in memory.
@@ -102,31 +110,32 @@ def _read_manifest(path: Path) -> dict[str, str]:
     return files
 
 
-def integrity_problems(directory: Path) -> tuple[bool, list[str]]:
+def integrity_problems(directory: Path, data_files: bool = True) -> tuple[bool, list[str]]:
     """Whether ``directory`` has a manifest, and each listed file that is missing or whose SHA-256 differs
-    (file, expected and actual digest)."""
+    (file, expected and actual digest); ``data_files`` False: the ``.distcp`` data files are only required to be
+    there, the others (``.metadata``, ``metadata.json``, ``common.pt``: a few KiB to MiB) re-hashed."""
     path = directory / INTEGRITY_FILE
     if not path.is_file():
         return False, []
     listed = _read_manifest(path)
     present = [directory / name for name in listed
                if not (directory / name).is_symlink() and (directory / name).is_file()]
-    actual = files_sha256(present)
+    actual = files_sha256(target for target in present if data_files or target.suffix != DATA_SUFFIX)
     problems = []
     for name, expected in listed.items():
         target = directory / name
-        if target not in actual:
+        if target not in present:
             problems.append(f"{target}: listed in {INTEGRITY_FILE} (sha256 {expected}) but missing (or not a regular "
                             "file)")
-        elif actual[target] != expected:
+        elif target in actual and actual[target] != expected:
             problems.append(f"{target}: sha256 {actual[target]}, but {INTEGRITY_FILE} records {expected}")
     return True, problems
 
 
-def check_integrity(directory: Path) -> bool:
-    """Raise an ``IntegrityError`` naming every listed file that does not match ``integrity.json``; whether the
-    directory has the manifest at all."""
-    present, problems = integrity_problems(directory)
+def check_integrity(directory: Path, data_files: bool = True) -> bool:
+    """Raise an ``IntegrityError`` naming every listed file that does not match ``integrity.json`` (its data
+    files re-hashed only with ``data_files``); whether the directory has the manifest at all."""
+    present, problems = integrity_problems(directory, data_files)
     if problems:
         raise IntegrityError(f"{directory / INTEGRITY_FILE}: integrity check failed for {len(problems)} file(s): "
                              + "; ".join(problems))

@@ -33,8 +33,7 @@ from pgconvert.errors import ConversionError, DestinationError, PluginError, Str
 from pgconvert.formats import DTYPE_CHOICES, LoadOptions, PlannedFile, SaveOptions, Saver, SaveResult
 from pgconvert.model.layout import ParallelLayout
 from pgconvert.model.layout_spec import LayoutSpec
-from pgconvert.formats.names import DEFAULT_DIGEST, DIGEST_CHOICES, saver_names
-from pgconvert.formats.torch_dist import COMMON_PLACES
+from pgconvert.formats.names import COMMON_PLACES, DEFAULT_DIGEST, DIGEST_CHOICES, saver_names
 from pgconvert.io.output import OUTPUT_STAGING_BYTES, digests
 from pgconvert.io.threads import serialized
 from pgconvert.io.sizes import itemsize, numel
@@ -115,6 +114,9 @@ class ConvertRequest:
     drop_adapter: bool = False
     # A vision-language source's language model alone (pgconvert.formats.text_only).
     text_only: bool = False
+    # Re-hash every file a torch_dist source's integrity.json lists, its data files too (by default those are
+    # only required to be there): pgconvert.formats.torch_dist_integrity.
+    verify_integrity: bool = False
 
 
 @dataclass
@@ -335,7 +337,8 @@ def _load_options(request: ConvertRequest, check_dst: bool) -> LoadOptions:
         strict=request.strict,
         keep_quantized=request.keep_fp8,
         dequantize_dtype=DTYPE_CHOICES[request.dtype],  # one rounding, to the dtype asked for
-        verify_integrity=check_dst,  # a worker's source was checked by the process that planned the run
+        # A worker's source was checked by the process that planned the run.
+        verify_integrity=("full" if request.verify_integrity else "metadata") if check_dst else "off",
     )
 
 

@@ -68,7 +68,7 @@ class VerifyReport:
 def _open(path: Path, iteration: int | None, true_vocab_size: int | None) -> CanonicalSource:
     # The integrity manifest is checked apart (``_check_integrity``), so a mismatch is reported, not raised.
     return get_loader(detect_format(path)).open(path, LoadOptions(iteration=iteration, true_vocab_size=true_vocab_size,
-                                                                  verify_integrity=False))
+                                                                  verify_integrity="off"))
 
 
 def _layout_text(source: CanonicalSource) -> str | None:

@@ -181,3 +181,15 @@ def test_a_bridge_run_optimizer_state_is_named_not_carried(tmp_path: Path) -> No
         pgconvert.convert(copy, tmp_path / "strict", dst_format="megatron", dst_tp=1, strict=True)
     assert pgconvert.convert(copy, tmp_path / "skip", dst_format="megatron", dst_tp=1, skip_optimizer=True,
                              strict=True)
+
+
+def test_provider_defaults_are_megatron_core_transformer_config_defaults() -> None:
+    import dataclasses
+
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from pgconvert.formats.megatron_bridge import PROVIDER_DEFAULTS
+
+    fields = {field.name: field.default for field in dataclasses.fields(TransformerConfig)}
+    shared = {name: value for name, value in PROVIDER_DEFAULTS.items() if name in fields}
+    assert len(shared) >= 15 and shared == {name: fields[name] for name in shared}

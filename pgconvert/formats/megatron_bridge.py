@@ -144,8 +144,8 @@ def _target(value: Any) -> str | None:
     return value.get(_TARGET) if isinstance(value, dict) and isinstance(value.get(_TARGET), str) else None
 
 
-def _transformer_impl(values: dict[str, Any], path: Path, strict: bool, notices: list[str]) -> str | None:
-    """The key names' implementation from the layer spec; None (the loader's fallback names it) when unknown."""
+def _transformer_impl(values: dict[str, Any], path: Path, strict: bool, notices: list[str]) -> str:
+    """The key names' implementation from the layer spec; an unknown spec is a guess (Transformer Engine's names)."""
     if values["use_transformer_engine_full_layer_spec"]:
         raise CheckpointError(f"{path}: model.use_transformer_engine_full_layer_spec=True: Transformer Engine's whole "
                               "TransformerLayer keeps its own tensor names, which pgconvert does not read")

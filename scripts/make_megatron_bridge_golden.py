@@ -68,7 +68,7 @@ def provider() -> object:
     from megatron.bridge.models.gpt_provider import GPTModelProvider, local_layer_spec
 
     return GPTModelProvider(
-        num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=16, ffn_hidden_size=96,
+        num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, kv_channels=8, ffn_hidden_size=64,
         normalization="RMSNorm", layernorm_epsilon=1e-6, gated_linear_unit=True,
         activation_func=torch.nn.functional.silu, position_embedding_type="rope", rotary_base=500000,
         seq_length=64, share_embeddings_and_output_weights=False, add_bias_linear=False, add_qkv_bias=False,

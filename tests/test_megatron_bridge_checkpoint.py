@@ -75,7 +75,7 @@ def test_inspect_reads_the_model_from_run_config() -> None:
     config = info.model_config
     assert config is not None
     assert (config["num_layers"], config["hidden_size"], config["num_attention_heads"], config["num_query_groups"],
-            config["ffn_hidden_size"], config["kv_channels"]) == (2, 64, 4, 2, 96, 16)
+            config["ffn_hidden_size"], config["kv_channels"]) == (2, 32, 4, 2, 64, 8)
     assert (config["normalization"], config["norm_epsilon"], config["activation"], config["gated_linear_unit"]) == (
         "RMSNorm", 1e-6, "silu", True)
     assert (config["position_embedding_type"], config["rotary_base"], config["tie_embeddings"]) == ("rope", 500000.0,

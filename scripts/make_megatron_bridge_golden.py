@@ -12,6 +12,7 @@ import (megatron-core==0.16.1, torch==2.13.0, transformers<5, huggingface-hub<1,
 einops, triton, datasets, nvidia-modelopt --no-deps with pydantic, pulp, scipy, tensorboard):
 
     python scripts/make_megatron_bridge_golden.py tests/data/megatron_bridge/train_tp1_torch_dist
+    python scripts/make_megatron_bridge_golden.py --providers tests/data/megatron_bridge/providers
 
 Transformer Engine cannot be installed here; Bridge's ``peft/lora.py`` and ``peft/lora_layers.py`` import
 ``transformer_engine.pytorch`` at module level (and name its classes in annotations), so an import-only stand-in
@@ -132,5 +133,48 @@ def main(out: Path) -> None:
     torch.distributed.destroy_process_group()
 
 
+
+
+# Model providers whose run_config.yaml model section tests/data/megatron_bridge/providers/ holds, as
+# ConfigContainer.to_yaml writes one: an activation each of Bridge's providers use, MoE, YaRN and llama3 RoPE scaling.
+# DeepSeek's default instances describe no model in 0.3.1 (DeepSeekV3ModelProvider() has 0 attention heads,
+# DeepSeekV2LiteModelProvider() linear biases beside shared experts).
+PROVIDERS = {
+    "GPTProvider126M": "megatron.bridge.models.gpt_provider",
+    "Llama32ModelProvider1B": "megatron.bridge.models.llama.llama_provider",
+    "Qwen3MoEModelProvider30B_A3B": "megatron.bridge.models.qwen.qwen_provider",
+    "GemmaModelProvider2B": "megatron.bridge.models.gemma.gemma_provider",
+    "Nemotron3ModelProvider4B": "megatron.bridge.models.nemotron.nemotron_provider",
+    "GPTOSSProvider20B": "megatron.bridge.models.gpt_oss.gpt_oss_provider",
+}
+
+
+_GPU_FUSIONS = ("apply_rope_fusion", "masked_softmax_fusion", "bias_activation_fusion", "bias_dropout_fusion",
+                "persist_layer_norm", "gradient_accumulation_fusion", "cross_entropy_loss_fusion", "moe_permute_fusion",
+                "moe_router_fusion")
+
+
+def write_provider_sections(out: Path) -> None:
+    """Each provider's default instance as ``{model: ...}``, through Bridge's own dict conversion and representers."""
+    import yaml
+    from megatron.bridge.training.config import ConfigContainer
+    from megatron.bridge.utils.yaml_utils import safe_yaml_representers
+
+    out.mkdir(parents=True, exist_ok=True)
+    for name, module in PROVIDERS.items():
+        provider = getattr(importlib.import_module(module), name)()
+        for fusion in _GPU_FUSIONS:  # kernels only (no change to what the model computes), refused without a GPU
+            if hasattr(provider, fusion):
+                setattr(provider, fusion, False)
+        provider.finalize()  # as ConfigContainer.validate does before a run saves its run_config.yaml
+        with safe_yaml_representers():
+            text = yaml.safe_dump({"model": ConfigContainer._convert_value_to_dict(provider)}, default_flow_style=False)
+        (out / f"{name}.yaml").write_text(text)
+
+
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    if sys.argv[1] == "--providers":
+        import_bridge()
+        write_provider_sections(Path(sys.argv[2]))
+    else:
+        main(Path(sys.argv[1]))

@@ -193,3 +193,39 @@ def test_provider_defaults_are_megatron_core_transformer_config_defaults() -> No
     fields = {field.name: field.default for field in dataclasses.fields(TransformerConfig)}
     shared = {name: value for name, value in PROVIDER_DEFAULTS.items() if name in fields}
     assert len(shared) >= 15 and shared == {name: fields[name] for name in shared}
+
+
+PROVIDERS = GOLDEN.parent / "providers"  # model sections Bridge's own serializer wrote for its providers' defaults
+
+
+@pytest.mark.parametrize("provider, expected", [
+    ("Llama32ModelProvider1B", {"activation": "silu", "gated_linear_unit": True, "rope_scaling": "llama3",
+                                "tie_embeddings": True, "num_query_groups": 8, "kv_channels": 64}),
+    ("Qwen3MoEModelProvider30B_A3B", {"activation": "silu", "num_experts": 128, "moe_router_topk": 8,
+                                      "qk_layernorm": True, "moe_ffn_hidden_size": 768, "tie_embeddings": False}),
+    ("GemmaModelProvider2B", {"activation": "gelu_tanh", "gated_linear_unit": True,
+                              "layernorm_zero_centered_gamma": True, "num_query_groups": 1, "kv_channels": 256}),
+    ("Nemotron3ModelProvider4B", {"activation": "squared_relu", "gated_linear_unit": False,
+                                  "normalization": "LayerNorm", "layernorm_zero_centered_gamma": True}),
+    ("GPTOSSProvider20B", {"activation": "quick_gelu", "gated_linear_unit": True, "rope_scaling": "yarn",
+                           "rope_scaling_factor": 32.0, "yarn_original_max_position_embeddings": 4096,
+                           "softmax_type": "learnable", "glu_linear_offset": 1.0, "activation_func_clamp_value": 7.0,
+                           "sliding_window": 129, "num_experts": 32}),
+])
+def test_bridge_providers_read_as_the_model_they_build(provider: str, expected: dict[str, object]) -> None:
+    from pgconvert.formats import LoadOptions
+    from pgconvert.formats.dcp_store import model_from_args
+    from pgconvert.formats.megatron_bridge import bridge_args
+
+    path = PROVIDERS / f"{provider}.yaml"
+    notices: list[str] = []
+    _, config = model_from_args(bridge_args(path, True, notices), path, LoadOptions(strict=True), notices)
+    settings = config.to_dict()
+    assert {name: settings[name] for name in expected} == expected and not notices
+
+
+def test_transformer_engine_full_layer_spec_is_refused_by_name() -> None:
+    from pgconvert.formats.megatron_bridge import bridge_args
+
+    with pytest.raises(CheckpointError, match="GPTProvider126M.yaml: model.use_transformer_engine_full_layer_spec"):
+        bridge_args(PROVIDERS / "GPTProvider126M.yaml", False, [])

@@ -57,11 +57,18 @@ _RENAMED: dict[str, str] = {
     "seq_len_interpolation_factor": "rotary_seq_len_interpolation_factor", "seq_length": "max_position_embeddings",
 }
 
+# The YaRN fields of Bridge's providers (gpt_oss_provider.py, ministral3_provider.py) under Megatron-LM's names, for
+# position_embedding_type "yarn" (conversion/model_bridge.py maps HF's factor, mscale, mscale_all_dim to them).
+_YARN_RENAMED: dict[str, str] = {"yarn_rotary_scaling_factor": "rotary_scaling_factor", "yarn_mscale": "mscale",
+                                 "yarn_mscale_all_dim": "mscale_all_dim"}
+
 # activation_func as Bridge's yaml names it -> pgconvert's activation (megatron.core.activations, 0.16.1, and
-# fusions/fused_bias_geglu.py's quick_gelu, which GPT-OSS's provider uses).
+# fusions/fused_bias_geglu.py's quick_gelu, which GPT-OSS's provider uses). F.gelu, TransformerConfig's default, is
+# torch's builtin: _function_representer names it by its module, torch._C._nn.
 ACTIVATIONS: dict[str, str] = {
-    "torch.nn.functional.silu": "silu", "torch.nn.functional.gelu": "gelu",
+    "torch.nn.functional.silu": "silu", "torch._C._nn.gelu": "gelu", "torch.nn.functional.gelu": "gelu",
     "megatron.core.activations.squared_relu": "squared_relu", "megatron.core.activations.quick_gelu": "quick_gelu",
+    "megatron.bridge.models.nemotron.nemotron_provider.squared_relu": "squared_relu",
     "megatron.core.fusions.fused_bias_geglu.quick_gelu": "quick_gelu",
     "megatron.core.activations.fast_gelu": "gelu_tanh", "megatron.core.transformer.utils.openai_gelu": "gelu_tanh",
     "megatron.core.transformer.utils.erf_gelu": "gelu",
@@ -121,6 +128,10 @@ def bridge_args(path: Path, strict: bool, notices: list[str]) -> argparse.Namesp
     args = argparse.Namespace(**{name: value for name, value in values.items() if _plain(value)})
     for bridge_name, arg_name in _RENAMED.items():
         setattr(args, arg_name, values.get(bridge_name))
+    if values["position_embedding_type"] == "yarn":
+        for bridge_name, arg_name in _YARN_RENAMED.items():
+            if values.get(bridge_name) is not None:
+                setattr(args, arg_name, values[bridge_name])
     args.untie_embeddings_and_output_weights = not values["share_embeddings_and_output_weights"]
     args.group_query_attention = values.get("num_query_groups") is not None
     # should_pad_vocab off: the tables hold vocab_size rows (GPTModelProvider.provide), a multiple of 1.
@@ -172,7 +183,7 @@ def _params_dtype(value: Any, values: dict[str, Any], path: Path) -> Any:
 def _activation_flags(values: dict[str, Any], path: Path, strict: bool, notices: list[str]) -> dict[str, bool]:
     """The Megatron-LM flags of ``activation_func`` with ``gated_linear_unit`` (absent: F.gelu, TransformerConfig's)."""
     given = values.get("activation_func")
-    target = _target(given) if given is not None else "torch.nn.functional.gelu"
+    target = _target(given) if given is not None else "torch._C._nn.gelu"
     gated = bool(values["gated_linear_unit"])
     activation = ACTIVATIONS.get(target or "")
     flags = _ACTIVATION_FLAGS.get((activation, gated)) if activation is not None else None

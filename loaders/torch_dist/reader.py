@@ -25,6 +25,7 @@ from pgconvert.errors import CheckpointError, PgconvertError
 from pgconvert.formats import LoadOptions
 from pgconvert.formats.dcp_store import DcpStore, Region, check_vocab_rows, model_from_args, read_piece, te_extra_states
 from pgconvert.formats.hf_side import carried_side_files
+from pgconvert.formats.megatron_bridge import RUN_CONFIG_FILE, bridge_args, run_config_beside
 from pgconvert.formats.megatron import (
     TRAINING_STATE_KEYS,
     arg_name,
@@ -80,8 +81,10 @@ class TorchDistSource(CanonicalSource):
         self._store.check_files(metadata_path)
         common, common_path = self._read_common()
         args = common.get("args")
+        self.run_config: Path | None = None  # a Megatron-Bridge run's run_config.yaml, where the model is read from
         if not isinstance(args, argparse.Namespace):
-            raise CheckpointError(f"{common_path}: no 'args' namespace; cannot determine the model and layout")
+            args, common_path = self._run_config_args(common_path, options, early_notices)
+            self.run_config = common_path
         content = common.get("content_metadata") or {}
         # megatron-core's singleton_local_shards naming: one key per layer and per expert, gate/up halves apart
         singleton = self._singleton = isinstance(content, dict) and content.get("singleton_local_shards") is True
@@ -144,6 +147,17 @@ class TorchDistSource(CanonicalSource):
         if not isinstance(common, dict):
             raise CheckpointError(f"{common_path}: not a dict of common state ({quote(type(common).__name__)})")
         return common, common_path
+
+    def _run_config_args(self, common_path: Path, options: LoadOptions,
+                         notices: list[str]) -> tuple[argparse.Namespace, Path]:
+        """A Megatron-Bridge run's store keeps no args: its model is its run_config.yaml's (``formats.megatron_bridge``);
+        the file named in messages about the model is then that one."""
+        run_config = run_config_beside(self.directory)
+        if run_config is None:
+            raise CheckpointError(f"{common_path}: no 'args' namespace, and no {RUN_CONFIG_FILE} (a Megatron-Bridge "
+                                  f"run's configuration) in {self.directory} or its parent; cannot determine the "
+                                  "model and layout")
+        return bridge_args(run_config, options.strict, notices), run_config
 
     def _common_state_label(self) -> Path:
         """How messages name the ``common_state`` entry: the data file that holds it, and the entry's key."""
@@ -279,7 +293,11 @@ class TorchDistSource(CanonicalSource):
         return sharding_type(self.common_state, f"{self.directory} (common state)")
 
     def optimizer_refusal(self) -> str | None:
-        """A MoE model's optimizer state is not read from the forms whose expert records are not mapped."""
+        """A MoE model's optimizer state is not read from the forms whose expert records are not mapped; nor is a
+        Megatron-Bridge run's, whose optimizer settings are its run_config.yaml's, not the args the reader reads."""
+        if self.run_config is not None:
+            return (f"{self.directory}: a Megatron-Bridge run's optimizer state (its settings in {self.run_config.name}'s "
+                    "optimizer section, no args) is not read; pass --skip-optimizer")
         if self._singleton:
             return (f"{self.directory}: optimizer state saved with singleton_local_shards=True (records per expert "
                     "and per gate/up half) is not read; pass --skip-optimizer")

@@ -34,14 +34,14 @@ from pgconvert.errors import CheckpointError, PgconvertError, ValidationError
 from pgconvert.adapters.names import loaded_hf_weights
 from pgconvert.families.table import Family, Transform
 from pgconvert.io import limits
-from pgconvert.io.limits import MAX_JSON_BYTES, quote, read_config_bytes
+from pgconvert.io.limits import quote
+from pgconvert.formats.megatron_bridge import RUN_CONFIG_FILE, read_run_config, run_config_beside
 from pgconvert.io.sizes import dtype_name
 from pgconvert.formats.megatron import is_adapter_key
 from pgconvert.model.config import ModelConfig
 
 # What inspect calls a Megatron-Bridge adapter checkpoint's format.
 ADAPTER_FORMAT = "megatron-bridge-lora"
-RUN_CONFIG_FILE = "run_config.yaml"
 # Megatron-Bridge's plain LoRA (peft/lora.py); its other PEFT methods compute something else or store other keys.
 LORA_TARGET = "megatron.bridge.peft.lora.LoRA"
 _LORA_TARGETS = (LORA_TARGET,)
@@ -87,7 +87,7 @@ def _found_store(path: Path, beside_model: bool) -> tuple[Path, Path, Any] | Non
         return None
     try:
         store = resolve_iteration_dir(path, None)[0]
-        run_config = _run_config(store)
+        run_config = run_config_beside(store)
         if not (store / DCP_METADATA_FILE).is_file() or run_config is None:
             return None
         metadata = read_dcp_metadata(store / DCP_METADATA_FILE)
@@ -96,13 +96,6 @@ def _found_store(path: Path, beside_model: bool) -> tuple[Path, Path, Any] | Non
     keys = _tensor_keys(metadata)
     adapted = [key for key in keys if is_adapter_key(key)]
     return (store, run_config, metadata) if adapted and (beside_model or len(adapted) == len(keys)) else None
-
-
-def _run_config(store: Path) -> Path | None:
-    """run_config.yaml, which Megatron-Bridge writes in the iteration's directory (its run's directory has one too
-    when an export looks there)."""
-    return next((where / RUN_CONFIG_FILE for where in (store, store.parent) if (where / RUN_CONFIG_FILE).is_file()),
-                None)
 
 
 def _tensor_keys(metadata: Any) -> list[str]:
@@ -133,16 +126,8 @@ def read_megatron_adapter(path: Path) -> MegatronAdapter:
 
 def _peft_settings(run_config: Path) -> dict[str, Any]:
     """run_config.yaml's ``peft`` section, checked to be a plain LoRA with a positive ``dim`` and ``alpha``."""
-    import yaml
-
-    text = read_config_bytes(run_config)
-    if len(text) > MAX_JSON_BYTES:
-        raise CheckpointError(f"{run_config}: larger than {MAX_JSON_BYTES} bytes")
-    try:
-        doc = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise CheckpointError(f"{run_config}: not YAML ({quote(str(exc), 200)})") from exc
-    peft = doc.get("peft") if isinstance(doc, dict) else None
+    doc = read_run_config(run_config)
+    peft = doc.get("peft")
     if not isinstance(peft, dict):
         raise ValidationError(f"{run_config}: no peft section: not a PEFT run's checkpoint")
     target = peft.get("_target_")

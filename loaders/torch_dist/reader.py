@@ -46,7 +46,7 @@ from pgconvert.model.provider import (LAYER_PREFIX, MTP_PREFIX, OUTPUT_LAYER, VO
 from pgconvert.model.rules import ShardRule
 from pgconvert.formats.stream import CanonicalSource, EmbeddedAdapter, ExtraState, TensorMeta, holds_state
 from pgconvert.formats.strict import fallback
-from pgconvert.formats.torch_dist_integrity import check_integrity, integrity_problems
+from pgconvert.formats.torch_dist_integrity import INTEGRITY_CHECKS, check_integrity, integrity_problems
 from pgconvert.formats.torch_dist_optimizer import moe_form_refusal
 from pgconvert.formats.dcp_layout import CHECKPOINT_CONFIG_FILE, DCP_METADATA_FILE
 from pgconvert.formats.torch_dist import (
@@ -121,6 +121,8 @@ class TorchDistSource(CanonicalSource):
         changed byte is named as such, not as the corruption it causes); the ``.metadata`` path."""
         ensure_within(root, iteration_dir)
         read_checkpoint_config(ensure_within(root, iteration_dir / CHECKPOINT_CONFIG_FILE))
+        if options.verify_integrity not in INTEGRITY_CHECKS:
+            raise ValueError(f"LoadOptions.verify_integrity={options.verify_integrity!r}: one of {INTEGRITY_CHECKS}")
         if options.verify_integrity != "off":
             check_integrity(iteration_dir, data_files=options.verify_integrity == "full")
         return ensure_within(root, iteration_dir / DCP_METADATA_FILE)

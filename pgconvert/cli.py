@@ -748,7 +748,10 @@ def _print_verify(report: Any, max_listed: int) -> None:
     verdict = "equal" if not report.differences and not report.file_problems else \
         f"NOT equal: {len(report.differences)} tensor differences, " \
         f"{len(report.file_problems)} file problems"
-    click.echo(f"{report.compared} tensors compared ({tolerance}): {verdict}")
+    from pgconvert.run.adapter_verification import adapter_formats
+
+    compared = "adapted weights" if report.format_a in adapter_formats() else "tensors"
+    click.echo(f"{report.compared} {compared} compared ({tolerance}): {verdict}")
     if report.optimizer is not None:
         from pgconvert.run.verify_optimizer import text_lines
 

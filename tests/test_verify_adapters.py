@@ -79,7 +79,7 @@ def test_a_peft_adapter_and_its_megatron_bridge_export_verify_equal(adapters: di
         "megatron-bridge-lora", "megatron-bridge-lora"), bridges.differences
     result = CliRunner().invoke(main, ["verify", str(adapters["peft"]), str(adapters["bridge"]),
                                        "--base", str(adapters["hf"])])
-    assert result.exit_code == 0 and "16 tensors compared (bit-exact): equal" in result.output, result.output
+    assert result.exit_code == 0 and "16 adapted weights compared (bit-exact): equal" in result.output, result.output
 
 
 def test_a_changed_lora_b_value_is_reported_by_weight(adapters: dict[str, Path], tmp_path: Path) -> None:

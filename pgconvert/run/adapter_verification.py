@@ -44,6 +44,8 @@ class _Side:
     delta: Callable[[str], torch.Tensor]
     factors: dict[str, Callable[[], torch.Tensor]] = field(default_factory=dict)
     factor_targets: dict[str, str] = field(default_factory=dict)
+    # Whole weights it holds (PEFT's modules_to_save): compared only as factor tensors of the same name.
+    saved: tuple[str, ...] = ()
 
 
 def adapter_form(path: Path) -> str | None:
@@ -52,6 +54,11 @@ def adapter_form(path: Path) -> str | None:
     if peft.is_adapter_directory(path):
         return peft.ADAPTER_FORMAT
     return megatron.ADAPTER_FORMAT if megatron.find_adapter_store(path) is not None else None
+
+
+def adapter_formats() -> tuple[str, str]:
+    """What a report calls the two adapter forms (its ``format_a`` / ``format_b``)."""
+    return peft.ADAPTER_FORMAT, megatron.ADAPTER_FORMAT
 
 
 def adapter_forms(a: Path, b: Path) -> tuple[str, str]:
@@ -78,7 +85,7 @@ def compare_adapters(report: VerifyReport, base: Path | None = None, base_iterat
         return
     source = get_loader(detect_format(base)).open(base, LoadOptions(iteration=base_iteration))
     try:
-        report.notes.append(f"compared as adapters of {base} ({source.describe()}): each adapted weight's update in "
+        report.notes.append(f"compared as adapters of {base} ({source.format_name}): each adapted weight's update in "
                             "its canonical form")
         _compare(_base_side(read_a, base, source), _base_side(read_b, base, source), report)
     finally:
@@ -93,7 +100,8 @@ def _own_side(adapter: AdapterRead) -> _Side:
     """The adapter in its own names: PEFT's HF weights, or Megatron-Bridge's canonical ones."""
     if isinstance(adapter, peft.PeftAdapter):
         targets = {weight: ((pair.rank,), (pair.scaling,)) for weight, pair in adapter.pairs.items()}
-        return _Side(peft.ADAPTER_FORMAT, targets, adapter.delta, *_peft_factors(adapter))
+        return _Side(peft.ADAPTER_FORMAT, targets, adapter.delta, *_peft_factors(adapter),
+                     tuple(sorted(adapter.replacements)))
     targets = {weight: ((adapter.dim,), (adapter.alpha / adapter.dim,)) for weight in adapter.pairs}
     return _Side(megatron.ADAPTER_FORMAT, targets, adapter.delta, *_megatron_factors(adapter))
 
@@ -130,7 +138,7 @@ def _base_side(adapter: AdapterRead, base: Path, source: CanonicalSource) -> _Si
         found = loaded_hf_weights(merge.family, name, source.config)
         pairs = [adapter.pairs[hf] for hf in (found[1] if found is not None else ()) if hf in adapter.pairs]
         targets[name] = (tuple(sorted({pair.rank for pair in pairs})), tuple(sorted({pair.scaling for pair in pairs})))
-    return _Side(own.form, targets, merge.delta, own.factors, own.factor_targets)
+    return _Side(own.form, targets, merge.delta, own.factors, own.factor_targets, own.saved)
 
 
 def _compare(side_a: _Side, side_b: _Side, report: VerifyReport) -> None:
@@ -177,6 +185,9 @@ def _compare_factors(side_a: _Side, side_b: _Side, report: VerifyReport) -> None
     if side_a.form != side_b.form:
         report.notes.append(f"factor tensors are stored in different forms ({side_a.form}, {side_b.form}): the "
                             "updates alone are compared")
+        report.differences.extend(TensorDifference(weight, "missing", f"a whole saved weight (modules_to_save) in "
+                                                                      f"{label} only: the other form holds none")
+                                  for label, side in (("A", side_a), ("B", side_b)) for weight in side.saved)
         return
     for key in sorted(side_a.factors.keys() ^ side_b.factors.keys()):
         label, side = ("A", side_a) if key in side_a.factors else ("B", side_b)

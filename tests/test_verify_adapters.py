@@ -141,3 +141,17 @@ def test_mixed_forms_without_base_is_a_named_error(adapters: dict[str, Path]) ->
         pgconvert.verify(adapters["hf"], adapters["peft"])
     with pytest.raises(ValidationError, match="compared as adapters"):
         pgconvert.verify(adapters["peft"], adapters["back"], merge_adapter=adapters["peft"])
+
+
+def test_a_saved_whole_weight_the_other_form_cannot_hold_is_named(adapters: dict[str, Path], tmp_path: Path) -> None:
+    """modules_to_save: PEFT saves the module's whole weight, which a Megatron-Bridge adapter has no form for."""
+    from support.peft_adapters import make_adapter
+
+    saving = make_adapter(adapters["hf"], tmp_path / "saving", seed=4, r=R, lora_alpha=ALPHA,
+                          target_modules=["q_proj", "o_proj", "up_proj", "down_proj"], modules_to_save=["lm_head"])
+    report = pgconvert.verify(saving, adapters["bridge"], base=adapters["hf"])
+    assert ("lm_head.weight", "a whole saved weight (modules_to_save) in A only: the other form holds none") in [
+        (d.name, d.message) for d in report.differences], report.differences
+    same_form = pgconvert.verify(saving, adapters["peft"])
+    assert ("base_model.model.lm_head.weight", "stored in A only") in [
+        (d.name, d.message) for d in same_form.differences], same_form.differences

@@ -139,6 +139,8 @@ def test_mixed_forms_without_base_is_a_named_error(adapters: dict[str, Path]) ->
         result.output and "pass --base" in result.output, result.output
     with pytest.raises(ValidationError, match="not a LoRA adapter"):
         pgconvert.verify(adapters["hf"], adapters["peft"])
+    with pytest.raises(ValidationError, match="name its iteration directory"):
+        pgconvert.verify(adapters["bridge"], adapters["bridge_again"], iteration_b=1)
     with pytest.raises(ValidationError, match="compared as adapters"):
         pgconvert.verify(adapters["peft"], adapters["back"], merge_adapter=adapters["peft"])
 

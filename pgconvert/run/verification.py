@@ -97,7 +97,10 @@ def verify(a: str | Path, b: str | Path, rtol: float = 0.0, atol: float = 0.0, *
         raise ValidationError(f"rtol={rtol}, atol={atol}: tolerances must be >= 0")
     a, b = Path(a), Path(b)
     if base is not None or adapter_form(a) is not None or adapter_form(b) is not None:
-        return _verify_adapters(a, b, rtol, atol, merge_adapter, None if base is None else Path(base), base_iteration)
+        if iteration_a is not None or iteration_b is not None:
+            raise ValidationError(f"verify {a} {b}: --iteration-a/--iteration-b open a model checkpoint's iteration; "
+                                  "to compare an adapter run's other iteration, name its iteration directory")
+        return _verify_adapters(a, b, rtol, atol, merge_adapter, base, base_iteration)
     source_a = _open(a, iteration_a, true_vocab_size)
     try:
         if merge_adapter is not None:
@@ -123,12 +126,12 @@ def verify(a: str | Path, b: str | Path, rtol: float = 0.0, atol: float = 0.0, *
 
 
 def _verify_adapters(a: Path, b: Path, rtol: float, atol: float, merge_adapter: str | Path | None,
-                     base: Path | None, base_iteration: int | None) -> VerifyReport:
+                     base: str | Path | None, base_iteration: int | None) -> VerifyReport:
     if merge_adapter is not None:
         raise ValidationError(f"--merge-adapter {merge_adapter}: merges an adapter into a model; {a} and {b} are "
                               "compared as adapters (--base names the model they adapt)")
     report = VerifyReport(str(a), str(b), *adapter_forms(a, b), None, None, rtol, atol)
-    compare_adapters(report, base, base_iteration)
+    compare_adapters(report, None if base is None else Path(base), base_iteration)
     return report
 
 

@@ -157,3 +157,25 @@ def test_a_saved_whole_weight_the_other_form_cannot_hold_is_named(adapters: dict
     same_form = pgconvert.verify(saving, adapters["peft"])
     assert ("base_model.model.lm_head.weight", "stored in A only") in [
         (d.name, d.message) for d in same_form.differences], same_form.differences
+
+
+def test_a_megatron_core_saved_tp2_adapter_and_its_peft_export_verify_equal(adapters: dict[str, Path],
+                                                                             tmp_path: Path) -> None:
+    """An adapter megatron-core saved from two TP ranks as Megatron-Bridge saves one (support/mcore_bridge_lora.py),
+    against its PEFT export (on the base, TP2 Megatron or HF: the updates are the same whatever the TP split) and
+    against its export back (key by key, factor tensors bit-exact); against another rank's adapter, the ranks are
+    named."""
+    from support.mcore_bridge_lora import bridge_lora_checkpoint
+
+    megatron_base = tmp_path / "megatron"
+    pgconvert.convert(adapters["hf"], megatron_base, dst_format="megatron", dst_tp=2)
+    saved = bridge_lora_checkpoint(megatron_base, tmp_path / "lora", tmp_path / "held", 4, 6)
+    pgconvert.export_adapter(saved, tmp_path / "peft", base=megatron_base)
+    pgconvert.export_adapter(tmp_path / "peft", tmp_path / "back", base=adapters["hf"])
+    for base in (megatron_base, adapters["hf"]):
+        report = pgconvert.verify(saved, tmp_path / "peft", base=base)
+        assert report.equal and report.compared == 16, report.differences
+    same_form = pgconvert.verify(saved, tmp_path / "back")
+    assert same_form.equal and same_form.compared == 16, same_form.differences
+    against_other = pgconvert.verify(saved, adapters["bridge"])
+    assert not against_other.equal and any(d.message == "rank 4 in A, 2 in B" for d in against_other.differences)

@@ -1,7 +1,7 @@
 """``verify A B`` of two LoRA adapters: a PEFT adapter made by PEFT, its export-adapter export as a Megatron-Bridge
 checkpoint and that exported back compare equal (across forms on the base model, ``--base``); a changed lora_B
 value, another alpha and a missing target are each reported by name; mixed forms without ``--base`` are refused by
-name."""
+name. An adapter megatron-core saved from two TP ranks verifies equal to its exports too."""
 
 from __future__ import annotations
 
@@ -92,6 +92,10 @@ def test_a_changed_lora_b_value_is_reported_by_weight(adapters: dict[str, Path],
     assert result.exit_code == 1 and "Traceback" not in result.output, result.output
     assert f"differs: {Q_PROJ}.weight: " in result.output, result.output
     assert f"differs: {key}: factor tensor: 1 of " in result.output, result.output
+    as_json = CliRunner().invoke(main, ["verify", "--json", str(adapters["peft"]), str(changed)])
+    doc = json.loads(as_json.output)
+    assert as_json.exit_code == 1 and not doc["equal"] and doc["format_b"] == "peft-lora"
+    assert [item["name"] for item in doc["differences"]] == [f"{Q_PROJ}.weight", key]
     across = pgconvert.verify(changed, adapters["bridge"], base=adapters["hf"])
     assert _names(across) == [LINEAR_QKV] and across.differences[0].kind == "values", across.differences
     assert across.differences[0].differing == pgconvert.verify(changed, adapters["peft"]).differences[0].differing

@@ -693,14 +693,25 @@ def _model_rows(info: Any, show_all: bool) -> list[tuple[str, str]]:
               metavar="DIR", help="Merge this PEFT LoRA adapter (or Megatron-Bridge LoRA checkpoint) into A before "
                                   "comparing (as convert --merge-adapter does): checks a merged output against its "
                                   "base and adapter.")
+@click.option("--base", type=click.Path(path_type=Path, exists=True), default=None, metavar="PATH",
+              help="When A and B are LoRA adapters: the base model they adapt (any format pgconvert reads), needed "
+                   "when one is a PEFT adapter and the other a Megatron-Bridge checkpoint; each is mapped onto its "
+                   "weights as export-adapter maps it.")
+@click.option("--base-iteration", type=click.IntRange(min=0), default=None, help="Iteration of --base to read.")
 def verify_command(a: Path, b: Path, rtol: float, atol: float, iteration_a: int | None, iteration_b: int | None,
                    true_vocab_size: int | None, max_listed: int, as_json: bool, skip_optimizer: bool,
-                   merge_adapter: Path | None) -> None:
+                   merge_adapter: Path | None, base: Path | None, base_iteration: int | None) -> None:
     """Compare checkpoints A and B tensor by tensor in canonical form (any formats and layouts).
 
     When both hold megatron-core optimizer state, it is compared per parameter too (fp32 master,
     exp_avg, exp_avg_sq with the same tolerances, step exactly, param groups' hyperparameters,
     scheduler, iteration and consumed-samples counters); a side without one is named, not a difference.
+
+    When A and B are LoRA adapters (PEFT adapter directories or Megatron-Bridge adapter-only
+    checkpoints), each adapted weight's update scaling * B @ A is compared (float32, with --rtol and
+    --atol), with its rank and scaling, and the factor tensors both store under the same names
+    bit-exactly; adapters in different forms need --base.
+
     Exit 0 when equal, 1 when a tensor, the optimizer state or a file listed in a pgconvert.json
     manifest differs.
     """
@@ -708,7 +719,8 @@ def verify_command(a: Path, b: Path, rtol: float, atol: float, iteration_a: int 
 
     try:
         report = verify(a, b, rtol, atol, iteration_a=iteration_a, iteration_b=iteration_b,
-                        true_vocab_size=true_vocab_size, skip_optimizer=skip_optimizer, merge_adapter=merge_adapter)
+                        true_vocab_size=true_vocab_size, skip_optimizer=skip_optimizer, merge_adapter=merge_adapter,
+                        base=base, base_iteration=base_iteration)
     except PgconvertError as error:
         raise PgconvertClickError(error) from error
     if as_json:
@@ -736,7 +748,10 @@ def _print_verify(report: Any, max_listed: int) -> None:
     verdict = "equal" if not report.differences and not report.file_problems else \
         f"NOT equal: {len(report.differences)} tensor differences, " \
         f"{len(report.file_problems)} file problems"
-    click.echo(f"{report.compared} tensors compared ({tolerance}): {verdict}")
+    from pgconvert.run.adapter_verification import adapter_formats
+
+    compared = "adapted weights" if report.format_a in adapter_formats() else "tensors"
+    click.echo(f"{report.compared} {compared} compared ({tolerance}): {verdict}")
     if report.optimizer is not None:
         from pgconvert.run.verify_optimizer import text_lines
 

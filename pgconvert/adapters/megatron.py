@@ -69,6 +69,11 @@ class MegatronAdapter:
     dropout: float
     pairs: dict[str, MegatronPair]
 
+    def delta(self, weight: str) -> torch.Tensor:
+        """``linear_out @ linear_in * alpha / dim`` in float32: the canonical weight's update."""
+        pair = self.pairs[weight]
+        return (pair.linear_out.to(torch.float32) @ pair.linear_in.to(torch.float32)) * (self.alpha / self.dim)
+
 
 def find_adapter_store(path: Path, beside_model: bool = False) -> tuple[Path, Path] | None:
     """The torch_dist store of a Megatron-Bridge adapter run at ``path`` (the run's directory or an iteration's) and

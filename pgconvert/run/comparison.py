@@ -46,3 +46,17 @@ def compare_values(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -
         differing += int((~close).sum())
         max_abs = max(max_abs, float(diff.max()))
     return differing, max_abs
+
+
+def record_values(name: str, tensor_a: torch.Tensor, tensor_b: torch.Tensor, into: list[TensorDifference],
+                  rtol: float, atol: float, where: str | None) -> None:
+    """A ``values`` difference of two same-shape tensors appended to ``into`` where any element differs beyond
+    ``atol + rtol·|b|`` (``where``: which part of the tensor was compared)."""
+    differing, max_abs = compare_values(tensor_a, tensor_b, rtol, atol)
+    if differing:
+        into.append(TensorDifference(
+            name, "values",
+            f"{differing} of {tensor_a.numel()} elements differ{f' in the {where}' if where else ''}, "
+            f"max abs diff {max_abs:.6g}",
+            max_abs_diff=max_abs, differing=differing, numel=tensor_a.numel(),
+        ))

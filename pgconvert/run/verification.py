@@ -14,12 +14,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from pgconvert.adapters.merge import attach_adapter
 from pgconvert.errors import PgconvertError, ValidationError
 from pgconvert.formats import LoadOptions
-from pgconvert.run.comparison import TensorDifference, compare_values
+from pgconvert.run.adapter_verification import adapter_form, adapter_forms, compare_adapters
+from pgconvert.run.comparison import TensorDifference, record_values
 from pgconvert.run.manifest import MANIFEST_FILE, file_problems, read_manifest
 from pgconvert.model.provider import VOCAB_TABLES
 from pgconvert.formats.registry import detect_format, get_loader
@@ -80,7 +79,8 @@ def verify(a: str | Path, b: str | Path, rtol: float = 0.0, atol: float = 0.0, *
            iteration_a: int | None = None, iteration_b: int | None = None,
            true_vocab_size: int | None = None,
            progress: Callable[[str], None] | None = None, skip_optimizer: bool = False,
-           merge_adapter: str | Path | None = None) -> VerifyReport:
+           merge_adapter: str | Path | None = None, base: str | Path | None = None,
+           base_iteration: int | None = None) -> VerifyReport:
     """Compare checkpoints ``a`` and ``b`` (any formats and layouts) tensor by tensor.
 
     With ``rtol = atol = 0`` values must be bit-identical. Shapes and dtypes are compared too.
@@ -88,10 +88,19 @@ def verify(a: str | Path, b: str | Path, rtol: float = 0.0, atol: float = 0.0, *
     checked. Raises ``PgconvertError`` only when a checkpoint cannot be opened. The optimizer state is
     compared too when both hold one (``verify_optimizer``), unless ``skip_optimizer``. ``merge_adapter``: a PEFT
     LoRA adapter directory merged into ``a`` as it is read (what ``convert --merge-adapter`` writes).
+
+    When ``a`` and ``b`` are LoRA adapters (a PEFT adapter directory, a Megatron-Bridge adapter-only checkpoint),
+    their adapted weights are compared (``adapter_verification``); ``base`` (its ``base_iteration``) is the model
+    they adapt, needed when they are in different forms.
     """
     if rtol < 0 or atol < 0 or math.isnan(rtol) or math.isnan(atol):
         raise ValidationError(f"rtol={rtol}, atol={atol}: tolerances must be >= 0")
     a, b = Path(a), Path(b)
+    if base is not None or adapter_form(a) is not None or adapter_form(b) is not None:
+        if iteration_a is not None or iteration_b is not None:
+            raise ValidationError(f"verify {a} {b}: --iteration-a/--iteration-b open a model checkpoint's iteration; "
+                                  "to compare an adapter run's other iteration, name its iteration directory")
+        return _verify_adapters(a, b, rtol, atol, merge_adapter, base, base_iteration)
     source_a = _open(a, iteration_a, true_vocab_size)
     try:
         if merge_adapter is not None:
@@ -113,6 +122,16 @@ def verify(a: str | Path, b: str | Path, rtol: float = 0.0, atol: float = 0.0, *
     finally:
         source_a.close()
         source_b.close()
+    return report
+
+
+def _verify_adapters(a: Path, b: Path, rtol: float, atol: float, merge_adapter: str | Path | None,
+                     base: str | Path | None, base_iteration: int | None) -> VerifyReport:
+    if merge_adapter is not None:
+        raise ValidationError(f"--merge-adapter {merge_adapter}: merges an adapter into a model; {a} and {b} are "
+                              "compared as adapters (--base names the model they adapt)")
+    report = VerifyReport(str(a), str(b), *adapter_forms(a, b), None, None, rtol, atol)
+    compare_adapters(report, None if base is None else Path(base), base_iteration)
     return report
 
 
@@ -218,26 +237,15 @@ def _compare_tensor(name: str, source_a: CanonicalSource, source_b: CanonicalSou
                                                                         f"does not hold: {why}"))
     if vocab_table:
         assert vocab is not None
-        _record(name, tensor_a[:vocab], tensor_b[:vocab], report.differences, report, f"first {vocab} rows")
+        record_values(name, tensor_a[:vocab], tensor_b[:vocab], report.differences, report.rtol, report.atol,
+                      f"first {vocab} rows")
         rows_a, rows_b = meta_a.shape[0], meta_b.shape[0]
         if rows_a != rows_b:
             report.padding_differences.append(TensorDifference(
                 name, "shape", f"{rows_a} rows in A, {rows_b} in B (padding beyond the true vocab {vocab})"))
         elif rows_a > vocab:
-            _record(name, tensor_a[vocab:], tensor_b[vocab:], report.padding_differences, report,
-                    f"padding rows {vocab}..{rows_a - 1}")
+            record_values(name, tensor_a[vocab:], tensor_b[vocab:], report.padding_differences, report.rtol,
+                          report.atol, f"padding rows {vocab}..{rows_a - 1}")
     else:
-        _record(name, tensor_a, tensor_b, report.differences, report, None)
+        record_values(name, tensor_a, tensor_b, report.differences, report.rtol, report.atol, None)
     del tensor_a, tensor_b
-
-
-def _record(name: str, tensor_a: torch.Tensor, tensor_b: torch.Tensor, into: list[TensorDifference],
-            report: VerifyReport, where: str | None) -> None:
-    differing, max_abs = compare_values(tensor_a, tensor_b, report.rtol, report.atol)
-    if differing:
-        into.append(TensorDifference(
-            name, "values",
-            f"{differing} of {tensor_a.numel()} elements differ{f' in the {where}' if where else ''}, "
-            f"max abs diff {max_abs:.6g}",
-            max_abs_diff=max_abs, differing=differing, numel=tensor_a.numel(),
-        ))

@@ -61,9 +61,8 @@ def adapter_formats() -> tuple[str, str]:
     return peft.ADAPTER_FORMAT, megatron.ADAPTER_FORMAT
 
 
-def adapter_forms(a: Path, b: Path) -> tuple[str, str]:
-    """The forms of adapters ``a`` and ``b`` (``adapter_form``); refused when either is not an adapter."""
-    form_a, form_b = adapter_form(a), adapter_form(b)
+def adapter_forms(a: Path, b: Path, form_a: str | None, form_b: str | None) -> tuple[str, str]:
+    """The forms ``adapter_form`` found for ``a`` and ``b``; refused when either is not an adapter."""
     if form_a is None or form_b is None:
         raise ValidationError(f"verify {a if form_a is None else b}: not a LoRA adapter (a PEFT adapter directory or "
                               "a Megatron-Bridge adapter-only checkpoint): --base compares two adapters; a model is "

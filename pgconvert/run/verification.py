@@ -96,11 +96,13 @@ def verify(a: str | Path, b: str | Path, rtol: float = 0.0, atol: float = 0.0, *
     if rtol < 0 or atol < 0 or math.isnan(rtol) or math.isnan(atol):
         raise ValidationError(f"rtol={rtol}, atol={atol}: tolerances must be >= 0")
     a, b = Path(a), Path(b)
-    if base is not None or adapter_form(a) is not None or adapter_form(b) is not None:
+    form_a, form_b = adapter_form(a), adapter_form(b)
+    if base is not None or form_a is not None or form_b is not None:
         if iteration_a is not None or iteration_b is not None:
             raise ValidationError(f"verify {a} {b}: --iteration-a/--iteration-b open a model checkpoint's iteration; "
                                   "to compare an adapter run's other iteration, name its iteration directory")
-        return _verify_adapters(a, b, rtol, atol, merge_adapter, base, base_iteration)
+        forms = adapter_forms(a, b, form_a, form_b)
+        return _verify_adapters(a, b, forms, rtol, atol, merge_adapter, base, base_iteration)
     source_a = _open(a, iteration_a, true_vocab_size)
     try:
         if merge_adapter is not None:
@@ -125,12 +127,13 @@ def verify(a: str | Path, b: str | Path, rtol: float = 0.0, atol: float = 0.0, *
     return report
 
 
-def _verify_adapters(a: Path, b: Path, rtol: float, atol: float, merge_adapter: str | Path | None,
-                     base: str | Path | None, base_iteration: int | None) -> VerifyReport:
+def _verify_adapters(a: Path, b: Path, forms: tuple[str, str], rtol: float, atol: float,
+                     merge_adapter: str | Path | None, base: str | Path | None,
+                     base_iteration: int | None) -> VerifyReport:
     if merge_adapter is not None:
         raise ValidationError(f"--merge-adapter {merge_adapter}: merges an adapter into a model; {a} and {b} are "
                               "compared as adapters (--base names the model they adapt)")
-    report = VerifyReport(str(a), str(b), *adapter_forms(a, b), None, None, rtol, atol)
+    report = VerifyReport(str(a), str(b), *forms, None, None, rtol, atol)
     compare_adapters(report, None if base is None else Path(base), base_iteration)
     return report
 

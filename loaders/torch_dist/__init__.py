@@ -17,7 +17,6 @@ if TYPE_CHECKING:
     from pgconvert.loaders.torch_dist.reader import TorchDistSource
 
 
-
 def _is_iteration_dir(path: Path) -> bool:
     return (path / CHECKPOINT_CONFIG_FILE).is_file()
 

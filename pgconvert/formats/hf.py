@@ -291,8 +291,8 @@ def _config_dtype(doc: dict[str, Any], stored_dtype: torch.dtype | None) -> str:
         value = doc.get(key)
         if isinstance(value, str) and value in DTYPES:
             return value
-    if stored_dtype is not None and str(stored_dtype).removeprefix("torch.") in DTYPES:
-        return str(stored_dtype).removeprefix("torch.")
+    if stored_dtype is not None and sizes.dtype_name(stored_dtype) in DTYPES:
+        return sizes.dtype_name(stored_dtype)
     return "float32"
 
 
@@ -346,7 +346,7 @@ def hf_config_from_model(family: Family, config: ModelConfig, dtype: torch.dtype
     for rule in family.rules:
         doc.update(copy.deepcopy(dict(rule.write(config))))
     doc.update(mtp.written_declaration(family, config))
-    doc["dtype"] = str(dtype).removeprefix("torch.")
+    doc["dtype"] = sizes.dtype_name(dtype)
     return doc if family.vision_language is None else family.vision_language.nested(doc)
 
 
@@ -438,7 +438,7 @@ def config_disagreements(doc: dict[str, Any], path: Path, config: ModelConfig) -
 def with_dtype(doc: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
     """A copy of ``doc`` whose dtype entry says ``dtype`` (the tensors' dtype after any cast)."""
     updated = copy.deepcopy(doc)
-    name = str(dtype).removeprefix("torch.")
+    name = sizes.dtype_name(dtype)
     written = False
     for key in DTYPE_KEYS:
         if key in updated:

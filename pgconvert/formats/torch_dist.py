@@ -219,8 +219,6 @@ def refuse_singleton(config: ModelConfig, where: str) -> None:
                               "that naming for GPT models only")
 
 
-
-
 def _dist_segments(kind: TensorKind, config: ModelConfig, shape: tuple[int, ...],
                    singleton: bool = False) -> tuple[DistSegment, ...]:
     """The keys a tensor of ``kind`` is stored as: one per window of its rule's single piece, named by the kind;

@@ -23,8 +23,9 @@ so a Megatron-LM run with ``--verify-integrity`` loads it), from the digests com
 written where it has them, and checks it whenever it reads a torch_dist checkpoint that has one: a mismatch
 is an ``IntegrityError`` naming the file and both digests. Reading re-hashes the small files and requires the
 data files to be there (``INTEGRITY_CHECKS``); ``--verify-integrity`` and ``verify`` re-hash the data files too,
-which costs what hashing costs (about 0.6 CPU-seconds per GiB), as megatron-core's own load does only when asked. Files are hashed several at once (``HASH_THREADS``:
-the hasher and file reads release the GIL), so the check runs at the disk's speed on a machine with the cores.
+which costs what hashing costs (about 0.6 CPU-seconds per GiB), as megatron-core's own load does only when asked.
+Files are hashed several at once (``HASH_THREADS``: the hasher and file reads release the GIL), so the check runs
+at the disk's speed on a machine with the cores.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ from pgconvert.model.layout_spec import LayoutSpec
 from pgconvert.formats.names import COMMON_PLACES, DEFAULT_DIGEST, DIGEST_CHOICES, saver_names
 from pgconvert.io.output import OUTPUT_STAGING_BYTES, digests
 from pgconvert.io.threads import serialized
-from pgconvert.io.sizes import itemsize, numel
+from pgconvert.io.sizes import dtype_name, itemsize, numel
 from pgconvert.run.manifest import Manifest, hashing, record_files, write_manifest, writing_digest
 from pgconvert.formats.hf_quantized import check_keep_fp8
 from pgconvert.optimizer.carry import (attach_masters, carry_training_state, check_optimizer_options,
@@ -361,10 +361,10 @@ def _note_dtype_change(source: CanonicalSource, options: SaveOptions) -> None:
     """A cast to another floating dtype can lose precision or range: a guess under --strict."""
     if options.dtype is None:
         return
-    changed = sorted({str(meta.dtype).removeprefix("torch.") for meta in map(source.meta, source.names())
+    changed = sorted({dtype_name(meta.dtype) for meta in map(source.meta, source.names())
                       if meta.dtype.is_floating_point and meta.dtype != options.dtype})
     if changed:
-        target = str(options.dtype).removeprefix("torch.")
+        target = dtype_name(options.dtype)
         fallback(f"--dtype casts {', '.join(changed)} tensors to {target}", options.strict, source.notices)
 
 

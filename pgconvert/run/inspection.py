@@ -32,6 +32,7 @@ from pgconvert.formats.hf import CONFIG_FILE, infer_family, model_config_from_hf
 from pgconvert.formats.hf_side import carried_config
 from pgconvert.formats.registry import detect_format, get_loader
 from pgconvert.formats.stream import CanonicalSource
+from pgconvert.io.sizes import dtype_name
 from pgconvert.model.config import GROUPS, SETTING_GROUPS, ModelConfig
 from pgconvert.optimizer.checks import open_checked, scan_values
 from pgconvert.run.manifest import file_problems, read_manifest
@@ -193,7 +194,7 @@ def _describe(source: CanonicalSource, info: CheckpointInfo) -> None:
         meta = source.meta(name)
         info.tensor_count += 1
         info.total_bytes += meta.nbytes
-        dtypes[str(meta.dtype).removeprefix("torch.")] += 1
+        dtypes[dtype_name(meta.dtype)] += 1
     info.dtypes = dict(sorted(dtypes.items()))
     info.notices = list(source.notices)
     if source.side_files is not None:

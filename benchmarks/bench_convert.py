@@ -291,6 +291,7 @@ def conversion_plan(src: Path, workdir: Path, workers: int, threads: int = 1) ->
         plan += [
             ("TP8 -> HF", ["--dst-format", "hf", str(src)], workdir / "hf", 1),
             ("HF -> TP4", ["--dst-format", "megatron", "--dst-tp", "4", str(workdir / "hf")], workdir / "hf_tp4", 1),
+            ("HF -> TP8", ["--dst-format", "megatron", "--dst-tp", "8", str(workdir / "hf")], workdir / "hf_tp8", 1),
         ]
         # The HF output with its linear weights FP8 block-scaled (DeepSeek-V3's storage, Llama-shaped).
         plan += [
@@ -378,7 +379,8 @@ def run_conversions(options: argparse.Namespace, src: Path, workdir: Path, large
     cases = []
     for name, args, dst, workers in conversion_plan(src, workdir, options.workers, options.threads):
         # Each source made by a conversion is kept for the case that reads it.
-        readers = {"TP8 -> HF": ("HF -> TP4", "HF -> TP4 digest none", *FP8_CASES), "TP8 -> torch_dist": ("torch_dist -> TP2",)}
+        readers = {"TP8 -> HF": ("HF -> TP4", "HF -> TP8", "HF -> TP4 digest none", *FP8_CASES),
+                   "TP8 -> torch_dist": ("torch_dist -> TP2",)}
         if wanted is not None and name not in wanted and not wanted & set(readers.get(name, ())):
             continue
         if name in FP8_CASES:

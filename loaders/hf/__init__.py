@@ -39,7 +39,7 @@ from pgconvert.families import mtp
 from pgconvert.formats.hf_quantized import QuantizedTensors
 from pgconvert.model.declared import declaring_settings, shape_settings
 from pgconvert.model.provider import OUTPUT_LAYER, WORD_EMBEDDINGS, canonical_names, shape_function
-from pgconvert.model.rules import ShardRule, assemble
+from pgconvert.model.rules import ShardRule, assemble, strided_in_whole
 from pgconvert.formats.stream import CanonicalSource, TensorMeta, all_finite
 from pgconvert.formats.strict import fallback
 
@@ -361,6 +361,19 @@ class HFSource(CanonicalSource):
         if name in self._copies:
             self._load(name)  # checks the stored copies
         return super()._load_shard(name, rule, size, rank, rows)
+
+    def _shares_piece_reads(self, name: str, rule: ShardRule, size: int, rows: int | None) -> bool:
+        """A piece strided in its HF tensor (a row-parallel weight's columns) is read by its whole file span, and
+        one the transform cannot read by windows (or one expert's slice of stacked tensors) is cut from the
+        whole tensor: either way each piece would read the bytes of all."""
+        row, _ = self._rows[name]
+        if row.stacked:
+            return True
+        meta = self._metas[name]
+        windows = rule.piece_windows(meta.shape, size, 0, rows, self.config.vocab_size)
+        if not all(window.zeros or row.transform.reads_window(window, meta.shape, self.config) for window in windows):
+            return True
+        return strided_in_whole(rule, meta.shape, size, rows, self.config.vocab_size)
 
     def _part_into(self, hf_names: tuple[str, ...]) -> PartInto:
         """Reads rows ``[start, stop)`` along ``dim`` of HF tensor ``hf_names[part]`` into a tensor holding their

@@ -63,7 +63,7 @@ from pgconvert.model.provider import (
     provide,
     shape_function,
 )
-from pgconvert.model.rules import ReplicaMismatchError, ShardRule, bitwise_equal, concatenating_with
+from pgconvert.model.rules import ReplicaMismatchError, ShardRule, bitwise_equal, concatenating_with, strided_in_whole
 from pgconvert.formats.stream import CanonicalSource, ExtraState, TensorMeta
 from pgconvert.formats.strict import fallback
 from pgconvert.formats.vision_args import is_vision_language, unwrapped
@@ -488,6 +488,15 @@ class MegatronSource(CanonicalSource):
             piece = rule.reshard_rows(tensors, rows, self.config.vocab_size, size, rank)
         self._release(copies[0])
         return piece
+
+    def _shares_piece_reads(self, name: str, rule: ShardRule, size: int, rows: int | None) -> bool:
+        """A piece merged from pieces stored under another rule reads them all, and one strided in a stored piece
+        (a row-parallel weight at more TP ranks than stored) reads that piece's whole file span."""
+        pieces = self._copies(name)[0]
+        spec = pieces[0].spec
+        if spec.rule != rule:
+            return True
+        return size > len(pieces) and strided_in_whole(rule, spec.global_shape, size, rows, self.config.vocab_size)
 
     def _concatenating(self, pieces: list[_Piece]) -> AbstractContextManager[None]:
         """Joins read each piece's bytes from its file into their place in the result (``concat_reading``);

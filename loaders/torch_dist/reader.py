@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,8 @@ from torch.distributed.checkpoint import BytesStorageMetadata, TensorStorageMeta
 from pgconvert.model.config import ModelConfig
 from pgconvert.errors import CheckpointError, PgconvertError
 from pgconvert.formats import LoadOptions
-from pgconvert.formats.dcp_store import DcpStore, Region, check_vocab_rows, model_from_args, read_piece, te_extra_states
+from pgconvert.formats.dcp_store import (DcpStore, Region, check_vocab_rows, model_from_args, read_piece, region_box,
+                                         te_extra_states)
 from pgconvert.formats.hf_side import carried_side_files
 from pgconvert.formats.megatron_bridge import RUN_CONFIG_FILE, bridge_args, run_config_beside
 from pgconvert.formats.megatron import (
@@ -35,6 +37,7 @@ from pgconvert.formats.megatron import (
 )
 from pgconvert.io.limits import quote
 from pgconvert.io.reuse import new_tensor
+from pgconvert.io.sizes import numel
 from pgconvert.loaders.torch_dist.fs_model_space import chunk_shape, record_box, unflatten
 from pgconvert.loaders.torch_dist.optimizer import TorchDistOptimizerSource
 from pgconvert.loaders.torch_dist.optimizer_forms import sharding_type
@@ -43,7 +46,7 @@ from pgconvert.model.declared import StoredCounts, check_declared_counts, declar
 from pgconvert.model.vision import LANGUAGE_MODEL_MODULE
 from pgconvert.model.provider import (LAYER_PREFIX, MTP_PREFIX, OUTPUT_LAYER, VOCAB_TABLES, WORD_EMBEDDINGS,
                                       canonical_shapes, shape_function)
-from pgconvert.model.rules import ShardRule
+from pgconvert.model.rules import ShardRule, strided_in_whole
 from pgconvert.formats.stream import CanonicalSource, EmbeddedAdapter, ExtraState, TensorMeta, holds_state
 from pgconvert.formats.strict import fallback
 from pgconvert.formats.torch_dist_integrity import INTEGRITY_CHECKS, check_integrity, integrity_problems
@@ -324,6 +327,23 @@ class TorchDistSource(CanonicalSource):
                           dtype or self.meta(name).dtype,
                           lambda boxes, into: self._read_boxes(name, boxes, prefix, into))
 
+    def _shares_piece_reads(self, name: str, rule: ShardRule, size: int, rows: int | None) -> bool:
+        """A piece strided in the whole tensor whose stored chunks hold more than it (a row-parallel weight saved
+        at fewer TP ranks) is read by those chunks' whole file spans."""
+        shape = self._shapes[name]
+        if not strided_in_whole(rule, shape, size, rows, self.config.vocab_size):
+            return False
+        needed = overlapped = 0
+        for window in rule.piece_windows(shape, size, 0, rows, self.config.vocab_size):
+            if window.zeros:
+                continue
+            box = region_box(shape, window.dim, window.start, window.length)
+            for piece in self._locations[name].pieces(box.starts, box.lengths):
+                needed += numel(piece.sizes)
+                overlapped += sum(numel(chunk.sizes) for chunk in self._metadata.state_dict_metadata[piece.key].chunks
+                                  if _overlaps(chunk.offsets, chunk.sizes, piece.offsets, piece.sizes))
+        return overlapped > needed
+
     # Optimizer state read in place, like the model's tensors (loaders/torch_dist/optimizer.py).
     def load_state(self, name: str, prefix: str) -> torch.Tensor:
         """The whole tensor stored as ``prefix`` + ``name``'s key, chunked like the model's."""
@@ -411,3 +431,10 @@ def _stored_counts(metadata: Metadata, where: str) -> StoredCounts:
         if EXPERTS_KEY in key and len(md.size) > int(layer_axis):
             experts = max(experts, md.size[int(layer_axis)])
     return StoredCounts(where, max(len(layers), stacked), experts, len(mtp))
+
+
+def _overlaps(offsets: Sequence[int], sizes: Sequence[int], other_offsets: Sequence[int],
+              other_sizes: Sequence[int]) -> bool:
+    """Whether two boxes of one tensor share an element."""
+    return all(start < other + other_size and other < start + size
+               for start, size, other, other_size in zip(offsets, sizes, other_offsets, other_sizes, strict=True))

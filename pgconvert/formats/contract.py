@@ -240,6 +240,11 @@ class Saver(ABC):
     # the others write one file at a time whatever ``--threads`` says.
     threaded: bool = False
 
+    def files_together(self, source: CanonicalSource, options: SaveOptions) -> int:
+        """How many files one of its writing tasks produces at once (megatron: a TP group's rank files, where they
+        share a read; ``pgconvert.formats.sibling_pieces``). Default: one."""
+        return 1
+
     @abstractmethod
     def save(self, source: CanonicalSource, out_dir: Path, options: SaveOptions,
              progress: Progress) -> SaveResult:

@@ -225,6 +225,33 @@ class CanonicalSource:
             piece = self._load_shard(name, rule, size, rank, rows)
         return self._checked(name, piece)
 
+    def shares_piece_reads(self, name: str, rule: ShardRule, size: int, rows: int | None = None) -> bool:
+        """Whether reading one of ``size`` pieces of ``name`` under ``rule`` reads (or merges) the stored bytes of
+        the others too, so that sibling writers should take them from one read (``formats.sibling_pieces``).
+
+        Never for a tensor read from the optimizer's masters or changed by a merged adapter: those pieces are
+        made their own way.
+        """
+        if size <= 1 or (self.masters is not None and name in self.masters) or (
+                self.adapter is not None and name in self.adapter):
+            return False
+        return self._shares_piece_reads(name, rule, size, rows)
+
+    def _shares_piece_reads(self, name: str, rule: ShardRule, size: int, rows: int | None) -> bool:
+        # Formats whose pieces are read apart without reading each other's bytes keep this default.
+        return False
+
+    def whole_for_pieces(self, name: str) -> torch.Tensor:
+        """The whole canonical tensor its sibling pieces are cut from (``piece_of``); not yet checked, since
+        each piece is checked as it is cut. It may alias the source's memory: do not modify it."""
+        return self._load(name)
+
+    def piece_of(self, name: str, whole: torch.Tensor, rule: ShardRule, size: int, rank: int,
+                 rows: int | None = None) -> torch.Tensor:
+        """Piece ``rank`` of ``size`` cut from ``whole`` (``whole_for_pieces``), owning its memory: the same
+        tensor ``load_shard`` gives."""
+        return self._checked(name, rule.reshard_rows([whole], rows, self.config.vocab_size, size, rank))
+
     def _load(self, name: str) -> torch.Tensor:
         raise NotImplementedError
 

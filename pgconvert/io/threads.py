@@ -25,8 +25,9 @@ from typing import TypeVar
 
 T = TypeVar("T")
 
-# The event that tells the task this context runs to stop (set when another task of its pool failed).
-_STOP: contextvars.ContextVar[threading.Event | None] = contextvars.ContextVar("pgconvert_stop", default=None)
+# The events that tell the task this context runs to stop: its pool's (set when another task of the pool
+# failed), and those of the pools around it when the task runs a pool of its own (sibling files in lockstep).
+_STOP: contextvars.ContextVar[tuple[threading.Event, ...]] = contextvars.ContextVar("pgconvert_stop", default=())
 
 
 class Stopped(Exception):
@@ -34,14 +35,14 @@ class Stopped(Exception):
 
 
 def check_running() -> None:
-    """Raise ``Stopped`` when another file of this pool failed (a no-op outside a pool)."""
-    stop = _STOP.get()
-    if stop is not None and stop.is_set():
+    """Raise ``Stopped`` when another file of this pool, or of a pool around it, failed (a no-op outside a
+    pool)."""
+    if any(stop.is_set() for stop in _STOP.get()):
         raise Stopped
 
 
 def _run_task(stop: threading.Event, failures: list[BaseException], task: Callable[[], T]) -> T:
-    _STOP.set(stop)
+    _STOP.set((*_STOP.get(), stop))  # the context copied at submission holds the enclosing pools' events
     check_running()
     try:
         return task()

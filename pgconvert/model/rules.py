@@ -113,6 +113,16 @@ def assemble(windows: Sequence[Window], read_into: Callable[[Window, torch.Tenso
     return piece
 
 
+def strided_in_whole(rule: ShardRule, global_shape: Sequence[int], size: int, rows: int | None = None,
+                     true_rows: int | None = None) -> bool:
+    """Whether a piece is strided in the whole tensor stored row-major: one of its windows cuts a dim past the
+    first that has rows before it (a row-parallel weight's columns). Reading such a piece from a tensor stored
+    whole reads the file span of every piece."""
+    windows = rule.piece_windows(global_shape, size, 0, rows, true_rows)
+    return any(not window.zeros and window.dim > 0 and window.length < global_shape[window.dim]
+               and any(extent > 1 for extent in global_shape[:window.dim]) for window in windows)
+
+
 def _whole(global_shape: Sequence[int], dim: int = 0) -> tuple[Window, ...]:
     return (Window(dim, 0, global_shape[dim]),) if global_shape else ()
 

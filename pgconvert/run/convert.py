@@ -137,6 +137,8 @@ class Plan:
     # The optimizer state this conversion carries (or None) and the notices that decision gave, once decided
     # (``pgconvert.optimizer.carry.carried_optimizer``).
     optimizer_decision: tuple[tuple[OptimizerSource, str] | None, list[str]] | None = None
+    # The files one of the saver's writing tasks produces at once (``Saver.files_together``).
+    files_together: int = 1
 
     @property
     def total_bytes(self) -> int:
@@ -145,10 +147,11 @@ class Plan:
     @property
     def files_at_once(self) -> int:
         """Destination files produced at the same time: one per ``--workers`` process, else one per
-        ``--threads`` thread of a saver that writes on threads (``Saver.threaded``)."""
+        ``--threads`` thread of a saver that writes on threads (``Saver.threaded``), times the files each of
+        its tasks writes together (``Saver.files_together``)."""
         at_once = self.request.workers if self.request.workers > 1 else (
             self.request.threads if self.saver.threaded else 1)
-        return max(1, min(at_once, len(self.files)))
+        return max(1, min(at_once * self.files_together, len(self.files)))
 
     @property
     def memory_in_flight(self) -> int:
@@ -312,6 +315,7 @@ def plan(request: ConvertRequest, check_dst: bool = True) -> Plan:
                           _largest_tensor(source, save_options))
         check_optimizer_options(conversion)  # before anything is written
         attach_masters(conversion)
+        conversion.files_together = saver.files_together(source, save_options)  # once the masters are known
     except BaseException:
         source.close()
         raise

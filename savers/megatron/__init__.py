@@ -1,9 +1,11 @@
 """Saver for Megatron-LM per-rank checkpoints (``mp_rank_*/model_optim_rng.pt``).
 
 Each destination rank file is written as a stream (``pgconvert.io.torchzip``): each tensor is cut from
-the source when its record is written and dropped after, so memory holds one tensor, not a rank. Rank
-files are independent: ``--threads`` writes that many at once (``pgconvert.io.threads``), each thread
-holding its own tensor.
+the source when its record is written and dropped after, so memory holds one tensor, not a rank. The
+rank files of a TP group are written at once, one thread each, where some of their pieces would each
+read the bytes of all (``formats.sibling_pieces``: such a tensor is read once for the group); groups,
+and rank files that share nothing, are independent: ``--threads`` writes that many at once
+(``pgconvert.io.threads``), each thread holding its own tensor.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from pgconvert.model.provider import (
     te_extra_state_names,
 )
 from pgconvert.io.sizes import itemsize
+from pgconvert.formats.sibling_pieces import SiblingPieces
 from pgconvert.formats.stream import CanonicalSource, ExtraState
 from pgconvert.formats.strict import fallback
 from pgconvert.formats.mtp_naming import local_mtp_key
@@ -181,7 +184,11 @@ class MegatronSaver(Saver):
         return planned
 
     supports_partial = True
-    threaded = True  # each rank file or shard is a task of ``options.threads`` threads
+    threaded = True  # each TP group sharing reads, or each other rank file, is a task of ``options.threads`` threads
+
+    def files_together(self, source: CanonicalSource, options: SaveOptions) -> int:
+        padded = target_vocab_rows(target_config(source.config, options), source.vocab_rows, options.layout)
+        return max(map(len, _sibling_groups(source, self._ranks(source, options), padded)), default=1)
 
     def save(self, source: CanonicalSource, out_dir: Path, options: SaveOptions,
              progress: Progress, only: Collection[str] | None = None) -> SaveResult:
@@ -197,11 +204,12 @@ class MegatronSaver(Saver):
         args = args_for_target(config, layout, padded, dtype, iteration, source.megatron_args)
         extra_states = source.extra_states()
         header = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration}
-        tasks = [partial(self._write_rank, source, out_dir / iteration_dir_relpath, rank, header, padded, options,
-                         progress)
-                 for rank in self._ranks(source, options)
+        ranks = [rank for rank in self._ranks(source, options)
                  if only is None or f"{iteration_dir_relpath}/{rank.relpath}" in only]
-        written = run_each(tasks, options.threads)
+        tasks = [partial(self._write_siblings, source, out_dir / iteration_dir_relpath, siblings, header, padded,
+                         options, progress)
+                 for siblings in _sibling_groups(source, ranks, padded)]
+        written = [item for group in run_each(tasks, options.threads) for item in group]
         result.files += [replace(item, relpath=f"{iteration_dir_relpath}/{item.relpath}") for item, _ in written]
         dropped_extra = any(dropped for _, dropped in written)
         _notice_renamed_extra_states(source, config, options, result.notices)
@@ -217,10 +225,31 @@ class MegatronSaver(Saver):
             result.notices += self.finalize(source, out_dir, options)
         return result
 
+    def _write_siblings(self, source: CanonicalSource, iteration_dir: Path, siblings: list[_RankPlan],
+                        header: dict[str, Any], padded: int, options: SaveOptions,
+                        progress: Progress) -> list[tuple[PlannedFile, bool]]:
+        """The rank files of one TP group (or one rank file), each as ``_write_rank`` gives it: a group's at
+        once, one thread each, taking the tensors they share from one read (``SiblingPieces``)."""
+        if len(siblings) == 1:
+            return [self._write_rank(source, iteration_dir, siblings[0], header, padded, options, progress)]
+        group = SiblingPieces(source, len(siblings))
+
+        def write(index: int) -> tuple[PlannedFile, bool]:
+            try:
+                return self._write_rank(source, iteration_dir, siblings[index], header, padded, options, progress,
+                                        (group, index))
+            except BaseException:
+                group.fail()
+                raise
+
+        return run_each([partial(write, index) for index in range(len(siblings))], len(siblings))
+
     def _write_rank(self, source: CanonicalSource, iteration_dir: Path, rank: _RankPlan, header: dict[str, Any],
-                    padded: int, options: SaveOptions, progress: Progress) -> tuple[PlannedFile, bool]:
+                    padded: int, options: SaveOptions, progress: Progress,
+                    sibling: tuple[SiblingPieces, int] | None = None) -> tuple[PlannedFile, bool]:
         """One rank file (its path relative to the iteration directory), and whether a non-empty
-        ``_extra_state`` of the source was written empty in it. Runs on a ``--threads`` thread."""
+        ``_extra_state`` of the source was written empty in it. Runs on a ``--threads`` thread, or on one of its TP
+        group's threads (``sibling``: the group and this file's place in it)."""
         layout = options.layout
         config = target_config(source.config, options)
         extra_states = source.extra_states()
@@ -231,7 +260,7 @@ class MegatronSaver(Saver):
         for chunk_key, shard in rank.chunks:
             model: OrderedDict[str, Any] = OrderedDict()
             for spec in shard.specs:
-                planned = _planned_piece(source, spec, padded, self._dtype(source, spec, options.dtype))
+                planned = _planned_piece(source, spec, padded, self._dtype(source, spec, options.dtype), sibling)
                 model[spec.local_name] = planned
                 nbytes += planned.nbytes
             for local, canonical in self._extra_keys(source, shard, config, layout):
@@ -322,15 +351,48 @@ def _notice_renamed_extra_states(source: CanonicalSource, config: ModelConfig, o
                  "_extra_state entries of the source's expert layout were dropped", options.strict, notices)
 
 
-def _planned_piece(source: CanonicalSource, spec: TensorSpec, padded: int, dtype: torch.dtype) -> PlannedTensor:
-    """The rank's piece of a tensor, cut from the source only when the writer reaches it."""
+def _planned_piece(source: CanonicalSource, spec: TensorSpec, padded: int, dtype: torch.dtype,
+                   sibling: tuple[SiblingPieces, int] | None = None) -> PlannedTensor:
+    """The rank's piece of a tensor, cut from the source only when the writer reaches it (from the tensor its TP
+    group reads once, where the group shares it)."""
     rows = padded if spec.rule.fits_rows else None
+    shared = sibling is not None and _shares(source, spec, rows)
 
     def produce() -> torch.Tensor:
-        piece = source.load_shard(spec.canonical, spec.rule, spec.tp_size, spec.tp_rank, rows)
+        if shared:
+            group, index = sibling
+            piece = group.piece(index, spec.canonical, spec.rule, spec.tp_size, spec.tp_rank, rows)
+        else:
+            piece = source.load_shard(spec.canonical, spec.rule, spec.tp_size, spec.tp_rank, rows)
         return piece.to(dtype)
 
     return PlannedTensor(tuple(spec.local_shape), dtype, produce)
+
+
+def _shares(source: CanonicalSource, spec: TensorSpec, rows: int | None) -> bool:
+    return source.shares_piece_reads(spec.canonical, spec.rule, spec.tp_size, rows)
+
+
+def _sibling_groups(source: CanonicalSource, ranks: list[_RankPlan], padded: int) -> list[list[_RankPlan]]:
+    """The ranks in groups written together: the ranks of a TP group (same pipeline stage and expert rank) where
+    they take the same shared tensors in the same order, each other rank alone."""
+    by_place: dict[tuple[int, int], list[_RankPlan]] = {}
+    for rank in ranks:
+        by_place.setdefault((rank.coord.pp, rank.coord.ep), []).append(rank)
+    groups: list[list[_RankPlan]] = []
+    for members in by_place.values():
+        shared = [_shared_sequence(source, rank, padded) for rank in members]
+        if len(members) > 1 and shared[0] and all(sequence == shared[0] for sequence in shared):
+            groups.append(members)
+        else:
+            groups += [[rank] for rank in members]
+    return groups
+
+
+def _shared_sequence(source: CanonicalSource, rank: _RankPlan, padded: int) -> list[tuple[str, int]]:
+    """The tensors (and cut sizes) of a rank file that its TP siblings would share, in the order it writes them."""
+    return [(spec.canonical, spec.tp_size) for _, shard in rank.chunks for spec in shard.specs
+            if _shares(source, spec, padded if spec.rule.fits_rows else None)]
 
 
 def _holds_state(extra: ExtraState | None) -> bool:

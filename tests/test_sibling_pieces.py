@@ -1,0 +1,238 @@
+"""The rank files of a TP group written at once, taking the pieces they would each read whole from one read of the
+tensor (``pgconvert.formats.sibling_pieces``): the output is byte for byte the one each file reading its own pieces
+writes, every shared tensor is read once per group, the group never holds two whole tensors, a failing sibling
+fails the run without leaving the others waiting, and ``--dry-run`` counts the files written at once."""
+
+from __future__ import annotations
+
+import _thread
+import os
+import threading
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from support.format_outputs import assert_same_bytes, write_sources
+
+from pgconvert.cli import main
+from pgconvert.errors import CheckpointError
+from pgconvert.formats.stream import CanonicalSource
+from pgconvert.io.threads import Stopped, check_running, run_each
+from pgconvert.model.rules import Chunked, Replicated, VocabParallel, strided_in_whole
+from pgconvert.run.convert import convert
+
+WAIT = 30.0  # seconds a test waits for another thread before it gives up (never reached when all is well)
+ROW_PARALLEL = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A tiny HF Llama, a TP2 EP2 Megatron checkpoint with experts, and the HF model as TP1 Megatron and torch_dist
+    checkpoints."""
+    root = tmp_path_factory.mktemp("sources")
+    made = write_sources(root)
+    convert(made["hf"], root / "tp1", dst_format="megatron", dst_tp=1)
+    made["tp1"] = root / "tp1"
+    convert(made["tp1"], root / "torch_dist_tp1", dst_format="torch_dist")
+    made["torch_dist_tp1"] = root / "torch_dist_tp1"
+    return made
+
+
+# (source, flags): row-parallel pieces strided in HF tensors, with pipeline stages, in a TP1 rank's tensors and a
+# TP1 torch_dist store's chunks (cut for four ranks), and in TP2 pieces of a model with experts cut for four.
+CASES = {
+    "hf to tp4": ("hf", ["--dst-tp", "4"]),
+    "hf to tp2 pp2": ("hf", ["--dst-tp", "2", "--dst-pp", "2"]),
+    "tp1 to tp4": ("tp1", ["--dst-tp", "4"]),
+    "torch_dist tp1 to tp4 pp2": ("torch_dist_tp1", ["--dst-tp", "4", "--dst-pp", "2"]),
+    "moe tp2 ep2 to tp4 ep1": ("megatron", ["--dst-tp", "4", "--dst-ep", "1"]),
+}
+
+
+def _convert(src: Path, dst: Path, *flags: str) -> None:
+    result = CliRunner().invoke(main, ["-q", "--dst-format", "megatron", *flags, str(src), str(dst)])
+    assert result.exit_code == 0, result.output
+
+
+def _sharing_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(CanonicalSource, "shares_piece_reads", lambda *args, **kwargs: False)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_tp_group_written_in_lockstep_gives_each_files_own_reads_output(
+        sources: dict[str, Path], case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    source, flags = CASES[case]
+    wholes: Counter[str] = Counter()
+    real_whole = CanonicalSource.whole_for_pieces
+
+    def counted(self: CanonicalSource, name: str) -> torch.Tensor:
+        wholes[name] += 1
+        return real_whole(self, name)
+
+    monkeypatch.setattr(CanonicalSource, "whole_for_pieces", counted)
+    _convert(sources[source], tmp_path / "shared", *flags)
+    _sharing_off(monkeypatch)
+    _convert(sources[source], tmp_path / "apart", *flags)
+
+    assert any(name.endswith(ROW_PARALLEL) for name in wholes)  # the row-parallel weights were shared
+    assert set(wholes.values()) == {1}  # each once: one group holds each tensor
+    assert_same_bytes(tmp_path / "shared", tmp_path / "apart")
+
+
+def _bytes_read(monkeypatch: pytest.MonkeyPatch, under: Path) -> Counter[str]:
+    """Bytes read by ``pread``/``preadv`` from files under ``under`` (counted by descriptor's path)."""
+    read: Counter[str] = Counter()
+    real_pread, real_preadv = os.pread, os.preadv
+
+    def owner(fd: int) -> str | None:
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        return path if path.startswith(str(under)) else None
+
+    def pread(fd: int, length: int, offset: int) -> bytes:
+        data = real_pread(fd, length, offset)
+        if (path := owner(fd)) is not None:
+            read[path] += len(data)
+        return data
+
+    def preadv(fd: int, buffers: list, offset: int, *flags: int) -> int:
+        count = real_preadv(fd, buffers, offset, *flags)
+        if (path := owner(fd)) is not None:
+            read[path] += count
+        return count
+
+    monkeypatch.setattr(os, "pread", pread)
+    monkeypatch.setattr(os, "preadv", preadv)
+    return read
+
+
+def test_the_group_reads_each_source_byte_about_once_where_apart_each_file_reads_them_all(
+        sources: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    weights = sum(path.stat().st_size for path in sources["hf"].glob("*.safetensors"))
+    shared = _bytes_read(monkeypatch, sources["hf"].resolve())
+    _convert(sources["hf"], tmp_path / "shared", "--dst-tp", "4")
+    shared_total = sum(shared.values())
+    monkeypatch.undo()
+    _sharing_off(monkeypatch)
+    apart = _bytes_read(monkeypatch, sources["hf"].resolve())
+    _convert(sources["hf"], tmp_path / "apart", "--dst-tp", "4")
+
+    assert shared_total <= 1.1 * weights, (shared_total, weights)
+    assert sum(apart.values()) > 1.5 * weights  # what the group saves: each file reading the spans of all
+
+
+def test_the_group_holds_one_whole_tensor_at_a_time(sources: dict[str, Path], tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    events: list[tuple[str, str]] = []
+    lock = threading.Lock()
+    real_whole, real_piece = CanonicalSource.whole_for_pieces, CanonicalSource.piece_of
+
+    def whole(self: CanonicalSource, name: str) -> torch.Tensor:
+        with lock:
+            events.append(("whole", name))
+        return real_whole(self, name)
+
+    def piece(self: CanonicalSource, name: str, *args: object) -> torch.Tensor:
+        cut = real_piece(self, name, *args)
+        with lock:
+            events.append(("piece", name))
+        return cut
+
+    monkeypatch.setattr(CanonicalSource, "whole_for_pieces", whole)
+    monkeypatch.setattr(CanonicalSource, "piece_of", piece)
+    _convert(sources["hf"], tmp_path / "dst", "--dst-tp", "4")
+
+    reads = [index for index, (what, _) in enumerate(events) if what == "whole"]
+    assert len(reads) > 2
+    for start, end in zip(reads, [*reads[1:], len(events)]):
+        name = events[start][1]
+        assert events[start + 1:end] == [("piece", name)] * 4  # all four cut before the next read
+
+
+def test_a_failing_sibling_fails_the_run_named_and_the_others_stop_waiting(
+        sources: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real_piece = CanonicalSource.piece_of
+
+    def piece(self: CanonicalSource, name: str, whole: torch.Tensor, rule: object, size: int, rank: int,
+              *args: object) -> torch.Tensor:
+        if rank == 2 and name.endswith("mlp.linear_fc2.weight"):
+            raise CheckpointError(f"cannot cut {name} for rank {rank}")
+        return real_piece(self, name, whole, rule, size, rank, *args)
+
+    monkeypatch.setattr(CanonicalSource, "piece_of", piece)
+    watchdog = threading.Timer(WAIT, _thread.interrupt_main)  # a run left waiting is interrupted, and fails below
+    watchdog.start()
+    try:
+        result = CliRunner().invoke(main, ["-q", "--dst-format", "megatron", "--dst-tp", "4", str(sources["hf"]),
+                                           str(tmp_path / "dst")])
+    finally:
+        watchdog.cancel()
+    assert result.exit_code == 1, result.output
+    assert "cannot cut" in result.output and "linear_fc2.weight for rank 2" in result.output
+    assert "Traceback" not in result.output
+    assert list(tmp_path.iterdir()) == []  # nothing left that looks complete, or at all
+
+
+def test_dry_run_counts_a_groups_files_in_the_memory_in_flight(sources: dict[str, Path], tmp_path: Path) -> None:
+    result = CliRunner().invoke(main, ["--dry-run", "--dst-format", "megatron", "--dst-tp", "4", str(sources["hf"]),
+                                       str(tmp_path / "dst")])
+    assert result.exit_code == 0, result.output
+    assert "memory in flight: 4 files at once" in result.output
+
+
+def test_a_task_running_a_pool_of_its_own_stops_when_its_outer_pool_stops() -> None:
+    inner_waiting = threading.Event()
+    both_started = threading.Barrier(2, timeout=WAIT)
+    stopped: list[bool] = []
+
+    def inner_task() -> None:
+        both_started.wait()
+        inner_waiting.set()
+        for _ in range(int(WAIT / 0.01)):
+            try:
+                check_running()
+            except Stopped:
+                stopped.append(True)
+                raise
+            threading.Event().wait(0.01)
+
+    def outer_with_pool() -> None:
+        run_each([inner_task, inner_task], threads=2)
+
+    def outer_failing() -> None:
+        inner_waiting.wait(WAIT)
+        raise ValueError("the other file failed")
+
+    with pytest.raises(ValueError, match="the other file failed"):
+        run_each([outer_with_pool, outer_failing], threads=2)
+    assert stopped == [True, True]
+
+
+@pytest.mark.parametrize(("rule", "shape", "strided"), [
+    (Chunked(dim=1), (8, 16), True),  # a row-parallel weight's columns
+    (Chunked(dim=0), (8, 16), False),  # a column-parallel weight's rows: contiguous
+    (Chunked(dim=1), (1, 16), False),  # one row: contiguous whatever the cut
+    (Replicated(), (8, 16), False),
+    (VocabParallel(), (8, 16), False),
+])
+def test_a_piece_is_strided_when_it_cuts_a_later_dim_of_several_rows(rule: object, shape: tuple[int, int],
+                                                                     strided: bool) -> None:
+    assert strided_in_whole(rule, shape, 4) is strided
+
+
+@pytest.mark.parametrize("flags", [["--dst-tp", "2", "--dst-pp", "2"], ["--dst-tp", "1", "--dst-ep", "1"]])
+def test_pieces_that_read_apart_without_overlap_are_not_grouped(sources: dict[str, Path], tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch,
+                                                                flags: list[str]) -> None:
+    """TP2 pieces kept, or merged into TP1: each stored byte is read by one destination file already."""
+    wholes: list[str] = []
+    monkeypatch.setattr(CanonicalSource, "whole_for_pieces", lambda self, name: wholes.append(name))
+    result = CliRunner().invoke(main, ["--dry-run", "--dst-format", "megatron", *flags, str(sources["megatron"]),
+                                       str(tmp_path / "dry")])
+    assert result.exit_code == 0, result.output
+    assert "memory in flight: 1 file at once" in result.output
+
+    _convert(sources["megatron"], tmp_path / "dst", *flags)
+
+    assert wholes == []

@@ -430,10 +430,14 @@ def _print_plan(conversion: Plan) -> None:
     for item in conversion.files:
         click.echo(f"  {item.relpath}  {item.tensors} tensors  {item.nbytes} bytes ({_format_bytes(item.nbytes)})")
     click.echo(f"total: {len(conversion.files)} files, {_format_bytes(conversion.total_bytes)}")
-    at_once = conversion.files_at_once
-    click.echo(f"memory in flight: {at_once} file{'s' if at_once > 1 else ''} at once, each up to its largest tensor "
-               f"({_format_bytes(conversion.largest_tensor)}) and {_format_bytes(OUTPUT_STAGING_BYTES)} of write "
-               f"buffers: {_format_bytes(conversion.memory_in_flight)}")
+    at_once, together = conversion.files_at_once, conversion.files_together
+    largest = _format_bytes(conversion.largest_tensor)
+    held = (f"each up to its largest tensor ({largest}) and {_format_bytes(OUTPUT_STAGING_BYTES)} of write buffers"
+            if together == 1 else
+            f"in groups of {together} (a TP group's rank files, sharing the reads of the tensors their pieces are "
+            f"cut from), each group up to twice the largest tensor ({largest}) and one file's write buffers")
+    click.echo(f"memory in flight: {at_once} file{'s' if at_once > 1 else ''} at once, {held}: "
+               f"{_format_bytes(conversion.memory_in_flight)}")
 
 
 def _run_with_progress(conversion: Plan, quiet: bool) -> None:

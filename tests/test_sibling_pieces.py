@@ -21,7 +21,8 @@ from pgconvert.errors import CheckpointError
 from pgconvert.formats.stream import CanonicalSource
 from pgconvert.io.threads import Stopped, check_running, run_each
 from pgconvert.model.rules import Chunked, Replicated, VocabParallel, strided_in_whole
-from pgconvert.run.convert import convert
+from pgconvert.io.output import OUTPUT_STAGING_BYTES, OutputFile
+from pgconvert.run.convert import convert, convert_request, plan
 
 WAIT = 30.0  # seconds a test waits for another thread before it gives up (never reached when all is well)
 ROW_PARALLEL = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
@@ -174,11 +175,27 @@ def test_a_failing_sibling_fails_the_run_named_and_the_others_stop_waiting(
     assert list(tmp_path.iterdir()) == []  # nothing left that looks complete, or at all
 
 
-def test_dry_run_counts_a_groups_files_in_the_memory_in_flight(sources: dict[str, Path], tmp_path: Path) -> None:
+def test_dry_run_counts_a_groups_files_and_the_group_shares_one_files_write_buffers(
+        sources: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    conversion = plan(convert_request(sources["hf"], tmp_path / "planned", dst_format="megatron", dst_tp=4, threads=2))
+    conversion.source.close()
+    assert (conversion.files_at_once, conversion.files_together) == (4, 4)  # one group of four: the four files
+    assert conversion.memory_in_flight == 2 * conversion.largest_tensor + OUTPUT_STAGING_BYTES
     result = CliRunner().invoke(main, ["--dry-run", "--dst-format", "megatron", "--dst-tp", "4", str(sources["hf"]),
                                        str(tmp_path / "dst")])
     assert result.exit_code == 0, result.output
-    assert "memory in flight: 4 files at once" in result.output
+    assert "memory in flight: 4 files at once, in groups of 4" in result.output
+    staged: list[int] = []
+    real_init = OutputFile.__init__
+
+    def init(self: OutputFile, path: Path) -> None:
+        real_init(self, path)
+        staged.append(sum(len(buffer) for buffer in self._buffers))
+
+    monkeypatch.setattr(OutputFile, "__init__", init)
+    _convert(sources["hf"], tmp_path / "dst", "--dst-tp", "4")
+
+    assert staged == [OUTPUT_STAGING_BYTES // 4] * 4
 
 
 def test_a_task_running_a_pool_of_its_own_stops_when_its_outer_pool_stops() -> None:

@@ -42,6 +42,9 @@ _DIRECT = getattr(os, "O_DIRECT", 0)
 BUFFERED_ENV = "PGCONVERT_BUFFERED_WRITES"
 # The digest output files opened here get (``--digest``; None: none): set around a conversion by ``digests``.
 _DIGESTS: ContextVar[str | None] = ContextVar("pgconvert_digests", default=DEFAULT_ALGORITHM)
+# How many files written at once share one file's staging memory (``sharing_staging``).
+_SHARERS: ContextVar[int] = ContextVar("pgconvert_staging_sharers", default=1)
+SMALLEST_SHARED_BUFFER = 1 << 20  # a shared staging buffer is never smaller (a multiple of BLOCK)
 
 
 @contextmanager
@@ -54,6 +57,28 @@ def digests(algorithm: str | None) -> Iterator[None]:
         yield
     finally:
         _DIGESTS.reset(token)
+
+
+@contextmanager
+def sharing_staging(files: int) -> Iterator[None]:
+    """Within the block, the ``files`` written at once (a TP group's rank files) each get a ``files``-th of a file's
+    staging buffers, down to ``SMALLEST_SHARED_BUFFER`` bytes each, so together they hold what one file holds."""
+    token = _SHARERS.set(files)
+    try:
+        yield
+    finally:
+        _SHARERS.reset(token)
+
+
+def buffer_bytes(sharers: int | None = None) -> int:
+    """The bytes of each staging buffer of a file opened now (or among ``sharers`` files sharing their staging)."""
+    share = BUFFER_BYTES // (sharers or _SHARERS.get())
+    return max(min(BUFFER_BYTES, SMALLEST_SHARED_BUFFER), share - share % BLOCK)
+
+
+def staging_bytes(files: int) -> int:
+    """The staging memory of ``files`` files written at once that share it (``sharing_staging``)."""
+    return files * BUFFERS * buffer_bytes(files)
 
 
 class OutputFile:
@@ -73,7 +98,8 @@ class OutputFile:
         self._digest: Hasher | None = None if self._algorithm is None else new_hasher(self._algorithm)
         self._closed = False
         self._fd = self._open(path)
-        self._buffers = [mmap.mmap(-1, BUFFER_BYTES) for _ in range(BUFFERS)]
+        self._buffer_bytes = buffer_bytes()
+        self._buffers = [mmap.mmap(-1, self._buffer_bytes) for _ in range(BUFFERS)]
         self._views = [memoryview(buffer) for buffer in self._buffers]
         self._pending: list[list[Future[None]]] = [[] for _ in range(BUFFERS)]
         self._current = 0
@@ -105,11 +131,11 @@ class OutputFile:
         while done < len(source):
             if self._filled == 0:
                 self._reuse(self._current)
-            count = min(len(source) - done, BUFFER_BYTES - self._filled)
+            count = min(len(source) - done, self._buffer_bytes - self._filled)
             self._views[self._current][self._filled:self._filled + count] = source[done:done + count]
             self._filled += count
             done += count
-            if self._filled == BUFFER_BYTES:
+            if self._filled == self._buffer_bytes:
                 self._hand_off()
         return len(source)
 

@@ -34,7 +34,7 @@ from pgconvert.formats import DTYPE_CHOICES, LoadOptions, PlannedFile, SaveOptio
 from pgconvert.model.layout import ParallelLayout
 from pgconvert.model.layout_spec import LayoutSpec
 from pgconvert.formats.names import COMMON_PLACES, DEFAULT_DIGEST, DIGEST_CHOICES, saver_names
-from pgconvert.io.output import OUTPUT_STAGING_BYTES, digests
+from pgconvert.io.output import OUTPUT_STAGING_BYTES, digests, staging_bytes
 from pgconvert.io.threads import serialized
 from pgconvert.io.sizes import dtype_name, itemsize, numel
 from pgconvert.run.manifest import Manifest, hashing, record_files, write_manifest, writing_digest
@@ -155,9 +155,13 @@ class Plan:
 
     @property
     def memory_in_flight(self) -> int:
-        """The most bytes the files being produced hold at once: per file, its largest tensor and the
-        write buffers of its ``OutputFile``."""
-        return self.files_at_once * (self.largest_tensor + OUTPUT_STAGING_BYTES)
+        """The most bytes the files being produced hold at once: per file, its largest tensor and the write
+        buffers of its ``OutputFile``; per group of files written together, the whole tensor their pieces are cut
+        from, the pieces (together no more than it) and one file's write buffers, which they share."""
+        if self.files_together == 1:
+            return self.files_at_once * (self.largest_tensor + OUTPUT_STAGING_BYTES)
+        groups = max(1, self.files_at_once // self.files_together)
+        return groups * (2 * self.largest_tensor + staging_bytes(self.files_together))
 
 
 @dataclass

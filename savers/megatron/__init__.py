@@ -25,7 +25,7 @@ from pgconvert.io.durable import fsync_file
 from pgconvert.formats import (TRAINING_STATE_NOT_CARRIED, CarriedOptimizer, OptimizerFile, OptimizerOptions,
                                PlannedFile, Progress, SaveOptions, Saver, SaveResult, target_config, target_dtype)
 from pgconvert.model.grid import RankCoord, build_converter_process_groups, iter_ranks
-from pgconvert.io.output import OutputFile
+from pgconvert.io.output import OutputFile, sharing_staging
 from pgconvert.io.threads import run_each
 from pgconvert.formats.hf_side import carried_for_target, write_carried
 from pgconvert.model.layout import ParallelLayout
@@ -242,7 +242,8 @@ class MegatronSaver(Saver):
                 group.fail()
                 raise
 
-        return run_each([partial(write, index) for index in range(len(siblings))], len(siblings))
+        with sharing_staging(len(siblings)):  # the group's files hold one file's write buffers together
+            return run_each([partial(write, index) for index in range(len(siblings))], len(siblings))
 
     def _write_rank(self, source: CanonicalSource, iteration_dir: Path, rank: _RankPlan, header: dict[str, Any],
                     padded: int, options: SaveOptions, progress: Progress,

@@ -209,7 +209,9 @@ class MegatronSaver(Saver):
         tasks = [partial(self._write_siblings, source, out_dir / iteration_dir_relpath, siblings, header, padded,
                          options, progress)
                  for siblings in _sibling_groups(source, ranks, padded)]
-        written = [item for group in run_each(tasks, options.threads) for item in group]
+        place = {rank.relpath: index for index, rank in enumerate(ranks)}
+        written = sorted((item for group in run_each(tasks, options.threads) for item in group),
+                         key=lambda item: place[item[0].relpath])  # in rank order, as planned
         result.files += [replace(item, relpath=f"{iteration_dir_relpath}/{item.relpath}") for item, _ in written]
         dropped_extra = any(dropped for _, dropped in written)
         _notice_renamed_extra_states(source, config, options, result.notices)
@@ -360,7 +362,7 @@ def _planned_piece(source: CanonicalSource, spec: TensorSpec, padded: int, dtype
     shared = sibling is not None and _shares(source, spec, rows)
 
     def produce() -> torch.Tensor:
-        if shared:
+        if shared and sibling is not None:
             group, index = sibling
             piece = group.piece(index, spec.canonical, spec.rule, spec.tp_size, spec.tp_rank, rows)
         else:

@@ -266,6 +266,7 @@ def describe_megatron_adapter(adapter: MegatronAdapter) -> dict[str, Any]:
                      if (found := re.match(r"decoder\.layers\.(\d+)\.", weight)) is not None})
     return {
         "base_model": None,
+        "method": "lora",
         "pairs": len(adapter.pairs),
         "ranks": [adapter.dim],
         "scalings": [adapter.alpha / adapter.dim],

@@ -11,9 +11,10 @@ import torch
 def make_adapter(base_dir: Path, out: Path, seed: int = 0, **lora: Any) -> Path:
     """A PEFT LoRA adapter for the model in ``base_dir``, saved by ``PeftModel.save_pretrained``.
 
-    PEFT starts B at zero (the adapter changes nothing) and the modules_to_save as copies of the base; here A and
-    B (an embedding's too) are drawn at random and the copies moved, as a trained adapter's are, so every merged
-    weight differs from the base.
+    PEFT starts B at zero (the adapter changes nothing), a DoRA magnitude at the row norms of the base (it scales
+    nothing) and the modules_to_save as copies of the base; here A and B (an embedding's too) are drawn at random,
+    each magnitude scaled by its own random factors and the copies moved, as a trained adapter's are, so every
+    merged weight differs from the base.
     """
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -25,6 +26,8 @@ def make_adapter(base_dir: Path, out: Path, seed: int = 0, **lora: Any) -> Path:
         for name, param in sorted(model.named_parameters()):
             if any(part in name for part in (".lora_A.", ".lora_B.", ".lora_embedding_A.", ".lora_embedding_B.")):
                 param.copy_(0.1 * torch.randn(param.shape, generator=generator))
+            elif ".lora_magnitude_vector." in name:
+                param.mul_(1 + 0.2 * torch.randn(param.shape, generator=generator))
             elif ".modules_to_save." in name:
                 param.add_(0.1 * torch.randn(param.shape, generator=generator))
     model.save_pretrained(out)

@@ -1,0 +1,154 @@
+"""DoRA adapters (weight-decomposed LoRA): PEFT's, merged while converting as PEFT's merge_and_unload merges them.
+
+The adapter is written by PEFT's ``save_pretrained`` (``LoraConfig(use_dora=True)``) with lora_A, lora_B and every
+magnitude vector drawn at random, so neither the low-rank update nor the magnitude is a no-op; the reference is
+PEFT's own ``merge_and_unload`` in float32. Merged at TP2, the row-parallel pieces (o_proj, down_proj: some columns
+of every row) must be scaled by the norms of whole rows.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import pgconvert
+from pgconvert.errors import ValidationError
+from support.hf_helpers import build_hf_model, hf_logits, input_ids, load_hf_tensors, save_hf_model
+from support.peft_adapters import make_adapter, peft_merged
+
+pytest.importorskip("peft")
+
+ATTENTION_AND_MLP = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ADAPTER_FILE = "adapter_model.safetensors"
+
+
+def assert_tensors_equal(expected_dir: Path, actual_dir: Path) -> None:
+    expected, actual = load_hf_tensors(expected_dir), load_hf_tensors(actual_dir)
+    assert sorted(expected) == sorted(actual)
+    different = [name for name in expected if not torch.equal(expected[name], actual[name])]
+    assert not different, different
+
+
+@pytest.fixture(scope="module")
+def dora(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A tiny Llama (grouped query attention), a PEFT DoRA adapter on every projection (one module of another rank)
+    and PEFT's merge of it."""
+    root = tmp_path_factory.mktemp("dora")
+    base = save_hf_model(build_hf_model("llama", seed=2), root / "base")
+    adapter = make_adapter(base, root / "adapter", seed=4, r=4, lora_alpha=8, use_dora=True,
+                           target_modules=ATTENTION_AND_MLP, rank_pattern={"layers.1.self_attn.q_proj": 2})
+    return {"base": base, "adapter": adapter, "merged": peft_merged(base, adapter, root / "merged")}
+
+
+def _adapter_tensors(adapter: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(adapter / ADAPTER_FILE))
+
+
+def _save_adapter_tensors(adapter: Path, tensors: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(adapter / ADAPTER_FILE), metadata={"format": "pt"})
+
+
+def _edit_config(adapter: Path, **changes: object) -> None:
+    path = adapter / "adapter_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+def test_peft_saves_a_magnitude_per_adapted_linear(dora: dict[str, Path]) -> None:
+    tensors = _adapter_tensors(dora["adapter"])
+    magnitudes = {key: value for key, value in tensors.items() if key.endswith(".lora_magnitude_vector")}
+    assert len(magnitudes) == 4 * 7 and len(tensors) == 4 * 7 * 3
+    assert magnitudes["base_model.model.model.layers.0.self_attn.k_proj.lora_magnitude_vector"].shape == (32,)
+
+
+def test_dora_merge_equals_peft_merge_and_unload_in_hf_and_at_tp2(dora: dict[str, Path], tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    pgconvert.convert(dora["base"], out, dst_format="hf", merge_adapter=dora["adapter"])
+    assert_tensors_equal(dora["merged"], out)
+    ids = input_ids(1000)
+    torch.testing.assert_close(hf_logits(out, ids), hf_logits(dora["merged"], ids), rtol=1e-6, atol=1e-6)
+    megatron = tmp_path / "megatron"  # fused linear_qkv and linear_fc1, row-parallel linear_proj and linear_fc2
+    pgconvert.convert(dora["base"], megatron, dst_format="megatron", dst_tp=2, merge_adapter=dora["adapter"])
+    pgconvert.convert(megatron, tmp_path / "back", dst_format="hf")
+    assert_tensors_equal(out, tmp_path / "back")
+
+
+def test_the_reference_sees_the_magnitude_and_whole_row_norms(dora: dict[str, Path], tmp_path: Path) -> None:
+    """The checks above fail if the magnitude is ignored (a plain LoRA merge of the same pairs) or if a row-parallel
+    piece is scaled by the norm of its own columns."""
+    plain = Path(shutil.copytree(dora["adapter"], tmp_path / "plain"))
+    _save_adapter_tensors(plain, {key: value for key, value in _adapter_tensors(plain).items()
+                                  if not key.endswith(".lora_magnitude_vector")})
+    _edit_config(plain, use_dora=False)
+    pgconvert.convert(dora["base"], tmp_path / "lora", dst_format="hf", merge_adapter=plain)
+    merged, as_lora = load_hf_tensors(dora["merged"]), load_hf_tensors(tmp_path / "lora")
+    assert all(not torch.equal(merged[name], as_lora[name]) for name in merged if "proj" in name)
+    name = "model.layers.2.self_attn.o_proj"
+    base = load_hf_tensors(dora["base"])[f"{name}.weight"]
+    tensors = _adapter_tensors(dora["adapter"])
+    a, b = (tensors[f"base_model.model.{name}.lora_{side}.weight"] for side in "AB")
+    magnitude = tensors[f"base_model.model.{name}.lora_magnitude_vector"]
+    summed = base + 2.0 * (b @ a)
+    per_piece = torch.cat([magnitude.unsqueeze(1) / torch.linalg.norm(half, dim=1, keepdim=True) * half
+                           for half in summed.chunk(2, dim=1)], dim=1)
+    assert not torch.allclose(per_piece, merged[f"{name}.weight"], rtol=1e-3, atol=1e-3)
+
+
+def test_bf16_dora_merge_is_peft_float32_merge_rounded_once(dora: dict[str, Path], tmp_path: Path) -> None:
+    """PEFT merges a bfloat16 base in float32 (its adapter weights are float32) and rounds once: the same bits."""
+    from transformers import AutoModelForCausalLM
+
+    base = tmp_path / "base_bf16"
+    AutoModelForCausalLM.from_pretrained(dora["base"], dtype=torch.bfloat16).save_pretrained(base)
+    reference = peft_merged(base, dora["adapter"], tmp_path / "reference", dtype=torch.bfloat16)
+    pgconvert.convert(base, tmp_path / "megatron", dst_format="megatron", dst_tp=2, merge_adapter=dora["adapter"])
+    pgconvert.convert(tmp_path / "megatron", tmp_path / "back", dst_format="hf")
+    assert_tensors_equal(reference, tmp_path / "back")
+
+
+def _drop_magnitude(adapter: Path) -> None:
+    _save_adapter_tensors(adapter, {key: value for key, value in _adapter_tensors(adapter).items()
+                                    if "layers.1.mlp.up_proj.lora_magnitude_vector" not in key})
+
+
+def _shorten_magnitude(adapter: Path) -> None:
+    tensors = _adapter_tensors(adapter)
+    key = "base_model.model.model.layers.0.self_attn.o_proj.lora_magnitude_vector"
+    tensors[key] = tensors[key][:-1].clone()
+    _save_adapter_tensors(adapter, tensors)
+
+
+@pytest.mark.parametrize("damage, expected", [
+    (_drop_magnitude, r"model.layers.1.mlp.up_proj: use_dora: true, but no base_model.model.model.layers.1.mlp."
+                      r"up_proj.lora_magnitude_vector \(DoRA's magnitude vector\)"),
+    (_shorten_magnitude, r"o_proj.lora_magnitude_vector: shape \[63\], expected \[64\] \(one magnitude per output "
+                         r"row of model.layers.0.self_attn.o_proj\)"),
+    (lambda a: _edit_config(a, use_dora=False), r"lora_magnitude_vector: a DoRA magnitude, but adapter_config.json "
+                                                r"does not set use_dora: true"),
+    (lambda a: _edit_config(a, use_dora="yes"), r"use_dora='yes': expected true or false"),
+], ids=["no-magnitude", "short-magnitude", "not-dora", "use-dora-text"])
+def test_bad_dora_adapter_is_a_named_error_and_writes_nothing(dora: dict[str, Path], tmp_path: Path, damage: object,
+                                                              expected: str) -> None:
+    adapter = Path(shutil.copytree(dora["adapter"], tmp_path / "bad_adapter"))
+    damage(adapter)  # type: ignore[operator]
+    out = tmp_path / "out"
+    with pytest.raises(ValidationError, match=expected) as caught:
+        pgconvert.convert(dora["base"], out, dst_format="megatron", dst_tp=2, merge_adapter=adapter)
+    assert str(adapter) in str(caught.value)
+    assert not out.exists()
+
+
+def test_dora_on_the_output_layer_is_refused_by_name(dora: dict[str, Path], tmp_path: Path) -> None:
+    adapter = make_adapter(dora["base"], tmp_path / "adapter", r=2, lora_alpha=4, use_dora=True,
+                           target_modules=["lm_head"])
+    with pytest.raises(ValidationError, match=r"DoRA on lm_head.weight \(pgconvert's output_layer.weight\) is not "
+                                              r"merged: .*a vocab table"):
+        pgconvert.convert(dora["base"], tmp_path / "out", dst_format="hf", merge_adapter=adapter)
+    assert not (tmp_path / "out").exists()

@@ -152,3 +152,98 @@ def test_dora_on_the_output_layer_is_refused_by_name(dora: dict[str, Path], tmp_
                                               r"merged: .*a vocab table"):
         pgconvert.convert(dora["base"], tmp_path / "out", dst_format="hf", merge_adapter=adapter)
     assert not (tmp_path / "out").exists()
+
+
+# Megatron-Bridge's DoRA at TP2 on the column-parallel modules, whose ranks hold whole rows (a row-parallel module's
+# DoRA at TP2 takes each rank's norm: refused below).
+BRIDGE_TARGETS = ("self_attention.linear_qkv", "mlp.linear_fc1")
+DIM, ALPHA = 4, 6
+
+
+@pytest.fixture(scope="module")
+def bridge(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The HF base, its TP2 Megatron form, a Megatron-Bridge DoRA run's checkpoint made at TP2 (support/
+    mcore_bridge_lora.py), what each rank held, and the checkpoint exported as a PEFT adapter."""
+    from support.mcore_bridge_lora import bridge_lora_checkpoint
+
+    root = tmp_path_factory.mktemp("bridge_dora")
+    hf = save_hf_model(build_hf_model("llama", seed=2), root / "hf")
+    pgconvert.convert(hf, root / "megatron", dst_format="megatron", dst_tp=2)
+    store = bridge_lora_checkpoint(root / "megatron", root / "dora", root / "held", DIM, ALPHA, dora=True,
+                                   targets=BRIDGE_TARGETS)
+    pgconvert.export_adapter(store, root / "exported", base=root / "megatron")
+    return {"hf": hf, "megatron": root / "megatron", "dora": store, "held": root / "held",
+            "exported": root / "exported"}
+
+
+def megatron_dora_logits(paths: dict[str, Path], ids: torch.Tensor) -> torch.Tensor:
+    """The TP2 model with each rank's weights merged as Megatron-Bridge's DoRALinear computes them
+    (dora_layers.py:122-160): ``m_r / ||W_r + s·B_r·A|| * (W_r + s·B_r·A)``, A gathered over the ranks, the norm of
+    the rows rank r holds, run rank by rank."""
+    from support.hf_helpers import megatron_tp_logits, read_megatron_tp_ranks
+
+    models = read_megatron_tp_ranks(paths["megatron"])
+    held = [torch.load(paths["held"] / f"rank{rank}.pt", weights_only=True) for rank in range(len(models))]
+    for module in held[0]:
+        linear_in = torch.cat([pieces[module]["linear_in"].double() for pieces in held])
+        for rank, model in enumerate(models):
+            pieces, weight = held[rank][module], f"{module}.weight"
+            summed = model[weight].double() + ALPHA / DIM * pieces["linear_out"].double() @ linear_in
+            scale = pieces["weight_magnitude"].double().unsqueeze(1) / torch.linalg.norm(summed, dim=1, keepdim=True)
+            model[weight] = scale * summed
+    config = json.loads((paths["hf"] / "config.json").read_text())
+    return megatron_tp_logits(models, config, ids).to(torch.float32)
+
+
+def test_bridge_dora_exports_to_peft_with_the_megatron_side_logits(bridge: dict[str, Path]) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    ids = input_ids(1000)
+    expected = megatron_dora_logits(bridge, ids)
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(bridge["hf"], dtype=torch.float32),
+                                      bridge["exported"])
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, expected, rtol=1e-5, atol=1e-5)
+    config = json.loads((bridge["exported"] / "adapter_config.json").read_text())
+    assert (config["use_dora"], config["r"], config["lora_alpha"]) == (True, DIM, ALPHA)
+    tensors = _adapter_tensors(bridge["exported"])
+    assert len(tensors) == 4 * 5 * 3  # q, k, v, gate, up: lora_A, lora_B, magnitude
+    assert tensors["base_model.model.model.layers.0.mlp.up_proj.lora_magnitude_vector"].shape == (128,)
+
+
+def test_bridge_dora_merges_as_its_peft_export(bridge: dict[str, Path], tmp_path: Path) -> None:
+    """--merge-adapter of the Megatron-Bridge checkpoint: the bytes of merging its PEFT export, the Megatron-side
+    logits, and at TP2 the same tensors."""
+    pgconvert.convert(bridge["hf"], tmp_path / "merged", dst_format="hf", merge_adapter=bridge["dora"])
+    pgconvert.convert(bridge["hf"], tmp_path / "merged_peft", dst_format="hf", merge_adapter=bridge["exported"])
+    assert_tensors_equal(tmp_path / "merged_peft", tmp_path / "merged")
+    ids = input_ids(1000)
+    torch.testing.assert_close(hf_logits(tmp_path / "merged", ids), megatron_dora_logits(bridge, ids),
+                               rtol=1e-5, atol=1e-5)
+    pgconvert.convert(bridge["megatron"], tmp_path / "tp2", dst_format="megatron", dst_tp=2,
+                      merge_adapter=bridge["dora"])
+    pgconvert.convert(tmp_path / "tp2", tmp_path / "back", dst_format="hf")
+    assert_tensors_equal(tmp_path / "merged", tmp_path / "back")
+
+
+def test_dora_exports_back_to_megatron_bridge_and_round_trips(bridge: dict[str, Path], tmp_path: Path) -> None:
+    """PEFT DoRA -> Megatron-Bridge DoRA (canonical order, TP 1) -> PEFT: the same tensors; the Megatron-Bridge form
+    read at TP 2 with a row-parallel module's DoRA is refused by name."""
+    import yaml
+
+    pgconvert.export_adapter(bridge["exported"], tmp_path / "bridge", base=bridge["megatron"])
+    pgconvert.export_adapter(tmp_path / "bridge", tmp_path / "again", base=bridge["hf"])
+    assert_tensors_equal(bridge["exported"], tmp_path / "again")
+    full = make_adapter(bridge["hf"], tmp_path / "full", seed=5, r=2, lora_alpha=4, use_dora=True,
+                        target_modules=["o_proj"])
+    pgconvert.export_adapter(full, tmp_path / "full_bridge", base=bridge["megatron"])
+    run_config = tmp_path / "full_bridge" / "release" / "run_config.yaml"
+    doc = yaml.safe_load(run_config.read_text())
+    assert (doc["peft"]["_target_"], doc["model"]["tensor_model_parallel_size"]) == ("megatron.bridge.peft.dora.DoRA", 1)
+    doc["model"]["tensor_model_parallel_size"] = 2
+    run_config.write_text(yaml.safe_dump(doc))
+    with pytest.raises(ValidationError, match=r"linear_proj.adapter.weight_magnitude: a row-parallel module's DoRA "
+                                              r"trained at TP 2: Megatron-Bridge took the norm of each rank's columns"):
+        pgconvert.convert(bridge["hf"], tmp_path / "out", dst_format="hf", merge_adapter=tmp_path / "full_bridge")
+    assert not (tmp_path / "out").exists()

@@ -301,8 +301,11 @@ def _expert_adapter(tensors: dict[str, torch.Tensor]) -> None:
      r"experts'"),
     (lambda lora: _edit_run_config(lora, alpha=None), r"run_config.yaml: peft.alpha is missing: expected a positive"),
     (lambda lora: _edit_run_config(lora, _target_="megatron.bridge.peft.dora.DoRA"),
-     r"peft._target_='megatron.bridge.peft.dora.DoRA': only Megatron-Bridge's plain LoRA"),
-], ids=["rank", "target", "experts", "alpha", "dora"])
+     r"decoder.layers.0.mlp.linear_fc1.adapter.weight_magnitude is missing: a DoRA run saves one magnitude per output "
+     r"row \(256\)"),
+    (lambda lora: _edit_run_config(lora, _target_="megatron.bridge.peft.multi_lora.MultiLoRA"),
+     r"peft._target_='megatron.bridge.peft.multi_lora.MultiLoRA': only Megatron-Bridge's LoRA and DoRA"),
+], ids=["rank", "target", "experts", "alpha", "dora-without-magnitudes", "other-method"])
 def test_bad_megatron_adapter_is_a_named_error_and_writes_nothing(bridge: dict[str, Path], tmp_path: Path,
                                                                   damage: object, expected: str) -> None:
     lora = _copy(bridge, tmp_path)

@@ -254,6 +254,16 @@ class AdapterMerge:
                   for hf, norm in zip(target.hf_names, norms, strict=True)]
         return target.row.transform.fuse(scales, config)
 
+    def magnitude(self, name: str) -> torch.Tensor | None:
+        """A DoRA target's magnitudes in the canonical rows' order (zeros for a part without a pair), float32; None
+        for a plain LoRA target."""
+        target = self._targets[name]
+        if not target.dora:
+            return None
+        columns = [torch.zeros((shape[0], 1)) if (magnitude := self._magnitude(hf)) is None else magnitude.unsqueeze(1)
+                   for hf, shape in zip(target.hf_names, target.part_shapes, strict=True)]
+        return target.row.transform.fuse(columns, self._source.config)[:, 0]
+
     def _magnitude(self, hf: str) -> torch.Tensor | None:
         return self.adapter.magnitude(hf) if hf in self.adapter.pairs else None
 

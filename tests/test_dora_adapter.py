@@ -247,3 +247,42 @@ def test_dora_exports_back_to_megatron_bridge_and_round_trips(bridge: dict[str, 
                                               r"trained at TP 2: Megatron-Bridge took the norm of each rank's columns"):
         pgconvert.convert(bridge["hf"], tmp_path / "out", dst_format="hf", merge_adapter=tmp_path / "full_bridge")
     assert not (tmp_path / "out").exists()
+
+
+def test_inspect_names_the_dora_method_of_either_form(bridge: dict[str, Path]) -> None:
+    from click.testing import CliRunner
+
+    from pgconvert.cli import main
+
+    for path, form in ((bridge["exported"], "peft-lora"), (bridge["dora"], "megatron-bridge-lora")):
+        result = CliRunner().invoke(main, ["inspect", str(path), "--json"])
+        assert result.exit_code == 0, result.output
+        described = json.loads(result.output)
+        assert (described["format"], described["adapter"]["method"]) == (form, "dora")
+        text = CliRunner().invoke(main, ["inspect", str(path)])
+        assert "DoRA (LoRA with learned row magnitudes)" in text.output, text.output
+
+
+def test_verify_compares_dora_magnitudes_and_names_a_lora_counterpart(bridge: dict[str, Path],
+                                                                     tmp_path: Path) -> None:
+    report = pgconvert.verify(bridge["exported"], bridge["dora"], base=bridge["hf"])
+    assert report.equal and report.compared == 4 * 2, report.differences  # linear_qkv and linear_fc1 of 4 layers
+    changed = Path(shutil.copytree(bridge["exported"], tmp_path / "changed"))
+    tensors = _adapter_tensors(changed)
+    key = "base_model.model.model.layers.2.self_attn.k_proj.lora_magnitude_vector"
+    tensors[key][5] += 1e-2
+    _save_adapter_tensors(changed, tensors)
+    own = pgconvert.verify(bridge["exported"], changed)
+    assert [(d.name, d.kind) for d in own.differences] == [("model.layers.2.self_attn.k_proj.weight", "values"),
+                                                           (key, "values")], own.differences
+    assert "DoRA magnitude" in own.differences[0].message
+    across = pgconvert.verify(changed, bridge["dora"], base=bridge["hf"])
+    assert [d.name for d in across.differences] == ["decoder.layers.2.self_attention.linear_qkv.weight"]
+    assert "DoRA magnitude" in across.differences[0].message
+    plain = Path(shutil.copytree(bridge["exported"], tmp_path / "plain"))
+    _save_adapter_tensors(plain, {key: value for key, value in _adapter_tensors(plain).items()
+                                  if not key.endswith(".lora_magnitude_vector")})
+    _edit_config(plain, use_dora=False)
+    mixed = pgconvert.verify(bridge["exported"], plain)
+    assert [(d.name, d.kind) for d in mixed.differences] == [("method", "config")], mixed.differences
+    assert "dora in A, lora in B" in mixed.differences[0].message

@@ -18,19 +18,12 @@ import torch
 import pgconvert
 from pgconvert.errors import ValidationError
 from support.hf_helpers import build_hf_model, hf_logits, input_ids, load_hf_tensors, save_hf_model
-from support.peft_adapters import make_adapter, peft_merged
+from support.peft_adapters import assert_tensors_equal, edit_config, make_adapter, peft_merged
 
 pytest.importorskip("peft")
 
 ATTENTION_AND_MLP = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ADAPTER_FILE = "adapter_model.safetensors"
-
-
-def assert_tensors_equal(expected_dir: Path, actual_dir: Path) -> None:
-    expected, actual = load_hf_tensors(expected_dir), load_hf_tensors(actual_dir)
-    assert sorted(expected) == sorted(actual)
-    different = [name for name in expected if not torch.equal(expected[name], actual[name])]
-    assert not different, different
 
 
 @pytest.fixture(scope="module")
@@ -54,11 +47,6 @@ def _save_adapter_tensors(adapter: Path, tensors: dict[str, torch.Tensor]) -> No
     from safetensors.torch import save_file
 
     save_file(tensors, str(adapter / ADAPTER_FILE), metadata={"format": "pt"})
-
-
-def _edit_config(adapter: Path, **changes: object) -> None:
-    path = adapter / "adapter_config.json"
-    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
 
 
 def test_peft_saves_a_magnitude_per_adapted_linear(dora: dict[str, Path]) -> None:
@@ -86,7 +74,7 @@ def test_the_reference_sees_the_magnitude_and_whole_row_norms(dora: dict[str, Pa
     plain = Path(shutil.copytree(dora["adapter"], tmp_path / "plain"))
     _save_adapter_tensors(plain, {key: value for key, value in _adapter_tensors(plain).items()
                                   if not key.endswith(".lora_magnitude_vector")})
-    _edit_config(plain, use_dora=False)
+    edit_config(plain, use_dora=False)
     pgconvert.convert(dora["base"], tmp_path / "lora", dst_format="hf", merge_adapter=plain)
     merged, as_lora = load_hf_tensors(dora["merged"]), load_hf_tensors(tmp_path / "lora")
     assert all(not torch.equal(merged[name], as_lora[name]) for name in merged if "proj" in name)
@@ -130,9 +118,9 @@ def _shorten_magnitude(adapter: Path) -> None:
                       r"up_proj.lora_magnitude_vector \(DoRA's magnitude vector\)"),
     (_shorten_magnitude, r"o_proj.lora_magnitude_vector: shape \[63\], expected \[64\] \(one magnitude per output "
                          r"row of model.layers.0.self_attn.o_proj\)"),
-    (lambda a: _edit_config(a, use_dora=False), r"lora_magnitude_vector: a DoRA magnitude, but adapter_config.json "
+    (lambda a: edit_config(a, use_dora=False), r"lora_magnitude_vector: a DoRA magnitude, but adapter_config.json "
                                                 r"does not set use_dora: true"),
-    (lambda a: _edit_config(a, use_dora="yes"), r"use_dora='yes': expected true or false"),
+    (lambda a: edit_config(a, use_dora="yes"), r"use_dora='yes': expected true or false"),
 ], ids=["no-magnitude", "short-magnitude", "not-dora", "use-dora-text"])
 def test_bad_dora_adapter_is_a_named_error_and_writes_nothing(dora: dict[str, Path], tmp_path: Path, damage: object,
                                                               expected: str) -> None:
@@ -240,7 +228,8 @@ def test_dora_exports_back_to_megatron_bridge_and_round_trips(bridge: dict[str, 
     pgconvert.export_adapter(full, tmp_path / "full_bridge", base=bridge["megatron"])
     run_config = tmp_path / "full_bridge" / "release" / "run_config.yaml"
     doc = yaml.safe_load(run_config.read_text())
-    assert (doc["peft"]["_target_"], doc["model"]["tensor_model_parallel_size"]) == ("megatron.bridge.peft.dora.DoRA", 1)
+    assert doc["peft"]["_target_"] == "megatron.bridge.peft.dora.DoRA"
+    assert doc["model"]["tensor_model_parallel_size"] == 1
     doc["model"]["tensor_model_parallel_size"] = 2
     run_config.write_text(yaml.safe_dump(doc))
     with pytest.raises(ValidationError, match=r"linear_proj.adapter.weight_magnitude: a row-parallel module's DoRA "
@@ -282,7 +271,7 @@ def test_verify_compares_dora_magnitudes_and_names_a_lora_counterpart(bridge: di
     plain = Path(shutil.copytree(bridge["exported"], tmp_path / "plain"))
     _save_adapter_tensors(plain, {key: value for key, value in _adapter_tensors(plain).items()
                                   if not key.endswith(".lora_magnitude_vector")})
-    _edit_config(plain, use_dora=False)
+    edit_config(plain, use_dora=False)
     mixed = pgconvert.verify(bridge["exported"], plain)
     assert [(d.name, d.kind) for d in mixed.differences] == [("method", "config")], mixed.differences
     assert "dora in A, lora in B" in mixed.differences[0].message

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -44,3 +45,25 @@ def peft_merged(base_dir: Path, adapter_dir: Path, out: Path, dtype: torch.dtype
     merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
     merged.to(dtype).save_pretrained(out)
     return out
+
+
+def assert_tensors_equal(expected_dir: Path, actual_dir: Path) -> None:
+    """The two HF checkpoints hold the same tensor names, each bit-equal."""
+    from support.hf_helpers import load_hf_tensors
+
+    expected, actual = load_hf_tensors(expected_dir), load_hf_tensors(actual_dir)
+    assert sorted(expected) == sorted(actual)
+    different = [name for name in expected if not torch.equal(expected[name], actual[name])]
+    assert not different, different
+
+
+def edit_config(adapter: Path, **changes: object) -> None:
+    """``changes`` made to the adapter's adapter_config.json (a None value takes its key out)."""
+    path = adapter / "adapter_config.json"
+    doc = json.loads(path.read_text())
+    for key, value in changes.items():
+        if value is None:
+            doc.pop(key)
+        else:
+            doc[key] = value
+    path.write_text(json.dumps(doc))

@@ -101,6 +101,16 @@ def test_bf16_dora_merge_is_peft_float32_merge_rounded_once(dora: dict[str, Path
     assert_tensors_equal(reference, tmp_path / "back")
 
 
+def test_dora_on_some_parts_of_a_fused_tensor_scales_those_rows_alone(dora: dict[str, Path], tmp_path: Path) -> None:
+    """DoRA on q_proj and up_proj only: linear_qkv's k and v rows and linear_fc1's gate rows keep scale 1."""
+    adapter = make_adapter(dora["base"], tmp_path / "adapter", seed=6, r=2, lora_alpha=4, use_dora=True,
+                           target_modules=["q_proj", "up_proj"])
+    reference = peft_merged(dora["base"], adapter, tmp_path / "reference")
+    pgconvert.convert(dora["base"], tmp_path / "megatron", dst_format="megatron", dst_tp=2, merge_adapter=adapter)
+    pgconvert.convert(tmp_path / "megatron", tmp_path / "back", dst_format="hf")
+    assert_tensors_equal(reference, tmp_path / "back")
+
+
 def _drop_magnitude(adapter: Path) -> None:
     _save_adapter_tensors(adapter, {key: value for key, value in _adapter_tensors(adapter).items()
                                     if "layers.1.mlp.up_proj.lora_magnitude_vector" not in key})
@@ -223,6 +233,7 @@ def test_dora_exports_back_to_megatron_bridge_and_round_trips(bridge: dict[str, 
     pgconvert.export_adapter(bridge["exported"], tmp_path / "bridge", base=bridge["megatron"])
     pgconvert.export_adapter(tmp_path / "bridge", tmp_path / "again", base=bridge["hf"])
     assert_tensors_equal(bridge["exported"], tmp_path / "again")
+    _assert_megatron_core_loads_it(bridge, tmp_path / "bridge", tmp_path / "loaded")
     full = make_adapter(bridge["hf"], tmp_path / "full", seed=5, r=2, lora_alpha=4, use_dora=True,
                         target_modules=["o_proj"])
     pgconvert.export_adapter(full, tmp_path / "full_bridge", base=bridge["megatron"])
@@ -275,3 +286,19 @@ def test_verify_compares_dora_magnitudes_and_names_a_lora_counterpart(bridge: di
     mixed = pgconvert.verify(bridge["exported"], plain)
     assert [(d.name, d.kind) for d in mixed.differences] == [("method", "config")], mixed.differences
     assert "dora in A, lora in B" in mixed.differences[0].message
+
+
+def _assert_megatron_core_loads_it(bridge: dict[str, Path], store: Path, out: Path) -> None:
+    """megatron-core's dist_checkpointing.load (strict) of the written store into the TP2 model wrapped as
+    Megatron-Bridge's DoRA wraps it gives each rank the pieces the run held: linear_in, linear_out and linear_qkv's
+    magnitude (a TP 1 order store: linear_fc1's magnitude is in [gate; up] order, which a TP2 run holds per rank)."""
+    from support.mcore_bridge_lora import load_bridge_lora
+
+    load_bridge_lora(bridge["megatron"], store / "release", out, DIM, ALPHA, dora=True, targets=BRIDGE_TARGETS)
+    for rank in range(2):
+        made = torch.load(bridge["held"] / f"rank{rank}.pt", weights_only=True)
+        loaded = torch.load(out / f"rank{rank}.pt", weights_only=True)
+        assert sorted(made) == sorted(loaded)
+        for module, pieces in made.items():
+            sides = ("linear_in", "linear_out", *(("weight_magnitude",) if "linear_qkv" in module else ()))
+            assert all(torch.equal(pieces[side], loaded[module][side]) for side in sides), (rank, module)

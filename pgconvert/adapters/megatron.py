@@ -304,11 +304,11 @@ def _hf_parts(adapter: MegatronAdapter, family: Family, config: ModelConfig, pai
                               f"({family.architecture}, {config.num_layers} layers) does not have as a weight")
     row, names = found
     shape = (pair.linear_out.shape[0], pair.linear_in.shape[1])
-    parts = row.transform.split(pair.linear_out, config) if moves_rows(row.transform, shape, config) else []
-    if len(parts) != len(names):
+    parts = [row.transform.split(tensor, config) for tensor in rows] if moves_rows(row.transform, shape, config) else []
+    if any(len(cut) != len(names) for cut in parts) or not parts:
         raise ValidationError(f"{adapter.directory}: {pair.weight}: the family's {row.transform.name} transform into "
                               f"{', '.join(names)} does not only move rows: no exact split of linear_out")
-    return names, [parts, *(row.transform.split(tensor, config) for tensor in rows[1:])]
+    return names, parts
 
 
 def as_peft_adapter(adapter: MegatronAdapter, family: Family, config: ModelConfig,

@@ -66,6 +66,9 @@ def test_dora_merge_equals_peft_merge_and_unload_in_hf_and_at_tp2(dora: dict[str
     pgconvert.convert(dora["base"], megatron, dst_format="megatron", dst_tp=2, merge_adapter=dora["adapter"])
     pgconvert.convert(megatron, tmp_path / "back", dst_format="hf")
     assert_tensors_equal(out, tmp_path / "back")
+    report = pgconvert.verify(dora["base"], megatron, merge_adapter=dora["adapter"])  # base + DoRA = the TP2 output
+    assert report.equal, report.differences
+    assert not pgconvert.verify(dora["base"], megatron).equal
 
 
 def test_the_reference_sees_the_magnitude_and_whole_row_norms(dora: dict[str, Path], tmp_path: Path) -> None:

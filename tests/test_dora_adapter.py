@@ -18,6 +18,7 @@ import torch
 import pgconvert
 from pgconvert.errors import ValidationError
 from support.hf_helpers import build_hf_model, hf_logits, input_ids, load_hf_tensors, save_hf_model
+from support.mcore_bridge_lora import rewrite_adapter_store
 from support.peft_adapters import assert_tensors_equal, edit_config, make_adapter, peft_merged
 
 pytest.importorskip("peft")
@@ -250,6 +251,18 @@ def test_dora_exports_back_to_megatron_bridge_and_round_trips(bridge: dict[str, 
                                               r"trained at TP 2: Megatron-Bridge took the norm of each rank's columns"):
         pgconvert.convert(bridge["hf"], tmp_path / "out", dst_format="hf", merge_adapter=tmp_path / "full_bridge")
     assert not (tmp_path / "out").exists()
+    short = Path(shutil.copytree(tmp_path / "bridge", tmp_path / "short"))
+    rewrite_adapter_store(short / "release", _shorten_bridge_magnitude)
+    with pytest.raises(ValidationError, match=r"decoder.layers.0.self_attention.linear_qkv.adapter.weight_magnitude "
+                                              r"has shape \[127\]: a DoRA run saves one magnitude per output row "
+                                              r"\(128\)"):
+        pgconvert.convert(bridge["hf"], tmp_path / "out", dst_format="hf", merge_adapter=short)
+    assert not (tmp_path / "out").exists()
+
+
+def _shorten_bridge_magnitude(tensors: dict[str, torch.Tensor]) -> None:
+    key = "decoder.layers.self_attention.linear_qkv.adapter.weight_magnitude"
+    tensors[key] = tensors[key][:, :-1].contiguous()
 
 
 def test_inspect_names_the_dora_method_of_either_form(bridge: dict[str, Path]) -> None:

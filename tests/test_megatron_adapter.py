@@ -255,20 +255,9 @@ def _edit_run_config(lora: Path, **changes: object) -> None:
 
 
 def _rewrite_store(lora: Path, change: object) -> None:
-    """The store's tensors, read and written back by torch.distributed.checkpoint (one process) after ``change``
-    edits the dict of them; megatron-core's metadata.json, common.pt and run_config.yaml kept."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader, TensorStorageMetadata
+    from support.mcore_bridge_lora import rewrite_adapter_store
 
-    store = next(lora.glob("iter_*"))
-    metadata = FileSystemReader(str(store)).read_metadata()
-    tensors = {key: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
-               for key, meta in metadata.state_dict_metadata.items() if isinstance(meta, TensorStorageMetadata)}
-    dcp.load(tensors, checkpoint_id=str(store), no_dist=True)
-    change(tensors)  # type: ignore[operator]
-    for data in [*store.glob("*.distcp"), store / ".metadata"]:
-        data.unlink()
-    dcp.save(tensors, checkpoint_id=str(store), no_dist=True)
+    rewrite_adapter_store(next(lora.glob("iter_*")), change)
 
 
 def _narrow_linear_out(tensors: dict[str, torch.Tensor]) -> None:

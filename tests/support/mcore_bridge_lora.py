@@ -258,3 +258,19 @@ def load_bridge_lora(base: Path, store: Path, out: Path, dim: int, alpha: float,
     tp = rank_files(base)[0].layout.tp
     run_job({"action": "bridge_lora_load", "base": str(base), "ckpt": str(store), "world": tp, "tp": tp, "pp": 1,
              "ep": 1, "dim": dim, "alpha": alpha, "dora": dora, "targets": list(targets)}, out)
+
+
+def rewrite_adapter_store(store: Path, change: Any) -> None:
+    """The store's tensors, read and written back by torch.distributed.checkpoint (one process) after ``change``
+    edits the dict of them; megatron-core's metadata.json, common.pt and run_config.yaml kept."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader, TensorStorageMetadata
+
+    metadata = FileSystemReader(str(store)).read_metadata()
+    tensors = {key: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+               for key, meta in metadata.state_dict_metadata.items() if isinstance(meta, TensorStorageMetadata)}
+    dcp.load(tensors, checkpoint_id=str(store), no_dist=True)
+    change(tensors)
+    for data in [*store.glob("*.distcp"), store / ".metadata"]:
+        data.unlink()
+    dcp.save(tensors, checkpoint_id=str(store), no_dist=True)

@@ -1,9 +1,11 @@
-"""DoRA adapters (weight-decomposed LoRA): PEFT's, merged while converting as PEFT's merge_and_unload merges them.
+"""DoRA adapters (weight-decomposed LoRA), PEFT's and Megatron-Bridge's: merged, exported, inspected and verified.
 
-The adapter is written by PEFT's ``save_pretrained`` (``LoraConfig(use_dora=True)``) with lora_A, lora_B and every
-magnitude vector drawn at random, so neither the low-rank update nor the magnitude is a no-op; the reference is
+The PEFT adapter is written by PEFT's ``save_pretrained`` (``LoraConfig(use_dora=True)``) with lora_A, lora_B and
+every magnitude vector drawn at random, so neither the low-rank update nor the magnitude is a no-op; the reference is
 PEFT's own ``merge_and_unload`` in float32. Merged at TP2, the row-parallel pieces (o_proj, down_proj: some columns
-of every row) must be scaled by the norms of whole rows.
+of every row) must be scaled by the norms of whole rows. The Megatron-Bridge DoRA run is made at TP2 by
+megatron-core as Megatron-Bridge makes it (``support/mcore_bridge_lora.py`` names the source lines), its reference
+merged on the Megatron side from what each rank held.
 """
 
 from __future__ import annotations

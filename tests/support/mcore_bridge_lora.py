@@ -33,7 +33,7 @@ rank job does those steps with megatron-core's classes (one gloo process per TP 
   (``…linear_qkv.weight``, no ``to_wrap.``), and ``adapter_wrapper.py:266-275`` adds the adapter's under
   ``<module>.adapter.``.
 
-A DoRA run (``dora``) follows ``peft/dora.py:88-112`` and ``peft/dora_layers.py``: the same adapter, wrapped by
+A DoRA run (``dora``) follows ``peft/dora.py:75-113`` and ``peft/dora_layers.py``: the same adapter, wrapped by
 ``DoRALinear``, with ``weight_magnitude`` set at wrapping to the row norms of ``W + alpha/dim · linear_out @
 linear_in`` over what the rank holds (``dora_layers.py:110, 122-130``; ``linear_out`` starts at zero,
 ``lora_B_init_method="zero"``, so that is the rank's base rows' norms), ``[out / TP]`` on a column-parallel base;

@@ -645,6 +645,7 @@ def _adapter_rows(adapter: dict[str, Any]) -> list[tuple[str, str]]:
     layers = adapter["layers"]
     return [
         ("base model", adapter["base_model"] or "not recorded"),
+        ("method", "DoRA (LoRA with learned row magnitudes)" if adapter["method"] == "dora" else "LoRA"),
         ("pairs", f"{adapter['pairs']} (rank {', '.join(map(str, adapter['ranks']))}; scaling "
                   f"{', '.join(f'{value:g}' for value in adapter['scalings'])})"),
         ("modules", _wrapped(", ".join(adapter["modules"]))),

@@ -18,18 +18,11 @@ import pgconvert
 from pgconvert.errors import ValidationError
 from support.deepseek_helpers import build_deepseek
 from support.hf_helpers import build_hf_model, hf_logits, input_ids, load_hf_tensors, save_hf_model
-from support.peft_adapters import make_adapter, peft_merged
+from support.peft_adapters import assert_tensors_equal, edit_config, make_adapter, peft_merged
 
 pytest.importorskip("peft")
 
 ATTENTION_AND_MLP = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def assert_tensors_equal(expected_dir: Path, actual_dir: Path) -> None:
-    expected, actual = load_hf_tensors(expected_dir), load_hf_tensors(actual_dir)
-    assert sorted(expected) == sorted(actual)
-    different = [name for name in expected if not torch.equal(expected[name], actual[name])]
-    assert not different, different
 
 
 def changed(base_dir: Path, merged_dir: Path) -> set[str]:
@@ -122,17 +115,6 @@ def _bad_copy(adapter: Path, tmp_path: Path) -> Path:
     return Path(shutil.copytree(adapter, tmp_path / "bad_adapter"))
 
 
-def _edit_config(adapter: Path, **changes: object) -> None:
-    path = adapter / "adapter_config.json"
-    doc = json.loads(path.read_text())
-    for key, value in changes.items():
-        if value is None:
-            doc.pop(key)
-        else:
-            doc[key] = value
-    path.write_text(json.dumps(doc))
-
-
 def _rename_keys(adapter: Path, old: str, new: str) -> None:
     from safetensors.torch import load_file, save_file
 
@@ -142,13 +124,14 @@ def _rename_keys(adapter: Path, old: str, new: str) -> None:
 
 
 @pytest.mark.parametrize("damage, expected", [
-    (lambda a: _edit_config(a, r=8), r"down_proj: lora_A \[4, 128\] and lora_B \[64, 4\] do not make a rank-8 pair"),
-    (lambda a: _edit_config(a, lora_alpha=None), "lora_alpha is missing: expected a positive number"),
+    (lambda a: edit_config(a, r=8), r"down_proj: lora_A \[4, 128\] and lora_B \[64, 4\] do not make a rank-8 pair"),
+    (lambda a: edit_config(a, lora_alpha=None), "lora_alpha is missing: expected a positive number"),
     (lambda a: _rename_keys(a, "layers.3.", "layers.9."), r"adapts \['model.layers.9.mlp.down_proj.weight', .*which the "
                                                           r"model \(LlamaForCausalLM, 4 layers\) does not have"),
-    (lambda a: _edit_config(a, use_dora=True), "use_dora=True: DoRA rescales each weight"),
-    (lambda a: _edit_config(a, init_lora_weights="pissa"), "init_lora_weights='pissa': this initialisation changed"),
-    (lambda a: _edit_config(a, peft_type="IA3"), "peft_type='IA3': only LORA adapters are merged"),
+    (lambda a: edit_config(a, use_dora=True), r"use_dora: true, but no base_model.model.model.layers.0.mlp.down_proj"
+                                               r".lora_magnitude_vector"),
+    (lambda a: edit_config(a, init_lora_weights="pissa"), "init_lora_weights='pissa': this initialisation changed"),
+    (lambda a: edit_config(a, peft_type="IA3"), "peft_type='IA3': only LORA adapters are merged"),
 ], ids=["rank", "alpha", "target", "dora", "pissa", "ia3"])
 def test_bad_adapter_is_a_named_error_and_writes_nothing(llama: dict[str, Path], tmp_path: Path, damage: object,
                                                          expected: str) -> None:
@@ -181,7 +164,7 @@ def test_merge_adapter_from_the_command_line(llama: dict[str, Path], tmp_path: P
     assert result.exit_code == 0, result.output
     assert_tensors_equal(llama["merged"], out)
     bad = _bad_copy(llama["adapter"], tmp_path)
-    _edit_config(bad, r=8)
+    edit_config(bad, r=8)
     result = CliRunner().invoke(main, ["convert", str(llama["base"]), str(tmp_path / "out2"), "--dst-format", "hf",
                                        "--merge-adapter", str(bad), "-q"])
     assert result.exit_code == 2 and "Traceback" not in result.output
@@ -226,9 +209,9 @@ def test_inspect_describes_an_adapter_and_fails_on_a_bad_one(llama: dict[str, Pa
         for name in names)
     assert adapter["layers"] == [0, 1, 2, 3] and adapter["saved_weights"] == []
     bad = _bad_copy(llama["adapter"], tmp_path)
-    _edit_config(bad, use_dora=True)
+    edit_config(bad, use_dora=True)
     result = CliRunner().invoke(main, ["inspect", str(bad)])
-    assert result.exit_code == 1 and "use_dora=True" in result.output and "Traceback" not in result.output
+    assert result.exit_code == 1 and "use_dora: true, but no" in result.output and "Traceback" not in result.output
 
 
 def test_verify_merges_the_adapter_into_a_before_comparing(llama: dict[str, Path], tmp_path: Path) -> None:

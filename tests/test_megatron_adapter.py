@@ -255,20 +255,9 @@ def _edit_run_config(lora: Path, **changes: object) -> None:
 
 
 def _rewrite_store(lora: Path, change: object) -> None:
-    """The store's tensors, read and written back by torch.distributed.checkpoint (one process) after ``change``
-    edits the dict of them; megatron-core's metadata.json, common.pt and run_config.yaml kept."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader, TensorStorageMetadata
+    from support.mcore_bridge_lora import rewrite_adapter_store
 
-    store = next(lora.glob("iter_*"))
-    metadata = FileSystemReader(str(store)).read_metadata()
-    tensors = {key: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
-               for key, meta in metadata.state_dict_metadata.items() if isinstance(meta, TensorStorageMetadata)}
-    dcp.load(tensors, checkpoint_id=str(store), no_dist=True)
-    change(tensors)  # type: ignore[operator]
-    for data in [*store.glob("*.distcp"), store / ".metadata"]:
-        data.unlink()
-    dcp.save(tensors, checkpoint_id=str(store), no_dist=True)
+    rewrite_adapter_store(next(lora.glob("iter_*")), change)
 
 
 def _narrow_linear_out(tensors: dict[str, torch.Tensor]) -> None:
@@ -301,8 +290,11 @@ def _expert_adapter(tensors: dict[str, torch.Tensor]) -> None:
      r"experts'"),
     (lambda lora: _edit_run_config(lora, alpha=None), r"run_config.yaml: peft.alpha is missing: expected a positive"),
     (lambda lora: _edit_run_config(lora, _target_="megatron.bridge.peft.dora.DoRA"),
-     r"peft._target_='megatron.bridge.peft.dora.DoRA': only Megatron-Bridge's plain LoRA"),
-], ids=["rank", "target", "experts", "alpha", "dora"])
+     r"decoder.layers.0.mlp.linear_fc1.adapter.weight_magnitude is missing: a DoRA run saves one magnitude per output "
+     r"row \(256\)"),
+    (lambda lora: _edit_run_config(lora, _target_="megatron.bridge.peft.multi_lora.MultiLoRA"),
+     r"peft._target_='megatron.bridge.peft.multi_lora.MultiLoRA': only Megatron-Bridge's LoRA and DoRA"),
+], ids=["rank", "target", "experts", "alpha", "dora-without-magnitudes", "other-method"])
 def test_bad_megatron_adapter_is_a_named_error_and_writes_nothing(bridge: dict[str, Path], tmp_path: Path,
                                                                   damage: object, expected: str) -> None:
     lora = _copy(bridge, tmp_path)

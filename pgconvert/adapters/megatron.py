@@ -18,6 +18,17 @@ for every part; lora_B is the part's rows of ``linear_out``, cut by the family t
 transforms only move rows, so each part's ``B @ A`` is exactly the part's rows of the canonical delta; ``r`` is
 ``dim`` and ``lora_alpha`` is ``alpha``, so PEFT's scaling is Megatron-Bridge's. This is the form
 Megatron-Bridge's own ``save_hf_adapter`` writes (q/k/v and gate/up sharing lora_A).
+
+Megatron-Bridge's ``DoRA`` (peft/dora.py, ``_target_`` ``megatron.bridge.peft.dora.DoRA``) wraps the same modules
+with a ``ParallelLinearDoRAAdapter`` (peft/dora_layers.py): the same pair, and ``weight_magnitude``, one value per
+output row of the wrapped module (``decoder.layers.<module>.adapter.weight_magnitude``, ``[layers, out]`` stacked),
+its output ``m / ||W + s·B·A||_row * (W x + s·B·A x)`` (dora_layers.py:129-160): PEFT's DoRA. Its norm is taken
+of what the rank holds (dora_layers.py:122-130), so the two agree where every rank holds whole rows: a
+column-parallel module (linear_qkv, linear_fc1) at any TP, a row-parallel one (linear_proj, linear_fc2) at TP 1 only;
+a row-parallel DoRA trained at a larger TP (run_config.yaml's ``model.tensor_model_parallel_size``) took the norm of
+each rank's columns and is refused by name. A column-parallel magnitude is saved TP-sharded on its rows
+(dora_layers.py:76-80), with no swiglu factory: a gated ``linear_fc1``'s is each rank's ``[gate_r; up_r]`` back to
+back, put in canonical ``[gate; up]`` order here.
 """
 
 from __future__ import annotations
@@ -44,9 +55,13 @@ from pgconvert.model.config import ModelConfig
 ADAPTER_FORMAT = "megatron-bridge-lora"
 # Megatron-Bridge's plain LoRA (peft/lora.py); its other PEFT methods compute something else or store other keys.
 LORA_TARGET = "megatron.bridge.peft.lora.LoRA"
-_LORA_TARGETS = (LORA_TARGET,)
+# Megatron-Bridge's DoRA (peft/dora.py): the same pairs and a magnitude per output row.
+DORA_TARGET = "megatron.bridge.peft.dora.DoRA"
+_LORA_TARGETS = (LORA_TARGET, DORA_TARGET)
 _ADAPTER_KEY = re.compile(r"decoder\.layers\.(?:(?P<layer>\d+)\.)?(?P<module>(?:\w+\.)*?\w+)"
-                          r"\.adapter\.linear_(?P<side>in|out)\.weight")
+                          r"\.adapter\.(?:linear_(?P<side>in|out)\.weight|(?P<magnitude>weight_magnitude))")
+# The row-parallel linears (megatron-core's RowParallelLinear): their TP pieces hold some columns of every row.
+ROW_PARALLEL_MODULES = ("linear_proj", "linear_fc2")
 
 
 @dataclass(frozen=True)
@@ -56,6 +71,8 @@ class MegatronPair:
     weight: str  # the canonical weight it changes: decoder.layers.3.self_attention.linear_qkv.weight
     linear_in: torch.Tensor
     linear_out: torch.Tensor
+    # DoRA's weight_magnitude ([out], as stored: see ``MegatronAdapter.magnitude``), None for LoRA.
+    magnitude: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -68,11 +85,21 @@ class MegatronAdapter:
     alpha: float
     dropout: float
     pairs: dict[str, MegatronPair]
+    method: str = "lora"  # "dora" for Megatron-Bridge's DoRA
+    tp: int = 1  # a DoRA run's TP size: the order its gated linear_fc1's magnitude is stored in
 
     def delta(self, weight: str) -> torch.Tensor:
         """``linear_out @ linear_in * alpha / dim`` in float32: the canonical weight's update."""
         pair = self.pairs[weight]
         return (pair.linear_out.to(torch.float32) @ pair.linear_in.to(torch.float32)) * (self.alpha / self.dim)
+
+    def magnitude(self, weight: str, gated: bool) -> torch.Tensor | None:
+        """A DoRA pair's magnitude in the canonical rows' order (``gated``: the model's linear_fc1 is ``[gate; up]``,
+        whose magnitude a TP ``tp`` run stores as each rank's ``[gate_r; up_r]`` back to back), None for LoRA."""
+        pair = self.pairs[weight]
+        if pair.magnitude is None or not (gated and self.tp > 1 and weight.endswith("linear_fc1.weight")):
+            return pair.magnitude
+        return pair.magnitude.reshape(self.tp, 2, -1).transpose(0, 1).reshape(-1)
 
 
 def find_adapter_store(path: Path, beside_model: bool = False) -> tuple[Path, Path] | None:
@@ -125,20 +152,46 @@ def read_megatron_adapter(path: Path) -> MegatronAdapter:
     dropout = settings.get("dropout") or 0.0
     if not isinstance(dropout, (int, float)):
         raise ValidationError(f"{run_config}: peft.dropout={quote(dropout)}: expected a number")
-    return MegatronAdapter(store, run_config, dim, alpha, float(dropout),
-                           _read_pairs(store, metadata, dim, run_config))
+    pairs = _read_pairs(store, metadata, dim, run_config)
+    dora = settings["_target_"] == DORA_TARGET
+    tp = _dora_tp(pairs, store, run_config) if dora else 1
+    if not dora and any(pair.magnitude is not None for pair in pairs.values()):
+        raise ValidationError(f"{store}: holds DoRA's weight_magnitude, but {run_config.name} gives "
+                              f"peft._target_={quote(settings['_target_'])}")
+    return MegatronAdapter(store, run_config, dim, alpha, float(dropout), pairs, "dora" if dora else "lora", tp)
+
+
+def _dora_tp(pairs: dict[str, MegatronPair], store: Path, run_config: Path) -> int:
+    """A DoRA run's TP size, its pairs checked to have a magnitude of their rows each and to take the norm of whole
+    rows (see the module's docstring)."""
+    model = read_run_config(run_config).get("model")
+    tp = model.get("tensor_model_parallel_size") if isinstance(model, dict) else None
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+        raise ValidationError(f"{run_config}: model.tensor_model_parallel_size={quote(tp)}: a DoRA run's TP size is "
+                              "needed (Megatron-Bridge takes each rank's norm and saves fc1's magnitude per rank)")
+    for weight, pair in pairs.items():
+        rows = pair.linear_out.shape[0]
+        where = f"{store}: {weight.removesuffix('.weight')}.adapter.weight_magnitude"
+        if pair.magnitude is None or tuple(pair.magnitude.shape) != (rows,):
+            said = "is missing" if pair.magnitude is None else f"has shape {list(pair.magnitude.shape)}"
+            raise ValidationError(f"{where} {said}: a DoRA run saves one magnitude per output row ({rows})")
+        if tp > 1 and weight.removesuffix(".weight").endswith(ROW_PARALLEL_MODULES):
+            raise ValidationError(f"{where}: a row-parallel module's DoRA trained at TP {tp}: Megatron-Bridge took "
+                                  "the norm of each rank's columns, not of whole rows, which no whole-weight DoRA "
+                                  "(PEFT's) computes")
+    return tp
 
 
 def _peft_settings(run_config: Path) -> dict[str, Any]:
-    """run_config.yaml's ``peft`` section, checked to be a plain LoRA with a positive ``dim`` and ``alpha``."""
+    """run_config.yaml's ``peft`` section, checked to be a LoRA or DoRA with a positive ``dim`` and ``alpha``."""
     doc = read_run_config(run_config)
     peft = doc.get("peft")
     if not isinstance(peft, dict):
         raise ValidationError(f"{run_config}: no peft section: not a PEFT run's checkpoint")
     target = peft.get("_target_")
     if target not in _LORA_TARGETS:
-        raise ValidationError(f"{run_config}: peft._target_={quote(target)}: only Megatron-Bridge's plain LoRA "
-                              f"({', '.join(_LORA_TARGETS)}) is read")
+        raise ValidationError(f"{run_config}: peft._target_={quote(target)}: only Megatron-Bridge's LoRA and DoRA "
+                              f"({', '.join(_LORA_TARGETS)}) are read")
     for key in ("dim", "alpha"):
         value = peft.get(key)
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
@@ -162,26 +215,29 @@ def _read_pairs(store: Path, metadata: Any, dim: int, run_config: Path) -> dict[
             raise ValidationError(f"{store}: {key}: not a LoRA adapter key of a decoder layer "
                                   "(decoder.layers.<module>.adapter.linear_in/linear_out.weight); the experts', "
                                   "MTP layers' and other models' adapters are not read yet")
-        for layer, tensor in _layer_tensors(reader, key, metadata.state_dict_metadata[key], match["layer"]):
+        side = match["side"] or "magnitude"
+        for layer, tensor in _layer_tensors(reader, key, metadata.state_dict_metadata[key], match["layer"],
+                                            1 if side == "magnitude" else 2):
             weight = f"decoder.layers.{layer}.{match['module']}.weight"
-            sides.setdefault(weight, {})[match["side"]] = tensor
+            sides.setdefault(weight, {})[side] = tensor
     pairs = {}
     for weight, found in sorted(sides.items()):
-        if set(found) != {"in", "out"}:
-            raise CheckpointError(f"{store}: {weight.removesuffix('.weight')}.adapter has linear_{''.join(found)} "
-                                  "alone")
+        if not {"in", "out"} <= set(found):
+            raise CheckpointError(f"{store}: {weight.removesuffix('.weight')}.adapter has "
+                                  f"{', '.join(sorted(found))} without linear_{'out' if 'in' in found else 'in'}")
         a, b = found["in"], found["out"]
         if a.dim() != 2 or b.dim() != 2 or a.shape[0] != dim or b.shape[1] != dim:
             raise ValidationError(f"{store}: {weight.removesuffix('.weight')}.adapter: linear_in {list(a.shape)} and "
                                   f"linear_out {list(b.shape)} do not make a rank-{dim} pair ({run_config.name} "
                                   f"gives dim={dim})")
-        pairs[weight] = MegatronPair(weight, a, b)
+        pairs[weight] = MegatronPair(weight, a, b, found.get("magnitude"))
     return pairs
 
 
-def _layer_tensors(reader: Any, key: str, meta: Any, layer: str | None) -> list[tuple[int, torch.Tensor]]:
-    """The key's tensor per layer: one (a key per layer), or each layer a stacked key holds chunks of (megatron-core
-    writes a chunk per layer and rank; a store written whole has one chunk of every layer)."""
+def _layer_tensors(reader: Any, key: str, meta: Any, layer: str | None, dims: int) -> list[tuple[int, torch.Tensor]]:
+    """The key's tensor of ``dims`` dimensions per layer: one (a key per layer), or each layer a stacked key holds
+    chunks of (megatron-core writes a chunk per layer and rank; a store written whole has one chunk of every
+    layer)."""
     shape = tuple(meta.size)
     if layer is not None and int(layer) > limits.MAX_LAYERS:
         raise limits.over_limit(f"{reader.directory}: {key}", "the layer index", int(layer), "MAX_LAYERS")
@@ -189,15 +245,15 @@ def _layer_tensors(reader: Any, key: str, meta: Any, layer: str | None) -> list[
         buffer = torch.empty(shape, dtype=meta.properties.dtype)
         reader.read({key: [((0,) * len(shape), buffer)]}, [])
         return [(int(layer), buffer)]
-    if len(shape) != 3:
-        raise CheckpointError(f"{reader.directory}: {key}: global shape {list(shape)}, expected [layers, rows, "
-                              "columns]")
+    if len(shape) != dims + 1:
+        raise CheckpointError(f"{reader.directory}: {key}: global shape {list(shape)}, expected [layers, "
+                              f"{'rows, columns' if dims == 2 else 'rows'}]")
     if shape[0] > limits.MAX_LAYERS:
         raise limits.over_limit(f"{reader.directory}: {key}", "the stacked layer count", shape[0], "MAX_LAYERS")
     layers = sorted({layer for chunk in meta.chunks
                      for layer in range(int(chunk.offsets[0]), int(chunk.offsets[0]) + int(chunk.sizes[0]))})
     buffers = [torch.empty((1, *shape[1:]), dtype=meta.properties.dtype) for _ in layers]
-    reader.read({key: [((index, 0, 0), buffer) for index, buffer in zip(layers, buffers, strict=True)]}, [])
+    reader.read({key: [((index, *(0,) * dims), buffer) for index, buffer in zip(layers, buffers, strict=True)]}, [])
     return [(index, buffer[0]) for index, buffer in zip(layers, buffers, strict=True)]
 
 
@@ -209,18 +265,24 @@ def peft_settings(adapter: MegatronAdapter, modules: list[str], base_model: str 
         "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True, "lora_alpha": adapter.alpha,
         "lora_dropout": adapter.dropout, "modules_to_save": None, "r": adapter.dim, "rank_pattern": {},
         "alpha_pattern": {}, "target_modules": sorted({module.rpartition(".")[2] for module in modules}),
-        "task_type": "CAUSAL_LM", "use_dora": False, "use_rslora": False,
+        "task_type": "CAUSAL_LM", "use_dora": adapter.method == "dora", "use_rslora": False,
     }
 
 
 def peft_tensors(adapter: MegatronAdapter, family: Family, config: ModelConfig) -> dict[str, torch.Tensor]:
-    """The adapter's pairs in PEFT's keys for ``family``: lora_A shared by a fused module's parts, lora_B cut."""
+    """The adapter's pairs in PEFT's keys for ``family``: lora_A shared by a fused module's parts, lora_B and a DoRA
+    magnitude cut as the weight's rows are."""
     tensors: dict[str, torch.Tensor] = {}
     for weight, pair in adapter.pairs.items():
-        for hf, b in zip(*_hf_parts(adapter, family, config, pair), strict=True):
+        magnitude = adapter.magnitude(weight, config.mlp.gated_linear_unit)
+        rows = [pair.linear_out] if magnitude is None else [pair.linear_out, magnitude.unsqueeze(1)]
+        names, parts = _hf_parts(adapter, family, config, pair, rows)
+        for index, hf in enumerate(names):
             module = KEY_PREFIX + hf.removesuffix(".weight")
             tensors[f"{module}.lora_A.weight"] = pair.linear_in.clone()
-            tensors[f"{module}.lora_B.weight"] = b.contiguous()
+            tensors[f"{module}.lora_B.weight"] = parts[0][index].contiguous()
+            if magnitude is not None:
+                tensors[f"{module}.lora_magnitude_vector"] = parts[1][index][:, 0].contiguous()
     return tensors
 
 
@@ -231,18 +293,19 @@ def moves_rows(transform: Transform, shape: tuple[int, ...], config: ModelConfig
     return sum(part[0] for part in parts) == shape[0] and all(tuple(part[1:]) == shape[1:] for part in parts)
 
 
-def _hf_parts(adapter: MegatronAdapter, family: Family, config: ModelConfig,
-              pair: MegatronPair) -> tuple[tuple[str, ...], list[torch.Tensor]]:
-    """The HF weights (as transformers names them in memory) of the pair's canonical weight, and each one's lora_B
-    rows; refused where the family's transform does not only move rows."""
+def _hf_parts(adapter: MegatronAdapter, family: Family, config: ModelConfig, pair: MegatronPair,
+              rows: list[torch.Tensor]) -> tuple[tuple[str, ...], list[list[torch.Tensor]]]:
+    """The HF weights (as transformers names them in memory) of the pair's canonical weight, and each of ``rows``
+    (tensors of the weight's rows: linear_out, a magnitude column) cut into the parts' rows; refused where the
+    family's transform does not only move rows."""
     found = loaded_hf_weights(family, pair.weight, config)
     if found is None:
         raise ValidationError(f"{adapter.directory}: adapts {pair.weight}, which the model "
                               f"({family.architecture}, {config.num_layers} layers) does not have as a weight")
     row, names = found
     shape = (pair.linear_out.shape[0], pair.linear_in.shape[1])
-    parts = row.transform.split(pair.linear_out, config) if moves_rows(row.transform, shape, config) else []
-    if len(parts) != len(names):
+    parts = [row.transform.split(tensor, config) for tensor in rows] if moves_rows(row.transform, shape, config) else []
+    if any(len(cut) != len(names) for cut in parts) or not parts:
         raise ValidationError(f"{adapter.directory}: {pair.weight}: the family's {row.transform.name} transform into "
                               f"{', '.join(names)} does not only move rows: no exact split of linear_out")
     return names, parts
@@ -261,11 +324,13 @@ def as_peft_adapter(adapter: MegatronAdapter, family: Family, config: ModelConfi
 def describe_megatron_adapter(adapter: MegatronAdapter) -> dict[str, Any]:
     """What ``inspect`` shows of a Megatron-Bridge adapter: settings, modules (by their name within a layer),
     layers, dtypes and bytes."""
-    tensors = [tensor for pair in adapter.pairs.values() for tensor in (pair.linear_in, pair.linear_out)]
+    tensors = [tensor for pair in adapter.pairs.values() for tensor in (pair.linear_in, pair.linear_out, pair.magnitude)
+               if tensor is not None]
     layers = sorted({int(found[1]) for weight in adapter.pairs
                      if (found := re.match(r"decoder\.layers\.(\d+)\.", weight)) is not None})
     return {
         "base_model": None,
+        "method": adapter.method,
         "pairs": len(adapter.pairs),
         "ranks": [adapter.dim],
         "scalings": [adapter.alpha / adapter.dim],

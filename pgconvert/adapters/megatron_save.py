@@ -6,7 +6,12 @@ The other direction of ``adapters.megatron``: each canonical weight some pairs a
 ``dim`` and one ``alpha`` and a fused module one ``linear_in``, so an adapter whose ranks or scalings differ between
 pairs, or whose q/k/v (gate/up) pairs have different lora_A (as PEFT trains them apart), has no exact
 Megatron-Bridge form and is refused by name; so are pairs on embeddings, the output layer and experts, and saved
-whole weights (``modules_to_save``).
+whole weights (``modules_to_save``). A DoRA adapter becomes Megatron-Bridge's DoRA: ``weight_magnitude`` is the
+parts' magnitudes joined as their rows are (a fused module with a part PEFT did not adapt is refused: that part's
+magnitude would be the base's row norms). It is written in the canonical rows' order, the order a TP 1 run holds
+(``model.tensor_model_parallel_size: 1`` in run_config.yaml): Megatron-Bridge's DoRA takes each rank's norm and
+stores a gated linear_fc1's magnitude per rank, so it computes PEFT's DoRA at TP 1 (and on column-parallel modules
+at any TP, but for that fc1 order).
 
 What is written is what a homogeneous model's adapter run saves with ``dist_checkpointing.save``: a torch_dist store
 (``release/``: ``.metadata``, data files, ``metadata.json``, ``common.pt``) of the adapter keys at global shapes,
@@ -22,9 +27,9 @@ from pathlib import Path
 
 import torch
 
-from pgconvert.adapters.megatron import LORA_TARGET, RUN_CONFIG_FILE, MegatronPair, moves_rows
+from pgconvert.adapters.megatron import DORA_TARGET, LORA_TARGET, RUN_CONFIG_FILE, MegatronPair, moves_rows
 from pgconvert.adapters.names import loaded_hf_weights
-from pgconvert.adapters.peft import PeftAdapter
+from pgconvert.adapters.peft import DORA, PeftAdapter
 from pgconvert.errors import ValidationError
 from pgconvert.families.table import Family, TensorMapping
 from pgconvert.formats.stream import CanonicalSource
@@ -74,7 +79,15 @@ def _fused_pair(adapter: PeftAdapter, name: str, row: TensorMapping, hf_names: t
     outs = [adapter.tensors.tensor(adapter.pairs[hf].b_key) if hf in adapter.pairs
             else torch.zeros((part[0], rank), dtype=shared[0].dtype)
             for hf, part in zip(hf_names, row.transform.part_shapes(shape, config), strict=True)]
-    return MegatronPair(name, shared[0], row.transform.fuse(outs, config).contiguous())
+    magnitude = None
+    if adapter.method == DORA:
+        if len(present) != len(hf_names):
+            raise ValidationError(f"{adapter.where}: DoRA on {', '.join(present)} but not on the rest of "
+                                  f"{', '.join(hf_names)}: Megatron-Bridge's one weight_magnitude of "
+                                  f"{name.removesuffix('.weight')} would need the base's row norms for those rows")
+        columns = [adapter.tensors.tensor(adapter.pairs[hf].magnitude_key).unsqueeze(1) for hf in hf_names]
+        magnitude = row.transform.fuse(columns, config)[:, 0].contiguous()
+    return MegatronPair(name, shared[0], row.transform.fuse(outs, config).contiguous(), magnitude)
 
 
 def stacked_tensors(pairs: dict[str, MegatronPair], num_layers: int, where: str) -> dict[str, torch.Tensor]:
@@ -93,6 +106,8 @@ def stacked_tensors(pairs: dict[str, MegatronPair], num_layers: int, where: str)
         prefix = f"{_LAYER_PREFIX}{module}.adapter"
         tensors[f"{prefix}.linear_in.weight"] = torch.stack([layers[i].linear_in for i in range(num_layers)])
         tensors[f"{prefix}.linear_out.weight"] = torch.stack([layers[i].linear_out for i in range(num_layers)])
+        if layers[0].magnitude is not None:
+            tensors[f"{prefix}.weight_magnitude"] = torch.stack([layers[i].magnitude for i in range(num_layers)])
     return tensors
 
 
@@ -114,13 +129,16 @@ def write_adapter_store(tensors: dict[str, torch.Tensor], directory: Path) -> No
     (directory / COMMON_FILE).write_bytes(common.getbuffer())
 
 
-def run_config(dim: int, alpha: float, dropout: float, modules: list[str]) -> str:
-    """run_config.yaml's ``peft`` section as Megatron-Bridge writes a LoRA run's (peft/lora.py's fields)."""
+def run_config(dim: int, alpha: float, dropout: float, modules: list[str], dora: bool = False) -> str:
+    """run_config.yaml's ``peft`` section as Megatron-Bridge writes a LoRA run's (peft/lora.py's fields) or a DoRA
+    run's (peft/dora.py's), a DoRA run's with the TP size its magnitudes are ordered for."""
     import yaml
 
-    peft = {"_target_": LORA_TARGET, "target_modules": sorted({module.rpartition(".")[2] for module in modules}),
+    peft = {"_target_": DORA_TARGET if dora else LORA_TARGET,
+            "target_modules": sorted({module.rpartition(".")[2] for module in modules}),
             "dim": dim, "alpha": alpha, "dropout": dropout}
-    return yaml.safe_dump({"peft": peft}, sort_keys=False)
+    return yaml.safe_dump({"model": {"tensor_model_parallel_size": 1}, "peft": peft} if dora else {"peft": peft},
+                          sort_keys=False)
 
 
 def write_bridge_adapter(adapter: PeftAdapter, source: CanonicalSource, family: Family, staging: Path) -> int:
@@ -136,6 +154,6 @@ def write_bridge_adapter(adapter: PeftAdapter, source: CanonicalSource, family: 
     dropout = adapter.settings_doc.get("lora_dropout") or 0.0
     modules = [key.removeprefix(_LAYER_PREFIX).removesuffix(".adapter.linear_in.weight") for key in tensors
                if key.endswith(".linear_in.weight")]
-    (store / RUN_CONFIG_FILE).write_text(run_config(dim, alpha, float(dropout), modules))
+    (store / RUN_CONFIG_FILE).write_text(run_config(dim, alpha, float(dropout), modules, adapter.method == DORA))
     (staging / TRACKER_FILE).write_text("release")
     return len(pairs)

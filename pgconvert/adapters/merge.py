@@ -1,4 +1,5 @@
-"""A PEFT adapter merged into a source's canonical tensors: ``W' = W + (B @ A) * scaling``.
+"""A PEFT adapter merged into a source's canonical tensors: ``W' = W + (B @ A) * scaling``, or for DoRA
+``W' = m / ||W + delta||_row * (W + delta)``.
 
 Each adapted HF weight is one part of a canonical tensor (a fused ``linear_qkv`` is q, k and v
 regrouped by query group; ``linear_fc1`` is gate and up): the canonical delta is the family's own
@@ -6,10 +7,17 @@ transform applied to the parts' deltas (zeros for a part without an adapter), wh
 those transforms only move rows. A piece of the tensor gets the same piece of the delta, cut by the
 piece's own rule, so a merge works at any destination layout without gathering more than one
 tensor's delta. The sum is computed in float32 and rounded once to the tensor's stored dtype.
+
+DoRA's norm is taken of each output row over the whole input dimension, as PEFT's ``get_weight_norm`` takes it
+(``torch.linalg.norm(W + delta, dim=1)``, float32), so it needs whole rows: it is computed once per canonical tensor
+from the whole stored tensor plus its delta, and each piece (a row-parallel piece holds some columns of every row)
+is scaled by its rows' ``m / norm``. The HF parts of a fused tensor are rows of it, so the canonical tensor's row
+norms are the parts' row norms; each part's magnitude divides its own rows (a part without a pair keeps scale 1).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from dataclasses import dataclass
@@ -17,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from pgconvert.adapters.megatron import as_peft_adapter, find_adapter_store, read_megatron_adapter
+from pgconvert.adapters.megatron import as_peft_adapter, find_adapter_store, moves_rows, read_megatron_adapter
 from pgconvert.adapters.names import loaded_hf_weights, source_family
 from pgconvert.adapters.peft import ExpertsPair, PeftAdapter, is_adapter_directory, read_peft_adapter
 from pgconvert.errors import PgconvertError, ValidationError
@@ -43,6 +51,8 @@ class _Target:
     # Whether the adapter file holds a whole weight for one of the parts, and a pair for one.
     replaced: bool = False
     has_delta: bool = True
+    # Whether its pairs are DoRA's: the merged rows are scaled by magnitude / row norm.
+    dora: bool = False
 
 
 class AdapterMerge:
@@ -75,8 +85,11 @@ class AdapterMerge:
             shapes = self._part_shapes(name, row)
             for hf, shape in zip(hf_names, shapes, strict=True):
                 self._check_shape(hf, shape)
+            dora = any(self.adapter.pairs[hf].magnitude_key is not None for hf in hf_names if hf in self.adapter.pairs)
+            if dora:
+                self._refuse_unscalable(name, row, hf_names)
             targets[name] = _Target(row, hf_names, shapes, replaced=bool(self.adapter.replacements.keys() & hf_names),
-                                    has_delta=bool(self.adapter.pairs.keys() & hf_names))
+                                    has_delta=bool(self.adapter.pairs.keys() & hf_names), dora=dora)
         matched = {hf for target in targets.values() for hf in target.hf_names}
         unmatched = sorted(wanted - matched)
         if unmatched:
@@ -101,6 +114,15 @@ class AdapterMerge:
             raise ValidationError(f"{self.adapter.where}: {hf}: the adapter's {what} is {list(given)}, the model's "
                                   f"weight {list(shape)}: an adapter trained for another base model (or a resized "
                                   "vocabulary)")
+
+    def _refuse_unscalable(self, name: str, row: TensorMapping, hf_names: tuple[str, ...]) -> None:
+        """DoRA scales whole rows: refused on a vocab table (its padding rows) and where the family's transform does
+        more than move the HF parts' rows."""
+        shape = tuple(self._source.meta(name).shape)
+        if name in VOCAB_TABLES or not moves_rows(row.transform, shape, self._source.config):
+            raise ValidationError(f"{self.adapter.where}: DoRA on {', '.join(hf_names)} (pgconvert's {name}) is not "
+                                  "merged: its rows are not the canonical tensor's rows"
+                                  + (" (a vocab table, padded)" if name in VOCAB_TABLES else ""))
 
     def _find_expert_targets(self) -> dict[str, _Target]:
         """Each expert's tensor that a fused experts parameter's pair changes, found by the pair's module (the
@@ -203,14 +225,47 @@ class AdapterMerge:
         base = self._replaced(name, tensor) if target.replaced else tensor
         if not target.has_delta:
             return base
-        return (base.to(torch.float32) + self.delta(name)).to(tensor.dtype)
+        summed = base.to(torch.float32) + self.delta(name)
+        return (self._row_scales(name, summed) * summed if target.dora else summed).to(tensor.dtype)
 
     def merged_piece(self, name: str, piece: torch.Tensor, rule: ShardRule, size: int, rank: int,
                      rows: int | None) -> torch.Tensor:
         """Piece ``rank`` of ``size`` under ``rule`` plus the same piece of the delta (``rows``: a vocab table's
         padded rows, as the piece was cut)."""
-        delta = rule.reshard_rows([self.delta(name)], rows, self._source.config.vocab_size, size, rank)
-        return (piece.to(torch.float32) + delta).to(piece.dtype)
+        vocab = self._source.config.vocab_size
+        summed = piece.to(torch.float32) + rule.reshard_rows([self.delta(name)], rows, vocab, size, rank)
+        if self._targets[name].dora:  # each element's row scale, cut as the piece was
+            scales = self._whole_row_scales(name).expand(tuple(self._source.meta(name).shape))
+            summed = rule.reshard_rows([scales], rows, vocab, size, rank) * summed
+        return summed.to(piece.dtype)
+
+    @functools.lru_cache(maxsize=4)  # noqa: B019 - one adapter per conversion; a tensor's pieces are read together
+    def _whole_row_scales(self, name: str) -> torch.Tensor:
+        """``_row_scales`` of the whole stored tensor: computed once for all of its pieces."""
+        return self._row_scales(name, self._source.load_base(name).to(torch.float32) + self.delta(name))
+
+    def _row_scales(self, name: str, summed: torch.Tensor) -> torch.Tensor:
+        """DoRA's ``m / ||W + delta||`` per row of the canonical tensor (``summed``: ``W + delta``, float32), a
+        column ``[rows, 1]``: each HF part's magnitude over its own rows' norms (PEFT's ``get_weight_norm``, over
+        the input dimension), 1 for a part without a pair."""
+        target, config = self._targets[name], self._source.config
+        norms = target.row.transform.split(torch.linalg.norm(summed, dim=1).unsqueeze(1), config)
+        scales = [torch.ones_like(norm) if (magnitude := self._magnitude(hf)) is None else magnitude.unsqueeze(1) / norm
+                  for hf, norm in zip(target.hf_names, norms, strict=True)]
+        return target.row.transform.fuse(scales, config)
+
+    def magnitude(self, name: str) -> torch.Tensor | None:
+        """A DoRA target's magnitudes in the canonical rows' order (zeros for a part without a pair), float32; None
+        for a plain LoRA target."""
+        target = self._targets[name]
+        if not target.dora:
+            return None
+        columns = [torch.zeros((shape[0], 1)) if (magnitude := self._magnitude(hf)) is None else magnitude.unsqueeze(1)
+                   for hf, shape in zip(target.hf_names, target.part_shapes, strict=True)]
+        return target.row.transform.fuse(columns, self._source.config)[:, 0]
+
+    def _magnitude(self, hf: str) -> torch.Tensor | None:
+        return self.adapter.magnitude(hf) if hf in self.adapter.pairs else None
 
     def _replaced(self, name: str, base: torch.Tensor) -> torch.Tensor:
         """``base`` with the adapter's saved weights in place of its HF parts (a vocab table: its true rows)."""

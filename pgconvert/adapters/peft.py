@@ -11,9 +11,14 @@ An MoE model's MLP targets become ``target_parameters`` on transformers' fused e
 ``ParamWrapper``): one pair per fused parameter of a layer's ``experts`` module (``gate_up_proj``, ``down_proj``;
 a second one on the same module is keyed under ``.base_layer``), A holding ``rank x in`` rows per expert
 (expert-major) and B ``out x rank`` columns per expert (rank-major), so expert ``e``'s delta is
-``B[:, e::E] @ A[e*r:(e+1)*r]`` times the scaling of ``<module>.<parameter>``. Settings that make an adapter compute anything else (DoRA, trained
-biases, replaced modules, activated LoRA, initialisations that changed the base weights) are refused
-by name: merging such an adapter as a plain LoRA would silently change the model.
+``B[:, e::E] @ A[e*r:(e+1)*r]`` times the scaling of ``<module>.<parameter>``.
+
+A DoRA adapter (``use_dora: true``) also holds ``<module>.lora_magnitude_vector`` (``[out]``, the key PEFT's
+``LoraModel._get_adapter_state_dict`` writes, without ``.weight``) for each adapted ``nn.Linear``: the merged
+weight is ``m / ||W + delta||_row * (W + delta)`` (``DoraLinearVariant.merge_unsafe``), the norm of each output row
+over the input dimension. DoRA on embeddings and on fused experts' parameters is refused by name. Settings that make
+an adapter compute anything else (trained biases, replaced modules, activated LoRA, initialisations that changed
+the base weights) are refused by name: merging such an adapter as a plain LoRA would silently change the model.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ from pgconvert.io.limits import quote, read_json
 
 # What inspect calls an adapter directory's format.
 ADAPTER_FORMAT = "peft-lora"
+# What inspect calls the two methods a LoRA adapter's pairs compute.
+LORA, DORA = "lora", "dora"
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 LEGACY_WEIGHTS_FILE = "adapter_model.bin"
@@ -42,12 +49,13 @@ KEY_PREFIX = "base_model.model."
 _PAIR_KEY = re.compile(r"(?P<module>.+)\.lora_(?P<embedding>embedding_)?(?P<side>[AB])(?P<weight>\.weight)?")
 # A whole weight the adapter file holds: a ``modules_to_save`` module's, or the base weight PEFT saves beside an
 # adapted embedding or output layer (``base_layer``), which loading the adapter puts in place of the model's.
+# DoRA's magnitude of an adapted module's output rows, as PEFT saves it (its ``.weight`` taken off).
+_MAGNITUDE_SUFFIX = ".lora_magnitude_vector"
 _SAVED_KEY = re.compile(r"(?P<module>.+?)(?P<base>\.base_layer)?\.(?P<param>weight|bias)")
 
 # adapter_config.json settings under which the adapter computes something a plain LoRA merge does not:
 # the key, the value that is plain LoRA, and what it would do otherwise.
 _PLAIN_SETTINGS: tuple[tuple[str, object, str], ...] = (
-    ("use_dora", False, "DoRA rescales each weight by a learned magnitude"),
     ("lora_bias", False, "the adapter trains a bias of its own"),
     ("bias", "none", "the run trained the base model's biases, which the adapter file holds"),
     ("fan_in_fan_out", False, "the base layers store their weights transposed (GPT-2's Conv1D)"),
@@ -79,6 +87,8 @@ class LoraPair:
     shape: tuple[int, int]  # (out, in): the delta's and the weight's
     # An embedding's pair (lora_embedding_A [r, vocab], lora_embedding_B [hidden, r]): the delta is (B @ A)^T.
     embedding: bool = False
+    # A DoRA pair's magnitude vector ([out]): the merged weight's row norms.
+    magnitude_key: str | None = None
 
 
 @dataclass(frozen=True)
@@ -171,6 +181,16 @@ class PeftAdapter:
         product = b @ a
         return (product.T if pair.embedding else product) * pair.scaling
 
+    @property
+    def method(self) -> str:
+        """``dora`` when the pairs are DoRA's (use_dora), ``lora`` otherwise."""
+        return DORA if self.settings_doc.get("use_dora") is True else LORA
+
+    def magnitude(self, weight: str) -> torch.Tensor | None:
+        """A DoRA pair's magnitude vector in float32, None for a plain LoRA pair."""
+        key = self.pairs[weight].magnitude_key
+        return None if key is None else self.tensors.tensor(key).to(torch.float32)
+
     def replacement(self, weight: str) -> torch.Tensor:
         return self.tensors.tensor(self.replacements[weight].key)
 
@@ -201,6 +221,7 @@ def describe_adapter(adapter: PeftAdapter) -> dict[str, Any]:
     modules = sorted({re.sub(r"^.*\.layers\.\d+\.", "", name).removesuffix(".weight") for name in names})
     return {
         "base_model": adapter.base_model,
+        "method": adapter.method,
         "pairs": len(adapter.pairs) + len(adapter.experts_pairs),
         "ranks": sorted({pair.rank for pair in adapter.pairs.values()}),
         "scalings": sorted({pair.scaling for pair in adapter.pairs.values()}),
@@ -255,6 +276,8 @@ def _check_settings(doc: dict[str, Any], config_path: Path) -> None:
         if value != plain and value not in (None, False, [], {}):
             raise ValidationError(f"{config_path}: {key}={quote(value)}: {why}; pgconvert merges plain LoRA "
                                   "adapters only")
+    if not isinstance(doc.get("use_dora", False), bool):
+        raise ValidationError(f"{config_path}: use_dora={quote(doc.get('use_dora'))}: expected true or false")
     init = doc.get("init_lora_weights", True)
     if not any(init is keep if isinstance(keep, bool) else init == keep for keep in _BASE_KEEPING_INITS):
         raise ValidationError(f"{config_path}: init_lora_weights={quote(init)}: this initialisation changed the "
@@ -301,6 +324,9 @@ def _sides(tensors: AdapterTensors, saved_modules: tuple[str, ...]
     saved: dict[str, str] = {}
     for key in metas:
         name = key.removeprefix(KEY_PREFIX) if key.startswith(KEY_PREFIX) else None
+        if name is not None and name.endswith(_MAGNITUDE_SUFFIX):
+            sides.setdefault(name.removesuffix(_MAGNITUDE_SUFFIX), {})["magnitude"] = key
+            continue
         match = _PAIR_KEY.fullmatch(name) if name is not None else None
         whole = _SAVED_KEY.fullmatch(name) if name is not None and match is None else None
         if match is not None and bool(match["embedding"]) != (match["weight"] is None):
@@ -313,11 +339,11 @@ def _sides(tensors: AdapterTensors, saved_modules: tuple[str, ...]
             saved[f"{whole['module']}.{whole['param']}"] = key
         else:
             raise ValidationError(f"{tensors.path}: {key}: not a LoRA pair's weight (base_model.model.<module>."
-                                  "lora_A.weight / lora_B.weight) nor a module_to_save's; pgconvert merges plain "
-                                  "LoRA adapters only")
+                                  "lora_A.weight / lora_B.weight), a DoRA magnitude (<module>.lora_magnitude_vector) "
+                                  "nor a module_to_save's; pgconvert merges LoRA and DoRA adapters only")
     for keys in sides.values():
         if not {"A", "B"} <= set(keys):
-            only = keys.get("A") or keys.get("B")
+            only = keys.get("A") or keys.get("B") or keys["magnitude"]
             raise ValidationError(f"{tensors.path}: {only} has no lora_{'B' if 'A' in keys else 'A'} beside it")
     return metas, sides, saved
 
@@ -340,6 +366,8 @@ def _pairs(doc: dict[str, Any], settings: LoraSettings, config_path: Path, tenso
             raise ValidationError(f"{tensors.path}: {module}: lora_A {list(a)} and lora_B {list(b)} are not a LoRA "
                                   "pair (A rank x in, B out x rank)")
         if settings.parameters and (owner != module or not _targets_module(module, doc.get("target_modules"))):
+            if doc.get("use_dora") is True:
+                raise ValidationError(f"{tensors.path}: {module}: DoRA on fused experts' parameters is not merged")
             experts.append(ExpertsPair(owner, keys["A"], keys["B"], a, b))
             continue
         rank = settings.rank(module)
@@ -347,10 +375,32 @@ def _pairs(doc: dict[str, Any], settings: LoraSettings, config_path: Path, tenso
             raise ValidationError(f"{tensors.path}: {module}: lora_A {list(a)} and lora_B {list(b)} do not make a "
                                   f"rank-{quote(rank)} pair ({config_path.name} gives r={quote(rank)})")
         weight = f"{module}.weight"
-        pairs[weight] = LoraPair(weight, keys["A"], keys["B"], rank, settings.scaling(module, rank), (b[0], a[1]))
+        pairs[weight] = LoraPair(weight, keys["A"], keys["B"], rank, settings.scaling(module, rank), (b[0], a[1]),
+                                 magnitude_key=keys.get("magnitude"))
     if not pairs and not experts and not saved:
         raise CheckpointError(f"{tensors.path}: holds no LoRA pairs")
+    _check_magnitudes(doc.get("use_dora") is True, sides, metas, tensors, config_path)
     return pairs, tuple(experts), {name: SavedWeight(key, metas[key].shape) for name, key in saved.items()}
+
+
+def _check_magnitudes(dora: bool, sides: dict[str, dict[str, str]], metas: dict[str, TensorMeta],
+                      tensors: AdapterTensors, config_path: Path) -> None:
+    """A DoRA adapter's every module has a magnitude of its lora_B's rows, a LoRA adapter's none; DoRA on an
+    embedding is refused."""
+    for module, keys in sorted(sides.items()):
+        if "magnitude" in keys and not dora:
+            raise ValidationError(f"{tensors.path}: {keys['magnitude']}: a DoRA magnitude, but {config_path.name} "
+                                  "does not set use_dora: true")
+        if not dora:
+            continue
+        if "embedding" in keys or "magnitude" not in keys:
+            why = ("DoRA on an embedding is not merged" if "embedding" in keys else
+                   f"use_dora: true, but no {KEY_PREFIX}{module}{_MAGNITUDE_SUFFIX} (DoRA's magnitude vector)")
+            raise ValidationError(f"{tensors.path}: {module}: {why}")
+        shape, rows = tuple(metas[keys["magnitude"]].shape), metas[keys["B"]].shape[0]
+        if shape != (rows,):
+            raise ValidationError(f"{tensors.path}: {keys['magnitude']}: shape {list(shape)}, expected [{rows}] (one "
+                                  f"magnitude per output row of {module})")
 
 
 def _embedding_pair(module: str, keys: dict[str, str], a: tuple[int, ...], b: tuple[int, ...],

@@ -207,6 +207,11 @@ class CanonicalSource:
             tensor = self.adapter.merged(name, tensor)
         return self._checked(name, tensor)
 
+    def load_base(self, name: str) -> torch.Tensor:
+        """The full canonical tensor as stored, no adapter merged (it may alias the source's memory: do not modify
+        it): what a DoRA merge takes its row norms of."""
+        return self._load(name)
+
     def load_shard(self, name: str, rule: ShardRule, size: int, rank: int,
                    rows: int | None = None) -> torch.Tensor:
         """Piece ``rank`` of ``size`` of a canonical tensor under ``rule``, owning its memory.

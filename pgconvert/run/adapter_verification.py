@@ -7,6 +7,8 @@ under the same names, those tensors bit-exactly. Without a base model the two mu
 compared by their own names (PEFT's HF weights, Megatron-Bridge's canonical ones); with ``base`` each side is put
 in PEFT's names for the base's family as ``export-adapter`` puts it (``as_peft_adapter``) and mapped onto the base's
 canonical weights by ``AdapterMerge``, so the two forms compare. One weight's two updates are held at a time.
+Two DoRA adapters' magnitude vectors (per adapted weight, the canonical rows' with a base) are compared within the
+same rtol/atol as the updates; a DoRA adapter against a plain LoRA one is a difference of method, named once.
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ class _Side:
     factor_targets: dict[str, str] = field(default_factory=dict)
     # Whole weights it holds (PEFT's modules_to_save): compared only as factor tensors of the same name.
     saved: tuple[str, ...] = ()
+    method: str = peft.LORA  # peft.DORA: each adapted weight also has a magnitude vector
+    magnitude: Callable[[str], torch.Tensor | None] = lambda _weight: None
 
 
 def adapter_form(path: Path) -> str | None:
@@ -100,15 +104,17 @@ def _own_side(adapter: AdapterRead) -> _Side:
     if isinstance(adapter, peft.PeftAdapter):
         targets = {weight: ((pair.rank,), (pair.scaling,)) for weight, pair in adapter.pairs.items()}
         return _Side(peft.ADAPTER_FORMAT, targets, adapter.delta, *_peft_factors(adapter),
-                     tuple(sorted(adapter.replacements)))
+                     tuple(sorted(adapter.replacements)), adapter.method, adapter.magnitude)
     targets = {weight: ((adapter.dim,), (adapter.alpha / adapter.dim,)) for weight in adapter.pairs}
-    return _Side(megatron.ADAPTER_FORMAT, targets, adapter.delta, *_megatron_factors(adapter))
+    return _Side(megatron.ADAPTER_FORMAT, targets, adapter.delta, *_megatron_factors(adapter), method=adapter.method,
+                 magnitude=lambda weight: adapter.pairs[weight].magnitude)
 
 
 def _peft_factors(adapter: peft.PeftAdapter) -> tuple[dict[str, Callable[[], torch.Tensor]], dict[str, str]]:
     """Every tensor the adapter file holds, and the adapted weight of each pair's A and B."""
     factors = {key: partial(adapter.tensors.tensor, key) for key in adapter.tensors.header()}
-    owners = {key: weight for weight, pair in adapter.pairs.items() for key in (pair.a_key, pair.b_key)}
+    owners = {key: weight for weight, pair in adapter.pairs.items() for key in (pair.a_key, pair.b_key,
+                                                                                 pair.magnitude_key) if key}
     return factors, owners
 
 
@@ -137,11 +143,16 @@ def _base_side(adapter: AdapterRead, base: Path, source: CanonicalSource) -> _Si
         found = loaded_hf_weights(merge.family, name, source.config)
         pairs = [adapter.pairs[hf] for hf in (found[1] if found is not None else ()) if hf in adapter.pairs]
         targets[name] = (tuple(sorted({pair.rank for pair in pairs})), tuple(sorted({pair.scaling for pair in pairs})))
-    return _Side(own.form, targets, merge.delta, own.factors, own.factor_targets, own.saved)
+    return _Side(own.form, targets, merge.delta, own.factors, own.factor_targets, own.saved, own.method,
+                 merge.magnitude)
 
 
 def _compare(side_a: _Side, side_b: _Side, report: VerifyReport) -> None:
-    """Targets, their ranks and scalings, their updates one at a time, then the factor tensors both store."""
+    """Targets, their ranks and scalings, their updates (and DoRA magnitudes) one at a time, then the factor tensors
+    both store."""
+    if side_a.method != side_b.method:
+        report.differences.append(TensorDifference("method", "config", f"{side_a.method} in A, {side_b.method} in B: "
+                                                                       "DoRA rescales each adapted weight's rows"))
     for name in sorted(side_a.targets.keys() | side_b.targets.keys()):
         if name not in side_a.targets or name not in side_b.targets:
             _one_sided(name, side_a if name in side_a.targets else side_b, "A" if name in side_a.targets else "B",
@@ -162,8 +173,21 @@ def _compare(side_a: _Side, side_b: _Side, report: VerifyReport) -> None:
             record_values(name, delta_a, delta_b, report.differences, report.rtol, report.atol,
                           "update scaling * B @ A")
         del delta_a, delta_b
+        if side_a.method == side_b.method == peft.DORA:
+            _compare_magnitudes(name, side_a.magnitude(name), side_b.magnitude(name), report)
         report.compared += 1
     _compare_factors(side_a, side_b, report)
+
+
+def _compare_magnitudes(name: str, magnitude_a: torch.Tensor | None, magnitude_b: torch.Tensor | None,
+                        report: VerifyReport) -> None:
+    if magnitude_a is None or magnitude_b is None or magnitude_a.shape != magnitude_b.shape:
+        shapes = [None if m is None else list(m.shape) for m in (magnitude_a, magnitude_b)]
+        report.differences.append(TensorDifference(name, "shape", f"DoRA magnitude {shapes[0]} in A, {shapes[1]} "
+                                                                  "in B"))
+        return
+    record_values(name, magnitude_a.to(torch.float32), magnitude_b.to(torch.float32), report.differences,
+                  report.rtol, report.atol, "DoRA magnitude")
 
 
 def _listed(values: tuple[float, ...]) -> str:

@@ -33,6 +33,13 @@ rank job does those steps with megatron-core's classes (one gloo process per TP 
   (``…linear_qkv.weight``, no ``to_wrap.``), and ``adapter_wrapper.py:266-275`` adds the adapter's under
   ``<module>.adapter.``.
 
+A DoRA run (``dora``) follows ``peft/dora.py:75-113`` and ``peft/dora_layers.py``: the same adapter, wrapped by
+``DoRALinear``, with ``weight_magnitude`` set at wrapping to the row norms of ``W + alpha/dim · linear_out @
+linear_in`` over what the rank holds (``dora_layers.py:110, 122-130``; ``linear_out`` starts at zero,
+``lora_B_init_method="zero"``, so that is the rank's base rows' norms), ``[out / TP]`` on a column-parallel base;
+its sharded state dict adds ``<prefix>weight_magnitude``, TP-sharded on axis 0 for a column-parallel base and
+replicated for a row-parallel one (``dora_layers.py:68-81``: no swiglu factory, unlike ``linear_out``'s).
+
 ``bridge_lora_load`` loads such a store back into the wrapped model at any TP, as Megatron-Bridge's
 ``load_peft_adapter_checkpoint`` does (``peft/utils.py:418-478``: the adapter-filtered sharded state dict,
 ``dist_checkpointing.load``). Each rank also writes what it holds (``rank{R}.pt``: per adapted module its local ``linear_in`` and ``linear_out``)
@@ -55,13 +62,13 @@ _ROW_PARALLEL = ("linear_proj", "linear_fc2")
 class BridgeAdapter(torch.nn.Module):
     """Megatron-Bridge's ``ParallelLinearAdapter`` (peft/utils.py:923): its parameters and checkpoint layout."""
 
-    def __init__(self, base: Any, dim: int, alpha: float, gated: bool, tp_group: Any) -> None:
+    def __init__(self, base: Any, dim: int, alpha: float, gated: bool, tp_group: Any, dora: bool = False) -> None:
         from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
         super().__init__()
-        self.dim, self.alpha, self.gated = dim, alpha, gated
+        self.dim, self.alpha, self.gated, self.tp_group = dim, alpha, gated, tp_group
         config = base.config
-        input_is_parallel = isinstance(base, RowParallelLinear)
+        input_is_parallel = self.input_is_parallel = isinstance(base, RowParallelLinear)
         if input_is_parallel:
             self.linear_in = RowParallelLinear(base.input_size, dim, config=config, input_is_parallel=True,
                                                skip_bias_add=True, bias=False, init_method=torch.nn.init.zeros_,
@@ -72,6 +79,8 @@ class BridgeAdapter(torch.nn.Module):
         self.linear_out = ColumnParallelLinear(dim, base.output_size, config=config, bias=False,
                                                gather_output=input_is_parallel, init_method=torch.nn.init.zeros_,
                                                tp_group=tp_group)
+        if dora:  # dora_layers.py:110, 129-130: the norm of W + scaling * linear_out @ linear_in, linear_out zero
+            self.weight_magnitude = torch.nn.Parameter(torch.linalg.norm(base.weight.detach(), dim=1))
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
         from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
@@ -81,7 +90,22 @@ class BridgeAdapter(torch.nn.Module):
         if self.gated:  # utils.py:1535, 1562-1565
             key = f"{prefix}linear_out.weight"
             linear_out[key] = apply_swiglu_sharded_factory(linear_out[key], sharded_offsets)
-        return {**linear_in, **linear_out}
+        return {**linear_in, **linear_out, **self._magnitude_state(prefix, sharded_offsets)}
+
+    def _magnitude_state(self, prefix: str, sharded_offsets: tuple) -> dict:
+        """dora_layers.py:68-81: the magnitude replicated for a row-parallel base, TP-sharded on its rows otherwise."""
+        import support.mcore_helpers as mcore
+        from megatron.core.utils import make_sharded_tensor_for_checkpoint, make_tp_sharded_tensor_for_checkpoint
+
+        if not hasattr(self, "weight_magnitude"):
+            return {}
+        key, groups = f"{prefix}weight_magnitude", {"tp_group": self.tp_group, "dp_cp_group": mcore.McoreFakeGroup(
+            "dp", 1, 0)}
+        if self.input_is_parallel:
+            return {key: make_sharded_tensor_for_checkpoint(self.weight_magnitude, key, prepend_offsets=sharded_offsets,
+                                                            **groups)}
+        return {key: make_tp_sharded_tensor_for_checkpoint(self.weight_magnitude, key, 0,
+                                                           prepend_offsets=sharded_offsets, **groups)}
 
 
 class LoRALinear(torch.nn.Module):
@@ -112,13 +136,14 @@ def _wrapped_model(rank: int, world: int, spec: dict[str, Any]) -> tuple[Any, di
     adapters = {}
     with mcore.fake_group_queries():
         for index, layer in enumerate(model.decoder.layers):
-            for target in TARGETS:
+            for target in spec.get("targets", TARGETS):
                 owner_name, _, attribute = target.rpartition(".")
                 owner = getattr(layer, owner_name)
                 base = getattr(owner, attribute)
                 gated = attribute == "linear_fc1" and model.config.gated_linear_unit
                 adapter = adapters[f"decoder.layers.{index}.{target}"] = BridgeAdapter(base, spec["dim"], spec["alpha"],
-                                                                                      gated, tp_group)
+                                                                                      gated, tp_group,
+                                                                                      spec.get("dora", False))
                 setattr(owner, attribute, LoRALinear(base, adapter))
     return model, adapters
 
@@ -151,17 +176,21 @@ def run_bridge_lora_rank(rank: int, world: int, spec: dict[str, Any]) -> None:
     from support.mcore_gpt_models import content_metadata
 
     model, adapters = _wrapped_model(rank, world, spec)
+    sides = ("linear_in", "linear_out", *(("weight_magnitude",) if spec.get("dora") else ()))
     if spec["action"] == "bridge_lora_load":
         loaded = dist_checkpointing.load({"model": _adapter_state(model)}, spec["ckpt"], strict="raise_all")["model"]
-        held = {module: {side: loaded[f"{module}.adapter.{side}.weight"] for side in ("linear_in", "linear_out")}
-                for module in adapters}
+        held = {module: {side: loaded[f"{module}.adapter.{_key(side)}"] for side in sides} for module in adapters}
     else:
         with torch.no_grad():
             for module, adapter in adapters.items():
-                for side in ("linear_in", "linear_out"):
-                    weight = getattr(adapter, side).weight
-                    weight.copy_(_values(f"{module}.{side}", rank, weight.shape))
-        held = {module: {side: getattr(adapter, side).weight.detach().clone() for side in ("linear_in", "linear_out")}
+                for side in sides:
+                    weight = _parameter(adapter, side)
+                    values = _values(f"{module}.{side}", rank, weight.shape)
+                    if side == "weight_magnitude":  # a trained magnitude: each initial row norm moved apart
+                        weight.mul_(1 + 2 * values)
+                    else:
+                        weight.copy_(values)
+        held = {module: {side: _parameter(adapter, side).detach().clone() for side in sides}
                 for module, adapter in adapters.items()}
         state = {"model": _saved_state(model, spec), "checkpoint_version": 3.0, "iteration": ITERATION}
         if spec["action"] == "bridge_lora_full":
@@ -172,27 +201,39 @@ def run_bridge_lora_rank(rank: int, world: int, spec: dict[str, Any]) -> None:
     torch.save(held, Path(spec["out"]) / f"rank{rank}.pt")
 
 
+def _parameter(adapter: BridgeAdapter, side: str) -> torch.Tensor:
+    return adapter.weight_magnitude if side == "weight_magnitude" else getattr(adapter, side).weight
+
+
+def _key(side: str) -> str:
+    return side if side == "weight_magnitude" else f"{side}.weight"
+
+
 def write_run_config(iteration_dir: Path, dim: int, alpha: float, tp: int,
-                     targets: tuple[str, ...] = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")) -> None:
+                     targets: tuple[str, ...] = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"),
+                     dora: bool = False) -> None:
     """``run_config.yaml`` with the ``peft`` section Megatron-Bridge's ``cfg.to_yaml`` writes for a LoRA run (the
-    LoRA dataclass's fields, lora.py:143-157) and the model's parallel sizes."""
+    LoRA dataclass's fields, lora.py:143-157) or a DoRA run (dora.py:58-68) and the model's parallel sizes."""
     import yaml
 
-    config = {
-        "model": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": 1},
-        "peft": {"_target_": "megatron.bridge.peft.lora.LoRA", "target_modules": list(targets), "exclude_modules": [],
-                 "dim": dim, "alpha": alpha, "dropout": 0.0, "dropout_position": "pre",
-                 "lora_A_init_method": "xavier", "lora_B_init_method": "zero", "a2a_experimental": False,
-                 "lora_dtype": None, "normalize_moe_lora": False, "share_expert_adapters": True},
-    }
+    peft: dict[str, Any] = {"_target_": "megatron.bridge.peft.dora.DoRA" if dora else "megatron.bridge.peft.lora.LoRA",
+                            "target_modules": list(targets), "exclude_modules": [], "dim": dim, "alpha": alpha,
+                            "dropout": 0.0, "dropout_position": "pre", "lora_A_init_method": "xavier",
+                            "lora_B_init_method": "zero"}
+    if not dora:
+        peft.update({"a2a_experimental": False, "lora_dtype": None, "normalize_moe_lora": False,
+                     "share_expert_adapters": True})
+    config = {"model": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": 1}, "peft": peft}
     (iteration_dir / "run_config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
 
 
-def bridge_lora_checkpoint(base: Path, root: Path, out: Path, dim: int, alpha: float, whole: bool = False) -> Path:
+def bridge_lora_checkpoint(base: Path, root: Path, out: Path, dim: int, alpha: float, whole: bool = False,
+                           dora: bool = False, targets: tuple[str, ...] = TARGETS) -> Path:
     """A Megatron-Bridge LoRA run's checkpoint directory at ``root`` (``iter_*`` with the adapter-only torch_dist store
     and run_config.yaml, the tracker) for the TP Megatron checkpoint ``base``; ``out``: the ranks' held pieces.
     ``whole``: the wrapped model saved whole instead (base and adapter in one store, megatron-core's ``args`` in its
-    common state); the adapters get the same values either way."""
+    common state); the adapters get the same values either way. ``dora``: a DoRA run's, on the modules ``targets``
+    names."""
     from support.mcore_helpers import rank_files
     from support.mcore_torch_dist_job import run_job
 
@@ -200,13 +241,15 @@ def bridge_lora_checkpoint(base: Path, root: Path, out: Path, dim: int, alpha: f
     iteration_dir = root / f"iter_{ITERATION:07d}"
     iteration_dir.mkdir(parents=True)
     run_job({"action": "bridge_lora_full" if whole else "bridge_lora", "base": str(base), "ckpt": str(iteration_dir),
-             "world": tp, "tp": tp, "pp": 1, "ep": 1, "dim": dim, "alpha": alpha}, out)
-    write_run_config(iteration_dir, dim, alpha, tp)
+             "world": tp, "tp": tp, "pp": 1, "ep": 1, "dim": dim, "alpha": alpha, "dora": dora,
+             "targets": list(targets)}, out)
+    write_run_config(iteration_dir, dim, alpha, tp, tuple(target.rpartition(".")[2] for target in targets), dora)
     (root / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
     return root
 
 
-def load_bridge_lora(base: Path, store: Path, out: Path, dim: int, alpha: float) -> None:
+def load_bridge_lora(base: Path, store: Path, out: Path, dim: int, alpha: float, dora: bool = False,
+                     targets: tuple[str, ...] = TARGETS) -> None:
     """megatron-core's dist_checkpointing.load of the adapter store ``store`` into the TP model ``base`` wrapped as
     Megatron-Bridge wraps it; each rank's pieces in ``out``."""
     from support.mcore_helpers import rank_files
@@ -214,4 +257,20 @@ def load_bridge_lora(base: Path, store: Path, out: Path, dim: int, alpha: float)
 
     tp = rank_files(base)[0].layout.tp
     run_job({"action": "bridge_lora_load", "base": str(base), "ckpt": str(store), "world": tp, "tp": tp, "pp": 1,
-             "ep": 1, "dim": dim, "alpha": alpha}, out)
+             "ep": 1, "dim": dim, "alpha": alpha, "dora": dora, "targets": list(targets)}, out)
+
+
+def rewrite_adapter_store(store: Path, change: Any) -> None:
+    """The store's tensors, read and written back by torch.distributed.checkpoint (one process) after ``change``
+    edits the dict of them; megatron-core's metadata.json, common.pt and run_config.yaml kept."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader, TensorStorageMetadata
+
+    metadata = FileSystemReader(str(store)).read_metadata()
+    tensors = {key: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+               for key, meta in metadata.state_dict_metadata.items() if isinstance(meta, TensorStorageMetadata)}
+    dcp.load(tensors, checkpoint_id=str(store), no_dist=True)
+    change(tensors)
+    for data in [*store.glob("*.distcp"), store / ".metadata"]:
+        data.unlink()
+    dcp.save(tensors, checkpoint_id=str(store), no_dist=True)

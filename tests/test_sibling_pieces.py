@@ -66,13 +66,13 @@ def test_a_tp_group_written_in_lockstep_gives_each_files_own_reads_output(
         sources: dict[str, Path], case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     source, flags = CASES[case]
     wholes: Counter[str] = Counter()
-    real_whole = CanonicalSource.whole_for_pieces
+    real_whole = CanonicalSource.load_base
 
     def counted(self: CanonicalSource, name: str) -> torch.Tensor:
         wholes[name] += 1
         return real_whole(self, name)
 
-    monkeypatch.setattr(CanonicalSource, "whole_for_pieces", counted)
+    monkeypatch.setattr(CanonicalSource, "load_base", counted)
     _convert(sources[source], tmp_path / "shared", *flags)
     _sharing_off(monkeypatch)
     _convert(sources[source], tmp_path / "apart", *flags)
@@ -127,7 +127,7 @@ def test_the_group_holds_one_whole_tensor_at_a_time(sources: dict[str, Path], tm
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     events: list[tuple[str, str]] = []
     lock = threading.Lock()
-    real_whole, real_piece = CanonicalSource.whole_for_pieces, CanonicalSource.piece_of
+    real_whole, real_piece = CanonicalSource.load_base, CanonicalSource.piece_of
 
     def whole(self: CanonicalSource, name: str) -> torch.Tensor:
         with lock:
@@ -140,7 +140,7 @@ def test_the_group_holds_one_whole_tensor_at_a_time(sources: dict[str, Path], tm
             events.append(("piece", name))
         return cut
 
-    monkeypatch.setattr(CanonicalSource, "whole_for_pieces", whole)
+    monkeypatch.setattr(CanonicalSource, "load_base", whole)
     monkeypatch.setattr(CanonicalSource, "piece_of", piece)
     _convert(sources["hf"], tmp_path / "dst", "--dst-tp", "4")
 
@@ -244,7 +244,7 @@ def test_pieces_that_read_apart_without_overlap_are_not_grouped(sources: dict[st
                                                                 flags: list[str]) -> None:
     """TP2 pieces kept, or merged into TP1: each stored byte is read by one destination file already."""
     wholes: list[str] = []
-    monkeypatch.setattr(CanonicalSource, "whole_for_pieces", lambda self, name: wholes.append(name))
+    monkeypatch.setattr(CanonicalSource, "load_base", lambda self, name: wholes.append(name))
     result = CliRunner().invoke(main, ["--dry-run", "--dst-format", "megatron", *flags, str(sources["megatron"]),
                                        str(tmp_path / "dry")])
     assert result.exit_code == 0, result.output

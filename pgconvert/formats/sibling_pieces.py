@@ -4,7 +4,7 @@ A row-parallel weight's piece is strided in a tensor stored whole (an HF weight,
 ranks): reading it reads the file span of every piece, so writing TP8 rank files one after another reads such a
 tensor eight times. The saver instead writes the files of ranks that hold the same tensors in the same order
 (a TP group) at once, one thread each, and those threads share a ``SiblingPieces``: the first to need such a tensor
-reads it whole (``CanonicalSource.whole_for_pieces``, into memory the group reuses), and each cuts its own piece
+reads it whole (``CanonicalSource.load_base``, into memory the group reuses), and each cuts its own piece
 from it on its own thread (``piece_of``, into the memory its writer lends). The whole tensor is dropped once every
 sibling has cut its piece; a sibling that needs the next shared tensor first waits for that, so the group holds
 at most one whole tensor beside its pieces. Tensors whose pieces read apart without overlap (``shares_piece_reads``
@@ -92,7 +92,7 @@ class SiblingPieces:
         meta = self._source.meta(wanted.name)
         try:
             with self._memory.lending(numel(meta.shape) * itemsize(meta.dtype)):
-                whole = self._source.whole_for_pieces(wanted.name)
+                whole = self._source.load_base(wanted.name)
         except BaseException:
             self.fail()
             raise

@@ -208,8 +208,9 @@ class CanonicalSource:
         return self._checked(name, tensor)
 
     def load_base(self, name: str) -> torch.Tensor:
-        """The full canonical tensor as stored, no adapter merged (it may alias the source's memory: do not modify
-        it): what a DoRA merge takes its row norms of."""
+        """The full canonical tensor as stored, no adapter merged and not yet checked (it may alias the source's
+        memory: do not modify it): what a DoRA merge takes its row norms of, and what sibling pieces are cut from
+        (``piece_of``), each checked as it is cut."""
         return self._load(name)
 
     def load_shard(self, name: str, rule: ShardRule, size: int, rank: int,
@@ -246,15 +247,10 @@ class CanonicalSource:
         # Formats whose pieces are read apart without reading each other's bytes keep this default.
         return False
 
-    def whole_for_pieces(self, name: str) -> torch.Tensor:
-        """The whole canonical tensor its sibling pieces are cut from (``piece_of``); not yet checked, since
-        each piece is checked as it is cut. It may alias the source's memory: do not modify it."""
-        return self._load(name)
-
     def piece_of(self, name: str, whole: torch.Tensor, rule: ShardRule, size: int, rank: int,
                  rows: int | None = None) -> torch.Tensor:
-        """Piece ``rank`` of ``size`` cut from ``whole`` (``whole_for_pieces``), owning its memory: the same
-        tensor ``load_shard`` gives."""
+        """Piece ``rank`` of ``size`` cut from ``whole`` (``load_base``), owning its memory: the same tensor
+        ``load_shard`` gives."""
         return self._checked(name, rule.reshard_rows([whole], rows, self.config.vocab_size, size, rank))
 
     def _load(self, name: str) -> torch.Tensor:

@@ -49,9 +49,12 @@ def megatron_merged_logits(paths: dict[str, Path], ids: torch.Tensor, scaling: f
     """The TP2 model with each rank's weights merged as Megatron-Bridge's LoRAMerge (peft/lora_merge.py:65-87)
     merges them, run rank by rank: a column-parallel base (linear_qkv, linear_fc1) adds ``linear_out_r @ cat(linear_in
     over ranks)``, a row-parallel one (linear_proj, linear_fc2) ``cat(linear_out over ranks) @ linear_in_r``, both
-    times alpha / dim."""
+    times alpha / dim; a routed expert's as its TP rank's (its EP ranks joined, experts by global index)."""
+    from support.mcore_bridge_lora import held_by_tp_rank
+    from support.mcore_helpers import rank_files
+
     models = read_megatron_tp_ranks(paths["megatron"])
-    held = [torch.load(paths["held"] / f"rank{rank}.pt", weights_only=True) for rank in range(len(models))]
+    held = held_by_tp_rank(paths["held"], len(models), rank_files(paths["megatron"])[0].layout.ep)
     for module in held[0]:
         linear_in = [pieces[module]["linear_in"].double() for pieces in held]
         linear_out = [pieces[module]["linear_out"].double() for pieces in held]

@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from pgconvert.adapters.megatron_experts import (EXPERT_WEIGHT, EXPERTS_KEY_ENDS, FUSED_PARAMETERS, expert_pairs,
+                                                 fused_experts_pairs, hf_experts_module, is_experts_module)
 from pgconvert.adapters.peft import KEY_PREFIX, AdapterTensors, PeftAdapter, peft_adapter
 from pgconvert.errors import CheckpointError, PgconvertError, ValidationError
 from pgconvert.adapters.names import loaded_hf_weights
@@ -151,31 +153,35 @@ def _peft_settings(run_config: Path) -> dict[str, Any]:
 
 def _read_pairs(store: Path, metadata: Any, dim: int, run_config: Path) -> dict[str, MegatronPair]:
     """Every adapted module's ``linear_in`` and ``linear_out`` (``metadata``: the store's ``.metadata``), whole, by the
-    canonical weight they change."""
+    canonical weight they change (a routed experts' module: one pair per expert, ``adapters.megatron_experts``)."""
     from pgconvert.formats.dcp_store import DcpStore
 
-    sides: dict[str, dict[str, torch.Tensor]] = {}
+    sides: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     reader = DcpStore(store, metadata)
     for key in sorted(key for key in _tensor_keys(metadata) if is_adapter_key(key)):  # the base model's left out
         match = _ADAPTER_KEY.fullmatch(key)
-        if match is None or ".experts." in match["module"]:
+        if match is None or (".experts." in match["module"] and not is_experts_module(match["module"])):
             raise ValidationError(f"{store}: {key}: not a LoRA adapter key of a decoder layer "
-                                  "(decoder.layers.<module>.adapter.linear_in/linear_out.weight); the experts', "
-                                  "MTP layers' and other models' adapters are not read yet")
+                                  "(decoder.layers.<module>.adapter.linear_in/linear_out.weight, a routed experts' "
+                                  "module mlp.experts.experts.linear_fc1/2); MTP layers' and other models' adapters "
+                                  "are not read yet")
         for layer, tensor in _layer_tensors(reader, key, metadata.state_dict_metadata[key], match["layer"]):
-            weight = f"decoder.layers.{layer}.{match['module']}.weight"
-            sides.setdefault(weight, {})[match["side"]] = tensor
+            sides.setdefault((layer, match["module"]), {})[match["side"]] = tensor
     pairs = {}
-    for weight, found in sorted(sides.items()):
+    for (layer, module), found in sorted(sides.items()):
         if set(found) != {"in", "out"}:
-            raise CheckpointError(f"{store}: {weight.removesuffix('.weight')}.adapter has linear_{''.join(found)} "
+            raise CheckpointError(f"{store}: decoder.layers.{layer}.{module}.adapter has linear_{''.join(found)} "
                                   "alone")
-        a, b = found["in"], found["out"]
-        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != dim or b.shape[1] != dim:
-            raise ValidationError(f"{store}: {weight.removesuffix('.weight')}.adapter: linear_in {list(a.shape)} and "
-                                  f"linear_out {list(b.shape)} do not make a rank-{dim} pair ({run_config.name} "
-                                  f"gives dim={dim})")
-        pairs[weight] = MegatronPair(weight, a, b)
+        if is_experts_module(module):
+            split = expert_pairs(str(store), layer, module, found["in"], found["out"])
+        else:
+            split = {f"decoder.layers.{layer}.{module}.weight": (found["in"], found["out"])}
+        for weight, (a, b) in split.items():
+            if a.dim() != 2 or b.dim() != 2 or a.shape[0] != dim or b.shape[1] != dim:
+                raise ValidationError(f"{store}: {weight.removesuffix('.weight')}.adapter: linear_in {list(a.shape)} "
+                                      f"and linear_out {list(b.shape)} do not make a rank-{dim} pair "
+                                      f"({run_config.name} gives dim={dim})")
+            pairs[weight] = MegatronPair(weight, a, b)
     return pairs
 
 
@@ -189,38 +195,50 @@ def _layer_tensors(reader: Any, key: str, meta: Any, layer: str | None) -> list[
         buffer = torch.empty(shape, dtype=meta.properties.dtype)
         reader.read({key: [((0,) * len(shape), buffer)]}, [])
         return [(int(layer), buffer)]
-    if len(shape) != 3:
+    if len(shape) not in (3, 4):
         raise CheckpointError(f"{reader.directory}: {key}: global shape {list(shape)}, expected [layers, rows, "
-                              "columns]")
+                              "columns] (a routed experts' side: [layers, experts, rows, columns])")
     if shape[0] > limits.MAX_LAYERS:
         raise limits.over_limit(f"{reader.directory}: {key}", "the stacked layer count", shape[0], "MAX_LAYERS")
     layers = sorted({layer for chunk in meta.chunks
                      for layer in range(int(chunk.offsets[0]), int(chunk.offsets[0]) + int(chunk.sizes[0]))})
     buffers = [torch.empty((1, *shape[1:]), dtype=meta.properties.dtype) for _ in layers]
-    reader.read({key: [((index, 0, 0), buffer) for index, buffer in zip(layers, buffers, strict=True)]}, [])
+    reader.read({key: [((index, *(0,) * (len(shape) - 1)), buffer) for index, buffer in zip(layers, buffers, strict=True)]}, [])
     return [(index, buffer[0]) for index, buffer in zip(layers, buffers, strict=True)]
 
 
-def peft_settings(adapter: MegatronAdapter, modules: list[str], base_model: str | None) -> dict[str, Any]:
-    """adapter_config.json for the adapter's pairs on HF ``modules``: Megatron-Bridge's ``build_adapter_config_dict``
-    (models/conversion/peft_bridge.py), ``r = dim`` and ``lora_alpha = alpha``."""
-    return {
+def peft_settings(adapter: MegatronAdapter, modules: list[str], base_model: str | None,
+                  parameters: list[str] | None = None) -> dict[str, Any]:
+    """adapter_config.json for the adapter's pairs on HF ``modules`` (and fused experts ``parameters``):
+    Megatron-Bridge's ``build_adapter_config_dict`` (models/conversion/peft_bridge.py), ``r = dim`` and
+    ``lora_alpha = alpha``."""
+    settings = {
         "peft_type": "LORA", "auto_mapping": None, "base_model_name_or_path": base_model or "", "bias": "none",
         "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True, "lora_alpha": adapter.alpha,
         "lora_dropout": adapter.dropout, "modules_to_save": None, "r": adapter.dim, "rank_pattern": {},
         "alpha_pattern": {}, "target_modules": sorted({module.rpartition(".")[2] for module in modules}),
         "task_type": "CAUSAL_LM", "use_dora": False, "use_rslora": False,
     }
+    return {**settings, "target_parameters": sorted(set(parameters))} if parameters else settings
 
 
 def peft_tensors(adapter: MegatronAdapter, family: Family, config: ModelConfig) -> dict[str, torch.Tensor]:
-    """The adapter's pairs in PEFT's keys for ``family``: lora_A shared by a fused module's parts, lora_B cut."""
+    """The adapter's pairs in PEFT's keys for ``family``: lora_A shared by a fused module's parts, lora_B cut; the
+    routed experts' pairs as transformers' fused experts parameters (``megatron_experts.fused_experts_pairs``)."""
     tensors: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[str, tuple[torch.Tensor, list[torch.Tensor]]]] = {}
     for weight, pair in adapter.pairs.items():
-        for hf, b in zip(*_hf_parts(adapter, family, config, pair), strict=True):
+        names, parts = _hf_parts(adapter, family, config, pair)
+        if EXPERT_WEIGHT.fullmatch(weight) is not None:
+            experts.setdefault(hf_experts_module(names), {})[weight] = (pair.linear_in, parts)
+            continue
+        for hf, b in zip(names, parts, strict=True):
             module = KEY_PREFIX + hf.removesuffix(".weight")
             tensors[f"{module}.lora_A.weight"] = pair.linear_in.clone()
             tensors[f"{module}.lora_B.weight"] = b.contiguous()
+    for module, pairs in sorted(experts.items()):
+        fused = fused_experts_pairs(pairs, module, config.moe.num_experts or 0, str(adapter.directory))
+        tensors.update({KEY_PREFIX + key: value for key, value in fused.items()})
     return tensors
 
 
@@ -253,8 +271,10 @@ def as_peft_adapter(adapter: MegatronAdapter, family: Family, config: ModelConfi
     """The adapter as a PEFT adapter in memory (checked as a PEFT directory is): what a merge reads."""
     tensors = peft_tensors(adapter, family, config)
     modules = [key.removeprefix(KEY_PREFIX).removesuffix(".lora_A.weight") for key in tensors
-               if key.endswith(".lora_A.weight")]
-    return peft_adapter(adapter.directory, peft_settings(adapter, modules, base_model),
+               if key.endswith(".lora_A.weight") and not key.endswith(EXPERTS_KEY_ENDS)]
+    parameters = [FUSED_PARAMETERS[found["linear"]] for weight in adapter.pairs
+                  if (found := EXPERT_WEIGHT.fullmatch(weight)) is not None]
+    return peft_adapter(adapter.directory, peft_settings(adapter, modules, base_model, parameters),
                         AdapterTensors(adapter.directory, tensors), adapter.run_config)
 
 

@@ -41,6 +41,7 @@ so a test can merge on the Megatron side by lora_merge.py's rules, independently
 
 from __future__ import annotations
 
+import re
 import zlib
 from pathlib import Path
 from typing import Any
@@ -53,25 +54,28 @@ _ROW_PARALLEL = ("linear_proj", "linear_fc2")
 
 
 class BridgeAdapter(torch.nn.Module):
-    """Megatron-Bridge's ``ParallelLinearAdapter`` (peft/utils.py:923): its parameters and checkpoint layout."""
+    """Megatron-Bridge's ``ParallelLinearAdapter`` (peft/utils.py:923): its parameters and checkpoint layout. A routed
+    expert's (``is_expert``, lora.py:189) has its linears built with ``is_expert=True`` on the expert TP group
+    (utils.py:1001-1006, 1042-1083) and its replicas over expert data parallelism (utils.py:1382-1399, 1599-1600)."""
 
-    def __init__(self, base: Any, dim: int, alpha: float, gated: bool, tp_group: Any) -> None:
+    def __init__(self, base: Any, dim: int, alpha: float, gated: bool, is_expert: bool = False) -> None:
         from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
         super().__init__()
         self.dim, self.alpha, self.gated = dim, alpha, gated
-        config = base.config
+        config, tp_group = base.config, base.tp_group
         input_is_parallel = isinstance(base, RowParallelLinear)
         if input_is_parallel:
             self.linear_in = RowParallelLinear(base.input_size, dim, config=config, input_is_parallel=True,
                                                skip_bias_add=True, bias=False, init_method=torch.nn.init.zeros_,
-                                               tp_group=tp_group)
+                                               is_expert=is_expert, tp_group=tp_group)
         else:
             self.linear_in = ColumnParallelLinear(base.input_size, dim, config=config, bias=False, gather_output=True,
-                                                  init_method=torch.nn.init.zeros_, tp_group=tp_group)
+                                                  init_method=torch.nn.init.zeros_, is_expert=is_expert,
+                                                  tp_group=tp_group)
         self.linear_out = ColumnParallelLinear(dim, base.output_size, config=config, bias=False,
                                                gather_output=input_is_parallel, init_method=torch.nn.init.zeros_,
-                                               tp_group=tp_group)
+                                               is_expert=is_expert, tp_group=tp_group)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
         from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
@@ -103,42 +107,65 @@ def _values(name: str, tp_rank: int, shape: torch.Size) -> torch.Tensor:
     return 0.1 * torch.randn(shape, generator=generator)
 
 
+def is_expert_linear(name: str) -> bool:
+    """Megatron-Bridge's ``is_expert_linear`` (peft/utils.py:682-700): a routed expert's linear, not a shared one."""
+    return re.match(r".*mlp\..*experts.*\.linear_fc[1-2]$", name) is not None and ".shared_experts." not in name
+
+
+def global_module(name: str, ep_rank: int, local_experts: int) -> str:
+    """``name`` with a SequentialMLP expert's local index made global (EP rank r holds experts [r·n, (r+1)·n))."""
+    found = re.search(r"\.local_experts\.(\d+)\.", name)
+    if found is None:
+        return name
+    return name.replace(found[0], f".local_experts.{ep_rank * local_experts + int(found[1])}.")
+
+
 def _wrapped_model(rank: int, world: int, spec: dict[str, Any]) -> tuple[Any, dict[str, BridgeAdapter]]:
-    """The base's rank file in megatron-core's GPTModel, every target wrapped with an adapter (zeros)."""
+    """The base's rank file in megatron-core's GPTModel, every module Megatron-Bridge's ``LoRA`` matches wrapped with
+    an adapter (zeros), by the module's name with a routed expert's global index. ``ModuleMatcher.match``
+    (peft/module_matcher.py) matches a module whose own name is a target, so a MoE layer's routed experts'
+    (``experts.local_experts.<e>.linear_fc1``) and shared experts' linears are wrapped as a dense MLP's are."""
     import support.mcore_helpers as mcore
 
-    model = mcore.load_rank_into_gpt_model(mcore.rank_files(Path(spec["base"]))[rank])
-    tp_group = mcore.McoreFakeGroup("tp", world, rank)
+    rank_file = mcore.rank_files(Path(spec["base"]))[rank]
+    model = mcore.load_rank_into_gpt_model(rank_file)
+    layout = rank_file.layout
+    local_experts = (model.config.num_moe_experts or 0) // layout.ep
+    wanted = {target.rpartition(".")[2] for target in spec.get("targets", TARGETS)}
     adapters = {}
     with mcore.fake_group_queries():
-        for index, layer in enumerate(model.decoder.layers):
-            for target in TARGETS:
-                owner_name, _, attribute = target.rpartition(".")
-                owner = getattr(layer, owner_name)
-                base = getattr(owner, attribute)
-                gated = attribute == "linear_fc1" and model.config.gated_linear_unit
-                adapter = adapters[f"decoder.layers.{index}.{target}"] = BridgeAdapter(base, spec["dim"], spec["alpha"],
-                                                                                      gated, tp_group)
-                setattr(owner, attribute, LoRALinear(base, adapter))
+        for name, base in list(model.named_modules()):
+            owner_name, _, attribute = name.rpartition(".")
+            if attribute not in wanted or not name.startswith("decoder.layers."):
+                continue
+            owner = model.get_submodule(owner_name)
+            gated = attribute == "linear_fc1" and model.config.gated_linear_unit
+            module = global_module(name, layout.ep_rank, local_experts)
+            adapter = adapters[module] = BridgeAdapter(base, spec["dim"], spec["alpha"], gated, is_expert_linear(name))
+            adapter.local_name = name
+            setattr(owner, attribute, LoRALinear(base, adapter))
     return model, adapters
 
 
-def _adapter_state(model: Any) -> dict[str, Any]:
-    """The model's sharded state dict as an adapter run saves and loads it (checkpointing.py:3332-3360)."""
+def _adapter_state(model: Any, layout: Any) -> dict[str, Any]:
+    """The model's sharded state dict as an adapter run saves and loads it (checkpointing.py:3332-3360); with EP the
+    dense tensors are data-parallel over the expert ranks."""
     from support.mcore_gpt_models import model_sharded_state_dict
 
-    sharded = model_sharded_state_dict(model)
+    sharded = model_sharded_state_dict(model, layout.ep, layout.ep_rank)
     return {key: value for key, value in sharded.items() if ".adapter." in key and "_extra_state" not in key}
 
 
-def _saved_state(model: Any, spec: dict[str, Any]) -> dict[str, Any]:
+def _saved_state(model: Any, spec: dict[str, Any], layout: Any) -> dict[str, Any]:
     """What the run saves: the adapter alone (``bridge_lora``) or, with no adapter filter (``bridge_lora_full``,
     checkpointing.py:1294-1298 filters only when ``cfg.peft`` is set), the whole wrapped model's sharded state dict:
     the base under its plain names (adapter_wrapper.py:259-260 passes the wrapper's own prefix to ``to_wrap``, so
     no ``to_wrap.`` appears) beside the adapter's ``<module>.adapter.`` keys (adapter_wrapper.py:266-270)."""
     from support.mcore_gpt_models import model_sharded_state_dict
 
-    return model_sharded_state_dict(model) if spec["action"] == "bridge_lora_full" else _adapter_state(model)
+    if spec["action"] == "bridge_lora_full":
+        return model_sharded_state_dict(model, layout.ep, layout.ep_rank)
+    return _adapter_state(model, layout)
 
 
 def run_bridge_lora_rank(rank: int, world: int, spec: dict[str, Any]) -> None:
@@ -150,23 +177,25 @@ def run_bridge_lora_rank(rank: int, world: int, spec: dict[str, Any]) -> None:
     from megatron.core import dist_checkpointing
     from support.mcore_gpt_models import content_metadata
 
+    import support.mcore_helpers as mcore
+
     model, adapters = _wrapped_model(rank, world, spec)
+    layout = mcore.rank_files(Path(spec["base"]))[rank].layout
     if spec["action"] == "bridge_lora_load":
-        loaded = dist_checkpointing.load({"model": _adapter_state(model)}, spec["ckpt"], strict="raise_all")["model"]
-        held = {module: {side: loaded[f"{module}.adapter.{side}.weight"] for side in ("linear_in", "linear_out")}
-                for module in adapters}
+        loaded = dist_checkpointing.load({"model": _adapter_state(model, layout)}, spec["ckpt"],
+                                         strict="raise_all")["model"]
+        held = {module: {side: loaded[f"{adapter.local_name}.adapter.{side}.weight"]
+                         for side in ("linear_in", "linear_out")} for module, adapter in adapters.items()}
     else:
         with torch.no_grad():
             for module, adapter in adapters.items():
                 for side in ("linear_in", "linear_out"):
                     weight = getattr(adapter, side).weight
-                    weight.copy_(_values(f"{module}.{side}", rank, weight.shape))
+                    weight.copy_(_values(f"{module}.{side}", layout.tp_rank, weight.shape))
         held = {module: {side: getattr(adapter, side).weight.detach().clone() for side in ("linear_in", "linear_out")}
                 for module, adapter in adapters.items()}
-        state = {"model": _saved_state(model, spec), "checkpoint_version": 3.0, "iteration": ITERATION}
+        state = {"model": _saved_state(model, spec, layout), "checkpoint_version": 3.0, "iteration": ITERATION}
         if spec["action"] == "bridge_lora_full":
-            import support.mcore_helpers as mcore
-
             state["args"] = mcore.rank_files(Path(spec["base"]))[rank].args
         dist_checkpointing.save(state, spec["ckpt"], content_metadata=content_metadata())
     torch.save(held, Path(spec["out"]) / f"rank{rank}.pt")
@@ -196,11 +225,12 @@ def bridge_lora_checkpoint(base: Path, root: Path, out: Path, dim: int, alpha: f
     from support.mcore_helpers import rank_files
     from support.mcore_torch_dist_job import run_job
 
-    tp = rank_files(base)[0].layout.tp
+    layout = rank_files(base)[0].layout
+    tp = layout.tp
     iteration_dir = root / f"iter_{ITERATION:07d}"
     iteration_dir.mkdir(parents=True)
     run_job({"action": "bridge_lora_full" if whole else "bridge_lora", "base": str(base), "ckpt": str(iteration_dir),
-             "world": tp, "tp": tp, "pp": 1, "ep": 1, "dim": dim, "alpha": alpha}, out)
+             "world": tp * layout.ep, "tp": tp, "pp": 1, "ep": layout.ep, "dim": dim, "alpha": alpha}, out)
     write_run_config(iteration_dir, dim, alpha, tp)
     (root / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
     return root
@@ -212,6 +242,16 @@ def load_bridge_lora(base: Path, store: Path, out: Path, dim: int, alpha: float)
     from support.mcore_helpers import rank_files
     from support.mcore_torch_dist_job import run_job
 
-    tp = rank_files(base)[0].layout.tp
-    run_job({"action": "bridge_lora_load", "base": str(base), "ckpt": str(store), "world": tp, "tp": tp, "pp": 1,
-             "ep": 1, "dim": dim, "alpha": alpha}, out)
+    layout = rank_files(base)[0].layout
+    run_job({"action": "bridge_lora_load", "base": str(base), "ckpt": str(store), "world": layout.tp * layout.ep,
+             "tp": layout.tp, "pp": 1, "ep": layout.ep, "dim": dim, "alpha": alpha}, out)
+
+
+def held_by_tp_rank(held: Path, tp: int, ep: int = 1) -> list[dict[str, dict[str, torch.Tensor]]]:
+    """What each TP rank's adapters held (``rank{R}.pt`` of a job, R = ep_rank * tp + tp_rank), its EP ranks joined:
+    every module by its name with a routed expert's global index."""
+    joined: list[dict[str, dict[str, torch.Tensor]]] = [{} for _ in range(tp)]
+    for ep_rank in range(ep):
+        for tp_rank in range(tp):
+            joined[tp_rank].update(torch.load(held / f"rank{ep_rank * tp + tp_rank}.pt", weights_only=True))
+    return joined

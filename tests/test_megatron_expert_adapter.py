@@ -1,0 +1,107 @@
+"""A Megatron-Bridge LoRA adapter on a MoE model's routed experts: merged by ``--merge-adapter`` and exported as PEFT's
+fused experts parameters.
+
+The adapter is made by megatron-core 0.16.1 as Megatron-Bridge makes one (``support/mcore_bridge_lora.py`` names the
+Megatron-Bridge source lines it follows): a tiny Qwen3-MoE (every layer MoE) converted to a TP2/EP2 Megatron
+checkpoint, SequentialMLP experts, every linear Megatron-Bridge's ``LoRA`` matches wrapped (attention and each routed
+expert's ``linear_fc1``/``linear_fc2``) on four gloo ranks, the adapter-only state saved with
+``dist_checkpointing.save`` (the experts' pairs under ``mlp.experts.experts.linear_fc<n>.adapter`` with a global
+expert axis). The reference merges every rank's weights on the Megatron side from what each rank held.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import pgconvert
+from pgconvert.cli import main
+from support.hf_helpers import build_hf_model, hf_logits, input_ids, save_hf_model
+from test_megatron_adapter import _rewrite_store, megatron_merged_logits, peft_logits
+
+pytest.importorskip("peft")
+
+DIM, ALPHA = 4, 6
+EXPERTS = 4
+
+
+@pytest.fixture(scope="module")
+def bridge(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The HF Qwen3-MoE base, its TP2/EP2 Megatron form, the Megatron-Bridge LoRA run's checkpoint and what each of
+    the four ranks held."""
+    from support.mcore_bridge_lora import bridge_lora_checkpoint
+
+    root = tmp_path_factory.mktemp("bridge_expert_lora")
+    hf = save_hf_model(build_hf_model("qwen3_moe", seed=2, mlp_only_layers=[]), root / "hf")
+    pgconvert.convert(hf, root / "megatron", dst_format="megatron", dst_tp=2, dst_ep=2)
+    lora = bridge_lora_checkpoint(root / "megatron", root / "lora", root / "held", DIM, ALPHA)
+    exported = root / "exported"
+    pgconvert.export_adapter(lora, exported, base=root / "megatron")
+    return {"hf": hf, "megatron": root / "megatron", "lora": lora, "held": root / "held", "exported": exported}
+
+
+def test_exported_expert_adapter_gives_peft_the_megatron_merged_logits(bridge: dict[str, Path]) -> None:
+    ids = input_ids(1000)
+    expected = megatron_merged_logits(bridge, ids)
+    torch.testing.assert_close(peft_logits(bridge["hf"], bridge["exported"], ids), expected, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(hf_logits(bridge["hf"], ids), expected, rtol=1e-3, atol=1e-3)  # the adapter matters
+    config = json.loads((bridge["exported"] / "adapter_config.json").read_text())
+    assert config["target_modules"] == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    assert config["target_parameters"] == ["down_proj", "gate_up_proj"]
+    assert (config["r"], config["lora_alpha"], config["rank_pattern"]) == (DIM, ALPHA, {})
+
+
+def test_merge_adapter_merges_the_experts_pairs_at_any_layout(bridge: dict[str, Path], tmp_path: Path) -> None:
+    """--merge-adapter into HF computes the Megatron-side merge; into Megatron TP1/EP1 the same bytes, and a dropped
+    expert pair would change the logits (every expert's linear_out is random and nonzero)."""
+    ids = input_ids(1000)
+    pgconvert.convert(bridge["hf"], tmp_path / "merged", dst_format="hf", merge_adapter=bridge["lora"])
+    expected = megatron_merged_logits(bridge, ids)
+    torch.testing.assert_close(hf_logits(tmp_path / "merged", ids), expected, rtol=1e-5, atol=1e-5)
+    pgconvert.convert(bridge["megatron"], tmp_path / "tp1", dst_format="megatron", dst_tp=1, dst_ep=1,
+                      merge_adapter=bridge["lora"])
+    pgconvert.convert(tmp_path / "tp1", tmp_path / "back", dst_format="hf")
+    from support.hf_helpers import assert_same_hf_tensors
+
+    assert_same_hf_tensors(tmp_path / "merged", tmp_path / "back")
+
+
+def test_inspect_describes_the_experts_pairs(bridge: dict[str, Path]) -> None:
+    result = CliRunner().invoke(main, ["inspect", str(bridge["lora"]), "--json"])
+    assert result.exit_code == 0, result.output
+    adapter = json.loads(result.output)["adapter"]
+    assert adapter["pairs"] == 4 * (2 + 2 * EXPERTS)  # per layer: linear_qkv, linear_proj, and two per expert
+
+
+def _store_edit(bridge: dict[str, Path], tmp_path: Path, edit: object) -> Path:
+    lora = Path(shutil.copytree(bridge["lora"], tmp_path / "bad_lora"))
+    _rewrite_store(lora, edit)
+    return lora
+
+
+FC1 = "decoder.layers.mlp.experts.experts.linear_fc1.adapter."  # every layer's, stacked: [layers, experts, …]
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda tensors: tensors.pop("decoder.layers.mlp.experts.experts.linear_fc2.adapter.linear_out.weight"),
+     "decoder.layers.0.mlp.experts.experts.linear_fc2.adapter has linear_in alone"),
+    (lambda tensors: tensors.update({key: torch.cat([value, value[:, :1]], dim=1) for key, value in tensors.items()
+                                     if key.startswith(FC1)}),
+     "model.layers.0.mlp.experts: the adapter has linear_fc1 of experts [0, 1, 2, 3, 4], the model 4 experts"),
+    (lambda tensors: tensors.update({key: value[:, 0] for key, value in tensors.items() if key.startswith(FC1)}),
+     "decoder.layers.0.mlp.experts.experts.linear_fc1.adapter: linear_in [4, 64] and linear_out [64, 4] have no "
+     "expert axis"),
+], ids=["missing-linear-out", "expert-out-of-range", "no-expert-axis"])
+def test_bad_expert_adapters_are_named_errors(bridge: dict[str, Path], tmp_path: Path, damage: object,
+                                              message: str) -> None:
+    lora = _store_edit(bridge, tmp_path, damage)
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, ["export-adapter", str(lora), str(out), "--base", str(bridge["megatron"])])
+    assert result.exit_code in (1, 2) and "Traceback" not in result.output, result.output  # checkpoint or input error
+    assert message in result.output, result.output
+    assert not out.exists()

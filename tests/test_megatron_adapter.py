@@ -288,7 +288,8 @@ def _layer_nine(tensors: dict[str, torch.Tensor]) -> None:
 
 
 def _expert_adapter(tensors: dict[str, torch.Tensor]) -> None:
-    """A grouped experts' fc1 adapter (megatron-core's TEGroupedMLP names), which is not read yet."""
+    """An experts' fc1 adapter under a name megatron-core gives no experts' state (SequentialMLP and TEGroupedMLP both
+    save theirs under ``mlp.experts.experts.``)."""
     tensors["decoder.layers.mlp.experts.linear_fc1.adapter.linear_in.weight"] = torch.zeros(4, 4, 64)
 
 
@@ -300,8 +301,8 @@ def _expert_adapter(tensors: dict[str, torch.Tensor]) -> None:
      r"adapts \['model.layers.9.self_attn.k_proj.weight', .*which the model \(LlamaForCausalLM, 4 layers\) does not "
      r"have"),
     (lambda lora: _rewrite_store(lora, _expert_adapter),
-     r"decoder.layers.mlp.experts.linear_fc1.adapter.linear_in.weight: not a LoRA adapter key of a decoder layer .*the "
-     r"experts'"),
+     r"decoder.layers.mlp.experts.linear_fc1.adapter.linear_in.weight: not a LoRA adapter key of a decoder layer .*a "
+     r"routed experts' module mlp.experts.experts.linear_fc1/2"),
     (lambda lora: _edit_run_config(lora, alpha=None), r"run_config.yaml: peft.alpha is missing: expected a positive"),
     (lambda lora: _edit_run_config(lora, _target_="megatron.bridge.peft.dora.DoRA"),
      r"peft._target_='megatron.bridge.peft.dora.DoRA': only Megatron-Bridge's plain LoRA"),

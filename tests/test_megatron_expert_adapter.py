@@ -105,3 +105,42 @@ def test_bad_expert_adapters_are_named_errors(bridge: dict[str, Path], tmp_path:
     assert result.exit_code in (1, 2) and "Traceback" not in result.output, result.output  # checkpoint or input error
     assert message in result.output, result.output
     assert not out.exists()
+
+
+# --------------------------------------------------------------------------- shared experts
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A Qwen2-MoE base (a gated shared expert beside the routed ones, q/k/v biases) at TP2/EP2 and a Megatron-Bridge
+    LoRA run's checkpoint that adapts the shared expert's linear_fc1/linear_fc2 as well (``SharedExpertMLP``'s
+    linears are plain column/row-parallel ones, not expert linears: peft/utils.py:682-700)."""
+    from support.llama_like_helpers import build_model
+    from support.mcore_bridge_lora import bridge_lora_checkpoint
+
+    root = tmp_path_factory.mktemp("bridge_shared_expert_lora")
+    hf = save_hf_model(build_model("qwen2_moe", seed=2, mlp_only_layers=[], use_sliding_window=False), root / "hf")
+    pgconvert.convert(hf, root / "megatron", dst_format="megatron", dst_tp=2, dst_ep=2)
+    lora = bridge_lora_checkpoint(root / "megatron", root / "lora", root / "held", DIM, ALPHA)
+    return {"hf": hf, "megatron": root / "megatron", "lora": lora, "held": root / "held"}
+
+
+def test_shared_and_routed_experts_adapters_merge(shared: dict[str, Path], tmp_path: Path) -> None:
+    ids = input_ids(json.loads((shared["hf"] / "config.json").read_text())["vocab_size"])
+    pgconvert.convert(shared["hf"], tmp_path / "merged", dst_format="hf", merge_adapter=shared["lora"])
+    expected = megatron_merged_logits(shared, ids)
+    torch.testing.assert_close(hf_logits(tmp_path / "merged", ids), expected, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(hf_logits(shared["hf"], ids), expected, rtol=1e-3, atol=1e-3)
+    held = torch.load(shared["held"] / "rank0.pt", weights_only=True)
+    assert "decoder.layers.0.mlp.shared_experts.linear_fc1" in held  # the shared expert was adapted
+
+
+def test_shared_expert_pairs_peft_would_drop_are_refused_on_export(shared: dict[str, Path], tmp_path: Path) -> None:
+    """PEFT, loading an adapter for a transformers 5 MoE model, takes gate_proj/up_proj/down_proj target modules for the
+    routed experts' pre-fusion linears: the shared expert's pairs would be left out without a word."""
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, ["export-adapter", str(shared["lora"]), str(out), "--base", str(shared["hf"])])
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert "adapts model.layers.0.mlp.shared_expert.down_proj.weight" in result.output, result.output
+    assert "would leave these pairs out; merge the adapter with --merge-adapter instead" in result.output
+    assert not out.exists() and not list(tmp_path.glob(".out*"))

@@ -33,6 +33,7 @@ import re
 
 import torch
 
+from pgconvert.adapters.peft import PeftAdapter
 from pgconvert.errors import CheckpointError, ValidationError
 
 # An adapted routed experts' module within a layer, as the adapter's store names it.
@@ -44,6 +45,11 @@ EXPERT_WEIGHT = re.compile(r"(?P<prefix>decoder\.layers\.\d+\.mlp\.experts\.)loc
 HF_EXPERT_WEIGHT = re.compile(r"(.+)\.(\d+)\.\w+\.weight")
 # How PEFT's keys of a fused experts module end (its one or two ParamWrappers).
 EXPERTS_KEY_ENDS = (".experts.lora_A.weight", ".experts.base_layer.lora_A.weight")
+# The module names PEFT, loading an adapter for a transformers 5 MoE model, takes for its experts' pre-fusion linears and
+# turns into the fused experts' target_parameters (peft/utils/transformers_weight_conversion.py
+# ``_MOE_TARGET_MODULE_MAPPING``, applied to every family transformers' conversion mapping fuses): a dense layer's or a
+# shared expert's pairs under these names would not be loaded.
+PEFT_REMAPPED_MODULES = ("gate", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
 # transformers' fused experts parameters (PEFT's target_parameters) by the Megatron linear they hold.
 FUSED_PARAMETERS = {"linear_fc1": "gate_up_proj", "linear_fc2": "down_proj"}
 
@@ -113,3 +119,15 @@ def fused_experts_pairs(pairs: dict[str, tuple[torch.Tensor, list[torch.Tensor]]
         # B's columns rank-major: column k * experts + e is expert e's column k (PEFT's ParamWrapper layout).
         tensors[f"{key}.lora_B.weight"] = torch.stack([found[e][1] for e in range(experts)], dim=2).flatten(1)
     return tensors
+
+
+def refuse_pairs_peft_remaps(adapter: PeftAdapter, num_experts: int | None) -> None:
+    """Refuse, for a MoE model, pairs PEFT would not load: those of HF modules whose names it remaps onto the fused
+    experts (a dense layer's MLP, a shared expert), which it leaves out of the model without a word."""
+    lost = sorted(weight for weight in adapter.pairs
+                  if weight.removesuffix(".weight").rpartition(".")[2] in PEFT_REMAPPED_MODULES)
+    if num_experts and lost:
+        raise ValidationError(f"{adapter.where}: adapts {', '.join(lost[:3])}{' …' if len(lost) > 3 else ''} of a "
+                              "MoE model: PEFT, loading an adapter for transformers' fused experts, takes target "
+                              f"modules named {', '.join(PEFT_REMAPPED_MODULES[1:4])} for the routed experts' and "
+                              "would leave these pairs out; merge the adapter with --merge-adapter instead")

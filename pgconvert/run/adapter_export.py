@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from pgconvert.adapters.megatron import as_peft_adapter, find_adapter_store, read_megatron_adapter
+from pgconvert.adapters.megatron_experts import refuse_pairs_peft_remaps
 from pgconvert.adapters.megatron_save import write_bridge_adapter
 from pgconvert.adapters.merge import AdapterMerge
 from pgconvert.adapters.names import source_family
@@ -63,8 +64,9 @@ def export_adapter(src: Path, dst: Path, base: Path | None = None, iteration: in
         adapter = as_peft_adapter(read_megatron_adapter(where), source_family(source), source.config,
                                   base_model=str(base or src))
         AdapterMerge(adapter, source)  # every pair on one of the model's weights, of its shape
+        refuse_pairs_peft_remaps(adapter, source.config.moe.num_experts)
         _staged(dst, lambda staging: _write_peft(adapter, staging))
-        return AdapterExport(dst, PEFT_FORM, len(adapter.pairs))
+        return AdapterExport(dst, PEFT_FORM, len(adapter.pairs) + len(adapter.experts_pairs))
     finally:
         source.close()
 

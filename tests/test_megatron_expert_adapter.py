@@ -84,6 +84,36 @@ def _store_edit(bridge: dict[str, Path], tmp_path: Path, edit: object) -> Path:
     return lora
 
 
+def test_a_side_shared_by_all_experts_is_every_experts(bridge: dict[str, Path], tmp_path: Path) -> None:
+    """Megatron-Bridge's ``experts_shared_outer_loras`` (``SharedOuterGroupedExpertAdapter``, peft/utils.py:2522-2700)
+    shares fc1's ``linear_in`` and fc2's ``linear_out`` by all experts: a plain column/row-parallel linear saved
+    without an expert axis, the other side ``PackedPerExpertLinear``'s ``[experts, rows, columns]`` with one
+    (utils.py:2510-2519, 1729-1775). Read so, it is the adapter whose every expert holds that side: the same export."""
+    def shared_outer(tensors: dict[str, torch.Tensor]) -> None:
+        for key in ("decoder.layers.mlp.experts.experts.linear_fc1.adapter.linear_in.weight",
+                    "decoder.layers.mlp.experts.experts.linear_fc2.adapter.linear_out.weight"):
+            tensors[key] = tensors[key][:, 1].contiguous()
+
+    def broadcast(tensors: dict[str, torch.Tensor]) -> None:
+        for key in ("decoder.layers.mlp.experts.experts.linear_fc1.adapter.linear_in.weight",
+                    "decoder.layers.mlp.experts.experts.linear_fc2.adapter.linear_out.weight"):
+            tensors[key] = tensors[key][:, 1:2].expand_as(tensors[key]).contiguous()
+
+    from support.hf_helpers import load_hf_tensors
+
+    exported = {}
+    for name, edit in (("shared_outer", shared_outer), ("broadcast", broadcast)):
+        lora = Path(shutil.copytree(bridge["lora"], tmp_path / name))
+        _rewrite_store(lora, edit)
+        exported[name] = load_hf_tensors(pgconvert.export_adapter(lora, tmp_path / f"{name}_peft",
+                                                                  base=bridge["megatron"]).path)
+    assert sorted(exported["shared_outer"]) == sorted(exported["broadcast"])
+    assert all(torch.equal(value, exported["broadcast"][key]) for key, value in exported["shared_outer"].items())
+    original = load_hf_tensors(bridge["exported"])
+    assert not torch.equal(original["base_model.model.model.layers.0.mlp.experts.lora_B.weight"],
+                           exported["broadcast"]["base_model.model.model.layers.0.mlp.experts.lora_B.weight"])
+
+
 FC1 = "decoder.layers.mlp.experts.experts.linear_fc1.adapter."  # every layer's, stacked: [layers, experts, …]
 
 

@@ -69,6 +69,11 @@ def test_merge_adapter_merges_the_experts_pairs_at_any_layout(bridge: dict[str, 
     from support.hf_helpers import assert_same_hf_tensors
 
     assert_same_hf_tensors(tmp_path / "merged", tmp_path / "back")
+    report = pgconvert.verify(bridge["megatron"], tmp_path / "tp1", merge_adapter=bridge["lora"])
+    assert report.equal and report.compared > 0, report.to_dict()
+    # The two forms' updates, weight by weight: 4 layers' linear_qkv and linear_proj, and 4 experts' fc1 and fc2.
+    report = pgconvert.verify(bridge["lora"], bridge["exported"], base=bridge["megatron"])
+    assert report.equal and report.compared == 4 * 2 + 4 * EXPERTS * 2, report.to_dict()
 
 
 def test_inspect_describes_the_experts_pairs(bridge: dict[str, Path]) -> None:

@@ -22,7 +22,7 @@ from click.testing import CliRunner
 import pgconvert
 from pgconvert.cli import main
 from support.hf_helpers import build_hf_model, hf_logits, input_ids, save_hf_model
-from test_megatron_adapter import _rewrite_store, megatron_merged_logits, peft_logits
+from support.mcore_bridge_lora import megatron_merged_logits, peft_logits, rewrite_store
 
 pytest.importorskip("peft")
 
@@ -47,7 +47,7 @@ def bridge(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def test_exported_expert_adapter_gives_peft_the_megatron_merged_logits(bridge: dict[str, Path]) -> None:
     ids = input_ids(1000)
-    expected = megatron_merged_logits(bridge, ids)
+    expected = megatron_merged_logits(bridge, ids, ALPHA / DIM)
     torch.testing.assert_close(peft_logits(bridge["hf"], bridge["exported"], ids), expected, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(hf_logits(bridge["hf"], ids), expected, rtol=1e-3, atol=1e-3)  # the adapter matters
     config = json.loads((bridge["exported"] / "adapter_config.json").read_text())
@@ -61,7 +61,7 @@ def test_merge_adapter_merges_the_experts_pairs_at_any_layout(bridge: dict[str, 
     expert pair would change the logits (every expert's linear_out is random and nonzero)."""
     ids = input_ids(1000)
     pgconvert.convert(bridge["hf"], tmp_path / "merged", dst_format="hf", merge_adapter=bridge["lora"])
-    expected = megatron_merged_logits(bridge, ids)
+    expected = megatron_merged_logits(bridge, ids, ALPHA / DIM)
     torch.testing.assert_close(hf_logits(tmp_path / "merged", ids), expected, rtol=1e-5, atol=1e-5)
     pgconvert.convert(bridge["megatron"], tmp_path / "tp1", dst_format="megatron", dst_tp=1, dst_ep=1,
                       merge_adapter=bridge["lora"])
@@ -85,7 +85,7 @@ def test_inspect_describes_the_experts_pairs(bridge: dict[str, Path]) -> None:
 
 def _store_edit(bridge: dict[str, Path], tmp_path: Path, edit: object) -> Path:
     lora = Path(shutil.copytree(bridge["lora"], tmp_path / "bad_lora"))
-    _rewrite_store(lora, edit)
+    rewrite_store(lora, edit)
     return lora
 
 
@@ -109,7 +109,7 @@ def test_a_side_shared_by_all_experts_is_every_experts(bridge: dict[str, Path], 
     exported = {}
     for name, edit in (("shared_outer", shared_outer), ("broadcast", broadcast)):
         lora = Path(shutil.copytree(bridge["lora"], tmp_path / name))
-        _rewrite_store(lora, edit)
+        rewrite_store(lora, edit)
         exported[name] = load_hf_tensors(pgconvert.export_adapter(lora, tmp_path / f"{name}_peft",
                                                                   base=bridge["megatron"]).path)
     assert sorted(exported["shared_outer"]) == sorted(exported["broadcast"])
@@ -163,7 +163,7 @@ def shared(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def test_shared_and_routed_experts_adapters_merge(shared: dict[str, Path], tmp_path: Path) -> None:
     ids = input_ids(json.loads((shared["hf"] / "config.json").read_text())["vocab_size"])
     pgconvert.convert(shared["hf"], tmp_path / "merged", dst_format="hf", merge_adapter=shared["lora"])
-    expected = megatron_merged_logits(shared, ids)
+    expected = megatron_merged_logits(shared, ids, ALPHA / DIM)
     torch.testing.assert_close(hf_logits(tmp_path / "merged", ids), expected, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(hf_logits(shared["hf"], ids), expected, rtol=1e-3, atol=1e-3)
     held = torch.load(shared["held"] / "rank0.pt", weights_only=True)

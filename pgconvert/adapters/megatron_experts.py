@@ -37,12 +37,10 @@ from pgconvert.adapters.peft import PeftAdapter
 from pgconvert.errors import CheckpointError, ValidationError
 
 # An adapted routed experts' module within a layer, as the adapter's store names it.
-EXPERTS_MODULE = re.compile(r"mlp\.experts\.experts\.(?:(?P<expert>\d+)\.)?(?P<linear>linear_fc[12])")
+ADAPTED_EXPERTS = re.compile(r"mlp\.experts\.experts\.(?:(?P<expert>\d+)\.)?(?P<linear>linear_fc[12])")
 # A canonical routed expert's weight: the layer's experts module, the expert and the linear.
 EXPERT_WEIGHT = re.compile(r"(?P<prefix>decoder\.layers\.\d+\.mlp\.experts\.)local_experts\.(?P<expert>\d+)\."
                            r"(?P<linear>linear_fc[12])\.weight")
-# An HF routed expert's weight as transformers' checkpoints name it: ``<experts module>.<expert>.<linear>.weight``.
-HF_EXPERT_WEIGHT = re.compile(r"(.+)\.(\d+)\.\w+\.weight")
 # How PEFT's keys of a fused experts module end (its one or two ParamWrappers).
 EXPERTS_KEY_ENDS = (".experts.lora_A.weight", ".experts.base_layer.lora_A.weight")
 # The module names PEFT, loading an adapter for a transformers 5 MoE model, takes for its experts' pre-fusion linears and
@@ -55,14 +53,14 @@ FUSED_PARAMETERS = {"linear_fc1": "gate_up_proj", "linear_fc2": "down_proj"}
 
 
 def is_experts_module(module: str) -> bool:
-    return EXPERTS_MODULE.fullmatch(module) is not None
+    return ADAPTED_EXPERTS.fullmatch(module) is not None
 
 
 def expert_pairs(where: str, layer: int, module: str, linear_in: torch.Tensor,
                  linear_out: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """One layer's adapted experts' module ``module`` (``mlp.experts.experts[.<e>].linear_fc<n>``) as one
     ``(linear_in, linear_out)`` pair per expert, by the canonical weight it changes."""
-    match = EXPERTS_MODULE.fullmatch(module)
+    match = ADAPTED_EXPERTS.fullmatch(module)
     assert match is not None, module
     name = f"decoder.layers.{layer}.{module}"
     if match["expert"] is not None:  # singleton_local_shards: one expert's pair, no expert axis
@@ -91,10 +89,11 @@ def _per_expert(name: str, linear_in: torch.Tensor, linear_out: torch.Tensor,
 
 
 def hf_experts_module(names: tuple[str, ...]) -> str:
-    """The HF experts module (``model.layers.3.mlp.experts``) of one expert's HF weights."""
-    match = HF_EXPERT_WEIGHT.fullmatch(names[0])
-    assert match is not None, names
-    return match[1]
+    """The HF experts module (``model.layers.3.mlp.experts``) of one expert's HF weights, as transformers' checkpoints
+    name them: ``<experts module>.<expert>.<linear>.weight``."""
+    module, expert, _, _ = names[0].rsplit(".", 3)
+    assert expert.isdigit(), names
+    return module
 
 
 def fused_experts_pairs(pairs: dict[str, tuple[torch.Tensor, list[torch.Tensor]]], module: str,

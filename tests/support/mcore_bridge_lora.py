@@ -41,6 +41,7 @@ so a test can merge on the Megatron side by lora_merge.py's rules, independently
 
 from __future__ import annotations
 
+import json
 import re
 import zlib
 from pathlib import Path
@@ -255,3 +256,53 @@ def held_by_tp_rank(held: Path, tp: int, ep: int = 1) -> list[dict[str, dict[str
         for tp_rank in range(tp):
             joined[tp_rank].update(torch.load(held / f"rank{ep_rank * tp + tp_rank}.pt", weights_only=True))
     return joined
+
+
+def megatron_merged_logits(paths: dict[str, Path], ids: torch.Tensor, scaling: float) -> torch.Tensor:
+    """The TP model with each rank's weights merged as Megatron-Bridge's LoRAMerge (peft/lora_merge.py:65-87)
+    merges them, run rank by rank: a column-parallel base (linear_qkv, linear_fc1) adds ``linear_out_r @ cat(linear_in
+    over ranks)``, a row-parallel one (linear_proj, linear_fc2) ``cat(linear_out over ranks) @ linear_in_r``, both
+    times alpha / dim; a routed expert's as its TP rank's (its EP ranks joined, experts by global index)."""
+    from support.hf_helpers import megatron_tp_logits, read_megatron_tp_ranks
+    from support.mcore_helpers import rank_files
+
+    models = read_megatron_tp_ranks(paths["megatron"])
+    held = held_by_tp_rank(paths["held"], len(models), rank_files(paths["megatron"])[0].layout.ep)
+    for module in held[0]:
+        linear_in = [pieces[module]["linear_in"].double() for pieces in held]
+        linear_out = [pieces[module]["linear_out"].double() for pieces in held]
+        for rank, model in enumerate(models):
+            if module.endswith(("linear_proj", "linear_fc2")):
+                delta = torch.cat(linear_out) @ linear_in[rank]
+            else:
+                delta = linear_out[rank] @ torch.cat(linear_in)
+            model[f"{module}.weight"] = model[f"{module}.weight"] + scaling * delta
+    config = json.loads((paths["hf"] / "config.json").read_text())
+    return megatron_tp_logits(models, config, ids).to(torch.float32)
+
+
+def peft_logits(base: Path, adapter: Path, ids: torch.Tensor) -> torch.Tensor:
+    """transformers + PEFT's logits of the HF model ``base`` with the adapter ``adapter`` loaded."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), adapter)
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def rewrite_store(lora: Path, change: object) -> None:
+    """The store's tensors, read and written back by torch.distributed.checkpoint (one process) after ``change``
+    edits the dict of them; megatron-core's metadata.json, common.pt and run_config.yaml kept."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader, TensorStorageMetadata
+
+    store = next(lora.glob("iter_*"))
+    metadata = FileSystemReader(str(store)).read_metadata()
+    tensors = {key: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+               for key, meta in metadata.state_dict_metadata.items() if isinstance(meta, TensorStorageMetadata)}
+    dcp.load(tensors, checkpoint_id=str(store), no_dist=True)
+    change(tensors)  # type: ignore[operator]
+    for data in [*store.glob("*.distcp"), store / ".metadata"]:
+        data.unlink()
+    dcp.save(tensors, checkpoint_id=str(store), no_dist=True)

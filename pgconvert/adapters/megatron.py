@@ -48,7 +48,7 @@ ADAPTER_FORMAT = "megatron-bridge-lora"
 # Megatron-Bridge's plain LoRA (peft/lora.py); its other PEFT methods compute something else or store other keys.
 LORA_TARGET = "megatron.bridge.peft.lora.LoRA"
 _LORA_TARGETS = (LORA_TARGET,)
-_ADAPTER_KEY = re.compile(r"decoder\.layers\.(?:(?P<layer>\d+)\.)?(?P<module>(?:\w+\.)*?\w+)"
+_ADAPTER_KEY = re.compile(r"(?P<block>decoder|mtp)\.layers\.(?:(?P<layer>\d+)\.)?(?P<module>(?:\w+\.)*?\w+)"
                           r"\.adapter\.linear_(?P<side>in|out)\.weight")
 
 
@@ -157,26 +157,27 @@ def _read_pairs(store: Path, metadata: Any, dim: int, run_config: Path) -> dict[
     canonical weight they change (a routed experts' module: one pair per expert, ``adapters.megatron_experts``)."""
     from pgconvert.formats.dcp_store import DcpStore
 
-    sides: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    sides: dict[tuple[str, int, str], dict[str, torch.Tensor]] = {}
     reader = DcpStore(store, metadata)
     for key in sorted(key for key in _tensor_keys(metadata) if is_adapter_key(key)):  # the base model's left out
         match = _ADAPTER_KEY.fullmatch(key)
-        if match is None or (".experts." in match["module"] and not is_experts_module(match["module"])):
-            raise ValidationError(f"{store}: {key}: not a LoRA adapter key of a decoder layer "
-                                  "(decoder.layers.<module>.adapter.linear_in/linear_out.weight, a routed experts' "
-                                  "module mlp.experts.experts.linear_fc1/2); MTP layers' and other models' adapters "
-                                  "are not read yet")
+        if match is None or (".experts." in match["module"] and not is_experts_module(match["module"])) or (
+                match["block"] == "mtp" and match["layer"] is None):
+            raise ValidationError(f"{store}: {key}: not a LoRA adapter key of a decoder or MTP layer "
+                                  "(decoder.layers.<module>.adapter.linear_in/linear_out.weight, mtp.layers.<i>."
+                                  "<module>…, a routed experts' module mlp.experts.experts.linear_fc1/2); other "
+                                  "models' adapters are not read yet")
         for layer, tensor in _layer_tensors(reader, key, metadata.state_dict_metadata[key], match["layer"]):
-            sides.setdefault((layer, match["module"]), {})[match["side"]] = tensor
+            sides.setdefault((match["block"], layer, match["module"]), {})[match["side"]] = tensor
     pairs = {}
-    for (layer, module), found in sorted(sides.items()):
+    for (block, layer, module), found in sorted(sides.items()):
+        prefix = f"{block}.layers.{layer}."
         if set(found) != {"in", "out"}:
-            raise CheckpointError(f"{store}: decoder.layers.{layer}.{module}.adapter has linear_{''.join(found)} "
-                                  "alone")
+            raise CheckpointError(f"{store}: {prefix}{module}.adapter has linear_{''.join(found)} alone")
         if is_experts_module(module):
-            split = expert_pairs(str(store), layer, module, found["in"], found["out"])
+            split = expert_pairs(str(store), prefix, module, found["in"], found["out"])
         else:
-            split = {f"decoder.layers.{layer}.{module}.weight": (found["in"], found["out"])}
+            split = {f"{prefix}{module}.weight": (found["in"], found["out"])}
         for weight, (a, b) in split.items():
             if a.dim() != 2 or b.dim() != 2 or a.shape[0] != dim or b.shape[1] != dim:
                 raise ValidationError(f"{store}: {weight.removesuffix('.weight')}.adapter: linear_in {list(a.shape)} "

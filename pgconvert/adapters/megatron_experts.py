@@ -37,10 +37,11 @@ from pgconvert.adapters.peft import PeftAdapter
 from pgconvert.errors import CheckpointError, ValidationError
 
 # An adapted routed experts' module within a layer, as the adapter's store names it.
-ADAPTED_EXPERTS = re.compile(r"mlp\.experts\.experts\.(?:(?P<expert>\d+)\.)?(?P<linear>linear_fc[12])")
+ADAPTED_EXPERTS = re.compile(r"(?P<inner>(?:transformer_layer\.)?)mlp\.experts\.experts\.(?:(?P<expert>\d+)\.)?"
+                             r"(?P<linear>linear_fc[12])")
 # A canonical routed expert's weight: the layer's experts module, the expert and the linear.
-EXPERT_WEIGHT = re.compile(r"(?P<prefix>decoder\.layers\.\d+\.mlp\.experts\.)local_experts\.(?P<expert>\d+)\."
-                           r"(?P<linear>linear_fc[12])\.weight")
+EXPERT_WEIGHT = re.compile(r"(?:decoder|mtp)\.layers\.\d+\.(?:transformer_layer\.)?mlp\.experts\.local_experts\."
+                           r"(?P<expert>\d+)\.(?P<linear>linear_fc[12])\.weight")
 # How PEFT's keys of a fused experts module end (its one or two ParamWrappers).
 EXPERTS_KEY_ENDS = (".experts.lora_A.weight", ".experts.base_layer.lora_A.weight")
 # The module names PEFT, loading an adapter for a transformers 5 MoE model, takes for its experts' pre-fusion linears and
@@ -56,18 +57,19 @@ def is_experts_module(module: str) -> bool:
     return ADAPTED_EXPERTS.fullmatch(module) is not None
 
 
-def expert_pairs(where: str, layer: int, module: str, linear_in: torch.Tensor,
+def expert_pairs(where: str, layer: str, module: str, linear_in: torch.Tensor,
                  linear_out: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """One layer's adapted experts' module ``module`` (``mlp.experts.experts[.<e>].linear_fc<n>``) as one
+    """One layer's (``layer``: ``decoder.layers.3.``, ``mtp.layers.0.``) adapted experts' module ``module``
+    (``mlp.experts.experts[.<e>].linear_fc<n>``, an MTP layer's under ``transformer_layer.``) as one
     ``(linear_in, linear_out)`` pair per expert, by the canonical weight it changes."""
     match = ADAPTED_EXPERTS.fullmatch(module)
     assert match is not None, module
-    name = f"decoder.layers.{layer}.{module}"
+    name = f"{layer}{module}"
     if match["expert"] is not None:  # singleton_local_shards: one expert's pair, no expert axis
         sides = {int(match["expert"]): (linear_in, linear_out)}
     else:
         sides = _per_expert(name, linear_in, linear_out, where)
-    return {f"decoder.layers.{layer}.mlp.experts.local_experts.{expert}.{match['linear']}.weight": pair
+    return {f"{layer}{match['inner']}mlp.experts.local_experts.{expert}.{match['linear']}.weight": pair
             for expert, pair in sorted(sides.items())}
 
 

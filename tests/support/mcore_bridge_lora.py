@@ -41,9 +41,11 @@ so a test can merge on the Megatron side by lora_merge.py's rules, independently
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -121,23 +123,37 @@ def global_module(name: str, ep_rank: int, local_experts: int) -> str:
     return name.replace(found[0], f".local_experts.{ep_rank * local_experts + int(found[1])}.")
 
 
-def _wrapped_model(rank: int, world: int, spec: dict[str, Any]) -> tuple[Any, dict[str, BridgeAdapter]]:
-    """The base's rank file in megatron-core's GPTModel, every module Megatron-Bridge's ``LoRA`` matches wrapped with
-    an adapter (zeros), by the module's name with a routed expert's global index. ``ModuleMatcher.match``
-    (peft/module_matcher.py) matches a module whose own name is a target, so a MoE layer's routed experts'
-    (``experts.local_experts.<e>.linear_fc1``) and shared experts' linears are wrapped as a dense MLP's are."""
+@contextlib.contextmanager
+def _base_model(rank_file: Any) -> Iterator[Any]:
+    """The rank file loaded into megatron-core's GPTModel (strict), while in use: with an MTP block
+    (``support.mcore_mtp_model``, TP1) where its args have MTP layers."""
     import support.mcore_helpers as mcore
 
-    rank_file = mcore.rank_files(Path(spec["base"]))[rank]
-    model = mcore.load_rank_into_gpt_model(rank_file)
-    layout = rank_file.layout
+    if not getattr(rank_file.args, "mtp_num_layers", None):
+        yield mcore.load_rank_into_gpt_model(rank_file)
+        return
+    from support.mcore_mtp_model import mtp_gpt_model
+
+    with mtp_gpt_model(rank_file.args) as model:
+        model.load_state_dict(dict(rank_file.model), strict=True)
+        yield model
+
+
+def _wrap(model: Any, layout: Any, spec: dict[str, Any]) -> dict[str, BridgeAdapter]:
+    """Every module Megatron-Bridge's ``LoRA`` matches wrapped with an adapter (zeros), by the module's name with a
+    routed expert's global index. ``ModuleMatcher.match`` (peft/module_matcher.py) matches a module whose own name is
+    a target wherever it is, so a MoE layer's routed experts' (``experts.local_experts.<e>.linear_fc1``) and shared
+    experts' linears, and an MTP layer's (``mtp.layers.<i>.transformer_layer.…``), are wrapped as a dense MLP's
+    are."""
+    import support.mcore_helpers as mcore
+
     local_experts = (model.config.num_moe_experts or 0) // layout.ep
     wanted = {target.rpartition(".")[2] for target in spec.get("targets", TARGETS)}
     adapters = {}
     with mcore.fake_group_queries():
         for name, base in list(model.named_modules()):
             owner_name, _, attribute = name.rpartition(".")
-            if attribute not in wanted or not name.startswith("decoder.layers."):
+            if attribute not in wanted or not name.startswith(("decoder.layers.", "mtp.layers.")):
                 continue
             owner = model.get_submodule(owner_name)
             gated = attribute == "linear_fc1" and model.config.gated_linear_unit
@@ -145,7 +161,7 @@ def _wrapped_model(rank: int, world: int, spec: dict[str, Any]) -> tuple[Any, di
             adapter = adapters[module] = BridgeAdapter(base, spec["dim"], spec["alpha"], gated, is_expert_linear(name))
             adapter.local_name = name
             setattr(owner, attribute, LoRALinear(base, adapter))
-    return model, adapters
+    return adapters
 
 
 def _adapter_state(model: Any, layout: Any) -> dict[str, Any]:
@@ -175,13 +191,20 @@ def run_bridge_lora_rank(rank: int, world: int, spec: dict[str, Any]) -> None:
     base's args in the common state); ``bridge_lora_load``: it is loaded from ``ckpt`` with
     dist_checkpointing.load, as Megatron-Bridge's load_peft_adapter_checkpoint does (peft/utils.py:418-478). Either
     way the rank's pieces go to ``out``/rank{R}.pt."""
+    import support.mcore_helpers as mcore
+
+    rank_file = mcore.rank_files(Path(spec["base"]))[rank]
+    with _base_model(rank_file) as model:
+        _save_or_load(model, _wrap(model, rank_file.layout, spec), rank, rank_file, spec)
+
+
+def _save_or_load(model: Any, adapters: dict[str, BridgeAdapter], rank: int, rank_file: Any,
+                  spec: dict[str, Any]) -> None:
+    """``run_bridge_lora_rank``'s save or load of the wrapped ``model``."""
     from megatron.core import dist_checkpointing
     from support.mcore_gpt_models import content_metadata
 
-    import support.mcore_helpers as mcore
-
-    model, adapters = _wrapped_model(rank, world, spec)
-    layout = mcore.rank_files(Path(spec["base"]))[rank].layout
+    layout = rank_file.layout
     if spec["action"] == "bridge_lora_load":
         loaded = dist_checkpointing.load({"model": _adapter_state(model, layout)}, spec["ckpt"],
                                          strict="raise_all")["model"]
@@ -197,7 +220,7 @@ def run_bridge_lora_rank(rank: int, world: int, spec: dict[str, Any]) -> None:
                 for module, adapter in adapters.items()}
         state = {"model": _saved_state(model, spec, layout), "checkpoint_version": 3.0, "iteration": ITERATION}
         if spec["action"] == "bridge_lora_full":
-            state["args"] = mcore.rank_files(Path(spec["base"]))[rank].args
+            state["args"] = rank_file.args
         dist_checkpointing.save(state, spec["ckpt"], content_metadata=content_metadata())
     torch.save(held, Path(spec["out"]) / f"rank{rank}.pt")
 

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from pgconvert.adapters.megatron_canonical import CANONICAL_LORA_TARGET, check_part, part_name, rank_ordered_rows
 from pgconvert.adapters.megatron_experts import (EXPERT_WEIGHT, EXPERTS_KEY_ENDS, FUSED_PARAMETERS, expert_pairs,
                                                  fused_experts_pairs, hf_experts_module, is_experts_module)
 from pgconvert.adapters.peft import KEY_PREFIX, AdapterTensors, PeftAdapter, peft_adapter
@@ -47,9 +48,9 @@ from pgconvert.model.config import ModelConfig
 ADAPTER_FORMAT = "megatron-bridge-lora"
 # Megatron-Bridge's plain LoRA (peft/lora.py); its other PEFT methods compute something else or store other keys.
 LORA_TARGET = "megatron.bridge.peft.lora.LoRA"
-_LORA_TARGETS = (LORA_TARGET,)
+_LORA_TARGETS = (LORA_TARGET, CANONICAL_LORA_TARGET)
 _ADAPTER_KEY = re.compile(r"(?P<block>decoder|mtp)\.layers\.(?:(?P<layer>\d+)\.)?(?P<module>(?:\w+\.)*?\w+)"
-                          r"\.adapter\.linear_(?P<side>in|out)\.weight")
+                          r"\.adapter\.(?:adapter_(?P<part>q|k|v|gate|up)\.)?linear_(?P<side>in|out)\.weight")
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,7 @@ class MegatronPair:
     weight: str  # the canonical weight it changes: decoder.layers.3.self_attention.linear_qkv.weight
     linear_in: torch.Tensor
     linear_out: torch.Tensor
+    part: int | None = None  # CanonicalLoRA: which of the weight's HF parts it alone changes (q, k, v; gate, up)
 
 
 @dataclass(frozen=True, eq=False)
@@ -154,26 +156,14 @@ def _peft_settings(run_config: Path) -> dict[str, Any]:
 
 def _read_pairs(store: Path, metadata: Any, dim: int, run_config: Path) -> dict[str, MegatronPair]:
     """Every adapted module's ``linear_in`` and ``linear_out`` (``metadata``: the store's ``.metadata``), whole, by the
-    canonical weight they change (a routed experts' module: one pair per expert, ``adapters.megatron_experts``)."""
-    from pgconvert.formats.dcp_store import DcpStore
-
-    sides: dict[tuple[str, int, str], dict[str, torch.Tensor]] = {}
-    reader = DcpStore(store, metadata)
-    for key in sorted(key for key in _tensor_keys(metadata) if is_adapter_key(key)):  # the base model's left out
-        match = _ADAPTER_KEY.fullmatch(key)
-        if match is None or (".experts." in match["module"] and not is_experts_module(match["module"])) or (
-                match["block"] == "mtp" and match["layer"] is None):
-            raise ValidationError(f"{store}: {key}: not a LoRA adapter key of a decoder or MTP layer "
-                                  "(decoder.layers.<module>.adapter.linear_in/linear_out.weight, mtp.layers.<i>."
-                                  "<module>…, a routed experts' module mlp.experts.experts.linear_fc1/2); other "
-                                  "models' adapters are not read yet")
-        for layer, tensor in _layer_tensors(reader, key, metadata.state_dict_metadata[key], match["layer"]):
-            sides.setdefault((match["block"], layer, match["module"]), {})[match["side"]] = tensor
+    canonical weight they change (a routed experts' module: one pair per expert, ``adapters.megatron_experts``; a
+    CanonicalLoRA part's pair by ``megatron_canonical.part_name``)."""
     pairs = {}
-    for (block, layer, module), found in sorted(sides.items()):
+    for (block, layer, module, part), found in sorted(_read_sides(store, metadata).items()):
         prefix = f"{block}.layers.{layer}."
+        name = f"{prefix}{module}.adapter" + (f".adapter_{part}" if part else "")
         if set(found) != {"in", "out"}:
-            raise CheckpointError(f"{store}: {prefix}{module}.adapter has linear_{''.join(found)} alone")
+            raise CheckpointError(f"{store}: {name} has linear_{''.join(found)} alone")
         if is_experts_module(module):
             split = expert_pairs(str(store), prefix, module, found["in"], found["out"])
         else:
@@ -183,8 +173,32 @@ def _read_pairs(store: Path, metadata: Any, dim: int, run_config: Path) -> dict[
                 raise ValidationError(f"{store}: {weight.removesuffix('.weight')}.adapter: linear_in {list(a.shape)} "
                                       f"and linear_out {list(b.shape)} do not make a rank-{dim} pair "
                                       f"({run_config.name} gives dim={dim})")
-            pairs[weight] = MegatronPair(weight, a, b)
+            index = check_part(str(store), f"{prefix}{module}", part) if part else None
+            pairs[part_name(weight, part) if part else weight] = MegatronPair(weight, a, b, index)
     return pairs
+
+
+def _read_sides(store: Path, metadata: Any) -> dict[tuple[str, int, str, str | None], dict[str, torch.Tensor]]:
+    """Each adapter's sides by (``decoder``/``mtp``, layer, module, CanonicalLoRA part or None) and side."""
+    from pgconvert.formats.dcp_store import DcpStore
+
+    sides: dict[tuple[str, int, str, str | None], dict[str, torch.Tensor]] = {}
+    reader = DcpStore(store, metadata)
+    for key in sorted(key for key in _tensor_keys(metadata) if is_adapter_key(key)):  # the base model's left out
+        match = _ADAPTER_KEY.fullmatch(key)
+        if match is None or (".experts." in match["module"] and not is_experts_module(match["module"])) or (
+                match["block"] == "mtp" and match["layer"] is None):
+            raise ValidationError(f"{store}: {key}: not a LoRA adapter key of a decoder or MTP layer "
+                                  "(decoder.layers.<module>.adapter.linear_in/linear_out.weight, mtp.layers.<i>."
+                                  "<module>…, a routed experts' module mlp.experts.experts.linear_fc1/2); other "
+                                  "models' adapters are not read yet")
+        meta = metadata.state_dict_metadata[key]
+        for layer, tensor in _layer_tensors(reader, key, meta, match["layer"]):
+            if match["part"] in ("gate", "up") and match["side"] == "out":
+                half = min(int(chunk.sizes[-2]) for chunk in meta.chunks)
+                tensor = rank_ordered_rows(tensor, half, f"{store}: {key}")
+            sides.setdefault((match["block"], layer, match["module"], match["part"]), {})[match["side"]] = tensor
+    return sides
 
 
 def _layer_tensors(reader: Any, key: str, meta: Any, layer: str | None) -> list[tuple[int, torch.Tensor]]:
@@ -260,6 +274,11 @@ def _hf_parts(adapter: MegatronAdapter, family: Family, config: ModelConfig,
         raise ValidationError(f"{adapter.directory}: adapts {pair.weight}, which the model "
                               f"({family.architecture}, {config.num_layers} layers) does not have as a weight")
     row, names = found
+    if pair.part is not None:  # a CanonicalLoRA part's pair: that HF weight's own
+        if pair.part >= len(names):
+            raise ValidationError(f"{adapter.directory}: {pair.weight}: a CanonicalLoRA pair of part {pair.part}, "
+                                  f"the model's weight has {len(names)} HF parts ({', '.join(names)})")
+        return (names[pair.part],), [pair.linear_out]
     shape = (pair.linear_out.shape[0], pair.linear_in.shape[1])
     parts = row.transform.split(pair.linear_out, config) if moves_rows(row.transform, shape, config) else []
     if len(parts) != len(names):

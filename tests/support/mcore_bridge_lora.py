@@ -61,7 +61,8 @@ class BridgeAdapter(torch.nn.Module):
     expert's (``is_expert``, lora.py:189) has its linears built with ``is_expert=True`` on the expert TP group
     (utils.py:1001-1006, 1042-1083) and its replicas over expert data parallelism (utils.py:1382-1399, 1599-1600)."""
 
-    def __init__(self, base: Any, dim: int, alpha: float, gated: bool, is_expert: bool = False) -> None:
+    def __init__(self, base: Any, dim: int, alpha: float, gated: bool, is_expert: bool = False,
+                 out_features: int | None = None) -> None:
         from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
         super().__init__()
@@ -76,7 +77,7 @@ class BridgeAdapter(torch.nn.Module):
             self.linear_in = ColumnParallelLinear(base.input_size, dim, config=config, bias=False, gather_output=True,
                                                   init_method=torch.nn.init.zeros_, is_expert=is_expert,
                                                   tp_group=tp_group)
-        self.linear_out = ColumnParallelLinear(dim, base.output_size, config=config, bias=False,
+        self.linear_out = ColumnParallelLinear(dim, out_features or base.output_size, config=config, bias=False,
                                                gather_output=input_is_parallel, init_method=torch.nn.init.zeros_,
                                                is_expert=is_expert, tp_group=tp_group)
 
@@ -89,6 +90,33 @@ class BridgeAdapter(torch.nn.Module):
             key = f"{prefix}linear_out.weight"
             linear_out[key] = apply_swiglu_sharded_factory(linear_out[key], sharded_offsets)
         return {**linear_in, **linear_out}
+
+
+class AdapterDict(torch.nn.ModuleDict):
+    """Megatron-Bridge CanonicalLoRA's ``ModuleDict`` (peft/canonical_lora.py:41-65): each adapter's state under its
+    own name (``adapter.adapter_q.linear_in.weight``)."""
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
+        return {key: value for name, adapter in self.items()
+                for key, value in adapter.sharded_state_dict(f"{prefix}{name}.", sharded_offsets, metadata).items()}
+
+
+def canonical_adapters(base: Any, attribute: str, spec: dict[str, Any]) -> dict[str, BridgeAdapter] | None:
+    """CanonicalLoRA's adapters of ``linear_qkv`` (q, k, v: ``kv_channels`` times the heads or query groups rows,
+    canonical_lora.py:383-394) and of ``linear_fc1`` (gate, up: half its rows each, canonical_lora.py:396-403), each a
+    ``ParallelLinearAdapter`` named for the base (a gated ``linear_fc1``'s through the swiglu factory,
+    utils.py:1537-1569); None for another module (a plain adapter, canonical_lora.py:405-409)."""
+    config = base.config
+    if attribute == "linear_qkv":
+        rows = {"q": config.kv_channels * config.num_attention_heads, "k": config.kv_channels * config.num_query_groups,
+                "v": config.kv_channels * config.num_query_groups}
+    elif attribute == "linear_fc1":
+        rows = {"gate": base.output_size // 2, "up": base.output_size // 2}
+    else:
+        return None
+    gated = attribute == "linear_fc1" and config.gated_linear_unit
+    return {f"adapter_{part}": BridgeAdapter(base, spec["dim"], spec["alpha"], gated, out_features=count)
+            for part, count in rows.items()}
 
 
 class LoRALinear(torch.nn.Module):
@@ -158,8 +186,15 @@ def _wrap(model: Any, layout: Any, spec: dict[str, Any]) -> dict[str, BridgeAdap
             owner = model.get_submodule(owner_name)
             gated = attribute == "linear_fc1" and model.config.gated_linear_unit
             module = global_module(name, layout.ep_rank, local_experts)
+            parts = canonical_adapters(base, attribute, spec) if spec.get("canonical") else None
+            if parts is not None:
+                for part, adapter in parts.items():
+                    adapters[f"{module}.{part}"] = adapter
+                    adapter.local_name = f"{name}.adapter.{part}"
+                setattr(owner, attribute, LoRALinear(base, AdapterDict(parts)))
+                continue
             adapter = adapters[module] = BridgeAdapter(base, spec["dim"], spec["alpha"], gated, is_expert_linear(name))
-            adapter.local_name = name
+            adapter.local_name = f"{name}.adapter"
             setattr(owner, attribute, LoRALinear(base, adapter))
     return adapters
 
@@ -208,7 +243,7 @@ def _save_or_load(model: Any, adapters: dict[str, BridgeAdapter], rank: int, ran
     if spec["action"] == "bridge_lora_load":
         loaded = dist_checkpointing.load({"model": _adapter_state(model, layout)}, spec["ckpt"],
                                          strict="raise_all")["model"]
-        held = {module: {side: loaded[f"{adapter.local_name}.adapter.{side}.weight"]
+        held = {module: {side: loaded[f"{adapter.local_name}.{side}.weight"]
                          for side in ("linear_in", "linear_out")} for module, adapter in adapters.items()}
     else:
         with torch.no_grad():
@@ -226,14 +261,15 @@ def _save_or_load(model: Any, adapters: dict[str, BridgeAdapter], rank: int, ran
 
 
 def write_run_config(iteration_dir: Path, dim: int, alpha: float, tp: int,
-                     targets: tuple[str, ...] = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")) -> None:
+                     targets: tuple[str, ...] = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"),
+                     target: str = "megatron.bridge.peft.lora.LoRA") -> None:
     """``run_config.yaml`` with the ``peft`` section Megatron-Bridge's ``cfg.to_yaml`` writes for a LoRA run (the
     LoRA dataclass's fields, lora.py:143-157) and the model's parallel sizes."""
     import yaml
 
     config = {
         "model": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": 1},
-        "peft": {"_target_": "megatron.bridge.peft.lora.LoRA", "target_modules": list(targets), "exclude_modules": [],
+        "peft": {"_target_": target, "target_modules": list(targets), "exclude_modules": [],
                  "dim": dim, "alpha": alpha, "dropout": 0.0, "dropout_position": "pre",
                  "lora_A_init_method": "xavier", "lora_B_init_method": "zero", "a2a_experimental": False,
                  "lora_dtype": None, "normalize_moe_lora": False, "share_expert_adapters": True},
@@ -241,11 +277,13 @@ def write_run_config(iteration_dir: Path, dim: int, alpha: float, tp: int,
     (iteration_dir / "run_config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
 
 
-def bridge_lora_checkpoint(base: Path, root: Path, out: Path, dim: int, alpha: float, whole: bool = False) -> Path:
+def bridge_lora_checkpoint(base: Path, root: Path, out: Path, dim: int, alpha: float, whole: bool = False,
+                           canonical: bool = False) -> Path:
     """A Megatron-Bridge LoRA run's checkpoint directory at ``root`` (``iter_*`` with the adapter-only torch_dist store
     and run_config.yaml, the tracker) for the TP Megatron checkpoint ``base``; ``out``: the ranks' held pieces.
     ``whole``: the wrapped model saved whole instead (base and adapter in one store, megatron-core's ``args`` in its
-    common state); the adapters get the same values either way."""
+    common state); the adapters get the same values either way. ``canonical``: Megatron-Bridge's CanonicalLoRA (q, k,
+    v and gate, up apart; its default targets, canonical_lora.py:221-232)."""
     from support.mcore_helpers import rank_files
     from support.mcore_torch_dist_job import run_job
 
@@ -254,8 +292,14 @@ def bridge_lora_checkpoint(base: Path, root: Path, out: Path, dim: int, alpha: f
     iteration_dir = root / f"iter_{ITERATION:07d}"
     iteration_dir.mkdir(parents=True)
     run_job({"action": "bridge_lora_full" if whole else "bridge_lora", "base": str(base), "ckpt": str(iteration_dir),
-             "world": tp * layout.ep, "tp": tp, "pp": 1, "ep": layout.ep, "dim": dim, "alpha": alpha}, out)
-    write_run_config(iteration_dir, dim, alpha, tp)
+             "world": tp * layout.ep, "tp": tp, "pp": 1, "ep": layout.ep, "dim": dim, "alpha": alpha,
+             "canonical": canonical}, out)
+    if canonical:
+        write_run_config(iteration_dir, dim, alpha, tp, ("linear_q", "linear_k", "linear_v", "linear_proj",
+                                                         "linear_fc1_up", "linear_fc1_gate", "linear_fc2"),
+                         "megatron.bridge.peft.canonical_lora.CanonicalLoRA")
+    else:
+        write_run_config(iteration_dir, dim, alpha, tp)
     (root / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
     return root
 
@@ -285,23 +329,40 @@ def megatron_merged_logits(paths: dict[str, Path], ids: torch.Tensor, scaling: f
     """The TP model with each rank's weights merged as Megatron-Bridge's LoRAMerge (peft/lora_merge.py:65-87)
     merges them, run rank by rank: a column-parallel base (linear_qkv, linear_fc1) adds ``linear_out_r @ cat(linear_in
     over ranks)``, a row-parallel one (linear_proj, linear_fc2) ``cat(linear_out over ranks) @ linear_in_r``, both
-    times alpha / dim; a routed expert's as its TP rank's (its EP ranks joined, experts by global index)."""
+    times alpha / dim; a routed expert's as its TP rank's (its EP ranks joined, experts by global index); CanonicalLoRA's
+    parts each so, joined as its wrappers join their outputs (``canonical_rank_delta``)."""
     from support.hf_helpers import megatron_tp_logits, read_megatron_tp_ranks
     from support.mcore_helpers import rank_files
 
     models = read_megatron_tp_ranks(paths["megatron"])
     held = held_by_tp_rank(paths["held"], len(models), rank_files(paths["megatron"])[0].layout.ep)
-    for module in held[0]:
-        linear_in = [pieces[module]["linear_in"].double() for pieces in held]
-        linear_out = [pieces[module]["linear_out"].double() for pieces in held]
-        for rank, model in enumerate(models):
+    config = json.loads((paths["hf"] / "config.json").read_text())
+    for rank, model in enumerate(models):
+        deltas: dict[str, dict[str, torch.Tensor]] = {}
+        for module in held[0]:
+            linear_in = [pieces[module]["linear_in"].double() for pieces in held]
+            linear_out = [pieces[module]["linear_out"].double() for pieces in held]
             if module.endswith(("linear_proj", "linear_fc2")):
                 delta = torch.cat(linear_out) @ linear_in[rank]
             else:
                 delta = linear_out[rank] @ torch.cat(linear_in)
+            base, _, part = module.rpartition(".adapter_") if ".adapter_" in module else (module, "", "")
+            deltas.setdefault(base, {})[part] = delta
+        for module, parts in deltas.items():
+            delta = parts[""] if "" in parts else canonical_rank_delta(parts, config, len(models))
             model[f"{module}.weight"] = model[f"{module}.weight"] + scaling * delta
-    config = json.loads((paths["hf"] / "config.json").read_text())
     return megatron_tp_logits(models, config, ids).to(torch.float32)
+
+
+def canonical_rank_delta(parts: dict[str, torch.Tensor], config: dict[str, Any], tp: int) -> torch.Tensor:
+    """One rank's delta of a CanonicalLoRA-wrapped module from its parts' deltas: ``LoRALinearSplitQKV``'s q, k and
+    v rows interleaved by the rank's query groups (canonical_lora.py:75-135), ``LoRALinearSplitFC1UpGate``'s
+    ``[gate; up]`` (canonical_lora.py:138-156)."""
+    if "gate" in parts:
+        return torch.cat([parts["gate"], parts["up"]])
+    groups = (config.get("num_key_value_heads") or config["num_attention_heads"]) // tp
+    q, k, v = (parts[name].chunk(groups) for name in ("q", "k", "v"))
+    return torch.cat([rows for group in zip(q, k, v, strict=True) for rows in group])
 
 
 def peft_logits(base: Path, adapter: Path, ids: torch.Tensor) -> torch.Tensor:

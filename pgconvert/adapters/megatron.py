@@ -18,7 +18,9 @@ for every part; lora_B is the part's rows of ``linear_out``, cut by the family t
 transforms only move rows, so each part's ``B @ A`` is exactly the part's rows of the canonical delta; ``r`` is
 ``dim`` and ``lora_alpha`` is ``alpha``, so PEFT's scaling is Megatron-Bridge's. This is the form
 Megatron-Bridge's own ``save_hf_adapter`` writes (q/k/v and gate/up sharing lora_A). A MoE layer's routed experts'
-adapters are read as one pair per expert and put in PEFT's fused experts form by ``adapters.megatron_experts``.
+adapters are read as one pair per expert and put in PEFT's fused experts form by ``adapters.megatron_experts``; an MTP
+layer's (``mtp.layers.<i>.…``) as a decoder layer's; ``CanonicalLoRA``'s q/k/v and gate/up pairs each as its HF
+projection's own (``adapters.megatron_canonical``).
 """
 
 from __future__ import annotations

@@ -91,8 +91,8 @@ def _k_without_linear_out(tensors: dict[str, torch.Tensor]) -> None:
 @pytest.mark.parametrize("damage, message", [
     (lambda tensors: None, "mlp.linear_fc1.adapter.adapter_gate.linear_out.weight: linear_out's 128 rows are not "
                            "saved in halves of 128 rows"),
-    (_q_under_linear_proj, "decoder.layers.0.self_attention.linear_proj.adapter.adapter_q: CanonicalLoRA's adapter_q "
-                           "is one of linear_qkv's, not of linear_proj"),
+    (_q_under_linear_proj, "decoder.layers.self_attention.linear_proj.adapter.adapter_q: CanonicalLoRA's adapter_q is "
+                           "one of linear_qkv's, not of linear_proj"),
     (_k_without_linear_out, "decoder.layers.0.self_attention.linear_qkv.adapter.adapter_k has linear_in alone"),
 ], ids=["gate-not-saved-in-halves", "q-under-linear-proj", "k-without-linear-out"])
 def test_bad_canonical_adapters_are_named_errors(bridge: dict[str, Path], tmp_path: Path, damage: object,

@@ -194,6 +194,8 @@ def _read_sides(store: Path, metadata: Any) -> dict[tuple[str, int, str, str | N
                                   "(decoder.layers.<module>.adapter.linear_in/linear_out.weight, mtp.layers.<i>."
                                   "<module>…, a routed experts' module mlp.experts.experts.linear_fc1/2); other "
                                   "models' adapters are not read yet")
+        if match["part"]:
+            check_part(str(store), key.partition(".adapter.")[0], match["part"])
         meta = metadata.state_dict_metadata[key]
         for layer, tensor in _layer_tensors(reader, key, meta, match["layer"]):
             if match["part"] in ("gate", "up") and match["side"] == "out":

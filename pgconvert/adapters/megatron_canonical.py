@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from pgconvert.errors import CheckpointError
+from pgconvert.errors import CheckpointError, ValidationError
 
 CANONICAL_LORA_TARGET = "megatron.bridge.peft.canonical_lora.CanonicalLoRA"
 # Each part's fused module and its index among the module's HF parts (the family transform's split order).
@@ -37,6 +37,9 @@ def part_name(weight: str, part: str) -> str:
 def check_part(where: str, module: str, part: str) -> int:
     """The part's index among its module's HF parts; refused where the module is not the part's fused one."""
     owner, index = PARTS[part]
+    if ".experts." in module:  # PEFT's fused gate_up_proj has one lora_A per expert: gate's and up's differ here
+        raise ValidationError(f"{where}: {module}.adapter.adapter_{part}: CanonicalLoRA's separate gate and up "
+                              "adapters on routed experts are not read yet")
     if module.rpartition(".")[2] != owner:
         raise CheckpointError(f"{where}: {module}.adapter.adapter_{part}: CanonicalLoRA's adapter_{part} is one of "
                               f"{owner}'s, not of {module.rpartition('.')[2]}")

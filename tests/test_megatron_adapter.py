@@ -252,8 +252,8 @@ def _expert_adapter(tensors: dict[str, torch.Tensor]) -> None:
      r"adapts \['model.layers.9.self_attn.k_proj.weight', .*which the model \(LlamaForCausalLM, 4 layers\) does not "
      r"have"),
     (lambda lora: rewrite_store(lora, _expert_adapter),
-     r"decoder.layers.mlp.experts.linear_fc1.adapter.linear_in.weight: not a LoRA adapter key of a decoder or MTP layer .*a "
-     r"routed experts' module mlp.experts.experts.linear_fc1/2"),
+     r"decoder.layers.mlp.experts.linear_fc1.adapter.linear_in.weight: not a LoRA adapter key of a decoder or MTP "
+     r"layer .*a routed experts' module mlp.experts.experts.linear_fc1/2"),
     (lambda lora: _edit_run_config(lora, alpha=None), r"run_config.yaml: peft.alpha is missing: expected a positive"),
     (lambda lora: _edit_run_config(lora, _target_="megatron.bridge.peft.dora.DoRA"),
      r"peft._target_='megatron.bridge.peft.dora.DoRA': only Megatron-Bridge's plain LoRA"),

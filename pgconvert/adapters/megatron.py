@@ -223,7 +223,8 @@ def _layer_tensors(reader: Any, key: str, meta: Any, layer: str | None) -> list[
     layers = sorted({layer for chunk in meta.chunks
                      for layer in range(int(chunk.offsets[0]), int(chunk.offsets[0]) + int(chunk.sizes[0]))})
     buffers = [torch.empty((1, *shape[1:]), dtype=meta.properties.dtype) for _ in layers]
-    reader.read({key: [((index, *(0,) * (len(shape) - 1)), buffer) for index, buffer in zip(layers, buffers, strict=True)]}, [])
+    origin = (0,) * (len(shape) - 1)
+    reader.read({key: [((index, *origin), buffer) for index, buffer in zip(layers, buffers, strict=True)]}, [])
     return [(index, buffer[0]) for index, buffer in zip(layers, buffers, strict=True)]
 
 

@@ -44,8 +44,8 @@ EXPERT_WEIGHT = re.compile(r"(?:decoder|mtp)\.layers\.\d+\.(?:transformer_layer\
                            r"(?P<expert>\d+)\.(?P<linear>linear_fc[12])\.weight")
 # How PEFT's keys of a fused experts module end (its one or two ParamWrappers).
 EXPERTS_KEY_ENDS = (".experts.lora_A.weight", ".experts.base_layer.lora_A.weight")
-# The module names PEFT, loading an adapter for a transformers 5 MoE model, takes for its experts' pre-fusion linears and
-# turns into the fused experts' target_parameters (peft/utils/transformers_weight_conversion.py
+# The module names PEFT, loading an adapter for a transformers 5 MoE model, takes for its experts' pre-fusion linears
+# and turns into the fused experts' target_parameters (peft/utils/transformers_weight_conversion.py
 # ``_MOE_TARGET_MODULE_MAPPING``, applied to every family transformers' conversion mapping fuses): a dense layer's or a
 # shared expert's pairs under these names would not be loaded.
 PEFT_REMAPPED_MODULES = ("gate", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")

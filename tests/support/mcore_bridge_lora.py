@@ -329,8 +329,8 @@ def megatron_merged_logits(paths: dict[str, Path], ids: torch.Tensor, scaling: f
     """The TP model with each rank's weights merged as Megatron-Bridge's LoRAMerge (peft/lora_merge.py:65-87)
     merges them, run rank by rank: a column-parallel base (linear_qkv, linear_fc1) adds ``linear_out_r @ cat(linear_in
     over ranks)``, a row-parallel one (linear_proj, linear_fc2) ``cat(linear_out over ranks) @ linear_in_r``, both
-    times alpha / dim; a routed expert's as its TP rank's (its EP ranks joined, experts by global index); CanonicalLoRA's
-    parts each so, joined as its wrappers join their outputs (``canonical_rank_delta``)."""
+    times alpha / dim; a routed expert's as its TP rank's (its EP ranks joined, experts by global index);
+    CanonicalLoRA's parts each so, joined as its wrappers join their outputs (``canonical_rank_delta``)."""
     from support.hf_helpers import megatron_tp_logits, read_megatron_tp_ranks
     from support.mcore_helpers import rank_files
 

@@ -20,7 +20,7 @@ import torch
 import pgconvert
 from pgconvert.errors import ValidationError
 from support.hf_helpers import build_hf_model, hf_logits, input_ids, load_hf_tensors, save_hf_model
-from support.mcore_bridge_lora import rewrite_adapter_store
+from support.mcore_bridge_lora import rewrite_store
 from support.peft_adapters import assert_tensors_equal, edit_config, make_adapter, peft_merged
 
 pytest.importorskip("peft")
@@ -254,7 +254,7 @@ def test_dora_exports_back_to_megatron_bridge_and_round_trips(bridge: dict[str, 
         pgconvert.convert(bridge["hf"], tmp_path / "out", dst_format="hf", merge_adapter=tmp_path / "full_bridge")
     assert not (tmp_path / "out").exists()
     short = Path(shutil.copytree(tmp_path / "bridge", tmp_path / "short"))
-    rewrite_adapter_store(short / "release", _shorten_bridge_magnitude)
+    rewrite_store(short / "release", _shorten_bridge_magnitude)
     with pytest.raises(ValidationError, match=r"decoder.layers.0.self_attention.linear_qkv.adapter.weight_magnitude "
                                               r"has shape \[127\]: a DoRA run saves one magnitude per output row "
                                               r"\(128\)"):

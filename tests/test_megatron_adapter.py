@@ -21,13 +21,13 @@ from click.testing import CliRunner
 
 import pgconvert
 from pgconvert.cli import main
-from support.hf_helpers import build_hf_model, input_ids, load_hf_tensors, megatron_tp_logits, read_megatron_tp_ranks
+from support.hf_helpers import build_hf_model, input_ids, load_hf_tensors
 from support.hf_helpers import save_hf_model
+from support.mcore_bridge_lora import megatron_merged_logits, peft_logits, rewrite_store
 
 pytest.importorskip("peft")
 
 DIM, ALPHA = 4, 6  # Megatron-Bridge's scaling alpha / dim = 1.5
-ROW_PARALLEL = ("linear_proj", "linear_fc2")
 
 
 @pytest.fixture(scope="module")
@@ -45,38 +45,9 @@ def bridge(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"hf": hf, "megatron": root / "megatron", "lora": lora, "held": root / "held", "exported": exported}
 
 
-def megatron_merged_logits(paths: dict[str, Path], ids: torch.Tensor, scaling: float = ALPHA / DIM) -> torch.Tensor:
-    """The TP2 model with each rank's weights merged as Megatron-Bridge's LoRAMerge (peft/lora_merge.py:65-87)
-    merges them, run rank by rank: a column-parallel base (linear_qkv, linear_fc1) adds ``linear_out_r @ cat(linear_in
-    over ranks)``, a row-parallel one (linear_proj, linear_fc2) ``cat(linear_out over ranks) @ linear_in_r``, both
-    times alpha / dim."""
-    models = read_megatron_tp_ranks(paths["megatron"])
-    held = [torch.load(paths["held"] / f"rank{rank}.pt", weights_only=True) for rank in range(len(models))]
-    for module in held[0]:
-        linear_in = [pieces[module]["linear_in"].double() for pieces in held]
-        linear_out = [pieces[module]["linear_out"].double() for pieces in held]
-        for rank, model in enumerate(models):
-            if module.endswith(ROW_PARALLEL):
-                delta = torch.cat(linear_out) @ linear_in[rank]
-            else:
-                delta = linear_out[rank] @ torch.cat(linear_in)
-            model[f"{module}.weight"] = model[f"{module}.weight"] + scaling * delta
-    config = json.loads((paths["hf"] / "config.json").read_text())
-    return megatron_tp_logits(models, config, ids).to(torch.float32)
-
-
-def peft_logits(base: Path, adapter: Path, ids: torch.Tensor) -> torch.Tensor:
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), adapter)
-    with torch.no_grad():
-        return model(ids).logits
-
-
 def test_exported_adapter_gives_peft_the_megatron_merged_logits(bridge: dict[str, Path]) -> None:
     ids = input_ids(1000)
-    expected = megatron_merged_logits(bridge, ids)
+    expected = megatron_merged_logits(bridge, ids, ALPHA / DIM)
     actual = peft_logits(bridge["hf"], bridge["exported"], ids)
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
     from support.hf_helpers import hf_logits
@@ -111,7 +82,7 @@ def test_merge_adapter_merges_a_megatron_adapter_as_its_peft_export(bridge: dict
     from support.hf_helpers import hf_logits
 
     ids = input_ids(1000)
-    torch.testing.assert_close(hf_logits(tmp_path / "merged", ids), megatron_merged_logits(bridge, ids),
+    torch.testing.assert_close(hf_logits(tmp_path / "merged", ids), megatron_merged_logits(bridge, ids, ALPHA / DIM),
                                rtol=1e-5, atol=1e-5)
     pgconvert.convert(bridge["megatron"], tmp_path / "tp1", dst_format="megatron", dst_tp=1,
                       merge_adapter=bridge["lora"])
@@ -132,7 +103,7 @@ def test_the_runs_optimizer_state_beside_the_adapter_is_left_out(bridge: dict[st
         for key in list(tensors):
             tensors[f"optimizer.state.exp_avg.{key}"] = torch.ones_like(tensors[key])
 
-    _rewrite_store(lora, add_optimizer_state)
+    rewrite_store(lora, add_optimizer_state)
     pgconvert.export_adapter(lora, tmp_path / "out", base=bridge["megatron"])
     expected, actual = load_hf_tensors(bridge["exported"]), load_hf_tensors(tmp_path / "out")
     assert sorted(expected) == sorted(actual)
@@ -254,12 +225,6 @@ def _edit_run_config(lora: Path, **changes: object) -> None:
     path.write_text(yaml.safe_dump(doc))
 
 
-def _rewrite_store(lora: Path, change: object) -> None:
-    from support.mcore_bridge_lora import rewrite_adapter_store
-
-    rewrite_adapter_store(next(lora.glob("iter_*")), change)
-
-
 def _narrow_linear_out(tensors: dict[str, torch.Tensor]) -> None:
     key = "decoder.layers.mlp.linear_fc2.adapter.linear_out.weight"
     tensors[key] = tensors[key][:, :, :2].contiguous()
@@ -274,26 +239,28 @@ def _layer_nine(tensors: dict[str, torch.Tensor]) -> None:
 
 
 def _expert_adapter(tensors: dict[str, torch.Tensor]) -> None:
-    """A grouped experts' fc1 adapter (megatron-core's TEGroupedMLP names), which is not read yet."""
+    """An experts' fc1 adapter under a name megatron-core gives no experts' state (SequentialMLP and TEGroupedMLP both
+    save theirs under ``mlp.experts.experts.``)."""
     tensors["decoder.layers.mlp.experts.linear_fc1.adapter.linear_in.weight"] = torch.zeros(4, 4, 64)
 
 
 @pytest.mark.parametrize("damage, expected", [
-    (lambda lora: _rewrite_store(lora, _narrow_linear_out),
+    (lambda lora: rewrite_store(lora, _narrow_linear_out),
      r"decoder.layers.\d.mlp.linear_fc2.adapter: linear_in \[4, 128\] and linear_out \[64, 2\] do not make a "
      r"rank-4 pair \(run_config.yaml gives dim=4\)"),
-    (lambda lora: _rewrite_store(lora, _layer_nine),
+    (lambda lora: rewrite_store(lora, _layer_nine),
      r"adapts \['model.layers.9.self_attn.k_proj.weight', .*which the model \(LlamaForCausalLM, 4 layers\) does not "
      r"have"),
-    (lambda lora: _rewrite_store(lora, _expert_adapter),
-     r"decoder.layers.mlp.experts.linear_fc1.adapter.linear_in.weight: not a LoRA adapter key of a decoder layer .*the "
-     r"experts'"),
+    (lambda lora: rewrite_store(lora, _expert_adapter),
+     r"decoder.layers.mlp.experts.linear_fc1.adapter.linear_in.weight: not a LoRA adapter key of a decoder or MTP "
+     r"layer .*a routed experts' module mlp.experts.experts.linear_fc1/2"),
     (lambda lora: _edit_run_config(lora, alpha=None), r"run_config.yaml: peft.alpha is missing: expected a positive"),
     (lambda lora: _edit_run_config(lora, _target_="megatron.bridge.peft.dora.DoRA"),
      r"decoder.layers.0.mlp.linear_fc1.adapter.weight_magnitude is missing: a DoRA run saves one magnitude per output "
      r"row \(256\)"),
     (lambda lora: _edit_run_config(lora, _target_="megatron.bridge.peft.multi_lora.MultiLoRA"),
-     r"peft._target_='megatron.bridge.peft.multi_lora.MultiLoRA': only Megatron-Bridge's LoRA and DoRA"),
+     r"peft._target_='megatron.bridge.peft.multi_lora.MultiLoRA': only Megatron-Bridge's LoRA, CanonicalLoRA and "
+     r"DoRA"),
 ], ids=["rank", "target", "experts", "alpha", "dora-without-magnitudes", "other-method"])
 def test_bad_megatron_adapter_is_a_named_error_and_writes_nothing(bridge: dict[str, Path], tmp_path: Path,
                                                                   damage: object, expected: str) -> None:

@@ -17,7 +17,10 @@ In PEFT's names a canonical module's pair becomes one pair per HF weight of it: 
 for every part; lora_B is the part's rows of ``linear_out``, cut by the family transform's ``split``. Those
 transforms only move rows, so each part's ``B @ A`` is exactly the part's rows of the canonical delta; ``r`` is
 ``dim`` and ``lora_alpha`` is ``alpha``, so PEFT's scaling is Megatron-Bridge's. This is the form
-Megatron-Bridge's own ``save_hf_adapter`` writes (q/k/v and gate/up sharing lora_A).
+Megatron-Bridge's own ``save_hf_adapter`` writes (q/k/v and gate/up sharing lora_A). A MoE layer's routed experts'
+adapters are read as one pair per expert and put in PEFT's fused experts form by ``adapters.megatron_experts``; an MTP
+layer's (``mtp.layers.<i>.…``) as a decoder layer's; ``CanonicalLoRA``'s q/k/v and gate/up pairs each as its HF
+projection's own (``adapters.megatron_canonical``).
 
 Megatron-Bridge's ``DoRA`` (peft/dora.py, ``_target_`` ``megatron.bridge.peft.dora.DoRA``) wraps the same modules
 with a ``ParallelLinearDoRAAdapter`` (peft/dora_layers.py): the same pair, and ``weight_magnitude``, one value per
@@ -40,6 +43,9 @@ from typing import Any
 
 import torch
 
+from pgconvert.adapters.megatron_canonical import CANONICAL_LORA_TARGET, check_part, part_name, rank_ordered_rows
+from pgconvert.adapters.megatron_experts import (EXPERT_WEIGHT, EXPERTS_KEY_ENDS, FUSED_PARAMETERS, expert_pairs,
+                                                 fused_experts_pairs, hf_experts_module, is_experts_module)
 from pgconvert.adapters.peft import KEY_PREFIX, AdapterTensors, PeftAdapter, peft_adapter
 from pgconvert.errors import CheckpointError, PgconvertError, ValidationError
 from pgconvert.adapters.names import loaded_hf_weights
@@ -57,9 +63,10 @@ ADAPTER_FORMAT = "megatron-bridge-lora"
 LORA_TARGET = "megatron.bridge.peft.lora.LoRA"
 # Megatron-Bridge's DoRA (peft/dora.py): the same pairs and a magnitude per output row.
 DORA_TARGET = "megatron.bridge.peft.dora.DoRA"
-_LORA_TARGETS = (LORA_TARGET, DORA_TARGET)
-_ADAPTER_KEY = re.compile(r"decoder\.layers\.(?:(?P<layer>\d+)\.)?(?P<module>(?:\w+\.)*?\w+)"
-                          r"\.adapter\.(?:linear_(?P<side>in|out)\.weight|(?P<magnitude>weight_magnitude))")
+_LORA_TARGETS = (LORA_TARGET, CANONICAL_LORA_TARGET, DORA_TARGET)
+_ADAPTER_KEY = re.compile(r"(?P<block>decoder|mtp)\.layers\.(?:(?P<layer>\d+)\.)?(?P<module>(?:\w+\.)*?\w+)"
+                          r"\.adapter\.(?:(?:adapter_(?P<part>q|k|v|gate|up)\.)?linear_(?P<side>in|out)\.weight"
+                          r"|(?P<magnitude>weight_magnitude))")
 # The row-parallel linears (megatron-core's RowParallelLinear): their TP pieces hold some columns of every row.
 ROW_PARALLEL_MODULES = ("linear_proj", "linear_fc2")
 
@@ -73,6 +80,7 @@ class MegatronPair:
     linear_out: torch.Tensor
     # DoRA's weight_magnitude ([out], as stored: see ``MegatronAdapter.magnitude``), None for LoRA.
     magnitude: torch.Tensor | None = None
+    part: int | None = None  # CanonicalLoRA: which of the weight's HF parts it alone changes (q, k, v; gate, up)
 
 
 @dataclass(frozen=True, eq=False)
@@ -190,8 +198,8 @@ def _peft_settings(run_config: Path) -> dict[str, Any]:
         raise ValidationError(f"{run_config}: no peft section: not a PEFT run's checkpoint")
     target = peft.get("_target_")
     if target not in _LORA_TARGETS:
-        raise ValidationError(f"{run_config}: peft._target_={quote(target)}: only Megatron-Bridge's LoRA and DoRA "
-                              f"({', '.join(_LORA_TARGETS)}) are read")
+        raise ValidationError(f"{run_config}: peft._target_={quote(target)}: only Megatron-Bridge's LoRA, CanonicalLoRA "
+                              f"and DoRA ({', '.join(_LORA_TARGETS)}) are read")
     for key in ("dim", "alpha"):
         value = peft.get(key)
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
@@ -204,38 +212,62 @@ def _peft_settings(run_config: Path) -> dict[str, Any]:
 
 def _read_pairs(store: Path, metadata: Any, dim: int, run_config: Path) -> dict[str, MegatronPair]:
     """Every adapted module's ``linear_in`` and ``linear_out`` (``metadata``: the store's ``.metadata``), whole, by the
-    canonical weight they change."""
-    from pgconvert.formats.dcp_store import DcpStore
-
-    sides: dict[str, dict[str, torch.Tensor]] = {}
-    reader = DcpStore(store, metadata)
-    for key in sorted(key for key in _tensor_keys(metadata) if is_adapter_key(key)):  # the base model's left out
-        match = _ADAPTER_KEY.fullmatch(key)
-        if match is None or ".experts." in match["module"]:
-            raise ValidationError(f"{store}: {key}: not a LoRA adapter key of a decoder layer "
-                                  "(decoder.layers.<module>.adapter.linear_in/linear_out.weight); the experts', "
-                                  "MTP layers' and other models' adapters are not read yet")
-        side = match["side"] or "magnitude"
-        for layer, tensor in _layer_tensors(reader, key, metadata.state_dict_metadata[key], match["layer"],
-                                            1 if side == "magnitude" else 2):
-            weight = f"decoder.layers.{layer}.{match['module']}.weight"
-            sides.setdefault(weight, {})[side] = tensor
+    canonical weight they change (a routed experts' module: one pair per expert, ``adapters.megatron_experts``; a
+    CanonicalLoRA part's pair by ``megatron_canonical.part_name``)."""
     pairs = {}
-    for weight, found in sorted(sides.items()):
+    for (block, layer, module, part), found in sorted(_read_sides(store, metadata).items()):
+        prefix = f"{block}.layers.{layer}."
+        name = f"{prefix}{module}.adapter" + (f".adapter_{part}" if part else "")
         if not {"in", "out"} <= set(found):
-            raise CheckpointError(f"{store}: {weight.removesuffix('.weight')}.adapter has "
-                                  f"{', '.join(sorted(found))} without linear_{'out' if 'in' in found else 'in'}")
-        a, b = found["in"], found["out"]
-        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != dim or b.shape[1] != dim:
-            raise ValidationError(f"{store}: {weight.removesuffix('.weight')}.adapter: linear_in {list(a.shape)} and "
-                                  f"linear_out {list(b.shape)} do not make a rank-{dim} pair ({run_config.name} "
-                                  f"gives dim={dim})")
-        pairs[weight] = MegatronPair(weight, a, b, found.get("magnitude"))
+            raise CheckpointError(f"{store}: {name} has {', '.join(sorted(found))} without "
+                                  f"linear_{'out' if 'in' in found else 'in'}")
+        magnitude = found.get("magnitude")
+        if is_experts_module(module):
+            if magnitude is not None:
+                raise ValidationError(f"{store}: {name}.weight_magnitude: DoRA on routed experts is not read")
+            split = expert_pairs(str(store), prefix, module, found["in"], found["out"])
+        else:
+            split = {f"{prefix}{module}.weight": (found["in"], found["out"])}
+        for weight, (a, b) in split.items():
+            if a.dim() != 2 or b.dim() != 2 or a.shape[0] != dim or b.shape[1] != dim:
+                raise ValidationError(f"{store}: {weight.removesuffix('.weight')}.adapter: linear_in {list(a.shape)} "
+                                      f"and linear_out {list(b.shape)} do not make a rank-{dim} pair "
+                                      f"({run_config.name} gives dim={dim})")
+            index = check_part(str(store), f"{prefix}{module}", part) if part else None
+            pairs[part_name(weight, part) if part else weight] = MegatronPair(weight, a, b, magnitude, index)
     return pairs
 
 
-def _layer_tensors(reader: Any, key: str, meta: Any, layer: str | None, dims: int) -> list[tuple[int, torch.Tensor]]:
-    """The key's tensor of ``dims`` dimensions per layer: one (a key per layer), or each layer a stacked key holds
+def _read_sides(store: Path, metadata: Any) -> dict[tuple[str, int, str, str | None], dict[str, torch.Tensor]]:
+    """Each adapter's sides by (``decoder``/``mtp``, layer, module, CanonicalLoRA part or None) and side."""
+    from pgconvert.formats.dcp_store import DcpStore
+
+    sides: dict[tuple[str, int, str, str | None], dict[str, torch.Tensor]] = {}
+    reader = DcpStore(store, metadata)
+    for key in sorted(key for key in _tensor_keys(metadata) if is_adapter_key(key)):  # the base model's left out
+        match = _ADAPTER_KEY.fullmatch(key)
+        if match is None or (".experts." in match["module"] and not is_experts_module(match["module"])) or (
+                match["block"] == "mtp" and match["layer"] is None):
+            raise ValidationError(f"{store}: {key}: not a LoRA adapter key of a decoder or MTP layer "
+                                  "(decoder.layers.<module>.adapter.linear_in/linear_out.weight, mtp.layers.<i>."
+                                  "<module>…, a routed experts' module mlp.experts.experts.linear_fc1/2); other "
+                                  "models' adapters are not read yet")
+        if match["part"]:
+            check_part(str(store), key.partition(".adapter.")[0], match["part"])
+        meta = metadata.state_dict_metadata[key]
+        side = match["side"] or "magnitude"
+        for layer, tensor in _layer_tensors(reader, key, meta, match["layer"], side == "magnitude"):
+            if match["part"] in ("gate", "up") and side == "out":
+                half = min(int(chunk.sizes[-2]) for chunk in meta.chunks)
+                tensor = rank_ordered_rows(tensor, half, f"{store}: {key}")
+            sides.setdefault((match["block"], layer, match["module"], match["part"]), {})[side] = tensor
+    return sides
+
+
+def _layer_tensors(reader: Any, key: str, meta: Any, layer: str | None,
+                   magnitude: bool) -> list[tuple[int, torch.Tensor]]:
+    """The key's tensor per layer (``magnitude``: a DoRA magnitude's rows; else a side's rows and columns, a routed
+    experts' with an expert axis first): one (a key per layer), or each layer a stacked key holds
     chunks of (megatron-core writes a chunk per layer and rank; a store written whole has one chunk of every
     layer)."""
     shape = tuple(meta.size)
@@ -245,44 +277,58 @@ def _layer_tensors(reader: Any, key: str, meta: Any, layer: str | None, dims: in
         buffer = torch.empty(shape, dtype=meta.properties.dtype)
         reader.read({key: [((0,) * len(shape), buffer)]}, [])
         return [(int(layer), buffer)]
-    if len(shape) != dims + 1:
-        raise CheckpointError(f"{reader.directory}: {key}: global shape {list(shape)}, expected [layers, "
-                              f"{'rows, columns' if dims == 2 else 'rows'}]")
+    expected = (2,) if magnitude else (3, 4)
+    if len(shape) not in expected:
+        raise CheckpointError(f"{reader.directory}: {key}: global shape {list(shape)}, expected "
+                              + ("[layers, rows]" if magnitude else "[layers, rows, columns] (a routed experts' "
+                                                                    "side: [layers, experts, rows, columns])"))
     if shape[0] > limits.MAX_LAYERS:
         raise limits.over_limit(f"{reader.directory}: {key}", "the stacked layer count", shape[0], "MAX_LAYERS")
     layers = sorted({layer for chunk in meta.chunks
                      for layer in range(int(chunk.offsets[0]), int(chunk.offsets[0]) + int(chunk.sizes[0]))})
     buffers = [torch.empty((1, *shape[1:]), dtype=meta.properties.dtype) for _ in layers]
-    reader.read({key: [((index, *(0,) * dims), buffer) for index, buffer in zip(layers, buffers, strict=True)]}, [])
+    origin = (0,) * (len(shape) - 1)
+    reader.read({key: [((index, *origin), buffer) for index, buffer in zip(layers, buffers, strict=True)]}, [])
     return [(index, buffer[0]) for index, buffer in zip(layers, buffers, strict=True)]
 
 
-def peft_settings(adapter: MegatronAdapter, modules: list[str], base_model: str | None) -> dict[str, Any]:
-    """adapter_config.json for the adapter's pairs on HF ``modules``: Megatron-Bridge's ``build_adapter_config_dict``
-    (models/conversion/peft_bridge.py), ``r = dim`` and ``lora_alpha = alpha``."""
-    return {
+def peft_settings(adapter: MegatronAdapter, modules: list[str], base_model: str | None,
+                  parameters: list[str] | None = None) -> dict[str, Any]:
+    """adapter_config.json for the adapter's pairs on HF ``modules`` (and fused experts ``parameters``):
+    Megatron-Bridge's ``build_adapter_config_dict`` (models/conversion/peft_bridge.py), ``r = dim`` and
+    ``lora_alpha = alpha``."""
+    settings = {
         "peft_type": "LORA", "auto_mapping": None, "base_model_name_or_path": base_model or "", "bias": "none",
         "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True, "lora_alpha": adapter.alpha,
         "lora_dropout": adapter.dropout, "modules_to_save": None, "r": adapter.dim, "rank_pattern": {},
         "alpha_pattern": {}, "target_modules": sorted({module.rpartition(".")[2] for module in modules}),
         "task_type": "CAUSAL_LM", "use_dora": adapter.method == "dora", "use_rslora": False,
     }
+    return {**settings, "target_parameters": sorted(set(parameters))} if parameters else settings
 
 
 def peft_tensors(adapter: MegatronAdapter, family: Family, config: ModelConfig) -> dict[str, torch.Tensor]:
     """The adapter's pairs in PEFT's keys for ``family``: lora_A shared by a fused module's parts, lora_B and a DoRA
-    magnitude cut as the weight's rows are."""
+    magnitude cut as the weight's rows are; the routed experts' pairs as transformers' fused experts parameters
+    (``megatron_experts.fused_experts_pairs``)."""
     tensors: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[str, tuple[torch.Tensor, list[torch.Tensor]]]] = {}
     for weight, pair in adapter.pairs.items():
         magnitude = adapter.magnitude(weight, config.mlp.gated_linear_unit)
         rows = [pair.linear_out] if magnitude is None else [pair.linear_out, magnitude.unsqueeze(1)]
         names, parts = _hf_parts(adapter, family, config, pair, rows)
+        if EXPERT_WEIGHT.fullmatch(weight) is not None:
+            experts.setdefault(hf_experts_module(names), {})[weight] = (pair.linear_in, parts[0])
+            continue
         for index, hf in enumerate(names):
             module = KEY_PREFIX + hf.removesuffix(".weight")
             tensors[f"{module}.lora_A.weight"] = pair.linear_in.clone()
             tensors[f"{module}.lora_B.weight"] = parts[0][index].contiguous()
             if magnitude is not None:
                 tensors[f"{module}.lora_magnitude_vector"] = parts[1][index][:, 0].contiguous()
+    for module, pairs in sorted(experts.items()):
+        fused = fused_experts_pairs(pairs, module, config.moe.num_experts or 0, str(adapter.directory))
+        tensors.update({KEY_PREFIX + key: value for key, value in fused.items()})
     return tensors
 
 
@@ -303,6 +349,11 @@ def _hf_parts(adapter: MegatronAdapter, family: Family, config: ModelConfig, pai
         raise ValidationError(f"{adapter.directory}: adapts {pair.weight}, which the model "
                               f"({family.architecture}, {config.num_layers} layers) does not have as a weight")
     row, names = found
+    if pair.part is not None:  # a CanonicalLoRA part's pair: that HF weight's own
+        if pair.part >= len(names):
+            raise ValidationError(f"{adapter.directory}: {pair.weight}: a CanonicalLoRA pair of part {pair.part}, "
+                                  f"the model's weight has {len(names)} HF parts ({', '.join(names)})")
+        return (names[pair.part],), [[tensor] for tensor in rows]
     shape = (pair.linear_out.shape[0], pair.linear_in.shape[1])
     parts = [row.transform.split(tensor, config) for tensor in rows] if moves_rows(row.transform, shape, config) else []
     if any(len(cut) != len(names) for cut in parts) or not parts:
@@ -316,8 +367,10 @@ def as_peft_adapter(adapter: MegatronAdapter, family: Family, config: ModelConfi
     """The adapter as a PEFT adapter in memory (checked as a PEFT directory is): what a merge reads."""
     tensors = peft_tensors(adapter, family, config)
     modules = [key.removeprefix(KEY_PREFIX).removesuffix(".lora_A.weight") for key in tensors
-               if key.endswith(".lora_A.weight")]
-    return peft_adapter(adapter.directory, peft_settings(adapter, modules, base_model),
+               if key.endswith(".lora_A.weight") and not key.endswith(EXPERTS_KEY_ENDS)]
+    parameters = [FUSED_PARAMETERS[found["linear"]] for weight in adapter.pairs
+                  if (found := EXPERT_WEIGHT.fullmatch(weight)) is not None]
+    return peft_adapter(adapter.directory, peft_settings(adapter, modules, base_model, parameters),
                         AdapterTensors(adapter.directory, tensors), adapter.run_config)
 
 

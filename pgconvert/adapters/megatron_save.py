@@ -41,7 +41,8 @@ _LAYER_PREFIX = "decoder.layers."
 def megatron_pairs(adapter: PeftAdapter, source: CanonicalSource, family: Family
                    ) -> tuple[dict[str, MegatronPair], int, float]:
     """The adapter's pairs as Megatron-Bridge's, by canonical weight, with its ``dim`` and ``alpha``."""
-    refused = [what for what, held in (("fused experts' parameters", adapter.experts_pairs),
+    refused = [what for what, held in (("fused experts' parameters (not written as Megatron-Bridge's experts' "
+                                        "adapters yet)", adapter.experts_pairs),
                                        ("saved whole weights (modules_to_save)", adapter.replacements),
                                        ("embedding pairs", [p for p in adapter.pairs.values() if p.embedding])) if held]
     if refused:

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from pgconvert.adapters.megatron import as_peft_adapter, find_adapter_store, read_megatron_adapter
+from pgconvert.adapters.megatron import MegatronAdapter, as_peft_adapter, find_adapter_store, read_megatron_adapter
+from pgconvert.adapters.megatron_experts import refuse_pairs_peft_remaps
 from pgconvert.adapters.megatron_save import write_bridge_adapter
 from pgconvert.adapters.merge import AdapterMerge
 from pgconvert.adapters.names import source_family
@@ -25,6 +26,7 @@ from pgconvert.errors import DestinationError, ValidationError
 from pgconvert.formats import LoadOptions
 from pgconvert.formats.registry import detect_format, get_loader
 from pgconvert.formats.stream import CanonicalSource
+from pgconvert.model.provider import MTP_PREFIX
 from pgconvert.io.durable import fsync_file
 from pgconvert.run.convert import staged_output
 from pgconvert.run.destination import refuse_unusable_name
@@ -60,13 +62,25 @@ def export_adapter(src: Path, dst: Path, base: Path | None = None, iteration: in
         if is_adapter_directory(src):
             return _to_megatron_bridge(read_peft_adapter(src), source, dst)
         where = src if base is not None else _embedded_store(source, src)
-        adapter = as_peft_adapter(read_megatron_adapter(where), source_family(source), source.config,
-                                  base_model=str(base or src))
+        megatron = read_megatron_adapter(where)
+        _refuse_mtp_pairs(megatron)
+        adapter = as_peft_adapter(megatron, source_family(source), source.config, base_model=str(base or src))
         AdapterMerge(adapter, source)  # every pair on one of the model's weights, of its shape
+        refuse_pairs_peft_remaps(adapter, source.config.moe.num_experts)
         _staged(dst, lambda staging: _write_peft(adapter, staging))
-        return AdapterExport(dst, PEFT_FORM, len(adapter.pairs))
+        return AdapterExport(dst, PEFT_FORM, len(adapter.pairs) + len(adapter.experts_pairs))
     finally:
         source.close()
+
+
+def _refuse_mtp_pairs(adapter: MegatronAdapter) -> None:
+    """An MTP layer's pairs have no PEFT form PEFT loads: transformers builds no MTP module (its weights are left out
+    of the model it loads), so PEFT would drop them without a word."""
+    mtp = sorted(weight for weight in adapter.pairs if weight.startswith(MTP_PREFIX))
+    if mtp:
+        raise ValidationError(f"{adapter.directory}: adapts the MTP layers ({', '.join(mtp[:2])}"
+                              f"{' …' if len(mtp) > 2 else ''}), which transformers does not load, so PEFT would "
+                              "leave their pairs out; merge the adapter with --merge-adapter instead")
 
 
 def _embedded_store(source: CanonicalSource, src: Path) -> Path:

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from support.family_helpers import rank_qkv, routed_experts, seeded_model, vocab_parallel_embedding, vocab_parallel_logits
+from support.family_helpers import (rank_qkv, routed_experts, seeded_model, tp_swiglu, vocab_parallel_embedding,
+                                    vocab_parallel_logits)
 from safetensors.torch import load_file, save_file
 from transformers import (
     LlamaConfig,
@@ -257,7 +258,8 @@ def _layer_norm_weight(models: list[dict[str, torch.Tensor]], prefix: str, local
 def _moe_mlp(models: list[dict[str, torch.Tensor]], prefix: str, h: torch.Tensor,
              hf_config: dict[str, Any]) -> torch.Tensor:
     """A routed-experts MLP over TP ranks: softmax over the replicated router's logits, the top k
-    (renormalized unless norm_topk_prob is false), each expert TP-split like a dense SwiGLU MLP."""
+    (renormalized unless norm_topk_prob is false), each expert TP-split like a dense SwiGLU MLP; a shared expert
+    (Qwen2-MoE's) added, scaled by its sigmoid gate."""
     experts = hf_config.get("num_local_experts") or hf_config["num_experts"]
     router = _replicated(models, prefix + "mlp.router.weight")
     assert router.shape[0] == experts, f"{prefix}mlp.router.weight: {router.shape[0]} rows, {experts} experts"
@@ -265,7 +267,11 @@ def _moe_mlp(models: list[dict[str, torch.Tensor]], prefix: str, h: torch.Tensor
     top, chosen = probs.topk(hf_config["num_experts_per_tok"], dim=-1)
     if hf_config.get("norm_topk_prob", True):
         top = top / top.sum(dim=-1, keepdim=True)
-    return routed_experts(models, prefix, h, top, chosen, experts)
+    routed = routed_experts(models, prefix, h, top, chosen, experts)
+    if prefix + "mlp.shared_experts.linear_fc1.weight" not in models[0]:
+        return routed
+    gate = torch.sigmoid(h @ _replicated(models, prefix + "mlp.shared_experts.gate_weight").T)
+    return routed + gate * tp_swiglu(models, prefix + "mlp.shared_experts.", h)
 
 
 def megatron_tp_logits(models: list[dict[str, torch.Tensor]], hf_config: dict[str, Any],

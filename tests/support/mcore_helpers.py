@@ -315,7 +315,11 @@ def build_gpt_model(args: argparse.Namespace, layout: RankLayout) -> GPTModel:
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=args.normalization,
                                           qk_l2_norm=config.qk_l2_norm, vp_stage=None, pp_rank=layout.pp_rank)
         spec = _l2_norms_on_rope_layers(spec, config, layout.pp_rank)
-        add_expert_groups(groups, args)
+        if layout.tp * layout.ep > 1:  # a model for its state dicts: megatron-core's MoE forward on CPU is TP1/EP1
+            groups = expert_pg_collection(layout.tp, layout.pp, layout.ep, layout.tp_rank, layout.pp_rank,
+                                          layout.ep_rank)
+        else:
+            add_expert_groups(groups, args)
     else:
         spec = get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization)
     if getattr(args, "qk_layernorm_across_heads", False):

@@ -61,24 +61,36 @@ def _sharing_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(CanonicalSource, "shares_piece_reads", lambda *args, **kwargs: False)
 
 
+def _recording_reads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, tuple[int, ...]]]:
+    """Each ``read_pieces`` call: the tensor and the ranks whose pieces it filled."""
+    calls: list[tuple[str, tuple[int, ...]]] = []
+    lock = threading.Lock()
+    real = CanonicalSource.read_pieces
+
+    def read_pieces(self: CanonicalSource, name: str, rule: object, size: int, pieces: dict[int, torch.Tensor],
+                    rows: int | None = None) -> None:
+        with lock:
+            calls.append((name, tuple(sorted(pieces))))
+        real(self, name, rule, size, pieces, rows)
+
+    monkeypatch.setattr(CanonicalSource, "read_pieces", read_pieces)
+    return calls
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_tp_group_written_in_lockstep_gives_each_files_own_reads_output(
         sources: dict[str, Path], case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     source, flags = CASES[case]
-    wholes: Counter[str] = Counter()
-    real_whole = CanonicalSource.load_base
-
-    def counted(self: CanonicalSource, name: str) -> torch.Tensor:
-        wholes[name] += 1
-        return real_whole(self, name)
-
-    monkeypatch.setattr(CanonicalSource, "load_base", counted)
+    calls = _recording_reads(monkeypatch)
     _convert(sources[source], tmp_path / "shared", *flags)
+    monkeypatch.undo()
     _sharing_off(monkeypatch)
     _convert(sources[source], tmp_path / "apart", *flags)
 
-    assert any(name.endswith(ROW_PARALLEL) for name in wholes)  # the row-parallel weights were shared
-    assert set(wholes.values()) == {1}  # each once: one group holds each tensor
+    assert any(name.endswith(ROW_PARALLEL) for name, _ in calls)  # the row-parallel weights were shared
+    assert Counter(name for name, _ in calls).most_common(1)[0][1] == 1  # each once: one group holds each tensor
+    tp = int(flags[flags.index("--dst-tp") + 1])
+    assert {ranks for _, ranks in calls} == {tuple(range(tp))}  # every sibling's piece filled by the one read
     assert_same_bytes(tmp_path / "shared", tmp_path / "apart")
 
 
@@ -123,45 +135,30 @@ def test_the_group_reads_each_source_byte_about_once_where_apart_each_file_reads
     assert sum(apart.values()) > 1.5 * weights  # what the group saves: each file reading the spans of all
 
 
-def test_the_group_holds_one_whole_tensor_at_a_time(sources: dict[str, Path], tmp_path: Path,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    events: list[tuple[str, str]] = []
-    lock = threading.Lock()
-    real_whole, real_piece = CanonicalSource.load_base, CanonicalSource.piece_of
+def test_columns_of_an_hf_tensor_are_read_in_one_pass_without_the_whole_tensor(
+        sources: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    wholes: list[str] = []
+    real_whole = CanonicalSource.load_base
+    monkeypatch.setattr(CanonicalSource, "load_base",
+                        lambda self, name: (wholes.append(name), real_whole(self, name))[1])
+    calls = _recording_reads(monkeypatch)
 
-    def whole(self: CanonicalSource, name: str) -> torch.Tensor:
-        with lock:
-            events.append(("whole", name))
-        return real_whole(self, name)
-
-    def piece(self: CanonicalSource, name: str, *args: object) -> torch.Tensor:
-        cut = real_piece(self, name, *args)
-        with lock:
-            events.append(("piece", name))
-        return cut
-
-    monkeypatch.setattr(CanonicalSource, "load_base", whole)
-    monkeypatch.setattr(CanonicalSource, "piece_of", piece)
     _convert(sources["hf"], tmp_path / "dst", "--dst-tp", "4")
 
-    reads = [index for index, (what, _) in enumerate(events) if what == "whole"]
-    assert len(reads) > 2
-    for start, end in zip(reads, [*reads[1:], len(events)]):
-        name = events[start][1]
-        assert events[start + 1:end] == [("piece", name)] * 4  # all four cut before the next read
+    assert [name for name, _ in calls if name.endswith(ROW_PARALLEL)]
+    assert [name for name in wholes if name.endswith(ROW_PARALLEL)] == []  # no whole tensor in memory
 
 
 def test_a_failing_sibling_fails_the_run_named_and_the_others_stop_waiting(
         sources: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    real_piece = CanonicalSource.piece_of
+    real_read = CanonicalSource.read_pieces
 
-    def piece(self: CanonicalSource, name: str, whole: torch.Tensor, rule: object, size: int, rank: int,
-              *args: object) -> torch.Tensor:
-        if rank == 2 and name.endswith("mlp.linear_fc2.weight"):
-            raise CheckpointError(f"cannot cut {name} for rank {rank}")
-        return real_piece(self, name, whole, rule, size, rank, *args)
+    def read_pieces(self: CanonicalSource, name: str, *args: object) -> None:
+        if name.endswith("mlp.linear_fc2.weight"):
+            raise CheckpointError(f"cannot read {name} for the group")
+        real_read(self, name, *args)
 
-    monkeypatch.setattr(CanonicalSource, "piece_of", piece)
+    monkeypatch.setattr(CanonicalSource, "read_pieces", read_pieces)
     watchdog = threading.Timer(WAIT, _thread.interrupt_main)  # a run left waiting is interrupted, and fails below
     watchdog.start()
     try:
@@ -170,7 +167,7 @@ def test_a_failing_sibling_fails_the_run_named_and_the_others_stop_waiting(
     finally:
         watchdog.cancel()
     assert result.exit_code == 1, result.output
-    assert "cannot cut" in result.output and "linear_fc2.weight for rank 2" in result.output
+    assert "cannot read" in result.output and "linear_fc2.weight for the group" in result.output
     assert "Traceback" not in result.output
     assert list(tmp_path.iterdir()) == []  # nothing left that looks complete, or at all
 
@@ -243,8 +240,7 @@ def test_pieces_that_read_apart_without_overlap_are_not_grouped(sources: dict[st
                                                                 monkeypatch: pytest.MonkeyPatch,
                                                                 flags: list[str]) -> None:
     """TP2 pieces kept, or merged into TP1: each stored byte is read by one destination file already."""
-    wholes: list[str] = []
-    monkeypatch.setattr(CanonicalSource, "load_base", lambda self, name: wholes.append(name))
+    calls = _recording_reads(monkeypatch)
     result = CliRunner().invoke(main, ["--dry-run", "--dst-format", "megatron", *flags, str(sources["megatron"]),
                                        str(tmp_path / "dry")])
     assert result.exit_code == 0, result.output
@@ -252,4 +248,4 @@ def test_pieces_that_read_apart_without_overlap_are_not_grouped(sources: dict[st
 
     _convert(sources["megatron"], tmp_path / "dst", *flags)
 
-    assert wholes == []
+    assert calls == []

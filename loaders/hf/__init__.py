@@ -7,6 +7,7 @@ its own ``safe_open``, and fused into its canonical form by the family table's t
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -33,6 +34,7 @@ from pgconvert.formats.hf import (
     resolve_inside,
     stored_counts,
     tensor_range_region,
+    tensor_region,
 )
 from pgconvert.formats.hf_side import find_side_files
 from pgconvert.families import mtp
@@ -374,6 +376,23 @@ class HFSource(CanonicalSource):
         if not all(window.zeros or row.transform.reads_window(window, meta.shape, self.config) for window in windows):
             return True
         return strided_in_whole(rule, meta.shape, size, rows, self.config.vocab_size)
+
+    def _read_pieces(self, name: str, rule: ShardRule, size: int, pieces: Mapping[int, torch.Tensor],
+                     rows: int | None) -> None:
+        """Pieces that are columns of a tensor stored as it is (a row-parallel weight) in one pass over its bytes
+        (``FileRegion.read_parts_into``); others from the whole tensor."""
+        row, hf_names = self._rows[name]
+        meta = self._metas[name]
+        last = len(meta.shape) - 1
+        windows = {rank: rule.piece_windows(meta.shape, size, rank, rows, self.config.vocab_size) for rank in pieces}
+        if (row.stacked or name in self._copies or not row.transform.stores_canonical
+                or self._stored(hf_names[0]) in self._quantized
+                or any(len(cut) != 1 or cut[0].dim != last or cut[0].zeros for cut in windows.values())):
+            super()._read_pieces(name, rule, size, pieces, rows)
+            return
+        region = tensor_region(self._files[hf_names[0]], self._stored(hf_names[0]))
+        region.read_parts_into([(windows[rank][0].start, windows[rank][0].length, piece)
+                                for rank, piece in pieces.items()])
 
     def _part_into(self, hf_names: tuple[str, ...]) -> PartInto:
         """Reads rows ``[start, stop)`` along ``dim`` of HF tensor ``hf_names[part]`` into a tensor holding their

@@ -64,6 +64,9 @@ class Transform:
 
     # Whether the canonical tensor is nothing (its HF tensor is dropped on purpose).
     drops: bool = False
+    # Whether its one HF part is the canonical tensor element for element (a reader may read any cut of it straight
+    # from the part's bytes).
+    stores_canonical: bool = False
 
     def changed_values(self, parts: Sequence[torch.Tensor], fused: torch.Tensor, config: ModelConfig) -> int:
         """How many values of ``parts`` the canonical tensor ``fused`` does not give back through ``split`` (0: the
@@ -104,6 +107,7 @@ class Identity(Transform):
 
     name = "identity"
     parts = 1
+    stores_canonical = True
 
     def fuse(self, parts: Sequence[torch.Tensor], config: ModelConfig) -> torch.Tensor:
         return parts[0]

@@ -10,7 +10,7 @@ import argparse
 import io
 import logging
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -20,7 +20,7 @@ import torch
 from pgconvert.io import sizes
 from pgconvert.model.config import ModelConfig
 from pgconvert.errors import CheckpointError, ValidationError
-from pgconvert.model.rules import ShardRule
+from pgconvert.model.rules import ShardRule, window_places
 
 if TYPE_CHECKING:
     from pgconvert.adapters.merge import AdapterMerge
@@ -209,8 +209,8 @@ class CanonicalSource:
 
     def load_base(self, name: str) -> torch.Tensor:
         """The full canonical tensor as stored, no adapter merged and not yet checked (it may alias the source's
-        memory: do not modify it): what a DoRA merge takes its row norms of, and what sibling pieces are cut from
-        (``piece_of``), each checked as it is cut."""
+        memory: do not modify it): what a DoRA merge takes its row norms of, and what ``read_pieces`` cuts sibling
+        pieces from, checking each."""
         return self._load(name)
 
     def load_shard(self, name: str, rule: ShardRule, size: int, rank: int,
@@ -247,11 +247,26 @@ class CanonicalSource:
         # Formats whose pieces are read apart without reading each other's bytes keep this default.
         return False
 
-    def piece_of(self, name: str, whole: torch.Tensor, rule: ShardRule, size: int, rank: int,
-                 rows: int | None = None) -> torch.Tensor:
-        """Piece ``rank`` of ``size`` cut from ``whole`` (``load_base``), owning its memory: the same tensor
-        ``load_shard`` gives."""
-        return self._checked(name, rule.reshard_rows([whole], rows, self.config.vocab_size, size, rank))
+    def read_pieces(self, name: str, rule: ShardRule, size: int, pieces: Mapping[int, torch.Tensor],
+                    rows: int | None = None) -> None:
+        """Fill each of ``pieces`` (piece ``rank`` of ``size``: contiguous, its shape and the tensor's dtype) with
+        what ``load_shard`` gives it, from one read of the tensor (for the sibling writers of a TP group:
+        ``shares_piece_reads``), each piece checked."""
+        self._read_pieces(name, rule, size, pieces, rows)
+        for piece in pieces.values():
+            self._checked(name, piece)
+
+    def _read_pieces(self, name: str, rule: ShardRule, size: int, pieces: Mapping[int, torch.Tensor],
+                     rows: int | None) -> None:
+        # The whole tensor as stored, each piece's windows copied from it; formats that can fill them from one
+        # pass over their bytes override this.
+        whole = self.load_base(name)
+        for rank, piece in pieces.items():
+            windows = rule.piece_windows(tuple(whole.shape), size, rank, rows, self.config.vocab_size)
+            if not windows:
+                piece.copy_(whole)
+            for window, place in window_places(piece, windows):
+                place.copy_(whole.narrow(window.dim, window.start, window.length))
 
     def _load(self, name: str) -> torch.Tensor:
         raise NotImplementedError

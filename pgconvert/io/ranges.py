@@ -89,6 +89,32 @@ class FileRegion:
         self.read_into(out)
         return out
 
+    def read_parts_into(self, parts: Sequence[tuple[int, int, torch.Tensor]]) -> None:
+        """Fill each ``(start, length, out)`` with the region's indices ``[start, start + length)`` of its last
+        dimension (a row-major region: every TP piece of a row-parallel weight stored whole) in one pass over its
+        bytes: ``SCRATCH_BYTES`` of rows at a time read into one scratch buffer, each part's columns of them
+        copied into its ``out`` while they are in cache, so the file span is read once for all the parts."""
+        if self.stride != sizes.contiguous_stride(self.shape) or len(self.shape) < 2:
+            raise ValueError(f"parts of columns of a row-major region only, not {list(self.shape)} with strides "
+                             f"{list(self.stride)}")
+        rows = sizes.numel(self.shape[:-1])
+        region = self.reshape((rows, self.shape[-1]))
+        row_bytes = self.shape[-1] * sizes.itemsize(self.dtype)
+        step = max(1, SCRATCH_BYTES // max(1, row_bytes))
+        scratch = torch.empty(min(step, rows) * row_bytes, dtype=torch.uint8)
+        flat = [(start, length, out.view(rows, length)) for start, length, out in parts]
+        fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            for first in range(0, rows, step):
+                count = min(step, rows - first)
+                _preadv_all(fd, [_byte_view(scratch)[:count * row_bytes]], region.offset + first * row_bytes,
+                            self.path)
+                held = scratch[:count * row_bytes].view(self.dtype).view(count, self.shape[-1])
+                for start, length, out in flat:
+                    out.narrow(0, first, count).copy_(held.narrow(1, start, length))
+        finally:
+            os.close(fd)
+
 
 class FileHandles:
     """Read-only descriptors by path, opened on first use; at most ``limit`` stay open per thread.

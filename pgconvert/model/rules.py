@@ -89,19 +89,24 @@ def piece_targets(windows: Sequence[Window], global_shape: Sequence[int],
                   dtype: torch.dtype) -> tuple[torch.Tensor, list[tuple[Window, torch.Tensor]]]:
     """The piece made of ``windows`` joined along their dim, made once (``new_tensor``) with its zero windows
     filled, and the place in it of each window to be read: a reader reads each straight there (no join)."""
-    dim = windows[0].dim
     shape = list(global_shape)
-    shape[dim] = sum(window.length for window in windows)
+    shape[windows[0].dim] = sum(window.length for window in windows)
     piece = new_tensor(shape, dtype)
-    targets, offset = [], 0
+    return piece, window_places(piece, windows)
+
+
+def window_places(piece: torch.Tensor, windows: Sequence[Window]) -> list[tuple[Window, torch.Tensor]]:
+    """The place in ``piece`` (the windows joined along their dim) of each window to be read, its zero windows
+    filled."""
+    places, offset = [], 0
     for window in windows:
-        target = piece.narrow(dim, offset, window.length)
+        place = piece.narrow(window.dim, offset, window.length)
         offset += window.length
         if window.zeros:
-            target.zero_()
+            place.zero_()
         else:
-            targets.append((window, target))
-    return piece, targets
+            places.append((window, place))
+    return places
 
 
 def assemble(windows: Sequence[Window], read_into: Callable[[Window, torch.Tensor], None],

@@ -364,7 +364,8 @@ def _planned_piece(source: CanonicalSource, spec: TensorSpec, padded: int, dtype
     def produce() -> torch.Tensor:
         if shared and sibling is not None:
             group, index = sibling
-            piece = group.piece(index, spec.canonical, spec.rule, spec.tp_size, spec.tp_rank, rows)
+            piece = group.piece(index, spec.canonical, spec.rule, spec.tp_size, spec.tp_rank, rows,
+                                tuple(spec.local_shape))
         else:
             piece = source.load_shard(spec.canonical, spec.rule, spec.tp_size, spec.tp_rank, rows)
         return piece.to(dtype)

@@ -93,7 +93,7 @@ def _k_without_linear_out(tensors: dict[str, torch.Tensor]) -> None:
                            "saved in halves of 128 rows"),
     (_q_under_linear_proj, "decoder.layers.self_attention.linear_proj.adapter.adapter_q: CanonicalLoRA's adapter_q is "
                            "one of linear_qkv's, not of linear_proj"),
-    (_k_without_linear_out, "decoder.layers.0.self_attention.linear_qkv.adapter.adapter_k has linear_in alone"),
+    (_k_without_linear_out, "decoder.layers.0.self_attention.linear_qkv.adapter.adapter_k has linear_in without linear_out"),
 ], ids=["gate-not-saved-in-halves", "q-under-linear-proj", "k-without-linear-out"])
 def test_bad_canonical_adapters_are_named_errors(bridge: dict[str, Path], tmp_path: Path, damage: object,
                                                  message: str) -> None:

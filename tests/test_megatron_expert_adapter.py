@@ -124,7 +124,7 @@ FC1 = "decoder.layers.mlp.experts.experts.linear_fc1.adapter."  # every layer's,
 
 @pytest.mark.parametrize("damage, message", [
     (lambda tensors: tensors.pop("decoder.layers.mlp.experts.experts.linear_fc2.adapter.linear_out.weight"),
-     "decoder.layers.0.mlp.experts.experts.linear_fc2.adapter has linear_in alone"),
+     "decoder.layers.0.mlp.experts.experts.linear_fc2.adapter has linear_in without linear_out"),
     (lambda tensors: tensors.update({key: torch.cat([value, value[:, :1]], dim=1) for key, value in tensors.items()
                                      if key.startswith(FC1)}),
      "model.layers.0.mlp.experts: the adapter has linear_fc1 of experts [0, 1, 2, 3, 4], the model 4 experts"),

@@ -219,8 +219,8 @@ def _read_pairs(store: Path, metadata: Any, dim: int, run_config: Path) -> dict[
         prefix = f"{block}.layers.{layer}."
         name = f"{prefix}{module}.adapter" + (f".adapter_{part}" if part else "")
         if not {"in", "out"} <= set(found):
-            raise CheckpointError(f"{store}: {name} has {', '.join(sorted(found))} without "
-                                  f"linear_{'out' if 'in' in found else 'in'}")
+            held = ", ".join("weight_magnitude" if side == "magnitude" else f"linear_{side}" for side in sorted(found))
+            raise CheckpointError(f"{store}: {name} has {held} without linear_{'out' if 'in' in found else 'in'}")
         magnitude = found.get("magnitude")
         if is_experts_module(module):
             if magnitude is not None:

@@ -367,15 +367,17 @@ class HFSource(CanonicalSource):
     def _shares_piece_reads(self, name: str, rule: ShardRule, size: int, rows: int | None) -> bool:
         """A piece strided in its HF tensor (a row-parallel weight's columns) is read by its whole file span, and
         one the transform cannot read by windows (or one expert's slice of stacked tensors) is cut from the
-        whole tensor: either way each piece would read the bytes of all."""
-        row, _ = self._rows[name]
+        whole tensor: either way each piece would read the bytes of all. Not a quantized tensor's strided piece:
+        dequantizing its own columns' blocks costs less than the whole tensor dequantized in memory for all."""
+        row, hf_names = self._rows[name]
         if row.stacked:
             return True
         meta = self._metas[name]
         windows = rule.piece_windows(meta.shape, size, 0, rows, self.config.vocab_size)
         if not all(window.zeros or row.transform.reads_window(window, meta.shape, self.config) for window in windows):
             return True
-        return strided_in_whole(rule, meta.shape, size, rows, self.config.vocab_size)
+        quantized = any(self._stored(hf) in self._quantized for hf in hf_names)
+        return not quantized and strided_in_whole(rule, meta.shape, size, rows, self.config.vocab_size)
 
     def _read_pieces(self, name: str, rule: ShardRule, size: int, pieces: Mapping[int, torch.Tensor],
                      rows: int | None) -> None:

@@ -34,15 +34,11 @@ DIM, ALPHA = 4, 6  # Megatron-Bridge's scaling alpha / dim = 1.5
 def bridge(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The HF base, its TP2 Megatron form, the Megatron-Bridge LoRA run's checkpoint at TP2 and what each rank
     held."""
-    from support.mcore_bridge_lora import bridge_lora_checkpoint
+    from support.mcore_bridge_lora import exported_bridge_run
 
     root = tmp_path_factory.mktemp("bridge_lora")
     hf = save_hf_model(build_hf_model("llama", seed=2), root / "hf")
-    pgconvert.convert(hf, root / "megatron", dst_format="megatron", dst_tp=2)
-    lora = bridge_lora_checkpoint(root / "megatron", root / "lora", root / "held", DIM, ALPHA)
-    exported = root / "exported"
-    pgconvert.export_adapter(lora, exported, base=root / "megatron")
-    return {"hf": hf, "megatron": root / "megatron", "lora": lora, "held": root / "held", "exported": exported}
+    return exported_bridge_run(root, hf, {"dst_tp": 2}, DIM, ALPHA)
 
 
 def test_exported_adapter_gives_peft_the_megatron_merged_logits(bridge: dict[str, Path]) -> None:

@@ -32,15 +32,11 @@ DIM, ALPHA = 4, 6
 
 @pytest.fixture(scope="module")
 def bridge(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from support.mcore_bridge_lora import bridge_lora_checkpoint
+    from support.mcore_bridge_lora import exported_bridge_run
 
     root = tmp_path_factory.mktemp("bridge_canonical_lora")
     hf = save_hf_model(build_hf_model("llama", seed=2), root / "hf")
-    pgconvert.convert(hf, root / "megatron", dst_format="megatron", dst_tp=2)
-    lora = bridge_lora_checkpoint(root / "megatron", root / "lora", root / "held", DIM, ALPHA, canonical=True)
-    exported = root / "exported"
-    pgconvert.export_adapter(lora, exported, base=root / "megatron")
-    return {"hf": hf, "megatron": root / "megatron", "lora": lora, "held": root / "held", "exported": exported}
+    return exported_bridge_run(root, hf, {"dst_tp": 2}, DIM, ALPHA, canonical=True)
 
 
 def test_exported_canonical_adapter_gives_peft_the_megatron_merged_logits(bridge: dict[str, Path]) -> None:

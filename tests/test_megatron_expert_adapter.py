@@ -34,15 +34,11 @@ EXPERTS = 4
 def bridge(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The HF Qwen3-MoE base, its TP2/EP2 Megatron form, the Megatron-Bridge LoRA run's checkpoint and what each of
     the four ranks held."""
-    from support.mcore_bridge_lora import bridge_lora_checkpoint
+    from support.mcore_bridge_lora import exported_bridge_run
 
     root = tmp_path_factory.mktemp("bridge_expert_lora")
     hf = save_hf_model(build_hf_model("qwen3_moe", seed=2, mlp_only_layers=[]), root / "hf")
-    pgconvert.convert(hf, root / "megatron", dst_format="megatron", dst_tp=2, dst_ep=2)
-    lora = bridge_lora_checkpoint(root / "megatron", root / "lora", root / "held", DIM, ALPHA)
-    exported = root / "exported"
-    pgconvert.export_adapter(lora, exported, base=root / "megatron")
-    return {"hf": hf, "megatron": root / "megatron", "lora": lora, "held": root / "held", "exported": exported}
+    return exported_bridge_run(root, hf, {"dst_tp": 2, "dst_ep": 2}, DIM, ALPHA)
 
 
 def test_exported_expert_adapter_gives_peft_the_megatron_merged_logits(bridge: dict[str, Path]) -> None:
@@ -177,9 +173,8 @@ def test_shared_and_routed_experts_adapters_merge(shared: dict[str, Path], tmp_p
 def test_shared_expert_pairs_peft_would_drop_are_refused_on_export(shared: dict[str, Path], tmp_path: Path) -> None:
     """PEFT, loading an adapter for a transformers 5 MoE model, takes gate_proj/up_proj/down_proj target modules for the
     routed experts' pre-fusion linears: the shared expert's pairs would be left out without a word."""
-    out = tmp_path / "out"
-    result = CliRunner().invoke(main, ["export-adapter", str(shared["lora"]), str(out), "--base", str(shared["hf"])])
-    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
-    assert "adapts model.layers.0.mlp.shared_expert.down_proj.weight" in result.output, result.output
-    assert "would leave these pairs out; merge the adapter with --merge-adapter instead" in result.output
-    assert not out.exists() and not list(tmp_path.glob(".out*"))
+    from support.mcore_bridge_lora import assert_export_refused
+
+    assert_export_refused(shared["lora"], shared["hf"], tmp_path / "out",
+                          "adapts model.layers.0.mlp.shared_expert.down_proj.weight",
+                          "would leave these pairs out; merge the adapter with --merge-adapter instead")

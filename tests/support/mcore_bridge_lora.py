@@ -437,3 +437,25 @@ def rewrite_store(lora: Path, change: object) -> None:
     for data in [*store.glob("*.distcp"), store / ".metadata"]:
         data.unlink()
     dcp.save(tensors, checkpoint_id=str(store), no_dist=True)
+
+
+def exported_bridge_run(root: Path, hf: Path, layout: dict[str, int], dim: int, alpha: float,
+                        **adapter: Any) -> dict[str, Path]:
+    """The HF model ``hf`` converted to a Megatron checkpoint at ``layout`` (``dst_tp``, ``dst_ep``), a
+    Megatron-Bridge adapter run on it (``adapter``: ``bridge_lora_checkpoint``'s options) and its PEFT export, by
+    the names the adapter tests take (``held``: what each rank held)."""
+    import pgconvert
+
+    pgconvert.convert(hf, root / "megatron", dst_format="megatron", **layout)
+    lora = bridge_lora_checkpoint(root / "megatron", root / "lora", root / "held", dim, alpha, **adapter)
+    exported = root / "exported"
+    pgconvert.export_adapter(lora, exported, base=root / "megatron")
+    return {"hf": hf, "megatron": root / "megatron", "lora": lora, "held": root / "held", "exported": exported}
+
+
+def assert_export_refused(lora: Path, base: Path, out: Path, *fragments: str) -> None:
+    """``export-adapter`` of ``lora`` for ``base`` into ``out`` refused (exit 2) naming each fragment, nothing left."""
+    from support.cli_helpers import assert_clean_refusal, run_cli
+
+    assert_clean_refusal(run_cli("export-adapter", lora, out, "--base", base), 2, *fragments)
+    assert not out.exists() and not list(out.parent.glob(f".{out.name}*"))

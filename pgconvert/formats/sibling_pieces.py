@@ -54,13 +54,19 @@ class _Round:
 class SiblingPieces:
     """Pieces of the tensors the ``siblings`` writers of one TP group share, each tensor read once."""
 
-    def __init__(self, source: CanonicalSource, siblings: int) -> None:
+    def __init__(self, source: CanonicalSource, siblings: int, shared: frozenset[tuple[str, int]]) -> None:
         self._source = source
         self._siblings = siblings
+        self._shared = shared  # (canonical name, cut size) of each tensor the siblings share
         self._memory = ReusedMemory()  # the whole tensor, for sources that read one
         self._changed = threading.Condition()
         self._gathering: _Round | None = None
         self._failed = False
+
+    def shares(self, name: str, size: int) -> bool:
+        """Whether the siblings take ``name`` cut in ``size`` pieces from here (``CanonicalSource.shares_piece_reads``,
+        asked once for the group when it was made)."""
+        return (name, size) in self._shared
 
     def piece(self, sibling: int, name: str, rule: ShardRule, size: int, rank: int, rows: int | None,
               shape: tuple[int, ...]) -> torch.Tensor:

@@ -188,7 +188,8 @@ class MegatronSaver(Saver):
 
     def files_together(self, source: CanonicalSource, options: SaveOptions) -> int:
         padded = target_vocab_rows(target_config(source.config, options), source.vocab_rows, options.layout)
-        return max(map(len, _sibling_groups(source, self._ranks(source, options), padded)), default=1)
+        return max((len(members) for members, _ in _sibling_groups(source, self._ranks(source, options), padded)),
+                   default=1)
 
     def save(self, source: CanonicalSource, out_dir: Path, options: SaveOptions,
              progress: Progress, only: Collection[str] | None = None) -> SaveResult:
@@ -227,25 +228,27 @@ class MegatronSaver(Saver):
             result.notices += self.finalize(source, out_dir, options)
         return result
 
-    def _write_siblings(self, source: CanonicalSource, iteration_dir: Path, siblings: list[_RankPlan],
-                        header: dict[str, Any], padded: int, options: SaveOptions,
-                        progress: Progress) -> list[tuple[PlannedFile, bool]]:
+    def _write_siblings(self, source: CanonicalSource, iteration_dir: Path,
+                        siblings: tuple[list[_RankPlan], frozenset[tuple[str, int]]], header: dict[str, Any],
+                        padded: int, options: SaveOptions, progress: Progress) -> list[tuple[PlannedFile, bool]]:
         """The rank files of one TP group (or one rank file), each as ``_write_rank`` gives it: a group's at
-        once, one thread each, taking the tensors they share from one read (``SiblingPieces``)."""
-        if len(siblings) == 1:
-            return [self._write_rank(source, iteration_dir, siblings[0], header, padded, options, progress)]
-        group = SiblingPieces(source, len(siblings))
+        once, one thread each, taking the tensors they share (``siblings``: the ranks and those tensors) from one
+        read (``SiblingPieces``)."""
+        members, shared = siblings
+        if len(members) == 1:
+            return [self._write_rank(source, iteration_dir, members[0], header, padded, options, progress)]
+        group = SiblingPieces(source, len(members), shared)
 
         def write(index: int) -> tuple[PlannedFile, bool]:
             try:
-                return self._write_rank(source, iteration_dir, siblings[index], header, padded, options, progress,
+                return self._write_rank(source, iteration_dir, members[index], header, padded, options, progress,
                                         (group, index))
             except BaseException:
                 group.fail()
                 raise
 
-        with sharing_staging(len(siblings)):  # the group's files hold one file's write buffers together
-            return run_each([partial(write, index) for index in range(len(siblings))], len(siblings))
+        with sharing_staging(len(members)):  # the group's files hold one file's write buffers together
+            return run_each([partial(write, index) for index in range(len(members))], len(members))
 
     def _write_rank(self, source: CanonicalSource, iteration_dir: Path, rank: _RankPlan, header: dict[str, Any],
                     padded: int, options: SaveOptions, progress: Progress,
@@ -359,7 +362,7 @@ def _planned_piece(source: CanonicalSource, spec: TensorSpec, padded: int, dtype
     """The rank's piece of a tensor, cut from the source only when the writer reaches it (from the tensor its TP
     group reads once, where the group shares it)."""
     rows = padded if spec.rule.fits_rows else None
-    shared = sibling is not None and _shares(source, spec, rows)
+    shared = sibling is not None and sibling[0].shares(spec.canonical, spec.tp_size)
 
     def produce() -> torch.Tensor:
         if shared and sibling is not None:
@@ -373,30 +376,29 @@ def _planned_piece(source: CanonicalSource, spec: TensorSpec, padded: int, dtype
     return PlannedTensor(tuple(spec.local_shape), dtype, produce)
 
 
-def _shares(source: CanonicalSource, spec: TensorSpec, rows: int | None) -> bool:
-    return source.shares_piece_reads(spec.canonical, spec.rule, spec.tp_size, rows)
-
-
-def _sibling_groups(source: CanonicalSource, ranks: list[_RankPlan], padded: int) -> list[list[_RankPlan]]:
-    """The ranks in groups written together: the ranks of a TP group (same pipeline stage and expert rank) where
-    they take the same shared tensors in the same order, each other rank alone."""
+def _sibling_groups(source: CanonicalSource, ranks: list[_RankPlan],
+                    padded: int) -> list[tuple[list[_RankPlan], frozenset[tuple[str, int]]]]:
+    """The ranks in groups written together, each with the tensors (and cut sizes) its ranks share: the ranks of a
+    TP group (same pipeline stage and expert rank) where they take the same shared tensors in the same order,
+    each other rank alone (sharing none)."""
     by_place: dict[tuple[int, int], list[_RankPlan]] = {}
     for rank in ranks:
         by_place.setdefault((rank.coord.pp, rank.coord.ep), []).append(rank)
-    groups: list[list[_RankPlan]] = []
+    groups: list[tuple[list[_RankPlan], frozenset[tuple[str, int]]]] = []
     for members in by_place.values():
         shared = [_shared_sequence(source, rank, padded) for rank in members]
         if len(members) > 1 and shared[0] and all(sequence == shared[0] for sequence in shared):
-            groups.append(members)
+            groups.append((members, frozenset(shared[0])))
         else:
-            groups += [[rank] for rank in members]
+            groups += [([rank], frozenset()) for rank in members]
     return groups
 
 
 def _shared_sequence(source: CanonicalSource, rank: _RankPlan, padded: int) -> list[tuple[str, int]]:
     """The tensors (and cut sizes) of a rank file that its TP siblings would share, in the order it writes them."""
     return [(spec.canonical, spec.tp_size) for _, shard in rank.chunks for spec in shard.specs
-            if _shares(source, spec, padded if spec.rule.fits_rows else None)]
+            if source.shares_piece_reads(spec.canonical, spec.rule, spec.tp_size,
+                                         padded if spec.rule.fits_rows else None)]
 
 
 def _holds_state(extra: ExtraState | None) -> bool:

@@ -307,7 +307,11 @@ def install_distopt_sharded_load_fix() -> None:
 
 def _fill_empty_shard_state(optimizer: Any) -> None:
     """Adam's state for the parameters of ``optimizer`` (a DistributedOptimizer) whose shard on this rank is empty:
-    zeros of the empty shard and the step every other parameter holds (all equal, or this refuses)."""
+    zeros of the empty shard and the step every other parameter holds (all equal, or this refuses). The state is then
+    ordered as the param groups are, as an Adam that steps every parameter (Transformer Engine's or Apex's on a GPU)
+    creates it: ``handle_swiglu_in_state_dict`` splits the moments collectively in the state's order, and a rank
+    whose filled parameters came last would pair its halves with another parameter's on the other ranks (a gated
+    MoE's experts: "DTensor chunk metadata is invalid")."""
     state = optimizer.optimizer.state
     params = [param for group in optimizer.optimizer.param_groups for param in group["params"]]
     missing = [param for param in params if not state.get(param)]
@@ -320,6 +324,9 @@ def _fill_empty_shard_state(optimizer: Any) -> None:
     for param in missing:
         state[param] = {"step": steps[0].clone(), "exp_avg": torch.zeros_like(param),
                         "exp_avg_sq": torch.zeros_like(param)}
+    ordered = [(param, state[param]) for param in params]
+    state.clear()
+    state.update(ordered)
 
 
 def install_fsdp_empty_shard_state() -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import re
 import threading
 from collections import defaultdict
 from contextlib import AbstractContextManager
@@ -50,14 +49,15 @@ from pgconvert.formats.mtp_naming import canonical_mtp_key, mtp_module_of
 from pgconvert.io.paths import ensure_within
 from pgconvert.model.declared import StoredCounts, check_declared_counts, declaring_settings, named_values, shape_settings
 from pgconvert.model.provider import (
-    EXPERT_PREFIX,
     EXTRA_STATE_SUFFIX,
+    GROUPED_EXPERT_RE,
     LAYER_PREFIX,
     MTP_PREFIX,
     WORD_EMBEDDINGS,
     TensorSpec,
     canonical_layer,
     canonical_names,
+    expert_of_key,
     layer_spec_of_key,
     non_layer_chunk,
     provide,
@@ -70,7 +70,6 @@ from pgconvert.formats.vision_args import is_vision_language, unwrapped
 
 log = logging.getLogger(__name__)
 
-GROUPED_EXPERT_RE = re.compile(r"\.mlp\.experts\.linear_fc[12]\.weight(\d+)$")
 # Rotary frequencies are recomputed from the config by every framework; they are not weights.
 IGNORED_SUFFIXES = (".inv_freq",)
 
@@ -571,22 +570,11 @@ def _stored_counts(models: dict[tuple[RankCoord, str], dict[str, Any]], ep: int,
                 stage_layers[(coord.pp, chunk)].add(layer[0])
             elif key.startswith(MTP_PREFIX) and key[len(MTP_PREFIX):].partition(".")[0].isdigit():
                 mtp.add(int(key[len(MTP_PREFIX):].partition(".")[0]))
-            found = _local_expert(key)
+            found = expert_of_key(key)
             if found is not None:
                 local[found[0]].add(found[1])
         experts = max([experts, *map(len, local.values())])
     return StoredCounts(where, sum(map(len, stage_layers.values())), experts * ep, len(mtp))
-
-
-def _local_expert(key: str) -> tuple[str, int] | None:
-    """(the layer's key prefix, the local expert index) of a routed expert's key in a rank file:
-    ``….mlp.experts.local_experts.{j}.…`` (SequentialMLP) or ``….mlp.experts.linear_fc1.weight{j}``."""
-    layer, found, rest = key.partition("." + EXPERT_PREFIX)
-    if found:
-        index = rest.partition(".")[0]
-        return (layer, int(index)) if index.isdigit() else None
-    grouped = GROUPED_EXPERT_RE.search(key)
-    return (key[:grouped.start()], int(grouped.group(1))) if grouped is not None else None
 
 
 def _with_mtp_spelling(config: ModelConfig, models: dict[tuple[RankCoord, str], dict[str, Any]],

@@ -9,6 +9,7 @@ exists. Everything here derives from those tables; it knows no kind by name.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -490,6 +491,23 @@ def canonical_layer(name: str) -> tuple[int, str] | None:
     if not index.isdigit() or not rest:
         return None
     return int(index), rest
+
+
+# TEGroupedMLP's per-expert parameter (``linear_fc1.weight{j}``); Megatron-FSDP's store splits a gated one into
+# ``weight{j}_w`` and ``weight{j}_v``.
+GROUPED_EXPERT_RE = re.compile(r"\.mlp\.experts\.linear_fc[12]\.weight(\d+)(?:_w|_v)?$")
+
+
+def expert_of_key(key: str) -> tuple[str, int] | None:
+    """(the layer's key prefix, the expert index) of a routed expert's key: ``….mlp.experts.local_experts.{j}.…``
+    (SequentialMLP) or ``….mlp.experts.linear_fc1.weight{j}`` (TEGroupedMLP); None for other keys. The index is
+    the rank's own in a Megatron rank file, the global one in a store that holds every expert."""
+    layer, found, rest = key.partition("." + EXPERT_PREFIX)
+    if found:
+        index = rest.partition(".")[0]
+        return (layer, int(index)) if index.isdigit() else None
+    grouped = GROUPED_EXPERT_RE.search(key)
+    return (key[:grouped.start()], int(grouped.group(1))) if grouped is not None else None
 
 
 def target_vocab_rows(config: ModelConfig, source_rows: int, layout: ParallelLayout,

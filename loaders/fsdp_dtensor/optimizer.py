@@ -31,15 +31,14 @@ import torch
 from torch.distributed.checkpoint import TensorStorageMetadata
 
 from pgconvert.formats.fsdp_dtensor import (FSDP_DTENSOR_FORM, OPTIMIZER_GROUP_PREFIX, OPTIMIZER_STATE_PREFIX,
-                                            STEP_FIELD, FsdpLocation, state_key)
+                                            STEP_FIELD, FsdpLocation, fsdp_slots, state_key)
 from pgconvert.formats.megatron import run_dtype_args
 from pgconvert.io.limits import quote
-from pgconvert.model.grid import RankCoord
 from pgconvert.model.provider import WORD_EMBEDDINGS
 from pgconvert.model.rules import ShardRule
 from pgconvert.optimizer.flat import buffer_dtype_key
 from pgconvert.optimizer.order import (MEGATRON_CORE_VERSIONS, OptimizerLayoutError, OptimizerRules, OptimizerSlot,
-                                       UnsupportedOptimizerError, check_param_groups, check_supported, chained_slots)
+                                       UnsupportedOptimizerError, check_param_groups, check_supported)
 from pgconvert.optimizer.source import (ABSENT, FIELDS, FORM_DISTRIBUTED, MOMENTS, OptimizerSource, SourceRank,
                                         StoredCopy)
 
@@ -73,7 +72,7 @@ class FsdpDtensorOptimizerSource(OptimizerSource):
         self.form, self.sharding = FORM_DISTRIBUTED, FSDP_DTENSOR_FORM
         self.rules = OptimizerRules.from_args(args, where)
         self.wrappers = self._wrappers()
-        slots = chained_slots(self.config, self.layout, RankCoord(0, 0, 0), self.rules, self.vocab_rows)[0]
+        slots = fsdp_slots(self.config, self.layout, self.rules, self.vocab_rows)
         self._owners = {slot.spec.canonical: [(_Owner(source.directory), slot)] for group in slots for slot in group}
         self._check_records()
         self._steps = {name: self._step_of(name) for name in self.names()}

@@ -32,7 +32,8 @@ from pgconvert.io.paths import ensure_within
 from pgconvert.io.reuse import new_tensor
 from pgconvert.model.config import ModelConfig
 from pgconvert.model.declared import StoredCounts, check_declared_counts
-from pgconvert.model.provider import LAYER_PREFIX, VOCAB_TABLES, WORD_EMBEDDINGS, canonical_shapes
+from pgconvert.model.provider import (LAYER_PREFIX, VOCAB_TABLES, WORD_EMBEDDINGS, canonical_shapes,
+                                      expert_of_key)
 from pgconvert.model.rules import ShardRule
 from pgconvert.optimizer.order import UnsupportedOptimizerError
 
@@ -108,10 +109,19 @@ class FsdpDtensorSource(CanonicalSource):
         return common
 
     def _stored_counts(self, metadata_path: Path) -> StoredCounts:
+        """The decoder layers the model keys hold, and the most routed experts one layer holds (Megatron-LM
+        stores each expert under its global index)."""
         prefix = MODEL_PREFIX + LAYER_PREFIX
-        layers = {key[len(prefix):].partition(".")[0] for key in self._metadata.state_dict_metadata
-                  if key.startswith(prefix)}
-        return StoredCounts(str(metadata_path), len({index for index in layers if index.isdigit()}), 0, 0)
+        model_keys = [key[len(MODEL_PREFIX):] for key in self._metadata.state_dict_metadata
+                      if key.startswith(prefix)]
+        layers = {key[len(LAYER_PREFIX):].partition(".")[0] for key in model_keys}
+        experts: dict[str, set[int]] = {}
+        for key in model_keys:
+            found = expert_of_key(key)
+            if found is not None:
+                experts.setdefault(found[0], set()).add(found[1])
+        return StoredCounts(str(metadata_path), len({index for index in layers if index.isdigit()}),
+                            max(map(len, experts.values()), default=0), 0)
 
     def _vocab_rows(self, metadata_path: Path) -> int:
         md = self._metadata.state_dict_metadata.get(MODEL_PREFIX + WORD_EMBEDDINGS)

@@ -33,7 +33,7 @@ Entries (tests/data/megatron_lm/train_tp2dp2_fsdp_dtensor holds them as Megatron
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pgconvert.errors import CheckpointError
@@ -42,9 +42,10 @@ from pgconvert.formats.megatron import resolve_megatron_iteration
 from pgconvert.formats.dcp_layout import CHECKPOINT_CONFIG_FILE, DCP_METADATA_FILE, GATED_HALVES
 from pgconvert.io.limits import quote
 from pgconvert.model.config import ModelConfig
-from pgconvert.model.grid import build_converter_process_groups
+from pgconvert.model.grid import RankCoord, build_converter_process_groups
 from pgconvert.model.layout import ParallelLayout
 from pgconvert.model.provider import provide
+from pgconvert.optimizer.order import OptimizerRules, OptimizerSlot, chained_slots
 
 MODEL_PREFIX = "model.module."
 # Followed by the wrapper modules' prefix (``module.module.module.`` in a bf16 run) and the parameter name.
@@ -90,17 +91,16 @@ def resolve_iteration_dir(root: Path, iteration: int | None) -> tuple[Path, int 
 
 def refuse_unknown_keys(config: ModelConfig, where: str, verb: str = "read") -> None:
     """Parts of a model whose fsdp_dtensor keys no golden of Megatron-LM's shows yet are refused, not guessed
-    (experts are renamed per EP rank, MTP and fused MLA layers renamed by their own handlers); ``verb``: "read"
-    or "written"."""
-    unknown = {"num_experts": config.moe.num_experts, "mtp_num_layers": config.mtp_num_layers or None,
+    (MTP and fused MLA layers are renamed by their own handlers); ``verb``: "read" or "written"."""
+    unknown = {"mtp_num_layers": config.mtp_num_layers or None,
                "multi_latent_attention": config.attention.multi_latent_attention or None,
                "hybrid_override_pattern": config.hybrid_override_pattern,
                "vision_config": "set" if config.vision.vision_config is not None else None}
     found = {name: value for name, value in unknown.items() if value}
     if found:
         raise CheckpointError(f"{where}: fsdp_dtensor checkpoints of models with {quote(found)} are not {verb} yet; "
-                              f"pgconvert's fsdp_dtensor format holds dense GPT models (attention and dense MLP "
-                              "layers)")
+                              f"pgconvert's fsdp_dtensor format holds GPT models of attention, dense MLP and MoE "
+                              "layers")
 
 
 def tensor_locations(config: ModelConfig, rows: int) -> dict[str, FsdpLocation]:
@@ -127,3 +127,13 @@ def state_key(wrappers: str, model_key: str, field: str) -> str:
 
 def is_training_state(key: str) -> bool:
     return key.startswith(TRAINING_STATE_PREFIXES)
+
+
+def fsdp_slots(config: ModelConfig, layout: ParallelLayout, rules: OptimizerRules,
+               vocab_rows: int) -> list[list[OptimizerSlot]]:
+    """The param groups of Megatron-FSDP's one optimizer: every parameter of the model, routed experts too, in the
+    groups of a dense run. Megatron-FSDP replaces the module's parameters with its own, which do not keep
+    megatron-core's ``allreduce=False`` of an expert-parallel linear, so ``get_megatron_optimizer`` puts the experts
+    in the dense groups (``is_expert_parallel`` False in their ``param_to_group_meta``, an EP2 run of Megatron-LM
+    d98e8a64: tests/data/megatron_lm/train_tp1ep2dp4_moe_fsdp_dtensor_optim)."""
+    return chained_slots(config, replace(layout, ep=1, expert_tp=None), RankCoord(0, 0, 0), rules, vocab_rows)[0]

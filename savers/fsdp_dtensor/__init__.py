@@ -1,5 +1,6 @@
 """Saver for Megatron-FSDP checkpoints (``--use-megatron-fsdp --ckpt-format fsdp_dtensor``), registered as
-``fsdp_dtensor``: the store Megatron-LM's ``save_checkpoint`` writes for a dense GPT model, model weights only.
+``fsdp_dtensor``: the store Megatron-LM's ``save_checkpoint`` writes for a GPT model of attention, dense MLP and MoE
+layers (its optimizer state: ``optimizer.py``).
 
 The keys and their layout are ``pgconvert/formats/fsdp_dtensor.py``'s (the loader's): every parameter
 ``model.module.<name>`` at its global shape with global layer indices, a gated ``linear_fc1`` as its gate
@@ -63,9 +64,9 @@ class FsdpDtensorSaver(Saver):
         config = target_config(source.config, options)
         refuse_unknown_keys(config, "--dst-format fsdp_dtensor", "written")
         layout = options.layout
-        if layout.pp > 1 or layout.vpp or layout.ep > 1:
+        if layout.pp > 1 or layout.vpp:
             raise LayoutError(f"--dst-format fsdp_dtensor: layout {layout.describe()}: pgconvert writes Megatron-FSDP "
-                              "checkpoints of tensor-parallel runs (pp=1, no virtual stages, ep=1)")
+                              "checkpoints of tensor- and expert-parallel runs (pp=1, no virtual stages)")
         layout.validate(config, "dst")
         target_vocab_rows(config, source.vocab_rows, layout)
         carried_for_target(source, options)

@@ -25,11 +25,11 @@ import torch
 
 from pgconvert.formats.dcp_save import StateReader, StoredChunk
 from pgconvert.formats.fsdp_dtensor import (FLOPS_KEY, FP32_RUN_WRAPPERS, HALF_RUN_WRAPPERS, OPTIMIZER_GROUP_PREFIX,
-                                            OPTIMIZER_STATE_PREFIX, SCHEDULER_PREFIX, STEP_FIELD, state_key)
+                                            OPTIMIZER_STATE_PREFIX, SCHEDULER_PREFIX, STEP_FIELD, fsdp_slots,
+                                            state_key)
 from pgconvert.model.config import ModelConfig
-from pgconvert.model.grid import RankCoord
 from pgconvert.model.layout import ParallelLayout
-from pgconvert.optimizer.order import OptimizerLayoutError, chained_slots
+from pgconvert.optimizer.order import OptimizerLayoutError
 from pgconvert.optimizer.source import MOMENTS, OptimizerSource
 
 # Each written entry's path in Megatron-LM's nested state dict, as its flattening save records it (planner_data).
@@ -83,7 +83,7 @@ def optimizer_entries(optimizer: OptimizerSource, config: ModelConfig, layout: P
     hyperparameters, the scheduler and the floating-point operations."""
     entries: dict[str, bytes] = {}
     paths: Paths = {}
-    slots = chained_slots(config, layout, RankCoord(0, 0, 0), optimizer.rules, rows)[0]
+    slots = fsdp_slots(config, layout, optimizer.rules, rows)
     settings = optimizer.param_group_settings(0, len(slots))
     if len(settings) != len(slots):
         raise OptimizerLayoutError(f"{optimizer.first.path}: {len(settings)} param groups; megatron-core builds "

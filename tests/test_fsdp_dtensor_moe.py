@@ -1,0 +1,177 @@
+"""A Megatron-FSDP MoE checkpoint as Megatron-LM writes it, read, resharded to other expert-parallel sizes and
+written back: ``train_tp1ep2dp4_moe_fsdp_dtensor_optim`` in tests/data/megatron_lm, its own ``pretrain_gpt.py
+--use-megatron-fsdp --ckpt-format fsdp_dtensor`` of a model whose layer 0 is dense and layer 1 four routed experts
+at EP2 with a shared expert and a sigmoid router's expert bias, SwiGLU throughout, TP1 DP4, with the optimizer
+state.
+
+What the golden shows and the reader relies on: every routed expert under its global index
+(``handle_experts_in_state_dict``), its moments too; every gated fc1 (dense, routed and shared experts') as its
+``_w`` (gate) and ``_v`` (up) halves; the experts in the dense param groups
+(``is_expert_parallel`` False: Megatron-FSDP's parameters drop ``allreduce``); the router's ``expert_bias`` a model
+entry without optimizer state. Megatron-LM resuming pgconvert's outputs at EP2 and EP4 is
+``scripts/interop_megatron_lm.py WORK fsdp-moe`` (needs Megatron-LM's source).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from support.checkpoint_compare import read_dcp, rewrite_dcp_metadata
+from torch.distributed.checkpoint import BytesStorageMetadata
+
+import pgconvert
+from pgconvert.errors import CheckpointError
+from pgconvert.formats import LoadOptions
+from pgconvert.formats.registry import get_loader
+
+GOLDEN = Path(__file__).parent / "data" / "megatron_lm" / "train_tp1ep2dp4_moe_fsdp_dtensor_optim"
+ITERATION = GOLDEN / "iter_0000002"
+MODEL = "model.module."
+STATE = "optimizer.state.module.module.module."
+GROUP_META = "optimizer.param_to_group_meta.module.module.module."
+EXPERTS = 4
+EXPERT = "decoder.layers.1.mlp.experts.local_experts.{}.linear_fc{}.weight"
+FIELDS = ("exp_avg", "exp_avg_sq", "step")
+
+
+@pytest.fixture(scope="module")
+def golden() -> dict[str, torch.Tensor]:
+    """Every tensor entry of the golden, read by torch's DCP reader alone."""
+    return read_dcp(ITERATION)[1]
+
+
+def _joined(tensors: dict[str, torch.Tensor], key: str, suffix: str = "") -> torch.Tensor:
+    """Entry ``key`` (+ ``suffix``), a gated fc1's as its gate and up halves joined."""
+    if key + suffix in tensors:
+        return tensors[key + suffix]
+    return torch.cat([tensors[f"{key}_w{suffix}"], tensors[f"{key}_v{suffix}"]])
+
+
+def _entries(iteration_dir: Path) -> dict[str, Any]:
+    """The bytes entries of a store (``param_to_group_meta``, scheduler, args ...), unpickled by torch's reader."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(str(iteration_dir)).read_metadata()
+    wanted: dict[str, Any] = {key: None for key, md in metadata.state_dict_metadata.items()
+                              if isinstance(md, BytesStorageMetadata) and key.startswith(GROUP_META)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(wanted, storage_reader=FileSystemReader(str(iteration_dir)), no_dist=True)
+    return wanted
+
+
+def test_golden_holds_every_expert_under_its_global_index(golden: dict[str, torch.Tensor]) -> None:
+    experts = {key for key in golden if key.startswith(MODEL + "decoder.layers.1.mlp.experts.")}
+    assert experts == {MODEL + EXPERT.format(e, 1) + half for e in range(EXPERTS) for half in ("_w", "_v")} | {
+        MODEL + EXPERT.format(e, 2) for e in range(EXPERTS)}
+    assert {MODEL + "decoder.layers.1.mlp.router.expert_bias", MODEL + "decoder.layers.0.mlp.linear_fc1.weight_w",
+            MODEL + "decoder.layers.1.mlp.shared_experts.linear_fc1.weight_v"} <= set(golden)
+    assert not any(key.startswith(STATE) and "expert_bias" in key for key in golden)
+    metas = _entries(ITERATION)
+    assert metas[GROUP_META + EXPERT.format(3, 1) + ".is_expert_parallel"] is False
+    info = pgconvert.inspect(GOLDEN)
+    assert info.layout is not None and info.layout["ep"] == 2 and info.layout["tp"] == 1
+
+
+def test_every_tensor_and_its_optimizer_state_read_bit_exact(golden: dict[str, torch.Tensor], tmp_path: Path) -> None:
+    with get_loader("fsdp_dtensor").open(GOLDEN, LoadOptions()) as source:
+        names = source.names()
+        stored = sorted(key for name in names for key in source.stored_names(name))
+        assert stored == sorted(key for key in golden if key.startswith(MODEL))
+        for name in names:
+            assert torch.equal(source.load(name), _joined(golden, MODEL + name)), name
+    done = subprocess.run([sys.executable, "-m", "pgconvert", "export-optimizer", str(GOLDEN), str(tmp_path / "opt")],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    index = json.loads((tmp_path / "opt" / "optimizer.json").read_text())
+    parameters = index["parameters"]
+    assert len(parameters) == 24 and "decoder.layers.1.mlp.router.expert_bias" not in parameters
+    for name, entry in parameters.items():
+        held = torch.load(tmp_path / "opt" / entry["file"], weights_only=True)
+        assert torch.equal(held["param"], _joined(golden, MODEL + name)), name
+        for field in FIELDS[:2]:
+            assert torch.equal(held[field], _joined(golden, STATE + name, "." + field)), (name, field)
+        step = golden.get(f"{STATE}{name}.step", golden.get(f"{STATE}{name}_w.step"))
+        assert step is not None and torch.equal(held["step"], step), name
+
+
+@pytest.mark.parametrize("ep", [1, 2, 4])
+def test_per_rank_output_loads_strictly_into_megatron_core_with_each_ranks_experts(
+        tmp_path: Path, golden: dict[str, torch.Tensor], ep: int) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        from support.mcore_helpers import load_rank_into_gpt_model, rank_files
+
+    pgconvert.convert(GOLDEN, tmp_path / "out", dst_format="megatron", dst_ep=ep, skip_optimizer=True)
+    ranks = rank_files(tmp_path / "out")
+    assert len(ranks) == ep
+    local = EXPERTS // ep
+    for rank in ranks:
+        state = load_rank_into_gpt_model(rank).state_dict()  # strict=True
+        for j in range(local):
+            for fc in (1, 2):
+                expected = _joined(golden, MODEL + EXPERT.format(rank.layout.ep_rank * local + j, fc))
+                assert torch.equal(state[EXPERT.format(j, fc)], expected), (rank.path, j, fc)
+        assert torch.equal(state["decoder.layers.1.mlp.router.expert_bias"],
+                           golden[MODEL + "decoder.layers.1.mlp.router.expert_bias"])
+
+
+def _tensors_and_metas(iteration_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    return read_dcp(iteration_dir)[1], _entries(iteration_dir)
+
+
+@pytest.mark.parametrize("route", [("fsdp_dtensor",), ("megatron", "fsdp_dtensor"), ("torch_dist", "fsdp_dtensor")])
+def test_round_trips_through_other_expert_layouts_give_the_golden_store(
+        tmp_path: Path, golden: dict[str, torch.Tensor], route: tuple[str, ...]) -> None:
+    """Every tensor entry (weights, moments, steps) and every parameter's group hyperparameters come back bit for
+    bit, the store written at EP4 (the args' layout; the store is global) after a hop at EP1 where there is one."""
+    source = GOLDEN
+    for index, fmt in enumerate(route):
+        last = index == len(route) - 1
+        target = tmp_path / f"{index}_{fmt}"
+        pgconvert.convert(source, target, dst_format=fmt, dst_ep=4 if last else 1, dtype="bf16" if last else "keep")
+        source = target
+    assert pgconvert.verify(GOLDEN, source).equal
+    tensors, metas = _tensors_and_metas(source / "iter_0000002")
+    assert tensors.keys() == golden.keys()
+    assert [key for key in golden if not torch.equal(tensors[key], golden[key])] == []
+    assert metas == _entries(ITERATION)
+    assert pgconvert.inspect(source).layout["ep"] == 4
+
+
+@pytest.fixture
+def copy(tmp_path: Path) -> Path:
+    target = tmp_path / "golden"
+    shutil.copytree(GOLDEN, target)
+    return target
+
+
+def _renamed(old: str, new: str) -> Any:
+    """Entry ``old`` stored under ``new``: its index and its chunks' storage records."""
+    def change(metadata: Any) -> None:
+        metadata.state_dict_metadata[new] = metadata.state_dict_metadata.pop(old)
+        for index in [index for index in metadata.storage_data if index.fqn == old]:
+            metadata.storage_data[dataclasses.replace(index, fqn=new)] = metadata.storage_data.pop(index)
+    return change
+
+
+@pytest.mark.parametrize("old, new, named", [
+    (MODEL + EXPERT.format(3, 2), MODEL + EXPERT.format(7, 2), "local_experts.7"),
+    (STATE + EXPERT.format(2, 1) + "_w.exp_avg", STATE + EXPERT.format(5, 1) + "_w.exp_avg", "local_experts.2"),
+])
+def test_an_expert_stored_under_another_index_is_named(copy: Path, tmp_path: Path, old: str, new: str,
+                                                       named: str) -> None:
+    rewrite_dcp_metadata(copy / "iter_0000002", _renamed(old, new))
+    with pytest.raises(CheckpointError, match=named):
+        pgconvert.convert(copy, tmp_path / "out", dst_format="megatron")
+    assert not (tmp_path / "out").exists()

@@ -295,6 +295,49 @@ def fsdp_optimizer_resumes(work: Path) -> None:
         same_store_tensors(expected_dir / "iter_0000003", theirs / "iter_0000003")
 
 
+FSDP_MOE_GOLDEN = FSDP_GOLDEN.parent / "train_tp1ep2dp4_moe_fsdp_dtensor_optim"
+# The MoE golden's run flags (scripts/make_megatron_lm_goldens.py): --use-checkpoint-args does not take the MoE
+# settings from its args. DP4 (TP1 on 4 ranks): the global batch 4.
+FSDP_MOE_FLAGS = (*FSDP_OPTIM_FLAGS, "--global-batch-size", "4", "--num-experts", "4", "--moe-router-topk", "2",
+                  "--moe-token-dispatcher-type", "allgather", "--moe-ffn-hidden-size", "24",
+                  "--moe-shared-expert-intermediate-size", "32", "--moe-layer-freq", "[0,1]",
+                  "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias")
+
+
+def fsdp_moe_resumes(work: Path) -> None:
+    """Megatron-LM's MoE Megatron-FSDP save with its optimizer state (the golden: EP2 on TP1 DP4) -> pgconvert ->
+    per-rank EP1 (fp32 weights, the masters) -> pgconvert -> fsdp_dtensor at EP2 and EP4 of a bf16 run (``--dtype
+    bf16`` sets the args; the store keeps fp32 main weights) with the optimizer state, each resumed by
+    ``pretrain_gpt.py`` on 4 ranks at its EP loading the optimizer, one step at the checkpoint's learning rate: at
+    EP2 the iteration-3 loss and the saved weights, moments and steps are those of Megatron-LM resuming its own save
+    (bit-exact); at EP4 (one expert per rank, an expert data-parallel size of 1) the loss is the run's continuation
+    within one bf16 ulp."""
+    per_rank = work / "pgconvert_ep1_from_fsdp_moe_golden"
+    pgconvert("convert", str(FSDP_MOE_GOLDEN), str(per_rank), "--dst-format", "megatron", "--dst-tp", "1",
+              "--dst-ep", "1", "--overwrite")
+    expected_dir = work / "megatron_lm_resumed_fsdp_moe_itself_ep2"
+    expected = _loss_at(megatron_load_and_train(FSDP_MOE_GOLDEN, expected_dir, 1, 1, "fsdp_dtensor", 29731,
+                                                (*FSDP_MOE_FLAGS, "--expert-model-parallel-size", "2"),
+                                                saved_iteration=3, dp=4, extra_env=FSDP_ENV,
+                                                dropped=("--no-load-optim",)), 3)
+    for ep in (2, 4):
+        ours = work / f"pgconvert_fsdp_dtensor_ep{ep}_from_per_rank_ep1"
+        pgconvert("convert", str(per_rank), str(ours), "--dst-format", "fsdp_dtensor", "--dst-tp", "1",
+                  "--dst-ep", str(ep), "--dtype", "bf16", "--overwrite")
+        pgconvert("verify", str(FSDP_MOE_GOLDEN), str(ours))
+        theirs = work / f"megatron_lm_resumed_from_pgconvert_fsdp_dtensor_moe_ep{ep}"
+        log = megatron_load_and_train(ours, theirs, 1, 1, "fsdp_dtensor", 29732 + ep,
+                                      (*FSDP_MOE_FLAGS, "--expert-model-parallel-size", str(ep)), saved_iteration=3,
+                                      dp=4, extra_env=FSDP_ENV, dropped=("--no-load-optim",))
+        loss = _loss_at(log, 3)
+        print(f"  TP1 EP{ep} DP4: iteration 3 lm loss: {loss:.6E} resumed from pgconvert's fsdp_dtensor with its "
+              f"optimizer state, {expected:.6E} resumed from Megatron-LM's own save at EP2", flush=True)
+        if (ep == 2 and loss != expected) or abs(loss - expected) > 2 ** -7 * abs(expected):
+            raise SystemExit(f"EP{ep}: lm loss {loss} differs from Megatron-LM's {expected}")
+        if ep == 2:
+            same_store_tensors(expected_dir / "iter_0000003", theirs / "iter_0000003")
+
+
 def same_store_tensors(expected: Path, actual: Path) -> None:
     """Every tensor entry of two DCP stores (model, moments, steps), read by torch.distributed.checkpoint alone, equal
     bit for bit (pgconvert's ``verify`` refuses these saves: on CPU ranks a parameter whose shard a rank holds none
@@ -325,11 +368,16 @@ def main(work: Path, only: str | None = None) -> int:
         fsdp_optimizer_resumes(work)
         print("interop OK (step 8)")
         return 0
+    if only == "fsdp-moe":
+        fsdp_moe_resumes(work)
+        print("interop OK (step 9)")
+        return 0
     if only == "fsdp":
         fsdp_golden_resumes(work)
         fsdp_dtensor_resumes(work)
         fsdp_optimizer_resumes(work)
-        print("interop OK (steps 6 to 8)")
+        fsdp_moe_resumes(work)
+        print("interop OK (steps 6 to 9)")
         return 0
     hf = work / "hf"
     make_hf(hf)
@@ -355,6 +403,7 @@ def main(work: Path, only: str | None = None) -> int:
     fsdp_golden_resumes(work)
     fsdp_dtensor_resumes(work)
     fsdp_optimizer_resumes(work)
+    fsdp_moe_resumes(work)
     print("interop OK")
     return 0
 

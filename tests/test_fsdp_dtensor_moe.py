@@ -175,3 +175,18 @@ def test_an_expert_stored_under_another_index_is_named(copy: Path, tmp_path: Pat
     with pytest.raises(CheckpointError, match=named):
         pgconvert.convert(copy, tmp_path / "out", dst_format="megatron")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_bf16_per_rank_output_reads_back_with_its_optimizer_state(tmp_path: Path) -> None:
+    """``--dtype bf16`` writes the router's weight in bf16 beside the other parameters, as megatron-core holds it, so
+    the distributed optimizer's one (bf16, fp32) buffer holds them all and the files read back; the masters carried
+    through them give the golden's store again."""
+    pgconvert.convert(GOLDEN, tmp_path / "bf16", dst_format="megatron", dst_ep=2, dtype="bf16")
+    from support.megatron_fixtures import read_megatron_checkpoint_ranks
+
+    _, ranks = read_megatron_checkpoint_ranks(tmp_path / "bf16")
+    model = ranks[(0, 0, 1)]["model"]
+    assert model["decoder.layers.1.mlp.router.weight"].dtype == torch.bfloat16
+    assert model["decoder.layers.1.mlp.router.expert_bias"].dtype == torch.float32
+    pgconvert.convert(tmp_path / "bf16", tmp_path / "back", dst_format="fsdp_dtensor", dst_ep=2)
+    assert pgconvert.verify(GOLDEN, tmp_path / "back").equal

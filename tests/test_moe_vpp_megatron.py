@@ -92,7 +92,8 @@ def test_transformer_engine_naming_can_be_chosen_for_the_target(tmp_path: Path) 
     assert_same_ranks(tmp_path / "local", src)
 
 
-def test_dtype_option_keeps_router_and_expert_bias_in_float32(tmp_path: Path) -> None:
+def test_dtype_option_casts_the_router_and_keeps_expert_bias_in_float32(tmp_path: Path) -> None:
+    """megatron-core holds a router's weight in the run's dtype and its expert bias (a buffer) in float32."""
     full = make_full_model(MOE)
     src = write_megatron_checkpoint(tmp_path / "src", MOE, full, 1, 1, ep=2)
 
@@ -100,11 +101,12 @@ def test_dtype_option_keeps_router_and_expert_bias_in_float32(tmp_path: Path) ->
 
     _, ranks = read_megatron_checkpoint_ranks(tmp_path / "fp16")
     model = ranks[(0, 0, 1)]["model"]
-    assert model["decoder.layers.0.mlp.router.weight"].dtype == torch.float32
+    assert model["decoder.layers.0.mlp.router.weight"].dtype == torch.float16
     assert model["decoder.layers.0.mlp.router.expert_bias"].dtype == torch.float32
     assert model["decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight"].dtype == torch.float16
     assert model["decoder.layers.0.self_attention.linear_qkv.weight"].dtype == torch.float16
-    assert torch.equal(model["decoder.layers.0.mlp.router.weight"], full["decoder.layers.0.mlp.router.weight"])
+    assert torch.equal(model["decoder.layers.0.mlp.router.weight"],
+                       full["decoder.layers.0.mlp.router.weight"].to(torch.float16))
 
 
 def test_pipeline_layout_string_places_layers_and_round_trips(tmp_path: Path) -> None:

@@ -393,7 +393,8 @@ def test_hf_to_torch_dist_and_back_is_bit_exact(tmp_path: Path, family: str) -> 
         assert all(actual[name].dtype == t.dtype and torch.equal(actual[name], t) for name, t in expected.items())
 
 
-def test_dtype_option_casts_weights_but_keeps_router_and_expert_bias(tmp_path: Path) -> None:
+def test_dtype_option_casts_weights_and_router_but_keeps_expert_bias(tmp_path: Path) -> None:
+    """megatron-core holds the router's weight in the run's dtype, its expert bias (a buffer) in float32."""
     full = make_full_model(MOE)
     src = write_megatron_checkpoint(tmp_path / "src", MOE, full, 1, 1, ep=2)
 
@@ -402,10 +403,13 @@ def test_dtype_option_casts_weights_but_keeps_router_and_expert_bias(tmp_path: P
     metadata, tensors = read_dcp(tmp_path / "dist" / ITERATION_DIR)
     dtypes = {key: md.properties.dtype for key, md in metadata.state_dict_metadata.items()
               if isinstance(md, TensorStorageMetadata)}
-    assert dtypes["decoder.layers.0.mlp.router.weight"] == torch.float32
+    assert dtypes["decoder.layers.0.mlp.router.weight"] == torch.float16
     assert dtypes["decoder.layers.0.mlp.router.expert_bias"] == torch.float32
     assert dtypes["decoder.layers.0.mlp.experts.experts.linear_fc1.weight"] == torch.float16
-    assert torch.equal(tensors["decoder.layers.3.mlp.router.weight"], full["decoder.layers.3.mlp.router.weight"])
+    assert torch.equal(tensors["decoder.layers.3.mlp.router.weight"],
+                       full["decoder.layers.3.mlp.router.weight"].to(torch.float16))
+    assert torch.equal(tensors["decoder.layers.3.mlp.router.expert_bias"],
+                       full["decoder.layers.3.mlp.router.expert_bias"])
     args = read_common(tmp_path / "dist" / ITERATION_DIR)["args"]
     assert args.params_dtype == torch.float16 and args.fp16
 

@@ -411,7 +411,8 @@ class HFSaver(Saver):
         config = source.config
         assert config.vocab_size is not None
         mtp.check_hf_target(family, base, config, "hf: the config.json written")
-        # Routers keep their dtype (float32 in megatron-core) whatever --dtype says, as on a megatron target.
+        # A router's expert bias keeps its dtype (a float32 buffer in megatron-core) whatever --dtype says, as on a
+        # megatron target.
         kept = keep_dtype_names(config)
         units = []
         unmapped = []

@@ -62,7 +62,9 @@ EXPERT_TENSORS: tuple[TensorKind, ...] = (
 KIND = LayerKind(MOE, tensors=(
     TensorKind("pre_mlp_layernorm.weight", hidden, REPLICATED, norm_weight=True),
     TensorKind("pre_mlp_layernorm.bias", hidden, REPLICATED, layernorm),
-    TensorKind("mlp.router.weight", lambda c: (_experts(c), c.hidden_size), REPLICATED, keep_dtype=True),
+    # The router's weight is in the run's dtype (megatron-core's TopKRouter casts it to params_dtype, Float16Module
+    # casts the whole model); its expert bias is a buffer megatron-core keeps in float32 whatever the run's dtype.
+    TensorKind("mlp.router.weight", lambda c: (_experts(c), c.hidden_size), REPLICATED),
     # The router's bias (megatron-core's TopKRouter with add_bias_linear; GPT-OSS).
     TensorKind("mlp.router.bias", lambda c: (_experts(c),), REPLICATED, linear_bias),
     TensorKind("mlp.router.expert_bias", lambda c: (_experts(c),), REPLICATED, _expert_bias, keep_dtype=True),

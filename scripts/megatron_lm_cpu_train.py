@@ -25,6 +25,8 @@ Shims (each announced on stderr with ``[train-shim]``):
 - ``torch.accelerator`` reports none, as on the CPU build: with ``torch.cuda.is_available`` shimmed to True
   a CUDA build would name CUDA, and ``torch.optim``'s graph-capture check in every Adam step would then
   initialise the missing driver;
+- the multi-token prediction layer's check for Transformer Engine's inference linears answers False (without TE
+  they are placeholders, and its ``isinstance`` raises);
 - a Megatron-FSDP save or load with its optimizer state: a rank's parameters whose shard is empty get the Adam state
   torch's Adam never creates for them there (``install_fsdp_empty_shard_state``), or the collectives wait forever.
 """
@@ -359,6 +361,26 @@ def install_fsdp_empty_shard_state() -> None:
     DistributedOptimizer._init_optimizer_states_with_dummy_values = init_optimizer_states_with_dummy_values
 
 
+def install_inference_linear_check() -> None:
+    """Megatron-LM d98e8a64's MultiTokenPredictionLayer asks ``is_inference_column_parallel_linear(eh_proj)``
+    (megatron/core/transformer/multi_token_prediction.py:1193), an ``isinstance`` over Transformer Engine's
+    inference linears; without TE they are placeholders, not classes, and ``isinstance`` raises. No module is one
+    of them then: the check answers False."""
+    from megatron.core.tensor_parallel import inference_layers
+    from megatron.core.transformer import multi_token_prediction
+
+    classes = tuple(cls for cls in (inference_layers.InferenceColumnParallelLinear,
+                                    inference_layers.InferenceLayerNormColumnParallelLinear) if isinstance(cls, type))
+    if len(classes) == 2:
+        return
+
+    def is_inference_column_parallel_linear(module: Any) -> bool:
+        _note("inference linear check", "no Transformer Engine inference linears: False for every module")
+        return False
+
+    multi_token_prediction.is_inference_column_parallel_linear = is_inference_column_parallel_linear
+
+
 def main() -> None:
     source = Path(sys.argv[1])
     install()
@@ -370,6 +392,7 @@ def main() -> None:
     sys.argv = [str(source / "pretrain_gpt.py"), *sys.argv[2:]]
     install_sharding_type()
     install_fsdp_empty_shard_state()
+    install_inference_linear_check()
     runpy.run_path(str(source / "pretrain_gpt.py"), run_name="__main__")
 
 

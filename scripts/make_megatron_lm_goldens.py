@@ -81,16 +81,18 @@ TRAINING_RUNS: dict[str, list[str]] = {
     # is empty the Adam state (empty zeros, the common step) torch's Adam never creates for them there, so the
     # save's collectives see every key on every rank.
     "train_tp2dp2_fsdp_dtensor_optim": [flag for flag in _FSDP_DTENSOR if flag != "--no-save-optim"],
-    # A Megatron-FSDP MoE run with its optimizer state: layer 0 dense, layer 1 four routed experts (EP2, so the
-    # expert data-parallel size is 2 beside the dense 4) with a shared expert, a sigmoid router with its expert bias;
-    # SwiGLU everywhere. TP1: at TP > 1 megatron-core asks MoE for sequence parallelism, which the local spec's torch
-    # norms refuse. Gloo's all_to_all_single refuses uneven splits: the allgather token dispatcher.
-    "train_tp1ep2dp4_moe_fsdp_dtensor_optim": [
+    # A Megatron-FSDP MoE run with a multi-token prediction layer and its optimizer state: layer 0 dense, layer 1 and
+    # the MTP layer four routed experts (EP2, so the expert data-parallel size is 2 beside the dense 4) with a shared
+    # expert, a sigmoid router with its expert bias; SwiGLU everywhere. TP1: at TP > 1 megatron-core asks MoE for
+    # sequence parallelism, which the local spec's torch norms refuse. Gloo's all_to_all_single refuses uneven
+    # splits: the allgather token dispatcher. Multi-latent attention cannot run here: the local spec's MLA passes
+    # DotProductAttention a k_channels it does not take (d98e8a64).
+    "train_tp1ep2dp4_moe_mtp_fsdp_dtensor_optim": [
         *[flag for flag in _FSDP_DTENSOR if flag != "--no-save-optim"], "--tensor-model-parallel-size", "1",
         "--global-batch-size", "4", "--num-experts", "4", "--expert-model-parallel-size", "2",
         "--moe-router-topk", "2", "--moe-token-dispatcher-type", "allgather", "--moe-ffn-hidden-size", "24",
         "--moe-shared-expert-intermediate-size", "32", "--moe-layer-freq", "[0,1]",
-        "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias"],
+        "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias", "--mtp-num-layers", "1"],
 }
 # Environment a run needs besides _megatron_env's: Megatron-FSDP asserts CUDA_DEVICE_MAX_CONNECTIONS != 1
 # (arguments.py validate_args), which every other run needs at TP > 1.

@@ -1,12 +1,13 @@
-"""A Megatron-FSDP MoE checkpoint as Megatron-LM writes it, read, resharded to other expert-parallel sizes and
-written back: ``train_tp1ep2dp4_moe_fsdp_dtensor_optim`` in tests/data/megatron_lm, its own ``pretrain_gpt.py
---use-megatron-fsdp --ckpt-format fsdp_dtensor`` of a model whose layer 0 is dense and layer 1 four routed experts
-at EP2 with a shared expert and a sigmoid router's expert bias, SwiGLU throughout, TP1 DP4, with the optimizer
-state.
+"""A Megatron-FSDP MoE checkpoint with a multi-token prediction layer as Megatron-LM writes it, read, resharded to
+other expert-parallel sizes and written back: ``train_tp1ep2dp4_moe_mtp_fsdp_dtensor_optim`` in tests/data/megatron_lm,
+its own ``pretrain_gpt.py --use-megatron-fsdp --ckpt-format fsdp_dtensor`` of a model whose layer 0 is dense and
+layer 1 and the MTP layer four routed experts at EP2 with a shared expert and a sigmoid router's expert bias, SwiGLU
+throughout, TP1 DP4, with the optimizer state.
 
 What the golden shows and the reader relies on: every routed expert under its global index
 (``handle_experts_in_state_dict``), its moments too; every gated fc1 (dense, routed and shared experts') as its
-``_w`` (gate) and ``_v`` (up) halves; the experts in the dense param groups
+``_w`` (gate) and ``_v`` (up) halves; the MTP layer's inner layer as ``transformer_layer`` in the model and
+state keys (``handle_mtp_in_state_dict``) but as the live ``mtp_model_layer`` in ``param_to_group_meta``; the experts in the dense param groups
 (``is_expert_parallel`` False: Megatron-FSDP's parameters drop ``allreduce``); the router's ``expert_bias`` a model
 entry without optimizer state. Megatron-LM resuming pgconvert's outputs at EP2 and EP4 is
 ``scripts/interop_megatron_lm.py WORK fsdp-moe`` (needs Megatron-LM's source).
@@ -33,13 +34,14 @@ from pgconvert.errors import CheckpointError
 from pgconvert.formats import LoadOptions
 from pgconvert.formats.registry import get_loader
 
-GOLDEN = Path(__file__).parent / "data" / "megatron_lm" / "train_tp1ep2dp4_moe_fsdp_dtensor_optim"
+GOLDEN = Path(__file__).parent / "data" / "megatron_lm" / "train_tp1ep2dp4_moe_mtp_fsdp_dtensor_optim"
 ITERATION = GOLDEN / "iter_0000002"
 MODEL = "model.module."
 STATE = "optimizer.state.module.module.module."
 GROUP_META = "optimizer.param_to_group_meta.module.module.module."
 EXPERTS = 4
 EXPERT = "decoder.layers.1.mlp.experts.local_experts.{}.linear_fc{}.weight"
+MTP_EXPERT = "mtp.layers.0.transformer_layer.mlp.experts.local_experts.{}.linear_fc{}.weight"
 FIELDS = ("exp_avg", "exp_avg_sq", "step")
 
 
@@ -57,7 +59,7 @@ def _joined(tensors: dict[str, torch.Tensor], key: str, suffix: str = "") -> tor
 
 
 def _entries(iteration_dir: Path) -> dict[str, Any]:
-    """The bytes entries of a store (``param_to_group_meta``, scheduler, args ...), unpickled by torch's reader."""
+    """The ``param_to_group_meta`` bytes entries of a store, unpickled by torch's reader."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
 
@@ -75,7 +77,10 @@ def test_golden_holds_every_expert_under_its_global_index(golden: dict[str, torc
     assert experts == {MODEL + EXPERT.format(e, 1) + half for e in range(EXPERTS) for half in ("_w", "_v")} | {
         MODEL + EXPERT.format(e, 2) for e in range(EXPERTS)}
     assert {MODEL + "decoder.layers.1.mlp.router.expert_bias", MODEL + "decoder.layers.0.mlp.linear_fc1.weight_w",
-            MODEL + "decoder.layers.1.mlp.shared_experts.linear_fc1.weight_v"} <= set(golden)
+            MODEL + "decoder.layers.1.mlp.shared_experts.linear_fc1.weight_v", MODEL + MTP_EXPERT.format(3, 2),
+            STATE + MTP_EXPERT.format(3, 1) + "_w.exp_avg"} <= set(golden)
+    assert GROUP_META + MTP_EXPERT.format(3, 1).replace("transformer_layer", "mtp_model_layer") + ".lr" in _entries(
+        ITERATION)
     assert not any(key.startswith(STATE) and "expert_bias" in key for key in golden)
     metas = _entries(ITERATION)
     assert metas[GROUP_META + EXPERT.format(3, 1) + ".is_expert_parallel"] is False
@@ -95,7 +100,7 @@ def test_every_tensor_and_its_optimizer_state_read_bit_exact(golden: dict[str, t
     assert done.returncode == 0, done.stderr
     index = json.loads((tmp_path / "opt" / "optimizer.json").read_text())
     parameters = index["parameters"]
-    assert len(parameters) == 24 and "decoder.layers.1.mlp.router.expert_bias" not in parameters
+    assert len(parameters) == 43 and "decoder.layers.1.mlp.router.expert_bias" not in parameters
     for name, entry in parameters.items():
         held = torch.load(tmp_path / "opt" / entry["file"], weights_only=True)
         assert torch.equal(held["param"], _joined(golden, MODEL + name)), name
@@ -108,41 +113,49 @@ def test_every_tensor_and_its_optimizer_state_read_bit_exact(golden: dict[str, t
 @pytest.mark.parametrize("ep", [1, 2, 4])
 def test_per_rank_output_loads_strictly_into_megatron_core_with_each_ranks_experts(
         tmp_path: Path, golden: dict[str, torch.Tensor], ep: int) -> None:
+    """The decoder loads into megatron-core's GPTModel (strict; the test's model builder makes no MTP block, so the
+    MTP layer's entries are checked in the rank file); each EP rank holds its own experts, MTP's too."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         from support.mcore_helpers import load_rank_into_gpt_model, rank_files
 
-    pgconvert.convert(GOLDEN, tmp_path / "out", dst_format="megatron", dst_ep=ep, skip_optimizer=True)
+    # megatron-core 0.16.1's MTP layer holds its inner layer as transformer_layer
+    pgconvert.convert(GOLDEN, tmp_path / "out", dst_format="megatron", dst_ep=ep, skip_optimizer=True,
+                      dst_mtp_layer_name="transformer_layer")
     ranks = rank_files(tmp_path / "out")
     assert len(ranks) == ep
     local = EXPERTS // ep
     for rank in ranks:
-        state = load_rank_into_gpt_model(rank).state_dict()  # strict=True
+        mtp = {key: value for key, value in rank.model.items() if key.startswith("mtp.")}
+        decoder = dataclasses.replace(rank, payload=dict(rank.payload, model={
+            key: value for key, value in rank.model.items() if key not in mtp}))
+        state = {**load_rank_into_gpt_model(decoder).state_dict(), **mtp}  # strict=True
         for j in range(local):
-            for fc in (1, 2):
-                expected = _joined(golden, MODEL + EXPERT.format(rank.layout.ep_rank * local + j, fc))
-                assert torch.equal(state[EXPERT.format(j, fc)], expected), (rank.path, j, fc)
+            for fc, expert in ((fc, expert) for fc in (1, 2) for expert in (EXPERT, MTP_EXPERT)):
+                expected = _joined(golden, MODEL + expert.format(rank.layout.ep_rank * local + j, fc))
+                assert torch.equal(state[expert.format(j, fc)], expected), (rank.path, j, fc)
         assert torch.equal(state["decoder.layers.1.mlp.router.expert_bias"],
                            golden[MODEL + "decoder.layers.1.mlp.router.expert_bias"])
-
-
-def _tensors_and_metas(iteration_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    return read_dcp(iteration_dir)[1], _entries(iteration_dir)
 
 
 @pytest.mark.parametrize("route", [("fsdp_dtensor",), ("megatron", "fsdp_dtensor"), ("torch_dist", "fsdp_dtensor")])
 def test_round_trips_through_other_expert_layouts_give_the_golden_store(
         tmp_path: Path, golden: dict[str, torch.Tensor], route: tuple[str, ...]) -> None:
     """Every tensor entry (weights, moments, steps) and every parameter's group hyperparameters come back bit for
-    bit, the store written at EP4 (the args' layout; the store is global) after a hop at EP1 where there is one."""
+    bit, the store written at EP4 (the args' layout; the store is global) after a hop at EP1 where there is one. The
+    MTP inner layer's live name in ``param_to_group_meta`` is the source's (per-rank files keep it); torch_dist keys
+    do not hold it, so from there ``--dst-mtp-layer-name`` gives it."""
     source = GOLDEN
     for index, fmt in enumerate(route):
         last = index == len(route) - 1
         target = tmp_path / f"{index}_{fmt}"
-        pgconvert.convert(source, target, dst_format=fmt, dst_ep=4 if last else 1, dtype="bf16" if last else "keep")
+        spelling = "mtp_model_layer" if last and "torch_dist" in route else None
+        report = pgconvert.convert(source, target, dst_format=fmt, dst_ep=4 if last else 1,
+                                   dtype="bf16" if last else "keep", dst_mtp_layer_name=spelling)
         source = target
+    assert any("param_to_group_meta" in notice and "'mtp_model_layer'" in notice for notice in report.notices)
     assert pgconvert.verify(GOLDEN, source).equal
-    tensors, metas = _tensors_and_metas(source / "iter_0000002")
+    tensors, metas = read_dcp(source / "iter_0000002")[1], _entries(source / "iter_0000002")
     assert tensors.keys() == golden.keys()
     assert [key for key in golden if not torch.equal(tensors[key], golden[key])] == []
     assert metas == _entries(ITERATION)

@@ -20,10 +20,12 @@ from pgconvert.formats import LoadOptions
 from pgconvert.formats.dcp_store import (DcpStore, Region, check_vocab_rows, model_from_args, read_piece,
                                          te_extra_states)
 from pgconvert.formats.fsdp_dtensor import (ARGS_KEY, COMMON_KEYS, FLOPS_KEY, FSDP_DTENSOR_FORM, ITERATION_KEY,
-                                            MODEL_PREFIX, OPTIMIZER_STATE_PREFIX, SCHEDULER_PREFIX, FsdpLocation,
-                                            is_training_state, refuse_unknown_keys, tensor_locations)
+                                            MODEL_PREFIX, OPTIMIZER_GROUP_PREFIX, OPTIMIZER_STATE_PREFIX,
+                                            SCHEDULER_PREFIX, FsdpLocation, is_training_state, refuse_unknown_keys,
+                                            tensor_locations)
 from pgconvert.formats.hf_side import carried_side_files
 from pgconvert.formats.megatron import arg_name, validate_source_layout
+from pgconvert.formats.mtp_naming import mtp_module_of
 from pgconvert.formats.stream import CanonicalSource, ExtraState, TensorMeta
 from pgconvert.formats.dcp_layout import DCP_METADATA_FILE
 from pgconvert.formats.torch_dist import read_dcp_metadata
@@ -32,7 +34,7 @@ from pgconvert.io.paths import ensure_within
 from pgconvert.io.reuse import new_tensor
 from pgconvert.model.config import ModelConfig
 from pgconvert.model.declared import StoredCounts, check_declared_counts
-from pgconvert.model.provider import (LAYER_PREFIX, VOCAB_TABLES, WORD_EMBEDDINGS, canonical_shapes,
+from pgconvert.model.provider import (LAYER_PREFIX, MTP_PREFIX, VOCAB_TABLES, WORD_EMBEDDINGS, canonical_shapes,
                                       expert_of_key)
 from pgconvert.model.rules import ShardRule
 from pgconvert.optimizer.order import UnsupportedOptimizerError
@@ -63,6 +65,7 @@ class FsdpDtensorSource(CanonicalSource):
             raise LayoutError(f"{where}: pipeline_model_parallel_size={self.layout.pp}, virtual stages "
                               f"{self.layout.vpp}: Megatron-FSDP checkpoints of a pipeline are not read")
         refuse_unknown_keys(config, str(where))
+        config = self._with_mtp_spelling(config, metadata_path)
         check_declared_counts(config.to_dict(), self._stored_counts(metadata_path), str(where), arg_name)
         validate_source_layout(self.layout, config, where)
         rows = self._vocab_rows(metadata_path)
@@ -108,20 +111,34 @@ class FsdpDtensorSource(CanonicalSource):
                                   "not Megatron's argparse.Namespace")
         return common
 
+    def _with_mtp_spelling(self, config: ModelConfig, metadata_path: Path) -> ModelConfig:
+        """The config naming an MTP layer's inner layer as the optimizer's ``param_to_group_meta`` does: the live
+        module's name (``mtp_model_layer`` in Megatron-LM d98e8a64), which the model and state keys do not keep
+        (``handle_mtp_in_state_dict`` renames those to ``transformer_layer``) and a load looks its parameters up by."""
+        names = []
+        for key in self._metadata.state_dict_metadata:
+            at = key.find(MTP_PREFIX) if key.startswith(OPTIMIZER_GROUP_PREFIX) else -1
+            if at >= 0:
+                names.append(key[at:])
+        spelling = mtp_module_of(names, metadata_path)
+        return config.replace(mtp_layer_module=spelling) if spelling else config
+
     def _stored_counts(self, metadata_path: Path) -> StoredCounts:
-        """The decoder layers the model keys hold, and the most routed experts one layer holds (Megatron-LM
-        stores each expert under its global index)."""
-        prefix = MODEL_PREFIX + LAYER_PREFIX
+        """The decoder layers and MTP layers the model keys hold, and the most routed experts one layer holds
+        (Megatron-LM stores each expert under its global index)."""
         model_keys = [key[len(MODEL_PREFIX):] for key in self._metadata.state_dict_metadata
-                      if key.startswith(prefix)]
-        layers = {key[len(LAYER_PREFIX):].partition(".")[0] for key in model_keys}
+                      if key.startswith(MODEL_PREFIX)]
+        indices: dict[str, set[str]] = {LAYER_PREFIX: set(), MTP_PREFIX: set()}
         experts: dict[str, set[int]] = {}
         for key in model_keys:
+            for prefix, held in indices.items():
+                if key.startswith(prefix):
+                    held.add(key[len(prefix):].partition(".")[0])
             found = expert_of_key(key)
             if found is not None:
                 experts.setdefault(found[0], set()).add(found[1])
-        return StoredCounts(str(metadata_path), len({index for index in layers if index.isdigit()}),
-                            max(map(len, experts.values()), default=0), 0)
+        layers, mtp = ({index for index in held if index.isdigit()} for held in indices.values())
+        return StoredCounts(str(metadata_path), len(layers), max(map(len, experts.values()), default=0), len(mtp))
 
     def _vocab_rows(self, metadata_path: Path) -> int:
         md = self._metadata.state_dict_metadata.get(MODEL_PREFIX + WORD_EMBEDDINGS)

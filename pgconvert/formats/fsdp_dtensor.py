@@ -44,10 +44,12 @@ from pgconvert.io.limits import quote
 from pgconvert.model.config import ModelConfig
 from pgconvert.model.grid import RankCoord, build_converter_process_groups
 from pgconvert.model.layout import ParallelLayout
-from pgconvert.model.provider import provide
+from pgconvert.model.provider import MTP_LAYER_MODULE, provide
 from pgconvert.optimizer.order import OptimizerRules, OptimizerSlot, chained_slots
 
 MODEL_PREFIX = "model.module."
+# An MTP layer's inner layer as the store names it.
+CANONICAL_MTP_MODULE = MTP_LAYER_MODULE.rstrip(".")
 # Followed by the wrapper modules' prefix (``module.module.module.`` in a bf16 run) and the parameter name.
 OPTIMIZER_STATE_PREFIX = "optimizer.state."
 OPTIMIZER_GROUP_PREFIX = "optimizer.param_to_group_meta."
@@ -91,24 +93,25 @@ def resolve_iteration_dir(root: Path, iteration: int | None) -> tuple[Path, int 
 
 def refuse_unknown_keys(config: ModelConfig, where: str, verb: str = "read") -> None:
     """Parts of a model whose fsdp_dtensor keys no golden of Megatron-LM's shows yet are refused, not guessed
-    (MTP and fused MLA layers are renamed by their own handlers); ``verb``: "read" or "written"."""
-    unknown = {"mtp_num_layers": config.mtp_num_layers or None,
-               "multi_latent_attention": config.attention.multi_latent_attention or None,
+    (fused MLA layers are renamed by their own handler); ``verb``: "read" or "written"."""
+    unknown = {"multi_latent_attention": config.attention.multi_latent_attention or None,
                "hybrid_override_pattern": config.hybrid_override_pattern,
                "vision_config": "set" if config.vision.vision_config is not None else None}
     found = {name: value for name, value in unknown.items() if value}
     if found:
         raise CheckpointError(f"{where}: fsdp_dtensor checkpoints of models with {quote(found)} are not {verb} yet; "
                               f"pgconvert's fsdp_dtensor format holds GPT models of attention, dense MLP and MoE "
-                              "layers")
+                              "layers, and their multi-token prediction layers")
 
 
 def tensor_locations(config: ModelConfig, rows: int) -> dict[str, FsdpLocation]:
     """Every canonical tensor's keys, in stream order: the parameter names of the whole model (a rank of
-    the TP1 PP1 EP1 layout holds every tensor under its global name), a gated fc1 split in two."""
+    the TP1 PP1 EP1 layout holds every tensor under its global name), a gated fc1 split in two, an MTP layer's inner
+    layer as ``transformer_layer`` (``handle_mtp_in_state_dict`` renames Megatron-LM's ``mtp_model_layer``)."""
     groups = build_converter_process_groups(ParallelLayout())
     locations: dict[str, FsdpLocation] = {}
-    for spec in provide(config, groups, padded_vocab_size=rows).specs:
+    stored = config.replace(mtp_layer_module=CANONICAL_MTP_MODULE)
+    for spec in provide(stored, groups, padded_vocab_size=rows).specs:
         key = MODEL_PREFIX + spec.local_name
         halves = tuple(key + half for half in GATED_HALVES) if spec.rule.row_segments == 2 else (key,)
         locations[spec.canonical] = FsdpLocation(halves)

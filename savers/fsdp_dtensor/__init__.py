@@ -249,6 +249,12 @@ class FsdpDtensorSaver(Saver):
         if any(extra.holds_state() for extra in source.extra_states().values()):
             notices.append("Transformer Engine _extra_state (FP8 scaling metadata) of the source is not carried: "
                            "Megatron-FSDP checkpoints store none; FP8 runs re-derive it in their first steps")
+        config = target_config(source.config, options)
+        if config.mtp_num_layers:
+            notices.append(f"MTP layers: the model and state keys name the inner layer transformer_layer (as "
+                           f"Megatron-LM's save renames it); param_to_group_meta, when the optimizer state is written, "
+                           f"names it {config.mtp_layer_module!r}, the module a Megatron-LM load looks parameters up by "
+                           "(mtp_model_layer in Megatron-LM d98e8a64, transformer_layer before: --dst-mtp-layer-name)")
         written = (f"fsdp_dtensor written with the layout {options.layout.describe()} recorded in its args "
                    "(any data-parallel size may load it: the store is global)")
         if source.holds_training_state():

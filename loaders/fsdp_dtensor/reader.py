@@ -21,8 +21,8 @@ from pgconvert.formats.dcp_store import (DcpStore, Region, check_vocab_rows, mod
                                          te_extra_states)
 from pgconvert.formats.fsdp_dtensor import (ARGS_KEY, COMMON_KEYS, FLOPS_KEY, FSDP_DTENSOR_FORM, ITERATION_KEY,
                                             MODEL_PREFIX, OPTIMIZER_GROUP_PREFIX, OPTIMIZER_STATE_PREFIX,
-                                            SCHEDULER_PREFIX, FsdpLocation, is_training_state, refuse_unknown_keys,
-                                            tensor_locations)
+                                            NO_PIPELINE, SCHEDULER_PREFIX, FsdpLocation, is_training_state,
+                                            refuse_unknown_keys, tensor_locations)
 from pgconvert.formats.hf_side import carried_side_files
 from pgconvert.formats.megatron import arg_name, validate_source_layout
 from pgconvert.formats.mtp_naming import mtp_module_of
@@ -63,7 +63,7 @@ class FsdpDtensorSource(CanonicalSource):
         self.layout, config = model_from_args(args, where, options, notices)
         if self.layout.pp > 1 or self.layout.vpp:
             raise LayoutError(f"{where}: pipeline_model_parallel_size={self.layout.pp}, virtual stages "
-                              f"{self.layout.vpp}: Megatron-FSDP checkpoints of a pipeline are not read")
+                              f"{self.layout.vpp}: not read: {NO_PIPELINE}")
         refuse_unknown_keys(config, str(where))
         config = self._with_mtp_spelling(config, metadata_path)
         check_declared_counts(config.to_dict(), self._stored_counts(metadata_path), str(where), arg_name)

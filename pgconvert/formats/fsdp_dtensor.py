@@ -62,6 +62,9 @@ FP32_RUN_WRAPPERS = "module.module."
 HALF_RUN_WRAPPERS = "module.module.module."
 # The distributed optimizer's sharding type Megatron-LM asks for with this format (_build_sharded_state_dict_metadata).
 FSDP_DTENSOR_FORM = "fsdp_dtensor"
+# Why no pipeline-parallel layout is read or written: no such store exists.
+NO_PIPELINE = ("Megatron-FSDP has no pipeline dimension (Megatron-LM d98e8a64's mcore_fsdp_adapter._get_dp_tp_mesh "
+               "lays the world out as dp x ep x tp and fails at PP > 1)")
 ARGS_KEY = "args"
 ITERATION_KEY = "iteration"
 # Entries that are neither model weights nor read: training state, accounted for and named in a notice.

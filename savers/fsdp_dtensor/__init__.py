@@ -33,7 +33,7 @@ from pgconvert.formats import (TRAINING_STATE_NOT_CARRIED, CarriedOptimizer, Opt
                                PlannedFile, Progress, SaveOptions, Saver, SaveResult, target_config)
 from pgconvert.formats.dcp_save import (StateReader, StoredChunk, StreamingPlanner, data_file_name, data_files,
                                         file_numbers, planned_data_files, write_data_files, write_store)
-from pgconvert.formats.fsdp_dtensor import (ARGS_KEY, FSDP_DTENSOR_FORM, ITERATION_KEY, MODEL_PREFIX,
+from pgconvert.formats.fsdp_dtensor import (ARGS_KEY, FSDP_DTENSOR_FORM, ITERATION_KEY, MODEL_PREFIX, NO_PIPELINE,
                                             refuse_unknown_keys, tensor_locations)
 from pgconvert.formats.hf_side import carried_for_target, write_carried
 from pgconvert.formats.megatron import (CHECKPOINT_VERSION, FRAMEWORK_PICKLE, TRACKER_FILE, args_for_target,
@@ -66,7 +66,8 @@ class FsdpDtensorSaver(Saver):
         layout = options.layout
         if layout.pp > 1 or layout.vpp:
             raise LayoutError(f"--dst-format fsdp_dtensor: layout {layout.describe()}: pgconvert writes Megatron-FSDP "
-                              "checkpoints of tensor- and expert-parallel runs (pp=1, no virtual stages)")
+                              "checkpoints of tensor- and expert-parallel runs (pp=1, no virtual stages): "
+                              f"{NO_PIPELINE}")
         layout.validate(config, "dst")
         target_vocab_rows(config, source.vocab_rows, layout)
         carried_for_target(source, options)
@@ -251,10 +252,11 @@ class FsdpDtensorSaver(Saver):
                            "Megatron-FSDP checkpoints store none; FP8 runs re-derive it in their first steps")
         config = target_config(source.config, options)
         if config.mtp_num_layers:
-            notices.append(f"MTP layers: the model and state keys name the inner layer transformer_layer (as "
-                           f"Megatron-LM's save renames it); param_to_group_meta, when the optimizer state is written, "
-                           f"names it {config.mtp_layer_module!r}, the module a Megatron-LM load looks parameters up by "
-                           "(mtp_model_layer in Megatron-LM d98e8a64, transformer_layer before: --dst-mtp-layer-name)")
+            notices.append("MTP layers: the model and state keys name the inner layer transformer_layer (as "
+                           "Megatron-LM's save renames it); param_to_group_meta, when the optimizer state is written, "
+                           f"names it {config.mtp_layer_module!r}, the module a Megatron-LM load looks parameters "
+                           "up by (mtp_model_layer in Megatron-LM d98e8a64, transformer_layer before: "
+                           "--dst-mtp-layer-name)")
         written = (f"fsdp_dtensor written with the layout {options.layout.describe()} recorded in its args "
                    "(any data-parallel size may load it: the store is global)")
         if source.holds_training_state():

@@ -27,6 +27,8 @@ Shims (each announced on stderr with ``[train-shim]``):
   initialise the missing driver;
 - the multi-token prediction layer's check for Transformer Engine's inference linears answers False (without TE
   they are placeholders, and its ``isinstance`` raises);
+- multi-latent attention's core attention takes ``k_channels``/``v_channels`` in the local DotProductAttention when
+  both equal ``kv_channels`` (only Transformer Engine's attention takes them upstream);
 - a Megatron-FSDP save or load with its optimizer state: a rank's parameters whose shard is empty get the Adam state
   torch's Adam never creates for them there (``install_fsdp_empty_shard_state``), or the collectives wait forever.
 """
@@ -381,6 +383,28 @@ def install_inference_linear_check() -> None:
     multi_token_prediction.is_inference_column_parallel_linear = is_inference_column_parallel_linear
 
 
+def install_mla_core_attention() -> None:
+    """Megatron-LM d98e8a64's multi-latent attention builds its core attention with ``k_channels`` (the query/key
+    head size, ``qk_head_dim + qk_pos_emb_head_dim``) and ``v_channels`` (multi_latent_attention.py:214), which only
+    Transformer Engine's attention takes; the local spec's DotProductAttention sizes its heads by ``kv_channels``. With
+    both equal to ``kv_channels`` the local attention computes the same thing: it takes them then, and refuses other
+    sizes by name."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    original = DotProductAttention.__init__
+
+    def __init__(self: Any, config: Any, *args: Any, k_channels: int | None = None, v_channels: int | None = None,
+                 **kwargs: Any) -> None:
+        if {k_channels, v_channels} - {None, config.kv_channels}:
+            raise ValueError(f"DotProductAttention on the CPU: k_channels={k_channels}, v_channels={v_channels} must "
+                             f"equal kv_channels={config.kv_channels}")
+        if k_channels is not None or v_channels is not None:
+            _note("MLA core attention", "k_channels = v_channels = kv_channels: the local DotProductAttention")
+        original(self, config, *args, **kwargs)
+
+    DotProductAttention.__init__ = __init__
+
+
 def main() -> None:
     source = Path(sys.argv[1])
     install()
@@ -393,6 +417,7 @@ def main() -> None:
     install_sharding_type()
     install_fsdp_empty_shard_state()
     install_inference_linear_check()
+    install_mla_core_attention()
     runpy.run_path(str(source / "pretrain_gpt.py"), run_name="__main__")
 
 

@@ -295,17 +295,19 @@ def fsdp_optimizer_resumes(work: Path) -> None:
         same_store_tensors(expected_dir / "iter_0000003", theirs / "iter_0000003")
 
 
-FSDP_MOE_GOLDEN = FSDP_GOLDEN.parent / "train_tp1ep2dp4_moe_mtp_fsdp_dtensor_optim"
-# The MoE golden's run flags (scripts/make_megatron_lm_goldens.py): --use-checkpoint-args does not take the MoE
-# settings from its args. DP4 (TP1 on 4 ranks): the global batch 4.
-FSDP_MOE_FLAGS = (*FSDP_OPTIM_FLAGS, "--global-batch-size", "4", "--num-experts", "4", "--moe-router-topk", "2",
+FSDP_MOE_GOLDEN = FSDP_GOLDEN.parent / "train_tp1ep2dp4_mla_moe_mtp_fsdp_dtensor_optim"
+# The DeepSeek-V3-shaped golden's run flags (scripts/make_megatron_lm_goldens.py): --use-checkpoint-args does not take
+# the MLA, MoE and MTP settings from its args. DP4 (TP1 on 4 ranks): the global batch 4.
+FSDP_MOE_FLAGS = (*FSDP_OPTIM_FLAGS, "--global-batch-size", "4", "--multi-latent-attention", "--q-lora-rank", "8",
+                  "--kv-lora-rank", "8", "--qk-head-dim", "2", "--qk-pos-emb-head-dim", "2", "--v-head-dim", "4",
+                  "--rope-type", "rope", "--qk-layernorm", "--num-experts", "4", "--moe-router-topk", "2",
                   "--moe-token-dispatcher-type", "allgather", "--moe-ffn-hidden-size", "24",
                   "--moe-shared-expert-intermediate-size", "32", "--moe-layer-freq", "[0,1]",
                   "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias", "--mtp-num-layers", "1")
 
 
 def fsdp_moe_resumes(work: Path) -> None:
-    """Megatron-LM's MoE Megatron-FSDP save with an MTP layer and its optimizer state (the golden: EP2 on TP1 DP4) ->
+    """Megatron-LM's DeepSeek-V3-shaped Megatron-FSDP save (MLA, MoE, MTP) with its optimizer state (EP2, TP1 DP4) ->
     pgconvert -> per-rank EP1 (fp32 weights, the masters) -> pgconvert -> fsdp_dtensor at EP2 and EP4 of a bf16 run
     (``--dtype bf16`` sets the args; the store keeps fp32 main weights) with the optimizer state, each resumed by
     ``pretrain_gpt.py`` on 4 ranks at its EP loading the optimizer, one step at the checkpoint's learning rate: at

@@ -81,19 +81,25 @@ TRAINING_RUNS: dict[str, list[str]] = {
     # is empty the Adam state (empty zeros, the common step) torch's Adam never creates for them there, so the
     # save's collectives see every key on every rank.
     "train_tp2dp2_fsdp_dtensor_optim": [flag for flag in _FSDP_DTENSOR if flag != "--no-save-optim"],
-    # A Megatron-FSDP MoE run with a multi-token prediction layer and its optimizer state: layer 0 dense, layer 1 and
-    # the MTP layer four routed experts (EP2, so the expert data-parallel size is 2 beside the dense 4) with a shared
-    # expert, a sigmoid router with its expert bias; SwiGLU everywhere. TP1: at TP > 1 megatron-core asks MoE for
-    # sequence parallelism, which the local spec's torch norms refuse. Gloo's all_to_all_single refuses uneven
-    # splits: the allgather token dispatcher. Multi-latent attention cannot run here: the local spec's MLA passes
-    # DotProductAttention a k_channels it does not take (d98e8a64).
-    "train_tp1ep2dp4_moe_mtp_fsdp_dtensor_optim": [
+    # A DeepSeek-V3-shaped Megatron-FSDP run with its optimizer state: multi-latent attention (q and kv LoRA ranks,
+    # the latent norms: --qk-layernorm; plain RoPE: Megatron-LM's YaRN table asks torch for an accelerator), layer 0
+    # dense, layer 1 and the multi-token prediction layer four routed experts (EP2, so the expert data-parallel size is
+    # 2 beside the dense 4) with a shared expert and a sigmoid router with its expert bias; SwiGLU everywhere. Without
+    # --group-query-attention (MODEL_FLAGS_DROPPED), which MLA refuses. The head sizes make k and v heads kv_channels
+    # wide (the launcher's local MLA attention). TP1: at TP > 1 megatron-core asks MoE for sequence parallelism, which
+    # the local spec's torch norms refuse. Gloo's all_to_all_single refuses uneven splits: the allgather dispatcher.
+    "train_tp1ep2dp4_mla_moe_mtp_fsdp_dtensor_optim": [
         *[flag for flag in _FSDP_DTENSOR if flag != "--no-save-optim"], "--tensor-model-parallel-size", "1",
-        "--global-batch-size", "4", "--num-experts", "4", "--expert-model-parallel-size", "2",
+        "--global-batch-size", "4", "--multi-latent-attention", "--q-lora-rank", "8", "--kv-lora-rank", "8",
+        "--qk-head-dim", "2", "--qk-pos-emb-head-dim", "2", "--v-head-dim", "4", "--rope-type", "rope",
+        "--qk-layernorm", "--num-experts", "4", "--expert-model-parallel-size", "2",
         "--moe-router-topk", "2", "--moe-token-dispatcher-type", "allgather", "--moe-ffn-hidden-size", "24",
         "--moe-shared-expert-intermediate-size", "32", "--moe-layer-freq", "[0,1]",
         "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias", "--mtp-num-layers", "1"],
 }
+# MODEL_FLAGS a run leaves out (a store_true flag cannot be switched off by a later one).
+MODEL_FLAGS_DROPPED: dict[str, tuple[str, ...]] = {
+    "train_tp1ep2dp4_mla_moe_mtp_fsdp_dtensor_optim": ("--group-query-attention",)}
 # Environment a run needs besides _megatron_env's: Megatron-FSDP asserts CUDA_DEVICE_MAX_CONNECTIONS != 1
 # (arguments.py validate_args), which every other run needs at TP > 1.
 TRAINING_ENV: dict[str, dict[str, str]] = {name: {"CUDA_DEVICE_MAX_CONNECTIONS": "8"} for name in
@@ -101,12 +107,14 @@ TRAINING_ENV: dict[str, dict[str, str]] = {name: {"CUDA_DEVICE_MAX_CONNECTIONS":
 
 
 def megatron_train(save: Path, flags: list[str], port: int, nproc: int = 4,
-                   extra_env: dict[str, str] | None = None) -> str:
-    """Megatron-LM's pretrain_gpt.py on ``nproc`` CPU ranks; its save_checkpoint writes ``save``."""
+                   extra_env: dict[str, str] | None = None, dropped: tuple[str, ...] = ()) -> str:
+    """Megatron-LM's pretrain_gpt.py on ``nproc`` CPU ranks; its save_checkpoint writes ``save``. ``dropped``:
+    MODEL_FLAGS left out."""
     python, env, source = _megatron_env()
     env = dict(env, OMP_NUM_THREADS="1", **(extra_env or {}))
+    model_flags = [flag for flag in MODEL_FLAGS if flag not in dropped]
     cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(port),
-           str(LAUNCHER), str(source), *MODEL_FLAGS, *flags, "--save", str(save)]
+           str(LAUNCHER), str(source), *model_flags, *flags, "--save", str(save)]
     print("$", " ".join(cmd[1:]), flush=True)
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     log = done.stdout + done.stderr
@@ -119,7 +127,8 @@ def make_training_goldens(names: list[str]) -> None:
     for port, name in enumerate(names, start=29600):
         target = GOLDENS / name
         shutil.rmtree(target, ignore_errors=True)
-        log = megatron_train(target, TRAINING_RUNS[name], port, extra_env=TRAINING_ENV.get(name))
+        log = megatron_train(target, TRAINING_RUNS[name], port, extra_env=TRAINING_ENV.get(name),
+                             dropped=MODEL_FLAGS_DROPPED.get(name, ()))
         shims = sorted({line.strip() for line in log.splitlines() if "shim]" in line and ":" in line})
         print(f"  {name}: saved; shims used:\n    " + "\n    ".join(shims), flush=True)
         # Megatron writes the tokenizer's (empty, NullTokenizer) folder beside a torch_dist iteration

@@ -1,8 +1,8 @@
-"""A Megatron-FSDP MoE checkpoint with a multi-token prediction layer as Megatron-LM writes it, read, resharded to
-other expert-parallel sizes and written back: ``train_tp1ep2dp4_moe_mtp_fsdp_dtensor_optim`` in tests/data/megatron_lm,
-its own ``pretrain_gpt.py --use-megatron-fsdp --ckpt-format fsdp_dtensor`` of a model whose layer 0 is dense and
-layer 1 and the MTP layer four routed experts at EP2 with a shared expert and a sigmoid router's expert bias, SwiGLU
-throughout, TP1 DP4, with the optimizer state.
+"""A DeepSeek-V3-shaped Megatron-FSDP checkpoint as Megatron-LM writes it, read, resharded to other expert-parallel
+sizes and written back: ``train_tp1ep2dp4_mla_moe_mtp_fsdp_dtensor_optim`` in tests/data/megatron_lm, its own
+``pretrain_gpt.py --use-megatron-fsdp --ckpt-format fsdp_dtensor`` of a model with multi-latent attention (q and kv
+LoRA, latent norms), whose layer 0 is dense and layer 1 and the multi-token prediction layer four routed experts at
+EP2 with a shared expert and a sigmoid router's expert bias, SwiGLU throughout, TP1 DP4, with the optimizer state.
 
 What the golden shows and the reader relies on: every routed expert under its global index
 (``handle_experts_in_state_dict``), its moments too; every gated fc1 (dense, routed and shared experts') as its
@@ -34,7 +34,7 @@ from pgconvert.errors import CheckpointError
 from pgconvert.formats import LoadOptions
 from pgconvert.formats.registry import get_loader
 
-GOLDEN = Path(__file__).parent / "data" / "megatron_lm" / "train_tp1ep2dp4_moe_mtp_fsdp_dtensor_optim"
+GOLDEN = Path(__file__).parent / "data" / "megatron_lm" / "train_tp1ep2dp4_mla_moe_mtp_fsdp_dtensor_optim"
 ITERATION = GOLDEN / "iter_0000002"
 MODEL = "model.module."
 STATE = "optimizer.state.module.module.module."
@@ -78,7 +78,9 @@ def test_golden_holds_every_expert_under_its_global_index(golden: dict[str, torc
         MODEL + EXPERT.format(e, 2) for e in range(EXPERTS)}
     assert {MODEL + "decoder.layers.1.mlp.router.expert_bias", MODEL + "decoder.layers.0.mlp.linear_fc1.weight_w",
             MODEL + "decoder.layers.1.mlp.shared_experts.linear_fc1.weight_v", MODEL + MTP_EXPERT.format(3, 2),
-            STATE + MTP_EXPERT.format(3, 1) + "_w.exp_avg"} <= set(golden)
+            STATE + MTP_EXPERT.format(3, 1) + "_w.exp_avg",
+            MODEL + "decoder.layers.1.self_attention.kv_layernorm.weight",
+            MODEL + "mtp.layers.0.transformer_layer.self_attention.linear_q_up_proj.weight"} <= set(golden)
     assert GROUP_META + MTP_EXPERT.format(3, 1).replace("transformer_layer", "mtp_model_layer") + ".lr" in _entries(
         ITERATION)
     assert not any(key.startswith(STATE) and "expert_bias" in key for key in golden)
@@ -100,7 +102,7 @@ def test_every_tensor_and_its_optimizer_state_read_bit_exact(golden: dict[str, t
     assert done.returncode == 0, done.stderr
     index = json.loads((tmp_path / "opt" / "optimizer.json").read_text())
     parameters = index["parameters"]
-    assert len(parameters) == 43 and "decoder.layers.1.mlp.router.expert_bias" not in parameters
+    assert len(parameters) == 58 and "decoder.layers.1.mlp.router.expert_bias" not in parameters
     for name, entry in parameters.items():
         held = torch.load(tmp_path / "opt" / entry["file"], weights_only=True)
         assert torch.equal(held["param"], _joined(golden, MODEL + name)), name
@@ -111,13 +113,14 @@ def test_every_tensor_and_its_optimizer_state_read_bit_exact(golden: dict[str, t
 
 
 @pytest.mark.parametrize("ep", [1, 2, 4])
-def test_per_rank_output_loads_strictly_into_megatron_core_with_each_ranks_experts(
+def test_per_rank_output_holds_each_ranks_experts_and_loads_into_megatron_core(
         tmp_path: Path, golden: dict[str, torch.Tensor], ep: int) -> None:
-    """The decoder loads into megatron-core's GPTModel (strict; the test's model builder makes no MTP block, so the
-    MTP layer's entries are checked in the rank file); each EP rank holds its own experts, MTP's too."""
+    """Each EP rank's file holds its own experts, the MTP layer's too; at EP1 megatron-core 0.16.1's GPTModel of the
+    file's args (MLA local spec, MoE, MTP block) loads it strictly and holds the golden's tensors."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        from support.mcore_helpers import load_rank_into_gpt_model, rank_files
+        from support.mcore_helpers import rank_files
+        from support.mcore_mtp_model import mtp_gpt_model
 
     # megatron-core 0.16.1's MTP layer holds its inner layer as transformer_layer
     pgconvert.convert(GOLDEN, tmp_path / "out", dst_format="megatron", dst_ep=ep, skip_optimizer=True,
@@ -126,10 +129,16 @@ def test_per_rank_output_loads_strictly_into_megatron_core_with_each_ranks_exper
     assert len(ranks) == ep
     local = EXPERTS // ep
     for rank in ranks:
-        mtp = {key: value for key, value in rank.model.items() if key.startswith("mtp.")}
-        decoder = dataclasses.replace(rank, payload=dict(rank.payload, model={
-            key: value for key, value in rank.model.items() if key not in mtp}))
-        state = {**load_rank_into_gpt_model(decoder).state_dict(), **mtp}  # strict=True
+        state = dict(rank.model)
+        if ep == 1:
+            with torch.no_grad(), mtp_gpt_model(rank.args) as model:
+                model.load_state_dict(state, strict=True)
+                state = {key: value.clone() for key, value in model.state_dict().items()
+                         if not key.endswith("_extra_state")}
+            canonical = {key[len(MODEL):].removesuffix("_w").removesuffix("_v") for key in golden
+                         if key.startswith(MODEL)}
+            assert canonical == set(state)
+            assert [key for key, value in state.items() if not torch.equal(value, _joined(golden, MODEL + key))] == []
         for j in range(local):
             for fc, expert in ((fc, expert) for fc in (1, 2) for expert in (EXPERT, MTP_EXPERT)):
                 expected = _joined(golden, MODEL + expert.format(rank.layout.ep_rank * local + j, fc))

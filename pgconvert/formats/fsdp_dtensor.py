@@ -96,15 +96,17 @@ def resolve_iteration_dir(root: Path, iteration: int | None) -> tuple[Path, int 
 
 def refuse_unknown_keys(config: ModelConfig, where: str, verb: str = "read") -> None:
     """Parts of a model whose fsdp_dtensor keys no golden of Megatron-LM's shows yet are refused, not guessed
-    (fused MLA layers are renamed by their own handler); ``verb``: "read" or "written"."""
-    unknown = {"multi_latent_attention": config.attention.multi_latent_attention or None,
-               "hybrid_override_pattern": config.hybrid_override_pattern,
+    (hybrid models' Mamba and gated-delta-net layers are split by their own handlers, ``handle_gdn_in_state_dict``;
+    a sparse-attention indexer's and a vision tower's were never saved here); ``verb``: "read" or "written"."""
+    unknown = {"hybrid_override_pattern": config.hybrid_override_pattern,
+               "experimental_attention_variant": config.linear_attention.experimental_attention_variant,
+               "dsa_indexer_n_heads": config.attention.dsa_indexer_n_heads,
                "vision_config": "set" if config.vision.vision_config is not None else None}
     found = {name: value for name, value in unknown.items() if value}
     if found:
         raise CheckpointError(f"{where}: fsdp_dtensor checkpoints of models with {quote(found)} are not {verb} yet; "
-                              f"pgconvert's fsdp_dtensor format holds GPT models of attention, dense MLP and MoE "
-                              "layers, and their multi-token prediction layers")
+                              f"pgconvert's fsdp_dtensor format holds GPT models of attention (multi-latent too), "
+                              "dense MLP and MoE layers, and their multi-token prediction layers")
 
 
 def tensor_locations(config: ModelConfig, rows: int) -> dict[str, FsdpLocation]:

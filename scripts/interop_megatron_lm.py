@@ -325,7 +325,7 @@ def fsdp_moe_resumes(work: Path) -> None:
     for ep in (2, 4):
         ours = work / f"pgconvert_fsdp_dtensor_ep{ep}_from_per_rank_ep1"
         pgconvert("convert", str(per_rank), str(ours), "--dst-format", "fsdp_dtensor", "--dst-tp", "1",
-                  "--dst-ep", str(ep), "--dtype", "bf16", "--overwrite")
+                  "--dst-ep", str(ep), "--dtype", "bf16", "--overwrite", "--strict")
         pgconvert("verify", str(FSDP_MOE_GOLDEN), str(ours))
         theirs = work / f"megatron_lm_resumed_from_pgconvert_fsdp_dtensor_moe_ep{ep}"
         log = megatron_load_and_train(ours, theirs, 1, 1, "fsdp_dtensor", 29732 + ep,

@@ -236,6 +236,10 @@ class Saver(ABC):
     # ``finalize`` the shared metadata support --workers and sharded (multi-process) runs.
     supports_partial: bool = False
 
+    # A saver that writes every floating-point tensor in this dtype whatever ``--dtype`` says (Megatron-FSDP's fp32
+    # main weights), ``--dtype`` then naming only the run's precision its args record; None: tensors take ``--dtype``.
+    stored_float_dtype: torch.dtype | None = None
+
     # Savers that write their files on ``SaveOptions.threads`` threads (``pgconvert.io.threads.run_each``);
     # the others write one file at a time whatever ``--threads`` says.
     threaded: bool = False

@@ -308,7 +308,7 @@ def plan(request: ConvertRequest, check_dst: bool = True) -> Plan:
             tokenizer=Path(request.tokenizer) if request.tokenizer is not None else None,
             threads=request.threads,
         )
-        _note_dtype_change(source, save_options)
+        _note_dtype_change(source, save_options, saver)
         if saver.parallel:
             _note_unrunnable_layout(source, save_options)
         check_target(source, dst_format, request.strict, CARRIED_SETTINGS)
@@ -365,14 +365,16 @@ def _note_unthreaded(saver: Saver, dst_format: str, request: ConvertRequest, sou
                               "time (one pass of torch.distributed.checkpoint's writer); --workers splits them")
 
 
-def _note_dtype_change(source: CanonicalSource, options: SaveOptions) -> None:
-    """A cast to another floating dtype can lose precision or range: a guess under --strict."""
+def _note_dtype_change(source: CanonicalSource, options: SaveOptions, saver: Saver) -> None:
+    """A cast to another floating dtype can lose precision or range: a guess under --strict. A saver that stores
+    every floating tensor in one dtype (``Saver.stored_float_dtype``) casts to that one, not to ``--dtype``."""
     if options.dtype is None:
         return
+    stored = saver.stored_float_dtype or options.dtype
     changed = sorted({dtype_name(meta.dtype) for meta in map(source.meta, source.names())
-                      if meta.dtype.is_floating_point and meta.dtype != options.dtype})
+                      if meta.dtype.is_floating_point and meta.dtype != stored})
     if changed:
-        target = dtype_name(options.dtype)
+        target = dtype_name(stored)
         fallback(f"--dtype casts {', '.join(changed)} tensors to {target}", options.strict, source.notices)
 
 

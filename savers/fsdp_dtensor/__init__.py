@@ -59,6 +59,7 @@ MAIN_WEIGHTS_DTYPE = torch.float32
 
 class FsdpDtensorSaver(Saver):
     name = "fsdp_dtensor"
+    stored_float_dtype = MAIN_WEIGHTS_DTYPE
 
     def validate(self, source: CanonicalSource, options: SaveOptions) -> None:
         config = target_config(source.config, options)

@@ -23,6 +23,10 @@ Entries (tests/data/megatron_lm/train_tp2dp2_fsdp_dtensor holds them as Megatron
   ``linear_fc1.weight_v`` (the up projection), each ``[ffn, hidden]`` (``handle_swiglu_in_state_dict``):
   the canonical ``[gate; up]`` is their concatenation; QKV is megatron-core's fused TP1 layout;
 - no ``_extra_state`` (``handle_fp8_extra_state_case`` drops them);
+- routed experts under their global indices (``handle_experts_in_state_dict``), a gated expert's and shared expert's
+  fc1 split as a dense one's; an MTP layer's inner layer as ``transformer_layer`` (``handle_mtp_in_state_dict``: the
+  live module is ``mtp_model_layer``, which ``param_to_group_meta`` keeps); multi-latent attention's unfused
+  projections (tests/data/megatron_lm/train_tp1ep2dp4_mla_moe_mtp_fsdp_dtensor_optim holds all three);
 - with the optimizer (tests/data/megatron_lm/train_tp2dp2_fsdp_dtensor_optim):
   ``optimizer.state.module.module.module.<parameter name>.{exp_avg,exp_avg_sq}`` (fp32, the model key's global
   shape, chunked as the parameter; a gated fc1's as ``weight_w``/``weight_v``), ``<…>.step`` (torch Adam's 0-dim
@@ -143,5 +147,5 @@ def fsdp_slots(config: ModelConfig, layout: ParallelLayout, rules: OptimizerRule
     groups of a dense run. Megatron-FSDP replaces the module's parameters with its own, which do not keep
     megatron-core's ``allreduce=False`` of an expert-parallel linear, so ``get_megatron_optimizer`` puts the experts
     in the dense groups (``is_expert_parallel`` False in their ``param_to_group_meta``, an EP2 run of Megatron-LM
-    d98e8a64: tests/data/megatron_lm/train_tp1ep2dp4_moe_fsdp_dtensor_optim)."""
+    d98e8a64: tests/data/megatron_lm/train_tp1ep2dp4_mla_moe_mtp_fsdp_dtensor_optim)."""
     return chained_slots(config, replace(layout, ep=1, expert_tp=None), RankCoord(0, 0, 0), rules, vocab_rows)[0]

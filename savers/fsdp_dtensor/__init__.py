@@ -1,6 +1,6 @@
 """Saver for Megatron-FSDP checkpoints (``--use-megatron-fsdp --ckpt-format fsdp_dtensor``), registered as
-``fsdp_dtensor``: the store Megatron-LM's ``save_checkpoint`` writes for a GPT model of attention, dense MLP and MoE
-layers (its optimizer state: ``optimizer.py``).
+``fsdp_dtensor``: the store Megatron-LM's ``save_checkpoint`` writes for a GPT model (multi-latent attention, MoE and
+MTP layers too; its optimizer state: ``optimizer.py``).
 
 The keys and their layout are ``pgconvert/formats/fsdp_dtensor.py``'s (the loader's): every parameter
 ``model.module.<name>`` at its global shape with global layer indices, a gated ``linear_fc1`` as its gate

@@ -249,3 +249,40 @@ def test_pieces_that_read_apart_without_overlap_are_not_grouped(sources: dict[st
     _convert(sources["megatron"], tmp_path / "dst", *flags)
 
     assert calls == []
+
+
+def test_processes_take_a_tp_group_whole_and_split_it_only_to_give_each_process_work(
+        sources: dict[str, Path], tmp_path: Path) -> None:
+    """``--workers`` and sharded runs share out the saver's groups (``Plan.file_groups``): one process takes a TP
+    group's files whole, so they share their reads there; with more processes than groups the heaviest group is
+    halved, each half still one process's."""
+    from pgconvert.run.workers import balanced_shares, planned_units
+
+    conversion = plan(convert_request(sources["hf"], tmp_path / "planned", dst_format="megatron", dst_tp=4,
+                                      dst_pp=2))
+    conversion.source.close()
+    stage = {item.relpath: item.relpath.split("/")[1].split("_")[3] for item in conversion.files}  # mp_rank_TT_PPP
+    assert sorted(len(group) for group in conversion.file_groups) == [4, 4]
+    assert all(len({stage[path] for path in group}) == 1 for group in conversion.file_groups)
+    for count, sizes in ((1, [4, 4]), (2, [4, 4]), (3, [2, 2, 4]), (4, [2, 2, 2, 2]), (8, [1] * 8)):
+        units = planned_units(conversion, None, count)
+        assert sorted(len(unit.relpaths) for unit in units) == sizes, count
+        assert sum(unit.nbytes for unit in units) == conversion.total_bytes
+        shares = balanced_shares(units, count)
+        assert sorted(path for share in shares for path in share) == sorted(stage)
+        assert all(set(unit.relpaths) <= set(share) for unit in units for share in shares
+                   if set(unit.relpaths) & set(share))  # a unit is never cut between processes
+
+
+def test_half_a_tp_group_written_by_one_process_shares_its_reads(
+        sources: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _recording_reads(monkeypatch)
+    conversion = plan(convert_request(sources["hf"], tmp_path / "half", dst_format="megatron", dst_tp=4))
+    try:
+        (group,) = conversion.file_groups
+        conversion.saver.save(conversion.source, tmp_path / "half", conversion.save_options, lambda nbytes: None,
+                              only=set(group[:2]))
+    finally:
+        conversion.source.close()
+    assert any(name.endswith(ROW_PARALLEL) for name, _ in calls)
+    assert {ranks for _, ranks in calls} == {(0, 1)}  # one read fills both siblings' pieces

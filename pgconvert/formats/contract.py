@@ -244,10 +244,11 @@ class Saver(ABC):
     # the others write one file at a time whatever ``--threads`` says.
     threaded: bool = False
 
-    def files_together(self, source: CanonicalSource, options: SaveOptions) -> int:
-        """How many files one of its writing tasks produces at once (megatron: a TP group's rank files, where they
-        share a read; ``pgconvert.formats.sibling_pieces``). Default: one."""
-        return 1
+    def file_groups(self, source: CanonicalSource, options: SaveOptions) -> list[tuple[str, ...]]:
+        """The planned files (relative paths, as ``plan`` names them) its writing tasks produce together, best
+        written by one process (megatron: a TP group's rank files, where they share a read;
+        ``pgconvert.formats.sibling_pieces``); a file named in none is written alone. Default: none."""
+        return []
 
     @abstractmethod
     def save(self, source: CanonicalSource, out_dir: Path, options: SaveOptions,

@@ -137,8 +137,13 @@ class Plan:
     # The optimizer state this conversion carries (or None) and the notices that decision gave, once decided
     # (``pgconvert.optimizer.carry.carried_optimizer``).
     optimizer_decision: tuple[tuple[OptimizerSource, str] | None, list[str]] | None = None
-    # The files one of the saver's writing tasks produces at once (``Saver.files_together``).
-    files_together: int = 1
+    # The files the saver's writing tasks produce together (``Saver.file_groups``); every other file alone.
+    file_groups: list[tuple[str, ...]] = field(default_factory=list)
+
+    @property
+    def files_together(self) -> int:
+        """The most files one of the saver's writing tasks produces at once."""
+        return max(map(len, self.file_groups), default=1)
 
     @property
     def total_bytes(self) -> int:
@@ -148,7 +153,7 @@ class Plan:
     def files_at_once(self) -> int:
         """Destination files produced at the same time: one per ``--workers`` process, else one per
         ``--threads`` thread of a saver that writes on threads (``Saver.threaded``), times the files each of
-        its tasks writes together (``Saver.files_together``)."""
+        its tasks writes together (``Saver.file_groups``)."""
         at_once = self.request.workers if self.request.workers > 1 else (
             self.request.threads if self.saver.threaded else 1)
         return max(1, min(at_once * self.files_together, len(self.files)))
@@ -319,7 +324,7 @@ def plan(request: ConvertRequest, check_dst: bool = True) -> Plan:
                           _largest_tensor(source, save_options))
         check_optimizer_options(conversion)  # before anything is written
         attach_masters(conversion)
-        conversion.files_together = saver.files_together(source, save_options)  # once the masters are known
+        conversion.file_groups = saver.file_groups(source, save_options)  # once the masters are known
     except BaseException:
         source.close()
         raise

@@ -161,8 +161,9 @@ class ShardedResult:
 
 def shares(conversion: Plan, carried: ShardedOptimizer | None, count: int) -> list[list[str]]:
     """The destination's paths each of ``count`` processes writes: ``workers.planned_units`` (the model files and
-    their optimizer state, and optimizer files of their own), balanced by bytes."""
-    return balanced_shares(planned_units(conversion, carried), count)
+    their optimizer state, and optimizer files of their own; a TP group's rank files together where they share
+    reads), balanced by bytes."""
+    return balanced_shares(planned_units(conversion, carried, count), count)
 
 
 def _write_share(conversion: Plan, carried: ShardedOptimizer | None, staging: Path, share: set[str]) -> SaveResult:

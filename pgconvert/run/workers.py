@@ -16,7 +16,7 @@ import multiprocessing.util
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -39,25 +39,39 @@ _worker_plan: Plan | None = None
 _worker_carried: ShardedOptimizer | None = None
 
 
-def balanced_shares(files: Sequence[PlannedFile], count: int) -> list[list[str]]:
-    """Split files into ``count`` shares of nearly equal bytes (largest first onto the lightest).
+@dataclass(frozen=True)
+class Unit:
+    """Files one process writes in one task: a group the saver writes together (``Plan.file_groups``; a TP group's
+    rank files, which then share their reads) or a single file, weighing their bytes and those of the optimizer files
+    written with them."""
+
+    relpaths: tuple[str, ...]
+    nbytes: int
+
+
+def _unit_of(item: Unit | PlannedFile) -> Unit:
+    return item if isinstance(item, Unit) else Unit((item.relpath,), item.nbytes)
+
+
+def balanced_shares(items: Sequence[Unit | PlannedFile], count: int) -> list[list[str]]:
+    """Split units (or files) into ``count`` shares of nearly equal bytes (largest first onto the lightest); a
+    unit's files stay in one share.
 
     Deterministic: ties break by path and share index, so every process computes the same split.
     """
     shares: list[list[str]] = [[] for _ in range(count)]
     heap = [(0, index) for index in range(count)]
-    for item in sorted(files, key=lambda f: (-f.nbytes, f.relpath)):
+    for unit in sorted(map(_unit_of, items), key=lambda u: (-u.nbytes, u.relpaths)):
         total, index = heapq.heappop(heap)
-        shares[index].append(item.relpath)
-        heapq.heappush(heap, (total + item.nbytes, index))
+        shares[index].extend(unit.relpaths)
+        heapq.heappush(heap, (total + unit.nbytes, index))
     return shares
 
 
-def planned_units(conversion: Plan, carried: ShardedOptimizer | None) -> list[PlannedFile]:
-    """What processes share out, one plan for the model and its optimizer state: the model files (``Plan.files``),
-    each weighing its bytes and those of the optimizer files written with it (``OptimizerFile.written_with``: a
-    Megatron rank's optimizer entry and ``distrib_optim.pt`` go with its rank file), and the optimizer files of
-    their own (torch_dist's records files)."""
+def _weighed_files(conversion: Plan, carried: ShardedOptimizer | None) -> list[PlannedFile]:
+    """The model files (``Plan.files``), each weighing its bytes and those of the optimizer files written with it
+    (``OptimizerFile.written_with``: a Megatron rank's optimizer entry and ``distrib_optim.pt`` go with its rank
+    file), and the optimizer files of their own (torch_dist's records files)."""
     if carried is None:
         return list(conversion.files)
     added: dict[str, int] = {}
@@ -68,6 +82,26 @@ def planned_units(conversion: Plan, carried: ShardedOptimizer | None) -> list[Pl
         else:
             added[item.written_with] = added.get(item.written_with, 0) + item.nbytes
     return [replace(item, nbytes=item.nbytes + added.get(item.relpath, 0)) for item in conversion.files] + alone
+
+
+def planned_units(conversion: Plan, carried: ShardedOptimizer | None, count: int) -> list[Unit]:
+    """What ``count`` processes share out, one plan for the model and its optimizer state: the saver's groups of
+    files written together (``Plan.file_groups``) and every other file alone (``_weighed_files``). While there are
+    fewer units than processes, the heaviest group is split in two, so that every process has work: its halves each
+    share their reads still."""
+    weighed = {item.relpath: item for item in _weighed_files(conversion, carried)}
+    grouped = [tuple(path for path in group if path in weighed) for group in conversion.file_groups]
+    grouped = [group for group in grouped if group]
+    members = {path for group in grouped for path in group}
+    units = [Unit(group, sum(weighed[path].nbytes for path in group)) for group in grouped]
+    units += [Unit((path,), item.nbytes) for path, item in weighed.items() if path not in members]
+    while len(units) < count and any(len(unit.relpaths) > 1 for unit in units):
+        largest = max((unit for unit in units if len(unit.relpaths) > 1), key=lambda u: (u.nbytes, u.relpaths))
+        units.remove(largest)
+        half = (len(largest.relpaths) + 1) // 2
+        for part in (largest.relpaths[:half], largest.relpaths[half:]):
+            units.append(Unit(part, sum(weighed[path].nbytes for path in part)))
+    return units
 
 
 def carried_in_processes(conversion: Plan) -> ShardedOptimizer | None:
@@ -139,31 +173,32 @@ def save_with_workers(conversion: Plan, staging: Path, workers: int, max_memory:
     """
     require_partial(conversion)
     budget = max_memory if max_memory is not None else float("inf")
-    pending = deque(sorted(planned_units(conversion, carried), key=lambda f: (-f.nbytes, f.relpath)))
-    if any(item.nbytes > budget for item in pending):
-        log.warning("a destination file is larger than --max-memory; it is written alone")
+    pending = deque(sorted(planned_units(conversion, carried, workers), key=lambda u: (-u.nbytes, u.relpaths)))
+    if any(unit.nbytes > budget for unit in pending):
+        log.warning("a destination file (or a group of files written together) is larger than --max-memory; it is "
+                    "written alone")
     model_bytes = {item.relpath: item.nbytes for item in conversion.files}
     result = SaveResult()
     notices: set[str] = set()
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=_open_worker_plan,
                              initargs=(open_plan, conversion.request)) as pool:
-        in_flight: dict[Future[tuple[list[PlannedFile], list[str]]], PlannedFile] = {}
+        in_flight: dict[Future[tuple[list[PlannedFile], list[str]]], Unit] = {}
         used = 0
         try:
             while pending or in_flight:
                 while pending and len(in_flight) < workers and (not in_flight or used + pending[0].nbytes <= budget):
-                    item = pending.popleft()
-                    in_flight[pool.submit(write_files, conversion.request, str(staging), [item.relpath])] = item
-                    used += item.nbytes
+                    unit = pending.popleft()
+                    in_flight[pool.submit(write_files, conversion.request, str(staging), list(unit.relpaths))] = unit
+                    used += unit.nbytes
                 done, _ = wait(in_flight, return_when=FIRST_COMPLETED)
                 for future in done:
-                    item = in_flight.pop(future)
-                    used -= item.nbytes
+                    unit = in_flight.pop(future)
+                    used -= unit.nbytes
                     files, file_notices = future.result()
                     result.files += files
                     notices.update(file_notices)
-                    progress(model_bytes.get(item.relpath, 0))  # the bar counts the model's bytes
+                    progress(sum(model_bytes.get(path, 0) for path in unit.relpaths))  # the bar counts the model's
         except BaseException:
             for future in in_flight:
                 future.cancel()

@@ -186,10 +186,11 @@ class MegatronSaver(Saver):
     supports_partial = True
     threaded = True  # each TP group sharing reads, or each other rank file, is a task of ``options.threads`` threads
 
-    def files_together(self, source: CanonicalSource, options: SaveOptions) -> int:
+    def file_groups(self, source: CanonicalSource, options: SaveOptions) -> list[tuple[str, ...]]:
         padded = target_vocab_rows(target_config(source.config, options), source.vocab_rows, options.layout)
-        return max((len(members) for members, _ in _sibling_groups(source, self._ranks(source, options), padded)),
-                   default=1)
+        iteration_dir = iteration_dir_name(source.iteration or 0, source.release)
+        return [tuple(f"{iteration_dir}/{rank.relpath}" for rank in members)
+                for members, _ in _sibling_groups(source, self._ranks(source, options), padded) if len(members) > 1]
 
     def save(self, source: CanonicalSource, out_dir: Path, options: SaveOptions,
              progress: Progress, only: Collection[str] | None = None) -> SaveResult:

@@ -26,8 +26,7 @@ from typing import Any
 
 import pytest
 import torch
-from support.checkpoint_compare import read_dcp, rewrite_dcp_metadata
-from torch.distributed.checkpoint import BytesStorageMetadata
+from support.checkpoint_compare import read_dcp, read_dcp_objects, rewrite_dcp_metadata
 
 import pgconvert
 from pgconvert.errors import CheckpointError
@@ -58,18 +57,9 @@ def _joined(tensors: dict[str, torch.Tensor], key: str, suffix: str = "") -> tor
     return torch.cat([tensors[f"{key}_w{suffix}"], tensors[f"{key}_v{suffix}"]])
 
 
-def _entries(iteration_dir: Path) -> dict[str, Any]:
+def _entries(iteration_dir: Path) -> dict[str, object]:
     """The ``param_to_group_meta`` bytes entries of a store, unpickled by torch's reader."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
-
-    metadata = FileSystemReader(str(iteration_dir)).read_metadata()
-    wanted: dict[str, Any] = {key: None for key, md in metadata.state_dict_metadata.items()
-                              if isinstance(md, BytesStorageMetadata) and key.startswith(GROUP_META)}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        dcp.load(wanted, storage_reader=FileSystemReader(str(iteration_dir)), no_dist=True)
-    return wanted
+    return read_dcp_objects(iteration_dir, lambda key: key.startswith(GROUP_META))
 
 
 def test_golden_holds_every_expert_under_its_global_index(golden: dict[str, torch.Tensor]) -> None:

@@ -9,7 +9,6 @@ masters as the model, not its bf16 weights widened.
 
 from __future__ import annotations
 
-import io
 import json
 import re
 import shutil
@@ -20,10 +19,9 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
-from support.checkpoint_compare import read_dcp, rewrite_dcp_metadata
+from support.checkpoint_compare import read_dcp, read_dcp_objects, rewrite_dcp_metadata
 from support.megatron_fixtures import load_for_test
-from torch.distributed.checkpoint import BytesStorageMetadata, FileSystemReader
+from torch.distributed.checkpoint import FileSystemReader
 
 import pgconvert
 from pgconvert.errors import StrictModeError
@@ -41,14 +39,9 @@ STATE = "optimizer.state.module.module.module."
 UNCOMPARED = ("rng_state.", "args")
 
 
-def _bytes_entries(iteration_dir: Path) -> dict[str, Any]:
+def _bytes_entries(iteration_dir: Path) -> dict[str, object]:
     """Every bytes entry but the uncompared ones, each the object ``dcp.load`` hands over."""
-    metadata = FileSystemReader(str(iteration_dir)).read_metadata()
-    keys = [key for key, md in metadata.state_dict_metadata.items()
-            if isinstance(md, BytesStorageMetadata) and not key.startswith(UNCOMPARED)]
-    entries: dict[str, Any] = {key: io.BytesIO() for key in keys}
-    dcp.load(entries, storage_reader=FileSystemReader(str(iteration_dir)), no_dist=True)
-    return entries
+    return read_dcp_objects(iteration_dir, lambda key: not key.startswith(UNCOMPARED))
 
 
 def _assert_store_is_the_golden(written: Path) -> None:

@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 import torch.distributed.checkpoint as dcp
 from support.megatron_fixtures import allowed_globals, load_for_test, read_megatron_checkpoint_ranks
-from torch.distributed.checkpoint import FileSystemReader, TensorStorageMetadata
+from torch.distributed.checkpoint import BytesStorageMetadata, FileSystemReader, TensorStorageMetadata
 
 _LAYOUT_ARGS = (
     "tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
@@ -59,6 +59,18 @@ def read_dcp(iteration_dir: Path) -> tuple[dcp.Metadata, dict[str, torch.Tensor]
         warnings.simplefilter("ignore")
         dcp.load(tensors, storage_reader=FileSystemReader(str(iteration_dir)), no_dist=True)
     return metadata, tensors
+
+
+def read_dcp_objects(iteration_dir: Path, keep: Callable[[str], bool]) -> dict[str, object]:
+    """The bytes entries of a distributed checkpoint whose keys ``keep`` accepts, each the object torch's
+    ``dcp.load`` unpickles."""
+    metadata = FileSystemReader(str(iteration_dir)).read_metadata()
+    objects: dict[str, object] = {key: None for key, md in metadata.state_dict_metadata.items()
+                                  if isinstance(md, BytesStorageMetadata) and keep(key)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(objects, storage_reader=FileSystemReader(str(iteration_dir)), no_dist=True)
+    return objects
 
 
 def rewrite_dcp_metadata(iteration_dir: Path, change: Callable[[dcp.Metadata], None]) -> None:

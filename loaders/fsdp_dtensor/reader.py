@@ -34,7 +34,7 @@ from pgconvert.io.paths import ensure_within
 from pgconvert.io.reuse import new_tensor
 from pgconvert.model.config import ModelConfig
 from pgconvert.model.declared import StoredCounts, check_declared_counts
-from pgconvert.model.provider import (LAYER_PREFIX, MTP_PREFIX, VOCAB_TABLES, WORD_EMBEDDINGS, canonical_shapes,
+from pgconvert.model.provider import (MTP_PREFIX, VOCAB_TABLES, WORD_EMBEDDINGS, canonical_layer, canonical_shapes,
                                       expert_of_key)
 from pgconvert.model.rules import ShardRule
 from pgconvert.optimizer.order import UnsupportedOptimizerError
@@ -126,18 +126,19 @@ class FsdpDtensorSource(CanonicalSource):
     def _stored_counts(self, metadata_path: Path) -> StoredCounts:
         """The decoder layers and MTP layers the model keys hold, and the most routed experts one layer holds
         (Megatron-LM stores each expert under its global index)."""
-        model_keys = [key[len(MODEL_PREFIX):] for key in self._metadata.state_dict_metadata
-                      if key.startswith(MODEL_PREFIX)]
-        indices: dict[str, set[str]] = {LAYER_PREFIX: set(), MTP_PREFIX: set()}
+        layers: set[int] = set()
+        mtp: set[str] = set()
         experts: dict[str, set[int]] = {}
-        for key in model_keys:
-            for prefix, held in indices.items():
-                if key.startswith(prefix):
-                    held.add(key[len(prefix):].partition(".")[0])
+        for key in (key[len(MODEL_PREFIX):] for key in self._metadata.state_dict_metadata
+                    if key.startswith(MODEL_PREFIX)):
+            layer = canonical_layer(key)
+            if layer is not None:
+                layers.add(layer[0])
+            elif key.startswith(MTP_PREFIX) and key[len(MTP_PREFIX):].partition(".")[0].isdigit():
+                mtp.add(key[len(MTP_PREFIX):].partition(".")[0])
             found = expert_of_key(key)
             if found is not None:
                 experts.setdefault(found[0], set()).add(found[1])
-        layers, mtp = ({index for index in held if index.isdigit()} for held in indices.values())
         return StoredCounts(str(metadata_path), len(layers), max(map(len, experts.values()), default=0), len(mtp))
 
     def _vocab_rows(self, metadata_path: Path) -> int:

@@ -48,6 +48,8 @@ GATED = "mlp.linear_fc1.weight"
 
 def tp_piece(name: str, full: torch.Tensor, tp: int, tp_rank: int, swiglu: bool) -> torch.Tensor:
     """TP rank ``tp_rank``'s piece of parameter ``name`` (Megatron's rules for this dense GPT)."""
+    if tp == 1:
+        return full
     if name.endswith(ROW_PARALLEL):
         return full.chunk(tp, dim=1)[tp_rank]
     if name.endswith(COLUMN_PARALLEL) or (name.endswith(GATED) and not swiglu):
@@ -112,8 +114,8 @@ def _main_params(optimizer: Any) -> dict[int, tuple[int, torch.Tensor, Any]]:
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
     from megatron.core.optimizer.optimizer import ChainedOptimizer, Float16OptimizerWithFloat16Params
 
-    if isinstance(optimizer, ChainedOptimizer):  # what get_megatron_optimizer returns: one dense optimizer
-        (optimizer,) = optimizer.chained_optimizers
+    if isinstance(optimizer, ChainedOptimizer):  # get_megatron_optimizer's: the dense one (and a MoE's expert one)
+        return {key: value for chained in optimizer.chained_optimizers for key, value in _main_params(chained).items()}
     inner = optimizer.optimizer
     if isinstance(optimizer, DistributedOptimizer):
         pairs = zip(optimizer.model_float16_groups + optimizer.model_fp32_groups,

@@ -82,6 +82,9 @@ IN_TORCH_DIST = {
     "dp_reshardable-dp4": (GOLDENS / "train_tp2dp2_distopt_dp_reshardable_torch_dist", (*LEGACY, "--dst-dp", "4")),
     "plain": (GOLDENS / "train_tp2pp2_bf16_torch_dist", LEGACY),
     "fully_sharded_model_space": (GOLDENS / "mcore015_tp2dp2_distopt_fs_model_space_torch_dist", LEGACY),
+    # megatron-core 0.15.0's chained dense and expert optimizers, resharded from EP2 to EP4
+    "fully_sharded_model_space-moe-ep": (GOLDENS / "mcore015_tp1ep2dp4_moe_distopt_fs_model_space_torch_dist",
+                                         (*LEGACY, "--dst-ep", "4")),
     "dp_reshardable-moe-ep": (None, ("--dst-format", "torch_dist", "--dst-optim-form", "dp_reshardable",
                                      *RECORDS_SIZE, *FOR_MCORE_016_CLI)),
     "fully_reshardable-store": (GOLDENS / "train_tp2dp2_distopt_fully_reshardable_torch_dist", (*TORCH_DIST, *STORE)),

@@ -22,7 +22,7 @@ import torch
 from torch.distributed.checkpoint import BytesStorageMetadata, TensorStorageMetadata
 
 from pgconvert.model.config import ModelConfig
-from pgconvert.errors import CheckpointError, PgconvertError
+from pgconvert.errors import CheckpointError
 from pgconvert.formats import LoadOptions
 from pgconvert.formats.dcp_store import (DcpStore, Region, check_vocab_rows, model_from_args, read_piece, region_box,
                                          te_extra_states)
@@ -50,7 +50,6 @@ from pgconvert.model.rules import ShardRule, strided_in_whole
 from pgconvert.formats.stream import CanonicalSource, EmbeddedAdapter, ExtraState, TensorMeta, holds_state
 from pgconvert.formats.strict import fallback
 from pgconvert.formats.torch_dist_integrity import INTEGRITY_CHECKS, check_integrity, integrity_problems
-from pgconvert.formats.torch_dist_optimizer import moe_form_refusal
 from pgconvert.formats.dcp_layout import CHECKPOINT_CONFIG_FILE, DCP_METADATA_FILE
 from pgconvert.formats.torch_dist import (
     COMMON_FILE,
@@ -298,21 +297,15 @@ class TorchDistSource(CanonicalSource):
         return sharding_type(self.common_state, f"{self.directory} (common state)")
 
     def optimizer_refusal(self) -> str | None:
-        """A MoE model's optimizer state is not read from the forms whose expert records are not mapped; nor is a
-        Megatron-Bridge run's, whose optimizer settings are its run_config.yaml's, not the args the reader reads."""
+        """A Megatron-Bridge run's optimizer state is not read (its optimizer settings are its run_config.yaml's, not
+        the args the reader reads), nor state saved with singleton local shards."""
         if self.run_config is not None:
             return (f"{self.directory}: a Megatron-Bridge run's optimizer state (its settings in {self.run_config.name}'s "
                     "optimizer section, no args) is not read; pass --skip-optimizer")
         if self._singleton:
             return (f"{self.directory}: optimizer state saved with singleton_local_shards=True (records per expert "
                     "and per gate/up half) is not read; pass --skip-optimizer")
-        if not self.config.moe.num_experts:
-            return None
-        try:
-            form = self.stored_optimizer_form()
-        except PgconvertError:
-            return None  # open_optimizer names it
-        return moe_form_refusal(self.config.moe.num_experts, "from", form)
+        return None
 
     def open_optimizer(self) -> TorchDistOptimizerSource:
         return TorchDistOptimizerSource(self)

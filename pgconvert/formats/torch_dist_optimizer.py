@@ -103,14 +103,3 @@ def common_entry(groups: list[list[dict[str, Any]]]) -> dict[Any, Any]:
     """The common state's ``optimizer`` for these chained optimizers' param groups (with ``step``)."""
     entries = [{"optimizer": {"param_groups": own}, "param_state_sharding_type": FULLY_RESHARDABLE} for own in groups]
     return entries[0] if len(entries) == 1 else dict(enumerate(entries))
-
-
-def moe_form_refusal(num_experts: int, side: str, form: str | None) -> str | None:
-    """Why a MoE model's optimizer state is not carried ``side`` ("from" or "into") torch_dist in ``form`` (None: it
-    is): not in the fully_sharded_model_space form."""
-    hint = "--skip-optimizer" if side == "from" else "--dst-optim-form fully_reshardable or --skip-optimizer"
-    if form == FS_MODEL_SPACE:
-        return (f"optimizer state not carried: num_experts={num_experts}: a MoE model's optimizer "
-                "state (megatron-core's chained dense and expert optimizers) is carried from or into torch_dist "
-                f"in the fully_reshardable and dp_reshardable forms only, not {side} {form}; pass {hint}")
-    return None

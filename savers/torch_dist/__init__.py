@@ -70,7 +70,7 @@ from pgconvert.model.provider import (
 )
 from pgconvert.optimizer.source import OptimizerSource
 from pgconvert.savers.torch_dist.common_state import common_bytes
-from pgconvert.savers.torch_dist.optimizer import DST_FORMS, moe_refusal, planned_records, write_optimizer, written_form
+from pgconvert.savers.torch_dist.optimizer import DST_FORMS, planned_records, write_optimizer, written_form
 from pgconvert.savers.torch_dist.optimizer_records import RecordsShare
 
 log = logging.getLogger(__name__)
@@ -229,10 +229,6 @@ class TorchDistSaver(Saver):
     # The source's optimizer state, as megatron-core's DistributedOptimizer (or plain optimizer) saves it.
     writes_optimizer = True
     optimizer_forms = DST_FORMS
-
-    def optimizer_refusal(self, source: CanonicalSource, options: SaveOptions,
-                          optimizer_options: OptimizerOptions) -> str | None:
-        return moe_refusal(source, optimizer_options.form)
 
     def optimizer_form(self, optimizer: OptimizerSource, optimizer_options: OptimizerOptions) -> str:
         return written_form(optimizer, optimizer_options.form)

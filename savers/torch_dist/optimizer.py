@@ -11,12 +11,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pgconvert.errors import PgconvertError, ValidationError
+from pgconvert.errors import ValidationError
 from pgconvert.formats import CarriedOptimizer, OptimizerFile, PlannedFile, SaveOptions, target_config
 from pgconvert.formats.stream import CanonicalSource
 from pgconvert.formats.dcp_layout import DCP_METADATA_FILE
-from pgconvert.formats.torch_dist_optimizer import (DP_RESHARDABLE, FS_MODEL_SPACE, FULLY_RESHARDABLE, PLAIN,
-                                                    moe_form_refusal)
+from pgconvert.formats.torch_dist_optimizer import DP_RESHARDABLE, FS_MODEL_SPACE, FULLY_RESHARDABLE, PLAIN
 from pgconvert.io.dcp_writer import DEFAULT_MAX_DATA_FILE_SIZE
 from pgconvert.model.grid import RankCoord
 from pgconvert.optimizer.data_parallel import dp_size, with_dst_dp
@@ -32,18 +31,6 @@ from pgconvert.savers.torch_dist.optimizer_records import (RecordsShare, chunk_n
 # The distributed optimizer's forms a destination may be given (fully_sharded_model_space: for megatron-core
 # <= 0.15.0, which cannot load the others).
 DST_FORMS = (FULLY_RESHARDABLE, DP_RESHARDABLE, FS_MODEL_SPACE)
-
-
-def moe_refusal(source: CanonicalSource, requested: str | None) -> str | None:
-    """Why a MoE model's optimizer state is not written into this destination's form (None: it is): the form
-    requested, else the source's own, else fully_reshardable (``moe_form_refusal``)."""
-    if not source.config.moe.num_experts:
-        return None
-    try:
-        own = source.stored_optimizer_form()
-    except PgconvertError:
-        return None  # the source's open_optimizer names it
-    return moe_form_refusal(source.config.moe.num_experts, "into", requested or own or FULLY_RESHARDABLE)
 
 
 def written_form(optimizer: OptimizerSource, requested: str | None) -> str:
@@ -98,7 +85,8 @@ def write_optimizer(source: CanonicalSource, optimizer: OptimizerSource, form: s
         added = write_dp_reshardable(optimizer, config, layout, rows, dst_dp or dp_size(args), iteration_dir, args,
                                      share)
     elif form == FS_MODEL_SPACE:
-        added = write_fs_model_space(optimizer, model_chunks, rows, fits_rows, iteration_dir, share)
+        counts = _group_counts(optimizer, source, options, rows)
+        added = write_fs_model_space(optimizer, model_chunks, rows, fits_rows, iteration_dir, share, counts)
     else:
         counts = _group_counts(optimizer, source, options, rows)
         added = write_fully_reshardable(optimizer, model_chunks, rows, fits_rows, iteration_dir, share, counts)

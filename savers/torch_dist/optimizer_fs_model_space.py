@@ -27,7 +27,8 @@ from torch.distributed.checkpoint.metadata import Metadata
 from pgconvert.formats import PlannedFile
 from pgconvert.formats.dcp_layout import DCP_METADATA_FILE
 from pgconvert.formats.torch_dist import read_dcp_metadata
-from pgconvert.formats.torch_dist_optimizer import FS_MODEL_SPACE, MODEL_SPACE_FIELDS, common_entry, state_key
+from pgconvert.formats.torch_dist_optimizer import (FS_MODEL_SPACE, MODEL_SPACE_FIELDS, chained_entries, common_entry,
+                                                    state_key)
 from pgconvert.optimizer.scaler import set_scalers, target_scalers
 from pgconvert.optimizer.source import OptimizerSource
 from pgconvert.savers.torch_dist.common_state import replace_durably, rewrite_common
@@ -59,14 +60,19 @@ def _merge_metadata(iteration_dir: Path, added: Metadata, original: dict[str, tu
     replace_durably(path, pickle.dumps(merged))
 
 
-def _add_common(optimizer: OptimizerSource, iteration_dir: Path) -> None:
+def _add_common(optimizer: OptimizerSource, iteration_dir: Path, group_counts: list[int]) -> None:
+    """``group_counts``: the target's param groups per chained optimizer (a MoE model's at EP > 1: the dense and
+    the expert one, ``{0: dense, 1: expert}``, each entry naming the form)."""
     step = float(optimizer.step(optimizer.names()[0]))
-    groups = [[dict(settings, step=step) for settings in optimizer.param_group_settings(0)]]
+    groups = [[dict(settings, step=step) for settings in optimizer.param_group_settings(index, count)]
+              for index, count in enumerate(group_counts)]
 
     def update(common: dict[str, Any]) -> None:
-        common["optimizer"] = dict(common_entry(groups), param_state_sharding_type=FS_MODEL_SPACE)
+        common["optimizer"] = common_entry(groups)
+        for entry in chained_entries(common["optimizer"]):
+            entry["param_state_sharding_type"] = FS_MODEL_SPACE
         # DistributedOptimizer.state_dict's grad_scaler stays plain common state in this form, as in fully_reshardable
-        set_scalers([common["optimizer"]], target_scalers(optimizer, 1))
+        set_scalers(chained_entries(common["optimizer"]), target_scalers(optimizer, len(groups)))
         carry_counters(optimizer, common)
         common["content_metadata"] = dict(common.get("content_metadata") or {},
                                           distrib_optim_sharding_type=FS_MODEL_SPACE)
@@ -75,14 +81,15 @@ def _add_common(optimizer: OptimizerSource, iteration_dir: Path) -> None:
 
 
 def write_fs_model_space(optimizer: OptimizerSource, model_chunks: list[Any], rows: int, fits_rows: set[str],
-                         iteration_dir: Path, share: RecordsShare) -> list[PlannedFile]:
-    """Write the records beside the model's (``model_chunks``: the torch_dist saver's; ``share``: which); returns
-    the files added."""
+                         iteration_dir: Path, share: RecordsShare, group_counts: list[int]) -> list[PlannedFile]:
+    """Write the records beside the model's (``model_chunks``: the torch_dist saver's, expert ones included;
+    ``share``: which; ``group_counts``: the target's param groups per chained optimizer); returns the files
+    added."""
     pairs = per_field(model_chunks, set(optimizer.names()), list(FIELDS))
     chunks = [(field, _reformulated(field, chunk)) for field, chunk in pairs]
     original = {chunk.key: tuple(model.global_shape) for (_, chunk), (_, model) in zip(chunks, pairs)}
     added = write_chunk_records(optimizer, chunks, rows, fits_rows, iteration_dir, share,
                                 lambda directory, index: _merge_metadata(directory, index, original))
     if share.shared:
-        _add_common(optimizer, iteration_dir)
+        _add_common(optimizer, iteration_dir, group_counts)
     return added

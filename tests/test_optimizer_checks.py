@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 from click.testing import Result
+from support.megatron_fixtures import load_for_test
 from support.optimizer_cli import run_cli
 from support.optimizer_faults import (BF16_KEY, DISTRIBUTED, ITER, PLAIN_BF16, copy_checkpoint, distributed_groups,
                                       edit_common, edit_distrib_optim, edit_rank_files, rank_files,
@@ -284,3 +285,58 @@ def test_a_buffer_dtype_key_that_contradicts_the_model_or_the_args_is_named(case
     src = _planted(DISTRIBUTED, _every_key(key), tmp_path / "src")
     assert len(rank_files(src, "distrib_optim.pt")) == 2
     _refused_alike(src, DISTRIBUTED, tmp_path / "dst", f"{src}/{ITER}/mp_rank_00/distrib_optim.pt: {text}")
+
+
+# ------------------------------------------------------------------------------------------------ not Adam
+
+FS_MODEL_SPACE_MOE = DISTRIBUTED.parent / "mcore015_tp1ep2dp4_moe_distopt_fs_model_space_torch_dist"
+
+
+def _run_args(**values: Any) -> Callable[[Any], None]:
+    """A change of the ``args`` that Megatron-LM records (a rank file's or a common state's)."""
+    def change(state: dict[str, Any]) -> None:
+        for key, value in values.items():
+            if value is None:
+                delattr(state["args"], key)
+            else:
+                setattr(state["args"], key, value)
+    return change
+
+
+# How Megatron-LM's validate_args records each run (d98e8a64, megatron-core 0.19.2): --optimizer muon
+# --use-distributed-optimizer is the layer-wise distributed optimizer, its use_distributed_optimizer turned off.
+OTHER_RUNS = {
+    "layer-wise muon": ({"optimizer": "muon", "use_layer_wise_distributed_optimizer": True},
+                        "args.optimizer='muon' with the layer-wise distributed optimizer "
+                        "(use_layer_wise_distributed_optimizer): the run's optimizer state (Muon's momentum_buffer"),
+    "sgd": ({"optimizer": "sgd"}, "args.optimizer='sgd': the run's optimizer state (torch SGD's momentum_buffer)"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(OTHER_RUNS))
+def test_an_optimizer_other_than_adam_is_named_and_not_read_as_adam(case: str, tmp_path: Path) -> None:
+    values, text = OTHER_RUNS[case]
+    src = _planted(DISTRIBUTED, lambda root: edit_rank_files(root, _run_args(**values)), tmp_path / "src")
+    result = run_cli("convert", src, tmp_path / "dst", "--dst-tp", "1")
+    assert result.exit_code == 0, result.output
+    assert text in " ".join(result.output.split()) and "--skip-optimizer" in result.output
+    assert "optimizer" not in load_for_test(rank_files(tmp_path / "dst")[0])  # the model alone
+    strict = run_cli("convert", src, tmp_path / "strict", "--dst-tp", "1", "--strict")
+    assert strict.exit_code != 0 and text in " ".join(strict.output.split()) and not (tmp_path / "strict").exists()
+    exported = run_cli("export-optimizer", src, tmp_path / "export")
+    assert exported.exit_code != 0 and text in " ".join(exported.output.split()), exported.output
+
+
+def test_a_torch_dist_run_of_another_optimizer_is_named(tmp_path: Path) -> None:
+    src = copy_checkpoint(FS_MODEL_SPACE_MOE, tmp_path / "src")
+    edit_common(src / ITER, _run_args(optimizer="lion"))
+    result = run_cli("convert", src, tmp_path / "dst", "--dst-format", "torch_dist", "--strict")
+    assert result.exit_code != 0 and "args.optimizer='lion'" in result.output, result.output
+
+
+def test_a_run_that_records_no_optimizer_is_adams(tmp_path: Path) -> None:
+    # Megatron-LM's default is adam; args without the key (older releases) are Adam's
+    src = _planted(DISTRIBUTED, lambda root: edit_rank_files(root, _run_args(optimizer=None)), tmp_path / "src")
+    result = run_cli("convert", src, tmp_path / "dst", "--dst-tp", "1", "--strict", "-q")
+    assert result.exit_code == 0, result.output
+    assert "optimizer" in load_for_test(rank_files(tmp_path / "dst")[0])

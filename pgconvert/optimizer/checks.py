@@ -35,7 +35,8 @@ from pgconvert.formats.stream import CanonicalSource
 from pgconvert.io.limits import quote
 from pgconvert.io.sizes import dtype_name
 from pgconvert.optimizer.flat import buffer_dtype_key
-from pgconvert.optimizer.order import MEGATRON_CORE_VERSIONS, OptimizerLayoutError, group_counts
+from pgconvert.optimizer.order import (MEGATRON_CORE_VERSIONS, OptimizerLayoutError, UnsupportedOptimizerError,
+                                       group_counts)
 from pgconvert.optimizer.source import (ABSENT, FORM_DISTRIBUTED, FORM_FP16, FORM_FP32, OptimizerSource,
                                         StoredCopy, optimizer_label)
 
@@ -54,10 +55,43 @@ class OptimizerStateError(OptimizerLayoutError):
     """Optimizer state whose values disagree between ranks, are out of range, or contradict the model."""
 
 
+# Megatron-LM's --optimizer values other than Adam, and the state each keeps per parameter (megatron-core 0.19.2 and
+# Megatron-LM d98e8a64; validate_args rewrites dist_muon to muon, and --use-distributed-optimizer with any of the
+# emerging ones to the layer-wise distributed optimizer).
+OTHER_OPTIMIZERS = {
+    "sgd": "torch SGD's momentum_buffer",
+    "muon": "Muon's momentum_buffer for the 2-dim weights, Adam's moments for the embeddings, output layer, norms "
+            "and biases, as two chained optimizers",
+    "adaptive_muon": "Muon's momentum_buffer and a second moment for the 2-dim weights, Adam's moments for the rest",
+    "lion": "Lion's exp_avg alone",
+    "soap": "SOAP's Kronecker-factored preconditioners",
+}
+
+
+def optimizer_kind_refusal(source: CanonicalSource) -> str | None:
+    """Why the run's optimizer state is not read (None: it is Adam's, megatron-core's default, or the source records
+    no Megatron args): its ``args.optimizer`` (absent: Adam) names another optimizer, whose state per parameter is
+    not Adam's ``exp_avg``/``exp_avg_sq``/``step``, or the run used the layer-wise distributed optimizer."""
+    args = source.megatron_args
+    kind = getattr(args, "optimizer", None) or "adam"
+    layer_wise = bool(getattr(args, "use_layer_wise_distributed_optimizer", False))
+    if kind == "adam" and not layer_wise:
+        return None
+    how = " with the layer-wise distributed optimizer (use_layer_wise_distributed_optimizer)" if layer_wise else ""
+    state = OTHER_OPTIMIZERS.get(kind, "state of its own")
+    return (f"{source.describe()}: args.optimizer={quote(kind)}{how}: the run's optimizer state ({state}) is not "
+            "read; pgconvert carries megatron-core's Adam state only (exp_avg, exp_avg_sq, step and the fp32 masters); "
+            "pass --skip-optimizer to convert the model alone")
+
+
 def open_checked(source: CanonicalSource) -> OptimizerSource:
     """``source``'s optimizer state, opened and checked (the module's docstring), its values under the source's
     NaN/Inf policy. Raises ``OptimizerLayoutError`` (``OptimizerStateError`` among them) naming what is wrong, and
-    a reader's ``ValidationError`` for a form or model it does not read."""
+    a reader's ``ValidationError`` for a form or model it does not read, or an optimizer other than Adam
+    (``optimizer_kind_refusal``)."""
+    refused = optimizer_kind_refusal(source)
+    if refused:
+        raise UnsupportedOptimizerError(refused)
     optimizer = source.open_optimizer()
     optimizer.check_finite = source.check_finite
     held = set(source.names())

@@ -134,21 +134,23 @@ def _load(model: Any, optimizer: Any, iteration_dir: Path, metadata: dict[str, A
     optimizer.load_state_dict(loaded["optimizer"])
 
 
-def _save(model: Any, optimizer: Any, common: dict[str, Any], iteration_dir: Path) -> None:
-    """Megatron-LM core_v0.15.0's ``generate_state_dict`` + ``dist_checkpointing.save`` (fully parallel save)."""
+def _save(model: Any, optimizer: Any, common: dict[str, Any], iteration_dir: Path,
+          metadata: dict[str, Any] = METADATA) -> None:
+    """Megatron-LM core_v0.15.0's ``generate_state_dict`` + ``dist_checkpointing.save`` (fully parallel save), with
+    its content ``metadata`` (another release's: what that release's ``_build_sharded_state_dict_metadata`` gives)."""
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
     from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 
     state = {key: common[key] for key in ("args", "checkpoint_version", "iteration")}
-    state["model"] = model.sharded_state_dict(metadata=dict(METADATA))
-    state["optimizer"] = optimizer.sharded_state_dict(state, metadata=dict(METADATA))
+    state["model"] = model.sharded_state_dict(metadata=dict(metadata))
+    state["optimizer"] = optimizer.sharded_state_dict(state, metadata=dict(metadata))
     state["opt_param_scheduler"] = common["opt_param_scheduler"]
     state.update({key: common[key] for key in ("rerun_state_machine", "num_floating_point_operations_so_far")
                   if key in common})
     strategy = FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy("torch_dist"),
                                                 parallel_state.get_data_parallel_group(with_context_parallel=True))
-    dist_checkpointing.save(state, str(iteration_dir), strategy, content_metadata=dict(METADATA))
+    dist_checkpointing.save(state, str(iteration_dir), strategy, content_metadata=dict(metadata))
 
 
 def _rank(rank: int, world: int, store: str, common: dict[str, Any], work: Path, mode: str,

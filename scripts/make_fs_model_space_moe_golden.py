@@ -19,6 +19,10 @@ held, bit for bit; pgconvert's ``export-optimizer`` of the save must equal every
 ``check``: the reload and pgconvert comparisons against the committed golden (the state is rebuilt by the same
 two steps, which are deterministic).
 
+``save DIR``: the same run saved into DIR (not the golden) with the content metadata of the installed megatron-core's
+Megatron-LM release (``_release_metadata``), reloaded and read by pgconvert as above: with megatron-core 0.13.1 the
+chained optimizers' records carry the ``chained_<i>.`` prefix.
+
 ``load DIR DP EP``: megatron-core 0.15.0 loads the fully_sharded_model_space checkpoint DIR (pgconvert's output
 at TP1, EP ``EP``) on ``DP`` ranks, and what each rank's optimizer then holds must equal pgconvert's export of
 the golden.
@@ -159,13 +163,32 @@ def _rank(rank: int, world: int, store: str, common: dict[str, Any], work: Path,
     if mode == "save":
         _train(model, optimizer, names, common)
         out = f"reference{rank}.pt"
-        dense._save(model, optimizer, common, work / "target" / ITERATION)
-    else:
-        dense._load(model, optimizer, directory or work / "target" / ITERATION, dict(dense.METADATA))
+        dense._save(model, optimizer, common, work / "target" / ITERATION, _release_metadata())
+    else:  # as Megatron-LM's load_checkpoint: the sharded state dicts built with the checkpoint's content metadata
+        from megatron.core import dist_checkpointing
+        from support.megatron_fixtures import allowed_globals
+
+        iteration_dir = directory or work / "target" / ITERATION
+        with torch.serialization.safe_globals(allowed_globals()):
+            metadata = dist_checkpointing.load_content_metadata(str(iteration_dir))
+        dense._load(model, optimizer, iteration_dir, dict(metadata))
         out = f"reloaded{rank}.pt" if mode == "reload" else f"reference{rank}.pt"
     torch.save({"tp_rank": 0, "state": optimizer_tensors(optimizer, names),
                 "weights": {names[id(p)]: p.detach().clone() for p in model.parameters()}}, work / out)
     torch.distributed.destroy_process_group()
+
+
+def _release_metadata() -> dict[str, Any]:
+    """The content metadata the installed megatron-core's Megatron-LM release saves this form with
+    (``_build_sharded_state_dict_metadata``): core_v0.13.1 names the sharding type alone, so a chained optimizer's
+    records are prefixed ``chained_<i>.``; core_v0.14.0 and core_v0.15.0 (``--dist-ckpt-save-pre-mcore-014``) add
+    ``chained_optim_avoid_prefix`` and ``singleton_local_shards``."""
+    import make_fs_model_space_golden as dense
+    from megatron.core import __version__ as version
+
+    if tuple(int(part) for part in version.split(".")[:2]) < (0, 14):
+        return {"distrib_optim_sharding_type": "fully_sharded_model_space"}
+    return dict(dense.METADATA)
 
 
 def _load_other(directory: Path, dp: int, ep: int) -> None:
@@ -191,6 +214,7 @@ def main(argv: list[str]) -> None:
         _load_other(Path(argv[1]), int(argv[2]), int(argv[3]))
         return
     common = _common_state()
+    target = Path(argv[1]) if argv[:1] == ["save"] else TARGET
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         (work / "target" / ITERATION).mkdir(parents=True)
@@ -199,12 +223,12 @@ def main(argv: list[str]) -> None:
             shutil.rmtree(work / "target")
             shutil.copytree(TARGET, work / "target")
         else:
-            shutil.rmtree(TARGET, ignore_errors=True)
-            shutil.copytree(work / "target", TARGET)
-            (TARGET / "latest_checkpointed_iteration.txt").write_text("2")
+            shutil.rmtree(target, ignore_errors=True)
+            shutil.copytree(work / "target", target)
+            (target / "latest_checkpointed_iteration.txt").write_text("2")
         run_ranks(_rank, TP * DP, common, work, "reload", where="reload")
         dense._compare_reloaded(work, TP * DP)
-        dense.TARGET = TARGET
+        dense.TARGET = target
         dense._compare_pgconvert(work, TP * DP, common["args"])
 
 
@@ -216,6 +240,9 @@ if __name__ == "__main__":
     import numpy
     if not hasattr(numpy, "product"):  # megatron-core 0.15.0's flattened-range checks call np.product (numpy < 2)
         numpy.product = numpy.prod
+    import megatron.core.process_groups_config as groups_config
+    if not hasattr(groups_config, "ProcessGroupCollection"):  # tests/support/mcore_helpers imports it; 0.14.0 lacks it
+        groups_config.ProcessGroupCollection = object
     import importlib
     importlib.import_module("megatron.core.optimizer")  # imported once, before the forks
     main(sys.argv[1:])

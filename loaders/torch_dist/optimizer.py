@@ -42,8 +42,8 @@ from typing import Any
 import torch
 
 from pgconvert.formats.torch_dist_optimizer import (DP_RESHARDABLE, FS_MODEL_SPACE, MODEL_SPACE_FIELDS, PLAIN,
-                                                    PLAIN_FIELDS, bucket_key, chained_entries, object_key,
-                                                    record_prefix, scaler_key, state_key)
+                                                    PLAIN_FIELDS, bucket_key, chain_prefixes, chained_entries,
+                                                    object_key, record_prefix, scaler_key, state_key)
 from pgconvert.io.limits import quote
 from pgconvert.loaders.torch_dist.fs_model_space import chunk_shape
 from pgconvert.loaders.torch_dist.optimizer_forms import (object_value, plain_form, plain_inner, plain_step,
@@ -107,6 +107,9 @@ class TorchDistOptimizerSource(OptimizerSource):
                           for groups in chained]
         self.dtype_key = buffer_dtype_key(args)
         self.grad_scalers = self._grad_scalers(common)
+        self._chain_prefixes = chain_prefixes(optimizer_count(self.config, self.layout),  # as the records are named
+                                              any(key.startswith("chained_0.optimizer.state.")
+                                                  for key in source.tensor_keys()))
         self._check_stored()
         if self.form != FORM_FP32:  # FP32Optimizer keeps no masters: the weights are
             self._check_masters()
@@ -210,7 +213,7 @@ class TorchDistOptimizerSource(OptimizerSource):
                 record = self.bucket_key(owner.coord, gbuf, key, placed.bucket, slot.optimizer)
                 parts.append((f"{where}: {record}", self._flat_piece(owner, slot, key)))
             return parts
-        prefix = self._model_space_prefix(key)
+        prefix = self._model_space_prefix(key, name)
         read = self.source.load_flattened_state if self.sharding == FS_MODEL_SPACE else self.source.load_state
         keys = ", ".join(prefix + key for key in self.source.model_keys(name))
         return [(f"{where}: {keys}", read(name, prefix))]
@@ -247,11 +250,17 @@ class TorchDistOptimizerSource(OptimizerSource):
                 for (coord, index), buffers in self._flat.items() for chunk, (placed, numel) in enumerate(buffers)
                 for bucket, (start, end) in enumerate(bucket_ranges(placed, numel)) for field in FIELDS}
 
-    def _model_space_prefix(self, key: str) -> str:
-        if self.sharding == PLAIN:  # "" (fp32): the model weight itself is the master
+    def _model_space_prefix(self, key: str, name: str) -> str:
+        """What the model-space and plain forms put before ``name``'s model key for field ``key``: its chained
+        optimizer's prefix (``chain_prefixes``) and ``optimizer.state.<stored field>.``; "" for an fp32 plain
+        optimizer's master (the model weight itself)."""
+        if self.sharding == PLAIN:
             stored = PLAIN_FIELDS[self.form][key]
-            return state_key(stored, "") if stored else ""
-        return state_key(MODEL_SPACE_FIELDS[self.sharding][key], "")
+            if not stored:
+                return ""
+        else:
+            stored = MODEL_SPACE_FIELDS[self.sharding][key]
+        return self._chain_prefixes[self.optimizer_of(name)] + state_key(stored, "")
 
     def _check_stored(self) -> None:
         """Every record the layout needs is there with the size it derives (refused by name otherwise)."""
@@ -260,9 +269,8 @@ class TorchDistOptimizerSource(OptimizerSource):
             expected = self._flat_expected()
             extra = sorted(key for key in stored if key.startswith(("optimizer.", "chained_")) and key not in expected)
         else:
-            model_keys = {key for name in self.names() for key in self.source.model_keys(name)}
-            expected = {self._model_space_prefix(key) + model_key: stored[model_key]
-                        for model_key in model_keys for key in FIELDS}
+            expected = {self._model_space_prefix(key, name) + model_key: stored[model_key]
+                        for name in self.names() for model_key in self.source.model_keys(name) for key in FIELDS}
             extra = []
             if self.sharding == FS_MODEL_SPACE:  # chunk counts per axis, then one chunk's elements
                 for key, shape in expected.items():
@@ -348,9 +356,9 @@ class TorchDistOptimizerSource(OptimizerSource):
         if self.sharding == DP_RESHARDABLE:
             merged = {key: self._merged(name, key) for key in FIELDS}
         elif self.sharding == FS_MODEL_SPACE:
-            merged = {key: self.source.load_flattened_state(name, self._model_space_prefix(key)) for key in FIELDS}
+            merged = {key: self.source.load_flattened_state(name, self._model_space_prefix(key, name)) for key in FIELDS}
         else:
-            merged = {key: self.source.load_state(name, self._model_space_prefix(key)) for key in FIELDS}
+            merged = {key: self.source.load_state(name, self._model_space_prefix(key, name)) for key in FIELDS}
         merged["step"] = self.step(name)
         return merged
 
@@ -360,11 +368,11 @@ class TorchDistOptimizerSource(OptimizerSource):
             return super()._piece(name, key, size, rank, rows, rule)
         rule = rule or self.rule(name)  # the whole tensor, cut the target's way
         if self.sharding == FS_MODEL_SPACE:  # the whole parameter's record, cut
-            whole = [self.source.load_flattened_state(name, self._model_space_prefix(key))]
+            whole = [self.source.load_flattened_state(name, self._model_space_prefix(key, name))]
             if rule.fits_rows and rows is not None:
                 return rule.reshard_rows(whole, rows, self.config.vocab_size, size, rank)
             return rule.reshard(whole, size, rank)
-        return self.source.load_state_shard(name, self._model_space_prefix(key), rule, size, rank,
+        return self.source.load_state_shard(name, self._model_space_prefix(key, name), rule, size, rank,
                                             rows if rule.fits_rows else None)
 
     def param_group_settings(self, optimizer: int = 0, count: int | None = None) -> list[dict[str, Any]]:

@@ -17,9 +17,10 @@ common state's ``optimizer`` entry:
 A MoE model at expert parallel size > 1 chains a dense and an expert optimizer (``get_megatron_optimizer``):
 ``ChainedOptimizer.sharded_state_dict`` (megatron/core/optimizer/optimizer.py) returns ``{0: dense, 1: expert}``;
 it adds the ``chained_<i>.`` key prefix unless the form is fully reshardable (or plain) and the metadata has
-``chained_optim_avoid_prefix`` (Megatron-LM's ``_build_sharded_state_dict_metadata`` sets it), so the model-space
-and plain records keep their model keys (an expert key its global expert axis) and the dp_reshardable ones are
-prefixed. The common state's ``optimizer`` is then ``{0: {...}, 1: {...}}`` (int keys; ``dist_checkpointing``
+``chained_optim_avoid_prefix`` (Megatron-LM's ``_build_sharded_state_dict_metadata`` sets it from core_v0.14.0 on;
+megatron-core 0.13.1 and older always prefix), so the model-space and plain records keep their model keys (an
+expert key its global expert axis) or carry the prefix (``chain_prefixes``: read as the records are named), and the
+dp_reshardable ones are prefixed. The common state's ``optimizer`` is then ``{0: {...}, 1: {...}}`` (int keys; ``dist_checkpointing``
 drops the all-sharded ``param_state``), ``ChainedOptimizer.load_state_dict`` reading them in key order.
 """
 
@@ -37,6 +38,8 @@ from pgconvert.optimizer.source import FORM_FP16, FORM_FP32
 FULLY_RESHARDABLE = "fully_reshardable"
 DP_RESHARDABLE = "dp_reshardable"
 FS_MODEL_SPACE = "fully_sharded_model_space"
+# The content-metadata flag that keeps chained optimizers' model-space and plain records unprefixed.
+AVOID_PREFIX = "chained_optim_avoid_prefix"
 # megatron-core's plain (non-distributed) optimizer: no param_state_sharding_type.
 PLAIN = "plain"
 # The optimizer records go to data files of their own beside the model's ``__0_<n>.distcp``: ``__1_0.distcp``,
@@ -97,6 +100,14 @@ def chained_entries(optimizer: Any) -> list[Any]:
     if isinstance(optimizer, dict) and optimizer and all(type(key) is int for key in optimizer):
         return [optimizer[key] for key in sorted(optimizer)]
     return [optimizer]
+
+
+def chain_prefixes(count: int, prefixed: bool) -> list[str]:
+    """Per chained optimizer (``count``), the prefix of its model-space and plain records: ``chained_<i>.`` where
+    several are chained and their records are ``prefixed``, else none. megatron-core 0.13.1 and older always prefix
+    them; 0.14.0 and later unless the content metadata sets ``chained_optim_avoid_prefix`` (Megatron-LM does from
+    core_v0.14.0 on, and reads it back on load)."""
+    return [f"chained_{index}." for index in range(count)] if count > 1 and prefixed else [""] * count
 
 
 def common_entry(groups: list[list[dict[str, Any]]]) -> dict[Any, Any]:

@@ -11,6 +11,12 @@ rank's ``flattened_range`` of it). megatron-core loads such a record only with i
 ``optimizer = {optimizer: {param_groups}, param_state_sharding_type: 'fully_sharded_model_space'[, grad_scaler]}`` and
 ``content_metadata['distrib_optim_sharding_type']``. Checked with megatron-core 0.15.0, 0.14.0 and 0.13.1 by
 ``scripts/make_fs_model_space_golden.py load DIR DP``; megatron-core 0.16.1 and later cannot load this form.
+
+A MoE model's chained dense and expert optimizers (EP > 1): the records prefixed ``chained_<i>.`` and
+``content_metadata['chained_optim_avoid_prefix']`` False, the form megatron-core 0.13.1 saves and loads (it always
+prefixes) and 0.14.0 and 0.15.0 load (they read the prefixing from the content metadata); the common state's
+``optimizer`` is ``{0: dense, 1: expert}``, each entry naming the form. Checked with megatron-core 0.15.0, 0.14.0 and
+0.13.1 at EP2 and EP4 by ``scripts/make_fs_model_space_moe_golden.py load DIR DP EP``.
 """
 
 from __future__ import annotations
@@ -27,8 +33,9 @@ from torch.distributed.checkpoint.metadata import Metadata
 from pgconvert.formats import PlannedFile
 from pgconvert.formats.dcp_layout import DCP_METADATA_FILE
 from pgconvert.formats.torch_dist import read_dcp_metadata
-from pgconvert.formats.torch_dist_optimizer import (FS_MODEL_SPACE, MODEL_SPACE_FIELDS, chained_entries, common_entry,
-                                                    state_key)
+from pgconvert.formats.torch_dist_optimizer import (AVOID_PREFIX, FS_MODEL_SPACE, MODEL_SPACE_FIELDS, chain_prefixes,
+                                                    chained_entries, common_entry, state_key)
+from pgconvert.model.provider import expert_of_key
 from pgconvert.optimizer.scaler import set_scalers, target_scalers
 from pgconvert.optimizer.source import OptimizerSource
 from pgconvert.savers.torch_dist.common_state import replace_durably, rewrite_common
@@ -37,12 +44,13 @@ from pgconvert.savers.torch_dist.optimizer_records import RecordsShare, carry_co
 FIELDS = MODEL_SPACE_FIELDS[FS_MODEL_SPACE]
 
 
-def _reformulated(field: str, chunk: Any) -> Any:
-    """The model chunk's record: its box of the reformulated tensor (the chunk grid is the model key's)."""
+def _reformulated(field: str, chunk: Any, prefix: str) -> Any:
+    """The model chunk's record (``prefix``: its chained optimizer's): its box of the reformulated tensor (the chunk
+    grid is the model key's)."""
     local = chunk.sizes
     elements = math.prod(local)
     return dataclasses.replace(
-        chunk, key=state_key(FIELDS[field], chunk.key), dtype=torch.float32,
+        chunk, key=prefix + state_key(FIELDS[field], chunk.key), dtype=torch.float32,
         offsets=tuple(o // n for o, n in zip(chunk.offsets, local)) + (0,), sizes=(1,) * len(local) + (elements,),
         global_shape=tuple(g // n for g, n in zip(chunk.global_shape, local)) + (elements,))
 
@@ -74,10 +82,19 @@ def _add_common(optimizer: OptimizerSource, iteration_dir: Path, group_counts: l
         # DistributedOptimizer.state_dict's grad_scaler stays plain common state in this form, as in fully_reshardable
         set_scalers(chained_entries(common["optimizer"]), target_scalers(optimizer, len(groups)))
         carry_counters(optimizer, common)
+        # chained optimizers' records are prefixed (write_fs_model_space), which the metadata must say
         common["content_metadata"] = dict(common.get("content_metadata") or {},
                                           distrib_optim_sharding_type=FS_MODEL_SPACE)
+        if len(groups) > 1:
+            common["content_metadata"][AVOID_PREFIX] = False
 
     rewrite_common(iteration_dir, update)
+
+
+def _chained_index(name: str, prefixes: list[str]) -> int:
+    """The target's chained optimizer of parameter ``name``: the expert one (1) for a routed expert's where there are
+    two, else the dense one."""
+    return 1 if len(prefixes) > 1 and expert_of_key(name) is not None else 0
 
 
 def write_fs_model_space(optimizer: OptimizerSource, model_chunks: list[Any], rows: int, fits_rows: set[str],
@@ -86,7 +103,11 @@ def write_fs_model_space(optimizer: OptimizerSource, model_chunks: list[Any], ro
     ``share``: which; ``group_counts``: the target's param groups per chained optimizer); returns the files
     added."""
     pairs = per_field(model_chunks, set(optimizer.names()), list(FIELDS))
-    chunks = [(field, _reformulated(field, chunk)) for field, chunk in pairs]
+    # A MoE model's chained dense and expert optimizers: their records prefixed chained_<i>. (megatron-core 0.13.1
+    # loads no other form; 0.14.0 and 0.15.0 take the prefix from the content metadata, _add_common).
+    prefixes = chain_prefixes(len(group_counts), prefixed=True)
+    chunks = [(field, _reformulated(field, chunk, prefixes[_chained_index(chunk.canonical, prefixes)]))
+              for field, chunk in pairs]
     original = {chunk.key: tuple(model.global_shape) for (_, chunk), (_, model) in zip(chunks, pairs)}
     added = write_chunk_records(optimizer, chunks, rows, fits_rows, iteration_dir, share,
                                 lambda directory, index: _merge_metadata(directory, index, original))

@@ -181,6 +181,9 @@ def test_a_bridge_run_optimizer_state_is_named_not_carried(tmp_path: Path) -> No
         pgconvert.convert(copy, tmp_path / "strict", dst_format="megatron", dst_tp=1, strict=True)
     assert pgconvert.convert(copy, tmp_path / "skip", dst_format="megatron", dst_tp=1, skip_optimizer=True,
                              strict=True)
+    # every command that opens optimizer state gives the same reason (open_checked asks the source)
+    assert_clean_refusal(run_cli("export-optimizer", copy, tmp_path / "export"), 2,
+                         "Megatron-Bridge run's optimizer state")
 
 
 def test_provider_defaults_are_megatron_core_transformer_config_defaults() -> None:

@@ -87,9 +87,9 @@ def optimizer_kind_refusal(source: CanonicalSource) -> str | None:
 def open_checked(source: CanonicalSource) -> OptimizerSource:
     """``source``'s optimizer state, opened and checked (the module's docstring), its values under the source's
     NaN/Inf policy. Raises ``OptimizerLayoutError`` (``OptimizerStateError`` among them) naming what is wrong, and
-    a reader's ``ValidationError`` for a form or model it does not read, or an optimizer other than Adam
-    (``optimizer_kind_refusal``)."""
-    refused = optimizer_kind_refusal(source)
+    a reader's ``ValidationError`` for a form or model it does not read, state its source does not carry
+    (``CanonicalSource.optimizer_refusal``), or an optimizer other than Adam (``optimizer_kind_refusal``)."""
+    refused = source.optimizer_refusal() or optimizer_kind_refusal(source)
     if refused:
         raise UnsupportedOptimizerError(refused)
     optimizer = source.open_optimizer()

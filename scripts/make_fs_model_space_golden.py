@@ -225,7 +225,8 @@ def _compare_pgconvert(work: Path, world: int, args: Any = None) -> None:
             for key in ("param", "exp_avg", "exp_avg_sq"):
                 piece = tp_piece(name, exported[name][key], args.tensor_model_parallel_size, reference["tp_rank"],
                                  args.swiglu).reshape(-1)
-                assert torch.equal(piece[offset:offset + tensors[key].numel()], tensors[key]), f"{name}.{key}"
+                held = tensors[key].reshape(-1)  # a distributed optimizer's shard, or a plain one's whole master
+                assert torch.equal(piece[offset:offset + held.numel()], held), f"{name}.{key}"
             assert torch.equal(exported[name]["step"], tensors["step"]), name
     print(f"pgconvert's export equals megatron-core's state: {len(exported)} parameters, {world} ranks", flush=True)
 

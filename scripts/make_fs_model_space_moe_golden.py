@@ -19,9 +19,10 @@ held, bit for bit; pgconvert's ``export-optimizer`` of the save must equal every
 ``check``: the reload and pgconvert comparisons against the committed golden (the state is rebuilt by the same
 two steps, which are deterministic).
 
-``save DIR``: the same run saved into DIR (not the golden) with the content metadata of the installed megatron-core's
-Megatron-LM release (``_release_metadata``), reloaded and read by pgconvert as above: with megatron-core 0.13.1 the
-chained optimizers' records carry the ``chained_<i>.`` prefix.
+``save DIR [plain]``: the same run saved into DIR (not the golden) with the content metadata of the installed
+megatron-core's Megatron-LM release (``_release_metadata``), reloaded and read by pgconvert as above: with
+megatron-core 0.13.1 the chained optimizers' records carry the ``chained_<i>.`` prefix. ``plain``: the run with
+megatron-core's plain (non-distributed) optimizer, whose torch_dist records are named alike.
 
 ``load DIR DP EP``: megatron-core 0.15.0 loads the fully_sharded_model_space checkpoint DIR (pgconvert's output
 at TP1, EP ``EP``) on ``DP`` ranks, and what each rank's optimizer then holds must equal pgconvert's export of
@@ -62,8 +63,9 @@ def _tiny_model() -> Any:
                      moe_router_enable_expert_bias=True)
 
 
-def _common_state(dp: int = DP, ep: int = EP) -> dict[str, Any]:
-    """The dense golden's common state with this model's and layout's ``args``."""
+def _common_state(dp: int = DP, ep: int = EP, distributed: bool = True) -> dict[str, Any]:
+    """The dense golden's common state with this model's and layout's ``args`` (``distributed``: the distributed
+    optimizer, else megatron-core's plain one)."""
     import make_fs_model_space_golden as dense
     from support.megatron_fixtures import make_args
 
@@ -72,6 +74,7 @@ def _common_state(dp: int = DP, ep: int = EP) -> dict[str, Any]:
     model_args = vars(make_args(_tiny_model(), TP, 1, None, None, 2, ep=ep))
     vars(args).update({key: value for key, value in model_args.items() if key != "iteration"})
     args.data_parallel_size, args.world_size = dp, TP * dp
+    args.use_distributed_optimizer = distributed
     args.expert_tensor_parallel_size = TP
     args.moe_token_dispatcher_type, args.moe_router_topk = "allgather", 2
     args.moe_router_load_balancing_type, args.moe_aux_loss_coeff = "none", 0.0
@@ -96,7 +99,8 @@ def _model(args: argparse.Namespace) -> Any:
                      max_sequence_length=args.max_position_embeddings, share_embeddings_and_output_weights=False,
                      position_embedding_type=args.position_embedding_type)
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                               overlap_param_gather=False, use_distributed_optimizer=True)
+                                               overlap_param_gather=False,
+                                               use_distributed_optimizer=args.use_distributed_optimizer)
     return DistributedDataParallel(config, ddp_config, Float16Module(config, model))
 
 
@@ -157,13 +161,14 @@ def _rank(rank: int, world: int, store: str, common: dict[str, Any], work: Path,
     ddp = _model(args)
     optimizer = get_megatron_optimizer(OptimizerConfig(
         optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay, bf16=True,
-        params_dtype=torch.bfloat16, use_distributed_optimizer=True, clip_grad=0.0), [ddp])
+        params_dtype=torch.bfloat16, use_distributed_optimizer=args.use_distributed_optimizer, clip_grad=0.0), [ddp])
     model = _gpt(ddp)
     names = _names(model, args)
     if mode == "save":
         _train(model, optimizer, names, common)
         out = f"reference{rank}.pt"
-        dense._save(model, optimizer, common, work / "target" / ITERATION, _release_metadata())
+        dense._save(model, optimizer, common, work / "target" / ITERATION,
+                    _release_metadata(args.use_distributed_optimizer))
     else:  # as Megatron-LM's load_checkpoint: the sharded state dicts built with the checkpoint's content metadata
         from megatron.core import dist_checkpointing
         from support.megatron_fixtures import allowed_globals
@@ -178,7 +183,7 @@ def _rank(rank: int, world: int, store: str, common: dict[str, Any], work: Path,
     torch.distributed.destroy_process_group()
 
 
-def _release_metadata() -> dict[str, Any]:
+def _release_metadata(distributed: bool) -> dict[str, Any]:
     """The content metadata the installed megatron-core's Megatron-LM release saves this form with
     (``_build_sharded_state_dict_metadata``): core_v0.13.1 names the sharding type alone, so a chained optimizer's
     records are prefixed ``chained_<i>.``; core_v0.14.0 and core_v0.15.0 (``--dist-ckpt-save-pre-mcore-014``) add
@@ -186,9 +191,11 @@ def _release_metadata() -> dict[str, Any]:
     import make_fs_model_space_golden as dense
     from megatron.core import __version__ as version
 
-    if tuple(int(part) for part in version.split(".")[:2]) < (0, 14):
-        return {"distrib_optim_sharding_type": "fully_sharded_model_space"}
-    return dict(dense.METADATA)
+    old = tuple(int(part) for part in version.split(".")[:2]) < (0, 14)
+    if not distributed:  # the plain optimizer: no sharding type
+        return {} if old else {key: value for key, value in dense.METADATA.items()
+                               if key != "distrib_optim_sharding_type"}
+    return {"distrib_optim_sharding_type": "fully_sharded_model_space"} if old else dict(dense.METADATA)
 
 
 def _load_other(directory: Path, dp: int, ep: int) -> None:
@@ -213,7 +220,7 @@ def main(argv: list[str]) -> None:
     if argv[:1] == ["load"]:
         _load_other(Path(argv[1]), int(argv[2]), int(argv[3]))
         return
-    common = _common_state()
+    common = _common_state(distributed="plain" not in argv)
     target = Path(argv[1]) if argv[:1] == ["save"] else TARGET
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)

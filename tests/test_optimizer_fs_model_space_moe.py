@@ -9,17 +9,16 @@ forms: per-rank TP2 x EP4, dp_reshardable, fully_reshardable."""
 
 from __future__ import annotations
 
-import pickle
 from pathlib import Path
 
 import pytest
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 import pgconvert
 from support.checkpoint_compare import read_common
-from support.optimizer_cli import assert_same_parameters, dcp_read, export_optimizer, run_cli
-from support.optimizer_faults import copy_checkpoint, edit_common
+from support.optimizer_cli import (as_megatron_core_0_13_names, assert_same_parameters, chained_name, dcp_read,
+                                  export_optimizer, run_cli)
+from support.optimizer_faults import copy_checkpoint
 from support.torch_dist_forms import FOR_MCORE_016_CLI
 from pgconvert.formats.torch_dist import read_dcp_metadata
 
@@ -111,12 +110,6 @@ def test_fully_reshardable_at_tp2_and_back(tmp_path: Path) -> None:
     assert result.equal and result.optimizer is not None, result.differences[:5]
 
 
-def _chained(key: str) -> str:
-    """A golden record's key as megatron-core 0.13.1 names it: prefixed with its chained optimizer's ``chained_<i>.``
-    (the expert optimizer's for the routed experts)."""
-    return ("chained_1." if ".experts.experts." in key else "chained_0.") + key
-
-
 def _records(iteration_dir: Path) -> dict[str, torch.Tensor]:
     """Every optimizer record, prefixed or not, read whole by torch's own DCP reader."""
     metadata = read_dcp_metadata(iteration_dir / ".metadata").state_dict_metadata
@@ -129,9 +122,9 @@ def _assert_same_as_golden(written: Path) -> None:
     megatron-core 0.13.1 saves the same run (and 0.14.0 and 0.15.0 load it by the content metadata); each chained
     optimizer's param groups equal the golden's."""
     golden, again = _records(GOLDEN / ITER), _records(written / ITER)
-    assert set(map(_chained, golden)) == set(again) and len(golden) == 54  # 3 fields x (16 dense + experts' 2)
+    assert set(map(chained_name, golden)) == set(again) and len(golden) == 54  # 3 fields x (16 dense + experts' 2)
     for key, tensor in golden.items():
-        assert again[_chained(key)].dtype == tensor.dtype and torch.equal(again[_chained(key)], tensor), key
+        assert again[chained_name(key)].dtype == tensor.dtype and torch.equal(again[chained_name(key)], tensor), key
     expected, common = read_common(GOLDEN / ITER), read_common(written / ITER)
     for index in (0, 1):
         assert common["optimizer"][index]["optimizer"] == expected["optimizer"][index]["optimizer"], index
@@ -140,28 +133,9 @@ def _assert_same_as_golden(written: Path) -> None:
     assert common["content_metadata"]["chained_optim_avoid_prefix"] is False  # the records say chained_<i>.
 
 
-def _as_megatron_core_0_13_saves(src: Path) -> None:
-    """The golden's records under megatron-core 0.13.1's names (``_chained``) and its content metadata without
-    ``chained_optim_avoid_prefix``: ``scripts/make_fs_model_space_moe_golden.py save DIR`` under 0.13.1 writes the
-    same run so, its 54 records equal to these (checked outside CI)."""
-    iteration = src / ITER
-
-    def rename(metadata: Metadata) -> Metadata:
-        renamed = {key: _chained(key) for key in metadata.state_dict_metadata
-                   if key.startswith("optimizer.state.")}
-        storage = {MetadataIndex(renamed.get(index.fqn, index.fqn), index.offset, index.index): value
-                   for index, value in metadata.storage_data.items()}
-        entries = {renamed.get(key, key): value for key, value in metadata.state_dict_metadata.items()}
-        return Metadata(entries, None, storage)
-
-    path = iteration / ".metadata"
-    path.write_bytes(pickle.dumps(rename(read_dcp_metadata(path))))
-    edit_common(iteration, lambda common: common["content_metadata"].pop("chained_optim_avoid_prefix"))
-
-
 def test_megatron_core_0_13s_prefixed_records_are_read(tmp_path: Path, exported) -> None:  # noqa: ANN001
     src = copy_checkpoint(GOLDEN, tmp_path / "src")
-    _as_megatron_core_0_13_saves(src)
+    as_megatron_core_0_13_names(src / ITER)
     assert all(key.startswith("chained_") for key in _records(src / ITER))
     assert_same_parameters(export_optimizer(src, tmp_path / "export"), exported, PARAMETERS)
     _assert_same_as_golden(_convert(src, tmp_path / "again", *FS_MODEL_SPACE, *GOLDEN_LAYOUT))

@@ -18,7 +18,8 @@ import torch
 from support.cli_helpers import assert_clean_refusal
 from support.megatron_fixtures import load_for_test
 from support.moe_optimizer_runs import assert_round_trip, generate, optimizer_records
-from support.optimizer_cli import assert_same_parameters, dcp_read, export_optimizer, rewrite_metadata, run_cli
+from support.optimizer_cli import (as_megatron_core_0_13_names, assert_same_parameters, dcp_read, export_optimizer,
+                                  rewrite_metadata, run_cli)
 from support.torch_dist_forms import FOR_MCORE_016_CLI
 from support.checkpoint_compare import read_common
 
@@ -184,6 +185,14 @@ def test_a_moe_runs_chained_plain_optimizers_go_into_torch_dist_at_ep2_and_ep1_a
     assert not [key for key in keys if key.startswith("chained_")]
     assert [key for key in keys if key.startswith("optimizer.state.fp32_param.") and ".experts." in key]
     assert "optimizer" in set(read_common(tmp_path / "td1" / ITER)["optimizer"])  # EP1: one
+    # megatron-core 0.13.1 prefixes the chained optimizers' records chained_<i>.: read as they are named
+    shutil.copytree(tmp_path / "td2", tmp_path / "prefixed")
+    as_megatron_core_0_13_names(tmp_path / "prefixed" / ITER)
+    keys = set(read_dcp_metadata(tmp_path / "prefixed" / ITER / ".metadata").state_dict_metadata)
+    assert [key for key in keys if key.startswith("chained_1.optimizer.state.exp_avg.") and ".experts." in key]
+    again = export_optimizer(tmp_path / "prefixed", tmp_path / "ex_prefixed")
+    assert again.keys() == original.keys()
+    assert all(torch.equal(tensors[key], again[name][key]) for name, tensors in original.items() for key in KEYS)
 
 
 def test_megatron_core_loads_a_moe_runs_chained_plain_optimizers_from_pgconverts_torch_dist(tmp_path: Path) -> None:

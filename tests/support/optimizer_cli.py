@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from click.testing import CliRunner, Result
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from pgconvert.cli import main
 from pgconvert.formats.torch_dist import read_dcp_metadata
@@ -59,3 +59,26 @@ def rewrite_metadata(iteration_dir: Path, change: Callable[[Metadata], None]) ->
     metadata = read_dcp_metadata(path)
     change(metadata)
     path.write_bytes(pickle.dumps(metadata))
+
+
+def chained_name(key: str) -> str:
+    """A chained dense and expert optimizer's record key as megatron-core 0.13.1 names it: prefixed with its
+    optimizer's ``chained_<i>.`` (the expert optimizer's for a routed expert's record)."""
+    return ("chained_1." if ".experts.experts." in key else "chained_0.") + key
+
+
+def as_megatron_core_0_13_names(iteration_dir: Path) -> None:
+    """A torch_dist checkpoint's chained optimizers' model-space or plain records (``optimizer.state.*``) renamed as
+    megatron-core 0.13.1 saves them (``chained_name``), its ``common.pt`` content metadata without
+    ``chained_optim_avoid_prefix`` (0.13.1's Megatron-LM sets none): checked against 0.13.1's own saves outside CI
+    (``scripts/make_fs_model_space_moe_golden.py save DIR [plain]``)."""
+    path = iteration_dir / ".metadata"
+    metadata = read_dcp_metadata(path)
+    renamed = {key: chained_name(key) for key in metadata.state_dict_metadata if key.startswith("optimizer.state.")}
+    storage = {MetadataIndex(renamed.get(index.fqn, index.fqn), index.offset, index.index): value
+               for index, value in metadata.storage_data.items()}
+    entries = {renamed.get(key, key): value for key, value in metadata.state_dict_metadata.items()}
+    path.write_bytes(pickle.dumps(Metadata(entries, None, storage)))
+    from support.optimizer_faults import edit_common  # it imports this module
+
+    edit_common(iteration_dir, lambda common: common["content_metadata"].pop("chained_optim_avoid_prefix"))

@@ -17,6 +17,7 @@ import torch
 
 from support.cli_helpers import assert_clean_refusal
 from support.megatron_fixtures import load_for_test
+from support.optimizer_faults import edit_common
 from support.moe_optimizer_runs import assert_round_trip, generate, optimizer_records
 from support.optimizer_cli import (as_megatron_core_0_13_names, assert_same_parameters, dcp_read, export_optimizer,
                                   rewrite_metadata, run_cli)
@@ -192,6 +193,13 @@ def test_a_moe_runs_chained_plain_optimizers_go_into_torch_dist_at_ep2_and_ep1_a
     assert [key for key in keys if key.startswith("chained_1.optimizer.state.exp_avg.") and ".experts." in key]
     again = export_optimizer(tmp_path / "prefixed", tmp_path / "ex_prefixed")
     assert again.keys() == original.keys()
+    assert all(torch.equal(tensors[key], again[name][key]) for name, tensors in original.items() for key in KEYS)
+    # megatron-core 0.14.0's ChainedOptimizer saves each group's step as None where torch's Adam holds none in its
+    # groups (the count is common_step): read alike
+    edit_common(tmp_path / "prefixed" / ITER, lambda common: [group.update(step=None) for entry in
+                                                              common["optimizer"].values()
+                                                              for group in entry["optimizer"]["param_groups"]])
+    again = export_optimizer(tmp_path / "prefixed", tmp_path / "ex_step_none")
     assert all(torch.equal(tensors[key], again[name][key]) for name, tensors in original.items() for key in KEYS)
 
 

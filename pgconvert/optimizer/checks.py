@@ -204,7 +204,9 @@ def _check_groups(copy: StoredCopy, label: str, groups: Any) -> None:
             if number is None or not math.isfinite(number) or number <= 0:
                 raise _refuse(copy, f"{name}.eps", group["eps"],
                               "expected a finite number > 0 (Adam divides by sqrt(exp_avg_sq) + eps)")
-        if "step" in group:
+        # megatron-core 0.14.0's ChainedOptimizer sets every group's step to None where none holds one (torch's Adam
+        # keeps it per parameter); 0.15.0 leaves such groups without the key
+        if group.get("step") is not None:
             _check_step(copy, f"{name}.step", group["step"])
 
 

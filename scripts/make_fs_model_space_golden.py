@@ -153,17 +153,23 @@ def _save(model: Any, optimizer: Any, common: dict[str, Any], iteration_dir: Pat
     dist_checkpointing.save(state, str(iteration_dir), strategy, content_metadata=dict(metadata))
 
 
+def start_rank(rank: int, world: int, store: str) -> None:
+    """A forked rank's start: the CPU shims, no device to wait for, its gloo process group."""
+    import support.mcore_cpu_shim as mcore_cpu_shim
+
+    mcore_cpu_shim.install()
+    torch.cuda.synchronize = lambda *_: None  # dist_checkpointing's save waits for the device before writing
+    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+
+
 def _rank(rank: int, world: int, store: str, common: dict[str, Any], work: Path, mode: str,
           directory: Path | None = None) -> None:
-    import support.mcore_cpu_shim as mcore_cpu_shim
     from megatron.core import parallel_state
 
     from support.mcore_optimizer_step import _build, _gpt, _optimizer, canonical, optimizer_tensors
 
-    mcore_cpu_shim.install()
-    torch.cuda.synchronize = lambda *_: None  # dist_checkpointing's save waits for the device before writing
+    start_rank(rank, world, store)
     args = common["args"]
-    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     parallel_state.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
     ddp = _build(args, 0)
     optimizer = _optimizer(args, ddp)
@@ -273,7 +279,9 @@ def main(argv: list[str]) -> None:
         _compare_pgconvert(work, world)
 
 
-if __name__ == "__main__":
+def prepare_process() -> None:
+    """The script's process before its forks: no CUDA device, tests/ importable, the shims older megatron-core
+    releases need here, megatron-core's optimizer package imported once."""
     os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -285,4 +293,8 @@ if __name__ == "__main__":
     if not hasattr(groups_config, "ProcessGroupCollection"):  # tests/support/mcore_helpers imports it; 0.14.0 lacks it
         groups_config.ProcessGroupCollection = object
     importlib.import_module("megatron.core.optimizer")  # imported once, before the forks
+
+
+if __name__ == "__main__":
+    prepare_process()
     main(sys.argv[1:])

@@ -37,7 +37,6 @@ The common state is the dense golden's (Megatron-LM d98e8a64's scheduler, rerun 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
 from pathlib import Path
@@ -146,15 +145,12 @@ def _train(model: Any, optimizer: Any, names: dict[int, str], common: dict[str, 
 def _rank(rank: int, world: int, store: str, common: dict[str, Any], work: Path, mode: str,
           directory: Path | None = None) -> None:
     import make_fs_model_space_golden as dense
-    import support.mcore_cpu_shim as mcore_cpu_shim
     from megatron.core import parallel_state
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from support.mcore_optimizer_step import _gpt, optimizer_tensors
 
-    mcore_cpu_shim.install()
-    torch.cuda.synchronize = lambda *_: None  # dist_checkpointing's save waits for the device before writing
+    dense.start_rank(rank, world, store)
     args = common["args"]
-    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     parallel_state.initialize_model_parallel(TP, 1, expert_model_parallel_size=args.expert_model_parallel_size,
                                              expert_tensor_parallel_size=TP)
     torch.manual_seed(1234)  # the same initial weights on every rank and in every run
@@ -240,16 +236,8 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
-    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    sys.path[:0] = [str(ROOT / "tests"), str(ROOT), str(ROOT / "scripts")]
-    import numpy
-    if not hasattr(numpy, "product"):  # megatron-core 0.15.0's flattened-range checks call np.product (numpy < 2)
-        numpy.product = numpy.prod
-    import megatron.core.process_groups_config as groups_config
-    if not hasattr(groups_config, "ProcessGroupCollection"):  # tests/support/mcore_helpers imports it; 0.14.0 lacks it
-        groups_config.ProcessGroupCollection = object
-    import importlib
-    importlib.import_module("megatron.core.optimizer")  # imported once, before the forks
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import make_fs_model_space_golden
+
+    make_fs_model_space_golden.prepare_process()
     main(sys.argv[1:])

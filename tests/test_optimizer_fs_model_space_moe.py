@@ -67,8 +67,8 @@ def test_the_golden_is_megatron_core_0_15s_chained_save() -> None:
     assert [group["is_expert_parallel"] for group in expert_groups] == [True]
     assert common["content_metadata"] == {"distrib_optim_sharding_type": "fully_sharded_model_space",
                                           "singleton_local_shards": False, "chained_optim_avoid_prefix": True}
-    sizes = {key: tuple(md.size) for key, md in read_dcp_metadata(GOLDEN / ITER / ".metadata").state_dict_metadata.items()
-             if hasattr(md, "size")}
+    metadata = read_dcp_metadata(GOLDEN / ITER / ".metadata").state_dict_metadata
+    sizes = {key: tuple(md.size) for key, md in metadata.items() if hasattr(md, "size")}
     # the expert records are unprefixed: [4 experts, gate and up chunks, 1 chunk of columns, 8 * 16 elements]
     assert sizes["optimizer.state.exp_avg_sq." + EXPERT_FC1] == (4, 2, 1, 128) and sizes[EXPERT_FC1] == (4, 16, 16)
     assert not any(key.startswith("chained_") for key in sizes)
@@ -85,11 +85,13 @@ def test_every_master_read_rounds_to_the_weight_megatron_core_stored(
         assert tensors["param"].dtype == torch.float32 and torch.equal(tensors["param"].bfloat16(), weight), name
         assert float(tensors["step"]) == 2.0
         assert tensors["exp_avg_sq"].min() > 0, name  # two steps on non-zero gradients: no slot left unread
-    experts = [exported[f"decoder.layers.1.mlp.experts.local_experts.{e}.linear_fc1.weight"]["exp_avg"] for e in range(4)]
+    experts = [exported[f"decoder.layers.1.mlp.experts.local_experts.{e}.linear_fc1.weight"]["exp_avg"]
+               for e in range(4)]
     assert all(not torch.equal(experts[0], other) for other in experts[1:])  # each expert its own moments
 
 
-def test_the_records_come_back_bit_exact_through_other_layouts_and_forms(tmp_path: Path, exported) -> None:  # noqa: ANN001
+def test_the_records_come_back_bit_exact_through_other_layouts_and_forms(
+        tmp_path: Path, exported: dict[str, dict[str, torch.Tensor]]) -> None:
     per_rank = _convert(GOLDEN, tmp_path / "per_rank", "--dst-format", "megatron", "--dst-tp", "2", "--dst-ep", "4")
     assert len(list(per_rank.rglob("distrib_optim.pt"))) == 8
     dp = _convert(per_rank, tmp_path / "dp", "--dst-format", "torch_dist", "--dst-tp", "2", "--dst-ep", "1",
@@ -133,7 +135,8 @@ def _assert_same_as_golden(written: Path) -> None:
     assert common["content_metadata"]["chained_optim_avoid_prefix"] is False  # the records say chained_<i>.
 
 
-def test_megatron_core_0_13s_prefixed_records_are_read(tmp_path: Path, exported) -> None:  # noqa: ANN001
+def test_megatron_core_0_13s_prefixed_records_are_read(tmp_path: Path,
+                                                       exported: dict[str, dict[str, torch.Tensor]]) -> None:
     src = copy_checkpoint(GOLDEN, tmp_path / "src")
     as_megatron_core_0_13_names(src / ITER)
     assert all(key.startswith("chained_") for key in _records(src / ITER))

@@ -98,7 +98,8 @@ class TorchDistOptimizerSource(OptimizerSource):
         self.args = args
         self._owners = self._index_slots()
         chained = self._chained = self._chained_groups(common, where)
-        self._step = plain_step(common["optimizer"], plain, where) if plain else \
+        stepped = ["exp_avg" in self.rules.fields(index) for index in range(len(chained))]
+        self._step = plain_step(common["optimizer"], plain, where, stepped) if plain else \
             _one_step([group for groups in chained for group in groups], where)
         extra = {key: common[key] for key in (*CARRIED_KEYS, "iteration", "args") if key in common}
         extra["distributed_entries"] = [{"optimizer": {"param_groups": groups}} for groups in chained]
@@ -107,7 +108,7 @@ class TorchDistOptimizerSource(OptimizerSource):
                           for groups in chained]
         self.dtype_key = buffer_dtype_key(args)
         self.grad_scalers = self._grad_scalers(common)
-        self._chain_prefixes = chain_prefixes(optimizer_count(self.config, self.layout),  # as the records are named
+        self._chain_prefixes = chain_prefixes(optimizer_count(self.config, self.layout, self.rules),  # as named
                                               any(key.startswith("chained_0.optimizer.state.")
                                                   for key in source.tensor_keys()))
         self._check_stored()
@@ -269,8 +270,8 @@ class TorchDistOptimizerSource(OptimizerSource):
             expected = self._flat_expected()
             extra = sorted(key for key in stored if key.startswith(("optimizer.", "chained_")) and key not in expected)
         else:
-            expected = {self._model_space_prefix(key, name) + model_key: stored[model_key]
-                        for name in self.names() for model_key in self.source.model_keys(name) for key in FIELDS}
+            expected = {self._model_space_prefix(key, name) + model_key: stored[model_key] for name in self.names()
+                        for model_key in self.source.model_keys(name) for key in self.fields(name)}
             extra = []
             if self.sharding == FS_MODEL_SPACE:  # chunk counts per axis, then one chunk's elements
                 for key, shape in expected.items():
@@ -356,10 +357,13 @@ class TorchDistOptimizerSource(OptimizerSource):
         if self.sharding == DP_RESHARDABLE:
             merged = {key: self._merged(name, key) for key in FIELDS}
         elif self.sharding == FS_MODEL_SPACE:
-            merged = {key: self.source.load_flattened_state(name, self._model_space_prefix(key, name)) for key in FIELDS}
+            merged = {key: self.source.load_flattened_state(name, self._model_space_prefix(key, name))
+                      for key in FIELDS}
         else:
-            merged = {key: self.source.load_state(name, self._model_space_prefix(key, name)) for key in FIELDS}
-        merged["step"] = self.step(name)
+            merged = {key: self.source.load_state(name, self._model_space_prefix(key, name))
+                      for key in self.fields(name)}
+        if self.stepped(name):
+            merged["step"] = self.step(name)
         return merged
 
     def _piece(self, name: str, key: str, size: int, rank: int, rows: int | None,

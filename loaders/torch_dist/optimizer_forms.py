@@ -87,10 +87,11 @@ def plain_form(common: dict[str, Any], where: str) -> str | None:
 def _entry_form(entry: Any) -> str | None:
     if not isinstance(entry, dict) or "param_state_sharding_type" in entry:
         return None
+    # a Muon optimizer keeps no common_step: its entry has param groups alone
     inner = entry.get("optimizer")
-    if isinstance(inner, dict) and {"state", "param_groups"} <= set(inner):
+    if isinstance(inner, dict) and "param_groups" in inner:
         return FORM_FP16
-    if {"state", "param_groups"} <= set(entry):
+    if "param_groups" in entry:
         return FORM_FP32
     return None
 
@@ -100,11 +101,16 @@ def plain_inner(entry: dict[str, Any], form: str) -> dict[str, Any]:
     return entry["optimizer"] if form == FORM_FP16 else entry
 
 
-def plain_step(entry: Any, form: str, where: str) -> torch.Tensor:
-    """The shared Adam step (``common_step``) of a plain entry (of each chained one, all equal), checked."""
+def plain_step(entry: Any, form: str, where: str, stepped: list[bool] | None = None) -> torch.Tensor:
+    """The shared Adam step (``common_step``) of a plain entry (of each chained one that counts steps, ``stepped``:
+    not a Muon optimizer's; default every one; all equal), checked."""
     steps = []
-    for each in chained_entries(entry):
-        step = plain_inner(each, form)["state"].get("common_step")
+    entries = chained_entries(entry)
+    for each, counts in zip(entries, stepped or [True] * len(entries)):
+        if not counts:
+            continue
+        state = plain_inner(each, form).get("state")
+        step = state.get("common_step") if isinstance(state, dict) else None
         if not isinstance(step, (torch.Tensor, int, float)) or (isinstance(step, torch.Tensor) and step.numel() != 1):
             raise OptimizerLayoutError(f"{where}: optimizer state.common_step = {quote(step, 80)}: expected the "
                                        f"step count {_VERSION} saves for a plain optimizer that has stepped")

@@ -275,6 +275,8 @@ class Saver(ABC):
     # the source holds, and the forms ``--dst-optim-form`` may name (empty: the format has no choice).
     writes_optimizer: bool = False
     optimizer_forms: tuple[str, ...] = ()
+    # The optimizers (``OptimizerRules.kind``) whose state it writes: Adam's by default.
+    optimizer_kinds: tuple[str, ...] = ("adam",)
     # Whether the model weights it writes are the optimizer's fp32 masters (Megatron-FSDP's main weights): when it
     # carries a source's optimizer state, the model is read from that state's masters (``CanonicalSource.masters``),
     # not from the source's weights widened.

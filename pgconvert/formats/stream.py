@@ -158,6 +158,7 @@ class CanonicalSource:
       (refused under ``--strict``, else a notice); empty for a source that has none.
     - ``training_state_notice``: the notice among ``notices`` that says the source's training state is not
       converted, dropped when its optimizer state is carried; None for a source that gives none.
+    - ``optimizer_kinds``: the ``args.optimizer`` values whose state its optimizer reader reads (Adam's).
 
     Training and optimizer state (hooks; the defaults say the source holds none): ``holds_training_state``,
     ``holds_optimizer``, ``stored_optimizer_form``, ``optimizer_refusal`` and ``open_optimizer``.
@@ -169,6 +170,7 @@ class CanonicalSource:
     hf_origin: HFOrigin | None = None
     unrepresentable: Sequence[str] = ()
     training_state_notice: str | None = None
+    optimizer_kinds: tuple[str, ...] = ("adam",)
 
     def __init__(self, config: ModelConfig, vocab_rows: int, iteration: int | None = None,
                  release: bool = False) -> None:

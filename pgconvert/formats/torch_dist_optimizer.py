@@ -57,8 +57,10 @@ MODEL_SPACE_FIELDS = {
     FS_MODEL_SPACE: {"param": "fp32_param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"},
 }
 # The stored field of each per-parameter key, per plain form ("": the model weight itself is the master).
-PLAIN_FIELDS = {FORM_FP16: {"param": "fp32_param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"},
-                FORM_FP32: {"param": "", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}}
+PLAIN_FIELDS = {FORM_FP16: {"param": "fp32_param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq",
+                            "momentum_buffer": "momentum_buffer"},
+                FORM_FP32: {"param": "", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq",
+                            "momentum_buffer": "momentum_buffer"}}
 
 
 def state_key(stored_field: str, model_key: str) -> str:

@@ -170,6 +170,20 @@ def attach_masters(conversion: Plan) -> None:
         carried_optimizer(conversion, [])
 
 
+def _kind_refusal(conversion: Plan, optimizer: OptimizerSource) -> str | None:
+    """Why an optimizer other than Adam (a Muon run's) is not written here (None: it is): a destination that writes
+    only Adam's state, or another ``--dtype`` (only Adam's masters are re-derived)."""
+    kind = optimizer.rules.kind
+    if kind not in conversion.saver.optimizer_kinds:
+        writers = [name for name in saver_names() if kind in get_saver(name).optimizer_kinds]
+        return (f"optimizer state not carried: {optimizer.first.path}: args.optimizer={quote(kind)}: its state is "
+                f"written into {', '.join(writers)} only, not {conversion.dst_format}; pass --skip-optimizer")
+    if kind != "adam" and conversion.save_options.dtype is not None:
+        return (f"optimizer state not carried: {optimizer.first.path}: args.optimizer={quote(kind)} with --dtype: "
+                "only an Adam run's state is carried to another dtype; pass --skip-optimizer, or drop --dtype")
+    return None
+
+
 def _decide(conversion: Plan, notices: list[str]) -> tuple[OptimizerSource, str] | None:
     if not _carries(conversion):
         return None
@@ -187,6 +201,10 @@ def _decide(conversion: Plan, notices: list[str]) -> tuple[OptimizerSource, str]
         if "--skip-optimizer" in str(exc):
             raise
         raise OptimizerLayoutError(f"{exc}; pass --skip-optimizer to convert the model alone") from exc
+    refused = _kind_refusal(conversion, optimizer)
+    if refused:
+        fallback(refused, strict, notices)
+        return None
     optimizer = retyped(conversion.source, optimizer, conversion.save_options.dtype)
     if conversion.saver.stores_masters:
         masters_for_destination(conversion.source, optimizer, conversion.dst_format)
@@ -195,7 +213,8 @@ def _decide(conversion: Plan, notices: list[str]) -> tuple[OptimizerSource, str]
     except ValidationError as exc:
         fallback(f"optimizer state not carried: {optimizer.first.path}: {exc}", strict, notices)
         return None
-    lost = lost_scaler(optimizer, optimizer_count(target_of(conversion)[0], conversion.save_options.layout))
+    lost = lost_scaler(optimizer, optimizer_count(target_of(conversion)[0], conversion.save_options.layout,
+                                                  optimizer.rules))
     if lost:
         fallback(lost, strict, notices)
     return optimizer, form

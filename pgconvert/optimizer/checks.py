@@ -75,13 +75,14 @@ def optimizer_kind_refusal(source: CanonicalSource) -> str | None:
     args = source.megatron_args
     kind = getattr(args, "optimizer", None) or "adam"
     layer_wise = bool(getattr(args, "use_layer_wise_distributed_optimizer", False))
-    if kind == "adam" and not layer_wise:
+    if kind in source.optimizer_kinds and not layer_wise:
         return None
     how = " with the layer-wise distributed optimizer (use_layer_wise_distributed_optimizer)" if layer_wise else ""
     state = OTHER_OPTIMIZERS.get(kind, "state of its own")
+    read = " and, from torch_dist, plain Muon's" if kind == "muon" and not layer_wise else ""
     return (f"{source.describe()}: args.optimizer={quote(kind)}{how}: the run's optimizer state ({state}) is not "
-            "read; pgconvert carries megatron-core's Adam state only (exp_avg, exp_avg_sq, step and the fp32 masters); "
-            "pass --skip-optimizer to convert the model alone")
+            f"read from {source.format_name}; pgconvert carries megatron-core's Adam state (exp_avg, exp_avg_sq, step "
+            f"and the fp32 masters){read}; pass --skip-optimizer to convert the model alone")
 
 
 def open_checked(source: CanonicalSource) -> OptimizerSource:
@@ -199,6 +200,10 @@ def _check_groups(copy: StoredCopy, label: str, groups: Any) -> None:
             numbers = [_number(beta) for beta in betas] if isinstance(betas, (list, tuple)) else []
             if len(numbers) != 2 or not all(beta is not None and 0.0 <= beta < 1.0 for beta in numbers):
                 raise _refuse(copy, f"{name}.betas", betas, "expected two numbers in [0, 1) (torch.optim.Adam's bounds)")
+        if "momentum" in group:  # Muon's (megatron-core 0.19.2's TensorParallelMuon): an EMA factor
+            number = _number(group["momentum"])
+            if number is None or not 0.0 <= number < 1.0:
+                raise _refuse(copy, f"{name}.momentum", group["momentum"], "expected a number in [0, 1)")
         if "eps" in group:
             number = _number(group["eps"])
             if number is None or not math.isfinite(number) or number <= 0:

@@ -1,8 +1,9 @@
 """The layout-independent per-parameter form of optimizer state (``export-optimizer``).
 
 One ``<canonical name>.pt`` per parameter holding ``param`` (fp32 master), ``exp_avg``, ``exp_avg_sq`` and
-``step``, written one parameter at a time, and ``optimizer.json`` (form, groups' hyperparameters, each
-parameter's group, scheduler, iteration, floating-point operations, consumed samples). Vocab tables keep the
+``step`` (a Muon run's Muon parameters: ``param`` and ``momentum_buffer``), written one parameter at a time, and
+``optimizer.json`` (form, the optimizer's kind, groups' hyperparameters per chained optimizer, each parameter's
+optimizer and group, scheduler, iteration, floating-point operations, consumed samples). Vocab tables keep the
 source's padded rows.
 """
 
@@ -36,6 +37,7 @@ def export_parameters(source: OptimizerSource, out_dir: Path) -> int:
         groups[name] = source.group_of(name)
         shapes[name] = list(tensors["param"].shape)
         del tensors
+    chained = sorted({source.optimizer_of(name) for name in groups})
     extra = source.first.extra
     args = extra.get("args")
     index = {
@@ -46,9 +48,11 @@ def export_parameters(source: OptimizerSource, out_dir: Path) -> int:
         "num_floating_point_operations_so_far": extra.get("num_floating_point_operations_so_far"),
         "opt_param_scheduler": extra.get("opt_param_scheduler"),
         "counters": {key: getattr(args, key, None) for key in COUNTERS},
-        "param_groups": source.param_group_settings(),
-        "parameters": {name: {"group": groups[name], "shape": shapes[name], "file": f"{_safe_name(name)}.pt"}
-                       for name in groups},
+        "optimizer": source.rules.kind,
+        "param_groups": source.param_group_settings(),  # the first chained optimizer's
+        "chained_param_groups": [source.param_group_settings(index) for index in chained],
+        "parameters": {name: {"optimizer": source.optimizer_of(name), "group": groups[name], "shape": shapes[name],
+                              "file": f"{_safe_name(name)}.pt"} for name in groups},
         "padded_vocab_rows": source.vocab_rows,
         "not_carried": ["rng_state"],
     }

@@ -60,6 +60,15 @@ local spec's ``q_layernorm`` does, ``kv_layernorm`` and the TE spec's fused ``la
 Checked against megatron-core 0.16.1's own GPTModel (MLA local spec, MoE, MTP) on every rank of TP2·EP2,
 PP2 and TP2·PP2 (``tests/test_optimizer_mla.py``).
 
+Muon (Megatron-LM's ``--optimizer muon`` without the distributed optimizer; megatron-core 0.19.2's
+``_get_megatron_emerging_optimizer``): a default override sends every parameter that is not 2-dim, or is flagged
+``is_embedding_or_output_parameter``, to the scalar optimizer (Adam); the groups are bucketed by optimizer, Muon's
+(no override: its key sorts first) one group, then Adam's weight-decay group (the embedding and output layer) and its
+no-weight-decay group, each in ``named_parameters()`` order, and ``get_megatron_optimizer`` chains the two. Muon
+keeps an fp32 master and a ``momentum_buffer`` per parameter and no step. Refused by name: the layer-wise distributed
+optimizer, another scalar optimizer, ``decoupled_lr`` and MoE models (``_refuse_muon_variants``). Checked against
+megatron-core 0.19.2's own TP2 save (``tests/test_optimizer_muon.py``).
+
 Mixture of experts: a routed expert's linears are ``allreduce=False`` only when
 ``expert_model_parallel_size > 1`` (``ColumnParallelLinear``/``RowParallelLinear``: ``not (is_expert
 and expert_parallel)``), and ``get_megatron_optimizer`` then builds a ``ChainedOptimizer`` of two: the
@@ -183,6 +192,12 @@ class OptimizerSlot:
     optimizer: int = 0
 
 
+# The per-parameter state fields: the fp32 master and Adam's moments, or Muon's momentum buffer.
+ADAM_FIELDS = ("param", "exp_avg", "exp_avg_sq")
+MUON_FIELDS = ("param", "momentum_buffer")
+ADAM, MUON = "adam", "muon"
+
+
 @dataclass(frozen=True)
 class OptimizerRules:
     """The run settings that decide the param groups (read from the checkpoint's ``args``)."""
@@ -192,6 +207,8 @@ class OptimizerRules:
     decoupled_lr: float | None = None
     # ``decoupled_min_lr``: that group's ``min_lr`` (None: the run's ``min_lr``).
     decoupled_min_lr: float | None = None
+    # ``args.optimizer``: Adam, or Muon (chained: Muon for the 2-dim weights, then Adam for the rest).
+    kind: str = ADAM
 
     @classmethod
     def from_args(cls, args: argparse.Namespace | None, where: str) -> OptimizerRules:
@@ -201,8 +218,32 @@ class OptimizerRules:
         decoupled = [_learning_rate(args, name, where) for name in ("decoupled_lr", "decoupled_min_lr")]
         if decoupled[0] is None and decoupled[1] is not None:
             decoupled[1] = None  # megatron-core reads decoupled_min_lr only with decoupled_lr
+        kind = getattr(args, "optimizer", None) or ADAM
+        if kind == MUON:
+            _refuse_muon_variants(args, decoupled[0], where)
         return cls(apply_wd_to_qk_layernorm=bool(getattr(args, "apply_wd_to_qk_layernorm", False)),
-                   decoupled_lr=decoupled[0], decoupled_min_lr=decoupled[1])
+                   decoupled_lr=decoupled[0], decoupled_min_lr=decoupled[1], kind=kind)
+
+    def fields(self, optimizer: int) -> tuple[str, ...]:
+        """The per-parameter state fields of chained optimizer ``optimizer``: Muon's (the first of a Muon run's
+        two) or Adam's."""
+        return MUON_FIELDS if self.kind == MUON and optimizer == 0 else ADAM_FIELDS
+
+
+def _refuse_muon_variants(args: argparse.Namespace, decoupled_lr: float | None, where: str) -> None:
+    """The Muon runs whose optimizer layout is not mapped, refused by name: the layer-wise distributed optimizer,
+    a scalar optimizer other than Adam, decoupled_lr (its group order beside Muon's), MoE (Muon and Adam each
+    chain a dense and an expert optimizer)."""
+    refused = {"use_layer_wise_distributed_optimizer": bool(getattr(args, "use_layer_wise_distributed_optimizer",
+                                                                      False)),
+               "muon_scalar_optimizer": (getattr(args, "muon_scalar_optimizer", None) or ADAM) != ADAM,
+               "decoupled_lr": decoupled_lr is not None, "num_experts": bool(getattr(args, "num_experts", None))}
+    for name, held in refused.items():
+        if held:
+            raise UnsupportedOptimizerError(
+                f"{where}: args.optimizer='muon' with args.{name}={quote(getattr(args, name))}: pgconvert maps "
+                "megatron-core 0.19.2's plain Muon optimizer of a dense model (Muon for the 2-dim weights, Adam for "
+                "the embedding, output layer and norms) only; pass --skip-optimizer")
 
 
 def _learning_rate(args: argparse.Namespace, name: str, where: str) -> float | None:
@@ -328,6 +369,20 @@ def _dense_group(spec: TensorSpec, rules: OptimizerRules, coord: RankCoord, chun
     return (1 + decoupled) if _no_weight_decay(spec, rules) else 0
 
 
+def _place(spec: TensorSpec, rules: OptimizerRules, layout: ParallelLayout, coord: RankCoord,
+           chunk: int) -> tuple[int, int]:
+    """(chained optimizer, param group) of a parameter. A Muon run's (megatron-core 0.19.2's
+    ``_is_nonlinear_or_embedding``): a 2-dim weight other than the word embedding and output layer is Muon's,
+    the rest its scalar optimizer Adam's, by weight decay."""
+    if rules.kind == MUON:
+        if len(spec.local_shape) == 2 and not _is_embedding_or_output(spec, coord, chunk):
+            return 0, 0
+        return 1, 1 if _no_weight_decay(spec, rules) else 0
+    if is_expert_parallel(spec, layout):
+        return 1, 1 if _no_weight_decay(spec, rules) else 0
+    return 0, _dense_group(spec, rules, coord, chunk)
+
+
 def _no_weight_decay(spec: TensorSpec, rules: OptimizerRules) -> bool:
     one_dim = len(spec.local_shape) == 1 or spec.local_name.endswith(".bias")
     if rules.apply_wd_to_qk_layernorm:
@@ -347,15 +402,21 @@ def named_parameters(config: ModelConfig, layout: ParallelLayout, coord: RankCoo
     return ordered
 
 
-def optimizer_count(config: ModelConfig, layout: ParallelLayout) -> int:
-    """The optimizers megatron-core chains: the dense one, and the expert one at expert parallel > 1."""
+def optimizer_count(config: ModelConfig, layout: ParallelLayout, rules: OptimizerRules = OptimizerRules()) -> int:
+    """The optimizers megatron-core chains: the dense one, and the expert one at expert parallel > 1; a Muon run's
+    Muon and Adam ones."""
+    if rules.kind == MUON:
+        return 2
     return 2 if config.moe.num_experts and layout.ep > 1 else 1
 
 
 def _group_count(config: ModelConfig, optimizer: int, rules: OptimizerRules) -> int:
     """Groups per optimizer: keys are all-gathered over the world, so a group exists on every rank once any
     rank has a member. Dense: weight decay, the embedding/output parameters with decoupled_lr, and no weight
-    decay (norms). Experts: no weight decay only with their biases (``add_bias_linear``)."""
+    decay (norms). Experts: no weight decay only with their biases (``add_bias_linear``). A Muon run: Muon's one
+    group, then Adam's weight decay (the embedding and output layer) and no weight decay."""
+    if rules.kind == MUON:
+        return 1 if optimizer == 0 else 2
     if optimizer == 0:
         return 3 if rules.decoupled_lr is not None else 2
     return 2 if config.add_bias_linear else 1
@@ -363,13 +424,15 @@ def _group_count(config: ModelConfig, optimizer: int, rules: OptimizerRules) -> 
 
 def group_counts(config: ModelConfig, layout: ParallelLayout, rules: OptimizerRules = OptimizerRules()) -> list[int]:
     """The param groups megatron-core builds for each chained optimizer (dense, then expert-parallel)."""
-    return [_group_count(config, index, rules) for index in range(optimizer_count(config, layout))]
+    return [_group_count(config, index, rules) for index in range(optimizer_count(config, layout, rules))]
 
 
 def group_overrides(rules: OptimizerRules, optimizer: int) -> list[dict[str, float]]:
     """Per param group of chained optimizer ``optimizer``: the override fields megatron-core sets on it
     (``wd_mult`` 0 for no weight decay; ``max_lr``/``min_lr`` for decoupled_lr), ``wd_mult`` 1.0 otherwise."""
     decayed, undecayed = {"wd_mult": 1.0}, {"wd_mult": 0.0}
+    if rules.kind == MUON and optimizer == 0:
+        return [decayed]
     if optimizer != 0 or rules.decoupled_lr is None:
         return [decayed, undecayed]
     decoupled = {"wd_mult": 1.0, "max_lr": rules.decoupled_lr}
@@ -385,14 +448,12 @@ def chained_slots(config: ModelConfig, layout: ParallelLayout, coord: RankCoord,
     decay), each a list of slots in ``params`` order; positions count across one optimizer's groups as its
     ``state`` does."""
     check_supported(config, f"layout {layout.describe()}")
-    count = optimizer_count(config, layout)
+    count = optimizer_count(config, layout, rules)
     members: list[list[list[tuple[int, TensorSpec]]]] = [
         [[] for _ in range(_group_count(config, index, rules))] for index in range(count)]
     for chunk, spec in named_parameters(config, layout, coord, padded_vocab_size):
-        if is_expert_parallel(spec, layout):
-            members[1][1 if _no_weight_decay(spec, rules) else 0].append((chunk, spec))
-        else:
-            members[0][_dense_group(spec, rules, coord, chunk)].append((chunk, spec))
+        optimizer, group = _place(spec, rules, layout, coord, chunk)
+        members[optimizer][group].append((chunk, spec))
     chained: list[list[list[OptimizerSlot]]] = []
     for optimizer, groups in enumerate(members):
         position, built = 0, []

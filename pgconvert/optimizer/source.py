@@ -18,13 +18,16 @@ from pgconvert.formats.stream import apply_finite_policy, nonfinite_text
 from pgconvert.model.config import ModelConfig
 from pgconvert.model.layout import ParallelLayout
 from pgconvert.model.rules import ReplicaMismatchError, ShardRule, bitwise_equal
-from pgconvert.optimizer.order import MEGATRON_CORE_VERSIONS, OptimizerLayoutError, OptimizerRules, OptimizerSlot
+from pgconvert.optimizer.order import (ADAM_FIELDS, MEGATRON_CORE_VERSIONS, OptimizerLayoutError, OptimizerRules,
+                                       OptimizerSlot)
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
-# The per-parameter fields: the fp32 master weight and Adam's moments.
-FIELDS = ("param", *MOMENTS)
+# The per-parameter fields of an Adam optimizer: the fp32 master weight and Adam's moments (a Muon run's Muon
+# parameters: ``order.MUON_FIELDS``, ``OptimizerSource.fields``).
+FIELDS = ADAM_FIELDS
 # Each field as messages name it.
-FIELD_NAMES = {"param": "fp32 param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
+FIELD_NAMES = {"param": "fp32 param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq",
+               "momentum_buffer": "momentum_buffer"}
 # The forms of megatron-core's optimizer state: FP32Optimizer (fp32 training; the master is the model weight),
 # Float16OptimizerWithFloat16Params (bf16/fp16 training, fp32 masters beside), DistributedOptimizer.
 FORM_FP32 = "fp32"
@@ -140,6 +143,15 @@ class OptimizerSource:
         """The chained optimizer (0: dense, 1: expert-parallel) that holds ``name``."""
         return self._owners[name][0][1].optimizer
 
+    def fields(self, name: str) -> tuple[str, ...]:
+        """The per-parameter fields of ``name``'s state: the fp32 master and Adam's moments, or a Muon parameter's
+        momentum buffer (``OptimizerRules.fields``)."""
+        return self.rules.fields(self.optimizer_of(name))
+
+    def stepped(self, name: str) -> bool:
+        """Whether ``name``'s optimizer counts steps (Adam; Muon keeps none)."""
+        return "exp_avg" in self.fields(name)
+
     def rule(self, name: str) -> ShardRule:
         """The ShardRule the source's pieces of ``name`` were cut with."""
         return self._owners[name][0][1].spec.rule
@@ -193,10 +205,11 @@ class OptimizerSource:
         return tensor
 
     def parameter(self, name: str) -> dict[str, torch.Tensor]:
-        """The whole (source-padded) fp32 master, both moments and the step of ``name``, their values checked, and
+        """The whole (source-padded) fp32 master, both moments (or Muon's momentum buffer) and the step (Adam's) of
+        ``name``, their values checked, and
         every other stored copy of them (``_replica_pieces``) equal to them, bit for bit."""
         merged = self._parameter(name)
-        for key in FIELDS:
+        for key in self.fields(name):
             self._finite(name, key, merged[key])
             for where, pieces in self._replica_pieces(name, key):
                 try:
@@ -225,12 +238,13 @@ class OptimizerSource:
     def _parameter(self, name: str) -> dict[str, torch.Tensor]:
         rule = self.rule(name)
         merged = {}
-        for key in FIELDS:
+        for key in self.fields(name):
             try:
                 merged[key] = rule.merge(self._pieces(name, key)).clone()
             except ReplicaMismatchError as error:
                 raise self._replicas_differ(name, key, error) from error
-        merged["step"] = self.step(name)
+        if self.stepped(name):
+            merged["step"] = self.step(name)
         return merged
 
     def _piece(self, name: str, key: str, size: int, rank: int, rows: int | None,

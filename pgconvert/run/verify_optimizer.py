@@ -40,7 +40,7 @@ from pgconvert.io.limits import quote
 from pgconvert.model.provider import VOCAB_TABLES
 from pgconvert.optimizer.checks import open_checked
 from pgconvert.optimizer.scaler import GRAD_SCALER, target_scalers
-from pgconvert.optimizer.source import CARRIED_KEYS, COUNTERS, FIELDS, OptimizerSource, optimizer_label
+from pgconvert.optimizer.source import CARRIED_KEYS, COUNTERS, OptimizerSource, optimizer_label
 from pgconvert.run.comparison import DifferenceKind, TensorDifference, compare_values
 
 
@@ -145,12 +145,17 @@ def _compare_parameter(name: str, optimizer_a: OptimizerSource, optimizer_b: Opt
     except PgconvertError as error:
         report.add(name, "", "unreadable", str(error))
         return
-    for key in FIELDS:
+    fields_a, fields_b = optimizer_a.fields(name), optimizer_b.fields(name)
+    if fields_a != fields_b:  # one side's Muon parameter, the other's Adam one
+        report.add(name, "fields", "config", f"state {', '.join(fields_a)} in A, {', '.join(fields_b)} in B")
+        return
+    for key in fields_a:
         _compare_field(name, key, state_a[key], state_b[key], rtol, atol,
                        vocab if name in VOCAB_TABLES else None, report)
-    step_a, step_b = float(state_a["step"]), float(state_b["step"])
-    if step_a != step_b and not (math.isnan(step_a) and math.isnan(step_b)):
-        report.add(name, "step", "values", f"step {step_a:g} in A, {step_b:g} in B")
+    if "step" in state_a:
+        step_a, step_b = float(state_a["step"]), float(state_b["step"])
+        if step_a != step_b and not (math.isnan(step_a) and math.isnan(step_b)):
+            report.add(name, "step", "values", f"step {step_a:g} in A, {step_b:g} in B")
     group_a, group_b = optimizer_a.group_of(name), optimizer_b.group_of(name)
     if group_a != group_b:
         report.add(name, "group", "config", f"param group {group_a} in A, {group_b} in B")

@@ -104,7 +104,7 @@ def planned_records(source: CanonicalSource, optimizer: OptimizerSource, form: s
     what = f"optimizer records ({optimizer.form}, {form}; common state and .metadata updated)"
     limit = options.max_shard_size or DEFAULT_MAX_DATA_FILE_SIZE
     if form in (PLAIN, FULLY_RESHARDABLE, FS_MODEL_SPACE):
-        chunks = plain_chunks(optimizer.form, set(optimizer.names()), model_chunks) if form == PLAIN \
+        chunks = plain_chunks(optimizer, model_chunks) if form == PLAIN \
             else optimizer_chunks(optimizer, model_chunks)
         files = records_files(directory, {(chunk.key, tuple(chunk.offsets)): chunk.nbytes for _, chunk in chunks},
                               chunk_numbers(chunks, limit))

@@ -24,21 +24,27 @@ from pgconvert.savers.torch_dist.common_state import rewrite_common
 from pgconvert.savers.torch_dist.optimizer_records import RecordsShare, carry_counters, per_field, write_chunk_records
 
 
-def plain_chunks(form: str, names: set[str], model_chunks: list[Any]) -> list[tuple[str, Any]]:
-    """The records of the plain ``form``: (field, chunk) per model chunk of a parameter and stored field
-    (``per_field``), fp32."""
-    stored = {field: name for field, name in PLAIN_FIELDS[form].items() if name}
+def plain_chunks(optimizer: OptimizerSource, model_chunks: list[Any]) -> list[tuple[str, Any]]:
+    """The records of ``optimizer`` in its plain form: (field, chunk) per model chunk of a parameter and stored
+    field (``per_field``: a parameter's own fields, Muon's or Adam's), fp32."""
+    stored = {field: name for field, name in PLAIN_FIELDS[optimizer.form].items() if name}
+
+    def fields(name: str) -> list[str]:
+        return [field for field in optimizer.fields(name) if field in stored]
+
     return [(field, dataclasses.replace(chunk, key=state_key(stored[field], chunk.key), dtype=torch.float32))
-            for field, chunk in per_field(model_chunks, names, list(stored))]
+            for field, chunk in per_field(model_chunks, set(optimizer.names()), fields)]
 
 
 def _common_entry(optimizer: OptimizerSource, group_counts: list[int]) -> dict[Any, Any]:
-    """The common state's ``optimizer``: one plain entry per chained optimizer (``{0: dense, 1: expert}`` when
-    ``group_counts`` has two)."""
+    """The common state's ``optimizer``: one plain entry per chained optimizer (``{0: dense, 1: expert}``, or a
+    Muon run's ``{0: Muon, 1: Adam}``, when ``group_counts`` has two); Muon's counts no step."""
     entries: list[dict[str, Any]] = []
+    step = optimizer.step(next(name for name in optimizer.names() if optimizer.stepped(name))).clone()
     for index, count in enumerate(group_counts):
-        step = optimizer.step(optimizer.names()[0]).clone()
-        torch_state = {"state": {"common_step": step}, "param_groups": optimizer.param_group_settings(index, count)}
+        torch_state: dict[str, Any] = {"param_groups": optimizer.param_group_settings(index, count)}
+        if "exp_avg" in optimizer.rules.fields(index):
+            torch_state["state"] = {"common_step": step.clone()}
         entries.append(torch_state if optimizer.form == FORM_FP32 else {"optimizer": torch_state})
     if optimizer.form != FORM_FP32:
         set_scalers(entries, target_scalers(optimizer, len(entries)))  # its grad scaler (fp16)
@@ -50,7 +56,7 @@ def write_plain(optimizer: OptimizerSource, model_chunks: list[Any], rows: int, 
     """Write the plain optimizer's records beside the model's (``model_chunks``: the torch_dist saver's; ``share``:
     which) and its entry in the common state (``group_counts``: the target's param groups per chained optimizer);
     returns the files added."""
-    chunks = plain_chunks(optimizer.form, set(optimizer.names()), model_chunks)
+    chunks = plain_chunks(optimizer, model_chunks)
     added = write_chunk_records(optimizer, chunks, rows, fits_rows, iteration_dir, share)
     if not share.shared:
         return added

@@ -165,14 +165,16 @@ def _add_common(optimizer: OptimizerSource, iteration_dir: Path, group_counts: l
     rewrite_common(iteration_dir, update)
 
 
-def per_field(model_chunks: list[Any], names: set[str], fields: Sequence[str]) -> list[tuple[str, Any]]:
+def per_field(model_chunks: list[Any], names: set[str],
+              fields: Sequence[str] | Callable[[str], Sequence[str]]) -> list[tuple[str, Any]]:
     """(field, model chunk) of every chunk of the tensors ``names``, a tensor's chunks field by field (the gate and up
-    halves of a SwiGLU fc1 one after the other), so that each field of a parameter is cut from the source once."""
+    halves of a SwiGLU fc1 one after the other), so that each field of a parameter is cut from the source once;
+    ``fields``: the same for every tensor, or each tensor's (a Muon run's: ``OptimizerSource.fields``)."""
     pairs: list[tuple[str, Any]] = []
     held = (chunk for chunk in model_chunks if chunk.canonical in names)
-    for _, run in itertools.groupby(held, key=lambda chunk: chunk.canonical):
+    for name, run in itertools.groupby(held, key=lambda chunk: chunk.canonical):
         members = list(run)
-        pairs += [(field, chunk) for field in fields for chunk in members]
+        pairs += [(field, chunk) for field in (fields(name) if callable(fields) else fields) for chunk in members]
     return pairs
 
 

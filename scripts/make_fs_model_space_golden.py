@@ -237,6 +237,19 @@ def _compare_pgconvert(work: Path, world: int, args: Any = None) -> None:
     print(f"pgconvert's export equals megatron-core's state: {len(exported)} parameters, {world} ranks", flush=True)
 
 
+def place_save(work: Path, target: Path, golden: Path, check: bool) -> None:
+    """After the saving ranks: with ``check`` the committed ``golden`` takes the place of their save under
+    ``work/target`` (what the reload and comparisons then read); else their save becomes ``target``, a checkpoint
+    root."""
+    if check:
+        shutil.rmtree(work / "target")
+        shutil.copytree(golden, work / "target")
+        return
+    shutil.rmtree(target, ignore_errors=True)
+    shutil.copytree(work / "target", target)
+    (target / "latest_checkpointed_iteration.txt").write_text(str(int(ITERATION.split("_")[1])))
+
+
 def _load_other(directory: Path, dp: int) -> None:
     """``load DIR DP``: megatron-core 0.15.0 loads DIR; its state is compared with the golden's export."""
     from support.gloo_ranks import run_ranks
@@ -261,19 +274,10 @@ def main(argv: list[str]) -> None:
     world = common["args"].tensor_model_parallel_size * common["args"].pipeline_model_parallel_size * DP
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        if "check" not in argv:
-            _source_copy(common, work)
-            (work / "target" / ITERATION).mkdir(parents=True)
-            run_ranks(_rank, world, common, work, "save", where="save")
-            shutil.rmtree(TARGET, ignore_errors=True)
-            shutil.copytree(work / "target", TARGET)
-            (TARGET / "latest_checkpointed_iteration.txt").write_text("2")
-        else:
-            _source_copy(common, work)
-            (work / "target" / ITERATION).mkdir(parents=True)
-            run_ranks(_rank, world, common, work, "save", where="reference")  # the source's state, as loaded
-            shutil.rmtree(work / "target")
-            shutil.copytree(TARGET, work / "target")
+        _source_copy(common, work)
+        (work / "target" / ITERATION).mkdir(parents=True)
+        run_ranks(_rank, world, common, work, "save", where="save")  # with check: the source's state, as loaded
+        place_save(work, TARGET, TARGET, "check" in argv)
         run_ranks(_rank, world, common, work, "reload", where="reload")
         _compare_reloaded(work, world)
         _compare_pgconvert(work, world)

@@ -208,8 +208,6 @@ def _load_other(directory: Path, dp: int, ep: int) -> None:
 
 
 def main(argv: list[str]) -> None:
-    import shutil
-
     import make_fs_model_space_golden as dense
     from support.gloo_ranks import run_ranks
 
@@ -222,13 +220,7 @@ def main(argv: list[str]) -> None:
         work = Path(tmp)
         (work / "target" / ITERATION).mkdir(parents=True)
         run_ranks(_rank, TP * DP, common, work, "save", where="save")
-        if "check" in argv:
-            shutil.rmtree(work / "target")
-            shutil.copytree(TARGET, work / "target")
-        else:
-            shutil.rmtree(target, ignore_errors=True)
-            shutil.copytree(work / "target", target)
-            (target / "latest_checkpointed_iteration.txt").write_text("2")
+        dense.place_save(work, target, TARGET, "check" in argv)
         run_ranks(_rank, TP * DP, common, work, "reload", where="reload")
         dense._compare_reloaded(work, TP * DP)
         dense.TARGET = target

@@ -211,8 +211,7 @@ def _compare_pgconvert(work: Path, world: int, args: Any) -> None:
 
 
 def main(argv: list[str]) -> None:
-    import shutil
-
+    import make_fs_model_space_golden as dense
     from support.gloo_ranks import run_ranks
 
     if argv[:1] == ["load"]:
@@ -227,13 +226,7 @@ def main(argv: list[str]) -> None:
         work = Path(tmp)
         (work / "target" / ITERATION).mkdir(parents=True)
         run_ranks(_rank, TP, common, work, "save", where="save")
-        if "check" in argv:
-            shutil.rmtree(work / "target")
-            shutil.copytree(TARGET, work / "target")
-        else:
-            shutil.rmtree(TARGET, ignore_errors=True)
-            shutil.copytree(work / "target", TARGET)
-            (TARGET / "latest_checkpointed_iteration.txt").write_text("2")
+        dense.place_save(work, TARGET, TARGET, "check" in argv)
         run_ranks(_rank, TP, common, work, "reload", where="reload")
         _compare_reloaded(work, TP)
         _compare_pgconvert(work, TP, common["args"])

@@ -16,8 +16,8 @@ import torch
 
 import pgconvert
 from support.checkpoint_compare import read_common
-from support.optimizer_cli import (as_megatron_core_0_13_names, assert_same_parameters, chained_name, dcp_read,
-                                  export_optimizer, run_cli)
+from support.optimizer_cli import (as_megatron_core_0_13_names, assert_same_parameters, chained_name, convert_strict,
+                                  dcp_read, export_optimizer, run_cli)
 from support.optimizer_faults import copy_checkpoint
 from support.torch_dist_forms import FOR_MCORE_016_CLI
 from pgconvert.formats.torch_dist import read_dcp_metadata
@@ -38,12 +38,6 @@ STORED_NORMS = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, torch.Tensor]]:
     return export_optimizer(GOLDEN, tmp_path_factory.mktemp("export"))
-
-
-def _convert(src: Path, dst: Path, *flags: str) -> Path:
-    result = run_cli("convert", src, dst, "-q", "--strict", *flags)
-    assert result.exit_code == 0, result.output
-    return dst
 
 
 def _stored(name: str) -> tuple[str, int | None]:
@@ -92,21 +86,21 @@ def test_every_master_read_rounds_to_the_weight_megatron_core_stored(
 
 def test_the_records_come_back_bit_exact_through_other_layouts_and_forms(
         tmp_path: Path, exported: dict[str, dict[str, torch.Tensor]]) -> None:
-    per_rank = _convert(GOLDEN, tmp_path / "per_rank", "--dst-format", "megatron", "--dst-tp", "2", "--dst-ep", "4")
+    per_rank = convert_strict(GOLDEN, tmp_path / "per_rank", "--dst-format", "megatron", "--dst-tp", "2", "--dst-ep", "4")
     assert len(list(per_rank.rglob("distrib_optim.pt"))) == 8
-    dp = _convert(per_rank, tmp_path / "dp", "--dst-format", "torch_dist", "--dst-tp", "2", "--dst-ep", "1",
+    dp = convert_strict(per_rank, tmp_path / "dp", "--dst-format", "torch_dist", "--dst-tp", "2", "--dst-ep", "1",
                   "--dst-optim-form", "dp_reshardable", "--dst-dp", "2", *FOR_MCORE_016_CLI)
     # at EP1 megatron-core builds one optimizer, not two chained: the state is unchained, then chained again
     assert read_common(dp / ITER)["optimizer"]["param_state_sharding_type"] == "dp_reshardable"
-    back = _convert(dp, tmp_path / "back", *FS_MODEL_SPACE, *GOLDEN_LAYOUT)
+    back = convert_strict(dp, tmp_path / "back", *FS_MODEL_SPACE, *GOLDEN_LAYOUT)
     assert_same_parameters(export_optimizer(back, tmp_path / "export"), exported, PARAMETERS)
     _assert_same_as_golden(back)
 
 
 def test_fully_reshardable_at_tp2_and_back(tmp_path: Path) -> None:
-    fully = _convert(GOLDEN, tmp_path / "fully", "--dst-format", "torch_dist", "--dst-tp", "2", "--dst-ep", "4",
+    fully = convert_strict(GOLDEN, tmp_path / "fully", "--dst-format", "torch_dist", "--dst-tp", "2", "--dst-ep", "4",
                      "--dst-optim-form", "fully_reshardable", *FOR_MCORE_016_CLI)
-    back = _convert(fully, tmp_path / "back", *FS_MODEL_SPACE, *GOLDEN_LAYOUT)
+    back = convert_strict(fully, tmp_path / "back", *FS_MODEL_SPACE, *GOLDEN_LAYOUT)
     _assert_same_as_golden(back)
     result = pgconvert.verify(GOLDEN, fully)
     assert result.equal and result.optimizer is not None, result.differences[:5]
@@ -141,7 +135,7 @@ def test_megatron_core_0_13s_prefixed_records_are_read(tmp_path: Path,
     as_megatron_core_0_13_names(src / ITER)
     assert all(key.startswith("chained_") for key in _records(src / ITER))
     assert_same_parameters(export_optimizer(src, tmp_path / "export"), exported, PARAMETERS)
-    _assert_same_as_golden(_convert(src, tmp_path / "again", *FS_MODEL_SPACE, *GOLDEN_LAYOUT))
+    _assert_same_as_golden(convert_strict(src, tmp_path / "again", *FS_MODEL_SPACE, *GOLDEN_LAYOUT))
 
 
 def test_a_dry_run_lists_the_expert_records(tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ import torch
 import pgconvert
 from support.checkpoint_compare import read_common
 from support.cli_helpers import assert_clean_refusal
-from support.optimizer_cli import dcp_read, export_optimizer, run_cli
+from support.optimizer_cli import convert_strict, dcp_read, export_optimizer, run_cli
 from support.optimizer_faults import edit_common
 from support.torch_dist_forms import FOR_MCORE_016_CLI
 from pgconvert.formats.torch_dist import read_dcp_metadata
@@ -31,12 +31,6 @@ ADAM_KEYS = {"param", "exp_avg", "exp_avg_sq", "step"}
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, torch.Tensor]]:
     return export_optimizer(GOLDEN, tmp_path_factory.mktemp("export"))
-
-
-def _convert(src: Path, dst: Path, *flags: str) -> Path:
-    result = run_cli("convert", src, dst, "-q", "--strict", *flags)
-    assert result.exit_code == 0, result.output
-    return dst
 
 
 def _records(iteration_dir: Path) -> dict[str, torch.Tensor]:
@@ -74,9 +68,9 @@ def test_each_parameter_is_read_with_its_own_optimizers_state(exported: dict[str
 
 
 def test_other_layouts_give_megatron_cores_records_back_bit_for_bit(tmp_path: Path) -> None:
-    tp1 = _convert(GOLDEN, tmp_path / "tp1", "--dst-format", "torch_dist", "--dst-tp", "1", *FOR_MCORE_016_CLI)
-    pp2 = _convert(tp1, tmp_path / "pp2", "--dst-format", "torch_dist", "--dst-pp", "2")
-    back = _convert(pp2, tmp_path / "back", "--dst-format", "torch_dist", "--dst-tp", "2", "--dst-pp", "1")
+    tp1 = convert_strict(GOLDEN, tmp_path / "tp1", "--dst-format", "torch_dist", "--dst-tp", "1", *FOR_MCORE_016_CLI)
+    pp2 = convert_strict(tp1, tmp_path / "pp2", "--dst-format", "torch_dist", "--dst-pp", "2")
+    back = convert_strict(pp2, tmp_path / "back", "--dst-format", "torch_dist", "--dst-tp", "2", "--dst-pp", "1")
     golden, again = _records(GOLDEN / ITER), _records(back / ITER)
     assert set(golden) == set(again) and len(golden) == 32
     for key, tensor in golden.items():
@@ -103,7 +97,7 @@ def test_a_destination_that_writes_adam_only_names_the_muon_state(tmp_path: Path
 @pytest.mark.parametrize("setting", [{"use_layer_wise_distributed_optimizer": True},
                                      {"muon_scalar_optimizer": "lion"}])
 def test_a_muon_run_whose_layout_is_not_mapped_is_named(setting: dict[str, object], tmp_path: Path) -> None:
-    src = _convert(GOLDEN, tmp_path / "src", "--dst-format", "torch_dist", *FOR_MCORE_016_CLI)
+    src = convert_strict(GOLDEN, tmp_path / "src", "--dst-format", "torch_dist", *FOR_MCORE_016_CLI)
     edit_common(src / ITER, lambda common: vars(common["args"]).update(setting))
     (name,) = setting
     assert_clean_refusal(run_cli("export-optimizer", src, tmp_path / "export"), 2, "args.optimizer='muon'",

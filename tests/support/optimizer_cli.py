@@ -25,6 +25,13 @@ def run_cli(*args: str | Path) -> Result:
     return CliRunner().invoke(main, [str(arg) for arg in args], prog_name="pgconvert")
 
 
+def convert_strict(src: Path, dst: Path, *flags: str) -> Path:
+    """``pgconvert convert SRC DST -q --strict FLAGS``, which must succeed; returns ``dst``."""
+    result = run_cli("convert", src, dst, "-q", "--strict", *flags)
+    assert result.exit_code == 0, result.output
+    return dst
+
+
 def export_optimizer(src: Path, out: Path) -> dict[str, dict[str, torch.Tensor]]:
     """``export-optimizer SRC OUT``: each parameter's exported tensors by file stem."""
     result = run_cli("export-optimizer", src, out)

@@ -81,6 +81,8 @@ def test_other_layouts_give_megatron_cores_records_back_bit_for_bit(tmp_path: Pa
     assert torch.equal(written[1]["optimizer"]["state"]["common_step"], expected[1]["optimizer"]["state"]["common_step"])
     result = pgconvert.verify(GOLDEN, pp2)
     assert result.equal and result.optimizer is not None, result.differences[:5]
+    inspected = run_cli("inspect", GOLDEN)
+    assert "muon and adam, float16, plain: 15 parameters checked" in inspected.output, inspected.output
 
 
 def test_a_destination_that_writes_adam_only_names_the_muon_state(tmp_path: Path) -> None:

@@ -111,6 +111,10 @@ def _grouped_experts(args: argparse.Namespace) -> bool:
     return _experts(args) and bool(_given(args, "moe_grouped_gemm"))
 
 
+def _muon(args: argparse.Namespace) -> bool:
+    return _given(args, "optimizer") == "muon"
+
+
 def _mla_yarn(args: argparse.Namespace) -> bool:
     return uses_yarn(args) and _mla(args) and _given(args, "position_embedding_type") != "yarn"
 
@@ -352,6 +356,10 @@ _RUN_ROWS: tuple[ArgField, ...] = (
     _defaulted("overlap_param_gather_with_optimizer_step", False, _OPTIMIZER,
                when=lambda args: bool(_given(args, "overlap_grad_reduce"))),
     _defaulted("ddp_pad_buckets_for_high_nccl_busbw", False, _OPTIMIZER),
+    _defaulted("optimizer", "adam", f"{_OPTIMIZER}, optimizer.checks (Adam's state, or torch_dist's plain Muon)"),
+    _defaulted("use_layer_wise_distributed_optimizer", False, "optimizer.checks (refused: not mapped)",
+               origin="Megatron-LM's validate_args"),
+    _defaulted("muon_scalar_optimizer", "adam", f"{_OPTIMIZER} (another is refused)", when=_muon),
     _optional("decoupled_lr", "None", "no embedding/output param group (a value: its max_lr)", _OPTIMIZER),
     _optional("decoupled_min_lr", "None", "that group's min_lr is min_lr (a value: its min_lr)", _OPTIMIZER),
     _defaulted("apply_wd_to_qk_layernorm", False, _OPTIMIZER),

@@ -83,6 +83,10 @@ def _cases() -> dict[str, Callable[[], argparse.Namespace]]:
         "distributed optimizer": lambda: _args(ModelConfig(**_DENSE), tp2, torch.bfloat16, overlap_grad_reduce=True,
                                                use_distributed_optimizer=True, context_parallel_size=2, world_size=8,
                                                data_parallel_size=2, accumulate_allreduce_grads_in_fp32=True),
+        # Megatron-LM's --optimizer muon without the distributed optimizer (as validate_args records it)
+        "plain Muon": lambda: _args(ModelConfig(**_DENSE), tp2, torch.bfloat16, optimizer="muon",
+                                    muon_scalar_optimizer="adam", use_layer_wise_distributed_optimizer=False,
+                                    use_distributed_optimizer=False),
         "hybrid Mamba (Nemotron-H)": lambda: _args(ModelConfig(
             **{**_DENSE, "num_layers": 4}, hybrid_override_pattern="M*M-", mamba_num_heads=8, mamba_head_dim=16,
             mamba_num_groups=2, mamba_state_dim=8, position_embedding_type="none", gated_linear_unit=False,

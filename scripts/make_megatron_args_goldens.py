@@ -103,6 +103,7 @@ FLAG_VALUES: dict[str, str] = {
     "v_head_dim": "32", "attention_dropout": "0.0", "hidden_dropout": "0.0", "softmax_type": "learnable",
     "glu_linear_offset": "1.0", "activation_func_clamp_value": "7.0", "context_parallel_size": "2",
     "ddp_bucket_size": "1000000", "ddp_num_buckets": "2", "decoupled_lr": "0.001", "decoupled_min_lr": "0.0001",
+    "optimizer": "sgd", "muon_scalar_optimizer": "adam",
     "seq_length": "32", "hybrid_override_pattern": "M*M-", "mamba_state_dim": "16", "mamba_head_dim": "32",
     "mamba_num_groups": "2", "mamba_num_heads": "4", "experimental_attention_variant": "gated_delta_net",
     "linear_attention_freq": "4", "linear_conv_kernel_dim": "3", "linear_key_head_dim": "32",

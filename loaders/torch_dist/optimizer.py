@@ -98,7 +98,7 @@ class TorchDistOptimizerSource(OptimizerSource):
         self.args = args
         self._owners = self._index_slots()
         chained = self._chained = self._chained_groups(common, where)
-        stepped = ["exp_avg" in self.rules.fields(index) for index in range(len(chained))]
+        stepped = [self.rules.stepped(index) for index in range(len(chained))]
         self._step = plain_step(common["optimizer"], plain, where, stepped) if plain else \
             _one_step([group for groups in chained for group in groups], where)
         extra = {key: common[key] for key in (*CARRIED_KEYS, "iteration", "args") if key in common}

@@ -112,7 +112,8 @@ def chain_prefixes(count: int, prefixed: bool) -> list[str]:
     return [f"chained_{index}." for index in range(count)] if count > 1 and prefixed else [""] * count
 
 
-def common_entry(groups: list[list[dict[str, Any]]]) -> dict[Any, Any]:
-    """The common state's ``optimizer`` for these chained optimizers' param groups (with ``step``)."""
-    entries = [{"optimizer": {"param_groups": own}, "param_state_sharding_type": FULLY_RESHARDABLE} for own in groups]
+def common_entry(groups: list[list[dict[str, Any]]], form: str = FULLY_RESHARDABLE) -> dict[Any, Any]:
+    """The common state's ``optimizer`` for these chained optimizers' param groups (with ``step``), each entry
+    naming ``form`` (one of the model-space forms)."""
+    entries = [{"optimizer": {"param_groups": own}, "param_state_sharding_type": form} for own in groups]
     return entries[0] if len(entries) == 1 else dict(enumerate(entries))

@@ -229,6 +229,10 @@ class OptimizerRules:
         two) or Adam's."""
         return MUON_FIELDS if self.kind == MUON and optimizer == 0 else ADAM_FIELDS
 
+    def stepped(self, optimizer: int) -> bool:
+        """Whether chained optimizer ``optimizer`` counts steps (Adam; Muon keeps none)."""
+        return "exp_avg" in self.fields(optimizer)
+
 
 def _refuse_muon_variants(args: argparse.Namespace, decoupled_lr: float | None, where: str) -> None:
     """The Muon runs whose optimizer layout is not mapped, refused by name: the layer-wise distributed optimizer,

@@ -149,8 +149,8 @@ class OptimizerSource:
         return self.rules.fields(self.optimizer_of(name))
 
     def stepped(self, name: str) -> bool:
-        """Whether ``name``'s optimizer counts steps (Adam; Muon keeps none)."""
-        return "exp_avg" in self.fields(name)
+        """Whether ``name``'s optimizer counts steps (``OptimizerRules.stepped``)."""
+        return self.rules.stepped(self.optimizer_of(name))
 
     def rule(self, name: str) -> ShardRule:
         """The ShardRule the source's pieces of ``name`` were cut with."""

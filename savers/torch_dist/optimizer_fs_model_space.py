@@ -76,9 +76,7 @@ def _add_common(optimizer: OptimizerSource, iteration_dir: Path, group_counts: l
               for index, count in enumerate(group_counts)]
 
     def update(common: dict[str, Any]) -> None:
-        common["optimizer"] = common_entry(groups)
-        for entry in chained_entries(common["optimizer"]):
-            entry["param_state_sharding_type"] = FS_MODEL_SPACE
+        common["optimizer"] = common_entry(groups, FS_MODEL_SPACE)
         # DistributedOptimizer.state_dict's grad_scaler stays plain common state in this form, as in fully_reshardable
         set_scalers(chained_entries(common["optimizer"]), target_scalers(optimizer, len(groups)))
         carry_counters(optimizer, common)

@@ -43,7 +43,7 @@ def _common_entry(optimizer: OptimizerSource, group_counts: list[int]) -> dict[A
     step = optimizer.step(next(name for name in optimizer.names() if optimizer.stepped(name))).clone()
     for index, count in enumerate(group_counts):
         torch_state: dict[str, Any] = {"param_groups": optimizer.param_group_settings(index, count)}
-        if "exp_avg" in optimizer.rules.fields(index):
+        if optimizer.rules.stepped(index):
             torch_state["state"] = {"common_step": step.clone()}
         entries.append(torch_state if optimizer.form == FORM_FP32 else {"optimizer": torch_state})
     if optimizer.form != FORM_FP32:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy
 import torch
 
 from pgconvert.io import sizes
@@ -97,9 +98,11 @@ _NONFINITE_BITS: dict[torch.dtype, tuple[torch.dtype, int, int]] = {
 def all_finite(tensor: torch.Tensor) -> bool:
     """No NaN or Inf among a floating tensor's values, decided on the bits: a chunk at a time, the sign
     bit masked off into a cache-sized scratch and its maximum compared with the exponent's all-ones
-    pattern (two integer passes, no float conversion, no tensor-sized mask). A float type without an
-    entry in ``_NONFINITE_BITS`` is widened to float32 a chunk at a time."""
-    flat = tensor.reshape(-1)
+    pattern (two integer passes, no float conversion, no tensor-sized mask). The passes run in numpy, on the
+    calling thread: torch would hand each chunk to its intra-op thread pool, whose threads spin between the
+    thousands of small regions while the other cores read and write. A float type without an entry in
+    ``_NONFINITE_BITS`` is widened to float32 a chunk at a time."""
+    flat = tensor.detach().reshape(-1)
     if flat.numel() == 0:
         return True
     known = _NONFINITE_BITS.get(tensor.dtype)
@@ -107,12 +110,12 @@ def all_finite(tensor: torch.Tensor) -> bool:
         return all(bool(torch.isfinite(flat[start:start + FINITE_CHECK_CHUNK].float()).all())
                    for start in range(0, flat.numel(), FINITE_CHECK_CHUNK))
     bits, mask, least = known
-    values = flat.view(bits)
-    scratch = torch.empty(min(values.numel(), FINITE_CHECK_CHUNK), dtype=bits)
-    for start in range(0, values.numel(), FINITE_CHECK_CHUNK):
+    values = flat.view(bits).numpy()
+    scratch = numpy.empty(min(values.size, FINITE_CHECK_CHUNK), dtype=values.dtype)
+    for start in range(0, values.size, FINITE_CHECK_CHUNK):
         chunk = values[start:start + FINITE_CHECK_CHUNK]
-        masked = scratch[:chunk.numel()]
-        torch.bitwise_and(chunk, mask, out=masked)
+        masked = scratch[:chunk.size]
+        numpy.bitwise_and(chunk, mask, out=masked)
         if int(masked.max()) >= least:
             return False
     return True
@@ -332,6 +335,11 @@ class CanonicalSource:
         """Whether the checkpoint has an integrity manifest of its files (torch_dist's ``integrity.json``), and
         each listed file that is missing or does not have the digest it records."""
         return False, []
+
+    def has_integrity_manifest(self) -> bool:
+        """Whether the checkpoint has an integrity manifest of its files (cheap: whether it is there): its run
+        verifies one on load, so a torch_dist destination writes one too."""
+        return False
 
     def holds_training_state(self) -> bool:
         """Whether the checkpoint holds training state a resumed run reads besides the model (optimizer,

@@ -310,10 +310,12 @@ def conversion_plan(src: Path, workdir: Path, workers: int, threads: int = 1) ->
         plan.append(("TP8 -> torch_dist", ["--dst-format", "torch_dist", str(src)], workdir / "dist", 1))
         plan.append(("torch_dist -> TP2", ["--dst-format", "megatron", "--dst-tp", "2", str(workdir / "dist")],
                      workdir / "dist_tp2", 1))
-        # The same output with common.pt instead of the store's common state and integrity.json, whose sha256 of
-        # every data file megatron-core 0.19's form requires (about 0.6 CPU-seconds per GiB).
+        # The same output with common.pt instead of the store's common state, and with the integrity.json whose
+        # sha256 of every data file Megatron-LM's --verify-integrity requires (about 0.6 CPU-seconds per GiB).
         plan.append(("TP8 -> torch_dist legacy", ["--dst-format", "torch_dist", "--dst-torch-dist-common", "legacy",
                                                   str(src)], workdir / "dist_legacy", 1))
+        plan.append(("TP8 -> torch_dist sha256", ["--dst-format", "torch_dist", "--digest", "sha256", str(src)],
+                     workdir / "dist_sha256", 1))
     plan += optimizer_plan(workdir)
     # The same conversions with the manifest's sha256 off (``--digest none``: sizes only).
     plan += [(f"{name} digest none", [*args[:-1], *NO_DIGEST, args[-1]], dst.with_name(dst.name + "_nodigest"), 1)

@@ -40,9 +40,10 @@ parameters) converted to other layouts and formats; `HF-FP8` cases read a copy o
 output with every linear weight FP8 block-scaled as DeepSeek-V3 stores it; `HF-FP8(DeepSeek)` cases
 read a DeepSeek-V3-shaped FP8 checkpoint (`benchmarks/deepseek_fp8.py`, sized by `--scale`); `opt`
 cases convert a Megatron-LM distributed-optimizer run (`--optim-scale`) with its optimizer state, and
-`skip` ones the same with `--skip-optimizer`. `TP8 -> torch_dist` writes megatron-core 0.19's form, whose
-`integrity.json` needs a sha256 of every data file (about 0.6 CPU-seconds per GiB, what megatron-core's own save
-pays); `legacy` writes `common.pt` instead and hashes with `--digest`'s XXH3. The shape-only cases plan and
+`skip` ones the same with `--skip-optimizer`. `TP8 -> torch_dist` writes megatron-core 0.19's form (the common
+state inside the checkpoint), `legacy` writes `common.pt` instead, both with `--digest`'s XXH3; `sha256` adds the
+`integrity.json` Megatron-LM's `--verify-integrity` needs, a sha256 of every data file (about 0.6 CPU-seconds per
+GiB, what megatron-core's own save pays for it). The shape-only cases plan and
 dry-run, from metadata alone, models no one could hold here.
 """
 

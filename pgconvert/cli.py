@@ -288,8 +288,9 @@ def _layout_option(name: str, help_text: str) -> Any:
               help="What pgconvert.json records of each written file besides its size, computed as it is written "
                    "(verify and batch --verify-hashes check it): xxh3-128 (about 0.05 CPU-seconds per GiB; finds "
                    "any corruption or change, not made to resist forgery), sha256 (cryptographic, about 0.6 "
-                   "CPU-seconds per GiB) or none (sizes only; verify still compares every tensor). A torch_dist "
-                   "output in megatron-core 0.19's form records sha256 of its files anyway (its integrity.json).")
+                   "CPU-seconds per GiB) or none (sizes only; verify still compares every tensor). With sha256, a "
+                   "torch_dist output in megatron-core 0.19's form also gets the integrity.json that Megatron-LM's "
+                   "--verify-integrity requires (as it does when the source has one).")
 @click.option("--dry-run", is_flag=True,
               help="Print the plan (each destination file: tensors, bytes, optimizer state carried); write nothing.")
 @click.option("--overwrite", is_flag=True, help="Replace a non-empty DST (only once the new one is complete).")
@@ -311,9 +312,9 @@ def _layout_option(name: str, help_text: str) -> Any:
               help="Megatron per-rank DST: the MTP layer's inner-layer key, transformer_layer (megatron-core 0.16.1) or "
                    "mtp_model_layer (newer Megatron-LM) [default: the source's, else transformer_layer].")
 @click.option("--dst-torch-dist-common", type=click.Choice(COMMON_PLACES), default=COMMON_IN_STORE, show_default=True,
-              help="torch_dist DST: the common state (args, iteration, optimizer param groups) inside the checkpoint "
-                   "with an integrity.json manifest, as megatron-core 0.19+ writes it (store), or in common.pt, "
-                   "which every megatron-core reads (legacy: use it for megatron-core 0.18 and older).")
+              help="torch_dist DST: the common state (args, iteration, optimizer param groups) inside the checkpoint, "
+                   "as megatron-core 0.19+ writes it (store; with --digest sha256 also its integrity.json), or in "
+                   "common.pt, which every megatron-core reads (legacy: use it for megatron-core 0.18 and older).")
 @click.option("--merge-adapter", type=click.Path(path_type=Path, exists=True, file_okay=False), default=None,
               metavar="DIR", help="Merge a Hugging Face PEFT LoRA adapter (adapter_config.json, "
                                   "adapter_model.safetensors) or a Megatron-Bridge LoRA checkpoint into the model: "

@@ -25,9 +25,10 @@ from pgconvert.run.sharded import balanced_shares
 
 FORMATS = ["hf", "torch_dist"]
 # The outputs compared with their single-process conversion: each format, and torch_dist in megatron-core 0.19's
-# form (common state in the store, integrity.json), whose common state and manifest are written by the finalizer.
+# form (common state in the store, integrity.json with sha256 digests), whose common state and manifest are written
+# by the finalizer.
 VARIANTS = {"hf": ("hf", ()), "torch_dist": ("torch_dist", ()),
-            "torch_dist_store": ("torch_dist", ("--dst-torch-dist-common", "store")),
+            "torch_dist_store": ("torch_dist", ("--dst-torch-dist-common", "store", "--digest", "sha256")),
             "fsdp_dtensor": ("fsdp_dtensor", ())}
 # What makes each destination loadable: without it a directory is not a checkpoint of its format.
 COMPLETE_MARKERS = {"hf": ("config.json", "model.safetensors.index.json"),

@@ -38,8 +38,8 @@ TORCH_DIST = ("--dst-format", "torch_dist", "--dst-tp", "1", *RECORDS_SIZE)
 # The cases without "store" in their name: the form megatron-core 0.16.1 (which steps them) reads.
 LEGACY = (*TORCH_DIST, *FOR_MCORE_016_CLI)
 # megatron-core 0.19's form (the default): the common state in the store (rewritten by the optimizer's finalizing
-# step), and integrity.json after it.
-STORE = ("--dst-torch-dist-common", "store")
+# step), and integrity.json after it (--digest sha256).
+STORE = ("--dst-torch-dist-common", "store", "--digest", "sha256")
 # What makes each destination a checkpoint to its readers.
 COMPLETE_MARKERS = {"megatron": ("latest_checkpointed_iteration.txt",),
                     "torch_dist": ("latest_checkpointed_iteration.txt", f"{ITER}/metadata.json", f"{ITER}/.metadata")}

@@ -119,9 +119,10 @@ def test_cli_converts_megatron_to_torch_dist_and_back(tmp_path: Path) -> None:
 
 
 # Per --dst-torch-dist-common: the files, megatron-core's CheckpointingConfig as that version's save_config writes
-# it (dist_checkpointing/core.py), and the file the common state is read from.
+# it (dist_checkpointing/core.py), and the file the common state is read from. No integrity.json: as Megatron-LM
+# writes without --verify-integrity (test_torch_dist_common_state.py writes it on request).
 COMMON_PLACES = {
-    "store": ([".metadata", "__0_0.distcp", "__0_1.distcp", "integrity.json", "metadata.json"],
+    "store": ([".metadata", "__0_0.distcp", "__0_1.distcp", "metadata.json"],
               {"sharded_backend": "torch_dist", "sharded_backend_version": 1}, "the common_state entry"),
     "legacy": ([".metadata", "__0_0.distcp", "common.pt", "metadata.json"],
                {"sharded_backend": "torch_dist", "sharded_backend_version": 1,

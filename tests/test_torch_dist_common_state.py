@@ -1,5 +1,6 @@
 """torch_dist in megatron-core 0.19's form: the common state inside the DCP store (``--dst-torch-dist-common store``)
-and the ``integrity.json`` SHA-256 manifest, written and checked.
+and the ``integrity.json`` SHA-256 manifest, written (with ``--digest sha256``, or when the source has one) and
+checked.
 
 The files are read back by torch.distributed.checkpoint alone (``support.checkpoint_compare.read_common``, what
 megatron-core 0.19's ``load_common_state_dict`` does) and the manifest is recomputed with hashlib; megatron-core
@@ -37,7 +38,10 @@ def megatron(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def to_torch_dist(src: Path, dst: Path, common: str = "store", **options: object) -> Path:
-    pgconvert.convert(src, dst, dst_format="torch_dist", dst_torch_dist_common=common, **options)
+    """``src`` as torch_dist in ``dst``; with sha256 digests (so with the integrity manifest) unless ``options``
+    name another ``digest``."""
+    pgconvert.convert(src, dst, dst_format="torch_dist", dst_torch_dist_common=common,
+                      **{"digest": "sha256", **options})
     return dst
 
 
@@ -191,14 +195,19 @@ def test_a_manifest_that_lies_or_names_a_missing_file_is_refused(megatron: Path,
 
 
 def test_cli_writes_the_store_by_default_and_common_pt_on_request(megatron: Path, tmp_path: Path) -> None:
-    for flags, name in (((), "default"), (("--dst-torch-dist-common", "legacy"), "legacy")):
+    runs = {"default": (), "sha256": ("--digest", "sha256"), "legacy": ("--dst-torch-dist-common", "legacy"),
+            "legacy-sha256": ("--dst-torch-dist-common", "legacy", "--digest", "sha256")}
+    for name, flags in runs.items():
         result = CliRunner().invoke(main, ["-q", "--dst-format", "torch_dist", *flags, str(megatron),
                                            str(tmp_path / name)])
         assert result.exit_code == 0, result.output
-    assert sorted(p.name for p in (tmp_path / "default" / ITERATION).iterdir()) == [
-        ".metadata", "__0_0.distcp", "__0_1.distcp", "integrity.json", "metadata.json"]
-    assert sorted(p.name for p in (tmp_path / "legacy" / ITERATION).iterdir()) == [
-        ".metadata", "__0_0.distcp", "common.pt", "metadata.json"]
+    store = [".metadata", "__0_0.distcp", "__0_1.distcp", "metadata.json"]
+    legacy = [".metadata", "__0_0.distcp", "common.pt", "metadata.json"]
+    listed = {name: sorted(p.name for p in (tmp_path / name / ITERATION).iterdir()) for name in runs}
+    assert listed == {"default": store, "sha256": sorted([*store, "integrity.json"]), "legacy": legacy,
+                      "legacy-sha256": legacy}
+    assert (tmp_path / "sha256" / ITERATION / "integrity.json").read_text() == integrity_manifest_of(
+        tmp_path / "sha256" / ITERATION)
     assert read_common(tmp_path / "default" / ITERATION) == read_common(tmp_path / "legacy" / ITERATION)
     bad = CliRunner().invoke(main, ["--dst-format", "torch_dist", "--dst-torch-dist-common", "inline", str(megatron),
                                     str(tmp_path / "bad")])
@@ -224,9 +233,21 @@ def test_an_output_whose_manifest_predates_the_option_counts_as_common_pt(megatr
     assert manifest_mismatch(manifest, request("store")) == "dst_torch_dist_common 'legacy', not 'store'"
 
 
-@pytest.mark.parametrize("digest", ["xxh3-128", "none"])
+@pytest.fixture(scope="module")
+def with_manifest(megatron: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A torch_dist source with an integrity.json (its run verifies one on load)."""
+    return to_torch_dist(megatron, tmp_path_factory.mktemp("manifest") / "dist")
+
+
+# (--digest, whether the source has an integrity.json): the manifest written on request, or carried from the source
+# whatever --digest says.
+MANIFEST_CASES = [("sha256", False), ("xxh3-128", True), ("none", True)]
+
+
+@pytest.mark.parametrize(("digest", "carried"), MANIFEST_CASES, ids=["sha256", "carried-xxh3-128", "carried-none"])
 def test_the_data_files_are_hashed_once_with_sha256_as_written_and_never_read_back(
-        megatron: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, digest: str) -> None:
+        megatron: Path, with_manifest: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, digest: str,
+        carried: bool) -> None:
     import pgconvert.formats.torch_dist_integrity as integrity
     import pgconvert.io.output as output
     import pgconvert.run.manifest as manifest
@@ -243,7 +264,7 @@ def test_the_data_files_are_hashed_once_with_sha256_as_written_and_never_read_ba
     monkeypatch.setattr(integrity, "files_sha256", files_sha256)
     monkeypatch.setattr(manifest, "hash_file", lambda path, relpath, algorithm: (
         reread.append(relpath), real_hash_file(path, relpath, algorithm))[1])
-    out = to_torch_dist(megatron, tmp_path / "dist", dst_tp=2, digest=digest)
+    out = to_torch_dist(with_manifest if carried else megatron, tmp_path / "dist", dst_tp=2, digest=digest)
 
     assert algorithms and set(algorithms) == {"sha256"}  # every file written through OutputFile: sha256 only
     model_files = sorted(path.name for path in (out / ITERATION).glob("*.distcp"))[:-1]  # the last: the common state
@@ -254,3 +275,24 @@ def test_the_data_files_are_hashed_once_with_sha256_as_written_and_never_read_ba
     data = [path for path in recorded if path.split("/")[-1] in model_files]
     assert data and all(recorded[path] == (None if digest == "none" else f"sha256:{listed[path.split('/')[-1]]}")
                         for path in data)
+
+
+@pytest.mark.parametrize("digest", ["xxh3-128", "none"])
+def test_without_sha256_or_a_source_manifest_there_is_none_and_no_sha256(megatron: Path, tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch,
+                                                                        digest: str) -> None:
+    """As Megatron-LM saves without --verify-integrity: no integrity.json, and no file hashed with sha256 (the
+    manifest's digest, if any, is --digest's)."""
+    import pgconvert.io.output as output
+
+    algorithms: list[str] = []
+    real_hasher = output.new_hasher
+    monkeypatch.setattr(output, "new_hasher", lambda algorithm: (algorithms.append(algorithm), real_hasher(algorithm))[1])
+    out = to_torch_dist(megatron, tmp_path / "dist", dst_tp=2, digest=digest)
+
+    assert not (out / ITERATION / "integrity.json").exists()
+    assert set(algorithms) == (set() if digest == "none" else {digest})
+    recorded = [item["digest"] for item in json.loads((out / "pgconvert.json").read_text())["files"]]
+    assert recorded and all((None if digest == "none" else digest) == (item and item.split(":")[0])
+                            for item in recorded)
+    assert pgconvert.verify(megatron, out).equal

@@ -79,10 +79,11 @@ def model() -> object:
     return MODELS[NAME]
 
 
-def pgconvert_store(tmp_path: Path, model: object, tp: int = 1) -> Path:
-    src = write_megatron_checkpoint(tmp_path / "megatron", model, make_full_model(model, seed=7), 2, 1)
-    dst = tmp_path / "dist"
-    pgconvert.convert(src, dst, dst_format="torch_dist", dst_tp=tp)  # the default form: 0.19's
+def pgconvert_store(tmp_path: Path, model: object, tp: int = 1, digest: str = "sha256") -> Path:
+    """The default form (0.19's), with its integrity.json unless ``digest`` is another than sha256."""
+    src = write_megatron_checkpoint(tmp_path / f"megatron-{digest}", model, make_full_model(model, seed=7), 2, 1)
+    dst = tmp_path / f"dist-{digest}"
+    pgconvert.convert(src, dst, dst_format="torch_dist", dst_tp=tp, digest=digest)
     return dst
 
 
@@ -93,15 +94,20 @@ def test_megatron_core_019_loads_pgconverts_output_in_its_own_form(tmp_path: Pat
     assert not (dist / ITERATION_DIR / "common.pt").exists() and (dist / ITERATION_DIR / "integrity.json").is_file()
 
     run_job("load", dist / ITERATION_DIR, tmp_path / "job", tp=2, verify_integrity=True, strict=True)
+    # The default digest: no integrity.json, as Megatron-LM saves without --verify-integrity, and loads so.
+    plain = pgconvert_store(tmp_path, model, digest="xxh3-128")
+    assert not (plain / ITERATION_DIR / "integrity.json").exists()
+    run_job("load", plain / ITERATION_DIR, tmp_path / "job-plain", tp=2, strict=True)
 
     full = make_full_model(model, seed=7)
-    ranks = loaded_ranks(tmp_path / "job")
-    assert sorted(ranks) == [(0, 0, 0), (1, 0, 0)]
-    for (tp_rank, _, _), loaded in ranks.items():
-        expected = _rank_state_dict(model, full, tp_rank, 2, 0, 1, range(model.num_layers))
-        assert sorted(loaded["state"]) == sorted(k for k, v in expected.items() if v is not None)
-        for key, tensor in loaded["state"].items():
-            assert tensor.dtype == expected[key].dtype and torch.equal(tensor, expected[key]), (tp_rank, key)
+    for job in ("job", "job-plain"):
+        ranks = loaded_ranks(tmp_path / job)
+        assert sorted(ranks) == [(0, 0, 0), (1, 0, 0)]
+        for (tp_rank, _, _), loaded in ranks.items():
+            expected = _rank_state_dict(model, full, tp_rank, 2, 0, 1, range(model.num_layers))
+            assert sorted(loaded["state"]) == sorted(k for k, v in expected.items() if v is not None)
+            for key, tensor in loaded["state"].items():
+                assert tensor.dtype == expected[key].dtype and torch.equal(tensor, expected[key]), (job, key)
 
 
 def test_a_checkpoint_megatron_core_019_saves_converts_bit_exact(tmp_path: Path, model: object) -> None:

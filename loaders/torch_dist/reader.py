@@ -49,7 +49,7 @@ from pgconvert.model.provider import (LAYER_PREFIX, MTP_PREFIX, OUTPUT_LAYER, VO
 from pgconvert.model.rules import ShardRule, strided_in_whole
 from pgconvert.formats.stream import CanonicalSource, EmbeddedAdapter, ExtraState, TensorMeta, holds_state
 from pgconvert.formats.strict import fallback
-from pgconvert.formats.torch_dist_integrity import INTEGRITY_CHECKS, check_integrity, integrity_problems
+from pgconvert.formats.torch_dist_integrity import INTEGRITY_CHECKS, INTEGRITY_FILE, check_integrity, integrity_problems
 from pgconvert.formats.dcp_layout import CHECKPOINT_CONFIG_FILE, DCP_METADATA_FILE
 from pgconvert.formats.torch_dist import (
     COMMON_FILE,
@@ -133,6 +133,9 @@ class TorchDistSource(CanonicalSource):
 
     def integrity_problems(self) -> tuple[bool, list[str]]:
         return integrity_problems(self.directory)
+
+    def has_integrity_manifest(self) -> bool:
+        return (self.directory / INTEGRITY_FILE).is_file()
 
     def _read_common(self) -> tuple[dict[str, Any], Path]:
         """The checkpoint's common (non-sharded) state: ``common.pt`` (megatron-core 0.18 and older), or the

@@ -100,9 +100,12 @@ class SaveOptions:
     tokenizer: Path | None = None
     # The MTP inner layer's per-rank key (pgconvert.formats.mtp_naming); None keeps the source's.
     mtp_layer_module: str | None = None
-    # torch_dist: where the common state goes, "store" (inside the DCP store, with integrity.json, as megatron-core
-    # >= 0.19 writes it) or "legacy" (common.pt, which megatron-core <= 0.18 reads); names.COMMON_PLACES.
+    # torch_dist: where the common state goes, "store" (inside the DCP store, as megatron-core >= 0.19 writes it)
+    # or "legacy" (common.pt, which megatron-core <= 0.18 reads); names.COMMON_PLACES.
     torch_dist_common: str = "store"
+    # torch_dist in the "store" form: also write megatron-core's integrity.json (the sha256 of every file, what
+    # ``save(verify_integrity=True)`` and Megatron-LM's --verify-integrity write and their loads require).
+    integrity_manifest: bool = False
     # Threads producing independent destination files at once within this process (``--threads``;
     # pgconvert.io.threads): a saver whose files are independent writes up to this many at a time.
     threads: int = 1
@@ -267,7 +270,7 @@ class Saver(ABC):
 
     def file_digest(self, options: SaveOptions) -> str | None:
         """The digest algorithm (``pgconvert.io.digest``) this format records of its own files, computed while they
-        are written in place of ``--digest``'s (torch_dist in megatron-core 0.19's form: sha256, for
+        are written in place of ``--digest``'s (torch_dist with ``integrity_manifest``: sha256, for
         ``integrity.json``); None (the default): ``--digest``'s."""
         return None
 

@@ -82,6 +82,9 @@ class LanguageModelSource(CanonicalSource):
     def integrity_problems(self) -> tuple[bool, list[str]]:
         return self.inner.integrity_problems()
 
+    def has_integrity_manifest(self) -> bool:
+        return self.inner.has_integrity_manifest()
+
     def holds_training_state(self) -> bool:
         return self.inner.holds_training_state()
 

@@ -105,8 +105,8 @@ class ConvertRequest:
     dst_optim_form: str | None = None
     # A Megatron per-rank DST's MTP inner-layer key (pgconvert.formats.mtp_naming); None: the source's.
     dst_mtp_layer_name: str | None = None
-    # Where a torch_dist DST keeps its common state: "store" (megatron-core >= 0.19, with integrity.json) or
-    # "legacy" (common.pt, which megatron-core <= 0.18 reads).
+    # Where a torch_dist DST keeps its common state: "store" (megatron-core >= 0.19; with integrity.json when
+    # ``digest`` is sha256 or the source has one) or "legacy" (common.pt, which megatron-core <= 0.18 reads).
     dst_torch_dist_common: str = "store"
     # A Hugging Face PEFT LoRA adapter directory merged into the model as it is converted (pgconvert.adapters).
     merge_adapter: Path | None = None
@@ -306,6 +306,7 @@ def plan(request: ConvertRequest, check_dst: bool = True) -> Plan:
             expert_layout=request.dst_expert_layout,
             mtp_layer_module=request.dst_mtp_layer_name,
             torch_dist_common=request.dst_torch_dist_common,
+            integrity_manifest=request.digest == "sha256" or source.has_integrity_manifest(),
             strict=request.strict,
             max_shard_size=request.max_shard_size,
             hf_config=Path(request.hf_config) if request.hf_config is not None else None,

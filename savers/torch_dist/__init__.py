@@ -14,7 +14,7 @@ alone. ``save(only=...)`` writes some of them (``--workers``, sharded runs: each
 ``finalize`` writes the common state (``common.pt``, or ``--dst-torch-dist-common store``: its own data file after the
 model's), ``.metadata`` (from the plan: every record's offset is known from its shape and dtype,
 ``dcp_writer.archive_length``), ``metadata.json`` and the tracker, so every split gives the same bytes; ``seal``
-writes ``integrity.json`` (store) after the optimizer state.
+writes ``integrity.json`` (store, ``SaveOptions.integrity_manifest``) after the optimizer state.
 
 The data files are written by ``StreamingWriter`` (``pgconvert/io/dcp_writer.py``, through
 ``pgconvert/formats/dcp_save.py``, which the fsdp_dtensor saver shares), not by torch's
@@ -122,7 +122,7 @@ class TorchDistSaver(Saver):
     def plan(self, source: CanonicalSource, options: SaveOptions) -> list[PlannedFile]:
         chunks, objects, _ = self._chunks(source, options)
         directory = iteration_dir_name(*self._iteration(source))
-        return _files(directory, data_files(chunks, options), objects, options.torch_dist_common)
+        return _files(directory, data_files(chunks, options), objects, options)
 
     def _args(self, source: CanonicalSource, options: SaveOptions, rows: int) -> Any:
         """The target's Megatron args, as the common state holds them."""
@@ -148,7 +148,7 @@ class TorchDistSaver(Saver):
         files = data_files(chunks, options)
         written = write_data_files(out_dir, directory, chunks, files, _empty_extra_states(objects), source, rows,
                                    progress, only)
-        planned = _files(directory, files, objects, options.torch_dist_common, written)
+        planned = _files(directory, files, objects, options, written)
         if only is not None:
             return SaveResult(files=[item for item in planned if item.size is not None])
         return SaveResult(files=planned, notices=self.finalize(source, out_dir, options))
@@ -207,10 +207,10 @@ class TorchDistSaver(Saver):
 
     def seal(self, source: CanonicalSource, out_dir: Path, options: SaveOptions,
              files: list[PlannedFile]) -> None:
-        """In the megatron-core 0.19 form (common state in the store), megatron-core's ``integrity.json`` of the
+        """With ``integrity_manifest`` (the common state in the store), megatron-core's ``integrity.json`` of the
         iteration directory, after every other file of it (the optimizer state's included) is final; digests
         computed while writing are reused."""
-        if options.torch_dist_common != COMMON_IN_STORE:
+        if not _writes_integrity(options):
             return
         directory = iteration_dir_name(*self._iteration(source))
         known = {}
@@ -223,8 +223,8 @@ class TorchDistSaver(Saver):
         write_integrity_manifest(out_dir / directory, known)
 
     def file_digest(self, options: SaveOptions) -> str | None:
-        """sha256 in megatron-core 0.19's form: ``integrity.json`` records it, and the files are hashed as written."""
-        return INTEGRITY_ALGORITHM if options.torch_dist_common == COMMON_IN_STORE else None
+        """sha256 with ``integrity_manifest``: ``integrity.json`` records it, and the files are hashed as written."""
+        return INTEGRITY_ALGORITHM if _writes_integrity(options) else None
 
     # The source's optimizer state, as megatron-core's DistributedOptimizer (or plain optimizer) saves it.
     writes_optimizer = True
@@ -292,20 +292,26 @@ def _write_common(path: Path, common: dict[str, object]) -> None:
     fsync_file(path)
 
 
-def _files(iteration_dir: str, files: list[list[StoredChunk]], objects: list[str], common: str,
+def _files(iteration_dir: str, files: list[list[StoredChunk]], objects: list[str], options: SaveOptions,
            written: WrittenFiles | None = None) -> list[PlannedFile]:
     """The files of one iteration; the first data file holds the ``_extra_state`` entries too (each data file's
-    digest and size when ``written`` names it). The common state is common.pt, or (``common`` "store") a data
-    file of its own after the model's, with the integrity manifest."""
+    digest and size when ``written`` names it). The common state is common.pt, or (``torch_dist_common`` "store")
+    a data file of its own after the model's, then the integrity manifest where ``integrity_manifest`` asks."""
     data = planned_data_files(iteration_dir, files, written or {}, len(objects))
-    if common != COMMON_IN_STORE:
+    if options.torch_dist_common != COMMON_IN_STORE:
         return [PlannedFile(f"{iteration_dir}/{COMMON_FILE}", 0, 0), *data,
                 PlannedFile(f"{iteration_dir}/{DCP_METADATA_FILE}", 0, 0),
                 PlannedFile(f"{iteration_dir}/{CHECKPOINT_CONFIG_FILE}", 0, 0)]
+    manifest = [PlannedFile(f"{iteration_dir}/{INTEGRITY_FILE}", 0, 0)] if options.integrity_manifest else []
     return [*data, PlannedFile(f"{iteration_dir}/{data_file_name(len(files))}", 1, 0),
             PlannedFile(f"{iteration_dir}/{DCP_METADATA_FILE}", 0, 0),
-            PlannedFile(f"{iteration_dir}/{CHECKPOINT_CONFIG_FILE}", 0, 0),
-            PlannedFile(f"{iteration_dir}/{INTEGRITY_FILE}", 0, 0)]
+            PlannedFile(f"{iteration_dir}/{CHECKPOINT_CONFIG_FILE}", 0, 0), *manifest]
+
+
+def _writes_integrity(options: SaveOptions) -> bool:
+    """Whether the output has megatron-core's ``integrity.json``: asked for, in the form that has one (megatron-core
+    0.19's, the common state in the store)."""
+    return options.integrity_manifest and options.torch_dist_common == COMMON_IN_STORE
 
 
 def _check_one_dtype_per_key(chunks: list[StoredChunk], source: CanonicalSource) -> None:

@@ -387,12 +387,14 @@ def run_conversions(options: argparse.Namespace, src: Path, workdir: Path, large
             continue
         if name in FP8_CASES:
             fp8_source(workdir / "hf", workdir / "hf_fp8")
-        floor_src, largest = src, largest_tensor
-        if name in DEEPSEEK_CASES:  # its own source, floor and largest tensor
-            floor_src, largest = deepseek_source(workdir / "ds_fp8", options.scale)
+        largest = largest_tensor
+        if name in DEEPSEEK_CASES:  # its own source and largest tensor
+            _, largest = deepseek_source(workdir / "ds_fp8", options.scale)
         if name in OPTIM_CASES:  # the optimizer sources; the largest fp32 state tensor
-            per_rank, dist, largest = optimizer_sources(workdir, options.optim_scale, bench_config, SeededSource)
-            floor_src = dist if "torch_dist(dp)" in name else per_rank
+            _, _, largest = optimizer_sources(workdir, options.optim_scale, bench_config, SeededSource)
+        # The floor copies the files the case reads (its last argument), so the conversion finds them in the page
+        # cache as the copy left them (an HF or torch_dist source, written by an earlier case with O_DIRECT, is not).
+        floor_src = Path(args[-1])
         for python in pythons:
             if python != sys.executable and set(ADDED_OPTIONS) & set(args):
                 continue  # an option this version added: the baseline has no such run

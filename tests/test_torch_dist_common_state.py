@@ -233,6 +233,16 @@ def test_an_output_whose_manifest_predates_the_option_counts_as_common_pt(megatr
     assert manifest_mismatch(manifest, request("store")) == "dst_torch_dist_common 'legacy', not 'store'"
 
 
+def record_hashers(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The algorithm of every hasher the output files are written through, in order, as they are made."""
+    import pgconvert.io.output as output
+
+    algorithms: list[str] = []
+    real_hasher = output.new_hasher
+    monkeypatch.setattr(output, "new_hasher", lambda algorithm: (algorithms.append(algorithm), real_hasher(algorithm))[1])
+    return algorithms
+
+
 @pytest.fixture(scope="module")
 def with_manifest(megatron: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A torch_dist source with an integrity.json (its run verifies one on load)."""
@@ -249,13 +259,11 @@ def test_the_data_files_are_hashed_once_with_sha256_as_written_and_never_read_ba
         megatron: Path, with_manifest: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, digest: str,
         carried: bool) -> None:
     import pgconvert.formats.torch_dist_integrity as integrity
-    import pgconvert.io.output as output
     import pgconvert.run.manifest as manifest
 
-    algorithms: list[str] = []
-    real_hasher, real_files, real_hash_file = output.new_hasher, integrity.files_sha256, manifest.hash_file
+    algorithms = record_hashers(monkeypatch)
+    real_files, real_hash_file = integrity.files_sha256, manifest.hash_file
     reread: list[str] = []
-    monkeypatch.setattr(output, "new_hasher", lambda algorithm: (algorithms.append(algorithm), real_hasher(algorithm))[1])
     def files_sha256(paths: object) -> dict[Path, str]:
         listed = list(paths)  # type: ignore[call-overload]
         reread.extend(path.name for path in listed)
@@ -283,11 +291,7 @@ def test_without_sha256_or_a_source_manifest_there_is_none_and_no_sha256(megatro
                                                                         digest: str) -> None:
     """As Megatron-LM saves without --verify-integrity: no integrity.json, and no file hashed with sha256 (the
     manifest's digest, if any, is --digest's)."""
-    import pgconvert.io.output as output
-
-    algorithms: list[str] = []
-    real_hasher = output.new_hasher
-    monkeypatch.setattr(output, "new_hasher", lambda algorithm: (algorithms.append(algorithm), real_hasher(algorithm))[1])
+    algorithms = record_hashers(monkeypatch)
     out = to_torch_dist(megatron, tmp_path / "dist", dst_tp=2, digest=digest)
 
     assert not (out / ITERATION / "integrity.json").exists()

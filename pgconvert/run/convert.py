@@ -39,6 +39,7 @@ from pgconvert.io.threads import serialized
 from pgconvert.io.sizes import dtype_name, itemsize, numel
 from pgconvert.run.manifest import Manifest, hashing, record_files, write_manifest, writing_digest
 from pgconvert.formats.hf_quantized import check_keep_fp8
+from pgconvert.formats.torch_dist_integrity import INTEGRITY_ALGORITHM
 from pgconvert.optimizer.carry import (attach_masters, carry_training_state, check_optimizer_options,
                                        finalize_carried, replace_saver_notice)
 from pgconvert.optimizer.source import OptimizerSource
@@ -306,7 +307,7 @@ def plan(request: ConvertRequest, check_dst: bool = True) -> Plan:
             expert_layout=request.dst_expert_layout,
             mtp_layer_module=request.dst_mtp_layer_name,
             torch_dist_common=request.dst_torch_dist_common,
-            integrity_manifest=request.digest == "sha256" or source.has_integrity_manifest(),
+            integrity_manifest=request.digest == INTEGRITY_ALGORITHM or source.has_integrity_manifest(),
             strict=request.strict,
             max_shard_size=request.max_shard_size,
             hf_config=Path(request.hf_config) if request.hf_config is not None else None,

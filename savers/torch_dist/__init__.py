@@ -302,7 +302,7 @@ def _files(iteration_dir: str, files: list[list[StoredChunk]], objects: list[str
         return [PlannedFile(f"{iteration_dir}/{COMMON_FILE}", 0, 0), *data,
                 PlannedFile(f"{iteration_dir}/{DCP_METADATA_FILE}", 0, 0),
                 PlannedFile(f"{iteration_dir}/{CHECKPOINT_CONFIG_FILE}", 0, 0)]
-    manifest = [PlannedFile(f"{iteration_dir}/{INTEGRITY_FILE}", 0, 0)] if options.integrity_manifest else []
+    manifest = [PlannedFile(f"{iteration_dir}/{INTEGRITY_FILE}", 0, 0)] if _writes_integrity(options) else []
     return [*data, PlannedFile(f"{iteration_dir}/{data_file_name(len(files))}", 1, 0),
             PlannedFile(f"{iteration_dir}/{DCP_METADATA_FILE}", 0, 0),
             PlannedFile(f"{iteration_dir}/{CHECKPOINT_CONFIG_FILE}", 0, 0), *manifest]

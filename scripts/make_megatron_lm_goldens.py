@@ -96,6 +96,15 @@ TRAINING_RUNS: dict[str, list[str]] = {
         "--moe-router-topk", "2", "--moe-token-dispatcher-type", "allgather", "--moe-ffn-hidden-size", "24",
         "--moe-shared-expert-intermediate-size", "32", "--moe-layer-freq", "[0,1]",
         "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias", "--mtp-num-layers", "1"],
+    # Megatron-LM's plain Muon optimizer (--optimizer muon without --use-distributed-optimizer, which validate_args
+    # would turn into the layer-wise distributed optimizer), per-rank files, TP2 DP2, bf16, the smaller model: each
+    # rank file's optimizer is the list [Muon's, Adam's]. PGCONVERT_MEGATRON_LM_PYTHON's environment needs triton
+    # (megatron-core d98e8a64 imports it unguarded; 3.9.0 from PyPI) and emerging-optimizers 0.3.0, which declares
+    # Python >= 3.12: on 3.11 its wheel installed with --no-deps --ignore-requires-python, and absl-py
+    # (scripts/make_muon_golden.py's environment, with triton added).
+    "train_tp2dp2_muon_bf16_torch": ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "1",
+                                     "--ckpt-format", "torch", "--bf16", "--optimizer", "muon", "--no-save-rng",
+                                     *SMALL_MODEL_FLAGS],
 }
 # MODEL_FLAGS a run leaves out (a store_true flag cannot be switched off by a later one).
 MODEL_FLAGS_DROPPED: dict[str, tuple[str, ...]] = {

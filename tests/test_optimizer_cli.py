@@ -226,14 +226,17 @@ def _count(tensors: list[torch.Tensor]) -> tuple[int, int]:
     return len(tensors), sum(t.numel() * t.element_size() for t in tensors)
 
 
-@pytest.mark.parametrize("src, form, per_param", [(GOLDENS / "train_tp2pp2_torch", "fp32", 3),
-                                                  (PLAIN_BF16, "float16", 4)])
+# 15 parameters, each its state: Adam's moments and step, and a float16 run's fp32 master beside; a plain Muon run's
+# 8 Muon parameters a momentum buffer and a master each, its 7 Adam ones four tensors.
+@pytest.mark.parametrize("src, form, count", [(GOLDENS / "train_tp2pp2_torch", "fp32", 3 * 15),
+                                              (PLAIN_BF16, "float16", 4 * 15),
+                                              (GOLDENS / "train_tp2dp2_muon_bf16_torch", "float16", 2 * 8 + 4 * 7)])
 def test_dry_run_shows_each_rank_files_plain_optimizer_entry_as_written(tmp_path: Path, src: Path, form: str,
-                                                                        per_param: int) -> None:
+                                                                        count: int) -> None:
     planned = _dry_run(src, tmp_path / "dst", "--dst-tp", "1", "--dst-pp", "1")
     assert list(planned) == [f"{ITER}/mp_rank_00/model_optim_rng.pt"]
     (what, tensors, nbytes), = planned.values()
-    assert what == f"optimizer entry ({form})" and tensors == per_param * 15  # 15 parameters, each its state
+    assert what == f"optimizer entry ({form})" and tensors == count
     written = _converted(src, tmp_path / "dst", "--dst-tp", "1", "--dst-pp", "1")
     entry = load_for_test(written / ITER / "mp_rank_00" / "model_optim_rng.pt")["optimizer"]
     assert _count(_tensors(entry)) == (tensors, nbytes)

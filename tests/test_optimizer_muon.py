@@ -1,9 +1,15 @@
-"""Megatron-LM's plain Muon optimizer (``--optimizer muon`` without the distributed optimizer) through torch_dist, on
-a golden megatron-core 0.19.2 trained and saved itself (``scripts/make_muon_golden.py``: TP2 on gloo CPU ranks, two
-steps). megatron-core chains a Muon optimizer (every 2-dim weight but the word embedding and output layer: an fp32
-master and a ``momentum_buffer`` each, no step) and an Adam one (the embedding, output layer and norms). The same
-script has megatron-core 0.19.2 load pgconvert's output at TP1 and TP2 and hold the golden's state
-(``load DIR TP``, outside CI: CI has megatron-core 0.16.1, which has no Muon)."""
+"""Megatron-LM's plain Muon optimizer (``--optimizer muon`` without the distributed optimizer), on two goldens:
+
+- torch_dist, megatron-core 0.19.2's own save (``scripts/make_muon_golden.py``: TP2 on gloo CPU ranks, two steps);
+  the same script has megatron-core 0.19.2 load pgconvert's output at TP1 and TP2 and hold the golden's state
+  (``load DIR TP``, outside CI: CI has megatron-core 0.16.1, which has no Muon);
+- per-rank files, Megatron-LM d98e8a64's own training save (``scripts/make_megatron_lm_goldens.py``, TP2 DP2, two
+  iterations); ``scripts/megatron_lm_resume_check.py muon_tp2dp2_bf16_torch`` has Megatron-LM resume from pgconvert's
+  TP1 conversion of it (outside CI).
+
+megatron-core chains a Muon optimizer (every 2-dim weight but the word embedding and output layer: an fp32 master
+and a ``momentum_buffer`` each, no step) and an Adam one (the embedding, output layer and norms); a rank file's
+``optimizer`` is the list of the two."""
 
 from __future__ import annotations
 
@@ -15,6 +21,7 @@ import torch
 import pgconvert
 from support.checkpoint_compare import read_common
 from support.cli_helpers import assert_clean_refusal
+from support.megatron_fixtures import assert_same_tree, load_for_test
 from support.optimizer_cli import convert_strict, dcp_read, export_optimizer, run_cli
 from support.optimizer_faults import edit_common
 from support.torch_dist_forms import FOR_MCORE_016_CLI
@@ -23,6 +30,7 @@ from pgconvert.optimizer.export import export_from_path
 from pgconvert.optimizer.order import UnsupportedOptimizerError
 
 GOLDEN = Path(__file__).parent / "data" / "megatron_lm" / "mcore019_tp2_muon_bf16_torch_dist"
+PER_RANK = Path(__file__).parent / "data" / "megatron_lm" / "train_tp2dp2_muon_bf16_torch"
 ITER = "iter_0000002"
 FC1 = "decoder.layers.mlp.linear_fc1.weight"
 ADAM_KEYS = {"param", "exp_avg", "exp_avg_sq", "step"}
@@ -86,11 +94,11 @@ def test_other_layouts_give_megatron_cores_records_back_bit_for_bit(tmp_path: Pa
 
 
 def test_a_destination_that_writes_adam_only_names_the_muon_state(tmp_path: Path) -> None:
-    result = run_cli("convert", GOLDEN, tmp_path / "per_rank", "--dst-format", "megatron", "--dst-tp", "1")
+    result = run_cli("convert", GOLDEN, tmp_path / "fsdp", "--dst-format", "fsdp_dtensor")
     assert result.exit_code == 0, result.output
-    assert "args.optimizer='muon': its state is written into torch_dist only, not megatron" in \
+    assert "args.optimizer='muon': its state is written into megatron, torch_dist only, not fsdp_dtensor" in \
         " ".join(result.output.split())
-    strict = run_cli("convert", GOLDEN, tmp_path / "strict", "--dst-format", "megatron", "--dst-tp", "1", "--strict")
+    strict = run_cli("convert", GOLDEN, tmp_path / "strict", "--dst-format", "fsdp_dtensor", "--strict")
     assert strict.exit_code != 0 and not (tmp_path / "strict").exists()
     retyped = run_cli("convert", GOLDEN, tmp_path / "fp32", "--dst-format", "torch_dist", "--dtype", "fp32")
     assert "args.optimizer='muon' with --dtype" in " ".join(retyped.output.split()), retyped.output
@@ -106,3 +114,54 @@ def test_a_muon_run_whose_layout_is_not_mapped_is_named(setting: dict[str, objec
                          "--skip-optimizer")
     with pytest.raises(UnsupportedOptimizerError, match=rf"args.optimizer='muon' with .*{name}"):
         export_from_path(src, tmp_path / "again", None)
+
+
+def _rank_files(iteration_dir: Path) -> dict[str, dict[str, object]]:
+    return {path.parent.name: load_for_test(path) for path in sorted(iteration_dir.glob("mp_rank_*/model_optim_rng.pt"))}
+
+
+def test_the_per_rank_golden_is_megatron_lms_list_of_muon_and_adam() -> None:
+    for state in _rank_files(PER_RANK / ITER).values():
+        muon, adam = state["optimizer"]
+        assert state["args"].optimizer == "muon" and not state["args"].use_layer_wise_distributed_optimizer
+        assert [len(group["params"]) for group in muon["optimizer"]["param_groups"]] == [8]
+        assert all(set(entry) == {"momentum_buffer"} for entry in muon["optimizer"]["state"].values())
+        assert [len(group["params"]) for group in adam["optimizer"]["param_groups"]] == [2, 5]
+        assert all(set(entry) == ADAM_KEYS - {"param"} for entry in adam["optimizer"]["state"].values())
+        assert [len(group) for group in muon["fp32_from_fp16_params"]] == [8]
+
+
+def test_per_rank_muon_state_is_the_tp_pieces_joined_and_round_trips_bit_exact(tmp_path: Path) -> None:
+    tp1 = convert_strict(PER_RANK, tmp_path / "tp1", "--dst-tp", "1", "--dst-dp", "1")
+    back = convert_strict(tp1, tmp_path / "back", "--dst-tp", "2", "--dst-dp", "2")
+    ranks, merged = _rank_files(PER_RANK / ITER), _rank_files(tp1 / ITER)["mp_rank_00"]
+    muon = merged["optimizer"][0]["optimizer"]["state"]
+    pieces = [ranks[f"mp_rank_0{tp}"]["optimizer"][0]["optimizer"]["state"] for tp in (0, 1)]
+    # Muon's positions: layer 0's linear_proj (row parallel), linear_qkv, fc1 (gate and up), fc2
+    assert torch.equal(muon[0]["momentum_buffer"], torch.cat([piece[0]["momentum_buffer"] for piece in pieces], 1))
+    gate = [piece[2]["momentum_buffer"].chunk(2) for piece in pieces]
+    assert torch.equal(muon[2]["momentum_buffer"], torch.cat([gate[0][0], gate[1][0], gate[0][1], gate[1][1]]))
+    again = _rank_files(back / ITER)
+    assert set(again) == set(ranks) == {"mp_rank_00", "mp_rank_01"}
+    for rank, state in ranks.items():
+        for key in ("optimizer", "opt_param_scheduler", "num_floating_point_operations_so_far", "model"):
+            assert_same_tree(state[key], again[rank][key], f"{rank}.{key}")
+    assert pgconvert.verify(PER_RANK, tp1).equal
+
+
+def test_per_rank_and_torch_dist_muon_state_convert_into_each_other_bit_exact(tmp_path: Path) -> None:
+    dist = convert_strict(PER_RANK, tmp_path / "dist", "--dst-format", "torch_dist", "--dst-tp", "1",
+                          *FOR_MCORE_016_CLI)
+    back = convert_strict(dist, tmp_path / "back", "--dst-format", "megatron", "--dst-tp", "2")
+    for rank, state in _rank_files(PER_RANK / ITER).items():
+        assert_same_tree(state["optimizer"], _rank_files(back / ITER)[rank]["optimizer"], rank)
+    # megatron-core 0.19.2's own torch_dist save, through per-rank files and back: its records again
+    per_rank = convert_strict(GOLDEN, tmp_path / "per_rank", "--dst-format", "megatron", "--dst-tp", "1")
+    assert len(_rank_files(per_rank / ITER)["mp_rank_00"]["optimizer"]) == 2
+    again = convert_strict(per_rank, tmp_path / "again", "--dst-format", "torch_dist", "--dst-tp", "2",
+                           *FOR_MCORE_016_CLI)
+    golden, records = _records(GOLDEN / ITER), _records(again / ITER)
+    assert set(golden) == set(records)
+    for key, tensor in golden.items():
+        assert records[key].dtype == tensor.dtype and torch.equal(records[key], tensor), key
+

@@ -73,6 +73,8 @@ PER_RANK = {
     "distributed": (GOLDENS / "train_tp2dp2_distopt_bf16_torch", ("--dst-pp", "2")),
     "plain-bf16": (GOLDENS / "train_tp2dp2_bf16_torch", ("--dst-pp", "2")),
     "plain-fp32": (GOLDENS / "train_tp2pp2_torch", ()),  # FP32Optimizer: its masters are the weights
+    # Megatron-LM's plain Muon optimizer (each rank file's optimizer the list of Muon's and Adam's)
+    "plain-bf16-muon": (GOLDENS / "train_tp2dp2_muon_bf16_torch", ("--dst-pp", "2")),
     "distributed-moe-ep": (None, ("--dst-tp", "1", "--dst-ep", "4")),
 }
 # case -> (source, flags): TP1 torch_dist in each form, its records over several files.

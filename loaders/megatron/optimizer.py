@@ -16,7 +16,9 @@ merged or cut result (``io.torch_input.StoredTensors``). Three forms are read:
   is the ``distrib_optim.pt`` beside it (``loaders/megatron/distrib_optim.py``).
 
 A mixture-of-experts run at expert parallel size > 1 chains two optimizers (dense, then expert-parallel):
-``optimizer`` is then a list of two entries of the same form, each with its own positions.
+``optimizer`` is then a list of two entries of the same form, each with its own positions. So does a plain Muon run
+(``--optimizer muon`` without the distributed optimizer, megatron-core 0.19.2 and Megatron-LM d98e8a64): Muon's, whose
+state per parameter is its ``momentum_buffer`` (no step), then its scalar optimizer Adam's.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from pgconvert.optimizer.order import (MEGATRON_CORE_VERSIONS, OptimizerLayoutEr
                                        UnsupportedOptimizerError, chained_slots, check_param_groups,
                                        check_state_shapes)
 from pgconvert.optimizer.scaler import held_scalers
-from pgconvert.optimizer.source import (ABSENT, CARRIED_KEYS, DISTRIBUTED_SHARDING_TYPES, FIELDS, FORM_DISTRIBUTED,
+from pgconvert.optimizer.source import (ABSENT, CARRIED_KEYS, DISTRIBUTED_SHARDING_TYPES, FORM_DISTRIBUTED,
                                         FORM_FP16, FORM_FP32, OptimizerSource, SourceRank, StoredCopy, optimizer_label,
                                         rounds_to)
 
@@ -209,8 +211,8 @@ class MegatronOptimizerSource(OptimizerSource):
         for index, (entry, slots) in enumerate(zip(entries, chained)):
             inner = entry if form == FORM_FP32 else entry["optimizer"]
             where = str(path) if len(entries) == 1 else f"{path} optimizer[{index}]"
-            check_param_groups(slots, inner.get("param_groups"), where, rules, expert=index == 1)
-            check_state_shapes(slots, inner.get("state"), where)
+            check_param_groups(slots, inner.get("param_groups"), where, rules, index)
+            check_state_shapes(slots, inner.get("state"), where, rules.fields(index)[1:])
             masters.append(_masters(form, entry, state, slots, chunk_keys, path, self._stored))
             inners.append(inner)
         extra["grad_scalers"] = held_scalers(entries)  # per chained optimizer
@@ -255,7 +257,8 @@ class MegatronOptimizerSource(OptimizerSource):
                 values[f"{label}.grad_scaler"] = rank.extra["grad_scalers"][index]
             if self.form != FORM_DISTRIBUTED:
                 values["optimizer.state[*].step"] = [entry.get("step", ABSENT) if isinstance(entry, dict) else entry
-                                                     for inner in rank.inners for entry in inner["state"].values()]
+                                                     for index, inner in enumerate(rank.inners)
+                                                     if self.rules.stepped(index) for entry in inner["state"].values()]
             copies.append(StoredCopy(str(rank.path), values))
             keys = [key for inner in rank.inners for key in inner.get("dtype_keys", [])]
             if keys:
@@ -280,8 +283,9 @@ class MegatronOptimizerSource(OptimizerSource):
 
     def _parameter(self, name: str) -> dict[str, torch.Tensor]:
         merged = {key: self._join(name, key, self.rule(name), lambda rule, pieces: rule.merge(pieces))
-                  for key in FIELDS}
-        merged["step"] = self.step(name)
+                  for key in self.fields(name)}
+        if self.stepped(name):
+            merged["step"] = self.step(name)
         return merged
 
     def _piece(self, name: str, key: str, size: int, rank: int, rows: int | None,

@@ -79,7 +79,7 @@ def optimizer_kind_refusal(source: CanonicalSource) -> str | None:
         return None
     how = " with the layer-wise distributed optimizer (use_layer_wise_distributed_optimizer)" if layer_wise else ""
     state = OTHER_OPTIMIZERS.get(kind, "state of its own")
-    read = " and, from torch_dist, plain Muon's" if kind == "muon" and not layer_wise else ""
+    read = " and, from torch_dist and per-rank files, plain Muon's" if kind == "muon" and not layer_wise else ""
     return (f"{source.describe()}: args.optimizer={quote(kind)}{how}: the run's optimizer state ({state}) is not "
             f"read from {source.format_name}; pgconvert carries megatron-core's Adam state (exp_avg, exp_avg_sq, step "
             f"and the fp32 masters){read}; pass --skip-optimizer to convert the model alone")

@@ -67,7 +67,7 @@ Muon (Megatron-LM's ``--optimizer muon`` without the distributed optimizer; mega
 no-weight-decay group, each in ``named_parameters()`` order, and ``get_megatron_optimizer`` chains the two. Muon
 keeps an fp32 master and a ``momentum_buffer`` per parameter and no step. Refused by name: the layer-wise distributed
 optimizer, another scalar optimizer, ``decoupled_lr`` and MoE models (``_refuse_muon_variants``). Checked against
-megatron-core 0.19.2's own TP2 save (``tests/test_optimizer_muon.py``).
+megatron-core 0.19.2's own TP2 save and Megatron-LM d98e8a64's own per-rank save (``tests/test_optimizer_muon.py``).
 
 Mixture of experts: a routed expert's linears are ``allreduce=False`` only when
 ``expert_model_parallel_size > 1`` (``ColumnParallelLinear``/``RowParallelLinear``: ``not (is_expert
@@ -232,6 +232,11 @@ class OptimizerRules:
     def stepped(self, optimizer: int) -> bool:
         """Whether chained optimizer ``optimizer`` counts steps (Adam; Muon keeps none)."""
         return "exp_avg" in self.fields(optimizer)
+
+    def is_expert_optimizer(self, optimizer: int) -> bool:
+        """Whether chained optimizer ``optimizer`` is the expert-parallel one (an Adam run's second; a Muon run's
+        second is its scalar Adam optimizer)."""
+        return optimizer == 1 and self.kind != MUON
 
 
 def _refuse_muon_variants(args: argparse.Namespace, decoupled_lr: float | None, where: str) -> None:
@@ -437,7 +442,7 @@ def group_overrides(rules: OptimizerRules, optimizer: int) -> list[dict[str, flo
     decayed, undecayed = {"wd_mult": 1.0}, {"wd_mult": 0.0}
     if rules.kind == MUON and optimizer == 0:
         return [decayed]
-    if optimizer != 0 or rules.decoupled_lr is None:
+    if rules.is_expert_optimizer(optimizer) or rules.decoupled_lr is None:
         return [decayed, undecayed]
     decoupled = {"wd_mult": 1.0, "max_lr": rules.decoupled_lr}
     if rules.decoupled_min_lr is not None:
@@ -497,16 +502,17 @@ def grouped_expert_note(slots: Sequence[OptimizerSlot]) -> str:
 
 
 def check_param_groups(slots: Sequence[Sequence[OptimizerSlot]], param_groups: Any, where: str,
-                       rules: OptimizerRules = OptimizerRules(), expert: bool = False) -> None:
-    """The stored ``param_groups`` have the groups, sizes, positions and overrides (weight-decay multiplier,
-    decoupled learning rates) that ``slots`` and ``rules`` derive (of the expert-parallel optimizer with
-    ``expert``); refuse (naming the field) otherwise."""
+                       rules: OptimizerRules = OptimizerRules(), optimizer: int = 0) -> None:
+    """The stored ``param_groups`` of chained optimizer ``optimizer`` have the groups, sizes, positions and
+    overrides (weight-decay multiplier, decoupled learning rates) that ``slots`` and ``rules`` derive; refuse
+    (naming the field) otherwise."""
     if not isinstance(param_groups, list) or len(param_groups) != len(slots):
         count = len(param_groups) if isinstance(param_groups, list) else quote(type(param_groups).__name__)
         raise OptimizerLayoutError(
             f"{where}: optimizer.param_groups holds {count} groups; {_VERSIONS} builds {len(slots)} for this "
             "model (weight decay, [decoupled_lr,] no weight decay)")
-    overrides = group_overrides(rules, 1 if expert else 0)
+    overrides = group_overrides(rules, optimizer)
+    expert = rules.is_expert_optimizer(optimizer)
     for index, (group, members) in enumerate(zip(param_groups, slots)):
         if not isinstance(group, dict):
             raise OptimizerLayoutError(f"{where}: optimizer.param_groups[{index}] is not a dict")
@@ -538,9 +544,11 @@ def _same_number(held: Any, value: float) -> bool:
     return isinstance(held, (int, float)) and not isinstance(held, bool) and held == value
 
 
-def check_state_shapes(slots: Sequence[Sequence[OptimizerSlot]], state: Mapping[Any, Any], where: str) -> None:
-    """Every state tensor (``exp_avg``, ``exp_avg_sq``) has the local shape of the parameter its
-    position maps to, and every position has state (a checkpoint saved after at least one step)."""
+def check_state_shapes(slots: Sequence[Sequence[OptimizerSlot]], state: Mapping[Any, Any], where: str,
+                       fields: Sequence[str] = ADAM_FIELDS[1:]) -> None:
+    """Every state tensor (``fields``: Adam's ``exp_avg`` and ``exp_avg_sq``, or Muon's ``momentum_buffer``) has the
+    local shape of the parameter its position maps to, and every position has state (a checkpoint saved after at
+    least one step)."""
     flat = [slot for members in slots for slot in members]
     if not isinstance(state, Mapping) or set(state) != {slot.position for slot in flat}:
         keys = sorted(state, key=str) if isinstance(state, Mapping) else type(state).__name__
@@ -549,7 +557,7 @@ def check_state_shapes(slots: Sequence[Sequence[OptimizerSlot]], state: Mapping[
             f"trainable parameters on this rank ({_VERSIONS}){grouped_expert_note(flat)}")
     for slot in flat:
         entry = state[slot.position]
-        for key in ("exp_avg", "exp_avg_sq"):
+        for key in fields:
             value = entry.get(key) if isinstance(entry, Mapping) else None
             if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(slot.spec.local_shape):
                 shape = tuple(value.shape) if isinstance(value, torch.Tensor) else quote(type(value).__name__)

@@ -88,6 +88,8 @@ class _RankPlan:
 
 class MegatronSaver(Saver):
     name = "megatron"
+    # a plain Muon optimizer's in the plain form (optimizer.py)
+    optimizer_kinds = ("adam", "muon")
 
     def validate(self, source: CanonicalSource, options: SaveOptions) -> None:
         check_megatron_layout(options.layout, "dst")

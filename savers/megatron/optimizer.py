@@ -3,7 +3,8 @@
 Each rank file (``model_optim_rng.pt``) written by the saver is rewritten with its ``optimizer`` entry and the
 carried counters, in the source's form:
 
-- plain (FP32Optimizer, Float16OptimizerWithFloat16Params): the ``optimizer.state_dict()`` of the rank, each
+- plain (FP32Optimizer, Float16OptimizerWithFloat16Params): the ``optimizer.state_dict()`` of the rank (a plain
+  Muon run's the list of its Muon and Adam optimizers', Muon's state a ``momentum_buffer`` without step), each
   state tensor cut with its parameter's ShardRule (``OptimizerSource.piece``) and produced only when the file
   writer reaches it, so memory holds one tensor, not the rank's state;
 - distributed: the param groups (with ``step``) in the rank file, the state in ``distrib_optim.pt`` beside it:
@@ -35,7 +36,7 @@ from pgconvert.optimizer.data_parallel import dp_size, with_dst_dp
 from pgconvert.optimizer.flat import FLAT_KEYS, flat_buffers, planned_buffers
 from pgconvert.optimizer.order import OptimizerSlot, chained_slots, optimizer_count
 from pgconvert.optimizer.scaler import set_scalers, target_scalers
-from pgconvert.optimizer.source import (CARRIED_KEYS, FORM_DISTRIBUTED, FORM_FP16, FP32_BYTES, MOMENTS,
+from pgconvert.optimizer.source import (CARRIED_KEYS, FORM_DISTRIBUTED, FORM_FP16, FP32_BYTES,
                                         OptimizerSource)
 
 log = logging.getLogger(__name__)
@@ -67,10 +68,11 @@ def _one_optimizer(source: OptimizerSource, slots: list[list[OptimizerSlot]], in
                    padded_rows: int, scaler: Any = None) -> dict[str, Any]:
     settings = source.param_group_settings(index, len(slots))
     state: dict[int, dict[str, Any]] = {}
+    fields = source.rules.fields(index)[1:]  # Adam's moments, or Muon's momentum buffer
     for slot in (slot for group in slots for slot in group):
         rows = padded_rows if slot.spec.rule.fits_rows else None
-        entry: dict[str, Any] = {"step": source.step(slot.spec.canonical)}
-        entry.update({key: _planned(source, slot, key, rows) for key in MOMENTS})
+        entry: dict[str, Any] = {"step": source.step(slot.spec.canonical)} if source.rules.stepped(index) else {}
+        entry.update({key: _planned(source, slot, key, rows) for key in fields})
         state[slot.position] = entry
     groups = [dict(settings[number], params=[slot.position for slot in members])
               for number, members in enumerate(slots)]
@@ -188,14 +190,17 @@ def planned_optimizer_files(optimizer: OptimizerSource, config: ModelConfig, lay
 
 def _rank_entry(optimizer: OptimizerSource, config: ModelConfig, layout: ParallelLayout, coord: RankCoord,
                 rows: int, relpath: str) -> OptimizerFile:
-    """A rank file's plain optimizer entry: per parameter both moments and the step (and the fp32 master)."""
-    per_param = 3 if optimizer.form == FORM_FP16 else 2
-    slots = [slot for groups in chained_slots(config, layout, coord, optimizer.rules, rows)
-             for group in groups for slot in group]
-    numel = sum(math.prod(int(size) for size in slot.spec.local_shape) for slot in slots)
-    step_bytes = sum(optimizer.step(slot.spec.canonical).element_size() for slot in slots)
-    return OptimizerFile(relpath, f"optimizer entry ({optimizer.form})", (per_param + 1) * len(slots),
-                         per_param * FP32_BYTES * numel + step_bytes)
+    """A rank file's plain optimizer entry: per parameter its state (both moments and the step, or Muon's momentum
+    buffer) and the fp32 master (Float16OptimizerWithFloat16Params)."""
+    tensors = nbytes = 0
+    chained = chained_slots(config, layout, coord, optimizer.rules, rows)
+    for index, slot in ((index, slot) for index, groups in enumerate(chained) for group in groups for slot in group):
+        per_param = len(optimizer.rules.fields(index)) - (optimizer.form != FORM_FP16)
+        numel = math.prod(int(size) for size in slot.spec.local_shape)
+        step_bytes = optimizer.step(slot.spec.canonical).element_size() if optimizer.rules.stepped(index) else 0
+        tensors += per_param + (step_bytes > 0)
+        nbytes += per_param * FP32_BYTES * numel + step_bytes
+    return OptimizerFile(relpath, f"optimizer entry ({optimizer.form})", tensors, nbytes)
 
 
 def _distrib_optim_file(optimizer: OptimizerSource, config: ModelConfig, layout: ParallelLayout, coord: RankCoord,

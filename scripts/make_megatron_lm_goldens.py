@@ -105,6 +105,11 @@ TRAINING_RUNS: dict[str, list[str]] = {
     "train_tp2dp2_muon_bf16_torch": ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "1",
                                      "--ckpt-format", "torch", "--bf16", "--optimizer", "muon", "--no-save-rng",
                                      *SMALL_MODEL_FLAGS],
+    # The same with the embedding and output layer's own learning rates (in Adam's groups, beside the norms').
+    "train_tp2dp2_muon_decoupled_lr_bf16_torch": ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size",
+                                                  "1", "--ckpt-format", "torch", "--bf16", "--optimizer", "muon",
+                                                  "--decoupled-lr", "5e-4", "--decoupled-min-lr", "5e-5",
+                                                  "--no-save-rng", *SMALL_MODEL_FLAGS],
 }
 # MODEL_FLAGS a run leaves out (a store_true flag cannot be switched off by a later one).
 MODEL_FLAGS_DROPPED: dict[str, tuple[str, ...]] = {

@@ -3,9 +3,9 @@
 - torch_dist, megatron-core 0.19.2's own save (``scripts/make_muon_golden.py``: TP2 on gloo CPU ranks, two steps);
   the same script has megatron-core 0.19.2 load pgconvert's output at TP1 and TP2 and hold the golden's state
   (``load DIR TP``, outside CI: CI has megatron-core 0.16.1, which has no Muon);
-- per-rank files, Megatron-LM d98e8a64's own training save (``scripts/make_megatron_lm_goldens.py``, TP2 DP2, two
-  iterations); ``scripts/megatron_lm_resume_check.py muon_tp2dp2_bf16_torch`` has Megatron-LM resume from pgconvert's
-  TP1 conversion of it (outside CI).
+- per-rank files, Megatron-LM d98e8a64's own training saves (``scripts/make_megatron_lm_goldens.py``, TP2 DP2, two
+  iterations), one with ``--decoupled-lr``; ``scripts/megatron_lm_resume_check.py muon_tp2dp2_bf16_torch`` has
+  Megatron-LM resume from pgconvert's TP1 conversion of the other (outside CI).
 
 megatron-core chains a Muon optimizer (every 2-dim weight but the word embedding and output layer: an fp32 master
 and a ``momentum_buffer`` each, no step) and an Adam one (the embedding, output layer and norms); a rank file's
@@ -13,6 +13,7 @@ and a ``momentum_buffer`` each, no step) and an Adam one (the embedding, output 
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,7 @@ from support.checkpoint_compare import read_common
 from support.cli_helpers import assert_clean_refusal
 from support.megatron_fixtures import assert_same_tree, load_for_test
 from support.optimizer_cli import convert_strict, dcp_read, export_optimizer, run_cli
-from support.optimizer_faults import edit_common
+from support.optimizer_faults import edit_common, edit_rank_files
 from support.torch_dist_forms import FOR_MCORE_016_CLI
 from pgconvert.formats.torch_dist import read_dcp_metadata
 from pgconvert.optimizer.export import export_from_path
@@ -31,6 +32,8 @@ from pgconvert.optimizer.order import UnsupportedOptimizerError
 
 GOLDEN = Path(__file__).parent / "data" / "megatron_lm" / "mcore019_tp2_muon_bf16_torch_dist"
 PER_RANK = Path(__file__).parent / "data" / "megatron_lm" / "train_tp2dp2_muon_bf16_torch"
+# The same run with --decoupled-lr 5e-4 --decoupled-min-lr 5e-5
+DECOUPLED = Path(__file__).parent / "data" / "megatron_lm" / "train_tp2dp2_muon_decoupled_lr_bf16_torch"
 ITER = "iter_0000002"
 FC1 = "decoder.layers.mlp.linear_fc1.weight"
 ADAM_KEYS = {"param", "exp_avg", "exp_avg_sq", "step"}
@@ -165,3 +168,25 @@ def test_per_rank_and_torch_dist_muon_state_convert_into_each_other_bit_exact(tm
     for key, tensor in golden.items():
         assert records[key].dtype == tensor.dtype and torch.equal(records[key], tensor), key
 
+
+def test_decoupled_learning_rates_are_adams_first_group_at_every_layout(tmp_path: Path) -> None:
+    tp1 = convert_strict(DECOUPLED, tmp_path / "tp1", "--dst-tp", "1", "--dst-dp", "1")
+    muon, adam = (entry["optimizer"]["param_groups"] for entry in _rank_files(tp1 / ITER)["mp_rank_00"]["optimizer"])
+    assert [(group["max_lr"], group["min_lr"], len(group["params"])) for group in adam] == [(5e-4, 5e-5, 2),
+                                                                                        (1e-3, 1e-4, 5)]
+    assert [(group["max_lr"], len(group["params"])) for group in muon] == [(1e-3, 8)]
+    dist = convert_strict(tp1, tmp_path / "dist", "--dst-format", "torch_dist", "--dst-pp", "2", *FOR_MCORE_016_CLI)
+    back = convert_strict(dist, tmp_path / "back", "--dst-format", "megatron", "--dst-tp", "2", "--dst-pp", "1",
+                          "--dst-dp", "2")
+    again = _rank_files(back / ITER)
+    for rank, state in _rank_files(DECOUPLED / ITER).items():
+        assert_same_tree(state["optimizer"], again[rank]["optimizer"], rank)
+
+
+def test_a_muon_runs_adam_groups_that_are_not_its_decoupled_ones_are_named(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    shutil.copytree(DECOUPLED, src)
+    # not the max_lr the embedding and output layer's group holds
+    edit_rank_files(src, lambda state: setattr(state["args"], "decoupled_lr", 2e-4))
+    assert_clean_refusal(run_cli("export-optimizer", src, tmp_path / "export"), 1,
+                         "optimizer[1]: optimizer.param_groups[0]", "max_lr=0.0005", "(wd_mult=1.0, max_lr=0.0002")

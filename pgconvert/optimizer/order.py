@@ -63,11 +63,12 @@ PP2 and TP2·PP2 (``tests/test_optimizer_mla.py``).
 Muon (Megatron-LM's ``--optimizer muon`` without the distributed optimizer; megatron-core 0.19.2's
 ``_get_megatron_emerging_optimizer``): a default override sends every parameter that is not 2-dim, or is flagged
 ``is_embedding_or_output_parameter``, to the scalar optimizer (Adam); the groups are bucketed by optimizer, Muon's
-(no override: its key sorts first) one group, then Adam's weight-decay group (the embedding and output layer) and its
-no-weight-decay group, each in ``named_parameters()`` order, and ``get_megatron_optimizer`` chains the two. Muon
-keeps an fp32 master and a ``momentum_buffer`` per parameter and no step. Refused by name: the layer-wise distributed
-optimizer, another scalar optimizer, ``decoupled_lr`` and MoE models (``_refuse_muon_variants``). Checked against
-megatron-core 0.19.2's own TP2 save and Megatron-LM d98e8a64's own per-rank save (``tests/test_optimizer_muon.py``).
+(no override: its key sorts first) one group, then Adam's weight-decay group (the embedding and output layer; with
+``decoupled_lr`` their ``max_lr``/``min_lr`` group, whose key also sorts before the norms') and its no-weight-decay
+group, each in ``named_parameters()`` order, and ``get_megatron_optimizer`` chains the two. Muon keeps an fp32 master
+and a ``momentum_buffer`` per parameter and no step. Refused by name: the layer-wise distributed optimizer, another
+scalar optimizer and MoE models (``_refuse_muon_variants``). Checked against megatron-core 0.19.2's own TP2 save and
+Megatron-LM d98e8a64's own per-rank saves, with and without ``--decoupled-lr`` (``tests/test_optimizer_muon.py``).
 
 Mixture of experts: a routed expert's linears are ``allreduce=False`` only when
 ``expert_model_parallel_size > 1`` (``ColumnParallelLinear``/``RowParallelLinear``: ``not (is_expert
@@ -220,7 +221,7 @@ class OptimizerRules:
             decoupled[1] = None  # megatron-core reads decoupled_min_lr only with decoupled_lr
         kind = getattr(args, "optimizer", None) or ADAM
         if kind == MUON:
-            _refuse_muon_variants(args, decoupled[0], where)
+            _refuse_muon_variants(args, where)
         return cls(apply_wd_to_qk_layernorm=bool(getattr(args, "apply_wd_to_qk_layernorm", False)),
                    decoupled_lr=decoupled[0], decoupled_min_lr=decoupled[1], kind=kind)
 
@@ -239,14 +240,13 @@ class OptimizerRules:
         return optimizer == 1 and self.kind != MUON
 
 
-def _refuse_muon_variants(args: argparse.Namespace, decoupled_lr: float | None, where: str) -> None:
+def _refuse_muon_variants(args: argparse.Namespace, where: str) -> None:
     """The Muon runs whose optimizer layout is not mapped, refused by name: the layer-wise distributed optimizer,
-    a scalar optimizer other than Adam, decoupled_lr (its group order beside Muon's), MoE (Muon and Adam each
-    chain a dense and an expert optimizer)."""
+    a scalar optimizer other than Adam, MoE (Muon and Adam each chain a dense and an expert optimizer)."""
     refused = {"use_layer_wise_distributed_optimizer": bool(getattr(args, "use_layer_wise_distributed_optimizer",
                                                                       False)),
                "muon_scalar_optimizer": (getattr(args, "muon_scalar_optimizer", None) or ADAM) != ADAM,
-               "decoupled_lr": decoupled_lr is not None, "num_experts": bool(getattr(args, "num_experts", None))}
+               "num_experts": bool(getattr(args, "num_experts", None))}
     for name, held in refused.items():
         if held:
             raise UnsupportedOptimizerError(
@@ -447,6 +447,8 @@ def group_overrides(rules: OptimizerRules, optimizer: int) -> list[dict[str, flo
     decoupled = {"wd_mult": 1.0, "max_lr": rules.decoupled_lr}
     if rules.decoupled_min_lr is not None:
         decoupled["min_lr"] = rules.decoupled_min_lr
+    if rules.kind == MUON:  # Adam's: the embedding and output layer (their own learning rate), then the norms
+        return [decoupled, undecayed]
     return [decayed, decoupled, undecayed]
 
 

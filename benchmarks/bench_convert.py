@@ -7,6 +7,7 @@
     python benchmarks/bench_convert.py --baseline-python /other/venv/bin/python  # before/after rows
     python benchmarks/bench_convert.py --json                # machine-readable results
     python benchmarks/bench_convert.py --markdown docs/benchmarks.md  # the table the docs show
+    python benchmarks/bench_convert.py --scale 5 --cold      # every source read from the device
 
 The floor is the durable copy of the same source, ``cp -r SRC X && sync``. Each conversion runs
 ``--repeat`` times in alternating pairs with that copy (copy, conversion, copy, conversion, ...),
@@ -120,6 +121,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--markdown", type=Path, default=None, metavar="PATH",
                         help="also write the results as markdown (docs/benchmarks.md): one table, machine and load")
     parser.add_argument("--keep", action="store_true", help="keep the checkpoints afterwards")
+    parser.add_argument("--cold", action="store_true",
+                        help="evict each case's source from the page cache before its copy and its conversion, as "
+                             "a checkpoint larger than memory is read (posix_fadvise DONTNEED)")
     parser.add_argument("--threads", type=int, default=1,
                         help="also run TP8 -> TP2, TP8/PP1 -> TP2/PP2 and TP8 -> HF with --threads N (1: skip those rows)")
     parser.add_argument("--workers", type=int, default=2,
@@ -331,9 +335,21 @@ def conversion_plan(src: Path, workdir: Path, workers: int, threads: int = 1) ->
     return plan
 
 
+def evict(path: Path) -> None:
+    """Drop ``path``'s files (written durably, so their cached pages are clean) from the page cache."""
+    for file in (path.rglob("*") if path.is_dir() else [path]):
+        if file.is_file():
+            fd = os.open(file, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
 def measure(name: str, python: str, args: list[str], dst: Path, workers: int, src: Path,
-            repeat: int, largest_tensor: int) -> Case:
-    """Alternating pairs (durable copy, conversion); medians, the largest peak RSS, the output's digest."""
+            repeat: int, largest_tensor: int, cold: bool = False) -> Case:
+    """Alternating pairs (durable copy, conversion), each reading ``src`` from the device with ``cold``; medians,
+    the largest peak RSS, the output's digest."""
     floors: list[float] = []
     runs: list[ChildRun] = []
     anon: list[int] = []
@@ -341,9 +357,13 @@ def measure(name: str, python: str, args: list[str], dst: Path, workers: int, sr
     for _ in range(repeat):
         floor_dst = dst.with_name(dst.name + "_floor")
         shutil.rmtree(floor_dst, ignore_errors=True)
+        if cold:
+            evict(src)
         floors.append(run_child(durable_copy(src, floor_dst)).seconds)
         shutil.rmtree(floor_dst)
         shutil.rmtree(dst, ignore_errors=True)
+        if cold:
+            evict(src)
         runs.append(run_child([python, "-m", "pgconvert", "--quiet", *extra, *args, str(dst)], anon))
     written, largest = dir_bytes(dst)
     cpu = [run.cpu_seconds for run in runs]
@@ -398,7 +418,7 @@ def run_conversions(options: argparse.Namespace, src: Path, workdir: Path, large
         for python in pythons:
             if python != sys.executable and set(ADDED_OPTIONS) & set(args):
                 continue  # an option this version added: the baseline has no such run
-            cases.append(measure(name, python, args, dst, workers, floor_src, options.repeat, largest))
+            cases.append(measure(name, python, args, dst, workers, floor_src, options.repeat, largest, options.cold))
         if name not in readers:
             shutil.rmtree(dst, ignore_errors=True)
     return cases

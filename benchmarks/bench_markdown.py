@@ -44,7 +44,9 @@ cases convert a Megatron-LM distributed-optimizer run (`--optim-scale`) with its
 state inside the checkpoint), `legacy` writes `common.pt` instead, both with `--digest`'s XXH3; `sha256` adds the
 `integrity.json` Megatron-LM's `--verify-integrity` needs, a sha256 of every data file (about 0.6 CPU-seconds per
 GiB, what megatron-core's own save pays for it). The shape-only cases plan and
-dry-run, from metadata alone, models no one could hold here.
+dry-run, from metadata alone, models no one could hold here. Without `--cold` the copy reads the case's
+source just before its conversion, so the conversion finds it in the page cache; with `--cold` both read
+it from the device (its pages dropped before each), as a checkpoint larger than memory is read.
 """
 
 

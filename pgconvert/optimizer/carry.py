@@ -172,15 +172,12 @@ def attach_masters(conversion: Plan) -> None:
 
 def _kind_refusal(conversion: Plan, optimizer: OptimizerSource) -> str | None:
     """Why an optimizer other than Adam (a Muon run's) is not written here (None: it is): a destination that writes
-    only Adam's state, or another ``--dtype`` (only Adam's masters are re-derived)."""
+    only Adam's state."""
     kind = optimizer.rules.kind
     if kind not in conversion.saver.optimizer_kinds:
         writers = [name for name in saver_names() if kind in get_saver(name).optimizer_kinds]
         return (f"optimizer state not carried: {optimizer.first.path}: args.optimizer={quote(kind)}: its state is "
                 f"written into {', '.join(writers)} only, not {conversion.dst_format}; pass --skip-optimizer")
-    if kind != "adam" and conversion.save_options.dtype is not None:
-        return (f"optimizer state not carried: {optimizer.first.path}: args.optimizer={quote(kind)} with --dtype: "
-                "only an Adam run's state is carried to another dtype; pass --skip-optimizer, or drop --dtype")
     return None
 
 

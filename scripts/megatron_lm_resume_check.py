@@ -36,10 +36,10 @@ Per case:
    iteration 3's loss checks the loaded weights, 4 and 5 the optimizer state (moments, step,
    scheduler) that the step from 3 used;
 4. both iteration-3 checkpoints are exported per parameter (``pgconvert export-optimizer``) and every
-   fp32 main weight, ``exp_avg`` and ``exp_avg_sq`` (a Muon parameter's ``momentum_buffer``) must agree: fp32 within rtol 1e-5 / atol 1e-7
-   (another layout sums partial products in another order); bf16 within ``BF16_TOLERANCES`` (the
-   forward and backward round in bf16 in another order); step 3 everywhere. The largest weight update
-   of the step is printed beside the differences, for scale.
+   fp32 main weight, ``exp_avg`` and ``exp_avg_sq`` (a Muon parameter's ``momentum_buffer``) must agree:
+   fp32 within rtol 1e-5 / atol 1e-7 (another layout sums partial products in another order); bf16
+   within ``BF16_TOLERANCES`` (the forward and backward round in bf16 in another order); step 3
+   everywhere (Adam's). The largest weight update of the step is printed beside the differences, for scale.
 
 Megatron-LM limitations worked around (on the CPU only, opt-in, set here for the distributed-optimizer
 runs): its ``DistributedOptimizer`` cannot resume with torch's Adam (no Apex/Transformer Engine, as on

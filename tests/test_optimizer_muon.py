@@ -118,7 +118,8 @@ def test_a_muon_run_whose_layout_is_not_mapped_is_named(setting: dict[str, objec
 
 
 def _rank_files(iteration_dir: Path) -> dict[str, dict[str, object]]:
-    return {path.parent.name: load_for_test(path) for path in sorted(iteration_dir.glob("mp_rank_*/model_optim_rng.pt"))}
+    files = sorted(iteration_dir.glob("mp_rank_*/model_optim_rng.pt"))
+    return {path.parent.name: load_for_test(path) for path in files}
 
 
 def test_the_per_rank_golden_is_megatron_lms_list_of_muon_and_adam() -> None:

@@ -17,7 +17,8 @@ Megatron-LM's own ``save_checkpoint``:
   EP2 DP2 on 2 ranks, ``MOE_FLAGS``), EP2 -> EP1 on one rank (dense and expert optimizers chained);
 - ``muon_tp2dp2_bf16_torch``: golden ``train_tp2dp2_muon_bf16_torch`` (bf16, plain Muon: ``--optimizer muon``
   without the distributed optimizer, per-rank files holding the chained Muon and Adam optimizers' state, the
-  smaller model), TP2 DP2 -> TP1 DP1; Megatron-LM's Muon needs emerging-optimizers in
+  smaller model), TP2 DP2 -> TP1 DP1, and (``muon_tp2dp2_bf16_torch_to_pp2``) -> TP1 PP2 on two ranks, each
+  stage's chained Muon and Adam optimizers its own layer's; Megatron-LM's Muon needs emerging-optimizers in
   ``PGCONVERT_MEGATRON_LM_PYTHON``'s environment (``scripts/make_megatron_lm_goldens.py`` says how).
 
 Per case:
@@ -153,7 +154,7 @@ def largest_update(before: Path, after: Path) -> float:
 class Case:
     """A checkpoint at iteration 2 (a golden, or ``train`` flags for Megatron-LM to make it here), the
     layout pgconvert converts it to (``target``: ``convert`` options) and the pretrain_gpt.py flags of
-    each resumed run."""
+    each resumed run (the converted one on ``converted_ranks`` ranks)."""
 
     source: str
     target: dict[str, int]
@@ -161,6 +162,7 @@ class Case:
     original: tuple[int, list[str]]
     bf16: bool
     train: list[str] = field(default_factory=list)
+    converted_ranks: int = 1
 
 
 def prepare(work: Path, name: str, case: Case, port: int) -> Path:
@@ -181,7 +183,8 @@ def check(work: Path, name: str, case: Case, port: int) -> str:
     for stale in ("converted", *RUNS, *(f"{run}_state" for run in (*RUNS, "source"))):
         shutil.rmtree(out / stale, ignore_errors=True)
     convert(source, out / "converted", **case.target)
-    converted = resume(out / "converted", out / "resumed_converted", 1, port + 1, case.converted_flags)
+    converted = resume(out / "converted", out / "resumed_converted", case.converted_ranks, port + 1,
+                       case.converted_flags)
     original = resume(source, out / "resumed_original", case.original[0], port + 2, case.original[1])
     for run, path, iteration in (*((run, out / run, SAVED) for run in RUNS), ("source", source, 2)):
         export_from_path(path, out / f"{run}_state", iteration)
@@ -242,6 +245,10 @@ CASES: dict[str, Case] = {
         "train_tp2dp2_muon_bf16_torch", dict(dst_tp=1, dst_pp=1, dst_dp=1),
         [TP, "1", PP, "1", *MUON, *TORCH, "--no-save-rng", *SMALL_MODEL_FLAGS],
         (4, [TP, "2", PP, "1", *MUON, *TORCH, "--no-save-rng", *SMALL_MODEL_FLAGS]), True),
+    "muon_tp2dp2_bf16_torch_to_pp2": Case(
+        "train_tp2dp2_muon_bf16_torch", dict(dst_tp=1, dst_pp=2, dst_dp=1),
+        [TP, "1", PP, "2", *MUON, *TORCH, "--no-save-rng", *SMALL_MODEL_FLAGS],
+        (4, [TP, "2", PP, "1", *MUON, *TORCH, "--no-save-rng", *SMALL_MODEL_FLAGS]), True, converted_ranks=2),
 }
 
 

@@ -339,7 +339,7 @@ def test_megatron_lm_resumes_from_the_converted_optimizer_as_from_the_original(t
                           timeout=7200)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     for case in ("tp2pp2_torch", "tp2dp2_distopt_bf16_torch", "tp2pp2_distopt_bf16_torch_dist",
-                 "moe_ep2_distopt_torch_dist", "muon_tp2dp2_bf16_torch"):
+                 "moe_ep2_distopt_torch_dist", "muon_tp2dp2_bf16_torch", "muon_tp2dp2_bf16_torch_to_pp2"):
         assert re.search(rf"^{case}: resumed at .* agree: lm loss .* state max \|diff\|", done.stdout, re.M), \
             done.stdout[-4000:]
 

@@ -212,7 +212,7 @@ class MegatronOptimizerSource(OptimizerSource):
             inner = entry if form == FORM_FP32 else entry["optimizer"]
             where = str(path) if len(entries) == 1 else f"{path} optimizer[{index}]"
             check_param_groups(slots, inner.get("param_groups"), where, rules, index)
-            check_state_shapes(slots, inner.get("state"), where, rules.fields(index)[1:])
+            check_state_shapes(slots, inner.get("state"), where, rules.state_fields(index))
             masters.append(_masters(form, entry, state, slots, chunk_keys, path, self._stored))
             inners.append(inner)
         extra["grad_scalers"] = held_scalers(entries)  # per chained optimizer

@@ -230,6 +230,11 @@ class OptimizerRules:
         two) or Adam's."""
         return MUON_FIELDS if self.kind == MUON and optimizer == 0 else ADAM_FIELDS
 
+    def state_fields(self, optimizer: int) -> tuple[str, ...]:
+        """The fields chained optimizer ``optimizer``'s torch optimizer keeps per parameter in its ``state`` (the
+        master aside, which megatron-core's wrapper keeps): Adam's moments, or Muon's momentum buffer."""
+        return tuple(field for field in self.fields(optimizer) if field != "param")
+
     def stepped(self, optimizer: int) -> bool:
         """Whether chained optimizer ``optimizer`` counts steps (Adam; Muon keeps none)."""
         return "exp_avg" in self.fields(optimizer)
@@ -548,9 +553,9 @@ def _same_number(held: Any, value: float) -> bool:
 
 def check_state_shapes(slots: Sequence[Sequence[OptimizerSlot]], state: Mapping[Any, Any], where: str,
                        fields: Sequence[str] = ADAM_FIELDS[1:]) -> None:
-    """Every state tensor (``fields``: Adam's ``exp_avg`` and ``exp_avg_sq``, or Muon's ``momentum_buffer``) has the
-    local shape of the parameter its position maps to, and every position has state (a checkpoint saved after at
-    least one step)."""
+    """Every state tensor (``fields``, ``OptimizerRules.state_fields``: Adam's ``exp_avg`` and ``exp_avg_sq``, or
+    Muon's ``momentum_buffer``) has the local shape of the parameter its position maps to, and every position has
+    state (a checkpoint saved after at least one step)."""
     flat = [slot for members in slots for slot in members]
     if not isinstance(state, Mapping) or set(state) != {slot.position for slot in flat}:
         keys = sorted(state, key=str) if isinstance(state, Mapping) else type(state).__name__

@@ -68,7 +68,7 @@ def _one_optimizer(source: OptimizerSource, slots: list[list[OptimizerSlot]], in
                    padded_rows: int, scaler: Any = None) -> dict[str, Any]:
     settings = source.param_group_settings(index, len(slots))
     state: dict[int, dict[str, Any]] = {}
-    fields = source.rules.fields(index)[1:]  # Adam's moments, or Muon's momentum buffer
+    fields = source.rules.state_fields(index)
     for slot in (slot for group in slots for slot in group):
         rows = padded_rows if slot.spec.rule.fits_rows else None
         entry: dict[str, Any] = {"step": source.step(slot.spec.canonical)} if source.rules.stepped(index) else {}
@@ -195,7 +195,7 @@ def _rank_entry(optimizer: OptimizerSource, config: ModelConfig, layout: Paralle
     tensors = nbytes = 0
     chained = chained_slots(config, layout, coord, optimizer.rules, rows)
     for index, slot in ((index, slot) for index, groups in enumerate(chained) for group in groups for slot in group):
-        per_param = len(optimizer.rules.fields(index)) - (optimizer.form != FORM_FP16)
+        per_param = len(optimizer.rules.state_fields(index)) + (optimizer.form == FORM_FP16)  # and the master
         numel = math.prod(int(size) for size in slot.spec.local_shape)
         step_bytes = optimizer.step(slot.spec.canonical).element_size() if optimizer.rules.stepped(index) else 0
         tensors += per_param + (step_bytes > 0)

@@ -22,7 +22,7 @@ import torch
 import pgconvert
 from support.checkpoint_compare import read_common
 from support.cli_helpers import assert_clean_refusal
-from support.megatron_fixtures import assert_same_tree, load_for_test
+from support.megatron_fixtures import assert_same_tree, rank_states
 from support.optimizer_cli import convert_strict, dcp_read, export_optimizer, run_cli
 from support.optimizer_faults import edit_common, edit_rank_files
 from support.torch_dist_forms import FOR_MCORE_016_CLI
@@ -42,6 +42,14 @@ ADAM_KEYS = {"param", "exp_avg", "exp_avg_sq", "step"}
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, torch.Tensor]]:
     return export_optimizer(GOLDEN, tmp_path_factory.mktemp("export"))
+
+
+def _assert_same_records(expected: Path, actual: Path, count: int | None = None) -> None:
+    """Two torch_dist iterations hold the same records (``count`` of them, if given), dtype and bits."""
+    want, got = _records(expected), _records(actual)
+    assert set(want) == set(got) and count in (None, len(want))
+    for key, tensor in want.items():
+        assert got[key].dtype == tensor.dtype and torch.equal(got[key], tensor), key
 
 
 def _records(iteration_dir: Path) -> dict[str, torch.Tensor]:
@@ -82,10 +90,7 @@ def test_other_layouts_give_megatron_cores_records_back_bit_for_bit(tmp_path: Pa
     tp1 = convert_strict(GOLDEN, tmp_path / "tp1", "--dst-format", "torch_dist", "--dst-tp", "1", *FOR_MCORE_016_CLI)
     pp2 = convert_strict(tp1, tmp_path / "pp2", "--dst-format", "torch_dist", "--dst-pp", "2")
     back = convert_strict(pp2, tmp_path / "back", "--dst-format", "torch_dist", "--dst-tp", "2", "--dst-pp", "1")
-    golden, again = _records(GOLDEN / ITER), _records(back / ITER)
-    assert set(golden) == set(again) and len(golden) == 32
-    for key, tensor in golden.items():
-        assert again[key].dtype == tensor.dtype and torch.equal(again[key], tensor), key
+    _assert_same_records(GOLDEN / ITER, back / ITER, 32)
     expected, written = read_common(GOLDEN / ITER)["optimizer"], read_common(back / ITER)["optimizer"]
     assert written[0] == expected[0]  # Muon's groups, no step
     assert written[1]["optimizer"]["param_groups"] == expected[1]["optimizer"]["param_groups"]
@@ -117,13 +122,8 @@ def test_a_muon_run_whose_layout_is_not_mapped_is_named(setting: dict[str, objec
         export_from_path(src, tmp_path / "again", None)
 
 
-def _rank_files(iteration_dir: Path) -> dict[str, dict[str, object]]:
-    files = sorted(iteration_dir.glob("mp_rank_*/model_optim_rng.pt"))
-    return {path.parent.name: load_for_test(path) for path in files}
-
-
 def test_the_per_rank_golden_is_megatron_lms_list_of_muon_and_adam() -> None:
-    for state in _rank_files(PER_RANK / ITER).values():
+    for state in rank_states(PER_RANK / ITER).values():
         muon, adam = state["optimizer"]
         assert state["args"].optimizer == "muon" and not state["args"].use_layer_wise_distributed_optimizer
         assert [len(group["params"]) for group in muon["optimizer"]["param_groups"]] == [8]
@@ -136,14 +136,14 @@ def test_the_per_rank_golden_is_megatron_lms_list_of_muon_and_adam() -> None:
 def test_per_rank_muon_state_is_the_tp_pieces_joined_and_round_trips_bit_exact(tmp_path: Path) -> None:
     tp1 = convert_strict(PER_RANK, tmp_path / "tp1", "--dst-tp", "1", "--dst-dp", "1")
     back = convert_strict(tp1, tmp_path / "back", "--dst-tp", "2", "--dst-dp", "2")
-    ranks, merged = _rank_files(PER_RANK / ITER), _rank_files(tp1 / ITER)["mp_rank_00"]
+    ranks, merged = rank_states(PER_RANK / ITER), rank_states(tp1 / ITER)["mp_rank_00"]
     muon = merged["optimizer"][0]["optimizer"]["state"]
     pieces = [ranks[f"mp_rank_0{tp}"]["optimizer"][0]["optimizer"]["state"] for tp in (0, 1)]
     # Muon's positions: layer 0's linear_proj (row parallel), linear_qkv, fc1 (gate and up), fc2
     assert torch.equal(muon[0]["momentum_buffer"], torch.cat([piece[0]["momentum_buffer"] for piece in pieces], 1))
     gate = [piece[2]["momentum_buffer"].chunk(2) for piece in pieces]
     assert torch.equal(muon[2]["momentum_buffer"], torch.cat([gate[0][0], gate[1][0], gate[0][1], gate[1][1]]))
-    again = _rank_files(back / ITER)
+    again = rank_states(back / ITER)
     assert set(again) == set(ranks) == {"mp_rank_00", "mp_rank_01"}
     for rank, state in ranks.items():
         for key in ("optimizer", "opt_param_scheduler", "num_floating_point_operations_so_far", "model"):
@@ -155,30 +155,27 @@ def test_per_rank_and_torch_dist_muon_state_convert_into_each_other_bit_exact(tm
     dist = convert_strict(PER_RANK, tmp_path / "dist", "--dst-format", "torch_dist", "--dst-tp", "1",
                           *FOR_MCORE_016_CLI)
     back = convert_strict(dist, tmp_path / "back", "--dst-format", "megatron", "--dst-tp", "2")
-    for rank, state in _rank_files(PER_RANK / ITER).items():
-        assert_same_tree(state["optimizer"], _rank_files(back / ITER)[rank]["optimizer"], rank)
+    for rank, state in rank_states(PER_RANK / ITER).items():
+        assert_same_tree(state["optimizer"], rank_states(back / ITER)[rank]["optimizer"], rank)
     # megatron-core 0.19.2's own torch_dist save, through per-rank files and back: its records again
     per_rank = convert_strict(GOLDEN, tmp_path / "per_rank", "--dst-format", "megatron", "--dst-tp", "1")
-    assert len(_rank_files(per_rank / ITER)["mp_rank_00"]["optimizer"]) == 2
+    assert len(rank_states(per_rank / ITER)["mp_rank_00"]["optimizer"]) == 2
     again = convert_strict(per_rank, tmp_path / "again", "--dst-format", "torch_dist", "--dst-tp", "2",
                            *FOR_MCORE_016_CLI)
-    golden, records = _records(GOLDEN / ITER), _records(again / ITER)
-    assert set(golden) == set(records)
-    for key, tensor in golden.items():
-        assert records[key].dtype == tensor.dtype and torch.equal(records[key], tensor), key
+    _assert_same_records(GOLDEN / ITER, again / ITER)
 
 
 def test_decoupled_learning_rates_are_adams_first_group_at_every_layout(tmp_path: Path) -> None:
     tp1 = convert_strict(DECOUPLED, tmp_path / "tp1", "--dst-tp", "1", "--dst-dp", "1")
-    muon, adam = (entry["optimizer"]["param_groups"] for entry in _rank_files(tp1 / ITER)["mp_rank_00"]["optimizer"])
+    muon, adam = (entry["optimizer"]["param_groups"] for entry in rank_states(tp1 / ITER)["mp_rank_00"]["optimizer"])
     assert [(group["max_lr"], group["min_lr"], len(group["params"])) for group in adam] == [(5e-4, 5e-5, 2),
                                                                                         (1e-3, 1e-4, 5)]
     assert [(group["max_lr"], len(group["params"])) for group in muon] == [(1e-3, 8)]
     dist = convert_strict(tp1, tmp_path / "dist", "--dst-format", "torch_dist", "--dst-pp", "2", *FOR_MCORE_016_CLI)
     back = convert_strict(dist, tmp_path / "back", "--dst-format", "megatron", "--dst-tp", "2", "--dst-pp", "1",
                           "--dst-dp", "2")
-    again = _rank_files(back / ITER)
-    for rank, state in _rank_files(DECOUPLED / ITER).items():
+    again = rank_states(back / ITER)
+    for rank, state in rank_states(DECOUPLED / ITER).items():
         assert_same_tree(state["optimizer"], again[rank]["optimizer"], rank)
 
 
@@ -195,7 +192,7 @@ def test_a_dtype_change_keeps_the_masters_and_momentum_and_comes_back_bit_exact(
     fp32 = run_cli("convert", PER_RANK, tmp_path / "fp32", "--dtype", "fp32", "--dst-tp", "1", "--dst-dp", "1")
     assert fp32.exit_code == 0 and "the model's weights are the optimizer's fp32 master weights" in \
         " ".join(fp32.output.split()), fp32.output
-    merged = _rank_files(tmp_path / "fp32" / ITER)["mp_rank_00"]
+    merged = rank_states(tmp_path / "fp32" / ITER)["mp_rank_00"]
     muon, adam = merged["optimizer"]  # FP32Optimizer's: the torch optimizers' state dicts, the weights their masters
     assert set(muon) == set(adam) == {"state", "param_groups"}
     assert all(set(entry) == {"momentum_buffer"} for entry in muon["state"].values())
@@ -205,8 +202,8 @@ def test_a_dtype_change_keeps_the_masters_and_momentum_and_comes_back_bit_exact(
             assert weight.dtype == torch.float32 and torch.equal(weight, exported[name]["param"]), name
     bf16 = run_cli("convert", tmp_path / "fp32", tmp_path / "bf16", "--dtype", "bf16", "--dst-tp", "2", "--dst-dp", "2")
     assert bf16.exit_code == 0, bf16.output
-    again = _rank_files(tmp_path / "bf16" / ITER)
-    for rank, state in _rank_files(PER_RANK / ITER).items():
+    again = rank_states(tmp_path / "bf16" / ITER)
+    for rank, state in rank_states(PER_RANK / ITER).items():
         for key in ("optimizer", "model"):
             assert_same_tree(state[key], again[rank][key], f"{rank}.{key}")
     # megatron-core 0.19.2's torch_dist save through float32 and back: its records again
@@ -219,7 +216,4 @@ def test_a_dtype_change_keeps_the_masters_and_momentum_and_comes_back_bit_exact(
     back = run_cli("convert", tmp_path / "td32", tmp_path / "td16", "--dst-format", "torch_dist", "--dtype", "bf16",
                    "--dst-tp", "2", *FOR_MCORE_016_CLI)
     assert back.exit_code == 0, back.output
-    golden, records = _records(GOLDEN / ITER), _records(tmp_path / "td16" / ITER)
-    assert set(golden) == set(records)
-    for key, tensor in golden.items():
-        assert records[key].dtype == tensor.dtype and torch.equal(records[key], tensor), key
+    _assert_same_records(GOLDEN / ITER, tmp_path / "td16" / ITER)

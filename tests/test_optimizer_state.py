@@ -18,7 +18,7 @@ import torch
 
 from click.testing import Result
 from pgconvert.loaders.megatron import MegatronSource
-from support.megatron_fixtures import assert_same_tree, load_for_test
+from support.megatron_fixtures import assert_same_tree, load_for_test, rank_states
 from pgconvert.formats import LoadOptions
 from pgconvert.formats.megatron import safe_torch_load
 from pgconvert.optimizer.order import (OptimizerLayoutError, OptimizerRules, UnsupportedOptimizerError,
@@ -79,8 +79,6 @@ def _convert(src: Path, dst: Path, *flags: str) -> Result:
     return CliRunner().invoke(main, ["convert", str(src), str(dst), "-q", *flags], prog_name="pgconvert")
 
 
-def _rank_states(iteration_dir: Path) -> dict[str, dict[str, object]]:
-    return {path.parent.name: load_for_test(path) for path in sorted(iteration_dir.glob("mp_rank_*/model_optim_rng.pt"))}
 
 
 
@@ -89,10 +87,10 @@ def test_tp2pp2_to_tp1pp1_and_back_is_bit_exact_in_every_optimizer_tensor(tmp_pa
     assert one.exit_code == 0, one.output
     back = _convert(tmp_path / "tp1", tmp_path / "back", "--dst-tp", "2", "--dst-pp", "2")
     assert back.exit_code == 0, back.output
-    merged = _rank_states(tmp_path / "tp1" / "iter_0000002")["mp_rank_00"]
+    merged = rank_states(tmp_path / "tp1" / "iter_0000002")["mp_rank_00"]
     assert len(merged["optimizer"]["state"]) == 15
     assert [len(g["params"]) for g in merged["optimizer"]["param_groups"]] == [10, 5]
-    original, again = _rank_states(PLAIN_ITER), _rank_states(tmp_path / "back" / "iter_0000002")
+    original, again = rank_states(PLAIN_ITER), rank_states(tmp_path / "back" / "iter_0000002")
     assert set(original) == set(again) and len(original) == 4
     for rank, state in original.items():
         for key in ("optimizer", "opt_param_scheduler", "num_floating_point_operations_so_far", "iteration", "model"):
@@ -103,8 +101,8 @@ def test_tp2pp2_to_tp1pp1_and_back_is_bit_exact_in_every_optimizer_tensor(tmp_pa
 
 def test_the_merged_state_is_the_tp_pieces_joined_by_the_parameters_rule(tmp_path: Path) -> None:
     assert _convert(PLAIN, tmp_path / "tp1", "--dst-tp", "1", "--dst-pp", "1").exit_code == 0
-    ranks = _rank_states(PLAIN_ITER)
-    merged = _rank_states(tmp_path / "tp1" / "iter_0000002")["mp_rank_00"]["optimizer"]["state"]
+    ranks = rank_states(PLAIN_ITER)
+    merged = rank_states(tmp_path / "tp1" / "iter_0000002")["mp_rank_00"]["optimizer"]["state"]
     # Stage 0, group 0: word embeddings, layer 0 linear_proj (row), linear_qkv (column), fc1 (gated), fc2.
     pieces = [ranks[f"mp_rank_0{tp}_000"]["optimizer"]["state"] for tp in (0, 1)]
     assert torch.equal(merged[1]["exp_avg"], torch.cat([pieces[0][1]["exp_avg"], pieces[1][1]["exp_avg"]], dim=1))
@@ -129,7 +127,7 @@ def test_per_parameter_form_is_layout_independent(tmp_path: Path) -> None:
         a, b = (torch.load(tmp_path / d / name, weights_only=True) for d in ("a", "b"))
         assert set(a) == {"param", "exp_avg", "exp_avg_sq", "step"}
         assert_same_tree(a, b, name)
-    model = _rank_states(tmp_path / "tp1" / "iter_0000002")["mp_rank_00"]["model"]
+    model = rank_states(tmp_path / "tp1" / "iter_0000002")["mp_rank_00"]["model"]
     qkv = torch.load(tmp_path / "a" / "decoder.layers.1.self_attention.linear_qkv.weight.pt", weights_only=True)
     assert torch.equal(qkv["param"], model["decoder.layers.1.self_attention.linear_qkv.weight"])
     index = json.loads((tmp_path / "a" / "optimizer.json").read_text())
@@ -140,7 +138,7 @@ def test_per_parameter_form_is_layout_independent(tmp_path: Path) -> None:
 def test_skip_optimizer_converts_the_model_alone(tmp_path: Path) -> None:
     result = _convert(PLAIN, tmp_path / "out", "--dst-tp", "1", "--dst-pp", "1", "--skip-optimizer")
     assert result.exit_code == 0, result.output
-    state = _rank_states(tmp_path / "out" / "iter_0000002")["mp_rank_00"]
+    state = rank_states(tmp_path / "out" / "iter_0000002")["mp_rank_00"]
     assert "optimizer" not in state and "opt_param_scheduler" not in state
 
 
@@ -200,7 +198,7 @@ def test_distributed_optimizer_round_trips_tp2_tp1_tp2_bit_exact(tmp_path: Path)
     (entry,) = flat[0].values()
     # TP1 holds every parameter once: two TP2 buffers (53568 each) less one copy of the 5 replicated norms.
     assert entry["numel_unpadded"] == entry["param"].numel() == 2 * 53568 - 5 * 64
-    original, again = _rank_states(DISTOPT / "iter_0000002"), _rank_states(tmp_path / "back" / "iter_0000002")
+    original, again = rank_states(DISTOPT / "iter_0000002"), rank_states(tmp_path / "back" / "iter_0000002")
     assert set(original) == set(again) == {"mp_rank_00", "mp_rank_01"}
     for rank, state in original.items():
         for key in ("optimizer", "opt_param_scheduler", "num_floating_point_operations_so_far", "model"):
@@ -296,11 +294,11 @@ def test_bf16_masters_grad_scaler_and_moments_round_trip_tp2_tp1_tp2_bit_exact(t
     assert any(note.startswith("optimizer (float16)") and "--no-load-rng" in note for note in report.notices)
     assert not any(note.startswith("optimizer, scheduler and RNG state are not carried") for note in report.notices)
     assert _convert(tmp_path / "tp1", tmp_path / "back", "--dst-tp", "2").exit_code == 0
-    merged = _rank_states(tmp_path / "tp1" / "iter_0000002")["mp_rank_00"]
+    merged = rank_states(tmp_path / "tp1" / "iter_0000002")["mp_rank_00"]
     masters = merged["optimizer"]["fp32_from_fp16_params"]
     assert [len(group) for group in masters] == [10, 5] and masters[0][0].dtype == torch.float32
     assert merged["model"]["embedding.word_embeddings.weight"].dtype == torch.bfloat16
-    original, again = _rank_states(BF16_PLAIN / "iter_0000002"), _rank_states(tmp_path / "back" / "iter_0000002")
+    original, again = rank_states(BF16_PLAIN / "iter_0000002"), rank_states(tmp_path / "back" / "iter_0000002")
     assert set(original) == set(again) == {"mp_rank_00", "mp_rank_01"}
     for rank, state in original.items():
         for key in ("optimizer", "opt_param_scheduler", "num_floating_point_operations_so_far", "model"):
@@ -379,7 +377,7 @@ def test_a_dp_change_keeps_every_parameters_optimizer_state_bit_exact(tmp_path: 
     # DP-replicated and distrib_optim.pt holds DP-gathered buffers, so only args' sizes may change.
     result = _convert(golden, tmp_path / "dp1", "--dst-tp", "2", "--dst-pp", "1")
     assert result.exit_code == 0, result.output
-    original, converted = _rank_states(golden / "iter_0000002"), _rank_states(tmp_path / "dp1" / "iter_0000002")
+    original, converted = rank_states(golden / "iter_0000002"), rank_states(tmp_path / "dp1" / "iter_0000002")
     assert set(original) == set(converted) == {"mp_rank_00", "mp_rank_01"}
     for rank, state in original.items():
         assert (state["args"].data_parallel_size, state["args"].world_size) == (2, 4)
@@ -425,7 +423,7 @@ def test_a_virtual_pipeline_round_trip_is_bit_exact_in_every_optimizer_tensor(tm
     assert vpp.exit_code == 0, vpp.output
     back = _convert(tmp_path / "vpp", tmp_path / "back", "--dst-tp", "2", "--dst-pp", "2")
     assert back.exit_code == 0, back.output
-    (state,) = _rank_states(tmp_path / "vpp" / "iter_0000002").values()
+    (state,) = rank_states(tmp_path / "vpp" / "iter_0000002").values()
     assert {"model0", "model1"} <= set(state) and "model" not in state
     groups = state["optimizer"]["param_groups"]
     assert [len(g["params"]) for g in groups] == [10, 5] and len(state["optimizer"]["state"]) == 15
@@ -433,7 +431,7 @@ def test_a_virtual_pipeline_round_trip_is_bit_exact_in_every_optimizer_tensor(tm
     # model0's weights (word embeddings, layer 0's proj/qkv/fc1/fc2) precede model1's.
     assert shapes[0] == tuple(state["model0"]["embedding.word_embeddings.weight"].shape)
     assert shapes[-1] == tuple(state["model1"]["output_layer.weight"].shape)
-    original, again = _rank_states(PLAIN_ITER), _rank_states(tmp_path / "back" / "iter_0000002")
+    original, again = rank_states(PLAIN_ITER), rank_states(tmp_path / "back" / "iter_0000002")
     assert set(original) == set(again) and len(original) == 4
     for rank, before in original.items():
         for key in ("optimizer", "opt_param_scheduler", "num_floating_point_operations_so_far", "iteration", "model"):

@@ -692,6 +692,12 @@ def load_for_test(path: Path) -> dict[str, object]:
         return torch.load(path, map_location="cpu", weights_only=True)
 
 
+def rank_states(iteration_dir: Path) -> dict[str, dict[str, object]]:
+    """Every rank file of an iteration (``load_for_test``), by its rank directory's name."""
+    files = sorted(iteration_dir.glob("mp_rank_*/model_optim_rng.pt"))
+    return {path.parent.name: load_for_test(path) for path in files}
+
+
 def allowed_globals() -> list[object]:
     """The classes ``load_for_test`` allows in a weights-only load."""
     import io

@@ -110,6 +110,13 @@ TRAINING_RUNS: dict[str, list[str]] = {
                                                   "1", "--ckpt-format", "torch", "--bf16", "--optimizer", "muon",
                                                   "--decoupled-lr", "5e-4", "--decoupled-min-lr", "5e-5",
                                                   "--no-save-rng", *SMALL_MODEL_FLAGS],
+    # Muon with --use-distributed-optimizer, which validate_args turns into the layer-wise distributed optimizer
+    # (use_layer_wise_distributed_optimizer; use_distributed_optimizer off): megatron-core chains the layer-wise
+    # optimizer over the Muon parameters (their state in model space) and a distributed Adam over a DDP buffer of the
+    # rest. torch_dist in its two forms: dp_reshardable (the default) and fully_reshardable.
+    "train_tp2dp2_muon_layer_wise_dp_reshardable_torch_dist": [*_DISTOPT_TORCH_DIST, "--optimizer", "muon"],
+    "train_tp2dp2_muon_layer_wise_fully_reshardable_torch_dist": [*_DISTOPT_TORCH_DIST, "--optimizer", "muon",
+                                                                  "--dist-ckpt-optim-fully-reshardable"],
 }
 # MODEL_FLAGS a run leaves out (a store_true flag cannot be switched off by a later one).
 MODEL_FLAGS_DROPPED: dict[str, tuple[str, ...]] = {

@@ -88,8 +88,9 @@ def test_goldens_are_there() -> None:
     # megatron-core 0.15.0's fully_sharded_model_space save of a MoE run's chained dense and expert optimizers (440 kB,
     # most of it per-record serialization over its eight data files); 12.8 MB with megatron-core 0.19.2's save of a
     # plain Muon run (320 kB); 13.0 MB with Megatron-LM's per-rank training save of a plain Muon run (185 kB); 13.19 MB
-    # with the same run's with --decoupled-lr (186 kB)
-    assert total < 13_250_000, total
+    # with the same run's with --decoupled-lr (186 kB); 13.71 MB with Megatron-LM's torch_dist saves of a Muon run with
+    # the layer-wise distributed optimizer in its two forms (415 kB and 317 kB)
+    assert total < 14_000_000, total
 
 
 def _dcp_entries(iteration_dir: Path) -> dict[str, object]:

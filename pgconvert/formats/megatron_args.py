@@ -115,6 +115,10 @@ def _muon(args: argparse.Namespace) -> bool:
     return _given(args, "optimizer") == "muon"
 
 
+def _layer_wise(args: argparse.Namespace) -> bool:
+    return _muon(args) and bool(_given(args, "use_layer_wise_distributed_optimizer"))
+
+
 def _mla_yarn(args: argparse.Namespace) -> bool:
     return uses_yarn(args) and _mla(args) and _given(args, "position_embedding_type") != "yarn"
 
@@ -356,9 +360,11 @@ _RUN_ROWS: tuple[ArgField, ...] = (
     _defaulted("overlap_param_gather_with_optimizer_step", False, _OPTIMIZER,
                when=lambda args: bool(_given(args, "overlap_grad_reduce"))),
     _defaulted("ddp_pad_buckets_for_high_nccl_busbw", False, _OPTIMIZER),
-    _defaulted("optimizer", "adam", f"{_OPTIMIZER}, optimizer.checks (Adam's state, or torch_dist's plain Muon)"),
-    _defaulted("use_layer_wise_distributed_optimizer", False, "optimizer.checks (refused: not mapped)",
+    _defaulted("optimizer", "adam", f"{_OPTIMIZER}, optimizer.checks (Adam's state, or Muon's)"),
+    _defaulted("use_layer_wise_distributed_optimizer", False,
+               f"{_OPTIMIZER}, optimizer.checks (Muon's layer-wise distributed optimizer: read from torch_dist)",
                origin="Megatron-LM's validate_args"),
+    _defaulted("use_layer_wise_param_layout", True, f"{_OPTIMIZER} (the legacy layout is refused)", when=_layer_wise),
     _defaulted("muon_scalar_optimizer", "adam", f"{_OPTIMIZER} (another is refused)", when=_muon),
     _optional("decoupled_lr", "None", "no embedding/output param group (a value: its max_lr)", _OPTIMIZER),
     _optional("decoupled_min_lr", "None", "that group's min_lr is min_lr (a value: its min_lr)", _OPTIMIZER),

@@ -87,6 +87,11 @@ def _cases() -> dict[str, Callable[[], argparse.Namespace]]:
         "plain Muon": lambda: _args(ModelConfig(**_DENSE), tp2, torch.bfloat16, optimizer="muon",
                                     muon_scalar_optimizer="adam", use_layer_wise_distributed_optimizer=False,
                                     use_distributed_optimizer=False),
+        # --optimizer muon --use-distributed-optimizer: the layer-wise distributed optimizer (validate_args turns
+        # use_distributed_optimizer off)
+        "layer-wise Muon": lambda: _args(ModelConfig(**_DENSE), tp2, torch.bfloat16, optimizer="muon",
+                                         muon_scalar_optimizer="adam", use_layer_wise_distributed_optimizer=True,
+                                         use_layer_wise_param_layout=True, use_distributed_optimizer=False),
         "hybrid Mamba (Nemotron-H)": lambda: _args(ModelConfig(
             **{**_DENSE, "num_layers": 4}, hybrid_override_pattern="M*M-", mamba_num_heads=8, mamba_head_dim=16,
             mamba_num_groups=2, mamba_state_dim=8, position_embedding_type="none", gated_linear_unit=False,

@@ -110,12 +110,15 @@ def test_a_destination_that_writes_adam_only_names_the_muon_state(tmp_path: Path
     assert strict.exit_code != 0 and not (tmp_path / "strict").exists()
 
 
-@pytest.mark.parametrize("setting", [{"use_layer_wise_distributed_optimizer": True},
-                                     {"muon_scalar_optimizer": "lion"}])
-def test_a_muon_run_whose_layout_is_not_mapped_is_named(setting: dict[str, object], tmp_path: Path) -> None:
+# the layer-wise distributed optimizer's legacy layout (every parameter in its own buffer), another scalar optimizer
+@pytest.mark.parametrize("setting, name", [
+    ({"use_layer_wise_distributed_optimizer": True, "use_layer_wise_param_layout": False},
+     "use_layer_wise_param_layout"),
+    ({"muon_scalar_optimizer": "lion"}, "muon_scalar_optimizer")])
+def test_a_muon_run_whose_layout_is_not_mapped_is_named(setting: dict[str, object], name: str,
+                                                        tmp_path: Path) -> None:
     src = convert_strict(GOLDEN, tmp_path / "src", "--dst-format", "torch_dist", *FOR_MCORE_016_CLI)
     edit_common(src / ITER, lambda common: vars(common["args"]).update(setting))
-    (name,) = setting
     assert_clean_refusal(run_cli("export-optimizer", src, tmp_path / "export"), 2, "args.optimizer='muon'",
                          "--skip-optimizer")
     with pytest.raises(UnsupportedOptimizerError, match=rf"args.optimizer='muon' with .*{name}"):

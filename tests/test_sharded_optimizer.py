@@ -86,6 +86,10 @@ IN_TORCH_DIST = {
     "fully_sharded_model_space": (GOLDENS / "mcore015_tp2dp2_distopt_fs_model_space_torch_dist", LEGACY),
     # megatron-core 0.19.2's plain Muon optimizer (chained Muon and Adam)
     "plain-muon": (GOLDENS / "mcore019_tp2_muon_bf16_torch_dist", LEGACY),
+    # Megatron-LM's layer-wise Muon runs (Muon's records in model space, Adam's flat or fully reshardable)
+    "layer-wise-dp_reshardable": (GOLDENS / "train_tp2dp2_muon_layer_wise_dp_reshardable_torch_dist",
+                                  (*LEGACY, "--dst-dp", "2")),
+    "layer-wise-fully_reshardable": (GOLDENS / "train_tp2dp2_muon_layer_wise_fully_reshardable_torch_dist", LEGACY),
     # megatron-core 0.15.0's chained dense and expert optimizers, resharded from EP2 to EP4
     "fully_sharded_model_space-moe-ep": (GOLDENS / "mcore015_tp1ep2dp4_moe_distopt_fs_model_space_torch_dist",
                                          (*LEGACY, "--dst-ep", "4")),

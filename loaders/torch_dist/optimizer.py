@@ -25,7 +25,11 @@ parameter state in the form ``metadata['distrib_optim_sharding_type']`` names (M
 - no distributed optimizer (``plain``): megatron-core's plain optimizer's records
   ``optimizer.state.{fp32_param (bf16/fp16 only),exp_avg,exp_avg_sq}.<model key>``, chunked as the model's, and
   ``state.common_step`` / ``param_groups`` in the common state (``loaders/torch_dist/optimizer_forms.py``);
-  presented in its per-rank form (``float16`` or ``fp32``: the fp32 master is then the model weight).
+  presented in its per-rank form (``float16`` or ``fp32``: the fp32 master is then the model weight);
+- a layer-wise Muon run (``OptimizerRules.layer_wise``): each chained optimizer in its own form, the layer-wise one's
+  Muon state plain (``chained_0.``-prefixed in dp_reshardable), the distributed Adam's dp_reshardable or
+  fully_reshardable over its own buffer (``_shardings``, ``optimizer_forms.layer_wise_shardings``); presented as
+  ``layer-wise``.
 
 Each read is one parameter's box (``TorchDistSource.load_state`` / ``load_flat``: in-place record
 reads), so memory holds one parameter's state at a time. Every writer takes this source as any
@@ -46,8 +50,8 @@ from pgconvert.formats.torch_dist_optimizer import (DP_RESHARDABLE, FS_MODEL_SPA
                                                     object_key, record_prefix, scaler_key, state_key)
 from pgconvert.io.limits import quote
 from pgconvert.loaders.torch_dist.fs_model_space import chunk_shape
-from pgconvert.loaders.torch_dist.optimizer_forms import (object_value, plain_form, plain_inner, plain_step,
-                                                          sharding_type)
+from pgconvert.loaders.torch_dist.optimizer_forms import (layer_wise_shardings, object_value, plain_form, plain_inner,
+                                                          plain_step, sharding_type)
 from pgconvert.model.grid import RankCoord
 from pgconvert.model.rules import ReplicaMismatchError, ShardRule
 from pgconvert.optimizer.data_parallel import dp_size, optimizer_dp, optimizer_ranks
@@ -56,8 +60,9 @@ from pgconvert.optimizer.order import (MEGATRON_CORE_VERSIONS, OptimizerLayoutEr
                                        UnsupportedOptimizerError, chained_slots, check_supported, optimizer_count,
                                        optimizer_slots)
 from pgconvert.optimizer.scaler import held_scalers
-from pgconvert.optimizer.source import (ABSENT, CARRIED_KEYS, FIELDS, FORM_DISTRIBUTED, FORM_FP32, OptimizerSource,
-                                        SourceRank, StoredCopy, optimizer_label, rounds_to)
+from pgconvert.optimizer.source import (ABSENT, CARRIED_KEYS, FIELDS, FORM_DISTRIBUTED, FORM_FP16, FORM_FP32,
+                                        FORM_LAYER_WISE, OptimizerSource, SourceRank, StoredCopy, optimizer_label,
+                                        rounds_to)
 
 _VERSIONS = "megatron-core " + " / ".join(MEGATRON_CORE_VERSIONS)
 
@@ -82,25 +87,16 @@ class TorchDistOptimizerSource(OptimizerSource):
         self.vocab_rows = source.vocab_rows
         where = f"{source.directory} (common state)"
         common = source.common_state
-        self.sharding = sharding_type(common, where)
-        plain = plain_form(common, where) if self.sharding is None else None  # the plain optimizer's form
-        if self.sharding is None and plain is None:
-            detail = "no optimizer entry (saved with --no-save-optim?)" if "optimizer" not in common else \
-                "the optimizer is neither megatron-core's distributed optimizer (no param_state_sharding_type) " \
-                "nor its plain one (no state.common_step and param_groups)"
-            raise UnsupportedOptimizerError(f"{where}: {detail}: its state is not carried from torch_dist; "
-                                            "pass --skip-optimizer")
-        self.sharding = self.sharding or PLAIN
-        check_supported(self.config, where)
         args = common.get("args")
         self.rules = OptimizerRules.from_args(args, where)
-        self.form = plain or FORM_DISTRIBUTED  # a plain source presents itself in its per-rank form
+        self._read_forms(common, where)
+        check_supported(self.config, where)
         self.args = args
         self._owners = self._index_slots()
         chained = self._chained = self._chained_groups(common, where)
         stepped = [self.rules.stepped(index) for index in range(len(chained))]
-        self._step = plain_step(common["optimizer"], plain, where, stepped) if plain else \
-            _one_step([group for groups in chained for group in groups], where)
+        self._step = plain_step(common["optimizer"], self._plain_form, where, stepped) if self.sharding == PLAIN \
+            else _one_step([group for index, groups in enumerate(chained) if stepped[index] for group in groups], where)
         extra = {key: common[key] for key in (*CARRIED_KEYS, "iteration", "args") if key in common}
         extra["distributed_entries"] = [{"optimizer": {"param_groups": groups}} for groups in chained]
         self.first = SourceRank(source.directory, extra)
@@ -114,6 +110,33 @@ class TorchDistOptimizerSource(OptimizerSource):
         self._check_stored()
         if self.form != FORM_FP32:  # FP32Optimizer keeps no masters: the weights are
             self._check_masters()
+
+    def _read_forms(self, common: dict[str, Any], where: str) -> None:
+        """The stored form: ``sharding`` (the distributed optimizer's, else ``plain``), ``_shardings`` (per chained
+        optimizer: a layer-wise Muon run's Muon state is stored in the plain form, its Adam state in the distributed
+        one's), ``form`` (what the source presents: a plain optimizer its per-rank form) and ``_plain_form`` (the
+        form of the records stored plain)."""
+        count = optimizer_count(self.config, self.layout, self.rules)
+        if self.rules.layer_wise:
+            self._shardings = layer_wise_shardings(common, where)
+            self.sharding, self.form, self._plain_form = self._shardings[1], FORM_LAYER_WISE, FORM_FP16
+            return
+        sharding = sharding_type(common, where)
+        plain = plain_form(common, where) if sharding is None else None  # the plain optimizer's form
+        if sharding is None and plain is None:
+            detail = "no optimizer entry (saved with --no-save-optim?)" if "optimizer" not in common else \
+                "the optimizer is neither megatron-core's distributed optimizer (no param_state_sharding_type) " \
+                "nor its plain one (no state.common_step and param_groups)"
+            raise UnsupportedOptimizerError(f"{where}: {detail}: its state is not carried from torch_dist; "
+                                            "pass --skip-optimizer")
+        self.sharding = sharding or PLAIN
+        self._shardings = [self.sharding] * count
+        self.form = plain or FORM_DISTRIBUTED  # a plain source presents itself in its per-rank form
+        self._plain_form = plain or ""
+
+    def _sharding_of(self, name: str) -> str:
+        """The form ``name``'s state is stored in (its chained optimizer's)."""
+        return self._shardings[self.optimizer_of(name)]
 
     def _index_slots(self) -> dict[str, list[tuple[_Owner, OptimizerSlot]]]:
         """Per canonical name its TP pieces (expert TP pieces for an expert), from the first stage holding it: every
@@ -139,19 +162,17 @@ class TorchDistOptimizerSource(OptimizerSource):
         dp_reshardable (the same on every rank), ``chained_<i>.``-prefixed per optimizer when chained."""
         counts = [len(groups) for groups in chained_slots(self.config, self.layout, RankCoord(0, 0, 0), self.rules,
                                                           self.vocab_rows)]
-        if self.sharding == DP_RESHARDABLE:  # per chained optimizer, its chained_<i>.-prefixed object
-            entries = chained_entries(common["optimizer"])
-            if len(entries) == len(counts):
-                keys = [object_key(record_prefix(self.config, self.layout, RankCoord(0, 0, 0), index), "optimizer")
-                        for index in range(len(entries))]
-                read = self.source.read_objects(keys)
-                values = [object_value(read[key]) for key in keys]
-                where = f"{self.source.directory}: {', '.join(keys)}"
-            else:
-                values = entries
-        else:
-            values = [plain_inner(entry, self.form) if self.sharding == PLAIN else entry.get("optimizer")
-                      for entry in chained_entries(common["optimizer"])]  # the torch optimizer's
+        entries = chained_entries(common["optimizer"])
+        values: list[Any] = list(entries)
+        if len(entries) == len(counts):  # dp_reshardable: the optimizer's chained_<i>.-prefixed object
+            keys = {index: object_key(self._record_prefix(RankCoord(0, 0, 0), index), "optimizer")
+                    for index, sharding in enumerate(self._shardings) if sharding == DP_RESHARDABLE}
+            read = self.source.read_objects(list(keys.values()))
+            for index, entry in enumerate(entries):
+                values[index] = object_value(read[keys[index]]) if index in keys else \
+                    plain_inner(entry, self._plain_form) if self._shardings[index] == PLAIN else entry.get("optimizer")
+            if keys:
+                where = f"{self.source.directory}: {', '.join(keys.values())}"
         if len(values) != len(counts):
             raise OptimizerLayoutError(
                 f"{where}: optimizer holds {len(values)} optimizer(s), but {_VERSIONS} chains {len(counts)} for this "
@@ -159,15 +180,19 @@ class TorchDistOptimizerSource(OptimizerSource):
         return [self._groups(value, count, where) for value, count in zip(values, counts)]
 
     def _grad_scalers(self, common: dict[str, Any]) -> list[Any]:
-        """Per chained optimizer its grad scaler (None: none): common state in the model-space forms, the
+        """Per chained optimizer its grad scaler (None: none): common state in the model-space and plain forms, the
         ShardedObject of model-parallel rank 0 (of each chained optimizer) for dp_reshardable
         (``pgconvert.optimizer.scaler``)."""
-        if self.sharding != DP_RESHARDABLE:
-            return held_scalers(chained_entries(common["optimizer"]))
-        keys = [scaler_key(record_prefix(self.config, self.layout, RankCoord(0, 0, 0), index))  # per chained one
-                for index in range(optimizer_count(self.config, self.layout))]
-        values = self.source.read_objects([key for key in keys if self.source.holds_entry(key)])
-        return [object_value(values[key]) if key in values else None for key in keys]
+        held = held_scalers(chained_entries(common["optimizer"]))
+        keys = {index: scaler_key(self._record_prefix(RankCoord(0, 0, 0), index))  # per chained one
+                for index, sharding in enumerate(self._shardings) if sharding == DP_RESHARDABLE}
+        values = self.source.read_objects([key for key in keys.values() if self.source.holds_entry(key)])
+        return [(object_value(values[keys[index]]) if keys[index] in values else None) if index in keys else
+                (held[index] if index < len(held) else None) for index in range(len(self._shardings))]
+
+    def _record_prefix(self, coord: RankCoord, optimizer: int) -> str:
+        """dp_reshardable: the records' prefix of chained optimizer ``optimizer`` on rank ``coord``."""
+        return record_prefix(self.config, self.layout, coord, optimizer, self.rules)
 
     def stored_copies(self) -> list[StoredCopy]:
         """The common state (the carried counters, the param groups and grad scalers but for dp_reshardable, a
@@ -176,14 +201,14 @@ class TorchDistOptimizerSource(OptimizerSource):
         common = self.source.common_state
         values: dict[str, Any] = {key: common.get(key, ABSENT) for key in (*CARRIED_KEYS, "iteration")}
         count = len(self._chained)
-        copies = self._rank_objects() if self.sharding == DP_RESHARDABLE else []
-        if not copies:
-            for index, groups in enumerate(self._chained):
+        copies = self._rank_objects()
+        for index, groups in enumerate(self._chained):
+            if self._shardings[index] != DP_RESHARDABLE:
                 values[f"{optimizer_label(index, count)}.param_groups"] = groups
                 values[f"{optimizer_label(index, count)}.grad_scaler"] = self.grad_scalers[index]
         if self.sharding == PLAIN:
             values["optimizer.state[*].step"] = [self._step]
-        if self.form == FORM_DISTRIBUTED:
+        if self.form in (FORM_DISTRIBUTED, FORM_LAYER_WISE):
             values["dtype_key"] = [self.dtype_key]
         return [StoredCopy(f"{self.source.directory} (common state)", values), *copies]
 
@@ -191,8 +216,9 @@ class TorchDistOptimizerSource(OptimizerSource):
         """dp_reshardable: per chained optimizer, each model-parallel rank's param groups and grad scaler (its
         ShardedObjects ``<prefix>.optimizer`` and ``<prefix>.grad_scaler``)."""
         count = len(self._chained)
-        prefixes = [(index, record_prefix(self.config, self.layout, coord, index)) for index in range(count)
-                    for coord in optimizer_ranks(self.config, self.layout, index)]
+        prefixes = [(index, self._record_prefix(coord, index)) for index in range(count)
+                    if self._shardings[index] == DP_RESHARDABLE
+                    for coord in optimizer_ranks(self.config, self.layout, index, self.rules)]
         scalers = {prefix: scaler_key(prefix) for _, prefix in prefixes if self.source.holds_entry(scaler_key(prefix))}
         read = self.source.read_objects([object_key(prefix, "optimizer") for _, prefix in prefixes]
                                         + list(scalers.values()))
@@ -207,7 +233,7 @@ class TorchDistOptimizerSource(OptimizerSource):
 
     def stored_parts(self, name: str, key: str) -> list[tuple[str, torch.Tensor]]:
         where = self.source.directory
-        if self.sharding == DP_RESHARDABLE:
+        if self._sharding_of(name) == DP_RESHARDABLE:
             parts = []
             for owner, slot in self._owners[name]:
                 gbuf, placed = self._gbuf_placed(owner.coord, slot)
@@ -215,7 +241,7 @@ class TorchDistOptimizerSource(OptimizerSource):
                 parts.append((f"{where}: {record}", self._flat_piece(owner, slot, key)))
             return parts
         prefix = self._model_space_prefix(key, name)
-        read = self.source.load_flattened_state if self.sharding == FS_MODEL_SPACE else self.source.load_state
+        read = self.source.load_flattened_state if self._sharding_of(name) == FS_MODEL_SPACE else self.source.load_state
         keys = ", ".join(prefix + key for key in self.source.model_keys(name))
         return [(f"{where}: {keys}", read(name, prefix))]
 
@@ -230,17 +256,17 @@ class TorchDistOptimizerSource(OptimizerSource):
     def bucket_key(self, coord: RankCoord, chunk: int, field: str, bucket: int = 0, optimizer: int = 0) -> str:
         """The record of buffer ``chunk`` (``gbuf_idx``), bucket and field of chained optimizer ``optimizer`` on rank
         ``coord`` (``record_prefix``: megatron-core's ``data_parallel_group_idx``)."""
-        return bucket_key(record_prefix(self.config, self.layout, coord, optimizer), chunk, self.dtype_key, bucket,
-                          field)
+        return bucket_key(self._record_prefix(coord, optimizer), chunk, self.dtype_key, bucket, field)
 
     def _flat_expected(self) -> dict[str, tuple[int, ...]]:
         """dp_reshardable: per chained optimizer and rank storing it, its buffers (``_flat``), and every bucket
         record's key and size (one record per DDP bucket, of the bucket's unpadded size)."""
         where = f"{self.source.directory} (layout {self.layout.describe()})"
         self._flat = {}
-        for index in range(optimizer_count(self.config, self.layout)):
-            optimizer_dp(self.config, self.layout, dp_size(self.args), self.args, index, where)  # refuses by name
-            for coord in optimizer_ranks(self.config, self.layout, index):
+        for index in (index for index, sharding in enumerate(self._shardings) if sharding == DP_RESHARDABLE):
+            optimizer_dp(self.config, self.layout, dp_size(self.args), self.args, index, where,
+                         self.rules)  # refuses by name
+            for coord in optimizer_ranks(self.config, self.layout, index, self.rules):
                 self._flat[(coord, index)] = flat_buffers(self.config, self.layout, coord, self.rules, self.vocab_rows,
                                                           self.args, dp_size(self.args), index)
         # a buffer's index is not its chunk's where a chunk before it has no parameters
@@ -255,29 +281,30 @@ class TorchDistOptimizerSource(OptimizerSource):
         """What the model-space and plain forms put before ``name``'s model key for field ``key``: its chained
         optimizer's prefix (``chain_prefixes``) and ``optimizer.state.<stored field>.``; "" for an fp32 plain
         optimizer's master (the model weight itself)."""
-        if self.sharding == PLAIN:
-            stored = PLAIN_FIELDS[self.form][key]
+        sharding = self._sharding_of(name)
+        if sharding == PLAIN:
+            stored = PLAIN_FIELDS[self._plain_form][key]
             if not stored:
                 return ""
         else:
-            stored = MODEL_SPACE_FIELDS[self.sharding][key]
+            stored = MODEL_SPACE_FIELDS[sharding][key]
         return self._chain_prefixes[self.optimizer_of(name)] + state_key(stored, "")
 
     def _check_stored(self) -> None:
         """Every record the layout needs is there with the size it derives (refused by name otherwise)."""
         stored = self.source.tensor_keys()
-        if self.sharding == DP_RESHARDABLE:
-            expected = self._flat_expected()
+        expected = {self._model_space_prefix(key, name) + model_key: stored[model_key] for name in self.names()
+                    if self._sharding_of(name) != DP_RESHARDABLE
+                    for model_key in self.source.model_keys(name) for key in self.fields(name)}
+        extra = []
+        if self.sharding == FS_MODEL_SPACE:  # chunk counts per axis, then one chunk's elements
+            for key, shape in expected.items():
+                if key in stored:
+                    chunk_shape(stored[key], shape, f"{self.source.directory}: {quote(key)}")
+            expected = {key: stored.get(key) for key in expected}
+        if DP_RESHARDABLE in self._shardings:
+            expected.update(self._flat_expected())
             extra = sorted(key for key in stored if key.startswith(("optimizer.", "chained_")) and key not in expected)
-        else:
-            expected = {self._model_space_prefix(key, name) + model_key: stored[model_key] for name in self.names()
-                        for model_key in self.source.model_keys(name) for key in self.fields(name)}
-            extra = []
-            if self.sharding == FS_MODEL_SPACE:  # chunk counts per axis, then one chunk's elements
-                for key, shape in expected.items():
-                    if key in stored:
-                        chunk_shape(stored[key], shape, f"{self.source.directory}: {quote(key)}")
-                expected = {key: stored.get(key) for key in expected}
         for key, shape in expected.items():
             if key not in stored:
                 raise OptimizerLayoutError(
@@ -287,8 +314,8 @@ class TorchDistOptimizerSource(OptimizerSource):
                 raise OptimizerLayoutError(
                     f"{self.source.directory}: {quote(key)} has global shape {list(stored[key])}; the model at "
                     f"{self.layout.describe()} gives {list(shape)} ({self.sharding}: " + (
-                        "reverse parameter order, 64-element alignment, DDP buckets)" if self.sharding ==
-                        DP_RESHARDABLE else "the model tensor's global shape)"))
+                        "reverse parameter order, 64-element alignment, DDP buckets)" if ".distributed." in key
+                        else "the model tensor's global shape)"))
         if extra:
             raise OptimizerLayoutError(
                 f"{self.source.directory}: optimizer records {quote(extra[:4], 200)} are not ones the layout "
@@ -300,7 +327,7 @@ class TorchDistOptimizerSource(OptimizerSource):
         a time)."""
         for name in self.names():
             model = self.source.load(name)
-            if self.sharding != DP_RESHARDABLE:
+            if self._sharding_of(name) != DP_RESHARDABLE:
                 ((record, master),) = self.stored_parts(name, "param")
                 if not rounds_to(master, model):
                     raise OptimizerLayoutError(
@@ -354,9 +381,10 @@ class TorchDistOptimizerSource(OptimizerSource):
                 f"{_VERSIONS} uses") from error
 
     def _parameter(self, name: str) -> dict[str, torch.Tensor]:
-        if self.sharding == DP_RESHARDABLE:
+        sharding = self._sharding_of(name)
+        if sharding == DP_RESHARDABLE:
             merged = {key: self._merged(name, key) for key in FIELDS}
-        elif self.sharding == FS_MODEL_SPACE:
+        elif sharding == FS_MODEL_SPACE:
             merged = {key: self.source.load_flattened_state(name, self._model_space_prefix(key, name))
                       for key in FIELDS}
         else:
@@ -368,10 +396,11 @@ class TorchDistOptimizerSource(OptimizerSource):
 
     def _piece(self, name: str, key: str, size: int, rank: int, rows: int | None,
                rule: ShardRule | None = None) -> torch.Tensor:
-        if self.sharding == DP_RESHARDABLE:
+        sharding = self._sharding_of(name)
+        if sharding == DP_RESHARDABLE:
             return super()._piece(name, key, size, rank, rows, rule)
         rule = rule or self.rule(name)  # the whole tensor, cut the target's way
-        if self.sharding == FS_MODEL_SPACE:  # the whole parameter's record, cut
+        if sharding == FS_MODEL_SPACE:  # the whole parameter's record, cut
             whole = [self.source.load_flattened_state(name, self._model_space_prefix(key, name))]
             if rule.fits_rows and rows is not None:
                 return rule.reshard_rows(whole, rows, self.config.vocab_size, size, rank)

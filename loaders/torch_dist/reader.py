@@ -72,7 +72,7 @@ class TorchDistSource(CanonicalSource):
 
     format_name = "torch_dist"
     # megatron-core 0.19.2's plain Muon optimizer too (loaders/torch_dist/optimizer.py)
-    optimizer_kinds = ("adam", "muon")
+    optimizer_kinds = ("adam", "muon", "muon layer-wise")
 
     def __init__(self, iteration_dir: Path, iteration: int | None, release: bool, options: LoadOptions,
                  root: Path | None = None) -> None:

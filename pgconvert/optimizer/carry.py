@@ -173,11 +173,13 @@ def attach_masters(conversion: Plan) -> None:
 def _kind_refusal(conversion: Plan, optimizer: OptimizerSource) -> str | None:
     """Why an optimizer other than Adam (a Muon run's) is not written here (None: it is): a destination that writes
     only Adam's state."""
-    kind = optimizer.rules.kind
+    kind = optimizer.rules.stored_kind
     if kind not in conversion.saver.optimizer_kinds:
         writers = [name for name in saver_names() if kind in get_saver(name).optimizer_kinds]
-        return (f"optimizer state not carried: {optimizer.first.path}: args.optimizer={quote(kind)}: its state is "
-                f"written into {', '.join(writers)} only, not {conversion.dst_format}; pass --skip-optimizer")
+        how = " with the layer-wise distributed optimizer" if optimizer.rules.layer_wise else ""
+        return (f"optimizer state not carried: {optimizer.first.path}: args.optimizer={quote(optimizer.rules.kind)}"
+                f"{how}: its state is written into {', '.join(writers)} only, not {conversion.dst_format}; pass "
+                "--skip-optimizer")
     return None
 
 

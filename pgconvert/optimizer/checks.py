@@ -35,10 +35,10 @@ from pgconvert.formats.stream import CanonicalSource
 from pgconvert.io.limits import quote
 from pgconvert.io.sizes import dtype_name
 from pgconvert.optimizer.flat import buffer_dtype_key
-from pgconvert.optimizer.order import (MEGATRON_CORE_VERSIONS, OptimizerLayoutError, UnsupportedOptimizerError,
-                                       group_counts)
-from pgconvert.optimizer.source import (ABSENT, FORM_DISTRIBUTED, FORM_FP16, FORM_FP32, OptimizerSource,
-                                        StoredCopy, optimizer_label)
+from pgconvert.optimizer.order import (LAYER_WISE_MUON, MEGATRON_CORE_VERSIONS, MUON, OptimizerLayoutError,
+                                       UnsupportedOptimizerError, group_counts)
+from pgconvert.optimizer.source import (ABSENT, FORM_DISTRIBUTED, FORM_FP16, FORM_FP32, FORM_LAYER_WISE,
+                                        OptimizerSource, StoredCopy, optimizer_label)
 
 _VERSIONS = "megatron-core " + " / ".join(MEGATRON_CORE_VERSIONS)
 # Param-group hyperparameters that are finite numbers >= 0: torch.optim.Adam refuses a negative lr or weight decay,
@@ -75,11 +75,14 @@ def optimizer_kind_refusal(source: CanonicalSource) -> str | None:
     args = source.megatron_args
     kind = getattr(args, "optimizer", None) or "adam"
     layer_wise = bool(getattr(args, "use_layer_wise_distributed_optimizer", False))
-    if kind in source.optimizer_kinds and not layer_wise:
+    if (LAYER_WISE_MUON if layer_wise and kind == MUON else kind) in source.optimizer_kinds:
         return None
     how = " with the layer-wise distributed optimizer (use_layer_wise_distributed_optimizer)" if layer_wise else ""
     state = OTHER_OPTIMIZERS.get(kind, "state of its own")
-    read = " and, from torch_dist and per-rank files, plain Muon's" if kind == "muon" and not layer_wise else ""
+    read = ""
+    if kind == MUON:
+        read = (" and Muon's: plain from torch_dist and per-rank files, with the layer-wise distributed optimizer from "
+                "torch_dist")
     return (f"{source.describe()}: args.optimizer={quote(kind)}{how}: the run's optimizer state ({state}) is not "
             f"read from {source.format_name}; pgconvert carries megatron-core's Adam state (exp_avg, exp_avg_sq, step "
             f"and the fp32 masters){read}; pass --skip-optimizer to convert the model alone")
@@ -115,7 +118,7 @@ def check_state(optimizer: OptimizerSource, weight_dtypes: dict[str, torch.dtype
             raise _refuse(copy, "iteration", held, f"the checkpoint is iteration {iteration} (its directory); "
                                                    "the optimizer state is carried for that one")
     _check_group_counts(optimizer, copies)
-    if optimizer.form == FORM_DISTRIBUTED:
+    if optimizer.form in (FORM_DISTRIBUTED, FORM_LAYER_WISE):
         _check_dtype_keys(optimizer, copies, weight_dtypes)
     else:
         _check_plain_form(optimizer, weight_dtypes)

@@ -25,7 +25,7 @@ from pgconvert.formats.megatron_args import megatron_data_parallel_size
 from pgconvert.model.config import ModelConfig
 from pgconvert.model.grid import RankCoord
 from pgconvert.model.layout import ParallelLayout
-from pgconvert.optimizer.order import UnsupportedOptimizerError
+from pgconvert.optimizer.order import OptimizerRules, UnsupportedOptimizerError
 
 if TYPE_CHECKING:
     from pgconvert.formats import Saver
@@ -67,11 +67,12 @@ def with_dst_dp(args: Any, layout: ParallelLayout, dp: int) -> Any:
     return updated
 
 
-def optimizer_ranks(config: ModelConfig, layout: ParallelLayout, optimizer: int) -> list[RankCoord]:
+def optimizer_ranks(config: ModelConfig, layout: ParallelLayout, optimizer: int,
+                    rules: OptimizerRules = OptimizerRules()) -> list[RankCoord]:
     """The ranks whose state chained optimizer ``optimizer`` keeps apart, in megatron-core's model-parallel order:
     dense, one per TP x PP (its parameters are the same on every EP rank); expert, one per expert TP x EP x PP (with an
-    expert tensor-parallel size other than TP, each named by its ``etp`` rank)."""
-    if optimizer == 0:
+    expert tensor-parallel size other than TP, each named by its ``etp`` rank). ``rules``: which is the expert one."""
+    if not rules.is_expert_optimizer(optimizer):
         return [RankCoord(tp=tp, pp=pp) for pp in range(layout.pp) for tp in range(layout.tp)]
     if layout.expert_tp_size == layout.tp:
         return [RankCoord(tp=tp, pp=pp, ep=ep) for pp in range(layout.pp) for ep in range(layout.ep)
@@ -80,12 +81,13 @@ def optimizer_ranks(config: ModelConfig, layout: ParallelLayout, optimizer: int)
             for etp in range(layout.expert_tp_size)]
 
 
-def optimizer_dp(config: ModelConfig, layout: ParallelLayout, dp: int, args: Any, optimizer: int, where: str) -> int:
+def optimizer_dp(config: ModelConfig, layout: ParallelLayout, dp: int, args: Any, optimizer: int, where: str,
+                 rules: OptimizerRules = OptimizerRules()) -> int:
     """The data-parallel size that chained optimizer ``optimizer``'s buckets are padded and split by: ``dp * cp``
     (dense: megatron-core's ``intra_dp_cp`` group, which holds the context-parallel ranks too), or the expert
-    data-parallel size ``tp * cp * dp / (expert_tp * ep)``."""
+    data-parallel size ``tp * cp * dp / (expert_tp * ep)`` (``rules``: which is the expert one)."""
     cp = int(getattr(args, "context_parallel_size", None) or 1)
-    if optimizer == 0:
+    if not rules.is_expert_optimizer(optimizer):
         return dp * cp
     ranks = layout.tp * cp * dp
     if ranks % (layout.expert_tp_size * layout.ep):

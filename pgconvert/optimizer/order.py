@@ -66,9 +66,12 @@ Muon (Megatron-LM's ``--optimizer muon`` without the distributed optimizer; mega
 (no override: its key sorts first) one group, then Adam's weight-decay group (the embedding and output layer; with
 ``decoupled_lr`` their ``max_lr``/``min_lr`` group, whose key also sorts before the norms') and its no-weight-decay
 group, each in ``named_parameters()`` order, and ``get_megatron_optimizer`` chains the two. Muon keeps an fp32 master
-and a ``momentum_buffer`` per parameter and no step. Refused by name: the layer-wise distributed optimizer, another
-scalar optimizer and MoE models (``_refuse_muon_variants``). Checked against megatron-core 0.19.2's own TP2 save and
-Megatron-LM d98e8a64's own per-rank saves, with and without ``--decoupled-lr`` (``tests/test_optimizer_muon.py``).
+and a ``momentum_buffer`` per parameter and no step. With ``--use-distributed-optimizer`` (``layer_wise``) the same
+two are megatron-core's layer-wise optimizer and a distributed Adam (``OptimizerRules.distributed``). Refused by name:
+another scalar optimizer, MoE models, the layer-wise optimizer's legacy layout and float32 runs
+(``_refuse_muon_variants``). Checked against megatron-core 0.19.2's own TP2 save and Megatron-LM d98e8a64's own
+saves, per-rank with and without ``--decoupled-lr`` and layer-wise in torch_dist (``tests/test_optimizer_muon.py``,
+``tests/test_optimizer_layer_wise.py``).
 
 Mixture of experts: a routed expert's linears are ``allreduce=False`` only when
 ``expert_model_parallel_size > 1`` (``ColumnParallelLinear``/``RowParallelLinear``: ``not (is_expert
@@ -197,6 +200,9 @@ class OptimizerSlot:
 ADAM_FIELDS = ("param", "exp_avg", "exp_avg_sq")
 MUON_FIELDS = ("param", "momentum_buffer")
 ADAM, MUON = "adam", "muon"
+# What a format's reader and writer declare they carry (``optimizer_kinds``): ``args.optimizer``, and for Muon with the
+# layer-wise distributed optimizer this name.
+LAYER_WISE_MUON = "muon layer-wise"
 
 
 @dataclass(frozen=True)
@@ -210,6 +216,10 @@ class OptimizerRules:
     decoupled_min_lr: float | None = None
     # ``args.optimizer``: Adam, or Muon (chained: Muon for the 2-dim weights, then Adam for the rest).
     kind: str = ADAM
+    # ``use_layer_wise_distributed_optimizer`` (Muon with ``--use-distributed-optimizer``): the layer-wise optimizer
+    # over Muon's parameters (each a whole tensor, its state in model space), chained with a distributed Adam over a
+    # DDP buffer of the rest.
+    layer_wise: bool = False
 
     @classmethod
     def from_args(cls, args: argparse.Namespace | None, where: str) -> OptimizerRules:
@@ -223,7 +233,13 @@ class OptimizerRules:
         if kind == MUON:
             _refuse_muon_variants(args, where)
         return cls(apply_wd_to_qk_layernorm=bool(getattr(args, "apply_wd_to_qk_layernorm", False)),
-                   decoupled_lr=decoupled[0], decoupled_min_lr=decoupled[1], kind=kind)
+                   decoupled_lr=decoupled[0], decoupled_min_lr=decoupled[1], kind=kind,
+                   layer_wise=kind == MUON and bool(getattr(args, "use_layer_wise_distributed_optimizer", False)))
+
+    @property
+    def stored_kind(self) -> str:
+        """The kind of state the run saved, as ``optimizer_kinds`` name it."""
+        return LAYER_WISE_MUON if self.layer_wise else self.kind
 
     def fields(self, optimizer: int) -> tuple[str, ...]:
         """The per-parameter state fields of chained optimizer ``optimizer``: Muon's (the first of a Muon run's
@@ -239,6 +255,11 @@ class OptimizerRules:
         """Whether chained optimizer ``optimizer`` counts steps (Adam; Muon keeps none)."""
         return "exp_avg" in self.fields(optimizer)
 
+    def distributed(self, optimizer: int) -> bool:
+        """Whether chained optimizer ``optimizer`` is megatron-core's distributed optimizer of its run (the layer-wise
+        Muon run's Adam one; else decided by the run's form, not here)."""
+        return self.layer_wise and optimizer == 1
+
     def is_expert_optimizer(self, optimizer: int) -> bool:
         """Whether chained optimizer ``optimizer`` is the expert-parallel one (an Adam run's second; a Muon run's
         second is its scalar Adam optimizer)."""
@@ -246,18 +267,22 @@ class OptimizerRules:
 
 
 def _refuse_muon_variants(args: argparse.Namespace, where: str) -> None:
-    """The Muon runs whose optimizer layout is not mapped, refused by name: the layer-wise distributed optimizer,
-    a scalar optimizer other than Adam, MoE (Muon and Adam each chain a dense and an expert optimizer)."""
-    refused = {"use_layer_wise_distributed_optimizer": bool(getattr(args, "use_layer_wise_distributed_optimizer",
-                                                                      False)),
-               "muon_scalar_optimizer": (getattr(args, "muon_scalar_optimizer", None) or ADAM) != ADAM,
-               "num_experts": bool(getattr(args, "num_experts", None))}
+    """The Muon runs whose optimizer layout is not mapped, refused by name: a scalar optimizer other than Adam, MoE
+    (Muon and Adam each chain a dense and an expert optimizer), the layer-wise distributed optimizer's legacy
+    layout (``--no-use-layer-wise-param-layout``: every parameter in the layer-wise optimizer's buffer)."""
+    layer_wise = bool(getattr(args, "use_layer_wise_distributed_optimizer", False))  # float32: torch's own optimizers
+    refused = {"muon_scalar_optimizer": (getattr(args, "muon_scalar_optimizer", None) or ADAM) != ADAM,
+               "num_experts": bool(getattr(args, "num_experts", None)),
+               "use_layer_wise_param_layout": layer_wise and getattr(args, "use_layer_wise_param_layout", None) in (
+                   False, 0),  # absent or None: Megatron-LM's default, the precomputed layout
+               "bf16": layer_wise and not getattr(args, "bf16", False)}
     for name, held in refused.items():
         if held:
             raise UnsupportedOptimizerError(
-                f"{where}: args.optimizer='muon' with args.{name}={quote(getattr(args, name))}: pgconvert maps "
-                "megatron-core 0.19.2's plain Muon optimizer of a dense model (Muon for the 2-dim weights, Adam for "
-                "the embedding, output layer and norms) only; pass --skip-optimizer")
+                f"{where}: args.optimizer='muon' with args.{name}={quote(getattr(args, name, None))}: pgconvert maps "
+                "megatron-core's Muon optimizers of a dense model (Muon for the 2-dim weights, Adam for the "
+                "embedding, output layer and norms): the plain one, and the layer-wise distributed one of a bf16 run "
+                "with its default param layout; pass --skip-optimizer")
 
 
 def _learning_rate(args: argparse.Namespace, name: str, where: str) -> float | None:

@@ -28,7 +28,8 @@ from pgconvert.formats.stream import CanonicalSource
 from pgconvert.io.sizes import dtype_name
 from pgconvert.model.rules import ShardRule
 from pgconvert.optimizer.flat import buffer_dtype_key
-from pgconvert.optimizer.source import FORM_DISTRIBUTED, FORM_FP16, FORM_FP32, OptimizerSource, SourceRank, StoredCopy
+from pgconvert.optimizer.source import (FORM_DISTRIBUTED, FORM_FP16, FORM_FP32, FORM_LAYER_WISE, OptimizerSource,
+                                        SourceRank, StoredCopy)
 
 
 def weights_dtype(source: CanonicalSource, optimizer: OptimizerSource) -> torch.dtype:
@@ -46,6 +47,11 @@ def retype_refusal(source: CanonicalSource, target: torch.dtype | None) -> str |
         held = ", ".join(sorted(map(dtype_name, stored)))
         return (f"--dtype float16: the optimizer state of a {held} run is not carried into float16 (a float16 run's "
                 "dynamic grad scaler, its loss scale and trackers, cannot be derived from it); pass --skip-optimizer")
+    if target != torch.bfloat16 and getattr(source.megatron_args, "use_layer_wise_distributed_optimizer", False):
+        return (f"--dtype {dtype_name(target)}: a layer-wise Muon run's optimizer state "
+                "(use_layer_wise_distributed_optimizer) is carried in bfloat16 only, the dtype whose layout pgconvert "
+                "maps (megatron-core wraps its Muon optimizer in fp32 masters for bf16 runs alone); pass "
+                "--skip-optimizer")
     return None
 
 
@@ -78,7 +84,7 @@ class RetypedOptimizer(OptimizerSource):
         self.sharding, self.rules = stored.sharding, stored.rules
         # What reading reports and checks is the stored state's (its reads are this view's).
         self.notices, self.check_finite, self._nonfinite_seen = stored.notices, stored.check_finite, set()
-        self.form = stored.form if stored.form == FORM_DISTRIBUTED else \
+        self.form = stored.form if stored.form in (FORM_DISTRIBUTED, FORM_LAYER_WISE) else \
             FORM_FP32 if dtype == torch.float32 else FORM_FP16
         base = stored.first.extra.get("args")
         args = argparse.Namespace(**{**(vars(base) if base is not None else {}), **run_dtype_args(dtype, base)})

@@ -33,6 +33,9 @@ FIELD_NAMES = {"param": "fp32 param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_a
 FORM_FP32 = "fp32"
 FORM_FP16 = "float16"
 FORM_DISTRIBUTED = "distributed"
+# LayerWiseDistributedOptimizer of a Muon run chained with a DistributedOptimizer: Muon's state in model space with
+# its fp32 masters (Float16OptimizerWithFloat16Params over whole parameters), Adam's as the distributed optimizer's.
+FORM_LAYER_WISE = "layer-wise"
 # megatron-core's DistributedOptimizer param-state formats (distrib_optimizer.py).
 DISTRIBUTED_SHARDING_TYPES = ("dp_reshardable", "fully_reshardable", "fully_sharded_model_space",
                               "fully_sharded_bucket_space", "dp_zero_gather_scatter")

@@ -230,7 +230,7 @@ class TorchDistSaver(Saver):
     writes_optimizer = True
     optimizer_forms = DST_FORMS
     # a plain Muon optimizer's in the plain form (optimizer_plain.py)
-    optimizer_kinds = ("adam", "muon")
+    optimizer_kinds = ("adam", "muon", "muon layer-wise")
 
     def optimizer_form(self, optimizer: OptimizerSource, optimizer_options: OptimizerOptions) -> str:
         return written_form(optimizer, optimizer_options.form)

@@ -20,9 +20,10 @@ from pgconvert.io.dcp_writer import DEFAULT_MAX_DATA_FILE_SIZE
 from pgconvert.model.grid import RankCoord
 from pgconvert.optimizer.data_parallel import dp_size, with_dst_dp
 from pgconvert.optimizer.order import chained_slots
-from pgconvert.optimizer.source import FORM_DISTRIBUTED, OptimizerSource
+from pgconvert.optimizer.source import FORM_DISTRIBUTED, FORM_LAYER_WISE, OptimizerSource
 from pgconvert.savers.torch_dist.optimizer_dp_reshardable import planned_files, plan_records, write_dp_reshardable
 from pgconvert.savers.torch_dist.optimizer_fs_model_space import write_fs_model_space
+from pgconvert.savers.torch_dist.optimizer_layer_wise import plan_layer_wise, write_layer_wise
 from pgconvert.savers.torch_dist.optimizer_plain import plain_chunks, write_plain
 from pgconvert.savers.torch_dist.common_state import common_relpath, rewrite_common
 from pgconvert.savers.torch_dist.optimizer_records import (RecordsShare, chunk_numbers, optimizer_chunks, records_files,
@@ -35,7 +36,14 @@ DST_FORMS = (FULLY_RESHARDABLE, DP_RESHARDABLE, FS_MODEL_SPACE)
 
 def written_form(optimizer: OptimizerSource, requested: str | None) -> str:
     """The form ``optimizer`` is written in: a plain optimizer's its plain form (a requested form refused), a
-    distributed one's the requested form, else the source's own torch_dist form, else fully_reshardable."""
+    distributed one's the requested form, else the source's own torch_dist form, else fully_reshardable; a layer-wise
+    Muon run's the requested or its own of the two forms Megatron-LM saves it in."""
+    if optimizer.form == FORM_LAYER_WISE:
+        if requested not in (None, FULLY_RESHARDABLE, DP_RESHARDABLE):
+            raise ValidationError(
+                f"--dst-optim-form {requested}: a layer-wise Muon run's state (use_layer_wise_distributed_optimizer) "
+                f"is written as {DP_RESHARDABLE} or {FULLY_RESHARDABLE}, the forms Megatron-LM saves it in")
+        return requested or str(optimizer.sharding)
     if optimizer.form != FORM_DISTRIBUTED:
         if requested:
             raise ValidationError(
@@ -77,7 +85,13 @@ def write_optimizer(source: CanonicalSource, optimizer: OptimizerSource, form: s
             rewrite_common(iteration_dir, lambda common: common.update(args=with_dst_dp(common.get("args"), layout,
                                                                                          dst_dp)))
     fits_rows = {name for name in optimizer.names() if optimizer.rule(name).fits_rows}
-    if form == PLAIN:
+    if optimizer.form == FORM_LAYER_WISE:
+        config = target_config(source.config, options)
+        plan = plan_layer_wise(optimizer, model_chunks, form, config, layout, rows, dst_dp or dp_size(args), args,
+                               share.limit)
+        added = write_layer_wise(optimizer, plan, rows, fits_rows, iteration_dir, share, form,
+                                 _group_counts(optimizer, source, options, rows))
+    elif form == PLAIN:
         counts = _group_counts(optimizer, source, options, rows)
         added = write_plain(optimizer, model_chunks, rows, fits_rows, iteration_dir, counts, share)
     elif form == DP_RESHARDABLE:
@@ -103,7 +117,12 @@ def planned_records(source: CanonicalSource, optimizer: OptimizerSource, form: s
     """``--dry-run``'s and a sharded run's records files in ``form``: their records (and objects) and bytes."""
     what = f"optimizer records ({optimizer.form}, {form}; common state and .metadata updated)"
     limit = options.max_shard_size or DEFAULT_MAX_DATA_FILE_SIZE
-    if form in (PLAIN, FULLY_RESHARDABLE, FS_MODEL_SPACE):
+    if optimizer.form == FORM_LAYER_WISE:
+        args = with_dst_dp(args, options.layout, dst_dp) if dst_dp is not None else args
+        plan = plan_layer_wise(optimizer, model_chunks, form, target_config(source.config, options), options.layout,
+                               rows, dst_dp or dp_size(args), args, limit)
+        files = records_files(directory, plan.sizes(), plan.numbers, len(plan.objects))
+    elif form in (PLAIN, FULLY_RESHARDABLE, FS_MODEL_SPACE):
         chunks = plain_chunks(optimizer, model_chunks) if form == PLAIN \
             else optimizer_chunks(optimizer, model_chunks)
         files = records_files(directory, {(chunk.key, tuple(chunk.offsets)): chunk.nbytes for _, chunk in chunks},

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,7 +68,7 @@ from pgconvert.savers.torch_dist.optimizer_records import (RecordsShare, carry_c
 
 
 @dataclass(frozen=True)
-class _Record:
+class FlatRecord:
     """One stored chunk: elements ``[start, end)`` of a bucket's field; ``param`` None: a gap."""
 
     key: str
@@ -95,10 +95,10 @@ class _Record:
                                                      size=torch.Size([self.numel])))
 
 
-class _Planner(DefaultSavePlanner):
+class FlatRecordsPlanner(DefaultSavePlanner):
     """The records' plan; each chunk is cut from its parameter's TP piece when written."""
 
-    def __init__(self, records: list[_Record], objects: dict[str, Any], optimizer: Any, rows: int) -> None:
+    def __init__(self, records: list[FlatRecord], objects: dict[str, Any], optimizer: Any, rows: int) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self._records = {(record.key, (record.start,)): record for record in records}
         self._items = [WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO) for key in objects] + [
@@ -145,20 +145,24 @@ def _buckets(placed: list[FlatParam], numel: int) -> list[tuple[list[FlatParam],
 
 
 def plan_records(optimizer: OptimizerSource, config: ModelConfig, layout: ParallelLayout, rows: int, dp: int,
-          args: Any) -> tuple[list[_Record], dict[str, Any]]:
-    """Every model-parallel rank's records and objects, in megatron-core's key layout (per chained optimizer)."""
-    counts = [len(groups) for groups in chained_slots(config, layout, RankCoord(0, 0, 0), optimizer.rules, rows)]
-    step = float(optimizer.step(optimizer.names()[0]))
-    records: list[_Record] = []
+                 args: Any, distributed: Collection[int] | None = None) -> tuple[list[FlatRecord], dict[str, Any]]:
+    """Every model-parallel rank's records and objects, in megatron-core's key layout (per chained optimizer;
+    ``distributed``: those that are distributed ones, default all)."""
+    rules = optimizer.rules
+    counts = [len(groups) for groups in chained_slots(config, layout, RankCoord(0, 0, 0), rules, rows)]
+    step = float(optimizer.step(next(name for name in optimizer.names() if optimizer.stepped(name))))
+    records: list[FlatRecord] = []
     objects: dict[str, Any] = {}
     scalers = target_scalers(optimizer, len(counts))  # beside the param groups, per model-parallel rank
     for index, count in enumerate(counts):
+        if distributed is not None and index not in distributed:
+            continue
         groups = [dict(settings, step=step) for settings in optimizer.param_group_settings(index, count)]
-        own_dp = optimizer_dp(config, layout, dp, args, index, f"layout {layout.describe()}")
-        for coord in optimizer_ranks(config, layout, index):
+        own_dp = optimizer_dp(config, layout, dp, args, index, f"layout {layout.describe()}", rules)
+        for coord in optimizer_ranks(config, layout, index, rules):
             buffers = [_buckets(placed, numel) for placed, numel in
-                       flat_buffers(config, layout, coord, optimizer.rules, rows, args, dp, index)]
-            prefix = record_prefix(config, layout, coord, index)
+                       flat_buffers(config, layout, coord, rules, rows, args, dp, index)]
+            prefix = record_prefix(config, layout, coord, index, rules)
             if scalers[index] is not None:
                 objects[scaler_key(prefix)] = scalers[index]
             _add_rank(optimizer, prefix, coord, buffers, groups, own_dp, bucket_divisor(own_dp, args), records, objects)
@@ -166,7 +170,7 @@ def plan_records(optimizer: OptimizerSource, config: ModelConfig, layout: Parall
 
 
 def _add_rank(optimizer: OptimizerSource, prefix: str, coord: RankCoord, buffers: list[list[tuple[list[FlatParam], int]]],
-              groups: list[dict[str, Any]], dp: int, divisor: int, records: list[_Record],
+              groups: list[dict[str, Any]], dp: int, divisor: int, records: list[FlatRecord],
               objects: dict[str, Any]) -> None:
     """One optimizer's records and objects of one model-parallel rank (``buffers``: per gbuf, its buckets)."""
     objects[object_key(prefix, "optimizer")] = {"param_groups": groups}
@@ -176,7 +180,7 @@ def _add_rank(optimizer: OptimizerSource, prefix: str, coord: RankCoord, buffers
         {optimizer.dtype_key: [numel for _, numel in buckets]} for buckets in buffers]
     for index, buckets in enumerate(buffers):
         for bucket, (placed, numel) in enumerate(buckets):
-            records += [_Record(bucket_key(prefix, index, optimizer.dtype_key, bucket, field), coord, field, start,
+            records += [FlatRecord(bucket_key(prefix, index, optimizer.dtype_key, bucket, field), coord, field, start,
                                 end, numel, param)
                         for field in FIELDS for start, end, param in bucket_pieces(placed, numel, dp, divisor)]
 
@@ -192,10 +196,10 @@ def _common_update(optimizer: OptimizerSource, count: int = 1) -> Callable[[dict
     return update
 
 
-def record_numbers(records: list[_Record], limit: int) -> dict[ItemKey, int]:
+def record_numbers(records: list[FlatRecord], limit: int) -> dict[ItemKey, int]:
     """The records file of each record: a parameter's records of one field (its parts in the DP shards and the gaps
     after them) in one file, so a process reads each piece it writes once."""
-    owners: list[tuple[_Record, object]] = []
+    owners: list[tuple[FlatRecord, object]] = []
     owner: object = None
     for record in records:
         if record.param is not None:
@@ -205,7 +209,7 @@ def record_numbers(records: list[_Record], limit: int) -> dict[ItemKey, int]:
     return numbered(files, lambda pair: pair[0].item_key)
 
 
-def planned_files(records: list[_Record], objects: dict[str, Any], limit: int, directory: str,
+def planned_files(records: list[FlatRecord], objects: dict[str, Any], limit: int, directory: str,
                   written: WrittenFiles | None = None) -> list[PlannedFile]:
     """The records files (``directory``: the iteration's) and what each holds (with ``written``: those it names)."""
     return records_files(directory, {record.item_key: record.nbytes for record in records},
@@ -217,7 +221,7 @@ def write_dp_reshardable(optimizer: OptimizerSource, config: ModelConfig, layout
     """Write the records beside the torch_dist saver's (for ``dp`` data-parallel ranks at ``layout``; ``args``: the
     target's, as the common state holds them; ``share``: which); returns the files added."""
     records, objects = plan_records(optimizer, config, layout, rows, dp, args)
-    written = write_records(iteration_dir, _Planner(records, objects, optimizer, rows),
+    written = write_records(iteration_dir, FlatRecordsPlanner(records, objects, optimizer, rows),
                             record_numbers(records, share.limit), share)
     if share.shared:
         rewrite_common(iteration_dir, _common_update(optimizer, optimizer_count(config, layout)))

@@ -1,0 +1,205 @@
+"""Megatron-LM's Muon with the layer-wise distributed optimizer (``--optimizer muon --use-distributed-optimizer``:
+``use_layer_wise_distributed_optimizer``), in torch_dist, on two goldens that Megatron-LM d98e8a64's own training wrote
+(``scripts/make_megatron_lm_goldens.py``: TP2 DP2, bf16, two iterations), one run saved in each form:
+
+- ``dp_reshardable``: Muon's records ``chained_0.optimizer.state.{fp32_param,momentum_buffer}.<model key>``, Adam's the
+  distributed optimizer's flat records ``chained_1.optimizer.distributed.dp_group_idx_<g>...`` over a buffer of the
+  embedding, output layer and norms;
+- ``fully_reshardable``: the same unprefixed, Adam's ``optimizer.state.{param,exp_avg,exp_avg_sq}.<model key>``.
+
+``scripts/megatron_lm_resume_check.py muon_layer_wise_dp_reshardable_torch_dist
+muon_layer_wise_fully_reshardable_torch_dist`` has Megatron-LM resume from pgconvert's conversions (outside CI)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import pgconvert
+from support.checkpoint_compare import read_common, read_dcp_objects
+from support.cli_helpers import assert_clean_refusal
+from support.optimizer_cli import convert_strict, dcp_read, export_optimizer, run_cli
+from support.optimizer_faults import edit_common
+from support.torch_dist_forms import FOR_MCORE_016_CLI
+from pgconvert.formats import LoadOptions
+from pgconvert.formats.torch_dist import read_dcp_metadata
+from pgconvert.loaders.torch_dist import TorchDistLoader
+from pgconvert.model.grid import RankCoord
+from pgconvert.optimizer.export import export_from_path
+from pgconvert.optimizer.flat import flat_buffers
+from pgconvert.optimizer.order import OptimizerLayoutError, OptimizerRules, UnsupportedOptimizerError
+
+GOLDENS = Path(__file__).parent / "data" / "megatron_lm"
+DP = GOLDENS / "train_tp2dp2_muon_layer_wise_dp_reshardable_torch_dist"
+FR = GOLDENS / "train_tp2dp2_muon_layer_wise_fully_reshardable_torch_dist"
+PLAIN_MUON = GOLDENS / "mcore019_tp2_muon_bf16_torch_dist"
+FORMS = {"dp_reshardable": DP, "fully_reshardable": FR}
+ITER = "iter_0000002"
+MUON_PARAMS, ADAM_PARAMS = 8, 7
+
+
+def _records(root: Path) -> dict[str, torch.Tensor]:
+    """Every optimizer record of a torch_dist iteration, read whole by torch's own DCP reader."""
+    metadata = read_dcp_metadata(root / ITER / ".metadata").state_dict_metadata
+    return dcp_read(root / ITER, [key for key, md in metadata.items() if hasattr(md, "size")
+                                  and key.startswith(("optimizer.", "chained_"))])
+
+
+def _objects(root: Path) -> dict[str, Any]:
+    """The dp_reshardable ShardedObjects (param groups, bucket sizes)."""
+    return read_dcp_objects(root / ITER, lambda key: key.startswith("chained_1.optimizer.distributed."))
+
+
+def _parameter_ranges(root: Path) -> dict[str, list[tuple[int, int]]]:
+    """Per dp_reshardable flat record of Adam's buffer, the ranges its parameters own (the rest is padding that
+    megatron-core leaves uninitialised)."""
+    optimizer = TorchDistLoader().open(root, LoadOptions()).open_optimizer()
+    ranges: dict[str, list[tuple[int, int]]] = {}
+    for tp in range(optimizer.layout.tp):
+        coord = RankCoord(tp=tp, pp=0, ep=0)
+        buffers = flat_buffers(optimizer.config, optimizer.layout, coord, optimizer.rules, optimizer.vocab_rows,
+                               optimizer.args, 2, 1)
+        for buffer, (placed, _) in enumerate(buffers):
+            for item in placed:
+                for field in ("param", "exp_avg", "exp_avg_sq"):
+                    key = optimizer.bucket_key(coord, buffer, field, item.bucket, 1)
+                    ranges.setdefault(key, []).append((item.start - item.bucket_start, item.end - item.bucket_start))
+    return ranges
+
+
+def assert_same_layer_wise_records(expected: Path, actual: Path) -> None:
+    """Two layer-wise torch_dist checkpoints hold the same records: the model-space ones bit for bit, the flat ones
+    at every parameter's range (megatron-core's alignment padding is uninitialised memory), and the same objects."""
+    want, got = _records(expected), _records(actual)
+    assert sorted(want) == sorted(got)
+    ranges = _parameter_ranges(expected) if any(".distributed." in key for key in want) else {}
+    for key, tensor in want.items():
+        assert got[key].dtype == tensor.dtype == torch.float32 and got[key].shape == tensor.shape, key
+        if key in ranges:
+            assert all(torch.equal(got[key][start:end], tensor[start:end]) for start, end in ranges[key]), key
+        else:
+            assert ".distributed." not in key and torch.equal(got[key], tensor), key
+    assert _objects(actual) == _objects(expected)
+
+
+def _optimizer_entry(root: Path) -> dict[Any, Any]:
+    return read_common(root / ITER)["optimizer"]
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, dict[str, torch.Tensor]]]:
+    return {form: export_optimizer(golden, tmp_path_factory.mktemp(form)) for form, golden in FORMS.items()}
+
+
+def test_the_goldens_are_megatron_lms_layer_wise_saves(exported: dict[str, Any]) -> None:
+    for form, golden in FORMS.items():
+        common = read_common(golden / ITER)
+        args = common["args"]
+        assert args.optimizer == "muon" and args.use_layer_wise_distributed_optimizer
+        assert not args.use_distributed_optimizer and args.use_layer_wise_param_layout
+        entry = common["optimizer"]
+        assert sorted(entry) == [0, 1] and entry[1]["param_state_sharding_type"] == form
+        assert common["content_metadata"]["distrib_optim_sharding_type"] == form
+        state = exported[form]
+        muon = [name for name, fields in state.items() if set(fields) == {"param", "momentum_buffer"}]
+        adam = [name for name, fields in state.items() if set(fields) == {"param", "exp_avg", "exp_avg_sq", "step"}]
+        assert (len(muon), len(adam)) == (MUON_PARAMS, ADAM_PARAMS) and len(state) == MUON_PARAMS + ADAM_PARAMS
+        assert all(float(state[name]["step"]) == 2.0 for name in adam)
+        assert all(state[name]["param"].dim() == 2 and "embedding" not in name and "output" not in name
+                   for name in muon)
+
+
+def test_both_forms_of_the_same_run_read_as_the_same_state(exported: dict[str, Any]) -> None:
+    # one run, saved twice: dp_reshardable's flat placement and fully_reshardable's model space must agree
+    dp, fr = exported["dp_reshardable"], exported["fully_reshardable"]
+    assert sorted(dp) == sorted(fr)
+    for name, fields in dp.items():
+        assert sorted(fields) == sorted(fr[name]), name
+        assert all(torch.equal(fields[key], fr[name][key]) for key in fields), name
+
+
+@pytest.mark.parametrize("form, other", [("dp_reshardable", "fully_reshardable"),
+                                         ("fully_reshardable", "dp_reshardable")])
+def test_written_in_the_other_form_it_is_megatron_lms_own_save_of_that_form(tmp_path: Path, form: str,
+                                                                            other: str) -> None:
+    out = convert_strict(FORMS[form], tmp_path / "out", "--dst-format", "torch_dist", "--dst-tp", "2",
+                         "--dst-optim-form", other)
+    assert_same_layer_wise_records(FORMS[other], out)
+    assert _optimizer_entry(out) == _optimizer_entry(FORMS[other])
+    content = read_common(out / ITER)["content_metadata"]
+    assert content["distrib_optim_sharding_type"] == other and content["chained_optim_avoid_prefix"] is True
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+@pytest.mark.parametrize("layout", [("--dst-tp", "1", "--dst-dp", "1"), ("--dst-tp", "1", "--dst-pp", "2"),
+                                    ("--dst-tp", "1", "--dst-dp", "4")])
+def test_resharded_and_back_it_is_the_golden(tmp_path: Path, form: str, layout: tuple[str, ...]) -> None:
+    there = convert_strict(FORMS[form], tmp_path / "there", "--dst-format", "torch_dist", *layout)
+    assert read_common(there / ITER)["optimizer"][1]["param_state_sharding_type"] == form
+    assert pgconvert.verify(FORMS[form], there).equal
+    back = convert_strict(there, tmp_path / "back", "--dst-format", "torch_dist", "--dst-tp", "2", "--dst-pp", "1",
+                          "--dst-dp", "2")
+    assert_same_layer_wise_records(FORMS[form], back)
+    assert _optimizer_entry(back) == _optimizer_entry(FORMS[form])
+
+
+def test_the_dry_run_counts_the_records_written(tmp_path: Path) -> None:
+    flags = ("--dst-format", "torch_dist", "--dst-tp", "1", "--dst-dp", "2", "--max-shard-size", "20000")
+    result = run_cli("convert", DP, tmp_path / "dry", "--dry-run", *flags)
+    assert result.exit_code == 0, result.output
+    planned = {line.split()[0]: int(line.split("tensors")[0].split()[-1]) for line in result.output.splitlines()
+               if "optimizer records (layer-wise, dp_reshardable" in line}
+    assert len(planned) > 1
+    out = convert_strict(DP, tmp_path / "out", *flags)
+    metadata = read_dcp_metadata(out / ITER / ".metadata")
+    stored = {f"{ITER}/{name}": 0 for name in {info.relative_path for info in metadata.storage_data.values()}}
+    for info in metadata.storage_data.values():
+        stored[f"{ITER}/{info.relative_path}"] += 1
+    assert planned == {relpath: count for relpath, count in stored.items() if "__1_" in relpath}
+
+
+@pytest.mark.parametrize("flags, fragment", [
+    (("--dst-format", "megatron"), "with the layer-wise distributed optimizer: its state is written into torch_dist "
+                                   "only, not megatron"),
+    (("--dst-format", "torch_dist", "--dst-optim-form", "fully_sharded_model_space"),
+     "is written as dp_reshardable or fully_reshardable"),
+])
+def test_what_is_not_carried_is_a_notice_and_refused_under_strict(tmp_path: Path, flags: tuple[str, ...],
+                                                                  fragment: str) -> None:
+    result = run_cli("convert", DP, tmp_path / "lenient", "--dst-tp", "1", *flags)
+    assert result.exit_code == 0 and fragment in " ".join(result.output.split()), result.output
+    strict = run_cli("convert", DP, tmp_path / "strict", "-q", "--dst-tp", "1", "--strict", *flags)
+    assert_clean_refusal(strict, 2, "--strict: refusing to guess: ")
+    assert fragment in " ".join(strict.output.split()) and not (tmp_path / "strict").exists()
+
+
+def test_another_dtype_carries_the_model_alone_and_says_why(tmp_path: Path) -> None:
+    report = pgconvert.convert(DP, tmp_path / "fp32", dst_format="torch_dist", dst_tp=1, dtype="fp32")
+    assert any("--dtype float32: a layer-wise Muon run's optimizer state" in note and "bfloat16 only" in note
+               for note in report.notices), report.notices
+    assert not any(key.startswith(("optimizer.", "chained_")) for key in
+                   read_dcp_metadata(tmp_path / "fp32" / ITER / ".metadata").state_dict_metadata)
+
+
+def test_plain_muon_state_under_layer_wise_args_is_named(tmp_path: Path) -> None:
+    src = convert_strict(PLAIN_MUON, tmp_path / "src", "--dst-format", "torch_dist", "--dst-tp", "1",
+                         *FOR_MCORE_016_CLI)  # common.pt
+    edit_common(src / ITER, lambda common: vars(common["args"]).update(use_layer_wise_distributed_optimizer=True))
+    with pytest.raises(OptimizerLayoutError, match=r"optimizer\[1\]\.param_state_sharding_type=None: the layer-wise"):
+        export_from_path(src, tmp_path / "export", None)
+
+
+@pytest.mark.parametrize("setting, name", [({"use_layer_wise_param_layout": False}, "use_layer_wise_param_layout"),
+                                           ({"bf16": False}, "bf16")])
+def test_a_layer_wise_layout_that_is_not_mapped_is_named(setting: dict[str, object], name: str) -> None:
+    args = argparse.Namespace(optimizer="muon", use_layer_wise_distributed_optimizer=True, bf16=True,
+                              use_layer_wise_param_layout=True)
+    vars(args).update(setting)
+    with pytest.raises(UnsupportedOptimizerError, match=rf"args.optimizer='muon' with args.{name}=False"):
+        OptimizerRules.from_args(args, "here")
+    assert OptimizerRules.from_args(argparse.Namespace(optimizer="muon", use_layer_wise_distributed_optimizer=True,
+                                                       bf16=True), "here").layer_wise

@@ -19,7 +19,10 @@ Megatron-LM's own ``save_checkpoint``:
   without the distributed optimizer, per-rank files holding the chained Muon and Adam optimizers' state, the
   smaller model), TP2 DP2 -> TP1 DP1, and (``muon_tp2dp2_bf16_torch_to_pp2``) -> TP1 PP2 on two ranks, each
   stage's chained Muon and Adam optimizers its own layer's; Megatron-LM's Muon needs emerging-optimizers in
-  ``PGCONVERT_MEGATRON_LM_PYTHON``'s environment (``scripts/make_megatron_lm_goldens.py`` says how).
+  ``PGCONVERT_MEGATRON_LM_PYTHON``'s environment (``scripts/make_megatron_lm_goldens.py`` says how);
+- ``muon_layer_wise_dp_reshardable_torch_dist``: golden ``train_tp2dp2_muon_layer_wise_dp_reshardable_torch_dist``
+  (bf16, Muon with the layer-wise distributed optimizer, torch_dist ``dp_reshardable``), TP2 DP2 -> TP1 DP2 on two
+  ranks, and ``muon_layer_wise_fully_reshardable_torch_dist`` (its ``fully_reshardable`` save) -> TP1 DP1.
 
 Per case:
 
@@ -201,6 +204,7 @@ TP = "--tensor-model-parallel-size"
 PP = "--pipeline-model-parallel-size"
 DISTOPT = ["--use-distributed-optimizer", "--bf16"]
 MUON = ["--optimizer", "muon", "--bf16"]  # plain Muon: without --use-distributed-optimizer
+LAYER_WISE = [*MUON, "--use-distributed-optimizer", "--no-save-rng", *SMALL_MODEL_FLAGS]  # the layer-wise optimizer
 TORCH, TORCH_DIST = ["--ckpt-format", "torch"], ["--ckpt-format", "torch_dist"]
 FP32_TOLERANCES = dict.fromkeys(("param", "exp_avg", "exp_avg_sq"), (RTOL, ATOL, 0.0))
 # bf16 forward and backward: the TP1 and TP2 x DP2 runs round activations and gradients in other
@@ -248,6 +252,14 @@ CASES: dict[str, Case] = {
         "train_tp2dp2_muon_bf16_torch", dict(dst_tp=1, dst_pp=2, dst_dp=1),
         [TP, "1", PP, "2", *MUON, *TORCH, "--no-save-rng", *SMALL_MODEL_FLAGS],
         (4, [TP, "2", PP, "1", *MUON, *TORCH, "--no-save-rng", *SMALL_MODEL_FLAGS]), True, converted_ranks=2),
+    "muon_layer_wise_dp_reshardable_torch_dist": Case(
+        "train_tp2dp2_muon_layer_wise_dp_reshardable_torch_dist", dict(dst_tp=1, dst_pp=1, dst_dp=2),
+        [TP, "1", PP, "1", *LAYER_WISE, *TORCH_DIST], (4, [TP, "2", PP, "1", *LAYER_WISE, *TORCH_DIST]), True,
+        converted_ranks=2),
+    "muon_layer_wise_fully_reshardable_torch_dist": Case(
+        "train_tp2dp2_muon_layer_wise_fully_reshardable_torch_dist", dict(dst_tp=1, dst_pp=1, dst_dp=1),
+        [TP, "1", PP, "1", *LAYER_WISE, *TORCH_DIST, "--dist-ckpt-optim-fully-reshardable"],
+        (4, [TP, "2", PP, "1", *LAYER_WISE, *TORCH_DIST, "--dist-ckpt-optim-fully-reshardable"]), True),
 }
 
 

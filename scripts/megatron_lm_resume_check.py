@@ -22,7 +22,8 @@ Megatron-LM's own ``save_checkpoint``:
   ``PGCONVERT_MEGATRON_LM_PYTHON``'s environment (``scripts/make_megatron_lm_goldens.py`` says how);
 - ``muon_layer_wise_dp_reshardable_torch_dist``: golden ``train_tp2dp2_muon_layer_wise_dp_reshardable_torch_dist``
   (bf16, Muon with the layer-wise distributed optimizer, torch_dist ``dp_reshardable``), TP2 DP2 -> TP1 DP2 on two
-  ranks, and ``muon_layer_wise_fully_reshardable_torch_dist`` (its ``fully_reshardable`` save) -> TP1 DP1.
+  ranks, and (``..._to_pp2``) -> TP1 PP2 DP2 on four, each stage with its own layer-wise and distributed Adam
+  optimizers; ``muon_layer_wise_fully_reshardable_torch_dist`` (its ``fully_reshardable`` save) -> TP1 DP1.
 
 Per case:
 
@@ -256,6 +257,10 @@ CASES: dict[str, Case] = {
         "train_tp2dp2_muon_layer_wise_dp_reshardable_torch_dist", dict(dst_tp=1, dst_pp=1, dst_dp=2),
         [TP, "1", PP, "1", *LAYER_WISE, *TORCH_DIST], (4, [TP, "2", PP, "1", *LAYER_WISE, *TORCH_DIST]), True,
         converted_ranks=2),
+    "muon_layer_wise_dp_reshardable_torch_dist_to_pp2": Case(
+        "train_tp2dp2_muon_layer_wise_dp_reshardable_torch_dist", dict(dst_tp=1, dst_pp=2, dst_dp=2),
+        [TP, "1", PP, "2", *LAYER_WISE, *TORCH_DIST], (4, [TP, "2", PP, "1", *LAYER_WISE, *TORCH_DIST]), True,
+        converted_ranks=4),
     "muon_layer_wise_fully_reshardable_torch_dist": Case(
         "train_tp2dp2_muon_layer_wise_fully_reshardable_torch_dist", dict(dst_tp=1, dst_pp=1, dst_dp=1),
         [TP, "1", PP, "1", *LAYER_WISE, *TORCH_DIST, "--dist-ckpt-optim-fully-reshardable"],

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -108,7 +109,8 @@ class _Planner(DefaultSavePlanner):
         return owner.resolve_data(write_item)
 
 
-def _common_update(optimizer: OptimizerSource, form: str, counts: list[int]) -> Any:
+def _common_update(optimizer: OptimizerSource, form: str, counts: list[int]) -> Callable[[dict[str, Any]], None]:
+    """The common state's ``optimizer`` entry and content metadata of ``form``, and the carried counters."""
     step = float(optimizer.step(next(name for name in optimizer.names() if optimizer.stepped(name))))
 
     def update(common: dict[str, Any]) -> None:

@@ -117,6 +117,14 @@ TRAINING_RUNS: dict[str, list[str]] = {
     "train_tp2dp2_muon_layer_wise_dp_reshardable_torch_dist": [*_DISTOPT_TORCH_DIST, "--optimizer", "muon"],
     "train_tp2dp2_muon_layer_wise_fully_reshardable_torch_dist": [*_DISTOPT_TORCH_DIST, "--optimizer", "muon",
                                                                   "--dist-ckpt-optim-fully-reshardable"],
+    # Plain Muon with MoE at expert parallel size 2 (TP1 EP2 DP4; 4 experts, top-2 routing, SequentialMLP, the
+    # allgather dispatcher as above): megatron-core chains Muon's dense (attention, router) and expert-parallel
+    # (experts) optimizers, then Adam's (embedding, output layer, norms).
+    "train_tp1ep2dp4_muon_moe_bf16_torch_dist": ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size",
+                                                 "1", "--expert-model-parallel-size", "2", "--num-experts", "4",
+                                                 "--moe-router-topk", "2", "--moe-token-dispatcher-type", "allgather",
+                                                 "--global-batch-size", "4", "--ckpt-format", "torch_dist", "--bf16",
+                                                 "--optimizer", "muon", "--no-save-rng", *SMALL_MODEL_FLAGS],
 }
 # MODEL_FLAGS a run leaves out (a store_true flag cannot be switched off by a later one).
 MODEL_FLAGS_DROPPED: dict[str, tuple[str, ...]] = {

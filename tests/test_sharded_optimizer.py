@@ -75,6 +75,9 @@ PER_RANK = {
     "plain-fp32": (GOLDENS / "train_tp2pp2_torch", ()),  # FP32Optimizer: its masters are the weights
     # Megatron-LM's plain Muon optimizer (each rank file's optimizer the list of Muon's and Adam's)
     "plain-bf16-muon": (GOLDENS / "train_tp2dp2_muon_bf16_torch", ("--dst-pp", "2")),
+    # Megatron-LM's plain Muon with MoE (Muon's dense and expert optimizers and Adam's), from EP2 to EP4
+    "plain-bf16-muon-moe": (GOLDENS / "train_tp1ep2dp4_muon_moe_bf16_torch_dist",
+                            ("--dst-format", "megatron", "--dst-tp", "1", "--dst-ep", "4")),
     "distributed-moe-ep": (None, ("--dst-tp", "1", "--dst-ep", "4")),
 }
 # case -> (source, flags): TP1 torch_dist in each form, its records over several files.
@@ -90,6 +93,7 @@ IN_TORCH_DIST = {
     "layer-wise-dp_reshardable": (GOLDENS / "train_tp2dp2_muon_layer_wise_dp_reshardable_torch_dist",
                                   (*LEGACY, "--dst-dp", "2")),
     "layer-wise-fully_reshardable": (GOLDENS / "train_tp2dp2_muon_layer_wise_fully_reshardable_torch_dist", LEGACY),
+    "plain-muon-moe-ep": (GOLDENS / "train_tp1ep2dp4_muon_moe_bf16_torch_dist", (*LEGACY, "--dst-ep", "1")),
     # megatron-core 0.15.0's chained dense and expert optimizers, resharded from EP2 to EP4
     "fully_sharded_model_space-moe-ep": (GOLDENS / "mcore015_tp1ep2dp4_moe_distopt_fs_model_space_torch_dist",
                                          (*LEGACY, "--dst-ep", "4")),

@@ -208,8 +208,6 @@ class FsdpDtensorOptimizerSource(OptimizerSource):
         rule = rule or self.rule(name)
         return self._read(name, key, rule, size, rank, rows if rule.fits_rows else None)
 
-    def param_group_settings(self, optimizer: int = 0, count: int | None = None) -> list[dict[str, Any]]:
-        settings = [dict(group) for group in self._settings]
-        if optimizer:
-            settings = [dict(group, is_expert_parallel=True) for group in settings]
-        return settings if count is None else settings[:count]
+    def _stored_group_settings(self, optimizer: int) -> list[dict[str, Any]] | None:
+        """Megatron-FSDP keeps the routed experts in the dense groups: the expert optimizer's are the dense ones'."""
+        return [dict(group) for group in self._settings] if optimizer == 0 else None

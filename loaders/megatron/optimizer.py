@@ -37,7 +37,7 @@ from pgconvert.loaders.megatron.distrib_optim import read_distributed
 from pgconvert.model.grid import RankCoord
 from pgconvert.model.rules import ReplicaMismatchError, ShardRule, concatenating_with
 from pgconvert.optimizer.order import (MEGATRON_CORE_VERSIONS, OptimizerLayoutError, OptimizerRules, OptimizerSlot,
-                                       UnsupportedOptimizerError, chained_slots, check_param_groups,
+                                       UnsupportedOptimizerError, chain, chained_slots, check_param_groups,
                                        check_state_shapes)
 from pgconvert.optimizer.scaler import held_scalers
 from pgconvert.optimizer.source import (ABSENT, CARRIED_KEYS, DISTRIBUTED_SHARDING_TYPES, FORM_DISTRIBUTED,
@@ -208,11 +208,12 @@ class MegatronOptimizerSource(OptimizerSource):
                                     self._stored)
             return _RankOptimizer(path, extra, chained, inners, masters)
         inners, masters = [], []
+        members = chain(self.config, self.layout, rules)
         for index, (entry, slots) in enumerate(zip(entries, chained)):
             inner = entry if form == FORM_FP32 else entry["optimizer"]
             where = str(path) if len(entries) == 1 else f"{path} optimizer[{index}]"
-            check_param_groups(slots, inner.get("param_groups"), where, rules, index)
-            check_state_shapes(slots, inner.get("state"), where, rules.state_fields(index))
+            check_param_groups(slots, inner.get("param_groups"), where, rules, members[index])
+            check_state_shapes(slots, inner.get("state"), where, members[index].state_fields)
             masters.append(_masters(form, entry, state, slots, chunk_keys, path, self._stored))
             inners.append(inner)
         extra["grad_scalers"] = held_scalers(entries)  # per chained optimizer
@@ -257,8 +258,8 @@ class MegatronOptimizerSource(OptimizerSource):
                 values[f"{label}.grad_scaler"] = rank.extra["grad_scalers"][index]
             if self.form != FORM_DISTRIBUTED:
                 values["optimizer.state[*].step"] = [entry.get("step", ABSENT) if isinstance(entry, dict) else entry
-                                                     for index, inner in enumerate(rank.inners)
-                                                     if self.rules.stepped(index) for entry in inner["state"].values()]
+                                                     for member, inner in zip(self.chained(), rank.inners)
+                                                     if member.stepped for entry in inner["state"].values()]
             copies.append(StoredCopy(str(rank.path), values))
             keys = [key for inner in rank.inners for key in inner.get("dtype_keys", [])]
             if keys:
@@ -332,15 +333,10 @@ class MegatronOptimizerSource(OptimizerSource):
             return [rank.masters[slot.optimizer][slot.position] for rank, slot in pieces]
         return [rank.inners[slot.optimizer]["state"][slot.position][key] for rank, slot in pieces]
 
-    def param_group_settings(self, optimizer: int = 0, count: int | None = None) -> list[dict[str, Any]]:
-        """The param groups (without ``params``: hyperparameters, lr, wd_mult…) of chained optimizer
-        ``optimizer`` (1: expert-parallel) of a target, ``count`` of them: the source's own where it has that
-        optimizer, else its dense groups with ``is_expert_parallel`` set (megatron-core builds both from one
-        config; they differ only there)."""
-        inners = self.first.inners
-        own = optimizer < len(inners) and (inners[optimizer].get("param_groups") or self.form != FORM_DISTRIBUTED)
-        groups = inners[optimizer if own else 0]["param_groups"]
-        settings = [{k: v for k, v in group.items() if k != "params"} for group in groups]
-        if not own:
-            settings = [dict(group, is_expert_parallel=optimizer == 1) for group in settings]
-        return settings if count is None else settings[:count]
+    def _stored_group_settings(self, optimizer: int) -> list[dict[str, Any]] | None:
+        """The first rank's groups of chained optimizer ``optimizer`` without ``params`` (None: a distributed
+        optimizer's it does not save)."""
+        inner = self.first.inners[optimizer]
+        if not inner.get("param_groups") and self.form == FORM_DISTRIBUTED:
+            return None
+        return [{k: v for k, v in group.items() if k != "params"} for group in inner["param_groups"]]

@@ -94,7 +94,7 @@ class TorchDistOptimizerSource(OptimizerSource):
         self.args = args
         self._owners = self._index_slots()
         chained = self._chained = self._chained_groups(common, where)
-        stepped = [self.rules.stepped(index) for index in range(len(chained))]
+        stepped = [member.stepped for member in self.chained()]
         self._step = plain_step(common["optimizer"], self._plain_form, where, stepped) if self.sharding == PLAIN \
             else _one_step([group for index, groups in enumerate(chained) if stepped[index] for group in groups], where)
         extra = {key: common[key] for key in (*CARRIED_KEYS, "iteration", "args") if key in common}
@@ -143,13 +143,14 @@ class TorchDistOptimizerSource(OptimizerSource):
         expert-parallel rank's experts, a dense parameter's pieces from EP rank 0. With an expert tensor-parallel
         size other than TP, the experts come from the expert optimizer's own ranks (``optimizer_ranks``)."""
         owners: dict[str, tuple[tuple[int, int, int], list[tuple[_Owner, OptimizerSlot]]]] = {}
-        apart = self.layout.expert_tp_size != self.layout.tp and optimizer_count(self.config, self.layout) > 1
+        expert = [index for index, member in enumerate(self.chained()) if member.expert]
+        apart = self.layout.expert_tp_size != self.layout.tp and bool(expert)
         coords = [RankCoord(tp=tp, pp=pp, ep=ep) for pp, ep, tp in
                   itertools.product(range(self.layout.pp), range(self.layout.ep), range(self.layout.tp))]
-        for coord in coords + (optimizer_ranks(self.config, self.layout, 1) if apart else []):
+        for coord in coords + (optimizer_ranks(self.config, self.layout, expert[0], self.rules) if apart else []):
             for slot in (slot for group in optimizer_slots(self.config, self.layout, coord, self.rules,
                                                            self.vocab_rows) for slot in group):
-                if apart and (slot.optimizer == 1) != (coord.etp is not None):
+                if apart and slot.member.expert != (coord.etp is not None):
                     continue
                 held = owners.setdefault(slot.spec.canonical, ((coord.pp, slot.chunk, coord.ep), []))
                 if held[0] == (coord.pp, slot.chunk, coord.ep):
@@ -157,7 +158,7 @@ class TorchDistOptimizerSource(OptimizerSource):
         return {name: sorted(pieces, key=lambda p: p[1].spec.tp_rank) for name, (_, pieces) in owners.items()}
 
     def _chained_groups(self, common: dict[str, Any], where: str) -> list[list[dict[str, Any]]]:
-        """Per chained optimizer (dense, then expert-parallel), its param groups (hyperparameters and
+        """Per chained optimizer (``order.chain``), its param groups (hyperparameters and
         ``step``): common state for the model-space forms, the ShardedObject of model-parallel rank 0 for
         dp_reshardable (the same on every rank), ``chained_<i>.``-prefixed per optimizer when chained."""
         counts = [len(groups) for groups in chained_slots(self.config, self.layout, RankCoord(0, 0, 0), self.rules,
@@ -176,7 +177,8 @@ class TorchDistOptimizerSource(OptimizerSource):
         if len(values) != len(counts):
             raise OptimizerLayoutError(
                 f"{where}: optimizer holds {len(values)} optimizer(s), but {_VERSIONS} chains {len(counts)} for this "
-                f"model at {self.layout.describe()} (dense, then expert-parallel at expert parallel size > 1)")
+                f"model at {self.layout.describe()} (dense, then expert-parallel at expert parallel size > 1; a Muon "
+                "run's Muon optimizers before Adam's)")
         return [self._groups(value, count, where) for value, count in zip(values, counts)]
 
     def _grad_scalers(self, common: dict[str, Any]) -> list[Any]:
@@ -359,7 +361,7 @@ class TorchDistOptimizerSource(OptimizerSource):
     def _gbuf_placed(self, coord: RankCoord, slot: OptimizerSlot) -> tuple[int, FlatParam]:
         """The buffer (``gbuf_idx``: the expert optimizer's count only chunks holding experts) and place of
         ``slot`` (dense: its records are EP rank 0's, the same on every EP rank)."""
-        stored = coord if slot.optimizer == 1 else RankCoord(tp=coord.tp, pp=coord.pp, ep=0)
+        stored = coord if slot.member.expert else RankCoord(tp=coord.tp, pp=coord.pp, ep=0)
         item = self._by_position.get((stored, slot.optimizer, slot.chunk, slot.position))
         if item is not None:
             return item.buffer, item
@@ -408,14 +410,9 @@ class TorchDistOptimizerSource(OptimizerSource):
         return self.source.load_state_shard(name, self._model_space_prefix(key, name), rule, size, rank,
                                             rows if rule.fits_rows else None)
 
-    def param_group_settings(self, optimizer: int = 0, count: int | None = None) -> list[dict[str, Any]]:
-        """Chained optimizer ``optimizer``'s groups without params and step, ``count`` of them: the source's own
-        where it has that optimizer, else its dense groups with ``is_expert_parallel`` set."""
-        own = optimizer < len(self._settings)
-        settings = [dict(group) for group in self._settings[optimizer if own else 0]]
-        if not own:
-            settings = [dict(group, is_expert_parallel=optimizer == 1) for group in settings]
-        return settings if count is None else settings[:count]
+    def _stored_group_settings(self, optimizer: int) -> list[dict[str, Any]] | None:
+        """Chained optimizer ``optimizer``'s groups without params and step."""
+        return [dict(group) for group in self._settings[optimizer]]
 
 
 def _one_step(groups: list[dict[str, Any]], where: str) -> torch.Tensor:

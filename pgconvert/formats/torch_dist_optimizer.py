@@ -31,7 +31,7 @@ from typing import Any
 from pgconvert.model.config import ModelConfig
 from pgconvert.model.grid import RankCoord
 from pgconvert.model.layout import ParallelLayout
-from pgconvert.optimizer.order import OptimizerRules, optimizer_count
+from pgconvert.optimizer.order import OptimizerRules, chain, optimizer_count
 from pgconvert.optimizer.scaler import GRAD_SCALER
 from pgconvert.optimizer.source import FORM_FP16, FORM_FP32
 
@@ -74,7 +74,7 @@ def record_prefix(config: ModelConfig, layout: ParallelLayout, coord: RankCoord,
     ``g`` the rank in its model-parallel group (dense: tp-pp; expert: expert tp-ep-pp, expert tp fastest). A layer-wise
     Muon run's Adam optimizer (``rules``) is the second of two, a dense one."""
     chained = f"chained_{optimizer}." if optimizer_count(config, layout, rules) > 1 else ""
-    if not rules.is_expert_optimizer(optimizer):
+    if not chain(config, layout, rules)[optimizer].expert:
         index = coord.tp + layout.tp * coord.pp
     else:
         etp = coord.tp if coord.etp is None else coord.etp

@@ -25,7 +25,7 @@ from pgconvert.formats.megatron_args import megatron_data_parallel_size
 from pgconvert.model.config import ModelConfig
 from pgconvert.model.grid import RankCoord
 from pgconvert.model.layout import ParallelLayout
-from pgconvert.optimizer.order import OptimizerRules, UnsupportedOptimizerError
+from pgconvert.optimizer.order import OptimizerRules, UnsupportedOptimizerError, chain
 
 if TYPE_CHECKING:
     from pgconvert.formats import Saver
@@ -72,7 +72,7 @@ def optimizer_ranks(config: ModelConfig, layout: ParallelLayout, optimizer: int,
     """The ranks whose state chained optimizer ``optimizer`` keeps apart, in megatron-core's model-parallel order:
     dense, one per TP x PP (its parameters are the same on every EP rank); expert, one per expert TP x EP x PP (with an
     expert tensor-parallel size other than TP, each named by its ``etp`` rank). ``rules``: which is the expert one."""
-    if not rules.is_expert_optimizer(optimizer):
+    if not chain(config, layout, rules)[optimizer].expert:
         return [RankCoord(tp=tp, pp=pp) for pp in range(layout.pp) for tp in range(layout.tp)]
     if layout.expert_tp_size == layout.tp:
         return [RankCoord(tp=tp, pp=pp, ep=ep) for pp in range(layout.pp) for ep in range(layout.ep)
@@ -87,7 +87,7 @@ def optimizer_dp(config: ModelConfig, layout: ParallelLayout, dp: int, args: Any
     (dense: megatron-core's ``intra_dp_cp`` group, which holds the context-parallel ranks too), or the expert
     data-parallel size ``tp * cp * dp / (expert_tp * ep)`` (``rules``: which is the expert one)."""
     cp = int(getattr(args, "context_parallel_size", None) or 1)
-    if not rules.is_expert_optimizer(optimizer):
+    if not chain(config, layout, rules)[optimizer].expert:
         return dp * cp
     ranks = layout.tp * cp * dp
     if ranks % (layout.expert_tp_size * layout.ep):

@@ -136,8 +136,8 @@ def flat_buffers(config: ModelConfig, layout: ParallelLayout, coord: RankCoord, 
     unpadded size. One buffer per model chunk that has parameters: megatron-core's DDP makes a buffer per
     dtype of a chunk's parameters, none for a chunk without (an empty virtual stage of a pipeline layout), and
     ``DistributedOptimizer`` numbers the buffers of all chunks in order (``itertools.chain`` of
-    ``per_model_buffers``). ``optimizer`` 1: the expert-parallel parameters' buffers
-    (DDP's ``expert_parallel_buffers``)."""
+    ``per_model_buffers``). ``optimizer``: the chained optimizer (``order.chain``), an expert one's the
+    expert-parallel parameters' buffers (DDP's ``expert_parallel_buffers``)."""
     by_param = {(slot.chunk, slot.spec.local_name): slot
                 for group in optimizer_slots(config, layout, coord, rules, padded_vocab_size) for slot in group}
     # The buffer follows the chunk's named_parameters() order (reversed), not the param groups'.

@@ -66,11 +66,14 @@ Muon (Megatron-LM's ``--optimizer muon`` without the distributed optimizer; mega
 (no override: its key sorts first) one group, then Adam's weight-decay group (the embedding and output layer; with
 ``decoupled_lr`` their ``max_lr``/``min_lr`` group, whose key also sorts before the norms') and its no-weight-decay
 group, each in ``named_parameters()`` order, and ``get_megatron_optimizer`` chains the two. Muon keeps an fp32 master
-and a ``momentum_buffer`` per parameter and no step. With ``--use-distributed-optimizer`` (``layer_wise``) the same
-two are megatron-core's layer-wise optimizer and a distributed Adam (``OptimizerRules.distributed``). Refused by name:
-another scalar optimizer, MoE models, the layer-wise optimizer's legacy layout and float32 runs
-(``_refuse_muon_variants``). Checked against megatron-core 0.19.2's own TP2 save and Megatron-LM d98e8a64's own
-saves, per-rank with and without ``--decoupled-lr`` and layer-wise in torch_dist (``tests/test_optimizer_muon.py``,
+and a ``momentum_buffer`` per parameter and no step. With experts at expert parallel size > 1 the groups are bucketed
+by ``(optimizer, is_expert_parallel)`` too: Muon's dense and expert optimizers, then Adam's dense one and, where the
+experts have biases, its expert one (``chain``). With ``--use-distributed-optimizer`` (``layer_wise``) the two are
+megatron-core's layer-wise optimizer (the experts among its parameters) and a distributed Adam
+(``OptimizerRules.distributed``). Refused by name: another scalar optimizer, the layer-wise optimizer with MoE, its
+legacy layout and float32 runs (``_refuse_muon_variants``). Checked against megatron-core 0.19.2's own TP2 save and
+Megatron-LM d98e8a64's own saves, per-rank with and without ``--decoupled-lr``, MoE at EP2 and layer-wise in
+torch_dist (``tests/test_optimizer_muon.py``, ``tests/test_optimizer_muon_moe.py``,
 ``tests/test_optimizer_layer_wise.py``).
 
 Mixture of experts: a routed expert's linears are ``allreduce=False`` only when
@@ -183,6 +186,37 @@ class UnsupportedOptimizerError(ValidationError):
     """A model or run setting whose optimizer layout pgconvert does not reproduce."""
 
 
+# The per-parameter state fields: the fp32 master and Adam's moments, or Muon's momentum buffer.
+ADAM_FIELDS = ("param", "exp_avg", "exp_avg_sq")
+MUON_FIELDS = ("param", "momentum_buffer")
+ADAM, MUON = "adam", "muon"
+
+
+@dataclass(frozen=True)
+class ChainMember:
+    """One optimizer megatron-core chains: the torch optimizer it wraps (``kind``) and whether it holds the
+    expert-parallel parameters."""
+
+    kind: str = ADAM
+    expert: bool = False
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        """Its per-parameter state: the fp32 master and Muon's momentum buffer, or Adam's moments."""
+        return MUON_FIELDS if self.kind == MUON else ADAM_FIELDS
+
+    @property
+    def state_fields(self) -> tuple[str, ...]:
+        """The fields its torch optimizer keeps per parameter in ``state`` (the master aside, which megatron-core's
+        wrapper keeps)."""
+        return tuple(name for name in self.fields if name != "param")
+
+    @property
+    def stepped(self) -> bool:
+        """Whether it counts steps (Adam; Muon keeps none)."""
+        return self.kind != MUON
+
+
 @dataclass(frozen=True)
 class OptimizerSlot:
     """One parameter of a rank's optimizer: its group, its position in ``optimizer.state``, the model
@@ -192,14 +226,11 @@ class OptimizerSlot:
     position: int
     chunk: int
     spec: TensorSpec
-    # The index in megatron-core's ChainedOptimizer (1: the expert-parallel optimizer).
+    # The index in megatron-core's ChainedOptimizer (``chain``: which optimizer that is).
     optimizer: int = 0
+    member: ChainMember = ChainMember()
 
 
-# The per-parameter state fields: the fp32 master and Adam's moments, or Muon's momentum buffer.
-ADAM_FIELDS = ("param", "exp_avg", "exp_avg_sq")
-MUON_FIELDS = ("param", "momentum_buffer")
-ADAM, MUON = "adam", "muon"
 # What a format's reader and writer declare they carry (``optimizer_kinds``): ``args.optimizer``, and for Muon with the
 # layer-wise distributed optimizer this name.
 LAYER_WISE_MUON = "muon layer-wise"
@@ -241,38 +272,19 @@ class OptimizerRules:
         """The kind of state the run saved, as ``optimizer_kinds`` name it."""
         return LAYER_WISE_MUON if self.layer_wise else self.kind
 
-    def fields(self, optimizer: int) -> tuple[str, ...]:
-        """The per-parameter state fields of chained optimizer ``optimizer``: Muon's (the first of a Muon run's
-        two) or Adam's."""
-        return MUON_FIELDS if self.kind == MUON and optimizer == 0 else ADAM_FIELDS
-
-    def state_fields(self, optimizer: int) -> tuple[str, ...]:
-        """The fields chained optimizer ``optimizer``'s torch optimizer keeps per parameter in its ``state`` (the
-        master aside, which megatron-core's wrapper keeps): Adam's moments, or Muon's momentum buffer."""
-        return tuple(field for field in self.fields(optimizer) if field != "param")
-
-    def stepped(self, optimizer: int) -> bool:
-        """Whether chained optimizer ``optimizer`` counts steps (Adam; Muon keeps none)."""
-        return "exp_avg" in self.fields(optimizer)
-
     def distributed(self, optimizer: int) -> bool:
         """Whether chained optimizer ``optimizer`` is megatron-core's distributed optimizer of its run (the layer-wise
         Muon run's Adam one; else decided by the run's form, not here)."""
         return self.layer_wise and optimizer == 1
 
-    def is_expert_optimizer(self, optimizer: int) -> bool:
-        """Whether chained optimizer ``optimizer`` is the expert-parallel one (an Adam run's second; a Muon run's
-        second is its scalar Adam optimizer)."""
-        return optimizer == 1 and self.kind != MUON
-
 
 def _refuse_muon_variants(args: argparse.Namespace, where: str) -> None:
-    """The Muon runs whose optimizer layout is not mapped, refused by name: a scalar optimizer other than Adam, MoE
-    (Muon and Adam each chain a dense and an expert optimizer), the layer-wise distributed optimizer's legacy
-    layout (``--no-use-layer-wise-param-layout``: every parameter in the layer-wise optimizer's buffer)."""
+    """The Muon runs whose optimizer layout is not mapped, refused by name: a scalar optimizer other than Adam; the
+    layer-wise distributed optimizer with MoE, with its legacy layout (``--no-use-layer-wise-param-layout``: every
+    parameter in the layer-wise optimizer's buffer) or in a float32 run."""
     layer_wise = bool(getattr(args, "use_layer_wise_distributed_optimizer", False))  # float32: torch's own optimizers
     refused = {"muon_scalar_optimizer": (getattr(args, "muon_scalar_optimizer", None) or ADAM) != ADAM,
-               "num_experts": bool(getattr(args, "num_experts", None)),
+               "num_experts": layer_wise and bool(getattr(args, "num_experts", None)),
                "use_layer_wise_param_layout": layer_wise and getattr(args, "use_layer_wise_param_layout", None) in (
                    False, 0),  # absent or None: Megatron-LM's default, the precomputed layout
                "bf16": layer_wise and not getattr(args, "bf16", False)}
@@ -280,9 +292,9 @@ def _refuse_muon_variants(args: argparse.Namespace, where: str) -> None:
         if held:
             raise UnsupportedOptimizerError(
                 f"{where}: args.optimizer='muon' with args.{name}={quote(getattr(args, name, None))}: pgconvert maps "
-                "megatron-core's Muon optimizers of a dense model (Muon for the 2-dim weights, Adam for the "
-                "embedding, output layer and norms): the plain one, and the layer-wise distributed one of a bf16 run "
-                "with its default param layout; pass --skip-optimizer")
+                "megatron-core's Muon optimizers (Muon for the 2-dim weights, Adam for the embedding, output layer and "
+                "norms): the plain one, and the layer-wise distributed one of a dense bf16 run with its default param "
+                "layout; pass --skip-optimizer")
 
 
 def _learning_rate(args: argparse.Namespace, name: str, where: str) -> float | None:
@@ -409,15 +421,18 @@ def _dense_group(spec: TensorSpec, rules: OptimizerRules, coord: RankCoord, chun
 
 
 def _place(spec: TensorSpec, rules: OptimizerRules, layout: ParallelLayout, coord: RankCoord,
-           chunk: int) -> tuple[int, int]:
-    """(chained optimizer, param group) of a parameter. A Muon run's (megatron-core 0.19.2's
-    ``_is_nonlinear_or_embedding``): a 2-dim weight other than the word embedding and output layer is Muon's,
-    the rest its scalar optimizer Adam's, by weight decay."""
+           chunk: int, members: Sequence[ChainMember]) -> tuple[int, int]:
+    """(chained optimizer, param group) of a parameter, ``members`` the chain. A Muon run's (megatron-core 0.19.2's
+    ``_is_nonlinear_or_embedding``): a 2-dim weight other than the word embedding and output layer is Muon's (its
+    one group), the rest its scalar optimizer Adam's, by weight decay (an expert-parallel Adam's only group: the
+    experts' biases)."""
+    expert = is_expert_parallel(spec, layout) and not rules.layer_wise  # the layer-wise optimizer keeps experts
     if rules.kind == MUON:
         if len(spec.local_shape) == 2 and not _is_embedding_or_output(spec, coord, chunk):
-            return 0, 0
-        return 1, 1 if _no_weight_decay(spec, rules) else 0
-    if is_expert_parallel(spec, layout):
+            return members.index(ChainMember(MUON, expert)), 0
+        index = members.index(ChainMember(ADAM, expert))
+        return index, 0 if expert else (1 if _no_weight_decay(spec, rules) else 0)
+    if expert:
         return 1, 1 if _no_weight_decay(spec, rules) else 0
     return 0, _dense_group(spec, rules, coord, chunk)
 
@@ -441,38 +456,52 @@ def named_parameters(config: ModelConfig, layout: ParallelLayout, coord: RankCoo
     return ordered
 
 
+def chain(config: ModelConfig, layout: ParallelLayout,
+          rules: OptimizerRules = OptimizerRules()) -> tuple[ChainMember, ...]:
+    """The optimizers megatron-core chains, in order: Adam's dense one, and its expert one at expert parallel > 1.
+    A Muon run's (``_get_megatron_emerging_optimizer``: the groups bucketed by ``(optimizer, is_expert_parallel)`` in
+    sorted-group order): Muon's dense one, its expert one at expert parallel > 1, Adam's dense one, and an expert one
+    where the experts have biases; with the layer-wise optimizer, Muon's (experts included) and Adam's."""
+    experts = bool(config.moe.num_experts) and layout.ep > 1
+    if rules.kind != MUON:
+        return (ChainMember(ADAM, False), ChainMember(ADAM, True)) if experts else (ChainMember(ADAM, False),)
+    experts = experts and not rules.layer_wise
+    return (ChainMember(MUON, False), *((ChainMember(MUON, True),) if experts else ()), ChainMember(ADAM, False),
+            *((ChainMember(ADAM, True),) if experts and config.add_bias_linear else ()))
+
+
 def optimizer_count(config: ModelConfig, layout: ParallelLayout, rules: OptimizerRules = OptimizerRules()) -> int:
-    """The optimizers megatron-core chains: the dense one, and the expert one at expert parallel > 1; a Muon run's
-    Muon and Adam ones."""
-    if rules.kind == MUON:
-        return 2
-    return 2 if config.moe.num_experts and layout.ep > 1 else 1
+    """How many optimizers megatron-core chains (``chain``)."""
+    return len(chain(config, layout, rules))
 
 
-def _group_count(config: ModelConfig, optimizer: int, rules: OptimizerRules) -> int:
-    """Groups per optimizer: keys are all-gathered over the world, so a group exists on every rank once any
+def _group_count(config: ModelConfig, member: ChainMember, rules: OptimizerRules) -> int:
+    """Groups per chained optimizer: keys are all-gathered over the world, so a group exists on every rank once any
     rank has a member. Dense: weight decay, the embedding/output parameters with decoupled_lr, and no weight
     decay (norms). Experts: no weight decay only with their biases (``add_bias_linear``). A Muon run: Muon's one
-    group, then Adam's weight decay (the embedding and output layer) and no weight decay."""
+    group (dense and expert alike), then Adam's weight decay (the embedding and output layer) and no weight decay
+    (an expert Adam's: the experts' biases alone)."""
     if rules.kind == MUON:
-        return 1 if optimizer == 0 else 2
-    if optimizer == 0:
+        return 1 if member.kind == MUON or member.expert else 2
+    if not member.expert:
         return 3 if rules.decoupled_lr is not None else 2
     return 2 if config.add_bias_linear else 1
 
 
 def group_counts(config: ModelConfig, layout: ParallelLayout, rules: OptimizerRules = OptimizerRules()) -> list[int]:
-    """The param groups megatron-core builds for each chained optimizer (dense, then expert-parallel)."""
-    return [_group_count(config, index, rules) for index in range(optimizer_count(config, layout, rules))]
+    """The param groups megatron-core builds for each chained optimizer (``chain``)."""
+    return [_group_count(config, member, rules) for member in chain(config, layout, rules)]
 
 
-def group_overrides(rules: OptimizerRules, optimizer: int) -> list[dict[str, float]]:
-    """Per param group of chained optimizer ``optimizer``: the override fields megatron-core sets on it
+def group_overrides(rules: OptimizerRules, member: ChainMember) -> list[dict[str, float]]:
+    """Per param group of the chained optimizer ``member``: the override fields megatron-core sets on it
     (``wd_mult`` 0 for no weight decay; ``max_lr``/``min_lr`` for decoupled_lr), ``wd_mult`` 1.0 otherwise."""
     decayed, undecayed = {"wd_mult": 1.0}, {"wd_mult": 0.0}
-    if rules.kind == MUON and optimizer == 0:
+    if rules.kind == MUON and member.kind == MUON:
         return [decayed]
-    if rules.is_expert_optimizer(optimizer) or rules.decoupled_lr is None:
+    if rules.kind == MUON and member.expert:
+        return [undecayed]
+    if member.expert or rules.decoupled_lr is None:
         return [decayed, undecayed]
     decoupled = {"wd_mult": 1.0, "max_lr": rules.decoupled_lr}
     if rules.decoupled_min_lr is not None:
@@ -485,21 +514,21 @@ def group_overrides(rules: OptimizerRules, optimizer: int) -> list[dict[str, flo
 def chained_slots(config: ModelConfig, layout: ParallelLayout, coord: RankCoord,
                   rules: OptimizerRules = OptimizerRules(),
                   padded_vocab_size: int | None = None) -> list[list[list[OptimizerSlot]]]:
-    """Per chained optimizer (dense, then expert-parallel), its param groups (weight decay, then no weight
+    """Per chained optimizer (``chain``), its param groups (weight decay, then no weight
     decay), each a list of slots in ``params`` order; positions count across one optimizer's groups as its
     ``state`` does."""
     check_supported(config, f"layout {layout.describe()}")
-    count = optimizer_count(config, layout, rules)
+    optimizers = chain(config, layout, rules)
     members: list[list[list[tuple[int, TensorSpec]]]] = [
-        [[] for _ in range(_group_count(config, index, rules))] for index in range(count)]
+        [[] for _ in range(_group_count(config, member, rules))] for member in optimizers]
     for chunk, spec in named_parameters(config, layout, coord, padded_vocab_size):
-        optimizer, group = _place(spec, rules, layout, coord, chunk)
+        optimizer, group = _place(spec, rules, layout, coord, chunk, optimizers)
         members[optimizer][group].append((chunk, spec))
     chained: list[list[list[OptimizerSlot]]] = []
     for optimizer, groups in enumerate(members):
         position, built = 0, []
         for index, group in enumerate(groups):
-            built.append([OptimizerSlot(index, position + i, chunk, spec, optimizer)
+            built.append([OptimizerSlot(index, position + i, chunk, spec, optimizer, optimizers[optimizer])
                           for i, (chunk, spec) in enumerate(group)])
             position += len(group)
         chained.append(built)
@@ -534,8 +563,8 @@ def grouped_expert_note(slots: Sequence[OptimizerSlot]) -> str:
 
 
 def check_param_groups(slots: Sequence[Sequence[OptimizerSlot]], param_groups: Any, where: str,
-                       rules: OptimizerRules = OptimizerRules(), optimizer: int = 0) -> None:
-    """The stored ``param_groups`` of chained optimizer ``optimizer`` have the groups, sizes, positions and
+                       rules: OptimizerRules = OptimizerRules(), member: ChainMember = ChainMember()) -> None:
+    """The stored ``param_groups`` of the chained optimizer ``member`` have the groups, sizes, positions and
     overrides (weight-decay multiplier, decoupled learning rates) that ``slots`` and ``rules`` derive; refuse
     (naming the field) otherwise."""
     if not isinstance(param_groups, list) or len(param_groups) != len(slots):
@@ -543,8 +572,8 @@ def check_param_groups(slots: Sequence[Sequence[OptimizerSlot]], param_groups: A
         raise OptimizerLayoutError(
             f"{where}: optimizer.param_groups holds {count} groups; {_VERSIONS} builds {len(slots)} for this "
             "model (weight decay, [decoupled_lr,] no weight decay)")
-    overrides = group_overrides(rules, optimizer)
-    expert = rules.is_expert_optimizer(optimizer)
+    overrides = group_overrides(rules, member)
+    expert = member.expert
     for index, (group, members) in enumerate(zip(param_groups, slots)):
         if not isinstance(group, dict):
             raise OptimizerLayoutError(f"{where}: optimizer.param_groups[{index}] is not a dict")

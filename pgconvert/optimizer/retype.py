@@ -103,8 +103,8 @@ class RetypedOptimizer(OptimizerSource):
               rule: ShardRule | None = None) -> torch.Tensor:
         return self.stored.piece(name, key, size, rank, rows, rule)
 
-    def param_group_settings(self, optimizer: int = 0, count: int | None = None) -> list[dict[str, Any]]:
-        return self.stored.param_group_settings(optimizer, count)
+    def _stored_group_settings(self, optimizer: int) -> list[dict[str, Any]] | None:
+        return self.stored._stored_group_settings(optimizer)
 
     def stored_copies(self) -> list[StoredCopy]:
         return self.stored.stored_copies()

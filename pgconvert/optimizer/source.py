@@ -15,11 +15,12 @@ from typing import Any
 import torch
 
 from pgconvert.formats.stream import apply_finite_policy, nonfinite_text
+from pgconvert.io.limits import quote
 from pgconvert.model.config import ModelConfig
 from pgconvert.model.layout import ParallelLayout
 from pgconvert.model.rules import ReplicaMismatchError, ShardRule, bitwise_equal
-from pgconvert.optimizer.order import (ADAM_FIELDS, MEGATRON_CORE_VERSIONS, OptimizerLayoutError, OptimizerRules,
-                                       OptimizerSlot)
+from pgconvert.optimizer.order import (ADAM_FIELDS, MEGATRON_CORE_VERSIONS, ChainMember, OptimizerLayoutError,
+                                       OptimizerRules, OptimizerSlot, chain, group_overrides)
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 # The per-parameter fields of an Adam optimizer: the fp32 master weight and Adam's moments (a Muon run's Muon
@@ -143,17 +144,21 @@ class OptimizerSource:
         return self._owners[name][0][1].group
 
     def optimizer_of(self, name: str) -> int:
-        """The chained optimizer (0: dense, 1: expert-parallel) that holds ``name``."""
+        """The chained optimizer that holds ``name``: its index in ``chained``."""
         return self._owners[name][0][1].optimizer
+
+    def chained(self) -> tuple[ChainMember, ...]:
+        """The optimizers megatron-core chains for the source's model and layout (``order.chain``)."""
+        return chain(self.config, self.layout, self.rules)
 
     def fields(self, name: str) -> tuple[str, ...]:
         """The per-parameter fields of ``name``'s state: the fp32 master and Adam's moments, or a Muon parameter's
-        momentum buffer (``OptimizerRules.fields``)."""
-        return self.rules.fields(self.optimizer_of(name))
+        momentum buffer (``ChainMember.fields``)."""
+        return self._owners[name][0][1].member.fields
 
     def stepped(self, name: str) -> bool:
-        """Whether ``name``'s optimizer counts steps (``OptimizerRules.stepped``)."""
-        return self.rules.stepped(self.optimizer_of(name))
+        """Whether ``name``'s optimizer counts steps (``ChainMember.stepped``)."""
+        return self._owners[name][0][1].member.stepped
 
     def rule(self, name: str) -> ShardRule:
         """The ShardRule the source's pieces of ``name`` were cut with."""
@@ -163,11 +168,30 @@ class OptimizerSource:
         """The source's TP pieces of ``name``'s ``key`` (param, a moment or step), in TP order."""
         raise NotImplementedError
 
-    def param_group_settings(self, optimizer: int = 0, count: int | None = None) -> list[dict[str, Any]]:
-        """The param groups (without ``params``: hyperparameters, lr, wd_mult…) of chained optimizer
-        ``optimizer`` (1: expert-parallel) of a target, ``count`` of them: the source's own where it has that
-        optimizer, else its dense groups with ``is_expert_parallel`` set (megatron-core builds both from one
-        config; they differ only there)."""
+    def param_group_settings(self, optimizer: int = 0, count: int | None = None,
+                             member: ChainMember | None = None) -> list[dict[str, Any]]:
+        """The param groups (without ``params``: hyperparameters, lr, wd_mult…) of the source's chained optimizer
+        ``optimizer``, ``count`` of them; or, for a target's chained optimizer ``member``, the source's own of it where
+        the source chains one, else its dense optimizer's of that kind with ``is_expert_parallel`` set, each group
+        the one with the same overrides (megatron-core builds both from one config; they differ only there)."""
+        own = self.chained()
+        if member is None or member in own:
+            index = optimizer if member is None else own.index(member)
+            settings = self._stored_group_settings(index)
+            if settings is not None:
+                return settings if count is None else settings[:count]
+            member = own[index]
+        dense = own.index(ChainMember(member.kind, False))
+        settings = self._stored_group_settings(dense) or []
+        held, wanted = group_overrides(self.rules, own[dense]), group_overrides(self.rules, member)[:count]
+        if len(held) != len(settings) or any(overrides not in held for overrides in wanted):
+            raise OptimizerLayoutError(f"{self.first.path}: the {member.kind} optimizer's param groups "
+                                       f"{quote(settings, 160)} do not give a target's groups {wanted} ({_VERSIONS})")
+        return [dict(settings[held.index(overrides)], is_expert_parallel=member.expert) for overrides in wanted]
+
+    def _stored_group_settings(self, optimizer: int) -> list[dict[str, Any]] | None:
+        """The stored param groups of the source's chained optimizer ``optimizer`` without ``params`` (None: not
+        stored on the ranks read)."""
         raise NotImplementedError
 
     def _replicas_differ(self, name: str, key: str, error: ReplicaMismatchError) -> OptimizerLayoutError:

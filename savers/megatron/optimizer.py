@@ -34,7 +34,7 @@ from pgconvert.model.grid import RankCoord, iter_ranks
 from pgconvert.model.layout import ParallelLayout
 from pgconvert.optimizer.data_parallel import dp_size, with_dst_dp
 from pgconvert.optimizer.flat import FLAT_KEYS, flat_buffers, planned_buffers
-from pgconvert.optimizer.order import OptimizerSlot, chained_slots, optimizer_count
+from pgconvert.optimizer.order import ChainMember, OptimizerSlot, chain, chained_slots, optimizer_count
 from pgconvert.optimizer.scaler import set_scalers, target_scalers
 from pgconvert.optimizer.source import (CARRIED_KEYS, FORM_DISTRIBUTED, FORM_FP16, FP32_BYTES,
                                         OptimizerSource)
@@ -60,18 +60,20 @@ def rank_optimizer(source: OptimizerSource, config: ModelConfig, layout: Paralle
     the list of the chained dense and expert-parallel optimizers' (MoE at expert parallel size > 1)."""
     chained = chained_slots(config, layout, coord, source.rules, padded_rows)
     scalers = target_scalers(source, len(chained))
-    entries = [_one_optimizer(source, slots, index, padded_rows, scalers[index]) for index, slots in enumerate(chained)]
+    members = chain(config, layout, source.rules)
+    entries = [_one_optimizer(source, slots, members[index], padded_rows, scalers[index])
+               for index, slots in enumerate(chained)]
     return entries[0] if len(entries) == 1 else entries
 
 
-def _one_optimizer(source: OptimizerSource, slots: list[list[OptimizerSlot]], index: int,
+def _one_optimizer(source: OptimizerSource, slots: list[list[OptimizerSlot]], member: ChainMember,
                    padded_rows: int, scaler: Any = None) -> dict[str, Any]:
-    settings = source.param_group_settings(index, len(slots))
+    settings = source.param_group_settings(count=len(slots), member=member)
     state: dict[int, dict[str, Any]] = {}
-    fields = source.rules.state_fields(index)
+    fields = member.state_fields
     for slot in (slot for group in slots for slot in group):
         rows = padded_rows if slot.spec.rule.fits_rows else None
-        entry: dict[str, Any] = {"step": source.step(slot.spec.canonical)} if source.rules.stepped(index) else {}
+        entry: dict[str, Any] = {"step": source.step(slot.spec.canonical)} if member.stepped else {}
         entry.update({key: _planned(source, slot, key, rows) for key in fields})
         state[slot.position] = entry
     groups = [dict(settings[number], params=[slot.position for slot in members])
@@ -87,15 +89,16 @@ def _one_optimizer(source: OptimizerSource, slots: list[list[OptimizerSlot]], in
     return optimizer
 
 
-def _distributed_entries(source: OptimizerSource, count: int, groups: list[int]) -> Any:
+def _distributed_entries(source: OptimizerSource, members: tuple[ChainMember, ...], groups: list[int]) -> Any:
     """The rank file's entry of a distributed optimizer (param groups with their step, no params), per
-    chained optimizer: the source's own, or its dense one with ``is_expert_parallel`` set."""
+    chained optimizer (``members``): the source's own, or its dense one with ``is_expert_parallel`` set."""
     held = source.first.extra["distributed_entries"]
     entries = []
-    for index in range(count):
+    count = len(members)
+    for index, member in enumerate(members):
         entry = dict(held[min(index, len(held) - 1)])
         step = entry["optimizer"]["param_groups"][0].get("step")
-        settings = source.param_group_settings(index, groups[index])
+        settings = source.param_group_settings(count=groups[index], member=member)
         entry["optimizer"] = dict(entry["optimizer"], param_groups=[dict(group, step=step) for group in settings])
         entries.append(entry)
     set_scalers(entries, target_scalers(source, count))
@@ -127,7 +130,7 @@ def _write_distributed(source: OptimizerSource, config: ModelConfig, layout: Par
         contents.append(content)
     digest = save(contents[0] if count == 1 else contents, rank_dir / DISTRIB_OPTIM_FILE)  # type: ignore[arg-type]
     groups = [len(slots) for slots in chained_slots(config, layout, coord, source.rules, padded_rows)]
-    return _distributed_entries(source, count, groups), digest
+    return _distributed_entries(source, chain(config, layout, source.rules), groups), digest
 
 
 def carry_optimizer(source: OptimizerSource, config: ModelConfig, layout: ParallelLayout, iteration_dir: Path,
@@ -194,10 +197,10 @@ def _rank_entry(optimizer: OptimizerSource, config: ModelConfig, layout: Paralle
     buffer) and the fp32 master (Float16OptimizerWithFloat16Params)."""
     tensors = nbytes = 0
     chained = chained_slots(config, layout, coord, optimizer.rules, rows)
-    for index, slot in ((index, slot) for index, groups in enumerate(chained) for group in groups for slot in group):
-        per_param = len(optimizer.rules.state_fields(index)) + (optimizer.form == FORM_FP16)  # and the master
+    for slot in (slot for groups in chained for group in groups for slot in group):
+        per_param = len(slot.member.state_fields) + (optimizer.form == FORM_FP16)  # and the master
         numel = math.prod(int(size) for size in slot.spec.local_shape)
-        step_bytes = optimizer.step(slot.spec.canonical).element_size() if optimizer.rules.stepped(index) else 0
+        step_bytes = optimizer.step(slot.spec.canonical).element_size() if slot.member.stepped else 0
         tensors += per_param + (step_bytes > 0)
         nbytes += per_param * FP32_BYTES * numel + step_bytes
     return OptimizerFile(relpath, f"optimizer entry ({optimizer.form})", tensors, nbytes)

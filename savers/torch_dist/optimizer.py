@@ -19,7 +19,7 @@ from pgconvert.formats.torch_dist_optimizer import DP_RESHARDABLE, FS_MODEL_SPAC
 from pgconvert.io.dcp_writer import DEFAULT_MAX_DATA_FILE_SIZE
 from pgconvert.model.grid import RankCoord
 from pgconvert.optimizer.data_parallel import dp_size, with_dst_dp
-from pgconvert.optimizer.order import chained_slots
+from pgconvert.optimizer.order import ChainMember, chain, chained_slots
 from pgconvert.optimizer.source import FORM_DISTRIBUTED, FORM_LAYER_WISE, OptimizerSource
 from pgconvert.savers.torch_dist.optimizer_dp_reshardable import planned_files, plan_records, write_dp_reshardable
 from pgconvert.savers.torch_dist.optimizer_fs_model_space import write_fs_model_space
@@ -65,11 +65,12 @@ def destination_notice(sharding: str | None, form: str) -> list[str]:
             "deprecated forms"]
 
 
-def _group_counts(optimizer: OptimizerSource, source: CanonicalSource, options: SaveOptions, rows: int) -> list[int]:
-    """The target's param groups per chained optimizer."""
+def _target_groups(optimizer: OptimizerSource, source: CanonicalSource, options: SaveOptions,
+                   rows: int) -> list[tuple[ChainMember, int]]:
+    """The target's chained optimizers, each with its param group count."""
     config = target_config(source.config, options)
-    return [len(groups) for groups in chained_slots(config, options.layout, RankCoord(0, 0, 0), optimizer.rules,
-                                                    rows)]
+    slots = chained_slots(config, options.layout, RankCoord(0, 0, 0), optimizer.rules, rows)
+    return list(zip(chain(config, options.layout, optimizer.rules), (len(groups) for groups in slots)))
 
 
 def write_optimizer(source: CanonicalSource, optimizer: OptimizerSource, form: str, iteration_dir: Path,
@@ -90,19 +91,19 @@ def write_optimizer(source: CanonicalSource, optimizer: OptimizerSource, form: s
         plan = plan_layer_wise(optimizer, model_chunks, form, config, layout, rows, dst_dp or dp_size(args), args,
                                share.limit)
         added = write_layer_wise(optimizer, plan, rows, fits_rows, iteration_dir, share, form,
-                                 _group_counts(optimizer, source, options, rows))
+                                 _target_groups(optimizer, source, options, rows))
     elif form == PLAIN:
-        counts = _group_counts(optimizer, source, options, rows)
+        counts = _target_groups(optimizer, source, options, rows)
         added = write_plain(optimizer, model_chunks, rows, fits_rows, iteration_dir, counts, share)
     elif form == DP_RESHARDABLE:
         config = target_config(source.config, options)
         added = write_dp_reshardable(optimizer, config, layout, rows, dst_dp or dp_size(args), iteration_dir, args,
                                      share)
     elif form == FS_MODEL_SPACE:
-        counts = _group_counts(optimizer, source, options, rows)
+        counts = _target_groups(optimizer, source, options, rows)
         added = write_fs_model_space(optimizer, model_chunks, rows, fits_rows, iteration_dir, share, counts)
     else:
-        counts = _group_counts(optimizer, source, options, rows)
+        counts = _target_groups(optimizer, source, options, rows)
         added = write_fully_reshardable(optimizer, model_chunks, rows, fits_rows, iteration_dir, share, counts)
     # What the shared step rewrote (a share writes its records files alone): their digests are stale.
     rewritten = (common_relpath(iteration_dir), DCP_METADATA_FILE) if share.shared else ()

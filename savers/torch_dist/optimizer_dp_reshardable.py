@@ -59,7 +59,7 @@ from pgconvert.model.grid import RankCoord
 from pgconvert.model.layout import ParallelLayout
 from pgconvert.optimizer.data_parallel import optimizer_dp, optimizer_ranks
 from pgconvert.optimizer.flat import FlatParam, bucket_divisor, bucket_pieces, bucket_ranges, flat_buffers
-from pgconvert.optimizer.order import chained_slots, optimizer_count
+from pgconvert.optimizer.order import chain, chained_slots, optimizer_count
 from pgconvert.optimizer.scaler import target_scalers
 from pgconvert.optimizer.source import FIELDS, FP32_BYTES, OptimizerSource
 from pgconvert.savers.torch_dist.common_state import rewrite_common
@@ -150,6 +150,7 @@ def plan_records(optimizer: OptimizerSource, config: ModelConfig, layout: Parall
     ``distributed``: those that are distributed ones, default all)."""
     rules = optimizer.rules
     counts = [len(groups) for groups in chained_slots(config, layout, RankCoord(0, 0, 0), rules, rows)]
+    members = chain(config, layout, rules)
     step = float(optimizer.step(next(name for name in optimizer.names() if optimizer.stepped(name))))
     records: list[FlatRecord] = []
     objects: dict[str, Any] = {}
@@ -157,7 +158,8 @@ def plan_records(optimizer: OptimizerSource, config: ModelConfig, layout: Parall
     for index, count in enumerate(counts):
         if distributed is not None and index not in distributed:
             continue
-        groups = [dict(settings, step=step) for settings in optimizer.param_group_settings(index, count)]
+        groups = [dict(settings, step=step) for settings in optimizer.param_group_settings(count=count,
+                                                                                           member=members[index])]
         own_dp = optimizer_dp(config, layout, dp, args, index, f"layout {layout.describe()}", rules)
         for coord in optimizer_ranks(config, layout, index, rules):
             buffers = [_buckets(placed, numel) for placed, numel in
@@ -224,5 +226,5 @@ def write_dp_reshardable(optimizer: OptimizerSource, config: ModelConfig, layout
     written = write_records(iteration_dir, FlatRecordsPlanner(records, objects, optimizer, rows),
                             record_numbers(records, share.limit), share)
     if share.shared:
-        rewrite_common(iteration_dir, _common_update(optimizer, optimizer_count(config, layout)))
+        rewrite_common(iteration_dir, _common_update(optimizer, optimizer_count(config, layout, optimizer.rules)))
     return planned_files(records, objects, share.limit, iteration_dir.name, written)

@@ -36,6 +36,7 @@ from pgconvert.formats.torch_dist import read_dcp_metadata
 from pgconvert.formats.torch_dist_optimizer import (AVOID_PREFIX, FS_MODEL_SPACE, MODEL_SPACE_FIELDS, chain_prefixes,
                                                     chained_entries, common_entry, state_key)
 from pgconvert.model.provider import expert_of_key
+from pgconvert.optimizer.order import ChainMember
 from pgconvert.optimizer.scaler import set_scalers, target_scalers
 from pgconvert.optimizer.source import OptimizerSource
 from pgconvert.savers.torch_dist.common_state import replace_durably, rewrite_common
@@ -68,12 +69,12 @@ def _merge_metadata(iteration_dir: Path, added: Metadata, original: dict[str, tu
     replace_durably(path, pickle.dumps(merged))
 
 
-def _add_common(optimizer: OptimizerSource, iteration_dir: Path, group_counts: list[int]) -> None:
-    """``group_counts``: the target's param groups per chained optimizer (a MoE model's at EP > 1: the dense and
+def _add_common(optimizer: OptimizerSource, iteration_dir: Path, target: list[tuple[ChainMember, int]]) -> None:
+    """``target``: the target's chained optimizers and their group counts (a MoE model's at EP > 1: the dense and
     the expert one, ``{0: dense, 1: expert}``, each entry naming the form)."""
     step = float(optimizer.step(optimizer.names()[0]))
-    groups = [[dict(settings, step=step) for settings in optimizer.param_group_settings(index, count)]
-              for index, count in enumerate(group_counts)]
+    groups = [[dict(settings, step=step) for settings in optimizer.param_group_settings(count=count, member=member)]
+              for member, count in target]
 
     def update(common: dict[str, Any]) -> None:
         common["optimizer"] = common_entry(groups, FS_MODEL_SPACE)
@@ -96,19 +97,20 @@ def _chained_index(name: str, prefixes: list[str]) -> int:
 
 
 def write_fs_model_space(optimizer: OptimizerSource, model_chunks: list[Any], rows: int, fits_rows: set[str],
-                         iteration_dir: Path, share: RecordsShare, group_counts: list[int]) -> list[PlannedFile]:
+                         iteration_dir: Path, share: RecordsShare,
+                         target: list[tuple[ChainMember, int]]) -> list[PlannedFile]:
     """Write the records beside the model's (``model_chunks``: the torch_dist saver's, expert ones included;
-    ``share``: which; ``group_counts``: the target's param groups per chained optimizer); returns the files
+    ``share``: which; ``target``: the target's chained optimizers and their group counts); returns the files
     added."""
     pairs = per_field(model_chunks, set(optimizer.names()), list(FIELDS))
     # A MoE model's chained dense and expert optimizers: their records prefixed chained_<i>. (megatron-core 0.13.1
     # loads no other form; 0.14.0 and 0.15.0 take the prefix from the content metadata, _add_common).
-    prefixes = chain_prefixes(len(group_counts), prefixed=True)
+    prefixes = chain_prefixes(len(target), prefixed=True)
     chunks = [(field, _reformulated(field, chunk, prefixes[_chained_index(chunk.canonical, prefixes)]))
               for field, chunk in pairs]
     original = {chunk.key: tuple(model.global_shape) for (_, chunk), (_, model) in zip(chunks, pairs)}
     added = write_chunk_records(optimizer, chunks, rows, fits_rows, iteration_dir, share,
                                 lambda directory, index: _merge_metadata(directory, index, original))
     if share.shared:
-        _add_common(optimizer, iteration_dir, group_counts)
+        _add_common(optimizer, iteration_dir, target)
     return added

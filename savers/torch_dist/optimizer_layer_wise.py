@@ -35,6 +35,7 @@ from pgconvert.formats.torch_dist_optimizer import (DP_RESHARDABLE, FULLY_RESHAR
 from pgconvert.io.dcp_writer import ItemKey
 from pgconvert.model.config import ModelConfig
 from pgconvert.model.layout import ParallelLayout
+from pgconvert.optimizer.order import ChainMember
 from pgconvert.optimizer.source import FORM_FP16, OptimizerSource
 from pgconvert.savers.torch_dist.common_state import rewrite_common
 from pgconvert.savers.torch_dist.optimizer_dp_reshardable import (FlatRecord, FlatRecordsPlanner, plan_records,
@@ -109,7 +110,8 @@ class _Planner(DefaultSavePlanner):
         return owner.resolve_data(write_item)
 
 
-def _common_update(optimizer: OptimizerSource, form: str, counts: list[int]) -> Callable[[dict[str, Any]], None]:
+def _common_update(optimizer: OptimizerSource, form: str,
+                   target: list[tuple[ChainMember, int]]) -> Callable[[dict[str, Any]], None]:
     """The common state's ``optimizer`` entry and content metadata of ``form``, and the carried counters."""
     step = float(optimizer.step(next(name for name in optimizer.names() if optimizer.stepped(name))))
 
@@ -117,9 +119,10 @@ def _common_update(optimizer: OptimizerSource, form: str, counts: list[int]) -> 
         adam: dict[str, Any] = {"param_state_sharding_type": form}
         if form == FULLY_RESHARDABLE:
             adam = {"optimizer": {"param_groups": [dict(settings, step=step) for settings in
-                                                   optimizer.param_group_settings(1, counts[1])]}, **adam}
-        common["optimizer"] = {0: {"optimizer": {"param_groups": optimizer.param_group_settings(0, counts[0])}},
-                               1: adam}
+                                                   optimizer.param_group_settings(count=target[1][1],
+                                                                                  member=target[1][0])]}, **adam}
+        muon = optimizer.param_group_settings(count=target[0][1], member=target[0][0])
+        common["optimizer"] = {0: {"optimizer": {"param_groups": muon}}, 1: adam}
         carry_counters(optimizer, common)
         content = dict(common.get("content_metadata") or {}, distrib_optim_sharding_type=form,
                        chained_optim_avoid_prefix=True)
@@ -132,12 +135,13 @@ def _common_update(optimizer: OptimizerSource, form: str, counts: list[int]) -> 
 
 
 def write_layer_wise(optimizer: OptimizerSource, plan: LayerWisePlan, rows: int, fits_rows: set[str],
-                     iteration_dir: Path, share: RecordsShare, form: str, counts: list[int]) -> list[PlannedFile]:
+                     iteration_dir: Path, share: RecordsShare, form: str,
+                     target: list[tuple[ChainMember, int]]) -> list[PlannedFile]:
     """Write ``plan``'s records beside the torch_dist saver's (``share``: which files) and, when shared, the common
-    state's entry (``counts``: the target's param groups per chained optimizer); returns the files added."""
+    state's entry (``target``: the target's chained optimizers and their group counts); returns the files added."""
     planner = _Planner(OptimizerPlanner(plan.chunks, optimizer, rows, fits_rows),
                        FlatRecordsPlanner(plan.records, plan.objects, optimizer, rows))
     written = write_records(iteration_dir, planner, plan.numbers, share)
     if share.shared:
-        rewrite_common(iteration_dir, _common_update(optimizer, form, counts))
+        rewrite_common(iteration_dir, _common_update(optimizer, form, target))
     return records_files(iteration_dir.name, plan.sizes(), plan.numbers, len(plan.objects), written)

@@ -18,6 +18,7 @@ import torch
 
 from pgconvert.formats import PlannedFile
 from pgconvert.formats.torch_dist_optimizer import PLAIN_FIELDS, state_key
+from pgconvert.optimizer.order import ChainMember
 from pgconvert.optimizer.scaler import set_scalers, target_scalers
 from pgconvert.optimizer.source import FORM_FP32, OptimizerSource
 from pgconvert.savers.torch_dist.common_state import rewrite_common
@@ -36,14 +37,14 @@ def plain_chunks(optimizer: OptimizerSource, model_chunks: list[Any]) -> list[tu
             for field, chunk in per_field(model_chunks, set(optimizer.names()), fields)]
 
 
-def _common_entry(optimizer: OptimizerSource, group_counts: list[int]) -> dict[Any, Any]:
+def _common_entry(optimizer: OptimizerSource, groups: list[tuple[ChainMember, int]]) -> dict[Any, Any]:
     """The common state's ``optimizer``: one plain entry per chained optimizer (``{0: dense, 1: expert}``, or a
-    Muon run's ``{0: Muon, 1: Adam}``, when ``group_counts`` has two); Muon's counts no step."""
+    Muon run's ``{0: Muon, 1: Adam}``, when ``groups`` has two); Muon's counts no step."""
     entries: list[dict[str, Any]] = []
     step = optimizer.step(next(name for name in optimizer.names() if optimizer.stepped(name))).clone()
-    for index, count in enumerate(group_counts):
-        torch_state: dict[str, Any] = {"param_groups": optimizer.param_group_settings(index, count)}
-        if optimizer.rules.stepped(index):
+    for member, count in groups:
+        torch_state: dict[str, Any] = {"param_groups": optimizer.param_group_settings(count=count, member=member)}
+        if member.stepped:
             torch_state["state"] = {"common_step": step.clone()}
         entries.append(torch_state if optimizer.form == FORM_FP32 else {"optimizer": torch_state})
     if optimizer.form != FORM_FP32:
@@ -52,9 +53,9 @@ def _common_entry(optimizer: OptimizerSource, group_counts: list[int]) -> dict[A
 
 
 def write_plain(optimizer: OptimizerSource, model_chunks: list[Any], rows: int, fits_rows: set[str],
-                iteration_dir: Path, group_counts: list[int], share: RecordsShare) -> list[PlannedFile]:
+                iteration_dir: Path, groups: list[tuple[ChainMember, int]], share: RecordsShare) -> list[PlannedFile]:
     """Write the plain optimizer's records beside the model's (``model_chunks``: the torch_dist saver's; ``share``:
-    which) and its entry in the common state (``group_counts``: the target's param groups per chained optimizer);
+    which) and its entry in the common state (``groups``: the target's chained optimizers and their group counts);
     returns the files added."""
     chunks = plain_chunks(optimizer, model_chunks)
     added = write_chunk_records(optimizer, chunks, rows, fits_rows, iteration_dir, share)
@@ -62,7 +63,7 @@ def write_plain(optimizer: OptimizerSource, model_chunks: list[Any], rows: int, 
         return added
 
     def update(common: dict[str, Any]) -> None:
-        common["optimizer"] = _common_entry(optimizer, group_counts)
+        common["optimizer"] = _common_entry(optimizer, groups)
         carry_counters(optimizer, common)
         metadata = dict(common.get("content_metadata") or {})
         for key in ("distrib_optim_sharding_type", "distrib_optim_fully_reshardable_mem_efficient"):

@@ -39,6 +39,7 @@ from pgconvert.formats.torch_dist import read_dcp_metadata, single_process_calls
 from pgconvert.formats.torch_dist_optimizer import (FULLY_RESHARDABLE, RECORDS_PREFIX, chained_entries, common_entry,
                                                     records_file, state_key)
 from pgconvert.io.dcp_writer import ItemKey, StreamingWriter, WrittenFiles, split_by_size
+from pgconvert.optimizer.order import ChainMember
 from pgconvert.optimizer.scaler import set_scalers, target_scalers
 from pgconvert.optimizer.source import CARRIED_KEYS, FIELDS, OptimizerSource
 from pgconvert.savers.torch_dist.common_state import replace_durably, rewrite_common
@@ -147,12 +148,13 @@ def carry_counters(optimizer: OptimizerSource, common: dict[str, Any]) -> None:
             common[key] = optimizer.first.extra[key]
 
 
-def _add_common(optimizer: OptimizerSource, iteration_dir: Path, group_counts: list[int] | None = None) -> None:
-    """``group_counts``: the target's param groups per chained optimizer (None: the source's one)."""
+def _add_common(optimizer: OptimizerSource, iteration_dir: Path,
+                target: list[tuple[ChainMember, int]] | None = None) -> None:
+    """``target``: the target's chained optimizers and their group counts (None: the source's first)."""
     step = float(optimizer.step(optimizer.names()[0]))
-    counts: list[int | None] = list(group_counts) if group_counts else [None]
-    groups = [[dict(settings, step=step) for settings in optimizer.param_group_settings(index, count)]
-              for index, count in enumerate(counts)]
+    held = [optimizer.param_group_settings(count=count, member=member) for member, count in target] if target \
+        else [optimizer.param_group_settings(0)]
+    groups = [[dict(settings, step=step) for settings in own] for own in held]
 
     def update(common: dict[str, Any]) -> None:
         common["optimizer"] = common_entry(groups)
@@ -216,12 +218,12 @@ def write_chunk_records(optimizer: OptimizerSource, chunks: list[tuple[str, Any]
 
 def write_fully_reshardable(optimizer: OptimizerSource, model_chunks: list[Any], rows: int, fits_rows: set[str],
                             iteration_dir: Path, share: RecordsShare,
-                            group_counts: list[int] | None = None) -> list[PlannedFile]:
+                            target: list[tuple[ChainMember, int]] | None = None) -> list[PlannedFile]:
     """Write the optimizer records beside the model's (``model_chunks``: the torch_dist saver's chunks, expert
-    ones included; ``share``: which); ``group_counts``: the target's param groups per chained optimizer. Returns
+    ones included; ``share``: which); ``target``: the target's chained optimizers and their group counts. Returns
     the files added."""
     added = write_chunk_records(optimizer, optimizer_chunks(optimizer, model_chunks), rows, fits_rows, iteration_dir,
                                 share)
     if share.shared:
-        _add_common(optimizer, iteration_dir, group_counts)
+        _add_common(optimizer, iteration_dir, target)
     return added

@@ -23,7 +23,10 @@ Megatron-LM's own ``save_checkpoint``:
 - ``muon_layer_wise_dp_reshardable_torch_dist``: golden ``train_tp2dp2_muon_layer_wise_dp_reshardable_torch_dist``
   (bf16, Muon with the layer-wise distributed optimizer, torch_dist ``dp_reshardable``), TP2 DP2 -> TP1 DP2 on two
   ranks, and (``..._to_pp2``) -> TP1 PP2 DP2 on four, each stage with its own layer-wise and distributed Adam
-  optimizers; ``muon_layer_wise_fully_reshardable_torch_dist`` (its ``fully_reshardable`` save) -> TP1 DP1.
+  optimizers; ``muon_layer_wise_fully_reshardable_torch_dist`` (its ``fully_reshardable`` save) -> TP1 DP1;
+- ``muon_moe_ep2_torch_dist``: golden ``train_tp1ep2dp4_muon_moe_bf16_torch_dist`` (bf16, plain Muon with 4 experts:
+  Muon's dense and expert optimizers and Adam's chained, torch_dist), EP2 DP4 -> EP1 DP1 on one rank, in torch_dist
+  and (``..._to_torch``) in per-rank files.
 
 Per case:
 
@@ -207,6 +210,9 @@ DISTOPT = ["--use-distributed-optimizer", "--bf16"]
 MUON = ["--optimizer", "muon", "--bf16"]  # plain Muon: without --use-distributed-optimizer
 LAYER_WISE = [*MUON, "--use-distributed-optimizer", "--no-save-rng", *SMALL_MODEL_FLAGS]  # the layer-wise optimizer
 TORCH, TORCH_DIST = ["--ckpt-format", "torch"], ["--ckpt-format", "torch_dist"]
+# The plain Muon MoE golden's run: 4 experts, top-2 routing, the allgather dispatcher, global batch 4.
+MUON_MOE = [*MUON, "--num-experts", "4", "--moe-router-topk", "2", "--moe-token-dispatcher-type", "allgather",
+            "--global-batch-size", "4", *TORCH_DIST, "--no-save-rng", *SMALL_MODEL_FLAGS]
 FP32_TOLERANCES = dict.fromkeys(("param", "exp_avg", "exp_avg_sq"), (RTOL, ATOL, 0.0))
 # bf16 forward and backward: the TP1 and TP2 x DP2 runs round activations and gradients in other
 # orders, so iteration 3's gradients differ by up to ~1% of each tensor's largest gradient (measured:
@@ -257,6 +263,14 @@ CASES: dict[str, Case] = {
         "train_tp2dp2_muon_layer_wise_dp_reshardable_torch_dist", dict(dst_tp=1, dst_pp=1, dst_dp=2),
         [TP, "1", PP, "1", *LAYER_WISE, *TORCH_DIST], (4, [TP, "2", PP, "1", *LAYER_WISE, *TORCH_DIST]), True,
         converted_ranks=2),
+    "muon_moe_ep2_torch_dist": Case(
+        "train_tp1ep2dp4_muon_moe_bf16_torch_dist", dict(dst_tp=1, dst_pp=1, dst_ep=1, dst_dp=1),
+        [TP, "1", PP, "1", "--expert-model-parallel-size", "1", *MUON_MOE],
+        (4, [TP, "1", PP, "1", "--expert-model-parallel-size", "2", *MUON_MOE]), True),
+    "muon_moe_ep2_torch_dist_to_torch": Case(
+        "train_tp1ep2dp4_muon_moe_bf16_torch_dist", dict(dst_format="megatron", dst_tp=1, dst_pp=1, dst_ep=1, dst_dp=1),
+        [TP, "1", PP, "1", "--expert-model-parallel-size", "1", *MUON_MOE, *TORCH],
+        (4, [TP, "1", PP, "1", "--expert-model-parallel-size", "2", *MUON_MOE]), True),
     "muon_layer_wise_dp_reshardable_torch_dist_to_pp2": Case(
         "train_tp2dp2_muon_layer_wise_dp_reshardable_torch_dist", dict(dst_tp=1, dst_pp=2, dst_dp=2),
         [TP, "1", PP, "2", *LAYER_WISE, *TORCH_DIST], (4, [TP, "2", PP, "1", *LAYER_WISE, *TORCH_DIST]), True,

@@ -79,7 +79,9 @@ class SeededOptimizer:
                 "wd_mult": 1.0 if number == 0 else 0.0, "lr_mult": 1.0, "is_expert_parallel": False,
                 "is_decoupled_lr": False, "betas": (0.9, 0.95), "eps": 1e-8, "amsgrad": False}
 
-    def param_group_settings(self, optimizer: int = 0, count: int | None = None) -> list[dict[str, Any]]:
+    def param_group_settings(self, optimizer: int = 0, count: int | None = None,
+                             member: Any = None) -> list[dict[str, Any]]:
+        """A dense Adam run's two groups (``member``: a target's chained optimizer, the dense one here)."""
         settings = [self._group(number) for number in range(2)]
         return settings if count is None else settings[:count]
 

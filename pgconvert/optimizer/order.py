@@ -69,8 +69,7 @@ group, each in ``named_parameters()`` order, and ``get_megatron_optimizer`` chai
 and a ``momentum_buffer`` per parameter and no step. With experts at expert parallel size > 1 the groups are bucketed
 by ``(optimizer, is_expert_parallel)`` too: Muon's dense and expert optimizers, then Adam's dense one and, where the
 experts have biases, its expert one (``chain``). With ``--use-distributed-optimizer`` (``layer_wise``) the two are
-megatron-core's layer-wise optimizer (the experts among its parameters) and a distributed Adam
-(``OptimizerRules.distributed``). Refused by name: another scalar optimizer, the layer-wise optimizer with MoE, its
+megatron-core's layer-wise optimizer (the experts among its parameters) and a distributed Adam. Refused by name: another scalar optimizer, the layer-wise optimizer with MoE, its
 legacy layout and float32 runs (``_refuse_muon_variants``). Checked against megatron-core 0.19.2's own TP2 save and
 Megatron-LM d98e8a64's own saves, per-rank with and without ``--decoupled-lr``, MoE at EP2 and layer-wise in
 torch_dist (``tests/test_optimizer_muon.py``, ``tests/test_optimizer_muon_moe.py``,
@@ -271,11 +270,6 @@ class OptimizerRules:
     def stored_kind(self) -> str:
         """The kind of state the run saved, as ``optimizer_kinds`` name it."""
         return LAYER_WISE_MUON if self.layer_wise else self.kind
-
-    def distributed(self, optimizer: int) -> bool:
-        """Whether chained optimizer ``optimizer`` is megatron-core's distributed optimizer of its run (the layer-wise
-        Muon run's Adam one; else decided by the run's form, not here)."""
-        return self.layer_wise and optimizer == 1
 
 
 def _refuse_muon_variants(args: argparse.Namespace, where: str) -> None:

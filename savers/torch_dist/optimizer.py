@@ -93,18 +93,18 @@ def write_optimizer(source: CanonicalSource, optimizer: OptimizerSource, form: s
         added = write_layer_wise(optimizer, plan, rows, fits_rows, iteration_dir, share, form,
                                  _target_groups(optimizer, source, options, rows))
     elif form == PLAIN:
-        counts = _target_groups(optimizer, source, options, rows)
-        added = write_plain(optimizer, model_chunks, rows, fits_rows, iteration_dir, counts, share)
+        target = _target_groups(optimizer, source, options, rows)
+        added = write_plain(optimizer, model_chunks, rows, fits_rows, iteration_dir, target, share)
     elif form == DP_RESHARDABLE:
         config = target_config(source.config, options)
         added = write_dp_reshardable(optimizer, config, layout, rows, dst_dp or dp_size(args), iteration_dir, args,
                                      share)
     elif form == FS_MODEL_SPACE:
-        counts = _target_groups(optimizer, source, options, rows)
-        added = write_fs_model_space(optimizer, model_chunks, rows, fits_rows, iteration_dir, share, counts)
+        target = _target_groups(optimizer, source, options, rows)
+        added = write_fs_model_space(optimizer, model_chunks, rows, fits_rows, iteration_dir, share, target)
     else:
-        counts = _target_groups(optimizer, source, options, rows)
-        added = write_fully_reshardable(optimizer, model_chunks, rows, fits_rows, iteration_dir, share, counts)
+        target = _target_groups(optimizer, source, options, rows)
+        added = write_fully_reshardable(optimizer, model_chunks, rows, fits_rows, iteration_dir, share, target)
     # What the shared step rewrote (a share writes its records files alone): their digests are stale.
     rewritten = (common_relpath(iteration_dir), DCP_METADATA_FILE) if share.shared else ()
     names = tuple(f"{iteration_dir.name}/{name}" for name in rewritten)

@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.planner import WriteItem
 
 from pgconvert.formats import PlannedFile
 from pgconvert.formats.torch_dist_optimizer import (DP_RESHARDABLE, FULLY_RESHARDABLE, MODEL_SPACE_FIELDS, PLAIN_FIELDS,
-                                                    state_key)
+                                                    chain_prefixes, state_key)
 from pgconvert.io.dcp_writer import ItemKey
 from pgconvert.model.config import ModelConfig
 from pgconvert.model.layout import ParallelLayout
@@ -63,15 +63,16 @@ class LayerWisePlan:
 def _chunks(optimizer: OptimizerSource, model_chunks: list[Any], form: str) -> list[tuple[str, Any]]:
     """The model-space records: Muon's in the plain form (prefixed ``chained_0.`` in dp_reshardable), and in
     fully_reshardable Adam's as that form's, fp32."""
-    prefix = "chained_0." if form == DP_RESHARDABLE else ""
     stored = [{field: name for field, name in PLAIN_FIELDS[FORM_FP16].items() if name},  # Muon's, plain
               MODEL_SPACE_FIELDS[FULLY_RESHARDABLE] if form == FULLY_RESHARDABLE else {}]  # Adam's (else flat)
+    prefixes = chain_prefixes(len(stored), prefixed=form == DP_RESHARDABLE)
 
     def fields(name: str) -> list[str]:
         return [field for field in optimizer.fields(name) if field in stored[optimizer.optimizer_of(name)]]
 
     def key(name: str, field: str, model_key: str) -> str:
-        return prefix + state_key(stored[optimizer.optimizer_of(name)][field], model_key)
+        index = optimizer.optimizer_of(name)
+        return prefixes[index] + state_key(stored[index][field], model_key)
 
     return [(field, dataclasses.replace(chunk, key=key(chunk.canonical, field, chunk.key), dtype=torch.float32))
             for field, chunk in per_field(model_chunks, set(optimizer.names()), fields)]

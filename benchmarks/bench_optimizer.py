@@ -2,10 +2,10 @@
 distributed optimizer (bf16 weights, fp32 main params and Adam moments, grads reduced in fp32),
 written by pgconvert's own writers in the layouts Megatron-LM writes.
 
-- ``opt_tp2``: per-rank TP2 checkpoint: the model by the megatron saver, then ``distrib_optim.pt`` and
-  each rank file's param groups by ``savers/megatron/optimizer.carry_optimizer`` (what a per-rank conversion
-  writes), from seeded state: every fp32 master is its bf16 weight (as megatron-core keeps them),
-  the moments are seeded draws;
+- ``opt_tp2``: per-rank TP2 checkpoint written by the megatron saver with the optimizer state in its save
+  options (``SaveOptions.optimizer``: each rank file's param groups and ``distrib_optim.pt`` beside it, as a
+  per-rank conversion writes them), from seeded state: every fp32 master is its bf16 weight (as megatron-core keeps
+  them), the moments are seeded draws;
 - ``opt_td_dp``: the same converted by pgconvert to torch_dist at TP2 with ``--dst-optim-form
   dp_reshardable`` (Megatron-LM's default torch_dist form).
 """
@@ -25,13 +25,12 @@ from typing import Any
 import torch
 
 from pgconvert.model.config import ModelConfig
-from pgconvert.formats import SaveOptions
+from pgconvert.formats import OptimizerInModelFiles, OptimizerOptions, SaveOptions
+from pgconvert.formats.megatron import iteration_dir_name
 from pgconvert.model.grid import RankCoord
 from pgconvert.model.layout import ParallelLayout
 from pgconvert.optimizer.order import OptimizerRules, optimizer_slots
 from pgconvert.optimizer.source import FORM_DISTRIBUTED
-from pgconvert.savers.megatron.optimizer import carry_optimizer
-from pgconvert.model.provider import target_vocab_rows
 from pgconvert.formats.registry import get_saver
 
 OPTIM_SCALE = 0.07  # 83 M parameters: 1.0 GB of fp32 optimizer state (param, exp_avg, exp_avg_sq)
@@ -120,18 +119,14 @@ def optimizer_sources(workdir: Path, scale: float, make_config: Any, model_class
 
 
 def _write_per_rank(config: ModelConfig, model: Any, path: Path) -> None:
-    from pgconvert.savers.megatron import save_durably
-
     layout = ParallelLayout(tp=2)
     staging = path.with_name(path.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
     model.iteration = ITERATION
     model.megatron_args = _run_args()
-    get_saver("megatron").save(model, staging, SaveOptions(layout=layout), lambda nbytes: None)
-    (iteration_dir,) = staging.glob("iter_*")
-    padded = target_vocab_rows(config, model.vocab_rows, layout)
-    optimizer = SeededOptimizer(model, config, model.megatron_args, iteration_dir)
-    carry_optimizer(optimizer, config, layout, iteration_dir, padded, save_durably)  # type: ignore[arg-type]
+    optimizer = SeededOptimizer(model, config, model.megatron_args, staging / iteration_dir_name(ITERATION, False))
+    carried = OptimizerInModelFiles(optimizer, FORM_DISTRIBUTED, OptimizerOptions())  # type: ignore[arg-type]
+    get_saver("megatron").save(model, staging, SaveOptions(layout=layout, optimizer=carried), lambda nbytes: None)
     staging.rename(path)
 
 

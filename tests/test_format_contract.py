@@ -13,7 +13,7 @@ from pgconvert.formats.stream import CanonicalSource
 ROOT = Path(__file__).resolve().parent.parent
 CONTRACT_ATTRIBUTES = {"layout", "hf_origin", "megatron_args", "parallel", "unrepresentable", "side_files",
                        "training_state_notice", "writes_optimizer", "optimizer_forms", "sharding", "keeps_quantized",
-                       "optimizer_partial"}
+                       "optimizer_partial", "optimizer_in_model_files"}
 
 
 def test_source_declares_defaults() -> None:
@@ -28,6 +28,15 @@ def test_saver_declares_parallel() -> None:
     assert get_saver("hf").parallel is False
     assert get_saver("megatron").parallel is True
     assert get_saver("torch_dist").parallel is True
+
+
+def test_a_saver_that_writes_optimizer_state_with_its_model_files_writes_it_in_shares() -> None:
+    """Each model file holds its own state: a share that writes a model file writes its state too."""
+    from pgconvert.formats.names import saver_names
+
+    with_model = [name for name in saver_names() if get_saver(name).optimizer_in_model_files]
+    assert with_model == ["megatron"]
+    assert all(get_saver(name).optimizer_partial and get_saver(name).writes_optimizer for name in with_model)
 
 
 def test_contract_attributes_are_not_read_with_getattr() -> None:

@@ -305,7 +305,9 @@ def test_a_sharded_run_into_a_saver_that_writes_optimizer_state_in_one_pass_name
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from pgconvert.savers.megatron import MegatronSaver
 
-    monkeypatch.setattr(MegatronSaver, "optimizer_partial", False)  # as a plugin saver that declares no shares
+    # as a plugin saver that declares no shares and writes the state after its model files
+    monkeypatch.setattr(MegatronSaver, "optimizer_partial", False)
+    monkeypatch.setattr(MegatronSaver, "optimizer_in_model_files", False)
     flags = ("--dst-tp", "1", "--shard-index", "0", "--num-shards", "1")
     result = _cli("convert", DISTOPT, tmp_path / "lenient", *flags)
     assert result.exit_code == 0, result.output

@@ -17,6 +17,9 @@ Optimizer state (megatron-core's, ``pgconvert.optimizer``) goes through declared
   (``optimizer_refusal``, before the state is opened), names the form it writes an opened state in
   (``optimizer_form``), lists it for ``--dry-run`` (``plan_optimizer``) and writes it after the model
   (``save_optimizer``); one whose model weights are the optimizer's fp32 masters declares ``stores_masters``.
+  One whose model files hold optimizer state themselves (Megatron's rank files) declares
+  ``optimizer_in_model_files``: the decision is then made while planning, and ``save`` writes the state it finds
+  in ``SaveOptions.optimizer`` as it writes each model file (and the files beside it), so no file is written twice.
   ``OptimizerOptions`` carries ``--dst-optim-form`` and ``--dst-dp``. A saver that sets
   ``optimizer_partial`` also writes the state of some files only (``save_optimizer(only=...)``, each process of a
   sharded run its share) and what those shares have in common once (``finalize_optimizer``).
@@ -109,6 +112,19 @@ class SaveOptions:
     # Threads producing independent destination files at once within this process (``--threads``;
     # pgconvert.io.threads): a saver whose files are independent writes up to this many at a time.
     threads: int = 1
+    # The optimizer state a saver with ``optimizer_in_model_files`` writes with its model files (set while planning
+    # when the conversion carries it; ``pgconvert.optimizer.carry.attach_optimizer``).
+    optimizer: OptimizerInModelFiles | None = None
+
+
+@dataclass(frozen=True)
+class OptimizerInModelFiles:
+    """The carried optimizer state a saver writes as it writes its model files: the opened state, the form the
+    destination writes it in (``Saver.optimizer_form``) and ``--dst-optim-form``/``--dst-dp``."""
+
+    optimizer: OptimizerSource
+    form: str
+    options: OptimizerOptions
 
 
 
@@ -284,6 +300,10 @@ class Saver(ABC):
     # carries a source's optimizer state, the model is read from that state's masters (``CanonicalSource.masters``),
     # not from the source's weights widened.
     stores_masters: bool = False
+    # Whether its model files hold the optimizer state themselves (see the module docstring): ``save`` writes the
+    # state of ``SaveOptions.optimizer`` into them and beside them, and ``save_optimizer`` only reports those files.
+    # Such a saver writes each share's state with its model files, so it declares ``optimizer_partial`` too.
+    optimizer_in_model_files: bool = False
 
     def optimizer_refusal(self, source: CanonicalSource, options: SaveOptions,
                           optimizer_options: OptimizerOptions) -> str | None:

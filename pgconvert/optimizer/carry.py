@@ -5,10 +5,12 @@ processes ``sharded_optimizer`` adds the files they share out, each writes its s
 what they have in common with ``finalize_carried``): the state is carried when
 the source holds it (``CanonicalSource.holds_optimizer``), the destination writes it (``Saver.writes_optimizer``)
 and ``--skip-optimizer`` is not given; it is opened and checked by ``pgconvert.optimizer.checks.open_checked``, and
-its values are checked for NaN/Inf on their way to the output (``--check-finite``: refused). State that is held but not carried is named in a notice (``guess:
-optimizer state not carried: ...``), refused under --strict; a broken one is a named error. Everything a format
+its values are checked for NaN/Inf on their way to the output (``--check-finite``: refused). State that is held but
+not carried is named in a notice (``guess: optimizer state not carried: ...``), refused under --strict; a broken one
+is a named error. Everything a format
 reads or writes goes through the hooks of ``pgconvert.formats``: the source opens its state
-(``open_optimizer``), the saver writes it after the model (``save_optimizer``).
+(``open_optimizer``), the saver writes it after the model (``save_optimizer``), or with it where its model files
+hold it (``Saver.optimizer_in_model_files``: decided while planning, ``attach_optimizer``).
 
 Carried: the optimizer, scheduler state, iteration, ``num_floating_point_operations_so_far``, the grad scaler
 and the consumed-samples counters (in ``args``). Not carried: RNG state (it depends on the rank count).
@@ -17,13 +19,13 @@ and the consumed-samples counters (in ``args``). Not carried: RNG state (it depe
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pgconvert.errors import ValidationError
-from pgconvert.formats import (TRAINING_STATE_NOT_CARRIED, CarriedOptimizer, OptimizerFile, OptimizerOptions,
-                               PlannedFile, Saver, target_config)
+from pgconvert.formats import (TRAINING_STATE_NOT_CARRIED, CarriedOptimizer, OptimizerFile, OptimizerInModelFiles,
+                               OptimizerOptions, PlannedFile, Saver, target_config)
 from pgconvert.formats.names import saver_names
 from pgconvert.formats.registry import get_saver
 from pgconvert.formats.strict import fallback
@@ -162,12 +164,20 @@ def carried_optimizer(conversion: Plan, notices: list[str]) -> tuple[OptimizerSo
     return carried
 
 
-def attach_masters(conversion: Plan) -> None:
-    """A conversion to another ``--dtype``, or into a destination that stores the optimizer's masters as its model
-    (``Saver.stores_masters``), that carries the optimizer state decides it while planning: its model weights are
-    then read from the optimizer's masters (``retype.retyped``, ``retype.masters_for_destination``)."""
-    if conversion.save_options.dtype is not None or conversion.saver.stores_masters:
-        carried_optimizer(conversion, [])
+def attach_optimizer(conversion: Plan) -> None:
+    """What is decided about the optimizer state while planning, before anything is written. A conversion to another
+    ``--dtype``, or into a destination that stores the optimizer's masters as its model (``Saver.stores_masters``),
+    reads its model weights from the carried state's masters (``retype.retyped``,
+    ``retype.masters_for_destination``); a destination whose model files hold the optimizer state
+    (``Saver.optimizer_in_model_files``) gets the carried state in its save options, and writes it with them."""
+    saver = conversion.saver
+    if conversion.save_options.dtype is None and not saver.stores_masters and not saver.optimizer_in_model_files:
+        return
+    carried = carried_optimizer(conversion, [])
+    if carried is not None and saver.optimizer_in_model_files:
+        optimizer, form = carried
+        written = OptimizerInModelFiles(optimizer, form, optimizer_options(conversion.request))
+        conversion.save_options = replace(conversion.save_options, optimizer=written)
 
 
 def _kind_refusal(conversion: Plan, optimizer: OptimizerSource) -> str | None:

@@ -40,7 +40,7 @@ from pgconvert.io.sizes import dtype_name, itemsize, numel
 from pgconvert.run.manifest import Manifest, hashing, record_files, write_manifest, writing_digest
 from pgconvert.formats.hf_quantized import check_keep_fp8
 from pgconvert.formats.torch_dist_integrity import INTEGRITY_ALGORITHM
-from pgconvert.optimizer.carry import (attach_masters, carry_training_state, check_optimizer_options,
+from pgconvert.optimizer.carry import (attach_optimizer, carry_training_state, check_optimizer_options,
                                        finalize_carried, replace_saver_notice)
 from pgconvert.optimizer.source import OptimizerSource
 from pgconvert.formats.registry import detect_format, get_loader, get_saver
@@ -325,7 +325,7 @@ def plan(request: ConvertRequest, check_dst: bool = True) -> Plan:
         conversion = Plan(request, src_format, dst_format, source, source.layout, saver, save_options, files,
                           _largest_tensor(source, save_options))
         check_optimizer_options(conversion)  # before anything is written
-        attach_masters(conversion)
+        attach_optimizer(conversion)
         conversion.file_groups = saver.file_groups(source, save_options)  # once the masters are known
     except BaseException:
         source.close()

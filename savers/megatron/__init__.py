@@ -58,7 +58,7 @@ from pgconvert.formats.mtp_naming import local_mtp_key
 from pgconvert.formats.vision_args import wrapped
 from pgconvert.io.torchzip import PlannedTensor, save_stream
 from pgconvert.optimizer.source import OptimizerSource
-from pgconvert.savers.megatron.optimizer import carry_optimizer, planned_optimizer_files
+from pgconvert.savers.megatron.optimizer import planned_optimizer_files, training_state
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +84,11 @@ class _RankPlan:
     relpath: str
     coord: RankCoord
     chunks: list[tuple[str, ModelShard]]
+
+
+# A rank written: its files (the rank file, then any written beside it) and whether a non-empty ``_extra_state`` of
+# the source was written empty in it.
+_WrittenRank = tuple[list[PlannedFile], bool]
 
 
 class MegatronSaver(Saver):
@@ -163,7 +168,8 @@ class MegatronSaver(Saver):
             if parsed is None:
                 owner = non_layer_chunk(canonical)
                 if (owner == "first" and first) or (owner == "last" and last):
-                    keys.append((local_mtp_key(canonical, config.mtp_layer_module), canonical))  # the target's MTP spelling
+                    # the target's MTP spelling
+                    keys.append((local_mtp_key(canonical, config.mtp_layer_module), canonical))
             elif parsed[0] in shard.layers:
                 keys.append((f"{LAYER_PREFIX}{parsed[0] - shard.layers.start}.{parsed[1]}", canonical))
         return keys
@@ -210,13 +216,21 @@ class MegatronSaver(Saver):
         header = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration}
         ranks = [rank for rank in self._ranks(source, options)
                  if only is None or f"{iteration_dir_relpath}/{rank.relpath}" in only]
-        tasks = [partial(self._write_siblings, source, out_dir / iteration_dir_relpath, siblings, header, padded,
-                         options, progress)
-                 for siblings in _sibling_groups(source, ranks, padded)]
+        directory = out_dir / iteration_dir_relpath
+        if options.optimizer is None:
+            tasks = [partial(self._write_siblings, source, directory, siblings, header, padded, options, progress)
+                     for siblings in _sibling_groups(source, ranks, padded)]
+            threads = options.threads
+        else:  # one rank file at a time, each reading its optimizer state in turn
+            tasks = [partial(self._write_alone, source, directory, rank, header, padded, options, progress)
+                     for rank in ranks]
+            threads = 1
         place = {rank.relpath: index for index, rank in enumerate(ranks)}
-        written = sorted((item for group in run_each(tasks, options.threads) for item in group),
-                         key=lambda item: place[item[0].relpath])  # in rank order, as planned
-        result.files += [replace(item, relpath=f"{iteration_dir_relpath}/{item.relpath}") for item, _ in written]
+        written = sorted((item for group in run_each(tasks, threads) for item in group),
+                         key=lambda item: place[item[0][0].relpath])  # in rank order, as planned
+        result.files += [replace(files[0], relpath=f"{iteration_dir_relpath}/{files[0].relpath}")
+                         for files, _ in written]
+        result.files += [beside for files, _ in written for beside in files[1:]]  # each rank's distrib_optim.pt
         dropped_extra = any(dropped for _, dropped in written)
         _notice_renamed_extra_states(source, config, options, result.notices)
         if dropped_extra:
@@ -231,9 +245,13 @@ class MegatronSaver(Saver):
             result.notices += self.finalize(source, out_dir, options)
         return result
 
+    def _write_alone(self, source: CanonicalSource, iteration_dir: Path, rank: _RankPlan, header: dict[str, Any],
+                     padded: int, options: SaveOptions, progress: Progress) -> list[_WrittenRank]:
+        return [self._write_rank(source, iteration_dir, rank, header, padded, options, progress)]
+
     def _write_siblings(self, source: CanonicalSource, iteration_dir: Path,
                         siblings: tuple[list[_RankPlan], frozenset[tuple[str, int]]], header: dict[str, Any],
-                        padded: int, options: SaveOptions, progress: Progress) -> list[tuple[PlannedFile, bool]]:
+                        padded: int, options: SaveOptions, progress: Progress) -> list[_WrittenRank]:
         """The rank files of one TP group (or one rank file), each as ``_write_rank`` gives it: a group's at
         once, one thread each, taking the tensors they share (``siblings``: the ranks and those tensors) from one
         read (``SiblingPieces``)."""
@@ -242,7 +260,7 @@ class MegatronSaver(Saver):
             return [self._write_rank(source, iteration_dir, members[0], header, padded, options, progress)]
         group = SiblingPieces(source, len(members), shared)
 
-        def write(index: int) -> tuple[PlannedFile, bool]:
+        def write(index: int) -> _WrittenRank:
             try:
                 return self._write_rank(source, iteration_dir, members[index], header, padded, options, progress,
                                         (group, index))
@@ -255,10 +273,11 @@ class MegatronSaver(Saver):
 
     def _write_rank(self, source: CanonicalSource, iteration_dir: Path, rank: _RankPlan, header: dict[str, Any],
                     padded: int, options: SaveOptions, progress: Progress,
-                    sibling: tuple[SiblingPieces, int] | None = None) -> tuple[PlannedFile, bool]:
-        """One rank file (its path relative to the iteration directory), and whether a non-empty
-        ``_extra_state`` of the source was written empty in it. Runs on a ``--threads`` thread, or on one of its TP
-        group's threads (``sibling``: the group and this file's place in it)."""
+                    sibling: tuple[SiblingPieces, int] | None = None) -> _WrittenRank:
+        """One rank file (its path relative to the iteration directory) and, with the optimizer state it carries
+        (``options.optimizer``), the ``distrib_optim.pt`` beside it (relative to the output root); and whether a
+        non-empty ``_extra_state`` of the source was written empty in it. Runs on a ``--threads`` thread, or on one
+        of its TP group's threads (``sibling``: the group and this file's place in it)."""
         layout = options.layout
         config = target_config(source.config, options)
         extra_states = source.extra_states()
@@ -280,10 +299,17 @@ class MegatronSaver(Saver):
             count += len(model)
         path = iteration_dir / rank.relpath
         path.parent.mkdir(parents=True, exist_ok=True)
+        beside: list[PlannedFile] = []
+        if options.optimizer is not None:
+            carried, beside = training_state(options.optimizer, config, layout, rank.coord, padded,
+                                             f"{iteration_dir.name}/{rank.relpath}", path.parent, state["args"],
+                                             save_durably)
+            state.update(carried)
         digest = save_durably(state, path)
         del state
         progress(nbytes)
-        return PlannedFile(rank.relpath, count, nbytes, digest=digest, size=path.stat().st_size), dropped_extra
+        return [PlannedFile(rank.relpath, count, nbytes, digest=digest, size=path.stat().st_size), *beside], \
+            dropped_extra
 
     def finalize(self, source: CanonicalSource, out_dir: Path, options: SaveOptions) -> list[str]:
         """What is written once all rank files are: the tracker file Megatron starts from."""
@@ -316,21 +342,18 @@ class MegatronSaver(Saver):
     # A rank's optimizer state goes into its rank file and beside it: a share writes its rank files' own.
     optimizer_partial = True
 
+    # Each rank file holds its optimizer entry, written with the model (``save``, from ``SaveOptions.optimizer``).
+    optimizer_in_model_files = True
+
     def save_optimizer(self, source: CanonicalSource, optimizer: OptimizerSource, form: str, out_dir: Path,
                        options: SaveOptions, optimizer_options: OptimizerOptions,
                        files: list[PlannedFile], only: Collection[str] | None = None) -> CarriedOptimizer:
-        """Each rank file (of ``only``, when given) rewritten with its optimizer entry (and ``distrib_optim.pt``
-        beside it)."""
-        config = target_config(source.config, options)
-        rows = target_vocab_rows(config, source.vocab_rows, options.layout)
-        iteration_dir = out_dir / iteration_dir_name(*self._iteration(source))
-        written = {item.relpath: item for item in carry_optimizer(optimizer, config, options.layout, iteration_dir,
-                                                                  rows, save_durably, optimizer_options.dp, only)}
-        rewritten = [replace(f, digest=written[f.relpath].digest, size=written[f.relpath].size)
-                     if f.relpath in written else f for f in files]
-        kept = {f.relpath for f in files}
-        return CarriedOptimizer(rewritten + [item for relpath, item in written.items() if relpath not in kept],
-                                optimizer.form)
+        """Nothing left to write: ``save`` wrote each rank file (of ``only``, when given) with its optimizer entry,
+        and ``distrib_optim.pt`` beside it; ``files`` are what it wrote."""
+        if options.optimizer is None or options.optimizer.optimizer is not optimizer:
+            raise RuntimeError("the megatron saver writes optimizer state with its rank files: it is decided while "
+                               "planning (SaveOptions.optimizer)")
+        return CarriedOptimizer(list(files), optimizer.form)
 
     def finalize_optimizer(self, source: CanonicalSource, optimizer: OptimizerSource, form: str, out_dir: Path,
                            options: SaveOptions, optimizer_options: OptimizerOptions,

@@ -1,7 +1,7 @@
-"""megatron-core's optimizer state written into Megatron per-rank destination files, after the model.
+"""megatron-core's optimizer state written into Megatron per-rank destination files, with the model.
 
-Each rank file (``model_optim_rng.pt``) written by the saver is rewritten with its ``optimizer`` entry and the
-carried counters, in the source's form:
+Each rank file (``model_optim_rng.pt``) the saver writes holds its ``optimizer`` entry and the carried counters
+(``training_state``), in the source's form:
 
 - plain (FP32Optimizer, Float16OptimizerWithFloat16Params): the ``optimizer.state_dict()`` of the rank (a plain
   Muon run's the list of its Muon and Adam optimizers', Muon's state a ``momentum_buffer`` without step), each
@@ -19,15 +19,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from pgconvert.formats import OptimizerFile, PlannedFile
-from pgconvert.formats.megatron import DISTRIB_OPTIM_FILE, RANK_FILE, rank_dir_name, safe_torch_load
+from pgconvert.formats import OptimizerFile, OptimizerInModelFiles, PlannedFile
+from pgconvert.formats.megatron import DISTRIB_OPTIM_FILE, RANK_FILE, rank_dir_name
 from pgconvert.io.torchzip import PlannedTensor
 from pgconvert.model.config import ModelConfig
 from pgconvert.model.grid import RankCoord, iter_ranks
@@ -133,39 +132,31 @@ def _write_distributed(source: OptimizerSource, config: ModelConfig, layout: Par
     return _distributed_entries(source, chain(config, layout, source.rules), groups), digest
 
 
-def carry_optimizer(source: OptimizerSource, config: ModelConfig, layout: ParallelLayout, iteration_dir: Path,
-                    padded_rows: int, save: Save, dst_dp: int | None = None,
-                    only: Collection[str] | None = None) -> list[PlannedFile]:
-    """Add the optimizer and the carried counters to every rank file under ``iteration_dir`` (written by
-    the model saver; of ``only``, paths relative to its parent, when given), rewriting each through ``save``;
-    returns the files written, each with its digest and size (the rewritten rank files, then each
-    ``distrib_optim.pt``). ``dst_dp``: the data-parallel size recorded in ``args`` (``--dst-dp``)."""
-    rewritten: list[PlannedFile] = []
-    added: list[PlannedFile] = []
-    for coord in iter_ranks(layout):
-        relpath = f"{rank_dir_name(coord.tp, coord.pp, coord.ep, layout.pp, layout.ep)}/{RANK_FILE}"
-        if only is not None and f"{iteration_dir.name}/{relpath}" not in only:
-            continue
-        path = iteration_dir / relpath
-        state = dict(safe_torch_load(path))
-        if source.form == FORM_DISTRIBUTED:
-            state["optimizer"], digest = _write_distributed(source, config, layout, coord, padded_rows, path.parent,
-                                                            save, dst_dp)
-            added.append(_written(f"{iteration_dir.name}/{relpath}", DISTRIB_OPTIM_FILE, path.parent, digest))
-        else:
-            state["optimizer"] = rank_optimizer(source, config, layout, coord, padded_rows)
-        for key in CARRIED_KEYS:
-            if key in source.first.extra:
-                state[key] = source.first.extra[key]
-        if dst_dp is not None:
-            state["args"] = with_dst_dp(state.get("args"), layout, dst_dp)
-        partial = path.with_name(path.name + ".optim")
-        digest = save(state, partial)
-        del state
-        os.replace(partial, path)
-        rewritten.append(_written(f"{iteration_dir.name}/{relpath}", RANK_FILE, path.parent, digest))
-        log.info("%s: optimizer state carried", path)
-    return rewritten + added
+RankTrainingState = tuple[dict[str, Any], list[PlannedFile]]
+
+
+def training_state(carried: OptimizerInModelFiles, config: ModelConfig, layout: ParallelLayout, coord: RankCoord,
+                   padded_rows: int, rank_file: str, rank_dir: Path, args: Any, save: Save) -> RankTrainingState:
+    """What rank ``coord``'s file holds besides its model, in the carried state's form: the ``optimizer`` entry, the
+    carried counters and ``args`` sized for ``--dst-dp``; the distributed form's ``distrib_optim.pt`` is written
+    into ``rank_dir`` here and returned as written (``rank_file``: the rank file's path relative to the output
+    root)."""
+    source, dst_dp = carried.optimizer, carried.options.dp
+    entries: dict[str, Any] = {}
+    written: list[PlannedFile] = []
+    if source.form == FORM_DISTRIBUTED:
+        entries["optimizer"], digest = _write_distributed(source, config, layout, coord, padded_rows, rank_dir, save,
+                                                          dst_dp)
+        written.append(_written(rank_file, DISTRIB_OPTIM_FILE, rank_dir, digest))
+    else:
+        entries["optimizer"] = rank_optimizer(source, config, layout, coord, padded_rows)
+    for key in CARRIED_KEYS:
+        if key in source.first.extra:
+            entries[key] = source.first.extra[key]
+    if dst_dp is not None:
+        entries["args"] = with_dst_dp(args, layout, dst_dp)
+    log.info("%s: optimizer state carried", rank_file)
+    return entries, written
 
 
 def _written(rank_file: str, name: str, rank_dir: Path, digest: str | None) -> PlannedFile:

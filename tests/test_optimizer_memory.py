@@ -110,3 +110,37 @@ def test_opening_a_dp_reshardable_source_checks_the_masters_reading_only_them(mo
     finally:
         source.close()
     assert set(read) == {"param", "exp_avg", "exp_avg_sq"} and set(state) == {"param", "exp_avg", "exp_avg_sq", "step"}
+
+
+@pytest.mark.parametrize("source", [DISTOPT, DISTOPT.with_name("train_tp2dp2_muon_bf16_torch")],
+                         ids=["distributed", "plain"])
+def test_a_per_rank_destination_writes_each_rank_file_once_and_never_reads_one_back(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: Path) -> None:
+    import pgconvert.formats.megatron as megatron_format
+    import pgconvert.savers.megatron as megatron_saver
+
+    saved: list[str] = []
+    loaded: list[Path] = []
+    save, load = megatron_saver.save_durably, megatron_format.safe_torch_load_located
+
+    def saving(state, path):  # noqa: ANN001, ANN202
+        saved.append("/".join(Path(path).parts[-3:]))  # under the staging directory
+        return save(state, path)
+
+    def loading(path, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        loaded.append(Path(path))
+        return load(path, *args, **kwargs)
+
+    monkeypatch.setattr(megatron_saver, "save_durably", saving)
+    monkeypatch.setattr(megatron_format, "safe_torch_load_located", loading)
+    result = CliRunner().invoke(main, ["convert", str(source), str(tmp_path / "out"), "-q", "--dst-tp", "1"])
+    assert result.exit_code == 0, result.output
+    monkeypatch.undo()
+
+    beside = [f"{ITER}/mp_rank_00/distrib_optim.pt"] if source == DISTOPT else []
+    # old code: the rank file written, read back, and written again (as model_optim_rng.pt.optim, then renamed)
+    assert saved == [*beside, f"{ITER}/mp_rank_00/model_optim_rng.pt"]
+    assert not any(str(path).startswith(str(tmp_path)) for path in loaded)
+    state = load_for_test(tmp_path / "out" / ITER / "mp_rank_00" / "model_optim_rng.pt")
+    assert "optimizer" in state and "model" in state and state["iteration"] == 2
+    assert (tmp_path / "out" / ITER / "mp_rank_00" / "distrib_optim.pt").exists() == (source == DISTOPT)

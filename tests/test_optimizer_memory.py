@@ -94,14 +94,14 @@ def test_opening_a_dp_reshardable_source_checks_the_masters_reading_only_them(mo
 
     golden = DISTOPT.with_name("train_tp2dp2_distopt_dp_reshardable_torch_dist")
     read: list[str] = []
-    load_flat = TorchDistSource.load_flat
+    flat_meta = TorchDistSource.flat_meta
 
     def recording(self, key, start, length):  # noqa: ANN001, ANN202
         read.append(key.rsplit(".", 1)[1])
-        return load_flat(self, key, start, length)
+        return flat_meta(self, key, start, length)
 
     source = get_loader("torch_dist").open(golden, LoadOptions())
-    monkeypatch.setattr(TorchDistSource, "load_flat", recording)
+    monkeypatch.setattr(TorchDistSource, "flat_meta", recording)
     try:
         optimizer = TorchDistOptimizerSource(source)  # checks every master against its weight
         assert read and set(read) == {"param"}  # old code: the moments were read too, three times the bytes
@@ -110,6 +110,36 @@ def test_opening_a_dp_reshardable_source_checks_the_masters_reading_only_them(mo
     finally:
         source.close()
     assert set(read) == {"param", "exp_avg", "exp_avg_sq"} and set(state) == {"param", "exp_avg", "exp_avg_sq", "step"}
+
+
+def test_a_dp_reshardable_source_reads_each_piece_straight_into_its_place(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its TP pieces are located in their flat records and read into their place in the merged or cut tensor (a
+    replicated parameter's whole, to compare the replicas), never read whole and then joined."""
+    from pgconvert.loaders.torch_dist.reader import TorchDistSource
+
+    golden = DISTOPT.with_name("train_tp2dp2_distopt_dp_reshardable_torch_dist")
+    whole: list[str] = []
+    load_flat = TorchDistSource.load_flat
+
+    def recording(self, key, start, length):  # noqa: ANN001, ANN202
+        whole.append(key)
+        return load_flat(self, key, start, length)
+
+    monkeypatch.setattr(TorchDistSource, "load_flat", recording)
+    runner = CliRunner()
+    result = runner.invoke(main, ["convert", str(golden), str(tmp_path / "tp1"), "-q", "--dst-format", "megatron",
+                                  "--dst-tp", "1"])
+    assert result.exit_code == 0, result.output
+    assert whole == []  # old code: every piece of every field read whole, then joined
+    monkeypatch.setattr(TorchDistSource, "flat_meta", lambda self, key, start, length: None)  # read whole, joined
+    result = runner.invoke(main, ["convert", str(golden), str(tmp_path / "joined"), "-q", "--dst-format", "megatron",
+                                  "--dst-tp", "1"])
+    assert result.exit_code == 0, result.output
+    assert whole
+    for name in ("distrib_optim.pt", "model_optim_rng.pt"):
+        assert (tmp_path / "tp1" / ITER / "mp_rank_00" / name).read_bytes() == \
+            (tmp_path / "joined" / ITER / "mp_rank_00" / name).read_bytes(), name
 
 
 @pytest.mark.parametrize("source", [DISTOPT, DISTOPT.with_name("train_tp2dp2_muon_bf16_torch")],

@@ -275,18 +275,26 @@ def test_a_second_bucket_is_refused_naming_the_record(tmp_path: Path) -> None:
 @pytest.mark.parametrize("form", PRESENT)
 def test_reads_are_one_parameters_range_not_a_whole_bucket(tmp_path: Path, form: str,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    import pgconvert.io.ranges as ranges
+    import pgconvert.io.torch_input as torch_input
     from pgconvert.loaders.torch_dist.reader import TorchDistSource
     from pgconvert.optimizer.export import export_parameters
 
     requested: list[int] = []
-    read = TorchDistSource._read
+    read, read_in_place = TorchDistSource._read, ranges.read_region
 
     def recording(self, regions, objects):  # noqa: ANN001, ANN202
         requested.extend(buffer.numel() for pairs in regions.values() for _, buffer in pairs)
         return read(self, regions, objects)
 
+    def recording_in_place(fd, region, out):  # noqa: ANN001, ANN202  # dp_reshardable's pieces, in their place
+        requested.append(out.numel())
+        return read_in_place(fd, region, out)
+
     source, optimizer = _open(GOLDEN[form])
     monkeypatch.setattr(TorchDistSource, "_read", recording)
+    monkeypatch.setattr(ranges, "read_region", recording_in_place)
+    monkeypatch.setattr(torch_input, "read_region", recording_in_place)
     export_parameters(optimizer, tmp_path / "out")
     largest = max(math.prod(optimizer.parameter(name)["param"].shape) for name in optimizer.names())
     bucket = max(shape[0] for key, shape in source.tensor_keys().items() if key.startswith("optimizer.distributed."))\

@@ -23,7 +23,7 @@ state per parameter is its ``momentum_buffer`` (no step), then its scalar optimi
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,10 +32,9 @@ import torch
 
 from pgconvert.formats.megatron import DISTRIB_OPTIM_FILE, safe_torch_structure
 from pgconvert.io.limits import quote
-from pgconvert.io.torch_input import StoredTensors, stored_region
+from pgconvert.io.torch_input import StoredTensors
 from pgconvert.loaders.megatron.distrib_optim import read_distributed
 from pgconvert.model.grid import RankCoord
-from pgconvert.model.rules import ReplicaMismatchError, ShardRule, concatenating_with
 from pgconvert.optimizer.order import (MEGATRON_CORE_VERSIONS, OptimizerLayoutError, OptimizerRules, OptimizerSlot,
                                        UnsupportedOptimizerError, chain, chained_slots, check_param_groups,
                                        check_state_shapes)
@@ -133,23 +132,6 @@ def check_masters_round(state: dict[str, Any], slots: Sequence[Any], masters: Se
                 f"{path}: {field} entry at position {slot.position} (group {slot.group}) does not round to the "
                 f"model's {slot.spec.local_name}: the checkpoint's parameter order is not the one megatron-core "
                 f"{' / '.join(MEGATRON_CORE_VERSIONS)} builds")
-
-
-def _adds_rows(rule: ShardRule, pieces: list[torch.Tensor], rows: int | None, true_rows: int | None, size: int,
-               rank: int) -> bool:
-    """Whether ``rule`` fits piece ``rank`` of ``size`` of a vocab table stored as ``pieces`` to ``rows`` padded rows
-    with new rows of zeros (beyond the stored table)."""
-    if not rule.fits_rows or rows is None:
-        return False
-    have = sum(piece.shape[0] for piece in pieces)
-    return any(window.zeros for window in rule.piece_windows((have, *pieces[0].shape[1:]), size, rank, rows, true_rows))
-
-
-def _own(tensor: torch.Tensor, pieces: list[torch.Tensor]) -> torch.Tensor:
-    """``tensor``, or a copy where it shares memory with one of ``pieces`` (a piece or replica passed through)."""
-    pointer = tensor.untyped_storage().data_ptr()
-    shared = any(piece.device == tensor.device and piece.untyped_storage().data_ptr() == pointer for piece in pieces)
-    return tensor.clone() if shared else tensor
 
 
 def _tp_order(pieces: list[tuple[_RankOptimizer, OptimizerSlot]]) -> list[tuple[_RankOptimizer, OptimizerSlot]]:
@@ -282,49 +264,9 @@ class MegatronOptimizerSource(OptimizerSource):
     def _pieces(self, name: str, key: str) -> list[torch.Tensor]:
         return [self._stored.read(piece) for piece in self._read(self._owners[name], key)]
 
-    def _parameter(self, name: str) -> dict[str, torch.Tensor]:
-        merged = {key: self._join(name, key, self.rule(name), lambda rule, pieces: rule.merge(pieces))
-                  for key in self.fields(name)}
-        if self.stepped(name):
-            merged["step"] = self.step(name)
-        return merged
-
-    def _piece(self, name: str, key: str, size: int, rank: int, rows: int | None,
-               rule: ShardRule | None = None) -> torch.Tensor:
-        """``OptimizerSource._piece``, each stored piece read straight into its place in the piece cut."""
-        stored = self.rule(name)
-        target = rule or stored
-
-        def cut(_: ShardRule, pieces: list[torch.Tensor]) -> torch.Tensor:
-            if target != stored:
-                pieces = [stored.merge(pieces)]
-            if target.fits_rows and rows is not None:
-                return target.reshard_rows(pieces, rows, self.config.vocab_size, size, rank)
-            return target.reshard(pieces, size, rank)
-
-        return self._join(name, key, target, cut, padded=_adds_rows(target, self._read(self._owners[name], key),
-                                                                    rows, self.config.vocab_size, size, rank))
-
-    def _join(self, name: str, key: str, target: ShardRule,
-              join: Callable[[ShardRule, list[torch.Tensor]], torch.Tensor], padded: bool = False) -> torch.Tensor:
-        """``join(source rule, pieces)`` of ``name``'s ``key``, a tensor of its own. Its concatenations read each
-        stored piece from its file straight into its place (``StoredTensors.concat``); where the rules do more than
-        concatenate (replicas compared bit for bit, new vocab rows of zeros: ``padded``) the pieces are read
-        whole first."""
-        rule = self.rule(name)
-        stored = self._read(self._owners[name], key)
-        try:
-            if not (rule.replicated or target.replicated or padded):
-                with concatenating_with(self._stored.concat):
-                    joined = join(rule, stored)
-                if joined.device.type != "meta":
-                    return _own(joined, stored)
-                if stored_region(joined) is not None:  # one stored piece passed through
-                    return self._stored.read(joined)
-            pieces = [self._stored.read(piece) for piece in stored]
-            return _own(join(rule, pieces), pieces)
-        except ReplicaMismatchError as error:
-            raise self._replicas_differ(name, key, error) from error
+    def _stored_pieces(self, name: str, key: str) -> list[torch.Tensor]:
+        """Each rank's piece as its file holds it: in memory, or left in the file (a meta tensor)."""
+        return self._read(self._owners[name], key)
 
     @staticmethod
     def _read(pieces: list[tuple[_RankOptimizer, OptimizerSlot]], key: str) -> list[torch.Tensor]:

@@ -49,6 +49,7 @@ from pgconvert.formats.torch_dist_optimizer import (DP_RESHARDABLE, FS_MODEL_SPA
                                                     PLAIN_FIELDS, bucket_key, chain_prefixes, chained_entries,
                                                     object_key, record_prefix, scaler_key, state_key)
 from pgconvert.io.limits import quote
+from pgconvert.io.torch_input import StoredTensors
 from pgconvert.loaders.torch_dist.fs_model_space import chunk_shape
 from pgconvert.loaders.torch_dist.optimizer_forms import (layer_wise_shardings, object_value, plain_form, plain_inner,
                                                           plain_step, sharding_type)
@@ -107,6 +108,7 @@ class TorchDistOptimizerSource(OptimizerSource):
         self._chain_prefixes = chain_prefixes(optimizer_count(self.config, self.layout, self.rules),  # as named
                                               any(key.startswith("chained_0.optimizer.state.")
                                                   for key in source.tensor_keys()))
+        self._stored = StoredTensors(source.handles)  # dp_reshardable's pieces, read in place (``_stored_pieces``)
         self._check_stored()
         if self.form != FORM_FP32:  # FP32Optimizer keeps no masters: the weights are
             self._check_masters()
@@ -371,16 +373,33 @@ class TorchDistOptimizerSource(OptimizerSource):
     def _pieces(self, name: str, key: str) -> list[torch.Tensor]:
         return [self._flat_piece(owner, slot, key) for owner, slot in self._owners[name]]
 
+    def _stored_pieces(self, name: str, key: str) -> list[torch.Tensor] | None:
+        """dp_reshardable: each TP piece left at its range of its flat record, so that joins read it straight into
+        its place; None in the model-space forms, or where a piece's range is not within one stored chunk."""
+        if self._sharding_of(name) != DP_RESHARDABLE:
+            return None
+        pieces = []
+        for owner, slot in self._owners[name]:
+            gbuf, placed = self._gbuf_placed(owner.coord, slot)
+            stored = self.source.flat_meta(self.bucket_key(owner.coord, gbuf, key, placed.bucket, slot.optimizer),
+                                           placed.start - placed.bucket_start, placed.end - placed.start)
+            if stored is None:
+                return None
+            pieces.append(stored.view(tuple(slot.spec.local_shape)))
+        return pieces
+
     def _merged(self, name: str, key: str) -> torch.Tensor:
         """dp_reshardable: the whole ``key`` of ``name``, its TP pieces read from the flat buffers."""
         rule = self.rule(name)
-        try:
-            return rule.merge(self._pieces(name, key))
-        except ReplicaMismatchError as error:
-            raise OptimizerLayoutError(
-                f"{self.source.directory}: {name}: optimizer {key} of a replicated parameter differs "
-                f"between TP ranks {error.ranks}: the flat-buffer placement is not the one "
-                f"{_VERSIONS} uses") from error
+        return self._joined(name, key, rule, rule.merge, own=True)
+
+    def _replicas_differ(self, name: str, key: str, error: ReplicaMismatchError) -> OptimizerLayoutError:
+        if self._sharding_of(name) != DP_RESHARDABLE:
+            return super()._replicas_differ(name, key, error)
+        return OptimizerLayoutError(
+            f"{self.source.directory}: {name}: optimizer {key} of a replicated parameter differs "
+            f"between TP ranks {error.ranks}: the flat-buffer placement is not the one "
+            f"{_VERSIONS} uses")
 
     def _parameter(self, name: str) -> dict[str, torch.Tensor]:
         sharding = self._sharding_of(name)

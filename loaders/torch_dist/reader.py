@@ -36,8 +36,10 @@ from pgconvert.formats.megatron import (
     validate_source_layout,
 )
 from pgconvert.io.limits import quote
+from pgconvert.io.ranges import FileHandles
 from pgconvert.io.reuse import new_tensor
 from pgconvert.io.sizes import numel
+from pgconvert.io.torch_input import meta_at
 from pgconvert.loaders.torch_dist.fs_model_space import chunk_shape, record_box, unflatten
 from pgconvert.loaders.torch_dist.optimizer import TorchDistOptimizerSource
 from pgconvert.loaders.torch_dist.optimizer_forms import sharding_type
@@ -83,6 +85,7 @@ class TorchDistSource(CanonicalSource):
         self._metadata = read_dcp_metadata(metadata_path)
         self._store = DcpStore(iteration_dir, self._metadata, self.root)
         self._store.check_files(metadata_path)
+        self.handles = FileHandles()  # the data files its optimizer state's pieces are read from in place
         common, common_path = self._read_common()
         args = common.get("args")
         self.run_config: Path | None = None  # a Megatron-Bridge run's run_config.yaml, where the model is read from
@@ -380,6 +383,15 @@ class TorchDistSource(CanonicalSource):
         buffer = new_tensor((length,), md.properties.dtype)
         self._read({key: [((start,), buffer)]}, [])
         return buffer
+
+    def flat_meta(self, key: str, start: int, length: int) -> torch.Tensor | None:
+        """Elements ``[start, start + length)`` of the one-dimensional tensor ``key`` left in their data file (a meta
+        tensor ``io.torch_input.StoredTensors`` reads), where one stored chunk holds them as they are; else None."""
+        region = self._store.flat_region(key, start, length)
+        return None if region is None else meta_at(region)
+
+    def close(self) -> None:
+        self.handles.close()
 
     def tensor_keys(self) -> dict[str, tuple[int, ...]]:
         """Every stored tensor key and its global shape."""

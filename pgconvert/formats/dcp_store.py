@@ -31,7 +31,7 @@ from torch.distributed.checkpoint import (
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.futures import Future
@@ -47,6 +47,7 @@ from pgconvert.formats.torch_dist import single_process_calls
 from pgconvert.io.dcp_records import TensorRecord, check_extent, parse_tensor_record, read_box, read_bytes
 from pgconvert.io.limits import quote
 from pgconvert.io.paths import ensure_within
+from pgconvert.io.ranges import FileRegion
 from pgconvert.io.reuse import new_tensor
 from pgconvert.io.torch_input import check_torch_stream
 from pgconvert.model.config import TRANSFORMER_IMPLS, ModelConfig
@@ -203,6 +204,8 @@ class DcpStore:
         self.root = root or directory
         # torch's reader keeps per-call state (set up by each ``dcp.load``): one per thread (``--threads``).
         self._readers = threading.local()
+        self._records: dict[tuple[str, int, int], TensorRecord] = {}  # the records ``flat_region`` parsed
+        self._records_lock = threading.Lock()
 
     def check_files(self, metadata_path: Path) -> None:
         """Every chunk's file exists inside the checkpoint and is long enough to hold it."""
@@ -239,6 +242,48 @@ class DcpStore:
         if reader is None:
             reader = self._readers.reader = SafeReader(self.directory, self.metadata, self.root)
         return reader
+
+    def flat_region(self, key: str, start: int, length: int) -> FileRegion | None:
+        """Elements ``[start, start + length)`` of the one-dimensional tensor ``key`` as a region of its data file,
+        where one stored chunk holds them as they are (None where none does, or its record is transformed: read
+        them with ``read``). The chunk's record is checked as ``read`` checks it."""
+        md = self.metadata.state_dict_metadata.get(key)
+        if not isinstance(md, TensorStorageMetadata) or len(md.size) != 1:
+            return None
+        chunk = next((chunk for chunk in md.chunks if len(chunk.offsets) == 1
+                      and chunk.offsets[0] <= start and start + length <= chunk.offsets[0] + chunk.sizes[0]), None)
+        info = None if chunk is None else self.metadata.storage_data.get(MetadataIndex(key, chunk.offsets))
+        if chunk is None or info is None or getattr(info, "transform_descriptors", None):
+            return None
+        path = ensure_within(self.root, self.directory / info.relative_path)
+        record = self._record(path, key, info)
+        label = f"{path}: {quote(key)} (offset {info.offset}, length {info.length})"
+        if record.size != tuple(chunk.sizes) or record.dtype != md.properties.dtype:
+            raise CheckpointError(f"{label}: stored as {record.dtype} {list(record.size)}, but the index describes "
+                                  f"the chunk at {list(chunk.offsets)} as {md.properties.dtype} {list(chunk.sizes)}")
+        if record.stride != (1,):
+            return None
+        itemsize = torch.empty((), dtype=record.dtype).element_size()
+        offset = record.data_offset + (record.storage_offset + start - chunk.offsets[0]) * itemsize
+        return FileRegion.contiguous(path, offset, (length,), record.dtype)
+
+    def _record(self, path: Path, key: str, info: Any) -> TensorRecord:
+        """The parsed layout of the record ``info`` places in ``path`` (parsed once)."""
+        where = (str(info.relative_path), int(info.offset), int(info.length))
+        with self._records_lock:
+            record = self._records.get(where)
+        if record is not None:
+            return record
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            check_extent(path, key, where[1], where[2], os.fstat(fd).st_size)
+            record = parse_tensor_record(fd, where[1], where[2], f"{path}: {quote(key)} (offset {where[1]}, "
+                                                                 f"length {where[2]})")
+        finally:
+            os.close(fd)
+        with self._records_lock:
+            self._records[where] = record
+        return record
 
     def read(self, regions: dict[str, list[tuple[tuple[int, ...], torch.Tensor]]],
              objects: list[str]) -> dict[str, Any]:

@@ -246,6 +246,17 @@ def stored_region(meta: Any) -> FileRegion | None:
     return FileRegion(Path(path), offset, tuple(meta.shape), tuple(meta.stride()), meta.dtype)
 
 
+def meta_at(region: FileRegion) -> torch.Tensor:
+    """A meta tensor left at ``region`` of its file (``stored_region`` gives the region back): read with
+    ``StoredTensors``, straight into its place where a join needs it."""
+    itemsize = torch.empty((), dtype=region.dtype).element_size()
+    nbytes = (1 + sum((size - 1) * step for size, step in zip(region.shape, region.stride))) * itemsize
+    storage = torch.UntypedStorage(nbytes if all(region.shape) else 0, device="meta")
+    storage._checkpoint_offset = region.offset  # type: ignore[attr-defined]
+    storage._checkpoint_path = region.path  # type: ignore[attr-defined]
+    return torch.empty(0, dtype=region.dtype, device="meta").set_(storage, 0, region.shape, region.stride)
+
+
 class StoredTensors:
     """Reads of the tensors a structure check left in their files (``stored_region``): whole into memory
     (``read``), or joined by ``io.ranges.concat_reading`` with each view read straight into its place

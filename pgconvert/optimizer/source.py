@@ -8,6 +8,7 @@ knows where a format keeps the state.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,9 +17,10 @@ import torch
 
 from pgconvert.formats.stream import apply_finite_policy, nonfinite_text
 from pgconvert.io.limits import quote
+from pgconvert.io.torch_input import StoredTensors, stored_region
 from pgconvert.model.config import ModelConfig
 from pgconvert.model.layout import ParallelLayout
-from pgconvert.model.rules import ReplicaMismatchError, ShardRule, bitwise_equal
+from pgconvert.model.rules import ReplicaMismatchError, ShardRule, bitwise_equal, concatenating_with
 from pgconvert.optimizer.order import (ADAM_FIELDS, MEGATRON_CORE_VERSIONS, ChainMember, OptimizerLayoutError,
                                        OptimizerRules, OptimizerSlot, chain, group_overrides)
 
@@ -110,8 +112,10 @@ class OptimizerSource:
 
     A reader indexes ``_owners`` (per canonical name, its TP pieces in TP order: ``(owner, slot)``, the owner
     having a ``path``) and implements ``_pieces``, ``param_group_settings`` and ``stored_copies``; ``step``,
-    ``parameter`` and ``piece`` then merge or cut those pieces with the parameter's own rule. A reader whose state
-    is stored whole overrides ``_parameter``, ``_piece`` and ``stored_parts``.
+    ``parameter`` and ``piece`` then merge or cut those pieces with the parameter's own rule. A reader that can
+    leave its pieces in their files also implements ``_stored_pieces`` (and sets ``_stored``), so that each is read
+    straight into its place in the piece cut. A reader whose state is stored whole overrides ``_parameter``,
+    ``_piece`` and ``stored_parts``.
 
     Every value ``parameter`` and ``piece`` give is checked for NaN/Inf on the way, under the weights' policy
     (``check_finite``: ``pgconvert.formats.stream.apply_finite_policy``); what is reported is in ``notices``.
@@ -128,6 +132,8 @@ class OptimizerSource:
     grad_scalers: list[Any]
     first: SourceRank
     _owners: dict[str, list[tuple[Any, OptimizerSlot]]]
+    # Reads the pieces ``_stored_pieces`` leaves in their files (None for a reader that has none).
+    _stored: StoredTensors | None = None
 
     def __init__(self) -> None:
         self.check_finite = "warn"
@@ -264,12 +270,7 @@ class OptimizerSource:
 
     def _parameter(self, name: str) -> dict[str, torch.Tensor]:
         rule = self.rule(name)
-        merged = {}
-        for key in self.fields(name):
-            try:
-                merged[key] = rule.merge(self._pieces(name, key)).clone()
-            except ReplicaMismatchError as error:
-                raise self._replicas_differ(name, key, error) from error
+        merged = {key: self._joined(name, key, rule, rule.merge, own=True) for key in self.fields(name)}
         if self.stepped(name):
             merged["step"] = self.step(name)
         return merged
@@ -281,12 +282,63 @@ class OptimizerSource:
         spec)."""
         stored = self.rule(name)
         target = rule or stored
-        pieces = self._pieces(name, key)
-        try:
+
+        def cut(pieces: list[torch.Tensor]) -> torch.Tensor:
             if target != stored:
                 pieces = [stored.merge(pieces)]
             if target.fits_rows and rows is not None:
                 return target.reshard_rows(pieces, rows, self.config.vocab_size, size, rank)
             return target.reshard(pieces, size, rank)
+
+        def adds_rows(pieces: list[torch.Tensor]) -> bool:
+            return _adds_rows(target, pieces, rows, self.config.vocab_size, size, rank)
+
+        return self._joined(name, key, target, cut, adds_rows=adds_rows)
+
+    def _stored_pieces(self, name: str, key: str) -> list[torch.Tensor] | None:
+        """The TP pieces of ``name``'s ``key`` as stored: in memory, or left in their files (meta tensors that
+        ``io.torch_input.stored_region`` places), read by ``self._stored``; the joins then read each straight into
+        its place in the result (``_joined``). None (the default): the reader reads its pieces whole (``_pieces``)."""
+        return None
+
+    def _joined(self, name: str, key: str, target: ShardRule, join: Callable[[list[torch.Tensor]], torch.Tensor],
+                own: bool = False, adds_rows: Callable[[list[torch.Tensor]], bool] | None = None) -> torch.Tensor:
+        """``join(pieces)`` of ``name``'s ``key`` (``target``: the rule it cuts with). Pieces left in their files
+        (``_stored_pieces``) are read straight into their place in the result by its concatenations
+        (``StoredTensors.concat``), or whole first where the rules do more than concatenate (replicas compared bit
+        for bit, new vocab rows of zeros: ``adds_rows``); the result is then a tensor of its own, as with ``own``."""
+        stored = self._stored_pieces(name, key)
+        try:
+            if stored is None:
+                pieces = self._pieces(name, key)
+                joined = join(pieces)
+                return _own(joined, pieces) if own else joined
+            assert self._stored is not None  # a reader that leaves pieces in their files reads them with it
+            if not (self.rule(name).replicated or target.replicated or (adds_rows is not None and adds_rows(stored))):
+                with concatenating_with(self._stored.concat):
+                    joined = join(stored)
+                if joined.device.type != "meta":
+                    return _own(joined, stored)
+                if stored_region(joined) is not None:  # one stored piece passed through
+                    return self._stored.read(joined)
+            pieces = [self._stored.read(piece) for piece in stored]
+            return _own(join(pieces), pieces)
         except ReplicaMismatchError as error:
             raise self._replicas_differ(name, key, error) from error
+
+
+def _adds_rows(rule: ShardRule, pieces: list[torch.Tensor], rows: int | None, true_rows: int | None, size: int,
+               rank: int) -> bool:
+    """Whether ``rule`` fits piece ``rank`` of ``size`` of a vocab table stored as ``pieces`` to ``rows`` padded rows
+    with new rows of zeros (beyond the stored table)."""
+    if not rule.fits_rows or rows is None:
+        return False
+    have = sum(piece.shape[0] for piece in pieces)
+    return any(window.zeros for window in rule.piece_windows((have, *pieces[0].shape[1:]), size, rank, rows, true_rows))
+
+
+def _own(tensor: torch.Tensor, pieces: list[torch.Tensor]) -> torch.Tensor:
+    """``tensor``, or a copy where it shares memory with one of ``pieces`` (a piece or replica passed through)."""
+    pointer = tensor.untyped_storage().data_ptr()
+    shared = any(piece.device == tensor.device and piece.untyped_storage().data_ptr() == pointer for piece in pieces)
+    return tensor.clone() if shared else tensor

@@ -169,7 +169,7 @@ def test_a_per_rank_destination_writes_each_rank_file_once_and_never_reads_one_b
 
     beside = [f"{ITER}/mp_rank_00/distrib_optim.pt"] if source == DISTOPT else []
     # old code: the rank file written, read back, and written again (as model_optim_rng.pt.optim, then renamed)
-    assert saved == [*beside, f"{ITER}/mp_rank_00/model_optim_rng.pt"]
+    assert saved == [f"{ITER}/mp_rank_00/model_optim_rng.pt", *beside]
     assert not any(str(path).startswith(str(tmp_path)) for path in loaded)
     state = load_for_test(tmp_path / "out" / ITER / "mp_rank_00" / "model_optim_rng.pt")
     assert "optimizer" in state and "model" in state and state["iteration"] == 2

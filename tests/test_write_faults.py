@@ -146,6 +146,7 @@ def test_short_writes_mid_run_are_continued_to_the_same_output(
 
     with monkeypatch.context() as patched:
         patched.setattr(os, "pwrite", writes.pwrite)
+        patched.setattr(output, "BUFFER_BYTES", 16 * BLOCK)  # each file in several writes: short ones begin mid-file
         result = _convert(src, dst, CASES[case][1])
 
     assert result.exit_code == 0, result.output

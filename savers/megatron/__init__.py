@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -299,17 +299,17 @@ class MegatronSaver(Saver):
             count += len(model)
         path = iteration_dir / rank.relpath
         path.parent.mkdir(parents=True, exist_ok=True)
-        beside: list[PlannedFile] = []
+        write_beside: Callable[[], list[PlannedFile]] = list  # the files beside the rank file, once it is written
         if options.optimizer is not None:
-            carried, beside = training_state(options.optimizer, config, layout, rank.coord, padded,
-                                             f"{iteration_dir.name}/{rank.relpath}", path.parent, state["args"],
-                                             save_durably)
+            carried, write_beside = training_state(options.optimizer, config, layout, rank.coord, padded,
+                                                   f"{iteration_dir.name}/{rank.relpath}", path.parent,
+                                                   state["args"], save_durably)
             state.update(carried)
         digest = save_durably(state, path)
         del state
+        written = PlannedFile(rank.relpath, count, nbytes, digest=digest, size=path.stat().st_size)
         progress(nbytes)
-        return [PlannedFile(rank.relpath, count, nbytes, digest=digest, size=path.stat().st_size), *beside], \
-            dropped_extra
+        return [written, *write_beside()], dropped_extra
 
     def finalize(self, source: CanonicalSource, out_dir: Path, options: SaveOptions) -> list[str]:
         """What is written once all rank files are: the tracker file Megatron starts from."""

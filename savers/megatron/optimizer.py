@@ -105,11 +105,11 @@ def _distributed_entries(source: OptimizerSource, members: tuple[ChainMember, ..
 
 
 def _write_distributed(source: OptimizerSource, config: ModelConfig, layout: ParallelLayout, coord: RankCoord,
-                       padded_rows: int, rank_dir: Path, save: Save, dp: int | None = None) -> tuple[Any, str | None]:
+                       padded_rows: int, rank_dir: Path, save: Save, dp: int | None = None) -> str | None:
     """``distrib_optim.pt`` of rank ``coord``: each model chunk's coalesced flat buffers, under the source's
     dtype key, every parameter's piece cut with its rule (built when written); per chained optimizer, None
     for the dense one on expert-parallel ranks other than 0 (not its DP rank 0, as megatron-core saves).
-    Returns the rank file's optimizer entry and the digest of the file written."""
+    Returns the digest of the file written."""
     args = source.first.extra.get("args")
 
     def piece(slot: OptimizerSlot, key: str) -> torch.Tensor:
@@ -127,27 +127,31 @@ def _write_distributed(source: OptimizerSource, config: ModelConfig, layout: Par
         for number, (placed, numel) in enumerate(buffers):
             content[number] = {source.dtype_key: planned_buffers(placed, numel, piece)}
         contents.append(content)
-    digest = save(contents[0] if count == 1 else contents, rank_dir / DISTRIB_OPTIM_FILE)  # type: ignore[arg-type]
-    groups = [len(slots) for slots in chained_slots(config, layout, coord, source.rules, padded_rows)]
-    return _distributed_entries(source, chain(config, layout, source.rules), groups), digest
+    return save(contents[0] if count == 1 else contents, rank_dir / DISTRIB_OPTIM_FILE)  # type: ignore[arg-type]
 
 
-RankTrainingState = tuple[dict[str, Any], list[PlannedFile]]
+# What a rank file holds besides its model, and what writes the files beside it (returning them as written).
+RankTrainingState = tuple[dict[str, Any], Callable[[], list[PlannedFile]]]
 
 
 def training_state(carried: OptimizerInModelFiles, config: ModelConfig, layout: ParallelLayout, coord: RankCoord,
                    padded_rows: int, rank_file: str, rank_dir: Path, args: Any, save: Save) -> RankTrainingState:
     """What rank ``coord``'s file holds besides its model, in the carried state's form: the ``optimizer`` entry, the
-    carried counters and ``args`` sized for ``--dst-dp``; the distributed form's ``distrib_optim.pt`` is written
-    into ``rank_dir`` here and returned as written (``rank_file``: the rank file's path relative to the output
-    root)."""
+    carried counters and ``args`` sized for ``--dst-dp``; and what writes the files beside it once it is written
+    (the distributed form's ``distrib_optim.pt`` into ``rank_dir``), returning them as written (``rank_file``: the
+    rank file's path relative to the output root)."""
     source, dst_dp = carried.optimizer, carried.options.dp
     entries: dict[str, Any] = {}
-    written: list[PlannedFile] = []
+    beside: Callable[[], list[PlannedFile]] = list  # nothing beside a plain optimizer's rank file
+
+    def write_distrib_optim() -> list[PlannedFile]:
+        digest = _write_distributed(source, config, layout, coord, padded_rows, rank_dir, save, dst_dp)
+        return [_written(rank_file, DISTRIB_OPTIM_FILE, rank_dir, digest)]
+
     if source.form == FORM_DISTRIBUTED:
-        entries["optimizer"], digest = _write_distributed(source, config, layout, coord, padded_rows, rank_dir, save,
-                                                          dst_dp)
-        written.append(_written(rank_file, DISTRIB_OPTIM_FILE, rank_dir, digest))
+        groups = [len(slots) for slots in chained_slots(config, layout, coord, source.rules, padded_rows)]
+        entries["optimizer"] = _distributed_entries(source, chain(config, layout, source.rules), groups)
+        beside = write_distrib_optim
     else:
         entries["optimizer"] = rank_optimizer(source, config, layout, coord, padded_rows)
     for key in CARRIED_KEYS:
@@ -156,7 +160,7 @@ def training_state(carried: OptimizerInModelFiles, config: ModelConfig, layout: 
     if dst_dp is not None:
         entries["args"] = with_dst_dp(args, layout, dst_dp)
     log.info("%s: optimizer state carried", rank_file)
-    return entries, written
+    return entries, beside
 
 
 def _written(rank_file: str, name: str, rank_dir: Path, digest: str | None) -> PlannedFile:

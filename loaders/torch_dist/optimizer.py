@@ -240,8 +240,7 @@ class TorchDistOptimizerSource(OptimizerSource):
         if self._sharding_of(name) == DP_RESHARDABLE:
             parts = []
             for owner, slot in self._owners[name]:
-                gbuf, placed = self._gbuf_placed(owner.coord, slot)
-                record = self.bucket_key(owner.coord, gbuf, key, placed.bucket, slot.optimizer)
+                record = self._flat_range(owner, slot, key)[0]
                 parts.append((f"{where}: {record}", self._flat_piece(owner, slot, key)))
             return parts
         prefix = self._model_space_prefix(key, name)
@@ -351,11 +350,14 @@ class TorchDistOptimizerSource(OptimizerSource):
     def step(self, name: str) -> torch.Tensor:
         return self._step.clone()
 
-    def _flat_piece(self, owner: _Owner, slot: OptimizerSlot, key: str) -> torch.Tensor:
+    def _flat_range(self, owner: _Owner, slot: OptimizerSlot, key: str) -> tuple[str, int, int]:
+        """Where ``key`` of ``slot``'s piece lies in the flat records: the bucket's key, start and length."""
         gbuf, placed = self._gbuf_placed(owner.coord, slot)
-        flat = self.source.load_flat(self.bucket_key(owner.coord, gbuf, key, placed.bucket, slot.optimizer),
-                                     placed.start - placed.bucket_start, placed.end - placed.start)
-        return flat.view(tuple(slot.spec.local_shape))
+        return (self.bucket_key(owner.coord, gbuf, key, placed.bucket, slot.optimizer),
+                placed.start - placed.bucket_start, placed.end - placed.start)
+
+    def _flat_piece(self, owner: _Owner, slot: OptimizerSlot, key: str) -> torch.Tensor:
+        return self.source.load_flat(*self._flat_range(owner, slot, key)).view(tuple(slot.spec.local_shape))
 
     def _placed(self, coord: RankCoord, slot: OptimizerSlot) -> FlatParam:
         return self._gbuf_placed(coord, slot)[1]
@@ -380,9 +382,7 @@ class TorchDistOptimizerSource(OptimizerSource):
             return None
         pieces = []
         for owner, slot in self._owners[name]:
-            gbuf, placed = self._gbuf_placed(owner.coord, slot)
-            stored = self.source.flat_meta(self.bucket_key(owner.coord, gbuf, key, placed.bucket, slot.optimizer),
-                                           placed.start - placed.bucket_start, placed.end - placed.start)
+            stored = self.source.flat_meta(*self._flat_range(owner, slot, key))
             if stored is None:
                 return None
             pieces.append(stored.view(tuple(slot.spec.local_shape)))

@@ -49,6 +49,7 @@ from pgconvert.io.limits import quote
 from pgconvert.io.paths import ensure_within
 from pgconvert.io.ranges import FileRegion
 from pgconvert.io.reuse import new_tensor
+from pgconvert.io.sizes import itemsize
 from pgconvert.io.torch_input import check_torch_stream
 from pgconvert.model.config import TRANSFORMER_IMPLS, ModelConfig
 from pgconvert.model.layout import ParallelLayout
@@ -119,19 +120,34 @@ class SafeReader(FileSystemReader):
         if item.type == LoadItemType.BYTE_IO:
             planner.load_bytes(item, io.BytesIO(read_bytes(fd, info.offset, info.length, label)))
             return
-        where = (info.relative_path, info.offset, info.length)
-        record = self._records.get(where)
-        if record is None:
-            record = self._records[where] = parse_tensor_record(fd, info.offset, info.length, label)
-        self._check_record(record, item, label)
+        record = self.record(path, item.storage_index, info, fd)
         target = planner.resolve_tensor(item).detach()
         read_box(fd, path, record, list(item.storage_offsets), list(item.lengths), target, label)
         planner.commit_tensor(item, target)
 
-    def _check_record(self, record: TensorRecord, item: ReadItem, label: str) -> None:
+    def record(self, path: Path, index: MetadataIndex, info: Any, fd: int | None = None) -> TensorRecord:
+        """The layout of the tensor record of chunk ``index`` (stored as ``info`` says) in ``path``, open as ``fd``
+        or opened here (its extent checked): parsed once per place, and checked to hold the chunk the index
+        describes."""
+        where = (info.relative_path, info.offset, info.length)
+        label = f"{path}: {quote(index.fqn)} (offset {info.offset}, length {info.length})"
+        record = self._records.get(where)
+        if record is None and fd is not None:
+            record = self._records[where] = parse_tensor_record(fd, info.offset, info.length, label)
+        elif record is None:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            try:
+                check_extent(path, index.fqn, info.offset, info.length, os.fstat(fd).st_size)
+                record = self._records[where] = parse_tensor_record(fd, info.offset, info.length, label)
+            finally:
+                os.close(fd)
+        self._check_record(record, index, label)  # for every chunk: two index entries may name one record
+        return record
+
+    def _check_record(self, record: TensorRecord, index: MetadataIndex, label: str) -> None:
         """A record holds the chunk the index says it does: its shape and dtype."""
-        md = self._metadata.state_dict_metadata.get(item.storage_index.fqn)
-        offset = tuple(item.storage_index.offset or ())
+        md = self._metadata.state_dict_metadata.get(index.fqn)
+        offset = tuple(index.offset or ())
         sizes = next((tuple(chunk.sizes) for chunk in getattr(md, "chunks", []) if tuple(chunk.offsets) == offset), None)
         dtype = md.properties.dtype if isinstance(md, TensorStorageMetadata) else None
         if record.size != sizes or record.dtype != dtype:
@@ -204,8 +220,6 @@ class DcpStore:
         self.root = root or directory
         # torch's reader keeps per-call state (set up by each ``dcp.load``): one per thread (``--threads``).
         self._readers = threading.local()
-        self._records: dict[tuple[str, int, int], TensorRecord] = {}  # the records ``flat_region`` parsed
-        self._records_lock = threading.Lock()
 
     def check_files(self, metadata_path: Path) -> None:
         """Every chunk's file exists inside the checkpoint and is long enough to hold it."""
@@ -246,44 +260,22 @@ class DcpStore:
     def flat_region(self, key: str, start: int, length: int) -> FileRegion | None:
         """Elements ``[start, start + length)`` of the one-dimensional tensor ``key`` as a region of its data file,
         where one stored chunk holds them as they are (None where none does, or its record is transformed: read
-        them with ``read``). The chunk's record is checked as ``read`` checks it."""
+        them with ``read``). The chunk's record is parsed and checked once, by this thread's reader (``record``)."""
         md = self.metadata.state_dict_metadata.get(key)
         if not isinstance(md, TensorStorageMetadata) or len(md.size) != 1:
             return None
         chunk = next((chunk for chunk in md.chunks if len(chunk.offsets) == 1
                       and chunk.offsets[0] <= start and start + length <= chunk.offsets[0] + chunk.sizes[0]), None)
-        info = None if chunk is None else self.metadata.storage_data.get(MetadataIndex(key, chunk.offsets))
-        if chunk is None or info is None or getattr(info, "transform_descriptors", None):
+        index = None if chunk is None else MetadataIndex(key, chunk.offsets)
+        info = None if index is None else self.metadata.storage_data.get(index)
+        if chunk is None or index is None or info is None or getattr(info, "transform_descriptors", None):
             return None
         path = ensure_within(self.root, self.directory / info.relative_path)
-        record = self._record(path, key, info)
-        label = f"{path}: {quote(key)} (offset {info.offset}, length {info.length})"
-        if record.size != tuple(chunk.sizes) or record.dtype != md.properties.dtype:
-            raise CheckpointError(f"{label}: stored as {record.dtype} {list(record.size)}, but the index describes "
-                                  f"the chunk at {list(chunk.offsets)} as {md.properties.dtype} {list(chunk.sizes)}")
+        record = self._reader().record(path, index, info)
         if record.stride != (1,):
             return None
-        itemsize = torch.empty((), dtype=record.dtype).element_size()
-        offset = record.data_offset + (record.storage_offset + start - chunk.offsets[0]) * itemsize
+        offset = record.data_offset + (record.storage_offset + start - chunk.offsets[0]) * itemsize(record.dtype)
         return FileRegion.contiguous(path, offset, (length,), record.dtype)
-
-    def _record(self, path: Path, key: str, info: Any) -> TensorRecord:
-        """The parsed layout of the record ``info`` places in ``path`` (parsed once)."""
-        where = (str(info.relative_path), int(info.offset), int(info.length))
-        with self._records_lock:
-            record = self._records.get(where)
-        if record is not None:
-            return record
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        try:
-            check_extent(path, key, where[1], where[2], os.fstat(fd).st_size)
-            record = parse_tensor_record(fd, where[1], where[2], f"{path}: {quote(key)} (offset {where[1]}, "
-                                                                 f"length {where[2]})")
-        finally:
-            os.close(fd)
-        with self._records_lock:
-            self._records[where] = record
-        return record
 
     def read(self, regions: dict[str, list[tuple[tuple[int, ...], torch.Tensor]]],
              objects: list[str]) -> dict[str, Any]:

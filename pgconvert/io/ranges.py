@@ -66,6 +66,10 @@ class FileRegion:
         offset = self.offset + start * self.stride[dim] * sizes.itemsize(self.dtype)
         return FileRegion(self.path, offset, tuple(shape), self.stride, self.dtype)
 
+    def span(self) -> int:
+        """Elements from the region's first element to its last, inclusive (the file span that holds it)."""
+        return 1 + sum((count - 1) * step for count, step in zip(self.shape, self.stride, strict=True))
+
     def reshape(self, shape: Sequence[int]) -> FileRegion:
         """The same elements in row-major order seen as ``shape`` (a contiguous region only)."""
         dense = all(step == want for count, step, want in zip(self.shape, self.stride, sizes.contiguous_stride(self.shape))
@@ -191,8 +195,8 @@ def read_region(fd: int, region: FileRegion, out: torch.Tensor) -> None:
     run_bytes = run * itemsize
     # Decided before any run is listed: a transposed record has millions.
     if dims and run_bytes < LONG_RUN and _nested(region) and (
-            run_bytes < SHORT_RUN or _span(region) <= SPAN_RATIO * out.numel()):
-        scratch = torch.empty(min(SCRATCH_BYTES, _span(region) * itemsize), dtype=torch.uint8)
+            run_bytes < SHORT_RUN or region.span() <= SPAN_RATIO * out.numel()):
+        scratch = torch.empty(min(SCRATCH_BYTES, region.span() * itemsize), dtype=torch.uint8)
         _read_through(fd, region, out, scratch)
         return
     if dims and run_bytes < SHORT_RUN:
@@ -214,11 +218,6 @@ def read_region(fd: int, region: FileRegion, out: torch.Tensor) -> None:
     _preadv_all(fd, batch, start, region.path)
 
 
-def _span(region: FileRegion) -> int:
-    """Elements from the region's first element to its last, inclusive (the file span that holds it)."""
-    return 1 + sum((count - 1) * step for count, step in zip(region.shape, region.stride, strict=True))
-
-
 def _nested(region: FileRegion) -> bool:
     """Whether each index of a dimension holds a span of the file after the previous index's, as in a
     row-major tensor or a window of one (not a transposed record): so its slices are read in order."""
@@ -235,7 +234,7 @@ def _read_through(fd: int, region: FileRegion, out: torch.Tensor, scratch: torch
     with one call, then its elements copied from there into their (possibly strided) place in ``out``."""
     itemsize = out.element_size()
     dim = next((axis for axis, count in enumerate(region.shape) if count > 1), len(region.shape) - 1)
-    one = _span(region.narrow(dim, 0, 1))  # elements spanned by one index of ``dim``
+    one = region.narrow(dim, 0, 1).span()  # elements spanned by one index of ``dim``
     if one * itemsize > scratch.numel():
         for index in range(region.shape[dim]):
             _read_through(fd, region.narrow(dim, index, 1), out.narrow(dim, index, 1), scratch)
@@ -243,7 +242,7 @@ def _read_through(fd: int, region: FileRegion, out: torch.Tensor, scratch: torch
     step = 1 + (scratch.numel() // itemsize - one) // max(1, region.stride[dim])
     for first in range(0, region.shape[dim], step):
         piece = region.narrow(dim, first, min(step, region.shape[dim] - first))
-        nbytes = _span(piece) * itemsize
+        nbytes = piece.span() * itemsize
         _preadv_all(fd, [_byte_view(scratch)[:nbytes]], piece.offset, region.path)
         held = torch.as_strided(scratch[:nbytes].view(out.dtype), piece.shape, piece.stride)
         out.narrow(dim, first, piece.shape[dim]).copy_(held)

@@ -29,7 +29,7 @@ from typing import Any, BinaryIO
 import torch
 
 from pgconvert.errors import CheckpointError
-from pgconvert.io import limits
+from pgconvert.io import limits, sizes
 from pgconvert.io.limits import over_limit, quote
 from pgconvert.io.ranges import FileHandles, FileRegion, concat_reading, read_region
 from pgconvert.io.reuse import new_tensor
@@ -249,9 +249,8 @@ def stored_region(meta: Any) -> FileRegion | None:
 def meta_at(region: FileRegion) -> torch.Tensor:
     """A meta tensor left at ``region`` of its file (``stored_region`` gives the region back): read with
     ``StoredTensors``, straight into its place where a join needs it."""
-    itemsize = torch.empty((), dtype=region.dtype).element_size()
-    nbytes = (1 + sum((size - 1) * step for size, step in zip(region.shape, region.stride))) * itemsize
-    storage = torch.UntypedStorage(nbytes if all(region.shape) else 0, device="meta")
+    nbytes = region.span() * sizes.itemsize(region.dtype) if all(region.shape) else 0
+    storage = torch.UntypedStorage(nbytes, device="meta")
     storage._checkpoint_offset = region.offset  # type: ignore[attr-defined]
     storage._checkpoint_path = region.path  # type: ignore[attr-defined]
     return torch.empty(0, dtype=region.dtype, device="meta").set_(storage, 0, region.shape, region.stride)

@@ -125,6 +125,13 @@ TRAINING_RUNS: dict[str, list[str]] = {
                                                  "--moe-router-topk", "2", "--moe-token-dispatcher-type", "allgather",
                                                  "--global-batch-size", "4", "--ckpt-format", "torch_dist", "--bf16",
                                                  "--optimizer", "muon", "--no-save-rng", *SMALL_MODEL_FLAGS],
+    # The same MoE run with --use-distributed-optimizer: the layer-wise distributed optimizer over Muon's dense and
+    # expert parameters (each whole on one rank of its data-parallel group), a distributed Adam over the rest.
+    "train_tp1ep2dp4_muon_layer_wise_moe_dp_reshardable_torch_dist": [
+        "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1", "--expert-model-parallel-size",
+        "2", "--num-experts", "4", "--moe-router-topk", "2", "--moe-token-dispatcher-type", "allgather",
+        "--global-batch-size", "4", "--ckpt-format", "torch_dist", "--use-distributed-optimizer", "--bf16",
+        "--optimizer", "muon", "--no-save-rng", *SMALL_MODEL_FLAGS],
 }
 # MODEL_FLAGS a run leaves out (a store_true flag cannot be switched off by a later one).
 MODEL_FLAGS_DROPPED: dict[str, tuple[str, ...]] = {

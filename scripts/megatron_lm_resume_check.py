@@ -26,7 +26,10 @@ Megatron-LM's own ``save_checkpoint``:
   optimizers; ``muon_layer_wise_fully_reshardable_torch_dist`` (its ``fully_reshardable`` save) -> TP1 DP1;
 - ``muon_moe_ep2_torch_dist``: golden ``train_tp1ep2dp4_muon_moe_bf16_torch_dist`` (bf16, plain Muon with 4 experts:
   Muon's dense and expert optimizers and Adam's chained, torch_dist), EP2 DP4 -> EP1 DP1 on one rank, in torch_dist
-  and (``..._to_torch``) in per-rank files.
+  and (``..._to_torch``) in per-rank files;
+- ``muon_layer_wise_moe_ep2_torch_dist``: golden ``train_tp1ep2dp4_muon_layer_wise_moe_dp_reshardable_torch_dist``
+  (the same MoE run with the layer-wise distributed optimizer: its dense and expert groups, a distributed Adam),
+  EP2 DP4 -> EP1 DP2 on two ranks, and (``..._to_ep4``) -> EP4 DP4 on four.
 
 Per case:
 
@@ -213,6 +216,7 @@ TORCH, TORCH_DIST = ["--ckpt-format", "torch"], ["--ckpt-format", "torch_dist"]
 # The plain Muon MoE golden's run: 4 experts, top-2 routing, the allgather dispatcher, global batch 4.
 MUON_MOE = [*MUON, "--num-experts", "4", "--moe-router-topk", "2", "--moe-token-dispatcher-type", "allgather",
             "--global-batch-size", "4", *TORCH_DIST, "--no-save-rng", *SMALL_MODEL_FLAGS]
+LAYER_WISE_MOE = [*MUON_MOE, "--use-distributed-optimizer"]  # the same run with the layer-wise optimizer
 FP32_TOLERANCES = dict.fromkeys(("param", "exp_avg", "exp_avg_sq"), (RTOL, ATOL, 0.0))
 # bf16 forward and backward: the TP1 and TP2 x DP2 runs round activations and gradients in other
 # orders, so iteration 3's gradients differ by up to ~1% of each tensor's largest gradient (measured:
@@ -279,6 +283,14 @@ CASES: dict[str, Case] = {
         "train_tp2dp2_muon_layer_wise_fully_reshardable_torch_dist", dict(dst_tp=1, dst_pp=1, dst_dp=1),
         [TP, "1", PP, "1", *LAYER_WISE, *TORCH_DIST, "--dist-ckpt-optim-fully-reshardable"],
         (4, [TP, "2", PP, "1", *LAYER_WISE, *TORCH_DIST, "--dist-ckpt-optim-fully-reshardable"]), True),
+    "muon_layer_wise_moe_ep2_torch_dist": Case(
+        "train_tp1ep2dp4_muon_layer_wise_moe_dp_reshardable_torch_dist", dict(dst_tp=1, dst_pp=1, dst_ep=1, dst_dp=2),
+        [TP, "1", PP, "1", "--expert-model-parallel-size", "1", *LAYER_WISE_MOE],
+        (4, [TP, "1", PP, "1", "--expert-model-parallel-size", "2", *LAYER_WISE_MOE]), True, converted_ranks=2),
+    "muon_layer_wise_moe_ep2_torch_dist_to_ep4": Case(
+        "train_tp1ep2dp4_muon_layer_wise_moe_dp_reshardable_torch_dist", dict(dst_tp=1, dst_pp=1, dst_ep=4, dst_dp=4),
+        [TP, "1", PP, "1", "--expert-model-parallel-size", "4", *LAYER_WISE_MOE],
+        (4, [TP, "1", PP, "1", "--expert-model-parallel-size", "2", *LAYER_WISE_MOE]), True, converted_ranks=4),
 }
 
 

@@ -7,8 +7,13 @@
   embedding, output layer and norms;
 - ``fully_reshardable``: the same unprefixed, Adam's ``optimizer.state.{param,exp_avg,exp_avg_sq}.<model key>``.
 
+With MoE (a third golden: TP1 EP2 DP4, 4 experts, bf16, ``dp_reshardable``) the layer-wise optimizer holds the experts
+too, in a param group of its own (``is_expert_parallel``) at expert parallel size > 1; the run's state equals that of
+the same run with plain Muon bit for bit.
+
 ``scripts/megatron_lm_resume_check.py muon_layer_wise_dp_reshardable_torch_dist
-muon_layer_wise_fully_reshardable_torch_dist`` has Megatron-LM resume from pgconvert's conversions (outside CI)."""
+muon_layer_wise_fully_reshardable_torch_dist muon_layer_wise_moe_ep2_torch_dist muon_layer_wise_moe_ep2_torch_dist_to_ep4``
+has Megatron-LM resume from pgconvert's conversions (outside CI)."""
 
 from __future__ import annotations
 
@@ -37,6 +42,8 @@ GOLDENS = Path(__file__).parent / "data" / "megatron_lm"
 DP = GOLDENS / "train_tp2dp2_muon_layer_wise_dp_reshardable_torch_dist"
 FR = GOLDENS / "train_tp2dp2_muon_layer_wise_fully_reshardable_torch_dist"
 PLAIN_MUON = GOLDENS / "mcore019_tp2_muon_bf16_torch_dist"
+MOE = GOLDENS / "train_tp1ep2dp4_muon_layer_wise_moe_dp_reshardable_torch_dist"
+PLAIN_MOE = GOLDENS / "train_tp1ep2dp4_muon_moe_bf16_torch_dist"  # the same run with plain Muon
 FORMS = {"dp_reshardable": DP, "fully_reshardable": FR}
 ITER = "iter_0000002"
 MUON_PARAMS, ADAM_PARAMS = 8, 7
@@ -203,3 +210,46 @@ def test_a_layer_wise_layout_that_is_not_mapped_is_named(setting: dict[str, obje
         OptimizerRules.from_args(args, "here")
     assert OptimizerRules.from_args(argparse.Namespace(optimizer="muon", use_layer_wise_distributed_optimizer=True,
                                                        bf16=True), "here").layer_wise
+
+
+def _groups(root: Path) -> list[list[tuple[Any, bool, float]]]:
+    """Per chained optimizer of a checkpoint's common state, its groups' (optimizer, is_expert_parallel, wd_mult)."""
+    entry = _optimizer_entry(root)
+    groups = [entry[0]["optimizer"]["param_groups"]]
+    if "optimizer" in entry[1]:  # fully_reshardable: Adam's groups in the common state
+        groups.append(entry[1]["optimizer"]["param_groups"])
+    else:  # dp_reshardable: in its ShardedObject (one per model-parallel rank: the dense buffer's)
+        held = read_dcp_objects(root / ITER, lambda key: key.startswith("chained_1.optimizer.distributed.dp_group_idx_0"
+                                                                        ".optimizer/"))
+        groups.append(next(iter(held.values()))[0]["param_groups"])
+    return [[(group.get("optimizer"), group["is_expert_parallel"], group["wd_mult"]) for group in held]
+            for held in groups]
+
+
+def test_with_moe_the_layer_wise_optimizer_holds_the_experts_in_a_group_of_their_own() -> None:
+    common = read_common(MOE / ITER)
+    args = common["args"]
+    assert args.use_layer_wise_distributed_optimizer and args.expert_model_parallel_size == 2 and args.num_experts == 4
+    assert _groups(MOE) == [[(None, False, 1.0), (None, True, 1.0)], [("adam", False, 1.0), ("adam", False, 0.0)]]
+    keys = read_dcp_metadata(MOE / ITER / ".metadata").state_dict_metadata
+    assert "chained_0.optimizer.state.momentum_buffer.decoder.layers.mlp.experts.experts.linear_fc1.weight" in keys
+    # one run, trained with plain Muon and with the layer-wise optimizer: the same state, read from either form
+    report = pgconvert.verify(PLAIN_MOE, MOE)
+    assert report.equal and report.optimizer is not None and report.optimizer.compared == 29
+
+
+@pytest.mark.parametrize("layout", [("--dst-ep", "1", "--dst-dp", "4"), ("--dst-ep", "4", "--dst-dp", "4"),
+                                    ("--dst-ep", "1", "--dst-pp", "2", "--dst-dp", "2"),
+                                    ("--dst-tp", "2", "--dst-ep", "2", "--dst-dp", "2"),
+                                    ("--dst-ep", "2", "--dst-dp", "2", "--dst-optim-form", "fully_reshardable")])
+def test_with_moe_resharded_and_back_it_is_the_golden(tmp_path: Path, layout: tuple[str, ...]) -> None:
+    there = convert_strict(MOE, tmp_path / "there", "--dst-format", "torch_dist", "--dst-tp", "1", *layout)
+    experts = "--dst-ep" in layout and layout[layout.index("--dst-ep") + 1] != "1"
+    assert _groups(there)[0] == [(None, False, 1.0), (None, True, 1.0)] if experts else [(None, False, 1.0)]
+    report = pgconvert.verify(MOE, there)  # the expert group's position is the layout's, its role the same
+    assert report.equal, (report.differences, report.optimizer)
+    back = convert_strict(there, tmp_path / "back", "--dst-format", "torch_dist", "--dst-tp", "1", "--dst-pp", "1",
+                          "--dst-ep", "2", "--dst-dp", "4", "--dst-optim-form", "dp_reshardable")
+    assert_same_layer_wise_records(MOE, back)
+    assert _optimizer_entry(back) == _optimizer_entry(MOE)
+

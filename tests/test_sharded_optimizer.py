@@ -93,6 +93,9 @@ IN_TORCH_DIST = {
     "layer-wise-dp_reshardable": (GOLDENS / "train_tp2dp2_muon_layer_wise_dp_reshardable_torch_dist",
                                   (*LEGACY, "--dst-dp", "2")),
     "layer-wise-fully_reshardable": (GOLDENS / "train_tp2dp2_muon_layer_wise_fully_reshardable_torch_dist", LEGACY),
+    # the layer-wise optimizer with MoE (its dense and expert groups), from EP2 to EP4
+    "layer-wise-moe-ep": (GOLDENS / "train_tp1ep2dp4_muon_layer_wise_moe_dp_reshardable_torch_dist",
+                          (*LEGACY, "--dst-ep", "4", "--dst-dp", "4")),
     "plain-muon-moe-ep": (GOLDENS / "train_tp1ep2dp4_muon_moe_bf16_torch_dist", (*LEGACY, "--dst-ep", "1")),
     # megatron-core 0.15.0's chained dense and expert optimizers, resharded from EP2 to EP4
     "fully_sharded_model_space-moe-ep": (GOLDENS / "mcore015_tp1ep2dp4_moe_distopt_fs_model_space_torch_dist",

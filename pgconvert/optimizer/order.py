@@ -69,11 +69,12 @@ group, each in ``named_parameters()`` order, and ``get_megatron_optimizer`` chai
 and a ``momentum_buffer`` per parameter and no step. With experts at expert parallel size > 1 the groups are bucketed
 by ``(optimizer, is_expert_parallel)`` too: Muon's dense and expert optimizers, then Adam's dense one and, where the
 experts have biases, its expert one (``chain``). With ``--use-distributed-optimizer`` (``layer_wise``) the two are
-megatron-core's layer-wise optimizer (the experts among its parameters) and a distributed Adam. Refused by name: another scalar optimizer, the layer-wise optimizer with MoE, its
-legacy layout and float32 runs (``_refuse_muon_variants``). Checked against megatron-core 0.19.2's own TP2 save and
-Megatron-LM d98e8a64's own saves, per-rank with and without ``--decoupled-lr``, MoE at EP2 and layer-wise in
-torch_dist (``tests/test_optimizer_muon.py``, ``tests/test_optimizer_muon_moe.py``,
-``tests/test_optimizer_layer_wise.py``).
+megatron-core's layer-wise optimizer and a distributed Adam; the layer-wise optimizer is not split by
+``is_expert_parallel``, so at expert parallel > 1 the experts are its second param group. Refused by name: another
+scalar optimizer, the layer-wise optimizer's legacy layout and float32 runs (``_refuse_muon_variants``). Checked
+against megatron-core 0.19.2's own TP2 save and Megatron-LM d98e8a64's own saves, per-rank with and without
+``--decoupled-lr``, MoE at EP2, and layer-wise in torch_dist, dense and MoE at EP2 (``tests/test_optimizer_muon.py``,
+``tests/test_optimizer_muon_moe.py``, ``tests/test_optimizer_layer_wise.py``).
 
 Mixture of experts: a routed expert's linears are ``allreduce=False`` only when
 ``expert_model_parallel_size > 1`` (``ColumnParallelLinear``/``RowParallelLinear``: ``not (is_expert
@@ -274,11 +275,10 @@ class OptimizerRules:
 
 def _refuse_muon_variants(args: argparse.Namespace, where: str) -> None:
     """The Muon runs whose optimizer layout is not mapped, refused by name: a scalar optimizer other than Adam; the
-    layer-wise distributed optimizer with MoE, with its legacy layout (``--no-use-layer-wise-param-layout``: every
-    parameter in the layer-wise optimizer's buffer) or in a float32 run."""
+    layer-wise distributed optimizer with its legacy layout (``--no-use-layer-wise-param-layout``: every parameter in
+    the layer-wise optimizer's buffer) or in a float32 run."""
     layer_wise = bool(getattr(args, "use_layer_wise_distributed_optimizer", False))  # float32: torch's own optimizers
     refused = {"muon_scalar_optimizer": (getattr(args, "muon_scalar_optimizer", None) or ADAM) != ADAM,
-               "num_experts": layer_wise and bool(getattr(args, "num_experts", None)),
                "use_layer_wise_param_layout": layer_wise and getattr(args, "use_layer_wise_param_layout", None) in (
                    False, 0),  # absent or None: Megatron-LM's default, the precomputed layout
                "bf16": layer_wise and not getattr(args, "bf16", False)}
@@ -287,7 +287,7 @@ def _refuse_muon_variants(args: argparse.Namespace, where: str) -> None:
             raise UnsupportedOptimizerError(
                 f"{where}: args.optimizer='muon' with args.{name}={quote(getattr(args, name, None))}: pgconvert maps "
                 "megatron-core's Muon optimizers (Muon for the 2-dim weights, Adam for the embedding, output layer and "
-                "norms): the plain one, and the layer-wise distributed one of a dense bf16 run with its default param "
+                "norms): the plain one, and the layer-wise distributed one of a bf16 run with its default param "
                 "layout; pass --skip-optimizer")
 
 
@@ -418,12 +418,13 @@ def _place(spec: TensorSpec, rules: OptimizerRules, layout: ParallelLayout, coor
            chunk: int, members: Sequence[ChainMember]) -> tuple[int, int]:
     """(chained optimizer, param group) of a parameter, ``members`` the chain. A Muon run's (megatron-core 0.19.2's
     ``_is_nonlinear_or_embedding``): a 2-dim weight other than the word embedding and output layer is Muon's (its
-    one group), the rest its scalar optimizer Adam's, by weight decay (an expert-parallel Adam's only group: the
-    experts' biases)."""
-    expert = is_expert_parallel(spec, layout) and not rules.layer_wise  # the layer-wise optimizer keeps experts
+    one group; the layer-wise optimizer's: its dense group or its expert one), the rest its scalar optimizer Adam's,
+    by weight decay (an expert-parallel Adam's only group: the experts' biases)."""
+    expert_parallel = is_expert_parallel(spec, layout)
+    expert = expert_parallel and not rules.layer_wise  # the layer-wise optimizer keeps experts, in a group of their own
     if rules.kind == MUON:
         if len(spec.local_shape) == 2 and not _is_embedding_or_output(spec, coord, chunk):
-            return members.index(ChainMember(MUON, expert)), 0
+            return members.index(ChainMember(MUON, expert)), int(expert_parallel and rules.layer_wise)
         index = members.index(ChainMember(ADAM, expert))
         return index, 0 if expert else (1 if _no_weight_decay(spec, rules) else 0)
     if expert:
@@ -469,12 +470,15 @@ def optimizer_count(config: ModelConfig, layout: ParallelLayout, rules: Optimize
     return len(chain(config, layout, rules))
 
 
-def _group_count(config: ModelConfig, member: ChainMember, rules: OptimizerRules) -> int:
+def _group_count(config: ModelConfig, layout: ParallelLayout, member: ChainMember, rules: OptimizerRules) -> int:
     """Groups per chained optimizer: keys are all-gathered over the world, so a group exists on every rank once any
     rank has a member. Dense: weight decay, the embedding/output parameters with decoupled_lr, and no weight
     decay (norms). Experts: no weight decay only with their biases (``add_bias_linear``). A Muon run: Muon's one
-    group (dense and expert alike), then Adam's weight decay (the embedding and output layer) and no weight decay
-    (an expert Adam's: the experts' biases alone)."""
+    group (dense and expert alike; the layer-wise optimizer's: its dense one, then its experts' at expert parallel
+    > 1, where they are ``is_expert_parallel``), then Adam's weight decay (the embedding and output layer) and no
+    weight decay (an expert Adam's: the experts' biases alone)."""
+    if rules.kind == MUON and member.kind == MUON and rules.layer_wise:
+        return 2 if config.moe.num_experts and layout.ep > 1 else 1
     if rules.kind == MUON:
         return 1 if member.kind == MUON or member.expert else 2
     if not member.expert:
@@ -484,7 +488,7 @@ def _group_count(config: ModelConfig, member: ChainMember, rules: OptimizerRules
 
 def group_counts(config: ModelConfig, layout: ParallelLayout, rules: OptimizerRules = OptimizerRules()) -> list[int]:
     """The param groups megatron-core builds for each chained optimizer (``chain``)."""
-    return [_group_count(config, member, rules) for member in chain(config, layout, rules)]
+    return [_group_count(config, layout, member, rules) for member in chain(config, layout, rules)]
 
 
 def group_overrides(rules: OptimizerRules, member: ChainMember) -> list[dict[str, float]]:
@@ -492,7 +496,7 @@ def group_overrides(rules: OptimizerRules, member: ChainMember) -> list[dict[str
     (``wd_mult`` 0 for no weight decay; ``max_lr``/``min_lr`` for decoupled_lr), ``wd_mult`` 1.0 otherwise."""
     decayed, undecayed = {"wd_mult": 1.0}, {"wd_mult": 0.0}
     if rules.kind == MUON and member.kind == MUON:
-        return [decayed]
+        return [decayed, decayed] if rules.layer_wise else [decayed]  # the layer-wise one's: dense, then experts
     if rules.kind == MUON and member.expert:
         return [undecayed]
     if member.expert or rules.decoupled_lr is None:
@@ -505,6 +509,15 @@ def group_overrides(rules: OptimizerRules, member: ChainMember) -> list[dict[str
     return [decayed, decoupled, undecayed]
 
 
+def group_experts(rules: OptimizerRules, member: ChainMember) -> list[bool]:
+    """Per param group of ``member`` (as ``group_overrides``): its ``is_expert_parallel``. The layer-wise
+    optimizer's second group is its experts'; every other optimizer's groups are all expert or all dense."""
+    count = len(group_overrides(rules, member))
+    if rules.kind == MUON and member.kind == MUON and rules.layer_wise:
+        return [False, True]
+    return [member.expert] * count
+
+
 def chained_slots(config: ModelConfig, layout: ParallelLayout, coord: RankCoord,
                   rules: OptimizerRules = OptimizerRules(),
                   padded_vocab_size: int | None = None) -> list[list[list[OptimizerSlot]]]:
@@ -514,7 +527,7 @@ def chained_slots(config: ModelConfig, layout: ParallelLayout, coord: RankCoord,
     check_supported(config, f"layout {layout.describe()}")
     optimizers = chain(config, layout, rules)
     members: list[list[list[tuple[int, TensorSpec]]]] = [
-        [[] for _ in range(_group_count(config, member, rules))] for member in optimizers]
+        [[] for _ in range(_group_count(config, layout, member, rules))] for member in optimizers]
     for chunk, spec in named_parameters(config, layout, coord, padded_vocab_size):
         optimizer, group = _place(spec, rules, layout, coord, chunk, optimizers)
         members[optimizer][group].append((chunk, spec))
@@ -566,8 +579,7 @@ def check_param_groups(slots: Sequence[Sequence[OptimizerSlot]], param_groups: A
         raise OptimizerLayoutError(
             f"{where}: optimizer.param_groups holds {count} groups; {_VERSIONS} builds {len(slots)} for this "
             "model (weight decay, [decoupled_lr,] no weight decay)")
-    overrides = group_overrides(rules, member)
-    expert = member.expert
+    overrides, experts = group_overrides(rules, member), group_experts(rules, member)
     for index, (group, members) in enumerate(zip(param_groups, slots)):
         if not isinstance(group, dict):
             raise OptimizerLayoutError(f"{where}: optimizer.param_groups[{index}] is not a dict")
@@ -579,7 +591,7 @@ def check_param_groups(slots: Sequence[Sequence[OptimizerSlot]], param_groups: A
                 f"{where}: optimizer.param_groups[{index}].params = {quote(group.get('params'), 120)}, but the "
                 f"model's parameter count gives {quote(expected, 120)} ({_VERSIONS} group order)"
                 f"{grouped_expert_note(members)}")
-        _check_group_overrides(group, index, overrides[index], expert, where)
+        _check_group_overrides(group, index, overrides[index], experts[index], where)
 
 
 def _check_group_overrides(group: dict[Any, Any], index: int, overrides: dict[str, float], expert: bool,

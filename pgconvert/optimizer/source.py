@@ -22,7 +22,7 @@ from pgconvert.model.config import ModelConfig
 from pgconvert.model.layout import ParallelLayout
 from pgconvert.model.rules import ReplicaMismatchError, ShardRule, bitwise_equal, concatenating_with
 from pgconvert.optimizer.order import (ADAM_FIELDS, MEGATRON_CORE_VERSIONS, ChainMember, OptimizerLayoutError,
-                                       OptimizerRules, OptimizerSlot, chain, group_overrides)
+                                       OptimizerRules, OptimizerSlot, chain, group_experts, group_overrides)
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 # The per-parameter fields of an Adam optimizer: the fp32 master weight and Adam's moments (a Muon run's Muon
@@ -149,6 +149,13 @@ class OptimizerSource:
         weight decay)."""
         return self._owners[name][0][1].group
 
+    def group_role(self, name: str) -> dict[str, float]:
+        """What sets ``name``'s param group apart in its optimizer (``order.group_overrides``: weight decay or not,
+        decoupled learning rates), whatever its position: positions follow the layout (an expert optimizer's groups,
+        the layer-wise optimizer's expert group at expert parallel > 1)."""
+        slot = self._owners[name][0][1]
+        return group_overrides(self.rules, slot.member)[slot.group]
+
     def optimizer_of(self, name: str) -> int:
         """The chained optimizer that holds ``name``: its index in ``chained``."""
         return self._owners[name][0][1].optimizer
@@ -178,22 +185,23 @@ class OptimizerSource:
                              member: ChainMember | None = None) -> list[dict[str, Any]]:
         """The param groups (without ``params``: hyperparameters, lr, wd_mult…) of the source's chained optimizer
         ``optimizer``, ``count`` of them; or, for a target's chained optimizer ``member``, the source's own of it where
-        the source chains one, else its dense optimizer's of that kind with ``is_expert_parallel`` set, each group
-        the one with the same overrides (megatron-core builds both from one config; they differ only there)."""
+        the source chains one and stores as many groups, else each wanted group from the source's group with the same
+        overrides (megatron-core builds them from one config; they differ only there) with ``is_expert_parallel`` set:
+        an expert optimizer's from the dense one of its kind, the layer-wise optimizer's expert group from its dense
+        one."""
         own = self.chained()
-        if member is None or member in own:
-            index = optimizer if member is None else own.index(member)
-            settings = self._stored_group_settings(index)
-            if settings is not None:
-                return settings if count is None else settings[:count]
-            member = own[index]
-        dense = own.index(ChainMember(member.kind, False))
-        settings = self._stored_group_settings(dense) or []
-        held, wanted = group_overrides(self.rules, own[dense]), group_overrides(self.rules, member)[:count]
-        if len(held) != len(settings) or any(overrides not in held for overrides in wanted):
+        member = own[optimizer] if member is None else member
+        stored = self._stored_group_settings(own.index(member)) if member in own else None
+        if stored is not None and (count is None or count <= len(stored)):
+            return stored if count is None else stored[:count]
+        origin = member if stored else ChainMember(member.kind, False)
+        settings = (stored or self._stored_group_settings(own.index(origin))) or []
+        held = group_overrides(self.rules, origin)
+        wanted = list(zip(group_overrides(self.rules, member), group_experts(self.rules, member)))[:count]
+        if len(settings) > len(held) or any(overrides not in held[:len(settings)] for overrides, _ in wanted):
             raise OptimizerLayoutError(f"{self.first.path}: the {member.kind} optimizer's param groups "
                                        f"{quote(settings, 160)} do not give a target's groups {wanted} ({_VERSIONS})")
-        return [dict(settings[held.index(overrides)], is_expert_parallel=member.expert) for overrides in wanted]
+        return [dict(settings[held.index(overrides)], is_expert_parallel=expert) for overrides, expert in wanted]
 
     def _stored_group_settings(self, optimizer: int) -> list[dict[str, Any]] | None:
         """The stored param groups of the source's chained optimizer ``optimizer`` without ``params`` (None: not

@@ -9,11 +9,13 @@ that parameter alone), so memory holds one parameter's state per side whatever t
 - ``param``, ``exp_avg``, ``exp_avg_sq``: shape and values with the model's rtol/atol (bit-exact by
   default); vocab tables over every row both sides hold, the padding rows too (a conversion carries the rows that
   fit), rows one side alone holds reported as padding only;
-- ``step`` exactly, and each parameter's param group;
+- ``step`` exactly, and each parameter's param group by its role (``group_role``: weight decay or not, decoupled
+  learning rates), not its position;
 - each parameter's param group hyperparameters (lr, weight_decay, betas, eps, ...), matched by the
   parameters a group holds, not by its position: megatron-core chains a second (expert) optimizer at
-  expert parallel > 1 and not at 1, so the same groups sit at other positions after an EP change
-  (``is_expert_parallel`` says which, and is not compared; the groups' ``step`` is the per-parameter one);
+  expert parallel > 1 and not at 1, and the layer-wise optimizer gives the experts a group of their own there, so
+  the same groups sit at other positions after an EP change (``is_expert_parallel`` says which, and is not
+  compared; the groups' ``step`` is the per-parameter one);
 - the carried counters present on both sides: iteration, ``opt_param_scheduler``,
   ``num_floating_point_operations_so_far``, the consumed-samples counters in ``args``;
 - the grad scaler of each chained optimizer (its scale, growth and hysteresis trackers; one side without one is a
@@ -156,10 +158,15 @@ def _compare_parameter(name: str, optimizer_a: OptimizerSource, optimizer_b: Opt
         step_a, step_b = float(state_a["step"]), float(state_b["step"])
         if step_a != step_b and not (math.isnan(step_a) and math.isnan(step_b)):
             report.add(name, "step", "values", f"step {step_a:g} in A, {step_b:g} in B")
-    group_a, group_b = optimizer_a.group_of(name), optimizer_b.group_of(name)
-    if group_a != group_b:
-        report.add(name, "group", "config", f"param group {group_a} in A, {group_b} in B")
+    role_a, role_b = optimizer_a.group_role(name), optimizer_b.group_role(name)
+    if role_a != role_b:
+        report.add(name, "group", "config", f"param group {optimizer_a.group_of(name)} ({_role(role_a)}) in A, "
+                   f"{optimizer_b.group_of(name)} ({_role(role_b)}) in B")
     del state_a, state_b
+
+
+def _role(overrides: dict[str, float]) -> str:
+    return ", ".join(f"{key}={value:g}" for key, value in overrides.items())
 
 
 def _compare_field(name: str, key: str, tensor_a: torch.Tensor, tensor_b: torch.Tensor, rtol: float, atol: float,

@@ -125,6 +125,14 @@ TRAINING_RUNS: dict[str, list[str]] = {
                                                  "--moe-router-topk", "2", "--moe-token-dispatcher-type", "allgather",
                                                  "--global-batch-size", "4", "--ckpt-format", "torch_dist", "--bf16",
                                                  "--optimizer", "muon", "--no-save-rng", *SMALL_MODEL_FLAGS],
+    # Plain Muon with Lion for the embedding, output layer and norms (--muon-scalar-optimizer lion: an exp_avg per
+    # parameter and no step), per-rank files and torch_dist, TP2 DP2.
+    "train_tp2dp2_muon_lion_bf16_torch": ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "1",
+                                          "--ckpt-format", "torch", "--bf16", "--optimizer", "muon",
+                                          "--muon-scalar-optimizer", "lion", "--no-save-rng", *SMALL_MODEL_FLAGS],
+    "train_tp2dp2_muon_lion_bf16_torch_dist": ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size",
+                                               "1", "--ckpt-format", "torch_dist", "--bf16", "--optimizer", "muon",
+                                               "--muon-scalar-optimizer", "lion", "--no-save-rng", *SMALL_MODEL_FLAGS],
     # The same MoE run with --use-distributed-optimizer: the layer-wise distributed optimizer over Muon's dense and
     # expert parameters (each whole on one rank of its data-parallel group), a distributed Adam over the rest.
     "train_tp1ep2dp4_muon_layer_wise_moe_dp_reshardable_torch_dist": [

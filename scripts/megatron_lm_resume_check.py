@@ -29,7 +29,10 @@ Megatron-LM's own ``save_checkpoint``:
   and (``..._to_torch``) in per-rank files;
 - ``muon_layer_wise_moe_ep2_torch_dist``: golden ``train_tp1ep2dp4_muon_layer_wise_moe_dp_reshardable_torch_dist``
   (the same MoE run with the layer-wise distributed optimizer: its dense and expert groups, a distributed Adam),
-  EP2 DP4 -> EP1 DP2 on two ranks, and (``..._to_ep4``) -> EP4 DP4 on four.
+  EP2 DP4 -> EP1 DP2 on two ranks, and (``..._to_ep4``) -> EP4 DP4 on four;
+- ``muon_lion_tp2dp2_bf16_torch``: golden ``train_tp2dp2_muon_lion_bf16_torch`` (bf16, plain Muon with Lion for the
+  embedding, output layer and norms: ``--muon-scalar-optimizer lion``, per-rank files), TP2 DP2 -> TP1 DP1, and
+  ``muon_lion_tp2dp2_bf16_torch_dist`` (the same run's torch_dist save) -> TP1 PP2 on two ranks.
 
 Per case:
 
@@ -217,6 +220,7 @@ TORCH, TORCH_DIST = ["--ckpt-format", "torch"], ["--ckpt-format", "torch_dist"]
 MUON_MOE = [*MUON, "--num-experts", "4", "--moe-router-topk", "2", "--moe-token-dispatcher-type", "allgather",
             "--global-batch-size", "4", *TORCH_DIST, "--no-save-rng", *SMALL_MODEL_FLAGS]
 LAYER_WISE_MOE = [*MUON_MOE, "--use-distributed-optimizer"]  # the same run with the layer-wise optimizer
+MUON_LION = [*MUON, "--muon-scalar-optimizer", "lion", "--no-save-rng", *SMALL_MODEL_FLAGS]  # Lion for the rest
 FP32_TOLERANCES = dict.fromkeys(("param", "exp_avg", "exp_avg_sq"), (RTOL, ATOL, 0.0))
 # bf16 forward and backward: the TP1 and TP2 x DP2 runs round activations and gradients in other
 # orders, so iteration 3's gradients differ by up to ~1% of each tensor's largest gradient (measured:
@@ -283,6 +287,13 @@ CASES: dict[str, Case] = {
         "train_tp2dp2_muon_layer_wise_fully_reshardable_torch_dist", dict(dst_tp=1, dst_pp=1, dst_dp=1),
         [TP, "1", PP, "1", *LAYER_WISE, *TORCH_DIST, "--dist-ckpt-optim-fully-reshardable"],
         (4, [TP, "2", PP, "1", *LAYER_WISE, *TORCH_DIST, "--dist-ckpt-optim-fully-reshardable"]), True),
+    "muon_lion_tp2dp2_bf16_torch": Case(
+        "train_tp2dp2_muon_lion_bf16_torch", dict(dst_tp=1, dst_pp=1, dst_dp=1),
+        [TP, "1", PP, "1", *MUON_LION, *TORCH], (4, [TP, "2", PP, "1", *MUON_LION, *TORCH]), True),
+    "muon_lion_tp2dp2_bf16_torch_dist": Case(
+        "train_tp2dp2_muon_lion_bf16_torch_dist", dict(dst_tp=1, dst_pp=2, dst_dp=1),
+        [TP, "1", PP, "2", *MUON_LION, *TORCH_DIST], (4, [TP, "2", PP, "1", *MUON_LION, *TORCH_DIST]), True,
+        converted_ranks=2),
     "muon_layer_wise_moe_ep2_torch_dist": Case(
         "train_tp1ep2dp4_muon_layer_wise_moe_dp_reshardable_torch_dist", dict(dst_tp=1, dst_pp=1, dst_ep=1, dst_dp=2),
         [TP, "1", PP, "1", "--expert-model-parallel-size", "1", *LAYER_WISE_MOE],

@@ -96,8 +96,8 @@ class TorchDistOptimizerSource(OptimizerSource):
         self._owners = self._index_slots()
         chained = self._chained = self._chained_groups(common, where)
         stepped = [member.stepped for member in self.chained()]
-        self._step = plain_step(common["optimizer"], self._plain_form, where, stepped) if self.sharding == PLAIN \
-            else _one_step([group for index, groups in enumerate(chained) if stepped[index] for group in groups], where)
+        self._step: torch.Tensor | None = plain_step(common["optimizer"], self._plain_form, where, stepped) \
+            if self.sharding == PLAIN else _one_step([group for index, groups in enumerate(chained) if stepped[index] for group in groups], where)
         extra = {key: common[key] for key in (*CARRIED_KEYS, "iteration", "args") if key in common}
         extra["distributed_entries"] = [{"optimizer": {"param_groups": groups}} for groups in chained]
         self.first = SourceRank(source.directory, extra)
@@ -210,7 +210,7 @@ class TorchDistOptimizerSource(OptimizerSource):
             if self._shardings[index] != DP_RESHARDABLE:
                 values[f"{optimizer_label(index, count)}.param_groups"] = groups
                 values[f"{optimizer_label(index, count)}.grad_scaler"] = self.grad_scalers[index]
-        if self.sharding == PLAIN:
+        if self.sharding == PLAIN and self._step is not None:  # None: no chained optimizer counts steps
             values["optimizer.state[*].step"] = [self._step]
         if self.form in (FORM_DISTRIBUTED, FORM_LAYER_WISE):
             values["dtype_key"] = [self.dtype_key]
@@ -348,6 +348,8 @@ class TorchDistOptimizerSource(OptimizerSource):
                     f"not the one {_VERSIONS} uses (several buckets, another parameter order?)")
 
     def step(self, name: str) -> torch.Tensor:
+        if self._step is None:  # asked only for a parameter whose optimizer counts steps (``stepped``)
+            raise OptimizerLayoutError(f"{self.source.directory}: {name}: no chained optimizer counts steps")
         return self._step.clone()
 
     def _flat_range(self, owner: _Owner, slot: OptimizerSlot, key: str) -> tuple[str, int, int]:

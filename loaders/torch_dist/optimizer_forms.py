@@ -122,9 +122,9 @@ def plain_inner(entry: dict[str, Any], form: str) -> dict[str, Any]:
     return entry["optimizer"] if form == FORM_FP16 else entry
 
 
-def plain_step(entry: Any, form: str, where: str, stepped: list[bool] | None = None) -> torch.Tensor:
+def plain_step(entry: Any, form: str, where: str, stepped: list[bool] | None = None) -> torch.Tensor | None:
     """The shared Adam step (``common_step``) of a plain entry (of each chained one that counts steps, ``stepped``:
-    not a Muon optimizer's; default every one; all equal), checked."""
+    not a Muon or Lion optimizer's; default every one; all equal), checked; None where none counts steps."""
     steps = []
     entries = chained_entries(entry)
     for each, counts in zip(entries, stepped or [True] * len(entries)):
@@ -139,4 +139,4 @@ def plain_step(entry: Any, form: str, where: str, stepped: list[bool] | None = N
     if any(not torch.equal(step, steps[0]) for step in steps):  # ChainedOptimizer._synchronize_steps
         raise OptimizerLayoutError(f"{where}: the chained plain optimizers' common_step differ: "
                                    f"{quote([float(step) for step in steps])}")
-    return steps[0]
+    return steps[0] if steps else None

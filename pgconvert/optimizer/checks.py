@@ -60,8 +60,8 @@ class OptimizerStateError(OptimizerLayoutError):
 # emerging ones to the layer-wise distributed optimizer).
 OTHER_OPTIMIZERS = {
     "sgd": "torch SGD's momentum_buffer",
-    "muon": "Muon's momentum_buffer for the 2-dim weights, Adam's moments for the embeddings, output layer, norms "
-            "and biases, as two chained optimizers",
+    "muon": "Muon's momentum_buffer for the 2-dim weights, Adam's (or Lion's) moments for the embeddings, output "
+            "layer, norms and biases, as two chained optimizers",
     "adaptive_muon": "Muon's momentum_buffer and a second moment for the 2-dim weights, Adam's moments for the rest",
     "lion": "Lion's exp_avg alone",
     "soap": "SOAP's Kronecker-factored preconditioners",

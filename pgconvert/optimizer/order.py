@@ -189,7 +189,8 @@ class UnsupportedOptimizerError(ValidationError):
 # The per-parameter state fields: the fp32 master and Adam's moments, or Muon's momentum buffer.
 ADAM_FIELDS = ("param", "exp_avg", "exp_avg_sq")
 MUON_FIELDS = ("param", "momentum_buffer")
-ADAM, MUON = "adam", "muon"
+LION_FIELDS = ("param", "exp_avg")  # emerging_optimizers' Lion: one moment, no step
+ADAM, MUON, LION = "adam", "muon", "lion"
 
 
 @dataclass(frozen=True)
@@ -202,8 +203,8 @@ class ChainMember:
 
     @property
     def fields(self) -> tuple[str, ...]:
-        """Its per-parameter state: the fp32 master and Muon's momentum buffer, or Adam's moments."""
-        return MUON_FIELDS if self.kind == MUON else ADAM_FIELDS
+        """Its per-parameter state: the fp32 master and Muon's momentum buffer, Lion's moment or Adam's moments."""
+        return {MUON: MUON_FIELDS, LION: LION_FIELDS}.get(self.kind, ADAM_FIELDS)
 
     @property
     def state_fields(self) -> tuple[str, ...]:
@@ -213,8 +214,8 @@ class ChainMember:
 
     @property
     def stepped(self) -> bool:
-        """Whether it counts steps (Adam; Muon keeps none)."""
-        return self.kind != MUON
+        """Whether it counts steps (Adam; Muon and Lion keep none)."""
+        return self.kind == ADAM
 
 
 @dataclass(frozen=True)
@@ -245,8 +246,11 @@ class OptimizerRules:
     decoupled_lr: float | None = None
     # ``decoupled_min_lr``: that group's ``min_lr`` (None: the run's ``min_lr``).
     decoupled_min_lr: float | None = None
-    # ``args.optimizer``: Adam, or Muon (chained: Muon for the 2-dim weights, then Adam for the rest).
+    # ``args.optimizer``: Adam, or Muon (chained: Muon for the 2-dim weights, then ``scalar`` for the rest).
     kind: str = ADAM
+    # ``muon_scalar_optimizer``: a Muon run's optimizer of the rest (the embedding, output layer and norms), Adam or
+    # Lion.
+    scalar: str = ADAM
     # ``use_layer_wise_distributed_optimizer`` (Muon with ``--use-distributed-optimizer``): the layer-wise optimizer
     # over Muon's parameters (each a whole tensor, its state in model space), chained with a distributed Adam over a
     # DDP buffer of the rest.
@@ -265,6 +269,7 @@ class OptimizerRules:
             _refuse_muon_variants(args, where)
         return cls(apply_wd_to_qk_layernorm=bool(getattr(args, "apply_wd_to_qk_layernorm", False)),
                    decoupled_lr=decoupled[0], decoupled_min_lr=decoupled[1], kind=kind,
+                   scalar=(getattr(args, "muon_scalar_optimizer", None) or ADAM) if kind == MUON else ADAM,
                    layer_wise=kind == MUON and bool(getattr(args, "use_layer_wise_distributed_optimizer", False)))
 
     @property
@@ -274,11 +279,12 @@ class OptimizerRules:
 
 
 def _refuse_muon_variants(args: argparse.Namespace, where: str) -> None:
-    """The Muon runs whose optimizer layout is not mapped, refused by name: a scalar optimizer other than Adam; the
-    layer-wise distributed optimizer with its legacy layout (``--no-use-layer-wise-param-layout``: every parameter in
-    the layer-wise optimizer's buffer) or in a float32 run."""
+    """The Muon runs whose optimizer layout is not mapped, refused by name: a scalar optimizer other than Adam and
+    Lion; the layer-wise distributed optimizer with Lion, with its legacy layout (``--no-use-layer-wise-param-layout``:
+    every parameter in the layer-wise optimizer's buffer) or in a float32 run."""
     layer_wise = bool(getattr(args, "use_layer_wise_distributed_optimizer", False))  # float32: torch's own optimizers
-    refused = {"muon_scalar_optimizer": (getattr(args, "muon_scalar_optimizer", None) or ADAM) != ADAM,
+    scalar = getattr(args, "muon_scalar_optimizer", None) or ADAM
+    refused = {"muon_scalar_optimizer": scalar not in (ADAM, LION) or (layer_wise and scalar != ADAM),
                "use_layer_wise_param_layout": layer_wise and getattr(args, "use_layer_wise_param_layout", None) in (
                    False, 0),  # absent or None: Megatron-LM's default, the precomputed layout
                "bf16": layer_wise and not getattr(args, "bf16", False)}
@@ -286,9 +292,9 @@ def _refuse_muon_variants(args: argparse.Namespace, where: str) -> None:
         if held:
             raise UnsupportedOptimizerError(
                 f"{where}: args.optimizer='muon' with args.{name}={quote(getattr(args, name, None))}: pgconvert maps "
-                "megatron-core's Muon optimizers (Muon for the 2-dim weights, Adam for the embedding, output layer and "
-                "norms): the plain one, and the layer-wise distributed one of a bf16 run with its default param "
-                "layout; pass --skip-optimizer")
+                "megatron-core's Muon optimizers (Muon for the 2-dim weights, Adam or Lion for the embedding, output "
+                "layer and norms): the plain one, and the layer-wise distributed one of a bf16 run with Adam and its "
+                "default param layout; pass --skip-optimizer")
 
 
 def _learning_rate(args: argparse.Namespace, name: str, where: str) -> float | None:
@@ -425,7 +431,7 @@ def _place(spec: TensorSpec, rules: OptimizerRules, layout: ParallelLayout, coor
     if rules.kind == MUON:
         if len(spec.local_shape) == 2 and not _is_embedding_or_output(spec, coord, chunk):
             return members.index(ChainMember(MUON, expert)), int(expert_parallel and rules.layer_wise)
-        index = members.index(ChainMember(ADAM, expert))
+        index = members.index(ChainMember(rules.scalar, expert))
         return index, 0 if expert else (1 if _no_weight_decay(spec, rules) else 0)
     if expert:
         return 1, 1 if _no_weight_decay(spec, rules) else 0
@@ -455,14 +461,15 @@ def chain(config: ModelConfig, layout: ParallelLayout,
           rules: OptimizerRules = OptimizerRules()) -> tuple[ChainMember, ...]:
     """The optimizers megatron-core chains, in order: Adam's dense one, and its expert one at expert parallel > 1.
     A Muon run's (``_get_megatron_emerging_optimizer``: the groups bucketed by ``(optimizer, is_expert_parallel)`` in
-    sorted-group order): Muon's dense one, its expert one at expert parallel > 1, Adam's dense one, and an expert one
-    where the experts have biases; with the layer-wise optimizer, Muon's (experts included) and Adam's."""
+    sorted-group order): Muon's dense one, its expert one at expert parallel > 1, its scalar optimizer's (Adam or Lion)
+    dense one, and an expert one where the experts have biases; with the layer-wise optimizer, Muon's (experts
+    included) and Adam's."""
     experts = bool(config.moe.num_experts) and layout.ep > 1
     if rules.kind != MUON:
         return (ChainMember(ADAM, False), ChainMember(ADAM, True)) if experts else (ChainMember(ADAM, False),)
     experts = experts and not rules.layer_wise
-    return (ChainMember(MUON, False), *((ChainMember(MUON, True),) if experts else ()), ChainMember(ADAM, False),
-            *((ChainMember(ADAM, True),) if experts and config.add_bias_linear else ()))
+    return (ChainMember(MUON, False), *((ChainMember(MUON, True),) if experts else ()), ChainMember(rules.scalar, False),
+            *((ChainMember(rules.scalar, True),) if experts and config.add_bias_linear else ()))
 
 
 def optimizer_count(config: ModelConfig, layout: ParallelLayout, rules: OptimizerRules = OptimizerRules()) -> int:

@@ -222,6 +222,22 @@ class OptimizerSource:
             raise OptimizerLayoutError(f"{self._owners[name][0][0].path}: step of {name} differs between TP ranks")
         return steps[0].clone()
 
+    def shared_step(self) -> torch.Tensor | None:
+        """The step count every stepping parameter shares (megatron-core's ``ChainedOptimizer`` keeps them equal; a
+        torch_dist entry stores it once), from the first that counts steps; None where no chained optimizer does
+        (Muon with Lion)."""
+        stepping = next((name for name in self.names() if self.stepped(name)), None)
+        return None if stepping is None else self.step(stepping)
+
+    def group_step(self) -> float:
+        """The step a distributed optimizer's param groups record (``shared_step``); refused where no chained
+        optimizer counts steps."""
+        step = self.shared_step()
+        if step is None:
+            raise OptimizerLayoutError(f"{self.first.path}: no chained optimizer counts steps, and a distributed "
+                                       "optimizer's param groups record one")
+        return float(step)
+
     def stored_copies(self) -> list[StoredCopy]:
         """Every stored copy of what all ranks save alike (``StoredCopy``), for ``pgconvert.optimizer.checks``."""
         raise NotImplementedError

@@ -151,7 +151,7 @@ def plan_records(optimizer: OptimizerSource, config: ModelConfig, layout: Parall
     rules = optimizer.rules
     counts = [len(groups) for groups in chained_slots(config, layout, RankCoord(0, 0, 0), rules, rows)]
     members = chain(config, layout, rules)
-    step = float(optimizer.step(next(name for name in optimizer.names() if optimizer.stepped(name))))
+    step = optimizer.group_step()
     records: list[FlatRecord] = []
     objects: dict[str, Any] = {}
     scalers = target_scalers(optimizer, len(counts))  # beside the param groups, per model-parallel rank

@@ -114,7 +114,7 @@ class _Planner(DefaultSavePlanner):
 def _common_update(optimizer: OptimizerSource, form: str,
                    target: list[tuple[ChainMember, int]]) -> Callable[[dict[str, Any]], None]:
     """The common state's ``optimizer`` entry and content metadata of ``form``, and the carried counters."""
-    step = float(optimizer.step(next(name for name in optimizer.names() if optimizer.stepped(name))))
+    step = optimizer.group_step()
 
     def update(common: dict[str, Any]) -> None:
         adam: dict[str, Any] = {"param_state_sharding_type": form}

@@ -39,12 +39,12 @@ def plain_chunks(optimizer: OptimizerSource, model_chunks: list[Any]) -> list[tu
 
 def _common_entry(optimizer: OptimizerSource, groups: list[tuple[ChainMember, int]]) -> dict[Any, Any]:
     """The common state's ``optimizer``: one plain entry per chained optimizer (``{0: dense, 1: expert}``, or a
-    Muon run's ``{0: Muon, 1: Adam}``, when ``groups`` has two); Muon's counts no step."""
+    Muon run's ``{0: Muon, 1: Adam or Lion}``, when ``groups`` has two); Muon's and Lion's count no step."""
     entries: list[dict[str, Any]] = []
-    step = optimizer.step(next(name for name in optimizer.names() if optimizer.stepped(name))).clone()
+    step = optimizer.shared_step()
     for member, count in groups:
         torch_state: dict[str, Any] = {"param_groups": optimizer.param_group_settings(count=count, member=member)}
-        if member.stepped:
+        if member.stepped and step is not None:
             torch_state["state"] = {"common_step": step.clone()}
         entries.append(torch_state if optimizer.form == FORM_FP32 else {"optimizer": torch_state})
     if optimizer.form != FORM_FP32:

@@ -133,6 +133,13 @@ TRAINING_RUNS: dict[str, list[str]] = {
     "train_tp2dp2_muon_lion_bf16_torch_dist": ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size",
                                                "1", "--ckpt-format", "torch_dist", "--bf16", "--optimizer", "muon",
                                                "--muon-scalar-optimizer", "lion", "--no-save-rng", *SMALL_MODEL_FLAGS],
+    # Megatron-LM's Lion optimizer (--optimizer lion, an emerging optimizer as Muon is: Lion for the 2-dim weights but
+    # the embedding and output layer, an exp_avg each and no step, chained with Adam for the rest): per-rank files
+    # (plain), and torch_dist with --use-distributed-optimizer (the layer-wise distributed optimizer, dp_reshardable).
+    "train_tp2dp2_lion_bf16_torch": ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "1",
+                                     "--ckpt-format", "torch", "--bf16", "--optimizer", "lion", "--no-save-rng",
+                                     *SMALL_MODEL_FLAGS],
+    "train_tp2dp2_lion_layer_wise_dp_reshardable_torch_dist": [*_DISTOPT_TORCH_DIST, "--optimizer", "lion"],
     # The same MoE run with --use-distributed-optimizer: the layer-wise distributed optimizer over Muon's dense and
     # expert parameters (each whole on one rank of its data-parallel group), a distributed Adam over the rest.
     "train_tp1ep2dp4_muon_layer_wise_moe_dp_reshardable_torch_dist": [

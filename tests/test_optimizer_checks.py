@@ -329,9 +329,9 @@ def test_an_optimizer_other_than_adam_is_named_and_not_read_as_adam(case: str, t
 
 def test_a_torch_dist_run_of_another_optimizer_is_named(tmp_path: Path) -> None:
     src = copy_checkpoint(FS_MODEL_SPACE_MOE, tmp_path / "src")
-    edit_common(src / ITER, _run_args(optimizer="lion"))
+    edit_common(src / ITER, _run_args(optimizer="soap"))
     result = run_cli("convert", src, tmp_path / "dst", "--dst-format", "torch_dist", "--strict")
-    assert result.exit_code != 0 and "args.optimizer='lion'" in result.output, result.output
+    assert result.exit_code != 0 and "args.optimizer='soap'" in result.output, result.output
 
 
 def test_a_run_that_records_no_optimizer_is_adams(tmp_path: Path) -> None:

@@ -110,11 +110,12 @@ def test_a_destination_that_writes_adam_only_names_the_muon_state(tmp_path: Path
     assert strict.exit_code != 0 and not (tmp_path / "strict").exists()
 
 
-# the layer-wise distributed optimizer's legacy layout (every parameter in its own buffer), another scalar optimizer
+# the layer-wise distributed optimizer's legacy layout (every parameter in its own buffer), a scalar optimizer other
+# than Adam under it (Lion: Megatron-LM saves it only with Apex or Transformer Engine)
 @pytest.mark.parametrize("setting, name", [
     ({"use_layer_wise_distributed_optimizer": True, "use_layer_wise_param_layout": False},
      "use_layer_wise_param_layout"),
-    ({"muon_scalar_optimizer": "lion"}, "muon_scalar_optimizer")])
+    ({"use_layer_wise_distributed_optimizer": True, "muon_scalar_optimizer": "lion"}, "muon_scalar_optimizer")])
 def test_a_muon_run_whose_layout_is_not_mapped_is_named(setting: dict[str, object], name: str,
                                                         tmp_path: Path) -> None:
     src = convert_strict(GOLDEN, tmp_path / "src", "--dst-format", "torch_dist", *FOR_MCORE_016_CLI)

@@ -198,8 +198,8 @@ class MegatronSource(CanonicalSource):
     """All rank files of one iteration, memory-mapped; tensors are merged on demand."""
 
     format_name = "megatron"
-    # megatron-core's plain Muon optimizer too (loaders/megatron/optimizer.py)
-    optimizer_kinds = ("adam", "muon")
+    # megatron-core's plain Muon and Lion optimizers too (loaders/megatron/optimizer.py)
+    optimizer_kinds = ("adam", "muon", "lion")
 
     def __init__(self, iteration_dir: Path, iteration: int | None, release: bool, options: LoadOptions,
                  root: Path | None = None) -> None:

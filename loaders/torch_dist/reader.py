@@ -73,8 +73,8 @@ class TorchDistSource(CanonicalSource):
     """One iteration of a distributed checkpoint: its index is read up front, tensors on demand."""
 
     format_name = "torch_dist"
-    # megatron-core 0.19.2's plain Muon optimizer too (loaders/torch_dist/optimizer.py)
-    optimizer_kinds = ("adam", "muon", "muon layer-wise")
+    # Megatron-LM's emerging Muon and Lion optimizers too, plain and layer-wise (loaders/torch_dist/optimizer.py)
+    optimizer_kinds = ("adam", "muon", "lion", "muon layer-wise", "lion layer-wise")
 
     def __init__(self, iteration_dir: Path, iteration: int | None, release: bool, options: LoadOptions,
                  root: Path | None = None) -> None:

@@ -116,7 +116,7 @@ def _muon(args: argparse.Namespace) -> bool:
 
 
 def _layer_wise(args: argparse.Namespace) -> bool:
-    return _muon(args) and bool(_given(args, "use_layer_wise_distributed_optimizer"))
+    return _given(args, "optimizer") in ("muon", "lion") and bool(_given(args, "use_layer_wise_distributed_optimizer"))
 
 
 def _mla_yarn(args: argparse.Namespace) -> bool:
@@ -360,12 +360,13 @@ _RUN_ROWS: tuple[ArgField, ...] = (
     _defaulted("overlap_param_gather_with_optimizer_step", False, _OPTIMIZER,
                when=lambda args: bool(_given(args, "overlap_grad_reduce"))),
     _defaulted("ddp_pad_buckets_for_high_nccl_busbw", False, _OPTIMIZER),
-    _defaulted("optimizer", "adam", f"{_OPTIMIZER}, optimizer.checks (Adam's state, or Muon's)"),
+    _defaulted("optimizer", "adam", f"{_OPTIMIZER}, optimizer.checks (Adam's state, or Muon's or Lion's)"),
     _defaulted("use_layer_wise_distributed_optimizer", False,
-               f"{_OPTIMIZER}, optimizer.checks (Muon's layer-wise distributed optimizer: read from torch_dist)",
+               f"{_OPTIMIZER}, optimizer.checks (Muon's or Lion's layer-wise distributed optimizer: read from "
+               "torch_dist)",
                origin="Megatron-LM's validate_args"),
     _defaulted("use_layer_wise_param_layout", True, f"{_OPTIMIZER} (the legacy layout is refused)", when=_layer_wise),
-    _defaulted("muon_scalar_optimizer", "adam", f"{_OPTIMIZER} (another is refused)", when=_muon),
+    _defaulted("muon_scalar_optimizer", "adam", f"{_OPTIMIZER} (Adam or Lion; another is refused)", when=_muon),
     _optional("decoupled_lr", "None", "no embedding/output param group (a value: its max_lr)", _OPTIMIZER),
     _optional("decoupled_min_lr", "None", "that group's min_lr is min_lr (a value: its min_lr)", _OPTIMIZER),
     _defaulted("apply_wd_to_qk_layernorm", False, _OPTIMIZER),

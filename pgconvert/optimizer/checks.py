@@ -35,8 +35,8 @@ from pgconvert.formats.stream import CanonicalSource
 from pgconvert.io.limits import quote
 from pgconvert.io.sizes import dtype_name
 from pgconvert.optimizer.flat import buffer_dtype_key
-from pgconvert.optimizer.order import (LAYER_WISE_MUON, MEGATRON_CORE_VERSIONS, MUON, OptimizerLayoutError,
-                                       UnsupportedOptimizerError, group_counts)
+from pgconvert.optimizer.order import (EMERGING, MEGATRON_CORE_VERSIONS, OptimizerLayoutError,
+                                       UnsupportedOptimizerError, group_counts, layer_wise_kind)
 from pgconvert.optimizer.source import (ABSENT, FORM_DISTRIBUTED, FORM_FP16, FORM_FP32, FORM_LAYER_WISE,
                                         OptimizerSource, StoredCopy, optimizer_label)
 
@@ -63,7 +63,7 @@ OTHER_OPTIMIZERS = {
     "muon": "Muon's momentum_buffer for the 2-dim weights, Adam's (or Lion's) moments for the embeddings, output "
             "layer, norms and biases, as two chained optimizers",
     "adaptive_muon": "Muon's momentum_buffer and a second moment for the 2-dim weights, Adam's moments for the rest",
-    "lion": "Lion's exp_avg alone",
+    "lion": "Lion's exp_avg for the 2-dim weights, Adam's moments for the rest, as two chained optimizers",
     "soap": "SOAP's Kronecker-factored preconditioners",
 }
 
@@ -75,14 +75,14 @@ def optimizer_kind_refusal(source: CanonicalSource) -> str | None:
     args = source.megatron_args
     kind = getattr(args, "optimizer", None) or "adam"
     layer_wise = bool(getattr(args, "use_layer_wise_distributed_optimizer", False))
-    if (LAYER_WISE_MUON if layer_wise and kind == MUON else kind) in source.optimizer_kinds:
+    if (layer_wise_kind(kind) if layer_wise and kind in EMERGING else kind) in source.optimizer_kinds:
         return None
     how = " with the layer-wise distributed optimizer (use_layer_wise_distributed_optimizer)" if layer_wise else ""
     state = OTHER_OPTIMIZERS.get(kind, "state of its own")
     read = ""
-    if kind == MUON:
-        read = (" and Muon's: plain from torch_dist and per-rank files, with the layer-wise distributed optimizer from "
-                "torch_dist")
+    if kind in EMERGING:
+        read = (" and Muon's and Lion's: plain from torch_dist and per-rank files, with the layer-wise distributed "
+                "optimizer from torch_dist")
     return (f"{source.describe()}: args.optimizer={quote(kind)}{how}: the run's optimizer state ({state}) is not "
             f"read from {source.format_name}; pgconvert carries megatron-core's Adam state (exp_avg, exp_avg_sq, step "
             f"and the fp32 masters){read}; pass --skip-optimizer to convert the model alone")

@@ -191,6 +191,10 @@ ADAM_FIELDS = ("param", "exp_avg", "exp_avg_sq")
 MUON_FIELDS = ("param", "momentum_buffer")
 LION_FIELDS = ("param", "exp_avg")  # emerging_optimizers' Lion: one moment, no step
 ADAM, MUON, LION = "adam", "muon", "lion"
+# Megatron-LM's emerging optimizers (``--optimizer``) that pgconvert maps: each keeps the 2-dim weights but the word
+# embedding and output layer, chained with a scalar optimizer for the rest (megatron-core's
+# ``_get_megatron_emerging_optimizer``).
+EMERGING = (MUON, LION)
 
 
 @dataclass(frozen=True)
@@ -232,9 +236,6 @@ class OptimizerSlot:
     member: ChainMember = ChainMember()
 
 
-# What a format's reader and writer declare they carry (``optimizer_kinds``): ``args.optimizer``, and for Muon with the
-# layer-wise distributed optimizer this name.
-LAYER_WISE_MUON = "muon layer-wise"
 
 
 @dataclass(frozen=True)
@@ -246,14 +247,15 @@ class OptimizerRules:
     decoupled_lr: float | None = None
     # ``decoupled_min_lr``: that group's ``min_lr`` (None: the run's ``min_lr``).
     decoupled_min_lr: float | None = None
-    # ``args.optimizer``: Adam, or Muon (chained: Muon for the 2-dim weights, then ``scalar`` for the rest).
+    # ``args.optimizer``: Adam, or an emerging optimizer (``EMERGING``: Muon, Lion) chained with ``scalar``: the
+    # emerging one for the 2-dim weights, the scalar one for the rest.
     kind: str = ADAM
-    # ``muon_scalar_optimizer``: a Muon run's optimizer of the rest (the embedding, output layer and norms), Adam or
-    # Lion.
+    # The optimizer of an emerging run's other parameters (the embedding, output layer and norms): Adam, or with
+    # Muon ``muon_scalar_optimizer`` (Adam or Lion).
     scalar: str = ADAM
-    # ``use_layer_wise_distributed_optimizer`` (Muon with ``--use-distributed-optimizer``): the layer-wise optimizer
-    # over Muon's parameters (each a whole tensor, its state in model space), chained with a distributed Adam over a
-    # DDP buffer of the rest.
+    # ``use_layer_wise_distributed_optimizer`` (an emerging optimizer with ``--use-distributed-optimizer``): the
+    # layer-wise optimizer over the emerging optimizer's parameters (each a whole tensor, its state in model space),
+    # chained with a distributed Adam over a DDP buffer of the rest.
     layer_wise: bool = False
 
     @classmethod
@@ -265,25 +267,37 @@ class OptimizerRules:
         if decoupled[0] is None and decoupled[1] is not None:
             decoupled[1] = None  # megatron-core reads decoupled_min_lr only with decoupled_lr
         kind = getattr(args, "optimizer", None) or ADAM
-        if kind == MUON:
-            _refuse_muon_variants(args, where)
+        if kind in EMERGING:
+            _refuse_emerging_variants(args, kind, where)
         return cls(apply_wd_to_qk_layernorm=bool(getattr(args, "apply_wd_to_qk_layernorm", False)),
                    decoupled_lr=decoupled[0], decoupled_min_lr=decoupled[1], kind=kind,
                    scalar=(getattr(args, "muon_scalar_optimizer", None) or ADAM) if kind == MUON else ADAM,
-                   layer_wise=kind == MUON and bool(getattr(args, "use_layer_wise_distributed_optimizer", False)))
+                   layer_wise=kind in EMERGING and bool(getattr(args, "use_layer_wise_distributed_optimizer", False)))
+
+    @property
+    def emerging(self) -> bool:
+        """Whether the run's optimizer is an emerging one (``EMERGING``), chained with its scalar optimizer."""
+        return self.kind in EMERGING
 
     @property
     def stored_kind(self) -> str:
-        """The kind of state the run saved, as ``optimizer_kinds`` name it."""
-        return LAYER_WISE_MUON if self.layer_wise else self.kind
+        """The kind of state the run saved, as ``optimizer_kinds`` name it (``layer_wise_kind``)."""
+        return layer_wise_kind(self.kind) if self.layer_wise else self.kind
 
 
-def _refuse_muon_variants(args: argparse.Namespace, where: str) -> None:
-    """The Muon runs whose optimizer layout is not mapped, refused by name: a scalar optimizer other than Adam and
-    Lion; the layer-wise distributed optimizer with Lion, with its legacy layout (``--no-use-layer-wise-param-layout``:
-    every parameter in the layer-wise optimizer's buffer) or in a float32 run."""
+def layer_wise_kind(kind: str) -> str:
+    """How a format's reader and writer name, in ``optimizer_kinds`` (beside ``args.optimizer`` values), an emerging
+    optimizer's state under the layer-wise distributed optimizer."""
+    return f"{kind} layer-wise"
+
+
+def _refuse_emerging_variants(args: argparse.Namespace, kind: str, where: str) -> None:
+    """The emerging runs whose optimizer layout is not mapped, refused by name: Muon with a scalar optimizer other than
+    Adam and Lion; the layer-wise distributed optimizer with Lion as Muon's scalar optimizer, with its legacy layout
+    (``--no-use-layer-wise-param-layout``: every parameter in the layer-wise optimizer's buffer) or in a float32
+    run."""
     layer_wise = bool(getattr(args, "use_layer_wise_distributed_optimizer", False))  # float32: torch's own optimizers
-    scalar = getattr(args, "muon_scalar_optimizer", None) or ADAM
+    scalar = (getattr(args, "muon_scalar_optimizer", None) or ADAM) if kind == MUON else ADAM
     refused = {"muon_scalar_optimizer": scalar not in (ADAM, LION) or (layer_wise and scalar != ADAM),
                "use_layer_wise_param_layout": layer_wise and getattr(args, "use_layer_wise_param_layout", None) in (
                    False, 0),  # absent or None: Megatron-LM's default, the precomputed layout
@@ -291,10 +305,10 @@ def _refuse_muon_variants(args: argparse.Namespace, where: str) -> None:
     for name, held in refused.items():
         if held:
             raise UnsupportedOptimizerError(
-                f"{where}: args.optimizer='muon' with args.{name}={quote(getattr(args, name, None))}: pgconvert maps "
-                "megatron-core's Muon optimizers (Muon for the 2-dim weights, Adam or Lion for the embedding, output "
-                "layer and norms): the plain one, and the layer-wise distributed one of a bf16 run with Adam and its "
-                "default param layout; pass --skip-optimizer")
+                f"{where}: args.optimizer={quote(kind)} with args.{name}={quote(getattr(args, name, None))}: pgconvert "
+                "maps megatron-core's Muon and Lion optimizers (the emerging one for the 2-dim weights, Adam, or with "
+                "Muon Lion, for the embedding, output layer and norms): the plain ones, and the layer-wise distributed "
+                "ones of a bf16 run with Adam and its default param layout; pass --skip-optimizer")
 
 
 def _learning_rate(args: argparse.Namespace, name: str, where: str) -> float | None:
@@ -422,15 +436,15 @@ def _dense_group(spec: TensorSpec, rules: OptimizerRules, coord: RankCoord, chun
 
 def _place(spec: TensorSpec, rules: OptimizerRules, layout: ParallelLayout, coord: RankCoord,
            chunk: int, members: Sequence[ChainMember]) -> tuple[int, int]:
-    """(chained optimizer, param group) of a parameter, ``members`` the chain. A Muon run's (megatron-core 0.19.2's
-    ``_is_nonlinear_or_embedding``): a 2-dim weight other than the word embedding and output layer is Muon's (its
-    one group; the layer-wise optimizer's: its dense group or its expert one), the rest its scalar optimizer Adam's,
-    by weight decay (an expert-parallel Adam's only group: the experts' biases)."""
+    """(chained optimizer, param group) of a parameter, ``members`` the chain. An emerging run's (megatron-core
+    0.19.2's ``_is_nonlinear_or_embedding``): a 2-dim weight other than the word embedding and output layer is the
+    emerging optimizer's (its one group; the layer-wise optimizer's: its dense group or its expert one), the rest its
+    scalar optimizer's, by weight decay (an expert-parallel scalar optimizer's only group: the experts' biases)."""
     expert_parallel = is_expert_parallel(spec, layout)
     expert = expert_parallel and not rules.layer_wise  # the layer-wise optimizer keeps experts, in a group of their own
-    if rules.kind == MUON:
+    if rules.emerging:
         if len(spec.local_shape) == 2 and not _is_embedding_or_output(spec, coord, chunk):
-            return members.index(ChainMember(MUON, expert)), int(expert_parallel and rules.layer_wise)
+            return members.index(ChainMember(rules.kind, expert)), int(expert_parallel and rules.layer_wise)
         index = members.index(ChainMember(rules.scalar, expert))
         return index, 0 if expert else (1 if _no_weight_decay(spec, rules) else 0)
     if expert:
@@ -460,16 +474,22 @@ def named_parameters(config: ModelConfig, layout: ParallelLayout, coord: RankCoo
 def chain(config: ModelConfig, layout: ParallelLayout,
           rules: OptimizerRules = OptimizerRules()) -> tuple[ChainMember, ...]:
     """The optimizers megatron-core chains, in order: Adam's dense one, and its expert one at expert parallel > 1.
-    A Muon run's (``_get_megatron_emerging_optimizer``: the groups bucketed by ``(optimizer, is_expert_parallel)`` in
-    sorted-group order): Muon's dense one, its expert one at expert parallel > 1, its scalar optimizer's (Adam or Lion)
-    dense one, and an expert one where the experts have biases; with the layer-wise optimizer, Muon's (experts
-    included) and Adam's."""
+    An emerging run's (``_get_megatron_emerging_optimizer``: the groups bucketed by ``(optimizer,
+    is_expert_parallel)`` in sorted-group order): the emerging optimizer's dense one, its expert one at expert
+    parallel > 1, its scalar optimizer's (Adam, or Lion for Muon) dense one, and an expert one where the experts have
+    biases; with the layer-wise optimizer, the emerging one's (experts included) and Adam's."""
     experts = bool(config.moe.num_experts) and layout.ep > 1
-    if rules.kind != MUON:
+    if not rules.emerging:
         return (ChainMember(ADAM, False), ChainMember(ADAM, True)) if experts else (ChainMember(ADAM, False),)
     experts = experts and not rules.layer_wise
-    return (ChainMember(MUON, False), *((ChainMember(MUON, True),) if experts else ()), ChainMember(rules.scalar, False),
+    return (ChainMember(rules.kind, False), *((ChainMember(rules.kind, True),) if experts else ()),
+            ChainMember(rules.scalar, False),
             *((ChainMember(rules.scalar, True),) if experts and config.add_bias_linear else ()))
+
+
+def _is_emerging(rules: OptimizerRules, member: ChainMember) -> bool:
+    """Whether ``member`` is an emerging run's emerging optimizer (not its scalar one)."""
+    return rules.emerging and member.kind == rules.kind
 
 
 def optimizer_count(config: ModelConfig, layout: ParallelLayout, rules: OptimizerRules = OptimizerRules()) -> int:
@@ -480,14 +500,14 @@ def optimizer_count(config: ModelConfig, layout: ParallelLayout, rules: Optimize
 def _group_count(config: ModelConfig, layout: ParallelLayout, member: ChainMember, rules: OptimizerRules) -> int:
     """Groups per chained optimizer: keys are all-gathered over the world, so a group exists on every rank once any
     rank has a member. Dense: weight decay, the embedding/output parameters with decoupled_lr, and no weight
-    decay (norms). Experts: no weight decay only with their biases (``add_bias_linear``). A Muon run: Muon's one
-    group (dense and expert alike; the layer-wise optimizer's: its dense one, then its experts' at expert parallel
-    > 1, where they are ``is_expert_parallel``), then Adam's weight decay (the embedding and output layer) and no
-    weight decay (an expert Adam's: the experts' biases alone)."""
-    if rules.kind == MUON and member.kind == MUON and rules.layer_wise:
+    decay (norms). Experts: no weight decay only with their biases (``add_bias_linear``). An emerging run: the
+    emerging optimizer's one group (dense and expert alike; the layer-wise optimizer's: its dense one, then its
+    experts' at expert parallel > 1, where they are ``is_expert_parallel``), then the scalar optimizer's weight decay
+    (the embedding and output layer) and no weight decay (an expert one's: the experts' biases alone)."""
+    if _is_emerging(rules, member) and rules.layer_wise:
         return 2 if config.moe.num_experts and layout.ep > 1 else 1
-    if rules.kind == MUON:
-        return 1 if member.kind == MUON or member.expert else 2
+    if rules.emerging:
+        return 1 if _is_emerging(rules, member) or member.expert else 2
     if not member.expert:
         return 3 if rules.decoupled_lr is not None else 2
     return 2 if config.add_bias_linear else 1
@@ -502,16 +522,16 @@ def group_overrides(rules: OptimizerRules, member: ChainMember) -> list[dict[str
     """Per param group of the chained optimizer ``member``: the override fields megatron-core sets on it
     (``wd_mult`` 0 for no weight decay; ``max_lr``/``min_lr`` for decoupled_lr), ``wd_mult`` 1.0 otherwise."""
     decayed, undecayed = {"wd_mult": 1.0}, {"wd_mult": 0.0}
-    if rules.kind == MUON and member.kind == MUON:
+    if _is_emerging(rules, member):
         return [decayed, decayed] if rules.layer_wise else [decayed]  # the layer-wise one's: dense, then experts
-    if rules.kind == MUON and member.expert:
+    if rules.emerging and member.expert:
         return [undecayed]
     if member.expert or rules.decoupled_lr is None:
         return [decayed, undecayed]
     decoupled = {"wd_mult": 1.0, "max_lr": rules.decoupled_lr}
     if rules.decoupled_min_lr is not None:
         decoupled["min_lr"] = rules.decoupled_min_lr
-    if rules.kind == MUON:  # Adam's: the embedding and output layer (their own learning rate), then the norms
+    if rules.emerging:  # the scalar one's: the embedding and output layer (their own learning rate), then the norms
         return [decoupled, undecayed]
     return [decayed, decoupled, undecayed]
 
@@ -520,7 +540,7 @@ def group_experts(rules: OptimizerRules, member: ChainMember) -> list[bool]:
     """Per param group of ``member`` (as ``group_overrides``): its ``is_expert_parallel``. The layer-wise
     optimizer's second group is its experts'; every other optimizer's groups are all expert or all dense."""
     count = len(group_overrides(rules, member))
-    if rules.kind == MUON and member.kind == MUON and rules.layer_wise:
+    if _is_emerging(rules, member) and rules.layer_wise:
         return [False, True]
     return [member.expert] * count
 

@@ -93,8 +93,8 @@ _WrittenRank = tuple[list[PlannedFile], bool]
 
 class MegatronSaver(Saver):
     name = "megatron"
-    # a plain Muon optimizer's in the plain form (optimizer.py)
-    optimizer_kinds = ("adam", "muon")
+    # an emerging (Muon, Lion) run's plain optimizers (optimizer.py)
+    optimizer_kinds = ("adam", "muon", "lion")
 
     def validate(self, source: CanonicalSource, options: SaveOptions) -> None:
         check_megatron_layout(options.layout, "dst")

@@ -229,8 +229,8 @@ class TorchDistSaver(Saver):
     # The source's optimizer state, as megatron-core's DistributedOptimizer (or plain optimizer) saves it.
     writes_optimizer = True
     optimizer_forms = DST_FORMS
-    # a plain Muon optimizer's in the plain form (optimizer_plain.py)
-    optimizer_kinds = ("adam", "muon", "muon layer-wise")
+    # an emerging (Muon, Lion) run's plain optimizers in the plain form (optimizer_plain.py), its layer-wise one's too
+    optimizer_kinds = ("adam", "muon", "lion", "muon layer-wise", "lion layer-wise")
 
     def optimizer_form(self, optimizer: OptimizerSource, optimizer_options: OptimizerOptions) -> str:
         return written_form(optimizer, optimizer_options.form)

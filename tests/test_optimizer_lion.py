@@ -1,12 +1,17 @@
-"""Megatron-LM's plain Muon optimizer with Lion for the rest (``--optimizer muon --muon-scalar-optimizer lion``), on
-two goldens of one run that Megatron-LM d98e8a64's own training wrote (``scripts/make_megatron_lm_goldens.py``: TP2
-DP2, bf16, two iterations), in per-rank files and in torch_dist.
+"""Megatron-LM's Lion, on goldens that Megatron-LM d98e8a64's own training wrote
+(``scripts/make_megatron_lm_goldens.py``: TP2 DP2, bf16, two iterations):
 
-megatron-core chains a Muon optimizer (every 2-dim weight but the word embedding and output layer: an fp32 master and a
-``momentum_buffer`` each, no step) and a Lion one (the embedding, output layer and norms: an fp32 master and an
-``exp_avg`` each, no step; its groups record ``optimizer: 'lion'`` and Lion's ``betas``).
-``scripts/megatron_lm_resume_check.py muon_lion_tp2dp2_bf16_torch muon_lion_tp2dp2_bf16_torch_dist`` has Megatron-LM
-resume from pgconvert's TP1 conversions (outside CI)."""
+- as Muon's scalar optimizer (``--optimizer muon --muon-scalar-optimizer lion``), one run saved in per-rank files and
+  in torch_dist: megatron-core chains a Muon optimizer (every 2-dim weight but the word embedding and output layer: an
+  fp32 master and a ``momentum_buffer`` each, no step) and a Lion one (the embedding, output layer and norms: an fp32
+  master and an ``exp_avg`` each, no step; its groups record ``optimizer: 'lion'`` and Lion's ``betas``);
+- as the emerging optimizer itself (``--optimizer lion``): Lion for the 2-dim weights, Adam for the rest, chained as
+  Muon's run chains them; in per-rank files (plain) and, with ``--use-distributed-optimizer``, in torch_dist (the
+  layer-wise distributed optimizer, ``dp_reshardable``).
+
+``scripts/megatron_lm_resume_check.py muon_lion_tp2dp2_bf16_torch muon_lion_tp2dp2_bf16_torch_dist
+lion_tp2dp2_bf16_torch lion_layer_wise_dp_reshardable_torch_dist`` has Megatron-LM resume from pgconvert's conversions
+(outside CI)."""
 
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ import torch
 
 import pgconvert
 from support.checkpoint_compare import read_common
+from support.layer_wise_records import assert_same_layer_wise_records
 from support.megatron_fixtures import assert_same_tree, rank_states
 from support.optimizer_cli import convert_strict, dcp_read, export_optimizer, run_cli
 from support.torch_dist_forms import FOR_MCORE_016_CLI
@@ -29,6 +35,8 @@ from pgconvert.optimizer.order import LION, MUON, ChainMember, OptimizerRules, U
 GOLDENS = Path(__file__).parent / "data" / "megatron_lm"
 PER_RANK = GOLDENS / "train_tp2dp2_muon_lion_bf16_torch"
 DIST = GOLDENS / "train_tp2dp2_muon_lion_bf16_torch_dist"  # the same run saved in torch_dist
+LION_RUN = GOLDENS / "train_tp2dp2_lion_bf16_torch"  # --optimizer lion
+LION_LAYER_WISE = GOLDENS / "train_tp2dp2_lion_layer_wise_dp_reshardable_torch_dist"  # with the distributed optimizer
 ITER = "iter_0000002"
 LION_GROUPS = [("lion", 1.0), ("lion", 0.0)]  # (optimizer, wd_mult): the embedding and output layer, then the norms
 
@@ -134,3 +142,46 @@ def test_lion_with_the_layer_wise_optimizer_is_named() -> None:
                               use_layer_wise_distributed_optimizer=True, use_layer_wise_param_layout=True)
     with pytest.raises(UnsupportedOptimizerError, match=r"args.optimizer='muon' with args.muon_scalar_optimizer='lion'"):
         OptimizerRules.from_args(args, "here")
+
+
+def test_lion_as_the_emerging_optimizer_is_chained_with_adam() -> None:
+    for state in rank_states(LION_RUN / ITER).values():
+        assert state["args"].optimizer == "lion" and not state["args"].use_layer_wise_distributed_optimizer
+        lion, adam = state["optimizer"]
+        assert [len(group["params"]) for group in lion["optimizer"]["param_groups"]] == [8]
+        assert all(set(entry) == {"exp_avg"} for entry in lion["optimizer"]["state"].values())
+        assert [len(group["params"]) for group in adam["optimizer"]["param_groups"]] == [2, 5]
+        assert all(set(entry) == {"step", "exp_avg", "exp_avg_sq"} for entry in adam["optimizer"]["state"].values())
+    rules = OptimizerRules.from_args(rank_states(LION_RUN / ITER)["mp_rank_00"]["args"], "here")
+    assert (rules.kind, rules.scalar, rules.layer_wise) == (LION, "adam", False)
+    common = read_common(LION_LAYER_WISE / ITER)
+    assert common["args"].use_layer_wise_distributed_optimizer and common["args"].optimizer == "lion"
+    keys = read_dcp_metadata(LION_LAYER_WISE / ITER / ".metadata").state_dict_metadata
+    assert "chained_0.optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight" in keys
+
+
+@pytest.mark.parametrize("there", [("--dst-tp", "1", "--dst-dp", "1"), ("--dst-tp", "1", "--dst-pp", "2"),
+                                   ("--dst-format", "torch_dist", "--dst-tp", "1", *FOR_MCORE_016_CLI)])
+def test_lion_per_rank_resharded_and_back_it_is_the_golden(tmp_path: Path, there: tuple[str, ...]) -> None:
+    middle = convert_strict(LION_RUN, tmp_path / "there", *there)
+    report = pgconvert.verify(LION_RUN, middle)
+    assert report.equal and report.optimizer is not None and report.optimizer.compared == 15, report.differences
+    back = convert_strict(middle, tmp_path / "back", "--dst-format", "megatron", "--dst-tp", "2", "--dst-pp", "1",
+                          "--dst-dp", "2")
+    again = rank_states(back / ITER)
+    for rank, state in rank_states(LION_RUN / ITER).items():
+        for key in ("optimizer", "opt_param_scheduler"):
+            assert_same_tree(state[key], again[rank][key], f"{rank}.{key}")
+
+
+@pytest.mark.parametrize("there", [("--dst-tp", "1", "--dst-dp", "1"), ("--dst-tp", "1", "--dst-pp", "2"),
+                                   ("--dst-tp", "2", "--dst-dp", "2", "--dst-optim-form", "fully_reshardable")])
+def test_lion_layer_wise_resharded_and_back_it_is_the_golden(tmp_path: Path, there: tuple[str, ...]) -> None:
+    middle = convert_strict(LION_LAYER_WISE, tmp_path / "there", "--dst-format", "torch_dist", *there)
+    report = pgconvert.verify(LION_LAYER_WISE, middle)
+    assert report.equal and report.optimizer is not None and report.optimizer.compared == 15, report.differences
+    back = convert_strict(middle, tmp_path / "back", "--dst-format", "torch_dist", "--dst-tp", "2", "--dst-pp", "1",
+                          "--dst-dp", "2", "--dst-optim-form", "dp_reshardable")
+    assert_same_layer_wise_records(LION_LAYER_WISE, back)
+    assert read_common(back / ITER)["optimizer"] == read_common(LION_LAYER_WISE / ITER)["optimizer"]
+

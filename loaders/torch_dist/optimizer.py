@@ -96,8 +96,9 @@ class TorchDistOptimizerSource(OptimizerSource):
         self._owners = self._index_slots()
         chained = self._chained = self._chained_groups(common, where)
         stepped = [member.stepped for member in self.chained()]
+        counted = [group for index, groups in enumerate(chained) if stepped[index] for group in groups]
         self._step: torch.Tensor | None = plain_step(common["optimizer"], self._plain_form, where, stepped) \
-            if self.sharding == PLAIN else _one_step([group for index, groups in enumerate(chained) if stepped[index] for group in groups], where)
+            if self.sharding == PLAIN else _one_step(counted, where)
         extra = {key: common[key] for key in (*CARRIED_KEYS, "iteration", "args") if key in common}
         extra["distributed_entries"] = [{"optimizer": {"param_groups": groups}} for groups in chained]
         self.first = SourceRank(source.directory, extra)

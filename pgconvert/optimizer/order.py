@@ -70,11 +70,15 @@ and a ``momentum_buffer`` per parameter and no step. With experts at expert para
 by ``(optimizer, is_expert_parallel)`` too: Muon's dense and expert optimizers, then Adam's dense one and, where the
 experts have biases, its expert one (``chain``). With ``--use-distributed-optimizer`` (``layer_wise``) the two are
 megatron-core's layer-wise optimizer and a distributed Adam; the layer-wise optimizer is not split by
-``is_expert_parallel``, so at expert parallel > 1 the experts are its second param group. Refused by name: another
-scalar optimizer, the layer-wise optimizer's legacy layout and float32 runs (``_refuse_muon_variants``). Checked
-against megatron-core 0.19.2's own TP2 save and Megatron-LM d98e8a64's own saves, per-rank with and without
-``--decoupled-lr``, MoE at EP2, and layer-wise in torch_dist, dense and MoE at EP2 (``tests/test_optimizer_muon.py``,
-``tests/test_optimizer_muon_moe.py``, ``tests/test_optimizer_layer_wise.py``).
+``is_expert_parallel``, so at expert parallel > 1 the experts are its second param group. Muon's scalar optimizer
+may be Lion (``--muon-scalar-optimizer lion``: an ``exp_avg`` per parameter, no step), and Megatron-LM d98e8a64
+builds ``--optimizer lion`` as it builds Muon, Lion for the 2-dim weights chained with Adam: both are emerging
+optimizers here (``EMERGING``, ``OptimizerRules.emerging``). Refused by name: another scalar optimizer, the
+layer-wise optimizer with Lion as Muon's scalar one, its legacy layout and float32 runs
+(``_refuse_emerging_variants``). Checked against megatron-core 0.19.2's own TP2 save and Megatron-LM d98e8a64's own
+saves, per-rank with and without ``--decoupled-lr``, MoE at EP2, and layer-wise in torch_dist, dense and MoE at EP2,
+and its Lion saves (``tests/test_optimizer_muon.py``, ``tests/test_optimizer_muon_moe.py``,
+``tests/test_optimizer_layer_wise.py``, ``tests/test_optimizer_lion.py``).
 
 Mixture of experts: a routed expert's linears are ``allreduce=False`` only when
 ``expert_model_parallel_size > 1`` (``ColumnParallelLinear``/``RowParallelLinear``: ``not (is_expert
@@ -234,8 +238,6 @@ class OptimizerSlot:
     # The index in megatron-core's ChainedOptimizer (``chain``: which optimizer that is).
     optimizer: int = 0
     member: ChainMember = ChainMember()
-
-
 
 
 @dataclass(frozen=True)

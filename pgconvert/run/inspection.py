@@ -230,7 +230,7 @@ def _check_optimizer(source: CanonicalSource, info: CheckpointInfo, read_values:
         info.problems.append(Problem("error", "optimizer", str(error)))
         return
     form = f"{optimizer.form}, {optimizer.sharding}" if optimizer.sharding else optimizer.form
-    if optimizer.rules.kind != "adam":  # a Muon run's chained Muon and scalar (Adam or Lion) optimizers
+    if optimizer.rules.kind != "adam":  # an emerging run's chained emerging and scalar optimizers
         form = f"{optimizer.rules.kind} and {optimizer.rules.scalar}, {form}"
     info.optimizer = f"{form}: {count} parameters checked" + ("" if read_values else ", values not read")
     info.problems += [Problem("warning", "optimizer-values", notice) for notice in optimizer.notices]

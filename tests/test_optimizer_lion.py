@@ -25,7 +25,7 @@ import pgconvert
 from support.checkpoint_compare import read_common
 from support.layer_wise_records import assert_same_layer_wise_records
 from support.megatron_fixtures import assert_same_tree, rank_states
-from support.optimizer_cli import convert_strict, dcp_read, export_optimizer, run_cli
+from support.optimizer_cli import convert_strict, dcp_read, export_optimizer, float32_and_back, run_cli
 from support.torch_dist_forms import FOR_MCORE_016_CLI
 from pgconvert.formats import LoadOptions
 from pgconvert.formats.torch_dist import read_dcp_metadata
@@ -87,13 +87,10 @@ def test_each_parameter_is_read_with_its_own_optimizers_state(exported: dict[str
 
 
 def test_a_dtype_change_keeps_lions_state_and_comes_back_bit_exact(tmp_path: Path) -> None:
-    fp32 = run_cli("convert", PER_RANK, tmp_path / "fp32", "--dtype", "fp32", "--dst-tp", "1", "--dst-dp", "1")
-    assert fp32.exit_code == 0, fp32.output
-    _, lion = rank_states(tmp_path / "fp32" / ITER)["mp_rank_00"]["optimizer"]  # FP32Optimizer's: no masters beside
+    fp32, bf16, _ = float32_and_back(PER_RANK, tmp_path)
+    _, lion = rank_states(fp32 / ITER)["mp_rank_00"]["optimizer"]  # FP32Optimizer's: no masters beside
     assert all(set(entry) == {"exp_avg"} for entry in lion["state"].values()) and "fp32_from_fp16_params" not in lion
-    back = run_cli("convert", tmp_path / "fp32", tmp_path / "bf16", "--dtype", "bf16", "--dst-tp", "2", "--dst-dp", "2")
-    assert back.exit_code == 0, back.output
-    again = rank_states(tmp_path / "bf16" / ITER)
+    again = rank_states(bf16 / ITER)
     for rank, state in rank_states(PER_RANK / ITER).items():
         for key in ("optimizer", "model"):
             assert_same_tree(state[key], again[rank][key], f"{rank}.{key}")

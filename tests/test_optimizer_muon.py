@@ -23,7 +23,7 @@ import pgconvert
 from support.checkpoint_compare import read_common
 from support.cli_helpers import assert_clean_refusal
 from support.megatron_fixtures import assert_same_tree, rank_states
-from support.optimizer_cli import convert_strict, dcp_read, export_optimizer, run_cli
+from support.optimizer_cli import convert_strict, dcp_read, export_optimizer, float32_and_back, run_cli
 from support.optimizer_faults import edit_common, edit_rank_files
 from support.torch_dist_forms import FOR_MCORE_016_CLI
 from pgconvert.formats.torch_dist import read_dcp_metadata
@@ -193,10 +193,9 @@ def test_a_muon_runs_adam_groups_that_are_not_its_decoupled_ones_are_named(tmp_p
 
 
 def test_a_dtype_change_keeps_the_masters_and_momentum_and_comes_back_bit_exact(tmp_path: Path) -> None:
-    fp32 = run_cli("convert", PER_RANK, tmp_path / "fp32", "--dtype", "fp32", "--dst-tp", "1", "--dst-dp", "1")
-    assert fp32.exit_code == 0 and "the model's weights are the optimizer's fp32 master weights" in \
-        " ".join(fp32.output.split()), fp32.output
-    merged = rank_states(tmp_path / "fp32" / ITER)["mp_rank_00"]
+    fp32, bf16, said = float32_and_back(PER_RANK, tmp_path)
+    assert "the model's weights are the optimizer's fp32 master weights" in said, said
+    merged = rank_states(fp32 / ITER)["mp_rank_00"]
     muon, adam = merged["optimizer"]  # FP32Optimizer's: the torch optimizers' state dicts, the weights their masters
     assert set(muon) == set(adam) == {"state", "param_groups"}
     assert all(set(entry) == {"momentum_buffer"} for entry in muon["state"].values())
@@ -204,9 +203,7 @@ def test_a_dtype_change_keeps_the_masters_and_momentum_and_comes_back_bit_exact(
     for name, weight in merged["model"].items():
         if name in exported:
             assert weight.dtype == torch.float32 and torch.equal(weight, exported[name]["param"]), name
-    bf16 = run_cli("convert", tmp_path / "fp32", tmp_path / "bf16", "--dtype", "bf16", "--dst-tp", "2", "--dst-dp", "2")
-    assert bf16.exit_code == 0, bf16.output
-    again = rank_states(tmp_path / "bf16" / ITER)
+    again = rank_states(bf16 / ITER)
     for rank, state in rank_states(PER_RANK / ITER).items():
         for key in ("optimizer", "model"):
             assert_same_tree(state[key], again[rank][key], f"{rank}.{key}")

@@ -32,6 +32,16 @@ def convert_strict(src: Path, dst: Path, *flags: str) -> Path:
     return dst
 
 
+def float32_and_back(src: Path, work: Path) -> tuple[Path, Path, str]:
+    """A bf16 TP2 DP2 per-rank run converted with ``--dtype fp32`` to TP1 DP1 and that back with ``--dtype bf16`` to
+    TP2 DP2, both of which must succeed: (the float32 output, the bfloat16 one, the first conversion's output)."""
+    wide = run_cli("convert", src, work / "fp32", "--dtype", "fp32", "--dst-tp", "1", "--dst-dp", "1")
+    assert wide.exit_code == 0, wide.output
+    back = run_cli("convert", work / "fp32", work / "bf16", "--dtype", "bf16", "--dst-tp", "2", "--dst-dp", "2")
+    assert back.exit_code == 0, back.output
+    return work / "fp32", work / "bf16", " ".join(wide.output.split())
+
+
 def export_optimizer(src: Path, out: Path) -> dict[str, dict[str, torch.Tensor]]:
     """``export-optimizer SRC OUT``: each parameter's exported tensors by file stem."""
     result = run_cli("export-optimizer", src, out)

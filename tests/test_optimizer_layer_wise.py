@@ -18,6 +18,7 @@ has Megatron-LM resume from pgconvert's conversions (outside CI)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,10 @@ from support.optimizer_faults import edit_common
 from support.torch_dist_forms import FOR_MCORE_016_CLI
 from pgconvert.formats.torch_dist import read_dcp_metadata
 from pgconvert.optimizer.export import export_from_path
-from pgconvert.optimizer.order import OptimizerLayoutError, OptimizerRules, UnsupportedOptimizerError
+from pgconvert.model.config import ModelConfig
+from pgconvert.model.layout import ParallelLayout
+from pgconvert.optimizer.order import (OptimizerLayoutError, OptimizerRules, UnsupportedOptimizerError,
+                                       layer_wise_target_refusal)
 
 GOLDENS = Path(__file__).parent / "data" / "megatron_lm"
 DP = GOLDENS / "train_tp2dp2_muon_layer_wise_dp_reshardable_torch_dist"
@@ -205,4 +209,18 @@ def test_with_moe_resharded_and_back_it_is_the_golden(tmp_path: Path, layout: tu
                           "--dst-ep", "2", "--dst-dp", "4", "--dst-optim-form", "dp_reshardable")
     assert_same_layer_wise_records(MOE, back)
     assert _optimizer_entry(back) == _optimizer_entry(MOE)
+
+
+def test_the_experts_biases_under_the_layer_wise_optimizer_are_not_written_at_expert_parallel_above_one() -> None:
+    # legal at EP1 (dense parameters of the distributed Adam); at EP > 1 megatron-core asserts the layer-wise path has
+    # no expert-parallel scalar optimizer, so such a destination would not load
+    rules = OptimizerRules(kind="muon", layer_wise=True)
+    config = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=8, ffn_hidden_size=128, num_experts=4,
+                         add_bias_linear=True)
+    assert layer_wise_target_refusal(rules, config, ParallelLayout(ep=1)) is None
+    refused = layer_wise_target_refusal(rules, config, ParallelLayout(ep=2))
+    assert refused is not None and "experts' biases at expert parallel size 2" in refused
+    assert layer_wise_target_refusal(rules, dataclasses.replace(config, add_bias_linear=False),
+                                     ParallelLayout(ep=2)) is None
+    assert layer_wise_target_refusal(OptimizerRules(kind="muon"), config, ParallelLayout(ep=2)) is None
 

@@ -35,7 +35,7 @@ from pgconvert.model.provider import target_vocab_rows
 from pgconvert.optimizer.checks import open_checked
 from pgconvert.optimizer.data_parallel import check_dst_dp
 from pgconvert.optimizer.mla_weight_decay import qk_norm_decay_notice
-from pgconvert.optimizer.order import OptimizerLayoutError, optimizer_count
+from pgconvert.optimizer.order import OptimizerLayoutError, layer_wise_target_refusal, optimizer_count
 from pgconvert.optimizer.retype import float32_load_notice, masters_for_destination, retype_refusal, retyped
 from pgconvert.optimizer.scaler import lost_scaler
 from pgconvert.optimizer.source import OptimizerSource
@@ -193,6 +193,14 @@ def _kind_refusal(conversion: Plan, optimizer: OptimizerSource) -> str | None:
     return None
 
 
+def _layout_refusal(conversion: Plan, optimizer: OptimizerSource) -> str | None:
+    """Why the state cannot be written at the destination's layout (None: it can): one megatron-core does not build."""
+    refused = layer_wise_target_refusal(optimizer.rules, target_of(conversion)[0], conversion.save_options.layout)
+    if refused is None:
+        return None
+    return f"optimizer state not carried: {optimizer.first.path}: {refused}; pass --skip-optimizer"
+
+
 def _decide(conversion: Plan, notices: list[str]) -> tuple[OptimizerSource, str] | None:
     if not _carries(conversion):
         return None
@@ -210,7 +218,7 @@ def _decide(conversion: Plan, notices: list[str]) -> tuple[OptimizerSource, str]
         if "--skip-optimizer" in str(exc):
             raise
         raise OptimizerLayoutError(f"{exc}; pass --skip-optimizer to convert the model alone") from exc
-    refused = _kind_refusal(conversion, optimizer)
+    refused = _kind_refusal(conversion, optimizer) or _layout_refusal(conversion, optimizer)
     if refused:
         fallback(refused, strict, notices)
         return None

@@ -313,6 +313,17 @@ def _refuse_emerging_variants(args: argparse.Namespace, kind: str, where: str) -
                 "ones of a bf16 run with Adam and its default param layout; pass --skip-optimizer")
 
 
+def layer_wise_target_refusal(rules: OptimizerRules, config: ModelConfig, layout: ParallelLayout) -> str | None:
+    """Why a layer-wise run's state cannot be written at ``layout`` (None: it can): the experts' biases at expert
+    parallel > 1 would be a scalar optimizer's expert-parallel group, which megatron-core (Megatron-LM d98e8a64)
+    asserts the layer-wise path does not support; at expert parallel size 1 they are dense parameters."""
+    if rules.layer_wise and config.moe.num_experts and config.add_bias_linear and layout.ep > 1:
+        return (f"the layer-wise distributed optimizer with the experts' biases at expert parallel size {layout.ep}: "
+                "megatron-core builds it only at expert parallel size 1 (non-emerging expert-parallel param groups "
+                "are not supported on the layer-wise path)")
+    return None
+
+
 def _learning_rate(args: argparse.Namespace, name: str, where: str) -> float | None:
     """``args.<name>``: None, or a finite learning rate >= 0."""
     value = getattr(args, name, None)

@@ -307,7 +307,7 @@ def _layout_option(name: str, help_text: str) -> Any:
               default=None,
               help="torch_dist DST: the distributed optimizer's form (default: a torch_dist source's own, else "
                    "fully_reshardable); dp_reshardable is cut for --dst-dp ranks; fully_sharded_model_space is for "
-                   "megatron-core 0.15.0 and older; a layer-wise Muon run's: one of the first two.")
+                   "megatron-core 0.15.0 and older; a layer-wise (Muon or Lion) run's: one of the first two.")
 @click.option("--dst-mtp-layer-name", type=click.Choice(list(MTP_LAYER_MODULES)), default=None,
               help="Megatron per-rank DST: the MTP layer's inner-layer key, transformer_layer (megatron-core 0.16.1) or "
                    "mtp_model_layer (newer Megatron-LM) [default: the source's, else transformer_layer].")

@@ -143,7 +143,7 @@ def test_what_is_not_carried_is_a_notice_and_refused_under_strict(tmp_path: Path
 
 def test_another_dtype_carries_the_model_alone_and_says_why(tmp_path: Path) -> None:
     report = pgconvert.convert(DP, tmp_path / "fp32", dst_format="torch_dist", dst_tp=1, dtype="fp32")
-    assert any("--dtype float32: a layer-wise Muon run's optimizer state" in note and "bfloat16 only" in note
+    assert any("--dtype float32: a layer-wise run's optimizer state" in note and "bfloat16 only" in note
                for note in report.notices), report.notices
     assert not any(key.startswith(("optimizer.", "chained_")) for key in
                    read_dcp_metadata(tmp_path / "fp32" / ITER / ".metadata").state_dict_metadata)

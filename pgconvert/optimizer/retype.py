@@ -48,10 +48,10 @@ def retype_refusal(source: CanonicalSource, target: torch.dtype | None) -> str |
         return (f"--dtype float16: the optimizer state of a {held} run is not carried into float16 (a float16 run's "
                 "dynamic grad scaler, its loss scale and trackers, cannot be derived from it); pass --skip-optimizer")
     if target != torch.bfloat16 and getattr(source.megatron_args, "use_layer_wise_distributed_optimizer", False):
-        return (f"--dtype {dtype_name(target)}: a layer-wise Muon run's optimizer state "
-                "(use_layer_wise_distributed_optimizer) is carried in bfloat16 only, the dtype whose layout pgconvert "
-                "maps (megatron-core wraps its Muon optimizer in fp32 masters for bf16 runs alone); pass "
-                "--skip-optimizer")
+        return (f"--dtype {dtype_name(target)}: a layer-wise run's optimizer state "
+                "(use_layer_wise_distributed_optimizer) is carried in bfloat16 only, the one dtype Megatron-LM builds "
+                "the layer-wise optimizer in (float16 emerging optimizers are refused, a float32 chain fails its "
+                "config check); pass --skip-optimizer")
     return None
 
 

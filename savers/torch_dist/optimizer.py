@@ -41,7 +41,7 @@ def written_form(optimizer: OptimizerSource, requested: str | None) -> str:
     if optimizer.form == FORM_LAYER_WISE:
         if requested not in (None, FULLY_RESHARDABLE, DP_RESHARDABLE):
             raise ValidationError(
-                f"--dst-optim-form {requested}: a layer-wise Muon run's state (use_layer_wise_distributed_optimizer) "
+                f"--dst-optim-form {requested}: a layer-wise run's state (use_layer_wise_distributed_optimizer) "
                 f"is written as {DP_RESHARDABLE} or {FULLY_RESHARDABLE}, the forms Megatron-LM saves it in")
         return requested or str(optimizer.sharding)
     if optimizer.form != FORM_DISTRIBUTED:

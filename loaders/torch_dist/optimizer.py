@@ -26,8 +26,8 @@ parameter state in the form ``metadata['distrib_optim_sharding_type']`` names (M
   ``optimizer.state.{fp32_param (bf16/fp16 only),exp_avg,exp_avg_sq}.<model key>``, chunked as the model's, and
   ``state.common_step`` / ``param_groups`` in the common state (``loaders/torch_dist/optimizer_forms.py``);
   presented in its per-rank form (``float16`` or ``fp32``: the fp32 master is then the model weight);
-- a layer-wise Muon run (``OptimizerRules.layer_wise``): each chained optimizer in its own form, the layer-wise one's
-  Muon state plain (``chained_0.``-prefixed in dp_reshardable), the distributed Adam's dp_reshardable or
+- a layer-wise run, Muon or Lion (``OptimizerRules.layer_wise``): each chained optimizer in its own form, the
+  layer-wise one's state plain (``chained_0.``-prefixed in dp_reshardable), the distributed Adam's dp_reshardable or
   fully_reshardable over its own buffer (``_shardings``, ``optimizer_forms.layer_wise_shardings``); presented as
   ``layer-wise``.
 
@@ -116,9 +116,9 @@ class TorchDistOptimizerSource(OptimizerSource):
 
     def _read_forms(self, common: dict[str, Any], where: str) -> None:
         """The stored form: ``sharding`` (the distributed optimizer's, else ``plain``), ``_shardings`` (per chained
-        optimizer: a layer-wise Muon run's Muon state is stored in the plain form, its Adam state in the distributed
-        one's), ``form`` (what the source presents: a plain optimizer its per-rank form) and ``_plain_form`` (the
-        form of the records stored plain)."""
+        optimizer: a layer-wise run's emerging optimizer's state is stored in the plain form, its Adam state in the
+        distributed one's), ``form`` (what the source presents: a plain optimizer its per-rank form) and
+        ``_plain_form`` (the form of the records stored plain)."""
         count = optimizer_count(self.config, self.layout, self.rules)
         if self.rules.layer_wise:
             self._shardings = layer_wise_shardings(common, where)

@@ -68,22 +68,22 @@ def sharding_type(common: dict[str, Any], where: str) -> str | None:
 
 
 def layer_wise_shardings(common: dict[str, Any], where: str) -> list[str]:
-    """Per chained optimizer, the form a layer-wise Muon run's state is stored in (megatron-core's
+    """Per chained optimizer, the form a layer-wise (Muon or Lion) run's state is stored in (megatron-core's
     ``LayerWiseDistributedOptimizer`` chained with a ``DistributedOptimizer``, Megatron-LM d98e8a64): the layer-wise
     one's entry ``{optimizer: {param_groups}}`` (its records the plain form's, in model space), then the distributed
     one's, naming its ``param_state_sharding_type`` (dp_reshardable or fully_reshardable)."""
     entries = chained_entries(common.get("optimizer"))
     if len(entries) != 2 or not all(isinstance(entry, dict) for entry in entries):
-        raise OptimizerLayoutError(f"{where}: optimizer = {quote(common.get('optimizer'), 160)}: a layer-wise Muon "
-                                   "run (use_layer_wise_distributed_optimizer) chains two optimizers, {0: Muon's, "
-                                   "1: Adam's}")
+        raise OptimizerLayoutError(f"{where}: optimizer = {quote(common.get('optimizer'), 160)}: a layer-wise "
+                                   "run (use_layer_wise_distributed_optimizer) chains two optimizers, {0: the "
+                                   "layer-wise (Muon's or Lion's), 1: Adam's}")
     if _entry_form(entries[0]) != FORM_FP16:
         raise OptimizerLayoutError(f"{where}: optimizer[0] = {quote(entries[0], 160)}: expected the layer-wise "
                                    "optimizer's {optimizer: {param_groups}} (a bf16 run's)")
     sharding = entries[1].get("param_state_sharding_type")
     if sharding not in (DP_RESHARDABLE, FULLY_RESHARDABLE):
         raise OptimizerLayoutError(
-            f"{where}: optimizer[1].param_state_sharding_type={quote(sharding)}: the layer-wise Muon run's Adam "
+            f"{where}: optimizer[1].param_state_sharding_type={quote(sharding)}: the layer-wise run's Adam "
             f"optimizer is megatron-core's distributed one, saved as {DP_RESHARDABLE} or {FULLY_RESHARDABLE}")
     return [PLAIN, str(sharding)]
 

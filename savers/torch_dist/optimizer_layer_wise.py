@@ -1,7 +1,9 @@
-"""A layer-wise Muon run's optimizer state written into a torch_dist destination, in either form Megatron-LM saves.
+"""A layer-wise (Muon or Lion) run's optimizer state written into a torch_dist destination, in either form Megatron-LM
+saves.
 
-Megatron-LM d98e8a64 with ``--optimizer muon --use-distributed-optimizer`` (``use_layer_wise_distributed_optimizer``)
-chains megatron-core's ``LayerWiseDistributedOptimizer`` over Muon's parameters, each a whole tensor kept by one
+Megatron-LM d98e8a64 with ``--optimizer muon --use-distributed-optimizer`` (``use_layer_wise_distributed_optimizer``;
+``--optimizer lion`` likewise, Lion's ``exp_avg`` where Muon's ``momentum_buffer`` is) chains megatron-core's
+``LayerWiseDistributedOptimizer`` over Muon's parameters, each a whole tensor kept by one
 data-parallel rank, and a ``DistributedOptimizer`` (Adam) over a DDP buffer of the rest (the word embedding, output
 layer and norms: ``flat_buffers`` of chained optimizer 1). Its ``sharded_state_dict`` saves:
 

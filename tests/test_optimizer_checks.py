@@ -26,6 +26,7 @@ from support.optimizer_faults import (BF16_KEY, DISTRIBUTED, ITER, PLAIN_BF16, c
 from support.torch_dist_forms import FOR_MCORE_016
 
 import pgconvert
+import pgconvert.optimizer.source as optimizer_source
 
 Plant = Callable[[Path], None]
 
@@ -340,3 +341,19 @@ def test_a_run_that_records_no_optimizer_is_adams(tmp_path: Path) -> None:
     result = run_cli("convert", src, tmp_path / "dst", "--dst-tp", "1", "--strict", "-q")
     assert result.exit_code == 0, result.output
     assert "optimizer" in load_for_test(rank_files(tmp_path / "dst")[0])
+
+
+@pytest.mark.parametrize("at", [0, 6, 7, 20])  # the first slice, its last element, the next slice, the last one
+def test_a_master_that_does_not_round_to_its_weight_is_found_in_any_slice(at: int,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(optimizer_source, "ROUNDED_AT_ONCE", 7)  # rounded seven elements at a time
+    master = torch.randn(3, 7, generator=torch.Generator().manual_seed(0))
+    master[1, 3] = float("nan")  # NaN rounds to NaN: for the NaN/Inf policy, not this check
+    weight = master.to(torch.bfloat16)
+    assert optimizer_source.rounds_to(master, weight)
+    moved = weight.clone()
+    moved.view(-1)[at] = moved.view(-1)[at] * 2 + 1  # another value: the master no longer rounds to it
+    assert not optimizer_source.rounds_to(master, moved)
+    assert not optimizer_source.rounds_to(master, weight[:, :6])  # another shape
+    assert optimizer_source.rounds_to(master[:, 1:], weight[:, 1:])  # a view that is not contiguous
+

@@ -40,8 +40,8 @@ from pgconvert.optimizer.order import (MEGATRON_CORE_VERSIONS, OptimizerLayoutEr
                                        check_state_shapes)
 from pgconvert.optimizer.scaler import held_scalers
 from pgconvert.optimizer.source import (ABSENT, CARRIED_KEYS, DISTRIBUTED_SHARDING_TYPES, FORM_DISTRIBUTED,
-                                        FORM_FP16, FORM_FP32, OptimizerSource, SourceRank, StoredCopy, optimizer_label,
-                                        rounds_to)
+                                        FORM_FP16, FORM_FP32, MasterMemory, OptimizerSource, SourceRank, StoredCopy,
+                                        optimizer_label, rounds_to)
 
 
 @dataclass
@@ -123,15 +123,24 @@ def check_masters_round(state: dict[str, Any], slots: Sequence[Any], masters: Se
                         chunk_keys: Sequence[str], path: Path, field: str, stored: StoredTensors) -> None:
     """megatron-core copies each fp32 master into its model parameter after every step: each master
     must round to the stored weight, or the positions do not map to these parameters (both read from
-    their files one parameter at a time)."""
+    their files one parameter at a time, into memory reused from one to the next)."""
     flat = [slot for item in slots for slot in (item if isinstance(item, list) else [item])]
+    memory = MasterMemory()
     for slot, master in zip(flat, masters):
-        model = stored.read(state[chunk_keys[slot.chunk]][slot.spec.local_name])
-        if not rounds_to(stored.read(master), model):
+        if not _master_rounds(stored, memory, state[chunk_keys[slot.chunk]][slot.spec.local_name], master):
             raise OptimizerLayoutError(
                 f"{path}: {field} entry at position {slot.position} (group {slot.group}) does not round to the "
                 f"model's {slot.spec.local_name}: the checkpoint's parameter order is not the one megatron-core "
                 f"{' / '.join(MEGATRON_CORE_VERSIONS)} builds")
+
+
+def _master_rounds(stored: StoredTensors, memory: MasterMemory, weight: torch.Tensor, master: torch.Tensor) -> bool:
+    """``rounds_to`` of one stored master and weight, each read into ``memory``'s block for it."""
+    with memory.weight(weight.shape, weight.dtype):
+        held = stored.read(weight)
+    with memory.master(master.shape):
+        kept = stored.read(master)
+    return rounds_to(kept, held)
 
 
 def _tp_order(pieces: list[tuple[_RankOptimizer, OptimizerSlot]]) -> list[tuple[_RankOptimizer, OptimizerSlot]]:

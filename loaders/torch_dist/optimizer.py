@@ -62,8 +62,8 @@ from pgconvert.optimizer.order import (MEGATRON_CORE_VERSIONS, OptimizerLayoutEr
                                        optimizer_slots)
 from pgconvert.optimizer.scaler import held_scalers
 from pgconvert.optimizer.source import (ABSENT, CARRIED_KEYS, FIELDS, FORM_DISTRIBUTED, FORM_FP16, FORM_FP32,
-                                        FORM_LAYER_WISE, OptimizerSource, SourceRank, StoredCopy, optimizer_label,
-                                        rounds_to)
+                                        FORM_LAYER_WISE, MasterMemory, OptimizerSource, SourceRank, StoredCopy,
+                                        optimizer_label, rounds_to)
 
 _VERSIONS = "megatron-core " + " / ".join(MEGATRON_CORE_VERSIONS)
 
@@ -328,25 +328,34 @@ class TorchDistOptimizerSource(OptimizerSource):
     def _check_masters(self) -> None:
         """megatron-core copies each fp32 master into its model parameter after every step: each master (for
         dp_reshardable: placed by the derived flat-buffer layout) must round to the stored weight (one parameter at
-        a time)."""
+        a time, the weight and the master read into memory reused from one parameter to the next)."""
+        memory = MasterMemory()
         for name in self.names():
+            wrong = self._unrounded_master(name, memory)
+            if wrong is not None:
+                raise OptimizerLayoutError(wrong)
+
+    def _unrounded_master(self, name: str, memory: MasterMemory) -> str | None:
+        """Why ``name``'s fp32 master does not round to its weight (None: it does)."""
+        meta = self.source.meta(name)
+        with memory.weight(meta.shape, meta.dtype):
             model = self.source.load(name)
+        with memory.master(meta.shape):
             if self._sharding_of(name) != DP_RESHARDABLE:
                 ((record, master),) = self.stored_parts(name, "param")
-                if not rounds_to(master, model):
-                    raise OptimizerLayoutError(
-                        f"{record} does not round to the model's {name}: {_VERSIONS} copies each fp32 master into its "
-                        "weight after every step, so the two must agree")
-                continue
-            master = self._merged(name, "param")  # the master alone, not the moments too
-            if not rounds_to(master, model):
-                owner, slot = self._owners[name][0]
-                gbuf, placed = self._gbuf_placed(owner.coord, slot)
-                key = self.bucket_key(owner.coord, gbuf, "param", placed.bucket, slot.optimizer)
-                raise OptimizerLayoutError(
-                    f"{self.source.directory}: {key} at the range "
-                    f"pgconvert derives for {name} does not round to the model's weight: the flat-buffer layout is "
-                    f"not the one {_VERSIONS} uses (several buckets, another parameter order?)")
+            else:
+                master = self._merged(name, "param")  # the master alone, not the moments too
+        if rounds_to(master, model):
+            return None
+        if self._sharding_of(name) != DP_RESHARDABLE:
+            return (f"{record} does not round to the model's {name}: {_VERSIONS} copies each fp32 master into its "
+                    "weight after every step, so the two must agree")
+        owner, slot = self._owners[name][0]
+        gbuf, placed = self._gbuf_placed(owner.coord, slot)
+        key = self.bucket_key(owner.coord, gbuf, "param", placed.bucket, slot.optimizer)
+        return (f"{self.source.directory}: {key} at the range pgconvert derives for {name} does not round to the "
+                f"model's weight: the flat-buffer layout is not the one {_VERSIONS} uses (several buckets, another "
+                "parameter order?)")
 
     def step(self, name: str) -> torch.Tensor:
         if self._step is None:  # asked only for a parameter whose optimizer counts steps (``stepped``)

@@ -8,7 +8,8 @@ knows where a format keeps the state.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager as ContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,9 @@ from typing import Any
 import torch
 
 from pgconvert.formats.stream import apply_finite_policy, nonfinite_text
+from pgconvert.io import sizes
 from pgconvert.io.limits import quote
+from pgconvert.io.reuse import ReusedMemory
 from pgconvert.io.torch_input import StoredTensors, stored_region
 from pgconvert.model.config import ModelConfig
 from pgconvert.model.layout import ParallelLayout
@@ -85,15 +88,39 @@ class StoredCopy:
     values: dict[str, Any]
 
 
+ROUNDED_AT_ONCE = 1 << 22  # elements of a master that ``rounds_to`` rounds at a time, into one buffer
+
+
 def rounds_to(master: torch.Tensor, model: torch.Tensor) -> bool:
     """Whether an fp32 master rounds to its model weight (megatron-core copies it there after every step), NaN to
-    NaN: a non-finite master is for the NaN/Inf policy to report, not a sign of another parameter order."""
-    rounded = master.to(model.dtype)
-    if torch.equal(rounded, model):
-        return True
-    if not rounded.is_floating_point() or rounded.shape != model.shape:
-        return False
-    return bool(((rounded == model) | (rounded.isnan() & model.isnan())).all())
+    NaN: a non-finite master is for the NaN/Inf policy to report, not a sign of another parameter order. Rounded a
+    slice at a time into one buffer, not into a new tensor of the weight's size."""
+    if master.shape != model.shape or not model.is_floating_point():
+        return torch.equal(master.to(model.dtype), model)
+    masters, weights = master.reshape(-1), model.reshape(-1)
+    rounded = torch.empty(min(masters.numel(), ROUNDED_AT_ONCE), dtype=model.dtype)
+    for start in range(0, masters.numel(), ROUNDED_AT_ONCE):
+        part = rounded[:min(ROUNDED_AT_ONCE, masters.numel() - start)].copy_(masters[start:start + ROUNDED_AT_ONCE])
+        weight = weights[start:start + ROUNDED_AT_ONCE]
+        if not torch.equal(part, weight) and not bool(((part == weight) | (part.isnan() & weight.isnan())).all()):
+            return False
+    return True
+
+
+class MasterMemory:
+    """Memory for the master check (``rounds_to`` over every parameter, one at a time), reused from one parameter to
+    the next (``io.reuse``: a new tensor's pages cost the kernel about a quarter of a CPU-second per GiB to fault in
+    and zero): read a weight inside ``weight(shape, dtype)`` and its fp32 master inside ``master(shape)``, and let both
+    go before the next parameter's."""
+
+    def __init__(self) -> None:
+        self._weights, self._masters = ReusedMemory(), ReusedMemory()
+
+    def weight(self, shape: Sequence[int], dtype: torch.dtype) -> ContextManager[None]:
+        return self._weights.lending(sizes.nbytes(tuple(shape), dtype))
+
+    def master(self, shape: Sequence[int]) -> ContextManager[None]:
+        return self._masters.lending(sizes.nbytes(tuple(shape), torch.float32))
 
 
 def optimizer_label(index: int, count: int) -> str:

@@ -337,17 +337,17 @@ class TorchDistOptimizerSource(OptimizerSource):
 
     def _unrounded_master(self, name: str, memory: MasterMemory) -> str | None:
         """Why ``name``'s fp32 master does not round to its weight (None: it does)."""
-        meta = self.source.meta(name)
+        meta, flat = self.source.meta(name), self._sharding_of(name) == DP_RESHARDABLE
         with memory.weight(meta.shape, meta.dtype):
             model = self.source.load(name)
         with memory.master(meta.shape):
-            if self._sharding_of(name) != DP_RESHARDABLE:
+            if not flat:
                 ((record, master),) = self.stored_parts(name, "param")
             else:
                 master = self._merged(name, "param")  # the master alone, not the moments too
         if rounds_to(master, model):
             return None
-        if self._sharding_of(name) != DP_RESHARDABLE:
+        if not flat:
             return (f"{record} does not round to the model's {name}: {_VERSIONS} copies each fp32 master into its "
                     "weight after every step, so the two must agree")
         owner, slot = self._owners[name][0]

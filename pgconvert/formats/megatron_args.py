@@ -33,6 +33,7 @@ from pgconvert.families import CARRIED_SETTINGS
 from pgconvert.formats.hybrid_args import LINEAR_ATTENTION_DEFAULTS, LINEAR_ATTENTION_SIZES, MAMBA_DEFAULTS
 from pgconvert.formats.strict import fallback
 from pgconvert.model.config import POSTNORM_OFF
+from pgconvert.optimizer.order import EMERGING
 from pgconvert.semantics import CORE_ONLY_DEFAULTS, MEGATRON_DEFAULT_DROPOUT
 from pgconvert.semantics.mla import MEGATRON_MLA_DEFAULTS
 from pgconvert.semantics.rope import MEGATRON_DEFAULT_ROPE_SCALING_FACTOR
@@ -116,7 +117,7 @@ def _muon(args: argparse.Namespace) -> bool:
 
 
 def _layer_wise(args: argparse.Namespace) -> bool:
-    return _given(args, "optimizer") in ("muon", "lion") and bool(_given(args, "use_layer_wise_distributed_optimizer"))
+    return _given(args, "optimizer") in EMERGING and bool(_given(args, "use_layer_wise_distributed_optimizer"))
 
 
 def _mla_yarn(args: argparse.Namespace) -> bool:

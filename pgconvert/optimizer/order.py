@@ -269,11 +269,11 @@ class OptimizerRules:
         if decoupled[0] is None and decoupled[1] is not None:
             decoupled[1] = None  # megatron-core reads decoupled_min_lr only with decoupled_lr
         kind = getattr(args, "optimizer", None) or ADAM
+        scalar = (getattr(args, "muon_scalar_optimizer", None) or ADAM) if kind == MUON else ADAM
         if kind in EMERGING:
-            _refuse_emerging_variants(args, kind, where)
+            _refuse_emerging_variants(args, kind, scalar, where)
         return cls(apply_wd_to_qk_layernorm=bool(getattr(args, "apply_wd_to_qk_layernorm", False)),
-                   decoupled_lr=decoupled[0], decoupled_min_lr=decoupled[1], kind=kind,
-                   scalar=(getattr(args, "muon_scalar_optimizer", None) or ADAM) if kind == MUON else ADAM,
+                   decoupled_lr=decoupled[0], decoupled_min_lr=decoupled[1], kind=kind, scalar=scalar,
                    layer_wise=kind in EMERGING and bool(getattr(args, "use_layer_wise_distributed_optimizer", False)))
 
     @property
@@ -293,13 +293,12 @@ def layer_wise_kind(kind: str) -> str:
     return f"{kind} layer-wise"
 
 
-def _refuse_emerging_variants(args: argparse.Namespace, kind: str, where: str) -> None:
+def _refuse_emerging_variants(args: argparse.Namespace, kind: str, scalar: str, where: str) -> None:
     """The emerging runs whose optimizer layout is not mapped, refused by name: Muon with a scalar optimizer other than
     Adam and Lion; the layer-wise distributed optimizer with Lion as Muon's scalar optimizer, with its legacy layout
     (``--no-use-layer-wise-param-layout``: every parameter in the layer-wise optimizer's buffer) or in a float32
     run."""
     layer_wise = bool(getattr(args, "use_layer_wise_distributed_optimizer", False))  # float32: torch's own optimizers
-    scalar = (getattr(args, "muon_scalar_optimizer", None) or ADAM) if kind == MUON else ADAM
     refused = {"muon_scalar_optimizer": scalar not in (ADAM, LION) or (layer_wise and scalar != ADAM),
                "use_layer_wise_param_layout": layer_wise and getattr(args, "use_layer_wise_param_layout", None) in (
                    False, 0),  # absent or None: Megatron-LM's default, the precomputed layout
@@ -552,10 +551,9 @@ def group_overrides(rules: OptimizerRules, member: ChainMember) -> list[dict[str
 def group_experts(rules: OptimizerRules, member: ChainMember) -> list[bool]:
     """Per param group of ``member`` (as ``group_overrides``): its ``is_expert_parallel``. The layer-wise
     optimizer's second group is its experts'; every other optimizer's groups are all expert or all dense."""
-    count = len(group_overrides(rules, member))
     if _is_emerging(rules, member) and rules.layer_wise:
         return [False, True]
-    return [member.expert] * count
+    return [member.expert] * len(group_overrides(rules, member))
 
 
 def chained_slots(config: ModelConfig, layout: ParallelLayout, coord: RankCoord,

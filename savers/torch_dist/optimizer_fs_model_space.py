@@ -72,7 +72,7 @@ def _merge_metadata(iteration_dir: Path, added: Metadata, original: dict[str, tu
 def _add_common(optimizer: OptimizerSource, iteration_dir: Path, target: list[tuple[ChainMember, int]]) -> None:
     """``target``: the target's chained optimizers and their group counts (a MoE model's at EP > 1: the dense and
     the expert one, ``{0: dense, 1: expert}``, each entry naming the form)."""
-    step = float(optimizer.step(optimizer.names()[0]))
+    step = optimizer.group_step()
     groups = [[dict(settings, step=step) for settings in optimizer.param_group_settings(count=count, member=member)]
               for member, count in target]
 

@@ -151,7 +151,7 @@ def carry_counters(optimizer: OptimizerSource, common: dict[str, Any]) -> None:
 def _add_common(optimizer: OptimizerSource, iteration_dir: Path,
                 target: list[tuple[ChainMember, int]] | None = None) -> None:
     """``target``: the target's chained optimizers and their group counts (None: the source's first)."""
-    step = float(optimizer.step(optimizer.names()[0]))
+    step = optimizer.group_step()
     held = [optimizer.param_group_settings(count=count, member=member) for member, count in target] if target \
         else [optimizer.param_group_settings(0)]
     groups = [[dict(settings, step=step) for settings in own] for own in held]

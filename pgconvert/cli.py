@@ -433,7 +433,10 @@ def _print_plan(conversion: Plan) -> None:
     click.echo(f"total: {len(conversion.files)} files, {_format_bytes(conversion.total_bytes)}")
     at_once, together = conversion.files_at_once, conversion.files_together
     largest = _format_bytes(conversion.largest_tensor)
-    held = (f"each up to its largest tensor ({largest}) and {_format_bytes(OUTPUT_STAGING_BYTES)} of write buffers"
+    records = 1 + conversion.saver.records_in_flight
+    tensors = (f"its largest tensor ({largest})" if records == 1 else
+               f"{records} tensors as large as its largest ({largest}; one is written while the next is made)")
+    held = (f"each up to {tensors} and {_format_bytes(OUTPUT_STAGING_BYTES)} of write buffers"
             if together == 1 else
             f"in groups of {together} (a TP group's rank files, sharing the reads of the tensors their pieces are "
             f"cut from), each group up to twice the largest tensor ({largest}) and one file's write buffers")

@@ -69,6 +69,27 @@ def test_qkv_split_inverts_fuse(heads: int, groups: int, with_columns: bool) -> 
     assert all(torch.equal(a, b) for a, b in zip(back, parts, strict=True))
 
 
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
+@pytest.mark.parametrize(("heads", "groups"), [(4, 4), (4, 2), (4, 1)])
+@pytest.mark.parametrize("transform", [QKV, GATE_UP, IDENTITY], ids=["qkv", "gate-up", "identity"])
+def test_split_runs_give_each_part_as_runs_of_the_fused_tensor_in_order(transform: object, heads: int, groups: int,
+                                                                        gated: bool) -> None:
+    """Each part's runs, one after the other, are its values as ``split`` gives them; a fused QKV's runs are views
+    of the fused tensor (each query group's rows), so a writer writes them with no part made apart."""
+    config = _config(heads=heads, groups=groups, head_dim=3, attention_output_gate=gated)
+    full = torch.randn(2 * config.qkv_rows if transform is GATE_UP else config.qkv_rows, 5)
+    runs = transform.split_runs(full, config)
+    parts = transform.split(full, config)
+    assert len(runs) == len(parts)
+    for part, part_runs in zip(parts, runs, strict=True):
+        assert all(run.is_contiguous() for run in part_runs)
+        assert torch.equal(torch.cat([run.reshape(-1) for run in part_runs]), part.reshape(-1))
+    if transform is QKV and not gated:
+        assert all(len(part_runs) == groups for part_runs in runs)
+        assert all(run.untyped_storage().data_ptr() == full.untyped_storage().data_ptr()
+                   for part_runs in runs for run in part_runs)
+
+
 def test_gate_up_fuse_puts_gate_first_and_split_inverts_it() -> None:
     config = _config()
     gate, up = torch.arange(12.0).view(6, 2), 100 + torch.arange(12.0).view(6, 2)

@@ -1,5 +1,6 @@
 """``OutputFile``: the bytes and digest of every size around its block and buffer boundaries, and each
-fallback (O_DIRECT refused at open or at a write, short writes), a full disk and a failed block."""
+fallback (O_DIRECT refused at open or at a write, short writes), a full disk and a failed block; records
+written from their own memory (``write_in_place``) beside staged ones."""
 
 from __future__ import annotations
 
@@ -7,12 +8,16 @@ import errno
 import hashlib
 import os
 import random
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
+import torch
 import xxhash
 
 import pgconvert.io.output as output
+from pgconvert.io import reuse
+from pgconvert.io.reuse import ReusedMemory, new_tensor
 from pgconvert.io.output import BLOCK, BUFFER_BYTES, BUFFERED_ENV, OutputFile, digests
 
 SIZES = [0, 1, BLOCK - 1, BLOCK, BLOCK + 1, BUFFER_BYTES - 1, BUFFER_BYTES, 5 * BUFFER_BYTES + 12345]
@@ -133,3 +138,92 @@ def test_an_os_error_raised_inside_the_block_names_the_file(tmp_path: Path) -> N
             out.write(b"x")
             raise OSError(errno.EIO, "Input/output error")
     assert caught.value.errno == errno.EIO and caught.value.filename == str(path)
+
+
+def _lent(memory: ReusedMemory, data: bytes, phase: int) -> torch.Tensor:
+    """``data`` in a block of ``memory`` placed at ``phase`` modulo BLOCK."""
+    with memory.lending(len(data), phase=phase):
+        tensor = new_tensor((len(data),), torch.uint8)
+    return tensor.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("buffered", [False, True], ids=["direct", "buffered"])
+def test_writes_in_place_and_staged_writes_make_the_same_file_and_digest(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, buffered: bool) -> None:
+    """Records lent at their file offset are written from their own memory (under O_DIRECT: their whole
+    blocks, head and tail staged); one at another place is staged whole; either way the file and its digest are
+    the bytes in order, as writing every piece staged gives."""
+    monkeypatch.setattr(reuse, "SMALLEST", 1)
+    monkeypatch.setattr(output, "IN_PLACE_SMALLEST", 2 * BLOCK)
+    if buffered:
+        monkeypatch.setenv(BUFFERED_ENV, "1")
+    pick = random.Random(7)
+    pieces = [pick.randbytes(size) for size in (13, 5 * BLOCK + 7, 3, BUFFER_BYTES + 2 * BLOCK + 1, BLOCK - 5,
+                                                 9 * BLOCK, 2 * BUFFER_BYTES + 11, 1)]
+    memory = ReusedMemory(blocks=2)
+    held: list[list[Future[None]]] = []
+    with OutputFile(tmp_path / "out.bin") as out:
+        for index, piece in enumerate(pieces):
+            misplaced = index == 3  # lent at the wrong place: staged whole under O_DIRECT
+            tensor = _lent(memory, piece, out.offset + (8 if misplaced else 0))
+            futures = out.write_in_place(tensor.numpy().data)
+            in_place = len(piece) - (-out.offset % BLOCK) >= 2 * BLOCK and (buffered or not misplaced)
+            assert bool(futures) == in_place, (index, len(piece))
+            assert out.direct != buffered
+            held.append(futures)
+            if len(held) > 1:
+                output.settled(held.pop(0))
+    data = b"".join(pieces)
+    assert (tmp_path / "out.bin").read_bytes() == data
+    assert out.digest == "xxh3-128:" + xxhash.xxh3_128(data).hexdigest() and out.size == len(data)
+
+
+def test_a_record_written_in_place_is_let_go_of_once_its_futures_are_done(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing the writing threads had keeps the record's memory once its writes are done, so the block is
+    lent again to the record after next."""
+    monkeypatch.setattr(reuse, "SMALLEST", 1)
+    memory = ReusedMemory(blocks=2)
+    blocks = []
+    with OutputFile(tmp_path / "out.bin") as out:
+        writing: list[Future[None]] = []
+        for index in range(6):
+            tensor = _lent(memory, random.Random(index).randbytes(3 * output.IN_PLACE_SMALLEST), out.offset)
+            blocks.append(tensor.untyped_storage().data_ptr())
+            written = out.write_in_place(tensor.numpy().data)
+            assert written
+            del tensor
+            output.settled(writing)
+            writing = written
+    assert len(set(blocks)) == 2, blocks
+
+
+def test_a_full_disk_while_writing_in_place_is_an_error_naming_the_file(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    real_pwrite = os.pwrite
+
+    def full(fd: int, data: memoryview, offset: int) -> int:
+        if len(data) > BLOCK:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", full)
+    monkeypatch.setattr(reuse, "SMALLEST", 1)
+    path = tmp_path / "out.bin"
+    tensor = _lent(ReusedMemory(), bytes(4 * output.IN_PLACE_SMALLEST), 0)
+    with pytest.raises(OSError) as caught:
+        with OutputFile(path) as out:
+            output.settled(out.write_in_place(tensor.numpy().data))
+    assert caught.value.errno == errno.ENOSPC and caught.value.filename == str(path)
+    assert out.digest is None
+
+
+def test_short_writes_in_place_are_continued(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real_pwrite = os.pwrite
+    monkeypatch.setattr(os, "pwrite", lambda fd, data, offset: real_pwrite(fd, memoryview(data)[:5 * BLOCK], offset))
+    monkeypatch.setattr(reuse, "SMALLEST", 1)
+    data = random.Random(5).randbytes(2 * output.IN_PLACE_SMALLEST + 3)
+    with OutputFile(tmp_path / "out.bin") as out:
+        out.write(b"head")
+        out.write_in_place(_lent(ReusedMemory(), data, out.offset).numpy().data)
+    assert (tmp_path / "out.bin").read_bytes() == b"head" + data

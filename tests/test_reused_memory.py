@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from support.cli_helpers import run_cli
+from support.fp8_checkpoints import fp8_checkpoint
 from support.megatron_fixtures import make_full_model, write_megatron_checkpoint
 from support.tiny_models import GQA_SWIGLU
 
@@ -31,7 +32,7 @@ def test_records_under_the_smallest_lent_size_are_left_to_the_allocator(monkeypa
         assert reuse._LENT.get() is None
     with memory.lending(1 << 20):
         made = new_tensor((1 << 18,), torch.float32)
-    assert made.untyped_storage().data_ptr() == memory._block.data_ptr()
+    assert made.untyped_storage().data_ptr() == memory.last_block.data_ptr()
 
 
 def test_the_first_tensor_of_the_records_size_is_made_in_the_lent_block() -> None:
@@ -108,8 +109,8 @@ def test_conversions_reuse_memory_and_write_what_new_memory_writes(tp2_source: P
     original_lending = ReusedMemory.lending
 
     @contextmanager
-    def watched_lending(self: ReusedMemory, nbytes: int) -> Iterator[None]:
-        with original_lending(self, nbytes):
+    def watched_lending(self: ReusedMemory, nbytes: int, phase: int | None = None) -> Iterator[None]:
+        with original_lending(self, nbytes, phase):
             yield
             outcomes.append(reuse._LENT.get() is None)
 
@@ -133,7 +134,7 @@ def test_joined_equals_cat_and_takes_the_lent_block(shapes: list[tuple[int, ...]
         result = joined(tensors, dim)
         taken = reuse._LENT.get() is None
     assert result.dtype == expected.dtype and torch.equal(result, expected)
-    assert taken and result.untyped_storage().data_ptr() == memory._block.data_ptr()
+    assert taken and result.untyped_storage().data_ptr() == memory.last_block.data_ptr()
 
 
 def test_joined_keeps_torchs_rules_for_what_cat_refuses_or_skips() -> None:
@@ -152,7 +153,7 @@ def test_a_record_under_an_eighth_of_the_block_hands_the_rest_of_its_pages_back(
     with memory.lending(4 << 20):  # under an eighth of the block
         small = new_tensor((4 << 20,), torch.uint8).fill_(2)
     after = _anonymous_bytes()
-    assert small.untyped_storage().data_ptr() == memory._block.data_ptr()
+    assert small.untyped_storage().data_ptr() == memory.last_block.data_ptr()
     assert before - after > 50 << 20, (before, after)
     del small
     with memory.lending(64 << 20):  # the whole block again: the handed-back pages read as zeros
@@ -176,3 +177,76 @@ def test_pages_are_handed_back_once_per_shrink_not_at_every_small_record(monkeyp
         with memory.lending(size << 10):
             new_tensor((size << 10,), torch.uint8)
     assert released == [6 << 10]
+
+
+@pytest.mark.parametrize("phase", [0, 8, 4094, 4096 + 640])
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.bfloat16, torch.float32])
+def test_a_record_lent_with_its_place_in_a_file_starts_at_that_place_modulo_a_block(phase: int,
+                                                                                   dtype: torch.dtype) -> None:
+    memory = ReusedMemory()
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    with memory.lending(1024 * itemsize, phase=phase):
+        made = new_tensor((1024,), dtype)
+    assert made.untyped_storage().data_ptr() == memory.last_block.data_ptr()
+    if phase % itemsize == 0:
+        assert made.data_ptr() % reuse.ALIGNMENT == phase % reuse.ALIGNMENT
+    else:  # no element starts there: the block's start
+        assert made.data_ptr() == memory.last_block.data_ptr()
+    made.fill_(3)  # the whole tensor lies in the block
+    assert int(made.sum()) == 3 * 1024
+
+
+def test_two_blocks_are_lent_in_turn_while_the_other_is_held() -> None:
+    """With two blocks, a record held (being written) leaves the other block to the next record; a block too small
+    is replaced by a larger one, a free one before a held one."""
+    memory = ReusedMemory(blocks=2)
+    with memory.lending(4096):
+        first = new_tensor((4096,), torch.uint8)
+    with memory.lending(4096):
+        second = new_tensor((4096,), torch.uint8)
+    a, b = first.untyped_storage().data_ptr(), second.untyped_storage().data_ptr()
+    assert a != b
+    del first
+    with memory.lending(2048):
+        third = new_tensor((2048,), torch.uint8)
+    assert third.untyped_storage().data_ptr() == a
+    del second
+    with memory.lending(8192):  # larger than both: replaces the free one (b), not the held one (a)
+        larger = new_tensor((8192,), torch.uint8)
+    assert larger.untyped_storage().data_ptr() not in (a, b)
+    assert {block.storage.data_ptr() for block in memory._blocks} == {a, larger.untyped_storage().data_ptr()}
+
+
+def test_a_reused_memory_has_at_least_one_block() -> None:
+    with pytest.raises(ValueError, match="at least one block"):
+        ReusedMemory(blocks=0)
+
+
+@pytest.mark.parametrize("source", ["megatron", "fp8"])
+def test_an_hf_target_written_from_its_records_memory_equals_one_written_staged(
+        tp2_source: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str) -> None:
+    """Safetensors shards written from each record's own memory (lent at its place in the file, one record written
+    while the next is produced) hold the bytes of shards whose every byte is staged; most bytes go in place."""
+    from pgconvert.io import output
+
+    monkeypatch.setattr(output, "IN_PLACE_SMALLEST", output.BLOCK)
+    src, flags = tp2_source, ["--src-tp", "2", "--dst-format", "hf"]
+    if source == "fp8":
+        src, flags = tmp_path / "fp8", ["--dst-format", "hf"]
+        fp8_checkpoint(src, block=(16, 16))
+    placed = 0
+    real = output.OutputFile.write_in_place
+
+    def counted(self: output.OutputFile, data: memoryview) -> list:
+        nonlocal placed
+        futures = real(self, data)
+        placed += memoryview(data).nbytes if futures else 0
+        return futures
+
+    monkeypatch.setattr(output.OutputFile, "write_in_place", counted)
+    assert run_cli("-q", *flags, src, tmp_path / "in_place").exit_code == 0
+    monkeypatch.setattr(output.OutputFile, "write_in_place", lambda self, data: self.write(data) and [])
+    assert run_cli("-q", *flags, src, tmp_path / "staged").exit_code == 0
+    assert _files(tmp_path / "in_place") == _files(tmp_path / "staged")
+    written = sum(path.stat().st_size for path in (tmp_path / "in_place").glob("*.safetensors"))
+    assert placed > written / 2, (placed, written)

@@ -172,7 +172,7 @@ def test_a_failed_share_leaves_no_complete_looking_output_and_its_rerun_complete
         raise OSError(28, "No space left on device", "injected")
 
     with monkeypatch.context() as patched:
-        patched.setattr(hf_saver._SafetensorsWriter, "write", broken)  # hf shard files
+        patched.setattr(hf_saver._SafetensorsWriter, "write_runs", broken)  # hf shard files (every tensor)
         patched.setattr(streaming, "_write_item", broken)  # torch_dist data files
         failed = CliRunner().invoke(main, ["--shard-index", "0", "--num-shards", "2", *args])
     other = CliRunner().invoke(main, ["--shard-index", "1", "--num-shards", "2", *args])

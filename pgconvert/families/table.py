@@ -62,6 +62,12 @@ class Transform:
         """Shapes of the HF tensors of a canonical tensor of ``shape``."""
         raise NotImplementedError
 
+    def split_runs(self, full: torch.Tensor, config: ModelConfig) -> list[list[torch.Tensor]]:
+        """``split`` with each part given as the runs of elements whose values, one run after the other in row-major
+        order, are the part's: views of ``full`` where a part lies in it in several pieces (a writer writes them
+        without making the part), else the part alone."""
+        return [[part] for part in self.split(full, config)]
+
     # Whether the canonical tensor is nothing (its HF tensor is dropped on purpose).
     drops: bool = False
     # Whether its one HF part is the canonical tensor element for element (a reader may read any cut of it straight
@@ -208,6 +214,16 @@ class FuseQKVByGroup(Transform):
         groups, q_rows, kv_rows = self._dims(config)
         rest = tuple(shape[1:])
         return [(groups * q_rows, *rest), (groups * kv_rows, *rest), (groups * kv_rows, *rest)]
+
+    def split_runs(self, full: torch.Tensor, config: ModelConfig) -> list[list[torch.Tensor]]:
+        """Each of q, k and v as its rows in each query group of ``full`` (gated queries, whose heads are
+        reordered, and a strided ``full`` as ``split`` makes them)."""
+        if config.attention.attention_output_gate or not full.is_contiguous():
+            return super().split_runs(full, config)
+        groups, q_rows, kv_rows = self._dims(config)
+        by_group = full.view(groups, q_rows + 2 * kv_rows, *full.shape[1:])
+        bounds = ((0, q_rows), (q_rows, kv_rows), (q_rows + kv_rows, kv_rows))
+        return [[by_group[group].narrow(0, start, rows) for group in range(groups)] for start, rows in bounds]
 
     def reads_window(self, window: Window, shape: tuple[int, ...], config: ModelConfig) -> bool:
         """Rows on query-group boundaries: the q, k and v rows of those groups."""

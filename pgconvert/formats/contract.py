@@ -263,6 +263,10 @@ class Saver(ABC):
     # the others write one file at a time whatever ``--threads`` says.
     threaded: bool = False
 
+    # Records a saver leaves to be written from their own memory while it produces the next (``OutputFile.
+    # write_in_place``): a file being written holds that many records besides the one being produced.
+    records_in_flight: int = 0
+
     def file_groups(self, source: CanonicalSource, options: SaveOptions) -> list[tuple[str, ...]]:
         """The planned files (relative paths, as ``plan`` names them) its writing tasks produce together, best
         written by one process (megatron: a TP group's rank files, where they share a read;

@@ -45,6 +45,10 @@ _DIGESTS: ContextVar[str | None] = ContextVar("pgconvert_digests", default=DEFAU
 # How many files written at once share one file's staging memory (``sharing_staging``).
 _SHARERS: ContextVar[int] = ContextVar("pgconvert_staging_sharers", default=1)
 SMALLEST_SHARED_BUFFER = 1 << 20  # a shared staging buffer is never smaller (a multiple of BLOCK)
+IN_PLACE_SMALLEST = 1 << 20  # fewer whole blocks than this are staged rather than written in place
+# Records a writer leaves to be written from their own memory (``write_in_place``) while it produces the next:
+# its memory holds that many records besides the one being produced.
+RECORDS_IN_FLIGHT = 1
 
 
 @contextmanager
@@ -81,6 +85,32 @@ def staging_bytes(files: int) -> int:
     return files * BUFFERS * buffer_bytes(files)
 
 
+def settled(futures: list[Future[None]]) -> None:
+    """Wait for the hashing and writing of ``write_in_place``; raises what they raised."""
+    for future in futures:
+        future.result()
+
+
+def _address(view: memoryview) -> int:
+    """The address of a memoryview's first byte."""
+    import numpy
+
+    return int(numpy.frombuffer(view, dtype=numpy.uint8).ctypes.data) if len(view) else 0
+
+
+class _Held:
+    """Bytes handed to a thread, let go of by the thread once it has used them (``take``), so that the memory
+    they belong to is no longer referred to when the thread's future is done."""
+
+    def __init__(self, view: memoryview) -> None:
+        self._view: memoryview | None = view
+
+    def take(self) -> memoryview:
+        view, self._view = self._view, None
+        assert view is not None, "held bytes are taken once"
+        return view
+
+
 class OutputFile:
     """A new file written front to back; ``offset`` counts the bytes written so far.
 
@@ -102,6 +132,7 @@ class OutputFile:
         self._buffers = [mmap.mmap(-1, self._buffer_bytes) for _ in range(BUFFERS)]
         self._views = [memoryview(buffer) for buffer in self._buffers]
         self._pending: list[list[Future[None]]] = [[] for _ in range(BUFFERS)]
+        self._in_place: list[Future[None]] = []  # writes from the caller's memory (``write_in_place``) not seen done
         self._current = 0
         self._filled = 0  # bytes staged in the current buffer
         self._handed = 0  # bytes handed to the threads before it (the file position it starts at)
@@ -139,6 +170,28 @@ class OutputFile:
                 self._hand_off()
         return len(source)
 
+    def write_in_place(self, data: bytes | bytearray | memoryview) -> list[Future[None]]:
+        """Write ``data`` from its own memory where it can: the futures of its hashing and writing, which the caller
+        waits for (``settled``) before it changes or reuses that memory. Under ``O_DIRECT`` the whole blocks of
+        ``data`` are written in place when its address agrees with its file offset modulo ``BLOCK`` (memory lent
+        with that ``phase``, ``pgconvert.io.reuse``), its head and tail staged as ``write`` stages them; otherwise
+        (or for fewer than ``IN_PLACE_SMALLEST`` bytes) it is staged whole and nothing is returned."""
+        source = memoryview(data).cast("B")
+        head = -self.offset % BLOCK
+        body = (len(source) - head) // BLOCK * BLOCK
+        if body < IN_PLACE_SMALLEST or (self.direct and (_address(source) + head) % BLOCK):
+            self.write(source)
+            return []
+        self.write(source[:head])
+        if self._filled:
+            self._hand_off()  # a block boundary: the staged bytes go now, this buffer's next fill starts after data
+        placed = source[head:head + body]
+        futures = [*self._hashed(_Held(placed)), self._writer.submit(self._write_held, _Held(placed), self._handed)]
+        self._handed += body
+        self._in_place = [future for future in self._in_place if not future.done()] + futures
+        self.write(source[head + body:])
+        return futures
+
     @property
     def offset(self) -> int:
         """Bytes written so far."""
@@ -171,8 +224,17 @@ class OutputFile:
         self._current = (self._current + 1) % BUFFERS
         self._filled = 0
 
-    def _hashed(self, view: memoryview) -> list[Future[None]]:
-        return [] if self._digest is None else [self._hasher.submit(self._digest.update, view)]
+    def _hashed(self, view: memoryview | _Held) -> list[Future[None]]:
+        if self._digest is None:
+            return []
+        if isinstance(view, _Held):
+            return [self._hasher.submit(lambda held, update=self._digest.update: update(held.take()), view)]
+        return [self._hasher.submit(self._digest.update, view)]
+
+    def _write_held(self, held: _Held, position: int) -> None:
+        """Write the bytes ``held`` refers to, letting go of them once written (so their memory is free when the future
+        says the write is done)."""
+        self._write_at(held.take(), position)
 
     def _write_at(self, view: memoryview, position: int) -> None:
         """Write ``view`` at ``position``; a refused O_DIRECT write is retried through the page cache."""
@@ -211,6 +273,7 @@ class OutputFile:
             self._writer.shutdown(wait=True)
             os.close(self._fd)
             self._pending = [[] for _ in range(BUFFERS)]
+            self._in_place = []
             self._views = []
             self._buffers = []  # unmapped once the last slice handed to the threads is gone
 
@@ -226,6 +289,7 @@ class OutputFile:
             self._handed, self._filled = size, 0
         for index in range(BUFFERS):
             self._reuse(index)
+        settled(self._in_place)
         check_running()  # no fsync for a file that will be thrown away
         try:
             os.ftruncate(self._fd, size)

@@ -10,6 +10,11 @@ memory, a piece cut from a stored tensor) is placed in the lent block instead of
 The block is lent again only when nothing else refers to it (its storage's use count), so a tensor
 kept beyond its record (a stacked expert waiting for its last piece, a tensor cached for the next
 chunk) is never overwritten: the next record then gets a new block.
+
+A writer that writes each record from its own memory (``OutputFile.write_in_place``) while it produces the
+next holds a ``ReusedMemory(blocks=2)``: the record being written keeps one block, the next is produced in
+the other. It lends with the record's place in its file (``phase``): the tensor is placed so that its address
+and its file offset agree modulo ``ALIGNMENT``, which ``O_DIRECT`` needs to write it without a copy.
 """
 
 from __future__ import annotations
@@ -20,28 +25,39 @@ import mmap
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
+from dataclasses import dataclass
 
 import torch
 
 from pgconvert.io import sizes
+from pgconvert.io.output import BLOCK as ALIGNMENT
 
 SMALLEST = 1 << 20  # bytes: smaller records are not lent memory
 SHRINK = 8  # a record this many times smaller than the block has the block's unused pages handed back
 MADV_DONTNEED = 4  # Linux's value (also the BSDs' and macOS's, where it only marks the pages)
-# The memory lending to the record being produced, with the record's size in bytes; None once taken.
-_LENT: ContextVar[tuple[ReusedMemory, int] | None] = ContextVar("pgconvert_lent", default=None)
+# The memory lending to the record being produced: the memory, the record's size in bytes and the place modulo
+# ``ALIGNMENT`` its bytes take in their file (None: anywhere); None once taken.
+_LENT: ContextVar[tuple[ReusedMemory, int, int | None] | None] = ContextVar("pgconvert_lent", default=None)
 
 
 def new_tensor(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialized contiguous tensor: in the block lent to the record being produced when it has
-    the record's size (the block is then taken), else in new memory."""
+    """An uninitialized contiguous tensor: in a block lent to the record being produced when it has
+    the record's size (the lending is then taken), else in new memory."""
     lent = _LENT.get()
     nbytes = sizes.nbytes(tuple(shape), dtype)
     if lent is None or lent[1] != nbytes or nbytes == 0:
         return torch.empty(tuple(shape), dtype=dtype)
     _LENT.set(None)
-    block = lent[0].free_block(nbytes)
-    return torch.empty(0, dtype=dtype).set_(block, 0, tuple(shape), sizes.contiguous_stride(shape))
+    memory, _, phase = lent
+    if phase is None:
+        return torch.empty(0, dtype=dtype).set_(memory.free_block(nbytes), 0, tuple(shape),
+                                                sizes.contiguous_stride(shape))
+    block = memory.free_block(nbytes + ALIGNMENT)
+    start = (phase - block.data_ptr()) % ALIGNMENT
+    itemsize = sizes.itemsize(dtype)
+    if start % itemsize:  # a place no element can start at: anywhere (it is then written through a copy)
+        start = 0
+    return torch.empty(0, dtype=dtype).set_(block, start // itemsize, tuple(shape), sizes.contiguous_stride(shape))
 
 
 def joined(tensors: Sequence[torch.Tensor], dim: int = 0) -> torch.Tensor:
@@ -82,36 +98,59 @@ def _use_count(storage: torch.UntypedStorage) -> int:
     return 2 if count is None else int(count(storage._cdata))
 
 
-class ReusedMemory:
-    """One block of memory, as large as the largest record so far, lent to each record in turn."""
+@dataclass
+class _Block:
+    storage: torch.UntypedStorage
+    resident: int  # bytes at its start that may be resident (the rest handed back)
 
-    def __init__(self) -> None:
-        self._block: torch.UntypedStorage | None = None
-        self._resident = 0  # bytes at the block's start that may be resident (the rest handed back)
+    def free(self) -> bool:
+        return _use_count(self.storage) == 1
+
+
+class ReusedMemory:
+    """``blocks`` blocks of memory (one by default), each as large as the largest record lent it so far, lent to
+    each record in turn."""
+
+    def __init__(self, blocks: int = 1) -> None:
+        if blocks < 1:
+            raise ValueError(f"a ReusedMemory needs at least one block, not {blocks}")
+        self._most = blocks
+        self._blocks: list[_Block] = []  # least recently lent first
+
+    @property
+    def last_block(self) -> torch.UntypedStorage | None:
+        """The block lent last (None before the first)."""
+        return self._blocks[-1].storage if self._blocks else None
 
     def free_block(self, nbytes: int) -> torch.UntypedStorage:
-        """The block, unless it is smaller than ``nbytes`` or still in use: then a new one (kept). A
-        record under an eighth of the block gets it with the pages past its end handed back
-        (``_release_tail``), so one large record (an embedding) does not add its size to every later
-        record's memory, while a layer's tensors (within a few times of each other) keep their pages:
-        what is compared is the part of the block that may still be resident, not its size."""
-        block = self._block
-        if block is None or block.nbytes() < nbytes or _use_count(block) > 1:
-            block = torch.empty(nbytes, dtype=torch.uint8).untyped_storage()
-            self._block = block
-            self._resident = nbytes
-        elif SHRINK * nbytes < self._resident:
-            _release_tail(block, nbytes)
-            self._resident = nbytes
-        else:
-            self._resident = max(self._resident, nbytes)
-        return block
+        """A block of at least ``nbytes`` that nothing refers to, else a new one (kept in place of the least recently
+        lent block, a free one first). A record under an eighth of the block gets it with the pages past its end
+        handed back (``_release_tail``), so one large record (an embedding) does not add its size to every later
+        record's memory, while a layer's tensors (within a few times of each other) keep their pages: what is
+        compared is the part of the block that may still be resident, not its size."""
+        for block in self._blocks:
+            if block.storage.nbytes() >= nbytes and block.free():
+                if SHRINK * nbytes < block.resident:
+                    _release_tail(block.storage, nbytes)
+                    block.resident = nbytes
+                else:
+                    block.resident = max(block.resident, nbytes)
+                self._blocks.remove(block)
+                self._blocks.append(block)
+                return block.storage
+        if len(self._blocks) >= self._most:
+            free = [block for block in self._blocks if block.free()]
+            self._blocks.remove(free[0] if free else self._blocks[0])
+        storage = torch.empty(nbytes, dtype=torch.uint8).untyped_storage()
+        self._blocks.append(_Block(storage, nbytes))
+        return storage
 
     @contextmanager
-    def lending(self, nbytes: int) -> Iterator[None]:
+    def lending(self, nbytes: int, phase: int | None = None) -> Iterator[None]:
         """Within the block, the first ``new_tensor`` of ``nbytes`` bytes is made in this memory (records
-        under ``SMALLEST`` bytes are left to the allocator, which reuses small blocks itself)."""
-        token = _LENT.set((self, nbytes) if nbytes >= SMALLEST else None)
+        under ``SMALLEST`` bytes are left to the allocator, which reuses small blocks itself); with ``phase``, at an
+        address equal to ``phase`` modulo ``ALIGNMENT`` (the record's offset in the file it is written to)."""
+        token = _LENT.set((self, nbytes, None if phase is None else phase % ALIGNMENT) if nbytes >= SMALLEST else None)
         try:
             yield
         finally:

@@ -161,11 +161,13 @@ class Plan:
 
     @property
     def memory_in_flight(self) -> int:
-        """The most bytes the files being produced hold at once: per file, its largest tensor and the write
-        buffers of its ``OutputFile``; per group of files written together, the whole tensor their pieces are cut
-        from, the pieces (together no more than it) and one file's write buffers, which they share."""
+        """The most bytes the files being produced hold at once: per file, its largest tensor (and as many more as
+        the saver leaves records being written while it produces the next, ``Saver.records_in_flight``) and the
+        write buffers of its ``OutputFile``; per group of files written together, the whole tensor their pieces are
+        cut from, the pieces (together no more than it) and one file's write buffers, which they share."""
         if self.files_together == 1:
-            return self.files_at_once * (self.largest_tensor + OUTPUT_STAGING_BYTES)
+            records = 1 + self.saver.records_in_flight
+            return self.files_at_once * (records * self.largest_tensor + OUTPUT_STAGING_BYTES)
         groups = max(1, self.files_at_once // self.files_together)
         return groups * (2 * self.largest_tensor + staging_bytes(self.files_together))
 

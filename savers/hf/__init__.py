@@ -15,7 +15,9 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from collections.abc import Collection
+from collections import deque
+from collections.abc import Callable, Collection
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
@@ -29,7 +31,7 @@ from pgconvert.io.durable import fsync_file as _fsync
 from pgconvert.errors import CheckpointError, ConfigError, LayoutError, PgconvertError
 from pgconvert.families.table import Family, TensorMapping
 from pgconvert.formats import PlannedFile, Progress, SaveOptions, Saver, SaveResult, target_dtype
-from pgconvert.io.output import OutputFile
+from pgconvert.io.output import RECORDS_IN_FLIGHT, OutputFile, settled
 from pgconvert.io.reuse import ReusedMemory
 from pgconvert.io.threads import run_each
 from pgconvert.formats.hf import (
@@ -215,16 +217,33 @@ class _SafetensorsWriter:
         self._handle.write(len(encoded).to_bytes(8, "little"))
         self._handle.write(encoded)
 
-    def write(self, name: str, tensor: torch.Tensor) -> None:
-        expected_name, dtype, shape = self._pending.pop(0)
-        if (name, tensor.dtype, tuple(tensor.shape)) != (expected_name, dtype, shape):
+    @property
+    def offset(self) -> int:
+        """Where the next tensor's bytes go in the file."""
+        return self._handle.offset
+
+    def write(self, name: str, tensor: torch.Tensor) -> list[Future[None]]:
+        """Write the next tensor, from its own memory where it can (``OutputFile.write_in_place``): the futures to
+        wait for before that memory is changed."""
+        return self.write_runs(name, [tensor], tuple(tensor.shape))
+
+    def write_runs(self, name: str, runs: list[torch.Tensor], shape: tuple[int, ...]) -> list[Future[None]]:
+        """Write the next tensor, of ``shape``, given as runs of its elements in row-major order (``write``)."""
+        expected_name, dtype, expected_shape = self._pending.pop(0)
+        dtypes = {run.dtype for run in runs}
+        given = dtypes.pop() if len(dtypes) == 1 else dtypes
+        if ((name, given, shape) != (expected_name, dtype, expected_shape)
+                or sum(run.numel() for run in runs) != sizes.numel(shape)):
             raise CheckpointError(
-                f"{self.path}: the source gave {name} as {tensor.dtype} {list(tensor.shape)}, its metadata said "
-                f"{expected_name} {dtype} {list(shape)}"
+                f"{self.path}: the source gave {name} as {given} {list(shape)}, its metadata said "
+                f"{expected_name} {dtype} {list(expected_shape)}"
             )
-        if tensor.numel():
-            flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-            self._handle.write(flat.numpy().data)
+        writing: list[Future[None]] = []
+        for run in runs:
+            if run.numel():
+                flat = run.detach().contiguous().reshape(-1).view(torch.uint8)
+                writing += self._handle.write_in_place(flat.numpy().data)
+        return writing
 
     def __enter__(self) -> _SafetensorsWriter:
         return self
@@ -243,44 +262,76 @@ class _SafetensorsWriter:
 
 def _write_shard(path: Path, shard: _Shard, source: CanonicalSource, kinds: _HFKinds,
                  progress: Progress) -> PlannedFile:
-    """One shard file, its units produced in turn into one block of reused memory; runs on a ``--threads``
-    thread (a stacked tensor is never split between shards, so its pieces stay in this task)."""
+    """One shard file, its records (a unit's HF tensors, or each stored part a unit keeps) produced in turn into
+    blocks of reused memory, each written from its own memory while the next is produced (``RECORDS_IN_FLIGHT``
+    at most still being written); runs on a ``--threads`` thread (a stacked tensor is never split between
+    shards, so its pieces stay in this task)."""
     entries = _shard_entries(shard)
     stacks: dict[str, list[torch.Tensor]] = {}
-    memory = ReusedMemory()
+    memory = ReusedMemory(blocks=RECORDS_IN_FLIGHT + 1)
+    writing: deque[list[Future[None]]] = deque()  # the writes of the records still written from their memory
     with _SafetensorsWriter(path, entries) as writer:
         for unit in shard.units:
-            with memory.lending(source.meta(unit.canonical).nbytes):
-                _write_unit(writer, unit, source, kinds, stacks)
+            for nbytes, write in _records(writer, unit, source, kinds, stacks):
+                while len(writing) > RECORDS_IN_FLIGHT:
+                    settled(writing.popleft())  # its memory is free for this record
+                with memory.lending(nbytes, phase=writer.offset):
+                    written = write()
+                if written:
+                    writing.append(written)
     progress(writer.nbytes)
     return PlannedFile(path.name, len(entries), writer.nbytes, digest=writer.digest, size=writer.size)
 
 
+def _records(writer: _SafetensorsWriter, unit: _Unit, source: CanonicalSource, kinds: _HFKinds,
+             stacks: dict[str, list[torch.Tensor]]) -> list[tuple[int, Callable[[], list[Future[None]]]]]:
+    """A unit's records, each with the bytes of the tensor it produces first: each stored part of a unit kept
+    whole (--keep-fp8), else the unit's canonical tensor as its HF tensors (``_write_unit``)."""
+    if not unit.kept.keys() >= set(unit.hf_names):
+        return [(source.meta(unit.canonical).nbytes, partial(_write_unit, writer, unit, source, kinds, stacks))]
+    return [(meta.nbytes, partial(_write_kept, writer, source, part))
+            for hf_name in unit.hf_names for part, meta in unit.kept[hf_name]]
+
+
+def _write_kept(writer: _SafetensorsWriter, source: CanonicalSource, part: str) -> list[Future[None]]:
+    """A stored part of a quantized tensor written as it is (--keep-fp8)."""
+    quantized = source.hf_origin.quantized if source.hf_origin is not None else None
+    assert quantized is not None
+    return writer.write(part, source.checked_stored(part, quantized.read_stored(part)))
+
+
 def _write_unit(writer: _SafetensorsWriter, unit: _Unit, source: CanonicalSource, kinds: _HFKinds,
-                stacks: dict[str, list[torch.Tensor]]) -> None:
+                stacks: dict[str, list[torch.Tensor]]) -> list[Future[None]]:
     """One canonical tensor as its HF tensors: kept quantized ones as their stored parts (--keep-fp8), a
-    stacked row's slice held in ``stacks`` until its last expert writes the whole."""
+    stacked row's slice held in ``stacks`` until its last expert writes the whole. The futures of the writes
+    still reading the unit's memory."""
     config = source.config
-    if unit.kept.keys() >= set(unit.hf_names):
-        pieces: list[torch.Tensor | None] = [None] * len(unit.hf_names)
-    else:
-        full = _as_hf(unit.canonical, source.load(unit.canonical), config, kinds)
-        pieces = list(unit.row.transform.split(full, config))
-        del full
+    full = _as_hf(unit.canonical, source.load(unit.canonical), config, kinds)
+    if unit.stack is None and not unit.kept and full.dtype == unit.dtype:
+        return _write_runs(writer, unit, unit.row.transform.split_runs(full, config))
+    pieces = list(unit.row.transform.split(full, config))
+    del full
+    writing: list[Future[None]] = []
     for hf_name, piece in zip(unit.hf_names, pieces, strict=True):
         if hf_name in unit.kept:
-            quantized = source.hf_origin.quantized if source.hf_origin is not None else None
-            assert quantized is not None
             for part, _ in unit.kept[hf_name]:
-                writer.write(part, source.checked_stored(part, quantized.read_stored(part)))
+                writing += _write_kept(writer, source, part)
             continue
-        assert piece is not None
         if unit.stack is None:
-            writer.write(hf_name, piece.to(unit.dtype))
+            writing += writer.write(hf_name, piece.to(unit.dtype))
             continue
         stacks.setdefault(hf_name, []).append(piece.to(unit.dtype))
         if unit.closes_stack:
-            writer.write(hf_name, torch.stack(stacks.pop(hf_name)))
+            writing += writer.write(hf_name, torch.stack(stacks.pop(hf_name)))
+    return writing
+
+
+def _write_runs(writer: _SafetensorsWriter, unit: _Unit, parts: list[list[torch.Tensor]]) -> list[Future[None]]:
+    """A unit's HF tensors, each written from the runs of the canonical tensor it is made of (no part made apart)."""
+    writing: list[Future[None]] = []
+    for (name, meta, _), runs in zip(unit.entries(), parts, strict=True):
+        writing += writer.write_runs(name, runs, tuple(runs[0].shape) if len(runs) == 1 else meta.shape)
+    return writing
 
 
 def _shard_entries(shard: _Shard) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
@@ -339,6 +390,7 @@ class HFSaver(Saver):
     keeps_quantized = True
     # One unsharded model: the destination never takes a parallel layout.
     parallel = False
+    records_in_flight = RECORDS_IN_FLIGHT
 
     def validate(self, source: CanonicalSource, options: SaveOptions) -> None:
         layout = options.layout

@@ -24,7 +24,7 @@ from pgconvert.io import ranges
 from pgconvert.io.digest import Hasher
 from pgconvert.io.output import OutputFile
 from pgconvert.io.ranges import FileHandles
-from pgconvert.io.threads import run_each
+from pgconvert.io.threads import run_each, spread
 from pgconvert.run.convert import convert
 
 WAIT = 30.0  # seconds a test waits for another thread before it gives up (never reached when all is well)
@@ -246,6 +246,20 @@ def test_dry_run_counts_the_memory_of_each_thread(sources: dict[str, Path], tmp_
     assert "1 file at once" in one_pass  # torch_dist writes its data files in one pass
 
 
+def test_dry_run_counts_the_record_an_hf_shard_writes_while_it_makes_the_next(sources: dict[str, Path],
+                                                                               tmp_path: Path) -> None:
+    from pgconvert.io.output import OUTPUT_STAGING_BYTES, RECORDS_IN_FLIGHT
+    from pgconvert.run.convert import convert_request, plan
+
+    conversion = plan(convert_request(sources["hf"], tmp_path / "dst", dst_format="hf", threads=2))
+    conversion.source.close()
+    largest, at_once = conversion.largest_tensor, conversion.files_at_once
+    assert largest > 0 and RECORDS_IN_FLIGHT == 1 and conversion.saver.records_in_flight == RECORDS_IN_FLIGHT
+    assert conversion.memory_in_flight == at_once * (2 * largest + OUTPUT_STAGING_BYTES)
+    line = _dry_run_memory_line(sources["hf"], tmp_path / "dst", "--dst-format", "hf")
+    assert "2 tensors as large as its largest" in line and "one is written while the next is made" in line
+
+
 @pytest.mark.parametrize("threads", [0, -1, True, 1.5])
 def test_a_thread_count_below_one_or_not_whole_is_refused(sources: dict[str, Path], tmp_path: Path,
                                                          threads: object) -> None:
@@ -254,3 +268,34 @@ def test_a_thread_count_below_one_or_not_whole_is_refused(sources: dict[str, Pat
     with pytest.raises(ValidationError, match=r"--threads .*: must be a whole number of at least 1"):
         convert(sources["megatron"], tmp_path / "dst", dst_tp=1, threads=threads)
     assert not (tmp_path / "dst").exists()
+
+
+@pytest.mark.parametrize("count", [1, 2, 5])
+def test_spread_calls_each_index_once_and_returns_when_all_have_returned(count: int) -> None:
+    calls: list[tuple[int, int, str]] = []
+    lock = threading.Lock()
+
+    def work(index: int, total: int) -> None:
+        with lock:
+            calls.append((index, total, threading.current_thread().name))
+
+    spread(work, count)
+    assert sorted(call[:2] for call in calls) == [(index, count) for index in range(count)]
+    assert [name for index, _, name in calls if index == 0] == [threading.current_thread().name]
+
+
+@pytest.mark.parametrize("failing", [0, 1])
+def test_spread_raises_a_calls_error_only_once_every_call_has_ended(failing: int) -> None:
+    """A failure on this thread or a helper is raised here, after the other call has finished (it may be writing
+    into memory the caller owns)."""
+    finished = threading.Event()
+
+    def work(index: int, total: int) -> None:
+        if index == failing:
+            raise ValueError(f"call {index} failed")
+        threading.Event().wait(0.2)
+        finished.set()
+
+    with pytest.raises(ValueError, match=f"call {failing} failed"):
+        spread(work, 2)
+    assert finished.is_set()

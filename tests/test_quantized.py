@@ -8,14 +8,14 @@ the MXFP4 reference is transformers' own ``convert_moe_packed_tensors``.
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 from support.cli_helpers import assert_clean_refusal, run_cli
-from support.hf_helpers import build_hf_model, edit_json, load_hf_tensors, rewrite_as_single_file, save_hf_model
+from support.fp8_checkpoints import fp8_checkpoint, quantize_fp8
+from support.hf_helpers import edit_json, load_hf_tensors, rewrite_as_single_file
 from safetensors.torch import save_file
 
 from pgconvert.run.convert import convert
@@ -31,25 +31,8 @@ from pgconvert.formats.hf_quantized import (
     dequantize_mxfp4,
 )
 from pgconvert.formats.registry import get_loader
+from pgconvert.io import threads as threads_module
 from pgconvert.formats.stream import TensorMeta, all_finite
-
-QUANTIZED = (".q_proj.weight", ".k_proj.weight", ".v_proj.weight", ".o_proj.weight",
-             ".gate_proj.weight", ".up_proj.weight", ".down_proj.weight")
-
-
-def quantize_fp8(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """A float8_e4m3fn weight and its float32 block scales (amax / 448 per block), as DeepSeek stores them."""
-    rows, cols = weight.shape
-    scale = torch.empty(math.ceil(rows / block[0]), math.ceil(cols / block[1]), dtype=torch.float32)
-    quantized = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
-    for i in range(scale.shape[0]):
-        for j in range(scale.shape[1]):
-            tile = weight[i * block[0]:(i + 1) * block[0], j * block[1]:(j + 1) * block[1]].float()
-            scale[i, j] = tile.abs().max().clamp(min=1e-12) / 448.0
-            quantized[i * block[0]:(i + 1) * block[0], j * block[1]:(j + 1) * block[1]] = (
-                tile / scale[i, j]).to(torch.float8_e4m3fn)
-    return quantized, scale
-
 
 def reference_dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
                          dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -61,23 +44,6 @@ def reference_dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple
             cols = slice(j * block[1], (j + 1) * block[1])
             out[rows, cols] = weight[rows, cols].float() * scale[i, j]
     return out.to(dtype)
-
-
-def fp8_checkpoint(path: Path, block: tuple[int, int] = (32, 48), name: str = "llama") -> dict[str, torch.Tensor]:
-    """A tiny bf16 model whose linear weights are stored FP8 block-scaled; returns the stored tensors."""
-    save_hf_model(build_hf_model(name).to(torch.bfloat16), path)
-    stored: dict[str, torch.Tensor] = {}
-
-    def quantize(tensors: dict[str, torch.Tensor]) -> None:
-        for key in sorted(tensors):
-            if key.endswith(QUANTIZED):
-                tensors[key], tensors[key + "_scale_inv"] = quantize_fp8(tensors[key], block)
-        stored.update(tensors)
-
-    rewrite_as_single_file(path, quantize)
-    edit_json(path / "config.json", lambda doc: doc.update(quantization_config={
-        "quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(block), "activation_scheme": "dynamic"}))
-    return stored
 
 
 def expected_dequantized(stored: dict[str, torch.Tensor], block: tuple[int, int]) -> dict[str, torch.Tensor]:
@@ -486,3 +452,68 @@ def test_fp8_dequantization_in_many_strips_of_a_window_equals_the_reference(dtyp
     assert torch.equal(dequantize_fp8(weight, scale, block).view(torch.int16), expected.view(torch.int16))
     window = dequantize_fp8(weight[19:61, 5:40], scale[1:, :], block, row0=19, col0=5)
     assert torch.equal(window.view(torch.int16), expected[19:61, 5:40].view(torch.int16))
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_fp8_dequantization_spread_over_threads_equals_the_reference(threads: int, dtype: torch.dtype,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Strips taken by one, two or three threads (fewer strips than threads for the small weight), of stacked
+    experts and of a window, in each dtype asked for: the reference's bits."""
+    monkeypatch.setattr(hf_quantized, "STRIP_ELEMENTS", 7 * 45 * 3)
+    monkeypatch.setattr(threads_module, "SPREAD_THREADS", threads)
+    block = (16, 32)
+    generator = torch.Generator().manual_seed(threads)
+    pairs = [quantize_fp8(torch.randn(70, 45, generator=generator), block) for _ in range(3)]
+    weight = torch.stack([w.view(torch.uint8) for w, _ in pairs]).view(torch.float8_e4m3fn)
+    scale = torch.stack([s for _, s in pairs])
+    out = dequantize_fp8(weight, scale, block, dtype=dtype)
+    for expert, (w, s) in enumerate(pairs):
+        assert torch.equal(out[expert], reference_dequantize(w, s, block, dtype)), expert
+    tiny = dequantize_fp8(pairs[0][0][:2, 3:9], pairs[0][1][:1, :1], block, col0=3, dtype=dtype)
+    assert torch.equal(tiny, reference_dequantize(pairs[0][0], pairs[0][1], block, dtype)[:2, 3:9])
+
+
+def test_fp8_dequantization_over_more_than_256_column_blocks_equals_the_reference() -> None:
+    """More column blocks than 16-bit indices reach (257 tables of 256 codes): the indices are 32-bit."""
+    block = (4, 2)
+    generator = torch.Generator().manual_seed(11)
+    weight, scale = quantize_fp8(torch.randn(6, 2 * 257 + 1, generator=generator), block)
+    assert torch.equal(dequantize_fp8(weight, scale, block), reference_dequantize(weight, scale, block))
+
+
+def test_fp8_dequantization_into_a_given_tensor_fills_it_and_refuses_one_that_does_not_fit() -> None:
+    block = (16, 32)
+    weight, scale = quantize_fp8(torch.randn(40, 64, generator=torch.Generator().manual_seed(2)), block)
+    fused = torch.full((2, 40, 64), 7.0, dtype=torch.bfloat16)
+    assert dequantize_fp8(weight, scale, block, out=fused[1]).data_ptr() == fused[1].data_ptr()
+    assert torch.equal(fused[1], reference_dequantize(weight, scale, block)) and bool((fused[0] == 7).all())
+    for wrong in (torch.empty(40, 63, dtype=torch.bfloat16), torch.empty(40, 64), fused.transpose(1, 2)[0]):
+        with pytest.raises(ValueError, match="dequantize_fp8: out is"):
+            dequantize_fp8(weight, scale, block, out=wrong)
+
+
+@pytest.mark.parametrize("kv_heads", [1, 4, 8], ids=["mqa", "gqa", "mha"])
+def test_a_fused_tensor_of_fp8_parts_is_dequantized_into_its_rows_as_its_parts_fused(
+        tmp_path: Path, kv_heads: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The HF reader makes a tensor of several FP8 parts by dequantizing each part straight into its rows of the
+    fused tensor (each query group's rows on their own for q, k and v): bit for bit the tensor the transform fuses
+    from the parts' own dequantizations, and with no part made apart for a gate/up pair."""
+    fp8_checkpoint(tmp_path / "fp8", num_key_value_heads=kv_heads)
+    source = get_loader("hf").open(tmp_path / "fp8", LoadOptions())
+    made: list[tuple[int, ...]] = []
+    real_dequantize = hf_quantized.dequantize_fp8
+
+    def watched(*args: object, **kwargs: object) -> torch.Tensor:
+        made.append(kwargs.get("out") is None)
+        return real_dequantize(*args, **kwargs)
+
+    for name in ("decoder.layers.1.self_attention.linear_qkv.weight", "decoder.layers.1.mlp.linear_fc1.weight"):
+        row, hf_names = source._rows[name]
+        expected = row.transform.fuse([source._read(hf) for hf in hf_names], source.config)
+        made.clear()
+        monkeypatch.setattr(hf_quantized, "dequantize_fp8", watched)
+        assert source._reads_whole_into(name)
+        assert torch.equal(source.load(name).view(torch.int16), expected.view(torch.int16)), name
+        monkeypatch.setattr(hf_quantized, "dequantize_fp8", real_dequantize)
+        assert made and not any(made), (name, made)  # every part dequantized into its place

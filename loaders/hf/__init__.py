@@ -41,7 +41,7 @@ from pgconvert.families import mtp
 from pgconvert.formats.hf_quantized import QuantizedTensors
 from pgconvert.model.declared import declaring_settings, shape_settings
 from pgconvert.model.provider import OUTPUT_LAYER, WORD_EMBEDDINGS, canonical_names, shape_function
-from pgconvert.model.rules import ShardRule, assemble, strided_in_whole
+from pgconvert.model.rules import ShardRule, Window, assemble, strided_in_whole
 from pgconvert.formats.stream import CanonicalSource, TensorMeta, all_finite
 from pgconvert.formats.strict import fallback
 
@@ -294,6 +294,8 @@ class HFSource(CanonicalSource):
         index = self.family.tensors.stack_index(mtp.table_name(name, self.config)) if row.stacked else None
         if index is not None:  # one expert's slice of the stacked HF tensors
             parts = [self._read_range(hf, 0, index, index + 1)[0] for hf in hf_names]
+        elif self._reads_whole_into(name):
+            return self._whole_into(name)
         else:
             parts = [self._read(hf) for hf in hf_names]
         full = row.transform.fuse(parts, self.config)
@@ -302,6 +304,28 @@ class HFSource(CanonicalSource):
             self._inexact[name] = (f"{', '.join(hf_names)}: {changed} of {full.numel()} values are not kept exactly "
                                    f"by the {row.transform.name} transform")
             self._notice_changed(row, self._inexact[name])
+        for copy, why in self._copies.get(name, ()):
+            self._check_copy(full, self._read(copy), hf_names[0], copy, why)
+        return full
+
+    def _reads_whole_into(self, name: str) -> bool:
+        """Whether a tensor of several HF parts is read with each part straight into its place (a transform that
+        reads windows of its parts places them unchanged)."""
+        row, hf_names = self._rows[name]
+        shape = self._metas[name].shape
+        return len(hf_names) > 1 and bool(shape) and row.transform.reads_window(Window(0, 0, shape[0]), shape,
+                                                                                 self.config)
+
+    def _whole_into(self, name: str) -> torch.Tensor:
+        """The whole canonical tensor made by reading (or dequantizing) each HF part into its rows, no part held
+        apart (its stored copies checked as ``_load`` checks them)."""
+        row, hf_names = self._rows[name]
+        meta = self._metas[name]
+        whole = Window(0, 0, meta.shape[0])
+        read_into = self._part_into(hf_names)
+        full = assemble([whole], lambda window, out: row.transform.read_window_into(window, meta.shape, self.config,
+                                                                                    read_into, out),
+                        meta.shape, meta.dtype)
         for copy, why in self._copies.get(name, ()):
             self._check_copy(full, self._read(copy), hf_names[0], copy, why)
         return full
@@ -403,7 +427,7 @@ class HFSource(CanonicalSource):
             hf = hf_names[part]
             name = self._stored(hf)
             if name in self._quantized:
-                out.copy_(self._quantized.read_range(name, dim, start, stop).view(out.shape))
+                self._quantized.read_range_into(name, dim, start, stop, out)
             else:
                 tensor_range_region(self._files[hf], name, dim, start, stop).read_into(out)
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy
 import torch
 
 from pgconvert.errors import CheckpointError, ValidationError
@@ -36,6 +37,7 @@ from pgconvert.io.ranges import FileRegion
 from pgconvert.io.limits import quote
 from pgconvert.io.sizes import dtype_name
 from pgconvert.io.reuse import new_tensor
+from pgconvert.io.threads import spread
 from pgconvert.formats.stream import TensorMeta
 
 if TYPE_CHECKING:
@@ -58,6 +60,9 @@ FP4_E2M1_VALUES: tuple[float, ...] = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
 DEQUANTIZED_DTYPE = torch.bfloat16
 # Elements dequantized per step: the float32 temporaries stay this size whatever the tensor's.
 STRIP_ELEMENTS = 2**22
+# A dequantized dtype's values seen as integers of its width, for numpy (which has no bfloat16).
+_BITS_OF: dict[torch.dtype, torch.dtype] = {torch.bfloat16: torch.int16, torch.float16: torch.int16,
+                                            torch.float32: torch.int32, torch.float64: torch.int64}
 # MXFP4 values dequantized per strip: a strip's float32 values (1 MiB) stay in cache for the transposing write.
 MXFP4_STRIP_VALUES = 2**18
 
@@ -94,7 +99,8 @@ def fp8_scale_grid(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int,
 
 
 def dequantize_fp8(weight: torch.Tensor | FileRegion, scale: torch.Tensor, block: tuple[int, int],
-                   row0: int = 0, col0: int = 0, dtype: torch.dtype = DEQUANTIZED_DTYPE) -> torch.Tensor:
+                   row0: int = 0, col0: int = 0, dtype: torch.dtype = DEQUANTIZED_DTYPE,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
     """``weight.float() * scale`` over blocks, rounded once to ``dtype``, a strip of rows at a time.
 
     ``weight`` (a tensor, or its bytes in a file: each strip is then read on its own, so no buffer of
@@ -103,29 +109,60 @@ def dequantize_fp8(weight: torch.Tensor | FileRegion, scale: torch.Tensor, block
     corner. A strip lies in one block row: its values are, per column block, a table of the 256 codes'
     float32 values times that block's scale, rounded to ``dtype`` (the same product and rounding as
     element by element), and each code, offset by its column block's table, indexes them straight
-    into ``out``.
+    into ``out``: a new tensor, or the contiguous tensor of ``dtype`` and the weight's shape given (a part's place
+    in a fused tensor), which is returned. The strips are spread over threads (``io.threads.spread``); the
+    gathers are numpy's, on each thread.
     """
     shape = tuple(weight.shape)
-    rows, cols, lead = shape[-2], shape[-1], math.prod(shape[:-2])
-    out = new_tensor(shape, dtype)
-    by_lead = out.view(lead, rows, cols)
-    scales = scale.reshape(lead, scale.shape[-2], scale.shape[-1])
-    table_offsets = (torch.arange(col0, col0 + cols) // block[1] - col0 // block[1]).to(torch.int32) * 256
-    codes = _fp8_table(weight.dtype)
-    limit = max(1, STRIP_ELEMENTS // max(1, cols * lead))
-    indices = torch.empty(lead * min(rows, limit, block[0]) * cols, dtype=torch.int32)
-    start = 0
-    while start < rows:
-        block_row = (row0 + start) // block[0] - row0 // block[0]
-        stop = min(rows, start + limit, (block_row + row0 // block[0] + 1) * block[0] - row0)
-        strip = _strip(weight, start, stop).view(torch.uint8)
-        index = indices[:strip.numel()].view(strip.shape).copy_(strip).add_(table_offsets)
-        values = (codes * scales[:, block_row, :, None]).to(dtype)
-        for item in range(lead):
-            torch.index_select(values[item].view(-1), 0, index.reshape(lead, -1)[item],
-                               out=by_lead[item, start:stop].view(-1))
-        start = stop
+    if out is None:
+        out = new_tensor(shape, dtype)
+    elif tuple(out.shape) != shape or out.dtype != dtype or not out.is_contiguous():
+        raise ValueError(f"dequantize_fp8: out is {out.dtype} {list(out.shape)}, expected contiguous {dtype} "
+                         f"{list(shape)}")
+    if out.numel():
+        strips = _Fp8Strips(weight, scale, block, row0, col0, out)
+        spread(lambda index, count: strips.run(index, count))
     return out
+
+
+class _Fp8Strips:
+    """The strips of one FP8 dequantization (``dequantize_fp8``), each done by one thread."""
+
+    def __init__(self, weight: torch.Tensor | FileRegion, scale: torch.Tensor, block: tuple[int, int], row0: int,
+                 col0: int, out: torch.Tensor) -> None:
+        rows, cols = out.shape[-2], out.shape[-1]
+        self.lead = math.prod(out.shape[:-2])
+        self.weight, self.rows, self.cols = weight, rows, cols
+        self.bits = _BITS_OF[out.dtype]
+        self.out = out.view(self.lead, rows, cols).view(self.bits).numpy()
+        self.scales = scale.reshape(self.lead, scale.shape[-2], scale.shape[-1])
+        self.dtype, self.values = out.dtype, _fp8_table(weight.dtype)
+        tables = (col0 + cols - 1) // block[1] - col0 // block[1] + 1
+        index_type = numpy.uint16 if tables * 256 <= 1 << 16 else numpy.int32
+        self.offsets = ((numpy.arange(col0, col0 + cols) // block[1] - col0 // block[1]) * 256).astype(index_type)
+        limit = max(1, STRIP_ELEMENTS // max(1, cols * self.lead))
+        self.strips: list[tuple[int, int, int]] = []  # (first row, row past the last, block row)
+        start = 0
+        while start < rows:
+            block_row = (row0 + start) // block[0] - row0 // block[0]
+            stop = min(rows, start + limit, (block_row + row0 // block[0] + 1) * block[0] - row0)
+            self.strips.append((start, stop, block_row))
+            start = stop
+        self.index_rows = min(rows, limit, block[0])
+
+    def run(self, index: int, count: int) -> None:
+        """Strips ``index``, ``index + count``, ...: each read, offset into its column blocks' tables, gathered."""
+        if index >= len(self.strips):
+            return
+        indices = numpy.empty((self.lead, self.index_rows, self.cols), dtype=self.offsets.dtype)
+        for start, stop, block_row in self.strips[index::count]:
+            strip = _strip(self.weight, start, stop).view(torch.uint8).numpy().reshape(self.lead, stop - start, -1)
+            codes = indices[:, :stop - start]
+            numpy.add(strip, self.offsets, out=codes, dtype=codes.dtype)
+            table = (self.values * self.scales[:, block_row, :, None]).to(self.dtype)
+            values = table.view(self.bits).numpy().reshape(self.lead, -1)
+            for item in range(self.lead):
+                numpy.take(values[item], codes[item], out=self.out[item, start:stop], mode="wrap")
 
 
 def _strip(weight: torch.Tensor | FileRegion, start: int, stop: int) -> torch.Tensor:
@@ -383,15 +420,37 @@ class QuantizedTensors:
                                   dtype=self.dtype)
         return dequantize_mxfp4(read_tensor(self._files[entry.data], entry.data), scale, self.dtype)
 
-    def read_range(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+    def read_range_into(self, name: str, dim: int, start: int, stop: int, out: torch.Tensor) -> None:
+        """``read_range`` into ``out`` (of the range's elements): a contiguous ``out`` of a 2-d fp8 weight's rows
+        or columns is dequantized straight into, as is each row block of an ``out`` [blocks, rows, ...] whose blocks
+        lie apart (a fused QKV's rows, by query group); anything else is read and copied."""
+        if dim == 0 and out.dim() == 3 and not out.is_contiguous() and out[0].is_contiguous():
+            step = out.shape[1]  # rows of the range that land apart (a query group's rows of a fused QKV)
+            for group in range(out.shape[0]):
+                self.read_range_into(name, 0, start + group * step, start + (group + 1) * step, out[group])
+            return
+        entry = self.entries[name]
+        shape = list(entry.meta.shape)
+        if stop > start and 0 <= dim < 2:
+            shape[dim] = stop - start
+        if (entry.scheme != "fp8" or len(shape) != 2 or not stop > start or not out.is_contiguous()
+                or out.dtype != self.dtype or out.numel() != math.prod(shape)):
+            out.copy_(self.read_range(name, dim, start, stop).view(out.shape))
+            return
+        self.read_range(name, dim, start, stop, out=out.view(shape))
+
+    def read_range(self, name: str, dim: int, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """Indices ``[start, stop)`` of ``dim`` of the logical tensor, reading only the parts they need
-        where the layout allows (fp8: rows or columns of a 2-d weight; mxfp4: experts)."""
+        where the layout allows (fp8: rows or columns of a 2-d weight, dequantized into ``out`` when given; mxfp4:
+        experts)."""
         entry = self.entries[name]
         ndim = len(entry.meta.shape)
         windowed = stop > start and ((entry.scheme == "fp8" and ndim == 2) or (entry.scheme == "mxfp4" and dim == 0))
         if not windowed:
+            assert out is None, "only a 2-d fp8 weight's window is dequantized into a given tensor"
             return self.read(name).narrow(dim, start, stop - start).contiguous()
         if entry.scheme == "mxfp4":
+            assert out is None, "only a 2-d fp8 weight's window is dequantized into a given tensor"
             data = read_tensor_range(self._files[entry.data], entry.data, dim, start, stop)
             return dequantize_mxfp4(data, read_tensor_range(self._files[entry.scale], entry.scale, 0, start, stop),
                                     self.dtype)
@@ -399,7 +458,7 @@ class QuantizedTensors:
         scale = read_tensor_range(self._files[entry.scale], entry.scale, dim, start // size, (stop - 1) // size + 1)
         data = tensor_range_region(self._files[entry.data], entry.data, dim, start, stop)
         return dequantize_fp8(data, scale, entry.block, row0=start if dim == 0 else 0, col0=start if dim == 1 else 0,
-                              dtype=self.dtype)
+                              dtype=self.dtype, out=out)
 
     def stored_parts(self, name: str) -> tuple[tuple[str, TensorMeta], ...]:
         """The stored tensors (data, scale) that make up ``name``, as ``--keep-fp8`` writes them."""

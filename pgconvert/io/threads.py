@@ -18,6 +18,7 @@ With one thread (or one task) the tasks run here, one after another, exactly as 
 from __future__ import annotations
 
 import contextvars
+import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
@@ -89,3 +90,37 @@ def run_each(tasks: Sequence[Callable[[], T]], threads: int) -> list[T]:
     if failures:
         raise failures[0]
     return [future.result() for future in futures]
+
+
+# Threads one computation is spread over (``spread``): the calling thread and helpers, at most this many in all.
+SPREAD_THREADS = min(4, os.cpu_count() or 1)
+_helpers: ThreadPoolExecutor | None = None
+_helpers_lock = threading.Lock()
+
+
+def spread(work: Callable[[int, int], None], threads: int | None = None) -> None:
+    """Call ``work(index, count)`` for each index below ``count`` (``SPREAD_THREADS`` unless given) at once: index 0
+    on this thread, the others on a pool of helper threads made on first use. For work whose kernels release the
+    GIL (numpy, reads) and run on their calling thread, where torch's intra-op pool would spin between many small
+    kernels. Returns once every call has returned; raises the first exception any of them raised."""
+    count = max(1, SPREAD_THREADS if threads is None else threads)
+    if count == 1:
+        work(0, 1)
+        return
+    pool = _helper_pool()
+    futures = [pool.submit(contextvars.copy_context().run, work, index, count) for index in range(1, count)]
+    try:
+        work(0, count)
+    finally:
+        wait(futures)  # helpers may still be writing into what the caller owns
+    for future in futures:
+        future.result()
+
+
+def _helper_pool() -> ThreadPoolExecutor:
+    """The helper threads of ``spread`` (``SPREAD_THREADS`` - 1 of them; more calls than that wait their turn)."""
+    global _helpers
+    with _helpers_lock:
+        if _helpers is None:
+            _helpers = ThreadPoolExecutor(max(1, SPREAD_THREADS - 1), thread_name_prefix="pgconvert-spread")
+        return _helpers

@@ -31,7 +31,10 @@ from pgconvert.formats.hf_quantized import (
     dequantize_mxfp4,
 )
 from pgconvert.formats.registry import get_loader
+from pgconvert.formats.hf import tensor_region
+from pgconvert.io import reuse
 from pgconvert.io import threads as threads_module
+from pgconvert.io.reuse import ReusedMemory
 from pgconvert.formats.stream import TensorMeta, all_finite
 
 def reference_dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
@@ -517,3 +520,22 @@ def test_a_fused_tensor_of_fp8_parts_is_dequantized_into_its_rows_as_its_parts_f
         assert torch.equal(source.load(name).view(torch.int16), expected.view(torch.int16)), name
         monkeypatch.setattr(hf_quantized, "dequantize_fp8", real_dequantize)
         assert made and not any(made), (name, made)  # every part dequantized into its place
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_lending_left_open_is_never_taken_by_a_strip_read_from_the_file(tmp_path: Path, threads: int,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Strips read from the file (on this thread or a helper) are never made in the memory lent to the record
+    being produced, even when a strip has the record's size: that memory may hold the record itself."""
+    monkeypatch.setattr(reuse, "SMALLEST", 1)
+    monkeypatch.setattr(threads_module, "SPREAD_THREADS", threads)
+    monkeypatch.setattr(hf_quantized, "STRIP_ELEMENTS", 4 * 75)  # strips of 4 rows of 75 fp8 bytes
+    block = (16, 32)
+    weight, scale = quantize_fp8(torch.randn(70, 75, generator=torch.Generator().manual_seed(4)), block)
+    save_file({"w": weight}, str(tmp_path / "model.safetensors"))
+    region = tensor_region(tmp_path / "model.safetensors", "w")
+    out = torch.empty(70, 75, dtype=torch.bfloat16)
+    with ReusedMemory().lending(4 * 75):  # a strip's bytes
+        dequantize_fp8(region, scale, block, out=out)
+        assert reuse._LENT.get() is not None  # not taken
+    assert torch.equal(out, reference_dequantize(weight, scale, block))

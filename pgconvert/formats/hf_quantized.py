@@ -36,7 +36,7 @@ from pgconvert.formats.hf import read_tensor, read_tensor_range, tensor_range_re
 from pgconvert.io.ranges import FileRegion
 from pgconvert.io.limits import quote
 from pgconvert.io.sizes import dtype_name
-from pgconvert.io.reuse import new_tensor
+from pgconvert.io.reuse import new_tensor, nothing_lent
 from pgconvert.io.threads import spread
 from pgconvert.formats.stream import TensorMeta
 
@@ -121,7 +121,8 @@ def dequantize_fp8(weight: torch.Tensor | FileRegion, scale: torch.Tensor, block
                          f"{list(shape)}")
     if out.numel():
         strips = _Fp8Strips(weight, scale, block, row0, col0, out)
-        spread(lambda index, count: strips.run(index, count))
+        with nothing_lent():  # a strip read on a helper thread never takes the record's memory
+            spread(lambda index, count: strips.run(index, count))
     return out
 
 

@@ -60,6 +60,17 @@ def new_tensor(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(0, dtype=dtype).set_(block, start // itemsize, tuple(shape), sizes.contiguous_stride(shape))
 
 
+@contextmanager
+def nothing_lent() -> Iterator[None]:
+    """Within the block, ``new_tensor`` makes nothing in lent memory: for work handed to other threads (their
+    contexts are copies of this one), which must not take a lending meant for this thread's record."""
+    token = _LENT.set(None)
+    try:
+        yield
+    finally:
+        _LENT.reset(token)
+
+
 def joined(tensors: Sequence[torch.Tensor], dim: int = 0) -> torch.Tensor:
     """``torch.cat(tensors, dim)``, its result made by ``new_tensor``."""
     first = tensors[0]

@@ -8,6 +8,7 @@ import errno
 import hashlib
 import os
 import random
+import threading
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -227,3 +228,32 @@ def test_short_writes_in_place_are_continued(tmp_path: Path, monkeypatch: pytest
         out.write(b"head")
         out.write_in_place(_lent(ReusedMemory(), data, out.offset).numpy().data)
     assert (tmp_path / "out.bin").read_bytes() == b"head" + data
+
+
+def test_a_failed_write_in_place_the_caller_never_waited_for_still_fails_the_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An in-place write that failed while the caller went on to the next record is raised at a later write or
+    at the close, never dropped: the file is not fsynced as if complete."""
+    real_pwrite = os.pwrite
+    failed = threading.Event()
+
+    def failing_once(fd: int, data: memoryview, offset: int) -> int:
+        if len(data) > BLOCK and not failed.is_set():
+            failed.set()
+            raise OSError(errno.EIO, "Input/output error")
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", failing_once)
+    monkeypatch.setattr(reuse, "SMALLEST", 1)
+    memory = ReusedMemory(blocks=3)
+    path = tmp_path / "out.bin"
+    with pytest.raises(OSError) as caught:
+        with OutputFile(path) as out:
+            first = _lent(memory, bytes(2 * output.IN_PLACE_SMALLEST), out.offset)
+            out.write_in_place(first.numpy().data)  # its futures never waited for by the caller
+            failed.wait(5)
+            for index in range(2):
+                later = _lent(memory, bytes(2 * output.IN_PLACE_SMALLEST), out.offset)
+                out.write_in_place(later.numpy().data)
+    assert caught.value.errno == errno.EIO and caught.value.filename == str(path)
+    assert out.digest is None

@@ -188,9 +188,19 @@ class OutputFile:
         placed = source[head:head + body]
         futures = [*self._hashed(_Held(placed)), self._writer.submit(self._write_held, _Held(placed), self._handed)]
         self._handed += body
-        self._in_place = [future for future in self._in_place if not future.done()] + futures
+        self._in_place = [*self._unfinished(), *futures]
         self.write(source[head + body:])
         return futures
+
+    def _unfinished(self) -> list[Future[None]]:
+        """The in-place writes not done yet; one done with an error raises it here (it is never dropped unseen)."""
+        unfinished = []
+        for future in self._in_place:
+            if future.done():
+                future.result()
+            else:
+                unfinished.append(future)
+        return unfinished
 
     @property
     def offset(self) -> int:

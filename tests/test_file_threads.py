@@ -234,7 +234,7 @@ def test_dry_run_counts_the_memory_of_each_thread(sources: dict[str, Path], tmp_
     conversion.source.close()
     largest = conversion.largest_tensor
     assert largest > 0 and conversion.files_at_once == 2
-    assert conversion.memory_in_flight == 2 * (largest + OUTPUT_STAGING_BYTES)
+    assert conversion.memory_in_flight == 2 * (2 * largest + OUTPUT_STAGING_BYTES)  # a record written, one made
     flags = ["--dst-tp", "1", "--dst-pp", "2", "--dst-ep", "1"]
 
     one = _dry_run_memory_line(sources["megatron"], tmp_path / "dst", *flags, "--threads", "1")

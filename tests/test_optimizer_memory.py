@@ -153,9 +153,9 @@ def test_a_per_rank_destination_writes_each_rank_file_once_and_never_reads_one_b
     loaded: list[Path] = []
     save, load = megatron_saver.save_durably, megatron_format.safe_torch_load_located
 
-    def saving(state, path):  # noqa: ANN001, ANN202
+    def saving(state, path, **kwargs):  # noqa: ANN001, ANN003, ANN202
         saved.append("/".join(Path(path).parts[-3:]))  # under the staging directory
-        return save(state, path)
+        return save(state, path, **kwargs)
 
     def loading(path, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
         loaded.append(Path(path))

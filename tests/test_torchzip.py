@@ -182,3 +182,46 @@ def test_rank_files_are_torch_save_of_the_whole_rank_and_hold_one_tensor_at_a_ti
     assert sorted(written) == sorted(expected) == ["mp_rank_00"]
     assert written == expected
     assert len(live) > 20 and most_alive == 1
+
+
+@pytest.mark.parametrize("buffered", [False, True], ids=["direct", "buffered"])
+def test_records_written_from_their_own_memory_make_torch_saves_bytes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, buffered: bool) -> None:
+    """With a record in flight, each produced tensor is made at its place in the file and written from there while
+    the next is made in the other block: the file is still torch.save's bytes, most of them written in place, and
+    two blocks serve every record."""
+    from pgconvert.io import output, reuse
+    from pgconvert.io.reuse import new_tensor
+
+    monkeypatch.setattr(reuse, "SMALLEST", 1)
+    monkeypatch.setattr(output, "IN_PLACE_SMALLEST", output.BLOCK)
+    if buffered:
+        monkeypatch.setenv(output.BUFFERED_ENV, "1")
+    blocks: set[int] = set()
+
+    def lent(values: torch.Tensor) -> PlannedTensor:
+        def produce() -> torch.Tensor:
+            made = new_tensor(tuple(values.shape), values.dtype).copy_(values)
+            blocks.add(made.untyped_storage().data_ptr())
+            return made
+        return PlannedTensor(tuple(values.shape), values.dtype, produce)
+
+    generator = torch.Generator().manual_seed(5)
+    sizes = [5 * 4096 + 3, 5 * 4096 + 1, 5 * 4096, 4096 + 5, 5 * 4096 + 3, 17]  # odd offsets, none larger than the first
+    state = {"model": OrderedDict((f"t{i}", lent(torch.randn(n, generator=generator).to(torch.bfloat16)))
+                                  for i, n in enumerate(sizes)), "iteration": 3}
+    placed = 0
+    real = output.OutputFile.write_in_place
+
+    def counted(self: output.OutputFile, data: memoryview) -> list:
+        nonlocal placed
+        futures = real(self, data)
+        placed += memoryview(data).nbytes if futures else 0
+        return futures
+
+    monkeypatch.setattr(output.OutputFile, "write_in_place", counted)
+    with output.OutputFile(tmp_path / "rank.pt") as handle:
+        save_stream(state, handle, in_flight=1)
+    lent_blocks = set(blocks)
+    assert (tmp_path / "rank.pt").read_bytes() == torch_save_bytes(materialised(state), False)
+    assert placed > sum(sizes) and len(lent_blocks) == 2, (placed, lent_blocks)  # over half the bytes (2 a value)

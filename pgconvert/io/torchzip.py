@@ -25,8 +25,9 @@ import struct
 import functools
 import sys
 import zlib
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, BinaryIO
@@ -34,6 +35,7 @@ from typing import Any, BinaryIO
 import torch
 
 from pgconvert.io import sizes
+from pgconvert.io.output import settled
 from pgconvert.io.reuse import ReusedMemory
 
 ALIGNMENT = 64
@@ -72,26 +74,37 @@ class TensorMismatchError(RuntimeError):
     """A planned tensor's producer returned another shape or dtype than planned (a bug)."""
 
 
-def save_stream(obj: Any, handle: BinaryIO, crc32: bool = False, reuse_memory: bool = True) -> None:
+def save_stream(obj: Any, handle: BinaryIO, crc32: bool = False, reuse_memory: bool = True,
+                in_flight: int = 0) -> None:
     """Write ``obj`` as ``torch.save(obj, handle)`` would, producing planned tensors one by one.
 
     ``handle`` needs only ``write``. ``crc32`` computes the records' CRC32 (torch's default);
     without it they are 0, as with torch's ``compute_crc32`` off. ``reuse_memory``: each planned
     tensor is produced in memory lent from one record to the next (``pgconvert.io.reuse``); off for
-    planned tensors that exist already.
+    planned tensors that exist already. ``in_flight`` (a handle with ``write_in_place``, ``io.output.
+    OutputFile``): each produced record is made at its place in the file and written from its own memory, that
+    many records left being written while the next is produced (each holding a block of its own).
     """
     pickled, storages = _pickle(obj)
     archive = _ZipStream(handle, crc32)
-    memory = ReusedMemory() if reuse_memory else None
+    in_place = reuse_memory and in_flight > 0 and hasattr(handle, "write_in_place")
+    memory = ReusedMemory(blocks=in_flight + 1 if in_place else 1) if reuse_memory else None
+    writing: deque[list[Future[None]]] = deque()  # the writes of the records still written from their memory
     archive.record("data.pkl", pickled)
     archive.record(".format_version", FORMAT_VERSION)
     archive.record(".storage_alignment", str(ALIGNMENT).encode())
     archive.record("byteorder", sys.byteorder.encode())
     for key, item in storages:
+        name = f"data/{key}"
         if isinstance(item, PlannedTensor) and item.parts is not None:
-            archive.record_parts(f"data/{key}", item.nbytes, _part_bytes(item))
+            archive.record_parts(name, item.nbytes, _part_bytes(item))
+        elif in_place and isinstance(item, PlannedTensor):
+            while len(writing) > in_flight:
+                settled(writing.popleft())  # its block is free for this record
+            phase = archive.data_offset(name, item.nbytes)
+            writing.append(archive.record(name, _storage_bytes(item, memory, phase), in_place=True))
         else:
-            archive.record(f"data/{key}", _storage_bytes(item, memory))
+            archive.record(name, _storage_bytes(item, memory))
     archive.record("version", FILE_VERSION)
     archive.record(".data/serialization_id", archive.serialization_id().encode())
     archive.finish()
@@ -176,13 +189,14 @@ def _pickle(obj: Any) -> tuple[bytes, list[tuple[str, torch.UntypedStorage | Pla
     return buffer.getvalue(), pickler.storages
 
 
-def _storage_bytes(item: torch.UntypedStorage | PlannedTensor, memory: ReusedMemory | None) -> memoryview:
+def _storage_bytes(item: torch.UntypedStorage | PlannedTensor, memory: ReusedMemory | None,
+                   phase: int | None = None) -> memoryview:
     """The bytes of a storage record; a planned tensor is produced (and checked) here, in ``memory``
-    where its producer makes it through ``reuse.new_tensor``."""
+    where its producer makes it through ``reuse.new_tensor`` (at ``phase``, its offset in the file)."""
     if isinstance(item, torch.UntypedStorage):
         flat = torch.empty(0, dtype=torch.uint8).set_(item)
     else:
-        with memory.lending(item.nbytes) if memory is not None else nullcontext():
+        with memory.lending(item.nbytes, phase) if memory is not None else nullcontext():
             tensor = item.produce()
         if tuple(tensor.shape) != item.shape or tensor.dtype != item.dtype or tensor.device.type != "cpu":
             raise TensorMismatchError(f"planned {item.dtype} {item.shape} on cpu, produced {tensor.dtype} "
@@ -226,31 +240,51 @@ class _ZipStream:
         self.handle.write(data)
         self.offset += len(data)
 
-    def record(self, name: str, data: bytes | memoryview) -> None:
-        self.record_parts(name, len(data), iter([data]))
+    def record(self, name: str, data: bytes | memoryview, in_place: bool = False) -> list[Future[None]]:
+        """One record; ``in_place``: written from ``data``'s own memory where the handle can (``OutputFile.
+        write_in_place``), the futures to wait for before that memory changes returned."""
+        return self.record_parts(name, len(data), iter([data]), in_place)
 
-    def record_parts(self, name: str, size: int, parts: Iterator[bytes | memoryview]) -> None:
-        """One record of ``size`` bytes, its data written part by part as ``parts`` yields them."""
+    def _local_header(self, name: str, size: int) -> tuple[bytes, bytes, int]:
+        """A record's local header written here (its data starting on an ``ALIGNMENT`` boundary), its central
+        directory's zip64 field and its flags."""
         full = f"archive/{name}".encode()
-        header_offset = self.offset
-        zip64 = size >= _U32 or header_offset >= _U32
+        zip64 = size >= _U32 or self.offset >= _U32
         # The local header's zip64 field has a compressed size of 0 (not known before the data).
-        local64 = _zip64_field(size, 0, header_offset) if zip64 else b""
-        central64 = _zip64_field(size, size, header_offset) if zip64 else b""
-        padding = -(header_offset + 30 + len(full) + 4 + len(local64)) % ALIGNMENT
+        local64 = _zip64_field(size, 0, self.offset) if zip64 else b""
+        central64 = _zip64_field(size, size, self.offset) if zip64 else b""
+        padding = -(self.offset + 30 + len(full) + 4 + len(local64)) % ALIGNMENT
         extra = local64 + struct.pack("<HH", 0x4246, padding) + b"Z" * padding
         # An empty record has no data descriptor (and so no bit 3).
         flags = 0x0808 if size else 0x0800
-        self._write(struct.pack("<IHHHHHIIIHH", 0x04034B50, 0, flags, 0, 0, 0, 0, 0, 0, len(full), len(extra))
-                    + full + extra)
+        header = struct.pack("<IHHHHHIIIHH", 0x04034B50, 0, flags, 0, 0, 0, 0, 0, 0, len(full), len(extra))
+        return header + full + extra, central64, flags
+
+    def data_offset(self, name: str, size: int) -> int:
+        """Where the data of a record written next would start in the file."""
+        return self.offset + len(self._local_header(name, size)[0])
+
+    def record_parts(self, name: str, size: int, parts: Iterator[bytes | memoryview],
+                     in_place: bool = False) -> list[Future[None]]:
+        """One record of ``size`` bytes, its data written part by part as ``parts`` yields them (``record``)."""
+        full = f"archive/{name}".encode()
+        header_offset = self.offset
+        zip64 = size >= _U32 or header_offset >= _U32
+        local, central64, flags = self._local_header(name, size)
+        self._write(local)
         crc, head, written = 0, b"", 0
+        writing: list[Future[None]] = []
         for data in parts:
             if not len(data):
                 continue
             if len(head) < 8:
                 head += bytes(data[:8 - len(head)])
             crc = crc32_function()(data, crc) if self.crc32 else 0
-            self._write(data)
+            if in_place:
+                writing += self.handle.write_in_place(data)  # type: ignore[attr-defined]
+                self.offset += len(data)
+            else:
+                self._write(data)
             written += len(data)
         if written != size:
             raise TensorMismatchError(f"record {name}: planned {size} bytes, produced {written}")
@@ -266,6 +300,7 @@ class _ZipStream:
                                         min(size, _U32), min(size, _U32), len(full), len(central64), 0, 0, 0, 0,
                                         min(header_offset, _U32)) + full + central64)
         self.names.append(name)
+        return writing
 
     def serialization_id(self) -> str:
         """torch's id: a combined hash of the record names, in its ``std::unordered_set`` order, and

@@ -25,7 +25,7 @@ from pgconvert.io.durable import fsync_file
 from pgconvert.formats import (TRAINING_STATE_NOT_CARRIED, CarriedOptimizer, OptimizerFile, OptimizerOptions,
                                PlannedFile, Progress, SaveOptions, Saver, SaveResult, target_config, target_dtype)
 from pgconvert.model.grid import RankCoord, build_converter_process_groups, iter_ranks
-from pgconvert.io.output import OutputFile, sharing_staging
+from pgconvert.io.output import RECORDS_IN_FLIGHT, OutputFile, sharing_staging
 from pgconvert.io.threads import run_each
 from pgconvert.formats.hf_side import carried_for_target, write_carried
 from pgconvert.model.layout import ParallelLayout
@@ -63,17 +63,18 @@ from pgconvert.savers.megatron.optimizer import planned_optimizer_files, trainin
 log = logging.getLogger(__name__)
 
 
-def save_durably(state: dict[str, Any], path: Path) -> str | None:
+def save_durably(state: dict[str, Any], path: Path, in_flight: int = 0) -> str | None:
     """Write ``state`` in torch.save's format into ``path`` and fsync it; returns the file's digest (None
     when digests are off, ``io.output.digests``).
 
     ``PlannedTensor`` values are produced one at a time as their records are written, so memory
-    holds one tensor, not the file. A failed write surfaces as the OSError behind it, naming the
+    holds one tensor, not the file (``in_flight`` more: records written from their own memory while the next is
+    produced, ``torchzip.save_stream``). A failed write surfaces as the OSError behind it, naming the
     file. The records' CRC32 is 0, as torch writes with ``compute_crc32`` off: torch's reader does
     not check it, and the digest recorded in the manifest covers the file.
     """
     with OutputFile(path) as output:
-        save_stream(state, output)  # type: ignore[arg-type]
+        save_stream(state, output, in_flight=in_flight)  # type: ignore[arg-type]
     return output.hexdigest()
 
 
@@ -93,6 +94,7 @@ _WrittenRank = tuple[list[PlannedFile], bool]
 
 class MegatronSaver(Saver):
     name = "megatron"
+    records_in_flight = RECORDS_IN_FLIGHT  # a rank file written alone (a TP group's files: none, ``_write_siblings``)
     # an emerging (Muon, Lion) run's plain optimizers (optimizer.py)
     optimizer_kinds = ("adam", "muon", "lion")
 
@@ -305,7 +307,8 @@ class MegatronSaver(Saver):
                                                    f"{iteration_dir.name}/{rank.relpath}", path.parent,
                                                    state["args"], save_durably)
             state.update(carried)
-        digest = save_durably(state, path)
+        # A file of its own writes a record while it makes the next; a TP group's files, in lockstep, one at a time.
+        digest = save_durably(state, path, in_flight=RECORDS_IN_FLIGHT if sibling is None else 0)
         del state
         written = PlannedFile(rank.relpath, count, nbytes, digest=digest, size=path.stat().st_size)
         progress(nbytes)

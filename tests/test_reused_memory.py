@@ -11,6 +11,7 @@ import pytest
 import torch
 from support.cli_helpers import run_cli
 from support.fp8_checkpoints import fp8_checkpoint
+from support.in_place import count_in_place
 from support.megatron_fixtures import make_full_model, write_megatron_checkpoint
 from support.tiny_models import GQA_SWIGLU
 
@@ -234,19 +235,10 @@ def test_an_hf_target_written_from_its_records_memory_equals_one_written_staged(
     if source == "fp8":
         src, flags = tmp_path / "fp8", ["--dst-format", "hf"]
         fp8_checkpoint(src, block=(16, 16))
-    placed = 0
-    real = output.OutputFile.write_in_place
-
-    def counted(self: output.OutputFile, data: memoryview) -> list:
-        nonlocal placed
-        futures = real(self, data)
-        placed += memoryview(data).nbytes if futures else 0
-        return futures
-
-    monkeypatch.setattr(output.OutputFile, "write_in_place", counted)
+    placed = count_in_place(monkeypatch)
     assert run_cli("-q", *flags, src, tmp_path / "in_place").exit_code == 0
     monkeypatch.setattr(output.OutputFile, "write_in_place", lambda self, data: self.write(data) and [])
     assert run_cli("-q", *flags, src, tmp_path / "staged").exit_code == 0
     assert _files(tmp_path / "in_place") == _files(tmp_path / "staged")
     written = sum(path.stat().st_size for path in (tmp_path / "in_place").glob("*.safetensors"))
-    assert placed > written / 2, (placed, written)
+    assert placed() > written / 2, (placed(), written)

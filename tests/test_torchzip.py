@@ -15,6 +15,7 @@ import torch
 import torch.utils.serialization
 from support.tiny_models import MOE, QK_NORM_TE
 from support.megatron_fixtures import make_full_model, write_megatron_checkpoint
+from support.in_place import count_in_place
 from support.torch_save import torch_crc32, torch_save_bytes
 
 import pgconvert
@@ -210,18 +211,9 @@ def test_records_written_from_their_own_memory_make_torch_saves_bytes(
     sizes = [5 * 4096 + 3, 5 * 4096 + 1, 5 * 4096, 4096 + 5, 5 * 4096 + 3, 17]  # odd offsets, none larger than the first
     state = {"model": OrderedDict((f"t{i}", lent(torch.randn(n, generator=generator).to(torch.bfloat16)))
                                   for i, n in enumerate(sizes)), "iteration": 3}
-    placed = 0
-    real = output.OutputFile.write_in_place
-
-    def counted(self: output.OutputFile, data: memoryview) -> list:
-        nonlocal placed
-        futures = real(self, data)
-        placed += memoryview(data).nbytes if futures else 0
-        return futures
-
-    monkeypatch.setattr(output.OutputFile, "write_in_place", counted)
+    placed = count_in_place(monkeypatch)
     with output.OutputFile(tmp_path / "rank.pt") as handle:
         save_stream(state, handle, in_flight=1)
     lent_blocks = set(blocks)
     assert (tmp_path / "rank.pt").read_bytes() == torch_save_bytes(materialised(state), False)
-    assert placed > sum(sizes) and len(lent_blocks) == 2, (placed, lent_blocks)  # over half the bytes (2 a value)
+    assert placed() > sum(sizes) and len(lent_blocks) == 2, (placed(), lent_blocks)  # over half the bytes (2 a value)

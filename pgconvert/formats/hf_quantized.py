@@ -133,7 +133,7 @@ class _Fp8Strips:
                  col0: int, out: torch.Tensor) -> None:
         rows, cols = out.shape[-2], out.shape[-1]
         self.lead = math.prod(out.shape[:-2])
-        self.weight, self.rows, self.cols = weight, rows, cols
+        self.weight, self.cols = weight, cols
         self.bits = _BITS_OF[out.dtype]
         self.out = out.view(self.lead, rows, cols).view(self.bits).numpy()
         self.scales = scale.reshape(self.lead, scale.shape[-2], scale.shape[-1])

@@ -22,7 +22,9 @@ from __future__ import annotations
 import ctypes
 import functools
 import mmap
+from collections import deque
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -30,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from pgconvert.io import sizes
-from pgconvert.io.output import BLOCK as ALIGNMENT
+from pgconvert.io.output import BLOCK as ALIGNMENT, settled
 
 SMALLEST = 1 << 20  # bytes: smaller records are not lent memory
 SHRINK = 8  # a record this many times smaller than the block has the block's unused pages handed back
@@ -166,3 +168,27 @@ class ReusedMemory:
             yield
         finally:
             _LENT.reset(token)
+
+
+class RecordsInFlight:
+    """A writer's records made in reused memory and written from it (``OutputFile.write_in_place``), ``records`` of
+    them left being written while the next is produced: each record is produced inside ``lending``, which first waits
+    for the writes of the records before those, and its writes are handed to ``add``."""
+
+    def __init__(self, records: int) -> None:
+        self._records = records
+        self._memory = ReusedMemory(blocks=records + 1)
+        self._writing: deque[list[Future[None]]] = deque()  # the writes of the records still using their memory
+
+    @contextmanager
+    def lending(self, nbytes: int, phase: int) -> Iterator[None]:
+        """``ReusedMemory.lending`` of a block no record being written holds."""
+        while len(self._writing) > self._records:
+            settled(self._writing.popleft())  # its block is free for this record
+        with self._memory.lending(nbytes, phase):
+            yield
+
+    def add(self, futures: list[Future[None]]) -> None:
+        """The writes of the record just produced (none: it was staged, and holds no block)."""
+        if futures:
+            self._writing.append(futures)

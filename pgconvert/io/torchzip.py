@@ -25,7 +25,7 @@ import struct
 import functools
 import sys
 import zlib
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from contextlib import nullcontext
@@ -35,8 +35,7 @@ from typing import Any, BinaryIO
 import torch
 
 from pgconvert.io import sizes
-from pgconvert.io.output import settled
-from pgconvert.io.reuse import ReusedMemory
+from pgconvert.io.reuse import RecordsInFlight, ReusedMemory
 
 ALIGNMENT = 64
 FORMAT_VERSION = b"1"
@@ -88,8 +87,8 @@ def save_stream(obj: Any, handle: BinaryIO, crc32: bool = False, reuse_memory: b
     pickled, storages = _pickle(obj)
     archive = _ZipStream(handle, crc32)
     in_place = reuse_memory and in_flight > 0 and hasattr(handle, "write_in_place")
-    memory = ReusedMemory(blocks=in_flight + 1 if in_place else 1) if reuse_memory else None
-    writing: deque[list[Future[None]]] = deque()  # the writes of the records still written from their memory
+    memory = ReusedMemory() if reuse_memory and not in_place else None
+    records = RecordsInFlight(in_flight) if in_place else None
     archive.record("data.pkl", pickled)
     archive.record(".format_version", FORMAT_VERSION)
     archive.record(".storage_alignment", str(ALIGNMENT).encode())
@@ -98,11 +97,9 @@ def save_stream(obj: Any, handle: BinaryIO, crc32: bool = False, reuse_memory: b
         name = f"data/{key}"
         if isinstance(item, PlannedTensor) and item.parts is not None:
             archive.record_parts(name, item.nbytes, _part_bytes(item))
-        elif in_place and isinstance(item, PlannedTensor):
-            while len(writing) > in_flight:
-                settled(writing.popleft())  # its block is free for this record
-            phase = archive.data_offset(name, item.nbytes)
-            writing.append(archive.record(name, _storage_bytes(item, memory, phase), in_place=True))
+        elif records is not None and isinstance(item, PlannedTensor):
+            with records.lending(item.nbytes, archive.data_offset(name, item.nbytes)):
+                records.add(archive.record(name, _storage_bytes(item, None), in_place=True))
         else:
             archive.record(name, _storage_bytes(item, memory))
     archive.record("version", FILE_VERSION)
@@ -189,14 +186,13 @@ def _pickle(obj: Any) -> tuple[bytes, list[tuple[str, torch.UntypedStorage | Pla
     return buffer.getvalue(), pickler.storages
 
 
-def _storage_bytes(item: torch.UntypedStorage | PlannedTensor, memory: ReusedMemory | None,
-                   phase: int | None = None) -> memoryview:
+def _storage_bytes(item: torch.UntypedStorage | PlannedTensor, memory: ReusedMemory | None) -> memoryview:
     """The bytes of a storage record; a planned tensor is produced (and checked) here, in ``memory``
-    where its producer makes it through ``reuse.new_tensor`` (at ``phase``, its offset in the file)."""
+    where its producer makes it through ``reuse.new_tensor`` (None: in whatever is lent around the call)."""
     if isinstance(item, torch.UntypedStorage):
         flat = torch.empty(0, dtype=torch.uint8).set_(item)
     else:
-        with memory.lending(item.nbytes, phase) if memory is not None else nullcontext():
+        with memory.lending(item.nbytes) if memory is not None else nullcontext():
             tensor = item.produce()
         if tuple(tensor.shape) != item.shape or tensor.dtype != item.dtype or tensor.device.type != "cpu":
             raise TensorMismatchError(f"planned {item.dtype} {item.shape} on cpu, produced {tensor.dtype} "

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from collections import deque
 from collections.abc import Callable, Collection
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
@@ -31,8 +30,8 @@ from pgconvert.io.durable import fsync_file as _fsync
 from pgconvert.errors import CheckpointError, ConfigError, LayoutError, PgconvertError
 from pgconvert.families.table import Family, TensorMapping
 from pgconvert.formats import PlannedFile, Progress, SaveOptions, Saver, SaveResult, target_dtype
-from pgconvert.io.output import RECORDS_IN_FLIGHT, OutputFile, settled
-from pgconvert.io.reuse import ReusedMemory
+from pgconvert.io.output import RECORDS_IN_FLIGHT, OutputFile
+from pgconvert.io.reuse import RecordsInFlight
 from pgconvert.io.threads import run_each
 from pgconvert.formats.hf import (
     CONFIG_FILE,
@@ -268,17 +267,13 @@ def _write_shard(path: Path, shard: _Shard, source: CanonicalSource, kinds: _HFK
     shards, so its pieces stay in this task)."""
     entries = _shard_entries(shard)
     stacks: dict[str, list[torch.Tensor]] = {}
-    memory = ReusedMemory(blocks=RECORDS_IN_FLIGHT + 1)
-    writing: deque[list[Future[None]]] = deque()  # the writes of the records still written from their memory
+    records = RecordsInFlight(RECORDS_IN_FLIGHT)
     with _SafetensorsWriter(path, entries) as writer:
         for unit in shard.units:
             for nbytes, write in _records(writer, unit, source, kinds, stacks):
-                while len(writing) > RECORDS_IN_FLIGHT:
-                    settled(writing.popleft())  # its memory is free for this record
-                with memory.lending(nbytes, phase=writer.offset):
+                with records.lending(nbytes, phase=writer.offset):
                     written = write()
-                if written:
-                    writing.append(written)
+                records.add(written)
     progress(writer.nbytes)
     return PlannedFile(path.name, len(entries), writer.nbytes, digest=writer.digest, size=writer.size)
 

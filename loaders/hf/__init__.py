@@ -293,17 +293,11 @@ class HFSource(CanonicalSource):
         row, hf_names = self._rows[name]
         index = self.family.tensors.stack_index(mtp.table_name(name, self.config)) if row.stacked else None
         if index is not None:  # one expert's slice of the stacked HF tensors
-            parts = [self._read_range(hf, 0, index, index + 1)[0] for hf in hf_names]
+            full = self._fused(name, [self._read_range(hf, 0, index, index + 1)[0] for hf in hf_names])
         elif self._reads_whole_into(name):
-            return self._whole_into(name)
+            full = self._whole_into(name)
         else:
-            parts = [self._read(hf) for hf in hf_names]
-        full = row.transform.fuse(parts, self.config)
-        changed = row.transform.changed_values(parts, full, self.config)
-        if changed:
-            self._inexact[name] = (f"{', '.join(hf_names)}: {changed} of {full.numel()} values are not kept exactly "
-                                   f"by the {row.transform.name} transform")
-            self._notice_changed(row, self._inexact[name])
+            full = self._fused(name, [self._read(hf) for hf in hf_names])
         for copy, why in self._copies.get(name, ()):
             self._check_copy(full, self._read(copy), hf_names[0], copy, why)
         return full
@@ -318,16 +312,24 @@ class HFSource(CanonicalSource):
 
     def _whole_into(self, name: str) -> torch.Tensor:
         """The whole canonical tensor made by reading (or dequantizing) each HF part into its rows, no part held
-        apart (its stored copies checked as ``_load`` checks them)."""
+        apart."""
         row, hf_names = self._rows[name]
         meta = self._metas[name]
-        whole = Window(0, 0, meta.shape[0])
         read_into = self._part_into(hf_names)
-        full = assemble([whole], lambda window, out: row.transform.read_window_into(window, meta.shape, self.config,
-                                                                                    read_into, out),
+        return assemble([Window(0, 0, meta.shape[0])],
+                        lambda window, out: row.transform.read_window_into(window, meta.shape, self.config, read_into,
+                                                                           out),
                         meta.shape, meta.dtype)
-        for copy, why in self._copies.get(name, ()):
-            self._check_copy(full, self._read(copy), hf_names[0], copy, why)
+
+    def _fused(self, name: str, parts: list[torch.Tensor]) -> torch.Tensor:
+        """The canonical tensor the transform fuses from ``parts``; values it does not keep exactly are named."""
+        row, hf_names = self._rows[name]
+        full = row.transform.fuse(parts, self.config)
+        changed = row.transform.changed_values(parts, full, self.config)
+        if changed:
+            self._inexact[name] = (f"{', '.join(hf_names)}: {changed} of {full.numel()} values are not kept exactly "
+                                   f"by the {row.transform.name} transform")
+            self._notice_changed(row, self._inexact[name])
         return full
 
     def _notice_changed(self, row: TensorMapping, what: str) -> None:

@@ -237,9 +237,12 @@ class OutputFile:
     def _hashed(self, view: memoryview | _Held) -> list[Future[None]]:
         if self._digest is None:
             return []
-        if isinstance(view, _Held):
-            return [self._hasher.submit(lambda held, update=self._digest.update: update(held.take()), view)]
-        return [self._hasher.submit(self._digest.update, view)]
+        return [self._hasher.submit(self._hash_held if isinstance(view, _Held) else self._digest.update, view)]
+
+    def _hash_held(self, held: _Held) -> None:
+        """Hash the bytes ``held`` refers to, letting go of them once hashed (as ``_write_held``)."""
+        assert self._digest is not None
+        self._digest.update(held.take())
 
     def _write_held(self, held: _Held, position: int) -> None:
         """Write the bytes ``held`` refers to, letting go of them once written (so their memory is free when the future

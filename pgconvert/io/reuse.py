@@ -51,11 +51,8 @@ def new_tensor(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(tuple(shape), dtype=dtype)
     _LENT.set(None)
     memory, _, phase = lent
-    if phase is None:
-        return torch.empty(0, dtype=dtype).set_(memory.free_block(nbytes), 0, tuple(shape),
-                                                sizes.contiguous_stride(shape))
-    block = memory.free_block(nbytes + ALIGNMENT)
-    start = (phase - block.data_ptr()) % ALIGNMENT
+    block = memory.free_block(nbytes + (0 if phase is None else ALIGNMENT))
+    start = 0 if phase is None else (phase - block.data_ptr()) % ALIGNMENT
     itemsize = sizes.itemsize(dtype)
     if start % itemsize:  # a place no element can start at: anywhere (it is then written through a copy)
         start = 0

@@ -221,6 +221,16 @@ def crc32_function() -> Callable[[Any, int], int]:
     return crc32  # type: ignore[no-any-return]
 
 
+@dataclass(frozen=True)
+class _LocalHeader:
+    """A record's local header: its bytes, the record's full name, its flags and whether it needs zip64 fields."""
+
+    data: bytes
+    name: bytes
+    flags: int
+    zip64: bool
+
+
 class _ZipStream:
     """Zip records laid out as torch's miniz-based writer lays them out (see the module docstring)."""
 
@@ -241,33 +251,31 @@ class _ZipStream:
         write_in_place``), the futures to wait for before that memory changes returned."""
         return self.record_parts(name, len(data), iter([data]), in_place)
 
-    def _local_header(self, name: str, size: int) -> tuple[bytes, bytes, int]:
-        """A record's local header written here (its data starting on an ``ALIGNMENT`` boundary), its central
-        directory's zip64 field and its flags."""
+    def _local_header(self, name: str, size: int) -> _LocalHeader:
+        """A record's local header written here, its data starting on an ``ALIGNMENT`` boundary."""
         full = f"archive/{name}".encode()
         zip64 = size >= _U32 or self.offset >= _U32
         # The local header's zip64 field has a compressed size of 0 (not known before the data).
         local64 = _zip64_field(size, 0, self.offset) if zip64 else b""
-        central64 = _zip64_field(size, size, self.offset) if zip64 else b""
         padding = -(self.offset + 30 + len(full) + 4 + len(local64)) % ALIGNMENT
         extra = local64 + struct.pack("<HH", 0x4246, padding) + b"Z" * padding
         # An empty record has no data descriptor (and so no bit 3).
         flags = 0x0808 if size else 0x0800
         header = struct.pack("<IHHHHHIIIHH", 0x04034B50, 0, flags, 0, 0, 0, 0, 0, 0, len(full), len(extra))
-        return header + full + extra, central64, flags
+        return _LocalHeader(header + full + extra, full, flags, zip64)
 
     def data_offset(self, name: str, size: int) -> int:
         """Where the data of a record written next would start in the file."""
-        return self.offset + len(self._local_header(name, size)[0])
+        return self.offset + len(self._local_header(name, size).data)
 
     def record_parts(self, name: str, size: int, parts: Iterator[bytes | memoryview],
                      in_place: bool = False) -> list[Future[None]]:
         """One record of ``size`` bytes, its data written part by part as ``parts`` yields them (``record``)."""
-        full = f"archive/{name}".encode()
         header_offset = self.offset
-        zip64 = size >= _U32 or header_offset >= _U32
-        local, central64, flags = self._local_header(name, size)
-        self._write(local)
+        local = self._local_header(name, size)
+        full, flags, zip64 = local.name, local.flags, local.zip64
+        central64 = _zip64_field(size, size, header_offset) if zip64 else b""
+        self._write(local.data)
         crc, head, written = 0, b"", 0
         writing: list[Future[None]] = []
         for data in parts:

@@ -223,8 +223,7 @@ class OutputFile:
     def _reuse(self, index: int) -> None:
         """Wait until buffer ``index`` is hashed and written (raising what its writing raised)."""
         pending, self._pending[index] = self._pending[index], []
-        for future in pending:
-            future.result()
+        settled(pending)
 
     def _hand_off(self) -> None:
         """Send the current buffer's filled bytes to be hashed and written; move to the next buffer."""

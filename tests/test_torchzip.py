@@ -73,6 +73,17 @@ def test_stream_writes_torch_saves_bytes(crc32: bool, crc_library: str, monkeypa
     assert streamed.getvalue() == torch_save_bytes(materialised(state), crc32)
 
 
+@pytest.mark.parametrize("crc_slice", [7, 64, 4096])
+def test_a_record_summed_a_slice_at_a_time_has_torchs_crc(crc_slice: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torchzip, "CRC_SLICE", crc_slice)
+    state = {"model": OrderedDict(weight=planned(torch.randn(37, 29)), half=planned(torch.randn(3, 333).half()))}
+    streamed = io.BytesIO()
+
+    save_stream(state, streamed, crc32=True)
+
+    assert streamed.getvalue() == torch_save_bytes(materialised(state), True)
+
+
 def test_the_isal_crc_is_used_where_installed() -> None:
     isal_zlib = pytest.importorskip("isal.isal_zlib")  # a test dependency: CI has it
     assert torchzip.crc32_function() is isal_zlib.crc32

@@ -45,6 +45,7 @@ _U16 = 0xFFFF
 _U32 = 0xFFFFFFFF
 _U64 = (1 << 64) - 1
 _DESCRIPTOR = b"PK\x07\x08"
+CRC_SLICE = 1 << 20  # bytes a record's CRC-32 is taken over at a time before they are written (cache-sized)
 
 
 @dataclass(frozen=True, eq=False)
@@ -246,6 +247,19 @@ class _ZipStream:
         self.handle.write(data)
         self.offset += len(data)
 
+    def _write_summed(self, data: bytes | memoryview, crc: int) -> int:
+        """Write ``data``, its CRC-32 (with ``crc32``) taken a slice at a time just before the slice is copied out, so
+        the copy reads it from the cache; returns the CRC so far."""
+        if not self.crc32:
+            self._write(data)
+            return 0
+        view = memoryview(data).cast("B")
+        for start in range(0, len(view), CRC_SLICE):
+            piece = view[start:start + CRC_SLICE]
+            crc = crc32_function()(piece, crc)
+            self._write(piece)
+        return crc
+
     def record(self, name: str, data: bytes | memoryview, in_place: bool = False) -> list[Future[None]]:
         """One record; ``in_place``: written from ``data``'s own memory where the handle can (``OutputFile.
         write_in_place``), the futures to wait for before that memory changes returned."""
@@ -283,12 +297,12 @@ class _ZipStream:
                 continue
             if len(head) < 8:
                 head += bytes(data[:8 - len(head)])
-            crc = crc32_function()(data, crc) if self.crc32 else 0
             if in_place:
+                crc = crc32_function()(data, crc) if self.crc32 else 0
                 writing += self.handle.write_in_place(data)  # type: ignore[attr-defined]
                 self.offset += len(data)
             else:
-                self._write(data)
+                crc = self._write_summed(data, crc)
             written += len(data)
         if written != size:
             raise TensorMismatchError(f"record {name}: planned {size} bytes, produced {written}")

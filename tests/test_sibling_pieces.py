@@ -15,6 +15,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from support.format_outputs import assert_same_bytes, write_sources
+from support.in_place import count_in_place
 
 from pgconvert.cli import main
 from pgconvert.errors import CheckpointError
@@ -92,6 +93,28 @@ def test_a_tp_group_written_in_lockstep_gives_each_files_own_reads_output(
     tp = int(flags[flags.index("--dst-tp") + 1])
     assert {ranks for _, ranks in calls} == {tuple(range(tp))}  # every sibling's piece filled by the one read
     assert_same_bytes(tmp_path / "shared", tmp_path / "apart")
+
+
+@pytest.mark.parametrize("case", ["hf to tp4", "torch_dist tp1 to tp4 pp2"])
+def test_a_tp_groups_files_write_their_records_from_their_own_memory_as_staged_files_hold_them(
+        sources: dict[str, Path], case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each sibling's pieces are made at their place in its file and written from there (the group waiting for each
+    record's write before it reads the next): most bytes go in place, and the files are those staged writes give."""
+    from pgconvert.io import output, reuse
+
+    source, flags = CASES[case]
+    monkeypatch.setattr(reuse, "SMALLEST", 1)  # the tiny model's records are lent memory
+    monkeypatch.setattr(output, "IN_PLACE_SMALLEST", output.BLOCK)
+    calls = _recording_reads(monkeypatch)
+    placed = count_in_place(monkeypatch)
+    _convert(sources[source], tmp_path / "in_place", *flags)
+    monkeypatch.setattr(output.OutputFile, "write_in_place", lambda self, data: self.write(data) and [])
+    _convert(sources[source], tmp_path / "staged", *flags)
+
+    assert any(name.endswith(ROW_PARALLEL) for name, _ in calls)  # the files were written as a group
+    assert_same_bytes(tmp_path / "in_place", tmp_path / "staged")
+    written = sum(path.stat().st_size for path in (tmp_path / "in_place").rglob("model_optim_rng.pt"))
+    assert placed() > written / 2, (placed(), written)
 
 
 def _bytes_read(monkeypatch: pytest.MonkeyPatch, under: Path) -> Counter[str]:

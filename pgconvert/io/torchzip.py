@@ -75,7 +75,7 @@ class TensorMismatchError(RuntimeError):
 
 
 def save_stream(obj: Any, handle: BinaryIO, crc32: bool = False, reuse_memory: bool = True,
-                in_flight: int = 0) -> None:
+                in_flight: int | None = None) -> None:
     """Write ``obj`` as ``torch.save(obj, handle)`` would, producing planned tensors one by one.
 
     ``handle`` needs only ``write``. ``crc32`` computes the records' CRC32 (torch's default);
@@ -83,13 +83,14 @@ def save_stream(obj: Any, handle: BinaryIO, crc32: bool = False, reuse_memory: b
     tensor is produced in memory lent from one record to the next (``pgconvert.io.reuse``); off for
     planned tensors that exist already. ``in_flight`` (a handle with ``write_in_place``, ``io.output.
     OutputFile``): each produced record is made at its place in the file and written from its own memory, that
-    many records left being written while the next is produced (each holding a block of its own).
+    many records left being written while the next is produced (each holding a block of its own; 0: each record's
+    write is waited for before the next is produced, in one block). None: every record is staged (``write``).
     """
     pickled, storages = _pickle(obj)
     archive = _ZipStream(handle, crc32)
-    in_place = reuse_memory and in_flight > 0 and hasattr(handle, "write_in_place")
+    in_place = reuse_memory and in_flight is not None and hasattr(handle, "write_in_place")
     memory = ReusedMemory() if reuse_memory and not in_place else None
-    records = RecordsInFlight(in_flight) if in_place else None
+    records = RecordsInFlight(in_flight) if in_place and in_flight is not None else None
     archive.record("data.pkl", pickled)
     archive.record(".format_version", FORMAT_VERSION)
     archive.record(".storage_alignment", str(ALIGNMENT).encode())

@@ -63,13 +63,13 @@ from pgconvert.savers.megatron.optimizer import planned_optimizer_files, trainin
 log = logging.getLogger(__name__)
 
 
-def save_durably(state: dict[str, Any], path: Path, in_flight: int = 0) -> str | None:
+def save_durably(state: dict[str, Any], path: Path, in_flight: int | None = None) -> str | None:
     """Write ``state`` in torch.save's format into ``path`` and fsync it; returns the file's digest (None
     when digests are off, ``io.output.digests``).
 
     ``PlannedTensor`` values are produced one at a time as their records are written, so memory
-    holds one tensor, not the file (``in_flight`` more: records written from their own memory while the next is
-    produced, ``torchzip.save_stream``). A failed write surfaces as the OSError behind it, naming the
+    holds one tensor, not the file (with ``in_flight``, records are written from their own memory, that many more
+    while the next is produced, ``torchzip.save_stream``; None: staged). A failed write surfaces as the OSError behind it, naming the
     file. The records' CRC32 is 0, as torch writes with ``compute_crc32`` off: torch's reader does
     not check it, and the digest recorded in the manifest covers the file.
     """
@@ -307,7 +307,8 @@ class MegatronSaver(Saver):
                                                    f"{iteration_dir.name}/{rank.relpath}", path.parent,
                                                    state["args"], save_durably)
             state.update(carried)
-        # A file of its own writes a record while it makes the next; a TP group's files, in lockstep, one at a time.
+        # A file of its own writes a record while it makes the next; a TP group's files, in lockstep, each writes its
+        # record before the group makes the next (their memory holds one record each, besides the group's read).
         digest = save_durably(state, path, in_flight=RECORDS_IN_FLIGHT if sibling is None else 0)
         del state
         written = PlannedFile(rank.relpath, count, nbytes, digest=digest, size=path.stat().st_size)

@@ -242,3 +242,21 @@ def test_an_hf_target_written_from_its_records_memory_equals_one_written_staged(
     assert _files(tmp_path / "in_place") == _files(tmp_path / "staged")
     written = sum(path.stat().st_size for path in (tmp_path / "in_place").glob("*.safetensors"))
     assert placed() > written / 2, (placed(), written)
+
+
+def test_a_torch_dist_target_written_from_its_items_memory_equals_one_written_staged(
+        tp2_source: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each tensor item of a data file is made at its bytes' place in the file and written from there where its dtype
+    can start at that place (about every other item: an item's archive has an odd length): the files hold the bytes
+    of files whose every byte is staged, and a good part of them went in place."""
+    from pgconvert.io import output
+
+    monkeypatch.setattr(output, "IN_PLACE_SMALLEST", output.BLOCK)
+    placed = count_in_place(monkeypatch)
+    flags = ["--src-tp", "2", "--dst-format", "torch_dist"]
+    assert run_cli("-q", *flags, tp2_source, tmp_path / "in_place").exit_code == 0
+    monkeypatch.setattr(output.OutputFile, "write_in_place", lambda self, data: self.write(data) and [])
+    assert run_cli("-q", *flags, tp2_source, tmp_path / "staged").exit_code == 0
+    assert _files(tmp_path / "in_place") == _files(tmp_path / "staged")
+    written = sum(path.stat().st_size for path in (tmp_path / "in_place").rglob("*.distcp"))
+    assert placed() > written / 5, (placed(), written)

@@ -31,7 +31,6 @@ from pgconvert.formats.torch_dist import single_process_calls
 from pgconvert.io import sizes
 from pgconvert.io.dcp_writer import DEFAULT_MAX_DATA_FILE_SIZE, ItemKey, StreamingWriter, WrittenFiles, split_by_size
 from pgconvert.io.limits import quote
-from pgconvert.io.reuse import ReusedMemory
 from pgconvert.model.config import ModelConfig
 from pgconvert.model.provider import VOCAB_TABLES, layer_kinds
 from pgconvert.model.rules import VOCAB, ShardRule
@@ -114,7 +113,6 @@ class StreamingPlanner(DefaultSavePlanner):
         self._state = state
         # The gate and up chunks of a SwiGLU fc1 are consecutive: the second reuses the first's load.
         self._last: tuple[tuple[str, str | None], torch.Tensor] | None = None
-        self._memory = ReusedMemory()  # each canonical tensor is loaded into the last one's memory
 
     def create_local_plan(self) -> SavePlan:
         self.plan = SavePlan(self._items, planner_data=self._planner_data)
@@ -132,20 +130,36 @@ class StreamingPlanner(DefaultSavePlanner):
         self._progress(chunk.nbytes)
         return data
 
+    def made_for(self, write_item: WriteItem) -> tuple[int, int] | None:
+        """The bytes of the tensor ``resolve_data`` makes for a chunk (its canonical tensor, or that tensor's state
+        field) and where the chunk's bytes start in it; None when it makes none that the chunk's bytes are (a window
+        of the tensor made for the chunk before, or a chunk converted to another dtype). The writer lends memory of
+        that size around ``resolve_data``, placed by the chunk's offset in its file (``dcp_writer``)."""
+        chunk = self._chunks[(write_item.index.fqn, tuple(write_item.index.offset))]
+        if self._last is not None and self._last[0] == (chunk.canonical, chunk.field):
+            return None
+        meta = self._source.meta(chunk.canonical)
+        dtype = meta.dtype if chunk.field is None else chunk.dtype  # a state field is read in its stored dtype
+        if dtype != chunk.dtype:
+            return None
+        if not meta.shape:
+            return sizes.nbytes((), dtype), 0
+        rows = self._vocab_rows if chunk.canonical in VOCAB_TABLES else meta.shape[0]  # state fields too
+        row_bytes = sizes.nbytes(tuple(meta.shape[1:]), dtype)
+        return rows * row_bytes, (chunk.row_start or 0) * row_bytes
+
     def _canonical(self, name: str, field: str | None) -> torch.Tensor:
+        """The whole canonical tensor (or its state field), made in the memory the writer lends around the call."""
         if self._last is not None and self._last[0] == (name, field):
             return self._last[1]
         self._last = None
-        meta = self._source.meta(name)
         if field is not None:
             assert self._state is not None, f"{name}.{field}: a chunk of optimizer state with no state to read"
             tensor = self._state(name, field)
         elif name in VOCAB_TABLES:
-            with self._memory.lending(sizes.nbytes((self._vocab_rows, *meta.shape[1:]), meta.dtype)):
-                tensor = self._source.load_shard(name, VOCAB, 1, 0, rows=self._vocab_rows)
+            tensor = self._source.load_shard(name, VOCAB, 1, 0, rows=self._vocab_rows)
         else:
-            with self._memory.lending(meta.nbytes):
-                tensor = self._source.load(name)
+            tensor = self._source.load(name)
         self._last = ((name, field), tensor)
         return tensor
 

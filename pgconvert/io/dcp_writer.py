@@ -33,8 +33,9 @@ from torch.futures import Future
 
 from pgconvert.errors import PgconvertError
 from pgconvert.io.output import OutputFile
+from pgconvert.io.reuse import RecordsInFlight
 from pgconvert.io.sizes import itemsize, nbytes
-from pgconvert.io.torchzip import PlannedTensor, save_stream
+from pgconvert.io.torchzip import CountingSink, PlannedTensor, save_stream, storage_data_offset
 
 
 def _write_order(items: Sequence[WriteItem]) -> list[WriteItem]:
@@ -48,6 +49,10 @@ Item = TypeVar("Item")
 # At most this many bytes of values in one data file unless --max-shard-size says otherwise, as an hf destination's
 # default shard.
 DEFAULT_MAX_DATA_FILE_SIZE = 5 * 10**9
+# Tensor items left being written from their own memory while the next is made: none. The planner keeps the tensor
+# an item is cut from for the next item (a SwiGLU fc1's gate and up halves), so a second block would add the largest
+# tensor to a conversion's memory.
+ITEMS_IN_FLIGHT = 0
 
 # Which data file an item goes to, by (key, chunk offsets); an item not named (a bytes entry) goes to file 0.
 ItemKey = tuple[str, tuple[int, ...] | None]
@@ -84,6 +89,8 @@ class StreamingWriter(FileSystemWriter):
         self.written: dict[str, tuple[str | None, int]] = {}
         self.digest: str | None = None
         self.size: int | None = None
+        # The memory each tensor item is made in, from one data file to the next (``_write_item``).
+        self._records = RecordsInFlight(ITEMS_IN_FLIGHT)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         groups: dict[int, list[WriteItem]] = {}
@@ -110,7 +117,7 @@ class StreamingWriter(FileSystemWriter):
         with OutputFile(path) as writer:
             for item in items:
                 start = writer.offset
-                _write_item(writer, planner.resolve_data(item))
+                _write_item(writer, item, planner, self._records)
                 length = writer.offset - start
                 results.append(WriteResult(index=item.index, size_in_bytes=length,
                                            storage_data=_StorageInfo(file_name, start, length)))
@@ -180,17 +187,6 @@ def _check_planned(path: Path, written: list[WriteResult], planned: list[WriteRe
                 f"{expected.storage_data.length} bytes (its length depends on more than its shape and dtype)")
 
 
-class _CountingSink:
-    """A write-only handle that keeps nothing but the count of bytes written to it."""
-
-    def __init__(self) -> None:
-        self.offset = 0
-
-    def write(self, data: bytes | memoryview) -> int:
-        self.offset += len(data)
-        return len(data)
-
-
 _ZERO_BLOCK_BYTES = 1 << 24
 
 
@@ -206,24 +202,56 @@ def _zero_parts(numel: int, dtype: torch.dtype) -> Iterator[torch.Tensor]:
 def archive_length(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     """The bytes of one tensor item's record as ``_write_item`` writes it: the archive of a tensor of ``shape``
     and ``dtype``, written from zeros into a sink that only counts (its layout does not depend on the values)."""
-    sink = _CountingSink()
+    sink = CountingSink()
     numel = nbytes(shape, dtype) // itemsize(dtype)
-
-    def never() -> torch.Tensor:
-        raise AssertionError("archive_length writes its tensor from parts")
-
     # No CRC32s: they change the values of the archive, never its length.
-    save_stream(PlannedTensor(shape, dtype, never, parts=lambda: _zero_parts(numel, dtype)), sink)  # type: ignore[arg-type]
+    save_stream(PlannedTensor(shape, dtype, _never, parts=lambda: _zero_parts(numel, dtype)), sink)  # type: ignore[arg-type]
     return sink.offset
 
 
-def _write_item(writer: OutputFile, data: torch.Tensor | io.BytesIO) -> None:
-    """One item as torch's writer writes it: a bytes entry as is, a tensor as ``torch.save`` of a
-    tensor owning exactly its bytes (torch clones a view of a larger storage first; the stream
-    writes the view's bytes with no clone)."""
-    if isinstance(data, io.BytesIO):
+@functools.lru_cache(maxsize=4096)
+def archive_data_offset(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    """Where the tensor's bytes start in the archive of one tensor item of ``shape`` and ``dtype``."""
+    offset = storage_data_offset(PlannedTensor(shape, dtype, _never))
+    assert offset is not None
+    return offset
+
+
+def _never() -> torch.Tensor:
+    raise AssertionError("a planned tensor only described, or written from its parts")
+
+
+def _made_for(planner: SavePlanner, item: WriteItem) -> tuple[int, int] | None:
+    """What ``resolve_data`` makes for a tensor item: the bytes of the tensor it makes (the item may be a window of
+    its rows) and where the item's bytes start in it; None when it makes none (a window of the tensor made for the
+    item before). A planner without ``made_for`` is taken to make the item's tensor itself."""
+    made = getattr(planner, "made_for", None)
+    if made is not None:
+        return made(item)  # type: ignore[no-any-return]
+    assert item.tensor_data is not None
+    return nbytes(tuple(item.tensor_data.chunk.sizes), item.tensor_data.properties.dtype), 0
+
+
+def _write_item(writer: OutputFile, item: WriteItem, planner: SavePlanner, records: RecordsInFlight) -> None:
+    """One item as torch's writer writes it: a bytes entry as is, a tensor as ``torch.save`` of a tensor owning
+    exactly its bytes (torch clones a view of a larger storage first; the stream writes the view's bytes with no
+    clone). A tensor is made in the memory ``records`` lends, placed at its bytes' offset in the file, and written
+    from there (``OutputFile.write_in_place``) where its dtype can start at that place (an archive's length is odd,
+    so about every other item starts at an odd offset, and is staged)."""
+    if item.type == WriteItemType.BYTE_IO:
+        data = planner.resolve_data(item)
+        assert isinstance(data, io.BytesIO)
         writer.write(data.getbuffer())
         return
-    tensor = data.detach().contiguous()
-    save_stream(PlannedTensor(tuple(tensor.shape), tensor.dtype, lambda: tensor), writer,  # type: ignore[arg-type]
-                crc32=True, reuse_memory=False)
+    assert item.tensor_data is not None
+    shape, dtype = tuple(item.tensor_data.chunk.sizes), item.tensor_data.properties.dtype
+    made = _made_for(planner, item)
+    if made is None:
+        resolved = planner.resolve_data(item)
+    else:
+        with records.lending(made[0], writer.offset + archive_data_offset(shape, dtype) - made[1]):
+            resolved = planner.resolve_data(item)
+    assert isinstance(resolved, torch.Tensor)
+    tensor = resolved.detach().contiguous()
+    records.add(save_stream(PlannedTensor(tuple(tensor.shape), tensor.dtype, lambda: tensor), writer,  # type: ignore[arg-type]
+                            crc32=True, reuse_memory=False, from_memory=True))

@@ -75,7 +75,7 @@ class TensorMismatchError(RuntimeError):
 
 
 def save_stream(obj: Any, handle: BinaryIO, crc32: bool = False, reuse_memory: bool = True,
-                in_flight: int | None = None) -> None:
+                in_flight: int | None = None, from_memory: bool = False) -> list[Future[None]]:
     """Write ``obj`` as ``torch.save(obj, handle)`` would, producing planned tensors one by one.
 
     ``handle`` needs only ``write``. ``crc32`` computes the records' CRC32 (torch's default);
@@ -85,16 +85,18 @@ def save_stream(obj: Any, handle: BinaryIO, crc32: bool = False, reuse_memory: b
     OutputFile``): each produced record is made at its place in the file and written from its own memory, that
     many records left being written while the next is produced (each holding a block of its own; 0: each record's
     write is waited for before the next is produced, in one block). None: every record is staged (``write``).
+    ``from_memory`` (such a handle, ``reuse_memory`` off: planned tensors that exist already): each is written from
+    its own memory where its place allows; the futures of those writes are returned, for the caller to wait on
+    (``output.settled``) before that memory changes (otherwise none are).
     """
     pickled, storages = _pickle(obj)
     archive = _ZipStream(handle, crc32)
     in_place = reuse_memory and in_flight is not None and hasattr(handle, "write_in_place")
     memory = ReusedMemory() if reuse_memory and not in_place else None
     records = RecordsInFlight(in_flight) if in_place and in_flight is not None else None
-    archive.record("data.pkl", pickled)
-    archive.record(".format_version", FORMAT_VERSION)
-    archive.record(".storage_alignment", str(ALIGNMENT).encode())
-    archive.record("byteorder", sys.byteorder.encode())
+    from_memory = from_memory and not reuse_memory and hasattr(handle, "write_in_place")
+    writing: list[Future[None]] = []
+    _preamble(archive, pickled)
     for key, item in storages:
         name = f"data/{key}"
         if isinstance(item, PlannedTensor) and item.parts is not None:
@@ -103,10 +105,44 @@ def save_stream(obj: Any, handle: BinaryIO, crc32: bool = False, reuse_memory: b
             with records.lending(item.nbytes, archive.data_offset(name, item.nbytes)):
                 records.add(archive.record(name, _storage_bytes(item, None), in_place=True))
         else:
-            archive.record(name, _storage_bytes(item, memory))
+            writing += archive.record(name, _storage_bytes(item, memory),
+                                      in_place=from_memory and isinstance(item, PlannedTensor))
     archive.record("version", FILE_VERSION)
     archive.record(".data/serialization_id", archive.serialization_id().encode())
     archive.finish()
+    return writing
+
+
+def _preamble(archive: _ZipStream, pickled: bytes) -> None:
+    """The records before the storages: the pickle, the format version, the storage alignment, the byte order."""
+    archive.record("data.pkl", pickled)
+    archive.record(".format_version", FORMAT_VERSION)
+    archive.record(".storage_alignment", str(ALIGNMENT).encode())
+    archive.record("byteorder", sys.byteorder.encode())
+
+
+class CountingSink:
+    """A write-only handle that keeps nothing but the count of bytes written to it."""
+
+    def __init__(self) -> None:
+        self.offset = 0
+
+    def write(self, data: bytes | memoryview) -> int:
+        self.offset += len(data)
+        return len(data)
+
+
+def storage_data_offset(obj: Any) -> int | None:
+    """Where the first storage's bytes start in the archive ``save_stream`` writes of ``obj`` (None: it holds none),
+    known from the pickle and the records before them alone: a planned tensor's shape and dtype, not its values."""
+    pickled, storages = _pickle(obj)
+    if not storages:
+        return None
+    archive = _ZipStream(CountingSink(), crc32=False)  # type: ignore[arg-type]
+    _preamble(archive, pickled)
+    key, item = storages[0]
+    size = item.nbytes if isinstance(item, PlannedTensor) else item.nbytes()
+    return archive.data_offset(f"data/{key}", size)
 
 
 class _PlannedStorage:

@@ -107,6 +107,7 @@ class StreamingWriter(FileSystemWriter):
             if self.files is not None:
                 _check_planned(self.directory / file_name, written, planned_results(file_name, items, planner))
             results += written
+        self._records = RecordsInFlight(ITEMS_IN_FLIGHT)  # the last item's memory let go of, as the files are written
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future

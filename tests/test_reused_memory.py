@@ -235,13 +235,8 @@ def test_an_hf_target_written_from_its_records_memory_equals_one_written_staged(
     if source == "fp8":
         src, flags = tmp_path / "fp8", ["--dst-format", "hf"]
         fp8_checkpoint(src, block=(16, 16))
-    placed = count_in_place(monkeypatch)
-    assert run_cli("-q", *flags, src, tmp_path / "in_place").exit_code == 0
-    monkeypatch.setattr(output.OutputFile, "write_in_place", lambda self, data: self.write(data) and [])
-    assert run_cli("-q", *flags, src, tmp_path / "staged").exit_code == 0
-    assert _files(tmp_path / "in_place") == _files(tmp_path / "staged")
-    written = sum(path.stat().st_size for path in (tmp_path / "in_place").glob("*.safetensors"))
-    assert placed() > written / 2, (placed(), written)
+    placed, written = _written_in_place_and_staged(src, flags, "*.safetensors", tmp_path, monkeypatch)
+    assert placed > written / 2, (placed, written)
 
 
 def test_a_torch_dist_target_written_from_its_items_memory_equals_one_written_staged(
@@ -252,11 +247,20 @@ def test_a_torch_dist_target_written_from_its_items_memory_equals_one_written_st
     from pgconvert.io import output
 
     monkeypatch.setattr(output, "IN_PLACE_SMALLEST", output.BLOCK)
-    placed = count_in_place(monkeypatch)
     flags = ["--src-tp", "2", "--dst-format", "torch_dist"]
-    assert run_cli("-q", *flags, tp2_source, tmp_path / "in_place").exit_code == 0
+    placed, written = _written_in_place_and_staged(tp2_source, flags, "*.distcp", tmp_path, monkeypatch)
+    assert placed > written / 5, (placed, written)
+
+
+def _written_in_place_and_staged(src: Path, flags: list[str], pattern: str, tmp_path: Path,
+                                 monkeypatch: pytest.MonkeyPatch) -> tuple[int, int]:
+    """Convert ``src`` twice, writing in place where the writers can and then staging every byte; the outputs must be
+    the same. Returns the bytes written in place and those of the files matching ``pattern``."""
+    from pgconvert.io import output
+
+    placed = count_in_place(monkeypatch)
+    assert run_cli("-q", *flags, src, tmp_path / "in_place").exit_code == 0
     monkeypatch.setattr(output.OutputFile, "write_in_place", lambda self, data: self.write(data) and [])
-    assert run_cli("-q", *flags, tp2_source, tmp_path / "staged").exit_code == 0
+    assert run_cli("-q", *flags, src, tmp_path / "staged").exit_code == 0
     assert _files(tmp_path / "in_place") == _files(tmp_path / "staged")
-    written = sum(path.stat().st_size for path in (tmp_path / "in_place").rglob("*.distcp"))
-    assert placed() > written / 5, (placed(), written)
+    return placed(), sum(path.stat().st_size for path in (tmp_path / "in_place").rglob(pattern))

@@ -206,7 +206,8 @@ def archive_length(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     sink = CountingSink()
     numel = nbytes(shape, dtype) // itemsize(dtype)
     # No CRC32s: they change the values of the archive, never its length.
-    save_stream(PlannedTensor(shape, dtype, _never, parts=lambda: _zero_parts(numel, dtype)), sink)  # type: ignore[arg-type]
+    zeros = PlannedTensor(shape, dtype, _never, parts=lambda: _zero_parts(numel, dtype))
+    save_stream(zeros, sink)  # type: ignore[arg-type]
     return sink.offset
 
 
@@ -254,5 +255,6 @@ def _write_item(writer: OutputFile, item: WriteItem, planner: SavePlanner, recor
             resolved = planner.resolve_data(item)
     assert isinstance(resolved, torch.Tensor)
     tensor = resolved.detach().contiguous()
-    records.add(save_stream(PlannedTensor(tuple(tensor.shape), tensor.dtype, lambda: tensor), writer,  # type: ignore[arg-type]
-                            crc32=True, reuse_memory=False, from_memory=True))
+    planned = PlannedTensor(tuple(tensor.shape), tensor.dtype, lambda: tensor)
+    written = save_stream(planned, writer, crc32=True, reuse_memory=False, from_memory=True)  # type: ignore[arg-type]
+    records.add(written)

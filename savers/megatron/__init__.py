@@ -67,11 +67,11 @@ def save_durably(state: dict[str, Any], path: Path, in_flight: int | None = None
     """Write ``state`` in torch.save's format into ``path`` and fsync it; returns the file's digest (None
     when digests are off, ``io.output.digests``).
 
-    ``PlannedTensor`` values are produced one at a time as their records are written, so memory
-    holds one tensor, not the file (with ``in_flight``, records are written from their own memory, that many more
-    while the next is produced, ``torchzip.save_stream``; None: staged). A failed write surfaces as the OSError behind it, naming the
-    file. The records' CRC32 is 0, as torch writes with ``compute_crc32`` off: torch's reader does
-    not check it, and the digest recorded in the manifest covers the file.
+    ``PlannedTensor`` values are produced one at a time as their records are written, so memory holds one tensor,
+    not the file (with ``in_flight``, records are written from their own memory, that many more while the next is
+    produced, ``torchzip.save_stream``; None: staged). A failed write surfaces as the OSError behind it, naming the
+    file. The records' CRC32 is 0, as torch writes with ``compute_crc32`` off: torch's reader does not check it, and
+    the digest recorded in the manifest covers the file.
     """
     with OutputFile(path) as output:
         save_stream(state, output, in_flight=in_flight)  # type: ignore[arg-type]

@@ -132,16 +132,15 @@ class StreamingPlanner(DefaultSavePlanner):
 
     def made_for(self, write_item: WriteItem) -> tuple[int, int] | None:
         """The bytes of the tensor ``resolve_data`` makes for a chunk (its canonical tensor, or that tensor's state
-        field) and where the chunk's bytes start in it; None when it makes none that the chunk's bytes are (a window
-        of the tensor made for the chunk before, or a chunk converted to another dtype). The writer lends memory of
-        that size around ``resolve_data``, placed by the chunk's offset in its file (``dcp_writer``)."""
+        field) and where the chunk's bytes start in it; None when it makes none (the chunk is a window of the tensor
+        made for the chunk before). The writer lends memory of that size around ``resolve_data``, placed by the
+        chunk's offset in its file (``dcp_writer``); a chunk converted to another dtype is a copy made apart, and the
+        lent memory holds the tensor it was converted from."""
         chunk = self._chunks[(write_item.index.fqn, tuple(write_item.index.offset))]
         if self._last is not None and self._last[0] == (chunk.canonical, chunk.field):
             return None
         meta = self._source.meta(chunk.canonical)
         dtype = meta.dtype if chunk.field is None else chunk.dtype  # a state field is read in its stored dtype
-        if dtype != chunk.dtype:
-            return None
         if not meta.shape:
             return sizes.nbytes((), dtype), 0
         rows = self._vocab_rows if chunk.canonical in VOCAB_TABLES else meta.shape[0]  # state fields too

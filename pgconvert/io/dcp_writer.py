@@ -89,36 +89,35 @@ class StreamingWriter(FileSystemWriter):
         self.written: dict[str, tuple[str | None, int]] = {}
         self.digest: str | None = None
         self.size: int | None = None
-        # The memory each tensor item is made in, from one data file to the next (``_write_item``).
-        self._records = RecordsInFlight(ITEMS_IN_FLIGHT)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         groups: dict[int, list[WriteItem]] = {}
         for item in plan.items:
             groups.setdefault(self.files.get(item_key(item), 0) if self.files is not None else 0, []).append(item)
         results = []
+        records = RecordsInFlight(ITEMS_IN_FLIGHT)  # the memory each tensor item is made in, file after file
         for number in sorted(groups):
             file_name = f"{self.prefix or plan.storage_data.prefix}{number}{DEFAULT_SUFFIX}"
             items = _write_order(groups[number])
             if self.writes is not None and number not in self.writes:
                 results += planned_results(file_name, items, planner)
                 continue
-            written = self._write_file(file_name, items, planner)
+            written = self._write_file(file_name, items, planner, records)
             if self.files is not None:
                 _check_planned(self.directory / file_name, written, planned_results(file_name, items, planner))
             results += written
-        self._records = RecordsInFlight(ITEMS_IN_FLIGHT)  # the last item's memory let go of, as the files are written
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future
 
-    def _write_file(self, file_name: str, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
+    def _write_file(self, file_name: str, items: list[WriteItem], planner: SavePlanner,
+                    records: RecordsInFlight) -> list[WriteResult]:
         path = self.directory / file_name
         results = []
         with OutputFile(path) as writer:
             for item in items:
                 start = writer.offset
-                _write_item(writer, item, planner, self._records)
+                _write_item(writer, item, planner, records)
                 length = writer.offset - start
                 results.append(WriteResult(index=item.index, size_in_bytes=length,
                                            storage_data=_StorageInfo(file_name, start, length)))

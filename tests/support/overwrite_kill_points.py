@@ -9,8 +9,8 @@ verify`` finds it equal to, and the hidden siblings left; then runs the conversi
 and records whether that run succeeded, DST verified against NEW_SRC, and nothing was left beside
 it. One JSON object per kill point goes to stdout.
 
-Every run is a forked child of this process, which imports pgconvert (and torch) once and never
-computes with torch itself, so a fork costs no import.
+Every run is a forked child of this process, which imports pgconvert (and torch) once, with the modules a
+conversion and a verify import on first use, and never computes with torch itself, so a fork costs no import.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from typing import Any, Callable
 
 import pgconvert.cli
 import pgconvert.run.destination as destination
+from pgconvert.formats.registry import get_loader, get_saver
 
 convert_module = importlib.import_module("pgconvert.run.convert")  # the package's ``convert`` is the function
 
@@ -95,7 +96,16 @@ def holds(dst: Path, old_src: Path, new_src: Path) -> str:
     return "none"
 
 
+def import_what_runs_import() -> None:
+    """Import here the modules a megatron conversion and a verify import on first use, so that no forked run
+    imports them again (an import only: nothing here computes with torch)."""
+    importlib.import_module("pgconvert.run.verification")
+    get_loader("megatron")
+    get_saver("megatron")
+
+
 def main(work: Path, old_src: Path, new_src: Path, mode: str) -> None:
+    import_what_runs_import()
     template = work / "template"
     assert in_child(lambda: cli(old_src, template, "--dst-tp", "1", "--quiet")) == 0
     out = work / "out"

@@ -3,8 +3,10 @@ and the comparisons the MoE optimizer tests make of their per-rank files and tor
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -19,11 +21,32 @@ SCRIPT = Path(__file__).parent / "mcore_moe_optimizer.py"
 ITER = "iter_0000002"
 
 
+# megatron-core's runs made in this process, by (tp, pp, ep, form), in a folder removed when the process ends.
+_RUNS: dict[tuple[int, int, int, str], Path] = {}
+_RUNS_DIR: list[tempfile.TemporaryDirectory[str]] = []
+
+
+def _run_once(tp: int, pp: int, ep: int, form: str) -> Path:
+    """``mcore_moe_optimizer.py``'s checkpoint at TP x PP x EP in ``form``, run once per test process."""
+    if (tp, pp, ep, form) not in _RUNS:
+        if not _RUNS_DIR:
+            _RUNS_DIR.append(tempfile.TemporaryDirectory(prefix="moe_optimizer_runs_"))
+        root = Path(_RUNS_DIR[0].name) / f"tp{tp}pp{pp}ep{ep}_{form}" / "run"
+        done = subprocess.run([sys.executable, "-W", "ignore", str(SCRIPT), str(root), str(tp), str(pp), str(ep),
+                               form], capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        _RUNS[(tp, pp, ep, form)] = root
+    return _RUNS[(tp, pp, ep, form)]
+
+
 def generate(root: Path, tp: int, pp: int, ep: int, form: str) -> Path:
-    """megatron-core's own MoE checkpoint with optimizer state (``mcore_moe_optimizer.py``) at TP x PP x EP."""
-    done = subprocess.run([sys.executable, "-W", "ignore", str(SCRIPT), str(root), str(tp), str(pp), str(ep), form],
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    """megatron-core's own MoE checkpoint with optimizer state (``mcore_moe_optimizer.py``) at TP x PP x EP, at
+    ``root``, and ``ROOT.positions.json`` beside it. megatron-core trains each (tp, pp, ep, form) once per test
+    process (the script is deterministic: one intra-op thread, fixed seeds); every call gets its own copy of the
+    files, which the caller may change."""
+    made = _run_once(tp, pp, ep, form)
+    shutil.copytree(made, root)
+    shutil.copyfile(made.parent / f"{made.name}.positions.json", root.parent / f"{root.name}.positions.json")
     return root
 
 

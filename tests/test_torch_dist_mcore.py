@@ -14,13 +14,14 @@ Three kinds of check, each against megatron-core's own code:
    slice for that rank, padding rows included.
 
 megatron-core runs as a job of gloo CPU ranks in a child process (``support.mcore_torch_dist_job``, which says
-why). pgconvert's torch_dist outputs here keep the common state in common.pt (``--dst-torch-dist-common legacy``,
+why): one job makes every save of 2, one makes every load of 3, a case after another. pgconvert's torch_dist outputs here keep the common state in common.pt (``--dst-torch-dist-common legacy``,
 the default): megatron-core 0.18 and older read it only there (0.19.2's form: ``test_torch_dist_mcore019.py``).
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import warnings
 from pathlib import Path
 
@@ -35,7 +36,8 @@ with warnings.catch_warnings():
         reason="megatron-core is not installed (pip install 'megatron-core==0.16.1' --no-deps, the test extra)",
     )
     from support.mcore_gpt_models import build_model, megatron_core_layout, read_layout
-    from support.mcore_torch_dist_job import ITERATION_DIR, MODELS, loaded_ranks, run_megatron_core
+    from support.mcore_torch_dist_job import (ITERATION_DIR, MODELS, loaded_ranks, run_megatron_core,
+                                              run_megatron_core_cases)
 
 from support.checkpoint_compare import assert_same_ranks, read_common, read_dcp
 from support.torch_dist_forms import FOR_MCORE_016
@@ -105,12 +107,33 @@ def test_keys_shapes_and_chunks_are_what_megatron_core_declares_for_one_rank(tmp
 # --------------------------------------------------------------------------- 2. megatron-core saves
 
 
-def test_pgconvert_writes_the_files_megatron_core_writes_for_a_single_rank(tmp_path: Path) -> None:
-    name = "gqa_swiglu_rmsnorm_untied"
-    theirs = tmp_path / "mcore" / ITERATION_DIR
-    run_megatron_core("save", name, theirs, tmp_path / "job", seed=4)
+# (model, tp, pp, ep, singleton_local_shards: one key per layer and expert, gated linear_fc1 halves apart)
+SAVE_CASES = [("gqa_swiglu_rmsnorm_untied", 2, 2, 1, False), ("mha_gelu_layernorm_bias_tied", 1, 2, 1, False),
+              ("moe_list_freq", 2, 1, 2, False), ("moe_every_layer", 1, 2, 2, False),
+              ("gqa_swiglu_rmsnorm_untied", 2, 2, 1, True), ("moe_every_layer", 2, 1, 2, True)]
+SAVE_IDS = [f"{c[0]}-tp{c[1]}pp{c[2]}ep{c[3]}" + ("-singleton" if c[4] else "") for c in SAVE_CASES]
+SINGLE_RANK = "gqa_swiglu_rmsnorm_untied"
 
-    ours = pgconvert_torch_dist(tmp_path, name, seed=4) / ITERATION_DIR
+
+@pytest.fixture(scope="module")
+def saved_by_megatron_core(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One megatron-core job saves every SAVE_CASES checkpoint (fixture seed 5), each as a checkpoint root
+    ``<id>`` (its ``ITERATION_DIR``), and the single-rank one (seed 4) as ``single_rank``."""
+    root = tmp_path_factory.mktemp("mcore_saves")
+    cases = {case_id: {"action": "save", "model": name, "ckpt": root / case_id / ITERATION_DIR, "tp": tp, "pp": pp,
+                       "ep": ep, "seed": 5, "singleton": singleton}
+             for case_id, (name, tp, pp, ep, singleton) in zip(SAVE_IDS, SAVE_CASES)}
+    cases["single_rank"] = {"action": "save", "model": SINGLE_RANK, "ckpt": root / "single_rank" / ITERATION_DIR,
+                            "seed": 4}
+    run_megatron_core_cases(cases, root / "job")
+    return root
+
+
+def test_pgconvert_writes_the_files_megatron_core_writes_for_a_single_rank(saved_by_megatron_core: Path,
+                                                                            tmp_path: Path) -> None:
+    theirs = saved_by_megatron_core / "single_rank" / ITERATION_DIR
+
+    ours = pgconvert_torch_dist(tmp_path, SINGLE_RANK, seed=4) / ITERATION_DIR
 
     assert json.loads((ours / "metadata.json").read_text()) == json.loads((theirs / "metadata.json").read_text())
     common_ours = read_common(ours)
@@ -123,21 +146,15 @@ def test_pgconvert_writes_the_files_megatron_core_writes_for_a_single_rank(tmp_p
     assert all(torch.equal(ours_tensors[key], theirs_tensors[key]) for key in theirs_tensors)
 
 
-# (model, tp, pp, ep, singleton_local_shards: one key per layer and expert, gated linear_fc1 halves apart)
-SAVE_CASES = [("gqa_swiglu_rmsnorm_untied", 2, 2, 1, False), ("mha_gelu_layernorm_bias_tied", 1, 2, 1, False),
-              ("moe_list_freq", 2, 1, 2, False), ("moe_every_layer", 1, 2, 2, False),
-              ("gqa_swiglu_rmsnorm_untied", 2, 2, 1, True), ("moe_every_layer", 2, 1, 2, True)]
-
-
-@pytest.mark.parametrize(("name", "tp", "pp", "ep", "singleton"), SAVE_CASES,
-                         ids=[f"{c[0]}-tp{c[1]}pp{c[2]}ep{c[3]}" + ("-singleton" if c[4] else "") for c in SAVE_CASES])
-def test_checkpoint_saved_by_megatron_core_reads_back_bit_exact(tmp_path: Path, name: str, tp: int, pp: int,
-                                                               ep: int, singleton: bool) -> None:
+@pytest.mark.parametrize(("case_id", "name", "tp", "pp", "ep", "singleton"),
+                         [(case_id, *case) for case_id, case in zip(SAVE_IDS, SAVE_CASES)], ids=SAVE_IDS)
+def test_checkpoint_saved_by_megatron_core_reads_back_bit_exact(saved_by_megatron_core: Path, tmp_path: Path,
+                                                               case_id: str, name: str, tp: int, pp: int, ep: int,
+                                                               singleton: bool) -> None:
     m = MODELS[name]
     full = make_full_model(m, seed=5)
     root = tmp_path / "mcore"
-    run_megatron_core("save", name, root / ITERATION_DIR, tmp_path / "job", tp=tp, pp=pp, ep=ep, seed=5,
-                      singleton=singleton)
+    shutil.copytree(saved_by_megatron_core / case_id, root)
     if singleton:  # the naming read: gate and up halves apart, one key per layer and per expert
         keys = set(read_layout(root / ITERATION_DIR)[0])
         halves = ["decoder.layers.3.mlp.shared_experts.linear_fc1.weight_w",
@@ -166,21 +183,34 @@ LOAD_CASES = [
     ("moe_list_freq", 1, 1, 1, 2),
     ("moe_every_layer", 1, 2, 1, 2),
 ]
+LOAD_IDS = [f"{c[0]}-recorded_tp{c[1]}-tp{c[2]}pp{c[3]}ep{c[4]}" for c in LOAD_CASES]
 
 
-@pytest.mark.parametrize(("name", "recorded_tp", "tp", "pp", "ep"), LOAD_CASES,
-                         ids=[f"{c[0]}-recorded_tp{c[1]}-tp{c[2]}pp{c[3]}ep{c[4]}" for c in LOAD_CASES])
-def test_megatron_core_loads_pgconvert_output_into_another_layout(tmp_path: Path, name: str, recorded_tp: int,
-                                                                  tp: int, pp: int, ep: int) -> None:
-    dist = pgconvert_torch_dist(tmp_path, name, seed=6, tp=recorded_tp)
+@pytest.fixture(scope="module")
+def loaded_by_megatron_core(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path]]:
+    """Per LOAD_CASES id: (pgconvert's torch_dist output at the recorded TP, fixture seed 6; where the ranks of the
+    one megatron-core job that loads every case saved what they hold at that case's layout)."""
+    root = tmp_path_factory.mktemp("mcore_loads")
+    dists = {case_id: pgconvert_torch_dist(root / case_id, name, seed=6, tp=recorded_tp)
+             for case_id, (name, recorded_tp, *_) in zip(LOAD_IDS, LOAD_CASES)}
+    cases = {case_id: {"action": "load", "model": name, "ckpt": dists[case_id] / ITERATION_DIR, "tp": tp, "pp": pp,
+                       "ep": ep, "seed": 6}
+             for case_id, (name, _, tp, pp, ep) in zip(LOAD_IDS, LOAD_CASES)}
+    outs = run_megatron_core_cases(cases, root / "job")
+    return {case_id: (dists[case_id], outs[case_id]) for case_id in LOAD_IDS}
+
+
+@pytest.mark.parametrize(("case_id", "name", "recorded_tp", "tp", "pp", "ep"),
+                         [(case_id, *case) for case_id, case in zip(LOAD_IDS, LOAD_CASES)], ids=LOAD_IDS)
+def test_megatron_core_loads_pgconvert_output_into_another_layout(
+        loaded_by_megatron_core: dict[str, tuple[Path, Path]], case_id: str, name: str, recorded_tp: int, tp: int,
+        pp: int, ep: int) -> None:
+    dist, loaded = loaded_by_megatron_core[case_id]
     args = read_common(dist / ITERATION_DIR)["args"]
     assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) == (recorded_tp, 1)
     assert args.padded_vocab_size == padded_vocab_size(MODELS[name], recorded_tp)
 
-    run_megatron_core("load", name, dist / ITERATION_DIR, tmp_path / "job", tp=tp, pp=pp, ep=ep, seed=6)
-
-    assert_loaded_equal_fixture_slices(tmp_path / "job", name, tp, pp, ep, seed=6)
-
+    assert_loaded_equal_fixture_slices(loaded, name, tp, pp, ep, seed=6)
 
 
 def test_megatron_core_0_16_cannot_load_the_store_form_which_is_why_common_pt_is_the_default(tmp_path: Path) -> None:

@@ -108,15 +108,27 @@ def _rank_coords(spec: dict[str, Any], rank: int) -> tuple[int, int, int]:
 
 
 def _world(spec: dict[str, Any]) -> int:
-    """The job's ranks: the spec's ``world``, else one per rank of its model's layout."""
+    """The job's ranks: the spec's ``world``, else one per rank of its model's layout (``cases``: the most any of
+    its cases has)."""
+    if spec["action"] == "cases":
+        return max(_world(case) for case in spec["cases"])
     return spec.get("world") or spec["tp"] * spec["pp"] * spec["ep"]
 
 
 def _child_rank(rank: int, spec: dict[str, Any]) -> None:
-    """One rank of the child job: save fixture weights with megatron-core, or load a checkpoint; a hybrid
-    model's job is ``support.mcore_mamba_dist``'s, a Qwen3-Next model's ``support.mcore_qwen3_next``'s."""
+    """One rank of the child job: the spec's run, or (``cases``) each of its cases' runs in turn, each on a group of
+    the case's own ranks (a rank past a case's world waits for the next)."""
     warnings.simplefilter("ignore")
     _cpu_only_shims()
+    for case in spec["cases"] if spec["action"] == "cases" else [spec]:
+        if rank < _world(case):
+            _run_in_group(rank, case)
+
+
+def _run_in_group(rank: int, spec: dict[str, Any]) -> None:
+    """The run ``spec`` describes, on a gloo group of its ``_world`` ranks over a FileStore in its ``out``: save
+    fixture weights with megatron-core, or load a checkpoint; a hybrid model's job is ``support.mcore_mamba_dist``'s,
+    a Qwen3-Next model's ``support.mcore_qwen3_next``'s."""
     torch.distributed.init_process_group("gloo", init_method=f"file://{spec['out']}/store", rank=rank,
                                          world_size=_world(spec))
     try:
@@ -135,35 +147,40 @@ def _child_rank(rank: int, spec: dict[str, Any]) -> None:
 
             run_qwen3_next_rank(rank, _world(spec), spec)
             return
-        m = MODELS[spec["model"]]
-        tp, pp, ep = spec["tp"], spec["pp"], spec["ep"]
-        tp_rank, pp_rank, ep_rank = coords = _rank_coords(spec, rank)
-        model = build_model(m, tp, pp, ep, *coords)
-        expected = expected_rank_dict(m, make_full_model(m, seed=spec["seed"]), model, tp, pp, ep, *coords)
-        match_fixture_dtypes(model, expected)
-        if spec["action"] == "save":
-            with mcore.fake_group_queries():
-                model.load_state_dict(expected, strict=True)
-            args = make_args(m, tp, pp, None, None, 100, ep=ep)
-            singleton = bool(spec.get("singleton"))
-            state = {"args": args, "checkpoint_version": 3.0, "iteration": 100,
-                     "model": model_sharded_state_dict(model, ep, ep_rank, singleton)}
-            dist_checkpointing.save(state, spec["ckpt"], content_metadata=content_metadata(singleton),
-                                    **_integrity(spec))
-        else:
-            # As megatron-LM's load_checkpoint: the model under "model", the common state's entries beside it.
-            # "raise_all": every key of the checkpoint is one the model asks for, and the other way round.
-            strict = {"strict": "raise_all"} if spec.get("strict") else {}
-            loaded = dist_checkpointing.load({"model": model_sharded_state_dict(model, ep, ep_rank)}, spec["ckpt"],
-                                             **strict, **_integrity(spec))
-            assert loaded["iteration"] == 100 and loaded["checkpoint_version"] == 3.0
-            with mcore.fake_group_queries():
-                model.load_state_dict(loaded["model"], strict=True)
-            tensors = {k: v for k, v in model.state_dict().items() if not k.endswith("._extra_state")}
-            torch.save({"layers": mcore.global_layer_indices(model), "state": tensors},
-                       Path(spec["out"]) / f"rank_{tp_rank}_{pp_rank}_{ep_rank}.pt")
+        _gpt_rank(rank, spec)
     finally:
         torch.distributed.destroy_process_group()
+
+
+def _gpt_rank(rank: int, spec: dict[str, Any]) -> None:
+    """A rank of ``MODELS[spec["model"]]`` at the spec's layout: ``save`` fixture weights, or ``load`` ``ckpt`` and
+    save what the model then holds as ``rank_<tp>_<pp>_<ep>.pt`` in ``out``."""
+    m = MODELS[spec["model"]]
+    tp, pp, ep = spec["tp"], spec["pp"], spec["ep"]
+    tp_rank, pp_rank, ep_rank = coords = _rank_coords(spec, rank)
+    model = build_model(m, tp, pp, ep, *coords)
+    expected = expected_rank_dict(m, make_full_model(m, seed=spec["seed"]), model, tp, pp, ep, *coords)
+    match_fixture_dtypes(model, expected)
+    if spec["action"] == "save":
+        with mcore.fake_group_queries():
+            model.load_state_dict(expected, strict=True)
+        args = make_args(m, tp, pp, None, None, 100, ep=ep)
+        singleton = bool(spec.get("singleton"))
+        state = {"args": args, "checkpoint_version": 3.0, "iteration": 100,
+                 "model": model_sharded_state_dict(model, ep, ep_rank, singleton)}
+        dist_checkpointing.save(state, spec["ckpt"], content_metadata=content_metadata(singleton), **_integrity(spec))
+        return
+    # As megatron-LM's load_checkpoint: the model under "model", the common state's entries beside it.
+    # "raise_all": every key of the checkpoint is one the model asks for, and the other way round.
+    strict = {"strict": "raise_all"} if spec.get("strict") else {}
+    loaded = dist_checkpointing.load({"model": model_sharded_state_dict(model, ep, ep_rank)}, spec["ckpt"],
+                                     **strict, **_integrity(spec))
+    assert loaded["iteration"] == 100 and loaded["checkpoint_version"] == 3.0
+    with mcore.fake_group_queries():
+        model.load_state_dict(loaded["model"], strict=True)
+    tensors = {k: v for k, v in model.state_dict().items() if not k.endswith("._extra_state")}
+    torch.save({"layers": mcore.global_layer_indices(model), "state": tensors},
+               Path(spec["out"]) / f"rank_{tp_rank}_{pp_rank}_{ep_rank}.pt")
 
 
 def _integrity(spec: dict[str, Any]) -> dict[str, bool]:
@@ -189,6 +206,21 @@ def run_megatron_core(action: str, model: str, ckpt: Path, out: Path, tp: int = 
     spec = {"action": action, "model": model, "ckpt": str(ckpt), "out": str(out), "tp": tp, "pp": pp, "ep": ep,
             "seed": seed, **options}
     return run_job(spec, out, python, check)
+
+
+def run_megatron_core_cases(cases: dict[str, dict[str, Any]], out: Path) -> dict[str, Path]:
+    """``run_megatron_core``'s save or load runs, by name (``cases``: each one's ``action``, ``model``, ``ckpt``,
+    ``tp``, ``pp``, ``ep``, ``seed`` and options), in one job of as many gloo ranks as the largest needs, one run
+    after another; returns each run's ``out`` (what a load's ranks saved: ``loaded_ranks``)."""
+    outs = {name: out / name for name in cases}
+    specs = []
+    for name, case in cases.items():
+        outs[name].mkdir(parents=True)
+        if case["action"] == "save":
+            Path(case["ckpt"]).mkdir(parents=True, exist_ok=True)
+        specs.append({"tp": 1, "pp": 1, "ep": 1, "seed": 0, **case, "ckpt": str(case["ckpt"]), "out": str(outs[name])})
+    run_job({"action": "cases", "cases": specs}, out / "job")
+    return outs
 
 
 def run_job(spec: dict[str, Any], out: Path, python: str = sys.executable,

@@ -14,8 +14,9 @@ Three kinds of check, each against megatron-core's own code:
    slice for that rank, padding rows included.
 
 megatron-core runs as a job of gloo CPU ranks in a child process (``support.mcore_torch_dist_job``, which says
-why): one job makes every save of 2, one makes every load of 3, a case after another. pgconvert's torch_dist outputs here keep the common state in common.pt (``--dst-torch-dist-common legacy``,
-the default): megatron-core 0.18 and older read it only there (0.19.2's form: ``test_torch_dist_mcore019.py``).
+why): one job makes every save of 2, one makes every load of 3, a case after another. pgconvert's torch_dist
+outputs here keep the common state in common.pt (``--dst-torch-dist-common legacy``, the default): megatron-core
+0.18 and older read it only there (0.19.2's form: ``test_torch_dist_mcore019.py``).
 """
 
 from __future__ import annotations

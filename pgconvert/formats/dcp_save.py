@@ -1,13 +1,13 @@
-"""A DCP store of global tensors written by one process with no process group: what the torch_dist and
-fsdp_dtensor savers share.
+"""A DCP store of global tensors written by one process with no process group: what the torch_dist and fsdp_dtensor
+savers share.
 
 Both savers plan their chunks from the source's metadata alone (``StoredChunk``: a key, its chunk's offsets and
 sizes, and which rows of which canonical tensor it holds), cut them into data files of at most ``--max-shard-size``
-bytes (``data_files``) and write them through ``dcp.save(no_dist=True)`` with ``StreamingPlanner`` (each chunk's
+bytes (``data_files``) and write them as ``dcp.save(no_dist=True)`` would, with ``StreamingPlanner`` (each chunk's
 data produced when the writer asks for it, one canonical tensor in memory at a time) and the streaming writer
-(``pgconvert/io/dcp_writer.py``), which can write some of the data files and plan the others' offsets, so
-``.metadata`` is written from the plan (``write_store``). The formats differ in the keys, the chunks, and the bytes
-entries (``objects``: key -> the entry's bytes) beside the tensors.
+(``pgconvert/io/dcp_writer.py``, which needs no torch.distributed.checkpoint), which can write some of the data
+files and plan the others' offsets, so ``.metadata`` is written from the plan (``write_store``). The formats differ
+in the keys, the chunks, and the bytes entries (``objects``: key -> the entry's bytes) beside the tensors.
 """
 
 from __future__ import annotations
@@ -20,15 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultSavePlanner, SavePlan
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from pgconvert.formats.contract import PlannedFile, Progress, SaveOptions
 from pgconvert.formats.stream import CanonicalSource
-from pgconvert.formats.torch_dist import single_process_calls
 from pgconvert.io import sizes
+from pgconvert.io.dcp_plan import SavePlan, SavePlanner, WriteItem, WriteItemType, bytes_item, tensor_item
 from pgconvert.io.dcp_writer import DEFAULT_MAX_DATA_FILE_SIZE, ItemKey, StreamingWriter, WrittenFiles, split_by_size
 from pgconvert.io.limits import quote
 from pgconvert.model.config import ModelConfig
@@ -62,16 +58,7 @@ class StoredChunk:
         return sizes.nbytes(self.sizes, self.dtype)
 
     def write_item(self) -> WriteItem:
-        offsets, sizes = torch.Size(self.offsets), torch.Size(self.sizes)
-        return WriteItem(
-            index=MetadataIndex(self.key, offsets),
-            type=WriteItemType.SHARD,
-            tensor_data=TensorWriteData(
-                chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes),
-                properties=TensorProperties(dtype=self.dtype),
-                size=torch.Size(self.global_shape),
-            ),
-        )
+        return tensor_item(self.key, self.offsets, self.sizes, self.global_shape, self.dtype)
 
 
 def layer_rules(config: ModelConfig) -> dict[str, ShardRule]:
@@ -93,7 +80,7 @@ def row_runs(rule: ShardRule | None, shape: tuple[int, ...]) -> list[tuple[int |
 StateReader = Callable[[str, str], torch.Tensor]
 
 
-class StreamingPlanner(DefaultSavePlanner):
+class StreamingPlanner(SavePlanner):
     """A save plan given up front; each chunk's data is produced when the writer asks for it (a chunk of optimizer
     state from ``state``), each bytes entry is ``objects``' bytes. ``planner_data``: the flattened keys' paths
     ``.metadata`` records (None: none)."""
@@ -101,12 +88,10 @@ class StreamingPlanner(DefaultSavePlanner):
     def __init__(self, chunks: list[StoredChunk], objects: Mapping[str, bytes], source: CanonicalSource,
                  vocab_rows: int, progress: Progress,
                  planner_data: Mapping[str, tuple[str, ...]] | None = None, state: StateReader | None = None) -> None:
-        super().__init__(flatten_state_dict=planner_data is not None, flatten_sharded_tensors=False)
         self._planner_data = dict(planner_data) if planner_data is not None else None
         self._objects = objects
         self._chunks = {(chunk.key, chunk.offsets): chunk for chunk in chunks}
-        self._items = [chunk.write_item() for chunk in chunks] + [
-            WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO) for key in objects]
+        self._items = [chunk.write_item() for chunk in chunks] + [bytes_item(key) for key in objects]
         self._source = source
         self._vocab_rows = vocab_rows
         self._progress = progress
@@ -115,8 +100,7 @@ class StreamingPlanner(DefaultSavePlanner):
         self._last: tuple[tuple[str, str | None], torch.Tensor] | None = None
 
     def create_local_plan(self) -> SavePlan:
-        self.plan = SavePlan(self._items, planner_data=self._planner_data)
-        return self.plan
+        return SavePlan(self._items, planner_data=self._planner_data)
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
         if write_item.type == WriteItemType.BYTE_IO:
@@ -207,8 +191,8 @@ def write_store(directory: Path, planner: StreamingPlanner, numbers: dict[ItemKe
     """The data files numbered ``writes`` (None: all) of a planned store, and with ``index`` its ``.metadata``;
     a failed write is an OSError naming ``first_path``. Returns the writer (the written files' digests)."""
     writer = StreamingWriter(directory, numbers, writes, index=index)
-    with os_errors_of_torch(first_path), single_process_calls():
-        dcp.save({}, storage_writer=writer, planner=planner, no_dist=True)
+    with os_errors_of_torch(first_path):
+        writer.save(planner)
     return writer
 
 

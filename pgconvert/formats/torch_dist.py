@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import io
 import json
 import math
@@ -51,17 +52,9 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    Metadata,
-    TensorStorageMetadata,
-)
-from torch.distributed.checkpoint.planner import SavePlan
 
 from pgconvert.io import limits
 from pgconvert.model.config import ModelConfig
@@ -77,6 +70,9 @@ from pgconvert.model.provider import (EXPERTS_MODULE, EXTRA_STATE_SUFFIX, FINAL_
                                       MTP_EH_PROJ, MTP_LAYER_MODULE, MTP_PREFIX, LayerTensor, TensorKind,
                                       canonical_names, final_norm_local_name, fused_norm_name, layer_tensors,
                                       mtp_layer_tensors, te_sharded_modules)
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
 
 COMMON_FILE = "common.pt"
 # megatron-core 0.19.0 and later (``dist_checkpointing.save``) store the common state (args, iteration, optimizer
@@ -391,6 +387,8 @@ def single_process_calls() -> Iterator[None]:
     assumes a single process, which is the point here; and whatever failed inside is re-raised as
     itself, not wrapped in torch's ``CheckpointException`` (a BaseException, so ``except Exception``
     would not even see it)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     try:
         with _QUIET_SINGLE_PROCESS:
             yield
@@ -453,32 +451,35 @@ _DCP_METADATA_GLOBALS = {
 }
 
 
-@dataclass
-class _MCoreMetadata(Metadata):
-    """megatron-core <= 0.15's ``strategies.torch.MCoreMetadata``: torch's Metadata plus ``mcore_data``
-    (per key ``nd_reformulated_orig_global_shape`` of its flattened_range tensors); rebuilt here inert."""
+@functools.cache
+def _mcore_metadata_classes() -> dict[tuple[str, str], type]:
+    """The two classes megatron-core <= 0.15 pickles into .metadata, mapped to inert stand-ins: its
+    ``strategies.torch.MCoreMetadata`` (torch's Metadata plus ``mcore_data``: per key
+    ``nd_reformulated_orig_global_shape`` of its flattened_range tensors) and ``MCoreSavePlan`` (the rank plans kept
+    in ``all_local_plans``). Made when a ``.metadata`` is first read: torch.distributed.checkpoint is imported only
+    by what reads one."""
+    from torch.distributed.checkpoint.metadata import Metadata
+    from torch.distributed.checkpoint.planner import SavePlan
 
-    mcore_data: dict[str, dict[str, Any]] | None = None
+    @dataclass
+    class MCoreMetadata(Metadata):
+        mcore_data: dict[str, dict[str, Any]] | None = None
 
+    @dataclass(frozen=True)
+    class MCoreSavePlan(SavePlan):
+        mcore_data: dict[str, dict[str, Any]] | None = None
 
-@dataclass(frozen=True)
-class _MCoreSavePlan(SavePlan):
-    """megatron-core <= 0.15's ``MCoreSavePlan`` (the rank plans kept in ``all_local_plans``)."""
-
-    mcore_data: dict[str, dict[str, Any]] | None = None
-
-
-# The two classes megatron-core <= 0.15 pickles into .metadata, mapped to the stand-ins above.
-_MCORE_METADATA_CLASSES = {("megatron.core.dist_checkpointing.strategies.torch", "MCoreMetadata"): _MCoreMetadata,
-                           ("megatron.core.dist_checkpointing.strategies.torch", "MCoreSavePlan"): _MCoreSavePlan}
+    module = "megatron.core.dist_checkpointing.strategies.torch"
+    return {(module, "MCoreMetadata"): MCoreMetadata, (module, "MCoreSavePlan"): MCoreSavePlan}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _DCP_METADATA_GLOBALS:
             return super().find_class(module, name)
-        if (module, name) in _MCORE_METADATA_CLASSES:
-            return _MCORE_METADATA_CLASSES[(module, name)]
+        stand_in = _mcore_metadata_classes().get((module, name))
+        if stand_in is not None:
+            return stand_in
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         raise pickle.UnpicklingError(f"GLOBAL {module}.{name} is not allowed")
@@ -495,6 +496,8 @@ def common_state_storage(metadata: Metadata) -> tuple[Any, Any] | None:
 
 def read_dcp_metadata(path: Path) -> Metadata:
     """torch.distributed.checkpoint's ``.metadata`` through an allowlist of its own classes."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
     try:
         with open(path, "rb") as handle:
             size = os.fstat(handle.fileno()).st_size
@@ -531,6 +534,8 @@ def _is_index(value: object, length: int | None = None) -> bool:
 def _check_metadata(metadata: Metadata, path: Path) -> None:
     """The structure the reader relies on, checked once: every entry typed, every chunk inside its
     tensor, every storage entry a file name with an integer extent."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, ChunkStorageMetadata, TensorStorageMetadata
+
     entries = metadata.state_dict_metadata
     if not isinstance(entries, dict):
         raise CheckpointError(f"{path}: state_dict_metadata is {type(entries).__name__}, expected a dict")
@@ -559,6 +564,8 @@ def _check_metadata(metadata: Metadata, path: Path) -> None:
 
 def _check_volumes(metadata: Metadata, path: Path) -> None:
     """Each key's stored bytes hold at least its chunks' values: sizes are bounded by the data."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     storage = metadata.storage_data
     if not isinstance(storage, dict):
         raise CheckpointError(f"{path}: no storage index (storage_data is {type(storage).__name__})")

@@ -1,17 +1,18 @@
-"""A DCP store's data-file writer (the torch_dist and fsdp_dtensor savers', through ``pgconvert/formats/dcp_save.py``):
-torch's ``FileSystemWriter`` with the data file written item by item.
+"""A DCP store's writer (the torch_dist and fsdp_dtensor savers', through ``pgconvert/formats/dcp_save.py``, and the
+torch_dist optimizer records'): what ``dcp.save(no_dist=True)`` with torch's ``FileSystemWriter`` writes, with the
+data files written item by item and no import of torch.distributed.checkpoint (``dcp_plan``).
 
-torch's own loop keeps every tensor it wrote in a dict until the file is closed; this writer writes the same
-bytes (the items in torch's order, each the ``torch.save`` archive of its chunk, CRC32s included) with nothing
-outliving its record, and hashes the file on the way. Used for the model's ``__0_<n>.distcp`` and torch_dist's
-optimizer records' ``__1_<n>.distcp``.
+torch's own loop keeps every tensor it wrote in a dict until the file is closed; this writer writes the same bytes
+(the items in torch's order, each the ``torch.save`` archive of its chunk, CRC32s included, and ``.metadata`` as
+torch pickles it) with nothing outliving its record, and hashes the file on the way. Used for the model's
+``__0_<n>.distcp`` and torch_dist's optimizer records' ``__1_<n>.distcp``.
 
-The model's items may be spread over several data files (``files``: which file each item goes to), and a process
-may write only some of them (``writes``): an item's record is a ``torch.save`` archive whose length follows from
-its shape and dtype alone (``archive_length``), so the offsets of the files another process writes are known
-without reading them, and ``.metadata`` is written from the plan (``index``) by the one process that finalizes.
-A file this writer does write is checked against those planned offsets. ``.metadata`` records no path and no
-save id (``storage_meta``), so the same plan gives the same bytes whoever writes it.
+The model's items may be spread over several data files (``files``: which file each item goes to), and a process may
+write only some of them (``writes``): an item's record is a ``torch.save`` archive whose length follows from its
+shape and dtype alone (``archive_length``), so the offsets of the files another process writes are known without
+reading them, and ``.metadata`` is written from the plan (``index``) by the one process that finalizes. A file this
+writer does write is checked against those planned offsets. ``.metadata`` records no path and no save id
+(``storage_meta``), so the same plan gives the same bytes whoever writes it.
 """
 
 from __future__ import annotations
@@ -24,14 +25,11 @@ from pathlib import Path
 from typing import TypeVar
 
 import torch
-from torch.distributed.checkpoint import FileSystemWriter, SavePlan, SavePlanner
-from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
-from torch.distributed.checkpoint.storage import WriteResult
-from torch.futures import Future
 
 from pgconvert.errors import PgconvertError
+from pgconvert.io.dcp_plan import (DCP_VERSION, Metadata, SavePlanner, StorageInfo, StorageMeta, WriteItem,
+                                   WriteItemType, WriteResult, dump_metadata, global_save_plan)
+from pgconvert.io.durable import fsync_file
 from pgconvert.io.output import OutputFile
 from pgconvert.io.reuse import RecordsInFlight
 from pgconvert.io.sizes import itemsize, nbytes
@@ -46,6 +44,10 @@ def _write_order(items: Sequence[WriteItem]) -> list[WriteItem]:
 
 
 Item = TypeVar("Item")
+# torch's names: a single process's data files ``__0_<n>.distcp``, and the index.
+DEFAULT_PREFIX = "__0_"
+DATA_SUFFIX = ".distcp"
+METADATA_FILE = ".metadata"
 # At most this many bytes of values in one data file unless --max-shard-size says otherwise, as an hf destination's
 # default shard.
 DEFAULT_MAX_DATA_FILE_SIZE = 5 * 10**9
@@ -67,48 +69,51 @@ def item_key(item: WriteItem) -> ItemKey:
 WrittenFiles = Mapping[str, tuple[str | None, int]]
 
 
-class StreamingWriter(FileSystemWriter):
-    """torch's ``FileSystemWriter`` with the data files written here, item by item (see the module
-    docstring): nothing outlives its record, and each file's digest is computed on the way.
+class StreamingWriter:
+    """A store's data files written here, item by item (see the module docstring): nothing outlives its record,
+    and each file's digest is computed on the way; then its ``.metadata``.
 
     ``files``: the data file (``<prefix><n>.distcp``) of each item (None: one file); ``writes``: the file numbers
     this writer writes (None: all), the others' offsets planned; ``index``: whether it writes ``.metadata``.
     """
 
     def __init__(self, directory: Path, files: Mapping[ItemKey, int] | None = None,
-                 writes: Collection[int] | None = None, index: bool = True, prefix: str | None = None) -> None:
-        super().__init__(str(directory), single_file_per_rank=True, sync_files=True, thread_count=1,
-                         per_thread_copy_ahead=0)
+                 writes: Collection[int] | None = None, index: bool = True, prefix: str = DEFAULT_PREFIX) -> None:
         self.directory = directory
         self.files = files
         self.writes = writes
         self.index = index
-        # The data files' name before their number (None: torch's, ``__0_`` for a single process).
+        # The data files' name before their number.
         self.prefix = prefix
         # The files written: name -> (labelled digest or None, size); ``digest`` and ``size``: the last one's.
         self.written: dict[str, tuple[str | None, int]] = {}
         self.digest: str | None = None
         self.size: int | None = None
 
-    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+    def save(self, planner: SavePlanner) -> None:
+        """What ``dcp.save({}, storage_writer=self, planner=planner, no_dist=True)`` does: the planner's plan made
+        global, its data files written, then ``finish``."""
+        items, metadata = global_save_plan(planner.create_local_plan())
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.finish(metadata, self.write_data(items, planner))
+
+    def write_data(self, items: Sequence[WriteItem], planner: SavePlanner) -> list[WriteResult]:
         groups: dict[int, list[WriteItem]] = {}
-        for item in plan.items:
+        for item in items:
             groups.setdefault(self.files.get(item_key(item), 0) if self.files is not None else 0, []).append(item)
         results = []
         records = RecordsInFlight(ITEMS_IN_FLIGHT)  # the memory each tensor item is made in, file after file
         for number in sorted(groups):
-            file_name = f"{self.prefix or plan.storage_data.prefix}{number}{DEFAULT_SUFFIX}"
-            items = _write_order(groups[number])
+            file_name = f"{self.prefix}{number}{DATA_SUFFIX}"
+            ordered = _write_order(groups[number])
             if self.writes is not None and number not in self.writes:
-                results += planned_results(file_name, items, planner)
+                results += planned_results(file_name, ordered, planner)
                 continue
-            written = self._write_file(file_name, items, planner, records)
+            written = self._write_file(file_name, ordered, planner, records)
             if self.files is not None:
-                _check_planned(self.directory / file_name, written, planned_results(file_name, items, planner))
+                _check_planned(self.directory / file_name, written, planned_results(file_name, ordered, planner))
             results += written
-        future: Future[list[WriteResult]] = Future()
-        future.set_result(results)
-        return future
+        return results
 
     def _write_file(self, file_name: str, items: list[WriteItem], planner: SavePlanner,
                     records: RecordsInFlight) -> list[WriteResult]:
@@ -120,24 +125,24 @@ class StreamingWriter(FileSystemWriter):
                 _write_item(writer, item, planner, records)
                 length = writer.offset - start
                 results.append(WriteResult(index=item.index, size_in_bytes=length,
-                                           storage_data=_StorageInfo(file_name, start, length)))
+                                           storage_data=StorageInfo(file_name, start, length)))
         self.digest, self.size = writer.hexdigest(), writer.offset
         self.written[file_name] = (self.digest, self.size)
         return results
 
-    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        if self.index:
-            super().finish(metadata, results)
-
-    def _metadata_exists(self) -> bool:
-        # A .metadata there is pgconvert's own, in the output it is writing (an index written again with the
-        # optimizer state's records, or one another writer keeps): torch would warn before replacing it.
-        return False
-
-    def storage_meta(self) -> StorageMeta | None:
-        """No checkpoint path (a temporary directory's, renamed after) and no random save id: the same plan
-        gives the same ``.metadata``."""
-        return StorageMeta()
+    def finish(self, metadata: Metadata, results: list[WriteResult]) -> None:
+        """With ``index``, ``.metadata`` as torch's writer leaves it: the format's version, where each item lies,
+        and no checkpoint path or random save id (``StorageMeta()``: the same plan gives the same bytes), written
+        beside it, synced, then renamed into place."""
+        if not self.index:
+            return
+        metadata.version = DCP_VERSION
+        metadata.storage_data = {result.index: result.storage_data for result in results}
+        metadata.storage_meta = StorageMeta()
+        partial = self.directory / f"{METADATA_FILE}.tmp"
+        partial.write_bytes(dump_metadata(metadata))
+        fsync_file(partial)
+        partial.replace(self.directory / METADATA_FILE)
 
 
 def split_by_size(items: Sequence[Item], group: Callable[[Item], Hashable], size: Callable[[Item], int],
@@ -172,7 +177,7 @@ def planned_results(file_name: str, items: list[WriteItem], planner: SavePlanner
             assert item.tensor_data is not None
             length = archive_length(tuple(item.tensor_data.chunk.sizes), item.tensor_data.properties.dtype)
         results.append(WriteResult(index=item.index, size_in_bytes=length,
-                                   storage_data=_StorageInfo(file_name, offset, length)))
+                                   storage_data=StorageInfo(file_name, offset, length)))
         offset += length
     return results
 

@@ -1,30 +1,30 @@
-"""Saver for Megatron distributed checkpoints (``torch_dist``), as megatron-core's ``dist_checkpointing.save``
-writes them for a single-rank (TP1, PP1, EP1) job.
+"""Saver for Megatron distributed checkpoints (``torch_dist``), as megatron-core's ``dist_checkpointing.save`` writes
+them for a single-rank (TP1, PP1, EP1) job.
 
-The files are written by torch.distributed.checkpoint's own ``FileSystemWriter`` through
-``dcp.save(no_dist=True)``: the plan (keys, global shapes, chunks) is computed from the source's
-metadata alone, and each chunk's data is produced only when the writer asks for it
-(``resolve_data``), so one canonical tensor is in memory at a time: peak memory is the largest
-canonical tensor plus its copy in the target dtype (and, for a vocab table whose padding changes,
-the refitted table), plus the plan (a few hundred bytes per chunk).
+The files are what torch.distributed.checkpoint's ``dcp.save(no_dist=True)`` with its ``FileSystemWriter`` writes:
+the plan (keys, global shapes, chunks) is computed from the source's metadata alone, and each chunk's data is
+produced only when the writer asks for it (``resolve_data``), so one canonical tensor is in memory at a time: peak
+memory is the largest canonical tensor plus its copy in the target dtype (and, for a vocab table whose padding
+changes, the refitted table), plus the plan (a few hundred bytes per chunk).
 
-The chunks go to data files ``__0_0.distcp``, ``__0_1.distcp``, … of at most ``max_shard_size`` bytes of values
-each (``--max-shard-size``, default 5 GB; one canonical tensor's chunks stay in one file), decided from the plan
-alone. ``save(only=...)`` writes some of them (``--workers``, sharded runs: each process its share), and
-``finalize`` writes the common state (``common.pt``, or ``--dst-torch-dist-common store``: its own data file after the
-model's), ``.metadata`` (from the plan: every record's offset is known from its shape and dtype,
+The chunks go to data files ``__0_0.distcp``, ``__0_1.distcp``, … of at most ``max_shard_size`` bytes of values each
+(``--max-shard-size``, default 5 GB; one canonical tensor's chunks stay in one file), decided from the plan alone.
+``save(only=...)`` writes some of them (``--workers``, sharded runs: each process its share), and ``finalize``
+writes the common state (``common.pt``, or ``--dst-torch-dist-common store``: its own data file after the model's),
+``.metadata`` (from the plan: every record's offset is known from its shape and dtype,
 ``dcp_writer.archive_length``), ``metadata.json`` and the tracker, so every split gives the same bytes; ``seal``
 writes ``integrity.json`` (store, ``SaveOptions.integrity_manifest``) after the optimizer state.
 
 The data files are written by ``StreamingWriter`` (``pgconvert/io/dcp_writer.py``, through
 ``pgconvert/formats/dcp_save.py``, which the fsdp_dtensor saver shares), not by torch's
-``FileSystemWriter.write_data``: torch's loop keeps every tensor it wrote in a dict until the file is closed (one per key, so a stacked
-model's embedding, output layer and one layer of each key stay alive), which made the peak about
-three canonical tensors. The bytes are the same: the items in torch's order (``_write_order``),
-each the ``torch.save`` archive of its chunk (``pgconvert.io.torchzip``, CRC32s included), and the same
-``WriteResult`` offsets, so torch writes the same ``.metadata``. The file is hashed on the way, so
-the manifest does not read it back. The layout is not in the files: it is the one recorded in
-common state's args (``SaveOptions.layout``), what Megatron-LM reads back as the run's.
+``FileSystemWriter.write_data``, and with no import of torch.distributed.checkpoint (``pgconvert/io/dcp_plan.py``):
+torch's loop keeps every tensor it wrote in a dict until the file is closed (one per key, so a stacked model's
+embedding, output layer and one layer of each key stay alive), which made the peak about three canonical tensors.
+The bytes are the same: the items in torch's order (``_write_order``), each the ``torch.save`` archive of its chunk
+(``pgconvert.io.torchzip``, CRC32s included), and the same ``WriteResult`` offsets, and ``.metadata`` pickled as
+torch pickles it. The file is hashed on the way, so the manifest does not read it back. The layout is not in the
+files: it is the one recorded in common state's args (``SaveOptions.layout``), what Megatron-LM reads back as the
+run's.
 """
 
 from __future__ import annotations

@@ -13,21 +13,20 @@ The optimizer's writers read it back and rewrite it (``rewrite_common``) whereve
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
-import pickle
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import Metadata
 
 from pgconvert.errors import CheckpointError
 from pgconvert.formats.megatron import FRAMEWORK_PICKLE, SAFE_GLOBALS, safe_torch_load
 from pgconvert.formats.dcp_layout import DCP_METADATA_FILE
 from pgconvert.formats.torch_dist import COMMON_FILE, COMMON_STATE_KEY, common_state_storage, read_dcp_metadata
+from pgconvert.io.dcp_plan import dump_metadata
 from pgconvert.io.durable import fsync_file
 
 
@@ -47,8 +46,8 @@ def common_bytes(common: dict[str, Any]) -> bytes:
     return bytes(buffer.getbuffer())
 
 
-def _stored_entry(iteration_dir: Path) -> tuple[Metadata, Any, _StorageInfo]:
-    """``.metadata``, and the storage index and place of its common_state entry."""
+def _stored_entry(iteration_dir: Path) -> tuple[Any, Any, Any]:
+    """``.metadata`` (torch's ``Metadata``), and the storage index and place of its common_state entry."""
     metadata = read_dcp_metadata(iteration_dir / DCP_METADATA_FILE)
     stored = common_state_storage(metadata)
     if stored is not None:
@@ -92,5 +91,5 @@ def rewrite_common(iteration_dir: Path, update: Callable[[dict[str, Any]], None]
     metadata, index, info = _stored_entry(iteration_dir)
     data = common_bytes(common)
     replace_durably(iteration_dir / info.relative_path, data)
-    metadata.storage_data[index] = _StorageInfo(info.relative_path, 0, len(data), info.transform_descriptors)
-    replace_durably(iteration_dir / DCP_METADATA_FILE, pickle.dumps(metadata))
+    metadata.storage_data[index] = dataclasses.replace(info, offset=0, length=len(data))  # torch's class, as read
+    replace_durably(iteration_dir / DCP_METADATA_FILE, dump_metadata(metadata))

@@ -47,12 +47,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import DefaultSavePlanner, SavePlan
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from pgconvert.formats import PlannedFile
 from pgconvert.formats.torch_dist_optimizer import DP_RESHARDABLE, bucket_key, object_key, record_prefix, scaler_key
+from pgconvert.io.dcp_plan import SavePlan, SavePlanner, WriteItem, WriteItemType, bytes_item, tensor_item
 from pgconvert.io.dcp_writer import ItemKey, WrittenFiles, split_by_size
 from pgconvert.model.config import ModelConfig
 from pgconvert.model.grid import RankCoord
@@ -88,29 +86,22 @@ class FlatRecord:
         return FP32_BYTES * (self.end - self.start)
 
     def write_item(self) -> WriteItem:
-        offsets, sizes = torch.Size([self.start]), torch.Size([self.end - self.start])
-        return WriteItem(index=MetadataIndex(self.key, offsets), type=WriteItemType.SHARD,
-                         tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes),
-                                                     properties=TensorProperties(dtype=torch.float32),
-                                                     size=torch.Size([self.numel])))
+        return tensor_item(self.key, (self.start,), (self.end - self.start,), (self.numel,), torch.float32)
 
 
-class FlatRecordsPlanner(DefaultSavePlanner):
+class FlatRecordsPlanner(SavePlanner):
     """The records' plan; each chunk is cut from its parameter's TP piece when written."""
 
     def __init__(self, records: list[FlatRecord], objects: dict[str, Any], optimizer: Any, rows: int) -> None:
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self._records = {(record.key, (record.start,)): record for record in records}
-        self._items = [WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO) for key in objects] + [
-            record.write_item() for record in records]
+        self._items = [bytes_item(key) for key in objects] + [record.write_item() for record in records]
         self._objects = objects
         self._optimizer = optimizer
         self._rows = rows
         self._last: tuple[tuple[RankCoord, str, str], torch.Tensor] | None = None
 
     def create_local_plan(self) -> SavePlan:
-        self.plan = SavePlan(self._items)
-        return self.plan
+        return SavePlan(self._items)
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
         if write_item.type == WriteItemType.BYTE_IO:

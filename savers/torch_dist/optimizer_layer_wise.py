@@ -28,12 +28,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import DefaultSavePlanner, SavePlan
-from torch.distributed.checkpoint.planner import WriteItem
 
 from pgconvert.formats import PlannedFile
 from pgconvert.formats.torch_dist_optimizer import (DP_RESHARDABLE, FULLY_RESHARDABLE, MODEL_SPACE_FIELDS, PLAIN_FIELDS,
                                                     chain_prefixes, state_key)
+from pgconvert.io.dcp_plan import SavePlan, SavePlanner, WriteItem
 from pgconvert.io.dcp_writer import ItemKey
 from pgconvert.model.config import ModelConfig
 from pgconvert.model.layout import ParallelLayout
@@ -94,18 +93,16 @@ def plan_layer_wise(optimizer: OptimizerSource, model_chunks: list[Any], form: s
     return LayerWisePlan(chunks, records, objects, numbers)
 
 
-class _Planner(DefaultSavePlanner):
+class _Planner(SavePlanner):
     """Both planners' items in one plan, each resolved by the planner that made it."""
 
     def __init__(self, chunk_planner: OptimizerPlanner, flat_planner: FlatRecordsPlanner) -> None:
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self._planners = (chunk_planner, flat_planner)
         chunks = chunk_planner.create_local_plan().items
         self._chunk_keys = {(item.index.fqn, tuple(item.index.offset)) for item in chunks}
 
     def create_local_plan(self) -> SavePlan:
-        self.plan = SavePlan([item for planner in self._planners for item in planner.create_local_plan().items])
-        return self.plan
+        return SavePlan([item for planner in self._planners for item in planner.create_local_plan().items])
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
         offset = tuple(write_item.index.offset) if write_item.index.offset is not None else None

@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import io
 import itertools
-import pickle
 from collections import Counter
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -27,17 +26,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultSavePlanner, SavePlan
-from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import WriteItem
-from torch.distributed.checkpoint.storage import WriteResult
 
 from pgconvert.formats import PlannedFile
 from pgconvert.formats.dcp_layout import DCP_METADATA_FILE
-from pgconvert.formats.torch_dist import read_dcp_metadata, single_process_calls
+from pgconvert.formats.torch_dist import read_dcp_metadata
 from pgconvert.formats.torch_dist_optimizer import (FULLY_RESHARDABLE, RECORDS_PREFIX, chained_entries, common_entry,
                                                     records_file, state_key)
+from pgconvert.io.dcp_plan import (Metadata, SavePlan, SavePlanner, WriteItem, WriteResult, as_torch,
+                                   dump_metadata)
 from pgconvert.io.dcp_writer import ItemKey, StreamingWriter, WrittenFiles, split_by_size
 from pgconvert.optimizer.order import ChainMember
 from pgconvert.optimizer.scaler import set_scalers, target_scalers
@@ -45,11 +41,10 @@ from pgconvert.optimizer.source import CARRIED_KEYS, FIELDS, OptimizerSource
 from pgconvert.savers.torch_dist.common_state import replace_durably, rewrite_common
 
 
-class OptimizerPlanner(DefaultSavePlanner):
+class OptimizerPlanner(SavePlanner):
     """The optimizer records' plan; each chunk's data is cut from its parameter's state when written."""
 
     def __init__(self, chunks: list[tuple[str, Any]], optimizer: Any, rows: int, fits_rows: set[str]) -> None:
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self._chunks = {(chunk.key, chunk.offsets): (field, chunk) for field, chunk in chunks}
         self._items = [chunk.write_item() for _, chunk in chunks]
         self._optimizer = optimizer
@@ -58,8 +53,7 @@ class OptimizerPlanner(DefaultSavePlanner):
         self._last: tuple[tuple[str, str], torch.Tensor] | None = None
 
     def create_local_plan(self) -> SavePlan:
-        self.plan = SavePlan(self._items)
-        return self.plan
+        return SavePlan(self._items)
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
         field, chunk = self._chunks[(write_item.index.fqn, tuple(write_item.index.offset))]
@@ -81,9 +75,10 @@ def _merge_metadata(iteration_dir: Path, added: Metadata) -> None:
     """Add the records indexed by ``added`` (stored in the records files) to the checkpoint's ``.metadata``."""
     path = iteration_dir / DCP_METADATA_FILE
     metadata = read_dcp_metadata(path)
-    metadata.state_dict_metadata.update(added.state_dict_metadata)
-    metadata.storage_data.update(added.storage_data)
-    replace_durably(path, pickle.dumps(metadata))
+    torchs = as_torch(added)
+    metadata.state_dict_metadata.update(torchs.state_dict_metadata)
+    metadata.storage_data.update(torchs.storage_data)
+    replace_durably(path, dump_metadata(metadata))
 
 
 @dataclass(frozen=True)
@@ -106,8 +101,8 @@ class _RecordsWriter(StreamingWriter):
         super().__init__(directory, files, writes, index=True, prefix=RECORDS_PREFIX)
         self.metadata: Metadata | None = None
 
-    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        metadata.storage_data = {result.index: result.storage_data for written in results for result in written}
+    def finish(self, metadata: Metadata, results: list[WriteResult]) -> None:
+        metadata.storage_data = {result.index: result.storage_data for result in results}
         self.metadata = metadata
 
 
@@ -196,8 +191,7 @@ def write_records(iteration_dir: Path, planner: Any, numbers: Mapping[ItemKey, i
     every = sorted(set(numbers.values()) | {0})
     writes = every if share.writes is None else [number for number in every if records_file(number) in share.writes]
     writer = _RecordsWriter(iteration_dir, numbers, writes)
-    with single_process_calls():
-        dcp.save({}, storage_writer=writer, planner=planner, no_dist=True)
+    writer.save(planner)
     if share.shared:
         assert writer.metadata is not None
         merge(iteration_dir, writer.metadata)

@@ -1,0 +1,155 @@
+"""The DCP plan and metadata types the writers use in place of torch.distributed.checkpoint's: the global plan and
+``.metadata`` they make are torch's own, byte for byte, and writing a store imports none of torch's checkpoint
+package."""
+
+from __future__ import annotations
+
+import pickle
+import random
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from support.megatron_fixtures import make_full_model, write_megatron_checkpoint
+from support.tiny_models import GQA_SWIGLU
+from support.torch_dcp_save import torch_item
+from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan as TorchSavePlan
+
+from pgconvert.errors import PgconvertError
+from pgconvert.formats.torch_dist import read_dcp_metadata
+from pgconvert.io import dcp_plan
+from pgconvert.io.sizes import nbytes
+
+DTYPES = [torch.bfloat16, torch.float32, torch.float16, torch.int64, torch.float8_e4m3fn, torch.uint8]
+
+
+def random_plan(seed: int) -> tuple[list[dcp_plan.WriteItem], dict[str, tuple[str, ...]] | None]:
+    """Keys of random rank in chunks along their first dimension (one chunk or several), scalars, bytes entries."""
+    rng = random.Random(seed)
+    items = []
+    for number in range(rng.randint(1, 12)):
+        key = f"module.layer_{number}.weight"
+        if rng.random() < 0.2:
+            items.append(dcp_plan.bytes_item(key + "/extra"))
+        shape = tuple(rng.randint(1, 9) for _ in range(rng.randint(0, 3)))
+        dtype = rng.choice(DTYPES)
+        cuts = sorted(rng.sample(range(1, shape[0]), rng.randint(0, shape[0] - 1))) if shape and shape[0] > 1 else []
+        for start, end in zip([0, *cuts], [*cuts, shape[0] if shape else 0], strict=True):
+            offsets = (start, *(0 for _ in shape[1:])) if shape else ()
+            sizes = (end - start, *shape[1:]) if shape else ()
+            items.append(dcp_plan.tensor_item(key, offsets, sizes, shape, dtype))
+    planner_data = {item.index.fqn: tuple(item.index.fqn.split(".")) for item in items} if seed % 2 else None
+    return items, planner_data
+
+
+def record_length(item: dcp_plan.WriteItem | object) -> int:
+    """A length each item's record could have: its values and an archive's worth of bytes around them."""
+    data = getattr(item, "tensor_data")
+    if data is None:
+        return 100
+    return nbytes(tuple(data.chunk.sizes), data.properties.dtype) + 1000
+
+
+def finished(items: list[dcp_plan.WriteItem], metadata: dcp_plan.Metadata) -> dcp_plan.Metadata:
+    """``metadata`` as the writer finishes it: each item laid out after the one before in one data file."""
+    name = "__0_0.distcp"
+    offsets = [0]
+    for item in items:
+        offsets.append(offsets[-1] + record_length(item))
+    metadata.version = dcp_plan.DCP_VERSION
+    metadata.storage_data = {item.index: dcp_plan.StorageInfo(name, start, end - start)
+                             for item, start, end in zip(items, offsets, offsets[1:])}
+    metadata.storage_meta = dcp_plan.StorageMeta()
+    return metadata
+
+
+def torch_finished(items: list[dcp_plan.WriteItem], planner_data: dict[str, tuple[str, ...]] | None) -> Any:
+    """The same plan made global by torch's own planner, finished as torch's ``FileSystemWriter`` finishes it."""
+    plans, metadata = create_default_global_save_plan([TorchSavePlan([torch_item(item) for item in items])])
+    if planner_data is not None:
+        metadata.planner_data = dict(planner_data)
+    name = "__0_0.distcp"
+    offsets = [0]
+    for item in plans[0].items:
+        offsets.append(offsets[-1] + record_length(item))
+    metadata.version = "1.0.0"
+    metadata.storage_data = {item.index: _StorageInfo(name, start, end - start)
+                             for item, start, end in zip(plans[0].items, offsets, offsets[1:])}
+    metadata.storage_meta = StorageMeta()
+    return metadata
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_metadata_of_a_plan_is_the_pickle_torchs_planner_and_writer_make(seed: int) -> None:
+    items, planner_data = random_plan(seed)
+    global_items, metadata = dcp_plan.global_save_plan(dcp_plan.SavePlan(items, planner_data=planner_data))
+
+    ours = dcp_plan.dump_metadata(finished(global_items, metadata))
+    assert ours == pickle.dumps(torch_finished(items, planner_data))
+    # Read back with torch's classes, and the chunk index hints torch's planner gives.
+    loaded = pickle.loads(ours)
+    assert type(loaded).__module__ == "torch.distributed.checkpoint.metadata"
+    assert [index.index for index in loaded.storage_data] == [item.index.index for item in global_items]
+
+
+def test_entries_added_to_a_metadata_read_back_pickle_as_torchs_own(tmp_path: Path) -> None:
+    """The optimizer records' index merged into a ``.metadata`` read with torch's classes (``_merge_metadata``) is
+    the pickle of the same merge of torch's own objects."""
+    model, _ = random_plan(3)
+    records = [dcp_plan.tensor_item("optimizer." + item.index.fqn, item.tensor_data.chunk.offsets,
+                                    item.tensor_data.chunk.sizes, item.tensor_data.size, torch.float32)
+               for item in random_plan(4)[0] if item.tensor_data is not None]
+    path = tmp_path / ".metadata"
+    path.write_bytes(dcp_plan.dump_metadata(finished(*dcp_plan.global_save_plan(dcp_plan.SavePlan(model)))))
+
+    theirs = read_dcp_metadata(path)
+    added = torch_finished(records, None)
+    theirs.state_dict_metadata.update(added.state_dict_metadata)
+    theirs.storage_data.update(added.storage_data)
+    ours = read_dcp_metadata(path)
+    added = dcp_plan.as_torch(finished(*dcp_plan.global_save_plan(dcp_plan.SavePlan(records))))
+    ours.state_dict_metadata.update(added.state_dict_metadata)
+    ours.storage_data.update(added.storage_data)
+    assert dcp_plan.dump_metadata(ours) == pickle.dumps(theirs)
+
+
+@pytest.mark.parametrize(("offsets", "sizes", "message"), [
+    ((0, 0), (4, 5), "is not inside its shape"),
+    ((2, 0), (3, 4), "is not inside its shape"),
+    ((0, 0), (3, 4), "hold 12 elements; its shape"),
+])
+def test_a_plan_whose_chunks_do_not_tile_their_tensor_is_refused(offsets: tuple[int, ...], sizes: tuple[int, ...],
+                                                                 message: str) -> None:
+    item = dcp_plan.tensor_item("w", offsets, sizes, (4, 4), torch.bfloat16)
+    with pytest.raises(PgconvertError, match=message):
+        dcp_plan.global_save_plan(dcp_plan.SavePlan([item]))
+
+
+def test_a_key_planned_as_bytes_twice_is_refused() -> None:
+    with pytest.raises(PgconvertError, match="holds 'w' twice"):
+        dcp_plan.global_save_plan(dcp_plan.SavePlan([dcp_plan.bytes_item("w"), dcp_plan.bytes_item("w")]))
+
+
+_WRITE_AND_LIST_IMPORTS = """
+import sys
+import pgconvert
+pgconvert.convert(sys.argv[1], sys.argv[2], dst_format=sys.argv[3])
+print(sorted(name for name in sys.modules if name.startswith("torch.distributed.checkpoint")))
+"""
+
+
+@pytest.mark.parametrize("dst_format", ["torch_dist", "fsdp_dtensor"])
+def test_writing_a_store_imports_no_torch_distributed_checkpoint(tmp_path: Path, dst_format: str) -> None:
+    """The package costs most of a second to import (DTensor, sympy): a writer has no need of it."""
+    src = write_megatron_checkpoint(tmp_path / "src", GQA_SWIGLU, make_full_model(GQA_SWIGLU), 2, 1)
+    done = subprocess.run([sys.executable, "-c", _WRITE_AND_LIST_IMPORTS, str(src), str(tmp_path / "dst"), dst_format],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]"
+    assert any((tmp_path / "dst").rglob(".metadata"))

@@ -10,13 +10,16 @@ torch ``ShardedTensor`` that places the other TP ranks' pieces on rank ``(rank +
 which in a one-process world is the process itself, and torch refuses ("Number of local shards (4)
 does not match number of local shards metadata in sharded_tensor_metadata (8)"). So megatron-core
 runs as the job it is written for: a child process (``python this_file.py <spec>``, any interpreter with
-megatron-core and torch) spawns one process per rank, on a gloo group over a FileStore. The ranks of the *model*
+megatron-core and torch) forks one process per rank, on a gloo group over a FileStore. The ranks of the *model*
 still come from fake groups (megatron-core's ``pg_collection``); only dist_checkpointing uses the real group, and the
 test process never initialises torch.distributed. Three CPU-only shims in each child rank, for the
 duration of the job: ``torch.cuda.current_device`` answers the CPU (the save's failure flag and the
 MoE router's buffers are allocated there), ``torch.cuda.synchronize`` does nothing
 (``FileSystemWriterAsync.preload_tensors``), and megatron-core's ``filesystem_async._process_memory``
-answers 0 (it only logs memory use, through psutil, which megatron-core does not declare).
+answers 0 (it only logs memory use, through psutil, which megatron-core does not declare). And each rank makes
+the queue through which ``dist_checkpointing.save``'s writer processes report (``filesystem_async._results_queue``,
+made on first use by a multiprocessing Manager megatron-core starts with "spawn") from a forked Manager: a spawned
+one starts a fresh interpreter that imports this job's modules again, most of a save's time here.
 
 Verified with megatron-core 0.16.1 and 0.19.2: the same calls build, save and load in both; 0.19.2's
 ``dist_checkpointing.save``/``load`` also take ``verify_integrity`` (the spec's ``verify_integrity``).
@@ -102,6 +105,17 @@ def _cpu_only_shims() -> None:
     parallel_state.get_data_parallel_rank = lambda *args, **kwargs: 0
 
 
+def _forked_results_queue() -> None:
+    """megatron-core's writer results queue (``filesystem_async._get_write_results_queue``, one per process) made
+    now, by a Manager forked from this rank, before it has a process group (and so gloo's threads)."""
+    import multiprocessing
+
+    import megatron.core.dist_checkpointing.strategies.filesystem_async as filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", False) is None:
+        filesystem_async._results_queue = multiprocessing.get_context("fork").Manager().Queue()
+
+
 def _rank_coords(spec: dict[str, Any], rank: int) -> tuple[int, int, int]:
     tp, ep = spec["tp"], spec["ep"]
     return rank % tp, rank // (tp * ep), (rank // tp) % ep
@@ -120,6 +134,7 @@ def _child_rank(rank: int, spec: dict[str, Any]) -> None:
     the case's own ranks (a rank past a case's world waits for the next)."""
     warnings.simplefilter("ignore")
     _cpu_only_shims()
+    _forked_results_queue()
     for case in spec["cases"] if spec["action"] == "cases" else [spec]:
         if rank < _world(case):
             _run_in_group(rank, case)
@@ -189,10 +204,12 @@ def _integrity(spec: dict[str, Any]) -> dict[str, bool]:
 
 
 def _child_main(spec: dict[str, Any]) -> None:
+    """Fork the job's ranks from this process, which has imported megatron-core and computed nothing, so each rank
+    starts from its imports (as ``support.gloo_ranks`` forks the other gloo scripts' ranks)."""
     import torch.multiprocessing
 
     torch.multiprocessing.start_processes(_child_rank, args=(spec,), nprocs=_world(spec), join=True,
-                                          start_method="spawn")
+                                          start_method="fork")
 
 
 def run_megatron_core(action: str, model: str, ckpt: Path, out: Path, tp: int = 1, pp: int = 1, ep: int = 1,

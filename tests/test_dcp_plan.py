@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan as TorchSavePlan
 
-from pgconvert.errors import PgconvertError
+from pgconvert.errors import CheckpointError, PgconvertError
 from pgconvert.formats.torch_dist import read_dcp_metadata
 from pgconvert.io import dcp_plan
 from pgconvert.io.sizes import nbytes
@@ -99,24 +99,32 @@ def test_metadata_of_a_plan_is_the_pickle_torchs_planner_and_writer_make(seed: i
 
 
 def test_entries_added_to_a_metadata_read_back_pickle_as_torchs_own(tmp_path: Path) -> None:
-    """The optimizer records' index merged into a ``.metadata`` read with torch's classes (``_merge_metadata``) is
-    the pickle of the same merge of torch's own objects."""
+    """The optimizer records' index merged into a ``.metadata`` read back (``_merge_metadata``) is the pickle of the
+    same merge of torch's own objects."""
     model, _ = random_plan(3)
     records = [dcp_plan.tensor_item("optimizer." + item.index.fqn, item.tensor_data.chunk.offsets,
                                     item.tensor_data.chunk.sizes, item.tensor_data.size, torch.float32)
                for item in random_plan(4)[0] if item.tensor_data is not None]
     path = tmp_path / ".metadata"
-    path.write_bytes(dcp_plan.dump_metadata(finished(*dcp_plan.global_save_plan(dcp_plan.SavePlan(model)))))
+    path.write_bytes(pickle.dumps(torch_finished(model, None)))
 
     theirs = read_dcp_metadata(path)
     added = torch_finished(records, None)
     theirs.state_dict_metadata.update(added.state_dict_metadata)
     theirs.storage_data.update(added.storage_data)
-    ours = read_dcp_metadata(path)
-    added = dcp_plan.as_torch(finished(*dcp_plan.global_save_plan(dcp_plan.SavePlan(records))))
+    ours = dcp_plan.read_metadata(path)
+    assert dcp_plan.dump_metadata(ours) == path.read_bytes()
+    added = finished(*dcp_plan.global_save_plan(dcp_plan.SavePlan(records)))
     ours.state_dict_metadata.update(added.state_dict_metadata)
     ours.storage_data.update(added.storage_data)
     assert dcp_plan.dump_metadata(ours) == pickle.dumps(theirs)
+
+
+def test_a_metadata_naming_another_global_is_refused_unread(tmp_path: Path) -> None:
+    path = tmp_path / ".metadata"
+    path.write_bytes(pickle.dumps(torch_finished(random_plan(1)[0], None)).replace(b"StorageMeta", b"StorageMetX"))
+    with pytest.raises(CheckpointError, match=r"\.metadata: not a torch.distributed.checkpoint index .*StorageMetX"):
+        dcp_plan.read_metadata(path)
 
 
 @pytest.mark.parametrize(("offsets", "sizes", "message"), [
@@ -139,17 +147,25 @@ def test_a_key_planned_as_bytes_twice_is_refused() -> None:
 _WRITE_AND_LIST_IMPORTS = """
 import sys
 import pgconvert
-pgconvert.convert(sys.argv[1], sys.argv[2], dst_format=sys.argv[3])
+pgconvert.convert(sys.argv[1], sys.argv[2], dst_format=sys.argv[3], dst_tp=1)
 print(sorted(name for name in sys.modules if name.startswith("torch.distributed.checkpoint")))
 """
+# Megatron-LM's own TP2 DP2 run with the distributed optimizer: its state is written as the optimizer records (and the
+# common state rewritten in the store) of a torch_dist target, and into an fsdp_dtensor target's store.
+OPTIMIZER_RUN = Path(__file__).parent / "data" / "megatron_lm" / "train_tp2dp2_distopt_bf16_torch"
 
 
-@pytest.mark.parametrize("dst_format", ["torch_dist", "fsdp_dtensor"])
-def test_writing_a_store_imports_no_torch_distributed_checkpoint(tmp_path: Path, dst_format: str) -> None:
+@pytest.mark.parametrize(("source", "dst_format"), [("model", "torch_dist"), ("model", "fsdp_dtensor"),
+                                                    ("optimizer", "torch_dist"), ("optimizer", "fsdp_dtensor")])
+def test_writing_a_store_imports_no_torch_distributed_checkpoint(tmp_path: Path, source: str, dst_format: str) -> None:
     """The package costs most of a second to import (DTensor, sympy): a writer has no need of it."""
-    src = write_megatron_checkpoint(tmp_path / "src", GQA_SWIGLU, make_full_model(GQA_SWIGLU), 2, 1)
+    src = OPTIMIZER_RUN if source == "optimizer" else write_megatron_checkpoint(
+        tmp_path / "src", GQA_SWIGLU, make_full_model(GQA_SWIGLU), 2, 1)
     done = subprocess.run([sys.executable, "-c", _WRITE_AND_LIST_IMPORTS, str(src), str(tmp_path / "dst"), dst_format],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "[]"
     assert any((tmp_path / "dst").rglob(".metadata"))
+    if source == "optimizer":
+        assert any("optimizer" in key for key in read_dcp_metadata(next((tmp_path / "dst").rglob(".metadata")))
+                   .state_dict_metadata)

@@ -6,7 +6,8 @@ DTensor, which pulls sympy), more than some conversions spend on their bytes. Th
 these: plain dataclasses with torch's fields, in torch's order, holding the same objects torch's own planner puts
 there (``global_save_plan`` follows ``create_default_global_save_plan``). ``dump_metadata`` pickles them under
 torch's own module and class names (``TORCH_NAMES``), so ``.metadata`` is the pickle torch's ``FileSystemWriter``
-writes, byte for byte, and every reader unpickles torch's classes. Readers of a store keep torch's own types.
+writes, byte for byte, and every reader unpickles torch's classes. ``read_metadata`` reads a ``.metadata`` pgconvert
+wrote back into these types (the optimizer records' index is added to it); readers of a source keep torch's own.
 """
 
 from __future__ import annotations
@@ -17,11 +18,13 @@ import math
 import pickle
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from pgconvert.errors import PgconvertError
+from pgconvert.errors import CheckpointError, PgconvertError
+from pgconvert.io import limits
 
 _METADATA = "torch.distributed.checkpoint.metadata"
 _PLANNER = "torch.distributed.checkpoint.planner"
@@ -66,6 +69,12 @@ class TensorProperties:
                    torch.channels_last: MemoryFormat.TORCH_CHANNELS_LAST,
                    torch.preserve_format: MemoryFormat.TORCH_PRESERVE_FORMAT}
         return self.dtype, self.layout, self.requires_grad, formats[self.memory_format], self.pin_memory
+
+    def __setstate__(self, state: tuple[Any, ...]) -> None:
+        self.dtype, self.layout, self.requires_grad, encoding, self.pin_memory = state
+        self.memory_format = {MemoryFormat.TORCH_CONTIGUOUS_FORMAT: torch.contiguous_format,
+                              MemoryFormat.TORCH_CHANNELS_LAST: torch.channels_last,
+                              MemoryFormat.TORCH_PRESERVE_FORMAT: torch.preserve_format}[encoding]
 
 
 @dataclass
@@ -214,6 +223,9 @@ class MetadataPickler(pickle._Pickler):  # type: ignore[name-defined,misc]
         self.memoize(obj)
 
 
+_OWN_TYPES = {name: own for own, name in TORCH_NAMES.items()}
+
+
 def dump_metadata(metadata: object) -> bytes:
     """``.metadata``'s bytes: ``pickle.dump`` of ``metadata`` at the default protocol, as torch's writer does."""
     buffer = io.BytesIO()
@@ -221,12 +233,39 @@ def dump_metadata(metadata: object) -> bytes:
     return buffer.getvalue()
 
 
-def as_torch(metadata: Metadata) -> Any:
-    """``metadata`` made of torch's own classes, the objects it shares still shared (imports
-    torch.distributed.checkpoint): what is added to a ``.metadata`` read with torch's classes, so that the whole
-    pickles as torch's writer would pickle it (the pickle of a type written twice, once for each class, would
-    differ)."""
-    return pickle.loads(dump_metadata(metadata))
+class _OwnMetadataUnpickler(pickle.Unpickler):
+    """torch's classes of a ``.metadata`` read as the types here; torch's ``Size``, dtypes and layouts as themselves;
+    any other global refused."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        own = _OWN_TYPES.get((module, name))
+        if own is not None:
+            return own
+        if (module, name) in {("torch", "Size"), ("torch.serialization", "_get_layout")}:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"global {module}.{name} is not one of torch's metadata classes")
+
+
+def read_metadata(path: Path) -> Metadata:
+    """A ``.metadata`` this package wrote (to add the optimizer records' index to it, or to rewrite its common state
+    entry), read into the types here, so that ``dump_metadata`` writes it back as torch would have, and without
+    importing torch.distributed.checkpoint. A store from elsewhere is read with torch's classes
+    (``pgconvert.formats.torch_dist.read_dcp_metadata``)."""
+    size = path.stat().st_size
+    if size > limits.MAX_PICKLE_BYTES:
+        raise limits.over_limit(path, "the metadata pickle's size in bytes", size, "MAX_PICKLE_BYTES")
+    try:
+        with path.open("rb") as handle:
+            metadata = _OwnMetadataUnpickler(handle).load()
+    except Exception as exc:  # a damaged pickle raises anything
+        raise CheckpointError(f"{path}: not a torch.distributed.checkpoint index that pgconvert wrote "
+                              f"({type(exc).__name__}: {limits.quote(str(exc), 200)})") from exc
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
+        raise CheckpointError(f"{path}: not a torch.distributed.checkpoint index that pgconvert wrote "
+                              f"(found {type(metadata).__name__})")
+    return metadata
 
 
 def global_save_plan(plan: SavePlan) -> tuple[list[WriteItem], Metadata]:

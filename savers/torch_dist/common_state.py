@@ -25,8 +25,8 @@ import torch
 from pgconvert.errors import CheckpointError
 from pgconvert.formats.megatron import FRAMEWORK_PICKLE, SAFE_GLOBALS, safe_torch_load
 from pgconvert.formats.dcp_layout import DCP_METADATA_FILE
-from pgconvert.formats.torch_dist import COMMON_FILE, COMMON_STATE_KEY, common_state_storage, read_dcp_metadata
-from pgconvert.io.dcp_plan import dump_metadata
+from pgconvert.formats.torch_dist import COMMON_FILE, COMMON_STATE_KEY, common_state_storage
+from pgconvert.io.dcp_plan import Metadata, MetadataIndex, StorageInfo, dump_metadata, read_metadata
 from pgconvert.io.durable import fsync_file
 
 
@@ -46,9 +46,9 @@ def common_bytes(common: dict[str, Any]) -> bytes:
     return bytes(buffer.getbuffer())
 
 
-def _stored_entry(iteration_dir: Path) -> tuple[Any, Any, Any]:
-    """``.metadata`` (torch's ``Metadata``), and the storage index and place of its common_state entry."""
-    metadata = read_dcp_metadata(iteration_dir / DCP_METADATA_FILE)
+def _stored_entry(iteration_dir: Path) -> tuple[Metadata, MetadataIndex, StorageInfo]:
+    """``.metadata`` (``dcp_plan.read_metadata``), and the storage index and place of its common_state entry."""
+    metadata = read_metadata(iteration_dir / DCP_METADATA_FILE)
     stored = common_state_storage(metadata)
     if stored is not None:
         return metadata, *stored
@@ -91,5 +91,5 @@ def rewrite_common(iteration_dir: Path, update: Callable[[dict[str, Any]], None]
     metadata, index, info = _stored_entry(iteration_dir)
     data = common_bytes(common)
     replace_durably(iteration_dir / info.relative_path, data)
-    metadata.storage_data[index] = dataclasses.replace(info, offset=0, length=len(data))  # torch's class, as read
+    metadata.storage_data[index] = dataclasses.replace(info, offset=0, length=len(data))
     replace_durably(iteration_dir / DCP_METADATA_FILE, dump_metadata(metadata))

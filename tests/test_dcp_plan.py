@@ -86,7 +86,13 @@ def torch_finished(items: list[dcp_plan.WriteItem], planner_data: dict[str, tupl
 
 
 @pytest.mark.parametrize("seed", range(12))
-def test_metadata_of_a_plan_is_the_pickle_torchs_planner_and_writer_make(seed: int) -> None:
+@pytest.mark.parametrize("pickler", ["python", "torch_classes"])
+def test_metadata_of_a_plan_is_the_pickle_torchs_planner_and_writer_make(seed: int, pickler: str,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both ways ``dump_metadata`` pickles (Python's pickler under torch's names, or, for a large store, C's on
+    torch's own objects) give torch's bytes."""
+    if pickler == "torch_classes":
+        monkeypatch.setattr(dcp_plan, "PURE_PYTHON_ENTRIES", 0)
     items, planner_data = random_plan(seed)
     global_items, metadata = dcp_plan.global_save_plan(dcp_plan.SavePlan(items, planner_data=planner_data))
 

@@ -131,11 +131,26 @@ def adam_state_before_sharded_load() -> None:
 def allow_cpu_save() -> None:
     """``dist_checkpointing.save`` on the CPU: its file writer syncs CUDA before copying tensors to the CPU
     (``FileSystemWriterAsync.preload_tensors``), and logs psutil's memory figure
-    (``filesystem_async._process_memory``; megatron-core does not declare psutil). For a throwaway process only."""
+    (``filesystem_async._process_memory``; megatron-core does not declare psutil). For a throwaway process only.
+    Its writers' results queue comes from a forked Manager (``forked_results_queue``)."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     torch.cuda.synchronize = lambda *args, **kwargs: None  # type: ignore[assignment]
     filesystem_async._process_memory = lambda: 0
+    forked_results_queue()
+
+
+def forked_results_queue() -> None:
+    """megatron-core's queue through which ``dist_checkpointing.save``'s writer processes report
+    (``filesystem_async._results_queue``, one per process), made now by a Manager forked from this process: made on
+    first use, megatron-core starts that Manager with "spawn", a fresh interpreter importing this process's main
+    module again, most of a small save's time. The writers themselves megatron-core forks."""
+    import multiprocessing
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", False) is None:
+        filesystem_async._results_queue = multiprocessing.get_context("fork").Manager().Queue()
 
 
 def install() -> None:

@@ -19,7 +19,7 @@ MoE router's buffers are allocated there), ``torch.cuda.synchronize`` does nothi
 answers 0 (it only logs memory use, through psutil, which megatron-core does not declare). And each rank makes
 the queue through which ``dist_checkpointing.save``'s writer processes report (``filesystem_async._results_queue``,
 made on first use by a multiprocessing Manager megatron-core starts with "spawn") from a forked Manager: a spawned
-one starts a fresh interpreter that imports this job's modules again, most of a save's time here.
+one starts a fresh interpreter that imports this job's modules again (``mcore_cpu_shim.forked_results_queue``).
 
 Verified with megatron-core 0.16.1 and 0.19.2: the same calls build, save and load in both; 0.19.2's
 ``dist_checkpointing.save``/``load`` also take ``verify_integrity`` (the spec's ``verify_integrity``).
@@ -42,6 +42,7 @@ import torch.distributed
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", UserWarning)
     import support.mcore_helpers as mcore
+    from support.mcore_cpu_shim import forked_results_queue
     from megatron.core import dist_checkpointing
     from megatron.core.models.gpt import GPTModel
     from support.mcore_gpt_models import (build_model, content_metadata, match_fixture_dtypes,
@@ -105,17 +106,6 @@ def _cpu_only_shims() -> None:
     parallel_state.get_data_parallel_rank = lambda *args, **kwargs: 0
 
 
-def _forked_results_queue() -> None:
-    """megatron-core's writer results queue (``filesystem_async._get_write_results_queue``, one per process) made
-    now, by a Manager forked from this rank, before it has a process group (and so gloo's threads)."""
-    import multiprocessing
-
-    import megatron.core.dist_checkpointing.strategies.filesystem_async as filesystem_async
-
-    if getattr(filesystem_async, "_results_queue", False) is None:
-        filesystem_async._results_queue = multiprocessing.get_context("fork").Manager().Queue()
-
-
 def _rank_coords(spec: dict[str, Any], rank: int) -> tuple[int, int, int]:
     tp, ep = spec["tp"], spec["ep"]
     return rank % tp, rank // (tp * ep), (rank // tp) % ep
@@ -134,7 +124,7 @@ def _child_rank(rank: int, spec: dict[str, Any]) -> None:
     the case's own ranks (a rank past a case's world waits for the next)."""
     warnings.simplefilter("ignore")
     _cpu_only_shims()
-    _forked_results_queue()
+    forked_results_queue()  # before the rank has a process group (and gloo's threads)
     for case in spec["cases"] if spec["action"] == "cases" else [spec]:
         if rank < _world(case):
             _run_in_group(rank, case)

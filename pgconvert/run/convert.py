@@ -371,7 +371,7 @@ def _largest_tensor(source: CanonicalSource, options: SaveOptions) -> int:
 def _note_unthreaded(saver: Saver, dst_format: str, request: ConvertRequest, source: CanonicalSource) -> None:
     if request.threads > 1 and not saver.threaded and request.workers == 1:
         source.notices.append(f"--threads {request.threads}: the {dst_format} saver writes its files one at a "
-                              "time (one pass of torch.distributed.checkpoint's writer); --workers splits them")
+                              "time (one pass of the DCP writer); --workers splits them")
 
 
 def _note_dtype_change(source: CanonicalSource, options: SaveOptions, saver: Saver) -> None:

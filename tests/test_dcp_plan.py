@@ -15,12 +15,14 @@ import pytest
 import torch
 from support.megatron_fixtures import make_full_model, write_megatron_checkpoint
 from support.tiny_models import GQA_SWIGLU
+from support.optimizer_cli import rewrite_metadata
 from support.torch_dcp_save import torch_item
 from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan as TorchSavePlan
 
+from pgconvert import convert
 from pgconvert.errors import CheckpointError, PgconvertError
 from pgconvert.formats.torch_dist import read_dcp_metadata
 from pgconvert.io import dcp_plan
@@ -105,8 +107,8 @@ def test_metadata_of_a_plan_is_the_pickle_torchs_planner_and_writer_make(seed: i
 
 
 def test_entries_added_to_a_metadata_read_back_pickle_as_torchs_own(tmp_path: Path) -> None:
-    """The optimizer records' index merged into a ``.metadata`` read back (``_merge_metadata``) is the pickle of the
-    same merge of torch's own objects."""
+    """A ``.metadata`` read into pgconvert's types pickles back to its bytes, and with the optimizer records' index
+    merged into it (``_merge_metadata``), to the pickle of the same merge of torch's own objects."""
     model, _ = random_plan(3)
     records = [dcp_plan.tensor_item("optimizer." + item.index.fqn, item.tensor_data.chunk.offsets,
                                     item.tensor_data.chunk.sizes, item.tensor_data.size, torch.float32)
@@ -114,23 +116,16 @@ def test_entries_added_to_a_metadata_read_back_pickle_as_torchs_own(tmp_path: Pa
     path = tmp_path / ".metadata"
     path.write_bytes(pickle.dumps(torch_finished(model, None)))
 
-    theirs = read_dcp_metadata(path)
+    theirs = pickle.loads(path.read_bytes())  # torch's classes, as torch's reader unpickles it
     added = torch_finished(records, None)
     theirs.state_dict_metadata.update(added.state_dict_metadata)
     theirs.storage_data.update(added.storage_data)
-    ours = dcp_plan.read_metadata(path)
+    ours = read_dcp_metadata(path)
     assert dcp_plan.dump_metadata(ours) == path.read_bytes()
     added = finished(*dcp_plan.global_save_plan(dcp_plan.SavePlan(records)))
     ours.state_dict_metadata.update(added.state_dict_metadata)
     ours.storage_data.update(added.storage_data)
     assert dcp_plan.dump_metadata(ours) == pickle.dumps(theirs)
-
-
-def test_a_metadata_naming_another_global_is_refused_unread(tmp_path: Path) -> None:
-    path = tmp_path / ".metadata"
-    path.write_bytes(pickle.dumps(torch_finished(random_plan(1)[0], None)).replace(b"StorageMeta", b"StorageMetX"))
-    with pytest.raises(CheckpointError, match=r"\.metadata: not a torch.distributed.checkpoint index .*StorageMetX"):
-        dcp_plan.read_metadata(path)
 
 
 @pytest.mark.parametrize(("offsets", "sizes", "message"), [
@@ -150,15 +145,25 @@ def test_a_key_planned_as_bytes_twice_is_refused() -> None:
         dcp_plan.global_save_plan(dcp_plan.SavePlan([dcp_plan.bytes_item("w"), dcp_plan.bytes_item("w")]))
 
 
-_WRITE_AND_LIST_IMPORTS = """
+_CONVERT_AND_LIST_IMPORTS = """
 import sys
 import pgconvert
 pgconvert.convert(sys.argv[1], sys.argv[2], dst_format=sys.argv[3], dst_tp=1)
 print(sorted(name for name in sys.modules if name.startswith("torch.distributed.checkpoint")))
 """
-# Megatron-LM's own TP2 DP2 run with the distributed optimizer: its state is written as the optimizer records (and the
-# common state rewritten in the store) of a torch_dist target, and into an fsdp_dtensor target's store.
-OPTIMIZER_RUN = Path(__file__).parent / "data" / "megatron_lm" / "train_tp2dp2_distopt_bf16_torch"
+GOLDENS = Path(__file__).parent / "data" / "megatron_lm"
+# Megatron-LM's own runs: TP2 DP2 with the distributed optimizer (its state is written as the optimizer records,
+# and the common state rewritten in the store, of a torch_dist target, and into an fsdp_dtensor target's store),
+# and the same with Megatron-FSDP (an fsdp_dtensor store read with its optimizer state).
+OPTIMIZER_RUN = GOLDENS / "train_tp2dp2_distopt_bf16_torch"
+FSDP_RUN = GOLDENS / "train_tp2dp2_fsdp_dtensor_optim"
+
+
+def _imports_of(src: Path, dst: Path, dst_format: str) -> str:
+    done = subprocess.run([sys.executable, "-c", _CONVERT_AND_LIST_IMPORTS, str(src), str(dst), dst_format],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip().splitlines()[-1]
 
 
 @pytest.mark.parametrize(("source", "dst_format"), [("model", "torch_dist"), ("model", "fsdp_dtensor"),
@@ -167,11 +172,37 @@ def test_writing_a_store_imports_no_torch_distributed_checkpoint(tmp_path: Path,
     """The package costs most of a second to import (DTensor, sympy): a writer has no need of it."""
     src = OPTIMIZER_RUN if source == "optimizer" else write_megatron_checkpoint(
         tmp_path / "src", GQA_SWIGLU, make_full_model(GQA_SWIGLU), 2, 1)
-    done = subprocess.run([sys.executable, "-c", _WRITE_AND_LIST_IMPORTS, str(src), str(tmp_path / "dst"), dst_format],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip().splitlines()[-1] == "[]"
-    assert any((tmp_path / "dst").rglob(".metadata"))
+    assert _imports_of(src, tmp_path / "dst", dst_format) == "[]"
+    metadata = next((tmp_path / "dst").rglob(".metadata"))
     if source == "optimizer":
-        assert any("optimizer" in key for key in read_dcp_metadata(next((tmp_path / "dst").rglob(".metadata")))
-                   .state_dict_metadata)
+        assert any("optimizer" in key or "exp_avg" in key for key in read_dcp_metadata(metadata).state_dict_metadata)
+
+
+@pytest.mark.parametrize("source", ["torch_dist", "fsdp_dtensor"])
+def test_reading_a_store_imports_no_torch_distributed_checkpoint(tmp_path: Path, source: str) -> None:
+    """A torch_dist source (with its optimizer records) and an fsdp_dtensor one read into per-rank files."""
+    if source == "torch_dist":
+        src = tmp_path / "src"
+        assert _imports_of(OPTIMIZER_RUN, src, "torch_dist") == "[]"
+    else:
+        src = FSDP_RUN
+    assert _imports_of(src, tmp_path / "dst", "megatron") == "[]"
+    assert any((tmp_path / "dst").rglob("model_optim_rng.pt"))
+    assert any((tmp_path / "dst").rglob("distrib_optim.pt"))
+
+
+def test_a_record_stored_transformed_is_refused_by_name(tmp_path: Path) -> None:
+    """torch can store a record compressed (its ``_extensions``); pgconvert reads records as they are, and says so."""
+    src = write_megatron_checkpoint(tmp_path / "src", GQA_SWIGLU, make_full_model(GQA_SWIGLU), 1, 1)
+    convert(src, tmp_path / "dist", dst_format="torch_dist")
+    iteration = next((tmp_path / "dist").rglob(".metadata")).parent
+
+    def compressed(metadata: Any) -> None:
+        index = next(index for index in metadata.storage_data if index.fqn == "embedding.word_embeddings.weight")
+        metadata.storage_data[index].transform_descriptors = ["zstd"]
+
+    rewrite_metadata(iteration, compressed)
+    with pytest.raises(CheckpointError, match=r"__0_0\.distcp: 'embedding\.word_embeddings\.weight' is stored "
+                                              r"transformed \(\['zstd'\]\)"):
+        convert(tmp_path / "dist", tmp_path / "out", dst_format="megatron")
+    assert not (tmp_path / "out").exists()

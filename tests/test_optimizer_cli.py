@@ -23,6 +23,7 @@ from support.megatron_fixtures import allowed_globals, assert_same_tree, load_fo
 from support.moe_optimizer_runs import generate
 from support.torch_dist_forms import FOR_MCORE_016_CLI
 from support.checkpoint_compare import read_common
+from support.optimizer_cli import torch_metadata
 from pgconvert.cli import main
 from pgconvert.formats.megatron import FRAMEWORK_PICKLE
 from pgconvert.formats.torch_dist import read_dcp_metadata
@@ -63,7 +64,7 @@ def _per_rank_fp16(tmp_path: Path, scaler: dict[str, object]) -> Path:
 
 def _stored_object(iteration_dir: Path, key: str) -> object:
     """A ShardedObject's value read from the bytes ``.metadata`` points at (not through pgconvert's reader)."""
-    metadata = read_dcp_metadata(iteration_dir / ".metadata")
+    metadata = torch_metadata(iteration_dir)
     info = metadata.storage_data[MetadataIndex(key)]
     with open(iteration_dir / info.relative_path, "rb") as handle:
         handle.seek(info.offset)

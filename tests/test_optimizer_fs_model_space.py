@@ -14,13 +14,14 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from support.cli_helpers import assert_clean_refusal
 from support.megatron_fixtures import load_for_test
-from support.optimizer_cli import assert_same_parameters, export_optimizer, run_cli
+from support.optimizer_cli import assert_same_parameters, export_optimizer, run_cli, torch_metadata
 from support.checkpoint_compare import read_common
 from pgconvert.formats import LoadOptions
 from pgconvert.loaders.torch_dist.fs_model_space import chunk_shape, flatten, unflatten
 from pgconvert.optimizer.order import OptimizerLayoutError
 from pgconvert.formats.registry import get_loader
 from pgconvert.formats.torch_dist import read_dcp_metadata
+from pgconvert.io import dcp_plan
 
 GOLDENS = Path(__file__).parent / "data" / "megatron_lm"
 GOLDEN = GOLDENS / "mcore015_tp2dp2_distopt_fs_model_space_torch_dist"
@@ -39,7 +40,7 @@ def test_the_golden_is_megatron_core_0_15s_own_fs_model_space_save() -> None:
     assert common["optimizer"]["param_state_sharding_type"] == "fully_sharded_model_space"
     assert common["content_metadata"]["distrib_optim_sharding_type"] == "fully_sharded_model_space"
     metadata = read_dcp_metadata(iteration / ".metadata")  # megatron-core 0.15's MCoreMetadata, read inert
-    assert isinstance(metadata, Metadata) and hasattr(metadata, "mcore_data")
+    assert isinstance(metadata, dcp_plan.Metadata) and hasattr(metadata, "mcore_data")
     sizes = {key: tuple(md.size) for key, md in metadata.state_dict_metadata.items() if hasattr(md, "size")}
     # [layers, 2 * TP chunks of ffn / TP rows (gate, then up), 1 chunk of columns, 16 * 16 elements]
     assert sizes["optimizer.state.fp32_param." + FC1] == (2, 4, 1, 256) and sizes[FC1] == (2, 64, 16)
@@ -103,7 +104,7 @@ def test_a_record_of_the_wrong_shape_is_a_named_error(tmp_path: Path) -> None:
     src = tmp_path / "fs_model_space"
     shutil.copytree(GOLDEN, src)
     path = src / "iter_0000002" / ".metadata"
-    metadata = read_dcp_metadata(path)
+    metadata = torch_metadata(path.parent)
     victim = "optimizer.state.exp_avg_sq." + FC1
     metadata.state_dict_metadata[victim].size = torch.Size([2, 4, 1, 512])
     plain = Metadata(metadata.state_dict_metadata, metadata.planner_data, metadata.storage_data)
@@ -128,7 +129,7 @@ def test_a_torch_dist_destination_keeps_the_form_and_reads_back_bit_exact(tmp_pa
     assert [group["step"] for group in common["optimizer"]["optimizer"]["param_groups"]] == [2.0, 2.0]
     # torch's own Metadata with megatron-core's mcore_data (the original global shapes it needs on load), as
     # megatron-core 0.13.1 / 0.14.0 store it: no megatron class for 0.14.0 to miss
-    metadata = read_dcp_metadata(iteration / ".metadata")
+    metadata = torch_metadata(iteration)
     assert type(metadata) is Metadata and b"megatron" not in (iteration / ".metadata").read_bytes()
     key = "optimizer.state.exp_avg." + FC1
     assert metadata.mcore_data[key] == {"nd_reformulated_orig_global_shape": (2, 64, 16)}

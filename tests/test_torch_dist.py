@@ -496,9 +496,9 @@ def test_loader_reads_only_the_chunks_a_destination_piece_needs(tmp_path: Path, 
     read: list[int] = []
     original = SafeReader.read_data
 
-    def recording(self, plan, planner):  # type: ignore[no-untyped-def]
-        read.extend(int(torch.Size(item.lengths).numel()) for item in plan.items)
-        return original(self, plan, planner)
+    def recording(self, reads, load_bytes):  # type: ignore[no-untyped-def]
+        read.extend(int(torch.Size(item.lengths).numel()) for item in reads)
+        return original(self, reads, load_bytes)
 
     monkeypatch.setattr(SafeReader, "read_data", recording)
     piece = source.load_shard("decoder.layers.2.self_attention.linear_qkv.weight", COLUMN, 2, 1)

@@ -249,9 +249,8 @@ MEASURE = """
 import json, sys
 from pathlib import Path
 import torch
-import torch.distributed.checkpoint as dcp
-from pgconvert.formats.dcp_store import RegionPlanner, SafeReader
-from pgconvert.formats.torch_dist import read_dcp_metadata, single_process_calls
+from pgconvert.formats.dcp_store import DcpStore
+from pgconvert.formats.torch_dist import read_dcp_metadata
 
 def status(field):
     with open("/proc/self/status") as handle:
@@ -259,7 +258,7 @@ def status(field):
 
 directory = Path(sys.argv[1])
 metadata = read_dcp_metadata(directory / ".metadata")
-reader = SafeReader(directory, metadata)
+store = DcpStore(directory, metadata)
 rows, cols = metadata.state_dict_metadata["w"].size
 results = []
 for offsets, shape, out in (((rows // 2, 0), (rows // 2, cols), "rows.pt"), ((0, cols // 2), (rows, cols // 2), "cols.pt")):
@@ -267,9 +266,7 @@ for offsets, shape, out in (((rows // 2, 0), (rows // 2, cols), "rows.pt"), ((0,
     with open("/proc/self/clear_refs", "w") as handle:
         handle.write("5")  # the peak (VmHWM) starts again from the current RSS
     before = status("VmRSS")
-    with single_process_calls():
-        dcp.load({}, storage_reader=reader, planner=RegionPlanner({"w": [(offsets, buffer)]}, [], str(directory)),
-                 no_dist=True)
+    store.read({"w": [(offsets, buffer)]}, [])
     results.append(status("VmHWM") - before)
     torch.save(buffer, directory.parent / out)
     del buffer

@@ -1,8 +1,7 @@
 """Loader for Megatron-FSDP checkpoints (``--ckpt-format fsdp_dtensor``), registered as ``fsdp_dtensor``.
 
 Detection needs only the file layout (a DCP store without torch_dist's ``metadata.json``); the reader
-(``loaders/fsdp_dtensor/reader.py``, which imports torch.distributed.checkpoint) is imported when a
-checkpoint is opened.
+(``loaders/fsdp_dtensor/reader.py``, which imports torch) is imported when a checkpoint is opened.
 """
 
 from __future__ import annotations

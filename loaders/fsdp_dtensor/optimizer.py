@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.checkpoint import TensorStorageMetadata
 
+from pgconvert.io.dcp_plan import TensorStorageMetadata
 from pgconvert.formats.fsdp_dtensor import (FSDP_DTENSOR_FORM, OPTIMIZER_GROUP_PREFIX, OPTIMIZER_STATE_PREFIX,
                                             STEP_FIELD, FsdpLocation, fsdp_slots, state_key)
 from pgconvert.formats.megatron import run_dtype_args

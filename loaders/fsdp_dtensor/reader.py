@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.checkpoint import BytesStorageMetadata, TensorStorageMetadata
 
+from pgconvert.io.dcp_plan import BytesStorageMetadata, TensorStorageMetadata
 from pgconvert.errors import CheckpointError, LayoutError
 from pgconvert.formats import LoadOptions
 from pgconvert.formats.dcp_store import (DcpStore, Region, check_vocab_rows, model_from_args, read_piece,

@@ -1,7 +1,7 @@
 """Loader for Megatron distributed checkpoints (``torch_dist``), registered as ``torch_dist``.
 
-Detection needs only the file layout; the reader (``loaders/torch_dist/reader.py``, which imports
-torch.distributed.checkpoint) is imported when a checkpoint is opened.
+Detection needs only the file layout; the reader (``loaders/torch_dist/reader.py``, which imports torch) is
+imported when a checkpoint is opened.
 """
 
 from __future__ import annotations

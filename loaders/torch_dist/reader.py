@@ -1,7 +1,7 @@
 """Reading Megatron distributed checkpoints (``torch_dist``: ``.metadata``, ``*.distcp``, ``common.pt``).
 
 The machinery behind ``loaders/torch_dist/__init__.py``, imported only when a torch_dist source is opened:
-torch.distributed.checkpoint is a heavy import that format detection must not pay.
+format detection imports no torch.
 
 Tensors are read from the DCP store with no process group (``pgconvert/formats/dcp_store.py``), one
 canonical tensor (or one destination piece of it) per request into a buffer of exactly that size: only
@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import BytesStorageMetadata, TensorStorageMetadata
 
+from pgconvert.io.dcp_plan import BytesStorageMetadata, Metadata, TensorStorageMetadata
 from pgconvert.model.config import ModelConfig
 from pgconvert.errors import CheckpointError
 from pgconvert.formats import LoadOptions

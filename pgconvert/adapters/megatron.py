@@ -140,7 +140,7 @@ def _found_store(path: Path, beside_model: bool) -> tuple[Path, Path, Any] | Non
 
 def _tensor_keys(metadata: Any) -> list[str]:
     """The model's tensor keys (the run's optimizer state, ``optimizer.state.<state>.<parameter key>``, left out)."""
-    from torch.distributed.checkpoint import TensorStorageMetadata
+    from pgconvert.io.dcp_plan import TensorStorageMetadata
 
     from pgconvert.formats.torch_dist import TRAINING_STATE_PREFIXES
 

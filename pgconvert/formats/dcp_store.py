@@ -1,12 +1,14 @@
 """A torch.distributed.checkpoint store (``.metadata`` + ``*.distcp``) read with no process group.
 
 What the torch_dist and fsdp_dtensor sources share: both formats are one DCP store of global tensors (and
-pickled objects); they differ in the keys and in where the args live. Reads go through torch's own
-``FileSystemReader`` with ``no_dist``, one ``dcp.load`` per request into buffers of exactly the requested
-boxes; ``SafeReader.read_data`` reads only each box's bytes, with ``os.preadv`` straight into their place
-(``pgconvert/io/dcp_records.py``), so no page of the file is mapped. Two parts of torch's reader unpickle
-without limits, so both are replaced: ``.metadata`` is read through an allowlist of torch's metadata classes
-(``formats.torch_dist.read_dcp_metadata``) and bytes entries with ``weights_only=True`` and the allowlist.
+pickled objects); they differ in the keys and in where the args live. A request fills buffers of exactly the
+requested boxes: each box is cut into its overlaps with the stored chunks (``chunk_reads``, as torch's
+``create_read_items_for_chunk_list`` plans a ``dcp.load``), and ``SafeReader`` reads only each overlap's bytes,
+with ``os.preadv`` straight into their place (``pgconvert/io/dcp_records.py``), so no page of the file is mapped.
+torch.distributed.checkpoint is not imported (most of a second): ``.metadata`` is read through an allowlist of
+torch's metadata classes into ``pgconvert.io.dcp_plan``'s types (``formats.torch_dist.read_dcp_metadata``), and
+bytes entries with ``weights_only=True`` and the allowlist. A record torch stored transformed (compressed) is
+refused by name.
 """
 
 from __future__ import annotations
@@ -16,25 +18,12 @@ import math
 import os
 import pickle
 import threading
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import (
-    DefaultLoadPlanner,
-    FileSystemReader,
-    LoadPlan,
-    Metadata,
-    TensorStorageMetadata,
-)
-from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
-from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
-from torch.futures import Future
 
 from pgconvert.errors import CheckpointError, PgconvertError, UnsafePickleError
 from pgconvert.formats.contract import LoadOptions
@@ -43,7 +32,7 @@ from pgconvert.formats.megatron_args import MEGATRON_DEFAULTS
 from pgconvert.formats.stream import ExtraState
 from pgconvert.formats.strict import fallback
 from pgconvert.formats.dcp_layout import DCP_METADATA_FILE
-from pgconvert.formats.torch_dist import single_process_calls
+from pgconvert.io.dcp_plan import MetadataIndex, Metadata, TensorStorageMetadata
 from pgconvert.io.dcp_records import TensorRecord, check_extent, parse_tensor_record, read_box, read_bytes
 from pgconvert.io.limits import quote
 from pgconvert.io.paths import ensure_within
@@ -68,62 +57,92 @@ class Region:
     lengths: tuple[int, ...]
 
 
-class SafeReader(FileSystemReader):
-    """torch's reader with the ``.metadata`` pickle read through the allowlist, once, and tensor
-    records read in place (``pgconvert/io/dcp_records.py``): only the bytes each request needs,
-    with positional reads straight into the planner's buffers."""
+@dataclass(frozen=True)
+class ChunkRead:
+    """One stored chunk's overlap with a requested box: ``lengths`` values from ``storage_offsets`` into the chunk
+    ``index`` names, to ``dest_offsets`` of the box's buffer ``target``; a bytes entry has no box (``target`` None)."""
+
+    index: MetadataIndex
+    target: torch.Tensor | None = None
+    dest_offsets: tuple[int, ...] = ()
+    storage_offsets: tuple[int, ...] = ()
+    lengths: tuple[int, ...] = ()
+
+
+def chunk_reads(key: str, md: TensorStorageMetadata, offsets: tuple[int, ...], buffer: torch.Tensor,
+                where: str) -> list[ChunkRead]:
+    """The reads that fill ``buffer``, the box of ``key``'s global tensor at ``offsets``: one per stored chunk it
+    overlaps. The chunks must cover the box exactly once."""
+    reads = []
+    sizes = tuple(buffer.shape)
+    for number, chunk in enumerate(md.chunks):
+        starts = [max(o, c) for o, c in zip(offsets, chunk.offsets, strict=True)]
+        ends = [min(o + n, c + m) for o, n, c, m in zip(offsets, sizes, chunk.offsets, chunk.sizes, strict=True)]
+        if any(end <= start for start, end in zip(starts, ends)):
+            continue
+        reads.append(ChunkRead(MetadataIndex(key, chunk.offsets, index=number), buffer,
+                               tuple(s - o for s, o in zip(starts, offsets)),
+                               tuple(s - c for s, c in zip(starts, chunk.offsets)),
+                               tuple(e - s for s, e in zip(starts, ends))))
+    covered = sum(math.prod(read.lengths) for read in reads)
+    if covered != buffer.numel():
+        raise CheckpointError(f"{where}: {key} at offsets {list(offsets)}: the stored chunks cover {covered} of its "
+                              f"{buffer.numel()} values")
+    return reads
+
+
+class SafeReader:
+    """A store's records read in place (``pgconvert/io/dcp_records.py``): only the bytes each request needs, with
+    positional reads straight into the request's buffers; each tensor record parsed once per place."""
 
     def __init__(self, directory: Path, metadata: Metadata, root: Path | None = None) -> None:
-        super().__init__(directory)
         self._metadata = metadata
         self._directory = directory
         self._root = root or directory
+        self.storage_data = metadata.storage_data
         self._records: dict[tuple[str, int, int], TensorRecord] = {}
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        return self._metadata
-
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        per_file: dict[str, list[ReadItem]] = {}
-        transformed: list[ReadItem] = []
-        for item in plan.items:
-            info = self.storage_data[item.storage_index]
-            if info.transform_descriptors:  # compressed or otherwise transformed records: torch's own path
-                transformed.append(item)
-            else:
-                per_file.setdefault(info.relative_path, []).append(item)
-        if transformed:
-            super().read_data(LoadPlan(transformed), planner).wait()
+    def read_data(self, reads: list[ChunkRead], load_bytes: Callable[[str, io.BytesIO], None]) -> None:
+        """Every read, file by file in offset order; a bytes entry's bytes handed to ``load_bytes``."""
+        per_file: dict[str, list[ChunkRead]] = {}
+        for read in reads:
+            info = self.storage_data.get(read.index)
+            if info is None:
+                raise CheckpointError(f"{self._directory}: {quote(read.index.fqn)} at {list(read.index.offset or [])} "
+                                      f"has no storage entry in {DCP_METADATA_FILE}")
+            if getattr(info, "transform_descriptors", None):
+                raise CheckpointError(f"{self._directory / info.relative_path}: {quote(read.index.fqn)} is stored "
+                                      f"transformed ({quote(info.transform_descriptors)}); pgconvert reads the "
+                                      "records torch.distributed.checkpoint stores as they are (no compression)")
+            per_file.setdefault(info.relative_path, []).append(read)
         for relative, items in per_file.items():
-            self._read_file(relative, sorted(items, key=lambda item: self.storage_data[item.storage_index].offset),
-                            planner)
-        done: Future[None] = Future()
-        done.set_result(None)
-        return done
+            self._read_file(relative, sorted(items, key=lambda read: self.storage_data[read.index].offset),
+                            load_bytes)
 
-    def _read_file(self, relative: str, items: list[ReadItem], planner: LoadPlanner) -> None:
+    def _read_file(self, relative: str, reads: list[ChunkRead], load_bytes: Callable[[str, io.BytesIO], None]) -> None:
         path = ensure_within(self._root, self._directory / relative)
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         try:
             size = os.fstat(fd).st_size
-            for item in items:
-                info = self.storage_data[item.storage_index]
-                check_extent(path, item.storage_index.fqn, info.offset, info.length, size)
-            for item in items:
-                self._read_item(fd, path, item, planner)
+            for read in reads:
+                info = self.storage_data[read.index]
+                check_extent(path, read.index.fqn, info.offset, info.length, size)
+            for read in reads:
+                self._read_item(fd, path, read, load_bytes)
         finally:
             os.close(fd)
 
-    def _read_item(self, fd: int, path: Path, item: ReadItem, planner: LoadPlanner) -> None:
-        info = self.storage_data[item.storage_index]
-        label = f"{path}: {quote(item.storage_index.fqn)} (offset {info.offset}, length {info.length})"
-        if item.type == LoadItemType.BYTE_IO:
-            planner.load_bytes(item, io.BytesIO(read_bytes(fd, info.offset, info.length, label)))
+    def _read_item(self, fd: int, path: Path, read: ChunkRead, load_bytes: Callable[[str, io.BytesIO], None]) -> None:
+        info = self.storage_data[read.index]
+        label = f"{path}: {quote(read.index.fqn)} (offset {info.offset}, length {info.length})"
+        if read.target is None:
+            load_bytes(read.index.fqn, io.BytesIO(read_bytes(fd, info.offset, info.length, label)))
             return
-        record = self.record(path, item.storage_index, info, fd)
-        target = planner.resolve_tensor(item).detach()
-        read_box(fd, path, record, list(item.storage_offsets), list(item.lengths), target, label)
-        planner.commit_tensor(item, target)
+        record = self.record(path, read.index, info, fd)
+        target = read.target.detach()
+        for dim, (start, length) in enumerate(zip(read.dest_offsets, read.lengths)):
+            target = target.narrow(dim, start, length)
+        read_box(fd, path, record, list(read.storage_offsets), list(read.lengths), target, label)
 
     def record(self, path: Path, index: MetadataIndex, info: Any, fd: int | None = None) -> TensorRecord:
         """The layout of the tensor record of chunk ``index`` (stored as ``info`` says) in ``path``, open as ``fd``
@@ -155,62 +174,6 @@ class SafeReader(FileSystemReader):
                                   f"the chunk at {list(offset)} as {dtype} {list(sizes) if sizes else sizes}")
 
 
-class RegionPlanner(DefaultLoadPlanner):
-    """Reads boxes of global keys into caller-owned buffers, and bytes entries without running code.
-
-    ``regions`` maps a key to ``(offsets, buffer)`` pairs: the box of the key's global tensor at
-    ``offsets`` with the buffer's shape. Every box must be covered exactly once by stored chunks.
-    """
-
-    def __init__(self, regions: dict[str, list[tuple[tuple[int, ...], torch.Tensor]]],
-                 objects: list[str], where: str) -> None:
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self._regions = regions
-        self._objects = objects
-        self._where = where
-        self._buffers = {(key, offsets): buffer for key, pairs in regions.items() for offsets, buffer in pairs}
-        self.loaded_objects: dict[str, Any] = {}
-
-    def create_local_plan(self) -> LoadPlan:
-        assert self.metadata is not None
-        items: list[ReadItem] = []
-        for key, pairs in self._regions.items():
-            chunks = [ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=buffer.size()) for offsets, buffer in pairs]
-            key_items = create_read_items_for_chunk_list(key, self.metadata.state_dict_metadata[key], chunks)
-            covered: dict[tuple[int, ...], int] = {}
-            for item in key_items:
-                offsets = tuple(item.dest_index.offset)
-                covered[offsets] = covered.get(offsets, 0) + math.prod(item.lengths)
-            for offsets, buffer in pairs:
-                if covered.get(offsets, 0) != buffer.numel():
-                    raise CheckpointError(
-                        f"{self._where}: {key} at offsets {list(offsets)}: the stored chunks cover "
-                        f"{covered.get(offsets, 0)} of its {buffer.numel()} values"
-                    )
-            items += key_items
-        if self._objects:
-            items += create_default_local_load_plan(
-                {key: io.BytesIO() for key in self._objects}, self.metadata, strict=True).items
-        return LoadPlan(items)
-
-    def lookup_tensor(self, index: Any) -> torch.Tensor:
-        return self._buffers[(index.fqn, tuple(index.offset))]
-
-    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        key = read_item.dest_index.fqn
-        try:
-            with torch.serialization.safe_globals(SAFE_GLOBALS):
-                check_torch_stream(value, f"{self._where}: {key}")
-                self.loaded_objects[key] = torch.load(value, map_location="cpu", weights_only=True)
-        except pickle.UnpicklingError as exc:
-            raise UnsafePickleError(
-                f"{self._where}: {key}: refuses to unpickle it ({quote(str(exc).strip()[:400], 200)}); "
-                "nothing from the file was executed"
-            ) from exc
-        except (RuntimeError, EOFError, ValueError) as exc:
-            raise CheckpointError(f"{self._where}: {key}: not a readable object ({quote(str(exc), 200)})") from exc
-
-
 class DcpStore:
     """One store's index and data files: ``read`` boxes of global tensors and stored objects."""
 
@@ -218,7 +181,7 @@ class DcpStore:
         self.directory = directory
         self.metadata = metadata
         self.root = root or directory
-        # torch's reader keeps per-call state (set up by each ``dcp.load``): one per thread (``--threads``).
+        # Each thread's reader (``--threads``), with the tensor records it parsed.
         self._readers = threading.local()
 
     def check_files(self, metadata_path: Path) -> None:
@@ -280,15 +243,40 @@ class DcpStore:
     def read(self, regions: dict[str, list[tuple[tuple[int, ...], torch.Tensor]]],
              objects: list[str]) -> dict[str, Any]:
         """Fill each ``(offsets, buffer)`` box of each key's global tensor; unpickle ``objects``."""
-        planner = RegionPlanner(regions, objects, str(self.directory))
+        where = str(self.directory)
+        entries = self.metadata.state_dict_metadata
+        reads = []
+        for key, pairs in regions.items():
+            md = entries.get(key)
+            if not isinstance(md, TensorStorageMetadata):
+                raise CheckpointError(f"{where}: {quote(key)} is not a tensor in {DCP_METADATA_FILE}")
+            for offsets, buffer in pairs:
+                reads += chunk_reads(key, md, offsets, buffer, where)
+        for key in objects:
+            if key not in entries or isinstance(entries[key], TensorStorageMetadata):
+                raise CheckpointError(f"{where}: {quote(key)} is not a bytes entry in {DCP_METADATA_FILE}")
+            reads.append(ChunkRead(MetadataIndex(key)))
+        loaded: dict[str, Any] = {}
         try:
-            with single_process_calls():
-                dcp.load({}, storage_reader=self._reader(), planner=planner, no_dist=True)
+            self._reader().read_data(reads, lambda key, value: loaded.update({key: load_object(where, key, value)}))
         except (PgconvertError, OSError):
             raise
-        except Exception as exc:  # torch's reader on a corrupt chunk: name the checkpoint
+        except Exception as exc:  # a corrupt chunk: name the checkpoint
             raise CheckpointError(f"{self.directory}: reading failed: {type(exc).__name__}: {quote(str(exc), 200)}") from exc
-        return planner.loaded_objects
+        return loaded
+
+
+def load_object(where: str, key: str, value: io.BytesIO) -> Any:
+    """A bytes entry's object (``torch.save`` of it), unpickled through the allowlist: nothing from the file runs."""
+    try:
+        with torch.serialization.safe_globals(SAFE_GLOBALS):
+            check_torch_stream(value, f"{where}: {key}")
+            return torch.load(value, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise UnsafePickleError(f"{where}: {key}: refuses to unpickle it ({quote(str(exc).strip()[:400], 200)}); "
+                                "nothing from the file was executed") from exc
+    except (RuntimeError, EOFError, ValueError) as exc:
+        raise CheckpointError(f"{where}: {key}: not a readable object ({quote(str(exc), 200)})") from exc
 
 
 def region_box(shape: tuple[int, ...], dim: int, start: int, length: int) -> Region:

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import io
 import json
 import math
@@ -52,11 +51,11 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, ClassVar
 
 import torch
 
-from pgconvert.io import limits
+from pgconvert.io import dcp_plan, limits
 from pgconvert.model.config import ModelConfig
 from pgconvert.errors import CheckpointError, UnsafePickleError
 from pgconvert.io.limits import over_limit, quote, read_json
@@ -70,9 +69,6 @@ from pgconvert.model.provider import (EXPERTS_MODULE, EXTRA_STATE_SUFFIX, FINAL_
                                       MTP_EH_PROJ, MTP_LAYER_MODULE, MTP_PREFIX, LayerTensor, TensorKind,
                                       canonical_names, final_norm_local_name, fused_norm_name, layer_tensors,
                                       mtp_layer_tensors, te_sharded_modules)
-
-if TYPE_CHECKING:
-    from torch.distributed.checkpoint.metadata import Metadata
 
 COMMON_FILE = "common.pt"
 # megatron-core 0.19.0 and later (``dist_checkpointing.save``) store the common state (args, iteration, optimizer
@@ -434,52 +430,47 @@ def write_checkpoint_config(directory: Path, common: str = COMMON_LEGACY) -> Pat
 # --------------------------------------------------------------------------- .metadata
 
 
-# Every global the .metadata pickle of torch 2.13 / megatron-core 0.16.1 names (its SavePlans in
-# megatron-core's ``all_local_plans`` included); torch's FileSystemReader unpickles it unrestricted.
+# Every global the .metadata pickle of torch 2.13 / megatron-core 0.16.1 names (its SavePlans in megatron-core's
+# ``all_local_plans`` included) besides torch's metadata classes, which are read as ``dcp_plan``'s own types;
+# torch's FileSystemReader unpickles it unrestricted.
 _DCP_METADATA_GLOBALS = {
     ("torch", "Size"),
     ("torch.serialization", "_get_layout"),
     # StorageMeta.checkpoint_id, when a writer was given a Path rather than a string.
     ("pathlib", "PosixPath"),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch.distributed.checkpoint.filesystem", "_StoragePrefix"),
-    *(("torch.distributed.checkpoint.metadata", name) for name in (
-        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-        "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")),
-    *(("torch.distributed.checkpoint.planner", name) for name in (
-        "SavePlan", "WriteItem", "WriteItemType", "TensorWriteData")),
 }
 
 
-@functools.cache
-def _mcore_metadata_classes() -> dict[tuple[str, str], type]:
-    """The two classes megatron-core <= 0.15 pickles into .metadata, mapped to inert stand-ins: its
-    ``strategies.torch.MCoreMetadata`` (torch's Metadata plus ``mcore_data``: per key
-    ``nd_reformulated_orig_global_shape`` of its flattened_range tensors) and ``MCoreSavePlan`` (the rank plans kept
-    in ``all_local_plans``). Made when a ``.metadata`` is first read: torch.distributed.checkpoint is imported only
-    by what reads one."""
-    from torch.distributed.checkpoint.metadata import Metadata
-    from torch.distributed.checkpoint.planner import SavePlan
+@dataclass
+class _MCoreMetadata(dcp_plan.Metadata):
+    """megatron-core <= 0.15's ``strategies.torch.MCoreMetadata``: torch's Metadata plus ``mcore_data``
+    (per key ``nd_reformulated_orig_global_shape`` of its flattened_range tensors); rebuilt here inert."""
 
-    @dataclass
-    class MCoreMetadata(Metadata):
-        mcore_data: dict[str, dict[str, Any]] | None = None
+    pickled_as: ClassVar[tuple[str, str]] = ("megatron.core.dist_checkpointing.strategies.torch", "MCoreMetadata")
+    mcore_data: dict[str, dict[str, Any]] | None = None
 
-    @dataclass(frozen=True)
-    class MCoreSavePlan(SavePlan):
-        mcore_data: dict[str, dict[str, Any]] | None = None
 
-    module = "megatron.core.dist_checkpointing.strategies.torch"
-    return {(module, "MCoreMetadata"): MCoreMetadata, (module, "MCoreSavePlan"): MCoreSavePlan}
+@dataclass
+class _MCoreSavePlan(dcp_plan.SavePlan):
+    """megatron-core <= 0.15's ``MCoreSavePlan`` (the rank plans kept in ``all_local_plans``)."""
+
+    pickled_as: ClassVar[tuple[str, str]] = ("megatron.core.dist_checkpointing.strategies.torch", "MCoreSavePlan")
+    mcore_data: dict[str, dict[str, Any]] | None = None
+
+
+# The two classes megatron-core <= 0.15 pickles into .metadata, mapped to the stand-ins above.
+_MCORE_METADATA_CLASSES = {stand_in.pickled_as: stand_in for stand_in in (_MCoreMetadata, _MCoreSavePlan)}
+# torch's metadata and plan classes, read as ``dcp_plan``'s types of the same fields.
+_DCP_CLASSES = {name: own for own, name in dcp_plan.TORCH_NAMES.items()}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
+        own = _DCP_CLASSES.get((module, name)) or _MCORE_METADATA_CLASSES.get((module, name))
+        if own is not None:
+            return own
         if (module, name) in _DCP_METADATA_GLOBALS:
             return super().find_class(module, name)
-        stand_in = _mcore_metadata_classes().get((module, name))
-        if stand_in is not None:
-            return stand_in
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         raise pickle.UnpicklingError(f"GLOBAL {module}.{name} is not allowed")
@@ -494,10 +485,9 @@ def common_state_storage(metadata: Any) -> tuple[Any, Any] | None:
     return None
 
 
-def read_dcp_metadata(path: Path) -> Metadata:
-    """torch.distributed.checkpoint's ``.metadata`` through an allowlist of its own classes."""
-    from torch.distributed.checkpoint.metadata import Metadata
-
+def read_dcp_metadata(path: Path) -> dcp_plan.Metadata:
+    """torch.distributed.checkpoint's ``.metadata`` through an allowlist of its own classes, read as ``dcp_plan``'s
+    types (``dcp_plan.dump_metadata`` writes them back as torch's; torch.distributed.checkpoint is not imported)."""
     try:
         with open(path, "rb") as handle:
             size = os.fstat(handle.fileno()).st_size
@@ -519,7 +509,7 @@ def read_dcp_metadata(path: Path) -> Metadata:
     except Exception as exc:  # an allowlisted class called with hostile arguments raises anything
         raise CheckpointError(f"{path}: truncated or corrupt checkpoint metadata "
                               f"({type(exc).__name__}: {quote(str(exc), 200)})") from exc
-    if not isinstance(metadata, Metadata):
+    if not isinstance(metadata, dcp_plan.Metadata):
         raise CheckpointError(f"{path}: expected torch.distributed.checkpoint Metadata, found {type(metadata).__name__}")
     _check_metadata(metadata, path)
     return metadata
@@ -531,11 +521,9 @@ def _is_index(value: object, length: int | None = None) -> bool:
             and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value))
 
 
-def _check_metadata(metadata: Metadata, path: Path) -> None:
+def _check_metadata(metadata: dcp_plan.Metadata, path: Path) -> None:
     """The structure the reader relies on, checked once: every entry typed, every chunk inside its
     tensor, every storage entry a file name with an integer extent."""
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, ChunkStorageMetadata, TensorStorageMetadata
-
     entries = metadata.state_dict_metadata
     if not isinstance(entries, dict):
         raise CheckpointError(f"{path}: state_dict_metadata is {type(entries).__name__}, expected a dict")
@@ -543,9 +531,9 @@ def _check_metadata(metadata: Metadata, path: Path) -> None:
         where = f"{path}: entry {quote(key)}"
         if not isinstance(key, str):
             raise CheckpointError(f"{where}: not a key name")
-        if isinstance(md, BytesStorageMetadata):
+        if isinstance(md, dcp_plan.BytesStorageMetadata):
             continue
-        if not isinstance(md, TensorStorageMetadata):
+        if not isinstance(md, dcp_plan.TensorStorageMetadata):
             raise CheckpointError(f"{where}: is a {type(md).__name__}, expected tensor or bytes metadata")
         if not isinstance(getattr(md.properties, "dtype", None), torch.dtype) or not _is_index(md.size):
             raise CheckpointError(f"{where}: malformed tensor metadata (dtype {quote(getattr(md.properties, 'dtype', None))}, "
@@ -554,7 +542,7 @@ def _check_metadata(metadata: Metadata, path: Path) -> None:
             raise CheckpointError(f"{where}: chunks is {type(md.chunks).__name__}, expected a list")
         for chunk in md.chunks:
             offsets, sizes = getattr(chunk, "offsets", None), getattr(chunk, "sizes", None)
-            if (not isinstance(chunk, ChunkStorageMetadata) or not _is_index(offsets, len(md.size))
+            if (not isinstance(chunk, dcp_plan.ChunkStorageMetadata) or not _is_index(offsets, len(md.size))
                     or not _is_index(sizes, len(md.size))
                     or any(o + n > total for o, n, total in zip(offsets, sizes, md.size))):
                 raise CheckpointError(f"{where}: a chunk {quote(offsets)} + {quote(sizes)} does not lie inside "
@@ -562,10 +550,8 @@ def _check_metadata(metadata: Metadata, path: Path) -> None:
     _check_volumes(metadata, path)
 
 
-def _check_volumes(metadata: Metadata, path: Path) -> None:
+def _check_volumes(metadata: dcp_plan.Metadata, path: Path) -> None:
     """Each key's stored bytes hold at least its chunks' values: sizes are bounded by the data."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
     storage = metadata.storage_data
     if not isinstance(storage, dict):
         raise CheckpointError(f"{path}: no storage index (storage_data is {type(storage).__name__})")
@@ -580,7 +566,7 @@ def _check_volumes(metadata: Metadata, path: Path) -> None:
     for index, info in storage.items():
         stored[index.fqn] = stored.get(index.fqn, 0) + info.length
     for key, md in metadata.state_dict_metadata.items():
-        if isinstance(md, TensorStorageMetadata):
+        if isinstance(md, dcp_plan.TensorStorageMetadata):
             needed = sum(math.prod(chunk.sizes) for chunk in md.chunks) * torch._utils._element_size(md.properties.dtype)
             if stored.get(key, 0) < needed:
                 raise CheckpointError(f"{path}: entry {quote(key)}: its chunks hold {needed} bytes of values, but "

@@ -6,8 +6,9 @@ DTensor, which pulls sympy), more than some conversions spend on their bytes. Th
 these: plain dataclasses with torch's fields, in torch's order, holding the same objects torch's own planner puts
 there (``global_save_plan`` follows ``create_default_global_save_plan``). ``dump_metadata`` pickles them under
 torch's own module and class names (``TORCH_NAMES``), so ``.metadata`` is the pickle torch's ``FileSystemWriter``
-writes, byte for byte, and every reader unpickles torch's classes. ``read_metadata`` reads a ``.metadata`` pgconvert
-wrote back into these types (the optimizer records' index is added to it); readers of a source keep torch's own.
+writes, byte for byte, and torch's readers unpickle torch's classes. pgconvert's own reader reads a ``.metadata``
+into these types (``pgconvert.formats.torch_dist.read_dcp_metadata``), so the stores it reads (and the one it adds
+the optimizer records' index to) never import torch.distributed.checkpoint either.
 """
 
 from __future__ import annotations
@@ -19,13 +20,11 @@ import math
 import pickle
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from pgconvert.errors import CheckpointError, PgconvertError
-from pgconvert.io import limits
+from pgconvert.errors import PgconvertError
 
 _METADATA = "torch.distributed.checkpoint.metadata"
 _PLANNER = "torch.distributed.checkpoint.planner"
@@ -34,11 +33,12 @@ DCP_VERSION = "1.0.0"
 
 
 class WriteItemType(enum.Enum):
-    """What an item of a save plan is (torch's ``WriteItemType``: only the kinds a single process writes)."""
+    """What an item of a save plan is (torch's ``WriteItemType``, its values too: megatron-core <= 0.15 pickles the
+    ranks' plans into ``.metadata``)."""
 
-    TENSOR = 0
-    SHARD = 1
-    BYTE_IO = 2
+    TENSOR = 1
+    SHARD = 2
+    BYTE_IO = 3
 
 
 class MemoryFormat(enum.Enum):
@@ -71,7 +71,10 @@ class TensorProperties:
                    torch.preserve_format: MemoryFormat.TORCH_PRESERVE_FORMAT}
         return self.dtype, self.layout, self.requires_grad, formats[self.memory_format], self.pin_memory
 
-    def __setstate__(self, state: tuple[Any, ...]) -> None:
+    def __setstate__(self, state: tuple[Any, ...] | dict[str, Any]) -> None:
+        if isinstance(state, dict):  # pickled by a torch before the tuple
+            self.__dict__.update(state)
+            return
         self.dtype, self.layout, self.requires_grad, encoding, self.pin_memory = state
         self.memory_format = {MemoryFormat.TORCH_CONTIGUOUS_FORMAT: torch.contiguous_format,
                               MemoryFormat.TORCH_CHANNELS_LAST: torch.channels_last,
@@ -164,6 +167,14 @@ class SavePlan:
     planner_data: Any = None
 
 
+@dataclass
+class StoragePrefix:
+    """torch's ``_StoragePrefix``: the data files' name before their number, in the ranks' plans megatron-core <= 0.15
+    keeps in ``.metadata``."""
+
+    prefix: str
+
+
 class SavePlanner:
     """A store's plan given up front (``create_local_plan``) and each item's data made when it is written
     (``resolve_data``: a tensor holding exactly the chunk, or the bytes entry's ``io.BytesIO``)."""
@@ -200,17 +211,22 @@ TORCH_NAMES: dict[type, tuple[str, str]] = {
     MetadataIndex: (_METADATA, "MetadataIndex"),
     MemoryFormat: (_METADATA, "_MEM_FORMAT_ENCODING"),
     StorageInfo: ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    StoragePrefix: ("torch.distributed.checkpoint.filesystem", "_StoragePrefix"),
     WriteItemType: (_PLANNER, "WriteItemType"),
+    WriteItem: (_PLANNER, "WriteItem"),
+    TensorWriteData: (_PLANNER, "TensorWriteData"),
+    SavePlan: (_PLANNER, "SavePlan"),
 }
 
 
 class MetadataPickler(pickle._Pickler):  # type: ignore[name-defined,misc]
-    """Python's pickler, with each type of ``TORCH_NAMES`` written as torch's class it stands for (the name is not
-    looked up: that would import torch.distributed.checkpoint). torch's own objects (a ``.metadata`` read back with
+    """Python's pickler, with each type of ``TORCH_NAMES`` written as torch's class it stands for, and a stand-in
+    that says what it stands for (``pickled_as``) as that (the name is not looked up: that would import
+    torch.distributed.checkpoint). torch's own objects (a ``.metadata`` read back with
     torch's types and added to) are written as they are."""
 
     def save_global(self, obj: Any, name: str | None = None) -> None:
-        named = TORCH_NAMES.get(obj) if isinstance(obj, type) else None
+        named = (TORCH_NAMES.get(obj) or getattr(obj, "pickled_as", None)) if isinstance(obj, type) else None
         if named is None:
             super().save_global(obj, name)
             return
@@ -224,9 +240,6 @@ class MetadataPickler(pickle._Pickler):  # type: ignore[name-defined,misc]
         self.memoize(obj)
 
 
-_OWN_TYPES = {name: own for own, name in TORCH_NAMES.items()}
-
-
 # Python's pickler takes about 0.11 ms per storage entry of a store; made torch's objects and pickled by C's, about
 # half that, once torch's classes are imported, which costs most of a second: past this many entries, that is the
 # cheaper way to the same bytes.
@@ -237,7 +250,7 @@ def dump_metadata(metadata: Metadata | Any) -> bytes:
     """``.metadata``'s bytes: ``pickle.dump`` of ``metadata`` at the default protocol, as torch's writer does. A store
     of more than ``PURE_PYTHON_ENTRIES`` entries is pickled by C's pickler as torch's own objects (``as_torch``), a
     smaller one by Python's under torch's names: the same bytes."""
-    if len(getattr(metadata, "storage_data", None) or ()) > PURE_PYTHON_ENTRIES:
+    if type(metadata) is Metadata and len(metadata.storage_data or ()) > PURE_PYTHON_ENTRIES:
         return pickle.dumps(as_torch(metadata), protocol=pickle.DEFAULT_PROTOCOL)
     buffer = io.BytesIO()
     MetadataPickler(buffer, protocol=pickle.DEFAULT_PROTOCOL).dump(metadata)
@@ -279,41 +292,6 @@ def _torch_class(module: str, name: str) -> Callable[[], type]:
 
 # Each type here's torch class, imported when first asked for.
 _TORCH_CLASSES: dict[type, Callable[[], type]] = {own: _torch_class(*named) for own, named in TORCH_NAMES.items()}
-
-
-class _OwnMetadataUnpickler(pickle.Unpickler):
-    """torch's classes of a ``.metadata`` read as the types here; torch's ``Size``, dtypes and layouts as themselves;
-    any other global refused."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        own = _OWN_TYPES.get((module, name))
-        if own is not None:
-            return own
-        if (module, name) in {("torch", "Size"), ("torch.serialization", "_get_layout")}:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"global {module}.{name} is not one of torch's metadata classes")
-
-
-def read_metadata(path: Path) -> Metadata:
-    """A ``.metadata`` this package wrote (to add the optimizer records' index to it, or to rewrite its common state
-    entry), read into the types here, so that ``dump_metadata`` writes it back as torch would have, and without
-    importing torch.distributed.checkpoint. A store from elsewhere is read with torch's classes
-    (``pgconvert.formats.torch_dist.read_dcp_metadata``)."""
-    size = path.stat().st_size
-    if size > limits.MAX_PICKLE_BYTES:
-        raise limits.over_limit(path, "the metadata pickle's size in bytes", size, "MAX_PICKLE_BYTES")
-    try:
-        with path.open("rb") as handle:
-            metadata = _OwnMetadataUnpickler(handle).load()
-    except Exception as exc:  # a damaged pickle raises anything
-        raise CheckpointError(f"{path}: not a torch.distributed.checkpoint index that pgconvert wrote "
-                              f"({type(exc).__name__}: {limits.quote(str(exc), 200)})") from exc
-    if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
-        raise CheckpointError(f"{path}: not a torch.distributed.checkpoint index that pgconvert wrote "
-                              f"(found {type(metadata).__name__})")
-    return metadata
 
 
 def global_save_plan(plan: SavePlan) -> tuple[list[WriteItem], Metadata]:

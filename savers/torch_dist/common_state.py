@@ -25,8 +25,8 @@ import torch
 from pgconvert.errors import CheckpointError
 from pgconvert.formats.megatron import FRAMEWORK_PICKLE, SAFE_GLOBALS, safe_torch_load
 from pgconvert.formats.dcp_layout import DCP_METADATA_FILE
-from pgconvert.formats.torch_dist import COMMON_FILE, COMMON_STATE_KEY, common_state_storage
-from pgconvert.io.dcp_plan import Metadata, MetadataIndex, StorageInfo, dump_metadata, read_metadata
+from pgconvert.formats.torch_dist import COMMON_FILE, COMMON_STATE_KEY, common_state_storage, read_dcp_metadata
+from pgconvert.io.dcp_plan import Metadata, MetadataIndex, StorageInfo, dump_metadata
 from pgconvert.io.durable import fsync_file
 
 
@@ -47,8 +47,8 @@ def common_bytes(common: dict[str, Any]) -> bytes:
 
 
 def _stored_entry(iteration_dir: Path) -> tuple[Metadata, MetadataIndex, StorageInfo]:
-    """``.metadata`` (``dcp_plan.read_metadata``), and the storage index and place of its common_state entry."""
-    metadata = read_metadata(iteration_dir / DCP_METADATA_FILE)
+    """``.metadata``, and the storage index and place of its common_state entry."""
+    metadata = read_dcp_metadata(iteration_dir / DCP_METADATA_FILE)
     stored = common_state_storage(metadata)
     if stored is not None:
         return metadata, *stored

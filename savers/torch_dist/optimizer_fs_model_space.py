@@ -30,7 +30,8 @@ import torch
 
 from pgconvert.formats import PlannedFile
 from pgconvert.formats.dcp_layout import DCP_METADATA_FILE
-from pgconvert.io.dcp_plan import Metadata, dump_metadata, read_metadata
+from pgconvert.formats.torch_dist import read_dcp_metadata
+from pgconvert.io.dcp_plan import Metadata, dump_metadata
 from pgconvert.formats.torch_dist_optimizer import (AVOID_PREFIX, FS_MODEL_SPACE, MODEL_SPACE_FIELDS, chain_prefixes,
                                                     chained_entries, common_entry, state_key)
 from pgconvert.model.provider import expert_of_key
@@ -59,7 +60,7 @@ def _merge_metadata(iteration_dir: Path, added: Metadata, original: dict[str, tu
     Metadata, as megatron-core 0.13.1 / 0.14.0 store it (``metadata.mcore_data = ...``; 0.15.0 pickles a subclass
     instead and reads either: it only asks for the attribute)."""
     path = iteration_dir / DCP_METADATA_FILE
-    metadata = read_metadata(path)
+    metadata = read_dcp_metadata(path)
     entries = {**metadata.state_dict_metadata, **added.state_dict_metadata}
     storage = {**metadata.storage_data, **added.storage_data}
     merged = Metadata(entries, metadata.planner_data, storage, metadata.storage_meta, metadata.version)

@@ -29,10 +29,10 @@ import torch
 
 from pgconvert.formats import PlannedFile
 from pgconvert.formats.dcp_layout import DCP_METADATA_FILE
+from pgconvert.formats.torch_dist import read_dcp_metadata
 from pgconvert.formats.torch_dist_optimizer import (FULLY_RESHARDABLE, RECORDS_PREFIX, chained_entries, common_entry,
                                                     records_file, state_key)
-from pgconvert.io.dcp_plan import (Metadata, SavePlan, SavePlanner, WriteItem, WriteResult, dump_metadata,
-                                   read_metadata)
+from pgconvert.io.dcp_plan import Metadata, SavePlan, SavePlanner, WriteItem, WriteResult, dump_metadata
 from pgconvert.io.dcp_writer import ItemKey, StreamingWriter, WrittenFiles, split_by_size
 from pgconvert.optimizer.order import ChainMember
 from pgconvert.optimizer.scaler import set_scalers, target_scalers
@@ -73,7 +73,7 @@ class OptimizerPlanner(SavePlanner):
 def _merge_metadata(iteration_dir: Path, added: Metadata) -> None:
     """Add the records indexed by ``added`` (stored in the records files) to the checkpoint's ``.metadata``."""
     path = iteration_dir / DCP_METADATA_FILE
-    metadata = read_metadata(path)
+    metadata = read_dcp_metadata(path)
     metadata.state_dict_metadata.update(added.state_dict_metadata)
     metadata.storage_data.update(added.storage_data)
     replace_durably(path, dump_metadata(metadata))

@@ -14,7 +14,6 @@ from click.testing import CliRunner, Result
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from pgconvert.cli import main
-from pgconvert.formats.torch_dist import read_dcp_metadata
 
 # What export-optimizer writes per parameter.
 EXPORTED_KEYS = ("param", "exp_avg", "exp_avg_sq", "step")
@@ -60,9 +59,14 @@ def assert_same_parameters(a: dict[str, dict[str, torch.Tensor]], b: dict[str, d
             assert tensors[key].dtype == b[name][key].dtype and torch.equal(tensors[key], b[name][key]), f"{name}.{key}"
 
 
+def torch_metadata(iteration_dir: Path) -> Metadata:
+    """A store's ``.metadata`` as torch's own reader unpickles it (torch's classes; not pgconvert's reader)."""
+    return dcp.FileSystemReader(str(iteration_dir)).read_metadata()
+
+
 def dcp_read(iteration_dir: Path, keys: list[str]) -> dict[str, torch.Tensor]:
     """Whole global tensors read by torch's own DCP reader (not pgconvert's)."""
-    metadata = read_dcp_metadata(iteration_dir / ".metadata")
+    metadata = torch_metadata(iteration_dir)
     wanted = {key: torch.empty(metadata.state_dict_metadata[key].size,
                                dtype=metadata.state_dict_metadata[key].properties.dtype) for key in keys}
     with pytest.warns(UserWarning, match="single process"):
@@ -73,7 +77,7 @@ def dcp_read(iteration_dir: Path, keys: list[str]) -> dict[str, torch.Tensor]:
 def rewrite_metadata(iteration_dir: Path, change: Callable[[Metadata], None]) -> None:
     """A torch_dist checkpoint's ``.metadata`` changed in place by ``change``."""
     path = iteration_dir / ".metadata"
-    metadata = read_dcp_metadata(path)
+    metadata = torch_metadata(iteration_dir)
     change(metadata)
     path.write_bytes(pickle.dumps(metadata))
 
@@ -90,7 +94,7 @@ def as_megatron_core_0_13_names(iteration_dir: Path) -> None:
     ``chained_optim_avoid_prefix`` (0.13.1's Megatron-LM sets none): checked against 0.13.1's own saves outside CI
     (``scripts/make_fs_model_space_moe_golden.py save DIR [plain]``)."""
     path = iteration_dir / ".metadata"
-    metadata = read_dcp_metadata(path)
+    metadata = torch_metadata(iteration_dir)
     renamed = {key: chained_name(key) for key in metadata.state_dict_metadata if key.startswith("optimizer.state.")}
     storage = {MetadataIndex(renamed.get(index.fqn, index.fqn), index.offset, index.index): value
                for index, value in metadata.storage_data.items()}

@@ -15,9 +15,8 @@ import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from support.megatron_fixtures import load_for_test
-from support.optimizer_cli import rewrite_metadata
+from support.optimizer_cli import rewrite_metadata, torch_metadata
 from pgconvert.formats.megatron import FRAMEWORK_PICKLE
-from pgconvert.formats.torch_dist import read_dcp_metadata
 
 GOLDENS = Path(__file__).parent.parent / "data" / "megatron_lm"
 ITER = "iter_0000002"
@@ -71,7 +70,7 @@ def replace_stored_object(iteration_dir: Path, key: str, value: Any) -> None:
     """A torch_dist ShardedObject's stored value (``key``: its ``.../shard_0_1`` entry) replaced: the new
     ``torch.save([value])`` appended to its data file and ``.metadata`` pointed at it."""
     index = MetadataIndex(key)
-    info = read_dcp_metadata(iteration_dir / ".metadata").storage_data[index]
+    info = torch_metadata(iteration_dir).storage_data[index]
     data = io.BytesIO()
     torch.save([value], data)
     path = iteration_dir / info.relative_path
@@ -88,7 +87,7 @@ def replace_stored_object(iteration_dir: Path, key: str, value: Any) -> None:
 
 def stored_object(iteration_dir: Path, key: str) -> Any:
     """A ShardedObject's value read from the bytes ``.metadata`` points at (``torch.save([value])``)."""
-    info = read_dcp_metadata(iteration_dir / ".metadata").storage_data[MetadataIndex(key)]
+    info = torch_metadata(iteration_dir).storage_data[MetadataIndex(key)]
     with open(iteration_dir / info.relative_path, "rb") as handle:
         handle.seek(info.offset)
         data = handle.read(info.length)

@@ -14,8 +14,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from support.optimizer_cli import rewrite_metadata
-from pgconvert.formats.torch_dist import read_dcp_metadata
+from support.optimizer_cli import rewrite_metadata, torch_metadata
 
 Edit = Callable[[torch.Tensor], None]
 
@@ -66,7 +65,7 @@ def matching_position(state: dict[Any, Any], field: str, value: torch.Tensor) ->
 
 def record_chunks(iteration_dir: Path, fqn: str) -> list[tuple[MetadataIndex, tuple[int, ...], tuple[int, ...]]]:
     """Each stored chunk of the torch_dist tensor ``fqn``: its index, offsets and sizes."""
-    metadata = read_dcp_metadata(iteration_dir / ".metadata")
+    metadata = torch_metadata(iteration_dir)
     chunks = metadata.state_dict_metadata[fqn].chunks
     return [(MetadataIndex(fqn, tuple(chunk.offsets)), tuple(chunk.offsets), tuple(chunk.sizes)) for chunk in chunks]
 
@@ -76,7 +75,7 @@ def edit_record(iteration_dir: Path, fqn: str, index: tuple[int, ...], edit: Cal
     """Element ``index`` (global) of the torch_dist tensor ``fqn`` changed by ``edit(chunk, local index)`` in every
     stored chunk that holds it: the chunk's record read with ``torch.load``, changed, ``torch.save``d at the end of
     its data file, and ``.metadata`` pointed there."""
-    metadata = read_dcp_metadata(iteration_dir / ".metadata")
+    metadata = torch_metadata(iteration_dir)
     moved = {}
     for key, offsets, sizes in record_chunks(iteration_dir, fqn):
         if not all(start <= at < start + size for at, start, size in zip(index, offsets, sizes)):

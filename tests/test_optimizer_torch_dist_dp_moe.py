@@ -26,8 +26,9 @@ from support.megatron_fixtures import load_for_test
 from support.moe_optimizer_runs import ITER, assert_optimizer_files_equal, generate
 from support.torch_dist_forms import FOR_MCORE_016_CLI
 from support.checkpoint_compare import read_common
+from support.optimizer_cli import torch_metadata
 from pgconvert.cli import main
-from pgconvert.formats.torch_dist import read_dcp_metadata
+
 
 pytest.importorskip("megatron.core", reason="megatron-core lays out, loads and saves the reference state")
 
@@ -135,7 +136,7 @@ def _damaged(runs: dict[str, Path], tmp_path: Path) -> Path:
 
 def _edit_metadata(checkpoint: Path, edit) -> None:  # type: ignore[no-untyped-def]
     path = checkpoint / ITER / ".metadata"
-    metadata = read_dcp_metadata(path)
+    metadata = torch_metadata(path.parent)  # torch's classes, pickled back as torch would
     edit(metadata.state_dict_metadata)
     path.write_bytes(pickle.dumps(metadata))
 

@@ -43,6 +43,7 @@ from pgconvert.formats.vision_args import MROPE, vision_from_args, vision_to_arg
 from pgconvert.formats.megatron_args import MEGATRON_DEFAULTS, megatron_ffn_hidden_size, none_notices
 from pgconvert.model.layout import ParallelLayout
 from pgconvert.io.limits import MAX_TRACKER_BYTES, over_limit, quote
+from pgconvert.io.pickling import StandInPickler
 from pgconvert.families import CARRIED_SETTINGS
 from pgconvert.semantics import from_args as semantics_from_args
 from pgconvert.semantics import to_args as semantics_to_args
@@ -130,7 +131,7 @@ class OpaqueGlobal:
         return copyreg.__newobj__, (type(self), *self.args), self.state
 
 
-class FrameworkPickler(pickle._Pickler):  # type: ignore[name-defined,misc]
+class FrameworkPickler(StandInPickler):
     """A pickler that writes ``OpaqueGlobal`` stand-ins as the framework classes they stand for.
 
     Megatron-LM's ``validate_args`` wants its own enum classes back in ``args`` (an int fails), and
@@ -138,18 +139,11 @@ class FrameworkPickler(pickle._Pickler):  # type: ignore[name-defined,misc]
     framework's module and qualified name, which only the reader resolves.
     """
 
-    def save_global(self, obj: Any, name: str | None = None) -> None:
-        if isinstance(obj, type) and issubclass(obj, OpaqueGlobal) and obj is not OpaqueGlobal:
-            module, _, qualname = obj.qualified_name.rpartition(".")
-            if self.proto >= 4:
-                self.save(module)
-                self.save(qualname)
-                self.write(pickle.STACK_GLOBAL)
-            else:
-                self.write(pickle.GLOBAL + f"{module}\n{qualname}\n".encode("utf-8"))
-            self.memoize(obj)
-            return
-        super().save_global(obj, name)
+    def stands_for(self, cls: type) -> tuple[str, str] | None:
+        if issubclass(cls, OpaqueGlobal) and cls is not OpaqueGlobal:
+            module, _, qualname = cls.qualified_name.rpartition(".")
+            return module, qualname
+        return None
 
 
 # The ``pickle_module`` to hand ``torch.save`` for files holding Megatron ``args``.

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from pgconvert.errors import PgconvertError
+from pgconvert.io.pickling import StandInPickler
 
 _METADATA = "torch.distributed.checkpoint.metadata"
 _PLANNER = "torch.distributed.checkpoint.planner"
@@ -219,25 +220,12 @@ TORCH_NAMES: dict[type, tuple[str, str]] = {
 }
 
 
-class MetadataPickler(pickle._Pickler):  # type: ignore[name-defined,misc]
+class MetadataPickler(StandInPickler):
     """Python's pickler, with each type of ``TORCH_NAMES`` written as torch's class it stands for, and a stand-in
-    that says what it stands for (``pickled_as``) as that (the name is not looked up: that would import
-    torch.distributed.checkpoint). torch's own objects (a ``.metadata`` read back with
-    torch's types and added to) are written as they are."""
+    that says what it stands for (``pickled_as``) as that; torch's own objects as they are."""
 
-    def save_global(self, obj: Any, name: str | None = None) -> None:
-        named = (TORCH_NAMES.get(obj) or getattr(obj, "pickled_as", None)) if isinstance(obj, type) else None
-        if named is None:
-            super().save_global(obj, name)
-            return
-        module, qualname = named
-        if self.proto >= 4:
-            self.save(module)
-            self.save(qualname)
-            self.write(pickle.STACK_GLOBAL)
-        else:
-            self.write(pickle.GLOBAL + f"{module}\n{qualname}\n".encode("utf-8"))
-        self.memoize(obj)
+    def stands_for(self, cls: type) -> tuple[str, str] | None:
+        return TORCH_NAMES.get(cls) or getattr(cls, "pickled_as", None)
 
 
 # Python's pickler takes about 0.11 ms per storage entry of a store; made torch's objects and pickled by C's, about

@@ -29,7 +29,7 @@ import torch
 from pgconvert.errors import PgconvertError
 from pgconvert.io.dcp_plan import (DCP_VERSION, Metadata, SavePlanner, StorageInfo, StorageMeta, WriteItem,
                                    WriteItemType, WriteResult, dump_metadata, global_save_plan)
-from pgconvert.io.durable import fsync_file
+from pgconvert.io.durable import replace_durably
 from pgconvert.io.output import OutputFile
 from pgconvert.io.reuse import RecordsInFlight
 from pgconvert.io.sizes import itemsize, nbytes
@@ -133,16 +133,13 @@ class StreamingWriter:
     def finish(self, metadata: Metadata, results: list[WriteResult]) -> None:
         """With ``index``, ``.metadata`` as torch's writer leaves it: the format's version, where each item lies,
         and no checkpoint path or random save id (``StorageMeta()``: the same plan gives the same bytes), written
-        beside it, synced, then renamed into place."""
+        durably (``replace_durably``)."""
         if not self.index:
             return
         metadata.version = DCP_VERSION
         metadata.storage_data = {result.index: result.storage_data for result in results}
         metadata.storage_meta = StorageMeta()
-        partial = self.directory / f"{METADATA_FILE}.tmp"
-        partial.write_bytes(dump_metadata(metadata))
-        fsync_file(partial)
-        partial.replace(self.directory / METADATA_FILE)
+        replace_durably(self.directory / METADATA_FILE, dump_metadata(metadata))
 
 
 def split_by_size(items: Sequence[Item], group: Callable[[Item], Hashable], size: Callable[[Item], int],

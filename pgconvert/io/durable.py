@@ -1,4 +1,4 @@
-"""Making written files and renames durable: fsync of a file and of a directory."""
+"""Making written files and renames durable: fsync of a file and of a directory, and a file replaced whole."""
 
 from __future__ import annotations
 
@@ -19,3 +19,12 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def replace_durably(path: Path, data: bytes | memoryview) -> None:
+    """``path``'s content (a small file: an index, a common state) replaced by ``data``: written beside it as
+    ``<name>.partial``, synced, then renamed over it, so ``path`` is the old bytes or the new, never a part."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_bytes(data)
+    fsync_file(partial)
+    os.replace(partial, path)

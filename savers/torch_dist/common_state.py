@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -27,15 +26,7 @@ from pgconvert.formats.megatron import FRAMEWORK_PICKLE, SAFE_GLOBALS, safe_torc
 from pgconvert.formats.dcp_layout import DCP_METADATA_FILE
 from pgconvert.formats.torch_dist import COMMON_FILE, COMMON_STATE_KEY, common_state_storage, read_dcp_metadata
 from pgconvert.io.dcp_plan import Metadata, MetadataIndex, StorageInfo, dump_metadata
-from pgconvert.io.durable import fsync_file
-
-
-def replace_durably(path: Path, data: bytes | memoryview) -> None:
-    """``path``'s content replaced by ``data``: written beside it, synced, then renamed over it."""
-    partial = path.with_name(path.name + ".optim")
-    partial.write_bytes(data)
-    fsync_file(partial)
-    os.replace(partial, path)
+from pgconvert.io.durable import replace_durably
 
 
 def common_bytes(common: dict[str, Any]) -> bytes:

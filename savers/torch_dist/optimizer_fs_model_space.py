@@ -38,7 +38,8 @@ from pgconvert.model.provider import expert_of_key
 from pgconvert.optimizer.order import ChainMember
 from pgconvert.optimizer.scaler import set_scalers, target_scalers
 from pgconvert.optimizer.source import OptimizerSource
-from pgconvert.savers.torch_dist.common_state import replace_durably, rewrite_common
+from pgconvert.io.durable import replace_durably
+from pgconvert.savers.torch_dist.common_state import rewrite_common
 from pgconvert.savers.torch_dist.optimizer_records import RecordsShare, carry_counters, per_field, write_chunk_records
 
 FIELDS = MODEL_SPACE_FIELDS[FS_MODEL_SPACE]

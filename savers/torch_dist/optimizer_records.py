@@ -37,7 +37,8 @@ from pgconvert.io.dcp_writer import ItemKey, StreamingWriter, WrittenFiles, spli
 from pgconvert.optimizer.order import ChainMember
 from pgconvert.optimizer.scaler import set_scalers, target_scalers
 from pgconvert.optimizer.source import CARRIED_KEYS, FIELDS, OptimizerSource
-from pgconvert.savers.torch_dist.common_state import replace_durably, rewrite_common
+from pgconvert.io.durable import replace_durably
+from pgconvert.savers.torch_dist.common_state import rewrite_common
 
 
 class OptimizerPlanner(SavePlanner):

@@ -476,9 +476,9 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"GLOBAL {module}.{name} is not allowed")
 
 
-def common_state_storage(metadata: Any) -> tuple[Any, Any] | None:
+def common_state_storage(metadata: dcp_plan.Metadata) -> tuple[Any, Any] | None:
     """The storage index and place (``relative_path``, offset, length) of ``metadata``'s ``common_state`` entry,
-    where it has one (``metadata``: torch's ``Metadata`` or ``dcp_plan``'s)."""
+    where it has one."""
     for index, info in metadata.storage_data.items():
         if getattr(index, "fqn", None) == COMMON_STATE_KEY:
             return index, info

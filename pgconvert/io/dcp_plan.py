@@ -50,6 +50,13 @@ class MemoryFormat(enum.Enum):
     TORCH_PRESERVE_FORMAT = 2
 
 
+# Each encoding's memory format, and back.
+_MEMORY_FORMATS = {MemoryFormat.TORCH_CONTIGUOUS_FORMAT: torch.contiguous_format,
+                   MemoryFormat.TORCH_CHANNELS_LAST: torch.channels_last,
+                   MemoryFormat.TORCH_PRESERVE_FORMAT: torch.preserve_format}
+_ENCODINGS = {memory_format: encoding for encoding, memory_format in _MEMORY_FORMATS.items()}
+
+
 @dataclass
 class ChunkStorageMetadata:
     offsets: torch.Size
@@ -67,19 +74,14 @@ class TensorProperties:
     pin_memory: bool = False
 
     def __getstate__(self) -> tuple[Any, ...]:
-        formats = {torch.contiguous_format: MemoryFormat.TORCH_CONTIGUOUS_FORMAT,
-                   torch.channels_last: MemoryFormat.TORCH_CHANNELS_LAST,
-                   torch.preserve_format: MemoryFormat.TORCH_PRESERVE_FORMAT}
-        return self.dtype, self.layout, self.requires_grad, formats[self.memory_format], self.pin_memory
+        return self.dtype, self.layout, self.requires_grad, _ENCODINGS[self.memory_format], self.pin_memory
 
     def __setstate__(self, state: tuple[Any, ...] | dict[str, Any]) -> None:
         if isinstance(state, dict):  # pickled by a torch before the tuple
             self.__dict__.update(state)
             return
         self.dtype, self.layout, self.requires_grad, encoding, self.pin_memory = state
-        self.memory_format = {MemoryFormat.TORCH_CONTIGUOUS_FORMAT: torch.contiguous_format,
-                              MemoryFormat.TORCH_CHANNELS_LAST: torch.channels_last,
-                              MemoryFormat.TORCH_PRESERVE_FORMAT: torch.preserve_format}[encoding]
+        self.memory_format = _MEMORY_FORMATS[encoding]
 
 
 @dataclass
@@ -262,8 +264,8 @@ def as_torch(value: Any, made: dict[int, Any] | None = None) -> Any:
 def _converted(value: Any, made: dict[int, Any]) -> Any:
     if isinstance(value, list):
         return [as_torch(item, made) for item in value]
-    if isinstance(value, tuple):
-        return type(value)(as_torch(item, made) for item in value) if type(value) is tuple else value
+    if isinstance(value, tuple):  # a torch.Size is kept as it is
+        return tuple(as_torch(item, made) for item in value) if type(value) is tuple else value
     if isinstance(value, dict):
         return {as_torch(key, made): as_torch(item, made) for key, item in value.items()}
     torch_class = _TORCH_CLASSES[type(value)]()

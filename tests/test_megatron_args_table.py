@@ -18,6 +18,10 @@ from support.tiny_models import GQA_SWIGLU
 from support.torch_dist_forms import FOR_MCORE_016
 
 import pgconvert
+import pgconvert.formats.megatron as megatron_format
+import pgconvert.loaders.megatron as megatron_loader
+import pgconvert.loaders.megatron.distrib_optim as distrib_optim_loader
+import pgconvert.loaders.megatron.optimizer as optimizer_loader
 from pgconvert.cli import main
 from pgconvert.errors import StrictModeError
 from pgconvert.formats import LoadOptions
@@ -105,19 +109,27 @@ def golden_reads(tmp_path_factory: pytest.TempPathFactory) -> set[str]:
     torch_dist with its optimizer and that one's optimizer state is exported (both loaders, the
     optimizer sources and savers, the counters)."""
     recording, reads = recording_class()
-    load = torch.load
+    load, structure = torch.load, megatron_format.safe_torch_structure
 
-    def recording_load(*args: Any, **kwargs: Any) -> Any:
-        loaded = load(*args, **kwargs)
+    def recorded(loaded: Any, path: object) -> Any:
         # A source's args (not those of a file being written, which pgconvert reads back to rewrite).
         if isinstance(loaded, dict) and isinstance(loaded.get("args"), argparse.Namespace) \
-                and ".pgconvert" not in str(args[0]):
+                and ".pgconvert" not in str(path):
             loaded["args"] = recording(**vars(loaded["args"]))
         return loaded
+
+    def recording_load(*args: Any, **kwargs: Any) -> Any:
+        return recorded(load(*args, **kwargs), args[0])
+
+    def recording_structure(*args: Any, **kwargs: Any) -> Any:
+        return recorded(structure(*args, **kwargs), args[0])
 
     tmp = tmp_path_factory.mktemp("golden_reads")
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(torch, "load", recording_load)
+        # the rank files: read as their structure, which records them
+        for module in (megatron_format, megatron_loader, optimizer_loader, distrib_optim_loader):
+            patch.setattr(module, "safe_torch_structure", recording_structure)
         # common.pt: its args are read with torch.load, which records them
         pgconvert.convert(GOLDENS / "train_tp2dp2_distopt_bf16_torch", tmp / "td", dst_format="torch_dist",
                           **FOR_MCORE_016)

@@ -147,22 +147,27 @@ def test_a_dp_reshardable_source_reads_each_piece_straight_into_its_place(tmp_pa
 def test_a_per_rank_destination_writes_each_rank_file_once_and_never_reads_one_back(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: Path) -> None:
     import pgconvert.formats.megatron as megatron_format
+    import pgconvert.loaders.megatron as megatron_loader
+    import pgconvert.loaders.megatron.distrib_optim as distrib_optim_loader
+    import pgconvert.loaders.megatron.optimizer as optimizer_loader
     import pgconvert.savers.megatron as megatron_saver
 
     saved: list[str] = []
     loaded: list[Path] = []
-    save, load = megatron_saver.save_durably, megatron_format.safe_torch_load_located
+    save, read = megatron_saver.save_durably, megatron_format.safe_torch_structure
 
     def saving(state, path, **kwargs):  # noqa: ANN001, ANN003, ANN202
         saved.append("/".join(Path(path).parts[-3:]))  # under the staging directory
         return save(state, path, **kwargs)
 
-    def loading(path, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+    def reading(path, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
         loaded.append(Path(path))
-        return load(path, *args, **kwargs)
+        return read(path, *args, **kwargs)
 
     monkeypatch.setattr(megatron_saver, "save_durably", saving)
-    monkeypatch.setattr(megatron_format, "safe_torch_load_located", loading)
+    for module in (megatron_format, megatron_loader, distrib_optim_loader, optimizer_loader):
+        if hasattr(module, "safe_torch_structure"):
+            monkeypatch.setattr(module, "safe_torch_structure", reading)
     result = CliRunner().invoke(main, ["convert", str(source), str(tmp_path / "out"), "-q", "--dst-tp", "1"])
     assert result.exit_code == 0, result.output
     monkeypatch.undo()
@@ -170,6 +175,7 @@ def test_a_per_rank_destination_writes_each_rank_file_once_and_never_reads_one_b
     beside = [f"{ITER}/mp_rank_00/distrib_optim.pt"] if source == DISTOPT else []
     # old code: the rank file written, read back, and written again (as model_optim_rng.pt.optim, then renamed)
     assert saved == [f"{ITER}/mp_rank_00/model_optim_rng.pt", *beside]
+    assert any(path.name == "model_optim_rng.pt" and str(path).startswith(str(source)) for path in loaded), loaded
     assert not any(str(path).startswith(str(tmp_path)) for path in loaded)
     state = load_for_test(tmp_path / "out" / ITER / "mp_rank_00" / "model_optim_rng.pt")
     assert "optimizer" in state and "model" in state and state["iteration"] == 2

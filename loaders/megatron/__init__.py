@@ -8,7 +8,6 @@ import threading
 from collections import defaultdict
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -36,14 +35,13 @@ from pgconvert.formats.megatron import (
     list_megatron_iterations,
     rank_dir_name,
     resolve_megatron_iteration,
-    safe_torch_load_located,
+    safe_torch_structure,
     validate_source_layout,
 )
-from pgconvert.io.torch_input import mappable
 from pgconvert.loaders.megatron.optimizer import MegatronOptimizerSource
-from pgconvert.io.memory import release_mapped_pages
-from pgconvert.io.ranges import FileHandles, FileRegion, concat_reading
-from pgconvert.io.torch_input import TorchStructure, stored_offset
+from pgconvert.io.ranges import FileHandles, concat_reading
+from pgconvert.io.reuse import nothing_lent
+from pgconvert.io.torch_input import StoredTensors, stored_bitwise_equal
 from pgconvert.formats.megatron_args import MEGATRON_DEFAULTS
 from pgconvert.formats.mtp_naming import canonical_mtp_key, mtp_module_of
 from pgconvert.io.paths import ensure_within
@@ -63,7 +61,7 @@ from pgconvert.model.provider import (
     provide,
     shape_function,
 )
-from pgconvert.model.rules import ReplicaMismatchError, ShardRule, bitwise_equal, concatenating_with, strided_in_whole
+from pgconvert.model.rules import ReplicaMismatchError, ShardRule, concatenating_with, strided_in_whole
 from pgconvert.formats.stream import CanonicalSource, ExtraState, TensorMeta
 from pgconvert.formats.strict import fallback
 from pgconvert.formats.vision_args import is_vision_language, unwrapped
@@ -195,7 +193,9 @@ def _refuse_adapter(where: str, unexpected: list[str]) -> None:
 
 
 class MegatronSource(CanonicalSource):
-    """All rank files of one iteration, memory-mapped; tensors are merged on demand."""
+    """All rank files of one iteration, read as their structure: a tensor over 64 KiB stays in its file (a meta
+    tensor that knows its bytes' place, ``io.torch_input.stored_region``) until a merge reads it into place;
+    nothing is memory-mapped."""
 
     format_name = "megatron"
     # megatron-core's plain Muon and Lion optimizers too (loaders/megatron/optimizer.py)
@@ -211,21 +211,19 @@ class MegatronSource(CanonicalSource):
         first_name = min(rank_dirs)
         # The rank files (and the distributed optimizer's files beside them) open for reading; closed with the source.
         self.handles = FileHandles()
-        # File and offset of each mapped tensor storage's bytes, by the storage's address (``_locate``).
-        self._stored_at: dict[int, tuple[Path, int]] = {}
+        self._stored = StoredTensors(self.handles)
         first_file, first_state, args = self._read_first(rank_dirs[first_name] / RANK_FILE)
-        self._first_keys = set(first_state[0])  # what the first rank file holds besides the model
+        self._first_keys = set(first_state)  # what the first rank file holds besides the model
         # A VL model's rank files hold the language model under ``language_model.`` (pgconvert.formats.vision_args).
         self._vision_language = is_vision_language(args)
         layout = layout_from_args(args, first_file, options.strict, self._early_notices)
         check_megatron_layout(layout, "src", first_file)
         self.layout = layout
         options.check_layout(layout, first_file)
-        _check_sizes_against_files(layout, len(rank_dirs), len(first_state[0]), first_file)
+        _check_sizes_against_files(layout, len(rank_dirs), len(first_state), first_file)
         expected = _expected_ranks(iteration_dir, layout, rank_dirs)
         chunk_keys = _chunk_keys(layout)
         self.files: dict[RankCoord, Path] = {}
-        self._unmapped: set[RankCoord] = set()
         models: dict[tuple[RankCoord, str], dict[str, Any]] = {}
         for name, coord in expected.items():
             state = first_state if name == first_name else None
@@ -249,24 +247,24 @@ class MegatronSource(CanonicalSource):
         if uncovered:
             raise CheckpointError(f"{iteration_dir}: no rank holds {uncovered}")
 
-    def _read_first(self, first_file: Path) -> tuple[Path, tuple[dict[str, Any], TorchStructure], argparse.Namespace]:
+    def _read_first(self, first_file: Path) -> tuple[Path, dict[str, Any], argparse.Namespace]:
         """The first rank file, its state and the ``args`` namespace it carries."""
         if not first_file.is_file():
             raise CheckpointError(f"{first_file}: missing rank file")
         ensure_within(self.root, first_file)
-        first_state = safe_torch_load_located(first_file)
-        args = first_state[0].get("args")
+        first_state = safe_torch_structure(first_file)
+        args = first_state.get("args")
         if not isinstance(args, argparse.Namespace):
             raise CheckpointError(f"{first_file}: no 'args' namespace; cannot determine the model and layout")
         return first_file, first_state, args
 
-    def _read_rank(self, path: Path, coord: RankCoord, located: tuple[dict[str, Any], TorchStructure] | None,
+    def _read_rank(self, path: Path, coord: RankCoord, read: dict[str, Any] | None,
                    chunk_keys: list[str], models: dict[tuple[RankCoord, str], dict[str, Any]]) -> None:
-        """Record rank ``coord``'s file and add its model chunks to ``models`` (``located``: already read)."""
+        """Record rank ``coord``'s file and add its model chunks to ``models`` (``read``: its state, already read)."""
         if not path.is_file():
             raise CheckpointError(f"{path}: missing rank file")
         ensure_within(self.root, path)
-        state, structure = safe_torch_load_located(path) if located is None else located
+        state = safe_torch_structure(path) if read is None else read
         present = sorted(key for key in state if isinstance(key, str)
                          and (key == "model" or (key.startswith("model") and key[5:].isdigit())))
         if present != sorted(chunk_keys):
@@ -275,43 +273,12 @@ class MegatronSource(CanonicalSource):
                 f"from args (expected {chunk_keys})"
             )
         self.files[coord] = path
-        if not mappable(path):
-            self._unmapped.add(coord)
         for chunk_key in chunk_keys:
             models[(coord, chunk_key)] = self._named(_model_dict(state[chunk_key], path, chunk_key), path)
-            if structure.is_zip and isinstance(structure.meta, dict):
-                meta = structure.meta.get(chunk_key)
-                self._record_locations(path, models[(coord, chunk_key)],
-                                       self._named(meta, path) if isinstance(meta, dict) else meta)
 
     def _named(self, model: dict[str, Any], path: Path) -> dict[str, Any]:
         """A model chunk by the GPT names pgconvert uses (a VL model's language model unwrapped)."""
         return unwrapped(model, path) if self._vision_language else model
-
-    def _record_locations(self, path: Path, model: dict[str, Any], meta: object) -> None:
-        """Where in ``path`` each mapped tensor of ``model`` stores its bytes, from the meta tensors the
-        structure check unpickled (a tensor whose meta twin disagrees is left to be read through its mapping)."""
-        if not isinstance(meta, dict):
-            return
-        for key, tensor in model.items():
-            twin = meta.get(key)
-            offset = stored_offset(twin)
-            if (offset is None or not isinstance(tensor, torch.Tensor) or twin.dtype != tensor.dtype
-                    or twin.shape != tensor.shape or twin.stride() != tensor.stride()
-                    or twin.storage_offset() != tensor.storage_offset()):
-                continue
-            start = offset - tensor.storage_offset() * tensor.element_size()
-            self._stored_at.setdefault(tensor.untyped_storage().data_ptr(), (path, start))
-
-    def _locate(self, view: torch.Tensor) -> tuple[int, FileRegion] | None:
-        """The file region holding ``view`` of a mapped tensor (None for one not read from a file)."""
-        found = self._stored_at.get(view.untyped_storage().data_ptr())
-        if found is None:
-            return None
-        path, start = found
-        region = FileRegion(path, start + view.storage_offset() * view.element_size(), tuple(view.shape),
-                            tuple(view.stride()), view.dtype)
-        return self.handles.fd(path), region
 
     def _config(self, models: dict[tuple[RankCoord, str], dict[str, Any]], args: argparse.Namespace,
                 first_file: Path, options: LoadOptions) -> ModelConfig:
@@ -377,7 +344,9 @@ class MegatronSource(CanonicalSource):
                     unexpected.append(key)
                     continue
                 extra = self._extra.setdefault(canonical, ExtraState(tp_size=self.layout.tp, ep_size=self.layout.ep))
-                extra.by_rank[(coord.tp, coord.ep)] = value
+                # Carried as it is: a tensor left in its file (over 64 KiB) is read now.
+                carried = self._stored.read(value) if isinstance(value, torch.Tensor) else value
+                extra.by_rank[(coord.tp, coord.ep)] = carried
                 continue
             if key.endswith(IGNORED_SUFFIXES):
                 log.info("%s: skipping %s (recomputed buffer, not a weight)", where, key)
@@ -434,10 +403,11 @@ class MegatronSource(CanonicalSource):
         return [sorted(group, key=lambda p: p.coord.tp) for group in copies.values()]
 
     def _verify(self, name: str, copies: list[list[_Piece]]) -> None:
-        """Once per tensor: every replica and every copy must be bit-identical."""
+        """Once per tensor: every replica and every copy must be bit-identical (read from their files a slab at a
+        time, in memory of their own: not a block lent to the record being produced)."""
         if name in self._verified:
             return
-        with self._verifying:
+        with self._verifying, nothing_lent():
             if name not in self._verified:
                 self._verify_copies(name, copies)
                 self._verified.add(name)
@@ -447,19 +417,21 @@ class MegatronSource(CanonicalSource):
         for group in copies:
             if group[0].spec.rule.replicated:
                 for piece in group[1:]:
-                    if not bitwise_equal(self._tensor(piece), self._tensor(group[0])):
+                    if not self._equal(piece, group[0]):
                         raise ReplicaMismatchError(
                             group[0].coord.tp, piece.coord.tp, name,
                             (f"{group[0].spec.local_name} in {self.files[group[0].coord]}", str(self.files[piece.coord])))
             if group is reference:
                 continue
             for mine, theirs in zip(group, reference, strict=True):
-                if not bitwise_equal(self._tensor(mine), self._tensor(theirs)):
+                if not self._equal(mine, theirs):
                     raise CheckpointError(
                         f"{name}: the copies in {self.files[theirs.coord]} and {self.files[mine.coord]} "
                         f"({mine.spec.local_name}) differ"
                     )
-            self._release(group)
+
+    def _equal(self, first: _Piece, second: _Piece) -> bool:
+        return stored_bitwise_equal(self._tensor(first), self._tensor(second), self._stored)
 
     def describe(self) -> str:
         return str(self.directory)
@@ -467,28 +439,35 @@ class MegatronSource(CanonicalSource):
     def _load(self, name: str) -> torch.Tensor:
         copies = self._copies(name)
         self._verify(name, copies)
-        tensors = [self._tensor(p) for p in copies[0]]
+        tensors = self._first_copy(copies)
         with self._concatenating(copies[0]):
-            merged = copies[0][0].spec.rule.merge(tensors)
-            if _aliases(merged, tensors):  # one piece or a replica passed through: read into owned memory
-                merged = concat_reading([merged], 0, self._locate) if merged.dim() else merged.clone()
-        self._release(copies[0])
-        return merged
+            return self._owned(copies[0][0].spec.rule.merge(tensors), tensors)
 
     def _load_shard(self, name: str, rule: ShardRule, size: int, rank: int,
                     rows: int | None) -> torch.Tensor:
         copies = self._copies(name)
         self._verify(name, copies)
-        tensors = [self._tensor(p) for p in copies[0]]
+        tensors = self._first_copy(copies)
         stored = copies[0][0].spec.rule
         with self._concatenating(copies[0]):
             if stored != rule:
                 # the pieces were split by the rule of the spec that wrote them, which may not be the
                 # target's (MLA down projections: column-parallel in the local spec, whole in the TE spec).
                 tensors = [stored.merge(tensors)]
-            piece = rule.reshard_rows(tensors, rows, self.config.vocab_size, size, rank)
-        self._release(copies[0])
-        return piece
+            return self._owned(rule.reshard_rows(tensors, rows, self.config.vocab_size, size, rank), tensors)
+
+    def _first_copy(self, copies: list[list[_Piece]]) -> list[torch.Tensor]:
+        """The first copy's pieces as stored (over 64 KiB: left in their files); of a replicated tensor the first
+        replica alone, which ``_verify`` compared the others with."""
+        tensors = [self._tensor(piece) for piece in copies[0]]
+        return tensors[:1] if copies[0][0].spec.rule.replicated else tensors
+
+    def _owned(self, result: torch.Tensor, pieces: list[torch.Tensor]) -> torch.Tensor:
+        """``result`` in memory of its own: a piece passed through (or a window of one) read from its file into
+        place, or copied where it is in memory."""
+        if not _aliases(result, pieces):
+            return result
+        return concat_reading([result], 0, self._stored.locate) if result.dim() else result.clone()
 
     def _shares_piece_reads(self, name: str, rule: ShardRule, size: int, rows: int | None) -> bool:
         """A piece merged from pieces stored under another rule reads them all, and one strided in a stored piece
@@ -500,13 +479,9 @@ class MegatronSource(CanonicalSource):
         return size > len(pieces) and strided_in_whole(rule, spec.global_shape, size, rows, self.config.vocab_size)
 
     def _concatenating(self, pieces: list[_Piece]) -> AbstractContextManager[None]:
-        """Joins read each piece's bytes from its file into their place in the result (``concat_reading``);
-        nothing is faulted in through the mappings, so resident memory holds the result alone."""
-        return concatenating_with(partial(concat_reading, locate=self._locate))
-
-    def _release(self, pieces: list[_Piece]) -> None:
-        """Hand back the mapped pages of pieces; a legacy file's tensors live in ordinary memory."""
-        release_mapped_pages(self._tensor(piece) for piece in pieces if piece.coord not in self._unmapped)
+        """Joins read each piece's bytes from its file into their place in the result (``concat_reading``), so
+        resident memory holds the result alone."""
+        return concatenating_with(self._stored.concat)
 
     def extra_states(self) -> dict[str, ExtraState]:
         return dict(self._extra)
@@ -525,15 +500,17 @@ class MegatronSource(CanonicalSource):
 
     def close(self) -> None:
         self._models.clear()
-        self._stored_at.clear()
         self.handles.close()
         self._pieces.clear()
 
 
 def _aliases(tensor: torch.Tensor, pieces: list[torch.Tensor]) -> bool:
-    """Whether ``tensor`` shares memory with one of ``pieces`` (a single piece or replica passed through)."""
+    """Whether ``tensor`` is one of ``pieces`` or shares its memory (a single piece or replica passed through):
+    a piece left in its file, or a view of one in memory."""
+    if tensor.device.type == "meta":
+        return True
     pointer = tensor.untyped_storage().data_ptr()
-    return any(piece.untyped_storage().data_ptr() == pointer for piece in pieces)
+    return any(piece.device.type != "meta" and piece.untyped_storage().data_ptr() == pointer for piece in pieces)
 
 
 def _model_dict(model: object, path: Path, chunk_key: str) -> dict[str, Any]:

@@ -35,6 +35,7 @@ from pgconvert.io.ranges import FileHandles, FileRegion, concat_reading, read_re
 from pgconvert.io.reuse import new_tensor
 
 _LOCAL_HEADER = struct.Struct("<4s22xHH")
+SLAB_BYTES = 16 << 20  # bytes of each of two tensors left in their files read at a time to compare them
 _LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
 
 
@@ -288,6 +289,34 @@ class StoredTensors:
 
     def close(self) -> None:
         self.handles.close()
+
+
+def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bytes: unlike ``torch.equal``, an identical NaN is equal to itself
+    (and -0.0 differs from 0.0), which is what "the same replica" means."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(_bytes_of(a), _bytes_of(b))
+
+
+def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
+    flat = tensor.reshape(-1).contiguous()
+    return flat.view(torch.uint8) if flat.numel() else flat.to(torch.uint8)
+
+
+def stored_bitwise_equal(first: torch.Tensor, second: torch.Tensor, stored: StoredTensors) -> bool:
+    """``bitwise_equal`` of two tensors either of which may be left in its file (read with ``stored``), compared
+    ``SLAB_BYTES`` of rows at a time: two copies of a large table cost two slabs of memory, not two tables."""
+    if first.dtype != second.dtype or first.shape != second.shape:
+        return False
+    if first.dim() == 0 or first.numel() == 0:
+        return bitwise_equal(stored.read(first), stored.read(second))
+    step = max(1, SLAB_BYTES // (first[0].numel() * first.element_size()))
+    for start in range(0, first.shape[0], step):
+        length = min(step, first.shape[0] - start)
+        if not bitwise_equal(stored.read(first.narrow(0, start, length)), stored.read(second.narrow(0, start, length))):
+            return False
+    return True
 
 
 @contextmanager

@@ -20,6 +20,7 @@ import torch
 
 from pgconvert.errors import CheckpointError
 from pgconvert.io.reuse import new_tensor
+from pgconvert.io.torch_input import bitwise_equal
 
 Concat = Callable[[list[torch.Tensor], int], torch.Tensor]
 # How merges and reshards join pieces: torch.cat, unless a loader whose pieces are file mappings
@@ -54,19 +55,6 @@ class ReplicaMismatchError(CheckpointError):
         self.ranks = (first, second)
         self.name = name
         self.files = files
-
-
-def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Same dtype, shape and bytes: unlike ``torch.equal``, an identical NaN is equal to itself
-    (and -0.0 differs from 0.0), which is what "the same replica" means."""
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    return torch.equal(_bytes_of(a), _bytes_of(b))
-
-
-def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
-    flat = tensor.reshape(-1).contiguous()
-    return flat.view(torch.uint8) if flat.numel() else flat.to(torch.uint8)
 
 
 @dataclass(frozen=True)
@@ -383,6 +371,13 @@ class Segmented(ShardRule):
         return _cat(views, 0)
 
 
+def _zeros(like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """Zeros of ``like``'s dtype and device, but in memory for a piece a loader left in its file (a meta tensor): the
+    installed join reads the pieces into place and copies these."""
+    device = "cpu" if like.device.type == "meta" and _CONCAT.get() is not None else like.device
+    return torch.zeros(shape, dtype=like.dtype, device=device)
+
+
 def _cut(full: torch.Tensor, windows: Sequence[Window]) -> torch.Tensor:
     """The windows of ``full`` (a view when they are one run of rows)."""
     if len(windows) > 1 and all(a.dim == b.dim and a.start + a.length == b.start for a, b in zip(windows, windows[1:])):
@@ -463,7 +458,7 @@ class VocabParallel(Chunked):
         views: list[torch.Tensor] = []
         for window in self.piece_windows((have, *shards[0].shape[1:]), size, rank, rows, true_rows):
             if window.zeros:
-                views.append(shards[0].new_zeros(window.shape(shards[0].shape)))
+                views.append(_zeros(shards[0], window.shape(shards[0].shape)))
             else:
                 views += _rows_of(shards, 0, window.start, window.length)
         return _concat(views, 0)

@@ -16,6 +16,7 @@ from support.tiny_models import GQA_SWIGLU, MHA_GELU_TIED
 import pgconvert
 import pgconvert.io.torch_input as torch_input
 from pgconvert.errors import CheckpointError
+from pgconvert.io.ranges import FileRegion
 from pgconvert.run.convert import execute
 
 ITER = "iter_0000100"
@@ -77,16 +78,16 @@ def test_a_copy_that_differs_in_any_slab_is_refused(tied_pp2: Path, tmp_path: Pa
 
 def test_identical_copies_compared_in_slabs_convert(tied_pp2: Path, tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    compared: list[tuple[bool, bool]] = []
-    real = torch_input.stored_bitwise_equal
+    compared: list[tuple[bool, ...]] = []
+    real = torch_input.stored_differing
 
-    def spying(first: torch.Tensor, second: torch.Tensor, stored: torch_input.StoredTensors) -> bool:
-        compared.append((first.device.type == "meta", second.device.type == "meta"))
-        return real(first, second, stored)
+    def spying(first: torch.Tensor, others: list[torch.Tensor], stored: torch_input.StoredTensors) -> int | None:
+        compared.append((first.device.type == "meta", *(other.device.type == "meta" for other in others)))
+        return real(first, others, stored)
 
     import pgconvert.loaders.megatron as megatron_loader
 
-    monkeypatch.setattr(megatron_loader, "stored_bitwise_equal", spying)
+    monkeypatch.setattr(megatron_loader, "stored_differing", spying)
     monkeypatch.setattr(torch_input, "SLAB_BYTES", 4096)
     result = run_cli(tied_pp2, tmp_path / "dst", "--dst-pp", "1", "-q")
 
@@ -94,6 +95,37 @@ def test_identical_copies_compared_in_slabs_convert(tied_pp2: Path, tmp_path: Pa
     assert (True, True) in compared  # the two embedding copies, both read from their files
     model = load_for_test(_rank_file(tmp_path / "dst", "mp_rank_00"))["model"]
     assert isinstance(model, dict) and "output_layer.weight" not in model  # tied: one table at PP1
+
+
+def test_stored_differing_reads_each_copy_once_a_slab_at_a_time(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    rows, columns = 40, 16
+    table = torch.randn(rows, columns, generator=torch.Generator().manual_seed(3))
+    changed = table.clone()
+    changed[rows - 1, 0] += 1.0  # the last slab only
+    path = tmp_path / "copies.bin"
+    path.write_bytes(b"".join(t.numpy().tobytes() for t in (table, table, changed)))
+    nbytes = table.nbytes
+    left = [torch_input.meta_at(FileRegion.contiguous(path, k * nbytes, (rows, columns), torch.float32)) for k in range(3)]
+    stored = torch_input.StoredTensors()
+    reads: list[tuple[int, ...]] = []
+    read = stored.read
+
+    def counting(tensor: torch.Tensor) -> torch.Tensor:
+        reads.append(tuple(tensor.shape))
+        return read(tensor)
+
+    monkeypatch.setattr(stored, "read", counting)
+    monkeypatch.setattr(torch_input, "SLAB_BYTES", 8 * columns * 4)  # 8 rows: 5 slabs
+
+    assert torch_input.stored_differing(left[0], [left[1], table], stored) is None
+    assert len(reads) == 5 * 3  # each slab of the reference read once, not once per copy
+    assert torch_input.stored_differing(left[0], [left[1], left[2], table], stored) == 1  # in the last slab
+    assert torch_input.stored_differing(table, [changed], stored) == 0
+    assert torch_input.stored_differing(left[0], [table, table.double()], stored) == 1  # a dtype differs
+    assert torch_input.stored_differing(left[0], [table[:-1]], stored) == 0  # a shape differs
+    assert torch_input.stored_differing(torch.tensor(2.0), [torch.tensor(2.0), torch.tensor(-2.0)], stored) == 1
+    stored.close()
 
 
 def test_a_rank_file_cut_short_after_planning_is_a_named_error(tmp_path: Path) -> None:

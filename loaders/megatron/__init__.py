@@ -41,7 +41,7 @@ from pgconvert.formats.megatron import (
 from pgconvert.loaders.megatron.optimizer import MegatronOptimizerSource
 from pgconvert.io.ranges import FileHandles, concat_reading
 from pgconvert.io.reuse import nothing_lent
-from pgconvert.io.torch_input import StoredTensors, stored_bitwise_equal
+from pgconvert.io.torch_input import StoredTensors, stored_differing
 from pgconvert.formats.megatron_args import MEGATRON_DEFAULTS
 from pgconvert.formats.mtp_naming import canonical_mtp_key, mtp_module_of
 from pgconvert.io.paths import ensure_within
@@ -413,25 +413,30 @@ class MegatronSource(CanonicalSource):
                 self._verified.add(name)
 
     def _verify_copies(self, name: str, copies: list[list[_Piece]]) -> None:
+        """Each TP rank's replicas of a replicated tensor against its first, each other copy's pieces against the
+        first copy's: every piece compared with its reference in one pass over the reference's bytes."""
+        # By the reference's id: the reference and what is compared with it, (piece, whether a replica).
+        against: dict[int, tuple[_Piece, list[tuple[_Piece, bool]]]] = {}
         reference = copies[0]
         for group in copies:
             if group[0].spec.rule.replicated:
                 for piece in group[1:]:
-                    if not self._equal(piece, group[0]):
-                        raise ReplicaMismatchError(
-                            group[0].coord.tp, piece.coord.tp, name,
-                            (f"{group[0].spec.local_name} in {self.files[group[0].coord]}", str(self.files[piece.coord])))
-            if group is reference:
+                    against.setdefault(id(group[0]), (group[0], []))[1].append((piece, True))
+            if group is not reference:
+                for mine, theirs in zip(group, reference, strict=True):
+                    against.setdefault(id(theirs), (theirs, []))[1].append((mine, False))
+        for first, pieces in against.values():
+            others = [self._tensor(piece) for piece, _ in pieces]
+            differing = stored_differing(self._tensor(first), others, self._stored)
+            if differing is None:
                 continue
-            for mine, theirs in zip(group, reference, strict=True):
-                if not self._equal(mine, theirs):
-                    raise CheckpointError(
-                        f"{name}: the copies in {self.files[theirs.coord]} and {self.files[mine.coord]} "
-                        f"({mine.spec.local_name}) differ"
-                    )
-
-    def _equal(self, first: _Piece, second: _Piece) -> bool:
-        return stored_bitwise_equal(self._tensor(first), self._tensor(second), self._stored)
+            piece, replica = pieces[differing]
+            if replica:
+                raise ReplicaMismatchError(first.coord.tp, piece.coord.tp, name,
+                                           (f"{first.spec.local_name} in {self.files[first.coord]}",
+                                            str(self.files[piece.coord])))
+            raise CheckpointError(f"{name}: the copies in {self.files[first.coord]} and {self.files[piece.coord]} "
+                                  f"({piece.spec.local_name}) differ")
 
     def describe(self) -> str:
         return str(self.directory)

@@ -20,7 +20,7 @@ import io
 import pickle
 import struct
 import zipfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -304,19 +304,27 @@ def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8) if flat.numel() else flat.to(torch.uint8)
 
 
-def stored_bitwise_equal(first: torch.Tensor, second: torch.Tensor, stored: StoredTensors) -> bool:
-    """``bitwise_equal`` of two tensors either of which may be left in its file (read with ``stored``), compared
-    ``SLAB_BYTES`` of rows at a time: two copies of a large table cost two slabs of memory, not two tables."""
-    if first.dtype != second.dtype or first.shape != second.shape:
-        return False
-    if first.dim() == 0 or first.numel() == 0:
-        return bitwise_equal(stored.read(first), stored.read(second))
-    step = max(1, SLAB_BYTES // (first[0].numel() * first.element_size()))
-    for start in range(0, first.shape[0], step):
-        length = min(step, first.shape[0] - start)
-        if not bitwise_equal(stored.read(first.narrow(0, start, length)), stored.read(second.narrow(0, start, length))):
-            return False
-    return True
+def stored_differing(reference: torch.Tensor, others: Sequence[torch.Tensor], stored: StoredTensors) -> int | None:
+    """The index of one of ``others`` that is not ``bitwise_equal`` to ``reference`` (None: every one is): of those
+    whose dtype or shape differs, else of those that differ in the earliest slab, the lowest. Any of them may be left
+    in its file (read with ``stored``); they are compared ``SLAB_BYTES`` of rows at a time, each slab of the reference
+    read once for all of them, so comparing copies of a large table holds two slabs and reads each copy once."""
+    unlike = (index for index, other in enumerate(others)
+              if other.dtype != reference.dtype or other.shape != reference.shape)
+    found = next(unlike, None)
+    if found is not None:
+        return found
+    if reference.dim() == 0 or reference.numel() == 0:
+        whole = stored.read(reference)
+        return next((index for index, other in enumerate(others) if not bitwise_equal(whole, stored.read(other))), None)
+    step = max(1, SLAB_BYTES // (reference[0].numel() * reference.element_size()))
+    for start in range(0, reference.shape[0], step):
+        length = min(step, reference.shape[0] - start)
+        slab = stored.read(reference.narrow(0, start, length))
+        for index, other in enumerate(others):
+            if not bitwise_equal(slab, stored.read(other.narrow(0, start, length))):
+                return index
+    return None
 
 
 @contextmanager

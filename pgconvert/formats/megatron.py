@@ -48,7 +48,7 @@ from pgconvert.families import CARRIED_SETTINGS
 from pgconvert.semantics import from_args as semantics_from_args
 from pgconvert.semantics import to_args as semantics_to_args
 from pgconvert.semantics.arg_values import arg
-from pgconvert.io.torch_input import TorchStructure, read_torch_structure
+from pgconvert.io.torch_input import read_torch_structure
 
 try:  # numpy >= 2
     from numpy._core import multiarray as numpy_multiarray
@@ -195,18 +195,13 @@ SAFE_GLOBALS: list[Any] = [
 
 
 def safe_torch_load(path: Path, list_ok: bool = False) -> Any:
-    """``torch.load(weights_only=True, mmap=True)`` with the allowlist; errors name the file. A dict at the top
+    """``torch.load(weights_only=True, mmap=True)`` with the allowlist, after the file's structure is checked
+    (``read_torch_structure``; a legacy file is read whole, without mmap); errors name the file. A dict at the top
     level, or with ``list_ok`` a list (a chained optimizer's ``distrib_optim.pt``)."""
-    return safe_torch_load_located(path, list_ok)[0]
-
-
-def safe_torch_load_located(path: Path, list_ok: bool = False) -> tuple[Any, TorchStructure]:
-    """``safe_torch_load`` and the file's structure, which says where each large tensor's bytes are."""
     with _load_errors(path), torch.serialization.safe_globals(SAFE_GLOBALS):
-        # Structure and limits first (read_torch_structure); a legacy file is read whole, without mmap.
         structure = read_torch_structure(path)
         loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=structure.is_zip)
-    return _top_level(loaded, path, list_ok), structure
+    return _top_level(loaded, path, list_ok)
 
 
 def safe_torch_structure(path: Path, list_ok: bool = False) -> Any:

@@ -61,7 +61,7 @@ from pgconvert.model.provider import (
     provide,
     shape_function,
 )
-from pgconvert.model.rules import ReplicaMismatchError, ShardRule, concatenating_with, strided_in_whole
+from pgconvert.model.rules import ReplicaMismatchError, ShardRule, concatenating_with, shares_memory, strided_in_whole
 from pgconvert.formats.stream import CanonicalSource, ExtraState, TensorMeta
 from pgconvert.formats.strict import fallback
 from pgconvert.formats.vision_args import is_vision_language, unwrapped
@@ -470,7 +470,7 @@ class MegatronSource(CanonicalSource):
     def _owned(self, result: torch.Tensor, pieces: list[torch.Tensor]) -> torch.Tensor:
         """``result`` in memory of its own: a piece passed through (or a window of one) read from its file into
         place, or copied where it is in memory."""
-        if not _aliases(result, pieces):
+        if not shares_memory(result, pieces):
             return result
         return concat_reading([result], 0, self._stored.locate) if result.dim() else result.clone()
 
@@ -507,15 +507,6 @@ class MegatronSource(CanonicalSource):
         self._models.clear()
         self.handles.close()
         self._pieces.clear()
-
-
-def _aliases(tensor: torch.Tensor, pieces: list[torch.Tensor]) -> bool:
-    """Whether ``tensor`` is one of ``pieces`` or shares its memory (a single piece or replica passed through):
-    a piece left in its file, or a view of one in memory."""
-    if tensor.device.type == "meta":
-        return True
-    pointer = tensor.untyped_storage().data_ptr()
-    return any(piece.device.type != "meta" and piece.untyped_storage().data_ptr() == pointer for piece in pieces)
 
 
 def _model_dict(model: object, path: Path, chunk_key: str) -> dict[str, Any]:

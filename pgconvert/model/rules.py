@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from pgconvert.errors import CheckpointError
-from pgconvert.io.reuse import new_tensor
+from pgconvert.io.reuse import joined, new_tensor
 from pgconvert.io.torch_input import bitwise_equal
 
 Concat = Callable[[list[torch.Tensor], int], torch.Tensor]
@@ -157,7 +157,9 @@ class ShardRule:
         Equal to ``shard(merge(shards), size, rank)`` but never builds the full tensor; the result
         always owns its memory.
         """
-        return _owned(self.shard(self.merge(shards), size, rank))
+        merged = self.merge(shards)
+        piece = self.shard(merged, size, rank)
+        return _owned(piece) if shares_memory(piece, [merged, *shards]) else piece
 
     def reshard_rows(self, shards: Sequence[torch.Tensor], rows: int | None, true_rows: int | None, size: int,
                      rank: int) -> torch.Tensor:
@@ -379,11 +381,15 @@ def _zeros(like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
 
 
 def _cut(full: torch.Tensor, windows: Sequence[Window]) -> torch.Tensor:
-    """The windows of ``full`` (a view when they are one run of rows)."""
+    """The windows of ``full``: a view when they are one run of rows, else joined into a tensor of its own (in the memory
+    lent to the record being produced; through the installed join, which reads the windows of a piece a loader left
+    in its file)."""
     if len(windows) > 1 and all(a.dim == b.dim and a.start + a.length == b.start for a, b in zip(windows, windows[1:])):
         windows = [Window(windows[0].dim, windows[0].start, sum(w.length for w in windows))]
     views = [full.narrow(w.dim, w.start, w.length) for w in windows]
-    return views[0] if len(views) == 1 else torch.cat(views, dim=windows[0].dim)
+    if len(views) == 1:
+        return views[0]
+    return joined(views, windows[0].dim) if _CONCAT.get() is None else _cat(views, windows[0].dim)
 
 
 def _rows_of(shards: Sequence[torch.Tensor], dim: int, start: int, length: int) -> list[torch.Tensor]:
@@ -405,6 +411,15 @@ def _concat(views: list[torch.Tensor], dim: int) -> torch.Tensor:
     if len(views) == 1 and _CONCAT.get() is None:
         return _owned(views[0])
     return _cat(views, dim)
+
+
+def shares_memory(tensor: torch.Tensor, others: Sequence[torch.Tensor]) -> bool:
+    """Whether ``tensor`` is one of ``others`` or a view of one's memory: a piece a loader left in its file (a meta
+    tensor), or a view of one in memory. A tensor a join made is neither."""
+    if tensor.device.type == "meta":
+        return True
+    pointer = tensor.untyped_storage().data_ptr()
+    return any(other.device.type != "meta" and other.untyped_storage().data_ptr() == pointer for other in others)
 
 
 def _owned(tensor: torch.Tensor) -> torch.Tensor:

@@ -106,7 +106,8 @@ def test_stored_differing_reads_each_copy_once_a_slab_at_a_time(tmp_path: Path,
     path = tmp_path / "copies.bin"
     path.write_bytes(b"".join(t.numpy().tobytes() for t in (table, table, changed)))
     nbytes = table.nbytes
-    left = [torch_input.meta_at(FileRegion.contiguous(path, k * nbytes, (rows, columns), torch.float32)) for k in range(3)]
+    left = [torch_input.meta_at(FileRegion.contiguous(path, k * nbytes, (rows, columns), torch.float32))
+            for k in range(3)]
     stored = torch_input.StoredTensors()
     reads: list[tuple[int, ...]] = []
     read = stored.read

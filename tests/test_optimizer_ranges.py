@@ -76,6 +76,14 @@ def mapped_files() -> set[str]:
         return {Path(fields[5]).name for fields in map(str.split, handle) if len(fields) >= 6}
 
 
+def mapped_under(root: Path) -> set[str]:
+    """The paths of the files under ``root`` this process maps now (other tests' mappings of files of the same name
+    elsewhere left out)."""
+    prefix = str(root.resolve())
+    with open("/proc/self/maps") as handle:
+        return {fields[5] for fields in map(str.split, handle) if len(fields) >= 6 and fields[5].startswith(prefix)}
+
+
 def buffers(root: Path) -> list[dict[str, torch.Tensor]]:
     """Each rank's ``distrib_optim.pt`` flat buffers (one model chunk), as torch.load reads them."""
     loaded = [torch.load(path, weights_only=True) for path in rank_files(root, "distrib_optim.pt")]
@@ -103,19 +111,21 @@ def test_opening_a_distributed_optimizer_maps_no_state_file_and_reads_only_the_m
         monkeypatch: pytest.MonkeyPatch) -> None:
     stored = buffers(DISTRIBUTED)
     reads = FileReads(monkeypatch)
+    before = mapped_under(DISTRIBUTED)  # what other tests left mapped in this process
 
     source, optimizer = open_optimizer(DISTRIBUTED)
     try:
-        mapped = mapped_files()
+        mapped, under = mapped_files(), mapped_under(DISTRIBUTED)
         opened = reads.bytes["distrib_optim.pt"]
         parameters = {name: optimizer.parameter(name) for name in optimizer.names()}
         mapped |= mapped_files()
+        under |= mapped_under(DISTRIBUTED)
     finally:
         source.close()
 
     assert "distrib_optim.pt" not in mapped  # old code: torch.load(mmap=True) of each distrib_optim.pt
     # The weights' loader reads the rank files as their structure too (old code: torch.load(mmap=True) of each).
-    assert "model_optim_rng.pt" not in mapped and reads.mapped_loads(DISTRIBUTED) == []
+    assert under - before == set() and reads.mapped_loads(DISTRIBUTED) == []
     # Opening checks every fp32 master against its weight: each parameter's range of the param buffers once
     # (the alignment gaps between them unread), nothing else.
     masters = sum(master.nbytes for rank in optimizer.ranks.values() for held in rank.masters for master in held)

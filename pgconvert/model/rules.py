@@ -381,9 +381,9 @@ def _zeros(like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
 
 
 def _cut(full: torch.Tensor, windows: Sequence[Window]) -> torch.Tensor:
-    """The windows of ``full``: a view when they are one run of rows, else joined into a tensor of its own (in the memory
-    lent to the record being produced; through the installed join, which reads the windows of a piece a loader left
-    in its file)."""
+    """The windows of ``full``: a view when they are one run of rows, else joined into a tensor of its own (in the
+    memory lent to the record being produced; through the installed join, which reads the windows of a piece a loader
+    left in its file)."""
     if len(windows) > 1 and all(a.dim == b.dim and a.start + a.length == b.start for a, b in zip(windows, windows[1:])):
         windows = [Window(windows[0].dim, windows[0].start, sum(w.length for w in windows))]
     views = [full.narrow(w.dim, w.start, w.length) for w in windows]

@@ -239,8 +239,8 @@ def _dcp_metadata_without_run_ids(folder: Path) -> bytes:
 
 def run_child(command: list[str], anon: list[int] | None = None) -> ChildRun:
     """Wall seconds, peak RSS and CPU seconds of one child process; ``anon``: the peak of its
-    anonymous resident memory (RssAnon, sampled every 20 ms) is appended, without the file pages
-    its memory maps keep resident.
+    anonymous resident memory (RssAnon, sampled every 20 ms) is appended, without the file-backed pages
+    its mappings keep resident (the libraries' code, any file it maps).
 
     GNU time reports the peak RSS of a freshly exec'd child; a child forked straight from this
     process would start its ru_maxrss at our own RSS.

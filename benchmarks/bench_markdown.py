@@ -28,7 +28,7 @@ What the columns say:
   `%U` + `%S`); **CPU s/GiB**: CPU s per GiB written.
 - **peak RSS**: the largest resident set over the runs (GNU time `%M`), against the goal *2 × the
   largest tensor + 300 MB*; **anon**: the peak of the anonymous memory alone (RssAnon sampled every
-  20 ms), without the file pages of memory-mapped sources.
+  20 ms), without file-backed pages (the libraries' code, any file a process maps).
 - **written**: the bytes of the output; **output sha256**: the first 12 hex digits of a sha256 over
   every output file's relative path, size and bytes, `pgconvert.json` aside (it records when it was
   written), a torch_dist `.metadata` without its `storage_meta` (the staging path and a random save id

@@ -68,7 +68,7 @@ def test_a_copy_that_differs_in_any_slab_is_refused(tied_pp2: Path, tmp_path: Pa
     assert copy.nbytes > 64 << 10  # left in its file: compared by reading it
     copy[row, 5] += 1.0
     torch.save(state, last)
-    monkeypatch.setattr(torch_input, "SLAB_BYTES", 4096)  # 16 rows of 64 fp32 values a slab: 63 slabs
+    monkeypatch.setattr(torch_input, "SLAB_BYTES", 4096)  # 16 rows of 64 fp32 values a slab: 64 slabs
 
     result = run_cli(tied_pp2, tmp_path / "dst", "--dst-pp", "1")
 

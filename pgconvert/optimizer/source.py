@@ -23,7 +23,7 @@ from pgconvert.io.reuse import ReusedMemory
 from pgconvert.io.torch_input import StoredTensors, stored_region
 from pgconvert.model.config import ModelConfig
 from pgconvert.model.layout import ParallelLayout
-from pgconvert.model.rules import ReplicaMismatchError, ShardRule, bitwise_equal, concatenating_with
+from pgconvert.model.rules import ReplicaMismatchError, ShardRule, bitwise_equal, concatenating_with, shares_memory
 from pgconvert.optimizer.order import (ADAM_FIELDS, MEGATRON_CORE_VERSIONS, ChainMember, OptimizerLayoutError,
                                        OptimizerRules, OptimizerSlot, chain, group_experts, group_overrides)
 
@@ -390,6 +390,4 @@ def _adds_rows(rule: ShardRule, pieces: list[torch.Tensor], rows: int | None, tr
 
 def _own(tensor: torch.Tensor, pieces: list[torch.Tensor]) -> torch.Tensor:
     """``tensor``, or a copy where it shares memory with one of ``pieces`` (a piece or replica passed through)."""
-    pointer = tensor.untyped_storage().data_ptr()
-    shared = any(piece.device == tensor.device and piece.untyped_storage().data_ptr() == pointer for piece in pieces)
-    return tensor.clone() if shared else tensor
+    return tensor.clone() if shares_memory(tensor, pieces) else tensor

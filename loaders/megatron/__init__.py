@@ -415,17 +415,17 @@ class MegatronSource(CanonicalSource):
     def _verify_copies(self, name: str, copies: list[list[_Piece]]) -> None:
         """Each TP rank's replicas of a replicated tensor against its first, each other copy's pieces against the
         first copy's: every piece compared with its reference in one pass over the reference's bytes."""
-        # By the reference's id: the reference and what is compared with it, (piece, whether a replica).
-        against: dict[int, tuple[_Piece, list[tuple[_Piece, bool]]]] = {}
+        # Each reference and what is compared with it: (piece, whether a replica).
+        against: dict[_Piece, list[tuple[_Piece, bool]]] = defaultdict(list)
         reference = copies[0]
         for group in copies:
             if group[0].spec.rule.replicated:
                 for piece in group[1:]:
-                    against.setdefault(id(group[0]), (group[0], []))[1].append((piece, True))
+                    against[group[0]].append((piece, True))
             if group is not reference:
                 for mine, theirs in zip(group, reference, strict=True):
-                    against.setdefault(id(theirs), (theirs, []))[1].append((mine, False))
-        for first, pieces in against.values():
+                    against[theirs].append((mine, False))
+        for first, pieces in against.items():
             others = [self._tensor(piece) for piece, _ in pieces]
             differing = stored_differing(self._tensor(first), others, self._stored)
             if differing is None:

@@ -16,12 +16,10 @@ from support.megatron_args_cases import ARGS_PATH, CASES, read_all, recording_cl
 from support.megatron_fixtures import load_for_test, make_full_model, write_megatron_checkpoint
 from support.tiny_models import GQA_SWIGLU
 from support.torch_dist_forms import FOR_MCORE_016
+from support.structure_reads import patch_structure_reads
 
 import pgconvert
 import pgconvert.formats.megatron as megatron_format
-import pgconvert.loaders.megatron as megatron_loader
-import pgconvert.loaders.megatron.distrib_optim as distrib_optim_loader
-import pgconvert.loaders.megatron.optimizer as optimizer_loader
 from pgconvert.cli import main
 from pgconvert.errors import StrictModeError
 from pgconvert.formats import LoadOptions
@@ -128,8 +126,7 @@ def golden_reads(tmp_path_factory: pytest.TempPathFactory) -> set[str]:
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(torch, "load", recording_load)
         # the rank files: read as their structure, which records them
-        for module in (megatron_format, megatron_loader, optimizer_loader, distrib_optim_loader):
-            patch.setattr(module, "safe_torch_structure", recording_structure)
+        patch_structure_reads(patch, recording_structure)
         # common.pt: its args are read with torch.load, which records them
         pgconvert.convert(GOLDENS / "train_tp2dp2_distopt_bf16_torch", tmp / "td", dst_format="torch_dist",
                           **FOR_MCORE_016)

@@ -12,6 +12,7 @@ import torch
 from click.testing import CliRunner
 from support.megatron_fixtures import load_for_test
 from support.torch_save import torch_save_bytes
+from support.structure_reads import patch_structure_reads
 
 import pgconvert.io.torchzip as torchzip
 from pgconvert.cli import main
@@ -147,9 +148,6 @@ def test_a_dp_reshardable_source_reads_each_piece_straight_into_its_place(tmp_pa
 def test_a_per_rank_destination_writes_each_rank_file_once_and_never_reads_one_back(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: Path) -> None:
     import pgconvert.formats.megatron as megatron_format
-    import pgconvert.loaders.megatron as megatron_loader
-    import pgconvert.loaders.megatron.distrib_optim as distrib_optim_loader
-    import pgconvert.loaders.megatron.optimizer as optimizer_loader
     import pgconvert.savers.megatron as megatron_saver
 
     saved: list[str] = []
@@ -165,9 +163,7 @@ def test_a_per_rank_destination_writes_each_rank_file_once_and_never_reads_one_b
         return read(path, *args, **kwargs)
 
     monkeypatch.setattr(megatron_saver, "save_durably", saving)
-    for module in (megatron_format, megatron_loader, distrib_optim_loader, optimizer_loader):
-        if hasattr(module, "safe_torch_structure"):
-            monkeypatch.setattr(module, "safe_torch_structure", reading)
+    patch_structure_reads(monkeypatch, reading)
     result = CliRunner().invoke(main, ["convert", str(source), str(tmp_path / "out"), "-q", "--dst-tp", "1"])
     assert result.exit_code == 0, result.output
     monkeypatch.undo()
